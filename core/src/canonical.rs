@@ -1,0 +1,188 @@
+//! Deterministic CBOR (RFC 8949 §4.2.1, "core deterministic encoding") over `ciborium`.
+//!
+//! ciborium already writes definite lengths and the shortest integer heads; what it does not do
+//! is order map keys. [`canonicalize`] sorts every map by the bytewise order of its keys'
+//! encodings and refuses what this log never stores (floats, tags, duplicate keys), so that
+//! [`encode`] is a function of the value alone and [`decode_canonical`] can insist that the
+//! bytes it was given are exactly what encoding their value again gives.
+
+use ciborium::Value;
+
+use crate::error::{Error, Result};
+
+/// Deepest nesting accepted in a payload, so a hostile document cannot exhaust the stack.
+pub const NESTING_DEPTH_MAX: usize = 32;
+
+/// Sorts maps (recursively) and rejects values outside the log's subset of CBOR.
+pub fn canonicalize(value: Value) -> Result<Value> {
+    canonicalize_at(value, 0)
+}
+
+fn canonicalize_at(value: Value, depth: usize) -> Result<Value> {
+    if depth > NESTING_DEPTH_MAX {
+        return Err(Error::invalid(format!("value nested deeper than {NESTING_DEPTH_MAX} levels")));
+    }
+    Ok(match value {
+        Value::Integer(_) | Value::Bytes(_) | Value::Text(_) | Value::Bool(_) | Value::Null => value,
+        Value::Float(_) => return Err(Error::invalid("floating-point numbers are not allowed in events")),
+        Value::Tag(..) => return Err(Error::invalid("CBOR tags are not allowed in events")),
+        Value::Array(items) => Value::Array(
+            items.into_iter().map(|v| canonicalize_at(v, depth + 1)).collect::<Result<_>>()?,
+        ),
+        Value::Map(entries) => {
+            let mut keyed = Vec::with_capacity(entries.len());
+            for (k, v) in entries {
+                let k = canonicalize_at(k, depth + 1)?;
+                let v = canonicalize_at(v, depth + 1)?;
+                keyed.push((encode_raw(&k)?, k, v));
+            }
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            if keyed.windows(2).any(|w| w[0].0 == w[1].0) {
+                return Err(Error::invalid("duplicate map key"));
+            }
+            Value::Map(keyed.into_iter().map(|(_, k, v)| (k, v)).collect())
+        }
+        _ => return Err(Error::invalid("unsupported CBOR value")),
+    })
+}
+
+fn encode_raw(value: &Value) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(64);
+    ciborium::into_writer(value, &mut out).map_err(|e| Error::Internal(format!("cbor encode: {e}")))?;
+    Ok(out)
+}
+
+/// The deterministic encoding of `value`.
+pub fn encode(value: Value) -> Result<Vec<u8>> {
+    encode_raw(&canonicalize(value)?)
+}
+
+/// Decodes `bytes` and checks that they are the deterministic encoding of what they hold.
+pub fn decode_canonical(bytes: &[u8]) -> Result<Value, String> {
+    let value: Value = ciborium::de::from_reader_with_recursion_limit(bytes, NESTING_DEPTH_MAX + 2)
+        .map_err(|e| format!("not valid CBOR: {e}"))?;
+    let again = encode(value.clone()).map_err(|e| format!("not in the log's CBOR subset: {e}"))?;
+    if again != bytes {
+        return Err("not in deterministic encoding (RFC 8949 §4.2.1)".to_owned());
+    }
+    Ok(value)
+}
+
+/// JSON (from the API) to CBOR. Integers stay integers; floats are refused.
+pub fn from_json(json: &serde_json::Value) -> Result<Value> {
+    from_json_at(json, 0)
+}
+
+fn from_json_at(json: &serde_json::Value, depth: usize) -> Result<Value> {
+    if depth > NESTING_DEPTH_MAX {
+        return Err(Error::invalid(format!("value nested deeper than {NESTING_DEPTH_MAX} levels")));
+    }
+    use serde_json::Value as J;
+    Ok(match json {
+        J::Null => Value::Null,
+        J::Bool(b) => Value::Bool(*b),
+        J::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                Value::Integer(u.into())
+            } else if let Some(i) = n.as_i64() {
+                Value::Integer(i.into())
+            } else {
+                return Err(Error::invalid(format!("number {n} is not an integer; events hold integers only")));
+            }
+        }
+        J::String(s) => Value::Text(s.clone()),
+        J::Array(items) => Value::Array(items.iter().map(|v| from_json_at(v, depth + 1)).collect::<Result<_>>()?),
+        J::Object(map) => Value::Map(
+            map.iter()
+                .map(|(k, v)| Ok((Value::Text(k.clone()), from_json_at(v, depth + 1)?)))
+                .collect::<Result<_>>()?,
+        ),
+    })
+}
+
+/// CBOR back to JSON for the API. Byte strings become base64 (standard alphabet).
+pub fn to_json(value: &Value) -> serde_json::Value {
+    use base64::Engine;
+    use serde_json::Value as J;
+    match value {
+        Value::Null => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Integer(i) => {
+            let i: i128 = (*i).into();
+            if let Ok(u) = u64::try_from(i) {
+                J::from(u)
+            } else if let Ok(s) = i64::try_from(i) {
+                J::from(s)
+            } else {
+                J::String(i.to_string())
+            }
+        }
+        Value::Text(s) => J::String(s.clone()),
+        Value::Bytes(b) => J::String(base64::engine::general_purpose::STANDARD.encode(b)),
+        Value::Array(items) => J::Array(items.iter().map(to_json).collect()),
+        Value::Map(entries) => J::Object(
+            entries
+                .iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        Value::Text(s) => s.clone(),
+                        other => format!("{other:?}"),
+                    };
+                    (key, to_json(v))
+                })
+                .collect(),
+        ),
+        Value::Float(f) => serde_json::Number::from_f64(*f).map(J::Number).unwrap_or(J::Null),
+        Value::Tag(_, inner) => to_json(inner),
+        _ => J::Null,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Value {
+        Value::Text(s.to_owned())
+    }
+
+    #[test]
+    fn known_answers() {
+        // RFC 8949 Appendix A examples for the shortest heads.
+        assert_eq!(encode(Value::Integer(0.into())).unwrap(), [0x00]);
+        assert_eq!(encode(Value::Integer(23.into())).unwrap(), [0x17]);
+        assert_eq!(encode(Value::Integer(24.into())).unwrap(), [0x18, 0x18]);
+        assert_eq!(encode(Value::Integer(1000.into())).unwrap(), [0x19, 0x03, 0xe8]);
+        assert_eq!(encode(Value::Integer(1_000_000.into())).unwrap(), [0x1a, 0x00, 0x0f, 0x42, 0x40]);
+        assert_eq!(encode(Value::Integer((-1).into())).unwrap(), [0x20]);
+        // Keys sort by their encoded bytes: shorter text first, then bytewise.
+        let map = Value::Map(vec![(text("bb"), Value::Null), (text("c"), Value::Null), (text("a"), Value::Null)]);
+        assert_eq!(encode(map).unwrap(), [0xa3, 0x61, b'a', 0xf6, 0x61, b'c', 0xf6, 0x62, b'b', b'b', 0xf6]);
+    }
+
+    #[test]
+    fn rejects_non_canonical_bytes() {
+        // 24 encoded in two bytes where one would do... reversed: 0 in two bytes.
+        assert!(decode_canonical(&[0x18, 0x00]).is_err());
+        // Unsorted map.
+        assert!(decode_canonical(&[0xa2, 0x61, b'b', 0xf6, 0x61, b'a', 0xf6]).is_err());
+        // Indefinite-length array.
+        assert!(decode_canonical(&[0x9f, 0x01, 0xff]).is_err());
+        // Float.
+        assert!(decode_canonical(&[0xf9, 0x3c, 0x00]).is_err());
+        assert!(decode_canonical(&[0xa2, 0x61, b'a', 0xf6, 0x61, b'b', 0xf6]).is_ok());
+    }
+
+    #[test]
+    fn refuses_floats_and_deep_nesting_from_json() {
+        assert!(from_json(&serde_json::json!({"x": 1.5})).is_err());
+        let mut deep = serde_json::json!(1);
+        for _ in 0..40 {
+            deep = serde_json::json!([deep]);
+        }
+        assert!(from_json(&deep).is_err());
+        let ok = serde_json::json!({"b": [1, -2, "x", true, null], "a": {"z": 18446744073709551615u64}});
+        let cbor = from_json(&ok).unwrap();
+        assert_eq!(to_json(&canonicalize(cbor).unwrap()), ok);
+    }
+}

@@ -1,0 +1,139 @@
+//! The one error type of the control plane, with stable codes.
+//!
+//! The gateway maps [`ErrorCode`] to an HTTP status; the CLI maps it to an exit status. The
+//! message is what a person sees; `hint` says what to do next. Internal detail (SQL text, driver
+//! errors) stays in `Storage`/`Internal` and is logged, never sent to a client.
+
+use std::fmt;
+
+/// Stable error codes, shared by the API envelope, the CLI and the logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    InvalidArgument,
+    NotFound,
+    Conflict,
+    IdempotencyConflict,
+    AlreadyExists,
+    Unauthenticated,
+    AccessDenied,
+    PayloadTooLarge,
+    Unavailable,
+    Corrupt,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidArgument => "INVALID_ARGUMENT",
+            Self::NotFound => "NOT_FOUND",
+            Self::Conflict => "CONFLICT",
+            Self::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
+            Self::AlreadyExists => "ALREADY_EXISTS",
+            Self::Unauthenticated => "UNAUTHENTICATED",
+            Self::AccessDenied => "ACCESS_DENIED",
+            Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
+            Self::Unavailable => "UNAVAILABLE",
+            Self::Corrupt => "LOG_CORRUPT",
+            Self::Internal => "INTERNAL",
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{message}")]
+    InvalidArgument { message: String, hint: Option<String> },
+    #[error("{what} not found")]
+    NotFound { what: String },
+    /// Optimistic concurrency: the stream moved on since the caller read it.
+    #[error("stream {stream} is at version {actual}, not {expected}")]
+    Conflict { stream: String, expected: String, actual: u64 },
+    #[error("idempotency key {key:?} was first used for a different request")]
+    IdempotencyConflict { key: String },
+    #[error("{what} already exists")]
+    AlreadyExists { what: String },
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    AccessDenied(String),
+    #[error("request body exceeds {limit_bytes} bytes")]
+    PayloadTooLarge { limit_bytes: usize },
+    #[error("{0}")]
+    Unavailable(String),
+    /// The log or a stored row does not verify: corruption or tampering.
+    #[error("log corrupt: tenant {tenant} seq {seq}: {what}")]
+    Corrupt { tenant: String, seq: u64, what: String },
+    #[error("storage error: {0}")]
+    Storage(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::InvalidArgument { .. } => ErrorCode::InvalidArgument,
+            Self::NotFound { .. } => ErrorCode::NotFound,
+            Self::Conflict { .. } => ErrorCode::Conflict,
+            Self::IdempotencyConflict { .. } => ErrorCode::IdempotencyConflict,
+            Self::AlreadyExists { .. } => ErrorCode::AlreadyExists,
+            Self::Unauthenticated(_) => ErrorCode::Unauthenticated,
+            Self::AccessDenied(_) => ErrorCode::AccessDenied,
+            Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
+            Self::Unavailable(_) => ErrorCode::Unavailable,
+            Self::Corrupt { .. } => ErrorCode::Corrupt,
+            Self::Storage(_) | Self::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The message a client may see. Storage and internal detail is replaced.
+    pub fn public_message(&self) -> String {
+        match self {
+            Self::Storage(_) | Self::Internal(_) => "internal error; see the server log".to_owned(),
+            other => other.to_string(),
+        }
+    }
+
+    pub fn hint(&self) -> Option<&str> {
+        match self {
+            Self::InvalidArgument { hint, .. } => hint.as_deref(),
+            Self::Conflict { .. } => Some("read the current version and retry"),
+            _ => None,
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidArgument { message: message.into(), hint: None }
+    }
+
+    pub fn not_found(what: impl Into<String>) -> Self {
+        Self::NotFound { what: what.into() }
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Storage(e.to_string())
+    }
+}
+
+impl From<tokio_postgres::Error> for Error {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Self::Storage(format!("{e:#}"))
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for Error {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        Self::Unavailable(format!("postgresql pool: {e}"))
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

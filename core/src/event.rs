@@ -1,0 +1,313 @@
+//! The event envelope, its canonical encoding and hash, and the stored form.
+//!
+//! `schema/LOG-FORMAT.md` is the normative description of the bytes; this module is its
+//! implementation and must change with it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use ciborium::Value;
+use sha2::{Digest, Sha256};
+
+use crate::canonical;
+use crate::error::{Error, Result};
+use crate::id::{EventId, TenantId};
+
+/// Version of the envelope format, hashed as key `"v"`.
+pub const ENVELOPE_FORMAT: u64 = 1;
+/// `prev` of the first event of every chain.
+pub const GENESIS_PREV: [u8; 32] = [0; 32];
+/// Longest stream name (`pool/pool_…`).
+pub const STREAM_NAME_BYTES_MAX: usize = 200;
+/// Longest event type (`reservation.requested`).
+pub const EVENT_TYPE_BYTES_MAX: usize = 100;
+/// Longest actor, idempotency key, causation or correlation string.
+pub const LABEL_BYTES_MAX: usize = 200;
+/// Largest canonical payload of one event.
+pub const PAYLOAD_BYTES_MAX: usize = 64 * 1024;
+
+/// Where an event sits in the outbox of one database: the append transaction's number,
+/// gap-free and in commit order, and the event's index inside it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Position {
+    pub commit: u64,
+    pub index: u32,
+}
+
+impl Position {
+    /// Before every event.
+    pub const START: Position = Position { commit: 0, index: 0 };
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.commit, self.index)
+    }
+}
+
+impl FromStr for Position {
+    type Err = Error;
+    /// Accepts `COMMIT.INDEX` and `COMMIT:INDEX`.
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = || Error::InvalidArgument {
+            message: format!("malformed position {:?}", crate::id::truncate(text, 40)),
+            hint: Some("a position is COMMIT.INDEX (or COMMIT:INDEX), both non-negative integers".into()),
+        };
+        let (c, i) = text.split_once(['.', ':']).ok_or_else(bad)?;
+        let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
+        if !digits(c) || !digits(i) {
+            return Err(bad());
+        }
+        Ok(Position { commit: c.parse().map_err(|_| bad())?, index: i.parse().map_err(|_| bad())? })
+    }
+}
+
+/// Everything that is hashed. `at` is milliseconds since the Unix epoch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Envelope {
+    pub tenant: TenantId,
+    pub seq: u64,
+    pub id: EventId,
+    pub stream: String,
+    pub version: u64,
+    pub event_type: String,
+    pub at_ms: u64,
+    pub actor: String,
+    pub idempotency_key: Option<String>,
+    pub causation: Option<String>,
+    pub correlation: Option<String>,
+    pub payload: Value,
+    pub prev: [u8; 32],
+}
+
+fn text(s: &str) -> Value {
+    Value::Text(s.to_owned())
+}
+
+impl Envelope {
+    /// The canonical CBOR map of LOG-FORMAT.md. Absent optional fields are omitted.
+    pub fn to_canonical(&self) -> Result<Vec<u8>> {
+        let mut map = vec![
+            (text("v"), Value::Integer(ENVELOPE_FORMAT.into())),
+            (text("tenant"), text(&self.tenant.to_string())),
+            (text("seq"), Value::Integer(self.seq.into())),
+            (text("id"), text(&self.id.to_string())),
+            (text("stream"), text(&self.stream)),
+            (text("version"), Value::Integer(self.version.into())),
+            (text("type"), text(&self.event_type)),
+            (text("at"), Value::Integer(self.at_ms.into())),
+            (text("actor"), text(&self.actor)),
+            (text("payload"), self.payload.clone()),
+            (text("prev"), Value::Bytes(self.prev.to_vec())),
+        ];
+        for (key, value) in [
+            ("idempotency_key", &self.idempotency_key),
+            ("causation", &self.causation),
+            ("correlation", &self.correlation),
+        ] {
+            if let Some(value) = value {
+                map.push((text(key), text(value)));
+            }
+        }
+        canonical::encode(Value::Map(map))
+    }
+
+    /// Parses canonical bytes back; fails unless they are exactly the canonical encoding of a
+    /// well-formed envelope.
+    pub fn from_canonical(bytes: &[u8]) -> Result<Self, String> {
+        let value = canonical::decode_canonical(bytes)?;
+        let Value::Map(entries) = value else { return Err("envelope is not a map".into()) };
+        let mut fields: std::collections::BTreeMap<String, Value> = Default::default();
+        for (k, v) in entries {
+            let Value::Text(k) = k else { return Err("envelope key is not text".into()) };
+            fields.insert(k, v);
+        }
+        let mut take = |name: &str| fields.remove(name).ok_or_else(|| format!("envelope has no {name:?}"));
+        let as_u64 = |name: &str, v: Value| -> Result<u64, String> {
+            match v {
+                Value::Integer(i) => u64::try_from(i).map_err(|_| format!("{name} is not a u64")),
+                _ => Err(format!("{name} is not an integer")),
+            }
+        };
+        let as_text = |name: &str, v: Value| -> Result<String, String> {
+            match v {
+                Value::Text(s) => Ok(s),
+                _ => Err(format!("{name} is not text")),
+            }
+        };
+        let format = as_u64("v", take("v")?)?;
+        if format != ENVELOPE_FORMAT {
+            return Err(format!("unknown envelope format {format}"));
+        }
+        let tenant = as_text("tenant", take("tenant")?)?.parse().map_err(|e: Error| e.to_string())?;
+        let seq = as_u64("seq", take("seq")?)?;
+        let id = as_text("id", take("id")?)?.parse().map_err(|e: Error| e.to_string())?;
+        let stream = as_text("stream", take("stream")?)?;
+        let version = as_u64("version", take("version")?)?;
+        let event_type = as_text("type", take("type")?)?;
+        let at_ms = as_u64("at", take("at")?)?;
+        let actor = as_text("actor", take("actor")?)?;
+        let payload = take("payload")?;
+        let prev = match take("prev")? {
+            Value::Bytes(b) => <[u8; 32]>::try_from(b).map_err(|_| "prev is not 32 bytes".to_owned())?,
+            _ => return Err("prev is not a byte string".into()),
+        };
+        let mut optional = |name: &str| -> Result<Option<String>, String> {
+            fields.remove(name).map(|v| as_text(name, v)).transpose()
+        };
+        let idempotency_key = optional("idempotency_key")?;
+        let causation = optional("causation")?;
+        let correlation = optional("correlation")?;
+        if let Some(extra) = fields.keys().next() {
+            return Err(format!("envelope has unknown field {extra:?}"));
+        }
+        Ok(Envelope {
+            tenant,
+            seq,
+            id,
+            stream,
+            version,
+            event_type,
+            at_ms,
+            actor,
+            idempotency_key,
+            causation,
+            correlation,
+            payload,
+            prev,
+        })
+    }
+}
+
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// An event as stored: the envelope, its canonical bytes, hash and signature, and its position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredEvent {
+    pub envelope: Envelope,
+    pub canonical: Vec<u8>,
+    pub hash: [u8; 32],
+    pub sig: Vec<u8>,
+    pub key_id: String,
+    pub position: Position,
+}
+
+/// The columns of an event row, as a backend reads them, before any check.
+#[derive(Clone, Debug)]
+pub struct EventRow {
+    pub tenant: String,
+    pub seq: u64,
+    pub id: String,
+    pub stream: String,
+    pub version: u64,
+    pub event_type: String,
+    pub commit: u64,
+    pub index: u32,
+    pub canonical: Vec<u8>,
+    pub hash: Vec<u8>,
+    pub sig: Vec<u8>,
+    pub key_id: String,
+}
+
+impl EventRow {
+    /// Decodes the row into an event, checking that the indexed columns agree with the hashed
+    /// bytes and that the stored hash is the hash of those bytes (STYLE rule 8: check again on
+    /// read). Signatures are checked by [`crate::chain`], which has the keys.
+    pub fn decode(self) -> Result<StoredEvent, String> {
+        let envelope = Envelope::from_canonical(&self.canonical)?;
+        let hash = <[u8; 32]>::try_from(self.hash.as_slice()).map_err(|_| "stored hash is not 32 bytes".to_owned())?;
+        if sha256(&self.canonical) != hash {
+            return Err("stored hash is not SHA-256 of the canonical bytes".into());
+        }
+        let mismatch = |what: &str| format!("column {what} disagrees with the hashed envelope");
+        if envelope.tenant.to_string() != self.tenant {
+            return Err(mismatch("tenant_id"));
+        }
+        if envelope.seq != self.seq {
+            return Err(mismatch("seq"));
+        }
+        if envelope.id.to_string() != self.id {
+            return Err(mismatch("id"));
+        }
+        if envelope.stream != self.stream {
+            return Err(mismatch("stream"));
+        }
+        if envelope.version != self.version {
+            return Err(mismatch("version"));
+        }
+        if envelope.event_type != self.event_type {
+            return Err(mismatch("type"));
+        }
+        Ok(StoredEvent {
+            envelope,
+            canonical: self.canonical,
+            hash,
+            sig: self.sig,
+            key_id: self.key_id,
+            position: Position { commit: self.commit, index: self.index },
+        })
+    }
+}
+
+/// Checks the shape of a name used as a stream or event type: printable ASCII without spaces.
+pub fn validate_name(what: &str, name: &str, bytes_max: usize) -> Result<()> {
+    if name.is_empty() || name.len() > bytes_max {
+        return Err(Error::invalid(format!("{what} must be 1 to {bytes_max} bytes")));
+    }
+    if !name.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Error::invalid(format!("{what} {:?} must be printable ASCII without spaces", crate::id::truncate(name, 40))));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_parse_both_spellings() {
+        assert_eq!("12.3".parse::<Position>().unwrap(), Position { commit: 12, index: 3 });
+        assert_eq!("12:3".parse::<Position>().unwrap(), Position { commit: 12, index: 3 });
+        for bad in ["", "12", "12.", ".3", "a.b", "-1.0", "1.2.3", "99999999999999999999999.0"] {
+            assert!(bad.parse::<Position>().is_err(), "{bad}");
+        }
+        assert_eq!(Position { commit: 7, index: 0 }.to_string(), "7.0");
+    }
+
+    #[test]
+    fn envelope_round_trips_and_is_readable_by_another_decoder() {
+        let env = Envelope {
+            tenant: TenantId::generate(),
+            seq: 1,
+            id: EventId::generate(),
+            stream: "pool/x".into(),
+            version: 1,
+            event_type: "pool.created".into(),
+            at_ms: 1_790_000_000_000,
+            actor: "system".into(),
+            idempotency_key: Some("k1".into()),
+            causation: None,
+            correlation: None,
+            payload: Value::Map(vec![(text("name"), text("gpu-a"))]),
+            prev: GENESIS_PREV,
+        };
+        let bytes = env.to_canonical().unwrap();
+        assert_eq!(Envelope::from_canonical(&bytes).unwrap(), env);
+        // A third-party decoder (minicbor) reads it: a definite map whose first key is "v".
+        let mut decoder = minicbor::Decoder::new(&bytes);
+        let entries = decoder.map().unwrap().expect("definite length");
+        assert_eq!(entries, 12);
+        assert_eq!(decoder.str().unwrap(), "v");
+        assert_eq!(decoder.u64().unwrap(), ENVELOPE_FORMAT);
+        // Re-encoding through minicbor's token stream gives the same bytes.
+        let tokens: Vec<minicbor::data::Token<'_>> =
+            minicbor::decode::Tokenizer::new(&bytes).collect::<Result<_, _>>().unwrap();
+        let mut again = minicbor::Encoder::new(Vec::new());
+        for t in &tokens {
+            again.encode(t).unwrap();
+        }
+        assert_eq!(again.into_writer(), bytes);
+    }
+}

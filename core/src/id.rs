@@ -1,0 +1,132 @@
+//! Typed, prefixed identifiers: `evt_` + a lowercase ULID, `pool_` + a ULID, and so on.
+//!
+//! An id of the wrong kind never type-checks, and a malformed one is rejected at the edge with
+//! the kind it should have been, so `pool_…` where a `node_…` belongs is a clear error.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::Error;
+
+/// Length of a ULID in Crockford base 32.
+pub const ULID_CHARS: usize = 26;
+
+macro_rules! typed_id {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(ulid::Ulid);
+
+        impl $name {
+            pub const PREFIX: &'static str = $prefix;
+
+            /// A fresh id; ULIDs sort by creation time.
+            pub fn generate() -> Self {
+                Self(ulid::Ulid::generate())
+            }
+
+            pub fn from_ulid(ulid: ulid::Ulid) -> Self {
+                Self(ulid)
+            }
+
+            pub fn ulid(&self) -> ulid::Ulid {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}_{}", $prefix, self.0.to_string().to_ascii_lowercase())
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(self, f)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = Error;
+            fn from_str(text: &str) -> Result<Self, Error> {
+                parse_prefixed(text, $prefix).map(Self)
+            }
+        }
+
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+typed_id!(/// One event in a tenant's chain.
+    EventId, "evt");
+typed_id!(/// A tenant: the owner of one hash chain.
+    TenantId, "ten");
+typed_id!(/// A pool of capacity inside a tenant.
+    PoolId, "pool");
+typed_id!(/// A host with GPUs.
+    NodeId, "node");
+typed_id!(/// A GPU reservation.
+    ReservationId, "rsv");
+typed_id!(/// An API key; the token carries it so the server can find the key's hash.
+    ApiKeyId, "key");
+typed_id!(/// A request, for correlation.
+    RequestId, "req");
+
+fn parse_prefixed(text: &str, prefix: &str) -> Result<ulid::Ulid, Error> {
+    let invalid = |why: &str| Error::InvalidArgument {
+        message: format!("malformed id {:?}: {why}", truncate(text, 64)),
+        hint: Some(format!("expected {prefix}_ followed by a {ULID_CHARS}-character ULID")),
+    };
+    let Some((got_prefix, body)) = text.split_once('_') else {
+        return Err(invalid("no prefix"));
+    };
+    if got_prefix != prefix {
+        return Err(invalid(&format!("this is a {got_prefix}_ id, not a {prefix}_ id")));
+    }
+    if body.len() != ULID_CHARS {
+        return Err(invalid("wrong length"));
+    }
+    ulid::Ulid::from_string(body).map_err(|_| invalid("not a ULID"))
+}
+
+/// Shortens user-provided text before it is echoed in an error message.
+pub fn truncate(text: &str, max_chars: usize) -> String {
+    if text.chars().count() <= max_chars {
+        text.to_owned()
+    } else {
+        let mut short: String = text.chars().take(max_chars).collect();
+        short.push('…');
+        short
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_rejects_other_kinds() {
+        let id = PoolId::generate();
+        let text = id.to_string();
+        assert!(text.starts_with("pool_"));
+        assert_eq!(text.len(), 5 + ULID_CHARS);
+        assert_eq!(text.parse::<PoolId>().unwrap(), id);
+        assert_eq!(text.to_uppercase().replace("POOL_", "pool_").parse::<PoolId>().unwrap(), id);
+        let err = text.parse::<NodeId>().unwrap_err();
+        assert!(err.to_string().contains("not a node_ id"), "{err}");
+        for bad in ["", "pool_", "pool", "pool_123", "pool_01k5w!!!!!!!!!!!!!!!!!!!!!", "_01J0000000000000000000000"] {
+            assert!(bad.parse::<PoolId>().is_err(), "{bad:?} accepted");
+        }
+    }
+}

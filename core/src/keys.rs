@@ -1,0 +1,167 @@
+//! The log key: an Ed25519 key that signs every event hash (and, later, checkpoints).
+//!
+//! Keys are named by a key id derived from the public key, so a log can hold events signed
+//! under several keys after a rotation. The *pin* (`sha256/` + base64 of SHA-256 of the 32-byte
+//! public key) is what an auditor writes down once and checks everything against.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use base64::Engine;
+use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// Prefix of the message that an event signature covers: `EVENT_SIGNATURE_CONTEXT ‖ hash`.
+/// It keeps an event signature from ever being valid as any other signed statement.
+pub const EVENT_SIGNATURE_CONTEXT: &[u8] = b"better-compute/event/v1\n";
+
+/// `lk_` + the first 8 bytes of SHA-256(public key), hex.
+pub fn key_id_of(public: &VerifyingKey) -> String {
+    let digest = Sha256::digest(public.as_bytes());
+    format!("lk_{}", hex::encode(&digest[..8]))
+}
+
+/// `sha256/` + standard base64 of SHA-256(public key).
+pub fn pin_of(public: &VerifyingKey) -> String {
+    let digest = Sha256::digest(public.as_bytes());
+    format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode(digest))
+}
+
+pub fn event_signing_message(hash: &[u8; 32]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(EVENT_SIGNATURE_CONTEXT.len() + 32);
+    message.extend_from_slice(EVENT_SIGNATURE_CONTEXT);
+    message.extend_from_slice(hash);
+    message
+}
+
+pub struct LogKey {
+    signing: SigningKey,
+    key_id: String,
+}
+
+impl std::fmt::Debug for LogKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret half.
+        f.debug_struct("LogKey").field("key_id", &self.key_id).finish_non_exhaustive()
+    }
+}
+
+impl LogKey {
+    pub fn generate() -> Self {
+        Self::from_seed(rand::random::<[u8; 32]>())
+    }
+
+    pub fn from_seed(seed: [u8; 32]) -> Self {
+        let signing = SigningKey::from_bytes(&seed);
+        let key_id = key_id_of(&signing.verifying_key());
+        Self { signing, key_id }
+    }
+
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    pub fn public(&self) -> VerifyingKey {
+        self.signing.verifying_key()
+    }
+
+    pub fn pin(&self) -> String {
+        pin_of(&self.public())
+    }
+
+    pub fn sign_event_hash(&self, hash: &[u8; 32]) -> [u8; 64] {
+        self.signing.sign(&event_signing_message(hash)).to_bytes()
+    }
+
+    /// Loads the key file, or creates it (mode 0600, never over an existing file) when absent.
+    /// Returns whether it was created.
+    pub fn load_or_create(path: &Path) -> Result<(Self, bool)> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok((Self::parse_file(path, &text)?, false)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let key = Self::generate();
+                write_secret_file(path, format!("{}\n", hex::encode(key.signing.to_bytes())).as_bytes())?;
+                Ok((key, true))
+            }
+            Err(e) => Err(Error::Internal(format!("reading log key {}: {e}", path.display()))),
+        }
+    }
+
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::InvalidArgument {
+            message: format!("cannot read log key {}: {e}", path.display()),
+            hint: Some("run better-compute dev (or serve) once to create it".into()),
+        })?;
+        Self::parse_file(path, &text)
+    }
+
+    fn parse_file(path: &Path, text: &str) -> Result<Self> {
+        let bytes = hex::decode(text.trim()).ok().and_then(|b| <[u8; 32]>::try_from(b).ok());
+        let seed = bytes.ok_or_else(|| Error::Corrupt {
+            tenant: "-".into(),
+            seq: 0,
+            what: format!("log key file {} is not 64 hex characters", path.display()),
+        })?;
+        Ok(Self::from_seed(seed))
+    }
+}
+
+/// Writes a new file readable only by its owner; refuses to replace an existing one.
+pub fn write_secret_file(path: &Path, contents: &[u8]) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => Error::AlreadyExists { what: format!("file {}", path.display()) },
+            _ => Error::Internal(format!("creating {}: {e}", path.display())),
+        })?;
+    file.write_all(contents)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| Error::Internal(format!("writing {}: {e}", path.display())))
+}
+
+/// Public keys by key id, for verification.
+#[derive(Clone, Default, Debug)]
+pub struct KeyRing {
+    keys: HashMap<String, VerifyingKey>,
+}
+
+impl KeyRing {
+    pub fn insert(&mut self, public: VerifyingKey) {
+        self.keys.insert(key_id_of(&public), public);
+    }
+
+    pub fn insert_bytes(&mut self, key_id: &str, public: &[u8]) -> Result<()> {
+        let bytes = <[u8; 32]>::try_from(public)
+            .map_err(|_| Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key {key_id} is not 32 bytes") })?;
+        let public = VerifyingKey::from_bytes(&bytes)
+            .map_err(|_| Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key {key_id} is not a valid point") })?;
+        if key_id_of(&public) != key_id {
+            return Err(Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key id {key_id} does not match its key") });
+        }
+        self.insert(public);
+        Ok(())
+    }
+
+    pub fn get(&self, key_id: &str) -> Option<&VerifyingKey> {
+        self.keys.get(key_id)
+    }
+
+    /// Checks an event signature under the named key. `verify_strict` rejects small-order keys
+    /// and non-canonical signatures.
+    pub fn verify_event(&self, key_id: &str, hash: &[u8; 32], sig: &[u8]) -> Result<(), String> {
+        let key = self.get(key_id).ok_or_else(|| format!("unknown key id {key_id}"))?;
+        let sig = Signature::from_slice(sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
+        key.verify_strict(&event_signing_message(hash), &sig)
+            .map_err(|_| "signature does not verify".to_owned())
+    }
+}

@@ -1,0 +1,25 @@
+//! `bc-core`: the event log of Better Compute.
+//!
+//! Layout:
+//! - [`id`]: typed, prefixed ids (`evt_`, `ten_`, `pool_`, `node_`, `rsv_`, `key_`);
+//! - [`error`]: the one error type and its stable codes;
+//! - [`canonical`]: deterministic CBOR (RFC 8949 §4.2.1);
+//! - [`event`]: the envelope, its hash, the stored form, outbox positions;
+//! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
+//! - [`chain`]: pure verification of a tenant's hash chain;
+//! - [`clock`]: time as a trait;
+//! - [`store`]: the `EventStore` trait, the SQLite and PostgreSQL backends, the group-committing
+//!   appender and the projection fold.
+//!
+//! `schema/LOG-FORMAT.md` describes the bytes this crate writes.
+
+pub mod canonical;
+pub mod chain;
+pub mod clock;
+pub mod error;
+pub mod event;
+pub mod id;
+pub mod keys;
+pub mod store;
+
+pub use error::{Error, ErrorCode, Result};

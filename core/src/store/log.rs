@@ -1,0 +1,387 @@
+//! The appender: group commit with signing outside the database transaction.
+//!
+//! Callers send [`AppendRequest`]s over a bounded channel (`APPEND_QUEUE_REQUESTS_MAX`, so a
+//! burst applies back-pressure instead of growing memory). One task drains the channel into a
+//! batch, reads the chain heads, stream versions and idempotency records the batch needs, then,
+//! on a blocking thread, decides every request and hashes and signs its events. Only then does it
+//! open the transaction, which re-checks the chain heads under the counter lock: if another
+//! process moved one, nothing is written and the batch is decided again (bounded by
+//! `APPEND_ATTEMPTS_MAX`). Because a tenant's head moves with every append to any of its streams,
+//! an unchanged head also proves its stream versions and idempotency records are unchanged.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{
+    AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, ExpectedVersion, Head, IdempotencyRecord,
+    PreRead, PreReadQuery, PreparedBatch, Projector, READ_ROWS_MAX, decode_rows,
+};
+use crate::clock::Clock;
+use crate::error::{Error, Result};
+use crate::event::{Envelope, GENESIS_PREV, PAYLOAD_BYTES_MAX, Position, StoredEvent, sha256};
+use crate::id::{EventId, TenantId};
+use crate::keys::LogKey;
+
+/// Append requests waiting for the appender.
+pub const APPEND_QUEUE_REQUESTS_MAX: usize = 4096;
+/// Times a batch is decided again after another writer moved a chain head.
+pub const APPEND_ATTEMPTS_MAX: usize = 16;
+/// Below this many events, signing on one thread beats starting another.
+const PARALLEL_SIGNING_EVENTS_MIN: usize = 64;
+
+struct Job {
+    request: AppendRequest,
+    reply: oneshot::Sender<Result<AppendResult>>,
+}
+
+/// What the appender decided for one job.
+enum Outcome {
+    /// Appends `events[range]` of the batch.
+    Append(std::ops::Range<usize>),
+    /// Same idempotency key and request as an earlier append: return its events.
+    Replay { tenant: TenantId, first_seq: u64, last_seq: u64 },
+    /// Same key and request as an earlier job of this batch.
+    ReplayOfJob(usize),
+    Refused(Error),
+}
+
+/// A cheap, cloneable handle for appending.
+#[derive(Clone)]
+pub struct LogHandle {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl LogHandle {
+    pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
+        request.validate()?;
+        let (reply, answer) = oneshot::channel();
+        self.jobs
+            .send(Job { request, reply })
+            .await
+            .map_err(|_| Error::Unavailable("the appender has stopped".into()))?;
+        answer.await.map_err(|_| Error::Unavailable("the appender stopped before answering".into()))?
+    }
+}
+
+/// The log: a store, the key that signs, and the appender task.
+pub struct Log {
+    pub store: Arc<dyn EventStore>,
+    pub key: Arc<LogKey>,
+    handle: LogHandle,
+}
+
+impl Log {
+    /// Registers the key with the store and starts the appender task.
+    pub async fn open(
+        store: Arc<dyn EventStore>,
+        projector: Arc<dyn Projector>,
+        key: Arc<LogKey>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self> {
+        store.signing_key_put(key.key_id(), key.public().as_bytes(), clock.now_ms()).await?;
+        let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
+        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock));
+        Ok(Self { store, key, handle: LogHandle { jobs } })
+    }
+
+    pub fn handle(&self) -> LogHandle {
+        self.handle.clone()
+    }
+
+    pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
+        self.handle.append(request).await
+    }
+}
+
+async fn run_appender(
+    mut receiver: mpsc::Receiver<Job>,
+    store: Arc<dyn EventStore>,
+    projector: Arc<dyn Projector>,
+    key: Arc<LogKey>,
+    clock: Arc<dyn Clock>,
+) {
+    let mut carried: Option<Job> = None;
+    loop {
+        let first = match carried.take() {
+            Some(job) => job,
+            None => match receiver.recv().await {
+                Some(job) => job,
+                None => return,
+            },
+        };
+        let mut events = first.request.events.len();
+        let mut jobs = vec![first];
+        while let Ok(job) = receiver.try_recv() {
+            if events + job.request.events.len() > BATCH_EVENTS_MAX {
+                carried = Some(job);
+                break;
+            }
+            events += job.request.events.len();
+            jobs.push(job);
+        }
+        process_batch(&*store, &projector, &key, &clock, jobs).await;
+    }
+}
+
+async fn process_batch(
+    store: &dyn EventStore,
+    projector: &Arc<dyn Projector>,
+    key: &Arc<LogKey>,
+    clock: &Arc<dyn Clock>,
+    mut jobs: Vec<Job>,
+) {
+    for _attempt in 0..APPEND_ATTEMPTS_MAX {
+        let pre = match store.preread(&pre_read_query(&jobs)).await {
+            Ok(pre) => pre,
+            Err(e) => return fail_all(jobs, &e),
+        };
+        let (key2, clock2) = (key.clone(), clock.clone());
+        let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
+        let decided = tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms())).await;
+        let (mut batch, outcomes) = match decided {
+            Ok(decided) => decided,
+            Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
+        };
+        let mut commit = 0;
+        if !batch.events.is_empty() {
+            match store.commit(&batch, projector.as_ref()).await {
+                Ok(CommitOutcome::Committed { commit: number }) => commit = number,
+                Ok(CommitOutcome::Stale) => {
+                    tracing::debug!("chain head moved under the batch; deciding it again");
+                    continue;
+                }
+                Err(e) => return fail_all(jobs, &e),
+            }
+        }
+        for event in &mut batch.events {
+            event.position.commit = commit;
+        }
+        let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
+            .iter()
+            .map(|o| match o {
+                Outcome::Append(range) => Some(range.clone()),
+                _ => None,
+            })
+            .collect();
+        for (job, outcome) in jobs.drain(..).zip(outcomes) {
+            let answer = match outcome {
+                Outcome::Append(range) => Ok(AppendResult { events: batch.events[range].to_vec(), replayed: false }),
+                Outcome::ReplayOfJob(first) => Ok(AppendResult {
+                    events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
+                    replayed: true,
+                }),
+                Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
+                Outcome::Refused(e) => Err(e),
+            };
+            let _ = job.reply.send(answer);
+        }
+        return;
+    }
+    fail_all(jobs, &Error::Unavailable("other writers kept moving the chain heads; retry".into()));
+}
+
+async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, last_seq: u64) -> Result<AppendResult> {
+    let count = last_seq - first_seq + 1;
+    let mut events = Vec::new();
+    let mut from = first_seq;
+    while (events.len() as u64) < count {
+        let limit = (count - events.len() as u64).min(u64::from(READ_ROWS_MAX)) as u32;
+        let page = decode_rows(store.read_chain_rows(tenant, from, limit).await?)?;
+        if page.is_empty() {
+            return Err(Error::Corrupt { tenant: tenant.to_string(), seq: from, what: "idempotency record points at a missing event".into() });
+        }
+        from += page.len() as u64;
+        events.extend(page);
+    }
+    Ok(AppendResult { events, replayed: true })
+}
+
+fn fail_all(jobs: Vec<Job>, error: &Error) {
+    tracing::error!(error = %error, jobs = jobs.len(), "append batch failed");
+    for job in jobs {
+        let copy = match error {
+            Error::Unavailable(m) => Error::Unavailable(m.clone()),
+            Error::Corrupt { tenant, seq, what } => Error::Corrupt { tenant: tenant.clone(), seq: *seq, what: what.clone() },
+            other => Error::Storage(other.to_string()),
+        };
+        let _ = job.reply.send(Err(copy));
+    }
+}
+
+fn pre_read_query(jobs: &[Job]) -> PreReadQuery {
+    let mut query = PreReadQuery::default();
+    let mut tenants = std::collections::HashSet::new();
+    let mut streams = std::collections::HashSet::new();
+    let mut keys = std::collections::HashSet::new();
+    for job in jobs {
+        let r = &job.request;
+        if tenants.insert(r.tenant) {
+            query.tenants.push(r.tenant);
+        }
+        if streams.insert((r.tenant, r.stream.clone())) {
+            query.streams.push((r.tenant, r.stream.clone()));
+        }
+        if let Some(k) = &r.idempotency_key
+            && keys.insert((r.tenant, k.clone()))
+        {
+            query.idempotency_keys.push((r.tenant, k.clone()));
+        }
+    }
+    query
+}
+
+/// Decides every request of a batch against the pre-read state, then hashes and signs the
+/// accepted events. Pure except for the clock reading passed in and fresh event ids.
+fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) -> (PreparedBatch, Vec<Outcome>) {
+    let mut batch = PreparedBatch::default();
+    let mut outcomes = Vec::with_capacity(requests.len());
+    let mut heads: HashMap<TenantId, Option<Head>> = HashMap::new();
+    let mut versions: HashMap<(TenantId, String), u64> = HashMap::new();
+    // (tenant, key) → (request hash, job index) for keys first used in this batch.
+    let mut keys_in_batch: HashMap<(TenantId, String), ([u8; 32], usize)> = HashMap::new();
+
+    for (job_index, request) in requests.iter().enumerate() {
+        let request_hash = match request.request_hash() {
+            Ok(h) => h,
+            Err(e) => {
+                outcomes.push(Outcome::Refused(e));
+                continue;
+            }
+        };
+        if let Some(idem) = &request.idempotency_key {
+            let slot = (request.tenant, idem.clone());
+            if let Some(record) = pre.idempotency.get(&slot) {
+                outcomes.push(if record.request_hash == request_hash {
+                    Outcome::Replay { tenant: request.tenant, first_seq: record.first_seq, last_seq: record.last_seq }
+                } else {
+                    Outcome::Refused(Error::IdempotencyConflict { key: idem.clone() })
+                });
+                continue;
+            }
+            if let Some((hash, first_job)) = keys_in_batch.get(&slot) {
+                outcomes.push(if *hash == request_hash {
+                    Outcome::ReplayOfJob(*first_job)
+                } else {
+                    Outcome::Refused(Error::IdempotencyConflict { key: idem.clone() })
+                });
+                continue;
+            }
+        }
+        let stream_slot = (request.tenant, request.stream.clone());
+        let current = *versions
+            .entry(stream_slot.clone())
+            .or_insert_with(|| pre.stream_versions.get(&stream_slot).copied().unwrap_or(0));
+        let version_ok = match request.expected {
+            ExpectedVersion::Any => true,
+            ExpectedVersion::NoStream => current == 0,
+            ExpectedVersion::Exact(v) => current == v,
+        };
+        if !version_ok {
+            outcomes.push(Outcome::Refused(Error::Conflict {
+                stream: request.stream.clone(),
+                expected: request.expected.to_string(),
+                actual: current,
+            }));
+            continue;
+        }
+        let head_before = *heads.entry(request.tenant).or_insert_with(|| pre.heads.get(&request.tenant).copied());
+        let (mut seq, mut prev) = head_before.map(|h| (h.seq, h.hash)).unwrap_or((0, GENESIS_PREV));
+        let mut built = Vec::with_capacity(request.events.len());
+        let mut failure = None;
+        for (offset, new) in request.events.iter().enumerate() {
+            let envelope = Envelope {
+                tenant: request.tenant,
+                seq: seq + 1,
+                id: EventId::generate(),
+                stream: request.stream.clone(),
+                version: current + 1 + offset as u64,
+                event_type: new.event_type.clone(),
+                at_ms: now_ms,
+                actor: request.actor.clone(),
+                idempotency_key: request.idempotency_key.clone(),
+                causation: request.causation.clone(),
+                correlation: request.correlation.clone(),
+                payload: new.payload.clone(),
+                prev,
+            };
+            let canonical = match envelope.to_canonical() {
+                Ok(bytes) if bytes.len() > PAYLOAD_BYTES_MAX => {
+                    failure = Some(Error::PayloadTooLarge { limit_bytes: PAYLOAD_BYTES_MAX });
+                    break;
+                }
+                Ok(bytes) => bytes,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            let hash = sha256(&canonical);
+            seq += 1;
+            prev = hash;
+            built.push(StoredEvent {
+                envelope,
+                canonical,
+                hash,
+                sig: Vec::new(),
+                key_id: key.key_id().to_owned(),
+                position: Position::default(),
+            });
+        }
+        if let Some(e) = failure {
+            outcomes.push(Outcome::Refused(e));
+            continue;
+        }
+        // Accepted: advance the working state.
+        let first_seq = built[0].envelope.seq;
+        let start = batch.events.len();
+        for (i, mut event) in built.into_iter().enumerate() {
+            event.position.index = (start + i) as u32;
+            batch.events.push(event);
+        }
+        let end = batch.events.len();
+        let head_after = Head { seq, hash: prev };
+        heads.insert(request.tenant, Some(head_after));
+        versions.insert(stream_slot, current + (end - start) as u64);
+        if !batch.heads_before.iter().any(|(t, _)| *t == request.tenant) {
+            batch.heads_before.push((request.tenant, head_before));
+        }
+        if let Some(idem) = &request.idempotency_key {
+            keys_in_batch.insert((request.tenant, idem.clone()), (request_hash, job_index));
+            batch.idempotency.push((
+                request.tenant,
+                idem.clone(),
+                IdempotencyRecord { request_hash, first_seq, last_seq: seq },
+            ));
+        }
+        outcomes.push(Outcome::Append(start..end));
+    }
+    batch.heads_after = batch
+        .heads_before
+        .iter()
+        .map(|(tenant, _)| (*tenant, heads[tenant].expect("accepted tenants have a head")))
+        .collect();
+    sign_all(&mut batch.events, key);
+    (batch, outcomes)
+}
+
+/// Signs every event, on both cores when the batch is large enough to pay for a thread.
+fn sign_all(events: &mut [StoredEvent], key: &LogKey) {
+    let sign = |chunk: &mut [StoredEvent]| {
+        for event in chunk {
+            event.sig = key.sign_event_hash(&event.hash).to_vec();
+        }
+    };
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(4);
+    if events.len() < PARALLEL_SIGNING_EVENTS_MIN || threads < 2 {
+        sign(events);
+        return;
+    }
+    let chunk = events.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for part in events.chunks_mut(chunk) {
+            scope.spawn(move || sign(part));
+        }
+    });
+}

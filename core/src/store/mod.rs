@@ -1,0 +1,329 @@
+//! Storage: the [`EventStore`] trait, its two backends, and the group-committing [`Log`].
+//!
+//! Layout:
+//! - `mod.rs` (this file): the types every backend shares and the pure projection fold;
+//! - `log.rs`: the appender. It batches concurrent appends, decides each one (idempotency,
+//!   optimistic concurrency), hashes and signs *outside* any database transaction, then hands the
+//!   batch to the backend to commit atomically;
+//! - `sqlite.rs`, `postgres.rs`: the only modules that know SQL.
+//!
+//! The outbox position (`COMMIT.INDEX`) is assigned inside the commit transaction from a
+//! one-row counter that every append transaction updates first. The row lock serialises append
+//! transactions, so commit numbers are gap-free and follow commit order: a reader that has seen
+//! commit `n` can never later find a commit numbered below `n`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use async_trait::async_trait;
+use ciborium::Value;
+
+use crate::error::{Error, Result};
+use crate::event::{EVENT_TYPE_BYTES_MAX, EventRow, LABEL_BYTES_MAX, Position, STREAM_NAME_BYTES_MAX, StoredEvent, sha256, validate_name};
+use crate::id::{EventId, TenantId};
+
+pub mod log;
+pub mod postgres;
+pub mod sqlite;
+
+pub use log::{Log, LogHandle};
+
+/// Most events one append request may carry.
+pub const APPEND_EVENTS_MAX: usize = 500;
+/// Most events the appender commits in one transaction.
+pub const BATCH_EVENTS_MAX: usize = 1000;
+/// Most rows one read returns.
+pub const READ_ROWS_MAX: u32 = 1000;
+const _: () = assert!(APPEND_EVENTS_MAX <= BATCH_EVENTS_MAX);
+
+/// Optimistic concurrency on one stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpectedVersion {
+    /// Append whatever the stream's version.
+    Any,
+    /// The stream must not exist yet (creates).
+    NoStream,
+    /// The stream must be at exactly this version.
+    Exact(u64),
+}
+
+impl std::fmt::Display for ExpectedVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Any => f.write_str("any"),
+            Self::NoStream => f.write_str("0 (no stream)"),
+            Self::Exact(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewEvent {
+    pub event_type: String,
+    pub payload: Value,
+}
+
+/// One append: events for one stream of one tenant, committed together or not at all.
+#[derive(Clone, Debug)]
+pub struct AppendRequest {
+    pub tenant: TenantId,
+    pub stream: String,
+    pub expected: ExpectedVersion,
+    pub idempotency_key: Option<String>,
+    pub actor: String,
+    pub causation: Option<String>,
+    pub correlation: Option<String>,
+    pub events: Vec<NewEvent>,
+}
+
+impl AppendRequest {
+    pub fn validate(&self) -> Result<()> {
+        if self.events.is_empty() || self.events.len() > APPEND_EVENTS_MAX {
+            return Err(Error::invalid(format!("an append carries 1 to {APPEND_EVENTS_MAX} events")));
+        }
+        validate_name("stream", &self.stream, STREAM_NAME_BYTES_MAX)?;
+        validate_name("actor", &self.actor, LABEL_BYTES_MAX)?;
+        for (what, value) in [
+            ("idempotency key", &self.idempotency_key),
+            ("causation", &self.causation),
+            ("correlation", &self.correlation),
+        ] {
+            if let Some(value) = value {
+                validate_name(what, value, LABEL_BYTES_MAX)?;
+            }
+        }
+        for event in &self.events {
+            validate_name("event type", &event.event_type, EVENT_TYPE_BYTES_MAX)?;
+        }
+        Ok(())
+    }
+
+    /// What makes two requests "the same" for idempotency: the stream and the events.
+    pub fn request_hash(&self) -> Result<[u8; 32]> {
+        let events = self
+            .events
+            .iter()
+            .map(|e| Value::Array(vec![Value::Text(e.event_type.clone()), e.payload.clone()]))
+            .collect();
+        let bytes = crate::canonical::encode(Value::Array(vec![Value::Text(self.stream.clone()), Value::Array(events)]))?;
+        Ok(sha256(&bytes))
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct AppendResult {
+    pub events: Vec<StoredEvent>,
+    /// True when an idempotency key matched an earlier append: nothing new was written.
+    pub replayed: bool,
+}
+
+/// The last event of a chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Head {
+    pub seq: u64,
+    pub hash: [u8; 32],
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdempotencyRecord {
+    pub request_hash: [u8; 32],
+    pub first_seq: u64,
+    pub last_seq: u64,
+}
+
+/// What the appender reads before deciding a batch.
+#[derive(Clone, Debug, Default)]
+pub struct PreReadQuery {
+    pub tenants: Vec<TenantId>,
+    pub streams: Vec<(TenantId, String)>,
+    pub idempotency_keys: Vec<(TenantId, String)>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct PreRead {
+    pub heads: HashMap<TenantId, Head>,
+    pub stream_versions: HashMap<(TenantId, String), u64>,
+    pub idempotency: HashMap<(TenantId, String), IdempotencyRecord>,
+}
+
+/// A batch decided, hashed and signed; the backend only writes it.
+#[derive(Clone, Debug, Default)]
+pub struct PreparedBatch {
+    /// The chain heads the batch was built on. If any moved, the batch is stale.
+    pub heads_before: Vec<(TenantId, Option<Head>)>,
+    pub heads_after: Vec<(TenantId, Head)>,
+    /// Events in commit order; `position.index` is set, `position.commit` is filled in by the
+    /// backend.
+    pub events: Vec<StoredEvent>,
+    pub idempotency: Vec<(TenantId, String, IdempotencyRecord)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitOutcome {
+    Committed { commit: u64 },
+    /// Another writer moved a chain head since the pre-read; nothing was written.
+    Stale,
+}
+
+/// The key of one projection row. Every read model is a set of JSON documents keyed by
+/// (tenant, kind, id), so one table serves them all and a rebuild can compare them exactly.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RowKey {
+    pub tenant: String,
+    pub kind: String,
+    pub id: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub key: RowKey,
+    pub doc: serde_json::Value,
+}
+
+/// Read models, as pure functions of events (implemented in `bc-projections`).
+pub trait Projector: Send + Sync + 'static {
+    /// The rows `event` changes.
+    fn touches(&self, event: &StoredEvent, out: &mut Vec<RowKey>);
+    /// The new document of `key` after `event`, given the current one; `None` deletes the row.
+    fn apply(&self, key: &RowKey, current: Option<serde_json::Value>, event: &StoredEvent) -> Result<Option<serde_json::Value>>;
+}
+
+/// The rows `events` touch, each once, in first-touched order.
+pub fn touched_rows(projector: &dyn Projector, events: &[StoredEvent]) -> Vec<RowKey> {
+    let mut keys = Vec::new();
+    let mut scratch = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for event in events {
+        scratch.clear();
+        projector.touches(event, &mut scratch);
+        for key in scratch.drain(..) {
+            if seen.insert(key.clone()) {
+                keys.push(key);
+            }
+        }
+    }
+    keys
+}
+
+/// Folds `events` over the `current` documents; returns the final state of every touched row.
+pub fn fold_projections(
+    projector: &dyn Projector,
+    events: &[StoredEvent],
+    mut current: HashMap<RowKey, serde_json::Value>,
+) -> Result<BTreeMap<RowKey, Option<serde_json::Value>>> {
+    let mut out: BTreeMap<RowKey, Option<serde_json::Value>> = BTreeMap::new();
+    let mut scratch = Vec::new();
+    for event in events {
+        scratch.clear();
+        projector.touches(event, &mut scratch);
+        for key in scratch.drain(..) {
+            let before = match out.get(&key) {
+                Some(state) => state.clone(),
+                None => current.remove(&key),
+            };
+            let after = projector.apply(&key, before, event)?;
+            out.insert(key, after);
+        }
+    }
+    Ok(out)
+}
+
+/// A page of projection rows.
+#[derive(Clone, Debug)]
+pub struct RowPage {
+    pub rows: Vec<Row>,
+}
+
+/// The storage backends' common interface. Everything here is one round trip or one
+/// transaction; the appender and the rebuild compose them.
+#[async_trait]
+pub trait EventStore: Send + Sync + 'static {
+    /// `sqlite` or `postgresql`.
+    fn backend(&self) -> &'static str;
+    /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
+    async fn migrate(&self) -> Result<Vec<String>>;
+    /// Fails with a hint when the schema is older than this binary.
+    async fn check_schema(&self) -> Result<()>;
+
+    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead>;
+    /// Writes a prepared batch, its projection updates and idempotency records in one
+    /// transaction, unless a chain head moved.
+    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome>;
+
+    /// Raw rows of one chain from `from_seq`, in `seq` order, unchecked (the auditor's view).
+    async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>>;
+    async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>>;
+    /// Rows after `after` in position order, of one tenant or all.
+    async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>>;
+    async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>>;
+    async fn heads(&self) -> Result<Vec<(TenantId, Head)>>;
+    /// The number of the newest append transaction (0 for an empty log).
+    async fn last_commit(&self) -> Result<u64>;
+
+    async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()>;
+    async fn signing_keys(&self) -> Result<Vec<(String, Vec<u8>)>>;
+
+    async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>>;
+    /// Rows of one kind by id across tenants (API keys are found by their id alone).
+    async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>>;
+    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>>;
+    async fn rows_all(&self) -> Result<Vec<Row>>;
+    /// Replaces every projection row, if the log is still at `at_commit`; returns false if it
+    /// moved (the caller folds again).
+    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool>;
+}
+
+/// Reads and checks stored rows (hash and columns; signatures are the chain verifier's job).
+pub fn decode_rows(rows: Vec<EventRow>) -> Result<Vec<StoredEvent>> {
+    rows.into_iter()
+        .map(|row| {
+            let (tenant, seq) = (row.tenant.clone(), row.seq);
+            row.decode().map_err(|what| {
+                tracing::error!(%tenant, seq, %what, "stored event does not verify");
+                Error::Corrupt { tenant, seq, what }
+            })
+        })
+        .collect()
+}
+
+/// Folds the whole log into fresh projection rows and swaps them in.
+pub async fn rebuild_projections(store: &dyn EventStore, projector: &dyn Projector) -> Result<(u64, usize)> {
+    const REBUILD_ATTEMPTS_MAX: usize = 5;
+    for _ in 0..REBUILD_ATTEMPTS_MAX {
+        let at_commit = store.last_commit().await?;
+        let mut state: HashMap<RowKey, serde_json::Value> = HashMap::new();
+        let mut after = Position::START;
+        let mut events_folded = 0u64;
+        loop {
+            let page = decode_rows(store.read_after_rows(after, None, READ_ROWS_MAX).await?)?;
+            let Some(last) = page.last() else { break };
+            after = last.position;
+            let page: Vec<_> = page.into_iter().filter(|e| e.position.commit <= at_commit).collect();
+            if page.is_empty() {
+                break;
+            }
+            events_folded += page.len() as u64;
+            let keys = touched_rows(projector, &page);
+            let current = keys.iter().filter_map(|k| state.remove(k).map(|v| (k.clone(), v))).collect();
+            for (key, doc) in fold_projections(projector, &page, current)? {
+                if let Some(doc) = doc {
+                    state.insert(key, doc);
+                }
+            }
+        }
+        let mut rows: Vec<Row> = state.into_iter().map(|(key, doc)| Row { key, doc }).collect();
+        rows.sort_by(|a, b| a.key.cmp(&b.key));
+        if store.rows_replace_all(&rows, at_commit).await? {
+            return Ok((events_folded, rows.len()));
+        }
+    }
+    Err(Error::Unavailable("the log kept moving during the rebuild; try again".into()))
+}
+
+/// Converts an unsigned count to SQL's signed 64-bit integer, refusing what would wrap.
+pub(crate) fn to_i64(value: u64) -> Result<i64> {
+    i64::try_from(value).map_err(|_| Error::Internal(format!("{value} does not fit a signed 64-bit column")))
+}
+
+pub(crate) fn to_u64(value: i64) -> Result<u64> {
+    u64::try_from(value).map_err(|_| Error::Storage(format!("negative value {value} in an unsigned column")))
+}

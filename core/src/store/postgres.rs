@@ -1,0 +1,485 @@
+//! The production backend: PostgreSQL through `tokio-postgres` and `deadpool-postgres`.
+//!
+//! Batches are written with `UNNEST` over arrays, one statement per table. The append
+//! transaction updates the one-row `log_counter` first; its row lock (not an advisory lock)
+//! serialises append transactions across processes, so commit numbers follow commit order and a
+//! reader by position never skips an event that committed late. Everything else is guarded by
+//! primary keys and unique constraints.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use super::{
+    CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
+    fold_projections, to_i64, to_u64, touched_rows,
+};
+use crate::error::{Error, Result};
+use crate::event::{EventRow, Position};
+use crate::id::{EventId, TenantId};
+
+/// Connections per process, so a burst cannot exhaust the server's connection slots.
+pub const POOL_CONNECTIONS_MAX: usize = 16;
+
+const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "log", include_str!("../../../schema/postgres/0001_log.sql"))];
+
+const EVENT_COLUMNS: &str =
+    "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+
+pub struct PostgresStore {
+    pool: Pool,
+}
+
+impl PostgresStore {
+    /// Connects to `postgres://…` (checking the connection once, so a wrong URL fails here).
+    pub async fn connect(url: &str) -> Result<Self> {
+        let config = tokio_postgres::Config::from_str(url).map_err(|e| Error::InvalidArgument {
+            message: format!("malformed database URL: {e}"),
+            hint: Some("expected postgres://USER@HOST:PORT/DATABASE".into()),
+        })?;
+        let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = Pool::builder(manager)
+            .max_size(POOL_CONNECTIONS_MAX)
+            .build()
+            .map_err(|e| Error::Internal(format!("building the pool: {e}")))?;
+        let client = pool.get().await.map_err(|e| {
+            Error::Unavailable(format!("cannot connect to PostgreSQL: {e}; hint: check --database-url and that the server is running"))
+        })?;
+        drop(client);
+        Ok(Self { pool })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+}
+
+fn event_row(row: &tokio_postgres::Row) -> Result<EventRow> {
+    Ok(EventRow {
+        tenant: row.try_get(0)?,
+        seq: to_u64(row.try_get(1)?)?,
+        id: row.try_get(2)?,
+        stream: row.try_get(3)?,
+        version: to_u64(row.try_get(4)?)?,
+        event_type: row.try_get(5)?,
+        commit: to_u64(row.try_get(6)?)?,
+        index: u32::try_from(row.try_get::<_, i32>(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
+        canonical: row.try_get(8)?,
+        hash: row.try_get(9)?,
+        sig: row.try_get(10)?,
+        key_id: row.try_get(11)?,
+    })
+}
+
+fn projection_row(row: &tokio_postgres::Row) -> Result<Row> {
+    let doc: String = row.try_get(3)?;
+    Ok(Row {
+        key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
+        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
+    })
+}
+
+fn hash32(bytes: Vec<u8>) -> Result<[u8; 32]> {
+    <[u8; 32]>::try_from(bytes).map_err(|_| Error::Storage("stored hash is not 32 bytes".into()))
+}
+
+fn heads_from(rows: &[tokio_postgres::Row]) -> Result<HashMap<String, Head>> {
+    rows.iter()
+        .map(|row| Ok((row.try_get(0)?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? })))
+        .collect()
+}
+
+#[async_trait]
+impl EventStore for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgresql"
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at_ms BIGINT NOT NULL);
+             LOCK TABLE schema_migrations IN EXCLUSIVE MODE;",
+        )
+        .await?;
+        let mut applied = Vec::new();
+        for (version, name, sql) in MIGRATIONS {
+            let done = tx.query_opt("SELECT version FROM schema_migrations WHERE version = $1", &[version]).await?;
+            if done.is_some() {
+                continue;
+            }
+            tx.batch_execute(sql).await?;
+            let now = to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?;
+            tx.execute("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)", &[version, name, &now])
+                .await?;
+            applied.push(format!("{version:04}_{name}"));
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let client = self.pool.get().await?;
+        let latest: Option<i64> = match client.query_one("SELECT MAX(version) FROM schema_migrations", &[]).await {
+            Ok(row) => row.try_get(0)?,
+            Err(_) => None,
+        };
+        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+        match latest {
+            Some(v) if v >= wanted => Ok(()),
+            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
+        }
+    }
+
+    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
+        let client = self.pool.get().await?;
+        let mut out = PreRead::default();
+        let tenants: Vec<String> = query.tenants.iter().map(|t| t.to_string()).collect();
+        for (tenant, head) in heads_from(
+            &client.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1)", &[&tenants]).await?,
+        )? {
+            out.heads.insert(tenant.parse()?, head);
+        }
+        if !query.streams.is_empty() {
+            let t: Vec<String> = query.streams.iter().map(|(t, _)| t.to_string()).collect();
+            let s: Vec<&str> = query.streams.iter().map(|(_, s)| s.as_str()).collect();
+            let rows = client
+                .query(
+                    "SELECT e.tenant_id, e.stream, MAX(e.version) FROM events e
+                     JOIN UNNEST($1::text[], $2::text[]) AS k(t, s) ON e.tenant_id = k.t AND e.stream = k.s
+                     GROUP BY e.tenant_id, e.stream",
+                    &[&t, &s],
+                )
+                .await?;
+            for row in rows {
+                let tenant: String = row.try_get(0)?;
+                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(row.try_get(2)?)?);
+            }
+        }
+        if !query.idempotency_keys.is_empty() {
+            let t: Vec<String> = query.idempotency_keys.iter().map(|(t, _)| t.to_string()).collect();
+            let k: Vec<&str> = query.idempotency_keys.iter().map(|(_, k)| k.as_str()).collect();
+            let rows = client
+                .query(
+                    "SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq FROM idempotency i
+                     JOIN UNNEST($1::text[], $2::text[]) AS k(t, k) ON i.tenant_id = k.t AND i.key = k.k",
+                    &[&t, &k],
+                )
+                .await?;
+            for row in rows {
+                let tenant: String = row.try_get(0)?;
+                out.idempotency.insert(
+                    (tenant.parse()?, row.try_get(1)?),
+                    IdempotencyRecord {
+                        request_hash: hash32(row.try_get(2)?)?,
+                        first_seq: to_u64(row.try_get(3)?)?,
+                        last_seq: to_u64(row.try_get(4)?)?,
+                    },
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let commit: i64 = tx
+            .query_one("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit", &[])
+            .await?
+            .try_get(0)?;
+        let tenants: Vec<String> = batch.heads_before.iter().map(|(t, _)| t.to_string()).collect();
+        let heads = heads_from(
+            &tx.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1) FOR UPDATE", &[&tenants])
+                .await?,
+        )?;
+        for (tenant, before) in &batch.heads_before {
+            if heads.get(&tenant.to_string()) != before.as_ref() {
+                return Ok(CommitOutcome::Stale);
+            }
+        }
+        let n = batch.events.len();
+        let (mut t, mut seq, mut id, mut stream, mut version, mut ty, mut at, mut idx, mut canonical, mut hash, mut sig, mut key) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for e in &batch.events {
+            let env = &e.envelope;
+            t.push(env.tenant.to_string());
+            seq.push(to_i64(env.seq)?);
+            id.push(env.id.to_string());
+            stream.push(env.stream.as_str());
+            version.push(to_i64(env.version)?);
+            ty.push(env.event_type.as_str());
+            at.push(to_i64(env.at_ms)?);
+            idx.push(i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into()))?);
+            canonical.push(e.canonical.as_slice());
+            hash.push(&e.hash[..]);
+            sig.push(e.sig.as_slice());
+            key.push(e.key_id.as_str());
+        }
+        tx.execute(
+            "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id)
+             SELECT t, s, i, st, v, ty, a, $8, ix, c, h, sg, k
+             FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[],
+                         $9::int4[], $10::bytea[], $11::bytea[], $12::bytea[], $13::text[])
+                  AS x(t, s, i, st, v, ty, a, ix, c, h, sg, k)",
+            &[&t, &seq, &id, &stream, &version, &ty, &at, &commit, &idx, &canonical, &hash, &sig, &key],
+        )
+        .await?;
+        let ht: Vec<String> = batch.heads_after.iter().map(|(t, _)| t.to_string()).collect();
+        let hs: Vec<i64> = batch.heads_after.iter().map(|(_, h)| to_i64(h.seq)).collect::<Result<_>>()?;
+        let hh: Vec<&[u8]> = batch.heads_after.iter().map(|(_, h)| &h.hash[..]).collect();
+        tx.execute(
+            "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
+             ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash",
+            &[&ht, &hs, &hh],
+        )
+        .await?;
+        if !batch.idempotency.is_empty() {
+            let it: Vec<String> = batch.idempotency.iter().map(|(t, _, _)| t.to_string()).collect();
+            let ik: Vec<&str> = batch.idempotency.iter().map(|(_, k, _)| k.as_str()).collect();
+            let ih: Vec<&[u8]> = batch.idempotency.iter().map(|(_, _, r)| &r.request_hash[..]).collect();
+            let first: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.first_seq)).collect::<Result<_>>()?;
+            let last: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.last_seq)).collect::<Result<_>>()?;
+            tx.execute(
+                "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
+                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
+                &[&it, &ik, &ih, &first, &last],
+            )
+            .await?;
+        }
+        // Projections, in the same transaction.
+        let keys = touched_rows(projector, &batch.events);
+        let kt: Vec<&str> = keys.iter().map(|k| k.tenant.as_str()).collect();
+        let kk: Vec<&str> = keys.iter().map(|k| k.kind.as_str()).collect();
+        let ki: Vec<&str> = keys.iter().map(|k| k.id.as_str()).collect();
+        let mut current = HashMap::new();
+        for row in tx
+            .query(
+                "SELECT p.tenant_id, p.kind, p.id, p.doc FROM projections p
+                 JOIN UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+                   ON p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i",
+                &[&kt, &kk, &ki],
+            )
+            .await?
+        {
+            let row = projection_row(&row)?;
+            current.insert(row.key, row.doc);
+        }
+        let folded = fold_projections(projector, &batch.events, current)?;
+        let (mut ut, mut uk, mut ui, mut ud) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut dt, mut dk, mut di) = (Vec::new(), Vec::new(), Vec::new());
+        for (key, doc) in folded {
+            match doc {
+                Some(doc) => {
+                    ut.push(key.tenant);
+                    uk.push(key.kind);
+                    ui.push(key.id);
+                    ud.push(doc.to_string());
+                }
+                None => {
+                    dt.push(key.tenant);
+                    dk.push(key.kind);
+                    di.push(key.id);
+                }
+            }
+        }
+        if !ut.is_empty() {
+            tx.execute(
+                "INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])
+                 ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc",
+                &[&ut, &uk, &ui, &ud],
+            )
+            .await?;
+        }
+        if !dt.is_empty() {
+            tx.execute(
+                "DELETE FROM projections p USING UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+                 WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i",
+                &[&dt, &dk, &di],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(CommitOutcome::Committed { commit: to_u64(commit)? })
+    }
+
+    async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                &format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND seq >= $2 ORDER BY seq LIMIT $3"),
+                &[&tenant.to_string(), &to_i64(from_seq)?, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(event_row).collect()
+    }
+
+    async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND stream = $2 AND version > $3 ORDER BY version LIMIT $4"
+                ),
+                &[&tenant.to_string(), &stream, &to_i64(after_version)?, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(event_row).collect()
+    }
+
+    async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
+        let client = self.pool.get().await?;
+        let index = i32::try_from(after.index).unwrap_or(i32::MAX);
+        let rows = match tenant {
+            Some(t) => {
+                client
+                    .query(
+                        &format!(
+                            "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2) AND tenant_id = $3
+                             ORDER BY commit_no, commit_index LIMIT $4"
+                        ),
+                        &[&to_i64(after.commit)?, &index, &t.to_string(), &i64::from(limit)],
+                    )
+                    .await?
+            }
+            None => {
+                client
+                    .query(
+                        &format!(
+                            "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2)
+                             ORDER BY commit_no, commit_index LIMIT $3"
+                        ),
+                        &[&to_i64(after.commit)?, &index, &i64::from(limit)],
+                    )
+                    .await?
+            }
+        };
+        rows.iter().map(event_row).collect()
+    }
+
+    async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                &format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND id = $2"),
+                &[&tenant.to_string(), &id.to_string()],
+            )
+            .await?;
+        row.as_ref().map(event_row).transpose()
+    }
+
+    async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
+        let client = self.pool.get().await?;
+        let rows = client.query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id", &[]).await?;
+        rows.iter()
+            .map(|row| {
+                let tenant: String = row.try_get(0)?;
+                Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
+            })
+            .collect()
+    }
+
+    async fn last_commit(&self) -> Result<u64> {
+        let client = self.pool.get().await?;
+        to_u64(client.query_one("SELECT last_commit FROM log_counter WHERE id = 1", &[]).await?.try_get(0)?)
+    }
+
+    async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "INSERT INTO signing_keys (key_id, public_key, created_at_ms) VALUES ($1, $2, $3) ON CONFLICT (key_id) DO NOTHING",
+                &[&key_id, &&public[..], &to_i64(at_ms)?],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn signing_keys(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        let client = self.pool.get().await?;
+        let rows = client.query("SELECT key_id, public_key FROM signing_keys ORDER BY created_at_ms", &[]).await?;
+        rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+    }
+
+    async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id = $3",
+                &[&tenant, &kind, &id],
+            )
+            .await?;
+        row.as_ref().map(projection_row).transpose()
+    }
+
+    async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = $1 AND id = $2", &[&kind, &id])
+            .await?;
+        row.as_ref().map(projection_row).transpose()
+    }
+
+    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id COLLATE "C" > $3
+                 ORDER BY id COLLATE \"C\" LIMIT $4",
+                &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(projection_row).collect()
+    }
+
+    async fn rows_all(&self) -> Result<Vec<Row>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT tenant_id, kind, id, doc FROM projections ORDER BY tenant_id COLLATE \"C\", kind COLLATE \"C\", id COLLATE \"C\"",
+                &[],
+            )
+            .await?;
+        rows.iter().map(projection_row).collect()
+    }
+
+    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        // The counter's row lock keeps appenders out until the swap commits.
+        let now: i64 = tx.query_one("SELECT last_commit FROM log_counter WHERE id = 1 FOR UPDATE", &[]).await?.try_get(0)?;
+        if to_u64(now)? != at_commit {
+            return Ok(false);
+        }
+        tx.execute("DELETE FROM projections", &[]).await?;
+        for chunk in rows.chunks(10_000) {
+            let t: Vec<&str> = chunk.iter().map(|r| r.key.tenant.as_str()).collect();
+            let k: Vec<&str> = chunk.iter().map(|r| r.key.kind.as_str()).collect();
+            let i: Vec<&str> = chunk.iter().map(|r| r.key.id.as_str()).collect();
+            let d: Vec<String> = chunk.iter().map(|r| r.doc.to_string()).collect();
+            tx.execute(
+                "INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])",
+                &[&t, &k, &i, &d],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+}

@@ -1,0 +1,467 @@
+//! The embedded backend: SQLite through `sqlx`, in WAL mode with `synchronous = FULL`, so an
+//! acknowledged append survives a crash of the process or the machine.
+//!
+//! sqlx hands every statement to a worker thread, so the cost is per statement, not per row
+//! (`notes/limits.md`): a batch is written with one multi-row statement per table. Append
+//! transactions start with `BEGIN IMMEDIATE`, taking SQLite's write lock up front.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
+
+use super::{
+    CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
+    fold_projections, to_i64, to_u64, touched_rows,
+};
+use crate::error::{Error, Result};
+use crate::event::{EventRow, Position};
+use crate::id::{EventId, TenantId};
+
+/// Connections in the pool: one writer at a time (SQLite's rule) plus readers.
+pub const POOL_CONNECTIONS_MAX: u32 = 8;
+/// How long a statement waits for SQLite's write lock before failing.
+pub const BUSY_TIMEOUT_MS: u64 = 10_000;
+/// Rows per multi-row statement, well under SQLite's 32,766 bound parameters.
+const ROWS_PER_STATEMENT_MAX: usize = 1000;
+
+const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "log", include_str!("../../../schema/sqlite/0001_log.sql"))];
+
+const EVENT_COLUMNS: &str =
+    "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    pub async fn open(path: &Path) -> Result<Self> {
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS));
+        let pool = SqlitePoolOptions::new().max_connections(POOL_CONNECTIONS_MAX).connect_with(options).await?;
+        Ok(Self { pool })
+    }
+
+    /// `sqlite://PATH` or `sqlite:PATH`.
+    pub async fn open_url(url: &str) -> Result<Self> {
+        let path = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")).unwrap_or(url);
+        Self::open(Path::new(path)).await
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+fn event_row(row: &SqliteRow) -> Result<EventRow> {
+    Ok(EventRow {
+        tenant: row.try_get(0)?,
+        seq: to_u64(row.try_get(1)?)?,
+        id: row.try_get(2)?,
+        stream: row.try_get(3)?,
+        version: to_u64(row.try_get(4)?)?,
+        event_type: row.try_get(5)?,
+        commit: to_u64(row.try_get(6)?)?,
+        index: u32::try_from(row.try_get::<i64, _>(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
+        canonical: row.try_get(8)?,
+        hash: row.try_get(9)?,
+        sig: row.try_get(10)?,
+        key_id: row.try_get(11)?,
+    })
+}
+
+fn projection_row(row: &SqliteRow) -> Result<Row> {
+    let doc: String = row.try_get(3)?;
+    Ok(Row {
+        key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
+        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
+    })
+}
+
+fn hash32(bytes: Vec<u8>) -> Result<[u8; 32]> {
+    <[u8; 32]>::try_from(bytes).map_err(|_| Error::Storage("stored hash is not 32 bytes".into()))
+}
+
+async fn write_projections(
+    tx: &mut sqlx::Transaction<'static, Sqlite>,
+    projector: &dyn Projector,
+    events: &[crate::event::StoredEvent],
+) -> Result<()> {
+    let keys = touched_rows(projector, events);
+    let mut current = HashMap::new();
+    for chunk in keys.chunks(ROWS_PER_STATEMENT_MAX) {
+        let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, kind, id, doc FROM projections WHERE (tenant_id, kind, id) IN (");
+        let mut list = q.separated(", ");
+        for key in chunk {
+            list.push("(");
+            list.push_bind_unseparated(key.tenant.clone());
+            list.push_unseparated(", ");
+            list.push_bind_unseparated(key.kind.clone());
+            list.push_unseparated(", ");
+            list.push_bind_unseparated(key.id.clone());
+            list.push_unseparated(")");
+        }
+        q.push(")");
+        for row in q.build().fetch_all(&mut **tx).await? {
+            let row = projection_row(&row)?;
+            current.insert(row.key, row.doc);
+        }
+    }
+    let folded = fold_projections(projector, events, current)?;
+    let (upserts, deletes): (Vec<_>, Vec<_>) = folded.into_iter().partition(|(_, doc)| doc.is_some());
+    for chunk in upserts.chunks(ROWS_PER_STATEMENT_MAX) {
+        let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO projections (tenant_id, kind, id, doc) ");
+        q.push_values(chunk, |mut b, (key, doc)| {
+            b.push_bind(key.tenant.clone())
+                .push_bind(key.kind.clone())
+                .push_bind(key.id.clone())
+                .push_bind(doc.as_ref().map(|d| d.to_string()).unwrap_or_default());
+        });
+        q.push(" ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc");
+        q.build().execute(&mut **tx).await?;
+    }
+    for (key, _) in deletes {
+        sqlx::query("DELETE FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
+            .bind(key.tenant)
+            .bind(key.kind)
+            .bind(key.id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl EventStore for SqliteStore {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>> {
+        let mut applied = Vec::new();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at_ms INTEGER NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        for (version, name, sql) in MIGRATIONS {
+            let done: Option<i64> = sqlx::query_scalar("SELECT version FROM schema_migrations WHERE version = ?")
+                .bind(version)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if done.is_some() {
+                continue;
+            }
+            sqlx::raw_sql(*sql).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES (?, ?, ?)")
+                .bind(version)
+                .bind(*name)
+                .bind(to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?)
+                .execute(&mut *tx)
+                .await?;
+            applied.push(format!("{version:04}_{name}"));
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let latest: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM schema_migrations")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(None);
+        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+        match latest {
+            Some(v) if v >= wanted => Ok(()),
+            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
+        }
+    }
+
+    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
+        let mut out = PreRead::default();
+        let mut conn = self.pool.acquire().await?;
+        if !query.tenants.is_empty() {
+            let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
+            let mut list = q.separated(", ");
+            for t in &query.tenants {
+                list.push_bind(t.to_string());
+            }
+            q.push(")");
+            for row in q.build().fetch_all(&mut *conn).await? {
+                let tenant: String = row.try_get(0)?;
+                out.heads.insert(tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? });
+            }
+        }
+        for chunk in query.streams.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, stream, MAX(version) FROM events WHERE (tenant_id, stream) IN (");
+            let mut list = q.separated(", ");
+            for (t, s) in chunk {
+                list.push("(");
+                list.push_bind_unseparated(t.to_string());
+                list.push_unseparated(", ");
+                list.push_bind_unseparated(s.clone());
+                list.push_unseparated(")");
+            }
+            q.push(") GROUP BY tenant_id, stream");
+            for row in q.build().fetch_all(&mut *conn).await? {
+                let tenant: String = row.try_get(0)?;
+                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(row.try_get(2)?)?);
+            }
+        }
+        for chunk in query.idempotency_keys.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "SELECT tenant_id, key, request_hash, first_seq, last_seq FROM idempotency WHERE (tenant_id, key) IN (",
+            );
+            let mut list = q.separated(", ");
+            for (t, k) in chunk {
+                list.push("(");
+                list.push_bind_unseparated(t.to_string());
+                list.push_unseparated(", ");
+                list.push_bind_unseparated(k.clone());
+                list.push_unseparated(")");
+            }
+            q.push(")");
+            for row in q.build().fetch_all(&mut *conn).await? {
+                let tenant: String = row.try_get(0)?;
+                out.idempotency.insert(
+                    (tenant.parse()?, row.try_get(1)?),
+                    IdempotencyRecord {
+                        request_hash: hash32(row.try_get(2)?)?,
+                        first_seq: to_u64(row.try_get(3)?)?,
+                        last_seq: to_u64(row.try_get(4)?)?,
+                    },
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let commit: i64 = sqlx::query_scalar("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit")
+            .fetch_one(&mut *tx)
+            .await?;
+        let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
+        let mut list = q.separated(", ");
+        for (t, _) in &batch.heads_before {
+            list.push_bind(t.to_string());
+        }
+        q.push(")");
+        let mut heads = HashMap::new();
+        for row in q.build().fetch_all(&mut *tx).await? {
+            let tenant: String = row.try_get(0)?;
+            heads.insert(tenant, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? });
+        }
+        for (tenant, before) in &batch.heads_before {
+            if heads.get(&tenant.to_string()) != before.as_ref() {
+                return Ok(CommitOutcome::Stale);
+            }
+        }
+        for chunk in batch.events.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id) ",
+            );
+            let mut failed = None;
+            q.push_values(chunk, |mut b, e| {
+                let env = &e.envelope;
+                let (seq, version, at) = match (to_i64(env.seq), to_i64(env.version), to_i64(env.at_ms)) {
+                    (Ok(s), Ok(v), Ok(a)) => (s, v, a),
+                    _ => {
+                        failed = Some(Error::Internal("event number out of range".into()));
+                        (0, 0, 0)
+                    }
+                };
+                b.push_bind(env.tenant.to_string())
+                    .push_bind(seq)
+                    .push_bind(env.id.to_string())
+                    .push_bind(env.stream.clone())
+                    .push_bind(version)
+                    .push_bind(env.event_type.clone())
+                    .push_bind(at)
+                    .push_bind(commit)
+                    .push_bind(i64::from(e.position.index))
+                    .push_bind(e.canonical.clone())
+                    .push_bind(e.hash.to_vec())
+                    .push_bind(e.sig.clone())
+                    .push_bind(e.key_id.clone());
+            });
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            q.build().execute(&mut *tx).await?;
+        }
+        let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO chain_heads (tenant_id, seq, hash) ");
+        let mut bad = false;
+        q.push_values(&batch.heads_after, |mut b, (tenant, head)| {
+            bad |= head.seq > i64::MAX as u64;
+            b.push_bind(tenant.to_string()).push_bind(head.seq as i64).push_bind(head.hash.to_vec());
+        });
+        if bad {
+            return Err(Error::Internal("sequence number out of range".into()));
+        }
+        q.push(" ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash");
+        q.build().execute(&mut *tx).await?;
+        if !batch.idempotency.is_empty() {
+            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq) ");
+            q.push_values(&batch.idempotency, |mut b, (tenant, key, record)| {
+                b.push_bind(tenant.to_string())
+                    .push_bind(key.clone())
+                    .push_bind(record.request_hash.to_vec())
+                    .push_bind(record.first_seq as i64)
+                    .push_bind(record.last_seq as i64);
+            });
+            q.build().execute(&mut *tx).await?;
+        }
+        write_projections(&mut tx, projector, &batch.events).await?;
+        tx.commit().await?;
+        Ok(CommitOutcome::Committed { commit: to_u64(commit)? })
+    }
+
+    async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq >= ? ORDER BY seq LIMIT ?"
+        )))
+        .bind(tenant.to_string())
+        .bind(to_i64(from_seq)?)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(event_row).collect()
+    }
+
+    async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND stream = ? AND version > ? ORDER BY version LIMIT ?"
+        )))
+        .bind(tenant.to_string())
+        .bind(stream.to_owned())
+        .bind(to_i64(after_version)?)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(event_row).collect()
+    }
+
+    async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
+        let tenant_filter = if tenant.is_some() { "AND tenant_id = ?" } else { "" };
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > (?, ?) {tenant_filter} \
+             ORDER BY commit_no, commit_index LIMIT ?"
+        )))
+        .bind(to_i64(after.commit)?)
+        .bind(i64::from(after.index));
+        if let Some(t) = tenant {
+            q = q.bind(t.to_string());
+        }
+        let rows = q.bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        rows.iter().map(event_row).collect()
+    }
+
+    async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND id = ?")))
+            .bind(tenant.to_string())
+            .bind(id.to_string())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(event_row).transpose()
+    }
+
+    async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
+        let rows = sqlx::query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id").fetch_all(&self.pool).await?;
+        rows.iter()
+            .map(|row| {
+                let tenant: String = row.try_get(0)?;
+                Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
+            })
+            .collect()
+    }
+
+    async fn last_commit(&self) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar("SELECT last_commit FROM log_counter WHERE id = 1").fetch_one(&self.pool).await?;
+        to_u64(n)
+    }
+
+    async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()> {
+        sqlx::query("INSERT INTO signing_keys (key_id, public_key, created_at_ms) VALUES (?, ?, ?) ON CONFLICT (key_id) DO NOTHING")
+            .bind(key_id.to_owned())
+            .bind(public.to_vec())
+            .bind(to_i64(at_ms)?)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn signing_keys(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        let rows = sqlx::query("SELECT key_id, public_key FROM signing_keys ORDER BY created_at_ms").fetch_all(&self.pool).await?;
+        rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+    }
+
+    async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>> {
+        let row = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
+            .bind(tenant.to_owned())
+            .bind(kind.to_owned())
+            .bind(id.to_owned())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(projection_row).transpose()
+    }
+
+    async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
+        let row = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = ? AND id = ?")
+            .bind(kind.to_owned())
+            .bind(id.to_owned())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(projection_row).transpose()
+    }
+
+    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
+        let rows = sqlx::query(
+            "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id > ? ORDER BY id LIMIT ?",
+        )
+        .bind(tenant.to_owned())
+        .bind(kind.to_owned())
+        .bind(after_id.unwrap_or("").to_owned())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(projection_row).collect()
+    }
+
+    async fn rows_all(&self) -> Result<Vec<Row>> {
+        let rows = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections ORDER BY tenant_id, kind, id")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(projection_row).collect()
+    }
+
+    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let now: i64 = sqlx::query_scalar("SELECT last_commit FROM log_counter WHERE id = 1").fetch_one(&mut *tx).await?;
+        if to_u64(now)? != at_commit {
+            return Ok(false);
+        }
+        sqlx::query("DELETE FROM projections").execute(&mut *tx).await?;
+        for chunk in rows.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO projections (tenant_id, kind, id, doc) ");
+            q.push_values(chunk, |mut b, row| {
+                b.push_bind(row.key.tenant.clone())
+                    .push_bind(row.key.kind.clone())
+                    .push_bind(row.key.id.clone())
+                    .push_bind(row.doc.to_string());
+            });
+            q.build().execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+}
+
