@@ -126,7 +126,10 @@ impl From<sqlx::Error> for Error {
 
 impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Self {
-        Self::Storage(format!("{e:#}"))
+        match e.as_db_error() {
+            Some(db) => Self::Storage(format!("{}: {}{}", db.code().code(), db.message(), db.detail().map(|d| format!(" ({d})")).unwrap_or_default())),
+            None => Self::Storage(e.to_string()),
+        }
     }
 }
 

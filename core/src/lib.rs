@@ -21,5 +21,6 @@ pub mod event;
 pub mod id;
 pub mod keys;
 pub mod store;
+pub mod testing;
 
 pub use error::{Error, ErrorCode, Result};

@@ -1,1 +1,205 @@
+//! `bc-projections`: read models folded from the event log.
+//!
+//! Every read model is a JSON document per entity, keyed by (tenant, kind, id), where kind and
+//! id come from the event's stream name (`pool/pool_…` → kind `pool`, id `pool_…`). The fold is
+//! a pure function ([`Projections::apply`]); the store runs it inside the append transaction and
+//! again, from the whole log, in `better-compute projections rebuild`.
+//!
+//! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
+//! this file holds the documents and the fold.
 
+use bc_core::canonical;
+use bc_core::event::StoredEvent;
+use bc_core::store::{Projector, RowKey};
+use bc_core::{Error, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub mod events;
+
+use events::*;
+
+/// Row kinds; also the stream prefixes.
+pub const KIND_TENANT: &str = "tenant";
+pub const KIND_API_KEY: &str = "api_key";
+pub const KIND_POOL: &str = "pool";
+pub const KIND_NODE: &str = "node";
+
+/// The stream of one entity: `KIND/ID`.
+pub fn stream_of(kind: &str, id: &impl std::fmt::Display) -> String {
+    format!("{kind}/{id}")
+}
+
+/// A tenant document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantDoc {
+    pub tenant_id: String,
+    pub name: String,
+    pub root: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+/// An API key document. It holds the SHA-256 of the secret, never the secret.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiKeyDoc {
+    pub tenant_id: String,
+    pub key_id: String,
+    pub name: String,
+    pub actions: Vec<String>,
+    pub secret_sha256: String,
+    pub revoked: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolDoc {
+    pub tenant_id: String,
+    pub pool_id: String,
+    pub name: String,
+    pub description: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub archived: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeDoc {
+    pub tenant_id: String,
+    pub node_id: String,
+    pub pool_id: String,
+    pub name: String,
+    pub gpus: Vec<Gpu>,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub state: String,
+    pub version: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+/// The projector for every read model of this crate.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Projections;
+
+fn payload<T: for<'de> Deserialize<'de>>(event: &StoredEvent) -> Result<T> {
+    serde_json::from_value(canonical::to_json(&event.envelope.payload)).map_err(|e| Error::Corrupt {
+        tenant: event.envelope.tenant.to_string(),
+        seq: event.envelope.seq,
+        what: format!("{} payload does not parse: {e}", event.envelope.event_type),
+    })
+}
+
+fn to_doc<T: Serialize>(doc: &T) -> Result<Option<Value>> {
+    serde_json::to_value(doc).map(Some).map_err(|e| Error::Internal(format!("projection: {e}")))
+}
+
+fn from_doc<T: for<'de> Deserialize<'de>>(event: &StoredEvent, doc: Option<Value>) -> Result<T> {
+    let doc = doc.ok_or_else(|| Error::Corrupt {
+        tenant: event.envelope.tenant.to_string(),
+        seq: event.envelope.seq,
+        what: format!("{} applies to an entity that does not exist", event.envelope.event_type),
+    })?;
+    serde_json::from_value(doc).map_err(|e| Error::Internal(format!("projection document: {e}")))
+}
+
+impl Projector for Projections {
+    fn touches(&self, event: &StoredEvent, out: &mut Vec<RowKey>) {
+        if let Some((kind, id)) = event.envelope.stream.split_once('/')
+            && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE)
+        {
+            out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
+        }
+    }
+
+    fn apply(&self, key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+        let env = &event.envelope;
+        let tenant_id = env.tenant.to_string();
+        match env.event_type.as_str() {
+            TENANT_CREATED => {
+                let p: TenantCreated = payload(event)?;
+                to_doc(&TenantDoc { tenant_id, name: p.name, root: p.root, version: env.version, created_at_ms: env.at_ms })
+            }
+            API_KEY_CREATED => {
+                let p: ApiKeyCreated = payload(event)?;
+                to_doc(&ApiKeyDoc {
+                    tenant_id,
+                    key_id: key.id.clone(),
+                    name: p.name,
+                    actions: p.actions,
+                    secret_sha256: p.secret_sha256,
+                    revoked: false,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                })
+            }
+            API_KEY_REVOKED => {
+                let mut doc: ApiKeyDoc = from_doc(event, current)?;
+                doc.revoked = true;
+                doc.version = env.version;
+                to_doc(&doc)
+            }
+            POOL_CREATED => {
+                let p: PoolCreated = payload(event)?;
+                to_doc(&PoolDoc {
+                    tenant_id,
+                    pool_id: key.id.clone(),
+                    name: p.name,
+                    description: p.description,
+                    labels: p.labels,
+                    archived: false,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                    updated_at_ms: env.at_ms,
+                })
+            }
+            POOL_UPDATED => {
+                let p: PoolUpdated = payload(event)?;
+                let mut doc: PoolDoc = from_doc(event, current)?;
+                if let Some(name) = p.name {
+                    doc.name = name;
+                }
+                if let Some(description) = p.description {
+                    doc.description = description;
+                }
+                if let Some(labels) = p.labels {
+                    doc.labels = labels;
+                }
+                doc.version = env.version;
+                doc.updated_at_ms = env.at_ms;
+                to_doc(&doc)
+            }
+            POOL_ARCHIVED => {
+                let mut doc: PoolDoc = from_doc(event, current)?;
+                doc.archived = true;
+                doc.version = env.version;
+                doc.updated_at_ms = env.at_ms;
+                to_doc(&doc)
+            }
+            NODE_REGISTERED => {
+                let p: NodeRegistered = payload(event)?;
+                to_doc(&NodeDoc {
+                    tenant_id,
+                    node_id: key.id.clone(),
+                    pool_id: p.pool_id,
+                    name: p.name,
+                    gpus: p.gpus,
+                    labels: p.labels,
+                    state: "ready".into(),
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                    updated_at_ms: env.at_ms,
+                })
+            }
+            // An event type this fold does not know leaves the row as it was: newer writers may
+            // add types that older readers ignore.
+            _ => Ok(current),
+        }
+    }
+}

@@ -58,4 +58,4 @@ CREATE TABLE IF NOT EXISTS projections (
     doc       TEXT NOT NULL,
     PRIMARY KEY (tenant_id, kind, id)
 );
-CREATE UNIQUE INDEX IF NOT EXISTS projections_by_id ON projections (kind, id);
+CREATE INDEX IF NOT EXISTS projections_by_id ON projections (kind, id);

@@ -26,8 +26,9 @@ use crate::keys::LogKey;
 
 /// Append requests waiting for the appender.
 pub const APPEND_QUEUE_REQUESTS_MAX: usize = 4096;
-/// Times a batch is decided again after another writer moved a chain head.
-pub const APPEND_ATTEMPTS_MAX: usize = 16;
+/// Optimistic attempts (decided and signed outside the transaction) before the appender decides
+/// the batch inside the transaction instead, under the counter lock, which cannot go stale.
+pub const OPTIMISTIC_ATTEMPTS_MAX: usize = 2;
 /// Below this many events, signing on one thread beats starting another.
 const PARALLEL_SIGNING_EVENTS_MIN: usize = 64;
 
@@ -132,54 +133,79 @@ async fn process_batch(
     clock: &Arc<dyn Clock>,
     mut jobs: Vec<Job>,
 ) {
-    for _attempt in 0..APPEND_ATTEMPTS_MAX {
+    let mut decided = None;
+    for _attempt in 0..OPTIMISTIC_ATTEMPTS_MAX {
         let pre = match store.preread(&pre_read_query(&jobs)).await {
             Ok(pre) => pre,
             Err(e) => return fail_all(jobs, &e),
         };
         let (key2, clock2) = (key.clone(), clock.clone());
         let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
-        let decided = tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms())).await;
-        let (mut batch, outcomes) = match decided {
-            Ok(decided) => decided,
-            Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
-        };
-        let mut commit = 0;
-        if !batch.events.is_empty() {
-            match store.commit(&batch, projector.as_ref()).await {
-                Ok(CommitOutcome::Committed { commit: number }) => commit = number,
-                Ok(CommitOutcome::Stale) => {
-                    tracing::debug!("chain head moved under the batch; deciding it again");
-                    continue;
+        let (mut batch, outcomes) =
+            match tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms())).await {
+                Ok(decided) => decided,
+                Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
+            };
+        if batch.events.is_empty() {
+            decided = Some((batch, outcomes));
+            break;
+        }
+        match store.commit(&batch, projector.as_ref()).await {
+            Ok(CommitOutcome::Committed { commit }) => {
+                set_commit(&mut batch, commit);
+                decided = Some((batch, outcomes));
+                break;
+            }
+            Ok(CommitOutcome::Stale) => tracing::debug!("a chain head moved under the batch; deciding it again"),
+            Err(e) => return fail_all(jobs, &e),
+        }
+    }
+    let (batch, outcomes) = match decided {
+        Some(decided) => decided,
+        None => {
+            // Contended: decide under the lock.
+            let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
+            let mut outcomes = Vec::new();
+            let now_ms = clock.now_ms();
+            let mut decide_locked = |pre: &PreRead| {
+                let (batch, decided) = decide(pre, &requests, key, now_ms);
+                outcomes = decided;
+                batch
+            };
+            match store.commit_locked(&pre_read_query(&jobs), &mut decide_locked, projector.as_ref()).await {
+                Ok((commit, mut batch)) => {
+                    set_commit(&mut batch, commit);
+                    (batch, outcomes)
                 }
                 Err(e) => return fail_all(jobs, &e),
             }
         }
-        for event in &mut batch.events {
-            event.position.commit = commit;
-        }
-        let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
-            .iter()
-            .map(|o| match o {
-                Outcome::Append(range) => Some(range.clone()),
-                _ => None,
-            })
-            .collect();
-        for (job, outcome) in jobs.drain(..).zip(outcomes) {
-            let answer = match outcome {
-                Outcome::Append(range) => Ok(AppendResult { events: batch.events[range].to_vec(), replayed: false }),
-                Outcome::ReplayOfJob(first) => Ok(AppendResult {
-                    events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
-                    replayed: true,
-                }),
-                Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
-                Outcome::Refused(e) => Err(e),
-            };
-            let _ = job.reply.send(answer);
-        }
-        return;
+    };
+    let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Append(range) => Some(range.clone()),
+            _ => None,
+        })
+        .collect();
+    for (job, outcome) in jobs.drain(..).zip(outcomes) {
+        let answer = match outcome {
+            Outcome::Append(range) => Ok(AppendResult { events: batch.events[range].to_vec(), replayed: false }),
+            Outcome::ReplayOfJob(first) => Ok(AppendResult {
+                events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
+                replayed: true,
+            }),
+            Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
+            Outcome::Refused(e) => Err(e),
+        };
+        let _ = job.reply.send(answer);
     }
-    fail_all(jobs, &Error::Unavailable("other writers kept moving the chain heads; retry".into()));
+}
+
+fn set_commit(batch: &mut PreparedBatch, commit: u64) {
+    for event in &mut batch.events {
+        event.position.commit = commit;
+    }
 }
 
 async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, last_seq: u64) -> Result<AppendResult> {
@@ -204,7 +230,8 @@ fn fail_all(jobs: Vec<Job>, error: &Error) {
         let copy = match error {
             Error::Unavailable(m) => Error::Unavailable(m.clone()),
             Error::Corrupt { tenant, seq, what } => Error::Corrupt { tenant: tenant.clone(), seq: *seq, what: what.clone() },
-            other => Error::Storage(other.to_string()),
+            Error::Storage(m) => Error::Storage(m.clone()),
+            other => Error::Internal(other.to_string()),
         };
         let _ = job.reply.send(Err(copy));
     }

@@ -248,6 +248,15 @@ pub trait EventStore: Send + Sync + 'static {
     /// Writes a prepared batch, its projection updates and idempotency records in one
     /// transaction, unless a chain head moved.
     async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome>;
+    /// The contended path: reads the state and calls `decide` inside the transaction, under
+    /// the counter lock, so the batch cannot go stale. Returns the commit number (0 when
+    /// `decide` accepted nothing and nothing was written) and the batch as written.
+    async fn commit_locked(
+        &self,
+        query: &PreReadQuery,
+        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
+        projector: &dyn Projector,
+    ) -> Result<(u64, PreparedBatch)>;
 
     /// Raw rows of one chain from `from_seq`, in `seq` order, unchecked (the auditor's view).
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>>;

@@ -11,7 +11,7 @@ use std::str::FromStr;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::NoTls;
+use tokio_postgres::{GenericClient, NoTls};
 
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
@@ -92,51 +92,15 @@ fn heads_from(rows: &[tokio_postgres::Row]) -> Result<HashMap<String, Head>> {
         .collect()
 }
 
-#[async_trait]
-impl EventStore for PostgresStore {
-    fn backend(&self) -> &'static str {
-        "postgresql"
-    }
 
-    async fn migrate(&self) -> Result<Vec<String>> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        tx.batch_execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at_ms BIGINT NOT NULL);
-             LOCK TABLE schema_migrations IN EXCLUSIVE MODE;",
-        )
-        .await?;
-        let mut applied = Vec::new();
-        for (version, name, sql) in MIGRATIONS {
-            let done = tx.query_opt("SELECT version FROM schema_migrations WHERE version = $1", &[version]).await?;
-            if done.is_some() {
-                continue;
-            }
-            tx.batch_execute(sql).await?;
-            let now = to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?;
-            tx.execute("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)", &[version, name, &now])
-                .await?;
-            applied.push(format!("{version:04}_{name}"));
-        }
-        tx.commit().await?;
-        Ok(applied)
-    }
+async fn next_commit(tx: &tokio_postgres::Transaction<'_>) -> Result<i64> {
+    Ok(tx
+        .query_one("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit", &[])
+        .await?
+        .try_get(0)?)
+}
 
-    async fn check_schema(&self) -> Result<()> {
-        let client = self.pool.get().await?;
-        let latest: Option<i64> = match client.query_one("SELECT MAX(version) FROM schema_migrations", &[]).await {
-            Ok(row) => row.try_get(0)?,
-            Err(_) => None,
-        };
-        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
-        match latest {
-            Some(v) if v >= wanted => Ok(()),
-            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
-        }
-    }
-
-    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
-        let client = self.pool.get().await?;
+async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result<PreRead> {
         let mut out = PreRead::default();
         let tenants: Vec<String> = query.tenants.iter().map(|t| t.to_string()).collect();
         for (tenant, head) in heads_from(
@@ -183,25 +147,9 @@ impl EventStore for PostgresStore {
             }
         }
         Ok(out)
-    }
+}
 
-    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let commit: i64 = tx
-            .query_one("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit", &[])
-            .await?
-            .try_get(0)?;
-        let tenants: Vec<String> = batch.heads_before.iter().map(|(t, _)| t.to_string()).collect();
-        let heads = heads_from(
-            &tx.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1) FOR UPDATE", &[&tenants])
-                .await?,
-        )?;
-        for (tenant, before) in &batch.heads_before {
-            if heads.get(&tenant.to_string()) != before.as_ref() {
-                return Ok(CommitOutcome::Stale);
-            }
-        }
+async fn write_batch(tx: &tokio_postgres::Transaction<'_>, batch: &PreparedBatch, commit: i64, projector: &dyn Projector) -> Result<()> {
         let n = batch.events.len();
         let (mut t, mut seq, mut id, mut stream, mut version, mut ty, mut at, mut idx, mut canonical, mut hash, mut sig, mut key) = (
             Vec::with_capacity(n),
@@ -315,8 +263,93 @@ impl EventStore for PostgresStore {
             )
             .await?;
         }
+    Ok(())
+}
+
+#[async_trait]
+impl EventStore for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgresql"
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at_ms BIGINT NOT NULL);
+             LOCK TABLE schema_migrations IN EXCLUSIVE MODE;",
+        )
+        .await?;
+        let mut applied = Vec::new();
+        for (version, name, sql) in MIGRATIONS {
+            let done = tx.query_opt("SELECT version FROM schema_migrations WHERE version = $1", &[version]).await?;
+            if done.is_some() {
+                continue;
+            }
+            tx.batch_execute(sql).await?;
+            let now = to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?;
+            tx.execute("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)", &[version, name, &now])
+                .await?;
+            applied.push(format!("{version:04}_{name}"));
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let client = self.pool.get().await?;
+        let latest: Option<i64> = match client.query_one("SELECT MAX(version) FROM schema_migrations", &[]).await {
+            Ok(row) => row.try_get(0)?,
+            Err(_) => None,
+        };
+        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+        match latest {
+            Some(v) if v >= wanted => Ok(()),
+            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
+        }
+    }
+
+    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
+        let client = self.pool.get().await?;
+        preread_on(&**client, query).await
+    }
+
+    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let commit = next_commit(&tx).await?;
+        let tenants: Vec<String> = batch.heads_before.iter().map(|(t, _)| t.to_string()).collect();
+        let heads = heads_from(
+            &tx.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1) FOR UPDATE", &[&tenants])
+                .await?,
+        )?;
+        for (tenant, before) in &batch.heads_before {
+            if heads.get(&tenant.to_string()) != before.as_ref() {
+                return Ok(CommitOutcome::Stale);
+            }
+        }
+        write_batch(&tx, batch, commit, projector).await?;
         tx.commit().await?;
         Ok(CommitOutcome::Committed { commit: to_u64(commit)? })
+    }
+
+    async fn commit_locked(
+        &self,
+        query: &PreReadQuery,
+        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
+        projector: &dyn Projector,
+    ) -> Result<(u64, PreparedBatch)> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let commit = next_commit(&tx).await?;
+        let pre = preread_on(&*tx, query).await?;
+        let batch = decide(&pre);
+        if batch.events.is_empty() {
+            return Ok((0, batch));
+        }
+        write_batch(&tx, &batch, commit, projector).await?;
+        tx.commit().await?;
+        Ok((to_u64(commit)?, batch))
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -440,7 +473,7 @@ impl EventStore for PostgresStore {
         let client = self.pool.get().await?;
         let rows = client
             .query(
-                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id COLLATE "C" > $3
+                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id COLLATE \"C\" > $3
                  ORDER BY id COLLATE \"C\" LIMIT $4",
                 &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)],
             )

@@ -138,56 +138,15 @@ async fn write_projections(
     Ok(())
 }
 
-#[async_trait]
-impl EventStore for SqliteStore {
-    fn backend(&self) -> &'static str {
-        "sqlite"
-    }
 
-    async fn migrate(&self) -> Result<Vec<String>> {
-        let mut applied = Vec::new();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at_ms INTEGER NOT NULL)",
-        )
-        .execute(&mut *tx)
-        .await?;
-        for (version, name, sql) in MIGRATIONS {
-            let done: Option<i64> = sqlx::query_scalar("SELECT version FROM schema_migrations WHERE version = ?")
-                .bind(version)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if done.is_some() {
-                continue;
-            }
-            sqlx::raw_sql(*sql).execute(&mut *tx).await?;
-            sqlx::query("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES (?, ?, ?)")
-                .bind(version)
-                .bind(*name)
-                .bind(to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?)
-                .execute(&mut *tx)
-                .await?;
-            applied.push(format!("{version:04}_{name}"));
-        }
-        tx.commit().await?;
-        Ok(applied)
-    }
+async fn next_commit(tx: &mut sqlx::Transaction<'static, Sqlite>) -> Result<i64> {
+    Ok(sqlx::query_scalar("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit")
+        .fetch_one(&mut **tx)
+        .await?)
+}
 
-    async fn check_schema(&self) -> Result<()> {
-        let latest: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM schema_migrations")
-            .fetch_one(&self.pool)
-            .await
-            .unwrap_or(None);
-        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
-        match latest {
-            Some(v) if v >= wanted => Ok(()),
-            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
-        }
-    }
-
-    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
-        let mut out = PreRead::default();
-        let mut conn = self.pool.acquire().await?;
+async fn preread_on(conn: &mut sqlx::SqliteConnection, query: &PreReadQuery) -> Result<PreRead> {
+    let mut out = PreRead::default();
         if !query.tenants.is_empty() {
             let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
             let mut list = q.separated(", ");
@@ -241,30 +200,15 @@ impl EventStore for SqliteStore {
                 );
             }
         }
-        Ok(out)
-    }
+    Ok(out)
+}
 
-    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let commit: i64 = sqlx::query_scalar("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit")
-            .fetch_one(&mut *tx)
-            .await?;
-        let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
-        let mut list = q.separated(", ");
-        for (t, _) in &batch.heads_before {
-            list.push_bind(t.to_string());
-        }
-        q.push(")");
-        let mut heads = HashMap::new();
-        for row in q.build().fetch_all(&mut *tx).await? {
-            let tenant: String = row.try_get(0)?;
-            heads.insert(tenant, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? });
-        }
-        for (tenant, before) in &batch.heads_before {
-            if heads.get(&tenant.to_string()) != before.as_ref() {
-                return Ok(CommitOutcome::Stale);
-            }
-        }
+async fn write_batch(
+    tx: &mut sqlx::Transaction<'static, Sqlite>,
+    batch: &PreparedBatch,
+    commit: i64,
+    projector: &dyn Projector,
+) -> Result<()> {
         for chunk in batch.events.chunks(ROWS_PER_STATEMENT_MAX) {
             let mut q = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id) ",
@@ -296,7 +240,7 @@ impl EventStore for SqliteStore {
             if let Some(e) = failed {
                 return Err(e);
             }
-            q.build().execute(&mut *tx).await?;
+            q.build().execute(&mut **tx).await?;
         }
         let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO chain_heads (tenant_id, seq, hash) ");
         let mut bad = false;
@@ -308,7 +252,7 @@ impl EventStore for SqliteStore {
             return Err(Error::Internal("sequence number out of range".into()));
         }
         q.push(" ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash");
-        q.build().execute(&mut *tx).await?;
+        q.build().execute(&mut **tx).await?;
         if !batch.idempotency.is_empty() {
             let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq) ");
             q.push_values(&batch.idempotency, |mut b, (tenant, key, record)| {
@@ -318,11 +262,95 @@ impl EventStore for SqliteStore {
                     .push_bind(record.first_seq as i64)
                     .push_bind(record.last_seq as i64);
             });
-            q.build().execute(&mut *tx).await?;
+            q.build().execute(&mut **tx).await?;
         }
-        write_projections(&mut tx, projector, &batch.events).await?;
+    write_projections(tx, projector, &batch.events).await
+}
+
+#[async_trait]
+impl EventStore for SqliteStore {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>> {
+        let mut applied = Vec::new();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at_ms INTEGER NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        for (version, name, sql) in MIGRATIONS {
+            let done: Option<i64> = sqlx::query_scalar("SELECT version FROM schema_migrations WHERE version = ?")
+                .bind(version)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if done.is_some() {
+                continue;
+            }
+            sqlx::raw_sql(*sql).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES (?, ?, ?)")
+                .bind(version)
+                .bind(*name)
+                .bind(to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?)
+                .execute(&mut *tx)
+                .await?;
+            applied.push(format!("{version:04}_{name}"));
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    async fn check_schema(&self) -> Result<()> {
+        let latest: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM schema_migrations")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(None);
+        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+        match latest {
+            Some(v) if v >= wanted => Ok(()),
+            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
+        }
+    }
+
+    async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
+        let mut conn = self.pool.acquire().await?;
+        preread_on(&mut conn, query).await
+    }
+
+    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let commit = next_commit(&mut tx).await?;
+        let heads = preread_on(&mut tx, &PreReadQuery { tenants: batch.heads_before.iter().map(|(t, _)| *t).collect(), ..Default::default() })
+            .await?
+            .heads;
+        for (tenant, before) in &batch.heads_before {
+            if heads.get(tenant) != before.as_ref() {
+                return Ok(CommitOutcome::Stale);
+            }
+        }
+        write_batch(&mut tx, batch, commit, projector).await?;
         tx.commit().await?;
         Ok(CommitOutcome::Committed { commit: to_u64(commit)? })
+    }
+
+    async fn commit_locked(
+        &self,
+        query: &PreReadQuery,
+        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
+        projector: &dyn Projector,
+    ) -> Result<(u64, PreparedBatch)> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let commit = next_commit(&mut tx).await?;
+        let pre = preread_on(&mut tx, query).await?;
+        let batch = decide(&pre);
+        if batch.events.is_empty() {
+            return Ok((0, batch));
+        }
+        write_batch(&mut tx, &batch, commit, projector).await?;
+        tx.commit().await?;
+        Ok((to_u64(commit)?, batch))
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
