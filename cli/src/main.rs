@@ -1,1 +1,496 @@
-fn main(){}
+//! `better-compute`: the composition root and the CLI.
+//!
+//! Layout: `main.rs` parses the command line (clap) and dispatches; `server.rs` holds the
+//! operator commands that open the database (`dev`, `serve`, `migrate`, `pki`, `projections`);
+//! `client.rs` is the API client; `output.rs` formats results safely for a terminal.
+//!
+//! Exit status: 0 on success, 2 for a usage mistake (`INVALID_ARGUMENT`), 1 for anything else.
+//! A failure prints `CODE: message` and, when there is one, a `hint:` line.
+
+use std::io::{IsTerminal, Read};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bc_core::id::{NodeId, PoolId, TenantId};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Map, Value, json};
+
+mod client;
+mod output;
+mod server;
+
+use client::{Client, CliError};
+use output::Format;
+
+const DEFAULT_URL: &str = "http://127.0.0.1:7070";
+const DEFAULT_DATA_DIR: &str = ".better-compute";
+const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+
+#[derive(Parser)]
+#[command(name = "better-compute", version, about = "An event-sourced control plane for GPU capacity")]
+struct Cli {
+    /// Output format (lists default to table, everything else to json).
+    #[arg(long, global = true, value_enum)]
+    format: Option<Format>,
+    /// Print part of the result: `items[].id`, `pin`, `items[0].name`.
+    #[arg(long, global = true, value_name = "PATH")]
+    query: Option<String>,
+    /// The API's URL.
+    #[arg(long, global = true, env = "BETTER_COMPUTE_URL", default_value = DEFAULT_URL)]
+    url: String,
+    /// The tenant to act in (default: the token's own).
+    #[arg(long, global = true, env = "BETTER_COMPUTE_TENANT")]
+    tenant: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct DataDir {
+    /// Where the embedded database, the log key and the admin token live.
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    data_dir: PathBuf,
+}
+
+#[derive(Args)]
+struct DatabaseArgs {
+    /// Where the embedded database and the log key live.
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    data_dir: PathBuf,
+    /// PostgreSQL instead of the embedded database.
+    #[arg(long, env = "BETTER_COMPUTE_DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the control plane on the embedded database (SQLite): nothing else to install.
+    Dev {
+        #[command(flatten)]
+        dir: DataDir,
+        #[arg(long, default_value = DEFAULT_LISTEN)]
+        listen: String,
+    },
+    /// Run the control plane on PostgreSQL (run `migrate` first).
+    Serve {
+        #[arg(long, env = "BETTER_COMPUTE_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long, default_value = DEFAULT_LISTEN)]
+        listen: String,
+        /// Where the log key and the first admin token are kept.
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+    },
+    /// Apply the database migrations.
+    Migrate {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+    /// The log key.
+    Pki {
+        #[command(subcommand)]
+        command: PkiCommand,
+    },
+    /// Read models.
+    Projections {
+        #[command(subcommand)]
+        command: ProjectionsCommand,
+    },
+    /// Call any API method: `api pools.get poolId=pool_…`, `k=v` (string), `k:=json`.
+    Api {
+        /// GROUP.METHOD
+        method: Option<String>,
+        /// Body fields: `key=value` (a string) or `key:=json`.
+        items: Vec<String>,
+        /// The whole body as JSON, or `-` to read it from standard input.
+        #[arg(long)]
+        data: Option<String>,
+        /// Idempotency key to send.
+        #[arg(long)]
+        key: Option<String>,
+        /// List the methods.
+        #[arg(long)]
+        list: bool,
+    },
+    /// The event log.
+    Events {
+        #[command(subcommand)]
+        command: EventsCommand,
+    },
+    /// Pools of capacity.
+    Pools {
+        #[command(subcommand)]
+        command: PoolsCommand,
+    },
+    /// Hosts and their GPUs.
+    Nodes {
+        #[command(subcommand)]
+        command: NodesCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PkiCommand {
+    /// Print the log key's id and pin (`sha256/…`).
+    Show {
+        #[command(flatten)]
+        dir: DataDir,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProjectionsCommand {
+    /// Fold every read model again from the log.
+    Rebuild {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+}
+
+#[derive(Args)]
+struct Page {
+    /// Rows per page (1 to 500).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=500))]
+    limit: Option<u32>,
+    /// Continue after this cursor (printed under a table as `more rows`).
+    #[arg(long)]
+    cursor: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum EventsCommand {
+    /// Page through a tenant's events by outbox position.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One event with its canonical bytes, hash and signature.
+    Get { event_id: String },
+}
+
+#[derive(Subcommand)]
+enum PoolsCommand {
+    List {
+        #[command(flatten)]
+        page: Page,
+        #[arg(long)]
+        include_archived: bool,
+    },
+    Get { pool_id: String },
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// `key=value`, repeatable.
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        /// Idempotency key (default: a fresh one, printed on stderr).
+        #[arg(long)]
+        key: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum NodesCommand {
+    List {
+        #[command(flatten)]
+        page: Page,
+        #[arg(long)]
+        pool: Option<String>,
+    },
+    Get { node_id: String },
+    /// Add a host by hand.
+    Register {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        name: String,
+        /// `MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN`, repeatable (`H100:H100-SXM5-80GB:80:0`).
+        #[arg(long = "gpu")]
+        gpus: Vec<String>,
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[arg(long)]
+        key: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let rendered = e.render().to_string();
+            eprintln!("INVALID_ARGUMENT: {}", rendered.trim_start_matches("error: ").trim_end());
+            return ExitCode::from(2);
+        }
+    };
+    init_tracing();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("INTERNAL: starting the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}: {}", e.code, output::safe_text(&e.message));
+            if let Some(hint) = &e.hint {
+                eprintln!("hint: {}", output::safe_text(hint));
+            }
+            ExitCode::from(e.exit_status())
+        }
+    }
+}
+
+/// Logs go to stderr: human-readable on a terminal, JSON otherwise.
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BETTER_COMPUTE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn,tower_http=info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if std::io::stderr().is_terminal() {
+        builder.init();
+    } else {
+        builder.json().init();
+    }
+}
+
+fn print(value: &Value, format: Format, query: Option<&str>) -> Result<(), CliError> {
+    let text = output::render(value, format, query).map_err(CliError::usage)?;
+    println!("{text}");
+    Ok(())
+}
+
+fn client(cli: &Cli) -> Result<Client, CliError> {
+    let token = std::env::var("BETTER_COMPUTE_TOKEN").ok().filter(|t| !t.trim().is_empty());
+    let token = token.ok_or_else(|| {
+        CliError::new("MISSING_ENV", "no credential: BETTER_COMPUTE_TOKEN is not set")
+            .hint("export BETTER_COMPUTE_TOKEN=$(cat .better-compute/admin.token)")
+    })?;
+    Client::new(&cli.url, Some(token.trim().to_owned()))
+}
+
+/// Checks an id's kind before anything is sent: a wrong one is a usage error.
+fn check_id<T: std::str::FromStr<Err = bc_core::Error>>(what: &str, text: &str) -> Result<String, CliError> {
+    text.parse::<T>().map(|_| text.to_owned()).map_err(|e| CliError::usage(format!("{what}: {e}")))
+}
+
+fn tenant_body(cli: &Cli) -> Result<Map<String, Value>, CliError> {
+    let mut body = Map::new();
+    if let Some(t) = &cli.tenant {
+        body.insert("tenantId".into(), Value::String(check_id::<TenantId>("--tenant", t)?));
+    }
+    Ok(body)
+}
+
+fn page_body(cli: &Cli, page: &Page) -> Result<Map<String, Value>, CliError> {
+    let mut body = tenant_body(cli)?;
+    if let Some(limit) = page.limit {
+        body.insert("limit".into(), json!(limit));
+    }
+    if let Some(cursor) = &page.cursor {
+        body.insert("cursor".into(), json!(cursor));
+    }
+    Ok(body)
+}
+
+fn labels(items: &[String]) -> Result<Value, CliError> {
+    let mut map = Map::new();
+    for item in items {
+        let (k, v) = item.split_once('=').ok_or_else(|| CliError::usage(format!("--label {item:?} is not key=value")))?;
+        map.insert(k.to_owned(), Value::String(v.to_owned()));
+    }
+    Ok(Value::Object(map))
+}
+
+/// The key a create sends: the user's `--key`, or a fresh one, printed so a retry can reuse it.
+fn idempotency_key(given: &Option<String>) -> String {
+    let key = given.clone().unwrap_or_else(|| format!("cli-{}", ulid::Ulid::generate().to_string().to_ascii_lowercase()));
+    eprintln!("idempotency key: {key}");
+    key
+}
+
+fn parse_items(items: &[String], data: Option<&str>) -> Result<Value, CliError> {
+    let mut body = match data {
+        None => Map::new(),
+        Some(text) => {
+            let text = if text == "-" {
+                let mut buffer = String::new();
+                std::io::stdin().read_to_string(&mut buffer).map_err(|e| CliError::usage(format!("reading standard input: {e}")))?;
+                buffer
+            } else {
+                text.to_owned()
+            };
+            match serde_json::from_str(&text) {
+                Ok(Value::Object(map)) => map,
+                Ok(_) => return Err(CliError::usage("--data must be a JSON object")),
+                Err(e) => return Err(CliError::usage(format!("--data is not JSON: {e}"))),
+            }
+        }
+    };
+    for item in items {
+        if let Some((k, v)) = item.split_once(":=") {
+            let value = serde_json::from_str(v).map_err(|e| CliError::usage(format!("{k}:= is not JSON: {e}")))?;
+            body.insert(k.to_owned(), value);
+        } else if let Some((k, v)) = item.split_once('=') {
+            body.insert(k.to_owned(), Value::String(v.to_owned()));
+        } else {
+            return Err(CliError::usage(format!("{item:?} is not key=value or key:=json")));
+        }
+    }
+    Ok(Value::Object(body))
+}
+
+async fn run(cli: Cli) -> Result<(), CliError> {
+    let query = cli.query.clone();
+    let q = query.as_deref();
+    let json_or = |default: Format| cli.format.unwrap_or(default);
+    match &cli.command {
+        Command::Dev { dir, listen } => {
+            let db = server::Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
+            server::run_server(db, &dir.data_dir, listen, true).await
+        }
+        Command::Serve { database_url, listen, data_dir } => {
+            server::run_server(server::Database::Postgres(database_url.clone()), data_dir, listen, false).await
+        }
+        Command::Migrate { db } => {
+            let value = server::migrate(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;
+            print(&value, json_or(Format::Json), q)
+        }
+        Command::Pki { command: PkiCommand::Show { dir } } => print(&server::pki_show(&dir.data_dir)?, json_or(Format::Json), q),
+        Command::Projections { command: ProjectionsCommand::Rebuild { db } } => {
+            let value = server::projections_rebuild(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;
+            print(&value, json_or(Format::Json), q)
+        }
+        Command::Api { method, items, data, key, list } => {
+            if *list {
+                let methods: Vec<Value> = bc_gateway::methods::METHODS
+                    .iter()
+                    .map(|m| json!({ "method": m.name, "action": m.action.unwrap_or("(public)"), "summary": m.summary }))
+                    .collect();
+                return print(&json!({ "items": methods }), json_or(Format::Table), q);
+            }
+            let method = method.as_deref().ok_or_else(|| CliError::usage("give GROUP.METHOD, or --list"))?;
+            if bc_gateway::methods::method(method).is_none() {
+                let best = bc_gateway::methods::METHODS.iter().map(|m| m.name).min_by_key(|m| bc_gateway::edit_distance(m, method));
+                let mut e = CliError::usage(format!("unknown method {method:?}"));
+                if let Some(best) = best {
+                    e = e.hint(format!("did you mean {best}? (api --list shows them all)"));
+                }
+                return Err(e);
+            }
+            let mut body = parse_items(items, data.as_deref())?;
+            if let (Some(t), Value::Object(map)) = (&cli.tenant, &mut body) {
+                map.entry("tenantId").or_insert_with(|| Value::String(t.clone()));
+            }
+            let value = client(&cli)?.call(method, &body, key.as_deref()).await?;
+            print(&value, json_or(Format::Json), q)
+        }
+        Command::Events { command } => {
+            let c = client(&cli)?;
+            match command {
+                EventsCommand::List { page } => {
+                    let body = page_body(&cli, page)?;
+                    let mut value = c.call("events.list", &Value::Object(body), None).await?;
+                    if cli.format.unwrap_or(Format::Table) == Format::Table && q.is_none() {
+                        // The table shows the envelope, not the payload.
+                        if let Some(items) = value["items"].as_array_mut() {
+                            for item in items {
+                                for field in ["payload", "prev", "hash", "keyId", "tenantId", "correlation"] {
+                                    item.as_object_mut().map(|m| m.remove(field));
+                                }
+                            }
+                        }
+                    }
+                    print(&value, json_or(Format::Table), q)
+                }
+                EventsCommand::Get { event_id } => {
+                    let mut body = tenant_body(&cli)?;
+                    body.insert("eventId".into(), json!(check_id::<bc_core::id::EventId>("EVENT_ID", event_id)?));
+                    print(&c.call("events.get", &Value::Object(body), None).await?, json_or(Format::Json), q)
+                }
+            }
+        }
+        Command::Pools { command } => {
+            let c = client(&cli)?;
+            match command {
+                PoolsCommand::List { page, include_archived } => {
+                    let mut body = page_body(&cli, page)?;
+                    body.insert("includeArchived".into(), json!(include_archived));
+                    print(&c.call("pools.list", &Value::Object(body), None).await?, json_or(Format::Table), q)
+                }
+                PoolsCommand::Get { pool_id } => {
+                    let mut body = tenant_body(&cli)?;
+                    body.insert("poolId".into(), json!(check_id::<PoolId>("POOL_ID", pool_id)?));
+                    print(&c.call("pools.get", &Value::Object(body), None).await?, json_or(Format::Json), q)
+                }
+                PoolsCommand::Create { name, description, labels: items, key } => {
+                    let mut body = tenant_body(&cli)?;
+                    body.insert("name".into(), json!(name));
+                    body.insert("description".into(), json!(description));
+                    body.insert("labels".into(), labels(items)?);
+                    let key = idempotency_key(key);
+                    print(&c.call("pools.create", &Value::Object(body), Some(&key)).await?, json_or(Format::Json), q)
+                }
+            }
+        }
+        Command::Nodes { command } => {
+            let c = client(&cli)?;
+            match command {
+                NodesCommand::List { page, pool } => {
+                    let mut body = page_body(&cli, page)?;
+                    if let Some(pool) = pool {
+                        body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", pool)?));
+                    }
+                    let mut value = c.call("nodes.list", &Value::Object(body), None).await?;
+                    if cli.format.unwrap_or(Format::Table) == Format::Table && q.is_none() {
+                        // One cell per node: "2× H100-SXM5-80GB (80 GiB)".
+                        for item in value["items"].as_array_mut().into_iter().flatten() {
+                            let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+                            for gpu in item["gpus"].as_array().into_iter().flatten() {
+                                let label = format!("{} ({} GiB)", gpu["product"].as_str().unwrap_or("?"), gpu["vramGiB"]);
+                                *counts.entry(label).or_default() += 1;
+                            }
+                            let summary: Vec<String> = counts.into_iter().map(|(label, n)| format!("{n}× {label}")).collect();
+                            item["gpus"] = Value::String(summary.join(", "));
+                            item.as_object_mut().map(|m| m.remove("tenantId"));
+                        }
+                    }
+                    print(&value, json_or(Format::Table), q)
+                }
+                NodesCommand::Get { node_id } => {
+                    let mut body = tenant_body(&cli)?;
+                    body.insert("nodeId".into(), json!(check_id::<NodeId>("NODE_ID", node_id)?));
+                    print(&c.call("nodes.get", &Value::Object(body), None).await?, json_or(Format::Json), q)
+                }
+                NodesCommand::Register { pool, name, gpus, labels: items, key } => {
+                    let mut body = tenant_body(&cli)?;
+                    body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", pool)?));
+                    body.insert("name".into(), json!(name));
+                    let mut list = Vec::new();
+                    for spec in gpus {
+                        let parts: Vec<&str> = spec.split(':').collect();
+                        let [model, product, vram, domain] = parts[..] else {
+                            return Err(CliError::usage(format!("--gpu {spec:?} is not MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN")));
+                        };
+                        let vram: u32 = vram.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: VRAM_GIB is not a number")))?;
+                        let domain: u32 =
+                            domain.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: NVLINK_DOMAIN is not a number")))?;
+                        list.push(json!({ "model": model, "product": product, "vramGiB": vram, "nvlinkDomain": domain }));
+                    }
+                    body.insert("gpus".into(), Value::Array(list));
+                    body.insert("labels".into(), labels(items)?);
+                    let key = idempotency_key(key);
+                    print(&c.call("nodes.register", &Value::Object(body), Some(&key)).await?, json_or(Format::Json), q)
+                }
+            }
+        }
+    }
+}

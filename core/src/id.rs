@@ -72,6 +72,12 @@ typed_id!(/// One event in a tenant's chain.
     EventId, "evt");
 typed_id!(/// A tenant: the owner of one hash chain.
     TenantId, "ten");
+
+impl TenantId {
+    /// The root tenant, whose administrators act across tenants: the all-zero ULID, so every
+    /// deployment can find it without a lookup.
+    pub const ROOT: TenantId = TenantId(ulid::Ulid::nil());
+}
 typed_id!(/// A pool of capacity inside a tenant.
     PoolId, "pool");
 typed_id!(/// A host with GPUs.

@@ -77,6 +77,7 @@ fn chains_verify_and_tampering_is_located() {
                     actor: "prop".into(),
                     causation: None,
                     correlation: None,
+                    fingerprint: None,
                     events,
                 })
                 .await

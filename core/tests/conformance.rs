@@ -73,6 +73,7 @@ fn request(tenant: TenantId, stream: &str, expected: ExpectedVersion, n: usize) 
         actor: "test".into(),
         causation: None,
         correlation: None,
+        fingerprint: None,
         events: (0..n)
             .map(|i| NewEvent {
                 event_type: "thing.happened".into(),

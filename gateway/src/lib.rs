@@ -1,1 +1,219 @@
+//! `bc-gateway`: the HTTP face of the control plane.
+//!
+//! Layout:
+//! - `lib.rs` (this file): the router, the one RPC handler, health, and bootstrap of the root
+//!   tenant;
+//! - [`methods`]: the method table and the handlers, with their wire input types;
+//! - [`auth`]: API keys, tokens, actions;
+//! - [`error`]: the `{code, message, details}` envelope and status mapping.
+//!
+//! Architecture invariant: this crate is the only one that knows HTTP. It talks to storage only
+//! through `bc_core::store`.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bc_core::id::{ApiKeyId, RequestId, TenantId};
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_core::{Error, Result};
+use bc_projections::events as ev;
+use bc_projections::{KIND_API_KEY, KIND_TENANT, stream_of};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use tracing::Instrument;
+
+pub mod auth;
+pub mod error;
+pub mod methods;
+
+use error::ApiError;
+
+/// Largest request body, in bytes.
+pub const BODY_BYTES_MAX: usize = 1024 * 1024;
+/// Longest `Idempotency-Key` header.
+pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 128;
+/// A request taking longer than this is answered `UNAVAILABLE`.
+pub const REQUEST_TIMEOUT_S: u64 = 30;
+/// Requests served at once, so a burst queues instead of exhausting memory and connections.
+pub const CONCURRENT_REQUESTS_MAX: usize = 1024;
+
+/// What every request shares.
+pub struct AppState {
+    pub log: Arc<Log>,
+    pub store: Arc<dyn EventStore>,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/api/compute/{method}", post(rpc))
+        .fallback(not_found)
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(tower_http::trace::TraceLayer::new_for_http())
+                .layer(tower::limit::ConcurrencyLimitLayer::new(CONCURRENT_REQUESTS_MAX))
+                .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Duration::from_secs(REQUEST_TIMEOUT_S),
+                )),
+        )
+        .with_state(state)
+}
+
+async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    match state.store.last_commit().await {
+        Ok(commit) => axum::Json(json!({ "status": "ok", "backend": state.store.backend(), "lastCommit": commit })).into_response(),
+        Err(e) => ApiError::from(Error::Unavailable(format!("database unreachable: {}", e.public_message()))).into_response(),
+    }
+}
+
+async fn not_found() -> ApiError {
+    Error::NotFound { what: "route (the API is POST /api/compute/GROUP.METHOD)".into() }.into()
+}
+
+async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, headers: HeaderMap, body: Body) -> Response {
+    let request_id = RequestId::generate().to_string();
+    let span = tracing::info_span!("rpc", method = %bc_core::id::truncate(&name, 64), request_id = %request_id);
+    match rpc_inner(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
+        Ok(value) => {
+            let mut response = axum::Json(value).into_response();
+            response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
+            response
+        }
+        Err(e) => {
+            let mut response = e.into_response();
+            response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
+            response
+        }
+    }
+}
+
+async fn rpc_inner(state: &AppState, name: &str, headers: &HeaderMap, body: Body, request_id: String) -> Result<serde_json::Value, ApiError> {
+    let method = methods::method(name).ok_or_else(|| {
+        let suggestion = methods::METHODS.iter().map(|m| m.name).min_by_key(|m| edit_distance(m, name)).unwrap_or_default();
+        ApiError::with_details(
+            Error::NotFound { what: format!("method {:?}", bc_core::id::truncate(name, 64)) },
+            json!({ "didYouMean": suggestion }),
+        )
+    })?;
+    // Authenticate before reading the body, so an anonymous caller cannot make us buffer it.
+    let principal = match method.action {
+        None => None,
+        Some(_) => {
+            let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
+            Some(auth::authenticate(&*state.store, header).await?)
+        }
+    };
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = ct.to_str().unwrap_or("");
+        if !ct.starts_with("application/json") {
+            return Err(Error::invalid(format!("content-type must be application/json, not {:?}", bc_core::id::truncate(ct, 60))).into());
+        }
+    }
+    let bytes = axum::body::to_bytes(body, BODY_BYTES_MAX)
+        .await
+        .map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?;
+    let idempotency_key = match headers.get("idempotency-key") {
+        None => None,
+        Some(value) => {
+            let key = value.to_str().map_err(|_| Error::invalid("Idempotency-Key must be printable ASCII"))?;
+            if key.is_empty() || key.len() > IDEMPOTENCY_KEY_BYTES_MAX || !key.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(Error::invalid(format!("Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters")).into());
+            }
+            Some(key.to_owned())
+        }
+    };
+    let fingerprint = {
+        // Key order and whitespace do not make a different request.
+        let normalized = serde_json::from_slice::<serde_json::Value>(&bytes).map(|v| v.to_string()).unwrap_or_default();
+        let mut hasher = Sha256::new();
+        hasher.update(name.as_bytes());
+        hasher.update([0]);
+        hasher.update(normalized.as_bytes());
+        hasher.finalize().into()
+    };
+    let call = methods::Call {
+        state,
+        principal,
+        action: method.action.unwrap_or(""),
+        idempotency_key,
+        fingerprint,
+        request_id,
+    };
+    Ok(methods::dispatch(&call, name, &bytes).await?)
+}
+
+/// Levenshtein distance, for "did you mean".
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+/// Creates the root tenant and its first administrator key on a new database. `persist` is
+/// given the token *before* the key is appended (so a crash can never leave a key whose token
+/// was lost) and must store it durably; `unpersist` undoes that if the append then fails.
+/// Returns whether a key was created. A root tenant without any key (a crash between the two
+/// appends) gets one on the next start.
+pub async fn bootstrap_root(
+    log: &Log,
+    persist: impl FnOnce(&str) -> Result<()>,
+    unpersist: impl FnOnce(),
+) -> Result<bool> {
+    let root = TenantId::ROOT;
+    let request = |stream: String, expected, event_type: &str, payload| AppendRequest {
+        tenant: root,
+        stream,
+        expected,
+        idempotency_key: None,
+        actor: "system:bootstrap".into(),
+        causation: None,
+        correlation: None,
+        fingerprint: None,
+        events: vec![NewEvent { event_type: event_type.to_owned(), payload }],
+    };
+    if log.store.row_get(&root.to_string(), KIND_TENANT, &root.to_string()).await?.is_none() {
+        let tenant = ev::to_cbor(&ev::TenantCreated { name: "root".into(), root: true })?;
+        match log.append(request(stream_of(KIND_TENANT, &root), ExpectedVersion::NoStream, ev::TENANT_CREATED, tenant)).await {
+            Ok(_) => {}
+            // Another server bootstrapped this database at the same moment.
+            Err(Error::Conflict { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+    } else if !log.store.row_list(&root.to_string(), KIND_API_KEY, None, 1).await?.is_empty() {
+        return Ok(false);
+    }
+    let key_id = ApiKeyId::generate();
+    let (token, secret_sha256) = auth::new_token(key_id);
+    persist(&token)?;
+    let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256 })?;
+    if let Err(e) = log.append(request(stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, key)).await {
+        unpersist();
+        return Err(e);
+    }
+    Ok(true)
+}
+
+/// Serves until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

@@ -77,6 +77,7 @@ pub struct Gpu {
     pub model: String,
     /// `H100-SXM5-80GB`, …
     pub product: String,
+    #[serde(rename = "vramGiB")]
     pub vram_gib: u32,
     /// GPUs with the same domain on one node share NVLink.
     pub nvlink_domain: u32,

@@ -72,6 +72,10 @@ pub struct AppendRequest {
     pub actor: String,
     pub causation: Option<String>,
     pub correlation: Option<String>,
+    /// What the caller asked for, for idempotency: when set (the gateway hashes the method and
+    /// its JSON body), a retry is "the same request" if this matches, even though the retry
+    /// drew fresh ids for what it would create. When unset, the stream and events are hashed.
+    pub fingerprint: Option<[u8; 32]>,
     pub events: Vec<NewEvent>,
 }
 
@@ -99,6 +103,9 @@ impl AppendRequest {
 
     /// What makes two requests "the same" for idempotency: the stream and the events.
     pub fn request_hash(&self) -> Result<[u8; 32]> {
+        if let Some(fingerprint) = self.fingerprint {
+            return Ok(fingerprint);
+        }
         let events = self
             .events
             .iter()

@@ -1,0 +1,166 @@
+//! The operator commands that open the database directly: `dev`, `serve`, `migrate`,
+//! `pki show`, `projections rebuild`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bc_core::clock::SystemClock;
+use bc_core::keys::{LogKey, write_secret_file};
+use bc_core::store::postgres::PostgresStore;
+use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{EventStore, Log, rebuild_projections};
+use bc_gateway::AppState;
+use bc_projections::Projections;
+use serde_json::{Value, json};
+
+use crate::client::CliError;
+
+pub const SQLITE_FILE: &str = "better-compute.sqlite3";
+pub const LOG_KEY_FILE: &str = "log.key";
+pub const ADMIN_TOKEN_FILE: &str = "admin.token";
+
+/// Where an operator command finds its database.
+pub enum Database {
+    Sqlite(PathBuf),
+    Postgres(String),
+}
+
+impl Database {
+    pub fn from_args(data_dir: &Path, database_url: Option<&str>) -> Self {
+        match database_url {
+            Some(url) => Database::Postgres(url.to_owned()),
+            None => Database::Sqlite(data_dir.join(SQLITE_FILE)),
+        }
+    }
+
+    pub async fn open(&self) -> Result<Arc<dyn EventStore>, CliError> {
+        Ok(match self {
+            Database::Sqlite(path) => {
+                if let Some(dir) = path.parent() {
+                    create_private_dir(dir)?;
+                }
+                Arc::new(SqliteStore::open(path).await.map_err(|e| {
+                    CliError::new("UNAVAILABLE", format!("cannot open {}: {}", path.display(), e.public_message()))
+                })?)
+            }
+            Database::Postgres(url) => {
+                if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+                    return Err(CliError::usage(format!("--database-url must be postgres://…, not {:?}", bc_core::id::truncate(url, 40))));
+                }
+                Arc::new(PostgresStore::connect(url).await?)
+            }
+        })
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Database::Sqlite(path) => format!("{} (sqlite)", path.display()),
+            Database::Postgres(_) => "postgresql (--database-url)".into(),
+        }
+    }
+}
+
+fn create_private_dir(dir: &Path) -> Result<(), CliError> {
+    use std::os::unix::fs::DirBuilderExt;
+    if dir.as_os_str().is_empty() || dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| CliError::new("INTERNAL", format!("cannot create {}: {e}", dir.display())))
+}
+
+pub async fn migrate(db: &Database) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    let applied = store.migrate().await?;
+    Ok(json!({ "backend": store.backend(), "applied": applied }))
+}
+
+pub fn pki_show(data_dir: &Path) -> Result<Value, CliError> {
+    use base64::Engine;
+    let key = LogKey::load(&data_dir.join(LOG_KEY_FILE))?;
+    Ok(json!({
+        "keyId": key.key_id(),
+        "pin": key.pin(),
+        "publicKey": base64::engine::general_purpose::STANDARD.encode(key.public().as_bytes()),
+        "algorithm": "ed25519",
+    }))
+}
+
+pub async fn projections_rebuild(db: &Database) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let started = std::time::Instant::now();
+    eprintln!("rebuilding projections from the log…");
+    let (events, rows) = rebuild_projections(&*store, &Projections).await?;
+    Ok(json!({ "events": events, "rows": rows, "elapsedMs": started.elapsed().as_millis() as u64 }))
+}
+
+/// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
+pub async fn run_server(db: Database, data_dir: &Path, listen: &str, migrate_first: bool) -> Result<(), CliError> {
+    let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
+    create_private_dir(data_dir)?;
+    let store = db.open().await?;
+    if migrate_first {
+        let applied = store.migrate().await?;
+        if !applied.is_empty() {
+            tracing::info!(?applied, "applied migrations");
+        }
+    }
+    store.check_schema().await?;
+    let key_path = data_dir.join(LOG_KEY_FILE);
+    let (key, created) = LogKey::load_or_create(&key_path)?;
+    if created {
+        tracing::info!(key_id = key.key_id(), path = %key_path.display(), "created the log key");
+    }
+    let key = Arc::new(key);
+    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(SystemClock)).await?);
+    let token_path = data_dir.join(ADMIN_TOKEN_FILE);
+    let created_token = bc_gateway::bootstrap_root(
+        &log,
+        |token| {
+            write_secret_file(&token_path, format!("{token}\n").as_bytes()).map_err(|e| match e {
+                bc_core::Error::AlreadyExists { .. } => bc_core::Error::InvalidArgument {
+                    message: format!("{} exists but this database has no administrator key", token_path.display()),
+                    hint: Some("it belongs to another database: move it away and start again".into()),
+                },
+                other => other,
+            })
+        },
+        || {
+            let _ = std::fs::remove_file(&token_path);
+        },
+    )
+    .await?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address"))?;
+    let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    // stdout is for people and for the test harness, which reads the URL from the first line.
+    println!("better-compute listening on http://{bound}");
+    println!("  database:  {}", db.describe());
+    println!("  log key:   {} {}", key.key_id(), key.pin());
+    if created_token {
+        println!("  admin token: written to {} (mode 0600); export BETTER_COMPUTE_TOKEN=$(cat {})", token_path.display(), token_path.display());
+    } else {
+        println!("  admin token: {} (from the first start)", token_path.display());
+    }
+    let state = Arc::new(AppState { log: log.clone(), store });
+    bc_gateway::serve(listener, state, shutdown_signal())
+        .await
+        .map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("installing SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term.recv() => {}
+    }
+}

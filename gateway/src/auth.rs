@@ -1,0 +1,126 @@
+//! API keys: a token is `KEY_ID.SECRET`; the server stores only SHA-256 of the secret, in the
+//! key's projection row, and finds the row by the key id the token carries.
+
+use base64::Engine;
+use bc_core::id::{ApiKeyId, TenantId};
+use bc_core::{Error, Result};
+use bc_projections::{ApiKeyDoc, KIND_API_KEY};
+use sha2::{Digest, Sha256};
+
+/// Longest `Authorization` header accepted.
+pub const TOKEN_BYTES_MAX: usize = 256;
+/// Random bytes in a token's secret.
+pub const SECRET_BYTES: usize = 32;
+
+/// Every action the API decides on. `*` in a key grants all; `compute:pools:*` all of a group.
+pub const ACTIONS: &[&str] = &[
+    "compute:tenants:admin",
+    "compute:apikeys:admin",
+    "compute:pools:read",
+    "compute:pools:write",
+    "compute:nodes:read",
+    "compute:nodes:write",
+    "compute:events:read",
+];
+
+/// Who is calling.
+#[derive(Clone, Debug)]
+pub struct Principal {
+    pub tenant: TenantId,
+    pub key_id: String,
+    pub actions: Vec<String>,
+}
+
+impl Principal {
+    pub fn is_root(&self) -> bool {
+        self.tenant == TenantId::ROOT
+    }
+
+    pub fn allows(&self, action: &str) -> bool {
+        self.actions.iter().any(|granted| {
+            granted == "*"
+                || granted == action
+                || granted.strip_suffix('*').is_some_and(|prefix| prefix.ends_with(':') && action.starts_with(prefix))
+        })
+    }
+
+    /// Checks `action` on `tenant`: a key acts in its own tenant; the root tenant's keys act in
+    /// any tenant.
+    pub fn authorize(&self, action: &str, tenant: TenantId) -> Result<()> {
+        if tenant != self.tenant && !self.is_root() {
+            return Err(Error::AccessDenied(format!("this key belongs to tenant {} and cannot act in {tenant}", self.tenant)));
+        }
+        if !self.allows(action) {
+            return Err(Error::AccessDenied(format!("this key does not grant {action}")));
+        }
+        Ok(())
+    }
+}
+
+pub fn secret_sha256(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+/// A fresh token for `key_id`, and the hash to store.
+pub fn new_token(key_id: ApiKeyId) -> (String, String) {
+    let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; SECRET_BYTES]>());
+    let hash = secret_sha256(&secret);
+    (format!("{key_id}.{secret}"), hash)
+}
+
+/// Validates every action name a key is created with.
+pub fn validate_actions(actions: &[String]) -> Result<()> {
+    if actions.is_empty() || actions.len() > 64 {
+        return Err(Error::invalid("a key grants 1 to 64 actions"));
+    }
+    for action in actions {
+        let known = action == "*"
+            || ACTIONS.contains(&action.as_str())
+            || action.strip_suffix(":*").is_some_and(|group| ACTIONS.iter().any(|a| a.starts_with(&format!("{group}:"))));
+        if !known {
+            return Err(Error::InvalidArgument {
+                message: format!("unknown action {:?}", bc_core::id::truncate(action, 60)),
+                hint: Some(format!("actions are *, GROUP:* or one of {}", ACTIONS.join(", "))),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Resolves the `Authorization` header to a principal.
+pub async fn authenticate(store: &dyn bc_core::store::EventStore, header: Option<&str>) -> Result<Principal> {
+    let header = header.ok_or_else(|| Error::Unauthenticated("missing Authorization header; send Authorization: Bearer TOKEN".into()))?;
+    if header.len() > TOKEN_BYTES_MAX {
+        return Err(Error::Unauthenticated("Authorization header too long".into()));
+    }
+    let token = header
+        .strip_prefix("Bearer ")
+        .ok_or_else(|| Error::Unauthenticated("Authorization must be Bearer TOKEN".into()))?
+        .trim();
+    let invalid = || Error::Unauthenticated("invalid or revoked token".into());
+    let (key_id, secret) = token.split_once('.').ok_or_else(invalid)?;
+    let key_id: ApiKeyId = key_id.parse().map_err(|_| invalid())?;
+    let row = store.row_find(KIND_API_KEY, &key_id.to_string()).await?.ok_or_else(invalid)?;
+    let doc: ApiKeyDoc = serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("api key document: {e}")))?;
+    // Both sides are SHA-256 digests, so comparing them leaks nothing about the secret.
+    if doc.revoked || doc.secret_sha256 != secret_sha256(secret) {
+        return Err(invalid());
+    }
+    Ok(Principal { tenant: doc.tenant_id.parse()?, key_id: doc.key_id, actions: doc.actions })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcards() {
+        let p = Principal { tenant: TenantId::generate(), key_id: "k".into(), actions: vec!["compute:pools:*".into()] };
+        assert!(p.allows("compute:pools:write"));
+        assert!(!p.allows("compute:nodes:read"));
+        assert!(p.authorize("compute:pools:read", TenantId::generate()).is_err(), "other tenant");
+        assert!(validate_actions(&["compute:pools:*".into(), "*".into()]).is_ok());
+        assert!(validate_actions(&["compute:bogus:read".into()]).is_err());
+        assert!(validate_actions(&["compute:bogus:*".into()]).is_err());
+    }
+}

@@ -1,0 +1,62 @@
+//! The one error envelope of the HTTP API: `{code, message, details}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use bc_core::{Error, ErrorCode};
+use serde_json::{Value, json};
+
+/// An API failure: the core error plus optional structured details for the client.
+#[derive(Debug)]
+pub struct ApiError {
+    pub error: Error,
+    pub details: Value,
+}
+
+impl From<Error> for ApiError {
+    fn from(error: Error) -> Self {
+        Self { error, details: Value::Object(Default::default()) }
+    }
+}
+
+impl ApiError {
+    pub fn with_details(error: Error, details: Value) -> Self {
+        Self { error, details }
+    }
+}
+
+pub fn status_of(code: ErrorCode) -> StatusCode {
+    match code {
+        ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
+        ErrorCode::NotFound => StatusCode::NOT_FOUND,
+        ErrorCode::Conflict | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => StatusCode::CONFLICT,
+        ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
+        ErrorCode::AccessDenied => StatusCode::FORBIDDEN,
+        ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::Corrupt | ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let code = self.error.code();
+        // Bad input is the client's business; only broken invariants are errors here.
+        match code {
+            ErrorCode::Corrupt | ErrorCode::Internal => tracing::error!(error = %self.error, "request failed"),
+            ErrorCode::Unavailable => tracing::warn!(error = %self.error, "request failed"),
+            _ => tracing::debug!(code = %code, message = %self.error, "request refused"),
+        }
+        let mut details = self.details;
+        if let (Some(hint), Value::Object(map)) = (self.error.hint(), &mut details) {
+            map.entry("hint").or_insert_with(|| Value::String(hint.to_owned()));
+        }
+        let body = json!({ "code": code.as_str(), "message": self.error.public_message(), "details": details });
+        let mut response = (status_of(code), axum::Json(body)).into_response();
+        if code == ErrorCode::Unauthenticated {
+            response.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

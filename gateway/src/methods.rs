@@ -1,0 +1,605 @@
+//! The RPC-style methods under `POST /api/compute/{group}.{method}`.
+//!
+//! Each method has a wire input type (JSON, `deny_unknown_fields`, camelCase), an action it is
+//! authorized as, and a handler that validates, reads projections, and appends events. Handlers
+//! never retry (STYLE rule 4): a conflict goes back to the caller.
+
+use std::collections::BTreeMap;
+
+use base64::Engine;
+use bc_core::canonical;
+use bc_core::event::{Position, StoredEvent};
+use bc_core::id::{ApiKeyId, EventId, NodeId, PoolId, TenantId, truncate};
+use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, READ_ROWS_MAX, decode_rows};
+use bc_core::{Error, Result};
+use bc_projections::events::{self as ev, Gpu};
+use bc_projections::{ApiKeyDoc, KIND_API_KEY, KIND_NODE, KIND_POOL, KIND_TENANT, NodeDoc, PoolDoc, stream_of};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use crate::AppState;
+use crate::auth::{self, Principal};
+
+/// Rows a list method returns at most; the default is `LIST_LIMIT_DEFAULT`.
+pub const LIST_LIMIT_MAX: u32 = 500;
+pub const LIST_LIMIT_DEFAULT: u32 = 100;
+/// Bounds on user-provided names and labels.
+pub const NAME_CHARS_MAX: usize = 63;
+pub const DESCRIPTION_CHARS_MAX: usize = 1024;
+pub const LABELS_MAX: usize = 64;
+pub const LABEL_KEY_CHARS_MAX: usize = 63;
+pub const LABEL_VALUE_CHARS_MAX: usize = 255;
+pub const GPUS_PER_NODE_MAX: usize = 64;
+pub const GPU_VRAM_GIB_MAX: u32 = 4096;
+pub const NVLINK_DOMAIN_MAX: u32 = 1024;
+const _: () = assert!(LIST_LIMIT_DEFAULT <= LIST_LIMIT_MAX && LIST_LIMIT_MAX <= READ_ROWS_MAX);
+
+/// One API method: its name, the action it is authorized as (`None`: public), and what it does.
+pub struct Method {
+    pub name: &'static str,
+    pub action: Option<&'static str>,
+    pub summary: &'static str,
+}
+
+pub const METHODS: &[Method] = &[
+    Method { name: "system.version", action: None, summary: "server version and the log key's pin" },
+    Method { name: "system.whoami", action: Some(""), summary: "the calling key: tenant, key id, actions" },
+    Method { name: "tenants.create", action: Some("compute:tenants:admin"), summary: "create a tenant (root tenant only)" },
+    Method { name: "tenants.get", action: Some("compute:tenants:admin"), summary: "one tenant" },
+    Method { name: "apiKeys.create", action: Some("compute:apikeys:admin"), summary: "create an API key; the token is shown once" },
+    Method { name: "apiKeys.list", action: Some("compute:apikeys:admin"), summary: "a tenant's API keys (never their secrets)" },
+    Method { name: "apiKeys.revoke", action: Some("compute:apikeys:admin"), summary: "revoke an API key" },
+    Method { name: "pools.create", action: Some("compute:pools:write"), summary: "create a pool" },
+    Method { name: "pools.get", action: Some("compute:pools:read"), summary: "one pool" },
+    Method { name: "pools.list", action: Some("compute:pools:read"), summary: "a tenant's pools, paged by cursor" },
+    Method { name: "pools.update", action: Some("compute:pools:write"), summary: "change a pool's name, description or labels" },
+    Method { name: "pools.archive", action: Some("compute:pools:write"), summary: "archive a pool" },
+    Method { name: "nodes.register", action: Some("compute:nodes:write"), summary: "add a host and its GPUs by hand" },
+    Method { name: "nodes.get", action: Some("compute:nodes:read"), summary: "one node" },
+    Method { name: "nodes.list", action: Some("compute:nodes:read"), summary: "a tenant's nodes, paged by cursor" },
+    Method { name: "events.list", action: Some("compute:events:read"), summary: "a tenant's events by outbox position" },
+    Method { name: "events.get", action: Some("compute:events:read"), summary: "one event with its canonical bytes, hash and signature" },
+];
+
+pub fn method(name: &str) -> Option<&'static Method> {
+    METHODS.iter().find(|m| m.name == name)
+}
+
+/// Everything a handler needs about the call.
+pub struct Call<'a> {
+    pub state: &'a AppState,
+    pub principal: Option<Principal>,
+    pub action: &'static str,
+    pub idempotency_key: Option<String>,
+    /// SHA-256 of the method name and the request body, for idempotent retries.
+    pub fingerprint: [u8; 32],
+    pub request_id: String,
+}
+
+impl Call<'_> {
+    fn principal(&self) -> &Principal {
+        self.principal.as_ref().expect("authenticated methods have a principal")
+    }
+
+    /// The tenant the call acts in (the key's own unless `tenantId` says otherwise), authorized.
+    async fn tenant(&self, requested: Option<TenantId>) -> Result<TenantId> {
+        let principal = self.principal();
+        let tenant = requested.unwrap_or(principal.tenant);
+        principal.authorize(self.action, tenant)?;
+        if tenant != principal.tenant && self.state.store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.is_none() {
+            return Err(Error::not_found(format!("tenant {tenant}")));
+        }
+        Ok(tenant)
+    }
+
+    async fn append(&self, tenant: TenantId, stream: String, expected: ExpectedVersion, event_type: &str, payload: ciborium::Value) -> Result<AppendResult> {
+        self.state
+            .log
+            .append(AppendRequest {
+                tenant,
+                stream,
+                expected,
+                idempotency_key: self.idempotency_key.clone(),
+                actor: self.principal.as_ref().map(|p| format!("apikey:{}", p.key_id)).unwrap_or_else(|| "system".into()),
+                causation: None,
+                correlation: Some(self.request_id.clone()),
+                fingerprint: Some(self.fingerprint),
+                events: vec![NewEvent { event_type: event_type.to_owned(), payload }],
+            })
+            .await
+    }
+}
+
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
+    let body = if body.iter().all(u8::is_ascii_whitespace) { b"{}".as_slice() } else { body };
+    serde_json::from_slice(body).map_err(|e| Error::InvalidArgument {
+        message: format!("invalid request body: {e}"),
+        hint: Some("send a JSON object with the method's fields".into()),
+    })
+}
+
+fn parse_id<T: std::str::FromStr<Err = Error>>(field: &str, text: &str) -> Result<T> {
+    text.parse().map_err(|e: Error| Error::InvalidArgument { message: format!("{field}: {e}"), hint: e.hint().map(str::to_owned) })
+}
+
+fn opt_tenant(text: &Option<String>) -> Result<Option<TenantId>> {
+    text.as_deref().map(|t| parse_id("tenantId", t)).transpose()
+}
+
+fn limit(requested: Option<u32>) -> Result<u32> {
+    match requested {
+        None => Ok(LIST_LIMIT_DEFAULT),
+        Some(n) if (1..=LIST_LIMIT_MAX).contains(&n) => Ok(n),
+        Some(n) => Err(Error::invalid(format!("limit {n} is out of range 1 to {LIST_LIMIT_MAX}"))),
+    }
+}
+
+/// A name: 1 to 63 characters of lowercase letters, digits, `-`, `.` and `_`, starting with a
+/// letter or digit.
+fn validate_name(field: &str, name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.chars().count() <= NAME_CHARS_MAX
+        && name.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '.' | '_'));
+    if !ok {
+        return Err(Error::InvalidArgument {
+            message: format!("{field} {:?} is not a valid name", truncate(name, 70)),
+            hint: Some(format!("1 to {NAME_CHARS_MAX} of a-z 0-9 - . _, starting with a letter or digit")),
+        });
+    }
+    Ok(())
+}
+
+fn validate_text(field: &str, text: &str, chars_max: usize) -> Result<()> {
+    if text.chars().count() > chars_max {
+        return Err(Error::invalid(format!("{field} is longer than {chars_max} characters")));
+    }
+    if text.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return Err(Error::invalid(format!("{field} contains control characters")));
+    }
+    Ok(())
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
+    if labels.len() > LABELS_MAX {
+        return Err(Error::invalid(format!("at most {LABELS_MAX} labels")));
+    }
+    for (key, value) in labels {
+        let key_ok = !key.is_empty()
+            && key.len() <= LABEL_KEY_CHARS_MAX
+            && key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '/'));
+        if !key_ok {
+            return Err(Error::invalid(format!("label key {:?} must be 1 to {LABEL_KEY_CHARS_MAX} of A-Z a-z 0-9 - . _ /", truncate(key, 70))));
+        }
+        validate_text(&format!("label {key}"), value, LABEL_VALUE_CHARS_MAX)?;
+    }
+    Ok(())
+}
+
+fn doc<T: DeserializeOwned>(row: bc_core::store::Row) -> Result<T> {
+    serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("projection document: {e}")))
+}
+
+fn to_value<T: serde::Serialize>(value: &T) -> Result<Value> {
+    serde_json::to_value(value).map_err(|e| Error::Internal(format!("response: {e}")))
+}
+
+/// The JSON form of an event.
+pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
+    let env = &event.envelope;
+    let mut view = json!({
+        "id": env.id,
+        "tenantId": env.tenant,
+        "seq": env.seq,
+        "stream": env.stream,
+        "version": env.version,
+        "type": env.event_type,
+        "at": env.at_ms,
+        "actor": env.actor,
+        "payload": canonical::to_json(&env.payload),
+        "position": event.position.to_string(),
+        "prev": hex::encode(env.prev),
+        "hash": hex::encode(event.hash),
+        "keyId": event.key_id,
+    });
+    for (name, value) in [("idempotencyKey", &env.idempotency_key), ("causation", &env.causation), ("correlation", &env.correlation)] {
+        if let Some(value) = value {
+            view[name] = Value::String(value.clone());
+        }
+    }
+    if with_bytes {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        view["canonical"] = Value::String(b64.encode(&event.canonical));
+        view["sig"] = Value::String(b64.encode(&event.sig));
+    }
+    view
+}
+
+fn api_key_view(doc: &ApiKeyDoc) -> Value {
+    json!({
+        "keyId": doc.key_id,
+        "tenantId": doc.tenant_id,
+        "name": doc.name,
+        "actions": doc.actions,
+        "revoked": doc.revoked,
+        "version": doc.version,
+        "createdAtMs": doc.created_at_ms,
+    })
+}
+
+// ---- inputs (wire types) ----
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Empty {}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct TenantsCreate {
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct TenantOnly {
+    tenant_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ApiKeysCreate {
+    tenant_id: Option<String>,
+    name: String,
+    actions: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ApiKeysRevoke {
+    tenant_id: Option<String>,
+    key_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PoolsCreate {
+    tenant_id: Option<String>,
+    name: String,
+    #[serde(default)]
+    description: String,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PoolRef {
+    tenant_id: Option<String>,
+    pool_id: String,
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PoolsUpdate {
+    tenant_id: Option<String>,
+    pool_id: String,
+    if_version: Option<u64>,
+    name: Option<String>,
+    description: Option<String>,
+    labels: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ListInput {
+    tenant_id: Option<String>,
+    limit: Option<u32>,
+    cursor: Option<String>,
+    pool_id: Option<String>,
+    #[serde(default)]
+    include_archived: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct GpuInput {
+    model: String,
+    product: String,
+    vram_gi_b: u32,
+    nvlink_domain: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NodesRegister {
+    tenant_id: Option<String>,
+    pool_id: String,
+    name: String,
+    gpus: Vec<GpuInput>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NodeRef {
+    tenant_id: Option<String>,
+    node_id: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct EventsList {
+    tenant_id: Option<String>,
+    limit: Option<u32>,
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct EventsGet {
+    tenant_id: Option<String>,
+    event_id: String,
+}
+
+/// Runs one method. `body` is the raw JSON body.
+pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value> {
+    let store = &*call.state.store;
+    match name {
+        "system.version" => {
+            let _: Empty = parse(body)?;
+            Ok(json!({
+                "version": env!("CARGO_PKG_VERSION"),
+                "backend": store.backend(),
+                "logKeyId": call.state.log.key.key_id(),
+                "logKeyPin": call.state.log.key.pin(),
+            }))
+        }
+        "system.whoami" => {
+            let _: Empty = parse(body)?;
+            let p = call.principal();
+            Ok(json!({ "tenantId": p.tenant, "keyId": p.key_id, "actions": p.actions, "root": p.is_root() }))
+        }
+        "tenants.create" => {
+            let input: TenantsCreate = parse(body)?;
+            validate_name("name", &input.name)?;
+            let principal = call.principal();
+            if !principal.is_root() {
+                return Err(Error::AccessDenied("only the root tenant's administrators create tenants".into()));
+            }
+            principal.authorize(call.action, principal.tenant)?;
+            let tenant = TenantId::generate();
+            let payload = ev::to_cbor(&ev::TenantCreated { name: input.name, root: false })?;
+            let result = call.append(tenant, stream_of(KIND_TENANT, &tenant), ExpectedVersion::NoStream, ev::TENANT_CREATED, payload).await?;
+            let tenant = result.events[0].envelope.tenant;
+            let row = store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.ok_or_else(|| Error::not_found("tenant"))?;
+            Ok(row.doc)
+        }
+        "tenants.get" => {
+            let input: TenantOnly = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let row = store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?;
+            Ok(row.ok_or_else(|| Error::not_found(format!("tenant {tenant}")))?.doc)
+        }
+        "apiKeys.create" => {
+            let input: ApiKeysCreate = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            validate_name("name", &input.name)?;
+            auth::validate_actions(&input.actions)?;
+            let key_id = ApiKeyId::generate();
+            let (token, secret_sha256) = auth::new_token(key_id);
+            let payload = ev::to_cbor(&ev::ApiKeyCreated { name: input.name, actions: input.actions, secret_sha256 })?;
+            let result =
+                call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload).await?;
+            // A replay names the key created first; its secret was shown once and is not kept.
+            let stream = &result.events[0].envelope.stream;
+            let id = stream.split_once('/').map(|(_, id)| id).unwrap_or_default();
+            let row = store.row_get(&tenant.to_string(), KIND_API_KEY, id).await?.ok_or_else(|| Error::not_found("api key"))?;
+            let mut view = api_key_view(&doc(row)?);
+            view["token"] = if result.replayed { Value::Null } else { Value::String(token) };
+            view["replayed"] = Value::Bool(result.replayed);
+            Ok(view)
+        }
+        "apiKeys.list" => {
+            let input: ListInput = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            list_rows(call, tenant, KIND_API_KEY, &input, |row| Ok(Some(api_key_view(&doc(row)?)))).await
+        }
+        "apiKeys.revoke" => {
+            let input: ApiKeysRevoke = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let key_id: ApiKeyId = parse_id("keyId", &input.key_id)?;
+            let row = store.row_get(&tenant.to_string(), KIND_API_KEY, &key_id.to_string()).await?.ok_or_else(|| Error::not_found(format!("api key {key_id}")))?;
+            let current: ApiKeyDoc = doc(row)?;
+            if !current.revoked {
+                let payload = ev::to_cbor(&ev::ApiKeyRevoked {})?;
+                call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::Exact(current.version), ev::API_KEY_REVOKED, payload).await?;
+            }
+            let row = store.row_get(&tenant.to_string(), KIND_API_KEY, &key_id.to_string()).await?.ok_or_else(|| Error::not_found("api key"))?;
+            Ok(api_key_view(&doc(row)?))
+        }
+        "pools.create" => {
+            let input: PoolsCreate = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            validate_name("name", &input.name)?;
+            validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
+            validate_labels(&input.labels)?;
+            let pool = PoolId::generate();
+            let payload = ev::to_cbor(&ev::PoolCreated { name: input.name, description: input.description, labels: input.labels })?;
+            let result = call.append(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload).await;
+            let stream = match result {
+                Ok(r) => r.events[0].envelope.stream.clone(),
+                Err(e) => return Err(e),
+            };
+            let id = stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
+            pool_get(call, tenant, &id).await
+        }
+        "pools.get" => {
+            let input: PoolRef = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+            pool_get(call, tenant, &pool.to_string()).await
+        }
+        "pools.list" => {
+            let input: ListInput = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let include_archived = input.include_archived;
+            list_rows(call, tenant, KIND_POOL, &input, |row| {
+                let pool: PoolDoc = doc(row)?;
+                Ok((include_archived || !pool.archived).then(|| to_value(&pool)).transpose()?)
+            })
+            .await
+        }
+        "pools.update" => {
+            let input: PoolsUpdate = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+            if let Some(name) = &input.name {
+                validate_name("name", name)?;
+            }
+            if let Some(description) = &input.description {
+                validate_text("description", description, DESCRIPTION_CHARS_MAX)?;
+            }
+            if let Some(labels) = &input.labels {
+                validate_labels(labels)?;
+            }
+            if input.name.is_none() && input.description.is_none() && input.labels.is_none() {
+                return Err(Error::invalid("nothing to update: give name, description or labels"));
+            }
+            let current: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
+            if current.archived {
+                return Err(Error::Conflict { stream: stream_of(KIND_POOL, &pool), expected: "a live pool".into(), actual: current.version });
+            }
+            let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
+            let payload = ev::to_cbor(&ev::PoolUpdated { name: input.name, description: input.description, labels: input.labels })?;
+            call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_UPDATED, payload).await?;
+            pool_get(call, tenant, &pool.to_string()).await
+        }
+        "pools.archive" => {
+            let input: PoolRef = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+            let current: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
+            if !current.archived {
+                let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
+                call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_ARCHIVED, ev::to_cbor(&ev::PoolArchived {})?).await?;
+            }
+            pool_get(call, tenant, &pool.to_string()).await
+        }
+        "nodes.register" => {
+            let input: NodesRegister = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+            validate_name("name", &input.name)?;
+            validate_labels(&input.labels)?;
+            if input.gpus.len() > GPUS_PER_NODE_MAX {
+                return Err(Error::invalid(format!("a node has at most {GPUS_PER_NODE_MAX} GPUs")));
+            }
+            let mut gpus = Vec::with_capacity(input.gpus.len());
+            for (i, gpu) in input.gpus.into_iter().enumerate() {
+                validate_name(&format!("gpus[{i}].model"), &gpu.model.to_ascii_lowercase())?;
+                validate_name(&format!("gpus[{i}].product"), &gpu.product.to_ascii_lowercase())?;
+                if !(1..=GPU_VRAM_GIB_MAX).contains(&gpu.vram_gi_b) {
+                    return Err(Error::invalid(format!("gpus[{i}].vramGiB must be 1 to {GPU_VRAM_GIB_MAX}")));
+                }
+                if gpu.nvlink_domain > NVLINK_DOMAIN_MAX {
+                    return Err(Error::invalid(format!("gpus[{i}].nvlinkDomain must be 0 to {NVLINK_DOMAIN_MAX}")));
+                }
+                gpus.push(Gpu { model: gpu.model, product: gpu.product, vram_gib: gpu.vram_gi_b, nvlink_domain: gpu.nvlink_domain });
+            }
+            let pool_doc: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
+            if pool_doc.archived {
+                return Err(Error::invalid(format!("pool {pool} is archived")));
+            }
+            let node = NodeId::generate();
+            let payload = ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;
+            let result = call.append(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, ev::NODE_REGISTERED, payload).await?;
+            let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
+            let row = store.row_get(&tenant.to_string(), KIND_NODE, &id).await?.ok_or_else(|| Error::not_found("node"))?;
+            Ok(row.doc)
+        }
+        "nodes.get" => {
+            let input: NodeRef = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let node: NodeId = parse_id("nodeId", &input.node_id)?;
+            let row = store.row_get(&tenant.to_string(), KIND_NODE, &node.to_string()).await?;
+            Ok(row.ok_or_else(|| Error::not_found(format!("node {node}")))?.doc)
+        }
+        "nodes.list" => {
+            let input: ListInput = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
+            list_rows(call, tenant, KIND_NODE, &input, |row| {
+                let node: NodeDoc = doc(row)?;
+                Ok(pool.as_ref().is_none_or(|p| *p == node.pool_id).then(|| to_value(&node)).transpose()?)
+            })
+            .await
+        }
+        "events.list" => {
+            let input: EventsList = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let limit = limit(input.limit)?;
+            let after = match &input.cursor {
+                Some(c) => c.parse::<Position>()?,
+                None => Position::START,
+            };
+            let mut events = decode_rows(store.read_after_rows(after, Some(tenant), limit + 1).await?)?;
+            let more = events.len() > limit as usize;
+            events.truncate(limit as usize);
+            let next = if more { events.last().map(|e| e.position.to_string()) } else { None };
+            Ok(json!({ "items": events.iter().map(|e| event_view(e, false)).collect::<Vec<_>>(), "nextCursor": next }))
+        }
+        "events.get" => {
+            let input: EventsGet = parse(body)?;
+            let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            let id: EventId = parse_id("eventId", &input.event_id)?;
+            let row = store.event_row(tenant, id).await?.ok_or_else(|| Error::not_found(format!("event {id}")))?;
+            let event = decode_rows(vec![row])?.remove(0);
+            Ok(event_view(&event, true))
+        }
+        _ => Err(Error::not_found(format!("method {name}"))),
+    }
+}
+
+async fn pool_row(call: &Call<'_>, tenant: TenantId, pool: &PoolId) -> Result<bc_core::store::Row> {
+    call.state
+        .store
+        .row_get(&tenant.to_string(), KIND_POOL, &pool.to_string())
+        .await?
+        .ok_or_else(|| Error::not_found(format!("pool {pool}")))
+}
+
+async fn pool_get(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<Value> {
+    let row = call.state.store.row_get(&tenant.to_string(), KIND_POOL, pool).await?;
+    Ok(row.ok_or_else(|| Error::not_found(format!("pool {pool}")))?.doc)
+}
+
+/// Pages through one kind of row by id. `view` may drop a row (a filter) by returning `None`;
+/// filtered pages can come back short, and `nextCursor` is set while rows remain.
+async fn list_rows(
+    call: &Call<'_>,
+    tenant: TenantId,
+    kind: &str,
+    input: &ListInput,
+    view: impl Fn(bc_core::store::Row) -> Result<Option<Value>>,
+) -> Result<Value> {
+    let limit = limit(input.limit)?;
+    if let Some(cursor) = &input.cursor
+        && (cursor.len() > 64 || !cursor.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+    {
+        return Err(Error::invalid("malformed cursor"));
+    }
+    let rows = call.state.store.row_list(&tenant.to_string(), kind, input.cursor.as_deref(), limit + 1).await?;
+    let more = rows.len() > limit as usize;
+    let rows: Vec<_> = rows.into_iter().take(limit as usize).collect();
+    let next = if more { rows.last().map(|r| r.key.id.clone()) } else { None };
+    let mut items = Vec::with_capacity(rows.len());
+    for row in rows {
+        if let Some(v) = view(row)? {
+            items.push(v);
+        }
+    }
+    Ok(json!({ "items": items, "nextCursor": next }))
+}
