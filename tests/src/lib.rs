@@ -1,1 +1,261 @@
+//! `bc-tests`: the one harness every end-to-end test uses (STYLE rule 13).
+//!
+//! [`Server::dev`] starts the real `better-compute dev` binary on `127.0.0.1:0` with a fresh data
+//! directory and reads the URL it prints; [`Server::serve_postgres`] does the same against a
+//! scratch PostgreSQL database. When a test fails (the thread is panicking) the data directory,
+//! with the server's log in `server.log`, is kept and its path printed.
 
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// How long a server may take to print its URL.
+pub const START_TIMEOUT_S: u64 = 60;
+
+/// The directory holding the workspace's binaries (next to this test executable's `deps/`).
+pub fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("BC_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent().expect("deps dir");
+    deps.parent().expect("profile dir").to_path_buf()
+}
+
+pub fn binary(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(path.exists(), "{} not built; run `cargo build --workspace --bins` (make test does)", path.display());
+    path
+}
+
+/// Runs `better-compute ARGS` to completion with `env`; returns (status, stdout, stderr).
+pub fn cli(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut command = Command::new(binary("better-compute"));
+    command.args(args).env_remove("BETTER_COMPUTE_TOKEN").env_remove("BETTER_COMPUTE_URL").env_remove("BETTER_COMPUTE_TENANT");
+    command.env_remove("BETTER_COMPUTE_DATABASE_URL");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let out = command.stdin(Stdio::null()).output().expect("run better-compute");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+pub struct Server {
+    child: Option<Child>,
+    pub url: String,
+    pub token: String,
+    pub data_dir: PathBuf,
+    _temp: Option<tempfile::TempDir>,
+    args: Vec<String>,
+    pub http: reqwest::Client,
+}
+
+impl Server {
+    /// `better-compute dev` on a fresh data directory.
+    pub fn dev() -> Server {
+        let temp = tempfile::Builder::new().prefix("bc-e2e-").tempdir().expect("tempdir");
+        let data_dir = temp.path().to_path_buf();
+        let args = vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+        Self::start(args, data_dir, Some(temp))
+    }
+
+    /// `better-compute serve` on PostgreSQL (the database must be migrated).
+    pub fn serve_postgres(database_url: &str) -> Server {
+        let temp = tempfile::Builder::new().prefix("bc-e2e-pg-").tempdir().expect("tempdir");
+        let data_dir = temp.path().to_path_buf();
+        let args = vec![
+            "serve".into(),
+            "--database-url".into(),
+            database_url.into(),
+            "--data-dir".into(),
+            data_dir.display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+        ];
+        Self::start(args, data_dir, Some(temp))
+    }
+
+    fn start(args: Vec<String>, data_dir: PathBuf, temp: Option<tempfile::TempDir>) -> Server {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut server = Server {
+            child: None,
+            url: String::new(),
+            token: String::new(),
+            data_dir,
+            _temp: temp,
+            args,
+            http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client"),
+        };
+        server.launch();
+        server
+    }
+
+    fn launch(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.data_dir.join("server.log"))
+            .expect("server log");
+        let mut child = Command::new(binary("better-compute"))
+            .args(&self.args)
+            .env("BETTER_COMPUTE_LOG", "info,bc_core=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("start better-compute");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(first)) = lines.next() {
+                let _ = tx.send(first);
+            }
+            // Keep draining so the server never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let first = rx.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
+            let log = std::fs::read_to_string(self.data_dir.join("server.log")).unwrap_or_default();
+            panic!("better-compute did not start within {START_TIMEOUT_S}s; its log:\n{log}")
+        });
+        self.url = first.rsplit(' ').next().expect("url").to_owned();
+        assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");
+        self.token = std::fs::read_to_string(self.data_dir.join("admin.token")).expect("admin.token").trim().to_owned();
+        self.child = Some(child);
+    }
+
+    /// SIGKILL: no chance to flush or clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait: a graceful stop.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the same command again on the same data directory and database.
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.launch();
+    }
+
+    pub fn sqlite_path(&self) -> PathBuf {
+        self.data_dir.join("better-compute.sqlite3")
+    }
+
+    /// Env for running the CLI against this server as its administrator.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![("BETTER_COMPUTE_URL", self.url.clone()), ("BETTER_COMPUTE_TOKEN", self.token.clone())]
+    }
+
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let env = self.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        cli(args, &env)
+    }
+
+    /// POST a method as the administrator; returns (HTTP status, JSON body).
+    pub async fn call(&self, method: &str, body: Value) -> (u16, Value) {
+        self.call_as(&self.token, method, body, None).await
+    }
+
+    pub async fn call_as(&self, token: &str, method: &str, body: Value, idempotency_key: Option<&str>) -> (u16, Value) {
+        let mut request = self.http.post(format!("{}/api/compute/{method}", self.url)).bearer_auth(token).json(&body);
+        if let Some(key) = idempotency_key {
+            request = request.header("idempotency-key", key);
+        }
+        let response = request.send().await.expect("request");
+        let status = response.status().as_u16();
+        let body = response.json().await.unwrap_or(Value::Null);
+        (status, body)
+    }
+
+    /// POST raw bytes with the given headers.
+    pub async fn raw(&self, method: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> (u16, Value) {
+        let mut request = self.http.post(format!("{}/api/compute/{method}", self.url)).body(body);
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        let response = request.send().await.expect("request");
+        (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Creates a pool and returns its id.
+    pub async fn pool(&self, name: &str) -> String {
+        let (status, body) = self.call("pools.create", json!({ "name": name })).await;
+        assert_eq!(status, 200, "{body}");
+        body["poolId"].as_str().expect("poolId").to_owned()
+    }
+
+    /// The number of the newest append transaction, from `/healthz`.
+    pub async fn last_commit(&self) -> u64 {
+        let body: Value = self.http.get(format!("{}/healthz", self.url)).send().await.expect("healthz").json().await.expect("json");
+        body["lastCommit"].as_u64().expect("lastCommit")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking()
+            && let Some(temp) = self._temp.take()
+        {
+            let kept = temp.keep();
+            eprintln!("test failed: kept the data directory {} (server.log has the server's log)", kept.display());
+        }
+    }
+}
+
+/// Reads every chain of a SQLite database written by `dev` and verifies it; returns
+/// (events, tenants).
+pub async fn verify_sqlite(path: &Path) -> (u64, usize) {
+    let store = bc_core::store::sqlite::SqliteStore::open(path).await.expect("open sqlite");
+    verify_store(&store).await
+}
+
+pub async fn verify_store(store: &dyn bc_core::store::EventStore) -> (u64, usize) {
+    let mut keys = bc_core::keys::KeyRing::default();
+    for (id, public) in store.signing_keys().await.expect("keys") {
+        keys.insert_bytes(&id, &public).expect("key");
+    }
+    let heads = store.heads().await.expect("heads");
+    let mut total = 0;
+    for (tenant, head) in &heads {
+        let mut verifier = bc_core::chain::ChainVerifier::new(*tenant, &keys);
+        let mut from = 1;
+        loop {
+            let rows = store.read_chain_rows(*tenant, from, 1000).await.expect("rows");
+            if rows.is_empty() {
+                break;
+            }
+            from += rows.len() as u64;
+            for row in rows {
+                verifier.push(row).unwrap_or_else(|p| panic!("chain does not verify: {p}"));
+            }
+        }
+        total += verifier.finish(Some((head.seq, head.hash))).unwrap_or_else(|p| panic!("chain does not verify: {p}"));
+    }
+    (total, heads.len())
+}
