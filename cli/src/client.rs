@@ -73,8 +73,9 @@ impl Client {
         })?;
         let status = response.status();
         let text = response.text().await.map_err(|e| CliError::new("UNAVAILABLE", format!("reading the response: {e}")))?;
-        let value: Value = serde_json::from_str(&text)
-            .map_err(|_| CliError::new("INVALID_RESPONSE", format!("the server answered {status} with a body that is not JSON")))?;
+        let value: Value = serde_json::from_str(&text).map_err(|_| {
+            CliError::new("INVALID_RESPONSE", format!("the server answered {status} with a body that is not JSON"))
+        })?;
         if status.is_success() {
             return Ok(value);
         }

@@ -19,7 +19,7 @@ mod client;
 mod output;
 mod server;
 
-use client::{Client, CliError};
+use client::{CliError, Client};
 use output::Format;
 
 const DEFAULT_URL: &str = "http://127.0.0.1:7070";
@@ -176,7 +176,9 @@ enum PoolsCommand {
         #[arg(long)]
         include_archived: bool,
     },
-    Get { pool_id: String },
+    Get {
+        pool_id: String,
+    },
     Create {
         #[arg(long)]
         name: String,
@@ -199,7 +201,9 @@ enum NodesCommand {
         #[arg(long)]
         pool: Option<String>,
     },
-    Get { node_id: String },
+    Get {
+        node_id: String,
+    },
     /// Add a host by hand.
     Register {
         #[arg(long)]
@@ -323,7 +327,9 @@ fn parse_items(items: &[String], data: Option<&str>) -> Result<Value, CliError> 
         Some(text) => {
             let text = if text == "-" {
                 let mut buffer = String::new();
-                std::io::stdin().read_to_string(&mut buffer).map_err(|e| CliError::usage(format!("reading standard input: {e}")))?;
+                std::io::stdin()
+                    .read_to_string(&mut buffer)
+                    .map_err(|e| CliError::usage(format!("reading standard input: {e}")))?;
                 buffer
             } else {
                 text.to_owned()
@@ -366,7 +372,8 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Pki { command: PkiCommand::Show { dir } } => print(&server::pki_show(&dir.data_dir)?, json_or(Format::Json), q),
         Command::Projections { command: ProjectionsCommand::Rebuild { db } } => {
-            let value = server::projections_rebuild(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;
+            let value =
+                server::projections_rebuild(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;
             print(&value, json_or(Format::Json), q)
         }
         Command::Api { method, items, data, key, list } => {
@@ -379,7 +386,8 @@ async fn run(cli: Cli) -> Result<(), CliError> {
             }
             let method = method.as_deref().ok_or_else(|| CliError::usage("give GROUP.METHOD, or --list"))?;
             if bc_gateway::methods::method(method).is_none() {
-                let best = bc_gateway::methods::METHODS.iter().map(|m| m.name).min_by_key(|m| bc_gateway::edit_distance(m, method));
+                let best =
+                    bc_gateway::methods::METHODS.iter().map(|m| m.name).min_by_key(|m| bc_gateway::edit_distance(m, method));
                 let mut e = CliError::usage(format!("unknown method {method:?}"));
                 if let Some(best) = best {
                     e = e.hint(format!("did you mean {best}? (api --list shows them all)"));
@@ -480,9 +488,11 @@ async fn run(cli: Cli) -> Result<(), CliError> {
                         let [model, product, vram, domain] = parts[..] else {
                             return Err(CliError::usage(format!("--gpu {spec:?} is not MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN")));
                         };
-                        let vram: u32 = vram.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: VRAM_GIB is not a number")))?;
-                        let domain: u32 =
-                            domain.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: NVLINK_DOMAIN is not a number")))?;
+                        let vram: u32 =
+                            vram.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: VRAM_GIB is not a number")))?;
+                        let domain: u32 = domain
+                            .parse()
+                            .map_err(|_| CliError::usage(format!("--gpu {spec:?}: NVLINK_DOMAIN is not a number")))?;
                         list.push(json!({ "model": model, "product": product, "vramGiB": vram, "nvlinkDomain": domain }));
                     }
                     body.insert("gpus".into(), Value::Array(list));

@@ -80,9 +80,10 @@ fn table(value: &Value) -> String {
     let mut table = comfy_table::Table::new();
     table.load_preset(comfy_table::presets::NOTHING);
     let (rows, more) = match value {
-        Value::Object(map) if map.get("items").is_some_and(Value::is_array) => {
-            (map["items"].as_array().cloned().unwrap_or_default(), map.get("nextCursor").and_then(Value::as_str).map(str::to_owned))
-        }
+        Value::Object(map) if map.get("items").is_some_and(Value::is_array) => (
+            map["items"].as_array().cloned().unwrap_or_default(),
+            map.get("nextCursor").and_then(Value::as_str).map(str::to_owned),
+        ),
         Value::Array(items) => (items.clone(), None),
         Value::Object(map) => {
             table.set_header(["FIELD", "VALUE"]);

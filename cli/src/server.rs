@@ -46,7 +46,10 @@ impl Database {
             }
             Database::Postgres(url) => {
                 if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-                    return Err(CliError::usage(format!("--database-url must be postgres://…, not {:?}", bc_core::id::truncate(url, 40))));
+                    return Err(CliError::usage(format!(
+                        "--database-url must be postgres://…, not {:?}",
+                        bc_core::id::truncate(url, 40)
+                    )));
                 }
                 Arc::new(PostgresStore::connect(url).await?)
             }
@@ -135,23 +138,25 @@ pub async fn run_server(db: Database, data_dir: &Path, listen: &str, migrate_fir
         },
     )
     .await?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address"))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address")
+    })?;
     let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
     // stdout is for people and for the test harness, which reads the URL from the first line.
     println!("better-compute listening on http://{bound}");
     println!("  database:  {}", db.describe());
     println!("  log key:   {} {}", key.key_id(), key.pin());
     if created_token {
-        println!("  admin token: written to {} (mode 0600); export BETTER_COMPUTE_TOKEN=$(cat {})", token_path.display(), token_path.display());
+        println!(
+            "  admin token: written to {} (mode 0600); export BETTER_COMPUTE_TOKEN=$(cat {})",
+            token_path.display(),
+            token_path.display()
+        );
     } else {
         println!("  admin token: {} (from the first start)", token_path.display());
     }
     let state = Arc::new(AppState { log: log.clone(), store });
-    bc_gateway::serve(listener, state, shutdown_signal())
-        .await
-        .map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
+    bc_gateway::serve(listener, state, shutdown_signal()).await.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -26,9 +26,7 @@ fn canonicalize_at(value: Value, depth: usize) -> Result<Value> {
         Value::Integer(_) | Value::Bytes(_) | Value::Text(_) | Value::Bool(_) | Value::Null => value,
         Value::Float(_) => return Err(Error::invalid("floating-point numbers are not allowed in events")),
         Value::Tag(..) => return Err(Error::invalid("CBOR tags are not allowed in events")),
-        Value::Array(items) => Value::Array(
-            items.into_iter().map(|v| canonicalize_at(v, depth + 1)).collect::<Result<_>>()?,
-        ),
+        Value::Array(items) => Value::Array(items.into_iter().map(|v| canonicalize_at(v, depth + 1)).collect::<Result<_>>()?),
         Value::Map(entries) => {
             let mut keyed = Vec::with_capacity(entries.len());
             for (k, v) in entries {
@@ -92,11 +90,9 @@ fn from_json_at(json: &serde_json::Value, depth: usize) -> Result<Value> {
         }
         J::String(s) => Value::Text(s.clone()),
         J::Array(items) => Value::Array(items.iter().map(|v| from_json_at(v, depth + 1)).collect::<Result<_>>()?),
-        J::Object(map) => Value::Map(
-            map.iter()
-                .map(|(k, v)| Ok((Value::Text(k.clone()), from_json_at(v, depth + 1)?)))
-                .collect::<Result<_>>()?,
-        ),
+        J::Object(map) => {
+            Value::Map(map.iter().map(|(k, v)| Ok((Value::Text(k.clone()), from_json_at(v, depth + 1)?))).collect::<Result<_>>()?)
+        }
     })
 }
 

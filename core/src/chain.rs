@@ -54,9 +54,7 @@ impl<'k> ChainVerifier<'k> {
         if event.envelope.prev != self.prev {
             return Err(self.problem(expected, "prev does not match the hash of the event before"));
         }
-        self.keys
-            .verify_event(&event.key_id, &event.hash, &event.sig)
-            .map_err(|what| self.problem(expected, what))?;
+        self.keys.verify_event(&event.key_id, &event.hash, &event.sig).map_err(|what| self.problem(expected, what))?;
         self.prev = event.hash;
         self.next_seq += 1;
         Ok(event)

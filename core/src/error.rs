@@ -127,7 +127,12 @@ impl From<sqlx::Error> for Error {
 impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Self {
         match e.as_db_error() {
-            Some(db) => Self::Storage(format!("{}: {}{}", db.code().code(), db.message(), db.detail().map(|d| format!(" ({d})")).unwrap_or_default())),
+            Some(db) => Self::Storage(format!(
+                "{}: {}{}",
+                db.code().code(),
+                db.message(),
+                db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
+            )),
             None => Self::Storage(e.to_string()),
         }
     }

@@ -100,11 +100,9 @@ impl Envelope {
             (text("payload"), self.payload.clone()),
             (text("prev"), Value::Bytes(self.prev.to_vec())),
         ];
-        for (key, value) in [
-            ("idempotency_key", &self.idempotency_key),
-            ("causation", &self.causation),
-            ("correlation", &self.correlation),
-        ] {
+        for (key, value) in
+            [("idempotency_key", &self.idempotency_key), ("causation", &self.causation), ("correlation", &self.correlation)]
+        {
             if let Some(value) = value {
                 map.push((text(key), text(value)));
             }
@@ -152,9 +150,8 @@ impl Envelope {
             Value::Bytes(b) => <[u8; 32]>::try_from(b).map_err(|_| "prev is not 32 bytes".to_owned())?,
             _ => return Err("prev is not a byte string".into()),
         };
-        let mut optional = |name: &str| -> Result<Option<String>, String> {
-            fields.remove(name).map(|v| as_text(name, v)).transpose()
-        };
+        let mut optional =
+            |name: &str| -> Result<Option<String>, String> { fields.remove(name).map(|v| as_text(name, v)).transpose() };
         let idempotency_key = optional("idempotency_key")?;
         let causation = optional("causation")?;
         let correlation = optional("correlation")?;
@@ -302,8 +299,7 @@ mod tests {
         assert_eq!(decoder.str().unwrap(), "v");
         assert_eq!(decoder.u64().unwrap(), ENVELOPE_FORMAT);
         // Re-encoding through minicbor's token stream gives the same bytes.
-        let tokens: Vec<minicbor::data::Token<'_>> =
-            minicbor::decode::Tokenizer::new(&bytes).collect::<Result<_, _>>().unwrap();
+        let tokens: Vec<minicbor::data::Token<'_>> = minicbor::decode::Tokenizer::new(&bytes).collect::<Result<_, _>>().unwrap();
         let mut again = minicbor::Encoder::new(Vec::new());
         for t in &tokens {
             again.encode(t).unwrap();

@@ -115,12 +115,8 @@ pub fn write_secret_file(path: &Path, contents: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
     }
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| match e.kind() {
+    let mut file =
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::AlreadyExists => Error::AlreadyExists { what: format!("file {}", path.display()) },
             _ => Error::Internal(format!("creating {}: {e}", path.display())),
         })?;
@@ -141,10 +137,16 @@ impl KeyRing {
     }
 
     pub fn insert_bytes(&mut self, key_id: &str, public: &[u8]) -> Result<()> {
-        let bytes = <[u8; 32]>::try_from(public)
-            .map_err(|_| Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key {key_id} is not 32 bytes") })?;
-        let public = VerifyingKey::from_bytes(&bytes)
-            .map_err(|_| Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key {key_id} is not a valid point") })?;
+        let bytes = <[u8; 32]>::try_from(public).map_err(|_| Error::Corrupt {
+            tenant: "-".into(),
+            seq: 0,
+            what: format!("key {key_id} is not 32 bytes"),
+        })?;
+        let public = VerifyingKey::from_bytes(&bytes).map_err(|_| Error::Corrupt {
+            tenant: "-".into(),
+            seq: 0,
+            what: format!("key {key_id} is not a valid point"),
+        })?;
         if key_id_of(&public) != key_id {
             return Err(Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key id {key_id} does not match its key") });
         }
@@ -161,7 +163,6 @@ impl KeyRing {
     pub fn verify_event(&self, key_id: &str, hash: &[u8; 32], sig: &[u8]) -> Result<(), String> {
         let key = self.get(key_id).ok_or_else(|| format!("unknown key id {key_id}"))?;
         let sig = Signature::from_slice(sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
-        key.verify_strict(&event_signing_message(hash), &sig)
-            .map_err(|_| "signature does not verify".to_owned())
+        key.verify_strict(&event_signing_message(hash), &sig).map_err(|_| "signature does not verify".to_owned())
     }
 }

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use bc_core::chain::verify_chain;
 use bc_core::clock::SystemClock;
 use bc_core::event::EventRow;
+use bc_core::event::StoredEvent;
 use bc_core::id::TenantId;
 use bc_core::keys::{KeyRing, LogKey};
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, Projector, RowKey};
-use bc_core::event::StoredEvent;
 use ciborium::Value;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -27,14 +27,29 @@ impl Projector for NoProjections {
 #[derive(Clone, Debug)]
 enum Tamper {
     /// Flip one bit of the canonical bytes, the hash or the signature of one event.
-    Flip { field: u8, event: usize, byte: usize, bit: u8 },
-    Delete { event: usize },
-    Swap { a: usize, b: usize },
+    Flip {
+        field: u8,
+        event: usize,
+        byte: usize,
+        bit: u8,
+    },
+    Delete {
+        event: usize,
+    },
+    Swap {
+        a: usize,
+        b: usize,
+    },
 }
 
 fn tamper() -> impl Strategy<Value = Tamper> {
     prop_oneof![
-        (0u8..3, any::<usize>(), any::<usize>(), 0u8..8).prop_map(|(field, event, byte, bit)| Tamper::Flip { field, event, byte, bit }),
+        (0u8..3, any::<usize>(), any::<usize>(), 0u8..8).prop_map(|(field, event, byte, bit)| Tamper::Flip {
+            field,
+            event,
+            byte,
+            bit
+        }),
         any::<usize>().prop_map(|event| Tamper::Delete { event }),
         (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Tamper::Swap { a, b }),
     ]
@@ -66,9 +81,8 @@ fn chains_verify_and_tampering_is_located() {
             let log = Log::open(store.clone(), Arc::new(NoProjections), key, Arc::new(SystemClock)).await.unwrap();
             let tenants: Vec<TenantId> = (0..3).map(|_| TenantId::generate()).collect();
             for (t, s, n) in &appends {
-                let events = (0..*n)
-                    .map(|i| NewEvent { event_type: "x.y".into(), payload: Value::Integer((i as u64).into()) })
-                    .collect();
+                let events =
+                    (0..*n).map(|i| NewEvent { event_type: "x.y".into(), payload: Value::Integer((i as u64).into()) }).collect();
                 log.append(AppendRequest {
                     tenant: tenants[*t],
                     stream: format!("s/{s}"),

@@ -33,6 +33,7 @@ impl Projector for CountingProjector {
     }
 }
 
+#[allow(dead_code)] // the payloads are held for their Drop (temp dir, scratch database)
 enum Backend {
     Sqlite(tempfile::TempDir),
     Postgres(ScratchDatabase),
@@ -192,7 +193,11 @@ async fn optimistic_concurrency(postgres: bool) {
     assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
     assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| e.code() == ErrorCode::Conflict));
     // Bad requests are refused before they reach the store.
-    for bad in [request(t, "", ExpectedVersion::Any, 1), request(t, "a b", ExpectedVersion::Any, 1), request(t, "x", ExpectedVersion::Any, 0)] {
+    for bad in [
+        request(t, "", ExpectedVersion::Any, 1),
+        request(t, "a b", ExpectedVersion::Any, 1),
+        request(t, "x", ExpectedVersion::Any, 0),
+    ] {
         assert_eq!(f.log.append(bad).await.unwrap_err().code(), ErrorCode::InvalidArgument);
     }
     let mut float = request(t, "thing/9", ExpectedVersion::Any, 1);

@@ -89,14 +89,13 @@ pub fn validate_actions(actions: &[String]) -> Result<()> {
 
 /// Resolves the `Authorization` header to a principal.
 pub async fn authenticate(store: &dyn bc_core::store::EventStore, header: Option<&str>) -> Result<Principal> {
-    let header = header.ok_or_else(|| Error::Unauthenticated("missing Authorization header; send Authorization: Bearer TOKEN".into()))?;
+    let header =
+        header.ok_or_else(|| Error::Unauthenticated("missing Authorization header; send Authorization: Bearer TOKEN".into()))?;
     if header.len() > TOKEN_BYTES_MAX {
         return Err(Error::Unauthenticated("Authorization header too long".into()));
     }
-    let token = header
-        .strip_prefix("Bearer ")
-        .ok_or_else(|| Error::Unauthenticated("Authorization must be Bearer TOKEN".into()))?
-        .trim();
+    let token =
+        header.strip_prefix("Bearer ").ok_or_else(|| Error::Unauthenticated("Authorization must be Bearer TOKEN".into()))?.trim();
     let invalid = || Error::Unauthenticated("invalid or revoked token".into());
     let (key_id, secret) = token.split_once('.').ok_or_else(invalid)?;
     let key_id: ApiKeyId = key_id.parse().map_err(|_| invalid())?;

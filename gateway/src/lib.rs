@@ -68,7 +68,9 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     match state.store.last_commit().await {
-        Ok(commit) => axum::Json(json!({ "status": "ok", "backend": state.store.backend(), "lastCommit": commit })).into_response(),
+        Ok(commit) => {
+            axum::Json(json!({ "status": "ok", "backend": state.store.backend(), "lastCommit": commit })).into_response()
+        }
         Err(e) => ApiError::from(Error::Unavailable(format!("database unreachable: {}", e.public_message()))).into_response(),
     }
 }
@@ -94,7 +96,13 @@ async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, heade
     }
 }
 
-async fn rpc_inner(state: &AppState, name: &str, headers: &HeaderMap, body: Body, request_id: String) -> Result<serde_json::Value, ApiError> {
+async fn rpc_inner(
+    state: &AppState,
+    name: &str,
+    headers: &HeaderMap,
+    body: Body,
+    request_id: String,
+) -> Result<serde_json::Value, ApiError> {
     let method = methods::method(name).ok_or_else(|| {
         let suggestion = methods::METHODS.iter().map(|m| m.name).min_by_key(|m| edit_distance(m, name)).unwrap_or_default();
         ApiError::with_details(
@@ -113,18 +121,24 @@ async fn rpc_inner(state: &AppState, name: &str, headers: &HeaderMap, body: Body
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         let ct = ct.to_str().unwrap_or("");
         if !ct.starts_with("application/json") {
-            return Err(Error::invalid(format!("content-type must be application/json, not {:?}", bc_core::id::truncate(ct, 60))).into());
+            return Err(Error::invalid(format!(
+                "content-type must be application/json, not {:?}",
+                bc_core::id::truncate(ct, 60)
+            ))
+            .into());
         }
     }
-    let bytes = axum::body::to_bytes(body, BODY_BYTES_MAX)
-        .await
-        .map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?;
+    let bytes =
+        axum::body::to_bytes(body, BODY_BYTES_MAX).await.map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?;
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(value) => {
             let key = value.to_str().map_err(|_| Error::invalid("Idempotency-Key must be printable ASCII"))?;
             if key.is_empty() || key.len() > IDEMPOTENCY_KEY_BYTES_MAX || !key.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(Error::invalid(format!("Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters")).into());
+                return Err(Error::invalid(format!(
+                    "Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters"
+                ))
+                .into());
             }
             Some(key.to_owned())
         }
@@ -138,14 +152,7 @@ async fn rpc_inner(state: &AppState, name: &str, headers: &HeaderMap, body: Body
         hasher.update(normalized.as_bytes());
         hasher.finalize().into()
     };
-    let call = methods::Call {
-        state,
-        principal,
-        action: method.action.unwrap_or(""),
-        idempotency_key,
-        fingerprint,
-        request_id,
-    };
+    let call = methods::Call { state, principal, action: method.action.unwrap_or(""), idempotency_key, fingerprint, request_id };
     Ok(methods::dispatch(&call, name, &bytes).await?)
 }
 
@@ -170,11 +177,7 @@ pub fn edit_distance(a: &str, b: &str) -> usize {
 /// was lost) and must store it durably; `unpersist` undoes that if the append then fails.
 /// Returns whether a key was created. A root tenant without any key (a crash between the two
 /// appends) gets one on the next start.
-pub async fn bootstrap_root(
-    log: &Log,
-    persist: impl FnOnce(&str) -> Result<()>,
-    unpersist: impl FnOnce(),
-) -> Result<bool> {
+pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>, unpersist: impl FnOnce()) -> Result<bool> {
     let root = TenantId::ROOT;
     let request = |stream: String, expected, event_type: &str, payload| AppendRequest {
         tenant: root,
@@ -202,7 +205,9 @@ pub async fn bootstrap_root(
     let (token, secret_sha256) = auth::new_token(key_id);
     persist(&token)?;
     let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256 })?;
-    if let Err(e) = log.append(request(stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, key)).await {
+    if let Err(e) =
+        log.append(request(stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, key)).await
+    {
         unpersist();
         return Err(e);
     }

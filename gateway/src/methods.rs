@@ -47,7 +47,11 @@ pub const METHODS: &[Method] = &[
     Method { name: "system.whoami", action: Some(""), summary: "the calling key: tenant, key id, actions" },
     Method { name: "tenants.create", action: Some("compute:tenants:admin"), summary: "create a tenant (root tenant only)" },
     Method { name: "tenants.get", action: Some("compute:tenants:admin"), summary: "one tenant" },
-    Method { name: "apiKeys.create", action: Some("compute:apikeys:admin"), summary: "create an API key; the token is shown once" },
+    Method {
+        name: "apiKeys.create",
+        action: Some("compute:apikeys:admin"),
+        summary: "create an API key; the token is shown once",
+    },
     Method { name: "apiKeys.list", action: Some("compute:apikeys:admin"), summary: "a tenant's API keys (never their secrets)" },
     Method { name: "apiKeys.revoke", action: Some("compute:apikeys:admin"), summary: "revoke an API key" },
     Method { name: "pools.create", action: Some("compute:pools:write"), summary: "create a pool" },
@@ -59,7 +63,11 @@ pub const METHODS: &[Method] = &[
     Method { name: "nodes.get", action: Some("compute:nodes:read"), summary: "one node" },
     Method { name: "nodes.list", action: Some("compute:nodes:read"), summary: "a tenant's nodes, paged by cursor" },
     Method { name: "events.list", action: Some("compute:events:read"), summary: "a tenant's events by outbox position" },
-    Method { name: "events.get", action: Some("compute:events:read"), summary: "one event with its canonical bytes, hash and signature" },
+    Method {
+        name: "events.get",
+        action: Some("compute:events:read"),
+        summary: "one event with its canonical bytes, hash and signature",
+    },
 ];
 
 pub fn method(name: &str) -> Option<&'static Method> {
@@ -87,13 +95,22 @@ impl Call<'_> {
         let principal = self.principal();
         let tenant = requested.unwrap_or(principal.tenant);
         principal.authorize(self.action, tenant)?;
-        if tenant != principal.tenant && self.state.store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.is_none() {
+        if tenant != principal.tenant
+            && self.state.store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.is_none()
+        {
             return Err(Error::not_found(format!("tenant {tenant}")));
         }
         Ok(tenant)
     }
 
-    async fn append(&self, tenant: TenantId, stream: String, expected: ExpectedVersion, event_type: &str, payload: ciborium::Value) -> Result<AppendResult> {
+    async fn append(
+        &self,
+        tenant: TenantId,
+        stream: String,
+        expected: ExpectedVersion,
+        event_type: &str,
+        payload: ciborium::Value,
+    ) -> Result<AppendResult> {
         self.state
             .log
             .append(AppendRequest {
@@ -120,7 +137,8 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
 }
 
 fn parse_id<T: std::str::FromStr<Err = Error>>(field: &str, text: &str) -> Result<T> {
-    text.parse().map_err(|e: Error| Error::InvalidArgument { message: format!("{field}: {e}"), hint: e.hint().map(str::to_owned) })
+    text.parse()
+        .map_err(|e: Error| Error::InvalidArgument { message: format!("{field}: {e}"), hint: e.hint().map(str::to_owned) })
 }
 
 fn opt_tenant(text: &Option<String>) -> Result<Option<TenantId>> {
@@ -170,7 +188,10 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
             && key.len() <= LABEL_KEY_CHARS_MAX
             && key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '/'));
         if !key_ok {
-            return Err(Error::invalid(format!("label key {:?} must be 1 to {LABEL_KEY_CHARS_MAX} of A-Z a-z 0-9 - . _ /", truncate(key, 70))));
+            return Err(Error::invalid(format!(
+                "label key {:?} must be 1 to {LABEL_KEY_CHARS_MAX} of A-Z a-z 0-9 - . _ /",
+                truncate(key, 70)
+            )));
         }
         validate_text(&format!("label {key}"), value, LABEL_VALUE_CHARS_MAX)?;
     }
@@ -203,7 +224,9 @@ pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
         "hash": hex::encode(event.hash),
         "keyId": event.key_id,
     });
-    for (name, value) in [("idempotencyKey", &env.idempotency_key), ("causation", &env.causation), ("correlation", &env.correlation)] {
+    for (name, value) in
+        [("idempotencyKey", &env.idempotency_key), ("causation", &env.causation), ("correlation", &env.correlation)]
+    {
         if let Some(value) = value {
             view[name] = Value::String(value.clone());
         }
@@ -372,9 +395,14 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             principal.authorize(call.action, principal.tenant)?;
             let tenant = TenantId::generate();
             let payload = ev::to_cbor(&ev::TenantCreated { name: input.name, root: false })?;
-            let result = call.append(tenant, stream_of(KIND_TENANT, &tenant), ExpectedVersion::NoStream, ev::TENANT_CREATED, payload).await?;
+            let result = call
+                .append(tenant, stream_of(KIND_TENANT, &tenant), ExpectedVersion::NoStream, ev::TENANT_CREATED, payload)
+                .await?;
             let tenant = result.events[0].envelope.tenant;
-            let row = store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.ok_or_else(|| Error::not_found("tenant"))?;
+            let row = store
+                .row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string())
+                .await?
+                .ok_or_else(|| Error::not_found("tenant"))?;
             Ok(row.doc)
         }
         "tenants.get" => {
@@ -391,8 +419,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let key_id = ApiKeyId::generate();
             let (token, secret_sha256) = auth::new_token(key_id);
             let payload = ev::to_cbor(&ev::ApiKeyCreated { name: input.name, actions: input.actions, secret_sha256 })?;
-            let result =
-                call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload).await?;
+            let result = call
+                .append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload)
+                .await?;
             // A replay names the key created first; its secret was shown once and is not kept.
             let stream = &result.events[0].envelope.stream;
             let id = stream.split_once('/').map(|(_, id)| id).unwrap_or_default();
@@ -411,13 +440,26 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let input: ApiKeysRevoke = parse(body)?;
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
             let key_id: ApiKeyId = parse_id("keyId", &input.key_id)?;
-            let row = store.row_get(&tenant.to_string(), KIND_API_KEY, &key_id.to_string()).await?.ok_or_else(|| Error::not_found(format!("api key {key_id}")))?;
+            let row = store
+                .row_get(&tenant.to_string(), KIND_API_KEY, &key_id.to_string())
+                .await?
+                .ok_or_else(|| Error::not_found(format!("api key {key_id}")))?;
             let current: ApiKeyDoc = doc(row)?;
             if !current.revoked {
                 let payload = ev::to_cbor(&ev::ApiKeyRevoked {})?;
-                call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::Exact(current.version), ev::API_KEY_REVOKED, payload).await?;
+                call.append(
+                    tenant,
+                    stream_of(KIND_API_KEY, &key_id),
+                    ExpectedVersion::Exact(current.version),
+                    ev::API_KEY_REVOKED,
+                    payload,
+                )
+                .await?;
             }
-            let row = store.row_get(&tenant.to_string(), KIND_API_KEY, &key_id.to_string()).await?.ok_or_else(|| Error::not_found("api key"))?;
+            let row = store
+                .row_get(&tenant.to_string(), KIND_API_KEY, &key_id.to_string())
+                .await?
+                .ok_or_else(|| Error::not_found("api key"))?;
             Ok(api_key_view(&doc(row)?))
         }
         "pools.create" => {
@@ -427,8 +469,10 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
             validate_labels(&input.labels)?;
             let pool = PoolId::generate();
-            let payload = ev::to_cbor(&ev::PoolCreated { name: input.name, description: input.description, labels: input.labels })?;
-            let result = call.append(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload).await;
+            let payload =
+                ev::to_cbor(&ev::PoolCreated { name: input.name, description: input.description, labels: input.labels })?;
+            let result =
+                call.append(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload).await;
             let stream = match result {
                 Ok(r) => r.events[0].envelope.stream.clone(),
                 Err(e) => return Err(e),
@@ -470,10 +514,15 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             }
             let current: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
             if current.archived {
-                return Err(Error::Conflict { stream: stream_of(KIND_POOL, &pool), expected: "a live pool".into(), actual: current.version });
+                return Err(Error::Conflict {
+                    stream: stream_of(KIND_POOL, &pool),
+                    expected: "a live pool".into(),
+                    actual: current.version,
+                });
             }
             let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
-            let payload = ev::to_cbor(&ev::PoolUpdated { name: input.name, description: input.description, labels: input.labels })?;
+            let payload =
+                ev::to_cbor(&ev::PoolUpdated { name: input.name, description: input.description, labels: input.labels })?;
             call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_UPDATED, payload).await?;
             pool_get(call, tenant, &pool.to_string()).await
         }
@@ -484,7 +533,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let current: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
             if !current.archived {
                 let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
-                call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_ARCHIVED, ev::to_cbor(&ev::PoolArchived {})?).await?;
+                call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_ARCHIVED, ev::to_cbor(&ev::PoolArchived {})?)
+                    .await?;
             }
             pool_get(call, tenant, &pool.to_string()).await
         }
@@ -507,15 +557,22 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 if gpu.nvlink_domain > NVLINK_DOMAIN_MAX {
                     return Err(Error::invalid(format!("gpus[{i}].nvlinkDomain must be 0 to {NVLINK_DOMAIN_MAX}")));
                 }
-                gpus.push(Gpu { model: gpu.model, product: gpu.product, vram_gib: gpu.vram_gi_b, nvlink_domain: gpu.nvlink_domain });
+                gpus.push(Gpu {
+                    model: gpu.model,
+                    product: gpu.product,
+                    vram_gib: gpu.vram_gi_b,
+                    nvlink_domain: gpu.nvlink_domain,
+                });
             }
             let pool_doc: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
             if pool_doc.archived {
                 return Err(Error::invalid(format!("pool {pool} is archived")));
             }
             let node = NodeId::generate();
-            let payload = ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;
-            let result = call.append(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, ev::NODE_REGISTERED, payload).await?;
+            let payload =
+                ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;
+            let result =
+                call.append(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, ev::NODE_REGISTERED, payload).await?;
             let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
             let row = store.row_get(&tenant.to_string(), KIND_NODE, &id).await?.ok_or_else(|| Error::not_found("node"))?;
             Ok(row.doc)

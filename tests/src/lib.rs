@@ -62,7 +62,8 @@ impl Server {
     pub fn dev() -> Server {
         let temp = tempfile::Builder::new().prefix("bc-e2e-").tempdir().expect("tempdir");
         let data_dir = temp.path().to_path_buf();
-        let args = vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+        let args =
+            vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         Self::start(args, data_dir, Some(temp))
     }
 
@@ -98,11 +99,8 @@ impl Server {
     }
 
     fn launch(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.data_dir.join("server.log"))
-            .expect("server log");
+        let log =
+            std::fs::OpenOptions::new().create(true).append(true).open(self.data_dir.join("server.log")).expect("server log");
         let mut child = Command::new(binary("better-compute"))
             .args(&self.args)
             .env("BETTER_COMPUTE_LOG", "info,bc_core=debug")
@@ -211,7 +209,8 @@ impl Server {
 
     /// The number of the newest append transaction, from `/healthz`.
     pub async fn last_commit(&self) -> u64 {
-        let body: Value = self.http.get(format!("{}/healthz", self.url)).send().await.expect("healthz").json().await.expect("json");
+        let body: Value =
+            self.http.get(format!("{}/healthz", self.url)).send().await.expect("healthz").json().await.expect("json");
         body["lastCommit"].as_u64().expect("lastCommit")
     }
 }

@@ -18,18 +18,19 @@ async fn pools_nodes_and_events_round_trip() {
     assert_eq!(got["name"], "gpu-a");
     assert_eq!(got["version"], 1);
 
-    let (status, updated) = server.call("pools.update", json!({ "poolId": pool, "description": "H100 row 4", "ifVersion": 1 })).await;
+    let (status, updated) =
+        server.call("pools.update", json!({ "poolId": pool, "description": "H100 row 4", "ifVersion": 1 })).await;
     assert_eq!(status, 200, "{updated}");
     assert_eq!(updated["version"], 2);
     assert_eq!(updated["description"], "H100 row 4");
     let (status, stale) = server.call("pools.update", json!({ "poolId": pool, "name": "gpu-b", "ifVersion": 1 })).await;
     assert_eq!((status, stale["code"].as_str()), (409, Some("CONFLICT")), "{stale}");
 
-    let gpus: Vec<Value> = (0..8)
-        .map(|i| json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": i / 4 }))
-        .collect();
-    let (status, node) =
-        server.call("nodes.register", json!({ "poolId": pool, "name": "h100-01", "gpus": gpus, "labels": { "rack": "r4" } })).await;
+    let gpus: Vec<Value> =
+        (0..8).map(|i| json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": i / 4 })).collect();
+    let (status, node) = server
+        .call("nodes.register", json!({ "poolId": pool, "name": "h100-01", "gpus": gpus, "labels": { "rack": "r4" } }))
+        .await;
     assert_eq!(status, 200, "{node}");
     let node_id = node["nodeId"].as_str().unwrap();
     let (_, nodes) = server.call("nodes.list", json!({ "poolId": pool })).await;
@@ -107,7 +108,8 @@ async fn idempotent_creates_over_http() {
     let (s1, first) = server.call_as(&token, "pools.create", body.clone(), Some("k-1")).await;
     let before = server.last_commit().await;
     // Same key, same request (keys reordered): the first result, nothing appended.
-    let (s2, again) = server.call_as(&token, "pools.create", json!({ "labels": { "a": "1" }, "name": "once" }), Some("k-1")).await;
+    let (s2, again) =
+        server.call_as(&token, "pools.create", json!({ "labels": { "a": "1" }, "name": "once" }), Some("k-1")).await;
     assert_eq!((s1, s2), (200, 200));
     assert_eq!(first["poolId"], again["poolId"]);
     assert_eq!(server.last_commit().await, before);
@@ -129,7 +131,10 @@ async fn keys_are_bound_to_a_tenant_and_actions() {
     let (status, pool) = server.call("pools.create", json!({ "tenantId": acme, "name": "acme-a" })).await;
     assert_eq!(status, 200, "{pool}");
     let (status, key) = server
-        .call("apiKeys.create", json!({ "tenantId": acme, "name": "reader", "actions": ["compute:pools:read", "compute:events:read"] }))
+        .call(
+            "apiKeys.create",
+            json!({ "tenantId": acme, "name": "reader", "actions": ["compute:pools:read", "compute:events:read"] }),
+        )
         .await;
     assert_eq!(status, 200, "{key}");
     let reader = key["token"].as_str().unwrap().to_owned();
@@ -143,7 +148,8 @@ async fn keys_are_bound_to_a_tenant_and_actions() {
     assert_eq!(pools["items"][0]["name"], "acme-a");
     let (status, denied) = server.call_as(&reader, "pools.create", json!({ "name": "nope" }), None).await;
     assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")));
-    let (status, denied) = server.call_as(&reader, "pools.list", json!({ "tenantId": "ten_00000000000000000000000000" }), None).await;
+    let (status, denied) =
+        server.call_as(&reader, "pools.list", json!({ "tenantId": "ten_00000000000000000000000000" }), None).await;
     assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")), "a tenant's key cannot read another tenant");
     let (status, denied) = server.call_as(&reader, "tenants.create", json!({ "name": "evil" }), None).await;
     assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")));
@@ -167,7 +173,8 @@ async fn cli_commands_and_exit_statuses() {
     assert_eq!(code, 0);
     assert_eq!(serde_json::from_str::<Value>(&again).unwrap()["poolId"], pool_id);
 
-    let (code, out, err) = server.cli(&["nodes", "register", "--pool", pool_id, "--name", "n1", "--gpu", "H100:H100-SXM5-80GB:80:0"]);
+    let (code, out, err) =
+        server.cli(&["nodes", "register", "--pool", pool_id, "--name", "n1", "--gpu", "H100:H100-SXM5-80GB:80:0"]);
     assert_eq!(code, 0, "{err}");
     let node: Value = serde_json::from_str(&out).unwrap();
     let (code, table, _) = server.cli(&["nodes", "list"]);
@@ -204,7 +211,10 @@ async fn cli_commands_and_exit_statuses() {
     let (code, _, err) = bc_tests::cli(&["pools", "list"], &[("BETTER_COMPUTE_URL", &server.url)]);
     assert_eq!(code, 1);
     assert!(err.starts_with("MISSING_ENV: ") && err.contains("hint: "), "{err}");
-    let (code, _, err) = bc_tests::cli(&["pools", "list"], &[("BETTER_COMPUTE_URL", &server.url), ("BETTER_COMPUTE_TOKEN", "key_01jzzzzzzzzzzzzzzzzzzzzzzz.nope")]);
+    let (code, _, err) = bc_tests::cli(
+        &["pools", "list"],
+        &[("BETTER_COMPUTE_URL", &server.url), ("BETTER_COMPUTE_TOKEN", "key_01jzzzzzzzzzzzzzzzzzzzzzzz.nope")],
+    );
     assert_eq!(code, 1);
     assert!(err.starts_with("UNAUTHENTICATED: "), "{err}");
     assert_eq!(server.last_commit().await, before, "refusals append nothing");

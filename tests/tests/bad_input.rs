@@ -14,29 +14,116 @@ async fn bad_requests_get_their_codes_and_append_nothing() {
     let cases: Vec<(&str, &str, Vec<u8>, Vec<(&str, &str)>, u16, &str)> = vec![
         ("malformed JSON", "pools.create", b"{\"name\": ".to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
         ("not an object", "pools.create", b"[1,2]".to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
-        ("unknown field", "pools.create", br#"{"name":"x","colour":"red"}"#.to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
+        (
+            "unknown field",
+            "pools.create",
+            br#"{"name":"x","colour":"red"}"#.to_vec(),
+            json_headers.to_vec(),
+            400,
+            "INVALID_ARGUMENT",
+        ),
         ("wrong type", "pools.create", br#"{"name":7}"#.to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
         ("bad name", "pools.create", br#"{"name":"Has Spaces"}"#.to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
-        ("oversize body", "pools.create", {
-            let mut b = br#"{"name":"x","description":""#.to_vec();
-            b.extend(std::iter::repeat_n(b'a', 2 * 1024 * 1024));
-            b.extend(br#""}"#);
-            b
-        }, json_headers.to_vec(), 413, "PAYLOAD_TOO_LARGE"),
+        (
+            "oversize body",
+            "pools.create",
+            {
+                let mut b = br#"{"name":"x","description":""#.to_vec();
+                b.extend(std::iter::repeat_n(b'a', 2 * 1024 * 1024));
+                b.extend(br#""}"#);
+                b
+            },
+            json_headers.to_vec(),
+            413,
+            "PAYLOAD_TOO_LARGE",
+        ),
         ("malformed id", "pools.get", br#"{"poolId":"pool_123"}"#.to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
-        ("id of another kind", "nodes.register", format!(r#"{{"poolId":"{}","name":"n","gpus":[]}}"#, pool.replace("pool_", "node_")).into_bytes(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
-        ("unknown pool", "nodes.register", br#"{"poolId":"pool_00000000000000000000000000","name":"n","gpus":[]}"#.to_vec(), json_headers.to_vec(), 404, "NOT_FOUND"),
-        ("vram out of range", "nodes.register", format!(r#"{{"poolId":"{pool}","name":"n","gpus":[{{"model":"H100","product":"H100","vramGiB":0,"nvlinkDomain":0}}]}}"#).into_bytes(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
+        (
+            "id of another kind",
+            "nodes.register",
+            format!(r#"{{"poolId":"{}","name":"n","gpus":[]}}"#, pool.replace("pool_", "node_")).into_bytes(),
+            json_headers.to_vec(),
+            400,
+            "INVALID_ARGUMENT",
+        ),
+        (
+            "unknown pool",
+            "nodes.register",
+            br#"{"poolId":"pool_00000000000000000000000000","name":"n","gpus":[]}"#.to_vec(),
+            json_headers.to_vec(),
+            404,
+            "NOT_FOUND",
+        ),
+        (
+            "vram out of range",
+            "nodes.register",
+            format!(
+                r#"{{"poolId":"{pool}","name":"n","gpus":[{{"model":"H100","product":"H100","vramGiB":0,"nvlinkDomain":0}}]}}"#
+            )
+            .into_bytes(),
+            json_headers.to_vec(),
+            400,
+            "INVALID_ARGUMENT",
+        ),
         ("limit out of range", "pools.list", br#"{"limit":100000}"#.to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
         ("malformed cursor", "events.list", br#"{"cursor":"12;drop"}"#.to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
-        ("float in body", "pools.update", format!(r#"{{"poolId":"{pool}","ifVersion":1.5}}"#).into_bytes(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
-        ("wrong content type", "pools.create", br#"{"name":"x"}"#.to_vec(), vec![("authorization", auth.as_str()), ("content-type", "text/plain")], 400, "INVALID_ARGUMENT"),
-        ("missing token", "pools.create", br#"{"name":"x"}"#.to_vec(), vec![("content-type", "application/json")], 401, "UNAUTHENTICATED"),
-        ("not bearer", "pools.create", br#"{"name":"x"}"#.to_vec(), vec![("authorization", "Basic YTpi"), ("content-type", "application/json")], 401, "UNAUTHENTICATED"),
-        ("wrong token", "pools.create", br#"{"name":"x"}"#.to_vec(), vec![("authorization", "Bearer key_00000000000000000000000000.bogus"), ("content-type", "application/json")], 401, "UNAUTHENTICATED"),
-        ("garbage token", "pools.create", br#"{"name":"x"}"#.to_vec(), vec![("authorization", "Bearer ###.###"), ("content-type", "application/json")], 401, "UNAUTHENTICATED"),
+        (
+            "float in body",
+            "pools.update",
+            format!(r#"{{"poolId":"{pool}","ifVersion":1.5}}"#).into_bytes(),
+            json_headers.to_vec(),
+            400,
+            "INVALID_ARGUMENT",
+        ),
+        (
+            "wrong content type",
+            "pools.create",
+            br#"{"name":"x"}"#.to_vec(),
+            vec![("authorization", auth.as_str()), ("content-type", "text/plain")],
+            400,
+            "INVALID_ARGUMENT",
+        ),
+        (
+            "missing token",
+            "pools.create",
+            br#"{"name":"x"}"#.to_vec(),
+            vec![("content-type", "application/json")],
+            401,
+            "UNAUTHENTICATED",
+        ),
+        (
+            "not bearer",
+            "pools.create",
+            br#"{"name":"x"}"#.to_vec(),
+            vec![("authorization", "Basic YTpi"), ("content-type", "application/json")],
+            401,
+            "UNAUTHENTICATED",
+        ),
+        (
+            "wrong token",
+            "pools.create",
+            br#"{"name":"x"}"#.to_vec(),
+            vec![("authorization", "Bearer key_00000000000000000000000000.bogus"), ("content-type", "application/json")],
+            401,
+            "UNAUTHENTICATED",
+        ),
+        (
+            "garbage token",
+            "pools.create",
+            br#"{"name":"x"}"#.to_vec(),
+            vec![("authorization", "Bearer ###.###"), ("content-type", "application/json")],
+            401,
+            "UNAUTHENTICATED",
+        ),
         ("unknown method", "pools.destroy", b"{}".to_vec(), json_headers.to_vec(), 404, "NOT_FOUND"),
-        ("bad idempotency key", "pools.create", br#"{"name":"x"}"#.to_vec(), vec![("authorization", auth.as_str()), ("content-type", "application/json"), ("idempotency-key", "has space")], 400, "INVALID_ARGUMENT"),
+        (
+            "bad idempotency key",
+            "pools.create",
+            br#"{"name":"x"}"#.to_vec(),
+            vec![("authorization", auth.as_str()), ("content-type", "application/json"), ("idempotency-key", "has space")],
+            400,
+            "INVALID_ARGUMENT",
+        ),
     ];
     for (what, method, body, headers, status, code) in cases {
         let (got_status, got) = server.raw(method, body, &headers).await;

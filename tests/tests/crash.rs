@@ -23,7 +23,8 @@ async fn kill_nine_loses_no_acknowledged_append() {
         let stop = Arc::new(AtomicBool::new(false));
         let mut writers = Vec::new();
         for w in 0..WRITERS {
-            let (http, url, token, acked, stop) = (server.http.clone(), server.url.clone(), server.token.clone(), acked.clone(), stop.clone());
+            let (http, url, token, acked, stop) =
+                (server.http.clone(), server.url.clone(), server.token.clone(), acked.clone(), stop.clone());
             writers.push(tokio::spawn(async move {
                 let mut i = 0;
                 while !stop.load(Ordering::SeqCst) {

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, ExpectedVersion, Head, IdempotencyRecord,
-    PreRead, PreReadQuery, PreparedBatch, Projector, READ_ROWS_MAX, decode_rows,
+    AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, ExpectedVersion, Head, IdempotencyRecord, PreRead,
+    PreReadQuery, PreparedBatch, Projector, READ_ROWS_MAX, decode_rows,
 };
 use crate::clock::Clock;
 use crate::error::{Error, Result};
@@ -42,7 +42,11 @@ enum Outcome {
     /// Appends `events[range]` of the batch.
     Append(std::ops::Range<usize>),
     /// Same idempotency key and request as an earlier append: return its events.
-    Replay { tenant: TenantId, first_seq: u64, last_seq: u64 },
+    Replay {
+        tenant: TenantId,
+        first_seq: u64,
+        last_seq: u64,
+    },
     /// Same key and request as an earlier job of this batch.
     ReplayOfJob(usize),
     Refused(Error),
@@ -58,10 +62,7 @@ impl LogHandle {
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
         request.validate()?;
         let (reply, answer) = oneshot::channel();
-        self.jobs
-            .send(Job { request, reply })
-            .await
-            .map_err(|_| Error::Unavailable("the appender has stopped".into()))?;
+        self.jobs.send(Job { request, reply }).await.map_err(|_| Error::Unavailable("the appender has stopped".into()))?;
         answer.await.map_err(|_| Error::Unavailable("the appender stopped before answering".into()))?
     }
 }
@@ -134,23 +135,37 @@ async fn process_batch(
     mut jobs: Vec<Job>,
 ) {
     let mut decided = None;
+    let started = std::time::Instant::now();
+    let mut timings = [0u128; 3];
     for _attempt in 0..OPTIMISTIC_ATTEMPTS_MAX {
+        let phase = std::time::Instant::now();
         let pre = match store.preread(&pre_read_query(&jobs)).await {
             Ok(pre) => pre,
             Err(e) => return fail_all(jobs, &e),
         };
-        let (key2, clock2) = (key.clone(), clock.clone());
+        timings[0] += phase.elapsed().as_micros();
+        let phase = std::time::Instant::now();
+        let events: usize = jobs.iter().map(|j| j.request.events.len()).sum();
         let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
-        let (mut batch, outcomes) =
+        let (mut batch, outcomes) = if events < PARALLEL_SIGNING_EVENTS_MIN {
+            // A few signatures cost less than a hop to the blocking pool.
+            decide(&pre, &requests, key, clock.now_ms())
+        } else {
+            let (key2, clock2) = (key.clone(), clock.clone());
             match tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms())).await {
                 Ok(decided) => decided,
                 Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
-            };
+            }
+        };
+        timings[1] += phase.elapsed().as_micros();
         if batch.events.is_empty() {
             decided = Some((batch, outcomes));
             break;
         }
-        match store.commit(&batch, projector.as_ref()).await {
+        let phase = std::time::Instant::now();
+        let committed = store.commit(&batch, projector.as_ref()).await;
+        timings[2] += phase.elapsed().as_micros();
+        match committed {
             Ok(CommitOutcome::Committed { commit }) => {
                 set_commit(&mut batch, commit);
                 decided = Some((batch, outcomes));
@@ -181,6 +196,15 @@ async fn process_batch(
             }
         }
     };
+    tracing::debug!(
+        jobs = jobs.len(),
+        events = batch.events.len(),
+        preread_us = timings[0] as u64,
+        decide_us = timings[1] as u64,
+        commit_us = timings[2] as u64,
+        total_us = started.elapsed().as_micros() as u64,
+        "append batch"
+    );
     let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
         .iter()
         .map(|o| match o {
@@ -216,7 +240,11 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
         let limit = (count - events.len() as u64).min(u64::from(READ_ROWS_MAX)) as u32;
         let page = decode_rows(store.read_chain_rows(tenant, from, limit).await?)?;
         if page.is_empty() {
-            return Err(Error::Corrupt { tenant: tenant.to_string(), seq: from, what: "idempotency record points at a missing event".into() });
+            return Err(Error::Corrupt {
+                tenant: tenant.to_string(),
+                seq: from,
+                what: "idempotency record points at a missing event".into(),
+            });
         }
         from += page.len() as u64;
         events.extend(page);
@@ -297,9 +325,8 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
             }
         }
         let stream_slot = (request.tenant, request.stream.clone());
-        let current = *versions
-            .entry(stream_slot.clone())
-            .or_insert_with(|| pre.stream_versions.get(&stream_slot).copied().unwrap_or(0));
+        let current =
+            *versions.entry(stream_slot.clone()).or_insert_with(|| pre.stream_versions.get(&stream_slot).copied().unwrap_or(0));
         let version_ok = match request.expected {
             ExpectedVersion::Any => true,
             ExpectedVersion::NoStream => current == 0,
@@ -376,19 +403,12 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
         }
         if let Some(idem) = &request.idempotency_key {
             keys_in_batch.insert((request.tenant, idem.clone()), (request_hash, job_index));
-            batch.idempotency.push((
-                request.tenant,
-                idem.clone(),
-                IdempotencyRecord { request_hash, first_seq, last_seq: seq },
-            ));
+            batch.idempotency.push((request.tenant, idem.clone(), IdempotencyRecord { request_hash, first_seq, last_seq: seq }));
         }
         outcomes.push(Outcome::Append(start..end));
     }
-    batch.heads_after = batch
-        .heads_before
-        .iter()
-        .map(|(tenant, _)| (*tenant, heads[tenant].expect("accepted tenants have a head")))
-        .collect();
+    batch.heads_after =
+        batch.heads_before.iter().map(|(tenant, _)| (*tenant, heads[tenant].expect("accepted tenants have a head"))).collect();
     sign_all(&mut batch.events, key);
     (batch, outcomes)
 }

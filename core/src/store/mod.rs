@@ -18,7 +18,9 @@ use async_trait::async_trait;
 use ciborium::Value;
 
 use crate::error::{Error, Result};
-use crate::event::{EVENT_TYPE_BYTES_MAX, EventRow, LABEL_BYTES_MAX, Position, STREAM_NAME_BYTES_MAX, StoredEvent, sha256, validate_name};
+use crate::event::{
+    EVENT_TYPE_BYTES_MAX, EventRow, LABEL_BYTES_MAX, Position, STREAM_NAME_BYTES_MAX, StoredEvent, sha256, validate_name,
+};
 use crate::id::{EventId, TenantId};
 
 pub mod log;
@@ -86,11 +88,9 @@ impl AppendRequest {
         }
         validate_name("stream", &self.stream, STREAM_NAME_BYTES_MAX)?;
         validate_name("actor", &self.actor, LABEL_BYTES_MAX)?;
-        for (what, value) in [
-            ("idempotency key", &self.idempotency_key),
-            ("causation", &self.causation),
-            ("correlation", &self.correlation),
-        ] {
+        for (what, value) in
+            [("idempotency key", &self.idempotency_key), ("causation", &self.causation), ("correlation", &self.correlation)]
+        {
             if let Some(value) = value {
                 validate_name(what, value, LABEL_BYTES_MAX)?;
             }
@@ -106,11 +106,8 @@ impl AppendRequest {
         if let Some(fingerprint) = self.fingerprint {
             return Ok(fingerprint);
         }
-        let events = self
-            .events
-            .iter()
-            .map(|e| Value::Array(vec![Value::Text(e.event_type.clone()), e.payload.clone()]))
-            .collect();
+        let events =
+            self.events.iter().map(|e| Value::Array(vec![Value::Text(e.event_type.clone()), e.payload.clone()])).collect();
         let bytes = crate::canonical::encode(Value::Array(vec![Value::Text(self.stream.clone()), Value::Array(events)]))?;
         Ok(sha256(&bytes))
     }
@@ -166,7 +163,9 @@ pub struct PreparedBatch {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommitOutcome {
-    Committed { commit: u64 },
+    Committed {
+        commit: u64,
+    },
     /// Another writer moved a chain head since the pre-read; nothing was written.
     Stale,
 }

@@ -26,8 +26,7 @@ pub const POOL_CONNECTIONS_MAX: usize = 16;
 
 const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "log", include_str!("../../../schema/postgres/0001_log.sql"))];
 
-const EVENT_COLUMNS: &str =
-    "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
 
 pub struct PostgresStore {
     pool: Pool,
@@ -46,7 +45,9 @@ impl PostgresStore {
             .build()
             .map_err(|e| Error::Internal(format!("building the pool: {e}")))?;
         let client = pool.get().await.map_err(|e| {
-            Error::Unavailable(format!("cannot connect to PostgreSQL: {e}; hint: check --database-url and that the server is running"))
+            Error::Unavailable(format!(
+                "cannot connect to PostgreSQL: {e}; hint: check --database-url and that the server is running"
+            ))
         })?;
         drop(client);
         Ok(Self { pool })
@@ -87,11 +88,8 @@ fn hash32(bytes: Vec<u8>) -> Result<[u8; 32]> {
 }
 
 fn heads_from(rows: &[tokio_postgres::Row]) -> Result<HashMap<String, Head>> {
-    rows.iter()
-        .map(|row| Ok((row.try_get(0)?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? })))
-        .collect()
+    rows.iter().map(|row| Ok((row.try_get(0)?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))).collect()
 }
-
 
 async fn next_commit(tx: &tokio_postgres::Transaction<'_>) -> Result<i64> {
     Ok(tx
@@ -101,86 +99,95 @@ async fn next_commit(tx: &tokio_postgres::Transaction<'_>) -> Result<i64> {
 }
 
 async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result<PreRead> {
-        let mut out = PreRead::default();
-        let tenants: Vec<String> = query.tenants.iter().map(|t| t.to_string()).collect();
-        for (tenant, head) in heads_from(
-            &client.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1)", &[&tenants]).await?,
-        )? {
-            out.heads.insert(tenant.parse()?, head);
-        }
-        if !query.streams.is_empty() {
-            let t: Vec<String> = query.streams.iter().map(|(t, _)| t.to_string()).collect();
-            let s: Vec<&str> = query.streams.iter().map(|(_, s)| s.as_str()).collect();
-            let rows = client
-                .query(
-                    "SELECT e.tenant_id, e.stream, MAX(e.version) FROM events e
-                     JOIN UNNEST($1::text[], $2::text[]) AS k(t, s) ON e.tenant_id = k.t AND e.stream = k.s
-                     GROUP BY e.tenant_id, e.stream",
-                    &[&t, &s],
-                )
-                .await?;
-            for row in rows {
-                let tenant: String = row.try_get(0)?;
-                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(row.try_get(2)?)?);
+    let mut out = PreRead::default();
+    let tenants: Vec<String> = query.tenants.iter().map(|t| t.to_string()).collect();
+    for (tenant, head) in
+        heads_from(&client.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1)", &[&tenants]).await?)?
+    {
+        out.heads.insert(tenant.parse()?, head);
+    }
+    if !query.streams.is_empty() {
+        let t: Vec<String> = query.streams.iter().map(|(t, _)| t.to_string()).collect();
+        let s: Vec<&str> = query.streams.iter().map(|(_, s)| s.as_str()).collect();
+        let rows = client
+            .query(
+                // A correlated MAX per key walks the (tenant_id, stream, version) index,
+                // whatever the planner guesses about UNNEST's size.
+                "SELECT k.t, k.s, (SELECT MAX(e.version) FROM events e WHERE e.tenant_id = k.t AND e.stream = k.s)
+                 FROM UNNEST($1::text[], $2::text[]) AS k(t, s)",
+                &[&t, &s],
+            )
+            .await?;
+        for row in rows {
+            let tenant: String = row.try_get(0)?;
+            if let Some(version) = row.try_get::<_, Option<i64>>(2)? {
+                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(version)?);
             }
         }
-        if !query.idempotency_keys.is_empty() {
-            let t: Vec<String> = query.idempotency_keys.iter().map(|(t, _)| t.to_string()).collect();
-            let k: Vec<&str> = query.idempotency_keys.iter().map(|(_, k)| k.as_str()).collect();
-            let rows = client
-                .query(
-                    "SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq FROM idempotency i
-                     JOIN UNNEST($1::text[], $2::text[]) AS k(t, k) ON i.tenant_id = k.t AND i.key = k.k",
-                    &[&t, &k],
-                )
-                .await?;
-            for row in rows {
-                let tenant: String = row.try_get(0)?;
-                out.idempotency.insert(
-                    (tenant.parse()?, row.try_get(1)?),
-                    IdempotencyRecord {
-                        request_hash: hash32(row.try_get(2)?)?,
-                        first_seq: to_u64(row.try_get(3)?)?,
-                        last_seq: to_u64(row.try_get(4)?)?,
-                    },
-                );
-            }
+    }
+    if !query.idempotency_keys.is_empty() {
+        let t: Vec<String> = query.idempotency_keys.iter().map(|(t, _)| t.to_string()).collect();
+        let k: Vec<&str> = query.idempotency_keys.iter().map(|(_, k)| k.as_str()).collect();
+        let rows = client
+            .query(
+                "SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq
+                 FROM UNNEST($1::text[], $2::text[]) AS k(t, k)
+                 CROSS JOIN LATERAL (SELECT * FROM idempotency i WHERE i.tenant_id = k.t AND i.key = k.k) i",
+                &[&t, &k],
+            )
+            .await?;
+        for row in rows {
+            let tenant: String = row.try_get(0)?;
+            out.idempotency.insert(
+                (tenant.parse()?, row.try_get(1)?),
+                IdempotencyRecord {
+                    request_hash: hash32(row.try_get(2)?)?,
+                    first_seq: to_u64(row.try_get(3)?)?,
+                    last_seq: to_u64(row.try_get(4)?)?,
+                },
+            );
         }
-        Ok(out)
+    }
+    Ok(out)
 }
 
-async fn write_batch(tx: &tokio_postgres::Transaction<'_>, batch: &PreparedBatch, commit: i64, projector: &dyn Projector) -> Result<()> {
-        let n = batch.events.len();
-        let (mut t, mut seq, mut id, mut stream, mut version, mut ty, mut at, mut idx, mut canonical, mut hash, mut sig, mut key) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        for e in &batch.events {
-            let env = &e.envelope;
-            t.push(env.tenant.to_string());
-            seq.push(to_i64(env.seq)?);
-            id.push(env.id.to_string());
-            stream.push(env.stream.as_str());
-            version.push(to_i64(env.version)?);
-            ty.push(env.event_type.as_str());
-            at.push(to_i64(env.at_ms)?);
-            idx.push(i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into()))?);
-            canonical.push(e.canonical.as_slice());
-            hash.push(&e.hash[..]);
-            sig.push(e.sig.as_slice());
-            key.push(e.key_id.as_str());
-        }
-        tx.execute(
+async fn write_batch(
+    tx: &tokio_postgres::Transaction<'_>,
+    batch: &PreparedBatch,
+    commit: i64,
+    projector: &dyn Projector,
+) -> Result<()> {
+    let n = batch.events.len();
+    let (mut t, mut seq, mut id, mut stream, mut version, mut ty, mut at, mut idx, mut canonical, mut hash, mut sig, mut key) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for e in &batch.events {
+        let env = &e.envelope;
+        t.push(env.tenant.to_string());
+        seq.push(to_i64(env.seq)?);
+        id.push(env.id.to_string());
+        stream.push(env.stream.as_str());
+        version.push(to_i64(env.version)?);
+        ty.push(env.event_type.as_str());
+        at.push(to_i64(env.at_ms)?);
+        idx.push(i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into()))?);
+        canonical.push(e.canonical.as_slice());
+        hash.push(&e.hash[..]);
+        sig.push(e.sig.as_slice());
+        key.push(e.key_id.as_str());
+    }
+    tx.execute(
             "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id)
              SELECT t, s, i, st, v, ty, a, $8, ix, c, h, sg, k
              FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[],
@@ -189,80 +196,80 @@ async fn write_batch(tx: &tokio_postgres::Transaction<'_>, batch: &PreparedBatch
             &[&t, &seq, &id, &stream, &version, &ty, &at, &commit, &idx, &canonical, &hash, &sig, &key],
         )
         .await?;
-        let ht: Vec<String> = batch.heads_after.iter().map(|(t, _)| t.to_string()).collect();
-        let hs: Vec<i64> = batch.heads_after.iter().map(|(_, h)| to_i64(h.seq)).collect::<Result<_>>()?;
-        let hh: Vec<&[u8]> = batch.heads_after.iter().map(|(_, h)| &h.hash[..]).collect();
-        tx.execute(
-            "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
+    let ht: Vec<String> = batch.heads_after.iter().map(|(t, _)| t.to_string()).collect();
+    let hs: Vec<i64> = batch.heads_after.iter().map(|(_, h)| to_i64(h.seq)).collect::<Result<_>>()?;
+    let hh: Vec<&[u8]> = batch.heads_after.iter().map(|(_, h)| &h.hash[..]).collect();
+    tx.execute(
+        "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
              ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash",
-            &[&ht, &hs, &hh],
+        &[&ht, &hs, &hh],
+    )
+    .await?;
+    if !batch.idempotency.is_empty() {
+        let it: Vec<String> = batch.idempotency.iter().map(|(t, _, _)| t.to_string()).collect();
+        let ik: Vec<&str> = batch.idempotency.iter().map(|(_, k, _)| k.as_str()).collect();
+        let ih: Vec<&[u8]> = batch.idempotency.iter().map(|(_, _, r)| &r.request_hash[..]).collect();
+        let first: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.first_seq)).collect::<Result<_>>()?;
+        let last: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.last_seq)).collect::<Result<_>>()?;
+        tx.execute(
+            "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
+                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
+            &[&it, &ik, &ih, &first, &last],
         )
         .await?;
-        if !batch.idempotency.is_empty() {
-            let it: Vec<String> = batch.idempotency.iter().map(|(t, _, _)| t.to_string()).collect();
-            let ik: Vec<&str> = batch.idempotency.iter().map(|(_, k, _)| k.as_str()).collect();
-            let ih: Vec<&[u8]> = batch.idempotency.iter().map(|(_, _, r)| &r.request_hash[..]).collect();
-            let first: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.first_seq)).collect::<Result<_>>()?;
-            let last: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.last_seq)).collect::<Result<_>>()?;
-            tx.execute(
-                "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
-                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
-                &[&it, &ik, &ih, &first, &last],
-            )
-            .await?;
-        }
-        // Projections, in the same transaction.
-        let keys = touched_rows(projector, &batch.events);
-        let kt: Vec<&str> = keys.iter().map(|k| k.tenant.as_str()).collect();
-        let kk: Vec<&str> = keys.iter().map(|k| k.kind.as_str()).collect();
-        let ki: Vec<&str> = keys.iter().map(|k| k.id.as_str()).collect();
-        let mut current = HashMap::new();
-        for row in tx
-            .query(
-                "SELECT p.tenant_id, p.kind, p.id, p.doc FROM projections p
-                 JOIN UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
-                   ON p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i",
-                &[&kt, &kk, &ki],
-            )
-            .await?
-        {
-            let row = projection_row(&row)?;
-            current.insert(row.key, row.doc);
-        }
-        let folded = fold_projections(projector, &batch.events, current)?;
-        let (mut ut, mut uk, mut ui, mut ud) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut dt, mut dk, mut di) = (Vec::new(), Vec::new(), Vec::new());
-        for (key, doc) in folded {
-            match doc {
-                Some(doc) => {
-                    ut.push(key.tenant);
-                    uk.push(key.kind);
-                    ui.push(key.id);
-                    ud.push(doc.to_string());
-                }
-                None => {
-                    dt.push(key.tenant);
-                    dk.push(key.kind);
-                    di.push(key.id);
-                }
+    }
+    // Projections, in the same transaction.
+    let keys = touched_rows(projector, &batch.events);
+    let kt: Vec<&str> = keys.iter().map(|k| k.tenant.as_str()).collect();
+    let kk: Vec<&str> = keys.iter().map(|k| k.kind.as_str()).collect();
+    let ki: Vec<&str> = keys.iter().map(|k| k.id.as_str()).collect();
+    let mut current = HashMap::new();
+    for row in tx
+        .query(
+            "SELECT p.tenant_id, p.kind, p.id, p.doc
+             FROM UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+             CROSS JOIN LATERAL (SELECT * FROM projections p WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i) p",
+            &[&kt, &kk, &ki],
+        )
+        .await?
+    {
+        let row = projection_row(&row)?;
+        current.insert(row.key, row.doc);
+    }
+    let folded = fold_projections(projector, &batch.events, current)?;
+    let (mut ut, mut uk, mut ui, mut ud) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut dt, mut dk, mut di) = (Vec::new(), Vec::new(), Vec::new());
+    for (key, doc) in folded {
+        match doc {
+            Some(doc) => {
+                ut.push(key.tenant);
+                uk.push(key.kind);
+                ui.push(key.id);
+                ud.push(doc.to_string());
+            }
+            None => {
+                dt.push(key.tenant);
+                dk.push(key.kind);
+                di.push(key.id);
             }
         }
-        if !ut.is_empty() {
-            tx.execute(
+    }
+    if !ut.is_empty() {
+        tx.execute(
                 "INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])
                  ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc",
                 &[&ut, &uk, &ui, &ud],
             )
             .await?;
-        }
-        if !dt.is_empty() {
-            tx.execute(
-                "DELETE FROM projections p USING UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+    }
+    if !dt.is_empty() {
+        tx.execute(
+            "DELETE FROM projections p USING UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
                  WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i",
-                &[&dt, &dk, &di],
-            )
-            .await?;
-        }
+            &[&dt, &dk, &di],
+        )
+        .await?;
+    }
     Ok(())
 }
 
@@ -288,8 +295,11 @@ impl EventStore for PostgresStore {
             }
             tx.batch_execute(sql).await?;
             let now = to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?;
-            tx.execute("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)", &[version, name, &now])
-                .await?;
+            tx.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)",
+                &[version, name, &now],
+            )
+            .await?;
             applied.push(format!("{version:04}_{name}"));
         }
         tx.commit().await?;
@@ -320,8 +330,7 @@ impl EventStore for PostgresStore {
         let commit = next_commit(&tx).await?;
         let tenants: Vec<String> = batch.heads_before.iter().map(|(t, _)| t.to_string()).collect();
         let heads = heads_from(
-            &tx.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1) FOR UPDATE", &[&tenants])
-                .await?,
+            &tx.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1) FOR UPDATE", &[&tenants]).await?,
         )?;
         for (tenant, before) in &batch.heads_before {
             if heads.get(&tenant.to_string()) != before.as_ref() {

@@ -30,8 +30,7 @@ const ROWS_PER_STATEMENT_MAX: usize = 1000;
 
 const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "log", include_str!("../../../schema/sqlite/0001_log.sql"))];
 
-const EVENT_COLUMNS: &str =
-    "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
 
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -97,7 +96,7 @@ async fn write_projections(
     let keys = touched_rows(projector, events);
     let mut current = HashMap::new();
     for chunk in keys.chunks(ROWS_PER_STATEMENT_MAX) {
-        let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, kind, id, doc FROM projections WHERE (tenant_id, kind, id) IN (");
+        let mut q = QueryBuilder::<Sqlite>::new("WITH k(t, kd, i) AS (VALUES ");
         let mut list = q.separated(", ");
         for key in chunk {
             list.push("(");
@@ -108,7 +107,7 @@ async fn write_projections(
             list.push_bind_unseparated(key.id.clone());
             list.push_unseparated(")");
         }
-        q.push(")");
+        q.push(") SELECT p.tenant_id, p.kind, p.id, p.doc FROM k JOIN projections p ON p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i");
         for row in q.build().fetch_all(&mut **tx).await? {
             let row = projection_row(&row)?;
             current.insert(row.key, row.doc);
@@ -138,6 +137,18 @@ async fn write_projections(
     Ok(())
 }
 
+/// `VALUES (?, ?), (?, ?), …` for a CTE of pairs.
+fn push_pairs(q: &mut QueryBuilder<Sqlite>, pairs: impl Iterator<Item = (String, String)>) {
+    q.push("VALUES ");
+    let mut list = q.separated(", ");
+    for (a, b) in pairs {
+        list.push("(");
+        list.push_bind_unseparated(a);
+        list.push_unseparated(", ");
+        list.push_bind_unseparated(b);
+        list.push_unseparated(")");
+    }
+}
 
 async fn next_commit(tx: &mut sqlx::Transaction<'static, Sqlite>) -> Result<i64> {
     Ok(sqlx::query_scalar("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit")
@@ -147,59 +158,47 @@ async fn next_commit(tx: &mut sqlx::Transaction<'static, Sqlite>) -> Result<i64>
 
 async fn preread_on(conn: &mut sqlx::SqliteConnection, query: &PreReadQuery) -> Result<PreRead> {
     let mut out = PreRead::default();
-        if !query.tenants.is_empty() {
-            let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
-            let mut list = q.separated(", ");
-            for t in &query.tenants {
-                list.push_bind(t.to_string());
-            }
-            q.push(")");
-            for row in q.build().fetch_all(&mut *conn).await? {
-                let tenant: String = row.try_get(0)?;
-                out.heads.insert(tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? });
+    if !query.tenants.is_empty() {
+        let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
+        let mut list = q.separated(", ");
+        for t in &query.tenants {
+            list.push_bind(t.to_string());
+        }
+        q.push(")");
+        for row in q.build().fetch_all(&mut *conn).await? {
+            let tenant: String = row.try_get(0)?;
+            out.heads.insert(tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? });
+        }
+    }
+    for chunk in query.streams.chunks(ROWS_PER_STATEMENT_MAX) {
+        // A correlated MAX per key walks the (tenant_id, stream, version) index; a row-value IN
+        // list does not, and scans the table.
+        let mut q = QueryBuilder::<Sqlite>::new("WITH k(t, s) AS (");
+        push_pairs(&mut q, chunk.iter().map(|(t, s)| (t.to_string(), s.clone())));
+        q.push(") SELECT k.t, k.s, (SELECT MAX(version) FROM events e WHERE e.tenant_id = k.t AND e.stream = k.s) FROM k");
+        for row in q.build().fetch_all(&mut *conn).await? {
+            let tenant: String = row.try_get(0)?;
+            if let Some(version) = row.try_get::<Option<i64>, _>(2)? {
+                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(version)?);
             }
         }
-        for chunk in query.streams.chunks(ROWS_PER_STATEMENT_MAX) {
-            let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, stream, MAX(version) FROM events WHERE (tenant_id, stream) IN (");
-            let mut list = q.separated(", ");
-            for (t, s) in chunk {
-                list.push("(");
-                list.push_bind_unseparated(t.to_string());
-                list.push_unseparated(", ");
-                list.push_bind_unseparated(s.clone());
-                list.push_unseparated(")");
-            }
-            q.push(") GROUP BY tenant_id, stream");
-            for row in q.build().fetch_all(&mut *conn).await? {
-                let tenant: String = row.try_get(0)?;
-                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(row.try_get(2)?)?);
-            }
-        }
-        for chunk in query.idempotency_keys.chunks(ROWS_PER_STATEMENT_MAX) {
-            let mut q = QueryBuilder::<Sqlite>::new(
-                "SELECT tenant_id, key, request_hash, first_seq, last_seq FROM idempotency WHERE (tenant_id, key) IN (",
+    }
+    for chunk in query.idempotency_keys.chunks(ROWS_PER_STATEMENT_MAX) {
+        let mut q = QueryBuilder::<Sqlite>::new("WITH k(t, s) AS (");
+        push_pairs(&mut q, chunk.iter().map(|(t, k)| (t.to_string(), k.clone())));
+        q.push(") SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq FROM k JOIN idempotency i ON i.tenant_id = k.t AND i.key = k.s");
+        for row in q.build().fetch_all(&mut *conn).await? {
+            let tenant: String = row.try_get(0)?;
+            out.idempotency.insert(
+                (tenant.parse()?, row.try_get(1)?),
+                IdempotencyRecord {
+                    request_hash: hash32(row.try_get(2)?)?,
+                    first_seq: to_u64(row.try_get(3)?)?,
+                    last_seq: to_u64(row.try_get(4)?)?,
+                },
             );
-            let mut list = q.separated(", ");
-            for (t, k) in chunk {
-                list.push("(");
-                list.push_bind_unseparated(t.to_string());
-                list.push_unseparated(", ");
-                list.push_bind_unseparated(k.clone());
-                list.push_unseparated(")");
-            }
-            q.push(")");
-            for row in q.build().fetch_all(&mut *conn).await? {
-                let tenant: String = row.try_get(0)?;
-                out.idempotency.insert(
-                    (tenant.parse()?, row.try_get(1)?),
-                    IdempotencyRecord {
-                        request_hash: hash32(row.try_get(2)?)?,
-                        first_seq: to_u64(row.try_get(3)?)?,
-                        last_seq: to_u64(row.try_get(4)?)?,
-                    },
-                );
-            }
         }
+    }
     Ok(out)
 }
 
@@ -209,61 +208,61 @@ async fn write_batch(
     commit: i64,
     projector: &dyn Projector,
 ) -> Result<()> {
-        for chunk in batch.events.chunks(ROWS_PER_STATEMENT_MAX) {
-            let mut q = QueryBuilder::<Sqlite>::new(
-                "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id) ",
-            );
-            let mut failed = None;
-            q.push_values(chunk, |mut b, e| {
-                let env = &e.envelope;
-                let (seq, version, at) = match (to_i64(env.seq), to_i64(env.version), to_i64(env.at_ms)) {
-                    (Ok(s), Ok(v), Ok(a)) => (s, v, a),
-                    _ => {
-                        failed = Some(Error::Internal("event number out of range".into()));
-                        (0, 0, 0)
-                    }
-                };
-                b.push_bind(env.tenant.to_string())
-                    .push_bind(seq)
-                    .push_bind(env.id.to_string())
-                    .push_bind(env.stream.clone())
-                    .push_bind(version)
-                    .push_bind(env.event_type.clone())
-                    .push_bind(at)
-                    .push_bind(commit)
-                    .push_bind(i64::from(e.position.index))
-                    .push_bind(e.canonical.clone())
-                    .push_bind(e.hash.to_vec())
-                    .push_bind(e.sig.clone())
-                    .push_bind(e.key_id.clone());
-            });
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            q.build().execute(&mut **tx).await?;
-        }
-        let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO chain_heads (tenant_id, seq, hash) ");
-        let mut bad = false;
-        q.push_values(&batch.heads_after, |mut b, (tenant, head)| {
-            bad |= head.seq > i64::MAX as u64;
-            b.push_bind(tenant.to_string()).push_bind(head.seq as i64).push_bind(head.hash.to_vec());
+    for chunk in batch.events.chunks(ROWS_PER_STATEMENT_MAX) {
+        let mut q = QueryBuilder::<Sqlite>::new(
+            "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id) ",
+        );
+        let mut failed = None;
+        q.push_values(chunk, |mut b, e| {
+            let env = &e.envelope;
+            let (seq, version, at) = match (to_i64(env.seq), to_i64(env.version), to_i64(env.at_ms)) {
+                (Ok(s), Ok(v), Ok(a)) => (s, v, a),
+                _ => {
+                    failed = Some(Error::Internal("event number out of range".into()));
+                    (0, 0, 0)
+                }
+            };
+            b.push_bind(env.tenant.to_string())
+                .push_bind(seq)
+                .push_bind(env.id.to_string())
+                .push_bind(env.stream.clone())
+                .push_bind(version)
+                .push_bind(env.event_type.clone())
+                .push_bind(at)
+                .push_bind(commit)
+                .push_bind(i64::from(e.position.index))
+                .push_bind(e.canonical.clone())
+                .push_bind(e.hash.to_vec())
+                .push_bind(e.sig.clone())
+                .push_bind(e.key_id.clone());
         });
-        if bad {
-            return Err(Error::Internal("sequence number out of range".into()));
+        if let Some(e) = failed {
+            return Err(e);
         }
-        q.push(" ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash");
         q.build().execute(&mut **tx).await?;
-        if !batch.idempotency.is_empty() {
-            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq) ");
-            q.push_values(&batch.idempotency, |mut b, (tenant, key, record)| {
-                b.push_bind(tenant.to_string())
-                    .push_bind(key.clone())
-                    .push_bind(record.request_hash.to_vec())
-                    .push_bind(record.first_seq as i64)
-                    .push_bind(record.last_seq as i64);
-            });
-            q.build().execute(&mut **tx).await?;
-        }
+    }
+    let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO chain_heads (tenant_id, seq, hash) ");
+    let mut bad = false;
+    q.push_values(&batch.heads_after, |mut b, (tenant, head)| {
+        bad |= head.seq > i64::MAX as u64;
+        b.push_bind(tenant.to_string()).push_bind(head.seq as i64).push_bind(head.hash.to_vec());
+    });
+    if bad {
+        return Err(Error::Internal("sequence number out of range".into()));
+    }
+    q.push(" ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash");
+    q.build().execute(&mut **tx).await?;
+    if !batch.idempotency.is_empty() {
+        let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq) ");
+        q.push_values(&batch.idempotency, |mut b, (tenant, key, record)| {
+            b.push_bind(tenant.to_string())
+                .push_bind(key.clone())
+                .push_bind(record.request_hash.to_vec())
+                .push_bind(record.first_seq as i64)
+                .push_bind(record.last_seq as i64);
+        });
+        q.build().execute(&mut **tx).await?;
+    }
     write_projections(tx, projector, &batch.events).await
 }
 
@@ -303,10 +302,8 @@ impl EventStore for SqliteStore {
     }
 
     async fn check_schema(&self) -> Result<()> {
-        let latest: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM schema_migrations")
-            .fetch_one(&self.pool)
-            .await
-            .unwrap_or(None);
+        let latest: Option<i64> =
+            sqlx::query_scalar("SELECT MAX(version) FROM schema_migrations").fetch_one(&self.pool).await.unwrap_or(None);
         let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
         match latest {
             Some(v) if v >= wanted => Ok(()),
@@ -322,9 +319,12 @@ impl EventStore for SqliteStore {
     async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let commit = next_commit(&mut tx).await?;
-        let heads = preread_on(&mut tx, &PreReadQuery { tenants: batch.heads_before.iter().map(|(t, _)| *t).collect(), ..Default::default() })
-            .await?
-            .heads;
+        let heads = preread_on(
+            &mut tx,
+            &PreReadQuery { tenants: batch.heads_before.iter().map(|(t, _)| *t).collect(), ..Default::default() },
+        )
+        .await?
+        .heads;
         for (tenant, before) in &batch.heads_before {
             if heads.get(tenant) != before.as_ref() {
                 return Ok(CommitOutcome::Stale);
@@ -418,17 +418,20 @@ impl EventStore for SqliteStore {
     }
 
     async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()> {
-        sqlx::query("INSERT INTO signing_keys (key_id, public_key, created_at_ms) VALUES (?, ?, ?) ON CONFLICT (key_id) DO NOTHING")
-            .bind(key_id.to_owned())
-            .bind(public.to_vec())
-            .bind(to_i64(at_ms)?)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "INSERT INTO signing_keys (key_id, public_key, created_at_ms) VALUES (?, ?, ?) ON CONFLICT (key_id) DO NOTHING",
+        )
+        .bind(key_id.to_owned())
+        .bind(public.to_vec())
+        .bind(to_i64(at_ms)?)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
     async fn signing_keys(&self) -> Result<Vec<(String, Vec<u8>)>> {
-        let rows = sqlx::query("SELECT key_id, public_key FROM signing_keys ORDER BY created_at_ms").fetch_all(&self.pool).await?;
+        let rows =
+            sqlx::query("SELECT key_id, public_key FROM signing_keys ORDER BY created_at_ms").fetch_all(&self.pool).await?;
         rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
     }
 
@@ -492,4 +495,3 @@ impl EventStore for SqliteStore {
         Ok(true)
     }
 }
-

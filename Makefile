@@ -1,0 +1,39 @@
+# Better Compute. `make dev` runs the control plane on SQLite; `make test` runs every test,
+# the PostgreSQL suite included. See README.md.
+
+CARGO ?= cargo
+DEV_ARGS ?=
+
+.PHONY: dev test bench lint fmt build check-postgres
+
+## Run the control plane on the embedded database (./.better-compute), nothing else to install.
+dev:
+	$(CARGO) run --bin better-compute -- dev $(DEV_ARGS)
+
+build:
+	$(CARGO) build --workspace --bins
+
+## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
+## property, and end-to-end tests that start the real binaries.
+test: check-postgres build
+	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
+		$(CARGO) nextest run --workspace --no-fail-fast; \
+	else \
+		echo "cargo-nextest not found; using cargo test"; \
+		$(CARGO) test --workspace --no-fail-fast; \
+	fi
+
+## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
+check-postgres:
+	@scripts/check-postgres
+
+## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
+bench: check-postgres
+	$(CARGO) bench -p bc-cli --bench append
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
