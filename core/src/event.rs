@@ -307,3 +307,48 @@ mod tests {
         assert_eq!(again.into_writer(), bytes);
     }
 }
+
+#[cfg(test)]
+mod known_answer {
+    //! The worked example of `schema/LOG-FORMAT.md`. If this test fails, the format changed:
+    //! update the document (and think about every verifier already written from it).
+    use super::*;
+    use crate::keys::LogKey;
+
+    pub fn example() -> Envelope {
+        Envelope {
+            tenant: "ten_00000000000000000000000000".parse().unwrap(),
+            seq: 1,
+            id: "evt_01jd000000000000000000000a".parse().unwrap(),
+            stream: "pool/pool_01jd000000000000000000000b".into(),
+            version: 1,
+            event_type: "pool.created".into(),
+            at_ms: 1_790_000_000_000,
+            actor: "system".into(),
+            idempotency_key: None,
+            causation: None,
+            correlation: None,
+            payload: Value::Map(vec![(Value::Text("name".into()), Value::Text("gpu-a".into()))]),
+            prev: GENESIS_PREV,
+        }
+    }
+
+    #[test]
+    fn worked_example() {
+        let key = LogKey::from_seed([7; 32]);
+        let bytes = example().to_canonical().unwrap();
+        let hash = sha256(&bytes);
+        let sig = key.sign_event_hash(&hash);
+        let got = format!(
+            "canonical={}\nhash={}\nsig={}\nkey_id={}\npin={}\npublic={}",
+            hex::encode(&bytes),
+            hex::encode(hash),
+            hex::encode(sig),
+            key.key_id(),
+            key.pin(),
+            hex::encode(key.public().as_bytes())
+        );
+        let expected = include_str!("../../schema/log-format-example.txt");
+        assert_eq!(got.trim(), expected.trim(), "\n{got}");
+    }
+}
