@@ -28,20 +28,36 @@ fn canonicalize_at(value: Value, depth: usize) -> Result<Value> {
         Value::Tag(..) => return Err(Error::invalid("CBOR tags are not allowed in events")),
         Value::Array(items) => Value::Array(items.into_iter().map(|v| canonicalize_at(v, depth + 1)).collect::<Result<_>>()?),
         Value::Map(entries) => {
-            let mut keyed = Vec::with_capacity(entries.len());
+            let mut sorted = Vec::with_capacity(entries.len());
             for (k, v) in entries {
-                let k = canonicalize_at(k, depth + 1)?;
-                let v = canonicalize_at(v, depth + 1)?;
-                keyed.push((encode_raw(&k)?, k, v));
+                sorted.push((canonicalize_at(k, depth + 1)?, canonicalize_at(v, depth + 1)?));
             }
-            keyed.sort_by(|a, b| a.0.cmp(&b.0));
-            if keyed.windows(2).any(|w| w[0].0 == w[1].0) {
+            if sorted.iter().all(|(k, _)| matches!(k, Value::Text(_))) {
+                // For text keys the bytewise order of the encodings is the order of (length,
+                // bytes), because a deterministic head grows with the length: no need to encode.
+                sorted.sort_by(|(a, _), (b, _)| text_key_order(a, b));
+            } else {
+                let mut keyed = Vec::with_capacity(sorted.len());
+                for (k, v) in sorted {
+                    keyed.push((encode_raw(&k)?, k, v));
+                }
+                keyed.sort_by(|a, b| a.0.cmp(&b.0));
+                sorted = keyed.into_iter().map(|(_, k, v)| (k, v)).collect();
+            }
+            if sorted.windows(2).any(|w| w[0].0 == w[1].0) {
                 return Err(Error::invalid("duplicate map key"));
             }
-            Value::Map(keyed.into_iter().map(|(_, k, v)| (k, v)).collect())
+            Value::Map(sorted)
         }
         _ => return Err(Error::invalid("unsupported CBOR value")),
     })
+}
+
+fn text_key_order(a: &Value, b: &Value) -> std::cmp::Ordering {
+    match (a, b) {
+        (Value::Text(a), Value::Text(b)) => a.len().cmp(&b.len()).then_with(|| a.as_bytes().cmp(b.as_bytes())),
+        _ => std::cmp::Ordering::Equal,
+    }
 }
 
 fn encode_raw(value: &Value) -> Result<Vec<u8>> {
@@ -154,6 +170,24 @@ mod tests {
         // Keys sort by their encoded bytes: shorter text first, then bytewise.
         let map = Value::Map(vec![(text("bb"), Value::Null), (text("c"), Value::Null), (text("a"), Value::Null)]);
         assert_eq!(encode(map).unwrap(), [0xa3, 0x61, b'a', 0xf6, 0x61, b'c', 0xf6, 0x62, b'b', b'b', 0xf6]);
+    }
+
+    #[test]
+    fn text_key_fast_path_matches_encoded_order() {
+        // Keys of lengths around the 23/24 head boundary and with shared prefixes.
+        let mut keys: Vec<String> = Vec::new();
+        for len in [0usize, 1, 2, 22, 23, 24, 25, 255, 256] {
+            for c in ['a', 'b', 'z'] {
+                keys.push(std::iter::repeat_n(c, len).collect());
+            }
+        }
+        keys.sort();
+        keys.dedup();
+        let mut by_fast: Vec<Value> = keys.iter().map(|k| text(k)).collect();
+        by_fast.sort_by(text_key_order);
+        let mut by_encoding: Vec<(Vec<u8>, Value)> = keys.iter().map(|k| (encode_raw(&text(k)).unwrap(), text(k))).collect();
+        by_encoding.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(by_fast, by_encoding.into_iter().map(|(_, v)| v).collect::<Vec<_>>());
     }
 
     #[test]

@@ -89,8 +89,13 @@ async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, heade
             response
         }
         Err(e) => {
+            let too_large = e.error.code() == bc_core::ErrorCode::PayloadTooLarge;
             let mut response = e.into_response();
             response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
+            if too_large {
+                // The rest of the body was never read: the connection cannot carry another request.
+                response.headers_mut().insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+            }
             response
         }
     }

@@ -298,8 +298,9 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
     let mut keys_in_batch: HashMap<(TenantId, String), ([u8; 32], usize)> = HashMap::new();
 
     for (job_index, request) in requests.iter().enumerate() {
-        let request_hash = match request.request_hash() {
-            Ok(h) => h,
+        // Only idempotent appends need the request's hash (an encoding of every event).
+        let request_hash = match request.idempotency_key.as_ref().map(|_| request.request_hash()).transpose() {
+            Ok(h) => h.unwrap_or_default(),
             Err(e) => {
                 outcomes.push(Outcome::Refused(e));
                 continue;
