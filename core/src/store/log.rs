@@ -52,6 +52,34 @@ enum Outcome {
     Refused(Error),
 }
 
+/// Running totals of the appender's work, for metrics and for `make bench`'s account of where
+/// the time goes. Microseconds are wall-clock time spent in each phase.
+#[derive(Debug, Default)]
+pub struct LogStats {
+    pub batches: std::sync::atomic::AtomicU64,
+    pub events: std::sync::atomic::AtomicU64,
+    pub preread_us: std::sync::atomic::AtomicU64,
+    pub decide_us: std::sync::atomic::AtomicU64,
+    pub commit_us: std::sync::atomic::AtomicU64,
+    /// Batches that found a chain head moved and were decided again.
+    pub stale: std::sync::atomic::AtomicU64,
+}
+
+impl LogStats {
+    /// (batches, events, preread µs, decide µs, commit µs, stale) so far.
+    pub fn snapshot(&self) -> [u64; 6] {
+        use std::sync::atomic::Ordering::Relaxed;
+        [
+            self.batches.load(Relaxed),
+            self.events.load(Relaxed),
+            self.preread_us.load(Relaxed),
+            self.decide_us.load(Relaxed),
+            self.commit_us.load(Relaxed),
+            self.stale.load(Relaxed),
+        ]
+    }
+}
+
 /// A cheap, cloneable handle for appending.
 #[derive(Clone)]
 pub struct LogHandle {
@@ -71,6 +99,7 @@ impl LogHandle {
 pub struct Log {
     pub store: Arc<dyn EventStore>,
     pub key: Arc<LogKey>,
+    pub stats: Arc<LogStats>,
     handle: LogHandle,
 }
 
@@ -84,8 +113,9 @@ impl Log {
     ) -> Result<Self> {
         store.signing_key_put(key.key_id(), key.public().as_bytes(), clock.now_ms()).await?;
         let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
-        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock));
-        Ok(Self { store, key, handle: LogHandle { jobs } })
+        let stats = Arc::new(LogStats::default());
+        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock, stats.clone()));
+        Ok(Self { store, key, stats, handle: LogHandle { jobs } })
     }
 
     pub fn handle(&self) -> LogHandle {
@@ -103,6 +133,7 @@ async fn run_appender(
     projector: Arc<dyn Projector>,
     key: Arc<LogKey>,
     clock: Arc<dyn Clock>,
+    stats: Arc<LogStats>,
 ) {
     let mut carried: Option<Job> = None;
     loop {
@@ -123,7 +154,7 @@ async fn run_appender(
             events += job.request.events.len();
             jobs.push(job);
         }
-        process_batch(&*store, &projector, &key, &clock, jobs).await;
+        process_batch(&*store, &projector, &key, &clock, &stats, jobs).await;
     }
 }
 
@@ -132,6 +163,7 @@ async fn process_batch(
     projector: &Arc<dyn Projector>,
     key: &Arc<LogKey>,
     clock: &Arc<dyn Clock>,
+    stats: &LogStats,
     mut jobs: Vec<Job>,
 ) {
     let mut decided = None;
@@ -171,7 +203,10 @@ async fn process_batch(
                 decided = Some((batch, outcomes));
                 break;
             }
-            Ok(CommitOutcome::Stale) => tracing::debug!("a chain head moved under the batch; deciding it again"),
+            Ok(CommitOutcome::Stale) => {
+                stats.stale.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!("a chain head moved under the batch; deciding it again")
+            }
             Err(e) => return fail_all(jobs, &e),
         }
     }
@@ -196,6 +231,14 @@ async fn process_batch(
             }
         }
     };
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        stats.batches.fetch_add(1, Relaxed);
+        stats.events.fetch_add(batch.events.len() as u64, Relaxed);
+        stats.preread_us.fetch_add(timings[0] as u64, Relaxed);
+        stats.decide_us.fetch_add(timings[1] as u64, Relaxed);
+        stats.commit_us.fetch_add(timings[2] as u64, Relaxed);
+    }
     tracing::debug!(
         jobs = jobs.len(),
         events = batch.events.len(),

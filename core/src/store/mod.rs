@@ -27,7 +27,7 @@ pub mod log;
 pub mod postgres;
 pub mod sqlite;
 
-pub use log::{Log, LogHandle};
+pub use log::{Log, LogHandle, LogStats};
 
 /// Most events one append request may carry.
 pub const APPEND_EVENTS_MAX: usize = 500;
