@@ -24,6 +24,9 @@ impl Projector for NoProjections {
     }
 }
 
+/// A tenant, its stored rows, and its head (seq, hash).
+type Chain = (TenantId, Vec<EventRow>, (u64, [u8; 32]));
+
 #[derive(Clone, Debug)]
 enum Tamper {
     /// Flip one bit of the canonical bytes, the hash or the signature of one event.
@@ -99,7 +102,7 @@ fn chains_verify_and_tampering_is_located() {
             }
             // Honest: every chain verifies.
             let heads = store.heads().await.unwrap();
-            let mut chains: Vec<(TenantId, Vec<EventRow>, (u64, [u8; 32]))> = Vec::new();
+            let mut chains: Vec<Chain> = Vec::new();
             for (tenant, head) in heads {
                 let rows = store.read_chain_rows(tenant, 1, 1000).await.unwrap();
                 let verified = verify_chain(tenant, rows.clone(), Some((head.seq, head.hash)), &keys);

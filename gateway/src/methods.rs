@@ -492,7 +492,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let include_archived = input.include_archived;
             list_rows(call, tenant, KIND_POOL, &input, |row| {
                 let pool: PoolDoc = doc(row)?;
-                Ok((include_archived || !pool.archived).then(|| to_value(&pool)).transpose()?)
+                (include_archived || !pool.archived).then(|| to_value(&pool)).transpose()
             })
             .await
         }
@@ -590,7 +590,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
             list_rows(call, tenant, KIND_NODE, &input, |row| {
                 let node: NodeDoc = doc(row)?;
-                Ok(pool.as_ref().is_none_or(|p| *p == node.pool_id).then(|| to_value(&node)).transpose()?)
+                pool.as_ref().is_none_or(|p| *p == node.pool_id).then(|| to_value(&node)).transpose()
             })
             .await
         }

@@ -3,6 +3,9 @@
 use bc_tests::Server;
 use serde_json::json;
 
+/// (what, method, body, headers, status, code)
+type Case<'a> = (&'a str, &'a str, Vec<u8>, Vec<(&'a str, &'a str)>, u16, &'a str);
+
 #[tokio::test]
 async fn bad_requests_get_their_codes_and_append_nothing() {
     let server = Server::dev();
@@ -11,7 +14,7 @@ async fn bad_requests_get_their_codes_and_append_nothing() {
     let auth = format!("Bearer {}", server.token);
     let json_headers = [("authorization", auth.as_str()), ("content-type", "application/json")];
 
-    let cases: Vec<(&str, &str, Vec<u8>, Vec<(&str, &str)>, u16, &str)> = vec![
+    let cases: Vec<Case> = vec![
         ("malformed JSON", "pools.create", b"{\"name\": ".to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
         ("not an object", "pools.create", b"[1,2]".to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
         (
