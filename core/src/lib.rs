@@ -20,6 +20,7 @@ pub mod error;
 pub mod event;
 pub mod id;
 pub mod keys;
+pub mod merkle;
 pub mod store;
 pub mod testing;
 
