@@ -11,11 +11,13 @@ pub struct CliError {
     pub code: String,
     pub message: String,
     pub hint: Option<String>,
+    /// A result to print on stdout even though the command failed (`audit verify`'s problems).
+    pub details: Option<serde_json::Value>,
 }
 
 impl CliError {
     pub fn new(code: &str, message: impl Into<String>) -> Self {
-        Self { code: code.to_owned(), message: message.into(), hint: None }
+        Self { code: code.to_owned(), message: message.into(), hint: None, details: None }
     }
 
     pub fn hint(mut self, hint: impl Into<String>) -> Self {
@@ -36,7 +38,7 @@ impl CliError {
 impl From<bc_core::Error> for CliError {
     fn from(e: bc_core::Error) -> Self {
         let hint = e.hint().map(str::to_owned);
-        Self { code: e.code().as_str().to_owned(), message: e.to_string(), hint }
+        Self { code: e.code().as_str().to_owned(), message: e.to_string(), hint, details: None }
     }
 }
 

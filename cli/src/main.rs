@@ -15,6 +15,7 @@ use bc_core::id::{NodeId, PoolId, TenantId};
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Map, Value, json};
 
+mod audit;
 mod client;
 mod output;
 mod server;
@@ -53,6 +54,35 @@ struct DataDir {
 }
 
 #[derive(Args)]
+struct Sealing {
+    /// How often to seal a checkpoint of every tenant whose log grew: `30s`, `15m`, `1h`; `0` never.
+    #[arg(long, default_value = "1h", value_parser = parse_interval_s)]
+    checkpoint_interval: u64,
+    /// The deployment's name: the key's name in checkpoints and the prefix of their origins.
+    #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+    deployment: String,
+}
+
+/// Longest sealing interval accepted: a week.
+const CHECKPOINT_INTERVAL_S_MAX: u64 = 7 * 24 * 3600;
+
+fn parse_interval_s(text: &str) -> Result<u64, String> {
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = digits.parse().map_err(|_| format!("{text:?} is not a duration like 30s, 15m or 1h"))?;
+    let seconds = match unit {
+        "" if n == 0 => 0,
+        "s" => n,
+        "m" => n.saturating_mul(60),
+        "h" => n.saturating_mul(3600),
+        _ => return Err(format!("{text:?} is not a duration like 30s, 15m or 1h")),
+    };
+    if seconds > CHECKPOINT_INTERVAL_S_MAX {
+        return Err(format!("{text:?} is longer than a week"));
+    }
+    Ok(seconds)
+}
+
+#[derive(Args)]
 struct DatabaseArgs {
     /// Where the embedded database and the log key live.
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
@@ -70,6 +100,8 @@ enum Command {
         dir: DataDir,
         #[arg(long, default_value = DEFAULT_LISTEN)]
         listen: String,
+        #[command(flatten)]
+        sealing: Sealing,
     },
     /// Run the control plane on PostgreSQL (run `migrate` first).
     Serve {
@@ -80,6 +112,8 @@ enum Command {
         /// Where the log key and the first admin token are kept.
         #[arg(long, default_value = DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+        #[command(flatten)]
+        sealing: Sealing,
     },
     /// Apply the database migrations.
     Migrate {
@@ -95,6 +129,11 @@ enum Command {
     Projections {
         #[command(subcommand)]
         command: ProjectionsCommand,
+    },
+    /// Checkpoints, verification and proofs of the log.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
     },
     /// Call any API method: `api pools.get poolId=pool_…`, `k=v` (string), `k:=json`.
     Api {
@@ -131,10 +170,58 @@ enum Command {
 
 #[derive(Subcommand)]
 enum PkiCommand {
-    /// Print the log key's id and pin (`sha256/…`).
+    /// Print the log key's id, pin (`sha256/…`) and note verifier key (vkey).
     Show {
         #[command(flatten)]
         dir: DataDir,
+        /// The deployment's name (the key's name in checkpoints).
+        #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+        deployment: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Seal a signed checkpoint now, for every tenant whose log grew (or --tenant).
+    Checkpoint {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+        deployment: String,
+    },
+    /// Recompute every hash, link, signature and checkpoint; exits AUDIT_TAMPERED on a problem.
+    Verify {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Trust only keys with this pin (repeatable); default: the local log key.
+        #[arg(long = "pin")]
+        pins: Vec<String>,
+        #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+        deployment: String,
+    },
+    /// Write the inclusion proof of one event (C2SP tlog-proof) in the newest checkpoint.
+    Prove {
+        event_id: String,
+        /// The proof file to create (never over an existing file).
+        #[arg(long)]
+        out: PathBuf,
+        /// A checkpoint saved earlier: also prove the log still extends it (OUT.consistency).
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+        deployment: String,
+    },
+    /// Check a proof file offline against the key you trust. No database, no network.
+    CheckProof {
+        file: PathBuf,
+        /// The log key's pin, `sha256/…`.
+        #[arg(long = "pin", env = "BETTER_COMPUTE_AUDIT_PIN")]
+        pins: Vec<String>,
+        /// A note verifier key, `NAME+KEYID+KEY`.
+        #[arg(long = "vkey")]
+        vkeys: Vec<String>,
     },
 }
 
@@ -359,18 +446,59 @@ async fn run(cli: Cli) -> Result<(), CliError> {
     let q = query.as_deref();
     let json_or = |default: Format| cli.format.unwrap_or(default);
     match &cli.command {
-        Command::Dev { dir, listen } => {
+        Command::Dev { dir, listen, sealing } => {
             let db = server::Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
-            server::run_server(db, &dir.data_dir, listen, true).await
+            server::run_server(db, &dir.data_dir, listen, true, sealing.checkpoint_interval, &sealing.deployment).await
         }
-        Command::Serve { database_url, listen, data_dir } => {
-            server::run_server(server::Database::Postgres(database_url.clone()), data_dir, listen, false).await
+        Command::Serve { database_url, listen, data_dir, sealing } => {
+            let db = server::Database::Postgres(database_url.clone());
+            server::run_server(db, data_dir, listen, false, sealing.checkpoint_interval, &sealing.deployment).await
         }
         Command::Migrate { db } => {
             let value = server::migrate(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;
             print(&value, json_or(Format::Json), q)
         }
-        Command::Pki { command: PkiCommand::Show { dir } } => print(&server::pki_show(&dir.data_dir)?, json_or(Format::Json), q),
+        Command::Pki { command: PkiCommand::Show { dir, deployment } } => {
+            print(&server::pki_show(&dir.data_dir, deployment)?, json_or(Format::Json), q)
+        }
+        Command::Audit { command } => {
+            let tenant = cli
+                .tenant
+                .as_deref()
+                .map(|t| check_id::<TenantId>("--tenant", t))
+                .transpose()?
+                .map(|t| t.parse().expect("checked"));
+            let value = match command {
+                AuditCommand::Checkpoint { db, deployment } => {
+                    audit::checkpoint(
+                        &server::Database::from_args(&db.data_dir, db.database_url.as_deref()),
+                        &db.data_dir,
+                        tenant,
+                        deployment,
+                    )
+                    .await?
+                }
+                AuditCommand::Verify { db, pins, deployment } => {
+                    let database = server::Database::from_args(&db.data_dir, db.database_url.as_deref());
+                    match audit::verify(&database, &db.data_dir, tenant, pins, deployment).await {
+                        Ok(v) => v,
+                        Err(mut e) => {
+                            if let Some(details) = e.details.take() {
+                                print(&details, json_or(Format::Json), q)?;
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                AuditCommand::Prove { event_id, out, checkpoint, db, deployment } => {
+                    let event = check_id::<bc_core::id::EventId>("EVENT_ID", event_id)?.parse().expect("checked");
+                    let database = server::Database::from_args(&db.data_dir, db.database_url.as_deref());
+                    audit::prove(&database, &db.data_dir, tenant, event, out, checkpoint.as_deref(), deployment).await?
+                }
+                AuditCommand::CheckProof { file, pins, vkeys } => audit::check_proof(file, pins, vkeys)?,
+            };
+            print(&value, json_or(Format::Json), q)
+        }
         Command::Projections { command: ProjectionsCommand::Rebuild { db } } => {
             let value =
                 server::projections_rebuild(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;

@@ -82,12 +82,18 @@ pub async fn migrate(db: &Database) -> Result<Value, CliError> {
     Ok(json!({ "backend": store.backend(), "applied": applied }))
 }
 
-pub fn pki_show(data_dir: &Path) -> Result<Value, CliError> {
+pub fn pki_show(data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
     use base64::Engine;
-    let key = LogKey::load(&data_dir.join(LOG_KEY_FILE))?;
+    let path = data_dir.join(LOG_KEY_FILE);
+    if !path.exists() {
+        return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", path.display()))
+            .hint("run `better-compute dev` once, or pass the --data-dir that serve uses"));
+    }
+    let key = LogKey::load(&path)?;
     Ok(json!({
         "keyId": key.key_id(),
         "pin": key.pin(),
+        "vkey": bc_core::audit::vkey_of(&key, deployment)?.encode(),
         "publicKey": base64::engine::general_purpose::STANDARD.encode(key.public().as_bytes()),
         "algorithm": "ed25519",
     }))
@@ -103,7 +109,14 @@ pub async fn projections_rebuild(db: &Database) -> Result<Value, CliError> {
 }
 
 /// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
-pub async fn run_server(db: Database, data_dir: &Path, listen: &str, migrate_first: bool) -> Result<(), CliError> {
+pub async fn run_server(
+    db: Database,
+    data_dir: &Path,
+    listen: &str,
+    migrate_first: bool,
+    checkpoint_interval_s: u64,
+    deployment: &str,
+) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     create_private_dir(data_dir)?;
     let store = db.open().await?;
@@ -155,10 +168,28 @@ pub async fn run_server(db: Database, data_dir: &Path, listen: &str, migrate_fir
     } else {
         println!("  admin token: {} (from the first start)", token_path.display());
     }
+    if checkpoint_interval_s > 0 {
+        tokio::spawn(seal_periodically(log.clone(), checkpoint_interval_s, deployment.to_owned()));
+    }
     let state = Arc::new(AppState { log: log.clone(), store });
     bc_gateway::serve(listener, state, shutdown_signal()).await.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Seals a checkpoint of every tenant whose log grew, every `interval_s` seconds.
+async fn seal_periodically(log: Arc<Log>, interval_s: u64, deployment: String) {
+    let mut ticks = tokio::time::interval(std::time::Duration::from_secs(interval_s));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await; // the first tick is immediate; seal after one interval
+    loop {
+        ticks.tick().await;
+        match crate::audit::seal_all(&log, None, &deployment).await {
+            Ok(sealed) if !sealed.is_empty() => tracing::info!(tenants = sealed.len(), "sealed checkpoints"),
+            Ok(_) => {}
+            Err(e) => tracing::error!(code = %e.code, error = %e.message, "sealing checkpoints failed"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -72,6 +72,12 @@ impl LogKey {
         pin_of(&self.public())
     }
 
+    /// Signs arbitrary bytes. Only for formats that carry their own context (C2SP signed notes,
+    /// whose text starts with an origin line); events use [`LogKey::sign_event_hash`].
+    pub fn sign_raw(&self, message: &[u8]) -> [u8; 64] {
+        self.signing.sign(message).to_bytes()
+    }
+
     pub fn sign_event_hash(&self, hash: &[u8; 32]) -> [u8; 64] {
         self.signing.sign(&event_signing_message(hash)).to_bytes()
     }

@@ -13,6 +13,7 @@
 //!
 //! `schema/LOG-FORMAT.md` describes the bytes this crate writes.
 
+pub mod audit;
 pub mod canonical;
 pub mod chain;
 pub mod clock;
@@ -21,6 +22,7 @@ pub mod event;
 pub mod id;
 pub mod keys;
 pub mod merkle;
+pub mod note;
 pub mod store;
 pub mod testing;
 

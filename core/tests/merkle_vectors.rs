@@ -173,7 +173,11 @@ fn honest_proofs_verify_and_mutated_ones_fail() {
             }
         };
         if changed {
-            prop_assert!(merkle::verify_inclusion(i2, n2, &leaf2, &p2, &r2).is_err(), "mutated inclusion proof verified: {:?}", mutation);
+            prop_assert!(
+                merkle::verify_inclusion(i2, n2, &leaf2, &p2, &r2).is_err(),
+                "mutated inclusion proof verified: {:?}",
+                mutation
+            );
         }
         // Consistency.
         let old = 1 + b % n;
@@ -211,7 +215,11 @@ fn honest_proofs_verify_and_mutated_ones_fail() {
             }
         };
         if changed {
-            prop_assert!(merkle::verify_consistency(o2, n3, &ro, &rn, &c2).is_err(), "mutated consistency proof verified: {:?}", mutation);
+            prop_assert!(
+                merkle::verify_consistency(o2, n3, &ro, &rn, &c2).is_err(),
+                "mutated consistency proof verified: {:?}",
+                mutation
+            );
         }
         Ok(())
     });

@@ -15,8 +15,16 @@ pub const POOL_ARCHIVED: &str = "pool.archived";
 pub const NODE_REGISTERED: &str = "node.registered";
 
 /// Every event type this version writes.
-pub const EVENT_TYPES: &[&str] =
-    &[TENANT_CREATED, API_KEY_CREATED, API_KEY_REVOKED, POOL_CREATED, POOL_UPDATED, POOL_ARCHIVED, NODE_REGISTERED];
+pub const EVENT_TYPES: &[&str] = &[
+    TENANT_CREATED,
+    API_KEY_CREATED,
+    API_KEY_REVOKED,
+    POOL_CREATED,
+    POOL_UPDATED,
+    POOL_ARCHIVED,
+    NODE_REGISTERED,
+    bc_core::audit::CHECKPOINT_SEALED,
+];
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -8,10 +8,10 @@
 //! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
 //! this file holds the documents and the fold.
 
-use bc_core::canonical;
 use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};
 use bc_core::{Error, Result};
+use bc_core::{audit, canonical};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -111,6 +111,17 @@ fn from_doc<T: for<'de> Deserialize<'de>>(event: &StoredEvent, doc: Option<Value
 
 impl Projector for Projections {
     fn touches(&self, event: &StoredEvent, out: &mut Vec<RowKey>) {
+        if event.envelope.event_type == audit::CHECKPOINT_SEALED {
+            // One row per checkpoint, by size, not one per stream.
+            if let Some((size, _)) = audit::parse_checkpoint_payload(&event.envelope.payload) {
+                out.push(RowKey {
+                    tenant: event.envelope.tenant.to_string(),
+                    kind: audit::KIND_CHECKPOINT.to_owned(),
+                    id: audit::checkpoint_row_id(size),
+                });
+            }
+            return;
+        }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
             && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE)
         {
@@ -122,6 +133,14 @@ impl Projector for Projections {
         let env = &event.envelope;
         let tenant_id = env.tenant.to_string();
         match env.event_type.as_str() {
+            audit::CHECKPOINT_SEALED => {
+                let (size, note) = audit::parse_checkpoint_payload(&env.payload).ok_or_else(|| Error::Corrupt {
+                    tenant: tenant_id.clone(),
+                    seq: env.seq,
+                    what: "checkpoint.sealed payload does not parse".into(),
+                })?;
+                Ok(Some(serde_json::json!({ "treeSize": size, "note": note, "seq": env.seq, "sealedAtMs": env.at_ms })))
+            }
             TENANT_CREATED => {
                 let p: TenantCreated = payload(event)?;
                 to_doc(&TenantDoc { tenant_id, name: p.name, root: p.root, version: env.version, created_at_ms: env.at_ms })

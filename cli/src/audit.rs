@@ -1,0 +1,243 @@
+//! `better-compute audit …`: sealing, verifying and proving, and the offline proof check.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bc_core::audit::{self, Trust};
+use bc_core::clock::SystemClock;
+use bc_core::id::{EventId, TenantId};
+use bc_core::keys::{LogKey, write_secret_file};
+use bc_core::note::Vkey;
+use bc_core::store::{EventStore, Log};
+use bc_projections::Projections;
+use serde_json::{Value, json};
+
+use crate::client::CliError;
+use crate::server::{Database, LOG_KEY_FILE};
+
+fn load_key(data_dir: &Path) -> Result<LogKey, CliError> {
+    let path = data_dir.join(LOG_KEY_FILE);
+    if !path.exists() {
+        return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", path.display()))
+            .hint("pass the --data-dir that `dev` or `serve` uses"));
+    }
+    Ok(LogKey::load(&path)?)
+}
+
+/// `audit checkpoint`: seal now, for one tenant or all.
+pub async fn checkpoint(db: &Database, data_dir: &Path, tenant: Option<TenantId>, deployment: &str) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let key = Arc::new(load_key(data_dir)?);
+    let log = Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?;
+    let sealed = seal_all(&log, tenant, deployment).await?;
+    Ok(json!({ "sealed": sealed }))
+}
+
+/// Seals every tenant whose tree grew (or just `only`); returns what was sealed.
+pub async fn seal_all(log: &Log, only: Option<TenantId>, deployment: &str) -> Result<Vec<Value>, CliError> {
+    let mut sealed = Vec::new();
+    let tenants: Vec<TenantId> = match only {
+        Some(t) => vec![t],
+        None => log.store.heads().await?.into_iter().map(|(t, _)| t).collect(),
+    };
+    for tenant in tenants {
+        if let Some(cp) = audit::seal(log, tenant, deployment).await? {
+            sealed.push(json!({ "tenantId": tenant, "treeSize": cp.size, "checkpoint": cp.note }));
+        }
+    }
+    Ok(sealed)
+}
+
+/// The keys `verify` trusts: those in the database whose pin was given, or else the local key.
+async fn trust(store: &dyn EventStore, data_dir: &Path, pins: &[String], deployment: &str) -> Result<Trust, CliError> {
+    let wanted: Vec<String> = if pins.is_empty() { vec![load_key(data_dir)?.pin()] } else { pins.to_vec() };
+    let mut publics = Vec::new();
+    for (key_id, public) in store.signing_keys().await? {
+        let Ok(bytes) = <[u8; 32]>::try_from(public.as_slice()) else { continue };
+        let Ok(public) = ed25519_dalek::VerifyingKey::from_bytes(&bytes) else { continue };
+        if bc_core::keys::key_id_of(&public) == key_id && wanted.contains(&bc_core::keys::pin_of(&public)) {
+            publics.push(public);
+        }
+    }
+    if publics.is_empty() {
+        return Err(CliError::new("AUDIT_KEY_MISSING", "none of the trusted keys signed anything in this database")
+            .hint("pass the log's pin with --pin (better-compute pki show prints it)"));
+    }
+    Ok(Trust::of(&publics, deployment)?)
+}
+
+pub async fn verify(
+    db: &Database,
+    data_dir: &Path,
+    tenant: Option<TenantId>,
+    pins: &[String],
+    deployment: &str,
+) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let trust = trust(&*store, data_dir, pins, deployment).await?;
+    let started = Instant::now();
+    let terminal = std::io::stderr().is_terminal();
+    let last_report = std::sync::Mutex::new(Instant::now());
+    let progress = |events: u64| {
+        let mut last = last_report.lock().expect("progress lock");
+        if last.elapsed().as_millis() >= 1000 {
+            *last = Instant::now();
+            let rate = events as f64 / started.elapsed().as_secs_f64();
+            if terminal {
+                eprint!("\rverified {events} events ({rate:.0}/s)…");
+            } else {
+                eprintln!("verified {events} events ({rate:.0}/s)");
+            }
+        }
+    };
+    let report = audit::verify(&*store, &trust, tenant, &progress).await?;
+    if terminal {
+        eprint!("\r\x1b[K");
+    }
+    let elapsed = started.elapsed();
+    let problems: Vec<Value> =
+        report.problems.iter().map(|p| json!({ "tenantId": p.tenant, "seq": p.seq, "what": p.what })).collect();
+    let summary = json!({
+        "ok": problems.is_empty(),
+        "tenants": report.tenants,
+        "events": report.events,
+        "checkpoints": report.checkpoints,
+        "elapsedMs": elapsed.as_millis() as u64,
+        "eventsPerSecond": (report.events as f64 / elapsed.as_secs_f64().max(1e-9)).round(),
+        "problems": problems,
+        "problemsOmitted": report.problems_omitted,
+    });
+    if !report.problems.is_empty() {
+        let first = &report.problems[0];
+        let mut e = CliError::new(
+            "AUDIT_TAMPERED",
+            format!(
+                "{} problem(s); first: tenant {} seq {}: {}",
+                report.problems.len() as u64 + report.problems_omitted,
+                first.tenant,
+                first.seq,
+                first.what
+            ),
+        );
+        e.details = Some(summary);
+        return Err(e);
+    }
+    Ok(summary)
+}
+
+pub async fn prove(
+    db: &Database,
+    data_dir: &Path,
+    tenant: Option<TenantId>,
+    event: EventId,
+    out: &Path,
+    saved: Option<&Path>,
+    deployment: &str,
+) -> Result<Value, CliError> {
+    if out.exists() {
+        return Err(CliError::new("ALREADY_EXISTS", format!("{} exists; a proof is never written over a file", out.display())));
+    }
+    let consistency_path = consistency_path_of(out);
+    if saved.is_some() && consistency_path.exists() {
+        return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", consistency_path.display())));
+    }
+    let saved = match saved {
+        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| CliError::usage(format!("cannot read {}: {e}", p.display())))?),
+        None => None,
+    };
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let key = load_key(data_dir)?;
+    let vkey = audit::vkey_of(&key, deployment)?;
+    let tenant = match tenant {
+        Some(t) => t,
+        None => {
+            let mut found = None;
+            for (t, _) in store.heads().await? {
+                if store.event_row(t, event).await?.is_some() {
+                    found = Some(t);
+                    break;
+                }
+            }
+            found.ok_or_else(|| CliError::new("NOT_FOUND", format!("event {event} not found in any tenant")))?
+        }
+    };
+    let (proof, consistency) = audit::prove(&*store, tenant, event, &vkey, saved.as_deref()).await?;
+    write_new(out, proof.encode().as_bytes())?;
+    if let Some(c) = &consistency {
+        write_new(&consistency_path, c.encode().as_bytes())?;
+    }
+    Ok(json!({
+        "proof": out.display().to_string(),
+        "consistency": consistency.as_ref().map(|_| consistency_path.display().to_string()),
+        "tenantId": tenant,
+        "eventId": event,
+        "index": proof.index,
+    }))
+}
+
+fn write_new(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
+    // Proofs are not secret, but "never over an existing file" is the same rule.
+    write_secret_file(path, bytes).map_err(|e| match e {
+        bc_core::Error::AlreadyExists { what } => CliError::new("ALREADY_EXISTS", format!("{what} exists")),
+        other => other.into(),
+    })?;
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644));
+    Ok(())
+}
+
+pub fn consistency_path_of(proof: &Path) -> PathBuf {
+    let mut name = proof.as_os_str().to_owned();
+    name.push(".consistency");
+    PathBuf::from(name)
+}
+
+/// `audit check-proof`: offline, no database, no network.
+pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String]) -> Result<Value, CliError> {
+    let invalid = |m: String| CliError::new("INVALID_PROOF", m);
+    if pins.is_empty() && vkeys.is_empty() {
+        return Err(CliError::usage("give --pin PIN (or BETTER_COMPUTE_AUDIT_PIN) or --vkey VKEY: the key you trust"));
+    }
+    let vkeys: Vec<Vkey> =
+        vkeys.iter().map(|v| Vkey::parse(v).map_err(|e| CliError::usage(format!("--vkey: {e}")))).collect::<Result<_, _>>()?;
+    for pin in pins {
+        if !pin.starts_with("sha256/") {
+            return Err(CliError::usage(format!("--pin {pin:?} is not sha256/…")));
+        }
+    }
+    let text = std::fs::read_to_string(file).map_err(|e| CliError::usage(format!("cannot read {}: {e}", file.display())))?;
+    let consistency_path = consistency_path_of(file);
+    let consistency = if consistency_path.exists() {
+        Some(
+            std::fs::read_to_string(&consistency_path)
+                .map_err(|e| invalid(format!("cannot read {}: {e}", consistency_path.display())))?,
+        )
+    } else {
+        None
+    };
+    let proved = audit::check_proof(&text, consistency.as_deref(), pins, &vkeys).map_err(invalid)?;
+    Ok(json!({
+        "proved": true,
+        "tenantId": proved.tenant,
+        "eventId": proved.event.id,
+        "seq": proved.event.seq,
+        "type": proved.event.event_type,
+        "stream": proved.event.stream,
+        "payload": bc_core::canonical::to_json(&proved.event.payload),
+        "hash": hex_of(&proved.hash),
+        "origin": proved.origin,
+        "treeSize": proved.tree_size,
+        "root": hex_of(&proved.root),
+        "keyId": proved.key_id,
+        "consistentFrom": proved.consistent_from,
+    }))
+}
+
+fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,522 @@
+//! Audit: signed per-tenant checkpoints, verification of the whole log, inclusion and
+//! consistency proofs, and the offline check of a proof file.
+//!
+//! A tenant's tree has leaf `i` = the hash of the event with `seq = i + 1` (`merkle`). A
+//! checkpoint is a C2SP signed note over `DEPLOYMENT/audit/TENANT`, the tree size and the root
+//! (`note`); it is appended to the tenant's own chain as a `checkpoint.sealed` event, and the
+//! projections keep one row per checkpoint (kind `checkpoint`). Before signing, the sealer
+//! recomputes the previous checkpoint's root from the log, so it never signs a checkpoint that
+//! is not consistent with the one before.
+//!
+//! Trust: event signatures are checked against *trusted* keys only (the pins an auditor gives,
+//! or the local log key), never merely against whatever `signing_keys` holds, so a chain
+//! re-signed with a key slipped into the database does not verify.
+
+use std::collections::BTreeMap;
+
+use ciborium::Value;
+use ed25519_dalek::{Signature, VerifyingKey};
+
+use crate::chain::ChainProblem;
+use crate::error::{Error, Result};
+use crate::event::{EventRow, GENESIS_PREV, sha256};
+use crate::id::{EventId, TenantId};
+use crate::keys::{KeyRing, LogKey, event_signing_message, key_id_of};
+use crate::merkle::{self, RootBuilder};
+use crate::note::{self, CheckpointBody, ConsistencyFile, ProofFile, Vkey};
+use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_rows};
+
+pub const CHECKPOINT_SEALED: &str = "checkpoint.sealed";
+pub const KIND_CHECKPOINT: &str = "checkpoint";
+/// The deployment's name: the signing key's name in notes and the prefix of every origin.
+pub const DEPLOYMENT_DEFAULT: &str = "better-compute";
+/// Most problems one `verify` reports; past that it says how many more there were.
+pub const PROBLEMS_MAX: usize = 1000;
+/// Rows per page while verifying; bounds memory whatever the log's size.
+const VERIFY_PAGE_ROWS: u32 = READ_ROWS_MAX;
+
+/// The row id of a checkpoint: its size, zero-padded so ids sort by size.
+pub fn checkpoint_row_id(size: u64) -> String {
+    format!("{size:020}")
+}
+
+/// The payload of `checkpoint.sealed`: `{treeSize, note}` (the root is inside the note).
+pub fn checkpoint_payload(size: u64, note: &str) -> Value {
+    Value::Map(vec![
+        (Value::Text("treeSize".into()), Value::Integer(size.into())),
+        (Value::Text("note".into()), Value::Text(note.to_owned())),
+    ])
+}
+
+/// Reads `{treeSize, note}` back from a payload.
+pub fn parse_checkpoint_payload(payload: &Value) -> Option<(u64, String)> {
+    let Value::Map(entries) = payload else { return None };
+    let (mut size, mut note) = (None, None);
+    for (k, v) in entries {
+        match (k, v) {
+            (Value::Text(k), Value::Integer(i)) if k == "treeSize" => size = u64::try_from(*i).ok(),
+            (Value::Text(k), Value::Text(t)) if k == "note" => note = Some(t.clone()),
+            _ => {}
+        }
+    }
+    Some((size?, note?))
+}
+
+pub fn vkey_of(key: &LogKey, deployment: &str) -> Result<Vkey> {
+    Vkey::new(deployment, key.public()).map_err(Error::invalid)
+}
+
+/// A stored checkpoint.
+#[derive(Clone, Debug)]
+pub struct StoredCheckpoint {
+    pub size: u64,
+    pub note: String,
+}
+
+async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<StoredCheckpoint>> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = store.row_list(&tenant.to_string(), KIND_CHECKPOINT, after.as_deref(), READ_ROWS_MAX).await?;
+        let Some(last) = rows.last() else { break };
+        after = Some(last.key.id.clone());
+        for row in rows {
+            let size = row.doc["treeSize"].as_u64().unwrap_or(0);
+            let note = row.doc["note"].as_str().unwrap_or("").to_owned();
+            out.push(StoredCheckpoint { size, note });
+        }
+    }
+    Ok(out)
+}
+
+/// The leaf hashes of a tenant's first `size` events (for proofs; 32 bytes per event).
+async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<Vec<merkle::Hash>> {
+    let mut out = Vec::with_capacity(size as usize);
+    let mut from = 1;
+    while (out.len() as u64) < size {
+        let rows = store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS).await?;
+        if rows.is_empty() {
+            break;
+        }
+        for row in rows {
+            if out.len() as u64 == size {
+                break;
+            }
+            let hash = <[u8; 32]>::try_from(row.hash.as_slice()).map_err(|_| Error::Corrupt {
+                tenant: tenant.to_string(),
+                seq: row.seq,
+                what: "hash is not 32 bytes".into(),
+            })?;
+            out.push(merkle::leaf_hash(&hash));
+        }
+        from = out.len() as u64 + 1;
+    }
+    if (out.len() as u64) < size {
+        return Err(Error::Corrupt { tenant: tenant.to_string(), seq: out.len() as u64 + 1, what: "event missing".into() });
+    }
+    Ok(out)
+}
+
+/// Seals a checkpoint of `tenant` now, if its tree grew since the last one (events other than
+/// checkpoints were appended). Returns the new checkpoint's size and note.
+pub async fn seal(log: &Log, tenant: TenantId, deployment: &str) -> Result<Option<StoredCheckpoint>> {
+    let store = &*log.store;
+    let Some(head) = store.heads().await?.into_iter().find(|(t, _)| *t == tenant).map(|(_, h)| h) else {
+        return Ok(None);
+    };
+    let previous = checkpoints_of(store, tenant).await?.into_iter().max_by_key(|c| c.size);
+    let vkey = vkey_of(&log.key, deployment)?;
+    let previous_body = match &previous {
+        Some(p) => Some(
+            CheckpointBody::parse(&note::open_note(&p.note, &vkey).map_err(|e| Error::Corrupt {
+                tenant: tenant.to_string(),
+                seq: 0,
+                what: format!("the last checkpoint does not verify under this log key: {e}"),
+            })?)
+            .map_err(Error::invalid)?,
+        ),
+        None => None,
+    };
+    // Walk the log once: the root at every size we need, and whether anything but checkpoints
+    // was appended after the last one.
+    let mut builder = RootBuilder::new();
+    let mut grew = false;
+    let mut from = 1;
+    while builder.size() < head.seq {
+        let rows = decode_rows(store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS).await?)?;
+        if rows.is_empty() {
+            return Err(Error::Corrupt { tenant: tenant.to_string(), seq: from, what: "event missing".into() });
+        }
+        for event in rows {
+            if event.envelope.seq > head.seq {
+                break;
+            }
+            builder.push_leaf_hash(merkle::leaf_hash(&event.hash));
+            if let Some(p) = &previous_body
+                && builder.size() == p.size
+                && builder.root() != p.root
+            {
+                tracing::error!(%tenant, size = p.size, "the log no longer matches its last checkpoint; refusing to sign");
+                return Err(Error::Corrupt {
+                    tenant: tenant.to_string(),
+                    seq: p.size,
+                    what: "the log no longer matches the last checkpoint; refusing to sign an inconsistent one".into(),
+                });
+            }
+            let after_previous = previous_body.as_ref().is_none_or(|p| builder.size() > p.size);
+            grew |= after_previous && event.envelope.event_type != CHECKPOINT_SEALED;
+        }
+        from = builder.size() + 1;
+    }
+    if !grew {
+        return Ok(None);
+    }
+    let body = CheckpointBody { origin: note::origin_of(deployment, &tenant), size: builder.size(), root: builder.root() };
+    let signed = note::sign_note(&body.encode(), deployment, &log.key).map_err(Error::Internal)?;
+    log.append(AppendRequest {
+        tenant,
+        stream: format!("{KIND_CHECKPOINT}/{tenant}"),
+        expected: ExpectedVersion::Any,
+        // The same size gives the same note (Ed25519 is deterministic): sealing twice is a replay.
+        idempotency_key: Some(format!("checkpoint:{}", body.size)),
+        actor: "system:audit".into(),
+        causation: None,
+        correlation: None,
+        fingerprint: None,
+        events: vec![NewEvent { event_type: CHECKPOINT_SEALED.into(), payload: checkpoint_payload(body.size, &signed) }],
+    })
+    .await?;
+    Ok(Some(StoredCheckpoint { size: body.size, note: signed }))
+}
+
+/// One thing wrong, located.
+pub type Problem = ChainProblem;
+
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub tenants: u64,
+    pub events: u64,
+    pub checkpoints: u64,
+    pub problems: Vec<Problem>,
+    /// Problems found beyond `PROBLEMS_MAX`.
+    pub problems_omitted: u64,
+}
+
+impl Report {
+    fn problem(&mut self, tenant: TenantId, seq: u64, what: impl Into<String>) {
+        if self.problems.len() < PROBLEMS_MAX {
+            self.problems.push(ChainProblem { tenant: tenant.to_string(), seq, what: what.into() });
+        } else {
+            self.problems_omitted += 1;
+        }
+    }
+}
+
+/// What `verify` trusts: the event-signing keys and the note keys (the same keys, by name).
+#[derive(Clone, Debug)]
+pub struct Trust {
+    pub keys: KeyRing,
+    pub vkeys: Vec<Vkey>,
+}
+
+impl Trust {
+    /// Trusts exactly `publics`, named `deployment` in notes.
+    pub fn of(publics: &[VerifyingKey], deployment: &str) -> Result<Self> {
+        let mut keys = KeyRing::default();
+        let mut vkeys = Vec::new();
+        for p in publics {
+            keys.insert(*p);
+            vkeys.push(Vkey::new(deployment, *p).map_err(Error::invalid)?);
+        }
+        Ok(Self { keys, vkeys })
+    }
+}
+
+/// Per-row checks that need no order: hash, encoding, columns; then one batch signature check.
+/// Returns, per row, its hash and `prev`, or the problem. Runs on a blocking thread.
+fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<([u8; 32], [u8; 32], Option<(u64, String)>, String), String>> {
+    let decoded: Vec<_> = rows
+        .iter()
+        .map(|row| {
+            let event = row.clone().decode()?;
+            let key = *keys.get(&event.key_id).ok_or_else(|| format!("signed by untrusted key {}", event.key_id))?;
+            let sig = Signature::from_slice(&event.sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
+            let checkpoint = (event.envelope.event_type == CHECKPOINT_SEALED)
+                .then(|| parse_checkpoint_payload(&event.envelope.payload))
+                .flatten();
+            Ok((event.hash, event.envelope.prev, key, sig, checkpoint, event.envelope.event_type))
+        })
+        .collect::<Vec<Result<_, String>>>();
+    // Batch-verify the signatures of the rows that decoded; on failure, find the bad ones.
+    let ok: Vec<usize> = decoded.iter().enumerate().filter(|(_, d)| d.is_ok()).map(|(i, _)| i).collect();
+    let messages: Vec<Vec<u8>> = ok.iter().map(|&i| event_signing_message(&decoded[i].as_ref().unwrap().0)).collect();
+    let message_refs: Vec<&[u8]> = messages.iter().map(|m| m.as_slice()).collect();
+    let sigs: Vec<Signature> = ok.iter().map(|&i| decoded[i].as_ref().unwrap().3).collect();
+    let publics: Vec<VerifyingKey> = ok.iter().map(|&i| decoded[i].as_ref().unwrap().2).collect();
+    let batch_ok = ed25519_dalek::verify_batch(&message_refs, &sigs, &publics).is_ok();
+    decoded
+        .into_iter()
+        .map(|d| {
+            let (hash, prev, key, sig, checkpoint, event_type) = d?;
+            if !batch_ok && key.verify_strict(&event_signing_message(&hash), &sig).is_err() {
+                return Err("signature does not verify".to_owned());
+            }
+            Ok((hash, prev, checkpoint, event_type))
+        })
+        .collect()
+}
+
+/// Verifies every chain (or one tenant's): hashes, links, signatures under trusted keys, every
+/// checkpoint's signature and root, and that every sealed checkpoint is still stored. Streams
+/// the log page by page (bounded memory) and checks each page on all cores.
+pub async fn verify(
+    store: &dyn EventStore,
+    trust: &Trust,
+    only: Option<TenantId>,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report> {
+    let mut report = Report::default();
+    let heads = store.heads().await?;
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 16);
+    for (tenant, head) in heads.into_iter().filter(|(t, _)| only.is_none_or(|o| o == *t)) {
+        report.tenants += 1;
+        // Stored checkpoints, each checked on its own first.
+        let mut expected_roots: BTreeMap<u64, [u8; 32]> = BTreeMap::new();
+        let mut stored_notes: BTreeMap<u64, String> = BTreeMap::new();
+        for cp in checkpoints_of(store, tenant).await? {
+            report.checkpoints += 1;
+            let opened = trust.vkeys.iter().find_map(|v| note::open_note(&cp.note, v).ok());
+            let Some(text) = opened else {
+                report.problem(tenant, cp.size, format!("checkpoint of size {} is not signed by a trusted key", cp.size));
+                continue;
+            };
+            match CheckpointBody::parse(&text) {
+                Ok(body) if body.size == cp.size && body.origin.ends_with(&format!("/audit/{tenant}")) => {
+                    expected_roots.insert(body.size, body.root);
+                    stored_notes.insert(body.size, cp.note.clone());
+                }
+                Ok(_) => report.problem(tenant, cp.size, "checkpoint names another tenant or size"),
+                Err(e) => report.problem(tenant, cp.size, format!("checkpoint does not parse: {e}")),
+            }
+        }
+        let mut builder = RootBuilder::new();
+        let mut prev = GENESIS_PREV;
+        let mut next_seq = 1u64;
+        let mut broken = false;
+        let mut page = store.read_chain_rows(tenant, 1, VERIFY_PAGE_ROWS).await?;
+        'walk: while !page.is_empty() {
+            let from = next_seq + page.len() as u64;
+            // Read the next page while this one is checked.
+            let (checked, next) = tokio::join!(
+                tokio::task::spawn_blocking({
+                    let rows = std::mem::take(&mut page);
+                    let keys = trust.keys.clone();
+                    move || {
+                        let chunk = rows.len().div_ceil(threads).max(1);
+                        let results: Vec<_> = std::thread::scope(|s| {
+                            let handles: Vec<_> = rows.chunks(chunk).map(|c| s.spawn(|| check_rows(c, &keys))).collect();
+                            handles.into_iter().flat_map(|h| h.join().expect("verifier thread")).collect()
+                        });
+                        (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results)
+                    }
+                }),
+                store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS)
+            );
+            let (seqs, results) = checked.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
+            for (seq, result) in seqs.into_iter().zip(results) {
+                if seq != next_seq {
+                    let what = if seq > next_seq {
+                        format!("event missing: the next stored event is seq {seq}")
+                    } else {
+                        format!("out of order: seq {seq} stored after seq {}", next_seq - 1)
+                    };
+                    report.problem(tenant, next_seq, what);
+                    broken = true;
+                    break 'walk;
+                }
+                let (hash, event_prev, checkpoint, _) = match result {
+                    Ok(ok) => ok,
+                    Err(what) => {
+                        report.problem(tenant, seq, what);
+                        broken = true;
+                        break 'walk;
+                    }
+                };
+                if event_prev != prev {
+                    report.problem(tenant, seq, "prev does not match the hash of the event before");
+                    broken = true;
+                    break 'walk;
+                }
+                prev = hash;
+                next_seq += 1;
+                report.events += 1;
+                builder.push_leaf_hash(merkle::leaf_hash(&hash));
+                if let Some(root) = expected_roots.get(&builder.size())
+                    && *root != builder.root()
+                {
+                    report.problem(
+                        tenant,
+                        builder.size(),
+                        format!("checkpoint of size {} does not match the log", builder.size()),
+                    );
+                }
+                if let Some((size, sealed_note)) = checkpoint {
+                    match stored_notes.get(&size) {
+                        Some(stored) if *stored == sealed_note => {}
+                        Some(_) => report.problem(
+                            tenant,
+                            seq,
+                            format!("the stored checkpoint of size {size} differs from the one sealed at seq {seq}"),
+                        ),
+                        None => report.problem(
+                            tenant,
+                            seq,
+                            format!("the checkpoint of size {size} sealed at seq {seq} is no longer stored"),
+                        ),
+                    }
+                }
+            }
+            progress(report.events);
+            page = next?;
+        }
+        if !broken {
+            let last = next_seq - 1;
+            if head.seq > last {
+                report.problem(tenant, last + 1, format!("event missing: the chain head says seq {}", head.seq));
+            } else if head.seq < last {
+                report.problem(tenant, head.seq + 1, format!("seq {} is past the chain head {}", head.seq + 1, head.seq));
+            } else if head.hash != prev {
+                report.problem(tenant, last, "chain head hash differs from the last event's hash");
+            }
+            for size in expected_roots.keys().filter(|s| **s > last) {
+                report.problem(tenant, last + 1, format!("checkpoint of size {size} is beyond the end of the log (truncated?)"));
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Builds the proof of `event` in the newest checkpoint that contains it, and, given a
+/// checkpoint the auditor saved, the consistency proof from it to that checkpoint.
+pub async fn prove(
+    store: &dyn EventStore,
+    tenant: TenantId,
+    event: EventId,
+    vkey: &Vkey,
+    saved: Option<&str>,
+) -> Result<(ProofFile, Option<ConsistencyFile>)> {
+    let row = store.event_row(tenant, event).await?.ok_or_else(|| Error::not_found(format!("event {event}")))?;
+    let seq = row.seq;
+    let stored = decode_rows(vec![row])?.remove(0);
+    let newest =
+        checkpoints_of(store, tenant).await?.into_iter().filter(|c| c.size >= seq).max_by_key(|c| c.size).ok_or_else(|| {
+            Error::InvalidArgument {
+                message: format!("no checkpoint of tenant {tenant} contains seq {seq} yet"),
+                hint: Some("seal one with `better-compute audit checkpoint`".into()),
+            }
+        })?;
+    let body = CheckpointBody::parse(&note::open_note(&newest.note, vkey).map_err(|e| Error::Corrupt {
+        tenant: tenant.to_string(),
+        seq: newest.size,
+        what: format!("stored checkpoint does not verify: {e}"),
+    })?)
+    .map_err(Error::invalid)?;
+    let leaves = leaves(store, tenant, body.size).await?;
+    if merkle::root(&leaves) != body.root {
+        return Err(Error::Corrupt {
+            tenant: tenant.to_string(),
+            seq: body.size,
+            what: "the log does not match its checkpoint".into(),
+        });
+    }
+    let path = merkle::inclusion_proof(seq - 1, &leaves).expect("seq is within the checkpoint");
+    let proof = ProofFile { event: stored.canonical, vkey: vkey.encode(), index: seq - 1, path, checkpoint: newest.note.clone() };
+    let consistency = match saved {
+        None => None,
+        Some(saved) => {
+            let old = CheckpointBody::parse(&note::open_note(saved, vkey).map_err(|e| Error::InvalidArgument {
+                message: format!("the saved checkpoint does not verify under this log's key: {e}"),
+                hint: None,
+            })?)
+            .map_err(Error::invalid)?;
+            if old.origin != body.origin {
+                return Err(Error::invalid(format!("the saved checkpoint is for {}, not {}", old.origin, body.origin)));
+            }
+            if old.size > body.size {
+                return Err(Error::invalid(format!(
+                    "the saved checkpoint (size {}) is newer than the log's newest (size {}): the log was rewound",
+                    old.size, body.size
+                )));
+            }
+            let path = merkle::consistency_proof(old.size, &leaves)
+                .ok_or_else(|| Error::invalid("no consistency proof from an empty tree"))?;
+            Some(ConsistencyFile { path, old_checkpoint: saved.to_owned() })
+        }
+    };
+    Ok((proof, consistency))
+}
+
+/// What an offline check established.
+#[derive(Clone, Debug)]
+pub struct Proved {
+    pub tenant: TenantId,
+    pub event: crate::event::Envelope,
+    pub hash: [u8; 32],
+    pub index: u64,
+    pub origin: String,
+    pub tree_size: u64,
+    pub root: [u8; 32],
+    pub key_id: String,
+    /// The older checkpoint's size, when a consistency proof was checked too.
+    pub consistent_from: Option<u64>,
+}
+
+/// Checks a proof file offline: the checkpoint's signature by a trusted key (a pin, or a vkey),
+/// the event's hash, the inclusion path, and, if given, the consistency from an older checkpoint.
+pub fn check_proof(proof: &str, consistency: Option<&str>, pins: &[String], vkeys: &[Vkey]) -> Result<Proved, String> {
+    let file = ProofFile::parse(proof)?;
+    let carried = Vkey::parse(&file.vkey).map_err(|e| format!("the proof's vkey: {e}"))?;
+    let vkey = if let Some(v) = vkeys.iter().find(|v| v.name == carried.name && v.public == carried.public) {
+        v.clone()
+    } else if pins.iter().any(|p| *p == carried.pin()) {
+        carried
+    } else {
+        return Err("the proof is not signed by a trusted key (check --pin or --vkey)".into());
+    };
+    let text = note::open_note(&file.checkpoint, &vkey)?;
+    let body = CheckpointBody::parse(&text)?;
+    let event = crate::event::Envelope::from_canonical(&file.event).map_err(|e| format!("the event: {e}"))?;
+    if !body.origin.ends_with(&format!("/audit/{}", event.tenant)) {
+        return Err(format!("the checkpoint is for {}, not for the event's tenant {}", body.origin, event.tenant));
+    }
+    if event.seq != file.index + 1 {
+        return Err(format!("the event has seq {} but the proof is for index {}", event.seq, file.index));
+    }
+    let hash = sha256(&file.event);
+    let path: Vec<Vec<u8>> = file.path.iter().map(|h| h.to_vec()).collect();
+    merkle::verify_inclusion(file.index, body.size, &merkle::leaf_hash(&hash), &path, &body.root)
+        .map_err(|e| format!("inclusion proof: {e}"))?;
+    let mut consistent_from = None;
+    if let Some(c) = consistency {
+        let c = ConsistencyFile::parse(c)?;
+        let old = CheckpointBody::parse(&note::open_note(&c.old_checkpoint, &vkey)?)?;
+        if old.origin != body.origin {
+            return Err("the older checkpoint is for another tree".into());
+        }
+        let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
+        merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path)
+            .map_err(|e| format!("consistency proof: {e}"))?;
+        consistent_from = Some(old.size);
+    }
+    Ok(Proved {
+        tenant: event.tenant,
+        hash,
+        index: file.index,
+        origin: body.origin,
+        tree_size: body.size,
+        root: body.root,
+        key_id: key_id_of(&vkey.public),
+        consistent_from,
+        event,
+    })
+}
