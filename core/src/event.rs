@@ -213,11 +213,12 @@ impl EventRow {
     /// bytes and that the stored hash is the hash of those bytes (STYLE rule 8: check again on
     /// read). Signatures are checked by [`crate::chain`], which has the keys.
     pub fn decode(self) -> Result<StoredEvent, String> {
-        let envelope = Envelope::from_canonical(&self.canonical)?;
+        // The hash first: any changed byte is reported as what it is.
         let hash = <[u8; 32]>::try_from(self.hash.as_slice()).map_err(|_| "stored hash is not 32 bytes".to_owned())?;
         if sha256(&self.canonical) != hash {
             return Err("stored hash is not SHA-256 of the canonical bytes".into());
         }
+        let envelope = Envelope::from_canonical(&self.canonical)?;
         let mismatch = |what: &str| format!("column {what} disagrees with the hashed envelope");
         if envelope.tenant.to_string() != self.tenant {
             return Err(mismatch("tenant_id"));

@@ -66,8 +66,9 @@ impl Vkey {
     }
 
     pub fn parse(text: &str) -> Result<Self, String> {
-        let mut parts = text.trim().rsplitn(3, '+');
-        let (Some(key), Some(id), Some(name)) = (parts.next(), parts.next(), parts.next()) else {
+        // Names never contain '+'; base64 may.
+        let mut parts = text.trim().splitn(3, '+');
+        let (Some(name), Some(id), Some(key)) = (parts.next(), parts.next(), parts.next()) else {
             return Err("a vkey is NAME+KEYID+KEY".into());
         };
         let key = B64.decode(key).map_err(|_| "vkey key is not base64".to_owned())?;
@@ -299,6 +300,19 @@ mod tests {
         let other = Vkey::new("example", LogKey::from_seed([4; 32]).public()).unwrap();
         assert!(open_note(&note, &other).is_err(), "a note not signed by the trusted key");
         assert!(Vkey::parse(&vkey.encode().replace('+', "-")).is_err());
+    }
+
+    /// Regression: base64 keys contain '+', which once split a vkey in the wrong place.
+    #[test]
+    fn vkeys_round_trip_whatever_their_base64() {
+        let mut saw_plus = false;
+        for seed in 0..64u8 {
+            let vkey = Vkey::new("example.com/log", LogKey::from_seed([seed; 32]).public()).unwrap();
+            let text = vkey.encode();
+            saw_plus |= text.splitn(3, '+').nth(2).is_some_and(|key| key.contains('+'));
+            assert_eq!(Vkey::parse(&text).unwrap(), vkey, "{text}");
+        }
+        assert!(saw_plus, "no key exercised the '+' case");
     }
 
     /// The C2SP signed-note example key and note (from the Go reference's tests).
