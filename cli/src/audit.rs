@@ -51,9 +51,24 @@ pub async fn seal_all(log: &Log, only: Option<TenantId>, deployment: &str) -> Re
     Ok(sealed)
 }
 
-/// The keys `verify` trusts: those in the database whose pin was given, or else the local key.
+/// The local log key and every key it replaced (`log.key.lk_…`, kept by `pki rotate-log-key`).
+fn local_keys(data_dir: &Path) -> Result<Vec<LogKey>, CliError> {
+    let mut keys = vec![load_key(data_dir)?];
+    if let Ok(entries) = std::fs::read_dir(data_dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&format!("{LOG_KEY_FILE}.lk_")) {
+                keys.push(LogKey::load(&entry.path())?);
+            }
+        }
+    }
+    Ok(keys)
+}
+
+/// The keys `verify` trusts: those in the database whose pin was given, or else the local keys.
 async fn trust(store: &dyn EventStore, data_dir: &Path, pins: &[String], deployment: &str) -> Result<Trust, CliError> {
-    let wanted: Vec<String> = if pins.is_empty() { vec![load_key(data_dir)?.pin()] } else { pins.to_vec() };
+    let wanted: Vec<String> =
+        if pins.is_empty() { local_keys(data_dir)?.iter().map(|k| k.pin()).collect() } else { pins.to_vec() };
     let mut publics = Vec::new();
     for (key_id, public) in store.signing_keys().await? {
         let Ok(bytes) = <[u8; 32]>::try_from(public.as_slice()) else { continue };
@@ -195,6 +210,38 @@ pub fn consistency_path_of(proof: &Path) -> PathBuf {
     let mut name = proof.as_os_str().to_owned();
     name.push(".consistency");
     PathBuf::from(name)
+}
+
+/// `pki rotate-log-key`: a new log key, announced in the log by the old one. The new key is
+/// written first (`log.key.next`), the rotation appended, then the files swap: a crash at any
+/// point leaves either the old key in force or both on disk.
+pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let old = Arc::new(load_key(data_dir)?);
+    let next_path = data_dir.join(format!("{LOG_KEY_FILE}.next"));
+    if next_path.exists() {
+        return Err(CliError::new("ALREADY_EXISTS", format!("{} exists: an earlier rotation did not finish", next_path.display()))
+            .hint("if the log names its key (events list --query 'items[].type'), move it to log.key by hand; otherwise delete it and retry"));
+    }
+    let new = LogKey::generate();
+    write_secret_file(&next_path, format!("{}\n", new.seed_hex()).as_bytes())?;
+    let log = Log::open(store.clone(), Arc::new(Projections), old.clone(), Arc::new(SystemClock)).await?;
+    let seq = audit::rotate_log_key(&log, &new, bc_core::clock::Clock::now_ms(&SystemClock)).await?;
+    let archived = data_dir.join(format!("{LOG_KEY_FILE}.{}", old.key_id()));
+    std::fs::rename(data_dir.join(LOG_KEY_FILE), &archived)
+        .map_err(|e| CliError::new("INTERNAL", format!("archiving the old key: {e}")))?;
+    std::fs::rename(&next_path, data_dir.join(LOG_KEY_FILE))
+        .map_err(|e| CliError::new("INTERNAL", format!("installing the new key: {e}")))?;
+    Ok(json!({
+        "previousKeyId": old.key_id(),
+        "keyId": new.key_id(),
+        "pin": new.pin(),
+        "vkey": audit::vkey_of(&new, deployment)?.encode(),
+        "rotationSeq": seq,
+        "archived": archived.display().to_string(),
+        "next": "restart running servers so they sign with the new key",
+    }))
 }
 
 /// `audit check-proof`: offline, no database, no network.

@@ -178,6 +178,13 @@ enum PkiCommand {
         #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
         deployment: String,
     },
+    /// Replace the log key; the old key signs the announcement and is kept as log.key.KEYID.
+    RotateLogKey {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+        deployment: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -460,6 +467,10 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Pki { command: PkiCommand::Show { dir, deployment } } => {
             print(&server::pki_show(&dir.data_dir, deployment)?, json_or(Format::Json), q)
+        }
+        Command::Pki { command: PkiCommand::RotateLogKey { db, deployment } } => {
+            let database = server::Database::from_args(&db.data_dir, db.database_url.as_deref());
+            print(&audit::rotate_log_key(&database, &db.data_dir, deployment).await?, json_or(Format::Json), q)
         }
         Command::Audit { command } => {
             let tenant = cli

@@ -27,6 +27,8 @@ use crate::note::{self, CheckpointBody, ConsistencyFile, ProofFile, Vkey};
 use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_rows};
 
 pub const CHECKPOINT_SEALED: &str = "checkpoint.sealed";
+/// Appended to the root tenant's chain, signed by the old key, when the log key rotates.
+pub const LOG_KEY_ROTATED: &str = "log_key.rotated";
 pub const KIND_CHECKPOINT: &str = "checkpoint";
 /// The deployment's name: the signing key's name in notes and the prefix of every origin.
 pub const DEPLOYMENT_DEFAULT: &str = "better-compute";
@@ -60,6 +62,39 @@ pub fn parse_checkpoint_payload(payload: &Value) -> Option<(u64, String)> {
         }
     }
     Some((size?, note?))
+}
+
+/// Every key the store has registered, as note verifiers named `deployment`. Used to open this
+/// log's *own* older checkpoints (after a rotation they are signed by an older key); auditors
+/// trust pins they hold instead.
+pub async fn known_vkeys(store: &dyn EventStore, deployment: &str) -> Result<Vec<Vkey>> {
+    let mut out = Vec::new();
+    for (key_id, public) in store.signing_keys().await? {
+        let bytes = <[u8; 32]>::try_from(public.as_slice()).map_err(|_| Error::Corrupt {
+            tenant: "-".into(),
+            seq: 0,
+            what: format!("key {key_id} is not 32 bytes"),
+        })?;
+        let public = VerifyingKey::from_bytes(&bytes).map_err(|_| Error::Corrupt {
+            tenant: "-".into(),
+            seq: 0,
+            what: format!("key {key_id} is not a valid point"),
+        })?;
+        out.push(Vkey::new(deployment, public).map_err(Error::invalid)?);
+    }
+    Ok(out)
+}
+
+/// Opens a note with the first of `vkeys` that signed it; returns the body and that key.
+fn open_with(note: &str, vkeys: &[Vkey]) -> Result<(CheckpointBody, Vkey), String> {
+    let mut last = "no keys to check the checkpoint with".to_owned();
+    for v in vkeys {
+        match note::open_note(note, v) {
+            Ok(text) => return Ok((CheckpointBody::parse(&text)?, v.clone())),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 pub fn vkey_of(key: &LogKey, deployment: &str) -> Result<Vkey> {
@@ -125,15 +160,16 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str) -> Result<Optio
         return Ok(None);
     };
     let previous = checkpoints_of(store, tenant).await?.into_iter().max_by_key(|c| c.size);
-    let vkey = vkey_of(&log.key, deployment)?;
+    let vkeys = known_vkeys(store, deployment).await?;
     let previous_body = match &previous {
         Some(p) => Some(
-            CheckpointBody::parse(&note::open_note(&p.note, &vkey).map_err(|e| Error::Corrupt {
-                tenant: tenant.to_string(),
-                seq: 0,
-                what: format!("the last checkpoint does not verify under this log key: {e}"),
-            })?)
-            .map_err(Error::invalid)?,
+            open_with(&p.note, &vkeys)
+                .map_err(|e| Error::Corrupt {
+                    tenant: tenant.to_string(),
+                    seq: 0,
+                    what: format!("the last checkpoint does not verify under any of this log's keys: {e}"),
+                })?
+                .0,
         ),
         None => None,
     };
@@ -187,6 +223,33 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str) -> Result<Optio
     })
     .await?;
     Ok(Some(StoredCheckpoint { size: body.size, note: signed }))
+}
+
+/// Rotates the log key: appends `log_key.rotated` (naming the new key) to the root tenant's
+/// chain, signed by the current key, and registers the new key. The caller then signs with
+/// `new` (restarting servers). Old events and checkpoints keep verifying under the old key.
+pub async fn rotate_log_key(log: &Log, new: &LogKey, at_ms: u64) -> Result<u64> {
+    log.store.signing_key_put(new.key_id(), new.public().as_bytes(), at_ms).await?;
+    let root = TenantId::ROOT;
+    let payload = Value::Map(vec![
+        (Value::Text("previousKeyId".into()), Value::Text(log.key.key_id().to_owned())),
+        (Value::Text("newKeyId".into()), Value::Text(new.key_id().to_owned())),
+        (Value::Text("newPublicKey".into()), Value::Bytes(new.public().as_bytes().to_vec())),
+    ]);
+    let result = log
+        .append(AppendRequest {
+            tenant: root,
+            stream: format!("log_key/{root}"),
+            expected: ExpectedVersion::Any,
+            idempotency_key: Some(format!("rotate:{}", new.key_id())),
+            actor: "system:pki".into(),
+            causation: None,
+            correlation: None,
+            fingerprint: None,
+            events: vec![NewEvent { event_type: LOG_KEY_ROTATED.into(), payload }],
+        })
+        .await?;
+    Ok(result.events[0].envelope.seq)
 }
 
 /// One thing wrong, located.
@@ -415,12 +478,13 @@ pub async fn prove(
                 hint: Some("seal one with `better-compute audit checkpoint`".into()),
             }
         })?;
-    let body = CheckpointBody::parse(&note::open_note(&newest.note, vkey).map_err(|e| Error::Corrupt {
+    let mut vkeys = vec![vkey.clone()];
+    vkeys.extend(known_vkeys(store, &vkey.name).await?);
+    let (body, signer) = open_with(&newest.note, &vkeys).map_err(|e| Error::Corrupt {
         tenant: tenant.to_string(),
         seq: newest.size,
         what: format!("stored checkpoint does not verify: {e}"),
-    })?)
-    .map_err(Error::invalid)?;
+    })?;
     let leaves = leaves(store, tenant, body.size).await?;
     if merkle::root(&leaves) != body.root {
         return Err(Error::Corrupt {
@@ -430,15 +494,15 @@ pub async fn prove(
         });
     }
     let path = merkle::inclusion_proof(seq - 1, &leaves).expect("seq is within the checkpoint");
-    let proof = ProofFile { event: stored.canonical, vkey: vkey.encode(), index: seq - 1, path, checkpoint: newest.note.clone() };
+    let proof =
+        ProofFile { event: stored.canonical, vkey: signer.encode(), index: seq - 1, path, checkpoint: newest.note.clone() };
     let consistency = match saved {
         None => None,
         Some(saved) => {
-            let old = CheckpointBody::parse(&note::open_note(saved, vkey).map_err(|e| Error::InvalidArgument {
-                message: format!("the saved checkpoint does not verify under this log's key: {e}"),
+            let (old, _) = open_with(saved, &vkeys).map_err(|e| Error::InvalidArgument {
+                message: format!("the saved checkpoint does not verify under this log's keys: {e}"),
                 hint: None,
-            })?)
-            .map_err(Error::invalid)?;
+            })?;
             if old.origin != body.origin {
                 return Err(Error::invalid(format!("the saved checkpoint is for {}, not {}", old.origin, body.origin)));
             }
@@ -499,7 +563,10 @@ pub fn check_proof(proof: &str, consistency: Option<&str>, pins: &[String], vkey
     let mut consistent_from = None;
     if let Some(c) = consistency {
         let c = ConsistencyFile::parse(c)?;
-        let old = CheckpointBody::parse(&note::open_note(&c.old_checkpoint, &vkey)?)?;
+        let mut trusted = vkeys.to_vec();
+        trusted.push(vkey.clone());
+        let (old, _) = open_with(&c.old_checkpoint, &trusted)
+            .map_err(|_| "the older checkpoint is not signed by a trusted key".to_owned())?;
         if old.origin != body.origin {
             return Err("the older checkpoint is for another tree".into());
         }

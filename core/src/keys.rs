@@ -60,6 +60,11 @@ impl LogKey {
         Self { signing, key_id }
     }
 
+    /// The secret seed as hex, for writing the key file. Never log it.
+    pub fn seed_hex(&self) -> String {
+        hex::encode(self.signing.to_bytes())
+    }
+
     pub fn key_id(&self) -> &str {
         &self.key_id
     }
@@ -89,7 +94,7 @@ impl LogKey {
             Ok(text) => Ok((Self::parse_file(path, &text)?, false)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let key = Self::generate();
-                write_secret_file(path, format!("{}\n", hex::encode(key.signing.to_bytes())).as_bytes())?;
+                write_secret_file(path, format!("{}\n", key.seed_hex()).as_bytes())?;
                 Ok((key, true))
             }
             Err(e) => Err(Error::Internal(format!("reading log key {}: {e}", path.display()))),

@@ -49,7 +49,17 @@ async fn checkpoint_prove_and_check_offline() {
         .unwrap()
         .to_owned();
     let (code, out, err) = cli(
-        &["audit", "prove", &node_event, "--out", proof.to_str().unwrap(), "--checkpoint", saved.to_str().unwrap(), "--data-dir", &data_dir],
+        &[
+            "audit",
+            "prove",
+            &node_event,
+            "--out",
+            proof.to_str().unwrap(),
+            "--checkpoint",
+            saved.to_str().unwrap(),
+            "--data-dir",
+            &data_dir,
+        ],
         &[],
     );
     assert_eq!(code, 0, "{err}");
@@ -66,7 +76,11 @@ async fn checkpoint_prove_and_check_offline() {
             command.env(k, v);
         }
         let out = command.output().unwrap();
-        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     let (code, out, err) = offline(&["audit", "check-proof", "node.tlog-proof", "--pin", &pin], &[]);
     assert_eq!(code, 0, "{err}");
@@ -82,7 +96,10 @@ async fn checkpoint_prove_and_check_offline() {
     assert!(!auditor.path().join(".better-compute").exists(), "check-proof created no database");
 
     // Refusals: another pin, a changed path hash, a changed event.
-    let (code, _, err) = offline(&["audit", "check-proof", "node.tlog-proof", "--pin", "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="], &[]);
+    let (code, _, err) = offline(
+        &["audit", "check-proof", "node.tlog-proof", "--pin", "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="],
+        &[],
+    );
     assert_eq!(code, 1);
     assert!(err.starts_with("INVALID_PROOF: "), "{err}");
     let text = std::fs::read_to_string(&proof).unwrap();
@@ -112,7 +129,10 @@ async fn verify_reports_tampering_with_audit_tampered() {
     let (code, out, err) = cli(&["audit", "verify", "--data-dir", &data_dir], &[]);
     assert_eq!(code, 0, "{err}");
     let summary = json_of(&out);
-    assert_eq!((summary["ok"].as_bool(), summary["events"].as_u64(), summary["checkpoints"].as_u64()), (Some(true), Some(8), Some(1)));
+    assert_eq!(
+        (summary["ok"].as_bool(), summary["events"].as_u64(), summary["checkpoints"].as_u64()),
+        (Some(true), Some(8), Some(1))
+    );
 
     // Change one stored byte of seq 4.
     let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
@@ -123,4 +143,59 @@ async fn verify_reports_tampering_with_audit_tampered() {
     let problems = json_of(&out);
     assert_eq!(problems[0]["seq"], 4, "{problems}");
     assert_eq!(problems[0]["tenantId"], "ten_00000000000000000000000000");
+}
+
+#[tokio::test]
+async fn rotating_the_log_key_keeps_old_checkpoints_verifying() {
+    let mut server = Server::dev();
+    let data_dir = server.data_dir.to_str().unwrap().to_owned();
+    server.pool("before").await;
+    let (code, _, err) = cli(&["audit", "checkpoint", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+    let old_pin = json_of(&cli(&["pki", "show", "--data-dir", &data_dir], &[]).1)["pin"].as_str().unwrap().to_owned();
+    let auditor = tempfile::tempdir().unwrap();
+    let (_, events, _) = server.cli(&["events", "list", "--format", "json"]);
+    let first_pool = json_of(&events)["items"][2]["id"].as_str().unwrap().to_owned();
+    let old_proof = auditor.path().join("old.tlog-proof");
+    let (code, _, err) =
+        cli(&["audit", "prove", &first_pool, "--out", old_proof.to_str().unwrap(), "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+
+    server.stop();
+    let (code, out, err) = cli(&["pki", "rotate-log-key", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+    let rotated = json_of(&out);
+    let new_pin = rotated["pin"].as_str().unwrap().to_owned();
+    assert_ne!(new_pin, old_pin);
+    server.restart();
+    server.pool("after").await;
+    let (_, events, _) = server.cli(&["events", "list", "--format", "json"]);
+    let items = json_of(&events)["items"].as_array().unwrap().clone();
+    let rotation = items.iter().find(|e| e["type"] == "log_key.rotated").expect("the rotation is in the log");
+    assert_eq!(rotation["keyId"].as_str(), rotated["previousKeyId"].as_str(), "signed by the old key");
+    assert_eq!(rotation["payload"]["newKeyId"], rotated["keyId"]);
+    let after =
+        items.iter().find(|e| e["type"] == "pool.created" && e["keyId"] == rotated["keyId"]).expect("new events use the new key");
+
+    // Sealing reads the old checkpoint under the old key, and signs with the new one.
+    let (code, out, err) = cli(&["audit", "checkpoint", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json_of(&out)["sealed"].as_array().unwrap().len(), 1);
+    server.stop();
+    let (code, out, err) = cli(&["audit", "verify", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}{out}");
+    assert_eq!(json_of(&out)["checkpoints"], 2);
+
+    let new_proof = auditor.path().join("new.tlog-proof");
+    let (code, _, err) = cli(
+        &["audit", "prove", after["id"].as_str().unwrap(), "--out", new_proof.to_str().unwrap(), "--data-dir", &data_dir],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = cli(&["audit", "check-proof", old_proof.to_str().unwrap(), "--pin", &old_pin], &[]);
+    assert_eq!(code, 0, "old proofs keep verifying under the old pin: {err}");
+    let (code, _, err) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &new_pin], &[]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, _) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &old_pin], &[]);
+    assert_eq!(code, 1, "the old pin does not vouch for the new key's checkpoints");
 }

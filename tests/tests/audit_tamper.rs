@@ -139,7 +139,13 @@ async fn a_changed_payload_byte_is_named() {
         let mut canonical = row(&f, 5).await.canonical;
         let at = canonical.len() - 3; // inside the payload's last text
         canonical[at] ^= 0x01;
-        f.raw.exec(&format!("UPDATE events SET canonical = {} WHERE tenant_id = '{}' AND seq = 5", f.raw.blob(&canonical), f.tenant)).await;
+        f.raw
+            .exec(&format!(
+                "UPDATE events SET canonical = {} WHERE tenant_id = '{}' AND seq = 5",
+                f.raw.blob(&canonical),
+                f.tenant
+            ))
+            .await;
         let (seq, what) = first_problem(&f).await;
         assert_eq!(seq, 5, "{what}");
         assert!(what.contains("hash"), "{what}");
@@ -166,7 +172,10 @@ async fn swapped_events_are_named() {
             f.raw
                 .exec(&format!(
                     "UPDATE events SET canonical = {}, hash = {}, sig = {} WHERE tenant_id = '{}' AND seq = {seq}",
-                    f.raw.blob(&other.canonical), f.raw.blob(&other.hash), f.raw.blob(&other.sig), f.tenant
+                    f.raw.blob(&other.canonical),
+                    f.raw.blob(&other.hash),
+                    f.raw.blob(&other.sig),
+                    f.tenant
                 ))
                 .await;
         }
@@ -185,7 +194,9 @@ async fn a_truncated_tail_is_named() {
         // Rewinding the head too leaves a checkpoint beyond the log's end.
         f.raw.exec(&format!("DELETE FROM events WHERE tenant_id = '{}' AND seq > 15", f.tenant)).await;
         let last = row(&f, 15).await;
-        f.raw.exec(&format!("UPDATE chain_heads SET seq = 15, hash = {} WHERE tenant_id = '{}'", f.raw.blob(&last.hash), f.tenant)).await;
+        f.raw
+            .exec(&format!("UPDATE chain_heads SET seq = 15, hash = {} WHERE tenant_id = '{}'", f.raw.blob(&last.hash), f.tenant))
+            .await;
         let report = verify(&f).await;
         assert!(report.problems.iter().any(|p| p.what.contains("beyond the end")), "{:?}", report.problems);
     })
@@ -206,7 +217,11 @@ async fn a_replaced_checkpoint_is_named() {
             ))
             .await;
         let report = verify(&f).await;
-        assert!(report.problems.iter().any(|p| p.seq == 20 && p.what.contains("another tenant or size")), "{:?}", report.problems);
+        assert!(
+            report.problems.iter().any(|p| p.seq == 20 && p.what.contains("another tenant or size")),
+            "{:?}",
+            report.problems
+        );
         assert!(report.problems.iter().any(|p| p.seq == 21 && p.what.contains("no longer stored")), "{:?}", report.problems);
     })
     .await;
@@ -216,7 +231,11 @@ async fn a_replaced_checkpoint_is_named() {
 async fn rewinding_to_an_older_checkpoint_is_named() {
     each_backend(async |f: Fixture| {
         f.raw
-            .exec(&format!("DELETE FROM projections WHERE tenant_id = '{}' AND kind = 'checkpoint' AND id = '{}'", f.tenant, audit::checkpoint_row_id(20)))
+            .exec(&format!(
+                "DELETE FROM projections WHERE tenant_id = '{}' AND kind = 'checkpoint' AND id = '{}'",
+                f.tenant,
+                audit::checkpoint_row_id(20)
+            ))
             .await;
         let report = verify(&f).await;
         assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
@@ -239,7 +258,13 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
         audit::check_proof(&honest, None, std::slice::from_ref(&pin), &[]).expect("honest proof");
 
         let evil = LogKey::generate();
-        f.raw.exec(&format!("INSERT INTO signing_keys (key_id, public_key, created_at_ms) VALUES ('{}', {}, 0)", evil.key_id(), f.raw.blob(evil.public().as_bytes()))).await;
+        f.raw
+            .exec(&format!(
+                "INSERT INTO signing_keys (key_id, public_key, created_at_ms) VALUES ('{}', {}, 0)",
+                evil.key_id(),
+                f.raw.blob(evil.public().as_bytes())
+            ))
+            .await;
         let mut prev = row(&f, 2).await.hash;
         let head = f.store.heads().await.unwrap().into_iter().find(|(t, _)| *t == f.tenant).unwrap().1;
         for seq in 3..=head.seq {
@@ -255,7 +280,11 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
             f.raw
                 .exec(&format!(
                     "UPDATE events SET canonical = {}, hash = {}, sig = {}, key_id = '{}' WHERE tenant_id = '{}' AND seq = {seq}",
-                    f.raw.blob(&canonical), f.raw.blob(&hash), f.raw.blob(&sig), evil.key_id(), f.tenant
+                    f.raw.blob(&canonical),
+                    f.raw.blob(&hash),
+                    f.raw.blob(&sig),
+                    evil.key_id(),
+                    f.tenant
                 ))
                 .await;
             prev = hash.to_vec();
@@ -266,8 +295,20 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
         assert!(what.contains("untrusted key"), "{what}");
 
         // The attacker's own checkpoint over the forged tree, and a proof against it.
-        let forged_leaves: Vec<_> = f.store.read_chain_rows(f.tenant, 1, 100).await.unwrap().iter().take(20).map(|r| bc_core::merkle::leaf_hash(&r.hash)).collect();
-        let body = note::CheckpointBody { origin: note::origin_of(DEPLOYMENT, &f.tenant), size: 20, root: bc_core::merkle::root(&forged_leaves) };
+        let forged_leaves: Vec<_> = f
+            .store
+            .read_chain_rows(f.tenant, 1, 100)
+            .await
+            .unwrap()
+            .iter()
+            .take(20)
+            .map(|r| bc_core::merkle::leaf_hash(&r.hash))
+            .collect();
+        let body = note::CheckpointBody {
+            origin: note::origin_of(DEPLOYMENT, &f.tenant),
+            size: 20,
+            root: bc_core::merkle::root(&forged_leaves),
+        };
         let forged_note = note::sign_note(&body.encode(), DEPLOYMENT, &evil).unwrap();
         let forged = note::ProofFile {
             event: row(&f, 3).await.canonical,
