@@ -1,0 +1,133 @@
+//! Property: random logs, random checkpoints, random events: every honest proof file checks,
+//! and every mutated one (any byte of a path hash, the index, the event, the checkpoint, a
+//! hash added or dropped, a consistency proof bent) fails. Seeded: `BC_TEST_SEED` replays.
+
+use base64::Engine;
+use bc_core::audit;
+use bc_core::event::{Envelope, GENESIS_PREV, sha256};
+use bc_core::id::{EventId, TenantId};
+use bc_core::keys::LogKey;
+use bc_core::merkle;
+use bc_core::note::{self, CheckpointBody, ConsistencyFile, ProofFile};
+use ciborium::Value;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+const DEPLOYMENT: &str = "prop";
+
+fn log(tenant: TenantId, n: u64) -> Vec<(Vec<u8>, [u8; 32])> {
+    let mut prev = GENESIS_PREV;
+    (1..=n)
+        .map(|seq| {
+            let env = Envelope {
+                tenant,
+                seq,
+                id: EventId::generate(),
+                stream: format!("s/{}", seq % 3),
+                version: seq,
+                event_type: "x.y".into(),
+                at_ms: seq,
+                actor: "prop".into(),
+                idempotency_key: None,
+                causation: None,
+                correlation: None,
+                payload: Value::Integer(seq.into()),
+                prev,
+            };
+            let bytes = env.to_canonical().unwrap();
+            prev = sha256(&bytes);
+            (bytes, prev)
+        })
+        .collect()
+}
+
+fn checkpoint(key: &LogKey, tenant: TenantId, leaves: &[merkle::Hash]) -> String {
+    let body = CheckpointBody { origin: note::origin_of(DEPLOYMENT, &tenant), size: leaves.len() as u64, root: merkle::root(leaves) };
+    note::sign_note(&body.encode(), DEPLOYMENT, key).unwrap()
+}
+
+#[test]
+fn honest_proof_files_check_and_mutated_ones_fail() {
+    let seed = bc_core::testing::seed();
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    let mut runner = TestRunner::new_with_rng(
+        Config { cases: 48, failure_persistence: None, ..Config::default() },
+        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
+    );
+    let key = LogKey::from_seed([11; 32]);
+    let pin = key.pin();
+    let result = runner.run(&(2u64..80, any::<u64>(), any::<u64>(), any::<u64>(), 0u8..8), |(n, a, b, c, what)| {
+        let tenant = TenantId::generate();
+        let events = log(tenant, n);
+        let leaves: Vec<merkle::Hash> = events.iter().map(|(_, h)| merkle::leaf_hash(h)).collect();
+        let size = 1 + a % n; // the checkpoint
+        let old = 1 + c % size; // an older checkpoint the auditor saved
+        let index = b % size; // the event proved
+        let file = ProofFile {
+            event: events[index as usize].0.clone(),
+            vkey: audit::vkey_of(&key, DEPLOYMENT).unwrap().encode(),
+            index,
+            path: merkle::inclusion_proof(index, &leaves[..size as usize]).unwrap(),
+            checkpoint: checkpoint(&key, tenant, &leaves[..size as usize]),
+        };
+        let consistency = ConsistencyFile {
+            path: merkle::consistency_proof(old, &leaves[..size as usize]).unwrap(),
+            old_checkpoint: checkpoint(&key, tenant, &leaves[..old as usize]),
+        };
+        let honest = audit::check_proof(&file.encode(), Some(&consistency.encode()), std::slice::from_ref(&pin), &[]);
+        prop_assert!(honest.is_ok(), "honest proof failed: {:?}", honest.err());
+        let proved = honest.unwrap();
+        prop_assert_eq!((proved.event.seq, proved.tree_size, proved.consistent_from), (index + 1, size, Some(old)));
+
+        let mut bad = file.clone();
+        let mut bad_consistency = consistency.clone();
+        let changed = match what {
+            0 if !bad.path.is_empty() => {
+                let h = (a as usize) % bad.path.len();
+                bad.path[h][(c as usize) % 32] ^= 1 << (b % 8);
+                true
+            }
+            1 => {
+                bad.index = (index + 1 + c % size) % size;
+                bad.index != index
+            }
+            2 => {
+                let at = (c as usize) % bad.event.len();
+                bad.event[at] ^= 1;
+                true
+            }
+            3 => {
+                bad.path.push([7; 32]);
+                true
+            }
+            4 => bad.path.pop().is_some(),
+            5 => {
+                // A checkpoint of another size (validly signed) with this path.
+                let other = 1 + (size + c) % n;
+                bad.checkpoint = checkpoint(&key, tenant, &leaves[..other as usize]);
+                other != size
+            }
+            6 if !bad_consistency.path.is_empty() => {
+                let h = (b as usize) % bad_consistency.path.len();
+                bad_consistency.path[h][(a as usize) % 32] ^= 1;
+                true
+            }
+            7 => {
+                // The checkpoint text edited after signing.
+                let b64 = base64::engine::general_purpose::STANDARD;
+                bad.checkpoint = bad.checkpoint.replacen(&b64.encode(merkle::root(&leaves[..size as usize])), &b64.encode([0u8; 32]), 1);
+                true
+            }
+            _ => false,
+        };
+        if changed {
+            let got = audit::check_proof(&bad.encode(), Some(&bad_consistency.encode()), std::slice::from_ref(&pin), &[]);
+            prop_assert!(got.is_err(), "mutation {} verified", what);
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("property failed with BC_TEST_SEED={seed}: {e}");
+    }
+}
