@@ -30,6 +30,7 @@ check-postgres:
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
 bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench append
+	$(CARGO) bench -p bc-cli --bench audit
 
 lint:
 	$(CARGO) fmt --all --check
