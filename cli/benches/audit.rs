@@ -4,7 +4,7 @@
 //! the peak resident memory of the verify.
 //!
 //! The log is written through the real commit path (`EventStore::commit`) in batches of 1,000
-//! events, signed on all cores; one tenant, checkpoints every 100,000 events.
+//! events, signed on all cores; one tenant, sealed once at the end.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +19,6 @@ use bc_projections::Projections;
 use ciborium::Value;
 
 const BATCH: u64 = 1000;
-const CHECKPOINT_EVERY: u64 = 100_000;
 
 fn rss_peak_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -73,19 +72,27 @@ async fn generate(store: &dyn EventStore, key: &LogKey, tenant: TenantId, total:
             let canonical = envelope.to_canonical().unwrap();
             let hash = sha256(&canonical);
             prev = hash;
-            events.push(StoredEvent { envelope, canonical, hash, sig: Vec::new(), key_id: key.key_id().into(), position: Position { commit: 0, index: i as u32 } });
+            events.push(StoredEvent {
+                envelope,
+                canonical,
+                hash,
+                sig: Vec::new(),
+                key_id: key.key_id().into(),
+                position: Position { commit: 0, index: i as u32 },
+            });
         }
         sign_parallel(&mut events, key);
         let last = events.last().unwrap();
         let after = Head { seq: last.envelope.seq, hash: last.hash };
-        let batch = PreparedBatch { heads_before: vec![(tenant, head)], heads_after: vec![(tenant, after)], events, idempotency: vec![] };
+        let batch =
+            PreparedBatch { heads_before: vec![(tenant, head)], heads_after: vec![(tenant, after)], events, idempotency: vec![] };
         match store.commit(&batch, &Projections).await.unwrap() {
             CommitOutcome::Committed { .. } => {}
             CommitOutcome::Stale => panic!("nobody else writes"),
         }
         head = Some(after);
         seq = after.seq;
-        if seq % 100_000 == 0 {
+        if seq.is_multiple_of(100_000) {
             eprintln!("  generated {seq} events ({:.0}/s)", seq as f64 / started.elapsed().as_secs_f64());
         }
     }
@@ -107,7 +114,8 @@ async fn raw_rate(store: &dyn EventStore, tenant: TenantId, key: &LogKey, total:
                 s.spawn(move || {
                     let messages: Vec<Vec<u8>> = part.iter().map(|r| event_signing_message(&sha256(&r.canonical))).collect();
                     let refs: Vec<&[u8]> = messages.iter().map(|m| m.as_slice()).collect();
-                    let sigs: Vec<ed25519_dalek::Signature> = part.iter().map(|r| ed25519_dalek::Signature::from_slice(&r.sig).unwrap()).collect();
+                    let sigs: Vec<ed25519_dalek::Signature> =
+                        part.iter().map(|r| ed25519_dalek::Signature::from_slice(&r.sig).unwrap()).collect();
                     let keys = vec![public; part.len()];
                     ed25519_dalek::verify_batch(&refs, &sigs, &keys).expect("honest signatures");
                 });
@@ -133,12 +141,11 @@ fn main() {
         // Checkpoints along the way would need the appender; seal one at the end (and one in
         // the middle of a second, smaller run would add nothing to the walk's cost).
         let log = Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(bc_core::clock::SystemClock)).await.unwrap();
-        let sealed = audit::seal(&log, tenant, audit::DEPLOYMENT_DEFAULT).await.unwrap().expect("sealed");
-        let _ = CHECKPOINT_EVERY;
+        let trust = Trust::of(&[key.public()], audit::DEPLOYMENT_DEFAULT).unwrap();
+        let sealed = audit::seal(&log, tenant, audit::DEPLOYMENT_DEFAULT, &trust).await.unwrap().expect("sealed");
         let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         eprintln!("  measuring the raw rate…");
         let raw = raw_rate(&*store, tenant, &key, total, threads).await;
-        let trust = Trust::of(&[key.public()], audit::DEPLOYMENT_DEFAULT).unwrap();
         eprintln!("  running audit verify…");
         let rss_before = rss_peak_kib();
         reset_rss_peak();

@@ -46,10 +46,9 @@ impl Database {
             }
             Database::Postgres(url) => {
                 if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-                    return Err(CliError::usage(format!(
-                        "--database-url must be postgres://…, not {:?}",
-                        bc_core::id::truncate(url, 40)
-                    )));
+                    // Never echo the URL: it may carry a password.
+                    let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("(none)");
+                    return Err(CliError::usage(format!("--database-url must be postgres://…, not a {scheme:?} URL")));
                 }
                 Arc::new(PostgresStore::connect(url).await?)
             }
@@ -169,7 +168,8 @@ pub async fn run_server(
         println!("  admin token: {} (from the first start)", token_path.display());
     }
     if checkpoint_interval_s > 0 {
-        tokio::spawn(seal_periodically(log.clone(), checkpoint_interval_s, deployment.to_owned()));
+        let trust = crate::audit::local_trust(data_dir, deployment)?;
+        tokio::spawn(seal_periodically(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust));
     }
     let state = Arc::new(AppState { log: log.clone(), store });
     bc_gateway::serve(listener, state, shutdown_signal()).await.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
@@ -178,14 +178,14 @@ pub async fn run_server(
 }
 
 /// Seals a checkpoint of every tenant whose log grew, every `interval_s` seconds.
-async fn seal_periodically(log: Arc<Log>, interval_s: u64, deployment: String) {
+async fn seal_periodically(log: Arc<Log>, interval_s: u64, deployment: String, trust: bc_core::audit::Trust) {
     let mut ticks = tokio::time::interval(std::time::Duration::from_secs(interval_s));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticks.tick().await; // the first tick is immediate; seal after one interval
     loop {
         ticks.tick().await;
-        match crate::audit::seal_all(&log, None, &deployment).await {
-            Ok(sealed) if !sealed.is_empty() => tracing::info!(tenants = sealed.len(), "sealed checkpoints"),
+        match crate::audit::seal_all(&log, None, &deployment, &trust).await {
+            Ok((sealed, _)) if !sealed.is_empty() => tracing::info!(tenants = sealed.len(), "sealed checkpoints"),
             Ok(_) => {}
             Err(e) => tracing::error!(code = %e.code, error = %e.message, "sealing checkpoints failed"),
         }

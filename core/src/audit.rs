@@ -152,59 +152,86 @@ async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<V
     Ok(out)
 }
 
-/// Seals a checkpoint of `tenant` now, if its tree grew since the last one (events other than
-/// checkpoints were appended). Returns the new checkpoint's size and note.
-pub async fn seal(log: &Log, tenant: TenantId, deployment: &str) -> Result<Option<StoredCheckpoint>> {
+/// The root of a tenant's first `size` events, streamed (O(log n) memory).
+async fn root_at(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<merkle::Hash> {
+    let mut builder = RootBuilder::new();
+    while builder.size() < size {
+        let rows = store.read_chain_rows(tenant, builder.size() + 1, VERIFY_PAGE_ROWS).await?;
+        if rows.is_empty() {
+            return Err(Error::Corrupt { tenant: tenant.to_string(), seq: builder.size() + 1, what: "event missing".into() });
+        }
+        for row in rows.iter().take((size - builder.size()) as usize) {
+            let hash = <[u8; 32]>::try_from(row.hash.as_slice()).map_err(|_| Error::Corrupt {
+                tenant: tenant.to_string(),
+                seq: row.seq,
+                what: "hash is not 32 bytes".into(),
+            })?;
+            builder.push_leaf_hash(merkle::leaf_hash(&hash));
+        }
+    }
+    Ok(builder.root())
+}
+
+/// Seals a checkpoint of `tenant` now, if its tree grew (events other than checkpoints were
+/// appended since the last one). Only a log that verifies is signed: the whole chain is checked
+/// under `trust` (every seq, link and signature, and the head), and the last checkpoint sealed
+/// *in the chain* must still match the log, so two checkpoints of a tenant are never
+/// inconsistent. Returns the new checkpoint's size and note.
+pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) -> Result<Option<StoredCheckpoint>> {
     let store = &*log.store;
     let Some(head) = store.heads().await?.into_iter().find(|(t, _)| *t == tenant).map(|(_, h)| h) else {
         return Ok(None);
     };
-    let previous = checkpoints_of(store, tenant).await?.into_iter().max_by_key(|c| c.size);
-    let vkeys = known_vkeys(store, deployment).await?;
-    let previous_body = match &previous {
-        Some(p) => Some(
-            open_with(&p.note, &vkeys)
-                .map_err(|e| Error::Corrupt {
-                    tenant: tenant.to_string(),
-                    seq: 0,
-                    what: format!("the last checkpoint does not verify under any of this log's keys: {e}"),
-                })?
-                .0,
-        ),
-        None => None,
+    let corrupt = |p: ChainProblem| {
+        tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
+        Error::Corrupt { tenant: p.tenant, seq: p.seq, what: format!("refusing to seal: {}", p.what) }
     };
-    // Walk the log once: the root at every size we need, and whether anything but checkpoints
-    // was appended after the last one.
+    let mut verifier = crate::chain::ChainVerifier::new(tenant, &trust.keys);
     let mut builder = RootBuilder::new();
-    let mut grew = false;
-    let mut from = 1;
+    // The newest checkpoint sealed in the chain: (its size, its note, the seq it was sealed at).
+    let mut previous: Option<(u64, String, u64)> = None;
+    let mut grew_at: Option<u64> = None;
     while builder.size() < head.seq {
-        let rows = decode_rows(store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS).await?)?;
+        let rows = store.read_chain_rows(tenant, builder.size() + 1, VERIFY_PAGE_ROWS).await?;
         if rows.is_empty() {
-            return Err(Error::Corrupt { tenant: tenant.to_string(), seq: from, what: "event missing".into() });
+            break;
         }
-        for event in rows {
-            if event.envelope.seq > head.seq {
+        for row in rows {
+            if row.seq > head.seq {
                 break;
             }
+            let event = verifier.push(row).map_err(corrupt)?;
             builder.push_leaf_hash(merkle::leaf_hash(&event.hash));
-            if let Some(p) = &previous_body
-                && builder.size() == p.size
-                && builder.root() != p.root
-            {
-                tracing::error!(%tenant, size = p.size, "the log no longer matches its last checkpoint; refusing to sign");
-                return Err(Error::Corrupt {
-                    tenant: tenant.to_string(),
-                    seq: p.size,
-                    what: "the log no longer matches the last checkpoint; refusing to sign an inconsistent one".into(),
-                });
+            if event.envelope.event_type == CHECKPOINT_SEALED {
+                if let Some((size, note)) = parse_checkpoint_payload(&event.envelope.payload)
+                    && previous.as_ref().is_none_or(|(s, _, _)| size >= *s)
+                {
+                    previous = Some((size, note, event.envelope.seq));
+                }
+            } else {
+                grew_at = Some(event.envelope.seq);
             }
-            let after_previous = previous_body.as_ref().is_none_or(|p| builder.size() > p.size);
-            grew |= after_previous && event.envelope.event_type != CHECKPOINT_SEALED;
         }
-        from = builder.size() + 1;
     }
-    if !grew {
+    verifier.finish(Some((head.seq, head.hash))).map_err(corrupt)?;
+    if let Some((size, note, sealed_at)) = &previous {
+        let (body, _) = open_with(note, &trust.vkeys).map_err(|e| {
+            corrupt(ChainProblem {
+                tenant: tenant.to_string(),
+                seq: *sealed_at,
+                what: format!("the last checkpoint does not verify: {e}"),
+            })
+        })?;
+        if body.size != *size || root_at(store, tenant, body.size).await? != body.root {
+            return Err(corrupt(ChainProblem {
+                tenant: tenant.to_string(),
+                seq: body.size,
+                what: "the log no longer matches its last checkpoint".into(),
+            }));
+        }
+    }
+    let last_size = previous.as_ref().map(|(size, _, _)| *size).unwrap_or(0);
+    if grew_at.is_none_or(|seq| seq <= last_size) {
         return Ok(None);
     }
     let body = CheckpointBody { origin: note::origin_of(deployment, &tenant), size: builder.size(), root: builder.root() };
@@ -213,7 +240,8 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str) -> Result<Optio
         tenant,
         stream: format!("{KIND_CHECKPOINT}/{tenant}"),
         expected: ExpectedVersion::Any,
-        // The same size gives the same note (Ed25519 is deterministic): sealing twice is a replay.
+        // The same size gives the same note (Ed25519 is deterministic): sealing twice is a
+        // replay. Client keys live under `request:`, so they cannot collide with this one.
         idempotency_key: Some(format!("checkpoint:{}", body.size)),
         actor: "system:audit".into(),
         causation: None,
@@ -297,7 +325,15 @@ impl Trust {
 
 /// Per-row checks that need no order: hash, encoding, columns; then one batch signature check.
 /// Returns, per row, its hash and `prev`, or the problem. Runs on a blocking thread.
-fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<([u8; 32], [u8; 32], Option<(u64, String)>, String), String>> {
+/// What the order-free checks learn about one row.
+struct CheckedRow {
+    hash: [u8; 32],
+    prev: [u8; 32],
+    /// `(tree size, note)` when the row seals a checkpoint.
+    checkpoint: Option<(u64, String)>,
+}
+
+fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, String>> {
     let decoded: Vec<_> = rows
         .iter()
         .map(|row| {
@@ -307,7 +343,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<([u8; 32], [u8; 3
             let checkpoint = (event.envelope.event_type == CHECKPOINT_SEALED)
                 .then(|| parse_checkpoint_payload(&event.envelope.payload))
                 .flatten();
-            Ok((event.hash, event.envelope.prev, key, sig, checkpoint, event.envelope.event_type))
+            Ok((event.hash, event.envelope.prev, key, sig, checkpoint))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded; on failure, find the bad ones.
@@ -320,11 +356,11 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<([u8; 32], [u8; 3
     decoded
         .into_iter()
         .map(|d| {
-            let (hash, prev, key, sig, checkpoint, event_type) = d?;
+            let (hash, prev, key, sig, checkpoint) = d?;
             if !batch_ok && key.verify_strict(&event_signing_message(&hash), &sig).is_err() {
                 return Err("signature does not verify".to_owned());
             }
-            Ok((hash, prev, checkpoint, event_type))
+            Ok(CheckedRow { hash, prev, checkpoint })
         })
         .collect()
 }
@@ -339,9 +375,17 @@ pub async fn verify(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Report> {
     let mut report = Report::default();
-    let heads = store.heads().await?;
+    let heads: std::collections::HashMap<TenantId, crate::store::Head> = store.heads().await?.into_iter().collect();
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 16);
-    for (tenant, head) in heads.into_iter().filter(|(t, _)| only.is_none_or(|o| o == *t)) {
+    // Every tenant with events, a head or checkpoints: deleting a head must not hide a chain.
+    let tenants: Vec<TenantId> = store.tenants().await?.into_iter().filter(|t| only.is_none_or(|o| o == *t)).collect();
+    if let Some(only) = only
+        && tenants.is_empty()
+    {
+        return Err(Error::not_found(format!("tenant {only} in this log")));
+    }
+    for tenant in tenants {
+        let head = heads.get(&tenant).copied().unwrap_or(crate::store::Head { seq: 0, hash: GENESIS_PREV });
         report.tenants += 1;
         // Stored checkpoints, each checked on its own first.
         let mut expected_roots: BTreeMap<u64, [u8; 32]> = BTreeMap::new();
@@ -397,7 +441,7 @@ pub async fn verify(
                     broken = true;
                     break 'walk;
                 }
-                let (hash, event_prev, checkpoint, _) = match result {
+                let CheckedRow { hash, prev: event_prev, checkpoint } = match result {
                     Ok(ok) => ok,
                     Err(what) => {
                         report.problem(tenant, seq, what);

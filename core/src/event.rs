@@ -58,7 +58,13 @@ impl FromStr for Position {
         if !digits(c) || !digits(i) {
             return Err(bad());
         }
-        Ok(Position { commit: c.parse().map_err(|_| bad())?, index: i.parse().map_err(|_| bad())? })
+        // Commit numbers are stored as signed 64-bit integers and indexes as 32-bit ones.
+        let commit: u64 = c.parse().map_err(|_| bad())?;
+        let index: u32 = i.parse().map_err(|_| bad())?;
+        if commit > i64::MAX as u64 || index > i32::MAX as u32 {
+            return Err(bad());
+        }
+        Ok(Position { commit, index })
     }
 }
 
@@ -268,7 +274,9 @@ mod tests {
     fn positions_parse_both_spellings() {
         assert_eq!("12.3".parse::<Position>().unwrap(), Position { commit: 12, index: 3 });
         assert_eq!("12:3".parse::<Position>().unwrap(), Position { commit: 12, index: 3 });
-        for bad in ["", "12", "12.", ".3", "a.b", "-1.0", "1.2.3", "99999999999999999999999.0"] {
+        for bad in
+            ["", "12", "12.", ".3", "a.b", "-1.0", "1.2.3", "99999999999999999999999.0", "18446744073709551615.0", "1.4294967295"]
+        {
             assert!(bad.parse::<Position>().is_err(), "{bad}");
         }
         assert_eq!(Position { commit: 7, index: 0 }.to_string(), "7.0");

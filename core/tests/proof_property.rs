@@ -42,7 +42,8 @@ fn log(tenant: TenantId, n: u64) -> Vec<(Vec<u8>, [u8; 32])> {
 }
 
 fn checkpoint(key: &LogKey, tenant: TenantId, leaves: &[merkle::Hash]) -> String {
-    let body = CheckpointBody { origin: note::origin_of(DEPLOYMENT, &tenant), size: leaves.len() as u64, root: merkle::root(leaves) };
+    let body =
+        CheckpointBody { origin: note::origin_of(DEPLOYMENT, &tenant), size: leaves.len() as u64, root: merkle::root(leaves) };
     note::sign_note(&body.encode(), DEPLOYMENT, key).unwrap()
 }
 
@@ -116,7 +117,8 @@ fn honest_proof_files_check_and_mutated_ones_fail() {
             7 => {
                 // The checkpoint text edited after signing.
                 let b64 = base64::engine::general_purpose::STANDARD;
-                bad.checkpoint = bad.checkpoint.replacen(&b64.encode(merkle::root(&leaves[..size as usize])), &b64.encode([0u8; 32]), 1);
+                bad.checkpoint =
+                    bad.checkpoint.replacen(&b64.encode(merkle::root(&leaves[..size as usize])), &b64.encode([0u8; 32]), 1);
                 true
             }
             _ => false,

@@ -87,6 +87,24 @@ pub fn validate_actions(actions: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// A key can only grant what its creator holds: `*` only from a `*` key, a group wildcard only
+/// if the creator holds every action of the group.
+pub fn check_grantable(creator: &Principal, actions: &[String]) -> Result<()> {
+    for action in actions {
+        let covered = if action == "*" {
+            creator.actions.iter().any(|a| a == "*")
+        } else if let Some(group) = action.strip_suffix('*') {
+            ACTIONS.iter().filter(|a| a.starts_with(group)).all(|a| creator.allows(a))
+        } else {
+            creator.allows(action)
+        };
+        if !covered {
+            return Err(Error::AccessDenied(format!("cannot grant {action}: the calling key does not hold it")));
+        }
+    }
+    Ok(())
+}
+
 /// Resolves the `Authorization` header to a principal.
 pub async fn authenticate(store: &dyn bc_core::store::EventStore, header: Option<&str>) -> Result<Principal> {
     let header =
@@ -121,5 +139,9 @@ mod tests {
         assert!(validate_actions(&["compute:pools:*".into(), "*".into()]).is_ok());
         assert!(validate_actions(&["compute:bogus:read".into()]).is_err());
         assert!(validate_actions(&["compute:bogus:*".into()]).is_err());
+        // Regression: a key could grant more than its creator held.
+        assert!(check_grantable(&p, &["compute:pools:read".into(), "compute:pools:*".into()]).is_ok());
+        assert!(check_grantable(&p, &["*".into()]).is_err());
+        assert!(check_grantable(&p, &["compute:nodes:read".into()]).is_err());
     }
 }

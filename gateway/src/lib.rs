@@ -213,7 +213,11 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
     if let Err(e) =
         log.append(request(stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, key)).await
     {
-        unpersist();
+        // A failure can still have committed (the connection dropped after COMMIT): keep the
+        // token unless the key is certainly absent.
+        if matches!(log.store.row_get(&root.to_string(), KIND_API_KEY, &key_id.to_string()).await, Ok(None)) {
+            unpersist();
+        }
         return Err(e);
     }
     Ok(true)

@@ -17,6 +17,7 @@ use bc_projections::{ApiKeyDoc, KIND_API_KEY, KIND_NODE, KIND_POOL, KIND_TENANT,
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use sha2::Digest;
 
 use crate::AppState;
 use crate::auth::{self, Principal};
@@ -117,7 +118,9 @@ impl Call<'_> {
                 tenant,
                 stream,
                 expected,
-                idempotency_key: self.idempotency_key.clone(),
+                // Clients' keys live in their own namespace, apart from the server's own
+                // (`checkpoint:…`), so a client cannot pre-empt them.
+                idempotency_key: self.idempotency_key.as_ref().map(|k| format!("request:{k}")),
                 actor: self.principal.as_ref().map(|p| format!("apikey:{}", p.key_id)).unwrap_or_else(|| "system".into()),
                 causation: None,
                 correlation: Some(self.request_id.clone()),
@@ -393,7 +396,15 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 return Err(Error::AccessDenied("only the root tenant's administrators create tenants".into()));
             }
             principal.authorize(call.action, principal.tenant)?;
-            let tenant = TenantId::generate();
+            // The idempotency record lives in the new tenant's chain, so a retry must name the
+            // same tenant: with a key, the id is derived from it.
+            let tenant = match &call.idempotency_key {
+                Some(key) => {
+                    let digest = sha2::Sha256::digest(format!("tenant\0{}\0{key}", principal.tenant).as_bytes());
+                    TenantId::from_ulid(ulid::Ulid::from_bytes(digest[..16].try_into().expect("16 bytes")))
+                }
+                None => TenantId::generate(),
+            };
             let payload = ev::to_cbor(&ev::TenantCreated { name: input.name, root: false })?;
             let result = call
                 .append(tenant, stream_of(KIND_TENANT, &tenant), ExpectedVersion::NoStream, ev::TENANT_CREATED, payload)
@@ -416,6 +427,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
             validate_name("name", &input.name)?;
             auth::validate_actions(&input.actions)?;
+            auth::check_grantable(call.principal(), &input.actions)?;
             let key_id = ApiKeyId::generate();
             let (token, secret_sha256) = auth::new_token(key_id);
             let payload = ev::to_cbor(&ev::ApiKeyCreated { name: input.name, actions: input.actions, secret_sha256 })?;

@@ -154,6 +154,27 @@ async fn keys_are_bound_to_a_tenant_and_actions() {
     let (status, denied) = server.call_as(&reader, "tenants.create", json!({ "name": "evil" }), None).await;
     assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")));
 
+    // Regression (review): a key could grant more than its creator held.
+    let (status, admin) = server
+        .call("apiKeys.create", json!({ "tenantId": acme, "name": "keys-only", "actions": ["compute:apikeys:admin"] }))
+        .await;
+    assert_eq!(status, 200, "{admin}");
+    let keys_only = admin["token"].as_str().unwrap().to_owned();
+    let (status, denied) =
+        server.call_as(&keys_only, "apiKeys.create", json!({ "name": "escalate", "actions": ["*"] }), None).await;
+    assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")), "{denied}");
+    let (status, denied) = server
+        .call_as(&keys_only, "apiKeys.create", json!({ "name": "escalate", "actions": ["compute:pools:write"] }), None)
+        .await;
+    assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")), "{denied}");
+
+    // Regression (review): retrying tenants.create with one key created a tenant each time.
+    let token = server.token.clone();
+    let (_, first) = server.call_as(&token, "tenants.create", json!({ "name": "once" }), Some("tenant-1")).await;
+    let (status, again) = server.call_as(&token, "tenants.create", json!({ "name": "once" }), Some("tenant-1")).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(first["tenantId"], again["tenantId"]);
+
     let (status, _) = server.call("apiKeys.revoke", json!({ "tenantId": acme, "keyId": key["keyId"] })).await;
     assert_eq!(status, 200);
     let (status, gone) = server.call_as(&reader, "pools.list", json!({}), None).await;

@@ -123,6 +123,11 @@ async fn verify_reports_tampering_with_audit_tampered() {
     for i in 0..5 {
         server.pool(&format!("p{i}")).await;
     }
+    // Regression (review): a client's idempotency key once shared the sealer's namespace and
+    // could block a tenant's checkpoints.
+    let token = server.token.clone();
+    let (status, _) = server.call_as(&token, "pools.create", json!({ "name": "squatter" }), Some("checkpoint:8")).await;
+    assert_eq!(status, 200);
     let (code, _, err) = cli(&["audit", "checkpoint", "--data-dir", &data_dir], &[]);
     assert_eq!(code, 0, "{err}");
     server.stop();
@@ -131,7 +136,7 @@ async fn verify_reports_tampering_with_audit_tampered() {
     let summary = json_of(&out);
     assert_eq!(
         (summary["ok"].as_bool(), summary["events"].as_u64(), summary["checkpoints"].as_u64()),
-        (Some(true), Some(8), Some(1))
+        (Some(true), Some(9), Some(1))
     );
 
     // Change one stored byte of seq 4.

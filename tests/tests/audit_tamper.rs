@@ -97,11 +97,12 @@ async fn fixture(postgres: bool) -> Fixture {
     for i in 0..10 {
         log.append(request(tenant, i)).await.unwrap();
     }
-    let saved = audit::seal(&log, tenant, DEPLOYMENT).await.unwrap().unwrap().note;
+    let saved =
+        audit::seal(&log, tenant, DEPLOYMENT, &Trust::of(&[key.public()], DEPLOYMENT).unwrap()).await.unwrap().unwrap().note;
     for i in 10..19 {
         log.append(request(tenant, i)).await.unwrap();
     }
-    let second = audit::seal(&log, tenant, DEPLOYMENT).await.unwrap().unwrap();
+    let second = audit::seal(&log, tenant, DEPLOYMENT, &Trust::of(&[key.public()], DEPLOYMENT).unwrap()).await.unwrap().unwrap();
     assert_eq!(second.size, 20);
     for i in 19..21 {
         log.append(request(tenant, i)).await.unwrap();
@@ -328,6 +329,46 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
         audit::check_proof(&honest, None, std::slice::from_ref(&pin), &[]).expect("offline proof unaffected");
         let again = audit::prove(&*f.store, f.tenant, event.id.parse().unwrap(), &vkey, Some(&f.saved)).await;
         assert!(again.is_err(), "proving against a forged log must fail");
+    })
+    .await;
+}
+
+/// Regression (review): sealing once signed over rows whose hashes matched but whose
+/// signatures did not; it must refuse a log that does not verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealing_refuses_a_log_that_does_not_verify() {
+    each_backend(async |f: Fixture| {
+        // Rewrite seq 22 with a consistent hash but no valid signature.
+        let r = row(&f, 22).await;
+        let mut env = Envelope::from_canonical(&r.canonical).unwrap();
+        env.payload = Value::Text("forged".into());
+        let canonical = env.to_canonical().unwrap();
+        let hash = sha256(&canonical);
+        f.raw
+            .exec(&format!(
+                "UPDATE events SET canonical = {}, hash = {} WHERE tenant_id = '{}' AND seq = 22",
+                f.raw.blob(&canonical),
+                f.raw.blob(&hash),
+                f.tenant
+            ))
+            .await;
+        // New events still chain onto the stored head, so the log "grew" since the last seal.
+        f._log.append(request(f.tenant, 99)).await.unwrap();
+        let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
+        let err = audit::seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap_err();
+        assert!(err.to_string().contains("refusing to seal"), "{err}");
+    })
+    .await;
+}
+
+/// Regression (review): a deleted chain head once hid a tenant's whole chain from `verify`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_chain_head_does_not_hide_a_tenant() {
+    each_backend(async |f: Fixture| {
+        f.raw.exec(&format!("DELETE FROM chain_heads WHERE tenant_id = '{}'", f.tenant)).await;
+        let report = verify(&f).await;
+        assert_eq!(report.tenants, 1);
+        assert!(report.problems.iter().any(|p| p.what.contains("past the chain head")), "{:?}", report.problems);
     })
     .await;
 }

@@ -271,6 +271,8 @@ pub trait EventStore: Send + Sync + 'static {
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>>;
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>>;
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>>;
+    /// Every tenant with a chain head, an event or a projection row (a full scan: for audits).
+    async fn tenants(&self) -> Result<Vec<TenantId>>;
     /// The number of the newest append transaction (0 for an empty log).
     async fn last_commit(&self) -> Result<u64>;
 

@@ -448,6 +448,18 @@ impl EventStore for PostgresStore {
             .collect()
     }
 
+    async fn tenants(&self) -> Result<Vec<TenantId>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT tenant_id FROM chain_heads UNION SELECT DISTINCT tenant_id FROM events
+                 UNION SELECT DISTINCT tenant_id FROM projections ORDER BY 1",
+                &[],
+            )
+            .await?;
+        rows.iter().map(|r| r.try_get::<_, String>(0)?.parse()).collect()
+    }
+
     async fn last_commit(&self) -> Result<u64> {
         let client = self.pool.get().await?;
         to_u64(client.query_one("SELECT last_commit FROM log_counter WHERE id = 1", &[]).await?.try_get(0)?)

@@ -412,6 +412,16 @@ impl EventStore for SqliteStore {
             .collect()
     }
 
+    async fn tenants(&self) -> Result<Vec<TenantId>> {
+        let rows: Vec<String> = sqlx::query_scalar(
+            "SELECT tenant_id FROM chain_heads UNION SELECT DISTINCT tenant_id FROM events \
+             UNION SELECT DISTINCT tenant_id FROM projections ORDER BY 1",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(|t| t.parse()).collect()
+    }
+
     async fn last_commit(&self) -> Result<u64> {
         let n: i64 = sqlx::query_scalar("SELECT last_commit FROM log_counter WHERE id = 1").fetch_one(&self.pool).await?;
         to_u64(n)
