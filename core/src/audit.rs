@@ -337,13 +337,16 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, Strin
     let decoded: Vec<_> = rows
         .iter()
         .map(|row| {
-            let event = row.clone().decode()?;
-            let key = *keys.get(&event.key_id).ok_or_else(|| format!("signed by untrusted key {}", event.key_id))?;
-            let sig = Signature::from_slice(&event.sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
-            let checkpoint = (event.envelope.event_type == CHECKPOINT_SEALED)
-                .then(|| parse_checkpoint_payload(&event.envelope.payload))
-                .flatten();
-            Ok((event.hash, event.envelope.prev, key, sig, checkpoint))
+            let event = row.check()?;
+            let key = *keys.get(&row.key_id).ok_or_else(|| format!("signed by untrusted key {}", row.key_id))?;
+            let sig = Signature::from_slice(&row.sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
+            let checkpoint = if row.event_type == CHECKPOINT_SEALED {
+                let payload: Value = ciborium::de::from_reader(event.payload).map_err(|e| format!("checkpoint payload: {e}"))?;
+                parse_checkpoint_payload(&payload)
+            } else {
+                None
+            };
+            Ok((event.hash, event.prev, key, sig, checkpoint))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded; on failure, find the bad ones.

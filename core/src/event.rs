@@ -143,9 +143,9 @@ impl Envelope {
         if format != ENVELOPE_FORMAT {
             return Err(format!("unknown envelope format {format}"));
         }
-        let tenant = as_text("tenant", take("tenant")?)?.parse().map_err(|e: Error| e.to_string())?;
+        let tenant: TenantId = canonical_id("tenant", &as_text("tenant", take("tenant")?)?)?;
         let seq = as_u64("seq", take("seq")?)?;
-        let id = as_text("id", take("id")?)?.parse().map_err(|e: Error| e.to_string())?;
+        let id: EventId = canonical_id("id", &as_text("id", take("id")?)?)?;
         let stream = as_text("stream", take("stream")?)?;
         let version = as_u64("version", take("version")?)?;
         let event_type = as_text("type", take("type")?)?;
@@ -180,6 +180,16 @@ impl Envelope {
             prev,
         })
     }
+}
+
+/// Parses an id and insists on its canonical spelling (lowercase, no Crockford aliases such as
+/// `o` for `0`): the hashed bytes are the record, so one id has one spelling.
+fn canonical_id<T: FromStr<Err = Error> + fmt::Display>(name: &str, text: &str) -> Result<T, String> {
+    let id: T = text.parse().map_err(|e: Error| e.to_string())?;
+    if id.to_string() != text {
+        return Err(format!("{name} is not in its canonical spelling"));
+    }
+    Ok(id)
 }
 
 pub fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -252,6 +262,113 @@ impl EventRow {
             key_id: self.key_id,
             position: Position { commit: self.commit, index: self.index },
         })
+    }
+}
+
+/// What [`EventRow::check`] establishes about a row without building its envelope.
+#[derive(Clone, Debug)]
+pub struct CheckedEvent<'a> {
+    pub hash: [u8; 32],
+    pub prev: [u8; 32],
+    /// The payload's bytes (one deterministic CBOR item).
+    pub payload: &'a [u8],
+}
+
+impl EventRow {
+    /// The same checks as [`EventRow::decode`] (hash, deterministic encoding, envelope shape,
+    /// columns against the hashed fields) without allocating: the audit's hot path.
+    pub fn check(&self) -> Result<CheckedEvent<'_>, String> {
+        let hash = <[u8; 32]>::try_from(self.hash.as_slice()).map_err(|_| "stored hash is not 32 bytes".to_owned())?;
+        if sha256(&self.canonical) != hash {
+            return Err("stored hash is not SHA-256 of the canonical bytes".into());
+        }
+        canonical::validate(&self.canonical).map_err(|e| format!("not in deterministic encoding: {e}"))?;
+        let mut r = canonical::Reader { bytes: &self.canonical, pos: 0 };
+        let (major, entries) = r.head()?;
+        if major != 5 {
+            return Err("envelope is not a map".into());
+        }
+        let mismatch = |what: &str| format!("column {what} disagrees with the hashed envelope");
+        let (mut seen, mut prev, mut payload) = (0u16, None, None);
+        for _ in 0..entries {
+            let key = r.text().map_err(|_| "envelope key is not text".to_owned())?;
+            let bit = match key {
+                "v" => {
+                    if r.uint()? != ENVELOPE_FORMAT {
+                        return Err("unknown envelope format".into());
+                    }
+                    1
+                }
+                "tenant" => {
+                    let tenant = r.text()?;
+                    canonical_id::<TenantId>("tenant", tenant)?;
+                    if tenant != self.tenant {
+                        return Err(mismatch("tenant_id"));
+                    }
+                    2
+                }
+                "seq" => {
+                    if r.uint()? != self.seq {
+                        return Err(mismatch("seq"));
+                    }
+                    4
+                }
+                "id" => {
+                    let id = r.text()?;
+                    canonical_id::<EventId>("id", id)?;
+                    if id != self.id {
+                        return Err(mismatch("id"));
+                    }
+                    8
+                }
+                "stream" => {
+                    if r.text()? != self.stream {
+                        return Err(mismatch("stream"));
+                    }
+                    16
+                }
+                "version" => {
+                    if r.uint()? != self.version {
+                        return Err(mismatch("version"));
+                    }
+                    32
+                }
+                "type" => {
+                    if r.text()? != self.event_type {
+                        return Err(mismatch("type"));
+                    }
+                    64
+                }
+                "at" => {
+                    r.uint()?;
+                    128
+                }
+                "actor" => {
+                    r.text()?;
+                    256
+                }
+                "payload" => {
+                    let start = r.pos;
+                    r.item(1)?;
+                    payload = Some(&self.canonical[start..r.pos]);
+                    512
+                }
+                "prev" => {
+                    prev = Some(<[u8; 32]>::try_from(r.bytes()?).map_err(|_| "prev is not 32 bytes".to_owned())?);
+                    1024
+                }
+                "idempotency_key" | "causation" | "correlation" => {
+                    r.text()?;
+                    0
+                }
+                other => return Err(format!("envelope has unknown field {other:?}")),
+            };
+            seen |= bit;
+        }
+        if seen != 2047 {
+            return Err("envelope misses a required field".into());
+        }
+        Ok(CheckedEvent { hash, prev: prev.expect("seen"), payload: payload.expect("seen") })
     }
 }
 
