@@ -96,9 +96,9 @@ async fn trust(store: &dyn EventStore, data_dir: &Path, pins: &[String], deploym
         if pins.is_empty() { local_keys(data_dir)?.iter().map(|k| k.pin()).collect() } else { pins.to_vec() };
     let mut publics = Vec::new();
     for (key_id, public) in store.signing_keys().await? {
-        let Ok(bytes) = <[u8; 32]>::try_from(public.as_slice()) else { continue };
-        let Ok(public) = ed25519_dalek::VerifyingKey::from_bytes(&bytes) else { continue };
-        if bc_core::keys::key_id_of(&public) == key_id && wanted.contains(&bc_core::keys::pin_of(&public)) {
+        // A malformed key row can vouch for nothing: skip it (verify then reports its events).
+        let Ok(public) = bc_core::keys::stored_public_key(&key_id, &public) else { continue };
+        if wanted.contains(&bc_core::keys::pin_of(&public)) {
             publics.push(public);
         }
     }

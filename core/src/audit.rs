@@ -70,16 +70,7 @@ pub fn parse_checkpoint_payload(payload: &Value) -> Option<(u64, String)> {
 pub async fn known_vkeys(store: &dyn EventStore, deployment: &str) -> Result<Vec<Vkey>> {
     let mut out = Vec::new();
     for (key_id, public) in store.signing_keys().await? {
-        let bytes = <[u8; 32]>::try_from(public.as_slice()).map_err(|_| Error::Corrupt {
-            tenant: "-".into(),
-            seq: 0,
-            what: format!("key {key_id} is not 32 bytes"),
-        })?;
-        let public = VerifyingKey::from_bytes(&bytes).map_err(|_| Error::Corrupt {
-            tenant: "-".into(),
-            seq: 0,
-            what: format!("key {key_id} is not a valid point"),
-        })?;
+        let public = crate::keys::stored_public_key(&key_id, &public)?;
         out.push(Vkey::new(deployment, public).map_err(Error::invalid)?);
     }
     Ok(out)

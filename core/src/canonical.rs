@@ -150,73 +150,6 @@ pub fn to_json(value: &Value) -> serde_json::Value {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn text(s: &str) -> Value {
-        Value::Text(s.to_owned())
-    }
-
-    #[test]
-    fn known_answers() {
-        // RFC 8949 Appendix A examples for the shortest heads.
-        assert_eq!(encode(Value::Integer(0.into())).unwrap(), [0x00]);
-        assert_eq!(encode(Value::Integer(23.into())).unwrap(), [0x17]);
-        assert_eq!(encode(Value::Integer(24.into())).unwrap(), [0x18, 0x18]);
-        assert_eq!(encode(Value::Integer(1000.into())).unwrap(), [0x19, 0x03, 0xe8]);
-        assert_eq!(encode(Value::Integer(1_000_000.into())).unwrap(), [0x1a, 0x00, 0x0f, 0x42, 0x40]);
-        assert_eq!(encode(Value::Integer((-1).into())).unwrap(), [0x20]);
-        // Keys sort by their encoded bytes: shorter text first, then bytewise.
-        let map = Value::Map(vec![(text("bb"), Value::Null), (text("c"), Value::Null), (text("a"), Value::Null)]);
-        assert_eq!(encode(map).unwrap(), [0xa3, 0x61, b'a', 0xf6, 0x61, b'c', 0xf6, 0x62, b'b', b'b', 0xf6]);
-    }
-
-    #[test]
-    fn text_key_fast_path_matches_encoded_order() {
-        // Keys of lengths around the 23/24 head boundary and with shared prefixes.
-        let mut keys: Vec<String> = Vec::new();
-        for len in [0usize, 1, 2, 22, 23, 24, 25, 255, 256] {
-            for c in ['a', 'b', 'z'] {
-                keys.push(std::iter::repeat_n(c, len).collect());
-            }
-        }
-        keys.sort();
-        keys.dedup();
-        let mut by_fast: Vec<Value> = keys.iter().map(|k| text(k)).collect();
-        by_fast.sort_by(text_key_order);
-        let mut by_encoding: Vec<(Vec<u8>, Value)> = keys.iter().map(|k| (encode_raw(&text(k)).unwrap(), text(k))).collect();
-        by_encoding.sort_by(|a, b| a.0.cmp(&b.0));
-        assert_eq!(by_fast, by_encoding.into_iter().map(|(_, v)| v).collect::<Vec<_>>());
-    }
-
-    #[test]
-    fn rejects_non_canonical_bytes() {
-        // 24 encoded in two bytes where one would do... reversed: 0 in two bytes.
-        assert!(decode_canonical(&[0x18, 0x00]).is_err());
-        // Unsorted map.
-        assert!(decode_canonical(&[0xa2, 0x61, b'b', 0xf6, 0x61, b'a', 0xf6]).is_err());
-        // Indefinite-length array.
-        assert!(decode_canonical(&[0x9f, 0x01, 0xff]).is_err());
-        // Float.
-        assert!(decode_canonical(&[0xf9, 0x3c, 0x00]).is_err());
-        assert!(decode_canonical(&[0xa2, 0x61, b'a', 0xf6, 0x61, b'b', 0xf6]).is_ok());
-    }
-
-    #[test]
-    fn refuses_floats_and_deep_nesting_from_json() {
-        assert!(from_json(&serde_json::json!({"x": 1.5})).is_err());
-        let mut deep = serde_json::json!(1);
-        for _ in 0..40 {
-            deep = serde_json::json!([deep]);
-        }
-        assert!(from_json(&deep).is_err());
-        let ok = serde_json::json!({"b": [1, -2, "x", true, null], "a": {"z": 18446744073709551615u64}});
-        let cbor = from_json(&ok).unwrap();
-        assert_eq!(to_json(&canonicalize(cbor).unwrap()), ok);
-    }
-}
-
 /// Checks, without allocating, that `bytes` are one item in the log's deterministic subset of
 /// CBOR: exactly what [`decode_canonical`] accepts, at a fraction of its cost. The audit's hot
 /// path uses it; a property test holds the two to the same answers.
@@ -348,5 +281,72 @@ impl<'a> Reader<'a> {
             _ => return Err("unknown major type".into()),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Value {
+        Value::Text(s.to_owned())
+    }
+
+    #[test]
+    fn known_answers() {
+        // RFC 8949 Appendix A examples for the shortest heads.
+        assert_eq!(encode(Value::Integer(0.into())).unwrap(), [0x00]);
+        assert_eq!(encode(Value::Integer(23.into())).unwrap(), [0x17]);
+        assert_eq!(encode(Value::Integer(24.into())).unwrap(), [0x18, 0x18]);
+        assert_eq!(encode(Value::Integer(1000.into())).unwrap(), [0x19, 0x03, 0xe8]);
+        assert_eq!(encode(Value::Integer(1_000_000.into())).unwrap(), [0x1a, 0x00, 0x0f, 0x42, 0x40]);
+        assert_eq!(encode(Value::Integer((-1).into())).unwrap(), [0x20]);
+        // Keys sort by their encoded bytes: shorter text first, then bytewise.
+        let map = Value::Map(vec![(text("bb"), Value::Null), (text("c"), Value::Null), (text("a"), Value::Null)]);
+        assert_eq!(encode(map).unwrap(), [0xa3, 0x61, b'a', 0xf6, 0x61, b'c', 0xf6, 0x62, b'b', b'b', 0xf6]);
+    }
+
+    #[test]
+    fn text_key_fast_path_matches_encoded_order() {
+        // Keys of lengths around the 23/24 head boundary and with shared prefixes.
+        let mut keys: Vec<String> = Vec::new();
+        for len in [0usize, 1, 2, 22, 23, 24, 25, 255, 256] {
+            for c in ['a', 'b', 'z'] {
+                keys.push(std::iter::repeat_n(c, len).collect());
+            }
+        }
+        keys.sort();
+        keys.dedup();
+        let mut by_fast: Vec<Value> = keys.iter().map(|k| text(k)).collect();
+        by_fast.sort_by(text_key_order);
+        let mut by_encoding: Vec<(Vec<u8>, Value)> = keys.iter().map(|k| (encode_raw(&text(k)).unwrap(), text(k))).collect();
+        by_encoding.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(by_fast, by_encoding.into_iter().map(|(_, v)| v).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn rejects_non_canonical_bytes() {
+        // 24 encoded in two bytes where one would do... reversed: 0 in two bytes.
+        assert!(decode_canonical(&[0x18, 0x00]).is_err());
+        // Unsorted map.
+        assert!(decode_canonical(&[0xa2, 0x61, b'b', 0xf6, 0x61, b'a', 0xf6]).is_err());
+        // Indefinite-length array.
+        assert!(decode_canonical(&[0x9f, 0x01, 0xff]).is_err());
+        // Float.
+        assert!(decode_canonical(&[0xf9, 0x3c, 0x00]).is_err());
+        assert!(decode_canonical(&[0xa2, 0x61, b'a', 0xf6, 0x61, b'b', 0xf6]).is_ok());
+    }
+
+    #[test]
+    fn refuses_floats_and_deep_nesting_from_json() {
+        assert!(from_json(&serde_json::json!({"x": 1.5})).is_err());
+        let mut deep = serde_json::json!(1);
+        for _ in 0..40 {
+            deep = serde_json::json!([deep]);
+        }
+        assert!(from_json(&deep).is_err());
+        let ok = serde_json::json!({"b": [1, -2, "x", true, null], "a": {"z": 18446744073709551615u64}});
+        let cbor = from_json(&ok).unwrap();
+        assert_eq!(to_json(&canonicalize(cbor).unwrap()), ok);
     }
 }

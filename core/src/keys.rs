@@ -136,6 +136,18 @@ pub fn write_secret_file(path: &Path, contents: &[u8]) -> Result<()> {
         .map_err(|e| Error::Internal(format!("writing {}: {e}", path.display())))
 }
 
+/// A public key as the store holds it (`signing_keys`): 32 bytes, a valid point, and named by
+/// its own key id.
+pub fn stored_public_key(key_id: &str, public: &[u8]) -> Result<VerifyingKey> {
+    let corrupt = |what: String| Error::Corrupt { tenant: "-".into(), seq: 0, what };
+    let bytes = <[u8; 32]>::try_from(public).map_err(|_| corrupt(format!("key {key_id} is not 32 bytes")))?;
+    let public = VerifyingKey::from_bytes(&bytes).map_err(|_| corrupt(format!("key {key_id} is not a valid point")))?;
+    if key_id_of(&public) != key_id {
+        return Err(corrupt(format!("key id {key_id} does not match its key")));
+    }
+    Ok(public)
+}
+
 /// Public keys by key id, for verification.
 #[derive(Clone, Default, Debug)]
 pub struct KeyRing {
@@ -148,20 +160,7 @@ impl KeyRing {
     }
 
     pub fn insert_bytes(&mut self, key_id: &str, public: &[u8]) -> Result<()> {
-        let bytes = <[u8; 32]>::try_from(public).map_err(|_| Error::Corrupt {
-            tenant: "-".into(),
-            seq: 0,
-            what: format!("key {key_id} is not 32 bytes"),
-        })?;
-        let public = VerifyingKey::from_bytes(&bytes).map_err(|_| Error::Corrupt {
-            tenant: "-".into(),
-            seq: 0,
-            what: format!("key {key_id} is not a valid point"),
-        })?;
-        if key_id_of(&public) != key_id {
-            return Err(Error::Corrupt { tenant: "-".into(), seq: 0, what: format!("key id {key_id} does not match its key") });
-        }
-        self.insert(public);
+        self.insert(stored_public_key(key_id, public)?);
         Ok(())
     }
 
