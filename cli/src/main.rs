@@ -19,6 +19,7 @@ mod audit;
 mod client;
 mod output;
 mod server;
+mod watch;
 
 use client::{CliError, Client};
 use output::Format;
@@ -257,9 +258,24 @@ enum EventsCommand {
     List {
         #[command(flatten)]
         page: Page,
+        /// Comma-separated type patterns (`pool.*`).
+        #[arg(long)]
+        types: Option<String>,
     },
     /// One event with its canonical bytes, hash and signature.
     Get { event_id: String },
+    /// Follow the log live: one JSON line per event; reconnects after a broken connection.
+    Watch {
+        /// Comma-separated type patterns (`pool.*,node.registered`), at most 20.
+        #[arg(long)]
+        types: Option<String>,
+        /// Start after this position (`COMMIT.INDEX` or `COMMIT:INDEX`).
+        #[arg(long)]
+        since: Option<String>,
+        /// Stop after printing this many events.
+        #[arg(long)]
+        count: Option<u64>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -543,8 +559,23 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Events { command } => {
             let c = client(&cli)?;
             match command {
-                EventsCommand::List { page } => {
-                    let body = page_body(&cli, page)?;
+                EventsCommand::Watch { types, since, count } => {
+                    let token = std::env::var("BETTER_COMPUTE_TOKEN").unwrap_or_default().trim().to_owned();
+                    watch::watch(watch::WatchArgs {
+                        url: cli.url.clone(),
+                        token,
+                        tenant: cli.tenant.clone(),
+                        types: types.clone(),
+                        since: since.clone(),
+                        count: *count,
+                    })
+                    .await
+                }
+                EventsCommand::List { page, types } => {
+                    let mut body = page_body(&cli, page)?;
+                    if let Some(types) = types {
+                        body.insert("types".into(), json!(types.split(',').map(str::trim).collect::<Vec<_>>()));
+                    }
                     let mut value = c.call("events.list", &Value::Object(body), None).await?;
                     if cli.format.unwrap_or(Format::Table) == Format::Table && q.is_none() {
                         // The table shows the envelope, not the payload.

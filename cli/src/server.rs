@@ -171,7 +171,8 @@ pub async fn run_server(
         let trust = crate::audit::local_trust(data_dir, deployment)?;
         tokio::spawn(seal_periodically(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust));
     }
-    let state = Arc::new(AppState { log: log.clone(), store });
+    let _ = store;
+    let state = Arc::new(AppState::new(log.clone()));
     bc_gateway::serve(listener, state, shutdown_signal()).await.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
     tracing::info!("stopped");
     Ok(())

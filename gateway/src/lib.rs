@@ -31,6 +31,7 @@ use tracing::Instrument;
 pub mod auth;
 pub mod error;
 pub mod methods;
+pub mod watch;
 
 use error::ApiError;
 
@@ -47,12 +48,21 @@ pub const CONCURRENT_REQUESTS_MAX: usize = 1024;
 pub struct AppState {
     pub log: Arc<Log>,
     pub store: Arc<dyn EventStore>,
+    /// Connected watchers, bounded by `watch::WATCHERS_MAX`.
+    pub watchers: Arc<tokio::sync::Semaphore>,
+}
+
+impl AppState {
+    pub fn new(log: Arc<Log>) -> Self {
+        Self { store: log.store.clone(), log, watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)) }
+    }
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/api/compute/{method}", post(rpc))
+        .route("/watch", get(watch::watch))
         .fallback(not_found)
         .layer(
             tower::ServiceBuilder::new()

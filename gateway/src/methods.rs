@@ -34,6 +34,8 @@ pub const LABEL_VALUE_CHARS_MAX: usize = 255;
 pub const GPUS_PER_NODE_MAX: usize = 64;
 pub const GPU_VRAM_GIB_MAX: u32 = 4096;
 pub const NVLINK_DOMAIN_MAX: u32 = 1024;
+/// Rows one `events.list` call scans at most while filtering.
+pub const EVENTS_SCAN_ROWS_MAX: usize = 5000;
 const _: () = assert!(LIST_LIMIT_DEFAULT <= LIST_LIMIT_MAX && LIST_LIMIT_MAX <= READ_ROWS_MAX);
 
 /// One API method: its name, the action it is authorized as (`None`: public), and what it does.
@@ -361,6 +363,10 @@ struct EventsList {
     tenant_id: Option<String>,
     limit: Option<u32>,
     cursor: Option<String>,
+    /// Type patterns (`pool.*`), at most `WATCH_TYPES_MAX`.
+    #[serde(default)]
+    types: Vec<String>,
+    stream: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -614,11 +620,44 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 Some(c) => c.parse::<Position>()?,
                 None => Position::START,
             };
-            let mut events = decode_rows(store.read_after_rows(after, Some(tenant), limit + 1).await?)?;
-            let more = events.len() > limit as usize;
-            events.truncate(limit as usize);
-            let next = if more { events.last().map(|e| e.position.to_string()) } else { None };
-            Ok(json!({ "items": events.iter().map(|e| event_view(e, false)).collect::<Vec<_>>(), "nextCursor": next }))
+            let filter = crate::watch::TypeFilter::parse(&input.types)?;
+            if let Some(stream) = &input.stream {
+                bc_core::event::validate_name("stream", stream, bc_core::event::STREAM_NAME_BYTES_MAX)?;
+            }
+            // Filters are applied while scanning by position; a page scans at most
+            // EVENTS_SCAN_ROWS_MAX rows and then hands back a cursor, so a rare type cannot make
+            // one call read the whole log.
+            let mut items = Vec::new();
+            let mut scanned = 0usize;
+            let mut position = after;
+            let mut exhausted = false;
+            while items.len() < limit as usize && scanned < EVENTS_SCAN_ROWS_MAX {
+                let page = decode_rows(store.read_after_rows(position, Some(tenant), READ_ROWS_MAX).await?)?;
+                if page.is_empty() {
+                    exhausted = true;
+                    break;
+                }
+                for event in page {
+                    scanned += 1;
+                    position = event.position;
+                    let wanted = filter.matches(&event.envelope.event_type)
+                        && input.stream.as_ref().is_none_or(|s| *s == event.envelope.stream);
+                    if wanted {
+                        items.push(event_view(&event, false));
+                        if items.len() == limit as usize {
+                            break;
+                        }
+                    }
+                }
+            }
+            let next = if exhausted {
+                None
+            } else {
+                // More may follow: check cheaply whether anything lies past the cursor.
+                let more = !store.read_after_rows(position, Some(tenant), 1).await?.is_empty();
+                more.then(|| position.to_string())
+            };
+            Ok(json!({ "items": items, "nextCursor": next }))
         }
         "events.get" => {
             let input: EventsGet = parse(body)?;

@@ -24,6 +24,7 @@ pub const EVENT_TYPES: &[&str] = &[
     POOL_ARCHIVED,
     NODE_REGISTERED,
     bc_core::audit::CHECKPOINT_SEALED,
+    bc_core::audit::LOG_KEY_ROTATED,
 ];
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -101,6 +101,8 @@ impl Server {
     fn launch(&mut self) {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(self.data_dir.join("server.log")).expect("server log");
+        // A fresh client per launch: pooled connections to a killed server are dead.
+        self.http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
         let mut child = Command::new(binary("better-compute"))
             .args(&self.args)
             .env("BETTER_COMPUTE_LOG", "info,bc_core=debug")
@@ -125,6 +127,10 @@ impl Server {
         });
         self.url = first.rsplit(' ').next().expect("url").to_owned();
         assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");
+        // A restart binds the same address, so clients (watchers) can reconnect to it.
+        if let Some(at) = self.args.iter().position(|a| a == "--listen") {
+            self.args[at + 1] = self.url.trim_start_matches("http://").to_owned();
+        }
         self.token = std::fs::read_to_string(self.data_dir.join("admin.token")).expect("admin.token").trim().to_owned();
         self.child = Some(child);
     }

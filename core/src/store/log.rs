@@ -101,6 +101,9 @@ pub struct Log {
     pub key: Arc<LogKey>,
     pub stats: Arc<LogStats>,
     handle: LogHandle,
+    /// The newest commit number this process wrote: wakes watchers early. Only a nudge: other
+    /// processes' commits are found by polling, so correctness never rests on it.
+    commits: tokio::sync::watch::Receiver<u64>,
 }
 
 impl Log {
@@ -114,8 +117,14 @@ impl Log {
         store.signing_key_put(key.key_id(), key.public().as_bytes(), clock.now_ms()).await?;
         let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
         let stats = Arc::new(LogStats::default());
-        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock, stats.clone()));
-        Ok(Self { store, key, stats, handle: LogHandle { jobs } })
+        let (notify, commits) = tokio::sync::watch::channel(store.last_commit().await?);
+        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock, stats.clone(), notify));
+        Ok(Self { store, key, stats, handle: LogHandle { jobs }, commits })
+    }
+
+    /// A receiver that changes when this process commits.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.commits.clone()
     }
 
     pub fn handle(&self) -> LogHandle {
@@ -134,6 +143,7 @@ async fn run_appender(
     key: Arc<LogKey>,
     clock: Arc<dyn Clock>,
     stats: Arc<LogStats>,
+    notify: tokio::sync::watch::Sender<u64>,
 ) {
     let mut carried: Option<Job> = None;
     loop {
@@ -154,7 +164,9 @@ async fn run_appender(
             events += job.request.events.len();
             jobs.push(job);
         }
-        process_batch(&*store, &projector, &key, &clock, &stats, jobs).await;
+        if let Some(commit) = process_batch(&*store, &projector, &key, &clock, &stats, jobs).await {
+            notify.send_replace(commit);
+        }
     }
 }
 
@@ -165,7 +177,7 @@ async fn process_batch(
     clock: &Arc<dyn Clock>,
     stats: &LogStats,
     mut jobs: Vec<Job>,
-) {
+) -> Option<u64> {
     let mut decided = None;
     let started = std::time::Instant::now();
     let mut timings = [0u128; 3];
@@ -267,6 +279,7 @@ async fn process_batch(
         };
         let _ = job.reply.send(answer);
     }
+    batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
 }
 
 fn set_commit(batch: &mut PreparedBatch, commit: u64) {
@@ -295,7 +308,7 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
     Ok(AppendResult { events, replayed: true })
 }
 
-fn fail_all(jobs: Vec<Job>, error: &Error) {
+fn fail_all(jobs: Vec<Job>, error: &Error) -> Option<u64> {
     tracing::error!(error = %error, jobs = jobs.len(), "append batch failed");
     for job in jobs {
         let copy = match error {
@@ -306,6 +319,7 @@ fn fail_all(jobs: Vec<Job>, error: &Error) {
         };
         let _ = job.reply.send(Err(copy));
     }
+    None
 }
 
 fn pre_read_query(jobs: &[Job]) -> PreReadQuery {

@@ -1,0 +1,119 @@
+//! `better-compute events watch`: follows `GET /watch`, prints one JSON line per event,
+//! reconnects from the last event it printed after a broken connection, and stops on Ctrl-C,
+//! after `--count`, or on a refusal (a 4xx answer).
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::client::CliError;
+use crate::output;
+
+/// Reconnect back-off: doubling from the first to the last, reset by a received event.
+const RECONNECT_FIRST_MS: u64 = 200;
+const RECONNECT_MAX_MS: u64 = 5000;
+/// Longest SSE line accepted (an event's JSON is far smaller).
+const LINE_BYTES_MAX: usize = 1024 * 1024;
+
+pub struct WatchArgs {
+    pub url: String,
+    pub token: String,
+    pub tenant: Option<String>,
+    pub types: Option<String>,
+    pub since: Option<String>,
+    pub count: Option<u64>,
+}
+
+pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
+    if let Some(since) = &args.since {
+        since.parse::<bc_core::event::Position>().map_err(|e| CliError::usage(format!("--since: {e}")))?;
+    }
+    let http = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .build()
+        .map_err(|e| CliError::new("INTERNAL", format!("building the HTTP client: {e}")))?;
+    let mut last = args.since.clone();
+    let mut printed = 0u64;
+    let mut backoff_ms = RECONNECT_FIRST_MS;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        let mut query: Vec<(&str, String)> = Vec::new();
+        if let Some(t) = &args.types {
+            query.push(("types", t.clone()));
+        }
+        if let Some(t) = &args.tenant {
+            query.push(("tenantId", t.clone()));
+        }
+        let url = url::Url::parse_with_params(&format!("{}/watch", args.url.trim_end_matches('/')), &query)
+            .map_err(|e| CliError::usage(format!("malformed BETTER_COMPUTE_URL: {e}")))?;
+        let mut request = http.get(url).bearer_auth(&args.token);
+        if let Some(id) = &last {
+            request = request.header("last-event-id", id);
+        }
+        let response = tokio::select! {
+            _ = &mut ctrl_c => return Ok(()),
+            r = request.send() => r,
+        };
+        match response {
+            Ok(r) if r.status().is_client_error() => {
+                let status = r.status();
+                let body: Value = r.json().await.unwrap_or_default();
+                let code = body["code"].as_str().unwrap_or("INVALID_ARGUMENT");
+                let message = body["message"].as_str().unwrap_or("refused");
+                return Err(CliError::new(code, format!("the server refused the watch ({status}): {message}")));
+            }
+            Ok(r) if r.status().is_success() => {
+                let mut body = r.bytes_stream();
+                let mut buffer: Vec<u8> = Vec::new();
+                let (mut id, mut data) = (None::<String>, String::new());
+                loop {
+                    let chunk = tokio::select! {
+                        _ = &mut ctrl_c => return Ok(()),
+                        c = body.next() => c,
+                    };
+                    let Some(Ok(chunk)) = chunk else { break };
+                    buffer.extend_from_slice(&chunk);
+                    while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+                        let line: Vec<u8> = buffer.drain(..=end).collect();
+                        let line = String::from_utf8_lossy(&line[..line.len() - 1]).trim_end_matches('\r').to_owned();
+                        if line.is_empty() {
+                            if !data.is_empty() {
+                                let value: Value = serde_json::from_str(&data).unwrap_or(Value::String(data.clone()));
+                                println!("{}", output::safe_json(&value, false));
+                                printed += 1;
+                                backoff_ms = RECONNECT_FIRST_MS;
+                                if let Some(id) = id.take() {
+                                    last = Some(id);
+                                }
+                                if args.count.is_some_and(|c| printed >= c) {
+                                    return Ok(());
+                                }
+                            }
+                            data.clear();
+                        } else if let Some(v) = line.strip_prefix("id:") {
+                            id = Some(v.trim_start().to_owned());
+                        } else if let Some(v) = line.strip_prefix("data:") {
+                            if !data.is_empty() {
+                                data.push('\n');
+                            }
+                            data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                        }
+                    }
+                    if buffer.len() > LINE_BYTES_MAX {
+                        return Err(CliError::new("INVALID_RESPONSE", "the watch stream sent a line longer than 1 MiB"));
+                    }
+                }
+                eprintln!("watch: connection closed; reconnecting after {}", last.as_deref().unwrap_or("the start"));
+            }
+            Ok(r) => eprintln!("watch: the server answered {}; reconnecting", r.status()),
+            Err(e) => eprintln!("watch: cannot reach {}: {e}; reconnecting", args.url),
+        }
+        tokio::select! {
+            _ = &mut ctrl_c => return Ok(()),
+            _ = tokio::time::sleep(Duration::from_millis(backoff_ms)) => {}
+        }
+        backoff_ms = (backoff_ms * 2).min(RECONNECT_MAX_MS);
+    }
+}

@@ -1,0 +1,207 @@
+//! The live event stream: `GET /watch` as server-sent events, and the type patterns it shares
+//! with `events.list`.
+//!
+//! Each event goes out as `id: COMMIT.INDEX` (its outbox position), `event: TYPE`, and one line
+//! of JSON. `Last-Event-ID` (a reconnect) or `?since=` resume exactly after a position; both
+//! `COMMIT.INDEX` and `COMMIT:INDEX` are accepted. A producer task reads the log by position and
+//! feeds a bounded channel (`WATCH_BUFFER_EVENTS`); a client that does not drain it within
+//! `WATCH_SEND_TIMEOUT_S` is disconnected, so a slow reader never grows the server's memory.
+//! The appender's commit notification wakes the producer early; it also polls every
+//! `WATCH_POLL_MS`, so commits by other processes are found too.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use bc_core::event::Position;
+use bc_core::id::TenantId;
+use bc_core::store::decode_rows;
+use bc_core::{Error, Result};
+use serde::Deserialize;
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// Type patterns one watch or list may give.
+pub const WATCH_TYPES_MAX: usize = 20;
+/// Events queued for one watcher before the producer waits for the client.
+pub const WATCH_BUFFER_EVENTS: usize = 256;
+/// How long the producer waits for a client to take an event before disconnecting it.
+pub const WATCH_SEND_TIMEOUT_S: u64 = 30;
+/// How often an idle watcher looks for commits made by other processes.
+pub const WATCH_POLL_MS: u64 = 1000;
+/// Comment lines that keep idle connections (and proxies) alive.
+pub const WATCH_HEARTBEAT_S: u64 = 15;
+/// Watchers served at once.
+pub const WATCHERS_MAX: usize = 256;
+/// Rows read from the log per query while streaming.
+const WATCH_PAGE_ROWS: u32 = 500;
+const _: () = assert!(WATCH_BUFFER_EVENTS >= 1 && WATCH_PAGE_ROWS as usize >= WATCH_BUFFER_EVENTS);
+
+/// A set of event type patterns: `pool.created`, `pool.*`, or `*`.
+#[derive(Clone, Debug, Default)]
+pub struct TypeFilter {
+    /// Empty: every type.
+    patterns: Vec<String>,
+}
+
+impl TypeFilter {
+    /// Parses and checks patterns against the event catalogue: a pattern that matches no known
+    /// type is a mistake, not an empty stream.
+    pub fn parse(patterns: &[String]) -> Result<Self> {
+        if patterns.len() > WATCH_TYPES_MAX {
+            return Err(Error::invalid(format!("at most {WATCH_TYPES_MAX} type patterns, not {}", patterns.len())));
+        }
+        let known = bc_projections::events::EVENT_TYPES;
+        for p in patterns {
+            let well_formed = p == "*"
+                || (!p.is_empty()
+                    && p.len() <= 100
+                    && p.trim_end_matches(".*").split('.').all(|part| {
+                        !part.is_empty() && part.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+                    }));
+            if !well_formed {
+                return Err(Error::InvalidArgument {
+                    message: format!("malformed type pattern {:?}", bc_core::id::truncate(p, 60)),
+                    hint: Some("a pattern is a type (pool.created), a prefix (pool.*) or *".into()),
+                });
+            }
+            if !known.iter().any(|t| matches(p, t)) {
+                return Err(Error::InvalidArgument {
+                    message: format!("unknown type pattern {:?}: it matches no event type", bc_core::id::truncate(p, 60)),
+                    hint: Some(format!("event types: {}", known.join(", "))),
+                });
+            }
+        }
+        Ok(Self { patterns: patterns.to_vec() })
+    }
+
+    pub fn matches(&self, event_type: &str) -> bool {
+        self.patterns.is_empty() || self.patterns.iter().any(|p| matches(p, event_type))
+    }
+}
+
+fn matches(pattern: &str, event_type: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some("") => true,
+        Some(prefix) => event_type.starts_with(prefix),
+        None => pattern == event_type,
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WatchQuery {
+    since: Option<String>,
+    /// Comma-separated patterns.
+    types: Option<String>,
+    tenant_id: Option<String>,
+}
+
+pub async fn watch(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    query: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    match start(state, &headers, query).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn start(
+    state: Arc<AppState>,
+    headers: &HeaderMap,
+    query: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let header = headers.get(axum::http::header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
+    let principal = crate::auth::authenticate(&*state.store, header).await?;
+    let Query(query) = query.map_err(|e| Error::invalid(format!("invalid query: {e}")))?;
+    let tenant = match &query.tenant_id {
+        Some(t) => t.parse::<TenantId>().map_err(|e| Error::invalid(format!("tenantId: {e}")))?,
+        None => principal.tenant,
+    };
+    principal.authorize("compute:events:read", tenant)?;
+    if tenant != principal.tenant && state.store.row_get(&tenant.to_string(), "tenant", &tenant.to_string()).await?.is_none() {
+        return Err(Error::not_found(format!("tenant {tenant}")).into());
+    }
+    let resume = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("-").to_owned()).or(query.since.clone());
+    let mut after = match resume {
+        Some(p) => p.parse::<Position>()?,
+        None => Position::START,
+    };
+    let patterns: Vec<String> = query
+        .types
+        .as_deref()
+        .map(|t| t.split(',').map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect())
+        .unwrap_or_default();
+    let filter = TypeFilter::parse(&patterns)?;
+    let permit = state
+        .watchers
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| Error::Unavailable(format!("{WATCHERS_MAX} watchers are connected already; retry later")))?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(WATCH_BUFFER_EVENTS);
+    let mut commits = state.log.subscribe();
+    let store = state.store.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        loop {
+            let rows = match store.read_after_rows(after, Some(tenant), WATCH_PAGE_ROWS).await.and_then(decode_rows) {
+                Ok(rows) => rows,
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch stream ended: reading the log failed");
+                    return;
+                }
+            };
+            let idle = rows.is_empty();
+            for event in rows {
+                after = event.position;
+                if !filter.matches(&event.envelope.event_type) {
+                    continue;
+                }
+                let data = crate::methods::event_view(&event, false).to_string();
+                let sse = Event::default().id(event.position.to_string()).event(&event.envelope.event_type).data(data);
+                match tx.send_timeout(sse, Duration::from_secs(WATCH_SEND_TIMEOUT_S)).await {
+                    Ok(()) => {}
+                    Err(tokio::sync::mpsc::error::SendTimeoutError::Timeout(_)) => {
+                        tracing::info!(%tenant, "disconnecting a watcher that stopped reading");
+                        return;
+                    }
+                    Err(tokio::sync::mpsc::error::SendTimeoutError::Closed(_)) => return,
+                }
+            }
+            if idle {
+                tokio::select! {
+                    _ = commits.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        }
+    });
+    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(WATCH_HEARTBEAT_S))).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns() {
+        let f = TypeFilter::parse(&["pool.*".into(), "node.registered".into()]).unwrap();
+        assert!(f.matches("pool.created") && f.matches("node.registered") && !f.matches("tenant.created"));
+        assert!(TypeFilter::parse(&["*".into()]).unwrap().matches("anything"));
+        assert!(TypeFilter::parse(&[]).unwrap().matches("anything"));
+        for bad in ["bogus.*", "pool.", "Pool.created", "", "pool..x", "pool.created;drop"] {
+            assert!(TypeFilter::parse(&[bad.into()]).is_err(), "{bad:?}");
+        }
+        let many: Vec<String> = (0..21).map(|_| "pool.*".to_owned()).collect();
+        assert!(TypeFilter::parse(&many).is_err());
+    }
+}
