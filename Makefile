@@ -31,6 +31,7 @@ check-postgres:
 bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
+	$(CARGO) bench -p bc-cli --bench watch
 
 lint:
 	$(CARGO) fmt --all --check
