@@ -29,7 +29,8 @@ type Chain = (TenantId, Vec<EventRow>, (u64, [u8; 32]));
 
 #[derive(Clone, Debug)]
 enum Tamper {
-    /// Flip one bit of the canonical bytes, the hash or the signature of one event.
+    /// Flip one bit of one stored field of one event: its canonical bytes, hash, signature,
+    /// or the id, stream, type or key id column.
     Flip {
         field: u8,
         event: usize,
@@ -47,7 +48,7 @@ enum Tamper {
 
 fn tamper() -> impl Strategy<Value = Tamper> {
     prop_oneof![
-        (0u8..3, any::<usize>(), any::<usize>(), 0u8..8).prop_map(|(field, event, byte, bit)| Tamper::Flip {
+        (0u8..7, any::<usize>(), any::<usize>(), 0u8..8).prop_map(|(field, event, byte, bit)| Tamper::Flip {
             field,
             event,
             byte,
@@ -116,14 +117,30 @@ fn chains_verify_and_tampering_is_located() {
             let expected_seq = match tamper {
                 Tamper::Flip { field, event, byte, bit } => {
                     let i = event % n;
-                    let target = match field {
-                        0 => &mut rows[i].canonical,
-                        1 => &mut rows[i].hash,
-                        _ => &mut rows[i].sig,
-                    };
-                    let at = byte % target.len();
-                    target[at] ^= 1 << bit;
-                    rows[i].seq
+                    // Any stored byte: the hashed bytes, the hash, the signature, or a column.
+                    fn flip_text(text: &mut String, byte: usize, bit: u8) {
+                        let mut bytes = std::mem::take(text).into_bytes();
+                        let at = byte % bytes.len();
+                        bytes[at] ^= 1 << bit;
+                        *text = String::from_utf8_lossy(&bytes).into_owned();
+                    }
+                    let row = &mut rows[i];
+                    match field {
+                        0..=2 => {
+                            let target = match field {
+                                0 => &mut row.canonical,
+                                1 => &mut row.hash,
+                                _ => &mut row.sig,
+                            };
+                            let at = byte % target.len();
+                            target[at] ^= 1 << bit;
+                        }
+                        3 => flip_text(&mut row.id, byte, bit),
+                        4 => flip_text(&mut row.stream, byte, bit),
+                        5 => flip_text(&mut row.event_type, byte, bit),
+                        _ => flip_text(&mut row.key_id, byte, bit),
+                    }
+                    row.seq
                 }
                 Tamper::Delete { event } => {
                     let i = event % n;
