@@ -43,6 +43,7 @@ fn pool_request(tenant: TenantId) -> AppendRequest {
         causation: None,
         correlation: Some("req_01jbenchbenchbenchbenchbench".into()),
         fingerprint: None,
+        guards: vec![],
         events: vec![NewEvent { event_type: ev::POOL_CREATED.into(), payload }],
     }
 }

@@ -90,6 +90,7 @@ async fn run(watchers: usize) -> ([f64; 2], [f64; 2]) {
                 causation: None,
                 correlation: None,
                 fingerprint: None,
+                guards: vec![],
                 events: vec![NewEvent { event_type: ev::POOL_CREATED.into(), payload }],
             })
             .await

@@ -238,6 +238,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
         causation: None,
         correlation: None,
         fingerprint: None,
+        guards: vec![],
         events: vec![NewEvent { event_type: CHECKPOINT_SEALED.into(), payload: checkpoint_payload(body.size, &signed) }],
     })
     .await?;
@@ -265,6 +266,7 @@ pub async fn rotate_log_key(log: &Log, new: &LogKey, at_ms: u64) -> Result<u64> 
             causation: None,
             correlation: None,
             fingerprint: None,
+            guards: vec![],
             events: vec![NewEvent { event_type: LOG_KEY_ROTATED.into(), payload }],
         })
         .await?;

@@ -96,6 +96,7 @@ fn chains_verify_and_tampering_is_located() {
                     causation: None,
                     correlation: None,
                     fingerprint: None,
+                    guards: vec![],
                     events,
                 })
                 .await

@@ -75,6 +75,7 @@ fn request(tenant: TenantId, stream: &str, expected: ExpectedVersion, n: usize) 
         causation: None,
         correlation: None,
         fingerprint: None,
+        guards: vec![],
         events: (0..n)
             .map(|i| NewEvent {
                 event_type: "thing.happened".into(),
@@ -192,6 +193,14 @@ async fn optimistic_concurrency(postgres: bool) {
         futures::future::join_all((0..6).map(|_| f.log.append(request(t, "thing/1", ExpectedVersion::Exact(3), 1)))).await;
     assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
     assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| e.code() == ErrorCode::Conflict));
+    // Guards: another stream must be at a version, though nothing is appended to it.
+    let mut guarded = request(t, "thing/child", ExpectedVersion::Any, 1);
+    guarded.guards = vec![("thing/1".into(), ExpectedVersion::Exact(3))];
+    let before = chain(&*f.store, t).await.len();
+    assert_eq!(f.log.append(guarded.clone()).await.unwrap_err().code(), ErrorCode::Conflict, "thing/1 is at 4");
+    assert_eq!(chain(&*f.store, t).await.len(), before, "a failed guard appends nothing");
+    guarded.guards = vec![("thing/1".into(), ExpectedVersion::Exact(4)), ("thing/none".into(), ExpectedVersion::NoStream)];
+    f.log.append(guarded).await.unwrap();
     // Bad requests are refused before they reach the store.
     for bad in [
         request(t, "", ExpectedVersion::Any, 1),
@@ -203,7 +212,7 @@ async fn optimistic_concurrency(postgres: bool) {
     let mut float = request(t, "thing/9", ExpectedVersion::Any, 1);
     float.events[0].payload = Value::Float(1.5);
     assert_eq!(f.log.append(float).await.unwrap_err().code(), ErrorCode::InvalidArgument);
-    assert_eq!(verify_all(&f).await, 4);
+    assert_eq!(verify_all(&f).await, 5);
 }
 
 /// Many tasks append to many tenants at once while a reader follows positions: every chain is

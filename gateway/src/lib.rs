@@ -203,6 +203,7 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
         causation: None,
         correlation: None,
         fingerprint: None,
+        guards: vec![],
         events: vec![NewEvent { event_type: event_type.to_owned(), payload }],
     };
     if log.store.row_get(&root.to_string(), KIND_TENANT, &root.to_string()).await?.is_none() {

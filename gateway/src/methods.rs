@@ -114,6 +114,18 @@ impl Call<'_> {
         event_type: &str,
         payload: ciborium::Value,
     ) -> Result<AppendResult> {
+        self.append_guarded(tenant, stream, expected, event_type, payload, vec![]).await
+    }
+
+    async fn append_guarded(
+        &self,
+        tenant: TenantId,
+        stream: String,
+        expected: ExpectedVersion,
+        event_type: &str,
+        payload: ciborium::Value,
+        guards: Vec<(String, ExpectedVersion)>,
+    ) -> Result<AppendResult> {
         self.state
             .log
             .append(AppendRequest {
@@ -127,6 +139,7 @@ impl Call<'_> {
                 causation: None,
                 correlation: Some(self.request_id.clone()),
                 fingerprint: Some(self.fingerprint),
+                guards,
                 events: vec![NewEvent { event_type: event_type.to_owned(), payload }],
             })
             .await
@@ -589,8 +602,18 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let node = NodeId::generate();
             let payload =
                 ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;
-            let result =
-                call.append(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, ev::NODE_REGISTERED, payload).await?;
+            // Only into the pool as read: an archive committed meanwhile makes this a CONFLICT.
+            let guard = (stream_of(KIND_POOL, &pool), ExpectedVersion::Exact(pool_doc.version));
+            let result = call
+                .append_guarded(
+                    tenant,
+                    stream_of(KIND_NODE, &node),
+                    ExpectedVersion::NoStream,
+                    ev::NODE_REGISTERED,
+                    payload,
+                    vec![guard],
+                )
+                .await?;
             let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
             let row = store.row_get(&tenant.to_string(), KIND_NODE, &id).await?.ok_or_else(|| Error::not_found("node"))?;
             Ok(row.doc)

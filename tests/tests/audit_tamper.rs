@@ -66,6 +66,7 @@ fn request(tenant: TenantId, i: u64) -> AppendRequest {
         causation: None,
         correlation: None,
         fingerprint: None,
+        guards: vec![],
         events: vec![NewEvent {
             event_type: "pool.created".into(),
             payload: Value::Map(vec![

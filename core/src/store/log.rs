@@ -332,8 +332,10 @@ fn pre_read_query(jobs: &[Job]) -> PreReadQuery {
         if tenants.insert(r.tenant) {
             query.tenants.push(r.tenant);
         }
-        if streams.insert((r.tenant, r.stream.clone())) {
-            query.streams.push((r.tenant, r.stream.clone()));
+        for stream in std::iter::once(&r.stream).chain(r.guards.iter().map(|(s, _)| s)) {
+            if streams.insert((r.tenant, stream.clone())) {
+                query.streams.push((r.tenant, stream.clone()));
+            }
         }
         if let Some(k) = &r.idempotency_key
             && keys.insert((r.tenant, k.clone()))
@@ -381,6 +383,20 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
                 });
                 continue;
             }
+        }
+        let guard_failed = request.guards.iter().find_map(|(stream, expected)| {
+            let slot = (request.tenant, stream.clone());
+            let current = versions.get(&slot).copied().unwrap_or_else(|| pre.stream_versions.get(&slot).copied().unwrap_or(0));
+            let ok = match expected {
+                ExpectedVersion::Any => true,
+                ExpectedVersion::NoStream => current == 0,
+                ExpectedVersion::Exact(v) => current == *v,
+            };
+            (!ok).then(|| Error::Conflict { stream: stream.clone(), expected: expected.to_string(), actual: current })
+        });
+        if let Some(conflict) = guard_failed {
+            outcomes.push(Outcome::Refused(conflict));
+            continue;
         }
         let stream_slot = (request.tenant, request.stream.clone());
         let current =

@@ -31,6 +31,8 @@ pub use log::{Log, LogHandle, LogStats};
 
 /// Most events one append request may carry.
 pub const APPEND_EVENTS_MAX: usize = 500;
+/// Streams one append may guard.
+pub const GUARDS_MAX: usize = 8;
 /// Most events the appender commits in one transaction.
 pub const BATCH_EVENTS_MAX: usize = 1000;
 /// Most rows one read returns.
@@ -78,6 +80,11 @@ pub struct AppendRequest {
     /// its JSON body), a retry is "the same request" if this matches, even though the retry
     /// drew fresh ids for what it would create. When unset, the stream and events are hashed.
     pub fingerprint: Option<[u8; 32]>,
+    /// Other streams of the same tenant that must be at these versions for the append to
+    /// happen, though nothing is appended to them (a node registers only into a pool that is
+    /// still at the version the caller read). Sound because any append to a guarded stream
+    /// moves the tenant's chain head, which the commit re-checks.
+    pub guards: Vec<(String, ExpectedVersion)>,
     pub events: Vec<NewEvent>,
 }
 
@@ -97,6 +104,12 @@ impl AppendRequest {
         }
         for event in &self.events {
             validate_name("event type", &event.event_type, EVENT_TYPE_BYTES_MAX)?;
+        }
+        if self.guards.len() > GUARDS_MAX {
+            return Err(Error::invalid(format!("at most {GUARDS_MAX} guarded streams")));
+        }
+        for (stream, _) in &self.guards {
+            validate_name("guarded stream", stream, STREAM_NAME_BYTES_MAX)?;
         }
         Ok(())
     }
