@@ -273,7 +273,7 @@ enum EventsCommand {
         #[arg(long)]
         since: Option<String>,
         /// Stop after printing this many events.
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
     },
 }

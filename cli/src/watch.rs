@@ -13,6 +13,8 @@ use crate::output;
 /// Reconnect back-off: doubling from the first to the last, reset by a received event.
 const RECONNECT_FIRST_MS: u64 = 200;
 const RECONNECT_MAX_MS: u64 = 5000;
+/// With heartbeats every 15 s, this long without a byte means the connection is dead.
+const IDLE_TIMEOUT_S: u64 = 45;
 /// Longest SSE line accepted (an event's JSON is far smaller).
 const LINE_BYTES_MAX: usize = 1024 * 1024;
 
@@ -57,7 +59,7 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
             r = request.send() => r,
         };
         match response {
-            Ok(r) if r.status().is_client_error() => {
+            Ok(r) if r.status().is_client_error() && !matches!(r.status().as_u16(), 408 | 429) => {
                 let status = r.status();
                 let body: Value = r.json().await.unwrap_or_default();
                 let code = body["code"].as_str().unwrap_or("INVALID_ARGUMENT");
@@ -71,9 +73,10 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
                 loop {
                     let chunk = tokio::select! {
                         _ = &mut ctrl_c => return Ok(()),
-                        c = body.next() => c,
+                        c = tokio::time::timeout(Duration::from_secs(IDLE_TIMEOUT_S), body.next()) => c,
                     };
-                    let Some(Ok(chunk)) = chunk else { break };
+                    // A half-open connection (silent for longer than heartbeats allow) is broken.
+                    let Ok(Some(Ok(chunk))) = chunk else { break };
                     buffer.extend_from_slice(&chunk);
                     while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
                         let line: Vec<u8> = buffer.drain(..=end).collect();
@@ -81,7 +84,12 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
                         if line.is_empty() {
                             if !data.is_empty() {
                                 let value: Value = serde_json::from_str(&data).unwrap_or(Value::String(data.clone()));
-                                println!("{}", output::safe_json(&value, false));
+                                use std::io::Write;
+                                let mut out = std::io::stdout().lock();
+                                // A closed pipe (`| head -1`) ends the watch quietly.
+                                if writeln!(out, "{}", output::safe_json(&value, false)).and_then(|()| out.flush()).is_err() {
+                                    return Ok(());
+                                }
                                 printed += 1;
                                 backoff_ms = RECONNECT_FIRST_MS;
                                 if let Some(id) = id.take() {

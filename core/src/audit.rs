@@ -177,6 +177,8 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
         tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
         Error::Corrupt { tenant: p.tenant, seq: p.seq, what: format!("refusing to seal: {}", p.what) }
     };
+    // The stored checkpoints must be the ones the chain sealed, as `verify` demands.
+    let stored: BTreeMap<u64, String> = checkpoints_of(store, tenant).await?.into_iter().map(|c| (c.size, c.note)).collect();
     let mut verifier = crate::chain::ChainVerifier::new(tenant, &trust.keys);
     let mut builder = RootBuilder::new();
     // The newest checkpoint sealed in the chain: (its size, its note, the seq it was sealed at).
@@ -194,9 +196,21 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
             let event = verifier.push(row).map_err(corrupt)?;
             builder.push_leaf_hash(merkle::leaf_hash(&event.hash));
             if event.envelope.event_type == CHECKPOINT_SEALED {
-                if let Some((size, note)) = parse_checkpoint_payload(&event.envelope.payload)
-                    && previous.as_ref().is_none_or(|(s, _, _)| size >= *s)
-                {
+                let (size, note) = parse_checkpoint_payload(&event.envelope.payload).ok_or_else(|| {
+                    corrupt(ChainProblem {
+                        tenant: tenant.to_string(),
+                        seq: event.envelope.seq,
+                        what: "checkpoint payload does not parse".into(),
+                    })
+                })?;
+                if stored.get(&size) != Some(&note) {
+                    return Err(corrupt(ChainProblem {
+                        tenant: tenant.to_string(),
+                        seq: event.envelope.seq,
+                        what: format!("the checkpoint of size {size} is missing from the store or differs"),
+                    }));
+                }
+                if previous.as_ref().is_none_or(|(s, _, _)| size >= *s) {
                     previous = Some((size, note, event.envelope.seq));
                 }
             } else {
@@ -213,7 +227,10 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
                 what: format!("the last checkpoint does not verify: {e}"),
             })
         })?;
-        if body.size != *size || root_at(store, tenant, body.size).await? != body.root {
+        if body.size != *size
+            || body.origin != note::origin_of(deployment, &tenant)
+            || root_at(store, tenant, body.size).await? != body.root
+        {
             return Err(corrupt(ChainProblem {
                 tenant: tenant.to_string(),
                 seq: body.size,

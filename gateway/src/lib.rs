@@ -50,11 +50,18 @@ pub struct AppState {
     pub store: Arc<dyn EventStore>,
     /// Connected watchers, bounded by `watch::WATCHERS_MAX`.
     pub watchers: Arc<tokio::sync::Semaphore>,
+    /// Set when the server stops: long-lived streams end so the graceful shutdown can finish.
+    pub shutdown: tokio::sync::watch::Sender<bool>,
 }
 
 impl AppState {
     pub fn new(log: Arc<Log>) -> Self {
-        Self { store: log.store.clone(), log, watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)) }
+        Self {
+            store: log.store.clone(),
+            log,
+            watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)),
+            shutdown: tokio::sync::watch::channel(false).0,
+        }
     }
 }
 
@@ -240,5 +247,11 @@ pub async fn serve(
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    let streams = state.clone();
+    let signal = async move {
+        shutdown.await;
+        // End the watch streams; the graceful shutdown waits for every open response.
+        streams.shutdown.send_replace(true);
+    };
+    axum::serve(listener, router(state)).with_graceful_shutdown(signal).await
 }

@@ -7,7 +7,11 @@
 //! feeds a bounded channel (`WATCH_BUFFER_EVENTS`); a client that does not drain it within
 //! `WATCH_SEND_TIMEOUT_S` is disconnected, so a slow reader never grows the server's memory.
 //! The appender's commit notification wakes the producer early; it also polls every
-//! `WATCH_POLL_MS`, so commits by other processes are found too.
+//! `WATCH_POLL_MS`, so commits by other processes are found too. The key is checked again every
+//! `WATCH_REAUTH_S` and whenever API keys change, and a server shutdown ends every stream (a
+//! graceful shutdown waits for open responses). Not done: a connection-level write timeout, so
+//! a client that stops reading keeps its connection (and a watcher permit) until it goes away;
+//! the buffer and the permit bound what it holds.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -38,6 +42,8 @@ pub const WATCH_POLL_MS: u64 = 1000;
 pub const WATCH_HEARTBEAT_S: u64 = 15;
 /// Watchers served at once.
 pub const WATCHERS_MAX: usize = 256;
+/// How often a watcher's key is checked again, so a revoked key stops receiving events.
+pub const WATCH_REAUTH_S: u64 = 30;
 /// Rows read from the log per query while streaming.
 const WATCH_PAGE_ROWS: u32 = 500;
 const _: () = assert!(WATCH_BUFFER_EVENTS >= 1 && WATCH_PAGE_ROWS as usize >= WATCH_BUFFER_EVENTS);
@@ -147,10 +153,24 @@ async fn start(
         .map_err(|_| Error::Unavailable(format!("{WATCHERS_MAX} watchers are connected already; retry later")))?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(WATCH_BUFFER_EVENTS);
     let mut commits = state.log.subscribe();
+    let mut notified = true;
+    let mut shutdown = state.shutdown.subscribe();
     let store = state.store.clone();
+    let token_header = header.map(str::to_owned);
+    let mut authorized_at = std::time::Instant::now();
     tokio::spawn(async move {
-        let _permit = permit;
         loop {
+            // A revoked key, or one that lost the action, stops receiving events.
+            if authorized_at.elapsed() >= Duration::from_secs(WATCH_REAUTH_S) {
+                let still = crate::auth::authenticate(&*store, token_header.as_deref())
+                    .await
+                    .and_then(|p| p.authorize("compute:events:read", tenant));
+                if still.is_err() {
+                    tracing::info!(%tenant, "ending a watch whose key is no longer valid");
+                    return;
+                }
+                authorized_at = std::time::Instant::now();
+            }
             let rows = match store.read_after_rows(after, Some(tenant), WATCH_PAGE_ROWS).await.and_then(decode_rows) {
                 Ok(rows) => rows,
                 Err(e) => {
@@ -161,6 +181,10 @@ async fn start(
             let idle = rows.is_empty();
             for event in rows {
                 after = event.position;
+                if event.envelope.event_type.starts_with("api_key.") {
+                    // Keys changed: check this watcher's key before sending anything more.
+                    authorized_at = std::time::Instant::now() - Duration::from_secs(WATCH_REAUTH_S);
+                }
                 if !filter.matches(&event.envelope.event_type) {
                     continue;
                 }
@@ -175,16 +199,25 @@ async fn start(
                     Err(tokio::sync::mpsc::error::SendTimeoutError::Closed(_)) => return,
                 }
             }
-            if idle {
+            if *shutdown.borrow() {
+                return;
+            }
+            if idle || authorized_at.elapsed() >= Duration::from_secs(WATCH_REAUTH_S) {
                 tokio::select! {
-                    _ = commits.changed() => {}
+                    // If the appender is gone, its sender is dropped: fall back to polling only.
+                    changed = commits.changed(), if notified => notified = changed.is_ok(),
                     _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
+                    _ = shutdown.changed() => return,
                     _ = tx.closed() => return,
                 }
             }
         }
     });
-    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
+    // The permit lives as long as the response, so stalled connections count against the limit.
+    let stream = futures::stream::poll_fn(move |cx| {
+        let _held = &permit;
+        rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>))
+    });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(WATCH_HEARTBEAT_S))).into_response())
 }
 

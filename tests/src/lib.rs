@@ -159,6 +159,22 @@ impl Server {
         }
     }
 
+    /// SIGTERM; true if the server exited by itself, successfully, within `within`.
+    pub fn stop_graceful(&mut self, within: Duration) -> bool {
+        let Some(mut child) = self.child.take() else { return false };
+        let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
     /// Starts the same command again on the same data directory and database.
     pub fn restart(&mut self) {
         self.kill9();

@@ -243,6 +243,10 @@ async fn rewinding_to_an_older_checkpoint_is_named() {
         assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
         assert_eq!(report.problems[0].seq, 21);
         assert!(report.problems[0].what.contains("no longer stored"));
+        // Regression (review): sealing once signed on top of a log that verify rejects.
+        let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
+        let err = audit::seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap_err();
+        assert!(err.to_string().contains("missing from the store"), "{err}");
     })
     .await;
 }

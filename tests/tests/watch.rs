@@ -117,3 +117,57 @@ async fn watch_filters_resumes_and_refuses_bad_input() {
     let (status, body) = server.call("events.list", json!({ "types": ["nope.*"] })).await;
     assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")));
 }
+
+/// Regression (review): a connected watcher kept the server from stopping on SIGTERM.
+#[tokio::test]
+async fn a_connected_watcher_does_not_block_a_graceful_stop() {
+    let mut server = Server::dev();
+    let mut child = watcher(&server, &[]);
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    reader.read_line(&mut first).unwrap(); // connected and streaming
+    assert!(first.contains("tenant.created"), "{first}");
+    assert!(server.stop_graceful(Duration::from_secs(10)), "the server did not stop within 10 s");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Regression (review): a revoked key's open watch kept receiving events.
+#[tokio::test]
+async fn a_revoked_key_stops_receiving_events() {
+    let server = Server::dev();
+    let (status, key) = server.call("apiKeys.create", json!({ "name": "watcher", "actions": ["compute:events:read"] })).await;
+    assert_eq!(status, 200, "{key}");
+    let token = key["token"].as_str().unwrap().to_owned();
+    let mut child = Command::new(bc_tests::binary("better-compute"))
+        .args(["events", "watch", "--types", "pool.*"])
+        .env("BETTER_COMPUTE_URL", &server.url)
+        .env("BETTER_COMPUTE_TOKEN", &token)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    server.pool("seen").await;
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.contains("\"seen\""), "{line}");
+    let (status, _) = server.call("apiKeys.revoke", json!({ "keyId": key["keyId"] })).await;
+    assert_eq!(status, 200);
+    server.pool("unseen").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the revoked key's watch is still running");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+    assert!(!rest.contains("unseen"), "an event reached a revoked key: {rest}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("UNAUTHENTICATED"), "{err}");
+}
