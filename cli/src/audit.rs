@@ -220,15 +220,9 @@ pub async fn prove(
     }))
 }
 
+/// Proofs are not secret, but "never over an existing file" is the same rule as for secrets.
 fn write_new(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
-    // Proofs are not secret, but "never over an existing file" is the same rule.
-    write_secret_file(path, bytes).map_err(|e| match e {
-        bc_core::Error::AlreadyExists { what } => CliError::new("ALREADY_EXISTS", format!("{what} exists")),
-        other => other.into(),
-    })?;
-    use std::os::unix::fs::PermissionsExt;
-    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644));
-    Ok(())
+    Ok(bc_core::keys::write_new_file(path, bytes, 0o644)?)
 }
 
 pub fn consistency_path_of(proof: &Path) -> PathBuf {

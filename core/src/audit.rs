@@ -143,26 +143,6 @@ async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<V
     Ok(out)
 }
 
-/// The root of a tenant's first `size` events, streamed (O(log n) memory).
-async fn root_at(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<merkle::Hash> {
-    let mut builder = RootBuilder::new();
-    while builder.size() < size {
-        let rows = store.read_chain_rows(tenant, builder.size() + 1, VERIFY_PAGE_ROWS).await?;
-        if rows.is_empty() {
-            return Err(Error::Corrupt { tenant: tenant.to_string(), seq: builder.size() + 1, what: "event missing".into() });
-        }
-        for row in rows.iter().take((size - builder.size()) as usize) {
-            let hash = <[u8; 32]>::try_from(row.hash.as_slice()).map_err(|_| Error::Corrupt {
-                tenant: tenant.to_string(),
-                seq: row.seq,
-                what: "hash is not 32 bytes".into(),
-            })?;
-            builder.push_leaf_hash(merkle::leaf_hash(&hash));
-        }
-    }
-    Ok(builder.root())
-}
-
 /// Seals a checkpoint of `tenant` now, if its tree grew (events other than checkpoints were
 /// appended since the last one). Only a log that verifies is signed: the whole chain is checked
 /// under `trust` (every seq, link and signature, and the head), and the last checkpoint sealed
@@ -181,6 +161,8 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
     let stored: BTreeMap<u64, String> = checkpoints_of(store, tenant).await?.into_iter().map(|c| (c.size, c.note)).collect();
     let mut verifier = crate::chain::ChainVerifier::new(tenant, &trust.keys);
     let mut builder = RootBuilder::new();
+    // The root at every stored checkpoint's size, taken on the way (one walk, no second read).
+    let mut roots: BTreeMap<u64, merkle::Hash> = BTreeMap::new();
     // The newest checkpoint sealed in the chain: (its size, its note, the seq it was sealed at).
     let mut previous: Option<(u64, String, u64)> = None;
     let mut grew_at: Option<u64> = None;
@@ -195,6 +177,9 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
             }
             let event = verifier.push(row).map_err(corrupt)?;
             builder.push_leaf_hash(merkle::leaf_hash(&event.hash));
+            if stored.contains_key(&builder.size()) {
+                roots.insert(builder.size(), builder.root());
+            }
             if event.envelope.event_type == CHECKPOINT_SEALED {
                 let (size, note) = parse_checkpoint_payload(&event.envelope.payload).ok_or_else(|| {
                     corrupt(ChainProblem {
@@ -227,9 +212,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
                 what: format!("the last checkpoint does not verify: {e}"),
             })
         })?;
-        if body.size != *size
-            || body.origin != note::origin_of(deployment, &tenant)
-            || root_at(store, tenant, body.size).await? != body.root
+        if body.size != *size || body.origin != note::origin_of(deployment, &tenant) || roots.get(&body.size) != Some(&body.root)
         {
             return Err(corrupt(ChainProblem {
                 tenant: tenant.to_string(),

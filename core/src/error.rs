@@ -46,7 +46,7 @@ impl fmt::Display for ErrorCode {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {
     #[error("{message}")]
     InvalidArgument { message: String, hint: Option<String> },

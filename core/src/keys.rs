@@ -122,12 +122,17 @@ impl LogKey {
 
 /// Writes a new file readable only by its owner; refuses to replace an existing one.
 pub fn write_secret_file(path: &Path, contents: &[u8]) -> Result<()> {
+    write_new_file(path, contents, 0o600)
+}
+
+/// Writes a new file with `mode`, synced; refuses to replace an existing one (`ALREADY_EXISTS`).
+pub fn write_new_file(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::Internal(format!("creating {}: {e}", parent.display())))?;
     }
     let mut file =
-        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(|e| match e.kind() {
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::AlreadyExists => Error::AlreadyExists { what: format!("file {}", path.display()) },
             _ => Error::Internal(format!("creating {}: {e}", path.display())),
         })?;

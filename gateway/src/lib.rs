@@ -55,6 +55,18 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Authorizes `action` on `tenant` for `principal`, and checks that a tenant other than the
+    /// caller's own exists (the root tenant's administrators may name any).
+    pub async fn authorize_tenant(&self, principal: &auth::Principal, action: &str, tenant: TenantId) -> Result<()> {
+        principal.authorize(action, tenant)?;
+        if tenant != principal.tenant
+            && self.store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.is_none()
+        {
+            return Err(Error::not_found(format!("tenant {tenant}")));
+        }
+        Ok(())
+    }
+
     pub fn new(log: Arc<Log>) -> Self {
         Self {
             store: log.store.clone(),
@@ -99,23 +111,20 @@ async fn not_found() -> ApiError {
 async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, headers: HeaderMap, body: Body) -> Response {
     let request_id = RequestId::generate().to_string();
     let span = tracing::info_span!("rpc", method = %bc_core::id::truncate(&name, 64), request_id = %request_id);
-    match rpc_inner(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
-        Ok(value) => {
-            let mut response = axum::Json(value).into_response();
-            response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
-            response
-        }
+    let mut response = match rpc_inner(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
+        Ok(value) => axum::Json(value).into_response(),
         Err(e) => {
             let too_large = e.error.code() == bc_core::ErrorCode::PayloadTooLarge;
             let mut response = e.into_response();
-            response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
             if too_large {
                 // The rest of the body was never read: the connection cannot carry another request.
                 response.headers_mut().insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
             }
             response
         }
-    }
+    };
+    response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
+    response
 }
 
 async fn rpc_inner(

@@ -97,12 +97,7 @@ impl Call<'_> {
     async fn tenant(&self, requested: Option<TenantId>) -> Result<TenantId> {
         let principal = self.principal();
         let tenant = requested.unwrap_or(principal.tenant);
-        principal.authorize(self.action, tenant)?;
-        if tenant != principal.tenant
-            && self.state.store.row_get(&tenant.to_string(), KIND_TENANT, &tenant.to_string()).await?.is_none()
-        {
-            return Err(Error::not_found(format!("tenant {tenant}")));
-        }
+        self.state.authorize_tenant(principal, self.action, tenant).await?;
         Ok(tenant)
     }
 

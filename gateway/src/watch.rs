@@ -131,10 +131,7 @@ async fn start(
         Some(t) => t.parse::<TenantId>().map_err(|e| Error::invalid(format!("tenantId: {e}")))?,
         None => principal.tenant,
     };
-    principal.authorize("compute:events:read", tenant)?;
-    if tenant != principal.tenant && state.store.row_get(&tenant.to_string(), "tenant", &tenant.to_string()).await?.is_none() {
-        return Err(Error::not_found(format!("tenant {tenant}")).into());
-    }
+    state.authorize_tenant(&principal, "compute:events:read", tenant).await?;
     let resume = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("-").to_owned()).or(query.since.clone());
     let mut after = match resume {
         Some(p) => p.parse::<Position>()?,

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, ExpectedVersion, Head, IdempotencyRecord, PreRead,
-    PreReadQuery, PreparedBatch, Projector, READ_ROWS_MAX, decode_rows,
+    AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery,
+    PreparedBatch, Projector, READ_ROWS_MAX, decode_rows,
 };
 use crate::clock::Clock;
 use crate::error::{Error, Result};
@@ -311,13 +311,7 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
 fn fail_all(jobs: Vec<Job>, error: &Error) -> Option<u64> {
     tracing::error!(error = %error, jobs = jobs.len(), "append batch failed");
     for job in jobs {
-        let copy = match error {
-            Error::Unavailable(m) => Error::Unavailable(m.clone()),
-            Error::Corrupt { tenant, seq, what } => Error::Corrupt { tenant: tenant.clone(), seq: *seq, what: what.clone() },
-            Error::Storage(m) => Error::Storage(m.clone()),
-            other => Error::Internal(other.to_string()),
-        };
-        let _ = job.reply.send(Err(copy));
+        let _ = job.reply.send(Err(error.clone()));
     }
     None
 }
@@ -387,12 +381,11 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
         let guard_failed = request.guards.iter().find_map(|(stream, expected)| {
             let slot = (request.tenant, stream.clone());
             let current = versions.get(&slot).copied().unwrap_or_else(|| pre.stream_versions.get(&slot).copied().unwrap_or(0));
-            let ok = match expected {
-                ExpectedVersion::Any => true,
-                ExpectedVersion::NoStream => current == 0,
-                ExpectedVersion::Exact(v) => current == *v,
-            };
-            (!ok).then(|| Error::Conflict { stream: stream.clone(), expected: expected.to_string(), actual: current })
+            (!expected.admits(current)).then(|| Error::Conflict {
+                stream: stream.clone(),
+                expected: expected.to_string(),
+                actual: current,
+            })
         });
         if let Some(conflict) = guard_failed {
             outcomes.push(Outcome::Refused(conflict));
@@ -401,12 +394,7 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
         let stream_slot = (request.tenant, request.stream.clone());
         let current =
             *versions.entry(stream_slot.clone()).or_insert_with(|| pre.stream_versions.get(&stream_slot).copied().unwrap_or(0));
-        let version_ok = match request.expected {
-            ExpectedVersion::Any => true,
-            ExpectedVersion::NoStream => current == 0,
-            ExpectedVersion::Exact(v) => current == v,
-        };
-        if !version_ok {
+        if !request.expected.admits(current) {
             outcomes.push(Outcome::Refused(Error::Conflict {
                 stream: request.stream.clone(),
                 expected: request.expected.to_string(),

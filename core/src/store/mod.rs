@@ -50,6 +50,17 @@ pub enum ExpectedVersion {
     Exact(u64),
 }
 
+impl ExpectedVersion {
+    /// Whether a stream at version `current` (0: no stream) satisfies this expectation.
+    pub fn admits(self, current: u64) -> bool {
+        match self {
+            Self::Any => true,
+            Self::NoStream => current == 0,
+            Self::Exact(v) => current == v,
+        }
+    }
+}
+
 impl std::fmt::Display for ExpectedVersion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -352,6 +363,18 @@ pub async fn rebuild_projections(store: &dyn EventStore, projector: &dyn Project
 /// Converts an unsigned count to SQL's signed 64-bit integer, refusing what would wrap.
 pub(crate) fn to_i64(value: u64) -> Result<i64> {
     i64::try_from(value).map_err(|_| Error::Internal(format!("{value} does not fit a signed 64-bit column")))
+}
+
+/// A stored 32-byte hash column.
+pub(crate) fn hash32(bytes: Vec<u8>) -> Result<[u8; 32]> {
+    <[u8; 32]>::try_from(bytes).map_err(|_| Error::Storage("stored hash is not 32 bytes".into()))
+}
+
+impl IdempotencyRecord {
+    /// From the `request_hash, first_seq, last_seq` columns.
+    pub(crate) fn from_columns(request_hash: Vec<u8>, first_seq: i64, last_seq: i64) -> Result<Self> {
+        Ok(Self { request_hash: hash32(request_hash)?, first_seq: to_u64(first_seq)?, last_seq: to_u64(last_seq)? })
+    }
 }
 
 pub(crate) fn to_u64(value: i64) -> Result<u64> {

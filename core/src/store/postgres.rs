@@ -15,7 +15,7 @@ use tokio_postgres::{GenericClient, NoTls};
 
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
-    fold_projections, to_i64, to_u64, touched_rows,
+    fold_projections, hash32, to_i64, to_u64, touched_rows,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -83,10 +83,6 @@ fn projection_row(row: &tokio_postgres::Row) -> Result<Row> {
     })
 }
 
-fn hash32(bytes: Vec<u8>) -> Result<[u8; 32]> {
-    <[u8; 32]>::try_from(bytes).map_err(|_| Error::Storage("stored hash is not 32 bytes".into()))
-}
-
 fn heads_from(rows: &[tokio_postgres::Row]) -> Result<HashMap<String, Head>> {
     rows.iter().map(|row| Ok((row.try_get(0)?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))).collect()
 }
@@ -140,11 +136,7 @@ async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result
             let tenant: String = row.try_get(0)?;
             out.idempotency.insert(
                 (tenant.parse()?, row.try_get(1)?),
-                IdempotencyRecord {
-                    request_hash: hash32(row.try_get(2)?)?,
-                    first_seq: to_u64(row.try_get(3)?)?,
-                    last_seq: to_u64(row.try_get(4)?)?,
-                },
+                IdempotencyRecord::from_columns(row.try_get(2)?, row.try_get(3)?, row.try_get(4)?)?,
             );
         }
     }

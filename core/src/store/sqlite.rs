@@ -15,7 +15,7 @@ use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
 
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
-    fold_projections, to_i64, to_u64, touched_rows,
+    fold_projections, hash32, to_i64, to_u64, touched_rows,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -82,10 +82,6 @@ fn projection_row(row: &SqliteRow) -> Result<Row> {
         key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
         doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
     })
-}
-
-fn hash32(bytes: Vec<u8>) -> Result<[u8; 32]> {
-    <[u8; 32]>::try_from(bytes).map_err(|_| Error::Storage("stored hash is not 32 bytes".into()))
 }
 
 async fn write_projections(
@@ -191,11 +187,7 @@ async fn preread_on(conn: &mut sqlx::SqliteConnection, query: &PreReadQuery) -> 
             let tenant: String = row.try_get(0)?;
             out.idempotency.insert(
                 (tenant.parse()?, row.try_get(1)?),
-                IdempotencyRecord {
-                    request_hash: hash32(row.try_get(2)?)?,
-                    first_seq: to_u64(row.try_get(3)?)?,
-                    last_seq: to_u64(row.try_get(4)?)?,
-                },
+                IdempotencyRecord::from_columns(row.try_get(2)?, row.try_get(3)?, row.try_get(4)?)?,
             );
         }
     }
