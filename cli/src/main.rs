@@ -20,6 +20,7 @@ mod client;
 mod output;
 mod server;
 mod watch;
+mod webhooks;
 
 use client::{CliError, Client};
 use output::Format;
@@ -83,6 +84,63 @@ fn parse_interval_s(text: &str) -> Result<u64, String> {
     Ok(seconds)
 }
 
+/// Longest lease or retry base accepted: a day.
+const CONSUMER_DURATION_MS_MAX: u64 = 24 * 3600 * 1000;
+
+/// `250ms`, `5s`, `2m`, `1h`, between 1 ms and a day.
+fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = digits.parse().map_err(|_| format!("{text:?} is not a duration like 250ms, 5s, 2m or 1h"))?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        _ => return Err(format!("{text:?} is not a duration like 250ms, 5s, 2m or 1h")),
+    };
+    if ms == 0 || ms > CONSUMER_DURATION_MS_MAX {
+        return Err(format!("{text:?} must be between 1ms and 24h"));
+    }
+    Ok(ms)
+}
+
+/// How the outbox consumers (webhook delivery) run.
+#[derive(Args)]
+struct ConsumerArgs {
+    /// How long a claimed delivery stays with this process if it dies (longer than the 10 s
+    /// delivery timeout).
+    #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
+    lease: u64,
+    /// The first retry's delay; each next one is 4× longer (at most 6 h), ±20 % jitter.
+    #[arg(long, default_value = "5s", value_parser = parse_duration_ms)]
+    retry_base: u64,
+    /// Attempts before a delivery is dead (a dead letter `webhooks redeliver` can send again).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=50))]
+    retry_attempts: u32,
+    /// Deliveries in flight at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=256))]
+    concurrency: u64,
+    /// Allow webhook receivers on private and link-local addresses (10/8, 192.168/16, fe80::/10…).
+    #[arg(long)]
+    webhook_allow_private: bool,
+}
+
+impl ConsumerArgs {
+    fn options(&self, allow_loopback: bool) -> server::ConsumerOptions {
+        server::ConsumerOptions {
+            policy: bc_core::webhook::EndpointPolicy { allow_loopback, allow_private: self.webhook_allow_private },
+            lease_ms: self.lease,
+            retry: bc_reconcilers::outbox::RetryPolicy {
+                base_ms: self.retry_base,
+                attempts_max: self.retry_attempts,
+                ..bc_reconcilers::outbox::RetryPolicy::DEFAULT
+            },
+            concurrency: self.concurrency as usize,
+            poll_ms: 250,
+        }
+    }
+}
+
 #[derive(Args)]
 struct DatabaseArgs {
     /// Where the embedded database and the log key live.
@@ -103,6 +161,11 @@ enum Command {
         listen: String,
         #[command(flatten)]
         sealing: Sealing,
+        #[command(flatten)]
+        consumers: ConsumerArgs,
+        /// Do not run the reconcilers in this process (run `reconcile` instead).
+        #[arg(long)]
+        no_reconcilers: bool,
     },
     /// Run the control plane on PostgreSQL (run `migrate` first).
     Serve {
@@ -115,6 +178,27 @@ enum Command {
         data_dir: PathBuf,
         #[command(flatten)]
         sealing: Sealing,
+        #[command(flatten)]
+        consumers: ConsumerArgs,
+        /// Do not run the reconcilers in this process (run `reconcile` instead).
+        #[arg(long)]
+        no_reconcilers: bool,
+        /// Allow http:// webhook receivers on loopback (tests, single-host setups).
+        #[arg(long)]
+        webhook_allow_loopback: bool,
+    },
+    /// Run reconcilers (outbox consumers) as their own process, against the same database.
+    Reconcile {
+        /// Only these reconcilers (repeatable): webhooks. Default: all.
+        #[arg(long)]
+        only: Vec<String>,
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        consumers: ConsumerArgs,
+        /// Allow http:// webhook receivers on loopback (dev, tests).
+        #[arg(long)]
+        webhook_allow_loopback: bool,
     },
     /// Apply the database migrations.
     Migrate {
@@ -166,6 +250,11 @@ enum Command {
     Nodes {
         #[command(subcommand)]
         command: NodesCommand,
+    },
+    /// Webhook subscriptions and their deliveries (Standard Webhooks signatures).
+    Webhooks {
+        #[command(subcommand)]
+        command: webhooks::WebhooksCommand,
     },
 }
 
@@ -406,13 +495,17 @@ fn tenant_body(cli: &Cli) -> Result<Map<String, Value>, CliError> {
 
 fn page_body(cli: &Cli, page: &Page) -> Result<Map<String, Value>, CliError> {
     let mut body = tenant_body(cli)?;
+    add_page(&mut body, page);
+    Ok(body)
+}
+
+fn add_page(body: &mut Map<String, Value>, page: &Page) {
     if let Some(limit) = page.limit {
         body.insert("limit".into(), json!(limit));
     }
     if let Some(cursor) = &page.cursor {
         body.insert("cursor".into(), json!(cursor));
     }
-    Ok(body)
 }
 
 fn labels(items: &[String]) -> Result<Value, CliError> {
@@ -469,13 +562,44 @@ async fn run(cli: Cli) -> Result<(), CliError> {
     let q = query.as_deref();
     let json_or = |default: Format| cli.format.unwrap_or(default);
     match &cli.command {
-        Command::Dev { dir, listen, sealing } => {
+        Command::Dev { dir, listen, sealing, consumers, no_reconcilers } => {
             let db = server::Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
-            server::run_server(db, &dir.data_dir, listen, true, sealing.checkpoint_interval, &sealing.deployment).await
+            // dev delivers webhooks to loopback receivers: that is where a developer's are.
+            let options = consumers.options(true);
+            let run = (!no_reconcilers).then_some(&options);
+            server::run_server(
+                db,
+                &dir.data_dir,
+                listen,
+                true,
+                sealing.checkpoint_interval,
+                &sealing.deployment,
+                run,
+                options.policy,
+            )
+            .await
         }
-        Command::Serve { database_url, listen, data_dir, sealing } => {
+        Command::Serve { database_url, listen, data_dir, sealing, consumers, no_reconcilers, webhook_allow_loopback } => {
             let db = server::Database::Postgres(database_url.clone());
-            server::run_server(db, data_dir, listen, false, sealing.checkpoint_interval, &sealing.deployment).await
+            let options = consumers.options(*webhook_allow_loopback);
+            let run = (!no_reconcilers).then_some(&options);
+            server::run_server(db, data_dir, listen, false, sealing.checkpoint_interval, &sealing.deployment, run, options.policy)
+                .await
+        }
+        Command::Reconcile { only, db, consumers, webhook_allow_loopback } => {
+            let database = server::Database::from_args(&db.data_dir, db.database_url.as_deref());
+            server::reconcile(&database, only, &consumers.options(*webhook_allow_loopback)).await
+        }
+        Command::Webhooks { command } => {
+            let c = client(&cli)?;
+            let (mut value, list) = webhooks::run(&c, tenant_body(&cli)?, command).await?;
+            let format = json_or(if list { Format::Table } else { Format::Json });
+            if format == Format::Table && q.is_none() {
+                for item in value["items"].as_array_mut().into_iter().flatten() {
+                    item.as_object_mut().map(|m| m.remove("attemptLog"));
+                }
+            }
+            print(&value, format, q)
         }
         Command::Migrate { db } => {
             let value = server::migrate(&server::Database::from_args(&db.data_dir, db.database_url.as_deref())).await?;

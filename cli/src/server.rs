@@ -10,8 +10,11 @@ use bc_core::keys::{LogKey, write_secret_file};
 use bc_core::store::postgres::PostgresStore;
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{EventStore, Log, rebuild_projections};
+use bc_core::webhook::EndpointPolicy;
 use bc_gateway::AppState;
 use bc_projections::Projections;
+use bc_reconcilers::CONSUMERS;
+use bc_reconcilers::outbox::{Consumer, RetryPolicy, RunnerConfig};
 use serde_json::{Value, json};
 
 use crate::client::CliError;
@@ -55,7 +58,7 @@ impl Database {
         })
     }
 
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         match self {
             Database::Sqlite(path) => format!("{} (sqlite)", path.display()),
             Database::Postgres(_) => "postgresql (--database-url)".into(),
@@ -107,7 +110,75 @@ pub async fn projections_rebuild(db: &Database) -> Result<Value, CliError> {
     Ok(json!({ "events": events, "rows": rows, "elapsedMs": started.elapsed().as_millis() as u64 }))
 }
 
+/// How the outbox consumers run: in `dev`/`serve` (unless turned off) and in `reconcile`.
+#[derive(Clone, Debug)]
+pub struct ConsumerOptions {
+    pub policy: EndpointPolicy,
+    pub lease_ms: u64,
+    pub retry: RetryPolicy,
+    pub concurrency: usize,
+    pub poll_ms: u64,
+}
+
+impl ConsumerOptions {
+    fn runner(&self) -> RunnerConfig {
+        let mut config = RunnerConfig::new(Arc::new(SystemClock));
+        config.lease_ms = self.lease_ms;
+        config.retry = self.retry;
+        config.concurrency = self.concurrency;
+        config.poll_ms = self.poll_ms;
+        config
+    }
+}
+
+/// Starts the named consumers; each stops when `shutdown` turns true.
+fn spawn_consumers(
+    store: Arc<dyn EventStore>,
+    names: &[&str],
+    options: &ConsumerOptions,
+    wake: Option<tokio::sync::watch::Receiver<u64>>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, CliError> {
+    let mut tasks = Vec::new();
+    for name in names {
+        let consumer: Arc<dyn Consumer> = match *name {
+            bc_reconcilers::webhooks::CONSUMER => {
+                Arc::new(bc_reconcilers::webhooks::Webhooks::new(options.policy, Arc::new(SystemClock))?)
+            }
+            other => return Err(CliError::usage(format!("no consumer named {other:?}"))),
+        };
+        let config = options.runner();
+        tasks.push(tokio::spawn(bc_reconcilers::outbox::run(store.clone(), consumer, config, wake.clone(), shutdown.clone())));
+    }
+    Ok(tasks)
+}
+
+/// `reconcile --only NAME…`: runs consumers as their own process until Ctrl-C/SIGTERM. It needs
+/// the database only: consumers append nothing, so no log key.
+pub async fn reconcile(db: &Database, only: &[String], options: &ConsumerOptions) -> Result<(), CliError> {
+    let names: Vec<&str> = if only.is_empty() { CONSUMERS.to_vec() } else { only.iter().map(String::as_str).collect() };
+    for name in &names {
+        if !CONSUMERS.contains(name) {
+            return Err(CliError::usage(format!("--only {name:?} is not a reconciler"))
+                .hint(format!("reconcilers: {}", CONSUMERS.join(", "))));
+        }
+    }
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let tasks = spawn_consumers(store, &names, options, None, stopped)?;
+    println!("better-compute reconciling: {}", names.join(", "));
+    println!("  database:  {}", db.describe());
+    shutdown_signal().await;
+    let _ = stop.send(true);
+    for task in tasks {
+        let _ = task.await;
+    }
+    Ok(())
+}
+
 /// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_server(
     db: Database,
     data_dir: &Path,
@@ -115,6 +186,8 @@ pub async fn run_server(
     migrate_first: bool,
     checkpoint_interval_s: u64,
     deployment: &str,
+    consumers: Option<&ConsumerOptions>,
+    policy: EndpointPolicy,
 ) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     create_private_dir(data_dir)?;
@@ -171,9 +244,21 @@ pub async fn run_server(
         let trust = crate::audit::local_trust(data_dir, deployment)?;
         tokio::spawn(seal_periodically(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust));
     }
-    let _ = store;
-    let state = Arc::new(AppState::new(log.clone()));
-    bc_gateway::serve(listener, state, shutdown_signal()).await.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let tasks = match consumers {
+        Some(options) => {
+            println!("  reconcilers: {} (in process)", CONSUMERS.join(", "));
+            spawn_consumers(store.clone(), CONSUMERS, options, Some(log.subscribe()), stopped)?
+        }
+        None => Vec::new(),
+    };
+    let state = Arc::new(AppState::new(log.clone()).with_webhook_policy(policy));
+    let served = bc_gateway::serve(listener, state, shutdown_signal()).await;
+    let _ = stop.send(true);
+    for task in tasks {
+        let _ = task.await;
+    }
+    served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
     tracing::info!("stopped");
     Ok(())
 }

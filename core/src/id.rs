@@ -86,6 +86,8 @@ typed_id!(/// A GPU reservation.
     ReservationId, "rsv");
 typed_id!(/// An API key; the token carries it so the server can find the key's hash.
     ApiKeyId, "key");
+typed_id!(/// A webhook subscription.
+    WebhookId, "wh");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

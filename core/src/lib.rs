@@ -25,5 +25,6 @@ pub mod merkle;
 pub mod note;
 pub mod store;
 pub mod testing;
+pub mod webhook;
 
 pub use error::{Error, ErrorCode, Result};

@@ -21,6 +21,8 @@ pub const ACTIONS: &[&str] = &[
     "compute:nodes:read",
     "compute:nodes:write",
     "compute:events:read",
+    "compute:webhooks:read",
+    "compute:webhooks:write",
 ];
 
 /// Who is calling.

@@ -32,6 +32,7 @@ pub mod auth;
 pub mod error;
 pub mod methods;
 pub mod watch;
+pub mod webhooks;
 
 use error::ApiError;
 
@@ -52,6 +53,8 @@ pub struct AppState {
     pub watchers: Arc<tokio::sync::Semaphore>,
     /// Set when the server stops: long-lived streams end so the graceful shutdown can finish.
     pub shutdown: tokio::sync::watch::Sender<bool>,
+    /// Which webhook receivers this deployment accepts.
+    pub webhook_policy: bc_core::webhook::EndpointPolicy,
 }
 
 impl AppState {
@@ -73,7 +76,13 @@ impl AppState {
             log,
             watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)),
             shutdown: tokio::sync::watch::channel(false).0,
+            webhook_policy: bc_core::webhook::EndpointPolicy::default(),
         }
+    }
+
+    pub fn with_webhook_policy(mut self, policy: bc_core::webhook::EndpointPolicy) -> Self {
+        self.webhook_policy = policy;
+        self
     }
 }
 

@@ -6,9 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine;
-use bc_core::canonical;
-use bc_core::event::{Position, StoredEvent};
+use bc_core::event::Position;
 use bc_core::id::{ApiKeyId, EventId, NodeId, PoolId, TenantId, truncate};
 use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, READ_ROWS_MAX, decode_rows};
 use bc_core::{Error, Result};
@@ -67,6 +65,36 @@ pub const METHODS: &[Method] = &[
     Method { name: "nodes.list", action: Some("compute:nodes:read"), summary: "a tenant's nodes, paged by cursor" },
     Method { name: "events.list", action: Some("compute:events:read"), summary: "a tenant's events by outbox position" },
     Method {
+        name: "webhooks.create",
+        action: Some("compute:webhooks:write"),
+        summary: "subscribe a receiver; the secret is shown once",
+    },
+    Method { name: "webhooks.list", action: Some("compute:webhooks:read"), summary: "a tenant's webhooks" },
+    Method { name: "webhooks.get", action: Some("compute:webhooks:read"), summary: "one webhook" },
+    Method {
+        name: "webhooks.update",
+        action: Some("compute:webhooks:write"),
+        summary: "change a webhook's URL, types or description",
+    },
+    Method {
+        name: "webhooks.delete",
+        action: Some("compute:webhooks:write"),
+        summary: "delete a webhook; pending deliveries die",
+    },
+    Method { name: "webhooks.ping", action: Some("compute:webhooks:write"), summary: "send a test delivery to one webhook" },
+    Method {
+        name: "webhooks.rotateSecret",
+        action: Some("compute:webhooks:write"),
+        summary: "a new signing secret, shown once; the old one signs too for a while",
+    },
+    Method {
+        name: "webhooks.deliveries",
+        action: Some("compute:webhooks:read"),
+        summary: "a webhook's deliveries and their attempts",
+    },
+    Method { name: "webhooks.redeliver", action: Some("compute:webhooks:write"), summary: "queue a done or dead delivery again" },
+    Method { name: "webhooks.eventTypes", action: Some(""), summary: "every event type a webhook can subscribe to" },
+    Method {
         name: "events.get",
         action: Some("compute:events:read"),
         summary: "one event with its canonical bytes, hash and signature",
@@ -94,14 +122,14 @@ impl Call<'_> {
     }
 
     /// The tenant the call acts in (the key's own unless `tenantId` says otherwise), authorized.
-    async fn tenant(&self, requested: Option<TenantId>) -> Result<TenantId> {
+    pub(crate) async fn tenant(&self, requested: Option<TenantId>) -> Result<TenantId> {
         let principal = self.principal();
         let tenant = requested.unwrap_or(principal.tenant);
         self.state.authorize_tenant(principal, self.action, tenant).await?;
         Ok(tenant)
     }
 
-    async fn append(
+    pub(crate) async fn append(
         &self,
         tenant: TenantId,
         stream: String,
@@ -141,7 +169,7 @@ impl Call<'_> {
     }
 }
 
-fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
+pub(crate) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
     let body = if body.iter().all(u8::is_ascii_whitespace) { b"{}".as_slice() } else { body };
     serde_json::from_slice(body).map_err(|e| Error::InvalidArgument {
         message: format!("invalid request body: {e}"),
@@ -149,16 +177,16 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
     })
 }
 
-fn parse_id<T: std::str::FromStr<Err = Error>>(field: &str, text: &str) -> Result<T> {
+pub(crate) fn parse_id<T: std::str::FromStr<Err = Error>>(field: &str, text: &str) -> Result<T> {
     text.parse()
         .map_err(|e: Error| Error::InvalidArgument { message: format!("{field}: {e}"), hint: e.hint().map(str::to_owned) })
 }
 
-fn opt_tenant(text: &Option<String>) -> Result<Option<TenantId>> {
+pub(crate) fn opt_tenant(text: &Option<String>) -> Result<Option<TenantId>> {
     text.as_deref().map(|t| parse_id("tenantId", t)).transpose()
 }
 
-fn limit(requested: Option<u32>) -> Result<u32> {
+pub(crate) fn limit(requested: Option<u32>) -> Result<u32> {
     match requested {
         None => Ok(LIST_LIMIT_DEFAULT),
         Some(n) if (1..=LIST_LIMIT_MAX).contains(&n) => Ok(n),
@@ -182,7 +210,7 @@ fn validate_name(field: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn validate_text(field: &str, text: &str, chars_max: usize) -> Result<()> {
+pub(crate) fn validate_text(field: &str, text: &str, chars_max: usize) -> Result<()> {
     if text.chars().count() > chars_max {
         return Err(Error::invalid(format!("{field} is longer than {chars_max} characters")));
     }
@@ -211,45 +239,12 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
-fn doc<T: DeserializeOwned>(row: bc_core::store::Row) -> Result<T> {
+pub(crate) fn doc<T: DeserializeOwned>(row: bc_core::store::Row) -> Result<T> {
     serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("projection document: {e}")))
 }
 
 fn to_value<T: serde::Serialize>(value: &T) -> Result<Value> {
     serde_json::to_value(value).map_err(|e| Error::Internal(format!("response: {e}")))
-}
-
-/// The JSON form of an event.
-pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
-    let env = &event.envelope;
-    let mut view = json!({
-        "id": env.id,
-        "tenantId": env.tenant,
-        "seq": env.seq,
-        "stream": env.stream,
-        "version": env.version,
-        "type": env.event_type,
-        "at": env.at_ms,
-        "actor": env.actor,
-        "payload": canonical::to_json(&env.payload),
-        "position": event.position.to_string(),
-        "prev": hex::encode(env.prev),
-        "hash": hex::encode(event.hash),
-        "keyId": event.key_id,
-    });
-    for (name, value) in
-        [("idempotencyKey", &env.idempotency_key), ("causation", &env.causation), ("correlation", &env.correlation)]
-    {
-        if let Some(value) = value {
-            view[name] = Value::String(value.clone());
-        }
-    }
-    if with_bytes {
-        let b64 = base64::engine::general_purpose::STANDARD;
-        view["canonical"] = Value::String(b64.encode(&event.canonical));
-        view["sig"] = Value::String(b64.encode(&event.sig));
-    }
-    view
 }
 
 fn api_key_view(doc: &ApiKeyDoc) -> Value {
@@ -268,7 +263,7 @@ fn api_key_view(doc: &ApiKeyDoc) -> Value {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct Empty {}
+pub(crate) struct Empty {}
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -329,7 +324,7 @@ struct PoolsUpdate {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct ListInput {
+pub(crate) struct ListInput {
     tenant_id: Option<String>,
     limit: Option<u32>,
     cursor: Option<String>,
@@ -382,6 +377,13 @@ struct EventsList {
 struct EventsGet {
     tenant_id: Option<String>,
     event_id: String,
+}
+
+impl ListInput {
+    /// A plain page: no filters.
+    pub(crate) fn page(limit: Option<u32>, cursor: Option<String>) -> Self {
+        Self { tenant_id: None, limit, cursor, pool_id: None, include_archived: false }
+    }
 }
 
 /// Runs one method. `body` is the raw JSON body.
@@ -661,7 +663,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     let wanted = filter.matches(&event.envelope.event_type)
                         && input.stream.as_ref().is_none_or(|s| *s == event.envelope.stream);
                     if wanted {
-                        items.push(event_view(&event, false));
+                        items.push(bc_projections::event_view(&event, false));
                         if items.len() == limit as usize {
                             break;
                         }
@@ -683,8 +685,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let id: EventId = parse_id("eventId", &input.event_id)?;
             let row = store.event_row(tenant, id).await?.ok_or_else(|| Error::not_found(format!("event {id}")))?;
             let event = decode_rows(vec![row])?.remove(0);
-            Ok(event_view(&event, true))
+            Ok(bc_projections::event_view(&event, true))
         }
+        name if name.starts_with("webhooks.") => crate::webhooks::dispatch(call, name, body).await,
         _ => Err(Error::not_found(format!("method {name}"))),
     }
 }
@@ -704,7 +707,7 @@ async fn pool_get(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<Value
 
 /// Pages through one kind of row by id. `view` may drop a row (a filter) by returning `None`;
 /// filtered pages can come back short, and `nextCursor` is set while rows remain.
-async fn list_rows(
+pub(crate) async fn list_rows(
     call: &Call<'_>,
     tenant: TenantId,
     kind: &str,

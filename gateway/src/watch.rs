@@ -31,7 +31,7 @@ use crate::AppState;
 use crate::error::ApiError;
 
 /// Type patterns one watch or list may give.
-pub const WATCH_TYPES_MAX: usize = 20;
+pub const WATCH_TYPES_MAX: usize = bc_projections::events::TYPE_PATTERNS_MAX;
 /// Events queued for one watcher before the producer waits for the client.
 pub const WATCH_BUFFER_EVENTS: usize = 256;
 /// How long the producer waits for a client to take an event before disconnecting it.
@@ -48,56 +48,7 @@ pub const WATCH_REAUTH_S: u64 = 30;
 const WATCH_PAGE_ROWS: u32 = 500;
 const _: () = assert!(WATCH_BUFFER_EVENTS >= 1 && WATCH_PAGE_ROWS as usize >= WATCH_BUFFER_EVENTS);
 
-/// A set of event type patterns: `pool.created`, `pool.*`, or `*`.
-#[derive(Clone, Debug, Default)]
-pub struct TypeFilter {
-    /// Empty: every type.
-    patterns: Vec<String>,
-}
-
-impl TypeFilter {
-    /// Parses and checks patterns against the event catalogue: a pattern that matches no known
-    /// type is a mistake, not an empty stream.
-    pub fn parse(patterns: &[String]) -> Result<Self> {
-        if patterns.len() > WATCH_TYPES_MAX {
-            return Err(Error::invalid(format!("at most {WATCH_TYPES_MAX} type patterns, not {}", patterns.len())));
-        }
-        let known = bc_projections::events::EVENT_TYPES;
-        for p in patterns {
-            let well_formed = p == "*"
-                || (!p.is_empty()
-                    && p.len() <= 100
-                    && p.trim_end_matches(".*").split('.').all(|part| {
-                        !part.is_empty() && part.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-                    }));
-            if !well_formed {
-                return Err(Error::InvalidArgument {
-                    message: format!("malformed type pattern {:?}", bc_core::id::truncate(p, 60)),
-                    hint: Some("a pattern is a type (pool.created), a prefix (pool.*) or *".into()),
-                });
-            }
-            if !known.iter().any(|t| matches(p, t)) {
-                return Err(Error::InvalidArgument {
-                    message: format!("unknown type pattern {:?}: it matches no event type", bc_core::id::truncate(p, 60)),
-                    hint: Some(format!("event types: {}", known.join(", "))),
-                });
-            }
-        }
-        Ok(Self { patterns: patterns.to_vec() })
-    }
-
-    pub fn matches(&self, event_type: &str) -> bool {
-        self.patterns.is_empty() || self.patterns.iter().any(|p| matches(p, event_type))
-    }
-}
-
-fn matches(pattern: &str, event_type: &str) -> bool {
-    match pattern.strip_suffix('*') {
-        Some("") => true,
-        Some(prefix) => event_type.starts_with(prefix),
-        None => pattern == event_type,
-    }
-}
+pub use bc_projections::events::TypeFilter;
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -185,7 +136,7 @@ async fn start(
                 if !filter.matches(&event.envelope.event_type) {
                     continue;
                 }
-                let data = crate::methods::event_view(&event, false).to_string();
+                let data = bc_projections::event_view(&event, false).to_string();
                 let sse = Event::default().id(event.position.to_string()).event(&event.envelope.event_type).data(data);
                 match tx.send_timeout(sse, Duration::from_secs(WATCH_SEND_TIMEOUT_S)).await {
                     Ok(()) => {}

@@ -13,6 +13,11 @@ pub const POOL_CREATED: &str = "pool.created";
 pub const POOL_UPDATED: &str = "pool.updated";
 pub const POOL_ARCHIVED: &str = "pool.archived";
 pub const NODE_REGISTERED: &str = "node.registered";
+pub const WEBHOOK_CREATED: &str = "webhook.created";
+pub const WEBHOOK_UPDATED: &str = "webhook.updated";
+pub const WEBHOOK_SECRET_ROTATED: &str = "webhook.secret_rotated";
+pub const WEBHOOK_PINGED: &str = "webhook.pinged";
+pub const WEBHOOK_DELETED: &str = "webhook.deleted";
 
 /// Every event type this version writes.
 pub const EVENT_TYPES: &[&str] = &[
@@ -23,6 +28,11 @@ pub const EVENT_TYPES: &[&str] = &[
     POOL_UPDATED,
     POOL_ARCHIVED,
     NODE_REGISTERED,
+    WEBHOOK_CREATED,
+    WEBHOOK_UPDATED,
+    WEBHOOK_SECRET_ROTATED,
+    WEBHOOK_PINGED,
+    WEBHOOK_DELETED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::LOG_KEY_ROTATED,
 ];
@@ -90,6 +100,100 @@ pub struct Gpu {
     pub vram_gib: u32,
     /// GPUs with the same domain on one node share NVLink.
     pub nvlink_domain: u32,
+}
+
+/// A webhook subscription. Its signing secret is not here: secrets never enter the log.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookCreated {
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub description: String,
+    pub secret_version: u32,
+    /// Where the signing secret is kept in the secret store (an id, not the secret).
+    pub secret_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookUpdated {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_types: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+}
+
+/// A new signing secret; the previous one is still signed with until `previousValidUntilMs`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookSecretRotated {
+    pub secret_version: u32,
+    pub secret_id: String,
+    pub previous_valid_until_ms: u64,
+}
+
+/// A test delivery: it goes to this webhook only, whatever its event types.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookPinged {}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookDeleted {}
+
+/// Most patterns one filter (a watch, a webhook) takes.
+pub const TYPE_PATTERNS_MAX: usize = 20;
+
+/// Event type patterns: a type (`pool.created`), a prefix (`pool.*`) or `*`. Empty: every type.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TypeFilter {
+    patterns: Vec<String>,
+}
+
+impl TypeFilter {
+    /// Parses and checks patterns against the event catalogue: a pattern that matches no known
+    /// type is a mistake, not an empty stream.
+    pub fn parse(patterns: &[String]) -> bc_core::Result<Self> {
+        use bc_core::Error;
+        if patterns.len() > TYPE_PATTERNS_MAX {
+            return Err(Error::invalid(format!("at most {TYPE_PATTERNS_MAX} type patterns, not {}", patterns.len())));
+        }
+        for p in patterns {
+            let well_formed = p == "*"
+                || (!p.is_empty()
+                    && p.len() <= 100
+                    && p.trim_end_matches(".*").split('.').all(|part| {
+                        !part.is_empty() && part.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+                    }));
+            if !well_formed {
+                return Err(Error::InvalidArgument {
+                    message: format!("malformed type pattern {:?}", bc_core::id::truncate(p, 60)),
+                    hint: Some("a pattern is a type (pool.created), a prefix (pool.*) or *".into()),
+                });
+            }
+            if !EVENT_TYPES.iter().any(|t| pattern_matches(p, t)) {
+                return Err(Error::InvalidArgument {
+                    message: format!("unknown type pattern {:?}: it matches no event type", bc_core::id::truncate(p, 60)),
+                    hint: Some(format!("event types: {}", EVENT_TYPES.join(", "))),
+                });
+            }
+        }
+        Ok(Self { patterns: patterns.to_vec() })
+    }
+
+    pub fn matches(&self, event_type: &str) -> bool {
+        self.patterns.is_empty() || self.patterns.iter().any(|p| pattern_matches(p, event_type))
+    }
+}
+
+fn pattern_matches(pattern: &str, event_type: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some("") => true,
+        Some(prefix) => event_type.starts_with(prefix),
+        None => pattern == event_type,
+    }
 }
 
 /// A payload as CBOR, ready for an append.

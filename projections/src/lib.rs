@@ -8,12 +8,13 @@
 //! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
 //! this file holds the documents and the fold.
 
+use base64::Engine;
 use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};
 use bc_core::{Error, Result};
 use bc_core::{audit, canonical};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 pub mod events;
 
@@ -24,6 +25,7 @@ pub const KIND_TENANT: &str = "tenant";
 pub const KIND_API_KEY: &str = "api_key";
 pub const KIND_POOL: &str = "pool";
 pub const KIND_NODE: &str = "node";
+pub const KIND_WEBHOOK: &str = "webhook";
 
 /// The stream of one entity: `KIND/ID`.
 pub fn stream_of(kind: &str, id: &impl std::fmt::Display) -> String {
@@ -84,6 +86,66 @@ pub struct NodeDoc {
     pub updated_at_ms: u64,
 }
 
+/// A webhook subscription. It receives its tenant's events after `createdSeq` whose type its
+/// patterns match (empty: none; `*`: all).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WebhookDoc {
+    pub tenant_id: String,
+    pub webhook_id: String,
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub description: String,
+    pub secret_version: u32,
+    pub secret_id: String,
+    /// The secret in use before the last rotation, which also signs until
+    /// `previous_secret_valid_until_ms`.
+    pub previous_secret_id: Option<String>,
+    pub previous_secret_valid_until_ms: u64,
+    pub created_seq: u64,
+    pub version: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+/// A fresh id for one of a webhook's signing secrets in the secret store.
+pub fn new_webhook_secret_id(webhook_id: &str) -> String {
+    format!("{webhook_id}/{}", bc_core::id::EventId::generate())
+}
+
+/// The JSON form of an event.
+pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
+    let env = &event.envelope;
+    let mut view = json!({
+        "id": env.id,
+        "tenantId": env.tenant,
+        "seq": env.seq,
+        "stream": env.stream,
+        "version": env.version,
+        "type": env.event_type,
+        "at": env.at_ms,
+        "actor": env.actor,
+        "payload": canonical::to_json(&env.payload),
+        "position": event.position.to_string(),
+        "prev": hex::encode(env.prev),
+        "hash": hex::encode(event.hash),
+        "keyId": event.key_id,
+    });
+    for (name, value) in
+        [("idempotencyKey", &env.idempotency_key), ("causation", &env.causation), ("correlation", &env.correlation)]
+    {
+        if let Some(value) = value {
+            view[name] = Value::String(value.clone());
+        }
+    }
+    if with_bytes {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        view["canonical"] = Value::String(b64.encode(&event.canonical));
+        view["sig"] = Value::String(b64.encode(&event.sig));
+    }
+    view
+}
+
 /// The projector for every read model of this crate.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Projections;
@@ -123,7 +185,7 @@ impl Projector for Projections {
             return;
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
-            && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE)
+            && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE | KIND_WEBHOOK)
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
         }
@@ -216,6 +278,56 @@ impl Projector for Projections {
                     updated_at_ms: env.at_ms,
                 })
             }
+            WEBHOOK_CREATED => {
+                let p: WebhookCreated = payload(event)?;
+                to_doc(&WebhookDoc {
+                    tenant_id,
+                    webhook_id: key.id.clone(),
+                    url: p.url,
+                    event_types: p.event_types,
+                    description: p.description,
+                    secret_version: p.secret_version,
+                    secret_id: p.secret_id,
+                    previous_secret_id: None,
+                    previous_secret_valid_until_ms: 0,
+                    created_seq: env.seq,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                    updated_at_ms: env.at_ms,
+                })
+            }
+            WEBHOOK_UPDATED => {
+                let p: WebhookUpdated = payload(event)?;
+                let mut doc: WebhookDoc = from_doc(event, current)?;
+                if let Some(url) = p.url {
+                    doc.url = url;
+                }
+                if let Some(types) = p.event_types {
+                    doc.event_types = types;
+                }
+                if let Some(description) = p.description {
+                    doc.description = description;
+                }
+                doc.version = env.version;
+                doc.updated_at_ms = env.at_ms;
+                to_doc(&doc)
+            }
+            WEBHOOK_SECRET_ROTATED => {
+                let p: WebhookSecretRotated = payload(event)?;
+                let mut doc: WebhookDoc = from_doc(event, current)?;
+                doc.secret_version = p.secret_version;
+                doc.previous_secret_id = Some(std::mem::replace(&mut doc.secret_id, p.secret_id));
+                doc.previous_secret_valid_until_ms = p.previous_valid_until_ms;
+                doc.version = env.version;
+                doc.updated_at_ms = env.at_ms;
+                to_doc(&doc)
+            }
+            WEBHOOK_PINGED => {
+                let mut doc: WebhookDoc = from_doc(event, current)?;
+                doc.version = env.version;
+                to_doc(&doc)
+            }
+            WEBHOOK_DELETED => Ok(None),
             // An event type this fold does not know leaves the row as it was: newer writers may
             // add types that older readers ignore.
             _ => Ok(current),

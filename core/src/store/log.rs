@@ -100,6 +100,8 @@ pub struct Log {
     pub store: Arc<dyn EventStore>,
     pub key: Arc<LogKey>,
     pub stats: Arc<LogStats>,
+    /// The appender's clock, for callers that stamp things beside the log (secrets, leases).
+    pub clock: Arc<dyn Clock>,
     handle: LogHandle,
     /// The newest commit number this process wrote: wakes watchers early. Only a nudge: other
     /// processes' commits are found by polling, so correctness never rests on it.
@@ -118,8 +120,8 @@ impl Log {
         let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
         let stats = Arc::new(LogStats::default());
         let (notify, commits) = tokio::sync::watch::channel(store.last_commit().await?);
-        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock, stats.clone(), notify));
-        Ok(Self { store, key, stats, handle: LogHandle { jobs }, commits })
+        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock.clone(), stats.clone(), notify));
+        Ok(Self { store, key, stats, clock, handle: LogHandle { jobs }, commits })
     }
 
     /// A receiver that changes when this process commits.

@@ -24,6 +24,7 @@ use crate::event::{
 use crate::id::{EventId, TenantId};
 
 pub mod log;
+pub mod outbox;
 pub mod postgres;
 pub mod sqlite;
 
@@ -266,7 +267,7 @@ pub struct RowPage {
 /// The storage backends' common interface. Everything here is one round trip or one
 /// transaction; the appender and the rebuild compose them.
 #[async_trait]
-pub trait EventStore: Send + Sync + 'static {
+pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
     /// `sqlite` or `postgresql`.
     fn backend(&self) -> &'static str;
     /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
@@ -379,4 +380,8 @@ impl IdempotencyRecord {
 
 pub(crate) fn to_u64(value: i64) -> Result<u64> {
     u64::try_from(value).map_err(|_| Error::Storage(format!("negative value {value} in an unsigned column")))
+}
+
+pub(crate) fn to_u32(value: i64) -> Result<u32> {
+    u32::try_from(value).map_err(|_| Error::Storage(format!("value {value} out of range for a 32-bit column")))
 }

@@ -13,9 +13,10 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::{GenericClient, NoTls};
 
+use super::outbox::{Attempt, CLAIM_ITEMS_MAX, NewWorkItem, OutboxStore, Outcome, WorkItem, WorkState, outcome_columns};
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
-    fold_projections, hash32, to_i64, to_u64, touched_rows,
+    fold_projections, hash32, to_i64, to_u32, to_u64, touched_rows,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -24,7 +25,10 @@ use crate::id::{EventId, TenantId};
 /// Connections per process, so a burst cannot exhaust the server's connection slots.
 pub const POOL_CONNECTIONS_MAX: usize = 16;
 
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "log", include_str!("../../../schema/postgres/0001_log.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "log", include_str!("../../../schema/postgres/0001_log.sql")),
+    (2, "outbox", include_str!("../../../schema/postgres/0002_outbox.sql")),
+];
 
 const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
 
@@ -538,5 +542,297 @@ impl EventStore for PostgresStore {
         }
         tx.commit().await?;
         Ok(true)
+    }
+}
+
+const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
+                            last_error, created_at_ms, updated_at_ms";
+
+fn work_item(row: &tokio_postgres::Row) -> Result<WorkItem> {
+    let tenant: String = row.try_get(0)?;
+    let payload: String = row.try_get(4)?;
+    let state: String = row.try_get(5)?;
+    Ok(WorkItem {
+        tenant: tenant.parse()?,
+        consumer: row.try_get(1)?,
+        id: row.try_get(2)?,
+        subject: row.try_get(3)?,
+        payload: serde_json::from_str(&payload).map_err(|e| Error::Storage(format!("work item payload: {e}")))?,
+        state: WorkState::parse(&state).ok_or_else(|| Error::Storage(format!("work item state {state:?}")))?,
+        attempts: to_u32(row.try_get(6)?)?,
+        round_attempts: to_u32(row.try_get(7)?)?,
+        next_at_ms: to_u64(row.try_get(8)?)?,
+        last_error: row.try_get(9)?,
+        created_at_ms: to_u64(row.try_get(10)?)?,
+        updated_at_ms: to_u64(row.try_get(11)?)?,
+    })
+}
+
+async fn insert_items(client: &impl GenericClient, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let tenants: Vec<String> = items.iter().map(|i| i.tenant.to_string()).collect();
+    let ids: Vec<&str> = items.iter().map(|i| i.id.as_str()).collect();
+    let subjects: Vec<&str> = items.iter().map(|i| i.subject.as_str()).collect();
+    let payloads: Vec<String> = items.iter().map(|i| i.payload.to_string()).collect();
+    let now = to_i64(now_ms)?;
+    client
+        .execute(
+            "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
+             lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) \
+             SELECT t, $1, i, s, p, 'pending', 0, 0, $2, NULL, 0, NULL, $2, $2 \
+             FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[]) AS x(t, i, s, p) \
+             ON CONFLICT (tenant_id, consumer, id) DO NOTHING",
+            &[&consumer, &now, &tenants, &ids, &subjects, &payloads],
+        )
+        .await?;
+    Ok(())
+}
+
+#[async_trait]
+impl OutboxStore for PostgresStore {
+    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>> {
+        let client = self.pool.get().await?;
+        let now = to_i64(now_ms)?;
+        client
+            .execute(
+                "INSERT INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
+                 VALUES ($1, 0, 0, NULL, 0, $2) ON CONFLICT (consumer) DO NOTHING",
+                &[&consumer, &now],
+            )
+            .await?;
+        let row = client
+            .query_opt(
+                "UPDATE consumer_cursors SET lease_owner = $1, lease_until_ms = $2, updated_at_ms = $3 \
+                 WHERE consumer = $4 AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until_ms < $3) \
+                 RETURNING commit_no, commit_index",
+                &[&owner, &to_i64(now_ms.saturating_add(lease_ms))?, &now, &consumer],
+            )
+            .await?;
+        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
+    }
+
+    async fn cursor_advance(
+        &self,
+        consumer: &str,
+        owner: &str,
+        from: Position,
+        to: Position,
+        items: &[NewWorkItem],
+        now_ms: u64,
+    ) -> Result<bool> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let moved = tx
+            .execute(
+                "UPDATE consumer_cursors SET commit_no = $1, commit_index = $2, updated_at_ms = $3 \
+                 WHERE consumer = $4 AND lease_owner = $5 AND commit_no = $6 AND commit_index = $7",
+                &[
+                    &to_i64(to.commit)?,
+                    &i64::from(to.index),
+                    &to_i64(now_ms)?,
+                    &consumer,
+                    &owner,
+                    &to_i64(from.commit)?,
+                    &i64::from(from.index),
+                ],
+            )
+            .await?;
+        if moved != 1 {
+            return Ok(false);
+        }
+        insert_items(&*tx, consumer, items, now_ms).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+        let client = self.pool.get().await?;
+        insert_items(&**client, consumer, items, now_ms).await
+    }
+
+    async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>> {
+        let client = self.pool.get().await?;
+        let now = to_i64(now_ms)?;
+        // SKIP LOCKED: processes claiming at once each take different rows and never wait.
+        let rows = client
+            .query(
+                &format!(
+                    "UPDATE work_items w SET lease_owner = $1, lease_until_ms = $2, attempts = w.attempts + 1, \
+                     round_attempts = w.round_attempts + 1, updated_at_ms = $3 \
+                     FROM (SELECT tenant_id, consumer, id FROM work_items WHERE consumer = $4 AND state = 'pending' \
+                           AND next_at_ms <= $3 AND lease_until_ms <= $3 ORDER BY next_at_ms LIMIT $5 \
+                           FOR UPDATE SKIP LOCKED) due \
+                     WHERE w.tenant_id = due.tenant_id AND w.consumer = due.consumer AND w.id = due.id \
+                     RETURNING {}",
+                    ITEM_COLUMNS.split(", ").map(|c| format!("w.{}", c.trim())).collect::<Vec<_>>().join(", ")
+                ),
+                &[&owner, &to_i64(now_ms.saturating_add(lease_ms))?, &now, &consumer, &i64::from(limit.min(CLAIM_ITEMS_MAX))],
+            )
+            .await?;
+        rows.iter().map(work_item).collect()
+    }
+
+    async fn work_complete(
+        &self,
+        consumer: &str,
+        tenant: TenantId,
+        id: &str,
+        owner: &str,
+        attempt: &Attempt,
+        outcome: &Outcome,
+    ) -> Result<bool> {
+        let (state, next_at) = outcome_columns(outcome, attempt.at_ms);
+        let tenant = tenant.to_string();
+        let number = i64::from(attempt.number);
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let moved = tx
+            .execute(
+                "UPDATE work_items SET state = $1, next_at_ms = $2, lease_owner = NULL, lease_until_ms = 0, last_error = $3, \
+                 updated_at_ms = $4 WHERE tenant_id = $5 AND consumer = $6 AND id = $7 AND lease_owner = $8 \
+                 AND attempts = $9 AND state = 'pending'",
+                &[
+                    &state.as_str(),
+                    &to_i64(next_at)?,
+                    &attempt.error,
+                    &to_i64(attempt.at_ms.saturating_add(attempt.latency_ms))?,
+                    &tenant,
+                    &consumer,
+                    &id,
+                    &owner,
+                    &number,
+                ],
+            )
+            .await?;
+        if moved != 1 {
+            return Ok(false);
+        }
+        tx.execute(
+            "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+             ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
+            &[
+                &tenant,
+                &consumer,
+                &id,
+                &number,
+                &to_i64(attempt.at_ms)?,
+                &to_i64(attempt.latency_ms)?,
+                &attempt.status.map(i64::from),
+                &attempt.error,
+                &attempt.next_at_ms.map(to_i64).transpose()?,
+                &owner,
+            ],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                &format!("SELECT {ITEM_COLUMNS} FROM work_items WHERE tenant_id = $1 AND consumer = $2 AND id = $3"),
+                &[&tenant.to_string(), &consumer, &id],
+            )
+            .await?;
+        row.as_ref().map(work_item).transpose()
+    }
+
+    async fn work_list(
+        &self,
+        consumer: &str,
+        tenant: TenantId,
+        subject: &str,
+        state: Option<WorkState>,
+        before_id: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<WorkItem>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {ITEM_COLUMNS} FROM work_items WHERE tenant_id = $1 AND consumer = $2 AND subject = $3 \
+                     AND ($4::text IS NULL OR state = $4) AND ($5::text IS NULL OR id < $5) ORDER BY id DESC LIMIT $6"
+                ),
+                &[&tenant.to_string(), &consumer, &subject, &state.map(WorkState::as_str), &before_id, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(work_item).collect()
+    }
+
+    async fn work_requeue(&self, consumer: &str, tenant: TenantId, id: &str, now_ms: u64) -> Result<bool> {
+        let client = self.pool.get().await?;
+        let moved = client
+            .execute(
+                "UPDATE work_items SET state = 'pending', next_at_ms = $1, round_attempts = 0, lease_owner = NULL, \
+                 lease_until_ms = 0, updated_at_ms = $1 WHERE tenant_id = $2 AND consumer = $3 AND id = $4 AND state <> 'pending'",
+                &[&to_i64(now_ms)?, &tenant.to_string(), &consumer, &id],
+            )
+            .await?;
+        Ok(moved == 1)
+    }
+
+    async fn attempts(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Vec<Attempt>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT number, at_ms, latency_ms, status, error, next_at_ms, owner FROM work_attempts \
+                 WHERE tenant_id = $1 AND consumer = $2 AND item_id = $3 ORDER BY number",
+                &[&tenant.to_string(), &consumer, &id],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(Attempt {
+                    number: to_u32(row.try_get(0)?)?,
+                    at_ms: to_u64(row.try_get(1)?)?,
+                    latency_ms: to_u64(row.try_get(2)?)?,
+                    status: row.try_get::<_, Option<i64>>(3)?.and_then(|s| u16::try_from(s).ok()),
+                    error: row.try_get(4)?,
+                    next_at_ms: row.try_get::<_, Option<i64>>(5)?.map(to_u64).transpose()?,
+                    owner: row.try_get(6)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)> {
+        let client = self.pool.get().await?;
+        let rows =
+            client.query("SELECT state, COUNT(*) FROM work_items WHERE consumer = $1 GROUP BY state", &[&consumer]).await?;
+        let mut counts = (0, 0, 0);
+        for row in rows {
+            let state: String = row.try_get(0)?;
+            let n = to_u64(row.try_get(1)?)?;
+            match WorkState::parse(&state) {
+                Some(WorkState::Pending) => counts.0 = n,
+                Some(WorkState::Done) => counts.1 = n,
+                Some(WorkState::Dead) => counts.2 = n,
+                None => {}
+            }
+        }
+        Ok(counts)
+    }
+
+    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "INSERT INTO secrets (tenant_id, id, value, created_at_ms) VALUES ($1, $2, $3, $4)",
+                &[&tenant.to_string(), &id, &value, &to_i64(now_ms)?],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
+        let client = self.pool.get().await?;
+        let row =
+            client.query_opt("SELECT value FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
+        row.map(|r| r.try_get(0).map_err(Error::from)).transpose()
     }
 }

@@ -13,9 +13,10 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
 
+use super::outbox::{Attempt, CLAIM_ITEMS_MAX, NewWorkItem, OutboxStore, Outcome, WorkItem, WorkState, outcome_columns};
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
-    fold_projections, hash32, to_i64, to_u64, touched_rows,
+    fold_projections, hash32, to_i64, to_u32, to_u64, touched_rows,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -28,7 +29,10 @@ pub const BUSY_TIMEOUT_MS: u64 = 10_000;
 /// Rows per multi-row statement, well under SQLite's 32,766 bound parameters.
 const ROWS_PER_STATEMENT_MAX: usize = 1000;
 
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "log", include_str!("../../../schema/sqlite/0001_log.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "log", include_str!("../../../schema/sqlite/0001_log.sql")),
+    (2, "outbox", include_str!("../../../schema/sqlite/0002_outbox.sql")),
+];
 
 const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
 
@@ -495,5 +499,318 @@ impl EventStore for SqliteStore {
         }
         tx.commit().await?;
         Ok(true)
+    }
+}
+
+const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
+                            last_error, created_at_ms, updated_at_ms";
+
+fn work_item(row: &SqliteRow) -> Result<WorkItem> {
+    let tenant: String = row.try_get(0)?;
+    let payload: String = row.try_get(4)?;
+    let state: String = row.try_get(5)?;
+    Ok(WorkItem {
+        tenant: tenant.parse()?,
+        consumer: row.try_get(1)?,
+        id: row.try_get(2)?,
+        subject: row.try_get(3)?,
+        payload: serde_json::from_str(&payload).map_err(|e| Error::Storage(format!("work item payload: {e}")))?,
+        state: WorkState::parse(&state).ok_or_else(|| Error::Storage(format!("work item state {state:?}")))?,
+        attempts: to_u32(row.try_get(6)?)?,
+        round_attempts: to_u32(row.try_get(7)?)?,
+        next_at_ms: to_u64(row.try_get(8)?)?,
+        last_error: row.try_get(9)?,
+        created_at_ms: to_u64(row.try_get(10)?)?,
+        updated_at_ms: to_u64(row.try_get(11)?)?,
+    })
+}
+
+async fn insert_items(conn: &mut sqlx::SqliteConnection, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+    let now = to_i64(now_ms)?;
+    for chunk in items.chunks(ROWS_PER_STATEMENT_MAX / 4) {
+        let mut q = QueryBuilder::<Sqlite>::new(
+            "INSERT OR IGNORE INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, \
+             next_at_ms, lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) ",
+        );
+        q.push_values(chunk, |mut b, item| {
+            b.push_bind(item.tenant.to_string())
+                .push_bind(consumer.to_owned())
+                .push_bind(item.id.clone())
+                .push_bind(item.subject.clone())
+                .push_bind(item.payload.to_string())
+                .push_bind("pending")
+                .push_bind(0i64)
+                .push_bind(0i64)
+                .push_bind(now)
+                .push_bind(None::<String>)
+                .push_bind(0i64)
+                .push_bind(None::<String>)
+                .push_bind(now)
+                .push_bind(now);
+        });
+        q.build().execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl OutboxStore for SqliteStore {
+    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>> {
+        let now = to_i64(now_ms)?;
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query(
+            "INSERT OR IGNORE INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
+             VALUES (?, 0, 0, NULL, 0, ?)",
+        )
+        .bind(consumer)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        let row = sqlx::query(
+            "UPDATE consumer_cursors SET lease_owner = ?, lease_until_ms = ?, updated_at_ms = ? \
+             WHERE consumer = ? AND (lease_owner IS NULL OR lease_owner = ? OR lease_until_ms < ?) \
+             RETURNING commit_no, commit_index",
+        )
+        .bind(owner)
+        .bind(to_i64(now_ms.saturating_add(lease_ms))?)
+        .bind(now)
+        .bind(consumer)
+        .bind(owner)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
+    }
+
+    async fn cursor_advance(
+        &self,
+        consumer: &str,
+        owner: &str,
+        from: Position,
+        to: Position,
+        items: &[NewWorkItem],
+        now_ms: u64,
+    ) -> Result<bool> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let moved = sqlx::query(
+            "UPDATE consumer_cursors SET commit_no = ?, commit_index = ?, updated_at_ms = ? \
+             WHERE consumer = ? AND lease_owner = ? AND commit_no = ? AND commit_index = ?",
+        )
+        .bind(to_i64(to.commit)?)
+        .bind(i64::from(to.index))
+        .bind(to_i64(now_ms)?)
+        .bind(consumer)
+        .bind(owner)
+        .bind(to_i64(from.commit)?)
+        .bind(i64::from(from.index))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if moved != 1 {
+            return Ok(false);
+        }
+        insert_items(&mut tx, consumer, items, now_ms).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        insert_items(&mut tx, consumer, items, now_ms).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>> {
+        let now = to_i64(now_ms)?;
+        // One statement: SQLite has one writer, so nothing else can claim between the select
+        // and the update.
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE work_items SET lease_owner = ?, lease_until_ms = ?, attempts = attempts + 1, \
+             round_attempts = round_attempts + 1, updated_at_ms = ? \
+             WHERE rowid IN (SELECT rowid FROM work_items WHERE consumer = ? AND state = 'pending' \
+             AND next_at_ms <= ? AND lease_until_ms <= ? ORDER BY next_at_ms LIMIT ?) \
+             RETURNING {ITEM_COLUMNS}"
+        )))
+        .bind(owner)
+        .bind(to_i64(now_ms.saturating_add(lease_ms))?)
+        .bind(now)
+        .bind(consumer)
+        .bind(now)
+        .bind(now)
+        .bind(i64::from(limit.min(CLAIM_ITEMS_MAX)))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(work_item).collect()
+    }
+
+    async fn work_complete(
+        &self,
+        consumer: &str,
+        tenant: TenantId,
+        id: &str,
+        owner: &str,
+        attempt: &Attempt,
+        outcome: &Outcome,
+    ) -> Result<bool> {
+        let (state, next_at) = outcome_columns(outcome, attempt.at_ms);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let moved = sqlx::query(
+            "UPDATE work_items SET state = ?, next_at_ms = ?, lease_owner = NULL, lease_until_ms = 0, last_error = ?, \
+             updated_at_ms = ? WHERE tenant_id = ? AND consumer = ? AND id = ? AND lease_owner = ? AND attempts = ? \
+             AND state = 'pending'",
+        )
+        .bind(state.as_str())
+        .bind(to_i64(next_at)?)
+        .bind(attempt.error.as_deref())
+        .bind(to_i64(attempt.at_ms.saturating_add(attempt.latency_ms))?)
+        .bind(tenant.to_string())
+        .bind(consumer)
+        .bind(id)
+        .bind(owner)
+        .bind(i64::from(attempt.number))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if moved != 1 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT OR REPLACE INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, \
+             next_at_ms, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(tenant.to_string())
+        .bind(consumer)
+        .bind(id)
+        .bind(i64::from(attempt.number))
+        .bind(to_i64(attempt.at_ms)?)
+        .bind(to_i64(attempt.latency_ms)?)
+        .bind(attempt.status.map(i64::from))
+        .bind(attempt.error.as_deref())
+        .bind(attempt.next_at_ms.map(to_i64).transpose()?)
+        .bind(owner)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {ITEM_COLUMNS} FROM work_items WHERE tenant_id = ? AND consumer = ? AND id = ?"
+        )))
+        .bind(tenant.to_string())
+        .bind(consumer)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(work_item).transpose()
+    }
+
+    async fn work_list(
+        &self,
+        consumer: &str,
+        tenant: TenantId,
+        subject: &str,
+        state: Option<WorkState>,
+        before_id: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<WorkItem>> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {ITEM_COLUMNS} FROM work_items WHERE tenant_id = ? AND consumer = ? AND subject = ? \
+             AND (? IS NULL OR state = ?) AND (? IS NULL OR id < ?) ORDER BY id DESC LIMIT ?"
+        )))
+        .bind(tenant.to_string())
+        .bind(consumer)
+        .bind(subject)
+        .bind(state.map(WorkState::as_str))
+        .bind(state.map(WorkState::as_str))
+        .bind(before_id)
+        .bind(before_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(work_item).collect()
+    }
+
+    async fn work_requeue(&self, consumer: &str, tenant: TenantId, id: &str, now_ms: u64) -> Result<bool> {
+        let now = to_i64(now_ms)?;
+        let moved = sqlx::query(
+            "UPDATE work_items SET state = 'pending', next_at_ms = ?, round_attempts = 0, lease_owner = NULL, \
+             lease_until_ms = 0, updated_at_ms = ? WHERE tenant_id = ? AND consumer = ? AND id = ? AND state <> 'pending'",
+        )
+        .bind(now)
+        .bind(now)
+        .bind(tenant.to_string())
+        .bind(consumer)
+        .bind(id)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(moved == 1)
+    }
+
+    async fn attempts(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Vec<Attempt>> {
+        let rows = sqlx::query(
+            "SELECT number, at_ms, latency_ms, status, error, next_at_ms, owner FROM work_attempts \
+             WHERE tenant_id = ? AND consumer = ? AND item_id = ? ORDER BY number",
+        )
+        .bind(tenant.to_string())
+        .bind(consumer)
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(Attempt {
+                    number: to_u32(row.try_get(0)?)?,
+                    at_ms: to_u64(row.try_get(1)?)?,
+                    latency_ms: to_u64(row.try_get(2)?)?,
+                    status: row.try_get::<Option<i64>, _>(3)?.and_then(|s| u16::try_from(s).ok()),
+                    error: row.try_get(4)?,
+                    next_at_ms: row.try_get::<Option<i64>, _>(5)?.map(to_u64).transpose()?,
+                    owner: row.try_get(6)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)> {
+        let rows = sqlx::query("SELECT state, COUNT(*) FROM work_items WHERE consumer = ? GROUP BY state")
+            .bind(consumer)
+            .fetch_all(&self.pool)
+            .await?;
+        let mut counts = (0, 0, 0);
+        for row in rows {
+            let state: String = row.try_get(0)?;
+            let n = to_u64(row.try_get(1)?)?;
+            match WorkState::parse(&state) {
+                Some(WorkState::Pending) => counts.0 = n,
+                Some(WorkState::Done) => counts.1 = n,
+                Some(WorkState::Dead) => counts.2 = n,
+                None => {}
+            }
+        }
+        Ok(counts)
+    }
+
+    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
+        sqlx::query("INSERT INTO secrets (tenant_id, id, value, created_at_ms) VALUES (?, ?, ?, ?)")
+            .bind(tenant.to_string())
+            .bind(id)
+            .bind(value)
+            .bind(to_i64(now_ms)?)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
+        Ok(sqlx::query_scalar("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
+            .bind(tenant.to_string())
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
     }
 }

@@ -1,0 +1,202 @@
+//! `better-compute webhooks …`: the `webhooks.*` methods with typed flags. A signing secret is
+//! printed once, or with `--secret-out FILE` written to a new 0600 file (never over one that
+//! exists) and left out of the output.
+
+use std::path::PathBuf;
+
+use bc_core::id::WebhookId;
+use clap::Subcommand;
+use serde_json::{Map, Value, json};
+
+use crate::client::{CliError, Client};
+
+#[derive(Subcommand)]
+pub enum WebhooksCommand {
+    /// A tenant's webhooks.
+    List {
+        #[command(flatten)]
+        page: crate::Page,
+    },
+    Get {
+        webhook_id: String,
+    },
+    /// Subscribe a receiver. The signing secret (`whsec_…`) is shown once.
+    Create {
+        /// The receiver's URL: https:// (http:// only to loopback in dev).
+        #[arg(long)]
+        endpoint: String,
+        /// Comma-separated type patterns (`pool.*,node.registered`, or `*`).
+        #[arg(long)]
+        types: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// Write the secret to this new file (mode 0600) instead of printing it.
+        #[arg(long)]
+        secret_out: Option<PathBuf>,
+        /// Idempotency key (default: a fresh one, printed on stderr).
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Change the receiver, the types or the description.
+    Update {
+        webhook_id: String,
+        #[arg(long)]
+        endpoint: Option<String>,
+        #[arg(long)]
+        types: Option<String>,
+        #[arg(long)]
+        description: Option<String>,
+        /// Only if the webhook is still at this version.
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Delete a webhook; its pending deliveries die.
+    Delete {
+        webhook_id: String,
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Send a test delivery (`webhook.pinged`) to this webhook only.
+    Ping {
+        webhook_id: String,
+    },
+    /// A new signing secret, shown once; the old one keeps signing beside it for a while.
+    RotateSecret {
+        webhook_id: String,
+        /// How long the old secret keeps signing: seconds (0 to 604800; default 86400).
+        #[arg(long)]
+        previous_valid_s: Option<u64>,
+        #[arg(long)]
+        secret_out: Option<PathBuf>,
+    },
+    /// Deliveries and their attempts, newest first.
+    Deliveries {
+        webhook_id: String,
+        /// pending, done or dead.
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        page: crate::Page,
+    },
+    /// Queue a done or dead delivery again.
+    Redeliver {
+        webhook_id: String,
+        /// `evt_…/wh_…`, from `deliveries`.
+        delivery_id: String,
+    },
+    /// Every event type a webhook can subscribe to.
+    EventTypes,
+}
+
+fn types(list: &str) -> Value {
+    json!(list.split(',').map(str::trim).filter(|t| !t.is_empty()).collect::<Vec<_>>())
+}
+
+/// Moves the secret out of `value` into a new 0600 file, if asked to.
+fn secret_out(value: &mut Value, path: &Option<PathBuf>) -> Result<(), CliError> {
+    let Some(path) = path else { return Ok(()) };
+    let Some(secret) = value.get("secret").and_then(Value::as_str).map(str::to_owned) else {
+        return Ok(());
+    };
+    bc_core::keys::write_secret_file(path, format!("{secret}\n").as_bytes()).map_err(|e| {
+        CliError::from(e).hint("the webhook exists; run rotate-secret --secret-out NEW_FILE to get a secret you can keep")
+    })?;
+    value["secret"] = json!(format!("written to {}", path.display()));
+    Ok(())
+}
+
+/// Runs one `webhooks` command; returns the result to print and whether it is a list.
+pub async fn run(c: &Client, mut body: Map<String, Value>, command: &WebhooksCommand) -> Result<(Value, bool), CliError> {
+    let id = |text: &str| crate::check_id::<WebhookId>("WEBHOOK_ID", text);
+    let call = |method: &'static str, body: Map<String, Value>, key: Option<String>| async move {
+        c.call(method, &Value::Object(body), key.as_deref()).await
+    };
+    Ok(match command {
+        WebhooksCommand::List { page } => {
+            crate::add_page(&mut body, page);
+            (call("webhooks.list", body, None).await?, true)
+        }
+        WebhooksCommand::Get { webhook_id } => {
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            (call("webhooks.get", body, None).await?, false)
+        }
+        WebhooksCommand::Create { endpoint, types: list, description, secret_out: out, key } => {
+            if let Some(path) = out
+                && path.exists()
+            {
+                return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", path.display()))
+                    .hint("--secret-out never overwrites: give a new file"));
+            }
+            body.insert("url".into(), json!(endpoint));
+            body.insert("eventTypes".into(), types(list));
+            body.insert("description".into(), json!(description));
+            let key = crate::idempotency_key(key);
+            let mut value = call("webhooks.create", body, Some(key)).await?;
+            secret_out(&mut value, out)?;
+            (value, false)
+        }
+        WebhooksCommand::Update { webhook_id, endpoint, types: list, description, if_version } => {
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            if let Some(endpoint) = endpoint {
+                body.insert("url".into(), json!(endpoint));
+            }
+            if let Some(list) = list {
+                body.insert("eventTypes".into(), types(list));
+            }
+            if let Some(description) = description {
+                body.insert("description".into(), json!(description));
+            }
+            if let Some(v) = if_version {
+                body.insert("ifVersion".into(), json!(v));
+            }
+            if endpoint.is_none() && list.is_none() && description.is_none() {
+                return Err(CliError::usage("nothing to update: give --endpoint, --types or --description"));
+            }
+            (call("webhooks.update", body, None).await?, false)
+        }
+        WebhooksCommand::Delete { webhook_id, if_version } => {
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            if let Some(v) = if_version {
+                body.insert("ifVersion".into(), json!(v));
+            }
+            (call("webhooks.delete", body, None).await?, false)
+        }
+        WebhooksCommand::Ping { webhook_id } => {
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            (call("webhooks.ping", body, None).await?, false)
+        }
+        WebhooksCommand::RotateSecret { webhook_id, previous_valid_s, secret_out: out } => {
+            if let Some(path) = out
+                && path.exists()
+            {
+                return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", path.display()))
+                    .hint("--secret-out never overwrites: give a new file"));
+            }
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            if let Some(s) = previous_valid_s {
+                body.insert("previousValidS".into(), json!(s));
+            }
+            let mut value = call("webhooks.rotateSecret", body, None).await?;
+            secret_out(&mut value, out)?;
+            (value, false)
+        }
+        WebhooksCommand::Deliveries { webhook_id, state, page } => {
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            if let Some(state) = state {
+                body.insert("state".into(), json!(state));
+            }
+            crate::add_page(&mut body, page);
+            (call("webhooks.deliveries", body, None).await?, true)
+        }
+        WebhooksCommand::Redeliver { webhook_id, delivery_id } => {
+            body.insert("webhookId".into(), json!(id(webhook_id)?));
+            body.insert("deliveryId".into(), json!(delivery_id));
+            (call("webhooks.redeliver", body, None).await?, false)
+        }
+        WebhooksCommand::EventTypes => {
+            let value = call("webhooks.eventTypes", Map::new(), None).await?;
+            let items: Vec<Value> = value["items"].as_array().into_iter().flatten().map(|t| json!({ "type": t })).collect();
+            (json!({ "items": items }), true)
+        }
+    })
+}

@@ -1,0 +1,177 @@
+//! The outbox consumers' storage: cursors, work items, attempts, and write-only secrets.
+//!
+//! A consumer (`webhooks`, …) reads the log by outbox position from its durable **cursor** and
+//! turns events into **work items** (one delivery of one event to one receiver). Work items are
+//! claimed with a **lease**: a process that dies holding one loses it when the lease runs out,
+//! and another process claims the item again. So delivery is at least once, and handlers must be
+//! idempotent.
+//!
+//! - Fan-out: one process at a time holds a consumer's cursor lease. Advancing the cursor and
+//!   inserting the items it produced is one transaction, and item ids are deterministic, so a
+//!   fan-out repeated after a crash inserts nothing twice.
+//! - Claiming: PostgreSQL claims with `FOR UPDATE SKIP LOCKED`, so processes never wait on each
+//!   other's rows; SQLite has one writer, and a claim is one `UPDATE … RETURNING`.
+//! - Completing: only the lease holder may complete an item (`lease_owner` is checked), and the
+//!   attempt is recorded in the same transaction as the item's new state.
+//!
+//! None of this is the log: cursors, items and attempts are operational state. Deleting them
+//! loses delivery history, never an event.
+
+use async_trait::async_trait;
+
+use crate::error::Result;
+use crate::event::Position;
+use crate::id::TenantId;
+
+/// Items one claim returns at most.
+pub const CLAIM_ITEMS_MAX: u32 = 256;
+/// Longest error text kept per attempt.
+pub const ATTEMPT_ERROR_CHARS_MAX: usize = 512;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkState {
+    /// Waiting for `next_at_ms`, or leased and in flight.
+    Pending,
+    Done,
+    /// Gave up after the last attempt; an operator may retry it.
+    Dead,
+}
+
+impl WorkState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Done => "done",
+            Self::Dead => "dead",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "pending" => Some(Self::Pending),
+            "done" => Some(Self::Done),
+            "dead" => Some(Self::Dead),
+            _ => None,
+        }
+    }
+}
+
+/// A work item to create.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewWorkItem {
+    pub tenant: TenantId,
+    /// Unique per consumer and tenant, and the same however often the fan-out runs.
+    pub id: String,
+    /// What it is for (a webhook id), for listing.
+    pub subject: String,
+    pub payload: serde_json::Value,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkItem {
+    pub tenant: TenantId,
+    pub consumer: String,
+    pub id: String,
+    pub subject: String,
+    pub payload: serde_json::Value,
+    pub state: WorkState,
+    /// Every attempt ever made (numbering the attempt records).
+    pub attempts: u32,
+    /// Attempts since the item was last (re)queued, for the back-off.
+    pub round_attempts: u32,
+    pub next_at_ms: u64,
+    pub last_error: Option<String>,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+/// How an attempt ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    Done,
+    /// Try again at `next_at_ms`.
+    Retry {
+        next_at_ms: u64,
+    },
+    Dead,
+}
+
+/// One attempt, as recorded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attempt {
+    pub number: u32,
+    pub at_ms: u64,
+    pub latency_ms: u64,
+    /// The receiver's HTTP status, if it answered.
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    /// Set when the attempt scheduled another.
+    pub next_at_ms: Option<u64>,
+    pub owner: String,
+}
+
+#[async_trait]
+pub trait OutboxStore: Send + Sync + 'static {
+    /// Takes (or renews) `consumer`'s fan-out lease for `owner`; returns the cursor, or `None`
+    /// while another owner's lease runs. A new consumer starts at the beginning of the log.
+    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>>;
+    /// Inserts `items` (skipping ids that exist) and moves the cursor from `from` to `to`, in
+    /// one transaction, if `owner` still holds the lease at `from`. False: the lease was lost
+    /// and nothing was written.
+    async fn cursor_advance(
+        &self,
+        consumer: &str,
+        owner: &str,
+        from: Position,
+        to: Position,
+        items: &[NewWorkItem],
+        now_ms: u64,
+    ) -> Result<bool>;
+    /// Inserts items directly, skipping ids that exist (for work not driven by the cursor).
+    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()>;
+    /// Leases up to `limit` due pending items (oldest due first) to `owner` and counts the
+    /// attempt they are about to get.
+    async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>>;
+    /// Records `attempt` and moves the item on, if `owner` still holds its lease. False: the
+    /// lease ran out and another owner may have the item; nothing was written.
+    async fn work_complete(
+        &self,
+        consumer: &str,
+        tenant: TenantId,
+        id: &str,
+        owner: &str,
+        attempt: &Attempt,
+        outcome: &Outcome,
+    ) -> Result<bool>;
+    async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>>;
+    /// A subject's items by id (newest first when ids are ULID-ordered: descending), after the
+    /// cursor `before_id`, optionally in one state.
+    async fn work_list(
+        &self,
+        consumer: &str,
+        tenant: TenantId,
+        subject: &str,
+        state: Option<WorkState>,
+        before_id: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<WorkItem>>;
+    /// Queues a done or dead item again, due now, with a fresh back-off. False: no such item, or
+    /// it is still pending.
+    async fn work_requeue(&self, consumer: &str, tenant: TenantId, id: &str, now_ms: u64) -> Result<bool>;
+    async fn attempts(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Vec<Attempt>>;
+    /// How many of a consumer's items are pending, done and dead.
+    async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)>;
+
+    /// Stores a write-only secret (a webhook signing key). Not part of the log.
+    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
+}
+
+/// The state and due time an outcome leaves an item in.
+pub(crate) fn outcome_columns(outcome: &Outcome, at_ms: u64) -> (WorkState, u64) {
+    match outcome {
+        Outcome::Done => (WorkState::Done, at_ms),
+        Outcome::Retry { next_at_ms } => (WorkState::Pending, *next_at_ms),
+        Outcome::Dead => (WorkState::Dead, at_ms),
+    }
+}

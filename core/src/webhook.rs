@@ -1,0 +1,288 @@
+//! Webhook signing (Standard Webhooks) and the receiver-URL policy. Pure: no IO.
+//!
+//! A delivery carries `webhook-id` (the message id, the same on every retry), `webhook-timestamp`
+//! (Unix seconds of this attempt) and `webhook-signature`: space-separated `v1,BASE64` HMAC-SHA256
+//! signatures over `{id}.{timestamp}.{body}`, one per secret in use (two while a rotated-out
+//! secret is still honoured). Secrets are `whsec_` followed by the base64 of 32 random bytes.
+//!
+//! The URL policy keeps deliveries out of the operator's network (server-side request forgery):
+//! `https://` only, except `http://` to loopback where the deployment allows loopback (`dev`);
+//! loopback, private and link-local addresses only where the deployment allows them; never the
+//! unspecified, multicast, broadcast or documentation ranges. The gateway checks a URL's text
+//! when it is saved; the deliverer checks every address the name resolves to, at delivery time,
+//! and connects only to an address it checked.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use base64::Engine;
+use hmac::{KeyInit, Mac};
+
+use crate::error::{Error, Result};
+
+pub const SECRET_PREFIX: &str = "whsec_";
+/// Random bytes in a generated secret.
+pub const SECRET_BYTES: usize = 32;
+/// Longest receiver URL.
+pub const URL_BYTES_MAX: usize = 2048;
+/// How far a receiver should accept a timestamp from its own clock (the spec's suggestion).
+pub const TIMESTAMP_TOLERANCE_S: u64 = 300;
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// A signing secret: `whsec_` + base64 of the key bytes.
+#[derive(Clone)]
+pub struct Secret(Vec<u8>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(…)")
+    }
+}
+
+impl Secret {
+    pub fn generate() -> Self {
+        Self(rand::random::<[u8; SECRET_BYTES]>().to_vec())
+    }
+
+    pub fn parse(text: &str) -> Result<Self> {
+        let b64 = text.trim().strip_prefix(SECRET_PREFIX).ok_or_else(|| Error::invalid("a webhook secret starts with whsec_"))?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|_| Error::invalid("a webhook secret is whsec_ followed by base64"))?;
+        if !(24..=64).contains(&bytes.len()) {
+            return Err(Error::invalid("a webhook secret holds 24 to 64 bytes"));
+        }
+        Ok(Self(bytes))
+    }
+
+    /// The text form, `whsec_…`. It is a secret: show it once, never log it.
+    pub fn expose(&self) -> String {
+        format!("{SECRET_PREFIX}{}", base64::engine::general_purpose::STANDARD.encode(&self.0))
+    }
+
+    /// `v1,BASE64` over `{id}.{timestamp}.{body}`.
+    pub fn sign(&self, msg_id: &str, timestamp_s: u64, body: &[u8]) -> String {
+        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        mac.update(msg_id.as_bytes());
+        mac.update(b".");
+        mac.update(timestamp_s.to_string().as_bytes());
+        mac.update(b".");
+        mac.update(body);
+        format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes()))
+    }
+}
+
+/// The `webhook-signature` header value: one signature per secret.
+pub fn signature_header(secrets: &[Secret], msg_id: &str, timestamp_s: u64, body: &[u8]) -> String {
+    secrets.iter().map(|s| s.sign(msg_id, timestamp_s, body)).collect::<Vec<_>>().join(" ")
+}
+
+/// What a receiver does: true when any `v1` signature in `header` is `secret`'s over the message,
+/// compared in constant time, and the timestamp is within the tolerance of `now_s`.
+pub fn verify(secret: &Secret, msg_id: &str, timestamp_s: u64, body: &[u8], header: &str, now_s: u64) -> bool {
+    if now_s.abs_diff(timestamp_s) > TIMESTAMP_TOLERANCE_S {
+        return false;
+    }
+    let mut mac = HmacSha256::new_from_slice(&secret.0).expect("HMAC takes keys of any length");
+    mac.update(format!("{msg_id}.{timestamp_s}.").as_bytes());
+    mac.update(body);
+    let expected = mac.finalize().into_bytes();
+    header.split(' ').filter_map(|sig| sig.strip_prefix("v1,")).any(|b64| {
+        base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .is_ok_and(|given| given.len() == expected.len() && constant_time_eq(&given, &expected))
+    })
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Which receivers a deployment may deliver to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointPolicy {
+    /// `http://` and addresses on loopback (`dev`, tests).
+    pub allow_loopback: bool,
+    /// Private (RFC 1918, unique-local, CGNAT) and link-local addresses.
+    pub allow_private: bool,
+}
+
+/// What an address is, for the policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddressClass {
+    Public,
+    Loopback,
+    Private,
+    /// Never a receiver: unspecified, multicast, broadcast, documentation, reserved.
+    Forbidden,
+}
+
+pub fn classify(ip: IpAddr) -> AddressClass {
+    match ip {
+        IpAddr::V4(v4) => classify_v4(v4),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return classify_v4(v4);
+            }
+            let seg0 = v6.segments()[0];
+            if v6.is_loopback() {
+                AddressClass::Loopback
+            } else if v6.is_unspecified() || v6.is_multicast() || seg0 == 0x2001 && v6.segments()[1] == 0x0db8 {
+                AddressClass::Forbidden
+            } else if (seg0 & 0xfe00) == 0xfc00 || (seg0 & 0xffc0) == 0xfe80 {
+                AddressClass::Private
+            } else if seg0 == 0x0064 && v6.segments()[1] == 0xff9b || seg0 == 0x2002 || v6.segments()[..6] == [0; 6] {
+                // NAT64, 6to4 and IPv4-compatible addresses embed an IPv4 address the policy
+                // cannot see through: refuse rather than guess.
+                AddressClass::Forbidden
+            } else {
+                AddressClass::Public
+            }
+        }
+    }
+}
+
+fn classify_v4(v4: Ipv4Addr) -> AddressClass {
+    let [a, b, c, _] = v4.octets();
+    if v4.is_loopback() {
+        AddressClass::Loopback
+    } else if v4.is_unspecified()
+        || v4.is_multicast()
+        || v4.is_broadcast()
+        || a == 0
+        || a >= 240
+        || (a, b, c) == (192, 0, 2)
+        || (a, b, c) == (198, 51, 100)
+        || (a, b, c) == (203, 0, 113)
+        || (a, b & 0xfe) == (198, 18)
+    {
+        AddressClass::Forbidden
+    } else if v4.is_private() || v4.is_link_local() || (a == 100 && (b & 0xc0) == 64) || (a, b, c) == (192, 0, 0) {
+        AddressClass::Private
+    } else {
+        AddressClass::Public
+    }
+}
+
+impl EndpointPolicy {
+    /// Whether a delivery may connect to `ip`.
+    pub fn admits(&self, ip: IpAddr) -> Result<()> {
+        let refused = |why: &str| Error::InvalidArgument {
+            message: format!("receiver address {ip} is {why}"),
+            hint: Some("webhook receivers must be public https endpoints unless the deployment allows otherwise".into()),
+        };
+        match classify(ip) {
+            AddressClass::Public => Ok(()),
+            AddressClass::Loopback if self.allow_loopback => Ok(()),
+            AddressClass::Loopback => Err(refused("loopback")),
+            AddressClass::Private if self.allow_private => Ok(()),
+            AddressClass::Private => Err(refused("private or link-local")),
+            AddressClass::Forbidden => Err(refused("not a unicast address a receiver can have")),
+        }
+    }
+
+    /// Checks a receiver URL's text: scheme, credentials, host. A host name is checked again,
+    /// address by address, when a delivery resolves it.
+    pub fn check_url(&self, text: &str) -> Result<url::Url> {
+        let invalid = |message: String| Error::InvalidArgument {
+            message,
+            hint: Some("give an https:// URL of a public receiver, such as https://hooks.example.com/compute".into()),
+        };
+        if text.len() > URL_BYTES_MAX {
+            return Err(invalid(format!("the URL is longer than {URL_BYTES_MAX} bytes")));
+        }
+        let url = url::Url::parse(text).map_err(|e| invalid(format!("malformed URL: {e}")))?;
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(invalid("the URL must not carry credentials".into()));
+        }
+        if url.fragment().is_some() {
+            return Err(invalid("the URL must not have a #fragment".into()));
+        }
+        let loopback_host = match url.host() {
+            None => return Err(invalid("the URL has no host".into())),
+            Some(url::Host::Ipv4(v4)) => {
+                self.admits(IpAddr::V4(v4))?;
+                v4.is_loopback()
+            }
+            Some(url::Host::Ipv6(v6)) => {
+                self.admits(IpAddr::V6(v6))?;
+                v6.is_loopback()
+            }
+            Some(url::Host::Domain(name)) => {
+                let name = name.trim_end_matches('.').to_ascii_lowercase();
+                let loopback = name == "localhost" || name.ends_with(".localhost");
+                if loopback && !self.allow_loopback {
+                    return Err(invalid(format!("{name} is loopback")));
+                }
+                if !loopback && !name.contains('.') {
+                    return Err(invalid(format!("{name:?} is not a fully qualified host name")));
+                }
+                loopback
+            }
+        };
+        match url.scheme() {
+            "https" => Ok(url),
+            "http" if loopback_host && self.allow_loopback => Ok(url),
+            "http" => Err(invalid("receivers must use https:// (http:// only to loopback in dev)".into())),
+            other => Err(invalid(format!("scheme {other:?} is not https"))),
+        }
+    }
+}
+
+/// The loopback addresses `localhost` stands for.
+pub const LOCALHOST: [IpAddr; 2] = [IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standard_webhooks_known_answer() {
+        // The specification's example secret, message and signature.
+        let secret = Secret::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let body = br#"{"test": 2432232314}"#;
+        let sig = secret.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body);
+        assert_eq!(sig, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+        let header = format!("v1,bm9wZQ== {sig}");
+        assert!(verify(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body, &header, 1614265330 + 10));
+        assert!(!verify(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b"{}", &header, 1614265330));
+        assert!(!verify(&secret, "msg_other", 1614265330, body, &header, 1614265330));
+        assert!(!verify(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body, &header, 1614265330 + 301));
+        assert_eq!(Secret::parse(&secret.expose()).unwrap().0, secret.0);
+        assert!(Secret::parse("whsec_").is_err() && Secret::parse("nope").is_err());
+    }
+
+    #[test]
+    fn url_policy() {
+        let public = EndpointPolicy::default();
+        let dev = EndpointPolicy { allow_loopback: true, allow_private: false };
+        let lan = EndpointPolicy { allow_loopback: false, allow_private: true };
+        assert!(public.check_url("https://hooks.example.com/compute").is_ok());
+        for bad in [
+            "http://hooks.example.com/x",
+            "ftp://hooks.example.com/x",
+            "https://user:pw@hooks.example.com/",
+            "https://127.0.0.1/",
+            "https://localhost/",
+            "https://10.1.2.3/",
+            "https://192.168.0.1/",
+            "https://169.254.169.254/latest/meta-data",
+            "https://[fe80::1]/",
+            "https://[fd00::1]/",
+            "https://[::ffff:10.0.0.1]/",
+            "https://0.0.0.0/",
+            "https://224.0.0.1/",
+            "https://100.64.0.1/",
+            "https://intranet/",
+            "not a url",
+        ] {
+            assert!(public.check_url(bad).is_err(), "{bad} should be refused");
+        }
+        assert!(dev.check_url("http://127.0.0.1:8080/hook").is_ok());
+        assert!(dev.check_url("http://localhost:8080/hook").is_ok());
+        assert!(dev.check_url("http://10.0.0.1/hook").is_err());
+        assert!(lan.check_url("https://10.0.0.1/hook").is_ok());
+        assert!(lan.check_url("http://10.0.0.1/hook").is_err());
+        assert!(lan.check_url("https://127.0.0.1/hook").is_err());
+    }
+}

@@ -1,0 +1,17 @@
+//! `bc-reconcilers`: the outbox consumers, each runnable in its own process
+//! (`better-compute reconcile --only NAME`) or inside `dev`.
+//!
+//! Layout:
+//! - [`outbox`]: the framework: the [`outbox::Consumer`] trait, the fan-out and work loops, leases,
+//!   the retry schedule and dead letters;
+//! - [`webhooks`]: signed webhook deliveries (Standard Webhooks).
+//!
+//! Dependencies: `bc-core` (storage, signing, the URL policy) and `bc-projections` (the
+//! documents consumers read). Never the gateway: consumers talk to the database, not to HTTP
+//! handlers.
+
+pub mod outbox;
+pub mod webhooks;
+
+/// Every consumer this version knows, by name.
+pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];

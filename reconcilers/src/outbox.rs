@@ -1,0 +1,325 @@
+//! The outbox consumer framework: a named [`Consumer`] turns committed events into work items
+//! (fan-out) and does each item (handle); [`run`] drives both against the database, in as many
+//! processes as you like.
+//!
+//! - **Fan-out** reads the log by outbox position from the consumer's durable cursor, under the
+//!   cursor's lease (one process at a time), and writes the items with the cursor move in one
+//!   transaction. Item ids are deterministic, so a fan-out redone after a crash adds nothing.
+//! - **Work** is claimed in leases (`FOR UPDATE SKIP LOCKED` on PostgreSQL), so processes split
+//!   it; an item whose process died is claimed again when its lease runs out. Delivery is at
+//!   least once: handlers must be idempotent.
+//! - **Failures** are retried on [`RetryPolicy`]'s schedule (exponential, with jitter); after the
+//!   last attempt an item is dead, where an operator sees it and can queue it again.
+//!
+//! Time comes from the [`Clock`]; jitter from a seeded generator, so a schedule replays.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bc_core::Result;
+use bc_core::clock::Clock;
+use bc_core::event::StoredEvent;
+use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, NewWorkItem, Outcome, WorkItem};
+use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
+use rand::{Rng, RngExt, SeedableRng};
+
+/// Events one fan-out step reads.
+pub const FAN_OUT_EVENTS_MAX: u32 = READ_ROWS_MAX;
+/// Items one process works on at once, at most.
+pub const CONCURRENCY_MAX: usize = 256;
+
+/// When to try again. After the `n`th failed attempt of a round (n ≥ 1) the next comes
+/// `base × factor^(n-1)` later, at most `max_delay`, scaled by a random factor in
+/// `[1 - jitter, 1 + jitter)`. After `attempts_max` attempts the item is dead.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RetryPolicy {
+    pub base_ms: u64,
+    pub factor: u64,
+    pub max_delay_ms: u64,
+    pub attempts_max: u32,
+    pub jitter: f64,
+}
+
+impl RetryPolicy {
+    /// 5 s, 20 s, 80 s, 5m20s, 21m20s, 1h25m, 5h41m: eight attempts over about 7.5 hours.
+    pub const DEFAULT: Self = Self { base_ms: 5_000, factor: 4, max_delay_ms: 6 * 3600 * 1000, attempts_max: 8, jitter: 0.2 };
+
+    /// The delay after the `n`th failed attempt, before jitter.
+    pub fn nominal_delay_ms(&self, n: u32) -> u64 {
+        let mut delay = self.base_ms;
+        for _ in 1..n {
+            delay = delay.saturating_mul(self.factor);
+            if delay >= self.max_delay_ms {
+                return self.max_delay_ms;
+            }
+        }
+        delay.min(self.max_delay_ms)
+    }
+
+    pub fn delay_ms(&self, n: u32, rng: &mut impl Rng) -> u64 {
+        let nominal = self.nominal_delay_ms(n) as f64;
+        let scale = 1.0 - self.jitter + rng.random::<f64>() * 2.0 * self.jitter;
+        (nominal * scale).round() as u64
+    }
+}
+
+/// How one attempt went, as the handler saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Handled {
+    pub ok: bool,
+    /// False: retrying cannot help (the item is dead at once).
+    pub retryable: bool,
+    pub status: Option<u16>,
+    pub error: Option<String>,
+}
+
+impl Handled {
+    pub fn ok(status: Option<u16>) -> Self {
+        Self { ok: true, retryable: false, status, error: None }
+    }
+
+    pub fn retry(status: Option<u16>, error: impl Into<String>) -> Self {
+        Self { ok: false, retryable: true, status, error: Some(error.into()) }
+    }
+
+    pub fn fatal(status: Option<u16>, error: impl Into<String>) -> Self {
+        Self { ok: false, retryable: false, status, error: Some(error.into()) }
+    }
+}
+
+/// One named consumer of the outbox.
+#[async_trait]
+pub trait Consumer: Send + Sync + 'static {
+    /// Its name: the cursor's and the items' key. Never rename a consumer in use.
+    fn name(&self) -> &'static str;
+    /// The items these committed events give rise to (ids deterministic per event).
+    async fn fan_out(&self, store: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>>;
+    /// Does one item. It may run more than once for the same item.
+    async fn handle(&self, store: &dyn EventStore, item: &WorkItem) -> Handled;
+}
+
+#[derive(Clone)]
+pub struct RunnerConfig {
+    /// This process's name in leases (unique per process).
+    pub owner: String,
+    /// How long a claim lasts; longer than any one handler call can take.
+    pub lease_ms: u64,
+    /// How often an idle runner looks for work it was not told about.
+    pub poll_ms: u64,
+    pub concurrency: usize,
+    pub retry: RetryPolicy,
+    pub clock: Arc<dyn Clock>,
+    /// For the jitter.
+    pub seed: u64,
+}
+
+impl RunnerConfig {
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            owner: format!("{}-{}", std::process::id(), ulid::Ulid::generate().to_string().to_lowercase()),
+            lease_ms: 60_000,
+            poll_ms: 250,
+            concurrency: 32,
+            retry: RetryPolicy::DEFAULT,
+            clock,
+            seed: rand::random(),
+        }
+    }
+}
+
+/// Runs `consumer` until `shutdown` turns true: the fan-out and the workers. `wake` (the
+/// in-process appender's commit notification) makes the fan-out prompt; without it, it polls.
+pub async fn run(
+    store: Arc<dyn EventStore>,
+    consumer: Arc<dyn Consumer>,
+    config: RunnerConfig,
+    wake: Option<tokio::sync::watch::Receiver<u64>>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let work_ready = Arc::new(tokio::sync::Notify::new());
+    tracing::info!(consumer = consumer.name(), owner = %config.owner, "consumer started");
+    let fan = fan_out_loop(store.clone(), consumer.clone(), config.clone(), wake, shutdown.clone(), work_ready.clone());
+    let work = work_loop(store, consumer.clone(), config, shutdown, work_ready);
+    tokio::join!(fan, work);
+    tracing::info!(consumer = consumer.name(), "consumer stopped");
+}
+
+async fn fan_out_loop(
+    store: Arc<dyn EventStore>,
+    consumer: Arc<dyn Consumer>,
+    config: RunnerConfig,
+    mut wake: Option<tokio::sync::watch::Receiver<u64>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    work_ready: Arc<tokio::sync::Notify>,
+) {
+    let name = consumer.name();
+    while !*shutdown.borrow() {
+        let progressed = match fan_out_step(&*store, &*consumer, &config).await {
+            Ok(Some(n)) => {
+                if n > 0 {
+                    work_ready.notify_one();
+                }
+                true
+            }
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(consumer = name, code = %e.code(), error = %e, "fan-out failed; retrying");
+                false
+            }
+        };
+        if progressed {
+            continue;
+        }
+        let sleep = tokio::time::sleep(Duration::from_millis(config.poll_ms));
+        match wake.as_mut() {
+            Some(w) => tokio::select! {
+                _ = sleep => {}
+                changed = w.changed() => if changed.is_err() { wake = None },
+                _ = shutdown.changed() => {}
+            },
+            None => tokio::select! {
+                _ = sleep => {}
+                _ = shutdown.changed() => {}
+            },
+        }
+    }
+}
+
+/// One fan-out step: `Some(items)` when the cursor moved, `None` when there was nothing to do
+/// (no new events, or another process holds the cursor).
+pub async fn fan_out_step(store: &dyn EventStore, consumer: &dyn Consumer, config: &RunnerConfig) -> Result<Option<usize>> {
+    let now = config.clock.now_ms();
+    let Some(from) = store.cursor_lease(consumer.name(), &config.owner, now, config.lease_ms).await? else {
+        return Ok(None);
+    };
+    let events = decode_rows(store.read_after_rows(from, None, FAN_OUT_EVENTS_MAX).await?)?;
+    let Some(last) = events.last() else { return Ok(None) };
+    let to = last.position;
+    let items = consumer.fan_out(store, &events).await?;
+    if store.cursor_advance(consumer.name(), &config.owner, from, to, &items, config.clock.now_ms()).await? {
+        tracing::debug!(consumer = consumer.name(), %from, %to, items = items.len(), "fanned out");
+        Ok(Some(items.len()))
+    } else {
+        Ok(None)
+    }
+}
+
+async fn work_loop(
+    store: Arc<dyn EventStore>,
+    consumer: Arc<dyn Consumer>,
+    config: RunnerConfig,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    work_ready: Arc<tokio::sync::Notify>,
+) {
+    let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
+    let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let rng = Arc::new(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed)));
+    let name = consumer.name();
+    while !*shutdown.borrow() {
+        let free = slots.available_permits();
+        let mut claimed = 0;
+        if free > 0 {
+            let now = config.clock.now_ms();
+            match store.work_claim(name, &config.owner, now, config.lease_ms, free as u32).await {
+                Ok(items) => {
+                    claimed = items.len();
+                    for item in items {
+                        let permit = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
+                        let (store, consumer, config, rng, ready) =
+                            (store.clone(), consumer.clone(), config.clone(), rng.clone(), work_ready.clone());
+                        tokio::spawn(async move {
+                            attempt(&*store, &*consumer, &config, &rng, item).await;
+                            drop(permit);
+                            ready.notify_one();
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(consumer = name, code = %e.code(), error = %e, "claiming work failed"),
+            }
+        }
+        if claimed > 0 && claimed == free {
+            continue;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(config.poll_ms)) => {}
+            _ = work_ready.notified() => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    // Let what is in flight finish (bounded by the handlers' own timeouts); what does not is
+    // claimed again when its lease runs out.
+    let _ = tokio::time::timeout(Duration::from_secs(15), slots.acquire_many(concurrency as u32)).await;
+}
+
+/// One attempt at one claimed item: handle, then record the attempt and the item's new state.
+pub async fn attempt(
+    store: &dyn EventStore,
+    consumer: &dyn Consumer,
+    config: &RunnerConfig,
+    rng: &std::sync::Mutex<rand::rngs::StdRng>,
+    item: WorkItem,
+) {
+    let started = config.clock.now_ms();
+    let clock_started = std::time::Instant::now();
+    let handled = consumer.handle(store, &item).await;
+    let latency_ms = clock_started.elapsed().as_millis() as u64;
+    let ended = started.saturating_add(latency_ms);
+    let outcome = if handled.ok {
+        Outcome::Done
+    } else if handled.retryable && item.round_attempts < config.retry.attempts_max {
+        let delay = config.retry.delay_ms(item.round_attempts, &mut *rng.lock().expect("rng lock"));
+        Outcome::Retry { next_at_ms: ended.saturating_add(delay) }
+    } else {
+        Outcome::Dead
+    };
+    let record = Attempt {
+        number: item.attempts,
+        at_ms: started,
+        latency_ms,
+        status: handled.status,
+        error: handled.error.map(|e| e.chars().take(ATTEMPT_ERROR_CHARS_MAX).collect()),
+        next_at_ms: match outcome {
+            Outcome::Retry { next_at_ms } => Some(next_at_ms),
+            _ => None,
+        },
+        owner: config.owner.clone(),
+    };
+    let name = consumer.name();
+    match store.work_complete(name, item.tenant, &item.id, &config.owner, &record, &outcome).await {
+        Ok(true) => match &outcome {
+            Outcome::Done => tracing::debug!(consumer = name, item = %item.id, attempt = item.attempts, "done"),
+            Outcome::Retry { next_at_ms } => tracing::info!(
+                consumer = name, item = %item.id, attempt = item.attempts, status = ?record.status,
+                error = record.error.as_deref().unwrap_or(""), retry_in_ms = next_at_ms.saturating_sub(ended), "attempt failed"
+            ),
+            Outcome::Dead => tracing::warn!(
+                consumer = name, item = %item.id, attempt = item.attempts, status = ?record.status,
+                error = record.error.as_deref().unwrap_or(""), "giving up: dead letter"
+            ),
+        },
+        Ok(false) => tracing::warn!(consumer = name, item = %item.id, "lease lost before completion; another process has it"),
+        Err(e) => tracing::warn!(consumer = name, item = %item.id, code = %e.code(), error = %e, "recording the attempt failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_schedule_is_exponential_capped_and_jittered() {
+        let policy = RetryPolicy::DEFAULT;
+        let nominal: Vec<u64> = (1..=8).map(|n| policy.nominal_delay_ms(n)).collect();
+        assert_eq!(nominal, [5_000, 20_000, 80_000, 320_000, 1_280_000, 5_120_000, 20_480_000, 21_600_000]);
+        let seed = bc_core::testing::seed();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for n in 1..=8 {
+            for _ in 0..200 {
+                let d = policy.delay_ms(n, &mut rng) as f64;
+                let nominal = policy.nominal_delay_ms(n) as f64;
+                assert!(d >= nominal * 0.8 - 1.0 && d <= nominal * 1.2 + 1.0, "seed {seed}: attempt {n} delay {d}");
+            }
+        }
+    }
+}

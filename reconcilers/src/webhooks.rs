@@ -1,0 +1,231 @@
+//! The `webhooks` consumer: signed deliveries of a tenant's events to its subscriptions.
+//!
+//! Fan-out makes one item per (event, webhook) for every webhook of the event's tenant created
+//! before the event (`createdSeq < seq`) whose patterns match its type; `webhook.pinged` goes to
+//! its own webhook only. The item keeps the exact body, so every retry sends the same bytes
+//! under the same `webhook-id` (the event id), signed afresh with the attempt's timestamp.
+//!
+//! Delivery: `POST` with a 10 s timeout, no redirects, no proxy, and a resolver that connects
+//! only to addresses the deployment's [`EndpointPolicy`] admits, checked at delivery time (a
+//! name that resolved to a public address when saved cannot later point inside). 2xx is done;
+//! anything else is retried on the runner's schedule; a refused address, a deleted webhook or a
+//! missing secret is dead at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bc_core::clock::{Clock, rfc3339_ms};
+use bc_core::event::StoredEvent;
+use bc_core::id::TenantId;
+use bc_core::store::EventStore;
+use bc_core::store::outbox::{NewWorkItem, WorkItem};
+use bc_core::webhook::{EndpointPolicy, Secret, signature_header};
+use bc_core::{Error, Result};
+use bc_projections::events::{TypeFilter, WEBHOOK_PINGED};
+use bc_projections::{KIND_WEBHOOK, WebhookDoc, event_view};
+use serde_json::json;
+
+use crate::outbox::{Consumer, Handled};
+
+pub const CONSUMER: &str = "webhooks";
+/// One delivery's time limit (connect, send, answer); far below the runner's lease.
+pub const DELIVERY_TIMEOUT_MS: u64 = 10_000;
+/// Webhooks one tenant may have; the gateway refuses more.
+pub const WEBHOOKS_PER_TENANT_MAX: u32 = 100;
+
+pub struct Webhooks {
+    http: reqwest::Client,
+    policy: EndpointPolicy,
+    clock: Arc<dyn Clock>,
+}
+
+/// Resolves names for deliveries, keeping only addresses the policy admits.
+struct PolicyResolver {
+    policy: EndpointPolicy,
+}
+
+impl reqwest::dns::Resolve for PolicyResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let policy = self.policy;
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let admitted: Vec<SocketAddr> = addrs.iter().copied().filter(|a| policy.admits(a.ip()).is_ok()).collect();
+            if admitted.is_empty() {
+                let why = match addrs.first() {
+                    Some(a) => policy.admits(a.ip()).err().map(|e| e.to_string()).unwrap_or_default(),
+                    None => format!("{host} has no address"),
+                };
+                return Err(Box::new(Refused(why)) as Box<dyn std::error::Error + Send + Sync>);
+            }
+            Ok(Box::new(admitted.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Refused(String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "refused by the receiver policy: {}", self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl Webhooks {
+    pub fn new(policy: EndpointPolicy, clock: Arc<dyn Clock>) -> Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS))
+            .connect_timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS / 2))
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .user_agent(concat!("better-compute-webhooks/", env!("CARGO_PKG_VERSION")))
+            .dns_resolver(Arc::new(PolicyResolver { policy }))
+            .build()
+            .map_err(|e| Error::Internal(format!("building the HTTP client: {e}")))?;
+        Ok(Self { http, policy, clock })
+    }
+}
+
+/// The body of a delivery: `{type, timestamp, data}` (Standard Webhooks' payload shape), where
+/// `data` is the event as `events.get` shows it without its bytes.
+pub fn body_of(event: &StoredEvent) -> String {
+    json!({
+        "type": event.envelope.event_type,
+        "timestamp": rfc3339_ms(event.envelope.at_ms),
+        "data": event_view(event, false),
+    })
+    .to_string()
+}
+
+/// The signing secrets in use for a webhook now: the current one, and the previous one while
+/// it is honoured after a rotation.
+pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u64) -> Result<Vec<Secret>> {
+    let tenant: TenantId = webhook.tenant_id.parse()?;
+    let mut ids = vec![webhook.secret_id.as_str()];
+    if let Some(previous) = &webhook.previous_secret_id
+        && webhook.previous_secret_valid_until_ms > now_ms
+    {
+        ids.push(previous);
+    }
+    let mut secrets = Vec::new();
+    for id in ids {
+        let text = store
+            .secret_get(tenant, id)
+            .await?
+            .ok_or_else(|| Error::Internal(format!("signing secret {id} of {} is missing", webhook.webhook_id)))?;
+        secrets.push(Secret::parse(&text)?);
+    }
+    Ok(secrets)
+}
+
+#[async_trait]
+impl Consumer for Webhooks {
+    fn name(&self) -> &'static str {
+        CONSUMER
+    }
+
+    async fn fan_out(&self, store: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
+        let mut hooks: HashMap<TenantId, Vec<(WebhookDoc, TypeFilter)>> = HashMap::new();
+        let mut items = Vec::new();
+        for event in events {
+            let env = &event.envelope;
+            if !hooks.contains_key(&env.tenant) {
+                let rows = store.row_list(&env.tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
+                let mut list = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let doc: WebhookDoc =
+                        serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("webhook document: {e}")))?;
+                    // Patterns were checked when saved; one a newer version wrote that this one
+                    // does not know matches nothing rather than stopping every delivery.
+                    let filter = TypeFilter::parse(&doc.event_types).unwrap_or_else(|_| TypeFilter::default());
+                    list.push((doc, filter));
+                }
+                hooks.insert(env.tenant, list);
+            }
+            let mut body = None;
+            for (hook, filter) in &hooks[&env.tenant] {
+                let wanted = if env.event_type == WEBHOOK_PINGED {
+                    env.stream == bc_projections::stream_of(KIND_WEBHOOK, &hook.webhook_id)
+                } else {
+                    hook.created_seq < env.seq && !hook.event_types.is_empty() && filter.matches(&env.event_type)
+                };
+                if wanted {
+                    let body = body.get_or_insert_with(|| body_of(event));
+                    items.push(NewWorkItem {
+                        tenant: env.tenant,
+                        id: format!("{}/{}", env.id, hook.webhook_id),
+                        subject: hook.webhook_id.clone(),
+                        payload: json!({ "messageId": env.id.to_string(), "type": env.event_type, "body": body }),
+                    });
+                }
+            }
+        }
+        Ok(items)
+    }
+
+    async fn handle(&self, store: &dyn EventStore, item: &WorkItem) -> Handled {
+        let (Some(msg_id), Some(body)) = (item.payload["messageId"].as_str(), item.payload["body"].as_str()) else {
+            return Handled::fatal(None, "malformed work item");
+        };
+        let webhook = match store.row_get(&item.tenant.to_string(), KIND_WEBHOOK, &item.subject).await {
+            Ok(Some(row)) => match serde_json::from_value::<WebhookDoc>(row.doc) {
+                Ok(doc) => doc,
+                Err(e) => return Handled::fatal(None, format!("webhook document: {e}")),
+            },
+            Ok(None) => return Handled::fatal(None, "the webhook was deleted"),
+            Err(e) => return Handled::retry(None, format!("reading the webhook: {}", e.public_message())),
+        };
+        if let Err(e) = self.policy.check_url(&webhook.url) {
+            return Handled::fatal(None, e.to_string());
+        }
+        let now_ms = self.clock.now_ms();
+        let secrets = match secrets_of(store, &webhook, now_ms).await {
+            Ok(s) => s,
+            Err(e) => return Handled::fatal(None, e.public_message()),
+        };
+        let timestamp = now_ms / 1000;
+        let signature = signature_header(&secrets, msg_id, timestamp, body.as_bytes());
+        let sent = self
+            .http
+            .post(&webhook.url)
+            .header("content-type", "application/json")
+            .header("webhook-id", msg_id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .body(body.to_owned())
+            .send()
+            .await;
+        match sent {
+            Ok(response) if response.status().is_success() => Handled::ok(Some(response.status().as_u16())),
+            Ok(response) => {
+                let status = response.status();
+                Handled::retry(Some(status.as_u16()), format!("the receiver answered {status}"))
+            }
+            Err(e) => {
+                let refused = error_chain(&e).any(|s| s.is::<Refused>());
+                let text = error_text(&e);
+                if refused { Handled::fatal(None, text) } else { Handled::retry(None, text) }
+            }
+        }
+    }
+}
+
+fn error_chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |e| e.source())
+}
+
+/// The whole cause chain of a transport error, for the attempt record.
+fn error_text(e: &reqwest::Error) -> String {
+    let causes: Vec<String> = error_chain(e).map(|c| c.to_string()).collect();
+    let mut text = causes.join(": ");
+    if e.is_timeout() {
+        text = format!("timed out after {DELIVERY_TIMEOUT_MS} ms: {text}");
+    }
+    text
+}
