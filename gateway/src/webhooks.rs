@@ -134,6 +134,7 @@ fn delivery_view(item: &WorkItem, attempts: Vec<bc_core::store::outbox::Attempt>
             "status": a.status,
             "error": a.error,
             "nextAtMs": a.next_at_ms,
+            "owner": a.owner,
         })).collect::<Vec<_>>(),
     })
 }

@@ -135,7 +135,7 @@ impl Consumer for Webhooks {
         let mut items = Vec::new();
         for event in events {
             let env = &event.envelope;
-            if !hooks.contains_key(&env.tenant) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = hooks.entry(env.tenant) {
                 let rows = store.row_list(&env.tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
                 let mut list = Vec::with_capacity(rows.len());
                 for row in rows {
@@ -146,7 +146,7 @@ impl Consumer for Webhooks {
                     let filter = TypeFilter::parse(&doc.event_types).unwrap_or_else(|_| TypeFilter::default());
                     list.push((doc, filter));
                 }
-                hooks.insert(env.tenant, list);
+                slot.insert(list);
             }
             let mut body = None;
             for (hook, filter) in &hooks[&env.tenant] {

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+pub mod receiver;
+
 /// How long a server may take to print its URL.
 pub const START_TIMEOUT_S: u64 = 60;
 
@@ -60,18 +62,29 @@ pub struct Server {
 impl Server {
     /// `better-compute dev` on a fresh data directory.
     pub fn dev() -> Server {
+        Self::dev_with(&[])
+    }
+
+    /// `better-compute dev` with extra arguments (`--no-reconcilers`, `--retry-base 200ms`, …).
+    pub fn dev_with(extra: &[&str]) -> Server {
         let temp = tempfile::Builder::new().prefix("bc-e2e-").tempdir().expect("tempdir");
         let data_dir = temp.path().to_path_buf();
-        let args =
+        let mut args: Vec<String> =
             vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+        args.extend(extra.iter().map(|a| a.to_string()));
         Self::start(args, data_dir, Some(temp))
     }
 
     /// `better-compute serve` on PostgreSQL (the database must be migrated).
     pub fn serve_postgres(database_url: &str) -> Server {
+        Self::serve_postgres_with(database_url, &[])
+    }
+
+    /// `better-compute serve` on PostgreSQL with extra arguments.
+    pub fn serve_postgres_with(database_url: &str, extra: &[&str]) -> Server {
         let temp = tempfile::Builder::new().prefix("bc-e2e-pg-").tempdir().expect("tempdir");
         let data_dir = temp.path().to_path_buf();
-        let args = vec![
+        let mut args = vec![
             "serve".into(),
             "--database-url".into(),
             database_url.into(),
@@ -80,6 +93,7 @@ impl Server {
             "--listen".into(),
             "127.0.0.1:0".into(),
         ];
+        args.extend(extra.iter().map(|a| a.to_string()));
         Self::start(args, data_dir, Some(temp))
     }
 
@@ -279,4 +293,69 @@ pub async fn verify_store(store: &dyn bc_core::store::EventStore) -> (u64, usize
         total += verifier.finish(Some((head.seq, head.hash))).unwrap_or_else(|p| panic!("chain does not verify: {p}"));
     }
     (total, heads.len())
+}
+
+/// A `better-compute reconcile` process; its log goes to `reconcile-N.log` in `dir`.
+pub struct Reconciler {
+    child: Option<Child>,
+    args: Vec<String>,
+    log: PathBuf,
+}
+
+impl Reconciler {
+    /// Starts `better-compute reconcile ARGS` and waits for its first line.
+    pub fn start(args: &[&str], dir: &Path) -> Reconciler {
+        let n = std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+        let mut r = Reconciler {
+            child: None,
+            args: std::iter::once("reconcile").chain(args.iter().copied()).map(str::to_owned).collect(),
+            log: dir.join(format!("reconcile-{n}.log")),
+        };
+        r.launch();
+        r
+    }
+
+    fn launch(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("reconcile log");
+        let mut child = Command::new(binary("better-compute"))
+            .args(&self.args)
+            .env_remove("BETTER_COMPUTE_DATABASE_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("start better-compute reconcile");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(first)) = lines.next() {
+                let _ = tx.send(first);
+            }
+            for _ in lines {}
+        });
+        let first = rx.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
+            panic!("reconcile did not start; its log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default())
+        });
+        assert!(first.starts_with("better-compute reconciling"), "unexpected first line {first:?}");
+        self.child = Some(child);
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.launch();
+    }
+}
+
+impl Drop for Reconciler {
+    fn drop(&mut self) {
+        self.kill9();
+    }
 }
