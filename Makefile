@@ -32,6 +32,7 @@ bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
 	$(CARGO) bench -p bc-cli --bench watch
+	$(CARGO) bench -p bc-cli --bench webhooks
 
 lint:
 	$(CARGO) fmt --all --check
