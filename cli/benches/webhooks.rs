@@ -85,7 +85,9 @@ impl NowS for SystemClock {
 /// start until every delivery is done.
 async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64) -> (f64, String) {
     store.migrate().await.unwrap();
-    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap());
+    let log = Arc::new(
+        Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap(),
+    );
     let tenant = TenantId::ROOT;
     let webhook = WebhookId::generate();
     let secret_id = new_webhook_secret_id(&webhook.to_string());
@@ -126,7 +128,14 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
         r.unwrap();
     }
     let before = received.load(Ordering::Relaxed);
-    let consumer = Arc::new(Webhooks::new(EndpointPolicy { allow_loopback: true, allow_private: false }, Arc::new(SystemClock)).unwrap());
+    let consumer = Arc::new(
+        Webhooks::new(
+            EndpointPolicy { allow_loopback: true, allow_private: false },
+            bc_reconcilers::webhooks::DELIVERY_TIMEOUT_MS,
+            Arc::new(SystemClock),
+        )
+        .unwrap(),
+    );
     let mut config = RunnerConfig::new(Arc::new(SystemClock));
     config.concurrency = CONCURRENCY;
     let (stop, stopped) = tokio::sync::watch::channel(false);

@@ -107,10 +107,13 @@ fn parse_duration_ms(text: &str) -> Result<u64, String> {
 /// How the outbox consumers (webhook delivery) run.
 #[derive(Args)]
 struct ConsumerArgs {
-    /// How long a claimed delivery stays with this process if it dies (longer than the 10 s
-    /// delivery timeout).
+    /// How long a claimed delivery stays with this process if it dies: at least twice
+    /// --delivery-timeout, so a slow delivery is never sent by two processes at once.
     #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
     lease: u64,
+    /// One delivery's time limit (connect, send, answer).
+    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
+    delivery_timeout: u64,
     /// The first retry's delay; each next one is 4× longer (at most 6 h), ±20 % jitter.
     #[arg(long, default_value = "5s", value_parser = parse_duration_ms)]
     retry_base: u64,
@@ -126,8 +129,15 @@ struct ConsumerArgs {
 }
 
 impl ConsumerArgs {
-    fn options(&self, allow_loopback: bool) -> server::ConsumerOptions {
-        server::ConsumerOptions {
+    fn options(&self, allow_loopback: bool) -> Result<server::ConsumerOptions, CliError> {
+        if self.lease < 2 * self.delivery_timeout {
+            return Err(CliError::usage(format!(
+                "--lease ({} ms) must be at least twice --delivery-timeout ({} ms)",
+                self.lease, self.delivery_timeout
+            )));
+        }
+        Ok(server::ConsumerOptions {
+            delivery_timeout_ms: self.delivery_timeout,
             policy: bc_core::webhook::EndpointPolicy { allow_loopback, allow_private: self.webhook_allow_private },
             lease_ms: self.lease,
             retry: bc_reconcilers::outbox::RetryPolicy {
@@ -137,7 +147,7 @@ impl ConsumerArgs {
             },
             concurrency: self.concurrency as usize,
             poll_ms: 250,
-        }
+        })
     }
 }
 
@@ -565,7 +575,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Dev { dir, listen, sealing, consumers, no_reconcilers } => {
             let db = server::Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
             // dev delivers webhooks to loopback receivers: that is where a developer's are.
-            let options = consumers.options(true);
+            let options = consumers.options(true)?;
             let run = (!no_reconcilers).then_some(&options);
             server::run_server(
                 db,
@@ -581,14 +591,14 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Serve { database_url, listen, data_dir, sealing, consumers, no_reconcilers, webhook_allow_loopback } => {
             let db = server::Database::Postgres(database_url.clone());
-            let options = consumers.options(*webhook_allow_loopback);
+            let options = consumers.options(*webhook_allow_loopback)?;
             let run = (!no_reconcilers).then_some(&options);
             server::run_server(db, data_dir, listen, false, sealing.checkpoint_interval, &sealing.deployment, run, options.policy)
                 .await
         }
         Command::Reconcile { only, db, consumers, webhook_allow_loopback } => {
             let database = server::Database::from_args(&db.data_dir, db.database_url.as_deref());
-            server::reconcile(&database, only, &consumers.options(*webhook_allow_loopback)).await
+            server::reconcile(&database, only, &consumers.options(*webhook_allow_loopback)?).await
         }
         Command::Webhooks { command } => {
             let c = client(&cli)?;

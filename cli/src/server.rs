@@ -114,6 +114,7 @@ pub async fn projections_rebuild(db: &Database) -> Result<Value, CliError> {
 #[derive(Clone, Debug)]
 pub struct ConsumerOptions {
     pub policy: EndpointPolicy,
+    pub delivery_timeout_ms: u64,
     pub lease_ms: u64,
     pub retry: RetryPolicy,
     pub concurrency: usize,
@@ -142,9 +143,11 @@ fn spawn_consumers(
     let mut tasks = Vec::new();
     for name in names {
         let consumer: Arc<dyn Consumer> = match *name {
-            bc_reconcilers::webhooks::CONSUMER => {
-                Arc::new(bc_reconcilers::webhooks::Webhooks::new(options.policy, Arc::new(SystemClock))?)
-            }
+            bc_reconcilers::webhooks::CONSUMER => Arc::new(bc_reconcilers::webhooks::Webhooks::new(
+                options.policy,
+                options.delivery_timeout_ms,
+                Arc::new(SystemClock),
+            )?),
             other => return Err(CliError::usage(format!("no consumer named {other:?}"))),
         };
         let config = options.runner();

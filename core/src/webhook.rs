@@ -7,8 +7,8 @@
 //!
 //! The URL policy keeps deliveries out of the operator's network (server-side request forgery):
 //! `https://` only, except `http://` to loopback where the deployment allows loopback (`dev`);
-//! loopback, private and link-local addresses only where the deployment allows them; never the
-//! unspecified, multicast, broadcast or documentation ranges. The gateway checks a URL's text
+//! loopback and private addresses only where the deployment allows them; never link-local (the
+//! cloud metadata service lives there), unspecified, multicast, broadcast or documentation ranges. The gateway checks a URL's text
 //! when it is saved; the deliverer checks every address the name resolves to, at delivery time,
 //! and connects only to an address it checked.
 
@@ -103,7 +103,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub struct EndpointPolicy {
     /// `http://` and addresses on loopback (`dev`, tests).
     pub allow_loopback: bool,
-    /// Private (RFC 1918, unique-local, CGNAT) and link-local addresses.
+    /// Private addresses (RFC 1918, unique-local, CGNAT). Link-local (and with it the cloud
+    /// metadata service) stays refused.
     pub allow_private: bool,
 }
 
@@ -124,14 +125,24 @@ pub fn classify(ip: IpAddr) -> AddressClass {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return classify_v4(v4);
             }
-            let seg0 = v6.segments()[0];
+            let [seg0, seg1, ..] = v6.segments();
             if v6.is_loopback() {
                 AddressClass::Loopback
-            } else if v6.is_unspecified() || v6.is_multicast() || seg0 == 0x2001 && v6.segments()[1] == 0x0db8 {
+            } else if v6.is_unspecified()
+                || v6.is_multicast()
+                || (seg0, seg1) == (0x2001, 0x0db8)
+                // Link-local and the old site-local: the instance-metadata neighbourhood.
+                || (seg0 & 0xffc0) == 0xfe80
+                || (seg0 & 0xffc0) == 0xfec0
+                // Teredo tunnels an IPv4 address the policy cannot see.
+                || (seg0, seg1) == (0x2001, 0x0000)
+                // AWS's IPv6 instance metadata service.
+                || v6 == Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254)
+            {
                 AddressClass::Forbidden
-            } else if (seg0 & 0xfe00) == 0xfc00 || (seg0 & 0xffc0) == 0xfe80 {
+            } else if (seg0 & 0xfe00) == 0xfc00 {
                 AddressClass::Private
-            } else if seg0 == 0x0064 && v6.segments()[1] == 0xff9b || seg0 == 0x2002 || v6.segments()[..6] == [0; 6] {
+            } else if (seg0, seg1) == (0x0064, 0xff9b) || seg0 == 0x2002 || v6.segments()[..6] == [0; 6] {
                 // NAT64, 6to4 and IPv4-compatible addresses embed an IPv4 address the policy
                 // cannot see through: refuse rather than guess.
                 AddressClass::Forbidden
@@ -155,9 +166,12 @@ fn classify_v4(v4: Ipv4Addr) -> AddressClass {
         || (a, b, c) == (198, 51, 100)
         || (a, b, c) == (203, 0, 113)
         || (a, b & 0xfe) == (198, 18)
+        // Link-local holds the cloud instance-metadata service (169.254.169.254): never a
+        // receiver, whatever the deployment allows.
+        || v4.is_link_local()
     {
         AddressClass::Forbidden
-    } else if v4.is_private() || v4.is_link_local() || (a == 100 && (b & 0xc0) == 64) || (a, b, c) == (192, 0, 0) {
+    } else if v4.is_private() || (a == 100 && (b & 0xc0) == 64) || (a, b, c) == (192, 0, 0) {
         AddressClass::Private
     } else {
         AddressClass::Public
@@ -176,8 +190,8 @@ impl EndpointPolicy {
             AddressClass::Loopback if self.allow_loopback => Ok(()),
             AddressClass::Loopback => Err(refused("loopback")),
             AddressClass::Private if self.allow_private => Ok(()),
-            AddressClass::Private => Err(refused("private or link-local")),
-            AddressClass::Forbidden => Err(refused("not a unicast address a receiver can have")),
+            AddressClass::Private => Err(refused("private")),
+            AddressClass::Forbidden => Err(refused("link-local, reserved or not unicast: never a receiver")),
         }
     }
 
@@ -284,5 +298,14 @@ mod tests {
         assert!(lan.check_url("https://10.0.0.1/hook").is_ok());
         assert!(lan.check_url("http://10.0.0.1/hook").is_err());
         assert!(lan.check_url("https://127.0.0.1/hook").is_err());
+        for never in [
+            "https://169.254.169.254/",
+            "https://[fe80::1]/",
+            "https://[fd00:ec2::254]/",
+            "https://[2001:0:1::1]/",
+            "https://[fec0::1]/",
+        ] {
+            assert!(lan.check_url(never).is_err() && dev.check_url(never).is_err(), "{never} is never a receiver");
+        }
     }
 }

@@ -117,7 +117,7 @@ pub struct Call<'a> {
 }
 
 impl Call<'_> {
-    fn principal(&self) -> &Principal {
+    pub(crate) fn principal(&self) -> &Principal {
         self.principal.as_ref().expect("authenticated methods have a principal")
     }
 

@@ -23,6 +23,8 @@ pub const WEBHOOKS_PER_TENANT_MAX: u32 = 100;
 /// How long a rotated-out secret still signs, by default and at most.
 pub const PREVIOUS_SECRET_DEFAULT_S: u64 = 24 * 3600;
 pub const PREVIOUS_SECRET_MAX_S: u64 = 7 * 24 * 3600;
+/// What a subscription must also be allowed: it reads the tenant's events.
+const EVENTS_READ: &str = "compute:events:read";
 /// Longest delivery id (`evt_…/wh_…`).
 const DELIVERY_ID_BYTES_MAX: usize = 80;
 
@@ -108,7 +110,7 @@ fn view(doc: &WebhookDoc) -> Value {
         "eventTypes": doc.event_types,
         "description": doc.description,
         "secretVersion": doc.secret_version,
-        "previousSecretValidUntilMs": doc.previous_secret_valid_until_ms,
+        "previousSecretsValidUntilMs": doc.previous_secrets.iter().map(|p| p.valid_until_ms).collect::<Vec<_>>(),
         "version": doc.version,
         "createdAtMs": doc.created_at_ms,
         "updatedAtMs": doc.updated_at_ms,
@@ -155,6 +157,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
         "webhooks.create" => {
             let input: Create = parse(body)?;
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            // A subscription reads the tenant's events: it needs what events.list needs.
+            call.principal().authorize(EVENTS_READ, tenant)?;
             call.state.webhook_policy.check_url(&input.url)?;
             check_types(&input.event_types)?;
             validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
@@ -202,6 +206,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
         "webhooks.update" => {
             let input: Update = parse(body)?;
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
+            call.principal().authorize(EVENTS_READ, tenant)?;
             let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
             if let Some(url) = &input.url {
                 call.state.webhook_policy.check_url(url)?;
@@ -239,6 +244,10 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 ev::to_cbor(&ev::WebhookDeleted {})?,
             )
             .await?;
+            // Its secrets go with it; deliveries still pending die at their next attempt.
+            for secret_id in std::iter::once(&doc.secret_id).chain(doc.previous_secrets.iter().map(|p| &p.secret_id)) {
+                store.secret_delete(tenant, secret_id).await?;
+            }
             Ok(json!({ "webhookId": id, "deleted": true }))
         }
         "webhooks.ping" => {
@@ -339,10 +348,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 .await?
                 .ok_or_else(|| Error::not_found(format!("delivery {delivery}")))?;
             if !store.work_requeue(CONSUMER, tenant, delivery, now_ms).await? {
-                return Err(Error::Conflict {
-                    stream: format!("delivery/{delivery}"),
-                    expected: "a done or dead delivery".into(),
-                    actual: u64::from(item.attempts),
+                return Err(Error::InvalidArgument {
+                    message: format!("delivery {delivery} is still pending ({} attempts so far)", item.attempts),
+                    hint: Some("only a done or dead delivery is queued again".into()),
                 });
             }
             tracing::info!(%tenant, delivery, "delivery queued again");

@@ -98,14 +98,22 @@ pub struct WebhookDoc {
     pub description: String,
     pub secret_version: u32,
     pub secret_id: String,
-    /// The secret in use before the last rotation, which also signs until
-    /// `previous_secret_valid_until_ms`.
-    pub previous_secret_id: Option<String>,
-    pub previous_secret_valid_until_ms: u64,
+    /// Rotated-out secrets that still sign beside the current one, each until its time.
+    pub previous_secrets: Vec<PreviousSecret>,
     pub created_seq: u64,
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+}
+
+/// Rotated-out secrets kept signing at once, at most: a rotation drops the oldest beyond this.
+pub const PREVIOUS_SECRETS_MAX: usize = 4;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PreviousSecret {
+    pub secret_id: String,
+    pub valid_until_ms: u64,
 }
 
 /// A fresh id for one of a webhook's signing secrets in the secret store.
@@ -288,8 +296,7 @@ impl Projector for Projections {
                     description: p.description,
                     secret_version: p.secret_version,
                     secret_id: p.secret_id,
-                    previous_secret_id: None,
-                    previous_secret_valid_until_ms: 0,
+                    previous_secrets: Vec::new(),
                     created_seq: env.seq,
                     version: env.version,
                     created_at_ms: env.at_ms,
@@ -316,8 +323,13 @@ impl Projector for Projections {
                 let p: WebhookSecretRotated = payload(event)?;
                 let mut doc: WebhookDoc = from_doc(event, current)?;
                 doc.secret_version = p.secret_version;
-                doc.previous_secret_id = Some(std::mem::replace(&mut doc.secret_id, p.secret_id));
-                doc.previous_secret_valid_until_ms = p.previous_valid_until_ms;
+                let old = std::mem::replace(&mut doc.secret_id, p.secret_id);
+                doc.previous_secrets.retain(|prev| prev.valid_until_ms > env.at_ms);
+                if p.previous_valid_until_ms > env.at_ms {
+                    doc.previous_secrets.push(PreviousSecret { secret_id: old, valid_until_ms: p.previous_valid_until_ms });
+                }
+                let excess = doc.previous_secrets.len().saturating_sub(PREVIOUS_SECRETS_MAX);
+                doc.previous_secrets.drain(..excess);
                 doc.version = env.version;
                 doc.updated_at_ms = env.at_ms;
                 to_doc(&doc)

@@ -25,7 +25,10 @@ use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
 
 /// Events one fan-out step reads.
-pub const FAN_OUT_EVENTS_MAX: u32 = READ_ROWS_MAX;
+pub const FAN_OUT_EVENTS_MAX: u32 = 256;
+/// Items one fan-out step writes (in one transaction), unless a single event makes more.
+pub const FAN_OUT_ITEMS_MAX: usize = 2000;
+const _: () = assert!(FAN_OUT_EVENTS_MAX <= READ_ROWS_MAX);
 /// Items one process works on at once, at most.
 pub const CONCURRENCY_MAX: usize = 256;
 
@@ -184,19 +187,35 @@ async fn fan_out_loop(
             },
         }
     }
+    // A clean stop hands the cursor over at once; a crash leaves it to the lease.
+    if let Err(e) = store.cursor_release(name, &config.owner).await {
+        tracing::warn!(consumer = name, code = %e.code(), error = %e, "releasing the fan-out lease failed");
+    }
 }
 
 /// One fan-out step: `Some(items)` when the cursor moved, `None` when there was nothing to do
 /// (no new events, or another process holds the cursor).
 pub async fn fan_out_step(store: &dyn EventStore, consumer: &dyn Consumer, config: &RunnerConfig) -> Result<Option<usize>> {
+    // A read first: an idle consumer polls without writing (and fsyncing) anything.
+    if let Some(at) = store.cursor_position(consumer.name()).await?
+        && store.read_after_rows(at, None, 1).await?.is_empty()
+    {
+        return Ok(None);
+    }
     let now = config.clock.now_ms();
     let Some(from) = store.cursor_lease(consumer.name(), &config.owner, now, config.lease_ms).await? else {
         return Ok(None);
     };
-    let events = decode_rows(store.read_after_rows(from, None, FAN_OUT_EVENTS_MAX).await?)?;
+    let mut events = decode_rows(store.read_after_rows(from, None, FAN_OUT_EVENTS_MAX).await?)?;
+    let mut items = consumer.fan_out(store, &events).await?;
+    // One step writes a bounded transaction: fewer events until their items fit (at least one
+    // event, whose items are bounded by the subscriptions one tenant may have).
+    while items.len() > FAN_OUT_ITEMS_MAX && events.len() > 1 {
+        events.truncate(events.len() / 2);
+        items = consumer.fan_out(store, &events).await?;
+    }
     let Some(last) = events.last() else { return Ok(None) };
     let to = last.position;
-    let items = consumer.fan_out(store, &events).await?;
     if store.cursor_advance(consumer.name(), &config.owner, from, to, &items, config.clock.now_ms()).await? {
         tracing::debug!(consumer = consumer.name(), %from, %to, items = items.len(), "fanned out");
         Ok(Some(items.len()))

@@ -31,13 +31,13 @@ use serde_json::json;
 use crate::outbox::{Consumer, Handled};
 
 pub const CONSUMER: &str = "webhooks";
-/// One delivery's time limit (connect, send, answer); far below the runner's lease.
+/// One delivery's time limit (connect, send, answer) by default; the lease must be at least
+/// twice the limit in use.
 pub const DELIVERY_TIMEOUT_MS: u64 = 10_000;
-/// Webhooks one tenant may have; the gateway refuses more.
-pub const WEBHOOKS_PER_TENANT_MAX: u32 = 100;
 
 pub struct Webhooks {
     http: reqwest::Client,
+    timeout_ms: u64,
     policy: EndpointPolicy,
     clock: Arc<dyn Clock>,
 }
@@ -55,11 +55,10 @@ impl reqwest::dns::Resolve for PolicyResolver {
             let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
             let admitted: Vec<SocketAddr> = addrs.iter().copied().filter(|a| policy.admits(a.ip()).is_ok()).collect();
             if admitted.is_empty() {
-                let why = match addrs.first() {
-                    Some(a) => policy.admits(a.ip()).err().map(|e| e.to_string()).unwrap_or_default(),
-                    None => format!("{host} has no address"),
-                };
-                return Err(Box::new(Refused(why)) as Box<dyn std::error::Error + Send + Sync>);
+                // Which address it was stays in the operator's log: the tenant who saved the URL
+                // learns only that it was refused, not what the name resolves to inside.
+                tracing::warn!(host = %host, addresses = ?addrs, "a webhook receiver resolves only to refused addresses");
+                return Err(Box::new(Refused) as Box<dyn std::error::Error + Send + Sync>);
             }
             Ok(Box::new(admitted.into_iter()) as reqwest::dns::Addrs)
         })
@@ -67,28 +66,29 @@ impl reqwest::dns::Resolve for PolicyResolver {
 }
 
 #[derive(Debug)]
-struct Refused(String);
+struct Refused;
 
 impl std::fmt::Display for Refused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "refused by the receiver policy: {}", self.0)
+        f.write_str("the receiver's name resolves only to addresses this deployment does not deliver to")
     }
 }
 
 impl std::error::Error for Refused {}
 
 impl Webhooks {
-    pub fn new(policy: EndpointPolicy, clock: Arc<dyn Clock>) -> Result<Self> {
+    /// `timeout_ms` bounds one delivery; keep the runner's lease well above it.
+    pub fn new(policy: EndpointPolicy, timeout_ms: u64, clock: Arc<dyn Clock>) -> Result<Self> {
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS))
-            .connect_timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS / 2))
+            .timeout(Duration::from_millis(timeout_ms))
+            .connect_timeout(Duration::from_millis(timeout_ms.div_ceil(2)))
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
             .user_agent(concat!("better-compute-webhooks/", env!("CARGO_PKG_VERSION")))
             .dns_resolver(Arc::new(PolicyResolver { policy }))
             .build()
             .map_err(|e| Error::Internal(format!("building the HTTP client: {e}")))?;
-        Ok(Self { http, policy, clock })
+        Ok(Self { http, timeout_ms, policy, clock })
     }
 }
 
@@ -103,25 +103,56 @@ pub fn body_of(event: &StoredEvent) -> String {
     .to_string()
 }
 
-/// The signing secrets in use for a webhook now: the current one, and the previous one while
-/// it is honoured after a rotation.
+/// The signing secrets in use for a webhook now: the current one, and rotated-out ones while
+/// they are honoured.
 pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u64) -> Result<Vec<Secret>> {
     let tenant: TenantId = webhook.tenant_id.parse()?;
     let mut ids = vec![webhook.secret_id.as_str()];
-    if let Some(previous) = &webhook.previous_secret_id
-        && webhook.previous_secret_valid_until_ms > now_ms
-    {
-        ids.push(previous);
-    }
+    ids.extend(webhook.previous_secrets.iter().filter(|p| p.valid_until_ms > now_ms).map(|p| p.secret_id.as_str()));
     let mut secrets = Vec::new();
     for id in ids {
         let text = store
             .secret_get(tenant, id)
             .await?
-            .ok_or_else(|| Error::Internal(format!("signing secret {id} of {} is missing", webhook.webhook_id)))?;
+            .ok_or_else(|| Error::not_found(format!("signing secret {id} of {}", webhook.webhook_id)))?;
         secrets.push(Secret::parse(&text)?);
     }
     Ok(secrets)
+}
+
+/// Rows of webhooks read per query while loading a tenant's subscriptions.
+const WEBHOOK_ROWS_PER_READ: u32 = 500;
+
+/// A tenant's webhooks with their parsed filters. A document or a pattern this version cannot
+/// read (a newer writer's) is skipped with a warning: it matches nothing, never everything.
+async fn subscriptions(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<(WebhookDoc, TypeFilter)>> {
+    let mut list = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = store.row_list(&tenant.to_string(), KIND_WEBHOOK, after.as_deref(), WEBHOOK_ROWS_PER_READ).await?;
+        let full = rows.len() == WEBHOOK_ROWS_PER_READ as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            let id = row.key.id.clone();
+            let doc: WebhookDoc = match serde_json::from_value(row.doc) {
+                Ok(doc) => doc,
+                Err(e) => {
+                    tracing::warn!(%tenant, webhook = %id, error = %e, "skipping a webhook document this version cannot read");
+                    continue;
+                }
+            };
+            match TypeFilter::parse(&doc.event_types) {
+                Ok(filter) if !doc.event_types.is_empty() => list.push((doc, filter)),
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(%tenant, webhook = %id, error = %e, "skipping a webhook whose patterns this version cannot read")
+                }
+            }
+        }
+        if !full {
+            return Ok(list);
+        }
+    }
 }
 
 #[async_trait]
@@ -136,24 +167,14 @@ impl Consumer for Webhooks {
         for event in events {
             let env = &event.envelope;
             if let std::collections::hash_map::Entry::Vacant(slot) = hooks.entry(env.tenant) {
-                let rows = store.row_list(&env.tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
-                let mut list = Vec::with_capacity(rows.len());
-                for row in rows {
-                    let doc: WebhookDoc =
-                        serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("webhook document: {e}")))?;
-                    // Patterns were checked when saved; one a newer version wrote that this one
-                    // does not know matches nothing rather than stopping every delivery.
-                    let filter = TypeFilter::parse(&doc.event_types).unwrap_or_else(|_| TypeFilter::default());
-                    list.push((doc, filter));
-                }
-                slot.insert(list);
+                slot.insert(subscriptions(store, env.tenant).await?);
             }
             let mut body = None;
             for (hook, filter) in &hooks[&env.tenant] {
                 let wanted = if env.event_type == WEBHOOK_PINGED {
                     env.stream == bc_projections::stream_of(KIND_WEBHOOK, &hook.webhook_id)
                 } else {
-                    hook.created_seq < env.seq && !hook.event_types.is_empty() && filter.matches(&env.event_type)
+                    hook.created_seq < env.seq && filter.matches(&env.event_type)
                 };
                 if wanted {
                     let body = body.get_or_insert_with(|| body_of(event));
@@ -187,7 +208,9 @@ impl Consumer for Webhooks {
         let now_ms = self.clock.now_ms();
         let secrets = match secrets_of(store, &webhook, now_ms).await {
             Ok(s) => s,
-            Err(e) => return Handled::fatal(None, e.public_message()),
+            // A missing or malformed secret stays so; a database hiccup does not.
+            Err(e @ (Error::NotFound { .. } | Error::InvalidArgument { .. })) => return Handled::fatal(None, e.to_string()),
+            Err(e) => return Handled::retry(None, e.public_message()),
         };
         let timestamp = now_ms / 1000;
         let signature = signature_header(&secrets, msg_id, timestamp, body.as_bytes());
@@ -208,8 +231,10 @@ impl Consumer for Webhooks {
                 Handled::retry(Some(status.as_u16()), format!("the receiver answered {status}"))
             }
             Err(e) => {
+                // Without the URL: a receiver's URL may carry a token in its query.
+                let e = e.without_url();
                 let refused = error_chain(&e).any(|s| s.is::<Refused>());
-                let text = error_text(&e);
+                let text = error_text(&e, self.timeout_ms);
                 if refused { Handled::fatal(None, text) } else { Handled::retry(None, text) }
             }
         }
@@ -221,11 +246,11 @@ fn error_chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> impl Iterator<It
 }
 
 /// The whole cause chain of a transport error, for the attempt record.
-fn error_text(e: &reqwest::Error) -> String {
+fn error_text(e: &reqwest::Error, timeout_ms: u64) -> String {
     let causes: Vec<String> = error_chain(e).map(|c| c.to_string()).collect();
     let mut text = causes.join(": ");
     if e.is_timeout() {
-        text = format!("timed out after {DELIVERY_TIMEOUT_MS} ms: {text}");
+        text = format!("timed out after {timeout_ms} ms: {text}");
     }
     text
 }

@@ -110,9 +110,19 @@ async fn deliveries_are_signed_pinged_rotated_and_stop_on_delete() {
     let got = receiver.wait_for(WAIT, "the delivery after rotation", |r| r.iter().any(|r| r.id == after));
     let r = got.iter().find(|r| r.id == after).unwrap();
     assert!(verifies(&new_secret, r) && verifies(&secret, r), "both secrets sign during the overlap: {}", r.signature);
+    // A second rotation inside the overlap keeps both older secrets signing.
+    let (code, _, err) =
+        server.cli(&["webhooks", "rotate-secret", &webhook, "--secret-out", dir.path().join("s3").to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let third = Secret::parse(&std::fs::read_to_string(dir.path().join("s3")).unwrap()).unwrap();
+    server.pool("after-second-rotation").await;
+    let after = event_ids(&server, "pool.created").await.pop().unwrap();
+    let got = receiver.wait_for(WAIT, "the delivery after two rotations", |r| r.iter().any(|r| r.id == after));
+    let r = got.iter().find(|r| r.id == after).unwrap();
+    assert!([&secret, &new_secret, &third].iter().all(|s| verifies(s, r)), "three signatures: {}", r.signature);
 
     // Every delivery is recorded with its status and latency.
-    let list = wait_deliveries(&server, &webhook, "all done", |l| l.len() == 7 && l.iter().all(|d| d["state"] == "done"));
+    let list = wait_deliveries(&server, &webhook, "all done", |l| l.len() == 8 && l.iter().all(|d| d["state"] == "done"));
     for d in &list {
         let log = d["attemptLog"].as_array().unwrap();
         assert_eq!(log.len(), 1);
@@ -140,7 +150,19 @@ async fn reconciler_killed_mid_delivery_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (webhook, secret) = create_webhook(&server, &receiver.url, "pool.created", &dir.path().join("secret"));
     let data_dir = server.data_dir.display().to_string();
-    let args = ["--only", "webhooks", "--data-dir", &data_dir, "--webhook-allow-loopback", "--lease", "1s", "--concurrency", "4"];
+    let args = [
+        "--only",
+        "webhooks",
+        "--data-dir",
+        &data_dir,
+        "--webhook-allow-loopback",
+        "--lease",
+        "1s",
+        "--delivery-timeout",
+        "500ms",
+        "--concurrency",
+        "4",
+    ];
     let mut reconciler = Reconciler::start(&args, dir.path());
     for i in 0..30 {
         server.pool(&format!("p{i}")).await;
@@ -234,6 +256,7 @@ async fn bad_webhook_input_is_refused_with_a_code() {
         (&["webhooks", "create", "--endpoint", "http://hooks.example.com/x", "--types", "*"], "https"),
         (&["webhooks", "create", "--endpoint", "https://10.1.2.3/x", "--types", "*"], "private"),
         (&["webhooks", "create", "--endpoint", "https://169.254.169.254/latest", "--types", "*"], "link-local"),
+        (&["webhooks", "create", "--endpoint", "https://[fe80::1]/x", "--types", "*"], "link-local"),
         (&["webhooks", "create", "--endpoint", "https://[fd00::1]/x", "--types", "*"], "private"),
         (&["webhooks", "create", "--endpoint", "https://user:pw@hooks.example.com/", "--types", "*"], "credentials"),
         (&["webhooks", "create", "--endpoint", "https://hooks.example.com/x", "--types", "nope.*"], "unknown type pattern"),
@@ -262,6 +285,22 @@ async fn bad_webhook_input_is_refused_with_a_code() {
     let (status, body) =
         server.call("webhooks.rotateSecret", json!({ "webhookId": webhook, "previousValidS": 30 * 24 * 3600 })).await;
     assert_eq!(status, 400, "{body}");
+    // A key that may manage webhooks but not read events cannot subscribe to them.
+    let (status, key) = server.call("apiKeys.create", json!({ "name": "hooks-only", "actions": ["compute:webhooks:*"] })).await;
+    assert_eq!(status, 200, "{key}");
+    let (status, body) = server
+        .call_as(
+            key["token"].as_str().unwrap(),
+            "webhooks.create",
+            json!({ "url": "https://hooks.example.com/x", "eventTypes": ["*"] }),
+            None,
+        )
+        .await;
+    assert_eq!((status, body["code"].as_str()), (403, Some("ACCESS_DENIED")), "{body}");
+    // A lease shorter than two delivery timeouts would let two processes send one delivery.
+    let (code, _, err) = bc_tests::cli(&["reconcile", "--lease", "10s", "--delivery-timeout", "10s"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--lease"), "{err}");
     // Nothing was created by the refusals.
     let (code, out, _) = server.cli(&["webhooks", "list", "--format", "json"]);
     assert_eq!(code, 0);

@@ -115,6 +115,10 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Takes (or renews) `consumer`'s fan-out lease for `owner`; returns the cursor, or `None`
     /// while another owner's lease runs. A new consumer starts at the beginning of the log.
     async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>>;
+    /// The cursor, read without taking the lease (to see whether there is anything to do).
+    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>>;
+    /// Gives the fan-out lease up (on a clean stop), so another process need not wait it out.
+    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()>;
     /// Inserts `items` (skipping ids that exist) and moves the cursor from `from` to `to`, in
     /// one transaction, if `owner` still holds the lease at `from`. False: the lease was lost
     /// and nothing was written.
@@ -165,6 +169,7 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Stores a write-only secret (a webhook signing key). Not part of the log.
     async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
     async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
+    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
 }
 
 /// The state and due time an outcome leaves an item in.

@@ -829,6 +829,30 @@ impl OutboxStore for PostgresStore {
         Ok(())
     }
 
+    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {
+        let client = self.pool.get().await?;
+        client.execute("DELETE FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
+        Ok(())
+    }
+
+    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
+        let client = self.pool.get().await?;
+        let row =
+            client.query_opt("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = $1", &[&consumer]).await?;
+        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
+    }
+
+    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "UPDATE consumer_cursors SET lease_owner = NULL, lease_until_ms = 0 WHERE consumer = $1 AND lease_owner = $2",
+                &[&consumer, &owner],
+            )
+            .await?;
+        Ok(())
+    }
+
     async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
         let client = self.pool.get().await?;
         let row =

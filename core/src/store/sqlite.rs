@@ -806,6 +806,32 @@ impl OutboxStore for SqliteStore {
         Ok(())
     }
 
+    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM secrets WHERE tenant_id = ? AND id = ?")
+            .bind(tenant.to_string())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
+        let row = sqlx::query("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?")
+            .bind(consumer)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
+    }
+
+    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
+        sqlx::query("UPDATE consumer_cursors SET lease_owner = NULL, lease_until_ms = 0 WHERE consumer = ? AND lease_owner = ?")
+            .bind(consumer)
+            .bind(owner)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
         Ok(sqlx::query_scalar("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
             .bind(tenant.to_string())
