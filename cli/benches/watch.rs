@@ -91,7 +91,7 @@ async fn run(watchers: usize) -> ([f64; 2], [f64; 2]) {
                 correlation: None,
                 fingerprint: None,
                 guards: vec![],
-                events: vec![NewEvent { event_type: ev::POOL_CREATED.into(), payload }],
+                events: vec![NewEvent { stream: None, event_type: ev::POOL_CREATED.into(), payload }],
             })
             .await
             .unwrap();

@@ -102,7 +102,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
         correlation: None,
         fingerprint: None,
         guards: vec![],
-        events: vec![NewEvent { event_type: event_type.into(), payload }],
+        events: vec![NewEvent { stream: None, event_type: event_type.into(), payload }],
     };
     let created = ev::WebhookCreated {
         url: url.to_owned(),

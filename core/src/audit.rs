@@ -239,7 +239,11 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
         correlation: None,
         fingerprint: None,
         guards: vec![],
-        events: vec![NewEvent { event_type: CHECKPOINT_SEALED.into(), payload: checkpoint_payload(body.size, &signed) }],
+        events: vec![NewEvent {
+            stream: None,
+            event_type: CHECKPOINT_SEALED.into(),
+            payload: checkpoint_payload(body.size, &signed),
+        }],
     })
     .await?;
     Ok(Some(StoredCheckpoint { size: body.size, note: signed }))
@@ -267,7 +271,7 @@ pub async fn rotate_log_key(log: &Log, new: &LogKey, at_ms: u64) -> Result<u64> 
             correlation: None,
             fingerprint: None,
             guards: vec![],
-            events: vec![NewEvent { event_type: LOG_KEY_ROTATED.into(), payload }],
+            events: vec![NewEvent { stream: None, event_type: LOG_KEY_ROTATED.into(), payload }],
         })
         .await?;
     Ok(result.events[0].envelope.seq)

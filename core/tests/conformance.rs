@@ -78,6 +78,7 @@ fn request(tenant: TenantId, stream: &str, expected: ExpectedVersion, n: usize) 
         guards: vec![],
         events: (0..n)
             .map(|i| NewEvent {
+                stream: None,
                 event_type: "thing.happened".into(),
                 payload: Value::Map(vec![(Value::Text("i".into()), Value::Integer(i.into()))]),
             })
@@ -215,6 +216,34 @@ async fn optimistic_concurrency(postgres: bool) {
     assert_eq!(verify_all(&f).await, 5);
 }
 
+/// One append moving two streams (a reservation and a node): each event takes its own stream's
+/// next version; racing appends on the same node version, each with its own first stream, let
+/// exactly one through; an event for an unguarded stream is refused.
+async fn multi_stream_appends(postgres: bool) {
+    let f = fixture(postgres).await;
+    let t = TenantId::generate();
+    f.log.append(request(t, "node/1", ExpectedVersion::NoStream, 2)).await.unwrap();
+    let two = |rsv: &str, node_version: u64| {
+        let mut r = request(t, rsv, ExpectedVersion::NoStream, 2);
+        r.guards = vec![("node/1".into(), ExpectedVersion::Exact(node_version))];
+        r.events[1].stream = Some("node/1".into());
+        r
+    };
+    let done = f.log.append(two("rsv/a", 2)).await.unwrap();
+    let placed: Vec<(String, u64)> = done.events.iter().map(|e| (e.envelope.stream.clone(), e.envelope.version)).collect();
+    assert_eq!(placed, [("rsv/a".to_owned(), 1), ("node/1".to_owned(), 3)]);
+    let stream = f.store.read_stream_rows(t, "node/1", 0, 10).await.unwrap();
+    assert_eq!(stream.iter().map(|r| r.version).collect::<Vec<_>>(), [1, 2, 3]);
+    // Six appends that all read node/1 at version 3: one wins, the rest are conflicts.
+    let results = futures::future::join_all((0..6).map(|i| f.log.append(two(&format!("rsv/r{i}"), 3)))).await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+    assert!(results.iter().filter_map(|r| r.as_ref().err()).all(|e| e.code() == ErrorCode::Conflict));
+    let mut unguarded = request(t, "rsv/z", ExpectedVersion::NoStream, 1);
+    unguarded.events[0].stream = Some("node/1".into());
+    assert_eq!(f.log.append(unguarded).await.unwrap_err().code(), ErrorCode::InvalidArgument);
+    assert_eq!(verify_all(&f).await, 6);
+}
+
 /// Many tasks append to many tenants at once while a reader follows positions: every chain is
 /// gap-free and verifies, and the reader sees every event exactly once, in position order.
 async fn concurrent_appends_and_reader(postgres: bool) {
@@ -315,4 +344,4 @@ macro_rules! both_backends {
     };
 }
 
-both_backends!(appends_and_reads, idempotency, optimistic_concurrency, concurrent_appends_and_reader);
+both_backends!(appends_and_reads, idempotency, optimistic_concurrency, multi_stream_appends, concurrent_appends_and_reader);

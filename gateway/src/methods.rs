@@ -163,7 +163,7 @@ impl Call<'_> {
                 correlation: Some(self.request_id.clone()),
                 fingerprint: Some(self.fingerprint),
                 guards,
-                events: vec![NewEvent { event_type: event_type.to_owned(), payload }],
+                events: vec![NewEvent { stream: None, event_type: event_type.to_owned(), payload }],
             })
             .await
     }

@@ -68,6 +68,7 @@ fn request(tenant: TenantId, i: u64) -> AppendRequest {
         fingerprint: None,
         guards: vec![],
         events: vec![NewEvent {
+            stream: None,
             event_type: "pool.created".into(),
             payload: Value::Map(vec![
                 (Value::Text("name".into()), Value::Text(format!("p{i}"))),

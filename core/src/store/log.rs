@@ -404,17 +404,34 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
             }));
             continue;
         }
+        // Every stream this request writes, at its version before the request.
+        let mut written: Vec<(String, u64)> = vec![(request.stream.clone(), current)];
+        for event in &request.events {
+            if let Some(other) = &event.stream
+                && !written.iter().any(|(s, _)| s == other)
+            {
+                let slot = (request.tenant, other.clone());
+                let at = versions.get(&slot).copied().unwrap_or_else(|| pre.stream_versions.get(&slot).copied().unwrap_or(0));
+                written.push((other.clone(), at));
+            }
+        }
         let head_before = *heads.entry(request.tenant).or_insert_with(|| pre.heads.get(&request.tenant).copied());
         let (mut seq, mut prev) = head_before.map(|h| (h.seq, h.hash)).unwrap_or((0, GENESIS_PREV));
         let mut built = Vec::with_capacity(request.events.len());
         let mut failure = None;
-        for (offset, new) in request.events.iter().enumerate() {
+        for new in &request.events {
+            let stream = new.stream.as_ref().unwrap_or(&request.stream);
+            let version = {
+                let slot = written.iter_mut().find(|(s, _)| s == stream).expect("every written stream is listed");
+                slot.1 += 1;
+                slot.1
+            };
             let envelope = Envelope {
                 tenant: request.tenant,
                 seq: seq + 1,
                 id: EventId::generate(),
-                stream: request.stream.clone(),
-                version: current + 1 + offset as u64,
+                stream: stream.clone(),
+                version,
                 event_type: new.event_type.clone(),
                 at_ms: now_ms,
                 actor: request.actor.clone(),
@@ -461,7 +478,9 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
         let end = batch.events.len();
         let head_after = Head { seq, hash: prev };
         heads.insert(request.tenant, Some(head_after));
-        versions.insert(stream_slot, current + (end - start) as u64);
+        for (stream, version) in written {
+            versions.insert((request.tenant, stream), version);
+        }
         if !batch.heads_before.iter().any(|(t, _)| *t == request.tenant) {
             batch.heads_before.push((request.tenant, head_before));
         }

@@ -74,6 +74,11 @@ impl std::fmt::Display for ExpectedVersion {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewEvent {
+    /// Another stream of the request's tenant for this event, which must be one of the
+    /// request's guards: its version is checked there and the event takes the next one. So one
+    /// append can move two streams at once (a reservation and the node whose GPUs it takes).
+    /// `None`: the request's own stream.
+    pub stream: Option<String>,
     pub event_type: String,
     pub payload: Value,
 }
@@ -116,6 +121,11 @@ impl AppendRequest {
         }
         for event in &self.events {
             validate_name("event type", &event.event_type, EVENT_TYPE_BYTES_MAX)?;
+            if let Some(stream) = &event.stream
+                && (*stream == self.stream || !self.guards.iter().any(|(g, _)| g == stream))
+            {
+                return Err(Error::invalid(format!("event stream {stream:?} is not one of the append's guarded streams")));
+            }
         }
         if self.guards.len() > GUARDS_MAX {
             return Err(Error::invalid(format!("at most {GUARDS_MAX} guarded streams")));
@@ -131,8 +141,14 @@ impl AppendRequest {
         if let Some(fingerprint) = self.fingerprint {
             return Ok(fingerprint);
         }
-        let events =
-            self.events.iter().map(|e| Value::Array(vec![Value::Text(e.event_type.clone()), e.payload.clone()])).collect();
+        let events = self
+            .events
+            .iter()
+            .map(|e| {
+                let stream = e.stream.as_ref().map(|s| Value::Text(s.clone())).unwrap_or(Value::Null);
+                Value::Array(vec![stream, Value::Text(e.event_type.clone()), e.payload.clone()])
+            })
+            .collect();
         let bytes = crate::canonical::encode(Value::Array(vec![Value::Text(self.stream.clone()), Value::Array(events)]))?;
         Ok(sha256(&bytes))
     }
