@@ -83,7 +83,8 @@ pub struct NewEvent {
     pub payload: Value,
 }
 
-/// One append: events for one stream of one tenant, committed together or not at all.
+/// One append: events for one stream of one tenant (and, through guards, others of the same
+/// tenant), committed together or not at all.
 #[derive(Clone, Debug)]
 pub struct AppendRequest {
     pub tenant: TenantId,
