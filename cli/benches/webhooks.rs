@@ -115,7 +115,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
     let mut pending = Vec::new();
     for i in 0..EVENTS {
         let payload =
-            ev::to_cbor(&ev::PoolCreated { name: format!("b{i}"), description: String::new(), labels: Default::default() })
+            ev::to_cbor(&ev::PoolCreated { name: format!("b{i}"), description: String::new(), labels: Default::default(), max_reservation_s: None })
                 .unwrap();
         pending.push(log.append(append(stream_of(KIND_POOL, &PoolId::generate()), ev::POOL_CREATED, payload)));
         if pending.len() == 200 {

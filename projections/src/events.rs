@@ -13,6 +13,21 @@ pub const POOL_CREATED: &str = "pool.created";
 pub const POOL_UPDATED: &str = "pool.updated";
 pub const POOL_ARCHIVED: &str = "pool.archived";
 pub const NODE_REGISTERED: &str = "node.registered";
+pub const NODE_CORDONED: &str = "node.cordoned";
+pub const NODE_UNCORDONED: &str = "node.uncordoned";
+pub const NODE_DRAINING: &str = "node.draining";
+pub const NODE_LABELED: &str = "node.labeled";
+pub const NODE_TAINTED: &str = "node.tainted";
+pub const NODE_ALLOCATED: &str = "node.allocated";
+pub const NODE_FREED: &str = "node.freed";
+pub const RESERVATION_REQUESTED: &str = "reservation.requested";
+pub const RESERVATION_ACTIVATED: &str = "reservation.activated";
+pub const RESERVATION_EXTENDED: &str = "reservation.extended";
+pub const RESERVATION_RELEASED: &str = "reservation.released";
+pub const RESERVATION_EXPIRED: &str = "reservation.expired";
+pub const RESERVATION_CANCELLED: &str = "reservation.cancelled";
+pub const QUOTA_SET: &str = "quota.set";
+pub const QUOTA_EXCEEDED: &str = "quota.exceeded";
 pub const WEBHOOK_CREATED: &str = "webhook.created";
 pub const WEBHOOK_UPDATED: &str = "webhook.updated";
 pub const WEBHOOK_SECRET_ROTATED: &str = "webhook.secret_rotated";
@@ -28,6 +43,21 @@ pub const EVENT_TYPES: &[&str] = &[
     POOL_UPDATED,
     POOL_ARCHIVED,
     NODE_REGISTERED,
+    NODE_CORDONED,
+    NODE_UNCORDONED,
+    NODE_DRAINING,
+    NODE_LABELED,
+    NODE_TAINTED,
+    NODE_ALLOCATED,
+    NODE_FREED,
+    RESERVATION_REQUESTED,
+    RESERVATION_ACTIVATED,
+    RESERVATION_EXTENDED,
+    RESERVATION_RELEASED,
+    RESERVATION_EXPIRED,
+    RESERVATION_CANCELLED,
+    QUOTA_SET,
+    QUOTA_EXCEEDED,
     WEBHOOK_CREATED,
     WEBHOOK_UPDATED,
     WEBHOOK_SECRET_ROTATED,
@@ -63,6 +93,9 @@ pub struct PoolCreated {
     pub name: String,
     pub description: String,
     pub labels: BTreeMap<String, String>,
+    /// The longest reservation the pool grants, in seconds (absent: the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_reservation_s: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
@@ -74,6 +107,8 @@ pub struct PoolUpdated {
     pub description: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_reservation_s: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -100,6 +135,83 @@ pub struct Gpu {
     pub vram_gib: u32,
     /// GPUs with the same domain on one node share NVLink.
     pub nvlink_domain: u32,
+}
+
+/// `node.cordoned`, `node.uncordoned`, `node.draining`: no payload.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeStateChanged {}
+
+/// `node.labeled` and `node.tainted`: keys to set and keys to remove.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeKeysChanged {
+    pub set: BTreeMap<String, String>,
+    pub remove: Vec<String>,
+}
+
+/// GPUs of a node given to a reservation (in the same append as `reservation.activated`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeAllocated {
+    pub reservation_id: String,
+    /// Indexes into the node's `gpus`.
+    pub gpus: Vec<u32>,
+}
+
+/// A reservation's GPUs given back (with `reservation.released` or `.expired`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeFreed {
+    pub reservation_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationRequested {
+    pub pool_id: String,
+    pub gpus: u32,
+    pub duration_s: u64,
+    /// The selector as written (checked when requested); empty: any GPU.
+    pub selector: String,
+    pub nvlink: bool,
+    pub tolerations: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationActivated {
+    pub node_id: String,
+    pub gpus: Vec<u32>,
+    pub ends_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationExtended {
+    pub ends_at_ms: u64,
+}
+
+/// `reservation.released`, `.expired`, `.cancelled`: no payload.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationEnded {}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaSet {
+    /// GPUs the tenant's live (queued and active) reservations in the pool may hold at once.
+    pub gpus: u32,
+}
+
+/// The audit record of a refusal: nothing else is appended.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaExceeded {
+    pub requested: u32,
+    pub in_use: u32,
+    pub limit: u32,
+    pub actor: String,
 }
 
 /// A webhook subscription. Its signing secret is not here: secrets never enter the log.

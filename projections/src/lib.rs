@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 pub mod events;
+pub mod placement;
 
 use events::*;
 
@@ -26,6 +27,14 @@ pub const KIND_API_KEY: &str = "api_key";
 pub const KIND_POOL: &str = "pool";
 pub const KIND_NODE: &str = "node";
 pub const KIND_WEBHOOK: &str = "webhook";
+pub const KIND_RESERVATION: &str = "reservation";
+/// One row per queued or active reservation (removed when it ends): what the reconciler and
+/// the capacity views scan, so they never read finished reservations.
+pub const KIND_RESERVATION_LIVE: &str = "reservation_live";
+/// A tenant's quota in one pool; the stream is `quota/pool_…`.
+pub const KIND_QUOTA: &str = "quota";
+/// The longest reservation a pool grants unless it says otherwise: 30 days.
+pub const MAX_RESERVATION_S_DEFAULT: u64 = 30 * 24 * 3600;
 
 /// The stream of one entity: `KIND/ID`.
 pub fn stream_of(kind: &str, id: &impl std::fmt::Display) -> String {
@@ -65,6 +74,8 @@ pub struct PoolDoc {
     pub name: String,
     pub description: String,
     pub labels: std::collections::BTreeMap<String, String>,
+    #[serde(default = "max_reservation_default")]
+    pub max_reservation_s: u64,
     pub archived: bool,
     pub version: u64,
     pub created_at_ms: u64,
@@ -80,7 +91,14 @@ pub struct NodeDoc {
     pub name: String,
     pub gpus: Vec<Gpu>,
     pub labels: std::collections::BTreeMap<String, String>,
+    /// `ready`, `cordoned` (takes no new reservation) or `draining` (cordoned until its
+    /// reservations end).
     pub state: String,
+    #[serde(default)]
+    pub taints: std::collections::BTreeMap<String, String>,
+    /// GPU index → the reservation holding it.
+    #[serde(default)]
+    pub allocations: std::collections::BTreeMap<u32, String>,
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
@@ -154,6 +172,69 @@ pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
     view
 }
 
+fn max_reservation_default() -> u64 {
+    MAX_RESERVATION_S_DEFAULT
+}
+
+/// A reservation: `queued` → `active` → `released` | `expired`, or `queued` → `cancelled`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservationDoc {
+    pub tenant_id: String,
+    pub reservation_id: String,
+    pub pool_id: String,
+    pub gpus: u32,
+    pub duration_s: u64,
+    pub selector: String,
+    pub nvlink: bool,
+    pub tolerations: Vec<String>,
+    pub state: String,
+    pub node_id: Option<String>,
+    pub gpu_indexes: Vec<u32>,
+    /// The tenant chain's sequence number of the request: the queue's order.
+    pub request_seq: u64,
+    pub requested_at_ms: u64,
+    pub activated_at_ms: Option<u64>,
+    pub ends_at_ms: Option<u64>,
+    pub ended_at_ms: Option<u64>,
+    pub version: u64,
+}
+
+/// Reservation states.
+pub const QUEUED: &str = "queued";
+pub const ACTIVE: &str = "active";
+pub const RELEASED: &str = "released";
+pub const EXPIRED: &str = "expired";
+pub const CANCELLED: &str = "cancelled";
+pub const RESERVATION_STATES: &[&str] = &[QUEUED, ACTIVE, RELEASED, EXPIRED, CANCELLED];
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaDoc {
+    pub tenant_id: String,
+    pub pool_id: String,
+    pub gpus: u32,
+    pub version: u64,
+    pub updated_at_ms: u64,
+}
+
+fn node_state(cordoned: bool, draining: bool) -> String {
+    if draining {
+        "draining".into()
+    } else if cordoned {
+        "cordoned".into()
+    } else {
+        "ready".into()
+    }
+}
+
+fn apply_keys(map: &mut std::collections::BTreeMap<String, String>, change: NodeKeysChanged) {
+    for key in change.remove {
+        map.remove(&key);
+    }
+    map.extend(change.set);
+}
+
 /// The projector for every read model of this crate.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Projections;
@@ -164,6 +245,10 @@ fn payload<T: for<'de> Deserialize<'de>>(event: &StoredEvent) -> Result<T> {
         seq: event.envelope.seq,
         what: format!("{} payload does not parse: {e}", event.envelope.event_type),
     })
+}
+
+fn corrupt(event: &StoredEvent, what: String) -> Error {
+    Error::Corrupt { tenant: event.envelope.tenant.to_string(), seq: event.envelope.seq, what }
 }
 
 fn to_doc<T: Serialize>(doc: &T) -> Result<Option<Value>> {
@@ -193,9 +278,16 @@ impl Projector for Projections {
             return;
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
-            && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE | KIND_WEBHOOK)
+            && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE | KIND_WEBHOOK | KIND_RESERVATION | KIND_QUOTA)
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
+            if kind == KIND_RESERVATION {
+                out.push(RowKey {
+                    tenant: event.envelope.tenant.to_string(),
+                    kind: KIND_RESERVATION_LIVE.to_owned(),
+                    id: id.to_owned(),
+                });
+            }
         }
     }
 
@@ -242,6 +334,7 @@ impl Projector for Projections {
                     name: p.name,
                     description: p.description,
                     labels: p.labels,
+                    max_reservation_s: p.max_reservation_s.unwrap_or(MAX_RESERVATION_S_DEFAULT),
                     archived: false,
                     version: env.version,
                     created_at_ms: env.at_ms,
@@ -259,6 +352,9 @@ impl Projector for Projections {
                 }
                 if let Some(labels) = p.labels {
                     doc.labels = labels;
+                }
+                if let Some(max) = p.max_reservation_s {
+                    doc.max_reservation_s = max;
                 }
                 doc.version = env.version;
                 doc.updated_at_ms = env.at_ms;
@@ -281,8 +377,101 @@ impl Projector for Projections {
                     gpus: p.gpus,
                     labels: p.labels,
                     state: "ready".into(),
+                    taints: Default::default(),
+                    allocations: Default::default(),
                     version: env.version,
                     created_at_ms: env.at_ms,
+                    updated_at_ms: env.at_ms,
+                })
+            }
+            NODE_CORDONED | NODE_UNCORDONED | NODE_DRAINING | NODE_LABELED | NODE_TAINTED | NODE_ALLOCATED | NODE_FREED => {
+                let mut doc: NodeDoc = from_doc(event, current)?;
+                match env.event_type.as_str() {
+                    NODE_CORDONED => doc.state = node_state(true, doc.state == "draining"),
+                    NODE_UNCORDONED => doc.state = node_state(false, false),
+                    NODE_DRAINING => doc.state = node_state(true, true),
+                    NODE_LABELED => apply_keys(&mut doc.labels, payload(event)?),
+                    NODE_TAINTED => apply_keys(&mut doc.taints, payload(event)?),
+                    NODE_ALLOCATED => {
+                        let p: NodeAllocated = payload(event)?;
+                        for gpu in p.gpus {
+                            if gpu as usize >= doc.gpus.len() {
+                                return Err(corrupt(event, format!("node {} has no GPU {gpu}", doc.node_id)));
+                            }
+                            if let Some(holder) = doc.allocations.insert(gpu, p.reservation_id.clone()) {
+                                // The decision guards the node's version, so this never happens;
+                                // if it did, the append fails here rather than double-book.
+                                return Err(corrupt(event, format!("GPU {gpu} of {} is already held by {holder}", doc.node_id)));
+                            }
+                        }
+                    }
+                    _ => {
+                        let p: NodeFreed = payload(event)?;
+                        doc.allocations.retain(|_, holder| *holder != p.reservation_id);
+                    }
+                }
+                doc.version = env.version;
+                doc.updated_at_ms = env.at_ms;
+                to_doc(&doc)
+            }
+            RESERVATION_REQUESTED => {
+                let p: ReservationRequested = payload(event)?;
+                to_doc(&ReservationDoc {
+                    tenant_id,
+                    reservation_id: key.id.clone(),
+                    pool_id: p.pool_id,
+                    gpus: p.gpus,
+                    duration_s: p.duration_s,
+                    selector: p.selector,
+                    nvlink: p.nvlink,
+                    tolerations: p.tolerations,
+                    state: QUEUED.into(),
+                    node_id: None,
+                    gpu_indexes: Vec::new(),
+                    request_seq: env.seq,
+                    requested_at_ms: env.at_ms,
+                    activated_at_ms: None,
+                    ends_at_ms: None,
+                    ended_at_ms: None,
+                    version: env.version,
+                })
+            }
+            RESERVATION_ACTIVATED | RESERVATION_EXTENDED | RESERVATION_RELEASED | RESERVATION_EXPIRED | RESERVATION_CANCELLED => {
+                let mut doc: ReservationDoc = from_doc(event, current)?;
+                match env.event_type.as_str() {
+                    RESERVATION_ACTIVATED => {
+                        let p: ReservationActivated = payload(event)?;
+                        doc.state = ACTIVE.into();
+                        doc.node_id = Some(p.node_id);
+                        doc.gpu_indexes = p.gpus;
+                        doc.activated_at_ms = Some(env.at_ms);
+                        doc.ends_at_ms = Some(p.ends_at_ms);
+                    }
+                    RESERVATION_EXTENDED => {
+                        let p: ReservationExtended = payload(event)?;
+                        doc.ends_at_ms = Some(p.ends_at_ms);
+                    }
+                    ended => {
+                        doc.state = match ended {
+                            RESERVATION_RELEASED => RELEASED,
+                            RESERVATION_EXPIRED => EXPIRED,
+                            _ => CANCELLED,
+                        }
+                        .into();
+                        doc.ended_at_ms = Some(env.at_ms);
+                    }
+                }
+                doc.version = env.version;
+                let live = doc.state == QUEUED || doc.state == ACTIVE;
+                if key.kind == KIND_RESERVATION_LIVE && !live { Ok(None) } else { to_doc(&doc) }
+            }
+            QUOTA_SET => {
+                let p: QuotaSet = payload(event)?;
+                to_doc(&QuotaDoc {
+                    tenant_id,
+                    pool_id: key.id.clone(),
+                    gpus: p.gpus,
+                    version: env.version,
                     updated_at_ms: env.at_ms,
                 })
             }

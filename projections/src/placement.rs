@@ -1,0 +1,352 @@
+//! Placement: the selector language and the choice of GPUs for a reservation. Pure functions of
+//! node documents, so the gateway (placing at once), the reconciler (placing queued requests),
+//! `capacity.preview` and the property tests all decide the same way.
+//!
+//! **Selectors** are comma-separated clauses, all of which must hold for a GPU:
+//! `ATTR OP VALUE` with `OP` one of `=` `==` `!=` `>` `>=` `<` `<=`, or `ATTR in (V, …)` /
+//! `ATTR notin (V, …)`. Attributes: `gpuModel`, `gpuProduct`, `vramGiB`, `nvlinkDomain` (the
+//! GPU's), `node` (the node id), `nodeName`, `label.KEY` (the node's labels). Order comparisons
+//! need a number on both sides. Values are bare words (`H100-SXM5-80GB`) or double-quoted.
+//! Errors name the column (1-based) where the text stops making sense.
+//!
+//! **Placement** looks at usable nodes (state `ready`, every taint tolerated), at their free
+//! GPUs that match the selector, and takes all of a request's GPUs from one node, and from one
+//! NVLink domain when asked. Among the nodes that fit it takes the tightest: the one where the
+//! fewest matching GPUs stay free after it (then the lowest node id), and inside a node the
+//! smallest domain that fits, so large requests still find whole nodes and domains.
+
+use std::collections::BTreeMap;
+
+use bc_core::{Error, Result};
+
+use crate::NodeDoc;
+
+pub const SELECTOR_BYTES_MAX: usize = 512;
+pub const SELECTOR_CLAUSES_MAX: usize = 16;
+pub const SELECTOR_VALUES_MAX: usize = 32;
+/// GPUs one reservation may ask for (a node's worth at most).
+pub const RESERVATION_GPUS_MAX: u32 = 64;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Attr {
+    GpuModel,
+    GpuProduct,
+    VramGib,
+    NvlinkDomain,
+    Node,
+    NodeName,
+    Label(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Eq,
+    Ne,
+    Gt,
+    Ge,
+    Lt,
+    Le,
+    In,
+    NotIn,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Clause {
+    pub attr: Attr,
+    pub op: Op,
+    pub values: Vec<String>,
+}
+
+/// A parsed selector; empty matches every GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selector {
+    pub clauses: Vec<Clause>,
+}
+
+fn at(column: usize, message: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument {
+        message: format!("selector, column {}: {message}", column + 1),
+        hint: Some(
+            "clauses like gpuProduct in (H100-SXM5-80GB), vramGiB >= 80, label.rack = r1; attributes: gpuModel, gpuProduct, vramGiB, nvlinkDomain, node, nodeName, label.KEY".into(),
+        ),
+    }
+}
+
+struct Lexer<'a> {
+    text: &'a str,
+    pos: usize,
+}
+
+impl<'a> Lexer<'a> {
+    fn skip_spaces(&mut self) {
+        while self.text[self.pos..].starts_with([' ', '\t']) {
+            self.pos += 1;
+        }
+    }
+
+    fn peek(&mut self) -> Option<char> {
+        self.skip_spaces();
+        self.text[self.pos..].chars().next()
+    }
+
+    fn word(&mut self) -> Option<&'a str> {
+        self.skip_spaces();
+        let rest = &self.text[self.pos..];
+        let len = rest.find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'))).unwrap_or(rest.len());
+        if len == 0 {
+            return None;
+        }
+        self.pos += len;
+        Some(&rest[..len])
+    }
+
+    /// A value and the column where it starts.
+    fn value(&mut self) -> Result<(usize, String)> {
+        self.skip_spaces();
+        let start = self.pos;
+        self.value_text().map(|v| (start, v))
+    }
+
+    fn value_text(&mut self) -> Result<String> {
+        if self.text[self.pos..].starts_with('"') {
+            let start = self.pos;
+            let rest = &self.text[self.pos + 1..];
+            let end = rest.find('"').ok_or_else(|| at(start, "unterminated quoted value"))?;
+            self.pos += end + 2;
+            return Ok(rest[..end].to_owned());
+        }
+        let start = self.pos;
+        self.word().map(str::to_owned).ok_or_else(|| at(start, "expected a value"))
+    }
+
+    fn op(&mut self) -> Result<Op> {
+        self.skip_spaces();
+        let start = self.pos;
+        let rest = &self.text[self.pos..];
+        for (text, op) in [("==", Op::Eq), ("!=", Op::Ne), (">=", Op::Ge), ("<=", Op::Le), ("=", Op::Eq), (">", Op::Gt), ("<", Op::Lt)]
+        {
+            if rest.starts_with(text) {
+                self.pos += text.len();
+                return Ok(op);
+            }
+        }
+        match self.word() {
+            Some("in") => Ok(Op::In),
+            Some("notin") => Ok(Op::NotIn),
+            _ => Err(at(start, "expected an operator: = != > >= < <= in notin")),
+        }
+    }
+}
+
+impl Selector {
+    pub fn parse(text: &str) -> Result<Self> {
+        if text.len() > SELECTOR_BYTES_MAX {
+            return Err(Error::invalid(format!("a selector is at most {SELECTOR_BYTES_MAX} bytes")));
+        }
+        if let Some((i, _)) = text.char_indices().find(|(_, c)| c.is_control() && *c != '\t') {
+            return Err(at(i, "control character"));
+        }
+        let mut lexer = Lexer { text, pos: 0 };
+        let mut clauses = Vec::new();
+        if lexer.peek().is_none() {
+            return Ok(Self { clauses });
+        }
+        loop {
+            lexer.skip_spaces();
+            let start = lexer.pos;
+            let name = lexer.word().ok_or_else(|| at(start, "expected an attribute"))?;
+            let attr = match name {
+                "gpuModel" => Attr::GpuModel,
+                "gpuProduct" => Attr::GpuProduct,
+                "vramGiB" => Attr::VramGib,
+                "nvlinkDomain" => Attr::NvlinkDomain,
+                "node" => Attr::Node,
+                "nodeName" => Attr::NodeName,
+                other => match other.strip_prefix("label.") {
+                    Some(key) if !key.is_empty() => Attr::Label(key.to_owned()),
+                    _ => return Err(at(start, format!("unknown attribute {other:?}"))),
+                },
+            };
+            lexer.skip_spaces();
+            let op_at = lexer.pos;
+            let op = lexer.op()?;
+            let values = if matches!(op, Op::In | Op::NotIn) {
+                if lexer.peek() != Some('(') {
+                    return Err(at(lexer.pos, "expected ( after in"));
+                }
+                lexer.pos += 1;
+                let mut values = vec![lexer.value()?];
+                loop {
+                    match lexer.peek() {
+                        Some(',') => {
+                            lexer.pos += 1;
+                            values.push(lexer.value()?);
+                        }
+                        Some(')') => {
+                            lexer.pos += 1;
+                            break;
+                        }
+                        _ => return Err(at(lexer.pos, "expected , or ) in the value list")),
+                    }
+                }
+                if values.len() > SELECTOR_VALUES_MAX {
+                    return Err(at(op_at, format!("at most {SELECTOR_VALUES_MAX} values in a list")));
+                }
+                values
+            } else {
+                vec![lexer.value()?]
+            };
+            let numeric = matches!(attr, Attr::VramGib | Attr::NvlinkDomain);
+            if matches!(op, Op::Gt | Op::Ge | Op::Lt | Op::Le) && !numeric {
+                return Err(at(op_at, format!("{name} is text: it cannot be ordered, only compared with = != in notin")));
+            }
+            if numeric && let Some((col, bad)) = values.iter().find(|(_, v)| v.parse::<u64>().is_err()) {
+                return Err(at(*col, format!("{name} is a number, not {bad:?}")));
+            }
+            clauses.push(Clause { attr, op, values: values.into_iter().map(|(_, v)| v).collect() });
+            if clauses.len() > SELECTOR_CLAUSES_MAX {
+                return Err(at(start, format!("at most {SELECTOR_CLAUSES_MAX} clauses")));
+            }
+            match lexer.peek() {
+                None => break,
+                Some(',') => lexer.pos += 1,
+                Some(_) => return Err(at(lexer.pos, "expected , between clauses")),
+            }
+        }
+        Ok(Self { clauses })
+    }
+
+    /// Adds `gpuModel = M` / `gpuProduct = P` clauses (the CLI's --model and --product).
+    pub fn and_equals(mut self, attr: Attr, value: &str) -> Self {
+        self.clauses.push(Clause { attr, op: Op::Eq, values: vec![value.to_owned()] });
+        self
+    }
+
+    /// Whether GPU `index` of `node` matches.
+    pub fn matches(&self, node: &NodeDoc, index: usize) -> bool {
+        let gpu = &node.gpus[index];
+        self.clauses.iter().all(|clause| {
+            let actual: Option<std::borrow::Cow<'_, str>> = match &clause.attr {
+                Attr::GpuModel => Some(gpu.model.as_str().into()),
+                Attr::GpuProduct => Some(gpu.product.as_str().into()),
+                Attr::VramGib => Some(gpu.vram_gib.to_string().into()),
+                Attr::NvlinkDomain => Some(gpu.nvlink_domain.to_string().into()),
+                Attr::Node => Some(node.node_id.as_str().into()),
+                Attr::NodeName => Some(node.name.as_str().into()),
+                Attr::Label(key) => node.labels.get(key).map(|v| v.as_str().into()),
+            };
+            let numeric = matches!(clause.attr, Attr::VramGib | Attr::NvlinkDomain);
+            let eq = |v: &str| actual.as_deref().is_some_and(|a| if numeric { a.parse::<u64>().ok() == v.parse().ok() } else { a == v });
+            let order = |f: fn(u64, u64) -> bool| {
+                let (Some(a), Ok(b)) = (actual.as_deref().and_then(|a| a.parse::<u64>().ok()), clause.values[0].parse::<u64>())
+                else {
+                    return false;
+                };
+                f(a, b)
+            };
+            match clause.op {
+                Op::Eq => eq(&clause.values[0]),
+                Op::Ne => !eq(&clause.values[0]),
+                Op::In => clause.values.iter().any(|v| eq(v)),
+                Op::NotIn => !clause.values.iter().any(|v| eq(v)),
+                Op::Gt => order(|a, b| a > b),
+                Op::Ge => order(|a, b| a >= b),
+                Op::Lt => order(|a, b| a < b),
+                Op::Le => order(|a, b| a <= b),
+            }
+        })
+    }
+}
+
+/// What a reservation asks of placement.
+#[derive(Clone, Debug)]
+pub struct Ask<'a> {
+    pub gpus: u32,
+    pub selector: &'a Selector,
+    pub nvlink: bool,
+    pub tolerations: &'a [String],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub node_id: String,
+    pub gpus: Vec<u32>,
+    /// Matching GPUs of the node still free after this placement.
+    pub leftover: u32,
+}
+
+/// Whether a node may take new reservations for this ask at all.
+pub fn usable(node: &NodeDoc, tolerations: &[String]) -> bool {
+    node.state == "ready" && node.taints.keys().all(|k| tolerations.iter().any(|t| t == k))
+}
+
+/// The best GPUs on one node, or `None` if it cannot take the ask.
+pub fn fit(node: &NodeDoc, ask: &Ask<'_>) -> Option<Placement> {
+    if ask.gpus == 0 || !usable(node, ask.tolerations) {
+        return None;
+    }
+    // Free, matching GPUs by NVLink domain, in index order.
+    let mut domains: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    let mut free = 0u32;
+    for (i, gpu) in node.gpus.iter().enumerate() {
+        let i = i as u32;
+        if !node.allocations.contains_key(&i) && ask.selector.matches(node, i as usize) {
+            domains.entry(gpu.nvlink_domain).or_default().push(i);
+            free += 1;
+        }
+    }
+    if free < ask.gpus {
+        return None;
+    }
+    let need = ask.gpus as usize;
+    // Smallest domains first (then lowest domain number): a request takes the tightest domain
+    // that holds it whole, and otherwise fills small domains before breaking into big ones.
+    let mut order: Vec<(&u32, &Vec<u32>)> = domains.iter().collect();
+    order.sort_by_key(|(domain, list)| (list.len(), **domain));
+    let gpus: Vec<u32> = if ask.nvlink {
+        let (_, list) = order.iter().find(|(_, list)| list.len() >= need)?;
+        list[..need].to_vec()
+    } else if let Some((_, list)) = order.iter().find(|(_, list)| list.len() >= need) {
+        list[..need].to_vec()
+    } else {
+        order.iter().flat_map(|(_, list)| list.iter().copied()).take(need).collect()
+    };
+    let mut gpus = gpus;
+    gpus.sort_unstable();
+    Some(Placement { node_id: node.node_id.clone(), gpus, leftover: free - ask.gpus })
+}
+
+/// The tightest fit among `nodes`: fewest matching GPUs left free, then the lowest node id.
+pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) -> Option<Placement> {
+    nodes
+        .into_iter()
+        .filter_map(|node| fit(node, ask))
+        .min_by(|a, b| (a.leftover, &a.node_id).cmp(&(b.leftover, &b.node_id)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selector_parses_and_points_at_the_column() {
+        let s = Selector::parse("gpuProduct in (H100-SXM5-80GB, \"A100 80GB\"), vramGiB >= 80, label.rack != r1").unwrap();
+        assert_eq!(s.clauses.len(), 3);
+        assert_eq!(s.clauses[0].values, ["H100-SXM5-80GB", "A100 80GB"]);
+        assert_eq!(Selector::parse("   ").unwrap(), Selector::default());
+        for (text, column) in [
+            ("vramGiB >> 80", 10),
+            ("gpuColour = red", 1),
+            ("vramGiB >= lots", 12),
+            ("gpuProduct > H100", 12),
+            ("gpuProduct in H100", 15),
+            ("gpuProduct in (a, b", 20),
+            ("vramGiB >= 80 gpuModel = x", 15),
+            ("gpuModel = \"x", 12),
+            ("vramGiB =", 10),
+        ] {
+            let e = Selector::parse(text).unwrap_err().to_string();
+            assert!(e.contains(&format!("column {column}:")), "{text:?}: {e}");
+        }
+    }
+}
