@@ -76,9 +76,13 @@ async fn run(watchers: usize) -> ([f64; 2], [f64; 2]) {
     let mut client_ms = Vec::new();
     for i in 0..EVENTS {
         let pool = PoolId::generate();
-        let payload =
-            ev::to_cbor(&ev::PoolCreated { name: format!("w{i}"), description: String::new(), labels: Default::default(), max_reservation_s: None })
-                .unwrap();
+        let payload = ev::to_cbor(&ev::PoolCreated {
+            name: format!("w{i}"),
+            description: String::new(),
+            labels: Default::default(),
+            max_reservation_s: None,
+        })
+        .unwrap();
         let started = Instant::now();
         let result = log
             .append(AppendRequest {

@@ -18,6 +18,7 @@ use serde_json::{Map, Value, json};
 mod audit;
 mod client;
 mod output;
+mod reserve;
 mod server;
 mod watch;
 mod webhooks;
@@ -147,6 +148,7 @@ impl ConsumerArgs {
             },
             concurrency: self.concurrency as usize,
             poll_ms: 250,
+            tick_ms: 500,
         })
     }
 }
@@ -199,7 +201,7 @@ enum Command {
     },
     /// Run reconcilers (outbox consumers) as their own process, against the same database.
     Reconcile {
-        /// Only these reconcilers (repeatable): webhooks. Default: all.
+        /// Only these reconcilers (repeatable): reservations, webhooks. Default: all.
         #[arg(long)]
         only: Vec<String>,
         #[command(flatten)]
@@ -260,6 +262,63 @@ enum Command {
     Nodes {
         #[command(subcommand)]
         command: NodesCommand,
+    },
+    /// Reserve GPUs: placed at once, or queued until capacity frees (waits up to --wait).
+    Reserve {
+        #[command(flatten)]
+        ask: reserve::AskArgs,
+        /// Seconds to wait while queued (0 to 600).
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=reserve::WAIT_S_MAX))]
+        wait: u64,
+        /// Idempotency key (default: a fresh one, printed on stderr); repeat it to retry safely.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// End an active reservation, or cancel a queued one.
+    Release {
+        reservation_id: String,
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Move an active reservation's end (within the pool's maximum).
+    Extend {
+        reservation_id: String,
+        /// How much longer: `30m`, `4h`, `1d`.
+        #[arg(long, value_parser = reserve::parse_duration_s)]
+        by: u64,
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Reservations.
+    Reservations {
+        #[command(subcommand)]
+        command: reserve::ReservationsCommand,
+    },
+    /// Free GPUs per pool and per product; with --preview, would a reservation fit now, and where.
+    Capacity {
+        #[arg(long)]
+        preview: bool,
+        #[arg(long)]
+        pool: Option<String>,
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+        gpus: Option<u32>,
+        #[arg(long = "for", value_parser = reserve::parse_duration_s)]
+        duration: Option<u64>,
+        #[arg(long)]
+        nvlink: bool,
+        #[arg(long)]
+        selector: Option<String>,
+        #[arg(long)]
+        model: Option<String>,
+        #[arg(long)]
+        product: Option<String>,
+        #[arg(long = "tolerate")]
+        tolerations: Vec<String>,
+    },
+    /// GPU quotas per pool.
+    Quotas {
+        #[command(subcommand)]
+        command: reserve::QuotasCommand,
     },
     /// Webhook subscriptions and their deliveries (Standard Webhooks signatures).
     Webhooks {
@@ -412,6 +471,43 @@ enum NodesCommand {
     },
     Get {
         node_id: String,
+    },
+    /// Take no new reservations on a node.
+    Cordon {
+        node_id: String,
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Take reservations on a node again.
+    Uncordon {
+        node_id: String,
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Cordon a node until its reservations end; --wait N waits up to N seconds for that.
+    Drain {
+        node_id: String,
+        #[arg(long)]
+        if_version: Option<u64>,
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+        wait: u64,
+    },
+    /// Set (`KEY=VALUE`) or remove (`KEY-`) a node's labels.
+    Label {
+        node_id: String,
+        #[arg(required = true)]
+        items: Vec<String>,
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Set (`KEY=VALUE`) or remove (`KEY-`) a node's taints; a tainted node takes only
+    /// reservations that tolerate every taint key (`reserve --tolerate KEY`).
+    Taint {
+        node_id: String,
+        #[arg(required = true)]
+        items: Vec<String>,
+        #[arg(long)]
+        if_version: Option<u64>,
     },
     /// Add a host by hand.
     Register {
@@ -598,7 +694,71 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Reconcile { only, db, consumers, webhook_allow_loopback } => {
             let database = server::Database::from_args(&db.data_dir, db.database_url.as_deref());
-            server::reconcile(&database, only, &consumers.options(*webhook_allow_loopback)?).await
+            server::reconcile(&database, &db.data_dir, only, &consumers.options(*webhook_allow_loopback)?).await
+        }
+        Command::Reserve { ask, wait, key } => {
+            let c = client(&cli)?;
+            let v = reserve::reserve(&c, tenant_body(&cli)?, ask, *wait, key).await?;
+            print(&v, json_or(Format::Json), q)
+        }
+        Command::Release { reservation_id, if_version } => {
+            let c = client(&cli)?;
+            let extra: Vec<(&str, Value)> = if_version.iter().map(|v| ("ifVersion", json!(v))).collect();
+            let v = reserve::simple(&c, "reservations.release", tenant_body(&cli)?, reservation_id, &extra).await?;
+            print(&v, json_or(Format::Json), q)
+        }
+        Command::Extend { reservation_id, by, if_version } => {
+            let c = client(&cli)?;
+            let mut extra = vec![("byS", json!(by))];
+            extra.extend(if_version.iter().map(|v| ("ifVersion", json!(v))));
+            let v = reserve::simple(&c, "reservations.extend", tenant_body(&cli)?, reservation_id, &extra).await?;
+            print(&v, json_or(Format::Json), q)
+        }
+        Command::Reservations { command } => {
+            let c = client(&cli)?;
+            let (mut v, list) = reserve::reservations(&c, tenant_body(&cli)?, command).await?;
+            let format = json_or(if list { Format::Table } else { Format::Json });
+            if list && format == Format::Table && q.is_none() {
+                for item in v["items"].as_array_mut().into_iter().flatten() {
+                    if let Some(m) = item.as_object_mut() {
+                        for field in
+                            ["tenantId", "tolerations", "requestSeq", "durationS", "version", "endedAtMs", "activatedAtMs"]
+                        {
+                            m.remove(field);
+                        }
+                    }
+                }
+            }
+            print(&v, format, q)
+        }
+        Command::Capacity { preview, pool, gpus, duration, nvlink, selector, model, product, tolerations } => {
+            let c = client(&cli)?;
+            let ask = if *preview {
+                let (Some(pool), Some(gpus), Some(duration)) = (pool.clone(), *gpus, *duration) else {
+                    return Err(CliError::usage("--preview needs --pool, --gpus and --for"));
+                };
+                Some(reserve::AskArgs {
+                    pool,
+                    gpus,
+                    duration,
+                    nvlink: *nvlink,
+                    selector: selector.clone(),
+                    model: model.clone(),
+                    product: product.clone(),
+                    tolerations: tolerations.clone(),
+                })
+            } else {
+                if gpus.is_some() || duration.is_some() || selector.is_some() || *nvlink {
+                    return Err(CliError::usage("--gpus, --for, --selector and --nvlink go with --preview"));
+                }
+                None
+            };
+            let (v, list) = reserve::capacity(&c, tenant_body(&cli)?, ask.as_ref(), pool.as_deref()).await?;
+            print(&v, json_or(if list { Format::Table } else { Format::Json }), q)
+        }
+        Command::Quotas { command } => {
+            let c = client(&cli)?;
+            print(&reserve::quotas(&c, tenant_body(&cli)?, command).await?, json_or(Format::Json), q)
         }
         Command::Webhooks { command } => {
             let c = client(&cli)?;
@@ -776,6 +936,26 @@ async fn run(cli: Cli) -> Result<(), CliError> {
                         }
                     }
                     print(&value, json_or(Format::Table), q)
+                }
+                NodesCommand::Cordon { node_id, if_version } => {
+                    let v = reserve::node_op(&c, tenant_body(&cli)?, "nodes.cordon", node_id, *if_version, &[], 0).await?;
+                    print(&v, json_or(Format::Json), q)
+                }
+                NodesCommand::Uncordon { node_id, if_version } => {
+                    let v = reserve::node_op(&c, tenant_body(&cli)?, "nodes.uncordon", node_id, *if_version, &[], 0).await?;
+                    print(&v, json_or(Format::Json), q)
+                }
+                NodesCommand::Drain { node_id, if_version, wait } => {
+                    let v = reserve::node_op(&c, tenant_body(&cli)?, "nodes.drain", node_id, *if_version, &[], *wait).await?;
+                    print(&v, json_or(Format::Json), q)
+                }
+                NodesCommand::Label { node_id, items, if_version } => {
+                    let v = reserve::node_op(&c, tenant_body(&cli)?, "nodes.label", node_id, *if_version, items, 0).await?;
+                    print(&v, json_or(Format::Json), q)
+                }
+                NodesCommand::Taint { node_id, items, if_version } => {
+                    let v = reserve::node_op(&c, tenant_body(&cli)?, "nodes.taint", node_id, *if_version, items, 0).await?;
+                    print(&v, json_or(Format::Json), q)
                 }
                 NodesCommand::Get { node_id } => {
                     let mut body = tenant_body(&cli)?;

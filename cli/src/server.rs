@@ -13,8 +13,8 @@ use bc_core::store::{EventStore, Log, rebuild_projections};
 use bc_core::webhook::EndpointPolicy;
 use bc_gateway::AppState;
 use bc_projections::Projections;
-use bc_reconcilers::CONSUMERS;
 use bc_reconcilers::outbox::{Consumer, RetryPolicy, RunnerConfig};
+use bc_reconcilers::{CONSUMERS, RECONCILERS};
 use serde_json::{Value, json};
 
 use crate::client::CliError;
@@ -119,6 +119,8 @@ pub struct ConsumerOptions {
     pub retry: RetryPolicy,
     pub concurrency: usize,
     pub poll_ms: u64,
+    /// How often the level-triggered reconcilers (reservations) look again without a wake-up.
+    pub tick_ms: u64,
 }
 
 impl ConsumerOptions {
@@ -156,20 +158,32 @@ fn spawn_consumers(
     Ok(tasks)
 }
 
-/// `reconcile --only NAME…`: runs consumers as their own process until Ctrl-C/SIGTERM. It needs
-/// the database only: consumers append nothing, so no log key.
-pub async fn reconcile(db: &Database, only: &[String], options: &ConsumerOptions) -> Result<(), CliError> {
-    let names: Vec<&str> = if only.is_empty() { CONSUMERS.to_vec() } else { only.iter().map(String::as_str).collect() };
+/// `reconcile --only NAME…`: runs reconcilers as their own process until Ctrl-C/SIGTERM. The
+/// webhook consumer needs the database only; `reservations` appends, so it also needs the log
+/// key in `--data-dir`.
+pub async fn reconcile(db: &Database, data_dir: &Path, only: &[String], options: &ConsumerOptions) -> Result<(), CliError> {
+    let names: Vec<&str> = if only.is_empty() { RECONCILERS.to_vec() } else { only.iter().map(String::as_str).collect() };
     for name in &names {
-        if !CONSUMERS.contains(name) {
+        if !RECONCILERS.contains(name) {
             return Err(CliError::usage(format!("--only {name:?} is not a reconciler"))
-                .hint(format!("reconcilers: {}", CONSUMERS.join(", "))));
+                .hint(format!("reconcilers: {}", RECONCILERS.join(", "))));
         }
     }
     let store = db.open().await?;
     store.check_schema().await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let tasks = spawn_consumers(store, &names, options, None, stopped)?;
+    let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
+    let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
+    if names.contains(&bc_reconcilers::reservations::NAME) {
+        let key_path = data_dir.join(LOG_KEY_FILE);
+        if !key_path.exists() {
+            return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
+                .hint("the reservations reconciler appends: pass the --data-dir that dev or serve uses"));
+        }
+        let key = Arc::new(LogKey::load(&key_path)?);
+        let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?);
+        tasks.push(tokio::spawn(bc_reconcilers::reservations::run(log, Arc::new(SystemClock), options.tick_ms, None, stopped)));
+    }
     println!("better-compute reconciling: {}", names.join(", "));
     println!("  database:  {}", db.describe());
     shutdown_signal().await;
@@ -250,8 +264,16 @@ pub async fn run_server(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let tasks = match consumers {
         Some(options) => {
-            println!("  reconcilers: {} (in process)", CONSUMERS.join(", "));
-            spawn_consumers(store.clone(), CONSUMERS, options, Some(log.subscribe()), stopped)?
+            println!("  reconcilers: {} (in process)", RECONCILERS.join(", "));
+            let mut tasks = spawn_consumers(store.clone(), CONSUMERS, options, Some(log.subscribe()), stopped.clone())?;
+            tasks.push(tokio::spawn(bc_reconcilers::reservations::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                options.tick_ms,
+                Some(log.subscribe()),
+                stopped,
+            )));
+            tasks
         }
         None => Vec::new(),
     };

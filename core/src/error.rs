@@ -16,6 +16,7 @@ pub enum ErrorCode {
     AlreadyExists,
     Unauthenticated,
     AccessDenied,
+    QuotaExceeded,
     PayloadTooLarge,
     Unavailable,
     Corrupt,
@@ -32,6 +33,7 @@ impl ErrorCode {
             Self::AlreadyExists => "ALREADY_EXISTS",
             Self::Unauthenticated => "UNAUTHENTICATED",
             Self::AccessDenied => "ACCESS_DENIED",
+            Self::QuotaExceeded => "QUOTA_EXCEEDED",
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             Self::Unavailable => "UNAVAILABLE",
             Self::Corrupt => "LOG_CORRUPT",
@@ -63,6 +65,9 @@ pub enum Error {
     Unauthenticated(String),
     #[error("{0}")]
     AccessDenied(String),
+    /// A tenant asked for more than its quota allows.
+    #[error("{0}")]
+    QuotaExceeded(String),
     #[error("request body exceeds {limit_bytes} bytes")]
     PayloadTooLarge { limit_bytes: usize },
     #[error("{0}")]
@@ -86,6 +91,7 @@ impl Error {
             Self::AlreadyExists { .. } => ErrorCode::AlreadyExists,
             Self::Unauthenticated(_) => ErrorCode::Unauthenticated,
             Self::AccessDenied(_) => ErrorCode::AccessDenied,
+            Self::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
             Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
             Self::Unavailable(_) => ErrorCode::Unavailable,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
@@ -105,6 +111,7 @@ impl Error {
         match self {
             Self::InvalidArgument { hint, .. } => hint.as_deref(),
             Self::Conflict { .. } => Some("read the current version and retry"),
+            Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
             _ => None,
         }
     }

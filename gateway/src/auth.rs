@@ -21,6 +21,11 @@ pub const ACTIONS: &[&str] = &[
     "compute:nodes:read",
     "compute:nodes:write",
     "compute:events:read",
+    "compute:capacity:read",
+    "compute:reservations:read",
+    "compute:reservations:write",
+    "compute:quotas:read",
+    "compute:quotas:admin",
     "compute:webhooks:read",
     "compute:webhooks:write",
 ];

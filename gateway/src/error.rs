@@ -30,7 +30,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::NotFound => StatusCode::NOT_FOUND,
         ErrorCode::Conflict | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => StatusCode::CONFLICT,
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
-        ErrorCode::AccessDenied => StatusCode::FORBIDDEN,
+        ErrorCode::AccessDenied | ErrorCode::QuotaExceeded => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::Corrupt | ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,

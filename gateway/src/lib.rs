@@ -31,6 +31,7 @@ use tracing::Instrument;
 pub mod auth;
 pub mod error;
 pub mod methods;
+pub mod reservations;
 pub mod watch;
 pub mod webhooks;
 

@@ -63,6 +63,32 @@ pub const METHODS: &[Method] = &[
     Method { name: "nodes.register", action: Some("compute:nodes:write"), summary: "add a host and its GPUs by hand" },
     Method { name: "nodes.get", action: Some("compute:nodes:read"), summary: "one node" },
     Method { name: "nodes.list", action: Some("compute:nodes:read"), summary: "a tenant's nodes, paged by cursor" },
+    Method { name: "nodes.cordon", action: Some("compute:nodes:write"), summary: "take no new reservations on a node" },
+    Method { name: "nodes.uncordon", action: Some("compute:nodes:write"), summary: "take reservations on a node again" },
+    Method { name: "nodes.drain", action: Some("compute:nodes:write"), summary: "cordon a node until its reservations end" },
+    Method { name: "nodes.label", action: Some("compute:nodes:write"), summary: "set or remove a node's labels" },
+    Method { name: "nodes.taint", action: Some("compute:nodes:write"), summary: "set or remove a node's taints" },
+    Method { name: "capacity.get", action: Some("compute:capacity:read"), summary: "free GPUs per pool and per GPU product" },
+    Method { name: "capacity.preview", action: Some("compute:capacity:read"), summary: "would a reservation fit now, and where" },
+    Method {
+        name: "reservations.create",
+        action: Some("compute:reservations:write"),
+        summary: "reserve GPUs: placed at once, or queued",
+    },
+    Method { name: "reservations.get", action: Some("compute:reservations:read"), summary: "one reservation" },
+    Method { name: "reservations.list", action: Some("compute:reservations:read"), summary: "a tenant's reservations" },
+    Method {
+        name: "reservations.extend",
+        action: Some("compute:reservations:write"),
+        summary: "move an active reservation's end",
+    },
+    Method {
+        name: "reservations.release",
+        action: Some("compute:reservations:write"),
+        summary: "end an active reservation, or cancel a queued one",
+    },
+    Method { name: "quotas.get", action: Some("compute:quotas:read"), summary: "a tenant's GPU quota in a pool and its use" },
+    Method { name: "quotas.set", action: Some("compute:quotas:admin"), summary: "set a tenant's GPU quota in a pool" },
     Method { name: "events.list", action: Some("compute:events:read"), summary: "a tenant's events by outbox position" },
     Method {
         name: "webhooks.create",
@@ -117,6 +143,11 @@ pub struct Call<'a> {
 }
 
 impl Call<'_> {
+    /// Who appends: the calling key.
+    pub(crate) fn actor(&self) -> String {
+        self.principal.as_ref().map(|p| format!("apikey:{}", p.key_id)).unwrap_or_else(|| "system".into())
+    }
+
     pub(crate) fn principal(&self) -> &Principal {
         self.principal.as_ref().expect("authenticated methods have a principal")
     }
@@ -158,7 +189,7 @@ impl Call<'_> {
                 // Clients' keys live in their own namespace, apart from the server's own
                 // (`checkpoint:…`), so a client cannot pre-empt them.
                 idempotency_key: self.idempotency_key.as_ref().map(|k| format!("request:{k}")),
-                actor: self.principal.as_ref().map(|p| format!("apikey:{}", p.key_id)).unwrap_or_else(|| "system".into()),
+                actor: self.actor(),
                 causation: None,
                 correlation: Some(self.request_id.clone()),
                 fingerprint: Some(self.fingerprint),
@@ -220,7 +251,7 @@ pub(crate) fn validate_text(field: &str, text: &str, chars_max: usize) -> Result
     Ok(())
 }
 
-fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
+pub(crate) fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
     if labels.len() > LABELS_MAX {
         return Err(Error::invalid(format!("at most {LABELS_MAX} labels")));
     }
@@ -301,6 +332,7 @@ struct PoolsCreate {
     description: String,
     #[serde(default)]
     labels: BTreeMap<String, String>,
+    max_reservation_s: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -320,6 +352,7 @@ struct PoolsUpdate {
     name: Option<String>,
     description: Option<String>,
     labels: Option<BTreeMap<String, String>>,
+    max_reservation_s: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -497,8 +530,12 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
             validate_labels(&input.labels)?;
             let pool = PoolId::generate();
-            let payload =
-                ev::to_cbor(&ev::PoolCreated { name: input.name, description: input.description, labels: input.labels })?;
+            let payload = ev::to_cbor(&ev::PoolCreated {
+                name: input.name,
+                description: input.description,
+                labels: input.labels,
+                max_reservation_s: check_max_reservation(input.max_reservation_s)?,
+            })?;
             let result =
                 call.append(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload).await;
             let stream = match result {
@@ -537,8 +574,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             if let Some(labels) = &input.labels {
                 validate_labels(labels)?;
             }
-            if input.name.is_none() && input.description.is_none() && input.labels.is_none() {
-                return Err(Error::invalid("nothing to update: give name, description or labels"));
+            let max_reservation_s = check_max_reservation(input.max_reservation_s)?;
+            if input.name.is_none() && input.description.is_none() && input.labels.is_none() && max_reservation_s.is_none() {
+                return Err(Error::invalid("nothing to update: give name, description, labels or maxReservationS"));
             }
             let current: PoolDoc = doc(pool_row(call, tenant, &pool).await?)?;
             if current.archived {
@@ -549,8 +587,12 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 });
             }
             let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
-            let payload =
-                ev::to_cbor(&ev::PoolUpdated { name: input.name, description: input.description, labels: input.labels })?;
+            let payload = ev::to_cbor(&ev::PoolUpdated {
+                name: input.name,
+                description: input.description,
+                labels: input.labels,
+                max_reservation_s,
+            })?;
             call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_UPDATED, payload).await?;
             pool_get(call, tenant, &pool.to_string()).await
         }
@@ -688,7 +730,26 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             Ok(bc_projections::event_view(&event, true))
         }
         name if name.starts_with("webhooks.") => crate::webhooks::dispatch(call, name, body).await,
+        name if name.starts_with("reservations.")
+            || name.starts_with("capacity.")
+            || name.starts_with("quotas.")
+            || matches!(name, "nodes.cordon" | "nodes.uncordon" | "nodes.drain" | "nodes.label" | "nodes.taint") =>
+        {
+            crate::reservations::dispatch(call, name, body).await
+        }
         _ => Err(Error::not_found(format!("method {name}"))),
+    }
+}
+
+/// The longest reservation a pool may allow: a year.
+pub const MAX_RESERVATION_S_LIMIT: u64 = 366 * 24 * 3600;
+
+fn check_max_reservation(value: Option<u64>) -> Result<Option<u64>> {
+    match value {
+        Some(s) if !(60..=MAX_RESERVATION_S_LIMIT).contains(&s) => {
+            Err(Error::invalid(format!("maxReservationS must be 60 to {MAX_RESERVATION_S_LIMIT} (a year), not {s}")))
+        }
+        other => Ok(other),
     }
 }
 

@@ -19,7 +19,13 @@ use std::collections::BTreeMap;
 
 use bc_core::{Error, Result};
 
-use crate::NodeDoc;
+use bc_core::id::TenantId;
+use bc_core::store::{EventStore, ExpectedVersion, NewEvent};
+
+use crate::events::{
+    NODE_ALLOCATED, NODE_FREED, NodeAllocated, NodeFreed, RESERVATION_ACTIVATED, ReservationActivated, ReservationEnded, to_cbor,
+};
+use crate::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc, stream_of};
 
 pub const SELECTOR_BYTES_MAX: usize = 512;
 pub const SELECTOR_CLAUSES_MAX: usize = 16;
@@ -123,7 +129,8 @@ impl<'a> Lexer<'a> {
         self.skip_spaces();
         let start = self.pos;
         let rest = &self.text[self.pos..];
-        for (text, op) in [("==", Op::Eq), ("!=", Op::Ne), (">=", Op::Ge), ("<=", Op::Le), ("=", Op::Eq), (">", Op::Gt), ("<", Op::Lt)]
+        for (text, op) in
+            [("==", Op::Eq), ("!=", Op::Ne), (">=", Op::Ge), ("<=", Op::Le), ("=", Op::Eq), (">", Op::Gt), ("<", Op::Lt)]
         {
             if rest.starts_with(text) {
                 self.pos += text.len();
@@ -236,7 +243,9 @@ impl Selector {
                 Attr::Label(key) => node.labels.get(key).map(|v| v.as_str().into()),
             };
             let numeric = matches!(clause.attr, Attr::VramGib | Attr::NvlinkDomain);
-            let eq = |v: &str| actual.as_deref().is_some_and(|a| if numeric { a.parse::<u64>().ok() == v.parse().ok() } else { a == v });
+            let eq = |v: &str| {
+                actual.as_deref().is_some_and(|a| if numeric { a.parse::<u64>().ok() == v.parse().ok() } else { a == v })
+            };
             let order = |f: fn(u64, u64) -> bool| {
                 let (Some(a), Ok(b)) = (actual.as_deref().and_then(|a| a.parse::<u64>().ok()), clause.values[0].parse::<u64>())
                 else {
@@ -270,6 +279,9 @@ pub struct Ask<'a> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
     pub node_id: String,
+    /// The node's version the decision read: the append guards it, so a decision made on a
+    /// node that changed meanwhile is a CONFLICT, never a double booking.
+    pub node_version: u64,
     pub gpus: Vec<u32>,
     /// Matching GPUs of the node still free after this placement.
     pub leftover: u32,
@@ -313,15 +325,87 @@ pub fn fit(node: &NodeDoc, ask: &Ask<'_>) -> Option<Placement> {
     };
     let mut gpus = gpus;
     gpus.sort_unstable();
-    Some(Placement { node_id: node.node_id.clone(), gpus, leftover: free - ask.gpus })
+    Some(Placement { node_id: node.node_id.clone(), node_version: node.version, gpus, leftover: free - ask.gpus })
 }
 
 /// The tightest fit among `nodes`: fewest matching GPUs left free, then the lowest node id.
 pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) -> Option<Placement> {
-    nodes
-        .into_iter()
-        .filter_map(|node| fit(node, ask))
-        .min_by(|a, b| (a.leftover, &a.node_id).cmp(&(b.leftover, &b.node_id)))
+    nodes.into_iter().filter_map(|node| fit(node, ask)).min_by(|a, b| (a.leftover, &a.node_id).cmp(&(b.leftover, &b.node_id)))
+}
+
+/// Rows read per query while loading nodes or reservations.
+const ROWS_PER_READ: u32 = 1000;
+
+/// Every row of one kind of a tenant, decoded (paged reads).
+async fn all_rows<T: serde::de::DeserializeOwned>(store: &dyn EventStore, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = store.row_list(&tenant.to_string(), kind, after.as_deref(), ROWS_PER_READ).await?;
+        let full = rows.len() == ROWS_PER_READ as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            out.push(serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("{kind} document: {e}")))?);
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// Every node of a pool.
+pub async fn pool_nodes(store: &dyn EventStore, tenant: TenantId, pool: &str) -> Result<Vec<NodeDoc>> {
+    let nodes: Vec<NodeDoc> = all_rows(store, tenant, KIND_NODE).await?;
+    Ok(nodes.into_iter().filter(|n| n.pool_id == pool).collect())
+}
+
+/// A tenant's queued and active reservations.
+pub async fn live(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<ReservationDoc>> {
+    all_rows(store, tenant, KIND_RESERVATION_LIVE).await
+}
+
+/// The events and guard that give `placement`'s GPUs to a reservation, appended to the
+/// reservation's stream: `reservation.activated` there and `node.allocated` on the node's
+/// stream, which must still be at the version placement read.
+pub fn activation(
+    reservation_id: &str,
+    placement: &Placement,
+    ends_at_ms: u64,
+) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
+    let node_stream = stream_of(KIND_NODE, &placement.node_id);
+    let events = vec![
+        NewEvent {
+            stream: None,
+            event_type: RESERVATION_ACTIVATED.into(),
+            payload: to_cbor(&ReservationActivated {
+                node_id: placement.node_id.clone(),
+                gpus: placement.gpus.clone(),
+                ends_at_ms,
+            })?,
+        },
+        NewEvent {
+            stream: Some(node_stream.clone()),
+            event_type: NODE_ALLOCATED.into(),
+            payload: to_cbor(&NodeAllocated { reservation_id: reservation_id.to_owned(), gpus: placement.gpus.clone() })?,
+        },
+    ];
+    Ok((events, (node_stream, ExpectedVersion::Exact(placement.node_version))))
+}
+
+/// The events and guard that end an active reservation (`reservation.released` or
+/// `reservation.expired`) and give its GPUs back on its node's stream.
+pub fn ending(reservation_id: &str, node_id: &str, event_type: &str) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
+    let node_stream = stream_of(KIND_NODE, &node_id);
+    let events = vec![
+        NewEvent { stream: None, event_type: event_type.into(), payload: to_cbor(&ReservationEnded {})? },
+        NewEvent {
+            stream: Some(node_stream.clone()),
+            event_type: NODE_FREED.into(),
+            payload: to_cbor(&NodeFreed { reservation_id: reservation_id.to_owned() })?,
+        },
+    ];
+    // Freeing commutes with everything else on the node, so any version will do.
+    Ok((events, (node_stream, ExpectedVersion::Any)))
 }
 
 #[cfg(test)]

@@ -4,14 +4,18 @@
 //! Layout:
 //! - [`outbox`]: the framework: the [`outbox::Consumer`] trait, the fan-out and work loops, leases,
 //!   the retry schedule and dead letters;
-//! - [`webhooks`]: signed webhook deliveries (Standard Webhooks).
+//! - [`webhooks`]: signed webhook deliveries (Standard Webhooks);
+//! - [`reservations`]: queued → active → expired, on the placement of `bc_projections::placement`.
 //!
 //! Dependencies: `bc-core` (storage, signing, the URL policy) and `bc-projections` (the
 //! documents consumers read). Never the gateway: consumers talk to the database, not to HTTP
 //! handlers.
 
 pub mod outbox;
+pub mod reservations;
 pub mod webhooks;
 
-/// Every consumer this version knows, by name.
+/// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
+/// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
+pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER];

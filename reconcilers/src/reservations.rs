@@ -1,0 +1,155 @@
+//! The `reservations` reconciler: activates queued reservations when capacity frees, and ends
+//! active ones at their end time. Level-triggered: every pass compares the live reservations
+//! (projection rows) with the time and the nodes; commits wake it early in process, and it
+//! polls otherwise.
+//!
+//! Every effect is an append through the [`Log`], decided on the versions it read: activation
+//! appends to the reservation's stream at its version (so it is activated once, whichever
+//! process gets there first) and `node.allocated` to the node's stream at the version placement
+//! read (so no GPU is given twice). A pass that loses a race gets a CONFLICT, does nothing, and
+//! the next pass decides again on fresh state. Several processes can run it; one killed with
+//! SIGKILL loses nothing, since its state is the log.
+//!
+//! Queue rule (also in the README): FIFO per pool by request order, strictly: the oldest queued
+//! reservation of a pool is placed first, and a pool whose oldest does not fit activates nothing
+//! until it does.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bc_core::clock::Clock;
+use bc_core::id::TenantId;
+use bc_core::store::{AppendRequest, ExpectedVersion, Log};
+use bc_core::{ErrorCode, Result};
+use bc_projections::events as ev;
+use bc_projections::placement::{self, Ask, Selector, live, pool_nodes};
+use bc_projections::{ACTIVE, KIND_RESERVATION, QUEUED, ReservationDoc, stream_of};
+
+pub const NAME: &str = "reservations";
+const ACTOR: &str = "reconciler:reservations";
+/// The shortest time between two passes.
+pub const PASS_INTERVAL_MIN_MS: u64 = 20;
+
+/// What one pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    pub activated: usize,
+    pub expired: usize,
+    /// Appends refused because another writer moved first; the next pass decides again.
+    pub conflicts: usize,
+}
+
+fn request(tenant: TenantId, rsv: &ReservationDoc) -> AppendRequest {
+    AppendRequest {
+        tenant,
+        stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
+        expected: ExpectedVersion::Exact(rsv.version),
+        idempotency_key: None,
+        actor: ACTOR.into(),
+        causation: None,
+        correlation: None,
+        fingerprint: None,
+        guards: vec![],
+        events: vec![],
+    }
+}
+
+/// One pass over every tenant.
+pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
+    let mut done = Pass::default();
+    for (tenant, _) in log.store.heads().await? {
+        let reservations = live(&*log.store, tenant).await?;
+        if reservations.is_empty() {
+            continue;
+        }
+        let now = clock.now_ms();
+        // Expiry first: it frees GPUs the queue may be waiting for.
+        for rsv in reservations.iter().filter(|r| r.state == ACTIVE && r.ends_at_ms.is_some_and(|end| end <= now)) {
+            let Some(node) = rsv.node_id.as_deref() else { continue };
+            let (events, guard) = placement::ending(&rsv.reservation_id, node, ev::RESERVATION_EXPIRED)?;
+            let mut req = request(tenant, rsv);
+            req.guards = vec![guard];
+            req.events = events;
+            match log.append(req).await {
+                Ok(_) => done.expired += 1,
+                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                Err(e) => return Err(e),
+            }
+        }
+        let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
+        for rsv in reservations.iter().filter(|r| r.state == QUEUED) {
+            queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
+        }
+        for (pool, mut queue) in queues {
+            queue.sort_by_key(|r| r.request_seq);
+            let mut nodes = pool_nodes(&*log.store, tenant, pool).await?;
+            for rsv in queue {
+                let selector = Selector::parse(&rsv.selector)?;
+                let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
+                let Some(p) = placement::place(&nodes, &ask) else { break };
+                let ends_at_ms = clock.now_ms().saturating_add(rsv.duration_s.saturating_mul(1000));
+                let (events, guard) = placement::activation(&rsv.reservation_id, &p, ends_at_ms)?;
+                let mut req = request(tenant, rsv);
+                req.guards = vec![guard];
+                req.events = events;
+                match log.append(req).await {
+                    Ok(_) => {
+                        done.activated += 1;
+                        // The node as it is now, for the next placement of this pass.
+                        if let Some(node) = nodes.iter_mut().find(|n| n.node_id == p.node_id) {
+                            for gpu in &p.gpus {
+                                node.allocations.insert(*gpu, rsv.reservation_id.clone());
+                            }
+                            node.version += 1;
+                        }
+                    }
+                    Err(e) if e.code() == ErrorCode::Conflict => {
+                        done.conflicts += 1;
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// Runs passes until `shutdown`: every `tick_ms`, and at once after a commit of this process.
+pub async fn run(
+    log: Arc<Log>,
+    clock: Arc<dyn Clock>,
+    tick_ms: u64,
+    mut wake: Option<tokio::sync::watch::Receiver<u64>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    tracing::info!(reconciler = NAME, "reconciler started");
+    while !*shutdown.borrow() {
+        match pass(&log, &*clock).await {
+            Ok(p) if p.activated + p.expired + p.conflicts > 0 => {
+                tracing::info!(reconciler = NAME, activated = p.activated, expired = p.expired, conflicts = p.conflicts, "pass");
+                if p.conflicts > 0 {
+                    continue;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying"),
+        }
+        // At most one pass per PASS_INTERVAL_MIN_MS however often commits wake it.
+        tokio::time::sleep(Duration::from_millis(PASS_INTERVAL_MIN_MS.min(tick_ms))).await;
+        let sleep = tokio::time::sleep(Duration::from_millis(tick_ms.saturating_sub(PASS_INTERVAL_MIN_MS)));
+        match wake.as_mut() {
+            Some(w) => tokio::select! {
+                _ = sleep => {}
+                changed = w.changed() => if changed.is_err() { wake = None },
+                _ = shutdown.changed() => {}
+            },
+            None => tokio::select! {
+                _ = sleep => {}
+                _ = shutdown.changed() => {}
+            },
+        }
+    }
+    tracing::info!(reconciler = NAME, "reconciler stopped");
+}
