@@ -17,6 +17,7 @@ use serde_json::{Map, Value, json};
 
 mod audit;
 mod client;
+mod credentials;
 mod output;
 mod reserve;
 mod server;
@@ -320,10 +321,34 @@ enum Command {
         #[command(subcommand)]
         command: reserve::QuotasCommand,
     },
+    /// Saved credentials: login (token from stdin or BETTER_COMPUTE_TOKEN), status, logout.
+    Auth {
+        #[command(subcommand)]
+        command: AuthCommand,
+    },
     /// Webhook subscriptions and their deliveries (Standard Webhooks signatures).
     Webhooks {
         #[command(subcommand)]
         command: webhooks::WebhooksCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum AuthCommand {
+    /// Save a token for --url: read from standard input or BETTER_COMPUTE_TOKEN, never an
+    /// argument; checked with system.whoami unless --no-verify.
+    Login {
+        #[arg(long)]
+        profile: Option<String>,
+        #[arg(long)]
+        no_verify: bool,
+    },
+    /// Which credential commands use (source, profile, path); never the token.
+    Status,
+    /// Forget a saved profile (the key stays valid on the server).
+    Logout {
+        #[arg(long)]
+        profile: Option<String>,
     },
 }
 
@@ -578,12 +603,7 @@ fn print(value: &Value, format: Format, query: Option<&str>) -> Result<(), CliEr
 }
 
 fn client(cli: &Cli) -> Result<Client, CliError> {
-    let token = std::env::var("BETTER_COMPUTE_TOKEN").ok().filter(|t| !t.trim().is_empty());
-    let token = token.ok_or_else(|| {
-        CliError::new("MISSING_ENV", "no credential: BETTER_COMPUTE_TOKEN is not set")
-            .hint("export BETTER_COMPUTE_TOKEN=$(cat .better-compute/admin.token)")
-    })?;
-    Client::new(&cli.url, Some(token.trim().to_owned()))
+    Client::new(&cli.url, Some(credentials::token(&cli.url)?))
 }
 
 /// Checks an id's kind before anything is sent: a wrong one is a usage error.
@@ -760,6 +780,14 @@ async fn run(cli: Cli) -> Result<(), CliError> {
             let c = client(&cli)?;
             print(&reserve::quotas(&c, tenant_body(&cli)?, command).await?, json_or(Format::Json), q)
         }
+        Command::Auth { command } => {
+            let value = match command {
+                AuthCommand::Login { profile, no_verify } => credentials::login(&cli.url, profile.as_deref(), !no_verify).await?,
+                AuthCommand::Status => credentials::status(&cli.url)?,
+                AuthCommand::Logout { profile } => credentials::logout(profile.as_deref())?,
+            };
+            print(&value, json_or(Format::Json), q)
+        }
         Command::Webhooks { command } => {
             let c = client(&cli)?;
             let (mut value, list) = webhooks::run(&c, tenant_body(&cli)?, command).await?;
@@ -854,7 +882,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
             let c = client(&cli)?;
             match command {
                 EventsCommand::Watch { types, since, count } => {
-                    let token = std::env::var("BETTER_COMPUTE_TOKEN").unwrap_or_default().trim().to_owned();
+                    let token = credentials::token(&cli.url)?;
                     watch::watch(watch::WatchArgs {
                         url: cli.url.clone(),
                         token,

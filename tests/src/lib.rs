@@ -35,13 +35,26 @@ pub fn binary(name: &str) -> PathBuf {
 
 /// Runs `better-compute ARGS` to completion with `env`; returns (status, stdout, stderr).
 pub fn cli(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    cli_stdin(args, env, None)
+}
+
+/// `cli` with `input` on standard input. The user's own credentials file is never read: unless
+/// `env` names one, `BETTER_COMPUTE_CREDENTIALS` points at a file that does not exist.
+pub fn cli_stdin(args: &[&str], env: &[(&str, &str)], input: Option<&str>) -> (i32, String, String) {
+    use std::io::Write;
     let mut command = Command::new(binary("better-compute"));
     command.args(args).env_remove("BETTER_COMPUTE_TOKEN").env_remove("BETTER_COMPUTE_URL").env_remove("BETTER_COMPUTE_TENANT");
-    command.env_remove("BETTER_COMPUTE_DATABASE_URL");
+    command.env_remove("BETTER_COMPUTE_DATABASE_URL").env_remove("BETTER_COMPUTE_PROFILE");
+    command.env("BETTER_COMPUTE_CREDENTIALS", "/nonexistent/bc-tests/credentials.json");
     for (k, v) in env {
         command.env(k, v);
     }
-    let out = command.stdin(Stdio::null()).output().expect("run better-compute");
+    command.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = command.spawn().expect("run better-compute");
+    if let Some(text) = input {
+        child.stdin.take().expect("stdin").write_all(text.as_bytes()).expect("write stdin");
+    }
+    let out = child.wait_with_output().expect("run better-compute");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
