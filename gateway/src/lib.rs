@@ -31,6 +31,7 @@ use tracing::Instrument;
 pub mod auth;
 pub mod error;
 pub mod methods;
+pub mod openapi;
 pub mod reservations;
 pub mod watch;
 pub mod webhooks;
@@ -90,7 +91,7 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/api/compute/{method}", post(rpc))
+        .route("/api/compute/{method}", post(rpc).get(openapi))
         .route("/watch", get(watch::watch))
         .fallback(not_found)
         .layer(
@@ -112,6 +113,16 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Response {
         }
         Err(e) => ApiError::from(Error::Unavailable(format!("database unreachable: {}", e.public_message()))).into_response(),
     }
+}
+
+/// `GET /api/compute/openapi.json`: the API's OpenAPI document (public). Any other GET is 404.
+async fn openapi(Path(name): Path<String>) -> Response {
+    static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if name != "openapi.json" {
+        return not_found().await.into_response();
+    }
+    let body = DOCUMENT.get_or_init(|| openapi::document().to_string());
+    ([(header::CONTENT_TYPE, "application/json")], body.clone()).into_response()
 }
 
 async fn not_found() -> ApiError {

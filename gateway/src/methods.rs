@@ -292,23 +292,23 @@ fn api_key_view(doc: &ApiKeyDoc) -> Value {
 
 // ---- inputs (wire types) ----
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(crate) struct Empty {}
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct TenantsCreate {
     name: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct TenantOnly {
     tenant_id: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct ApiKeysCreate {
     tenant_id: Option<String>,
@@ -316,14 +316,14 @@ struct ApiKeysCreate {
     actions: Vec<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct ApiKeysRevoke {
     tenant_id: Option<String>,
     key_id: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct PoolsCreate {
     tenant_id: Option<String>,
@@ -335,7 +335,7 @@ struct PoolsCreate {
     max_reservation_s: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct PoolRef {
     tenant_id: Option<String>,
@@ -343,7 +343,7 @@ struct PoolRef {
     if_version: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct PoolsUpdate {
     tenant_id: Option<String>,
@@ -355,7 +355,7 @@ struct PoolsUpdate {
     max_reservation_s: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(crate) struct ListInput {
     tenant_id: Option<String>,
@@ -366,7 +366,7 @@ pub(crate) struct ListInput {
     include_archived: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct GpuInput {
     model: String,
@@ -375,7 +375,7 @@ struct GpuInput {
     nvlink_domain: u32,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct NodesRegister {
     tenant_id: Option<String>,
@@ -386,14 +386,14 @@ struct NodesRegister {
     labels: BTreeMap<String, String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct NodeRef {
     tenant_id: Option<String>,
     node_id: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct EventsList {
     tenant_id: Option<String>,
@@ -405,7 +405,7 @@ struct EventsList {
     stream: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct EventsGet {
     tenant_id: Option<String>,
@@ -417,6 +417,27 @@ impl ListInput {
     pub(crate) fn page(limit: Option<u32>, cursor: Option<String>) -> Self {
         Self { tenant_id: None, limit, cursor, pool_id: None, include_archived: false }
     }
+}
+
+/// The JSON schema of a method's input: the type its handler parses (for the OpenAPI
+/// document). `None`: no such method.
+pub fn input_schema(name: &str, g: &mut schemars::SchemaGenerator) -> Option<schemars::Schema> {
+    Some(match name {
+        "system.version" | "system.whoami" => g.subschema_for::<Empty>(),
+        "tenants.create" => g.subschema_for::<TenantsCreate>(),
+        "tenants.get" => g.subschema_for::<TenantOnly>(),
+        "apiKeys.create" => g.subschema_for::<ApiKeysCreate>(),
+        "apiKeys.list" | "pools.list" | "nodes.list" => g.subschema_for::<ListInput>(),
+        "apiKeys.revoke" => g.subschema_for::<ApiKeysRevoke>(),
+        "pools.create" => g.subschema_for::<PoolsCreate>(),
+        "pools.get" | "pools.archive" => g.subschema_for::<PoolRef>(),
+        "pools.update" => g.subschema_for::<PoolsUpdate>(),
+        "nodes.register" => g.subschema_for::<NodesRegister>(),
+        "nodes.get" => g.subschema_for::<NodeRef>(),
+        "events.list" => g.subschema_for::<EventsList>(),
+        "events.get" => g.subschema_for::<EventsGet>(),
+        other => return crate::webhooks::input_schema(other, g).or_else(|| crate::reservations::input_schema(other, g)),
+    })
 }
 
 /// Runs one method. `body` is the raw JSON body.

@@ -32,7 +32,7 @@ pub const TOLERATIONS_MAX: usize = 16;
 /// Labels or taints one call may set or remove.
 pub const KEY_CHANGES_MAX: usize = 64;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct AskInput {
     tenant_id: Option<String>,
@@ -49,7 +49,7 @@ struct AskInput {
     tolerations: Vec<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct RsvRef {
     tenant_id: Option<String>,
@@ -57,7 +57,7 @@ struct RsvRef {
     if_version: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Extend {
     tenant_id: Option<String>,
@@ -66,7 +66,7 @@ struct Extend {
     if_version: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct RsvList {
     tenant_id: Option<String>,
@@ -76,14 +76,14 @@ struct RsvList {
     cursor: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct PoolOnly {
     tenant_id: Option<String>,
     pool_id: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct QuotaSetInput {
     tenant_id: Option<String>,
@@ -91,7 +91,7 @@ struct QuotaSetInput {
     gpus: i64,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct NodeOp {
     tenant_id: Option<String>,
@@ -215,6 +215,20 @@ fn append_request(call: &Call<'_>, tenant: TenantId, stream: String, expected: E
         guards: vec![],
         events: vec![],
     }
+}
+
+/// The input type of each method here, for the OpenAPI document.
+pub fn input_schema(name: &str, g: &mut schemars::SchemaGenerator) -> Option<schemars::Schema> {
+    Some(match name {
+        "nodes.cordon" | "nodes.uncordon" | "nodes.drain" | "nodes.label" | "nodes.taint" => g.subschema_for::<NodeOp>(),
+        "capacity.get" | "quotas.get" => g.subschema_for::<PoolOnly>(),
+        "capacity.preview" | "reservations.create" => g.subschema_for::<AskInput>(),
+        "reservations.get" | "reservations.release" => g.subschema_for::<RsvRef>(),
+        "reservations.list" => g.subschema_for::<RsvList>(),
+        "reservations.extend" => g.subschema_for::<Extend>(),
+        "quotas.set" => g.subschema_for::<QuotaSetInput>(),
+        _ => return None,
+    })
 }
 
 pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value> {

@@ -28,7 +28,7 @@ const EVENTS_READ: &str = "compute:events:read";
 /// Longest delivery id (`evt_…/wh_…`).
 const DELIVERY_ID_BYTES_MAX: usize = 80;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Create {
     tenant_id: Option<String>,
@@ -38,7 +38,7 @@ struct Create {
     description: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Update {
     tenant_id: Option<String>,
@@ -49,7 +49,7 @@ struct Update {
     description: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Ref {
     tenant_id: Option<String>,
@@ -57,7 +57,7 @@ struct Ref {
     if_version: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Rotate {
     tenant_id: Option<String>,
@@ -66,7 +66,7 @@ struct Rotate {
     previous_valid_s: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct List {
     tenant_id: Option<String>,
@@ -74,7 +74,7 @@ struct List {
     cursor: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Deliveries {
     tenant_id: Option<String>,
@@ -84,7 +84,7 @@ struct Deliveries {
     cursor: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Redeliver {
     tenant_id: Option<String>,
@@ -144,6 +144,21 @@ fn delivery_view(item: &WorkItem, attempts: Vec<bc_core::store::outbox::Attempt>
 async fn current(call: &Call<'_>, tenant: bc_core::id::TenantId, id: &WebhookId) -> Result<WebhookDoc> {
     let row = call.state.store.row_get(&tenant.to_string(), KIND_WEBHOOK, &id.to_string()).await?;
     doc(row.ok_or_else(|| Error::not_found(format!("webhook {id}")))?)
+}
+
+/// The input type of each `webhooks.*` method, for the OpenAPI document.
+pub fn input_schema(name: &str, g: &mut schemars::SchemaGenerator) -> Option<schemars::Schema> {
+    Some(match name {
+        "webhooks.eventTypes" => g.subschema_for::<crate::methods::Empty>(),
+        "webhooks.create" => g.subschema_for::<Create>(),
+        "webhooks.list" => g.subschema_for::<List>(),
+        "webhooks.get" | "webhooks.delete" | "webhooks.ping" => g.subschema_for::<Ref>(),
+        "webhooks.update" => g.subschema_for::<Update>(),
+        "webhooks.rotateSecret" => g.subschema_for::<Rotate>(),
+        "webhooks.deliveries" => g.subschema_for::<Deliveries>(),
+        "webhooks.redeliver" => g.subschema_for::<Redeliver>(),
+        _ => return None,
+    })
 }
 
 pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value> {

@@ -252,3 +252,23 @@ async fn the_token_never_reaches_stdout_and_secrets_are_private() {
         assert_eq!(mode, 0o600, "{file}");
     }
 }
+
+/// The OpenAPI document lists every method with its input schema, and needs no token.
+#[tokio::test]
+async fn openapi_document_covers_every_method() {
+    let server = Server::dev();
+    let response = server.http.get(format!("{}/api/compute/openapi.json", server.url)).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let doc: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let (_, list, _) = server.cli(&["api", "--list", "--format", "json"]);
+    let methods: serde_json::Value = serde_json::from_str(&list).unwrap();
+    for m in methods["items"].as_array().unwrap() {
+        let name = m["method"].as_str().unwrap();
+        assert!(doc["paths"][format!("/api/compute/{name}")]["post"]["requestBody"].is_object(), "{name} is documented");
+    }
+    let create = &doc["components"]["schemas"]["AskInput"]["properties"];
+    assert!(create["gpus"].is_object() && create["selector"].is_object(), "{create}");
+    let other = server.http.get(format!("{}/api/compute/pools.list", server.url)).send().await.unwrap();
+    assert_eq!(other.status(), 404);
+}
