@@ -57,6 +57,8 @@ pub struct AppState {
     pub shutdown: tokio::sync::watch::Sender<bool>,
     /// Which webhook receivers this deployment accepts.
     pub webhook_policy: bc_core::webhook::EndpointPolicy,
+    /// This process's view of the nodes, for placement.
+    pub fleet: bc_projections::fleet::Fleet,
 }
 
 impl AppState {
@@ -79,6 +81,7 @@ impl AppState {
             watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)),
             shutdown: tokio::sync::watch::channel(false).0,
             webhook_policy: bc_core::webhook::EndpointPolicy::default(),
+            fleet: bc_projections::fleet::Fleet::new(),
         }
     }
 

@@ -331,14 +331,19 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let checked = check_ask(call, parse(body)?).await?;
             let live = live(store, checked.tenant).await?;
             let ahead = live.iter().filter(|r| r.state == QUEUED && r.pool_id == checked.pool.pool_id).count();
-            let nodes = pool_nodes(store, checked.tenant, &checked.pool.pool_id).await?;
             let ask = Ask {
                 gpus: checked.gpus,
                 selector: &checked.selector,
                 nvlink: checked.nvlink,
                 tolerations: &checked.tolerations,
             };
-            let placed = placement::place(&nodes, &ask);
+            let placed = call
+                .state
+                .fleet
+                .with_pool(store, checked.tenant, &checked.pool.pool_id, |nodes| {
+                    placement::place(nodes.iter().map(|n| &**n), &ask)
+                })
+                .await?;
             Ok(json!({
                 "fits": placed.is_some() && ahead == 0,
                 "fitsIgnoringQueue": placed.is_some(),
@@ -392,15 +397,23 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let queued_ahead = live.iter().any(|r| r.state == QUEUED && r.pool_id == pool_id);
             let mut result = None;
             if !queued_ahead {
-                let nodes = pool_nodes(store, tenant, &pool_id).await?;
                 let ask = Ask { gpus: c.gpus, selector: &c.selector, nvlink: c.nvlink, tolerations: &c.tolerations };
-                if let Some(p) = placement::place(&nodes, &ask) {
+                let rsv_text = rsv.to_string();
+                let fleet = &call.state.fleet;
+                let placed =
+                    fleet.with_pool(store, tenant, &pool_id, |nodes| placement::place_and_hold(nodes, &ask, &rsv_text)).await?;
+                if let Some(p) = placed {
                     let ends_at_ms = now_ms.saturating_add(c.duration_s.saturating_mul(1000));
                     let (events, node_guard) = placement::activation(&rsv.to_string(), &p, ends_at_ms)?;
                     let mut request = append_request(call, tenant, rsv_stream.clone(), ExpectedVersion::NoStream);
                     request.guards = vec![node_guard, pool_guard.clone()];
                     request.events = std::iter::once(requested.clone()).chain(events).collect();
-                    match call.state.log.append(request).await {
+                    let appended = call.state.log.append(request).await;
+                    if appended.is_err() {
+                        // The view held GPUs for an append that did not happen: read the node again.
+                        fleet.forget(tenant, &p.node_id).await;
+                    }
+                    match appended {
                         Ok(r) => result = Some(r),
                         // Lost the node to another placement: queue instead; the reconciler places it.
                         Err(e) if e.code() == ErrorCode::Conflict => {

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 pub mod events;
+pub mod fleet;
 pub mod placement;
 
 use events::*;

@@ -333,6 +333,19 @@ pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) ->
     nodes.into_iter().filter_map(|node| fit(node, ask)).min_by(|a, b| (a.leftover, &a.node_id).cmp(&(b.leftover, &b.node_id)))
 }
 
+/// Places on `nodes` and marks the chosen GPUs as held by `reservation_id` in them, as the
+/// append about to be made will (for [`crate::fleet::Fleet`]'s view).
+pub fn place_and_hold(nodes: &mut [&mut NodeDoc], ask: &Ask<'_>, reservation_id: &str) -> Option<Placement> {
+    let placed = place(nodes.iter().map(|n| &**n), ask)?;
+    if let Some(node) = nodes.iter_mut().find(|n| n.node_id == placed.node_id) {
+        for gpu in &placed.gpus {
+            node.allocations.insert(*gpu, reservation_id.to_owned());
+        }
+        node.version += 1;
+    }
+    Some(placed)
+}
+
 /// Rows read per query while loading nodes or reservations.
 const ROWS_PER_READ: u32 = 1000;
 

@@ -23,7 +23,8 @@ use bc_core::id::TenantId;
 use bc_core::store::{AppendRequest, ExpectedVersion, Log};
 use bc_core::{ErrorCode, Result};
 use bc_projections::events as ev;
-use bc_projections::placement::{self, Ask, Selector, live, pool_nodes};
+use bc_projections::fleet::Fleet;
+use bc_projections::placement::{self, Ask, Selector, live};
 use bc_projections::{ACTIVE, KIND_RESERVATION, QUEUED, ReservationDoc, stream_of};
 
 pub const NAME: &str = "reservations";
@@ -55,8 +56,8 @@ fn request(tenant: TenantId, rsv: &ReservationDoc) -> AppendRequest {
     }
 }
 
-/// One pass over every tenant.
-pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
+/// One pass over every tenant. `fleet` is this process's view of the nodes.
+pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock) -> Result<Pass> {
     let mut done = Pass::default();
     for (tenant, _) in log.store.heads().await? {
         let reservations = live(&*log.store, tenant).await?;
@@ -83,32 +84,48 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
         }
         for (pool, mut queue) in queues {
             queue.sort_by_key(|r| r.request_seq);
-            let mut nodes = pool_nodes(&*log.store, tenant, pool).await?;
-            for rsv in queue {
-                let selector = Selector::parse(&rsv.selector)?;
-                let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
-                let Some(p) = placement::place(&nodes, &ask) else { break };
+            let mut selectors = Vec::with_capacity(queue.len());
+            for rsv in &queue {
+                selectors.push(Selector::parse(&rsv.selector)?);
+            }
+            // Oldest first, each placement held in the view for the next; stop at the first
+            // that does not fit.
+            let placements = fleet
+                .with_pool(&*log.store, tenant, pool, |nodes| {
+                    let mut out = Vec::new();
+                    for (rsv, selector) in queue.iter().zip(&selectors) {
+                        let ask = Ask { gpus: rsv.gpus, selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
+                        match placement::place_and_hold(nodes, &ask, &rsv.reservation_id) {
+                            Some(p) => out.push((*rsv, p)),
+                            None => break,
+                        }
+                    }
+                    out
+                })
+                .await?;
+            let mut failed = false;
+            for (rsv, p) in placements {
+                if failed {
+                    // An earlier activation failed: this one keeps its place in the queue.
+                    fleet.forget(tenant, &p.node_id).await;
+                    continue;
+                }
                 let ends_at_ms = clock.now_ms().saturating_add(rsv.duration_s.saturating_mul(1000));
                 let (events, guard) = placement::activation(&rsv.reservation_id, &p, ends_at_ms)?;
                 let mut req = request(tenant, rsv);
                 req.guards = vec![guard];
                 req.events = events;
                 match log.append(req).await {
-                    Ok(_) => {
-                        done.activated += 1;
-                        // The node as it is now, for the next placement of this pass.
-                        if let Some(node) = nodes.iter_mut().find(|n| n.node_id == p.node_id) {
-                            for gpu in &p.gpus {
-                                node.allocations.insert(*gpu, rsv.reservation_id.clone());
-                            }
-                            node.version += 1;
+                    Ok(_) => done.activated += 1,
+                    Err(e) => {
+                        fleet.forget(tenant, &p.node_id).await;
+                        failed = true;
+                        if e.code() == ErrorCode::Conflict {
+                            done.conflicts += 1;
+                        } else {
+                            tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, code = %e.code(), error = %e, "activation failed");
                         }
                     }
-                    Err(e) if e.code() == ErrorCode::Conflict => {
-                        done.conflicts += 1;
-                        break;
-                    }
-                    Err(e) => return Err(e),
                 }
             }
         }
@@ -125,8 +142,9 @@ pub async fn run(
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     tracing::info!(reconciler = NAME, "reconciler started");
+    let fleet = Fleet::new();
     while !*shutdown.borrow() {
-        match pass(&log, &*clock).await {
+        match pass(&log, &fleet, &*clock).await {
             Ok(p) if p.activated + p.expired + p.conflicts > 0 => {
                 tracing::info!(reconciler = NAME, activated = p.activated, expired = p.expired, conflicts = p.conflicts, "pass");
                 if p.conflicts > 0 {
