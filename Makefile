@@ -33,6 +33,7 @@ bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench audit
 	$(CARGO) bench -p bc-cli --bench watch
 	$(CARGO) bench -p bc-cli --bench webhooks
+	$(CARGO) bench -p bc-cli --bench reservations
 
 lint:
 	$(CARGO) fmt --all --check

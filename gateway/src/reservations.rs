@@ -17,7 +17,7 @@ use bc_core::id::{NodeId, PoolId, ReservationId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, ErrorCode, Result};
 use bc_projections::events::{self as ev};
-use bc_projections::placement::{self, Ask, RESERVATION_GPUS_MAX, Selector, live, pool_nodes};
+use bc_projections::placement::{self, Ask, RESERVATION_GPUS_MAX, Selector};
 use bc_projections::{
     ACTIVE, KIND_NODE, KIND_POOL, KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, NodeDoc, PoolDoc, QUEUED, QuotaDoc,
     RESERVATION_STATES, ReservationDoc, stream_of,
@@ -191,13 +191,54 @@ async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Resul
     doc(row.ok_or_else(|| Error::not_found(format!("reservation {id}")))?)
 }
 
+/// What the queue and the quota need of a tenant's live reservations in one pool.
+#[derive(Default)]
+struct PoolLoad {
+    /// Queued reservations by request order: (request seq, id).
+    queued: Vec<(u64, String)>,
+    queued_gpus: u32,
+    /// GPUs of queued and active reservations: what the quota counts.
+    gpus: u32,
+}
+
+impl PoolLoad {
+    /// 1 for the next in line.
+    fn position(&self, rsv: &ReservationDoc) -> Option<usize> {
+        (rsv.state == QUEUED).then(|| self.queued.partition_point(|(seq, _)| *seq < rsv.request_seq) + 1)
+    }
+}
+
+/// The pools' loads, from this process's view of the log (no scan of the rows).
+async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, PoolLoad>> {
+    call.state
+        .fleet
+        .with_tenant(&*call.state.store, tenant, |view| {
+            let mut loads: BTreeMap<String, PoolLoad> = BTreeMap::new();
+            for r in view.live.values() {
+                let load = loads.entry(r.pool_id.clone()).or_default();
+                load.gpus += r.gpus;
+                if r.state == QUEUED {
+                    load.queued.push((r.request_seq, r.reservation_id.clone()));
+                    load.queued_gpus += r.gpus;
+                }
+            }
+            for load in loads.values_mut() {
+                load.queued.sort();
+            }
+            loads
+        })
+        .await
+}
+
+async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<PoolLoad> {
+    Ok(loads(call, tenant).await?.remove(pool).unwrap_or_default())
+}
+
 /// The reservation with its place in the queue (1: next) while queued.
-fn view(rsv: &ReservationDoc, live: &[ReservationDoc]) -> Result<Value> {
+fn view(rsv: &ReservationDoc, load: Option<&PoolLoad>) -> Result<Value> {
     let mut v = serde_json::to_value(rsv).map_err(|e| Error::Internal(format!("response: {e}")))?;
-    if rsv.state == QUEUED {
-        let ahead =
-            live.iter().filter(|r| r.state == QUEUED && r.pool_id == rsv.pool_id && r.request_seq < rsv.request_seq).count();
-        v["queuePosition"] = json!(ahead + 1);
+    if let Some(position) = load.and_then(|l| l.position(rsv)) {
+        v["queuePosition"] = json!(position);
     }
     Ok(v)
 }
@@ -287,40 +328,45 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     rows.into_iter().map(doc).collect::<Result<Vec<PoolDoc>>>()?.into_iter().filter(|p| !p.archived).collect()
                 }
             };
-            let live = live(store, tenant).await?;
+            let loads = loads(call, tenant).await?;
             let mut items = Vec::new();
             for pool in pools {
-                let nodes = pool_nodes(store, tenant, &pool.pool_id).await?;
-                let mut by_product: BTreeMap<String, (u32, u32)> = BTreeMap::new();
-                let (mut total, mut free, mut held, mut unavailable) = (0u32, 0u32, 0u32, 0u32);
-                for node in &nodes {
-                    let usable = node.state == "ready";
-                    for (i, gpu) in node.gpus.iter().enumerate() {
-                        let entry = by_product.entry(gpu.product.clone()).or_default();
-                        total += 1;
-                        entry.0 += 1;
-                        if node.allocations.contains_key(&(i as u32)) {
-                            held += 1;
-                        } else if usable {
-                            free += 1;
-                            entry.1 += 1;
-                        } else {
-                            unavailable += 1;
+                let (node_count, by_product, [total, free, held, unavailable]) = call
+                    .state
+                    .fleet
+                    .with_pool(store, tenant, &pool.pool_id, |nodes| {
+                        let mut by_product: BTreeMap<String, (u32, u32)> = BTreeMap::new();
+                        let mut counts = [0u32; 4];
+                        for node in nodes.iter() {
+                            let usable = node.state == "ready";
+                            for (i, gpu) in node.gpus.iter().enumerate() {
+                                let entry = by_product.entry(gpu.product.clone()).or_default();
+                                counts[0] += 1;
+                                entry.0 += 1;
+                                if node.allocations.contains_key(&(i as u32)) {
+                                    counts[2] += 1;
+                                } else if usable {
+                                    counts[1] += 1;
+                                    entry.1 += 1;
+                                } else {
+                                    counts[3] += 1;
+                                }
+                            }
                         }
-                    }
-                }
-                let queued: Vec<&ReservationDoc> =
-                    live.iter().filter(|r| r.state == QUEUED && r.pool_id == pool.pool_id).collect();
+                        (nodes.len(), by_product, counts)
+                    })
+                    .await?;
+                let load = loads.get(&pool.pool_id);
                 items.push(json!({
                     "poolId": pool.pool_id,
                     "name": pool.name,
-                    "nodes": nodes.len(),
+                    "nodes": node_count,
                     "gpus": total,
                     "free": free,
                     "reserved": held,
                     "unavailable": unavailable,
-                    "queued": queued.len(),
-                    "queuedGpus": queued.iter().map(|r| r.gpus).sum::<u32>(),
+                    "queued": load.map(|l| l.queued.len()).unwrap_or(0),
+                    "queuedGpus": load.map(|l| l.queued_gpus).unwrap_or(0),
                     "byProduct": by_product.into_iter().map(|(p, (t, f))| json!({ "product": p, "gpus": t, "free": f })).collect::<Vec<_>>(),
                     "maxReservationS": pool.max_reservation_s,
                 }));
@@ -329,8 +375,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
         }
         "capacity.preview" => {
             let checked = check_ask(call, parse(body)?).await?;
-            let live = live(store, checked.tenant).await?;
-            let ahead = live.iter().filter(|r| r.state == QUEUED && r.pool_id == checked.pool.pool_id).count();
+            let ahead = pool_load(call, checked.tenant, &checked.pool.pool_id).await?.queued.len();
             let ask = Ask {
                 gpus: checked.gpus,
                 selector: &checked.selector,
@@ -356,12 +401,12 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
         "reservations.create" => {
             let c = check_ask(call, parse(body)?).await?;
             let tenant = c.tenant;
-            let live = live(store, tenant).await?;
             let pool_id = c.pool.pool_id.clone();
+            let load = pool_load(call, tenant, &pool_id).await?;
             // Quota: the tenant's queued and active GPUs in the pool, plus this request.
             if let Some(row) = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await? {
                 let quota: QuotaDoc = doc(row)?;
-                let in_use: u32 = live.iter().filter(|r| r.pool_id == pool_id).map(|r| r.gpus).sum();
+                let in_use = load.gpus;
                 if in_use + c.gpus > quota.gpus {
                     let refusal = ev::QuotaExceeded { requested: c.gpus, in_use, limit: quota.gpus, actor: call.actor() };
                     let mut request = append_request(call, tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any);
@@ -394,7 +439,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 })?,
             };
             let pool_guard = (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(c.pool.version));
-            let queued_ahead = live.iter().any(|r| r.state == QUEUED && r.pool_id == pool_id);
+            let queued_ahead = !load.queued.is_empty();
             let mut result = None;
             if !queued_ahead {
                 let ask = Ask { gpus: c.gpus, selector: &c.selector, nvlink: c.nvlink, tolerations: &c.tolerations };
@@ -435,8 +480,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
             let id: ReservationId = parse_id("reservationId", &id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;
-            let live = if rsv.state == QUEUED { self::live(store, tenant).await? } else { Vec::new() };
-            let mut out = view(&rsv, &live)?;
+            let load = if rsv.state == QUEUED { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
+            let mut out = view(&rsv, load.as_ref())?;
             out["replayed"] = json!(result.replayed);
             Ok(out)
         }
@@ -445,8 +490,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
             let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;
-            let live = if rsv.state == QUEUED { live(store, tenant).await? } else { Vec::new() };
-            view(&rsv, &live)
+            let load = if rsv.state == QUEUED { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
+            view(&rsv, load.as_ref())
         }
         "reservations.list" => {
             let input: RsvList = parse(body)?;
@@ -465,13 +510,13 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 Some(QUEUED) | Some(ACTIVE) => KIND_RESERVATION_LIVE,
                 _ => KIND_RESERVATION,
             };
-            let live = live(store, tenant).await?;
+            let loads = loads(call, tenant).await?;
             let list = crate::methods::ListInput::page(input.limit, input.cursor.clone());
             let state = input.state.clone();
             crate::methods::list_rows(call, tenant, kind, &list, |row| {
                 let rsv: ReservationDoc = doc(row)?;
                 let wanted = state.as_ref().is_none_or(|s| *s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
-                wanted.then(|| view(&rsv, &live)).transpose()
+                wanted.then(|| view(&rsv, loads.get(&rsv.pool_id))).transpose()
             })
             .await
         }
@@ -507,7 +552,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(rsv.version));
             let payload = ev::to_cbor(&ev::ReservationExtended { ends_at_ms: ends })?;
             call.append(tenant, stream_of(KIND_RESERVATION, &id), expected, ev::RESERVATION_EXTENDED, payload).await?;
-            view(&rsv_doc(call, tenant, &id).await?, &[])
+            view(&rsv_doc(call, tenant, &id).await?, None)
         }
         "reservations.release" => {
             let input: RsvRef = parse(body)?;
@@ -533,7 +578,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 // Already over: releasing again changes nothing.
                 _ => {}
             }
-            view(&rsv_doc(call, tenant, &id).await?, &[])
+            view(&rsv_doc(call, tenant, &id).await?, None)
         }
         "quotas.get" => {
             let input: PoolOnly = parse(body)?;
@@ -541,7 +586,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let pool: PoolId = parse_id("poolId", input.pool_id.as_deref().ok_or_else(|| Error::invalid("poolId is required"))?)?;
             let quota = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool.to_string()).await?;
             let limit = quota.map(doc::<QuotaDoc>).transpose()?.map(|q| q.gpus);
-            let in_use: u32 = live(store, tenant).await?.iter().filter(|r| r.pool_id == pool.to_string()).map(|r| r.gpus).sum();
+            let in_use = pool_load(call, tenant, &pool.to_string()).await?.gpus;
             Ok(json!({ "tenantId": tenant, "poolId": pool, "gpus": limit, "inUse": in_use }))
         }
         "quotas.set" => {

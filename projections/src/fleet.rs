@@ -1,5 +1,6 @@
-//! An in-memory view of each tenant's nodes for placement, kept current by reading the log
-//! forward from the last position it saw, so a placement does not read every node row.
+//! An in-memory view of tenants' nodes and live (queued and active) reservations, kept current by
+//! reading the log forward by position from where it last read (one query for all tenants), so
+//! neither a placement nor a reconciler pass reads every row.
 //!
 //! It is only a cache: every placement is still appended with a guard on the node's version, so
 //! a stale view costs a CONFLICT, never a double booking. Within one process, a placement marks
@@ -14,25 +15,44 @@ use bc_core::event::Position;
 use bc_core::id::TenantId;
 use bc_core::store::EventStore;
 
-use crate::{KIND_NODE, NodeDoc};
+use crate::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc};
 
 /// Log rows read per query while catching up.
 const CATCH_UP_ROWS: u32 = 1000;
-/// Node rows read per query on a tenant's first use.
+/// Rows read per query when a tenant is first loaded.
 const LOAD_ROWS: u32 = 1000;
 
+/// One tenant's view.
 #[derive(Default)]
-struct TenantNodes {
-    /// Every event up to here is reflected in `nodes`.
-    after: Position,
-    nodes: HashMap<String, NodeDoc>,
-    /// Nodes to read again before the next use (a placement on them failed to append).
-    stale: HashSet<String>,
+pub struct TenantView {
+    pub nodes: HashMap<String, NodeDoc>,
+    /// Queued and active reservations.
+    pub live: HashMap<String, ReservationDoc>,
+    /// Rows to read again before the next use: changed in the log, or held for an append that
+    /// failed.
+    dirty_nodes: HashSet<String>,
+    dirty_reservations: HashSet<String>,
+}
+
+impl TenantView {
+    /// The nodes of a pool, in node id order (so placement is deterministic).
+    pub fn pool_nodes(&mut self, pool: &str) -> Vec<&mut NodeDoc> {
+        let mut nodes: Vec<&mut NodeDoc> = self.nodes.values_mut().filter(|n| n.pool_id == pool).collect();
+        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        nodes
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Every event up to here is reflected in the loaded tenants.
+    after: Option<Position>,
+    tenants: HashMap<TenantId, TenantView>,
 }
 
 #[derive(Default)]
 pub struct Fleet {
-    tenants: tokio::sync::Mutex<HashMap<TenantId, TenantNodes>>,
+    inner: tokio::sync::Mutex<Inner>,
 }
 
 impl Fleet {
@@ -40,9 +60,8 @@ impl Fleet {
         Self::default()
     }
 
-    /// Runs `f` on the tenant's nodes in `pool`, brought up to date with the log first (in node
-    /// id order, so placement is deterministic). `f` may change them: a placer records the
-    /// GPUs it is about to append.
+    /// Runs `f` on the tenant's nodes in `pool` (in node id order), brought up to date with the
+    /// log first. `f` may change them: a placer records the GPUs it is about to append.
     pub async fn with_pool<R>(
         &self,
         store: &dyn EventStore,
@@ -50,74 +69,153 @@ impl Fleet {
         pool: &str,
         f: impl FnOnce(&mut [&mut NodeDoc]) -> R,
     ) -> Result<R> {
-        let mut tenants = self.tenants.lock().await;
-        let entry = match tenants.entry(tenant) {
-            std::collections::hash_map::Entry::Occupied(o) => {
-                let entry = o.into_mut();
-                catch_up(store, tenant, entry).await?;
-                entry
-            }
+        self.with_tenant(store, tenant, |view| f(&mut view.pool_nodes(pool))).await
+    }
+
+    /// Runs `f` on the tenant's view, brought up to date with the log first.
+    pub async fn with_tenant<R>(
+        &self,
+        store: &dyn EventStore,
+        tenant: TenantId,
+        f: impl FnOnce(&mut TenantView) -> R,
+    ) -> Result<R> {
+        let mut inner = self.inner.lock().await;
+        catch_up_or_reset(store, &mut inner, false).await?;
+        let view = match inner.tenants.entry(tenant) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => v.insert(load(store, tenant).await?),
         };
-        let mut nodes: Vec<&mut NodeDoc> = entry.nodes.values_mut().filter(|n| n.pool_id == pool).collect();
-        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        Ok(f(&mut nodes))
+        Ok(f(view))
+    }
+
+    /// Runs `f` on every tenant with live reservations, brought up to date first. `known` are
+    /// tenants to load if they are not yet (the reconciler's first pass passes every tenant);
+    /// after that, a tenant is loaded when a reservation event of its shows up in the log.
+    pub async fn with_busy_tenants<R>(
+        &self,
+        store: &dyn EventStore,
+        known: &[TenantId],
+        mut f: impl FnMut(TenantId, &mut TenantView) -> R,
+    ) -> Result<Vec<R>> {
+        let mut inner = self.inner.lock().await;
+        catch_up_or_reset(store, &mut inner, true).await?;
+        for tenant in known {
+            if let std::collections::hash_map::Entry::Vacant(v) = inner.tenants.entry(*tenant) {
+                v.insert(load(store, *tenant).await?);
+            }
+        }
+        Ok(inner.tenants.iter_mut().filter(|(_, v)| !v.live.is_empty()).map(|(t, v)| f(*t, v)).collect())
     }
 
     /// Reads this node again before its next use.
     pub async fn forget(&self, tenant: TenantId, node_id: &str) {
-        if let Some(entry) = self.tenants.lock().await.get_mut(&tenant) {
-            entry.stale.insert(node_id.to_owned());
+        if let Some(view) = self.inner.lock().await.tenants.get_mut(&tenant) {
+            view.dirty_nodes.insert(node_id.to_owned());
         }
     }
 }
 
-async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<TenantNodes> {
-    // Events after this point are replayed over what is loaded: reading a node again is harmless.
-    let at = store.last_commit().await?;
-    let mut entry = TenantNodes { after: Position { commit: at, index: u32::MAX >> 1 }, ..Default::default() };
+fn decode<T: serde::de::DeserializeOwned>(doc: serde_json::Value) -> Result<T> {
+    serde_json::from_value(doc).map_err(|e| bc_core::Error::Internal(format!("projection document: {e}")))
+}
+
+async fn load_kind<T: serde::de::DeserializeOwned>(
+    store: &dyn EventStore,
+    tenant: TenantId,
+    kind: &str,
+    mut put: impl FnMut(String, T),
+) -> Result<()> {
     let mut cursor: Option<String> = None;
     loop {
-        let rows = store.row_list(&tenant.to_string(), KIND_NODE, cursor.as_deref(), LOAD_ROWS).await?;
+        let rows = store.row_list(&tenant.to_string(), kind, cursor.as_deref(), LOAD_ROWS).await?;
         let full = rows.len() == LOAD_ROWS as usize;
         cursor = rows.last().map(|r| r.key.id.clone());
         for row in rows {
-            let node: NodeDoc =
-                serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("node document: {e}")))?;
-            entry.nodes.insert(node.node_id.clone(), node);
+            put(row.key.id, decode(row.doc)?);
         }
         if !full {
-            return Ok(entry);
+            return Ok(());
         }
     }
 }
 
-async fn catch_up(store: &dyn EventStore, tenant: TenantId, entry: &mut TenantNodes) -> Result<()> {
-    let mut dirty = std::mem::take(&mut entry.stale);
+/// A tenant's rows as they are now. Events the catch-up replays over them later only make it
+/// read some rows again, which is harmless.
+async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<TenantView> {
+    let mut view = TenantView::default();
+    load_kind(store, tenant, KIND_NODE, |id, node| {
+        view.nodes.insert(id, node);
+    })
+    .await?;
+    load_kind(store, tenant, KIND_RESERVATION_LIVE, |id, rsv| {
+        view.live.insert(id, rsv);
+    })
+    .await?;
+    Ok(view)
+}
+
+/// A catch-up that fails half-way may have dropped what it meant to read again: start over.
+async fn catch_up_or_reset(store: &dyn EventStore, inner: &mut Inner, discover: bool) -> Result<()> {
+    let result = catch_up(store, inner, discover).await;
+    if result.is_err() {
+        *inner = Inner::default();
+    }
+    result
+}
+
+/// Reads the log after the last position for every tenant at once, then reads again the rows
+/// that changed in loaded tenants. With `discover`, a tenant not loaded yet whose reservations
+/// changed is loaded.
+async fn catch_up(store: &dyn EventStore, inner: &mut Inner, discover: bool) -> Result<()> {
+    let Some(mut after) = inner.after else {
+        // First use: everything loaded from now on is at least this recent.
+        inner.after = Some(Position { commit: store.last_commit().await?, index: u32::MAX >> 1 });
+        return Ok(());
+    };
+    let mut new_tenants = HashSet::new();
     loop {
-        let rows = store.read_after_rows(entry.after, Some(tenant), CATCH_UP_ROWS).await?;
+        let rows = store.read_after_rows(after, None, CATCH_UP_ROWS).await?;
         let Some(last) = rows.last() else { break };
-        entry.after = Position { commit: last.commit, index: last.index };
+        after = Position { commit: last.commit, index: last.index };
         for row in &rows {
-            if let Some(id) = row.stream.strip_prefix("node/") {
-                dirty.insert(id.to_owned());
+            let Ok(tenant) = row.tenant.parse::<TenantId>() else { continue };
+            match inner.tenants.get_mut(&tenant) {
+                Some(view) => {
+                    if let Some(id) = row.stream.strip_prefix("node/") {
+                        view.dirty_nodes.insert(id.to_owned());
+                    } else if let Some(id) = row.stream.strip_prefix("reservation/") {
+                        view.dirty_reservations.insert(id.to_owned());
+                    }
+                }
+                None if discover && row.stream.starts_with("reservation/") => {
+                    new_tenants.insert(tenant);
+                }
+                None => {}
             }
         }
         if rows.len() < CATCH_UP_ROWS as usize {
             break;
         }
     }
-    for id in dirty {
-        match store.row_get(&tenant.to_string(), KIND_NODE, &id).await? {
-            Some(row) => {
-                let node: NodeDoc =
-                    serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("node document: {e}")))?;
-                entry.nodes.insert(id, node);
-            }
-            None => {
-                entry.nodes.remove(&id);
-            }
+    inner.after = Some(after);
+    for (tenant, view) in inner.tenants.iter_mut() {
+        let t = tenant.to_string();
+        for id in std::mem::take(&mut view.dirty_nodes) {
+            match store.row_get(&t, KIND_NODE, &id).await? {
+                Some(row) => view.nodes.insert(id, decode(row.doc)?),
+                None => view.nodes.remove(&id),
+            };
         }
+        for id in std::mem::take(&mut view.dirty_reservations) {
+            match store.row_get(&t, KIND_RESERVATION_LIVE, &id).await? {
+                Some(row) => view.live.insert(id, decode(row.doc)?),
+                None => view.live.remove(&id),
+            };
+        }
+    }
+    for tenant in new_tenants {
+        let view = load(store, tenant).await?;
+        inner.tenants.insert(tenant, view);
     }
     Ok(())
 }

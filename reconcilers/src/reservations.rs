@@ -24,7 +24,7 @@ use bc_core::store::{AppendRequest, ExpectedVersion, Log};
 use bc_core::{ErrorCode, Result};
 use bc_projections::events as ev;
 use bc_projections::fleet::Fleet;
-use bc_projections::placement::{self, Ask, Selector, live};
+use bc_projections::placement::{self, Ask, Selector};
 use bc_projections::{ACTIVE, KIND_RESERVATION, QUEUED, ReservationDoc, stream_of};
 
 pub const NAME: &str = "reservations";
@@ -56,17 +56,22 @@ fn request(tenant: TenantId, rsv: &ReservationDoc) -> AppendRequest {
     }
 }
 
-/// One pass over every tenant. `fleet` is this process's view of the nodes.
-pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock) -> Result<Pass> {
+/// One pass over every tenant with live reservations. `fleet` is this process's view of the
+/// log; `known` are tenants to load into it first (every tenant on the first pass).
+pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId]) -> Result<Pass> {
     let mut done = Pass::default();
-    for (tenant, _) in log.store.heads().await? {
-        let reservations = live(&*log.store, tenant).await?;
-        if reservations.is_empty() {
-            continue;
-        }
-        let now = clock.now_ms();
+    let now = clock.now_ms();
+    // Only what is due is copied out of the view.
+    let work = fleet
+        .with_busy_tenants(&*log.store, known, |tenant, view| {
+            let due = view.live.values().filter(|r| r.state == ACTIVE && r.ends_at_ms.is_some_and(|end| end <= now));
+            let queued = view.live.values().filter(|r| r.state == QUEUED);
+            (tenant, due.cloned().collect::<Vec<ReservationDoc>>(), queued.cloned().collect::<Vec<ReservationDoc>>())
+        })
+        .await?;
+    for (tenant, expired, queued) in work {
         // Expiry first: it frees GPUs the queue may be waiting for.
-        for rsv in reservations.iter().filter(|r| r.state == ACTIVE && r.ends_at_ms.is_some_and(|end| end <= now)) {
+        for rsv in &expired {
             let Some(node) = rsv.node_id.as_deref() else { continue };
             let (events, guard) = placement::ending(&rsv.reservation_id, node, ev::RESERVATION_EXPIRED)?;
             let mut req = request(tenant, rsv);
@@ -79,7 +84,7 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock) -> Result<Pass> {
             }
         }
         let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-        for rsv in reservations.iter().filter(|r| r.state == QUEUED) {
+        for rsv in &queued {
             queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
         }
         for (pool, mut queue) in queues {
@@ -143,8 +148,23 @@ pub async fn run(
 ) {
     tracing::info!(reconciler = NAME, "reconciler started");
     let fleet = Fleet::new();
+    let mut known: Option<Vec<TenantId>> = None;
     while !*shutdown.borrow() {
-        match pass(&log, &fleet, &*clock).await {
+        // The first pass loads every tenant; later ones find new tenants in the log.
+        let first = known.is_none();
+        if first {
+            match log.store.heads().await {
+                Ok(heads) => known = Some(heads.into_iter().map(|(t, _)| t).collect()),
+                Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "listing tenants failed"),
+            }
+        }
+        let tenants: &[TenantId] = if first { known.as_deref().unwrap_or(&[]) } else { &[] };
+        let result = pass(&log, &fleet, &*clock, tenants).await;
+        if result.is_err() {
+            // The view may have been dropped: load every tenant again next time.
+            known = None;
+        }
+        match result {
             Ok(p) if p.activated + p.expired + p.conflicts > 0 => {
                 tracing::info!(reconciler = NAME, activated = p.activated, expired = p.expired, conflicts = p.conflicts, "pass");
                 if p.conflicts > 0 {

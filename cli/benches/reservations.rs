@@ -1,0 +1,226 @@
+//! `make bench` (reservations): on a fleet of 10,000 nodes × 8 GPUs (one pool, SQLite, the real
+//! gateway over HTTP on loopback, the reservations reconciler in process):
+//! - reserve → active latency (p50, p99) of one client reserving one GPU at a time: the request
+//!   is placed at once, so this is the create's round trip;
+//! - queued → active latency: a reservation queued behind a full pool, from the release that
+//!   frees its GPUs to the moment `reservations.get` shows it active (the reconciler's path);
+//! - reservations per second with 16 concurrent clients until the pool is full;
+//! - beside them, the raw append rate of the same store in the same run (single-event appends,
+//!   16 at once) as the baseline.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bc_core::clock::SystemClock;
+use bc_core::id::{NodeId, PoolId, TenantId};
+use bc_core::keys::LogKey;
+use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_gateway::AppState;
+use bc_projections::events::{self as ev, Gpu};
+use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
+use serde_json::{Value, json};
+
+const NODES: usize = 10_000;
+const GPUS_PER_NODE: u32 = 8;
+const CLIENTS: usize = 16;
+const LATENCY_SAMPLES: usize = 300;
+const QUEUED_SAMPLES: usize = 30;
+const RAW_APPENDS: usize = 4000;
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn append(tenant: TenantId, stream: String, event_type: &str, payload: ciborium::Value) -> AppendRequest {
+    AppendRequest {
+        tenant,
+        stream,
+        expected: ExpectedVersion::Any,
+        idempotency_key: None,
+        actor: "bench".into(),
+        causation: None,
+        correlation: None,
+        fingerprint: None,
+        guards: vec![],
+        events: vec![NewEvent { stream: None, event_type: event_type.into(), payload }],
+    }
+}
+
+async fn concurrently<F, Fut>(total: usize, clients: usize, f: F)
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (next, f) = (next.clone(), f.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total {
+                    break;
+                }
+                f(i).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+async fn call(http: &reqwest::Client, url: &str, token: &str, method: &str, body: Value) -> Value {
+    let r = http.post(format!("{url}/api/compute/{method}")).bearer_auth(token).json(&body).send().await.unwrap();
+    let status = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert!(status.is_success(), "{method}: {v}");
+    v
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("r.sqlite3")).await.unwrap());
+        store.migrate().await.unwrap();
+        let log =
+            Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap());
+
+        // Baseline: raw single-event appends into the same database, 16 at once.
+        let started = Instant::now();
+        let l = log.clone();
+        concurrently(RAW_APPENDS, CLIENTS, move |i| {
+            let l = l.clone();
+            async move {
+                let payload = ev::to_cbor(&ev::PoolCreated {
+                    name: format!("raw{i}"),
+                    description: String::new(),
+                    labels: Default::default(),
+                    max_reservation_s: None,
+                })
+                .unwrap();
+                l.append(append(TenantId::generate(), stream_of(KIND_POOL, &PoolId::generate()), ev::POOL_CREATED, payload))
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+        let raw_rate = RAW_APPENDS as f64 / started.elapsed().as_secs_f64();
+
+        let token = Arc::new(Mutex::new(String::new()));
+        let t2 = token.clone();
+        bc_gateway::bootstrap_root(&log, move |t| { *t2.lock().unwrap() = t.to_owned(); Ok(()) }, || {}).await.unwrap();
+        let token = token.lock().unwrap().clone();
+        let tenant = TenantId::ROOT;
+        let pool = PoolId::generate().to_string();
+        let created =
+            ev::PoolCreated { name: "bench".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+        log.append(append(tenant, stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
+        eprintln!("registering {NODES} nodes × {GPUS_PER_NODE} GPUs…");
+        let started = Instant::now();
+        let (l, p) = (log.clone(), pool.clone());
+        concurrently(NODES, CLIENTS, move |i| {
+            let (l, p) = (l.clone(), p.clone());
+            async move {
+                let gpus = (0..GPUS_PER_NODE)
+                    .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
+                    .collect();
+                let node = ev::NodeRegistered { pool_id: p, name: format!("n{i}"), gpus, labels: Default::default() };
+                l.append(append(TenantId::ROOT, stream_of(KIND_NODE, &NodeId::generate()), ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap()))
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+        eprintln!("  in {:.1} s", started.elapsed().as_secs_f64());
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let state = Arc::new(AppState::new(log.clone()));
+        tokio::spawn(bc_gateway::serve(listener, state, std::future::pending()));
+        let (_stop, stopped) = tokio::sync::watch::channel(false);
+        tokio::spawn(bc_reconcilers::reservations::run(log.clone(), Arc::new(SystemClock), 500, Some(log.subscribe()), stopped));
+        let http = reqwest::Client::new();
+
+        // Warm the gateway's fleet view (its first use reads every node).
+        let started = Instant::now();
+        call(&http, &url, &token, "capacity.preview", json!({ "poolId": pool, "gpus": 1, "durationS": 60 })).await;
+        let first_use_ms = started.elapsed().as_secs_f64() * 1000.0;
+
+        // Reserve → active, one client, one GPU at a time.
+        let mut latency = Vec::new();
+        for _ in 0..LATENCY_SAMPLES {
+            let started = Instant::now();
+            let r = call(&http, &url, &token, "reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 3600 })).await;
+            assert_eq!(r["state"], "active");
+            latency.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        latency.sort_by(|a, b| a.partial_cmp(b).unwrap());
+
+        // Throughput: 16 clients reserving 4 GPUs each until the pool is full.
+        let capacity = NODES as u32 * GPUS_PER_NODE - LATENCY_SAMPLES as u32;
+        let asks = (capacity / 4) as usize;
+        let started = Instant::now();
+        let (h, u, t, p) = (http.clone(), url.clone(), token.clone(), pool.clone());
+        concurrently(asks, CLIENTS, move |_| {
+            let (h, u, t, p) = (h.clone(), u.clone(), t.clone(), p.clone());
+            async move {
+                call(&h, &u, &t, "reservations.create", json!({ "poolId": p, "gpus": 4, "durationS": 3600 })).await;
+            }
+        })
+        .await;
+        let created_s = started.elapsed().as_secs_f64();
+        // Until the reconciler has activated whatever was queued.
+        loop {
+            let q = call(&http, &url, &token, "reservations.list", json!({ "state": "queued", "limit": 1 })).await;
+            let cap = call(&http, &url, &token, "capacity.get", json!({ "poolId": pool })).await;
+            if cap["items"][0]["free"].as_u64().unwrap() < 4 || (q["items"].as_array().unwrap().is_empty() && q["nextCursor"].is_null()) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let all_s = started.elapsed().as_secs_f64();
+        let rate = asks as f64 / all_s;
+
+        // Queued → active: the pool is full; queue one, release one, time until it is active.
+        let active = call(&http, &url, &token, "reservations.list", json!({ "state": "active", "limit": QUEUED_SAMPLES })).await;
+        let mut queued_ms = Vec::new();
+        for victim in active["items"].as_array().unwrap().iter().take(QUEUED_SAMPLES) {
+            let gpus = victim["gpus"].as_u64().unwrap();
+            let q = call(&http, &url, &token, "reservations.create", json!({ "poolId": pool, "gpus": gpus, "durationS": 3600 })).await;
+            assert_eq!(q["state"], "queued", "{q}");
+            let started = Instant::now();
+            call(&http, &url, &token, "reservations.release", json!({ "reservationId": victim["reservationId"] })).await;
+            loop {
+                let r = call(&http, &url, &token, "reservations.get", json!({ "reservationId": q["reservationId"] })).await;
+                if r["state"] == "active" {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            queued_ms.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        queued_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+
+        println!("reservations: {NODES} nodes × {GPUS_PER_NODE} GPUs in one pool, SQLite, HTTP on loopback");
+        println!("  raw single-event appends (baseline)   {raw_rate:>8.0} /s");
+        println!("  first placement (loads the fleet view) {first_use_ms:>7.1} ms");
+        println!(
+            "  reserve → active (placed at once)      p50 {:.2} ms  p99 {:.2} ms  ({LATENCY_SAMPLES} sequential)",
+            percentile(&latency, 0.5),
+            percentile(&latency, 0.99)
+        );
+        println!(
+            "  queued → active (after a release)      p50 {:.2} ms  p99 {:.2} ms  ({QUEUED_SAMPLES} samples)",
+            percentile(&queued_ms, 0.5),
+            percentile(&queued_ms, 0.99)
+        );
+        println!(
+            "  reservations, {CLIENTS} clients, 4 GPUs each  {rate:>8.0} /s   ratio {:.2} of raw appends  ({asks} in {all_s:.1} s; creates answered in {created_s:.1} s)",
+            rate / raw_rate
+        );
+    });
+}
