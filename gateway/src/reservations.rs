@@ -215,7 +215,10 @@ async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, Poo
         .with_tenant(&*call.state.store, tenant, |view| {
             let mut loads: BTreeMap<String, PoolLoad> = BTreeMap::new();
             for r in view.live.values() {
-                let load = loads.entry(r.pool_id.clone()).or_default();
+                if !loads.contains_key(r.pool_id.as_str()) {
+                    loads.insert(r.pool_id.clone(), PoolLoad::default());
+                }
+                let load = loads.get_mut(r.pool_id.as_str()).expect("inserted above");
                 load.gpus += r.gpus;
                 if r.state == QUEUED {
                     load.queued.push((r.request_seq, r.reservation_id.clone()));
@@ -231,7 +234,21 @@ async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, Poo
 }
 
 async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<PoolLoad> {
-    Ok(loads(call, tenant).await?.remove(pool).unwrap_or_default())
+    call.state
+        .fleet
+        .with_tenant(&*call.state.store, tenant, |view| {
+            let mut load = PoolLoad::default();
+            for r in view.live.values().filter(|r| r.pool_id == pool) {
+                load.gpus += r.gpus;
+                if r.state == QUEUED {
+                    load.queued.push((r.request_seq, r.reservation_id.clone()));
+                    load.queued_gpus += r.gpus;
+                }
+            }
+            load.queued.sort();
+            load
+        })
+        .await
 }
 
 /// The reservation with its place in the queue (1: next) while queued.

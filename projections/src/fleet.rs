@@ -35,11 +35,9 @@ pub struct TenantView {
 }
 
 impl TenantView {
-    /// The nodes of a pool, in node id order (so placement is deterministic).
+    /// The nodes of a pool, in no particular order (placement breaks ties by node id).
     pub fn pool_nodes(&mut self, pool: &str) -> Vec<&mut NodeDoc> {
-        let mut nodes: Vec<&mut NodeDoc> = self.nodes.values_mut().filter(|n| n.pool_id == pool).collect();
-        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        nodes
+        self.nodes.values_mut().filter(|n| n.pool_id == pool).collect()
     }
 }
 
@@ -60,7 +58,7 @@ impl Fleet {
         Self::default()
     }
 
-    /// Runs `f` on the tenant's nodes in `pool` (in node id order), brought up to date with the
+    /// Runs `f` on the tenant's nodes in `pool`, brought up to date with the
     /// log first. `f` may change them: a placer records the GPUs it is about to append.
     pub async fn with_pool<R>(
         &self,

@@ -328,9 +328,52 @@ pub fn fit(node: &NodeDoc, ask: &Ask<'_>) -> Option<Placement> {
     Some(Placement { node_id: node.node_id.clone(), node_version: node.version, gpus, leftover: free - ask.gpus })
 }
 
+/// How many matching GPUs would stay free on `node` after the ask, or `None` if it cannot take
+/// it: [`fit`]'s `leftover`, without building the placement (no allocation), since placement
+/// scores every node of a pool.
+pub fn leftover(node: &NodeDoc, ask: &Ask<'_>) -> Option<u32> {
+    let need = ask.gpus as usize;
+    if need == 0 || node.gpus.len() < need + node.allocations.len() || !usable(node, ask.tolerations) {
+        return None;
+    }
+    // (domain, free matching GPUs in it); a node has at most GPUS_PER_NODE_MAX GPUs.
+    const DOMAINS_MAX: usize = 64;
+    let mut domains = [(0u32, 0u32); DOMAINS_MAX];
+    let mut used = 0usize;
+    let mut free = 0u32;
+    for (i, gpu) in node.gpus.iter().enumerate() {
+        if node.allocations.contains_key(&(i as u32)) || !ask.selector.matches(node, i) {
+            continue;
+        }
+        free += 1;
+        if ask.nvlink {
+            match domains[..used].iter().position(|(d, _)| *d == gpu.nvlink_domain) {
+                Some(at) => domains[at].1 += 1,
+                None if used < DOMAINS_MAX => {
+                    domains[used] = (gpu.nvlink_domain, 1);
+                    used += 1;
+                }
+                None => return None,
+            }
+        }
+    }
+    if (free as usize) < need || (ask.nvlink && !domains[..used].iter().any(|(_, n)| *n as usize >= need)) {
+        return None;
+    }
+    Some(free - ask.gpus)
+}
+
 /// The tightest fit among `nodes`: fewest matching GPUs left free, then the lowest node id.
 pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) -> Option<Placement> {
-    nodes.into_iter().filter_map(|node| fit(node, ask)).min_by(|a, b| (a.leftover, &a.node_id).cmp(&(b.leftover, &b.node_id)))
+    let mut best: Option<(u32, &NodeDoc)> = None;
+    for node in nodes {
+        if let Some(left) = leftover(node, ask)
+            && best.is_none_or(|(l, b)| (left, &node.node_id) < (l, &b.node_id))
+        {
+            best = Some((left, node));
+        }
+    }
+    best.and_then(|(_, node)| fit(node, ask))
 }
 
 /// Places on `nodes` and marks the chosen GPUs as held by `reservation_id` in them, as the

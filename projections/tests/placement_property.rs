@@ -117,6 +117,10 @@ async fn case(seed: u64) -> usize {
         let text = random_selector(&mut rng);
         let selector = Selector::parse(&text).unwrap_or_else(|e| panic!("seed {seed}: {text:?}: {e}"));
         let ask = Ask { gpus: rng.random_range(1..6), selector: &selector, nvlink: rng.random_bool(0.4), tolerations: &[] };
+        for node in &nodes {
+            let fitted = placement::fit(node, &ask).map(|f| f.leftover);
+            assert_eq!(placement::leftover(node, &ask), fitted, "seed {seed}: the fast score disagrees with fit");
+        }
         let Some(p) = placement::place(&nodes, &ask) else {
             for node in &nodes {
                 assert!(

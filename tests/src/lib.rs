@@ -126,32 +126,10 @@ impl Server {
     }
 
     fn launch(&mut self) {
-        let log =
-            std::fs::OpenOptions::new().create(true).append(true).open(self.data_dir.join("server.log")).expect("server log");
         // A fresh client per launch: pooled connections to a killed server are dead.
         self.http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
-        let mut child = Command::new(binary("better-compute"))
-            .args(&self.args)
-            .env("BETTER_COMPUTE_LOG", "info,bc_core=debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("start better-compute");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(first)) = lines.next() {
-                let _ = tx.send(first);
-            }
-            // Keep draining so the server never blocks on a full pipe.
-            for _ in lines {}
-        });
-        let first = rx.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
-            let log = std::fs::read_to_string(self.data_dir.join("server.log")).unwrap_or_default();
-            panic!("better-compute did not start within {START_TIMEOUT_S}s; its log:\n{log}")
-        });
+        let (child, first) =
+            spawn_logged(&self.args, &self.data_dir.join("server.log"), &[("BETTER_COMPUTE_LOG", "info,bc_core=debug")]);
         self.url = first.rsplit(' ').next().expect("url").to_owned();
         assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");
         // A restart binds the same address, so clients (watchers) can reconnect to it.
@@ -308,6 +286,32 @@ pub async fn verify_store(store: &dyn bc_core::store::EventStore) -> (u64, usize
     (total, heads.len())
 }
 
+/// Starts `better-compute ARGS` with stderr appended to `log`; returns the child and the first
+/// line it prints (its URL or its banner), and keeps draining stdout so it never blocks.
+fn spawn_logged(args: &[String], log: &Path, env: &[(&str, &str)]) -> (Child, String) {
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+    let mut command = Command::new(binary("better-compute"));
+    command.args(args).env_remove("BETTER_COMPUTE_DATABASE_URL");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(file).spawn().expect("start better-compute");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        if let Some(Ok(first)) = lines.next() {
+            let _ = tx.send(first);
+        }
+        for _ in lines {}
+    });
+    let first = rx.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        panic!("better-compute {} did not start within {START_TIMEOUT_S}s; its log:\n{text}", args.join(" "))
+    });
+    (child, first)
+}
+
 /// A `better-compute reconcile` process; its log goes to `reconcile-N.log` in `dir`.
 pub struct Reconciler {
     child: Option<Child>,
@@ -329,27 +333,7 @@ impl Reconciler {
     }
 
     fn launch(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("reconcile log");
-        let mut child = Command::new(binary("better-compute"))
-            .args(&self.args)
-            .env_remove("BETTER_COMPUTE_DATABASE_URL")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("start better-compute reconcile");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(first)) = lines.next() {
-                let _ = tx.send(first);
-            }
-            for _ in lines {}
-        });
-        let first = rx.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
-            panic!("reconcile did not start; its log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default())
-        });
+        let (child, first) = spawn_logged(&self.args, &self.log, &[]);
         assert!(first.starts_with("better-compute reconciling"), "unexpected first line {first:?}");
         self.child = Some(child);
     }

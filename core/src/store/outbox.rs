@@ -180,3 +180,17 @@ pub(crate) fn outcome_columns(outcome: &Outcome, at_ms: u64) -> (WorkState, u64)
         Outcome::Dead => (WorkState::Dead, at_ms),
     }
 }
+
+/// (pending, done, dead) from `state, count` rows.
+pub(crate) fn count_states(rows: impl IntoIterator<Item = (String, u64)>) -> (u64, u64, u64) {
+    let mut counts = (0, 0, 0);
+    for (state, n) in rows {
+        match WorkState::parse(&state) {
+            Some(WorkState::Pending) => counts.0 = n,
+            Some(WorkState::Done) => counts.1 = n,
+            Some(WorkState::Dead) => counts.2 = n,
+            None => {}
+        }
+    }
+    counts
+}

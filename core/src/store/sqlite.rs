@@ -13,7 +13,9 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
 
-use super::outbox::{Attempt, CLAIM_ITEMS_MAX, NewWorkItem, OutboxStore, Outcome, WorkItem, WorkState, outcome_columns};
+use super::outbox::{
+    Attempt, CLAIM_ITEMS_MAX, NewWorkItem, OutboxStore, Outcome, WorkItem, WorkState, count_states, outcome_columns,
+};
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
     fold_projections, hash32, to_i64, to_u32, to_u64, touched_rows,
@@ -781,18 +783,9 @@ impl OutboxStore for SqliteStore {
             .bind(consumer)
             .fetch_all(&self.pool)
             .await?;
-        let mut counts = (0, 0, 0);
-        for row in rows {
-            let state: String = row.try_get(0)?;
-            let n = to_u64(row.try_get(1)?)?;
-            match WorkState::parse(&state) {
-                Some(WorkState::Pending) => counts.0 = n,
-                Some(WorkState::Done) => counts.1 = n,
-                Some(WorkState::Dead) => counts.2 = n,
-                None => {}
-            }
-        }
-        Ok(counts)
+        let rows: Vec<(String, u64)> =
+            rows.iter().map(|row| Ok((row.try_get(0)?, to_u64(row.try_get(1)?)?))).collect::<Result<_>>()?;
+        Ok(count_states(rows))
     }
 
     async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
