@@ -54,6 +54,12 @@ impl Client {
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(CliError::usage(format!("BETTER_COMPUTE_URL must be http:// or https://, not {url:?}")));
         }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            // Never echo it: it carries a credential.
+            return Err(CliError::usage(
+                "the URL must not carry a user or password; tokens go in BETTER_COMPUTE_TOKEN or auth login",
+            ));
+        }
         let http = reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(CALL_TIMEOUT_S))
             .build()

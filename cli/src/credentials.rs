@@ -92,7 +92,9 @@ pub fn save(path: &Path, file: &File) -> Result<(), CliError> {
         let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&temp)?;
         f.write_all(&bytes)?;
         f.sync_all()?;
-        std::fs::rename(&temp, path)
+        std::fs::rename(&temp, path)?;
+        // The rename itself survives a crash only once the directory is synced.
+        std::fs::File::open(dir)?.sync_all()
     })();
     if let Err(e) = written {
         let _ = std::fs::remove_file(&temp);
@@ -154,7 +156,10 @@ pub async fn login(url: &str, profile: Option<&str>, verify: bool) -> Result<Val
     let name = profile.map(str::to_owned).or_else(profile_name).unwrap_or_else(|| "default".into());
     valid_profile_name(&name)?;
     let token = match std::env::var("BETTER_COMPUTE_TOKEN").ok().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()) {
-        Some(t) => t,
+        Some(t) => {
+            eprintln!("using the token in BETTER_COMPUTE_TOKEN");
+            t
+        }
         None => {
             let stdin = std::io::stdin();
             if stdin.is_terminal() {

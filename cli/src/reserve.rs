@@ -263,7 +263,7 @@ pub async fn node_op(
     if method == "nodes.drain" {
         let deadline = Instant::now() + Duration::from_secs(wait_s);
         while node_doc["drained"] != true && Instant::now() < deadline {
-            eprintln!("draining: {} reservations hold GPUs", node_doc["allocations"].as_object().map(|m| m.len()).unwrap_or(0));
+            eprintln!("draining: {} GPUs still reserved", node_doc["allocations"].as_object().map(|m| m.len()).unwrap_or(0));
             tokio::time::sleep(Duration::from_secs(1)).await;
             let mut get = Map::new();
             if let Some(t) = body.get("tenantId") {
@@ -272,7 +272,7 @@ pub async fn node_op(
             get.insert("nodeId".into(), body["nodeId"].clone());
             node_doc = c.call("nodes.get", &Value::Object(get), None).await?;
             let held = node_doc["allocations"].as_object().map(|m| m.len()).unwrap_or(0);
-            node_doc["drained"] = json!(held == 0);
+            node_doc["drained"] = json!(node_doc["state"] == "draining" && held == 0);
         }
     }
     Ok(node_doc)

@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{NodeId, PoolId, ReservationId, TenantId};
-use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent, PreReadQuery};
 use bc_core::{Error, ErrorCode, Result};
 use bc_projections::events::{self as ev};
 use bc_projections::placement::{self, Ask, RESERVATION_GPUS_MAX, Selector};
@@ -251,6 +251,56 @@ async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<Pool
         .await
 }
 
+/// `--if-version`: the reservation must be at the version the caller read, and the handler
+/// decides on that same version (a transition checked on one version and appended on another
+/// could cancel an active reservation without freeing its GPUs).
+fn check_version(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<()> {
+    match if_version {
+        Some(v) if v != rsv.version => Err(Error::Conflict {
+            stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
+            expected: v.to_string(),
+            actual: rsv.version,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// What `reservations.create` decided on the view.
+enum Decision {
+    /// No node of the pool could hold it even empty: queued, it would block the pool for good.
+    Never,
+    OverQuota {
+        in_use: u32,
+        limit: u32,
+    },
+    Queue,
+    Place(placement::Placement),
+}
+
+/// The reservation `create` is about to append, as the view holds it meanwhile (queued ones
+/// last in line).
+fn pending(tenant: TenantId, id: &str, c: &Checked, active: bool) -> ReservationDoc {
+    ReservationDoc {
+        tenant_id: tenant.to_string(),
+        reservation_id: id.to_owned(),
+        pool_id: c.pool.pool_id.clone(),
+        gpus: c.gpus,
+        duration_s: c.duration_s,
+        selector: c.selector_text.clone(),
+        nvlink: c.nvlink,
+        tolerations: c.tolerations.clone(),
+        state: if active { ACTIVE } else { QUEUED }.into(),
+        node_id: None,
+        gpu_indexes: Vec::new(),
+        request_seq: u64::MAX,
+        requested_at_ms: 0,
+        activated_at_ms: None,
+        ends_at_ms: None,
+        ended_at_ms: None,
+        version: 0,
+    }
+}
+
 /// The reservation with its place in the queue (1: next) while queued.
 fn view(rsv: &ReservationDoc, load: Option<&PoolLoad>) -> Result<Value> {
     let mut v = serde_json::to_value(rsv).map_err(|e| Error::Internal(format!("response: {e}")))?;
@@ -403,10 +453,13 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 .state
                 .fleet
                 .with_pool(store, checked.tenant, &checked.pool.pool_id, |nodes| {
-                    placement::place(nodes.iter().map(|n| &**n), &ask)
+                    let possible = nodes.iter().any(|n| placement::could_fit(n, &ask));
+                    (placement::place(nodes.iter().map(|n| &**n), &ask), possible)
                 })
                 .await?;
+            let (placed, possible) = placed;
             Ok(json!({
+                "possible": possible,
                 "fits": placed.is_some() && ahead == 0,
                 "fitsIgnoringQueue": placed.is_some(),
                 "queuedAhead": ahead,
@@ -419,29 +472,51 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let c = check_ask(call, parse(body)?).await?;
             let tenant = c.tenant;
             let pool_id = c.pool.pool_id.clone();
-            let load = pool_load(call, tenant, &pool_id).await?;
-            // Quota: the tenant's queued and active GPUs in the pool, plus this request.
-            if let Some(row) = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await? {
-                let quota: QuotaDoc = doc(row)?;
-                let in_use = load.gpus;
-                if in_use + c.gpus > quota.gpus {
-                    let refusal = ev::QuotaExceeded { requested: c.gpus, in_use, limit: quota.gpus, actor: call.actor() };
-                    let mut request = append_request(call, tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any);
-                    // The refusal's record is not the request's result: a retry decides again.
-                    request.idempotency_key = None;
-                    request.fingerprint = None;
-                    request.events =
-                        vec![NewEvent { stream: None, event_type: ev::QUOTA_EXCEEDED.into(), payload: ev::to_cbor(&refusal)? }];
-                    call.state.log.append(request).await?;
-                    return Err(Error::QuotaExceeded(format!(
-                        "{} GPUs would take the tenant to {} of its quota of {} in pool {pool_id}",
-                        c.gpus,
-                        in_use + c.gpus,
-                        quota.gpus
-                    )));
+            // A retry of a request already made is answered from the log (the append below
+            // replays it), whatever the quota or the queue say now.
+            let retry = match &call.idempotency_key {
+                Some(key) => {
+                    let query = PreReadQuery { idempotency_keys: vec![(tenant, format!("request:{key}"))], ..Default::default() };
+                    !store.preread(&query).await?.idempotency.is_empty()
                 }
-            }
+                None => false,
+            };
+            let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
             let rsv = ReservationId::generate();
+            let rsv_text = rsv.to_string();
+            let ask = Ask { gpus: c.gpus, selector: &c.selector, nvlink: c.nvlink, tolerations: &c.tolerations };
+            let fleet = &call.state.fleet;
+            // One look at this process's view decides the quota, the queue and the placement
+            // together, and holds the GPUs and the reservation in the view until the append is
+            // done, so concurrent requests to this process count them.
+            let decision = fleet
+                .with_tenant(store, tenant, |view| {
+                    let mut in_use = 0;
+                    let mut queued_ahead = false;
+                    for r in view.live.values().filter(|r| r.pool_id == pool_id) {
+                        in_use += r.gpus;
+                        queued_ahead |= r.state == QUEUED;
+                    }
+                    if retry {
+                        return Decision::Queue;
+                    }
+                    if !view.pool_nodes(&pool_id).iter().any(|n| placement::could_fit(n, &ask)) {
+                        return Decision::Never;
+                    }
+                    if let Some(q) = &quota
+                        && in_use + c.gpus > q.gpus
+                    {
+                        return Decision::OverQuota { in_use, limit: q.gpus };
+                    }
+                    let placed = if queued_ahead {
+                        None
+                    } else {
+                        placement::place_and_hold(&mut view.pool_nodes(&pool_id), &ask, &rsv_text)
+                    };
+                    view.live.insert(rsv_text.clone(), pending(tenant, &rsv_text, &c, placed.is_some()));
+                    placed.map(Decision::Place).unwrap_or(Decision::Queue)
+                })
+                .await?;
             let rsv_stream = stream_of(KIND_RESERVATION, &rsv);
             let requested = NewEvent {
                 stream: None,
@@ -456,25 +531,45 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 })?,
             };
             let pool_guard = (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(c.pool.version));
-            let queued_ahead = !load.queued.is_empty();
             let mut result = None;
-            if !queued_ahead {
-                let ask = Ask { gpus: c.gpus, selector: &c.selector, nvlink: c.nvlink, tolerations: &c.tolerations };
-                let rsv_text = rsv.to_string();
-                let fleet = &call.state.fleet;
-                let placed =
-                    fleet.with_pool(store, tenant, &pool_id, |nodes| placement::place_and_hold(nodes, &ask, &rsv_text)).await?;
-                if let Some(p) = placed {
+            match decision {
+                Decision::OverQuota { in_use, limit } => {
+                    let refusal = ev::QuotaExceeded { requested: c.gpus, in_use, limit, actor: call.actor() };
+                    let mut request = append_request(call, tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any);
+                    // The refusal's record is not the request's result: a retry decides again.
+                    request.idempotency_key = None;
+                    request.fingerprint = None;
+                    request.events =
+                        vec![NewEvent { stream: None, event_type: ev::QUOTA_EXCEEDED.into(), payload: ev::to_cbor(&refusal)? }];
+                    call.state.log.append(request).await?;
+                    return Err(Error::QuotaExceeded(format!(
+                        "{} GPUs would take the tenant to {} of its quota of {limit} in pool {pool_id}",
+                        c.gpus,
+                        in_use + c.gpus,
+                    )));
+                }
+                Decision::Never => {
+                    return Err(Error::InvalidArgument {
+                        message: format!(
+                            "no node in pool {pool_id} could ever hold {} GPUs{}{}",
+                            c.gpus,
+                            if c.selector_text.is_empty() { String::new() } else { format!(" matching {:?}", c.selector_text) },
+                            if c.nvlink { " in one NVLink domain" } else { "" },
+                        ),
+                        hint: Some("check the selector's values with `capacity`, or ask for fewer GPUs".into()),
+                    });
+                }
+                Decision::Queue => {}
+                Decision::Place(p) => {
                     let ends_at_ms = now_ms.saturating_add(c.duration_s.saturating_mul(1000));
-                    let (events, node_guard) = placement::activation(&rsv.to_string(), &p, ends_at_ms)?;
+                    let (events, node_guard) = placement::activation(&rsv_text, &p, ends_at_ms)?;
                     let mut request = append_request(call, tenant, rsv_stream.clone(), ExpectedVersion::NoStream);
                     request.guards = vec![node_guard, pool_guard.clone()];
                     request.events = std::iter::once(requested.clone()).chain(events).collect();
                     let appended = call.state.log.append(request).await;
-                    if appended.is_err() {
-                        // The view held GPUs for an append that did not happen: read the node again.
-                        fleet.forget(tenant, &p.node_id).await;
-                    }
+                    // Whatever happened, the view reads the node and the reservation again
+                    // rather than trust its hold.
+                    fleet.reread(tenant, Some(&p.node_id), &rsv_text).await;
                     match appended {
                         Ok(r) => result = Some(r),
                         // Lost the node to another placement: queue instead; the reconciler places it.
@@ -491,7 +586,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     let mut request = append_request(call, tenant, rsv_stream, ExpectedVersion::NoStream);
                     request.guards = vec![pool_guard];
                     request.events = vec![requested];
-                    call.state.log.append(request).await?
+                    let appended = call.state.log.append(request).await;
+                    fleet.reread(tenant, None, &rsv_text).await;
+                    appended?
                 }
             };
             let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
@@ -545,6 +642,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 return Err(Error::invalid(format!("byS must be at least 1 second, not {}", input.by_s)));
             }
             let rsv = rsv_doc(call, tenant, &id).await?;
+            check_version(&rsv, input.if_version)?;
             if rsv.state != ACTIVE {
                 return Err(Error::InvalidArgument {
                     message: format!("reservation {id} is {}: only an active reservation is extended", rsv.state),
@@ -566,7 +664,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     hint: None,
                 });
             }
-            let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(rsv.version));
+            let expected = ExpectedVersion::Exact(rsv.version);
             let payload = ev::to_cbor(&ev::ReservationExtended { ends_at_ms: ends })?;
             call.append(tenant, stream_of(KIND_RESERVATION, &id), expected, ev::RESERVATION_EXTENDED, payload).await?;
             view(&rsv_doc(call, tenant, &id).await?, None)
@@ -576,7 +674,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
             let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;
-            let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(rsv.version));
+            check_version(&rsv, input.if_version)?;
+            let expected = ExpectedVersion::Exact(rsv.version);
             let stream = stream_of(KIND_RESERVATION, &id);
             match rsv.state.as_str() {
                 QUEUED => {

@@ -107,9 +107,27 @@ impl Fleet {
 
     /// Reads this node again before its next use.
     pub async fn forget(&self, tenant: TenantId, node_id: &str) {
+        self.reread(tenant, Some(node_id), "").await;
+    }
+
+    /// Reads a node and a reservation again before the next use: what a placer held in the view
+    /// is replaced by what the store holds, whether its append happened or not.
+    pub async fn reread(&self, tenant: TenantId, node_id: Option<&str>, reservation_id: &str) {
         if let Some(view) = self.inner.lock().await.tenants.get_mut(&tenant) {
-            view.dirty_nodes.insert(node_id.to_owned());
+            if let Some(node) = node_id {
+                view.dirty_nodes.insert(node.to_owned());
+            }
+            if !reservation_id.is_empty() {
+                view.dirty_reservations.insert(reservation_id.to_owned());
+            }
         }
+    }
+
+    /// Starts following the log from now, if not yet: call before listing the tenants to load,
+    /// so nothing committed in between is missed.
+    pub async fn prime(&self, store: &dyn EventStore) -> Result<()> {
+        let mut inner = self.inner.lock().await;
+        catch_up_or_reset(store, &mut inner, true).await
     }
 }
 

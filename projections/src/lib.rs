@@ -438,6 +438,10 @@ impl Projector for Projections {
                 })
             }
             RESERVATION_ACTIVATED | RESERVATION_EXTENDED | RESERVATION_RELEASED | RESERVATION_EXPIRED | RESERVATION_CANCELLED => {
+                // The live row of a reservation that has ended stays gone.
+                if key.kind == KIND_RESERVATION_LIVE && current.is_none() {
+                    return Ok(None);
+                }
                 let mut doc: ReservationDoc = from_doc(event, current)?;
                 match env.event_type.as_str() {
                     RESERVATION_ACTIVATED => {

@@ -61,6 +61,8 @@ pub struct Clause {
     pub attr: Attr,
     pub op: Op,
     pub values: Vec<String>,
+    /// The values as numbers, for the numeric attributes (parsed once, not per GPU).
+    pub numbers: Vec<u64>,
 }
 
 /// A parsed selector; empty matches every GPU.
@@ -153,6 +155,10 @@ impl Selector {
         if let Some((i, _)) = text.char_indices().find(|(_, c)| c.is_control() && *c != '\t') {
             return Err(at(i, "control character"));
         }
+        // ASCII only, so a byte offset is the column a person counts.
+        if let Some((i, c)) = text.char_indices().find(|(_, c)| !c.is_ascii()) {
+            return Err(at(text[..i].chars().count(), format!("{c:?} is not ASCII")));
+        }
         let mut lexer = Lexer { text, pos: 0 };
         let mut clauses = Vec::new();
         if lexer.peek().is_none() {
@@ -210,7 +216,8 @@ impl Selector {
             if numeric && let Some((col, bad)) = values.iter().find(|(_, v)| v.parse::<u64>().is_err()) {
                 return Err(at(*col, format!("{name} is a number, not {bad:?}")));
             }
-            clauses.push(Clause { attr, op, values: values.into_iter().map(|(_, v)| v).collect() });
+            let numbers = if numeric { values.iter().filter_map(|(_, v)| v.parse().ok()).collect() } else { Vec::new() };
+            clauses.push(Clause { attr, op, values: values.into_iter().map(|(_, v)| v).collect(), numbers });
             if clauses.len() > SELECTOR_CLAUSES_MAX {
                 return Err(at(start, format!("at most {SELECTOR_CLAUSES_MAX} clauses")));
             }
@@ -225,7 +232,7 @@ impl Selector {
 
     /// Adds `gpuModel = M` / `gpuProduct = P` clauses (the CLI's --model and --product).
     pub fn and_equals(mut self, attr: Attr, value: &str) -> Self {
-        self.clauses.push(Clause { attr, op: Op::Eq, values: vec![value.to_owned()] });
+        self.clauses.push(Clause { attr, op: Op::Eq, values: vec![value.to_owned()], numbers: Vec::new() });
         self
     }
 
@@ -233,35 +240,40 @@ impl Selector {
     pub fn matches(&self, node: &NodeDoc, index: usize) -> bool {
         let gpu = &node.gpus[index];
         self.clauses.iter().all(|clause| {
-            let actual: Option<std::borrow::Cow<'_, str>> = match &clause.attr {
-                Attr::GpuModel => Some(gpu.model.as_str().into()),
-                Attr::GpuProduct => Some(gpu.product.as_str().into()),
-                Attr::VramGib => Some(gpu.vram_gib.to_string().into()),
-                Attr::NvlinkDomain => Some(gpu.nvlink_domain.to_string().into()),
-                Attr::Node => Some(node.node_id.as_str().into()),
-                Attr::NodeName => Some(node.name.as_str().into()),
-                Attr::Label(key) => node.labels.get(key).map(|v| v.as_str().into()),
+            let number = match clause.attr {
+                Attr::VramGib => Some(u64::from(gpu.vram_gib)),
+                Attr::NvlinkDomain => Some(u64::from(gpu.nvlink_domain)),
+                _ => None,
             };
-            let numeric = matches!(clause.attr, Attr::VramGib | Attr::NvlinkDomain);
-            let eq = |v: &str| {
-                actual.as_deref().is_some_and(|a| if numeric { a.parse::<u64>().ok() == v.parse().ok() } else { a == v })
-            };
-            let order = |f: fn(u64, u64) -> bool| {
-                let (Some(a), Ok(b)) = (actual.as_deref().and_then(|a| a.parse::<u64>().ok()), clause.values[0].parse::<u64>())
-                else {
-                    return false;
+            if let Some(n) = number {
+                let b = clause.numbers.first().copied().unwrap_or(0);
+                return match clause.op {
+                    Op::Eq => n == b,
+                    Op::Ne => n != b,
+                    Op::In => clause.numbers.contains(&n),
+                    Op::NotIn => !clause.numbers.contains(&n),
+                    Op::Gt => n > b,
+                    Op::Ge => n >= b,
+                    Op::Lt => n < b,
+                    Op::Le => n <= b,
                 };
-                f(a, b)
+            }
+            let actual: Option<&str> = match &clause.attr {
+                Attr::GpuModel => Some(&gpu.model),
+                Attr::GpuProduct => Some(&gpu.product),
+                Attr::Node => Some(&node.node_id),
+                Attr::NodeName => Some(&node.name),
+                Attr::Label(key) => node.labels.get(key).map(String::as_str),
+                Attr::VramGib | Attr::NvlinkDomain => None,
             };
+            let eq = |v: &String| actual == Some(v.as_str());
             match clause.op {
                 Op::Eq => eq(&clause.values[0]),
                 Op::Ne => !eq(&clause.values[0]),
-                Op::In => clause.values.iter().any(|v| eq(v)),
-                Op::NotIn => !clause.values.iter().any(|v| eq(v)),
-                Op::Gt => order(|a, b| a > b),
-                Op::Ge => order(|a, b| a >= b),
-                Op::Lt => order(|a, b| a < b),
-                Op::Le => order(|a, b| a <= b),
+                Op::In => clause.values.iter().any(eq),
+                Op::NotIn => !clause.values.iter().any(eq),
+                // Refused by the parser: text is never ordered.
+                Op::Gt | Op::Ge | Op::Lt | Op::Le => false,
             }
         })
     }
@@ -332,8 +344,22 @@ pub fn fit(node: &NodeDoc, ask: &Ask<'_>) -> Option<Placement> {
 /// it: [`fit`]'s `leftover`, without building the placement (no allocation), since placement
 /// scores every node of a pool.
 pub fn leftover(node: &NodeDoc, ask: &Ask<'_>) -> Option<u32> {
+    if node.gpus.len() < ask.gpus as usize + node.allocations.len() || !usable(node, ask.tolerations) {
+        return None;
+    }
+    score(node, ask, true)
+}
+
+/// Whether the ask could ever fit on `node`: with every GPU free, whatever its state and taints
+/// (which an operator may change). A request no node could ever take would block its pool's
+/// queue for good, so it is refused instead.
+pub fn could_fit(node: &NodeDoc, ask: &Ask<'_>) -> bool {
+    score(node, ask, false).is_some()
+}
+
+fn score(node: &NodeDoc, ask: &Ask<'_>, honour_holds: bool) -> Option<u32> {
     let need = ask.gpus as usize;
-    if need == 0 || node.gpus.len() < need + node.allocations.len() || !usable(node, ask.tolerations) {
+    if need == 0 {
         return None;
     }
     // (domain, free matching GPUs in it); a node has at most GPUS_PER_NODE_MAX GPUs.
@@ -342,7 +368,7 @@ pub fn leftover(node: &NodeDoc, ask: &Ask<'_>) -> Option<u32> {
     let mut used = 0usize;
     let mut free = 0u32;
     for (i, gpu) in node.gpus.iter().enumerate() {
-        if node.allocations.contains_key(&(i as u32)) || !ask.selector.matches(node, i) {
+        if (honour_holds && node.allocations.contains_key(&(i as u32))) || !ask.selector.matches(node, i) {
             continue;
         }
         free += 1;
@@ -484,6 +510,7 @@ mod tests {
             ("vramGiB >= 80 gpuModel = x", 15),
             ("gpuModel = \"x", 12),
             ("vramGiB =", 10),
+            ("gpuModel = Ä100", 12),
         ] {
             let e = Selector::parse(text).unwrap_err().to_string();
             assert!(e.contains(&format!("column {column}:")), "{text:?}: {e}");

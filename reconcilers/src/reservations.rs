@@ -89,10 +89,16 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
         }
         for (pool, mut queue) in queues {
             queue.sort_by_key(|r| r.request_seq);
-            let mut selectors = Vec::with_capacity(queue.len());
-            for rsv in &queue {
-                selectors.push(Selector::parse(&rsv.selector)?);
-            }
+            // A selector this version cannot read (a newer writer's) skips that reservation with
+            // a warning; it must not stop every other pool's queue and expiry.
+            queue.retain(|rsv| match Selector::parse(&rsv.selector) {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, error = %e, "skipping a reservation whose selector does not parse");
+                    false
+                }
+            });
+            let selectors: Vec<Selector> = queue.iter().map(|rsv| Selector::parse(&rsv.selector).unwrap_or_default()).collect();
             // Oldest first, each placement held in the view for the next; stop at the first
             // that does not fit.
             let placements = fleet
@@ -153,6 +159,10 @@ pub async fn run(
         // The first pass loads every tenant; later ones find new tenants in the log.
         let first = known.is_none();
         if first {
+            // Follow the log from before the tenants are listed, so none is missed in between.
+            if let Err(e) = fleet.prime(&*log.store).await {
+                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "reading the log failed");
+            }
             match log.store.heads().await {
                 Ok(heads) => known = Some(heads.into_iter().map(|(t, _)| t).collect()),
                 Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "listing tenants failed"),

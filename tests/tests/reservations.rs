@@ -362,6 +362,12 @@ async fn bad_reservation_input_is_refused_before_or_at_the_edge() {
         let (status, r) = server.call("reservations.create", body.clone()).await;
         assert_eq!((status, r["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}: {r}");
     }
+    // A request no node could ever hold is refused, not queued to block the pool for good.
+    let (code, _, err) = server.cli(&["reserve", "--pool", &pool, "--gpus", "2", "--for", "1h"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("could ever hold"), "{err}");
+    let (code, _, err) = server.cli(&["reserve", "--pool", &pool, "--gpus", "1", "--for", "1h", "--product", "B200"]);
+    assert_eq!(code, 2, "{err}");
     let (_, events) = server.call("events.list", json!({ "types": ["reservation.*"] })).await;
     assert_eq!(events["items"].as_array().unwrap().len(), 0, "nothing appended by refusals");
     // Cordoned and tainted nodes take nothing unless tolerated; --if-version guards.
@@ -381,6 +387,12 @@ async fn bad_reservation_input_is_refused_before_or_at_the_edge() {
     server.cli(&["release", r["reservationId"].as_str().unwrap()]);
     let (_, r, _) = reserve(&server, &["--pool", &pool, "--gpus", "1", "--for", "1h", "--tolerate", "dedicated"]);
     assert_eq!(r["state"], "active");
+    // --if-version names the version the caller read: another is a CONFLICT, and nothing moves.
+    let stale = (r["version"].as_u64().unwrap() + 1).to_string();
+    let (code, _, err) = server.cli(&["release", r["reservationId"].as_str().unwrap(), "--if-version", &stale]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("CONFLICT"), "{err}");
+    assert_eq!(get(&server, r["reservationId"].as_str().unwrap())["state"], "active");
     // Drain waits for the reservation to end.
     let (code, out, _) = server.cli(&["nodes", "drain", &nodes[0]]);
     assert_eq!((code, json_out(&out)["drained"].as_bool()), (0, Some(false)));
