@@ -207,6 +207,7 @@ pub async fn capacity(
                     .map(|p| format!("{} {}/{}", p["product"].as_str().unwrap_or("?"), p["free"], p["gpus"]))
                     .collect();
                 item["byProduct"] = json!(by.join(", "));
+                item.as_object_mut().map(|m| m.remove("byModel"));
             }
             Ok((value, true))
         }

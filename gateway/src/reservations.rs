@@ -398,29 +398,33 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let loads = loads(call, tenant).await?;
             let mut items = Vec::new();
             for pool in pools {
-                let (node_count, by_product, [total, free, held, unavailable]) = call
+                let (node_count, (by_model, by_product), [total, free, held, unavailable]) = call
                     .state
                     .fleet
                     .with_pool(store, tenant, &pool.pool_id, |nodes| {
                         let mut by_product: BTreeMap<String, (u32, u32)> = BTreeMap::new();
+                        let mut by_model: BTreeMap<String, (u32, u32)> = BTreeMap::new();
                         let mut counts = [0u32; 4];
                         for node in nodes.iter() {
                             let usable = node.state == "ready";
                             for (i, gpu) in node.gpus.iter().enumerate() {
-                                let entry = by_product.entry(gpu.product.clone()).or_default();
+                                let free = !node.allocations.contains_key(&(i as u32)) && usable;
+                                for (map, key) in [(&mut by_product, &gpu.product), (&mut by_model, &gpu.model)] {
+                                    let entry = map.entry(key.clone()).or_default();
+                                    entry.0 += 1;
+                                    entry.1 += u32::from(free);
+                                }
                                 counts[0] += 1;
-                                entry.0 += 1;
                                 if node.allocations.contains_key(&(i as u32)) {
                                     counts[2] += 1;
                                 } else if usable {
                                     counts[1] += 1;
-                                    entry.1 += 1;
                                 } else {
                                     counts[3] += 1;
                                 }
                             }
                         }
-                        (nodes.len(), by_product, counts)
+                        (nodes.len(), (by_model, by_product), counts)
                     })
                     .await?;
                 let load = loads.get(&pool.pool_id);
@@ -434,6 +438,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     "unavailable": unavailable,
                     "queued": load.map(|l| l.queued.len()).unwrap_or(0),
                     "queuedGpus": load.map(|l| l.queued_gpus).unwrap_or(0),
+                    "byModel": by_model.into_iter().map(|(m, (t, f))| json!({ "model": m, "gpus": t, "free": f })).collect::<Vec<_>>(),
                     "byProduct": by_product.into_iter().map(|(p, (t, f))| json!({ "product": p, "gpus": t, "free": f })).collect::<Vec<_>>(),
                     "maxReservationS": pool.max_reservation_s,
                 }));
@@ -508,11 +513,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     {
                         return Decision::OverQuota { in_use, limit: q.gpus };
                     }
-                    let placed = if queued_ahead {
-                        None
-                    } else {
-                        placement::place_and_hold(&mut view.pool_nodes(&pool_id), &ask, &rsv_text)
-                    };
+                    let placed = if queued_ahead { None } else { view.place_and_hold(&pool_id, &ask, &rsv_text) };
                     view.live.insert(rsv_text.clone(), pending(tenant, &rsv_text, &c, placed.is_some()));
                     placed.map(Decision::Place).unwrap_or(Decision::Queue)
                 })

@@ -32,12 +32,37 @@ pub struct TenantView {
     /// failed.
     dirty_nodes: HashSet<String>,
     dirty_reservations: HashSet<String>,
+    /// Nodes with GPUs held for appends not yet read back: a placement guards a node's store
+    /// version, so two in flight on one node cannot both land.
+    held: HashSet<String>,
 }
 
 impl TenantView {
     /// The nodes of a pool, in no particular order (placement breaks ties by node id).
     pub fn pool_nodes(&mut self, pool: &str) -> Vec<&mut NodeDoc> {
         self.nodes.values_mut().filter(|n| n.pool_id == pool).collect()
+    }
+
+    /// Places and holds for a request made while others may be in flight: on a node with no
+    /// placement in flight if one fits (their appends would conflict), else on any.
+    pub fn place_and_hold(
+        &mut self,
+        pool: &str,
+        ask: &crate::placement::Ask<'_>,
+        reservation_id: &str,
+    ) -> Option<crate::placement::Placement> {
+        let held = std::mem::take(&mut self.held);
+        let mut quiet: Vec<&mut NodeDoc> =
+            self.nodes.values_mut().filter(|n| n.pool_id == pool && !held.contains(&n.node_id)).collect();
+        let placed = match crate::placement::place_and_hold(&mut quiet, ask, reservation_id) {
+            Some(p) => Some(p),
+            None => crate::placement::place_and_hold(&mut self.pool_nodes(pool), ask, reservation_id),
+        };
+        self.held = held;
+        if let Some(p) = &placed {
+            self.held.insert(p.node_id.clone());
+        }
+        placed
     }
 }
 
@@ -120,6 +145,18 @@ impl Fleet {
             if !reservation_id.is_empty() {
                 view.dirty_reservations.insert(reservation_id.to_owned());
             }
+        }
+    }
+
+    /// Records that an append moved `node_id` from `decided_on` to the next version with the
+    /// hold the view already shows. Only for a view whose holds are all its caller's (the
+    /// reconciler's, one placement at a time); otherwise the next use reads the node again.
+    pub async fn confirm(&self, tenant: TenantId, node_id: &str, decided_on: u64) {
+        if let Some(view) = self.inner.lock().await.tenants.get_mut(&tenant)
+            && let Some(node) = view.nodes.get_mut(node_id)
+            && node.version == decided_on
+        {
+            node.version = decided_on + 1;
         }
     }
 
@@ -217,6 +254,7 @@ async fn catch_up(store: &dyn EventStore, inner: &mut Inner, discover: bool) -> 
     for (tenant, view) in inner.tenants.iter_mut() {
         let t = tenant.to_string();
         for id in std::mem::take(&mut view.dirty_nodes) {
+            view.held.remove(&id);
             match store.row_get(&t, KIND_NODE, &id).await? {
                 Some(row) => view.nodes.insert(id, decode(row.doc)?),
                 None => view.nodes.remove(&id),

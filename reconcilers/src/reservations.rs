@@ -99,43 +99,34 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
                 }
             });
             let selectors: Vec<Selector> = queue.iter().map(|rsv| Selector::parse(&rsv.selector).unwrap_or_default()).collect();
-            // Oldest first, each placement held in the view for the next; stop at the first
-            // that does not fit.
-            let placements = fleet
-                .with_pool(&*log.store, tenant, pool, |nodes| {
-                    let mut out = Vec::new();
-                    for (rsv, selector) in queue.iter().zip(&selectors) {
-                        let ask = Ask { gpus: rsv.gpus, selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
-                        match placement::place_and_hold(nodes, &ask, &rsv.reservation_id) {
-                            Some(p) => out.push((*rsv, p)),
-                            None => break,
-                        }
-                    }
-                    out
-                })
-                .await?;
-            let mut failed = false;
-            for (rsv, p) in placements {
-                if failed {
-                    // An earlier activation failed: this one keeps its place in the queue.
-                    fleet.forget(tenant, &p.node_id).await;
-                    continue;
-                }
+            // Oldest first, one at a time; stop at the first that does not fit or fails.
+            for (rsv, selector) in queue.iter().zip(&selectors) {
+                let ask = Ask { gpus: rsv.gpus, selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
+                let placed = fleet
+                    .with_pool(&*log.store, tenant, pool, |nodes| placement::place_and_hold(nodes, &ask, &rsv.reservation_id))
+                    .await?;
+                let Some(p) = placed else { break };
                 let ends_at_ms = clock.now_ms().saturating_add(rsv.duration_s.saturating_mul(1000));
                 let (events, guard) = placement::activation(&rsv.reservation_id, &p, ends_at_ms)?;
                 let mut req = request(tenant, rsv);
                 req.guards = vec![guard];
                 req.events = events;
                 match log.append(req).await {
-                    Ok(_) => done.activated += 1,
+                    Ok(_) => {
+                        done.activated += 1;
+                        // Only this pass holds GPUs in this view, and the append moved the node
+                        // from the version decided on by exactly this allocation: the view is
+                        // the store's next version.
+                        fleet.confirm(tenant, &p.node_id, p.node_version).await;
+                    }
                     Err(e) => {
                         fleet.forget(tenant, &p.node_id).await;
-                        failed = true;
                         if e.code() == ErrorCode::Conflict {
                             done.conflicts += 1;
                         } else {
                             tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, code = %e.code(), error = %e, "activation failed");
                         }
+                        break;
                     }
                 }
             }

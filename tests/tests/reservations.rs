@@ -310,7 +310,9 @@ async fn concurrent_reservations_never_double_book() {
         held.len(),
         head["gpus"]
     );
-    assert!(head["gpus"].as_u64().unwrap() > free, "the queue head waits only because it does not fit");
+    // The head waits only because no single node has room for it.
+    let (_, preview) = server.call("capacity.preview", json!({ "poolId": pool, "gpus": head["gpus"], "durationS": 3600 })).await;
+    assert_eq!(preview["fitsIgnoringQueue"], false, "the queue head fits but was not placed: {preview}");
     // Queue positions are distinct and dense.
     let (_, page) = server.call("reservations.list", json!({ "state": "queued", "limit": 500 })).await;
     let positions: BTreeSet<u64> =
