@@ -29,6 +29,7 @@ use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
 pub mod auth;
+pub mod conn;
 pub mod error;
 pub mod methods;
 pub mod openapi;
@@ -286,5 +287,6 @@ pub async fn serve(
         // End the watch streams; the graceful shutdown waits for every open response.
         streams.shutdown.send_replace(true);
     };
+    let listener = conn::DeadlineListener { inner: listener, stall: Duration::from_secs(conn::WRITE_STALL_S) };
     axum::serve(listener, router(state)).with_graceful_shutdown(signal).await
 }
