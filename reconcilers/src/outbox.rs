@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::Clock;
 use bc_core::event::StoredEvent;
-use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, NewWorkItem, Outcome, WorkItem};
+use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, Completion, NewWorkItem, Outcome, WorkItem};
 use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
 
@@ -235,22 +235,28 @@ async fn work_loop(
     let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let rng = Arc::new(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed)));
     let name = consumer.name();
+    // Finished attempts go to one completer, which records them in batches: one transaction
+    // for many deliveries instead of one each.
+    let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(concurrency);
+    let completer = tokio::spawn(complete(store.clone(), name, config.owner.clone(), to_record, work_ready.clone()));
+    // Claim when a quarter of the slots are free (or all are), so claims come in batches too.
+    let claim_at = (concurrency / 4).max(1);
     while !*shutdown.borrow() {
         let free = slots.available_permits();
         let mut claimed = 0;
-        if free > 0 {
+        if free >= claim_at || free == concurrency {
             let now = config.clock.now_ms();
             match store.work_claim(name, &config.owner, now, config.lease_ms, free as u32).await {
                 Ok(items) => {
                     claimed = items.len();
                     for item in items {
                         let permit = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
-                        let (store, consumer, config, rng, ready) =
-                            (store.clone(), consumer.clone(), config.clone(), rng.clone(), work_ready.clone());
+                        let (store, consumer, config, rng, finished) =
+                            (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone());
                         tokio::spawn(async move {
-                            attempt(&*store, &*consumer, &config, &rng, item).await;
-                            drop(permit);
-                            ready.notify_one();
+                            let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item).await;
+                            // The slot is freed once the attempt is recorded.
+                            let _ = finished.send(Finished { item, attempt, outcome, _slot: permit }).await;
                         });
                     }
                 }
@@ -266,22 +272,96 @@ async fn work_loop(
             _ = shutdown.changed() => {}
         }
     }
-    // Let what is in flight finish (bounded by the handlers' own timeouts); what does not is
-    // claimed again when its lease runs out.
+    // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded;
+    // what does not is claimed again when its lease runs out.
+    drop(finished);
     let _ = tokio::time::timeout(Duration::from_secs(15), slots.acquire_many(concurrency as u32)).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), completer).await;
 }
 
-/// One attempt at one claimed item: handle, then record the attempt and the item's new state.
+/// A handled item on its way to being recorded, holding its concurrency slot.
+struct Finished {
+    item: WorkItem,
+    attempt: Attempt,
+    outcome: Outcome,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// Completions recorded in one transaction at most.
+const COMPLETIONS_PER_COMMIT_MAX: usize = 128;
+
+/// Records finished attempts: whatever has arrived, up to a batch, in one transaction.
+async fn complete(
+    store: Arc<dyn EventStore>,
+    name: &'static str,
+    owner: String,
+    mut to_record: tokio::sync::mpsc::Receiver<Finished>,
+    work_ready: Arc<tokio::sync::Notify>,
+) {
+    while let Some(first) = to_record.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < COMPLETIONS_PER_COMMIT_MAX {
+            match to_record.try_recv() {
+                Ok(next) => batch.push(next),
+                Err(_) => break,
+            }
+        }
+        let done: Vec<Completion> = batch
+            .iter()
+            .map(|f| Completion {
+                tenant: f.item.tenant,
+                id: f.item.id.clone(),
+                attempt: f.attempt.clone(),
+                outcome: f.outcome.clone(),
+            })
+            .collect();
+        match store.work_complete_many(name, &owner, &done).await {
+            Ok(written) => {
+                for (f, written) in batch.iter().zip(written) {
+                    log_completion(name, f, written);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; their leases will run out and they run again")
+            }
+        }
+        drop(batch);
+        work_ready.notify_one();
+    }
+}
+
+fn log_completion(name: &str, f: &Finished, written: bool) {
+    let (item, record) = (&f.item, &f.attempt);
+    if !written {
+        tracing::warn!(consumer = name, item = %item.id, "lease lost before completion; another process has it");
+        return;
+    }
+    match &f.outcome {
+        Outcome::Done => tracing::debug!(consumer = name, item = %item.id, attempt = item.attempts, "done"),
+        Outcome::Retry { next_at_ms } => tracing::info!(
+            consumer = name, item = %item.id, attempt = item.attempts, status = ?record.status,
+            error = record.error.as_deref().unwrap_or(""),
+            retry_in_ms = next_at_ms.saturating_sub(record.at_ms + record.latency_ms), "attempt failed"
+        ),
+        Outcome::Dead => tracing::warn!(
+            consumer = name, item = %item.id, attempt = item.attempts, status = ?record.status,
+            error = record.error.as_deref().unwrap_or(""), "giving up: dead letter"
+        ),
+    }
+}
+
+/// One attempt at one claimed item: handle it, and decide what comes next (done, a retry on
+/// the schedule, or dead).
 pub async fn attempt(
     store: &dyn EventStore,
     consumer: &dyn Consumer,
     config: &RunnerConfig,
     rng: &std::sync::Mutex<rand::rngs::StdRng>,
-    item: WorkItem,
-) {
+    item: &WorkItem,
+) -> (Attempt, Outcome) {
     let started = config.clock.now_ms();
     let clock_started = std::time::Instant::now();
-    let handled = consumer.handle(store, &item).await;
+    let handled = consumer.handle(store, item).await;
     let latency_ms = clock_started.elapsed().as_millis() as u64;
     let ended = started.saturating_add(latency_ms);
     let outcome = if handled.ok {
@@ -304,22 +384,7 @@ pub async fn attempt(
         },
         owner: config.owner.clone(),
     };
-    let name = consumer.name();
-    match store.work_complete(name, item.tenant, &item.id, &config.owner, &record, &outcome).await {
-        Ok(true) => match &outcome {
-            Outcome::Done => tracing::debug!(consumer = name, item = %item.id, attempt = item.attempts, "done"),
-            Outcome::Retry { next_at_ms } => tracing::info!(
-                consumer = name, item = %item.id, attempt = item.attempts, status = ?record.status,
-                error = record.error.as_deref().unwrap_or(""), retry_in_ms = next_at_ms.saturating_sub(ended), "attempt failed"
-            ),
-            Outcome::Dead => tracing::warn!(
-                consumer = name, item = %item.id, attempt = item.attempts, status = ?record.status,
-                error = record.error.as_deref().unwrap_or(""), "giving up: dead letter"
-            ),
-        },
-        Ok(false) => tracing::warn!(consumer = name, item = %item.id, "lease lost before completion; another process has it"),
-        Err(e) => tracing::warn!(consumer = name, item = %item.id, code = %e.code(), error = %e, "recording the attempt failed"),
-    }
+    (record, outcome)
 }
 
 #[cfg(test)]

@@ -110,6 +110,15 @@ pub struct Attempt {
     pub owner: String,
 }
 
+/// One finished attempt, to record.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    pub tenant: TenantId,
+    pub id: String,
+    pub attempt: Attempt,
+    pub outcome: Outcome,
+}
+
 #[async_trait]
 pub trait OutboxStore: Send + Sync + 'static {
     /// Takes (or renews) `consumer`'s fan-out lease for `owner`; returns the cursor, or `None`
@@ -136,8 +145,11 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Leases up to `limit` due pending items (oldest due first) to `owner` and counts the
     /// attempt they are about to get.
     async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>>;
-    /// Records `attempt` and moves the item on, if `owner` still holds its lease. False: the
-    /// lease ran out and another owner may have the item; nothing was written.
+    /// Records each attempt and moves its item on, in one transaction, where `owner` still
+    /// holds the item's lease. One flag per completion; false: the lease ran out and another
+    /// owner may have the item, so nothing was written for it.
+    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>>;
+    /// [`OutboxStore::work_complete_many`] for one item.
     async fn work_complete(
         &self,
         consumer: &str,
@@ -146,7 +158,10 @@ pub trait OutboxStore: Send + Sync + 'static {
         owner: &str,
         attempt: &Attempt,
         outcome: &Outcome,
-    ) -> Result<bool>;
+    ) -> Result<bool> {
+        let done = [Completion { tenant, id: id.to_owned(), attempt: attempt.clone(), outcome: outcome.clone() }];
+        Ok(self.work_complete_many(consumer, owner, &done).await?.first().copied().unwrap_or(false))
+    }
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>>;
     /// A subject's items by id (newest first when ids are ULID-ordered: descending), after the
     /// cursor `before_id`, optionally in one state.

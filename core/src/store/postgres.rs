@@ -14,7 +14,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::{GenericClient, NoTls};
 
 use super::outbox::{
-    Attempt, CLAIM_ITEMS_MAX, NewWorkItem, OutboxStore, Outcome, WorkItem, WorkState, count_states, outcome_columns,
+    Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, OutboxStore, WorkItem, WorkState, count_states, outcome_columns,
 };
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
@@ -676,61 +676,56 @@ impl OutboxStore for PostgresStore {
         rows.iter().map(work_item).collect()
     }
 
-    async fn work_complete(
-        &self,
-        consumer: &str,
-        tenant: TenantId,
-        id: &str,
-        owner: &str,
-        attempt: &Attempt,
-        outcome: &Outcome,
-    ) -> Result<bool> {
-        let (state, next_at) = outcome_columns(outcome, attempt.at_ms);
-        let tenant = tenant.to_string();
-        let number = i64::from(attempt.number);
+    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let moved = tx
-            .execute(
-                "UPDATE work_items SET state = $1, next_at_ms = $2, lease_owner = NULL, lease_until_ms = 0, last_error = $3, \
-                 updated_at_ms = $4 WHERE tenant_id = $5 AND consumer = $6 AND id = $7 AND lease_owner = $8 \
-                 AND attempts = $9 AND state = 'pending'",
-                &[
-                    &state.as_str(),
-                    &to_i64(next_at)?,
-                    &attempt.error,
-                    &to_i64(attempt.at_ms.saturating_add(attempt.latency_ms))?,
-                    &tenant,
-                    &consumer,
-                    &id,
-                    &owner,
-                    &number,
-                ],
-            )
-            .await?;
-        if moved != 1 {
-            return Ok(false);
+        let mut written = Vec::with_capacity(done.len());
+        for c in done {
+            let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
+            let tenant = c.tenant.to_string();
+            let number = i64::from(c.attempt.number);
+            let moved = tx
+                .execute(
+                    "UPDATE work_items SET state = $1, next_at_ms = $2, lease_owner = NULL, lease_until_ms = 0, last_error = $3, \
+                     updated_at_ms = $4 WHERE tenant_id = $5 AND consumer = $6 AND id = $7 AND lease_owner = $8 \
+                     AND attempts = $9 AND state = 'pending'",
+                    &[
+                        &state.as_str(),
+                        &to_i64(next_at)?,
+                        &c.attempt.error,
+                        &to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?,
+                        &tenant,
+                        &consumer,
+                        &c.id,
+                        &owner,
+                        &number,
+                    ],
+                )
+                .await?;
+            if moved == 1 {
+                tx.execute(
+                    "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                     ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
+                    &[
+                        &tenant,
+                        &consumer,
+                        &c.id,
+                        &number,
+                        &to_i64(c.attempt.at_ms)?,
+                        &to_i64(c.attempt.latency_ms)?,
+                        &c.attempt.status.map(i64::from),
+                        &c.attempt.error,
+                        &c.attempt.next_at_ms.map(to_i64).transpose()?,
+                        &owner,
+                    ],
+                )
+                .await?;
+            }
+            written.push(moved == 1);
         }
-        tx.execute(
-            "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
-             ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
-            &[
-                &tenant,
-                &consumer,
-                &id,
-                &number,
-                &to_i64(attempt.at_ms)?,
-                &to_i64(attempt.latency_ms)?,
-                &attempt.status.map(i64::from),
-                &attempt.error,
-                &attempt.next_at_ms.map(to_i64).transpose()?,
-                &owner,
-            ],
-        )
-        .await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(written)
     }
 
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {

@@ -14,7 +14,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
 
 use super::outbox::{
-    Attempt, CLAIM_ITEMS_MAX, NewWorkItem, OutboxStore, Outcome, WorkItem, WorkState, count_states, outcome_columns,
+    Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, OutboxStore, WorkItem, WorkState, count_states, outcome_columns,
 };
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
@@ -647,55 +647,50 @@ impl OutboxStore for SqliteStore {
         rows.iter().map(work_item).collect()
     }
 
-    async fn work_complete(
-        &self,
-        consumer: &str,
-        tenant: TenantId,
-        id: &str,
-        owner: &str,
-        attempt: &Attempt,
-        outcome: &Outcome,
-    ) -> Result<bool> {
-        let (state, next_at) = outcome_columns(outcome, attempt.at_ms);
+    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let moved = sqlx::query(
-            "UPDATE work_items SET state = ?, next_at_ms = ?, lease_owner = NULL, lease_until_ms = 0, last_error = ?, \
-             updated_at_ms = ? WHERE tenant_id = ? AND consumer = ? AND id = ? AND lease_owner = ? AND attempts = ? \
-             AND state = 'pending'",
-        )
-        .bind(state.as_str())
-        .bind(to_i64(next_at)?)
-        .bind(attempt.error.as_deref())
-        .bind(to_i64(attempt.at_ms.saturating_add(attempt.latency_ms))?)
-        .bind(tenant.to_string())
-        .bind(consumer)
-        .bind(id)
-        .bind(owner)
-        .bind(i64::from(attempt.number))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if moved != 1 {
-            return Ok(false);
+        let mut written = Vec::with_capacity(done.len());
+        for c in done {
+            let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
+            let moved = sqlx::query(
+                "UPDATE work_items SET state = ?, next_at_ms = ?, lease_owner = NULL, lease_until_ms = 0, last_error = ?, \
+                 updated_at_ms = ? WHERE tenant_id = ? AND consumer = ? AND id = ? AND lease_owner = ? AND attempts = ? \
+                 AND state = 'pending'",
+            )
+            .bind(state.as_str())
+            .bind(to_i64(next_at)?)
+            .bind(c.attempt.error.as_deref())
+            .bind(to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?)
+            .bind(c.tenant.to_string())
+            .bind(consumer)
+            .bind(&c.id)
+            .bind(owner)
+            .bind(i64::from(c.attempt.number))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if moved == 1 {
+                sqlx::query(
+                    "INSERT OR REPLACE INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, \
+                     next_at_ms, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                )
+                .bind(c.tenant.to_string())
+                .bind(consumer)
+                .bind(&c.id)
+                .bind(i64::from(c.attempt.number))
+                .bind(to_i64(c.attempt.at_ms)?)
+                .bind(to_i64(c.attempt.latency_ms)?)
+                .bind(c.attempt.status.map(i64::from))
+                .bind(c.attempt.error.as_deref())
+                .bind(c.attempt.next_at_ms.map(to_i64).transpose()?)
+                .bind(owner)
+                .execute(&mut *tx)
+                .await?;
+            }
+            written.push(moved == 1);
         }
-        sqlx::query(
-            "INSERT OR REPLACE INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, \
-             next_at_ms, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(tenant.to_string())
-        .bind(consumer)
-        .bind(id)
-        .bind(i64::from(attempt.number))
-        .bind(to_i64(attempt.at_ms)?)
-        .bind(to_i64(attempt.latency_ms)?)
-        .bind(attempt.status.map(i64::from))
-        .bind(attempt.error.as_deref())
-        .bind(attempt.next_at_ms.map(to_i64).transpose()?)
-        .bind(owner)
-        .execute(&mut *tx)
-        .await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(written)
     }
 
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
