@@ -677,52 +677,62 @@ impl OutboxStore for PostgresStore {
     }
 
     async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let mut written = Vec::with_capacity(done.len());
+        if done.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Two statements for the whole batch: the guarded update, then the attempts of the
+        // items it moved.
+        let tenants: Vec<String> = done.iter().map(|c| c.tenant.to_string()).collect();
+        let ids: Vec<&str> = done.iter().map(|c| c.id.as_str()).collect();
+        let numbers: Vec<i64> = done.iter().map(|c| i64::from(c.attempt.number)).collect();
+        let mut states = Vec::with_capacity(done.len());
+        let mut next_ats = Vec::with_capacity(done.len());
+        let mut updated = Vec::with_capacity(done.len());
         for c in done {
             let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
-            let tenant = c.tenant.to_string();
-            let number = i64::from(c.attempt.number);
-            let moved = tx
-                .execute(
-                    "UPDATE work_items SET state = $1, next_at_ms = $2, lease_owner = NULL, lease_until_ms = 0, last_error = $3, \
-                     updated_at_ms = $4 WHERE tenant_id = $5 AND consumer = $6 AND id = $7 AND lease_owner = $8 \
-                     AND attempts = $9 AND state = 'pending'",
-                    &[
-                        &state.as_str(),
-                        &to_i64(next_at)?,
-                        &c.attempt.error,
-                        &to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?,
-                        &tenant,
-                        &consumer,
-                        &c.id,
-                        &owner,
-                        &number,
-                    ],
-                )
-                .await?;
-            if moved == 1 {
-                tx.execute(
-                    "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
-                     ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
-                    &[
-                        &tenant,
-                        &consumer,
-                        &c.id,
-                        &number,
-                        &to_i64(c.attempt.at_ms)?,
-                        &to_i64(c.attempt.latency_ms)?,
-                        &c.attempt.status.map(i64::from),
-                        &c.attempt.error,
-                        &c.attempt.next_at_ms.map(to_i64).transpose()?,
-                        &owner,
-                    ],
-                )
-                .await?;
-            }
-            written.push(moved == 1);
+            states.push(state.as_str());
+            next_ats.push(to_i64(next_at)?);
+            updated.push(to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?);
+        }
+        let errors: Vec<Option<&str>> = done.iter().map(|c| c.attempt.error.as_deref()).collect();
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let moved = tx
+            .query(
+                "UPDATE work_items w SET state = u.state, next_at_ms = u.next_at, lease_owner = NULL, lease_until_ms = 0, \
+                 last_error = u.err, updated_at_ms = u.upd \
+                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7::bigint[]) \
+                      AS u(t, i, state, next_at, err, upd, num) \
+                 WHERE w.tenant_id = u.t AND w.consumer = $8 AND w.id = u.i AND w.lease_owner = $9 \
+                   AND w.attempts = u.num AND w.state = 'pending' \
+                 RETURNING w.tenant_id, w.id",
+                &[&tenants, &ids, &states, &next_ats, &errors, &updated, &numbers, &consumer, &owner],
+            )
+            .await?;
+        let moved: std::collections::HashSet<(String, String)> =
+            moved.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect::<Result<_>>()?;
+        let written: Vec<bool> = done.iter().zip(&tenants).map(|(c, t)| moved.contains(&(t.clone(), c.id.clone()))).collect();
+        let keep: Vec<usize> = (0..done.len()).filter(|&k| written[k]).collect();
+        if !keep.is_empty() {
+            let pick = |f: &dyn Fn(&Completion) -> Result<i64>| keep.iter().map(|&k| f(&done[k])).collect::<Result<Vec<i64>>>();
+            let a_tenants: Vec<&str> = keep.iter().map(|&k| tenants[k].as_str()).collect();
+            let a_ids: Vec<&str> = keep.iter().map(|&k| done[k].id.as_str()).collect();
+            let a_numbers = pick(&|c| Ok(i64::from(c.attempt.number)))?;
+            let a_at = pick(&|c| to_i64(c.attempt.at_ms))?;
+            let a_latency = pick(&|c| to_i64(c.attempt.latency_ms))?;
+            let a_status: Vec<Option<i64>> = keep.iter().map(|&k| done[k].attempt.status.map(i64::from)).collect();
+            let a_errors: Vec<Option<&str>> = keep.iter().map(|&k| done[k].attempt.error.as_deref()).collect();
+            let a_next: Vec<Option<i64>> =
+                keep.iter().map(|&k| done[k].attempt.next_at_ms.map(to_i64).transpose()).collect::<Result<_>>()?;
+            tx.execute(
+                "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
+                 SELECT t, $1, i, n, a, l, s, e, x, $2 \
+                 FROM UNNEST($3::text[], $4::text[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::text[], $10::bigint[]) \
+                      AS u(t, i, n, a, l, s, e, x) \
+                 ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
+                &[&consumer, &owner, &a_tenants, &a_ids, &a_numbers, &a_at, &a_latency, &a_status, &a_errors, &a_next],
+            )
+            .await?;
         }
         tx.commit().await?;
         Ok(written)
