@@ -244,6 +244,71 @@ async fn multi_stream_appends(postgres: bool) {
     assert_eq!(verify_all(&f).await, 6);
 }
 
+/// The outbox store: one fan-out lease at a time, items inserted once however often a fan-out
+/// repeats, claims that never hand one item to two owners, completions only by the lease
+/// holder, requeue of dead items, and pruning of done ones (dead ones stay).
+async fn outbox_leases_and_items(postgres: bool) {
+    use bc_core::store::outbox::{Attempt, Completion, NewWorkItem, Outcome, WorkState};
+    let f = fixture(postgres).await;
+    let s = &*f.store;
+    let t = TenantId::generate();
+    f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 3)).await.unwrap();
+    let start = s.cursor_lease("c", "a", 1_000, 100).await.unwrap().expect("a new consumer's lease");
+    assert_eq!(start, Position::START);
+    assert!(s.cursor_lease("c", "b", 1_050, 100).await.unwrap().is_none(), "held by a until 1100");
+    let items: Vec<NewWorkItem> = (0..3)
+        .map(|i| NewWorkItem { tenant: t, id: format!("item{i}"), subject: "s".into(), payload: serde_json::json!({ "i": i }) })
+        .collect();
+    let to = Position { commit: 1, index: 2 };
+    assert!(s.cursor_advance("c", "a", start, to, &items, 1_060).await.unwrap());
+    assert!(
+        !s.cursor_advance("c", "a", start, to, &items, 1_061).await.unwrap(),
+        "the cursor moved: a stale advance writes nothing"
+    );
+    assert_eq!(s.cursor_lease("c", "b", 1_200, 100).await.unwrap(), Some(to), "b takes over after the lease");
+    s.work_insert("c", &items, 1_300).await.unwrap();
+    assert_eq!(s.work_counts("c").await.unwrap(), (3, 0, 0), "inserted once");
+    // Claims: two owners at once get disjoint items; a lease blocks reclaiming until it ends.
+    let a = s.work_claim("c", "a", 2_000, 1_000, 2).await.unwrap();
+    let b = s.work_claim("c", "b", 2_000, 1_000, 5).await.unwrap();
+    assert_eq!((a.len(), b.len()), (2, 1));
+    assert!(s.work_claim("c", "b", 2_500, 1_000, 5).await.unwrap().is_empty());
+    let attempt = |item: &bc_core::store::outbox::WorkItem, owner: &str| Attempt {
+        number: item.attempts,
+        at_ms: 2_100,
+        latency_ms: 5,
+        status: Some(500),
+        error: Some("boom".into()),
+        next_at_ms: None,
+        owner: owner.into(),
+    };
+    // Only the holder completes; a batch records several.
+    let wrong = [Completion { tenant: t, id: a[0].id.clone(), attempt: attempt(&a[0], "b"), outcome: Outcome::Done }];
+    assert_eq!(s.work_complete_many("c", "b", &wrong).await.unwrap(), [false]);
+    let done = [
+        Completion { tenant: t, id: a[0].id.clone(), attempt: attempt(&a[0], "a"), outcome: Outcome::Done },
+        Completion { tenant: t, id: a[1].id.clone(), attempt: attempt(&a[1], "a"), outcome: Outcome::Dead },
+    ];
+    assert_eq!(s.work_complete_many("c", "a", &done).await.unwrap(), [true, true]);
+    assert_eq!(s.attempts("c", t, &a[0].id).await.unwrap().len(), 1);
+    // b's lease runs out: a claims the item again, and b's late completion is refused.
+    let again = s.work_claim("c", "a", 3_500, 1_000, 5).await.unwrap();
+    assert_eq!((again.len(), again[0].id.as_str(), again[0].attempts), (1, b[0].id.as_str(), 2));
+    assert!(!s.work_complete("c", t, &b[0].id, "b", &attempt(&b[0], "b"), &Outcome::Done).await.unwrap());
+    assert!(s.work_complete("c", t, &again[0].id, "a", &attempt(&again[0], "a"), &Outcome::Done).await.unwrap());
+    // Dead → queued again; prune removes done items only.
+    assert!(s.work_requeue("c", t, &a[1].id, 4_000).await.unwrap());
+    assert!(!s.work_requeue("c", t, &a[1].id, 4_000).await.unwrap(), "already pending");
+    let dead = s.work_claim("c", "a", 4_000, 1_000, 5).await.unwrap();
+    assert!(s.work_complete("c", t, &dead[0].id, "a", &attempt(&dead[0], "a"), &Outcome::Dead).await.unwrap());
+    assert_eq!(s.work_get("c", t, &dead[0].id).await.unwrap().unwrap().state, WorkState::Dead);
+    assert_eq!(s.work_prune("c", 1_000_000, 100).await.unwrap(), 2);
+    assert_eq!(s.work_counts("c").await.unwrap(), (0, 0, 1));
+    assert!(s.attempts("c", t, &a[0].id).await.unwrap().is_empty(), "a pruned item's attempts go with it");
+    s.cursor_release("c", "b").await.unwrap();
+    assert!(s.cursor_lease("c", "z", 1_250, 100).await.unwrap().is_some(), "released: anyone may take it");
+}
+
 /// Many tasks append to many tenants at once while a reader follows positions: every chain is
 /// gap-free and verifies, and the reader sees every event exactly once, in position order.
 async fn concurrent_appends_and_reader(postgres: bool) {
@@ -344,4 +409,11 @@ macro_rules! both_backends {
     };
 }
 
-both_backends!(appends_and_reads, idempotency, optimistic_concurrency, multi_stream_appends, concurrent_appends_and_reader);
+both_backends!(
+    appends_and_reads,
+    idempotency,
+    optimistic_concurrency,
+    multi_stream_appends,
+    outbox_leases_and_items,
+    concurrent_appends_and_reader
+);

@@ -24,6 +24,12 @@ use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, Completion, NewWo
 use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
 
+/// How long done items are kept by default: a week.
+pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
+/// How often a runner prunes, and how many items one prune deletes at most.
+const PRUNE_EVERY_MS: u64 = 10 * 60 * 1000;
+const PRUNE_ITEMS_MAX: u32 = 10_000;
+
 /// Events one fan-out step reads.
 pub const FAN_OUT_EVENTS_MAX: u32 = 256;
 /// Items one fan-out step writes (in one transaction), unless a single event makes more.
@@ -115,6 +121,9 @@ pub struct RunnerConfig {
     pub clock: Arc<dyn Clock>,
     /// For the jitter.
     pub seed: u64,
+    /// Done items (and their attempts) are deleted this long after they finished; dead ones
+    /// stay until an operator acts.
+    pub retention_ms: u64,
 }
 
 impl RunnerConfig {
@@ -127,6 +136,7 @@ impl RunnerConfig {
             retry: RetryPolicy::DEFAULT,
             clock,
             seed: rand::random(),
+            retention_ms: RETENTION_MS_DEFAULT,
         }
     }
 }
@@ -143,9 +153,32 @@ pub async fn run(
     let work_ready = Arc::new(tokio::sync::Notify::new());
     tracing::info!(consumer = consumer.name(), owner = %config.owner, "consumer started");
     let fan = fan_out_loop(store.clone(), consumer.clone(), config.clone(), wake, shutdown.clone(), work_ready.clone());
+    let prune = prune_loop(store.clone(), consumer.name(), config.clone(), shutdown.clone());
     let work = work_loop(store, consumer.clone(), config, shutdown, work_ready);
-    tokio::join!(fan, work);
+    tokio::join!(fan, work, prune);
     tracing::info!(consumer = consumer.name(), "consumer stopped");
+}
+
+/// Deletes done items past the retention, now and then (in every process: the deletes skip
+/// what another process is deleting).
+async fn prune_loop(
+    store: Arc<dyn EventStore>,
+    name: &'static str,
+    config: RunnerConfig,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    while !*shutdown.borrow() {
+        let before = config.clock.now_ms().saturating_sub(config.retention_ms);
+        match store.work_prune(name, before, PRUNE_ITEMS_MAX).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(consumer = name, items = n, "pruned done items past the retention"),
+            Err(e) => tracing::warn!(consumer = name, code = %e.code(), error = %e, "pruning failed"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(PRUNE_EVERY_MS)) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
 }
 
 async fn fan_out_loop(

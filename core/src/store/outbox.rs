@@ -178,6 +178,9 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// it is still pending.
     async fn work_requeue(&self, consumer: &str, tenant: TenantId, id: &str, now_ms: u64) -> Result<bool>;
     async fn attempts(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Vec<Attempt>>;
+    /// Deletes up to `limit` of a consumer's done items last changed before `before_ms`, with
+    /// their attempts; dead items stay until an operator acts. Returns how many went.
+    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64>;
     /// How many of a consumer's items are pending, done and dead.
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)>;
 

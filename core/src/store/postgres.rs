@@ -807,6 +807,29 @@ impl OutboxStore for PostgresStore {
             .collect()
     }
 
+    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let gone = tx
+            .query(
+                "DELETE FROM work_items w USING (SELECT tenant_id, consumer, id FROM work_items WHERE consumer = $1 \
+                 AND state = 'done' AND updated_at_ms < $2 LIMIT $3 FOR UPDATE SKIP LOCKED) old \
+                 WHERE w.tenant_id = old.tenant_id AND w.consumer = old.consumer AND w.id = old.id RETURNING w.tenant_id, w.id",
+                &[&consumer, &to_i64(before_ms)?, &i64::from(limit)],
+            )
+            .await?;
+        let tenants: Vec<String> = gone.iter().map(|r| r.try_get(0)).collect::<std::result::Result<_, _>>()?;
+        let ids: Vec<String> = gone.iter().map(|r| r.try_get(1)).collect::<std::result::Result<_, _>>()?;
+        tx.execute(
+            "DELETE FROM work_attempts a USING UNNEST($2::text[], $3::text[]) AS g(t, i) \
+             WHERE a.tenant_id = g.t AND a.consumer = $1 AND a.item_id = g.i",
+            &[&consumer, &tenants, &ids],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(gone.len() as u64)
+    }
+
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)> {
         let client = self.pool.get().await?;
         let rows =

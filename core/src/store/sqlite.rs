@@ -773,6 +773,30 @@ impl OutboxStore for SqliteStore {
             .collect()
     }
 
+    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let gone = sqlx::query(
+            "DELETE FROM work_items WHERE rowid IN (SELECT rowid FROM work_items WHERE consumer = ? AND state = 'done' \
+             AND updated_at_ms < ? LIMIT ?) RETURNING tenant_id, id",
+        )
+        .bind(consumer)
+        .bind(to_i64(before_ms)?)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        for row in &gone {
+            let (tenant, id): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+            sqlx::query("DELETE FROM work_attempts WHERE tenant_id = ? AND consumer = ? AND item_id = ?")
+                .bind(tenant)
+                .bind(consumer)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(gone.len() as u64)
+    }
+
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)> {
         let rows = sqlx::query("SELECT state, COUNT(*) FROM work_items WHERE consumer = ? GROUP BY state")
             .bind(consumer)
