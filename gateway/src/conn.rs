@@ -33,6 +33,12 @@ impl axum::serve::Listener for DeadlineListener {
                     let _ = stream.set_nodelay(true);
                     return (StallGuard::new(stream, self.stall), addr);
                 }
+                // A connection that died before it was accepted: take the next one.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionRefused
+                    ) => {}
                 // Out of file descriptors and the like: wait rather than spin.
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a connection failed");

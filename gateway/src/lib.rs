@@ -59,7 +59,7 @@ pub struct AppState {
     /// Which webhook receivers this deployment accepts.
     pub webhook_policy: bc_core::webhook::EndpointPolicy,
     /// This process's view of the nodes, for placement.
-    pub fleet: bc_projections::fleet::Fleet,
+    pub fleet: Arc<bc_projections::fleet::Fleet>,
 }
 
 impl AppState {
@@ -82,7 +82,7 @@ impl AppState {
             watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)),
             shutdown: tokio::sync::watch::channel(false).0,
             webhook_policy: bc_core::webhook::EndpointPolicy::default(),
-            fleet: bc_projections::fleet::Fleet::new(),
+            fleet: Arc::new(bc_projections::fleet::Fleet::new()),
         }
     }
 

@@ -518,6 +518,13 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     placed.map(Decision::Place).unwrap_or(Decision::Queue)
                 })
                 .await?;
+            // The view reads what it held back from the store once this request is done with it,
+            // however it ends.
+            let held_node = match &decision {
+                Decision::Place(p) => Some(p.node_id.clone()),
+                _ => None,
+            };
+            let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
             let rsv_stream = stream_of(KIND_RESERVATION, &rsv);
             let requested = NewEvent {
                 stream: None,
@@ -568,9 +575,6 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     request.guards = vec![node_guard, pool_guard.clone()];
                     request.events = std::iter::once(requested.clone()).chain(events).collect();
                     let appended = call.state.log.append(request).await;
-                    // Whatever happened, the view reads the node and the reservation again
-                    // rather than trust its hold.
-                    fleet.reread(tenant, Some(&p.node_id), &rsv_text).await;
                     match appended {
                         Ok(r) => result = Some(r),
                         // Lost the node to another placement: queue instead; the reconciler places it.
@@ -587,11 +591,10 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     let mut request = append_request(call, tenant, rsv_stream, ExpectedVersion::NoStream);
                     request.guards = vec![pool_guard];
                     request.events = vec![requested];
-                    let appended = call.state.log.append(request).await;
-                    fleet.reread(tenant, None, &rsv_text).await;
-                    appended?
+                    call.state.log.append(request).await?
                 }
             };
+            reread.now().await;
             let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
             let id: ReservationId = parse_id("reservationId", &id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;

@@ -73,6 +73,40 @@ struct Inner {
     tenants: HashMap<TenantId, TenantView>,
 }
 
+/// Makes the view read a node and a reservation again once a placer is done with its holds,
+/// also when the placer is cancelled half-way (a client that hangs up mid-request): dropped
+/// without [`Reread::now`], it does so from a spawned task.
+pub struct Reread {
+    fleet: std::sync::Arc<Fleet>,
+    tenant: TenantId,
+    node: Option<String>,
+    reservation: String,
+    armed: bool,
+}
+
+impl Reread {
+    pub fn new(fleet: std::sync::Arc<Fleet>, tenant: TenantId, node: Option<String>, reservation: String) -> Self {
+        Self { fleet, tenant, node, reservation, armed: true }
+    }
+
+    pub async fn now(mut self) {
+        self.armed = false;
+        self.fleet.reread(self.tenant, self.node.as_deref(), &self.reservation).await;
+    }
+}
+
+impl Drop for Reread {
+    fn drop(&mut self) {
+        if self.armed
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let (fleet, tenant, node, reservation) =
+                (self.fleet.clone(), self.tenant, self.node.take(), std::mem::take(&mut self.reservation));
+            runtime.spawn(async move { fleet.reread(tenant, node.as_deref(), &reservation).await });
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Fleet {
     inner: tokio::sync::Mutex<Inner>,

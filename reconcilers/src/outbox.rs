@@ -28,7 +28,7 @@ use rand::{Rng, RngExt, SeedableRng};
 pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
 /// How often a runner prunes, and how many items one prune deletes at most.
 const PRUNE_EVERY_MS: u64 = 10 * 60 * 1000;
-const PRUNE_ITEMS_MAX: u32 = 10_000;
+const PRUNE_ITEMS_MAX: u32 = 1_000;
 
 /// Events one fan-out step reads.
 pub const FAN_OUT_EVENTS_MAX: u32 = 256;
@@ -169,10 +169,24 @@ async fn prune_loop(
 ) {
     while !*shutdown.borrow() {
         let before = config.clock.now_ms().saturating_sub(config.retention_ms);
-        match store.work_prune(name, before, PRUNE_ITEMS_MAX).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(consumer = name, items = n, "pruned done items past the retention"),
-            Err(e) => tracing::warn!(consumer = name, code = %e.code(), error = %e, "pruning failed"),
+        // Batch after batch until what is due is gone, so pruning keeps up with any rate.
+        let mut pruned = 0;
+        loop {
+            match store.work_prune(name, before, PRUNE_ITEMS_MAX).await {
+                Ok(n) => {
+                    pruned += n;
+                    if n < u64::from(PRUNE_ITEMS_MAX) || *shutdown.borrow() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(consumer = name, code = %e.code(), error = %e, "pruning failed");
+                    break;
+                }
+            }
+        }
+        if pruned > 0 {
+            tracing::info!(consumer = name, items = pruned, "pruned done items past the retention");
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(PRUNE_EVERY_MS)) => {}
@@ -320,6 +334,8 @@ struct Finished {
     _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
+/// Tries at recording one batch of completions.
+const COMPLETE_TRIES_MAX: u32 = 3;
 /// Completions recorded in one transaction at most.
 const COMPLETIONS_PER_COMMIT_MAX: usize = 128;
 
@@ -348,14 +364,26 @@ async fn complete(
                 outcome: f.outcome.clone(),
             })
             .collect();
-        match store.work_complete_many(name, &owner, &done).await {
-            Ok(written) => {
-                for (f, written) in batch.iter().zip(written) {
-                    log_completion(name, f, written);
+        // A failed write is tried again while the leases still run; after that the items are
+        // claimed and attempted again, which at-least-once allows.
+        let mut tries = 0;
+        loop {
+            match store.work_complete_many(name, &owner, &done).await {
+                Ok(written) => {
+                    for (f, written) in batch.iter().zip(written) {
+                        log_completion(name, f, written);
+                    }
+                    break;
                 }
-            }
-            Err(e) => {
-                tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; their leases will run out and they run again")
+                Err(e) if tries < COMPLETE_TRIES_MAX => {
+                    tries += 1;
+                    tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; trying again");
+                    tokio::time::sleep(Duration::from_millis(200 * u64::from(tries))).await;
+                }
+                Err(e) => {
+                    tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; their leases will run out and they run again");
+                    break;
+                }
             }
         }
         drop(batch);

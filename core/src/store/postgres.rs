@@ -30,6 +30,7 @@ pub const POOL_CONNECTIONS_MAX: usize = 16;
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "log", include_str!("../../../schema/postgres/0001_log.sql")),
     (2, "outbox", include_str!("../../../schema/postgres/0002_outbox.sql")),
+    (3, "outbox_prune", include_str!("../../../schema/postgres/0003_outbox_prune.sql")),
 ];
 
 const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
@@ -705,13 +706,18 @@ impl OutboxStore for PostgresStore {
                       AS u(t, i, state, next_at, err, upd, num) \
                  WHERE w.tenant_id = u.t AND w.consumer = $8 AND w.id = u.i AND w.lease_owner = $9 \
                    AND w.attempts = u.num AND w.state = 'pending' \
-                 RETURNING w.tenant_id, w.id",
+                 RETURNING w.tenant_id, w.id, w.attempts",
                 &[&tenants, &ids, &states, &next_ats, &errors, &updated, &numbers, &consumer, &owner],
             )
             .await?;
-        let moved: std::collections::HashSet<(String, String)> =
-            moved.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect::<Result<_>>()?;
-        let written: Vec<bool> = done.iter().zip(&tenants).map(|(c, t)| moved.contains(&(t.clone(), c.id.clone()))).collect();
+        // By attempt number too: one batch may hold two attempts of one item.
+        let moved: std::collections::HashSet<(String, String, i64)> =
+            moved.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect::<Result<_>>()?;
+        let written: Vec<bool> = done
+            .iter()
+            .zip(&tenants)
+            .map(|(c, t)| moved.contains(&(t.clone(), c.id.clone(), i64::from(c.attempt.number))))
+            .collect();
         let keep: Vec<usize> = (0..done.len()).filter(|&k| written[k]).collect();
         if !keep.is_empty() {
             let pick = |f: &dyn Fn(&Completion) -> Result<i64>| keep.iter().map(|&k| f(&done[k])).collect::<Result<Vec<i64>>>();

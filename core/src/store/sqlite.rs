@@ -34,6 +34,7 @@ const ROWS_PER_STATEMENT_MAX: usize = 1000;
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "log", include_str!("../../../schema/sqlite/0001_log.sql")),
     (2, "outbox", include_str!("../../../schema/sqlite/0002_outbox.sql")),
+    (3, "outbox_prune", include_str!("../../../schema/sqlite/0003_outbox_prune.sql")),
 ];
 
 const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
@@ -784,14 +785,21 @@ impl OutboxStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&mut *tx)
         .await?;
-        for row in &gone {
-            let (tenant, id): (String, String) = (row.try_get(0)?, row.try_get(1)?);
-            sqlx::query("DELETE FROM work_attempts WHERE tenant_id = ? AND consumer = ? AND item_id = ?")
-                .bind(tenant)
-                .bind(consumer)
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
+        let gone: Vec<(String, String)> = gone.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect::<Result<_>>()?;
+        for chunk in gone.chunks(ROWS_PER_STATEMENT_MAX / 2) {
+            let mut q = QueryBuilder::<Sqlite>::new("DELETE FROM work_attempts WHERE consumer = ");
+            q.push_bind(consumer.to_owned());
+            q.push(" AND (tenant_id, item_id) IN (VALUES ");
+            let mut list = q.separated(", ");
+            for (tenant, id) in chunk {
+                list.push("(");
+                list.push_bind_unseparated(tenant.clone());
+                list.push_unseparated(", ");
+                list.push_bind_unseparated(id.clone());
+                list.push_unseparated(")");
+            }
+            q.push(")");
+            q.build().execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(gone.len() as u64)
