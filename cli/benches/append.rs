@@ -45,7 +45,7 @@ fn pool_request(tenant: TenantId) -> AppendRequest {
         correlation: Some("req_01jbenchbenchbenchbenchbench".into()),
         fingerprint: None,
         guards: vec![],
-        events: vec![NewEvent { stream: None, event_type: ev::POOL_CREATED.into(), payload }],
+        events: vec![NewEvent::new(ev::POOL_CREATED, payload)],
     }
 }
 

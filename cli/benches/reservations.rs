@@ -33,18 +33,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 fn append(tenant: TenantId, stream: String, event_type: &str, payload: ciborium::Value) -> AppendRequest {
-    AppendRequest {
-        tenant,
-        stream,
-        expected: ExpectedVersion::Any,
-        idempotency_key: None,
-        actor: "bench".into(),
-        causation: None,
-        correlation: None,
-        fingerprint: None,
-        guards: vec![],
-        events: vec![NewEvent { stream: None, event_type: event_type.into(), payload }],
-    }
+    AppendRequest::new(tenant, stream, ExpectedVersion::Any, "bench", vec![NewEvent::new(event_type, payload)])
 }
 
 async fn concurrently<F, Fut>(total: usize, clients: usize, f: F)

@@ -95,7 +95,7 @@ async fn run(watchers: usize) -> ([f64; 2], [f64; 2]) {
                 correlation: None,
                 fingerprint: None,
                 guards: vec![],
-                events: vec![NewEvent { stream: None, event_type: ev::POOL_CREATED.into(), payload }],
+                events: vec![NewEvent::new(ev::POOL_CREATED, payload)],
             })
             .await
             .unwrap();

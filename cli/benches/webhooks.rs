@@ -92,17 +92,8 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
     let webhook = WebhookId::generate();
     let secret_id = new_webhook_secret_id(&webhook.to_string());
     store.secret_put(tenant, &secret_id, &Secret::generate().expose(), 0).await.unwrap();
-    let append = |stream: String, event_type: &'static str, payload: ciborium::Value| AppendRequest {
-        tenant,
-        stream,
-        expected: ExpectedVersion::NoStream,
-        idempotency_key: None,
-        actor: "bench".into(),
-        causation: None,
-        correlation: None,
-        fingerprint: None,
-        guards: vec![],
-        events: vec![NewEvent { stream: None, event_type: event_type.into(), payload }],
+    let append = |stream: String, event_type: &'static str, payload: ciborium::Value| {
+        AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "bench", vec![NewEvent::new(event_type, payload)])
     };
     let created = ev::WebhookCreated {
         url: url.to_owned(),

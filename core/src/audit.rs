@@ -271,7 +271,7 @@ pub async fn rotate_log_key(log: &Log, new: &LogKey, at_ms: u64) -> Result<u64> 
             correlation: None,
             fingerprint: None,
             guards: vec![],
-            events: vec![NewEvent { stream: None, event_type: LOG_KEY_ROTATED.into(), payload }],
+            events: vec![NewEvent::new(LOG_KEY_ROTATED, payload)],
         })
         .await?;
     Ok(result.events[0].envelope.seq)

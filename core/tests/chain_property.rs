@@ -85,9 +85,7 @@ fn chains_verify_and_tampering_is_located() {
             let log = Log::open(store.clone(), Arc::new(NoProjections), key, Arc::new(SystemClock)).await.unwrap();
             let tenants: Vec<TenantId> = (0..3).map(|_| TenantId::generate()).collect();
             for (t, s, n) in &appends {
-                let events = (0..*n)
-                    .map(|i| NewEvent { stream: None, event_type: "x.y".into(), payload: Value::Integer((i as u64).into()) })
-                    .collect();
+                let events = (0..*n).map(|i| NewEvent::new("x.y", Value::Integer((i as u64).into()))).collect();
                 log.append(AppendRequest {
                     tenant: tenants[*t],
                     stream: format!("s/{s}"),

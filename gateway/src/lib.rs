@@ -245,7 +245,7 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
         correlation: None,
         fingerprint: None,
         guards: vec![],
-        events: vec![NewEvent { stream: None, event_type: event_type.to_owned(), payload }],
+        events: vec![NewEvent::new(event_type, payload)],
     };
     if log.store.row_get(&root.to_string(), KIND_TENANT, &root.to_string()).await?.is_none() {
         let tenant = ev::to_cbor(&ev::TenantCreated { name: "root".into(), root: true })?;

@@ -180,23 +180,26 @@ impl Call<'_> {
         payload: ciborium::Value,
         guards: Vec<(String, ExpectedVersion)>,
     ) -> Result<AppendResult> {
-        self.state
-            .log
-            .append(AppendRequest {
-                tenant,
-                stream,
-                expected,
-                // Clients' keys live in their own namespace, apart from the server's own
-                // (`checkpoint:…`), so a client cannot pre-empt them.
-                idempotency_key: self.idempotency_key.as_ref().map(|k| format!("request:{k}")),
-                actor: self.actor(),
-                causation: None,
-                correlation: Some(self.request_id.clone()),
-                fingerprint: Some(self.fingerprint),
-                guards,
-                events: vec![NewEvent { stream: None, event_type: event_type.to_owned(), payload }],
-            })
-            .await
+        let mut request = self.request(tenant, stream, expected, vec![NewEvent::new(event_type, payload)]);
+        request.guards = guards;
+        self.state.log.append(request).await
+    }
+
+    /// An append on behalf of this call: its key, its request id, its fingerprint.
+    pub(crate) fn request(
+        &self,
+        tenant: TenantId,
+        stream: String,
+        expected: ExpectedVersion,
+        events: Vec<NewEvent>,
+    ) -> AppendRequest {
+        let mut request = AppendRequest::new(tenant, stream, expected, self.actor(), events);
+        // Clients' keys live in their own namespace, apart from the server's own
+        // (`checkpoint:…`), so a client cannot pre-empt them.
+        request.idempotency_key = self.idempotency_key.as_ref().map(|k| format!("request:{k}"));
+        request.correlation = Some(self.request_id.clone());
+        request.fingerprint = Some(self.fingerprint);
+        request
     }
 }
 

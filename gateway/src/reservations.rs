@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{NodeId, PoolId, ReservationId, TenantId};
-use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent, PreReadQuery};
+use bc_core::store::{ExpectedVersion, NewEvent, PreReadQuery};
 use bc_core::{Error, ErrorCode, Result};
 use bc_projections::events::{self as ev};
 use bc_projections::placement::{self, Ask, RESERVATION_GPUS_MAX, Selector};
@@ -310,21 +310,6 @@ fn view(rsv: &ReservationDoc, load: Option<&PoolLoad>) -> Result<Value> {
     Ok(v)
 }
 
-fn append_request(call: &Call<'_>, tenant: TenantId, stream: String, expected: ExpectedVersion) -> AppendRequest {
-    AppendRequest {
-        tenant,
-        stream,
-        expected,
-        idempotency_key: call.idempotency_key.as_ref().map(|k| format!("request:{k}")),
-        actor: call.actor(),
-        causation: None,
-        correlation: Some(call.request_id.clone()),
-        fingerprint: Some(call.fingerprint),
-        guards: vec![],
-        events: vec![],
-    }
-}
-
 /// The input type of each method here, for the OpenAPI document.
 pub fn input_schema(name: &str, g: &mut schemars::SchemaGenerator) -> Option<schemars::Schema> {
     Some(match name {
@@ -526,10 +511,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             };
             let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
             let rsv_stream = stream_of(KIND_RESERVATION, &rsv);
-            let requested = NewEvent {
-                stream: None,
-                event_type: ev::RESERVATION_REQUESTED.into(),
-                payload: ev::to_cbor(&ev::ReservationRequested {
+            let requested = NewEvent::new(
+                ev::RESERVATION_REQUESTED,
+                ev::to_cbor(&ev::ReservationRequested {
                     pool_id: pool_id.clone(),
                     gpus: c.gpus,
                     duration_s: c.duration_s,
@@ -537,18 +521,17 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     nvlink: c.nvlink,
                     tolerations: c.tolerations.clone(),
                 })?,
-            };
+            );
             let pool_guard = (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(c.pool.version));
             let mut result = None;
             match decision {
                 Decision::OverQuota { in_use, limit } => {
                     let refusal = ev::QuotaExceeded { requested: c.gpus, in_use, limit, actor: call.actor() };
-                    let mut request = append_request(call, tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any);
+                    let events = vec![NewEvent::new(ev::QUOTA_EXCEEDED, ev::to_cbor(&refusal)?)];
+                    let mut request = call.request(tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any, events);
                     // The refusal's record is not the request's result: a retry decides again.
                     request.idempotency_key = None;
                     request.fingerprint = None;
-                    request.events =
-                        vec![NewEvent { stream: None, event_type: ev::QUOTA_EXCEEDED.into(), payload: ev::to_cbor(&refusal)? }];
                     call.state.log.append(request).await?;
                     return Err(Error::QuotaExceeded(format!(
                         "{} GPUs would take the tenant to {} of its quota of {limit} in pool {pool_id}",
@@ -571,9 +554,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 Decision::Place(p) => {
                     let ends_at_ms = now_ms.saturating_add(c.duration_s.saturating_mul(1000));
                     let (events, node_guard) = placement::activation(&rsv_text, &p, ends_at_ms)?;
-                    let mut request = append_request(call, tenant, rsv_stream.clone(), ExpectedVersion::NoStream);
+                    let events = std::iter::once(requested.clone()).chain(events).collect();
+                    let mut request = call.request(tenant, rsv_stream.clone(), ExpectedVersion::NoStream, events);
                     request.guards = vec![node_guard, pool_guard.clone()];
-                    request.events = std::iter::once(requested.clone()).chain(events).collect();
                     let appended = call.state.log.append(request).await;
                     match appended {
                         Ok(r) => result = Some(r),
@@ -588,9 +571,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let result = match result {
                 Some(r) => r,
                 None => {
-                    let mut request = append_request(call, tenant, rsv_stream, ExpectedVersion::NoStream);
+                    let mut request = call.request(tenant, rsv_stream, ExpectedVersion::NoStream, vec![requested]);
                     request.guards = vec![pool_guard];
-                    request.events = vec![requested];
                     call.state.log.append(request).await?
                 }
             };
@@ -690,9 +672,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     let node =
                         rsv.node_id.as_deref().ok_or_else(|| Error::Internal("active reservation without a node".into()))?;
                     let (events, guard) = placement::ending(&id.to_string(), node, ev::RESERVATION_RELEASED)?;
-                    let mut request = append_request(call, tenant, stream, expected);
+                    let mut request = call.request(tenant, stream, expected, events);
                     request.guards = vec![guard];
-                    request.events = events;
                     call.state.log.append(request).await?;
                 }
                 // Already over: releasing again changes nothing.

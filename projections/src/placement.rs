@@ -463,15 +463,10 @@ pub fn activation(
 ) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
     let node_stream = stream_of(KIND_NODE, &placement.node_id);
     let events = vec![
-        NewEvent {
-            stream: None,
-            event_type: RESERVATION_ACTIVATED.into(),
-            payload: to_cbor(&ReservationActivated {
-                node_id: placement.node_id.clone(),
-                gpus: placement.gpus.clone(),
-                ends_at_ms,
-            })?,
-        },
+        NewEvent::new(
+            RESERVATION_ACTIVATED,
+            to_cbor(&ReservationActivated { node_id: placement.node_id.clone(), gpus: placement.gpus.clone(), ends_at_ms })?,
+        ),
         NewEvent {
             stream: Some(node_stream.clone()),
             event_type: NODE_ALLOCATED.into(),
@@ -486,7 +481,7 @@ pub fn activation(
 pub fn ending(reservation_id: &str, node_id: &str, event_type: &str) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
     let node_stream = stream_of(KIND_NODE, &node_id);
     let events = vec![
-        NewEvent { stream: None, event_type: event_type.into(), payload: to_cbor(&ReservationEnded {})? },
+        NewEvent::new(event_type, to_cbor(&ReservationEnded {})?),
         NewEvent {
             stream: Some(node_stream.clone()),
             event_type: NODE_FREED.into(),

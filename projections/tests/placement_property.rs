@@ -31,18 +31,7 @@ fn request(
     event_type: &str,
     payload: ciborium::Value,
 ) -> AppendRequest {
-    AppendRequest {
-        tenant,
-        stream,
-        expected,
-        idempotency_key: None,
-        actor: "property".into(),
-        causation: None,
-        correlation: None,
-        fingerprint: None,
-        guards: vec![],
-        events: vec![NewEvent { stream: None, event_type: event_type.into(), payload }],
-    }
+    AppendRequest::new(tenant, stream, expected, "property", vec![NewEvent::new(event_type, payload)])
 }
 
 fn random_selector(rng: &mut StdRng) -> String {

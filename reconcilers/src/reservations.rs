@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::TenantId;
-use bc_core::store::{AppendRequest, ExpectedVersion, Log};
+use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
 use bc_core::{ErrorCode, Result};
 use bc_projections::events as ev;
 use bc_projections::fleet::Fleet;
@@ -41,19 +41,12 @@ pub struct Pass {
     pub conflicts: usize,
 }
 
-fn request(tenant: TenantId, rsv: &ReservationDoc) -> AppendRequest {
-    AppendRequest {
-        tenant,
-        stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
-        expected: ExpectedVersion::Exact(rsv.version),
-        idempotency_key: None,
-        actor: ACTOR.into(),
-        causation: None,
-        correlation: None,
-        fingerprint: None,
-        guards: vec![],
-        events: vec![],
-    }
+/// `events` on `rsv`'s stream at the version this pass read, with `guard` on the node.
+fn request(tenant: TenantId, rsv: &ReservationDoc, (events, guard): (Vec<NewEvent>, (String, ExpectedVersion))) -> AppendRequest {
+    let stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
+    let mut request = AppendRequest::new(tenant, stream, ExpectedVersion::Exact(rsv.version), ACTOR, events);
+    request.guards = vec![guard];
+    request
 }
 
 /// One pass over every tenant with live reservations. `fleet` is this process's view of the
@@ -73,10 +66,7 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
         // Expiry first: it frees GPUs the queue may be waiting for.
         for rsv in &expired {
             let Some(node) = rsv.node_id.as_deref() else { continue };
-            let (events, guard) = placement::ending(&rsv.reservation_id, node, ev::RESERVATION_EXPIRED)?;
-            let mut req = request(tenant, rsv);
-            req.guards = vec![guard];
-            req.events = events;
+            let req = request(tenant, rsv, placement::ending(&rsv.reservation_id, node, ev::RESERVATION_EXPIRED)?);
             match log.append(req).await {
                 Ok(_) => done.expired += 1,
                 Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
@@ -107,10 +97,7 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
                     .await?;
                 let Some(p) = placed else { break };
                 let ends_at_ms = clock.now_ms().saturating_add(rsv.duration_s.saturating_mul(1000));
-                let (events, guard) = placement::activation(&rsv.reservation_id, &p, ends_at_ms)?;
-                let mut req = request(tenant, rsv);
-                req.guards = vec![guard];
-                req.events = events;
+                let req = request(tenant, rsv, placement::activation(&rsv.reservation_id, &p, ends_at_ms)?);
                 match log.append(req).await {
                     Ok(_) => {
                         done.activated += 1;

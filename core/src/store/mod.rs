@@ -106,7 +106,36 @@ pub struct AppendRequest {
     pub events: Vec<NewEvent>,
 }
 
+impl NewEvent {
+    /// An event for the request's own stream.
+    pub fn new(event_type: impl Into<String>, payload: Value) -> Self {
+        Self { stream: None, event_type: event_type.into(), payload }
+    }
+}
+
 impl AppendRequest {
+    /// `events` for `stream` by `actor`: no idempotency key, links, fingerprint or guards.
+    pub fn new(
+        tenant: TenantId,
+        stream: impl Into<String>,
+        expected: ExpectedVersion,
+        actor: impl Into<String>,
+        events: Vec<NewEvent>,
+    ) -> Self {
+        Self {
+            tenant,
+            stream: stream.into(),
+            expected,
+            idempotency_key: None,
+            actor: actor.into(),
+            causation: None,
+            correlation: None,
+            fingerprint: None,
+            guards: vec![],
+            events,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.events.is_empty() || self.events.len() > APPEND_EVENTS_MAX {
             return Err(Error::invalid(format!("an append carries 1 to {APPEND_EVENTS_MAX} events")));

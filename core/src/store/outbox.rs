@@ -19,7 +19,8 @@
 
 use async_trait::async_trait;
 
-use crate::error::Result;
+use super::{to_u32, to_u64};
+use crate::error::{Error, Result};
 use crate::event::Position;
 use crate::id::TenantId;
 
@@ -188,6 +189,56 @@ pub trait OutboxStore: Send + Sync + 'static {
     async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
     async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
     async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
+}
+
+/// A result row, read by column index: lets both backends decode items and attempts with one
+/// piece of code.
+pub(crate) trait Columns {
+    fn text(&self, i: usize) -> Result<String>;
+    fn opt_text(&self, i: usize) -> Result<Option<String>>;
+    fn int(&self, i: usize) -> Result<i64>;
+    fn opt_int(&self, i: usize) -> Result<Option<i64>>;
+}
+
+/// The columns a work item is read from, in `WorkItem::decode`'s order.
+pub(crate) const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, \
+                                       next_at_ms, last_error, created_at_ms, updated_at_ms";
+/// The columns an attempt is read from, in `Attempt::decode`'s order.
+pub(crate) const ATTEMPT_COLUMNS: &str = "number, at_ms, latency_ms, status, error, next_at_ms, owner";
+
+impl WorkItem {
+    pub(crate) fn decode(row: &impl Columns) -> Result<Self> {
+        let payload = row.text(4)?;
+        let state = row.text(5)?;
+        Ok(Self {
+            tenant: row.text(0)?.parse()?,
+            consumer: row.text(1)?,
+            id: row.text(2)?,
+            subject: row.text(3)?,
+            payload: serde_json::from_str(&payload).map_err(|e| Error::Storage(format!("work item payload: {e}")))?,
+            state: WorkState::parse(&state).ok_or_else(|| Error::Storage(format!("work item state {state:?}")))?,
+            attempts: to_u32(row.int(6)?)?,
+            round_attempts: to_u32(row.int(7)?)?,
+            next_at_ms: to_u64(row.int(8)?)?,
+            last_error: row.opt_text(9)?,
+            created_at_ms: to_u64(row.int(10)?)?,
+            updated_at_ms: to_u64(row.int(11)?)?,
+        })
+    }
+}
+
+impl Attempt {
+    pub(crate) fn decode(row: &impl Columns) -> Result<Self> {
+        Ok(Self {
+            number: to_u32(row.int(0)?)?,
+            at_ms: to_u64(row.int(1)?)?,
+            latency_ms: to_u64(row.int(2)?)?,
+            status: row.opt_int(3)?.and_then(|s| u16::try_from(s).ok()),
+            error: row.opt_text(4)?,
+            next_at_ms: row.opt_int(5)?.map(to_u64).transpose()?,
+            owner: row.text(6)?,
+        })
+    }
 }
 
 /// The state and due time an outcome leaves an item in.

@@ -14,7 +14,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::{GenericClient, NoTls};
 
 use super::outbox::{
-    Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, OutboxStore, WorkItem, WorkState, count_states, outcome_columns,
+    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Columns, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
+    count_states, outcome_columns,
 };
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
@@ -548,27 +549,19 @@ impl EventStore for PostgresStore {
     }
 }
 
-const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
-                            last_error, created_at_ms, updated_at_ms";
-
-fn work_item(row: &tokio_postgres::Row) -> Result<WorkItem> {
-    let tenant: String = row.try_get(0)?;
-    let payload: String = row.try_get(4)?;
-    let state: String = row.try_get(5)?;
-    Ok(WorkItem {
-        tenant: tenant.parse()?,
-        consumer: row.try_get(1)?,
-        id: row.try_get(2)?,
-        subject: row.try_get(3)?,
-        payload: serde_json::from_str(&payload).map_err(|e| Error::Storage(format!("work item payload: {e}")))?,
-        state: WorkState::parse(&state).ok_or_else(|| Error::Storage(format!("work item state {state:?}")))?,
-        attempts: to_u32(row.try_get(6)?)?,
-        round_attempts: to_u32(row.try_get(7)?)?,
-        next_at_ms: to_u64(row.try_get(8)?)?,
-        last_error: row.try_get(9)?,
-        created_at_ms: to_u64(row.try_get(10)?)?,
-        updated_at_ms: to_u64(row.try_get(11)?)?,
-    })
+impl Columns for tokio_postgres::Row {
+    fn text(&self, i: usize) -> Result<String> {
+        Ok(self.try_get(i)?)
+    }
+    fn opt_text(&self, i: usize) -> Result<Option<String>> {
+        Ok(self.try_get(i)?)
+    }
+    fn int(&self, i: usize) -> Result<i64> {
+        Ok(self.try_get(i)?)
+    }
+    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
+        Ok(self.try_get(i)?)
+    }
 }
 
 async fn insert_items(client: &impl GenericClient, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
@@ -674,7 +667,7 @@ impl OutboxStore for PostgresStore {
                 &[&owner, &to_i64(now_ms.saturating_add(lease_ms))?, &now, &consumer, &i64::from(limit.min(CLAIM_ITEMS_MAX))],
             )
             .await?;
-        rows.iter().map(work_item).collect()
+        rows.iter().map(WorkItem::decode).collect()
     }
 
     async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
@@ -752,7 +745,7 @@ impl OutboxStore for PostgresStore {
                 &[&tenant.to_string(), &consumer, &id],
             )
             .await?;
-        row.as_ref().map(work_item).transpose()
+        row.as_ref().map(WorkItem::decode).transpose()
     }
 
     async fn work_list(
@@ -774,7 +767,7 @@ impl OutboxStore for PostgresStore {
                 &[&tenant.to_string(), &consumer, &subject, &state.map(WorkState::as_str), &before_id, &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(work_item).collect()
+        rows.iter().map(WorkItem::decode).collect()
     }
 
     async fn work_requeue(&self, consumer: &str, tenant: TenantId, id: &str, now_ms: u64) -> Result<bool> {
@@ -793,24 +786,14 @@ impl OutboxStore for PostgresStore {
         let client = self.pool.get().await?;
         let rows = client
             .query(
-                "SELECT number, at_ms, latency_ms, status, error, next_at_ms, owner FROM work_attempts \
-                 WHERE tenant_id = $1 AND consumer = $2 AND item_id = $3 ORDER BY number",
+                &format!(
+                    "SELECT {ATTEMPT_COLUMNS} FROM work_attempts \
+                     WHERE tenant_id = $1 AND consumer = $2 AND item_id = $3 ORDER BY number"
+                ),
                 &[&tenant.to_string(), &consumer, &id],
             )
             .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(Attempt {
-                    number: to_u32(row.try_get(0)?)?,
-                    at_ms: to_u64(row.try_get(1)?)?,
-                    latency_ms: to_u64(row.try_get(2)?)?,
-                    status: row.try_get::<_, Option<i64>>(3)?.and_then(|s| u16::try_from(s).ok()),
-                    error: row.try_get(4)?,
-                    next_at_ms: row.try_get::<_, Option<i64>>(5)?.map(to_u64).transpose()?,
-                    owner: row.try_get(6)?,
-                })
-            })
-            .collect()
+        rows.iter().map(Attempt::decode).collect()
     }
 
     async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {

@@ -14,7 +14,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
 
 use super::outbox::{
-    Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, OutboxStore, WorkItem, WorkState, count_states, outcome_columns,
+    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Columns, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
+    count_states, outcome_columns,
 };
 use super::{
     CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
@@ -505,27 +506,19 @@ impl EventStore for SqliteStore {
     }
 }
 
-const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
-                            last_error, created_at_ms, updated_at_ms";
-
-fn work_item(row: &SqliteRow) -> Result<WorkItem> {
-    let tenant: String = row.try_get(0)?;
-    let payload: String = row.try_get(4)?;
-    let state: String = row.try_get(5)?;
-    Ok(WorkItem {
-        tenant: tenant.parse()?,
-        consumer: row.try_get(1)?,
-        id: row.try_get(2)?,
-        subject: row.try_get(3)?,
-        payload: serde_json::from_str(&payload).map_err(|e| Error::Storage(format!("work item payload: {e}")))?,
-        state: WorkState::parse(&state).ok_or_else(|| Error::Storage(format!("work item state {state:?}")))?,
-        attempts: to_u32(row.try_get(6)?)?,
-        round_attempts: to_u32(row.try_get(7)?)?,
-        next_at_ms: to_u64(row.try_get(8)?)?,
-        last_error: row.try_get(9)?,
-        created_at_ms: to_u64(row.try_get(10)?)?,
-        updated_at_ms: to_u64(row.try_get(11)?)?,
-    })
+impl Columns for SqliteRow {
+    fn text(&self, i: usize) -> Result<String> {
+        Ok(self.try_get(i)?)
+    }
+    fn opt_text(&self, i: usize) -> Result<Option<String>> {
+        Ok(self.try_get(i)?)
+    }
+    fn int(&self, i: usize) -> Result<i64> {
+        Ok(self.try_get(i)?)
+    }
+    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
+        Ok(self.try_get(i)?)
+    }
 }
 
 async fn insert_items(conn: &mut sqlx::SqliteConnection, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
@@ -645,7 +638,7 @@ impl OutboxStore for SqliteStore {
         .bind(i64::from(limit.min(CLAIM_ITEMS_MAX)))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(work_item).collect()
+        rows.iter().map(WorkItem::decode).collect()
     }
 
     async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
@@ -703,7 +696,7 @@ impl OutboxStore for SqliteStore {
         .bind(id)
         .fetch_optional(&self.pool)
         .await?;
-        row.as_ref().map(work_item).transpose()
+        row.as_ref().map(WorkItem::decode).transpose()
     }
 
     async fn work_list(
@@ -729,7 +722,7 @@ impl OutboxStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(work_item).collect()
+        rows.iter().map(WorkItem::decode).collect()
     }
 
     async fn work_requeue(&self, consumer: &str, tenant: TenantId, id: &str, now_ms: u64) -> Result<bool> {
@@ -750,28 +743,15 @@ impl OutboxStore for SqliteStore {
     }
 
     async fn attempts(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Vec<Attempt>> {
-        let rows = sqlx::query(
-            "SELECT number, at_ms, latency_ms, status, error, next_at_ms, owner FROM work_attempts \
-             WHERE tenant_id = ? AND consumer = ? AND item_id = ? ORDER BY number",
-        )
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM work_attempts WHERE tenant_id = ? AND consumer = ? AND item_id = ? ORDER BY number"
+        )))
         .bind(tenant.to_string())
         .bind(consumer)
         .bind(id)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(Attempt {
-                    number: to_u32(row.try_get(0)?)?,
-                    at_ms: to_u64(row.try_get(1)?)?,
-                    latency_ms: to_u64(row.try_get(2)?)?,
-                    status: row.try_get::<Option<i64>, _>(3)?.and_then(|s| u16::try_from(s).ok()),
-                    error: row.try_get(4)?,
-                    next_at_ms: row.try_get::<Option<i64>, _>(5)?.map(to_u64).transpose()?,
-                    owner: row.try_get(6)?,
-                })
-            })
-            .collect()
+        rows.iter().map(Attempt::decode).collect()
     }
 
     async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {
