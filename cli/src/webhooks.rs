@@ -92,6 +92,15 @@ fn types(list: &str) -> Value {
     json!(list.split(',').map(str::trim).filter(|t| !t.is_empty()).collect::<Vec<_>>())
 }
 
+/// `--secret-out` names a new file: refused before the call, so no secret is made for nothing.
+fn refuse_existing(path: &Option<PathBuf>) -> Result<(), CliError> {
+    match path {
+        Some(path) if path.exists() => Err(CliError::new("ALREADY_EXISTS", format!("{} exists", path.display()))
+            .hint("--secret-out never overwrites: give a new file")),
+        _ => Ok(()),
+    }
+}
+
 /// Moves the secret out of `value` into a new 0600 file, if asked to.
 fn secret_out(value: &mut Value, path: &Option<PathBuf>) -> Result<(), CliError> {
     let Some(path) = path else { return Ok(()) };
@@ -121,12 +130,7 @@ pub async fn run(c: &Client, mut body: Map<String, Value>, command: &WebhooksCom
             (call("webhooks.get", body, None).await?, false)
         }
         WebhooksCommand::Create { endpoint, types: list, description, secret_out: out, key } => {
-            if let Some(path) = out
-                && path.exists()
-            {
-                return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", path.display()))
-                    .hint("--secret-out never overwrites: give a new file"));
-            }
+            refuse_existing(out)?;
             body.insert("url".into(), json!(endpoint));
             body.insert("eventTypes".into(), types(list));
             body.insert("description".into(), json!(description));
@@ -166,12 +170,7 @@ pub async fn run(c: &Client, mut body: Map<String, Value>, command: &WebhooksCom
             (call("webhooks.ping", body, None).await?, false)
         }
         WebhooksCommand::RotateSecret { webhook_id, previous_valid_s, secret_out: out } => {
-            if let Some(path) = out
-                && path.exists()
-            {
-                return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", path.display()))
-                    .hint("--secret-out never overwrites: give a new file"));
-            }
+            refuse_existing(out)?;
             body.insert("webhookId".into(), json!(id(webhook_id)?));
             if let Some(s) = previous_valid_s {
                 body.insert("previousValidS".into(), json!(s));

@@ -202,6 +202,20 @@ struct PoolLoad {
 }
 
 impl PoolLoad {
+    /// The load of these live reservations (all of one pool).
+    fn of<'a>(reservations: impl IntoIterator<Item = &'a ReservationDoc>) -> Self {
+        let mut load = Self::default();
+        for r in reservations {
+            load.gpus += r.gpus;
+            if r.state == QUEUED {
+                load.queued.push((r.request_seq, r.reservation_id.clone()));
+                load.queued_gpus += r.gpus;
+            }
+        }
+        load.queued.sort();
+        load
+    }
+
     /// 1 for the next in line.
     fn position(&self, rsv: &ReservationDoc) -> Option<usize> {
         (rsv.state == QUEUED).then(|| self.queued.partition_point(|(seq, _)| *seq < rsv.request_seq) + 1)
@@ -213,22 +227,11 @@ async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, Poo
     call.state
         .fleet
         .with_tenant(&*call.state.store, tenant, |view| {
-            let mut loads: BTreeMap<String, PoolLoad> = BTreeMap::new();
+            let mut by_pool: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
             for r in view.live.values() {
-                if !loads.contains_key(r.pool_id.as_str()) {
-                    loads.insert(r.pool_id.clone(), PoolLoad::default());
-                }
-                let load = loads.get_mut(r.pool_id.as_str()).expect("inserted above");
-                load.gpus += r.gpus;
-                if r.state == QUEUED {
-                    load.queued.push((r.request_seq, r.reservation_id.clone()));
-                    load.queued_gpus += r.gpus;
-                }
+                by_pool.entry(r.pool_id.as_str()).or_default().push(r);
             }
-            for load in loads.values_mut() {
-                load.queued.sort();
-            }
-            loads
+            by_pool.into_iter().map(|(pool, list)| (pool.to_owned(), PoolLoad::of(list))).collect()
         })
         .await
 }
@@ -236,18 +239,7 @@ async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, Poo
 async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<PoolLoad> {
     call.state
         .fleet
-        .with_tenant(&*call.state.store, tenant, |view| {
-            let mut load = PoolLoad::default();
-            for r in view.live.values().filter(|r| r.pool_id == pool) {
-                load.gpus += r.gpus;
-                if r.state == QUEUED {
-                    load.queued.push((r.request_seq, r.reservation_id.clone()));
-                    load.queued_gpus += r.gpus;
-                }
-            }
-            load.queued.sort();
-            load
-        })
+        .with_tenant(&*call.state.store, tenant, |view| PoolLoad::of(view.live.values().filter(|r| r.pool_id == pool)))
         .await
 }
 
@@ -481,12 +473,8 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             // done, so concurrent requests to this process count them.
             let decision = fleet
                 .with_tenant(store, tenant, |view| {
-                    let mut in_use = 0;
-                    let mut queued_ahead = false;
-                    for r in view.live.values().filter(|r| r.pool_id == pool_id) {
-                        in_use += r.gpus;
-                        queued_ahead |= r.state == QUEUED;
-                    }
+                    let load = PoolLoad::of(view.live.values().filter(|r| r.pool_id == pool_id));
+                    let (in_use, queued_ahead) = (load.gpus, !load.queued.is_empty());
                     if retry {
                         return Decision::Queue;
                     }

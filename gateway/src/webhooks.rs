@@ -16,8 +16,7 @@ use serde_json::{Value, json};
 
 use crate::methods::{Call, DESCRIPTION_CHARS_MAX, doc, limit, opt_tenant, parse, parse_id, validate_text};
 
-/// The consumer whose items are deliveries (`bc_reconcilers::webhooks::CONSUMER`).
-pub const CONSUMER: &str = "webhooks";
+use bc_projections::WEBHOOK_CONSUMER as CONSUMER;
 /// Webhooks one tenant may have.
 pub const WEBHOOKS_PER_TENANT_MAX: u32 = 100;
 /// How long a rotated-out secret still signs, by default and at most.
@@ -278,7 +277,7 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             Ok(json!({
                 "webhookId": id,
                 "messageId": event.envelope.id,
-                "deliveryId": format!("{}/{id}", event.envelope.id),
+                "deliveryId": bc_projections::webhook_delivery_id(&event.envelope.id, &id),
                 "position": event.position.to_string(),
             }))
         }

@@ -19,8 +19,6 @@ use crate::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc};
 
 /// Log rows read per query while catching up.
 const CATCH_UP_ROWS: u32 = 1000;
-/// Rows read per query when a tenant is first loaded.
-const LOAD_ROWS: u32 = 1000;
 
 /// One tenant's view.
 #[derive(Default)]
@@ -206,39 +204,16 @@ fn decode<T: serde::de::DeserializeOwned>(doc: serde_json::Value) -> Result<T> {
     serde_json::from_value(doc).map_err(|e| bc_core::Error::Internal(format!("projection document: {e}")))
 }
 
-async fn load_kind<T: serde::de::DeserializeOwned>(
-    store: &dyn EventStore,
-    tenant: TenantId,
-    kind: &str,
-    mut put: impl FnMut(String, T),
-) -> Result<()> {
-    let mut cursor: Option<String> = None;
-    loop {
-        let rows = store.row_list(&tenant.to_string(), kind, cursor.as_deref(), LOAD_ROWS).await?;
-        let full = rows.len() == LOAD_ROWS as usize;
-        cursor = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            put(row.key.id, decode(row.doc)?);
-        }
-        if !full {
-            return Ok(());
-        }
-    }
-}
-
 /// A tenant's rows as they are now. Events the catch-up replays over them later only make it
 /// read some rows again, which is harmless.
 async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<TenantView> {
-    let mut view = TenantView::default();
-    load_kind(store, tenant, KIND_NODE, |id, node| {
-        view.nodes.insert(id, node);
+    let nodes: Vec<NodeDoc> = crate::placement::all_rows(store, tenant, KIND_NODE).await?;
+    let live = crate::placement::live(store, tenant).await?;
+    Ok(TenantView {
+        nodes: nodes.into_iter().map(|n| (n.node_id.clone(), n)).collect(),
+        live: live.into_iter().map(|r| (r.reservation_id.clone(), r)).collect(),
+        ..Default::default()
     })
-    .await?;
-    load_kind(store, tenant, KIND_RESERVATION_LIVE, |id, rsv| {
-        view.live.insert(id, rsv);
-    })
-    .await?;
-    Ok(view)
 }
 
 /// A catch-up that fails half-way may have dropped what it meant to read again: start over.

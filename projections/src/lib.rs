@@ -125,6 +125,14 @@ pub struct WebhookDoc {
     pub updated_at_ms: u64,
 }
 
+/// The outbox consumer whose work items are webhook deliveries.
+pub const WEBHOOK_CONSUMER: &str = "webhooks";
+
+/// A delivery's id: the event (also the `webhook-id` header) and the webhook it goes to.
+pub fn webhook_delivery_id(event_id: &impl std::fmt::Display, webhook_id: &impl std::fmt::Display) -> String {
+    format!("{event_id}/{webhook_id}")
+}
+
 /// Rotated-out secrets kept signing at once, at most: a rotation drops the oldest beyond this.
 pub const PREVIOUS_SECRETS_MAX: usize = 4;
 

@@ -426,7 +426,11 @@ pub fn place_and_hold(nodes: &mut [&mut NodeDoc], ask: &Ask<'_>, reservation_id:
 const ROWS_PER_READ: u32 = 1000;
 
 /// Every row of one kind of a tenant, decoded (paged reads).
-async fn all_rows<T: serde::de::DeserializeOwned>(store: &dyn EventStore, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
+pub(crate) async fn all_rows<T: serde::de::DeserializeOwned>(
+    store: &dyn EventStore,
+    tenant: TenantId,
+    kind: &str,
+) -> Result<Vec<T>> {
     let mut out = Vec::new();
     let mut after: Option<String> = None;
     loop {

@@ -15,6 +15,27 @@ pub mod outbox;
 pub mod reservations;
 pub mod webhooks;
 
+/// Waits `ms`, or until this process commits (`wake`, dropped once the appender is gone), or
+/// until shutdown: how the loops here idle.
+pub(crate) async fn idle(
+    ms: u64,
+    wake: &mut Option<tokio::sync::watch::Receiver<u64>>,
+    shutdown: &mut tokio::sync::watch::Receiver<bool>,
+) {
+    let sleep = tokio::time::sleep(std::time::Duration::from_millis(ms));
+    match wake.as_mut() {
+        Some(w) => tokio::select! {
+            _ = sleep => {}
+            changed = w.changed() => if changed.is_err() { *wake = None },
+            _ = shutdown.changed() => {}
+        },
+        None => tokio::select! {
+            _ = sleep => {}
+            _ = shutdown.changed() => {}
+        },
+    }
+}
+
 /// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.

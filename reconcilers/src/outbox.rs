@@ -188,10 +188,7 @@ async fn prune_loop(
         if pruned > 0 {
             tracing::info!(consumer = name, items = pruned, "pruned done items past the retention");
         }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(PRUNE_EVERY_MS)) => {}
-            _ = shutdown.changed() => {}
-        }
+        crate::idle(PRUNE_EVERY_MS, &mut None, &mut shutdown).await;
     }
 }
 
@@ -221,18 +218,7 @@ async fn fan_out_loop(
         if progressed {
             continue;
         }
-        let sleep = tokio::time::sleep(Duration::from_millis(config.poll_ms));
-        match wake.as_mut() {
-            Some(w) => tokio::select! {
-                _ = sleep => {}
-                changed = w.changed() => if changed.is_err() { wake = None },
-                _ = shutdown.changed() => {}
-            },
-            None => tokio::select! {
-                _ = sleep => {}
-                _ = shutdown.changed() => {}
-            },
-        }
+        crate::idle(config.poll_ms, &mut wake, &mut shutdown).await;
     }
     // A clean stop hands the cursor over at once; a crash leaves it to the lease.
     if let Err(e) = store.cursor_release(name, &config.owner).await {

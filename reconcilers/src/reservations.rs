@@ -164,18 +164,7 @@ pub async fn run(
         }
         // At most one pass per PASS_INTERVAL_MIN_MS however often commits wake it.
         tokio::time::sleep(Duration::from_millis(PASS_INTERVAL_MIN_MS.min(tick_ms))).await;
-        let sleep = tokio::time::sleep(Duration::from_millis(tick_ms.saturating_sub(PASS_INTERVAL_MIN_MS)));
-        match wake.as_mut() {
-            Some(w) => tokio::select! {
-                _ = sleep => {}
-                changed = w.changed() => if changed.is_err() { wake = None },
-                _ = shutdown.changed() => {}
-            },
-            None => tokio::select! {
-                _ = sleep => {}
-                _ = shutdown.changed() => {}
-            },
-        }
+        crate::idle(tick_ms.saturating_sub(PASS_INTERVAL_MIN_MS), &mut wake, &mut shutdown).await;
     }
     tracing::info!(reconciler = NAME, "reconciler stopped");
 }

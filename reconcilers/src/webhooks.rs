@@ -30,7 +30,7 @@ use serde_json::json;
 
 use crate::outbox::{Consumer, Handled};
 
-pub const CONSUMER: &str = "webhooks";
+pub use bc_projections::WEBHOOK_CONSUMER as CONSUMER;
 /// One delivery's time limit (connect, send, answer) by default; the lease must be at least
 /// twice the limit in use.
 pub const DELIVERY_TIMEOUT_MS: u64 = 10_000;
@@ -180,7 +180,7 @@ impl Consumer for Webhooks {
                     let body = body.get_or_insert_with(|| body_of(event));
                     items.push(NewWorkItem {
                         tenant: env.tenant,
-                        id: format!("{}/{}", env.id, hook.webhook_id),
+                        id: bc_projections::webhook_delivery_id(&env.id, &hook.webhook_id),
                         subject: hook.webhook_id.clone(),
                         payload: json!({ "messageId": env.id.to_string(), "type": env.event_type, "body": body }),
                     });

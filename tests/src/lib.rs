@@ -14,6 +14,11 @@ use serde_json::{Value, json};
 
 pub mod receiver;
 
+/// A command's standard output as JSON; panics with the text when it is not.
+pub fn json(out: &str) -> Value {
+    serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
 /// How long a server may take to print its URL.
 pub const START_TIMEOUT_S: u64 = 60;
 

@@ -10,10 +10,6 @@ use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn json_out(out: &str) -> Value {
-    serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
-}
-
 /// A pool with the given nodes; each node is a list of (product, vramGiB, nvlink domain).
 async fn fleet(server: &Server, nodes: &[&[(&str, u32, u32)]]) -> (String, Vec<String>) {
     let pool = server.pool("gpu-pool").await;
@@ -37,14 +33,14 @@ fn reserve(server: &Server, args: &[&str]) -> (i32, Value, String) {
     let mut all = vec!["reserve", "--format", "json"];
     all.extend_from_slice(args);
     let (code, out, err) = server.cli(&all);
-    let value = if code == 0 { json_out(&out) } else { Value::Null };
+    let value = if code == 0 { bc_tests::json(&out) } else { Value::Null };
     (code, value, err)
 }
 
 fn get(server: &Server, rsv: &str) -> Value {
     let (code, out, err) = server.cli(&["reservations", "get", rsv]);
     assert_eq!(code, 0, "{err}");
-    json_out(&out)
+    bc_tests::json(&out)
 }
 
 fn wait_state(server: &Server, rsv: &str, state: &str) -> Value {
@@ -154,7 +150,7 @@ async fn reserve_queue_extend_release_and_expire() {
     let a_id = a["reservationId"].as_str().unwrap();
     let (code, out, err) = server.cli(&["extend", a_id, "--by", "2h"]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(json_out(&out)["endsAtMs"].as_u64().unwrap(), a["endsAtMs"].as_u64().unwrap() + 2 * 3600 * 1000);
+    assert_eq!(bc_tests::json(&out)["endsAtMs"].as_u64().unwrap(), a["endsAtMs"].as_u64().unwrap() + 2 * 3600 * 1000);
     let (code, _, err) = server.cli(&["extend", a_id, "--by", "40d"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("maximum"), "{err}");
@@ -163,7 +159,7 @@ async fn reserve_queue_extend_release_and_expire() {
     // the 1-GPU one behind it lands on the tightest remaining fit.
     let (code, out, err) = server.cli(&["release", a_id]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(json_out(&out)["state"], "released");
+    assert_eq!(bc_tests::json(&out)["state"], "released");
     let c = wait_state(&server, &c_id, "active");
     assert_eq!(c["nodeId"], nodes[0].as_str());
     let d_id = d["reservationId"].as_str().unwrap();
@@ -171,9 +167,9 @@ async fn reserve_queue_extend_release_and_expire() {
     assert_eq!(d["state"], "queued", "nothing is free for it now");
     // Cancel the queued one; releasing again changes nothing.
     let (code, out, _) = server.cli(&["release", d_id]);
-    assert_eq!((code, json_out(&out)["state"].as_str()), (0, Some("cancelled")));
+    assert_eq!((code, bc_tests::json(&out)["state"].as_str()), (0, Some("cancelled")));
     let (code, out, _) = server.cli(&["release", a_id]);
-    assert_eq!((code, json_out(&out)["state"].as_str()), (0, Some("released")));
+    assert_eq!((code, bc_tests::json(&out)["state"].as_str()), (0, Some("released")));
     holders(&server).await;
 
     // Expiry: the reconciler ends a reservation at its end time and frees its GPUs.
@@ -222,7 +218,7 @@ async fn wait_quota_and_idempotency() {
     let (code, out, err) = waiter.join().unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("queued at position 1"), "{err}");
-    let b = json_out(&out);
+    let b = bc_tests::json(&out);
     assert_eq!(b["state"], "active", "--wait returned once it was active");
 
     // The same --key twice reserves once.
@@ -254,7 +250,7 @@ async fn wait_quota_and_idempotency() {
         (Some(2), Some(1), Some(2))
     );
     let (code, out, _) = server.cli(&["quotas", "get", "--pool", &pool]);
-    assert_eq!((code, json_out(&out)["inUse"].as_u64()), (0, Some(1)));
+    assert_eq!((code, bc_tests::json(&out)["inUse"].as_u64()), (0, Some(1)));
     // Within the quota it goes through.
     let (code, _, err) = reserve(&server, &["--pool", &pool, "--gpus", "1", "--for", "1h"]);
     assert_eq!(code, 0, "{err}");
@@ -397,11 +393,11 @@ async fn bad_reservation_input_is_refused_before_or_at_the_edge() {
     assert_eq!(get(&server, r["reservationId"].as_str().unwrap())["state"], "active");
     // Drain waits for the reservation to end.
     let (code, out, _) = server.cli(&["nodes", "drain", &nodes[0]]);
-    assert_eq!((code, json_out(&out)["drained"].as_bool()), (0, Some(false)));
+    assert_eq!((code, bc_tests::json(&out)["drained"].as_bool()), (0, Some(false)));
     server.cli(&["release", r["reservationId"].as_str().unwrap()]);
     let (code, out, err) = server.cli(&["nodes", "drain", &nodes[0], "--wait", "10"]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(json_out(&out)["drained"], true);
+    assert_eq!(bc_tests::json(&out)["drained"], true);
 }
 
 /// Two `reconcile --only reservations` processes on PostgreSQL: a burst of queued reservations

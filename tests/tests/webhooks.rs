@@ -14,16 +14,12 @@ use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn json_out(out: &str) -> Value {
-    serde_json::from_str(out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
-}
-
 /// `webhooks create` with `--secret-out`; returns the webhook id and the secret from the file.
 fn create_webhook(server: &Server, url: &str, types: &str, secret_file: &Path) -> (String, Secret) {
     let (code, out, err) =
         server.cli(&["webhooks", "create", "--endpoint", url, "--types", types, "--secret-out", secret_file.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    let created = json_out(&out);
+    let created = bc_tests::json(&out);
     assert!(!out.contains("whsec_"), "the secret went to the file, not the output: {out}");
     let mode = std::fs::metadata(secret_file).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "the secret file is private");
@@ -46,7 +42,7 @@ async fn event_ids(server: &Server, types: &str) -> Vec<String> {
 fn deliveries(server: &Server, webhook: &str) -> Vec<Value> {
     let (code, out, err) = server.cli(&["webhooks", "deliveries", webhook, "--format", "json", "--limit", "100"]);
     assert_eq!(code, 0, "{err}");
-    json_out(&out)["items"].as_array().unwrap().clone()
+    bc_tests::json(&out)["items"].as_array().unwrap().clone()
 }
 
 fn wait_deliveries(server: &Server, webhook: &str, what: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
@@ -91,7 +87,7 @@ async fn deliveries_are_signed_pinged_rotated_and_stop_on_delete() {
     // Ping: a webhook.pinged delivery to this webhook.
     let (code, out, err) = server.cli(&["webhooks", "ping", &webhook]);
     assert_eq!(code, 0, "{err}");
-    let ping = json_out(&out);
+    let ping = bc_tests::json(&out);
     let got = receiver.wait_for(WAIT, "the ping", |r| r.iter().any(|r| r.id == ping["messageId"].as_str().unwrap()));
     assert!(got.iter().all(|r| verifies(&secret, r)));
 
@@ -103,7 +99,7 @@ async fn deliveries_are_signed_pinged_rotated_and_stop_on_delete() {
     let (code, out, err) =
         server.cli(&["webhooks", "rotate-secret", &webhook, "--secret-out", dir.path().join("s2").to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(json_out(&out)["secretVersion"], 2);
+    assert_eq!(bc_tests::json(&out)["secretVersion"], 2);
     let new_secret = Secret::parse(&std::fs::read_to_string(dir.path().join("s2")).unwrap()).unwrap();
     server.pool("after-rotation").await;
     let after = event_ids(&server, "pool.created").await.pop().unwrap();
@@ -228,14 +224,14 @@ async fn retries_follow_the_schedule_then_dead_letter_and_redeliver() {
     assert!(dead["lastError"].as_str().unwrap().contains("503"), "{dead}");
     let (code, out, _) = server.cli(&["webhooks", "deliveries", &webhook, "--state", "dead", "--format", "json"]);
     assert_eq!(code, 0);
-    assert_eq!(json_out(&out)["items"].as_array().unwrap().len(), 1, "the dead letter is listed");
+    assert_eq!(bc_tests::json(&out)["items"].as_array().unwrap().len(), 1, "the dead letter is listed");
 
     receiver.fail_always(false);
     receiver.fail_first(0);
     let delivery = dead["deliveryId"].as_str().unwrap();
     let (code, out, err) = server.cli(&["webhooks", "redeliver", &webhook, delivery]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(json_out(&out)["state"], "pending");
+    assert_eq!(bc_tests::json(&out)["state"], "pending");
     let list = wait_deliveries(&server, &webhook, "the redelivery", |l| l.iter().all(|d| d["state"] == "done"));
     let again = list.iter().find(|d| d["deliveryId"] == delivery).unwrap();
     assert_eq!(again["attempts"], 4);
@@ -279,7 +275,7 @@ async fn bad_webhook_input_is_refused_with_a_code() {
     assert_eq!(status, 400, "unknown fields are refused: {body}");
     let (code, out, _) = server.cli(&["webhooks", "create", "--endpoint", "http://127.0.0.1:9/x", "--types", "*"]);
     assert_eq!(code, 0, "dev accepts a loopback receiver");
-    let webhook = json_out(&out)["webhookId"].as_str().unwrap().to_owned();
+    let webhook = bc_tests::json(&out)["webhookId"].as_str().unwrap().to_owned();
     let (code, _, err) = server.cli(&["webhooks", "redeliver", &webhook, "evt_x/wh_y"]);
     assert_eq!(code, 2, "{err}");
     let (status, body) =
@@ -304,7 +300,7 @@ async fn bad_webhook_input_is_refused_with_a_code() {
     // Nothing was created by the refusals.
     let (code, out, _) = server.cli(&["webhooks", "list", "--format", "json"]);
     assert_eq!(code, 0);
-    assert_eq!(json_out(&out)["items"].as_array().unwrap().len(), 1);
+    assert_eq!(bc_tests::json(&out)["items"].as_array().unwrap().len(), 1);
 }
 
 /// Two `reconcile` processes on PostgreSQL split the deliveries (SKIP LOCKED): with no crash,
