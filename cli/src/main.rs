@@ -855,16 +855,15 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Api { method, items, data, key, list } => {
             if *list {
-                let methods: Vec<Value> = bc_gateway::methods::METHODS
+                let methods: Vec<Value> = bc_gateway::api::table()
                     .iter()
-                    .map(|m| json!({ "method": m.name, "action": m.action.unwrap_or("(public)"), "summary": m.summary }))
+                    .map(|m| json!({ "method": m.name, "action": m.access.action().unwrap_or("(public)"), "summary": m.summary }))
                     .collect();
                 return print(&json!({ "items": methods }), json_or(Format::Table), q);
             }
             let method = method.as_deref().ok_or_else(|| CliError::usage("give GROUP.METHOD, or --list"))?;
-            if bc_gateway::methods::method(method).is_none() {
-                let best =
-                    bc_gateway::methods::METHODS.iter().map(|m| m.name).min_by_key(|m| bc_gateway::edit_distance(m, method));
+            if bc_gateway::api::find(method).is_none() {
+                let best = bc_gateway::api::suggest(method);
                 let mut e = CliError::usage(format!("unknown method {method:?}"));
                 if let Some(best) = best {
                     e = e.hint(format!("did you mean {best}? (api --list shows them all)"));

@@ -105,6 +105,11 @@ fn parse_prefixed(text: &str, prefix: &str) -> Result<ulid::Ulid, Error> {
     if body.len() != ULID_CHARS {
         return Err(invalid("wrong length"));
     }
+    // 26 characters of 5 bits hold 130 bits: a first character past 7 overflows the 128 bits
+    // of a ULID, and the ulid crate would silently drop the top bits (two spellings, one id).
+    if !body.starts_with(|c: char| ('0'..='7').contains(&c)) {
+        return Err(invalid("not a ULID (too large)"));
+    }
     ulid::Ulid::from_string(body).map_err(|_| invalid("not a ULID"))
 }
 
@@ -133,7 +138,17 @@ mod tests {
         assert_eq!(text.to_uppercase().replace("POOL_", "pool_").parse::<PoolId>().unwrap(), id);
         let err = text.parse::<NodeId>().unwrap_err();
         assert!(err.to_string().contains("not a node_ id"), "{err}");
-        for bad in ["", "pool_", "pool", "pool_123", "pool_01k5w!!!!!!!!!!!!!!!!!!!!!", "_01J0000000000000000000000"] {
+        // Regression: `pool_8…` parsed (the top bits dropped), so one id had two spellings.
+        for bad in [
+            "",
+            "pool_",
+            "pool",
+            "pool_123",
+            "pool_01k5w!!!!!!!!!!!!!!!!!!!!!",
+            "_01J0000000000000000000000",
+            "pool_88888888888888888888888888",
+            "pool_zzzzzzzzzzzzzzzzzzzzzzzzzz",
+        ] {
             assert!(bad.parse::<PoolId>().is_err(), "{bad:?} accepted");
         }
     }

@@ -30,6 +30,39 @@ pub const ACTIONS: &[&str] = &[
     "compute:webhooks:write",
 ];
 
+/// Most actions one key grants.
+pub const ACTIONS_PER_KEY_MAX: usize = 64;
+
+/// Every action a key may be granted: `*`, a group wildcard (`compute:pools:*`) or an action.
+pub fn grantable_actions() -> Vec<String> {
+    let mut all = vec!["*".to_owned()];
+    for action in ACTIONS {
+        let group = action.rsplit_once(':').map(|(group, _)| format!("{group}:*")).unwrap_or_default();
+        if !all.contains(&group) {
+            all.push(group);
+        }
+    }
+    all.extend(ACTIONS.iter().map(|a| (*a).to_owned()));
+    all
+}
+
+/// The schema of a key's actions: 1 to `ACTIONS_PER_KEY_MAX` of [`grantable_actions`].
+pub struct ActionList;
+
+impl schemars::JsonSchema for ActionList {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ActionList".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "array",
+            "minItems": 1,
+            "maxItems": ACTIONS_PER_KEY_MAX,
+            "items": { "type": "string", "enum": grantable_actions() },
+        })
+    }
+}
+
 /// Who is calling.
 #[derive(Clone, Debug)]
 pub struct Principal {
@@ -77,8 +110,8 @@ pub fn new_token(key_id: ApiKeyId) -> (String, String) {
 
 /// Validates every action name a key is created with.
 pub fn validate_actions(actions: &[String]) -> Result<()> {
-    if actions.is_empty() || actions.len() > 64 {
-        return Err(Error::invalid("a key grants 1 to 64 actions"));
+    if actions.is_empty() || actions.len() > ACTIONS_PER_KEY_MAX {
+        return Err(Error::invalid(format!("a key grants 1 to {ACTIONS_PER_KEY_MAX} actions")));
     }
     for action in actions {
         let known = action == "*"
@@ -146,6 +179,9 @@ mod tests {
         assert!(validate_actions(&["compute:pools:*".into(), "*".into()]).is_ok());
         assert!(validate_actions(&["compute:bogus:read".into()]).is_err());
         assert!(validate_actions(&["compute:bogus:*".into()]).is_err());
+        for action in grantable_actions() {
+            assert!(validate_actions(&[action.clone()]).is_ok(), "{action}");
+        }
         // Regression: a key could grant more than its creator held.
         assert!(check_grantable(&p, &["compute:pools:read".into(), "compute:pools:*".into()]).is_ok());
         assert!(check_grantable(&p, &["*".into()]).is_err());

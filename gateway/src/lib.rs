@@ -1,11 +1,18 @@
 //! `bc-gateway`: the HTTP face of the control plane.
 //!
 //! Layout:
-//! - `lib.rs` (this file): the router, the one RPC handler, health, and bootstrap of the root
-//!   tenant;
-//! - [`methods`]: the method table and the handlers, with their wire input types;
+//! - `lib.rs` (this file): the shared state, the router, health, serving, and bootstrap of the
+//!   root tenant;
+//! - [`rpc`]: the one handler of `POST /api/compute/{method}`: it finds the method in the
+//!   table, authenticates, reads the body and runs the method's handler;
+//! - [`api`]: the method table, one file per API group, the handlers' toolkit and the wire
+//!   views;
+//! - [`openapi`]: the OpenAPI document, generated from the table (checked in as
+//!   `gateway/openapi.json`);
+//! - [`watch`]: `GET /watch`, the live stream over server-sent events;
 //! - [`auth`]: API keys, tokens, actions;
-//! - [`error`]: the `{code, message, details}` envelope and status mapping.
+//! - [`error`]: the `{code, message, details}` envelope and status mapping;
+//! - [`conn`]: connections that fail a stalled write.
 //!
 //! Architecture invariant: this crate is the only one that knows HTTP. It talks to storage only
 //! through `bc_core::store`.
@@ -14,28 +21,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use bc_core::id::{ApiKeyId, RequestId, TenantId};
+use bc_core::id::{ApiKeyId, TenantId};
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::events as ev;
 use bc_projections::{KIND_API_KEY, KIND_TENANT, stream_of};
 use serde_json::json;
-use sha2::{Digest, Sha256};
-use tracing::Instrument;
 
+pub mod api;
 pub mod auth;
 pub mod conn;
 pub mod error;
-pub mod methods;
 pub mod openapi;
-pub mod reservations;
+pub mod rpc;
 pub mod watch;
-pub mod webhooks;
 
 use error::ApiError;
 
@@ -95,7 +98,7 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/api/compute/{method}", post(rpc).get(openapi))
+        .route("/api/compute/{method}", post(rpc::rpc).get(openapi))
         .route("/watch", get(watch::watch))
         .fallback(not_found)
         .layer(
@@ -131,101 +134,6 @@ async fn openapi(Path(name): Path<String>) -> Response {
 
 async fn not_found() -> ApiError {
     Error::NotFound { what: "route (the API is POST /api/compute/GROUP.METHOD)".into() }.into()
-}
-
-async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, headers: HeaderMap, body: Body) -> Response {
-    let request_id = RequestId::generate().to_string();
-    let span = tracing::info_span!("rpc", method = %bc_core::id::truncate(&name, 64), request_id = %request_id);
-    let mut response = match rpc_inner(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
-        Ok(value) => axum::Json(value).into_response(),
-        Err(e) => {
-            let too_large = e.error.code() == bc_core::ErrorCode::PayloadTooLarge;
-            let mut response = e.into_response();
-            if too_large {
-                // The rest of the body was never read: the connection cannot carry another request.
-                response.headers_mut().insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
-            }
-            response
-        }
-    };
-    response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
-    response
-}
-
-async fn rpc_inner(
-    state: &AppState,
-    name: &str,
-    headers: &HeaderMap,
-    body: Body,
-    request_id: String,
-) -> Result<serde_json::Value, ApiError> {
-    let method = methods::method(name).ok_or_else(|| {
-        let suggestion = methods::METHODS.iter().map(|m| m.name).min_by_key(|m| edit_distance(m, name)).unwrap_or_default();
-        ApiError::with_details(
-            Error::NotFound { what: format!("method {:?}", bc_core::id::truncate(name, 64)) },
-            json!({ "didYouMean": suggestion }),
-        )
-    })?;
-    // Authenticate before reading the body, so an anonymous caller cannot make us buffer it.
-    let principal = match method.action {
-        None => None,
-        Some(_) => {
-            let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
-            Some(auth::authenticate(&*state.store, header).await?)
-        }
-    };
-    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let ct = ct.to_str().unwrap_or("");
-        if !ct.starts_with("application/json") {
-            return Err(Error::invalid(format!(
-                "content-type must be application/json, not {:?}",
-                bc_core::id::truncate(ct, 60)
-            ))
-            .into());
-        }
-    }
-    let bytes =
-        axum::body::to_bytes(body, BODY_BYTES_MAX).await.map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?;
-    let idempotency_key = match headers.get("idempotency-key") {
-        None => None,
-        Some(value) => {
-            let key = value.to_str().map_err(|_| Error::invalid("Idempotency-Key must be printable ASCII"))?;
-            if key.is_empty() || key.len() > IDEMPOTENCY_KEY_BYTES_MAX || !key.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(Error::invalid(format!(
-                    "Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters"
-                ))
-                .into());
-            }
-            Some(key.to_owned())
-        }
-    };
-    let fingerprint = {
-        // Key order and whitespace do not make a different request.
-        let normalized = serde_json::from_slice::<serde_json::Value>(&bytes).map(|v| v.to_string()).unwrap_or_default();
-        let mut hasher = Sha256::new();
-        hasher.update(name.as_bytes());
-        hasher.update([0]);
-        hasher.update(normalized.as_bytes());
-        hasher.finalize().into()
-    };
-    let call = methods::Call { state, principal, action: method.action.unwrap_or(""), idempotency_key, fingerprint, request_id };
-    Ok(methods::dispatch(&call, name, &bytes).await?)
-}
-
-/// Levenshtein distance, for "did you mean".
-pub fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut prev = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let cur = row[j + 1];
-            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
-            prev = cur;
-        }
-    }
-    row[b.len()]
 }
 
 /// Creates the root tenant and its first administrator key on a new database. `persist` is

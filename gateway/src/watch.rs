@@ -2,16 +2,16 @@
 //! with `events.list`.
 //!
 //! Each event goes out as `id: COMMIT.INDEX` (its outbox position), `event: TYPE`, and one line
-//! of JSON. `Last-Event-ID` (a reconnect) or `?since=` resume exactly after a position; both
-//! `COMMIT.INDEX` and `COMMIT:INDEX` are accepted. A producer task reads the log by position and
+//! of JSON. A new watcher starts at the end of the log, as `tail -f` does; `?since=start` (or
+//! `since=0`) replays from the beginning. `Last-Event-ID` (a reconnect) or `?since=` resume
+//! exactly after a position; both `COMMIT.INDEX` and `COMMIT:INDEX` are accepted. A producer task reads the log by position and
 //! feeds a bounded channel (`WATCH_BUFFER_EVENTS`); a client that does not drain it within
 //! `WATCH_SEND_TIMEOUT_S` is disconnected, so a slow reader never grows the server's memory.
 //! The appender's commit notification wakes the producer early; it also polls every
 //! `WATCH_POLL_MS`, so commits by other processes are found too. The key is checked again every
 //! `WATCH_REAUTH_S` and whenever API keys change, and a server shutdown ends every stream (a
-//! graceful shutdown waits for open responses). Not done: a connection-level write timeout, so
-//! a client that stops reading keeps its connection (and a watcher permit) until it goes away;
-//! the buffer and the permit bound what it holds.
+//! graceful shutdown waits for open responses). A client that stops reading is dropped by the
+//! connection's write deadline (`conn.rs`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -84,9 +84,11 @@ async fn start(
     };
     state.authorize_tenant(&principal, "compute:events:read", tenant).await?;
     let resume = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("-").to_owned()).or(query.since.clone());
-    let mut after = match resume {
+    let mut after = match resume.as_deref() {
+        // Like `tail -f`: a new watcher sees what commits from now on.
+        None => Position { commit: state.store.last_commit().await?, index: i32::MAX as u32 },
+        Some("start" | "0") => Position::START,
         Some(p) => p.parse::<Position>()?,
-        None => Position::START,
     };
     let patterns: Vec<String> = query
         .types

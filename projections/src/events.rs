@@ -313,3 +313,22 @@ pub fn to_cbor<T: Serialize>(payload: &T) -> bc_core::Result<ciborium::Value> {
     let json = serde_json::to_value(payload).map_err(|e| bc_core::Error::Internal(format!("payload: {e}")))?;
     bc_core::canonical::from_json(&json)
 }
+
+/// Every pattern [`TypeFilter::parse`] accepts: `*`, each type, and each prefix (`pool.*`) of
+/// some type. The OpenAPI document lists them.
+pub fn type_patterns() -> Vec<String> {
+    let mut patterns = vec!["*".to_owned()];
+    for event_type in EVENT_TYPES {
+        let mut prefix = String::new();
+        for part in event_type.split('.') {
+            let pattern = format!("{prefix}{part}.*");
+            if !patterns.contains(&pattern) && EVENT_TYPES.iter().any(|t| t.starts_with(&pattern[..pattern.len() - 1])) {
+                patterns.push(pattern);
+            }
+            prefix.push_str(part);
+            prefix.push('.');
+        }
+        patterns.push((*event_type).to_owned());
+    }
+    patterns
+}

@@ -8,18 +8,19 @@
 //! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
 //! this file holds the documents and the fold.
 
-use base64::Engine;
 use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};
 use bc_core::{Error, Result};
 use bc_core::{audit, canonical};
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 
+pub mod event_view;
 pub mod events;
 pub mod fleet;
 pub mod placement;
 
+pub use event_view::{EventView, event_view};
 use events::*;
 
 /// Row kinds; also the stream prefixes.
@@ -146,39 +147,6 @@ pub struct PreviousSecret {
 /// A fresh id for one of a webhook's signing secrets in the secret store.
 pub fn new_webhook_secret_id(webhook_id: &str) -> String {
     format!("{webhook_id}/{}", bc_core::id::EventId::generate())
-}
-
-/// The JSON form of an event.
-pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
-    let env = &event.envelope;
-    let mut view = json!({
-        "id": env.id,
-        "tenantId": env.tenant,
-        "seq": env.seq,
-        "stream": env.stream,
-        "version": env.version,
-        "type": env.event_type,
-        "at": env.at_ms,
-        "actor": env.actor,
-        "payload": canonical::to_json(&env.payload),
-        "position": event.position.to_string(),
-        "prev": hex::encode(env.prev),
-        "hash": hex::encode(event.hash),
-        "keyId": event.key_id,
-    });
-    for (name, value) in
-        [("idempotencyKey", &env.idempotency_key), ("causation", &env.causation), ("correlation", &env.correlation)]
-    {
-        if let Some(value) = value {
-            view[name] = Value::String(value.clone());
-        }
-    }
-    if with_bytes {
-        let b64 = base64::engine::general_purpose::STANDARD;
-        view["canonical"] = Value::String(b64.encode(&event.canonical));
-        view["sig"] = Value::String(b64.encode(&event.sig));
-    }
-    view
 }
 
 fn max_reservation_default() -> u64 {

@@ -1,0 +1,99 @@
+//! `apiKeys.*`: a tenant's API keys. A key's token is shown once, in the answer to `create`;
+//! the log keeps only the SHA-256 of its secret.
+
+use bc_core::Result;
+use bc_core::id::ApiKeyId;
+use bc_core::store::ExpectedVersion;
+use bc_projections::events as ev;
+use bc_projections::{ApiKeyDoc, KIND_API_KEY, stream_of};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::toolkit::{
+    ApiKeyIdText, CursorText, LimitNumber, NameText, Page, TenantIdText, doc, list_rows, parse_id, stream_id, validate_name,
+};
+use super::views::{ApiKeyCreatedView, ApiKeyView};
+use super::{Access, Call, Method, method};
+use crate::auth;
+
+const ADMIN: Access = Access::Action("compute:apikeys:admin");
+
+pub(super) const METHODS: &[Method] = &[
+    method!(
+        "apiKeys.create",
+        ADMIN,
+        "create an API key; the token is shown once",
+        ApiKeysCreate => ApiKeyCreatedView,
+        api_keys_create,
+    ),
+    method!("apiKeys.list", ADMIN, "a tenant's API keys (never their secrets)", ApiKeysList => Page<ApiKeyView>, api_keys_list),
+    method!("apiKeys.revoke", ADMIN, "revoke an API key", ApiKeysRevoke => ApiKeyView, api_keys_revoke),
+];
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiKeysCreate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NameText")]
+    name: String,
+    /// Actions granted (`compute:pools:read`, `compute:pools:*`, `*`); at most what the caller
+    /// holds.
+    #[schemars(with = "auth::ActionList")]
+    actions: Vec<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiKeysList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiKeysRevoke {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "ApiKeyIdText")]
+    key_id: String,
+}
+
+async fn api_keys_create(call: &Call<'_>, input: ApiKeysCreate) -> Result<ApiKeyCreatedView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    validate_name("name", &input.name)?;
+    auth::validate_actions(&input.actions)?;
+    auth::check_grantable(call.principal(), &input.actions)?;
+    let key_id = ApiKeyId::from_ulid(call.ulid());
+    let (token, secret_sha256) = auth::new_token(key_id);
+    let payload = ev::to_cbor(&ev::ApiKeyCreated { name: input.name, actions: input.actions, secret_sha256 })?;
+    let result =
+        call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload).await?;
+    // A replay names the key created first; its secret was shown once and is not kept.
+    let id = stream_id(&result.events[0].envelope.stream);
+    let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, id, "api key").await?;
+    Ok(ApiKeyCreatedView { key: key.into(), token: (!result.replayed).then_some(token), replayed: result.replayed })
+}
+
+async fn api_keys_list(call: &Call<'_>, input: ApiKeysList) -> Result<Page<ApiKeyView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    list_rows(call, tenant, KIND_API_KEY, input.limit, input.cursor.as_deref(), |row| Ok(Some(doc::<ApiKeyDoc>(row)?.into())))
+        .await
+}
+
+async fn api_keys_revoke(call: &Call<'_>, input: ApiKeysRevoke) -> Result<ApiKeyView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let key_id: ApiKeyId = parse_id("keyId", &input.key_id)?;
+    let current: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
+    if !current.revoked {
+        let payload = ev::to_cbor(&ev::ApiKeyRevoked {})?;
+        let expected = ExpectedVersion::Exact(current.version);
+        call.append(tenant, stream_of(KIND_API_KEY, &key_id), expected, ev::API_KEY_REVOKED, payload).await?;
+    }
+    let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
+    Ok(key.into())
+}

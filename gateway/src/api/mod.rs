@@ -1,0 +1,163 @@
+//! The method table: every method of `POST /api/compute/{group}.{method}`, declared once.
+//!
+//! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
+//! `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`, `webhooks.rs`) declares its
+//! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
+//! input type its handler parses, the output type it answers with, and the handler. The router
+//! ([`crate::rpc`]), authorization, `better-compute api --list` and the OpenAPI document
+//! ([`crate::openapi`]) all read [`table`]; no method name is matched as a string anywhere
+//! else, so adding a method touches one file.
+//!
+//! [`toolkit`] is what handlers share (the call, body parsing, validators, list paging); it
+//! imports no handler. [`views`] holds the wire types every response is made of, apart from
+//! the stored projection documents.
+
+use std::sync::LazyLock;
+
+use bc_core::Result;
+use futures::future::BoxFuture;
+use serde_json::Value;
+
+pub mod toolkit;
+pub mod views;
+
+mod api_keys;
+mod capacity;
+mod events;
+mod nodes;
+mod pools;
+mod quotas;
+mod reservations;
+mod system;
+mod tenants;
+mod webhooks;
+
+pub use toolkit::Call;
+
+/// A handler as the table holds it: the raw JSON body in, the JSON answer out. [`method!`]
+/// builds it from a typed handler, so parsing and serializing are the same for every method.
+pub type Handler = for<'a> fn(&'a Call<'a>, &'a [u8]) -> BoxFuture<'a, Result<Value>>;
+/// The JSON schema of a method's input or output type, for the OpenAPI document.
+pub type SchemaOf = fn(&mut schemars::SchemaGenerator) -> schemars::Schema;
+
+/// Who may call a method.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Anyone, without a token.
+    Public,
+    /// Any valid token: the method shows the caller only what the caller is.
+    Authenticated,
+    /// A token granted this action in the tenant acted in.
+    Action(&'static str),
+}
+
+impl Access {
+    /// The action as `api --list` and the document's `x-action` show it.
+    pub fn action(self) -> Option<&'static str> {
+        match self {
+            Self::Public => None,
+            Self::Authenticated => Some(""),
+            Self::Action(action) => Some(action),
+        }
+    }
+}
+
+/// One API method.
+pub struct Method {
+    pub name: &'static str,
+    pub access: Access,
+    pub summary: &'static str,
+    pub input: SchemaOf,
+    pub output: SchemaOf,
+    pub handler: Handler,
+}
+
+impl Method {
+    pub fn group(&self) -> &'static str {
+        self.name.split_once('.').map(|(group, _)| group).unwrap_or(self.name)
+    }
+}
+
+/// Declares one method: `method!("pools.get", Action("compute:pools:read"), "one pool",
+/// PoolRef => PoolView, pools_get)`, where `async fn pools_get(&Call, PoolRef) ->
+/// Result<PoolView>`.
+macro_rules! method {
+    ($name:literal, $access:expr, $summary:literal, $input:ty => $output:ty, $handler:path $(,)?) => {
+        $crate::api::Method {
+            name: $name,
+            access: $access,
+            summary: $summary,
+            input: |g| g.subschema_for::<$input>(),
+            output: |g| g.subschema_for::<$output>(),
+            handler: |call, body| {
+                Box::pin(async move {
+                    let input: $input = $crate::api::toolkit::parse(body)?;
+                    let output: $output = $handler(call, input).await?;
+                    $crate::api::toolkit::to_value(&output)
+                })
+            },
+        }
+    };
+}
+pub(crate) use method;
+
+/// The groups, in the order `api --list` and the document show them.
+const GROUPS: &[&[Method]] = &[
+    system::METHODS,
+    tenants::METHODS,
+    api_keys::METHODS,
+    pools::METHODS,
+    nodes::METHODS,
+    capacity::METHODS,
+    reservations::METHODS,
+    quotas::METHODS,
+    events::METHODS,
+    webhooks::METHODS,
+];
+
+static TABLE: LazyLock<Vec<&'static Method>> = LazyLock::new(|| {
+    let table: Vec<&'static Method> = GROUPS.iter().flat_map(|group| group.iter()).collect();
+    let mut names: Vec<&str> = table.iter().map(|m| m.name).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), table.len(), "a method is declared twice");
+    table
+});
+
+/// Every method.
+pub fn table() -> &'static [&'static Method] {
+    &TABLE
+}
+
+/// The method called `name`.
+pub fn find(name: &str) -> Option<&'static Method> {
+    table().iter().copied().find(|m| m.name == name)
+}
+
+/// The method name closest to `name`, for "did you mean".
+pub fn suggest(name: &str) -> Option<&'static str> {
+    table()
+        .iter()
+        .map(|m| (strsim::jaro_winkler(m.name, name), m.name))
+        .filter(|(score, _)| *score >= 0.7)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, name)| name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_method_is_named_group_dot_method_and_authorized_by_a_known_action() {
+        for m in table() {
+            let (group, rest) = m.name.split_once('.').expect("GROUP.METHOD");
+            assert!(!group.is_empty() && !rest.is_empty() && !rest.contains('.'), "{}", m.name);
+            if let Access::Action(action) = m.access {
+                assert!(crate::auth::ACTIONS.contains(&action), "{}: unknown action {action}", m.name);
+            }
+        }
+        assert_eq!(suggest("pools.lsit"), Some("pools.list"));
+        assert_eq!(suggest("zzzzzzzz"), None);
+    }
+}

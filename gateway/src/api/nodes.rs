@@ -1,0 +1,253 @@
+//! `nodes.*`: hosts and their GPUs. `register` adds one by hand; `cordon`, `uncordon`, `drain`,
+//! `label` and `taint` change what can be placed on it.
+
+use std::collections::BTreeMap;
+
+use bc_core::id::{NodeId, PoolId, TenantId};
+use bc_core::store::ExpectedVersion;
+use bc_core::{Error, Result};
+use bc_projections::events::{self as ev, Gpu};
+use bc_projections::{KIND_NODE, NodeDoc, stream_of};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::pools::pool_doc;
+use super::toolkit::{
+    CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, doc,
+    list_rows, parse_id, stream_id, validate_label_key, validate_labels, validate_name,
+};
+use super::views::{NodeChangedView, NodeView};
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:nodes:read");
+const WRITE: Access = Access::Action("compute:nodes:write");
+
+pub const GPUS_PER_NODE_MAX: usize = 64;
+pub const GPU_VRAM_GIB_MAX: u32 = 4096;
+pub const NVLINK_DOMAIN_MAX: u32 = 1024;
+/// Labels or taints one call may set or remove.
+pub const KEY_CHANGES_MAX: usize = 64;
+
+pub(super) const METHODS: &[Method] = &[
+    method!("nodes.register", WRITE, "add a host and its GPUs by hand", NodesRegister => NodeView, nodes_register),
+    method!("nodes.get", READ, "one node", NodeRef => NodeView, nodes_get),
+    method!("nodes.list", READ, "a tenant's nodes, paged by cursor", NodesList => Page<NodeView>, nodes_list),
+    method!("nodes.cordon", WRITE, "take no new reservations on a node", NodeChange => NodeChangedView, nodes_cordon),
+    method!("nodes.uncordon", WRITE, "take reservations on a node again", NodeChange => NodeChangedView, nodes_uncordon),
+    method!("nodes.drain", WRITE, "cordon a node until its reservations end", NodeChange => NodeChangedView, nodes_drain),
+    method!("nodes.label", WRITE, "set or remove a node's labels", NodeKeys => NodeChangedView, nodes_label),
+    method!("nodes.taint", WRITE, "set or remove a node's taints", NodeKeys => NodeChangedView, nodes_taint),
+];
+
+/// A GPU model or product name: 1 to 63 of `A-Z a-z 0-9 - . _`, starting with a letter or digit.
+struct GpuNameText;
+
+impl JsonSchema for GpuNameText {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "GpuName".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$" })
+    }
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct GpuInput {
+    /// `H100`, `A100`, …
+    #[schemars(with = "GpuNameText")]
+    model: String,
+    /// `H100-SXM5-80GB`, …
+    #[schemars(with = "GpuNameText")]
+    product: String,
+    #[schemars(range(min = 1, max = GPU_VRAM_GIB_MAX))]
+    vram_gi_b: u32,
+    /// GPUs of the node with the same domain share NVLink.
+    #[schemars(range(max = NVLINK_DOMAIN_MAX))]
+    nvlink_domain: u32,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodesRegister {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "PoolIdText")]
+    pool_id: String,
+    #[schemars(with = "NameText")]
+    name: String,
+    #[schemars(length(max = GPUS_PER_NODE_MAX))]
+    gpus: Vec<GpuInput>,
+    #[serde(default)]
+    #[schemars(with = "LabelsMap")]
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodesList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+    /// Only the nodes of this pool.
+    #[schemars(with = "Option<PoolIdText>")]
+    pool_id: Option<String>,
+}
+
+/// A state change of one node, while it is at `ifVersion` (if given).
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeChange {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+/// Keys to set and keys to remove: at least one, at most `KEY_CHANGES_MAX` in all.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("anyOf" = [
+    { "required": ["set"], "properties": { "set": { "minProperties": 1 } } },
+    { "required": ["remove"], "properties": { "remove": { "minItems": 1 } } },
+]))]
+pub struct NodeKeys {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    #[serde(default)]
+    #[schemars(with = "LabelsMap")]
+    set: BTreeMap<String, String>,
+    #[serde(default)]
+    #[schemars(with = "Vec<LabelKeyText>", length(max = KEY_CHANGES_MAX))]
+    remove: Vec<String>,
+}
+
+pub(super) async fn node_doc(call: &Call<'_>, tenant: TenantId, node: &str) -> Result<NodeDoc> {
+    call.row(tenant, KIND_NODE, node, "node").await
+}
+
+async fn nodes_register(call: &Call<'_>, input: NodesRegister) -> Result<NodeView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+    validate_name("name", &input.name)?;
+    validate_labels(&input.labels)?;
+    if input.gpus.len() > GPUS_PER_NODE_MAX {
+        return Err(Error::invalid(format!("a node has at most {GPUS_PER_NODE_MAX} GPUs")));
+    }
+    let mut gpus = Vec::with_capacity(input.gpus.len());
+    for (i, gpu) in input.gpus.into_iter().enumerate() {
+        validate_name(&format!("gpus[{i}].model"), &gpu.model.to_ascii_lowercase())?;
+        validate_name(&format!("gpus[{i}].product"), &gpu.product.to_ascii_lowercase())?;
+        if !(1..=GPU_VRAM_GIB_MAX).contains(&gpu.vram_gi_b) {
+            return Err(Error::invalid(format!("gpus[{i}].vramGiB must be 1 to {GPU_VRAM_GIB_MAX}")));
+        }
+        if gpu.nvlink_domain > NVLINK_DOMAIN_MAX {
+            return Err(Error::invalid(format!("gpus[{i}].nvlinkDomain must be 0 to {NVLINK_DOMAIN_MAX}")));
+        }
+        gpus.push(Gpu { model: gpu.model, product: gpu.product, vram_gib: gpu.vram_gi_b, nvlink_domain: gpu.nvlink_domain });
+    }
+    let pool_doc = pool_doc(call, tenant, &pool.to_string()).await?;
+    if pool_doc.archived {
+        return Err(Error::invalid(format!("pool {pool} is archived")));
+    }
+    let node = NodeId::from_ulid(call.ulid());
+    let payload = ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;
+    // Only into the pool as read: an archive committed meanwhile makes this a CONFLICT.
+    let guard = (stream_of(bc_projections::KIND_POOL, &pool), ExpectedVersion::Exact(pool_doc.version));
+    let result = call
+        .append_guarded(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, ev::NODE_REGISTERED, payload, vec![guard])
+        .await?;
+    Ok(node_doc(call, tenant, stream_id(&result.events[0].envelope.stream)).await?.into())
+}
+
+async fn nodes_get(call: &Call<'_>, input: NodeRef) -> Result<NodeView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let node: NodeId = parse_id("nodeId", &input.node_id)?;
+    Ok(node_doc(call, tenant, &node.to_string()).await?.into())
+}
+
+async fn nodes_list(call: &Call<'_>, input: NodesList) -> Result<Page<NodeView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
+    list_rows(call, tenant, KIND_NODE, input.limit, input.cursor.as_deref(), |row| {
+        let node: NodeDoc = doc(row)?;
+        Ok(pool.as_ref().is_none_or(|p| *p == node.pool_id).then(|| node.into()))
+    })
+    .await
+}
+
+/// Appends one change to a node at the version asked for (or read), and answers with the node.
+async fn node_change(
+    call: &Call<'_>,
+    tenant_id: &Option<String>,
+    node_id: &str,
+    if_version: Option<u64>,
+    event_type: &str,
+    payload: ciborium::Value,
+) -> Result<NodeChangedView> {
+    let tenant = call.tenant(tenant_id).await?;
+    let node_id: NodeId = parse_id("nodeId", node_id)?;
+    let node = node_doc(call, tenant, &node_id.to_string()).await?;
+    let expected = ExpectedVersion::Exact(if_version.unwrap_or(node.version));
+    call.append(tenant, stream_of(KIND_NODE, &node_id), expected, event_type, payload).await?;
+    let node: NodeView = node_doc(call, tenant, &node_id.to_string()).await?.into();
+    let drained = node.state == super::views::NodeStateView::Draining && node.allocations.is_empty();
+    Ok(NodeChangedView { node, drained })
+}
+
+async fn nodes_cordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
+    let payload = ev::to_cbor(&ev::NodeStateChanged {})?;
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_CORDONED, payload).await
+}
+
+async fn nodes_uncordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
+    let payload = ev::to_cbor(&ev::NodeStateChanged {})?;
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_UNCORDONED, payload).await
+}
+
+async fn nodes_drain(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
+    let payload = ev::to_cbor(&ev::NodeStateChanged {})?;
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_DRAINING, payload).await
+}
+
+fn check_keys(input: &NodeKeys) -> Result<ciborium::Value> {
+    if input.set.is_empty() && input.remove.is_empty() {
+        return Err(Error::invalid("nothing to change: give set or remove"));
+    }
+    if input.set.len() + input.remove.len() > KEY_CHANGES_MAX {
+        return Err(Error::invalid(format!("at most {KEY_CHANGES_MAX} keys per call")));
+    }
+    validate_labels(&input.set)?;
+    for key in &input.remove {
+        validate_label_key(key)?;
+    }
+    ev::to_cbor(&ev::NodeKeysChanged { set: input.set.clone(), remove: input.remove.clone() })
+}
+
+async fn nodes_label(call: &Call<'_>, input: NodeKeys) -> Result<NodeChangedView> {
+    let payload = check_keys(&input)?;
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_LABELED, payload).await
+}
+
+async fn nodes_taint(call: &Call<'_>, input: NodeKeys) -> Result<NodeChangedView> {
+    let payload = check_keys(&input)?;
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_TAINTED, payload).await
+}

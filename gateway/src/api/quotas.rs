@@ -1,0 +1,79 @@
+//! `quotas.*`: a tenant's GPU quota in a pool. A reservation that would take the tenant past it
+//! is refused with `QUOTA_EXCEEDED`, and the refusal is recorded in the log.
+
+use bc_core::id::PoolId;
+use bc_core::store::ExpectedVersion;
+use bc_core::{Error, Result};
+use bc_projections::events as ev;
+use bc_projections::{KIND_QUOTA, QuotaDoc, stream_of};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::pools::pool_doc;
+use super::reservations::pool_load;
+use super::toolkit::{PoolIdText, TenantIdText, parse_id};
+use super::views::QuotaView;
+use super::{Access, Call, Method, method};
+
+pub(super) const METHODS: &[Method] = &[
+    method!(
+        "quotas.get",
+        Access::Action("compute:quotas:read"),
+        "a tenant's GPU quota in a pool and its use",
+        QuotasGet => QuotaView,
+        quotas_get,
+    ),
+    method!(
+        "quotas.set",
+        Access::Action("compute:quotas:admin"),
+        "set a tenant's GPU quota in a pool",
+        QuotasSet => QuotaView,
+        quotas_set,
+    ),
+];
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotasGet {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "PoolIdText")]
+    pool_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotasSet {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "PoolIdText")]
+    pool_id: String,
+    /// GPUs of queued and active reservations the tenant may hold in the pool.
+    #[schemars(range(min = 0, max = u32::MAX))]
+    gpus: i64,
+}
+
+async fn quota_view(call: &Call<'_>, tenant: bc_core::id::TenantId, pool: &PoolId) -> Result<QuotaView> {
+    let quota = call.state.store.row_get(&tenant.to_string(), KIND_QUOTA, &pool.to_string()).await?;
+    let gpus = quota.map(super::toolkit::doc::<QuotaDoc>).transpose()?.map(|q| q.gpus);
+    let in_use = pool_load(call, tenant, &pool.to_string()).await?.gpus;
+    Ok(QuotaView { tenant_id: tenant.to_string(), pool_id: pool.to_string(), gpus, in_use })
+}
+
+async fn quotas_get(call: &Call<'_>, input: QuotasGet) -> Result<QuotaView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+    quota_view(call, tenant, &pool).await
+}
+
+async fn quotas_set(call: &Call<'_>, input: QuotasSet) -> Result<QuotaView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let pool: PoolId = parse_id("poolId", &input.pool_id)?;
+    if !(0..=i64::from(u32::MAX)).contains(&input.gpus) {
+        return Err(Error::invalid(format!("gpus must be 0 or more, not {}", input.gpus)));
+    }
+    pool_doc(call, tenant, &pool.to_string()).await?;
+    let payload = ev::to_cbor(&ev::QuotaSet { gpus: input.gpus as u32 })?;
+    call.append(tenant, stream_of(KIND_QUOTA, &pool), ExpectedVersion::Any, ev::QUOTA_SET, payload).await?;
+    quota_view(call, tenant, &pool).await
+}

@@ -1,0 +1,448 @@
+//! `webhooks.*`: subscriptions, their signing secrets, pings, and the delivery record.
+//!
+//! A subscription is an entity in the log (`webhook/wh_…`); its signing secret is not: it goes
+//! to the write-only secret store and is shown once, in the answer to `create` and
+//! `rotateSecret`. Deliveries are the `webhooks` consumer's work items (`bc-reconcilers`).
+
+use bc_core::id::{EventId, TenantId, WebhookId};
+use bc_core::store::ExpectedVersion;
+use bc_core::store::outbox::WorkState;
+use bc_core::webhook::Secret;
+use bc_core::{Error, Result};
+use bc_projections::WEBHOOK_CONSUMER as CONSUMER;
+use bc_projections::events::{self as ev, EVENT_TYPES, TypeFilter};
+use bc_projections::{KIND_WEBHOOK, WebhookDoc, new_webhook_secret_id, stream_of};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::events::TypePatterns;
+use super::system::Empty;
+use super::toolkit::{
+    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, Page, TenantIdText, VersionNumber, WebhookIdText, doc,
+    limit, list_rows, parse_id, stream_id, validate_text,
+};
+use super::views::{DeliveryView, EventTypesView, PingView, WebhookDeletedView, WebhookSecretView, WebhookView};
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:webhooks:read");
+const WRITE: Access = Access::Action("compute:webhooks:write");
+
+/// Webhooks one tenant may have.
+pub const WEBHOOKS_PER_TENANT_MAX: u32 = 100;
+/// How long a rotated-out secret still signs, by default and at most.
+pub const PREVIOUS_SECRET_DEFAULT_S: u64 = 24 * 3600;
+pub const PREVIOUS_SECRET_MAX_S: u64 = 7 * 24 * 3600;
+/// What a subscription must also be allowed: it reads the tenant's events.
+const EVENTS_READ: &str = "compute:events:read";
+/// Longest delivery id (`evt_…/wh_…`).
+const DELIVERY_ID_BYTES_MAX: usize = 80;
+/// Deliveries one `webhooks.deliveries` page holds at most.
+pub const DELIVERIES_PAGE_MAX: u32 = 100;
+
+pub(super) const METHODS: &[Method] = &[
+    method!(
+        "webhooks.create",
+        WRITE,
+        "subscribe a receiver; the secret is shown once",
+        WebhooksCreate => WebhookSecretView,
+        webhooks_create,
+    ),
+    method!("webhooks.list", READ, "a tenant's webhooks", WebhooksList => Page<WebhookView>, webhooks_list),
+    method!("webhooks.get", READ, "one webhook", WebhookRef => WebhookView, webhooks_get),
+    method!(
+        "webhooks.update",
+        WRITE,
+        "change a webhook's URL, types or description",
+        WebhooksUpdate => WebhookView,
+        webhooks_update,
+    ),
+    method!(
+        "webhooks.delete",
+        WRITE,
+        "delete a webhook; pending deliveries die",
+        WebhookRef => WebhookDeletedView,
+        webhooks_delete,
+    ),
+    method!("webhooks.ping", WRITE, "send a test delivery to one webhook", WebhookRef => PingView, webhooks_ping),
+    method!(
+        "webhooks.rotateSecret",
+        WRITE,
+        "a new signing secret, shown once; the old one signs too for a while",
+        WebhooksRotate => WebhookSecretView,
+        webhooks_rotate_secret,
+    ),
+    method!(
+        "webhooks.deliveries",
+        READ,
+        "a webhook's deliveries and their attempts",
+        WebhooksDeliveries => Page<DeliveryView>,
+        webhooks_deliveries,
+    ),
+    method!(
+        "webhooks.redeliver",
+        WRITE,
+        "queue a done or dead delivery again",
+        WebhooksRedeliver => DeliveryView,
+        webhooks_redeliver,
+    ),
+    method!(
+        "webhooks.eventTypes",
+        Access::Authenticated,
+        "every event type a webhook can subscribe to",
+        Empty => EventTypesView,
+        webhooks_event_types,
+    ),
+];
+
+/// A receiver's URL as the schema states it: `https://` and a fully qualified host name. The
+/// deployment's policy decides the rest when the URL is saved (no private, link-local or
+/// metadata addresses; loopback and `http://` only in `dev`) and again at every delivery.
+struct ReceiverUrl;
+
+impl JsonSchema for ReceiverUrl {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ReceiverUrl".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "maxLength": bc_core::webhook::URL_BYTES_MAX,
+            "pattern": "^https://([a-z0-9][a-z0-9-]{0,62}\\.)+[a-z][a-z0-9-]{0,62}(:[1-9][0-9]{0,3})?(/[A-Za-z0-9._~/-]{0,200})?$",
+        })
+    }
+}
+
+/// At least one type pattern: a webhook with none would receive nothing.
+struct ReceiverTypes;
+
+impl JsonSchema for ReceiverTypes {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ReceiverTypes".into()
+    }
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let mut schema = TypePatterns::json_schema(g);
+        schema.insert("minItems".into(), 1.into());
+        schema
+    }
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhooksCreate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "ReceiverUrl")]
+    url: String,
+    #[schemars(with = "ReceiverTypes")]
+    event_types: Vec<String>,
+    #[serde(default)]
+    #[schemars(with = "DescriptionText")]
+    description: String,
+}
+
+/// At least one of `url`, `eventTypes`, `description`.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("anyOf" = [{ "required": ["url"] }, { "required": ["eventTypes"] }, { "required": ["description"] }]))]
+pub struct WebhooksUpdate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "WebhookIdText")]
+    webhook_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    #[schemars(with = "Option<ReceiverUrl>")]
+    url: Option<String>,
+    #[schemars(with = "Option<ReceiverTypes>")]
+    event_types: Option<Vec<String>>,
+    #[schemars(with = "Option<DescriptionText>")]
+    description: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhookRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "WebhookIdText")]
+    webhook_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhooksRotate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "WebhookIdText")]
+    webhook_id: String,
+    /// Seconds the old secret keeps signing beside the new one (0 to 7 days; default 1 day).
+    #[schemars(range(max = PREVIOUS_SECRET_MAX_S))]
+    previous_valid_s: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhooksList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+/// A delivery's state, as a filter: `pending`, `done` or `dead`.
+struct DeliveryStateText;
+
+impl JsonSchema for DeliveryStateText {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "DeliveryState".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "type": "string", "enum": ["pending", "done", "dead"] })
+    }
+}
+
+/// A delivery id (`evt_…/wh_…`), as a cursor.
+struct DeliveryCursor;
+
+impl JsonSchema for DeliveryCursor {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "DeliveryCursor".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9_/]{1,80}$" })
+    }
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhooksDeliveries {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "WebhookIdText")]
+    webhook_id: String,
+    #[schemars(with = "Option<DeliveryStateText>")]
+    state: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<DeliveryCursor>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WebhooksRedeliver {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "WebhookIdText")]
+    webhook_id: String,
+    /// `evt_…/wh_…`, as `webhooks.deliveries` lists them.
+    #[schemars(regex(pattern = r"^evt_[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}/wh_[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}$"))]
+    delivery_id: String,
+}
+
+fn check_types(types: &[String]) -> Result<()> {
+    if types.is_empty() {
+        return Err(Error::InvalidArgument {
+            message: "eventTypes is empty: the webhook would receive nothing".into(),
+            hint: Some("give patterns such as pool.* or *; webhooks.eventTypes lists the types".into()),
+        });
+    }
+    TypeFilter::parse(types).map(|_| ())
+}
+
+async fn current(call: &Call<'_>, tenant: TenantId, id: &WebhookId) -> Result<WebhookDoc> {
+    call.row(tenant, KIND_WEBHOOK, &id.to_string(), "webhook").await
+}
+
+async fn webhooks_event_types(_: &Call<'_>, _: Empty) -> Result<EventTypesView> {
+    Ok(EventTypesView { items: EVENT_TYPES.iter().map(|t| (*t).to_owned()).collect() })
+}
+
+async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<WebhookSecretView> {
+    let store = &*call.state.store;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    // A subscription reads the tenant's events: it needs what events.list needs.
+    call.principal().authorize(EVENTS_READ, tenant)?;
+    call.state.webhook_policy.check_url(&input.url)?;
+    check_types(&input.event_types)?;
+    validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
+    let existing = store.row_list(&tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
+    if existing.len() >= WEBHOOKS_PER_TENANT_MAX as usize {
+        return Err(Error::invalid(format!("a tenant has at most {WEBHOOKS_PER_TENANT_MAX} webhooks")));
+    }
+    let id = WebhookId::from_ulid(call.ulid());
+    let secret = Secret::generate();
+    // The secret is stored before the event that names it, so a delivery never finds a webhook
+    // without its secret. If the append fails, the secret is an orphan that nothing names.
+    let secret_id = new_webhook_secret_id(&id.to_string());
+    store.secret_put(tenant, &secret_id, &secret.expose(), call.now_ms()).await?;
+    let payload = ev::to_cbor(&ev::WebhookCreated {
+        url: input.url,
+        event_types: input.event_types,
+        description: input.description,
+        secret_version: 1,
+        secret_id,
+    })?;
+    let result =
+        call.append(tenant, stream_of(KIND_WEBHOOK, &id), ExpectedVersion::NoStream, ev::WEBHOOK_CREATED, payload).await?;
+    let id: WebhookId = parse_id("webhookId", stream_id(&result.events[0].envelope.stream))?;
+    // Shown once: a replay of the same request does not show it again.
+    Ok(WebhookSecretView {
+        webhook: current(call, tenant, &id).await?.into(),
+        secret: (!result.replayed).then(|| secret.expose()),
+        replayed: result.replayed,
+    })
+}
+
+async fn webhooks_list(call: &Call<'_>, input: WebhooksList) -> Result<Page<WebhookView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    list_rows(call, tenant, KIND_WEBHOOK, input.limit, input.cursor.as_deref(), |row| Ok(Some(doc::<WebhookDoc>(row)?.into())))
+        .await
+}
+
+async fn webhooks_get(call: &Call<'_>, input: WebhookRef) -> Result<WebhookView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    Ok(current(call, tenant, &id).await?.into())
+}
+
+async fn webhooks_update(call: &Call<'_>, input: WebhooksUpdate) -> Result<WebhookView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    call.principal().authorize(EVENTS_READ, tenant)?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    if let Some(url) = &input.url {
+        call.state.webhook_policy.check_url(url)?;
+    }
+    if let Some(types) = &input.event_types {
+        check_types(types)?;
+    }
+    if let Some(description) = &input.description {
+        validate_text("description", description, DESCRIPTION_CHARS_MAX)?;
+    }
+    if input.url.is_none() && input.event_types.is_none() && input.description.is_none() {
+        return Err(Error::invalid("nothing to update: give url, eventTypes or description"));
+    }
+    let doc = current(call, tenant, &id).await?;
+    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(doc.version));
+    let payload =
+        ev::to_cbor(&ev::WebhookUpdated { url: input.url, event_types: input.event_types, description: input.description })?;
+    call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_UPDATED, payload).await?;
+    Ok(current(call, tenant, &id).await?.into())
+}
+
+async fn webhooks_delete(call: &Call<'_>, input: WebhookRef) -> Result<WebhookDeletedView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    let doc = current(call, tenant, &id).await?;
+    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(doc.version));
+    let payload = ev::to_cbor(&ev::WebhookDeleted {})?;
+    call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_DELETED, payload).await?;
+    // Its secrets go with it; deliveries still pending die at their next attempt.
+    for secret_id in std::iter::once(&doc.secret_id).chain(doc.previous_secrets.iter().map(|p| &p.secret_id)) {
+        call.state.store.secret_delete(tenant, secret_id).await?;
+    }
+    Ok(WebhookDeletedView { webhook_id: id.to_string(), deleted: true })
+}
+
+async fn webhooks_ping(call: &Call<'_>, input: WebhookRef) -> Result<PingView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    let doc = current(call, tenant, &id).await?;
+    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(doc.version));
+    let payload = ev::to_cbor(&ev::WebhookPinged {})?;
+    let result = call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_PINGED, payload).await?;
+    let event = &result.events[0];
+    Ok(PingView {
+        webhook_id: id.to_string(),
+        message_id: event.envelope.id.to_string(),
+        delivery_id: bc_projections::webhook_delivery_id(&event.envelope.id, &id),
+        position: event.position.to_string(),
+    })
+}
+
+async fn webhooks_rotate_secret(call: &Call<'_>, input: WebhooksRotate) -> Result<WebhookSecretView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    let keep_s = input.previous_valid_s.unwrap_or(PREVIOUS_SECRET_DEFAULT_S);
+    if keep_s > PREVIOUS_SECRET_MAX_S {
+        return Err(Error::invalid(format!("previousValidS is at most {PREVIOUS_SECRET_MAX_S} (7 days)")));
+    }
+    let doc = current(call, tenant, &id).await?;
+    let version = doc.secret_version + 1;
+    let secret = Secret::generate();
+    let secret_id = new_webhook_secret_id(&id.to_string());
+    let now_ms = call.now_ms();
+    // A concurrent rotation fails at the append (CONFLICT); its secret is an orphan.
+    call.state.store.secret_put(tenant, &secret_id, &secret.expose(), now_ms).await?;
+    let previous_valid_until_ms = now_ms.saturating_add(keep_s * 1000);
+    let payload = ev::to_cbor(&ev::WebhookSecretRotated { secret_version: version, secret_id, previous_valid_until_ms })?;
+    let expected = ExpectedVersion::Exact(doc.version);
+    let result = call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_SECRET_ROTATED, payload).await?;
+    Ok(WebhookSecretView {
+        webhook: current(call, tenant, &id).await?.into(),
+        secret: (!result.replayed).then(|| secret.expose()),
+        replayed: result.replayed,
+    })
+}
+
+async fn webhooks_deliveries(call: &Call<'_>, input: WebhooksDeliveries) -> Result<Page<DeliveryView>> {
+    let store = &*call.state.store;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    let limit = limit(input.limit)?.min(DELIVERIES_PAGE_MAX);
+    if let Some(cursor) = &input.cursor
+        && (cursor.len() > DELIVERY_ID_BYTES_MAX || !cursor.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'/'))
+    {
+        return Err(Error::invalid("malformed cursor"));
+    }
+    current(call, tenant, &id).await?;
+    let subject = id.to_string();
+    let state = match input.state.as_deref() {
+        None => None,
+        Some(s) => Some(WorkState::parse(s).ok_or_else(|| Error::InvalidArgument {
+            message: format!("state {:?} is not a delivery state", bc_core::id::truncate(s, 40)),
+            hint: Some("pending, done or dead".into()),
+        })?),
+    };
+    let items = store.work_list(CONSUMER, tenant, &subject, state, input.cursor.as_deref(), limit + 1).await?;
+    let more = items.len() > limit as usize;
+    let mut out = Vec::with_capacity(items.len().min(limit as usize));
+    for item in items.iter().take(limit as usize) {
+        let attempts = store.attempts(CONSUMER, tenant, &item.id).await?;
+        out.push(DeliveryView::of(item, attempts));
+    }
+    let next_cursor = if more { items.get(limit as usize - 1).map(|i| i.id.clone()) } else { None };
+    Ok(Page { items: out, next_cursor })
+}
+
+async fn webhooks_redeliver(call: &Call<'_>, input: WebhooksRedeliver) -> Result<DeliveryView> {
+    let store = &*call.state.store;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
+    current(call, tenant, &id).await?;
+    let delivery = input.delivery_id.as_str();
+    let well_formed = delivery.len() <= DELIVERY_ID_BYTES_MAX
+        && delivery.split_once('/').is_some_and(|(msg, hook)| msg.parse::<EventId>().is_ok() && hook == id.to_string());
+    if !well_formed {
+        return Err(Error::InvalidArgument {
+            message: format!("deliveryId {:?} is not a delivery of {id}", bc_core::id::truncate(delivery, 90)),
+            hint: Some("delivery ids look like evt_…/wh_…; webhooks.deliveries lists them".into()),
+        });
+    }
+    let item =
+        store.work_get(CONSUMER, tenant, delivery).await?.ok_or_else(|| Error::not_found(format!("delivery {delivery}")))?;
+    if !store.work_requeue(CONSUMER, tenant, delivery, call.now_ms()).await? {
+        return Err(Error::InvalidArgument {
+            message: format!("delivery {delivery} is still pending ({} attempts so far)", item.attempts),
+            hint: Some("only a done or dead delivery is queued again".into()),
+        });
+    }
+    tracing::info!(%tenant, delivery, "delivery queued again");
+    let item = store.work_get(CONSUMER, tenant, delivery).await?.ok_or_else(|| Error::not_found("delivery"))?;
+    let attempts = store.attempts(CONSUMER, tenant, delivery).await?;
+    Ok(DeliveryView::of(&item, attempts))
+}
