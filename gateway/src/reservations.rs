@@ -14,13 +14,14 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{NodeId, PoolId, ReservationId, TenantId};
-use bc_core::store::{ExpectedVersion, NewEvent, PreReadQuery};
+use bc_core::store::{AppendRequest, ExpectedVersion, PreReadQuery};
 use bc_core::{Error, ErrorCode, Result};
+use bc_projections::decide::{self, Append, PoolLoad, ReservationAsk, ReservationCreate};
 use bc_projections::events::{self as ev};
-use bc_projections::placement::{self, Ask, RESERVATION_GPUS_MAX, Selector};
+use bc_projections::placement::{RESERVATION_GPUS_MAX, Selector};
 use bc_projections::{
-    ACTIVE, KIND_NODE, KIND_POOL, KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, NodeDoc, PoolDoc, QUEUED, QuotaDoc,
-    RESERVATION_STATES, ReservationDoc, stream_of,
+    KIND_NODE, KIND_POOL, KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, NodeDoc, PoolDoc, QuotaDoc, ReservationDoc,
+    ReservationState, stream_of,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -106,13 +107,7 @@ struct NodeOp {
 /// A checked ask: what `create` and `preview` place.
 struct Checked {
     tenant: TenantId,
-    pool: PoolDoc,
-    gpus: u32,
-    duration_s: u64,
-    selector_text: String,
-    selector: Selector,
-    nvlink: bool,
-    tolerations: Vec<String>,
+    ask: ReservationAsk,
 }
 
 fn bare_word(field: &str, value: &str) -> Result<()> {
@@ -164,26 +159,16 @@ async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checked> {
         .row_get(&tenant.to_string(), KIND_POOL, &pool_id.to_string())
         .await?
         .ok_or_else(|| Error::not_found(format!("pool {pool_id}")))?)?;
-    if pool.archived {
-        return Err(Error::invalid(format!("pool {pool_id} is archived")));
-    }
-    let duration_s = input.duration_s as u64;
-    if duration_s > pool.max_reservation_s {
-        return Err(Error::InvalidArgument {
-            message: format!("durationS {duration_s} is past the pool's maximum of {} s", pool.max_reservation_s),
-            hint: Some("ask for a shorter reservation and extend it later, within the maximum".into()),
-        });
-    }
-    Ok(Checked {
-        tenant,
+    let ask = ReservationAsk {
         pool,
         gpus: input.gpus as u32,
-        duration_s,
+        duration_s: input.duration_s as u64,
         selector_text,
         selector,
         nvlink: input.nvlink,
         tolerations: input.tolerations,
-    })
+    };
+    Ok(Checked { tenant, ask: ask.check_pool()? })
 }
 
 async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Result<ReservationDoc> {
@@ -191,106 +176,20 @@ async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Resul
     doc(row.ok_or_else(|| Error::not_found(format!("reservation {id}")))?)
 }
 
-/// What the queue and the quota need of a tenant's live reservations in one pool.
-#[derive(Default)]
-struct PoolLoad {
-    /// Queued reservations by request order: (request seq, id).
-    queued: Vec<(u64, String)>,
-    queued_gpus: u32,
-    /// GPUs of queued and active reservations: what the quota counts.
-    gpus: u32,
-}
-
-impl PoolLoad {
-    /// The load of these live reservations (all of one pool).
-    fn of<'a>(reservations: impl IntoIterator<Item = &'a ReservationDoc>) -> Self {
-        let mut load = Self::default();
-        for r in reservations {
-            load.gpus += r.gpus;
-            if r.state == QUEUED {
-                load.queued.push((r.request_seq, r.reservation_id.clone()));
-                load.queued_gpus += r.gpus;
-            }
-        }
-        load.queued.sort();
-        load
-    }
-
-    /// 1 for the next in line.
-    fn position(&self, rsv: &ReservationDoc) -> Option<usize> {
-        (rsv.state == QUEUED).then(|| self.queued.partition_point(|(seq, _)| *seq < rsv.request_seq) + 1)
-    }
-}
-
 /// The pools' loads, from this process's view of the log (no scan of the rows).
 async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, PoolLoad>> {
-    call.state
-        .fleet
-        .with_tenant(&*call.state.store, tenant, |view| {
-            let mut by_pool: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-            for r in view.live.values() {
-                by_pool.entry(r.pool_id.as_str()).or_default().push(r);
-            }
-            by_pool.into_iter().map(|(pool, list)| (pool.to_owned(), PoolLoad::of(list))).collect()
-        })
-        .await
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::by_pool(view)).await
 }
 
 async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<PoolLoad> {
-    call.state
-        .fleet
-        .with_tenant(&*call.state.store, tenant, |view| PoolLoad::of(view.live.values().filter(|r| r.pool_id == pool)))
-        .await
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::of_pool(view, pool)).await
 }
 
-/// `--if-version`: the reservation must be at the version the caller read, and the handler
-/// decides on that same version (a transition checked on one version and appended on another
-/// could cancel an active reservation without freeing its GPUs).
-fn check_version(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<()> {
-    match if_version {
-        Some(v) if v != rsv.version => Err(Error::Conflict {
-            stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
-            expected: v.to_string(),
-            actual: rsv.version,
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// What `reservations.create` decided on the view.
-enum Decision {
-    /// No node of the pool could hold it even empty: queued, it would block the pool for good.
-    Never,
-    OverQuota {
-        in_use: u32,
-        limit: u32,
-    },
-    Queue,
-    Place(placement::Placement),
-}
-
-/// The reservation `create` is about to append, as the view holds it meanwhile (queued ones
-/// last in line).
-fn pending(tenant: TenantId, id: &str, c: &Checked, active: bool) -> ReservationDoc {
-    ReservationDoc {
-        tenant_id: tenant.to_string(),
-        reservation_id: id.to_owned(),
-        pool_id: c.pool.pool_id.clone(),
-        gpus: c.gpus,
-        duration_s: c.duration_s,
-        selector: c.selector_text.clone(),
-        nvlink: c.nvlink,
-        tolerations: c.tolerations.clone(),
-        state: if active { ACTIVE } else { QUEUED }.into(),
-        node_id: None,
-        gpu_indexes: Vec::new(),
-        request_seq: u64::MAX,
-        requested_at_ms: 0,
-        activated_at_ms: None,
-        ends_at_ms: None,
-        ended_at_ms: None,
-        version: 0,
-    }
+/// A decision's append on behalf of this call (its key, its request id, its fingerprint).
+fn request_of(call: &Call<'_>, tenant: TenantId, append: Append) -> AppendRequest {
+    let mut request = call.request(tenant, append.stream, append.expected, append.events);
+    request.guards = append.guards;
+    request
 }
 
 /// The reservation with its place in the queue (1: next) while queued.
@@ -372,91 +271,25 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                     rows.into_iter().map(doc).collect::<Result<Vec<PoolDoc>>>()?.into_iter().filter(|p| !p.archived).collect()
                 }
             };
-            let loads = loads(call, tenant).await?;
-            let mut items = Vec::new();
-            for pool in pools {
-                let (node_count, (by_model, by_product), [total, free, held, unavailable]) = call
-                    .state
-                    .fleet
-                    .with_pool(store, tenant, &pool.pool_id, |nodes| {
-                        let mut by_product: BTreeMap<String, (u32, u32)> = BTreeMap::new();
-                        let mut by_model: BTreeMap<String, (u32, u32)> = BTreeMap::new();
-                        let mut counts = [0u32; 4];
-                        for node in nodes.iter() {
-                            let usable = node.state == "ready";
-                            for (i, gpu) in node.gpus.iter().enumerate() {
-                                let free = !node.allocations.contains_key(&(i as u32)) && usable;
-                                for (map, key) in [(&mut by_product, &gpu.product), (&mut by_model, &gpu.model)] {
-                                    let entry = map.entry(key.clone()).or_default();
-                                    entry.0 += 1;
-                                    entry.1 += u32::from(free);
-                                }
-                                counts[0] += 1;
-                                if node.allocations.contains_key(&(i as u32)) {
-                                    counts[2] += 1;
-                                } else if usable {
-                                    counts[1] += 1;
-                                } else {
-                                    counts[3] += 1;
-                                }
-                            }
-                        }
-                        (nodes.len(), (by_model, by_product), counts)
-                    })
-                    .await?;
-                let load = loads.get(&pool.pool_id);
-                items.push(json!({
-                    "poolId": pool.pool_id,
-                    "name": pool.name,
-                    "nodes": node_count,
-                    "gpus": total,
-                    "free": free,
-                    "reserved": held,
-                    "unavailable": unavailable,
-                    "queued": load.map(|l| l.queued.len()).unwrap_or(0),
-                    "queuedGpus": load.map(|l| l.queued_gpus).unwrap_or(0),
-                    "byModel": by_model.into_iter().map(|(m, (t, f))| json!({ "model": m, "gpus": t, "free": f })).collect::<Vec<_>>(),
-                    "byProduct": by_product.into_iter().map(|(p, (t, f))| json!({ "product": p, "gpus": t, "free": f })).collect::<Vec<_>>(),
-                    "maxReservationS": pool.max_reservation_s,
-                }));
-            }
+            let items = call
+                .state
+                .fleet
+                .with_tenant(store, tenant, |view| pools.iter().map(|pool| decide::pool_capacity(pool, view)).collect::<Vec<_>>())
+                .await?;
             Ok(json!({ "items": items }))
         }
         "capacity.preview" => {
             let checked = check_ask(call, parse(body)?).await?;
-            let ahead = pool_load(call, checked.tenant, &checked.pool.pool_id).await?.queued.len();
-            let ask = Ask {
-                gpus: checked.gpus,
-                selector: &checked.selector,
-                nvlink: checked.nvlink,
-                tolerations: &checked.tolerations,
-            };
-            let placed = call
-                .state
-                .fleet
-                .with_pool(store, checked.tenant, &checked.pool.pool_id, |nodes| {
-                    let possible = nodes.iter().any(|n| placement::could_fit(n, &ask));
-                    (placement::place(nodes.iter().map(|n| &**n), &ask), possible)
-                })
-                .await?;
-            let (placed, possible) = placed;
-            Ok(json!({
-                "possible": possible,
-                "fits": placed.is_some() && ahead == 0,
-                "fitsIgnoringQueue": placed.is_some(),
-                "queuedAhead": ahead,
-                "nodeId": placed.as_ref().map(|p| p.node_id.clone()),
-                "gpus": placed.as_ref().map(|p| p.gpus.clone()),
-                "selector": checked.selector_text,
-            }))
+            let preview =
+                call.state.fleet.with_tenant(store, checked.tenant, |view| decide::capacity_preview(view, &checked.ask)).await?;
+            serde_json::to_value(preview).map_err(|e| Error::Internal(format!("response: {e}")))
         }
         "reservations.create" => {
-            let c = check_ask(call, parse(body)?).await?;
-            let tenant = c.tenant;
-            let pool_id = c.pool.pool_id.clone();
+            let Checked { tenant, ask } = check_ask(call, parse(body)?).await?;
+            let pool_id = ask.pool.pool_id.clone();
             // A retry of a request already made is answered from the log (the append below
             // replays it), whatever the quota or the queue say now.
-            let retry = match &call.idempotency_key {
+            let replay = match &call.idempotency_key {
                 Some(key) => {
                     let query = PreReadQuery { idempotency_keys: vec![(tenant, format!("request:{key}"))], ..Default::default() };
                     !store.preread(&query).await?.idempotency.is_empty()
@@ -464,111 +297,53 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 None => false,
             };
             let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
-            let rsv = ReservationId::generate();
-            let rsv_text = rsv.to_string();
-            let ask = Ask { gpus: c.gpus, selector: &c.selector, nvlink: c.nvlink, tolerations: &c.tolerations };
+            let rsv_text = ReservationId::generate().to_string();
+            let actor = call.actor();
+            let input = decide::ReservationCreateInput { reservation_id: &rsv_text, now_ms, actor: &actor, replay };
             let fleet = &call.state.fleet;
             // One look at this process's view decides the quota, the queue and the placement
             // together, and holds the GPUs and the reservation in the view until the append is
             // done, so concurrent requests to this process count them.
             let decision = fleet
                 .with_tenant(store, tenant, |view| {
-                    let load = PoolLoad::of(view.live.values().filter(|r| r.pool_id == pool_id));
-                    let (in_use, queued_ahead) = (load.gpus, !load.queued.is_empty());
-                    if retry {
-                        return Decision::Queue;
+                    let decision = decide::reservation_create(view, quota.as_ref(), &ask, &input);
+                    if let Ok(d) = &decision {
+                        d.hold(view);
                     }
-                    if !view.pool_nodes(&pool_id).iter().any(|n| placement::could_fit(n, &ask)) {
-                        return Decision::Never;
-                    }
-                    if let Some(q) = &quota
-                        && in_use + c.gpus > q.gpus
-                    {
-                        return Decision::OverQuota { in_use, limit: q.gpus };
-                    }
-                    let placed = if queued_ahead { None } else { view.place_and_hold(&pool_id, &ask, &rsv_text) };
-                    view.live.insert(rsv_text.clone(), pending(tenant, &rsv_text, &c, placed.is_some()));
-                    placed.map(Decision::Place).unwrap_or(Decision::Queue)
+                    decision
                 })
-                .await?;
+                .await??;
             // The view reads what it held back from the store once this request is done with it,
             // however it ends.
-            let held_node = match &decision {
-                Decision::Place(p) => Some(p.node_id.clone()),
-                _ => None,
-            };
+            let held_node = decision.held_node().map(str::to_owned);
             let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
-            let rsv_stream = stream_of(KIND_RESERVATION, &rsv);
-            let requested = NewEvent::new(
-                ev::RESERVATION_REQUESTED,
-                ev::to_cbor(&ev::ReservationRequested {
-                    pool_id: pool_id.clone(),
-                    gpus: c.gpus,
-                    duration_s: c.duration_s,
-                    selector: c.selector_text.clone(),
-                    nvlink: c.nvlink,
-                    tolerations: c.tolerations.clone(),
-                })?,
-            );
-            let pool_guard = (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(c.pool.version));
-            let mut result = None;
-            match decision {
-                Decision::OverQuota { in_use, limit } => {
-                    let refusal = ev::QuotaExceeded { requested: c.gpus, in_use, limit, actor: call.actor() };
-                    let events = vec![NewEvent::new(ev::QUOTA_EXCEEDED, ev::to_cbor(&refusal)?)];
-                    let mut request = call.request(tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any, events);
+            let (append, if_lost) = match decision {
+                ReservationCreate::OverQuota { refusal, record } => {
+                    let mut request = request_of(call, tenant, record);
                     // The refusal's record is not the request's result: a retry decides again.
                     request.idempotency_key = None;
                     request.fingerprint = None;
                     call.state.log.append(request).await?;
-                    return Err(Error::QuotaExceeded(format!(
-                        "{} GPUs would take the tenant to {} of its quota of {limit} in pool {pool_id}",
-                        c.gpus,
-                        in_use + c.gpus,
-                    )));
+                    return Err(refusal.into());
                 }
-                Decision::Never => {
-                    return Err(Error::InvalidArgument {
-                        message: format!(
-                            "no node in pool {pool_id} could ever hold {} GPUs{}{}",
-                            c.gpus,
-                            if c.selector_text.is_empty() { String::new() } else { format!(" matching {:?}", c.selector_text) },
-                            if c.nvlink { " in one NVLink domain" } else { "" },
-                        ),
-                        hint: Some("check the selector's values with `capacity`, or ask for fewer GPUs".into()),
-                    });
+                ReservationCreate::Queue { append, .. } => (append, None),
+                ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
+            };
+            let result = match (call.state.log.append(request_of(call, tenant, append)).await, if_lost) {
+                (Ok(r), _) => r,
+                // Lost the node to another placement: queue instead; the reconciler places it.
+                (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict => {
+                    tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
+                    call.state.log.append(request_of(call, tenant, if_lost)).await?
                 }
-                Decision::Queue => {}
-                Decision::Place(p) => {
-                    let ends_at_ms = now_ms.saturating_add(c.duration_s.saturating_mul(1000));
-                    let (events, node_guard) = placement::activation(&rsv_text, &p, ends_at_ms)?;
-                    let events = std::iter::once(requested.clone()).chain(events).collect();
-                    let mut request = call.request(tenant, rsv_stream.clone(), ExpectedVersion::NoStream, events);
-                    request.guards = vec![node_guard, pool_guard.clone()];
-                    let appended = call.state.log.append(request).await;
-                    match appended {
-                        Ok(r) => result = Some(r),
-                        // Lost the node to another placement: queue instead; the reconciler places it.
-                        Err(e) if e.code() == ErrorCode::Conflict => {
-                            tracing::debug!(reservation = %rsv, error = %e, "placement lost a race; queueing")
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            let result = match result {
-                Some(r) => r,
-                None => {
-                    let mut request = call.request(tenant, rsv_stream, ExpectedVersion::NoStream, vec![requested]);
-                    request.guards = vec![pool_guard];
-                    call.state.log.append(request).await?
-                }
+                (Err(e), _) => return Err(e),
             };
             reread.now().await;
             let id = result.events[0].envelope.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
             let id: ReservationId = parse_id("reservationId", &id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;
-            let load = if rsv.state == QUEUED { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
+            let load =
+                if rsv.state == ReservationState::Queued { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
             let mut out = view(&rsv, load.as_ref())?;
             out["replayed"] = json!(result.replayed);
             Ok(out)
@@ -578,32 +353,25 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
             let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;
-            let load = if rsv.state == QUEUED { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
+            let load =
+                if rsv.state == ReservationState::Queued { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
             view(&rsv, load.as_ref())
         }
         "reservations.list" => {
             let input: RsvList = parse(body)?;
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
-            if let Some(state) = &input.state
-                && !RESERVATION_STATES.contains(&state.as_str())
-            {
-                return Err(Error::InvalidArgument {
-                    message: format!("state {:?} is not a reservation state", bc_core::id::truncate(state, 40)),
-                    hint: Some(RESERVATION_STATES.join(", ")),
-                });
-            }
+            let state = input.state.as_deref().map(str::parse::<ReservationState>).transpose()?;
             let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
             // Queued and active reservations have their own rows: no scan of finished ones.
-            let kind = match input.state.as_deref() {
-                Some(QUEUED) | Some(ACTIVE) => KIND_RESERVATION_LIVE,
+            let kind = match state {
+                Some(s) if s.is_live() => KIND_RESERVATION_LIVE,
                 _ => KIND_RESERVATION,
             };
             let loads = loads(call, tenant).await?;
             let list = crate::methods::ListInput::page(input.limit, input.cursor.clone());
-            let state = input.state.clone();
             crate::methods::list_rows(call, tenant, kind, &list, |row| {
                 let rsv: ReservationDoc = doc(row)?;
-                let wanted = state.as_ref().is_none_or(|s| *s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
+                let wanted = state.is_none_or(|s| s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
                 wanted.then(|| view(&rsv, loads.get(&rsv.pool_id))).transpose()
             })
             .await
@@ -616,31 +384,12 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
                 return Err(Error::invalid(format!("byS must be at least 1 second, not {}", input.by_s)));
             }
             let rsv = rsv_doc(call, tenant, &id).await?;
-            check_version(&rsv, input.if_version)?;
-            if rsv.state != ACTIVE {
-                return Err(Error::InvalidArgument {
-                    message: format!("reservation {id} is {}: only an active reservation is extended", rsv.state),
-                    hint: None,
-                });
-            }
             let pool: PoolDoc = doc(store
                 .row_get(&tenant.to_string(), KIND_POOL, &rsv.pool_id)
                 .await?
                 .ok_or_else(|| Error::not_found("pool"))?)?;
-            let started = rsv.activated_at_ms.unwrap_or(rsv.requested_at_ms);
-            let ends = rsv.ends_at_ms.unwrap_or(started).saturating_add((input.by_s as u64).saturating_mul(1000));
-            if ends.saturating_sub(started) > pool.max_reservation_s.saturating_mul(1000) {
-                return Err(Error::InvalidArgument {
-                    message: format!(
-                        "extending by {} s goes past the pool's maximum of {} s",
-                        input.by_s, pool.max_reservation_s
-                    ),
-                    hint: None,
-                });
-            }
-            let expected = ExpectedVersion::Exact(rsv.version);
-            let payload = ev::to_cbor(&ev::ReservationExtended { ends_at_ms: ends })?;
-            call.append(tenant, stream_of(KIND_RESERVATION, &id), expected, ev::RESERVATION_EXTENDED, payload).await?;
+            let append = decide::reservation_extend(&rsv, &pool, input.by_s as u64, input.if_version)?;
+            call.state.log.append(request_of(call, tenant, append)).await?;
             view(&rsv_doc(call, tenant, &id).await?, None)
         }
         "reservations.release" => {
@@ -648,24 +397,9 @@ pub async fn dispatch(call: &Call<'_>, name: &str, body: &[u8]) -> Result<Value>
             let tenant = call.tenant(opt_tenant(&input.tenant_id)?).await?;
             let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
             let rsv = rsv_doc(call, tenant, &id).await?;
-            check_version(&rsv, input.if_version)?;
-            let expected = ExpectedVersion::Exact(rsv.version);
-            let stream = stream_of(KIND_RESERVATION, &id);
-            match rsv.state.as_str() {
-                QUEUED => {
-                    call.append(tenant, stream, expected, ev::RESERVATION_CANCELLED, ev::to_cbor(&ev::ReservationEnded {})?)
-                        .await?;
-                }
-                ACTIVE => {
-                    let node =
-                        rsv.node_id.as_deref().ok_or_else(|| Error::Internal("active reservation without a node".into()))?;
-                    let (events, guard) = placement::ending(&id.to_string(), node, ev::RESERVATION_RELEASED)?;
-                    let mut request = call.request(tenant, stream, expected, events);
-                    request.guards = vec![guard];
-                    call.state.log.append(request).await?;
-                }
-                // Already over: releasing again changes nothing.
-                _ => {}
+            // None: already over; releasing again changes nothing.
+            if let Some(append) = decide::reservation_release(&rsv, input.if_version)? {
+                call.state.log.append(request_of(call, tenant, append)).await?;
             }
             view(&rsv_doc(call, tenant, &id).await?, None)
         }

@@ -3,6 +3,9 @@
 //! (projection rows) with the time and the nodes; commits wake it early in process, and it
 //! polls otherwise.
 //!
+//! What a pass does is decided by [`decide::plan`], a pure function of the view and the time;
+//! this file appends the plan's actions and counts what happened.
+//!
 //! Every effect is an append through the [`Log`], decided on the versions it read: activation
 //! appends to the reservation's stream at its version (so it is activated once, whichever
 //! process gets there first) and `node.allocated` to the node's stream at the version placement
@@ -14,18 +17,16 @@
 //! reservation of a pool is placed first, and a pool whose oldest does not fit activates nothing
 //! until it does.
 
-use std::collections::BTreeMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::TenantId;
-use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
+use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
-use bc_projections::events as ev;
+use bc_projections::decide::{self, Action};
 use bc_projections::fleet::Fleet;
-use bc_projections::placement::{self, Ask, Selector};
-use bc_projections::{ACTIVE, KIND_RESERVATION, QUEUED, ReservationDoc, stream_of};
 
 pub const NAME: &str = "reservations";
 const ACTOR: &str = "reconciler:reservations";
@@ -41,79 +42,53 @@ pub struct Pass {
     pub conflicts: usize,
 }
 
-/// `events` on `rsv`'s stream at the version this pass read, with `guard` on the node.
-fn request(tenant: TenantId, rsv: &ReservationDoc, (events, guard): (Vec<NewEvent>, (String, ExpectedVersion))) -> AppendRequest {
-    let stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
-    let mut request = AppendRequest::new(tenant, stream, ExpectedVersion::Exact(rsv.version), ACTOR, events);
-    request.guards = vec![guard];
-    request
-}
-
-/// One pass over every tenant with live reservations. `fleet` is this process's view of the
-/// log; `known` are tenants to load into it first (every tenant on the first pass).
+/// One pass over every tenant with live reservations: [`decide::plan`] on this process's view
+/// of the log (`fleet`), then each action appended in order. `known` are tenants to load into
+/// the view first (every tenant on the first pass). The view holds nothing of the pass: it
+/// reads what the appends did from the log on the next pass.
 pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId]) -> Result<Pass> {
     let mut done = Pass::default();
-    let now = clock.now_ms();
-    // Only what is due is copied out of the view.
-    let work = fleet
-        .with_busy_tenants(&*log.store, known, |tenant, view| {
-            let due = view.live.values().filter(|r| r.state == ACTIVE && r.ends_at_ms.is_some_and(|end| end <= now));
-            let queued = view.live.values().filter(|r| r.state == QUEUED);
-            (tenant, due.cloned().collect::<Vec<ReservationDoc>>(), queued.cloned().collect::<Vec<ReservationDoc>>())
-        })
-        .await?;
-    for (tenant, expired, queued) in work {
-        // Expiry first: it frees GPUs the queue may be waiting for.
-        for rsv in &expired {
-            let Some(node) = rsv.node_id.as_deref() else { continue };
-            let req = request(tenant, rsv, placement::ending(&rsv.reservation_id, node, ev::RESERVATION_EXPIRED)?);
-            match log.append(req).await {
-                Ok(_) => done.expired += 1,
-                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
-                Err(e) => return Err(e),
-            }
-        }
-        let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-        for rsv in &queued {
-            queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
-        }
-        for (pool, mut queue) in queues {
-            queue.sort_by_key(|r| r.request_seq);
-            // A selector this version cannot read (a newer writer's) skips that reservation with
-            // a warning; it must not stop every other pool's queue and expiry.
-            queue.retain(|rsv| match Selector::parse(&rsv.selector) {
-                Ok(_) => true,
-                Err(e) => {
-                    tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, error = %e, "skipping a reservation whose selector does not parse");
-                    false
+    let now_ms = clock.now_ms();
+    let plans = fleet.with_busy_tenants(&*log.store, known, |tenant, view| (tenant, decide::plan(view, now_ms))).await?;
+    for (tenant, actions) in plans {
+        // Expiries that landed, and pools whose queue stopped at an activation that did not.
+        let mut expired: HashSet<String> = HashSet::new();
+        let mut stopped: HashSet<String> = HashSet::new();
+        for action in &actions {
+            match action {
+                Action::Skip { reservation_id, reason, .. } => {
+                    tracing::warn!(reconciler = NAME, reservation = %reservation_id, error = %reason, "skipping a reservation whose selector does not parse");
+                    continue;
                 }
-            });
-            let selectors: Vec<Selector> = queue.iter().map(|rsv| Selector::parse(&rsv.selector).unwrap_or_default()).collect();
-            // Oldest first, one at a time; stop at the first that does not fit or fails.
-            for (rsv, selector) in queue.iter().zip(&selectors) {
-                let ask = Ask { gpus: rsv.gpus, selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
-                let placed = fleet
-                    .with_pool(&*log.store, tenant, pool, |nodes| placement::place_and_hold(nodes, &ask, &rsv.reservation_id))
-                    .await?;
-                let Some(p) = placed else { break };
-                let ends_at_ms = clock.now_ms().saturating_add(rsv.duration_s.saturating_mul(1000));
-                let req = request(tenant, rsv, placement::activation(&rsv.reservation_id, &p, ends_at_ms)?);
-                match log.append(req).await {
-                    Ok(_) => {
-                        done.activated += 1;
-                        // Only this pass holds GPUs in this view, and the append moved the node
-                        // from the version decided on by exactly this allocation: the view is
-                        // the store's next version.
-                        fleet.confirm(tenant, &p.node_id, p.node_version).await;
+                Action::Activate { pool_id, freed_by, .. } => {
+                    if stopped.contains(pool_id) {
+                        continue;
                     }
-                    Err(e) => {
-                        fleet.forget(tenant, &p.node_id).await;
-                        if e.code() == ErrorCode::Conflict {
-                            done.conflicts += 1;
-                        } else {
-                            tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, code = %e.code(), error = %e, "activation failed");
-                        }
-                        break;
+                    // Its guard counts on expiries that did not land: the next pass decides again.
+                    if !freed_by.iter().all(|id| expired.contains(id)) {
+                        stopped.insert(pool_id.clone());
+                        continue;
+                    }
+                }
+                Action::Expire { .. } => {}
+            }
+            let Some(append) = action.append()? else { continue };
+            let appended = log.append(append.into_request(tenant, ACTOR)).await;
+            match (action, appended) {
+                (Action::Expire { reservation_id, .. }, Ok(_)) => {
+                    done.expired += 1;
+                    expired.insert(reservation_id.clone());
+                }
+                (Action::Expire { .. }, Err(e)) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                (Action::Expire { .. }, Err(e)) => return Err(e),
+                (_, Ok(_)) => done.activated += 1,
+                (_, Err(e)) => {
+                    // Oldest first: a pool whose next activation did not land activates nothing more.
+                    stopped.insert(action.pool_id().to_owned());
+                    if e.code() == ErrorCode::Conflict {
+                        done.conflicts += 1;
+                    } else {
+                        tracing::warn!(reconciler = NAME, reservation = %action.reservation_id(), code = %e.code(), error = %e, "activation failed");
                     }
                 }
             }
