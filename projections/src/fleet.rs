@@ -65,7 +65,10 @@ impl TenantView {
     /// The node's version is left alone: a guard must name a version whose content the decision
     /// saw. A later placement on the same node guards the same store version, so if this append
     /// commits first, that one is a CONFLICT; if this append fails, that one was decided on the
-    /// store's content minus even more free GPUs, which is still sound.
+    /// store's content minus even more free GPUs, which is still sound. (Bumping the version
+    /// here would let a view of "store at v, plus a hold that never landed" pass a guard on a
+    /// store version v+1 that someone else's event made, with other GPUs taken: a double
+    /// booking.)
     pub fn hold(&mut self, pending: ReservationDoc, placement: Option<&crate::placement::Placement>) {
         if let Some(p) = placement {
             if let Some(node) = self.nodes.get_mut(&p.node_id) {

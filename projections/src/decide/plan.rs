@@ -11,8 +11,10 @@
 //! changed by earlier actions of the plan guards the version those appends give it (one more
 //! per append), and names the expiries it counts on (`freed_by`); the reconciler skips it
 //! unless they all landed, and stops its pool's queue when one of the pool's activations does
-//! not land. A prediction that another writer upset is a CONFLICT, never a double booking: the
-//! version it names then holds other content only if that writer was these very actions.
+//! not land. The predicted version is the node's only if exactly those appends moved it since
+//! the view read it, so its content is what the plan saw; if another writer moved the node
+//! meanwhile, the guard fails and the append is a CONFLICT (the next pass decides again),
+//! never a double booking.
 
 use std::collections::{BTreeMap, HashMap};
 
