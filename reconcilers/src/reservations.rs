@@ -143,3 +143,96 @@ pub async fn run(
     }
     tracing::info!(reconciler = NAME, "reconciler stopped");
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bc_core::clock::SystemClock;
+    use bc_core::id::{NodeId, PoolId, ReservationId, TenantId};
+    use bc_core::keys::LogKey;
+    use bc_core::store::sqlite::SqliteStore;
+    use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+    use bc_projections::events::{self as ev, Gpu};
+    use bc_projections::fleet::Fleet;
+    use bc_projections::placement::{self, Ask, Selector};
+    use bc_projections::{
+        KIND_NODE, KIND_POOL, KIND_RESERVATION, NodeDoc, Projections, ReservationDoc, ReservationState, stream_of,
+    };
+
+    use super::{Pass, pass};
+
+    fn requested(pool: &str, gpus: u32) -> NewEvent {
+        let payload = ev::ReservationRequested {
+            pool_id: pool.to_owned(),
+            gpus,
+            duration_s: 3600,
+            selector: String::new(),
+            nvlink: false,
+            tolerations: vec![],
+        };
+        NewEvent::new(ev::RESERVATION_REQUESTED, ev::to_cbor(&payload).unwrap())
+    }
+
+    async fn reservation(store: &dyn EventStore, tenant: TenantId, id: &str) -> ReservationDoc {
+        let row = store.row_get(&tenant.to_string(), KIND_RESERVATION, id).await.unwrap().unwrap();
+        serde_json::from_value(row.doc).unwrap()
+    }
+
+    /// One pass expires a reservation and gives its GPUs to the oldest queued one, guarding the
+    /// node at the version the expiry's append gives it; the next in line waits.
+    #[tokio::test]
+    async fn one_pass_expires_then_activates_on_the_freed_gpus() {
+        let path = std::env::temp_dir().join(format!("bc-reservations-pass-{}.sqlite3", TenantId::generate()));
+        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&path).await.unwrap());
+        store.migrate().await.unwrap();
+        let log =
+            Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
+        let tenant = TenantId::generate();
+        let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
+        let pool = PoolId::generate().to_string();
+        let created =
+            ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+        let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
+        log.append(append(stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, vec![event])).await.unwrap();
+        let node_id = NodeId::generate().to_string();
+        let gpu = Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 };
+        let node = ev::NodeRegistered { pool_id: pool.clone(), name: "n".into(), gpus: vec![gpu; 4], labels: Default::default() };
+        let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
+        log.append(append(stream_of(KIND_NODE, &node_id), ExpectedVersion::NoStream, vec![event])).await.unwrap();
+
+        // `done` holds the whole node and ended long ago; `big` then `small` wait behind it.
+        let row = store.row_get(&tenant.to_string(), KIND_NODE, &node_id).await.unwrap().unwrap();
+        let node: NodeDoc = serde_json::from_value(row.doc).unwrap();
+        let selector = Selector::default();
+        let ask = Ask { gpus: 4, selector: &selector, nvlink: false, tolerations: &[] };
+        let placed = placement::place([&node], &ask).unwrap();
+        let done = ReservationId::generate().to_string();
+        let (events, guard) = placement::activation(&done, &placed, 1).unwrap();
+        let mut request = append(stream_of(KIND_RESERVATION, &done), ExpectedVersion::NoStream, vec![requested(&pool, 4)]);
+        request.events.extend(events);
+        request.guards = vec![guard];
+        log.append(request).await.unwrap();
+        let (big, small) = (ReservationId::generate().to_string(), ReservationId::generate().to_string());
+        for (id, gpus) in [(&big, 4), (&small, 1)] {
+            log.append(append(stream_of(KIND_RESERVATION, id), ExpectedVersion::NoStream, vec![requested(&pool, gpus)]))
+                .await
+                .unwrap();
+        }
+
+        let fleet = Fleet::new();
+        fleet.prime(&*store).await.unwrap();
+        let first = pass(&log, &fleet, &SystemClock, &[tenant]).await.unwrap();
+        assert_eq!(first, Pass { activated: 1, expired: 1, conflicts: 0 }, "both in one pass, no conflict");
+        assert_eq!(reservation(&*store, tenant, &done).await.state, ReservationState::Expired);
+        let activated = reservation(&*store, tenant, &big).await;
+        assert_eq!((activated.state, activated.node_id.as_deref()), (ReservationState::Active, Some(node_id.as_str())));
+        assert_eq!(reservation(&*store, tenant, &small).await.state, ReservationState::Queued);
+        // The view reads what the pass appended from the log: nothing more to do.
+        assert_eq!(pass(&log, &fleet, &SystemClock, &[]).await.unwrap(), Pass::default());
+        drop(log);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+}
