@@ -9,8 +9,9 @@
 //! Every effect is an append through the [`Log`], decided on the versions it read: activation
 //! appends to the reservation's stream at its version (so it is activated once, whichever
 //! process gets there first) and `node.allocated` to the node's stream at the version placement
-//! read (so no GPU is given twice). A pass that loses a race gets a CONFLICT, does nothing, and
-//! the next pass decides again on fresh state. Several processes can run it; one killed with
+//! read, or the one the plan's earlier appends give it (so no GPU is given twice). A pass that
+//! loses a race gets a CONFLICT, stops that pool's queue, and the next pass decides again on
+//! fresh state. Several processes can run it; one killed with
 //! SIGKILL loses nothing, since its state is the log.
 //!
 //! Queue rule (also in the README): FIFO per pool by request order, strictly: the oldest queued
