@@ -3,10 +3,11 @@
 //! neither a placement nor a reconciler pass reads every row.
 //!
 //! It is only a cache: every placement is still appended with a guard on the node's version, so
-//! a stale view costs a CONFLICT, never a double booking. Within one process, a placement marks
-//! the GPUs it is about to append as held ([`Fleet::with_pool`]'s closure changes the docs),
-//! so concurrent requests in the same process do not pick the same GPUs; if the append then
-//! fails, [`Fleet::forget`] makes the next use read that node again.
+//! a stale view costs a CONFLICT, never a double booking. The decisions made on it are pure
+//! functions of a [`TenantView`] (see [`crate::decide`]); within one process, the gateway then
+//! marks the GPUs it is about to append as held ([`TenantView::hold`]), so concurrent requests
+//! in the same process do not pick the same GPUs, and [`Reread`] makes the next use read what
+//! it held from the store again, whether the append happened or not.
 
 use std::collections::{HashMap, HashSet};
 
@@ -36,31 +37,48 @@ pub struct TenantView {
 }
 
 impl TenantView {
+    /// A view of these nodes and live reservations, with nothing held: what a test or the
+    /// simulator hands to the decisions of [`crate::decide`].
+    pub fn new(nodes: impl IntoIterator<Item = NodeDoc>, live: impl IntoIterator<Item = ReservationDoc>) -> Self {
+        Self {
+            nodes: nodes.into_iter().map(|n| (n.node_id.clone(), n)).collect(),
+            live: live.into_iter().map(|r| (r.reservation_id.clone(), r)).collect(),
+            ..Default::default()
+        }
+    }
+
     /// The nodes of a pool, in no particular order (placement breaks ties by node id).
     pub fn pool_nodes(&mut self, pool: &str) -> Vec<&mut NodeDoc> {
         self.nodes.values_mut().filter(|n| n.pool_id == pool).collect()
     }
 
-    /// Places and holds for a request made while others may be in flight: on a node with no
-    /// placement in flight if one fits (their appends would conflict), else on any.
-    pub fn place_and_hold(
-        &mut self,
-        pool: &str,
-        ask: &crate::placement::Ask<'_>,
-        reservation_id: &str,
-    ) -> Option<crate::placement::Placement> {
-        let held = std::mem::take(&mut self.held);
-        let mut quiet: Vec<&mut NodeDoc> =
-            self.nodes.values_mut().filter(|n| n.pool_id == pool && !held.contains(&n.node_id)).collect();
-        let placed = match crate::placement::place_and_hold(&mut quiet, ask, reservation_id) {
-            Some(p) => Some(p),
-            None => crate::placement::place_and_hold(&mut self.pool_nodes(pool), ask, reservation_id),
-        };
-        self.held = held;
-        if let Some(p) = &placed {
+    /// Whether a placement this process decided on `node_id` is still in flight.
+    pub fn is_held(&self, node_id: &str) -> bool {
+        self.held.contains(node_id)
+    }
+
+    /// Holds in the view what an append about to be made will do, until the store is read
+    /// again: `pending` joins the live reservations (so queues and quotas count it), and
+    /// `placement`'s GPUs are marked as `pending`'s on their node, so concurrent requests in
+    /// this process do not pick them.
+    ///
+    /// The node's version is left alone: a guard must name a version whose content the decision
+    /// saw. A later placement on the same node guards the same store version, so if this append
+    /// commits first, that one is a CONFLICT; if this append fails, that one was decided on the
+    /// store's content minus even more free GPUs, which is still sound. (Bumping the version
+    /// here would let a view of "store at v, plus a hold that never landed" pass a guard on a
+    /// store version v+1 that someone else's event made, with other GPUs taken: a double
+    /// booking.)
+    pub fn hold(&mut self, pending: ReservationDoc, placement: Option<&crate::placement::Placement>) {
+        if let Some(p) = placement {
+            if let Some(node) = self.nodes.get_mut(&p.node_id) {
+                for gpu in &p.gpus {
+                    node.allocations.insert(*gpu, pending.reservation_id.clone());
+                }
+            }
             self.held.insert(p.node_id.clone());
         }
-        placed
+        self.live.insert(pending.reservation_id.clone(), pending);
     }
 }
 
@@ -162,11 +180,6 @@ impl Fleet {
         Ok(inner.tenants.iter_mut().filter(|(_, v)| !v.live.is_empty()).map(|(t, v)| f(*t, v)).collect())
     }
 
-    /// Reads this node again before its next use.
-    pub async fn forget(&self, tenant: TenantId, node_id: &str) {
-        self.reread(tenant, Some(node_id), "").await;
-    }
-
     /// Reads a node and a reservation again before the next use: what a placer held in the view
     /// is replaced by what the store holds, whether its append happened or not.
     pub async fn reread(&self, tenant: TenantId, node_id: Option<&str>, reservation_id: &str) {
@@ -177,18 +190,6 @@ impl Fleet {
             if !reservation_id.is_empty() {
                 view.dirty_reservations.insert(reservation_id.to_owned());
             }
-        }
-    }
-
-    /// Records that an append moved `node_id` from `decided_on` to the next version with the
-    /// hold the view already shows. Only for a view whose holds are all its caller's (the
-    /// reconciler's, one placement at a time); otherwise the next use reads the node again.
-    pub async fn confirm(&self, tenant: TenantId, node_id: &str, decided_on: u64) {
-        if let Some(view) = self.inner.lock().await.tenants.get_mut(&tenant)
-            && let Some(node) = view.nodes.get_mut(node_id)
-            && node.version == decided_on
-        {
-            node.version = decided_on + 1;
         }
     }
 

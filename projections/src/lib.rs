@@ -6,7 +6,10 @@
 //! again, from the whole log, in `better-compute projections rebuild`.
 //!
 //! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
-//! this file holds the documents and the fold.
+//! [`placement`] the selector language and the choice of GPUs; [`fleet`] the in-memory view of
+//! nodes and live reservations; [`decide`] the pure decisions of the reservation methods and of
+//! the reservations reconciler's pass; this file holds the documents (with their state enums)
+//! and the fold.
 
 use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};
@@ -15,6 +18,7 @@ use bc_core::{audit, canonical};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub mod decide;
 pub mod event_view;
 pub mod events;
 pub mod fleet;
@@ -93,9 +97,7 @@ pub struct NodeDoc {
     pub name: String,
     pub gpus: Vec<Gpu>,
     pub labels: std::collections::BTreeMap<String, String>,
-    /// `ready`, `cordoned` (takes no new reservation) or `draining` (cordoned until its
-    /// reservations end).
-    pub state: String,
+    pub state: NodeState,
     #[serde(default)]
     pub taints: std::collections::BTreeMap<String, String>,
     /// GPU index → the reservation holding it.
@@ -165,7 +167,7 @@ pub struct ReservationDoc {
     pub selector: String,
     pub nvlink: bool,
     pub tolerations: Vec<String>,
-    pub state: String,
+    pub state: ReservationState,
     pub node_id: Option<String>,
     pub gpu_indexes: Vec<u32>,
     /// The tenant chain's sequence number of the request: the queue's order.
@@ -177,13 +179,99 @@ pub struct ReservationDoc {
     pub version: u64,
 }
 
-/// Reservation states.
-pub const QUEUED: &str = "queued";
-pub const ACTIVE: &str = "active";
-pub const RELEASED: &str = "released";
-pub const EXPIRED: &str = "expired";
-pub const CANCELLED: &str = "cancelled";
-pub const RESERVATION_STATES: &[&str] = &[QUEUED, ACTIVE, RELEASED, EXPIRED, CANCELLED];
+/// Where a reservation is in its life: `queued` → `active` → `released` | `expired`, or
+/// `queued` → `cancelled`. Stored (and shown) in lowercase, as the words were before the enum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ReservationState {
+    /// Waiting in its pool's queue for GPUs.
+    Queued,
+    /// Holding GPUs on a node until its end.
+    Active,
+    /// Ended by its owner before its end.
+    Released,
+    /// Ended at its end time by the reconciler.
+    Expired,
+    /// Ended by its owner while still queued.
+    Cancelled,
+}
+
+impl ReservationState {
+    pub const ALL: &[Self] = &[Self::Queued, Self::Active, Self::Released, Self::Expired, Self::Cancelled];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Active => "active",
+            Self::Released => "released",
+            Self::Expired => "expired",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Queued or active: the reservation has a live row and counts against its pool's quota.
+    pub fn is_live(self) -> bool {
+        matches!(self, Self::Queued | Self::Active)
+    }
+}
+
+/// Whether a node takes new reservations: `ready`, `cordoned` (takes no new reservation) or
+/// `draining` (cordoned until its reservations end).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    Ready,
+    Cordoned,
+    Draining,
+}
+
+impl NodeState {
+    pub const ALL: &[Self] = &[Self::Ready, Self::Cordoned, Self::Draining];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Cordoned => "cordoned",
+            Self::Draining => "draining",
+        }
+    }
+}
+
+/// Parses one of `all` by its `as_str` word, or names the allowed words.
+fn state_from_str<T: Copy>(what: &str, text: &str, all: &[T], as_str: impl Fn(T) -> &'static str) -> Result<T> {
+    all.iter().copied().find(|s| as_str(*s) == text).ok_or_else(|| Error::InvalidArgument {
+        message: format!("state {:?} is not a {what} state", bc_core::id::truncate(text, 40)),
+        hint: Some(all.iter().map(|s| as_str(*s)).collect::<Vec<_>>().join(", ")),
+    })
+}
+
+impl std::str::FromStr for ReservationState {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        state_from_str("reservation", text, Self::ALL, Self::as_str)
+    }
+}
+
+impl std::str::FromStr for NodeState {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        state_from_str("node", text, Self::ALL, Self::as_str)
+    }
+}
+
+impl std::fmt::Display for ReservationState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Display for NodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -195,13 +283,13 @@ pub struct QuotaDoc {
     pub updated_at_ms: u64,
 }
 
-fn node_state(cordoned: bool, draining: bool) -> String {
+fn node_state(cordoned: bool, draining: bool) -> NodeState {
     if draining {
-        "draining".into()
+        NodeState::Draining
     } else if cordoned {
-        "cordoned".into()
+        NodeState::Cordoned
     } else {
-        "ready".into()
+        NodeState::Ready
     }
 }
 
@@ -353,7 +441,7 @@ impl Projector for Projections {
                     name: p.name,
                     gpus: p.gpus,
                     labels: p.labels,
-                    state: "ready".into(),
+                    state: NodeState::Ready,
                     taints: Default::default(),
                     allocations: Default::default(),
                     version: env.version,
@@ -364,7 +452,7 @@ impl Projector for Projections {
             NODE_CORDONED | NODE_UNCORDONED | NODE_DRAINING | NODE_LABELED | NODE_TAINTED | NODE_ALLOCATED | NODE_FREED => {
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 match env.event_type.as_str() {
-                    NODE_CORDONED => doc.state = node_state(true, doc.state == "draining"),
+                    NODE_CORDONED => doc.state = node_state(true, doc.state == NodeState::Draining),
                     NODE_UNCORDONED => doc.state = node_state(false, false),
                     NODE_DRAINING => doc.state = node_state(true, true),
                     NODE_LABELED => apply_keys(&mut doc.labels, payload(event)?),
@@ -402,7 +490,7 @@ impl Projector for Projections {
                     selector: p.selector,
                     nvlink: p.nvlink,
                     tolerations: p.tolerations,
-                    state: QUEUED.into(),
+                    state: ReservationState::Queued,
                     node_id: None,
                     gpu_indexes: Vec::new(),
                     request_seq: env.seq,
@@ -422,7 +510,7 @@ impl Projector for Projections {
                 match env.event_type.as_str() {
                     RESERVATION_ACTIVATED => {
                         let p: ReservationActivated = payload(event)?;
-                        doc.state = ACTIVE.into();
+                        doc.state = ReservationState::Active;
                         doc.node_id = Some(p.node_id);
                         doc.gpu_indexes = p.gpus;
                         doc.activated_at_ms = Some(env.at_ms);
@@ -434,16 +522,15 @@ impl Projector for Projections {
                     }
                     ended => {
                         doc.state = match ended {
-                            RESERVATION_RELEASED => RELEASED,
-                            RESERVATION_EXPIRED => EXPIRED,
-                            _ => CANCELLED,
-                        }
-                        .into();
+                            RESERVATION_RELEASED => ReservationState::Released,
+                            RESERVATION_EXPIRED => ReservationState::Expired,
+                            _ => ReservationState::Cancelled,
+                        };
                         doc.ended_at_ms = Some(env.at_ms);
                     }
                 }
                 doc.version = env.version;
-                let live = doc.state == QUEUED || doc.state == ACTIVE;
+                let live = doc.state.is_live();
                 if key.kind == KIND_RESERVATION_LIVE && !live { Ok(None) } else { to_doc(&doc) }
             }
             QUOTA_SET => {

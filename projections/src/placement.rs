@@ -301,7 +301,7 @@ pub struct Placement {
 
 /// Whether a node may take new reservations for this ask at all.
 pub fn usable(node: &NodeDoc, tolerations: &[String]) -> bool {
-    node.state == "ready" && node.taints.keys().all(|k| tolerations.iter().any(|t| t == k))
+    node.state == crate::NodeState::Ready && node.taints.keys().all(|k| tolerations.iter().any(|t| t == k))
 }
 
 /// The best GPUs on one node, or `None` if it cannot take the ask.
@@ -400,26 +400,6 @@ pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) ->
         }
     }
     best.and_then(|(_, node)| fit(node, ask))
-}
-
-/// Places on `nodes` and marks the chosen GPUs as held by `reservation_id` in them, as the
-/// append about to be made will (for [`crate::fleet::Fleet`]'s view), so the next placement
-/// in this process avoids them.
-///
-/// The node's version is left alone: a guard must name a version whose content the decision
-/// saw. A later placement on the same node guards the same store version, so if this append
-/// commits first, that one is a CONFLICT; if this append fails, that one was decided on the
-/// store's content minus even more free GPUs, which is still sound. (Bumping the version here
-/// would let a view of "store at v, plus a hold that never landed" pass a guard on a store
-/// version v+1 that someone else's event made, with other GPUs taken: a double booking.)
-pub fn place_and_hold(nodes: &mut [&mut NodeDoc], ask: &Ask<'_>, reservation_id: &str) -> Option<Placement> {
-    let placed = place(nodes.iter().map(|n| &**n), ask)?;
-    if let Some(node) = nodes.iter_mut().find(|n| n.node_id == placed.node_id) {
-        for gpu in &placed.gpus {
-            node.allocations.insert(*gpu, reservation_id.to_owned());
-        }
-    }
-    Some(placed)
 }
 
 /// Rows read per query while loading nodes or reservations.

@@ -3,29 +3,31 @@
 //! (projection rows) with the time and the nodes; commits wake it early in process, and it
 //! polls otherwise.
 //!
+//! What a pass does is decided by [`decide::plan`], a pure function of the view and the time;
+//! this file appends the plan's actions and counts what happened.
+//!
 //! Every effect is an append through the [`Log`], decided on the versions it read: activation
 //! appends to the reservation's stream at its version (so it is activated once, whichever
 //! process gets there first) and `node.allocated` to the node's stream at the version placement
-//! read (so no GPU is given twice). A pass that loses a race gets a CONFLICT, does nothing, and
-//! the next pass decides again on fresh state. Several processes can run it; one killed with
+//! read, or the one the plan's earlier appends give it (so no GPU is given twice). A pass that
+//! loses a race gets a CONFLICT, stops that pool's queue, and the next pass decides again on
+//! fresh state. Several processes can run it; one killed with
 //! SIGKILL loses nothing, since its state is the log.
 //!
 //! Queue rule (also in the README): FIFO per pool by request order, strictly: the oldest queued
 //! reservation of a pool is placed first, and a pool whose oldest does not fit activates nothing
 //! until it does.
 
-use std::collections::BTreeMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::TenantId;
-use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
+use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
-use bc_projections::events as ev;
+use bc_projections::decide::{self, Action};
 use bc_projections::fleet::Fleet;
-use bc_projections::placement::{self, Ask, Selector};
-use bc_projections::{ACTIVE, KIND_RESERVATION, QUEUED, ReservationDoc, stream_of};
 
 pub const NAME: &str = "reservations";
 const ACTOR: &str = "reconciler:reservations";
@@ -41,79 +43,53 @@ pub struct Pass {
     pub conflicts: usize,
 }
 
-/// `events` on `rsv`'s stream at the version this pass read, with `guard` on the node.
-fn request(tenant: TenantId, rsv: &ReservationDoc, (events, guard): (Vec<NewEvent>, (String, ExpectedVersion))) -> AppendRequest {
-    let stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
-    let mut request = AppendRequest::new(tenant, stream, ExpectedVersion::Exact(rsv.version), ACTOR, events);
-    request.guards = vec![guard];
-    request
-}
-
-/// One pass over every tenant with live reservations. `fleet` is this process's view of the
-/// log; `known` are tenants to load into it first (every tenant on the first pass).
+/// One pass over every tenant with live reservations: [`decide::plan`] on this process's view
+/// of the log (`fleet`), then each action appended in order. `known` are tenants to load into
+/// the view first (every tenant on the first pass). The view holds nothing of the pass: it
+/// reads what the appends did from the log on the next pass.
 pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId]) -> Result<Pass> {
     let mut done = Pass::default();
-    let now = clock.now_ms();
-    // Only what is due is copied out of the view.
-    let work = fleet
-        .with_busy_tenants(&*log.store, known, |tenant, view| {
-            let due = view.live.values().filter(|r| r.state == ACTIVE && r.ends_at_ms.is_some_and(|end| end <= now));
-            let queued = view.live.values().filter(|r| r.state == QUEUED);
-            (tenant, due.cloned().collect::<Vec<ReservationDoc>>(), queued.cloned().collect::<Vec<ReservationDoc>>())
-        })
-        .await?;
-    for (tenant, expired, queued) in work {
-        // Expiry first: it frees GPUs the queue may be waiting for.
-        for rsv in &expired {
-            let Some(node) = rsv.node_id.as_deref() else { continue };
-            let req = request(tenant, rsv, placement::ending(&rsv.reservation_id, node, ev::RESERVATION_EXPIRED)?);
-            match log.append(req).await {
-                Ok(_) => done.expired += 1,
-                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
-                Err(e) => return Err(e),
-            }
-        }
-        let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-        for rsv in &queued {
-            queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
-        }
-        for (pool, mut queue) in queues {
-            queue.sort_by_key(|r| r.request_seq);
-            // A selector this version cannot read (a newer writer's) skips that reservation with
-            // a warning; it must not stop every other pool's queue and expiry.
-            queue.retain(|rsv| match Selector::parse(&rsv.selector) {
-                Ok(_) => true,
-                Err(e) => {
-                    tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, error = %e, "skipping a reservation whose selector does not parse");
-                    false
+    let now_ms = clock.now_ms();
+    let plans = fleet.with_busy_tenants(&*log.store, known, |tenant, view| (tenant, decide::plan(view, now_ms))).await?;
+    for (tenant, actions) in plans {
+        // Expiries that landed, and pools whose queue stopped at an activation that did not.
+        let mut expired: HashSet<String> = HashSet::new();
+        let mut stopped: HashSet<String> = HashSet::new();
+        for action in &actions {
+            match action {
+                Action::Skip { reservation_id, reason, .. } => {
+                    tracing::warn!(reconciler = NAME, reservation = %reservation_id, error = %reason, "skipping a reservation whose selector does not parse");
+                    continue;
                 }
-            });
-            let selectors: Vec<Selector> = queue.iter().map(|rsv| Selector::parse(&rsv.selector).unwrap_or_default()).collect();
-            // Oldest first, one at a time; stop at the first that does not fit or fails.
-            for (rsv, selector) in queue.iter().zip(&selectors) {
-                let ask = Ask { gpus: rsv.gpus, selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
-                let placed = fleet
-                    .with_pool(&*log.store, tenant, pool, |nodes| placement::place_and_hold(nodes, &ask, &rsv.reservation_id))
-                    .await?;
-                let Some(p) = placed else { break };
-                let ends_at_ms = clock.now_ms().saturating_add(rsv.duration_s.saturating_mul(1000));
-                let req = request(tenant, rsv, placement::activation(&rsv.reservation_id, &p, ends_at_ms)?);
-                match log.append(req).await {
-                    Ok(_) => {
-                        done.activated += 1;
-                        // Only this pass holds GPUs in this view, and the append moved the node
-                        // from the version decided on by exactly this allocation: the view is
-                        // the store's next version.
-                        fleet.confirm(tenant, &p.node_id, p.node_version).await;
+                Action::Activate { pool_id, freed_by, .. } => {
+                    if stopped.contains(pool_id) {
+                        continue;
                     }
-                    Err(e) => {
-                        fleet.forget(tenant, &p.node_id).await;
-                        if e.code() == ErrorCode::Conflict {
-                            done.conflicts += 1;
-                        } else {
-                            tracing::warn!(reconciler = NAME, reservation = %rsv.reservation_id, code = %e.code(), error = %e, "activation failed");
-                        }
-                        break;
+                    // Its guard counts on expiries that did not land: the next pass decides again.
+                    if !freed_by.iter().all(|id| expired.contains(id)) {
+                        stopped.insert(pool_id.clone());
+                        continue;
+                    }
+                }
+                Action::Expire { .. } => {}
+            }
+            let Some(append) = action.append()? else { continue };
+            let appended = log.append(append.into_request(tenant, ACTOR)).await;
+            match (action, appended) {
+                (Action::Expire { reservation_id, .. }, Ok(_)) => {
+                    done.expired += 1;
+                    expired.insert(reservation_id.clone());
+                }
+                (Action::Expire { .. }, Err(e)) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                (Action::Expire { .. }, Err(e)) => return Err(e),
+                (_, Ok(_)) => done.activated += 1,
+                (_, Err(e)) => {
+                    // Oldest first: a pool whose next activation did not land activates nothing more.
+                    stopped.insert(action.pool_id().to_owned());
+                    if e.code() == ErrorCode::Conflict {
+                        done.conflicts += 1;
+                    } else {
+                        tracing::warn!(reconciler = NAME, reservation = %action.reservation_id(), code = %e.code(), error = %e, "activation failed");
                     }
                 }
             }
@@ -167,4 +143,97 @@ pub async fn run(
         crate::idle(tick_ms.saturating_sub(PASS_INTERVAL_MIN_MS), &mut wake, &mut shutdown).await;
     }
     tracing::info!(reconciler = NAME, "reconciler stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bc_core::clock::SystemClock;
+    use bc_core::id::{NodeId, PoolId, ReservationId, TenantId};
+    use bc_core::keys::LogKey;
+    use bc_core::store::sqlite::SqliteStore;
+    use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+    use bc_projections::events::{self as ev, Gpu};
+    use bc_projections::fleet::Fleet;
+    use bc_projections::placement::{self, Ask, Selector};
+    use bc_projections::{
+        KIND_NODE, KIND_POOL, KIND_RESERVATION, NodeDoc, Projections, ReservationDoc, ReservationState, stream_of,
+    };
+
+    use super::{Pass, pass};
+
+    fn requested(pool: &str, gpus: u32) -> NewEvent {
+        let payload = ev::ReservationRequested {
+            pool_id: pool.to_owned(),
+            gpus,
+            duration_s: 3600,
+            selector: String::new(),
+            nvlink: false,
+            tolerations: vec![],
+        };
+        NewEvent::new(ev::RESERVATION_REQUESTED, ev::to_cbor(&payload).unwrap())
+    }
+
+    async fn reservation(store: &dyn EventStore, tenant: TenantId, id: &str) -> ReservationDoc {
+        let row = store.row_get(&tenant.to_string(), KIND_RESERVATION, id).await.unwrap().unwrap();
+        serde_json::from_value(row.doc).unwrap()
+    }
+
+    /// One pass expires a reservation and gives its GPUs to the oldest queued one, guarding the
+    /// node at the version the expiry's append gives it; the next in line waits.
+    #[tokio::test]
+    async fn one_pass_expires_then_activates_on_the_freed_gpus() {
+        let path = std::env::temp_dir().join(format!("bc-reservations-pass-{}.sqlite3", TenantId::generate()));
+        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&path).await.unwrap());
+        store.migrate().await.unwrap();
+        let log =
+            Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
+        let tenant = TenantId::generate();
+        let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
+        let pool = PoolId::generate().to_string();
+        let created =
+            ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+        let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
+        log.append(append(stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, vec![event])).await.unwrap();
+        let node_id = NodeId::generate().to_string();
+        let gpu = Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 };
+        let node = ev::NodeRegistered { pool_id: pool.clone(), name: "n".into(), gpus: vec![gpu; 4], labels: Default::default() };
+        let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
+        log.append(append(stream_of(KIND_NODE, &node_id), ExpectedVersion::NoStream, vec![event])).await.unwrap();
+
+        // `done` holds the whole node and ended long ago; `big` then `small` wait behind it.
+        let row = store.row_get(&tenant.to_string(), KIND_NODE, &node_id).await.unwrap().unwrap();
+        let node: NodeDoc = serde_json::from_value(row.doc).unwrap();
+        let selector = Selector::default();
+        let ask = Ask { gpus: 4, selector: &selector, nvlink: false, tolerations: &[] };
+        let placed = placement::place([&node], &ask).unwrap();
+        let done = ReservationId::generate().to_string();
+        let (events, guard) = placement::activation(&done, &placed, 1).unwrap();
+        let mut request = append(stream_of(KIND_RESERVATION, &done), ExpectedVersion::NoStream, vec![requested(&pool, 4)]);
+        request.events.extend(events);
+        request.guards = vec![guard];
+        log.append(request).await.unwrap();
+        let (big, small) = (ReservationId::generate().to_string(), ReservationId::generate().to_string());
+        for (id, gpus) in [(&big, 4), (&small, 1)] {
+            log.append(append(stream_of(KIND_RESERVATION, id), ExpectedVersion::NoStream, vec![requested(&pool, gpus)]))
+                .await
+                .unwrap();
+        }
+
+        let fleet = Fleet::new();
+        fleet.prime(&*store).await.unwrap();
+        let first = pass(&log, &fleet, &SystemClock, &[tenant]).await.unwrap();
+        assert_eq!(first, Pass { activated: 1, expired: 1, conflicts: 0 }, "both in one pass, no conflict");
+        assert_eq!(reservation(&*store, tenant, &done).await.state, ReservationState::Expired);
+        let activated = reservation(&*store, tenant, &big).await;
+        assert_eq!((activated.state, activated.node_id.as_deref()), (ReservationState::Active, Some(node_id.as_str())));
+        assert_eq!(reservation(&*store, tenant, &small).await.state, ReservationState::Queued);
+        // The view reads what the pass appended from the log: nothing more to do.
+        assert_eq!(pass(&log, &fleet, &SystemClock, &[]).await.unwrap(), Pass::default());
+        drop(log);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
 }

@@ -13,14 +13,11 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{PoolId, ReservationId, TenantId};
-use bc_core::store::{ExpectedVersion, NewEvent, PreReadQuery};
+use bc_core::store::{AppendRequest, PreReadQuery};
 use bc_core::{Error, ErrorCode, Result};
-use bc_projections::events as ev;
-use bc_projections::placement::{self, Ask, RESERVATION_GPUS_MAX, SELECTOR_BYTES_MAX, Selector};
-use bc_projections::{
-    ACTIVE, KIND_POOL, KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, PoolDoc, QUEUED, QuotaDoc, RESERVATION_STATES,
-    ReservationDoc, stream_of,
-};
+use bc_projections::decide::{self, Append, PoolLoad, ReservationAsk, ReservationCreate};
+use bc_projections::placement::{RESERVATION_GPUS_MAX, SELECTOR_BYTES_MAX, Selector};
+use bc_projections::{KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, QuotaDoc, ReservationDoc, ReservationState};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
@@ -158,7 +155,8 @@ impl JsonSchema for ReservationStateText {
         "ReservationStateFilter".into()
     }
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({ "type": "string", "enum": RESERVATION_STATES })
+        let states: Vec<&str> = ReservationState::ALL.iter().map(|s| s.as_str()).collect();
+        schemars::json_schema!({ "type": "string", "enum": states })
     }
 }
 
@@ -180,13 +178,7 @@ pub struct ReservationsList {
 /// A checked ask: what `create` and `preview` place.
 pub(super) struct Checked {
     pub(super) tenant: TenantId,
-    pub(super) pool: PoolDoc,
-    pub(super) gpus: u32,
-    pub(super) duration_s: u64,
-    pub(super) selector_text: String,
-    pub(super) selector: Selector,
-    pub(super) nvlink: bool,
-    pub(super) tolerations: Vec<String>,
+    pub(super) ask: ReservationAsk,
 }
 
 fn bare_word(field: &str, value: &str) -> Result<()> {
@@ -234,149 +226,58 @@ pub(super) async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checke
         bare_word("toleration", t)?;
     }
     let pool = pool_doc(call, tenant, &pool_id.to_string()).await?;
-    if pool.archived {
-        return Err(Error::invalid(format!("pool {pool_id} is archived")));
-    }
-    let duration_s = input.duration_s as u64;
-    if duration_s > pool.max_reservation_s {
-        return Err(Error::InvalidArgument {
-            message: format!("durationS {duration_s} is past the pool's maximum of {} s", pool.max_reservation_s),
-            hint: Some("ask for a shorter reservation and extend it later, within the maximum".into()),
-        });
-    }
-    Ok(Checked {
-        tenant,
+    let ask = ReservationAsk {
         pool,
         gpus: input.gpus as u32,
-        duration_s,
+        duration_s: input.duration_s as u64,
         selector_text,
         selector,
         nvlink: input.nvlink,
         tolerations: input.tolerations,
-    })
+    };
+    Ok(Checked { tenant, ask: ask.check_pool()? })
 }
 
 async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Result<ReservationDoc> {
     call.row(tenant, KIND_RESERVATION, &id.to_string(), "reservation").await
 }
 
-/// What the queue and the quota need of a tenant's live reservations in one pool.
-#[derive(Default)]
-pub(super) struct PoolLoad {
-    /// Queued reservations by request order: (request seq, id).
-    pub(super) queued: Vec<(u64, String)>,
-    pub(super) queued_gpus: u32,
-    /// GPUs of queued and active reservations: what the quota counts.
-    pub(super) gpus: u32,
-}
-
-impl PoolLoad {
-    /// The load of these live reservations (all of one pool).
-    fn of<'a>(reservations: impl IntoIterator<Item = &'a ReservationDoc>) -> Self {
-        let mut load = Self::default();
-        for r in reservations {
-            load.gpus += r.gpus;
-            if r.state == QUEUED {
-                load.queued.push((r.request_seq, r.reservation_id.clone()));
-                load.queued_gpus += r.gpus;
-            }
-        }
-        load.queued.sort();
-        load
-    }
-
-    /// 1 for the next in line.
-    fn position(&self, rsv: &ReservationDoc) -> Option<u32> {
-        (rsv.state == QUEUED).then(|| self.queued.partition_point(|(seq, _)| *seq < rsv.request_seq) as u32 + 1)
-    }
-}
-
 /// The pools' loads, from this process's view of the log (no scan of the rows).
 pub(super) async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, PoolLoad>> {
-    call.state
-        .fleet
-        .with_tenant(&*call.state.store, tenant, |view| {
-            let mut by_pool: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-            for r in view.live.values() {
-                by_pool.entry(r.pool_id.as_str()).or_default().push(r);
-            }
-            by_pool.into_iter().map(|(pool, list)| (pool.to_owned(), PoolLoad::of(list))).collect()
-        })
-        .await
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::by_pool(view)).await
 }
 
 pub(super) async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<PoolLoad> {
-    call.state
-        .fleet
-        .with_tenant(&*call.state.store, tenant, |view| PoolLoad::of(view.live.values().filter(|r| r.pool_id == pool)))
-        .await
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::of_pool(view, pool)).await
 }
 
-/// `--if-version`: the reservation must be at the version the caller read, and the handler
-/// decides on that same version (a transition checked on one version and appended on another
-/// could cancel an active reservation without freeing its GPUs).
-fn check_version(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<()> {
-    match if_version {
-        Some(v) if v != rsv.version => Err(Error::Conflict {
-            stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
-            expected: v.to_string(),
-            actual: rsv.version,
-        }),
-        _ => Ok(()),
-    }
+/// A decision's append on behalf of this call (its key, its request id, its fingerprint).
+fn request_of(call: &Call<'_>, tenant: TenantId, append: Append) -> AppendRequest {
+    let mut request = call.request(tenant, append.stream, append.expected, append.events);
+    request.guards = append.guards;
+    request
 }
 
-/// What `reservations.create` decided on the view.
-enum Decision {
-    /// No node of the pool could hold it even empty: queued, it would block the pool for good.
-    Never,
-    OverQuota {
-        in_use: u32,
-        limit: u32,
-    },
-    Queue,
-    Place(placement::Placement),
-}
-
-/// The reservation `create` is about to append, as the view holds it meanwhile (queued ones
-/// last in line).
-fn pending(tenant: TenantId, id: &str, c: &Checked, active: bool) -> ReservationDoc {
-    ReservationDoc {
-        tenant_id: tenant.to_string(),
-        reservation_id: id.to_owned(),
-        pool_id: c.pool.pool_id.clone(),
-        gpus: c.gpus,
-        duration_s: c.duration_s,
-        selector: c.selector_text.clone(),
-        nvlink: c.nvlink,
-        tolerations: c.tolerations.clone(),
-        state: if active { ACTIVE } else { QUEUED }.into(),
-        node_id: None,
-        gpu_indexes: Vec::new(),
-        request_seq: u64::MAX,
-        requested_at_ms: 0,
-        activated_at_ms: None,
-        ends_at_ms: None,
-        ended_at_ms: None,
-        version: 0,
-    }
+/// The place of a queued reservation in its pool's queue (1: next).
+fn queue_position(load: Option<&PoolLoad>, rsv: &ReservationDoc) -> Option<u32> {
+    load.and_then(|l| l.position(rsv)).map(|p| u32::try_from(p).unwrap_or(u32::MAX))
 }
 
 /// The reservation with its place in the queue (1: next) while queued.
 async fn view_of(call: &Call<'_>, tenant: TenantId, rsv: ReservationDoc) -> Result<ReservationView> {
-    let position = if rsv.state == QUEUED { pool_load(call, tenant, &rsv.pool_id).await?.position(&rsv) } else { None };
+    let load = if rsv.state == ReservationState::Queued { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
+    let position = queue_position(load.as_ref(), &rsv);
     Ok(ReservationView::of(rsv, position))
 }
 
 async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<ReservationView> {
     let store = &*call.state.store;
     let now_ms = call.now_ms();
-    let c = check_ask(call, input).await?;
-    let tenant = c.tenant;
-    let pool_id = c.pool.pool_id.clone();
+    let Checked { tenant, ask } = check_ask(call, input).await?;
+    let pool_id = ask.pool.pool_id.clone();
     // A retry of a request already made is answered from the log (the append below replays
     // it), whatever the quota or the queue say now.
-    let retry = match &call.idempotency_key {
+    let replay = match &call.idempotency_key {
         Some(key) => {
             let query = PreReadQuery { idempotency_keys: vec![(tenant, format!("request:{key}"))], ..Default::default() };
             !store.preread(&query).await?.idempotency.is_empty()
@@ -384,104 +285,46 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
         None => false,
     };
     let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
-    let rsv = ReservationId::from_ulid(call.ulid());
-    let rsv_text = rsv.to_string();
-    let ask = Ask { gpus: c.gpus, selector: &c.selector, nvlink: c.nvlink, tolerations: &c.tolerations };
+    let rsv_text = ReservationId::from_ulid(call.ulid()).to_string();
+    let actor = call.actor();
+    let input = decide::ReservationCreateInput { reservation_id: &rsv_text, now_ms, actor: &actor, replay };
     let fleet = &call.state.fleet;
     // One look at this process's view decides the quota, the queue and the placement together,
     // and holds the GPUs and the reservation in the view until the append is done, so
     // concurrent requests to this process count them.
     let decision = fleet
         .with_tenant(store, tenant, |view| {
-            let load = PoolLoad::of(view.live.values().filter(|r| r.pool_id == pool_id));
-            let (in_use, queued_ahead) = (load.gpus, !load.queued.is_empty());
-            if retry {
-                return Decision::Queue;
+            let decision = decide::reservation_create(view, quota.as_ref(), &ask, &input);
+            if let Ok(d) = &decision {
+                d.hold(view);
             }
-            if !view.pool_nodes(&pool_id).iter().any(|n| placement::could_fit(n, &ask)) {
-                return Decision::Never;
-            }
-            if let Some(q) = &quota
-                && in_use + c.gpus > q.gpus
-            {
-                return Decision::OverQuota { in_use, limit: q.gpus };
-            }
-            let placed = if queued_ahead { None } else { view.place_and_hold(&pool_id, &ask, &rsv_text) };
-            view.live.insert(rsv_text.clone(), pending(tenant, &rsv_text, &c, placed.is_some()));
-            placed.map(Decision::Place).unwrap_or(Decision::Queue)
+            decision
         })
-        .await?;
+        .await??;
     // The view reads what it held back from the store once this request is done with it,
     // however it ends.
-    let held_node = match &decision {
-        Decision::Place(p) => Some(p.node_id.clone()),
-        _ => None,
-    };
+    let held_node = decision.held_node().map(str::to_owned);
     let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
-    let rsv_stream = stream_of(KIND_RESERVATION, &rsv);
-    let requested = NewEvent::new(
-        ev::RESERVATION_REQUESTED,
-        ev::to_cbor(&ev::ReservationRequested {
-            pool_id: pool_id.clone(),
-            gpus: c.gpus,
-            duration_s: c.duration_s,
-            selector: c.selector_text.clone(),
-            nvlink: c.nvlink,
-            tolerations: c.tolerations.clone(),
-        })?,
-    );
-    let pool_guard = (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(c.pool.version));
-    let mut result = None;
-    match decision {
-        Decision::OverQuota { in_use, limit } => {
-            let refusal = ev::QuotaExceeded { requested: c.gpus, in_use, limit, actor: call.actor() };
-            let events = vec![NewEvent::new(ev::QUOTA_EXCEEDED, ev::to_cbor(&refusal)?)];
-            let mut request = call.request(tenant, stream_of(KIND_QUOTA, &pool_id), ExpectedVersion::Any, events);
+    let (append, if_lost) = match decision {
+        ReservationCreate::OverQuota { refusal, record } => {
+            let mut request = request_of(call, tenant, record);
             // The refusal's record is not the request's result: a retry decides again.
             request.idempotency_key = None;
             request.fingerprint = None;
             call.state.log.append(request).await?;
-            return Err(Error::QuotaExceeded(format!(
-                "{} GPUs would take the tenant to {} of its quota of {limit} in pool {pool_id}",
-                c.gpus,
-                in_use + c.gpus,
-            )));
+            return Err(refusal.into());
         }
-        Decision::Never => {
-            return Err(Error::InvalidArgument {
-                message: format!(
-                    "no node in pool {pool_id} could ever hold {} GPUs{}{}",
-                    c.gpus,
-                    if c.selector_text.is_empty() { String::new() } else { format!(" matching {:?}", c.selector_text) },
-                    if c.nvlink { " in one NVLink domain" } else { "" },
-                ),
-                hint: Some("check the selector's values with `capacity`, or ask for fewer GPUs".into()),
-            });
+        ReservationCreate::Queue { append, .. } => (append, None),
+        ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
+    };
+    let result = match (call.state.log.append(request_of(call, tenant, append)).await, if_lost) {
+        (Ok(r), _) => r,
+        // Lost the node to another placement: queue instead; the reconciler places it.
+        (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict => {
+            tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
+            call.state.log.append(request_of(call, tenant, if_lost)).await?
         }
-        Decision::Queue => {}
-        Decision::Place(p) => {
-            let ends_at_ms = now_ms.saturating_add(c.duration_s.saturating_mul(1000));
-            let (events, node_guard) = placement::activation(&rsv_text, &p, ends_at_ms)?;
-            let events = std::iter::once(requested.clone()).chain(events).collect();
-            let mut request = call.request(tenant, rsv_stream.clone(), ExpectedVersion::NoStream, events);
-            request.guards = vec![node_guard, pool_guard.clone()];
-            match call.state.log.append(request).await {
-                Ok(r) => result = Some(r),
-                // Lost the node to another placement: queue instead; the reconciler places it.
-                Err(e) if e.code() == ErrorCode::Conflict => {
-                    tracing::debug!(reservation = %rsv, error = %e, "placement lost a race; queueing")
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let result = match result {
-        Some(r) => r,
-        None => {
-            let mut request = call.request(tenant, rsv_stream, ExpectedVersion::NoStream, vec![requested]);
-            request.guards = vec![pool_guard];
-            call.state.log.append(request).await?
-        }
+        (Err(e), _) => return Err(e),
     };
     reread.now().await;
     let id: ReservationId = parse_id("reservationId", stream_id(&result.events[0].envelope.stream))?;
@@ -498,27 +341,19 @@ async fn reservations_get(call: &Call<'_>, input: ReservationRef) -> Result<Rese
 
 async fn reservations_list(call: &Call<'_>, input: ReservationsList) -> Result<Page<ReservationView>> {
     let tenant = call.tenant(&input.tenant_id).await?;
-    if let Some(state) = &input.state
-        && !RESERVATION_STATES.contains(&state.as_str())
-    {
-        return Err(Error::InvalidArgument {
-            message: format!("state {:?} is not a reservation state", bc_core::id::truncate(state, 40)),
-            hint: Some(RESERVATION_STATES.join(", ")),
-        });
-    }
+    let state = input.state.as_deref().map(str::parse::<ReservationState>).transpose()?;
     let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
     // Queued and active reservations have their own rows: no scan of finished ones.
-    let kind = match input.state.as_deref() {
-        Some(QUEUED) | Some(ACTIVE) => KIND_RESERVATION_LIVE,
+    let kind = match state {
+        Some(s) if s.is_live() => KIND_RESERVATION_LIVE,
         _ => KIND_RESERVATION,
     };
     let loads = loads(call, tenant).await?;
-    let state = input.state.clone();
     list_rows(call, tenant, kind, input.limit, input.cursor.as_deref(), |row| {
         let rsv: ReservationDoc = doc(row)?;
-        let wanted = state.as_ref().is_none_or(|s| *s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
+        let wanted = state.is_none_or(|s| s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
         Ok(wanted.then(|| {
-            let position = loads.get(&rsv.pool_id).and_then(|l| l.position(&rsv));
+            let position = queue_position(loads.get(&rsv.pool_id), &rsv);
             ReservationView::of(rsv, position)
         }))
     })
@@ -532,25 +367,9 @@ async fn reservations_extend(call: &Call<'_>, input: ReservationsExtend) -> Resu
         return Err(Error::invalid(format!("byS must be 1 second to {DURATION_S_MAX} (a year), not {}", input.by_s)));
     }
     let rsv = rsv_doc(call, tenant, &id).await?;
-    check_version(&rsv, input.if_version)?;
-    if rsv.state != ACTIVE {
-        return Err(Error::InvalidArgument {
-            message: format!("reservation {id} is {}: only an active reservation is extended", rsv.state),
-            hint: None,
-        });
-    }
     let pool = pool_doc(call, tenant, &rsv.pool_id).await?;
-    let started = rsv.activated_at_ms.unwrap_or(rsv.requested_at_ms);
-    let ends = rsv.ends_at_ms.unwrap_or(started).saturating_add((input.by_s as u64).saturating_mul(1000));
-    if ends.saturating_sub(started) > pool.max_reservation_s.saturating_mul(1000) {
-        return Err(Error::InvalidArgument {
-            message: format!("extending by {} s goes past the pool's maximum of {} s", input.by_s, pool.max_reservation_s),
-            hint: None,
-        });
-    }
-    let expected = ExpectedVersion::Exact(rsv.version);
-    let payload = ev::to_cbor(&ev::ReservationExtended { ends_at_ms: ends })?;
-    call.append(tenant, stream_of(KIND_RESERVATION, &id), expected, ev::RESERVATION_EXTENDED, payload).await?;
+    let append = decide::reservation_extend(&rsv, &pool, input.by_s as u64, input.if_version)?;
+    call.state.log.append(request_of(call, tenant, append)).await?;
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
 }
 
@@ -558,22 +377,9 @@ async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
     let rsv = rsv_doc(call, tenant, &id).await?;
-    check_version(&rsv, input.if_version)?;
-    let expected = ExpectedVersion::Exact(rsv.version);
-    let stream = stream_of(KIND_RESERVATION, &id);
-    match rsv.state.as_str() {
-        QUEUED => {
-            call.append(tenant, stream, expected, ev::RESERVATION_CANCELLED, ev::to_cbor(&ev::ReservationEnded {})?).await?;
-        }
-        ACTIVE => {
-            let node = rsv.node_id.as_deref().ok_or_else(|| Error::Internal("active reservation without a node".into()))?;
-            let (events, guard) = placement::ending(&id.to_string(), node, ev::RESERVATION_RELEASED)?;
-            let mut request = call.request(tenant, stream, expected, events);
-            request.guards = vec![guard];
-            call.state.log.append(request).await?;
-        }
-        // Already over: releasing again changes nothing.
-        _ => {}
+    // None: already over; releasing again changes nothing.
+    if let Some(append) = decide::reservation_release(&rsv, input.if_version)? {
+        call.state.log.append(request_of(call, tenant, append)).await?;
     }
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
 }

@@ -153,12 +153,13 @@ pub enum NodeStateView {
     Draining,
 }
 
-impl NodeStateView {
-    fn of(state: &str) -> Self {
-        match state {
-            "cordoned" => Self::Cordoned,
-            "draining" => Self::Draining,
-            _ => Self::Ready,
+impl From<bc_projections::NodeState> for NodeStateView {
+    fn from(s: bc_projections::NodeState) -> Self {
+        use bc_projections::NodeState as S;
+        match s {
+            S::Ready => Self::Ready,
+            S::Cordoned => Self::Cordoned,
+            S::Draining => Self::Draining,
         }
     }
 }
@@ -212,7 +213,7 @@ impl From<NodeDoc> for NodeView {
                 .map(|g| GpuView { model: g.model, product: g.product, vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
                 .collect(),
             labels: d.labels,
-            state: NodeStateView::of(&d.state),
+            state: d.state.into(),
             taints: d.taints,
             allocations: d.allocations,
             version: d.version,
@@ -244,14 +245,15 @@ pub enum ReservationStateView {
     Cancelled,
 }
 
-impl ReservationStateView {
-    fn of(state: &str) -> Self {
-        match state {
-            "queued" => Self::Queued,
-            "active" => Self::Active,
-            "released" => Self::Released,
-            "expired" => Self::Expired,
-            _ => Self::Cancelled,
+impl From<bc_projections::ReservationState> for ReservationStateView {
+    fn from(s: bc_projections::ReservationState) -> Self {
+        use bc_projections::ReservationState as S;
+        match s {
+            S::Queued => Self::Queued,
+            S::Active => Self::Active,
+            S::Released => Self::Released,
+            S::Expired => Self::Expired,
+            S::Cancelled => Self::Cancelled,
         }
     }
 }
@@ -301,7 +303,7 @@ impl ReservationView {
             selector: d.selector,
             nvlink: d.nvlink,
             tolerations: d.tolerations,
-            state: ReservationStateView::of(&d.state),
+            state: d.state.into(),
             node_id: d.node_id,
             gpu_indexes: d.gpu_indexes,
             request_seq: d.request_seq,
@@ -352,6 +354,33 @@ pub struct CapacityView {
     pub max_reservation_s: u64,
 }
 
+impl From<bc_projections::decide::PoolCapacity> for CapacityView {
+    fn from(c: bc_projections::decide::PoolCapacity) -> Self {
+        Self {
+            pool_id: c.pool_id,
+            name: c.name,
+            nodes: c.nodes,
+            gpus: c.gpus,
+            free: c.free,
+            reserved: c.reserved,
+            unavailable: c.unavailable,
+            queued: c.queued,
+            queued_gpus: c.queued_gpus,
+            by_model: c
+                .by_model
+                .into_iter()
+                .map(|m| GpuCountView { model: Some(m.model), product: None, gpus: m.gpus, free: m.free })
+                .collect(),
+            by_product: c
+                .by_product
+                .into_iter()
+                .map(|p| GpuCountView { model: None, product: Some(p.product), gpus: p.gpus, free: p.free })
+                .collect(),
+            max_reservation_s: c.max_reservation_s,
+        }
+    }
+}
+
 /// `capacity.get`: every pool asked for.
 #[derive(Serialize, JsonSchema)]
 pub struct CapacityListView {
@@ -373,6 +402,20 @@ pub struct PreviewView {
     pub node_id: Option<String>,
     pub gpus: Option<Vec<u32>>,
     pub selector: String,
+}
+
+impl From<bc_projections::decide::CapacityPreview> for PreviewView {
+    fn from(p: bc_projections::decide::CapacityPreview) -> Self {
+        Self {
+            possible: p.possible,
+            fits: p.fits,
+            fits_ignoring_queue: p.fits_ignoring_queue,
+            queued_ahead: p.queued_ahead,
+            node_id: p.node_id,
+            gpus: p.gpus,
+            selector: p.selector,
+        }
+    }
 }
 
 /// A tenant's GPU quota in one pool and what it uses of it.

@@ -1,0 +1,180 @@
+//! Decisions: pure functions from state (this process's [`TenantView`] of the fleet, the
+//! documents a method read) and input (the parsed, checked request, the time, the ids of what
+//! it creates) to what to append ([`Append`]: events, stream, expected version, guards), or a
+//! typed [`Refusal`]. No IO, no clock, no id generation in here: the caller reads, draws ids and
+//! the time, and appends; so the gateway, the reservations reconciler, the simulator and the
+//! tests make the very same decisions, and the same view and input give the same appends.
+//!
+//! - The gateway's reservation handlers are parse → decide → append → view:
+//!   [`reservation_create`] (quota, queue position or placement, or refusal),
+//!   [`reservation_release`] (cancel a queued one, release an active one), [`reservation_extend`],
+//!   [`pool_capacity`] (`capacity.get`) and [`capacity_preview`].
+//! - The reservations reconciler's pass is [`plan`]`(view, now_ms)` (expiries first, then each
+//!   pool's queue in FIFO order), then one append per [`Action`].
+//!
+//! Layout: this file holds what the decisions share ([`Append`], [`Refusal`], [`PoolLoad`]);
+//! `reservation.rs` the methods' decisions, `capacity.rs` the capacity views, `plan.rs` the
+//! reconciler's pass. The unit tests (no database) are in `projections/tests/decide.rs`.
+
+use std::collections::BTreeMap;
+
+use bc_core::Error;
+use bc_core::id::TenantId;
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+
+use crate::fleet::TenantView;
+use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
+
+mod capacity;
+mod plan;
+mod reservation;
+
+pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
+pub use plan::{Action, plan};
+pub use reservation::{
+    ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create, reservation_extend, reservation_release,
+};
+
+/// One append a decision asks for: `events` on `stream` (or, for an event that names one, on
+/// another stream of the tenant, which is then one of the `guards`), if `stream` is at
+/// `expected` and every guarded stream at its version. The caller adds who appends and the
+/// request's idempotency key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Append {
+    pub stream: String,
+    pub expected: ExpectedVersion,
+    pub guards: Vec<(String, ExpectedVersion)>,
+    pub events: Vec<NewEvent>,
+}
+
+impl Append {
+    /// `events` with one guard on another stream (what [`crate::placement::activation`] and
+    /// [`crate::placement::ending`] give).
+    pub fn guarded(
+        stream: String,
+        expected: ExpectedVersion,
+        (events, guard): (Vec<NewEvent>, (String, ExpectedVersion)),
+    ) -> Self {
+        Self { stream, expected, guards: vec![guard], events }
+    }
+
+    /// The request for the log, by `actor`, with no idempotency key.
+    pub fn into_request(self, tenant: TenantId, actor: impl Into<String>) -> AppendRequest {
+        let mut request = AppendRequest::new(tenant, self.stream, self.expected, actor, self.events);
+        request.guards = self.guards;
+        request
+    }
+
+    /// The types of the events, in order.
+    pub fn event_types(&self) -> Vec<&str> {
+        self.events.iter().map(|e| e.event_type.as_str()).collect()
+    }
+}
+
+/// Why a decision appends nothing: the request is refused (`Internal` aside, which is a broken
+/// invariant, not the caller's mistake). Each maps to the error the caller sees
+/// (`From<Refusal> for bc_core::Error`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("pool {pool_id} is archived")]
+    PoolArchived { pool_id: String },
+    #[error("durationS {duration_s} is past the pool's maximum of {max_reservation_s} s")]
+    DurationPastPoolMaximum { duration_s: u64, max_reservation_s: u64 },
+    /// No node of the pool could hold it even empty: queued, it would block the pool for good.
+    #[error(
+        "no node in pool {pool_id} could ever hold {gpus} GPUs{}{}",
+        if .selector.is_empty() { String::new() } else { format!(" matching {:?}", .selector) },
+        if *.nvlink { " in one NVLink domain" } else { "" }
+    )]
+    NeverFits { pool_id: String, gpus: u32, selector: String, nvlink: bool },
+    /// The tenant's live reservations in the pool plus this one would pass its quota.
+    #[error("{requested} GPUs would take the tenant to {} of its quota of {limit} in pool {pool_id}", .in_use + .requested)]
+    OverQuota { pool_id: String, requested: u32, in_use: u32, limit: u32 },
+    /// `ifVersion` names another version than the one the decision read.
+    #[error("reservation {reservation_id} is at version {actual}, not {expected}")]
+    VersionMismatch { reservation_id: String, expected: u64, actual: u64 },
+    #[error("reservation {reservation_id} is {state}: only an active reservation is extended")]
+    NotActive { reservation_id: String, state: ReservationState },
+    #[error("extending by {by_s} s goes past the pool's maximum of {max_reservation_s} s")]
+    ExtendPastPoolMaximum { by_s: u64, max_reservation_s: u64 },
+    /// Not a refusal of the request: a document breaks an invariant (an active reservation
+    /// without a node) or a payload does not encode.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<Refusal> for Error {
+    fn from(refusal: Refusal) -> Self {
+        let message = refusal.to_string();
+        match refusal {
+            Refusal::DurationPastPoolMaximum { .. } => Error::InvalidArgument {
+                message,
+                hint: Some("ask for a shorter reservation and extend it later, within the maximum".into()),
+            },
+            Refusal::NeverFits { .. } => Error::InvalidArgument {
+                message,
+                hint: Some("check the selector's values with `capacity`, or ask for fewer GPUs".into()),
+            },
+            Refusal::OverQuota { .. } => Error::QuotaExceeded(message),
+            Refusal::VersionMismatch { reservation_id, expected, actual } => {
+                Error::Conflict { stream: stream_of(KIND_RESERVATION, &reservation_id), expected: expected.to_string(), actual }
+            }
+            Refusal::PoolArchived { .. } | Refusal::NotActive { .. } | Refusal::ExtendPastPoolMaximum { .. } => {
+                Error::invalid(message)
+            }
+            Refusal::Internal(_) => Error::Internal(message),
+        }
+    }
+}
+
+impl From<Error> for Refusal {
+    /// Encoding a payload is the only fallible step inside a decision.
+    fn from(error: Error) -> Self {
+        Refusal::Internal(error.to_string())
+    }
+}
+
+/// What the queue and the quota need of a tenant's live reservations in one pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolLoad {
+    /// Queued reservations by request order: (request seq, id).
+    pub queued: Vec<(u64, String)>,
+    pub queued_gpus: u32,
+    /// GPUs of queued and active reservations: what the quota counts.
+    pub gpus: u32,
+}
+
+impl PoolLoad {
+    /// The load of these live reservations (all of one pool).
+    pub fn of<'a>(reservations: impl IntoIterator<Item = &'a ReservationDoc>) -> Self {
+        let mut load = Self::default();
+        for r in reservations {
+            load.gpus = load.gpus.saturating_add(r.gpus);
+            if r.state == ReservationState::Queued {
+                load.queued.push((r.request_seq, r.reservation_id.clone()));
+                load.queued_gpus = load.queued_gpus.saturating_add(r.gpus);
+            }
+        }
+        load.queued.sort();
+        load
+    }
+
+    /// The load of one pool in the view.
+    pub fn of_pool(view: &TenantView, pool_id: &str) -> Self {
+        Self::of(view.live.values().filter(|r| r.pool_id == pool_id))
+    }
+
+    /// Every pool's load in the view, by pool id (pools with no live reservation are absent).
+    pub fn by_pool(view: &TenantView) -> BTreeMap<String, Self> {
+        let mut by_pool: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
+        for r in view.live.values() {
+            by_pool.entry(r.pool_id.as_str()).or_default().push(r);
+        }
+        by_pool.into_iter().map(|(pool, list)| (pool.to_owned(), Self::of(list))).collect()
+    }
+
+    /// A queued reservation's place in the queue (1: next in line); `None` when not queued.
+    pub fn position(&self, rsv: &ReservationDoc) -> Option<usize> {
+        (rsv.state == ReservationState::Queued).then(|| self.queued.partition_point(|(seq, _)| *seq < rsv.request_seq) + 1)
+    }
+}

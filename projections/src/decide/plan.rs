@@ -1,0 +1,156 @@
+//! The reservations reconciler's pass as a plan: `plan(view, now_ms)` lists what to append, in
+//! order, and the reconciler appends each [`Action`] (see `bc_reconcilers::reservations`).
+//!
+//! Expiries come first: an active reservation whose end is at or before `now_ms` is expired and
+//! its GPUs freed. Then each pool's queue (pools by id), oldest request first: each queued
+//! reservation is placed on the nodes as the actions before it leave them (the expiries' GPUs
+//! freed, the earlier activations' held), until the first that does not fit, which stops its
+//! pool so a large request is never overtaken by smaller ones.
+//!
+//! Every action is guarded at the versions the plan read, or predicts: an activation on a node
+//! changed by earlier actions of the plan guards the version those appends give it (one more
+//! per append), and names the expiries it counts on (`freed_by`); the reconciler skips it
+//! unless they all landed, and stops its pool's queue when one of the pool's activations does
+//! not land. The predicted version is the node's only if exactly those appends moved it since
+//! the view read it, so its content is what the plan saw; if another writer moved the node
+//! meanwhile, the guard fails and the append is a CONFLICT (the next pass decides again),
+//! never a double booking.
+
+use std::collections::{BTreeMap, HashMap};
+
+use bc_core::store::ExpectedVersion;
+
+use super::Append;
+use crate::events as ev;
+use crate::fleet::TenantView;
+use crate::placement::{self, Ask, Placement, Selector};
+use crate::{KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
+
+/// One step of a reconciler pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// End an active reservation at its end time and free its GPUs.
+    Expire { reservation_id: String, reservation_version: u64, pool_id: String, node_id: String },
+    /// Give `placement`'s GPUs to a queued reservation until `ends_at_ms`.
+    Activate {
+        reservation_id: String,
+        reservation_version: u64,
+        pool_id: String,
+        placement: Placement,
+        ends_at_ms: u64,
+        /// Expiries of this plan on the placement's node: the guard counts their appends, so the
+        /// activation is made only if they all landed.
+        freed_by: Vec<String>,
+    },
+    /// A queued reservation whose selector this version cannot read (a newer writer's): it is
+    /// left queued, and must not stop its pool's queue or anything else. Nothing to append.
+    Skip { reservation_id: String, pool_id: String, reason: String },
+}
+
+impl Action {
+    pub fn reservation_id(&self) -> &str {
+        match self {
+            Self::Expire { reservation_id, .. } | Self::Activate { reservation_id, .. } | Self::Skip { reservation_id, .. } => {
+                reservation_id
+            }
+        }
+    }
+
+    pub fn pool_id(&self) -> &str {
+        match self {
+            Self::Expire { pool_id, .. } | Self::Activate { pool_id, .. } | Self::Skip { pool_id, .. } => pool_id,
+        }
+    }
+
+    /// The append this action makes (`None` for [`Action::Skip`]): on the reservation's stream
+    /// at the version the plan read, with the node's stream guarded.
+    pub fn append(&self) -> bc_core::Result<Option<Append>> {
+        let stream = |id: &str| stream_of(KIND_RESERVATION, &id);
+        Ok(match self {
+            Self::Expire { reservation_id, reservation_version, node_id, .. } => Some(Append::guarded(
+                stream(reservation_id),
+                ExpectedVersion::Exact(*reservation_version),
+                placement::ending(reservation_id, node_id, ev::RESERVATION_EXPIRED)?,
+            )),
+            Self::Activate { reservation_id, reservation_version, placement, ends_at_ms, .. } => Some(Append::guarded(
+                stream(reservation_id),
+                ExpectedVersion::Exact(*reservation_version),
+                placement::activation(reservation_id, placement, *ends_at_ms)?,
+            )),
+            Self::Skip { .. } => None,
+        })
+    }
+}
+
+/// What the reconciler does in one pass over one tenant's view at `now_ms`. Deterministic: the
+/// same view and time give the same actions in the same order.
+pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
+    let mut actions = Vec::new();
+    // The nodes the actions so far change, as they leave them (with the version their appends
+    // give them); the others are as the view has them.
+    let mut changed: HashMap<&str, NodeDoc> = HashMap::new();
+    // Node id → this plan's expiries on it.
+    let mut freed: HashMap<&str, Vec<String>> = HashMap::new();
+
+    let mut due: Vec<&ReservationDoc> = view
+        .live
+        .values()
+        .filter(|r| r.state == ReservationState::Active && r.ends_at_ms.is_some_and(|end| end <= now_ms))
+        .collect();
+    due.sort_by(|a, b| (a.ends_at_ms, &a.reservation_id).cmp(&(b.ends_at_ms, &b.reservation_id)));
+    for rsv in due {
+        let Some(node_id) = rsv.node_id.as_deref() else { continue };
+        actions.push(Action::Expire {
+            reservation_id: rsv.reservation_id.clone(),
+            reservation_version: rsv.version,
+            pool_id: rsv.pool_id.clone(),
+            node_id: node_id.to_owned(),
+        });
+        if let Some((key, node)) = view.nodes.get_key_value(node_id) {
+            let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
+            node.allocations.retain(|_, holder| *holder != rsv.reservation_id);
+            node.version += 1;
+            freed.entry(key.as_str()).or_default().push(rsv.reservation_id.clone());
+        }
+    }
+
+    let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
+    for rsv in view.live.values().filter(|r| r.state == ReservationState::Queued) {
+        queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
+    }
+    for (pool_id, mut queue) in queues {
+        queue.sort_by(|a, b| (a.request_seq, &a.reservation_id).cmp(&(b.request_seq, &b.reservation_id)));
+        for rsv in queue {
+            let selector = match Selector::parse(&rsv.selector) {
+                Ok(selector) => selector,
+                Err(e) => {
+                    actions.push(Action::Skip {
+                        reservation_id: rsv.reservation_id.clone(),
+                        pool_id: pool_id.to_owned(),
+                        reason: e.to_string(),
+                    });
+                    continue;
+                }
+            };
+            let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
+            let nodes =
+                view.nodes.iter().filter(|(_, n)| n.pool_id == pool_id).map(|(id, n)| changed.get(id.as_str()).unwrap_or(n));
+            let Some(placed) = placement::place(nodes, &ask) else { break };
+            let Some((key, node)) = view.nodes.get_key_value(&placed.node_id) else { break };
+            let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
+            for gpu in &placed.gpus {
+                node.allocations.insert(*gpu, rsv.reservation_id.clone());
+            }
+            node.version += 1;
+            actions.push(Action::Activate {
+                reservation_id: rsv.reservation_id.clone(),
+                reservation_version: rsv.version,
+                pool_id: pool_id.to_owned(),
+                ends_at_ms: now_ms.saturating_add(rsv.duration_s.saturating_mul(1000)),
+                freed_by: freed.get(key.as_str()).cloned().unwrap_or_default(),
+                placement: placed,
+            });
+        }
+    }
+    actions
+}

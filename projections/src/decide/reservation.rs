@@ -1,0 +1,261 @@
+//! The decisions of `reservations.create`, `.release` and `.extend`.
+//!
+//! **Queue rule**: FIFO per pool by request order, strictly. A new request is placed at once
+//! only when nothing is queued in its pool and a node fits; otherwise it is queued, and the
+//! reconciler's [`super::plan`] activates it in its turn.
+
+use bc_core::store::ExpectedVersion;
+
+use super::{Append, PoolLoad, Refusal};
+use crate::events::{self as ev, to_cbor};
+use crate::fleet::TenantView;
+use crate::placement::{self, Ask, Placement, Selector};
+use crate::{KIND_POOL, KIND_QUOTA, KIND_RESERVATION, PoolDoc, QuotaDoc, ReservationDoc, ReservationState, stream_of};
+use bc_core::store::NewEvent;
+
+/// A parsed and checked `reservations.create` / `capacity.preview` request.
+#[derive(Clone, Debug)]
+pub struct ReservationAsk {
+    /// The pool as read: the append guards its version, so a pool archived or changed meanwhile
+    /// is a CONFLICT.
+    pub pool: PoolDoc,
+    pub gpus: u32,
+    pub duration_s: u64,
+    /// The selector as written (with `--model` / `--product` folded in): what the event keeps.
+    pub selector_text: String,
+    pub selector: Selector,
+    pub nvlink: bool,
+    pub tolerations: Vec<String>,
+}
+
+impl ReservationAsk {
+    /// Refuses an ask the pool does not take: archived, or longer than its maximum.
+    pub fn check_pool(self) -> Result<Self, Refusal> {
+        if self.pool.archived {
+            return Err(Refusal::PoolArchived { pool_id: self.pool.pool_id });
+        }
+        if self.duration_s > self.pool.max_reservation_s {
+            return Err(Refusal::DurationPastPoolMaximum {
+                duration_s: self.duration_s,
+                max_reservation_s: self.pool.max_reservation_s,
+            });
+        }
+        Ok(self)
+    }
+
+    /// What placement is asked.
+    pub fn placement_ask(&self) -> Ask<'_> {
+        Ask { gpus: self.gpus, selector: &self.selector, nvlink: self.nvlink, tolerations: &self.tolerations }
+    }
+
+    fn requested(&self) -> Result<NewEvent, Refusal> {
+        let payload = to_cbor(&ev::ReservationRequested {
+            pool_id: self.pool.pool_id.clone(),
+            gpus: self.gpus,
+            duration_s: self.duration_s,
+            selector: self.selector_text.clone(),
+            nvlink: self.nvlink,
+            tolerations: self.tolerations.clone(),
+        })?;
+        Ok(NewEvent::new(ev::RESERVATION_REQUESTED, payload))
+    }
+
+    /// The reservation as the view holds it until the append is read back: last in line when
+    /// queued (no request seq yet).
+    fn pending(&self, reservation_id: &str, state: ReservationState) -> ReservationDoc {
+        ReservationDoc {
+            tenant_id: self.pool.tenant_id.clone(),
+            reservation_id: reservation_id.to_owned(),
+            pool_id: self.pool.pool_id.clone(),
+            gpus: self.gpus,
+            duration_s: self.duration_s,
+            selector: self.selector_text.clone(),
+            nvlink: self.nvlink,
+            tolerations: self.tolerations.clone(),
+            state,
+            node_id: None,
+            gpu_indexes: Vec::new(),
+            request_seq: u64::MAX,
+            requested_at_ms: 0,
+            activated_at_ms: None,
+            ends_at_ms: None,
+            ended_at_ms: None,
+            version: 0,
+        }
+    }
+}
+
+/// What `reservations.create` takes besides the state and the ask.
+#[derive(Clone, Copy, Debug)]
+pub struct ReservationCreateInput<'a> {
+    /// The new reservation's id, drawn by the caller.
+    pub reservation_id: &'a str,
+    pub now_ms: u64,
+    /// Who asks, for the record of a quota refusal.
+    pub actor: &'a str,
+    /// The request's idempotency key already has a result: the append replays it, whatever the
+    /// quota or the queue say now.
+    pub replay: bool,
+}
+
+/// What `reservations.create` decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ReservationCreate {
+    /// Placed at once: `append` requests and activates it, guarding the node and the pool at
+    /// the versions read. If that append is a CONFLICT (a concurrent placement took the node
+    /// first), `if_lost` requests it only, queued; the reconciler places it.
+    Place { placement: Placement, pending: ReservationDoc, append: Append, if_lost: Append },
+    /// Queued (or a replay): `append` requests it, guarding the pool. `pending` is what the
+    /// view holds meanwhile; `None` for a replay, which creates nothing.
+    Queue { pending: Option<ReservationDoc>, append: Append },
+    /// Refused over quota, with a record of the refusal to append first. The record is not the
+    /// request's result: it is appended without the request's idempotency key, so a retry
+    /// decides again.
+    OverQuota { refusal: Refusal, record: Append },
+}
+
+impl ReservationCreate {
+    /// Holds in the view what the append is about to do (see [`TenantView::hold`]).
+    pub fn hold(&self, view: &mut TenantView) {
+        match self {
+            Self::Place { placement, pending, .. } => view.hold(pending.clone(), Some(placement)),
+            Self::Queue { pending: Some(pending), .. } => view.hold(pending.clone(), None),
+            Self::Queue { pending: None, .. } | Self::OverQuota { .. } => {}
+        }
+    }
+
+    /// The node whose GPUs [`Self::hold`] holds.
+    pub fn held_node(&self) -> Option<&str> {
+        match self {
+            Self::Place { placement, .. } => Some(&placement.node_id),
+            _ => None,
+        }
+    }
+}
+
+/// The tightest fit in `pool`, on a node with no placement of this process in flight if one
+/// fits (two appends in flight on one node guard the same version: one would conflict), else
+/// on any.
+fn place_preferring_quiet(view: &TenantView, pool_id: &str, ask: &Ask<'_>) -> Option<Placement> {
+    let in_pool = || view.nodes.values().filter(move |n| n.pool_id == pool_id);
+    placement::place(in_pool().filter(|n| !view.is_held(&n.node_id)), ask).or_else(|| placement::place(in_pool(), ask))
+}
+
+/// `reservations.create`: a replay is queued (its append replays the first result); a request
+/// no node of the pool could ever hold is refused; one past the tenant's quota in the pool
+/// (live reservations' GPUs plus its own) is refused with a record; otherwise it is placed at
+/// once if nothing is queued ahead in its pool and a node fits, else queued.
+pub fn reservation_create(
+    view: &TenantView,
+    quota: Option<&QuotaDoc>,
+    ask: &ReservationAsk,
+    input: &ReservationCreateInput<'_>,
+) -> Result<ReservationCreate, Refusal> {
+    let pool_id = &ask.pool.pool_id;
+    let rsv_stream = stream_of(KIND_RESERVATION, &input.reservation_id);
+    let pool_guard = (stream_of(KIND_POOL, pool_id), ExpectedVersion::Exact(ask.pool.version));
+    // The request alone: what a queued (or replayed) request appends.
+    let request_only = || -> Result<Append, Refusal> {
+        Ok(Append {
+            stream: rsv_stream.clone(),
+            expected: ExpectedVersion::NoStream,
+            guards: vec![pool_guard.clone()],
+            events: vec![ask.requested()?],
+        })
+    };
+    if input.replay {
+        return Ok(ReservationCreate::Queue { pending: None, append: request_only()? });
+    }
+    let placement_ask = ask.placement_ask();
+    if !view.nodes.values().any(|n| n.pool_id == *pool_id && placement::could_fit(n, &placement_ask)) {
+        return Err(Refusal::NeverFits {
+            pool_id: pool_id.clone(),
+            gpus: ask.gpus,
+            selector: ask.selector_text.clone(),
+            nvlink: ask.nvlink,
+        });
+    }
+    let load = PoolLoad::of_pool(view, pool_id);
+    if let Some(q) = quota
+        && load.gpus.saturating_add(ask.gpus) > q.gpus
+    {
+        let refusal = Refusal::OverQuota { pool_id: pool_id.clone(), requested: ask.gpus, in_use: load.gpus, limit: q.gpus };
+        let record = ev::QuotaExceeded { requested: ask.gpus, in_use: load.gpus, limit: q.gpus, actor: input.actor.to_owned() };
+        let record = Append {
+            stream: stream_of(KIND_QUOTA, pool_id),
+            expected: ExpectedVersion::Any,
+            guards: vec![],
+            events: vec![NewEvent::new(ev::QUOTA_EXCEEDED, to_cbor(&record)?)],
+        };
+        return Ok(ReservationCreate::OverQuota { refusal, record });
+    }
+    let placed = if load.queued.is_empty() { place_preferring_quiet(view, pool_id, &placement_ask) } else { None };
+    let Some(placement) = placed else {
+        let pending = ask.pending(input.reservation_id, ReservationState::Queued);
+        return Ok(ReservationCreate::Queue { pending: Some(pending), append: request_only()? });
+    };
+    let ends_at_ms = input.now_ms.saturating_add(ask.duration_s.saturating_mul(1000));
+    let (activation, node_guard) = placement::activation(input.reservation_id, &placement, ends_at_ms)?;
+    let append = Append {
+        stream: rsv_stream.clone(),
+        expected: ExpectedVersion::NoStream,
+        guards: vec![node_guard, pool_guard.clone()],
+        events: std::iter::once(ask.requested()?).chain(activation).collect(),
+    };
+    let pending = ask.pending(input.reservation_id, ReservationState::Active);
+    Ok(ReservationCreate::Place { placement, pending, append, if_lost: request_only()? })
+}
+
+/// `--if-version`: the reservation must be at the version the caller read, and the decision is
+/// made on that same version (a transition checked on one version and appended on another
+/// could cancel an active reservation without freeing its GPUs).
+fn check_version(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<(), Refusal> {
+    match if_version {
+        Some(expected) if expected != rsv.version => {
+            Err(Refusal::VersionMismatch { reservation_id: rsv.reservation_id.clone(), expected, actual: rsv.version })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `reservations.release`: a queued reservation is cancelled, an active one released (its GPUs
+/// freed on its node's stream in the same append); one already over needs nothing (`None`:
+/// releasing again changes nothing). Guarded at the version read.
+pub fn reservation_release(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<Option<Append>, Refusal> {
+    check_version(rsv, if_version)?;
+    let stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
+    let expected = ExpectedVersion::Exact(rsv.version);
+    Ok(match rsv.state {
+        ReservationState::Queued => Some(Append {
+            stream,
+            expected,
+            guards: vec![],
+            events: vec![NewEvent::new(ev::RESERVATION_CANCELLED, to_cbor(&ev::ReservationEnded {})?)],
+        }),
+        ReservationState::Active => {
+            let node = rsv.node_id.as_deref().ok_or_else(|| Refusal::Internal("active reservation without a node".into()))?;
+            Some(Append::guarded(stream, expected, placement::ending(&rsv.reservation_id, node, ev::RESERVATION_RELEASED)?))
+        }
+        ReservationState::Released | ReservationState::Expired | ReservationState::Cancelled => None,
+    })
+}
+
+/// `reservations.extend` by `by_s` seconds (at least 1, checked by the caller): only an active
+/// reservation, and never past its pool's maximum counted from its activation.
+pub fn reservation_extend(rsv: &ReservationDoc, pool: &PoolDoc, by_s: u64, if_version: Option<u64>) -> Result<Append, Refusal> {
+    check_version(rsv, if_version)?;
+    if rsv.state != ReservationState::Active {
+        return Err(Refusal::NotActive { reservation_id: rsv.reservation_id.clone(), state: rsv.state });
+    }
+    let started = rsv.activated_at_ms.unwrap_or(rsv.requested_at_ms);
+    let ends = rsv.ends_at_ms.unwrap_or(started).saturating_add(by_s.saturating_mul(1000));
+    if ends.saturating_sub(started) > pool.max_reservation_s.saturating_mul(1000) {
+        return Err(Refusal::ExtendPastPoolMaximum { by_s, max_reservation_s: pool.max_reservation_s });
+    }
+    Ok(Append {
+        stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
+        expected: ExpectedVersion::Exact(rsv.version),
+        guards: vec![],
+        events: vec![NewEvent::new(ev::RESERVATION_EXTENDED, to_cbor(&ev::ReservationExtended { ends_at_ms: ends })?)],
+    })
+}

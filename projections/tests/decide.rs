@@ -1,0 +1,401 @@
+//! The pure decisions of `bc_projections::decide`, without a database: views and documents are
+//! built in memory, and what each decision would append is checked event by event.
+
+use std::collections::BTreeMap;
+
+use bc_core::store::ExpectedVersion;
+use bc_core::{Error, ErrorCode};
+use bc_projections::decide::{
+    self, Action, Append, PoolLoad, Refusal, ReservationAsk, ReservationCreate, ReservationCreateInput,
+};
+use bc_projections::events::{self as ev, Gpu};
+use bc_projections::fleet::TenantView;
+use bc_projections::placement::Selector;
+use bc_projections::{NodeDoc, NodeState, PoolDoc, QuotaDoc, ReservationDoc, ReservationState};
+
+const TENANT: &str = "ten_01kb0000000000000000000000";
+const POOL: &str = "pool_01kb0000000000000000000000";
+const OTHER_POOL: &str = "pool_01kb0000000000000000000001";
+const NOW_MS: u64 = 1_000_000;
+
+fn pool(max_reservation_s: u64) -> PoolDoc {
+    PoolDoc {
+        tenant_id: TENANT.into(),
+        pool_id: POOL.into(),
+        name: "p".into(),
+        description: String::new(),
+        labels: BTreeMap::new(),
+        max_reservation_s,
+        archived: false,
+        version: 3,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+    }
+}
+
+/// A ready node of `pool` with `gpus` H100s in NVLink domain 0, version 7.
+fn node(id: &str, pool: &str, gpus: u32) -> NodeDoc {
+    NodeDoc {
+        tenant_id: TENANT.into(),
+        node_id: id.into(),
+        pool_id: pool.into(),
+        name: id.into(),
+        gpus: (0..gpus)
+            .map(|_| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 })
+            .collect(),
+        labels: BTreeMap::new(),
+        state: NodeState::Ready,
+        taints: BTreeMap::new(),
+        allocations: BTreeMap::new(),
+        version: 7,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+    }
+}
+
+fn queued(id: &str, pool: &str, gpus: u32, request_seq: u64) -> ReservationDoc {
+    ReservationDoc {
+        tenant_id: TENANT.into(),
+        reservation_id: id.into(),
+        pool_id: pool.into(),
+        gpus,
+        duration_s: 60,
+        selector: String::new(),
+        nvlink: false,
+        tolerations: vec![],
+        state: ReservationState::Queued,
+        node_id: None,
+        gpu_indexes: vec![],
+        request_seq,
+        requested_at_ms: 0,
+        activated_at_ms: None,
+        ends_at_ms: None,
+        ended_at_ms: None,
+        version: 1,
+    }
+}
+
+/// An active reservation holding `gpu_indexes` of `node` (whose allocations the caller sets).
+fn active(id: &str, node: &str, gpu_indexes: Vec<u32>, ends_at_ms: u64) -> ReservationDoc {
+    ReservationDoc {
+        state: ReservationState::Active,
+        node_id: Some(node.into()),
+        gpus: gpu_indexes.len() as u32,
+        gpu_indexes,
+        activated_at_ms: Some(ends_at_ms.saturating_sub(60_000)),
+        ends_at_ms: Some(ends_at_ms),
+        version: 2,
+        ..queued(id, POOL, 0, 1)
+    }
+}
+
+fn hold_on(node: &mut NodeDoc, rsv: &ReservationDoc) {
+    for gpu in &rsv.gpu_indexes {
+        node.allocations.insert(*gpu, rsv.reservation_id.clone());
+    }
+}
+
+fn ask(gpus: u32, duration_s: u64) -> ReservationAsk {
+    ReservationAsk {
+        pool: pool(3600),
+        gpus,
+        duration_s,
+        selector_text: String::new(),
+        selector: Selector::default(),
+        nvlink: false,
+        tolerations: vec![],
+    }
+}
+
+fn input(reservation_id: &str) -> ReservationCreateInput<'_> {
+    ReservationCreateInput { reservation_id, now_ms: NOW_MS, actor: "apikey:key_1", replay: false }
+}
+
+fn quota(gpus: u32) -> QuotaDoc {
+    QuotaDoc { tenant_id: TENANT.into(), pool_id: POOL.into(), gpus, version: 1, updated_at_ms: 0 }
+}
+
+fn guard_of(append: &Append, stream: &str) -> Option<ExpectedVersion> {
+    append.guards.iter().find(|(s, _)| s == stream).map(|(_, v)| *v)
+}
+
+#[test]
+fn create_over_quota_is_refused_with_a_record() {
+    let mut a = node("node_a", POOL, 8);
+    let running = active("rsv_run", "node_a", vec![0, 1, 2], NOW_MS + 60_000);
+    hold_on(&mut a, &running);
+    let mut view = TenantView::new([a], [running]);
+    let decision = decide::reservation_create(&view, Some(&quota(4)), &ask(2, 60), &input("rsv_new")).unwrap();
+    let ReservationCreate::OverQuota { refusal, record } = &decision else { panic!("not refused: {decision:?}") };
+    assert_eq!(*refusal, Refusal::OverQuota { pool_id: POOL.into(), requested: 2, in_use: 3, limit: 4 });
+    assert_eq!(record.stream, format!("quota/{POOL}"));
+    assert_eq!(record.expected, ExpectedVersion::Any);
+    assert_eq!(record.event_types(), [ev::QUOTA_EXCEEDED]);
+    let payload: ev::QuotaExceeded = serde_json::from_value(bc_core::canonical::to_json(&record.events[0].payload)).unwrap();
+    assert_eq!(payload, ev::QuotaExceeded { requested: 2, in_use: 3, limit: 4, actor: "apikey:key_1".into() });
+    let error = Error::from(refusal.clone());
+    assert_eq!(error.code(), ErrorCode::QuotaExceeded);
+    assert!(error.to_string().contains("take the tenant to 5 of its quota of 4"), "{error}");
+    // A refusal holds nothing in the view.
+    decision.hold(&mut view);
+    assert_eq!(view.live.len(), 1);
+    // Within the quota, the same request is placed.
+    let placed = decide::reservation_create(&view, Some(&quota(5)), &ask(2, 60), &input("rsv_new")).unwrap();
+    assert!(matches!(placed, ReservationCreate::Place { .. }), "{placed:?}");
+}
+
+#[test]
+fn create_queues_behind_the_pools_queue_and_holds_its_place() {
+    let view_nodes = [node("node_a", POOL, 8)];
+    let mut view = TenantView::new(view_nodes, [queued("rsv_first", POOL, 8, 10)]);
+    let decision = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_second")).unwrap();
+    let ReservationCreate::Queue { pending: Some(pending), append } = &decision else { panic!("not queued: {decision:?}") };
+    assert_eq!(append.stream, "reservation/rsv_second");
+    assert_eq!(append.expected, ExpectedVersion::NoStream);
+    assert_eq!(append.event_types(), [ev::RESERVATION_REQUESTED]);
+    assert_eq!(append.guards, [(format!("pool/{POOL}"), ExpectedVersion::Exact(3))]);
+    assert_eq!(pending.state, ReservationState::Queued);
+    decision.hold(&mut view);
+    let load = PoolLoad::of_pool(&view, POOL);
+    assert_eq!(load.queued.len(), 2);
+    assert_eq!(load.position(&view.live["rsv_first"]), Some(1));
+    assert_eq!(load.position(&view.live["rsv_second"]), Some(2), "a new request is last in line");
+    // A third asks after both.
+    let third = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_third")).unwrap();
+    third.hold(&mut view);
+    assert_eq!(PoolLoad::of_pool(&view, POOL).position(&view.live["rsv_first"]), Some(1));
+    assert_eq!(PoolLoad::of_pool(&view, POOL).queued_gpus, 10);
+}
+
+#[test]
+fn create_places_at_the_tightest_fit_and_holds_the_gpus() {
+    let mut roomy = node("node_a", POOL, 8);
+    roomy.version = 4;
+    let mut tight = node("node_b", POOL, 4);
+    let running = active("rsv_run", "node_b", vec![0, 1], NOW_MS + 60_000);
+    hold_on(&mut tight, &running);
+    let mut view = TenantView::new([roomy, tight, node("node_c", OTHER_POOL, 2)], [running]);
+    let decision = decide::reservation_create(&view, None, &ask(2, 60), &input("rsv_new")).unwrap();
+    let ReservationCreate::Place { placement, append, if_lost, pending } = &decision else { panic!("not placed: {decision:?}") };
+    assert_eq!((placement.node_id.as_str(), placement.gpus.as_slice(), placement.leftover), ("node_b", &[2, 3][..], 0));
+    assert_eq!(append.stream, "reservation/rsv_new");
+    assert_eq!(append.expected, ExpectedVersion::NoStream);
+    assert_eq!(append.event_types(), [ev::RESERVATION_REQUESTED, ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED]);
+    assert_eq!(append.events[2].stream.as_deref(), Some("node/node_b"));
+    assert_eq!(guard_of(append, "node/node_b"), Some(ExpectedVersion::Exact(7)), "the node at the version read");
+    assert_eq!(guard_of(append, &format!("pool/{POOL}")), Some(ExpectedVersion::Exact(3)));
+    let activated: ev::ReservationActivated =
+        serde_json::from_value(bc_core::canonical::to_json(&append.events[1].payload)).unwrap();
+    assert_eq!(activated.ends_at_ms, NOW_MS + 60_000, "ends at now plus the duration");
+    assert_eq!(if_lost.event_types(), [ev::RESERVATION_REQUESTED], "a lost race queues the request");
+    assert_eq!(pending.state, ReservationState::Active);
+    assert_eq!(decision.held_node(), Some("node_b"));
+    decision.hold(&mut view);
+    assert_eq!(view.nodes["node_b"].allocations.get(&2).map(String::as_str), Some("rsv_new"));
+    assert!(view.is_held("node_b"));
+    assert_eq!(view.nodes["node_b"].version, 7, "a hold does not move the version a guard names");
+    // The next request in this process goes to a node with no placement in flight.
+    let next = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_next")).unwrap();
+    assert_eq!(next.held_node(), Some("node_a"), "{next:?}");
+}
+
+#[test]
+fn create_refuses_what_no_node_could_ever_hold_and_queues_a_replay() {
+    let view = TenantView::new([node("node_a", POOL, 4), node("node_c", OTHER_POOL, 16)], []);
+    let refusal = decide::reservation_create(&view, None, &ask(8, 60), &input("rsv_big")).unwrap_err();
+    assert_eq!(refusal, Refusal::NeverFits { pool_id: POOL.into(), gpus: 8, selector: String::new(), nvlink: false });
+    let error = Error::from(refusal);
+    assert_eq!(error.code(), ErrorCode::InvalidArgument);
+    assert!(error.to_string().contains("could ever hold 8 GPUs"), "{error}");
+    // A retry of a request already made replays it, whatever the fleet says now.
+    let replay = ReservationCreateInput { replay: true, ..input("rsv_big") };
+    let decision = decide::reservation_create(&view, Some(&quota(0)), &ask(8, 60), &replay).unwrap();
+    assert!(matches!(&decision, ReservationCreate::Queue { pending: None, .. }), "{decision:?}");
+}
+
+#[test]
+fn asks_past_the_pools_maximum_or_in_an_archived_pool_are_refused() {
+    let refusal = ask(1, 3601).check_pool().unwrap_err();
+    assert_eq!(refusal, Refusal::DurationPastPoolMaximum { duration_s: 3601, max_reservation_s: 3600 });
+    assert!(Error::from(refusal).to_string().contains("maximum"));
+    let mut archived = ask(1, 60);
+    archived.pool.archived = true;
+    assert_eq!(archived.check_pool().unwrap_err(), Refusal::PoolArchived { pool_id: POOL.into() });
+    assert!(ask(1, 3600).check_pool().is_ok());
+}
+
+#[test]
+fn extend_stays_within_the_pools_maximum() {
+    let started = NOW_MS;
+    let rsv = ReservationDoc { activated_at_ms: Some(started), ..active("rsv_a", "node_a", vec![0], started + 3_000_000) };
+    let pool = pool(3600);
+    let append = decide::reservation_extend(&rsv, &pool, 600, None).unwrap();
+    assert_eq!(append.stream, "reservation/rsv_a");
+    assert_eq!(append.expected, ExpectedVersion::Exact(2));
+    assert_eq!(append.event_types(), [ev::RESERVATION_EXTENDED]);
+    let extended: ev::ReservationExtended =
+        serde_json::from_value(bc_core::canonical::to_json(&append.events[0].payload)).unwrap();
+    assert_eq!(extended.ends_at_ms, started + 3_600_000);
+    assert_eq!(
+        decide::reservation_extend(&rsv, &pool, 601, None).unwrap_err(),
+        Refusal::ExtendPastPoolMaximum { by_s: 601, max_reservation_s: 3600 }
+    );
+    let waiting = queued("rsv_q", POOL, 1, 5);
+    assert_eq!(
+        decide::reservation_extend(&waiting, &pool, 1, None).unwrap_err(),
+        Refusal::NotActive { reservation_id: "rsv_q".into(), state: ReservationState::Queued }
+    );
+    let stale = decide::reservation_extend(&rsv, &pool, 1, Some(1)).unwrap_err();
+    assert_eq!(stale, Refusal::VersionMismatch { reservation_id: "rsv_a".into(), expected: 1, actual: 2 });
+    assert_eq!(Error::from(stale).code(), ErrorCode::Conflict);
+}
+
+#[test]
+fn release_cancels_a_queued_reservation_and_frees_an_active_ones_gpus() {
+    let waiting = queued("rsv_q", POOL, 2, 5);
+    let cancel = decide::reservation_release(&waiting, None).unwrap().unwrap();
+    assert_eq!(cancel.event_types(), [ev::RESERVATION_CANCELLED]);
+    assert_eq!((cancel.stream.as_str(), cancel.expected), ("reservation/rsv_q", ExpectedVersion::Exact(1)));
+    assert!(cancel.guards.is_empty(), "a queued reservation holds no GPUs");
+
+    let running = active("rsv_a", "node_a", vec![0, 1], NOW_MS);
+    let release = decide::reservation_release(&running, Some(2)).unwrap().unwrap();
+    assert_eq!(release.event_types(), [ev::RESERVATION_RELEASED, ev::NODE_FREED]);
+    assert_eq!(release.events[1].stream.as_deref(), Some("node/node_a"));
+    assert_eq!(release.expected, ExpectedVersion::Exact(2));
+    assert_eq!(guard_of(&release, "node/node_a"), Some(ExpectedVersion::Any), "freeing commutes on the node");
+
+    for state in [ReservationState::Released, ReservationState::Expired, ReservationState::Cancelled] {
+        let over = ReservationDoc { state, ..running.clone() };
+        assert_eq!(decide::reservation_release(&over, None).unwrap(), None, "releasing again changes nothing");
+    }
+    assert!(matches!(decide::reservation_release(&running, Some(1)), Err(Refusal::VersionMismatch { .. })));
+    let broken = ReservationDoc { node_id: None, ..running };
+    assert!(matches!(decide::reservation_release(&broken, None), Err(Refusal::Internal(_))));
+}
+
+/// node_a (4 GPUs) is full with `rsv_done`, due now; node_b (2 GPUs) is free. Queue of POOL:
+/// `rsv_big` (4 GPUs, oldest), `rsv_small` (2), `rsv_late` (2). OTHER_POOL: `rsv_other` (1).
+fn busy_view() -> TenantView {
+    let mut a = node("node_a", POOL, 4);
+    let done = active("rsv_done", "node_a", vec![0, 1, 2, 3], NOW_MS);
+    hold_on(&mut a, &done);
+    let mut still = node("node_s", POOL, 1);
+    let running = active("rsv_running", "node_s", vec![0], NOW_MS + 1);
+    hold_on(&mut still, &running);
+    TenantView::new(
+        [a, node("node_b", POOL, 2), still, node("node_o", OTHER_POOL, 1)],
+        [
+            done,
+            running,
+            queued("rsv_small", POOL, 2, 21),
+            queued("rsv_big", POOL, 4, 20),
+            queued("rsv_late", POOL, 2, 22),
+            queued("rsv_other", OTHER_POOL, 1, 23),
+        ],
+    )
+}
+
+#[test]
+fn plan_expires_first_then_activates_each_pool_oldest_first() {
+    let actions = decide::plan(&busy_view(), NOW_MS);
+    let summary: Vec<(&str, &str)> = actions
+        .iter()
+        .map(|a| {
+            let kind = match a {
+                Action::Expire { .. } => "expire",
+                Action::Activate { .. } => "activate",
+                Action::Skip { .. } => "skip",
+            };
+            (kind, a.reservation_id())
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [("expire", "rsv_done"), ("activate", "rsv_big"), ("activate", "rsv_small"), ("activate", "rsv_other")],
+        "rsv_running ends after now; rsv_late finds no room once rsv_small took node_b"
+    );
+    let Action::Activate { placement, freed_by, ends_at_ms, .. } = &actions[1] else { unreachable!() };
+    assert_eq!((placement.node_id.as_str(), placement.gpus.as_slice()), ("node_a", &[0, 1, 2, 3][..]));
+    assert_eq!(placement.node_version, 8, "the node's version once the expiry's node.freed lands");
+    assert_eq!(freed_by, &["rsv_done".to_owned()]);
+    assert_eq!(*ends_at_ms, NOW_MS + 60_000);
+    let Action::Activate { placement, freed_by, .. } = &actions[2] else { unreachable!() };
+    assert_eq!((placement.node_id.as_str(), placement.node_version), ("node_b", 7));
+    assert!(freed_by.is_empty());
+
+    let expire = actions[0].append().unwrap().unwrap();
+    assert_eq!(expire.event_types(), [ev::RESERVATION_EXPIRED, ev::NODE_FREED]);
+    assert_eq!(expire.expected, ExpectedVersion::Exact(2));
+    let activate = actions[1].append().unwrap().unwrap();
+    assert_eq!(activate.stream, "reservation/rsv_big");
+    assert_eq!(activate.expected, ExpectedVersion::Exact(1));
+    assert_eq!(activate.event_types(), [ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED]);
+    assert_eq!(guard_of(&activate, "node/node_a"), Some(ExpectedVersion::Exact(8)));
+}
+
+#[test]
+fn plan_never_lets_a_small_request_overtake_one_that_does_not_fit_yet() {
+    // Before rsv_done ends, rsv_big does not fit: nothing of POOL is activated, though
+    // rsv_small would fit on node_b; the other pool's queue goes on.
+    let actions = decide::plan(&busy_view(), NOW_MS - 1);
+    let ids: Vec<&str> = actions.iter().map(Action::reservation_id).collect();
+    assert_eq!(ids, ["rsv_other"]);
+}
+
+#[test]
+fn plan_skips_an_unreadable_selector_without_stopping_the_queue() {
+    let mut view = busy_view();
+    view.live.get_mut("rsv_big").unwrap().selector = "gpuColour = red".into();
+    let actions = decide::plan(&view, NOW_MS - 1);
+    assert!(matches!(&actions[0], Action::Skip { reservation_id, .. } if reservation_id == "rsv_big"), "{actions:?}");
+    assert_eq!(actions[0].append().unwrap(), None);
+    assert!(matches!(&actions[1], Action::Activate { reservation_id, .. } if reservation_id == "rsv_small"));
+}
+
+#[test]
+fn a_plan_is_deterministic_for_the_same_view_and_time() {
+    let first = decide::plan(&busy_view(), NOW_MS);
+    for _ in 0..20 {
+        // Each view's maps iterate in their own order; the plan must not depend on it.
+        let view = busy_view();
+        assert_eq!(decide::plan(&view, NOW_MS), first);
+        let appends: Vec<Option<Append>> = first.iter().map(|a| a.append().unwrap()).collect();
+        assert_eq!(decide::plan(&view, NOW_MS).iter().map(|a| a.append().unwrap()).collect::<Vec<_>>(), appends);
+    }
+    assert_ne!(decide::plan(&busy_view(), NOW_MS - 1), first, "and it does depend on the time");
+}
+
+#[test]
+fn capacity_counts_free_reserved_and_unavailable_gpus() {
+    let mut view = busy_view();
+    view.nodes.get_mut("node_b").unwrap().state = NodeState::Cordoned;
+    let capacity = decide::pool_capacity(&pool(3600), &view);
+    assert_eq!((capacity.nodes, capacity.gpus, capacity.free, capacity.reserved, capacity.unavailable), (3, 7, 0, 5, 2));
+    assert_eq!((capacity.queued, capacity.queued_gpus), (3, 8));
+    assert_eq!(capacity.by_model.len(), 1);
+    let json = serde_json::to_value(&capacity).unwrap();
+    assert_eq!(json["queuedGpus"], 8);
+    assert_eq!(json["byProduct"][0]["product"], "H100-SXM5-80GB");
+
+    let preview = decide::capacity_preview(&view, &ask(1, 60));
+    assert!(preview.possible && !preview.fits && !preview.fits_ignoring_queue, "{preview:?}");
+    assert_eq!(preview.queued_ahead, 3);
+}
+
+#[test]
+fn states_are_stored_as_the_lowercase_words() {
+    for state in ReservationState::ALL {
+        assert_eq!(serde_json::to_value(state).unwrap(), state.as_str());
+        assert_eq!(state.as_str().parse::<ReservationState>().unwrap(), *state);
+    }
+    for state in NodeState::ALL {
+        assert_eq!(serde_json::to_value(state).unwrap(), state.as_str());
+        assert_eq!(state.as_str().parse::<NodeState>().unwrap(), *state);
+    }
+    let error = "done".parse::<ReservationState>().unwrap_err();
+    assert_eq!(error.code(), ErrorCode::InvalidArgument);
+    assert!(error.to_string().contains("not a reservation state"), "{error}");
+    assert_eq!(error.hint(), Some("queued, active, released, expired, cancelled"));
+    assert!("Ready".parse::<NodeState>().is_err());
+}
