@@ -157,6 +157,14 @@ pub fn table_of(value: &Value, columns: &[Column], now_ms: i64) -> String {
     finish(table, rows.is_empty(), more)
 }
 
+/// Prints one result and a line break on standard output. A closed pipe (`| head -1`) is not a
+/// failure: the reader has what it wanted.
+pub fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.write_all(b"\n")).and_then(|()| out.flush());
+}
+
 pub fn render(value: &Value, format: Format, query_path: Option<&str>) -> Result<String, String> {
     let value = match query_path {
         Some(path) => query(value, path)?,

@@ -28,7 +28,7 @@ use crate::flags::ApiArgs;
 use crate::output::Format;
 use crate::tables;
 
-use super::Context;
+use super::{Context, nearest};
 
 /// The largest file an item or `--data` reads (the server takes bodies up to 1 MiB).
 pub const FILE_BYTES_MAX: u64 = 1024 * 1024;
@@ -46,22 +46,17 @@ pub fn methods() -> impl Iterator<Item = MethodInfo> {
     bc_gateway::methods::METHODS.iter().map(|m| MethodInfo { name: m.name, action: m.action, summary: m.summary })
 }
 
-/// The known name nearest to `wanted` (Levenshtein distance), for a "did you mean".
-fn nearest<'a>(wanted: &str, names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
-    names.min_by_key(|name| strsim::levenshtein(name, wanted))
-}
-
 pub async fn run(ctx: &Context, args: ApiArgs) -> Result<(), CliError> {
     if args.list {
         return list(ctx, args.method.as_deref());
     }
     let method = args.method.as_deref().ok_or_else(|| CliError::usage("give GROUP.METHOD, or --list"))?;
     if !methods().any(|m| m.name == method) {
-        let mut e = CliError::usage(format!("unknown method {method:?}"));
-        if let Some(best) = nearest(method, methods().map(|m| m.name)) {
-            e = e.hint(format!("did you mean {best}? (api --list shows them all)"));
-        }
-        return Err(e);
+        let hint = match nearest(method, methods().map(|m| m.name)) {
+            Some(best) => format!("did you mean {best}? (api --list shows them all)"),
+            None => "api --list shows every method".to_owned(),
+        };
+        return Err(CliError::usage(format!("unknown method {method:?}")).hint(hint));
     }
     let mut body = body(&args.items, args.data.as_deref(), &mut std::io::stdin().lock())?;
     if let (Some(t), Value::Object(map)) = (&ctx.global.tenant, &mut body) {
@@ -83,11 +78,11 @@ fn list(ctx: &Context, group: Option<&str>) -> Result<(), CliError> {
         .collect();
     if let (Some(group), true) = (group, items.is_empty()) {
         let groups: Vec<&str> = methods().filter_map(|m| m.name.split_once('.').map(|(g, _)| g)).collect();
-        let mut e = CliError::usage(format!("no method group {group:?}"));
-        if let Some(best) = nearest(group, groups.into_iter()) {
-            e = e.hint(format!("did you mean {best}? (api --list shows every method)"));
-        }
-        return Err(e);
+        let hint = match nearest(group, groups.into_iter()) {
+            Some(best) => format!("did you mean {best}? (api --list shows every method)"),
+            None => "api --list shows every method".to_owned(),
+        };
+        return Err(CliError::usage(format!("no method group {group:?}")).hint(hint));
     }
     ctx.print_list(&json!({ "items": items }), tables::METHODS)
 }
@@ -302,6 +297,7 @@ mod tests {
     #[test]
     fn suggestions() {
         assert_eq!(nearest("pools.lst", methods().map(|m| m.name)), Some("pools.list"));
+        assert_eq!(nearest("zzzzzzz", methods().map(|m| m.name)), None);
         assert!(methods().any(|m| m.name == "events.get"));
     }
 }

@@ -11,13 +11,27 @@ use crate::flags::{Cli, CompletionShell};
 
 const BIN_NAME: &str = "better-compute";
 
+/// clap_complete's bash script names the state of `better-compute reserve` two ways when the
+/// binary's name has a hyphen (clap-rs/clap#6421, open in 4.6): the loop that reads the words
+/// arrives at `better__compute__subcmd__reserve`, the `case` arms spell it
+/// `better__subcmd__compute__subcmd__reserve`, so no subcommand's flags complete. The arms are
+/// respelled the loop's way; once clap fixes it, there is nothing left to replace.
+const BASH_STATE_MISSPELLED: &str = "better__subcmd__compute";
+const BASH_STATE: &str = "better__compute";
+
 pub fn completion(shell: CompletionShell) -> Result<(), CliError> {
     let shell = match shell {
         CompletionShell::Bash => clap_complete::Shell::Bash,
         CompletionShell::Zsh => clap_complete::Shell::Zsh,
         CompletionShell::Fish => clap_complete::Shell::Fish,
     };
-    clap_complete::generate(shell, &mut Cli::command(), BIN_NAME, &mut std::io::stdout());
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), BIN_NAME, &mut script);
+    let mut script = String::from_utf8_lossy(&script).into_owned();
+    if matches!(shell, clap_complete::Shell::Bash) {
+        script = script.replace(BASH_STATE_MISSPELLED, BASH_STATE);
+    }
+    crate::output::emit(script.trim_end());
     Ok(())
 }
 
@@ -32,7 +46,7 @@ pub fn help(path: &[String], json: bool) -> Result<(), CliError> {
             None => {
                 let within = std::iter::once(BIN_NAME).chain(path[..depth].iter().map(String::as_str)).collect::<Vec<_>>();
                 let mut e = CliError::usage(format!("no command {:?} in {}", name, within.join(" ")));
-                if let Some(best) = known.iter().min_by_key(|k| strsim::levenshtein(k, name)) {
+                if let Some(best) = super::nearest(name, known.iter().map(String::as_str)) {
                     e = e.hint(format!("did you mean {best}? (help lists the commands)"));
                 }
                 return Err(e);
@@ -40,9 +54,9 @@ pub fn help(path: &[String], json: bool) -> Result<(), CliError> {
         };
     }
     if json {
-        println!("{}", crate::output::safe_json(&manifest(command), true));
+        crate::output::emit(&crate::output::safe_json(&manifest(command), true));
     } else {
-        command.write_long_help(&mut std::io::stdout()).map_err(|e| CliError::new("INTERNAL", format!("printing help: {e}")))?;
+        crate::output::emit(command.render_long_help().to_string().trim_end());
     }
     Ok(())
 }

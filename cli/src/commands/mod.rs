@@ -74,7 +74,7 @@ impl Context {
     pub fn print(&self, value: &Value, default: Format) -> Result<(), CliError> {
         let text = output::render(value, self.global.format.unwrap_or(default), self.global.query.as_deref())
             .map_err(CliError::usage)?;
-        println!("{text}");
+        output::emit(&text);
         Ok(())
     }
 
@@ -82,7 +82,7 @@ impl Context {
     /// the raw result.
     pub fn print_list(&self, value: &Value, columns: &[Column]) -> Result<(), CliError> {
         if self.global.format.unwrap_or(Format::Table) == Format::Table && self.global.query.is_none() {
-            println!("{}", output::table_of(value, columns, now_ms()));
+            output::emit(&output::table_of(value, columns, now_ms()));
             return Ok(());
         }
         self.print(value, Format::Table)
@@ -116,6 +116,16 @@ impl Context {
 
 fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// The known name nearest to `wanted` (Levenshtein distance), for a "did you mean"; none when
+/// even the nearest differs in more than half of its letters.
+pub fn nearest<'a>(wanted: &str, names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    names
+        .map(|name| (strsim::levenshtein(name, wanted), name))
+        .min()
+        .filter(|(distance, _)| *distance <= wanted.chars().count().div_ceil(2))
+        .map(|(_, name)| name)
 }
 
 /// Checks an id's kind before anything is sent: a wrong one is a usage error.
