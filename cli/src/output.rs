@@ -64,7 +64,7 @@ pub fn safe_text(text: &str) -> String {
 }
 
 /// One line, no control characters: for table cells.
-fn cell(value: &Value) -> String {
+pub fn cell(value: &Value) -> String {
     let text = match value {
         Value::String(s) => s.clone(),
         Value::Null => String::new(),
@@ -116,14 +116,53 @@ fn table(value: &Value) -> String {
             table.add_row(columns.iter().map(|c| cell(row.get(c).unwrap_or(&Value::Null))));
         }
     }
+    finish(table, rows.is_empty(), more)
+}
+
+/// The footer every list table ends with: `(no rows)`, or the cursor of the next page.
+fn finish(table: comfy_table::Table, empty: bool, more: Option<String>) -> String {
     let mut out = table.to_string();
-    if rows.is_empty() {
+    if empty {
         out.push_str("\n(no rows)");
     }
     if let Some(cursor) = more {
         out.push_str(&format!("\n(more rows: --cursor {})", safe_text(&cursor)));
     }
     out
+}
+
+/// One column of a list table: its header, and its cell computed from a row and the time now
+/// (milliseconds since the Unix epoch), so ages and ends can be shown relative to it.
+pub struct Column {
+    pub header: &'static str,
+    pub cell: fn(&Value, i64) -> String,
+}
+
+/// A page (`{ items, nextCursor }`) or an array as a table with chosen columns.
+pub fn table_of(value: &Value, columns: &[Column], now_ms: i64) -> String {
+    let (rows, more) = match value {
+        Value::Object(map) => (
+            map.get("items").and_then(Value::as_array).cloned().unwrap_or_default(),
+            map.get("nextCursor").and_then(Value::as_str).map(str::to_owned),
+        ),
+        Value::Array(items) => (items.clone(), None),
+        other => return safe_text(&cell(other)),
+    };
+    let mut table = comfy_table::Table::new();
+    table.load_preset(comfy_table::presets::NOTHING);
+    table.set_header(columns.iter().map(|c| c.header));
+    for row in &rows {
+        table.add_row(columns.iter().map(|c| cell(&Value::String((c.cell)(row, now_ms)))));
+    }
+    finish(table, rows.is_empty(), more)
+}
+
+/// Prints one result and a line break on standard output. A closed pipe (`| head -1`) is not a
+/// failure: the reader has what it wanted.
+pub fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.write_all(b"\n")).and_then(|()| out.flush());
 }
 
 pub fn render(value: &Value, format: Format, query_path: Option<&str>) -> Result<String, String> {

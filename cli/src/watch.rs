@@ -1,6 +1,9 @@
 //! `better-compute events watch`: follows `GET /watch`, prints one JSON line per event,
-//! reconnects from the last event it printed after a broken connection, and stops on Ctrl-C,
-//! after `--count`, or on a refusal (a 4xx answer).
+//! reconnects from the last event id it received after a broken connection, and stops on
+//! Ctrl-C, after `--count`, or on a refusal (a 4xx answer).
+//!
+//! Where it starts is the server's default, the end of the log (`tail -f`), unless `--since`
+//! names a position or `start`/`0` (the beginning), which is sent as `?since=`.
 
 use std::time::Duration;
 
@@ -18,24 +21,48 @@ const IDLE_TIMEOUT_S: u64 = 45;
 /// Longest SSE line accepted (an event's JSON is far smaller).
 const LINE_BYTES_MAX: usize = 1024 * 1024;
 
+/// `--since`: where the watch starts when it is not where the server would (the end).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Since {
+    /// `start` or `0`: replay the log from its first event.
+    Start,
+    /// Resume after this position (`COMMIT.INDEX`).
+    After(bc_core::event::Position),
+}
+
+impl Since {
+    pub fn parse(text: &str) -> Result<Self, CliError> {
+        match text {
+            "start" | "0" => Ok(Since::Start),
+            _ => text.parse().map(Since::After).map_err(|e| CliError::usage(format!("--since: {e}"))),
+        }
+    }
+
+    /// The `since` query value: every position is after the start, so the start is position 0.0.
+    fn query(&self) -> String {
+        match self {
+            Since::Start => bc_core::event::Position::START.to_string(),
+            Since::After(position) => position.to_string(),
+        }
+    }
+}
+
 pub struct WatchArgs {
     pub url: String,
     pub token: String,
     pub tenant: Option<String>,
     pub types: Option<String>,
-    pub since: Option<String>,
+    pub since: Option<Since>,
     pub count: Option<u64>,
 }
 
 pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
-    if let Some(since) = &args.since {
-        since.parse::<bc_core::event::Position>().map_err(|e| CliError::usage(format!("--since: {e}")))?;
-    }
     let http = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         .build()
         .map_err(|e| CliError::new("INTERNAL", format!("building the HTTP client: {e}")))?;
-    let mut last = args.since.clone();
+    // The id of the last event received: a reconnect resumes after it (`Last-Event-ID`).
+    let mut last: Option<String> = None;
     let mut printed = 0u64;
     let mut backoff_ms = RECONNECT_FIRST_MS;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -47,6 +74,9 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
         }
         if let Some(t) = &args.tenant {
             query.push(("tenantId", t.clone()));
+        }
+        if let (None, Some(since)) = (&last, &args.since) {
+            query.push(("since", since.query()));
         }
         let url = url::Url::parse_with_params(&format!("{}/watch", args.url.trim_end_matches('/')), &query)
             .map_err(|e| CliError::usage(format!("malformed BETTER_COMPUTE_URL: {e}")))?;
@@ -82,6 +112,10 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
                         let line: Vec<u8> = buffer.drain(..=end).collect();
                         let line = String::from_utf8_lossy(&line[..line.len() - 1]).trim_end_matches('\r').to_owned();
                         if line.is_empty() {
+                            // As in the SSE spec, an id counts even on an event without data.
+                            if let Some(id) = id.take() {
+                                last = Some(id);
+                            }
                             if !data.is_empty() {
                                 let value: Value = serde_json::from_str(&data).unwrap_or(Value::String(data.clone()));
                                 use std::io::Write;
@@ -92,9 +126,6 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
                                 }
                                 printed += 1;
                                 backoff_ms = RECONNECT_FIRST_MS;
-                                if let Some(id) = id.take() {
-                                    last = Some(id);
-                                }
                                 if args.count.is_some_and(|c| printed >= c) {
                                     return Ok(());
                                 }
@@ -113,7 +144,10 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
                         return Err(CliError::new("INVALID_RESPONSE", "the watch stream sent a line longer than 1 MiB"));
                     }
                 }
-                eprintln!("watch: connection closed; reconnecting after {}", last.as_deref().unwrap_or("the start"));
+                match last.clone().or_else(|| args.since.as_ref().map(Since::query)) {
+                    Some(from) => eprintln!("watch: connection closed; reconnecting after {from}"),
+                    None => eprintln!("watch: connection closed; reconnecting at the end of the log"),
+                }
             }
             Ok(r) => eprintln!("watch: the server answered {}; reconnecting", r.status()),
             Err(e) => eprintln!("watch: cannot reach {}: {e}; reconnecting", args.url),

@@ -24,8 +24,9 @@ fn watcher(server: &Server, args: &[&str]) -> std::process::Child {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_prints_every_event_once_in_order_across_a_restart() {
     let mut server = Server::dev();
-    // 2 bootstrap events, 3 pools, restart, 3 pools: 8 events.
-    let mut child = watcher(&server, &["--count", "8"]);
+    // 2 bootstrap events, 3 pools, restart, 3 pools: 8 events. A watch starts at the end of the
+    // log unless told otherwise: `--since start` replays the bootstrap events too.
+    let mut child = watcher(&server, &["--since", "start", "--count", "8"]);
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -85,7 +86,7 @@ async fn watch_filters_resumes_and_refuses_bad_input() {
         let first: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
         assert_eq!(first["type"], "node.registered", "resumes exactly after {since}");
     }
-    let out = watcher(&server, &["--types", "node.*", "--count", "1"]).wait_with_output().unwrap();
+    let out = watcher(&server, &["--since", "start", "--types", "node.*", "--count", "1"]).wait_with_output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("node.registered"));
     let (_, page) = server.call("events.list", json!({ "stream": pool_event["stream"] })).await;
     assert_eq!(page["items"].as_array().unwrap().len(), 1);
@@ -122,7 +123,7 @@ async fn watch_filters_resumes_and_refuses_bad_input() {
 #[tokio::test]
 async fn a_connected_watcher_does_not_block_a_graceful_stop() {
     let mut server = Server::dev();
-    let mut child = watcher(&server, &[]);
+    let mut child = watcher(&server, &["--since", "start"]);
     let mut reader = BufReader::new(child.stdout.take().unwrap());
     let mut first = String::new();
     reader.read_line(&mut first).unwrap(); // connected and streaming
@@ -140,7 +141,7 @@ async fn a_revoked_key_stops_receiving_events() {
     assert_eq!(status, 200, "{key}");
     let token = key["token"].as_str().unwrap().to_owned();
     let mut child = Command::new(bc_tests::binary("better-compute"))
-        .args(["events", "watch", "--types", "pool.*"])
+        .args(["events", "watch", "--since", "start", "--types", "pool.*"])
         .env("BETTER_COMPUTE_URL", &server.url)
         .env("BETTER_COMPUTE_TOKEN", &token)
         .stdout(Stdio::piped())

@@ -1,0 +1,116 @@
+//! `nodes list|get|register|cordon|uncordon|drain|label|taint`. `drain --wait N` waits until
+//! the node holds no reservation.
+
+use std::time::{Duration, Instant};
+
+use bc_core::id::{NodeId, PoolId};
+use serde_json::{Map, Value, json};
+
+use crate::client::{CliError, Client};
+use crate::flags::NodesCommand;
+use crate::output::Format;
+use crate::tables;
+
+use super::{Context, check_id, idempotency_key, labels};
+
+pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
+    let c = ctx.client()?;
+    let body = ctx.tenant_body()?;
+    let value = match command {
+        NodesCommand::List { page, pool } => {
+            let mut body = ctx.page_body(&page)?;
+            if let Some(pool) = pool {
+                body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+            }
+            return ctx.print_list(&c.call("nodes.list", &Value::Object(body), None).await?, tables::NODES);
+        }
+        NodesCommand::Get { node_id } => node_op(&c, body, "nodes.get", &node_id, None, &[], 0).await?,
+        NodesCommand::Cordon { node_id, if_version } => {
+            node_op(&c, body, "nodes.cordon", &node_id, if_version.if_version, &[], 0).await?
+        }
+        NodesCommand::Uncordon { node_id, if_version } => {
+            node_op(&c, body, "nodes.uncordon", &node_id, if_version.if_version, &[], 0).await?
+        }
+        NodesCommand::Drain { node_id, if_version, wait } => {
+            node_op(&c, body, "nodes.drain", &node_id, if_version.if_version, &[], wait).await?
+        }
+        NodesCommand::Label { node_id, items, if_version } => {
+            node_op(&c, body, "nodes.label", &node_id, if_version.if_version, &items, 0).await?
+        }
+        NodesCommand::Taint { node_id, items, if_version } => {
+            node_op(&c, body, "nodes.taint", &node_id, if_version.if_version, &items, 0).await?
+        }
+        NodesCommand::Register { pool, name, gpus, labels: items, key } => {
+            let mut body = body;
+            body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+            body.insert("name".into(), json!(name));
+            let gpus = gpus.iter().map(|spec| gpu(spec)).collect::<Result<Vec<_>, _>>()?;
+            body.insert("gpus".into(), Value::Array(gpus));
+            body.insert("labels".into(), labels(&items)?);
+            let key = idempotency_key(&key.key);
+            c.call("nodes.register", &Value::Object(body), Some(&key)).await?
+        }
+    };
+    ctx.print(&value, Format::Json)
+}
+
+/// `--gpu MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN`.
+fn gpu(spec: &str) -> Result<Value, CliError> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let [model, product, vram, domain] = parts[..] else {
+        return Err(CliError::usage(format!("--gpu {spec:?} is not MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN")));
+    };
+    let vram: u32 = vram.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: VRAM_GIB is not a number")))?;
+    let domain: u32 = domain.parse().map_err(|_| CliError::usage(format!("--gpu {spec:?}: NVLINK_DOMAIN is not a number")))?;
+    Ok(json!({ "model": model, "product": product, "vramGiB": vram, "nvlinkDomain": domain }))
+}
+
+/// One call on one node; `label` and `taint` send `set`/`remove` from `KEY=VALUE`/`KEY-` items.
+async fn node_op(
+    c: &Client,
+    mut body: Map<String, Value>,
+    method: &str,
+    node: &str,
+    if_version: Option<u64>,
+    items: &[String],
+    wait_s: u64,
+) -> Result<Value, CliError> {
+    body.insert("nodeId".into(), json!(check_id::<NodeId>("NODE_ID", node)?));
+    if let Some(v) = if_version {
+        body.insert("ifVersion".into(), json!(v));
+    }
+    if matches!(method, "nodes.label" | "nodes.taint") {
+        let (mut set, mut remove) = (Map::new(), Vec::new());
+        for item in items {
+            match (item.split_once('='), item.strip_suffix('-')) {
+                (Some((k, v)), _) => {
+                    set.insert(k.to_owned(), json!(v));
+                }
+                (None, Some(k)) => remove.push(json!(k)),
+                _ => return Err(CliError::usage(format!("{item:?} is neither KEY=VALUE (set) nor KEY- (remove)"))),
+            }
+        }
+        if items.is_empty() {
+            return Err(CliError::usage("give KEY=VALUE to set or KEY- to remove"));
+        }
+        body.insert("set".into(), Value::Object(set));
+        body.insert("remove".into(), Value::Array(remove));
+    }
+    let mut node_doc = c.call(method, &Value::Object(body.clone()), None).await?;
+    if method == "nodes.drain" {
+        let deadline = Instant::now() + Duration::from_secs(wait_s);
+        while node_doc["drained"] != true && Instant::now() < deadline {
+            eprintln!("draining: {} GPUs still reserved", node_doc["allocations"].as_object().map(|m| m.len()).unwrap_or(0));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let mut get = Map::new();
+            if let Some(t) = body.get("tenantId") {
+                get.insert("tenantId".into(), t.clone());
+            }
+            get.insert("nodeId".into(), body["nodeId"].clone());
+            node_doc = c.call("nodes.get", &Value::Object(get), None).await?;
+            let held = node_doc["allocations"].as_object().map(|m| m.len()).unwrap_or(0);
+            node_doc["drained"] = json!(node_doc["state"] == "draining" && held == 0);
+        }
+    }
+    Ok(node_doc)
+}

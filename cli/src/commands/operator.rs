@@ -1,0 +1,97 @@
+//! The operator commands that open the database themselves: `dev`, `serve`, `reconcile`,
+//! `migrate`, `pki show|rotate-log-key`, `projections rebuild`. The work is in `crate::server`
+//! and `crate::audit`; this module turns flags into its options.
+
+use std::path::{Path, PathBuf};
+
+use crate::client::CliError;
+use crate::flags::{ConsumerArgs, DataDir, DatabaseArgs, PkiCommand, ProjectionsCommand, ServerArgs};
+use crate::output::Format;
+use crate::server::{self, ConsumerOptions, Database};
+
+use super::Context;
+
+impl DatabaseArgs {
+    pub fn database(&self) -> Database {
+        Database::from_args(&self.data_dir, self.database_url.as_deref())
+    }
+}
+
+impl ConsumerArgs {
+    fn options(&self, allow_loopback: bool) -> Result<ConsumerOptions, CliError> {
+        if self.lease < 2 * self.delivery_timeout {
+            return Err(CliError::usage(format!(
+                "--lease ({} ms) must be at least twice --delivery-timeout ({} ms)",
+                self.lease, self.delivery_timeout
+            )));
+        }
+        Ok(ConsumerOptions {
+            delivery_timeout_ms: self.delivery_timeout,
+            policy: bc_core::webhook::EndpointPolicy { allow_loopback, allow_private: self.webhook_allow_private },
+            lease_ms: self.lease,
+            retry: bc_reconcilers::outbox::RetryPolicy {
+                base_ms: self.retry_base,
+                attempts_max: self.retry_attempts,
+                ..bc_reconcilers::outbox::RetryPolicy::DEFAULT
+            },
+            concurrency: self.concurrency as usize,
+            poll_ms: 250,
+            tick_ms: 500,
+        })
+    }
+}
+
+async fn run_server(db: Database, data_dir: &Path, args: &ServerArgs, dev: bool, allow_loopback: bool) -> Result<(), CliError> {
+    let options = args.consumers.options(allow_loopback)?;
+    let run = (!args.no_reconcilers).then_some(&options);
+    server::run_server(
+        db,
+        data_dir,
+        &args.listen,
+        dev,
+        args.sealing.checkpoint_interval,
+        &args.sealing.deployment.deployment,
+        run,
+        options.policy,
+    )
+    .await
+}
+
+pub async fn dev(dir: DataDir, args: ServerArgs) -> Result<(), CliError> {
+    let db = Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
+    // dev delivers webhooks to loopback receivers: that is where a developer's are.
+    run_server(db, &dir.data_dir, &args, true, true).await
+}
+
+pub async fn serve(database_url: String, data_dir: PathBuf, args: ServerArgs, allow_loopback: bool) -> Result<(), CliError> {
+    run_server(Database::Postgres(database_url), &data_dir, &args, false, allow_loopback).await
+}
+
+pub async fn reconcile(
+    only: Vec<String>,
+    db: DatabaseArgs,
+    consumers: ConsumerArgs,
+    allow_loopback: bool,
+) -> Result<(), CliError> {
+    server::reconcile(&db.database(), &db.data_dir, &only, &consumers.options(allow_loopback)?).await
+}
+
+pub async fn migrate(ctx: &Context, db: DatabaseArgs) -> Result<(), CliError> {
+    ctx.print(&server::migrate(&db.database()).await?, Format::Json)
+}
+
+pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
+    let value = match command {
+        PkiCommand::Show { dir, deployment } => server::pki_show(&dir.data_dir, &deployment.deployment)?,
+        PkiCommand::RotateLogKey { db, deployment } => {
+            crate::audit::rotate_log_key(&db.database(), &db.data_dir, &deployment.deployment).await?
+        }
+    };
+    ctx.print(&value, Format::Json)
+}
+
+pub async fn projections(ctx: &Context, command: ProjectionsCommand) -> Result<(), CliError> {
+    match command {
+        ProjectionsCommand::Rebuild { db } => ctx.print(&server::projections_rebuild(&db.database()).await?, Format::Json),
+    }
+}

@@ -1,0 +1,35 @@
+//! `pools list|get|create`.
+
+use bc_core::id::PoolId;
+use serde_json::{Value, json};
+
+use crate::client::CliError;
+use crate::flags::PoolsCommand;
+use crate::output::Format;
+use crate::tables;
+
+use super::{Context, check_id, idempotency_key, labels};
+
+pub async fn run(ctx: &Context, command: PoolsCommand) -> Result<(), CliError> {
+    let c = ctx.client()?;
+    match command {
+        PoolsCommand::List { page, include_archived } => {
+            let mut body = ctx.page_body(&page)?;
+            body.insert("includeArchived".into(), json!(include_archived));
+            ctx.print_list(&c.call("pools.list", &Value::Object(body), None).await?, tables::POOLS)
+        }
+        PoolsCommand::Get { pool_id } => {
+            let mut body = ctx.tenant_body()?;
+            body.insert("poolId".into(), json!(check_id::<PoolId>("POOL_ID", &pool_id)?));
+            ctx.print(&c.call("pools.get", &Value::Object(body), None).await?, Format::Json)
+        }
+        PoolsCommand::Create { name, description, labels: items, key } => {
+            let mut body = ctx.tenant_body()?;
+            body.insert("name".into(), json!(name));
+            body.insert("description".into(), json!(description));
+            body.insert("labels".into(), labels(&items)?);
+            let key = idempotency_key(&key.key);
+            ctx.print(&c.call("pools.create", &Value::Object(body), Some(&key)).await?, Format::Json)
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! `webhooks …`: the `webhooks.*` methods with typed flags. A signing secret is printed once, or
+//! with `--secret-out FILE` written to a new 0600 file (never over one that exists) and left out
+//! of the output.
+
+use std::path::PathBuf;
+
+use bc_core::id::WebhookId;
+use serde_json::{Map, Value, json};
+
+use crate::client::CliError;
+use crate::flags::WebhooksCommand;
+use crate::output::Format;
+use crate::tables;
+
+use super::{Context, add_page, check_id, idempotency_key};
+
+fn types(list: &str) -> Value {
+    json!(list.split(',').map(str::trim).filter(|t| !t.is_empty()).collect::<Vec<_>>())
+}
+
+/// `--secret-out` names a new file: refused before the call, so no secret is made for nothing.
+fn refuse_existing(path: &Option<PathBuf>) -> Result<(), CliError> {
+    match path {
+        Some(path) if path.exists() => Err(CliError::new("ALREADY_EXISTS", format!("{} exists", path.display()))
+            .hint("--secret-out never overwrites: give a new file")),
+        _ => Ok(()),
+    }
+}
+
+/// Moves the secret out of `value` into a new 0600 file, if asked to.
+fn secret_out(value: &mut Value, path: &Option<PathBuf>) -> Result<(), CliError> {
+    let Some(path) = path else { return Ok(()) };
+    let Some(secret) = value.get("secret").and_then(Value::as_str).map(str::to_owned) else {
+        return Ok(());
+    };
+    bc_core::keys::write_secret_file(path, format!("{secret}\n").as_bytes()).map_err(|e| {
+        CliError::from(e).hint("the webhook exists; run rotate-secret --secret-out NEW_FILE to get a secret you can keep")
+    })?;
+    value["secret"] = json!(format!("written to {}", path.display()));
+    Ok(())
+}
+
+pub async fn run(ctx: &Context, command: WebhooksCommand) -> Result<(), CliError> {
+    let c = ctx.client()?;
+    let mut body = ctx.tenant_body()?;
+    let id = |text: &str| check_id::<WebhookId>("WEBHOOK_ID", text);
+    let call = |method: &'static str, body: Map<String, Value>, key: Option<String>| {
+        let c = &c;
+        async move { c.call(method, &Value::Object(body), key.as_deref()).await }
+    };
+    let value = match command {
+        WebhooksCommand::List { page } => {
+            add_page(&mut body, &page);
+            return ctx.print_list(&call("webhooks.list", body, None).await?, tables::WEBHOOKS);
+        }
+        WebhooksCommand::Deliveries { webhook_id, state, page } => {
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            if let Some(state) = state {
+                body.insert("state".into(), json!(state));
+            }
+            add_page(&mut body, &page);
+            return ctx.print_list(&call("webhooks.deliveries", body, None).await?, tables::DELIVERIES);
+        }
+        WebhooksCommand::EventTypes => {
+            return ctx.print_list(&call("webhooks.eventTypes", Map::new(), None).await?, tables::EVENT_TYPES);
+        }
+        WebhooksCommand::Get { webhook_id } => {
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            call("webhooks.get", body, None).await?
+        }
+        WebhooksCommand::Create { endpoint, types: list, description, secret_out: out, key } => {
+            refuse_existing(&out)?;
+            body.insert("url".into(), json!(endpoint));
+            body.insert("eventTypes".into(), types(&list));
+            body.insert("description".into(), json!(description));
+            let key = idempotency_key(&key.key);
+            let mut value = call("webhooks.create", body, Some(key)).await?;
+            secret_out(&mut value, &out)?;
+            value
+        }
+        WebhooksCommand::Update { webhook_id, endpoint, types: list, description, if_version } => {
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            if endpoint.is_none() && list.is_none() && description.is_none() {
+                return Err(CliError::usage("nothing to update: give --endpoint, --types or --description"));
+            }
+            if let Some(endpoint) = endpoint {
+                body.insert("url".into(), json!(endpoint));
+            }
+            if let Some(list) = list {
+                body.insert("eventTypes".into(), types(&list));
+            }
+            if let Some(description) = description {
+                body.insert("description".into(), json!(description));
+            }
+            if let Some(v) = if_version.if_version {
+                body.insert("ifVersion".into(), json!(v));
+            }
+            call("webhooks.update", body, None).await?
+        }
+        WebhooksCommand::Delete { webhook_id, if_version } => {
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            if let Some(v) = if_version.if_version {
+                body.insert("ifVersion".into(), json!(v));
+            }
+            call("webhooks.delete", body, None).await?
+        }
+        WebhooksCommand::Ping { webhook_id } => {
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            call("webhooks.ping", body, None).await?
+        }
+        WebhooksCommand::RotateSecret { webhook_id, previous_valid_s, secret_out: out } => {
+            refuse_existing(&out)?;
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            if let Some(s) = previous_valid_s {
+                body.insert("previousValidS".into(), json!(s));
+            }
+            let mut value = call("webhooks.rotateSecret", body, None).await?;
+            secret_out(&mut value, &out)?;
+            value
+        }
+        WebhooksCommand::Redeliver { webhook_id, delivery_id } => {
+            body.insert("webhookId".into(), json!(id(&webhook_id)?));
+            body.insert("deliveryId".into(), json!(delivery_id));
+            call("webhooks.redeliver", body, None).await?
+        }
+    };
+    ctx.print(&value, Format::Json)
+}

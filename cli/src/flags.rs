@@ -1,0 +1,757 @@
+//! Every flag and subcommand of `better-compute`, as clap types, and nothing that runs them.
+//!
+//! Flags that several commands share are declared once, as groups flattened into the commands
+//! that take them: [`Deployment`], [`DataDir`], [`DatabaseArgs`], [`Sealing`], [`ConsumerArgs`],
+//! [`ServerArgs`], [`Page`], [`IfVersion`], [`IdempotencyKey`] and [`AskArgs`]. Durations are
+//! parsed in one place, [`parse_duration`] (humantime), with the bounds of each flag.
+//! `commands/` runs what is parsed here.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::output::Format;
+
+pub const DEFAULT_URL: &str = "http://127.0.0.1:7070";
+pub const DEFAULT_DATA_DIR: &str = ".better-compute";
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+
+/// Longest sealing interval accepted: a week.
+pub const CHECKPOINT_INTERVAL_S_MAX: u64 = 7 * 24 * 3600;
+/// Longest lease or retry base accepted: a day.
+pub const CONSUMER_DURATION_MS_MAX: u64 = 24 * 3600 * 1000;
+/// Longest `--for` or `--by` the CLI sends (the pool's own maximum decides below it).
+pub const RESERVATION_DURATION_S_MAX: u64 = 10 * 366 * 24 * 3600;
+/// Longest `reserve --wait`: ten minutes.
+pub const RESERVE_WAIT_S_MAX: u64 = 600;
+/// Longest `nodes drain --wait`: a day.
+pub const DRAIN_WAIT_S_MAX: u64 = 86_400;
+
+#[derive(Parser)]
+#[command(
+    name = "better-compute",
+    version,
+    about = "An event-sourced control plane for GPU capacity",
+    disable_help_subcommand = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The flags every command takes: where the API is, who acts, and how results print.
+#[derive(Args, Clone)]
+pub struct GlobalArgs {
+    /// Output format (lists default to table, everything else to json).
+    #[arg(long, global = true, value_enum)]
+    pub format: Option<Format>,
+    /// Print part of the result: `items[].id`, `pin`, `items[0].name`.
+    #[arg(long, global = true, value_name = "PATH")]
+    pub query: Option<String>,
+    /// The API's URL.
+    #[arg(long, global = true, env = "BETTER_COMPUTE_URL", default_value = DEFAULT_URL)]
+    pub url: String,
+    /// The tenant to act in (default: the token's own).
+    #[arg(long, global = true, env = "BETTER_COMPUTE_TENANT")]
+    pub tenant: Option<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared flag groups.
+
+#[derive(Args)]
+pub struct Deployment {
+    /// The deployment's name: the key's name in checkpoints and the prefix of their origins.
+    #[arg(long, env = "BETTER_COMPUTE_DEPLOYMENT", default_value = bc_core::audit::DEPLOYMENT_DEFAULT)]
+    pub deployment: String,
+}
+
+#[derive(Args)]
+pub struct DataDir {
+    /// Where the embedded database, the log key and the admin token live.
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct DatabaseArgs {
+    /// Where the embedded database and the log key live.
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// PostgreSQL instead of the embedded database.
+    #[arg(long, env = "BETTER_COMPUTE_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+}
+
+#[derive(Args)]
+pub struct Sealing {
+    /// How often to seal a checkpoint of every tenant whose log grew: `30s`, `15m`, `1h`; `0` never.
+    #[arg(long, default_value = "1h", value_parser = parse_interval_s)]
+    pub checkpoint_interval: u64,
+    #[command(flatten)]
+    pub deployment: Deployment,
+}
+
+/// How the outbox consumers (webhook delivery) run.
+#[derive(Args)]
+pub struct ConsumerArgs {
+    /// How long a claimed delivery stays with this process if it dies: at least twice
+    /// --delivery-timeout, so a slow delivery is never sent by two processes at once.
+    #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
+    pub lease: u64,
+    /// One delivery's time limit (connect, send, answer).
+    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
+    pub delivery_timeout: u64,
+    /// The first retry's delay; each next one is 4× longer (at most 6 h), ±20 % jitter.
+    #[arg(long, default_value = "5s", value_parser = parse_duration_ms)]
+    pub retry_base: u64,
+    /// Attempts before a delivery is dead (a dead letter `webhooks redeliver` can send again).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub retry_attempts: u32,
+    /// Deliveries in flight at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub concurrency: u64,
+    /// Allow webhook receivers on private and link-local addresses (10/8, 192.168/16, fe80::/10…).
+    #[arg(long)]
+    pub webhook_allow_private: bool,
+}
+
+/// What `dev` and `serve` share: the address, sealing, and the reconcilers run in process.
+#[derive(Args)]
+pub struct ServerArgs {
+    #[arg(long, default_value = DEFAULT_LISTEN)]
+    pub listen: String,
+    #[command(flatten)]
+    pub sealing: Sealing,
+    #[command(flatten)]
+    pub consumers: ConsumerArgs,
+    /// Do not run the reconcilers in this process (run `reconcile` instead).
+    #[arg(long)]
+    pub no_reconcilers: bool,
+}
+
+#[derive(Args)]
+pub struct Page {
+    /// Rows per page (1 to 500).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=500))]
+    pub limit: Option<u32>,
+    /// Continue after this cursor (printed under a table as `more rows`).
+    #[arg(long)]
+    pub cursor: Option<String>,
+}
+
+#[derive(Args)]
+pub struct IfVersion {
+    /// Only if the resource is still at this version (optimistic concurrency).
+    #[arg(long)]
+    pub if_version: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct IdempotencyKey {
+    /// Idempotency key (default: a fresh one, printed on stderr); repeat it to retry safely.
+    #[arg(long)]
+    pub key: Option<String>,
+}
+
+/// What a reservation asks for: `reserve` sends it, `capacity --preview` tries it.
+#[derive(Args)]
+pub struct AskArgs {
+    #[arg(long)]
+    pub pool: String,
+    /// GPUs, all on one node (1 to 64).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus: u32,
+    /// How long: `90s`, `30m`, `8h`, `1d` (at most the pool's maximum).
+    #[arg(long = "for", value_parser = parse_duration_s)]
+    pub duration: u64,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+/// Where a reservation may go.
+#[derive(Args, Clone)]
+pub struct PlacementArgs {
+    /// All GPUs in one NVLink domain.
+    #[arg(long)]
+    pub nvlink: bool,
+    /// `gpuProduct in (H100-SXM5-80GB), vramGiB >= 80, label.rack = r1`.
+    #[arg(long)]
+    pub selector: Option<String>,
+    /// Adds `gpuModel = MODEL`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Adds `gpuProduct = PRODUCT`.
+    #[arg(long)]
+    pub product: Option<String>,
+    /// A taint key this reservation tolerates (repeatable).
+    #[arg(long = "tolerate")]
+    pub tolerations: Vec<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commands.
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the control plane on the embedded database (SQLite): nothing else to install.
+    Dev {
+        #[command(flatten)]
+        dir: DataDir,
+        #[command(flatten)]
+        server: ServerArgs,
+    },
+    /// Run the control plane on PostgreSQL (run `migrate` first).
+    Serve {
+        #[arg(long, env = "BETTER_COMPUTE_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        /// Where the log key and the first admin token are kept.
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        #[command(flatten)]
+        server: ServerArgs,
+        /// Allow http:// webhook receivers on loopback (tests, single-host setups).
+        #[arg(long)]
+        webhook_allow_loopback: bool,
+    },
+    /// Run reconcilers (outbox consumers) as their own process, against the same database.
+    Reconcile {
+        /// Only these reconcilers (repeatable): reservations, webhooks. Default: all.
+        #[arg(long)]
+        only: Vec<String>,
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        consumers: ConsumerArgs,
+        /// Allow http:// webhook receivers on loopback (dev, tests).
+        #[arg(long)]
+        webhook_allow_loopback: bool,
+    },
+    /// Apply the database migrations.
+    Migrate {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+    /// The log key.
+    Pki {
+        #[command(subcommand)]
+        command: PkiCommand,
+    },
+    /// Read models.
+    Projections {
+        #[command(subcommand)]
+        command: ProjectionsCommand,
+    },
+    /// Checkpoints, verification and proofs of the log.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+    /// Call any API method: `api pools.get poolId=pool_…`; items `k=v`, `k:=json`, `a.b=v`,
+    /// `ids[]=x`, `k=@file.txt`, `k:=@file.json`.
+    Api(ApiArgs),
+    /// The event log.
+    Events {
+        #[command(subcommand)]
+        command: EventsCommand,
+    },
+    /// Pools of capacity.
+    Pools {
+        #[command(subcommand)]
+        command: PoolsCommand,
+    },
+    /// Hosts and their GPUs.
+    Nodes {
+        #[command(subcommand)]
+        command: NodesCommand,
+    },
+    /// Reserve GPUs: placed at once, or queued until capacity frees (waits up to --wait).
+    Reserve {
+        #[command(flatten)]
+        ask: AskArgs,
+        /// Seconds to wait while queued (0 to 600).
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=RESERVE_WAIT_S_MAX))]
+        wait: u64,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// End an active reservation, or cancel a queued one.
+    Release {
+        reservation_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Move an active reservation's end (within the pool's maximum).
+    Extend {
+        reservation_id: String,
+        /// How much longer: `30m`, `4h`, `1d`.
+        #[arg(long, value_parser = parse_duration_s)]
+        by: u64,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Reservations.
+    Reservations {
+        #[command(subcommand)]
+        command: ReservationsCommand,
+    },
+    /// Free GPUs per pool and per product; with --preview, would a reservation fit now, and where.
+    Capacity(CapacityArgs),
+    /// GPU quotas per pool.
+    Quotas {
+        #[command(subcommand)]
+        command: QuotasCommand,
+    },
+    /// Saved credentials: login (token from stdin or BETTER_COMPUTE_TOKEN), status, logout.
+    Auth {
+        #[command(subcommand)]
+        command: AuthCommand,
+    },
+    /// Webhook subscriptions and their deliveries (Standard Webhooks signatures).
+    Webhooks {
+        #[command(subcommand)]
+        command: WebhooksCommand,
+    },
+    /// Print a shell completion script: `source <(better-compute completion bash)`.
+    Completion {
+        #[arg(value_enum)]
+        shell: CompletionShell,
+    },
+    /// The commands, one command's flags (`help reserve`), or with --json the whole manifest.
+    Help {
+        /// The command to describe (`help nodes drain`).
+        command: Vec<String>,
+        /// Every command, subcommand and flag as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum CompletionShell {
+    Bash,
+    Zsh,
+    Fish,
+}
+
+#[derive(Args)]
+pub struct ApiArgs {
+    /// GROUP.METHOD (with --list: a group, `reservations`, to list only its methods).
+    pub method: Option<String>,
+    /// Body fields: `k=v` (a string), `k:=json`, `a.b=v` (nested), `ids[]=x` (appended),
+    /// `k=@file.txt` (a string from a file), `k:=@file.json` (JSON from a file).
+    pub items: Vec<String>,
+    /// The whole body: JSON, `@file.json`, or `-` to read it from standard input.
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Idempotency key to send.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// List the methods.
+    #[arg(long)]
+    pub list: bool,
+}
+
+#[derive(Args)]
+pub struct CapacityArgs {
+    #[arg(long)]
+    pub preview: bool,
+    #[arg(long)]
+    pub pool: Option<String>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus: Option<u32>,
+    #[arg(long = "for", value_parser = parse_duration_s)]
+    pub duration: Option<u64>,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+#[derive(Subcommand)]
+pub enum AuthCommand {
+    /// Save a token for --url: read from standard input or BETTER_COMPUTE_TOKEN, never an
+    /// argument; checked with system.whoami unless --no-verify.
+    Login {
+        #[arg(long)]
+        profile: Option<String>,
+        #[arg(long)]
+        no_verify: bool,
+    },
+    /// Which credential commands use (source, profile, path); never the token.
+    Status,
+    /// Forget a saved profile (the key stays valid on the server).
+    Logout {
+        #[arg(long)]
+        profile: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PkiCommand {
+    /// Print the log key's id, pin (`sha256/…`) and note verifier key (vkey).
+    Show {
+        #[command(flatten)]
+        dir: DataDir,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Replace the log key; the old key signs the announcement and is kept as log.key.KEYID.
+    RotateLogKey {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AuditCommand {
+    /// Seal a signed checkpoint now, for every tenant whose log grew (or --tenant).
+    Checkpoint {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Recompute every hash, link, signature and checkpoint; exits AUDIT_TAMPERED on a problem.
+    Verify {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Trust only keys with this pin (repeatable); default: the local log key.
+        #[arg(long = "pin")]
+        pins: Vec<String>,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Write the inclusion proof of one event (C2SP tlog-proof) in the newest checkpoint.
+    Prove {
+        event_id: String,
+        /// The proof file to create (never over an existing file).
+        #[arg(long)]
+        out: PathBuf,
+        /// A checkpoint saved earlier: also prove the log still extends it (OUT.consistency).
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Check a proof file offline against the key you trust. No database, no network.
+    CheckProof {
+        file: PathBuf,
+        /// The log key's pin, `sha256/…`.
+        #[arg(long = "pin", env = "BETTER_COMPUTE_AUDIT_PIN")]
+        pins: Vec<String>,
+        /// A note verifier key, `NAME+KEYID+KEY`.
+        #[arg(long = "vkey")]
+        vkeys: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ProjectionsCommand {
+    /// Fold every read model again from the log.
+    Rebuild {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum EventsCommand {
+    /// Page through a tenant's events by outbox position.
+    List {
+        #[command(flatten)]
+        page: Page,
+        /// Comma-separated type patterns (`pool.*`).
+        #[arg(long)]
+        types: Option<String>,
+    },
+    /// One event with its canonical bytes, hash and signature.
+    Get { event_id: String },
+    /// Follow the log live from its end (like `tail -f`): one JSON line per event; reconnects
+    /// after a broken connection.
+    Watch {
+        /// Comma-separated type patterns (`pool.*,node.registered`), at most 20.
+        #[arg(long)]
+        types: Option<String>,
+        /// Start after this position (`COMMIT.INDEX` or `COMMIT:INDEX`), or `start` (or `0`) to
+        /// replay the log from its beginning. Default: only events appended from now on.
+        #[arg(long)]
+        since: Option<String>,
+        /// Stop after printing this many events.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PoolsCommand {
+    List {
+        #[command(flatten)]
+        page: Page,
+        #[arg(long)]
+        include_archived: bool,
+    },
+    Get {
+        pool_id: String,
+    },
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// `key=value`, repeatable.
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum NodesCommand {
+    List {
+        #[command(flatten)]
+        page: Page,
+        #[arg(long)]
+        pool: Option<String>,
+    },
+    Get {
+        node_id: String,
+    },
+    /// Take no new reservations on a node.
+    Cordon {
+        node_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Take reservations on a node again.
+    Uncordon {
+        node_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Cordon a node until its reservations end; --wait N waits up to N seconds for that.
+    Drain {
+        node_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=DRAIN_WAIT_S_MAX))]
+        wait: u64,
+    },
+    /// Set (`KEY=VALUE`) or remove (`KEY-`) a node's labels.
+    Label {
+        node_id: String,
+        #[arg(required = true)]
+        items: Vec<String>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Set (`KEY=VALUE`) or remove (`KEY-`) a node's taints; a tainted node takes only
+    /// reservations that tolerate every taint key (`reserve --tolerate KEY`).
+    Taint {
+        node_id: String,
+        #[arg(required = true)]
+        items: Vec<String>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Add a host by hand.
+    Register {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        name: String,
+        /// `MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN`, repeatable (`H100:H100-SXM5-80GB:80:0`).
+        #[arg(long = "gpu")]
+        gpus: Vec<String>,
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ReservationsCommand {
+    /// A tenant's reservations.
+    List {
+        /// queued, active, released, expired or cancelled.
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        pool: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    Get {
+        reservation_id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum QuotasCommand {
+    /// The tenant's GPU quota in a pool, and how much of it is in use.
+    Get {
+        #[arg(long)]
+        pool: String,
+    },
+    /// Set the tenant's GPU quota in a pool (queued and active reservations count).
+    Set {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        gpus: u32,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum WebhooksCommand {
+    /// A tenant's webhooks.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    Get {
+        webhook_id: String,
+    },
+    /// Subscribe a receiver. The signing secret (`whsec_…`) is shown once.
+    Create {
+        /// The receiver's URL: https:// (http:// only to loopback in dev).
+        #[arg(long)]
+        endpoint: String,
+        /// Comma-separated type patterns (`pool.*,node.registered`, or `*`).
+        #[arg(long)]
+        types: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// Write the secret to this new file (mode 0600) instead of printing it.
+        #[arg(long)]
+        secret_out: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// Change the receiver, the types or the description.
+    Update {
+        webhook_id: String,
+        #[arg(long)]
+        endpoint: Option<String>,
+        #[arg(long)]
+        types: Option<String>,
+        #[arg(long)]
+        description: Option<String>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Delete a webhook; its pending deliveries die.
+    Delete {
+        webhook_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Send a test delivery (`webhook.pinged`) to this webhook only.
+    Ping {
+        webhook_id: String,
+    },
+    /// A new signing secret, shown once; the old one keeps signing beside it for a while.
+    RotateSecret {
+        webhook_id: String,
+        /// How long the old secret keeps signing: seconds (0 to 604800; default 86400).
+        #[arg(long)]
+        previous_valid_s: Option<u64>,
+        /// Write the secret to this new file (mode 0600) instead of printing it.
+        #[arg(long)]
+        secret_out: Option<PathBuf>,
+    },
+    /// Deliveries and their attempts, newest first.
+    Deliveries {
+        webhook_id: String,
+        /// pending, done or dead.
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// Queue a done or dead delivery again.
+    Redeliver {
+        webhook_id: String,
+        /// `evt_…/wh_…`, from `deliveries`.
+        delivery_id: String,
+    },
+    /// Every event type a webhook can subscribe to.
+    EventTypes,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Durations: one parser (humantime: `250ms`, `90s`, `15m`, `8h`, `1d`, `1h 30m`), bounded per flag.
+
+/// Parses a duration between `min` and `max` that is a whole number of `unit`s.
+pub fn parse_duration(text: &str, min: Duration, max: Duration, unit: Duration) -> Result<Duration, String> {
+    let value = humantime::parse_duration(text.trim())
+        .map_err(|e| format!("{text:?} is not a duration like 250ms, 90s, 30m, 8h or 1d ({e})"))?;
+    if value.as_nanos() % unit.as_nanos() != 0 {
+        return Err(format!("{text:?} is not a whole number of {}", humantime::format_duration(unit)));
+    }
+    if value < min {
+        return Err(if value.is_zero() {
+            format!("{text:?} is zero: give at least {}", humantime::format_duration(min))
+        } else {
+            format!("{text:?} is shorter than {}", humantime::format_duration(min))
+        });
+    }
+    if value > max {
+        return Err(format!("{text:?} is longer than {}", humantime::format_duration(max)));
+    }
+    Ok(value)
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+const MILLISECOND: Duration = Duration::from_millis(1);
+
+/// `--checkpoint-interval`: whole seconds up to a week; `0` never seals.
+pub fn parse_interval_s(text: &str) -> Result<u64, String> {
+    Ok(parse_duration(text, Duration::ZERO, Duration::from_secs(CHECKPOINT_INTERVAL_S_MAX), SECOND)?.as_secs())
+}
+
+/// `--lease`, `--delivery-timeout`, `--retry-base`: whole milliseconds, from 1 ms to a day.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let value = parse_duration(text, MILLISECOND, Duration::from_millis(CONSUMER_DURATION_MS_MAX), MILLISECOND)?;
+    Ok(value.as_millis() as u64)
+}
+
+/// `--for`, `--by`: whole seconds, more than zero (a reservation lasts at least a second).
+pub fn parse_duration_s(text: &str) -> Result<u64, String> {
+    Ok(parse_duration(text, SECOND, Duration::from_secs(RESERVATION_DURATION_S_MAX), SECOND)?.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_tree_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_interval_s("0"), Ok(0));
+        assert_eq!(parse_interval_s("15m"), Ok(900));
+        assert!(parse_interval_s("8d").unwrap_err().contains("longer than"));
+        assert!(parse_interval_s("500ms").unwrap_err().contains("whole number"));
+        assert_eq!(parse_duration_ms("250ms"), Ok(250));
+        assert_eq!(parse_duration_ms("2m"), Ok(120_000));
+        assert!(parse_duration_ms("0s").unwrap_err().contains("zero"));
+        assert!(parse_duration_ms("25h").is_err());
+        assert_eq!(parse_duration_s("1d"), Ok(86_400));
+        assert_eq!(parse_duration_s("1h 30m"), Ok(5400));
+        assert!(parse_duration_s("0s").unwrap_err().contains("zero"));
+        assert!(parse_duration_s("soon").unwrap_err().contains("duration"));
+        assert!(parse_duration_s("11y").unwrap_err().contains("longer than"));
+    }
+}

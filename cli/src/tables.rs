@@ -1,0 +1,261 @@
+//! The columns each list prints as a table, the way kubectl chooses them (`ID STATE GPUS NODE
+//! AGE ENDS`), and times shown relative to now (`5m ago`, `in 59m`).
+//!
+//! Only the table is shaped here: `--format json|compact` and `--query` print the raw fields of
+//! the result untouched.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::output::{Column, cell};
+
+/// `5m ago`, `in 59m`, `now`: how far `at_ms` is from `now_ms`, in one unit, rounded down.
+pub fn relative(at_ms: i64, now_ms: i64) -> String {
+    let delta_ms = at_ms.saturating_sub(now_ms);
+    if delta_ms.unsigned_abs() < 1000 {
+        return "now".into();
+    }
+    let span = span(delta_ms.unsigned_abs() / 1000);
+    if delta_ms < 0 { format!("{span} ago") } else { format!("in {span}") }
+}
+
+/// A span of seconds in its largest sensible unit: `90s`, `59m`, `47h`, `12d`, `3y`.
+pub fn span(seconds: u64) -> String {
+    const MINUTE: u64 = 60;
+    const HOUR: u64 = 60 * MINUTE;
+    const DAY: u64 = 24 * HOUR;
+    const YEAR: u64 = 365 * DAY;
+    match seconds {
+        s if s < 2 * MINUTE => format!("{s}s"),
+        s if s < 2 * HOUR => format!("{}m", s / MINUTE),
+        s if s < 2 * DAY => format!("{}h", s / HOUR),
+        s if s < 2 * YEAR => format!("{}d", s / DAY),
+        s => format!("{}y", s / YEAR),
+    }
+}
+
+/// A field as one line of text (`-` when it is missing or null).
+fn field(row: &Value, name: &str) -> String {
+    match row.get(name) {
+        None | Some(Value::Null) => "-".into(),
+        Some(v) => cell(v),
+    }
+}
+
+/// A millisecond timestamp field relative to now (`-` when it is missing or null).
+fn when(row: &Value, name: &str, now_ms: i64) -> String {
+    row.get(name).and_then(Value::as_i64).map(|at| relative(at, now_ms)).unwrap_or_else(|| "-".into())
+}
+
+/// `{ "a": "b", "c": "d" }` as `a=b,c=d`.
+fn pairs(row: &Value, name: &str) -> String {
+    let text: Vec<String> = row
+        .get(name)
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={}", v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string())))
+        .collect();
+    if text.is_empty() { "-".into() } else { text.join(",") }
+}
+
+/// One cell per node: `2× H100-SXM5-80GB (80 GiB)`.
+fn gpu_summary(node: &Value) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for gpu in node["gpus"].as_array().into_iter().flatten() {
+        let label = format!("{} ({} GiB)", gpu["product"].as_str().unwrap_or("?"), gpu["vramGiB"]);
+        *counts.entry(label).or_default() += 1;
+    }
+    let summary: Vec<String> = counts.into_iter().map(|(label, n)| format!("{n}× {label}")).collect();
+    summary.join(", ")
+}
+
+pub const RESERVATIONS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "reservationId") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "GPUS", cell: |r, _| field(r, "gpus") },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "AGE", cell: |r, now| when(r, "requestedAtMs", now) },
+    // An ended reservation shows when it ended; a queued one has no end yet.
+    Column {
+        header: "ENDS",
+        cell: |r, now| if r["endedAtMs"].is_i64() { when(r, "endedAtMs", now) } else { when(r, "endsAtMs", now) },
+    },
+];
+
+pub const POOLS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "poolId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "LABELS", cell: |r, _| pairs(r, "labels") },
+    Column { header: "MAX", cell: |r, _| r["maxReservationS"].as_u64().map(span).unwrap_or_else(|| "-".into()) },
+    Column { header: "ARCHIVED", cell: |r, _| field(r, "archived") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const NODES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "nodeId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "GPUS", cell: |r, _| gpu_summary(r) },
+    Column {
+        header: "USED",
+        cell: |r, _| {
+            let used = r["allocations"].as_object().map(|m| m.len()).unwrap_or(0);
+            format!("{used}/{}", r["gpus"].as_array().map(Vec::len).unwrap_or(0))
+        },
+    },
+    Column { header: "POOL", cell: |r, _| field(r, "poolId") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const EVENTS: &[Column] = &[
+    Column { header: "POSITION", cell: |r, _| field(r, "position") },
+    Column { header: "AGE", cell: |r, now| when(r, "at", now) },
+    Column { header: "TYPE", cell: |r, _| field(r, "type") },
+    Column { header: "STREAM", cell: |r, _| field(r, "stream") },
+    Column { header: "ACTOR", cell: |r, _| field(r, "actor") },
+];
+
+pub const WEBHOOKS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "webhookId") },
+    Column { header: "URL", cell: |r, _| field(r, "url") },
+    Column { header: "TYPES", cell: |r, _| field(r, "eventTypes") },
+    Column { header: "DESCRIPTION", cell: |r, _| field(r, "description") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const DELIVERIES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "deliveryId") },
+    Column { header: "TYPE", cell: |r, _| field(r, "type") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "ATTEMPTS", cell: |r, _| field(r, "attempts") },
+    Column { header: "NEXT", cell: |r, now| when(r, "nextAtMs", now) },
+    Column { header: "LAST ERROR", cell: |r, _| field(r, "lastError") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+/// `webhooks event-types`: the items are plain strings.
+pub const EVENT_TYPES: &[Column] = &[Column { header: "TYPE", cell: |r, _| cell(r) }];
+
+pub const API_KEYS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "keyId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "ACTIONS", cell: |r, _| field(r, "actions") },
+    Column { header: "REVOKED", cell: |r, _| field(r, "revoked") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const CAPACITY: &[Column] = &[
+    Column { header: "POOL", cell: |r, _| field(r, "poolId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "FREE", cell: |r, _| field(r, "free") },
+    Column { header: "GPUS", cell: |r, _| field(r, "gpus") },
+    Column { header: "RESERVED", cell: |r, _| field(r, "reserved") },
+    Column { header: "QUEUED", cell: |r, _| field(r, "queued") },
+    Column { header: "UNAVAILABLE", cell: |r, _| field(r, "unavailable") },
+    Column {
+        header: "BY PRODUCT",
+        cell: |r, _| {
+            let by: Vec<String> = r["byProduct"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| format!("{} {}/{}", p["product"].as_str().unwrap_or("?"), p["free"], p["gpus"]))
+                .collect();
+            by.join(", ")
+        },
+    },
+];
+
+/// `api --list`.
+pub const METHODS: &[Column] = &[
+    Column { header: "METHOD", cell: |r, _| field(r, "method") },
+    Column { header: "ACTION", cell: |r, _| field(r, "action") },
+    Column { header: "SUMMARY", cell: |r, _| field(r, "summary") },
+];
+
+/// The columns of a list method's result, for `api METHOD --format table`.
+pub fn for_method(method: &str) -> Option<&'static [Column]> {
+    Some(match method {
+        "reservations.list" => RESERVATIONS,
+        "pools.list" => POOLS,
+        "nodes.list" => NODES,
+        "events.list" => EVENTS,
+        "webhooks.list" => WEBHOOKS,
+        "webhooks.deliveries" => DELIVERIES,
+        "webhooks.eventTypes" => EVENT_TYPES,
+        "apiKeys.list" => API_KEYS,
+        "capacity.get" => CAPACITY,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::output::table_of;
+    use serde_json::json;
+
+    const NOW: i64 = 1_800_000_000_000;
+    const S: i64 = 1000;
+
+    #[test]
+    fn relative_times() {
+        assert_eq!(relative(NOW, NOW), "now");
+        assert_eq!(relative(NOW - 400, NOW), "now");
+        assert_eq!(relative(NOW - 5 * 60 * S, NOW), "5m ago");
+        assert_eq!(relative(NOW + 59 * 60 * S + 59 * S, NOW), "in 59m");
+        assert_eq!(relative(NOW - 30 * S, NOW), "30s ago");
+        assert_eq!(relative(NOW + 90 * S, NOW), "in 90s");
+        assert_eq!(relative(NOW - 119 * 60 * S, NOW), "119m ago");
+        assert_eq!(relative(NOW - 3 * 3600 * S, NOW), "3h ago");
+        assert_eq!(relative(NOW + 47 * 3600 * S, NOW), "in 47h");
+        assert_eq!(relative(NOW - 3 * 86_400 * S, NOW), "3d ago");
+        assert_eq!(relative(NOW + 800 * 86_400 * S, NOW), "in 2y");
+        assert_eq!(relative(i64::MIN, NOW), relative(i64::MIN, NOW), "no overflow");
+        assert_eq!(span(2_592_000), "30d");
+    }
+
+    #[test]
+    fn reservations_table_has_chosen_columns_and_relative_times() {
+        let page = json!({
+            "items": [
+                { "reservationId": "rsv_a", "state": "active", "gpus": 2, "nodeId": "node_a",
+                  "requestedAtMs": NOW - 5 * 60 * S, "endsAtMs": NOW + 59 * 60 * S + 30 * S, "endedAtMs": null,
+                  "tenantId": "ten_x", "selector": "" },
+                { "reservationId": "rsv_b", "state": "queued", "gpus": 4, "nodeId": null,
+                  "requestedAtMs": NOW - 30 * S, "endsAtMs": null, "endedAtMs": null },
+                { "reservationId": "rsv_c", "state": "released", "gpus": 1, "nodeId": "node_a",
+                  "requestedAtMs": NOW - 3 * 3600 * S, "endsAtMs": NOW + 3600 * S, "endedAtMs": NOW - 10 * 60 * S },
+            ],
+            "nextCursor": "rsv_c",
+        });
+        let text = table_of(&page, RESERVATIONS, NOW);
+        let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split_whitespace().collect()).collect();
+        assert_eq!(lines[0], ["ID", "STATE", "GPUS", "NODE", "AGE", "ENDS"]);
+        assert_eq!(lines[1], ["rsv_a", "active", "2", "node_a", "5m", "ago", "in", "59m"]);
+        assert_eq!(lines[2], ["rsv_b", "queued", "4", "-", "30s", "ago", "-"]);
+        assert_eq!(lines[3], ["rsv_c", "released", "1", "node_a", "3h", "ago", "10m", "ago"]);
+        assert!(text.ends_with("(more rows: --cursor rsv_c)"), "{text}");
+        assert!(!text.contains("ten_x"), "only the chosen columns: {text}");
+    }
+
+    #[test]
+    fn nodes_table_summarises_gpus() {
+        let gpu = json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 });
+        let page = json!({ "items": [{ "nodeId": "node_a", "name": "n1", "state": "ready", "gpus": [gpu, gpu],
+            "allocations": { "0": "rsv_a" }, "poolId": "pool_a", "createdAtMs": NOW - 2 * 86_400 * S }] });
+        let text = table_of(&page, NODES, NOW);
+        assert!(text.contains("2× H100-SXM5-80GB (80 GiB)") && text.contains("1/2") && text.contains("2d ago"), "{text}");
+        assert!(table_of(&json!({ "items": [] }), NODES, NOW).ends_with("(no rows)"));
+    }
+
+    #[test]
+    fn cells_stay_terminal_safe() {
+        let page = json!({ "items": [{ "poolId": "pool_a", "name": "evil\u{1b}[31m\nname", "labels": { "k": "v\u{7}" } }] });
+        let text = table_of(&page, POOLS, NOW);
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        assert_eq!(text.lines().count(), 2, "{text}");
+    }
+}
