@@ -4,7 +4,7 @@
 CARGO ?= cargo
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres
+.PHONY: dev test bench lint fmt build check-postgres schemathesis
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -26,6 +26,12 @@ test: check-postgres build
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:
 	@scripts/check-postgres
+
+## The OpenAPI document tested from the outside: schemathesis (pinned, in a virtual environment of
+## its own under target/schemathesis/) against a fresh `better-compute dev`, every check on.
+## SCHEMATHESIS_SEED and SCHEMATHESIS_MAX_EXAMPLES override the seed and the examples per operation.
+schemathesis: build
+	scripts/schemathesis
 
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
 bench: check-postgres
