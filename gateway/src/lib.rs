@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -98,7 +98,8 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/api/compute/{method}", post(rpc::rpc).get(openapi))
+        .route("/api/compute/openapi.json", get(openapi))
+        .route("/api/compute/{method}", post(rpc::rpc))
         .route("/watch", get(watch::watch))
         .fallback(not_found)
         .layer(
@@ -122,13 +123,10 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
-/// `GET /api/compute/openapi.json`: the API's OpenAPI document (public). Any other GET is 404.
-async fn openapi(Path(name): Path<String>) -> Response {
+/// `GET /api/compute/openapi.json`: the API's OpenAPI document (public).
+async fn openapi() -> Response {
     static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    if name != "openapi.json" {
-        return not_found().await.into_response();
-    }
-    let body = DOCUMENT.get_or_init(|| openapi::document().to_string());
+    let body = DOCUMENT.get_or_init(openapi::document_text);
     ([(header::CONTENT_TYPE, "application/json")], body.clone()).into_response()
 }
 

@@ -83,6 +83,12 @@ pub fn document() -> Value {
     for method in table() {
         let input = (method.input)(&mut generator);
         let output = (method.output)(&mut out_generator);
+        let body_required = {
+            let name = input.get("$ref").and_then(Value::as_str).and_then(|r| r.rsplit('/').next()).unwrap_or_default();
+            let definitions = generator.definitions();
+            let schema = definitions.get(name).unwrap_or(input.as_value());
+            schema.get("required").and_then(Value::as_array).is_some_and(|r| !r.is_empty())
+        };
         let security = match method.access {
             Access::Public => json!([]),
             _ => json!([{ "bearer": [] }]),
@@ -121,7 +127,11 @@ pub fn document() -> Value {
                         },
                         "description": "a retry with the same key and body returns the first result and appends nothing",
                     }],
-                    "requestBody": { "required": true, "content": { "application/json": { "schema": input } } },
+                    // An empty body is `{}`: it may be left out when no field is required.
+                    "requestBody": {
+                        "required": body_required,
+                        "content": { "application/json": { "schema": input } },
+                    },
                     "responses": responses,
                 }
             }),

@@ -69,11 +69,14 @@ pub struct PoolRef {
     if_version: Option<u64>,
 }
 
-/// At least one of `name`, `description`, `labels`, `maxReservationS`.
+/// At least one of `name`, `description`, `labels`, `maxReservationS`, not `null`.
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("anyOf" = [
-    { "required": ["name"] }, { "required": ["description"] }, { "required": ["labels"] }, { "required": ["maxReservationS"] },
+    { "required": ["name"], "properties": { "name": { "type": "string" } } },
+    { "required": ["description"], "properties": { "description": { "type": "string" } } },
+    { "required": ["labels"], "properties": { "labels": { "type": "object" } } },
+    { "required": ["maxReservationS"], "properties": { "maxReservationS": { "type": "integer" } } },
 ]))]
 pub struct PoolsUpdate {
     #[schemars(with = "Option<TenantIdText>")]

@@ -201,8 +201,14 @@ pub(super) async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checke
     if !(1..=i64::from(RESERVATION_GPUS_MAX)).contains(&input.gpus) {
         return Err(Error::invalid(format!("gpus must be 1 to {RESERVATION_GPUS_MAX}, not {}", input.gpus)));
     }
-    if !(1..=DURATION_S_MAX).contains(&input.duration_s) {
-        return Err(Error::invalid(format!("durationS must be 1 second to {DURATION_S_MAX} (a year), not {}", input.duration_s)));
+    if input.duration_s < 1 {
+        return Err(Error::invalid(format!("durationS must be at least 1 second, not {}", input.duration_s)));
+    }
+    if input.duration_s > DURATION_S_MAX {
+        return Err(Error::invalid(format!(
+            "durationS {} is past the maximum of {DURATION_S_MAX} s (a year); a pool may allow less",
+            input.duration_s
+        )));
     }
     let mut parts = Vec::new();
     if !input.selector.trim().is_empty() {

@@ -140,10 +140,14 @@ pub struct WebhooksCreate {
     description: String,
 }
 
-/// At least one of `url`, `eventTypes`, `description`.
+/// At least one of `url`, `eventTypes`, `description`, not `null`.
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-#[schemars(extend("anyOf" = [{ "required": ["url"] }, { "required": ["eventTypes"] }, { "required": ["description"] }]))]
+#[schemars(extend("anyOf" = [
+    { "required": ["url"], "properties": { "url": { "type": "string" } } },
+    { "required": ["eventTypes"], "properties": { "eventTypes": { "type": "array" } } },
+    { "required": ["description"], "properties": { "description": { "type": "string" } } },
+]))]
 pub struct WebhooksUpdate {
     #[schemars(with = "Option<TenantIdText>")]
     tenant_id: Option<String>,
@@ -393,14 +397,6 @@ async fn webhooks_deliveries(call: &Call<'_>, input: WebhooksDeliveries) -> Resu
     let store = &*call.state.store;
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
-    let limit = limit(input.limit)?.min(DELIVERIES_PAGE_MAX);
-    if let Some(cursor) = &input.cursor
-        && (cursor.len() > DELIVERY_ID_BYTES_MAX || !cursor.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'/'))
-    {
-        return Err(Error::invalid("malformed cursor"));
-    }
-    current(call, tenant, &id).await?;
-    let subject = id.to_string();
     let state = match input.state.as_deref() {
         None => None,
         Some(s) => Some(WorkState::parse(s).ok_or_else(|| Error::InvalidArgument {
@@ -408,6 +404,16 @@ async fn webhooks_deliveries(call: &Call<'_>, input: WebhooksDeliveries) -> Resu
             hint: Some("pending, done or dead".into()),
         })?),
     };
+    let limit = limit(input.limit)?.min(DELIVERIES_PAGE_MAX);
+    if let Some(cursor) = &input.cursor
+        && (cursor.is_empty()
+            || cursor.len() > DELIVERY_ID_BYTES_MAX
+            || !cursor.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'/'))
+    {
+        return Err(Error::invalid("malformed cursor"));
+    }
+    current(call, tenant, &id).await?;
+    let subject = id.to_string();
     let items = store.work_list(CONSUMER, tenant, &subject, state, input.cursor.as_deref(), limit + 1).await?;
     let more = items.len() > limit as usize;
     let mut out = Vec::with_capacity(items.len().min(limit as usize));
