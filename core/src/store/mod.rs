@@ -23,11 +23,13 @@ use crate::event::{
 };
 use crate::id::{EventId, TenantId};
 
+mod engine;
 pub mod log;
 pub mod outbox;
 pub mod postgres;
 pub mod sqlite;
 
+pub use engine::Migration;
 pub use log::{Log, LogHandle, LogStats};
 
 /// Most events one append request may carry.
@@ -310,31 +312,39 @@ pub struct RowPage {
     pub rows: Vec<Row>,
 }
 
-/// The storage backends' common interface. Everything here is one round trip or one
-/// transaction; the appender and the rebuild compose them.
+/// Proof that the caller is inside `bc_core::store`: its field is private to this module tree,
+/// so no other crate (and no other module of this one) can make one, and without one no
+/// transaction opens. That is how only the [`Log`] appends.
+///
+/// ```compile_fail
+/// // Outside `bc_core::store` the token cannot be made…
+/// let token = bc_core::store::WriteToken(());
+/// ```
+///
+/// ```compile_fail
+/// // …and the store has no commit to call.
+/// async fn append_behind_the_log(store: &dyn bc_core::store::EventStore) {
+///     store.commit().await;
+/// }
+/// ```
+pub struct WriteToken(());
+
+/// What every backend is: a name and a way to open a write transaction, for the algorithms of
+/// `engine.rs` and `outbox.rs` alone.
 #[async_trait]
-pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
+pub trait Store: Send + Sync + 'static {
     /// `sqlite` or `postgresql`.
     fn backend(&self) -> &'static str;
-    /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
-    async fn migrate(&self) -> Result<Vec<String>>;
-    /// Fails with a hint when the schema is older than this binary.
-    async fn check_schema(&self) -> Result<()>;
+    /// Opens a write transaction (on SQLite, `BEGIN IMMEDIATE`: the write lock up front).
+    #[doc(hidden)]
+    async fn transaction(&self, token: WriteToken) -> Result<Box<dyn engine::Transaction + '_>>;
+}
 
+/// The log, read: events, chain heads, tenants, signing keys. Appending is the [`Log`]'s alone.
+#[async_trait]
+pub trait LogStore: Store {
+    /// The chain heads, stream versions and idempotency records an append would be decided on.
     async fn preread(&self, query: &PreReadQuery) -> Result<PreRead>;
-    /// Writes a prepared batch, its projection updates and idempotency records in one
-    /// transaction, unless a chain head moved.
-    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome>;
-    /// The contended path: reads the state and calls `decide` inside the transaction, under
-    /// the counter lock, so the batch cannot go stale. Returns the commit number (0 when
-    /// `decide` accepted nothing and nothing was written) and the batch as written.
-    async fn commit_locked(
-        &self,
-        query: &PreReadQuery,
-        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
-        projector: &dyn Projector,
-    ) -> Result<(u64, PreparedBatch)>;
-
     /// Raw rows of one chain from `from_seq`, in `seq` order, unchecked (the auditor's view).
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>>;
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>>;
@@ -349,7 +359,11 @@ pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
 
     async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()>;
     async fn signing_keys(&self) -> Result<Vec<(String, Vec<u8>)>>;
+}
 
+/// The projection rows: read models, written by the append transaction and by a rebuild.
+#[async_trait]
+pub trait RowStore: Store {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>>;
     /// Rows of one kind by id across tenants (API keys are found by their id alone).
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>>;
@@ -357,7 +371,44 @@ pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
     async fn rows_all(&self) -> Result<Vec<Row>>;
     /// Replaces every projection row, if the log is still at `at_commit`; returns false if it
     /// moved (the caller folds again).
-    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool>;
+    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        engine::rows_replace_all(&mut *tx, rows, at_commit).await
+    }
+}
+
+/// Write-only secrets (webhook signing keys): not part of the log, nor of any projection.
+#[async_trait]
+pub trait SecretStore: Store {
+    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
+    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
+}
+
+/// The umbrella every caller names (`Arc<dyn EventStore>`): the log, the projection rows, the
+/// outbox and the secrets of one database, and its schema.
+#[async_trait]
+pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore {
+    /// This backend's migrations, oldest first.
+    fn migrations(&self) -> &'static [Migration];
+    /// The newest migration applied; `None` when none is (or there is no migrations table).
+    async fn schema_version(&self) -> Result<Option<u64>>;
+
+    /// Applies every migration not yet applied, recording `now_ms` as when. Safe to run
+    /// concurrently and repeatedly.
+    async fn migrate_at(&self, now_ms: u64) -> Result<Vec<String>> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        engine::migrate(&mut *tx, self.migrations(), now_ms).await
+    }
+    /// [`EventStore::migrate_at`] the system clock's now: for the composition root (`migrate`,
+    /// `dev`), where the real clock is the input.
+    async fn migrate(&self) -> Result<Vec<String>> {
+        self.migrate_at(crate::clock::Clock::now_ms(&crate::clock::SystemClock)).await
+    }
+    /// Fails with a hint when the schema is older than this binary.
+    async fn check_schema(&self) -> Result<()> {
+        engine::schema_check(self.schema_version().await?, self.migrations())
+    }
 }
 
 /// Reads and checks stored rows (hash and columns; signatures are the chain verifier's job).
