@@ -23,7 +23,7 @@
 use async_trait::async_trait;
 
 use super::engine::{End, finish};
-use super::{Store, WriteToken, to_u32, to_u64};
+use super::{Columns, Store, WriteToken, to_u32, to_u64};
 use crate::error::{Error, Result};
 use crate::event::Position;
 use crate::id::TenantId;
@@ -126,7 +126,7 @@ pub struct Completion {
 
 /// The outbox's storage. The methods that take several statements (leases, cursor moves,
 /// inserts, completions, pruning) are written here once over the backend's
-/// [`Transaction`](super::engine::Transaction); a backend writes the one-statement reads and
+/// transaction (`engine::Transaction`); a backend writes the one-statement reads and
 /// the claim (whose locking is its own: `FOR UPDATE SKIP LOCKED` on PostgreSQL).
 #[async_trait]
 pub trait OutboxStore: Store {
@@ -246,15 +246,6 @@ pub trait OutboxStore: Store {
     }
     /// How many of a consumer's items are pending, done and dead.
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)>;
-}
-
-/// A result row, read by column index: lets both backends decode items and attempts with one
-/// piece of code.
-pub(crate) trait Columns {
-    fn text(&self, i: usize) -> Result<String>;
-    fn opt_text(&self, i: usize) -> Result<Option<String>>;
-    fn int(&self, i: usize) -> Result<i64>;
-    fn opt_int(&self, i: usize) -> Result<Option<i64>>;
 }
 
 /// The columns a work item is read from, in `WorkItem::decode`'s order.

@@ -20,12 +20,13 @@ use tokio_postgres::{Client, GenericClient, NoTls};
 
 use super::engine::{Migration, Transaction};
 use super::outbox::{
-    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Columns, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
+    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
     count_states, outcome_columns,
 };
 use super::{
-    EventStore, Head, IdempotencyRecord, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore,
-    Store, WriteToken, hash32, to_i64, to_u32, to_u64,
+    EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store, WriteToken,
+    columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
+    stream_version_decode, to_i64, to_u32, to_u64,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -36,13 +37,11 @@ pub const POOL_CONNECTIONS_MAX: usize = 16;
 /// Projection rows per statement when a rebuild swaps them all in.
 const ROWS_PER_STATEMENT_MAX: usize = 10_000;
 
-const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "log", sql: include_str!("../../../schema/postgres/0001_log.sql") },
-    Migration { version: 2, name: "outbox", sql: include_str!("../../../schema/postgres/0002_outbox.sql") },
-    Migration { version: 3, name: "outbox_prune", sql: include_str!("../../../schema/postgres/0003_outbox_prune.sql") },
-];
+const MIGRATIONS: &[Migration] = migrations_of!("postgres");
 
-const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+/// [`EVENT_COLUMNS`](super::EVENT_COLUMNS) with `commit_index` (an `int4`) widened for the shared decoder.
+const EVENT_COLUMNS: &str =
+    "tenant_id, seq, id, stream, version, type, commit_no, commit_index::int8, canonical, hash, sig, key_id";
 
 pub struct PostgresStore {
     pool: Pool,
@@ -74,36 +73,6 @@ impl PostgresStore {
     }
 }
 
-fn event_row(row: &tokio_postgres::Row) -> Result<EventRow> {
-    Ok(EventRow {
-        tenant: row.try_get(0)?,
-        seq: to_u64(row.try_get(1)?)?,
-        id: row.try_get(2)?,
-        stream: row.try_get(3)?,
-        version: to_u64(row.try_get(4)?)?,
-        event_type: row.try_get(5)?,
-        commit: to_u64(row.try_get(6)?)?,
-        index: u32::try_from(row.try_get::<_, i32>(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
-        canonical: row.try_get(8)?,
-        hash: row.try_get(9)?,
-        sig: row.try_get(10)?,
-        key_id: row.try_get(11)?,
-    })
-}
-
-fn projection_row(row: &tokio_postgres::Row) -> Result<Row> {
-    let doc: String = row.try_get(3)?;
-    Ok(Row {
-        key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
-        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
-    })
-}
-
-fn head_row(row: &tokio_postgres::Row) -> Result<(TenantId, Head)> {
-    let tenant: String = row.try_get(0)?;
-    Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
-}
-
 /// The columns of `keys`, as the three arrays an `UNNEST` takes.
 fn row_key_arrays(keys: &[RowKey]) -> (Vec<&str>, Vec<&str>, Vec<&str>) {
     (
@@ -118,7 +87,7 @@ async fn heads_on(client: &impl GenericClient, tenants: &[TenantId], lock: &str)
     let rows = client
         .query(&format!("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1){lock}"), &[&tenants])
         .await?;
-    rows.iter().map(head_row).collect()
+    rows.iter().map(head_decode).collect()
 }
 
 async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result<PreRead> {
@@ -136,9 +105,8 @@ async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result
             )
             .await?;
         for row in rows {
-            let tenant: String = row.try_get(0)?;
-            if let Some(version) = row.try_get::<_, Option<i64>>(2)? {
-                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(version)?);
+            if let Some((stream, version)) = stream_version_decode(&row)? {
+                out.stream_versions.insert(stream, version);
             }
         }
     }
@@ -154,11 +122,8 @@ async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result
             )
             .await?;
         for row in rows {
-            let tenant: String = row.try_get(0)?;
-            out.idempotency.insert(
-                (tenant.parse()?, row.try_get(1)?),
-                IdempotencyRecord::from_columns(row.try_get(2)?, row.try_get(3)?, row.try_get(4)?)?,
-            );
+            let (slot, record) = idempotency_decode(&row)?;
+            out.idempotency.insert(slot, record);
         }
     }
     Ok(out)
@@ -242,36 +207,23 @@ impl Transaction for PostgresTransaction {
     ) -> Result<HashMap<RowKey, serde_json::Value>> {
         let tx = self.client()?;
         let commit = to_i64(commit)?;
-        let n = batch.events.len();
-        let (mut t, mut seq, mut id, mut stream, mut version, mut ty, mut at, mut idx, mut canonical, mut hash, mut sig, mut key) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        for e in &batch.events {
-            let env = &e.envelope;
-            t.push(env.tenant.to_string());
-            seq.push(to_i64(env.seq)?);
-            id.push(env.id.to_string());
-            stream.push(env.stream.as_str());
-            version.push(to_i64(env.version)?);
-            ty.push(env.event_type.as_str());
-            at.push(to_i64(env.at_ms)?);
-            idx.push(i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into()))?);
-            canonical.push(e.canonical.as_slice());
-            hash.push(&e.hash[..]);
-            sig.push(e.sig.as_slice());
-            key.push(e.key_id.as_str());
-        }
+        // One array per column, for UNNEST.
+        let events = &batch.events;
+        let t: Vec<String> = events.iter().map(|e| e.envelope.tenant.to_string()).collect();
+        let seq: Vec<i64> = events.iter().map(|e| to_i64(e.envelope.seq)).collect::<Result<_>>()?;
+        let id: Vec<String> = events.iter().map(|e| e.envelope.id.to_string()).collect();
+        let stream: Vec<&str> = events.iter().map(|e| e.envelope.stream.as_str()).collect();
+        let version: Vec<i64> = events.iter().map(|e| to_i64(e.envelope.version)).collect::<Result<_>>()?;
+        let ty: Vec<&str> = events.iter().map(|e| e.envelope.event_type.as_str()).collect();
+        let at: Vec<i64> = events.iter().map(|e| to_i64(e.envelope.at_ms)).collect::<Result<_>>()?;
+        let idx: Vec<i32> = events
+            .iter()
+            .map(|e| i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into())))
+            .collect::<Result<_>>()?;
+        let canonical: Vec<&[u8]> = events.iter().map(|e| e.canonical.as_slice()).collect();
+        let hash: Vec<&[u8]> = events.iter().map(|e| &e.hash[..]).collect();
+        let sig: Vec<&[u8]> = events.iter().map(|e| e.sig.as_slice()).collect();
+        let key: Vec<&str> = events.iter().map(|e| e.key_id.as_str()).collect();
         // The statements below do not depend on each other: issued together, tokio-postgres
         // pipelines them over the connection, so the batch pays one round trip instead of four.
         let events_insert = async {
@@ -325,7 +277,7 @@ impl Transaction for PostgresTransaction {
         let (_, _, _, rows) = futures::try_join!(events_insert, heads_upsert, idempotency_insert, projections_select)?;
         let mut current = HashMap::new();
         for row in rows {
-            let row = projection_row(&row)?;
+            let row = projection_row_decode(&row)?;
             current.insert(row.key, row.doc);
         }
         Ok(current)
@@ -584,7 +536,7 @@ impl LogStore for PostgresStore {
                 &[&tenant.to_string(), &to_i64(from_seq)?, &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -597,7 +549,7 @@ impl LogStore for PostgresStore {
                 &[&tenant.to_string(), &stream, &to_i64(after_version)?, &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
@@ -627,7 +579,7 @@ impl LogStore for PostgresStore {
                     .await?
             }
         };
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
@@ -638,18 +590,13 @@ impl LogStore for PostgresStore {
                 &[&tenant.to_string(), &id.to_string()],
             )
             .await?;
-        row.as_ref().map(event_row).transpose()
+        row.as_ref().map(event_row_decode).transpose()
     }
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
         let client = self.pool.get().await?;
         let rows = client.query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id", &[]).await?;
-        rows.iter()
-            .map(|row| {
-                let tenant: String = row.try_get(0)?;
-                Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
-            })
-            .collect()
+        rows.iter().map(head_decode).collect()
     }
 
     async fn tenants(&self) -> Result<Vec<TenantId>> {
@@ -697,7 +644,7 @@ impl RowStore for PostgresStore {
                 &[&tenant, &kind, &id],
             )
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
@@ -705,7 +652,7 @@ impl RowStore for PostgresStore {
         let row = client
             .query_opt("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = $1 AND id = $2", &[&kind, &id])
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
@@ -717,7 +664,7 @@ impl RowStore for PostgresStore {
                 &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(projection_row).collect()
+        rows.iter().map(projection_row_decode).collect()
     }
 
     async fn rows_all(&self) -> Result<Vec<Row>> {
@@ -728,24 +675,11 @@ impl RowStore for PostgresStore {
                 &[],
             )
             .await?;
-        rows.iter().map(projection_row).collect()
+        rows.iter().map(projection_row_decode).collect()
     }
 }
 
-impl Columns for tokio_postgres::Row {
-    fn text(&self, i: usize) -> Result<String> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_text(&self, i: usize) -> Result<Option<String>> {
-        Ok(self.try_get(i)?)
-    }
-    fn int(&self, i: usize) -> Result<i64> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
-        Ok(self.try_get(i)?)
-    }
-}
+columns_by_try_get!(tokio_postgres::Row);
 
 #[async_trait]
 impl OutboxStore for PostgresStore {

@@ -20,12 +20,13 @@ use sqlx::{QueryBuilder, Row as _, Sqlite, SqliteConnection, SqlitePool};
 
 use super::engine::{Migration, Transaction};
 use super::outbox::{
-    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Columns, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
+    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
     count_states, outcome_columns,
 };
 use super::{
-    EventStore, Head, IdempotencyRecord, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore,
-    Store, WriteToken, hash32, to_i64, to_u32, to_u64,
+    EVENT_COLUMNS, EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store,
+    WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
+    stream_version_decode, to_i64, to_u32, to_u64,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -38,13 +39,7 @@ pub const BUSY_TIMEOUT_MS: u64 = 10_000;
 /// Rows per multi-row statement, well under SQLite's 32,766 bound parameters.
 const ROWS_PER_STATEMENT_MAX: usize = 1000;
 
-const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "log", sql: include_str!("../../../schema/sqlite/0001_log.sql") },
-    Migration { version: 2, name: "outbox", sql: include_str!("../../../schema/sqlite/0002_outbox.sql") },
-    Migration { version: 3, name: "outbox_prune", sql: include_str!("../../../schema/sqlite/0003_outbox_prune.sql") },
-];
-
-const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+const MIGRATIONS: &[Migration] = migrations_of!("sqlite");
 
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -71,36 +66,6 @@ impl SqliteStore {
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
     }
-}
-
-fn event_row(row: &SqliteRow) -> Result<EventRow> {
-    Ok(EventRow {
-        tenant: row.try_get(0)?,
-        seq: to_u64(row.try_get(1)?)?,
-        id: row.try_get(2)?,
-        stream: row.try_get(3)?,
-        version: to_u64(row.try_get(4)?)?,
-        event_type: row.try_get(5)?,
-        commit: to_u64(row.try_get(6)?)?,
-        index: u32::try_from(row.try_get::<i64, _>(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
-        canonical: row.try_get(8)?,
-        hash: row.try_get(9)?,
-        sig: row.try_get(10)?,
-        key_id: row.try_get(11)?,
-    })
-}
-
-fn projection_row(row: &SqliteRow) -> Result<Row> {
-    let doc: String = row.try_get(3)?;
-    Ok(Row {
-        key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
-        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
-    })
-}
-
-fn head_row(row: &SqliteRow) -> Result<(TenantId, Head)> {
-    let tenant: String = row.try_get(0)?;
-    Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
 }
 
 /// `VALUES (?, ?), (?, ?), …` for a CTE of pairs.
@@ -141,7 +106,7 @@ async fn heads_on(conn: &mut SqliteConnection, tenants: &[TenantId]) -> Result<H
         }
         q.push(")");
         for row in q.build().fetch_all(&mut *conn).await? {
-            let (tenant, head) = head_row(&row)?;
+            let (tenant, head) = head_decode(&row)?;
             heads.insert(tenant, head);
         }
     }
@@ -157,9 +122,8 @@ async fn preread_on(conn: &mut SqliteConnection, query: &PreReadQuery) -> Result
         push_pairs(&mut q, chunk.iter().map(|(t, s)| (t.to_string(), s.clone())));
         q.push(") SELECT k.t, k.s, (SELECT MAX(version) FROM events e WHERE e.tenant_id = k.t AND e.stream = k.s) FROM k");
         for row in q.build().fetch_all(&mut *conn).await? {
-            let tenant: String = row.try_get(0)?;
-            if let Some(version) = row.try_get::<Option<i64>, _>(2)? {
-                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(version)?);
+            if let Some((stream, version)) = stream_version_decode(&row)? {
+                out.stream_versions.insert(stream, version);
             }
         }
     }
@@ -168,11 +132,8 @@ async fn preread_on(conn: &mut SqliteConnection, query: &PreReadQuery) -> Result
         push_pairs(&mut q, chunk.iter().map(|(t, k)| (t.to_string(), k.clone())));
         q.push(") SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq FROM k JOIN idempotency i ON i.tenant_id = k.t AND i.key = k.s");
         for row in q.build().fetch_all(&mut *conn).await? {
-            let tenant: String = row.try_get(0)?;
-            out.idempotency.insert(
-                (tenant.parse()?, row.try_get(1)?),
-                IdempotencyRecord::from_columns(row.try_get(2)?, row.try_get(3)?, row.try_get(4)?)?,
-            );
+            let (slot, record) = idempotency_decode(&row)?;
+            out.idempotency.insert(slot, record);
         }
     }
     Ok(out)
@@ -295,7 +256,7 @@ impl Transaction for SqliteTransaction {
             push_row_keys(&mut q, chunk.iter());
             q.push(") SELECT p.tenant_id, p.kind, p.id, p.doc FROM k JOIN projections p ON p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i");
             for row in q.build().fetch_all(&mut *conn).await? {
-                let row = projection_row(&row)?;
+                let row = projection_row_decode(&row)?;
                 current.insert(row.key, row.doc);
             }
         }
@@ -571,7 +532,7 @@ impl LogStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -584,7 +545,7 @@ impl LogStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
@@ -599,7 +560,7 @@ impl LogStore for SqliteStore {
             q = q.bind(t.to_string());
         }
         let rows = q.bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
@@ -608,17 +569,12 @@ impl LogStore for SqliteStore {
             .bind(id.to_string())
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(event_row).transpose()
+        row.as_ref().map(event_row_decode).transpose()
     }
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
         let rows = sqlx::query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id").fetch_all(&self.pool).await?;
-        rows.iter()
-            .map(|row| {
-                let tenant: String = row.try_get(0)?;
-                Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
-            })
-            .collect()
+        rows.iter().map(head_decode).collect()
     }
 
     async fn tenants(&self) -> Result<Vec<TenantId>> {
@@ -664,7 +620,7 @@ impl RowStore for SqliteStore {
             .bind(id.to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
@@ -673,7 +629,7 @@ impl RowStore for SqliteStore {
             .bind(id.to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
@@ -686,31 +642,18 @@ impl RowStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(projection_row).collect()
+        rows.iter().map(projection_row_decode).collect()
     }
 
     async fn rows_all(&self) -> Result<Vec<Row>> {
         let rows = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections ORDER BY tenant_id, kind, id")
             .fetch_all(&self.pool)
             .await?;
-        rows.iter().map(projection_row).collect()
+        rows.iter().map(projection_row_decode).collect()
     }
 }
 
-impl Columns for SqliteRow {
-    fn text(&self, i: usize) -> Result<String> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_text(&self, i: usize) -> Result<Option<String>> {
-        Ok(self.try_get(i)?)
-    }
-    fn int(&self, i: usize) -> Result<i64> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
-        Ok(self.try_get(i)?)
-    }
-}
+columns_by_try_get!(SqliteRow);
 
 #[async_trait]
 impl OutboxStore for SqliteStore {
