@@ -330,8 +330,8 @@ impl Transaction for SqliteTransaction {
 
     async fn cursor_create(&mut self, consumer: &str, now_ms: u64) -> Result<()> {
         sqlx::query(
-            "INSERT OR IGNORE INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
-             VALUES (?, 0, 0, NULL, 0, ?)",
+            "INSERT INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
+             VALUES (?, 0, 0, NULL, 0, ?) ON CONFLICT (consumer) DO NOTHING",
         )
         .bind(consumer)
         .bind(to_i64(now_ms)?)
