@@ -8,6 +8,12 @@
 //! process moved one, nothing is written and the batch is decided again (bounded by
 //! `APPEND_ATTEMPTS_MAX`). Because a tenant's head moves with every append to any of its streams,
 //! an unchanged head also proves its stream versions and idempotency records are unchanged.
+//!
+//! Ids and time are inputs: each event's id comes from the log's [`IdSource`] and its time from
+//! the log's [`Clock`], so a seeded source and a manual clock give the same events, byte for
+//! byte, for the same appends (a batch decided again after losing a race draws new ids, so
+//! that holds where nothing races, as in the simulator). And only this module commits: it makes
+//! the [`WriteToken`] that opens an append transaction (`engine.rs` holds the algorithm).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -158,7 +164,6 @@ impl Log {
 }
 
 /// What the appender task decides and commits with.
-#[derive(Clone)]
 struct Appender {
     store: Arc<dyn EventStore>,
     projector: Arc<dyn Projector>,
