@@ -139,8 +139,11 @@ pub struct PostgresTransaction {
 
 impl PostgresTransaction {
     async fn begin(client: Object) -> Result<Self> {
-        client.batch_execute("BEGIN").await?;
-        Ok(Self { client: Some(client) })
+        // Owned first, so that a caller cancelled while `BEGIN` is in flight drops the
+        // connection instead of returning it to the pool inside a transaction.
+        let tx = Self { client: Some(client) };
+        tx.client()?.batch_execute("BEGIN").await?;
+        Ok(tx)
     }
 
     fn client(&self) -> Result<&Client> {
