@@ -242,10 +242,228 @@ pub(super) fn schema_check(latest: Option<u64>, migrations: &[Migration]) -> Res
 
 #[cfg(test)]
 mod tests {
+    //! The algorithms' order and their ends (commit, rollback) over a fake transaction that
+    //! records what it is asked: no database.
     use super::*;
+    use crate::event::{Envelope, GENESIS_PREV, StoredEvent};
+    use crate::id::EventId;
 
     const MIGRATIONS: &[Migration] =
         &[Migration { version: 1, name: "log", sql: "" }, Migration { version: 2, name: "outbox", sql: "" }];
+
+    /// Answers from fixed state and logs each call by name; `fail` names the call that errs.
+    #[derive(Default)]
+    struct Recording {
+        calls: Vec<String>,
+        heads: HashMap<TenantId, Head>,
+        counter: u64,
+        applied: Vec<u64>,
+        fail: Option<&'static str>,
+    }
+
+    impl Recording {
+        fn call(&mut self, name: &'static str) -> Result<()> {
+            self.calls.push(name.to_owned());
+            match self.fail {
+                Some(failing) if failing == name => Err(Error::Storage(format!("{name} failed"))),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    fn no_outbox() -> Error {
+        Error::Internal("the engine's log algorithms never touch the outbox".into())
+    }
+
+    #[async_trait]
+    impl Transaction for Recording {
+        async fn commit(&mut self) -> Result<()> {
+            self.call("commit")
+        }
+        async fn rollback(&mut self) -> Result<()> {
+            self.call("rollback")
+        }
+        async fn counter_bump(&mut self) -> Result<u64> {
+            self.call("counter_bump")?;
+            self.counter += 1;
+            Ok(self.counter)
+        }
+        async fn counter_lock(&mut self) -> Result<u64> {
+            self.call("counter_lock")?;
+            Ok(self.counter)
+        }
+        async fn heads_lock(&mut self, _: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
+            self.call("heads_lock")?;
+            Ok(self.heads.clone())
+        }
+        async fn preread(&mut self, _: &PreReadQuery) -> Result<PreRead> {
+            self.call("preread")?;
+            Ok(PreRead { heads: self.heads.clone(), ..Default::default() })
+        }
+        async fn batch_insert(
+            &mut self,
+            _: &PreparedBatch,
+            _: u64,
+            touched: &[RowKey],
+        ) -> Result<HashMap<RowKey, serde_json::Value>> {
+            self.call("batch_insert")?;
+            Ok(touched.iter().map(|k| (k.clone(), serde_json::json!({ "n": 1 }))).collect())
+        }
+        async fn projections_upsert(&mut self, _: &[Row]) -> Result<()> {
+            self.call("projections_upsert")
+        }
+        async fn projections_delete(&mut self, _: &[RowKey]) -> Result<()> {
+            self.call("projections_delete")
+        }
+        async fn projections_clear(&mut self) -> Result<()> {
+            self.call("projections_clear")
+        }
+        async fn migrations_lock(&mut self) -> Result<()> {
+            self.call("migrations_lock")
+        }
+        async fn migration_applied(&mut self, version: u64) -> Result<bool> {
+            self.call("migration_applied")?;
+            Ok(self.applied.contains(&version))
+        }
+        async fn migration_apply(&mut self, _: &Migration, _: u64) -> Result<()> {
+            self.call("migration_apply")
+        }
+        async fn cursor_create(&mut self, _: &str, _: u64) -> Result<()> {
+            Err(no_outbox())
+        }
+        async fn cursor_take(&mut self, _: &str, _: &str, _: u64, _: u64) -> Result<Option<Position>> {
+            Err(no_outbox())
+        }
+        async fn cursor_move(&mut self, _: &str, _: &str, _: Position, _: Position, _: u64) -> Result<bool> {
+            Err(no_outbox())
+        }
+        async fn items_insert(&mut self, _: &str, _: &[NewWorkItem], _: u64) -> Result<()> {
+            Err(no_outbox())
+        }
+        async fn items_complete(&mut self, _: &str, _: &str, _: &[Completion]) -> Result<Vec<bool>> {
+            Err(no_outbox())
+        }
+        async fn attempts_insert(&mut self, _: &str, _: &str, _: &[&Completion]) -> Result<()> {
+            Err(no_outbox())
+        }
+        async fn items_prune(&mut self, _: &str, _: u64, _: u32) -> Result<Vec<(String, String)>> {
+            Err(no_outbox())
+        }
+        async fn attempts_delete(&mut self, _: &str, _: &[(String, String)]) -> Result<()> {
+            Err(no_outbox())
+        }
+    }
+
+    /// One row per stream; `*.deleted` deletes it.
+    struct PerStream;
+
+    impl Projector for PerStream {
+        fn touches(&self, event: &StoredEvent, out: &mut Vec<RowKey>) {
+            out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: "k".into(), id: event.envelope.stream.clone() });
+        }
+        fn apply(&self, _: &RowKey, _: Option<serde_json::Value>, event: &StoredEvent) -> Result<Option<serde_json::Value>> {
+            Ok((!event.envelope.event_type.ends_with(".deleted")).then(|| serde_json::json!({ "seq": event.envelope.seq })))
+        }
+    }
+
+    fn batch(tenant: TenantId, before: Option<Head>, types: &[&str]) -> PreparedBatch {
+        let events: Vec<StoredEvent> = types
+            .iter()
+            .enumerate()
+            .map(|(i, event_type)| StoredEvent {
+                envelope: Envelope {
+                    tenant,
+                    seq: i as u64 + 1,
+                    id: EventId::from_ulid(ulid::Ulid::from_parts(1, i as u128)),
+                    stream: format!("s/{i}"),
+                    version: 1,
+                    event_type: (*event_type).into(),
+                    at_ms: 1,
+                    actor: "test".into(),
+                    idempotency_key: None,
+                    causation: None,
+                    correlation: None,
+                    payload: ciborium::Value::Null,
+                    prev: GENESIS_PREV,
+                },
+                canonical: vec![],
+                hash: [0; 32],
+                sig: vec![],
+                key_id: "k".into(),
+                position: Position { commit: 0, index: i as u32 },
+            })
+            .collect();
+        let after = Head { seq: events.len() as u64, hash: [1; 32] };
+        PreparedBatch { heads_before: vec![(tenant, before)], heads_after: vec![(tenant, after)], events, idempotency: vec![] }
+    }
+
+    fn calls(tx: &Recording) -> Vec<&str> {
+        tx.calls.iter().map(String::as_str).collect()
+    }
+
+    #[tokio::test]
+    async fn a_commit_bumps_the_counter_first_and_writes_rows_then_projections() {
+        let tenant = TenantId::ROOT;
+        let mut tx = Recording::default();
+        let outcome = commit(&mut tx, &batch(tenant, None, &["a.made", "b.deleted"]), &PerStream).await.unwrap();
+        assert_eq!(outcome, CommitOutcome::Committed { commit: 1 });
+        assert_eq!(
+            calls(&tx),
+            ["counter_bump", "heads_lock", "batch_insert", "projections_upsert", "projections_delete", "commit"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_moved_head_rolls_back_before_writing() {
+        let tenant = TenantId::ROOT;
+        let mut tx = Recording { heads: [(tenant, Head { seq: 9, hash: [9; 32] })].into(), ..Default::default() };
+        let outcome = commit(&mut tx, &batch(tenant, None, &["a.made"]), &PerStream).await.unwrap();
+        assert_eq!(outcome, CommitOutcome::Stale);
+        assert_eq!(calls(&tx), ["counter_bump", "heads_lock", "rollback"]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_statement_rolls_back_and_reports_its_error() {
+        let mut tx = Recording { fail: Some("batch_insert"), ..Default::default() };
+        let err = commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream).await.unwrap_err();
+        assert!(err.to_string().contains("batch_insert failed"), "{err}");
+        assert_eq!(calls(&tx), ["counter_bump", "heads_lock", "batch_insert", "rollback"]);
+        // A failing commit is the error too (nothing to roll back after it).
+        let mut tx = Recording { fail: Some("commit"), ..Default::default() };
+        assert!(commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn the_locked_path_decides_inside_and_writes_nothing_when_nothing_is_accepted() {
+        let tenant = TenantId::ROOT;
+        let mut tx = Recording::default();
+        let mut nothing = |_: &PreRead| PreparedBatch::default();
+        let (commit_no, written) = commit_locked(&mut tx, &PreReadQuery::default(), &mut nothing, &PerStream).await.unwrap();
+        assert_eq!((commit_no, written.events.len()), (0, 0));
+        assert_eq!(calls(&tx), ["counter_bump", "preread", "rollback"]);
+        let mut tx = Recording::default();
+        let mut one = |_: &PreRead| batch(tenant, None, &["a.made"]);
+        let (commit_no, written) = commit_locked(&mut tx, &PreReadQuery::default(), &mut one, &PerStream).await.unwrap();
+        assert_eq!((commit_no, written.events.len()), (1, 1));
+        assert_eq!(calls(&tx), ["counter_bump", "preread", "batch_insert", "projections_upsert", "commit"]);
+    }
+
+    #[tokio::test]
+    async fn a_swap_happens_only_at_the_commit_it_was_folded_at() {
+        let mut tx = Recording { counter: 5, ..Default::default() };
+        assert!(!rows_replace_all(&mut tx, &[], 4).await.unwrap());
+        assert_eq!(calls(&tx), ["counter_lock", "rollback"]);
+        let mut tx = Recording { counter: 5, ..Default::default() };
+        assert!(rows_replace_all(&mut tx, &[], 5).await.unwrap());
+        assert_eq!(calls(&tx), ["counter_lock", "projections_clear", "commit"]);
+    }
+
+    #[tokio::test]
+    async fn migrations_apply_once_in_order_under_the_lock() {
+        let mut tx = Recording { applied: vec![1], ..Default::default() };
+        assert_eq!(migrate(&mut tx, MIGRATIONS, 7).await.unwrap(), ["0002_outbox"]);
+        assert_eq!(calls(&tx), ["migrations_lock", "migration_applied", "migration_applied", "migration_apply", "commit"]);
+    }
 
     #[test]
     fn schema_check_wants_the_newest_migration() {
