@@ -7,9 +7,10 @@
 //! - [`event`]: the envelope, its hash, the stored form, outbox positions;
 //! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
 //! - [`chain`]: pure verification of a tenant's hash chain;
-//! - [`clock`]: time as a trait;
-//! - [`store`]: the `EventStore` trait, the SQLite and PostgreSQL backends, the group-committing
-//!   appender and the projection fold.
+//! - [`clock`]: time as a trait; [`id_source`]: ids as a trait, real and seeded;
+//! - [`store`]: the `EventStore` traits (split by concern), the store algorithm written once
+//!   over a per-dialect transaction, the SQLite and PostgreSQL backends (SQL only), the
+//!   group-committing appender and the projection fold.
 //!
 //! `schema/LOG-FORMAT.md` describes the bytes this crate writes.
 
@@ -20,6 +21,7 @@ pub mod clock;
 pub mod error;
 pub mod event;
 pub mod id;
+pub mod id_source;
 pub mod keys;
 pub mod merkle;
 pub mod note;

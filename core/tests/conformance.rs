@@ -396,6 +396,47 @@ async fn concurrent_appends_and_reader(postgres: bool) {
     }
 }
 
+/// Transactions that end without a commit (a stale rebuild swap, a lost cursor lease, a refused
+/// completion) and transactions abandoned mid-flight (a cancelled caller) leave nothing open:
+/// far more of them than the pool has connections, and the store still appends, swaps and
+/// leases, with nothing half-written.
+async fn abandoned_transactions_leave_nothing_open(postgres: bool) {
+    use bc_core::store::outbox::NewWorkItem;
+    const ROUNDS: usize = 40;
+    let f = fixture(postgres).await;
+    let s = &*f.store;
+    let t = TenantId::generate();
+    f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 2)).await.unwrap();
+    let at = s.last_commit().await.unwrap();
+    let rows = s.rows_all().await.unwrap();
+    let lease = s.cursor_lease("c", "a", 1_000, 1_000_000).await.unwrap().expect("a new consumer's lease");
+    let item = [NewWorkItem { tenant: t, id: "item".into(), subject: "s".into(), payload: serde_json::json!({}) }];
+    for round in 0..ROUNDS {
+        assert!(!s.rows_replace_all(&[], at + 1).await.unwrap(), "the log is not at that commit");
+        assert!(!s.cursor_advance("c", "b", lease, Position { commit: 1, index: 0 }, &item, 1_001).await.unwrap());
+        assert!(s.cursor_lease("c", "b", 1_002, 100).await.unwrap().is_none(), "a holds the lease");
+        // Polled a few times, then dropped: somewhere between asking for a connection and
+        // committing.
+        let mut swap = std::pin::pin!(s.rows_replace_all(&[], at));
+        for _ in 0..round % 8 {
+            if futures::poll!(swap.as_mut()).is_ready() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+    // Whatever the abandoned swaps did, they did all of it or none of it.
+    let after = s.rows_all().await.unwrap();
+    assert!(after == rows || after.is_empty(), "a swap was half done: {after:?}");
+    assert_eq!(s.work_counts("c").await.unwrap(), (0, 0, 0), "no refused advance inserted its items");
+    f.log.append(request(t, "thing/1", ExpectedVersion::Exact(2), 1)).await.unwrap();
+    assert!(s.rows_replace_all(&rows, s.last_commit().await.unwrap()).await.unwrap());
+    assert_eq!(s.rows_all().await.unwrap(), rows);
+    assert!(s.cursor_advance("c", "a", lease, Position { commit: 1, index: 0 }, &item, 1_003).await.unwrap());
+    assert_eq!(s.work_counts("c").await.unwrap(), (1, 0, 0));
+    assert_eq!(verify_all(&f).await, 3);
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -415,5 +456,6 @@ both_backends!(
     optimistic_concurrency,
     multi_stream_appends,
     outbox_leases_and_items,
-    concurrent_appends_and_reader
+    concurrent_appends_and_reader,
+    abandoned_transactions_leave_nothing_open
 );

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bc_core::event::Position;
-use bc_core::store::{EventStore, decode_rows, rebuild_projections};
+use bc_core::store::{LogStore, RowStore, decode_rows, rebuild_projections};
 use bc_tests::Server;
 use serde_json::json;
 use tokio::sync::Mutex;

@@ -8,6 +8,12 @@
 //! process moved one, nothing is written and the batch is decided again (bounded by
 //! `APPEND_ATTEMPTS_MAX`). Because a tenant's head moves with every append to any of its streams,
 //! an unchanged head also proves its stream versions and idempotency records are unchanged.
+//!
+//! Ids and time are inputs: each event's id comes from the log's [`IdSource`] and its time from
+//! the log's [`Clock`], so a seeded source and a manual clock give the same events, byte for
+//! byte, for the same appends (a batch decided again after losing a race draws new ids, so
+//! that holds where nothing races, as in the simulator). And only this module commits: it makes
+//! the [`WriteToken`] that opens an append transaction (`engine.rs` holds the algorithm).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,12 +22,13 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery,
-    PreparedBatch, Projector, READ_ROWS_MAX, decode_rows,
+    PreparedBatch, Projector, READ_ROWS_MAX, WriteToken, decode_rows, engine,
 };
 use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::event::{Envelope, GENESIS_PREV, PAYLOAD_BYTES_MAX, Position, StoredEvent, sha256};
 use crate::id::{EventId, TenantId};
+use crate::id_source::{IdSource, RandomIds};
 use crate::keys::LogKey;
 
 /// Append requests waiting for the appender.
@@ -102,6 +109,9 @@ pub struct Log {
     pub stats: Arc<LogStats>,
     /// The appender's clock, for callers that stamp things beside the log (secrets, leases).
     pub clock: Arc<dyn Clock>,
+    /// Where the appender's event ids come from; callers that create entities draw their ids
+    /// here too (`PoolId::from_ulid(log.ids.ulid())`), so one seed fixes them all.
+    pub ids: Arc<dyn IdSource>,
     handle: LogHandle,
     /// The newest commit number this process wrote: wakes watchers early. Only a nudge: other
     /// processes' commits are found by polling, so correctness never rests on it.
@@ -109,19 +119,34 @@ pub struct Log {
 }
 
 impl Log {
-    /// Registers the key with the store and starts the appender task.
+    /// Registers the key with the store and starts the appender task; event ids are random
+    /// ULIDs on `clock` ([`RandomIds`]).
     pub async fn open(
         store: Arc<dyn EventStore>,
         projector: Arc<dyn Projector>,
         key: Arc<LogKey>,
         clock: Arc<dyn Clock>,
     ) -> Result<Self> {
+        let ids = Arc::new(RandomIds::new(clock.clone()));
+        Self::open_with_ids(store, projector, key, clock, ids).await
+    }
+
+    /// [`Log::open`] with event ids from `ids` (a seeded source: the same seed, clock and
+    /// appends give the same events, byte for byte).
+    pub async fn open_with_ids(
+        store: Arc<dyn EventStore>,
+        projector: Arc<dyn Projector>,
+        key: Arc<LogKey>,
+        clock: Arc<dyn Clock>,
+        ids: Arc<dyn IdSource>,
+    ) -> Result<Self> {
         store.signing_key_put(key.key_id(), key.public().as_bytes(), clock.now_ms()).await?;
         let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
         let stats = Arc::new(LogStats::default());
         let (notify, commits) = tokio::sync::watch::channel(store.last_commit().await?);
-        tokio::spawn(run_appender(receiver, store.clone(), projector, key.clone(), clock.clone(), stats.clone(), notify));
-        Ok(Self { store, key, stats, clock, handle: LogHandle { jobs }, commits })
+        let appender = Appender { store: store.clone(), projector, key: key.clone(), clock: clock.clone(), ids: ids.clone() };
+        tokio::spawn(run_appender(receiver, appender, stats.clone(), notify));
+        Ok(Self { store, key, stats, clock, ids, handle: LogHandle { jobs }, commits })
     }
 
     /// A receiver that changes when this process commits.
@@ -138,12 +163,18 @@ impl Log {
     }
 }
 
-async fn run_appender(
-    mut receiver: mpsc::Receiver<Job>,
+/// What the appender task decides and commits with.
+struct Appender {
     store: Arc<dyn EventStore>,
     projector: Arc<dyn Projector>,
     key: Arc<LogKey>,
     clock: Arc<dyn Clock>,
+    ids: Arc<dyn IdSource>,
+}
+
+async fn run_appender(
+    mut receiver: mpsc::Receiver<Job>,
+    appender: Appender,
     stats: Arc<LogStats>,
     notify: tokio::sync::watch::Sender<u64>,
 ) {
@@ -166,20 +197,15 @@ async fn run_appender(
             events += job.request.events.len();
             jobs.push(job);
         }
-        if let Some(commit) = process_batch(&*store, &projector, &key, &clock, &stats, jobs).await {
+        if let Some(commit) = process_batch(&appender, &stats, jobs).await {
             notify.send_replace(commit);
         }
     }
 }
 
-async fn process_batch(
-    store: &dyn EventStore,
-    projector: &Arc<dyn Projector>,
-    key: &Arc<LogKey>,
-    clock: &Arc<dyn Clock>,
-    stats: &LogStats,
-    mut jobs: Vec<Job>,
-) -> Option<u64> {
+async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>) -> Option<u64> {
+    let Appender { store, projector, key, clock, ids } = appender;
+    let store = &**store;
     let mut decided = None;
     let started = std::time::Instant::now();
     let mut timings = [0u128; 3];
@@ -195,10 +221,10 @@ async fn process_batch(
         let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
         let (mut batch, outcomes) = if events < PARALLEL_SIGNING_EVENTS_MIN {
             // A few signatures cost less than a hop to the blocking pool.
-            decide(&pre, &requests, key, clock.now_ms())
+            decide(&pre, &requests, key, clock.now_ms(), &**ids)
         } else {
-            let (key2, clock2) = (key.clone(), clock.clone());
-            match tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms())).await {
+            let (key2, clock2, ids2) = (key.clone(), clock.clone(), ids.clone());
+            match tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms(), &*ids2)).await {
                 Ok(decided) => decided,
                 Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
             }
@@ -209,7 +235,7 @@ async fn process_batch(
             break;
         }
         let phase = std::time::Instant::now();
-        let committed = store.commit(&batch, projector.as_ref()).await;
+        let committed = commit(store, &batch, projector.as_ref()).await;
         timings[2] += phase.elapsed().as_micros();
         match committed {
             Ok(CommitOutcome::Committed { commit }) => {
@@ -232,11 +258,11 @@ async fn process_batch(
             let mut outcomes = Vec::new();
             let now_ms = clock.now_ms();
             let mut decide_locked = |pre: &PreRead| {
-                let (batch, decided) = decide(pre, &requests, key, now_ms);
+                let (batch, decided) = decide(pre, &requests, key, now_ms, &**ids);
                 outcomes = decided;
                 batch
             };
-            match store.commit_locked(&pre_read_query(&jobs), &mut decide_locked, projector.as_ref()).await {
+            match commit_locked(store, &pre_read_query(&jobs), &mut decide_locked, projector.as_ref()).await {
                 Ok((commit, mut batch)) => {
                     set_commit(&mut batch, commit);
                     (batch, outcomes)
@@ -282,6 +308,23 @@ async fn process_batch(
         let _ = job.reply.send(answer);
     }
     batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
+}
+
+/// Writes a decided batch: the one place outside the backends that opens an append
+/// transaction (the [`WriteToken`] is made here).
+async fn commit(store: &dyn EventStore, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
+    let mut tx = store.transaction(WriteToken(())).await?;
+    engine::commit(&mut *tx, batch, projector).await
+}
+
+async fn commit_locked(
+    store: &dyn EventStore,
+    query: &PreReadQuery,
+    decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
+    projector: &dyn Projector,
+) -> Result<(u64, PreparedBatch)> {
+    let mut tx = store.transaction(WriteToken(())).await?;
+    engine::commit_locked(&mut *tx, query, decide, projector).await
 }
 
 fn set_commit(batch: &mut PreparedBatch, commit: u64) {
@@ -343,8 +386,14 @@ fn pre_read_query(jobs: &[Job]) -> PreReadQuery {
 }
 
 /// Decides every request of a batch against the pre-read state, then hashes and signs the
-/// accepted events. Pure except for the clock reading passed in and fresh event ids.
-fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) -> (PreparedBatch, Vec<Outcome>) {
+/// accepted events. Pure: the time is passed in and event ids come from `ids`.
+fn decide(
+    pre: &PreRead,
+    requests: &[AppendRequest],
+    key: &LogKey,
+    now_ms: u64,
+    ids: &dyn IdSource,
+) -> (PreparedBatch, Vec<Outcome>) {
     let mut batch = PreparedBatch::default();
     let mut outcomes = Vec::with_capacity(requests.len());
     let mut heads: HashMap<TenantId, Option<Head>> = HashMap::new();
@@ -429,7 +478,7 @@ fn decide(pre: &PreRead, requests: &[AppendRequest], key: &LogKey, now_ms: u64) 
             let envelope = Envelope {
                 tenant: request.tenant,
                 seq: seq + 1,
-                id: EventId::generate(),
+                id: EventId::from_ulid(ids.ulid()),
                 stream: stream.clone(),
                 version,
                 event_type: new.event_type.clone(),

@@ -1,11 +1,33 @@
-//! Storage: the [`EventStore`] trait, its two backends, and the group-committing [`Log`].
+//! Storage: the store traits, split by concern, the store algorithm written once, its two
+//! backends, and the group-committing [`Log`].
+//!
+//! The traits (callers name the umbrella, `Arc<dyn EventStore>`; the methods are the same):
+//! - [`Store`]: the backend's name, and the hidden door to a write transaction, which only this
+//!   module tree can open (it takes a [`WriteToken`], whose field is private here);
+//! - [`LogStore`]: the log, read (events by chain, stream, position and id; chain heads;
+//!   tenants; the commit counter; the pre-read an append is decided on) and the signing keys;
+//! - [`RowStore`]: the projection rows (get, find, list, all, and the swap of a rebuild);
+//! - [`outbox::OutboxStore`]: consumer cursors, work items and attempts;
+//! - [`SecretStore`]: write-only secrets;
+//! - [`EventStore`]: all of the above, plus the schema (migrations and their check).
+//!
+//! There is no public `commit`: only the [`Log`] appends, so every event is chained, signed and
+//! committed with its projections.
 //!
 //! Layout:
-//! - `mod.rs` (this file): the types every backend shares and the pure projection fold;
+//! - `mod.rs` (this file): the types and traits every backend shares, the pure projection fold,
+//!   the rebuild, and the row decoders both backends use (over `Columns`);
+//! - `engine.rs`: the algorithms, once: the append commit (bump the counter, re-check the chain
+//!   heads, insert, fold the projections), the locked commit, the rebuild's swap, the migration
+//!   runner and the schema check, over a small per-dialect transaction trait;
 //! - `log.rs`: the appender. It batches concurrent appends, decides each one (idempotency,
-//!   optimistic concurrency), hashes and signs *outside* any database transaction, then hands the
-//!   batch to the backend to commit atomically;
-//! - `sqlite.rs`, `postgres.rs`: the only modules that know SQL.
+//!   optimistic concurrency, event ids from its [`IdSource`](crate::id_source::IdSource), the
+//!   time from its clock), hashes and signs *outside* any database transaction, then commits the
+//!   batch through `engine.rs`;
+//! - `outbox.rs`: the outbox's types and its transactions (lease, advance, insert, complete,
+//!   prune), once;
+//! - `sqlite.rs`, `postgres.rs`: the only modules that know SQL: each is its SQL text, its
+//!   parameter binding and its row type, behind the transaction trait and the read methods.
 //!
 //! The outbox position (`COMMIT.INDEX`) is assigned inside the commit transaction from a
 //! one-row counter that every append transaction updates first. The row lock serialises append
@@ -23,11 +45,13 @@ use crate::event::{
 };
 use crate::id::{EventId, TenantId};
 
+mod engine;
 pub mod log;
 pub mod outbox;
 pub mod postgres;
 pub mod sqlite;
 
+pub use engine::Migration;
 pub use log::{Log, LogHandle, LogStats};
 
 /// Most events one append request may carry.
@@ -310,31 +334,39 @@ pub struct RowPage {
     pub rows: Vec<Row>,
 }
 
-/// The storage backends' common interface. Everything here is one round trip or one
-/// transaction; the appender and the rebuild compose them.
+/// Proof that the caller is inside `bc_core::store`: its field is private to this module tree,
+/// so no other crate (and no other module of this one) can make one, and without one no
+/// transaction opens. That is how only the [`Log`] appends.
+///
+/// ```compile_fail
+/// // Outside `bc_core::store` the token cannot be made…
+/// let token = bc_core::store::WriteToken(());
+/// ```
+///
+/// ```compile_fail
+/// // …and the store has no commit to call.
+/// async fn append_behind_the_log(store: &dyn bc_core::store::EventStore) {
+///     store.commit().await;
+/// }
+/// ```
+pub struct WriteToken(());
+
+/// What every backend is: a name and a way to open a write transaction, for the algorithms of
+/// `engine.rs` and `outbox.rs` alone.
 #[async_trait]
-pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
+pub trait Store: Send + Sync + 'static {
     /// `sqlite` or `postgresql`.
     fn backend(&self) -> &'static str;
-    /// Applies every migration not yet applied. Safe to run concurrently and repeatedly.
-    async fn migrate(&self) -> Result<Vec<String>>;
-    /// Fails with a hint when the schema is older than this binary.
-    async fn check_schema(&self) -> Result<()>;
+    /// Opens a write transaction (on SQLite, `BEGIN IMMEDIATE`: the write lock up front).
+    #[doc(hidden)]
+    async fn transaction(&self, token: WriteToken) -> Result<Box<dyn engine::Transaction + '_>>;
+}
 
+/// The log, read: events, chain heads, tenants, signing keys. Appending is the [`Log`]'s alone.
+#[async_trait]
+pub trait LogStore: Store {
+    /// The chain heads, stream versions and idempotency records an append would be decided on.
     async fn preread(&self, query: &PreReadQuery) -> Result<PreRead>;
-    /// Writes a prepared batch, its projection updates and idempotency records in one
-    /// transaction, unless a chain head moved.
-    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome>;
-    /// The contended path: reads the state and calls `decide` inside the transaction, under
-    /// the counter lock, so the batch cannot go stale. Returns the commit number (0 when
-    /// `decide` accepted nothing and nothing was written) and the batch as written.
-    async fn commit_locked(
-        &self,
-        query: &PreReadQuery,
-        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
-        projector: &dyn Projector,
-    ) -> Result<(u64, PreparedBatch)>;
-
     /// Raw rows of one chain from `from_seq`, in `seq` order, unchecked (the auditor's view).
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>>;
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>>;
@@ -349,7 +381,11 @@ pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
 
     async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()>;
     async fn signing_keys(&self) -> Result<Vec<(String, Vec<u8>)>>;
+}
 
+/// The projection rows: read models, written by the append transaction and by a rebuild.
+#[async_trait]
+pub trait RowStore: Store {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>>;
     /// Rows of one kind by id across tenants (API keys are found by their id alone).
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>>;
@@ -357,7 +393,44 @@ pub trait EventStore: outbox::OutboxStore + Send + Sync + 'static {
     async fn rows_all(&self) -> Result<Vec<Row>>;
     /// Replaces every projection row, if the log is still at `at_commit`; returns false if it
     /// moved (the caller folds again).
-    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool>;
+    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        engine::rows_replace_all(&mut *tx, rows, at_commit).await
+    }
+}
+
+/// Write-only secrets (webhook signing keys): not part of the log, nor of any projection.
+#[async_trait]
+pub trait SecretStore: Store {
+    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
+    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
+}
+
+/// The umbrella every caller names (`Arc<dyn EventStore>`): the log, the projection rows, the
+/// outbox and the secrets of one database, and its schema.
+#[async_trait]
+pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore {
+    /// This backend's migrations, oldest first.
+    fn migrations(&self) -> &'static [Migration];
+    /// The newest migration applied; `None` when none is (or there is no migrations table).
+    async fn schema_version(&self) -> Result<Option<u64>>;
+
+    /// Applies every migration not yet applied, recording `now_ms` as when. Safe to run
+    /// concurrently and repeatedly.
+    async fn migrate_at(&self, now_ms: u64) -> Result<Vec<String>> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        engine::migrate(&mut *tx, self.migrations(), now_ms).await
+    }
+    /// [`EventStore::migrate_at`] the system clock's now: for the composition root (`migrate`,
+    /// `dev`), where the real clock is the input.
+    async fn migrate(&self) -> Result<Vec<String>> {
+        self.migrate_at(crate::clock::Clock::now_ms(&crate::clock::SystemClock)).await
+    }
+    /// Fails with a hint when the schema is older than this binary.
+    async fn check_schema(&self) -> Result<()> {
+        engine::schema_check(self.schema_version().await?, self.migrations())
+    }
 }
 
 /// Reads and checks stored rows (hash and columns; signatures are the chain verifier's job).
@@ -405,6 +478,113 @@ pub async fn rebuild_projections(store: &dyn EventStore, projector: &dyn Project
         }
     }
     Err(Error::Unavailable("the log kept moving during the rebuild; try again".into()))
+}
+
+/// A result row, read by column index: lets both backends decode events, heads, projection
+/// rows, work items and attempts with one piece of code.
+pub(crate) trait Columns {
+    fn text(&self, i: usize) -> Result<String>;
+    fn opt_text(&self, i: usize) -> Result<Option<String>>;
+    fn int(&self, i: usize) -> Result<i64>;
+    fn opt_int(&self, i: usize) -> Result<Option<i64>>;
+    fn bytes(&self, i: usize) -> Result<Vec<u8>>;
+}
+
+/// `impl Columns` for a backend's row type, whose `try_get(index)` infers the column's Rust
+/// type (sqlx's and tokio-postgres's both do).
+macro_rules! columns_by_try_get {
+    ($row:ty) => {
+        impl $crate::store::Columns for $row {
+            fn text(&self, i: usize) -> $crate::error::Result<String> {
+                Ok(self.try_get(i)?)
+            }
+            fn opt_text(&self, i: usize) -> $crate::error::Result<Option<String>> {
+                Ok(self.try_get(i)?)
+            }
+            fn int(&self, i: usize) -> $crate::error::Result<i64> {
+                Ok(self.try_get(i)?)
+            }
+            fn opt_int(&self, i: usize) -> $crate::error::Result<Option<i64>> {
+                Ok(self.try_get(i)?)
+            }
+            fn bytes(&self, i: usize) -> $crate::error::Result<Vec<u8>> {
+                Ok(self.try_get(i)?)
+            }
+        }
+    };
+}
+pub(crate) use columns_by_try_get;
+
+/// This build's migrations for one backend, from `schema/<dialect>/`; the list is the same for
+/// every backend (each file has one counterpart per dialect).
+macro_rules! migrations_of {
+    ($dialect:literal) => {
+        &[
+            $crate::store::Migration {
+                version: 1,
+                name: "log",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0001_log.sql")),
+            },
+            $crate::store::Migration {
+                version: 2,
+                name: "outbox",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0002_outbox.sql")),
+            },
+            $crate::store::Migration {
+                version: 3,
+                name: "outbox_prune",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0003_outbox_prune.sql")),
+            },
+        ]
+    };
+}
+pub(crate) use migrations_of;
+
+/// The columns an event is read from, in [`event_row_decode`]'s order (a backend may cast one,
+/// keeping the order).
+pub(crate) const EVENT_COLUMNS: &str =
+    "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+
+pub(crate) fn event_row_decode(row: &impl Columns) -> Result<EventRow> {
+    Ok(EventRow {
+        tenant: row.text(0)?,
+        seq: to_u64(row.int(1)?)?,
+        id: row.text(2)?,
+        stream: row.text(3)?,
+        version: to_u64(row.int(4)?)?,
+        event_type: row.text(5)?,
+        commit: to_u64(row.int(6)?)?,
+        index: u32::try_from(row.int(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
+        canonical: row.bytes(8)?,
+        hash: row.bytes(9)?,
+        sig: row.bytes(10)?,
+        key_id: row.text(11)?,
+    })
+}
+
+/// A projection row from `tenant_id, kind, id, doc`.
+pub(crate) fn projection_row_decode(row: &impl Columns) -> Result<Row> {
+    let doc = row.text(3)?;
+    Ok(Row {
+        key: RowKey { tenant: row.text(0)?, kind: row.text(1)?, id: row.text(2)? },
+        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
+    })
+}
+
+/// A stream's version from `tenant_id, stream, MAX(version)` (`None`: no such stream).
+pub(crate) fn stream_version_decode(row: &impl Columns) -> Result<Option<((TenantId, String), u64)>> {
+    let Some(version) = row.opt_int(2)? else { return Ok(None) };
+    Ok(Some(((row.text(0)?.parse()?, row.text(1)?), to_u64(version)?)))
+}
+
+/// An idempotency record from `tenant_id, key, request_hash, first_seq, last_seq`.
+pub(crate) fn idempotency_decode(row: &impl Columns) -> Result<((TenantId, String), IdempotencyRecord)> {
+    Ok(((row.text(0)?.parse()?, row.text(1)?), IdempotencyRecord::from_columns(row.bytes(2)?, row.int(3)?, row.int(4)?)?))
+}
+
+/// A chain head from `tenant_id, seq, hash`.
+pub(crate) fn head_decode(row: &impl Columns) -> Result<(TenantId, Head)> {
+    Ok((row.text(0)?.parse()?, Head { seq: to_u64(row.int(1)?)?, hash: hash32(row.bytes(2)?)? }))
 }
 
 /// Converts an unsigned count to SQL's signed 64-bit integer, refusing what would wrap.

@@ -1,4 +1,4 @@
-//! The outbox consumers' storage: cursors, work items, attempts, and write-only secrets.
+//! The outbox consumers' storage: cursors, work items and attempts.
 //!
 //! A consumer (`webhooks`, …) reads the log by outbox position from its durable **cursor** and
 //! turns events into **work items** (one delivery of one event to one receiver). Work items are
@@ -14,12 +14,16 @@
 //! - Completing: only the lease holder may complete an item (`lease_owner` is checked), and the
 //!   attempt is recorded in the same transaction as the item's new state.
 //!
+//! - Written once: the transactions above (and pruning) are [`OutboxStore`]'s provided
+//!   methods over the backend's transaction; the backends keep their SQL.
+//!
 //! None of this is the log: cursors, items and attempts are operational state. Deleting them
 //! loses delivery history, never an event.
 
 use async_trait::async_trait;
 
-use super::{to_u32, to_u64};
+use super::engine::{End, finish};
+use super::{Columns, Store, WriteToken, to_u32, to_u64};
 use crate::error::{Error, Result};
 use crate::event::Position;
 use crate::id::TenantId;
@@ -120,11 +124,23 @@ pub struct Completion {
     pub outcome: Outcome,
 }
 
+/// The outbox's storage. The methods that take several statements (leases, cursor moves,
+/// inserts, completions, pruning) are written here once over the backend's
+/// transaction (`engine::Transaction`); a backend writes the one-statement reads and
+/// the claim (whose locking is its own: `FOR UPDATE SKIP LOCKED` on PostgreSQL).
 #[async_trait]
-pub trait OutboxStore: Send + Sync + 'static {
+pub trait OutboxStore: Store {
     /// Takes (or renews) `consumer`'s fan-out lease for `owner`; returns the cursor, or `None`
     /// while another owner's lease runs. A new consumer starts at the beginning of the log.
-    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>>;
+    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        let outcome = async {
+            tx.cursor_create(consumer, now_ms).await?;
+            Ok(End::Commit(tx.cursor_take(consumer, owner, now_ms, now_ms.saturating_add(lease_ms)).await?))
+        }
+        .await;
+        finish(&mut *tx, outcome).await
+    }
     /// The cursor, read without taking the lease (to see whether there is anything to do).
     async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>>;
     /// Gives the fan-out lease up (on a clean stop), so another process need not wait it out.
@@ -140,16 +156,51 @@ pub trait OutboxStore: Send + Sync + 'static {
         to: Position,
         items: &[NewWorkItem],
         now_ms: u64,
-    ) -> Result<bool>;
+    ) -> Result<bool> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        let outcome = async {
+            if !tx.cursor_move(consumer, owner, from, to, now_ms).await? {
+                return Ok(End::Rollback(false));
+            }
+            if !items.is_empty() {
+                tx.items_insert(consumer, items, now_ms).await?;
+            }
+            Ok(End::Commit(true))
+        }
+        .await;
+        finish(&mut *tx, outcome).await
+    }
     /// Inserts items directly, skipping ids that exist (for work not driven by the cursor).
-    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()>;
+    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.transaction(WriteToken(())).await?;
+        let outcome = tx.items_insert(consumer, items, now_ms).await.map(End::Commit);
+        finish(&mut *tx, outcome).await
+    }
     /// Leases up to `limit` due pending items (oldest due first) to `owner` and counts the
     /// attempt they are about to get.
     async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>>;
     /// Records each attempt and moves its item on, in one transaction, where `owner` still
     /// holds the item's lease. One flag per completion; false: the lease ran out and another
     /// owner may have the item, so nothing was written for it.
-    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>>;
+    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
+        if done.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.transaction(WriteToken(())).await?;
+        let outcome = async {
+            let written = tx.items_complete(consumer, owner, done).await?;
+            let moved: Vec<&Completion> = done.iter().zip(&written).filter(|(_, w)| **w).map(|(c, _)| c).collect();
+            if !moved.is_empty() {
+                tx.attempts_insert(consumer, owner, &moved).await?;
+            }
+            Ok(End::Commit(written))
+        }
+        .await;
+        finish(&mut *tx, outcome).await
+    }
     /// [`OutboxStore::work_complete_many`] for one item.
     async fn work_complete(
         &self,
@@ -181,23 +232,20 @@ pub trait OutboxStore: Send + Sync + 'static {
     async fn attempts(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Vec<Attempt>>;
     /// Deletes up to `limit` of a consumer's done items last changed before `before_ms`, with
     /// their attempts; dead items stay until an operator acts. Returns how many went.
-    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64>;
+    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {
+        let mut tx = self.transaction(WriteToken(())).await?;
+        let outcome = async {
+            let gone = tx.items_prune(consumer, before_ms, limit).await?;
+            if !gone.is_empty() {
+                tx.attempts_delete(consumer, &gone).await?;
+            }
+            Ok(End::Commit(gone.len() as u64))
+        }
+        .await;
+        finish(&mut *tx, outcome).await
+    }
     /// How many of a consumer's items are pending, done and dead.
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)>;
-
-    /// Stores a write-only secret (a webhook signing key). Not part of the log.
-    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
-    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
-    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
-}
-
-/// A result row, read by column index: lets both backends decode items and attempts with one
-/// piece of code.
-pub(crate) trait Columns {
-    fn text(&self, i: usize) -> Result<String>;
-    fn opt_text(&self, i: usize) -> Result<Option<String>>;
-    fn int(&self, i: usize) -> Result<i64>;
-    fn opt_int(&self, i: usize) -> Result<Option<i64>>;
 }
 
 /// The columns a work item is read from, in `WorkItem::decode`'s order.

@@ -1,25 +1,32 @@
 //! The production backend: PostgreSQL through `tokio-postgres` and `deadpool-postgres`.
 //!
+//! Only SQL text, parameter binding and row decoding live here; the algorithms (append commit,
+//! locked commit, projection fold, migrations, the outbox's transactions) are in `engine.rs` and
+//! `outbox.rs`, over [`PostgresTransaction`].
+//!
 //! Batches are written with `UNNEST` over arrays, one statement per table. The append
 //! transaction updates the one-row `log_counter` first; its row lock (not an advisory lock)
 //! serialises append transactions across processes, so commit numbers follow commit order and a
 //! reader by position never skips an event that committed late. Everything else is guarded by
-//! primary keys and unique constraints.
+//! primary keys and unique constraints; claims and pruning take rows with `FOR UPDATE SKIP
+//! LOCKED`, so processes never wait on each other's rows.
 
 use std::collections::HashMap;
 use std::str::FromStr;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::{GenericClient, NoTls};
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use tokio_postgres::{Client, GenericClient, NoTls};
 
+use super::engine::{Migration, Transaction};
 use super::outbox::{
-    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Columns, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
+    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
     count_states, outcome_columns,
 };
 use super::{
-    CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
-    fold_projections, hash32, to_i64, to_u32, to_u64, touched_rows,
+    EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store, WriteToken,
+    columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
+    stream_version_decode, to_i64, to_u32, to_u64,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -27,14 +34,14 @@ use crate::id::{EventId, TenantId};
 
 /// Connections per process, so a burst cannot exhaust the server's connection slots.
 pub const POOL_CONNECTIONS_MAX: usize = 16;
+/// Projection rows per statement when a rebuild swaps them all in.
+const ROWS_PER_STATEMENT_MAX: usize = 10_000;
 
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (1, "log", include_str!("../../../schema/postgres/0001_log.sql")),
-    (2, "outbox", include_str!("../../../schema/postgres/0002_outbox.sql")),
-    (3, "outbox_prune", include_str!("../../../schema/postgres/0003_outbox_prune.sql")),
-];
+const MIGRATIONS: &[Migration] = migrations_of!("postgres");
 
-const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+/// [`EVENT_COLUMNS`](super::EVENT_COLUMNS) with `commit_index` (an `int4`) widened for the shared decoder.
+const EVENT_COLUMNS: &str =
+    "tenant_id, seq, id, stream, version, type, commit_no, commit_index::int8, canonical, hash, sig, key_id";
 
 pub struct PostgresStore {
     pool: Pool,
@@ -66,50 +73,25 @@ impl PostgresStore {
     }
 }
 
-fn event_row(row: &tokio_postgres::Row) -> Result<EventRow> {
-    Ok(EventRow {
-        tenant: row.try_get(0)?,
-        seq: to_u64(row.try_get(1)?)?,
-        id: row.try_get(2)?,
-        stream: row.try_get(3)?,
-        version: to_u64(row.try_get(4)?)?,
-        event_type: row.try_get(5)?,
-        commit: to_u64(row.try_get(6)?)?,
-        index: u32::try_from(row.try_get::<_, i32>(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
-        canonical: row.try_get(8)?,
-        hash: row.try_get(9)?,
-        sig: row.try_get(10)?,
-        key_id: row.try_get(11)?,
-    })
+/// The columns of `keys`, as the three arrays an `UNNEST` takes.
+fn row_key_arrays(keys: &[RowKey]) -> (Vec<&str>, Vec<&str>, Vec<&str>) {
+    (
+        keys.iter().map(|k| k.tenant.as_str()).collect(),
+        keys.iter().map(|k| k.kind.as_str()).collect(),
+        keys.iter().map(|k| k.id.as_str()).collect(),
+    )
 }
 
-fn projection_row(row: &tokio_postgres::Row) -> Result<Row> {
-    let doc: String = row.try_get(3)?;
-    Ok(Row {
-        key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
-        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
-    })
-}
-
-fn heads_from(rows: &[tokio_postgres::Row]) -> Result<HashMap<String, Head>> {
-    rows.iter().map(|row| Ok((row.try_get(0)?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))).collect()
-}
-
-async fn next_commit(tx: &tokio_postgres::Transaction<'_>) -> Result<i64> {
-    Ok(tx
-        .query_one("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit", &[])
-        .await?
-        .try_get(0)?)
+async fn heads_on(client: &impl GenericClient, tenants: &[TenantId], lock: &str) -> Result<HashMap<TenantId, Head>> {
+    let tenants: Vec<String> = tenants.iter().map(|t| t.to_string()).collect();
+    let rows = client
+        .query(&format!("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1){lock}"), &[&tenants])
+        .await?;
+    rows.iter().map(head_decode).collect()
 }
 
 async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result<PreRead> {
-    let mut out = PreRead::default();
-    let tenants: Vec<String> = query.tenants.iter().map(|t| t.to_string()).collect();
-    for (tenant, head) in
-        heads_from(&client.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1)", &[&tenants]).await?)?
-    {
-        out.heads.insert(tenant.parse()?, head);
-    }
+    let mut out = PreRead { heads: heads_on(client, &query.tenants, "").await?, ..Default::default() };
     if !query.streams.is_empty() {
         let t: Vec<String> = query.streams.iter().map(|(t, _)| t.to_string()).collect();
         let s: Vec<&str> = query.streams.iter().map(|(_, s)| s.as_str()).collect();
@@ -123,9 +105,8 @@ async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result
             )
             .await?;
         for row in rows {
-            let tenant: String = row.try_get(0)?;
-            if let Some(version) = row.try_get::<_, Option<i64>>(2)? {
-                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(version)?);
+            if let Some((stream, version)) = stream_version_decode(&row)? {
+                out.stream_versions.insert(stream, version);
             }
         }
     }
@@ -141,235 +122,413 @@ async fn preread_on(client: &impl GenericClient, query: &PreReadQuery) -> Result
             )
             .await?;
         for row in rows {
-            let tenant: String = row.try_get(0)?;
-            out.idempotency.insert(
-                (tenant.parse()?, row.try_get(1)?),
-                IdempotencyRecord::from_columns(row.try_get(2)?, row.try_get(3)?, row.try_get(4)?)?,
-            );
+            let (slot, record) = idempotency_decode(&row)?;
+            out.idempotency.insert(slot, record);
         }
     }
     Ok(out)
 }
 
-async fn write_batch(
-    tx: &tokio_postgres::Transaction<'_>,
-    batch: &PreparedBatch,
-    commit: i64,
-    projector: &dyn Projector,
-) -> Result<()> {
-    let n = batch.events.len();
-    let (mut t, mut seq, mut id, mut stream, mut version, mut ty, mut at, mut idx, mut canonical, mut hash, mut sig, mut key) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for e in &batch.events {
-        let env = &e.envelope;
-        t.push(env.tenant.to_string());
-        seq.push(to_i64(env.seq)?);
-        id.push(env.id.to_string());
-        stream.push(env.stream.as_str());
-        version.push(to_i64(env.version)?);
-        ty.push(env.event_type.as_str());
-        at.push(to_i64(env.at_ms)?);
-        idx.push(i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into()))?);
-        canonical.push(e.canonical.as_slice());
-        hash.push(&e.hash[..]);
-        sig.push(e.sig.as_slice());
-        key.push(e.key_id.as_str());
+/// One write transaction on a pooled connection. It owns the connection (so it can be boxed
+/// for the engine), issuing `BEGIN`, `COMMIT` and `ROLLBACK` itself; dropped unfinished (a
+/// cancelled caller), it detaches the connection from the pool and closes it, which ends the
+/// transaction on the server, rather than hand an open transaction to the next caller.
+pub struct PostgresTransaction {
+    client: Option<Object>,
+}
+
+impl PostgresTransaction {
+    async fn begin(client: Object) -> Result<Self> {
+        // Owned first, so that a caller cancelled while `BEGIN` is in flight drops the
+        // connection instead of returning it to the pool inside a transaction.
+        let tx = Self { client: Some(client) };
+        tx.client()?.batch_execute("BEGIN").await?;
+        Ok(tx)
     }
-    // The statements below do not depend on each other: issued together, tokio-postgres
-    // pipelines them over the connection, so the batch pays one round trip instead of four.
-    let events_insert = async {
-        tx.execute(
-            "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id)
-             SELECT t, s, i, st, v, ty, a, $8, ix, c, h, sg, k
-             FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[],
-                         $9::int4[], $10::bytea[], $11::bytea[], $12::bytea[], $13::text[])
-                  AS x(t, s, i, st, v, ty, a, ix, c, h, sg, k)",
-            &[&t, &seq, &id, &stream, &version, &ty, &at, &commit, &idx, &canonical, &hash, &sig, &key],
-        )
-        .await
-    };
-    let ht: Vec<String> = batch.heads_after.iter().map(|(t, _)| t.to_string()).collect();
-    let hs: Vec<i64> = batch.heads_after.iter().map(|(_, h)| to_i64(h.seq)).collect::<Result<_>>()?;
-    let hh: Vec<&[u8]> = batch.heads_after.iter().map(|(_, h)| &h.hash[..]).collect();
-    let heads_upsert = async {
-        tx.execute(
-            "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
-             ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash",
-            &[&ht, &hs, &hh],
-        )
-        .await
-    };
-    let it: Vec<String> = batch.idempotency.iter().map(|(t, _, _)| t.to_string()).collect();
-    let ik: Vec<&str> = batch.idempotency.iter().map(|(_, k, _)| k.as_str()).collect();
-    let ih: Vec<&[u8]> = batch.idempotency.iter().map(|(_, _, r)| &r.request_hash[..]).collect();
-    let first: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.first_seq)).collect::<Result<_>>()?;
-    let last: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.last_seq)).collect::<Result<_>>()?;
-    let idempotency_insert = async {
-        if it.is_empty() {
-            return Ok(0);
-        }
-        tx.execute(
-            "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
-                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
-            &[&it, &ik, &ih, &first, &last],
-        )
-        .await
-    };
-    // Projections, in the same transaction.
-    let keys = touched_rows(projector, &batch.events);
-    let kt: Vec<&str> = keys.iter().map(|k| k.tenant.as_str()).collect();
-    let kk: Vec<&str> = keys.iter().map(|k| k.kind.as_str()).collect();
-    let ki: Vec<&str> = keys.iter().map(|k| k.id.as_str()).collect();
-    let mut current = HashMap::new();
-    let projections_select = async {
-        tx.query(
-            "SELECT p.tenant_id, p.kind, p.id, p.doc
-             FROM UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
-             CROSS JOIN LATERAL (SELECT * FROM projections p WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i) p",
-            &[&kt, &kk, &ki],
-        )
-        .await
-    };
-    let (_, _, _, rows) = futures::try_join!(events_insert, heads_upsert, idempotency_insert, projections_select)?;
-    for row in rows {
-        let row = projection_row(&row)?;
-        current.insert(row.key, row.doc);
+
+    fn client(&self) -> Result<&Client> {
+        self.client.as_deref().map(|c| &**c).ok_or_else(|| Error::Internal("the transaction has already ended".into()))
     }
-    let folded = fold_projections(projector, &batch.events, current)?;
-    let (mut ut, mut uk, mut ui, mut ud) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut dt, mut dk, mut di) = (Vec::new(), Vec::new(), Vec::new());
-    for (key, doc) in folded {
-        match doc {
-            Some(doc) => {
-                ut.push(key.tenant);
-                uk.push(key.kind);
-                ui.push(key.id);
-                ud.push(doc.to_string());
-            }
-            None => {
-                dt.push(key.tenant);
-                dk.push(key.kind);
-                di.push(key.id);
+
+    /// Sends `COMMIT` or `ROLLBACK`; a connection that fails it is not returned to the pool.
+    async fn end(&mut self, statement: &str) -> Result<()> {
+        let client = self.client.take().ok_or_else(|| Error::Internal("the transaction has already ended".into()))?;
+        match client.batch_execute(statement).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                drop(Object::take(client));
+                Err(e.into())
             }
         }
     }
-    if !ut.is_empty() {
-        tx.execute(
-                "INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])
-                 ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc",
-                &[&ut, &uk, &ui, &ud],
-            )
-            .await?;
+}
+
+impl Drop for PostgresTransaction {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            drop(Object::take(client));
+        }
     }
-    if !dt.is_empty() {
-        tx.execute(
-            "DELETE FROM projections p USING UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
-                 WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i",
-            &[&dt, &dk, &di],
-        )
-        .await?;
-    }
-    Ok(())
 }
 
 #[async_trait]
-impl EventStore for PostgresStore {
+impl Transaction for PostgresTransaction {
+    async fn commit(&mut self) -> Result<()> {
+        self.end("COMMIT").await
+    }
+
+    async fn rollback(&mut self) -> Result<()> {
+        self.end("ROLLBACK").await
+    }
+
+    async fn counter_bump(&mut self) -> Result<u64> {
+        let row = self
+            .client()?
+            .query_one("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit", &[])
+            .await?;
+        to_u64(row.try_get(0)?)
+    }
+
+    async fn counter_lock(&mut self) -> Result<u64> {
+        let row = self.client()?.query_one("SELECT last_commit FROM log_counter WHERE id = 1 FOR UPDATE", &[]).await?;
+        to_u64(row.try_get(0)?)
+    }
+
+    async fn heads_lock(&mut self, tenants: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
+        heads_on(self.client()?, tenants, " FOR UPDATE").await
+    }
+
+    async fn preread(&mut self, query: &PreReadQuery) -> Result<PreRead> {
+        preread_on(self.client()?, query).await
+    }
+
+    async fn batch_insert(
+        &mut self,
+        batch: &PreparedBatch,
+        commit: u64,
+        touched: &[RowKey],
+    ) -> Result<HashMap<RowKey, serde_json::Value>> {
+        let tx = self.client()?;
+        let commit = to_i64(commit)?;
+        // One array per column, for UNNEST.
+        let events = &batch.events;
+        let t: Vec<String> = events.iter().map(|e| e.envelope.tenant.to_string()).collect();
+        let seq: Vec<i64> = events.iter().map(|e| to_i64(e.envelope.seq)).collect::<Result<_>>()?;
+        let id: Vec<String> = events.iter().map(|e| e.envelope.id.to_string()).collect();
+        let stream: Vec<&str> = events.iter().map(|e| e.envelope.stream.as_str()).collect();
+        let version: Vec<i64> = events.iter().map(|e| to_i64(e.envelope.version)).collect::<Result<_>>()?;
+        let ty: Vec<&str> = events.iter().map(|e| e.envelope.event_type.as_str()).collect();
+        let at: Vec<i64> = events.iter().map(|e| to_i64(e.envelope.at_ms)).collect::<Result<_>>()?;
+        let idx: Vec<i32> = events
+            .iter()
+            .map(|e| i32::try_from(e.position.index).map_err(|_| Error::Internal("batch too large".into())))
+            .collect::<Result<_>>()?;
+        let canonical: Vec<&[u8]> = events.iter().map(|e| e.canonical.as_slice()).collect();
+        let hash: Vec<&[u8]> = events.iter().map(|e| &e.hash[..]).collect();
+        let sig: Vec<&[u8]> = events.iter().map(|e| e.sig.as_slice()).collect();
+        let key: Vec<&str> = events.iter().map(|e| e.key_id.as_str()).collect();
+        // The statements below do not depend on each other: issued together, tokio-postgres
+        // pipelines them over the connection, so the batch pays one round trip instead of four.
+        let events_insert = async {
+            tx.execute(
+                "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id)
+                 SELECT t, s, i, st, v, ty, a, $8, ix, c, h, sg, k
+                 FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[],
+                             $9::int4[], $10::bytea[], $11::bytea[], $12::bytea[], $13::text[])
+                      AS x(t, s, i, st, v, ty, a, ix, c, h, sg, k)",
+                &[&t, &seq, &id, &stream, &version, &ty, &at, &commit, &idx, &canonical, &hash, &sig, &key],
+            )
+            .await
+        };
+        let ht: Vec<String> = batch.heads_after.iter().map(|(t, _)| t.to_string()).collect();
+        let hs: Vec<i64> = batch.heads_after.iter().map(|(_, h)| to_i64(h.seq)).collect::<Result<_>>()?;
+        let hh: Vec<&[u8]> = batch.heads_after.iter().map(|(_, h)| &h.hash[..]).collect();
+        let heads_upsert = async {
+            tx.execute(
+                "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
+                 ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash",
+                &[&ht, &hs, &hh],
+            )
+            .await
+        };
+        let it: Vec<String> = batch.idempotency.iter().map(|(t, _, _)| t.to_string()).collect();
+        let ik: Vec<&str> = batch.idempotency.iter().map(|(_, k, _)| k.as_str()).collect();
+        let ih: Vec<&[u8]> = batch.idempotency.iter().map(|(_, _, r)| &r.request_hash[..]).collect();
+        let first: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.first_seq)).collect::<Result<_>>()?;
+        let last: Vec<i64> = batch.idempotency.iter().map(|(_, _, r)| to_i64(r.last_seq)).collect::<Result<_>>()?;
+        let idempotency_insert = async {
+            if it.is_empty() {
+                return Ok(0);
+            }
+            tx.execute(
+                "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
+                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
+                &[&it, &ik, &ih, &first, &last],
+            )
+            .await
+        };
+        let (kt, kk, ki) = row_key_arrays(touched);
+        let projections_select = async {
+            tx.query(
+                "SELECT p.tenant_id, p.kind, p.id, p.doc
+                 FROM UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+                 CROSS JOIN LATERAL (SELECT * FROM projections p WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i) p",
+                &[&kt, &kk, &ki],
+            )
+            .await
+        };
+        let (_, _, _, rows) = futures::try_join!(events_insert, heads_upsert, idempotency_insert, projections_select)?;
+        let mut current = HashMap::new();
+        for row in rows {
+            let row = projection_row_decode(&row)?;
+            current.insert(row.key, row.doc);
+        }
+        Ok(current)
+    }
+
+    async fn projections_upsert(&mut self, rows: &[Row]) -> Result<()> {
+        let tx = self.client()?;
+        for chunk in rows.chunks(ROWS_PER_STATEMENT_MAX) {
+            let t: Vec<&str> = chunk.iter().map(|r| r.key.tenant.as_str()).collect();
+            let k: Vec<&str> = chunk.iter().map(|r| r.key.kind.as_str()).collect();
+            let i: Vec<&str> = chunk.iter().map(|r| r.key.id.as_str()).collect();
+            let d: Vec<String> = chunk.iter().map(|r| r.doc.to_string()).collect();
+            tx.execute(
+                "INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])
+                 ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc",
+                &[&t, &k, &i, &d],
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn projections_delete(&mut self, keys: &[RowKey]) -> Result<()> {
+        let (t, k, i) = row_key_arrays(keys);
+        self.client()?
+            .execute(
+                "DELETE FROM projections p USING UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+                 WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i",
+                &[&t, &k, &i],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn projections_clear(&mut self) -> Result<()> {
+        self.client()?.execute("DELETE FROM projections", &[]).await?;
+        Ok(())
+    }
+
+    async fn migrations_lock(&mut self) -> Result<()> {
+        self.client()?
+            .batch_execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at_ms BIGINT NOT NULL);
+                 LOCK TABLE schema_migrations IN EXCLUSIVE MODE;",
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn migration_applied(&mut self, version: u64) -> Result<bool> {
+        let done =
+            self.client()?.query_opt("SELECT version FROM schema_migrations WHERE version = $1", &[&to_i64(version)?]).await?;
+        Ok(done.is_some())
+    }
+
+    async fn migration_apply(&mut self, migration: &Migration, at_ms: u64) -> Result<()> {
+        let tx = self.client()?;
+        tx.batch_execute(migration.sql).await?;
+        tx.execute(
+            "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)",
+            &[&to_i64(migration.version)?, &migration.name, &to_i64(at_ms)?],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn cursor_create(&mut self, consumer: &str, now_ms: u64) -> Result<()> {
+        self.client()?
+            .execute(
+                "INSERT INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
+                 VALUES ($1, 0, 0, NULL, 0, $2) ON CONFLICT (consumer) DO NOTHING",
+                &[&consumer, &to_i64(now_ms)?],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn cursor_take(&mut self, consumer: &str, owner: &str, now_ms: u64, until_ms: u64) -> Result<Option<Position>> {
+        let row = self
+            .client()?
+            .query_opt(
+                "UPDATE consumer_cursors SET lease_owner = $1, lease_until_ms = $2, updated_at_ms = $3 \
+                 WHERE consumer = $4 AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until_ms < $3) \
+                 RETURNING commit_no, commit_index",
+                &[&owner, &to_i64(until_ms)?, &to_i64(now_ms)?, &consumer],
+            )
+            .await?;
+        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
+    }
+
+    async fn cursor_move(&mut self, consumer: &str, owner: &str, from: Position, to: Position, now_ms: u64) -> Result<bool> {
+        let moved = self
+            .client()?
+            .execute(
+                "UPDATE consumer_cursors SET commit_no = $1, commit_index = $2, updated_at_ms = $3 \
+                 WHERE consumer = $4 AND lease_owner = $5 AND commit_no = $6 AND commit_index = $7",
+                &[
+                    &to_i64(to.commit)?,
+                    &i64::from(to.index),
+                    &to_i64(now_ms)?,
+                    &consumer,
+                    &owner,
+                    &to_i64(from.commit)?,
+                    &i64::from(from.index),
+                ],
+            )
+            .await?;
+        Ok(moved == 1)
+    }
+
+    async fn items_insert(&mut self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+        let tenants: Vec<String> = items.iter().map(|i| i.tenant.to_string()).collect();
+        let ids: Vec<&str> = items.iter().map(|i| i.id.as_str()).collect();
+        let subjects: Vec<&str> = items.iter().map(|i| i.subject.as_str()).collect();
+        let payloads: Vec<String> = items.iter().map(|i| i.payload.to_string()).collect();
+        self.client()?
+            .execute(
+                "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
+                 lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) \
+                 SELECT t, $1, i, s, p, 'pending', 0, 0, $2, NULL, 0, NULL, $2, $2 \
+                 FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[]) AS x(t, i, s, p) \
+                 ON CONFLICT (tenant_id, consumer, id) DO NOTHING",
+                &[&consumer, &to_i64(now_ms)?, &tenants, &ids, &subjects, &payloads],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn items_complete(&mut self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
+        // One statement for the whole batch: the guarded update of every item.
+        let tenants: Vec<String> = done.iter().map(|c| c.tenant.to_string()).collect();
+        let ids: Vec<&str> = done.iter().map(|c| c.id.as_str()).collect();
+        let numbers: Vec<i64> = done.iter().map(|c| i64::from(c.attempt.number)).collect();
+        let mut states = Vec::with_capacity(done.len());
+        let mut next_ats = Vec::with_capacity(done.len());
+        let mut updated = Vec::with_capacity(done.len());
+        for c in done {
+            let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
+            states.push(state.as_str());
+            next_ats.push(to_i64(next_at)?);
+            updated.push(to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?);
+        }
+        let errors: Vec<Option<&str>> = done.iter().map(|c| c.attempt.error.as_deref()).collect();
+        let moved = self
+            .client()?
+            .query(
+                "UPDATE work_items w SET state = u.state, next_at_ms = u.next_at, lease_owner = NULL, lease_until_ms = 0, \
+                 last_error = u.err, updated_at_ms = u.upd \
+                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7::bigint[]) \
+                      AS u(t, i, state, next_at, err, upd, num) \
+                 WHERE w.tenant_id = u.t AND w.consumer = $8 AND w.id = u.i AND w.lease_owner = $9 \
+                   AND w.attempts = u.num AND w.state = 'pending' \
+                 RETURNING w.tenant_id, w.id, w.attempts",
+                &[&tenants, &ids, &states, &next_ats, &errors, &updated, &numbers, &consumer, &owner],
+            )
+            .await?;
+        // By attempt number too: one batch may hold two attempts of one item.
+        let moved: std::collections::HashSet<(String, String, i64)> =
+            moved.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect::<Result<_>>()?;
+        Ok(done
+            .iter()
+            .zip(&tenants)
+            .map(|(c, t)| moved.contains(&(t.clone(), c.id.clone(), i64::from(c.attempt.number))))
+            .collect())
+    }
+
+    async fn attempts_insert(&mut self, consumer: &str, owner: &str, done: &[&Completion]) -> Result<()> {
+        let tenants: Vec<String> = done.iter().map(|c| c.tenant.to_string()).collect();
+        let ids: Vec<&str> = done.iter().map(|c| c.id.as_str()).collect();
+        let numbers: Vec<i64> = done.iter().map(|c| i64::from(c.attempt.number)).collect();
+        let at: Vec<i64> = done.iter().map(|c| to_i64(c.attempt.at_ms)).collect::<Result<_>>()?;
+        let latency: Vec<i64> = done.iter().map(|c| to_i64(c.attempt.latency_ms)).collect::<Result<_>>()?;
+        let status: Vec<Option<i64>> = done.iter().map(|c| c.attempt.status.map(i64::from)).collect();
+        let errors: Vec<Option<&str>> = done.iter().map(|c| c.attempt.error.as_deref()).collect();
+        let next: Vec<Option<i64>> = done.iter().map(|c| c.attempt.next_at_ms.map(to_i64).transpose()).collect::<Result<_>>()?;
+        self.client()?
+            .execute(
+                "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
+                 SELECT t, $1, i, n, a, l, s, e, x, $2 \
+                 FROM UNNEST($3::text[], $4::text[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::text[], $10::bigint[]) \
+                      AS u(t, i, n, a, l, s, e, x) \
+                 ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
+                &[&consumer, &owner, &tenants, &ids, &numbers, &at, &latency, &status, &errors, &next],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn items_prune(&mut self, consumer: &str, before_ms: u64, limit: u32) -> Result<Vec<(String, String)>> {
+        let gone = self
+            .client()?
+            .query(
+                "DELETE FROM work_items w USING (SELECT tenant_id, consumer, id FROM work_items WHERE consumer = $1 \
+                 AND state = 'done' AND updated_at_ms < $2 LIMIT $3 FOR UPDATE SKIP LOCKED) old \
+                 WHERE w.tenant_id = old.tenant_id AND w.consumer = old.consumer AND w.id = old.id RETURNING w.tenant_id, w.id",
+                &[&consumer, &to_i64(before_ms)?, &i64::from(limit)],
+            )
+            .await?;
+        gone.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+    }
+
+    async fn attempts_delete(&mut self, consumer: &str, items: &[(String, String)]) -> Result<()> {
+        let tenants: Vec<&str> = items.iter().map(|(t, _)| t.as_str()).collect();
+        let ids: Vec<&str> = items.iter().map(|(_, i)| i.as_str()).collect();
+        self.client()?
+            .execute(
+                "DELETE FROM work_attempts a USING UNNEST($2::text[], $3::text[]) AS g(t, i) \
+                 WHERE a.tenant_id = g.t AND a.consumer = $1 AND a.item_id = g.i",
+                &[&consumer, &tenants, &ids],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
     fn backend(&self) -> &'static str {
         "postgresql"
     }
 
-    async fn migrate(&self) -> Result<Vec<String>> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        tx.batch_execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at_ms BIGINT NOT NULL);
-             LOCK TABLE schema_migrations IN EXCLUSIVE MODE;",
-        )
-        .await?;
-        let mut applied = Vec::new();
-        for (version, name, sql) in MIGRATIONS {
-            let done = tx.query_opt("SELECT version FROM schema_migrations WHERE version = $1", &[version]).await?;
-            if done.is_some() {
-                continue;
-            }
-            tx.batch_execute(sql).await?;
-            let now = to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?;
-            tx.execute(
-                "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)",
-                &[version, name, &now],
-            )
-            .await?;
-            applied.push(format!("{version:04}_{name}"));
-        }
-        tx.commit().await?;
-        Ok(applied)
+    async fn transaction(&self, _: WriteToken) -> Result<Box<dyn Transaction + '_>> {
+        Ok(Box::new(PostgresTransaction::begin(self.pool.get().await?).await?))
+    }
+}
+
+#[async_trait]
+impl EventStore for PostgresStore {
+    fn migrations(&self) -> &'static [Migration] {
+        MIGRATIONS
     }
 
-    async fn check_schema(&self) -> Result<()> {
+    async fn schema_version(&self) -> Result<Option<u64>> {
         let client = self.pool.get().await?;
+        // No migrations table yet reads as no migration applied.
         let latest: Option<i64> = match client.query_one("SELECT MAX(version) FROM schema_migrations", &[]).await {
             Ok(row) => row.try_get(0)?,
             Err(_) => None,
         };
-        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
-        match latest {
-            Some(v) if v >= wanted => Ok(()),
-            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
-        }
+        latest.map(to_u64).transpose()
     }
+}
 
+#[async_trait]
+impl LogStore for PostgresStore {
     async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
         let client = self.pool.get().await?;
         preread_on(&**client, query).await
-    }
-
-    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let commit = next_commit(&tx).await?;
-        let tenants: Vec<String> = batch.heads_before.iter().map(|(t, _)| t.to_string()).collect();
-        let heads = heads_from(
-            &tx.query("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id = ANY($1) FOR UPDATE", &[&tenants]).await?,
-        )?;
-        for (tenant, before) in &batch.heads_before {
-            if heads.get(&tenant.to_string()) != before.as_ref() {
-                return Ok(CommitOutcome::Stale);
-            }
-        }
-        write_batch(&tx, batch, commit, projector).await?;
-        tx.commit().await?;
-        Ok(CommitOutcome::Committed { commit: to_u64(commit)? })
-    }
-
-    async fn commit_locked(
-        &self,
-        query: &PreReadQuery,
-        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
-        projector: &dyn Projector,
-    ) -> Result<(u64, PreparedBatch)> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let commit = next_commit(&tx).await?;
-        let pre = preread_on(&*tx, query).await?;
-        let batch = decide(&pre);
-        if batch.events.is_empty() {
-            return Ok((0, batch));
-        }
-        write_batch(&tx, &batch, commit, projector).await?;
-        tx.commit().await?;
-        Ok((to_u64(commit)?, batch))
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -380,7 +539,7 @@ impl EventStore for PostgresStore {
                 &[&tenant.to_string(), &to_i64(from_seq)?, &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -393,7 +552,7 @@ impl EventStore for PostgresStore {
                 &[&tenant.to_string(), &stream, &to_i64(after_version)?, &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
@@ -423,7 +582,7 @@ impl EventStore for PostgresStore {
                     .await?
             }
         };
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
@@ -434,18 +593,13 @@ impl EventStore for PostgresStore {
                 &[&tenant.to_string(), &id.to_string()],
             )
             .await?;
-        row.as_ref().map(event_row).transpose()
+        row.as_ref().map(event_row_decode).transpose()
     }
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
         let client = self.pool.get().await?;
         let rows = client.query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id", &[]).await?;
-        rows.iter()
-            .map(|row| {
-                let tenant: String = row.try_get(0)?;
-                Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
-            })
-            .collect()
+        rows.iter().map(head_decode).collect()
     }
 
     async fn tenants(&self) -> Result<Vec<TenantId>> {
@@ -481,7 +635,10 @@ impl EventStore for PostgresStore {
         let rows = client.query("SELECT key_id, public_key FROM signing_keys ORDER BY created_at_ms", &[]).await?;
         rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
     }
+}
 
+#[async_trait]
+impl RowStore for PostgresStore {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>> {
         let client = self.pool.get().await?;
         let row = client
@@ -490,7 +647,7 @@ impl EventStore for PostgresStore {
                 &[&tenant, &kind, &id],
             )
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
@@ -498,7 +655,7 @@ impl EventStore for PostgresStore {
         let row = client
             .query_opt("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = $1 AND id = $2", &[&kind, &id])
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
@@ -510,7 +667,7 @@ impl EventStore for PostgresStore {
                 &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(projection_row).collect()
+        rows.iter().map(projection_row_decode).collect()
     }
 
     async fn rows_all(&self) -> Result<Vec<Row>> {
@@ -521,131 +678,30 @@ impl EventStore for PostgresStore {
                 &[],
             )
             .await?;
-        rows.iter().map(projection_row).collect()
-    }
-
-    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        // The counter's row lock keeps appenders out until the swap commits.
-        let now: i64 = tx.query_one("SELECT last_commit FROM log_counter WHERE id = 1 FOR UPDATE", &[]).await?.try_get(0)?;
-        if to_u64(now)? != at_commit {
-            return Ok(false);
-        }
-        tx.execute("DELETE FROM projections", &[]).await?;
-        for chunk in rows.chunks(10_000) {
-            let t: Vec<&str> = chunk.iter().map(|r| r.key.tenant.as_str()).collect();
-            let k: Vec<&str> = chunk.iter().map(|r| r.key.kind.as_str()).collect();
-            let i: Vec<&str> = chunk.iter().map(|r| r.key.id.as_str()).collect();
-            let d: Vec<String> = chunk.iter().map(|r| r.doc.to_string()).collect();
-            tx.execute(
-                "INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])",
-                &[&t, &k, &i, &d],
-            )
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
+        rows.iter().map(projection_row_decode).collect()
     }
 }
 
-impl Columns for tokio_postgres::Row {
-    fn text(&self, i: usize) -> Result<String> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_text(&self, i: usize) -> Result<Option<String>> {
-        Ok(self.try_get(i)?)
-    }
-    fn int(&self, i: usize) -> Result<i64> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
-        Ok(self.try_get(i)?)
-    }
-}
-
-async fn insert_items(client: &impl GenericClient, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
-    if items.is_empty() {
-        return Ok(());
-    }
-    let tenants: Vec<String> = items.iter().map(|i| i.tenant.to_string()).collect();
-    let ids: Vec<&str> = items.iter().map(|i| i.id.as_str()).collect();
-    let subjects: Vec<&str> = items.iter().map(|i| i.subject.as_str()).collect();
-    let payloads: Vec<String> = items.iter().map(|i| i.payload.to_string()).collect();
-    let now = to_i64(now_ms)?;
-    client
-        .execute(
-            "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
-             lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) \
-             SELECT t, $1, i, s, p, 'pending', 0, 0, $2, NULL, 0, NULL, $2, $2 \
-             FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[]) AS x(t, i, s, p) \
-             ON CONFLICT (tenant_id, consumer, id) DO NOTHING",
-            &[&consumer, &now, &tenants, &ids, &subjects, &payloads],
-        )
-        .await?;
-    Ok(())
-}
+columns_by_try_get!(tokio_postgres::Row);
 
 #[async_trait]
 impl OutboxStore for PostgresStore {
-    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>> {
+    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
         let client = self.pool.get().await?;
-        let now = to_i64(now_ms)?;
-        client
-            .execute(
-                "INSERT INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
-                 VALUES ($1, 0, 0, NULL, 0, $2) ON CONFLICT (consumer) DO NOTHING",
-                &[&consumer, &now],
-            )
-            .await?;
-        let row = client
-            .query_opt(
-                "UPDATE consumer_cursors SET lease_owner = $1, lease_until_ms = $2, updated_at_ms = $3 \
-                 WHERE consumer = $4 AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until_ms < $3) \
-                 RETURNING commit_no, commit_index",
-                &[&owner, &to_i64(now_ms.saturating_add(lease_ms))?, &now, &consumer],
-            )
-            .await?;
+        let row =
+            client.query_opt("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = $1", &[&consumer]).await?;
         row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
     }
 
-    async fn cursor_advance(
-        &self,
-        consumer: &str,
-        owner: &str,
-        from: Position,
-        to: Position,
-        items: &[NewWorkItem],
-        now_ms: u64,
-    ) -> Result<bool> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let moved = tx
+    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
             .execute(
-                "UPDATE consumer_cursors SET commit_no = $1, commit_index = $2, updated_at_ms = $3 \
-                 WHERE consumer = $4 AND lease_owner = $5 AND commit_no = $6 AND commit_index = $7",
-                &[
-                    &to_i64(to.commit)?,
-                    &i64::from(to.index),
-                    &to_i64(now_ms)?,
-                    &consumer,
-                    &owner,
-                    &to_i64(from.commit)?,
-                    &i64::from(from.index),
-                ],
+                "UPDATE consumer_cursors SET lease_owner = NULL, lease_until_ms = 0 WHERE consumer = $1 AND lease_owner = $2",
+                &[&consumer, &owner],
             )
             .await?;
-        if moved != 1 {
-            return Ok(false);
-        }
-        insert_items(&*tx, consumer, items, now_ms).await?;
-        tx.commit().await?;
-        Ok(true)
-    }
-
-    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
-        let client = self.pool.get().await?;
-        insert_items(&**client, consumer, items, now_ms).await
+        Ok(())
     }
 
     async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>> {
@@ -668,73 +724,6 @@ impl OutboxStore for PostgresStore {
             )
             .await?;
         rows.iter().map(WorkItem::decode).collect()
-    }
-
-    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
-        if done.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Two statements for the whole batch: the guarded update, then the attempts of the
-        // items it moved.
-        let tenants: Vec<String> = done.iter().map(|c| c.tenant.to_string()).collect();
-        let ids: Vec<&str> = done.iter().map(|c| c.id.as_str()).collect();
-        let numbers: Vec<i64> = done.iter().map(|c| i64::from(c.attempt.number)).collect();
-        let mut states = Vec::with_capacity(done.len());
-        let mut next_ats = Vec::with_capacity(done.len());
-        let mut updated = Vec::with_capacity(done.len());
-        for c in done {
-            let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
-            states.push(state.as_str());
-            next_ats.push(to_i64(next_at)?);
-            updated.push(to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?);
-        }
-        let errors: Vec<Option<&str>> = done.iter().map(|c| c.attempt.error.as_deref()).collect();
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let moved = tx
-            .query(
-                "UPDATE work_items w SET state = u.state, next_at_ms = u.next_at, lease_owner = NULL, lease_until_ms = 0, \
-                 last_error = u.err, updated_at_ms = u.upd \
-                 FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7::bigint[]) \
-                      AS u(t, i, state, next_at, err, upd, num) \
-                 WHERE w.tenant_id = u.t AND w.consumer = $8 AND w.id = u.i AND w.lease_owner = $9 \
-                   AND w.attempts = u.num AND w.state = 'pending' \
-                 RETURNING w.tenant_id, w.id, w.attempts",
-                &[&tenants, &ids, &states, &next_ats, &errors, &updated, &numbers, &consumer, &owner],
-            )
-            .await?;
-        // By attempt number too: one batch may hold two attempts of one item.
-        let moved: std::collections::HashSet<(String, String, i64)> =
-            moved.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect::<Result<_>>()?;
-        let written: Vec<bool> = done
-            .iter()
-            .zip(&tenants)
-            .map(|(c, t)| moved.contains(&(t.clone(), c.id.clone(), i64::from(c.attempt.number))))
-            .collect();
-        let keep: Vec<usize> = (0..done.len()).filter(|&k| written[k]).collect();
-        if !keep.is_empty() {
-            let pick = |f: &dyn Fn(&Completion) -> Result<i64>| keep.iter().map(|&k| f(&done[k])).collect::<Result<Vec<i64>>>();
-            let a_tenants: Vec<&str> = keep.iter().map(|&k| tenants[k].as_str()).collect();
-            let a_ids: Vec<&str> = keep.iter().map(|&k| done[k].id.as_str()).collect();
-            let a_numbers = pick(&|c| Ok(i64::from(c.attempt.number)))?;
-            let a_at = pick(&|c| to_i64(c.attempt.at_ms))?;
-            let a_latency = pick(&|c| to_i64(c.attempt.latency_ms))?;
-            let a_status: Vec<Option<i64>> = keep.iter().map(|&k| done[k].attempt.status.map(i64::from)).collect();
-            let a_errors: Vec<Option<&str>> = keep.iter().map(|&k| done[k].attempt.error.as_deref()).collect();
-            let a_next: Vec<Option<i64>> =
-                keep.iter().map(|&k| done[k].attempt.next_at_ms.map(to_i64).transpose()).collect::<Result<_>>()?;
-            tx.execute(
-                "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
-                 SELECT t, $1, i, n, a, l, s, e, x, $2 \
-                 FROM UNNEST($3::text[], $4::text[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::text[], $10::bigint[]) \
-                      AS u(t, i, n, a, l, s, e, x) \
-                 ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
-                &[&consumer, &owner, &a_tenants, &a_ids, &a_numbers, &a_at, &a_latency, &a_status, &a_errors, &a_next],
-            )
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(written)
     }
 
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
@@ -796,29 +785,6 @@ impl OutboxStore for PostgresStore {
         rows.iter().map(Attempt::decode).collect()
     }
 
-    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let gone = tx
-            .query(
-                "DELETE FROM work_items w USING (SELECT tenant_id, consumer, id FROM work_items WHERE consumer = $1 \
-                 AND state = 'done' AND updated_at_ms < $2 LIMIT $3 FOR UPDATE SKIP LOCKED) old \
-                 WHERE w.tenant_id = old.tenant_id AND w.consumer = old.consumer AND w.id = old.id RETURNING w.tenant_id, w.id",
-                &[&consumer, &to_i64(before_ms)?, &i64::from(limit)],
-            )
-            .await?;
-        let tenants: Vec<String> = gone.iter().map(|r| r.try_get(0)).collect::<std::result::Result<_, _>>()?;
-        let ids: Vec<String> = gone.iter().map(|r| r.try_get(1)).collect::<std::result::Result<_, _>>()?;
-        tx.execute(
-            "DELETE FROM work_attempts a USING UNNEST($2::text[], $3::text[]) AS g(t, i) \
-             WHERE a.tenant_id = g.t AND a.consumer = $1 AND a.item_id = g.i",
-            &[&consumer, &tenants, &ids],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(gone.len() as u64)
-    }
-
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)> {
         let client = self.pool.get().await?;
         let rows =
@@ -827,7 +793,10 @@ impl OutboxStore for PostgresStore {
             rows.iter().map(|row| Ok((row.try_get(0)?, to_u64(row.try_get(1)?)?))).collect::<Result<_>>()?;
         Ok(count_states(rows))
     }
+}
 
+#[async_trait]
+impl SecretStore for PostgresStore {
     async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
         let client = self.pool.get().await?;
         client
@@ -839,34 +808,16 @@ impl OutboxStore for PostgresStore {
         Ok(())
     }
 
-    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {
-        let client = self.pool.get().await?;
-        client.execute("DELETE FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
-        Ok(())
-    }
-
-    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
-        let client = self.pool.get().await?;
-        let row =
-            client.query_opt("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = $1", &[&consumer]).await?;
-        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
-    }
-
-    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
-        let client = self.pool.get().await?;
-        client
-            .execute(
-                "UPDATE consumer_cursors SET lease_owner = NULL, lease_until_ms = 0 WHERE consumer = $1 AND lease_owner = $2",
-                &[&consumer, &owner],
-            )
-            .await?;
-        Ok(())
-    }
-
     async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
         let client = self.pool.get().await?;
         let row =
             client.query_opt("SELECT value FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
         row.map(|r| r.try_get(0).map_err(Error::from)).transpose()
+    }
+
+    async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {
+        let client = self.pool.get().await?;
+        client.execute("DELETE FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
+        Ok(())
     }
 }

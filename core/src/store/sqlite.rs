@@ -1,9 +1,14 @@
 //! The embedded backend: SQLite through `sqlx`, in WAL mode with `synchronous = FULL`, so an
 //! acknowledged append survives a crash of the process or the machine.
 //!
+//! Only SQL text, parameter binding and row decoding live here; the algorithms (append commit,
+//! locked commit, projection fold, migrations, the outbox's transactions) are in `engine.rs` and
+//! `outbox.rs`, over [`SqliteTransaction`].
+//!
 //! sqlx hands every statement to a worker thread, so the cost is per statement, not per row
-//! (`notes/limits.md`): a batch is written with one multi-row statement per table. Append
-//! transactions start with `BEGIN IMMEDIATE`, taking SQLite's write lock up front.
+//! (`notes/limits.md`): a batch is written with one multi-row statement per table. Write
+//! transactions start with `BEGIN IMMEDIATE`, taking SQLite's write lock up front; so SQLite's
+//! "locks" (the commit counter's, the chain heads') are that one write lock.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -11,15 +16,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
-use sqlx::{QueryBuilder, Row as _, Sqlite, SqlitePool};
+use sqlx::{QueryBuilder, Row as _, Sqlite, SqliteConnection, SqlitePool};
 
+use super::engine::{Migration, Transaction};
 use super::outbox::{
-    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Columns, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
+    ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
     count_states, outcome_columns,
 };
 use super::{
-    CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey,
-    fold_projections, hash32, to_i64, to_u32, to_u64, touched_rows,
+    EVENT_COLUMNS, EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store,
+    WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
+    stream_version_decode, to_i64, to_u32, to_u64,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -32,13 +39,7 @@ pub const BUSY_TIMEOUT_MS: u64 = 10_000;
 /// Rows per multi-row statement, well under SQLite's 32,766 bound parameters.
 const ROWS_PER_STATEMENT_MAX: usize = 1000;
 
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (1, "log", include_str!("../../../schema/sqlite/0001_log.sql")),
-    (2, "outbox", include_str!("../../../schema/sqlite/0002_outbox.sql")),
-    (3, "outbox_prune", include_str!("../../../schema/sqlite/0003_outbox_prune.sql")),
-];
-
-const EVENT_COLUMNS: &str = "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
+const MIGRATIONS: &[Migration] = migrations_of!("sqlite");
 
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -67,80 +68,6 @@ impl SqliteStore {
     }
 }
 
-fn event_row(row: &SqliteRow) -> Result<EventRow> {
-    Ok(EventRow {
-        tenant: row.try_get(0)?,
-        seq: to_u64(row.try_get(1)?)?,
-        id: row.try_get(2)?,
-        stream: row.try_get(3)?,
-        version: to_u64(row.try_get(4)?)?,
-        event_type: row.try_get(5)?,
-        commit: to_u64(row.try_get(6)?)?,
-        index: u32::try_from(row.try_get::<i64, _>(7)?).map_err(|_| Error::Storage("commit_index out of range".into()))?,
-        canonical: row.try_get(8)?,
-        hash: row.try_get(9)?,
-        sig: row.try_get(10)?,
-        key_id: row.try_get(11)?,
-    })
-}
-
-fn projection_row(row: &SqliteRow) -> Result<Row> {
-    let doc: String = row.try_get(3)?;
-    Ok(Row {
-        key: RowKey { tenant: row.try_get(0)?, kind: row.try_get(1)?, id: row.try_get(2)? },
-        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
-    })
-}
-
-async fn write_projections(
-    tx: &mut sqlx::Transaction<'static, Sqlite>,
-    projector: &dyn Projector,
-    events: &[crate::event::StoredEvent],
-) -> Result<()> {
-    let keys = touched_rows(projector, events);
-    let mut current = HashMap::new();
-    for chunk in keys.chunks(ROWS_PER_STATEMENT_MAX) {
-        let mut q = QueryBuilder::<Sqlite>::new("WITH k(t, kd, i) AS (VALUES ");
-        let mut list = q.separated(", ");
-        for key in chunk {
-            list.push("(");
-            list.push_bind_unseparated(key.tenant.clone());
-            list.push_unseparated(", ");
-            list.push_bind_unseparated(key.kind.clone());
-            list.push_unseparated(", ");
-            list.push_bind_unseparated(key.id.clone());
-            list.push_unseparated(")");
-        }
-        q.push(") SELECT p.tenant_id, p.kind, p.id, p.doc FROM k JOIN projections p ON p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i");
-        for row in q.build().fetch_all(&mut **tx).await? {
-            let row = projection_row(&row)?;
-            current.insert(row.key, row.doc);
-        }
-    }
-    let folded = fold_projections(projector, events, current)?;
-    let (upserts, deletes): (Vec<_>, Vec<_>) = folded.into_iter().partition(|(_, doc)| doc.is_some());
-    for chunk in upserts.chunks(ROWS_PER_STATEMENT_MAX) {
-        let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO projections (tenant_id, kind, id, doc) ");
-        q.push_values(chunk, |mut b, (key, doc)| {
-            b.push_bind(key.tenant.clone())
-                .push_bind(key.kind.clone())
-                .push_bind(key.id.clone())
-                .push_bind(doc.as_ref().map(|d| d.to_string()).unwrap_or_default());
-        });
-        q.push(" ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc");
-        q.build().execute(&mut **tx).await?;
-    }
-    for (key, _) in deletes {
-        sqlx::query("DELETE FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
-            .bind(key.tenant)
-            .bind(key.kind)
-            .bind(key.id)
-            .execute(&mut **tx)
-            .await?;
-    }
-    Ok(())
-}
-
 /// `VALUES (?, ?), (?, ?), …` for a CTE of pairs.
 fn push_pairs(q: &mut QueryBuilder<Sqlite>, pairs: impl Iterator<Item = (String, String)>) {
     q.push("VALUES ");
@@ -154,26 +81,40 @@ fn push_pairs(q: &mut QueryBuilder<Sqlite>, pairs: impl Iterator<Item = (String,
     }
 }
 
-async fn next_commit(tx: &mut sqlx::Transaction<'static, Sqlite>) -> Result<i64> {
-    Ok(sqlx::query_scalar("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit")
-        .fetch_one(&mut **tx)
-        .await?)
+/// `VALUES (?, ?, ?), …` for a CTE of projection row keys.
+fn push_row_keys<'k>(q: &mut QueryBuilder<Sqlite>, keys: impl Iterator<Item = &'k RowKey>) {
+    q.push("VALUES ");
+    let mut list = q.separated(", ");
+    for key in keys {
+        list.push("(");
+        list.push_bind_unseparated(key.tenant.clone());
+        list.push_unseparated(", ");
+        list.push_bind_unseparated(key.kind.clone());
+        list.push_unseparated(", ");
+        list.push_bind_unseparated(key.id.clone());
+        list.push_unseparated(")");
+    }
 }
 
-async fn preread_on(conn: &mut sqlx::SqliteConnection, query: &PreReadQuery) -> Result<PreRead> {
-    let mut out = PreRead::default();
-    if !query.tenants.is_empty() {
+async fn heads_on(conn: &mut SqliteConnection, tenants: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
+    let mut heads = HashMap::new();
+    for chunk in tenants.chunks(ROWS_PER_STATEMENT_MAX) {
         let mut q = QueryBuilder::<Sqlite>::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
         let mut list = q.separated(", ");
-        for t in &query.tenants {
+        for t in chunk {
             list.push_bind(t.to_string());
         }
         q.push(")");
         for row in q.build().fetch_all(&mut *conn).await? {
-            let tenant: String = row.try_get(0)?;
-            out.heads.insert(tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? });
+            let (tenant, head) = head_decode(&row)?;
+            heads.insert(tenant, head);
         }
     }
+    Ok(heads)
+}
+
+async fn preread_on(conn: &mut SqliteConnection, query: &PreReadQuery) -> Result<PreRead> {
+    let mut out = PreRead { heads: heads_on(conn, &query.tenants).await?, ..Default::default() };
     for chunk in query.streams.chunks(ROWS_PER_STATEMENT_MAX) {
         // A correlated MAX per key walks the (tenant_id, stream, version) index; a row-value IN
         // list does not, and scans the table.
@@ -181,9 +122,8 @@ async fn preread_on(conn: &mut sqlx::SqliteConnection, query: &PreReadQuery) -> 
         push_pairs(&mut q, chunk.iter().map(|(t, s)| (t.to_string(), s.clone())));
         q.push(") SELECT k.t, k.s, (SELECT MAX(version) FROM events e WHERE e.tenant_id = k.t AND e.stream = k.s) FROM k");
         for row in q.build().fetch_all(&mut *conn).await? {
-            let tenant: String = row.try_get(0)?;
-            if let Some(version) = row.try_get::<Option<i64>, _>(2)? {
-                out.stream_versions.insert((tenant.parse()?, row.try_get(1)?), to_u64(version)?);
+            if let Some((stream, version)) = stream_version_decode(&row)? {
+                out.stream_versions.insert(stream, version);
             }
         }
     }
@@ -192,165 +132,395 @@ async fn preread_on(conn: &mut sqlx::SqliteConnection, query: &PreReadQuery) -> 
         push_pairs(&mut q, chunk.iter().map(|(t, k)| (t.to_string(), k.clone())));
         q.push(") SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq FROM k JOIN idempotency i ON i.tenant_id = k.t AND i.key = k.s");
         for row in q.build().fetch_all(&mut *conn).await? {
-            let tenant: String = row.try_get(0)?;
-            out.idempotency.insert(
-                (tenant.parse()?, row.try_get(1)?),
-                IdempotencyRecord::from_columns(row.try_get(2)?, row.try_get(3)?, row.try_get(4)?)?,
-            );
+            let (slot, record) = idempotency_decode(&row)?;
+            out.idempotency.insert(slot, record);
         }
     }
     Ok(out)
 }
 
-async fn write_batch(
-    tx: &mut sqlx::Transaction<'static, Sqlite>,
-    batch: &PreparedBatch,
-    commit: i64,
-    projector: &dyn Projector,
-) -> Result<()> {
-    for chunk in batch.events.chunks(ROWS_PER_STATEMENT_MAX) {
-        let mut q = QueryBuilder::<Sqlite>::new(
-            "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id) ",
-        );
-        let mut failed = None;
-        q.push_values(chunk, |mut b, e| {
-            let env = &e.envelope;
-            let (seq, version, at) = match (to_i64(env.seq), to_i64(env.version), to_i64(env.at_ms)) {
-                (Ok(s), Ok(v), Ok(a)) => (s, v, a),
-                _ => {
-                    failed = Some(Error::Internal("event number out of range".into()));
-                    (0, 0, 0)
-                }
-            };
-            b.push_bind(env.tenant.to_string())
-                .push_bind(seq)
-                .push_bind(env.id.to_string())
-                .push_bind(env.stream.clone())
-                .push_bind(version)
-                .push_bind(env.event_type.clone())
-                .push_bind(at)
-                .push_bind(commit)
-                .push_bind(i64::from(e.position.index))
-                .push_bind(e.canonical.clone())
-                .push_bind(e.hash.to_vec())
-                .push_bind(e.sig.clone())
-                .push_bind(e.key_id.clone());
-        });
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        q.build().execute(&mut **tx).await?;
+/// One write transaction: `BEGIN IMMEDIATE` on a pooled connection. Dropped unfinished, sqlx
+/// rolls it back.
+pub struct SqliteTransaction {
+    tx: Option<sqlx::Transaction<'static, Sqlite>>,
+}
+
+impl SqliteTransaction {
+    fn conn(&mut self) -> Result<&mut SqliteConnection> {
+        self.tx.as_deref_mut().ok_or_else(|| Error::Internal("the transaction has already ended".into()))
     }
-    let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO chain_heads (tenant_id, seq, hash) ");
-    let mut bad = false;
-    q.push_values(&batch.heads_after, |mut b, (tenant, head)| {
-        bad |= head.seq > i64::MAX as u64;
-        b.push_bind(tenant.to_string()).push_bind(head.seq as i64).push_bind(head.hash.to_vec());
-    });
-    if bad {
-        return Err(Error::Internal("sequence number out of range".into()));
+
+    fn take(&mut self) -> Result<sqlx::Transaction<'static, Sqlite>> {
+        self.tx.take().ok_or_else(|| Error::Internal("the transaction has already ended".into()))
     }
-    q.push(" ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash");
-    q.build().execute(&mut **tx).await?;
-    if !batch.idempotency.is_empty() {
-        let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq) ");
-        q.push_values(&batch.idempotency, |mut b, (tenant, key, record)| {
-            b.push_bind(tenant.to_string())
-                .push_bind(key.clone())
-                .push_bind(record.request_hash.to_vec())
-                .push_bind(record.first_seq as i64)
-                .push_bind(record.last_seq as i64);
-        });
-        q.build().execute(&mut **tx).await?;
-    }
-    write_projections(tx, projector, &batch.events).await
 }
 
 #[async_trait]
-impl EventStore for SqliteStore {
+impl Transaction for SqliteTransaction {
+    async fn commit(&mut self) -> Result<()> {
+        Ok(self.take()?.commit().await?)
+    }
+
+    async fn rollback(&mut self) -> Result<()> {
+        Ok(self.take()?.rollback().await?)
+    }
+
+    async fn counter_bump(&mut self) -> Result<u64> {
+        let commit: i64 =
+            sqlx::query_scalar("UPDATE log_counter SET last_commit = last_commit + 1 WHERE id = 1 RETURNING last_commit")
+                .fetch_one(self.conn()?)
+                .await?;
+        to_u64(commit)
+    }
+
+    async fn counter_lock(&mut self) -> Result<u64> {
+        // `BEGIN IMMEDIATE` already holds the write lock, so appenders wait.
+        let commit: i64 = sqlx::query_scalar("SELECT last_commit FROM log_counter WHERE id = 1").fetch_one(self.conn()?).await?;
+        to_u64(commit)
+    }
+
+    async fn heads_lock(&mut self, tenants: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
+        heads_on(self.conn()?, tenants).await
+    }
+
+    async fn preread(&mut self, query: &PreReadQuery) -> Result<PreRead> {
+        preread_on(self.conn()?, query).await
+    }
+
+    async fn batch_insert(
+        &mut self,
+        batch: &PreparedBatch,
+        commit: u64,
+        touched: &[RowKey],
+    ) -> Result<HashMap<RowKey, serde_json::Value>> {
+        let commit = to_i64(commit)?;
+        let conn = self.conn()?;
+        for chunk in batch.events.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut columns = Vec::with_capacity(chunk.len());
+            for e in chunk {
+                let env = &e.envelope;
+                columns.push((to_i64(env.seq)?, to_i64(env.version)?, to_i64(env.at_ms)?));
+            }
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id) ",
+            );
+            q.push_values(chunk.iter().zip(columns), |mut b, (e, (seq, version, at))| {
+                let env = &e.envelope;
+                b.push_bind(env.tenant.to_string())
+                    .push_bind(seq)
+                    .push_bind(env.id.to_string())
+                    .push_bind(env.stream.clone())
+                    .push_bind(version)
+                    .push_bind(env.event_type.clone())
+                    .push_bind(at)
+                    .push_bind(commit)
+                    .push_bind(i64::from(e.position.index))
+                    .push_bind(e.canonical.clone())
+                    .push_bind(e.hash.to_vec())
+                    .push_bind(e.sig.clone())
+                    .push_bind(e.key_id.clone());
+            });
+            q.build().execute(&mut *conn).await?;
+        }
+        let heads: Vec<(String, i64, Vec<u8>)> = batch
+            .heads_after
+            .iter()
+            .map(|(tenant, head)| Ok((tenant.to_string(), to_i64(head.seq)?, head.hash.to_vec())))
+            .collect::<Result<_>>()?;
+        if !heads.is_empty() {
+            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO chain_heads (tenant_id, seq, hash) ");
+            q.push_values(heads, |mut b, (tenant, seq, hash)| {
+                b.push_bind(tenant).push_bind(seq).push_bind(hash);
+            });
+            q.push(" ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash");
+            q.build().execute(&mut *conn).await?;
+        }
+        let records: Vec<(String, String, Vec<u8>, i64, i64)> = batch
+            .idempotency
+            .iter()
+            .map(|(tenant, key, r)| {
+                Ok((tenant.to_string(), key.clone(), r.request_hash.to_vec(), to_i64(r.first_seq)?, to_i64(r.last_seq)?))
+            })
+            .collect::<Result<_>>()?;
+        for chunk in records.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q =
+                QueryBuilder::<Sqlite>::new("INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq) ");
+            q.push_values(chunk, |mut b, (tenant, key, hash, first, last)| {
+                b.push_bind(tenant.clone()).push_bind(key.clone()).push_bind(hash.clone()).push_bind(*first).push_bind(*last);
+            });
+            q.build().execute(&mut *conn).await?;
+        }
+        let mut current = HashMap::new();
+        for chunk in touched.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new("WITH k(t, kd, i) AS (");
+            push_row_keys(&mut q, chunk.iter());
+            q.push(") SELECT p.tenant_id, p.kind, p.id, p.doc FROM k JOIN projections p ON p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i");
+            for row in q.build().fetch_all(&mut *conn).await? {
+                let row = projection_row_decode(&row)?;
+                current.insert(row.key, row.doc);
+            }
+        }
+        Ok(current)
+    }
+
+    async fn projections_upsert(&mut self, rows: &[Row]) -> Result<()> {
+        let conn = self.conn()?;
+        for chunk in rows.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO projections (tenant_id, kind, id, doc) ");
+            q.push_values(chunk, |mut b, row| {
+                b.push_bind(row.key.tenant.clone())
+                    .push_bind(row.key.kind.clone())
+                    .push_bind(row.key.id.clone())
+                    .push_bind(row.doc.to_string());
+            });
+            q.push(" ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc");
+            q.build().execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
+    async fn projections_delete(&mut self, keys: &[RowKey]) -> Result<()> {
+        // One statement per key walks the primary key; a row-value IN list would scan.
+        let conn = self.conn()?;
+        for key in keys {
+            sqlx::query("DELETE FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
+                .bind(key.tenant.clone())
+                .bind(key.kind.clone())
+                .bind(key.id.clone())
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn projections_clear(&mut self) -> Result<()> {
+        sqlx::query("DELETE FROM projections").execute(self.conn()?).await?;
+        Ok(())
+    }
+
+    async fn migrations_lock(&mut self) -> Result<()> {
+        // `BEGIN IMMEDIATE` holds the write lock: concurrent runners queue behind it.
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at_ms INTEGER NOT NULL)",
+        )
+        .execute(self.conn()?)
+        .await?;
+        Ok(())
+    }
+
+    async fn migration_applied(&mut self, version: u64) -> Result<bool> {
+        let done: Option<i64> = sqlx::query_scalar("SELECT version FROM schema_migrations WHERE version = ?")
+            .bind(to_i64(version)?)
+            .fetch_optional(self.conn()?)
+            .await?;
+        Ok(done.is_some())
+    }
+
+    async fn migration_apply(&mut self, migration: &Migration, at_ms: u64) -> Result<()> {
+        let conn = self.conn()?;
+        sqlx::raw_sql(migration.sql).execute(&mut *conn).await?;
+        sqlx::query("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES (?, ?, ?)")
+            .bind(to_i64(migration.version)?)
+            .bind(migration.name)
+            .bind(to_i64(at_ms)?)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn cursor_create(&mut self, consumer: &str, now_ms: u64) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
+             VALUES (?, 0, 0, NULL, 0, ?) ON CONFLICT (consumer) DO NOTHING",
+        )
+        .bind(consumer)
+        .bind(to_i64(now_ms)?)
+        .execute(self.conn()?)
+        .await?;
+        Ok(())
+    }
+
+    async fn cursor_take(&mut self, consumer: &str, owner: &str, now_ms: u64, until_ms: u64) -> Result<Option<Position>> {
+        let now = to_i64(now_ms)?;
+        let row = sqlx::query(
+            "UPDATE consumer_cursors SET lease_owner = ?, lease_until_ms = ?, updated_at_ms = ? \
+             WHERE consumer = ? AND (lease_owner IS NULL OR lease_owner = ? OR lease_until_ms < ?) \
+             RETURNING commit_no, commit_index",
+        )
+        .bind(owner)
+        .bind(to_i64(until_ms)?)
+        .bind(now)
+        .bind(consumer)
+        .bind(owner)
+        .bind(now)
+        .fetch_optional(self.conn()?)
+        .await?;
+        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
+    }
+
+    async fn cursor_move(&mut self, consumer: &str, owner: &str, from: Position, to: Position, now_ms: u64) -> Result<bool> {
+        let moved = sqlx::query(
+            "UPDATE consumer_cursors SET commit_no = ?, commit_index = ?, updated_at_ms = ? \
+             WHERE consumer = ? AND lease_owner = ? AND commit_no = ? AND commit_index = ?",
+        )
+        .bind(to_i64(to.commit)?)
+        .bind(i64::from(to.index))
+        .bind(to_i64(now_ms)?)
+        .bind(consumer)
+        .bind(owner)
+        .bind(to_i64(from.commit)?)
+        .bind(i64::from(from.index))
+        .execute(self.conn()?)
+        .await?
+        .rows_affected();
+        Ok(moved == 1)
+    }
+
+    async fn items_insert(&mut self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+        let now = to_i64(now_ms)?;
+        let conn = self.conn()?;
+        for chunk in items.chunks(ROWS_PER_STATEMENT_MAX / 4) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, \
+                 next_at_ms, lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) ",
+            );
+            q.push_values(chunk, |mut b, item| {
+                b.push_bind(item.tenant.to_string())
+                    .push_bind(consumer.to_owned())
+                    .push_bind(item.id.clone())
+                    .push_bind(item.subject.clone())
+                    .push_bind(item.payload.to_string())
+                    .push_bind("pending")
+                    .push_bind(0i64)
+                    .push_bind(0i64)
+                    .push_bind(now)
+                    .push_bind(None::<String>)
+                    .push_bind(0i64)
+                    .push_bind(None::<String>)
+                    .push_bind(now)
+                    .push_bind(now);
+            });
+            q.push(" ON CONFLICT (tenant_id, consumer, id) DO NOTHING");
+            q.build().execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
+    async fn items_complete(&mut self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
+        // One statement per item: SQLite has no UPDATE … FROM over a list of bound rows that
+        // beats a prepared statement run in the same transaction.
+        let conn = self.conn()?;
+        let mut written = Vec::with_capacity(done.len());
+        for c in done {
+            let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
+            let moved = sqlx::query(
+                "UPDATE work_items SET state = ?, next_at_ms = ?, lease_owner = NULL, lease_until_ms = 0, last_error = ?, \
+                 updated_at_ms = ? WHERE tenant_id = ? AND consumer = ? AND id = ? AND lease_owner = ? AND attempts = ? \
+                 AND state = 'pending'",
+            )
+            .bind(state.as_str())
+            .bind(to_i64(next_at)?)
+            .bind(c.attempt.error.as_deref())
+            .bind(to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?)
+            .bind(c.tenant.to_string())
+            .bind(consumer)
+            .bind(&c.id)
+            .bind(owner)
+            .bind(i64::from(c.attempt.number))
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+            written.push(moved == 1);
+        }
+        Ok(written)
+    }
+
+    async fn attempts_insert(&mut self, consumer: &str, owner: &str, done: &[&Completion]) -> Result<()> {
+        let mut rows = Vec::with_capacity(done.len());
+        for c in done {
+            let a = &c.attempt;
+            rows.push((c, to_i64(a.at_ms)?, to_i64(a.latency_ms)?, a.next_at_ms.map(to_i64).transpose()?));
+        }
+        let conn = self.conn()?;
+        for chunk in rows.chunks(ROWS_PER_STATEMENT_MAX / 10) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) ",
+            );
+            q.push_values(chunk, |mut b, (c, at, latency, next_at)| {
+                b.push_bind(c.tenant.to_string())
+                    .push_bind(consumer.to_owned())
+                    .push_bind(c.id.clone())
+                    .push_bind(i64::from(c.attempt.number))
+                    .push_bind(*at)
+                    .push_bind(*latency)
+                    .push_bind(c.attempt.status.map(i64::from))
+                    .push_bind(c.attempt.error.clone())
+                    .push_bind(*next_at)
+                    .push_bind(owner.to_owned());
+            });
+            q.push(" ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING");
+            q.build().execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
+    async fn items_prune(&mut self, consumer: &str, before_ms: u64, limit: u32) -> Result<Vec<(String, String)>> {
+        let gone = sqlx::query(
+            "DELETE FROM work_items WHERE rowid IN (SELECT rowid FROM work_items WHERE consumer = ? AND state = 'done' \
+             AND updated_at_ms < ? LIMIT ?) RETURNING tenant_id, id",
+        )
+        .bind(consumer)
+        .bind(to_i64(before_ms)?)
+        .bind(i64::from(limit))
+        .fetch_all(self.conn()?)
+        .await?;
+        gone.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+    }
+
+    async fn attempts_delete(&mut self, consumer: &str, items: &[(String, String)]) -> Result<()> {
+        let conn = self.conn()?;
+        for chunk in items.chunks(ROWS_PER_STATEMENT_MAX / 2) {
+            let mut q = QueryBuilder::<Sqlite>::new("DELETE FROM work_attempts WHERE consumer = ");
+            q.push_bind(consumer.to_owned());
+            q.push(" AND (tenant_id, item_id) IN (");
+            push_pairs(&mut q, chunk.iter().cloned());
+            q.push(")");
+            q.build().execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         "sqlite"
     }
 
-    async fn migrate(&self) -> Result<Vec<String>> {
-        let mut applied = Vec::new();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at_ms INTEGER NOT NULL)",
-        )
-        .execute(&mut *tx)
-        .await?;
-        for (version, name, sql) in MIGRATIONS {
-            let done: Option<i64> = sqlx::query_scalar("SELECT version FROM schema_migrations WHERE version = ?")
-                .bind(version)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if done.is_some() {
-                continue;
-            }
-            sqlx::raw_sql(*sql).execute(&mut *tx).await?;
-            sqlx::query("INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES (?, ?, ?)")
-                .bind(version)
-                .bind(*name)
-                .bind(to_i64(crate::clock::Clock::now_ms(&crate::clock::SystemClock))?)
-                .execute(&mut *tx)
-                .await?;
-            applied.push(format!("{version:04}_{name}"));
-        }
-        tx.commit().await?;
-        Ok(applied)
+    async fn transaction(&self, _: WriteToken) -> Result<Box<dyn Transaction + '_>> {
+        Ok(Box::new(SqliteTransaction { tx: Some(self.pool.begin_with("BEGIN IMMEDIATE").await?) }))
+    }
+}
+
+#[async_trait]
+impl EventStore for SqliteStore {
+    fn migrations(&self) -> &'static [Migration] {
+        MIGRATIONS
     }
 
-    async fn check_schema(&self) -> Result<()> {
+    async fn schema_version(&self) -> Result<Option<u64>> {
+        // No migrations table yet reads as no migration applied.
         let latest: Option<i64> =
             sqlx::query_scalar("SELECT MAX(version) FROM schema_migrations").fetch_one(&self.pool).await.unwrap_or(None);
-        let wanted = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
-        match latest {
-            Some(v) if v >= wanted => Ok(()),
-            _ => Err(Error::Unavailable("the database schema is not up to date; hint: run better-compute migrate".into())),
-        }
+        latest.map(to_u64).transpose()
     }
+}
 
+#[async_trait]
+impl LogStore for SqliteStore {
     async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
         let mut conn = self.pool.acquire().await?;
         preread_on(&mut conn, query).await
-    }
-
-    async fn commit(&self, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let commit = next_commit(&mut tx).await?;
-        let heads = preread_on(
-            &mut tx,
-            &PreReadQuery { tenants: batch.heads_before.iter().map(|(t, _)| *t).collect(), ..Default::default() },
-        )
-        .await?
-        .heads;
-        for (tenant, before) in &batch.heads_before {
-            if heads.get(tenant) != before.as_ref() {
-                return Ok(CommitOutcome::Stale);
-            }
-        }
-        write_batch(&mut tx, batch, commit, projector).await?;
-        tx.commit().await?;
-        Ok(CommitOutcome::Committed { commit: to_u64(commit)? })
-    }
-
-    async fn commit_locked(
-        &self,
-        query: &PreReadQuery,
-        decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
-        projector: &dyn Projector,
-    ) -> Result<(u64, PreparedBatch)> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let commit = next_commit(&mut tx).await?;
-        let pre = preread_on(&mut tx, query).await?;
-        let batch = decide(&pre);
-        if batch.events.is_empty() {
-            return Ok((0, batch));
-        }
-        write_batch(&mut tx, &batch, commit, projector).await?;
-        tx.commit().await?;
-        Ok((to_u64(commit)?, batch))
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -362,7 +532,7 @@ impl EventStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
@@ -375,7 +545,7 @@ impl EventStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
@@ -390,7 +560,7 @@ impl EventStore for SqliteStore {
             q = q.bind(t.to_string());
         }
         let rows = q.bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        rows.iter().map(event_row).collect()
+        rows.iter().map(event_row_decode).collect()
     }
 
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
@@ -399,17 +569,12 @@ impl EventStore for SqliteStore {
             .bind(id.to_string())
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(event_row).transpose()
+        row.as_ref().map(event_row_decode).transpose()
     }
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
         let rows = sqlx::query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id").fetch_all(&self.pool).await?;
-        rows.iter()
-            .map(|row| {
-                let tenant: String = row.try_get(0)?;
-                Ok((tenant.parse()?, Head { seq: to_u64(row.try_get(1)?)?, hash: hash32(row.try_get(2)?)? }))
-            })
-            .collect()
+        rows.iter().map(head_decode).collect()
     }
 
     async fn tenants(&self) -> Result<Vec<TenantId>> {
@@ -444,7 +609,10 @@ impl EventStore for SqliteStore {
             sqlx::query("SELECT key_id, public_key FROM signing_keys ORDER BY created_at_ms").fetch_all(&self.pool).await?;
         rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
     }
+}
 
+#[async_trait]
+impl RowStore for SqliteStore {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>> {
         let row = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
             .bind(tenant.to_owned())
@@ -452,7 +620,7 @@ impl EventStore for SqliteStore {
             .bind(id.to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
@@ -461,7 +629,7 @@ impl EventStore for SqliteStore {
             .bind(id.to_owned())
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(projection_row).transpose()
+        row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
@@ -474,147 +642,35 @@ impl EventStore for SqliteStore {
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(projection_row).collect()
+        rows.iter().map(projection_row_decode).collect()
     }
 
     async fn rows_all(&self) -> Result<Vec<Row>> {
         let rows = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections ORDER BY tenant_id, kind, id")
             .fetch_all(&self.pool)
             .await?;
-        rows.iter().map(projection_row).collect()
-    }
-
-    async fn rows_replace_all(&self, rows: &[Row], at_commit: u64) -> Result<bool> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let now: i64 = sqlx::query_scalar("SELECT last_commit FROM log_counter WHERE id = 1").fetch_one(&mut *tx).await?;
-        if to_u64(now)? != at_commit {
-            return Ok(false);
-        }
-        sqlx::query("DELETE FROM projections").execute(&mut *tx).await?;
-        for chunk in rows.chunks(ROWS_PER_STATEMENT_MAX) {
-            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO projections (tenant_id, kind, id, doc) ");
-            q.push_values(chunk, |mut b, row| {
-                b.push_bind(row.key.tenant.clone())
-                    .push_bind(row.key.kind.clone())
-                    .push_bind(row.key.id.clone())
-                    .push_bind(row.doc.to_string());
-            });
-            q.build().execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(true)
+        rows.iter().map(projection_row_decode).collect()
     }
 }
 
-impl Columns for SqliteRow {
-    fn text(&self, i: usize) -> Result<String> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_text(&self, i: usize) -> Result<Option<String>> {
-        Ok(self.try_get(i)?)
-    }
-    fn int(&self, i: usize) -> Result<i64> {
-        Ok(self.try_get(i)?)
-    }
-    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
-        Ok(self.try_get(i)?)
-    }
-}
-
-async fn insert_items(conn: &mut sqlx::SqliteConnection, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
-    let now = to_i64(now_ms)?;
-    for chunk in items.chunks(ROWS_PER_STATEMENT_MAX / 4) {
-        let mut q = QueryBuilder::<Sqlite>::new(
-            "INSERT OR IGNORE INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, \
-             next_at_ms, lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) ",
-        );
-        q.push_values(chunk, |mut b, item| {
-            b.push_bind(item.tenant.to_string())
-                .push_bind(consumer.to_owned())
-                .push_bind(item.id.clone())
-                .push_bind(item.subject.clone())
-                .push_bind(item.payload.to_string())
-                .push_bind("pending")
-                .push_bind(0i64)
-                .push_bind(0i64)
-                .push_bind(now)
-                .push_bind(None::<String>)
-                .push_bind(0i64)
-                .push_bind(None::<String>)
-                .push_bind(now)
-                .push_bind(now);
-        });
-        q.build().execute(&mut *conn).await?;
-    }
-    Ok(())
-}
+columns_by_try_get!(SqliteRow);
 
 #[async_trait]
 impl OutboxStore for SqliteStore {
-    async fn cursor_lease(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64) -> Result<Option<Position>> {
-        let now = to_i64(now_ms)?;
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::query(
-            "INSERT OR IGNORE INTO consumer_cursors (consumer, commit_no, commit_index, lease_owner, lease_until_ms, updated_at_ms) \
-             VALUES (?, 0, 0, NULL, 0, ?)",
-        )
-        .bind(consumer)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        let row = sqlx::query(
-            "UPDATE consumer_cursors SET lease_owner = ?, lease_until_ms = ?, updated_at_ms = ? \
-             WHERE consumer = ? AND (lease_owner IS NULL OR lease_owner = ? OR lease_until_ms < ?) \
-             RETURNING commit_no, commit_index",
-        )
-        .bind(owner)
-        .bind(to_i64(now_ms.saturating_add(lease_ms))?)
-        .bind(now)
-        .bind(consumer)
-        .bind(owner)
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await?;
-        tx.commit().await?;
+    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
+        let row = sqlx::query("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?")
+            .bind(consumer)
+            .fetch_optional(&self.pool)
+            .await?;
         row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
     }
 
-    async fn cursor_advance(
-        &self,
-        consumer: &str,
-        owner: &str,
-        from: Position,
-        to: Position,
-        items: &[NewWorkItem],
-        now_ms: u64,
-    ) -> Result<bool> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let moved = sqlx::query(
-            "UPDATE consumer_cursors SET commit_no = ?, commit_index = ?, updated_at_ms = ? \
-             WHERE consumer = ? AND lease_owner = ? AND commit_no = ? AND commit_index = ?",
-        )
-        .bind(to_i64(to.commit)?)
-        .bind(i64::from(to.index))
-        .bind(to_i64(now_ms)?)
-        .bind(consumer)
-        .bind(owner)
-        .bind(to_i64(from.commit)?)
-        .bind(i64::from(from.index))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if moved != 1 {
-            return Ok(false);
-        }
-        insert_items(&mut tx, consumer, items, now_ms).await?;
-        tx.commit().await?;
-        Ok(true)
-    }
-
-    async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        insert_items(&mut tx, consumer, items, now_ms).await?;
-        tx.commit().await?;
+    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
+        sqlx::query("UPDATE consumer_cursors SET lease_owner = NULL, lease_until_ms = 0 WHERE consumer = ? AND lease_owner = ?")
+            .bind(consumer)
+            .bind(owner)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -639,52 +695,6 @@ impl OutboxStore for SqliteStore {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(WorkItem::decode).collect()
-    }
-
-    async fn work_complete_many(&self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let mut written = Vec::with_capacity(done.len());
-        for c in done {
-            let (state, next_at) = outcome_columns(&c.outcome, c.attempt.at_ms);
-            let moved = sqlx::query(
-                "UPDATE work_items SET state = ?, next_at_ms = ?, lease_owner = NULL, lease_until_ms = 0, last_error = ?, \
-                 updated_at_ms = ? WHERE tenant_id = ? AND consumer = ? AND id = ? AND lease_owner = ? AND attempts = ? \
-                 AND state = 'pending'",
-            )
-            .bind(state.as_str())
-            .bind(to_i64(next_at)?)
-            .bind(c.attempt.error.as_deref())
-            .bind(to_i64(c.attempt.at_ms.saturating_add(c.attempt.latency_ms))?)
-            .bind(c.tenant.to_string())
-            .bind(consumer)
-            .bind(&c.id)
-            .bind(owner)
-            .bind(i64::from(c.attempt.number))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if moved == 1 {
-                sqlx::query(
-                    "INSERT OR REPLACE INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, \
-                     next_at_ms, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                )
-                .bind(c.tenant.to_string())
-                .bind(consumer)
-                .bind(&c.id)
-                .bind(i64::from(c.attempt.number))
-                .bind(to_i64(c.attempt.at_ms)?)
-                .bind(to_i64(c.attempt.latency_ms)?)
-                .bind(c.attempt.status.map(i64::from))
-                .bind(c.attempt.error.as_deref())
-                .bind(c.attempt.next_at_ms.map(to_i64).transpose()?)
-                .bind(owner)
-                .execute(&mut *tx)
-                .await?;
-            }
-            written.push(moved == 1);
-        }
-        tx.commit().await?;
-        Ok(written)
     }
 
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
@@ -754,37 +764,6 @@ impl OutboxStore for SqliteStore {
         rows.iter().map(Attempt::decode).collect()
     }
 
-    async fn work_prune(&self, consumer: &str, before_ms: u64, limit: u32) -> Result<u64> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let gone = sqlx::query(
-            "DELETE FROM work_items WHERE rowid IN (SELECT rowid FROM work_items WHERE consumer = ? AND state = 'done' \
-             AND updated_at_ms < ? LIMIT ?) RETURNING tenant_id, id",
-        )
-        .bind(consumer)
-        .bind(to_i64(before_ms)?)
-        .bind(i64::from(limit))
-        .fetch_all(&mut *tx)
-        .await?;
-        let gone: Vec<(String, String)> = gone.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect::<Result<_>>()?;
-        for chunk in gone.chunks(ROWS_PER_STATEMENT_MAX / 2) {
-            let mut q = QueryBuilder::<Sqlite>::new("DELETE FROM work_attempts WHERE consumer = ");
-            q.push_bind(consumer.to_owned());
-            q.push(" AND (tenant_id, item_id) IN (VALUES ");
-            let mut list = q.separated(", ");
-            for (tenant, id) in chunk {
-                list.push("(");
-                list.push_bind_unseparated(tenant.clone());
-                list.push_unseparated(", ");
-                list.push_bind_unseparated(id.clone());
-                list.push_unseparated(")");
-            }
-            q.push(")");
-            q.build().execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(gone.len() as u64)
-    }
-
     async fn work_counts(&self, consumer: &str) -> Result<(u64, u64, u64)> {
         let rows = sqlx::query("SELECT state, COUNT(*) FROM work_items WHERE consumer = ? GROUP BY state")
             .bind(consumer)
@@ -794,7 +773,10 @@ impl OutboxStore for SqliteStore {
             rows.iter().map(|row| Ok((row.try_get(0)?, to_u64(row.try_get(1)?)?))).collect::<Result<_>>()?;
         Ok(count_states(rows))
     }
+}
 
+#[async_trait]
+impl SecretStore for SqliteStore {
     async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
         sqlx::query("INSERT INTO secrets (tenant_id, id, value, created_at_ms) VALUES (?, ?, ?, ?)")
             .bind(tenant.to_string())
@@ -806,6 +788,14 @@ impl OutboxStore for SqliteStore {
         Ok(())
     }
 
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
+        Ok(sqlx::query_scalar("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
+            .bind(tenant.to_string())
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
     async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {
         sqlx::query("DELETE FROM secrets WHERE tenant_id = ? AND id = ?")
             .bind(tenant.to_string())
@@ -813,30 +803,5 @@ impl OutboxStore for SqliteStore {
             .execute(&self.pool)
             .await?;
         Ok(())
-    }
-
-    async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
-        let row = sqlx::query("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?")
-            .bind(consumer)
-            .fetch_optional(&self.pool)
-            .await?;
-        row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
-    }
-
-    async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
-        sqlx::query("UPDATE consumer_cursors SET lease_owner = NULL, lease_until_ms = 0 WHERE consumer = ? AND lease_owner = ?")
-            .bind(consumer)
-            .bind(owner)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
-        Ok(sqlx::query_scalar("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
-            .bind(tenant.to_string())
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?)
     }
 }
