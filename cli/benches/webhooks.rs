@@ -90,7 +90,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
     );
     let tenant = TenantId::ROOT;
     let webhook = WebhookId::generate();
-    let secret_id = new_webhook_secret_id(&webhook.to_string());
+    let secret_id = new_webhook_secret_id(&webhook.to_string(), ulid::Ulid::generate());
     store.secret_put(tenant, &secret_id, &Secret::generate().expose(), 0).await.unwrap();
     let append = |stream: String, event_type: &'static str, payload: ciborium::Value| {
         AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "bench", vec![NewEvent::new(event_type, payload)])

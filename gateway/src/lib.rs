@@ -164,7 +164,7 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
     } else if !log.store.row_list(&root.to_string(), KIND_API_KEY, None, 1).await?.is_empty() {
         return Ok(false);
     }
-    let key_id = ApiKeyId::generate();
+    let key_id = ApiKeyId::from_ulid(log.ids.ulid());
     let (token, secret_sha256) = auth::new_token(key_id);
     persist(&token)?;
     let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256 })?;

@@ -19,7 +19,8 @@ use crate::error::ApiError;
 use crate::{AppState, BODY_BYTES_MAX, IDEMPOTENCY_KEY_BYTES_MAX, auth};
 
 pub async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, headers: HeaderMap, body: Body) -> Response {
-    let request_id = RequestId::generate().to_string();
+    // From the deployment's id source: the request id is the events' correlation.
+    let request_id = RequestId::from_ulid(state.log.ids.ulid()).to_string();
     let span = tracing::info_span!("rpc", method = %bc_core::id::truncate(&name, 64), request_id = %request_id);
     let mut response = match call(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
         Ok(value) => axum::Json(value).into_response(),

@@ -146,9 +146,9 @@ pub struct PreviousSecret {
     pub valid_until_ms: u64,
 }
 
-/// A fresh id for one of a webhook's signing secrets in the secret store.
-pub fn new_webhook_secret_id(webhook_id: &str) -> String {
-    format!("{webhook_id}/{}", bc_core::id::EventId::generate())
+/// The id of one of a webhook's signing secrets in the secret store, from a fresh ULID.
+pub fn new_webhook_secret_id(webhook_id: &str, ulid: ulid::Ulid) -> String {
+    format!("{webhook_id}/{}", bc_core::id::EventId::from_ulid(ulid))
 }
 
 fn max_reservation_default() -> u64 {

@@ -109,7 +109,7 @@ impl Call<'_> {
     /// A fresh ULID for a new entity's id, from the deployment's id source (seeded in tests
     /// and the simulator, so the same inputs give the same ids).
     pub fn ulid(&self) -> ulid::Ulid {
-        ulid::Ulid::generate()
+        self.state.log.ids.ulid()
     }
 
     /// The stored document of `kind/id`, or `NOT_FOUND` naming `what`.

@@ -282,7 +282,7 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
     let secret = Secret::generate();
     // The secret is stored before the event that names it, so a delivery never finds a webhook
     // without its secret. If the append fails, the secret is an orphan that nothing names.
-    let secret_id = new_webhook_secret_id(&id.to_string());
+    let secret_id = new_webhook_secret_id(&id.to_string(), call.ulid());
     store.secret_put(tenant, &secret_id, &secret.expose(), call.now_ms()).await?;
     let payload = ev::to_cbor(&ev::WebhookCreated {
         url: input.url,
@@ -378,7 +378,7 @@ async fn webhooks_rotate_secret(call: &Call<'_>, input: WebhooksRotate) -> Resul
     let doc = current(call, tenant, &id).await?;
     let version = doc.secret_version + 1;
     let secret = Secret::generate();
-    let secret_id = new_webhook_secret_id(&id.to_string());
+    let secret_id = new_webhook_secret_id(&id.to_string(), call.ulid());
     let now_ms = call.now_ms();
     // A concurrent rotation fails at the append (CONFLICT); its secret is an orphan.
     call.state.store.secret_put(tenant, &secret_id, &secret.expose(), now_ms).await?;
