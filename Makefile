@@ -14,8 +14,10 @@ build:
 	$(CARGO) build --workspace --bins
 
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
-## property, and end-to-end tests that start the real binaries.
+## property, and end-to-end tests that start the real binaries; first the OpenAPI document is
+## tested from outside by schemathesis against a running `dev` (installed by the script itself).
 test: check-postgres build
+	scripts/schemathesis
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast; \
 	else \
