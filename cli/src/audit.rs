@@ -33,7 +33,13 @@ pub async fn checkpoint(db: &Database, data_dir: &Path, tenant: Option<TenantId>
     let key = Arc::new(load_key(data_dir)?);
     let trust = local_trust(data_dir, deployment)?;
     let log = Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?;
-    let (sealed, failed) = seal_all(&log, tenant, deployment, &trust).await?;
+    let done = audit::seal_all(&log, tenant, deployment, &trust).await?;
+    let sealed: Vec<Value> = done
+        .sealed
+        .iter()
+        .map(|(tenant, cp)| json!({ "tenantId": tenant, "treeSize": cp.size, "checkpoint": cp.note }))
+        .collect();
+    let failed: Vec<CliError> = done.failed.into_iter().map(|(_, e)| CliError::from(e)).collect();
     if let Some(first) = failed.first() {
         let mut e =
             CliError::new(&first.code, format!("{} tenant(s) could not be sealed; first: {}", failed.len(), first.message));
@@ -41,33 +47,6 @@ pub async fn checkpoint(db: &Database, data_dir: &Path, tenant: Option<TenantId>
         return Err(e);
     }
     Ok(json!({ "sealed": sealed }))
-}
-
-/// Seals every tenant whose tree grew (or just `only`). One tenant's failure (a log that does
-/// not verify) does not stop the others; it is logged and returned.
-pub async fn seal_all(
-    log: &Log,
-    only: Option<TenantId>,
-    deployment: &str,
-    trust: &Trust,
-) -> Result<(Vec<Value>, Vec<CliError>), CliError> {
-    let mut sealed = Vec::new();
-    let mut failed = Vec::new();
-    let tenants: Vec<TenantId> = match only {
-        Some(t) => vec![t],
-        None => log.store.heads().await?.into_iter().map(|(t, _)| t).collect(),
-    };
-    for tenant in tenants {
-        match audit::seal(log, tenant, deployment, trust).await {
-            Ok(Some(cp)) => sealed.push(json!({ "tenantId": tenant, "treeSize": cp.size, "checkpoint": cp.note })),
-            Ok(None) => {}
-            Err(e) => {
-                tracing::error!(%tenant, error = %e, "sealing a checkpoint failed");
-                failed.push(CliError::from(e));
-            }
-        }
-    }
-    Ok((sealed, failed))
 }
 
 /// The local keys (current and rotated-out) as the trust for sealing.

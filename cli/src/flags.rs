@@ -219,13 +219,15 @@ pub enum Command {
     },
     /// Run reconcilers (outbox consumers) as their own process, against the same database.
     Reconcile {
-        /// Only these reconcilers (repeatable): reservations, webhooks. Default: all.
+        /// Only these reconcilers (repeatable): reservations, webhooks, checkpoints. Default: all.
         #[arg(long)]
         only: Vec<String>,
         #[command(flatten)]
         db: DatabaseArgs,
         #[command(flatten)]
         consumers: ConsumerArgs,
+        #[command(flatten)]
+        sealing: Sealing,
         /// Allow http:// webhook receivers on loopback (dev, tests).
         #[arg(long)]
         webhook_allow_loopback: bool,
@@ -239,6 +241,11 @@ pub enum Command {
     Pki {
         #[command(subcommand)]
         command: PkiCommand,
+    },
+    /// What each reconciler did last, in every process that runs one.
+    Reconcilers {
+        #[command(subcommand)]
+        command: ReconcilersCommand,
     },
     /// Read models.
     Projections {
@@ -448,6 +455,15 @@ pub enum AuditCommand {
         /// A note verifier key, `NAME+KEYID+KEY`.
         #[arg(long = "vkey")]
         vkeys: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ReconcilersCommand {
+    /// Each reconciler's last pass per process: when, how long, its outcome and counts.
+    Status {
+        #[command(flatten)]
+        db: DatabaseArgs,
     },
 }
 

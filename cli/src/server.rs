@@ -161,7 +161,13 @@ fn spawn_consumers(
 /// `reconcile --only NAME…`: runs reconcilers as their own process until Ctrl-C/SIGTERM. The
 /// webhook consumer needs the database only; `reservations` appends, so it also needs the log
 /// key in `--data-dir`.
-pub async fn reconcile(db: &Database, data_dir: &Path, only: &[String], options: &ConsumerOptions) -> Result<(), CliError> {
+pub async fn reconcile(
+    db: &Database,
+    data_dir: &Path,
+    only: &[String],
+    options: &ConsumerOptions,
+    sealing: &crate::flags::Sealing,
+) -> Result<(), CliError> {
     let names: Vec<&str> = if only.is_empty() { RECONCILERS.to_vec() } else { only.iter().map(String::as_str).collect() };
     for name in &names {
         if !RECONCILERS.contains(name) {
@@ -174,15 +180,29 @@ pub async fn reconcile(db: &Database, data_dir: &Path, only: &[String], options:
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
     let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
-    if names.contains(&bc_reconcilers::reservations::NAME) {
+    let appenders = [bc_reconcilers::reservations::NAME, bc_reconcilers::checkpoints::NAME];
+    if names.iter().any(|n| appenders.contains(n)) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
             return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
-                .hint("the reservations reconciler appends: pass the --data-dir that dev or serve uses"));
+                .hint("the reservations and checkpoints reconcilers append: pass the --data-dir that dev or serve uses"));
         }
         let key = Arc::new(LogKey::load(&key_path)?);
         let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?);
-        tasks.push(tokio::spawn(bc_reconcilers::reservations::run(log, Arc::new(SystemClock), options.tick_ms, None, stopped)));
+        if names.contains(&bc_reconcilers::reservations::NAME) {
+            let run =
+                bc_reconcilers::reservations::run(log.clone(), Arc::new(SystemClock), options.tick_ms, None, stopped.clone());
+            tasks.push(tokio::spawn(run));
+        }
+        if names.contains(&bc_reconcilers::checkpoints::NAME) {
+            if sealing.checkpoint_interval == 0 {
+                return Err(CliError::usage("--only checkpoints needs a --checkpoint-interval other than 0"));
+            }
+            let deployment = &sealing.deployment.deployment;
+            let trust = crate::audit::local_trust(data_dir, deployment)?;
+            let run = bc_reconcilers::checkpoints::run(log, sealing.checkpoint_interval, deployment.clone(), trust, stopped);
+            tasks.push(tokio::spawn(run));
+        }
     }
     println!("better-compute reconciling: {}", names.join(", "));
     println!("  database:  {}", db.describe());
@@ -257,11 +277,16 @@ pub async fn run_server(
     } else {
         println!("  admin token: {} (from the first start)", token_path.display());
     }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    // Sealing is a reconciler too, and runs even with --no-reconcilers: the log's audit trail
+    // is the server's own duty.
+    let mut sealer = None;
     if checkpoint_interval_s > 0 {
         let trust = crate::audit::local_trust(data_dir, deployment)?;
-        tokio::spawn(seal_periodically(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust));
+        let run =
+            bc_reconcilers::checkpoints::run(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust, stopped.clone());
+        sealer = Some(tokio::spawn(run));
     }
-    let (stop, stopped) = tokio::sync::watch::channel(false);
     let tasks = match consumers {
         Some(options) => {
             println!("  reconcilers: {} (in process)", RECONCILERS.join(", "));
@@ -280,27 +305,12 @@ pub async fn run_server(
     let state = Arc::new(AppState::new(log.clone()).with_webhook_policy(policy));
     let served = bc_gateway::serve(listener, state, shutdown_signal()).await;
     let _ = stop.send(true);
-    for task in tasks {
+    for task in tasks.into_iter().chain(sealer) {
         let _ = task.await;
     }
     served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// Seals a checkpoint of every tenant whose log grew, every `interval_s` seconds.
-async fn seal_periodically(log: Arc<Log>, interval_s: u64, deployment: String, trust: bc_core::audit::Trust) {
-    let mut ticks = tokio::time::interval(std::time::Duration::from_secs(interval_s));
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    ticks.tick().await; // the first tick is immediate; seal after one interval
-    loop {
-        ticks.tick().await;
-        match crate::audit::seal_all(&log, None, &deployment, &trust).await {
-            Ok((sealed, _)) if !sealed.is_empty() => tracing::info!(tenants = sealed.len(), "sealed checkpoints"),
-            Ok(_) => {}
-            Err(e) => tracing::error!(code = %e.code, error = %e.message, "sealing checkpoints failed"),
-        }
-    }
 }
 
 async fn shutdown_signal() {
@@ -310,4 +320,12 @@ async fn shutdown_signal() {
         _ = ctrl_c => {}
         _ = term.recv() => {}
     }
+}
+
+/// `reconcilers status`: every reconciler's last pass in every process, from the database.
+pub async fn reconcilers_status(db: &Database) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let passes = store.passes().await?;
+    Ok(json!({ "items": passes }))
 }

@@ -143,6 +143,34 @@ async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<V
     Ok(out)
 }
 
+/// What [`seal_all`] did: the checkpoints sealed, and the tenants that could not be sealed.
+#[derive(Debug, Default)]
+pub struct Sealed {
+    pub sealed: Vec<(TenantId, StoredCheckpoint)>,
+    pub failed: Vec<(TenantId, Error)>,
+}
+
+/// Seals every tenant whose tree grew (or just `only`). One tenant's failure (a log that does
+/// not verify) does not stop the others; it is logged and returned.
+pub async fn seal_all(log: &Log, only: Option<TenantId>, deployment: &str, trust: &Trust) -> Result<Sealed> {
+    let mut out = Sealed::default();
+    let tenants: Vec<TenantId> = match only {
+        Some(t) => vec![t],
+        None => log.store.heads().await?.into_iter().map(|(t, _)| t).collect(),
+    };
+    for tenant in tenants {
+        match seal(log, tenant, deployment, trust).await {
+            Ok(Some(cp)) => out.sealed.push((tenant, cp)),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(%tenant, error = %e, "sealing a checkpoint failed");
+                out.failed.push((tenant, e));
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Seals a checkpoint of `tenant` now, if its tree grew (events other than checkpoints were
 /// appended since the last one). Only a log that verifies is signed: the whole chain is checked
 /// under `trust` (every seq, link and signature, and the head), and the last checkpoint sealed

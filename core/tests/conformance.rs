@@ -437,6 +437,37 @@ async fn abandoned_transactions_leave_nothing_open(postgres: bool) {
     assert_eq!(verify_all(&f).await, 3);
 }
 
+/// The last pass of each reconciler per process: replaced by each pass with its count of
+/// passes, kept per instance, and forgotten once the process has not passed for long.
+async fn reconciler_passes(postgres: bool) {
+    use bc_core::store::status::PassRecord;
+    let f = fixture(postgres).await;
+    let pass = |name: &str, instance: &str, at: u64, ok: bool| PassRecord {
+        name: name.into(),
+        instance: instance.into(),
+        started_at_ms: at,
+        duration_ms: 12,
+        ok,
+        counts: [("expired".to_owned(), at % 7), ("activated".to_owned(), 2)].into(),
+        error: (!ok).then(|| "the database went away".to_owned()),
+        passes: 1,
+    };
+    f.store.pass_record(&pass("reservations", "a:1", 1_000, true), 0).await.unwrap();
+    f.store.pass_record(&pass("reservations", "a:1", 2_000, false), 0).await.unwrap();
+    f.store.pass_record(&pass("webhooks", "a:1", 2_500, true), 0).await.unwrap();
+    f.store.pass_record(&pass("reservations", "b:2", 3_000, true), 0).await.unwrap();
+    let all = f.store.passes().await.unwrap();
+    let names: Vec<(&str, &str, u64)> = all.iter().map(|p| (p.name.as_str(), p.instance.as_str(), p.passes)).collect();
+    assert_eq!(names, [("reservations", "a:1", 2), ("reservations", "b:2", 1), ("webhooks", "a:1", 1)]);
+    let last = &all[0];
+    assert_eq!((last.started_at_ms, last.ok, last.error.as_deref()), (2_000, false, Some("the database went away")));
+    assert_eq!(last.counts, pass("x", "y", 2_000, false).counts, "counts round-trip");
+    // A pass forgets the processes that stopped passing before the horizon.
+    f.store.pass_record(&pass("webhooks", "c:3", 10_000, true), 2_600).await.unwrap();
+    let left: Vec<String> = f.store.passes().await.unwrap().iter().map(|p| format!("{}@{}", p.name, p.instance)).collect();
+    assert_eq!(left, ["reservations@b:2", "webhooks@c:3"]);
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -457,5 +488,6 @@ both_backends!(
     multi_stream_appends,
     outbox_leases_and_items,
     concurrent_appends_and_reader,
-    abandoned_transactions_leave_nothing_open
+    abandoned_transactions_leave_nothing_open,
+    reconciler_passes
 );

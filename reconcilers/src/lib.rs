@@ -5,14 +5,18 @@
 //! - [`outbox`]: the framework: the [`outbox::Consumer`] trait, the fan-out and work loops, leases,
 //!   the retry schedule and dead letters;
 //! - [`webhooks`]: signed webhook deliveries (Standard Webhooks);
-//! - [`reservations`]: queued → active → expired, on the placement of `bc_projections::placement`.
+//! - [`reservations`]: queued → active → expired, on the decisions of `bc_projections::decide`;
+//! - [`checkpoints`]: seals signed checkpoints of the tenants whose logs grew;
+//! - [`status`]: each reconciler's last pass, recorded for `better-compute reconcilers status`.
 //!
 //! Dependencies: `bc-core` (storage, signing, the URL policy) and `bc-projections` (the
 //! documents consumers read). Never the gateway: consumers talk to the database, not to HTTP
 //! handlers.
 
+pub mod checkpoints;
 pub mod outbox;
 pub mod reservations;
+pub mod status;
 pub mod webhooks;
 
 /// Waits `ms`, or until this process commits (`wake`, dropped once the appender is gone), or
@@ -39,4 +43,4 @@ pub(crate) async fn idle(
 /// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
-pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER];
+pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME];

@@ -24,6 +24,8 @@ use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, Completion, NewWo
 use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
 
+use crate::status::PassRecorder;
+
 /// How long done items are kept by default: a week.
 pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
 /// How often a runner prunes, and how many items one prune deletes at most.
@@ -152,9 +154,11 @@ pub async fn run(
 ) {
     let work_ready = Arc::new(tokio::sync::Notify::new());
     tracing::info!(consumer = consumer.name(), owner = %config.owner, "consumer started");
-    let fan = fan_out_loop(store.clone(), consumer.clone(), config.clone(), wake, shutdown.clone(), work_ready.clone());
+    let status = Arc::new(PassRecorder::new(store.clone(), config.clock.clone(), consumer.name()));
+    let fan =
+        fan_out_loop(store.clone(), consumer.clone(), config.clone(), wake, shutdown.clone(), work_ready.clone(), status.clone());
     let prune = prune_loop(store.clone(), consumer.name(), config.clone(), shutdown.clone());
-    let work = work_loop(store, consumer.clone(), config, shutdown, work_ready);
+    let work = work_loop(store, consumer.clone(), config, shutdown, work_ready, status);
     tokio::join!(fan, work, prune);
     tracing::info!(consumer = consumer.name(), "consumer stopped");
 }
@@ -199,19 +203,23 @@ async fn fan_out_loop(
     mut wake: Option<tokio::sync::watch::Receiver<u64>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
     work_ready: Arc<tokio::sync::Notify>,
+    status: Arc<PassRecorder>,
 ) {
     let name = consumer.name();
     while !*shutdown.borrow() {
+        let started_at_ms = config.clock.now_ms();
         let progressed = match fan_out_step(&*store, &*consumer, &config).await {
             Ok(Some(n)) => {
                 if n > 0 {
                     work_ready.notify_one();
                 }
+                status.pass(started_at_ms, Ok(&[("items", n as u64)])).await;
                 true
             }
             Ok(None) => false,
             Err(e) => {
                 tracing::warn!(consumer = name, code = %e.code(), error = %e, "fan-out failed; retrying");
+                status.pass(started_at_ms, Err(&e)).await;
                 false
             }
         };
@@ -263,6 +271,7 @@ async fn work_loop(
     config: RunnerConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
     work_ready: Arc<tokio::sync::Notify>,
+    status: Arc<PassRecorder>,
 ) {
     let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
     let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
@@ -271,7 +280,7 @@ async fn work_loop(
     // Finished attempts go to one completer, which records them in batches: one transaction
     // for many deliveries instead of one each.
     let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(concurrency);
-    let completer = tokio::spawn(complete(store.clone(), name, config.owner.clone(), to_record, work_ready.clone()));
+    let completer = tokio::spawn(complete(store.clone(), name, config.clone(), to_record, work_ready.clone(), status));
     // Claim when a quarter of the slots are free (or all are), so claims come in batches too.
     let claim_at = (concurrency / 4).max(1);
     while !*shutdown.borrow() {
@@ -329,11 +338,14 @@ const COMPLETIONS_PER_COMMIT_MAX: usize = 128;
 async fn complete(
     store: Arc<dyn EventStore>,
     name: &'static str,
-    owner: String,
+    config: RunnerConfig,
     mut to_record: tokio::sync::mpsc::Receiver<Finished>,
     work_ready: Arc<tokio::sync::Notify>,
+    status: Arc<PassRecorder>,
 ) {
+    let owner = config.owner.clone();
     while let Some(first) = to_record.recv().await {
+        let started_at_ms = config.clock.now_ms();
         let mut batch = vec![first];
         while batch.len() < COMPLETIONS_PER_COMMIT_MAX {
             match to_record.try_recv() {
@@ -356,9 +368,18 @@ async fn complete(
         loop {
             match store.work_complete_many(name, &owner, &done).await {
                 Ok(written) => {
+                    let mut counts = [("done", 0), ("retried", 0), ("dead", 0), ("lost", 0)];
                     for (f, written) in batch.iter().zip(written) {
                         log_completion(name, f, written);
+                        let slot = match (&f.outcome, written) {
+                            (_, false) => 3,
+                            (Outcome::Done, _) => 0,
+                            (Outcome::Retry { .. }, _) => 1,
+                            (Outcome::Dead, _) => 2,
+                        };
+                        counts[slot].1 += 1;
                     }
+                    status.pass(started_at_ms, Ok(&counts)).await;
                     break;
                 }
                 Err(e) if tries < COMPLETE_TRIES_MAX => {
@@ -368,6 +389,7 @@ async fn complete(
                 }
                 Err(e) => {
                     tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; their leases will run out and they run again");
+                    status.pass(started_at_ms, Err(&e)).await;
                     break;
                 }
             }

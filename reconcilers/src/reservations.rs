@@ -107,6 +107,7 @@ pub async fn run(
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     tracing::info!(reconciler = NAME, "reconciler started");
+    let status = crate::status::PassRecorder::new(log.store.clone(), clock.clone(), NAME);
     let fleet = Fleet::new();
     let mut known: Option<Vec<TenantId>> = None;
     while !*shutdown.borrow() {
@@ -123,7 +124,16 @@ pub async fn run(
             }
         }
         let tenants: &[TenantId] = if first { known.as_deref().unwrap_or(&[]) } else { &[] };
+        let started_at_ms = clock.now_ms();
         let result = pass(&log, &fleet, &*clock, tenants).await;
+        match &result {
+            Ok(p) => {
+                let counts =
+                    [("activated", p.activated as u64), ("expired", p.expired as u64), ("conflicts", p.conflicts as u64)];
+                status.pass(started_at_ms, Ok(&counts)).await;
+            }
+            Err(e) => status.pass(started_at_ms, Err(e)).await,
+        }
         if result.is_err() {
             // The view may have been dropped: load every tenant again next time.
             known = None;

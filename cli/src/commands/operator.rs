@@ -5,7 +5,9 @@
 use std::path::{Path, PathBuf};
 
 use crate::client::CliError;
-use crate::flags::{ConsumerArgs, DataDir, DatabaseArgs, PkiCommand, ProjectionsCommand, ServerArgs};
+use crate::flags::{
+    ConsumerArgs, DataDir, DatabaseArgs, PkiCommand, ProjectionsCommand, ReconcilersCommand, Sealing, ServerArgs,
+};
 use crate::output::Format;
 use crate::server::{self, ConsumerOptions, Database};
 
@@ -71,9 +73,19 @@ pub async fn reconcile(
     only: Vec<String>,
     db: DatabaseArgs,
     consumers: ConsumerArgs,
+    sealing: Sealing,
     allow_loopback: bool,
 ) -> Result<(), CliError> {
-    server::reconcile(&db.database(), &db.data_dir, &only, &consumers.options(allow_loopback)?).await
+    server::reconcile(&db.database(), &db.data_dir, &only, &consumers.options(allow_loopback)?, &sealing).await
+}
+
+pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(), CliError> {
+    match command {
+        ReconcilersCommand::Status { db } => {
+            let value = server::reconcilers_status(&db.database()).await?;
+            ctx.print_list(&value, crate::tables::RECONCILER_PASSES)
+        }
+    }
 }
 
 pub async fn migrate(ctx: &Context, db: DatabaseArgs) -> Result<(), CliError> {

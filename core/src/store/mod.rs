@@ -50,6 +50,7 @@ pub mod log;
 pub mod outbox;
 pub mod postgres;
 pub mod sqlite;
+pub mod status;
 
 pub use engine::Migration;
 pub use log::{Log, LogHandle, LogStats};
@@ -410,7 +411,7 @@ pub trait SecretStore: Store {
 /// The umbrella every caller names (`Arc<dyn EventStore>`): the log, the projection rows, the
 /// outbox and the secrets of one database, and its schema.
 #[async_trait]
-pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore {
+pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore + status::StatusStore {
     /// This backend's migrations, oldest first.
     fn migrations(&self) -> &'static [Migration];
     /// The newest migration applied; `None` when none is (or there is no migrations table).
@@ -534,6 +535,11 @@ macro_rules! migrations_of {
                 version: 3,
                 name: "outbox_prune",
                 sql: include_str!(concat!("../../../schema/", $dialect, "/0003_outbox_prune.sql")),
+            },
+            $crate::store::Migration {
+                version: 4,
+                name: "reconciler_passes",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0004_reconciler_passes.sql")),
             },
         ]
     };

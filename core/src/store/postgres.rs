@@ -23,6 +23,7 @@ use super::outbox::{
     ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
     count_states, outcome_columns,
 };
+use super::status::{PASS_COLUMNS, PassRecord, StatusStore};
 use super::{
     EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store, WriteToken,
     columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
@@ -819,5 +820,49 @@ impl SecretStore for PostgresStore {
         let client = self.pool.get().await?;
         client.execute("DELETE FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
         Ok(())
+    }
+}
+
+#[async_trait]
+impl StatusStore for PostgresStore {
+    async fn pass_record(&self, pass: &PassRecord, forget_before_ms: u64) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "INSERT INTO reconciler_passes (name, instance, started_at_ms, duration_ms, ok, counts, error, passes) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+             ON CONFLICT (name, instance) DO UPDATE SET started_at_ms = excluded.started_at_ms, \
+             duration_ms = excluded.duration_ms, ok = excluded.ok, counts = excluded.counts, error = excluded.error, \
+             passes = reconciler_passes.passes + excluded.passes",
+                &[
+                    &pass.name,
+                    &pass.instance,
+                    &to_i64(pass.started_at_ms)?,
+                    &to_i64(pass.duration_ms)?,
+                    &i64::from(pass.ok),
+                    &pass.counts_json()?,
+                    &pass.error_text(),
+                    &to_i64(pass.passes)?,
+                ],
+            )
+            .await?;
+        client.execute("DELETE FROM reconciler_passes WHERE started_at_ms < $1", &[&to_i64(forget_before_ms)?]).await?;
+        Ok(())
+    }
+
+    async fn passes(&self) -> Result<Vec<PassRecord>> {
+        let client = self.pool.get().await?;
+        let rows = client.query(&format!("SELECT {PASS_COLUMNS} FROM reconciler_passes ORDER BY name, instance"), &[]).await?;
+        rows.iter()
+            .map(|r| {
+                PassRecord::decode(
+                    r.try_get(0)?,
+                    r.try_get(1)?,
+                    [r.try_get(2)?, r.try_get(3)?, r.try_get(4)?, r.try_get(5)?],
+                    r.try_get(6)?,
+                    r.try_get(7)?,
+                )
+            })
+            .collect()
     }
 }

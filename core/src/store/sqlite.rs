@@ -23,6 +23,7 @@ use super::outbox::{
     ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
     count_states, outcome_columns,
 };
+use super::status::{PASS_COLUMNS, PassRecord, StatusStore};
 use super::{
     EVENT_COLUMNS, EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store,
     WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
@@ -803,5 +804,51 @@ impl SecretStore for SqliteStore {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+}
+
+#[async_trait]
+impl StatusStore for SqliteStore {
+    async fn pass_record(&self, pass: &PassRecord, forget_before_ms: u64) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO reconciler_passes (name, instance, started_at_ms, duration_ms, ok, counts, error, passes) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?) \
+             ON CONFLICT (name, instance) DO UPDATE SET started_at_ms = excluded.started_at_ms, \
+             duration_ms = excluded.duration_ms, ok = excluded.ok, counts = excluded.counts, error = excluded.error, \
+             passes = reconciler_passes.passes + excluded.passes",
+        )
+        .bind(&pass.name)
+        .bind(&pass.instance)
+        .bind(to_i64(pass.started_at_ms)?)
+        .bind(to_i64(pass.duration_ms)?)
+        .bind(i64::from(pass.ok))
+        .bind(pass.counts_json()?)
+        .bind(pass.error_text())
+        .bind(to_i64(pass.passes)?)
+        .execute(&self.pool)
+        .await?;
+        sqlx::query("DELETE FROM reconciler_passes WHERE started_at_ms < ?")
+            .bind(to_i64(forget_before_ms)?)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn passes(&self) -> Result<Vec<PassRecord>> {
+        let rows =
+            sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {PASS_COLUMNS} FROM reconciler_passes ORDER BY name, instance")))
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter()
+            .map(|r| {
+                PassRecord::decode(
+                    r.try_get(0)?,
+                    r.try_get(1)?,
+                    [r.try_get(2)?, r.try_get(3)?, r.try_get(4)?, r.try_get(5)?],
+                    r.try_get(6)?,
+                    r.try_get(7)?,
+                )
+            })
+            .collect()
     }
 }

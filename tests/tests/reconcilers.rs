@@ -1,0 +1,74 @@
+//! Background work is reconcilers, and each records its last pass: `better-compute reconcilers
+//! status` shows the reservations, webhooks and checkpoints reconcilers of a running `dev`,
+//! and of a `reconcile --only checkpoints` process beside it, with outcomes and counts.
+
+use std::time::{Duration, Instant};
+
+use bc_tests::{Reconciler, Server, json};
+use serde_json::Value;
+
+fn status(server: &Server) -> Vec<Value> {
+    let dir = server.data_dir.display().to_string();
+    let (code, out, err) = server.cli(&["reconcilers", "status", "--data-dir", &dir, "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    json(&out)["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits until `wanted` holds of the status rows.
+fn wait_for(server: &Server, what: &str, wanted: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows = status(server);
+        if wanted(&rows) {
+            return rows;
+        }
+        assert!(Instant::now() < deadline, "{what}: {rows:#?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn count(row: &Value, name: &str) -> u64 {
+    row["counts"][name].as_u64().unwrap_or(0)
+}
+
+#[tokio::test]
+async fn reconcilers_record_their_passes_and_status_shows_them() {
+    let server = Server::dev_with(&["--checkpoint-interval", "1s"]);
+    server.pool("gpu-a").await;
+    let rows = wait_for(&server, "the dev's checkpoints reconciler sealed the new pool's tenant", |rows| {
+        rows.iter().any(|r| r["name"] == "checkpoints" && r["ok"] == true && count(r, "sealed") >= 1)
+    });
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    for name in ["checkpoints", "reservations"] {
+        assert!(names.contains(&name), "{name} records its passes: {names:?}");
+    }
+    for row in &rows {
+        assert!(row["instance"].as_str().unwrap().contains(':'), "HOST:PID: {row}");
+        assert!(row["passes"].as_u64().unwrap() >= 1 && row["startedAtMs"].as_u64().unwrap() > 0, "{row}");
+    }
+
+    // A second process runs the checkpoints reconciler on the same database: its own row.
+    let dir = server.data_dir.display().to_string();
+    let _sealer =
+        Reconciler::start(&["--only", "checkpoints", "--checkpoint-interval", "1s", "--data-dir", &dir], &server.data_dir);
+    let rows = wait_for(&server, "the reconcile process records its own passes", |rows| {
+        rows.iter().filter(|r| r["name"] == "checkpoints").count() == 2
+    });
+    let sealers: Vec<&Value> = rows.iter().filter(|r| r["name"] == "checkpoints").collect();
+    assert_ne!(sealers[0]["instance"], sealers[1]["instance"]);
+
+    // The table names every column.
+    let (code, out, err) = server.cli(&["reconcilers", "status", "--data-dir", &dir]);
+    assert_eq!(code, 0, "{err}");
+    for header in ["NAME", "INSTANCE", "LAST PASS", "DURATION", "OUTCOME", "PASSES", "COUNTS"] {
+        assert!(out.contains(header), "{out}");
+    }
+    assert!(out.contains("sealed="), "{out}");
+
+    // Bad input: an unknown reconciler, and sealing that would never seal.
+    let (code, _, err) = server.cli(&["reconcile", "--only", "sealer", "--data-dir", &dir]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("checkpoints"), "the hint lists the reconcilers: {err}");
+    let (code, _, err) = server.cli(&["reconcile", "--only", "checkpoints", "--checkpoint-interval", "0", "--data-dir", &dir]);
+    assert_eq!(code, 2, "{err}");
+}
