@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use bc_core::clock::SystemClock;
+use bc_core::clock::{Clock, SystemClock};
 use bc_core::keys::{LogKey, write_secret_file};
 use bc_core::store::postgres::PostgresStore;
 use bc_core::store::sqlite::SqliteStore;
@@ -80,7 +80,7 @@ fn create_private_dir(dir: &Path) -> Result<(), CliError> {
 
 pub async fn migrate(db: &Database) -> Result<Value, CliError> {
     let store = db.open().await?;
-    let applied = store.migrate().await?;
+    let applied = store.migrate_at(SystemClock.now_ms()).await?;
     Ok(json!({ "backend": store.backend(), "applied": applied }))
 }
 
@@ -230,7 +230,7 @@ pub async fn run_server(
     create_private_dir(data_dir)?;
     let store = db.open().await?;
     if migrate_first {
-        let applied = store.migrate().await?;
+        let applied = store.migrate_at(SystemClock.now_ms()).await?;
         if !applied.is_empty() {
             tracing::info!(?applied, "applied migrations");
         }

@@ -191,6 +191,26 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
     })
 }
 
+/// `reconcilers status`: one row per reconciler and process.
+pub const RECONCILER_PASSES: &[Column] = &[
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "INSTANCE", cell: |r, _| field(r, "instance") },
+    Column { header: "LAST PASS", cell: |r, now| when(r, "startedAtMs", now) },
+    Column {
+        header: "DURATION",
+        cell: |r, _| r["durationMs"].as_u64().map(|ms| format!("{ms}ms")).unwrap_or_else(|| "-".into()),
+    },
+    Column {
+        header: "OUTCOME",
+        cell: |r, _| match r["ok"].as_bool() {
+            Some(true) => "ok".into(),
+            _ => format!("failed: {}", r["error"].as_str().unwrap_or("?")),
+        },
+    },
+    Column { header: "PASSES", cell: |r, _| field(r, "passes") },
+    Column { header: "COUNTS", cell: |r, _| pairs(r, "counts") },
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,23 +279,3 @@ mod tests {
         assert_eq!(text.lines().count(), 2, "{text}");
     }
 }
-
-/// `reconcilers status`: one row per reconciler and process.
-pub const RECONCILER_PASSES: &[Column] = &[
-    Column { header: "NAME", cell: |r, _| field(r, "name") },
-    Column { header: "INSTANCE", cell: |r, _| field(r, "instance") },
-    Column { header: "LAST PASS", cell: |r, now| when(r, "startedAtMs", now) },
-    Column {
-        header: "DURATION",
-        cell: |r, _| r["durationMs"].as_u64().map(|ms| format!("{ms}ms")).unwrap_or_else(|| "-".into()),
-    },
-    Column {
-        header: "OUTCOME",
-        cell: |r, _| match r["ok"].as_bool() {
-            Some(true) => "ok".into(),
-            _ => format!("failed: {}", r["error"].as_str().unwrap_or("?")),
-        },
-    },
-    Column { header: "PASSES", cell: |r, _| field(r, "passes") },
-    Column { header: "COUNTS", cell: |r, _| pairs(r, "counts") },
-];

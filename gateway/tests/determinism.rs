@@ -54,7 +54,11 @@ async fn run(seed: u64) -> Run {
         Log::open_with_ids(store.clone(), Arc::new(bc_projections::Projections), key, clock.clone(), ids).await.unwrap(),
     );
     let token = std::sync::Mutex::new(String::new());
-    bc_gateway::bootstrap_root(&log, |t| Ok(*token.lock().unwrap() = t.to_owned()), || {}).await.unwrap();
+    let keep = |t: &str| {
+        *token.lock().unwrap() = t.to_owned();
+        Ok(())
+    };
+    bc_gateway::bootstrap_root(&log, keep, || {}).await.unwrap();
     let token = token.into_inner().unwrap();
     let router = bc_gateway::router(Arc::new(AppState::new(log.clone())));
 

@@ -269,6 +269,11 @@ async fn openapi_document_covers_every_method() {
     }
     let create = &doc["components"]["schemas"]["AskInput"]["properties"];
     assert!(create["gpus"].is_object() && create["selector"].is_object(), "{create}");
+    // A method is POST only: another HTTP method is 405 with `Allow: POST` (as schemathesis's
+    // conformance checks ask), and a path outside the API is 404.
     let other = server.http.get(format!("{}/api/compute/pools.list", server.url)).send().await.unwrap();
-    assert_eq!(other.status(), 404);
+    assert_eq!(other.status(), 405);
+    assert_eq!(other.headers()["allow"], "POST");
+    let nowhere = server.http.get(format!("{}/api/other", server.url)).send().await.unwrap();
+    assert_eq!(nowhere.status(), 404);
 }

@@ -853,16 +853,6 @@ impl StatusStore for PostgresStore {
     async fn passes(&self) -> Result<Vec<PassRecord>> {
         let client = self.pool.get().await?;
         let rows = client.query(&format!("SELECT {PASS_COLUMNS} FROM reconciler_passes ORDER BY name, instance"), &[]).await?;
-        rows.iter()
-            .map(|r| {
-                PassRecord::decode(
-                    r.try_get(0)?,
-                    r.try_get(1)?,
-                    [r.try_get(2)?, r.try_get(3)?, r.try_get(4)?, r.try_get(5)?],
-                    r.try_get(6)?,
-                    r.try_get(7)?,
-                )
-            })
-            .collect()
+        rows.iter().map(PassRecord::decode).collect()
     }
 }

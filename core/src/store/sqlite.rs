@@ -839,16 +839,6 @@ impl StatusStore for SqliteStore {
             sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {PASS_COLUMNS} FROM reconciler_passes ORDER BY name, instance")))
                 .fetch_all(&self.pool)
                 .await?;
-        rows.iter()
-            .map(|r| {
-                PassRecord::decode(
-                    r.try_get(0)?,
-                    r.try_get(1)?,
-                    [r.try_get(2)?, r.try_get(3)?, r.try_get(4)?, r.try_get(5)?],
-                    r.try_get(6)?,
-                    r.try_get(7)?,
-                )
-            })
-            .collect()
+        rows.iter().map(PassRecord::decode).collect()
     }
 }

@@ -49,24 +49,20 @@ impl PassRecord {
         self.error.as_deref().map(|e| crate::id::truncate(e, PASS_ERROR_CHARS_MAX))
     }
 
-    pub(crate) fn decode(
-        name: String,
-        instance: String,
-        [started_at_ms, duration_ms, ok, passes]: [i64; 4],
-        counts: String,
-        error: Option<String>,
-    ) -> Result<Self> {
-        let counts = serde_json::from_str(&counts)
+    /// A pass from a row of [`PASS_COLUMNS`].
+    pub(crate) fn decode(row: &impl super::Columns) -> Result<Self> {
+        let (name, instance) = (row.text(0)?, row.text(1)?);
+        let counts = serde_json::from_str(&row.text(6)?)
             .map_err(|e| Error::Storage(format!("reconciler pass {name}/{instance}: counts: {e}")))?;
         Ok(Self {
+            started_at_ms: super::to_u64(row.int(2)?)?,
+            duration_ms: super::to_u64(row.int(3)?)?,
+            ok: row.int(4)? != 0,
+            passes: super::to_u64(row.int(5)?)?,
+            counts,
+            error: row.opt_text(7)?,
             name,
             instance,
-            started_at_ms: super::to_u64(started_at_ms)?,
-            duration_ms: super::to_u64(duration_ms)?,
-            ok: ok != 0,
-            counts,
-            error,
-            passes: super::to_u64(passes)?,
         })
     }
 }

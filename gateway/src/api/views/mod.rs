@@ -1,0 +1,241 @@
+//! Wire types: what every method answers, apart from the stored projection documents
+//! (`reservations.rs`: reservations, capacity and quotas; `webhooks.rs`: webhooks and their
+//! deliveries; this file: the rest).
+//!
+//! A view is built from a document (or from a decision) by one conversion here, so the JSON a
+//! client reads changes only when a view does; every view derives its JSON schema for the
+//! OpenAPI document. Field names are the API's (camelCase); times are ms since the Unix epoch
+//! and say so in their names (`createdAtMs`).
+
+use std::collections::BTreeMap;
+
+use bc_projections::{ApiKeyDoc, NodeDoc, PoolDoc, TenantDoc};
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use super::toolkit::{
+    ApiKeyIdText, DescriptionText, LabelsMap, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText,
+};
+
+pub use bc_projections::EventView;
+
+mod reservations;
+mod webhooks;
+
+pub use reservations::*;
+pub use webhooks::*;
+
+/// `system.version`.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VersionView {
+    pub version: String,
+    /// `sqlite` or `postgres`.
+    pub backend: String,
+    pub log_key_id: String,
+    /// The log key's pin (`ed25519:…`), for auditors.
+    pub log_key_pin: String,
+}
+
+/// `system.whoami`: the calling key.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WhoamiView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "ApiKeyIdText")]
+    pub key_id: String,
+    pub actions: Vec<String>,
+    /// The root tenant's keys act across tenants.
+    pub root: bool,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "NameText")]
+    pub name: String,
+    pub root: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+impl From<TenantDoc> for TenantView {
+    fn from(d: TenantDoc) -> Self {
+        Self { tenant_id: d.tenant_id, name: d.name, root: d.root, version: d.version, created_at_ms: d.created_at_ms }
+    }
+}
+
+/// An API key; never its secret or the secret's hash.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiKeyView {
+    #[schemars(with = "ApiKeyIdText")]
+    pub key_id: String,
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "NameText")]
+    pub name: String,
+    pub actions: Vec<String>,
+    pub revoked: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+impl From<ApiKeyDoc> for ApiKeyView {
+    fn from(d: ApiKeyDoc) -> Self {
+        Self {
+            key_id: d.key_id,
+            tenant_id: d.tenant_id,
+            name: d.name,
+            actions: d.actions,
+            revoked: d.revoked,
+            version: d.version,
+            created_at_ms: d.created_at_ms,
+        }
+    }
+}
+
+/// `apiKeys.create`: the key and, once, its token.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiKeyCreatedView {
+    #[serde(flatten)]
+    pub key: ApiKeyView,
+    /// `KEY_ID.SECRET`, shown only in the first answer: `null` when `replayed`.
+    pub token: Option<String>,
+    /// This answers a retry with the same `Idempotency-Key`; nothing new was created.
+    pub replayed: bool,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "PoolIdText")]
+    pub pool_id: String,
+    #[schemars(with = "NameText")]
+    pub name: String,
+    #[schemars(with = "DescriptionText")]
+    pub description: String,
+    #[schemars(with = "LabelsMap")]
+    pub labels: BTreeMap<String, String>,
+    /// The longest reservation the pool grants, in seconds.
+    pub max_reservation_s: u64,
+    pub archived: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+impl From<PoolDoc> for PoolView {
+    fn from(d: PoolDoc) -> Self {
+        Self {
+            tenant_id: d.tenant_id,
+            pool_id: d.pool_id,
+            name: d.name,
+            description: d.description,
+            labels: d.labels,
+            max_reservation_s: d.max_reservation_s,
+            archived: d.archived,
+            version: d.version,
+            created_at_ms: d.created_at_ms,
+            updated_at_ms: d.updated_at_ms,
+        }
+    }
+}
+
+/// A node's state: whether it takes new reservations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeStateView {
+    /// Takes reservations.
+    Ready,
+    /// Takes no new reservation.
+    Cordoned,
+    /// Cordoned until its reservations end.
+    Draining,
+}
+
+impl From<bc_projections::NodeState> for NodeStateView {
+    fn from(s: bc_projections::NodeState) -> Self {
+        use bc_projections::NodeState as S;
+        match s {
+            S::Ready => Self::Ready,
+            S::Cordoned => Self::Cordoned,
+            S::Draining => Self::Draining,
+        }
+    }
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuView {
+    pub model: String,
+    pub product: String,
+    #[serde(rename = "vramGiB")]
+    pub vram_gib: u32,
+    /// GPUs of one node with the same domain share NVLink.
+    pub nvlink_domain: u32,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "NodeIdText")]
+    pub node_id: String,
+    #[schemars(with = "PoolIdText")]
+    pub pool_id: String,
+    #[schemars(with = "NameText")]
+    pub name: String,
+    pub gpus: Vec<GpuView>,
+    #[schemars(with = "LabelsMap")]
+    pub labels: BTreeMap<String, String>,
+    pub state: NodeStateView,
+    #[schemars(with = "LabelsMap")]
+    pub taints: BTreeMap<String, String>,
+    /// GPU index → the reservation holding it.
+    #[schemars(with = "BTreeMap<String, ReservationIdText>")]
+    pub allocations: BTreeMap<u32, String>,
+    pub version: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+impl From<NodeDoc> for NodeView {
+    fn from(d: NodeDoc) -> Self {
+        Self {
+            tenant_id: d.tenant_id,
+            node_id: d.node_id,
+            pool_id: d.pool_id,
+            name: d.name,
+            gpus: d
+                .gpus
+                .into_iter()
+                .map(|g| GpuView { model: g.model, product: g.product, vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+                .collect(),
+            labels: d.labels,
+            state: d.state.into(),
+            taints: d.taints,
+            allocations: d.allocations,
+            version: d.version,
+            created_at_ms: d.created_at_ms,
+            updated_at_ms: d.updated_at_ms,
+        }
+    }
+}
+
+/// A node after `cordon`, `uncordon`, `drain`, `label` or `taint`.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeChangedView {
+    #[serde(flatten)]
+    pub node: NodeView,
+    /// Draining and holding no GPU: safe to take down.
+    pub drained: bool,
+}

@@ -1,0 +1,205 @@
+//! The views of `reservations.*`, `capacity.*` and `quotas.*`.
+
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use crate::api::toolkit::{NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText};
+
+/// A reservation's state: `queued` → `active` → `released` | `expired`, or `queued` →
+/// `cancelled`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ReservationStateView {
+    Queued,
+    Active,
+    Released,
+    Expired,
+    Cancelled,
+}
+
+impl From<bc_projections::ReservationState> for ReservationStateView {
+    fn from(s: bc_projections::ReservationState) -> Self {
+        use bc_projections::ReservationState as S;
+        match s {
+            S::Queued => Self::Queued,
+            S::Active => Self::Active,
+            S::Released => Self::Released,
+            S::Expired => Self::Expired,
+            S::Cancelled => Self::Cancelled,
+        }
+    }
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservationView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "ReservationIdText")]
+    pub reservation_id: String,
+    #[schemars(with = "PoolIdText")]
+    pub pool_id: String,
+    pub gpus: u32,
+    pub duration_s: u64,
+    pub selector: String,
+    pub nvlink: bool,
+    pub tolerations: Vec<String>,
+    pub state: ReservationStateView,
+    #[schemars(with = "Option<NodeIdText>")]
+    pub node_id: Option<String>,
+    /// The node's GPUs it holds, while active.
+    pub gpu_indexes: Vec<u32>,
+    /// The tenant chain's sequence number of the request: the queue's order.
+    pub request_seq: u64,
+    pub requested_at_ms: u64,
+    pub activated_at_ms: Option<u64>,
+    pub ends_at_ms: Option<u64>,
+    pub ended_at_ms: Option<u64>,
+    pub version: u64,
+    /// While queued: 1 for the next in line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<u32>,
+    /// `reservations.create` only: this answers a retry with the same `Idempotency-Key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replayed: Option<bool>,
+}
+
+impl ReservationView {
+    pub fn of(d: bc_projections::ReservationDoc, queue_position: Option<u32>) -> Self {
+        Self {
+            tenant_id: d.tenant_id,
+            reservation_id: d.reservation_id,
+            pool_id: d.pool_id,
+            gpus: d.gpus,
+            duration_s: d.duration_s,
+            selector: d.selector,
+            nvlink: d.nvlink,
+            tolerations: d.tolerations,
+            state: d.state.into(),
+            node_id: d.node_id,
+            gpu_indexes: d.gpu_indexes,
+            request_seq: d.request_seq,
+            requested_at_ms: d.requested_at_ms,
+            activated_at_ms: d.activated_at_ms,
+            ends_at_ms: d.ends_at_ms,
+            ended_at_ms: d.ended_at_ms,
+            version: d.version,
+            queue_position,
+            replayed: None,
+        }
+    }
+}
+
+/// GPUs of one model or product in a pool.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuCountView {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub product: Option<String>,
+    pub gpus: u32,
+    pub free: u32,
+}
+
+/// `capacity.get`: one pool's GPUs.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CapacityView {
+    #[schemars(with = "PoolIdText")]
+    pub pool_id: String,
+    #[schemars(with = "NameText")]
+    pub name: String,
+    pub nodes: u32,
+    pub gpus: u32,
+    /// On ready nodes and held by no reservation.
+    pub free: u32,
+    /// Held by reservations.
+    pub reserved: u32,
+    /// Not held, on cordoned or draining nodes.
+    pub unavailable: u32,
+    /// Reservations waiting in the pool's queue, and their GPUs.
+    pub queued: u32,
+    pub queued_gpus: u32,
+    pub by_model: Vec<GpuCountView>,
+    pub by_product: Vec<GpuCountView>,
+    pub max_reservation_s: u64,
+}
+
+impl From<bc_projections::decide::PoolCapacity> for CapacityView {
+    fn from(c: bc_projections::decide::PoolCapacity) -> Self {
+        Self {
+            pool_id: c.pool_id,
+            name: c.name,
+            nodes: c.nodes,
+            gpus: c.gpus,
+            free: c.free,
+            reserved: c.reserved,
+            unavailable: c.unavailable,
+            queued: c.queued,
+            queued_gpus: c.queued_gpus,
+            by_model: c
+                .by_model
+                .into_iter()
+                .map(|m| GpuCountView { model: Some(m.model), product: None, gpus: m.gpus, free: m.free })
+                .collect(),
+            by_product: c
+                .by_product
+                .into_iter()
+                .map(|p| GpuCountView { model: None, product: Some(p.product), gpus: p.gpus, free: p.free })
+                .collect(),
+            max_reservation_s: c.max_reservation_s,
+        }
+    }
+}
+
+/// `capacity.get`: every pool asked for.
+#[derive(Serialize, JsonSchema)]
+pub struct CapacityListView {
+    pub items: Vec<CapacityView>,
+}
+
+/// `capacity.preview`: would a reservation fit now, and where.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PreviewView {
+    /// Some node of the pool could hold it, were it empty.
+    pub possible: bool,
+    /// It would be placed at once.
+    pub fits: bool,
+    /// It would be placed were nothing queued ahead.
+    pub fits_ignoring_queue: bool,
+    pub queued_ahead: u32,
+    #[schemars(with = "Option<NodeIdText>")]
+    pub node_id: Option<String>,
+    pub gpus: Option<Vec<u32>>,
+    pub selector: String,
+}
+
+impl From<bc_projections::decide::CapacityPreview> for PreviewView {
+    fn from(p: bc_projections::decide::CapacityPreview) -> Self {
+        Self {
+            possible: p.possible,
+            fits: p.fits,
+            fits_ignoring_queue: p.fits_ignoring_queue,
+            queued_ahead: p.queued_ahead,
+            node_id: p.node_id,
+            gpus: p.gpus,
+            selector: p.selector,
+        }
+    }
+}
+
+/// A tenant's GPU quota in one pool and what it uses of it.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "PoolIdText")]
+    pub pool_id: String,
+    /// The quota; `null`: none set.
+    pub gpus: Option<u32>,
+    /// GPUs of the tenant's queued and active reservations in the pool.
+    pub in_use: u32,
+}
