@@ -541,6 +541,11 @@ macro_rules! migrations_of {
                 name: "reconciler_passes",
                 sql: include_str!(concat!("../../../schema/", $dialect, "/0004_reconciler_passes.sql")),
             },
+            $crate::store::Migration {
+                version: 5,
+                name: "events_by_tenant_position",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0005_events_by_tenant_position.sql")),
+            },
         ]
     };
 }

@@ -550,16 +550,11 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
-        let tenant_filter = if tenant.is_some() { "AND tenant_id = ?" } else { "" };
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > (?, ?) {tenant_filter} \
-             ORDER BY commit_no, commit_index LIMIT ?"
-        )))
-        .bind(to_i64(after.commit)?)
-        .bind(i64::from(after.index));
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(read_after_sql(tenant.is_some())));
         if let Some(t) = tenant {
             q = q.bind(t.to_string());
         }
+        let q = q.bind(to_i64(after.commit)?).bind(i64::from(after.index));
         let rows = q.bind(i64::from(limit)).fetch_all(&self.pool).await?;
         rows.iter().map(event_row_decode).collect()
     }
@@ -840,5 +835,39 @@ impl StatusStore for SqliteStore {
                 .fetch_all(&self.pool)
                 .await?;
         rows.iter().map(PassRecord::decode).collect()
+    }
+}
+
+/// The read by position, of one tenant or of all: parameters (tenant), commit, index, limit.
+fn read_after_sql(one_tenant: bool) -> String {
+    let tenant_filter = if one_tenant { "tenant_id = ? AND" } else { "" };
+    format!(
+        "SELECT {EVENT_COLUMNS} FROM events WHERE {tenant_filter} (commit_no, commit_index) > (?, ?) \
+         ORDER BY commit_no, commit_index LIMIT ?"
+    )
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    /// Regression (hardening, finding 3): a tenant's read by position searched the tenant's
+    /// whole chain and sorted it in a temporary B-tree. It must walk an index, in order.
+    #[tokio::test]
+    async fn a_tenants_read_by_position_uses_its_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
+        crate::store::EventStore::migrate(&store).await.unwrap();
+        for (one_tenant, index) in [(true, "events_by_tenant_position"), (false, "events_by_position")] {
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {}", read_after_sql(one_tenant))));
+            if one_tenant {
+                q = q.bind("ten_00000000000000000000000000");
+            }
+            let rows = q.bind(0i64).bind(0i64).bind(10i64).fetch_all(store.pool()).await.unwrap();
+            let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(3)).collect();
+            let plan = plan.join(" | ");
+            assert!(plan.contains(index), "one tenant: {one_tenant}: {plan}");
+            assert!(!plan.contains("TEMP B-TREE"), "no sort: {plan}");
+        }
     }
 }
