@@ -110,6 +110,11 @@ async fn start(
     let mut authorized_at = std::time::Instant::now();
     tokio::spawn(async move {
         loop {
+            // A client gone away ends its producer, even while it scans past events its filter
+            // drops (and so never tries to send).
+            if tx.is_closed() {
+                return;
+            }
             // A revoked key, or one that lost the action, stops receiving events.
             if authorized_at.elapsed() >= Duration::from_secs(WATCH_REAUTH_S) {
                 let still = crate::auth::authenticate(&*store, token_header.as_deref())
