@@ -22,6 +22,27 @@ pub fn json(out: &str) -> Value {
 /// How long a server may take to print its URL.
 pub const START_TIMEOUT_S: u64 = 60;
 
+/// How often [`wait_until`] looks again.
+pub const POLL_MS: u64 = 50;
+
+/// Milliseconds since the Unix epoch, on the clock `dev` and `serve` use (the system's).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis() as u64
+}
+
+/// Polls `check` until it returns `Some`, every [`POLL_MS`], for at most `timeout`; panics with
+/// `what` after that. The way a test waits for something to happen (never a fixed sleep).
+pub fn wait_until<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(POLL_MS));
+    }
+}
+
 /// The directory holding the workspace's binaries (next to this test executable's `deps/`).
 pub fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("BC_BIN_DIR") {
@@ -189,6 +210,31 @@ impl Server {
     pub fn restart(&mut self) {
         self.kill9();
         self.launch();
+    }
+
+    /// The `reconcilers status` rows of this server's database: each reconciler's last recorded
+    /// pass per process (`name`, `instance`, `startedAtMs`, `ok`, `counts`).
+    pub fn reconciler_passes(&self) -> Vec<Value> {
+        let mut args = vec!["reconcilers".to_owned(), "status".into(), "--format".into(), "json".into()];
+        match self.args.iter().position(|a| a == "--database-url") {
+            Some(at) => args.extend(["--database-url".into(), self.args[at + 1].clone()]),
+            None => args.extend(["--data-dir".into(), self.data_dir.display().to_string()]),
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = cli(&args, &[]);
+        assert_eq!(code, 0, "reconcilers status: {err}");
+        json(&out)["items"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Waits until the reconciler `name` (in any process) has recorded a whole pass that began
+    /// after `after_ms`: everything committed before `after_ms` has been looked at by it. A
+    /// busy reconciler records at most once a second, so this takes up to about that long.
+    pub fn wait_reconciler_pass_after(&self, name: &str, after_ms: u64, timeout: Duration) -> Value {
+        wait_until(&format!("a {name} reconciler pass begun after {after_ms}"), timeout, || {
+            self.reconciler_passes()
+                .into_iter()
+                .find(|r| r["name"] == name && r["ok"] == true && r["startedAtMs"].as_u64().is_some_and(|t| t > after_ms))
+        })
     }
 
     pub fn sqlite_path(&self) -> PathBuf {
