@@ -53,10 +53,42 @@ pub fn bin_dir() -> PathBuf {
     deps.parent().expect("profile dir").to_path_buf()
 }
 
+/// The workspace binary `name`, checked to exist and to be up to date: a plain `cargo test`
+/// (which builds no binaries) must not run the end-to-end tests against an old build.
 pub fn binary(name: &str) -> PathBuf {
     let path = bin_dir().join(name);
     assert!(path.exists(), "{} not built; run `cargo build --workspace --bins` (make test does)", path.display());
+    if let Some(newer) = source_newer_than(&path) {
+        panic!(
+            "{} is older than {}, one of the files it is built from: the tests would run an old build\nhint: run `cargo build --workspace --bins` (make test does)",
+            path.display(),
+            newer.display()
+        );
+    }
     path
+}
+
+/// A source file the binary at `path` was built from that changed after it was built, if any.
+/// The list is the binary's own dep-info (`NAME.d`, which cargo writes beside it: every source
+/// file and `include_str!` of the workspace it was compiled from), so whenever this says stale,
+/// cargo agrees and a build fixes it. Without a dep-info nothing can be told, and that is refused.
+pub fn source_newer_than(path: &Path) -> Option<PathBuf> {
+    let built = std::fs::metadata(path).and_then(|m| m.modified()).expect("the binary's modification time");
+    let dep_info = path.with_extension("d");
+    let text = std::fs::read_to_string(&dep_info).unwrap_or_else(|e| {
+        panic!(
+            "cannot tell whether {} is up to date ({}: {e})\nhint: run `cargo build --workspace --bins`",
+            path.display(),
+            dep_info.display()
+        )
+    });
+    // `TARGET: SOURCE SOURCE …`, spaces inside a path escaped as `\ `.
+    let (_, sources) = text.lines().next().unwrap_or_default().split_once(": ")?;
+    let sources = sources.replace("\\ ", "\u{0}");
+    sources
+        .split_whitespace()
+        .map(|s| PathBuf::from(s.replace('\u{0}', " ")))
+        .find(|source| std::fs::metadata(source).and_then(|m| m.modified()).is_ok_and(|changed| changed > built))
 }
 
 /// Runs `better-compute ARGS` to completion with `env`; returns (status, stdout, stderr).
@@ -405,5 +437,43 @@ impl Reconciler {
 impl Drop for Reconciler {
     fn drop(&mut self) {
         self.kill9();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use super::source_newer_than;
+
+    fn set_mtime(path: &std::path::Path, at: SystemTime) {
+        std::fs::File::options().write(true).open(path).unwrap().set_modified(at).unwrap();
+    }
+
+    #[test]
+    fn a_binary_older_than_a_source_it_lists_is_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bin, old, changed) = (dir.path().join("tool"), dir.path().join("a.rs"), dir.path().join("b c.rs"));
+        for path in [&bin, &old, &changed] {
+            std::fs::write(path, b"x").unwrap();
+        }
+        std::fs::write(
+            dir.path().join("tool.d"),
+            format!(
+                "{}: {} {}\n\n{}:\n",
+                bin.display(),
+                old.display(),
+                changed.display().to_string().replace(' ', "\\ "),
+                old.display()
+            ),
+        )
+        .unwrap();
+        let t0 = SystemTime::now() - Duration::from_secs(3600);
+        set_mtime(&old, t0);
+        set_mtime(&bin, t0 + Duration::from_secs(10));
+        set_mtime(&changed, t0 + Duration::from_secs(20));
+        assert_eq!(source_newer_than(&bin), Some(changed.clone()), "edited after the build");
+        set_mtime(&bin, t0 + Duration::from_secs(30));
+        assert_eq!(source_newer_than(&bin), None, "rebuilt since");
     }
 }
