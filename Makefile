@@ -10,8 +10,10 @@ DEV_ARGS ?=
 dev:
 	$(CARGO) run --bin better-compute -- dev $(DEV_ARGS)
 
+## Every target of the workspace: the binaries the end-to-end tests start, the tests, and the
+## benches (compiled, not run, so they cannot rot). The tests refuse a binary older than its sources.
 build:
-	$(CARGO) build --workspace --bins
+	$(CARGO) build --workspace --all-targets
 
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
 ## property, and end-to-end tests that start the real binaries; first the OpenAPI document is

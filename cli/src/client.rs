@@ -48,22 +48,67 @@ pub struct Client {
     token: Option<String>,
 }
 
+/// Where the API may be called: `https://` anywhere, plain `http://` only on the loopback names
+/// `localhost`, `*.localhost`, `127.0.0.1` and `[::1]`, so a token never crosses a network in clear
+/// text. The host is judged as written in the URL, never by what it resolves to (a name pointing
+/// at 127.0.0.1 is still refused), and before anything is sent. A URL carrying a user or password
+/// is refused too. Returns the parsed URL.
+pub fn api_url(url: &str) -> Result<url::Url, CliError> {
+    let parsed = url::Url::parse(url).map_err(|e| CliError::usage(format!("malformed BETTER_COMPUTE_URL {url:?}: {e}")))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(CliError::usage(format!("BETTER_COMPUTE_URL must be http:// or https://, not {url:?}")));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        // Never echo it: it carries a credential.
+        return Err(CliError::usage(
+            "the URL must not carry a user or password; tokens go in BETTER_COMPUTE_TOKEN or auth login",
+        ));
+    }
+    if parsed.scheme() == "http" && !is_loopback_host(&parsed) {
+        let host = parsed.host_str().unwrap_or_default();
+        return Err(CliError::usage(format!(
+            "plain http is only for loopback (localhost, *.localhost, 127.0.0.1, [::1]), not {host:?}: a token must not cross a network in clear text"
+        ))
+        .hint(format!("use https://{}", parsed.as_str().trim_start_matches("http://"))));
+    }
+    Ok(parsed)
+}
+
+/// The host as written is one of the loopback names plain `http` is allowed for.
+fn is_loopback_host(url: &url::Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(name)) => {
+            let name = name.to_ascii_lowercase();
+            name == "localhost" || name.ends_with(".localhost")
+        }
+        Some(url::Host::Ipv4(ip)) => ip == std::net::Ipv4Addr::LOCALHOST,
+        Some(url::Host::Ipv6(ip)) => ip == std::net::Ipv6Addr::LOCALHOST,
+        None => false,
+    }
+}
+
+/// The HTTP client every call to the API uses (the calls and the watch): it follows no
+/// redirect, so a 30x never carries the token to another address, and for plain `http` (loopback
+/// only, see [`api_url`]) it uses no proxy, so the token never travels in clear text to one.
+pub fn api_http(url: &url::Url, builder: reqwest::ClientBuilder) -> Result<reqwest::Client, CliError> {
+    let mut builder = builder.redirect(reqwest::redirect::Policy::none());
+    if url.scheme() == "http" {
+        builder = builder.no_proxy();
+    }
+    builder.build().map_err(|e| CliError::new("INTERNAL", format!("building the HTTP client: {e}")))
+}
+
+/// The error for a 30x answer: the client never follows one, and says where it pointed.
+pub fn redirect_refused(status: reqwest::StatusCode, location: Option<&reqwest::header::HeaderValue>) -> CliError {
+    let to = location.and_then(|l| l.to_str().ok()).map(|l| format!(" to {l:?}")).unwrap_or_default();
+    CliError::new("INVALID_RESPONSE", format!("the server answered {status} (a redirect{to}); the client follows no redirects"))
+        .hint("set BETTER_COMPUTE_URL (or --url) to the API's own address")
+}
+
 impl Client {
     pub fn new(url: &str, token: Option<String>) -> Result<Self, CliError> {
-        let parsed = url::Url::parse(url).map_err(|e| CliError::usage(format!("malformed BETTER_COMPUTE_URL {url:?}: {e}")))?;
-        if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(CliError::usage(format!("BETTER_COMPUTE_URL must be http:// or https://, not {url:?}")));
-        }
-        if !parsed.username().is_empty() || parsed.password().is_some() {
-            // Never echo it: it carries a credential.
-            return Err(CliError::usage(
-                "the URL must not carry a user or password; tokens go in BETTER_COMPUTE_TOKEN or auth login",
-            ));
-        }
-        let http = reqwest::Client::builder()
-            .timeout(std::time::Duration::from_secs(CALL_TIMEOUT_S))
-            .build()
-            .map_err(|e| CliError::new("INTERNAL", format!("building the HTTP client: {e}")))?;
+        let parsed = api_url(url)?;
+        let http = api_http(&parsed, reqwest::Client::builder().timeout(std::time::Duration::from_secs(CALL_TIMEOUT_S)))?;
         Ok(Self { http, url: url.trim_end_matches('/').to_owned(), token })
     }
 
@@ -80,6 +125,9 @@ impl Client {
                 .hint("start the server with `make dev`, or set BETTER_COMPUTE_URL")
         })?;
         let status = response.status();
+        if status.is_redirection() {
+            return Err(redirect_refused(status, response.headers().get(reqwest::header::LOCATION)));
+        }
         let text = response.text().await.map_err(|e| CliError::new("UNAVAILABLE", format!("reading the response: {e}")))?;
         let value: Value = serde_json::from_str(&text).map_err(|_| {
             CliError::new("INVALID_RESPONSE", format!("the server answered {status} with a body that is not JSON"))
@@ -95,5 +143,39 @@ impl Client {
             _ => value["details"]["didYouMean"].as_str().map(|m| format!("did you mean {m}?")),
         });
         Err(error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::api_url;
+
+    #[test]
+    fn plain_http_only_on_the_loopback_names_as_written() {
+        for allowed in [
+            "http://localhost:7070",
+            "http://LOCALHOST:7070/",
+            "http://compute.localhost:7070",
+            "http://127.0.0.1:7070",
+            "http://[::1]:7070",
+            "https://compute.example.com",
+            "https://10.0.0.8:8443",
+        ] {
+            assert!(api_url(allowed).is_ok(), "{allowed} is allowed");
+        }
+        for refused in [
+            "http://notlocal.test:8089",
+            "http://127.0.0.2:7070",
+            "http://10.0.0.8:7070",
+            "http://localhost.example.com:7070",
+            "http://notlocalhost:7070",
+            "http://[::2]:7070",
+            "http://0.0.0.0:7070",
+        ] {
+            let e = api_url(refused).err().unwrap_or_else(|| panic!("{refused} is refused"));
+            assert_eq!(e.code, "INVALID_ARGUMENT", "{refused}");
+            assert_eq!(e.exit_status(), 2, "{refused}");
+            assert!(e.message.contains("plain http is only for loopback"), "{refused}: {}", e.message);
+        }
     }
 }

@@ -131,6 +131,10 @@ pub fn resolve(url: &str) -> Result<Option<Source>, CliError> {
         // Saved for another deployment: never send it here.
         return Ok(None);
     }
+    if crate::client::api_url(&profile.url).is_err() {
+        // Saved (by an older client, or by hand) for a URL the policy refuses: never use it.
+        return Ok(None);
+    }
     Ok(Some(Source::Profile { name, profile: profile.clone() }))
 }
 
@@ -155,6 +159,8 @@ fn valid_profile_name(name: &str) -> Result<(), CliError> {
 pub async fn login(url: &str, profile: Option<&str>, verify: bool) -> Result<Value, CliError> {
     let name = profile.map(str::to_owned).or_else(profile_name).unwrap_or_else(|| "default".into());
     valid_profile_name(&name)?;
+    // The URL's policy (plain http only on loopback) before the token is even read.
+    crate::client::api_url(url)?;
     let token = match std::env::var("BETTER_COMPUTE_TOKEN").ok().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()) {
         Some(t) => {
             eprintln!("using the token in BETTER_COMPUTE_TOKEN");

@@ -1,6 +1,6 @@
 //! `better-compute events watch`: follows `GET /watch`, prints one JSON line per event,
 //! reconnects from the last event id it received after a broken connection, and stops on
-//! Ctrl-C, after `--count`, or on a refusal (a 4xx answer).
+//! Ctrl-C, after `--count`, or on a refusal (a 4xx answer, or a redirect, which it never follows).
 //!
 //! Where it starts is the server's default, the end of the log (`tail -f`), unless `--since`
 //! names a position or `start`/`0` (the beginning), which is sent as `?since=`.
@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use serde_json::Value;
 
-use crate::client::CliError;
+use crate::client::{self, CliError};
 use crate::output;
 
 /// Reconnect back-off: doubling from the first to the last, reset by a received event.
@@ -57,10 +57,10 @@ pub struct WatchArgs {
 }
 
 pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
-    let http = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(10))
-        .build()
-        .map_err(|e| CliError::new("INTERNAL", format!("building the HTTP client: {e}")))?;
+    // The same policy as every API call: plain http only on loopback, checked before anything is
+    // sent, and no redirect followed.
+    let parsed = client::api_url(&args.url)?;
+    let http = client::api_http(&parsed, reqwest::Client::builder().connect_timeout(Duration::from_secs(10)))?;
     // The id of the last event received: a reconnect resumes after it (`Last-Event-ID`).
     let mut last: Option<String> = None;
     let mut printed = 0u64;
@@ -95,6 +95,9 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
                 let code = body["code"].as_str().unwrap_or("INVALID_ARGUMENT");
                 let message = body["message"].as_str().unwrap_or("refused");
                 return Err(CliError::new(code, format!("the server refused the watch ({status}): {message}")));
+            }
+            Ok(r) if r.status().is_redirection() => {
+                return Err(client::redirect_refused(r.status(), r.headers().get(reqwest::header::LOCATION)));
             }
             Ok(r) if r.status().is_success() => {
                 let mut body = r.bytes_stream();

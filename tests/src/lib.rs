@@ -22,6 +22,27 @@ pub fn json(out: &str) -> Value {
 /// How long a server may take to print its URL.
 pub const START_TIMEOUT_S: u64 = 60;
 
+/// How often [`wait_until`] looks again.
+pub const POLL_MS: u64 = 50;
+
+/// Milliseconds since the Unix epoch, on the clock `dev` and `serve` use (the system's).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis() as u64
+}
+
+/// Polls `check` until it returns `Some`, every [`POLL_MS`], for at most `timeout`; panics with
+/// `what` after that. The way a test waits for something to happen (never a fixed sleep).
+pub fn wait_until<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(POLL_MS));
+    }
+}
+
 /// The directory holding the workspace's binaries (next to this test executable's `deps/`).
 pub fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("BC_BIN_DIR") {
@@ -32,10 +53,42 @@ pub fn bin_dir() -> PathBuf {
     deps.parent().expect("profile dir").to_path_buf()
 }
 
+/// The workspace binary `name`, checked to exist and to be up to date: a plain `cargo test`
+/// (which builds no binaries) must not run the end-to-end tests against an old build.
 pub fn binary(name: &str) -> PathBuf {
     let path = bin_dir().join(name);
     assert!(path.exists(), "{} not built; run `cargo build --workspace --bins` (make test does)", path.display());
+    if let Some(newer) = source_newer_than(&path) {
+        panic!(
+            "{} is older than {}, one of the files it is built from: the tests would run an old build\nhint: run `cargo build --workspace --bins` (make test does)",
+            path.display(),
+            newer.display()
+        );
+    }
     path
+}
+
+/// A source file the binary at `path` was built from that changed after it was built, if any.
+/// The list is the binary's own dep-info (`NAME.d`, which cargo writes beside it: every source
+/// file and `include_str!` of the workspace it was compiled from), so whenever this says stale,
+/// cargo agrees and a build fixes it. Without a dep-info nothing can be told, and that is refused.
+pub fn source_newer_than(path: &Path) -> Option<PathBuf> {
+    let built = std::fs::metadata(path).and_then(|m| m.modified()).expect("the binary's modification time");
+    let dep_info = path.with_extension("d");
+    let text = std::fs::read_to_string(&dep_info).unwrap_or_else(|e| {
+        panic!(
+            "cannot tell whether {} is up to date ({}: {e})\nhint: run `cargo build --workspace --bins`",
+            path.display(),
+            dep_info.display()
+        )
+    });
+    // `TARGET: SOURCE SOURCE …`, spaces inside a path escaped as `\ `.
+    let (_, sources) = text.lines().next().unwrap_or_default().split_once(": ")?;
+    let sources = sources.replace("\\ ", "\u{0}");
+    sources
+        .split_whitespace()
+        .map(|s| PathBuf::from(s.replace('\u{0}', " ")))
+        .find(|source| std::fs::metadata(source).and_then(|m| m.modified()).is_ok_and(|changed| changed > built))
 }
 
 /// Runs `better-compute ARGS` to completion with `env`; returns (status, stdout, stderr).
@@ -189,6 +242,31 @@ impl Server {
     pub fn restart(&mut self) {
         self.kill9();
         self.launch();
+    }
+
+    /// The `reconcilers status` rows of this server's database: each reconciler's last recorded
+    /// pass per process (`name`, `instance`, `startedAtMs`, `ok`, `counts`).
+    pub fn reconciler_passes(&self) -> Vec<Value> {
+        let mut args = vec!["reconcilers".to_owned(), "status".into(), "--format".into(), "json".into()];
+        match self.args.iter().position(|a| a == "--database-url") {
+            Some(at) => args.extend(["--database-url".into(), self.args[at + 1].clone()]),
+            None => args.extend(["--data-dir".into(), self.data_dir.display().to_string()]),
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = cli(&args, &[]);
+        assert_eq!(code, 0, "reconcilers status: {err}");
+        json(&out)["items"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Waits until the reconciler `name` (in any process) has recorded a whole pass that began
+    /// after `after_ms`: everything committed before `after_ms` has been looked at by it. A
+    /// busy reconciler records at most once a second, so this takes up to about that long.
+    pub fn wait_reconciler_pass_after(&self, name: &str, after_ms: u64, timeout: Duration) -> Value {
+        wait_until(&format!("a {name} reconciler pass begun after {after_ms}"), timeout, || {
+            self.reconciler_passes()
+                .into_iter()
+                .find(|r| r["name"] == name && r["ok"] == true && r["startedAtMs"].as_u64().is_some_and(|t| t > after_ms))
+        })
     }
 
     pub fn sqlite_path(&self) -> PathBuf {
@@ -359,5 +437,43 @@ impl Reconciler {
 impl Drop for Reconciler {
     fn drop(&mut self) {
         self.kill9();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use super::source_newer_than;
+
+    fn set_mtime(path: &std::path::Path, at: SystemTime) {
+        std::fs::File::options().write(true).open(path).unwrap().set_modified(at).unwrap();
+    }
+
+    #[test]
+    fn a_binary_older_than_a_source_it_lists_is_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bin, old, changed) = (dir.path().join("tool"), dir.path().join("a.rs"), dir.path().join("b c.rs"));
+        for path in [&bin, &old, &changed] {
+            std::fs::write(path, b"x").unwrap();
+        }
+        std::fs::write(
+            dir.path().join("tool.d"),
+            format!(
+                "{}: {} {}\n\n{}:\n",
+                bin.display(),
+                old.display(),
+                changed.display().to_string().replace(' ', "\\ "),
+                old.display()
+            ),
+        )
+        .unwrap();
+        let t0 = SystemTime::now() - Duration::from_secs(3600);
+        set_mtime(&old, t0);
+        set_mtime(&bin, t0 + Duration::from_secs(10));
+        set_mtime(&changed, t0 + Duration::from_secs(20));
+        assert_eq!(source_newer_than(&bin), Some(changed.clone()), "edited after the build");
+        set_mtime(&bin, t0 + Duration::from_secs(30));
+        assert_eq!(source_newer_than(&bin), None, "rebuilt since");
     }
 }

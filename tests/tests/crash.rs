@@ -14,6 +14,8 @@ use tokio::sync::Mutex;
 
 /// Clients appending at once while the server is killed.
 const WRITERS: usize = 8;
+/// Appends acknowledged in a round before its kill, at least.
+const ACKED_PER_ROUND_MIN: usize = 40;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_nine_loses_no_acknowledged_append() {
@@ -21,6 +23,7 @@ async fn kill_nine_loses_no_acknowledged_append() {
     let acked = Arc::new(Mutex::new(Vec::<String>::new()));
     for round in 0..2 {
         let stop = Arc::new(AtomicBool::new(false));
+        let acked_before = acked.lock().await.len();
         let mut writers = Vec::new();
         for w in 0..WRITERS {
             let (http, url, token, acked, stop) =
@@ -48,7 +51,12 @@ async fn kill_nine_loses_no_acknowledged_append() {
                 }
             }));
         }
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Killed once this round's writers have had appends acknowledged, so it lands mid-stream.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while acked.lock().await.len() < acked_before + ACKED_PER_ROUND_MIN {
+            assert!(std::time::Instant::now() < deadline, "the writers appended nothing in round {round}");
+            tokio::time::sleep(Duration::from_millis(bc_tests::POLL_MS)).await;
+        }
         server.kill9();
         stop.store(true, Ordering::SeqCst);
         for w in writers {

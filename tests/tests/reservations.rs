@@ -91,18 +91,18 @@ async fn holders(server: &Server) -> BTreeMap<(String, u64), String> {
     }
 }
 
-/// Waits until the reconciler has nothing left to activate: the queue and the free GPUs stay
-/// the same over a second.
+/// Waits until the reconciler has nothing left to activate: a whole reservations pass began
+/// after the newest commit and committed nothing (nothing else writes meanwhile).
 async fn settle(server: &Server) {
-    let mut last = None;
-    let mut same = 0;
-    while same < 5 {
-        let (_, q) = server.call("reservations.list", json!({ "state": "queued", "limit": 500 })).await;
-        let (_, c) = server.call("capacity.get", json!({})).await;
-        let now = (q["items"].as_array().unwrap().len(), c["items"][0]["free"].clone());
-        same = if last.as_ref() == Some(&now) { same + 1 } else { 0 };
-        last = Some(now);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let commit = server.last_commit().await;
+        let began_after_ms = bc_tests::now_ms();
+        server.wait_reconciler_pass_after("reservations", began_after_ms, WAIT);
+        if server.last_commit().await == commit {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the reservations reconciler never settled");
     }
 }
 
@@ -213,7 +213,16 @@ async fn wait_quota_and_idempotency() {
             bc_tests::cli(&["reserve", "--pool", &pool, "--gpus", "2", "--for", "1h", "--wait", "30", "--format", "json"], &env)
         })
     };
-    std::thread::sleep(Duration::from_millis(800));
+    // Released only once the waiter's reservation is queued, so it was queued behind `a`.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (_, queued) = server.call("reservations.list", json!({ "state": "queued", "limit": 500 })).await;
+        if !queued["items"].as_array().unwrap().is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the waiter's reservation never queued");
+        tokio::time::sleep(Duration::from_millis(bc_tests::POLL_MS)).await;
+    }
     server.cli(&["release", a["reservationId"].as_str().unwrap()]);
     let (code, out, err) = waiter.join().unwrap();
     assert_eq!(code, 0, "{err}");

@@ -39,6 +39,15 @@ async fn event_ids(server: &Server, types: &str) -> Vec<String> {
     page["items"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap().to_owned()).collect()
 }
 
+/// How many work items with this id the dev's SQLite database holds (0 or 1).
+async fn work_items(server: &Server, id: &str) -> i64 {
+    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(server.sqlite_path()).read_only(true);
+    let pool = sqlx::SqlitePool::connect_with(options).await.expect("open the dev's database");
+    let n = sqlx::query_scalar("SELECT COUNT(*) FROM work_items WHERE id = ?1").bind(id).fetch_one(&pool).await.expect("count");
+    pool.close().await;
+    n
+}
+
 fn deliveries(server: &Server, webhook: &str) -> Vec<Value> {
     let (code, out, err) = server.cli(&["webhooks", "deliveries", webhook, "--format", "json", "--limit", "100"]);
     assert_eq!(code, 0, "{err}");
@@ -126,12 +135,19 @@ async fn deliveries_are_signed_pinged_rotated_and_stop_on_delete() {
         assert!(log[0]["latencyMs"].is_u64());
     }
 
-    // Deleted: nothing more is delivered.
+    // Deleted: nothing more is delivered. A second webhook, still subscribed, proves the
+    // consumer went past the event: its delivery is fanned out in the same step that would have
+    // made the deleted one's, so once it arrived the deleted one has no work item for the event.
+    let other = Receiver::start();
+    create_webhook(&server, &other.url, "pool.created", &dir.path().join("other"));
     let (code, _, err) = server.cli(&["webhooks", "delete", &webhook]);
     assert_eq!(code, 0, "{err}");
     let before = receiver.received().len();
     server.pool("after-delete").await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after = event_ids(&server, "pool.created").await.pop().unwrap();
+    other.wait_for(WAIT, "the live webhook's delivery after the delete", |r| r.iter().any(|r| r.id == after));
+    let items = work_items(&server, &bc_projections::webhook_delivery_id(&after, &webhook)).await;
+    assert_eq!(items, 0, "no delivery of {after} was made for the deleted webhook");
     assert_eq!(receiver.received().len(), before, "a deleted webhook receives nothing");
 }
 
@@ -322,10 +338,13 @@ async fn two_reconcilers_on_postgres_deliver_each_event_once() {
         server.pool(&format!("p{i}")).await;
     }
     let wanted: BTreeSet<String> = event_ids(&server, "pool.created").await.into_iter().collect();
-    let got = receiver.wait_for(WAIT, "every event", |r| r.len() >= wanted.len());
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    receiver.wait_for(WAIT, "every event", |r| r.len() >= wanted.len());
+    // Every delivery done: no item can be claimed again, so whatever was sent has arrived.
+    wait_deliveries(&server, &webhook, "every delivery done", |l| {
+        l.len() == wanted.len() && l.iter().all(|d| d["state"] == "done")
+    });
     let got_after = receiver.received();
-    assert_eq!(got_after.len(), got.len(), "nothing delivered twice");
+    assert_eq!(got_after.len(), wanted.len(), "nothing delivered twice");
     let ids: BTreeSet<String> = got_after.iter().map(|r| r.id.clone()).collect();
     assert_eq!(ids, wanted);
     assert!(got_after.iter().all(|r| verifies(&secret, r)));
