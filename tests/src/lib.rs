@@ -361,3 +361,37 @@ impl Drop for Reconciler {
         self.kill9();
     }
 }
+
+/// Every projection row the log implies, folded here event by event through
+/// [`bc_projections::Projections`] (independently of `rebuild_projections`), sorted by key.
+pub async fn fold_log(store: &dyn bc_core::store::EventStore) -> Vec<bc_core::store::Row> {
+    use bc_core::store::{Projector, RowKey};
+    let projector = bc_projections::Projections;
+    let mut state: std::collections::BTreeMap<RowKey, Value> = std::collections::BTreeMap::new();
+    let mut after = bc_core::event::Position::START;
+    let mut keys = Vec::new();
+    loop {
+        let page = bc_core::store::decode_rows(store.read_after_rows(after, None, 1000).await.expect("read the log"))
+            .expect("decode the log");
+        let Some(last) = page.last() else { break };
+        after = last.position;
+        for event in &page {
+            keys.clear();
+            projector.touches(event, &mut keys);
+            for key in keys.drain(..) {
+                let current = state.remove(&key);
+                if let Some(doc) = projector.apply(&key, current, event).expect("fold an event") {
+                    state.insert(key, doc);
+                }
+            }
+        }
+    }
+    state.into_iter().map(|(key, doc)| bc_core::store::Row { key, doc }).collect()
+}
+
+/// Every projection row of `store`, sorted by key.
+pub async fn rows_sorted(store: &dyn bc_core::store::EventStore) -> Vec<bc_core::store::Row> {
+    let mut rows = store.rows_all().await.expect("projection rows");
+    rows.sort_by(|a, b| a.key.cmp(&b.key));
+    rows
+}
