@@ -131,6 +131,10 @@ pub struct ServerArgs {
     /// Do not run the reconcilers in this process (run `reconcile` instead).
     #[arg(long)]
     pub no_reconcilers: bool,
+    /// How long a write to a client that reads nothing may wait before the connection is
+    /// dropped (a stalled watcher frees its slot).
+    #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+    pub write_stall: u64,
 }
 
 #[derive(Args)]
