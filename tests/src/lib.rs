@@ -395,3 +395,57 @@ pub async fn rows_sorted(store: &dyn bc_core::store::EventStore) -> Vec<bc_core:
     rows.sort_by(|a, b| a.key.cmp(&b.key));
     rows
 }
+
+impl Reconciler {
+    /// [`Reconciler::start`] with `env` added to the process's environment (a restart drops it).
+    pub fn start_with_env(args: &[&str], dir: &Path, env: &[(&str, &str)]) -> Reconciler {
+        let n = std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+        let args: Vec<String> = std::iter::once("reconcile").chain(args.iter().copied()).map(str::to_owned).collect();
+        let log = dir.join(format!("reconcile-{n}.log"));
+        let (child, first) = spawn_logged(&args, &log, env);
+        assert!(first.starts_with("better-compute reconciling"), "unexpected first line {first:?}");
+        Reconciler { child: Some(child), args, log }
+    }
+}
+
+/// A TCP listener on loopback that counts the connections it accepts, and answers each with
+/// `response` once the request's headers are in (or closes it at once): to prove that nothing
+/// connects to it (a proxy, a redirect's target, a refused address).
+pub struct RecordingListener {
+    pub addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl RecordingListener {
+    pub fn start(response: Option<String>) -> RecordingListener {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a recording listener");
+        let addr = listener.local_addr().expect("its address");
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        // Lives as long as the test process: a blocked accept has nothing to clean up.
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some(response) = response.clone() else { continue };
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = stream.write_all(response.as_bytes());
+            }
+        });
+        RecordingListener { addr, accepted }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
