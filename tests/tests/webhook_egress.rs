@@ -91,10 +91,10 @@ async fn a_name_resolving_to_a_refused_address_is_never_connected() {
         let consumer = Webhooks::with_resolver(*policy, 2000, Arc::new(SystemClock), resolver.clone()).unwrap();
         let handled = consumer.handle(&store, &item).await;
         assert_eq!(*resolver.asked.lock().unwrap(), [RECEIVER_HOST], "{what}: the name went through the resolver");
+        assert_eq!(listener.accepted(), 0, "{what}: nothing connected to the refused address: {handled:?}");
         assert!(!handled.ok && !handled.retryable, "{what}: refused for good: {handled:?}");
         let error = handled.error.unwrap_or_default();
         assert!(error.contains("does not deliver to"), "{what}: {error}");
-        assert_eq!(listener.accepted(), 0, "{what}: nothing connected to the refused address");
     }
 
     // The control: the same name admitted (loopback, in dev) does reach the listener, so a
@@ -141,9 +141,9 @@ async fn a_redirect_is_not_followed() {
     server.pool("p").await;
     // Both attempts are recorded as the 307 they got: neither went on to the target.
     let attempts = wait_attempts(&server, &webhook, |a| a.len() == 2).await;
+    assert_eq!(target.accepted(), 0, "the redirect's target was never connected to: {attempts:#?}");
     assert!(attempts.iter().all(|a| a["status"] == 307), "{attempts:#?}");
     assert_eq!(receiver.accepted(), 2);
-    assert_eq!(target.accepted(), 0, "the redirect's target was never connected to");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,7 +164,7 @@ async fn a_proxy_in_the_environment_is_not_used() {
     let _reconciler = Reconciler::start_with_env(&args, dir.path(), &env);
     server.pool("p").await;
     let attempts = wait_attempts(&server, &webhook, |a| !a.is_empty()).await;
+    assert_eq!(proxy.accepted(), 0, "nothing connected to the proxy: {attempts:#?}");
     assert_eq!(attempts[0]["status"], 204, "delivered straight to the receiver: {attempts:#?}");
     assert_eq!(receiver.received().len(), 1);
-    assert_eq!(proxy.accepted(), 0, "nothing connected to the proxy");
 }

@@ -175,8 +175,8 @@ async fn reconciler_killed_mid_delivery_loses_nothing() {
         .await
         .unwrap();
     eprintln!("killed after {at_kill} requests arrived, with {leased} deliveries leased");
-    assert!(at_kill < 30, "the kill came while deliveries were still in flight ({at_kill} received)");
     assert!(leased > 0, "deliveries were in flight at the kill (leases held by the killed process)");
+    assert!(at_kill < 30, "the kill came while deliveries were still in flight ({at_kill} received)");
     reconciler.restart();
     // Done means a receiver answered 2xx; what was in flight at the kill is sent again once its
     // lease runs out.
