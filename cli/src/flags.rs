@@ -774,4 +774,11 @@ mod tests {
         assert!(parse_duration_s("soon").unwrap_err().contains("duration"));
         assert!(parse_duration_s("11y").unwrap_err().contains("longer than"));
     }
+
+    #[test]
+    fn the_write_stall_defaults_to_the_gateways_limit() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev { server, .. } = cli.command else { panic!("not dev") };
+        assert_eq!(server.write_stall, bc_gateway::conn::WRITE_STALL_S * 1000);
+    }
 }
