@@ -131,6 +131,10 @@ pub struct ServerArgs {
     /// Do not run the reconcilers in this process (run `reconcile` instead).
     #[arg(long)]
     pub no_reconcilers: bool,
+    /// How long a write to a client that reads nothing may wait before the connection is
+    /// dropped (a stalled watcher frees its slot).
+    #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+    pub write_stall: u64,
 }
 
 #[derive(Args)]
@@ -769,5 +773,12 @@ mod tests {
         assert!(parse_duration_s("0s").unwrap_err().contains("zero"));
         assert!(parse_duration_s("soon").unwrap_err().contains("duration"));
         assert!(parse_duration_s("11y").unwrap_err().contains("longer than"));
+    }
+
+    #[test]
+    fn the_write_stall_defaults_to_the_gateways_limit() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev { server, .. } = cli.command else { panic!("not dev") };
+        assert_eq!(server.write_stall, bc_gateway::conn::WRITE_STALL_S * 1000);
     }
 }

@@ -1,7 +1,8 @@
 //! Connections with a write deadline. A peer that stops reading fills its socket, and a write
 //! then waits for ever: a watch stream would keep its watcher slot and its buffers as long as
 //! the peer keeps the connection open. Every accepted connection is wrapped so that a write
-//! that makes no progress for [`WRITE_STALL_S`] fails, and the server drops the connection.
+//! that makes no progress for [`WRITE_STALL_S`] (`dev`/`serve --write-stall`) fails, and the
+//! server drops the connection.
 
 use std::future::Future;
 use std::io;

@@ -181,10 +181,20 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
     Ok(true)
 }
 
-/// Serves until `shutdown` resolves.
+/// Serves until `shutdown` resolves, failing writes stalled for [`conn::WRITE_STALL_S`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_with_write_stall(listener, state, Duration::from_secs(conn::WRITE_STALL_S), shutdown).await
+}
+
+/// [`serve`] with another limit on a write that makes no progress (`--write-stall`).
+pub async fn serve_with_write_stall(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    write_stall: Duration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let streams = state.clone();
@@ -193,6 +203,6 @@ pub async fn serve(
         // End the watch streams; the graceful shutdown waits for every open response.
         streams.shutdown.send_replace(true);
     };
-    let listener = conn::DeadlineListener { inner: listener, stall: Duration::from_secs(conn::WRITE_STALL_S) };
+    let listener = conn::DeadlineListener { inner: listener, stall: write_stall };
     axum::serve(listener, router(state)).with_graceful_shutdown(signal).await
 }

@@ -7,12 +7,14 @@
 //!
 //! Delivery: `POST` with a 10 s timeout, no redirects, no proxy, and a resolver that connects
 //! only to addresses the deployment's [`EndpointPolicy`] admits, checked at delivery time (a
-//! name that resolved to a public address when saved cannot later point inside). 2xx is done;
+//! name that resolved to a public address when saved cannot later point inside). The name
+//! lookup itself is a [`Resolver`]: the system's ([`SystemResolver`]) in the binaries, one the
+//! test controls in the tests, so the policy's check runs on names as well as on IP literals. 2xx is done;
 //! anything else is retried on the runner's schedule; a refused address, a deleted webhook or a
 //! missing secret is dead at once.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,17 +44,35 @@ pub struct Webhooks {
     clock: Arc<dyn Clock>,
 }
 
+/// Looks a receiver's host name up: every address it stands for, before the policy's check.
+#[async_trait]
+pub trait Resolver: Send + Sync + 'static {
+    async fn lookup(&self, host: &str) -> std::io::Result<Vec<IpAddr>>;
+}
+
+/// The operating system's resolver (`getaddrinfo`).
+pub struct SystemResolver;
+
+#[async_trait]
+impl Resolver for SystemResolver {
+    async fn lookup(&self, host: &str) -> std::io::Result<Vec<IpAddr>> {
+        Ok(tokio::net::lookup_host((host, 0)).await?.map(|a| a.ip()).collect())
+    }
+}
+
 /// Resolves names for deliveries, keeping only addresses the policy admits.
 struct PolicyResolver {
     policy: EndpointPolicy,
+    resolver: Arc<dyn Resolver>,
 }
 
 impl reqwest::dns::Resolve for PolicyResolver {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
         let policy = self.policy;
+        let resolver = self.resolver.clone();
         let host = name.as_str().to_owned();
         Box::pin(async move {
-            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let addrs: Vec<SocketAddr> = resolver.lookup(&host).await?.into_iter().map(|ip| SocketAddr::new(ip, 0)).collect();
             let admitted: Vec<SocketAddr> = addrs.iter().copied().filter(|a| policy.admits(a.ip()).is_ok()).collect();
             if admitted.is_empty() {
                 // Which address it was stays in the operator's log: the tenant who saved the URL
@@ -79,13 +99,23 @@ impl std::error::Error for Refused {}
 impl Webhooks {
     /// `timeout_ms` bounds one delivery; keep the runner's lease well above it.
     pub fn new(policy: EndpointPolicy, timeout_ms: u64, clock: Arc<dyn Clock>) -> Result<Self> {
+        Self::with_resolver(policy, timeout_ms, clock, Arc::new(SystemResolver))
+    }
+
+    /// [`Webhooks::new`] looking names up with `resolver`.
+    pub fn with_resolver(
+        policy: EndpointPolicy,
+        timeout_ms: u64,
+        clock: Arc<dyn Clock>,
+        resolver: Arc<dyn Resolver>,
+    ) -> Result<Self> {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_millis(timeout_ms))
             .connect_timeout(Duration::from_millis(timeout_ms.div_ceil(2)))
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
             .user_agent(concat!("better-compute-webhooks/", env!("CARGO_PKG_VERSION")))
-            .dns_resolver(Arc::new(PolicyResolver { policy }))
+            .dns_resolver(Arc::new(PolicyResolver { policy, resolver }))
             .build()
             .map_err(|e| Error::Internal(format!("building the HTTP client: {e}")))?;
         Ok(Self { http, timeout_ms, policy, clock })

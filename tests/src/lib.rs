@@ -440,6 +440,94 @@ impl Drop for Reconciler {
     }
 }
 
+/// Every projection row the log implies, folded here event by event through
+/// [`bc_projections::Projections`] (independently of `rebuild_projections`), sorted by key.
+pub async fn fold_log(store: &dyn bc_core::store::EventStore) -> Vec<bc_core::store::Row> {
+    use bc_core::store::{Projector, RowKey};
+    let projector = bc_projections::Projections;
+    let mut state: std::collections::BTreeMap<RowKey, Value> = std::collections::BTreeMap::new();
+    let mut after = bc_core::event::Position::START;
+    let mut keys = Vec::new();
+    loop {
+        let page = bc_core::store::decode_rows(store.read_after_rows(after, None, 1000).await.expect("read the log"))
+            .expect("decode the log");
+        let Some(last) = page.last() else { break };
+        after = last.position;
+        for event in &page {
+            keys.clear();
+            projector.touches(event, &mut keys);
+            for key in keys.drain(..) {
+                let current = state.remove(&key);
+                if let Some(doc) = projector.apply(&key, current, event).expect("fold an event") {
+                    state.insert(key, doc);
+                }
+            }
+        }
+    }
+    state.into_iter().map(|(key, doc)| bc_core::store::Row { key, doc }).collect()
+}
+
+/// Every projection row of `store`, sorted by key.
+pub async fn rows_sorted(store: &dyn bc_core::store::EventStore) -> Vec<bc_core::store::Row> {
+    let mut rows = store.rows_all().await.expect("projection rows");
+    rows.sort_by(|a, b| a.key.cmp(&b.key));
+    rows
+}
+
+impl Reconciler {
+    /// [`Reconciler::start`] with `env` added to the process's environment (a restart drops it).
+    pub fn start_with_env(args: &[&str], dir: &Path, env: &[(&str, &str)]) -> Reconciler {
+        let n = std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+        let args: Vec<String> = std::iter::once("reconcile").chain(args.iter().copied()).map(str::to_owned).collect();
+        let log = dir.join(format!("reconcile-{n}.log"));
+        let (child, first) = spawn_logged(&args, &log, env);
+        assert!(first.starts_with("better-compute reconciling"), "unexpected first line {first:?}");
+        Reconciler { child: Some(child), args, log }
+    }
+}
+
+/// A TCP listener on loopback that counts the connections it accepts, and answers each with
+/// `response` once the request's headers are in (or closes it at once): to prove that nothing
+/// connects to it (a proxy, a redirect's target, a refused address).
+pub struct RecordingListener {
+    pub addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl RecordingListener {
+    pub fn start(response: Option<String>) -> RecordingListener {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a recording listener");
+        let addr = listener.local_addr().expect("its address");
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        // Lives as long as the test process: a blocked accept has nothing to clean up.
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some(response) = response.clone() else { continue };
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = stream.write_all(response.as_bytes());
+            }
+        });
+        RecordingListener { addr, accepted }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, SystemTime};

@@ -446,17 +446,26 @@ async fn two_reservation_reconcilers_on_postgres() {
     let args = ["--only", "reservations", "--database-url", &db.url, "--data-dir", &data_dir];
     let mut a = Reconciler::start(&args, dir.path());
     let _b = Reconciler::start(&args, dir.path());
-    for id in &blockers {
-        let (status, r) = server.call("reservations.release", json!({ "reservationId": id })).await;
-        assert_eq!(status, 200, "{r}");
-    }
-    // Kill one as soon as activations are under way.
+    // Free one node's GPUs: the head of the queue activates, and what does not fit stays queued
+    // (15 GPUs asked for, 8 free), so the kill lands with the work half done.
+    let (status, r) = server.call("reservations.release", json!({ "reservationId": blockers[0] })).await;
+    assert_eq!(status, 200, "{r}");
     let deadline = Instant::now() + WAIT;
     while get_state(&server, &queued[0]).await == "queued" {
         assert!(Instant::now() < deadline, "nothing activated");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     a.kill9();
+    let mut active_at_kill = 0;
+    for id in &queued {
+        if get_state(&server, id).await == "active" {
+            active_at_kill += 1;
+        }
+    }
+    eprintln!("{active_at_kill} of {} queued reservations active at the kill", queued.len());
+    assert!(active_at_kill > 0 && active_at_kill < queued.len(), "the kill landed mid-way: {active_at_kill} active");
+    let (status, r) = server.call("reservations.release", json!({ "reservationId": blockers[1] })).await;
+    assert_eq!(status, 200, "{r}");
     let deadline = Instant::now() + WAIT;
     loop {
         let (_, page) = server.call("reservations.list", json!({ "state": "queued" })).await;

@@ -184,7 +184,14 @@ async fn reconciler_killed_mid_delivery_loses_nothing() {
     receiver.wait_for(WAIT, "some deliveries", |r| r.len() >= 6);
     reconciler.kill9();
     let at_kill = receiver.received().len();
-    eprintln!("killed after {at_kill} requests arrived");
+    // The dead process's leases stay in the table until they run out: the items it was working.
+    let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
+    let (leased,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM work_items WHERE state = 'pending' AND lease_owner IS NOT NULL")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    eprintln!("killed after {at_kill} requests arrived, with {leased} deliveries leased");
+    assert!(leased > 0, "deliveries were in flight at the kill (leases held by the killed process)");
     assert!(at_kill < 30, "the kill came while deliveries were still in flight ({at_kill} received)");
     reconciler.restart();
     // Done means a receiver answered 2xx; what was in flight at the kill is sent again once its
@@ -205,6 +212,7 @@ async fn reconciler_killed_mid_delivery_loses_nothing() {
         assert!(copies.iter().all(|c| c.body == copies[0].body), "a redelivery sends the same bytes");
     }
     eprintln!("{} deliveries for {} events ({duplicates} duplicated by the kill)", got.len(), wanted.len());
+    assert!(duplicates > 0, "a delivery cut off by the kill was sent again");
 }
 
 /// A receiver that fails, then recovers: the attempts follow the schedule (shortened to a
@@ -353,4 +361,5 @@ async fn two_reconcilers_on_postgres_deliver_each_event_once() {
     assert_eq!(attempts.len(), wanted.len(), "one attempt each");
     let owners: BTreeSet<&str> = attempts.iter().map(|a| a["owner"].as_str().unwrap()).collect();
     eprintln!("deliveries split over {} reconciler processes", owners.len());
+    assert_eq!(owners.len(), 2, "both reconcilers delivered: {owners:?}");
 }

@@ -55,6 +55,7 @@ async fn run_server(db: Database, data_dir: &Path, args: &ServerArgs, dev: bool,
         &args.sealing.deployment.deployment,
         run,
         options.policy,
+        std::time::Duration::from_millis(args.write_stall),
     )
     .await
 }

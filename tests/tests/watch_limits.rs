@@ -1,0 +1,110 @@
+//! The watch's limits through the real server: at most `WATCHERS_MAX` (256) watchers at once,
+//! the next refused with 503 `UNAVAILABLE`; and a watcher that stops reading is dropped once a
+//! write has waited `--write-stall` (30 s by default, 2 s here), which frees its slot.
+
+use std::time::{Duration, Instant};
+
+use bc_tests::Server;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `bc_gateway::watch::WATCHERS_MAX`, as the server's operator reads it.
+const WATCHERS_MAX: usize = 256;
+/// The stall limit given to the server, well under the watch's own 30 s send timeout.
+const WRITE_STALL: &str = "2s";
+/// Nodes of about 25 kB of event each: several MB of replay, more than the sockets, the
+/// server's write buffer and the watcher's channel can hold, so a reader that takes nothing
+/// stalls the server's writes.
+const BIG_NODES: usize = 240;
+
+/// Registers `BIG_NODES` nodes with 64 GPUs and 64 long labels each, 8 at a time.
+async fn big_events(server: &Server) {
+    let pool = server.pool("big").await;
+    let gpus: Vec<Value> =
+        (0..64).map(|i| json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": i / 8 })).collect();
+    let labels: serde_json::Map<String, Value> =
+        (0..64).map(|i| (format!("label-{i:02}-{}", "k".repeat(50)), json!("v".repeat(255)))).collect();
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let (http, url, token, pool, gpus, labels) =
+            (server.http.clone(), server.url.clone(), server.token.clone(), pool.clone(), gpus.clone(), labels.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in (w..BIG_NODES).step_by(8) {
+                let body = json!({ "poolId": pool, "name": format!("n{i}"), "gpus": gpus, "labels": labels });
+                let r =
+                    http.post(format!("{url}/api/compute/nodes.register")).bearer_auth(&token).json(&body).send().await.unwrap();
+                assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// Opens a watch (`since` given or not) and returns its response once the headers are in.
+async fn open(server: &Server, client: &reqwest::Client, since: Option<&str>) -> reqwest::Response {
+    let mut url = format!("{}/watch", server.url);
+    if let Some(since) = since {
+        url.push_str(&format!("?since={since}"));
+    }
+    client.get(url).bearer_auth(&server.token).send().await.expect("open a watch")
+}
+
+/// A watch over a raw socket with a small receive buffer, from the start of the log; the caller
+/// reads nothing from it.
+async fn stalled_watch(server: &Server) -> tokio::net::TcpStream {
+    let addr: std::net::SocketAddr = server.url.trim_start_matches("http://").parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    let request = format!(
+        "GET /watch?since=start HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {}\r\naccept: text/event-stream\r\n\r\n",
+        server.token
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
+    let server = Server::dev_with(&["--no-reconcilers", "--write-stall", WRITE_STALL]);
+    big_events(&server).await;
+    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    // Watchers at the end of the log: idle, reading what comes (nothing but heartbeats).
+    let mut held = Vec::new();
+    for _ in 0..WATCHERS_MAX - 1 {
+        let response = open(&server, &client, None).await;
+        assert_eq!(response.status(), 200);
+        held.push(response);
+    }
+    // The last slot: a watcher that replays the whole log and reads none of it.
+    let mut stalled = stalled_watch(&server).await;
+    let refused_at = Instant::now();
+    let refused = open(&server, &client, None).await;
+    assert_eq!(refused.status(), 503, "watcher {} is refused", WATCHERS_MAX + 1);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["code"], "UNAVAILABLE", "{body}");
+
+    // The stalled write fails after --write-stall and the server drops that connection, so a
+    // slot is free again while the other 255 stay connected.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let admitted = loop {
+        let response = open(&server, &client, None).await;
+        if response.status() == 200 {
+            break response;
+        }
+        assert_eq!(response.status(), 503);
+        assert!(Instant::now() < deadline, "the stalled watcher still holds its slot");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let freed_after = refused_at.elapsed();
+    eprintln!("a slot was free {freed_after:?} after the cap refused a watcher");
+    assert!(freed_after < Duration::from_secs(25), "freed by the write stall, not the watch's 30 s send timeout");
+    // The dropped connection ends: what the socket held, then its end.
+    let mut sink = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), stalled.read_to_end(&mut sink)).await;
+    assert!(read.is_ok(), "the stalled connection was closed by the server");
+    assert!(sink.starts_with(b"HTTP/1.1 200"), "it was a watch: {:?}", String::from_utf8_lossy(&sink[..sink.len().min(200)]));
+    drop((held, admitted));
+}
