@@ -157,17 +157,24 @@ fn main() {
     runtime.block_on(async {
         let (url, received) = receiver().await;
         let body = "x".repeat(900); // about the size of one event's delivery body
-        let raw = raw_posts(&url, &body).await;
+        // The baseline runs warm and alternates with the measured runs (raw, SQLite, raw,
+        // PostgreSQL, raw): each measured run is compared with the mean of the raw runs on either
+        // side of it, so a machine that speeds up or slows down during the bench skews neither.
+        let _warm_up = raw_posts(&url, &body).await;
+        let raw_before = raw_posts(&url, &body).await;
         let dir = tempfile::tempdir().unwrap();
         let sqlite: Arc<dyn EventStore> =
             Arc::new(bc_core::store::sqlite::SqliteStore::open(&dir.path().join("wh.sqlite3")).await.unwrap());
         let (sqlite_rate, _) = deliveries(sqlite, &url, &received).await;
+        let raw_between = raw_posts(&url, &body).await;
         let db = bc_core::testing::ScratchDatabase::create().await.expect("PostgreSQL is required for make bench");
         let pg: Arc<dyn EventStore> = Arc::new(bc_core::store::postgres::PostgresStore::connect(&db.url).await.unwrap());
         let (pg_rate, _) = deliveries(pg, &url, &received).await;
+        let raw_after = raw_posts(&url, &body).await;
+        let (sqlite_raw, pg_raw) = ((raw_before + raw_between) / 2.0, (raw_between + raw_after) / 2.0);
         println!("webhooks: {EVENTS} deliveries, {CONCURRENCY} in flight, loopback receiver");
-        println!("  raw signed POSTs (baseline)  {raw:>8.0} /s");
-        println!("  deliveries, sqlite           {sqlite_rate:>8.0} /s   ratio {:.2}", sqlite_rate / raw);
-        println!("  deliveries, postgresql       {pg_rate:>8.0} /s   ratio {:.2}", pg_rate / raw);
+        println!("  raw signed POSTs (baseline)  {raw_before:>8.0} /s, {raw_between:>8.0} /s, {raw_after:>8.0} /s (before, between, after)");
+        println!("  deliveries, sqlite           {sqlite_rate:>8.0} /s   ratio {:.2} (to the raw runs beside it)", sqlite_rate / sqlite_raw);
+        println!("  deliveries, postgresql       {pg_rate:>8.0} /s   ratio {:.2} (to the raw runs beside it)", pg_rate / pg_raw);
     });
 }
