@@ -94,6 +94,18 @@ pub fn api_http(url: &url::Url, builder: reqwest::ClientBuilder) -> Result<reqwe
     let mut builder = builder.redirect(reqwest::redirect::Policy::none());
     if url.scheme() == "http" {
         builder = builder.no_proxy();
+        // A `*.localhost` name is loopback by definition (RFC 6761), but a resolver without that
+        // rule may send it to DNS: pin it to loopback, so the clear-text token stays local.
+        if let Some(url::Host::Domain(name)) = url.host()
+            && name.to_ascii_lowercase().ends_with(".localhost")
+        {
+            let port = url.port_or_known_default().unwrap_or(80);
+            let loopback = [
+                std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                std::net::SocketAddr::from(([0u16, 0, 0, 0, 0, 0, 0, 1], port)),
+            ];
+            builder = builder.resolve_to_addrs(name, &loopback);
+        }
     }
     builder.build().map_err(|e| CliError::new("INTERNAL", format!("building the HTTP client: {e}")))
 }

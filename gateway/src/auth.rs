@@ -37,9 +37,12 @@ pub const ACTIONS_PER_KEY_MAX: usize = 64;
 pub fn grantable_actions() -> Vec<String> {
     let mut all = vec!["*".to_owned()];
     for action in ACTIONS {
-        let group = action.rsplit_once(':').map(|(group, _)| format!("{group}:*")).unwrap_or_default();
-        if !all.contains(&group) {
-            all.push(group);
+        // Every prefix ending at a `:` is a wildcard: `compute:*`, `compute:pools:*`.
+        for (i, _) in action.match_indices(':') {
+            let wildcard = format!("{}:*", &action[..i]);
+            if !all.contains(&wildcard) {
+                all.push(wildcard);
+            }
         }
     }
     all.extend(ACTIONS.iter().map(|a| (*a).to_owned()));
@@ -182,6 +185,8 @@ mod tests {
         for action in grantable_actions() {
             assert!(validate_actions(std::slice::from_ref(&action)).is_ok(), "{action}");
         }
+        // Regression (review): `compute:*` was accepted but missing from the schema's list.
+        assert!(grantable_actions().contains(&"compute:*".to_owned()));
         // Regression: a key could grant more than its creator held.
         assert!(check_grantable(&p, &["compute:pools:read".into(), "compute:pools:*".into()]).is_ok());
         assert!(check_grantable(&p, &["*".into()]).is_err());

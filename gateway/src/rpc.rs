@@ -48,7 +48,10 @@ async fn call(
     let method = api::find(name).ok_or_else(|| {
         ApiError::with_details(
             Error::NotFound { what: format!("method {:?}", bc_core::id::truncate(name, 64)) },
-            json!({ "didYouMean": api::suggest(name).unwrap_or_default() }),
+            match api::suggest(name) {
+                Some(nearest) => json!({ "didYouMean": nearest }),
+                None => json!({}),
+            },
         )
     })?;
     let principal = match method.access {

@@ -195,17 +195,20 @@ async fn nodes_list(call: &Call<'_>, input: NodesList) -> Result<Page<NodeView>>
 }
 
 /// Appends one change to a node at the version asked for (or read), and answers with the node.
+/// The payload is made once the caller is authorized and the node found, so a caller who may
+/// not change it learns nothing from its validation.
 async fn node_change(
     call: &Call<'_>,
     tenant_id: &Option<String>,
     node_id: &str,
     if_version: Option<u64>,
     event_type: &str,
-    payload: ciborium::Value,
+    payload: impl FnOnce() -> Result<ciborium::Value>,
 ) -> Result<NodeChangedView> {
     let tenant = call.tenant(tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", node_id)?;
     let node = node_doc(call, tenant, &node_id.to_string()).await?;
+    let payload = payload()?;
     let expected = ExpectedVersion::Exact(if_version.unwrap_or(node.version));
     call.append(tenant, stream_of(KIND_NODE, &node_id), expected, event_type, payload).await?;
     let node: NodeView = node_doc(call, tenant, &node_id.to_string()).await?.into();
@@ -214,17 +217,17 @@ async fn node_change(
 }
 
 async fn nodes_cordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
-    let payload = ev::to_cbor(&ev::NodeStateChanged {})?;
+    let payload = || ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_CORDONED, payload).await
 }
 
 async fn nodes_uncordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
-    let payload = ev::to_cbor(&ev::NodeStateChanged {})?;
+    let payload = || ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_UNCORDONED, payload).await
 }
 
 async fn nodes_drain(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
-    let payload = ev::to_cbor(&ev::NodeStateChanged {})?;
+    let payload = || ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_DRAINING, payload).await
 }
 
@@ -243,11 +246,9 @@ fn check_keys(input: &NodeKeys) -> Result<ciborium::Value> {
 }
 
 async fn nodes_label(call: &Call<'_>, input: NodeKeys) -> Result<NodeChangedView> {
-    let payload = check_keys(&input)?;
-    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_LABELED, payload).await
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_LABELED, || check_keys(&input)).await
 }
 
 async fn nodes_taint(call: &Call<'_>, input: NodeKeys) -> Result<NodeChangedView> {
-    let payload = check_keys(&input)?;
-    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_TAINTED, payload).await
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_TAINTED, || check_keys(&input)).await
 }

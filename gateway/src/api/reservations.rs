@@ -34,8 +34,9 @@ const WRITE: Access = Access::Action("compute:reservations:write");
 
 /// Tolerations one request may carry.
 pub const TOLERATIONS_MAX: usize = 16;
-/// The longest duration a request may name before its pool's own maximum is applied: a year.
-pub const DURATION_S_MAX: i64 = 366 * 24 * 3600;
+/// The longest duration a request may name before its pool's own maximum is applied: the
+/// longest any pool may allow.
+pub const DURATION_S_MAX: i64 = super::pools::MAX_RESERVATION_S_LIMIT as i64;
 
 pub(super) const METHODS: &[Method] = &[
     method!("reservations.create", WRITE, "reserve GPUs: placed at once, or queued", AskInput => ReservationView, reservations_create),

@@ -94,6 +94,9 @@ pub(super) const METHODS: &[Method] = &[
     ),
 ];
 
+/// A TCP port, 1 to 65535, as a pattern.
+const PORT: &str = "(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})";
+
 /// A receiver's URL as the schema states it: `https://` and a fully qualified host name. The
 /// deployment's policy decides the rest when the URL is saved (no private, link-local or
 /// metadata addresses; loopback and `http://` only in `dev`) and again at every delivery.
@@ -107,7 +110,9 @@ impl JsonSchema for ReceiverUrl {
         schemars::json_schema!({
             "type": "string",
             "maxLength": bc_core::webhook::URL_BYTES_MAX,
-            "pattern": "^https://([a-z0-9][a-z0-9-]{0,62}\\.)+[a-z][a-z0-9-]{0,62}(:[1-9][0-9]{0,3})?(/[A-Za-z0-9._~/-]{0,200})?$",
+            "pattern": format!(
+                "^https://([A-Za-z0-9][A-Za-z0-9-]{{0,62}}\\.)+[A-Za-z][A-Za-z0-9-]{{0,62}}(:{PORT})?(/[A-Za-z0-9._~/%-]{{0,200}})?(\\?[A-Za-z0-9._~=&%-]{{0,200}})?$"
+            ),
         })
     }
 }
@@ -243,8 +248,8 @@ pub struct WebhooksRedeliver {
     tenant_id: Option<String>,
     #[schemars(with = "WebhookIdText")]
     webhook_id: String,
-    /// `evt_…/wh_…`, as `webhooks.deliveries` lists them.
-    #[schemars(regex(pattern = r"^evt_[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}/wh_[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}$"))]
+    /// `evt_…/wh_…` in lowercase, as `webhooks.deliveries` lists them.
+    #[schemars(regex(pattern = r"^evt_[0-7][0-9a-hjkmnp-tv-z]{25}/wh_[0-7][0-9a-hjkmnp-tv-z]{25}$"))]
     delivery_id: String,
 }
 
