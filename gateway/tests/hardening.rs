@@ -155,3 +155,38 @@ async fn finding_4_an_update_racing_an_archive_with_a_stale_if_version_does_not_
     assert!(doc.archived);
     assert_eq!((doc.version, doc.name.as_str()), (2, "gpu-b"));
 }
+
+/// The poisoning of the issue: a request racing a delete (an update at the deleted webhook's
+/// version, checked against the live one) reached the fold, which failed inside the commit, and
+/// every request of its batch failed with it, other tenants' included. Tenants append
+/// concurrently while one sends the racing `ifVersion`: it alone is refused, every other
+/// request succeeds.
+#[tokio::test]
+async fn finding_4_a_racing_if_version_does_not_fail_other_tenants_appends() {
+    let world = World::new().await;
+    let mut tenants = Vec::new();
+    for name in ["t1", "t2", "t3"] {
+        let (status, tenant) = call(&world.router, &world.token, "tenants.create", json!({ "name": name })).await;
+        assert_eq!(status, 200, "{tenant}");
+        tenants.push(tenant["tenantId"].as_str().unwrap().to_owned());
+    }
+    let body = json!({ "url": "https://hooks.example.com/compute", "eventTypes": ["pool.*"] });
+    let (status, webhook) = call(&world.router, &world.token, "webhooks.create", body).await;
+    assert_eq!(status, 200, "{webhook}");
+    let webhook_id = webhook["webhookId"].as_str().unwrap().to_owned();
+    let (_replica, stale) = world.stale_gateway().await;
+    let (status, body) = call(&world.router, &world.token, "webhooks.delete", json!({ "webhookId": webhook_id })).await;
+    assert_eq!(status, 200, "{body}");
+
+    let racing =
+        call(&stale, &world.token, "webhooks.update", json!({ "webhookId": webhook_id, "ifVersion": 2, "description": "x" }));
+    let others = (0..12).map(|i| {
+        let body = json!({ "tenantId": tenants[i % tenants.len()], "name": format!("p{i}") });
+        call(&world.router, &world.token, "pools.create", body)
+    });
+    let (racing, others) = tokio::join!(racing, futures::future::join_all(others));
+    for (status, body) in others {
+        assert_eq!(status, 200, "every other request succeeds: {body}");
+    }
+    assert_eq!((racing.0, racing.1["code"].as_str()), (409, Some("CONFLICT")), "{}", racing.1);
+}
