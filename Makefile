@@ -44,6 +44,7 @@ bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench watch
 	$(CARGO) bench -p bc-cli --bench webhooks
 	$(CARGO) bench -p bc-cli --bench reservations
+	$(CARGO) bench -p bc-cli --bench unknown_method
 
 lint:
 	$(CARGO) fmt --all --check

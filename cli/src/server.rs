@@ -187,6 +187,7 @@ pub async fn reconcile(
             return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
                 .hint("the reservations and checkpoints reconcilers append: pass the --data-dir that dev or serve uses"));
         }
+        check_log_key(&*store, data_dir).await?;
         let key = Arc::new(LogKey::load(&key_path)?);
         let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?);
         if names.contains(&bc_reconcilers::reservations::NAME) {
@@ -214,6 +215,119 @@ pub async fn reconcile(
     Ok(())
 }
 
+/// Key ids a refusal names at most.
+const KEY_IDS_SHOWN_MAX: usize = 4;
+
+/// Refuses to sign with a key the log does not know: when the database already knows signing
+/// keys and the data directory holds none of them (a moved, lost or foreign `log.key`; with no
+/// `log.key` at all, starting would create a new one), the log would go on under a key that
+/// `audit verify` calls tampering. Also refuses while a key rotation is half done (`log.key.next`
+/// present), saying how to finish it. A new database (no keys yet) takes the directory's key,
+/// or a new one.
+async fn check_log_key(store: &dyn EventStore, data_dir: &Path) -> Result<(), CliError> {
+    let key_path = data_dir.join(LOG_KEY_FILE);
+    let next_path = data_dir.join(format!("{LOG_KEY_FILE}.next"));
+    if next_path.exists() {
+        return Err(interrupted_rotation(store, data_dir, &key_path, &next_path).await);
+    }
+    let known: Vec<String> = store.signing_keys().await?.into_iter().map(|(key_id, _)| key_id).collect();
+    if known.is_empty() {
+        return Ok(());
+    }
+    let mut shown = known.iter().take(KEY_IDS_SHOWN_MAX).cloned().collect::<Vec<_>>().join(", ");
+    if known.len() > KEY_IDS_SHOWN_MAX {
+        shown.push_str(", …");
+    }
+    let dir = data_dir.display();
+    if !key_path.exists() {
+        return Err(CliError::new(
+            "PKI_NOT_FOUND",
+            format!("no log key at {}, but this database's log is signed by {shown}", key_path.display()),
+        )
+        .hint(format!(
+            "restore that log.key into {dir} (or pass the --data-dir that holds it; `better-compute pki show --data-dir DIR` \
+             names a directory's key id): a new key would make `audit verify` report the log as tampered"
+        )));
+    }
+    let key = LogKey::load(&key_path)?;
+    if !known.iter().any(|k| k == key.key_id()) {
+        return Err(CliError::new(
+            "PKI_MISMATCH",
+            format!(
+                "the log key in {} ({}) is not one this database's log is signed by ({shown})",
+                key_path.display(),
+                key.key_id()
+            ),
+        )
+        .hint(format!(
+            "{dir} belongs to another database: pass the --data-dir that holds this database's log.key \
+             (`better-compute pki show --data-dir DIR` names a directory's key id)"
+        )));
+    }
+    Ok(())
+}
+
+/// The refusal for a half-done `pki rotate-log-key`, with how to finish it: it writes
+/// `log.key.next`, registers the new key and appends `log_key.rotated`, then renames `log.key`
+/// to `log.key.OLD_KEY_ID` and `log.key.next` to `log.key`.
+async fn interrupted_rotation(store: &dyn EventStore, data_dir: &Path, key_path: &Path, next_path: &Path) -> CliError {
+    let dir = data_dir.display();
+    let error = CliError::new(
+        "PKI_ROTATION_INTERRUPTED",
+        format!("{} exists: a log key rotation (`better-compute pki rotate-log-key`) did not finish", next_path.display()),
+    );
+    let next = match LogKey::load(next_path) {
+        Ok(next) => next,
+        Err(_) => {
+            return error.hint(format!(
+                "{} is unreadable, so the rotation was never used: delete it and run `better-compute pki rotate-log-key \
+                 --data-dir {dir}` again",
+                next_path.display()
+            ));
+        }
+    };
+    match rotation_recorded(store, next.key_id()).await {
+        Ok(true) => {
+            let archive = match LogKey::load(key_path) {
+                Ok(old) => format!("mv {} {}/{LOG_KEY_FILE}.{} && ", key_path.display(), dir, old.key_id()),
+                Err(_) => String::new(),
+            };
+            error.hint(format!(
+                "the log records the rotation to {}: finish it with `{archive}mv {} {}`, then start again",
+                next.key_id(),
+                next_path.display(),
+                key_path.display()
+            ))
+        }
+        Ok(false) => error.hint(format!(
+            "the log does not record a rotation to {}: delete {} and run `better-compute pki rotate-log-key --data-dir \
+             {dir}` again",
+            next.key_id(),
+            next_path.display()
+        )),
+        Err(e) => error.hint(format!("reading the log to see whether the rotation was recorded failed: {}", e.public_message())),
+    }
+}
+
+/// Whether the root tenant's chain records a rotation to `key_id` (`log_key.rotated`).
+async fn rotation_recorded(store: &dyn EventStore, key_id: &str) -> bc_core::Result<bool> {
+    use bc_core::id::TenantId;
+    let root = TenantId::ROOT;
+    let stream = format!("log_key/{root}");
+    let mut after = 0;
+    loop {
+        let page =
+            bc_core::store::decode_rows(store.read_stream_rows(root, &stream, after, bc_core::store::READ_ROWS_MAX).await?)?;
+        let Some(last) = page.last() else { return Ok(false) };
+        after = last.envelope.version;
+        let names_key =
+            |event: &bc_core::event::StoredEvent| bc_core::canonical::to_json(&event.envelope.payload)["newKeyId"] == key_id;
+        if page.iter().any(|e| e.envelope.event_type == bc_core::audit::LOG_KEY_ROTATED && names_key(e)) {
+            return Ok(true);
+        }
+    }
+}
+
 /// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_server(
@@ -237,6 +351,7 @@ pub async fn run_server(
         }
     }
     store.check_schema().await?;
+    check_log_key(&*store, data_dir).await?;
     let key_path = data_dir.join(LOG_KEY_FILE);
     let (key, created) = LogKey::load_or_create(&key_path)?;
     if created {

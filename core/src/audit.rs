@@ -625,7 +625,11 @@ pub fn check_proof(proof: &str, consistency: Option<&str>, pins: &[String], vkey
     if !body.origin.ends_with(&format!("/audit/{}", event.tenant)) {
         return Err(format!("the checkpoint is for {}, not for the event's tenant {}", body.origin, event.tenant));
     }
-    if event.seq != file.index + 1 {
+    // Leaf `index` is the event of seq `index + 1`: no seq follows u64::MAX.
+    let Some(seq_proved) = file.index.checked_add(1) else {
+        return Err(format!("the proof's index {} is out of range: no event has seq {} + 1", file.index, file.index));
+    };
+    if event.seq != seq_proved {
         return Err(format!("the event has seq {} but the proof is for index {}", event.seq, file.index));
     }
     let hash = sha256(&file.event);

@@ -125,7 +125,9 @@ pub fn write_secret_file(path: &Path, contents: &[u8]) -> Result<()> {
     write_new_file(path, contents, 0o600)
 }
 
-/// Writes a new file with `mode`, synced; refuses to replace an existing one (`ALREADY_EXISTS`).
+/// Writes a new file with `mode`, synced, and syncs its directory so the file's name survives a
+/// crash too (a key or token lost after its first use is a log that no longer verifies);
+/// refuses to replace an existing one (`ALREADY_EXISTS`).
 pub fn write_new_file(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     if let Some(parent) = path.parent() {
@@ -138,7 +140,19 @@ pub fn write_new_file(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
         })?;
     file.write_all(contents)
         .and_then(|()| file.sync_all())
-        .map_err(|e| Error::Internal(format!("writing {}: {e}", path.display())))
+        .map_err(|e| Error::Internal(format!("writing {}: {e}", path.display())))?;
+    sync_dir_of(path)
+}
+
+/// Syncs the directory holding `path`, so that a file created or renamed there is durable.
+pub fn sync_dir_of(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::Internal(format!("syncing directory {}: {e}", dir.display())))
 }
 
 /// A public key as the store holds it (`signing_keys`): 32 bytes, a valid point, and named by

@@ -121,36 +121,66 @@ pub enum AddressClass {
 pub fn classify(ip: IpAddr) -> AddressClass {
     match ip {
         IpAddr::V4(v4) => classify_v4(v4),
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return classify_v4(v4);
-            }
-            let [seg0, seg1, ..] = v6.segments();
-            if v6.is_loopback() {
-                AddressClass::Loopback
-            } else if v6.is_unspecified()
-                || v6.is_multicast()
-                || (seg0, seg1) == (0x2001, 0x0db8)
-                // Link-local and the old site-local: the instance-metadata neighbourhood.
-                || (seg0 & 0xffc0) == 0xfe80
-                || (seg0 & 0xffc0) == 0xfec0
-                // Teredo tunnels an IPv4 address the policy cannot see.
-                || (seg0, seg1) == (0x2001, 0x0000)
-                // AWS's IPv6 instance metadata service.
-                || v6 == Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254)
-            {
-                AddressClass::Forbidden
-            } else if (seg0 & 0xfe00) == 0xfc00 {
-                AddressClass::Private
-            } else if (seg0, seg1) == (0x0064, 0xff9b) || seg0 == 0x2002 || v6.segments()[..6] == [0; 6] {
-                // NAT64, 6to4 and IPv4-compatible addresses embed an IPv4 address the policy
-                // cannot see through: refuse rather than guess.
-                AddressClass::Forbidden
-            } else {
-                AddressClass::Public
-            }
-        }
+        IpAddr::V6(v6) => classify_v6(v6),
     }
+}
+
+/// The stricter of two classes: what an address is when it is both (an IPv6 address and the
+/// IPv4 address it carries). Loopback and private together are refused.
+fn stricter(a: AddressClass, b: AddressClass) -> AddressClass {
+    use AddressClass::*;
+    match (a, b) {
+        (x, y) if x == y => x,
+        (Public, other) | (other, Public) => other,
+        _ => Forbidden,
+    }
+}
+
+/// Every IPv6 form that carries an IPv4 address is checked against the IPv4 rules:
+/// - IPv4-mapped `::ffff:0:0/96` and IPv4-translated `::ffff:0:0:0/96` (RFC 6145) reach the
+///   IPv4 address itself: they are what it is;
+/// - NAT64 (`64:ff9b::/96`, the local-use `64:ff9b:1::/48` of RFC 8215 and the rest of
+///   `64:ff9b::/32`), 6to4 `2002::/16`, Teredo `2001::/32` and IPv4-compatible `::/96` reach it
+///   through a translator or a tunnel the policy cannot see: refused, whatever they carry;
+/// - ISATAP interface identifiers (`::0:5efe:a.b.c.d`, `::200:5efe:a.b.c.d`, RFC 5214) under any
+///   prefix are at least what the IPv4 address they carry is.
+fn classify_v6(v6: Ipv6Addr) -> AddressClass {
+    let segments = v6.segments();
+    let [seg0, seg1, ..] = segments;
+    let embedded = |hi: u16, lo: u16| Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return classify_v4(v4);
+    }
+    if segments[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        return classify_v4(embedded(segments[6], segments[7]));
+    }
+    let class = if v6.is_loopback() {
+        AddressClass::Loopback
+    } else if v6.is_unspecified()
+        || v6.is_multicast()
+        || (seg0, seg1) == (0x2001, 0x0db8)
+        // Link-local and the old site-local: the instance-metadata neighbourhood.
+        || (seg0 & 0xffc0) == 0xfe80
+        || (seg0 & 0xffc0) == 0xfec0
+        // AWS's IPv6 instance metadata service.
+        || v6 == Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254)
+        // Translated or tunnelled IPv4: NAT64 (well-known and local-use), Teredo, 6to4,
+        // IPv4-compatible.
+        || (seg0, seg1) == (0x0064, 0xff9b)
+        || (seg0, seg1) == (0x2001, 0x0000)
+        || seg0 == 0x2002
+        || segments[..6] == [0; 6]
+    {
+        AddressClass::Forbidden
+    } else if (seg0 & 0xfe00) == 0xfc00 {
+        AddressClass::Private
+    } else {
+        AddressClass::Public
+    };
+    if (segments[4] & 0xfdff, segments[5]) == (0, 0x5efe) {
+        return stricter(class, classify_v4(embedded(segments[6], segments[7])));
+    }
+    class
 }
 
 fn classify_v4(v4: Ipv4Addr) -> AddressClass {
@@ -307,5 +337,59 @@ mod tests {
         ] {
             assert!(lan.check_url(never).is_err() && dev.check_url(never).is_err(), "{never} is never a receiver");
         }
+    }
+
+    /// Finding 10 (issue 15): `::ffff:0:0:0/96` (IPv4-translated) counted as public whatever
+    /// IPv4 address it carried. Every IPv4-embedding IPv6 form, carrying a loopback, private,
+    /// link-local (metadata) or public IPv4 address, is refused by every policy unless the IPv4
+    /// address itself would be admitted.
+    #[test]
+    fn ipv4_embedding_ipv6_forms_are_checked_against_the_ipv4_rules() {
+        let policies = [
+            EndpointPolicy { allow_loopback: false, allow_private: false },
+            EndpointPolicy { allow_loopback: true, allow_private: false },
+            EndpointPolicy { allow_loopback: false, allow_private: true },
+            EndpointPolicy { allow_loopback: true, allow_private: true },
+        ];
+        let carried: [Ipv4Addr; 5] = [
+            Ipv4Addr::new(127, 0, 0, 1),
+            Ipv4Addr::new(10, 1, 2, 3),
+            Ipv4Addr::new(169, 254, 169, 254),
+            Ipv4Addr::new(100, 64, 0, 1),
+            Ipv4Addr::new(8, 8, 8, 8),
+        ];
+        // Each form as a function of the IPv4 address it carries, and whether it reaches that
+        // address itself (true) or only through a translator or tunnel (false: never admitted).
+        type Form = (&'static str, fn(u16, u16) -> Ipv6Addr, bool);
+        let forms: [Form; 10] = [
+            ("IPv4-mapped ::ffff:0:0/96", |hi, lo| Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, hi, lo), true),
+            ("IPv4-translated ::ffff:0:0:0/96", |hi, lo| Ipv6Addr::new(0, 0, 0, 0, 0xffff, 0, hi, lo), true),
+            ("IPv4-compatible ::/96", |hi, lo| Ipv6Addr::new(0, 0, 0, 0, 0, 0, hi, lo), false),
+            ("NAT64 64:ff9b::/96", |hi, lo| Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, hi, lo), false),
+            ("local NAT64 64:ff9b:1::/48 (as /96)", |hi, lo| Ipv6Addr::new(0x64, 0xff9b, 1, 0, 0, 0, hi, lo), false),
+            ("local NAT64 64:ff9b:1::/48 (as /48)", |hi, lo| Ipv6Addr::new(0x64, 0xff9b, 1, hi, lo >> 8, lo << 8, 0, 0), false),
+            ("6to4 2002::/16", |hi, lo| Ipv6Addr::new(0x2002, hi, lo, 0, 0, 0, 0, 1), false),
+            ("Teredo 2001::/32", |hi, lo| Ipv6Addr::new(0x2001, 0, 0x4136, 0xe378, 0x8000, 0x63bf, !hi, !lo), false),
+            ("ISATAP ::0:5efe:a.b.c.d", |hi, lo| Ipv6Addr::new(0x2a00, 0x1450, 0, 0, 0, 0x5efe, hi, lo), true),
+            ("ISATAP ::200:5efe:a.b.c.d", |hi, lo| Ipv6Addr::new(0x2a00, 0x1450, 0, 0, 0x200, 0x5efe, hi, lo), true),
+        ];
+        for (name, form, direct) in forms {
+            for v4 in carried {
+                let [a, b, c, d] = v4.octets();
+                let v6 = form(u16::from_be_bytes([a, b]), u16::from_be_bytes([c, d]));
+                for policy in policies {
+                    let v4_admitted = policy.admits(IpAddr::V4(v4)).is_ok();
+                    let v6_admitted = policy.admits(IpAddr::V6(v6)).is_ok();
+                    assert_eq!(v6_admitted, direct && v4_admitted, "{name}: {v6} carrying {v4} under {policy:?}");
+                }
+            }
+        }
+        // As URLs too, where the saved text is checked.
+        let lan = EndpointPolicy { allow_loopback: false, allow_private: true };
+        for bad in ["https://[::ffff:0:7f00:1]/", "https://[::ffff:0:a9fe:a9fe]/", "https://[64:ff9b:1::a00:1]/"] {
+            assert!(lan.check_url(bad).is_err(), "{bad} should be refused");
+        }
+        assert!(EndpointPolicy::default().check_url("https://[::ffff:0:a00:1]/").is_err());
+        assert!(EndpointPolicy::default().check_url("https://[::ffff:0:808:808]/").is_ok());
     }
 }

@@ -21,7 +21,7 @@ use crate::{AppState, BODY_BYTES_MAX, IDEMPOTENCY_KEY_BYTES_MAX, auth};
 pub async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, headers: HeaderMap, body: Body) -> Response {
     // From the deployment's id source: the request id is the events' correlation.
     let request_id = RequestId::from_ulid(state.log.ids.ulid()).to_string();
-    let span = tracing::info_span!("rpc", method = %bc_core::id::truncate(&name, 64), request_id = %request_id);
+    let span = tracing::info_span!("rpc", method = %echo(&name), request_id = %request_id);
     let mut response = match call(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
         Ok(value) => axum::Json(value).into_response(),
         Err(e) => {
@@ -38,6 +38,34 @@ pub async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, h
     response
 }
 
+/// `NOT_FOUND` for a method not in the table. Anyone may ask, without a token, so the work is
+/// bounded: a name longer than [`api::METHOD_NAME_BYTES_MAX`] gets no "did you mean" (finding a
+/// suggestion compares the name with every method's), and at most `METHOD_NAME_ECHO_CHARS` of
+/// the name are echoed.
+fn unknown_method(name: &str) -> ApiError {
+    if name.len() > api::METHOD_NAME_BYTES_MAX {
+        let what = format!("method {:?} (longer than {} bytes)", echo(name), api::METHOD_NAME_BYTES_MAX);
+        return Error::NotFound { what }.into();
+    }
+    let details = match api::suggest(name) {
+        Some(nearest) => json!({ "didYouMean": nearest }),
+        None => json!({}),
+    };
+    ApiError::with_details(Error::NotFound { what: format!("method {:?}", echo(name)) }, details)
+}
+
+/// Characters of an unknown method's name the answer repeats.
+const METHOD_NAME_ECHO_CHARS: usize = 64;
+
+/// The start of `name`, as the answer repeats it, whatever its length.
+fn echo(name: &str) -> String {
+    let end = name.char_indices().nth(METHOD_NAME_ECHO_CHARS).map(|(at, _)| at);
+    match end {
+        Some(at) => format!("{}…", &name[..at]),
+        None => name.to_owned(),
+    }
+}
+
 async fn call(
     state: &AppState,
     name: &str,
@@ -45,15 +73,7 @@ async fn call(
     body: Body,
     request_id: String,
 ) -> Result<serde_json::Value, ApiError> {
-    let method = api::find(name).ok_or_else(|| {
-        ApiError::with_details(
-            Error::NotFound { what: format!("method {:?}", bc_core::id::truncate(name, 64)) },
-            match api::suggest(name) {
-                Some(nearest) => json!({ "didYouMean": nearest }),
-                None => json!({}),
-            },
-        )
-    })?;
+    let method = api::find(name).ok_or_else(|| unknown_method(name))?;
     let principal = match method.access {
         Access::Public => None,
         Access::Authenticated | Access::Action(_) => {
@@ -98,4 +118,41 @@ async fn call(
     let action = method.access.action().unwrap_or("");
     let call = Call { state, principal, action, idempotency_key, fingerprint, request_id };
     Ok((method.handler)(&call, &bytes).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn suggestions_computed() -> u64 {
+        api::SUGGEST_CALLS.with(|calls| calls.get())
+    }
+
+    /// Finding 1 (issue 15): an unknown method's "did you mean" ran over a name of any length
+    /// before authentication. A 64 KiB name is `NOT_FOUND` without any suggestion computed, and
+    /// the answer repeats only the start of it; a short typo still gets its suggestion.
+    #[test]
+    fn unknown_method_with_a_64_kib_name_computes_no_suggestion() {
+        let name = "p".repeat(64 * 1024);
+        let before = suggestions_computed();
+        let error = unknown_method(&name);
+        assert_eq!(suggestions_computed(), before, "no suggestion is computed for an over-long name");
+        assert_eq!(error.error.code(), bc_core::ErrorCode::NotFound);
+        assert!(error.details.get("didYouMean").is_none(), "{}", error.details);
+        assert!(error.error.public_message().len() < 200, "the echo is bounded: {}", error.error.public_message().len());
+
+        let error = unknown_method("pools.lsit");
+        assert_eq!(suggestions_computed(), before + 1);
+        assert_eq!(error.details["didYouMean"], "pools.list");
+        let at_the_bound = "x".repeat(api::METHOD_NAME_BYTES_MAX);
+        assert!(unknown_method(&at_the_bound).details.get("didYouMean").is_none(), "nothing near it");
+        assert_eq!(suggestions_computed(), before + 2, "a name at the bound is still compared");
+    }
+
+    #[test]
+    fn the_echo_keeps_the_first_characters_whole() {
+        assert_eq!(echo("pools.lsit"), "pools.lsit");
+        let long = "é".repeat(METHOD_NAME_ECHO_CHARS + 5);
+        assert_eq!(echo(&long), format!("{}…", "é".repeat(METHOD_NAME_ECHO_CHARS)));
+    }
 }

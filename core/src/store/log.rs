@@ -9,6 +9,9 @@
 //! `APPEND_ATTEMPTS_MAX`). Because a tenant's head moves with every append to any of its streams,
 //! an unchanged head also proves its stream versions and idempotency records are unchanged.
 //!
+//! A batch whose commit fails is split in halves, each processed again, so that a request whose
+//! projection fold fails is refused alone while the rest of its batch commits.
+//!
 //! Ids and time are inputs: each event's id comes from the log's [`IdSource`] and its time from
 //! the log's [`Clock`], so a seeded source and a manual clock give the same events, byte for
 //! byte, for the same appends (a batch decided again after losing a race draws new ids, so
@@ -247,7 +250,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
                 stats.stale.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::debug!("a chain head moved under the batch; deciding it again")
             }
-            Err(e) => return fail_all(jobs, &e),
+            Err(e) => return split_failed(appender, stats, jobs, e).await,
         }
     }
     let (batch, outcomes) = match decided {
@@ -267,7 +270,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
                     set_commit(&mut batch, commit);
                     (batch, outcomes)
                 }
-                Err(e) => return fail_all(jobs, &e),
+                Err(e) => return split_failed(appender, stats, jobs, e).await,
             }
         }
     };
@@ -351,6 +354,22 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
         events.extend(page);
     }
     Ok(AppendResult { events, replayed: true })
+}
+
+/// A batch whose commit failed. One request can be the cause (its projection fold refused its
+/// event, inside the transaction), and it must not fail the others, other tenants' included:
+/// with more than one request, each half is processed again on its own, so the cause ends up
+/// alone with the error and the rest commit (at most `2n - 1` attempts for `n` requests). A
+/// database that is unavailable fails every request at once. Returns the newest commit made.
+async fn split_failed(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>, error: Error) -> Option<u64> {
+    if jobs.len() < 2 || matches!(error, Error::Unavailable(_)) {
+        return fail_all(jobs, &error);
+    }
+    tracing::warn!(error = %error, jobs = jobs.len(), "append batch failed; trying its halves apart");
+    let second = jobs.split_off(jobs.len() / 2);
+    let first = Box::pin(process_batch(appender, stats, jobs)).await;
+    let second = Box::pin(process_batch(appender, stats, second)).await;
+    first.max(second)
 }
 
 fn fail_all(jobs: Vec<Job>, error: &Error) -> Option<u64> {

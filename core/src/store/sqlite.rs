@@ -46,8 +46,35 @@ pub struct SqliteStore {
     pool: SqlitePool,
 }
 
+/// The database file and its `-wal` and `-shm` companions are readable by their owner only
+/// (they hold webhook secrets and every event), whatever the umask.
+const FILE_MODE: u32 = 0o600;
+
+/// Creates `path` with [`FILE_MODE`] if absent, and takes group and other permissions off it if
+/// present with them (a file made by an older version took the umask).
+fn private_file(path: &Path, create: bool) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let failed = |e: std::io::Error| Error::Storage(format!("{}: {e}", path.display()));
+    if create {
+        std::fs::OpenOptions::new().read(true).write(true).create(true).mode(FILE_MODE).open(path).map_err(failed)?;
+    }
+    let mode = match std::fs::metadata(path) {
+        Ok(metadata) => metadata.permissions().mode(),
+        Err(e) if !create && e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(failed(e)),
+    };
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & FILE_MODE)).map_err(failed)?;
+    }
+    Ok(())
+}
+
 impl SqliteStore {
+    /// Opens (creating if absent) the database at `path`, in WAL mode. The file is created with
+    /// mode 0600 before SQLite opens it, so SQLite gives its `-wal` and `-shm` the same mode;
+    /// those are checked once open.
     pub async fn open(path: &Path) -> Result<Self> {
+        private_file(path, true)?;
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -55,6 +82,11 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS));
         let pool = SqlitePoolOptions::new().max_connections(POOL_CONNECTIONS_MAX).connect_with(options).await?;
+        for suffix in ["-wal", "-shm"] {
+            let mut companion = path.as_os_str().to_owned();
+            companion.push(suffix);
+            private_file(Path::new(&companion), false)?;
+        }
         Ok(Self { pool })
     }
 

@@ -134,8 +134,26 @@ pub fn find(name: &str) -> Option<&'static Method> {
     table().iter().copied().find(|m| m.name == name)
 }
 
-/// The method name closest to `name`, for "did you mean".
+/// Longest method name looked up: the longest in the table is about 22 bytes. A longer name is
+/// `NOT_FOUND` at once, before any work that grows with its length (the "did you mean" compares
+/// a name with every method's, before authentication).
+pub const METHOD_NAME_BYTES_MAX: usize = 100;
+const _: () = assert!(METHOD_NAME_BYTES_MAX >= 64);
+
+#[cfg(test)]
+thread_local! {
+    /// How often this thread computed a suggestion: the unknown-method test counts the work.
+    pub(crate) static SUGGEST_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The method name closest to `name`, for "did you mean"; none for a name longer than
+/// [`METHOD_NAME_BYTES_MAX`], which is compared with nothing.
 pub fn suggest(name: &str) -> Option<&'static str> {
+    if name.len() > METHOD_NAME_BYTES_MAX {
+        return None;
+    }
+    #[cfg(test)]
+    SUGGEST_CALLS.with(|calls| calls.set(calls.get() + 1));
     table()
         .iter()
         .map(|m| (strsim::jaro_winkler(m.name, name), m.name))
@@ -159,5 +177,6 @@ mod tests {
         }
         assert_eq!(suggest("pools.lsit"), Some("pools.list"));
         assert_eq!(suggest("zzzzzzzz"), None);
+        assert!(table().iter().all(|m| m.name.len() <= METHOD_NAME_BYTES_MAX), "a method name is longer than the bound");
     }
 }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::pools::pool_doc;
 use super::toolkit::{
     CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, doc,
-    list_rows, parse_id, stream_id, validate_label_key, validate_labels, validate_name,
+    expected_version, list_rows, parse_id, stream_id, validate_label_key, validate_labels, validate_name,
 };
 use super::views::{NodeChangedView, NodeView};
 use super::{Access, Call, Method, method};
@@ -194,9 +194,9 @@ async fn nodes_list(call: &Call<'_>, input: NodesList) -> Result<Page<NodeView>>
     .await
 }
 
-/// Appends one change to a node at the version asked for (or read), and answers with the node.
-/// The payload is made once the caller is authorized and the node found, so a caller who may
-/// not change it learns nothing from its validation.
+/// Appends one change to a node at the version read (`ifVersion`, if given, must be it), and
+/// answers with the node. The payload is made once the caller is authorized and the node found,
+/// so a caller who may not change it learns nothing from its validation.
 async fn node_change(
     call: &Call<'_>,
     tenant_id: &Option<String>,
@@ -209,8 +209,9 @@ async fn node_change(
     let node_id: NodeId = parse_id("nodeId", node_id)?;
     let node = node_doc(call, tenant, &node_id.to_string()).await?;
     let payload = payload()?;
-    let expected = ExpectedVersion::Exact(if_version.unwrap_or(node.version));
-    call.append(tenant, stream_of(KIND_NODE, &node_id), expected, event_type, payload).await?;
+    let stream = stream_of(KIND_NODE, &node_id);
+    let expected = expected_version(if_version, node.version, &stream)?;
+    call.append(tenant, stream, expected, event_type, payload).await?;
     let node: NodeView = node_doc(call, tenant, &node_id.to_string()).await?.into();
     let drained = node.state == super::views::NodeStateView::Draining && node.allocations.is_empty();
     Ok(NodeChangedView { node, drained })

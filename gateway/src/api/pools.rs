@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use super::toolkit::{
     CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, LimitNumber, NameText, Page, PoolIdText, TenantIdText,
-    VersionNumber, doc, list_rows, parse_id, stream_id, validate_labels, validate_name, validate_text,
+    VersionNumber, doc, expected_version, list_rows, parse_id, stream_id, validate_labels, validate_name, validate_text,
 };
 use super::views::PoolView;
 use super::{Access, Call, Method, method};
@@ -179,14 +179,15 @@ async fn pools_update(call: &Call<'_>, input: PoolsUpdate) -> Result<PoolView> {
             actual: current.version,
         });
     }
-    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
+    let stream = stream_of(KIND_POOL, &pool);
+    let expected = expected_version(input.if_version, current.version, &stream)?;
     let payload = ev::to_cbor(&ev::PoolUpdated {
         name: input.name,
         description: input.description,
         labels: input.labels,
         max_reservation_s,
     })?;
-    call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_UPDATED, payload).await?;
+    call.append(tenant, stream, expected, ev::POOL_UPDATED, payload).await?;
     Ok(pool_doc(call, tenant, &pool.to_string()).await?.into())
 }
 
@@ -195,8 +196,10 @@ async fn pools_archive(call: &Call<'_>, input: PoolRef) -> Result<PoolView> {
     let pool: PoolId = parse_id("poolId", &input.pool_id)?;
     let current = pool_doc(call, tenant, &pool.to_string()).await?;
     if !current.archived {
-        let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(current.version));
-        call.append(tenant, stream_of(KIND_POOL, &pool), expected, ev::POOL_ARCHIVED, ev::to_cbor(&ev::PoolArchived {})?).await?;
+        // Archiving an archived pool again changes nothing, whatever version it names.
+        let stream = stream_of(KIND_POOL, &pool);
+        let expected = expected_version(input.if_version, current.version, &stream)?;
+        call.append(tenant, stream, expected, ev::POOL_ARCHIVED, ev::to_cbor(&ev::PoolArchived {})?).await?;
     }
     Ok(pool_doc(call, tenant, &pool.to_string()).await?.into())
 }

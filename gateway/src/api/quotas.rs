@@ -26,7 +26,7 @@ pub(super) const METHODS: &[Method] = &[
     method!(
         "quotas.set",
         Access::Action("compute:quotas:admin"),
-        "set a tenant's GPU quota in a pool",
+        "set a tenant's GPU quota in a pool (root tenant only)",
         QuotasSet => QuotaView,
         quotas_set,
     ),
@@ -66,7 +66,12 @@ async fn quotas_get(call: &Call<'_>, input: QuotasGet) -> Result<QuotaView> {
     quota_view(call, tenant, &pool).await
 }
 
+/// An operator action: a tenant's own key, whatever actions it holds, must not raise its own
+/// quota, so only the root tenant's administrators set quotas (as they create tenants).
 async fn quotas_set(call: &Call<'_>, input: QuotasSet) -> Result<QuotaView> {
+    if !call.principal().is_root() {
+        return Err(Error::AccessDenied("only the root tenant's administrators set quotas".into()));
+    }
     let tenant = call.tenant(&input.tenant_id).await?;
     let pool: PoolId = parse_id("poolId", &input.pool_id)?;
     if !(0..=i64::from(u32::MAX)).contains(&input.gpus) {

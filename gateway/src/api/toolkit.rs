@@ -119,6 +119,19 @@ impl Call<'_> {
     }
 }
 
+/// The version an append expects: the version the handler read and checked. A stated
+/// `ifVersion` must be that same version, else `CONFLICT` before anything is appended: a request
+/// checked against one version and appended at another could land on a deleted webhook or an
+/// archived pool, which the projection fold then refuses inside the commit.
+pub fn expected_version(if_version: Option<u64>, read: u64, stream: &str) -> Result<ExpectedVersion> {
+    match if_version {
+        Some(stated) if stated != read => {
+            Err(Error::Conflict { stream: stream.to_owned(), expected: ExpectedVersion::Exact(stated).to_string(), actual: read })
+        }
+        _ => Ok(ExpectedVersion::Exact(read)),
+    }
+}
+
 /// The request body as the method's input type. An empty body is `{}`; any other body must be
 /// a JSON object. Numbers are read as JSON Schema reads them: `2.0` is the integer 2.
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
@@ -381,6 +394,20 @@ mod tests {
         assert!(parse::<Input>(br#"{"limit": 1.5}"#).is_err());
         assert!(parse::<Input>(br#"[null]"#).is_err(), "a struct is not read from an array");
         assert!(parse::<Input>(br#"{"other": 1}"#).is_err());
+    }
+
+    /// Finding 4 (issue 15): a stated `ifVersion` other than the version read is `CONFLICT`;
+    /// the append always expects the version read.
+    #[test]
+    fn expected_version_is_the_version_read() {
+        assert_eq!(expected_version(None, 3, "pool/p").unwrap(), ExpectedVersion::Exact(3));
+        assert_eq!(expected_version(Some(3), 3, "pool/p").unwrap(), ExpectedVersion::Exact(3));
+        for stated in [2, 4] {
+            match expected_version(Some(stated), 3, "pool/p") {
+                Err(Error::Conflict { stream, actual: 3, .. }) => assert_eq!(stream, "pool/p"),
+                other => panic!("ifVersion {stated} at version 3: {other:?}"),
+            }
+        }
     }
 
     #[test]

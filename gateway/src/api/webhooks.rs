@@ -19,7 +19,7 @@ use super::events::TypePatterns;
 use super::system::Empty;
 use super::toolkit::{
     CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, Page, TenantIdText, VersionNumber, WebhookIdText, doc,
-    limit, list_rows, parse_id, stream_id, validate_text,
+    expected_version, limit, list_rows, parse_id, stream_id, validate_text,
 };
 use super::views::{DeliveryView, EventTypesView, PingView, WebhookDeletedView, WebhookSecretView, WebhookView};
 use super::{Access, Call, Method, method};
@@ -336,7 +336,7 @@ async fn webhooks_update(call: &Call<'_>, input: WebhooksUpdate) -> Result<Webho
         return Err(Error::invalid("nothing to update: give url, eventTypes or description"));
     }
     let doc = current(call, tenant, &id).await?;
-    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(doc.version));
+    let expected = expected_version(input.if_version, doc.version, &stream_of(KIND_WEBHOOK, &id))?;
     let payload =
         ev::to_cbor(&ev::WebhookUpdated { url: input.url, event_types: input.event_types, description: input.description })?;
     call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_UPDATED, payload).await?;
@@ -347,7 +347,7 @@ async fn webhooks_delete(call: &Call<'_>, input: WebhookRef) -> Result<WebhookDe
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
     let doc = current(call, tenant, &id).await?;
-    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(doc.version));
+    let expected = expected_version(input.if_version, doc.version, &stream_of(KIND_WEBHOOK, &id))?;
     let payload = ev::to_cbor(&ev::WebhookDeleted {})?;
     call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_DELETED, payload).await?;
     // Its secrets go with it; deliveries still pending die at their next attempt.
@@ -361,7 +361,7 @@ async fn webhooks_ping(call: &Call<'_>, input: WebhookRef) -> Result<PingView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
     let doc = current(call, tenant, &id).await?;
-    let expected = ExpectedVersion::Exact(input.if_version.unwrap_or(doc.version));
+    let expected = expected_version(input.if_version, doc.version, &stream_of(KIND_WEBHOOK, &id))?;
     let payload = ev::to_cbor(&ev::WebhookPinged {})?;
     let result = call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_PINGED, payload).await?;
     let event = &result.events[0];

@@ -1,0 +1,184 @@
+//! Issue 15 ("Hardening"), end to end against the real `better-compute dev`: findings 1 (an
+//! unknown method's cost without a token), 6 (a lost log key) and 11 (`quotas.set` is an
+//! operator action; the SQLite files are private whatever the umask).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bc_core::store::LogStore;
+use bc_core::store::sqlite::SqliteStore;
+use bc_tests::{Server, binary};
+use serde_json::json;
+
+/// How long a refused start may take to exit.
+const REFUSAL_TIMEOUT_S: u64 = 30;
+
+/// Finding 1: a 64 KB method name, without a token, is `NOT_FOUND` without a "did you mean"
+/// (computing one compared the whole name with every method's) and the answer repeats only the
+/// start of the name; a short typo still gets its suggestion. (The work not done is counted in
+/// the gateway's unit test `unknown_method_with_a_64_kib_name_computes_no_suggestion`.)
+#[tokio::test]
+async fn finding_1_an_unknown_method_with_a_64_kb_name_is_not_found_without_a_suggestion() {
+    let server = Server::dev();
+    // 64 KB: a URI is at most 65,534 bytes (the `http` crate's bound), so no longer name arrives.
+    let name = "p".repeat(64_000);
+    let sent = server.http.post(format!("{}/api/compute/{name}", server.url)).body("{}").send().await;
+    let response = sent.unwrap_or_else(|e| panic!("request failed: {:?}", e.status()));
+    assert_eq!(response.status().as_u16(), 404);
+    let body: serde_json::Value = response.json().await.expect("json");
+    assert_eq!(body["code"], "NOT_FOUND");
+    assert!(body["details"].get("didYouMean").is_none(), "no suggestion for an over-long name: {}", body["details"]);
+    assert!(body.to_string().len() < 400, "the answer repeats a bounded part of the name: {} bytes", body.to_string().len());
+
+    let response = server.http.post(format!("{}/api/compute/pools.lsit", server.url)).body("{}").send().await.expect("request");
+    assert_eq!(response.status().as_u16(), 404);
+    let body: serde_json::Value = response.json().await.expect("json");
+    assert_eq!(body["details"]["didYouMean"], "pools.list");
+}
+
+/// `better-compute dev` on `data_dir` again: (exit status, stderr) once it exits. A start that
+/// is not refused prints its URL instead; it is stopped and the test fails.
+fn start_again(data_dir: &Path) -> (i32, String) {
+    let dir = data_dir.display().to_string();
+    let mut child = Command::new(binary("better-compute"))
+        .args(["dev", "--data-dir", &dir, "--listen", "127.0.0.1:0"])
+        .env_remove("BETTER_COMPUTE_DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start better-compute");
+    let deadline = Instant::now() + Duration::from_secs(REFUSAL_TIMEOUT_S);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
+            return (status.code().unwrap_or(-1), stderr);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            let mut stdout = String::new();
+            let _ = std::io::Read::read_to_string(&mut child.stdout.take().expect("stdout"), &mut stdout);
+            panic!("dev started instead of refusing: {stdout}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// (last commit, signing keys) of the data directory's database.
+async fn log_state(sqlite: &Path) -> (u64, Vec<String>) {
+    let store = SqliteStore::open(sqlite).await.expect("open");
+    let keys = store.signing_keys().await.expect("keys").into_iter().map(|(id, _)| id).collect();
+    (store.last_commit().await.expect("last commit"), keys)
+}
+
+/// Finding 6: with `log.key` moved away, `dev` created a new key and kept appending under it,
+/// and `audit verify` then called the log tampered. It refuses to start (exit 1, a hint naming
+/// `pki` and the data directory), creates no key and appends nothing; so does a foreign key,
+/// and a half-done rotation (`log.key.next`) is refused with how to finish it.
+#[tokio::test]
+async fn finding_6_a_lost_log_key_is_refused_not_replaced() {
+    let mut server = Server::dev();
+    server.pool("before").await;
+    server.stop();
+    let dir = server.data_dir.clone();
+    let key = dir.join("log.key");
+    let before = log_state(&server.sqlite_path()).await;
+
+    // Moved away: refused, and no new key is made.
+    let moved = dir.join("log.key.moved");
+    std::fs::rename(&key, &moved).unwrap();
+    let (code, stderr) = start_again(&dir);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("PKI_NOT_FOUND") && stderr.contains("pki show"), "{stderr}");
+    assert!(stderr.contains(&dir.display().to_string()), "the hint names the data directory: {stderr}");
+    assert!(!key.exists(), "no new log key was created");
+    assert_eq!(log_state(&server.sqlite_path()).await, before, "nothing appended, no key registered");
+
+    // Another key in its place: refused too.
+    std::fs::write(&key, format!("{}\n", bc_core::keys::LogKey::generate().seed_hex())).unwrap();
+    let (code, stderr) = start_again(&dir);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("PKI_MISMATCH") && stderr.contains("pki show"), "{stderr}");
+    assert_eq!(log_state(&server.sqlite_path()).await, before);
+
+    // A rotation that wrote log.key.next and stopped: refused, with how to finish.
+    std::fs::rename(&moved, &key).unwrap();
+    let next = dir.join("log.key.next");
+    std::fs::write(&next, format!("{}\n", bc_core::keys::LogKey::generate().seed_hex())).unwrap();
+    let (code, stderr) = start_again(&dir);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("PKI_ROTATION_INTERRUPTED") && stderr.contains("rotate-log-key"), "{stderr}");
+    assert!(stderr.contains("delete") && stderr.contains("log.key.next"), "the rotation was not recorded: {stderr}");
+    assert_eq!(log_state(&server.sqlite_path()).await, before);
+
+    // The key back, nothing half done: it starts, and the log still verifies.
+    std::fs::remove_file(&next).unwrap();
+    server.restart();
+    assert_eq!(server.call("pools.list", json!({})).await.0, 200);
+    let (code, out, err) = server.cli(&["audit", "verify", "--data-dir", &dir.display().to_string()]);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+/// Finding 11: `quotas.set` was allowed to a tenant's own key, so a tenant could raise its own
+/// quota. Only the root tenant's administrators set quotas; the tenant still reads its quota.
+#[tokio::test]
+async fn finding_11_a_tenant_cannot_set_its_own_quota() {
+    let server = Server::dev();
+    let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
+    assert_eq!(status, 200, "{tenant}");
+    let acme = tenant["tenantId"].as_str().unwrap().to_owned();
+    let (status, pool) = server.call("pools.create", json!({ "tenantId": acme, "name": "acme-a" })).await;
+    assert_eq!(status, 200, "{pool}");
+    let pool = pool["poolId"].as_str().unwrap().to_owned();
+    let (status, key) = server.call("apiKeys.create", json!({ "tenantId": acme, "name": "owner", "actions": ["*"] })).await;
+    assert_eq!(status, 200, "{key}");
+    let owner = key["token"].as_str().unwrap().to_owned();
+
+    let (status, body) = server.call_as(&owner, "quotas.set", json!({ "poolId": pool, "gpus": 1000 }), None).await;
+    assert_eq!((status, body["code"].as_str()), (403, Some("ACCESS_DENIED")), "{body}");
+    let (status, quota) = server.call_as(&owner, "quotas.get", json!({ "poolId": pool }), None).await;
+    assert_eq!(status, 200, "{quota}");
+    assert!(quota["gpus"].is_null(), "no quota was set: {quota}");
+
+    let (status, body) = server.call("quotas.set", json!({ "tenantId": acme, "poolId": pool, "gpus": 4 })).await;
+    assert_eq!(status, 200, "the root tenant's administrator sets it: {body}");
+    let (_, quota) = server.call_as(&owner, "quotas.get", json!({ "poolId": pool }), None).await;
+    assert_eq!(quota["gpus"], 4);
+}
+
+/// Finding 11: the SQLite file and its `-wal` and `-shm` took the umask when the data directory
+/// already existed. With umask 000 and an existing directory, all three are 0600.
+#[test]
+fn finding_11_the_sqlite_files_are_private_under_a_permissive_umask() {
+    let temp = tempfile::Builder::new().prefix("bc-e2e-umask-").tempdir().expect("tempdir");
+    let dir = temp.path().display().to_string();
+    let better_compute = binary("better-compute").display().to_string();
+    let mut child = Command::new("sh")
+        .args(["-c", "umask 000; exec \"$0\" dev --data-dir \"$1\" --listen 127.0.0.1:0", &better_compute, &dir])
+        .env_remove("BETTER_COMPUTE_DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start better-compute");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut first).expect("first line");
+    let modes: Vec<(String, u32)> = ["better-compute.sqlite3", "better-compute.sqlite3-wal", "better-compute.sqlite3-shm"]
+        .iter()
+        .map(|name| {
+            let metadata = std::fs::metadata(temp.path().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            (name.to_string(), metadata.permissions().mode() & 0o777)
+        })
+        .collect();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(first.contains("listening"), "{first}");
+    for (name, mode) in modes {
+        assert_eq!(mode, 0o600, "{name} has mode {mode:o}");
+    }
+}
