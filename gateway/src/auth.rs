@@ -7,6 +7,8 @@ use bc_core::{Error, Result};
 use bc_projections::{ApiKeyDoc, KIND_API_KEY};
 use sha2::{Digest, Sha256};
 
+use crate::api::toolkit::string_schema;
+
 /// Longest `Authorization` header accepted.
 pub const TOKEN_BYTES_MAX: usize = 256;
 /// Random bytes in a token's secret.
@@ -49,22 +51,18 @@ pub fn grantable_actions() -> Vec<String> {
     all
 }
 
-/// The schema of a key's actions: 1 to `ACTIONS_PER_KEY_MAX` of [`grantable_actions`].
-pub struct ActionList;
-
-impl schemars::JsonSchema for ActionList {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "ActionList".into()
+string_schema!(
+    /// The schema of a key's actions: 1 to `ACTIONS_PER_KEY_MAX` of [`grantable_actions`].
+    ActionList as "ActionList",
+    |_| {
+            schemars::json_schema!({
+                "type": "array",
+                "minItems": 1,
+                "maxItems": ACTIONS_PER_KEY_MAX,
+                "items": { "type": "string", "enum": grantable_actions() },
+            })
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({
-            "type": "array",
-            "minItems": 1,
-            "maxItems": ACTIONS_PER_KEY_MAX,
-            "items": { "type": "string", "enum": grantable_actions() },
-        })
-    }
-}
+);
 
 /// Who is calling.
 #[derive(Clone, Debug)]

@@ -6,6 +6,8 @@
 //! The root tenant's chain is left out: its first API key's secret is real randomness (a token
 //! is a secret, never drawn from a seed), and the key's hash is in that chain.
 
+mod common;
+
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -16,7 +18,6 @@ use bc_core::id_source::SeededIds;
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{EventStore, Log, decode_rows};
-use bc_gateway::AppState;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -53,14 +54,7 @@ async fn run(seed: u64) -> Run {
     let log = Arc::new(
         Log::open_with_ids(store.clone(), Arc::new(bc_projections::Projections), key, clock.clone(), ids).await.unwrap(),
     );
-    let token = std::sync::Mutex::new(String::new());
-    let keep = |t: &str| {
-        *token.lock().unwrap() = t.to_owned();
-        Ok(())
-    };
-    bc_gateway::bootstrap_root(&log, keep, || {}).await.unwrap();
-    let token = token.into_inner().unwrap();
-    let router = bc_gateway::router(Arc::new(AppState::new(log.clone())));
+    let (router, token) = common::gateway_over(&log).await;
 
     let tenant = call(&router, &token, "tenants.create", json!({ "name": "acme" })).await;
     let tenant_id = tenant["tenantId"].as_str().unwrap().to_owned();

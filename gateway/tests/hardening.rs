@@ -4,6 +4,8 @@
 //! projection rows taken before the other append, and appends through the real log. A
 //! projector that counts what it folds shows whether the request reached the fold.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -57,14 +59,7 @@ impl World {
         let log = Arc::new(
             Log::open(store.clone(), projector.clone(), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap(),
         );
-        let token = std::sync::Mutex::new(String::new());
-        let keep = |t: &str| {
-            *token.lock().unwrap() = t.to_owned();
-            Ok(())
-        };
-        bc_gateway::bootstrap_root(&log, keep, || {}).await.unwrap();
-        let token = token.into_inner().unwrap();
-        let router = bc_gateway::router(Arc::new(AppState::new(log.clone())));
+        let (router, token) = common::gateway_over(&log).await;
         World { _dir: dir, store, log, projector, router, token }
     }
 

@@ -43,6 +43,9 @@ pub enum WorkState {
 }
 
 impl WorkState {
+    /// Every state, in the order a work item goes through them.
+    pub const ALL: [Self; 3] = [Self::Pending, Self::Done, Self::Dead];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
@@ -52,12 +55,7 @@ impl WorkState {
     }
 
     pub fn parse(text: &str) -> Option<Self> {
-        match text {
-            "pending" => Some(Self::Pending),
-            "done" => Some(Self::Done),
-            "dead" => Some(Self::Dead),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|s| s.as_str() == text)
     }
 }
 

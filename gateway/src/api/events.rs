@@ -8,7 +8,7 @@ use bc_projections::events::TYPE_PATTERNS_MAX;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{EventIdText, LimitNumber, Page, PositionText, TenantIdText, limit, parse_id};
+use super::toolkit::{EventIdText, LimitNumber, Page, PositionText, TenantIdText, limit, parse_id, string_schema};
 use super::views::EventView;
 use super::{Access, Call, Method, method};
 use crate::watch::TypeFilter;
@@ -29,21 +29,17 @@ pub(super) const METHODS: &[Method] = &[
     ),
 ];
 
-/// The schema of type patterns: every pattern that matches some event type.
-pub struct TypePatterns;
-
-impl JsonSchema for TypePatterns {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "TypePatterns".into()
+string_schema!(
+    /// The schema of type patterns: every pattern that matches some event type.
+    TypePatterns as "TypePatterns",
+    |_| {
+            schemars::json_schema!({
+                "type": "array",
+                "maxItems": TYPE_PATTERNS_MAX,
+                "items": { "type": "string", "enum": bc_projections::events::type_patterns() },
+            })
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({
-            "type": "array",
-            "maxItems": TYPE_PATTERNS_MAX,
-            "items": { "type": "string", "enum": bc_projections::events::type_patterns() },
-        })
-    }
-}
+);
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::pools::pool_doc;
 use super::toolkit::{
     CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, doc,
-    expected_version, list_rows, parse_id, stream_id, validate_label_key, validate_labels, validate_name,
+    expected_version, list_rows, parse_id, stream_id, string_schema, validate_label_key, validate_labels, validate_name,
 };
 use super::views::{NodeChangedView, NodeView};
 use super::{Access, Call, Method, method};
@@ -39,17 +39,13 @@ pub(super) const METHODS: &[Method] = &[
     method!("nodes.taint", WRITE, "set or remove a node's taints", NodeKeys => NodeChangedView, nodes_taint),
 ];
 
-/// A GPU model or product name: 1 to 63 of `A-Z a-z 0-9 - . _`, starting with a letter or digit.
-struct GpuNameText;
-
-impl JsonSchema for GpuNameText {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "GpuName".into()
+string_schema!(
+    /// A GPU model or product name: 1 to 63 of `A-Z a-z 0-9 - . _`, starting with a letter or digit.
+    GpuNameText as "GpuName",
+    |_| {
+            schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$" })
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$" })
-    }
-}
+);
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -24,7 +24,7 @@ use serde::Deserialize;
 use super::pools::pool_doc;
 use super::toolkit::{
     CursorText, LimitNumber, Page, PoolIdText, ReservationIdText, TenantIdText, VersionNumber, doc, list_rows, parse_id,
-    stream_id,
+    stream_id, string_schema,
 };
 use super::views::ReservationView;
 use super::{Access, Call, Method, method};
@@ -58,39 +58,31 @@ pub(super) const METHODS: &[Method] = &[
     ),
 ];
 
-/// A bare word of a request: 1 to 63 of `A-Z a-z 0-9 . _ - /`.
-pub(super) struct BareWord;
+string_schema!(
+    /// A bare word of a request: 1 to 63 of `A-Z a-z 0-9 . _ - /`.
+    BareWord as "BareWord",
+    |_| {
+            schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9._/-]{1,63}$" })
+    }
+);
 
-impl JsonSchema for BareWord {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "BareWord".into()
+string_schema!(
+    /// The selector language (`bc_projections::placement`). The pattern states a regular subset of
+    /// it (equality on names and labels, comparisons on numbers); the full grammar also takes `in`
+    /// and `notin` lists and quoted values.
+    SelectorText as "Selector",
+    |_| {
+            let word = "(gpuModel|gpuProduct|nodeName|label\\.[A-Za-z0-9._/-]{1,40}) ?(=|==|!=) ?[A-Za-z0-9._/-]{1,40}";
+            let number = "(vramGiB|nvlinkDomain) ?(=|==|!=|>|>=|<|<=) ?[0-9]{1,6}";
+            let clause = format!("({word}|{number})");
+            schemars::json_schema!({
+                "type": "string",
+                "maxLength": SELECTOR_BYTES_MAX,
+                "pattern": format!("^({clause}(, ?{clause}){{0,7}})?$"),
+                "description": "comma-separated clauses that must all hold for a GPU: ATTR OP VALUE (OP = == != > >= < <=), ATTR in (V, …), ATTR notin (V, …); attributes gpuModel, gpuProduct, vramGiB, nvlinkDomain, node, nodeName, label.KEY",
+            })
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9._/-]{1,63}$" })
-    }
-}
-
-/// The selector language (`bc_projections::placement`). The pattern states a regular subset of
-/// it (equality on names and labels, comparisons on numbers); the full grammar also takes `in`
-/// and `notin` lists and quoted values.
-pub(super) struct SelectorText;
-
-impl JsonSchema for SelectorText {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "Selector".into()
-    }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        let word = "(gpuModel|gpuProduct|nodeName|label\\.[A-Za-z0-9._/-]{1,40}) ?(=|==|!=) ?[A-Za-z0-9._/-]{1,40}";
-        let number = "(vramGiB|nvlinkDomain) ?(=|==|!=|>|>=|<|<=) ?[0-9]{1,6}";
-        let clause = format!("({word}|{number})");
-        schemars::json_schema!({
-            "type": "string",
-            "maxLength": SELECTOR_BYTES_MAX,
-            "pattern": format!("^({clause}(, ?{clause}){{0,7}})?$"),
-            "description": "comma-separated clauses that must all hold for a GPU: ATTR OP VALUE (OP = == != > >= < <=), ATTR in (V, …), ATTR notin (V, …); attributes gpuModel, gpuProduct, vramGiB, nvlinkDomain, node, nodeName, label.KEY",
-        })
-    }
-}
+);
 
 /// What to reserve (`reservations.create`) or preview (`capacity.preview`).
 #[derive(Deserialize, JsonSchema)]
@@ -148,18 +140,14 @@ pub struct ReservationsExtend {
     if_version: Option<u64>,
 }
 
-/// A reservation state, as a filter.
-struct ReservationStateText;
-
-impl JsonSchema for ReservationStateText {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "ReservationStateFilter".into()
+string_schema!(
+    /// A reservation state, as a filter.
+    ReservationStateText as "ReservationStateFilter",
+    |_| {
+            let states: Vec<&str> = ReservationState::ALL.iter().map(|s| s.as_str()).collect();
+            schemars::json_schema!({ "type": "string", "enum": states })
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        let states: Vec<&str> = ReservationState::ALL.iter().map(|s| s.as_str()).collect();
-        schemars::json_schema!({ "type": "string", "enum": states })
-    }
-}
+);
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -5,14 +5,13 @@
 //! schema of the same name below (a pattern, a length, a range), so the OpenAPI document says
 //! exactly what the server takes: the schemathesis run holds the two together from outside.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use bc_core::id::TenantId;
 use bc_core::id::truncate;
 use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, READ_ROWS_MAX, Row};
 use bc_core::{Error, Result};
-use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use schemars::{JsonSchema, json_schema};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -303,21 +302,27 @@ const ULID_PATTERN: &str = "[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}";
 /// The characters `is_control` refuses, but newline and tab.
 const TEXT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B-\\u001F\\u007F-\\u009F]*$";
 
-/// Declares a schema-only type for a constrained string, named in the document's components.
+/// Declares a schema-only type for a constrained value, named in the document's components:
+/// `string_schema!(NameText, json_schema!({…}))`, or with another component name and the
+/// generator in hand, `string_schema!(GpuNameText as "GpuName", |g| …)`.
 macro_rules! string_schema {
     ($(#[$doc:meta])* $name:ident, $schema:expr) => {
+        $crate::api::toolkit::string_schema!($(#[$doc])* $name as stringify!($name), |_| $schema);
+    };
+    ($(#[$doc:meta])* $name:ident as $component:expr, |$generator:pat_param| $schema:expr) => {
         $(#[$doc])*
         pub struct $name;
-        impl JsonSchema for $name {
-            fn schema_name() -> Cow<'static, str> {
-                stringify!($name).into()
+        impl ::schemars::JsonSchema for $name {
+            fn schema_name() -> ::std::borrow::Cow<'static, str> {
+                $component.into()
             }
-            fn json_schema(_: &mut SchemaGenerator) -> Schema {
+            fn json_schema($generator: &mut ::schemars::SchemaGenerator) -> ::schemars::Schema {
                 $schema
             }
         }
     };
 }
+pub(crate) use string_schema;
 
 macro_rules! id_schema {
     ($(#[$doc:meta])* $name:ident, $id:ty) => {
@@ -378,6 +383,8 @@ string_schema!(/// A time in milliseconds since the Unix epoch.
 
 #[cfg(test)]
 mod tests {
+    use schemars::{Schema, SchemaGenerator};
+
     use super::*;
 
     /// The patterns say what the validators do: checked on a sample of accepted and refused

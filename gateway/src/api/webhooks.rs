@@ -19,7 +19,7 @@ use super::events::TypePatterns;
 use super::system::Empty;
 use super::toolkit::{
     CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, Page, TenantIdText, VersionNumber, WebhookIdText, doc,
-    expected_version, limit, list_rows, parse_id, stream_id, validate_text,
+    expected_version, limit, list_rows, parse_id, stream_id, string_schema, validate_text,
 };
 use super::views::{DeliveryView, EventTypesView, PingView, WebhookDeletedView, WebhookSecretView, WebhookView};
 use super::{Access, Call, Method, method};
@@ -97,39 +97,31 @@ pub(super) const METHODS: &[Method] = &[
 /// A TCP port, 1 to 65535, as a pattern.
 const PORT: &str = "(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})";
 
-/// A receiver's URL as the schema states it: `https://` and a fully qualified host name. The
-/// deployment's policy decides the rest when the URL is saved (no private, link-local or
-/// metadata addresses; loopback and `http://` only in `dev`) and again at every delivery.
-struct ReceiverUrl;
+string_schema!(
+    /// A receiver's URL as the schema states it: `https://` and a fully qualified host name. The
+    /// deployment's policy decides the rest when the URL is saved (no private, link-local or
+    /// metadata addresses; loopback and `http://` only in `dev`) and again at every delivery.
+    ReceiverUrl as "ReceiverUrl",
+    |_| {
+            schemars::json_schema!({
+                "type": "string",
+                "maxLength": bc_core::webhook::URL_BYTES_MAX,
+                "pattern": format!(
+                    "^https://([A-Za-z0-9][A-Za-z0-9-]{{0,62}}\\.)+[A-Za-z][A-Za-z0-9-]{{0,62}}(:{PORT})?(/[A-Za-z0-9._~/%-]{{0,200}})?(\\?[A-Za-z0-9._~=&%-]{{0,200}})?$"
+                ),
+            })
+    }
+);
 
-impl JsonSchema for ReceiverUrl {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "ReceiverUrl".into()
+string_schema!(
+    /// At least one type pattern: a webhook with none would receive nothing.
+    ReceiverTypes as "ReceiverTypes",
+    |g| {
+            let mut schema = TypePatterns::json_schema(g);
+            schema.insert("minItems".into(), 1.into());
+            schema
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({
-            "type": "string",
-            "maxLength": bc_core::webhook::URL_BYTES_MAX,
-            "pattern": format!(
-                "^https://([A-Za-z0-9][A-Za-z0-9-]{{0,62}}\\.)+[A-Za-z][A-Za-z0-9-]{{0,62}}(:{PORT})?(/[A-Za-z0-9._~/%-]{{0,200}})?(\\?[A-Za-z0-9._~=&%-]{{0,200}})?$"
-            ),
-        })
-    }
-}
-
-/// At least one type pattern: a webhook with none would receive nothing.
-struct ReceiverTypes;
-
-impl JsonSchema for ReceiverTypes {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "ReceiverTypes".into()
-    }
-    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        let mut schema = TypePatterns::json_schema(g);
-        schema.insert("minItems".into(), 1.into());
-        schema
-    }
-}
+);
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -202,29 +194,22 @@ pub struct WebhooksList {
     cursor: Option<String>,
 }
 
-/// A delivery's state, as a filter: `pending`, `done` or `dead`.
-struct DeliveryStateText;
+string_schema!(
+    /// A delivery's state, as a filter: `pending`, `done` or `dead`.
+    DeliveryStateText as "DeliveryState",
+    |_| {
+            let states: Vec<&str> = WorkState::ALL.iter().map(|s| s.as_str()).collect();
+        schemars::json_schema!({ "type": "string", "enum": states })
+    }
+);
 
-impl JsonSchema for DeliveryStateText {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "DeliveryState".into()
+string_schema!(
+    /// A delivery id (`evt_…/wh_…`), as a cursor.
+    DeliveryCursor as "DeliveryCursor",
+    |_| {
+            schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9_/]{1,80}$" })
     }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({ "type": "string", "enum": ["pending", "done", "dead"] })
-    }
-}
-
-/// A delivery id (`evt_…/wh_…`), as a cursor.
-struct DeliveryCursor;
-
-impl JsonSchema for DeliveryCursor {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "DeliveryCursor".into()
-    }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9_/]{1,80}$" })
-    }
-}
+);
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
