@@ -91,6 +91,11 @@ fn text(s: &str) -> Value {
 }
 
 impl Envelope {
+    /// Whether the payload is a map holding `key`.
+    pub fn payload_has(&self, key: &str) -> bool {
+        matches!(&self.payload, Value::Map(entries) if entries.iter().any(|(k, _)| matches!(k, Value::Text(t) if t == key)))
+    }
+
     /// The canonical CBOR map of LOG-FORMAT.md. Absent optional fields are omitted.
     pub fn to_canonical(&self) -> Result<Vec<u8>> {
         let mut map = vec![

@@ -88,6 +88,10 @@ typed_id!(/// An API key; the token carries it so the server can find the key's 
     ApiKeyId, "key");
 typed_id!(/// A webhook subscription.
     WebhookId, "wh");
+typed_id!(/// A join token: its secret is shown once and stored hashed.
+    JoinTokenId, "jt");
+typed_id!(/// A command to one node (`ping`, `gpu.hold`, …).
+    CommandId, "cmd");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

@@ -14,6 +14,7 @@
 //!
 //! `schema/LOG-FORMAT.md` describes the bytes this crate writes.
 
+pub mod agent;
 pub mod audit;
 pub mod canonical;
 pub mod chain;

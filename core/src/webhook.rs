@@ -94,7 +94,7 @@ pub fn verify(secret: &Secret, msg_id: &str, timestamp_s: u64, body: &[u8], head
     })
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

@@ -30,6 +30,9 @@ pub const ACTIONS: &[&str] = &[
     "compute:quotas:admin",
     "compute:webhooks:read",
     "compute:webhooks:write",
+    "compute:jointokens:admin",
+    "compute:commands:read",
+    "compute:commands:write",
 ];
 
 /// Most actions one key grants.

@@ -12,9 +12,11 @@
 //! - [`watch`]: `GET /watch`, the live stream over server-sent events;
 //! - [`auth`]: API keys, tokens, actions;
 //! - [`error`]: the `{code, message, details}` envelope and status mapping;
-//! - [`conn`]: connections that fail a stalled write.
+//! - [`conn`]: connections that fail a stalled write;
+//! - [`agents`]: the gRPC endpoint of the node agents (`bcd`): joins and sessions, on a
+//!   listener of its own with a pinned TLS certificate.
 //!
-//! Architecture invariant: this crate is the only one that knows HTTP. It talks to storage only
+//! Architecture invariant: this crate is the only one that knows HTTP and serves gRPC. It talks to storage only
 //! through `bc_core::store`.
 
 use std::sync::Arc;
@@ -32,6 +34,7 @@ use bc_projections::events as ev;
 use bc_projections::{KIND_API_KEY, KIND_TENANT, stream_of};
 use serde_json::json;
 
+pub mod agents;
 pub mod api;
 pub mod auth;
 pub mod conn;

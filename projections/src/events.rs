@@ -33,6 +33,19 @@ pub const WEBHOOK_UPDATED: &str = "webhook.updated";
 pub const WEBHOOK_SECRET_ROTATED: &str = "webhook.secret_rotated";
 pub const WEBHOOK_PINGED: &str = "webhook.pinged";
 pub const WEBHOOK_DELETED: &str = "webhook.deleted";
+pub const JOIN_TOKEN_CREATED: &str = "join_token.created";
+pub const JOIN_TOKEN_USED: &str = "join_token.used";
+pub const JOIN_TOKEN_REVOKED: &str = "join_token.revoked";
+pub const NODE_JOINED: &str = "node.joined";
+pub const NODE_READY: &str = "node.ready";
+pub const NODE_UNREACHABLE: &str = "node.unreachable";
+pub const COMMAND_ISSUED: &str = "command.issued";
+pub const COMMAND_CANCELLED: &str = "command.cancelled";
+pub const COMMAND_STARTED: &str = "command.started";
+pub const COMMAND_SUCCEEDED: &str = "command.succeeded";
+pub const COMMAND_FAILED: &str = "command.failed";
+/// The event types a node may originate through its journal; nothing else is appended from one.
+pub const NODE_ORIGINATED_TYPES: &[&str] = &[COMMAND_STARTED, COMMAND_SUCCEEDED, COMMAND_FAILED];
 
 /// Every event type this version writes.
 pub const EVENT_TYPES: &[&str] = &[
@@ -63,6 +76,17 @@ pub const EVENT_TYPES: &[&str] = &[
     WEBHOOK_SECRET_ROTATED,
     WEBHOOK_PINGED,
     WEBHOOK_DELETED,
+    JOIN_TOKEN_CREATED,
+    JOIN_TOKEN_USED,
+    JOIN_TOKEN_REVOKED,
+    NODE_JOINED,
+    NODE_READY,
+    NODE_UNREACHABLE,
+    COMMAND_ISSUED,
+    COMMAND_CANCELLED,
+    COMMAND_STARTED,
+    COMMAND_SUCCEEDED,
+    COMMAND_FAILED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::LOG_KEY_ROTATED,
 ];
@@ -135,6 +159,85 @@ pub struct Gpu {
     pub vram_gib: u32,
     /// GPUs with the same domain on one node share NVLink.
     pub nvlink_domain: u32,
+}
+
+/// A join token: who may join, into which pool, until when, how often. The secret's hash is
+/// not here: it lives in the secret store, so the log and its receivers never carry it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinTokenCreated {
+    pub pool_id: String,
+    pub description: String,
+    pub expires_at_ms: u64,
+    pub uses_max: u32,
+}
+
+/// A join spent one use of the token (in the same append as `node.joined`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinTokenUsed {
+    pub node_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinTokenRevoked {}
+
+/// A machine joined with a join token: its public key (base64), what it claims about its
+/// hardware, and the token spent.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeJoined {
+    pub pool_id: String,
+    pub name: String,
+    pub gpus: Vec<Gpu>,
+    pub labels: BTreeMap<String, String>,
+    pub public_key: String,
+    pub join_token_id: String,
+    pub agent_version: String,
+    pub hostname: String,
+}
+
+/// `node.ready`: the node's lease is held again. `node.unreachable`: it lapsed.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeLiveness {
+    /// When the lease lapses (ready) or lapsed (unreachable).
+    pub lease_expires_at_ms: u64,
+}
+
+/// A command to one node, delivered over its session in issue order.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandIssued {
+    pub node_id: String,
+    pub kind: String,
+    /// A JSON object.
+    pub args: serde_json::Value,
+    pub deadline_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandCancelled {
+    pub node_id: String,
+    pub reason: String,
+}
+
+/// `command.started`, `.succeeded`, `.failed`. From the node's journal they carry the entry
+/// (`journal`); a command that passed its deadline undelivered is failed by the control plane,
+/// without one.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandProgress {
+    pub command_id: String,
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
 }
 
 /// `node.cordoned`, `node.uncordoned`, `node.draining`: no payload.

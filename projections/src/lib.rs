@@ -37,6 +37,16 @@ pub const KIND_RESERVATION: &str = "reservation";
 /// One row per queued or active reservation (removed when it ends): what the reconciler and
 /// the capacity views scan, so they never read finished reservations.
 pub const KIND_RESERVATION_LIVE: &str = "reservation_live";
+/// A join token's document (never its secret or the secret's hash).
+pub const KIND_JOIN_TOKEN: &str = "join_token";
+/// A command to a node.
+pub const KIND_COMMAND: &str = "command";
+/// One row per unfinished command (removed when it ends): what the deadline sweep scans.
+pub const KIND_COMMAND_LIVE: &str = "command_live";
+/// One row per node: the node's unfinished commands in issue order, what its session delivers.
+pub const KIND_NODE_COMMANDS: &str = "node_commands";
+/// Unfinished commands one node may have: a node that is away for long cannot pile up more.
+pub const COMMANDS_PENDING_PER_NODE_MAX: usize = 256;
 /// A tenant's quota in one pool; the stream is `quota/pool_…`.
 pub const KIND_QUOTA: &str = "quota";
 /// The longest reservation a pool grants unless it says otherwise: 30 days.
@@ -103,9 +113,144 @@ pub struct NodeDoc {
     /// GPU index → the reservation holding it.
     #[serde(default)]
     pub allocations: std::collections::BTreeMap<u32, String>,
+    /// Cordoned or draining by an operator; `state` says the effect (an unreachable node is
+    /// `unreachable` whatever these say, and returns to them when it is back).
+    #[serde(default)]
+    pub cordoned: bool,
+    #[serde(default)]
+    pub draining: bool,
+    /// Set for a node that joined with `bcd` (absent: registered by hand, no agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<NodeAgent>,
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+}
+
+/// What the control plane knows of a node's agent.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeAgent {
+    /// Standard base64 of the node's Ed25519 public key: its session proofs and journal
+    /// entries are checked against it.
+    pub public_key: String,
+    pub agent_version: String,
+    pub hostname: String,
+    pub join_token_id: String,
+    pub joined_at_ms: u64,
+    /// Whether the node holds its lease (`node.ready`) or let it lapse (`node.unreachable`).
+    pub reachable: bool,
+    pub lease_expires_at_ms: u64,
+    /// The newest journal entry of this node in the log, and its hash (hex; empty: none).
+    pub journal_seq: u64,
+    pub journal_hash: String,
+}
+
+impl NodeDoc {
+    /// Derives `state` from the operator's marks and the agent's liveness.
+    fn refresh_state(&mut self) {
+        self.state = if self.agent.as_ref().is_some_and(|a| !a.reachable) {
+            NodeState::Unreachable
+        } else {
+            node_state(self.cordoned, self.draining)
+        };
+    }
+
+    /// A document written before `cordoned`/`draining` existed says them only in `state`.
+    fn normalize(&mut self) {
+        if !self.cordoned && !self.draining {
+            match self.state {
+                NodeState::Cordoned => self.cordoned = true,
+                NodeState::Draining => (self.cordoned, self.draining) = (true, true),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A join token's document: what `joinTokens.list` shows.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct JoinTokenDoc {
+    pub tenant_id: String,
+    pub join_token_id: String,
+    pub pool_id: String,
+    pub description: String,
+    pub expires_at_ms: u64,
+    pub uses_max: u32,
+    pub uses: u32,
+    /// The nodes that joined with it, oldest first.
+    pub node_ids: Vec<String>,
+    pub revoked: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+/// A command's state: `issued` (waiting for the node), `started`, then `succeeded`, `failed`
+/// (with a reason; also when its deadline passed) or `cancelled`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum CommandState {
+    Issued,
+    Started,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl CommandState {
+    pub const ALL: &[Self] = &[Self::Issued, Self::Started, Self::Succeeded, Self::Failed, Self::Cancelled];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Issued => "issued",
+            Self::Started => "started",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+}
+
+impl std::str::FromStr for CommandState {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        state_from_str("command", text, Self::ALL, Self::as_str)
+    }
+}
+
+/// A command document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CommandDoc {
+    pub tenant_id: String,
+    pub command_id: String,
+    pub node_id: String,
+    pub kind: String,
+    pub args: Value,
+    pub state: CommandState,
+    pub reason: Option<String>,
+    pub result: Option<Value>,
+    pub issued_by: String,
+    pub issued_at_ms: u64,
+    pub deadline_at_ms: u64,
+    pub started_at_ms: Option<u64>,
+    pub finished_at_ms: Option<u64>,
+    /// The journal entries of the node that reported on it.
+    pub journal_seqs: Vec<u64>,
+    pub version: u64,
+}
+
+/// A node's unfinished commands, oldest first: what its session sends.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeCommandsDoc {
+    pub pending: Vec<String>,
 }
 
 /// A webhook subscription. It receives its tenant's events after `createdSeq` whose type its
@@ -215,24 +360,28 @@ impl ReservationState {
     }
 }
 
-/// Whether a node takes new reservations: `ready`, `cordoned` (takes no new reservation) or
-/// `draining` (cordoned until its reservations end).
+/// Whether a node takes new reservations: `ready`, `cordoned` (takes no new reservation),
+/// `draining` (cordoned until its reservations end) or `unreachable` (its agent let its lease
+/// lapse).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum NodeState {
     Ready,
     Cordoned,
     Draining,
+    /// A node with an agent whose lease lapsed: it takes nothing until it is back.
+    Unreachable,
 }
 
 impl NodeState {
-    pub const ALL: &[Self] = &[Self::Ready, Self::Cordoned, Self::Draining];
+    pub const ALL: &[Self] = &[Self::Ready, Self::Cordoned, Self::Draining, Self::Unreachable];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Ready => "ready",
             Self::Cordoned => "cordoned",
             Self::Draining => "draining",
+            Self::Unreachable => "unreachable",
         }
     }
 }
@@ -343,7 +492,27 @@ impl Projector for Projections {
             return;
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
-            && matches!(kind, KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE | KIND_WEBHOOK | KIND_RESERVATION | KIND_QUOTA)
+            && kind == KIND_COMMAND
+        {
+            let tenant = event.envelope.tenant.to_string();
+            let row = |kind: &str, id: &str| RowKey { tenant: tenant.clone(), kind: kind.to_owned(), id: id.to_owned() };
+            out.push(row(KIND_COMMAND, id));
+            out.push(row(KIND_COMMAND_LIVE, id));
+            // Every command event names its node: its queue changes, and an entry from its
+            // journal moves the node's journal head.
+            if let Some(node) = canonical::to_json(&event.envelope.payload).get("nodeId").and_then(Value::as_str) {
+                out.push(row(KIND_NODE_COMMANDS, node));
+                if event.envelope.payload_has(bc_core::agent::JOURNAL_PAYLOAD_KEY) {
+                    out.push(row(KIND_NODE, node));
+                }
+            }
+            return;
+        }
+        if let Some((kind, id)) = event.envelope.stream.split_once('/')
+            && matches!(
+                kind,
+                KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE | KIND_WEBHOOK | KIND_RESERVATION | KIND_QUOTA | KIND_JOIN_TOKEN
+            )
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
             if kind == KIND_RESERVATION {
@@ -444,17 +613,102 @@ impl Projector for Projections {
                     state: NodeState::Ready,
                     taints: Default::default(),
                     allocations: Default::default(),
+                    cordoned: false,
+                    draining: false,
+                    agent: None,
                     version: env.version,
                     created_at_ms: env.at_ms,
                     updated_at_ms: env.at_ms,
                 })
             }
+            NODE_JOINED => {
+                let p: NodeJoined = payload(event)?;
+                let mut doc = NodeDoc {
+                    tenant_id,
+                    node_id: key.id.clone(),
+                    pool_id: p.pool_id,
+                    name: p.name,
+                    gpus: p.gpus,
+                    labels: p.labels,
+                    state: NodeState::Unreachable,
+                    taints: Default::default(),
+                    allocations: Default::default(),
+                    cordoned: false,
+                    draining: false,
+                    // Unreachable until its first session: joining is not running.
+                    agent: Some(NodeAgent {
+                        public_key: p.public_key,
+                        agent_version: p.agent_version,
+                        hostname: p.hostname,
+                        join_token_id: p.join_token_id,
+                        joined_at_ms: env.at_ms,
+                        reachable: false,
+                        lease_expires_at_ms: 0,
+                        journal_seq: 0,
+                        journal_hash: String::new(),
+                    }),
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                    updated_at_ms: env.at_ms,
+                };
+                doc.refresh_state();
+                to_doc(&doc)
+            }
+            NODE_READY | NODE_UNREACHABLE => {
+                let p: NodeLiveness = payload(event)?;
+                let mut doc: NodeDoc = from_doc(event, current)?;
+                doc.normalize();
+                let agent =
+                    doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {} has no agent", key.id)))?;
+                agent.reachable = env.event_type == NODE_READY;
+                agent.lease_expires_at_ms = p.lease_expires_at_ms;
+                doc.refresh_state();
+                doc.version = env.version;
+                doc.updated_at_ms = env.at_ms;
+                to_doc(&doc)
+            }
+            JOIN_TOKEN_CREATED => {
+                let p: JoinTokenCreated = payload(event)?;
+                to_doc(&JoinTokenDoc {
+                    tenant_id,
+                    join_token_id: key.id.clone(),
+                    pool_id: p.pool_id,
+                    description: p.description,
+                    expires_at_ms: p.expires_at_ms,
+                    uses_max: p.uses_max,
+                    uses: 0,
+                    node_ids: Vec::new(),
+                    revoked: false,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                })
+            }
+            JOIN_TOKEN_USED | JOIN_TOKEN_REVOKED => {
+                let mut doc: JoinTokenDoc = from_doc(event, current)?;
+                if env.event_type == JOIN_TOKEN_USED {
+                    let p: JoinTokenUsed = payload(event)?;
+                    if doc.uses >= doc.uses_max || doc.revoked {
+                        // The join decision reads the token at its version; never spend more.
+                        return Err(corrupt(event, format!("join token {} has no use left", key.id)));
+                    }
+                    doc.uses += 1;
+                    doc.node_ids.push(p.node_id);
+                } else {
+                    doc.revoked = true;
+                }
+                doc.version = env.version;
+                to_doc(&doc)
+            }
+            COMMAND_ISSUED | COMMAND_CANCELLED | COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED => {
+                apply_command(key, current, event)
+            }
             NODE_CORDONED | NODE_UNCORDONED | NODE_DRAINING | NODE_LABELED | NODE_TAINTED | NODE_ALLOCATED | NODE_FREED => {
                 let mut doc: NodeDoc = from_doc(event, current)?;
+                doc.normalize();
                 match env.event_type.as_str() {
-                    NODE_CORDONED => doc.state = node_state(true, doc.state == NodeState::Draining),
-                    NODE_UNCORDONED => doc.state = node_state(false, false),
-                    NODE_DRAINING => doc.state = node_state(true, true),
+                    NODE_CORDONED => doc.cordoned = true,
+                    NODE_UNCORDONED => (doc.cordoned, doc.draining) = (false, false),
+                    NODE_DRAINING => (doc.cordoned, doc.draining) = (true, true),
                     NODE_LABELED => apply_keys(&mut doc.labels, payload(event)?),
                     NODE_TAINTED => apply_keys(&mut doc.taints, payload(event)?),
                     NODE_ALLOCATED => {
@@ -475,6 +729,7 @@ impl Projector for Projections {
                         doc.allocations.retain(|_, holder| *holder != p.reservation_id);
                     }
                 }
+                doc.refresh_state();
                 doc.version = env.version;
                 doc.updated_at_ms = env.at_ms;
                 to_doc(&doc)
@@ -601,5 +856,107 @@ impl Projector for Projections {
             // add types that older readers ignore.
             _ => Ok(current),
         }
+    }
+}
+
+/// The rows a command event changes: the command, its live row, its node's queue and, for an
+/// entry of the node's journal, the node's journal head (the node's version does not move: the
+/// event is on the command's stream).
+fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let command_id = env.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
+    let issued = env.event_type == COMMAND_ISSUED;
+    let progress: Option<CommandProgress> =
+        if matches!(env.event_type.as_str(), COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED) { Some(payload(event)?) } else { None };
+    match key.kind.as_str() {
+        KIND_COMMAND | KIND_COMMAND_LIVE => {
+            if key.kind == KIND_COMMAND_LIVE && current.is_none() && !issued {
+                return Ok(None);
+            }
+            let mut doc = if issued {
+                let p: CommandIssued = payload(event)?;
+                CommandDoc {
+                    tenant_id: env.tenant.to_string(),
+                    command_id,
+                    node_id: p.node_id,
+                    kind: p.kind,
+                    args: p.args,
+                    state: CommandState::Issued,
+                    reason: None,
+                    result: None,
+                    issued_by: env.actor.clone(),
+                    issued_at_ms: env.at_ms,
+                    deadline_at_ms: p.deadline_at_ms,
+                    started_at_ms: None,
+                    finished_at_ms: None,
+                    journal_seqs: Vec::new(),
+                    version: env.version,
+                }
+            } else {
+                from_doc(event, current)?
+            };
+            if let Some(p) = &progress {
+                if let Some(journal) = &p.journal {
+                    doc.journal_seqs.push(journal.seq);
+                }
+                // A report on a finished command (cancelled while it ran) is kept in the log
+                // but does not reopen it.
+                if !doc.state.is_finished() {
+                    match env.event_type.as_str() {
+                        COMMAND_STARTED => {
+                            doc.state = CommandState::Started;
+                            doc.started_at_ms = Some(env.at_ms);
+                        }
+                        COMMAND_SUCCEEDED => {
+                            doc.state = CommandState::Succeeded;
+                            doc.result = p.result.clone();
+                            doc.finished_at_ms = Some(env.at_ms);
+                        }
+                        _ => {
+                            doc.state = CommandState::Failed;
+                            doc.reason = p.reason.clone();
+                            doc.finished_at_ms = Some(env.at_ms);
+                        }
+                    }
+                }
+            } else if env.event_type == COMMAND_CANCELLED && !doc.state.is_finished() {
+                let p: CommandCancelled = payload(event)?;
+                doc.state = CommandState::Cancelled;
+                doc.reason = Some(p.reason);
+                doc.finished_at_ms = Some(env.at_ms);
+            }
+            doc.version = env.version;
+            if key.kind == KIND_COMMAND_LIVE && doc.state.is_finished() { Ok(None) } else { to_doc(&doc) }
+        }
+        KIND_NODE_COMMANDS => {
+            let mut queue: NodeCommandsDoc = match current {
+                Some(doc) => serde_json::from_value(doc).map_err(|e| Error::Internal(format!("projection document: {e}")))?,
+                None => NodeCommandsDoc::default(),
+            };
+            if issued {
+                if queue.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
+                    return Err(corrupt(event, format!("node {} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands", key.id)));
+                }
+                queue.pending.push(command_id);
+            } else if env.event_type != COMMAND_STARTED {
+                queue.pending.retain(|id| *id != command_id);
+            }
+            if queue.pending.is_empty() { Ok(None) } else { to_doc(&queue) }
+        }
+        KIND_NODE => {
+            let journal = progress
+                .and_then(|p| p.journal)
+                .ok_or_else(|| corrupt(event, "a command event without a journal entry touched its node".into()))?;
+            let mut doc: NodeDoc = from_doc(event, current)?;
+            let agent = doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {} has no agent", key.id)))?;
+            let body = bc_core::agent::unb64(&journal.body).map_err(|e| corrupt(event, format!("journal entry: {e}")))?;
+            if journal.seq != agent.journal_seq + 1 {
+                return Err(corrupt(event, format!("journal entry {} follows {} of node {}", journal.seq, agent.journal_seq, key.id)));
+            }
+            agent.journal_seq = journal.seq;
+            agent.journal_hash = hex::encode(bc_core::event::sha256(&body));
+            to_doc(&doc)
+        }
+        _ => Ok(current),
     }
 }

@@ -46,6 +46,7 @@ use crate::event::{
 use crate::id::{EventId, TenantId};
 
 mod engine;
+pub mod lease;
 pub mod log;
 pub mod outbox;
 pub mod postgres;
@@ -411,7 +412,7 @@ pub trait SecretStore: Store {
 /// The umbrella every caller names (`Arc<dyn EventStore>`): the log, the projection rows, the
 /// outbox and the secrets of one database, and its schema.
 #[async_trait]
-pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore + status::StatusStore {
+pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore + status::StatusStore + lease::LeaseStore {
     /// This backend's migrations, oldest first.
     fn migrations(&self) -> &'static [Migration];
     /// The newest migration applied; `None` when none is (or there is no migrations table).
@@ -545,6 +546,11 @@ macro_rules! migrations_of {
                 version: 5,
                 name: "events_by_tenant_position",
                 sql: include_str!(concat!("../../../schema/", $dialect, "/0005_events_by_tenant_position.sql")),
+            },
+            $crate::store::Migration {
+                version: 6,
+                name: "node_leases",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0006_node_leases.sql")),
             },
         ]
     };

@@ -893,3 +893,54 @@ mod plan_tests {
         assert!(plan.contains("events_by_position") && !plan.contains("Sort"), "{plan}");
     }
 }
+
+#[async_trait]
+impl super::lease::LeaseStore for PostgresStore {
+    async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES ($1, $2, $3) \
+                 ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = GREATEST(node_leases.expires_at_ms, excluded.expires_at_ms)",
+                &[&tenant, &node, &to_i64(expires_at_ms)?],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn lease_changes(&self, now_ms: u64, limit: u32) -> Result<Vec<super::lease::Lease>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {} FROM node_leases WHERE (expires_at_ms > $1) <> (reported_reachable = 1) LIMIT $2",
+                    super::lease::LEASE_COLUMNS
+                ),
+                &[&to_i64(now_ms)?, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(super::lease::Lease::decode).collect()
+    }
+
+    async fn lease_reported(&self, tenant: &str, node: &str, reachable: bool) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "UPDATE node_leases SET reported_reachable = $1 WHERE tenant_id = $2 AND node_id = $3",
+                &[&i64::from(reachable), &tenant, &node],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn lease_get(&self, tenant: &str, node: &str) -> Result<Option<super::lease::Lease>> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                &format!("SELECT {} FROM node_leases WHERE tenant_id = $1 AND node_id = $2", super::lease::LEASE_COLUMNS),
+                &[&tenant, &node],
+            )
+            .await?;
+        row.as_ref().map(super::lease::Lease::decode).transpose()
+    }
+}

@@ -903,3 +903,53 @@ mod plan_tests {
         }
     }
 }
+
+#[async_trait]
+impl super::lease::LeaseStore for SqliteStore {
+    async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES (?, ?, ?) \
+             ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = MAX(node_leases.expires_at_ms, excluded.expires_at_ms)",
+        )
+        .bind(tenant)
+        .bind(node)
+        .bind(to_i64(expires_at_ms)?)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn lease_changes(&self, now_ms: u64, limit: u32) -> Result<Vec<super::lease::Lease>> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {} FROM node_leases WHERE (expires_at_ms > ?) <> (reported_reachable = 1) LIMIT ?",
+            super::lease::LEASE_COLUMNS
+        )))
+        .bind(to_i64(now_ms)?)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(super::lease::Lease::decode).collect()
+    }
+
+    async fn lease_reported(&self, tenant: &str, node: &str, reachable: bool) -> Result<()> {
+        sqlx::query("UPDATE node_leases SET reported_reachable = ? WHERE tenant_id = ? AND node_id = ?")
+            .bind(i64::from(reachable))
+            .bind(tenant)
+            .bind(node)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn lease_get(&self, tenant: &str, node: &str) -> Result<Option<super::lease::Lease>> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {} FROM node_leases WHERE tenant_id = ? AND node_id = ?",
+            super::lease::LEASE_COLUMNS
+        )))
+        .bind(tenant)
+        .bind(node)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(super::lease::Lease::decode).transpose()
+    }
+}

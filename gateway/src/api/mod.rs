@@ -1,7 +1,8 @@
 //! The method table: every method of `POST /api/compute/{group}.{method}`, declared once.
 //!
 //! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
-//! `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`, `webhooks.rs`) declares its
+//! `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
+//! `webhooks.rs`) declares its
 //! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
 //! input type its handler parses, the output type it answers with, and the handler. The router
 //! ([`crate::rpc`]), authorization, `better-compute api --list` and the OpenAPI document
@@ -23,7 +24,9 @@ pub mod views;
 
 mod api_keys;
 mod capacity;
+mod commands;
 mod events;
+mod join_tokens;
 mod nodes;
 mod pools;
 mod quotas;
@@ -108,6 +111,8 @@ const GROUPS: &[&[Method]] = &[
     api_keys::METHODS,
     pools::METHODS,
     nodes::METHODS,
+    join_tokens::METHODS,
+    commands::METHODS,
     capacity::METHODS,
     reservations::METHODS,
     quotas::METHODS,

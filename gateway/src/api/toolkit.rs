@@ -348,6 +348,10 @@ id_schema!(/// `wh_…`
     WebhookIdText, bc_core::id::WebhookId);
 id_schema!(/// `evt_…`
     EventIdText, bc_core::id::EventId);
+id_schema!(/// `jt_…`
+    JoinTokenIdText, bc_core::id::JoinTokenId);
+id_schema!(/// `cmd_…`
+    CommandIdText, bc_core::id::CommandId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({

@@ -19,9 +19,11 @@ use super::toolkit::{
 
 pub use bc_projections::EventView;
 
+mod agents;
 mod reservations;
 mod webhooks;
 
+pub use agents::*;
 pub use reservations::*;
 pub use webhooks::*;
 
@@ -158,6 +160,8 @@ pub enum NodeStateView {
     Cordoned,
     /// Cordoned until its reservations end.
     Draining,
+    /// Its agent let its lease lapse: it takes nothing until it is back.
+    Unreachable,
 }
 
 impl From<bc_projections::NodeState> for NodeStateView {
@@ -167,6 +171,7 @@ impl From<bc_projections::NodeState> for NodeStateView {
             S::Ready => Self::Ready,
             S::Cordoned => Self::Cordoned,
             S::Draining => Self::Draining,
+            S::Unreachable => Self::Unreachable,
         }
     }
 }
@@ -202,6 +207,9 @@ pub struct NodeView {
     /// GPU index → the reservation holding it.
     #[schemars(with = "BTreeMap<String, ReservationIdText>")]
     pub allocations: BTreeMap<u32, String>,
+    /// Set when the node joined with `bcd`; absent for a node registered by hand.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent: Option<NodeAgentView>,
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
@@ -223,6 +231,7 @@ impl From<NodeDoc> for NodeView {
             state: d.state.into(),
             taints: d.taints,
             allocations: d.allocations,
+            agent: d.agent.map(Into::into),
             version: d.version,
             created_at_ms: d.created_at_ms,
             updated_at_ms: d.updated_at_ms,

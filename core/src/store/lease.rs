@@ -1,0 +1,51 @@
+//! Node leases: liveness without appends. A node's session renews its lease on every heartbeat
+//! (one row update); only a change, lapsed or held again, becomes an event (`node.unreachable`,
+//! `node.ready`), appended by the liveness reconciler, which finds the leases whose state
+//! differs from what it last reported. Kubernetes' node leases, with the log as the record of
+//! the transitions. Operational state: losing a row loses no event.
+
+use async_trait::async_trait;
+
+use super::Store;
+use crate::error::Result;
+
+/// One node's lease and what the log last said of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub tenant: String,
+    pub node: String,
+    pub expires_at_ms: u64,
+    /// Whether the last liveness event appended for the node said ready.
+    pub reported_reachable: bool,
+}
+
+impl Lease {
+    pub fn held_at(&self, now_ms: u64) -> bool {
+        self.expires_at_ms > now_ms
+    }
+}
+
+#[async_trait]
+pub trait LeaseStore: Store {
+    /// Holds or renews `node`'s lease until `expires_at_ms` (never shortening it).
+    async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()>;
+    /// Up to `limit` leases whose state at `now_ms` is not what was last reported: lapsed but
+    /// reported ready, or held but reported unreachable.
+    async fn lease_changes(&self, now_ms: u64, limit: u32) -> Result<Vec<Lease>>;
+    /// Records what the log now says of `node`.
+    async fn lease_reported(&self, tenant: &str, node: &str, reachable: bool) -> Result<()>;
+    async fn lease_get(&self, tenant: &str, node: &str) -> Result<Option<Lease>>;
+}
+
+pub(crate) const LEASE_COLUMNS: &str = "tenant_id, node_id, expires_at_ms, reported_reachable";
+
+impl Lease {
+    pub(crate) fn decode(row: &impl super::Columns) -> Result<Self> {
+        Ok(Self {
+            tenant: row.text(0)?,
+            node: row.text(1)?,
+            expires_at_ms: super::to_u64(row.int(2)?)?,
+            reported_reachable: row.int(3)? != 0,
+        })
+    }
+}

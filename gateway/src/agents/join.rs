@@ -1,0 +1,173 @@
+//! `Join`: a machine spends a join token and becomes a node. The token is checked (its hash, its
+//! tenant's pool, expiry, uses, revocation) and spent in the same append as `node.joined`, with
+//! the token's stream guarded at the version read: of two joins racing for the last use, one
+//! commits and the other is refused. The answer is the node's identity signed by the log key.
+
+use bc_core::agent::{NodeIdentity, b64, identity_signing_message, join_token_parse, node_public_key};
+use bc_core::id::{JoinTokenId, NodeId, PoolId, TenantId};
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::webhook::constant_time_eq;
+use bc_core::{Error, Result};
+use bc_projections::events::{self as ev, Gpu};
+use bc_projections::{JoinTokenDoc, KIND_JOIN_TOKEN, KIND_NODE, KIND_POOL, NodeDoc, PoolDoc, stream_of};
+
+use crate::AppState;
+
+/// Most GPUs a machine may claim, and the bounds on their fields (as `nodes.register`).
+pub const GPUS_PER_NODE_MAX: usize = 64;
+pub const GPU_VRAM_GIB_MAX: u32 = 4096;
+pub const NVLINK_DOMAIN_MAX: u32 = 1024;
+/// Longest host name and agent version taken.
+pub const HOSTNAME_BYTES_MAX: usize = 253;
+pub const AGENT_VERSION_BYTES_MAX: usize = 64;
+/// Joins decided again when a racing join moved the token first.
+const JOIN_ATTEMPTS_MAX: usize = 3;
+
+/// A join, refused or not, as the gateway answers it.
+pub struct Joined {
+    pub identity: Vec<u8>,
+    pub signature: Vec<u8>,
+}
+
+/// Why a join is refused: said to the machine without quoting its token.
+fn refused(why: &str) -> Error {
+    Error::AccessDenied(format!("join refused: {why}"))
+}
+
+pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Joined> {
+    let (token_id, secret_sha256) = join_token_parse(&request.token).map_err(|e| refused(&e))?;
+    let public_key = node_public_key(&request.node_public_key).map_err(Error::invalid)?;
+    let hardware = request.hardware.unwrap_or_default();
+    let gpus = gpus_of(&hardware.gpus)?;
+    check_text("hostname", &hardware.hostname, HOSTNAME_BYTES_MAX)?;
+    check_text("agent version", &request.agent_version, AGENT_VERSION_BYTES_MAX)?;
+    let row = state.store.row_find(KIND_JOIN_TOKEN, &token_id.to_string()).await?.ok_or_else(|| refused("unknown join token"))?;
+    let tenant: TenantId = row.key.tenant.parse()?;
+    let stored = state.store.secret_get(tenant, &token_id.to_string()).await?;
+    if !stored.is_some_and(|hash| constant_time_eq(hash.as_bytes(), secret_sha256.as_bytes()) && hash.len() == secret_sha256.len()) {
+        return Err(refused("unknown join token"));
+    }
+    for _ in 0..JOIN_ATTEMPTS_MAX {
+        match join_once(state, tenant, token_id, &request.agent_version, &hardware.hostname, &public_key, &gpus).await {
+            Err(Error::Conflict { .. }) => continue,
+            other => return other,
+        }
+    }
+    Err(Error::Unavailable("the join token is contended; retry".into()))
+}
+
+async fn join_once(
+    state: &AppState,
+    tenant: TenantId,
+    token_id: JoinTokenId,
+    agent_version: &str,
+    hostname: &str,
+    public_key: &ed25519_dalek::VerifyingKey,
+    gpus: &[Gpu],
+) -> Result<Joined> {
+    let row = state.store.row_get(&tenant.to_string(), KIND_JOIN_TOKEN, &token_id.to_string()).await?;
+    let token: JoinTokenDoc = crate::api::toolkit::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
+    let now_ms = state.log.clock.now_ms();
+    if token.revoked {
+        return Err(refused("the join token was revoked"));
+    }
+    if token.uses >= token.uses_max {
+        return Err(refused("the join token is spent (each use joins one machine)"));
+    }
+    if now_ms >= token.expires_at_ms {
+        return Err(refused("the join token expired"));
+    }
+    let pool_id: PoolId = token.pool_id.parse()?;
+    let pool_row = state.store.row_get(&tenant.to_string(), KIND_POOL, &pool_id.to_string()).await?;
+    let pool: PoolDoc = crate::api::toolkit::doc(pool_row.ok_or_else(|| refused("the join token's pool is gone"))?)?;
+    if pool.archived {
+        return Err(refused("the join token's pool is archived"));
+    }
+    let node = NodeId::from_ulid(state.log.ids.ulid());
+    let joined = ev::NodeJoined {
+        pool_id: pool_id.to_string(),
+        name: node_name(hostname),
+        gpus: gpus.to_vec(),
+        labels: Default::default(),
+        public_key: b64(public_key.as_bytes()),
+        join_token_id: token_id.to_string(),
+        agent_version: agent_version.to_owned(),
+        hostname: hostname.to_owned(),
+    };
+    let token_stream = stream_of(KIND_JOIN_TOKEN, &token_id);
+    let mut spend = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: node.to_string() })?);
+    spend.stream = Some(token_stream.clone());
+    let mut request = AppendRequest::new(
+        tenant,
+        stream_of(KIND_NODE, &node),
+        ExpectedVersion::NoStream,
+        format!("join_token:{token_id}"),
+        vec![NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined)?), spend],
+    );
+    request.guards = vec![
+        (token_stream, ExpectedVersion::Exact(token.version)),
+        (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version)),
+    ];
+    let result = state.log.append(request).await?;
+    let event = &result.events[0];
+    let doc: NodeDoc = crate::api::toolkit::doc(
+        state
+            .store
+            .row_get(&tenant.to_string(), KIND_NODE, &node.to_string())
+            .await?
+            .ok_or_else(|| Error::Internal("the joined node has no document".into()))?,
+    )?;
+    let identity = NodeIdentity {
+        node_id: node.to_string(),
+        tenant_id: tenant.to_string(),
+        pool_id: pool_id.to_string(),
+        name: doc.name,
+        node_public_key: b64(public_key.as_bytes()),
+        log_key_id: state.log.key.key_id().to_owned(),
+        joined_at_ms: event.envelope.at_ms,
+        event_id: event.envelope.id.to_string(),
+    };
+    let bytes = serde_json::to_vec(&identity).map_err(|e| Error::Internal(format!("identity: {e}")))?;
+    let signature = state.log.key.sign_raw(&identity_signing_message(&bytes)).to_vec();
+    tracing::info!(%tenant, node = %node, join_token = %token_id, "a machine joined");
+    Ok(Joined { identity: bytes, signature })
+}
+
+/// The node's name: its host name when that is a valid name (lowercased), else `node`.
+fn node_name(hostname: &str) -> String {
+    let lower = hostname.split('.').next().unwrap_or("").to_ascii_lowercase();
+    if crate::api::toolkit::validate_name("name", &lower).is_ok() { lower } else { "node".to_owned() }
+}
+
+fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {
+    if text.len() > bytes_max || text.chars().any(char::is_control) {
+        return Err(Error::invalid(format!("the {what} is at most {bytes_max} bytes without control characters")));
+    }
+    Ok(())
+}
+
+fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<Vec<Gpu>> {
+    if claimed.len() > GPUS_PER_NODE_MAX {
+        return Err(Error::invalid(format!("a machine claims at most {GPUS_PER_NODE_MAX} GPUs")));
+    }
+    let name_ok = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    };
+    claimed
+        .iter()
+        .map(|g| {
+            if !name_ok(&g.model) || !name_ok(&g.product) {
+                return Err(Error::invalid("a GPU's model and product are 1 to 63 of A-Z a-z 0-9 - . _"));
+            }
+            if g.vram_gib == 0 || g.vram_gib > GPU_VRAM_GIB_MAX || g.nvlink_domain > NVLINK_DOMAIN_MAX {
+                return Err(Error::invalid(format!(
+                    "a GPU has 1 to {GPU_VRAM_GIB_MAX} GiB and an NVLink domain up to {NVLINK_DOMAIN_MAX}"
+                )));
+            }
+            Ok(Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        })
+        .collect()
+}

@@ -1,0 +1,460 @@
+//! The gateway's side of a node's session, free of tonic: it reads `AgentMessage`s from any
+//! stream and writes `GatewayMessage`s to a channel, so the simulator can drive it as the
+//! gRPC service does.
+//!
+//! A session: `Hello` names the node; the gateway answers a random challenge, which the node
+//! signs with its key (bound to the node's public key from `node.joined`); then `Welcome` says
+//! the newest journal entry the log holds, and the node sends what follows. Each entry is
+//! checked (the node's signature, the chain link, the sequence, what it may say) and appended
+//! to the tenant's log exactly once: keyed by node and sequence, and an entry at or below the
+//! head already in the log is acknowledged without an append. Heartbeats renew the node's lease
+//! (never an append). The node's unfinished commands are sent in issue order, and again after
+//! every reconnect; a new command wakes the session through [`Sessions`].
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bc_core::agent::{JOURNAL_PAYLOAD_KEY, JournalOrigin, SignedEntry, session_proof_message, unb64};
+use bc_core::event::sha256;
+use bc_core::id::{CommandId, NodeId, TenantId};
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::{Error, Result, canonical};
+use bc_projections::events::{self as ev, CommandProgress, NODE_ORIGINATED_TYPES};
+use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc};
+use bc_proto::{agent_message, gateway_message};
+use ed25519_dalek::{Signature, Verifier, VerifyingKey};
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
+
+use crate::AppState;
+
+/// How long a node's lease lasts past its last heartbeat, and how often it is asked to beat.
+pub const LEASE_MS_DEFAULT: u64 = 15_000;
+pub const HEARTBEAT_MS_DEFAULT: u64 = 5_000;
+const _: () = assert!(HEARTBEAT_MS_DEFAULT * 2 < LEASE_MS_DEFAULT);
+/// The first two messages (`Hello`, `Proof`) must come within this.
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// Messages queued for one node's stream; a node that reads nothing is dropped, not buffered.
+pub const SESSION_OUTBOUND_MESSAGES: usize = 64;
+/// Commands sent to a node in one round (its unfinished ones are at most
+/// `COMMANDS_PENDING_PER_NODE_MAX`).
+const COMMANDS_PER_ROUND_MAX: usize = 64;
+
+#[derive(Clone, Copy, Debug)]
+pub struct SessionConfig {
+    pub lease_ms: u64,
+    pub heartbeat_ms: u64,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self { lease_ms: LEASE_MS_DEFAULT, heartbeat_ms: HEARTBEAT_MS_DEFAULT }
+    }
+}
+
+/// What wakes a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Nudge {
+    /// Its node's commands changed: read them again.
+    Commands,
+    /// A newer session of the same node took over in this process.
+    Replaced,
+}
+
+/// The sessions of this process, by node: so a new command wakes the one that serves its node,
+/// and a node that reconnects replaces its stale session.
+#[derive(Default)]
+pub struct Sessions {
+    nodes: Mutex<HashMap<String, (u64, mpsc::Sender<Nudge>)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Sessions {
+    fn register(&self, node: &str, nudges: mpsc::Sender<Nudge>) -> u64 {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let old = self.nodes.lock().expect("sessions lock").insert(node.to_owned(), (id, nudges));
+        if let Some((_, old)) = old {
+            let _ = old.try_send(Nudge::Replaced);
+        }
+        id
+    }
+
+    fn unregister(&self, node: &str, id: u64) {
+        let mut nodes = self.nodes.lock().expect("sessions lock");
+        if nodes.get(node).is_some_and(|(current, _)| *current == id) {
+            nodes.remove(node);
+        }
+    }
+
+    /// Wakes `node`'s session, if this process has one.
+    pub fn nudge(&self, node: &str) {
+        if let Some((_, sender)) = self.nodes.lock().expect("sessions lock").get(node) {
+            let _ = sender.try_send(Nudge::Commands);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.lock().expect("sessions lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A refusal sent to the node before the session ends: a stable code and a message.
+#[derive(Debug)]
+pub struct Refusal {
+    pub status: tonic::Code,
+    pub message: String,
+}
+
+fn refuse(status: tonic::Code, message: impl Into<String>) -> Refusal {
+    Refusal { status, message: message.into() }
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        refuse(crate::agents::code_of(&e), e.public_message())
+    }
+}
+
+type Outbound = mpsc::Sender<std::result::Result<bc_proto::GatewayMessage, tonic::Status>>;
+
+fn message(msg: gateway_message::Msg) -> std::result::Result<bc_proto::GatewayMessage, tonic::Status> {
+    Ok(bc_proto::GatewayMessage { msg: Some(msg) })
+}
+
+/// The node a session serves, once its proof checked.
+struct Bound {
+    tenant: TenantId,
+    node: NodeId,
+    key: VerifyingKey,
+    /// The newest entry of this node's journal in the log.
+    head_seq: u64,
+    head_hash: [u8; 32],
+    /// Commands sent in this session.
+    sent: HashSet<String>,
+}
+
+/// Runs one session until the node goes, the stream breaks, a refusal or the server stops.
+pub async fn run<S>(state: Arc<AppState>, sessions: Arc<Sessions>, config: SessionConfig, mut inbound: S, outbound: Outbound)
+where
+    S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
+{
+    let bound = match handshake(&state, &mut inbound, &outbound, config).await {
+        Ok(bound) => bound,
+        Err(refusal) => {
+            let _ = outbound.send(Err(tonic::Status::new(refusal.status, refusal.message))).await;
+            return;
+        }
+    };
+    let (nudge_tx, mut nudges) = mpsc::channel(4);
+    let node = bound.node.to_string();
+    let id = sessions.register(&node, nudge_tx);
+    tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
+    let outcome = serve(&state, config, bound, &mut inbound, &outbound, &mut nudges).await;
+    sessions.unregister(&node, id);
+    match outcome {
+        Ok(why) => tracing::info!(node = %node, why, "node session ended"),
+        Err(refusal) => {
+            tracing::info!(node = %node, code = ?refusal.status, error = %refusal.message, "node session refused");
+            let _ = outbound.send(Err(tonic::Status::new(refusal.status, refusal.message))).await;
+        }
+    }
+}
+
+async fn next_message<S>(inbound: &mut S, within_ms: u64) -> std::result::Result<agent_message::Msg, Refusal>
+where
+    S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
+{
+    match tokio::time::timeout(Duration::from_millis(within_ms), inbound.next()).await {
+        Err(_) => Err(refuse(tonic::Code::DeadlineExceeded, "the node sent nothing in time")),
+        Ok(None) => Err(refuse(tonic::Code::Cancelled, "the node closed the stream")),
+        Ok(Some(Err(status))) => Err(refuse(status.code(), status.message().to_owned())),
+        Ok(Some(Ok(bc_proto::AgentMessage { msg: None }))) => Err(refuse(tonic::Code::InvalidArgument, "an empty message")),
+        Ok(Some(Ok(bc_proto::AgentMessage { msg: Some(msg) }))) => Ok(msg),
+    }
+}
+
+async fn handshake<S>(state: &AppState, inbound: &mut S, outbound: &Outbound, config: SessionConfig) -> std::result::Result<Bound, Refusal>
+where
+    S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
+{
+    let agent_message::Msg::Hello(hello) = next_message(inbound, HANDSHAKE_TIMEOUT_MS).await? else {
+        return Err(refuse(tonic::Code::InvalidArgument, "a session starts with hello"));
+    };
+    if hello.capabilities.len() > bc_proto::CAPABILITIES_MAX
+        || hello.capabilities.iter().any(|c| c.is_empty() || c.len() > bc_proto::CAPABILITY_BYTES_MAX)
+    {
+        return Err(refuse(
+            tonic::Code::InvalidArgument,
+            format!("at most {} capabilities of 1 to {} bytes", bc_proto::CAPABILITIES_MAX, bc_proto::CAPABILITY_BYTES_MAX),
+        ));
+    }
+    let node: NodeId = hello.node_id.parse().map_err(|_| refuse(tonic::Code::InvalidArgument, "hello names no node_… id"))?;
+    let row = state
+        .store
+        .row_find(KIND_NODE, &node.to_string())
+        .await?
+        .ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} has not joined")))?;
+    let tenant: TenantId = row.key.tenant.parse()?;
+    let doc: NodeDoc = crate::api::toolkit::doc(row)?;
+    let agent = doc.agent.ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} did not join with bcd")))?;
+    let key = unb64(&agent.public_key)
+        .and_then(|bytes| bc_core::agent::node_public_key(&bytes))
+        .map_err(|e| refuse(tonic::Code::Internal, format!("node {node}'s stored key: {e}")))?;
+    let nonce: [u8; 32] = rand::random();
+    outbound
+        .send(message(gateway_message::Msg::Challenge(bc_proto::Challenge { nonce: nonce.to_vec() })))
+        .await
+        .map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
+    let agent_message::Msg::Proof(proof) = next_message(inbound, HANDSHAKE_TIMEOUT_MS).await? else {
+        return Err(refuse(tonic::Code::InvalidArgument, "a challenge is answered with proof"));
+    };
+    let signature = Signature::from_slice(&proof.signature)
+        .map_err(|_| refuse(tonic::Code::Unauthenticated, "the proof is not an Ed25519 signature"))?;
+    key.verify(&session_proof_message(&node.to_string(), &nonce), &signature)
+        .map_err(|_| refuse(tonic::Code::Unauthenticated, format!("the proof is not signed by node {node}'s key")))?;
+    let head_hash = if agent.journal_hash.is_empty() {
+        bc_core::agent::GENESIS_HASH
+    } else {
+        hex::decode(&agent.journal_hash)
+            .ok()
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| refuse(tonic::Code::Internal, "the stored journal head does not parse"))?
+    };
+    renew(state, tenant, &node, config).await?;
+    outbound
+        .send(message(gateway_message::Msg::Welcome(bc_proto::Welcome {
+            acked_seq: agent.journal_seq,
+            acked_hash: if agent.journal_seq == 0 { Vec::new() } else { head_hash.to_vec() },
+            lease_ms: config.lease_ms,
+            heartbeat_ms: config.heartbeat_ms,
+        })))
+        .await
+        .map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
+    if hello.journal_seq < agent.journal_seq {
+        // The log holds entries the node no longer has: its journal was lost or replaced.
+        tracing::warn!(%tenant, node = %node, log = agent.journal_seq, node_says = hello.journal_seq, "a node's journal is behind the log");
+    }
+    Ok(Bound { tenant, node, key, head_seq: agent.journal_seq, head_hash, sent: HashSet::new() })
+}
+
+async fn renew(state: &AppState, tenant: TenantId, node: &NodeId, config: SessionConfig) -> Result<()> {
+    let until = state.log.clock.now_ms().saturating_add(config.lease_ms);
+    state.store.lease_renew(&tenant.to_string(), &node.to_string(), until).await
+}
+
+async fn serve<S>(
+    state: &AppState,
+    config: SessionConfig,
+    mut bound: Bound,
+    inbound: &mut S,
+    outbound: &Outbound,
+    nudges: &mut mpsc::Receiver<Nudge>,
+) -> std::result::Result<&'static str, Refusal>
+where
+    S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
+{
+    let mut shutdown = state.shutdown.subscribe();
+    send_commands(state, &mut bound, outbound).await?;
+    loop {
+        tokio::select! {
+            message = next_message(inbound, config.lease_ms) => {
+                let reply = match message {
+                    Ok(msg) => handle(state, config, &mut bound, msg).await?,
+                    Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
+                    Err(refusal) => return Err(refusal),
+                };
+                if let Some(reply) = reply && outbound.send(message_of(reply)).await.is_err() {
+                    return Ok("the stream broke");
+                }
+            }
+            nudge = nudges.recv() => match nudge {
+                Some(Nudge::Commands) => send_commands(state, &mut bound, outbound).await?,
+                Some(Nudge::Replaced) | None => return Ok("a newer session of the node replaced it"),
+            },
+            _ = shutdown.changed() => return Err(refuse(tonic::Code::Unavailable, "the gateway is stopping; reconnect")),
+        }
+    }
+}
+
+fn message_of(msg: gateway_message::Msg) -> std::result::Result<bc_proto::GatewayMessage, tonic::Status> {
+    message(msg)
+}
+
+async fn handle(
+    state: &AppState,
+    config: SessionConfig,
+    bound: &mut Bound,
+    msg: agent_message::Msg,
+) -> std::result::Result<Option<gateway_message::Msg>, Refusal> {
+    Ok(match msg {
+        agent_message::Msg::Heartbeat(_) => {
+            renew(state, bound.tenant, &bound.node, config).await?;
+            Some(gateway_message::Msg::HeartbeatAck(bc_proto::HeartbeatAck {}))
+        }
+        agent_message::Msg::Entry(entry) => match append_entry(state, bound, entry).await? {
+            Ok(seq) => Some(gateway_message::Msg::EntryAck(bc_proto::EntryAck { seq })),
+            Err((seq, code, message)) => {
+                tracing::warn!(tenant = %bound.tenant, node = %bound.node, seq, code, error = %message, "a journal entry was refused");
+                return Err(refuse(tonic::Code::FailedPrecondition, format!("{code}: entry {seq}: {message}")));
+            }
+        },
+        agent_message::Msg::CommandReceived(received) => {
+            tracing::debug!(node = %bound.node, command = %bc_core::id::truncate(&received.command_id, 40), "command received");
+            None
+        }
+        agent_message::Msg::Hello(_) | agent_message::Msg::Proof(_) => {
+            return Err(refuse(tonic::Code::InvalidArgument, "hello and proof come once, first"));
+        }
+    })
+}
+
+type EntryOutcome = std::result::Result<u64, (u64, &'static str, String)>;
+
+/// Checks one entry and appends it once. `Ok(Err(..))` is the node's fault (refused, with a
+/// stable code); `Err` is the gateway's (the session ends, the node retries later).
+async fn append_entry(state: &AppState, bound: &mut Bound, entry: bc_proto::JournalEntry) -> std::result::Result<EntryOutcome, Refusal> {
+    let seq = entry.seq;
+    let refuse_entry = |code: &'static str, message: String| Ok(Err((seq, code, message)));
+    if entry.body.len() > bc_proto::ENTRY_BODY_BYTES_MAX {
+        return refuse_entry("INVALID_ARGUMENT", format!("the body is over {} bytes", bc_proto::ENTRY_BODY_BYTES_MAX));
+    }
+    let (body, hash) = match SignedEntry::verify(seq, &entry.body, &entry.signature, &bound.key) {
+        Ok(checked) => checked,
+        Err(why) => return refuse_entry("JOURNAL_SIGNATURE", why),
+    };
+    if body.node != bound.node {
+        return refuse_entry("JOURNAL_SIGNATURE", format!("the entry is node {}'s", body.node));
+    }
+    if seq <= bound.head_seq {
+        // Already in the log (a replay after a lost acknowledgement). The newest one must be
+        // the very entry the log holds: another would be a fork of the journal.
+        if seq == bound.head_seq && hash != bound.head_hash {
+            return refuse_entry("JOURNAL_LINK", "the log holds another entry with this number".into());
+        }
+        return Ok(Ok(seq));
+    }
+    if seq != bound.head_seq + 1 {
+        return refuse_entry("JOURNAL_GAP", format!("the log holds entries up to {}; send {} next", bound.head_seq, bound.head_seq + 1));
+    }
+    if body.prev != bound.head_hash {
+        return refuse_entry("JOURNAL_LINK", format!("prev is not the hash of entry {}", bound.head_seq));
+    }
+    if !NODE_ORIGINATED_TYPES.contains(&body.entry_type.as_str()) {
+        return refuse_entry("INVALID_ARGUMENT", format!("a node does not report {}", bc_core::id::truncate(&body.entry_type, 64)));
+    }
+    let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
+        Ok(p) => p,
+        Err(e) => return refuse_entry("INVALID_ARGUMENT", format!("the payload of {}: {e}", body.entry_type)),
+    };
+    let subject_ok = progress.journal.is_none()
+        && progress.node_id == bound.node.to_string()
+        && progress.command_id.parse::<CommandId>().is_ok()
+        && body.subject == format!("{KIND_COMMAND}/{}", progress.command_id);
+    if !subject_ok {
+        return refuse_entry("INVALID_ARGUMENT", "the entry must name this node and the command it is about".into());
+    }
+    let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &progress.command_id).await?;
+    let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+    if command.is_none_or(|c| c.node_id != bound.node.to_string()) {
+        return refuse_entry("INVALID_ARGUMENT", format!("command {} is not this node's", progress.command_id));
+    }
+    let origin = JournalOrigin::of(&SignedEntry { seq, body: entry.body.clone(), hash, signature: [0; 64] }, &bound.node);
+    let origin = JournalOrigin { signature: bc_core::agent::b64(&entry.signature), ..origin };
+    let mut payload = body.payload.clone();
+    payload[JOURNAL_PAYLOAD_KEY] = serde_json::to_value(&origin).map_err(|e| Error::Internal(e.to_string()))?;
+    let mut request = AppendRequest::new(
+        bound.tenant,
+        body.subject.clone(),
+        ExpectedVersion::Any,
+        format!("node:{}", bound.node),
+        vec![NewEvent::new(body.entry_type.clone(), canonical::from_json(&payload)?)],
+    );
+    // Exactly once: a second append of this entry, by this session or a racing one, replays.
+    request.idempotency_key = Some(format!("journal:{}:{seq}", bound.node));
+    request.fingerprint = Some(sha256(&entry.body));
+    match state.log.append(request).await {
+        Ok(_) => {}
+        Err(Error::IdempotencyConflict { .. }) => {
+            return refuse_entry("JOURNAL_LINK", "the log holds another entry with this number".into());
+        }
+        Err(e) => return Err(e.into()),
+    }
+    bound.head_seq = seq;
+    bound.head_hash = hash;
+    Ok(Ok(seq))
+}
+
+/// Sends the node's unfinished commands it has not been sent in this session, in issue order.
+async fn send_commands(state: &AppState, bound: &mut Bound, outbound: &Outbound) -> std::result::Result<(), Refusal> {
+    let tenant = bound.tenant.to_string();
+    let Some(row) = state.store.row_get(&tenant, KIND_NODE_COMMANDS, &bound.node.to_string()).await? else {
+        return Ok(());
+    };
+    let queue: NodeCommandsDoc = crate::api::toolkit::doc(row)?;
+    let unsent: Vec<String> =
+        queue.pending.into_iter().filter(|id| !bound.sent.contains(id)).take(COMMANDS_PER_ROUND_MAX).collect();
+    for id in unsent {
+        let Some(row) = state.store.row_get(&tenant, KIND_COMMAND, &id).await? else { continue };
+        let command: CommandDoc = crate::api::toolkit::doc(row)?;
+        if command.state.is_finished() {
+            continue;
+        }
+        let args_json = serde_json::to_string(&command.args).map_err(|e| Error::Internal(e.to_string()))?;
+        let msg = gateway_message::Msg::Command(bc_proto::Command {
+            command_id: command.command_id.clone(),
+            kind: command.kind.clone(),
+            args_json,
+            issued_at_ms: command.issued_at_ms,
+            deadline_ms: command.deadline_at_ms,
+        });
+        if outbound.send(message(msg)).await.is_err() {
+            return Ok(());
+        }
+        bound.sent.insert(id);
+    }
+    Ok(())
+}
+
+/// Wakes the sessions whose node got a command: follows the log by position (one read per
+/// commit for the whole process, not one per session), woken by this process's commits and by
+/// polling for other processes'.
+pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_ms: u64) {
+    let mut commits = state.log.subscribe();
+    let mut shutdown = state.shutdown.subscribe();
+    let mut after = match state.store.last_commit().await {
+        Ok(commit) => bc_core::event::Position { commit, index: i32::MAX as u32 },
+        Err(e) => {
+            tracing::error!(code = %e.code(), error = %e, "the command router cannot read the log");
+            return;
+        }
+    };
+    loop {
+        match state.store.read_after_rows(after, None, 500).await.and_then(bc_core::store::decode_rows) {
+            Ok(events) => {
+                for event in &events {
+                    after = event.position;
+                    let t = event.envelope.event_type.as_str();
+                    if (t == ev::COMMAND_ISSUED || t == ev::COMMAND_CANCELLED) && !sessions.is_empty()
+                        && let Some(node) = canonical::to_json(&event.envelope.payload).get("nodeId").and_then(|n| n.as_str())
+                    {
+                        sessions.nudge(node);
+                    }
+                }
+                if events.len() == 500 {
+                    continue;
+                }
+            }
+            Err(e) => tracing::warn!(code = %e.code(), error = %e, "the command router's read failed"),
+        }
+        tokio::select! {
+            _ = commits.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(poll_ms)) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}

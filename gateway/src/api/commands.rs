@@ -1,0 +1,223 @@
+//! `commands.*`: work for one node's agent. A command is an event on its own stream
+//! (`command.issued`); the node's session delivers its unfinished commands in issue order
+//! (again after every reconnect), the agent runs each once and journals `command.started` and
+//! `command.succeeded` or `command.failed`, which come back into the log through the journal. A
+//! command not run by its deadline fails.
+
+use bc_core::Result;
+use bc_core::id::{CommandId, NodeId, TenantId};
+use bc_core::store::ExpectedVersion;
+use bc_core::Error;
+use bc_projections::events as ev;
+use bc_projections::{
+    COMMANDS_PENDING_PER_NODE_MAX, CommandDoc, CommandState, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc,
+    stream_of,
+};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::Value;
+
+use schemars::json_schema;
+
+use super::toolkit::{
+    string_schema, CommandIdText, CursorText, LimitNumber, NodeIdText, Page, ReservationIdText, TenantIdText, doc, list_rows, parse_id,
+    stream_id,
+};
+use super::views::CommandView;
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:commands:read");
+const WRITE: Access = Access::Action("compute:commands:write");
+
+/// A command's deadline unless it says otherwise, and the longest.
+pub const COMMAND_DEADLINE_S_DEFAULT: u64 = 300;
+pub const COMMAND_DEADLINE_S_MAX: u64 = 24 * 3600;
+/// The command kinds this version knows.
+pub const COMMAND_KINDS: &[&str] = &["ping", "gpu.hold", "gpu.release"];
+/// GPUs one hold names at most (a node has at most 64).
+pub const GPUS_PER_HOLD_MAX: usize = 64;
+
+pub(super) const METHODS: &[Method] = &[
+    method!("commands.issue", WRITE, "send a command to a node's agent", CommandsIssue => CommandView, commands_issue),
+    method!("commands.get", READ, "one command", CommandRef => CommandView, commands_get),
+    method!("commands.list", READ, "a tenant's commands, of one node or all, paged by cursor", CommandsList => Page<CommandView>, commands_list),
+    method!("commands.cancel", WRITE, "cancel a command that has not finished", CommandRef => CommandView, commands_cancel),
+];
+
+string_schema!(
+    /// `ping` (answer at once), `gpu.hold` (hold GPUs for a reservation: `args` `{reservationId,
+    /// gpus}`), `gpu.release` (`args` `{reservationId}`).
+    CommandKindText,
+    json_schema!({ "type": "string", "enum": COMMAND_KINDS })
+);
+
+#[derive(Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PingArgs {}
+
+#[derive(Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuHoldArgs {
+    #[schemars(with = "ReservationIdText")]
+    reservation_id: String,
+    /// Indexes into the node's GPUs.
+    #[schemars(length(min = 1, max = GPUS_PER_HOLD_MAX))]
+    gpus: Vec<u32>,
+}
+
+#[derive(Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuReleaseArgs {
+    #[schemars(with = "ReservationIdText")]
+    reservation_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandsIssue {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "CommandKindText")]
+    kind: String,
+    /// The kind's arguments (`{}` for `ping`).
+    #[serde(default)]
+    args: serde_json::Map<String, Value>,
+    /// Seconds the node has to run it (default 300).
+    #[schemars(range(min = 1, max = COMMAND_DEADLINE_S_MAX))]
+    deadline_s: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "CommandIdText")]
+    command_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandsList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// Only this node's commands (a page may then hold fewer than `limit`; follow the cursor).
+    #[schemars(with = "Option<NodeIdText>")]
+    node_id: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+/// The kind and its arguments, checked against what the kind takes.
+fn args_of(kind: &str, args: serde_json::Map<String, Value>) -> Result<(&'static str, Value)> {
+    fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(kind: &str, args: Value) -> Result<Value> {
+        let parsed: T = serde_json::from_value(args).map_err(|e| Error::InvalidArgument {
+            message: format!("args of {kind}: {}", bc_core::id::truncate(&e.to_string(), 200)),
+            hint: None,
+        })?;
+        serde_json::to_value(parsed).map_err(|e| Error::Internal(format!("command args: {e}")))
+    }
+    let args = Value::Object(args);
+    Ok(match kind {
+        "ping" => ("ping", typed::<PingArgs>(kind, args)?),
+        "gpu.hold" => {
+            let value = typed::<GpuHoldArgs>(kind, args)?;
+            let hold: GpuHoldArgs = serde_json::from_value(value.clone()).map_err(|e| Error::Internal(e.to_string()))?;
+            parse_id::<bc_core::id::ReservationId>("args.reservationId", &hold.reservation_id)?;
+            if hold.gpus.is_empty() || hold.gpus.len() > GPUS_PER_HOLD_MAX {
+                return Err(Error::invalid(format!("args.gpus holds 1 to {GPUS_PER_HOLD_MAX} GPU indexes")));
+            }
+            ("gpu.hold", value)
+        }
+        "gpu.release" => {
+            let value = typed::<GpuReleaseArgs>(kind, args)?;
+            let release: GpuReleaseArgs = serde_json::from_value(value.clone()).map_err(|e| Error::Internal(e.to_string()))?;
+            parse_id::<bc_core::id::ReservationId>("args.reservationId", &release.reservation_id)?;
+            ("gpu.release", value)
+        }
+        other => {
+            return Err(Error::InvalidArgument {
+                message: format!("no command kind {:?}", bc_core::id::truncate(other, 40)),
+                hint: Some(format!("kinds: {}", COMMAND_KINDS.join(", "))),
+            });
+        }
+    })
+}
+
+async fn command_doc(call: &Call<'_>, tenant: TenantId, id: &CommandId) -> Result<CommandDoc> {
+    call.row(tenant, KIND_COMMAND, &id.to_string(), "command").await
+}
+
+async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<CommandView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
+    let (kind, args) = args_of(&input.kind, input.args)?;
+    let deadline_s = input.deadline_s.unwrap_or(COMMAND_DEADLINE_S_DEFAULT);
+    if !(1..=COMMAND_DEADLINE_S_MAX).contains(&deadline_s) {
+        return Err(Error::invalid(format!("deadlineS must be 1 to {COMMAND_DEADLINE_S_MAX} seconds")));
+    }
+    let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
+    if node.agent.is_none() {
+        return Err(Error::InvalidArgument {
+            message: format!("node {node_id} has no agent: it was registered by hand"),
+            hint: Some("commands go to nodes that joined with bcd join".into()),
+        });
+    }
+    let pending = call
+        .state
+        .store
+        .row_get(&tenant.to_string(), KIND_NODE_COMMANDS, &node_id.to_string())
+        .await?
+        .map(doc::<NodeCommandsDoc>)
+        .transpose()?
+        .unwrap_or_default();
+    if pending.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
+        return Err(Error::Unavailable(format!(
+            "node {node_id} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands; wait for it to catch up or cancel some"
+        )));
+    }
+    let command = CommandId::from_ulid(call.ulid());
+    let payload = ev::to_cbor(&ev::CommandIssued {
+        node_id: node_id.to_string(),
+        kind: kind.to_owned(),
+        args,
+        deadline_at_ms: call.now_ms().saturating_add(deadline_s * 1000),
+    })?;
+    let result =
+        call.append(tenant, stream_of(KIND_COMMAND, &command), ExpectedVersion::NoStream, ev::COMMAND_ISSUED, payload).await?;
+    let id = stream_id(&result.events[0].envelope.stream);
+    Ok(call.row::<CommandDoc>(tenant, KIND_COMMAND, id, "command").await?.into())
+}
+
+async fn commands_get(call: &Call<'_>, input: CommandRef) -> Result<CommandView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: CommandId = parse_id("commandId", &input.command_id)?;
+    Ok(command_doc(call, tenant, &id).await?.into())
+}
+
+async fn commands_list(call: &Call<'_>, input: CommandsList) -> Result<Page<CommandView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let node = input.node_id.as_deref().map(|n| parse_id::<NodeId>("nodeId", n)).transpose()?.map(|n| n.to_string());
+    list_rows(call, tenant, KIND_COMMAND, input.limit, input.cursor.as_deref(), |row| {
+        let command: CommandDoc = doc(row)?;
+        Ok(node.as_ref().is_none_or(|n| *n == command.node_id).then(|| command.into()))
+    })
+    .await
+}
+
+async fn commands_cancel(call: &Call<'_>, input: CommandRef) -> Result<CommandView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: CommandId = parse_id("commandId", &input.command_id)?;
+    let current = command_doc(call, tenant, &id).await?;
+    if current.state != CommandState::Issued && current.state != CommandState::Started {
+        return Ok(current.into());
+    }
+    let payload = ev::to_cbor(&ev::CommandCancelled { node_id: current.node_id.clone(), reason: format!("cancelled by {}", call.actor()) })?;
+    call.append(tenant, stream_of(KIND_COMMAND, &id), ExpectedVersion::Exact(current.version), ev::COMMAND_CANCELLED, payload)
+        .await?;
+    Ok(command_doc(call, tenant, &id).await?.into())
+}

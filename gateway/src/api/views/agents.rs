@@ -1,0 +1,190 @@
+//! Views of what the agent side adds: a node's agent, join tokens and commands.
+
+use bc_projections::{CommandDoc, CommandState, JoinTokenDoc, NodeAgent};
+use schemars::JsonSchema;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::api::toolkit::{CommandIdText, DescriptionText, JoinTokenIdText, NodeIdText, PoolIdText, TenantIdText};
+
+/// What the control plane knows of a joined node's agent.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeAgentView {
+    /// Standard base64 of the node's Ed25519 public key.
+    pub public_key: String,
+    pub agent_version: String,
+    pub hostname: String,
+    #[schemars(with = "JoinTokenIdText")]
+    pub join_token_id: String,
+    pub joined_at_ms: u64,
+    /// Whether the node holds its lease.
+    pub reachable: bool,
+    pub lease_expires_at_ms: u64,
+    /// The newest entry of the node's journal in the log (0: none yet).
+    pub journal_seq: u64,
+}
+
+impl From<NodeAgent> for NodeAgentView {
+    fn from(a: NodeAgent) -> Self {
+        Self {
+            public_key: a.public_key,
+            agent_version: a.agent_version,
+            hostname: a.hostname,
+            join_token_id: a.join_token_id,
+            joined_at_ms: a.joined_at_ms,
+            reachable: a.reachable,
+            lease_expires_at_ms: a.lease_expires_at_ms,
+            journal_seq: a.journal_seq,
+        }
+    }
+}
+
+/// Whether a join token can still be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum JoinTokenStateView {
+    Active,
+    /// Every use spent.
+    Spent,
+    Expired,
+    Revoked,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JoinTokenView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "JoinTokenIdText")]
+    pub join_token_id: String,
+    #[schemars(with = "PoolIdText")]
+    pub pool_id: String,
+    #[schemars(with = "DescriptionText")]
+    pub description: String,
+    pub state: JoinTokenStateView,
+    pub expires_at_ms: u64,
+    pub uses_max: u32,
+    pub uses: u32,
+    /// The nodes that joined with it.
+    #[schemars(with = "Vec<NodeIdText>")]
+    pub node_ids: Vec<String>,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+impl JoinTokenView {
+    pub fn of(d: JoinTokenDoc, now_ms: u64) -> Self {
+        let state = if d.revoked {
+            JoinTokenStateView::Revoked
+        } else if d.uses >= d.uses_max {
+            JoinTokenStateView::Spent
+        } else if now_ms >= d.expires_at_ms {
+            JoinTokenStateView::Expired
+        } else {
+            JoinTokenStateView::Active
+        };
+        Self {
+            tenant_id: d.tenant_id,
+            join_token_id: d.join_token_id,
+            pool_id: d.pool_id,
+            description: d.description,
+            state,
+            expires_at_ms: d.expires_at_ms,
+            uses_max: d.uses_max,
+            uses: d.uses,
+            node_ids: d.node_ids,
+            version: d.version,
+            created_at_ms: d.created_at_ms,
+        }
+    }
+}
+
+/// `joinTokens.create`: the token, shown once.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JoinTokenCreatedView {
+    #[serde(flatten)]
+    pub join_token: JoinTokenView,
+    /// `bcjt_…`, shown only in the first answer: `null` when `replayed`. Give it to `bcd join`
+    /// on standard input or in a 0600 file, never as an argument.
+    pub token: Option<String>,
+    /// This answers a retry with the same `Idempotency-Key`; nothing new was created.
+    pub replayed: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum CommandStateView {
+    /// Waiting for the node (delivered when its session is up).
+    Issued,
+    Started,
+    Succeeded,
+    /// With a reason; also when the deadline passed first.
+    Failed,
+    Cancelled,
+}
+
+impl From<CommandState> for CommandStateView {
+    fn from(s: CommandState) -> Self {
+        match s {
+            CommandState::Issued => Self::Issued,
+            CommandState::Started => Self::Started,
+            CommandState::Succeeded => Self::Succeeded,
+            CommandState::Failed => Self::Failed,
+            CommandState::Cancelled => Self::Cancelled,
+        }
+    }
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CommandView {
+    #[schemars(with = "TenantIdText")]
+    pub tenant_id: String,
+    #[schemars(with = "CommandIdText")]
+    pub command_id: String,
+    #[schemars(with = "NodeIdText")]
+    pub node_id: String,
+    /// `ping`, `gpu.hold`, `gpu.release`.
+    pub kind: String,
+    pub args: serde_json::Map<String, Value>,
+    pub state: CommandStateView,
+    pub reason: Option<String>,
+    pub result: Option<serde_json::Map<String, Value>>,
+    /// Who issued it (`apikey:key_…`).
+    pub issued_by: String,
+    pub issued_at_ms: u64,
+    pub deadline_at_ms: u64,
+    pub started_at_ms: Option<u64>,
+    pub finished_at_ms: Option<u64>,
+    /// The node's journal entries that reported on it.
+    pub journal_seqs: Vec<u64>,
+    pub version: u64,
+}
+
+impl From<CommandDoc> for CommandView {
+    fn from(d: CommandDoc) -> Self {
+        let object = |v: Value| match v {
+            Value::Object(map) => map,
+            _ => Default::default(),
+        };
+        Self {
+            tenant_id: d.tenant_id,
+            command_id: d.command_id,
+            node_id: d.node_id,
+            kind: d.kind,
+            args: object(d.args),
+            state: d.state.into(),
+            reason: d.reason,
+            result: d.result.map(object),
+            issued_by: d.issued_by,
+            issued_at_ms: d.issued_at_ms,
+            deadline_at_ms: d.deadline_at_ms,
+            started_at_ms: d.started_at_ms,
+            finished_at_ms: d.finished_at_ms,
+            journal_seqs: d.journal_seqs,
+            version: d.version,
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! `bc-proto`: the agent protocol, `schema/agent.proto`, as Rust types with the tonic client and
+//! server. The gateway serves it and `bcd` calls it; both depend on this crate and neither on the
+//! other. Wire types only: the domain meaning of an entry or a command lives in `bc-core::agent`.
+
+#![allow(clippy::all)]
+
+pub mod v1 {
+    tonic::include_proto!("bettercompute.agent.v1");
+}
+
+pub use v1::*;
+
+/// The largest message either side accepts, encoded.
+pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
+/// The largest journal entry body.
+pub const ENTRY_BODY_BYTES_MAX: usize = 16 * 1024;
+/// Capabilities a `Hello` may name, and the longest.
+pub const CAPABILITIES_MAX: usize = 64;
+pub const CAPABILITY_BYTES_MAX: usize = 64;
+const _: () = assert!(ENTRY_BODY_BYTES_MAX * 2 < MESSAGE_BYTES_MAX);
