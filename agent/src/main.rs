@@ -1,1 +1,307 @@
-fn main() {}
+//! `bcd`: parses the command line and runs one command. Exit codes: 0 success (and an agent
+//! stopped by SIGINT or SIGTERM), 1 failure, 2 usage. No command takes a positional argument,
+//! and bcd never echoes an unexpected one: a join token pasted on the command line must not
+//! reach a terminal log.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bc_agent::config::{CONFIG_DEFAULT, Config, DATA_DIR_DEFAULT, load_identity};
+use bc_agent::{join, status, token};
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Arg, ArgAction, ArgMatches, Command};
+
+const COMMANDS: &[(&str, &str)] = &[
+    ("join", "join this machine to the fleet (the token from BCD_JOIN_TOKEN, standard input or --token-file)"),
+    ("node", "run the node agent: the session to the gateway, the journal, commands"),
+    ("status", "what the running agent is doing (JSON, from its socket)"),
+    ("version", "print the version"),
+    ("help", "this list"),
+];
+
+fn config_arg() -> Arg {
+    Arg::new("config").long("config").value_name("FILE").default_value(CONFIG_DEFAULT).help("the configuration file")
+}
+
+fn command(name: &'static str) -> Command {
+    let base = Command::new(name).no_binary_name(true).disable_version_flag(true).arg(config_arg());
+    match name {
+        "join" => base
+            .arg(Arg::new("token-file").long("token-file").value_name("FILE").help("read the token from this file (0600 or 0400, removed once joined)"))
+            .arg(Arg::new("role").long("role").value_name("ROLE").default_value("node").help("node (the only role this build has)"))
+            .arg(Arg::new("server").long("server").value_name("URL").help("the gateway (https://HOST:PORT), to write config.toml when it does not exist"))
+            .arg(Arg::new("serving-ca-pin").long("serving-ca-pin").value_name("PIN").help("sha256/… of the gateway's serving key; must equal serving_ca_spki_pin"))
+            .arg(Arg::new("log-key-pin").long("log-key-pin").value_name("PIN").help("sha256/… of the log key; must equal log_key_pin"))
+            .arg(Arg::new("data-dir").long("data-dir").value_name("DIR").default_value(DATA_DIR_DEFAULT).help("the data_dir a written config.toml names"))
+            .arg(Arg::new("reset").long("reset").action(ArgAction::SetTrue).help("move this node's identity and journal aside first"))
+            .arg(Arg::new("yes").long("yes").action(ArgAction::SetTrue).help("confirm --reset")),
+        _ => base,
+    }
+}
+
+fn looks_like_a_command(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 32 && text.bytes().all(|b| b.is_ascii_lowercase() || b == b'-')
+}
+
+fn help() -> String {
+    let mut text = String::from("bcd: the Better Compute node agent\n\nusage: bcd COMMAND [--flag value]\n\ncommands:\n");
+    for (name, summary) in COMMANDS {
+        text.push_str(&format!("  {name:<8} {summary}\n"));
+    }
+    text.push_str("\nexit codes: 0 ok, 1 failure, 2 usage. `bcd COMMAND -h` lists a command's flags.\n");
+    text
+}
+
+/// A clap error, said without quoting what the user typed unless it is a flag's name.
+fn usage_error(name: &str, error: clap::Error) -> ExitCode {
+    let offending = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => Some(arg.clone()),
+        _ => None,
+    };
+    let flag_name = offending.as_deref().and_then(|a| a.split('=').next()).filter(|a| {
+        a.starts_with("--") && a.len() <= 34 && a[2..].bytes().all(|b| b.is_ascii_lowercase() || b == b'-')
+    });
+    match error.kind() {
+        ErrorKind::UnknownArgument if flag_name.is_some() => eprintln!("bcd {name}: unknown flag {}", flag_name.unwrap_or_default()),
+        ErrorKind::UnknownArgument => {
+            eprintln!("bcd {name}: takes no positional arguments");
+            if name == "join" {
+                eprintln!("bcd join reads the join token from BCD_JOIN_TOKEN, stdin or --token-file, never from arguments");
+            }
+        }
+        ErrorKind::InvalidValue | ErrorKind::NoEquals => eprintln!("bcd {name}: a flag is missing its value"),
+        _ => eprintln!("bcd {name}: bad usage (see bcd {name} -h)"),
+    }
+    ExitCode::from(2)
+}
+
+fn init_logging(config: Option<&Config>) {
+    let level = config.and_then(|c| c.log.level.clone()).unwrap_or_else(|| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = match config.and_then(|c| c.log.format.as_deref()) {
+        Some("json") => true,
+        Some("text") => false,
+        _ => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+}
+
+fn main() -> ExitCode {
+    // Before any thread exists: the token leaves the environment at once.
+    let env_token = token::take_from_environment();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut args = std::env::args().skip(1);
+    let Some(name) = args.next() else {
+        eprint!("{}", help());
+        return ExitCode::from(2);
+    };
+    let rest: Vec<String> = args.collect();
+    match name.as_str() {
+        "help" | "-h" | "-help" | "--help" => {
+            print!("{}", help());
+            return ExitCode::SUCCESS;
+        }
+        "version" | "-version" | "--version" => {
+            println!("bcd {}", env!("CARGO_PKG_VERSION"));
+            return ExitCode::SUCCESS;
+        }
+        "join" | "node" | "status" => {}
+        other if looks_like_a_command(other) => {
+            eprintln!("bcd: unknown command {other:?} (see bcd help)");
+            return ExitCode::from(2);
+        }
+        _ => {
+            eprintln!("bcd: unknown command");
+            return ExitCode::from(2);
+        }
+    }
+    let name: &'static str = COMMANDS.iter().find(|(n, _)| *n == name).map(|(n, _)| *n).unwrap_or("node");
+    let matches = match command(name).try_get_matches_from(rest) {
+        Ok(m) => m,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp) => {
+            let _ = command(name).print_help();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => return usage_error(name, e),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("bcd: cannot start: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = runtime.block_on(async move {
+        match name {
+            "join" => run_join(&matches, env_token).await,
+            "node" => run_node(&matches).await,
+            _ => run_status(&matches),
+        }
+    });
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    code
+}
+
+fn config_path(matches: &ArgMatches) -> PathBuf {
+    PathBuf::from(matches.get_one::<String>("config").expect("has a default"))
+}
+
+fn load_config(name: &str, matches: &ArgMatches) -> Result<Config, ExitCode> {
+    Config::load(&config_path(matches)).map_err(|e| {
+        eprintln!("bcd {name}: {e}");
+        ExitCode::from(1)
+    })
+}
+
+async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
+    let fail = |e: join::JoinError| {
+        eprintln!("bcd join: {}", e.message);
+        ExitCode::from(e.exit)
+    };
+    if matches.get_one::<String>("role").map(String::as_str) != Some("node") {
+        return fail(join::usage("--role is node (site and ramdisk roles are not in this build)"));
+    }
+    let path = config_path(matches);
+    let config = if !path.exists()
+        && let Some(server) = matches.get_one::<String>("server")
+    {
+        let Some(log_key_pin) = matches.get_one::<String>("log-key-pin") else {
+            return fail(join::usage("--server without a config.toml needs --log-key-pin (and --serving-ca-pin for https)"));
+        };
+        let config = Config {
+            data_dir: PathBuf::from(matches.get_one::<String>("data-dir").expect("has a default")),
+            gateway: server.clone(),
+            serving_ca_spki_pin: matches.get_one::<String>("serving-ca-pin").cloned(),
+            log_key_pin: log_key_pin.clone(),
+            observe_interval: None,
+            journal: Default::default(),
+            log: Default::default(),
+        };
+        let text = match toml::to_string(&config) {
+            Ok(t) => t,
+            Err(e) => return fail(join::JoinError { exit: 1, message: e.to_string() }),
+        };
+        if let Err(e) = bc_core::keys::write_new_file(&path, text.as_bytes(), 0o600) {
+            return fail(join::JoinError { exit: 1, message: e.to_string() });
+        }
+        match Config::load(&path) {
+            Ok(c) => c,
+            Err(e) => return fail(join::JoinError { exit: 1, message: e.to_string() }),
+        }
+    } else {
+        match load_config("join", matches) {
+            Ok(c) => c,
+            Err(code) => return code,
+        }
+    };
+    init_logging(Some(&config));
+    for (flag, configured) in [("serving-ca-pin", config.serving_ca_spki_pin.as_deref()), ("log-key-pin", Some(config.log_key_pin.as_str()))] {
+        if let Some(given) = matches.get_one::<String>(flag)
+            && Some(given.as_str()) != configured
+        {
+            return fail(join::JoinError { exit: 1, message: format!("--{flag} differs from the configuration's pin") });
+        }
+    }
+    if let Err(e) = std::fs::create_dir_all(&config.data_dir) {
+        return fail(join::JoinError { exit: 1, message: format!("creating {}: {e}", config.data_dir.display()) });
+    }
+    if matches.get_flag("reset") {
+        let files = join::reset_files(&config);
+        if !matches.get_flag("yes") {
+            println!("bcd join --reset would move aside:");
+            for f in &files {
+                println!("  {}", f.display());
+            }
+            return fail(join::usage("confirm with --reset --yes"));
+        }
+        match join::reset(&config, bc_core::clock::Clock::now_ms(&bc_core::clock::SystemClock)) {
+            Ok(moved) => {
+                for (from, to) in moved {
+                    println!("moved {} to {}", from.display(), to.display());
+                }
+            }
+            Err(e) => return fail(e),
+        }
+    }
+    let token_file = matches.get_one::<String>("token-file").map(PathBuf::from);
+    match join::already_joined(&config) {
+        Ok(Some(message)) => {
+            if let Some(path) = &token_file {
+                join::remove_token_file(path);
+            }
+            println!("{message}");
+            return ExitCode::SUCCESS;
+        }
+        Ok(None) => {}
+        Err(e) => return fail(e),
+    }
+    let stdin = std::io::stdin();
+    let token = match token::read(env_token, stdin.is_terminal(), &mut stdin.lock(), token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return fail(join::usage(e.0)),
+    };
+    match join::join(&config, token, token_file.as_deref()).await {
+        Ok(join::Outcome::Joined(message) | join::Outcome::AlreadyJoined(message)) => {
+            println!("{message}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
+}
+
+async fn run_node(matches: &ArgMatches) -> ExitCode {
+    let config = match load_config("node", matches) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    init_logging(Some(&config));
+    let identity = match load_identity(&config) {
+        Ok(Some(identity)) => identity,
+        Ok(None) => {
+            eprintln!("bcd node: agent: this node has not joined (run bcd join)");
+            return ExitCode::from(1);
+        }
+        Err(e) => {
+            eprintln!("bcd node: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match bc_agent::driver::run(config, identity, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "bcd node cannot go on");
+            eprintln!("bcd node: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run_status(matches: &ArgMatches) -> ExitCode {
+    let config = match load_config("status", matches) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match status::query(&config.socket_path()) {
+        Ok(value) => {
+            println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bcd status: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -87,7 +87,12 @@ pub fn join_token_new(id: crate::id::JoinTokenId) -> (String, String) {
 /// quoting it).
 pub fn join_token_parse(token: &str) -> Result<(crate::id::JoinTokenId, String), String> {
     let rest = token.strip_prefix(JOIN_TOKEN_PREFIX).ok_or("a join token starts with bcjt_")?;
-    let (id, secret) = rest.rsplit_once('_').ok_or("a join token is bcjt_<id>_<secret>")?;
+    // The id has a fixed length (`jt_` and 26 characters); the secret may itself hold `_`.
+    let id_chars = crate::id::JoinTokenId::PREFIX.len() + 1 + 26;
+    let (id, secret) = match (rest.get(..id_chars), rest.get(id_chars..)) {
+        (Some(id), Some(tail)) if tail.starts_with('_') => (id, &tail[1..]),
+        _ => return Err("a join token is bcjt_<id>_<secret>".into()),
+    };
     let id: crate::id::JoinTokenId = id.parse().map_err(|_| "a join token's id is jt_ and a ULID".to_owned())?;
     let decoded = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(secret)

@@ -1,0 +1,172 @@
+//! The connection to the gateway: gRPC over TLS whose server certificate is accepted only when
+//! its key matches the pinned SPKI hash (`serving_ca_spki_pin`), whatever CA signed it; or h2c,
+//! only to a loopback address (`dev`). Anything else is refused before a byte is sent.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use hyper_util::rt::TokioIo;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use sha2::{Digest, Sha256};
+use tonic::transport::{Channel, Endpoint};
+
+/// Connecting (TCP and TLS) gives up after this.
+pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
+
+/// Where the gateway is and how it is trusted.
+#[derive(Clone, Debug)]
+pub struct Gateway {
+    pub host: String,
+    pub port: u16,
+    /// `None`: h2c (loopback only).
+    pub pin: Option<String>,
+}
+
+impl Gateway {
+    /// `https://HOST:PORT` with a pin, or `http://HOST:PORT` to a loopback address.
+    pub fn parse(url: &str, pin: Option<&str>) -> Result<Self, String> {
+        let (scheme, rest) = url.split_once("://").ok_or("the gateway is https://HOST:PORT")?;
+        let authority = rest.trim_end_matches('/');
+        if authority.contains('/') || authority.contains('@') {
+            return Err("the gateway is https://HOST:PORT, without a path or user".into());
+        }
+        let (host, port) = authority.rsplit_once(':').ok_or("the gateway URL names no port")?;
+        let port: u16 = port.parse().map_err(|_| "the gateway's port is not a number".to_owned())?;
+        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+        match scheme {
+            "https" => {
+                let pin = pin.ok_or("an https gateway needs serving_ca_spki_pin (or --serving-ca-pin)")?;
+                check_pin(pin)?;
+                Ok(Self { host, port, pin: Some(pin.to_owned()) })
+            }
+            "http" => {
+                let loopback = host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+                if !loopback {
+                    return Err(format!("bcd refuses plaintext (http://) to {host}: only a loopback dev gateway may be plaintext"));
+                }
+                Ok(Self { host, port, pin: None })
+            }
+            other => Err(format!("the gateway's scheme is https, not {other:?}")),
+        }
+    }
+
+    /// A channel that connects lazily, through the pinned TLS connector or h2c.
+    pub fn channel(&self) -> Result<Channel, String> {
+        let endpoint = Endpoint::from_shared(format!("http://{}:{}", bracket(&self.host), self.port))
+            .map_err(|e| format!("the gateway address: {e}"))?
+            .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true);
+        let Some(pin) = self.pin.clone() else {
+            return Ok(endpoint.connect_lazy());
+        };
+        let config = client_config(pin)?;
+        let (host, port) = (self.host.clone(), self.port);
+        let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+            let (config, host) = (config.clone(), host.clone());
+            async move {
+                let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+                tcp.set_nodelay(true)?;
+                let name = match host.parse::<IpAddr>() {
+                    Ok(ip) => ServerName::IpAddress(ip.into()),
+                    Err(_) => ServerName::try_from(host.clone()).map_err(|e| std::io::Error::other(e.to_string()))?,
+                };
+                let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(tls))
+            }
+        });
+        Ok(endpoint.connect_with_connector_lazy(connector))
+    }
+}
+
+fn bracket(host: &str) -> String {
+    if host.contains(':') { format!("[{host}]") } else { host.to_owned() }
+}
+
+/// A pin is `sha256/` + the standard base64 of 32 bytes.
+pub fn check_pin(pin: &str) -> Result<(), String> {
+    let digest = pin.strip_prefix("sha256/").ok_or("a pin is sha256/ followed by base64")?;
+    match base64::engine::general_purpose::STANDARD.decode(digest) {
+        Ok(bytes) if bytes.len() == 32 => Ok(()),
+        _ => Err("a pin is sha256/ followed by the base64 of a SHA-256".into()),
+    }
+}
+
+fn client_config(pin: String) -> Result<Arc<rustls::ClientConfig>, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(PinVerifier { pin, provider }))
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Accepts exactly the server whose certificate's key hashes to the pin (and which proves it
+/// holds that key in the handshake, checked by rustls as always).
+#[derive(Debug)]
+struct PinVerifier {
+    pin: String,
+    provider: Arc<CryptoProvider>,
+}
+
+fn spki_pin(cert: &CertificateDer<'_>) -> Result<String, rustls::Error> {
+    let parsed = webpki::EndEntityCert::try_from(cert).map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
+    let spki = parsed.subject_public_key_info();
+    Ok(format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode(Sha256::digest(spki.as_ref()))))
+}
+
+impl ServerCertVerifier for PinVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if spki_pin(end_entity)? == self.pin {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
+        }
+    }
+
+    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plaintext_only_to_loopback_and_tls_only_with_a_pin() {
+        let pin = format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode([0u8; 32]));
+        assert!(Gateway::parse("http://127.0.0.1:7444", None).is_ok());
+        assert!(Gateway::parse("http://[::1]:7444", None).is_ok());
+        assert!(Gateway::parse("http://10.0.0.5:7444", None).unwrap_err().contains("refuses plaintext"));
+        assert!(Gateway::parse("http://gw.example:7444", None).is_err());
+        assert!(Gateway::parse("https://gw.example:7444", None).is_err());
+        assert!(Gateway::parse("https://gw.example:7444", Some("sha256/short")).is_err());
+        let g = Gateway::parse("https://gw.example:7444", Some(&pin)).unwrap();
+        assert_eq!((g.host.as_str(), g.port), ("gw.example", 7444));
+    }
+}

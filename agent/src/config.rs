@@ -1,0 +1,189 @@
+//! `config.toml` (`--config`, default `/etc/bcd/config.toml`), and the node's files in
+//! `data_dir`: `node.key` (the node's Ed25519 key, 0600, never leaves the machine),
+//! `identity.json` (the identity the control plane signed at join), `journal.db`, `bcd.sock`.
+
+use std::path::{Path, PathBuf};
+
+use bc_core::agent::{NodeIdentity, identity_signing_message};
+use ed25519_dalek::{Signature, SigningKey, Verifier, VerifyingKey};
+use serde::{Deserialize, Serialize};
+
+pub const CONFIG_DEFAULT: &str = "/etc/bcd/config.toml";
+pub const DATA_DIR_DEFAULT: &str = "/var/lib/bcd";
+pub const NODE_KEY_FILE: &str = "node.key";
+pub const IDENTITY_FILE: &str = "identity.json";
+pub const SOCKET_FILE: &str = "bcd.sock";
+/// The largest configuration file read.
+pub const CONFIG_BYTES_MAX: u64 = 64 * 1024;
+/// How often the node journals an observation of itself, by default.
+pub const OBSERVE_INTERVAL_MS_DEFAULT: u64 = 60_000;
+pub const OBSERVE_INTERVAL_MS_MIN: u64 = 100;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    /// `https://HOST:PORT`, or `http://` to a loopback dev gateway.
+    pub gateway: String,
+    /// `sha256/…` of the gateway's serving certificate's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_ca_spki_pin: Option<String>,
+    /// `sha256/…` of the log key that signs node identities (`better-compute pki show`).
+    pub log_key_pin: String,
+    /// A duration (`60s`, `500ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observe_interval: Option<String>,
+    #[serde(default)]
+    pub journal: JournalConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JournalConfig {
+    /// Unacknowledged entries held at most (default 100 000).
+    pub unacked_max: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `error`, `warn`, `info` (default), `debug`, `trace`, or a tracing filter.
+    pub level: Option<String>,
+    /// `json` (the default when standard error is not a terminal) or `text`.
+    pub format: Option<String>,
+}
+
+/// A configuration that does not load: exit 1.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let meta = std::fs::metadata(path).map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+        if meta.len() > CONFIG_BYTES_MAX {
+            return Err(ConfigError(format!("{} is over {CONFIG_BYTES_MAX} bytes", path.display())));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+        let config: Config = toml::from_str(&text).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        config.check().map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        crate::client::check_pin(&self.log_key_pin).map_err(|e| format!("log_key_pin: {e}"))?;
+        crate::client::Gateway::parse(&self.gateway, self.serving_ca_spki_pin.as_deref())?;
+        self.observe_interval_ms()?;
+        Ok(())
+    }
+
+    pub fn gateway(&self) -> Result<crate::client::Gateway, String> {
+        crate::client::Gateway::parse(&self.gateway, self.serving_ca_spki_pin.as_deref())
+    }
+
+    pub fn observe_interval_ms(&self) -> Result<u64, String> {
+        match &self.observe_interval {
+            None => Ok(OBSERVE_INTERVAL_MS_DEFAULT),
+            Some(text) => {
+                let ms = humantime::parse_duration(text).map_err(|e| format!("observe_interval {text:?}: {e}"))?.as_millis() as u64;
+                if ms < OBSERVE_INTERVAL_MS_MIN {
+                    return Err(format!("observe_interval is at least {OBSERVE_INTERVAL_MS_MIN}ms"));
+                }
+                Ok(ms)
+            }
+        }
+    }
+
+    pub fn unacked_max(&self) -> u64 {
+        self.journal.unacked_max.unwrap_or(crate::journal::UNACKED_MAX_DEFAULT).max(1)
+    }
+
+    pub fn key_path(&self) -> PathBuf {
+        self.data_dir.join(NODE_KEY_FILE)
+    }
+
+    pub fn identity_path(&self) -> PathBuf {
+        self.data_dir.join(IDENTITY_FILE)
+    }
+
+    pub fn journal_path(&self) -> PathBuf {
+        self.data_dir.join(crate::journal::JOURNAL_FILE)
+    }
+
+    pub fn socket_path(&self) -> PathBuf {
+        self.data_dir.join(SOCKET_FILE)
+    }
+}
+
+/// The identity file: the signed document as the control plane sent it, and its signature.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct IdentityFile {
+    /// The exact bytes signed (JSON text of [`NodeIdentity`]).
+    pub identity: String,
+    /// Standard base64 of the log key's signature.
+    pub signature: String,
+    /// Standard base64 of the log key's public half.
+    pub log_public_key: String,
+}
+
+/// A loaded, checked identity.
+pub struct Identity {
+    pub identity: NodeIdentity,
+    pub key: SigningKey,
+}
+
+/// Checks an identity document against the pinned log key and the node's own key.
+pub fn verify_identity(file: &IdentityFile, log_key_pin: &str, node_key: &VerifyingKey) -> Result<NodeIdentity, String> {
+    let public = bc_core::agent::unb64(&file.log_public_key)?;
+    let public: [u8; 32] = public.try_into().map_err(|_| "the log key is not 32 bytes".to_owned())?;
+    let log_key = VerifyingKey::from_bytes(&public).map_err(|e| format!("the log key: {e}"))?;
+    if bc_core::keys::pin_of(&log_key) != log_key_pin {
+        return Err("the identity is signed by a log key other than the pinned one (log_key_pin)".into());
+    }
+    let signature = Signature::from_slice(&bc_core::agent::unb64(&file.signature)?).map_err(|_| "the signature is malformed".to_owned())?;
+    log_key
+        .verify(&identity_signing_message(file.identity.as_bytes()), &signature)
+        .map_err(|_| "the identity's signature does not verify against the pinned log key".to_owned())?;
+    let identity: NodeIdentity = serde_json::from_str(&file.identity).map_err(|e| format!("the identity document: {e}"))?;
+    if identity.node_public_key != bc_core::agent::b64(node_key.as_bytes()) {
+        return Err("the identity names another node key than node.key".into());
+    }
+    identity.node_id.parse::<bc_core::id::NodeId>().map_err(|e| e.to_string())?;
+    Ok(identity)
+}
+
+/// Loads `node.key` and `identity.json`; `Ok(None)` when the machine has not joined.
+pub fn load_identity(config: &Config) -> Result<Option<Identity>, String> {
+    let (key_path, identity_path) = (config.key_path(), config.identity_path());
+    if !identity_path.exists() {
+        return Ok(None);
+    }
+    let key = read_node_key(&key_path)?;
+    let text = std::fs::read_to_string(&identity_path).map_err(|e| format!("cannot read {}: {e}", identity_path.display()))?;
+    let file: IdentityFile = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", identity_path.display()))?;
+    let identity = verify_identity(&file, &config.log_key_pin, &key.verifying_key())
+        .map_err(|e| format!("{}: {e}", identity_path.display()))?;
+    Ok(Some(Identity { identity, key }))
+}
+
+pub fn read_node_key(path: &Path) -> Result<SigningKey, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let bytes = hex::decode(text.trim()).map_err(|_| format!("{} is not a hex Ed25519 seed", path.display()))?;
+    let seed: [u8; 32] = bytes.try_into().map_err(|_| format!("{} is not 32 bytes", path.display()))?;
+    Ok(SigningKey::from_bytes(&seed))
+}
+
+/// The node key: the one in `data_dir` if a join was interrupted after making it, else a new
+/// one written 0600.
+pub fn node_key_load_or_create(config: &Config) -> Result<SigningKey, String> {
+    let path = config.key_path();
+    if path.exists() {
+        return read_node_key(&path);
+    }
+    let key = SigningKey::from_bytes(&rand::random::<[u8; 32]>());
+    bc_core::keys::write_new_file(&path, format!("{}\n", hex::encode(key.to_bytes())).as_bytes(), 0o600).map_err(|e| e.to_string())?;
+    Ok(key)
+}

@@ -1,0 +1,140 @@
+//! `bcd join`: make the node key, spend the join token, check the signed identity against the
+//! pinned log key, and write `identity.json`. A machine that has joined says so and reads no
+//! token; `--reset --yes` moves the identity and the journal aside first.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bc_proto::agent_client::AgentClient;
+
+use crate::config::{Config, IdentityFile, load_identity, node_key_load_or_create, verify_identity};
+use crate::machine::{Backoff, Rng, SystemRng};
+use crate::token::{Source, Token};
+
+/// Attempts at a join that fails in a way worth retrying.
+pub const JOIN_ATTEMPTS_MAX: u32 = 20;
+/// One attempt's deadline.
+pub const JOIN_TIMEOUT_MS: u64 = 15_000;
+
+/// How a join ends: the message for standard output, or an error with its exit code.
+pub enum Outcome {
+    Joined(String),
+    AlreadyJoined(String),
+}
+
+pub struct JoinError {
+    pub exit: u8,
+    pub message: String,
+}
+
+fn fail(message: impl Into<String>) -> JoinError {
+    JoinError { exit: 1, message: message.into() }
+}
+
+pub fn usage(message: impl Into<String>) -> JoinError {
+    JoinError { exit: 2, message: message.into() }
+}
+
+/// The files `--reset` moves aside.
+pub fn reset_files(config: &Config) -> Vec<PathBuf> {
+    let journal = config.journal_path();
+    let mut files = vec![config.identity_path(), config.key_path(), journal.clone()];
+    for suffix in ["-wal", "-shm"] {
+        let mut companion = journal.clone().into_os_string();
+        companion.push(suffix);
+        files.push(companion.into());
+    }
+    files.into_iter().filter(|p| p.exists()).collect()
+}
+
+/// Moves this node's identity and journal to `NAME.reset-<ms>`.
+pub fn reset(config: &Config, now_ms: u64) -> Result<Vec<(PathBuf, PathBuf)>, JoinError> {
+    let mut moved = Vec::new();
+    for path in reset_files(config) {
+        let mut to = path.clone().into_os_string();
+        to.push(format!(".reset-{now_ms}"));
+        let to = PathBuf::from(to);
+        std::fs::rename(&path, &to).map_err(|e| fail(format!("moving {} aside: {e}", path.display())))?;
+        moved.push((path, to));
+    }
+    if let Some(first) = moved.first() {
+        bc_core::keys::sync_dir_of(&first.0).map_err(|e| fail(e.to_string()))?;
+    }
+    Ok(moved)
+}
+
+/// Whether this machine has joined: its identity, checked.
+pub fn already_joined(config: &Config) -> Result<Option<String>, JoinError> {
+    Ok(load_identity(config).map_err(fail)?.map(|identity| {
+        let i = identity.identity;
+        format!("already joined as {} (tenant {}, pool {})", i.node_id, i.tenant_id, i.pool_id)
+    }))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default()
+}
+
+fn retryable(code: tonic::Code) -> bool {
+    matches!(code, tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded)
+}
+
+/// Joins with `token`; removes a token file once joined.
+pub async fn join(config: &Config, token: Token, token_file: Option<&Path>) -> Result<Outcome, JoinError> {
+    let gateway = config.gateway().map_err(fail)?;
+    let key = node_key_load_or_create(config).map_err(fail)?;
+    let request = bc_proto::JoinRequest {
+        token: token.secret,
+        node_public_key: key.verifying_key().as_bytes().to_vec(),
+        hardware: Some(bc_proto::HardwareClaims { hostname: hostname(), gpus: Vec::new() }),
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+    };
+    let channel = gateway.channel().map_err(fail)?;
+    let mut client = AgentClient::new(channel);
+    let mut backoff = Backoff::default();
+    let mut rng = SystemRng;
+    let mut attempt = 0;
+    let response = loop {
+        attempt += 1;
+        let mut call = tonic::Request::new(request.clone());
+        call.set_timeout(Duration::from_millis(JOIN_TIMEOUT_MS));
+        match client.join(call).await {
+            Ok(response) => break response.into_inner(),
+            Err(status) if retryable(status.code()) && attempt < JOIN_ATTEMPTS_MAX => {
+                let delay = backoff.next_delay_ms(&mut rng as &mut dyn Rng);
+                tracing::warn!(attempt, code = ?status.code(), error = %status.message(), delay_ms = delay, "join failed; retrying");
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            Err(status) => {
+                let spent = if attempt > 1 && status.code() == tonic::Code::PermissionDenied {
+                    " (an earlier attempt may have joined: check `nodes list`, or join again with bcd join --reset --yes and a new token)"
+                } else {
+                    ""
+                };
+                return Err(fail(format!("join refused: {}{spent}", status.message())));
+            }
+        }
+    };
+    let identity = String::from_utf8(response.identity).map_err(|_| fail("the gateway's identity is not UTF-8"))?;
+    let file = IdentityFile {
+        identity,
+        signature: bc_core::agent::b64(&response.signature),
+        log_public_key: bc_core::agent::b64(&response.log_public_key),
+    };
+    let checked = verify_identity(&file, &config.log_key_pin, &key.verifying_key()).map_err(|e| fail(format!("the gateway's answer: {e}")))?;
+    let text = serde_json::to_string_pretty(&file).map_err(|e| fail(e.to_string()))?;
+    bc_core::keys::write_new_file(&config.identity_path(), format!("{text}\n").as_bytes(), 0o600).map_err(|e| fail(e.to_string()))?;
+    if token.source == Source::File
+        && let Some(path) = token_file
+    {
+        remove_token_file(path);
+    }
+    Ok(Outcome::Joined(format!("joined as {} (tenant {}, pool {})", checked.node_id, checked.tenant_id, checked.pool_id)))
+}
+
+/// Removes a spent token file; a read-only mount only warns.
+pub fn remove_token_file(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        tracing::warn!(path = %path.display(), error = %e, "could not remove the token file");
+    }
+}
