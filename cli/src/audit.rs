@@ -124,6 +124,7 @@ pub async fn verify(
         "ok": problems.is_empty(),
         "tenants": report.tenants,
         "events": report.events,
+        "nodeSignedEvents": report.node_entries,
         "checkpoints": report.checkpoints,
         "elapsedMs": elapsed.as_millis() as u64,
         "eventsPerSecond": (report.events as f64 / elapsed.as_secs_f64().max(1e-9)).round(),

@@ -312,6 +312,8 @@ pub type Problem = ChainProblem;
 pub struct Report {
     pub tenants: u64,
     pub events: u64,
+    /// Events a node originated whose node signature verified.
+    pub node_entries: u64,
     pub checkpoints: u64,
     pub problems: Vec<Problem>,
     /// Problems found beyond `PROBLEMS_MAX`.
@@ -356,7 +358,44 @@ struct CheckedRow {
     prev: [u8; 32],
     /// `(tree size, note)` when the row seals a checkpoint.
     checkpoint: Option<(u64, String)>,
+    /// What the row says about a node's own signatures, checked in chain order.
+    node: Option<NodeFact>,
 }
+
+/// A node joining (its key is known from here on), or an event a node originated.
+enum NodeFact {
+    Joined { node: String, key: VerifyingKey },
+    Journal { origin: crate::agent::JournalOrigin, event_type: String, stream: String, payload: serde_json::Value },
+}
+
+/// The node fact of a row: `node.joined` carries the node's key; an event with a `journal`
+/// payload field carries a node's signed entry.
+fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String> {
+    let journaled = row.event_type.starts_with("command.") || row.event_type == "node.observed";
+    if row.event_type != NODE_JOINED && !journaled {
+        return Ok(None);
+    }
+    let value: Value = ciborium::de::from_reader(payload).map_err(|e| format!("{} payload: {e}", row.event_type))?;
+    let json = crate::canonical::to_json(&value);
+    if row.event_type == NODE_JOINED {
+        let node = row.stream.strip_prefix("node/").ok_or("node.joined is not on a node stream")?.to_owned();
+        let key = json
+            .get("publicKey")
+            .and_then(|k| k.as_str())
+            .ok_or("node.joined carries no publicKey")
+            .map_err(str::to_owned)
+            .and_then(crate::agent::unb64)
+            .and_then(|bytes| crate::agent::node_public_key(&bytes))?;
+        return Ok(Some(NodeFact::Joined { node, key }));
+    }
+    let Some(origin) = json.get(crate::agent::JOURNAL_PAYLOAD_KEY) else { return Ok(None) };
+    let origin: crate::agent::JournalOrigin =
+        serde_json::from_value(origin.clone()).map_err(|e| format!("the journal entry it carries: {e}"))?;
+    Ok(Some(NodeFact::Journal { origin, event_type: row.event_type.clone(), stream: row.stream.clone(), payload: json }))
+}
+
+/// The `node.joined` event type (projections names it; the verifier must know it too).
+pub const NODE_JOINED: &str = "node.joined";
 
 fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, String>> {
     let decoded: Vec<_> = rows
@@ -371,7 +410,8 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, Strin
             } else {
                 None
             };
-            Ok((event.hash, event.prev, key, sig, checkpoint))
+            let node = node_fact(row, event.payload)?;
+            Ok((event.hash, event.prev, key, sig, checkpoint, node))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded; on failure, find the bad ones.
@@ -384,11 +424,11 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, Strin
     decoded
         .into_iter()
         .map(|d| {
-            let (hash, prev, key, sig, checkpoint) = d?;
+            let (hash, prev, key, sig, checkpoint, node) = d?;
             if !batch_ok && key.verify_strict(&event_signing_message(&hash), &sig).is_err() {
                 return Err("signature does not verify".to_owned());
             }
-            Ok(CheckedRow { hash, prev, checkpoint })
+            Ok(CheckedRow { hash, prev, checkpoint, node })
         })
         .collect()
 }
@@ -435,6 +475,7 @@ pub async fn verify(
             }
         }
         let mut builder = RootBuilder::new();
+        let mut node_keys: std::collections::HashMap<String, VerifyingKey> = std::collections::HashMap::new();
         let mut prev = GENESIS_PREV;
         let mut next_seq = 1u64;
         let mut broken = false;
@@ -469,7 +510,7 @@ pub async fn verify(
                     broken = true;
                     break 'walk;
                 }
-                let CheckedRow { hash, prev: event_prev, checkpoint } = match result {
+                let CheckedRow { hash, prev: event_prev, checkpoint, node } = match result {
                     Ok(ok) => ok,
                     Err(what) => {
                         report.problem(tenant, seq, what);
@@ -481,6 +522,22 @@ pub async fn verify(
                     report.problem(tenant, seq, "prev does not match the hash of the event before");
                     broken = true;
                     break 'walk;
+                }
+                match node {
+                    Some(NodeFact::Joined { node, key }) => {
+                        node_keys.insert(node, key);
+                    }
+                    Some(NodeFact::Journal { origin, event_type, stream, payload }) => match node_keys.get(&origin.node_id) {
+                        None => report.problem(tenant, seq, format!("an entry of node {} that never joined this chain", origin.node_id)),
+                        Some(key) => {
+                            if let Err(what) = origin.check(key, &event_type, &stream, &payload) {
+                                report.problem(tenant, seq, format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq));
+                            } else {
+                                report.node_entries += 1;
+                            }
+                        }
+                    },
+                    None => {}
                 }
                 prev = hash;
                 next_seq += 1;

@@ -44,8 +44,9 @@ pub const COMMAND_CANCELLED: &str = "command.cancelled";
 pub const COMMAND_STARTED: &str = "command.started";
 pub const COMMAND_SUCCEEDED: &str = "command.succeeded";
 pub const COMMAND_FAILED: &str = "command.failed";
+pub const NODE_OBSERVED: &str = "node.observed";
 /// The event types a node may originate through its journal; nothing else is appended from one.
-pub const NODE_ORIGINATED_TYPES: &[&str] = &[COMMAND_STARTED, COMMAND_SUCCEEDED, COMMAND_FAILED];
+pub const NODE_ORIGINATED_TYPES: &[&str] = &[COMMAND_STARTED, COMMAND_SUCCEEDED, COMMAND_FAILED, NODE_OBSERVED];
 
 /// Every event type this version writes.
 pub const EVENT_TYPES: &[&str] = &[
@@ -87,6 +88,7 @@ pub const EVENT_TYPES: &[&str] = &[
     COMMAND_STARTED,
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
+    NODE_OBSERVED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::LOG_KEY_ROTATED,
 ];
@@ -236,6 +238,22 @@ pub struct CommandProgress {
     pub result: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+}
+
+/// What a node observed of itself (from `/proc`), journaled every `observe_interval`; on the
+/// stream `agent/node_…`, so it never moves the node's version.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeObserved {
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uptime_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_avg1_milli: Option<u64>,
+    #[serde(default, rename = "memAvailableKiB", skip_serializing_if = "Option::is_none")]
+    pub mem_available_kib: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal: Option<bc_core::agent::JournalOrigin>,
 }

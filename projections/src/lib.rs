@@ -43,6 +43,9 @@ pub const KIND_JOIN_TOKEN: &str = "join_token";
 pub const KIND_COMMAND: &str = "command";
 /// One row per unfinished command (removed when it ends): what the deadline sweep scans.
 pub const KIND_COMMAND_LIVE: &str = "command_live";
+/// The stream of what a node's agent reports of itself (`agent/node_…`): its events touch the
+/// node's document without moving the node's version.
+pub const KIND_AGENT: &str = "agent";
 /// One row per node: the node's unfinished commands in issue order, what its session delivers.
 pub const KIND_NODE_COMMANDS: &str = "node_commands";
 /// Unfinished commands one node may have: a node that is away for long cannot pile up more.
@@ -144,6 +147,19 @@ pub struct NodeAgent {
     /// The newest journal entry of this node in the log, and its hash (hex; empty: none).
     pub journal_seq: u64,
     pub journal_hash: String,
+    /// The node's latest observation of itself (`node.observed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed: Option<Observation>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Observation {
+    pub at_ms: u64,
+    pub uptime_s: Option<u64>,
+    pub load_avg1_milli: Option<u64>,
+    #[serde(rename = "memAvailableKiB")]
+    pub mem_available_kib: Option<u64>,
 }
 
 impl NodeDoc {
@@ -492,6 +508,12 @@ impl Projector for Projections {
             return;
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
+            && kind == KIND_AGENT
+        {
+            out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: KIND_NODE.to_owned(), id: id.to_owned() });
+            return;
+        }
+        if let Some((kind, id)) = event.envelope.stream.split_once('/')
             && kind == KIND_COMMAND
         {
             let tenant = event.envelope.tenant.to_string();
@@ -646,6 +668,7 @@ impl Projector for Projections {
                         lease_expires_at_ms: 0,
                         journal_seq: 0,
                         journal_hash: String::new(),
+                        observed: None,
                     }),
                     version: env.version,
                     created_at_ms: env.at_ms,
@@ -701,6 +724,21 @@ impl Projector for Projections {
             }
             COMMAND_ISSUED | COMMAND_CANCELLED | COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED => {
                 apply_command(key, current, event)
+            }
+            NODE_OBSERVED => {
+                let p: NodeObserved = payload(event)?;
+                let journal = p.journal.ok_or_else(|| corrupt(event, "node.observed without a journal entry".into()))?;
+                let mut doc: NodeDoc = from_doc(event, current)?;
+                advance_journal(&mut doc, &journal, event)?;
+                if let Some(agent) = doc.agent.as_mut() {
+                    agent.observed = Some(Observation {
+                        at_ms: env.at_ms,
+                        uptime_s: p.uptime_s,
+                        load_avg1_milli: p.load_avg1_milli,
+                        mem_available_kib: p.mem_available_kib,
+                    });
+                }
+                to_doc(&doc)
             }
             NODE_CORDONED | NODE_UNCORDONED | NODE_DRAINING | NODE_LABELED | NODE_TAINTED | NODE_ALLOCATED | NODE_FREED => {
                 let mut doc: NodeDoc = from_doc(event, current)?;
@@ -948,15 +986,22 @@ fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> R
                 .and_then(|p| p.journal)
                 .ok_or_else(|| corrupt(event, "a command event without a journal entry touched its node".into()))?;
             let mut doc: NodeDoc = from_doc(event, current)?;
-            let agent = doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {} has no agent", key.id)))?;
-            let body = bc_core::agent::unb64(&journal.body).map_err(|e| corrupt(event, format!("journal entry: {e}")))?;
-            if journal.seq != agent.journal_seq + 1 {
-                return Err(corrupt(event, format!("journal entry {} follows {} of node {}", journal.seq, agent.journal_seq, key.id)));
-            }
-            agent.journal_seq = journal.seq;
-            agent.journal_hash = hex::encode(bc_core::event::sha256(&body));
+            advance_journal(&mut doc, &journal, event)?;
             to_doc(&doc)
         }
         _ => Ok(current),
     }
+}
+
+/// Moves a node's journal head to the entry an event carries: the next one, always.
+fn advance_journal(doc: &mut NodeDoc, journal: &bc_core::agent::JournalOrigin, event: &StoredEvent) -> Result<()> {
+    let node = doc.node_id.clone();
+    let agent = doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {node} has no agent")))?;
+    let body = bc_core::agent::unb64(&journal.body).map_err(|e| corrupt(event, format!("journal entry: {e}")))?;
+    if journal.seq != agent.journal_seq + 1 {
+        return Err(corrupt(event, format!("journal entry {} follows {} of node {node}", journal.seq, agent.journal_seq)));
+    }
+    agent.journal_seq = journal.seq;
+    agent.journal_hash = hex::encode(bc_core::event::sha256(&body));
+    Ok(())
 }

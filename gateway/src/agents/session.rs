@@ -21,7 +21,7 @@ use bc_core::id::{CommandId, NodeId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result, canonical};
 use bc_projections::events::{self as ev, CommandProgress, NODE_ORIGINATED_TYPES};
-use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc};
+use bc_projections::{CommandDoc, KIND_AGENT, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc};
 use bc_proto::{agent_message, gateway_message};
 use ed25519_dalek::{Signature, Verifier, VerifyingKey};
 use futures::{Stream, StreamExt};
@@ -347,21 +347,8 @@ async fn append_entry(state: &AppState, bound: &mut Bound, entry: bc_proto::Jour
     if !NODE_ORIGINATED_TYPES.contains(&body.entry_type.as_str()) {
         return refuse_entry("INVALID_ARGUMENT", format!("a node does not report {}", bc_core::id::truncate(&body.entry_type, 64)));
     }
-    let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
-        Ok(p) => p,
-        Err(e) => return refuse_entry("INVALID_ARGUMENT", format!("the payload of {}: {e}", body.entry_type)),
-    };
-    let subject_ok = progress.journal.is_none()
-        && progress.node_id == bound.node.to_string()
-        && progress.command_id.parse::<CommandId>().is_ok()
-        && body.subject == format!("{KIND_COMMAND}/{}", progress.command_id);
-    if !subject_ok {
-        return refuse_entry("INVALID_ARGUMENT", "the entry must name this node and the command it is about".into());
-    }
-    let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &progress.command_id).await?;
-    let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
-    if command.is_none_or(|c| c.node_id != bound.node.to_string()) {
-        return refuse_entry("INVALID_ARGUMENT", format!("command {} is not this node's", progress.command_id));
+    if let Err(why) = check_entry_subject(state, bound, &body).await? {
+        return refuse_entry("INVALID_ARGUMENT", why);
     }
     let origin = JournalOrigin::of(&SignedEntry { seq, body: entry.body.clone(), hash, signature: [0; 64] }, &bound.node);
     let origin = JournalOrigin { signature: bc_core::agent::b64(&entry.signature), ..origin };
@@ -387,6 +374,43 @@ async fn append_entry(state: &AppState, bound: &mut Bound, entry: bc_proto::Jour
     bound.head_seq = seq;
     bound.head_hash = hash;
     Ok(Ok(seq))
+}
+
+/// Whether an entry says only what a node may say: its own observations on `agent/NODE`, or
+/// progress of one of its own commands on `command/CMD`. `Ok(Err(why))` refuses the entry.
+async fn check_entry_subject(
+    state: &AppState,
+    bound: &Bound,
+    body: &bc_core::agent::EntryBody,
+) -> std::result::Result<std::result::Result<(), String>, Refusal> {
+    let node = bound.node.to_string();
+    if body.entry_type == ev::NODE_OBSERVED {
+        let observed: ev::NodeObserved = match serde_json::from_value(body.payload.clone()) {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(format!("the payload of node.observed: {e}"))),
+        };
+        if observed.journal.is_some() || observed.node_id != node || body.subject != format!("{KIND_AGENT}/{node}") {
+            return Ok(Err(format!("node.observed is about this node, on {KIND_AGENT}/{node}")));
+        }
+        return Ok(Ok(()));
+    }
+    let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
+        Ok(p) => p,
+        Err(e) => return Ok(Err(format!("the payload of {}: {e}", body.entry_type))),
+    };
+    let subject_ok = progress.journal.is_none()
+        && progress.node_id == node
+        && progress.command_id.parse::<CommandId>().is_ok()
+        && body.subject == format!("{KIND_COMMAND}/{}", progress.command_id);
+    if !subject_ok {
+        return Ok(Err("the entry must name this node and the command it is about".into()));
+    }
+    let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &progress.command_id).await?;
+    let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+    if command.is_none_or(|c| c.node_id != node) {
+        return Ok(Err(format!("command {} is not this node's", progress.command_id)));
+    }
+    Ok(Ok(()))
 }
 
 /// Sends the node's unfinished commands it has not been sent in this session, in issue order.

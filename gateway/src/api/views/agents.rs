@@ -23,6 +23,19 @@ pub struct NodeAgentView {
     pub lease_expires_at_ms: u64,
     /// The newest entry of the node's journal in the log (0: none yet).
     pub journal_seq: u64,
+    /// The node's latest observation of itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub observed: Option<ObservationView>,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ObservationView {
+    pub at_ms: u64,
+    pub uptime_s: Option<u64>,
+    pub load_avg1_milli: Option<u64>,
+    #[serde(rename = "memAvailableKiB")]
+    pub mem_available_kib: Option<u64>,
 }
 
 impl From<NodeAgent> for NodeAgentView {
@@ -36,6 +49,12 @@ impl From<NodeAgent> for NodeAgentView {
             reachable: a.reachable,
             lease_expires_at_ms: a.lease_expires_at_ms,
             journal_seq: a.journal_seq,
+            observed: a.observed.map(|o| ObservationView {
+                at_ms: o.at_ms,
+                uptime_s: o.uptime_s,
+                load_avg1_milli: o.load_avg1_milli,
+                mem_available_kib: o.mem_available_kib,
+            }),
         }
     }
 }
