@@ -45,6 +45,7 @@ bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench webhooks
 	$(CARGO) bench -p bc-cli --bench reservations
 	$(CARGO) bench -p bc-cli --bench unknown_method
+	$(CARGO) bench -p bc-cli --bench agents
 
 lint:
 	$(CARGO) fmt --all --check

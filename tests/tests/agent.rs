@@ -1,0 +1,408 @@
+//! Nodes that join, end to end with real processes: `better-compute dev`, `join-tokens create
+//! --out`, `bcd join`, `bcd node`, over gRPC with a pinned TLS certificate. The token is in no
+//! log and in no process's argv; a spent token is refused; two racing joins with one token:
+//! exactly one wins; the journal survives SIGKILL and a gateway outage with every entry in the
+//! log exactly once (node signatures verified); a command issued while the node is away runs
+//! once after it returns; liveness follows the lease.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bc_tests::{Server, json, wait_until};
+use serde_json::{Value, json};
+
+/// A free loopback port, so a restarted gateway listens where its agents look.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `dev` with its agents' endpoint on a fixed port and a short lease.
+fn gateway() -> (Server, u16) {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
+    (server, port)
+}
+
+fn log_key_pin(server: &Server) -> String {
+    let (code, out, err) = bc_tests::cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()], &[]);
+    assert_eq!(code, 0, "pki show: {err}");
+    json(&out)["pin"].as_str().unwrap().to_owned()
+}
+
+/// One machine: its data directory and configuration.
+struct Machine {
+    dir: tempfile::TempDir,
+    node: Option<Child>,
+}
+
+impl Machine {
+    fn new(server: &Server, port: u16) -> Machine {
+        let dir = tempfile::tempdir().unwrap();
+        let config = format!(
+            "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\nobserve_interval = \"150ms\"\n\n[log]\nlevel = \"info\"\nformat = \"json\"\n",
+            dir.path().join("data").display().to_string(),
+            server.agents_pin.clone().expect("the agents' endpoint is TLS"),
+            log_key_pin(server),
+        );
+        std::fs::write(dir.path().join("config.toml"), config).unwrap();
+        Machine { dir, node: None }
+    }
+
+    fn config(&self) -> String {
+        self.dir.path().join("config.toml").display().to_string()
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn bcd(&self, args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
+        let mut child = Command::new(bc_tests::binary("bcd"))
+            .args(args)
+            .envs(env.iter().copied())
+            .env_remove("BCD_JOIN_TOKEN")
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start bcd");
+        if let Some(input) = stdin {
+            child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    }
+
+    fn join_stdin(&self, token: &str) -> (i32, String, String) {
+        self.bcd(&["join", "--config", &self.config()], &[], Some(&format!("{token}\n")))
+    }
+
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("node.log")).unwrap();
+        let child = Command::new(bc_tests::binary("bcd"))
+            .args(["node", "--config", &self.config()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start bcd node");
+        self.node = Some(child);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.node.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, and the exit code.
+    fn stop(&mut self) -> i32 {
+        let mut child = self.node.take().expect("running");
+        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        child.wait().unwrap().code().unwrap_or(-1)
+    }
+
+    fn status(&self) -> Option<Value> {
+        let (code, out, _) = self.bcd(&["status", "--config", &self.config()], &[], None);
+        (code == 0).then(|| json(&out))
+    }
+
+    fn node_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("node.log")).unwrap_or_default()
+    }
+
+    fn node_id(&self) -> String {
+        let identity: Value = serde_json::from_str(&std::fs::read_to_string(self.data().join("identity.json")).unwrap()).unwrap();
+        let document: Value = serde_json::from_str(identity["identity"].as_str().unwrap()).unwrap();
+        document["nodeId"].as_str().unwrap().to_owned()
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            let kept = self.dir.path().to_path_buf();
+            std::mem::forget(std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap()));
+            eprintln!("kept the machine's directory: {}", kept.display());
+        }
+    }
+}
+
+async fn token(server: &Server, pool: &str, uses: u32) -> String {
+    let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": uses })).await;
+    assert_eq!(status, 200, "{created}");
+    created["token"].as_str().unwrap().to_owned()
+}
+
+async fn node_doc(server: &Server, node: &str) -> Value {
+    let (status, doc) = server.call("nodes.get", json!({ "nodeId": node })).await;
+    assert_eq!(status, 200, "{doc}");
+    doc
+}
+
+async fn wait_state(server: &Server, node: &str, state: &str, timeout: Duration) -> Value {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let doc = node_doc(server, node).await;
+        if doc["state"] == state {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "node {node} not {state} after {timeout:?}: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every event of the root tenant of these types, oldest first.
+async fn events(server: &Server, types: &[&str]) -> Vec<Value> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut body = json!({ "types": types, "limit": 500 });
+        if let Some(c) = &cursor {
+            body["cursor"] = json!(c);
+        }
+        let (status, page) = server.call("events.list", body).await;
+        assert_eq!(status, 200, "{page}");
+        all.extend(page["items"].as_array().unwrap().iter().cloned());
+        match page["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => return all,
+        }
+    }
+}
+
+/// Whether any process's command line holds `secret`.
+fn in_some_argv(secret: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        std::fs::read(entry.path().join("cmdline")).is_ok_and(|bytes| String::from_utf8_lossy(&bytes).contains(secret))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_token_is_nowhere() {
+    let (server, port) = gateway();
+    let pool = server.pool("gpu-a").await;
+    let machine_dir = tempfile::tempdir().unwrap();
+    let token_file = machine_dir.path().join("join.token");
+    let (code, out, err) =
+        server.cli(&["join-tokens", "create", "--pool", &pool, "--out", &token_file.display().to_string(), "--format", "json"]);
+    assert_eq!(code, 0, "join-tokens create: {err}");
+    let secret = std::fs::read_to_string(&token_file).unwrap().trim().to_owned();
+    assert!(secret.starts_with("bcjt_") && !out.contains(&secret) && !err.contains(&secret), "the secret went to the file only");
+
+    let mut machine = Machine::new(&server, port);
+    let (code, out, err) = machine.join_stdin(&secret);
+    assert_eq!(code, 0, "bcd join: {out} {err}");
+    assert!(out.starts_with("joined as node_"), "{out}");
+    let node = machine.node_id();
+    use std::os::unix::fs::PermissionsExt;
+    let key_mode = std::fs::metadata(machine.data().join("node.key")).unwrap().permissions().mode() & 0o777;
+    assert_eq!(key_mode, 0o600);
+
+    // Joined already: says so and reads no token.
+    let (code, out, _) = machine.bcd(&["join", "--config", &machine.config()], &[], None);
+    assert_eq!(code, 0);
+    assert!(out.starts_with(&format!("already joined as {node}")), "{out}");
+
+    machine.start();
+    let doc = wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+    assert_eq!(doc["poolId"], pool.as_str());
+    assert_eq!(doc["agent"]["reachable"], true);
+    let status = wait_until("bcd status says live", Duration::from_secs(10), || machine.status().filter(|s| s["session"] == "live"));
+    assert_eq!(status["nodeId"], node.as_str());
+
+    // A spent token is refused, and the refusal does not quote it.
+    let other = Machine::new(&server, port);
+    let (code, out, err) = other.bcd(&["join", "--config", &other.config()], &[("BCD_JOIN_TOKEN", &secret)], None);
+    assert_eq!(code, 1, "{out} {err}");
+    assert!(err.contains("spent"), "{err}");
+    assert!(!err.contains(&secret) && !out.contains(&secret));
+
+    // The token is in no log line and no process's argv.
+    assert!(!in_some_argv(&secret));
+    let server_log = std::fs::read_to_string(server.data_dir.join("server.log")).unwrap();
+    for (name, text) in [("server", server_log.as_str()), ("node", &machine.node_log()), ("join", &err)] {
+        assert!(!text.contains(&secret), "the token is in the {name} log");
+        assert!(!text.contains(secret.rsplit('_').next().unwrap()), "the token's secret is in the {name} log");
+    }
+    assert_eq!(machine.stop(), 0, "bcd node stops with 0 on SIGTERM");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_racing_joins_with_one_token_exactly_one_wins() {
+    let (server, port) = gateway();
+    let pool = server.pool("race").await;
+    for _ in 0..3 {
+        let secret = token(&server, &pool, 1).await;
+        let machines: Vec<Machine> = (0..2).map(|_| Machine::new(&server, port)).collect();
+        let codes: Vec<i32> = std::thread::scope(|s| {
+            let handles: Vec<_> = machines
+                .iter()
+                .map(|m| {
+                    let secret = secret.clone();
+                    s.spawn(move || m.bcd(&["join", "--config", &m.config()], &[("BCD_JOIN_TOKEN", &secret)], None).0)
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut sorted = codes.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![0, 1], "exactly one join wins: {codes:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_log_once() {
+    let (mut server, port) = gateway();
+    let pool = server.pool("journal").await;
+    let secret = token(&server, &pool, 1).await;
+    let mut machine = Machine::new(&server, port);
+    assert_eq!(machine.join_stdin(&secret).0, 0);
+    let node = machine.node_id();
+    machine.start();
+    wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+
+    // Commands keep the journal busy; the agent is killed in the middle of them.
+    let mut commands = Vec::new();
+    for _ in 0..30 {
+        let (status, command) = server.call("commands.issue", json!({ "nodeId": node, "kind": "ping" })).await;
+        assert_eq!(status, 200, "{command}");
+        commands.push(command["commandId"].as_str().unwrap().to_owned());
+    }
+    machine.kill9();
+    machine.start();
+    // The gateway goes away while the agent journals (observations every 150 ms).
+    wait_until("the agent is live again", Duration::from_secs(20), || machine.status().filter(|s| s["session"] == "live"));
+    server.kill9();
+    let offline = wait_until("entries wait in the journal while the gateway is down", Duration::from_secs(10), || {
+        machine.status().filter(|s| s["journalUnacked"].as_u64().unwrap_or(0) >= 3)
+    });
+    assert_ne!(offline["session"], "live");
+    server.restart();
+
+    // Caught up: every command ran once, and the log holds the journal up to the agent's head.
+    for command in &commands {
+        let done = wait_until("the command finished", Duration::from_secs(30), || {
+            let (code, out, _) = server.cli(&["commands", "get", command, "--format", "json"]);
+            (code == 0).then(|| json(&out)).filter(|c| c["state"] == "succeeded")
+        });
+        assert_eq!(done["result"]["pong"], true);
+    }
+    assert_eq!(machine.stop(), 0);
+    let head = {
+        // The journal's head, from the agent's last status before it stopped: read it back by
+        // starting nothing; the node document says what the log holds.
+        node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap()
+    };
+    assert!(head > 60, "30 commands (started and succeeded) and observations: {head}");
+    let journaled = events(&server, &["command.*", "node.observed"]).await;
+    let mut seqs: BTreeMap<u64, usize> = BTreeMap::new();
+    for event in &journaled {
+        if let Some(seq) = event["payload"]["journal"]["seq"].as_u64() {
+            *seqs.entry(seq).or_default() += 1;
+        }
+    }
+    assert!(seqs.values().all(|n| *n == 1), "an entry appended twice");
+    assert_eq!(seqs.keys().copied().collect::<Vec<_>>(), (1..=head).collect::<Vec<_>>(), "every entry, none missing");
+    for command in &commands {
+        let started = journaled.iter().filter(|e| e["type"] == "command.started" && e["payload"]["commandId"] == command.as_str()).count();
+        let succeeded =
+            journaled.iter().filter(|e| e["type"] == "command.succeeded" && e["payload"]["commandId"] == command.as_str()).count();
+        assert_eq!((started, succeeded), (1, 1), "command {command} ran once");
+    }
+    // The chains verify, the node's signatures included.
+    let (code, out, err) = server.cli(&["audit", "verify", "--data-dir", &server.data_dir.display().to_string(), "--format", "json"]);
+    assert_eq!(code, 0, "audit verify: {out} {err}");
+    let report = json(&out);
+    assert_eq!(report["ok"], true, "{report}");
+    assert_eq!(report["nodeSignedEvents"].as_u64(), Some(head), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_liveness_follows_the_lease() {
+    let (server, port) = gateway();
+    let pool = server.pool("away").await;
+    let secret = token(&server, &pool, 1).await;
+    let mut machine = Machine::new(&server, port);
+    assert_eq!(machine.join_stdin(&secret).0, 0);
+    let node = machine.node_id();
+    assert_eq!(node_doc(&server, &node).await["state"], "unreachable", "joined is not running");
+
+    let (status, command) = server.call("commands.issue", json!({ "nodeId": node, "kind": "ping" })).await;
+    assert_eq!(status, 200, "{command}");
+    let command = command["commandId"].as_str().unwrap().to_owned();
+    let (status, hold) = server
+        .call("commands.issue", json!({ "nodeId": node, "kind": "gpu.hold", "args": { "reservationId": "rsv_01jd0000000000000000000000", "gpus": [0] } }))
+        .await;
+    assert_eq!(status, 200, "{hold}");
+    machine.start();
+    wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+    let done = wait_until("the offline command ran", Duration::from_secs(20), || {
+        let (code, out, _) = server.cli(&["commands", "get", &command, "--format", "json"]);
+        (code == 0).then(|| json(&out)).filter(|c| c["state"] == "succeeded")
+    });
+    assert_eq!(done["journalSeqs"].as_array().unwrap().len(), 2, "started and succeeded, once each: {done}");
+    let hold_id = hold["commandId"].as_str().unwrap().to_owned();
+    let failed = wait_until("the GPU hold failed at once", Duration::from_secs(20), || {
+        let (code, out, _) = server.cli(&["commands", "get", &hold_id, "--format", "json"]);
+        (code == 0).then(|| json(&out)).filter(|c| c["state"] == "failed")
+    });
+    assert!(failed["reason"].as_str().unwrap().contains("node-unbound"), "{failed}");
+
+    // Stopped: unreachable once the lease (2 s) lapses; started again: ready.
+    assert_eq!(machine.stop(), 0);
+    wait_state(&server, &node, "unreachable", Duration::from_secs(15)).await;
+    machine.start();
+    wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+    let liveness: Vec<String> = events(&server, &["node.ready", "node.unreachable"])
+        .await
+        .iter()
+        .filter(|e| e["stream"] == format!("node/{node}"))
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(liveness, ["node.ready", "node.unreachable", "node.ready"], "each change an event, heartbeats none");
+}
+
+#[test]
+fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(bc_tests::binary("bcd")).args(args).stdin(Stdio::null()).output().unwrap();
+        (out.status.code().unwrap(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let pasted = "bcjt_jt_01jd0000000000000000000000_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0";
+    let (code, out, err) = run(&["join", pasted]);
+    assert_eq!(code, 2);
+    assert!(err.contains("takes no positional arguments") && err.contains("never from arguments"), "{err}");
+    assert!(!err.contains(pasted) && !out.contains(pasted));
+    let (code, _, err) = run(&[pasted]);
+    assert_eq!((code, err.trim()), (2, "bcd: unknown command"));
+    let (code, _, err) = run(&["joinn"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("\"joinn\""), "a command-shaped name is echoed: {err}");
+    let (code, out, _) = run(&["version"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("bcd "));
+    assert_eq!(run(&["help"]).0, 0);
+    // Not joined: exit 1 with the reference's message.
+    let config = dir.path().join("config.toml");
+    let pin = "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+    std::fs::write(&config, format!("data_dir = {:?}\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = {pin:?}\n", dir.path().display().to_string())).unwrap();
+    let (code, _, err) = run(&["node", "--config", &config.display().to_string()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("this node has not joined (run bcd join)"), "{err}");
+    // No token anywhere: usage.
+    let (code, _, err) = run(&["join", "--config", &config.display().to_string()]);
+    assert_eq!(code, 2, "{err}");
+    // Plaintext to another address is refused.
+    std::fs::write(&config, format!("data_dir = {:?}\ngateway = \"http://10.1.2.3:7444\"\nlog_key_pin = {pin:?}\n", dir.path().display().to_string())).unwrap();
+    let (code, _, err) = run(&["node", "--config", &config.display().to_string()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("refuses plaintext"), "{err}");
+}
