@@ -223,7 +223,7 @@ pub enum Command {
     },
     /// Run reconcilers (outbox consumers) as their own process, against the same database.
     Reconcile {
-        /// Only these reconcilers (repeatable): reservations, webhooks, checkpoints. Default: all.
+        /// Only these reconcilers (repeatable): reservations, webhooks, checkpoints, liveness. Default: all.
         #[arg(long)]
         only: Vec<String>,
         #[command(flatten)]
