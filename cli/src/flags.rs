@@ -16,6 +16,9 @@ use crate::output::Format;
 pub const DEFAULT_URL: &str = "http://127.0.0.1:7070";
 pub const DEFAULT_DATA_DIR: &str = ".better-compute";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+pub const DEFAULT_AGENTS_LISTEN: &str = "127.0.0.1:7444";
+/// Longest `--node-lease` accepted: ten minutes (a lapse shows no sooner than the lease).
+pub const NODE_LEASE_MS_MAX: u64 = 600_000;
 
 /// Longest sealing interval accepted: a week.
 pub const CHECKPOINT_INTERVAL_S_MAX: u64 = 7 * 24 * 3600;
@@ -135,6 +138,29 @@ pub struct ServerArgs {
     /// dropped (a stalled watcher frees its slot).
     #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
     pub write_stall: u64,
+    #[command(flatten)]
+    pub agents: AgentsArgs,
+}
+
+/// The agents' endpoint (gRPC, `bcd`): where it listens, its serving certificate, the lease.
+#[derive(Args)]
+pub struct AgentsArgs {
+    /// Where the agents' endpoint listens (TLS; agents pin the certificate's key).
+    #[arg(long, default_value = DEFAULT_AGENTS_LISTEN)]
+    pub agents_listen: String,
+    /// The serving certificate chain (PEM); with --agents-tls-key. Default: one made at first
+    /// start in the data directory.
+    #[arg(long, requires = "agents_tls_key", value_name = "FILE")]
+    pub agents_tls_cert: Option<PathBuf>,
+    /// The serving certificate's private key (PEM); with --agents-tls-cert.
+    #[arg(long, requires = "agents_tls_cert", value_name = "FILE")]
+    pub agents_tls_key: Option<PathBuf>,
+    /// How long a node's lease lasts past its last heartbeat: it turns unreachable after that.
+    #[arg(long, default_value = "15s", value_parser = parse_node_lease_ms)]
+    pub node_lease: u64,
+    /// How often a node is asked to heartbeat (less than half --node-lease).
+    #[arg(long, default_value = "5s", value_parser = parse_node_lease_ms)]
+    pub node_heartbeat: u64,
 }
 
 #[derive(Args)]
@@ -207,6 +233,10 @@ pub enum Command {
         dir: DataDir,
         #[command(flatten)]
         server: ServerArgs,
+        /// Serve the agents' endpoint as plaintext h2c instead of TLS: only on a loopback
+        /// --agents-listen, and only in dev.
+        #[arg(long)]
+        agents_insecure_h2c: bool,
     },
     /// Run the control plane on PostgreSQL (run `migrate` first).
     Serve {
@@ -223,7 +253,7 @@ pub enum Command {
     },
     /// Run reconcilers (outbox consumers) as their own process, against the same database.
     Reconcile {
-        /// Only these reconcilers (repeatable): reservations, webhooks, checkpoints. Default: all.
+        /// Only these reconcilers (repeatable): reservations, webhooks, checkpoints, liveness. Default: all.
         #[arg(long)]
         only: Vec<String>,
         #[command(flatten)]
@@ -743,6 +773,12 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
     Ok(value.as_millis() as u64)
 }
 
+/// `--node-lease`, `--node-heartbeat`: whole milliseconds, from 100 ms to ten minutes.
+pub fn parse_node_lease_ms(text: &str) -> Result<u64, String> {
+    let value = parse_duration(text, Duration::from_millis(100), Duration::from_millis(NODE_LEASE_MS_MAX), MILLISECOND)?;
+    Ok(value.as_millis() as u64)
+}
+
 /// `--for`, `--by`: whole seconds, more than zero (a reservation lasts at least a second).
 pub fn parse_duration_s(text: &str) -> Result<u64, String> {
     Ok(parse_duration(text, SECOND, Duration::from_secs(RESERVATION_DURATION_S_MAX), SECOND)?.as_secs())
@@ -780,5 +816,21 @@ mod tests {
         let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
         let Command::Dev { server, .. } = cli.command else { panic!("not dev") };
         assert_eq!(server.write_stall, bc_gateway::conn::WRITE_STALL_S * 1000);
+    }
+
+    #[test]
+    fn the_agents_flags_default_to_the_gateways_session_config() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev { server, agents_insecure_h2c, .. } = cli.command else { panic!("not dev") };
+        let defaults = bc_gateway::agents::SessionConfig::default();
+        assert_eq!((server.agents.node_lease, server.agents.node_heartbeat), (defaults.lease_ms, defaults.heartbeat_ms));
+        assert_eq!(server.agents.agents_listen, DEFAULT_AGENTS_LISTEN);
+        assert!(!agents_insecure_h2c);
+        // The certificate and its key go together.
+        assert!(Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem"]).is_err());
+        assert!(Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem", "--agents-tls-key", "k.pem"]).is_ok());
+        // h2c is dev's only.
+        let serve = ["better-compute", "serve", "--database-url", "postgres://x", "--agents-insecure-h2c"];
+        assert!(Cli::try_parse_from(serve).is_err());
     }
 }

@@ -180,12 +180,13 @@ pub async fn reconcile(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
     let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
-    let appenders = [bc_reconcilers::reservations::NAME, bc_reconcilers::checkpoints::NAME];
+    let appenders =
+        [bc_reconcilers::reservations::NAME, bc_reconcilers::checkpoints::NAME, bc_reconcilers::liveness::NAME];
     if names.iter().any(|n| appenders.contains(n)) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
             return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
-                .hint("the reservations and checkpoints reconcilers append: pass the --data-dir that dev or serve uses"));
+                .hint("the reservations, checkpoints and liveness reconcilers append: pass the --data-dir that dev or serve uses"));
         }
         check_log_key(&*store, data_dir).await?;
         let key = Arc::new(LogKey::load(&key_path)?);
@@ -193,6 +194,15 @@ pub async fn reconcile(
         if names.contains(&bc_reconcilers::reservations::NAME) {
             let run =
                 bc_reconcilers::reservations::run(log.clone(), Arc::new(SystemClock), options.tick_ms, None, stopped.clone());
+            tasks.push(tokio::spawn(run));
+        }
+        if names.contains(&bc_reconcilers::liveness::NAME) {
+            let run = bc_reconcilers::liveness::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                bc_reconcilers::liveness::TICK_MS_DEFAULT,
+                stopped.clone(),
+            );
             tasks.push(tokio::spawn(run));
         }
         if names.contains(&bc_reconcilers::checkpoints::NAME) {
@@ -328,6 +338,76 @@ async fn rotation_recorded(store: &dyn EventStore, key_id: &str) -> bc_core::Res
     }
 }
 
+/// How the agents' endpoint runs in `dev` and `serve`.
+#[derive(Clone, Debug)]
+pub struct AgentsOptions {
+    pub listen: SocketAddr,
+    /// The serving certificate chain and key given by flags; `None`: the one in the data
+    /// directory (made at first start).
+    pub tls_files: Option<(PathBuf, PathBuf)>,
+    /// h2c instead of TLS (`dev` on loopback only; the caller checks).
+    pub plaintext: bool,
+    pub session: bc_gateway::agents::SessionConfig,
+}
+
+impl AgentsOptions {
+    /// Checks what flags cannot: h2c only on loopback and only in `dev`, TLS files not with
+    /// h2c, a heartbeat well within the lease.
+    pub fn new(
+        listen: &str,
+        tls_files: Option<(PathBuf, PathBuf)>,
+        plaintext: bool,
+        dev: bool,
+        session: bc_gateway::agents::SessionConfig,
+    ) -> Result<Self, CliError> {
+        let listen: SocketAddr =
+            listen.parse().map_err(|_| CliError::usage(format!("--agents-listen {listen:?} is not HOST:PORT")))?;
+        if plaintext {
+            if !dev {
+                return Err(CliError::usage("--agents-insecure-h2c is for dev only: serve speaks TLS to agents"));
+            }
+            if !listen.ip().is_loopback() {
+                return Err(CliError::usage(format!(
+                    "--agents-insecure-h2c needs a loopback --agents-listen, not {listen}: plaintext never leaves the machine"
+                ))
+                .hint("use --agents-listen 127.0.0.1:PORT, or drop --agents-insecure-h2c to serve TLS"));
+            }
+            if tls_files.is_some() {
+                return Err(CliError::usage("--agents-insecure-h2c takes no --agents-tls-cert or --agents-tls-key"));
+            }
+        }
+        if session.heartbeat_ms.saturating_mul(2) >= session.lease_ms {
+            return Err(CliError::usage(format!(
+                "--node-heartbeat ({} ms) must be less than half --node-lease ({} ms), so one lost heartbeat does not make a node unreachable",
+                session.heartbeat_ms, session.lease_ms
+            )));
+        }
+        Ok(Self { listen, tls_files, plaintext, session })
+    }
+}
+
+/// The agents' endpoint's transport, and the pin agents check (none for h2c).
+fn agents_transport(
+    options: &AgentsOptions,
+    data_dir: &Path,
+) -> Result<(bc_gateway::agents::Transport, Option<String>), CliError> {
+    use bc_gateway::agents::tls::ServingIdentity;
+    if options.plaintext {
+        return Ok((bc_gateway::agents::Transport::Plaintext, None));
+    }
+    let identity = match &options.tls_files {
+        Some((cert, key)) => ServingIdentity::load(cert, key)?,
+        None => {
+            let (identity, created) = ServingIdentity::load_or_create(data_dir, &[])?;
+            if created {
+                tracing::info!(pin = %identity.pin, dir = %data_dir.display(), "made the agents' serving certificate");
+            }
+            identity
+        }
+    };
+    Ok((bc_gateway::agents::Transport::Tls(identity.server_config()?), Some(identity.pin.clone())))
+}
+
 /// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_server(
@@ -340,6 +420,7 @@ pub async fn run_server(
     consumers: Option<&ConsumerOptions>,
     policy: EndpointPolicy,
     write_stall: std::time::Duration,
+    agents: &AgentsOptions,
 ) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     create_private_dir(data_dir)?;
@@ -380,6 +461,12 @@ pub async fn run_server(
         CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address")
     })?;
     let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    let (transport, agents_pin) = agents_transport(agents, data_dir)?;
+    let agents_listener = tokio::net::TcpListener::bind(agents.listen).await.map_err(|e| {
+        CliError::new("UNAVAILABLE", format!("cannot listen on {} for agents: {e}", agents.listen))
+            .hint("pick another --agents-listen address")
+    })?;
+    let agents_bound = agents_listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
     // stdout is for people and for the test harness, which reads the URL from the first line.
     println!("better-compute listening on http://{bound}");
     println!("  database:  {}", db.describe());
@@ -412,19 +499,43 @@ pub async fn run_server(
                 Arc::new(SystemClock),
                 options.tick_ms,
                 Some(log.subscribe()),
-                stopped,
+                stopped.clone(),
+            )));
+            tasks.push(tokio::spawn(bc_reconcilers::liveness::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                bc_reconcilers::liveness::TICK_MS_DEFAULT,
+                stopped.clone(),
             )));
             tasks
         }
         None => Vec::new(),
     };
+    // The test harness reads this line too: `https://ADDR (pin sha256/…)` or `h2c://ADDR (…)`.
+    match &agents_pin {
+        Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
+        None => println!("  agents:    h2c://{agents_bound} (plaintext, loopback only)"),
+    }
     let state = Arc::new(AppState::new(log.clone()).with_webhook_policy(policy));
-    let served = bc_gateway::serve_with_write_stall(listener, state, write_stall, shutdown_signal()).await;
+    // One signal stops both listeners.
+    let (signal, signalled) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = signal.send(true);
+    });
+    let on_signal = |mut signalled: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = signalled.wait_for(|stop| *stop).await;
+    };
+    let service = bc_gateway::agents::AgentService::new(state.clone(), agents.session);
+    let agents_served = bc_gateway::agents::serve(agents_listener, transport, service, on_signal(signalled.clone()));
+    let http_served = bc_gateway::serve_with_write_stall(listener, state, write_stall, on_signal(signalled));
+    let (served, agents_served) = tokio::join!(http_served, agents_served);
     let _ = stop.send(true);
     for task in tasks.into_iter().chain(sealer) {
         let _ = task.await;
     }
     served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
+    agents_served.map_err(|e| CliError::new("INTERNAL", format!("agents' endpoint: {e}")))?;
     tracing::info!("stopped");
     Ok(())
 }

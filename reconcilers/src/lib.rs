@@ -7,6 +7,8 @@
 //! - [`webhooks`]: signed webhook deliveries (Standard Webhooks);
 //! - [`reservations`]: queued → active → expired, on the decisions of `bc_projections::decide`;
 //! - [`checkpoints`]: seals signed checkpoints of the tenants whose logs grew;
+//! - [`liveness`]: node leases into `node.ready` / `node.unreachable`, and commands failed at
+//!   their deadline;
 //! - [`status`]: each reconciler's last pass, recorded for `better-compute reconcilers status`.
 //!
 //! Dependencies: `bc-core` (storage, signing, the URL policy) and `bc-projections` (the
@@ -14,6 +16,7 @@
 //! handlers.
 
 pub mod checkpoints;
+pub mod liveness;
 pub mod outbox;
 pub mod reservations;
 pub mod status;
@@ -43,4 +46,4 @@ pub(crate) async fn idle(
 /// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
-pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME];
+pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME];

@@ -1,8 +1,9 @@
 //! `bc-tests`: the one harness every end-to-end test uses (STYLE rule 13).
 //!
 //! [`Server::dev`] starts the real `better-compute dev` binary on `127.0.0.1:0` with a fresh data
-//! directory and reads the URL it prints; [`Server::serve_postgres`] does the same against a
-//! scratch PostgreSQL database. When a test fails (the thread is panicking) the data directory,
+//! directory (the agents' endpoint on `127.0.0.1:0` too) and reads the URL and the agents'
+//! address and pin it prints; [`Server::serve_postgres`] does the same against a scratch
+//! PostgreSQL database. When a test fails (the thread is panicking) the data directory,
 //! with the server's log in `server.log`, is kept and its path printed.
 
 use std::io::{BufRead, BufReader};
@@ -123,6 +124,11 @@ pub fn cli_stdin(args: &[&str], env: &[(&str, &str)], input: Option<&str>) -> (i
 pub struct Server {
     child: Option<Child>,
     pub url: String,
+    /// The agents' endpoint, `HOST:PORT` (from the `  agents:` line).
+    pub agents_addr: String,
+    /// The serving certificate's pin agents check, `sha256/…`; `None` for h2c (`dev
+    /// --agents-insecure-h2c`).
+    pub agents_pin: Option<String>,
     pub token: String,
     pub data_dir: PathBuf,
     _temp: Option<tempfile::TempDir>,
@@ -143,7 +149,7 @@ impl Server {
         let mut args: Vec<String> =
             vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(extra.iter().map(|a| a.to_string()));
-        Self::start(args, data_dir, Some(temp))
+        Self::start(with_agents_port(args), data_dir, Some(temp))
     }
 
     /// `better-compute serve` on PostgreSQL (the database must be migrated).
@@ -165,7 +171,7 @@ impl Server {
             "127.0.0.1:0".into(),
         ];
         args.extend(extra.iter().map(|a| a.to_string()));
-        Self::start(args, data_dir, Some(temp))
+        Self::start(with_agents_port(args), data_dir, Some(temp))
     }
 
     fn start(args: Vec<String>, data_dir: PathBuf, temp: Option<tempfile::TempDir>) -> Server {
@@ -173,6 +179,8 @@ impl Server {
         let mut server = Server {
             child: None,
             url: String::new(),
+            agents_addr: String::new(),
+            agents_pin: None,
             token: String::new(),
             data_dir,
             _temp: temp,
@@ -186,16 +194,49 @@ impl Server {
     fn launch(&mut self) {
         // A fresh client per launch: pooled connections to a killed server are dead.
         self.http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
-        let (child, first) =
-            spawn_logged(&self.args, &self.data_dir.join("server.log"), &[("BETTER_COMPUTE_LOG", "info,bc_core=debug")]);
+        let log = self.data_dir.join("server.log");
+        let (child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", "info,bc_core=debug")]);
+        let first = next_line(&lines, &self.args, &log);
         self.url = first.rsplit(' ').next().expect("url").to_owned();
         assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");
-        // A restart binds the same address, so clients (watchers) can reconnect to it.
+        // `  agents:    https://ADDR (pin sha256/…)` or `  agents:    h2c://ADDR (plaintext, …)`,
+        // after the other lines.
+        let agents = loop {
+            let line = next_line(&lines, &self.args, &log);
+            if let Some(rest) = line.strip_prefix("  agents:") {
+                break rest.trim().to_owned();
+            }
+        };
+        let (url, detail) = agents.split_once(' ').unwrap_or((agents.as_str(), ""));
+        let (scheme, addr) = url.split_once("://").unwrap_or_else(|| panic!("unexpected agents line {agents:?}"));
+        self.agents_addr = addr.to_owned();
+        self.agents_pin = match scheme {
+            "https" => {
+                let pin = detail.trim_start_matches("(pin ").trim_end_matches(')');
+                assert!(pin.starts_with("sha256/"), "unexpected agents line {agents:?}");
+                Some(pin.to_owned())
+            }
+            "h2c" => None,
+            _ => panic!("unexpected agents line {agents:?}"),
+        };
+        // A restart binds the same addresses, so clients (watchers, agents) can reconnect.
         if let Some(at) = self.args.iter().position(|a| a == "--listen") {
             self.args[at + 1] = self.url.trim_start_matches("http://").to_owned();
         }
+        if let Some(at) = self.args.iter().position(|a| a == "--agents-listen") {
+            self.args[at + 1] = self.agents_addr.clone();
+        }
         self.token = std::fs::read_to_string(self.data_dir.join("admin.token")).expect("admin.token").trim().to_owned();
         self.child = Some(child);
+    }
+
+    /// The agents' endpoint as `bcd`'s `gateway` names it: `https://ADDR`, or `http://ADDR` for
+    /// h2c.
+    pub fn agents_url(&self) -> String {
+        match self.agents_pin {
+            Some(_) => format!("https://{}", self.agents_addr),
+            None => format!("http://{}", self.agents_addr),
+        }
     }
 
     /// SIGKILL: no chance to flush or clean up.
@@ -369,9 +410,27 @@ pub async fn verify_store(store: &dyn bc_core::store::EventStore) -> (u64, usize
     (total, heads.len())
 }
 
-/// Starts `better-compute ARGS` with stderr appended to `log`; returns the child and the first
-/// line it prints (its URL or its banner), and keeps draining stdout so it never blocks.
-fn spawn_logged(args: &[String], log: &Path, env: &[(&str, &str)]) -> (Child, String) {
+/// `--agents-listen 127.0.0.1:0` unless the test chose an address: tests run side by side, so
+/// none may take the default port.
+fn with_agents_port(mut args: Vec<String>) -> Vec<String> {
+    if !args.iter().any(|a| a == "--agents-listen" || a.starts_with("--agents-listen=")) {
+        args.extend(["--agents-listen".into(), "127.0.0.1:0".into()]);
+    }
+    args
+}
+
+/// The next line the process printed, within [`START_TIMEOUT_S`]; panics with its log.
+fn next_line(lines: &std::sync::mpsc::Receiver<String>, args: &[String], log: &Path) -> String {
+    lines.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        panic!("better-compute {} did not start within {START_TIMEOUT_S}s; its log:\n{text}", args.join(" "))
+    })
+}
+
+/// Starts `better-compute ARGS`, its stderr appended to `log`; its stdout lines come through
+/// the receiver (its URL or its banner first), and stdout is drained so the process never
+/// blocks on it, also once the receiver is gone.
+fn spawn_logged(args: &[String], log: &Path, env: &[(&str, &str)]) -> (Child, std::sync::mpsc::Receiver<String>) {
     let file = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
     let mut command = Command::new(binary("better-compute"));
     command.args(args).env_remove("BETTER_COMPUTE_DATABASE_URL");
@@ -382,17 +441,12 @@ fn spawn_logged(args: &[String], log: &Path, env: &[(&str, &str)]) -> (Child, St
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        if let Some(Ok(first)) = lines.next() {
-            let _ = tx.send(first);
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let _ = tx.send(line);
         }
-        for _ in lines {}
     });
-    let first = rx.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        panic!("better-compute {} did not start within {START_TIMEOUT_S}s; its log:\n{text}", args.join(" "))
-    });
-    (child, first)
+    (child, rx)
 }
 
 /// A `better-compute reconcile` process; its log goes to `reconcile-N.log` in `dir`.
@@ -416,7 +470,8 @@ impl Reconciler {
     }
 
     fn launch(&mut self) {
-        let (child, first) = spawn_logged(&self.args, &self.log, &[]);
+        let (child, lines) = spawn_logged(&self.args, &self.log, &[]);
+        let first = next_line(&lines, &self.args, &self.log);
         assert!(first.starts_with("better-compute reconciling"), "unexpected first line {first:?}");
         self.child = Some(child);
     }
@@ -480,7 +535,8 @@ impl Reconciler {
         let n = std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
         let args: Vec<String> = std::iter::once("reconcile").chain(args.iter().copied()).map(str::to_owned).collect();
         let log = dir.join(format!("reconcile-{n}.log"));
-        let (child, first) = spawn_logged(&args, &log, env);
+        let (child, lines) = spawn_logged(&args, &log, env);
+        let first = next_line(&lines, &args, &log);
         assert!(first.starts_with("better-compute reconciling"), "unexpected first line {first:?}");
         Reconciler { child: Some(child), args, log }
     }

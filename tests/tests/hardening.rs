@@ -44,7 +44,7 @@ async fn finding_1_an_unknown_method_with_a_64_kb_name_is_not_found_without_a_su
 fn start_again(data_dir: &Path) -> (i32, String) {
     let dir = data_dir.display().to_string();
     let mut child = Command::new(binary("better-compute"))
-        .args(["dev", "--data-dir", &dir, "--listen", "127.0.0.1:0"])
+        .args(["dev", "--data-dir", &dir, "--listen", "127.0.0.1:0", "--agents-listen", "127.0.0.1:0"])
         .env_remove("BETTER_COMPUTE_DATABASE_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -159,7 +159,7 @@ fn finding_11_the_sqlite_files_are_private_under_a_permissive_umask() {
     let dir = temp.path().display().to_string();
     let better_compute = binary("better-compute").display().to_string();
     let mut child = Command::new("sh")
-        .args(["-c", "umask 000; exec \"$0\" dev --data-dir \"$1\" --listen 127.0.0.1:0", &better_compute, &dir])
+        .args(["-c", "umask 000; exec \"$0\" dev --data-dir \"$1\" --listen 127.0.0.1:0 --agents-listen 127.0.0.1:0", &better_compute, &dir])
         .env_remove("BETTER_COMPUTE_DATABASE_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -1,5 +1,5 @@
 //! Background work is reconcilers, and each records its last pass: `better-compute reconcilers
-//! status` shows the reservations, webhooks and checkpoints reconcilers of a running `dev`,
+//! status` shows the reservations, webhooks, checkpoints and liveness reconcilers of a running `dev`,
 //! and of a `reconcile --only checkpoints` process beside it, with outcomes and counts.
 
 use std::time::{Duration, Instant};
@@ -39,7 +39,7 @@ async fn reconcilers_record_their_passes_and_status_shows_them() {
         rows.iter().any(|r| r["name"] == "checkpoints" && r["ok"] == true && count(r, "sealed") >= 1)
     });
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
-    for name in ["checkpoints", "reservations"] {
+    for name in ["checkpoints", "reservations", "liveness"] {
         assert!(names.contains(&name), "{name} records its passes: {names:?}");
     }
     for row in &rows {

@@ -27,7 +27,7 @@ mod webhooks;
 impl Command {
     pub async fn run(self, ctx: &Context) -> Result<(), CliError> {
         match self {
-            Command::Dev { dir, server } => operator::dev(dir, server).await,
+            Command::Dev { dir, server, agents_insecure_h2c } => operator::dev(dir, server, agents_insecure_h2c).await,
             Command::Serve { database_url, data_dir, server, webhook_allow_loopback } => {
                 operator::serve(database_url, data_dir, server, webhook_allow_loopback).await
             }

@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 
 use crate::client::CliError;
 use crate::flags::{
-    ConsumerArgs, DataDir, DatabaseArgs, PkiCommand, ProjectionsCommand, ReconcilersCommand, Sealing, ServerArgs,
+    AgentsArgs, ConsumerArgs, DataDir, DatabaseArgs, PkiCommand, ProjectionsCommand, ReconcilersCommand, Sealing, ServerArgs,
 };
 use crate::output::Format;
-use crate::server::{self, ConsumerOptions, Database};
+use crate::server::{self, AgentsOptions, ConsumerOptions, Database};
 
 use super::Context;
 
@@ -43,8 +43,24 @@ impl ConsumerArgs {
     }
 }
 
-async fn run_server(db: Database, data_dir: &Path, args: &ServerArgs, dev: bool, allow_loopback: bool) -> Result<(), CliError> {
+impl AgentsArgs {
+    fn options(&self, plaintext: bool, dev: bool) -> Result<AgentsOptions, CliError> {
+        let tls_files = self.agents_tls_cert.clone().zip(self.agents_tls_key.clone());
+        let session = bc_gateway::agents::SessionConfig { lease_ms: self.node_lease, heartbeat_ms: self.node_heartbeat };
+        AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session)
+    }
+}
+
+async fn run_server(
+    db: Database,
+    data_dir: &Path,
+    args: &ServerArgs,
+    dev: bool,
+    allow_loopback: bool,
+    agents_plaintext: bool,
+) -> Result<(), CliError> {
     let options = args.consumers.options(allow_loopback)?;
+    let agents = args.agents.options(agents_plaintext, dev)?;
     let run = (!args.no_reconcilers).then_some(&options);
     server::run_server(
         db,
@@ -56,18 +72,19 @@ async fn run_server(db: Database, data_dir: &Path, args: &ServerArgs, dev: bool,
         run,
         options.policy,
         std::time::Duration::from_millis(args.write_stall),
+        &agents,
     )
     .await
 }
 
-pub async fn dev(dir: DataDir, args: ServerArgs) -> Result<(), CliError> {
+pub async fn dev(dir: DataDir, args: ServerArgs, agents_insecure_h2c: bool) -> Result<(), CliError> {
     let db = Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
     // dev delivers webhooks to loopback receivers: that is where a developer's are.
-    run_server(db, &dir.data_dir, &args, true, true).await
+    run_server(db, &dir.data_dir, &args, true, true, agents_insecure_h2c).await
 }
 
 pub async fn serve(database_url: String, data_dir: PathBuf, args: ServerArgs, allow_loopback: bool) -> Result<(), CliError> {
-    run_server(Database::Postgres(database_url), &data_dir, &args, false, allow_loopback).await
+    run_server(Database::Postgres(database_url), &data_dir, &args, false, allow_loopback, false).await
 }
 
 pub async fn reconcile(
