@@ -63,8 +63,8 @@ impl Machine {
     fn bcd(&self, args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
         let mut child = Command::new(bc_tests::binary("bcd"))
             .args(args)
-            .envs(env.iter().copied())
             .env_remove("BCD_JOIN_TOKEN")
+            .envs(env.iter().copied())
             .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -138,6 +138,20 @@ async fn token(server: &Server, pool: &str, uses: u32) -> String {
     let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": uses })).await;
     assert_eq!(status, 200, "{created}");
     created["token"].as_str().unwrap().to_owned()
+}
+
+/// Polls `commands.get` until the command is in `state`.
+async fn wait_command(server: &Server, command: &str, state: &str, timeout: Duration) -> Value {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let (status, doc) = server.call("commands.get", json!({ "commandId": command })).await;
+        assert_eq!(status, 200, "{doc}");
+        if doc["state"] == state {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "command {command} not {state} after {timeout:?}: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 async fn node_doc(server: &Server, node: &str) -> Value {
@@ -288,20 +302,24 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
 
     // Caught up: every command ran once, and the log holds the journal up to the agent's head.
     for command in &commands {
-        let done = wait_until("the command finished", Duration::from_secs(30), || {
-            let (code, out, _) = server.cli(&["commands", "get", command, "--format", "json"]);
-            (code == 0).then(|| json(&out)).filter(|c| c["state"] == "succeeded")
-        });
+        let done = wait_command(&server, command, "succeeded", Duration::from_secs(30)).await;
         assert_eq!(done["result"]["pong"], true);
     }
     assert_eq!(machine.stop(), 0);
-    let head = {
-        // The journal's head, from the agent's last status before it stopped: read it back by
-        // starting nothing; the node document says what the log holds.
-        node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap()
+    // What the agent sent before it stopped may still be landing: wait until the node's head
+    // and the log agree and stay put.
+    let mut last = (0, 0);
+    let (head, journaled) = loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let head = node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap();
+        let journaled = events(&server, &["command.*", "node.observed"]).await;
+        let now = (head, journaled.len());
+        if now == last {
+            break (head, journaled);
+        }
+        last = now;
     };
     assert!(head > 60, "30 commands (started and succeeded) and observations: {head}");
-    let journaled = events(&server, &["command.*", "node.observed"]).await;
     let mut seqs: BTreeMap<u64, usize> = BTreeMap::new();
     for event in &journaled {
         if let Some(seq) = event["payload"]["journal"]["seq"].as_u64() {
@@ -343,16 +361,10 @@ async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_l
     assert_eq!(status, 200, "{hold}");
     machine.start();
     wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
-    let done = wait_until("the offline command ran", Duration::from_secs(20), || {
-        let (code, out, _) = server.cli(&["commands", "get", &command, "--format", "json"]);
-        (code == 0).then(|| json(&out)).filter(|c| c["state"] == "succeeded")
-    });
+    let done = wait_command(&server, &command, "succeeded", Duration::from_secs(20)).await;
     assert_eq!(done["journalSeqs"].as_array().unwrap().len(), 2, "started and succeeded, once each: {done}");
     let hold_id = hold["commandId"].as_str().unwrap().to_owned();
-    let failed = wait_until("the GPU hold failed at once", Duration::from_secs(20), || {
-        let (code, out, _) = server.cli(&["commands", "get", &hold_id, "--format", "json"]);
-        (code == 0).then(|| json(&out)).filter(|c| c["state"] == "failed")
-    });
+    let failed = wait_command(&server, &hold_id, "failed", Duration::from_secs(20)).await;
     assert!(failed["reason"].as_str().unwrap().contains("node-unbound"), "{failed}");
 
     // Stopped: unreachable once the lease (2 s) lapses; started again: ready.
