@@ -309,6 +309,17 @@ pub enum Command {
         #[command(subcommand)]
         command: NodesCommand,
     },
+    /// The tokens machines join with (`bcd join`); a secret is shown once, or written to a new
+    /// 0600 file with --out.
+    JoinTokens {
+        #[command(subcommand)]
+        command: JoinTokensCommand,
+    },
+    /// Commands to a node's agent: issue, list, get, cancel.
+    Commands {
+        #[command(subcommand)]
+        command: CommandsCommand,
+    },
     /// Reserve GPUs: placed at once, or queued until capacity frees (waits up to --wait).
     Reserve {
         #[command(flatten)]
@@ -627,6 +638,69 @@ pub enum NodesCommand {
 }
 
 #[derive(Subcommand)]
+pub enum JoinTokensCommand {
+    /// A join token for one pool. The secret (`bcjt_…`) is printed once, or written to --out.
+    Create {
+        #[arg(long)]
+        pool: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// How long it can be used: `30m`, `1h`, `7d` (at most 30 days; default 1h).
+        #[arg(long, value_parser = parse_duration_s)]
+        expires: Option<u64>,
+        /// How many machines may join with it (default 1).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        uses: Option<u32>,
+        /// Write the secret to this new file (mode 0600, never over an existing file) and print
+        /// only the token's id and the file.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's join tokens (never their secrets).
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One join token, by its `jt_…` id.
+    Get { join_token_id: String },
+    /// Revoke a join token by its `jt_…` id (a pasted secret is refused, and never sent).
+    Revoke { join_token_id: String },
+}
+
+#[derive(Subcommand)]
+pub enum CommandsCommand {
+    /// Send a command to a node's agent: `ping`, `gpu.hold`, `gpu.release`.
+    Issue {
+        /// The node (one that joined with `bcd join`).
+        #[arg(long)]
+        node: String,
+        /// `ping`, `gpu.hold` or `gpu.release`.
+        kind: String,
+        /// The kind's arguments as a JSON object (`{"reservationId":"rsv_…","gpus":[0,1]}`).
+        #[arg(long, value_name = "JSON")]
+        args: Option<String>,
+        /// How long the node has to run it: `30s`, `5m`, `1h` (at most a day; default 5m).
+        #[arg(long, value_parser = parse_duration_s)]
+        deadline: Option<u64>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's commands, of one node with --node.
+    List {
+        #[arg(long)]
+        node: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One command.
+    Get { command_id: String },
+    /// Cancel a command that has not finished.
+    Cancel { command_id: String },
+}
+
+#[derive(Subcommand)]
 pub enum ReservationsCommand {
     /// A tenant's reservations.
     List {
@@ -828,7 +902,9 @@ mod tests {
         assert!(!agents_insecure_h2c);
         // The certificate and its key go together.
         assert!(Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem"]).is_err());
-        assert!(Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem", "--agents-tls-key", "k.pem"]).is_ok());
+        assert!(
+            Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem", "--agents-tls-key", "k.pem"]).is_ok()
+        );
         // h2c is dev's only.
         let serve = ["better-compute", "serve", "--database-url", "postgres://x", "--agents-insecure-h2c"];
         assert!(Cli::try_parse_from(serve).is_err());

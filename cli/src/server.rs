@@ -180,13 +180,13 @@ pub async fn reconcile(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
     let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
-    let appenders =
-        [bc_reconcilers::reservations::NAME, bc_reconcilers::checkpoints::NAME, bc_reconcilers::liveness::NAME];
+    let appenders = [bc_reconcilers::reservations::NAME, bc_reconcilers::checkpoints::NAME, bc_reconcilers::liveness::NAME];
     if names.iter().any(|n| appenders.contains(n)) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
-            return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
-                .hint("the reservations, checkpoints and liveness reconcilers append: pass the --data-dir that dev or serve uses"));
+            return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display())).hint(
+                "the reservations, checkpoints and liveness reconcilers append: pass the --data-dir that dev or serve uses",
+            ));
         }
         check_log_key(&*store, data_dir).await?;
         let key = Arc::new(LogKey::load(&key_path)?);

@@ -109,6 +109,26 @@ pub const NODES: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const JOIN_TOKENS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "joinTokenId") },
+    Column { header: "POOL", cell: |r, _| field(r, "poolId") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "USES", cell: |r, _| format!("{}/{}", field(r, "uses"), field(r, "usesMax")) },
+    Column { header: "EXPIRES", cell: |r, now| when(r, "expiresAtMs", now) },
+    Column { header: "DESCRIPTION", cell: |r, _| field(r, "description") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const COMMANDS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "commandId") },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "KIND", cell: |r, _| field(r, "kind") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "DEADLINE", cell: |r, now| when(r, "deadlineAtMs", now) },
+    Column { header: "REASON", cell: |r, _| field(r, "reason") },
+    Column { header: "AGE", cell: |r, now| when(r, "issuedAtMs", now) },
+];
+
 pub const EVENTS: &[Column] = &[
     Column { header: "POSITION", cell: |r, _| field(r, "position") },
     Column { header: "AGE", cell: |r, now| when(r, "at", now) },
@@ -181,6 +201,8 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "reservations.list" => RESERVATIONS,
         "pools.list" => POOLS,
         "nodes.list" => NODES,
+        "joinTokens.list" => JOIN_TOKENS,
+        "commands.list" => COMMANDS,
         "events.list" => EVENTS,
         "webhooks.list" => WEBHOOKS,
         "webhooks.deliveries" => DELIVERIES,

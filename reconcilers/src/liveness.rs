@@ -124,8 +124,8 @@ async fn sweep_commands(log: &Log, tenant: TenantId, now_ms: u64, done: &mut Pas
         let full = rows.len() as u32 >= COMMANDS_PAGE_MAX;
         after = rows.last().map(|r| r.key.id.clone());
         for row in rows {
-            let command: CommandDoc = serde_json::from_value(row.doc)
-                .map_err(|e| Error::Internal(format!("command {} document: {e}", row.key.id)))?;
+            let command: CommandDoc =
+                serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("command {} document: {e}", row.key.id)))?;
             if !past_deadline(&command, now_ms) {
                 continue;
             }
@@ -270,7 +270,10 @@ mod tests {
             };
             let event = NewEvent::new(ev::COMMAND_ISSUED, ev::to_cbor(&issued).unwrap());
             let stream = stream_of(KIND_COMMAND, &id);
-            self.log.append(AppendRequest::new(self.tenant, stream, ExpectedVersion::NoStream, "test", vec![event])).await.unwrap();
+            self.log
+                .append(AppendRequest::new(self.tenant, stream, ExpectedVersion::NoStream, "test", vec![event]))
+                .await
+                .unwrap();
             id
         }
 

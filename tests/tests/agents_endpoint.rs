@@ -15,7 +15,8 @@ async fn dev_serves_the_agents_endpoint_over_tls_with_a_stable_pin() {
     assert_eq!(server.agents_url(), format!("https://{}", server.agents_addr));
     let mode = std::fs::metadata(server.data_dir.join(SERVING_KEY_FILE)).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "the serving key is private");
-    let on_disk = ServingIdentity::load(&server.data_dir.join(SERVING_CERT_FILE), &server.data_dir.join(SERVING_KEY_FILE)).unwrap();
+    let on_disk =
+        ServingIdentity::load(&server.data_dir.join(SERVING_CERT_FILE), &server.data_dir.join(SERVING_KEY_FILE)).unwrap();
     assert_eq!(on_disk.pin, pin, "the printed pin is the certificate's");
     tokio::net::TcpStream::connect(&server.agents_addr).await.expect("the agents' endpoint accepts connections");
 

@@ -280,6 +280,8 @@ fn bash_completion_completes_command_words_and_flags() {
         assert!(top.contains(&word.to_owned()), "{word} in {top:?}");
     }
     assert_eq!(complete(&path, &["better-compute", "nodes", "dr"]), ["drain"]);
+    assert_eq!(complete(&path, &["better-compute", "join-tokens", "rev"]), ["revoke"]);
+    assert_eq!(complete(&path, &["better-compute", "commands", "issue", "--dead"]), ["--deadline"]);
     assert_eq!(complete(&path, &["better-compute", "reserve", "--po"]), ["--pool"]);
     assert_eq!(complete(&path, &["better-compute", "events", "watch", "--si"]), ["--since"]);
     let formats = complete(&path, &["better-compute", "pools", "list", "--format", ""]);
@@ -314,7 +316,7 @@ fn help_json_is_the_whole_manifest() {
         .collect();
     assert!(listed.len() >= 20, "{help}");
     assert_eq!(names, listed);
-    for expected in ["api", "completion", "help", "reserve", "events", "webhooks", "dev", "audit"] {
+    for expected in ["api", "completion", "help", "reserve", "events", "webhooks", "dev", "audit", "join-tokens", "commands"] {
         assert!(names.contains(expected), "{expected}");
     }
 

@@ -159,7 +159,12 @@ fn finding_11_the_sqlite_files_are_private_under_a_permissive_umask() {
     let dir = temp.path().display().to_string();
     let better_compute = binary("better-compute").display().to_string();
     let mut child = Command::new("sh")
-        .args(["-c", "umask 000; exec \"$0\" dev --data-dir \"$1\" --listen 127.0.0.1:0 --agents-listen 127.0.0.1:0", &better_compute, &dir])
+        .args([
+            "-c",
+            "umask 000; exec \"$0\" dev --data-dir \"$1\" --listen 127.0.0.1:0 --agents-listen 127.0.0.1:0",
+            &better_compute,
+            &dir,
+        ])
         .env_remove("BETTER_COMPUTE_DATABASE_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

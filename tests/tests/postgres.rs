@@ -8,8 +8,20 @@ use serde_json::json;
 async fn serve_on_postgres() {
     let db = ScratchDatabase::create().await.expect("PostgreSQL is required for this suite");
     // serve refuses an unmigrated database, with a hint.
-    let (code, _, err) =
-        bc_tests::cli(&["serve", "--database-url", &db.url, "--listen", "127.0.0.1:0", "--agents-listen", "127.0.0.1:0", "--data-dir", "/nonexistent/x"], &[]);
+    let (code, _, err) = bc_tests::cli(
+        &[
+            "serve",
+            "--database-url",
+            &db.url,
+            "--listen",
+            "127.0.0.1:0",
+            "--agents-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            "/nonexistent/x",
+        ],
+        &[],
+    );
     assert_ne!(code, 0);
     assert!(err.contains("migrate"), "{err}");
     let (code, out, err) = bc_tests::cli(&["migrate", "--database-url", &db.url], &[]);

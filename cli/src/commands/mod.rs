@@ -2,7 +2,7 @@
 //! [`Context`] carries what they share (the global flags, the client, printing, id checks).
 //!
 //! One module per group: `api` (any method, the item syntax, the method table), `events`,
-//! `pools`, `nodes`, `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
+//! `pools`, `nodes`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
 //! `quotas`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
 //! `projections`), `audit`, and `meta` (`completion`, `help`).
 
@@ -13,10 +13,12 @@ use crate::client::{CliError, Client};
 use crate::flags::{Command, GlobalArgs, Page};
 use crate::output::{self, Column, Format};
 
+mod agent_commands;
 pub mod api;
 mod audit;
 mod auth;
 mod events;
+mod join_tokens;
 mod meta;
 mod nodes;
 mod operator;
@@ -43,6 +45,8 @@ impl Command {
             Command::Events { command } => events::run(ctx, command).await,
             Command::Pools { command } => pools::run(ctx, command).await,
             Command::Nodes { command } => nodes::run(ctx, command).await,
+            Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
+            Command::Commands { command } => agent_commands::run(ctx, command).await,
             Command::Reserve { ask, wait, key } => reservations::reserve(ctx, ask, wait, key).await,
             Command::Release { reservation_id, if_version } => reservations::release(ctx, reservation_id, if_version).await,
             Command::Extend { reservation_id, by, if_version } => reservations::extend(ctx, reservation_id, by, if_version).await,

@@ -1,0 +1,54 @@
+//! `commands issue|list|get|cancel`: the `commands.*` methods, work for a node's agent. Only
+//! nodes that joined with `bcd join` take commands; the gateway refuses the rest.
+
+use bc_core::id::{CommandId, NodeId};
+use serde_json::{Value, json};
+
+use crate::client::CliError;
+use crate::flags::CommandsCommand;
+use crate::output::Format;
+use crate::tables;
+
+use super::{Context, add_page, check_id, idempotency_key};
+
+pub async fn run(ctx: &Context, command: CommandsCommand) -> Result<(), CliError> {
+    let mut body = ctx.tenant_body()?;
+    let id = |text: &str| check_id::<CommandId>("COMMAND_ID", text);
+    let value = match command {
+        CommandsCommand::List { node, page } => {
+            if let Some(node) = node {
+                body.insert("nodeId".into(), json!(check_id::<NodeId>("--node", &node)?));
+            }
+            add_page(&mut body, &page);
+            let c = ctx.client()?;
+            return ctx.print_list(&c.call("commands.list", &Value::Object(body), None).await?, tables::COMMANDS);
+        }
+        CommandsCommand::Get { command_id } => {
+            body.insert("commandId".into(), json!(id(&command_id)?));
+            ctx.client()?.call("commands.get", &Value::Object(body), None).await?
+        }
+        CommandsCommand::Cancel { command_id } => {
+            body.insert("commandId".into(), json!(id(&command_id)?));
+            ctx.client()?.call("commands.cancel", &Value::Object(body), None).await?
+        }
+        CommandsCommand::Issue { node, kind, args, deadline, key } => {
+            body.insert("nodeId".into(), json!(check_id::<NodeId>("--node", &node)?));
+            body.insert("kind".into(), json!(kind));
+            if let Some(args) = args {
+                let parsed: Value =
+                    serde_json::from_str(&args).map_err(|e| CliError::usage(format!("--args is not JSON: {e}")))?;
+                if !parsed.is_object() {
+                    return Err(CliError::usage("--args is a JSON object: {\"reservationId\":\"rsv_…\"}"));
+                }
+                body.insert("args".into(), parsed);
+            }
+            if let Some(s) = deadline {
+                body.insert("deadlineS".into(), json!(s));
+            }
+            let c = ctx.client()?;
+            let key = idempotency_key(&key.key);
+            c.call("commands.issue", &Value::Object(body), Some(&key)).await?
+        }
+    };
+    ctx.print(&value, Format::Json)
+}
