@@ -36,6 +36,8 @@ pub const COMMAND_DEADLINE_S_MAX: u64 = 24 * 3600;
 pub const COMMAND_KINDS: &[&str] = &["ping", "gpu.hold", "gpu.release"];
 /// GPUs one hold names at most (a node has at most 64).
 pub const GPUS_PER_HOLD_MAX: usize = 64;
+/// The highest GPU index a hold names.
+pub const GPU_INDEX_MAX: u32 = GPUS_PER_HOLD_MAX as u32 - 1;
 
 pub(super) const METHODS: &[Method] = &[
     method!("commands.issue", WRITE, "send a command to a node's agent", CommandsIssue => CommandView, commands_issue),
@@ -60,8 +62,8 @@ pub struct PingArgs {}
 pub struct GpuHoldArgs {
     #[schemars(with = "ReservationIdText")]
     reservation_id: String,
-    /// Indexes into the node's GPUs.
-    #[schemars(length(min = 1, max = GPUS_PER_HOLD_MAX))]
+    /// Indexes into the node's GPUs (a node has at most 64).
+    #[schemars(length(min = 1, max = GPUS_PER_HOLD_MAX), inner(range(max = GPU_INDEX_MAX)))]
     gpus: Vec<u32>,
 }
 
@@ -72,8 +74,31 @@ pub struct GpuReleaseArgs {
     reservation_id: String,
 }
 
+/// The arguments of any kind, for the schema: which kind's they must be, the input's `oneOf`
+/// says.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum AnyCommandArgs {
+    Ping(PingArgs),
+    GpuHold(GpuHoldArgs),
+    GpuRelease(GpuReleaseArgs),
+}
+
+/// `args` are the arguments of `kind` (absent: `{}`, which only `ping` takes).
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("oneOf" = [
+    { "properties": { "kind": { "const": "ping" }, "args": { "$ref": "#/components/schemas/PingArgs" } } },
+    {
+        "required": ["args"],
+        "properties": { "kind": { "const": "gpu.hold" }, "args": { "$ref": "#/components/schemas/GpuHoldArgs" } },
+    },
+    {
+        "required": ["args"],
+        "properties": { "kind": { "const": "gpu.release" }, "args": { "$ref": "#/components/schemas/GpuReleaseArgs" } },
+    },
+]))]
 pub struct CommandsIssue {
     #[schemars(with = "Option<TenantIdText>")]
     tenant_id: Option<String>,
@@ -83,6 +108,7 @@ pub struct CommandsIssue {
     kind: String,
     /// The kind's arguments (`{}` for `ping`).
     #[serde(default)]
+    #[schemars(with = "AnyCommandArgs")]
     args: serde_json::Map<String, Value>,
     /// Seconds the node has to run it (default 300).
     #[schemars(range(min = 1, max = COMMAND_DEADLINE_S_MAX))]
@@ -130,6 +156,9 @@ fn args_of(kind: &str, args: serde_json::Map<String, Value>) -> Result<(&'static
             parse_id::<bc_core::id::ReservationId>("args.reservationId", &hold.reservation_id)?;
             if hold.gpus.is_empty() || hold.gpus.len() > GPUS_PER_HOLD_MAX {
                 return Err(Error::invalid(format!("args.gpus holds 1 to {GPUS_PER_HOLD_MAX} GPU indexes")));
+            }
+            if let Some(index) = hold.gpus.iter().find(|&&i| i > GPU_INDEX_MAX) {
+                return Err(Error::invalid(format!("args.gpus: {index} is not a GPU index (0 to {GPU_INDEX_MAX})")));
             }
             ("gpu.hold", value)
         }

@@ -50,7 +50,7 @@ pub struct JoinTokensCreate {
     #[schemars(with = "PoolIdText")]
     pool_id: String,
     #[serde(default)]
-    #[schemars(with = "Option<DescriptionText>")]
+    #[schemars(with = "DescriptionText")]
     description: String,
     /// Seconds until it expires (default an hour).
     #[schemars(range(min = 1, max = JOIN_TOKEN_EXPIRES_S_MAX))]
