@@ -418,3 +418,36 @@ fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
     assert_eq!(code, 1);
     assert!(err.contains("refuses plaintext"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_join_again() {
+    let (server, port) = gateway();
+    let pool = server.pool("reset").await;
+    let mut first = Machine::new(&server, port);
+    assert_eq!(first.join_stdin(&token(&server, &pool, 1).await).0, 0);
+    first.start();
+    wait_until("the first node journals", Duration::from_secs(20), || {
+        first.status().filter(|s| s["journalHead"].as_u64().unwrap_or(0) >= 1)
+    });
+    assert_eq!(first.stop(), 0);
+    let mut second = Machine::new(&server, port);
+    assert_eq!(second.join_stdin(&token(&server, &pool, 1).await).0, 0);
+    std::fs::copy(first.data().join("journal.db"), second.data().join("journal.db")).unwrap();
+    let (code, _, err) = second.bcd(&["node", "--config", &second.config()], &[], None);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("belongs to node") && err.contains("another node's journal"), "{err}");
+
+    // --reset without --yes says what it would move and moves nothing.
+    let (code, out, _) = second.bcd(&["join", "--reset", "--config", &second.config()], &[], None);
+    assert_eq!(code, 2);
+    assert!(out.contains("identity.json") && second.data().join("identity.json").exists(), "{out}");
+    let old_node = second.node_id();
+    let (code, out, err) = second.bcd(&["join", "--reset", "--yes", "--config", &second.config()], &[("BCD_JOIN_TOKEN", &token(&server, &pool, 1).await)], None);
+    assert_eq!(code, 0, "{out} {err}");
+    assert!(out.contains("moved") && out.contains("joined as node_"), "{out}");
+    assert_ne!(second.node_id(), old_node, "a new identity");
+    second.start();
+    let new_node = second.node_id();
+    wait_state(&server, &new_node, "ready", Duration::from_secs(20)).await;
+    assert_eq!(second.stop(), 0);
+}
