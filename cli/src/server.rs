@@ -339,7 +339,7 @@ pub async fn run_server(
     deployment: &str,
     consumers: Option<&ConsumerOptions>,
     policy: EndpointPolicy,
-    write_stall: std::time::Duration,
+    limits: bc_gateway::ServeLimits,
 ) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     create_private_dir(data_dir)?;
@@ -418,8 +418,9 @@ pub async fn run_server(
         }
         None => Vec::new(),
     };
-    let state = Arc::new(AppState::new(log.clone()).with_webhook_policy(policy));
-    let served = bc_gateway::serve_with_write_stall(listener, state, write_stall, shutdown_signal()).await;
+    let mut state = AppState::new(log.clone()).with_webhook_policy(policy);
+    state.limits = limits;
+    let served = bc_gateway::serve(listener, Arc::new(state), shutdown_signal()).await;
     let _ = stop.send(true);
     for task in tasks.into_iter().chain(sealer) {
         let _ = task.await;

@@ -24,15 +24,8 @@ pub async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, h
     let span = tracing::info_span!("rpc", method = %echo(&name), request_id = %request_id);
     let mut response = match call(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
         Ok(value) => axum::Json(value).into_response(),
-        Err(e) => {
-            let too_large = e.error.code() == bc_core::ErrorCode::PayloadTooLarge;
-            let mut response = e.into_response();
-            if too_large {
-                // The rest of the body was never read: the connection cannot carry another request.
-                response.headers_mut().insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
-            }
-            response
-        }
+        // A body not read to the end (too large, too slow) closes the connection (`ApiError::close`).
+        Err(e) => e.into_response(),
     };
     response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
     response
@@ -52,6 +45,15 @@ fn unknown_method(name: &str) -> ApiError {
         None => json!({}),
     };
     ApiError::with_details(Error::NotFound { what: format!("method {:?}", echo(name)) }, details)
+}
+
+/// The refusal of a body that did not arrive within `deadline`. The rest of it is never read, so
+/// the answer closes the connection (as for `PAYLOAD_TOO_LARGE`).
+fn body_too_slow(deadline: std::time::Duration) -> Error {
+    Error::InvalidArgument {
+        message: format!("the request body did not arrive within {} s", deadline.as_secs_f64()),
+        hint: Some("send the whole body at once; a body is read under a deadline".into()),
+    }
 }
 
 /// Characters of an unknown method's name the answer repeats.
@@ -91,8 +93,12 @@ async fn call(
             .into());
         }
     }
-    let bytes =
-        axum::body::to_bytes(body, BODY_BYTES_MAX).await.map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?;
+    // A body that trickles in frees its request slot at the deadline, whatever its size.
+    let deadline = state.limits.body_read_timeout;
+    let bytes = match tokio::time::timeout(deadline, axum::body::to_bytes(body, BODY_BYTES_MAX)).await {
+        Ok(read) => read.map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?,
+        Err(_) => return Err(ApiError::closing(body_too_slow(deadline))),
+    };
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(value) => {

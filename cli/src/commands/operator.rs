@@ -43,6 +43,20 @@ impl ConsumerArgs {
     }
 }
 
+impl ServerArgs {
+    fn serve_limits(&self) -> bc_gateway::ServeLimits {
+        let ms = std::time::Duration::from_millis;
+        bc_gateway::ServeLimits {
+            write_stall: ms(self.write_stall),
+            header_read_timeout: ms(self.header_timeout),
+            idle_timeout: ms(self.idle_timeout.max(self.header_timeout)),
+            body_read_timeout: ms(self.body_timeout),
+            connections_max: self.connections_max as usize,
+            ..bc_gateway::ServeLimits::default()
+        }
+    }
+}
+
 async fn run_server(db: Database, data_dir: &Path, args: &ServerArgs, dev: bool, allow_loopback: bool) -> Result<(), CliError> {
     let options = args.consumers.options(allow_loopback)?;
     let run = (!args.no_reconcilers).then_some(&options);
@@ -55,7 +69,7 @@ async fn run_server(db: Database, data_dir: &Path, args: &ServerArgs, dev: bool,
         &args.sealing.deployment.deployment,
         run,
         options.policy,
-        std::time::Duration::from_millis(args.write_stall),
+        args.serve_limits(),
     )
     .await
 }
