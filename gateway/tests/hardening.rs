@@ -484,3 +484,78 @@ async fn finding_3c_a_watch_producer_stops_when_its_client_is_gone() {
     drop(scanning);
     producers_become(&state, 0).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Finding 9: growth bounds.
+
+/// `call` with an `Idempotency-Key`.
+async fn call_keyed(router: &axum::Router, token: &str, method: &str, body: Value, key: &str) -> (u16, Value) {
+    let request = Request::post(format!("/api/compute/{method}"))
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", key)
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let response = router.clone().oneshot(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+/// Finding 9: labels and taints added up on a node without a cap. A node carries at most
+/// `NODE_KEYS_MAX` of each; a change that would pass it is refused, one that makes room is not.
+#[tokio::test]
+async fn finding_9_labels_and_taints_per_node_are_capped() {
+    use bc_projections::decide::NODE_KEYS_MAX;
+    let world = World::new().await;
+    let (_, pool) = call(&world.router, &world.token, "pools.create", json!({ "name": "caps" })).await;
+    let labels: serde_json::Map<String, Value> = (0..NODE_KEYS_MAX).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let body = json!({ "poolId": pool["poolId"], "name": "n1", "gpus": [], "labels": labels });
+    let (status, node) = call(&world.router, &world.token, "nodes.register", body).await;
+    assert_eq!(status, 200, "{node}");
+    let node_id = node["nodeId"].as_str().unwrap().to_owned();
+    let (status, body) =
+        call(&world.router, &world.token, "nodes.label", json!({ "nodeId": node_id, "set": { "extra": "v" } })).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}");
+    assert!(body["message"].as_str().unwrap().contains(&format!("{} labels", NODE_KEYS_MAX + 1)), "{body}");
+    let change = json!({ "nodeId": node_id, "set": { "extra": "v" }, "remove": ["k0"] });
+    let (status, body) = call(&world.router, &world.token, "nodes.label", change).await;
+    assert_eq!(status, 200, "{body}");
+    // Taints, 64 at a time (a call's own bound), then one more.
+    let taints: serde_json::Map<String, Value> = (0..NODE_KEYS_MAX).map(|i| (format!("t{i}"), json!("NoSchedule"))).collect();
+    let (status, body) = call(&world.router, &world.token, "nodes.taint", json!({ "nodeId": node_id, "set": taints })).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) =
+        call(&world.router, &world.token, "nodes.taint", json!({ "nodeId": node_id, "set": { "t-extra": "x" } })).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("taints"), "{body}");
+}
+
+/// Finding 9: each replay of `webhooks.create` with the same idempotency key stored a new
+/// secret row, and rotated-out secrets were never deleted. Replays store nothing; a rotation
+/// deletes the secrets whose overlap is over.
+#[tokio::test]
+async fn finding_9_webhook_secret_rows_do_not_grow_with_replays_and_rotations() {
+    use bc_core::store::SecretStore;
+    let world = World::new().await;
+    let root = bc_core::id::TenantId::ROOT;
+    let body = json!({ "url": "https://hooks.example.com/compute", "eventTypes": ["pool.*"] });
+    let (status, first) = call_keyed(&world.router, &world.token, "webhooks.create", body.clone(), "create-1").await;
+    assert_eq!(status, 200, "{first}");
+    for _ in 0..5 {
+        let (status, again) = call_keyed(&world.router, &world.token, "webhooks.create", body.clone(), "create-1").await;
+        assert_eq!((status, &again["replayed"]), (200, &json!(true)), "{again}");
+    }
+    assert_eq!(world.store.secrets_count(root).await.unwrap(), 1, "replays store no secret rows");
+    let webhook_id = first["webhookId"].as_str().unwrap().to_owned();
+    // A rotation with an overlap keeps the old secret for it: two rows.
+    let rotate = |keep_s: u64| json!({ "webhookId": webhook_id, "previousValidS": keep_s });
+    let (status, body) = call(&world.router, &world.token, "webhooks.rotateSecret", rotate(1)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(world.store.secrets_count(root).await.unwrap(), 2);
+    // Once the overlap is over, the next rotation deletes it (and keeps none, with no overlap).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, body) = call(&world.router, &world.token, "webhooks.rotateSecret", rotate(0)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(world.store.secrets_count(root).await.unwrap(), 1, "only the current secret is left");
+}

@@ -818,6 +818,13 @@ impl SecretStore for PostgresStore {
         client.execute("DELETE FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
         Ok(())
     }
+
+    async fn secrets_count(&self, tenant: TenantId) -> Result<u64> {
+        let client = self.pool.get().await?;
+        let row = client.query_one("SELECT COUNT(*) FROM secrets WHERE tenant_id = $1", &[&tenant.to_string()]).await?;
+        let n: i64 = row.try_get(0)?;
+        Ok(n as u64)
+    }
 }
 
 #[async_trait]
