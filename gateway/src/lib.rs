@@ -204,7 +204,13 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
     let key_id = ApiKeyId::from_ulid(log.ids.ulid());
     let (token, secret_sha256) = auth::new_token(key_id);
     persist(&token)?;
-    let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256 })?;
+    // The hash lives in the secret store, not in the log (`auth.rs`).
+    let secret_id = bc_projections::api_key_secret_id(&key_id.to_string());
+    if let Err(e) = log.store.secret_put(root, &secret_id, &secret_sha256, log.clock.now_ms()).await {
+        unpersist();
+        return Err(e);
+    }
+    let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256: String::new() })?;
     if let Err(e) =
         log.append(request(stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, key)).await
     {

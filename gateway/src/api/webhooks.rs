@@ -298,7 +298,7 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
 /// request's event names its own secret) or a certain refusal. Its row is deleted, so retries
 /// with the same idempotency key store no new secret rows. A failure that may still have
 /// committed (storage, unavailable) keeps it: the event might name it.
-async fn forget_unused_secret(
+pub(super) async fn forget_unused_secret(
     store: &dyn EventStore,
     tenant: TenantId,
     secret_id: &str,
