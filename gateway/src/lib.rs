@@ -25,7 +25,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use bc_core::id::{ApiKeyId, TenantId};
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_core::{Error, Result};
@@ -134,9 +134,12 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/api/compute/openapi.json", get(openapi))
-        .route("/api/compute/{method}", post(rpc::rpc))
+        // `POST /api/compute/{method}` is dispatched by the fallback (`rpc::dispatch`), not a
+        // route: axum percent-decodes and copies a route's parameters (and rewrites a nested
+        // service's URI) before any handler runs, so a 64 KB name would be worked over before
+        // authentication; the fallback gets the request as it came.
         .route("/watch", get(watch::watch))
-        .fallback(not_found)
+        .fallback(rpc::dispatch)
         .layer(
             tower::ServiceBuilder::new()
                 .layer(tower_http::trace::TraceLayer::new_for_http())
@@ -167,7 +170,7 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body.clone()).into_response()
 }
 
-async fn not_found() -> ApiError {
+pub(crate) async fn not_found() -> ApiError {
     Error::NotFound { what: "route (the API is POST /api/compute/GROUP.METHOD)".into() }.into()
 }
 

@@ -18,7 +18,7 @@ use bc_core::clock::SystemClock;
 use bc_core::event::StoredEvent;
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{EventStore, Log, Projector, RowKey, RowStore};
+use bc_core::store::{EventStore, Log, Projector, RowKey, RowStore, SecretStore};
 use bc_gateway::AppState;
 use bc_projections::events as ev;
 use bc_projections::{KIND_POOL, Projections};
@@ -74,6 +74,11 @@ impl World {
         let replica = Arc::new(SqliteStore::open(&dir.path().join("replica.sqlite3")).await.unwrap());
         replica.migrate().await.unwrap();
         assert!(replica.rows_replace_all(&self.store.rows_all().await.unwrap(), 0).await.unwrap());
+        // The administrator's token hash lives in the secret store, not in the rows.
+        let root = bc_core::id::TenantId::ROOT;
+        let key_id = self.token.split_once('.').unwrap().0;
+        let hash = self.store.secret_get(root, key_id).await.unwrap().expect("the admin key's hash");
+        replica.secret_put(root, key_id, &hash, 0).await.unwrap();
         let mut state = AppState::new(self.log.clone());
         state.store = replica;
         (dir, bc_gateway::router(Arc::new(state)))
