@@ -49,7 +49,13 @@ async fn run(watchers: usize) -> ([f64; 2], [f64; 2]) {
     let token = token.lock().unwrap().clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(bc_gateway::serve(listener, Arc::new(AppState::new(log.clone())), std::future::pending()));
+    // Every watcher uses the one administrator key: the per-key and per-tenant limits are
+    // raised to the total, which is what is measured.
+    let mut state = AppState::new(log.clone());
+    let all = bc_gateway::watch::WATCHERS_MAX;
+    state.watchers =
+        bc_gateway::watch::WatcherSlots::new(bc_gateway::watch::WatcherLimits { total: all, per_tenant: all, per_key: all });
+    tokio::spawn(bc_gateway::serve(listener, Arc::new(state), std::future::pending()));
 
     // Arrival times per event id, per watcher.
     let arrivals: Arc<Mutex<HashMap<String, Vec<Instant>>>> = Arc::default();

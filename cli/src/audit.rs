@@ -243,8 +243,10 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
     }))
 }
 
-/// `audit check-proof`: offline, no database, no network.
-pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String]) -> Result<Value, CliError> {
+/// `audit check-proof`: offline, no database, no network. `saved` is the auditor's own earlier
+/// checkpoint, from which consistency is proved; the output's `consistency` says plainly what
+/// was checked, and a check that proved no consistency also says so on stderr.
+pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option<&Path>) -> Result<Value, CliError> {
     let invalid = |m: String| CliError::new("INVALID_PROOF", m);
     if pins.is_empty() && vkeys.is_empty() {
         return Err(CliError::usage("give --pin PIN (or BETTER_COMPUTE_AUDIT_PIN) or --vkey VKEY: the key you trust"));
@@ -266,7 +268,34 @@ pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String]) -> Result<Val
     } else {
         None
     };
-    let proved = audit::check_proof(&text, consistency.as_deref(), pins, &vkeys).map_err(invalid)?;
+    let saved = match saved {
+        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| CliError::usage(format!("cannot read {}: {e}", p.display())))?),
+        None => None,
+    };
+    let proved = audit::check_proof(&text, consistency.as_deref(), saved.as_deref(), pins, &vkeys).map_err(invalid)?;
+    let (consistent_from, said) = match proved.consistency {
+        audit::Consistency::FromSaved { size } => {
+            (Some(size), format!("checked: the log extends your saved checkpoint (size {size})"))
+        }
+        audit::Consistency::FromProver { size } => (
+            Some(size),
+            format!(
+                "checked from the prover's own checkpoint (size {size}), not one you saved: a forked log would pass; \
+                 give --saved CHECKPOINT"
+            ),
+        ),
+        audit::Consistency::NotChecked => (
+            None,
+            format!(
+                "NOT CHECKED: no --saved checkpoint and no {}; the event is in a tree the key signed, which a forked log \
+                 would also show",
+                consistency_path.display()
+            ),
+        ),
+    };
+    if !matches!(proved.consistency, audit::Consistency::FromSaved { .. }) {
+        eprintln!("warning: consistency {said}");
+    }
     Ok(json!({
         "proved": true,
         "tenantId": proved.tenant,
@@ -280,7 +309,13 @@ pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String]) -> Result<Val
         "treeSize": proved.tree_size,
         "root": hex_of(&proved.root),
         "keyId": proved.key_id,
-        "consistentFrom": proved.consistent_from,
+        "consistentFrom": consistent_from,
+        "consistencyFrom": match proved.consistency {
+            audit::Consistency::FromSaved { .. } => Some("saved"),
+            audit::Consistency::FromProver { .. } => Some("prover"),
+            audit::Consistency::NotChecked => None,
+        },
+        "consistency": said,
     }))
 }
 

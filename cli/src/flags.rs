@@ -138,6 +138,20 @@ pub struct ServerArgs {
     /// dropped (a stalled watcher frees its slot).
     #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
     pub write_stall: u64,
+    /// How long a request's head (request line and headers) may take to arrive; also how long an
+    /// HTTP/1.1 connection may wait for its next request.
+    #[arg(long, default_value = "20s", value_parser = parse_duration_ms)]
+    pub header_timeout: u64,
+    /// How long a connection may carry nothing either way before it is closed.
+    #[arg(long, default_value = "120s", value_parser = parse_duration_ms)]
+    pub idle_timeout: u64,
+    /// How long a request body may take to arrive; a slower one is refused and its
+    /// connection closed, so it never holds a request slot longer.
+    #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+    pub body_timeout: u64,
+    /// Connections open at once; more wait to be accepted.
+    #[arg(long, default_value_t = bc_gateway::conn::CONNECTIONS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub connections_max: u64,
     #[command(flatten)]
     pub agents: AgentsArgs,
 }
@@ -500,6 +514,11 @@ pub enum AuditCommand {
         /// A note verifier key, `NAME+KEYID+KEY`.
         #[arg(long = "vkey")]
         vkeys: Vec<String>,
+        /// A checkpoint of this tenant you saved earlier yourself: consistency is proved from it
+        /// (catching a forked log), never from the prover's own old checkpoint. Without it the
+        /// output says what was, or was not, checked.
+        #[arg(long, value_name = "CHECKPOINT")]
+        saved: Option<PathBuf>,
     },
 }
 
@@ -908,5 +927,15 @@ mod tests {
         // h2c is dev's only.
         let serve = ["better-compute", "serve", "--database-url", "postgres://x", "--agents-insecure-h2c"];
         assert!(Cli::try_parse_from(serve).is_err());
+    }
+
+    #[test]
+    fn the_connection_limits_default_to_the_gateways() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev { server, .. } = cli.command else { panic!("not dev") };
+        assert_eq!(server.header_timeout, bc_gateway::conn::HEADER_READ_TIMEOUT_S * 1000);
+        assert_eq!(server.idle_timeout, bc_gateway::conn::IDLE_TIMEOUT_S * 1000);
+        assert_eq!(server.body_timeout, bc_gateway::conn::BODY_READ_TIMEOUT_S * 1000);
+        assert_eq!(server.connections_max, bc_gateway::conn::CONNECTIONS_MAX as u64);
     }
 }

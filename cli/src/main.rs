@@ -68,10 +68,18 @@ fn main() -> ExitCode {
     }
 }
 
+/// Targets whose debug output carries statement parameters (webhook secrets, token hashes):
+/// never below `info`, whatever `BETTER_COMPUTE_LOG` asks. tokio-postgres logs every statement's
+/// parameters at debug (`tokio_postgres::query`).
+const SECRET_BEARING_TARGETS: &[&str] = &["tokio_postgres=info"];
+
 /// Logs go to stderr: human-readable on a terminal, JSON otherwise.
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BETTER_COMPUTE_LOG")
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("BETTER_COMPUTE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn,tower_http=info"));
+    for directive in SECRET_BEARING_TARGETS {
+        filter = filter.add_directive(directive.parse().expect("a valid directive"));
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if std::io::stderr().is_terminal() {
         builder.init();

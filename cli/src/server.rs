@@ -419,7 +419,7 @@ pub async fn run_server(
     deployment: &str,
     consumers: Option<&ConsumerOptions>,
     policy: EndpointPolicy,
-    write_stall: std::time::Duration,
+    limits: bc_gateway::ServeLimits,
     agents: &AgentsOptions,
 ) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
@@ -516,7 +516,9 @@ pub async fn run_server(
         Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
         None => println!("  agents:    h2c://{agents_bound} (plaintext, loopback only)"),
     }
-    let state = Arc::new(AppState::new(log.clone()).with_webhook_policy(policy));
+    let mut state = AppState::new(log.clone()).with_webhook_policy(policy);
+    state.limits = limits;
+    let state = Arc::new(state);
     // One signal stops both listeners.
     let (signal, signalled) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -528,7 +530,7 @@ pub async fn run_server(
     };
     let service = bc_gateway::agents::AgentService::new(state.clone(), agents.session);
     let agents_served = bc_gateway::agents::serve(agents_listener, transport, service, on_signal(signalled.clone()));
-    let http_served = bc_gateway::serve_with_write_stall(listener, state, write_stall, on_signal(signalled));
+    let http_served = bc_gateway::serve(listener, state, on_signal(signalled));
     let (served, agents_served) = tokio::join!(http_served, agents_served);
     let _ = stop.send(true);
     for task in tasks.into_iter().chain(sealer) {

@@ -649,6 +649,21 @@ pub async fn prove(
     Ok((proof, consistency))
 }
 
+/// Which consistency an offline check established, if any.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Consistency {
+    /// None: no checkpoint of the auditor's own was given and the proof came without a
+    /// consistency file. The proof shows only that the event is in *a* tree the key signed: a
+    /// forked log signed with the same key would pass.
+    NotChecked,
+    /// From the prover's own older checkpoint (the consistency file's): it shows that the
+    /// prover's two checkpoints agree, not that the log extends what the auditor saw.
+    FromProver { size: u64 },
+    /// From the auditor's saved checkpoint (`--saved`): the log the proof is in extends the one
+    /// the auditor saw. This is what catches a fork.
+    FromSaved { size: u64 },
+}
+
 /// What an offline check established.
 #[derive(Clone, Debug)]
 pub struct Proved {
@@ -660,13 +675,23 @@ pub struct Proved {
     pub tree_size: u64,
     pub root: [u8; 32],
     pub key_id: String,
-    /// The older checkpoint's size, when a consistency proof was checked too.
-    pub consistent_from: Option<u64>,
+    pub consistency: Consistency,
 }
 
 /// Checks a proof file offline: the checkpoint's signature by a trusted key (a pin, or a vkey),
-/// the event's hash, the inclusion path, and, if given, the consistency from an older checkpoint.
-pub fn check_proof(proof: &str, consistency: Option<&str>, pins: &[String], vkeys: &[Vkey]) -> Result<Proved, String> {
+/// the event's hash, the inclusion path, and the consistency of the log with an older
+/// checkpoint. `saved` is the auditor's own earlier checkpoint: when given, consistency is
+/// proved from it, never from the checkpoint the prover's consistency file carries (a forked
+/// log signed with the real key brings a consistent old checkpoint of its own). Without
+/// `saved`, a consistency file is checked from its own old checkpoint (`FromProver`); without
+/// either, nothing is (`NotChecked`), and callers must say so.
+pub fn check_proof(
+    proof: &str,
+    consistency: Option<&str>,
+    saved: Option<&str>,
+    pins: &[String],
+    vkeys: &[Vkey],
+) -> Result<Proved, String> {
     let file = ProofFile::parse(proof)?;
     let carried = Vkey::parse(&file.vkey).map_err(|e| format!("the proof's vkey: {e}"))?;
     let vkey = if let Some(v) = vkeys.iter().find(|v| v.name == carried.name && v.public == carried.public) {
@@ -693,21 +718,63 @@ pub fn check_proof(proof: &str, consistency: Option<&str>, pins: &[String], vkey
     let path: Vec<Vec<u8>> = file.path.iter().map(|h| h.to_vec()).collect();
     merkle::verify_inclusion(file.index, body.size, &merkle::leaf_hash(&hash), &path, &body.root)
         .map_err(|e| format!("inclusion proof: {e}"))?;
-    let mut consistent_from = None;
-    if let Some(c) = consistency {
-        let c = ConsistencyFile::parse(c)?;
-        let mut trusted = vkeys.to_vec();
-        trusted.push(vkey.clone());
-        let (old, _) = open_with(&c.old_checkpoint, &trusted)
-            .map_err(|_| "the older checkpoint is not signed by a trusted key".to_owned())?;
-        if old.origin != body.origin {
-            return Err("the older checkpoint is for another tree".into());
+    let mut trusted = vkeys.to_vec();
+    trusted.push(vkey.clone());
+    let consistency_file = consistency.map(ConsistencyFile::parse).transpose()?;
+    let consistency = match saved {
+        Some(saved) => {
+            let (old, _) =
+                open_with(saved, &trusted).map_err(|e| format!("your saved checkpoint is not signed by a trusted key: {e}"))?;
+            if old.origin != body.origin {
+                return Err(format!("your saved checkpoint is for {}, the proof for {}", old.origin, body.origin));
+            }
+            if old.size > body.size {
+                return Err(format!(
+                    "your saved checkpoint (size {}) is newer than the proof's (size {}): the log was rewound, or ask \
+                     for a proof in a checkpoint at least as new as yours",
+                    old.size, body.size
+                ));
+            }
+            if old.size == body.size {
+                if old.root != body.root {
+                    return Err(format!(
+                        "the proof's checkpoint and your saved one both have size {} but different roots: the log was forked",
+                        old.size
+                    ));
+                }
+            } else {
+                let Some(c) = &consistency_file else {
+                    return Err(format!(
+                        "no consistency proof from your saved checkpoint (size {}) came with the proof: ask for one made \
+                         with `audit prove --checkpoint` and your saved checkpoint",
+                        old.size
+                    ));
+                };
+                let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
+                merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path).map_err(|e| {
+                    format!(
+                        "the log in the proof does not extend your saved checkpoint (size {}): it was forked or rewritten ({e})",
+                        old.size
+                    )
+                })?;
+            }
+            Consistency::FromSaved { size: old.size }
         }
-        let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
-        merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path)
-            .map_err(|e| format!("consistency proof: {e}"))?;
-        consistent_from = Some(old.size);
-    }
+        None => match &consistency_file {
+            None => Consistency::NotChecked,
+            Some(c) => {
+                let (old, _) = open_with(&c.old_checkpoint, &trusted)
+                    .map_err(|_| "the older checkpoint is not signed by a trusted key".to_owned())?;
+                if old.origin != body.origin {
+                    return Err("the older checkpoint is for another tree".into());
+                }
+                let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
+                merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path)
+                    .map_err(|e| format!("consistency proof: {e}"))?;
+                Consistency::FromProver { size: old.size }
+            }
+        },
+    };
     Ok(Proved {
         tenant: event.tenant,
         hash,
@@ -716,7 +783,7 @@ pub fn check_proof(proof: &str, consistency: Option<&str>, pins: &[String], vkey
         tree_size: body.size,
         root: body.root,
         key_id: key_id_of(&vkey.public),
-        consistent_from,
+        consistency,
         event,
     })
 }

@@ -49,12 +49,12 @@ fn finding_11_a_proof_index_at_u64_max_is_refused_without_overflow() {
     let key = LogKey::from_seed([5; 32]);
     let pins = [key.pin()];
     // The honest proof of the same shape checks, so the refusal below is the index's.
-    assert!(audit::check_proof(&proof_file(&key, 0, 1), None, &pins, &[]).is_ok());
+    assert!(audit::check_proof(&proof_file(&key, 0, 1), None, None, &pins, &[]).is_ok());
     for seq in [0, 1, u64::MAX] {
-        let error = audit::check_proof(&proof_file(&key, u64::MAX, seq), None, &pins, &[]).unwrap_err();
+        let error = audit::check_proof(&proof_file(&key, u64::MAX, seq), None, None, &pins, &[]).unwrap_err();
         assert!(error.contains("out of range"), "seq {seq}: {error}");
     }
-    let error = audit::check_proof(&proof_file(&key, u64::MAX - 1, u64::MAX), None, &pins, &[]).unwrap_err();
+    let error = audit::check_proof(&proof_file(&key, u64::MAX - 1, u64::MAX), None, None, &pins, &[]).unwrap_err();
     assert!(error.contains("inclusion proof"), "{error}");
 }
 

@@ -76,10 +76,13 @@ fn honest_proof_files_check_and_mutated_ones_fail() {
             path: merkle::consistency_proof(old, &leaves[..size as usize]).unwrap(),
             old_checkpoint: checkpoint(&key, tenant, &leaves[..old as usize]),
         };
-        let honest = audit::check_proof(&file.encode(), Some(&consistency.encode()), std::slice::from_ref(&pin), &[]);
+        let honest = audit::check_proof(&file.encode(), Some(&consistency.encode()), None, std::slice::from_ref(&pin), &[]);
         prop_assert!(honest.is_ok(), "honest proof failed: {:?}", honest.err());
         let proved = honest.unwrap();
-        prop_assert_eq!((proved.event.seq, proved.tree_size, proved.consistent_from), (index + 1, size, Some(old)));
+        prop_assert_eq!(
+            (proved.event.seq, proved.tree_size, proved.consistency),
+            (index + 1, size, audit::Consistency::FromProver { size: old })
+        );
 
         let mut bad = file.clone();
         let mut bad_consistency = consistency.clone();
@@ -124,7 +127,7 @@ fn honest_proof_files_check_and_mutated_ones_fail() {
             _ => false,
         };
         if changed {
-            let got = audit::check_proof(&bad.encode(), Some(&bad_consistency.encode()), std::slice::from_ref(&pin), &[]);
+            let got = audit::check_proof(&bad.encode(), Some(&bad_consistency.encode()), None, std::slice::from_ref(&pin), &[]);
             prop_assert!(got.is_err(), "mutation {} verified", what);
         }
         Ok(())

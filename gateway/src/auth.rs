@@ -1,5 +1,7 @@
 //! API keys: a token is `KEY_ID.SECRET`; the server stores only SHA-256 of the secret, in the
-//! key's projection row, and finds the row by the key id the token carries.
+//! secret store (`bc_projections::api_key_secret_id`), never in the log, so neither events nor
+//! deliveries carry it and a rebuild of the projections still authenticates every key. It finds
+//! the key's row by the key id the token carries.
 
 use base64::Engine;
 use bc_core::id::{ApiKeyId, TenantId};
@@ -163,11 +165,21 @@ pub async fn authenticate(store: &dyn bc_core::store::EventStore, header: Option
     let key_id: ApiKeyId = key_id.parse().map_err(|_| invalid())?;
     let row = store.row_find(KIND_API_KEY, &key_id.to_string()).await?.ok_or_else(invalid)?;
     let doc: ApiKeyDoc = serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("api key document: {e}")))?;
-    // Both sides are SHA-256 digests, so comparing them leaks nothing about the secret.
-    if doc.revoked || doc.secret_sha256 != secret_sha256(secret) {
+    if doc.revoked {
         return Err(invalid());
     }
-    Ok(Principal { tenant: doc.tenant_id.parse()?, key_id: doc.key_id, actions: doc.actions })
+    let tenant: TenantId = doc.tenant_id.parse()?;
+    // Keys created before the hash left the log carry it in their document.
+    let expected = if doc.secret_sha256.is_empty() {
+        store.secret_get(tenant, &bc_projections::api_key_secret_id(&doc.key_id)).await?.ok_or_else(invalid)?
+    } else {
+        doc.secret_sha256
+    };
+    // Both sides are SHA-256 digests, so comparing them leaks nothing about the secret.
+    if expected != secret_sha256(secret) {
+        return Err(invalid());
+    }
+    Ok(Principal { tenant, key_id: doc.key_id, actions: doc.actions })
 }
 
 #[cfg(test)]

@@ -10,17 +10,26 @@ use serde_json::{Value, json};
 pub struct ApiError {
     pub error: Error,
     pub details: Value,
+    /// The request was answered before its body was read to the end, so the connection cannot
+    /// carry another request: the answer says `Connection: close`.
+    pub close: bool,
 }
 
 impl From<Error> for ApiError {
     fn from(error: Error) -> Self {
-        Self { error, details: Value::Object(Default::default()) }
+        let close = error.code() == ErrorCode::PayloadTooLarge;
+        Self { error, details: Value::Object(Default::default()), close }
     }
 }
 
 impl ApiError {
     pub fn with_details(error: Error, details: Value) -> Self {
-        Self { error, details }
+        Self { details, ..Self::from(error) }
+    }
+
+    /// `error`, answered with `Connection: close`.
+    pub fn closing(error: Error) -> Self {
+        Self { close: true, ..Self::from(error) }
     }
 }
 
@@ -52,6 +61,9 @@ impl IntoResponse for ApiError {
         }
         let body = json!({ "code": code.as_str(), "message": self.error.public_message(), "details": details });
         let mut response = (status_of(code), axum::Json(body)).into_response();
+        if self.close {
+            response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+        }
         if code == ErrorCode::Unauthenticated {
             response.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
         }

@@ -12,7 +12,8 @@
 //! - [`watch`]: `GET /watch`, the live stream over server-sent events;
 //! - [`auth`]: API keys, tokens, actions;
 //! - [`error`]: the `{code, message, details}` envelope and status mapping;
-//! - [`conn`]: connections that fail a stalled write;
+//! - [`conn`]: the connections' limits (header, idle, body and write deadlines; the cap on open
+//!   connections), served with hyper-util's `auto::Builder`;
 //! - [`agents`]: the gRPC endpoint of the node agents (`bcd`): joins and sessions, on a
 //!   listener of its own with a pinned TLS certificate.
 //!
@@ -26,7 +27,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use bc_core::id::{ApiKeyId, TenantId};
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_core::{Error, Result};
@@ -58,14 +59,46 @@ pub const CONCURRENT_REQUESTS_MAX: usize = 1024;
 pub struct AppState {
     pub log: Arc<Log>,
     pub store: Arc<dyn EventStore>,
-    /// Connected watchers, bounded by `watch::WATCHERS_MAX`.
-    pub watchers: Arc<tokio::sync::Semaphore>,
+    /// Connected watchers, bounded in total, per tenant and per key (`watch::WATCHERS_*`).
+    pub watchers: Arc<watch::WatcherSlots>,
     /// Set when the server stops: long-lived streams end so the graceful shutdown can finish.
     pub shutdown: tokio::sync::watch::Sender<bool>,
     /// Which webhook receivers this deployment accepts.
     pub webhook_policy: bc_core::webhook::EndpointPolicy,
     /// This process's view of the nodes, for placement.
     pub fleet: Arc<bc_projections::fleet::Fleet>,
+    /// The connections' and requests' limits (`dev`/`serve` flags).
+    pub limits: ServeLimits,
+}
+
+/// The limits of serving; `conn.rs` says what each bounds. The defaults are the named constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServeLimits {
+    /// A write making no progress this long fails (`--write-stall`).
+    pub write_stall: Duration,
+    /// A request's head must arrive within this (`--header-timeout`).
+    pub header_read_timeout: Duration,
+    /// A connection carrying nothing this long is closed (`--idle-timeout`).
+    pub idle_timeout: Duration,
+    /// A request body must arrive within this once read (`--body-timeout`).
+    pub body_read_timeout: Duration,
+    /// Connections open at once (`--connections-max`).
+    pub connections_max: usize,
+    /// Requests served at once.
+    pub requests_max: usize,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self {
+            write_stall: Duration::from_secs(conn::WRITE_STALL_S),
+            header_read_timeout: Duration::from_secs(conn::HEADER_READ_TIMEOUT_S),
+            idle_timeout: Duration::from_secs(conn::IDLE_TIMEOUT_S),
+            body_read_timeout: Duration::from_secs(conn::BODY_READ_TIMEOUT_S),
+            connections_max: conn::CONNECTIONS_MAX,
+            requests_max: CONCURRENT_REQUESTS_MAX,
+        }
+    }
 }
 
 impl AppState {
@@ -85,10 +118,11 @@ impl AppState {
         Self {
             store: log.store.clone(),
             log,
-            watchers: Arc::new(tokio::sync::Semaphore::new(watch::WATCHERS_MAX)),
+            watchers: watch::WatcherSlots::new(watch::WatcherLimits::default()),
             shutdown: tokio::sync::watch::channel(false).0,
             webhook_policy: bc_core::webhook::EndpointPolicy::default(),
             fleet: Arc::new(bc_projections::fleet::Fleet::new()),
+            limits: ServeLimits::default(),
         }
     }
 
@@ -99,16 +133,22 @@ impl AppState {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
+    let requests_max = state.limits.requests_max;
     Router::new()
         .route("/healthz", get(healthz))
         .route("/api/compute/openapi.json", get(openapi))
-        .route("/api/compute/{method}", post(rpc::rpc))
+        // `POST /api/compute/{method}` is dispatched by the fallback (`rpc::dispatch`), not a
+        // route: axum percent-decodes and copies a route's parameters (and rewrites a nested
+        // service's URI) before any handler runs, so a 64 KB name would be worked over before
+        // authentication; the fallback gets the request as it came.
         .route("/watch", get(watch::watch))
-        .fallback(not_found)
+        .fallback(rpc::dispatch)
         .layer(
             tower::ServiceBuilder::new()
                 .layer(tower_http::trace::TraceLayer::new_for_http())
-                .layer(tower::limit::ConcurrencyLimitLayer::new(CONCURRENT_REQUESTS_MAX))
+                // One semaphore for every route: axum applies a layer to each route, and a plain
+                // `ConcurrencyLimitLayer` would give each route a limit of its own.
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(requests_max))
                 .layer(tower_http::timeout::TimeoutLayer::with_status_code(
                     StatusCode::SERVICE_UNAVAILABLE,
                     Duration::from_secs(REQUEST_TIMEOUT_S),
@@ -133,7 +173,7 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body.clone()).into_response()
 }
 
-async fn not_found() -> ApiError {
+pub(crate) async fn not_found() -> ApiError {
     Error::NotFound { what: "route (the API is POST /api/compute/GROUP.METHOD)".into() }.into()
 }
 
@@ -170,7 +210,13 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
     let key_id = ApiKeyId::from_ulid(log.ids.ulid());
     let (token, secret_sha256) = auth::new_token(key_id);
     persist(&token)?;
-    let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256 })?;
+    // The hash lives in the secret store, not in the log (`auth.rs`).
+    let secret_id = bc_projections::api_key_secret_id(&key_id.to_string());
+    if let Err(e) = log.store.secret_put(root, &secret_id, &secret_sha256, log.clock.now_ms()).await {
+        unpersist();
+        return Err(e);
+    }
+    let key = ev::to_cbor(&ev::ApiKeyCreated { name: "admin".into(), actions: vec!["*".into()], secret_sha256: String::new() })?;
     if let Err(e) =
         log.append(request(stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, key)).await
     {
@@ -184,28 +230,56 @@ pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>,
     Ok(true)
 }
 
-/// Serves until `shutdown` resolves, failing writes stalled for [`conn::WRITE_STALL_S`].
+/// Serves until `shutdown` resolves, with the limits of `state.limits` (`conn.rs`): HTTP/1.1
+/// and HTTP/2 over hyper-util's `auto::Builder` on tokio's timer, at most `connections_max`
+/// connections at once. On shutdown it stops accepting, ends the watch streams, and waits for
+/// every open response to finish (idle connections are closed at once).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_with_write_stall(listener, state, Duration::from_secs(conn::WRITE_STALL_S), shutdown).await
-}
-
-/// [`serve`] with another limit on a write that makes no progress (`--write-stall`).
-pub async fn serve_with_write_stall(
-    listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
-    write_stall: Duration,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let streams = state.clone();
-    let signal = async move {
-        shutdown.await;
-        // End the watch streams; the graceful shutdown waits for every open response.
-        streams.shutdown.send_replace(true);
-    };
-    let listener = conn::DeadlineListener { inner: listener, stall: write_stall };
-    axum::serve(listener, router(state)).with_graceful_shutdown(signal).await
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let limits = state.limits;
+    let app = router(state.clone());
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(conn::HTTP2_KEEP_ALIVE_S))
+        .keep_alive_timeout(Duration::from_secs(conn::HTTP2_KEEP_ALIVE_S))
+        .max_concurrent_streams(conn::HTTP2_STREAMS_MAX);
+    let deadlines =
+        conn::Deadlines { write_stall: limits.write_stall, first_read: limits.header_read_timeout, idle: limits.idle_timeout };
+    // So a burst of connections cannot exhaust file descriptors: the accept loop waits for a
+    // slot, and the kernel's backlog holds the rest.
+    let connections = Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let shutdown = std::pin::pin!(shutdown);
+    let mut shutdown = shutdown;
+    loop {
+        let permit = tokio::select! {
+            permit = connections.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            stream = conn::accept(&listener) => stream,
+            () = &mut shutdown => break,
+        };
+        let io = TokioIo::new(conn::GuardedIo::new(stream, deadlines));
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = graceful.watch(builder.serve_connection(io, service).into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    // End the watch streams; the graceful shutdown waits for every open response.
+    state.shutdown.send_replace(true);
+    graceful.shutdown().await;
+    Ok(())
 }

@@ -4,8 +4,8 @@
 //! fingerprints the request for idempotent retries, and runs the method's handler.
 
 use axum::body::Body;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, header};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use bc_core::Error;
 use bc_core::id::RequestId;
@@ -18,24 +18,56 @@ use crate::api::{self, Access, Call};
 use crate::error::ApiError;
 use crate::{AppState, BODY_BYTES_MAX, IDEMPOTENCY_KEY_BYTES_MAX, auth};
 
-pub async fn rpc(State(state): State<Arc<AppState>>, Path(name): Path<String>, headers: HeaderMap, body: Body) -> Response {
+/// Every request the router has no route for: `POST /api/compute/NAME` goes to [`rpc`], another
+/// method on such a path is 405 (`Allow: POST`), anything else 404.
+pub async fn dispatch(State(state): State<Arc<AppState>>, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
+    match uri.path().strip_prefix(RPC_PREFIX) {
+        Some(raw) if method == Method::POST => rpc(&state, raw, &headers, body).await,
+        Some(_) => (StatusCode::METHOD_NOT_ALLOWED, [(header::ALLOW, "POST")]).into_response(),
+        None => crate::not_found().await.into_response(),
+    }
+}
+
+/// What every method's path starts with.
+const RPC_PREFIX: &str = "/api/compute/";
+
+/// One call: `raw` is the method's name as it is in the path. A name longer than any method's is
+/// `NOT_FOUND` before it is percent-decoded or copied.
+pub async fn rpc(state: &AppState, raw: &str, headers: &HeaderMap, body: Body) -> Response {
+    let name = if raw.len() > api::METHOD_NAME_BYTES_MAX { std::borrow::Cow::Borrowed(raw) } else { percent_decoded(raw) };
+    let name = name.as_ref();
     // From the deployment's id source: the request id is the events' correlation.
     let request_id = RequestId::from_ulid(state.log.ids.ulid()).to_string();
     let span = tracing::info_span!("rpc", method = %echo(&name), request_id = %request_id);
-    let mut response = match call(&state, &name, &headers, body, request_id.clone()).instrument(span).await {
+    let mut response = match call(state, name, headers, body, request_id.clone()).instrument(span).await {
         Ok(value) => axum::Json(value).into_response(),
-        Err(e) => {
-            let too_large = e.error.code() == bc_core::ErrorCode::PayloadTooLarge;
-            let mut response = e.into_response();
-            if too_large {
-                // The rest of the body was never read: the connection cannot carry another request.
-                response.headers_mut().insert(header::CONNECTION, axum::http::HeaderValue::from_static("close"));
-            }
-            response
-        }
+        // A body not read to the end (too large, too slow) closes the connection (`ApiError::close`).
+        Err(e) => e.into_response(),
     };
     response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
     response
+}
+
+/// `%XX` decoded, as axum's `Path` would (a method name is plain ASCII, so this is rare).
+fn percent_decoded(raw: &str) -> std::borrow::Cow<'_, str> {
+    if !raw.contains('%') {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(byte) = raw.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(byte);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    std::borrow::Cow::Owned(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// `NOT_FOUND` for a method not in the table. Anyone may ask, without a token, so the work is
@@ -52,6 +84,15 @@ fn unknown_method(name: &str) -> ApiError {
         None => json!({}),
     };
     ApiError::with_details(Error::NotFound { what: format!("method {:?}", echo(name)) }, details)
+}
+
+/// The refusal of a body that did not arrive within `deadline`. The rest of it is never read, so
+/// the answer closes the connection (as for `PAYLOAD_TOO_LARGE`).
+fn body_too_slow(deadline: std::time::Duration) -> Error {
+    Error::InvalidArgument {
+        message: format!("the request body did not arrive within {} s", deadline.as_secs_f64()),
+        hint: Some("send the whole body at once; a body is read under a deadline".into()),
+    }
 }
 
 /// Characters of an unknown method's name the answer repeats.
@@ -91,8 +132,12 @@ async fn call(
             .into());
         }
     }
-    let bytes =
-        axum::body::to_bytes(body, BODY_BYTES_MAX).await.map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?;
+    // A body that trickles in frees its request slot at the deadline, whatever its size.
+    let deadline = state.limits.body_read_timeout;
+    let bytes = match tokio::time::timeout(deadline, axum::body::to_bytes(body, BODY_BYTES_MAX)).await {
+        Ok(read) => read.map_err(|_| Error::PayloadTooLarge { limit_bytes: BODY_BYTES_MAX })?,
+        Err(_) => return Err(ApiError::closing(body_too_slow(deadline))),
+    };
     let idempotency_key = match headers.get("idempotency-key") {
         None => None,
         Some(value) => {

@@ -11,7 +11,9 @@
 //! `WATCH_POLL_MS`, so commits by other processes are found too. The key is checked again every
 //! `WATCH_REAUTH_S` and whenever API keys change, and a server shutdown ends every stream (a
 //! graceful shutdown waits for open responses). A client that stops reading is dropped by the
-//! connection's write deadline (`conn.rs`).
+//! connection's write deadline (`conn.rs`). Slots are limited in total (`WATCHERS_MAX`), per
+//! tenant (`WATCHERS_PER_TENANT_MAX`) and per key (`WATCHERS_PER_KEY_MAX`); a watcher's slot
+//! is held by its producer task, which ends as soon as the client is gone.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -40,8 +42,14 @@ pub const WATCH_SEND_TIMEOUT_S: u64 = 30;
 pub const WATCH_POLL_MS: u64 = 1000;
 /// Comment lines that keep idle connections (and proxies) alive.
 pub const WATCH_HEARTBEAT_S: u64 = 15;
-/// Watchers served at once.
+/// Watchers served at once, all tenants together.
 pub const WATCHERS_MAX: usize = 256;
+/// Watchers one tenant's keys hold at once, so one tenant cannot take every slot.
+pub const WATCHERS_PER_TENANT_MAX: usize = 64;
+/// Watchers one API key holds at once, so one leaked or looping client cannot take its
+/// tenant's share.
+pub const WATCHERS_PER_KEY_MAX: usize = 16;
+const _: () = assert!(WATCHERS_PER_KEY_MAX <= WATCHERS_PER_TENANT_MAX && WATCHERS_PER_TENANT_MAX <= WATCHERS_MAX);
 /// How often a watcher's key is checked again, so a revoked key stops receiving events.
 pub const WATCH_REAUTH_S: u64 = 30;
 /// Rows read from the log per query while streaming.
@@ -96,11 +104,10 @@ async fn start(
         .map(|t| t.split(',').map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect())
         .unwrap_or_default();
     let filter = TypeFilter::parse(&patterns)?;
-    let permit = state
-        .watchers
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| Error::Unavailable(format!("{WATCHERS_MAX} watchers are connected already; retry later")))?;
+    // The slot lives in the producer task, which ends when the client is gone (its receiver
+    // dropped), so the count is of live producers, and a stalled connection keeps its slot only
+    // until the write deadline drops it.
+    let slot = state.watchers.acquire(principal.tenant, &principal.key_id)?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(WATCH_BUFFER_EVENTS);
     let mut commits = state.log.subscribe();
     let mut notified = true;
@@ -109,6 +116,7 @@ async fn start(
     let token_header = header.map(str::to_owned);
     let mut authorized_at = std::time::Instant::now();
     tokio::spawn(async move {
+        let _slot = slot;
         loop {
             // A client gone away ends its producer, even while it scans past events its filter
             // drops (and so never tries to send).
@@ -168,17 +176,125 @@ async fn start(
             }
         }
     });
-    // The permit lives as long as the response, so stalled connections count against the limit.
-    let stream = futures::stream::poll_fn(move |cx| {
-        let _held = &permit;
-        rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>))
-    });
+    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(WATCH_HEARTBEAT_S))).into_response())
+}
+
+/// The watcher limits a gateway enforces (the defaults are the `WATCHERS_*` constants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WatcherLimits {
+    pub total: usize,
+    pub per_tenant: usize,
+    pub per_key: usize,
+}
+
+impl Default for WatcherLimits {
+    fn default() -> Self {
+        Self { total: WATCHERS_MAX, per_tenant: WATCHERS_PER_TENANT_MAX, per_key: WATCHERS_PER_KEY_MAX }
+    }
+}
+
+/// Watcher slots, counted in total, per tenant (of the calling key) and per key.
+#[derive(Debug, Default)]
+pub struct WatcherSlots {
+    limits: WatcherLimits,
+    held: std::sync::Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    total: usize,
+    /// Only tenants and keys holding a slot have an entry, so the maps are bounded by `total`.
+    per_tenant: std::collections::HashMap<TenantId, usize>,
+    per_key: std::collections::HashMap<String, usize>,
+}
+
+/// One watcher's slot; dropping it frees the slot.
+#[derive(Debug)]
+pub struct WatcherSlot {
+    slots: Arc<WatcherSlots>,
+    tenant: TenantId,
+    key_id: String,
+}
+
+impl WatcherSlots {
+    pub fn new(limits: WatcherLimits) -> Arc<Self> {
+        Arc::new(Self { limits, held: Default::default() })
+    }
+
+    /// A slot for a watcher of `key_id` (a key of `tenant`), or `UNAVAILABLE` naming the limit
+    /// that is reached.
+    pub fn acquire(self: &Arc<Self>, tenant: TenantId, key_id: &str) -> Result<WatcherSlot> {
+        let mut held = self.held.lock().expect("watcher slots");
+        let limits = self.limits;
+        if held.total >= limits.total {
+            return Err(Error::Unavailable(format!("{} watchers are connected already; retry later", limits.total)));
+        }
+        if held.per_tenant.get(&tenant).copied().unwrap_or(0) >= limits.per_tenant {
+            return Err(Error::Unavailable(format!(
+                "tenant {tenant} has {} watchers connected already, its limit; close one or retry later",
+                limits.per_tenant
+            )));
+        }
+        if held.per_key.get(key_id).copied().unwrap_or(0) >= limits.per_key {
+            return Err(Error::Unavailable(format!(
+                "this key has {} watchers connected already, its limit; close one or retry later",
+                limits.per_key
+            )));
+        }
+        held.total += 1;
+        *held.per_tenant.entry(tenant).or_default() += 1;
+        *held.per_key.entry(key_id.to_owned()).or_default() += 1;
+        Ok(WatcherSlot { slots: self.clone(), tenant, key_id: key_id.to_owned() })
+    }
+
+    /// Slots held now: the number of live watch producers.
+    pub fn held(&self) -> usize {
+        self.held.lock().expect("watcher slots").total
+    }
+}
+
+impl Drop for WatcherSlot {
+    fn drop(&mut self) {
+        let mut held = self.slots.held.lock().expect("watcher slots");
+        held.total -= 1;
+        if let Some(n) = held.per_tenant.get_mut(&self.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                held.per_tenant.remove(&self.tenant);
+            }
+        }
+        if let Some(n) = held.per_key.get_mut(&self.key_id) {
+            *n -= 1;
+            if *n == 0 {
+                held.per_key.remove(&self.key_id);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slots_are_limited_in_total_per_tenant_and_per_key() {
+        let slots = WatcherSlots::new(WatcherLimits { total: 5, per_tenant: 3, per_key: 2 });
+        let (a, b) = (TenantId::generate(), TenantId::generate());
+        let a1 = [slots.acquire(a, "k1").unwrap(), slots.acquire(a, "k1").unwrap()];
+        assert!(slots.acquire(a, "k1").unwrap_err().to_string().contains("this key"));
+        let a2 = slots.acquire(a, "k2").unwrap();
+        assert!(slots.acquire(a, "k3").unwrap_err().to_string().contains("tenant"));
+        let b1 = [slots.acquire(b, "k4").unwrap(), slots.acquire(b, "k5").unwrap()];
+        assert!(slots.acquire(b, "k6").unwrap_err().to_string().contains("5 watchers"));
+        assert_eq!(slots.held(), 5);
+        drop(a2);
+        let _a3 = slots.acquire(a, "k3").unwrap();
+        drop((a1, b1));
+        assert_eq!(slots.held(), 1);
+        let held = slots.held.lock().unwrap();
+        assert_eq!((held.per_tenant.len(), held.per_key.len()), (1, 1), "no entries are left for idle tenants and keys");
+    }
 
     #[test]
     fn patterns() {

@@ -65,7 +65,7 @@ impl EventView {
             event_type: env.event_type.clone(),
             at: env.at_ms,
             actor: env.actor.clone(),
-            payload: canonical::to_json(&env.payload),
+            payload: redacted(&env.event_type, canonical::to_json(&env.payload)),
             position: event.position.to_string(),
             prev: hex::encode(env.prev),
             hash: hex::encode(event.hash),
@@ -76,6 +76,73 @@ impl EventView {
             canonical: with_bytes.then(|| b64.encode(&event.canonical)),
             sig: with_bytes.then(|| b64.encode(&event.sig)),
         }
+    }
+}
+
+/// What stands in for a redacted part.
+pub const REDACTED: &str = "REDACTED";
+
+/// The payload as clients and other receivers see it: secret-bearing fields are redacted. A
+/// webhook's URL may carry a token in its userinfo or query (`https://user:pw@host/?token=…`):
+/// those parts are replaced, the scheme, host and path kept, so a reader still sees which
+/// receiver it is. An `api_key.created` written before the key's hash left the log carries it:
+/// it is dropped. The log itself (and `canonical`, which the hash covers) keeps what was
+/// appended; `webhooks.get` shows the owner the whole URL.
+fn redacted(event_type: &str, mut payload: Value) -> Value {
+    let Value::Object(map) = &mut payload else { return payload };
+    match event_type {
+        crate::events::WEBHOOK_CREATED | crate::events::WEBHOOK_UPDATED => {
+            if let Some(Value::String(url)) = map.get_mut("url") {
+                *url = redact_url(url);
+            }
+        }
+        crate::events::API_KEY_CREATED => {
+            map.remove("secretSha256");
+        }
+        _ => {}
+    }
+    payload
+}
+
+/// `url` without its userinfo, query and fragment (each replaced by [`REDACTED`]).
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => (String::new(), url),
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let host = match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{REDACTED}@{host}"),
+        None => authority.to_owned(),
+    };
+    let (path, query) = match tail.find(['?', '#']) {
+        Some(at) => (&tail[..at], Some(&tail[at..at + 1])),
+        None => (tail, None),
+    };
+    match query {
+        Some(mark) => format!("{scheme}{host}{path}{mark}{REDACTED}"),
+        None => format!("{scheme}{host}{path}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_userinfo_and_query() {
+        assert_eq!(redact_url("https://hooks.example.com/a/b"), "https://hooks.example.com/a/b");
+        assert_eq!(
+            redact_url("https://u:pw@hooks.example.com:8443/a?token=s3cret"),
+            "https://REDACTED@hooks.example.com:8443/a?REDACTED"
+        );
+        assert_eq!(redact_url("https://hooks.example.com?t=1#frag"), "https://hooks.example.com?REDACTED");
+        assert_eq!(redact_url("https://hooks.example.com/x#frag"), "https://hooks.example.com/x#REDACTED");
+        let payload = serde_json::json!({ "url": "https://a@b.example/?k=v", "eventTypes": ["*"] });
+        assert_eq!(redacted(crate::events::WEBHOOK_UPDATED, payload)["url"], "https://REDACTED@b.example/?REDACTED");
+        let key = serde_json::json!({ "name": "k", "secretSha256": "ab" });
+        assert!(redacted(crate::events::API_KEY_CREATED, key).get("secretSha256").is_none());
     }
 }
 

@@ -105,7 +105,10 @@ pub struct TenantCreated {
 pub struct ApiKeyCreated {
     pub name: String,
     pub actions: Vec<String>,
-    /// Hex SHA-256 of the secret part of the token.
+    /// Hex SHA-256 of the secret part of the token: only in keys created before the hash moved
+    /// to the secret store ([`crate::api_key_secret_id`]); new events leave it out, so neither
+    /// the log nor what is delivered from it carries it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub secret_sha256: String,
 }
 

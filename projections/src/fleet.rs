@@ -82,11 +82,21 @@ impl TenantView {
     }
 }
 
+/// What the log's catch-up found for the tenants with a slot, and the slots themselves. Behind a
+/// plain mutex that is never held across an `await`: no database read happens under it.
 #[derive(Default)]
-struct Inner {
-    /// Every event up to here is reflected in the loaded tenants.
-    after: Option<Position>,
-    tenants: HashMap<TenantId, TenantView>,
+struct Shared {
+    /// Each tenant's view behind its own lock (`None` until loaded): loading or refreshing one
+    /// tenant never waits on another's.
+    slots: HashMap<TenantId, std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>>,
+    /// Rows changed in the log (or held by a placer) since the tenant's view last read them.
+    dirty: HashMap<TenantId, Dirty>,
+}
+
+#[derive(Default)]
+struct Dirty {
+    nodes: HashSet<String>,
+    reservations: HashSet<String>,
 }
 
 /// Makes the view read a node and a reservation again once a placer is done with its holds,
@@ -123,10 +133,18 @@ impl Drop for Reread {
     }
 }
 
+/// The view of every tenant a process has used. Three locks, none held across another tenant's
+/// database reads: `cursor` while the log's new rows are read (all tenants' events, from where
+/// the last catch-up stopped), `shared` (a plain mutex) only to find a slot or record what
+/// changed, and each tenant's own slot while that tenant is loaded, refreshed and decided on.
 #[derive(Default)]
 pub struct Fleet {
-    inner: tokio::sync::Mutex<Inner>,
+    /// Every event up to here is marked in `shared.dirty` for the tenants that had a slot.
+    cursor: tokio::sync::Mutex<Option<Position>>,
+    shared: std::sync::Mutex<Shared>,
 }
+
+type Slot = std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>;
 
 impl Fleet {
     pub fn new() -> Self {
@@ -145,60 +163,157 @@ impl Fleet {
         self.with_tenant(store, tenant, |view| f(&mut view.pool_nodes(pool))).await
     }
 
-    /// Runs `f` on the tenant's view, brought up to date with the log first.
+    /// Runs `f` on the tenant's view, brought up to date with the log first. Only this tenant's
+    /// slot is held while its rows are read.
     pub async fn with_tenant<R>(
         &self,
         store: &dyn EventStore,
         tenant: TenantId,
         f: impl FnOnce(&mut TenantView) -> R,
     ) -> Result<R> {
-        let mut inner = self.inner.lock().await;
-        catch_up_or_reset(store, &mut inner, false).await?;
-        let view = match inner.tenants.entry(tenant) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(load(store, tenant).await?),
-        };
-        Ok(f(view))
+        self.catch_up(store, false).await?;
+        let slot = self.slot(tenant);
+        let mut view = slot.lock().await;
+        self.refresh(store, tenant, &mut view).await?;
+        Ok(f(view.as_mut().expect("refreshed")))
     }
 
     /// Runs `f` on every tenant with live reservations, brought up to date first. `known` are
     /// tenants to load if they are not yet (the reconciler's first pass passes every tenant);
     /// after that, a tenant is loaded when a reservation event of its shows up in the log.
+    /// Tenants are taken one at a time, each under its own slot.
     pub async fn with_busy_tenants<R>(
         &self,
         store: &dyn EventStore,
         known: &[TenantId],
         mut f: impl FnMut(TenantId, &mut TenantView) -> R,
     ) -> Result<Vec<R>> {
-        let mut inner = self.inner.lock().await;
-        catch_up_or_reset(store, &mut inner, true).await?;
+        self.catch_up(store, true).await?;
         for tenant in known {
-            if let std::collections::hash_map::Entry::Vacant(v) = inner.tenants.entry(*tenant) {
-                v.insert(load(store, *tenant).await?);
+            self.slot(*tenant);
+        }
+        let slots: Vec<(TenantId, Slot)> =
+            self.shared.lock().expect("fleet").slots.iter().map(|(t, s)| (*t, s.clone())).collect();
+        let mut out = Vec::new();
+        for (tenant, slot) in slots {
+            let mut view = slot.lock().await;
+            self.refresh(store, tenant, &mut view).await?;
+            let view = view.as_mut().expect("refreshed");
+            if !view.live.is_empty() {
+                out.push(f(tenant, view));
             }
         }
-        Ok(inner.tenants.iter_mut().filter(|(_, v)| !v.live.is_empty()).map(|(t, v)| f(*t, v)).collect())
+        Ok(out)
     }
 
     /// Reads a node and a reservation again before the next use: what a placer held in the view
     /// is replaced by what the store holds, whether its append happened or not.
     pub async fn reread(&self, tenant: TenantId, node_id: Option<&str>, reservation_id: &str) {
-        if let Some(view) = self.inner.lock().await.tenants.get_mut(&tenant) {
-            if let Some(node) = node_id {
-                view.dirty_nodes.insert(node.to_owned());
-            }
-            if !reservation_id.is_empty() {
-                view.dirty_reservations.insert(reservation_id.to_owned());
-            }
+        let mut shared = self.shared.lock().expect("fleet");
+        if !shared.slots.contains_key(&tenant) {
+            return;
+        }
+        let dirty = shared.dirty.entry(tenant).or_default();
+        if let Some(node) = node_id {
+            dirty.nodes.insert(node.to_owned());
+        }
+        if !reservation_id.is_empty() {
+            dirty.reservations.insert(reservation_id.to_owned());
         }
     }
 
     /// Starts following the log from now, if not yet: call before listing the tenants to load,
     /// so nothing committed in between is missed.
     pub async fn prime(&self, store: &dyn EventStore) -> Result<()> {
-        let mut inner = self.inner.lock().await;
-        catch_up_or_reset(store, &mut inner, true).await
+        self.catch_up(store, true).await
     }
+
+    /// The tenant's slot, made (empty) if it has none: from then on the catch-up records what
+    /// changes for it.
+    fn slot(&self, tenant: TenantId) -> Slot {
+        self.shared.lock().expect("fleet").slots.entry(tenant).or_default().clone()
+    }
+
+    /// Loads the tenant's view if it is not yet, and reads again the rows marked dirty. A
+    /// failure half-way leaves the view unloaded, so the next use loads it whole.
+    async fn refresh(&self, store: &dyn EventStore, tenant: TenantId, view: &mut Option<TenantView>) -> Result<()> {
+        let dirty = self.shared.lock().expect("fleet").dirty.remove(&tenant).unwrap_or_default();
+        let Some(loaded) = view.as_mut() else {
+            // Loaded from the rows as they are now, which reflect at least what was marked.
+            *view = Some(load(store, tenant).await?);
+            return Ok(());
+        };
+        loaded.dirty_nodes.extend(dirty.nodes);
+        loaded.dirty_reservations.extend(dirty.reservations);
+        if let Err(e) = reread_dirty(store, tenant, loaded).await {
+            *view = None;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Reads the log after the cursor for every tenant at once and marks what changed for the
+    /// tenants with a slot. With `discover`, a tenant without a slot whose reservations changed
+    /// gets one (and is loaded at its next use). Holds only the cursor while reading the log; a
+    /// failure leaves the cursor where it was (marks already made are only extra reads).
+    async fn catch_up(&self, store: &dyn EventStore, discover: bool) -> Result<()> {
+        let mut cursor = self.cursor.lock().await;
+        let Some(mut after) = *cursor else {
+            // First use: everything loaded from now on is at least this recent.
+            *cursor = Some(Position { commit: store.last_commit().await?, index: u32::MAX >> 1 });
+            return Ok(());
+        };
+        loop {
+            let rows = store.read_after_rows(after, None, CATCH_UP_ROWS).await?;
+            let Some(last) = rows.last() else { break };
+            after = Position { commit: last.commit, index: last.index };
+            let mut shared = self.shared.lock().expect("fleet");
+            for row in &rows {
+                let Ok(tenant) = row.tenant.parse::<TenantId>() else { continue };
+                let reservation = row.stream.strip_prefix("reservation/");
+                if !shared.slots.contains_key(&tenant) {
+                    if discover && reservation.is_some() {
+                        shared.slots.insert(tenant, Slot::default());
+                    }
+                    // Loaded at its next use, from rows at least this recent.
+                    continue;
+                }
+                let dirty = shared.dirty.entry(tenant).or_default();
+                if let Some(id) = row.stream.strip_prefix("node/") {
+                    dirty.nodes.insert(id.to_owned());
+                } else if let Some(id) = reservation {
+                    dirty.reservations.insert(id.to_owned());
+                }
+            }
+            drop(shared);
+            if rows.len() < CATCH_UP_ROWS as usize {
+                break;
+            }
+        }
+        *cursor = Some(after);
+        Ok(())
+    }
+}
+
+/// Reads again the rows of `view` marked dirty.
+async fn reread_dirty(store: &dyn EventStore, tenant: TenantId, view: &mut TenantView) -> Result<()> {
+    let t = tenant.to_string();
+    while let Some(id) = view.dirty_nodes.iter().next().cloned() {
+        match store.row_get(&t, KIND_NODE, &id).await? {
+            Some(row) => view.nodes.insert(id.clone(), decode(row.doc)?),
+            None => view.nodes.remove(&id),
+        };
+        view.held.remove(&id);
+        view.dirty_nodes.remove(&id);
+    }
+    while let Some(id) = view.dirty_reservations.iter().next().cloned() {
+        match store.row_get(&t, KIND_RESERVATION_LIVE, &id).await? {
+            Some(row) => view.live.insert(id.clone(), decode(row.doc)?),
+            None => view.live.remove(&id),
+        };
+        view.dirty_reservations.remove(&id);
+    }
+    Ok(())
 }
 
 fn decode<T: serde::de::DeserializeOwned>(doc: serde_json::Value) -> Result<T> {
@@ -215,71 +330,4 @@ async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<TenantView> {
         live: live.into_iter().map(|r| (r.reservation_id.clone(), r)).collect(),
         ..Default::default()
     })
-}
-
-/// A catch-up that fails half-way may have dropped what it meant to read again: start over.
-async fn catch_up_or_reset(store: &dyn EventStore, inner: &mut Inner, discover: bool) -> Result<()> {
-    let result = catch_up(store, inner, discover).await;
-    if result.is_err() {
-        *inner = Inner::default();
-    }
-    result
-}
-
-/// Reads the log after the last position for every tenant at once, then reads again the rows
-/// that changed in loaded tenants. With `discover`, a tenant not loaded yet whose reservations
-/// changed is loaded.
-async fn catch_up(store: &dyn EventStore, inner: &mut Inner, discover: bool) -> Result<()> {
-    let Some(mut after) = inner.after else {
-        // First use: everything loaded from now on is at least this recent.
-        inner.after = Some(Position { commit: store.last_commit().await?, index: u32::MAX >> 1 });
-        return Ok(());
-    };
-    let mut new_tenants = HashSet::new();
-    loop {
-        let rows = store.read_after_rows(after, None, CATCH_UP_ROWS).await?;
-        let Some(last) = rows.last() else { break };
-        after = Position { commit: last.commit, index: last.index };
-        for row in &rows {
-            let Ok(tenant) = row.tenant.parse::<TenantId>() else { continue };
-            match inner.tenants.get_mut(&tenant) {
-                Some(view) => {
-                    if let Some(id) = row.stream.strip_prefix("node/") {
-                        view.dirty_nodes.insert(id.to_owned());
-                    } else if let Some(id) = row.stream.strip_prefix("reservation/") {
-                        view.dirty_reservations.insert(id.to_owned());
-                    }
-                }
-                None if discover && row.stream.starts_with("reservation/") => {
-                    new_tenants.insert(tenant);
-                }
-                None => {}
-            }
-        }
-        if rows.len() < CATCH_UP_ROWS as usize {
-            break;
-        }
-    }
-    inner.after = Some(after);
-    for (tenant, view) in inner.tenants.iter_mut() {
-        let t = tenant.to_string();
-        for id in std::mem::take(&mut view.dirty_nodes) {
-            view.held.remove(&id);
-            match store.row_get(&t, KIND_NODE, &id).await? {
-                Some(row) => view.nodes.insert(id, decode(row.doc)?),
-                None => view.nodes.remove(&id),
-            };
-        }
-        for id in std::mem::take(&mut view.dirty_reservations) {
-            match store.row_get(&t, KIND_RESERVATION_LIVE, &id).await? {
-                Some(row) => view.live.insert(id, decode(row.doc)?),
-                None => view.live.remove(&id),
-            };
-        }
-    }
-    for tenant in new_tenants {
-        let view = load(store, tenant).await?;
-        inner.tenants.insert(tenant, view);
-    }
-    Ok(())
 }

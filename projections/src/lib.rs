@@ -71,7 +71,8 @@ pub struct TenantDoc {
     pub created_at_ms: u64,
 }
 
-/// An API key document. It holds the SHA-256 of the secret, never the secret.
+/// An API key document. It holds no secret: the SHA-256 of the token's secret is in the secret
+/// store under [`api_key_secret_id`] (keys created before that carry it here, from their event).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ApiKeyDoc {
@@ -79,6 +80,8 @@ pub struct ApiKeyDoc {
     pub key_id: String,
     pub name: String,
     pub actions: Vec<String>,
+    /// Only for keys whose `api_key.created` carried the hash; empty otherwise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub secret_sha256: String,
     pub revoked: bool,
     pub version: u64,
@@ -305,6 +308,11 @@ pub const PREVIOUS_SECRETS_MAX: usize = 4;
 pub struct PreviousSecret {
     pub secret_id: String,
     pub valid_until_ms: u64,
+}
+
+/// The id of an API key's secret hash in the secret store (the log does not carry it).
+pub fn api_key_secret_id(key_id: &str) -> String {
+    key_id.to_owned()
 }
 
 /// The id of one of a webhook's signing secrets in the secret store, from a fresh ULID.

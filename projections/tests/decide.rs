@@ -402,3 +402,22 @@ fn states_are_stored_as_the_lowercase_words() {
     assert_eq!(error.hint(), Some("queued, active, released, expired, cancelled"));
     assert!("Ready".parse::<NodeState>().is_err());
 }
+
+/// Issue 15, finding 9: labels and taints added up on a node without a cap, and a tenant's
+/// nodes had no limit. A change is checked against the node's keys after it (remove, then
+/// set), and a registration against the tenant's count.
+#[test]
+fn finding_9_node_keys_and_nodes_per_tenant_are_capped() {
+    use bc_projections::decide::{NODE_KEYS_MAX, NODES_PER_TENANT_MAX, Refusal, node_keys_change, node_register};
+    let full: BTreeMap<String, String> = (0..NODE_KEYS_MAX).map(|i| (format!("k{i}"), "v".to_owned())).collect();
+    let one_more: BTreeMap<String, String> = [("new".to_owned(), "v".to_owned())].into();
+    let refused = node_keys_change("node_1", "labels", &full, &one_more, &[]).unwrap_err();
+    assert_eq!(refused, Refusal::TooManyNodeKeys { node_id: "node_1".into(), what: "labels", count: NODE_KEYS_MAX + 1 });
+    assert_eq!(Error::from(refused).code(), ErrorCode::InvalidArgument);
+    // Replacing a key, or removing one to make room, is within the cap.
+    assert!(node_keys_change("node_1", "labels", &full, &one_more, &["k0".into()]).is_ok());
+    let replaced: BTreeMap<String, String> = [("k1".to_owned(), "w".to_owned())].into();
+    assert!(node_keys_change("node_1", "taints", &full, &replaced, &[]).is_ok());
+    assert!(node_register(NODES_PER_TENANT_MAX - 1).is_ok());
+    assert_eq!(node_register(NODES_PER_TENANT_MAX), Err(Refusal::TooManyNodes { count: NODES_PER_TENANT_MAX }));
+}

@@ -137,6 +137,11 @@ pub fn body_of(event: &StoredEvent) -> String {
 /// they are honoured.
 pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u64) -> Result<Vec<Secret>> {
     let tenant: TenantId = webhook.tenant_id.parse()?;
+    // A rotated-out secret whose overlap is over signs nothing again: its row goes (the next
+    // rotation drops it from the document too).
+    for expired in webhook.previous_secrets.iter().filter(|p| p.valid_until_ms <= now_ms) {
+        store.secret_delete(tenant, &expired.secret_id).await?;
+    }
     let mut ids = vec![webhook.secret_id.as_str()];
     ids.extend(webhook.previous_secrets.iter().filter(|p| p.valid_until_ms > now_ms).map(|p| p.secret_id.as_str()));
     let mut secrets = Vec::new();

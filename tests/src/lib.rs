@@ -121,6 +121,11 @@ pub fn cli_stdin(args: &[&str], env: &[(&str, &str)], input: Option<&str>) -> (i
     )
 }
 
+std::thread_local! {
+    /// The log filter of the next server this thread starts ([`Server::with_log_filter`]).
+    static LOG_FILTER: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
 pub struct Server {
     child: Option<Child>,
     pub url: String,
@@ -133,6 +138,8 @@ pub struct Server {
     pub data_dir: PathBuf,
     _temp: Option<tempfile::TempDir>,
     args: Vec<String>,
+    /// `BETTER_COMPUTE_LOG` of the server (`info,bc_core=debug` unless a test asks).
+    log_filter: String,
     pub http: reqwest::Client,
 }
 
@@ -150,6 +157,20 @@ impl Server {
             vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(extra.iter().map(|a| a.to_string()));
         Self::start(with_agents_port(args), data_dir, Some(temp))
+    }
+
+    /// Runs `start` (which starts a server) with the server's `BETTER_COMPUTE_LOG` set to
+    /// `filter`: `Server::with_log_filter("debug", || Server::dev())`.
+    pub fn with_log_filter(filter: &str, start: impl FnOnce() -> Server) -> Server {
+        LOG_FILTER.with(|f| *f.borrow_mut() = Some(filter.to_owned()));
+        let server = start();
+        LOG_FILTER.with(|f| *f.borrow_mut() = None);
+        server
+    }
+
+    /// The server's log so far (`server.log` in its data directory).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("server.log")).unwrap_or_default()
     }
 
     /// `better-compute serve` on PostgreSQL (the database must be migrated).
@@ -185,6 +206,7 @@ impl Server {
             data_dir,
             _temp: temp,
             args,
+            log_filter: LOG_FILTER.with(|f| f.borrow().clone()).unwrap_or_else(|| "info,bc_core=debug".into()),
             http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client"),
         };
         server.launch();
@@ -195,7 +217,7 @@ impl Server {
         // A fresh client per launch: pooled connections to a killed server are dead.
         self.http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
         let log = self.data_dir.join("server.log");
-        let (child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", "info,bc_core=debug")]);
+        let (child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", &self.log_filter)]);
         let first = next_line(&lines, &self.args, &log);
         self.url = first.rsplit(' ').next().expect("url").to_owned();
         assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");

@@ -94,6 +94,25 @@ async fn checkpoint_prove_and_check_offline() {
     let (code, _, err) = offline(&["audit", "check-proof", "node.tlog-proof", "--vkey", &vkey], &[]);
     assert_eq!(code, 0, "{err}");
     assert!(!auditor.path().join(".better-compute").exists(), "check-proof created no database");
+    // Finding 5: with the auditor's own saved checkpoint, consistency is proved from it and the
+    // output says so; without it, the output says whose checkpoint it was proved from.
+    assert_eq!(proved["consistencyFrom"], "prover", "{proved}");
+    let (code, out, err) =
+        offline(&["audit", "check-proof", "node.tlog-proof", "--pin", &pin, "--saved", "saved.checkpoint"], &[]);
+    assert_eq!(code, 0, "{err}");
+    let checked = json_of(&out);
+    assert_eq!((checked["consistencyFrom"].as_str(), checked["consistentFrom"].as_u64()), (Some("saved"), Some(4)), "{checked}");
+    assert!(err.is_empty(), "no warning when consistency was proved from the saved checkpoint: {err}");
+    std::fs::rename(auditor.path().join("node.tlog-proof.consistency"), auditor.path().join("moved.consistency")).unwrap();
+    let (code, out, err) = offline(&["audit", "check-proof", "node.tlog-proof", "--pin", &pin], &[]);
+    assert_eq!(code, 0, "{err}");
+    let unchecked = json_of(&out);
+    assert!(unchecked["consistency"].as_str().unwrap().starts_with("NOT CHECKED"), "{unchecked}");
+    assert!(unchecked["consistencyFrom"].is_null() && err.contains("NOT CHECKED"), "{unchecked} {err}");
+    let (code, _, err) = offline(&["audit", "check-proof", "node.tlog-proof", "--pin", &pin, "--saved", "saved.checkpoint"], &[]);
+    assert_eq!(code, 1, "--saved without a consistency proof is refused, not skipped");
+    assert!(err.contains("no consistency proof from your saved checkpoint"), "{err}");
+    std::fs::rename(auditor.path().join("moved.consistency"), auditor.path().join("node.tlog-proof.consistency")).unwrap();
 
     // Refusals: another pin, a changed path hash, a changed event.
     let (code, _, err) = offline(

@@ -262,7 +262,7 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
         let event = row(&f, 3).await;
         let honest = audit::prove(&*f.store, f.tenant, event.id.parse().unwrap(), &vkey, None).await.unwrap().0.encode();
         let pin = f.key.pin();
-        audit::check_proof(&honest, None, std::slice::from_ref(&pin), &[]).expect("honest proof");
+        audit::check_proof(&honest, None, None, std::slice::from_ref(&pin), &[]).expect("honest proof");
 
         let evil = LogKey::generate();
         f.raw
@@ -324,15 +324,15 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
             path: bc_core::merkle::inclusion_proof(2, &forged_leaves).unwrap(),
             checkpoint: forged_note.clone(),
         };
-        let err = audit::check_proof(&forged.encode(), None, std::slice::from_ref(&pin), &[]).unwrap_err();
+        let err = audit::check_proof(&forged.encode(), None, None, std::slice::from_ref(&pin), &[]).unwrap_err();
         assert!(err.contains("not signed by a trusted key"), "{err}");
         // Even with the honest key's vkey swapped in, the forged checkpoint's signature fails.
         let mut swapped = forged.clone();
         swapped.vkey = vkey.encode();
-        assert!(audit::check_proof(&swapped.encode(), None, std::slice::from_ref(&pin), &[]).is_err());
+        assert!(audit::check_proof(&swapped.encode(), None, None, std::slice::from_ref(&pin), &[]).is_err());
         // The honest proof made before tampering still checks offline, and the log can no
         // longer prove consistency with the checkpoint the auditor saved.
-        audit::check_proof(&honest, None, std::slice::from_ref(&pin), &[]).expect("offline proof unaffected");
+        audit::check_proof(&honest, None, None, std::slice::from_ref(&pin), &[]).expect("offline proof unaffected");
         let again = audit::prove(&*f.store, f.tenant, event.id.parse().unwrap(), &vkey, Some(&f.saved)).await;
         assert!(again.is_err(), "proving against a forged log must fail");
     })

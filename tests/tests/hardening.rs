@@ -1,5 +1,6 @@
 //! Issue 15 ("Hardening"), end to end against the real `better-compute dev`: findings 1 (an
-//! unknown method's cost without a token), 6 (a lost log key) and 11 (`quotas.set` is an
+//! unknown method's cost without a token), 6 (a lost log key), 8 (no secret in logs, events or
+//! deliveries; on `serve` and PostgreSQL) and 11 (`quotas.set` is an
 //! operator action; the SQLite files are private whatever the umask).
 
 use std::io::{BufRead, BufReader};
@@ -186,4 +187,87 @@ fn finding_11_the_sqlite_files_are_private_under_a_permissive_umask() {
     for (name, mode) in modes {
         assert_eq!(mode, 0o600, "{name} has mode {mode:o}");
     }
+}
+
+/// What the server stores of a token's secret: hex SHA-256 (`bc_gateway::auth::secret_sha256`).
+fn token_hash(secret: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(secret.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Finding 8: with debug logging, tokio-postgres logged statement parameters (`whsec_` secrets
+/// included); webhook URLs (which may carry a token) went into events and out to other
+/// webhooks' receivers; `api_key.created` carried the key's hash into the log and out to
+/// receivers. On PostgreSQL with `BETTER_COMPUTE_LOG=debug`: after creating keys and webhooks
+/// and rotating a secret, no log line, event view or delivery contains a secret, a token hash,
+/// or a URL's query; the keys still authenticate, also after a rebuild.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_8_no_log_line_event_or_delivery_contains_a_secret() {
+    let db = bc_core::testing::ScratchDatabase::create().await.expect("PostgreSQL is required for this suite");
+    let (code, _, err) = bc_tests::cli(&["migrate", "--database-url", &db.url], &[]);
+    assert_eq!(code, 0, "{err}");
+    let mut server = Server::with_log_filter("debug", || {
+        Server::serve_postgres_with(&db.url, &["--webhook-allow-loopback", "--retry-base", "100ms"])
+    });
+    let receiver = bc_tests::receiver::Receiver::start();
+    // Every event of the tenant goes to the receiver, whose own URL carries a token.
+    let watched = format!("{}?token=URLQUERYSECRET", receiver.url);
+    let (status, webhook) = server.call("webhooks.create", json!({ "url": watched, "eventTypes": ["*"] })).await;
+    assert_eq!(status, 200, "{webhook}");
+    let mut secrets = vec![webhook["secret"].as_str().unwrap().to_owned()];
+    let webhook_id = webhook["webhookId"].as_str().unwrap().to_owned();
+    // Another webhook, with a token in its URL: its webhook.created goes to the first. (A URL
+    // with userinfo is refused outright; its redaction is the projections' unit test.)
+    let other_url = format!("{}?sig=OTHERQUERYSECRET", receiver.url);
+    let (status, other) = server.call("webhooks.create", json!({ "url": other_url, "eventTypes": ["pool.*"] })).await;
+    assert_eq!(status, 200, "{other}");
+    secrets.push(other["secret"].as_str().unwrap().to_owned());
+    let (status, rotated) = server.call("webhooks.rotateSecret", json!({ "webhookId": webhook_id })).await;
+    assert_eq!(status, 200, "{rotated}");
+    secrets.push(rotated["secret"].as_str().unwrap().to_owned());
+    let (status, key) = server.call("apiKeys.create", json!({ "name": "ci", "actions": ["compute:pools:read"] })).await;
+    assert_eq!(status, 200, "{key}");
+    let token = key["token"].as_str().unwrap().to_owned();
+    let key_secret = token.split_once('.').unwrap().1.to_owned();
+    let mut hashes = vec![token_hash(&key_secret)];
+    hashes.push(token_hash(server.token.split_once('.').unwrap().1));
+    let (status, _) = server.call_as(&token, "pools.list", json!({}), None).await;
+    assert_eq!(status, 200, "the new key authenticates");
+
+    let received = receiver.wait_for(Duration::from_secs(30), "the key's and the webhooks' events", |r| {
+        let bodies: Vec<String> = r.iter().map(|d| String::from_utf8_lossy(&d.body).into_owned()).collect();
+        ["api_key.created", "webhook.created", "webhook.secret_rotated"].iter().all(|t| bodies.iter().any(|b| b.contains(t)))
+    });
+    let (status, events) = server.call("events.list", json!({ "limit": 500 })).await;
+    assert_eq!(status, 200, "{events}");
+    let mut texts = vec![("the server log".to_owned(), server.log_text()), ("events.list".to_owned(), events.to_string())];
+    for (i, delivery) in received.iter().enumerate() {
+        texts.push((format!("delivery {i}"), String::from_utf8_lossy(&delivery.body).into_owned()));
+    }
+    assert!(texts[0].1.contains("DEBUG") || texts[0].1.contains("\"level\":\"DEBUG\""), "debug logging is on");
+    let forbidden: Vec<String> = secrets
+        .iter()
+        .chain(&hashes)
+        .cloned()
+        .chain([key_secret.clone(), "URLQUERYSECRET".into(), "OTHERQUERYSECRET".into()])
+        .collect();
+    for (what, text) in &texts {
+        for secret in &forbidden {
+            assert!(!text.contains(secret.as_str()), "{what} contains a secret ({}…)", &secret[..secret.len().min(12)]);
+        }
+    }
+    // The URLs are still recognisable where they are redacted, and whole for their owner.
+    assert!(events.to_string().contains(&format!("{}?REDACTED", receiver.url)), "{events}");
+    let (_, got) = server.call("webhooks.get", json!({ "webhookId": webhook_id })).await;
+    assert_eq!(got["url"], watched.as_str());
+
+    // A rebuild from the log (which has no hashes) still authenticates every key.
+    server.stop();
+    let (code, _, err) = bc_tests::cli(&["projections", "rebuild", "--database-url", &db.url], &[]);
+    assert_eq!(code, 0, "{err}");
+    server.restart();
+    let (status, _) = server.call_as(&token, "pools.list", json!({}), None).await;
+    assert_eq!(status, 200, "the key authenticates after a rebuild");
+    let (status, _) = server.call("pools.list", json!({})).await;
+    assert_eq!(status, 200, "the bootstrap key too");
 }

@@ -1,6 +1,8 @@
 //! The watch's limits through the real server: at most `WATCHERS_MAX` (256) watchers at once,
 //! the next refused with 503 `UNAVAILABLE`; and a watcher that stops reading is dropped once a
-//! write has waited `--write-stall` (30 s by default, 2 s here), which frees its slot.
+//! write has waited `--write-stall` (30 s by default, 2 s here), which frees its slot. A key
+//! holds at most 16 watchers and a tenant 64 (tested in the gateway's `hardening.rs`), so the 256
+//! are spread over the administrator's key and keys of four tenants.
 
 use std::time::{Duration, Instant};
 
@@ -10,6 +12,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// `bc_gateway::watch::WATCHERS_MAX`, as the server's operator reads it.
 const WATCHERS_MAX: usize = 256;
+/// `bc_gateway::watch::WATCHERS_PER_KEY_MAX`.
+const WATCHERS_PER_KEY_MAX: usize = 16;
+/// `bc_gateway::watch::WATCHERS_PER_TENANT_MAX`.
+const WATCHERS_PER_TENANT_MAX: usize = 64;
 /// The stall limit given to the server, well under the watch's own 30 s send timeout.
 const WRITE_STALL: &str = "2s";
 /// Nodes of about 25 kB of event each: several MB of replay, more than the sockets, the
@@ -42,13 +48,27 @@ async fn big_events(server: &Server) {
     }
 }
 
-/// Opens a watch (`since` given or not) and returns its response once the headers are in.
-async fn open(server: &Server, client: &reqwest::Client, since: Option<&str>) -> reqwest::Response {
-    let mut url = format!("{}/watch", server.url);
-    if let Some(since) = since {
-        url.push_str(&format!("?since={since}"));
+/// Opens a watch at the end of the log as `token` and returns its response once the headers are in.
+async fn open(server: &Server, client: &reqwest::Client, token: &str) -> reqwest::Response {
+    client.get(format!("{}/watch", server.url)).bearer_auth(token).send().await.expect("open a watch")
+}
+
+/// Keys that may read events: `keys` in each of `tenants` new tenants.
+async fn tenant_keys(server: &Server, tenants: usize, keys: usize) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for t in 0..tenants {
+        let (status, tenant) = server.call("tenants.create", json!({ "name": format!("t{t}") })).await;
+        assert_eq!(status, 200, "{tenant}");
+        let mut tokens = Vec::new();
+        for k in 0..keys {
+            let body = json!({ "tenantId": tenant["tenantId"], "name": format!("k{k}"), "actions": ["compute:events:read"] });
+            let (status, key) = server.call("apiKeys.create", body).await;
+            assert_eq!(status, 200, "{key}");
+            tokens.push(key["token"].as_str().unwrap().to_owned());
+        }
+        out.push(tokens);
     }
-    client.get(url).bearer_auth(&server.token).send().await.expect("open a watch")
+    out
 }
 
 /// A watch over a raw socket with a small receive buffer, from the start of the log; the caller
@@ -71,26 +91,41 @@ async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
     let server = Server::dev_with(&["--no-reconcilers", "--write-stall", WRITE_STALL]);
     big_events(&server).await;
     let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    // 256 = the administrator's 16 + 3 tenants' 64 + 48 of a fourth tenant (3 of its 4 keys).
+    const _: () = assert!(WATCHERS_PER_KEY_MAX + 3 * WATCHERS_PER_TENANT_MAX + 3 * WATCHERS_PER_KEY_MAX == WATCHERS_MAX);
+    let keys = tenant_keys(&server, 4, WATCHERS_PER_TENANT_MAX / WATCHERS_PER_KEY_MAX).await;
+    let mut tokens: Vec<&str> = vec![&server.token; WATCHERS_PER_KEY_MAX - 1];
+    for (t, tenant) in keys.iter().enumerate() {
+        let used = if t == 3 { &tenant[..3] } else { &tenant[..] };
+        for key in used {
+            tokens.extend(std::iter::repeat_n(key.as_str(), WATCHERS_PER_KEY_MAX));
+        }
+    }
+    assert_eq!(tokens.len(), WATCHERS_MAX - 1);
     // Watchers at the end of the log: idle, reading what comes (nothing but heartbeats).
     let mut held = Vec::new();
-    for _ in 0..WATCHERS_MAX - 1 {
-        let response = open(&server, &client, None).await;
+    for token in tokens {
+        let response = open(&server, &client, token).await;
         assert_eq!(response.status(), 200);
         held.push(response);
     }
-    // The last slot: a watcher that replays the whole log and reads none of it.
+    // The last slot, the administrator's 16th: a watcher that replays the whole log and reads
+    // none of it.
     let mut stalled = stalled_watch(&server).await;
     let refused_at = Instant::now();
-    let refused = open(&server, &client, None).await;
+    // A key of the fourth tenant with no watcher yet, in a tenant under its limit: refused by
+    // the total.
+    let refused = open(&server, &client, &keys[3][3]).await;
     assert_eq!(refused.status(), 503, "watcher {} is refused", WATCHERS_MAX + 1);
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["code"], "UNAVAILABLE", "{body}");
+    assert!(body["message"].as_str().unwrap().contains("256 watchers are connected"), "the total is the limit: {body}");
 
     // The stalled write fails after --write-stall and the server drops that connection, so a
     // slot is free again while the other 255 stay connected.
     let deadline = Instant::now() + Duration::from_secs(20);
     let admitted = loop {
-        let response = open(&server, &client, None).await;
+        let response = open(&server, &client, &server.token).await;
         if response.status() == 200 {
             break response;
         }

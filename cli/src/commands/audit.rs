@@ -30,7 +30,9 @@ pub async fn run(ctx: &Context, command: AuditCommand) -> Result<(), CliError> {
             crate::audit::prove(&database, &db.data_dir, tenant, event, &out, checkpoint.as_deref(), &deployment.deployment)
                 .await?
         }
-        AuditCommand::CheckProof { file, pins, vkeys } => crate::audit::check_proof(&file, &pins, &vkeys)?,
+        AuditCommand::CheckProof { file, pins, vkeys, saved } => {
+            crate::audit::check_proof(&file, &pins, &vkeys, saved.as_deref())?
+        }
     };
     ctx.print(&value, Format::Json)
 }

@@ -51,6 +51,20 @@ impl AgentsArgs {
     }
 }
 
+impl ServerArgs {
+    fn serve_limits(&self) -> bc_gateway::ServeLimits {
+        let ms = std::time::Duration::from_millis;
+        bc_gateway::ServeLimits {
+            write_stall: ms(self.write_stall),
+            header_read_timeout: ms(self.header_timeout),
+            idle_timeout: ms(self.idle_timeout.max(self.header_timeout)),
+            body_read_timeout: ms(self.body_timeout),
+            connections_max: self.connections_max as usize,
+            ..bc_gateway::ServeLimits::default()
+        }
+    }
+}
+
 async fn run_server(
     db: Database,
     data_dir: &Path,
@@ -71,7 +85,7 @@ async fn run_server(
         &args.sealing.deployment.deployment,
         run,
         options.policy,
-        std::time::Duration::from_millis(args.write_stall),
+        args.serve_limits(),
         &agents,
     )
     .await

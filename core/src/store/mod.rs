@@ -407,6 +407,8 @@ pub trait SecretStore: Store {
     async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
     async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
     async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
+    /// How many secrets the tenant has stored (operators and tests: a bound is checked by it).
+    async fn secrets_count(&self, tenant: TenantId) -> Result<u64>;
 }
 
 /// The umbrella every caller names (`Arc<dyn EventStore>`): the log, the projection rows, the

@@ -18,6 +18,8 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio_postgres::{Client, GenericClient, NoTls};
 
+pub use tls::{TlsMode, TlsOptions};
+
 use super::engine::{Migration, Transaction};
 use super::outbox::{
     ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
@@ -52,13 +54,20 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// Connects to `postgres://…` (checking the connection once, so a wrong URL fails here).
+    /// Connects to `postgres://…` (checking the connection once, so a wrong URL fails here),
+    /// secured as its `sslmode` says (`disable`, `prefer` (the default, as libpq's), `require`,
+    /// `verify-full` with `sslrootcert=PEM_FILE` or the system's roots): see [`tls`].
     pub async fn connect(url: &str) -> Result<Self> {
-        let config = tokio_postgres::Config::from_str(url).map_err(|e| Error::InvalidArgument {
+        let options = TlsOptions::from_url(url)?;
+        let config = tokio_postgres::Config::from_str(&options.url).map_err(|e| Error::InvalidArgument {
             message: format!("malformed database URL: {e}"),
             hint: Some("expected postgres://USER@HOST:PORT/DATABASE".into()),
         })?;
-        let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
+        let manager = match options.connector()? {
+            None => Manager::from_config(config, NoTls, recycling),
+            Some(tls) => Manager::from_config(config, tls, recycling),
+        };
         let pool = Pool::builder(manager)
             .max_size(POOL_CONNECTIONS_MAX)
             .build()
@@ -74,6 +83,229 @@ impl PostgresStore {
 
     pub fn pool(&self) -> &Pool {
         &self.pool
+    }
+}
+
+pub mod tls {
+    //! TLS to PostgreSQL with rustls (ring). tokio-postgres knows `sslmode` `disable`, `prefer`
+    //! and `require` only, and no `sslrootcert`: both are taken out of the URL here and the
+    //! connector is built to match libpq's meaning:
+    //!
+    //! - `disable`: plain TCP;
+    //! - `prefer` (the default): TLS when the server offers it, without checking its
+    //!   certificate (as libpq), plain otherwise;
+    //! - `require`: TLS or no connection, the certificate not checked (as libpq without a root
+    //!   certificate);
+    //! - `verify-full`: TLS, the certificate checked against `sslrootcert` (a PEM file of CA
+    //!   certificates) or, without it, the system's roots, and the host name checked against it.
+    //!
+    //! `verify-ca` (a chain checked without the host name) is refused with a hint to use
+    //! `verify-full`: a half-check is not offered.
+
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+    use crate::{Error, Result};
+
+    /// How the connection is secured (libpq's `sslmode`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum TlsMode {
+        Disable,
+        Prefer,
+        Require,
+        VerifyFull,
+    }
+
+    /// A database URL's TLS options, and the URL tokio-postgres is given.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct TlsOptions {
+        pub mode: TlsMode,
+        pub root_cert: Option<PathBuf>,
+        /// The URL without `sslrootcert`, with an `sslmode` tokio-postgres knows.
+        pub url: String,
+    }
+
+    impl TlsOptions {
+        /// Reads `sslmode` and `sslrootcert` from `url`'s query. Messages never repeat the URL
+        /// (it may carry a password).
+        pub fn from_url(url: &str) -> Result<Self> {
+            let (base, query) = url.split_once('?').unwrap_or((url, ""));
+            let mut mode = TlsMode::Prefer;
+            let mut root_cert = None;
+            let mut kept = Vec::new();
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                match key {
+                    "sslmode" => {
+                        mode = match value {
+                            "disable" => TlsMode::Disable,
+                            // `allow` (plain first) is taken as `prefer`: TLS first.
+                            "prefer" | "allow" => TlsMode::Prefer,
+                            "require" => TlsMode::Require,
+                            "verify-full" => TlsMode::VerifyFull,
+                            "verify-ca" => {
+                                return Err(Error::InvalidArgument {
+                                    message: "sslmode=verify-ca is not supported".into(),
+                                    hint: Some("use sslmode=verify-full (the chain and the host name are checked)".into()),
+                                });
+                            }
+                            other => {
+                                return Err(Error::InvalidArgument {
+                                    message: format!(
+                                        "sslmode={:?} is not one of disable, prefer, require, verify-full",
+                                        crate::id::truncate(other, 20)
+                                    ),
+                                    hint: None,
+                                });
+                            }
+                        }
+                    }
+                    "sslrootcert" => root_cert = Some(PathBuf::from(percent_decode(value))),
+                    _ => kept.push(pair),
+                }
+            }
+            // What tokio-postgres is told: it verifies nothing itself (the connector does).
+            kept.push(match mode {
+                TlsMode::Disable => "sslmode=disable",
+                TlsMode::Prefer => "sslmode=prefer",
+                TlsMode::Require | TlsMode::VerifyFull => "sslmode=require",
+            });
+            Ok(Self { mode, root_cert, url: format!("{base}?{}", kept.join("&")) })
+        }
+
+        /// The connector for the mode: `None` for `disable`.
+        pub fn connector(&self) -> Result<Option<tokio_postgres_rustls::MakeRustlsConnect>> {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let builder = ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .map_err(|e| Error::Internal(format!("TLS versions: {e}")))?;
+            let config = match self.mode {
+                TlsMode::Disable => return Ok(None),
+                TlsMode::Prefer | TlsMode::Require => {
+                    builder.dangerous().with_custom_certificate_verifier(Arc::new(Unverified(provider))).with_no_client_auth()
+                }
+                TlsMode::VerifyFull => builder.with_root_certificates(self.roots()?).with_no_client_auth(),
+            };
+            Ok(Some(tokio_postgres_rustls::MakeRustlsConnect::new(config)))
+        }
+
+        fn roots(&self) -> Result<RootCertStore> {
+            let mut roots = RootCertStore::empty();
+            match &self.root_cert {
+                Some(path) => {
+                    let unreadable = |e: String| Error::InvalidArgument {
+                        message: format!("sslrootcert {}: {e}", path.display()),
+                        hint: Some("give a PEM file of the CA certificates that sign the server's".into()),
+                    };
+                    let certs = CertificateDer::pem_file_iter(path)
+                        .map_err(|e| unreadable(e.to_string()))?
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .map_err(|e| unreadable(e.to_string()))?;
+                    let (added, _) = roots.add_parsable_certificates(certs);
+                    if added == 0 {
+                        return Err(unreadable("no certificate in it".into()));
+                    }
+                }
+                None => {
+                    let found = rustls_native_certs::load_native_certs();
+                    roots.add_parsable_certificates(found.certs);
+                    if roots.is_empty() {
+                        return Err(Error::InvalidArgument {
+                            message: "sslmode=verify-full: no sslrootcert and no system root certificates".into(),
+                            hint: Some("add sslrootcert=PATH (a PEM file of CA certificates) to the URL".into()),
+                        });
+                    }
+                }
+            }
+            Ok(roots)
+        }
+    }
+
+    /// `%XX` decoded (a path in a URL's query).
+    fn percent_decode(text: &str) -> String {
+        let bytes = text.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'%'
+                && let Some(byte) = text.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                out.push(byte);
+                i += 3;
+                continue;
+            }
+            out.push(bytes[i]);
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// `prefer` and `require`: the certificate is not checked (libpq's meaning of those modes),
+    /// but the handshake's signatures are, so the session is still encrypted to whoever holds
+    /// the certificate's key.
+    #[derive(Debug)]
+    struct Unverified(Arc<rustls::crypto::CryptoProvider>);
+
+    impl ServerCertVerifier for Unverified {
+        fn verify_server_cert(
+            &self,
+            _end_entity: &CertificateDer<'_>,
+            _intermediates: &[CertificateDer<'_>],
+            _server_name: &ServerName<'_>,
+            _ocsp_response: &[u8],
+            _now: UnixTime,
+        ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn sslmode_and_sslrootcert_are_read_and_the_driver_gets_what_it_knows() {
+            let o = TlsOptions::from_url("postgres://u@h:5432/db").unwrap();
+            assert_eq!((o.mode, o.url.as_str()), (TlsMode::Prefer, "postgres://u@h:5432/db?sslmode=prefer"));
+            let o = TlsOptions::from_url("postgres://u@h/db?application_name=x&sslmode=verify-full&sslrootcert=%2Ftmp%2Fca.pem")
+                .unwrap();
+            assert_eq!(o.mode, TlsMode::VerifyFull);
+            assert_eq!(o.root_cert.as_deref(), Some(std::path::Path::new("/tmp/ca.pem")));
+            assert_eq!(o.url, "postgres://u@h/db?application_name=x&sslmode=require");
+            assert_eq!(TlsOptions::from_url("postgres://h/db?sslmode=disable").unwrap().mode, TlsMode::Disable);
+            let refused = TlsOptions::from_url("postgres://h/db?sslmode=verify-ca").unwrap_err();
+            assert!(matches!(refused, Error::InvalidArgument { hint: Some(h), .. } if h.contains("verify-full")));
+            assert!(
+                TlsOptions::from_url("postgres://p:secret@h/db?sslmode=bogus").unwrap_err().to_string().find("secret").is_none()
+            );
+        }
     }
 }
 
@@ -817,6 +1049,13 @@ impl SecretStore for PostgresStore {
         let client = self.pool.get().await?;
         client.execute("DELETE FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
         Ok(())
+    }
+
+    async fn secrets_count(&self, tenant: TenantId) -> Result<u64> {
+        let client = self.pool.get().await?;
+        let row = client.query_one("SELECT COUNT(*) FROM secrets WHERE tenant_id = $1", &[&tenant.to_string()]).await?;
+        let n: i64 = row.try_get(0)?;
+        Ok(n as u64)
     }
 }
 

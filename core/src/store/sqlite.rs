@@ -832,6 +832,14 @@ impl SecretStore for SqliteStore {
             .await?;
         Ok(())
     }
+
+    async fn secrets_count(&self, tenant: TenantId) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM secrets WHERE tenant_id = ?")
+            .bind(tenant.to_string())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(n as u64)
+    }
 }
 
 #[async_trait]

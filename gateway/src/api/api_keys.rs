@@ -1,5 +1,5 @@
 //! `apiKeys.*`: a tenant's API keys. A key's token is shown once, in the answer to `create`;
-//! the log keeps only the SHA-256 of its secret.
+//! the SHA-256 of its secret is kept in the secret store, not in the log.
 
 use bc_core::Result;
 use bc_core::id::ApiKeyId;
@@ -70,9 +70,14 @@ async fn api_keys_create(call: &Call<'_>, input: ApiKeysCreate) -> Result<ApiKey
     auth::check_grantable(call.principal(), &input.actions)?;
     let key_id = ApiKeyId::from_ulid(call.ulid());
     let (token, secret_sha256) = auth::new_token(key_id);
-    let payload = ev::to_cbor(&ev::ApiKeyCreated { name: input.name, actions: input.actions, secret_sha256 })?;
-    let result =
-        call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload).await?;
+    // The hash goes to the secret store before the event that names the key, never into the log.
+    let store = &*call.state.store;
+    let secret_id = bc_projections::api_key_secret_id(&key_id.to_string());
+    store.secret_put(tenant, &secret_id, &secret_sha256, call.now_ms()).await?;
+    let payload = ev::to_cbor(&ev::ApiKeyCreated { name: input.name, actions: input.actions, secret_sha256: String::new() })?;
+    let appended =
+        call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload).await;
+    let result = super::webhooks::forget_unused_secret(store, tenant, &secret_id, appended).await?;
     // A replay names the key created first; its secret was shown once and is not kept.
     let id = stream_id(&result.events[0].envelope.stream);
     let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, id, "api key").await?;
@@ -94,6 +99,8 @@ async fn api_keys_revoke(call: &Call<'_>, input: ApiKeysRevoke) -> Result<ApiKey
         let expected = ExpectedVersion::Exact(current.version);
         call.append(tenant, stream_of(KIND_API_KEY, &key_id), expected, ev::API_KEY_REVOKED, payload).await?;
     }
+    // A revoked key is refused before its hash is looked at: the hash is not needed again.
+    call.state.store.secret_delete(tenant, &bc_projections::api_key_secret_id(&key_id.to_string())).await?;
     let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
     Ok(key.into())
 }

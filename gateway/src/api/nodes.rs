@@ -7,7 +7,7 @@ use bc_core::id::{NodeId, PoolId, TenantId};
 use bc_core::store::ExpectedVersion;
 use bc_core::{Error, Result};
 use bc_projections::events::{self as ev, Gpu};
-use bc_projections::{KIND_NODE, NodeDoc, stream_of};
+use bc_projections::{KIND_NODE, NodeDoc, decide, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
@@ -27,6 +27,9 @@ pub const GPU_VRAM_GIB_MAX: u32 = 4096;
 pub const NVLINK_DOMAIN_MAX: u32 = 1024;
 /// Labels or taints one call may set or remove.
 pub const KEY_CHANGES_MAX: usize = 64;
+// A node is registered with at most `LABELS_MAX` labels, which a node may carry; a change is
+// checked against the node's keys by `decide::node_keys_change`.
+const _: () = assert!(super::toolkit::LABELS_MAX <= decide::NODE_KEYS_MAX);
 
 pub(super) const METHODS: &[Method] = &[
     method!("nodes.register", WRITE, "add a host and its GPUs by hand", NodesRegister => NodeView, nodes_register),
@@ -164,6 +167,10 @@ async fn nodes_register(call: &Call<'_>, input: NodesRegister) -> Result<NodeVie
     if pool_doc.archived {
         return Err(Error::invalid(format!("pool {pool} is archived")));
     }
+    // Counted in this process's fleet view: registrations in flight elsewhere can pass the
+    // limit by their number, which still bounds a tenant's nodes.
+    let nodes = call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.nodes.len()).await?;
+    decide::node_register(nodes)?;
     let node = NodeId::from_ulid(call.ulid());
     let payload = ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;
     // Only into the pool as read: an archive committed meanwhile makes this a CONFLICT.
@@ -199,12 +206,12 @@ async fn node_change(
     node_id: &str,
     if_version: Option<u64>,
     event_type: &str,
-    payload: impl FnOnce() -> Result<ciborium::Value>,
+    payload: impl FnOnce(&NodeDoc) -> Result<ciborium::Value>,
 ) -> Result<NodeChangedView> {
     let tenant = call.tenant(tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", node_id)?;
     let node = node_doc(call, tenant, &node_id.to_string()).await?;
-    let payload = payload()?;
+    let payload = payload(&node)?;
     let stream = stream_of(KIND_NODE, &node_id);
     let expected = expected_version(if_version, node.version, &stream)?;
     call.append(tenant, stream, expected, event_type, payload).await?;
@@ -214,21 +221,22 @@ async fn node_change(
 }
 
 async fn nodes_cordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
-    let payload = || ev::to_cbor(&ev::NodeStateChanged {});
+    let payload = |_: &NodeDoc| ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_CORDONED, payload).await
 }
 
 async fn nodes_uncordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
-    let payload = || ev::to_cbor(&ev::NodeStateChanged {});
+    let payload = |_: &NodeDoc| ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_UNCORDONED, payload).await
 }
 
 async fn nodes_drain(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
-    let payload = || ev::to_cbor(&ev::NodeStateChanged {});
+    let payload = |_: &NodeDoc| ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_DRAINING, payload).await
 }
 
-fn check_keys(input: &NodeKeys) -> Result<ciborium::Value> {
+/// Checks a labels (or taints, `what`) change against the node's current keys.
+fn check_keys(input: &NodeKeys, what: &'static str, node: &NodeDoc) -> Result<ciborium::Value> {
     if input.set.is_empty() && input.remove.is_empty() {
         return Err(Error::invalid("nothing to change: give set or remove"));
     }
@@ -239,13 +247,21 @@ fn check_keys(input: &NodeKeys) -> Result<ciborium::Value> {
     for key in &input.remove {
         validate_label_key(key)?;
     }
+    let current = if what == "labels" { &node.labels } else { &node.taints };
+    decide::node_keys_change(&node.node_id, what, current, &input.set, &input.remove)?;
     ev::to_cbor(&ev::NodeKeysChanged { set: input.set.clone(), remove: input.remove.clone() })
 }
 
 async fn nodes_label(call: &Call<'_>, input: NodeKeys) -> Result<NodeChangedView> {
-    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_LABELED, || check_keys(&input)).await
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_LABELED, |node| {
+        check_keys(&input, "labels", node)
+    })
+    .await
 }
 
 async fn nodes_taint(call: &Call<'_>, input: NodeKeys) -> Result<NodeChangedView> {
-    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_TAINTED, || check_keys(&input)).await
+    node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_TAINTED, |node| {
+        check_keys(&input, "taints", node)
+    })
+    .await
 }

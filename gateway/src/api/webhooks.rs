@@ -5,8 +5,8 @@
 //! `rotateSecret`. Deliveries are the `webhooks` consumer's work items (`bc-reconcilers`).
 
 use bc_core::id::{EventId, TenantId, WebhookId};
-use bc_core::store::ExpectedVersion;
 use bc_core::store::outbox::WorkState;
+use bc_core::store::{AppendResult, EventStore, ExpectedVersion};
 use bc_core::webhook::Secret;
 use bc_core::{Error, Result};
 use bc_projections::WEBHOOK_CONSUMER as CONSUMER;
@@ -274,6 +274,7 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
     // without its secret. If the append fails, the secret is an orphan that nothing names.
     let secret_id = new_webhook_secret_id(&id.to_string(), call.ulid());
     store.secret_put(tenant, &secret_id, &secret.expose(), call.now_ms()).await?;
+    let secret_id_of_request = secret_id.clone();
     let payload = ev::to_cbor(&ev::WebhookCreated {
         url: input.url,
         event_types: input.event_types,
@@ -281,8 +282,9 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
         secret_version: 1,
         secret_id,
     })?;
-    let result =
-        call.append(tenant, stream_of(KIND_WEBHOOK, &id), ExpectedVersion::NoStream, ev::WEBHOOK_CREATED, payload).await?;
+    let appended =
+        call.append(tenant, stream_of(KIND_WEBHOOK, &id), ExpectedVersion::NoStream, ev::WEBHOOK_CREATED, payload).await;
+    let result = forget_unused_secret(store, tenant, &secret_id_of_request, appended).await?;
     let id: WebhookId = parse_id("webhookId", stream_id(&result.events[0].envelope.stream))?;
     // Shown once: a replay of the same request does not show it again.
     Ok(WebhookSecretView {
@@ -290,6 +292,26 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
         secret: (!result.replayed).then(|| secret.expose()),
         replayed: result.replayed,
     })
+}
+
+/// The secret `secret_id` was stored for an append that did not use it: a replay (the first
+/// request's event names its own secret) or a certain refusal. Its row is deleted, so retries
+/// with the same idempotency key store no new secret rows. A failure that may still have
+/// committed (storage, unavailable) keeps it: the event might name it.
+pub(super) async fn forget_unused_secret(
+    store: &dyn EventStore,
+    tenant: TenantId,
+    secret_id: &str,
+    appended: Result<AppendResult>,
+) -> Result<AppendResult> {
+    let unused = match &appended {
+        Ok(result) => result.replayed,
+        Err(e) => !matches!(e, Error::Storage(_) | Error::Internal(_) | Error::Unavailable(_)),
+    };
+    if unused {
+        store.secret_delete(tenant, secret_id).await?;
+    }
+    appended
 }
 
 async fn webhooks_list(call: &Call<'_>, input: WebhooksList) -> Result<Page<WebhookView>> {
@@ -370,14 +392,28 @@ async fn webhooks_rotate_secret(call: &Call<'_>, input: WebhooksRotate) -> Resul
     let secret = Secret::generate();
     let secret_id = new_webhook_secret_id(&id.to_string(), call.ulid());
     let now_ms = call.now_ms();
-    // A concurrent rotation fails at the append (CONFLICT); its secret is an orphan.
+    // A concurrent rotation fails at the append (CONFLICT), and its secret row is removed.
     call.state.store.secret_put(tenant, &secret_id, &secret.expose(), now_ms).await?;
+    let secret_id_of_request = secret_id.clone();
     let previous_valid_until_ms = now_ms.saturating_add(keep_s * 1000);
     let payload = ev::to_cbor(&ev::WebhookSecretRotated { secret_version: version, secret_id, previous_valid_until_ms })?;
     let expected = ExpectedVersion::Exact(doc.version);
-    let result = call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_SECRET_ROTATED, payload).await?;
+    let appended = call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_SECRET_ROTATED, payload).await;
+    let result = forget_unused_secret(&*call.state.store, tenant, &secret_id_of_request, appended).await?;
+    let after = current(call, tenant, &id).await?;
+    if !result.replayed {
+        // The rotation dropped from the document the previous secrets whose overlap is over
+        // (and any past `PREVIOUS_SECRETS_MAX`): nothing signs with them again, so their rows go.
+        let kept: Vec<&str> = std::iter::once(after.secret_id.as_str())
+            .chain(after.previous_secrets.iter().map(|p| p.secret_id.as_str()))
+            .collect();
+        let before = std::iter::once(&doc.secret_id).chain(doc.previous_secrets.iter().map(|p| &p.secret_id));
+        for dropped in before.filter(|s| !kept.contains(&s.as_str())) {
+            call.state.store.secret_delete(tenant, dropped).await?;
+        }
+    }
     Ok(WebhookSecretView {
-        webhook: current(call, tenant, &id).await?.into(),
+        webhook: after.into(),
         secret: (!result.replayed).then(|| secret.expose()),
         replayed: result.replayed,
     })

@@ -31,6 +31,7 @@ mod reservation;
 
 pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
 pub use plan::{Action, plan};
+// `node_keys_change`, `node_register` and their bounds are defined below.
 pub use reservation::{
     ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create, reservation_extend, reservation_release,
 };
@@ -97,6 +98,12 @@ pub enum Refusal {
     NotActive { reservation_id: String, state: ReservationState },
     #[error("extending by {by_s} s goes past the pool's maximum of {max_reservation_s} s")]
     ExtendPastPoolMaximum { by_s: u64, max_reservation_s: u64 },
+    /// A node would carry more labels (or taints) than [`NODE_KEYS_MAX`].
+    #[error("node {node_id} would have {count} {what}, more than the {max} a node may have", max = NODE_KEYS_MAX)]
+    TooManyNodeKeys { node_id: String, what: &'static str, count: usize },
+    /// The tenant has [`NODES_PER_TENANT_MAX`] nodes already.
+    #[error("the tenant has {count} nodes, its limit of {max}", max = NODES_PER_TENANT_MAX)]
+    TooManyNodes { count: usize },
     /// Not a refusal of the request: a document breaks an invariant (an active reservation
     /// without a node) or a payload does not encode.
     #[error("{0}")]
@@ -119,6 +126,13 @@ impl From<Refusal> for Error {
             Refusal::VersionMismatch { reservation_id, expected, actual } => {
                 Error::Conflict { stream: stream_of(KIND_RESERVATION, &reservation_id), expected: expected.to_string(), actual }
             }
+            Refusal::TooManyNodeKeys { what, .. } => Error::InvalidArgument {
+                message,
+                hint: Some(format!("remove some {what} in the same call (`remove`), or use fewer")),
+            },
+            Refusal::TooManyNodes { .. } => {
+                Error::InvalidArgument { message, hint: Some("deregister nodes that are gone, or use another tenant".into()) }
+            }
             Refusal::PoolArchived { .. } | Refusal::NotActive { .. } | Refusal::ExtendPastPoolMaximum { .. } => {
                 Error::invalid(message)
             }
@@ -132,6 +146,36 @@ impl From<Error> for Refusal {
     fn from(error: Error) -> Self {
         Refusal::Internal(error.to_string())
     }
+}
+
+/// Labels a node carries at most, and taints at most (each counted on its own).
+pub const NODE_KEYS_MAX: usize = 64;
+/// Nodes one tenant registers at most.
+pub const NODES_PER_TENANT_MAX: usize = 4096;
+
+/// Whether a node may take a labels (or taints) change: `current` after `remove` then `set`
+/// (the fold's order) holds at most [`NODE_KEYS_MAX`] keys. `what` is "labels" or "taints".
+pub fn node_keys_change(
+    node_id: &str,
+    what: &'static str,
+    current: &BTreeMap<String, String>,
+    set: &BTreeMap<String, String>,
+    remove: &[String],
+) -> Result<(), Refusal> {
+    let kept = current.keys().filter(|k| !remove.contains(k) && !set.contains_key(*k)).count();
+    let count = kept + set.len();
+    if count > NODE_KEYS_MAX {
+        return Err(Refusal::TooManyNodeKeys { node_id: node_id.to_owned(), what, count });
+    }
+    Ok(())
+}
+
+/// Whether the tenant may register one more node, given how many it has.
+pub fn node_register(nodes: usize) -> Result<(), Refusal> {
+    if nodes >= NODES_PER_TENANT_MAX {
+        return Err(Refusal::TooManyNodes { count: nodes });
+    }
+    Ok(())
 }
 
 /// What the queue and the quota need of a tenant's live reservations in one pool.
