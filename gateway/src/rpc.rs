@@ -38,7 +38,7 @@ pub async fn rpc(state: &AppState, raw: &str, headers: &HeaderMap, body: Body) -
     let name = name.as_ref();
     // From the deployment's id source: the request id is the events' correlation.
     let request_id = RequestId::from_ulid(state.log.ids.ulid()).to_string();
-    let span = tracing::info_span!("rpc", method = %echo(&name), request_id = %request_id);
+    let span = tracing::info_span!("rpc", method = %echo(name), request_id = %request_id);
     let mut response = match call(state, name, headers, body, request_id.clone()).instrument(span).await {
         Ok(value) => axum::Json(value).into_response(),
         // A body not read to the end (too large, too slow) closes the connection (`ApiError::close`).

@@ -126,6 +126,11 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// The JSON form of an event (see [`EventView`]).
+pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
+    serde_json::to_value(EventView::of(event, with_bytes)).expect("an event view is plain JSON")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,9 +149,4 @@ mod tests {
         let key = serde_json::json!({ "name": "k", "secretSha256": "ab" });
         assert!(redacted(crate::events::API_KEY_CREATED, key).get("secretSha256").is_none());
     }
-}
-
-/// The JSON form of an event (see [`EventView`]).
-pub fn event_view(event: &StoredEvent, with_bytes: bool) -> Value {
-    serde_json::to_value(EventView::of(event, with_bytes)).expect("an event view is plain JSON")
 }

@@ -271,9 +271,9 @@ impl Fleet {
             for row in &rows {
                 let Ok(tenant) = row.tenant.parse::<TenantId>() else { continue };
                 let reservation = row.stream.strip_prefix("reservation/");
-                if !shared.slots.contains_key(&tenant) {
+                if let std::collections::hash_map::Entry::Vacant(vacant) = shared.slots.entry(tenant) {
                     if discover && reservation.is_some() {
-                        shared.slots.insert(tenant, Slot::default());
+                        vacant.insert(Slot::default());
                     }
                     // Loaded at its next use, from rows at least this recent.
                     continue;
