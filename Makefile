@@ -2,6 +2,9 @@
 # the PostgreSQL suite included. See README.md.
 
 CARGO ?= cargo
+# The test build has the seeded fake machine (`bcd hardware --fake-hw`, `[hardware] fake_seed`);
+# a release build (`cargo build --release`) leaves it out.
+TEST_FEATURES ?= --features bc-agent/fakehw
 DEV_ARGS ?=
 
 .PHONY: dev test bench lint fmt build check-postgres schemathesis
@@ -13,7 +16,7 @@ dev:
 ## Every target of the workspace: the binaries the end-to-end tests start, the tests, and the
 ## benches (compiled, not run, so they cannot rot). The tests refuse a binary older than its sources.
 build:
-	$(CARGO) build --workspace --all-targets
+	$(CARGO) build --workspace --all-targets $(TEST_FEATURES)
 
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
 ## property, and end-to-end tests that start the real binaries; first the OpenAPI document is
@@ -21,10 +24,10 @@ build:
 test: check-postgres build
 	scripts/schemathesis
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
-		$(CARGO) nextest run --workspace --no-fail-fast; \
+		$(CARGO) nextest run --workspace --no-fail-fast $(TEST_FEATURES); \
 	else \
 		echo "cargo-nextest not found; using cargo test"; \
-		$(CARGO) test --workspace --no-fail-fast; \
+		$(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES); \
 	fi
 
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.

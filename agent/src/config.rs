@@ -37,6 +37,17 @@ pub struct Config {
     pub journal: JournalConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub hardware: HardwareConfig,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareConfig {
+    /// Where `/proc` and `/sys` are read (`/` by default; a fake tree in tests).
+    pub root: Option<PathBuf>,
+    /// A seeded fake machine instead of this one (`fakehw` builds only).
+    pub fake_seed: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -76,6 +87,9 @@ impl Config {
         crate::client::check_pin(&self.log_key_pin).map_err(|e| format!("log_key_pin: {e}"))?;
         crate::client::Gateway::parse(&self.gateway, self.serving_ca_spki_pin.as_deref())?;
         self.observe_interval_ms()?;
+        if self.hardware.fake_seed.is_some() && !cfg!(feature = "fakehw") {
+            return Err("[hardware] fake_seed needs a fakehw build (cargo build --features bc-agent/fakehw)".into());
+        }
         Ok(())
     }
 

@@ -21,6 +21,8 @@ use crate::runner::{CAPABILITIES, Runner};
 pub const TICK_MS: u64 = 100;
 /// Messages queued towards the gateway; past it the driver waits (the stream's own flow control).
 pub const OUTBOUND_MESSAGES: usize = 256;
+/// How often the inventory is read again to see whether it changed.
+pub const INVENTORY_CHECK_MS: u64 = 60_000;
 /// Commands waiting to run, in order.
 pub const COMMANDS_QUEUED_MAX: usize = 512;
 
@@ -82,7 +84,8 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
     let (commands_tx, commands_rx) = mpsc::channel::<bc_proto::Command>(COMMANDS_QUEUED_MAX);
     let worker = tokio::spawn(run_commands(runner.clone(), commands_rx, events_tx.clone()));
-    let observer = tokio::spawn(observe(runner.clone(), config.observe_interval_ms()?, events_tx.clone()));
+    let inventory = crate::inventory::source(config.hardware.root.as_deref(), config.hardware.fake_seed)?;
+    let observer = tokio::spawn(observe(runner.clone(), inventory, config.observe_interval_ms()?, events_tx.clone()));
     let mut generation = 0u64;
     let mut outbound: Option<mpsc::Sender<bc_proto::AgentMessage>> = None;
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
@@ -247,11 +250,33 @@ async fn run_commands(runner: Arc<Runner>, mut commands: mpsc::Receiver<bc_proto
     }
 }
 
-async fn observe(runner: Arc<Runner>, interval_ms: u64, events: mpsc::Sender<Event>) {
+/// Journals what the machine holds at start and whenever it changes (looked at every
+/// `INVENTORY_CHECK_MS`), and an observation every `interval_ms`.
+async fn observe(runner: Arc<Runner>, inventory: Box<dyn crate::inventory::InventorySource>, interval_ms: u64, events: mpsc::Sender<Event>) {
     let mut ticker = tokio::time::interval(Duration::from_millis(interval_ms));
+    let mut reported: Option<crate::inventory::Inventory> = None;
+    let mut next_inventory_ms = 0u64;
     loop {
         ticker.tick().await;
-        match runner.observe(SystemClock.now_ms()).await {
+        let now_ms = SystemClock.now_ms();
+        if now_ms >= next_inventory_ms {
+            next_inventory_ms = now_ms + INVENTORY_CHECK_MS;
+            let found = inventory.read();
+            if reported.as_ref() != Some(&found) {
+                match runner.report_inventory(now_ms, &found).await {
+                    Ok(entry) => {
+                        tracing::info!(gpus = found.gpus.gpus.len(), unavailable = ?found.gpus.unavailable, "inventory reported");
+                        reported = Some(found);
+                        let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
+                    }
+                    Err(JournalError::Full(n)) => {
+                        let _ = events.send(Event::JournalFull(format!("journal full ({n} unacknowledged entries): the inventory waits"))).await;
+                    }
+                    Err(e) => tracing::error!(error = %e, "journaling the inventory failed"),
+                }
+            }
+        }
+        match runner.observe(now_ms).await {
             Ok(entry) => {
                 let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
             }

@@ -75,6 +75,18 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default()
 }
 
+/// The GPUs the machine holds, claimed at join (the inventory after it is journaled).
+fn claimed_gpus(config: &Config) -> Result<Vec<bc_proto::Gpu>, JoinError> {
+    let source = crate::inventory::source(config.hardware.root.as_deref(), config.hardware.fake_seed).map_err(fail)?;
+    Ok(source
+        .read()
+        .gpus
+        .gpus
+        .into_iter()
+        .map(|g| bc_proto::Gpu { model: g.model, product: g.product, vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        .collect())
+}
+
 fn retryable(code: tonic::Code) -> bool {
     matches!(code, tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded)
 }
@@ -86,7 +98,7 @@ pub async fn join(config: &Config, token: Token, token_file: Option<&Path>) -> R
     let request = bc_proto::JoinRequest {
         token: token.secret,
         node_public_key: key.verifying_key().as_bytes().to_vec(),
-        hardware: Some(bc_proto::HardwareClaims { hostname: hostname(), gpus: Vec::new() }),
+        hardware: Some(bc_proto::HardwareClaims { hostname: hostname(), gpus: claimed_gpus(config)? }),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
     };
     let channel = gateway.channel().map_err(fail)?;

@@ -14,6 +14,7 @@
 pub mod client;
 pub mod config;
 pub mod driver;
+pub mod inventory;
 pub mod join;
 pub mod journal;
 pub mod machine;

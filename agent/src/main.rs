@@ -16,6 +16,7 @@ const COMMANDS: &[(&str, &str)] = &[
     ("join", "join this machine to the fleet (the token from BCD_JOIN_TOKEN, standard input or --token-file)"),
     ("node", "run the node agent: the session to the gateway, the journal, commands"),
     ("status", "what the running agent is doing (JSON, from its socket)"),
+    ("hardware", "what this machine holds, as JSON: GPUs (NVML) and the host (/proc, /sys)"),
     ("version", "print the version"),
     ("help", "this list"),
 ];
@@ -36,6 +37,11 @@ fn command(name: &'static str) -> Command {
             .arg(Arg::new("data-dir").long("data-dir").value_name("DIR").default_value(DATA_DIR_DEFAULT).help("the data_dir a written config.toml names"))
             .arg(Arg::new("reset").long("reset").action(ArgAction::SetTrue).help("move this node's identity and journal aside first"))
             .arg(Arg::new("yes").long("yes").action(ArgAction::SetTrue).help("confirm --reset")),
+        "hardware" => Command::new(name)
+            .no_binary_name(true)
+            .disable_version_flag(true)
+            .arg(Arg::new("root").long("root").value_name("DIR").help("read /proc and /sys under DIR (a fake tree)"))
+            .arg(Arg::new("fake-hw").long("fake-hw").value_name("SEED").value_parser(clap::value_parser!(u64)).help("a seeded fake machine (fakehw builds)")),
         _ => base,
     }
 }
@@ -107,7 +113,7 @@ fn main() -> ExitCode {
             println!("bcd {}", env!("CARGO_PKG_VERSION"));
             return ExitCode::SUCCESS;
         }
-        "join" | "node" | "status" => {}
+        "join" | "node" | "status" | "hardware" => {}
         other if looks_like_a_command(other) => {
             eprintln!("bcd: unknown command {other:?} (see bcd help)");
             return ExitCode::from(2);
@@ -137,6 +143,7 @@ fn main() -> ExitCode {
         match name {
             "join" => run_join(&matches, env_token).await,
             "node" => run_node(&matches).await,
+            "hardware" => run_hardware(&matches),
             _ => run_status(&matches),
         }
     });
@@ -176,6 +183,7 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
             serving_ca_spki_pin: matches.get_one::<String>("serving-ca-pin").cloned(),
             log_key_pin: log_key_pin.clone(),
             observe_interval: None,
+            hardware: Default::default(),
             journal: Default::default(),
             log: Default::default(),
         };
@@ -274,6 +282,22 @@ async fn run_node(matches: &ArgMatches) -> ExitCode {
             tracing::error!(error = %e, "bcd node cannot go on");
             eprintln!("bcd node: {e}");
             ExitCode::from(1)
+        }
+    }
+}
+
+/// `bcd hardware`: the inventory as JSON; no GPUs is not a failure (the reason is in it).
+fn run_hardware(matches: &ArgMatches) -> ExitCode {
+    let root = matches.get_one::<String>("root").map(PathBuf::from);
+    let seed = matches.get_one::<u64>("fake-hw").copied();
+    match bc_agent::inventory::source(root.as_deref(), seed) {
+        Ok(source) => {
+            println!("{}", serde_json::to_string_pretty(&source.read()).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bcd hardware: {e}");
+            ExitCode::from(2)
         }
     }
 }

@@ -109,3 +109,55 @@ fn observe_machine() -> Vec<(&'static str, u64)> {
     }
     out
 }
+
+/// The journal payload of an inventory (`node.inventory_reported`): integers and text only.
+pub fn inventory_payload(node: &NodeId, inventory: &crate::inventory::Inventory) -> Value {
+    let mut gpus = Vec::new();
+    for g in &inventory.gpus.gpus {
+        gpus.push(json!({
+            "index": g.index, "uuid": g.uuid, "model": g.model, "product": g.product,
+            "vramGiB": g.vram_gib, "pciBusId": g.pci_bus_id, "nvlinkDomain": g.nvlink_domain,
+        }));
+    }
+    let h = &inventory.host;
+    let mut host = json!({
+        "cpus": h.cpus,
+        "memoryKiB": h.memory_kib,
+        "disks": h.disks.iter().map(|d| json!({ "name": d.name, "bytes": d.bytes, "rotational": d.rotational })).collect::<Vec<_>>(),
+    });
+    for (key, value) in [("cpuModel", &h.cpu_model), ("vendor", &h.vendor), ("product", &h.product), ("serial", &h.serial)] {
+        if let Some(v) = value {
+            host[key] = json!(v);
+        }
+    }
+    let mut payload = json!({ "nodeId": node.to_string(), "gpus": gpus, "host": host });
+    for (key, value) in [
+        ("driverVersion", &inventory.gpus.driver_version),
+        ("cudaVersion", &inventory.gpus.cuda_version),
+        ("unavailable", &inventory.gpus.unavailable),
+    ] {
+        if let Some(v) = value {
+            payload[key] = json!(v);
+        }
+    }
+    payload
+}
+
+impl Runner {
+    /// Journals what the machine holds.
+    pub async fn report_inventory(&self, now_ms: u64, inventory: &crate::inventory::Inventory) -> Result<SignedEntry, JournalError> {
+        let payload = inventory_payload(&self.node, inventory);
+        self.journal
+            .append(
+                &self.key,
+                Draft {
+                    at_ms: now_ms,
+                    entry_type: "node.inventory_reported".into(),
+                    subject: format!("agent/{}", self.node),
+                    payload,
+                    command: None,
+                },
+            )
+            .await
+    }
+}

@@ -371,7 +371,7 @@ enum NodeFact {
 /// The node fact of a row: `node.joined` carries the node's key; an event with a `journal`
 /// payload field carries a node's signed entry.
 fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String> {
-    let journaled = row.event_type.starts_with("command.") || row.event_type == "node.observed";
+    let journaled = row.event_type.starts_with("command.") || row.event_type == "node.observed" || row.event_type == "node.inventory_reported";
     if row.event_type != NODE_JOINED && !journaled {
         return Ok(None);
     }

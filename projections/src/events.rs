@@ -45,8 +45,10 @@ pub const COMMAND_STARTED: &str = "command.started";
 pub const COMMAND_SUCCEEDED: &str = "command.succeeded";
 pub const COMMAND_FAILED: &str = "command.failed";
 pub const NODE_OBSERVED: &str = "node.observed";
+pub const NODE_INVENTORY_REPORTED: &str = "node.inventory_reported";
 /// The event types a node may originate through its journal; nothing else is appended from one.
-pub const NODE_ORIGINATED_TYPES: &[&str] = &[COMMAND_STARTED, COMMAND_SUCCEEDED, COMMAND_FAILED, NODE_OBSERVED];
+pub const NODE_ORIGINATED_TYPES: &[&str] =
+    &[COMMAND_STARTED, COMMAND_SUCCEEDED, COMMAND_FAILED, NODE_OBSERVED, NODE_INVENTORY_REPORTED];
 
 /// Every event type this version writes.
 pub const EVENT_TYPES: &[&str] = &[
@@ -89,6 +91,7 @@ pub const EVENT_TYPES: &[&str] = &[
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
     NODE_OBSERVED,
+    NODE_INVENTORY_REPORTED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::LOG_KEY_ROTATED,
 ];
@@ -259,6 +262,66 @@ pub struct NodeObserved {
     pub mem_available_kib: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal: Option<bc_core::agent::JournalOrigin>,
+}
+
+/// What a node's agent found on its machine (NVML and `/proc`, `/sys`), at its first session
+/// and whenever it changes; on `agent/node_…`. The node's GPUs are taken from it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeInventoryReported {
+    pub node_id: String,
+    pub gpus: Vec<InventoryGpu>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_version: Option<String>,
+    /// Why no GPUs could be read (no driver, no library).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+    pub host: InventoryHost,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
+pub struct InventoryGpu {
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub product: String,
+    #[serde(rename = "vramGiB")]
+    pub vram_gib: u32,
+    pub pci_bus_id: String,
+    pub nvlink_domain: u32,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
+pub struct InventoryHost {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_model: Option<String>,
+    pub cpus: u32,
+    #[serde(rename = "memoryKiB")]
+    pub memory_kib: u64,
+    pub disks: Vec<InventoryDisk>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub product: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
+pub struct InventoryDisk {
+    pub name: String,
+    pub bytes: u64,
+    pub rotational: bool,
 }
 
 /// `node.cordoned`, `node.uncordoned`, `node.draining`: no payload.

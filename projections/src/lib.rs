@@ -153,6 +153,15 @@ pub struct NodeAgent {
     /// The node's latest observation of itself (`node.observed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed: Option<Observation>,
+    /// What the node last reported holding (`node.inventory_reported`), and when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inventory: Option<NodeInventoryReported>,
+    #[serde(default)]
+    pub inventory_at_ms: u64,
+    /// The last inventory's GPUs differ from `gpus` but GPUs were allocated when it came: they
+    /// are taken when the node is free.
+    #[serde(default)]
+    pub inventory_pending: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -677,6 +686,9 @@ impl Projector for Projections {
                         journal_seq: 0,
                         journal_hash: String::new(),
                         observed: None,
+                        inventory: None,
+                        inventory_at_ms: 0,
+                        inventory_pending: false,
                     }),
                     version: env.version,
                     created_at_ms: env.at_ms,
@@ -733,6 +745,27 @@ impl Projector for Projections {
             COMMAND_ISSUED | COMMAND_CANCELLED | COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED => {
                 apply_command(key, current, event)
             }
+            NODE_INVENTORY_REPORTED => {
+                let mut p: NodeInventoryReported = payload(event)?;
+                let journal = p.journal.take().ok_or_else(|| corrupt(event, "an inventory without a journal entry".into()))?;
+                let mut doc: NodeDoc = from_doc(event, current)?;
+                advance_journal(&mut doc, &journal, event)?;
+                let gpus: Vec<Gpu> = p
+                    .gpus
+                    .iter()
+                    .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+                    .collect();
+                let free = doc.allocations.is_empty();
+                if free {
+                    doc.gpus = gpus;
+                }
+                if let Some(agent) = doc.agent.as_mut() {
+                    agent.inventory_pending = !free;
+                    agent.inventory = Some(p);
+                    agent.inventory_at_ms = env.at_ms;
+                }
+                to_doc(&doc)
+            }
             NODE_OBSERVED => {
                 let p: NodeObserved = payload(event)?;
                 let journal = p.journal.ok_or_else(|| corrupt(event, "node.observed without a journal entry".into()))?;
@@ -773,6 +806,19 @@ impl Projector for Projections {
                     _ => {
                         let p: NodeFreed = payload(event)?;
                         doc.allocations.retain(|_, holder| *holder != p.reservation_id);
+                        // An inventory that came while GPUs were held is taken once they are free.
+                        if doc.allocations.is_empty()
+                            && let Some(agent) = doc.agent.as_mut()
+                            && agent.inventory_pending
+                            && let Some(inventory) = &agent.inventory
+                        {
+                            doc.gpus = inventory
+                                .gpus
+                                .iter()
+                                .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+                                .collect();
+                            agent.inventory_pending = false;
+                        }
                     }
                 }
                 doc.refresh_state();

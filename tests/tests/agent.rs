@@ -73,7 +73,22 @@ impl Machine {
         if let Some(input) = stdin {
             child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
         }
+        // A command that should end but runs on fails the test instead of hanging it.
+        let pid = child.id();
+        let (done, watchdog) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if watchdog.recv_timeout(Duration::from_secs(60)).is_err() {
+                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            }
+        });
         let out = child.wait_with_output().unwrap();
+        let _ = done.send(());
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    }
+
+    /// `bcd ARGS` outside any machine.
+    fn run_bcd(args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(bc_tests::binary("bcd")).args(args).stdin(Stdio::null()).output().unwrap();
         (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
     }
 
@@ -312,7 +327,7 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
     let (head, journaled) = loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let head = node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap();
-        let journaled = events(&server, &["command.*", "node.observed"]).await;
+        let journaled = events(&server, &["command.*", "node.observed", "node.inventory_reported"]).await;
         let now = (head, journaled.len());
         if now == last {
             break (head, journaled);
@@ -432,7 +447,12 @@ async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_
     assert_eq!(first.stop(), 0);
     let mut second = Machine::new(&server, port);
     assert_eq!(second.join_stdin(&token(&server, &pool, 1).await).0, 0);
-    std::fs::copy(first.data().join("journal.db"), second.data().join("journal.db")).unwrap();
+    // The whole database: its last writes may still be in the WAL.
+    for file in ["journal.db", "journal.db-wal"] {
+        if first.data().join(file).exists() {
+            std::fs::copy(first.data().join(file), second.data().join(file)).unwrap();
+        }
+    }
     let (code, _, err) = second.bcd(&["node", "--config", &second.config()], &[], None);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("belongs to node") && err.contains("another node's journal"), "{err}");
@@ -450,4 +470,47 @@ async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_
     let new_node = second.node_id();
     wait_state(&server, &new_node, "ready", Duration::from_secs(20)).await;
     assert_eq!(second.stop(), 0);
+}
+
+/// Issue 11: the node's GPUs come from what its agent finds (a seeded fake machine here, as the
+/// test build has one), at join and in `node.inventory_reported`; `bcd hardware` on this machine,
+/// which has no NVIDIA driver, reports no GPUs with the reason and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_none() {
+    let (code, out, err) = Machine::run_bcd(&["hardware"]);
+    assert_eq!(code, 0, "{err}");
+    let here = json(&out);
+    assert!(here["host"]["cpus"].as_u64().unwrap() >= 1, "{here}");
+    if here["gpus"]["gpus"].as_array().unwrap().is_empty() {
+        assert!(here["gpus"]["unavailable"].as_str().unwrap().contains("NVML"), "{here}");
+    }
+    let (code, out, _) = Machine::run_bcd(&["hardware", "--fake-hw", "7"]);
+    assert_eq!(code, 0);
+    let fake = json(&out);
+    let fake_gpus = fake["gpus"]["gpus"].as_array().unwrap().clone();
+    assert!(!fake_gpus.is_empty(), "seed 7 has GPUs: {fake}");
+
+    let (server, port) = gateway();
+    let pool = server.pool("inventory").await;
+    let mut machine = Machine::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 7\n")).unwrap();
+    assert_eq!(machine.join_stdin(&token(&server, &pool, 1).await).0, 0);
+    let node = machine.node_id();
+    let joined = node_doc(&server, &node).await;
+    assert_eq!(joined["gpus"].as_array().unwrap().len(), fake_gpus.len(), "claimed at join: {joined}");
+    machine.start();
+    let doc = wait_until("the inventory is reported", Duration::from_secs(20), || {
+        let doc = futures_lite_block(node_doc(&server, &node));
+        doc["agent"]["inventory"].is_object().then_some(doc)
+    });
+    let inventory = &doc["agent"]["inventory"];
+    assert_eq!(inventory["gpus"].as_array().unwrap(), &fake_gpus, "{inventory}");
+    assert_eq!(inventory["host"]["serial"], "FAKE0000000007");
+    assert_eq!(doc["gpus"][0]["model"], fake_gpus[0]["model"]);
+    assert_eq!(machine.stop(), 0);
+}
+
+fn futures_lite_block<F: std::future::Future>(f: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }

@@ -171,3 +171,33 @@ fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<Vec<Gpu>> {
         })
         .collect()
 }
+
+/// Most disks an inventory lists, and the longest text in it.
+pub const INVENTORY_DISKS_MAX: usize = 256;
+pub const INVENTORY_TEXT_BYTES_MAX: usize = 256;
+
+/// Whether a reported inventory is within the node's bounds: at most `GPUS_PER_NODE_MAX` GPUs
+/// with valid names and sizes, indexes 0..n in order, bounded text.
+pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Result<(), String> {
+    let claimed: Vec<bc_proto::Gpu> = inventory
+        .gpus
+        .iter()
+        .map(|g| bc_proto::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        .collect();
+    gpus_of(&claimed).map_err(|e| e.public_message())?;
+    if inventory.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
+        return Err("the inventory's GPUs are numbered 0, 1, … in order".into());
+    }
+    let text_ok = |t: &str| t.len() <= INVENTORY_TEXT_BYTES_MAX && !t.chars().any(char::is_control);
+    let host = &inventory.host;
+    let texts = inventory
+        .gpus
+        .iter()
+        .flat_map(|g| [g.uuid.as_str(), g.pci_bus_id.as_str()])
+        .chain([&inventory.driver_version, &inventory.cuda_version, &inventory.unavailable, &host.cpu_model, &host.vendor, &host.product, &host.serial].into_iter().flatten().map(String::as_str))
+        .chain(host.disks.iter().map(|d| d.name.as_str()));
+    if host.disks.len() > INVENTORY_DISKS_MAX || !texts.into_iter().all(text_ok) {
+        return Err(format!("an inventory holds at most {INVENTORY_DISKS_MAX} disks and text of at most {INVENTORY_TEXT_BYTES_MAX} bytes"));
+    }
+    Ok(())
+}

@@ -384,6 +384,19 @@ async fn check_entry_subject(
     body: &bc_core::agent::EntryBody,
 ) -> std::result::Result<std::result::Result<(), String>, Refusal> {
     let node = bound.node.to_string();
+    if body.entry_type == ev::NODE_INVENTORY_REPORTED {
+        let inventory: ev::NodeInventoryReported = match serde_json::from_value(body.payload.clone()) {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(format!("the payload of node.inventory_reported: {e}"))),
+        };
+        if inventory.journal.is_some() || inventory.node_id != node || body.subject != format!("{KIND_AGENT}/{node}") {
+            return Ok(Err(format!("node.inventory_reported is about this node, on {KIND_AGENT}/{node}")));
+        }
+        if let Err(why) = crate::agents::join::check_inventory(&inventory) {
+            return Ok(Err(why));
+        }
+        return Ok(Ok(()));
+    }
     if body.entry_type == ev::NODE_OBSERVED {
         let observed: ev::NodeObserved = match serde_json::from_value(body.payload.clone()) {
             Ok(p) => p,

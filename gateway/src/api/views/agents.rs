@@ -26,6 +26,25 @@ pub struct NodeAgentView {
     /// The node's latest observation of itself.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub observed: Option<ObservationView>,
+    /// What the node last reported holding.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inventory: Option<InventoryView>,
+}
+
+/// A node's inventory as its agent reported it (NVML, `/proc`, `/sys`).
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryView {
+    pub reported_at_ms: u64,
+    pub gpus: Vec<bc_projections::events::InventoryGpu>,
+    pub driver_version: Option<String>,
+    pub cuda_version: Option<String>,
+    /// Why no GPUs could be read (no driver, no library).
+    pub unavailable: Option<String>,
+    pub host: bc_projections::events::InventoryHost,
+    /// The reported GPUs differ from the node's but some were allocated when it came: they are
+    /// taken once the node is free.
+    pub pending: bool,
 }
 
 #[derive(Serialize, JsonSchema)]
@@ -49,6 +68,15 @@ impl From<NodeAgent> for NodeAgentView {
             reachable: a.reachable,
             lease_expires_at_ms: a.lease_expires_at_ms,
             journal_seq: a.journal_seq,
+            inventory: a.inventory.map(|i| InventoryView {
+                reported_at_ms: a.inventory_at_ms,
+                gpus: i.gpus,
+                driver_version: i.driver_version,
+                cuda_version: i.cuda_version,
+                unavailable: i.unavailable,
+                host: i.host,
+                pending: a.inventory_pending,
+            }),
             observed: a.observed.map(|o| ObservationView {
                 at_ms: o.at_ms,
                 uptime_s: o.uptime_s,
