@@ -750,11 +750,7 @@ impl Projector for Projections {
                 let journal = p.journal.take().ok_or_else(|| corrupt(event, "an inventory without a journal entry".into()))?;
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 advance_journal(&mut doc, &journal, event)?;
-                let gpus: Vec<Gpu> = p
-                    .gpus
-                    .iter()
-                    .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
-                    .collect();
+                let gpus = gpus_of_inventory(&p);
                 let free = doc.allocations.is_empty();
                 if free {
                     doc.gpus = gpus;
@@ -812,11 +808,7 @@ impl Projector for Projections {
                             && agent.inventory_pending
                             && let Some(inventory) = &agent.inventory
                         {
-                            doc.gpus = inventory
-                                .gpus
-                                .iter()
-                                .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
-                                .collect();
+                            doc.gpus = gpus_of_inventory(inventory);
                             agent.inventory_pending = false;
                         }
                     }
@@ -1058,4 +1050,13 @@ fn advance_journal(doc: &mut NodeDoc, journal: &bc_core::agent::JournalOrigin, e
     agent.journal_seq = journal.seq;
     agent.journal_hash = hex::encode(bc_core::event::sha256(&body));
     Ok(())
+}
+
+/// The node's GPUs as an inventory reports them, in index order.
+fn gpus_of_inventory(inventory: &NodeInventoryReported) -> Vec<Gpu> {
+    inventory
+        .gpus
+        .iter()
+        .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        .collect()
 }
