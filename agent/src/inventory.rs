@@ -148,10 +148,10 @@ fn assign_domains(gpus: &mut [GpuInfo], links: &[(usize, String)]) {
         }
     }
     let mut numbers: BTreeMap<usize, u32> = BTreeMap::new();
-    for i in 0..gpus.len() {
+    for (i, gpu) in gpus.iter_mut().enumerate() {
         let r = root(&mut parent, i);
         let next = numbers.len() as u32;
-        gpus[i].nvlink_domain = *numbers.entry(r).or_insert(next);
+        gpu.nvlink_domain = *numbers.entry(r).or_insert(next);
     }
 }
 
@@ -226,16 +226,24 @@ pub struct Host {
 
 impl Host {
     fn read_text(&self, path: &str) -> Option<String> {
-        std::fs::read_to_string(self.root.join(path.trim_start_matches('/'))).ok().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty())
+        std::fs::read_to_string(self.root.join(path.trim_start_matches('/')))
+            .ok()
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty())
     }
 
     pub fn read(&self) -> HostInfo {
         let cpuinfo = self.read_text("/proc/cpuinfo").unwrap_or_default();
-        let cpu_model = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']).trim().to_owned());
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .map(|l| l.trim_start_matches([' ', '\t', ':']).trim().to_owned());
         let cpus = cpuinfo.lines().filter(|l| l.starts_with("processor")).count() as u32;
         let memory_kib = self
             .read_text("/proc/meminfo")
-            .and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemTotal:")).and_then(|v| v.split_whitespace().next()?.parse().ok()))
+            .and_then(|m| {
+                m.lines().find_map(|l| l.strip_prefix("MemTotal:")).and_then(|v| v.split_whitespace().next()?.parse().ok())
+            })
             .unwrap_or(0);
         let mut disks = Vec::new();
         if let Ok(entries) = std::fs::read_dir(self.root.join("sys/block")) {
@@ -287,8 +295,9 @@ impl InventorySource for Fake {
         use crate::machine::Rng;
         let pick = |rng: &mut crate::machine::SeededRng, n: usize| (rng.next_unit() * n as f64) as usize % n;
         let count = [0u32, 2, 4, 8][pick(&mut rng, 4)];
-        let (model, product, vram) = [("H100", "NVIDIA-H100-80GB-HBM3", 80), ("A100", "NVIDIA-A100-SXM4-40GB", 40), ("L40S", "NVIDIA-L40S", 48)]
-            [pick(&mut rng, 3)];
+        let (model, product, vram) =
+            [("H100", "NVIDIA-H100-80GB-HBM3", 80), ("A100", "NVIDIA-A100-SXM4-40GB", 40), ("L40S", "NVIDIA-L40S", 48)]
+                [pick(&mut rng, 3)];
         let paired = pick(&mut rng, 2) == 0;
         let gpus = (0..count)
             .map(|index| GpuInfo {
@@ -302,7 +311,12 @@ impl InventorySource for Fake {
             })
             .collect();
         Inventory {
-            gpus: GpuInventory { gpus, driver_version: Some("550.54.15".into()), cuda_version: Some("12.4".into()), unavailable: None },
+            gpus: GpuInventory {
+                gpus,
+                driver_version: Some("550.54.15".into()),
+                cuda_version: Some("12.4".into()),
+                unavailable: None,
+            },
             host: HostInfo {
                 cpu_model: Some("Fake CPU @ 3.00GHz".into()),
                 cpus: 16 << pick(&mut rng, 3),

@@ -371,7 +371,9 @@ enum NodeFact {
 /// The node fact of a row: `node.joined` carries the node's key; an event with a `journal`
 /// payload field carries a node's signed entry.
 fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String> {
-    let journaled = row.event_type.starts_with("command.") || row.event_type == "node.observed" || row.event_type == "node.inventory_reported";
+    let journaled = row.event_type.starts_with("command.")
+        || row.event_type == "node.observed"
+        || row.event_type == "node.inventory_reported";
     if row.event_type != NODE_JOINED && !journaled {
         return Ok(None);
     }
@@ -528,10 +530,18 @@ pub async fn verify(
                         node_keys.insert(node, key);
                     }
                     Some(NodeFact::Journal { origin, event_type, stream, payload }) => match node_keys.get(&origin.node_id) {
-                        None => report.problem(tenant, seq, format!("an entry of node {} that never joined this chain", origin.node_id)),
+                        None => report.problem(
+                            tenant,
+                            seq,
+                            format!("an entry of node {} that never joined this chain", origin.node_id),
+                        ),
                         Some(key) => {
                             if let Err(what) = origin.check(key, &event_type, &stream, &payload) {
-                                report.problem(tenant, seq, format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq));
+                                report.problem(
+                                    tenant,
+                                    seq,
+                                    format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq),
+                                );
                             } else {
                                 report.node_entries += 1;
                             }

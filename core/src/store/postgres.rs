@@ -1101,38 +1101,6 @@ fn read_after_tenant_sql() -> String {
     )
 }
 
-#[cfg(test)]
-mod plan_tests {
-    use super::*;
-
-    /// Regression (hardening, finding 3): a tenant's read by position must be able to walk
-    /// `events_by_tenant_position` (sequential scans turned off, so the planner shows whether
-    /// an index serves the query at all on a small test table).
-    #[tokio::test]
-    async fn a_tenants_read_by_position_uses_its_index() {
-        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
-        let store = PostgresStore::connect(&db.url).await.unwrap();
-        crate::store::EventStore::migrate(&store).await.unwrap();
-        let client = store.pool.get().await.unwrap();
-        client.batch_execute("SET enable_seqscan = off").await.unwrap();
-        let explain = format!("EXPLAIN {}", read_after_tenant_sql());
-        let rows = client.query(&explain, &[&0i64, &0i32, &"ten_00000000000000000000000000", &10i64]).await.unwrap();
-        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
-        let plan = plan.join(" | ");
-        assert!(plan.contains("events_by_tenant_position"), "{plan}");
-        assert!(!plan.contains("Sort"), "no sort: {plan}");
-        // Every tenant's read by position walks the position index in order too.
-        let explain = format!(
-            "EXPLAIN SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2) \
-             ORDER BY commit_no, commit_index LIMIT $3"
-        );
-        let rows = client.query(&explain, &[&0i64, &0i32, &10i64]).await.unwrap();
-        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
-        let plan = plan.join(" | ");
-        assert!(plan.contains("events_by_position") && !plan.contains("Sort"), "{plan}");
-    }
-}
-
 #[async_trait]
 impl super::lease::LeaseStore for PostgresStore {
     async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()> {
@@ -1181,5 +1149,37 @@ impl super::lease::LeaseStore for PostgresStore {
             )
             .await?;
         row.as_ref().map(super::lease::Lease::decode).transpose()
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    /// Regression (hardening, finding 3): a tenant's read by position must be able to walk
+    /// `events_by_tenant_position` (sequential scans turned off, so the planner shows whether
+    /// an index serves the query at all on a small test table).
+    #[tokio::test]
+    async fn a_tenants_read_by_position_uses_its_index() {
+        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
+        let store = PostgresStore::connect(&db.url).await.unwrap();
+        crate::store::EventStore::migrate(&store).await.unwrap();
+        let client = store.pool.get().await.unwrap();
+        client.batch_execute("SET enable_seqscan = off").await.unwrap();
+        let explain = format!("EXPLAIN {}", read_after_tenant_sql());
+        let rows = client.query(&explain, &[&0i64, &0i32, &"ten_00000000000000000000000000", &10i64]).await.unwrap();
+        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
+        let plan = plan.join(" | ");
+        assert!(plan.contains("events_by_tenant_position"), "{plan}");
+        assert!(!plan.contains("Sort"), "no sort: {plan}");
+        // Every tenant's read by position walks the position index in order too.
+        let explain = format!(
+            "EXPLAIN SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2) \
+             ORDER BY commit_no, commit_index LIMIT $3"
+        );
+        let rows = client.query(&explain, &[&0i64, &0i32, &10i64]).await.unwrap();
+        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
+        let plan = plan.join(" | ");
+        assert!(plan.contains("events_by_position") && !plan.contains("Sort"), "{plan}");
     }
 }

@@ -887,31 +887,6 @@ fn read_after_sql(one_tenant: bool) -> String {
     )
 }
 
-#[cfg(test)]
-mod plan_tests {
-    use super::*;
-
-    /// Regression (hardening, finding 3): a tenant's read by position searched the tenant's
-    /// whole chain and sorted it in a temporary B-tree. It must walk an index, in order.
-    #[tokio::test]
-    async fn a_tenants_read_by_position_uses_its_index() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
-        crate::store::EventStore::migrate(&store).await.unwrap();
-        for (one_tenant, index) in [(true, "events_by_tenant_position"), (false, "events_by_position")] {
-            let mut q = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {}", read_after_sql(one_tenant))));
-            if one_tenant {
-                q = q.bind("ten_00000000000000000000000000");
-            }
-            let rows = q.bind(0i64).bind(0i64).bind(10i64).fetch_all(store.pool()).await.unwrap();
-            let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(3)).collect();
-            let plan = plan.join(" | ");
-            assert!(plan.contains(index), "one tenant: {one_tenant}: {plan}");
-            assert!(!plan.contains("TEMP B-TREE"), "no sort: {plan}");
-        }
-    }
-}
-
 #[async_trait]
 impl super::lease::LeaseStore for SqliteStore {
     async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()> {
@@ -959,5 +934,30 @@ impl super::lease::LeaseStore for SqliteStore {
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(super::lease::Lease::decode).transpose()
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    /// Regression (hardening, finding 3): a tenant's read by position searched the tenant's
+    /// whole chain and sorted it in a temporary B-tree. It must walk an index, in order.
+    #[tokio::test]
+    async fn a_tenants_read_by_position_uses_its_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
+        crate::store::EventStore::migrate(&store).await.unwrap();
+        for (one_tenant, index) in [(true, "events_by_tenant_position"), (false, "events_by_position")] {
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {}", read_after_sql(one_tenant))));
+            if one_tenant {
+                q = q.bind("ten_00000000000000000000000000");
+            }
+            let rows = q.bind(0i64).bind(0i64).bind(10i64).fetch_all(store.pool()).await.unwrap();
+            let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(3)).collect();
+            let plan = plan.join(" | ");
+            assert!(plan.contains(index), "one tenant: {one_tenant}: {plan}");
+            assert!(!plan.contains("TEMP B-TREE"), "no sort: {plan}");
+        }
     }
 }

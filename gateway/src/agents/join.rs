@@ -44,7 +44,9 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
     let row = state.store.row_find(KIND_JOIN_TOKEN, &token_id.to_string()).await?.ok_or_else(|| refused("unknown join token"))?;
     let tenant: TenantId = row.key.tenant.parse()?;
     let stored = state.store.secret_get(tenant, &token_id.to_string()).await?;
-    if !stored.is_some_and(|hash| constant_time_eq(hash.as_bytes(), secret_sha256.as_bytes()) && hash.len() == secret_sha256.len()) {
+    if !stored
+        .is_some_and(|hash| constant_time_eq(hash.as_bytes(), secret_sha256.as_bytes()) && hash.len() == secret_sha256.len())
+    {
         return Err(refused("unknown join token"));
     }
     for _ in 0..JOIN_ATTEMPTS_MAX {
@@ -182,7 +184,12 @@ pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Re
     let claimed: Vec<bc_proto::Gpu> = inventory
         .gpus
         .iter()
-        .map(|g| bc_proto::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        .map(|g| bc_proto::Gpu {
+            model: g.model.clone(),
+            product: g.product.clone(),
+            vram_gib: g.vram_gib,
+            nvlink_domain: g.nvlink_domain,
+        })
         .collect();
     gpus_of(&claimed).map_err(|e| e.public_message())?;
     if inventory.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
@@ -194,10 +201,25 @@ pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Re
         .gpus
         .iter()
         .flat_map(|g| [g.uuid.as_str(), g.pci_bus_id.as_str()])
-        .chain([&inventory.driver_version, &inventory.cuda_version, &inventory.unavailable, &host.cpu_model, &host.vendor, &host.product, &host.serial].into_iter().flatten().map(String::as_str))
+        .chain(
+            [
+                &inventory.driver_version,
+                &inventory.cuda_version,
+                &inventory.unavailable,
+                &host.cpu_model,
+                &host.vendor,
+                &host.product,
+                &host.serial,
+            ]
+            .into_iter()
+            .flatten()
+            .map(String::as_str),
+        )
         .chain(host.disks.iter().map(|d| d.name.as_str()));
     if host.disks.len() > INVENTORY_DISKS_MAX || !texts.into_iter().all(text_ok) {
-        return Err(format!("an inventory holds at most {INVENTORY_DISKS_MAX} disks and text of at most {INVENTORY_TEXT_BYTES_MAX} bytes"));
+        return Err(format!(
+            "an inventory holds at most {INVENTORY_DISKS_MAX} disks and text of at most {INVENTORY_TEXT_BYTES_MAX} bytes"
+        ));
     }
     Ok(())
 }
