@@ -279,7 +279,7 @@ mod tests {
 
         async fn renew(&self, for_ms: u64) {
             let until = self.clock.now_ms() + for_ms;
-            self.store.lease_renew(&self.tenant.to_string(), &self.node, until).await.unwrap();
+            self.store.lease_renew(&[(self.tenant.to_string(), self.node.clone(), until)]).await.unwrap();
         }
     }
 

@@ -27,8 +27,10 @@ impl Lease {
 
 #[async_trait]
 pub trait LeaseStore: Store {
-    /// Holds or renews `node`'s lease until `expires_at_ms` (never shortening it).
-    async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()>;
+    /// Holds or renews each `(tenant, node, expires_at_ms)` lease (never shortening one), in
+    /// one transaction: the gateway batches its sessions' heartbeats, so a thousand nodes cost a
+    /// few commits a second, not a thousand.
+    async fn lease_renew(&self, leases: &[(String, String, u64)]) -> Result<()>;
     /// Up to `limit` leases whose state at `now_ms` is not what was last reported: lapsed but
     /// reported ready, or held but reported unreachable.
     async fn lease_changes(&self, now_ms: u64, limit: u32) -> Result<Vec<Lease>>;

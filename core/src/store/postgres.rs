@@ -1103,15 +1103,19 @@ fn read_after_tenant_sql() -> String {
 
 #[async_trait]
 impl super::lease::LeaseStore for PostgresStore {
-    async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()> {
-        let client = self.pool.get().await?;
-        client
-            .execute(
+    async fn lease_renew(&self, leases: &[(String, String, u64)]) -> Result<()> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let statement = tx
+            .prepare(
                 "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES ($1, $2, $3) \
                  ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = GREATEST(node_leases.expires_at_ms, excluded.expires_at_ms)",
-                &[&tenant, &node, &to_i64(expires_at_ms)?],
             )
             .await?;
+        for (tenant, node, expires_at_ms) in leases {
+            tx.execute(&statement, &[tenant, node, &to_i64(*expires_at_ms)?]).await?;
+        }
+        tx.commit().await?;
         Ok(())
     }
 

@@ -889,16 +889,20 @@ fn read_after_sql(one_tenant: bool) -> String {
 
 #[async_trait]
 impl super::lease::LeaseStore for SqliteStore {
-    async fn lease_renew(&self, tenant: &str, node: &str, expires_at_ms: u64) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES (?, ?, ?) \
-             ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = MAX(node_leases.expires_at_ms, excluded.expires_at_ms)",
-        )
-        .bind(tenant)
-        .bind(node)
-        .bind(to_i64(expires_at_ms)?)
-        .execute(&self.pool)
-        .await?;
+    async fn lease_renew(&self, leases: &[(String, String, u64)]) -> Result<()> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        for (tenant, node, expires_at_ms) in leases {
+            sqlx::query(
+                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES (?, ?, ?) \
+                 ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = MAX(node_leases.expires_at_ms, excluded.expires_at_ms)",
+            )
+            .bind(tenant)
+            .bind(node)
+            .bind(to_i64(*expires_at_ms)?)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
         Ok(())
     }
 

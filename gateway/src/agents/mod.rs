@@ -220,6 +220,7 @@ pub async fn serve(
         }
     });
     let router = tokio::spawn(session::route_commands(service.state.clone(), service.sessions.clone(), COMMAND_POLL_MS));
+    let leases = tokio::spawn(session::write_leases(service.state.clone(), service.sessions.clone()));
     let served = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
@@ -232,5 +233,7 @@ pub async fn serve(
         .await;
     accept.abort();
     router.abort();
+    // Written once more on shutdown (the task ends itself then); not waited for past that.
+    let _ = tokio::time::timeout(Duration::from_secs(2), leases).await;
     served
 }

@@ -19,7 +19,7 @@ use bc_core::agent::{JOURNAL_PAYLOAD_KEY, JournalOrigin, SignedEntry, session_pr
 use bc_core::event::sha256;
 use bc_core::id::{CommandId, NodeId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
-use bc_core::{Error, Result, canonical};
+use bc_core::{Error, canonical};
 use bc_projections::events::{self as ev, CommandProgress, NODE_ORIGINATED_TYPES};
 use bc_projections::{CommandDoc, KIND_AGENT, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc};
 use bc_proto::{agent_message, gateway_message};
@@ -68,6 +68,8 @@ pub enum Nudge {
 pub struct Sessions {
     nodes: Mutex<HashMap<String, (u64, mpsc::Sender<Nudge>)>>,
     next: std::sync::atomic::AtomicU64,
+    /// The sessions' lease renewals, written in batches by [`write_leases`].
+    pub leases: LeaseRenewals,
 }
 
 impl Sessions {
@@ -143,7 +145,7 @@ pub async fn run<S>(state: Arc<AppState>, sessions: Arc<Sessions>, config: Sessi
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
-    let bound = match handshake(&state, &mut inbound, &outbound, config).await {
+    let bound = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
         Ok(bound) => bound,
         Err(refusal) => {
             let _ = outbound.send(Err(tonic::Status::new(refusal.status, refusal.message))).await;
@@ -154,7 +156,7 @@ where
     let node = bound.node.to_string();
     let id = sessions.register(&node, nudge_tx);
     tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
-    let outcome = serve(&state, config, bound, &mut inbound, &outbound, &mut nudges).await;
+    let outcome = serve(&state, &sessions.leases, config, bound, &mut inbound, &outbound, &mut nudges).await;
     sessions.unregister(&node, id);
     match outcome {
         Ok(why) => tracing::info!(node = %node, why, "node session ended"),
@@ -180,6 +182,7 @@ where
 
 async fn handshake<S>(
     state: &AppState,
+    leases: &LeaseRenewals,
     inbound: &mut S,
     outbound: &Outbound,
     config: SessionConfig,
@@ -230,7 +233,7 @@ where
             .and_then(|b| b.try_into().ok())
             .ok_or_else(|| refuse(tonic::Code::Internal, "the stored journal head does not parse"))?
     };
-    renew(state, tenant, &node, config).await?;
+    renew(state, leases, tenant, &node, config);
     outbound
         .send(message(gateway_message::Msg::Welcome(bc_proto::Welcome {
             acked_seq: agent.journal_seq,
@@ -247,13 +250,68 @@ where
     Ok(Bound { tenant, node, key, head_seq: agent.journal_seq, head_hash, sent: HashSet::new() })
 }
 
-async fn renew(state: &AppState, tenant: TenantId, node: &NodeId, config: SessionConfig) -> Result<()> {
+/// Renews a lease in this process's next batch (written within `LEASE_FLUSH_MS`).
+fn renew(state: &AppState, leases: &LeaseRenewals, tenant: TenantId, node: &NodeId, config: SessionConfig) {
     let until = state.log.clock.now_ms().saturating_add(config.lease_ms);
-    state.store.lease_renew(&tenant.to_string(), &node.to_string(), until).await
+    leases.renew(tenant.to_string(), node.to_string(), until);
+}
+
+/// How often this process writes its sessions' lease renewals, in one transaction. Far below
+/// any lease (`SessionConfig::lease_ms` is seconds), so the delay never lapses one.
+pub const LEASE_FLUSH_MS: u64 = 250;
+const _: () = assert!(LEASE_FLUSH_MS * 8 < HEARTBEAT_MS_DEFAULT * 2);
+
+/// The lease renewals of this process's sessions since the last write: one per node, the
+/// latest.
+#[derive(Default)]
+pub struct LeaseRenewals {
+    pending: Mutex<HashMap<(String, String), u64>>,
+}
+
+impl LeaseRenewals {
+    pub fn renew(&self, tenant: String, node: String, until_ms: u64) {
+        let mut pending = self.pending.lock().expect("leases lock");
+        let at = pending.entry((tenant, node)).or_insert(until_ms);
+        *at = (*at).max(until_ms);
+    }
+
+    fn take(&self) -> Vec<(String, String, u64)> {
+        std::mem::take(&mut *self.pending.lock().expect("leases lock")).into_iter().map(|((t, n), u)| (t, n, u)).collect()
+    }
+
+    /// Writes the pending renewals; on failure they wait for the next write.
+    pub async fn flush(&self, state: &AppState) {
+        let batch = self.take();
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(e) = state.store.lease_renew(&batch).await {
+            tracing::warn!(code = %e.code(), error = %e, leases = batch.len(), "writing lease renewals failed; retrying");
+            for (tenant, node, until) in batch {
+                self.renew(tenant, node, until);
+            }
+        }
+    }
+}
+
+/// Writes this process's lease renewals every `LEASE_FLUSH_MS` until the server stops.
+pub async fn write_leases(state: Arc<AppState>, sessions: Arc<Sessions>) {
+    let mut shutdown = state.shutdown.subscribe();
+    let mut ticker = tokio::time::interval(Duration::from_millis(LEASE_FLUSH_MS));
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => sessions.leases.flush(&state).await,
+            _ = shutdown.changed() => {
+                sessions.leases.flush(&state).await;
+                return;
+            }
+        }
+    }
 }
 
 async fn serve<S>(
     state: &AppState,
+    leases: &LeaseRenewals,
     config: SessionConfig,
     mut bound: Bound,
     inbound: &mut S,
@@ -269,7 +327,7 @@ where
         tokio::select! {
             message = next_message(inbound, config.lease_ms) => {
                 let reply = match message {
-                    Ok(msg) => handle(state, config, &mut bound, msg).await?,
+                    Ok(msg) => handle(state, leases, config, &mut bound, msg).await?,
                     Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
                     Err(refusal) => return Err(refusal),
                 };
@@ -292,13 +350,14 @@ fn message_of(msg: gateway_message::Msg) -> std::result::Result<bc_proto::Gatewa
 
 async fn handle(
     state: &AppState,
+    leases: &LeaseRenewals,
     config: SessionConfig,
     bound: &mut Bound,
     msg: agent_message::Msg,
 ) -> std::result::Result<Option<gateway_message::Msg>, Refusal> {
     Ok(match msg {
         agent_message::Msg::Heartbeat(_) => {
-            renew(state, bound.tenant, &bound.node, config).await?;
+            renew(state, leases, bound.tenant, &bound.node, config);
             Some(gateway_message::Msg::HeartbeatAck(bc_proto::HeartbeatAck {}))
         }
         agent_message::Msg::Entry(entry) => match append_entry(state, bound, entry).await? {
