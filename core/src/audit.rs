@@ -115,6 +115,11 @@ async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<
     Ok(out)
 }
 
+/// The newest stored checkpoint of `tenant`, if any was sealed.
+pub async fn newest_checkpoint(store: &dyn EventStore, tenant: TenantId) -> Result<Option<StoredCheckpoint>> {
+    Ok(checkpoints_of(store, tenant).await?.into_iter().max_by_key(|c| c.size))
+}
+
 /// The leaf hashes of a tenant's first `size` events (for proofs; 32 bytes per event).
 async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<Vec<merkle::Hash>> {
     let mut out = Vec::with_capacity(size as usize);

@@ -8,6 +8,7 @@
 //! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
 //! - [`chain`]: pure verification of a tenant's hash chain;
 //! - [`clock`]: time as a trait; [`id_source`]: ids as a trait, real and seeded;
+//! - [`tiles`]: the tree as C2SP `tlog-tiles` (paths, tiles, bundles, a bounded cache);
 //! - [`store`]: the `EventStore` traits (split by concern), the store algorithm written once
 //!   over a per-dialect transaction, the SQLite and PostgreSQL backends (SQL only), the
 //!   group-committing appender and the projection fold.
@@ -28,6 +29,7 @@ pub mod merkle;
 pub mod note;
 pub mod store;
 pub mod testing;
+pub mod tiles;
 pub mod webhook;
 
 pub use error::{Error, ErrorCode, Result};
