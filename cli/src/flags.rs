@@ -505,6 +505,29 @@ pub enum AuditCommand {
         #[command(flatten)]
         deployment: Deployment,
     },
+    /// A monitor: fetch the tenant's checkpoint and tiles from URL, check every new entry and the
+    /// consistency with the last checkpoint seen (kept in --state); exits 3 (AUDIT_FORK,
+    /// AUDIT_BAD_ENTRY) on a fork or a bad entry.
+    Follow {
+        /// The server's address (`http://127.0.0.1:8080`); the token is BETTER_COMPUTE_TOKEN or a
+        /// profile's (`auth login`).
+        url: String,
+        /// The log key's pin, `sha256/…`.
+        #[arg(long = "pin", env = "BETTER_COMPUTE_AUDIT_PIN")]
+        pins: Vec<String>,
+        /// A note verifier key, `NAME+KEYID+KEY`.
+        #[arg(long = "vkey")]
+        vkeys: Vec<String>,
+        /// Where the last checkpoint seen is kept (0600, replaced atomically).
+        #[arg(long, default_value = "audit-follow.json")]
+        state: PathBuf,
+        /// Check once and exit, instead of following.
+        #[arg(long)]
+        once: bool,
+        /// How long to wait between rounds when following.
+        #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+        interval: u64,
+    },
     /// Check a proof file offline against the key you trust. No database, no network.
     CheckProof {
         file: PathBuf,

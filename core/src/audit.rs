@@ -533,10 +533,18 @@ pub async fn verify(
                         node_keys.insert(node, key);
                     }
                     Some(NodeFact::Journal { origin, event_type, stream, payload }) => match node_keys.get(&origin.node_id) {
-                        None => report.problem(tenant, seq, format!("an entry of node {} that never joined this chain", origin.node_id)),
+                        None => report.problem(
+                            tenant,
+                            seq,
+                            format!("an entry of node {} that never joined this chain", origin.node_id),
+                        ),
                         Some(key) => {
                             if let Err(what) = origin.check(key, &event_type, &stream, &payload) {
-                                report.problem(tenant, seq, format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq));
+                                report.problem(
+                                    tenant,
+                                    seq,
+                                    format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq),
+                                );
                             } else {
                                 report.node_entries += 1;
                             }

@@ -8,6 +8,7 @@
 //! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
 //! - [`chain`]: pure verification of a tenant's hash chain;
 //! - [`clock`]: time as a trait; [`id_source`]: ids as a trait, real and seeded;
+//! - [`follow`]: a monitor's checks of fetched checkpoints and entries (pure);
 //! - [`tiles`]: the tree as C2SP `tlog-tiles` (paths, tiles, bundles, a bounded cache);
 //! - [`store`]: the `EventStore` traits (split by concern), the store algorithm written once
 //!   over a per-dialect transaction, the SQLite and PostgreSQL backends (SQL only), the
@@ -22,6 +23,7 @@ pub mod chain;
 pub mod clock;
 pub mod error;
 pub mod event;
+pub mod follow;
 pub mod id;
 pub mod id_source;
 pub mod keys;

@@ -68,7 +68,13 @@ pub fn encode_index(n: u64) -> String {
         }
     }
     let last = groups.len() - 1;
-    groups.iter().rev().enumerate().map(|(i, g)| if i < last { format!("x{g:03}") } else { format!("{g:03}") }).collect::<Vec<_>>().join("/")
+    groups
+        .iter()
+        .rev()
+        .enumerate()
+        .map(|(i, g)| if i < last { format!("x{g:03}") } else { format!("{g:03}") })
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// The path of a tile, an entry bundle (`level = None`) relative to the log's prefix.
@@ -290,7 +296,8 @@ impl TileSource {
             let mut out = Vec::with_capacity(tile.width as usize);
             for i in 0..tile.width {
                 // Boxed: the recursion is at most TILE_LEVEL_MAX deep.
-                let below = Box::pin(self.tile(store, tenant, level - 1, TileRef { index: start + i, width: TILE_WIDTH })).await?;
+                let below =
+                    Box::pin(self.tile(store, tenant, level - 1, TileRef { index: start + i, width: TILE_WIDTH })).await?;
                 out.push(merkle::root(&below));
             }
             out
@@ -372,7 +379,9 @@ mod tests {
                 }
             }
         }
-        for bad in ["0/x000/001", "0/1", "0/0001", "0/001.p/0", "0/001.p/256", "0/001.p/08", "8/000", "0/x1/001", "0/001/", "x/000"] {
+        for bad in
+            ["0/x000/001", "0/1", "0/0001", "0/001.p/0", "0/001.p/256", "0/001.p/08", "8/000", "0/x1/001", "0/001/", "x/000"]
+        {
             assert_eq!(parse_tile_path(bad), None, "{bad}");
         }
     }

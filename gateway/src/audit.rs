@@ -2,6 +2,7 @@
 //!
 //! - `GET /audit/{tenant}/checkpoint`: the newest sealed checkpoint (signed note, with any
 //!   witness cosignatures), short-lived (`Cache-Control: no-cache`);
+//! - `GET /audit/{tenant}/keys`: the log keys' vkeys, one per line (a pin names one of them);
 //! - `GET /audit/{tenant}/tile/{L}/{N}[.p/{W}]`: the tree's hashes;
 //! - `GET /audit/{tenant}/tile/entries/{N}[.p/{W}]`: the leaves' data (event hashes);
 //! - `GET /audit/{tenant}/tile/events/{N}[.p/{W}]`: the events themselves with their
@@ -67,7 +68,30 @@ pub async fn checkpoint(State(state): State<Arc<AppState>>, headers: HeaderMap, 
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn tile(State(state): State<Arc<AppState>>, headers: HeaderMap, Path((tenant, rest)): Path<(String, String)>) -> Response {
+/// `GET /audit/{tenant}/keys`: every log key's note verifier key (`vkey`), one per line, named
+/// as the newest checkpoint's origin names the deployment, so a monitor holding only a pin finds
+/// the public key to check with (it trusts a line only if the key matches its pin).
+pub async fn keys(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(tenant): Path<String>) -> Response {
+    let run = async {
+        let tenant = authorized(&state, &headers, &tenant).await?;
+        let (note, _) = newest(&state, tenant).await?;
+        let origin = note.lines().next().unwrap_or_default();
+        let deployment = origin.strip_suffix(&format!("/audit/{tenant}")).unwrap_or(origin);
+        let mut out = String::new();
+        for vkey in bc_core::audit::known_vkeys(&*state.store, deployment).await? {
+            out.push_str(&vkey.encode());
+            out.push('\n');
+        }
+        Ok::<_, ApiError>(bytes(CACHE_CHECKPOINT, "text/plain; charset=utf-8", out.into_bytes()))
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+pub async fn tile(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((tenant, rest)): Path<(String, String)>,
+) -> Response {
     let run = async {
         let tenant = authorized(&state, &headers, &tenant).await?;
         let path = tiles::parse_tile_path(&rest)
@@ -88,10 +112,8 @@ pub async fn tile(State(state): State<Arc<AppState>>, headers: HeaderMap, Path((
             }
             TilePath::Events(tile) => {
                 let rows = tiles::chain_rows(&*state.store, tenant, tile.index * TILE_WIDTH + 1, tile.width).await?;
-                let events: Vec<BundledEvent> = rows
-                    .into_iter()
-                    .map(|r| BundledEvent { canonical: r.canonical, key_id: r.key_id, sig: r.sig })
-                    .collect();
+                let events: Vec<BundledEvent> =
+                    rows.into_iter().map(|r| BundledEvent { canonical: r.canonical, key_id: r.key_id, sig: r.sig }).collect();
                 tiles::event_bundle(&events)
             }
         };

@@ -148,6 +148,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // authentication; the fallback gets the request as it came.
         .route("/watch", get(watch::watch))
         .route("/audit/{tenant}/checkpoint", get(audit::checkpoint))
+        .route("/audit/{tenant}/keys", get(audit::keys))
         .route("/audit/{tenant}/tile/{*rest}", get(audit::tile))
         .fallback(rpc::dispatch)
         .layer(

@@ -541,7 +541,14 @@ impl Projector for Projections {
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
             && matches!(
                 kind,
-                KIND_TENANT | KIND_API_KEY | KIND_POOL | KIND_NODE | KIND_WEBHOOK | KIND_RESERVATION | KIND_QUOTA | KIND_JOIN_TOKEN
+                KIND_TENANT
+                    | KIND_API_KEY
+                    | KIND_POOL
+                    | KIND_NODE
+                    | KIND_WEBHOOK
+                    | KIND_RESERVATION
+                    | KIND_QUOTA
+                    | KIND_JOIN_TOKEN
             )
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
@@ -689,8 +696,7 @@ impl Projector for Projections {
                 let p: NodeLiveness = payload(event)?;
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 doc.normalize();
-                let agent =
-                    doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {} has no agent", key.id)))?;
+                let agent = doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {} has no agent", key.id)))?;
                 agent.reachable = env.event_type == NODE_READY;
                 agent.lease_expires_at_ms = p.lease_expires_at_ms;
                 doc.refresh_state();
@@ -913,7 +919,11 @@ fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> R
     let command_id = env.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
     let issued = env.event_type == COMMAND_ISSUED;
     let progress: Option<CommandProgress> =
-        if matches!(env.event_type.as_str(), COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED) { Some(payload(event)?) } else { None };
+        if matches!(env.event_type.as_str(), COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED) {
+            Some(payload(event)?)
+        } else {
+            None
+        };
     match key.kind.as_str() {
         KIND_COMMAND | KIND_COMMAND_LIVE => {
             if key.kind == KIND_COMMAND_LIVE && current.is_none() && !issued {
@@ -981,7 +991,10 @@ fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> R
             };
             if issued {
                 if queue.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
-                    return Err(corrupt(event, format!("node {} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands", key.id)));
+                    return Err(corrupt(
+                        event,
+                        format!("node {} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands", key.id),
+                    ));
                 }
                 queue.pending.push(command_id);
             } else if env.event_type != COMMAND_STARTED {
