@@ -246,8 +246,27 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
 /// `audit check-proof`: offline, no database, no network. `saved` is the auditor's own earlier
 /// checkpoint, from which consistency is proved; the output's `consistency` says plainly what
 /// was checked, and a check that proved no consistency also says so on stderr.
-pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option<&Path>) -> Result<Value, CliError> {
+pub fn check_proof(
+    file: &Path,
+    pins: &[String],
+    vkeys: &[String],
+    saved: Option<&Path>,
+    witnesses: &[String],
+    witnesses_min: Option<usize>,
+) -> Result<Value, CliError> {
     let invalid = |m: String| CliError::new("INVALID_PROOF", m);
+    let witness_keys: Vec<bc_core::witness::WitnessKey> = witnesses
+        .iter()
+        .map(|w| bc_core::witness::WitnessKey::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
+        .collect::<Result<_, _>>()?;
+    // Every witness named must cosign unless --witnesses-min says fewer suffice.
+    let witnesses_min = witnesses_min.unwrap_or(witness_keys.len());
+    if witnesses_min > witness_keys.len() {
+        return Err(CliError::usage(format!(
+            "--witnesses-min {witnesses_min} is more than the {} --witness keys given",
+            witness_keys.len()
+        )));
+    }
     if pins.is_empty() && vkeys.is_empty() {
         return Err(CliError::usage("give --pin PIN (or BETTER_COMPUTE_AUDIT_PIN) or --vkey VKEY: the key you trust"));
     }
@@ -273,6 +292,15 @@ pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option
         None => None,
     };
     let proved = audit::check_proof(&text, consistency.as_deref(), saved.as_deref(), pins, &vkeys).map_err(invalid)?;
+    // The checkpoint verified under the log key; now the witnesses' cosignatures of it.
+    let checkpoint = bc_core::note::ProofFile::parse(&text).map_err(invalid)?.checkpoint;
+    let cosigned = bc_core::witness::cosigners(&checkpoint, &witness_keys);
+    if cosigned < witnesses_min {
+        return Err(invalid(format!(
+            "the proof's checkpoint is cosigned by {cosigned} of the {} witnesses given, fewer than the {witnesses_min} required",
+            witness_keys.len()
+        )));
+    }
     let (consistent_from, said) = match proved.consistency {
         audit::Consistency::FromSaved { size } => {
             (Some(size), format!("checked: the log extends your saved checkpoint (size {size})"))
@@ -316,6 +344,7 @@ pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option
             audit::Consistency::NotChecked => None,
         },
         "consistency": said,
+        "witnessesCosigned": cosigned,
     }))
 }
 

@@ -129,6 +129,10 @@ pub struct ServerArgs {
     pub listen: String,
     #[command(flatten)]
     pub sealing: Sealing,
+    /// A witness to cosign each sealed checkpoint, `NAME=URL+VKEY` (repeatable; C2SP
+    /// tlog-witness). One that is down delays only its own cosignature.
+    #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
+    pub witnesses: Vec<String>,
     #[command(flatten)]
     pub consumers: ConsumerArgs,
     /// Do not run the reconcilers in this process (run `reconcile` instead).
@@ -542,6 +546,13 @@ pub enum AuditCommand {
         /// output says what was, or was not, checked.
         #[arg(long, value_name = "CHECKPOINT")]
         saved: Option<PathBuf>,
+        /// A witness's verifier key (repeatable): the checkpoint must carry its cosignature
+        /// (C2SP tlog-cosignature, or a plain Ed25519 note signature).
+        #[arg(long = "witness", value_name = "VKEY")]
+        witnesses: Vec<String>,
+        /// How many of the --witness keys must have cosigned (default: all of them).
+        #[arg(long, value_name = "K")]
+        witnesses_min: Option<usize>,
     },
 }
 

@@ -27,6 +27,9 @@ use crate::note::{self, CheckpointBody, ConsistencyFile, ProofFile, Vkey};
 use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_rows};
 
 pub const CHECKPOINT_SEALED: &str = "checkpoint.sealed";
+/// A witness's cosignature of a sealed checkpoint (`{treeSize, witness, cosignature}`),
+/// appended to the tenant's chain; it does not make the tree "grow" for sealing.
+pub const CHECKPOINT_COSIGNED: &str = "checkpoint.cosigned";
 /// Appended to the root tenant's chain, signed by the old key, when the log key rotates.
 pub const LOG_KEY_ROTATED: &str = "log_key.rotated";
 pub const KIND_CHECKPOINT: &str = "checkpoint";
@@ -96,7 +99,64 @@ pub fn vkey_of(key: &LogKey, deployment: &str) -> Result<Vkey> {
 #[derive(Clone, Debug)]
 pub struct StoredCheckpoint {
     pub size: u64,
+    /// The note as sealed (the log's signature only), verbatim.
     pub note: String,
+    /// Witnesses' cosignature lines, in the order they came.
+    pub cosignatures: Vec<String>,
+}
+
+impl StoredCheckpoint {
+    /// The note with the witnesses' cosignature lines appended: what is served and proved.
+    pub fn cosigned_note(&self) -> String {
+        let mut out = self.note.clone();
+        for line in &self.cosignatures {
+            out.push_str(line);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// The payload of `checkpoint.cosigned`.
+pub fn cosigned_payload(size: u64, witness: &str, cosignature: &str) -> Value {
+    Value::Map(vec![
+        (Value::Text("treeSize".into()), Value::Integer(size.into())),
+        (Value::Text("witness".into()), Value::Text(witness.to_owned())),
+        (Value::Text("cosignature".into()), Value::Text(cosignature.to_owned())),
+    ])
+}
+
+/// Reads `{treeSize, witness, cosignature}` back.
+pub fn parse_cosigned_payload(payload: &Value) -> Option<(u64, String, String)> {
+    let Value::Map(entries) = payload else { return None };
+    let (mut size, mut witness, mut line) = (None, None, None);
+    for (k, v) in entries {
+        match (k, v) {
+            (Value::Text(k), Value::Integer(i)) if k == "treeSize" => size = u64::try_from(*i).ok(),
+            (Value::Text(k), Value::Text(t)) if k == "witness" => witness = Some(t.clone()),
+            (Value::Text(k), Value::Text(t)) if k == "cosignature" => line = Some(t.clone()),
+            _ => {}
+        }
+    }
+    Some((size?, witness?, line?))
+}
+
+/// Records a witness's cosignature of the checkpoint of `size` (idempotent per witness and size).
+pub async fn record_cosignature(log: &Log, tenant: TenantId, size: u64, witness: &str, line: &str) -> Result<()> {
+    log.append(AppendRequest {
+        tenant,
+        stream: format!("{KIND_CHECKPOINT}/{tenant}"),
+        expected: ExpectedVersion::Any,
+        idempotency_key: Some(format!("cosigned:{size}:{witness}")),
+        actor: "system:witness".into(),
+        causation: None,
+        correlation: None,
+        fingerprint: None,
+        guards: vec![],
+        events: vec![NewEvent::new(CHECKPOINT_COSIGNED, cosigned_payload(size, witness, line))],
+    })
+    .await?;
+    Ok(())
 }
 
 async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<StoredCheckpoint>> {
@@ -109,7 +169,11 @@ async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<
         for row in rows {
             let size = row.doc["treeSize"].as_u64().unwrap_or(0);
             let note = row.doc["note"].as_str().unwrap_or("").to_owned();
-            out.push(StoredCheckpoint { size, note });
+            let cosignatures = row.doc["cosignatures"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
+                .unwrap_or_default();
+            out.push(StoredCheckpoint { size, note, cosignatures });
         }
     }
     Ok(out)
@@ -121,7 +185,7 @@ pub async fn newest_checkpoint(store: &dyn EventStore, tenant: TenantId) -> Resu
 }
 
 /// The leaf hashes of a tenant's first `size` events (for proofs; 32 bytes per event).
-async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<Vec<merkle::Hash>> {
+pub async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<Vec<merkle::Hash>> {
     let mut out = Vec::with_capacity(size as usize);
     let mut from = 1;
     while (out.len() as u64) < size {
@@ -231,7 +295,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
                 if previous.as_ref().is_none_or(|(s, _, _)| size >= *s) {
                     previous = Some((size, note, event.envelope.seq));
                 }
-            } else {
+            } else if event.envelope.event_type != CHECKPOINT_COSIGNED {
                 grew_at = Some(event.envelope.seq);
             }
         }
@@ -279,7 +343,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
         }],
     })
     .await?;
-    Ok(Some(StoredCheckpoint { size: body.size, note: signed }))
+    Ok(Some(StoredCheckpoint { size: body.size, note: signed, cosignatures: vec![] }))
 }
 
 /// Rotates the log key: appends `log_key.rotated` (naming the new key) to the root tenant's
@@ -637,7 +701,7 @@ pub async fn prove(
     }
     let path = merkle::inclusion_proof(seq - 1, &leaves).expect("seq is within the checkpoint");
     let proof =
-        ProofFile { event: stored.canonical, vkey: signer.encode(), index: seq - 1, path, checkpoint: newest.note.clone() };
+        ProofFile { event: stored.canonical, vkey: signer.encode(), index: seq - 1, path, checkpoint: newest.cosigned_note() };
     let consistency = match saved {
         None => None,
         Some(saved) => {

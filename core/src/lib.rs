@@ -10,6 +10,7 @@
 //! - [`clock`]: time as a trait; [`id_source`]: ids as a trait, real and seeded;
 //! - [`follow`]: a monitor's checks of fetched checkpoints and entries (pure);
 //! - [`tiles`]: the tree as C2SP `tlog-tiles` (paths, tiles, bundles, a bounded cache);
+//! - [`witness`]: the C2SP tlog-witness request and cosignatures (pure);
 //! - [`store`]: the `EventStore` traits (split by concern), the store algorithm written once
 //!   over a per-dialect transaction, the SQLite and PostgreSQL backends (SQL only), the
 //!   group-committing appender and the projection fold.
@@ -33,5 +34,6 @@ pub mod store;
 pub mod testing;
 pub mod tiles;
 pub mod webhook;
+pub mod witness;
 
 pub use error::{Error, ErrorCode, Result};

@@ -48,7 +48,7 @@ async fn newest(state: &AppState, tenant: TenantId) -> Result<(String, u64), Api
     // The size is the note's own, not the row's column.
     let text = cp.note.split_once("\n\n").map(|(t, _)| format!("{t}\n")).unwrap_or_default();
     let body = CheckpointBody::parse(&text).map_err(|e| Error::Corrupt { tenant: tenant.to_string(), seq: cp.size, what: e })?;
-    Ok((cp.note, body.size))
+    Ok((cp.cosigned_note(), body.size))
 }
 
 fn bytes(cache: &'static str, content_type: &'static str, body: Vec<u8>) -> Response {

@@ -90,6 +90,7 @@ pub const EVENT_TYPES: &[&str] = &[
     COMMAND_FAILED,
     NODE_OBSERVED,
     bc_core::audit::CHECKPOINT_SEALED,
+    bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,
 ];
 

@@ -34,8 +34,8 @@ pub async fn run(ctx: &Context, command: AuditCommand) -> Result<(), CliError> {
         AuditCommand::Follow { url, pins, vkeys, state, once, interval } => {
             crate::follow::run(&url, tenant, &pins, &vkeys, &state, once, interval).await?
         }
-        AuditCommand::CheckProof { file, pins, vkeys, saved } => {
-            crate::audit::check_proof(&file, &pins, &vkeys, saved.as_deref())?
+        AuditCommand::CheckProof { file, pins, vkeys, saved, witnesses, witnesses_min } => {
+            crate::audit::check_proof(&file, &pins, &vkeys, saved.as_deref(), &witnesses, witnesses_min)?
         }
     };
     ctx.print(&value, Format::Json)
