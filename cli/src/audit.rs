@@ -227,6 +227,10 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
     write_secret_file(&next_path, format!("{}\n", new.seed_hex()).as_bytes())?;
     let log = Log::open(store.clone(), Arc::new(Projections), old.clone(), Arc::new(SystemClock)).await?;
     let seq = audit::rotate_log_key(&log, &new, bc_core::clock::Clock::now_ms(&SystemClock)).await?;
+    // The old key seals a root checkpoint covering the announcement, so a checker holding only
+    // the old pin can prove the rotation (`check-proof`, `follow`).
+    let trust = local_trust(data_dir, deployment)?;
+    let sealed = audit::seal(&log, bc_core::id::TenantId::ROOT, deployment, &trust).await?;
     let archived = data_dir.join(format!("{LOG_KEY_FILE}.{}", old.key_id()));
     std::fs::rename(data_dir.join(LOG_KEY_FILE), &archived)
         .map_err(|e| CliError::new("INTERNAL", format!("archiving the old key: {e}")))?;
@@ -238,6 +242,7 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
         "pin": new.pin(),
         "vkey": audit::vkey_of(&new, deployment)?.encode(),
         "rotationSeq": seq,
+        "rotationCheckpointSize": sealed.map(|c| c.size),
         "archived": archived.display().to_string(),
         "next": "restart running servers so they sign with the new key",
     }))
