@@ -47,9 +47,7 @@ impl Gateway {
             "http" => {
                 let loopback = host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
                 if !loopback {
-                    return Err(format!(
-                        "bcd refuses plaintext (http://) to {host}: only a loopback dev gateway may be plaintext"
-                    ));
+                    return Err(format!("bcd refuses plaintext (http://) to {host}: only a loopback dev gateway may be plaintext"));
                 }
                 Ok(Self { host, port, pin: None })
             }
@@ -121,8 +119,7 @@ struct PinVerifier {
 }
 
 fn spki_pin(cert: &CertificateDer<'_>) -> Result<String, rustls::Error> {
-    let parsed = webpki::EndEntityCert::try_from(cert)
-        .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
+    let parsed = webpki::EndEntityCert::try_from(cert).map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
     let spki = parsed.subject_public_key_info();
     Ok(format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode(Sha256::digest(spki.as_ref()))))
 }
@@ -143,21 +140,11 @@ impl ServerCertVerifier for PinVerifier {
         }
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
         verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
         verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 

@@ -87,8 +87,7 @@ impl Config {
         match &self.observe_interval {
             None => Ok(OBSERVE_INTERVAL_MS_DEFAULT),
             Some(text) => {
-                let ms =
-                    humantime::parse_duration(text).map_err(|e| format!("observe_interval {text:?}: {e}"))?.as_millis() as u64;
+                let ms = humantime::parse_duration(text).map_err(|e| format!("observe_interval {text:?}: {e}"))?.as_millis() as u64;
                 if ms < OBSERVE_INTERVAL_MS_MIN {
                     return Err(format!("observe_interval is at least {OBSERVE_INTERVAL_MS_MIN}ms"));
                 }
@@ -144,8 +143,7 @@ pub fn verify_identity(file: &IdentityFile, log_key_pin: &str, node_key: &Verify
     if bc_core::keys::pin_of(&log_key) != log_key_pin {
         return Err("the identity is signed by a log key other than the pinned one (log_key_pin)".into());
     }
-    let signature =
-        Signature::from_slice(&bc_core::agent::unb64(&file.signature)?).map_err(|_| "the signature is malformed".to_owned())?;
+    let signature = Signature::from_slice(&bc_core::agent::unb64(&file.signature)?).map_err(|_| "the signature is malformed".to_owned())?;
     log_key
         .verify(&identity_signing_message(file.identity.as_bytes()), &signature)
         .map_err(|_| "the identity's signature does not verify against the pinned log key".to_owned())?;
@@ -186,7 +184,6 @@ pub fn node_key_load_or_create(config: &Config) -> Result<SigningKey, String> {
         return read_node_key(&path);
     }
     let key = SigningKey::from_bytes(&rand::random::<[u8; 32]>());
-    bc_core::keys::write_new_file(&path, format!("{}\n", hex::encode(key.to_bytes())).as_bytes(), 0o600)
-        .map_err(|e| e.to_string())?;
+    bc_core::keys::write_new_file(&path, format!("{}\n", hex::encode(key.to_bytes())).as_bytes(), 0o600).map_err(|e| e.to_string())?;
     Ok(key)
 }

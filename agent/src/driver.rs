@@ -57,22 +57,14 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let gateway = config.gateway()?;
     let channel = gateway.channel()?;
     let journal = Arc::new(Journal::open(&config.journal_path(), node, config.unacked_max()).await.map_err(|e| match e {
-        JournalError::OtherNode { .. } => {
-            format!("{}: {e} (hint: this data directory holds another node's journal)", config.journal_path().display())
-        }
+        JournalError::OtherNode { .. } => format!("{}: {e} (hint: this data directory holds another node's journal)", config.journal_path().display()),
         other => other.to_string(),
     })?);
     let version = env!("CARGO_PKG_VERSION").to_owned();
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
-    let mut machine = Machine::new(
-        node,
-        identity.key.clone(),
-        CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(),
-        version.clone(),
-        head,
-        acked,
-    );
+    let mut machine =
+        Machine::new(node, identity.key.clone(), CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(), version.clone(), head, acked);
     let runner = Arc::new(Runner { journal: journal.clone(), key: identity.key.clone(), node, version: version.clone() });
     let status = Arc::new(Mutex::new(Status {
         node_id: identity.identity.node_id.clone(),
@@ -202,11 +194,7 @@ async fn send_entries(
         }
         for entry in entries {
             next = entry.seq + 1;
-            let msg = agent_message::Msg::Entry(bc_proto::JournalEntry {
-                seq: entry.seq,
-                body: entry.body,
-                signature: entry.signature.to_vec(),
-            });
+            let msg = agent_message::Msg::Entry(bc_proto::JournalEntry { seq: entry.seq, body: entry.body, signature: entry.signature.to_vec() });
             send(outbound, msg).await;
         }
     }
@@ -251,8 +239,7 @@ async fn run_commands(runner: Arc<Runner>, mut commands: mpsc::Receiver<bc_proto
                 }
             }
             Err(JournalError::Full(n)) => {
-                let message =
-                    format!("journal full ({n} unacknowledged entries): command {} waits for its redelivery", command.command_id);
+                let message = format!("journal full ({n} unacknowledged entries): command {} waits for its redelivery", command.command_id);
                 let _ = events.send(Event::JournalFull(message)).await;
             }
             Err(e) => tracing::error!(error = %e, "journaling a command failed"),
@@ -269,11 +256,7 @@ async fn observe(runner: Arc<Runner>, interval_ms: u64, events: mpsc::Sender<Eve
                 let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
             }
             Err(JournalError::Full(n)) => {
-                let _ = events
-                    .send(Event::JournalFull(format!(
-                        "journal full ({n} unacknowledged entries): an observation was not written"
-                    )))
-                    .await;
+                let _ = events.send(Event::JournalFull(format!("journal full ({n} unacknowledged entries): an observation was not written"))).await;
             }
             Err(e) => tracing::error!(error = %e, "journaling an observation failed"),
         }

@@ -121,11 +121,9 @@ pub async fn join(config: &Config, token: Token, token_file: Option<&Path>) -> R
         signature: bc_core::agent::b64(&response.signature),
         log_public_key: bc_core::agent::b64(&response.log_public_key),
     };
-    let checked = verify_identity(&file, &config.log_key_pin, &key.verifying_key())
-        .map_err(|e| fail(format!("the gateway's answer: {e}")))?;
+    let checked = verify_identity(&file, &config.log_key_pin, &key.verifying_key()).map_err(|e| fail(format!("the gateway's answer: {e}")))?;
     let text = serde_json::to_string_pretty(&file).map_err(|e| fail(e.to_string()))?;
-    bc_core::keys::write_new_file(&config.identity_path(), format!("{text}\n").as_bytes(), 0o600)
-        .map_err(|e| fail(e.to_string()))?;
+    bc_core::keys::write_new_file(&config.identity_path(), format!("{text}\n").as_bytes(), 0o600).map_err(|e| fail(e.to_string()))?;
     if token.source == Source::File
         && let Some(path) = token_file
     {

@@ -120,10 +120,7 @@ impl Journal {
             None => (self.acked().await?, GENESIS_HASH),
             Some(row) => {
                 let hash: Vec<u8> = row.get(1);
-                (
-                    row.get::<i64, _>(0) as u64,
-                    hash.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))?,
-                )
+                (row.get::<i64, _>(0) as u64, hash.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))?)
             }
         })
     }
@@ -147,18 +144,13 @@ impl Journal {
         let (seq, prev) = match head {
             Some(row) => {
                 let hash: Vec<u8> = row.get(1);
-                (
-                    row.get::<i64, _>(0) as u64 + 1,
-                    hash.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))?,
-                )
+                (row.get::<i64, _>(0) as u64 + 1, hash.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))?)
             }
             None => {
                 // Everything was pruned or nothing was written: continue after the acked head.
                 let acked: i64 = sqlx::query("SELECT seq FROM acked WHERE id = 1").fetch_one(&mut *tx).await?.get(0);
                 if acked > 0 {
-                    return Err(JournalError::Storage(
-                        "the journal lost its newest entry's hash (every entry was pruned)".into(),
-                    ));
+                    return Err(JournalError::Storage("the journal lost its newest entry's hash (every entry was pruned)".into()));
                 }
                 (1, GENESIS_HASH)
             }

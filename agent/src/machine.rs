@@ -92,15 +92,10 @@ pub enum Input {
     /// The stream to the gateway is open.
     Connected,
     /// It broke, closed, or could not be opened.
-    Disconnected {
-        reason: String,
-    },
+    Disconnected { reason: String },
     Received(gateway_message::Msg),
     /// The journal now ends at this entry.
-    Journaled {
-        seq: u64,
-        hash: [u8; 32],
-    },
+    Journaled { seq: u64, hash: [u8; 32] },
 }
 
 /// What to do.
@@ -110,20 +105,13 @@ pub enum Output {
     Connect,
     Send(agent_message::Msg),
     /// Send the journal's entries `from..=to`, in order.
-    SendEntries {
-        from: u64,
-        to: u64,
-    },
+    SendEntries { from: u64, to: u64 },
     /// The gateway holds every entry up to this one: the journal may mark and prune them.
-    Acknowledged {
-        seq: u64,
-    },
+    Acknowledged { seq: u64 },
     /// Run this command (the runner checks the journal first, so a redelivery runs nothing twice).
     Run(bc_proto::Command),
     /// Drop the stream.
-    Close {
-        reason: String,
-    },
+    Close { reason: String },
     /// Stop the agent (exit 1) with this message.
     Fatal(String),
 }
@@ -149,14 +137,7 @@ pub struct Machine {
 }
 
 impl Machine {
-    pub fn new(
-        node: NodeId,
-        key: SigningKey,
-        capabilities: Vec<String>,
-        version: String,
-        head: (u64, [u8; 32]),
-        acked: u64,
-    ) -> Self {
+    pub fn new(node: NodeId, key: SigningKey, capabilities: Vec<String>, version: String, head: (u64, [u8; 32]), acked: u64) -> Self {
         Self {
             node,
             key,
@@ -226,9 +207,7 @@ impl Machine {
                 self.phase = Phase::Connecting;
                 out.push(Output::Connect);
             }
-            Phase::AwaitChallenge | Phase::AwaitWelcome | Phase::Live
-                if now_ms.saturating_sub(self.last_heard_ms) > self.lease_ms =>
-            {
+            Phase::AwaitChallenge | Phase::AwaitWelcome | Phase::Live if now_ms.saturating_sub(self.last_heard_ms) > self.lease_ms => {
                 out.push(Output::Close { reason: "the gateway said nothing for a lease".into() });
                 self.disconnected(now_ms, rng, "the gateway said nothing for a lease".into(), out);
             }
@@ -287,9 +266,7 @@ impl Machine {
                 self.send_more(out);
             }
             (gateway_message::Msg::EntryRefused(refused), _) => {
-                out.push(Output::Close {
-                    reason: format!("entry {} refused: {} {}", refused.seq, refused.code, refused.message),
-                });
+                out.push(Output::Close { reason: format!("entry {} refused: {} {}", refused.seq, refused.code, refused.message) });
                 self.disconnected(now_ms, rng, "refused".into(), out);
             }
             (gateway_message::Msg::Command(command), Phase::Live) => {
@@ -342,19 +319,13 @@ mod tests {
     }
 
     fn welcome(acked: u64) -> Input {
-        Input::Received(gateway_message::Msg::Welcome(bc_proto::Welcome {
-            acked_seq: acked,
-            acked_hash: vec![],
-            lease_ms: 15_000,
-            heartbeat_ms: 5_000,
-        }))
+        Input::Received(gateway_message::Msg::Welcome(bc_proto::Welcome { acked_seq: acked, acked_hash: vec![], lease_ms: 15_000, heartbeat_ms: 5_000 }))
     }
 
     fn connect(m: &mut Machine, rng: &mut dyn Rng, now: u64) {
         assert_eq!(m.step(now, rng, Input::Tick), vec![Output::Connect]);
         assert!(matches!(m.step(now, rng, Input::Connected)[..], [Output::Send(agent_message::Msg::Hello(_))]));
-        let proof =
-            m.step(now, rng, Input::Received(gateway_message::Msg::Challenge(bc_proto::Challenge { nonce: vec![7; 32] })));
+        let proof = m.step(now, rng, Input::Received(gateway_message::Msg::Challenge(bc_proto::Challenge { nonce: vec![7; 32] })));
         assert!(matches!(proof[..], [Output::Send(agent_message::Msg::Proof(_))]));
     }
 
@@ -371,10 +342,7 @@ mod tests {
         // The stream breaks: unacknowledged entries go again in the next session.
         assert!(m.step(2, &mut rng, Input::Disconnected { reason: "reset".into() }).is_empty());
         assert!(matches!(m.phase(), Phase::Idle { retry_at_ms } if (800..=1200).contains(&(retry_at_ms - 2))));
-        let retry = match m.phase() {
-            Phase::Idle { retry_at_ms } => *retry_at_ms,
-            _ => unreachable!(),
-        };
+        let retry = match m.phase() { Phase::Idle { retry_at_ms } => *retry_at_ms, _ => unreachable!() };
         connect(&mut m, &mut rng, retry);
         assert_eq!(m.step(retry, &mut rng, welcome(40)), vec![Output::SendEntries { from: 41, to: 100 }]);
     }
@@ -409,10 +377,7 @@ mod tests {
             let mut nominal = 1_000.0f64;
             for attempt in 0..20 {
                 let delay = backoff.next_delay_ms(&mut rng) as f64;
-                assert!(
-                    delay >= nominal * 0.8 - 1.0 && delay <= nominal * 1.2 + 1.0,
-                    "seed {seed} attempt {attempt}: {delay} vs {nominal}"
-                );
+                assert!(delay >= nominal * 0.8 - 1.0 && delay <= nominal * 1.2 + 1.0, "seed {seed} attempt {attempt}: {delay} vs {nominal}");
                 nominal = (nominal * 1.6).min(120_000.0);
             }
         }

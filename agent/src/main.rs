@@ -28,50 +28,13 @@ fn command(name: &'static str) -> Command {
     let base = Command::new(name).no_binary_name(true).disable_version_flag(true).arg(config_arg());
     match name {
         "join" => base
-            .arg(
-                Arg::new("token-file")
-                    .long("token-file")
-                    .value_name("FILE")
-                    .help("read the token from this file (0600 or 0400, removed once joined)"),
-            )
-            .arg(
-                Arg::new("role")
-                    .long("role")
-                    .value_name("ROLE")
-                    .default_value("node")
-                    .help("node (the only role this build has)"),
-            )
-            .arg(
-                Arg::new("server")
-                    .long("server")
-                    .value_name("URL")
-                    .help("the gateway (https://HOST:PORT), to write config.toml when it does not exist"),
-            )
-            .arg(
-                Arg::new("serving-ca-pin")
-                    .long("serving-ca-pin")
-                    .value_name("PIN")
-                    .help("sha256/… of the gateway's serving key; must equal serving_ca_spki_pin"),
-            )
-            .arg(
-                Arg::new("log-key-pin")
-                    .long("log-key-pin")
-                    .value_name("PIN")
-                    .help("sha256/… of the log key; must equal log_key_pin"),
-            )
-            .arg(
-                Arg::new("data-dir")
-                    .long("data-dir")
-                    .value_name("DIR")
-                    .default_value(DATA_DIR_DEFAULT)
-                    .help("the data_dir a written config.toml names"),
-            )
-            .arg(
-                Arg::new("reset")
-                    .long("reset")
-                    .action(ArgAction::SetTrue)
-                    .help("move this node's identity and journal aside first"),
-            )
+            .arg(Arg::new("token-file").long("token-file").value_name("FILE").help("read the token from this file (0600 or 0400, removed once joined)"))
+            .arg(Arg::new("role").long("role").value_name("ROLE").default_value("node").help("node (the only role this build has)"))
+            .arg(Arg::new("server").long("server").value_name("URL").help("the gateway (https://HOST:PORT), to write config.toml when it does not exist"))
+            .arg(Arg::new("serving-ca-pin").long("serving-ca-pin").value_name("PIN").help("sha256/… of the gateway's serving key; must equal serving_ca_spki_pin"))
+            .arg(Arg::new("log-key-pin").long("log-key-pin").value_name("PIN").help("sha256/… of the log key; must equal log_key_pin"))
+            .arg(Arg::new("data-dir").long("data-dir").value_name("DIR").default_value(DATA_DIR_DEFAULT).help("the data_dir a written config.toml names"))
+            .arg(Arg::new("reset").long("reset").action(ArgAction::SetTrue).help("move this node's identity and journal aside first"))
             .arg(Arg::new("yes").long("yes").action(ArgAction::SetTrue).help("confirm --reset")),
         _ => base,
     }
@@ -96,14 +59,11 @@ fn usage_error(name: &str, error: clap::Error) -> ExitCode {
         Some(ContextValue::String(arg)) => Some(arg.clone()),
         _ => None,
     };
-    let flag_name = offending
-        .as_deref()
-        .and_then(|a| a.split('=').next())
-        .filter(|a| a.starts_with("--") && a.len() <= 34 && a[2..].bytes().all(|b| b.is_ascii_lowercase() || b == b'-'));
+    let flag_name = offending.as_deref().and_then(|a| a.split('=').next()).filter(|a| {
+        a.starts_with("--") && a.len() <= 34 && a[2..].bytes().all(|b| b.is_ascii_lowercase() || b == b'-')
+    });
     match error.kind() {
-        ErrorKind::UnknownArgument if flag_name.is_some() => {
-            eprintln!("bcd {name}: unknown flag {}", flag_name.unwrap_or_default())
-        }
+        ErrorKind::UnknownArgument if flag_name.is_some() => eprintln!("bcd {name}: unknown flag {}", flag_name.unwrap_or_default()),
         ErrorKind::UnknownArgument => {
             eprintln!("bcd {name}: takes no positional arguments");
             if name == "join" {
@@ -237,9 +197,7 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
         }
     };
     init_logging(Some(&config));
-    for (flag, configured) in
-        [("serving-ca-pin", config.serving_ca_spki_pin.as_deref()), ("log-key-pin", Some(config.log_key_pin.as_str()))]
-    {
+    for (flag, configured) in [("serving-ca-pin", config.serving_ca_spki_pin.as_deref()), ("log-key-pin", Some(config.log_key_pin.as_str()))] {
         if let Some(given) = matches.get_one::<String>(flag)
             && Some(given.as_str()) != configured
         {

@@ -69,8 +69,7 @@ impl Runner {
         match outcome {
             Ok(result) => self.write(self.draft(now_ms, "command.succeeded", id, result, Stage::Finished), &mut out).await?,
             Err(reason) => {
-                self.write(self.draft(now_ms, "command.failed", id, json!({ "reason": reason }), Stage::Finished), &mut out)
-                    .await?
+                self.write(self.draft(now_ms, "command.failed", id, json!({ "reason": reason }), Stage::Finished), &mut out).await?
             }
         }
         tracing::info!(command = %id, kind = %bc_core::id::truncate(&command.kind, 40), "command ran");
@@ -87,13 +86,7 @@ impl Runner {
         self.journal
             .append(
                 &self.key,
-                Draft {
-                    at_ms: now_ms,
-                    entry_type: "node.observed".into(),
-                    subject: format!("agent/{}", self.node),
-                    payload,
-                    command: None,
-                },
+                Draft { at_ms: now_ms, entry_type: "node.observed".into(), subject: format!("agent/{}", self.node), payload, command: None },
             )
             .await
     }

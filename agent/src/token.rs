@@ -89,12 +89,7 @@ pub fn from_file(path: &Path) -> Result<String, TokenError> {
 }
 
 /// The token, from the first source that has one.
-pub fn read(
-    from_env: Option<String>,
-    stdin_is_terminal: bool,
-    stdin: &mut impl Read,
-    file: Option<&Path>,
-) -> Result<Token, TokenError> {
+pub fn read(from_env: Option<String>, stdin_is_terminal: bool, stdin: &mut impl Read, file: Option<&Path>) -> Result<Token, TokenError> {
     if let Some(secret) = from_env {
         return Ok(Token { secret, source: Source::Environment });
     }

@@ -22,9 +22,9 @@ use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_gateway::AppState;
 use bc_gateway::agents::{AgentService, SessionConfig, Transport};
-use bc_projections::Projections;
 use bc_proto::agent_client::AgentClient;
 use bc_proto::gateway_message;
+use bc_projections::Projections;
 use serde_json::{Value, json};
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -75,17 +75,11 @@ fn main() {
         println!("  replay / raw                                  {:>10.2}", replay_rate / raw_rate);
         println!("  sessions over TLS                             {:>10}", SESSIONS);
         println!("  gateway memory per session                    {:>10.1} KiB   (goal ≤ 100)", sessions.per_session_kib);
-        println!(
-            "  heartbeat round trip p50 / p99                {:>6.2} / {:.2} ms ({} samples)",
-            sessions.heartbeat_p50_ms, sessions.heartbeat_p99_ms, sessions.heartbeats
-        );
+        println!("  heartbeat round trip p50 / p99                {:>6.2} / {:.2} ms ({} samples)", sessions.heartbeat_p50_ms, sessions.heartbeat_p99_ms, sessions.heartbeats);
         println!("  after a restart: reconnects per 100 ms peak   {:>10}", sessions.peak);
         println!("                   mean over the window         {:>10.1}", sessions.mean);
         println!("                   peak / mean                  {:>10.2}   (goal ≤ 3)", sessions.peak as f64 / sessions.mean);
-        println!(
-            "                   every agent back after       {:>10.1} s (goal ≤ 120; {} of {} back)",
-            sessions.all_back_s, sessions.back, SESSIONS
-        );
+        println!("                   every agent back after       {:>10.1} s (goal ≤ 120; {} of {} back)", sessions.all_back_s, sessions.back, SESSIONS);
     });
 }
 
@@ -97,16 +91,7 @@ async fn replay() -> (f64, f64, f64) {
     let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(SystemClock)).await.unwrap());
     let token = Arc::new(Mutex::new(String::new()));
     let t2 = token.clone();
-    bc_gateway::bootstrap_root(
-        &log,
-        move |t| {
-            *t2.lock().unwrap() = t.to_owned();
-            Ok(())
-        },
-        || {},
-    )
-    .await
-    .unwrap();
+    bc_gateway::bootstrap_root(&log, move |t| { *t2.lock().unwrap() = t.to_owned(); Ok(()) }, || {}).await.unwrap();
     let token = token.lock().unwrap().clone();
     let state = Arc::new(AppState::new(log.clone()));
     let http_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -118,13 +103,11 @@ async fn replay() -> (f64, f64, f64) {
     tokio::spawn(bc_gateway::agents::serve(agents_listener, Transport::Plaintext, service, std::future::pending()));
     let http = reqwest::Client::new();
     let pool = call(&http, &url, &token, "pools.create", json!({ "name": "bench" })).await["poolId"].as_str().unwrap().to_owned();
-    let secret =
-        call(&http, &url, &token, "joinTokens.create", json!({ "poolId": pool })).await["token"].as_str().unwrap().to_owned();
+    let secret = call(&http, &url, &token, "joinTokens.create", json!({ "poolId": pool })).await["token"].as_str().unwrap().to_owned();
 
     let machine_dir = dir.path().join("machine");
     let config = agent_config(&machine_dir, &agents, None, &key.pin());
-    let joined =
-        bc_agent::join::join(&config, bc_agent::token::Token { secret, source: bc_agent::token::Source::Stdin }, None).await;
+    let joined = bc_agent::join::join(&config, bc_agent::token::Token { secret, source: bc_agent::token::Source::Stdin }, None).await;
     assert!(joined.is_ok(), "the bench's join failed");
     let identity = load_identity(&config).unwrap().unwrap();
     let node: bc_core::id::NodeId = identity.identity.node_id.parse().unwrap();
@@ -157,19 +140,11 @@ async fn replay() -> (f64, f64, f64) {
 
     // Baseline: the same number of single-event appends of the same size, one at a time.
     let tenant = bc_core::id::TenantId::ROOT;
-    let payload = bc_core::canonical::from_json(
-        &json!({ "nodeId": node.to_string(), "uptimeS": 1, "loadAvg1Milli": 1, "memAvailableKiB": 1, "pad": "x".repeat(600) }),
-    )
-    .unwrap();
+    let payload = bc_core::canonical::from_json(&json!({ "nodeId": node.to_string(), "uptimeS": 1, "loadAvg1Milli": 1, "memAvailableKiB": 1, "pad": "x".repeat(600) })).unwrap();
     let started = Instant::now();
     for i in 0..REPLAY_ENTRIES {
-        let mut request = AppendRequest::new(
-            tenant,
-            format!("bench/{node}"),
-            ExpectedVersion::Any,
-            "bench",
-            vec![NewEvent::new("bench.raw", payload.clone())],
-        );
+        let mut request =
+            AppendRequest::new(tenant, format!("bench/{node}"), ExpectedVersion::Any, "bench", vec![NewEvent::new("bench.raw", payload.clone())]);
         request.idempotency_key = Some(format!("bench:{i}"));
         log.append(request).await.unwrap();
     }
@@ -230,13 +205,7 @@ struct Shared {
 }
 
 /// One agent: the real session machine over a real channel; no journal.
-async fn agent(
-    gateway: bc_agent::client::Gateway,
-    node: bc_core::id::NodeId,
-    key: ed25519_dalek::SigningKey,
-    seed: u64,
-    shared: Arc<Mutex<Shared>>,
-) {
+async fn agent(gateway: bc_agent::client::Gateway, node: bc_core::id::NodeId, key: ed25519_dalek::SigningKey, seed: u64, shared: Arc<Mutex<Shared>>) {
     let mut machine = Machine::new(node, key, vec![], "bench".into(), (0, bc_core::agent::GENESIS_HASH), 0);
     let mut rng = SeededRng(seed);
     let channel = gateway.channel().unwrap();
@@ -308,7 +277,8 @@ async fn sessions() -> SessionFigures {
     let token = std::fs::read_to_string(dir.path().join("admin.token")).unwrap().trim().to_owned();
     let http = reqwest::Client::new();
     let pool = call(&http, &url, &token, "pools.create", json!({ "name": "bench" })).await["poolId"].as_str().unwrap().to_owned();
-    let secret = call(&http, &url, &token, "joinTokens.create", json!({ "poolId": pool, "uses": SESSIONS })).await["token"]
+    let secret = call(&http, &url, &token, "joinTokens.create", json!({ "poolId": pool, "uses": SESSIONS }))
+        .await["token"]
         .as_str()
         .unwrap()
         .to_owned();

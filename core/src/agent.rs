@@ -106,8 +106,7 @@ pub fn join_token_parse(token: &str) -> Result<(crate::id::JoinTokenId, String),
 /// Whether `text` looks like a join token's secret (so it is never sent, logged or echoed as
 /// an id).
 pub fn looks_like_join_token(text: &str) -> bool {
-    text.starts_with(JOIN_TOKEN_PREFIX)
-        || text.len() > 40 && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    text.starts_with(JOIN_TOKEN_PREFIX) || text.len() > 40 && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// A node's public key from its 32 bytes.
@@ -237,7 +236,8 @@ impl SignedEntry {
     pub fn verify(seq: u64, body: &[u8], signature: &[u8], key: &VerifyingKey) -> Result<(EntryBody, [u8; 32]), String> {
         let hash = sha256(body);
         let signature = Signature::from_slice(signature).map_err(|_| "the signature is not 64 bytes".to_owned())?;
-        key.verify(&journal_signing_message(&hash), &signature).map_err(|_| "the node's signature does not verify".to_owned())?;
+        key.verify(&journal_signing_message(&hash), &signature)
+            .map_err(|_| "the node's signature does not verify".to_owned())?;
         let entry = EntryBody::decode(body)?;
         if entry.seq != seq {
             return Err(format!("the frame says entry {seq} but the body says {}", entry.seq));
@@ -267,13 +267,7 @@ impl JournalOrigin {
     /// Checks the node's signature over the body and that the event says what the entry said:
     /// the event's type and stream are the entry's, and its payload is the entry's payload
     /// with this origin beside it.
-    pub fn check(
-        &self,
-        key: &VerifyingKey,
-        event_type: &str,
-        stream: &str,
-        payload: &serde_json::Value,
-    ) -> Result<EntryBody, String> {
+    pub fn check(&self, key: &VerifyingKey, event_type: &str, stream: &str, payload: &serde_json::Value) -> Result<EntryBody, String> {
         let body = unb64(&self.body)?;
         let signature = unb64(&self.signature)?;
         let (entry, _) = SignedEntry::verify(self.seq, &body, &signature, key)?;

@@ -74,11 +74,7 @@ impl Machine {
             child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
         }
         let out = child.wait_with_output().unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into(),
-            String::from_utf8_lossy(&out.stderr).into(),
-        )
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
     }
 
     fn join_stdin(&self, token: &str) -> (i32, String, String) {
@@ -232,8 +228,7 @@ async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_to
     let doc = wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
     assert_eq!(doc["poolId"], pool.as_str());
     assert_eq!(doc["agent"]["reachable"], true);
-    let status =
-        wait_until("bcd status says live", Duration::from_secs(10), || machine.status().filter(|s| s["session"] == "live"));
+    let status = wait_until("bcd status says live", Duration::from_secs(10), || machine.status().filter(|s| s["session"] == "live"));
     assert_eq!(status["nodeId"], node.as_str());
 
     // A spent token is refused, and the refusal does not quote it.
@@ -334,17 +329,13 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
     assert!(seqs.values().all(|n| *n == 1), "an entry appended twice");
     assert_eq!(seqs.keys().copied().collect::<Vec<_>>(), (1..=head).collect::<Vec<_>>(), "every entry, none missing");
     for command in &commands {
-        let started =
-            journaled.iter().filter(|e| e["type"] == "command.started" && e["payload"]["commandId"] == command.as_str()).count();
-        let succeeded = journaled
-            .iter()
-            .filter(|e| e["type"] == "command.succeeded" && e["payload"]["commandId"] == command.as_str())
-            .count();
+        let started = journaled.iter().filter(|e| e["type"] == "command.started" && e["payload"]["commandId"] == command.as_str()).count();
+        let succeeded =
+            journaled.iter().filter(|e| e["type"] == "command.succeeded" && e["payload"]["commandId"] == command.as_str()).count();
         assert_eq!((started, succeeded), (1, 1), "command {command} ran once");
     }
     // The chains verify, the node's signatures included.
-    let (code, out, err) =
-        server.cli(&["audit", "verify", "--data-dir", &server.data_dir.display().to_string(), "--format", "json"]);
+    let (code, out, err) = server.cli(&["audit", "verify", "--data-dir", &server.data_dir.display().to_string(), "--format", "json"]);
     assert_eq!(code, 0, "audit verify: {out} {err}");
     let report = json(&out);
     assert_eq!(report["ok"], true, "{report}");
@@ -395,11 +386,7 @@ fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
     let dir = tempfile::tempdir().unwrap();
     let run = |args: &[&str]| {
         let out = Command::new(bc_tests::binary("bcd")).args(args).stdin(Stdio::null()).output().unwrap();
-        (
-            out.status.code().unwrap(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        (out.status.code().unwrap(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let pasted = "bcjt_jt_01jd0000000000000000000000_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0";
     let (code, out, err) = run(&["join", pasted]);
@@ -418,11 +405,7 @@ fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
     // Not joined: exit 1 with the reference's message.
     let config = dir.path().join("config.toml");
     let pin = "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
-    std::fs::write(
-        &config,
-        format!("data_dir = {:?}\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = {pin:?}\n", dir.path().display().to_string()),
-    )
-    .unwrap();
+    std::fs::write(&config, format!("data_dir = {:?}\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = {pin:?}\n", dir.path().display().to_string())).unwrap();
     let (code, _, err) = run(&["node", "--config", &config.display().to_string()]);
     assert_eq!(code, 1);
     assert!(err.contains("this node has not joined (run bcd join)"), "{err}");
@@ -430,11 +413,7 @@ fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
     let (code, _, err) = run(&["join", "--config", &config.display().to_string()]);
     assert_eq!(code, 2, "{err}");
     // Plaintext to another address is refused.
-    std::fs::write(
-        &config,
-        format!("data_dir = {:?}\ngateway = \"http://10.1.2.3:7444\"\nlog_key_pin = {pin:?}\n", dir.path().display().to_string()),
-    )
-    .unwrap();
+    std::fs::write(&config, format!("data_dir = {:?}\ngateway = \"http://10.1.2.3:7444\"\nlog_key_pin = {pin:?}\n", dir.path().display().to_string())).unwrap();
     let (code, _, err) = run(&["node", "--config", &config.display().to_string()]);
     assert_eq!(code, 1);
     assert!(err.contains("refuses plaintext"), "{err}");
@@ -463,11 +442,7 @@ async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_
     assert_eq!(code, 2);
     assert!(out.contains("identity.json") && second.data().join("identity.json").exists(), "{out}");
     let old_node = second.node_id();
-    let (code, out, err) = second.bcd(
-        &["join", "--reset", "--yes", "--config", &second.config()],
-        &[("BCD_JOIN_TOKEN", &token(&server, &pool, 1).await)],
-        None,
-    );
+    let (code, out, err) = second.bcd(&["join", "--reset", "--yes", "--config", &second.config()], &[("BCD_JOIN_TOKEN", &token(&server, &pool, 1).await)], None);
     assert_eq!(code, 0, "{out} {err}");
     assert!(out.contains("moved") && out.contains("joined as node_"), "{out}");
     assert_ne!(second.node_id(), old_node, "a new identity");

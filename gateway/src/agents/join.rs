@@ -44,9 +44,7 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
     let row = state.store.row_find(KIND_JOIN_TOKEN, &token_id.to_string()).await?.ok_or_else(|| refused("unknown join token"))?;
     let tenant: TenantId = row.key.tenant.parse()?;
     let stored = state.store.secret_get(tenant, &token_id.to_string()).await?;
-    if !stored
-        .is_some_and(|hash| constant_time_eq(hash.as_bytes(), secret_sha256.as_bytes()) && hash.len() == secret_sha256.len())
-    {
+    if !stored.is_some_and(|hash| constant_time_eq(hash.as_bytes(), secret_sha256.as_bytes()) && hash.len() == secret_sha256.len()) {
         return Err(refused("unknown join token"));
     }
     for _ in 0..JOIN_ATTEMPTS_MAX {

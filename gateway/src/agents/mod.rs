@@ -67,12 +67,7 @@ pub struct AgentService {
 
 impl AgentService {
     pub fn new(state: Arc<AppState>, config: SessionConfig) -> Self {
-        Self {
-            state,
-            sessions: Arc::new(Sessions::default()),
-            config,
-            joins: Arc::new(tokio::sync::Semaphore::new(JOINS_CONCURRENT_MAX)),
-        }
+        Self { state, sessions: Arc::new(Sessions::default()), config, joins: Arc::new(tokio::sync::Semaphore::new(JOINS_CONCURRENT_MAX)) }
     }
 }
 
@@ -96,10 +91,7 @@ impl Agent for AgentService {
 
     type SessionStream = ReceiverStream<Result<bc_proto::GatewayMessage, Status>>;
 
-    async fn session(
-        &self,
-        request: Request<Streaming<bc_proto::AgentMessage>>,
-    ) -> Result<Response<Self::SessionStream>, Status> {
+    async fn session(&self, request: Request<Streaming<bc_proto::AgentMessage>>) -> Result<Response<Self::SessionStream>, Status> {
         let inbound = request.into_inner();
         let (outbound, stream) = tokio::sync::mpsc::channel(session::SESSION_OUTBOUND_MESSAGES);
         tokio::spawn(session::run(self.state.clone(), self.sessions.clone(), self.config, inbound, outbound));
@@ -205,8 +197,7 @@ pub async fn serve(
                 Some(acceptor) => {
                     let acceptor = acceptor.clone();
                     tokio::spawn(async move {
-                        let handshake =
-                            tokio::time::timeout(Duration::from_millis(TLS_HANDSHAKE_TIMEOUT_MS), acceptor.accept(stream));
+                        let handshake = tokio::time::timeout(Duration::from_millis(TLS_HANDSHAKE_TIMEOUT_MS), acceptor.accept(stream));
                         match handshake.await {
                             Ok(Ok(tls)) => {
                                 let _ = connections.send(Ok(AgentConn::Tls(Box::new(tls), permit))).await;

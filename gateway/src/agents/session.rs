@@ -178,12 +178,7 @@ where
     }
 }
 
-async fn handshake<S>(
-    state: &AppState,
-    inbound: &mut S,
-    outbound: &Outbound,
-    config: SessionConfig,
-) -> std::result::Result<Bound, Refusal>
+async fn handshake<S>(state: &AppState, inbound: &mut S, outbound: &Outbound, config: SessionConfig) -> std::result::Result<Bound, Refusal>
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
@@ -322,11 +317,7 @@ type EntryOutcome = std::result::Result<u64, (u64, &'static str, String)>;
 
 /// Checks one entry and appends it once. `Ok(Err(..))` is the node's fault (refused, with a
 /// stable code); `Err` is the gateway's (the session ends, the node retries later).
-async fn append_entry(
-    state: &AppState,
-    bound: &mut Bound,
-    entry: bc_proto::JournalEntry,
-) -> std::result::Result<EntryOutcome, Refusal> {
+async fn append_entry(state: &AppState, bound: &mut Bound, entry: bc_proto::JournalEntry) -> std::result::Result<EntryOutcome, Refusal> {
     let seq = entry.seq;
     let refuse_entry = |code: &'static str, message: String| Ok(Err((seq, code, message)));
     if entry.body.len() > bc_proto::ENTRY_BODY_BYTES_MAX {
@@ -348,19 +339,13 @@ async fn append_entry(
         return Ok(Ok(seq));
     }
     if seq != bound.head_seq + 1 {
-        return refuse_entry(
-            "JOURNAL_GAP",
-            format!("the log holds entries up to {}; send {} next", bound.head_seq, bound.head_seq + 1),
-        );
+        return refuse_entry("JOURNAL_GAP", format!("the log holds entries up to {}; send {} next", bound.head_seq, bound.head_seq + 1));
     }
     if body.prev != bound.head_hash {
         return refuse_entry("JOURNAL_LINK", format!("prev is not the hash of entry {}", bound.head_seq));
     }
     if !NODE_ORIGINATED_TYPES.contains(&body.entry_type.as_str()) {
-        return refuse_entry(
-            "INVALID_ARGUMENT",
-            format!("a node does not report {}", bc_core::id::truncate(&body.entry_type, 64)),
-        );
+        return refuse_entry("INVALID_ARGUMENT", format!("a node does not report {}", bc_core::id::truncate(&body.entry_type, 64)));
     }
     if let Err(why) = check_entry_subject(state, bound, &body).await? {
         return refuse_entry("INVALID_ARGUMENT", why);
@@ -478,8 +463,7 @@ pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_
                 for event in &events {
                     after = event.position;
                     let t = event.envelope.event_type.as_str();
-                    if (t == ev::COMMAND_ISSUED || t == ev::COMMAND_CANCELLED)
-                        && !sessions.is_empty()
+                    if (t == ev::COMMAND_ISSUED || t == ev::COMMAND_CANCELLED) && !sessions.is_empty()
                         && let Some(node) = canonical::to_json(&event.envelope.payload).get("nodeId").and_then(|n| n.as_str())
                     {
                         sessions.nudge(node);

@@ -39,7 +39,9 @@ pub fn spki_pin(cert: &CertificateDer<'_>) -> Result<String> {
 impl ServingIdentity {
     /// From PEM files given by flags (`--agents-tls-cert`, `--agents-tls-key`).
     pub fn load(cert: &Path, key: &Path) -> Result<Self> {
-        let read = |path: &Path| std::fs::read(path).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())));
+        let read = |path: &Path| {
+            std::fs::read(path).map_err(|e| Error::invalid(format!("cannot read {}: {e}", path.display())))
+        };
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(cert)?)
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| Error::invalid(format!("{}: not a PEM certificate chain: {e}", cert.display())))?;
@@ -60,10 +62,7 @@ impl ServingIdentity {
             _ => {
                 return Err(Error::InvalidArgument {
                     message: format!("only one of {} and {} exists", cert_path.display(), key_path.display()),
-                    hint: Some(
-                        "restore the other, or move both away to make a new certificate (agents must then pin the new one)"
-                            .into(),
-                    ),
+                    hint: Some("restore the other, or move both away to make a new certificate (agents must then pin the new one)".into()),
                 });
             }
         }

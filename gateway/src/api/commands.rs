@@ -4,14 +4,14 @@
 //! `command.succeeded` or `command.failed`, which come back into the log through the journal. A
 //! command not run by its deadline fails.
 
-use bc_core::Error;
 use bc_core::Result;
 use bc_core::id::{CommandId, NodeId, TenantId};
 use bc_core::store::ExpectedVersion;
+use bc_core::Error;
 use bc_projections::events as ev;
 use bc_projections::{
-    COMMANDS_PENDING_PER_NODE_MAX, CommandDoc, CommandState, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc,
-    NodeDoc, stream_of,
+    COMMANDS_PENDING_PER_NODE_MAX, CommandDoc, CommandState, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc,
+    stream_of,
 };
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -20,8 +20,8 @@ use serde_json::Value;
 use schemars::json_schema;
 
 use super::toolkit::{
-    CommandIdText, CursorText, LimitNumber, NodeIdText, Page, ReservationIdText, TenantIdText, doc, list_rows, parse_id,
-    stream_id, string_schema,
+    string_schema, CommandIdText, CursorText, LimitNumber, NodeIdText, Page, ReservationIdText, TenantIdText, doc, list_rows, parse_id,
+    stream_id,
 };
 use super::views::CommandView;
 use super::{Access, Call, Method, method};
@@ -245,10 +245,7 @@ async fn commands_cancel(call: &Call<'_>, input: CommandRef) -> Result<CommandVi
     if current.state != CommandState::Issued && current.state != CommandState::Started {
         return Ok(current.into());
     }
-    let payload = ev::to_cbor(&ev::CommandCancelled {
-        node_id: current.node_id.clone(),
-        reason: format!("cancelled by {}", call.actor()),
-    })?;
+    let payload = ev::to_cbor(&ev::CommandCancelled { node_id: current.node_id.clone(), reason: format!("cancelled by {}", call.actor()) })?;
     call.append(tenant, stream_of(KIND_COMMAND, &id), ExpectedVersion::Exact(current.version), ev::COMMAND_CANCELLED, payload)
         .await?;
     Ok(command_doc(call, tenant, &id).await?.into())

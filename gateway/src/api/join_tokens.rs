@@ -14,8 +14,8 @@ use serde::Deserialize;
 
 use super::pools::pool_doc;
 use super::toolkit::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, JoinTokenIdText, LimitNumber, Page, PoolIdText, TenantIdText, doc,
-    list_rows, parse_id, stream_id, validate_text,
+    CursorText, DescriptionText, JoinTokenIdText, LimitNumber, Page, PoolIdText, TenantIdText, doc, list_rows, parse_id,
+    stream_id, validate_text, DESCRIPTION_CHARS_MAX,
 };
 use super::views::{JoinTokenCreatedView, JoinTokenView};
 use super::{Access, Call, Method, method};
