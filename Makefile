@@ -7,7 +7,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres schemathesis
+.PHONY: dev test bench lint fmt build check-postgres schemathesis witness
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -21,7 +21,7 @@ build:
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
 ## property, and end-to-end tests that start the real binaries; first the OpenAPI document is
 ## tested from outside by schemathesis against a running `dev` (installed by the script itself).
-test: check-postgres build
+test: check-postgres build witness
 	scripts/schemathesis
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast $(TEST_FEATURES); \
@@ -29,6 +29,13 @@ test: check-postgres build
 		echo "cargo-nextest not found; using cargo test"; \
 		$(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES); \
 	fi
+
+## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
+## pinned), installed under target/tools/ once; a second run finds it and does nothing.
+WITNESS_BIN := target/tools/bin/witness
+witness: $(WITNESS_BIN)
+$(WITNESS_BIN):
+	$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools
 
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:

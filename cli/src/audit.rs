@@ -227,6 +227,10 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
     write_secret_file(&next_path, format!("{}\n", new.seed_hex()).as_bytes())?;
     let log = Log::open(store.clone(), Arc::new(Projections), old.clone(), Arc::new(SystemClock)).await?;
     let seq = audit::rotate_log_key(&log, &new, bc_core::clock::Clock::now_ms(&SystemClock)).await?;
+    // The old key seals a root checkpoint covering the announcement, so a checker holding only
+    // the old pin can prove the rotation (`check-proof`, `follow`).
+    let trust = local_trust(data_dir, deployment)?;
+    let sealed = audit::seal(&log, bc_core::id::TenantId::ROOT, deployment, &trust).await?;
     let archived = data_dir.join(format!("{LOG_KEY_FILE}.{}", old.key_id()));
     std::fs::rename(data_dir.join(LOG_KEY_FILE), &archived)
         .map_err(|e| CliError::new("INTERNAL", format!("archiving the old key: {e}")))?;
@@ -238,6 +242,7 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
         "pin": new.pin(),
         "vkey": audit::vkey_of(&new, deployment)?.encode(),
         "rotationSeq": seq,
+        "rotationCheckpointSize": sealed.map(|c| c.size),
         "archived": archived.display().to_string(),
         "next": "restart running servers so they sign with the new key",
     }))
@@ -246,8 +251,27 @@ pub async fn rotate_log_key(db: &Database, data_dir: &Path, deployment: &str) ->
 /// `audit check-proof`: offline, no database, no network. `saved` is the auditor's own earlier
 /// checkpoint, from which consistency is proved; the output's `consistency` says plainly what
 /// was checked, and a check that proved no consistency also says so on stderr.
-pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option<&Path>) -> Result<Value, CliError> {
+pub fn check_proof(
+    file: &Path,
+    pins: &[String],
+    vkeys: &[String],
+    saved: Option<&Path>,
+    witnesses: &[String],
+    witnesses_min: Option<usize>,
+) -> Result<Value, CliError> {
     let invalid = |m: String| CliError::new("INVALID_PROOF", m);
+    let witness_keys: Vec<bc_core::witness::WitnessKey> = witnesses
+        .iter()
+        .map(|w| bc_core::witness::WitnessKey::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
+        .collect::<Result<_, _>>()?;
+    // Every witness named must cosign unless --witnesses-min says fewer suffice.
+    let witnesses_min = witnesses_min.unwrap_or(witness_keys.len());
+    if witnesses_min > witness_keys.len() {
+        return Err(CliError::usage(format!(
+            "--witnesses-min {witnesses_min} is more than the {} --witness keys given",
+            witness_keys.len()
+        )));
+    }
     if pins.is_empty() && vkeys.is_empty() {
         return Err(CliError::usage("give --pin PIN (or BETTER_COMPUTE_AUDIT_PIN) or --vkey VKEY: the key you trust"));
     }
@@ -273,6 +297,15 @@ pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option
         None => None,
     };
     let proved = audit::check_proof(&text, consistency.as_deref(), saved.as_deref(), pins, &vkeys).map_err(invalid)?;
+    // The checkpoint verified under the log key; now the witnesses' cosignatures of it.
+    let checkpoint = bc_core::note::ProofFile::parse(&text).map_err(invalid)?.checkpoint;
+    let cosigned = bc_core::witness::cosigners(&checkpoint, &witness_keys);
+    if cosigned < witnesses_min {
+        return Err(invalid(format!(
+            "the proof's checkpoint is cosigned by {cosigned} of the {} witnesses given, fewer than the {witnesses_min} required",
+            witness_keys.len()
+        )));
+    }
     let (consistent_from, said) = match proved.consistency {
         audit::Consistency::FromSaved { size } => {
             (Some(size), format!("checked: the log extends your saved checkpoint (size {size})"))
@@ -316,6 +349,7 @@ pub fn check_proof(file: &Path, pins: &[String], vkeys: &[String], saved: Option
             audit::Consistency::NotChecked => None,
         },
         "consistency": said,
+        "witnessesCosigned": cosigned,
     }))
 }
 

@@ -31,7 +31,12 @@ impl CliError {
 
     /// 2 for a usage mistake, 1 for everything else.
     pub fn exit_status(&self) -> u8 {
-        if matches!(self.code.as_str(), "INVALID_ARGUMENT" | "INVALID_COMMAND") { 2 } else { 1 }
+        match self.code.as_str() {
+            "INVALID_ARGUMENT" | "INVALID_COMMAND" => 2,
+            // What a monitor exists to find (`audit follow`): stable, apart from any other failure.
+            "AUDIT_FORK" | "AUDIT_BAD_ENTRY" => 3,
+            _ => 1,
+        }
     }
 }
 

@@ -129,6 +129,10 @@ pub struct ServerArgs {
     pub listen: String,
     #[command(flatten)]
     pub sealing: Sealing,
+    /// A witness to cosign each sealed checkpoint, `NAME=URL+VKEY` (repeatable; C2SP
+    /// tlog-witness). One that is down delays only its own cosignature.
+    #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
+    pub witnesses: Vec<String>,
     #[command(flatten)]
     pub consumers: ConsumerArgs,
     /// Do not run the reconcilers in this process (run `reconcile` instead).
@@ -505,6 +509,29 @@ pub enum AuditCommand {
         #[command(flatten)]
         deployment: Deployment,
     },
+    /// A monitor: fetch the tenant's checkpoint and tiles from URL, check every new entry and the
+    /// consistency with the last checkpoint seen (kept in --state); exits 3 (AUDIT_FORK,
+    /// AUDIT_BAD_ENTRY) on a fork or a bad entry.
+    Follow {
+        /// The server's address (`http://127.0.0.1:8080`); the token is BETTER_COMPUTE_TOKEN or a
+        /// profile's (`auth login`).
+        url: String,
+        /// The log key's pin, `sha256/…`.
+        #[arg(long = "pin", env = "BETTER_COMPUTE_AUDIT_PIN")]
+        pins: Vec<String>,
+        /// A note verifier key, `NAME+KEYID+KEY`.
+        #[arg(long = "vkey")]
+        vkeys: Vec<String>,
+        /// Where the last checkpoint seen is kept (0600, replaced atomically).
+        #[arg(long, default_value = "audit-follow.json")]
+        state: PathBuf,
+        /// Check once and exit, instead of following.
+        #[arg(long)]
+        once: bool,
+        /// How long to wait between rounds when following.
+        #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+        interval: u64,
+    },
     /// Check a proof file offline against the key you trust. No database, no network.
     CheckProof {
         file: PathBuf,
@@ -519,6 +546,13 @@ pub enum AuditCommand {
         /// output says what was, or was not, checked.
         #[arg(long, value_name = "CHECKPOINT")]
         saved: Option<PathBuf>,
+        /// A witness's verifier key (repeatable): the checkpoint must carry its cosignature
+        /// (C2SP tlog-cosignature, or a plain Ed25519 note signature).
+        #[arg(long = "witness", value_name = "VKEY")]
+        witnesses: Vec<String>,
+        /// How many of the --witness keys must have cosigned (default: all of them).
+        #[arg(long, value_name = "K")]
+        witnesses_min: Option<usize>,
     },
 }
 

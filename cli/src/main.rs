@@ -28,6 +28,7 @@ mod client;
 mod commands;
 mod credentials;
 mod flags;
+mod follow;
 mod output;
 mod server;
 mod tables;

@@ -417,6 +417,7 @@ pub async fn run_server(
     migrate_first: bool,
     checkpoint_interval_s: u64,
     deployment: &str,
+    witnesses: &[String],
     consumers: Option<&ConsumerOptions>,
     policy: EndpointPolicy,
     limits: bc_gateway::ServeLimits,
@@ -490,6 +491,19 @@ pub async fn run_server(
             bc_reconcilers::checkpoints::run(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust, stopped.clone());
         sealer = Some(tokio::spawn(run));
     }
+    // Witnesses cosign what was sealed; like sealing, the server's own duty.
+    let mut witnessing = None;
+    if !witnesses.is_empty() {
+        if witnesses.len() > bc_core::witness::WITNESSES_MAX {
+            return Err(CliError::usage(format!("at most {} --witness", bc_core::witness::WITNESSES_MAX)));
+        }
+        let parsed: Vec<bc_reconcilers::witnesses::Witness> = witnesses
+            .iter()
+            .map(|w| bc_reconcilers::witnesses::Witness::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
+            .collect::<Result<_, _>>()?;
+        println!("  witnesses: {}", parsed.iter().map(|w| w.label.as_str()).collect::<Vec<_>>().join(", "));
+        witnessing = Some(tokio::spawn(bc_reconcilers::witnesses::run(log.clone(), parsed, stopped.clone())));
+    }
     let tasks = match consumers {
         Some(options) => {
             println!("  reconcilers: {} (in process)", RECONCILERS.join(", "));
@@ -533,7 +547,7 @@ pub async fn run_server(
     let http_served = bc_gateway::serve(listener, state, on_signal(signalled));
     let (served, agents_served) = tokio::join!(http_served, agents_served);
     let _ = stop.send(true);
-    for task in tasks.into_iter().chain(sealer) {
+    for task in tasks.into_iter().chain(sealer).chain(witnessing) {
         let _ = task.await;
     }
     served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;

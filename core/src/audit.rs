@@ -27,6 +27,9 @@ use crate::note::{self, CheckpointBody, ConsistencyFile, ProofFile, Vkey};
 use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_rows};
 
 pub const CHECKPOINT_SEALED: &str = "checkpoint.sealed";
+/// A witness's cosignature of a sealed checkpoint (`{treeSize, witness, cosignature}`),
+/// appended to the tenant's chain; it does not make the tree "grow" for sealing.
+pub const CHECKPOINT_COSIGNED: &str = "checkpoint.cosigned";
 /// Appended to the root tenant's chain, signed by the old key, when the log key rotates.
 pub const LOG_KEY_ROTATED: &str = "log_key.rotated";
 pub const KIND_CHECKPOINT: &str = "checkpoint";
@@ -96,7 +99,64 @@ pub fn vkey_of(key: &LogKey, deployment: &str) -> Result<Vkey> {
 #[derive(Clone, Debug)]
 pub struct StoredCheckpoint {
     pub size: u64,
+    /// The note as sealed (the log's signature only), verbatim.
     pub note: String,
+    /// Witnesses' cosignature lines, in the order they came.
+    pub cosignatures: Vec<String>,
+}
+
+impl StoredCheckpoint {
+    /// The note with the witnesses' cosignature lines appended: what is served and proved.
+    pub fn cosigned_note(&self) -> String {
+        let mut out = self.note.clone();
+        for line in &self.cosignatures {
+            out.push_str(line);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// The payload of `checkpoint.cosigned`.
+pub fn cosigned_payload(size: u64, witness: &str, cosignature: &str) -> Value {
+    Value::Map(vec![
+        (Value::Text("treeSize".into()), Value::Integer(size.into())),
+        (Value::Text("witness".into()), Value::Text(witness.to_owned())),
+        (Value::Text("cosignature".into()), Value::Text(cosignature.to_owned())),
+    ])
+}
+
+/// Reads `{treeSize, witness, cosignature}` back.
+pub fn parse_cosigned_payload(payload: &Value) -> Option<(u64, String, String)> {
+    let Value::Map(entries) = payload else { return None };
+    let (mut size, mut witness, mut line) = (None, None, None);
+    for (k, v) in entries {
+        match (k, v) {
+            (Value::Text(k), Value::Integer(i)) if k == "treeSize" => size = u64::try_from(*i).ok(),
+            (Value::Text(k), Value::Text(t)) if k == "witness" => witness = Some(t.clone()),
+            (Value::Text(k), Value::Text(t)) if k == "cosignature" => line = Some(t.clone()),
+            _ => {}
+        }
+    }
+    Some((size?, witness?, line?))
+}
+
+/// Records a witness's cosignature of the checkpoint of `size` (idempotent per witness and size).
+pub async fn record_cosignature(log: &Log, tenant: TenantId, size: u64, witness: &str, line: &str) -> Result<()> {
+    log.append(AppendRequest {
+        tenant,
+        stream: format!("{KIND_CHECKPOINT}/{tenant}"),
+        expected: ExpectedVersion::Any,
+        idempotency_key: Some(format!("cosigned:{size}:{witness}")),
+        actor: "system:witness".into(),
+        causation: None,
+        correlation: None,
+        fingerprint: None,
+        guards: vec![],
+        events: vec![NewEvent::new(CHECKPOINT_COSIGNED, cosigned_payload(size, witness, line))],
+    })
+    .await?;
+    Ok(())
 }
 
 async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<StoredCheckpoint>> {
@@ -109,14 +169,23 @@ async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<
         for row in rows {
             let size = row.doc["treeSize"].as_u64().unwrap_or(0);
             let note = row.doc["note"].as_str().unwrap_or("").to_owned();
-            out.push(StoredCheckpoint { size, note });
+            let cosignatures = row.doc["cosignatures"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
+                .unwrap_or_default();
+            out.push(StoredCheckpoint { size, note, cosignatures });
         }
     }
     Ok(out)
 }
 
+/// The newest stored checkpoint of `tenant`, if any was sealed.
+pub async fn newest_checkpoint(store: &dyn EventStore, tenant: TenantId) -> Result<Option<StoredCheckpoint>> {
+    Ok(checkpoints_of(store, tenant).await?.into_iter().max_by_key(|c| c.size))
+}
+
 /// The leaf hashes of a tenant's first `size` events (for proofs; 32 bytes per event).
-async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<Vec<merkle::Hash>> {
+pub async fn leaves(store: &dyn EventStore, tenant: TenantId, size: u64) -> Result<Vec<merkle::Hash>> {
     let mut out = Vec::with_capacity(size as usize);
     let mut from = 1;
     while (out.len() as u64) < size {
@@ -226,7 +295,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
                 if previous.as_ref().is_none_or(|(s, _, _)| size >= *s) {
                     previous = Some((size, note, event.envelope.seq));
                 }
-            } else {
+            } else if event.envelope.event_type != CHECKPOINT_COSIGNED {
                 grew_at = Some(event.envelope.seq);
             }
         }
@@ -274,7 +343,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
         }],
     })
     .await?;
-    Ok(Some(StoredCheckpoint { size: body.size, note: signed }))
+    Ok(Some(StoredCheckpoint { size: body.size, note: signed, cosignatures: vec![] }))
 }
 
 /// Rotates the log key: appends `log_key.rotated` (naming the new key) to the root tenant's
@@ -633,8 +702,14 @@ pub async fn prove(
         });
     }
     let path = merkle::inclusion_proof(seq - 1, &leaves).expect("seq is within the checkpoint");
-    let proof =
-        ProofFile { event: stored.canonical, vkey: signer.encode(), index: seq - 1, path, checkpoint: newest.note.clone() };
+    let proof = ProofFile {
+        event: stored.canonical,
+        vkey: signer.encode(),
+        index: seq - 1,
+        path,
+        checkpoint: newest.cosigned_note(),
+        rotations: rotation_proofs(store, &vkeys).await?,
+    };
     let consistency = match saved {
         None => None,
         Some(saved) => {
@@ -657,6 +732,94 @@ pub async fn prove(
         }
     };
     Ok((proof, consistency))
+}
+
+/// Every `log_key.rotated` of the root tenant's chain, each proved in the first root checkpoint
+/// the *old* key signed that covers it (`pki rotate-log-key` seals one). A rotation no such
+/// checkpoint covers yet is left out: a checker holding only the old pin cannot follow it yet.
+async fn rotation_proofs(store: &dyn EventStore, vkeys: &[Vkey]) -> Result<Vec<note::RotationProof>> {
+    let root = TenantId::ROOT;
+    let mut rotations = Vec::new();
+    let mut from = 1;
+    loop {
+        let rows = store.read_chain_rows(root, from, VERIFY_PAGE_ROWS).await?;
+        let Some(last) = rows.last() else { break };
+        from = last.seq + 1;
+        rotations.extend(rows.into_iter().filter(|r| r.event_type == LOG_KEY_ROTATED));
+    }
+    if rotations.is_empty() {
+        return Ok(vec![]);
+    }
+    let checkpoints = checkpoints_of(store, root).await?;
+    let mut out = Vec::new();
+    for row in rotations.into_iter().take(note::ROTATIONS_MAX) {
+        let Some(old) = vkeys.iter().find(|v| key_id_of(&v.public) == row.key_id) else { continue };
+        let Some(cp) = checkpoints
+            .iter()
+            .filter(|c| c.size >= row.seq)
+            .filter(|c| note::open_note(&c.note, old).is_ok())
+            .min_by_key(|c| c.size)
+        else {
+            continue;
+        };
+        let leaves = leaves(store, root, cp.size).await?;
+        let path = merkle::inclusion_proof(row.seq - 1, &leaves).expect("seq is within the checkpoint");
+        out.push(note::RotationProof {
+            event: row.canonical,
+            sig: row.sig,
+            vkey: old.encode(),
+            index: row.seq - 1,
+            path,
+            checkpoint: cp.note.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// Follows the proof's rotations from the keys trusted (pins, vkeys): each rotation's old key
+/// must be trusted already, have signed the rotation event and a root checkpoint that includes
+/// it; then its new key is trusted. Returns every key trusted at the end.
+fn follow_rotations(file: &ProofFile, pins: &[String], vkeys: &[Vkey]) -> Result<Vec<VerifyingKey>, String> {
+    let mut trusted: Vec<VerifyingKey> = vkeys.iter().map(|v| v.public).collect();
+    for (n, r) in file.rotations.iter().enumerate() {
+        let what = |e: String| format!("key rotation {}: {e}", n + 1);
+        let old = Vkey::parse(&r.vkey).map_err(what)?;
+        if !trusted.contains(&old.public) && !pins.contains(&old.pin()) {
+            continue;
+        }
+        let body = CheckpointBody::parse(&note::open_note(&r.checkpoint, &old).map_err(what)?).map_err(what)?;
+        if !body.origin.ends_with(&format!("/audit/{}", TenantId::ROOT)) {
+            return Err(what("the checkpoint is not the root tenant's".into()));
+        }
+        let event = crate::event::Envelope::from_canonical(&r.event).map_err(what)?;
+        if event.event_type != LOG_KEY_ROTATED || event.tenant != TenantId::ROOT || Some(event.seq) != r.index.checked_add(1) {
+            return Err(what("the event is not the root tenant's log_key.rotated at that index".into()));
+        }
+        let hash = sha256(&r.event);
+        let sig = Signature::from_slice(&r.sig).map_err(|_| what("signature is not 64 bytes".into()))?;
+        old.public.verify_strict(&event_signing_message(&hash), &sig).map_err(|_| what("not signed by the old key".into()))?;
+        let previous = match &event.payload {
+            Value::Map(m) => m.iter().find_map(|(k, v)| match (k, v) {
+                (Value::Text(k), Value::Text(t)) if k == "previousKeyId" => Some(t.clone()),
+                _ => None,
+            }),
+            _ => None,
+        };
+        if previous.as_deref() != Some(key_id_of(&old.public).as_str()) {
+            return Err(what("the event does not name the old key as the previous one".into()));
+        }
+        let path: Vec<Vec<u8>> = r.path.iter().map(|h| h.to_vec()).collect();
+        merkle::verify_inclusion(r.index, body.size, &merkle::leaf_hash(&hash), &path, &body.root)
+            .map_err(|e| what(format!("inclusion: {e}")))?;
+        let new = crate::follow::rotated_key(&event.payload).ok_or_else(|| what("the new key does not parse".into()))?;
+        if !trusted.contains(&old.public) {
+            trusted.push(old.public);
+        }
+        if !trusted.contains(&new) {
+            trusted.push(new);
+        }
+    }
+    Ok(trusted)
 }
 
 /// Which consistency an offline check established, if any.
@@ -707,6 +870,9 @@ pub fn check_proof(
     let vkey = if let Some(v) = vkeys.iter().find(|v| v.name == carried.name && v.public == carried.public) {
         v.clone()
     } else if pins.iter().any(|p| *p == carried.pin()) {
+        carried
+    } else if follow_rotations(&file, pins, vkeys)?.contains(&carried.public) {
+        // A newer key, introduced by rotations the trusted key signed.
         carried
     } else {
         return Err("the proof is not signed by a trusted key (check --pin or --vkey)".into());

@@ -8,6 +8,9 @@
 //! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
 //! - [`chain`]: pure verification of a tenant's hash chain;
 //! - [`clock`]: time as a trait; [`id_source`]: ids as a trait, real and seeded;
+//! - [`follow`]: a monitor's checks of fetched checkpoints and entries (pure);
+//! - [`tiles`]: the tree as C2SP `tlog-tiles` (paths, tiles, bundles, a bounded cache);
+//! - [`witness`]: the C2SP tlog-witness request and cosignatures (pure);
 //! - [`store`]: the `EventStore` traits (split by concern), the store algorithm written once
 //!   over a per-dialect transaction, the SQLite and PostgreSQL backends (SQL only), the
 //!   group-committing appender and the projection fold.
@@ -21,6 +24,7 @@ pub mod chain;
 pub mod clock;
 pub mod error;
 pub mod event;
+pub mod follow;
 pub mod id;
 pub mod id_source;
 pub mod keys;
@@ -28,6 +32,8 @@ pub mod merkle;
 pub mod note;
 pub mod store;
 pub mod testing;
+pub mod tiles;
 pub mod webhook;
+pub mod witness;
 
 pub use error::{Error, ErrorCode, Result};

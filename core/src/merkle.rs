@@ -60,6 +60,24 @@ impl RootBuilder {
         self.size
     }
 
+    /// The perfect subtrees pushed so far, left to right (a compact range: what a monitor keeps).
+    pub fn subtrees(&self) -> &[(u64, Hash)] {
+        &self.stack
+    }
+
+    /// Rebuilds a builder from [`RootBuilder::subtrees`]; `None` unless the sizes are strictly
+    /// decreasing powers of two (the only shape `push_leaf_hash` makes).
+    pub fn from_subtrees(stack: Vec<(u64, Hash)>) -> Option<Self> {
+        let mut size: u64 = 0;
+        for (i, (s, _)) in stack.iter().enumerate() {
+            if !s.is_power_of_two() || (i > 0 && *s >= stack[i - 1].0) {
+                return None;
+            }
+            size = size.checked_add(*s)?;
+        }
+        Some(Self { stack, size })
+    }
+
     /// Appends a leaf given its leaf hash (`leaf_hash(data)`).
     pub fn push_leaf_hash(&mut self, leaf: Hash) {
         let mut node = (1u64, leaf);

@@ -167,6 +167,69 @@ pub fn origin_of(deployment: &str, tenant: &crate::id::TenantId) -> String {
     format!("{deployment}/audit/{tenant}")
 }
 
+/// A key rotation, proved: the `log_key.rotated` event (signed by the old key), and its
+/// inclusion in a root-tenant checkpoint the old key signed. A checker that trusts the old key
+/// comes to trust the new one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RotationProof {
+    pub event: Vec<u8>,
+    pub sig: Vec<u8>,
+    /// The old key's vkey (trusted only if it matches a pin or a key already trusted).
+    pub vkey: String,
+    pub index: u64,
+    pub path: Vec<[u8; 32]>,
+    pub checkpoint: String,
+}
+
+impl RotationProof {
+    fn to_cbor(&self) -> ciborium::Value {
+        use ciborium::Value as V;
+        V::Map(vec![
+            (V::Text("event".into()), V::Bytes(self.event.clone())),
+            (V::Text("sig".into()), V::Bytes(self.sig.clone())),
+            (V::Text("vkey".into()), V::Text(self.vkey.clone())),
+            (V::Text("index".into()), V::Integer(self.index.into())),
+            (V::Text("path".into()), V::Array(self.path.iter().map(|h| V::Bytes(h.to_vec())).collect())),
+            (V::Text("checkpoint".into()), V::Text(self.checkpoint.clone())),
+        ])
+    }
+
+    fn from_cbor(value: ciborium::Value) -> Result<Self, String> {
+        use ciborium::Value as V;
+        let V::Map(entries) = value else { return Err("a rotation is not a map".into()) };
+        let (mut event, mut sig, mut vkey, mut index, mut path, mut checkpoint) = (None, None, None, None, None, None);
+        for (k, v) in entries {
+            match (k, v) {
+                (V::Text(k), V::Bytes(b)) if k == "event" => event = Some(b),
+                (V::Text(k), V::Bytes(b)) if k == "sig" => sig = Some(b),
+                (V::Text(k), V::Text(t)) if k == "vkey" => vkey = Some(t),
+                (V::Text(k), V::Integer(i)) if k == "index" => index = u64::try_from(i).ok(),
+                (V::Text(k), V::Array(a)) if k == "path" && a.len() <= crate::merkle::PROOF_HASHES_MAX => {
+                    let mut p = Vec::new();
+                    for h in a {
+                        let V::Bytes(b) = h else { return Err("a rotation path hash is not bytes".into()) };
+                        p.push(<[u8; 32]>::try_from(b).map_err(|_| "a rotation path hash is not 32 bytes".to_owned())?);
+                    }
+                    path = Some(p);
+                }
+                (V::Text(k), V::Text(t)) if k == "checkpoint" => checkpoint = Some(t),
+                _ => return Err("a rotation has an unknown field".into()),
+            }
+        }
+        Ok(Self {
+            event: event.ok_or("a rotation has no event")?,
+            sig: sig.ok_or("a rotation has no sig")?,
+            vkey: vkey.ok_or("a rotation has no vkey")?,
+            index: index.ok_or("a rotation has no index")?,
+            path: path.ok_or("a rotation has no path")?,
+            checkpoint: checkpoint.ok_or("a rotation has no checkpoint")?,
+        })
+    }
+}
+
+/// Rotations one proof carries at most.
+pub const ROTATIONS_MAX: usize = 64;
+
 /// An inclusion proof file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProofFile {
@@ -178,14 +241,23 @@ pub struct ProofFile {
     pub path: Vec<[u8; 32]>,
     /// The signed checkpoint, verbatim.
     pub checkpoint: String,
+    /// The log's key rotations, oldest first (in `extra` only when there are any).
+    pub rotations: Vec<RotationProof>,
 }
 
 impl ProofFile {
     pub fn encode(&self) -> String {
-        let extra = ciborium::Value::Map(vec![
+        let mut fields = vec![
             (ciborium::Value::Text("event".into()), ciborium::Value::Bytes(self.event.clone())),
             (ciborium::Value::Text("vkey".into()), ciborium::Value::Text(self.vkey.clone())),
-        ]);
+        ];
+        if !self.rotations.is_empty() {
+            fields.push((
+                ciborium::Value::Text("rotations".into()),
+                ciborium::Value::Array(self.rotations.iter().map(RotationProof::to_cbor).collect()),
+            ));
+        }
+        let extra = ciborium::Value::Map(fields);
         let extra = crate::canonical::encode(extra).expect("a map of bytes and text encodes");
         let mut out = format!("{PROOF_HEADER}\nextra {}\nindex {}\n", B64.encode(extra), self.index);
         for h in &self.path {
@@ -227,12 +299,15 @@ impl ProofFile {
         }
         let extra = extra.ok_or("no extra line: this proof does not carry its event")?;
         let value = crate::canonical::decode_canonical(&extra).map_err(|e| format!("extra: {e}"))?;
-        let (mut event, mut vkey) = (None, None);
+        let (mut event, mut vkey, mut rotations) = (None, None, Vec::new());
         if let ciborium::Value::Map(entries) = value {
             for (k, v) in entries {
                 match (k, v) {
                     (ciborium::Value::Text(k), ciborium::Value::Bytes(b)) if k == "event" => event = Some(b),
                     (ciborium::Value::Text(k), ciborium::Value::Text(t)) if k == "vkey" => vkey = Some(t),
+                    (ciborium::Value::Text(k), ciborium::Value::Array(a)) if k == "rotations" && a.len() <= ROTATIONS_MAX => {
+                        rotations = a.into_iter().map(RotationProof::from_cbor).collect::<Result<_, _>>()?;
+                    }
                     _ => return Err("extra has an unknown field".into()),
                 }
             }
@@ -243,6 +318,7 @@ impl ProofFile {
             index,
             path,
             checkpoint: checkpoint.to_owned(),
+            rotations,
         })
     }
 }

@@ -62,6 +62,7 @@ fn prove(key: &LogKey, tenant: TenantId, events: &[(Vec<u8>, [u8; 32])], index: 
         index,
         path: merkle::inclusion_proof(index, &all).unwrap(),
         checkpoint: checkpoint(key, tenant, &all),
+        rotations: vec![],
     };
     let consistency = ConsistencyFile {
         path: merkle::consistency_proof(old, &all).unwrap(),

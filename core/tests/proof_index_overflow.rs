@@ -40,6 +40,7 @@ fn proof_file(key: &LogKey, index: u64, seq: u64) -> String {
         index,
         path: vec![],
         checkpoint: note::sign_note(&body.encode(), DEPLOYMENT, key).unwrap(),
+        rotations: vec![],
     }
     .encode()
 }

@@ -71,6 +71,7 @@ fn honest_proof_files_check_and_mutated_ones_fail() {
             index,
             path: merkle::inclusion_proof(index, &leaves[..size as usize]).unwrap(),
             checkpoint: checkpoint(&key, tenant, &leaves[..size as usize]),
+            rotations: vec![],
         };
         let consistency = ConsistencyFile {
             path: merkle::consistency_proof(old, &leaves[..size as usize]).unwrap(),

@@ -9,6 +9,7 @@
 //!   views;
 //! - [`openapi`]: the OpenAPI document, generated from the table (checked in as
 //!   `gateway/openapi.json`);
+//! - [`audit`]: `GET /audit/{tenant}/checkpoint` and `…/tile/…`, the tree as C2SP tlog-tiles;
 //! - [`watch`]: `GET /watch`, the live stream over server-sent events;
 //! - [`auth`]: API keys, tokens, actions;
 //! - [`error`]: the `{code, message, details}` envelope and status mapping;
@@ -37,6 +38,7 @@ use serde_json::json;
 
 pub mod agents;
 pub mod api;
+pub mod audit;
 pub mod auth;
 pub mod conn;
 pub mod error;
@@ -69,6 +71,8 @@ pub struct AppState {
     pub fleet: Arc<bc_projections::fleet::Fleet>,
     /// The connections' and requests' limits (`dev`/`serve` flags).
     pub limits: ServeLimits,
+    /// Full tiles computed once (`bc_core::tiles`: bounded, never stale).
+    pub tiles: Arc<bc_core::tiles::TileSource>,
 }
 
 /// The limits of serving; `conn.rs` says what each bounds. The defaults are the named constants.
@@ -123,6 +127,7 @@ impl AppState {
             webhook_policy: bc_core::webhook::EndpointPolicy::default(),
             fleet: Arc::new(bc_projections::fleet::Fleet::new()),
             limits: ServeLimits::default(),
+            tiles: Arc::new(bc_core::tiles::TileSource::new()),
         }
     }
 
@@ -142,6 +147,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         // service's URI) before any handler runs, so a 64 KB name would be worked over before
         // authentication; the fallback gets the request as it came.
         .route("/watch", get(watch::watch))
+        .route("/audit/{tenant}/checkpoint", get(audit::checkpoint))
+        .route("/audit/{tenant}/keys", get(audit::keys))
+        .route("/audit/{tenant}/tile/{*rest}", get(audit::tile))
         .fallback(rpc::dispatch)
         .layer(
             tower::ServiceBuilder::new()

@@ -93,6 +93,7 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_OBSERVED,
     NODE_INVENTORY_REPORTED,
     bc_core::audit::CHECKPOINT_SEALED,
+    bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,
 ];
 

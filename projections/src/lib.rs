@@ -513,9 +513,12 @@ fn from_doc<T: for<'de> Deserialize<'de>>(event: &StoredEvent, doc: Option<Value
 
 impl Projector for Projections {
     fn touches(&self, event: &StoredEvent, out: &mut Vec<RowKey>) {
-        if event.envelope.event_type == audit::CHECKPOINT_SEALED {
+        if event.envelope.event_type == audit::CHECKPOINT_SEALED || event.envelope.event_type == audit::CHECKPOINT_COSIGNED {
             // One row per checkpoint, by size, not one per stream.
-            if let Some((size, _)) = audit::parse_checkpoint_payload(&event.envelope.payload) {
+            let size = audit::parse_checkpoint_payload(&event.envelope.payload)
+                .map(|(size, _)| size)
+                .or_else(|| audit::parse_cosigned_payload(&event.envelope.payload).map(|(size, _, _)| size));
+            if let Some(size) = size {
                 out.push(RowKey {
                     tenant: event.envelope.tenant.to_string(),
                     kind: audit::KIND_CHECKPOINT.to_owned(),
@@ -582,6 +585,25 @@ impl Projector for Projections {
                     what: "checkpoint.sealed payload does not parse".into(),
                 })?;
                 Ok(Some(serde_json::json!({ "treeSize": size, "note": note, "seq": env.seq, "sealedAtMs": env.at_ms })))
+            }
+            audit::CHECKPOINT_COSIGNED => {
+                let (_, _, line) = audit::parse_cosigned_payload(&env.payload).ok_or_else(|| Error::Corrupt {
+                    tenant: tenant_id.clone(),
+                    seq: env.seq,
+                    what: "checkpoint.cosigned payload does not parse".into(),
+                })?;
+                let mut doc = current.ok_or_else(|| Error::Corrupt {
+                    tenant: tenant_id.clone(),
+                    seq: env.seq,
+                    what: "a cosignature of a checkpoint that was never sealed".into(),
+                })?;
+                let lines = doc["cosignatures"].as_array().cloned().unwrap_or_default();
+                if !lines.iter().any(|l| l.as_str() == Some(line.as_str())) && lines.len() < bc_core::witness::WITNESSES_MAX {
+                    let mut lines = lines;
+                    lines.push(serde_json::Value::String(line));
+                    doc["cosignatures"] = serde_json::Value::Array(lines);
+                }
+                Ok(Some(doc))
             }
             TENANT_CREATED => {
                 let p: TenantCreated = payload(event)?;

@@ -21,6 +21,7 @@ pub mod outbox;
 pub mod reservations;
 pub mod status;
 pub mod webhooks;
+pub mod witnesses;
 
 /// Waits `ms`, or until this process commits (`wake`, dropped once the appender is gone), or
 /// until shutdown: how the loops here idle.

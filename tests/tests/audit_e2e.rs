@@ -208,7 +208,9 @@ async fn rotating_the_log_key_keeps_old_checkpoints_verifying() {
     server.stop();
     let (code, out, err) = cli(&["audit", "verify", "--data-dir", &data_dir], &[]);
     assert_eq!(code, 0, "{err}{out}");
-    assert_eq!(json_of(&out)["checkpoints"], 2);
+    // The rotation sealed a root checkpoint with the old key, covering the announcement.
+    assert_eq!(json_of(&out)["checkpoints"], 3);
+    assert!(rotated["rotationCheckpointSize"].as_u64().unwrap() >= rotated["rotationSeq"].as_u64().unwrap(), "{rotated}");
 
     let new_proof = auditor.path().join("new.tlog-proof");
     let (code, _, err) = cli(
@@ -220,6 +222,31 @@ async fn rotating_the_log_key_keeps_old_checkpoints_verifying() {
     assert_eq!(code, 0, "old proofs keep verifying under the old pin: {err}");
     let (code, _, err) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &new_pin], &[]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, _) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &old_pin], &[]);
-    assert_eq!(code, 1, "the old pin does not vouch for the new key's checkpoints");
+    // Issue 16: the old pin alone follows the rotation the old key signed and sealed.
+    let (code, out, err) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &old_pin], &[]);
+    assert_eq!(code, 0, "a proof made after the rotation checks with only the old pin: {err}");
+    assert_eq!(json_of(&out)["keyId"], rotated["keyId"]);
+    // Without the rotation's proof, the old pin does not vouch for the new key.
+    let text = std::fs::read_to_string(&new_proof).unwrap();
+    let mut file = bc_core::note::ProofFile::parse(&text).unwrap();
+    assert_eq!(file.rotations.len(), 1);
+    let stripped = auditor.path().join("stripped.tlog-proof");
+    let mut bad_event = file.clone();
+    file.rotations.clear();
+    std::fs::write(&stripped, file.encode()).unwrap();
+    let (code, _, err) = cli(&["audit", "check-proof", stripped.to_str().unwrap(), "--pin", &old_pin], &[]);
+    assert_eq!(code, 1, "the old pin does not vouch for the new key's checkpoints unproved: {err}");
+    // A rotation event altered (another new key) no longer matches its inclusion proof.
+    let other = bc_core::keys::LogKey::from_seed([5; 32]);
+    let mut envelope = bc_core::event::Envelope::from_canonical(&bad_event.rotations[0].event).unwrap();
+    envelope.payload = ciborium::Value::Map(vec![
+        (ciborium::Value::Text("previousKeyId".into()), ciborium::Value::Text(rotated["previousKeyId"].as_str().unwrap().into())),
+        (ciborium::Value::Text("newKeyId".into()), ciborium::Value::Text(other.key_id().to_owned())),
+        (ciborium::Value::Text("newPublicKey".into()), ciborium::Value::Bytes(other.public().as_bytes().to_vec())),
+    ]);
+    bad_event.rotations[0].event = envelope.to_canonical().unwrap();
+    std::fs::write(&stripped, bad_event.encode()).unwrap();
+    let (code, _, err) = cli(&["audit", "check-proof", stripped.to_str().unwrap(), "--pin", &old_pin], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("key rotation 1"), "{err}");
 }

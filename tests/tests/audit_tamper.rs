@@ -323,6 +323,7 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
             index: 2,
             path: bc_core::merkle::inclusion_proof(2, &forged_leaves).unwrap(),
             checkpoint: forged_note.clone(),
+            rotations: vec![],
         };
         let err = audit::check_proof(&forged.encode(), None, None, std::slice::from_ref(&pin), &[]).unwrap_err();
         assert!(err.contains("not signed by a trusted key"), "{err}");

@@ -1,4 +1,5 @@
-//! `audit checkpoint|verify|prove|check-proof`: the work is in `crate::audit`.
+//! `audit checkpoint|verify|prove|follow|check-proof`: the work is in `crate::audit` and
+//! `crate::follow`.
 
 use crate::client::CliError;
 use crate::flags::AuditCommand;
@@ -30,8 +31,11 @@ pub async fn run(ctx: &Context, command: AuditCommand) -> Result<(), CliError> {
             crate::audit::prove(&database, &db.data_dir, tenant, event, &out, checkpoint.as_deref(), &deployment.deployment)
                 .await?
         }
-        AuditCommand::CheckProof { file, pins, vkeys, saved } => {
-            crate::audit::check_proof(&file, &pins, &vkeys, saved.as_deref())?
+        AuditCommand::Follow { url, pins, vkeys, state, once, interval } => {
+            crate::follow::run(&url, tenant, &pins, &vkeys, &state, once, interval).await?
+        }
+        AuditCommand::CheckProof { file, pins, vkeys, saved, witnesses, witnesses_min } => {
+            crate::audit::check_proof(&file, &pins, &vkeys, saved.as_deref(), &witnesses, witnesses_min)?
         }
     };
     ctx.print(&value, Format::Json)

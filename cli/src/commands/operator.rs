@@ -83,6 +83,7 @@ async fn run_server(
         dev,
         args.sealing.checkpoint_interval,
         &args.sealing.deployment.deployment,
+        &args.witnesses,
         run,
         options.policy,
         args.serve_limits(),

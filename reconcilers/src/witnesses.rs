@@ -1,0 +1,168 @@
+//! The `witnesses` reconciler: sends each tenant's newest checkpoint to the witnesses the
+//! deployment names (`--witness NAME=URL+VKEY`) with C2SP `tlog-witness` (`POST
+//! /add-checkpoint`: `old N`, the consistency proof from `N`, the checkpoint), and records each
+//! returned cosignature as a `checkpoint.cosigned` event, which the checkpoint's row (and so
+//! `/audit/{tenant}/checkpoint` and `audit prove`) carries.
+//!
+//! Level-triggered: every pass compares each tenant's newest checkpoint with the cosignatures it
+//! carries and sends it to the witnesses missing. What a witness has seen is learned from it
+//! (a `409` names its size; the request is sent again once from that size). A witness that is
+//! down or refuses is retried with exponential back-off (`BACKOFF_*`), and delays nothing but
+//! its own cosignature: witnesses are tried one after another with a per-request timeout.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bc_core::audit;
+use bc_core::id::TenantId;
+use bc_core::store::Log;
+use bc_core::witness::{self, WitnessKey};
+
+pub const NAME: &str = "witnesses";
+pub const TICK_MS: u64 = 1000;
+pub const REQUEST_TIMEOUT_S: u64 = 10;
+pub const BACKOFF_MS_MIN: u64 = 1000;
+pub const BACKOFF_MS_MAX: u64 = 5 * 60 * 1000;
+/// Largest answer read from a witness.
+const ANSWER_BYTES_MAX: usize = 16 * 1024;
+
+/// One witness, from `--witness NAME=URL+VKEY`.
+#[derive(Clone, Debug)]
+pub struct Witness {
+    pub label: String,
+    pub url: String,
+    pub key: WitnessKey,
+}
+
+impl Witness {
+    /// Parses `NAME=URL+VKEY` (the URL ends at the first `+`; a vkey's name holds none).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (label, rest) = text.split_once('=').ok_or("a witness is NAME=URL+VKEY")?;
+        let (url, vkey) = rest.split_once('+').ok_or("a witness is NAME=URL+VKEY")?;
+        let parsed = url::Url::parse(url).map_err(|e| format!("witness {label}: URL: {e}"))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(format!("witness {label}: the URL must be http(s)"));
+        }
+        Ok(Self { label: label.to_owned(), url: url.trim_end_matches('/').to_owned(), key: WitnessKey::parse(vkey)? })
+    }
+}
+
+#[derive(Default)]
+struct Peer {
+    /// The size this witness last said it has, per tenant.
+    sizes: HashMap<TenantId, u64>,
+    /// Not before this instant (back-off), and the current back-off.
+    retry_at: Option<Instant>,
+    backoff_ms: u64,
+}
+
+enum Sent {
+    Cosigned(String),
+    Conflict(u64),
+}
+
+async fn send(http: &reqwest::Client, w: &Witness, body: String) -> Result<Sent, String> {
+    let response =
+        http.post(format!("{}/add-checkpoint", w.url)).body(body).send().await.map_err(|e| format!("unreachable: {e}"))?;
+    let status = response.status();
+    let bytes = response.bytes().await.map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(ANSWER_BYTES_MAX)]).into_owned();
+    match status.as_u16() {
+        200 => Ok(Sent::Cosigned(text)),
+        409 => witness::parse_conflict(&text).map(Sent::Conflict).ok_or_else(|| "409 without a size".into()),
+        _ => Err(format!("{status}: {}", text.trim())),
+    }
+}
+
+/// One witness, one tenant: send the checkpoint (again from the size a 409 names) and record
+/// the cosignature.
+async fn witness_one(
+    log: &Log,
+    http: &reqwest::Client,
+    w: &Witness,
+    peer: &mut Peer,
+    tenant: TenantId,
+    cp: &audit::StoredCheckpoint,
+) -> Result<(), String> {
+    let leaves = audit::leaves(&*log.store, tenant, cp.size).await.map_err(|e| e.to_string())?;
+    for _ in 0..2 {
+        let old = peer.sizes.get(&tenant).copied().unwrap_or(0).min(cp.size);
+        let proof = if old == 0 { vec![] } else { bc_core::merkle::consistency_proof(old, &leaves).unwrap_or_default() };
+        match send(http, w, witness::add_checkpoint_body(old, &proof, &cp.note)).await? {
+            Sent::Conflict(size) if size > cp.size => {
+                return Err(format!("the witness has size {size}, past the log's {}", cp.size));
+            }
+            Sent::Conflict(size) => {
+                peer.sizes.insert(tenant, size);
+            }
+            Sent::Cosigned(answer) => {
+                let cosigned = witness::add_cosignatures(&cp.note, &answer);
+                if !w.key.cosigned(&cosigned) {
+                    return Err("the answer holds no valid cosignature by the witness's key".into());
+                }
+                peer.sizes.insert(tenant, cp.size);
+                let line = cosigned[cp.note.len()..]
+                    .lines()
+                    .find(|l| w.key.cosigned(&format!("{}{l}\n", cp.note)))
+                    .unwrap_or_default()
+                    .to_owned();
+                audit::record_cosignature(log, tenant, cp.size, &w.key.name, &line).await.map_err(|e| e.to_string())?;
+                return Ok(());
+            }
+        }
+    }
+    Err("the witness keeps naming another size".into())
+}
+
+/// Runs until `shutdown`.
+pub async fn run(log: Arc<Log>, witnesses: Vec<Witness>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    let http = match reqwest::Client::builder()
+        .timeout(Duration::from_secs(REQUEST_TIMEOUT_S))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(reconciler = NAME, error = %e, "cannot build the HTTP client");
+            return;
+        }
+    };
+    let mut peers: Vec<Peer> = witnesses.iter().map(|_| Peer::default()).collect();
+    tracing::info!(reconciler = NAME, witnesses = witnesses.len(), "reconciler started");
+    while !*shutdown.borrow() {
+        let tenants = match log.store.heads().await {
+            Ok(h) => h.into_iter().map(|(t, _)| t).collect::<Vec<_>>(),
+            Err(e) => {
+                tracing::warn!(reconciler = NAME, error = %e, "reading the chain heads failed");
+                vec![]
+            }
+        };
+        for tenant in tenants {
+            let Ok(Some(cp)) = audit::newest_checkpoint(&*log.store, tenant).await else { continue };
+            let note = cp.cosigned_note();
+            for (w, peer) in witnesses.iter().zip(peers.iter_mut()) {
+                if w.key.cosigned(&note) || peer.retry_at.is_some_and(|at| Instant::now() < at) {
+                    continue;
+                }
+                match witness_one(&log, &http, w, peer, tenant, &cp).await {
+                    Ok(()) => {
+                        tracing::info!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, "cosigned");
+                        peer.retry_at = None;
+                        peer.backoff_ms = 0;
+                    }
+                    Err(e) => {
+                        peer.backoff_ms = (peer.backoff_ms * 2).clamp(BACKOFF_MS_MIN, BACKOFF_MS_MAX);
+                        peer.retry_at = Some(Instant::now() + Duration::from_millis(peer.backoff_ms));
+                        tracing::warn!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, retry_ms = peer.backoff_ms, error = %e, "witness did not cosign");
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(TICK_MS)) => {}
+            _ = shutdown.changed() => break,
+        }
+    }
+    tracing::info!(reconciler = NAME, "reconciler stopped");
+}
