@@ -1088,7 +1088,7 @@ fn advance_journal(doc: &mut NodeDoc, journal: &bc_core::agent::JournalOrigin, e
 }
 
 /// The node's GPUs as an inventory reports them, in index order.
-fn gpus_of_inventory(inventory: &NodeInventoryReported) -> Vec<Gpu> {
+pub fn gpus_of_inventory(inventory: &NodeInventoryReported) -> Vec<Gpu> {
     inventory
         .gpus
         .iter()

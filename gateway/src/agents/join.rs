@@ -13,10 +13,8 @@ use bc_projections::{JoinTokenDoc, KIND_JOIN_TOKEN, KIND_NODE, KIND_POOL, NodeDo
 
 use crate::AppState;
 
-/// Most GPUs a machine may claim, and the bounds on their fields (as `nodes.register`).
-pub const GPUS_PER_NODE_MAX: usize = 64;
-pub const GPU_VRAM_GIB_MAX: u32 = 4096;
-pub const NVLINK_DOMAIN_MAX: u32 = 1024;
+// Most GPUs a machine may claim, and the bounds on their fields: those of `nodes.register`.
+use crate::api::nodes::{GPU_VRAM_GIB_MAX, GPUS_PER_NODE_MAX, NVLINK_DOMAIN_MAX};
 /// Longest host name and agent version taken.
 pub const HOSTNAME_BYTES_MAX: usize = 253;
 pub const AGENT_VERSION_BYTES_MAX: usize = 64;
@@ -149,7 +147,18 @@ fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {
 }
 
 fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<Vec<Gpu>> {
-    if claimed.len() > GPUS_PER_NODE_MAX {
+    let gpus: Vec<Gpu> = claimed
+        .iter()
+        .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        .collect();
+    check_gpus(&gpus)?;
+    Ok(gpus)
+}
+
+/// A machine's GPUs, claimed at join or reported in an inventory, within `nodes.register`'s
+/// bounds.
+fn check_gpus(gpus: &[Gpu]) -> Result<()> {
+    if gpus.len() > GPUS_PER_NODE_MAX {
         return Err(Error::invalid(format!("a machine claims at most {GPUS_PER_NODE_MAX} GPUs")));
     }
     let name_ok = |s: &str| {
@@ -158,20 +167,17 @@ fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<Vec<Gpu>> {
             && s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
             && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
     };
-    claimed
-        .iter()
-        .map(|g| {
-            if !name_ok(&g.model) || !name_ok(&g.product) {
-                return Err(Error::invalid("a GPU's model and product are 1 to 63 of A-Z a-z 0-9 - . _"));
-            }
-            if g.vram_gib == 0 || g.vram_gib > GPU_VRAM_GIB_MAX || g.nvlink_domain > NVLINK_DOMAIN_MAX {
-                return Err(Error::invalid(format!(
-                    "a GPU has 1 to {GPU_VRAM_GIB_MAX} GiB and an NVLink domain up to {NVLINK_DOMAIN_MAX}"
-                )));
-            }
-            Ok(Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
-        })
-        .collect()
+    for g in gpus {
+        if !name_ok(&g.model) || !name_ok(&g.product) {
+            return Err(Error::invalid("a GPU's model and product are 1 to 63 of A-Z a-z 0-9 - . _"));
+        }
+        if g.vram_gib == 0 || g.vram_gib > GPU_VRAM_GIB_MAX || g.nvlink_domain > NVLINK_DOMAIN_MAX {
+            return Err(Error::invalid(format!(
+                "a GPU has 1 to {GPU_VRAM_GIB_MAX} GiB and an NVLink domain up to {NVLINK_DOMAIN_MAX}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Most disks an inventory lists, and the longest text in it.
@@ -181,17 +187,7 @@ pub const INVENTORY_TEXT_BYTES_MAX: usize = 256;
 /// Whether a reported inventory is within the node's bounds: at most `GPUS_PER_NODE_MAX` GPUs
 /// with valid names and sizes, indexes 0..n in order, bounded text.
 pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Result<(), String> {
-    let claimed: Vec<bc_proto::Gpu> = inventory
-        .gpus
-        .iter()
-        .map(|g| bc_proto::Gpu {
-            model: g.model.clone(),
-            product: g.product.clone(),
-            vram_gib: g.vram_gib,
-            nvlink_domain: g.nvlink_domain,
-        })
-        .collect();
-    gpus_of(&claimed).map_err(|e| e.public_message())?;
+    check_gpus(&bc_projections::gpus_of_inventory(inventory)).map_err(|e| e.public_message())?;
     if inventory.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
         return Err("the inventory's GPUs are numbered 0, 1, … in order".into());
     }

@@ -325,13 +325,13 @@ where
     send_commands(state, &mut bound, outbound).await?;
     loop {
         tokio::select! {
-            message = next_message(inbound, config.lease_ms) => {
-                let reply = match message {
+            received = next_message(inbound, config.lease_ms) => {
+                let reply = match received {
                     Ok(msg) => handle(state, leases, config, &mut bound, msg).await?,
                     Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
                     Err(refusal) => return Err(refusal),
                 };
-                if let Some(reply) = reply && outbound.send(message_of(reply)).await.is_err() {
+                if let Some(reply) = reply && outbound.send(message(reply)).await.is_err() {
                     return Ok("the stream broke");
                 }
             }
@@ -342,10 +342,6 @@ where
             _ = shutdown.changed() => return Err(refuse(tonic::Code::Unavailable, "the gateway is stopping; reconnect")),
         }
     }
-}
-
-fn message_of(msg: gateway_message::Msg) -> std::result::Result<bc_proto::GatewayMessage, tonic::Status> {
-    message(msg)
 }
 
 async fn handle(
@@ -424,8 +420,12 @@ async fn append_entry(
     if let Err(why) = check_entry_subject(state, bound, &body).await? {
         return refuse_entry("INVALID_ARGUMENT", why);
     }
-    let origin = JournalOrigin::of(&SignedEntry { seq, body: entry.body.clone(), hash, signature: [0; 64] }, &bound.node);
-    let origin = JournalOrigin { signature: bc_core::agent::b64(&entry.signature), ..origin };
+    let origin = JournalOrigin {
+        node_id: bound.node.to_string(),
+        seq,
+        body: bc_core::agent::b64(&entry.body),
+        signature: bc_core::agent::b64(&entry.signature),
+    };
     let mut payload = body.payload.clone();
     payload[JOURNAL_PAYLOAD_KEY] = serde_json::to_value(&origin).map_err(|e| Error::Internal(e.to_string()))?;
     let mut request = AppendRequest::new(

@@ -27,7 +27,7 @@ mod capacity;
 mod commands;
 mod events;
 mod join_tokens;
-mod nodes;
+pub(crate) mod nodes;
 mod pools;
 mod quotas;
 mod reservations;
