@@ -29,6 +29,13 @@ impl Runner {
         Ok(())
     }
 
+    /// Journals an entry about this node itself, on its stream `agent/NODE`.
+    async fn journal_about_node(&self, now_ms: u64, entry_type: &str, payload: Value) -> Result<SignedEntry, JournalError> {
+        let subject = format!("agent/{}", self.node);
+        let draft = Draft { at_ms: now_ms, entry_type: entry_type.to_owned(), subject, payload, command: None };
+        self.journal.append(&self.key, draft).await
+    }
+
     fn draft(&self, now_ms: u64, entry_type: &str, command: &str, mut payload: Value, stage: Stage) -> Draft {
         payload["commandId"] = json!(command);
         payload["nodeId"] = json!(self.node.to_string());
@@ -84,18 +91,7 @@ impl Runner {
         for (key, value) in observed {
             payload[key] = json!(value);
         }
-        self.journal
-            .append(
-                &self.key,
-                Draft {
-                    at_ms: now_ms,
-                    entry_type: "node.observed".into(),
-                    subject: format!("agent/{}", self.node),
-                    payload,
-                    command: None,
-                },
-            )
-            .await
+        self.journal_about_node(now_ms, "node.observed", payload).await
     }
 }
 
@@ -158,17 +154,6 @@ impl Runner {
         inventory: &crate::inventory::Inventory,
     ) -> Result<SignedEntry, JournalError> {
         let payload = inventory_payload(&self.node, inventory);
-        self.journal
-            .append(
-                &self.key,
-                Draft {
-                    at_ms: now_ms,
-                    entry_type: "node.inventory_reported".into(),
-                    subject: format!("agent/{}", self.node),
-                    payload,
-                    command: None,
-                },
-            )
-            .await
+        self.journal_about_node(now_ms, "node.inventory_reported", payload).await
     }
 }
