@@ -12,6 +12,10 @@
 //!   HTTP/2 peers are pinged every [`HTTP2_KEEP_ALIVE_S`] and dropped when they do not answer;
 //! - a request body must arrive within [`BODY_READ_TIMEOUT_S`] of the handler asking for it
 //!   (`rpc.rs`), so a slow body never holds a request slot longer than that;
+//! - a request's head may hold at most [`HEAD_BYTES_MAX`] bytes (HTTP/1.1: `431 Request Header
+//!   Fields Too Large` and the connection closed; HTTP/2: the header list bound), so the bytes an
+//!   unauthenticated request makes the server read, parse and route are bounded before any of the
+//!   gateway's code runs;
 //! - a write that makes no progress for [`WRITE_STALL_S`] fails: a peer that stops reading fills
 //!   its socket, and a watch stream would otherwise keep its watcher slot and its buffers as long
 //!   as the peer keeps the connection open.
@@ -39,6 +43,12 @@ pub const CONNECTIONS_MAX: usize = 768;
 /// HTTP/2 keep-alive: a ping this often, and the connection dropped if one is not answered
 /// within as long again.
 pub const HTTP2_KEEP_ALIVE_S: u64 = 20;
+/// The largest request head (request line and headers) read, in bytes: 16 KiB, as Node's
+/// default and twice one of nginx's large header buffers. A method name is at most
+/// `api::METHOD_NAME_BYTES_MAX`, a token well under 200 bytes; hyper's floor for the HTTP/1.1 read
+/// buffer is 8 KiB.
+pub const HEAD_BYTES_MAX: usize = 16 * 1024;
+const _: () = assert!(HEAD_BYTES_MAX >= 8192);
 /// Streams one HTTP/2 connection may open at once.
 pub const HTTP2_STREAMS_MAX: u32 = 64;
 const _: () = assert!(HEADER_READ_TIMEOUT_S > 0 && HEADER_READ_TIMEOUT_S <= IDLE_TIMEOUT_S);

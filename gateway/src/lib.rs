@@ -251,13 +251,19 @@ pub async fn serve(
     let limits = state.limits;
     let app = router(state.clone());
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true)
+        .max_buf_size(conn::HEAD_BYTES_MAX);
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(conn::HTTP2_KEEP_ALIVE_S))
         .keep_alive_timeout(Duration::from_secs(conn::HTTP2_KEEP_ALIVE_S))
-        .max_concurrent_streams(conn::HTTP2_STREAMS_MAX);
+        .max_concurrent_streams(conn::HTTP2_STREAMS_MAX)
+        .max_header_list_size(conn::HEAD_BYTES_MAX as u32);
     let deadlines =
         conn::Deadlines { write_stall: limits.write_stall, first_read: limits.header_read_timeout, idle: limits.idle_timeout };
     // So a burst of connections cannot exhaust file descriptors: the accept loop waits for a
