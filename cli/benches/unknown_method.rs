@@ -57,11 +57,10 @@ enum Mode {
 async fn rate(addr: std::net::SocketAddr, path: &str, count: usize, mode: Mode) -> f64 {
     // One request per connection says so, and the server closes after its answer.
     let close = if matches!(mode, Mode::Fresh(_)) { "connection: close\r\n" } else { "" };
-    let request: Arc<[u8]> = format!(
-        "POST {path} HTTP/1.1\r\nhost: bench\r\n{close}content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
-    )
-    .into_bytes()
-    .into();
+    let request: Arc<[u8]> =
+        format!("POST {path} HTTP/1.1\r\nhost: bench\r\n{close}content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}")
+            .into_bytes()
+            .into();
     let started = Instant::now();
     let mut workers = Vec::new();
     for worker in 0..CONCURRENCY {
@@ -171,7 +170,11 @@ fn main() {
         println!("| request | requests/s |");
         println!("|:--------|-----------:|");
         println!("| system.version (known, public), a connection each | {:>10.0} |", rps[0]);
-        println!("| unknown method, {} KB name (431: over the head bound), a connection each | {:>10.0} |", NAME_BYTES / 1000, rps[1]);
+        println!(
+            "| unknown method, {} KB name (431: over the head bound), a connection each | {:>10.0} |",
+            NAME_BYTES / 1000,
+            rps[1]
+        );
         println!("| system.version, keep-alive | {:>10.0} |", rps[2]);
         println!("| unknown method, {} KB name (404, no suggestion), keep-alive | {:>10.0} |", ROUTED_NAME_BYTES / 1000, rps[3]);
         println!("| cost ratio unknown ÷ known, a connection each (goal ≤ 2) | {:>10.2} |", rps[0] / rps[1]);
