@@ -48,6 +48,9 @@ pub struct HardwareConfig {
     pub root: Option<PathBuf>,
     /// A seeded fake machine instead of this one (`fakehw` builds only).
     pub fake_seed: Option<u64>,
+    /// The fake machine refuses every `gpu.hold` with this reason (`code: words`), to exercise
+    /// a node that cannot bind (`fakehw` builds, with `fake_seed`).
+    pub fake_hold_refusal: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -89,6 +92,9 @@ impl Config {
         self.observe_interval_ms()?;
         if self.hardware.fake_seed.is_some() && !cfg!(feature = "fakehw") {
             return Err("[hardware] fake_seed needs a fakehw build (cargo build --features bc-agent/fakehw)".into());
+        }
+        if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
+            return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());
         }
         Ok(())
     }

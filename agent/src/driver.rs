@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::config::{Config, Identity};
 use crate::journal::{Journal, JournalError, READ_ENTRIES_MAX};
 use crate::machine::{Input, Machine, Output, Phase, SystemRng};
-use crate::runner::{CAPABILITIES, Runner};
+use crate::runner::Runner;
 
 /// How often the machine is ticked.
 pub const TICK_MS: u64 = 100;
@@ -67,15 +67,15 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let version = env!("CARGO_PKG_VERSION").to_owned();
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
-    let mut machine = Machine::new(
-        node,
-        identity.key.clone(),
-        CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(),
-        version.clone(),
-        head,
-        acked,
-    );
-    let runner = Arc::new(Runner { journal: journal.clone(), key: identity.key.clone(), node, version: version.clone() });
+    let runner = Arc::new(Runner::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?);
+    let inventory = runner.inventory.clone();
+    let capabilities = runner.capabilities();
+    if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
+        && let Some(reason) = runner.binding.unprivileged()
+    {
+        tracing::warn!(reason = %reason, "this node cannot hold GPUs: holds fail at once");
+    }
+    let mut machine = Machine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
     let status = Arc::new(Mutex::new(Status {
         node_id: identity.identity.node_id.clone(),
         tenant_id: identity.identity.tenant_id.clone(),
@@ -92,7 +92,6 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
     let (commands_tx, commands_rx) = mpsc::channel::<bc_proto::Command>(COMMANDS_QUEUED_MAX);
     let worker = tokio::spawn(run_commands(runner.clone(), commands_rx, events_tx.clone()));
-    let inventory = crate::inventory::source(config.hardware.root.as_deref(), config.hardware.fake_seed)?;
     let observer = tokio::spawn(observe(runner.clone(), inventory, config.observe_interval_ms()?, events_tx.clone()));
     let mut generation = 0u64;
     let mut outbound: Option<mpsc::Sender<bc_proto::AgentMessage>> = None;
@@ -267,7 +266,7 @@ async fn run_commands(runner: Arc<Runner>, mut commands: mpsc::Receiver<bc_proto
 /// `INVENTORY_CHECK_MS`), and an observation every `interval_ms`.
 async fn observe(
     runner: Arc<Runner>,
-    inventory: Box<dyn crate::inventory::InventorySource>,
+    inventory: Arc<dyn crate::inventory::InventorySource>,
     interval_ms: u64,
     events: mpsc::Sender<Event>,
 ) {

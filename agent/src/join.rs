@@ -83,7 +83,13 @@ fn claimed_gpus(config: &Config) -> Result<Vec<bc_proto::Gpu>, JoinError> {
         .gpus
         .gpus
         .into_iter()
-        .map(|g| bc_proto::Gpu { model: g.model, product: g.product, vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
+        .map(|g| bc_proto::Gpu {
+            model: g.model,
+            product: g.product,
+            vram_gib: g.vram_gib,
+            nvlink_domain: g.nvlink_domain,
+            uuid: g.uuid,
+        })
         .collect())
 }
 

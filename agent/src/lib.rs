@@ -11,9 +11,11 @@
 //! Architecture invariant: this crate depends on `bc-core` and `bc-proto`, never on the gateway;
 //! it is the only crate that touches the node's OS.
 
+pub mod binding;
 pub mod client;
 pub mod config;
 pub mod driver;
+pub mod holds;
 pub mod inventory;
 pub mod join;
 pub mod journal;

@@ -9,21 +9,84 @@ use bc_core::id::NodeId;
 use ed25519_dalek::SigningKey;
 use serde_json::{Value, json};
 
+use crate::binding::GpuBinding;
+use crate::holds::{Hold, HoldArgs, HoldDecision, Ledger, LedgerFile, decide_hold};
+use crate::inventory::InventorySource;
 use crate::journal::{Draft, Journal, JournalError, Stage};
 
-/// What this build can do: no GPU binding yet, so `gpu.hold` fails at once with a reason.
+/// What every agent does.
 pub const CAPABILITIES: &[&str] = &["command.ping"];
-/// Why a GPU command fails on a node without a binding capability.
-pub const NO_GPU_BINDING: &str = "node-unbound: this node advertises no GPU binding capability";
+/// Said in `Hello` by an agent whose binding can set GPUs aside.
+pub const CAPABILITY_GPU_HOLD: &str = "gpu.hold";
 
 pub struct Runner {
     pub journal: Arc<Journal>,
     pub key: SigningKey,
     pub node: NodeId,
     pub version: String,
+    pub binding: Box<dyn GpuBinding>,
+    pub inventory: Arc<dyn InventorySource>,
+    /// The GPUs held, by reservation; the lock is held across a whole hold or release, so
+    /// they run one at a time.
+    pub ledger: tokio::sync::Mutex<Ledger>,
+    pub ledger_file: LedgerFile,
+}
+
+/// What a command ended in: its last journal entry's type, subject and payload.
+struct Finish {
+    entry_type: &'static str,
+    subject: Option<String>,
+    payload: Value,
+}
+
+impl Finish {
+    fn succeeded(payload: Value) -> Self {
+        Self { entry_type: "command.succeeded", subject: None, payload }
+    }
+
+    fn failed(reason: impl Into<String>) -> Self {
+        Self { entry_type: "command.failed", subject: None, payload: json!({ "reason": reason.into() }) }
+    }
+
+    /// A GPU report (`gpu.held`, …) on the reservation's stream.
+    fn gpu(entry_type: &'static str, reservation_id: &str, gpus: &[crate::binding::HeldGpu], reason: Option<String>) -> Self {
+        let mut payload = json!({
+            "reservationId": reservation_id,
+            "gpus": gpus.iter().map(|g| g.uuid.clone()).collect::<Vec<_>>(),
+        });
+        if let Some(reason) = reason {
+            payload["reason"] = json!(bc_core::id::truncate(&reason, 1000));
+        }
+        Self { entry_type, subject: Some(format!("reservation/{reservation_id}")), payload }
+    }
 }
 
 impl Runner {
+    /// The runner for the machine `config` names: its inventory source, its GPU binding and the
+    /// ledger of its holds in the data directory.
+    pub fn for_config(
+        config: &crate::config::Config,
+        journal: Arc<Journal>,
+        key: SigningKey,
+        node: NodeId,
+        version: String,
+    ) -> Result<Self, String> {
+        let hw = &config.hardware;
+        let inventory: Arc<dyn InventorySource> = crate::inventory::source(hw.root.as_deref(), hw.fake_seed)?.into();
+        let ledger_file = LedgerFile::new(&config.data_dir);
+        let ledger = ledger_file.load()?;
+        Ok(Self {
+            journal,
+            key,
+            node,
+            version,
+            binding: crate::binding::binding(hw.root.as_deref(), hw.fake_seed, hw.fake_hold_refusal.clone()),
+            inventory,
+            ledger: tokio::sync::Mutex::new(ledger),
+            ledger_file,
+        })
+    }
+
     async fn write(&self, draft: Draft, out: &mut Vec<SignedEntry>) -> Result<(), JournalError> {
         out.push(self.journal.append(&self.key, draft).await?);
         Ok(())
@@ -36,16 +99,84 @@ impl Runner {
         self.journal.append(&self.key, draft).await
     }
 
-    fn draft(&self, now_ms: u64, entry_type: &str, command: &str, mut payload: Value, stage: Stage) -> Draft {
+    fn draft(&self, now_ms: u64, entry_type: &str, command: &str, payload: Value, stage: Stage) -> Draft {
+        self.draft_on(now_ms, entry_type, command, format!("command/{command}"), payload, stage)
+    }
+
+    fn draft_on(&self, now_ms: u64, entry_type: &str, command: &str, subject: String, mut payload: Value, stage: Stage) -> Draft {
         payload["commandId"] = json!(command);
         payload["nodeId"] = json!(self.node.to_string());
-        Draft {
-            at_ms: now_ms,
-            entry_type: entry_type.to_owned(),
-            subject: format!("command/{command}"),
-            payload,
-            command: Some((command.to_owned(), stage)),
+        Draft { at_ms: now_ms, entry_type: entry_type.to_owned(), subject, payload, command: Some((command.to_owned(), stage)) }
+    }
+
+    /// The capabilities this agent says in `Hello`.
+    pub fn capabilities(&self) -> Vec<String> {
+        let mut out: Vec<String> = CAPABILITIES.iter().map(|c| (*c).to_owned()).collect();
+        if self.binding.unprivileged().is_none() {
+            out.push(CAPABILITY_GPU_HOLD.to_owned());
         }
+        out
+    }
+
+    /// `gpu.hold`: decided on the ledger and the machine's inventory, bound, recorded, then
+    /// reported (`gpu.held` or `gpu.hold_failed` with the reason).
+    async fn hold(&self, command_id: &str, args_json: &str) -> Finish {
+        let args: HoldArgs = match serde_json::from_str(args_json) {
+            Ok(args) => args,
+            Err(e) => return Finish::failed(format!("bad-args: gpu.hold: {}", bc_core::id::truncate(&e.to_string(), 200))),
+        };
+        if args.reservation_id.parse::<bc_core::id::ReservationId>().is_err() {
+            return Finish::failed("bad-args: gpu.hold names no reservation");
+        }
+        let failed = |reason: String| Finish::gpu("gpu.hold_failed", &args.reservation_id, &[], Some(reason));
+        if let Some(reason) = self.binding.unprivileged() {
+            return failed(reason);
+        }
+        let mut ledger = self.ledger.lock().await;
+        let inventory = self.inventory.read();
+        let gpus = match decide_hold(&ledger, &inventory, &args) {
+            HoldDecision::AlreadyHeld(gpus) => return Finish::gpu("gpu.held", &args.reservation_id, &gpus, None),
+            HoldDecision::Refuse(reason) => return failed(reason),
+            HoldDecision::Bind(gpus) => gpus,
+        };
+        if let Err(reason) = self.binding.hold(&gpus) {
+            return failed(reason);
+        }
+        let mut next = ledger.clone();
+        next.holds.insert(args.reservation_id.clone(), Hold { command_id: command_id.to_owned(), gpus: gpus.clone() });
+        if let Err(e) = self.ledger_file.save(&next) {
+            // Not recorded, so not held: give the GPUs back.
+            let _ = self.binding.release(&gpus);
+            return failed(format!("ledger-failed: {e}"));
+        }
+        *ledger = next;
+        tracing::info!(reservation = %args.reservation_id, gpus = gpus.len(), "GPUs held");
+        Finish::gpu("gpu.held", &args.reservation_id, &gpus, None)
+    }
+
+    /// `gpu.release`: gives back what the ledger holds for the reservation (nothing held:
+    /// released already), then reports `gpu.released`. A release the machine refuses keeps the
+    /// GPUs in the ledger (no other reservation gets them) and fails the command.
+    async fn release(&self, args_json: &str) -> Finish {
+        let args: HoldArgs = match serde_json::from_str::<HoldArgs>(args_json) {
+            Ok(args) if args.reservation_id.parse::<bc_core::id::ReservationId>().is_ok() => args,
+            _ => return Finish::failed("bad-args: gpu.release names no reservation"),
+        };
+        let mut ledger = self.ledger.lock().await;
+        let Some(hold) = ledger.holds.get(&args.reservation_id).cloned() else {
+            return Finish::gpu("gpu.released", &args.reservation_id, &[], None);
+        };
+        if let Err(reason) = self.binding.release(&hold.gpus) {
+            return Finish::failed(format!("release-failed: {reason}"));
+        }
+        let mut next = ledger.clone();
+        next.holds.remove(&args.reservation_id);
+        if let Err(e) = self.ledger_file.save(&next) {
+            return Finish::failed(format!("ledger-failed: {e}"));
+        }
+        *ledger = next;
+        tracing::info!(reservation = %args.reservation_id, gpus = hold.gpus.len(), "GPUs released");
+        Finish::gpu("gpu.released", &args.reservation_id, &hold.gpus, None)
     }
 
     /// Runs `command` unless the journal says it finished; returns the entries written.
@@ -61,27 +192,38 @@ impl Runner {
             return Ok(out);
         }
         if now_ms > command.deadline_ms {
-            let reason = json!({ "reason": "deadline passed before the node ran it" });
-            self.write(self.draft(now_ms, "command.failed", id, reason, Stage::Finished), &mut out).await?;
+            let reason = "deadline-passed: the deadline passed before the node ran it";
+            let finish = match command.kind.as_str() {
+                // A hold's answer goes to its reservation, which then goes back to its queue.
+                "gpu.hold" => match serde_json::from_str::<HoldArgs>(&command.args_json) {
+                    Ok(args) => Finish::gpu("gpu.hold_failed", &args.reservation_id, &[], Some(reason.into())),
+                    Err(_) => Finish::failed(reason),
+                },
+                _ => Finish::failed(reason),
+            };
+            self.finish(now_ms, id, finish, &mut out).await?;
             return Ok(out);
         }
         if stage.is_none() {
             self.write(self.draft(now_ms, "command.started", id, json!({}), Stage::Started), &mut out).await?;
         }
-        let outcome = match command.kind.as_str() {
-            "ping" => Ok(json!({ "result": { "pong": true, "agentVersion": self.version } })),
-            "gpu.hold" | "gpu.release" => Err(NO_GPU_BINDING.to_owned()),
-            other => Err(format!("unknown-kind: this agent does not know {:?}", bc_core::id::truncate(other, 40))),
+        let finish = match command.kind.as_str() {
+            "ping" => Finish::succeeded(json!({ "result": { "pong": true, "agentVersion": self.version } })),
+            "gpu.hold" => self.hold(id, &command.args_json).await,
+            "gpu.release" => self.release(&command.args_json).await,
+            other => Finish::failed(format!("unknown-kind: this agent does not know {:?}", bc_core::id::truncate(other, 40))),
         };
-        match outcome {
-            Ok(result) => self.write(self.draft(now_ms, "command.succeeded", id, result, Stage::Finished), &mut out).await?,
-            Err(reason) => {
-                self.write(self.draft(now_ms, "command.failed", id, json!({ "reason": reason }), Stage::Finished), &mut out)
-                    .await?
-            }
-        }
+        self.finish(now_ms, id, finish, &mut out).await?;
         tracing::info!(command = %id, kind = %bc_core::id::truncate(&command.kind, 40), "command ran");
         Ok(out)
+    }
+
+    async fn finish(&self, now_ms: u64, id: &str, finish: Finish, out: &mut Vec<SignedEntry>) -> Result<(), JournalError> {
+        let draft = match finish.subject {
+            Some(subject) => self.draft_on(now_ms, finish.entry_type, id, subject, finish.payload, Stage::Finished),
+            None => self.draft(now_ms, finish.entry_type, id, finish.payload, Stage::Finished),
+        };
+        self.write(draft, out).await
     }
 
     /// Journals an observation of the machine: uptime, load and free memory, from `/proc`.

@@ -130,7 +130,8 @@ async fn replay() -> (f64, f64, f64) {
     let node: bc_core::id::NodeId = identity.identity.node_id.parse().unwrap();
     // Entries waiting: the agent was offline while it observed.
     let journal = Arc::new(bc_agent::journal::Journal::open(&config.journal_path(), node, u64::MAX).await.unwrap());
-    let runner = bc_agent::runner::Runner { journal: journal.clone(), key: identity.key.clone(), node, version: "bench".into() };
+    let runner =
+        bc_agent::runner::Runner::for_config(&config, journal.clone(), identity.key.clone(), node, "bench".into()).unwrap();
     let started = Instant::now();
     for _ in 0..REPLAY_ENTRIES {
         runner.observe(SystemClock.now_ms()).await.unwrap();

@@ -46,9 +46,28 @@ pub const COMMAND_SUCCEEDED: &str = "command.succeeded";
 pub const COMMAND_FAILED: &str = "command.failed";
 pub const NODE_OBSERVED: &str = "node.observed";
 pub const NODE_INVENTORY_REPORTED: &str = "node.inventory_reported";
+/// A node's answer to `gpu.hold` and `gpu.release`, journaled on the reservation's stream
+/// ([`GpuReport`]); each finishes its command.
+pub const GPU_HELD: &str = "gpu.held";
+pub const GPU_HOLD_FAILED: &str = "gpu.hold_failed";
+pub const GPU_RELEASED: &str = "gpu.released";
+/// The GPU reports, which finish a command and change a reservation's binding.
+pub const GPU_REPORT_TYPES: &[&str] = &[GPU_HELD, GPU_HOLD_FAILED, GPU_RELEASED];
+/// An active reservation whose hold failed, given back to the head of its pool's queue.
+pub const RESERVATION_REQUEUED: &str = "reservation.requeued";
+/// A reservation whose holds failed [`crate::HOLD_ATTEMPTS_MAX`] times: ended, with the reason.
+pub const RESERVATION_FAILED: &str = "reservation.failed";
 /// The event types a node may originate through its journal; nothing else is appended from one.
-pub const NODE_ORIGINATED_TYPES: &[&str] =
-    &[COMMAND_STARTED, COMMAND_SUCCEEDED, COMMAND_FAILED, NODE_OBSERVED, NODE_INVENTORY_REPORTED];
+pub const NODE_ORIGINATED_TYPES: &[&str] = &[
+    COMMAND_STARTED,
+    COMMAND_SUCCEEDED,
+    COMMAND_FAILED,
+    NODE_OBSERVED,
+    NODE_INVENTORY_REPORTED,
+    GPU_HELD,
+    GPU_HOLD_FAILED,
+    GPU_RELEASED,
+];
 
 /// Every event type this version writes.
 pub const EVENT_TYPES: &[&str] = &[
@@ -92,6 +111,11 @@ pub const EVENT_TYPES: &[&str] = &[
     COMMAND_FAILED,
     NODE_OBSERVED,
     NODE_INVENTORY_REPORTED,
+    GPU_HELD,
+    GPU_HOLD_FAILED,
+    GPU_RELEASED,
+    RESERVATION_REQUEUED,
+    RESERVATION_FAILED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,
@@ -205,6 +229,10 @@ pub struct NodeJoined {
     pub join_token_id: String,
     pub agent_version: String,
     pub hostname: String,
+    /// The GPUs' UUIDs in `gpus`' order, as the node's inventory gives them (absent in joins
+    /// recorded before holds existed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_uuids: Vec<String>,
 }
 
 /// `node.ready`: the node's lease is held again. `node.unreachable`: it lapsed.
@@ -372,6 +400,62 @@ pub struct ReservationActivated {
     pub node_id: String,
     pub gpus: Vec<u32>,
     pub ends_at_ms: u64,
+    /// On a node with an agent: the `gpu.hold` command issued in the same append; the binding
+    /// is `pending` until the node answers (absent: a node registered by hand, bound at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldIssued>,
+}
+
+/// The `gpu.hold` (or `gpu.release`) command an append issued for a reservation.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HoldIssued {
+    pub command_id: String,
+    /// The command's deadline: a hold not answered by then counts as failed.
+    pub deadline_at_ms: u64,
+}
+
+/// `reservation.requeued`: the hold on `node_id` failed (or was not answered by its deadline);
+/// the GPUs are freed in the same append and the reservation waits at the head of its queue.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationRequeued {
+    pub node_id: String,
+    pub reason: String,
+    /// Holds failed so far, this one included.
+    pub attempts: u32,
+    /// `gpu.release` to the node, when the hold was not answered (it may yet hold them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<HoldIssued>,
+}
+
+/// `reservation.failed`: ended after its last allowed hold failed.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationFailed {
+    pub node_id: String,
+    pub reason: String,
+    pub attempts: u32,
+    /// `gpu.release` to the node, when the hold was not answered (it may yet hold them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<HoldIssued>,
+}
+
+/// `gpu.held`, `gpu.hold_failed`, `gpu.released`: a node's answer to its `gpu.hold` or
+/// `gpu.release` command, from its journal, on the stream of the reservation the command names.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuReport {
+    pub command_id: String,
+    pub node_id: String,
+    pub reservation_id: String,
+    /// The GPUs' UUIDs.
+    pub gpus: Vec<String>,
+    /// Why a hold failed: a stable code, a colon, and words (`node-unprivileged: …`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -380,10 +464,14 @@ pub struct ReservationExtended {
     pub ends_at_ms: u64,
 }
 
-/// `reservation.released`, `.expired`, `.cancelled`: no payload.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+/// `reservation.released`, `.expired`, `.cancelled`: no payload, but for the `gpu.release`
+/// issued in the same append to a node that may hold the GPUs.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ReservationEnded {}
+pub struct ReservationEnded {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<HoldIssued>,
+}
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -50,6 +50,12 @@ pub const KIND_AGENT: &str = "agent";
 pub const KIND_NODE_COMMANDS: &str = "node_commands";
 /// Unfinished commands one node may have: a node that is away for long cannot pile up more.
 pub const COMMANDS_PENDING_PER_NODE_MAX: usize = 256;
+/// Holds a reservation may try: after this many failed holds it fails, with the last reason,
+/// instead of going back to its queue again.
+pub const HOLD_ATTEMPTS_MAX: u32 = 3;
+/// How long a node has to answer `gpu.hold` or `gpu.release`; an unanswered hold then counts as
+/// failed (`hold-timeout`).
+pub const HOLD_DEADLINE_S: u64 = 120;
 /// A tenant's quota in one pool; the stream is `quota/pool_…`.
 pub const KIND_QUOTA: &str = "quota";
 /// The longest reservation a pool grants unless it says otherwise: 30 days.
@@ -112,6 +118,10 @@ pub struct NodeDoc {
     pub pool_id: String,
     pub name: String,
     pub gpus: Vec<Gpu>,
+    /// The GPUs' UUIDs in `gpus`' order, for a node with an agent (what `gpu.hold` names);
+    /// empty for a node registered by hand.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_uuids: Vec<String>,
     pub labels: std::collections::BTreeMap<String, String>,
     pub state: NodeState,
     #[serde(default)]
@@ -354,7 +364,69 @@ pub struct ReservationDoc {
     pub activated_at_ms: Option<u64>,
     pub ends_at_ms: Option<u64>,
     pub ended_at_ms: Option<u64>,
+    /// Whether its node really set its GPUs aside; `None` while queued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binding: Option<Binding>,
+    /// Holds that failed so far (each put it back in its queue), the nodes they failed on, and
+    /// the last reason.
+    #[serde(default)]
+    pub hold_attempts: u32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hold_failed_nodes: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
     pub version: u64,
+}
+
+/// A reservation's GPUs on its node: `pending` (the node was sent `gpu.hold`) → `bound` (it
+/// journaled `gpu.held`) or `failed` (`gpu.hold_failed`, or no answer by the deadline); after the
+/// reservation ends, `released` once the node journaled `gpu.released`. A node registered by
+/// hand has no agent to ask: `bound` at once.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Binding {
+    pub state: BindingState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_command_id: Option<String>,
+    /// When a pending hold counts as failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_command_id: Option<String>,
+    /// The GPUs' UUIDs the node reported holding.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_uuids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub changed_at_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BindingState {
+    Pending,
+    Bound,
+    Failed,
+    Released,
+}
+
+impl Binding {
+    /// Whether the node may hold the GPUs: a hold was sent and not refused (`pending` or
+    /// `bound`), so ending the reservation sends `gpu.release`.
+    pub fn may_hold(&self) -> bool {
+        self.hold_command_id.is_some() && matches!(self.state, BindingState::Pending | BindingState::Bound)
+    }
+}
+
+impl BindingState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Bound => "bound",
+            Self::Failed => "failed",
+            Self::Released => "released",
+        }
+    }
 }
 
 /// Where a reservation is in its life: `queued` → `active` → `released` | `expired`, or
@@ -372,10 +444,13 @@ pub enum ReservationState {
     Expired,
     /// Ended by its owner while still queued.
     Cancelled,
+    /// Ended because its node could not hold its GPUs, [`HOLD_ATTEMPTS_MAX`] times
+    /// (`lastError` says why).
+    Failed,
 }
 
 impl ReservationState {
-    pub const ALL: &[Self] = &[Self::Queued, Self::Active, Self::Released, Self::Expired, Self::Cancelled];
+    pub const ALL: &[Self] = &[Self::Queued, Self::Active, Self::Released, Self::Expired, Self::Cancelled, Self::Failed];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -384,6 +459,7 @@ impl ReservationState {
             Self::Released => "released",
             Self::Expired => "expired",
             Self::Cancelled => "cancelled",
+            Self::Failed => "failed",
         }
     }
 
@@ -550,6 +626,21 @@ impl Projector for Projections {
             }
             return;
         }
+        if GPU_REPORT_TYPES.contains(&event.envelope.event_type.as_str()) {
+            // On the reservation's stream (its rows below), and it finishes its command: the
+            // command's rows, its node's queue and the node's journal head.
+            let tenant = event.envelope.tenant.to_string();
+            let row = |kind: &str, id: &str| RowKey { tenant: tenant.clone(), kind: kind.to_owned(), id: id.to_owned() };
+            let report = canonical::to_json(&event.envelope.payload);
+            if let (Some(command), Some(node)) =
+                (report.get("commandId").and_then(Value::as_str), report.get("nodeId").and_then(Value::as_str))
+            {
+                out.push(row(KIND_COMMAND, command));
+                out.push(row(KIND_COMMAND_LIVE, command));
+                out.push(row(KIND_NODE_COMMANDS, node));
+                out.push(row(KIND_NODE, node));
+            }
+        }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
             && matches!(
                 kind,
@@ -681,6 +772,7 @@ impl Projector for Projections {
                     state: NodeState::Ready,
                     taints: Default::default(),
                     allocations: Default::default(),
+                    gpu_uuids: Vec::new(),
                     cordoned: false,
                     draining: false,
                     agent: None,
@@ -701,6 +793,7 @@ impl Projector for Projections {
                     state: NodeState::Unreachable,
                     taints: Default::default(),
                     allocations: Default::default(),
+                    gpu_uuids: p.gpu_uuids,
                     cordoned: false,
                     draining: false,
                     // Unreachable until its first session: joining is not running.
@@ -771,17 +864,23 @@ impl Projector for Projections {
                 to_doc(&doc)
             }
             COMMAND_ISSUED | COMMAND_CANCELLED | COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED => {
-                apply_command(key, current, event)
+                let command_id = env.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
+                let progress: Option<CommandProgress> =
+                    if matches!(env.event_type.as_str(), COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED) {
+                        Some(payload(event)?)
+                    } else {
+                        None
+                    };
+                apply_command(key, current, event, command_id, progress, env.event_type.as_str())
             }
             NODE_INVENTORY_REPORTED => {
                 let mut p: NodeInventoryReported = payload(event)?;
                 let journal = p.journal.take().ok_or_else(|| corrupt(event, "an inventory without a journal entry".into()))?;
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 advance_journal(&mut doc, &journal, event)?;
-                let gpus = gpus_of_inventory(&p);
                 let free = doc.allocations.is_empty();
                 if free {
-                    doc.gpus = gpus;
+                    (doc.gpus, doc.gpu_uuids) = gpus_of_inventory(&p);
                 }
                 if let Some(agent) = doc.agent.as_mut() {
                     agent.inventory_pending = !free;
@@ -836,7 +935,7 @@ impl Projector for Projections {
                             && agent.inventory_pending
                             && let Some(inventory) = &agent.inventory
                         {
-                            doc.gpus = gpus_of_inventory(inventory);
+                            (doc.gpus, doc.gpu_uuids) = gpus_of_inventory(inventory);
                             agent.inventory_pending = false;
                         }
                     }
@@ -865,10 +964,21 @@ impl Projector for Projections {
                     activated_at_ms: None,
                     ends_at_ms: None,
                     ended_at_ms: None,
+                    binding: None,
+                    hold_attempts: 0,
+                    hold_failed_nodes: Vec::new(),
+                    last_error: None,
                     version: env.version,
                 })
             }
-            RESERVATION_ACTIVATED | RESERVATION_EXTENDED | RESERVATION_RELEASED | RESERVATION_EXPIRED | RESERVATION_CANCELLED => {
+            GPU_HELD | GPU_HOLD_FAILED | GPU_RELEASED => apply_gpu_report(key, current, event),
+            RESERVATION_ACTIVATED
+            | RESERVATION_EXTENDED
+            | RESERVATION_RELEASED
+            | RESERVATION_EXPIRED
+            | RESERVATION_CANCELLED
+            | RESERVATION_REQUEUED
+            | RESERVATION_FAILED => {
                 // The live row of a reservation that has ended stays gone.
                 if key.kind == KIND_RESERVATION_LIVE && current.is_none() {
                     return Ok(None);
@@ -882,17 +992,53 @@ impl Projector for Projections {
                         doc.gpu_indexes = p.gpus;
                         doc.activated_at_ms = Some(env.at_ms);
                         doc.ends_at_ms = Some(p.ends_at_ms);
+                        doc.binding = Some(Binding {
+                            state: if p.hold.is_some() { BindingState::Pending } else { BindingState::Bound },
+                            hold_command_id: p.hold.as_ref().map(|h| h.command_id.clone()),
+                            deadline_at_ms: p.hold.as_ref().map(|h| h.deadline_at_ms),
+                            release_command_id: None,
+                            gpu_uuids: Vec::new(),
+                            reason: None,
+                            changed_at_ms: env.at_ms,
+                        });
                     }
                     RESERVATION_EXTENDED => {
                         let p: ReservationExtended = payload(event)?;
                         doc.ends_at_ms = Some(p.ends_at_ms);
                     }
+                    RESERVATION_REQUEUED => {
+                        let p: ReservationRequeued = payload(event)?;
+                        doc.state = ReservationState::Queued;
+                        doc.node_id = None;
+                        doc.gpu_indexes = Vec::new();
+                        doc.activated_at_ms = None;
+                        doc.ends_at_ms = None;
+                        doc.binding = None;
+                        doc.hold_attempts = p.attempts;
+                        if !doc.hold_failed_nodes.contains(&p.node_id) {
+                            doc.hold_failed_nodes.push(p.node_id);
+                        }
+                        doc.last_error = Some(p.reason);
+                    }
                     ended => {
                         doc.state = match ended {
                             RESERVATION_RELEASED => ReservationState::Released,
                             RESERVATION_EXPIRED => ReservationState::Expired,
+                            RESERVATION_FAILED => ReservationState::Failed,
                             _ => ReservationState::Cancelled,
                         };
+                        let release = if ended == RESERVATION_FAILED {
+                            let p: ReservationFailed = payload(event)?;
+                            doc.hold_attempts = p.attempts;
+                            doc.last_error = Some(p.reason);
+                            p.release
+                        } else {
+                            payload::<ReservationEnded>(event)?.release
+                        };
+                        if let (Some(binding), Some(release)) = (doc.binding.as_mut(), release) {
+                            binding.release_command_id = Some(release.command_id);
+                            binding.changed_at_ms = env.at_ms;
+                        }
                         doc.ended_at_ms = Some(env.at_ms);
                     }
                 }
@@ -971,19 +1117,73 @@ impl Projector for Projections {
     }
 }
 
+/// A node's GPU report (`gpu.held`, `gpu.hold_failed`, `gpu.released`, on the reservation's
+/// stream): it finishes its command (as `command.succeeded` or `.failed` would) and changes the
+/// reservation's binding when it answers the command the binding waits on; a stale answer (the
+/// reservation requeued or ended meanwhile) changes only the reservation's version.
+fn apply_gpu_report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let report: GpuReport = payload(event)?;
+    match key.kind.as_str() {
+        KIND_RESERVATION | KIND_RESERVATION_LIVE => {
+            if key.kind == KIND_RESERVATION_LIVE && current.is_none() {
+                return Ok(None);
+            }
+            let mut doc: ReservationDoc = from_doc(event, current)?;
+            if let Some(binding) = doc.binding.as_mut() {
+                let answers_hold = binding.hold_command_id.as_deref() == Some(report.command_id.as_str())
+                    && binding.state == BindingState::Pending;
+                let answers_release = binding.release_command_id.as_deref() == Some(report.command_id.as_str());
+                match env.event_type.as_str() {
+                    GPU_HELD if answers_hold => {
+                        binding.state = BindingState::Bound;
+                        binding.gpu_uuids = report.gpus.clone();
+                        binding.changed_at_ms = env.at_ms;
+                    }
+                    GPU_HOLD_FAILED if answers_hold => {
+                        binding.state = BindingState::Failed;
+                        binding.reason = report.reason.clone();
+                        binding.changed_at_ms = env.at_ms;
+                    }
+                    GPU_RELEASED if answers_release => {
+                        binding.state = BindingState::Released;
+                        binding.changed_at_ms = env.at_ms;
+                    }
+                    _ => {}
+                }
+            }
+            doc.version = env.version;
+            to_doc(&doc)
+        }
+        _ => {
+            let result = (env.event_type != GPU_HOLD_FAILED).then(|| serde_json::json!({ "gpus": report.gpus }));
+            let progress = CommandProgress {
+                command_id: report.command_id.clone(),
+                node_id: report.node_id,
+                result,
+                reason: report.reason,
+                journal: report.journal,
+            };
+            let effect = if env.event_type == GPU_HOLD_FAILED { COMMAND_FAILED } else { COMMAND_SUCCEEDED };
+            apply_command(key, current, event, report.command_id, Some(progress), effect)
+        }
+    }
+}
+
 /// The rows a command event changes: the command, its live row, its node's queue and, for an
 /// entry of the node's journal, the node's journal head (the node's version does not move: the
-/// event is on the command's stream).
-fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+/// event is on the command's stream). `effect` is the command event type the event counts as
+/// (a GPU report finishes its command as `command.succeeded` or `.failed`).
+fn apply_command(
+    key: &RowKey,
+    current: Option<Value>,
+    event: &StoredEvent,
+    command_id: String,
+    progress: Option<CommandProgress>,
+    effect: &str,
+) -> Result<Option<Value>> {
     let env = &event.envelope;
-    let command_id = env.stream.split_once('/').map(|(_, id)| id.to_owned()).unwrap_or_default();
-    let issued = env.event_type == COMMAND_ISSUED;
-    let progress: Option<CommandProgress> =
-        if matches!(env.event_type.as_str(), COMMAND_STARTED | COMMAND_SUCCEEDED | COMMAND_FAILED) {
-            Some(payload(event)?)
-        } else {
-            None
-        };
+    let issued = effect == COMMAND_ISSUED;
     match key.kind.as_str() {
         KIND_COMMAND | KIND_COMMAND_LIVE => {
             if key.kind == KIND_COMMAND_LIVE && current.is_none() && !issued {
@@ -1018,7 +1218,7 @@ fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> R
                 // A report on a finished command (cancelled while it ran) is kept in the log
                 // but does not reopen it.
                 if !doc.state.is_finished() {
-                    match env.event_type.as_str() {
+                    match effect {
                         COMMAND_STARTED => {
                             doc.state = CommandState::Started;
                             doc.started_at_ms = Some(env.at_ms);
@@ -1035,7 +1235,7 @@ fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> R
                         }
                     }
                 }
-            } else if env.event_type == COMMAND_CANCELLED && !doc.state.is_finished() {
+            } else if effect == COMMAND_CANCELLED && !doc.state.is_finished() {
                 let p: CommandCancelled = payload(event)?;
                 doc.state = CommandState::Cancelled;
                 doc.reason = Some(p.reason);
@@ -1057,7 +1257,7 @@ fn apply_command(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> R
                     ));
                 }
                 queue.pending.push(command_id);
-            } else if env.event_type != COMMAND_STARTED {
+            } else if effect != COMMAND_STARTED {
                 queue.pending.retain(|id| *id != command_id);
             }
             if queue.pending.is_empty() { Ok(None) } else { to_doc(&queue) }
@@ -1087,11 +1287,15 @@ fn advance_journal(doc: &mut NodeDoc, journal: &bc_core::agent::JournalOrigin, e
     Ok(())
 }
 
-/// The node's GPUs as an inventory reports them, in index order.
-pub fn gpus_of_inventory(inventory: &NodeInventoryReported) -> Vec<Gpu> {
+/// The node's GPUs as an inventory reports them, in index order, and their UUIDs.
+pub fn gpus_of_inventory(inventory: &NodeInventoryReported) -> (Vec<Gpu>, Vec<String>) {
     inventory
         .gpus
         .iter()
-        .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
-        .collect()
+        .map(|g| {
+            let gpu =
+                Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain };
+            (gpu, g.uuid.clone())
+        })
+        .unzip()
 }

@@ -23,7 +23,9 @@ use bc_core::id::TenantId;
 use bc_core::store::{EventStore, ExpectedVersion, NewEvent};
 
 use crate::events::{
-    NODE_ALLOCATED, NODE_FREED, NodeAllocated, NodeFreed, RESERVATION_ACTIVATED, ReservationActivated, ReservationEnded, to_cbor,
+    COMMAND_ISSUED, CommandIssued, HoldIssued, NODE_ALLOCATED, NODE_FREED, NodeAllocated, NodeFreed, RESERVATION_ACTIVATED,
+    RESERVATION_EXPIRED, RESERVATION_FAILED, RESERVATION_RELEASED, RESERVATION_REQUEUED, ReservationActivated, ReservationEnded,
+    ReservationFailed, ReservationRequeued, to_cbor,
 };
 use crate::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc, stream_of};
 
@@ -297,6 +299,33 @@ pub struct Placement {
     pub gpus: Vec<u32>,
     /// Matching GPUs of the node still free after this placement.
     pub leftover: u32,
+    /// On a node with an agent, the placed GPUs' UUIDs: the activation sends it `gpu.hold` for
+    /// them. `None` for a node registered by hand, whose GPUs are bound at once.
+    pub hold: Option<Vec<String>>,
+}
+
+/// A command an append issues as part of a decision: its id, drawn by the caller, and the
+/// decision's time (the command's deadline counts from it).
+#[derive(Clone, Copy, Debug)]
+pub struct Issue<'a> {
+    pub command_id: &'a str,
+    pub now_ms: u64,
+}
+
+/// The kinds of the commands the control plane issues for reservations.
+pub const GPU_HOLD: &str = "gpu.hold";
+pub const GPU_RELEASE: &str = "gpu.release";
+
+/// `command.issued` for `node_id` on the command's own stream, and what the reservation records
+/// of it.
+fn issue_command(node_id: &str, kind: &str, args: serde_json::Value, issue: Issue<'_>) -> Result<(NewEvent, HoldIssued)> {
+    let deadline_at_ms = issue.now_ms.saturating_add(crate::HOLD_DEADLINE_S * 1000);
+    let event = NewEvent {
+        stream: Some(stream_of(crate::KIND_COMMAND, &issue.command_id)),
+        event_type: COMMAND_ISSUED.into(),
+        payload: to_cbor(&CommandIssued { node_id: node_id.to_owned(), kind: kind.to_owned(), args, deadline_at_ms })?,
+    };
+    Ok((event, HoldIssued { command_id: issue.command_id.to_owned(), deadline_at_ms }))
 }
 
 /// Whether a node may take new reservations for this ask at all.
@@ -337,7 +366,11 @@ pub fn fit(node: &NodeDoc, ask: &Ask<'_>) -> Option<Placement> {
     };
     let mut gpus = gpus;
     gpus.sort_unstable();
-    Some(Placement { node_id: node.node_id.clone(), node_version: node.version, gpus, leftover: free - ask.gpus })
+    // A node with an agent names its GPUs by UUID (from its inventory; a GPU it never reported
+    // a UUID for is named by an empty one, which the node refuses to hold).
+    let hold =
+        node.agent.as_ref().map(|_| gpus.iter().map(|&i| node.gpu_uuids.get(i as usize).cloned().unwrap_or_default()).collect());
+    Some(Placement { node_id: node.node_id.clone(), node_version: node.version, gpus, leftover: free - ask.gpus, hold })
 }
 
 /// How many matching GPUs would stay free on `node` after the ask, or `None` if it cannot take
@@ -439,39 +472,90 @@ pub async fn live(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<Reserv
 
 /// The events and guard that give `placement`'s GPUs to a reservation, appended to the
 /// reservation's stream: `reservation.activated` there and `node.allocated` on the node's
-/// stream, which must still be at the version placement read.
+/// stream, which must still be at the version placement read. On a node with an agent, also
+/// `command.issued` (`gpu.hold` for the GPUs' indexes and UUIDs) with `issue`'s id: the
+/// reservation's binding is `pending` until the node answers.
 pub fn activation(
     reservation_id: &str,
     placement: &Placement,
     ends_at_ms: u64,
+    issue: Issue<'_>,
 ) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
     let node_stream = stream_of(KIND_NODE, &placement.node_id);
-    let events = vec![
-        NewEvent::new(
-            RESERVATION_ACTIVATED,
-            to_cbor(&ReservationActivated { node_id: placement.node_id.clone(), gpus: placement.gpus.clone(), ends_at_ms })?,
-        ),
+    let mut events = Vec::new();
+    let hold = match &placement.hold {
+        Some(uuids) => {
+            let args = serde_json::json!({ "reservationId": reservation_id, "gpus": placement.gpus, "gpuUuids": uuids });
+            let (command, hold) = issue_command(&placement.node_id, GPU_HOLD, args, issue)?;
+            events.push(command);
+            Some(hold)
+        }
+        None => None,
+    };
+    let activated = ReservationActivated { node_id: placement.node_id.clone(), gpus: placement.gpus.clone(), ends_at_ms, hold };
+    events.insert(0, NewEvent::new(RESERVATION_ACTIVATED, to_cbor(&activated)?));
+    events.insert(
+        1,
         NewEvent {
             stream: Some(node_stream.clone()),
             event_type: NODE_ALLOCATED.into(),
             payload: to_cbor(&NodeAllocated { reservation_id: reservation_id.to_owned(), gpus: placement.gpus.clone() })?,
         },
-    ];
+    );
     Ok((events, (node_stream, ExpectedVersion::Exact(placement.node_version))))
 }
 
-/// The events and guard that end an active reservation (`reservation.released` or
-/// `reservation.expired`) and give its GPUs back on its node's stream.
-pub fn ending(reservation_id: &str, node_id: &str, event_type: &str) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
+/// How an active reservation ends: `reservation.released` or `.expired` (no payload but the
+/// release), `.requeued` or `.failed` (a hold that failed).
+#[derive(Clone, Debug)]
+pub enum Ending {
+    Released,
+    Expired,
+    Requeued { reason: String, attempts: u32 },
+    Failed { reason: String, attempts: u32 },
+}
+
+/// The events and guard that end an active reservation on `node_id` and give its GPUs back on
+/// the node's stream. When the node may hold them (`release`: a hold was sent and not refused,
+/// [`crate::Binding::may_hold`]), also `gpu.release` with `issue`'s id, which the reservation
+/// records.
+pub fn ending(
+    reservation_id: &str,
+    node_id: &str,
+    release: bool,
+    ending: Ending,
+    issue: Issue<'_>,
+) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
     let node_stream = stream_of(KIND_NODE, &node_id);
-    let events = vec![
-        NewEvent::new(event_type, to_cbor(&ReservationEnded {})?),
+    let mut events = Vec::new();
+    let release = if release {
+        let args = serde_json::json!({ "reservationId": reservation_id });
+        let (command, release) = issue_command(node_id, GPU_RELEASE, args, issue)?;
+        events.push(command);
+        Some(release)
+    } else {
+        None
+    };
+    let node_id = node_id.to_owned();
+    let (event_type, payload) = match ending {
+        Ending::Released => (RESERVATION_RELEASED, to_cbor(&ReservationEnded { release })?),
+        Ending::Expired => (RESERVATION_EXPIRED, to_cbor(&ReservationEnded { release })?),
+        Ending::Requeued { reason, attempts } => {
+            (RESERVATION_REQUEUED, to_cbor(&ReservationRequeued { node_id, reason, attempts, release })?)
+        }
+        Ending::Failed { reason, attempts } => {
+            (RESERVATION_FAILED, to_cbor(&ReservationFailed { node_id, reason, attempts, release })?)
+        }
+    };
+    events.insert(0, NewEvent::new(event_type, payload));
+    events.insert(
+        1,
         NewEvent {
             stream: Some(node_stream.clone()),
             event_type: NODE_FREED.into(),
             payload: to_cbor(&NodeFreed { reservation_id: reservation_id.to_owned() })?,
         },
-    ];
+    );
     // Freeing commutes with everything else on the node, so any version will do.
     Ok((events, (node_stream, ExpectedVersion::Any)))
 }

@@ -10,7 +10,7 @@ use bc_projections::decide::{
 };
 use bc_projections::events::{self as ev, Gpu};
 use bc_projections::fleet::TenantView;
-use bc_projections::placement::Selector;
+use bc_projections::placement::{self, Selector};
 use bc_projections::{NodeDoc, NodeState, PoolDoc, QuotaDoc, ReservationDoc, ReservationState};
 
 const TENANT: &str = "ten_01kb0000000000000000000000";
@@ -47,6 +47,7 @@ fn node(id: &str, pool: &str, gpus: u32) -> NodeDoc {
         state: NodeState::Ready,
         taints: BTreeMap::new(),
         allocations: BTreeMap::new(),
+        gpu_uuids: vec![],
         cordoned: false,
         draining: false,
         agent: None,
@@ -74,9 +75,16 @@ fn queued(id: &str, pool: &str, gpus: u32, request_seq: u64) -> ReservationDoc {
         activated_at_ms: None,
         ends_at_ms: None,
         ended_at_ms: None,
+        binding: None,
+        hold_attempts: 0,
+        hold_failed_nodes: vec![],
+        last_error: None,
         version: 1,
     }
 }
+
+/// The command id every test decision draws.
+const ISSUE: placement::Issue<'static> = placement::Issue { command_id: "cmd_01", now_ms: NOW_MS };
 
 /// An active reservation holding `gpu_indexes` of `node` (whose allocations the caller sets).
 fn active(id: &str, node: &str, gpu_indexes: Vec<u32>, ends_at_ms: u64) -> ReservationDoc {
@@ -111,7 +119,7 @@ fn ask(gpus: u32, duration_s: u64) -> ReservationAsk {
 }
 
 fn input(reservation_id: &str) -> ReservationCreateInput<'_> {
-    ReservationCreateInput { reservation_id, now_ms: NOW_MS, actor: "apikey:key_1", replay: false }
+    ReservationCreateInput { reservation_id, command_id: "cmd_01", now_ms: NOW_MS, actor: "apikey:key_1", replay: false }
 }
 
 fn quota(gpus: u32) -> QuotaDoc {
@@ -256,13 +264,13 @@ fn extend_stays_within_the_pools_maximum() {
 #[test]
 fn release_cancels_a_queued_reservation_and_frees_an_active_ones_gpus() {
     let waiting = queued("rsv_q", POOL, 2, 5);
-    let cancel = decide::reservation_release(&waiting, None).unwrap().unwrap();
+    let cancel = decide::reservation_release(&waiting, None, ISSUE).unwrap().unwrap();
     assert_eq!(cancel.event_types(), [ev::RESERVATION_CANCELLED]);
     assert_eq!((cancel.stream.as_str(), cancel.expected), ("reservation/rsv_q", ExpectedVersion::Exact(1)));
     assert!(cancel.guards.is_empty(), "a queued reservation holds no GPUs");
 
     let running = active("rsv_a", "node_a", vec![0, 1], NOW_MS);
-    let release = decide::reservation_release(&running, Some(2)).unwrap().unwrap();
+    let release = decide::reservation_release(&running, Some(2), ISSUE).unwrap().unwrap();
     assert_eq!(release.event_types(), [ev::RESERVATION_RELEASED, ev::NODE_FREED]);
     assert_eq!(release.events[1].stream.as_deref(), Some("node/node_a"));
     assert_eq!(release.expected, ExpectedVersion::Exact(2));
@@ -270,11 +278,11 @@ fn release_cancels_a_queued_reservation_and_frees_an_active_ones_gpus() {
 
     for state in [ReservationState::Released, ReservationState::Expired, ReservationState::Cancelled] {
         let over = ReservationDoc { state, ..running.clone() };
-        assert_eq!(decide::reservation_release(&over, None).unwrap(), None, "releasing again changes nothing");
+        assert_eq!(decide::reservation_release(&over, None, ISSUE).unwrap(), None, "releasing again changes nothing");
     }
-    assert!(matches!(decide::reservation_release(&running, Some(1)), Err(Refusal::VersionMismatch { .. })));
+    assert!(matches!(decide::reservation_release(&running, Some(1), ISSUE), Err(Refusal::VersionMismatch { .. })));
     let broken = ReservationDoc { node_id: None, ..running };
-    assert!(matches!(decide::reservation_release(&broken, None), Err(Refusal::Internal(_))));
+    assert!(matches!(decide::reservation_release(&broken, None, ISSUE), Err(Refusal::Internal(_))));
 }
 
 /// node_a (4 GPUs) is full with `rsv_done`, due now; node_b (2 GPUs) is free. Queue of POOL:
@@ -307,6 +315,7 @@ fn plan_expires_first_then_activates_each_pool_oldest_first() {
         .map(|a| {
             let kind = match a {
                 Action::Expire { .. } => "expire",
+                Action::HoldFailed { .. } => "hold failed",
                 Action::Activate { .. } => "activate",
                 Action::Skip { .. } => "skip",
             };
@@ -327,10 +336,10 @@ fn plan_expires_first_then_activates_each_pool_oldest_first() {
     assert_eq!((placement.node_id.as_str(), placement.node_version), ("node_b", 7));
     assert!(freed_by.is_empty());
 
-    let expire = actions[0].append().unwrap().unwrap();
+    let expire = actions[0].append(ISSUE).unwrap().unwrap();
     assert_eq!(expire.event_types(), [ev::RESERVATION_EXPIRED, ev::NODE_FREED]);
     assert_eq!(expire.expected, ExpectedVersion::Exact(2));
-    let activate = actions[1].append().unwrap().unwrap();
+    let activate = actions[1].append(ISSUE).unwrap().unwrap();
     assert_eq!(activate.stream, "reservation/rsv_big");
     assert_eq!(activate.expected, ExpectedVersion::Exact(1));
     assert_eq!(activate.event_types(), [ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED]);
@@ -352,7 +361,7 @@ fn plan_skips_an_unreadable_selector_without_stopping_the_queue() {
     view.live.get_mut("rsv_big").unwrap().selector = "gpuColour = red".into();
     let actions = decide::plan(&view, NOW_MS - 1);
     assert!(matches!(&actions[0], Action::Skip { reservation_id, .. } if reservation_id == "rsv_big"), "{actions:?}");
-    assert_eq!(actions[0].append().unwrap(), None);
+    assert_eq!(actions[0].append(ISSUE).unwrap(), None);
     assert!(matches!(&actions[1], Action::Activate { reservation_id, .. } if reservation_id == "rsv_small"));
 }
 
@@ -363,8 +372,8 @@ fn a_plan_is_deterministic_for_the_same_view_and_time() {
         // Each view's maps iterate in their own order; the plan must not depend on it.
         let view = busy_view();
         assert_eq!(decide::plan(&view, NOW_MS), first);
-        let appends: Vec<Option<Append>> = first.iter().map(|a| a.append().unwrap()).collect();
-        assert_eq!(decide::plan(&view, NOW_MS).iter().map(|a| a.append().unwrap()).collect::<Vec<_>>(), appends);
+        let appends: Vec<Option<Append>> = first.iter().map(|a| a.append(ISSUE).unwrap()).collect();
+        assert_eq!(decide::plan(&view, NOW_MS).iter().map(|a| a.append(ISSUE).unwrap()).collect::<Vec<_>>(), appends);
     }
     assert_ne!(decide::plan(&busy_view(), NOW_MS - 1), first, "and it does depend on the time");
 }
@@ -399,7 +408,7 @@ fn states_are_stored_as_the_lowercase_words() {
     let error = "done".parse::<ReservationState>().unwrap_err();
     assert_eq!(error.code(), ErrorCode::InvalidArgument);
     assert!(error.to_string().contains("not a reservation state"), "{error}");
-    assert_eq!(error.hint(), Some("queued, active, released, expired, cancelled"));
+    assert_eq!(error.hint(), Some("queued, active, released, expired, cancelled, failed"));
     assert!("Ready".parse::<NodeState>().is_err());
 }
 
@@ -420,4 +429,137 @@ fn finding_9_node_keys_and_nodes_per_tenant_are_capped() {
     assert!(node_keys_change("node_1", "taints", &full, &replaced, &[]).is_ok());
     assert!(node_register(NODES_PER_TENANT_MAX - 1).is_ok());
     assert_eq!(node_register(NODES_PER_TENANT_MAX), Err(Refusal::TooManyNodes { count: NODES_PER_TENANT_MAX }));
+}
+
+/// A node that joined with `bcd`: its GPUs have UUIDs, and holds go to its agent.
+fn agent_node(id: &str, gpus: u32) -> NodeDoc {
+    NodeDoc {
+        gpu_uuids: (0..gpus).map(|i| format!("GPU-{id}-{i}")).collect(),
+        agent: Some(bc_projections::NodeAgent {
+            public_key: String::new(),
+            agent_version: "test".into(),
+            hostname: id.into(),
+            join_token_id: "jt_1".into(),
+            joined_at_ms: 0,
+            reachable: true,
+            lease_expires_at_ms: NOW_MS + 60_000,
+            journal_seq: 0,
+            journal_hash: String::new(),
+            observed: None,
+            inventory: None,
+            inventory_at_ms: 0,
+            inventory_pending: false,
+        }),
+        ..node(id, POOL, gpus)
+    }
+}
+
+/// An active reservation on `node` whose binding is in `state`.
+fn bound(rsv: ReservationDoc, state: bc_projections::BindingState, deadline_at_ms: u64, reason: Option<&str>) -> ReservationDoc {
+    ReservationDoc {
+        binding: Some(bc_projections::Binding {
+            state,
+            hold_command_id: Some("cmd_hold".into()),
+            deadline_at_ms: Some(deadline_at_ms),
+            release_command_id: None,
+            gpu_uuids: vec![],
+            reason: reason.map(str::to_owned),
+            changed_at_ms: 0,
+        }),
+        ..rsv
+    }
+}
+
+/// On a node with an agent, an activation sends the node `gpu.hold` for the GPUs' UUIDs in the
+/// same append, and the reservation's binding waits on that command; on a node registered by
+/// hand it does not.
+#[test]
+fn an_activation_on_an_agent_node_issues_gpu_hold_in_the_same_append() {
+    let view = TenantView::new([agent_node("node_g", 4)], [queued("rsv_q", POOL, 2, 5)]);
+    let actions = decide::plan(&view, NOW_MS);
+    let append = actions[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED, ev::COMMAND_ISSUED]);
+    let issued = &append.events[2];
+    assert_eq!(issued.stream.as_deref(), Some("command/cmd_01"));
+    let command = bc_core::canonical::to_json(&issued.payload);
+    assert_eq!(command["kind"], "gpu.hold");
+    assert_eq!(command["args"]["gpuUuids"], serde_json::json!(["GPU-node_g-0", "GPU-node_g-1"]));
+    assert_eq!(command["args"]["reservationId"], "rsv_q");
+    let activated = bc_core::canonical::to_json(&append.events[0].payload);
+    assert_eq!(activated["hold"]["commandId"], "cmd_01");
+    assert_eq!(activated["hold"]["deadlineAtMs"], NOW_MS + bc_projections::HOLD_DEADLINE_S * 1000);
+
+    let by_hand = TenantView::new([node("node_h", POOL, 4)], [queued("rsv_q", POOL, 2, 5)]);
+    let append = decide::plan(&by_hand, NOW_MS)[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED]);
+}
+
+/// A failed hold frees the GPUs and requeues the reservation, which is then next in its pool:
+/// nothing behind it is activated in the same pass, and the next pass places it on another
+/// node than the one that failed when one fits. After `HOLD_ATTEMPTS_MAX` failures it fails.
+#[test]
+fn a_failed_hold_requeues_at_the_head_then_fails_after_the_last_attempt() {
+    use bc_projections::BindingState;
+    let mut bad = agent_node("node_bad", 2);
+    let rsv = bound(
+        active("rsv_a", "node_bad", vec![0, 1], NOW_MS + 60_000),
+        BindingState::Failed,
+        NOW_MS + 1,
+        Some("gpu-in-use: GPU-0 runs 1 processes"),
+    );
+    hold_on(&mut bad, &rsv);
+    let view = TenantView::new([bad.clone(), agent_node("node_good", 2)], [rsv.clone(), queued("rsv_later", POOL, 2, 9)]);
+    let actions = decide::plan(&view, NOW_MS);
+    assert_eq!(actions.len(), 1, "rsv_later does not overtake the requeued one: {actions:?}");
+    let Action::HoldFailed { reason, attempts, gives_up, release, .. } = &actions[0] else { panic!("{actions:?}") };
+    assert_eq!((reason.as_str(), *attempts, *gives_up, *release), ("gpu-in-use: GPU-0 runs 1 processes", 1, false, false));
+    let append = actions[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_REQUEUED, ev::NODE_FREED], "a refused hold holds nothing to release");
+    assert_eq!(append.expected, ExpectedVersion::Exact(rsv.version));
+
+    // Requeued (as the fold leaves it): placed on the node that did not fail.
+    let requeued = ReservationDoc { hold_attempts: 1, hold_failed_nodes: vec!["node_bad".into()], ..queued("rsv_a", POOL, 2, 1) };
+    let view = TenantView::new([agent_node("node_bad", 2), agent_node("node_good", 2)], [requeued.clone()]);
+    let Action::Activate { placement, .. } = &decide::plan(&view, NOW_MS)[0] else { panic!() };
+    assert_eq!(placement.node_id, "node_good");
+    // Only the failing node fits: it is tried again rather than waiting for ever.
+    let view = TenantView::new([agent_node("node_bad", 2)], [requeued]);
+    assert!(matches!(&decide::plan(&view, NOW_MS)[0], Action::Activate { placement, .. } if placement.node_id == "node_bad"));
+
+    // The last attempt fails the reservation instead.
+    let last = ReservationDoc { hold_attempts: bc_projections::HOLD_ATTEMPTS_MAX - 1, ..rsv };
+    let view = TenantView::new([bad], [last]);
+    let actions = decide::plan(&view, NOW_MS);
+    assert!(matches!(&actions[0], Action::HoldFailed { gives_up: true, attempts: 3, .. }), "{actions:?}");
+    assert_eq!(actions[0].append(ISSUE).unwrap().unwrap().event_types(), [ev::RESERVATION_FAILED, ev::NODE_FREED]);
+}
+
+/// A hold the node never answers counts as failed at its deadline, and the node is sent
+/// `gpu.release` in case it holds the GPUs after all; before the deadline nothing happens.
+#[test]
+fn an_unanswered_hold_fails_at_its_deadline_and_sends_a_release() {
+    use bc_projections::BindingState;
+    let mut n = agent_node("node_g", 2);
+    let rsv = bound(active("rsv_a", "node_g", vec![0, 1], NOW_MS + 600_000), BindingState::Pending, NOW_MS, None);
+    hold_on(&mut n, &rsv);
+    let view = TenantView::new([n], [rsv]);
+    assert!(decide::plan(&view, NOW_MS - 1).is_empty());
+    let actions = decide::plan(&view, NOW_MS);
+    let Action::HoldFailed { reason, release: true, .. } = &actions[0] else { panic!("{actions:?}") };
+    assert!(reason.starts_with("hold-timeout:"), "{reason}");
+    let append = actions[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_REQUEUED, ev::NODE_FREED, ev::COMMAND_ISSUED]);
+    assert_eq!(bc_core::canonical::to_json(&append.events[2].payload)["kind"], "gpu.release");
+}
+
+/// Releasing a reservation whose node holds its GPUs sends `gpu.release` with the release.
+#[test]
+fn releasing_a_bound_reservation_sends_gpu_release() {
+    use bc_projections::BindingState;
+    let rsv = bound(active("rsv_a", "node_g", vec![0], NOW_MS + 60_000), BindingState::Bound, NOW_MS, None);
+    let append = decide::reservation_release(&rsv, None, ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_RELEASED, ev::NODE_FREED, ev::COMMAND_ISSUED]);
+    let failed = bound(rsv, BindingState::Failed, NOW_MS, Some("x"));
+    let append = decide::reservation_release(&failed, None, ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_RELEASED, ev::NODE_FREED], "a failed hold holds nothing");
 }

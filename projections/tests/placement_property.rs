@@ -19,6 +19,9 @@ use bc_projections::{KIND_NODE, KIND_POOL, KIND_RESERVATION, NodeDoc, Projection
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+/// The nodes here are registered by hand: no command is issued, so any id will do.
+const ISSUE: placement::Issue<'static> = placement::Issue { command_id: "cmd_unused", now_ms: 1 };
+
 const CASES: usize = 12;
 const STEPS: usize = 60;
 const PRODUCTS: [(&str, &str, u32); 3] =
@@ -95,7 +98,7 @@ async fn case(seed: u64) -> usize {
         if !active.is_empty() && rng.random_bool(0.3) {
             let r = &active[rng.random_range(0..active.len())];
             let node = r.node_id.as_deref().unwrap();
-            let (events, guard) = placement::ending(&r.reservation_id, node, ev::RESERVATION_RELEASED).unwrap();
+            let (events, guard) = placement::ending(&r.reservation_id, node, false, placement::Ending::Released, ISSUE).unwrap();
             let stream = stream_of(KIND_RESERVATION, &r.reservation_id);
             let mut req = request(tenant, stream, ExpectedVersion::Exact(r.version), "x", ciborium::Value::Null);
             req.guards = vec![guard];
@@ -145,7 +148,7 @@ async fn case(seed: u64) -> usize {
             tolerations: vec![],
         };
         let payload = ev::to_cbor(&requested).unwrap();
-        let (events, guard) = placement::activation(&rsv, &p, 1).unwrap();
+        let (events, guard) = placement::activation(&rsv, &p, 1, ISSUE).unwrap();
         let stream = stream_of(KIND_RESERVATION, &rsv);
         let mut req = request(tenant, stream, ExpectedVersion::NoStream, ev::RESERVATION_REQUESTED, payload.clone());
         req.guards = vec![guard];
@@ -154,7 +157,7 @@ async fn case(seed: u64) -> usize {
         placed += 1;
         // The same decision, made on the node as it was before, is refused now.
         let stale_id = ReservationId::generate().to_string();
-        let (events, guard) = placement::activation(&stale_id, &p, 1).unwrap();
+        let (events, guard) = placement::activation(&stale_id, &p, 1, ISSUE).unwrap();
         let stream = stream_of(KIND_RESERVATION, &stale_id);
         let mut stale = request(tenant, stream, ExpectedVersion::NoStream, ev::RESERVATION_REQUESTED, payload);
         stale.guards = vec![guard];

@@ -241,6 +241,7 @@ mod tests {
             join_token_id: "jt_test".into(),
             agent_version: "0.1.0".into(),
             hostname: "n1.example".into(),
+            gpu_uuids: vec![],
         };
         let event = NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined).unwrap());
         log.append(AppendRequest::new(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "test", vec![event]))

@@ -23,11 +23,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bc_core::clock::Clock;
-use bc_core::id::TenantId;
+use bc_core::id::{CommandId, TenantId};
 use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
 use bc_projections::decide::{self, Action};
 use bc_projections::fleet::Fleet;
+use bc_projections::placement::Issue;
 
 pub const NAME: &str = "reservations";
 const ACTOR: &str = "reconciler:reservations";
@@ -39,6 +40,9 @@ pub const PASS_INTERVAL_MIN_MS: u64 = 20;
 pub struct Pass {
     pub activated: usize,
     pub expired: usize,
+    /// Reservations whose hold failed: back in their queue, or (on their last attempt) failed.
+    pub requeued: usize,
+    pub failed: usize,
     /// Appends refused because another writer moved first; the next pass decides again.
     pub conflicts: usize,
 }
@@ -47,6 +51,9 @@ pub struct Pass {
 /// of the log (`fleet`), then each action appended in order. `known` are tenants to load into
 /// the view first (every tenant on the first pass). The view holds nothing of the pass: it
 /// reads what the appends did from the log on the next pass.
+///
+/// Each action that issues a command (`gpu.hold` with an activation on a node with an agent,
+/// `gpu.release` with an ending) gets a fresh command id from the log's id source.
 pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId]) -> Result<Pass> {
     let mut done = Pass::default();
     let now_ms = clock.now_ms();
@@ -71,17 +78,29 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
                         continue;
                     }
                 }
-                Action::Expire { .. } => {}
+                Action::Expire { .. } | Action::HoldFailed { .. } => {}
             }
-            let Some(append) = action.append()? else { continue };
+            let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
+            let Some(append) = action.append(Issue { command_id: &command_id, now_ms })? else { continue };
             let appended = log.append(append.into_request(tenant, ACTOR)).await;
             match (action, appended) {
                 (Action::Expire { reservation_id, .. }, Ok(_)) => {
                     done.expired += 1;
                     expired.insert(reservation_id.clone());
                 }
-                (Action::Expire { .. }, Err(e)) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
-                (Action::Expire { .. }, Err(e)) => return Err(e),
+                (Action::HoldFailed { reservation_id, reason, gives_up, attempts, .. }, Ok(_)) => {
+                    if *gives_up {
+                        done.failed += 1;
+                    } else {
+                        done.requeued += 1;
+                    }
+                    tracing::info!(reconciler = NAME, reservation = %reservation_id, attempts, failed = gives_up, reason = %bc_core::id::truncate(reason, 200), "hold failed");
+                    expired.insert(reservation_id.clone());
+                }
+                (Action::Expire { .. } | Action::HoldFailed { .. }, Err(e)) if e.code() == ErrorCode::Conflict => {
+                    done.conflicts += 1
+                }
+                (Action::Expire { .. } | Action::HoldFailed { .. }, Err(e)) => return Err(e),
                 (_, Ok(_)) => done.activated += 1,
                 (_, Err(e)) => {
                     // Oldest first: a pool whose next activation did not land activates nothing more.
@@ -128,8 +147,13 @@ pub async fn run(
         let result = pass(&log, &fleet, &*clock, tenants).await;
         match &result {
             Ok(p) => {
-                let counts =
-                    [("activated", p.activated as u64), ("expired", p.expired as u64), ("conflicts", p.conflicts as u64)];
+                let counts = [
+                    ("activated", p.activated as u64),
+                    ("expired", p.expired as u64),
+                    ("requeued", p.requeued as u64),
+                    ("failed", p.failed as u64),
+                    ("conflicts", p.conflicts as u64),
+                ];
                 status.pass(started_at_ms, Ok(&counts)).await;
             }
             Err(e) => status.pass(started_at_ms, Err(e)).await,
@@ -139,8 +163,16 @@ pub async fn run(
             known = None;
         }
         match result {
-            Ok(p) if p.activated + p.expired + p.conflicts > 0 => {
-                tracing::info!(reconciler = NAME, activated = p.activated, expired = p.expired, conflicts = p.conflicts, "pass");
+            Ok(p) if p.activated + p.expired + p.requeued + p.failed + p.conflicts > 0 => {
+                tracing::info!(
+                    reconciler = NAME,
+                    activated = p.activated,
+                    expired = p.expired,
+                    requeued = p.requeued,
+                    failed = p.failed,
+                    conflicts = p.conflicts,
+                    "pass"
+                );
                 if p.conflicts > 0 {
                     continue;
                 }
@@ -219,7 +251,8 @@ mod tests {
         let ask = Ask { gpus: 4, selector: &selector, nvlink: false, tolerations: &[] };
         let placed = placement::place([&node], &ask).unwrap();
         let done = ReservationId::generate().to_string();
-        let (events, guard) = placement::activation(&done, &placed, 1).unwrap();
+        let issue = placement::Issue { command_id: "cmd_unused", now_ms: 1 };
+        let (events, guard) = placement::activation(&done, &placed, 1, issue).unwrap();
         let mut request = append(stream_of(KIND_RESERVATION, &done), ExpectedVersion::NoStream, vec![requested(&pool, 4)]);
         request.events.extend(events);
         request.guards = vec![guard];
@@ -234,7 +267,7 @@ mod tests {
         let fleet = Fleet::new();
         fleet.prime(&*store).await.unwrap();
         let first = pass(&log, &fleet, &SystemClock, &[tenant]).await.unwrap();
-        assert_eq!(first, Pass { activated: 1, expired: 1, conflicts: 0 }, "both in one pass, no conflict");
+        assert_eq!(first, Pass { activated: 1, expired: 1, ..Pass::default() }, "both in one pass, no conflict");
         assert_eq!(reservation(&*store, tenant, &done).await.state, ReservationState::Expired);
         let activated = reservation(&*store, tenant, &big).await;
         assert_eq!((activated.state, activated.node_id.as_deref()), (ReservationState::Active, Some(node_id.as_str())));

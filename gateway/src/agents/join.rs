@@ -36,7 +36,7 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
     let (token_id, secret_sha256) = join_token_parse(&request.token).map_err(|e| refused(&e))?;
     let public_key = node_public_key(&request.node_public_key).map_err(Error::invalid)?;
     let hardware = request.hardware.unwrap_or_default();
-    let gpus = gpus_of(&hardware.gpus)?;
+    let (gpus, gpu_uuids) = gpus_of(&hardware.gpus)?;
     check_text("hostname", &hardware.hostname, HOSTNAME_BYTES_MAX)?;
     check_text("agent version", &request.agent_version, AGENT_VERSION_BYTES_MAX)?;
     let row = state.store.row_find(KIND_JOIN_TOKEN, &token_id.to_string()).await?.ok_or_else(|| refused("unknown join token"))?;
@@ -48,7 +48,8 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
         return Err(refused("unknown join token"));
     }
     for _ in 0..JOIN_ATTEMPTS_MAX {
-        match join_once(state, tenant, token_id, &request.agent_version, &hardware.hostname, &public_key, &gpus).await {
+        let claimed = Claimed { hostname: &hardware.hostname, gpus: &gpus, gpu_uuids: &gpu_uuids };
+        match join_once(state, tenant, token_id, &request.agent_version, claimed, &public_key).await {
             Err(Error::Conflict { .. }) => continue,
             other => return other,
         }
@@ -56,15 +57,23 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
     Err(Error::Unavailable("the join token is contended; retry".into()))
 }
 
+/// What a machine says of itself at join.
+#[derive(Clone, Copy)]
+struct Claimed<'a> {
+    hostname: &'a str,
+    gpus: &'a [Gpu],
+    gpu_uuids: &'a [String],
+}
+
 async fn join_once(
     state: &AppState,
     tenant: TenantId,
     token_id: JoinTokenId,
     agent_version: &str,
-    hostname: &str,
+    claimed: Claimed<'_>,
     public_key: &ed25519_dalek::VerifyingKey,
-    gpus: &[Gpu],
 ) -> Result<Joined> {
+    let Claimed { hostname, gpus, gpu_uuids } = claimed;
     let row = state.store.row_get(&tenant.to_string(), KIND_JOIN_TOKEN, &token_id.to_string()).await?;
     let token: JoinTokenDoc = crate::api::toolkit::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
     let now_ms = state.log.clock.now_ms();
@@ -93,6 +102,7 @@ async fn join_once(
         join_token_id: token_id.to_string(),
         agent_version: agent_version.to_owned(),
         hostname: hostname.to_owned(),
+        gpu_uuids: gpu_uuids.to_vec(),
     };
     let token_stream = stream_of(KIND_JOIN_TOKEN, &token_id);
     let mut spend = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: node.to_string() })?);
@@ -146,13 +156,19 @@ fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {
     Ok(())
 }
 
-fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<Vec<Gpu>> {
+/// The GPUs a machine claims at join, and their UUIDs (none when it names none: an agent from
+/// before holds).
+fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<(Vec<Gpu>, Vec<String>)> {
     let gpus: Vec<Gpu> = claimed
         .iter()
         .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })
         .collect();
     check_gpus(&gpus)?;
-    Ok(gpus)
+    let uuids: Vec<String> = claimed.iter().map(|g| g.uuid.clone()).collect();
+    if uuids.iter().any(|u| u.len() > INVENTORY_TEXT_BYTES_MAX || u.chars().any(char::is_control)) {
+        return Err(Error::invalid(format!("a GPU's UUID is at most {INVENTORY_TEXT_BYTES_MAX} bytes of text")));
+    }
+    Ok((gpus, if uuids.iter().all(String::is_empty) { Vec::new() } else { uuids }))
 }
 
 /// A machine's GPUs, claimed at join or reported in an inventory, within `nodes.register`'s
@@ -187,7 +203,7 @@ pub const INVENTORY_TEXT_BYTES_MAX: usize = 256;
 /// Whether a reported inventory is within the node's bounds: at most `GPUS_PER_NODE_MAX` GPUs
 /// with valid names and sizes, indexes 0..n in order, bounded text.
 pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Result<(), String> {
-    check_gpus(&bc_projections::gpus_of_inventory(inventory)).map_err(|e| e.public_message())?;
+    check_gpus(&bc_projections::gpus_of_inventory(inventory).0).map_err(|e| e.public_message())?;
     if inventory.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
         return Err("the inventory's GPUs are numbered 0, 1, … in order".into());
     }

@@ -21,7 +21,9 @@ use bc_core::id::{CommandId, NodeId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, canonical};
 use bc_projections::events::{self as ev, CommandProgress, NODE_ORIGINATED_TYPES};
-use bc_projections::{CommandDoc, KIND_AGENT, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc};
+use bc_projections::{
+    CommandDoc, KIND_AGENT, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc, NodeDoc, placement, stream_of,
+};
 use bc_proto::{agent_message, gateway_message};
 use ed25519_dalek::{Signature, Verifier, VerifyingKey};
 use futures::{Stream, StreamExt};
@@ -481,6 +483,9 @@ async fn check_entry_subject(
         }
         return Ok(Ok(()));
     }
+    if ev::GPU_REPORT_TYPES.contains(&body.entry_type.as_str()) {
+        return check_gpu_report(state, bound, body).await;
+    }
     let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
         Ok(p) => p,
         Err(e) => return Ok(Err(format!("the payload of {}: {e}", body.entry_type))),
@@ -499,6 +504,53 @@ async fn check_entry_subject(
     }
     Ok(Ok(()))
 }
+
+/// A GPU report must answer one of this node's own `gpu.hold` (`gpu.held`, `gpu.hold_failed`)
+/// or `gpu.release` (`gpu.released`) commands, on the stream of the reservation that command
+/// names: a node cannot write to another reservation's history.
+async fn check_gpu_report(
+    state: &AppState,
+    bound: &Bound,
+    body: &bc_core::agent::EntryBody,
+) -> std::result::Result<std::result::Result<(), String>, Refusal> {
+    let node = bound.node.to_string();
+    let report: ev::GpuReport = match serde_json::from_value(body.payload.clone()) {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(format!("the payload of {}: {e}", body.entry_type))),
+    };
+    let shape_ok = report.journal.is_none()
+        && report.node_id == node
+        && report.command_id.parse::<CommandId>().is_ok()
+        && report.reservation_id.parse::<bc_core::id::ReservationId>().is_ok()
+        && body.subject == stream_of(bc_projections::KIND_RESERVATION, &report.reservation_id)
+        && report.gpus.len() <= crate::api::nodes::GPUS_PER_NODE_MAX
+        && report.gpus.iter().all(|u| u.len() <= crate::agents::join::INVENTORY_TEXT_BYTES_MAX)
+        && report.reason.as_ref().is_none_or(|r| r.len() <= REASON_BYTES_MAX);
+    if !shape_ok {
+        return Ok(Err(format!(
+            "{} names this node, one of its commands and that command's reservation, on the reservation's stream",
+            body.entry_type
+        )));
+    }
+    let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &report.command_id).await?;
+    let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+    let kind = if body.entry_type == ev::GPU_RELEASED { placement::GPU_RELEASE } else { placement::GPU_HOLD };
+    let answers = command.is_some_and(|c| {
+        c.node_id == node
+            && c.kind == kind
+            && c.args.get("reservationId").and_then(|r| r.as_str()) == Some(&report.reservation_id)
+    });
+    if !answers {
+        return Ok(Err(format!(
+            "command {} is not this node's {kind} for reservation {}",
+            report.command_id, report.reservation_id
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// The longest reason a node gives for a failed hold.
+pub const REASON_BYTES_MAX: usize = 1024;
 
 /// Sends the node's unfinished commands it has not been sent in this session, in issue order.
 async fn send_commands(state: &AppState, bound: &mut Bound, outbound: &Outbound) -> std::result::Result<(), Refusal> {

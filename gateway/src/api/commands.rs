@@ -20,8 +20,7 @@ use serde_json::Value;
 use schemars::json_schema;
 
 use super::toolkit::{
-    CommandIdText, CursorText, LimitNumber, NodeIdText, Page, ReservationIdText, TenantIdText, doc, list_rows, parse_id,
-    stream_id, string_schema,
+    CommandIdText, CursorText, LimitNumber, NodeIdText, Page, TenantIdText, doc, list_rows, parse_id, stream_id, string_schema,
 };
 use super::views::CommandView;
 use super::{Access, Call, Method, method};
@@ -32,12 +31,10 @@ const WRITE: Access = Access::Action("compute:commands:write");
 /// A command's deadline unless it says otherwise, and the longest.
 pub const COMMAND_DEADLINE_S_DEFAULT: u64 = 300;
 pub const COMMAND_DEADLINE_S_MAX: u64 = 24 * 3600;
-/// The command kinds this version knows.
-pub const COMMAND_KINDS: &[&str] = &["ping", "gpu.hold", "gpu.release"];
-/// GPUs one hold names at most (a node has at most 64).
-pub const GPUS_PER_HOLD_MAX: usize = 64;
-/// The highest GPU index a hold names.
-pub const GPU_INDEX_MAX: u32 = GPUS_PER_HOLD_MAX as u32 - 1;
+/// The command kinds an API caller issues. `gpu.hold` and `gpu.release` are the control
+/// plane's own: a reservation's activation and ending issue them (`placement::activation`,
+/// `placement::ending`), so GPUs are never set aside outside a reservation.
+pub const COMMAND_KINDS: &[&str] = &["ping"];
 
 pub(super) const METHODS: &[Method] = &[
     method!("commands.issue", WRITE, "send a command to a node's agent", CommandsIssue => CommandView, commands_issue),
@@ -47,8 +44,7 @@ pub(super) const METHODS: &[Method] = &[
 ];
 
 string_schema!(
-    /// `ping` (answer at once), `gpu.hold` (hold GPUs for a reservation: `args` `{reservationId,
-    /// gpus}`), `gpu.release` (`args` `{reservationId}`).
+    /// `ping` (answer at once).
     CommandKindText,
     json_schema!({ "type": "string", "enum": COMMAND_KINDS })
 );
@@ -57,48 +53,9 @@ string_schema!(
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PingArgs {}
 
-#[derive(Deserialize, JsonSchema, serde::Serialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct GpuHoldArgs {
-    #[schemars(with = "ReservationIdText")]
-    reservation_id: String,
-    /// Indexes into the node's GPUs (a node has at most 64).
-    #[schemars(length(min = 1, max = GPUS_PER_HOLD_MAX), inner(range(max = GPU_INDEX_MAX)))]
-    gpus: Vec<u32>,
-}
-
-#[derive(Deserialize, JsonSchema, serde::Serialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct GpuReleaseArgs {
-    #[schemars(with = "ReservationIdText")]
-    reservation_id: String,
-}
-
-/// The arguments of any kind, for the schema: which kind's they must be, the input's `oneOf`
-/// says.
-#[derive(JsonSchema)]
-#[serde(untagged)]
-#[allow(dead_code)]
-enum AnyCommandArgs {
-    Ping(PingArgs),
-    GpuHold(GpuHoldArgs),
-    GpuRelease(GpuReleaseArgs),
-}
-
 /// `args` are the arguments of `kind` (absent: `{}`, which only `ping` takes).
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-#[schemars(extend("oneOf" = [
-    { "properties": { "kind": { "const": "ping" }, "args": { "$ref": "#/components/schemas/PingArgs" } } },
-    {
-        "required": ["args"],
-        "properties": { "kind": { "const": "gpu.hold" }, "args": { "$ref": "#/components/schemas/GpuHoldArgs" } },
-    },
-    {
-        "required": ["args"],
-        "properties": { "kind": { "const": "gpu.release" }, "args": { "$ref": "#/components/schemas/GpuReleaseArgs" } },
-    },
-]))]
 pub struct CommandsIssue {
     #[schemars(with = "Option<TenantIdText>")]
     tenant_id: Option<String>,
@@ -108,7 +65,7 @@ pub struct CommandsIssue {
     kind: String,
     /// The kind's arguments (`{}` for `ping`).
     #[serde(default)]
-    #[schemars(with = "AnyCommandArgs")]
+    #[schemars(with = "PingArgs")]
     args: serde_json::Map<String, Value>,
     /// Seconds the node has to run it (default 300).
     #[schemars(range(min = 1, max = COMMAND_DEADLINE_S_MAX))]
@@ -150,23 +107,11 @@ fn args_of(kind: &str, args: serde_json::Map<String, Value>) -> Result<(&'static
     let args = Value::Object(args);
     Ok(match kind {
         "ping" => ("ping", typed::<PingArgs>(kind, args)?),
-        "gpu.hold" => {
-            let value = typed::<GpuHoldArgs>(kind, args)?;
-            let hold: GpuHoldArgs = serde_json::from_value(value.clone()).map_err(|e| Error::Internal(e.to_string()))?;
-            parse_id::<bc_core::id::ReservationId>("args.reservationId", &hold.reservation_id)?;
-            if hold.gpus.is_empty() || hold.gpus.len() > GPUS_PER_HOLD_MAX {
-                return Err(Error::invalid(format!("args.gpus holds 1 to {GPUS_PER_HOLD_MAX} GPU indexes")));
-            }
-            if let Some(index) = hold.gpus.iter().find(|&&i| i > GPU_INDEX_MAX) {
-                return Err(Error::invalid(format!("args.gpus: {index} is not a GPU index (0 to {GPU_INDEX_MAX})")));
-            }
-            ("gpu.hold", value)
-        }
-        "gpu.release" => {
-            let value = typed::<GpuReleaseArgs>(kind, args)?;
-            let release: GpuReleaseArgs = serde_json::from_value(value.clone()).map_err(|e| Error::Internal(e.to_string()))?;
-            parse_id::<bc_core::id::ReservationId>("args.reservationId", &release.reservation_id)?;
-            ("gpu.release", value)
+        "gpu.hold" | "gpu.release" => {
+            return Err(Error::InvalidArgument {
+                message: format!("{kind} is issued by the control plane, not by a caller"),
+                hint: Some("reserve GPUs with reservations.create: its activation sends the node gpu.hold".into()),
+            });
         }
         other => {
             return Err(Error::InvalidArgument {

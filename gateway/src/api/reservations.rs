@@ -282,7 +282,9 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
     let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
     let rsv_text = ReservationId::from_ulid(call.ulid()).to_string();
     let actor = call.actor();
-    let input = decide::ReservationCreateInput { reservation_id: &rsv_text, now_ms, actor: &actor, replay };
+    let command_text = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
+    let input =
+        decide::ReservationCreateInput { reservation_id: &rsv_text, command_id: &command_text, now_ms, actor: &actor, replay };
     let fleet = &call.state.fleet;
     // One look at this process's view decides the quota, the queue and the placement together,
     // and holds the GPUs and the reservation in the view until the append is done, so
@@ -373,7 +375,9 @@ async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<
     let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
     let rsv = rsv_doc(call, tenant, &id).await?;
     // None: already over; releasing again changes nothing.
-    if let Some(append) = decide::reservation_release(&rsv, input.if_version)? {
+    let command_id = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
+    let release = bc_projections::placement::Issue { command_id: &command_id, now_ms: call.state.log.clock.now_ms() };
+    if let Some(append) = decide::reservation_release(&rsv, input.if_version, release)? {
         call.state.log.append(request_of(call, tenant, append)).await?;
     }
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))

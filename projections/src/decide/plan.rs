@@ -2,7 +2,11 @@
 //! order, and the reconciler appends each [`Action`] (see `bc_reconcilers::reservations`).
 //!
 //! Expiries come first: an active reservation whose end is at or before `now_ms` is expired and
-//! its GPUs freed. Then each pool's queue (pools by id), oldest request first: each queued
+//! its GPUs freed. Then failed holds: an active reservation whose node refused `gpu.hold`, or did
+//! not answer it by its deadline, is requeued (its GPUs freed; it keeps its request order, so it
+//! is next in its pool, and its pool activates nothing more this pass) or, on its
+//! [`crate::HOLD_ATTEMPTS_MAX`]th failure, failed. A requeued reservation is placed on a node
+//! where no hold of it failed if one fits, else on any. Then each pool's queue (pools by id), oldest request first: each queued
 //! reservation is placed on the nodes as the actions before it leave them (the expiries' GPUs
 //! freed, the earlier activations' held), until the first that does not fit, which stops its
 //! pool so a large request is never overtaken by smaller ones.
@@ -16,21 +20,34 @@
 //! meanwhile, the guard fails and the append is a CONFLICT (the next pass decides again),
 //! never a double booking.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use bc_core::store::ExpectedVersion;
 
 use super::Append;
-use crate::events as ev;
 use crate::fleet::TenantView;
-use crate::placement::{self, Ask, Placement, Selector};
-use crate::{KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
+use crate::placement::{self, Ask, Ending, Issue, Placement, Selector};
+use crate::{BindingState, HOLD_ATTEMPTS_MAX, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
 
 /// One step of a reconciler pass.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// End an active reservation at its end time and free its GPUs.
-    Expire { reservation_id: String, reservation_version: u64, pool_id: String, node_id: String },
+    /// End an active reservation at its end time and free its GPUs (`release`: and send its
+    /// node `gpu.release`).
+    Expire { reservation_id: String, reservation_version: u64, pool_id: String, node_id: String, release: bool },
+    /// An active reservation whose hold failed: free its GPUs and put it back in its queue, or
+    /// (`gives_up`, its last attempt) fail it. `release`: the hold was not answered, so the node
+    /// is sent `gpu.release` in case it holds them after all.
+    HoldFailed {
+        reservation_id: String,
+        reservation_version: u64,
+        pool_id: String,
+        node_id: String,
+        reason: String,
+        attempts: u32,
+        gives_up: bool,
+        release: bool,
+    },
     /// Give `placement`'s GPUs to a queued reservation until `ends_at_ms`.
     Activate {
         reservation_id: String,
@@ -50,32 +67,46 @@ pub enum Action {
 impl Action {
     pub fn reservation_id(&self) -> &str {
         match self {
-            Self::Expire { reservation_id, .. } | Self::Activate { reservation_id, .. } | Self::Skip { reservation_id, .. } => {
-                reservation_id
-            }
+            Self::Expire { reservation_id, .. }
+            | Self::HoldFailed { reservation_id, .. }
+            | Self::Activate { reservation_id, .. }
+            | Self::Skip { reservation_id, .. } => reservation_id,
         }
     }
 
     pub fn pool_id(&self) -> &str {
         match self {
-            Self::Expire { pool_id, .. } | Self::Activate { pool_id, .. } | Self::Skip { pool_id, .. } => pool_id,
+            Self::Expire { pool_id, .. }
+            | Self::HoldFailed { pool_id, .. }
+            | Self::Activate { pool_id, .. }
+            | Self::Skip { pool_id, .. } => pool_id,
         }
     }
 
     /// The append this action makes (`None` for [`Action::Skip`]): on the reservation's stream
-    /// at the version the plan read, with the node's stream guarded.
-    pub fn append(&self) -> bc_core::Result<Option<Append>> {
+    /// at the version the plan read, with the node's stream guarded. A command it issues
+    /// (`gpu.hold`, `gpu.release`) takes `issue`'s id, drawn by the caller for each action.
+    pub fn append(&self, issue: Issue<'_>) -> bc_core::Result<Option<Append>> {
         let stream = |id: &str| stream_of(KIND_RESERVATION, &id);
         Ok(match self {
-            Self::Expire { reservation_id, reservation_version, node_id, .. } => Some(Append::guarded(
+            Self::Expire { reservation_id, reservation_version, node_id, release, .. } => Some(Append::guarded(
                 stream(reservation_id),
                 ExpectedVersion::Exact(*reservation_version),
-                placement::ending(reservation_id, node_id, ev::RESERVATION_EXPIRED)?,
+                placement::ending(reservation_id, node_id, *release, Ending::Expired, issue)?,
             )),
+            Self::HoldFailed { reservation_id, reservation_version, node_id, reason, attempts, gives_up, release, .. } => {
+                let (reason, attempts) = (reason.clone(), *attempts);
+                let ending = if *gives_up { Ending::Failed { reason, attempts } } else { Ending::Requeued { reason, attempts } };
+                Some(Append::guarded(
+                    stream(reservation_id),
+                    ExpectedVersion::Exact(*reservation_version),
+                    placement::ending(reservation_id, node_id, *release, ending, issue)?,
+                ))
+            }
             Self::Activate { reservation_id, reservation_version, placement, ends_at_ms, .. } => Some(Append::guarded(
                 stream(reservation_id),
                 ExpectedVersion::Exact(*reservation_version),
-                placement::activation(reservation_id, placement, *ends_at_ms)?,
+                placement::activation(reservation_id, placement, *ends_at_ms, issue)?,
             )),
             Self::Skip { .. } => None,
         })
@@ -105,13 +136,51 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
             reservation_version: rsv.version,
             pool_id: rsv.pool_id.clone(),
             node_id: node_id.to_owned(),
+            release: rsv.binding.as_ref().is_some_and(crate::Binding::may_hold),
         });
-        if let Some((key, node)) = view.nodes.get_key_value(node_id) {
-            let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
-            node.allocations.retain(|_, holder| *holder != rsv.reservation_id);
-            node.version += 1;
-            freed.entry(key.as_str()).or_default().push(rsv.reservation_id.clone());
+        free(view, &mut changed, &mut freed, node_id, &rsv.reservation_id);
+    }
+
+    // Failed holds (and holds unanswered by their deadline), not already expired above.
+    let mut requeued: HashSet<&str> = HashSet::new();
+    let mut failed: Vec<(&ReservationDoc, String, bool)> = Vec::new();
+    for rsv in view.live.values().filter(|r| r.state == ReservationState::Active) {
+        let (Some(binding), Some(_)) = (&rsv.binding, &rsv.node_id) else { continue };
+        if rsv.ends_at_ms.is_some_and(|end| end <= now_ms) {
+            continue;
         }
+        match binding.state {
+            BindingState::Failed => {
+                let reason = binding.reason.clone().unwrap_or_else(|| "hold-failed: the node gave no reason".into());
+                failed.push((rsv, reason, false));
+            }
+            BindingState::Pending if binding.deadline_at_ms.is_some_and(|d| d <= now_ms) => {
+                let reason = format!("hold-timeout: the node did not answer gpu.hold within {} s", crate::HOLD_DEADLINE_S);
+                failed.push((rsv, reason, true));
+            }
+            _ => {}
+        }
+    }
+    failed.sort_by(|a, b| a.0.reservation_id.cmp(&b.0.reservation_id));
+    for (rsv, reason, release) in failed {
+        let node_id = rsv.node_id.as_deref().unwrap_or_default();
+        let attempts = rsv.hold_attempts.saturating_add(1);
+        let gives_up = attempts >= HOLD_ATTEMPTS_MAX;
+        actions.push(Action::HoldFailed {
+            reservation_id: rsv.reservation_id.clone(),
+            reservation_version: rsv.version,
+            pool_id: rsv.pool_id.clone(),
+            node_id: node_id.to_owned(),
+            reason,
+            attempts,
+            gives_up,
+            release,
+        });
+        if !gives_up {
+            // It is next in its pool: nothing there overtakes it in this pass.
+            requeued.insert(rsv.pool_id.as_str());
+        }
+        free(view, &mut changed, &mut freed, node_id, &rsv.reservation_id);
     }
 
     let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
@@ -119,6 +188,9 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
         queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
     }
     for (pool_id, mut queue) in queues {
+        if requeued.contains(pool_id) {
+            continue;
+        }
         queue.sort_by(|a, b| (a.request_seq, &a.reservation_id).cmp(&(b.request_seq, &b.reservation_id)));
         for rsv in queue {
             let selector = match Selector::parse(&rsv.selector) {
@@ -134,8 +206,11 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
             };
             let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
             let nodes =
-                view.nodes.iter().filter(|(_, n)| n.pool_id == pool_id).map(|(id, n)| changed.get(id.as_str()).unwrap_or(n));
-            let Some(placed) = placement::place(nodes, &ask) else { break };
+                || view.nodes.iter().filter(|(_, n)| n.pool_id == pool_id).map(|(id, n)| changed.get(id.as_str()).unwrap_or(n));
+            // Not again on a node where its hold failed, unless no other fits.
+            let avoided = nodes().filter(|n| !rsv.hold_failed_nodes.contains(&n.node_id));
+            let placed = if rsv.hold_failed_nodes.is_empty() { None } else { placement::place(avoided, &ask) };
+            let Some(placed) = placed.or_else(|| placement::place(nodes(), &ask)) else { break };
             let Some((key, node)) = view.nodes.get_key_value(&placed.node_id) else { break };
             let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
             for gpu in &placed.gpus {
@@ -153,4 +228,21 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
         }
     }
     actions
+}
+
+/// Frees `reservation_id`'s GPUs on `node_id` as the plan's actions leave the node (one more
+/// version), and records that the node's next activations count on this action.
+fn free<'v>(
+    view: &'v TenantView,
+    changed: &mut HashMap<&'v str, NodeDoc>,
+    freed: &mut HashMap<&'v str, Vec<String>>,
+    node_id: &str,
+    reservation_id: &str,
+) {
+    if let Some((key, node)) = view.nodes.get_key_value(node_id) {
+        let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
+        node.allocations.retain(|_, holder| holder != reservation_id);
+        node.version += 1;
+        freed.entry(key.as_str()).or_default().push(reservation_id.to_owned());
+    }
 }

@@ -80,6 +80,10 @@ impl ReservationAsk {
             activated_at_ms: None,
             ends_at_ms: None,
             ended_at_ms: None,
+            binding: None,
+            hold_attempts: 0,
+            hold_failed_nodes: Vec::new(),
+            last_error: None,
             version: 0,
         }
     }
@@ -90,6 +94,9 @@ impl ReservationAsk {
 pub struct ReservationCreateInput<'a> {
     /// The new reservation's id, drawn by the caller.
     pub reservation_id: &'a str,
+    /// The id of the `gpu.hold` command a placement on a node with an agent issues, drawn by
+    /// the caller (unused otherwise).
+    pub command_id: &'a str,
     pub now_ms: u64,
     /// Who asks, for the record of a quota refusal.
     pub actor: &'a str,
@@ -195,7 +202,8 @@ pub fn reservation_create(
         return Ok(ReservationCreate::Queue { pending: Some(pending), append: request_only()? });
     };
     let ends_at_ms = input.now_ms.saturating_add(ask.duration_s.saturating_mul(1000));
-    let (activation, node_guard) = placement::activation(input.reservation_id, &placement, ends_at_ms)?;
+    let issue = placement::Issue { command_id: input.command_id, now_ms: input.now_ms };
+    let (activation, node_guard) = placement::activation(input.reservation_id, &placement, ends_at_ms, issue)?;
     let append = Append {
         stream: rsv_stream.clone(),
         expected: ExpectedVersion::NoStream,
@@ -220,8 +228,13 @@ fn check_version(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<(), Re
 
 /// `reservations.release`: a queued reservation is cancelled, an active one released (its GPUs
 /// freed on its node's stream in the same append); one already over needs nothing (`None`:
-/// releasing again changes nothing). Guarded at the version read.
-pub fn reservation_release(rsv: &ReservationDoc, if_version: Option<u64>) -> Result<Option<Append>, Refusal> {
+/// releasing again changes nothing). Guarded at the version read. An active one whose node may
+/// hold its GPUs also sends the node `gpu.release`, with `release`'s id.
+pub fn reservation_release(
+    rsv: &ReservationDoc,
+    if_version: Option<u64>,
+    release: placement::Issue<'_>,
+) -> Result<Option<Append>, Refusal> {
     check_version(rsv, if_version)?;
     let stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
     let expected = ExpectedVersion::Exact(rsv.version);
@@ -230,13 +243,15 @@ pub fn reservation_release(rsv: &ReservationDoc, if_version: Option<u64>) -> Res
             stream,
             expected,
             guards: vec![],
-            events: vec![NewEvent::new(ev::RESERVATION_CANCELLED, to_cbor(&ev::ReservationEnded {})?)],
+            events: vec![NewEvent::new(ev::RESERVATION_CANCELLED, to_cbor(&ev::ReservationEnded::default())?)],
         }),
         ReservationState::Active => {
             let node = rsv.node_id.as_deref().ok_or_else(|| Refusal::Internal("active reservation without a node".into()))?;
-            Some(Append::guarded(stream, expected, placement::ending(&rsv.reservation_id, node, ev::RESERVATION_RELEASED)?))
+            let may_hold = rsv.binding.as_ref().is_some_and(crate::Binding::may_hold);
+            let ending = placement::ending(&rsv.reservation_id, node, may_hold, placement::Ending::Released, release)?;
+            Some(Append::guarded(stream, expected, ending))
         }
-        ReservationState::Released | ReservationState::Expired | ReservationState::Cancelled => None,
+        ReservationState::Released | ReservationState::Expired | ReservationState::Cancelled | ReservationState::Failed => None,
     })
 }
 

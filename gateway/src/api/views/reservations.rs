@@ -3,10 +3,11 @@
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::api::toolkit::{NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText};
+use crate::api::toolkit::{CommandIdText, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText};
 
 /// A reservation's state: `queued` → `active` → `released` | `expired`, or `queued` →
-/// `cancelled`.
+/// `cancelled`; `active` → `queued` again when its node could not hold its GPUs, and `failed`
+/// after the last allowed try.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ReservationStateView {
@@ -15,6 +16,7 @@ pub enum ReservationStateView {
     Released,
     Expired,
     Cancelled,
+    Failed,
 }
 
 impl From<bc_projections::ReservationState> for ReservationStateView {
@@ -26,6 +28,46 @@ impl From<bc_projections::ReservationState> for ReservationStateView {
             S::Released => Self::Released,
             S::Expired => Self::Expired,
             S::Cancelled => Self::Cancelled,
+            S::Failed => Self::Failed,
+        }
+    }
+}
+
+/// Whether the reservation's node really set its GPUs aside: `pending` (the node was sent
+/// `gpu.hold`) → `bound` or `failed`; `released` once the node gave them back. A node
+/// registered by hand is `bound` at once.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BindingView {
+    pub state: bc_projections::BindingState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<CommandIdText>")]
+    pub hold_command_id: Option<String>,
+    /// When a pending hold counts as failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline_at_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<CommandIdText>")]
+    pub release_command_id: Option<String>,
+    /// The GPUs' UUIDs the node holds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gpu_uuids: Vec<String>,
+    /// Why the hold failed: a stable code, a colon, and words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub changed_at_ms: u64,
+}
+
+impl From<bc_projections::Binding> for BindingView {
+    fn from(b: bc_projections::Binding) -> Self {
+        Self {
+            state: b.state,
+            hold_command_id: b.hold_command_id,
+            deadline_at_ms: b.deadline_at_ms,
+            release_command_id: b.release_command_id,
+            gpu_uuids: b.gpu_uuids,
+            reason: b.reason,
+            changed_at_ms: b.changed_at_ms,
         }
     }
 }
@@ -55,6 +97,13 @@ pub struct ReservationView {
     pub activated_at_ms: Option<u64>,
     pub ends_at_ms: Option<u64>,
     pub ended_at_ms: Option<u64>,
+    /// While active (and after): whether its node holds its GPUs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub binding: Option<BindingView>,
+    /// Holds of it that failed so far (it fails after 3), and the last one's reason.
+    pub hold_attempts: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
     pub version: u64,
     /// While queued: 1 for the next in line.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -83,6 +132,9 @@ impl ReservationView {
             activated_at_ms: d.activated_at_ms,
             ends_at_ms: d.ends_at_ms,
             ended_at_ms: d.ended_at_ms,
+            binding: d.binding.map(BindingView::from),
+            hold_attempts: d.hold_attempts,
+            last_error: d.last_error,
             version: d.version,
             queue_position,
             replayed: None,

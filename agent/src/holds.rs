@@ -1,0 +1,178 @@
+//! The node's ledger of the GPUs it holds, by reservation (`holds.json` in the data directory,
+//! written whole to a temporary file and renamed, 0600), and the pure decisions over it: whether
+//! a `gpu.hold` may go ahead ([`decide_hold`]), and what a `gpu.release` gives back.
+//!
+//! The ledger is what makes a hold safe to run twice and a GPU impossible to hold for two
+//! reservations: a hold for a reservation already in it is answered `gpu.held` again without
+//! touching the machine (a redelivery after a crash between binding and journaling), and a GPU
+//! held for one reservation is refused to any other (`gpu-held`) until released. It is written
+//! after the binding and before the journal entry that reports it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::binding::{HeldGpu, pci_address};
+use crate::inventory::Inventory;
+
+/// Reservations one node holds GPUs for at most (a node has at most 64 GPUs).
+pub const HOLDS_MAX: usize = 64;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hold {
+    pub command_id: String,
+    pub gpus: Vec<HeldGpu>,
+}
+
+/// Reservation id → what this node holds for it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ledger {
+    pub holds: BTreeMap<String, Hold>,
+}
+
+/// What a `gpu.hold` asks: the reservation and its GPUs' UUIDs.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HoldArgs {
+    pub reservation_id: String,
+    #[serde(default)]
+    pub gpu_uuids: Vec<String>,
+}
+
+/// What to do about a `gpu.hold`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HoldDecision {
+    /// Already held for this reservation: report it again, touch nothing.
+    AlreadyHeld(Vec<HeldGpu>),
+    /// Bind these, then record them.
+    Bind(Vec<HeldGpu>),
+    /// Refuse, with the reason (a stable code, a colon, and words).
+    Refuse(String),
+}
+
+/// Whether a hold may go ahead: every GPU named is on this machine (by UUID, in `inventory`,
+/// with a PCI address) and held for no other reservation.
+pub fn decide_hold(ledger: &Ledger, inventory: &Inventory, args: &HoldArgs) -> HoldDecision {
+    if let Some(hold) = ledger.holds.get(&args.reservation_id) {
+        return HoldDecision::AlreadyHeld(hold.gpus.clone());
+    }
+    if args.gpu_uuids.is_empty() {
+        return HoldDecision::Refuse("gpu-missing: the hold names no GPU".into());
+    }
+    if ledger.holds.len() >= HOLDS_MAX {
+        return HoldDecision::Refuse(format!("node-full: this node holds GPUs for {HOLDS_MAX} reservations"));
+    }
+    let mut gpus = Vec::new();
+    for uuid in &args.gpu_uuids {
+        if let Some((other, _)) = ledger.holds.iter().find(|(_, h)| h.gpus.iter().any(|g| g.uuid == *uuid)) {
+            return HoldDecision::Refuse(format!("gpu-held: {uuid} is held for {other}"));
+        }
+        if gpus.iter().any(|g: &HeldGpu| g.uuid == *uuid) {
+            return HoldDecision::Refuse(format!("gpu-missing: {uuid} is named twice"));
+        }
+        let Some(info) = inventory.gpus.gpus.iter().find(|g| g.uuid == *uuid) else {
+            return HoldDecision::Refuse(format!("gpu-missing: {uuid} is not on this machine"));
+        };
+        let Some(address) = pci_address(&info.pci_bus_id) else {
+            return HoldDecision::Refuse(format!("gpu-missing: {uuid} has no PCI address ({:?})", info.pci_bus_id));
+        };
+        gpus.push(HeldGpu { uuid: uuid.clone(), pci_address: address });
+    }
+    HoldDecision::Bind(gpus)
+}
+
+/// The ledger on disk.
+pub struct LedgerFile {
+    path: PathBuf,
+}
+
+impl LedgerFile {
+    pub fn new(data_dir: &Path) -> Self {
+        Self { path: data_dir.join("holds.json") }
+    }
+
+    /// The ledger as last written; empty when there is none yet.
+    pub fn load(&self) -> Result<Ledger, String> {
+        match std::fs::read(&self.path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", self.path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Ledger::default()),
+            Err(e) => Err(format!("{}: {e}", self.path.display())),
+        }
+    }
+
+    /// Writes the ledger whole: a temporary file, synced, renamed over the old one.
+    pub fn save(&self, ledger: &Ledger) -> Result<(), String> {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let temp = self.path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec_pretty(ledger).map_err(|e| e.to_string())?;
+        let write = || -> std::io::Result<()> {
+            let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
+            file.write_all(&bytes)?;
+            file.sync_all()?;
+            std::fs::rename(&temp, &self.path)?;
+            if let Some(dir) = self.path.parent() {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| format!("{}: {e}", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::{GpuInfo, GpuInventory};
+
+    fn inventory() -> Inventory {
+        let gpu = |i: u32| GpuInfo {
+            index: i,
+            uuid: format!("GPU-{i}"),
+            model: "H100".into(),
+            product: "H100".into(),
+            vram_gib: 80,
+            pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + i),
+            nvlink_domain: 0,
+        };
+        Inventory { gpus: GpuInventory { gpus: (0..4).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+    }
+
+    fn args(rsv: &str, uuids: &[&str]) -> HoldArgs {
+        HoldArgs { reservation_id: rsv.into(), gpu_uuids: uuids.iter().map(|u| (*u).to_owned()).collect() }
+    }
+
+    #[test]
+    fn a_gpu_is_held_for_one_reservation_at_a_time() {
+        let mut ledger = Ledger::default();
+        let HoldDecision::Bind(gpus) = decide_hold(&ledger, &inventory(), &args("rsv_a", &["GPU-0", "GPU-1"])) else {
+            panic!("binds")
+        };
+        assert_eq!(gpus[1].pci_address, "0000:11:00.0");
+        ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: gpus.clone() });
+        assert_eq!(decide_hold(&ledger, &inventory(), &args("rsv_a", &["GPU-0"])), HoldDecision::AlreadyHeld(gpus));
+        let refused = decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-2", "GPU-1"]));
+        assert_eq!(refused, HoldDecision::Refuse("gpu-held: GPU-1 is held for rsv_a".into()));
+        assert!(matches!(decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-2", "GPU-3"])), HoldDecision::Bind(_)));
+        assert!(
+            matches!(decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-9"])), HoldDecision::Refuse(r) if r.starts_with("gpu-missing:"))
+        );
+        assert!(matches!(decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-2", "GPU-2"])), HoldDecision::Refuse(_)));
+    }
+
+    #[test]
+    fn the_ledger_survives_a_restart_and_is_private() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let file = LedgerFile::new(dir.path());
+        assert_eq!(file.load().unwrap(), Ledger::default());
+        let mut ledger = Ledger::default();
+        ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: vec![] });
+        file.save(&ledger).unwrap();
+        assert_eq!(LedgerFile::new(dir.path()).load().unwrap(), ledger);
+        let mode = std::fs::metadata(dir.path().join("holds.json")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+}
