@@ -279,7 +279,8 @@ impl Fleet {
                     continue;
                 }
                 let dirty = shared.dirty.entry(tenant).or_default();
-                if let Some(id) = row.stream.strip_prefix("node/") {
+                // A node's agent stream changes its row too (its inventory gives its GPUs).
+                if let Some(id) = row.stream.strip_prefix("node/").or_else(|| row.stream.strip_prefix("agent/")) {
                     dirty.nodes.insert(id.to_owned());
                 } else if let Some(id) = reservation {
                     dirty.reservations.insert(id.to_owned());

@@ -318,10 +318,20 @@ pub const GPU_RELEASE: &str = "gpu.release";
 
 /// `command.issued` for `node_id` on the command's own stream, and what the reservation records
 /// of it.
-fn issue_command(node_id: &str, kind: &str, args: serde_json::Value, issue: Issue<'_>) -> Result<(NewEvent, HoldIssued)> {
+/// The command's stream is new: the append guards it as such (an event on another stream must be
+/// guarded).
+fn issue_command(
+    node_id: &str,
+    kind: &str,
+    args: serde_json::Value,
+    issue: Issue<'_>,
+    guards: &mut Vec<(String, ExpectedVersion)>,
+) -> Result<(NewEvent, HoldIssued)> {
     let deadline_at_ms = issue.now_ms.saturating_add(crate::HOLD_DEADLINE_S * 1000);
+    let stream = stream_of(crate::KIND_COMMAND, &issue.command_id);
+    guards.push((stream.clone(), ExpectedVersion::NoStream));
     let event = NewEvent {
-        stream: Some(stream_of(crate::KIND_COMMAND, &issue.command_id)),
+        stream: Some(stream),
         event_type: COMMAND_ISSUED.into(),
         payload: to_cbor(&CommandIssued { node_id: node_id.to_owned(), kind: kind.to_owned(), args, deadline_at_ms })?,
     };
@@ -470,7 +480,7 @@ pub async fn live(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<Reserv
     all_rows(store, tenant, KIND_RESERVATION_LIVE).await
 }
 
-/// The events and guard that give `placement`'s GPUs to a reservation, appended to the
+/// The events and guards that give `placement`'s GPUs to a reservation, appended to the
 /// reservation's stream: `reservation.activated` there and `node.allocated` on the node's
 /// stream, which must still be at the version placement read. On a node with an agent, also
 /// `command.issued` (`gpu.hold` for the GPUs' indexes and UUIDs) with `issue`'s id: the
@@ -480,13 +490,14 @@ pub fn activation(
     placement: &Placement,
     ends_at_ms: u64,
     issue: Issue<'_>,
-) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
+) -> Result<(Vec<NewEvent>, Vec<(String, ExpectedVersion)>)> {
     let node_stream = stream_of(KIND_NODE, &placement.node_id);
     let mut events = Vec::new();
+    let mut guards = vec![(node_stream.clone(), ExpectedVersion::Exact(placement.node_version))];
     let hold = match &placement.hold {
         Some(uuids) => {
             let args = serde_json::json!({ "reservationId": reservation_id, "gpus": placement.gpus, "gpuUuids": uuids });
-            let (command, hold) = issue_command(&placement.node_id, GPU_HOLD, args, issue)?;
+            let (command, hold) = issue_command(&placement.node_id, GPU_HOLD, args, issue, &mut guards)?;
             events.push(command);
             Some(hold)
         }
@@ -502,7 +513,7 @@ pub fn activation(
             payload: to_cbor(&NodeAllocated { reservation_id: reservation_id.to_owned(), gpus: placement.gpus.clone() })?,
         },
     );
-    Ok((events, (node_stream, ExpectedVersion::Exact(placement.node_version))))
+    Ok((events, guards))
 }
 
 /// How an active reservation ends: `reservation.released` or `.expired` (no payload but the
@@ -515,7 +526,7 @@ pub enum Ending {
     Failed { reason: String, attempts: u32 },
 }
 
-/// The events and guard that end an active reservation on `node_id` and give its GPUs back on
+/// The events and guards that end an active reservation on `node_id` and give its GPUs back on
 /// the node's stream. When the node may hold them (`release`: a hold was sent and not refused,
 /// [`crate::Binding::may_hold`]), also `gpu.release` with `issue`'s id, which the reservation
 /// records.
@@ -525,12 +536,14 @@ pub fn ending(
     release: bool,
     ending: Ending,
     issue: Issue<'_>,
-) -> Result<(Vec<NewEvent>, (String, ExpectedVersion))> {
+) -> Result<(Vec<NewEvent>, Vec<(String, ExpectedVersion)>)> {
     let node_stream = stream_of(KIND_NODE, &node_id);
     let mut events = Vec::new();
+    // Freeing commutes with everything else on the node, so any version will do.
+    let mut guards = vec![(node_stream.clone(), ExpectedVersion::Any)];
     let release = if release {
         let args = serde_json::json!({ "reservationId": reservation_id });
-        let (command, release) = issue_command(node_id, GPU_RELEASE, args, issue)?;
+        let (command, release) = issue_command(node_id, GPU_RELEASE, args, issue, &mut guards)?;
         events.push(command);
         Some(release)
     } else {
@@ -556,8 +569,7 @@ pub fn ending(
             payload: to_cbor(&NodeFreed { reservation_id: reservation_id.to_owned() })?,
         },
     );
-    // Freeing commutes with everything else on the node, so any version will do.
-    Ok((events, (node_stream, ExpectedVersion::Any)))
+    Ok((events, guards))
 }
 
 #[cfg(test)]

@@ -98,10 +98,10 @@ async fn case(seed: u64) -> usize {
         if !active.is_empty() && rng.random_bool(0.3) {
             let r = &active[rng.random_range(0..active.len())];
             let node = r.node_id.as_deref().unwrap();
-            let (events, guard) = placement::ending(&r.reservation_id, node, false, placement::Ending::Released, ISSUE).unwrap();
+            let (events, guards) = placement::ending(&r.reservation_id, node, false, placement::Ending::Released, ISSUE).unwrap();
             let stream = stream_of(KIND_RESERVATION, &r.reservation_id);
             let mut req = request(tenant, stream, ExpectedVersion::Exact(r.version), "x", ciborium::Value::Null);
-            req.guards = vec![guard];
+            req.guards = guards;
             req.events = events;
             log.append(req).await.unwrap();
             continue;
@@ -148,19 +148,19 @@ async fn case(seed: u64) -> usize {
             tolerations: vec![],
         };
         let payload = ev::to_cbor(&requested).unwrap();
-        let (events, guard) = placement::activation(&rsv, &p, 1, ISSUE).unwrap();
+        let (events, guards) = placement::activation(&rsv, &p, 1, ISSUE).unwrap();
         let stream = stream_of(KIND_RESERVATION, &rsv);
         let mut req = request(tenant, stream, ExpectedVersion::NoStream, ev::RESERVATION_REQUESTED, payload.clone());
-        req.guards = vec![guard];
+        req.guards = guards;
         req.events.extend(events);
         log.append(req).await.unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
         placed += 1;
         // The same decision, made on the node as it was before, is refused now.
         let stale_id = ReservationId::generate().to_string();
-        let (events, guard) = placement::activation(&stale_id, &p, 1, ISSUE).unwrap();
+        let (events, guards) = placement::activation(&stale_id, &p, 1, ISSUE).unwrap();
         let stream = stream_of(KIND_RESERVATION, &stale_id);
         let mut stale = request(tenant, stream, ExpectedVersion::NoStream, ev::RESERVATION_REQUESTED, payload);
-        stale.guards = vec![guard];
+        stale.guards = guards;
         stale.events.extend(events);
         assert!(log.append(stale).await.is_err(), "seed {seed}: a stale placement was accepted");
     }

@@ -252,10 +252,10 @@ mod tests {
         let placed = placement::place([&node], &ask).unwrap();
         let done = ReservationId::generate().to_string();
         let issue = placement::Issue { command_id: "cmd_unused", now_ms: 1 };
-        let (events, guard) = placement::activation(&done, &placed, 1, issue).unwrap();
+        let (events, guards) = placement::activation(&done, &placed, 1, issue).unwrap();
         let mut request = append(stream_of(KIND_RESERVATION, &done), ExpectedVersion::NoStream, vec![requested(&pool, 4)]);
         request.events.extend(events);
-        request.guards = vec![guard];
+        request.guards = guards;
         log.append(request).await.unwrap();
         let (big, small) = (ReservationId::generate().to_string(), ReservationId::generate().to_string());
         for (id, gpus) in [(&big, 4), (&small, 1)] {

@@ -383,17 +383,15 @@ async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_l
     let (status, command) = server.call("commands.issue", json!({ "nodeId": node, "kind": "ping" })).await;
     assert_eq!(status, 200, "{command}");
     let command = command["commandId"].as_str().unwrap().to_owned();
-    let (status, hold) = server
+    // GPUs are set aside only by a reservation's activation, never by a caller's command.
+    let (status, refused) = server
         .call("commands.issue", json!({ "nodeId": node, "kind": "gpu.hold", "args": { "reservationId": "rsv_01jd0000000000000000000000", "gpus": [0] } }))
         .await;
-    assert_eq!(status, 200, "{hold}");
+    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
     machine.start();
     wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
     let done = wait_command(&server, &command, "succeeded", Duration::from_secs(20)).await;
     assert_eq!(done["journalSeqs"].as_array().unwrap().len(), 2, "started and succeeded, once each: {done}");
-    let hold_id = hold["commandId"].as_str().unwrap().to_owned();
-    let failed = wait_command(&server, &hold_id, "failed", Duration::from_secs(20)).await;
-    assert!(failed["reason"].as_str().unwrap().contains("node-unbound"), "{failed}");
 
     // Stopped: unreachable once the lease (2 s) lapses; started again: ready.
     assert_eq!(machine.stop(), 0);
@@ -542,4 +540,118 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
 
 fn futures_lite_block<F: std::future::Future>(f: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
+}
+
+/// Polls `reservations.get` until `done` says yes.
+async fn wait_reservation(server: &Server, rsv: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, doc) = server.call("reservations.get", json!({ "reservationId": rsv })).await;
+        assert_eq!(status, 200, "{doc}");
+        if done(&doc) {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "reservation {rsv}: not {what} after 30 s: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A fake machine with at least `gpus` GPUs: the seed, and its GPUs' UUIDs.
+fn fake_machine_with(gpus: usize) -> (u64, Vec<String>) {
+    for seed in 1..100u64 {
+        let (code, out, _) = Machine::run_bcd(&["hardware", "--fake-hw", &seed.to_string()]);
+        assert_eq!(code, 0);
+        let uuids: Vec<String> =
+            json(&out)["gpus"]["gpus"].as_array().unwrap().iter().map(|g| g["uuid"].as_str().unwrap().to_owned()).collect();
+        if uuids.len() >= gpus {
+            return (seed, uuids);
+        }
+    }
+    panic!("no fake machine with {gpus} GPUs among seeds 1..100");
+}
+
+/// A reserve on an agent's node reaches the agent as `gpu.hold` and turns `bound`, with the
+/// GPUs' UUIDs from its inventory and the hold in the agent's ledger; a release turns it
+/// `released` and frees them on the agent. An agent that cannot bind makes the reservation go
+/// back to its queue with the reason (in `reservations.get`), and fail after the last try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_the_queue() {
+    let (server, port) = gateway();
+    let (seed, uuids) = fake_machine_with(2);
+    let pool = server.pool("holds").await;
+    let mut machine = Machine::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\n")).unwrap();
+    assert_eq!(machine.join_stdin(&token(&server, &pool, 1).await).0, 0);
+    let node = machine.node_id();
+    machine.start();
+    wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+
+    let (status, rsv) = server.call("reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 3600 })).await;
+    assert_eq!(status, 200, "{rsv}");
+    assert_eq!((rsv["state"].as_str(), rsv["binding"]["state"].as_str()), (Some("active"), Some("pending")), "{rsv}");
+    let id = rsv["reservationId"].as_str().unwrap().to_owned();
+    let bound = wait_reservation(&server, &id, "bound", |r| r["binding"]["state"] == "bound").await;
+    let held: Vec<String> =
+        bound["binding"]["gpuUuids"].as_array().unwrap().iter().map(|u| u.as_str().unwrap().to_owned()).collect();
+    let expected: Vec<String> =
+        bound["gpuIndexes"].as_array().unwrap().iter().map(|i| uuids[i.as_u64().unwrap() as usize].clone()).collect();
+    assert_eq!(held, expected, "the node held the GPUs it was given, by UUID: {bound}");
+    let ledger: Value = serde_json::from_str(&std::fs::read_to_string(machine.data().join("holds.json")).unwrap()).unwrap();
+    assert!(ledger["holds"][&id].is_object(), "the agent's ledger holds it: {ledger}");
+    let hold_command = bound["binding"]["holdCommandId"].as_str().unwrap();
+    let command = wait_command(&server, hold_command, "succeeded", Duration::from_secs(5)).await;
+    assert_eq!(command["kind"], "gpu.hold");
+
+    let (status, released) = server.call("reservations.release", json!({ "reservationId": id })).await;
+    assert_eq!(status, 200, "{released}");
+    let released = wait_reservation(&server, &id, "released on the node", |r| r["binding"]["state"] == "released").await;
+    assert_eq!(released["state"], "released");
+    let ledger: Value = serde_json::from_str(&std::fs::read_to_string(machine.data().join("holds.json")).unwrap()).unwrap();
+    assert!(ledger["holds"].as_object().unwrap().is_empty(), "freed on the agent: {ledger}");
+    let stream: Vec<String> = events(&server, &["reservation.*", "gpu.*"])
+        .await
+        .iter()
+        .filter(|e| e["stream"] == format!("reservation/{id}"))
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        stream,
+        ["reservation.requested", "reservation.activated", "gpu.held", "reservation.released", "gpu.released"],
+        "the reservation's own history tells it"
+    );
+    assert_eq!(machine.stop(), 0);
+
+    // A node that cannot bind: each hold fails with its reason, the reservation goes back to
+    // the head of its queue, and after the last try it fails with that reason.
+    let refusing_pool = server.pool("refusing").await;
+    let mut refusing = Machine::new(&server, port);
+    let config = std::fs::read_to_string(refusing.config()).unwrap();
+    let reason = "gpu-in-use: the fake machine refuses every hold";
+    std::fs::write(refusing.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\nfake_hold_refusal = {reason:?}\n"))
+        .unwrap();
+    assert_eq!(refusing.join_stdin(&token(&server, &refusing_pool, 1).await).0, 0);
+    let refusing_node = refusing.node_id();
+    refusing.start();
+    wait_state(&server, &refusing_node, "ready", Duration::from_secs(20)).await;
+    let (status, rsv) = server.call("reservations.create", json!({ "poolId": refusing_pool, "gpus": 1, "durationS": 600 })).await;
+    assert_eq!(status, 200, "{rsv}");
+    let id = rsv["reservationId"].as_str().unwrap().to_owned();
+    let requeued = wait_reservation(&server, &id, "requeued", |r| r["holdAttempts"].as_u64() >= Some(1)).await;
+    assert_eq!(requeued["lastError"], reason, "{requeued}");
+    let failed = wait_reservation(&server, &id, "failed", |r| r["state"] == "failed").await;
+    assert_eq!((failed["holdAttempts"].as_u64(), failed["lastError"].as_str()), (Some(3), Some(reason)), "{failed}");
+    let (status, node) = server.call("nodes.get", json!({ "nodeId": refusing_node })).await;
+    assert_eq!(status, 200);
+    assert!(node["allocations"].as_object().is_none_or(|a| a.is_empty()), "its GPUs are free again: {node}");
+    let types: Vec<String> = events(&server, &["reservation.*", "gpu.*"])
+        .await
+        .iter()
+        .filter(|e| e["stream"] == format!("reservation/{id}"))
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect();
+    let requeues = types.iter().filter(|t| *t == "reservation.requeued").count();
+    let refusals = types.iter().filter(|t| *t == "gpu.hold_failed").count();
+    assert_eq!((requeues, refusals, types.last().map(String::as_str)), (2, 3, Some("reservation.failed")), "{types:?}");
+    assert_eq!(refusing.stop(), 0);
 }

@@ -49,14 +49,14 @@ pub struct Append {
 }
 
 impl Append {
-    /// `events` with one guard on another stream (what [`crate::placement::activation`] and
+    /// `events` with guards on other streams (what [`crate::placement::activation`] and
     /// [`crate::placement::ending`] give).
     pub fn guarded(
         stream: String,
         expected: ExpectedVersion,
-        (events, guard): (Vec<NewEvent>, (String, ExpectedVersion)),
+        (events, guards): (Vec<NewEvent>, Vec<(String, ExpectedVersion)>),
     ) -> Self {
-        Self { stream, expected, guards: vec![guard], events }
+        Self { stream, expected, guards, events }
     }
 
     /// The request for the log, by `actor`, with no idempotency key.

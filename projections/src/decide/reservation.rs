@@ -203,11 +203,12 @@ pub fn reservation_create(
     };
     let ends_at_ms = input.now_ms.saturating_add(ask.duration_s.saturating_mul(1000));
     let issue = placement::Issue { command_id: input.command_id, now_ms: input.now_ms };
-    let (activation, node_guard) = placement::activation(input.reservation_id, &placement, ends_at_ms, issue)?;
+    let (activation, mut guards) = placement::activation(input.reservation_id, &placement, ends_at_ms, issue)?;
+    guards.push(pool_guard.clone());
     let append = Append {
         stream: rsv_stream.clone(),
         expected: ExpectedVersion::NoStream,
-        guards: vec![node_guard, pool_guard.clone()],
+        guards,
         events: std::iter::once(ask.requested()?).chain(activation).collect(),
     };
     let pending = ask.pending(input.reservation_id, ReservationState::Active);
