@@ -22,6 +22,7 @@ pub mod decide;
 pub mod event_view;
 pub mod events;
 pub mod fleet;
+pub mod inventory;
 pub mod placement;
 
 pub use event_view::{EventView, event_view};
@@ -531,6 +532,14 @@ impl Projector for Projections {
             && kind == KIND_AGENT
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: KIND_NODE.to_owned(), id: id.to_owned() });
+            if event.envelope.event_type == NODE_INVENTORY_REPORTED {
+                // And the report's own row, which `inventory.history` pages.
+                out.push(RowKey {
+                    tenant: event.envelope.tenant.to_string(),
+                    kind: inventory::KIND_INVENTORY.to_owned(),
+                    id: inventory::inventory_row_id(id, event.envelope.seq),
+                });
+            }
             return;
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
@@ -776,6 +785,20 @@ impl Projector for Projections {
             NODE_INVENTORY_REPORTED => {
                 let mut p: NodeInventoryReported = payload(event)?;
                 let journal = p.journal.take().ok_or_else(|| corrupt(event, "an inventory without a journal entry".into()))?;
+                if key.kind == inventory::KIND_INVENTORY {
+                    if current.is_some() {
+                        return Err(corrupt(event, format!("inventory row {} folded twice", key.id)));
+                    }
+                    return to_doc(&inventory::InventoryReportDoc {
+                        tenant_id,
+                        node_id: p.node_id.clone(),
+                        seq: env.seq,
+                        event_id: env.id.to_string(),
+                        journal_seq: journal.seq,
+                        reported_at_ms: env.at_ms,
+                        inventory: p,
+                    });
+                }
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 advance_journal(&mut doc, &journal, event)?;
                 let gpus = gpus_of_inventory(&p);
