@@ -133,7 +133,10 @@ pub const COMMANDS: &[Column] = &[
 pub const INVENTORY: &[Column] = &[
     Column { header: "SEQ", cell: |r, _| field(r, "seq") },
     Column { header: "REPORTED", cell: |r, now| when(r, "reportedAtMs", now) },
-    Column { header: "GPUS", cell: |r, _| if r["gpus"].as_array().is_some_and(|g| !g.is_empty()) { gpu_summary(r) } else { "-".into() } },
+    Column {
+        header: "GPUS",
+        cell: |r, _| if r["gpus"].as_array().is_some_and(|g| !g.is_empty()) { gpu_summary(r) } else { "-".into() },
+    },
     Column { header: "DRIVER", cell: |r, _| field(r, "driverVersion") },
     Column { header: "CUDA", cell: |r, _| field(r, "cudaVersion") },
     Column { header: "UNAVAILABLE", cell: |r, _| field(r, "unavailable") },

@@ -149,9 +149,7 @@ pub fn inventory_diff(before: &NodeInventoryReported, after: &NodeInventoryRepor
             diff.gpus_changed.push(GpuChange { uuid: (*uuid).to_owned(), changes });
         }
     }
-    let software = |r: &NodeInventoryReported| {
-        serde_json::json!({ "driverVersion": r.driver_version, "cudaVersion": r.cuda_version, "unavailable": r.unavailable })
-    };
+    let software = |r: &NodeInventoryReported| serde_json::json!({ "driverVersion": r.driver_version, "cudaVersion": r.cuda_version, "unavailable": r.unavailable });
     object_changes("", software(before), software(after), &[], &mut diff.software_changed);
     object_changes("", json_of(&before.host), json_of(&after.host), &["disks"], &mut diff.host_changed);
     let disks = |r: &NodeInventoryReported| {

@@ -6,8 +6,9 @@
 //! again, from the whole log, in `better-compute projections rebuild`.
 //!
 //! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
-//! [`placement`] the selector language and the choice of GPUs; [`fleet`] the in-memory view of
-//! nodes and live reservations; [`decide`] the pure decisions of the reservation methods and of
+//! [`inventory`] the row per inventory report and the pure diff of two; [`placement`] the
+//! selector language and the choice of GPUs; [`fleet`] the in-memory view of nodes and live
+//! reservations; [`decide`] the pure decisions of the reservation methods and of
 //! the reservations reconciler's pass; this file holds the documents (with their state enums)
 //! and the fold.
 

@@ -184,13 +184,19 @@ async fn inventory_get_history_and_diff_follow_a_machine_that_changes() {
     let one = cli_json(&server, &["inventory", "history", "--node", &node, "--limit", "1", "--format", "json"]);
     assert_eq!(one["items"][0]["seq"].as_u64(), Some(second_seq));
     let cursor = one["nextCursor"].as_str().expect("a second page").to_owned();
-    let rest = cli_json(&server, &["inventory", "history", "--node", &node, "--limit", "1", "--cursor", &cursor, "--format", "json"]);
+    let rest =
+        cli_json(&server, &["inventory", "history", "--node", &node, "--limit", "1", "--cursor", &cursor, "--format", "json"]);
     assert_eq!(rest["items"][0]["seq"].as_u64(), Some(first_seq));
     assert!(rest["nextCursor"].is_null(), "{rest}");
     // The table by default, a row per report.
     let (code, table, err) = server.cli(&["inventory", "history", "--node", &node]);
     assert_eq!(code, 0, "{err}");
-    assert!(table.trim_start().starts_with("SEQ") && table.contains(&second_seq.to_string()) && table.contains(&first_seq.to_string()), "{table}");
+    assert!(
+        table.trim_start().starts_with("SEQ")
+            && table.contains(&second_seq.to_string())
+            && table.contains(&first_seq.to_string()),
+        "{table}"
+    );
 
     // Another node's reports are its own: its rows sit beside this node's (ids sort by node),
     // and neither history reads into the other's.
@@ -215,11 +221,20 @@ async fn inventory_get_history_and_diff_follow_a_machine_that_changes() {
     assert_eq!(uuids(&diff["gpusRemoved"]), only(&first_uuids, &second_uuids), "{diff}");
     assert_eq!(uuids(&diff["gpusAdded"]), only(&second_uuids, &first_uuids), "{diff}");
     let serial = diff["hostChanged"].as_array().unwrap().iter().find(|c| c["field"] == "serial").expect("the serial changed");
-    assert_eq!((&serial["before"], &serial["after"]), (&json!(format!("FAKE{first_seed:010}")), &json!(format!("FAKE{second_seed:010}"))));
+    assert_eq!(
+        (&serial["before"], &serial["after"]),
+        (&json!(format!("FAKE{first_seed:010}")), &json!(format!("FAKE{second_seed:010}")))
+    );
     // Named both ways round, and a report with itself: nothing changed.
-    let back = cli_json(&server, &["inventory", "diff", "--node", &node, "--from", &second_seq.to_string(), "--to", &first_seq.to_string()]);
+    let back = cli_json(
+        &server,
+        &["inventory", "diff", "--node", &node, "--from", &second_seq.to_string(), "--to", &first_seq.to_string()],
+    );
     assert_eq!(uuids(&back["gpusAdded"]), uuids(&diff["gpusRemoved"]));
-    let same = cli_json(&server, &["inventory", "diff", "--node", &node, "--from", &first_seq.to_string(), "--to", &first_seq.to_string()]);
+    let same = cli_json(
+        &server,
+        &["inventory", "diff", "--node", &node, "--from", &first_seq.to_string(), "--to", &first_seq.to_string()],
+    );
     assert_eq!(same["changed"], false, "{same}");
     assert_eq!(machine.stop(), 0);
 

@@ -113,7 +113,13 @@ async fn agent_node(call: &Call<'_>, tenant_id: &Option<String>, node_id: &str) 
 }
 
 /// Up to `limit` of the node's reports after the row id `after` (newest first).
-async fn reports_after(call: &Call<'_>, tenant: TenantId, node: &str, after: &str, limit: u32) -> Result<Vec<InventoryReportDoc>> {
+async fn reports_after(
+    call: &Call<'_>,
+    tenant: TenantId,
+    node: &str,
+    after: &str,
+    limit: u32,
+) -> Result<Vec<InventoryReportDoc>> {
     let rows = call.state.store.row_list(&tenant.to_string(), KIND_INVENTORY, Some(after), limit).await?;
     // The node's rows are one run of ids; the next node's follow it.
     rows.into_iter().take_while(|row| inventory_row_seq(node, &row.key.id).is_some()).map(doc::<InventoryReportDoc>).collect()
@@ -130,8 +136,9 @@ async fn report_at(call: &Call<'_>, tenant: TenantId, node: &str, seq: u64) -> R
 
 async fn inventory_get(call: &Call<'_>, input: InventoryGet) -> Result<InventoryReportView> {
     let (tenant, node) = agent_node(call, &input.tenant_id, &input.node_id).await?;
-    let report =
-        latest(call, tenant, &node).await?.ok_or_else(|| Error::not_found(format!("inventory of node {node} (none reported yet)")))?;
+    let report = latest(call, tenant, &node)
+        .await?
+        .ok_or_else(|| Error::not_found(format!("inventory of node {node} (none reported yet)")))?;
     Ok(report.into())
 }
 
