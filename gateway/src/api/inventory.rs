@@ -22,13 +22,10 @@ use bc_projections::inventory::{
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::nodes::node_doc;
+use super::nodes::{READ, node_doc};
 use super::toolkit::{NodeIdText, Page, TenantIdText, doc, string_schema};
 use super::views::{InventoryDiffView, InventoryReportView};
-use super::{Access, Call, Method, method};
-
-/// Inventories are a node's: read like `nodes.get`.
-const READ: Access = Access::Action("compute:nodes:read");
+use super::{Call, Method, method};
 
 /// Reports one `history` page holds at most, and unless asked otherwise. Lower than
 /// `LIST_LIMIT_MAX`: a report of a full node (64 GPUs, its disks) is some kilobytes.
