@@ -327,6 +327,11 @@ pub enum Command {
         #[command(subcommand)]
         command: NodesCommand,
     },
+    /// What a joined node's agent reported its machine holds: the latest, the history, what changed.
+    Inventory {
+        #[command(subcommand)]
+        command: InventoryCommand,
+    },
     /// The tokens machines join with (`bcd join`); a secret is shown once, or written to a new
     /// 0600 file with --out.
     JoinTokens {
@@ -687,6 +692,35 @@ pub enum NodesCommand {
         labels: Vec<String>,
         #[command(flatten)]
         key: IdempotencyKey,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum InventoryCommand {
+    /// The node's latest reported inventory: GPUs (UUID, model, product, VRAM, PCI bus id, NVLink
+    /// domain), driver and CUDA versions, the host; `seq` names the report.
+    Get {
+        /// The node (one that joined with `bcd join`).
+        #[arg(long)]
+        node: String,
+    },
+    /// The node's reports, newest first (--limit 1 to 50, default 10).
+    History {
+        #[arg(long)]
+        node: String,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// What changed between two reports, by their `seq` (default: the latest and the one before).
+    Diff {
+        #[arg(long)]
+        node: String,
+        /// The earlier report's seq (default: the one before --to).
+        #[arg(long, value_name = "SEQ")]
+        from: Option<u64>,
+        /// The later report's seq (default: the latest).
+        #[arg(long, value_name = "SEQ")]
+        to: Option<u64>,
     },
 }
 

@@ -129,6 +129,19 @@ pub const COMMANDS: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "issuedAtMs", now) },
 ];
 
+/// `inventory history`: one row per report.
+pub const INVENTORY: &[Column] = &[
+    Column { header: "SEQ", cell: |r, _| field(r, "seq") },
+    Column { header: "REPORTED", cell: |r, now| when(r, "reportedAtMs", now) },
+    Column {
+        header: "GPUS",
+        cell: |r, _| if r["gpus"].as_array().is_some_and(|g| !g.is_empty()) { gpu_summary(r) } else { "-".into() },
+    },
+    Column { header: "DRIVER", cell: |r, _| field(r, "driverVersion") },
+    Column { header: "CUDA", cell: |r, _| field(r, "cudaVersion") },
+    Column { header: "UNAVAILABLE", cell: |r, _| field(r, "unavailable") },
+];
+
 pub const EVENTS: &[Column] = &[
     Column { header: "POSITION", cell: |r, _| field(r, "position") },
     Column { header: "AGE", cell: |r, now| when(r, "at", now) },
@@ -203,6 +216,7 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "nodes.list" => NODES,
         "joinTokens.list" => JOIN_TOKENS,
         "commands.list" => COMMANDS,
+        "inventory.history" => INVENTORY,
         "events.list" => EVENTS,
         "webhooks.list" => WEBHOOKS,
         "webhooks.deliveries" => DELIVERIES,

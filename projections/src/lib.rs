@@ -6,8 +6,9 @@
 //! again, from the whole log, in `better-compute projections rebuild`.
 //!
 //! Layout: [`events`] holds the CBOR payload of every event type (the log's wire format);
-//! [`placement`] the selector language and the choice of GPUs; [`fleet`] the in-memory view of
-//! nodes and live reservations; [`decide`] the pure decisions of the reservation methods and of
+//! [`inventory`] the row per inventory report and the pure diff of two; [`placement`] the
+//! selector language and the choice of GPUs; [`fleet`] the in-memory view of nodes and live
+//! reservations; [`decide`] the pure decisions of the reservation methods and of
 //! the reservations reconciler's pass; this file holds the documents (with their state enums)
 //! and the fold.
 
@@ -22,6 +23,7 @@ pub mod decide;
 pub mod event_view;
 pub mod events;
 pub mod fleet;
+pub mod inventory;
 pub mod placement;
 
 pub use event_view::{EventView, event_view};
@@ -607,6 +609,14 @@ impl Projector for Projections {
             && kind == KIND_AGENT
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: KIND_NODE.to_owned(), id: id.to_owned() });
+            if event.envelope.event_type == NODE_INVENTORY_REPORTED {
+                // And the report's own row, which `inventory.history` pages.
+                out.push(RowKey {
+                    tenant: event.envelope.tenant.to_string(),
+                    kind: inventory::KIND_INVENTORY.to_owned(),
+                    id: inventory::inventory_row_id(id, event.envelope.seq),
+                });
+            }
             return;
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
@@ -876,6 +886,20 @@ impl Projector for Projections {
             NODE_INVENTORY_REPORTED => {
                 let mut p: NodeInventoryReported = payload(event)?;
                 let journal = p.journal.take().ok_or_else(|| corrupt(event, "an inventory without a journal entry".into()))?;
+                if key.kind == inventory::KIND_INVENTORY {
+                    if current.is_some() {
+                        return Err(corrupt(event, format!("inventory row {} folded twice", key.id)));
+                    }
+                    return to_doc(&inventory::InventoryReportDoc {
+                        tenant_id,
+                        node_id: p.node_id.clone(),
+                        seq: env.seq,
+                        event_id: env.id.to_string(),
+                        journal_seq: journal.seq,
+                        reported_at_ms: env.at_ms,
+                        inventory: p,
+                    });
+                }
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 advance_journal(&mut doc, &journal, event)?;
                 let free = doc.allocations.is_empty();

@@ -2,7 +2,7 @@
 //! [`Context`] carries what they share (the global flags, the client, printing, id checks).
 //!
 //! One module per group: `api` (any method, the item syntax, the method table), `events`,
-//! `pools`, `nodes`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
+//! `pools`, `nodes`, `inventory`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
 //! `quotas`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
 //! `projections`), `audit`, and `meta` (`completion`, `help`).
 
@@ -18,6 +18,7 @@ pub mod api;
 mod audit;
 mod auth;
 mod events;
+mod inventory;
 mod join_tokens;
 mod meta;
 mod nodes;
@@ -45,6 +46,7 @@ impl Command {
             Command::Events { command } => events::run(ctx, command).await,
             Command::Pools { command } => pools::run(ctx, command).await,
             Command::Nodes { command } => nodes::run(ctx, command).await,
+            Command::Inventory { command } => inventory::run(ctx, command).await,
             Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
             Command::Commands { command } => agent_commands::run(ctx, command).await,
             Command::Reserve { ask, wait, key } => reservations::reserve(ctx, ask, wait, key).await,

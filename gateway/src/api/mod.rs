@@ -1,7 +1,7 @@
 //! The method table: every method of `POST /api/compute/{group}.{method}`, declared once.
 //!
 //! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
-//! `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
+//! `inventory.rs`, `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
 //! `webhooks.rs`) declares its
 //! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
 //! input type its handler parses, the output type it answers with, and the handler. The router
@@ -26,6 +26,7 @@ mod api_keys;
 mod capacity;
 mod commands;
 mod events;
+mod inventory;
 mod join_tokens;
 pub(crate) mod nodes;
 mod pools;
@@ -111,6 +112,7 @@ const GROUPS: &[&[Method]] = &[
     api_keys::METHODS,
     pools::METHODS,
     nodes::METHODS,
+    inventory::METHODS,
     join_tokens::METHODS,
     commands::METHODS,
     capacity::METHODS,

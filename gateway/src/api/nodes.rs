@@ -19,7 +19,8 @@ use super::toolkit::{
 use super::views::{NodeChangedView, NodeView};
 use super::{Access, Call, Method, method};
 
-const READ: Access = Access::Action("compute:nodes:read");
+/// Also what `inventory.*` are read as: a node's reports are the node's.
+pub(super) const READ: Access = Access::Action("compute:nodes:read");
 const WRITE: Access = Access::Action("compute:nodes:write");
 
 pub const GPUS_PER_NODE_MAX: usize = 64;

@@ -1,5 +1,6 @@
 //! Views of what the agent side adds: a node's agent, join tokens and commands.
 
+use bc_projections::inventory::{InventoryDiff, InventoryReportDoc};
 use bc_projections::{CommandDoc, CommandState, JoinTokenDoc, NodeAgent};
 use schemars::JsonSchema;
 use serde::Serialize;
@@ -45,6 +46,61 @@ pub struct InventoryView {
     /// The reported GPUs differ from the node's but some were allocated when it came: they are
     /// taken once the node is free.
     pub pending: bool,
+}
+
+/// One inventory report (`inventory.get`, `inventory.history`): what the agent found, and
+/// which event of the log said so.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryReportView {
+    #[schemars(with = "NodeIdText")]
+    pub node_id: String,
+    /// The event's sequence in the tenant's log: what `inventory.diff` and the history's cursor
+    /// name a report by.
+    pub seq: u64,
+    pub event_id: String,
+    /// The entry of the node's journal it came in.
+    pub journal_seq: u64,
+    pub reported_at_ms: u64,
+    pub gpus: Vec<bc_projections::events::InventoryGpu>,
+    pub driver_version: Option<String>,
+    pub cuda_version: Option<String>,
+    /// Why no GPUs could be read (no driver, no library).
+    pub unavailable: Option<String>,
+    pub host: bc_projections::events::InventoryHost,
+}
+
+impl From<InventoryReportDoc> for InventoryReportView {
+    fn from(d: InventoryReportDoc) -> Self {
+        Self {
+            node_id: d.node_id,
+            seq: d.seq,
+            event_id: d.event_id,
+            journal_seq: d.journal_seq,
+            reported_at_ms: d.reported_at_ms,
+            gpus: d.inventory.gpus,
+            driver_version: d.inventory.driver_version,
+            cuda_version: d.inventory.cuda_version,
+            unavailable: d.inventory.unavailable,
+            host: d.inventory.host,
+        }
+    }
+}
+
+/// `inventory.diff`: what changed from report `from` to report `to` (by `seq`).
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryDiffView {
+    #[schemars(with = "NodeIdText")]
+    pub node_id: String,
+    pub from: u64,
+    pub to: u64,
+    pub from_reported_at_ms: u64,
+    pub to_reported_at_ms: u64,
+    /// Whether anything differs.
+    pub changed: bool,
+    #[serde(flatten)]
+    pub diff: InventoryDiff,
 }
 
 #[derive(Serialize, JsonSchema)]
