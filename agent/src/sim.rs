@@ -20,6 +20,11 @@ use crate::token::{Source, Token};
 pub const SIM_JOINS_AT_ONCE_MAX: usize = 16;
 /// Machines one `bcd sim` runs at most.
 pub const SIM_NODES_MAX: u32 = 10_000;
+/// Files one machine holds open (its journal, WAL and shared memory, its status socket, its
+/// connection to the gateway, and one to spare), measured at about five.
+pub const SIM_FILES_PER_MACHINE: u64 = 6;
+/// Files the process needs besides its machines.
+pub const SIM_FILES_RESERVE: u64 = 64;
 /// Progress lines at most per phase (`joined k/N` every `N / this` joins).
 pub const SIM_PROGRESS_LINES_MAX: u32 = 100;
 
@@ -58,6 +63,25 @@ pub fn check(nodes: u32, seed: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// The soft limit on open files in the text of `/proc/self/limits`; `None`: unlimited or
+/// unknown.
+pub fn open_files_limit(limits: &str) -> Option<u64> {
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line["Max open files".len()..].split_whitespace().next()?.parse().ok()
+}
+
+/// Refuses a run the open-files limit would break halfway (a join or a journal failing with
+/// `EMFILE`), and says how to raise it.
+pub fn check_open_files(nodes: u32, limit: Option<u64>) -> Result<(), String> {
+    let needed = u64::from(nodes) * SIM_FILES_PER_MACHINE + SIM_FILES_RESERVE;
+    match limit {
+        Some(limit) if limit < needed => Err(format!(
+            "{nodes} machines need about {needed} open files and the limit is {limit} (hint: ulimit -n {needed})"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Whether progress is worth a line at `done` of `total`.
 fn progress_line(done: u32, total: u32) -> bool {
     let step = (total / SIM_PROGRESS_LINES_MAX).max(1);
@@ -74,6 +98,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     check(options.nodes, options.seed)?;
+    check_open_files(options.nodes, std::fs::read_to_string("/proc/self/limits").ok().as_deref().and_then(open_files_limit))?;
     let mut machines = Vec::with_capacity(options.nodes as usize);
     let mut unjoined = 0u32;
     for i in 0..options.nodes {
@@ -183,6 +208,19 @@ mod tests {
         assert!(check(SIM_NODES_MAX + 1, 0).is_err());
         assert!(check(2, u64::MAX).is_err());
         assert!(check(1, u64::MAX).is_ok());
+    }
+
+    #[test]
+    fn a_run_past_the_open_files_limit_is_refused_with_the_ulimit_to_set() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max processes             63459                63459                processes \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(open_files_limit(limits), Some(1024));
+        assert_eq!(open_files_limit("Max open files            unlimited            unlimited            files"), None);
+        assert!(check_open_files(100, Some(1024)).is_ok());
+        let refused = check_open_files(1000, Some(1024)).unwrap_err();
+        assert!(refused.contains("ulimit -n 6064"), "{refused}");
+        assert!(check_open_files(1000, None).is_ok());
     }
 
     #[test]
