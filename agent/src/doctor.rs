@@ -121,10 +121,7 @@ pub fn nvml_check(gpus: &GpuInventory) -> Check {
     match (&gpus.unavailable, gpus.gpus.len()) {
         (Some(reason), _) => Check::warn("nvml", reason.clone(), fix),
         (None, 0) => Check::warn("nvml", "NVML loads but sees no GPU", fix),
-        (None, n) => Check::ok(
-            "nvml",
-            format!("{n} GPUs, driver {}", gpus.driver_version.as_deref().unwrap_or("unknown")),
-        ),
+        (None, n) => Check::ok("nvml", format!("{n} GPUs, driver {}", gpus.driver_version.as_deref().unwrap_or("unknown"))),
     }
 }
 
@@ -182,7 +179,10 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
             let fix = if config_path.exists() {
                 format!("correct {} (see the README's bcd section)", config_path.display())
             } else {
-                format!("write {} (bcd join --server URL --log-key-pin PIN writes one), or pass --config FILE", config_path.display())
+                format!(
+                    "write {} (bcd join --server URL --log-key-pin PIN writes one), or pass --config FILE",
+                    config_path.display()
+                )
             };
             checks.push(Check::fail("config", e.to_string(), fix));
             None
@@ -236,7 +236,10 @@ async fn node_files(config: &Config) -> Vec<Check> {
         ),
         Err(e) => Check::fail("journal", format!("{}: {e}", path.display()), "check the file's owner and mode (0600)"),
     };
-    vec![Check::ok("identity", format!("{node} (tenant {}, pool {})", identity.identity.tenant_id, identity.identity.pool_id)), journal]
+    vec![
+        Check::ok("identity", format!("{node} (tenant {}, pool {})", identity.identity.tenant_id, identity.identity.pool_id)),
+        journal,
+    ]
 }
 
 /// The gateway answers with the pinned certificate; its clock against ours.
@@ -305,7 +308,7 @@ mod tests {
         let ok = Check::ok("a", "fine");
         let warn = Check::warn("b", "hm", "do x");
         let fail = Check::fail("c", "no", "do y");
-        assert_eq!(exit_code(&[ok.clone()], false), 0);
+        assert_eq!(exit_code(std::slice::from_ref(&ok), false), 0);
         assert_eq!(exit_code(&[ok.clone(), warn.clone()], false), 0);
         assert_eq!(exit_code(&[ok.clone(), warn.clone()], true), 1);
         assert_eq!(exit_code(&[ok, fail], false), 1);

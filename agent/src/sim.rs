@@ -75,9 +75,9 @@ pub fn open_files_limit(limits: &str) -> Option<u64> {
 pub fn check_open_files(nodes: u32, limit: Option<u64>) -> Result<(), String> {
     let needed = u64::from(nodes) * SIM_FILES_PER_MACHINE + SIM_FILES_RESERVE;
     match limit {
-        Some(limit) if limit < needed => Err(format!(
-            "{nodes} machines need about {needed} open files and the limit is {limit} (hint: ulimit -n {needed})"
-        )),
+        Some(limit) if limit < needed => {
+            Err(format!("{nodes} machines need about {needed} open files and the limit is {limit} (hint: ulimit -n {needed})"))
+        }
         _ => Ok(()),
     }
 }
@@ -85,7 +85,7 @@ pub fn check_open_files(nodes: u32, limit: Option<u64>) -> Result<(), String> {
 /// Whether progress is worth a line at `done` of `total`.
 fn progress_line(done: u32, total: u32) -> bool {
     let step = (total / SIM_PROGRESS_LINES_MAX).max(1);
-    done == total || done % step == 0
+    done == total || done.is_multiple_of(step)
 }
 
 /// Runs the machines until `shutdown`. `token` is asked for only when some machine has not

@@ -151,8 +151,7 @@ async fn doctor_passes_on_a_joined_node_and_fails_a_wrong_pin_and_a_missing_conf
     // Another serving pin: the gateway check fails and says the pin did not match.
     let wrong = dir.path().join("wrong");
     std::fs::create_dir_all(&wrong).unwrap();
-    let wrong_config =
-        write_config(&wrong, port, "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=", &log_pin);
+    let wrong_config = write_config(&wrong, port, "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=", &log_pin);
     let (code, checks) = doctor(&wrong_config, &[]);
     assert_eq!(code, 1, "{checks:?}");
     let gateway = check(&checks, "gateway");
