@@ -89,7 +89,8 @@ fn progress_line(done: u32, total: u32) -> bool {
 }
 
 /// Runs the machines until `shutdown`. `token` is asked for only when some machine has not
-/// joined. A join that fails stops every machine (the identities already written stay, so a
+/// joined. Stopping waits for the joins in flight (at most [`SIM_JOINS_AT_ONCE_MAX`]) to end, so
+/// every join the gateway took leaves its identity on disk. A join that fails stops every machine (the identities already written stay, so a
 /// run with a new token joins only the rest); an agent that stops with an error is reported and
 /// the others run on. `Err` when anything failed.
 pub async fn run(
@@ -124,17 +125,18 @@ pub async fn run(
                 Some(identity) => identity,
                 None => {
                     let secret = secret.ok_or_else(|| format!("node-{i}: no join token"))?;
-                    let join = async {
-                        let _permit = joins.acquire_owned().await.map_err(|e| e.to_string())?;
-                        let token = Token { secret, source: Source::Environment };
-                        crate::join::join_as(&config, token, None, &format!("sim-{i}"))
-                            .await
-                            .map_err(|e| format!("node-{i}: {}", e.message))
-                    };
-                    let joined_now = tokio::select! {
-                        outcome = join => outcome,
+                    // Stopping cancels a machine waiting for its turn, never a join in flight:
+                    // a join the gateway took whose identity was not written would leave a
+                    // node no machine can run (and a use of the token spent).
+                    let permit = tokio::select! {
+                        permit = joins.acquire_owned() => permit.map_err(|e| e.to_string())?,
                         _ = stop_rx.wait_for(|stop| *stop) => return Ok(()),
                     };
+                    let token = Token { secret, source: Source::Environment };
+                    let joined_now = crate::join::join_as(&config, token, None, &format!("sim-{i}"))
+                        .await
+                        .map_err(|e| format!("node-{i}: {}", e.message));
+                    drop(permit);
                     if let Err(message) = joined_now {
                         let _ = stop_tx.send(true);
                         return Err(message);
@@ -148,6 +150,9 @@ pub async fn run(
                         .ok_or_else(|| format!("node-{i}: joined, but no identity was written"))?
                 }
             };
+            if *stop_rx.borrow() {
+                return Ok(());
+            }
             let stopped = async move {
                 let _ = stop_rx.wait_for(|stop| *stop).await;
             };

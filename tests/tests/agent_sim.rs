@@ -145,3 +145,54 @@ async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin
 fn futures_block<F: std::future::Future>(f: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }
+
+/// A join that fails (a token with too few uses) stops every machine with exit 1; the
+/// identities written stay, so a run with a new token joins only the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_join_stops_the_sim_and_a_new_token_joins_only_the_rest() {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
+    let pool = server.pool("sim-short").await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "data_dir = \"/unused\"\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\n",
+            server.agents_pin.clone().unwrap(),
+            log_key_pin(&server),
+        ),
+    )
+    .unwrap();
+    let (config, machines) = (config.display().to_string(), dir.path().join("machines").display().to_string());
+    let args = ["--nodes", "3", "--data-dir", machines.as_str(), "--config", config.as_str()];
+    let run = |token: &str| {
+        let out = Command::new(bc_tests::binary("bcd"))
+            .arg("sim")
+            .args(args)
+            .env("BCD_JOIN_TOKEN", token)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (status, short) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 2 })).await;
+    assert_eq!(status, 200, "{short}");
+    let (code, err) = run(short["token"].as_str().unwrap());
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("spent"), "{err}");
+    assert_eq!(nodes(&server, &pool).len(), 2, "two machines joined before the token ran out");
+    // Stopping waited for the joins in flight: every node the gateway holds has its identity.
+    let identities = (0..3).filter(|i| std::path::Path::new(&machines).join(format!("node-{i}/identity.json")).exists()).count();
+    assert_eq!(identities, 2, "a join the gateway took left no identity: {err}");
+
+    let (status, one) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    assert_eq!(status, 200, "{one}");
+    let log = dir.path().join("sim.log");
+    let mut sim = start_sim(&args, &[("BCD_JOIN_TOKEN", one["token"].as_str().unwrap())], &log);
+    wait_until("three ready nodes", Duration::from_secs(60), || all_in_state(&server, &pool, "ready"));
+    let progress = std::fs::read_to_string(&log).unwrap();
+    assert!(progress.contains("2 joined already, 1 to join") && progress.contains("joined 3/3"), "{progress}");
+    assert_eq!(sigterm(&mut sim), 0);
+}
