@@ -110,7 +110,10 @@ pub fn clock_check(sent_ms: u64, received_ms: u64, date_ms: u64) -> Check {
     } else if magnitude > CLOCK_SKEW_WARN_MS {
         Check::warn("clock", format!("this node's clock is {magnitude} ms {side} the gateway's"), fix)
     } else {
-        Check::ok("clock", format!("within {CLOCK_SKEW_WARN_MS} ms of the gateway's (round trip {} ms)", received_ms - sent_ms))
+        Check::ok(
+            "clock",
+            format!("within {CLOCK_SKEW_WARN_MS} ms of the gateway's (round trip {} ms)", received_ms.saturating_sub(sent_ms)),
+        )
     }
 }
 
