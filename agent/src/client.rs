@@ -72,19 +72,68 @@ impl Gateway {
         let (host, port) = (self.host.clone(), self.port);
         let connector = tower::service_fn(move |_: tonic::transport::Uri| {
             let (config, host) = (config.clone(), host.clone());
-            async move {
-                let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
-                tcp.set_nodelay(true)?;
-                let name = match host.parse::<IpAddr>() {
-                    Ok(ip) => ServerName::IpAddress(ip.into()),
-                    Err(_) => ServerName::try_from(host.clone()).map_err(|e| std::io::Error::other(e.to_string()))?,
-                };
-                let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-                Ok::<_, std::io::Error>(TokioIo::new(tls))
-            }
+            async move { Ok::<_, std::io::Error>(TokioIo::new(connect_tls(config, &host, port).await?)) }
         });
         Ok(endpoint.connect_with_connector_lazy(connector))
     }
+
+    /// One TLS handshake through the same connector [`Gateway::channel`] uses, to say whether
+    /// the gateway answers and whether its key matches the pin (`bcd doctor`). `Ok(false)`:
+    /// plaintext h2c, nothing to pin.
+    pub async fn handshake(&self) -> Result<bool, HandshakeError> {
+        let Some(pin) = self.pin.clone() else {
+            let connect = tokio::net::TcpStream::connect((self.host.as_str(), self.port));
+            tokio::time::timeout(Duration::from_millis(CONNECT_TIMEOUT_MS), connect)
+                .await
+                .map_err(|_| HandshakeError::Unreachable("connecting timed out".into()))?
+                .map_err(|e| HandshakeError::Unreachable(e.to_string()))?;
+            return Ok(false);
+        };
+        let config = client_config(pin).map_err(HandshakeError::Tls)?;
+        let handshake = connect_tls(config, &self.host, self.port);
+        match tokio::time::timeout(Duration::from_millis(CONNECT_TIMEOUT_MS), handshake).await {
+            Err(_) => Err(HandshakeError::Unreachable("connecting timed out".into())),
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(e)) => {
+                let pin_mismatch = e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(|r| {
+                    matches!(r, rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
+                });
+                Err(if pin_mismatch {
+                    HandshakeError::PinMismatch
+                } else if e.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
+                    HandshakeError::Tls(e.to_string())
+                } else {
+                    HandshakeError::Unreachable(e.to_string())
+                })
+            }
+        }
+    }
+}
+
+/// Why [`Gateway::handshake`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("the gateway does not answer: {0}")]
+    Unreachable(String),
+    #[error("the gateway's certificate key does not match serving_ca_spki_pin")]
+    PinMismatch,
+    #[error("the TLS handshake failed: {0}")]
+    Tls(String),
+}
+
+/// TCP, then TLS with the pin verifier: the one way bcd reaches a TLS gateway.
+async fn connect_tls(
+    config: Arc<rustls::ClientConfig>,
+    host: &str,
+    port: u16,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let tcp = tokio::net::TcpStream::connect((host, port)).await?;
+    tcp.set_nodelay(true)?;
+    let name = match host.parse::<IpAddr>() {
+        Ok(ip) => ServerName::IpAddress(ip.into()),
+        Err(_) => ServerName::try_from(host.to_owned()).map_err(|e| std::io::Error::other(e.to_string()))?,
+    };
+    tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
 }
 
 fn bracket(host: &str) -> String {

@@ -99,12 +99,17 @@ fn retryable(code: tonic::Code) -> bool {
 
 /// Joins with `token`; removes a token file once joined.
 pub async fn join(config: &Config, token: Token, token_file: Option<&Path>) -> Result<Outcome, JoinError> {
+    join_as(config, token, token_file, &hostname()).await
+}
+
+/// [`join`] under a given host name (`bcd sim`'s machines share one host but not one name).
+pub async fn join_as(config: &Config, token: Token, token_file: Option<&Path>, hostname: &str) -> Result<Outcome, JoinError> {
     let gateway = config.gateway().map_err(fail)?;
     let key = node_key_load_or_create(config).map_err(fail)?;
     let request = bc_proto::JoinRequest {
         token: token.secret,
         node_public_key: key.verifying_key().as_bytes().to_vec(),
-        hardware: Some(bc_proto::HardwareClaims { hostname: hostname(), gpus: claimed_gpus(config)? }),
+        hardware: Some(bc_proto::HardwareClaims { hostname: hostname.to_owned(), gpus: claimed_gpus(config)? }),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
     };
     let channel = gateway.channel().map_err(fail)?;

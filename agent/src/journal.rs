@@ -113,6 +113,18 @@ impl Journal {
         Ok(Self { pool, node, unacked_max })
     }
 
+    /// The node a journal file names, read without writing (`bcd doctor`); `Ok(None)`: no file.
+    pub async fn owner(path: &Path) -> Result<Option<String>, JournalError> {
+        if !path.exists() {
+            return Ok(None);
+        }
+        let options = SqliteConnectOptions::new().filename(path).read_only(true).busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
+        let found = sqlx::query("SELECT value FROM meta WHERE key = 'node'").fetch_optional(&pool).await;
+        pool.close().await;
+        Ok(found?.map(|row| row.get(0)))
+    }
+
     /// The newest entry's sequence and hash (0 and the genesis hash: none).
     pub async fn head(&self) -> Result<(u64, [u8; 32]), JournalError> {
         let row = sqlx::query("SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1").fetch_optional(&self.pool).await?;

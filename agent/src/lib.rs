@@ -6,7 +6,8 @@
 //! Layout: [`machine`] is the session logic without IO (a clock, an RNG and the transport come
 //! in from outside), so the simulator runs the real logic; [`driver`] wraps it in tokio and
 //! tonic; [`client`] is the pinned-TLS (or loopback h2c) channel; [`config`] the configuration
-//! and the node's files; [`token`] where a join token may come from; [`join`] the join.
+//! and the node's files; [`token`] where a join token may come from; [`join`] the join;
+//! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process.
 //!
 //! Architecture invariant: this crate depends on `bc-core` and `bc-proto`, never on the gateway;
 //! it is the only crate that touches the node's OS.
@@ -14,6 +15,7 @@
 pub mod binding;
 pub mod client;
 pub mod config;
+pub mod doctor;
 pub mod driver;
 pub mod holds;
 pub mod inventory;
@@ -21,5 +23,7 @@ pub mod join;
 pub mod journal;
 pub mod machine;
 pub mod runner;
+#[cfg(feature = "fakehw")]
+pub mod sim;
 pub mod status;
 pub mod token;

@@ -17,6 +17,8 @@ const COMMANDS: &[(&str, &str)] = &[
     ("node", "run the node agent: the session to the gateway, the journal, commands"),
     ("status", "what the running agent is doing (JSON, from its socket)"),
     ("hardware", "what this machine holds, as JSON: GPUs (NVML) and the host (/proc, /sys)"),
+    ("doctor", "check the configuration, the node's files, the gateway, the clock, NVML, vfio, libvirt"),
+    ("sim", "run N agents on seeded fake machines in one process (fakehw builds)"),
     ("version", "print the version"),
     ("help", "this list"),
 ];
@@ -84,6 +86,33 @@ fn command(name: &'static str) -> Command {
                     .value_name("SEED")
                     .value_parser(clap::value_parser!(u64))
                     .help("a seeded fake machine (fakehw builds)"),
+            ),
+        "doctor" => base
+            .arg(Arg::new("json").long("json").action(ArgAction::SetTrue).help("the checks as a JSON array"))
+            .arg(Arg::new("strict").long("strict").action(ArgAction::SetTrue).help("exit 1 on a warning too")),
+        "sim" => base
+            .arg(
+                Arg::new("nodes")
+                    .long("nodes")
+                    .value_name("N")
+                    .required(true)
+                    .value_parser(clap::value_parser!(u32))
+                    .help("how many machines (at most 10000)"),
+            )
+            .arg(
+                Arg::new("seed")
+                    .long("seed")
+                    .value_name("S")
+                    .default_value("0")
+                    .value_parser(clap::value_parser!(u64))
+                    .help("machine i is the fake machine of seed S + i"),
+            )
+            .arg(
+                Arg::new("data-dir")
+                    .long("data-dir")
+                    .value_name("DIR")
+                    .required(true)
+                    .help("machine i keeps its identity and journal in DIR/node-i"),
             ),
         _ => base,
     }
@@ -159,7 +188,12 @@ fn main() -> ExitCode {
             println!("bcd {}", env!("CARGO_PKG_VERSION"));
             return ExitCode::SUCCESS;
         }
-        "join" | "node" | "status" | "hardware" => {}
+        "join" | "node" | "status" | "hardware" | "doctor" => {}
+        "sim" if cfg!(feature = "fakehw") => {}
+        "sim" => {
+            eprintln!("bcd sim: this build has no fake machines (build with --features bc-agent/fakehw)");
+            return ExitCode::from(2);
+        }
         other if looks_like_a_command(other) => {
             eprintln!("bcd: unknown command {other:?} (see bcd help)");
             return ExitCode::from(2);
@@ -190,6 +224,8 @@ fn main() -> ExitCode {
             "join" => run_join(&matches, env_token).await,
             "node" => run_node(&matches).await,
             "hardware" => run_hardware(&matches),
+            "doctor" => run_doctor(&matches).await,
+            "sim" => run_sim(&matches, env_token).await,
             _ => run_status(&matches),
         }
     });
@@ -348,6 +384,50 @@ fn run_hardware(matches: &ArgMatches) -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `bcd doctor`: one line per check (or `--json`, an array); exit 1 when one failed.
+async fn run_doctor(matches: &ArgMatches) -> ExitCode {
+    let checks = bc_agent::doctor::run(&config_path(matches)).await;
+    if matches.get_flag("json") {
+        println!("{}", serde_json::to_string_pretty(&checks).unwrap_or_default());
+    } else {
+        print!("{}", bc_agent::doctor::render(&checks));
+    }
+    ExitCode::from(bc_agent::doctor::exit_code(&checks, matches.get_flag("strict")))
+}
+
+#[cfg(feature = "fakehw")]
+async fn run_sim(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
+    let base = match load_config("sim", matches) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    init_logging(Some(&base));
+    let nodes = *matches.get_one::<u32>("nodes").expect("required");
+    let seed = *matches.get_one::<u64>("seed").expect("has a default");
+    if let Err(e) = bc_agent::sim::check(nodes, seed) {
+        eprintln!("bcd sim: {e}");
+        return ExitCode::from(2);
+    }
+    let data_dir = PathBuf::from(matches.get_one::<String>("data-dir").expect("required"));
+    let options = bc_agent::sim::SimOptions { nodes, seed, data_dir, base };
+    let token = move || {
+        let stdin = std::io::stdin();
+        token::read(env_token, stdin.is_terminal(), &mut stdin.lock(), None).map(|t| t.secret).map_err(|e| e.0)
+    };
+    match bc_agent::sim::run(options, token, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bcd sim: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "fakehw"))]
+async fn run_sim(_: &ArgMatches, _: Option<String>) -> ExitCode {
+    ExitCode::from(2)
 }
 
 fn run_status(matches: &ArgMatches) -> ExitCode {
