@@ -276,6 +276,14 @@ async fn observe(
     loop {
         ticker.tick().await;
         let now_ms = SystemClock.now_ms();
+        match runner.retry_releases(now_ms).await {
+            Ok(entries) => {
+                for entry in entries {
+                    let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "retrying releases failed"),
+        }
         if now_ms >= next_inventory_ms {
             next_inventory_ms = now_ms + INVENTORY_CHECK_MS;
             let found = inventory.read();

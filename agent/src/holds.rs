@@ -24,6 +24,10 @@ pub const HOLDS_MAX: usize = 64;
 pub struct Hold {
     pub command_id: String,
     pub gpus: Vec<HeldGpu>,
+    /// A `gpu.release` the machine refused: the GPUs stay held (no other reservation gets
+    /// them) and the agent retries the release until it succeeds, then reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_command_id: Option<String>,
 }
 
 /// Reservation id → what this node holds for it.
@@ -151,7 +155,7 @@ mod tests {
             panic!("binds")
         };
         assert_eq!(gpus[1].pci_address, "0000:11:00.0");
-        ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: gpus.clone() });
+        ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: gpus.clone(), release_command_id: None });
         assert_eq!(decide_hold(&ledger, &inventory(), &args("rsv_a", &["GPU-0"])), HoldDecision::AlreadyHeld(gpus));
         let refused = decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-2", "GPU-1"]));
         assert_eq!(refused, HoldDecision::Refuse("gpu-held: GPU-1 is held for rsv_a".into()));
@@ -169,7 +173,7 @@ mod tests {
         let file = LedgerFile::new(dir.path());
         assert_eq!(file.load().unwrap(), Ledger::default());
         let mut ledger = Ledger::default();
-        ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: vec![] });
+        ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: vec![], release_command_id: None });
         file.save(&ledger).unwrap();
         assert_eq!(LedgerFile::new(dir.path()).load().unwrap(), ledger);
         let mode = std::fs::metadata(dir.path().join("holds.json")).unwrap().permissions().mode();

@@ -143,7 +143,8 @@ impl Runner {
             return failed(reason);
         }
         let mut next = ledger.clone();
-        next.holds.insert(args.reservation_id.clone(), Hold { command_id: command_id.to_owned(), gpus: gpus.clone() });
+        let hold = Hold { command_id: command_id.to_owned(), gpus: gpus.clone(), release_command_id: None };
+        next.holds.insert(args.reservation_id.clone(), hold);
         if let Err(e) = self.ledger_file.save(&next) {
             // Not recorded, so not held: give the GPUs back.
             let _ = self.binding.release(&gpus);
@@ -156,8 +157,9 @@ impl Runner {
 
     /// `gpu.release`: gives back what the ledger holds for the reservation (nothing held:
     /// released already), then reports `gpu.released`. A release the machine refuses keeps the
-    /// GPUs in the ledger (no other reservation gets them) and fails the command.
-    async fn release(&self, args_json: &str) -> Finish {
+    /// GPUs in the ledger (no other reservation gets them), marked for [`Self::retry_releases`],
+    /// and fails the command with the reason.
+    async fn release(&self, command_id: &str, args_json: &str) -> Finish {
         let args: HoldArgs = match serde_json::from_str::<HoldArgs>(args_json) {
             Ok(args) if args.reservation_id.parse::<bc_core::id::ReservationId>().is_ok() => args,
             _ => return Finish::failed("bad-args: gpu.release names no reservation"),
@@ -167,7 +169,15 @@ impl Runner {
             return Finish::gpu("gpu.released", &args.reservation_id, &[], None);
         };
         if let Err(reason) = self.binding.release(&hold.gpus) {
-            return Finish::failed(format!("release-failed: {reason}"));
+            let mut next = ledger.clone();
+            if let Some(h) = next.holds.get_mut(&args.reservation_id) {
+                h.release_command_id = Some(command_id.to_owned());
+            }
+            if self.ledger_file.save(&next).is_ok() {
+                *ledger = next;
+            }
+            tracing::warn!(reservation = %args.reservation_id, reason = %reason, "a release failed; retrying");
+            return Finish::failed(format!("release-failed: {reason} (the node retries)"));
         }
         let mut next = ledger.clone();
         next.holds.remove(&args.reservation_id);
@@ -191,7 +201,8 @@ impl Runner {
         if stage == Some(Stage::Finished) {
             return Ok(out);
         }
-        if now_ms > command.deadline_ms {
+        // A release runs whatever its deadline: the GPUs must come back.
+        if now_ms > command.deadline_ms && command.kind != "gpu.release" {
             let reason = "deadline-passed: the deadline passed before the node ran it";
             let finish = match command.kind.as_str() {
                 // A hold's answer goes to its reservation, which then goes back to its queue.
@@ -210,11 +221,36 @@ impl Runner {
         let finish = match command.kind.as_str() {
             "ping" => Finish::succeeded(json!({ "result": { "pong": true, "agentVersion": self.version } })),
             "gpu.hold" => self.hold(id, &command.args_json).await,
-            "gpu.release" => self.release(&command.args_json).await,
+            "gpu.release" => self.release(id, &command.args_json).await,
             other => Finish::failed(format!("unknown-kind: this agent does not know {:?}", bc_core::id::truncate(other, 40))),
         };
         self.finish(now_ms, id, finish, &mut out).await?;
         tracing::info!(command = %id, kind = %bc_core::id::truncate(&command.kind, 40), "command ran");
+        Ok(out)
+    }
+
+    /// Retries the releases the machine refused; each that now succeeds leaves the ledger and
+    /// is reported `gpu.released` for its command. Returns the entries written.
+    pub async fn retry_releases(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        let mut out = Vec::new();
+        let mut ledger = self.ledger.lock().await;
+        let stuck: Vec<(String, Hold)> =
+            ledger.holds.iter().filter(|(_, h)| h.release_command_id.is_some()).map(|(r, h)| (r.clone(), h.clone())).collect();
+        for (reservation_id, hold) in stuck {
+            let Some(command_id) = hold.release_command_id.as_deref() else { continue };
+            if self.binding.release(&hold.gpus).is_err() {
+                continue;
+            }
+            let mut next = ledger.clone();
+            next.holds.remove(&reservation_id);
+            if let Err(e) = self.ledger_file.save(&next) {
+                tracing::error!(error = %e, "recording a retried release failed");
+                continue;
+            }
+            *ledger = next;
+            tracing::info!(reservation = %reservation_id, "a release that failed went through");
+            self.finish(now_ms, command_id, Finish::gpu("gpu.released", &reservation_id, &hold.gpus, None), &mut out).await?;
+        }
         Ok(out)
     }
 

@@ -648,7 +648,9 @@ impl Projector for Projections {
                 out.push(row(KIND_COMMAND, command));
                 out.push(row(KIND_COMMAND_LIVE, command));
                 out.push(row(KIND_NODE_COMMANDS, node));
-                out.push(row(KIND_NODE, node));
+                if event.envelope.payload_has(bc_core::agent::JOURNAL_PAYLOAD_KEY) {
+                    out.push(row(KIND_NODE, node));
+                }
             }
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')

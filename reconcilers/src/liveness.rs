@@ -107,8 +107,13 @@ async fn lease_pass(log: &Log, lease: &Lease, now_ms: u64, done: &mut Pass) -> R
     log.store.lease_reported(&lease.tenant, &lease.node, desired).await
 }
 
-/// Whether the sweep fails `command` at `now_ms`.
+/// Whether the sweep fails `command` at `now_ms`. A `gpu.release` never is: the node may hold
+/// the GPUs, so it stays queued for the node until the node answers (the node runs it whatever
+/// its deadline).
 pub fn past_deadline(command: &CommandDoc, now_ms: u64) -> bool {
+    if command.kind == bc_projections::placement::GPU_RELEASE {
+        return false;
+    }
     match command.state {
         CommandState::Issued => now_ms > command.deadline_at_ms,
         CommandState::Started => now_ms > command.deadline_at_ms.saturating_add(COMMAND_REPORT_GRACE_MS),
@@ -262,10 +267,14 @@ mod tests {
         }
 
         async fn issue(&self, deadline_in_ms: u64) -> String {
+            self.issue_kind("ping", deadline_in_ms).await
+        }
+
+        async fn issue_kind(&self, kind: &str, deadline_in_ms: u64) -> String {
             let id = CommandId::generate().to_string();
             let issued = ev::CommandIssued {
                 node_id: self.node.clone(),
-                kind: "ping".into(),
+                kind: kind.into(),
                 args: serde_json::json!({}),
                 deadline_at_ms: self.clock.now_ms() + deadline_in_ms,
             };
@@ -339,6 +348,8 @@ mod tests {
         let late = w.issue(10_000).await;
         let running = w.issue(10_000).await;
         let fresh = w.issue(600_000).await;
+        // A release is never given up: the node may hold the GPUs.
+        let release = w.issue_kind(bc_projections::placement::GPU_RELEASE, 10_000).await;
         // `running` started on the node.
         let started = ev::CommandProgress {
             command_id: running.clone(),
@@ -365,5 +376,6 @@ mod tests {
         assert_eq!(pass(&w.log, &*w.clock).await.unwrap(), Pass { expired: 1, ..Pass::default() });
         assert_eq!(w.command(&running).await.state, CommandState::Failed);
         assert_eq!(w.command(&fresh).await.state, CommandState::Issued);
+        assert_eq!(w.command(&release).await.state, CommandState::Issued, "a release waits for its node");
     }
 }
