@@ -28,6 +28,7 @@ use bc_agent::runner::Runner;
 use bc_core::agent::{JournalOrigin, SignedEntry};
 use bc_core::clock::{Clock, ManualClock};
 use bc_core::id::{CommandId, NodeId, PoolId, ReservationId, TenantId};
+use bc_core::id_source::SeededIds;
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
@@ -124,14 +125,19 @@ struct World {
 }
 
 impl World {
-    async fn new(rng: &mut SeededRng) -> World {
+    async fn new(seed: u64, rng: &mut SeededRng) -> World {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("p.sqlite3")).await.unwrap());
         store.migrate().await.unwrap();
         let clock = Arc::new(ManualClock::new(1_800_000_000_000));
-        let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap();
-        let tenant = TenantId::generate();
-        let pool = PoolId::generate().to_string();
+        // Every id from the seed, so a seed repeats the run: placement breaks ties by node id,
+        // and the plan orders failed holds by reservation id.
+        let ids = Arc::new(SeededIds::new(seed, clock.clone()));
+        let log = Log::open_with_ids(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone(), ids)
+            .await
+            .unwrap();
+        let tenant = TenantId::from_ulid(log.ids.ulid());
+        let pool = PoolId::from_ulid(log.ids.ulid()).to_string();
         let created =
             ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
         let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
@@ -140,7 +146,7 @@ impl World {
             .unwrap();
         let mut agents = Vec::new();
         for n in 0..NODES {
-            let node = NodeId::generate().to_string();
+            let node = NodeId::from_ulid(log.ids.ulid()).to_string();
             let count = 2 + pick(rng, 3) as u32;
             let gpus: Vec<GpuInfo> = (0..count)
                 .map(|i| GpuInfo {
@@ -212,7 +218,7 @@ impl World {
             nvlink: false,
             tolerations: vec![],
         };
-        let id = ReservationId::generate().to_string();
+        let id = ReservationId::from_ulid(self.log.ids.ulid()).to_string();
         let event = NewEvent::new(ev::RESERVATION_REQUESTED, ev::to_cbor(&requested).unwrap());
         let request =
             AppendRequest::new(self.tenant, stream_of(KIND_RESERVATION, &id), ExpectedVersion::NoStream, "test", vec![event]);
@@ -225,7 +231,7 @@ impl World {
             return;
         }
         let rsv = &live[pick(rng, live.len())];
-        let command = CommandId::generate().to_string();
+        let command = CommandId::from_ulid(self.log.ids.ulid()).to_string();
         let issue = bc_projections::placement::Issue { command_id: &command, now_ms: self.clock.now_ms() };
         if let Some(append) = bc_projections::decide::reservation_release(rsv, None, issue).unwrap() {
             match self.log.append(append.into_request(self.tenant, "test")).await {
@@ -306,6 +312,23 @@ impl World {
         self.agents[a].delivered = delivered;
     }
 
+    /// Prints a reservation's events and its node's commands, to explain a failure.
+    async fn history(&self, reservation_id: &str) {
+        let rows = self
+            .store
+            .read_after_rows(bc_core::event::Position { commit: 0, index: 0 }, Some(self.tenant), 100_000)
+            .await
+            .unwrap();
+        for row in rows {
+            let (seq, stream, event_type) = (row.seq, row.stream.clone(), row.event_type.clone());
+            let event = row.decode().unwrap();
+            let payload = bc_core::canonical::to_json(&event.envelope.payload).to_string();
+            if stream.ends_with(reservation_id) || payload.contains(reservation_id) {
+                eprintln!("  {seq} {stream} {event_type} {}", bc_core::id::truncate(&payload, 400));
+            }
+        }
+    }
+
     /// No GPU held for two reservations, on the control plane or on an agent; what the control
     /// plane calls bound, the agent holds.
     async fn check(&self, seed: u64, step: usize) {
@@ -344,6 +367,9 @@ impl World {
                     .map(|h| h.gpus.iter().map(|g| g.uuid.as_str()).collect())
                     .unwrap_or_default();
                 let bound: BTreeSet<&str> = binding.gpu_uuids.iter().map(String::as_str).collect();
+                if on_agent != bound {
+                    self.history(&rsv.reservation_id).await;
+                }
                 assert_eq!(
                     on_agent, bound,
                     "seed {seed} step {step}: {} is bound, so its node holds its GPUs",
@@ -359,8 +385,9 @@ impl World {
 
 async fn case(seed: u64) {
     let mut rng = SeededRng(seed);
-    let mut w = World::new(&mut rng).await;
-    let mut finished: Vec<String> = Vec::new();
+    let mut w = World::new(seed, &mut rng).await;
+    // (node, command) of finished commands.
+    let mut finished: Vec<(String, String)> = Vec::new();
     for step in 0..STEPS {
         match pick(&mut rng, 11) {
             0 | 1 => w.request(&mut rng).await,
@@ -369,8 +396,9 @@ async fn case(seed: u64) {
             5 | 6 => {
                 let a = pick(&mut rng, NODES);
                 let crash = chance(&mut rng, 0.15);
-                let again =
-                    (chance(&mut rng, 0.2) && !finished.is_empty()).then(|| finished[pick(&mut rng, finished.len())].clone());
+                // A command of this node's delivered again (the gateway sends a node only its own).
+                let own: Vec<&(String, String)> = finished.iter().filter(|(n, _)| *n == w.agents[a].node).collect();
+                let again = (chance(&mut rng, 0.2) && !own.is_empty()).then(|| own[pick(&mut rng, own.len())].1.clone());
                 w.answer(a, crash, again).await;
             }
             7 => {
@@ -399,7 +427,7 @@ async fn case(seed: u64) {
         }
         if step % 10 == 0 {
             let commands: Vec<CommandDoc> = w.rows(KIND_COMMAND).await;
-            finished = commands.into_iter().filter(|c| c.state.is_finished()).map(|c| c.command_id).collect();
+            finished = commands.into_iter().filter(|c| c.state.is_finished()).map(|c| (c.node_id, c.command_id)).collect();
         }
         w.check(seed, step).await;
     }
