@@ -42,6 +42,8 @@ const POLL_BOUND_MS: u64 = 2;
 const BOUND_DEADLINE_S: u64 = 30;
 /// With every agent ready, the memory is read after this long: three heartbeats (5 s) and more.
 const STEADY_S: u64 = 20;
+/// How long `bcd sim` may take to stop on SIGTERM.
+const STOP_DEADLINE_S: u64 = 30;
 /// GPUs of each hand-registered node of the baseline: about the fake machines' mean (0, 2, 4 or 8).
 const BASELINE_GPUS_PER_NODE: usize = 4;
 /// Rows per `nodes.list` page (the API's largest).
@@ -92,9 +94,11 @@ fn bcd() -> PathBuf {
     let built = std::fs::metadata(&path).and_then(|m| m.modified()).unwrap();
     let dep_info = std::fs::read_to_string(path.with_extension("d")).unwrap_or_default();
     let sources = dep_info.lines().next().and_then(|l| l.split_once(": ")).map(|(_, s)| s.replace("\\ ", "\u{0}"));
-    let newer = sources.iter().flat_map(|s| s.split_whitespace()).map(|s| PathBuf::from(s.replace('\u{0}', " "))).find(|s| {
-        std::fs::metadata(s).and_then(|m| m.modified()).is_ok_and(|changed| changed > built)
-    });
+    let newer = sources
+        .iter()
+        .flat_map(|s| s.split_whitespace())
+        .map(|s| PathBuf::from(s.replace('\u{0}', " ")))
+        .find(|s| std::fs::metadata(s).and_then(|m| m.modified()).is_ok_and(|changed| changed > built));
     assert!(newer.is_none(), "{} is older than {}\n{hint}", path.display(), newer.unwrap().display());
     let fake = Command::new(&path).args(["hardware", "--fake-hw", "1"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
     assert!(fake.is_ok_and(|s| s.success()), "{} is not a fakehw build\n{hint}", path.display());
@@ -172,6 +176,31 @@ fn start_sim(bcd: &Path, nodes: u32, dir: &Path, config: &Path, secret: &str, lo
     child
 }
 
+/// A child process that a panic of the bench does not leave running: killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// SIGTERM, and SIGKILL if it has not ended after `STOP_DEADLINE_S`.
+fn stop(child: &mut Child) {
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let deadline = Instant::now() + Duration::from_secs(STOP_DEADLINE_S);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            eprintln!("fleet: bcd sim did not stop after {STOP_DEADLINE_S} s; killed");
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// The pool's nodes: (how many, how many `ready`), every page.
 async fn pool_nodes(http: &reqwest::Client, url: &str, token: &str, pool: &str) -> (usize, usize) {
     let (mut all, mut ready) = (0, 0);
@@ -247,7 +276,8 @@ fn main() {
     runtime.block_on(async {
         let dir = tempfile::tempdir().unwrap();
         let agents_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let (mut gateway, url, serving_pin, log_pin) = start_gateway(&dir.path().join("gateway"), agents_port);
+        let (gateway, url, serving_pin, log_pin) = start_gateway(&dir.path().join("gateway"), agents_port);
+        let gateway = Killed(gateway);
         let token = std::fs::read_to_string(dir.path().join("gateway/admin.token")).unwrap().trim().to_owned();
         let http = reqwest::Client::new();
         let pool = call(&http, &url, &token, "pools.create", json!({ "name": "fleet" })).await["poolId"].as_str().unwrap().to_owned();
@@ -264,14 +294,14 @@ fn main() {
         )
         .unwrap();
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let (before_kib, _) = memory_kib(gateway.id());
+        let (before_kib, _) = memory_kib(gateway.0.id());
 
         eprintln!("fleet: {nodes} agents joining…");
         let log = Arc::new(Mutex::new(SimLog::default()));
         let started = Instant::now();
-        let mut sim = start_sim(&bcd, nodes, &dir.path().join("machines"), &config, &secret, log.clone());
+        let mut sim = Killed(start_sim(&bcd, nodes, &dir.path().join("machines"), &config, &secret, log.clone()));
         let ready = loop {
-            if let Some(status) = sim.try_wait().unwrap() {
+            if let Some(status) = sim.0.try_wait().unwrap() {
                 panic!("bcd sim ended ({status}):\n{}", log.lock().unwrap().tail.join("\n"));
             }
             let (_, ready) = pool_nodes(&http, &url, &token, &pool).await;
@@ -283,11 +313,11 @@ fn main() {
         };
         let all_ready_s = started.elapsed().as_secs_f64();
         let all_joined_s = log.lock().unwrap().all_joined.map_or(f64::NAN, |at| (at - started).as_secs_f64());
-        let (_, join_peak_kib) = memory_kib(gateway.id());
+        let (_, join_peak_kib) = memory_kib(gateway.0.id());
         eprintln!("fleet: {ready} nodes ready after {all_ready_s:.1} s; steady for {STEADY_S} s…");
         tokio::time::sleep(Duration::from_secs(STEADY_S)).await;
-        let (steady_kib, _) = memory_kib(gateway.id());
-        let (sim_kib, _) = memory_kib(sim.id());
+        let (steady_kib, _) = memory_kib(gateway.0.id());
+        let (sim_kib, _) = memory_kib(sim.0.id());
 
         eprintln!("fleet: {reserves} reservations on the agents' pool…");
         let agents = reserve(&http, &url, &token, &pool, reserves).await;
@@ -301,12 +331,10 @@ fn main() {
             call(&http, &url, &token, "nodes.register", json!({ "poolId": hand, "name": format!("hand-{i}"), "gpus": gpus })).await;
         }
         let by_hand = reserve(&http, &url, &token, &hand, reserves).await;
-        let (_, peak_kib) = memory_kib(gateway.id());
+        let (_, peak_kib) = memory_kib(gateway.0.id());
 
-        let _ = Command::new("kill").args(["-TERM", &sim.id().to_string()]).status();
-        let _ = sim.wait();
-        let _ = gateway.kill();
-        let _ = gateway.wait();
+        stop(&mut sim.0);
+        drop(gateway);
 
         let ms = |v: &[f64]| format!("{:.1} / {:.1}", percentile(v, 0.5), percentile(v, 0.99));
         println!();
