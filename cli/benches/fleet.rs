@@ -233,6 +233,8 @@ struct Reserved {
     total: Vec<f64>,
     /// Creates that answered `bound` already.
     bound_at_once: usize,
+    /// The reservations, in order.
+    ids: Vec<String>,
 }
 
 /// `count` reservations of one GPU on `pool`, each released once bound.
@@ -244,6 +246,7 @@ async fn reserve(http: &reqwest::Client, url: &str, token: &str, pool: &str, cou
         let returned = Instant::now();
         assert_eq!(rsv["state"], "active", "the pool has room: {rsv}");
         let id = rsv["reservationId"].as_str().unwrap().to_owned();
+        r.ids.push(id.clone());
         let mut binding = rsv["binding"]["state"].as_str().unwrap_or_default().to_owned();
         r.bound_at_once += usize::from(binding == "bound");
         while binding != "bound" {
@@ -263,6 +266,40 @@ async fn reserve(http: &reqwest::Client, url: &str, token: &str, pool: &str, cou
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     }
     r
+}
+
+/// For each of `ids`, the time from `reservation.activated` to `gpu.held` by their commit times
+/// in the log (the gateway's clock, whole ms), sorted: reserve → bound without the polling.
+async fn log_gaps(http: &reqwest::Client, url: &str, token: &str, ids: &[String]) -> Vec<f64> {
+    let mut activated = std::collections::HashMap::new();
+    let mut held = std::collections::HashMap::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut body = json!({ "types": ["reservation.activated", "gpu.held"], "limit": PAGE });
+        if let Some(c) = &cursor {
+            body["cursor"] = json!(c);
+        }
+        let page = call(http, url, token, "events.list", body).await;
+        for event in page["items"].as_array().unwrap() {
+            let (stream, at) = (event["stream"].as_str().unwrap().to_owned(), event["at"].as_u64().unwrap());
+            let into = if event["type"] == "gpu.held" { &mut held } else { &mut activated };
+            into.entry(stream).or_insert(at);
+        }
+        match page["nextCursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => break,
+        }
+    }
+    let mut gaps: Vec<f64> = ids
+        .iter()
+        .map(|id| {
+            let stream = format!("reservation/{id}");
+            let (a, h) = (activated[&stream], held[&stream]);
+            h.saturating_sub(a) as f64
+        })
+        .collect();
+    gaps.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    gaps
 }
 
 fn main() {
@@ -332,6 +369,7 @@ fn main() {
         }
         let by_hand = reserve(&http, &url, &token, &hand, reserves).await;
         let (_, peak_kib) = memory_kib(gateway.0.id());
+        let in_log = log_gaps(&http, &url, &token, &agents.ids).await;
 
         stop(&mut sim.0);
         drop(gateway);
@@ -356,6 +394,7 @@ fn main() {
         println!("| agents' pool: create round trip p50 / p99 (`pending`) | {} ms |", ms(&agents.creates));
         println!("| agents' pool: create return → `bound` p50 / p99 | {} ms |", ms(&agents.after));
         println!("| agents' pool: reserve → `bound` (create start) p50 / p99 | {} ms |", ms(&agents.total));
+        println!("| agents' pool: in the log, `reservation.activated` → `gpu.held` p50 / p99 | {} ms |", ms(&in_log));
         println!("| baseline, nodes by hand: reserve → `bound` (the create) p50 / p99 | {} ms |", ms(&by_hand.creates));
         println!(
             "| reserve → `bound`, agents / by hand, p50 / p99 | {:.1} / {:.1} |",
