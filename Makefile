@@ -48,6 +48,8 @@ schemathesis: build
 	scripts/schemathesis
 
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
+## The fleet bench runs `bcd sim`, so target/release/bcd is left a fakehw build (BC_BENCH_AGENTS,
+## BC_BENCH_RESERVES change its sizes).
 bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
@@ -56,6 +58,8 @@ bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench reservations
 	$(CARGO) bench -p bc-cli --bench unknown_method
 	$(CARGO) bench -p bc-cli --bench agents
+	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
+	$(CARGO) bench -p bc-cli --bench fleet
 
 lint:
 	$(CARGO) fmt --all --check

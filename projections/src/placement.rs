@@ -480,17 +480,15 @@ pub async fn live(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<Reserv
     all_rows(store, tenant, KIND_RESERVATION_LIVE).await
 }
 
+/// What one decision appends: its events, and the (stream, version) guards they need.
+pub type Appends = (Vec<NewEvent>, Vec<(String, ExpectedVersion)>);
+
 /// The events and guards that give `placement`'s GPUs to a reservation, appended to the
 /// reservation's stream: `reservation.activated` there and `node.allocated` on the node's
 /// stream, which must still be at the version placement read. On a node with an agent, also
 /// `command.issued` (`gpu.hold` for the GPUs' indexes and UUIDs) with `issue`'s id: the
 /// reservation's binding is `pending` until the node answers.
-pub fn activation(
-    reservation_id: &str,
-    placement: &Placement,
-    ends_at_ms: u64,
-    issue: Issue<'_>,
-) -> Result<(Vec<NewEvent>, Vec<(String, ExpectedVersion)>)> {
+pub fn activation(reservation_id: &str, placement: &Placement, ends_at_ms: u64, issue: Issue<'_>) -> Result<Appends> {
     let node_stream = stream_of(KIND_NODE, &placement.node_id);
     let mut events = Vec::new();
     let mut guards = vec![(node_stream.clone(), ExpectedVersion::Exact(placement.node_version))];
@@ -530,13 +528,7 @@ pub enum Ending {
 /// the node's stream. When the node may hold them (`release`: a hold was sent and not refused,
 /// [`crate::Binding::may_hold`]), also `gpu.release` with `issue`'s id, which the reservation
 /// records.
-pub fn ending(
-    reservation_id: &str,
-    node_id: &str,
-    release: bool,
-    ending: Ending,
-    issue: Issue<'_>,
-) -> Result<(Vec<NewEvent>, Vec<(String, ExpectedVersion)>)> {
+pub fn ending(reservation_id: &str, node_id: &str, release: bool, ending: Ending, issue: Issue<'_>) -> Result<Appends> {
     let node_stream = stream_of(KIND_NODE, &node_id);
     let mut events = Vec::new();
     // Freeing commutes with everything else on the node, so any version will do.
