@@ -2,12 +2,13 @@
 # the PostgreSQL suite included. See README.md.
 
 CARGO ?= cargo
-# The test build has the seeded fake machine (`bcd hardware --fake-hw`, `[hardware] fake_seed`);
-# a release build (`cargo build --release`) leaves it out.
-TEST_FEATURES ?= --features bc-agent/fakehw
+# The test build has the seeded fake machine (`bcd hardware --fake-hw`, `[hardware] fake_seed`)
+# and the libvirt hypervisor (tested against libvirt's `test:///default`); a release build
+# (`cargo build --release`) leaves both out.
+TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres schemathesis witness
+.PHONY: dev test bench lint fmt build check-postgres schemathesis witness system-deps
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -15,8 +16,12 @@ dev:
 
 ## Every target of the workspace: the binaries the end-to-end tests start, the tests, and the
 ## benches (compiled, not run, so they cannot rot). The tests refuse a binary older than its sources.
-build:
+build: system-deps
 	$(CARGO) build --workspace --all-targets $(TEST_FEATURES)
+
+## Debian packages a test build needs (libvirt-dev, pkg-config), installed once.
+system-deps:
+	@scripts/system-deps
 
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
 ## property, and end-to-end tests that start the real binaries; first the OpenAPI document is

@@ -128,19 +128,13 @@ pub fn nvml_check(gpus: &GpuInventory) -> Check {
     }
 }
 
-/// vfio-pci: its driver directory under `root` exists and its `bind` file may be written
-/// (binding a GPU for passthrough is a write there; sysfs lets only root). Opening for append
-/// asks the kernel without writing a byte.
+/// vfio-pci: whether the agent's binding could hold GPUs here (`binding::Vfio`'s own test:
+/// the driver's `bind` file under `root` exists and may be written, which sysfs lets only root).
 pub fn vfio_check(root: &Path) -> Check {
-    let dir = root.join(VFIO_DRIVER_DIR);
-    let fix = "modprobe vfio-pci, and run bcd as root";
-    if !dir.is_dir() {
-        return Check::warn("vfio", format!("{} does not exist", dir.display()), fix);
-    }
-    let bind = dir.join("bind");
-    match std::fs::OpenOptions::new().append(true).open(&bind) {
-        Ok(_) => Check::ok("vfio", format!("{} is writable", bind.display())),
-        Err(e) => Check::warn("vfio", format!("{} cannot be written: {e}", bind.display()), fix),
+    let binding = crate::binding::Vfio { root: root.to_path_buf(), in_use: Box::new(crate::binding::NvmlInUse) };
+    match crate::binding::GpuBinding::unprivileged(&binding) {
+        None => Check::ok("vfio", format!("{} is writable: GPUs can be held", root.join(VFIO_DRIVER_DIR).join("bind").display())),
+        Some(reason) => Check::warn("vfio", reason, "modprobe vfio-pci, and run bcd as root"),
     }
 }
 
@@ -354,7 +348,8 @@ mod tests {
         assert_eq!(libvirt_check(root.path()).status, Status::Warn);
         let dir = root.path().join(VFIO_DRIVER_DIR);
         std::fs::create_dir_all(&dir).unwrap();
-        assert!(vfio_check(root.path()).message.contains("bind cannot be written"), "the driver without its bind file");
+        let without_bind = vfio_check(root.path());
+        assert!(without_bind.status == Status::Warn && without_bind.message.contains("bind"), "the driver without its bind file");
         std::fs::write(dir.join("bind"), "").unwrap();
         assert_eq!(vfio_check(root.path()).status, Status::Ok);
         std::fs::create_dir_all(root.path().join("var/run/libvirt")).unwrap();

@@ -18,6 +18,7 @@ pub mod config;
 pub mod doctor;
 pub mod driver;
 pub mod holds;
+pub mod hypervisor;
 pub mod inventory;
 pub mod join;
 pub mod journal;
