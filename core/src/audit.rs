@@ -783,8 +783,11 @@ pub async fn rotation_proofs(store: &dyn EventStore, vkeys: &[Vkey]) -> Result<V
 /// key it does not trust yet, but any reader could ask, hence the cache.
 #[derive(Default)]
 pub struct RotationSource {
-    cached: std::sync::Mutex<Option<((u64, usize), std::sync::Arc<Vec<note::RotationProof>>)>>,
+    cached: std::sync::Mutex<Option<(RotationsKey, std::sync::Arc<Vec<note::RotationProof>>)>>,
 }
+
+/// What the rotations depend on: the newest root checkpoint's size and the number of log keys.
+type RotationsKey = (u64, usize);
 
 impl RotationSource {
     pub async fn get(&self, store: &dyn EventStore, deployment: &str) -> Result<std::sync::Arc<Vec<note::RotationProof>>> {
