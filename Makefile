@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres schemathesis witness system-deps
+.PHONY: dev test bench lint fmt build check-postgres schemathesis witness tiles-venv system-deps
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -26,7 +26,7 @@ system-deps:
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
 ## property, and end-to-end tests that start the real binaries; first the OpenAPI document is
 ## tested from outside by schemathesis against a running `dev` (installed by the script itself).
-test: check-postgres build witness
+test: check-postgres build witness tiles-venv
 	scripts/schemathesis
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast $(TEST_FEATURES); \
@@ -41,6 +41,18 @@ WITNESS_BIN := target/tools/bin/witness
 witness: $(WITNESS_BIN)
 $(WITNESS_BIN):
 	$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools
+
+## The third-party RFC 6962 implementation the tiles test checks the served tiles with: pymerkle
+## (PyPI, pinned in tests/scripts/tiles-requirements.txt) in a virtual environment of its own,
+## target/tiles-venv/, made once and again only when that file changes.
+TILES_VENV := target/tiles-venv
+TILES_REQUIREMENTS := tests/scripts/tiles-requirements.txt
+tiles-venv: $(TILES_VENV)/installed-requirements.txt
+$(TILES_VENV)/installed-requirements.txt: $(TILES_REQUIREMENTS)
+	rm -rf $(TILES_VENV)
+	python3 -m venv $(TILES_VENV)
+	$(TILES_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(TILES_REQUIREMENTS)
+	cp $(TILES_REQUIREMENTS) $@
 
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:

@@ -1,9 +1,12 @@
 //! `audit follow URL`: a monitor over HTTP. Each round fetches the tenant's checkpoint, its keys
 //! (to find the pinned one), and for every leaf past the last checkpoint seen the entry bundle,
 //! the level-0 tile and the event bundle (`schema/LOG-FORMAT.md`, "Tiles"); the checks are
-//! `bc_core::follow`'s. The state file keeps the last accepted checkpoint and its compact range,
-//! replaced atomically, 0600. A fork or a bad entry ends the command with `AUDIT_FORK` or
-//! `AUDIT_BAD_ENTRY` (exit 3), naming the tenant and the size or index.
+//! `bc_core::follow`'s. A checkpoint signed by a key not trusted yet makes it fetch the key
+//! rotations' proofs (`rotations`) and trust the new keys the trusted ones vouch for, as
+//! `check-proof` does; a forged rotation is refused. The state file keeps the last accepted
+//! checkpoint and its compact range, replaced atomically, 0600. A fork or a bad entry ends the
+//! command with `AUDIT_FORK` or `AUDIT_BAD_ENTRY` (exit 3), naming the tenant and the size or
+//! index.
 
 use std::io::Write;
 use std::path::Path;
@@ -78,7 +81,7 @@ fn follow_error(e: FollowError) -> CliError {
             err.details = Some(json!({ "tenant": tenant, "index": index }));
             err
         }
-        FollowError::Invalid(m) => CliError::new("INVALID_PROOF", m),
+        FollowError::Invalid(m) | FollowError::Untrusted(m) => CliError::new("INVALID_PROOF", m),
     }
 }
 
@@ -148,14 +151,31 @@ async fn round(
             }
         }
     }
-    let trusted = state.trusted(&pinned);
+    let mut trusted = state.trusted(&pinned);
     if trusted.is_empty() {
         return Err(CliError::new("INVALID_PROOF", "no key the log serves matches --pin")
             .hint("check the pin with `better-compute pki show`"));
     }
     let origin = note.lines().next().unwrap_or_default();
     let deployment = origin.strip_suffix(&format!("/audit/{}", state.tenant)).unwrap_or(origin).to_owned();
-    let Some(body) = state.check_checkpoint(&note, &trusted, &deployment).map_err(follow_error)? else {
+    let checked = match state.check_checkpoint(&note, &trusted, &deployment) {
+        // Signed by a key not trusted yet: a rotation the trusted keys vouch for may introduce it.
+        Err(FollowError::Untrusted(_)) => {
+            let rotations = match f.get("rotations").await? {
+                None => vec![],
+                Some(bytes) => bc_core::note::parse_rotations(&bytes)
+                    .map_err(|e| CliError::new("INVALID_PROOF", format!("tenant {}: {e}", state.tenant)))?,
+            };
+            let learned = state.learn_rotations(&rotations, &pinned).map_err(follow_error)?;
+            if learned > 0 {
+                eprintln!("tenant {}: learned {learned} rotated log key(s) from rotations the trusted key signed", state.tenant);
+            }
+            trusted = state.trusted(&pinned);
+            state.check_checkpoint(&note, &trusted, &deployment)
+        }
+        other => other,
+    };
+    let Some(body) = checked.map_err(follow_error)? else {
         return Ok(json!({ "tenant": state.tenant, "size": state.size, "checked": 0 }));
     };
     let (mut entries, mut tile, mut events) = (Vec::new(), Vec::<Hash>::new(), Vec::new());

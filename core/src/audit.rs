@@ -737,7 +737,7 @@ pub async fn prove(
 /// Every `log_key.rotated` of the root tenant's chain, each proved in the first root checkpoint
 /// the *old* key signed that covers it (`pki rotate-log-key` seals one). A rotation no such
 /// checkpoint covers yet is left out: a checker holding only the old pin cannot follow it yet.
-async fn rotation_proofs(store: &dyn EventStore, vkeys: &[Vkey]) -> Result<Vec<note::RotationProof>> {
+pub async fn rotation_proofs(store: &dyn EventStore, vkeys: &[Vkey]) -> Result<Vec<note::RotationProof>> {
     let root = TenantId::ROOT;
     let mut rotations = Vec::new();
     let mut from = 1;
@@ -776,12 +776,47 @@ async fn rotation_proofs(store: &dyn EventStore, vkeys: &[Vkey]) -> Result<Vec<n
     Ok(out)
 }
 
-/// Follows the proof's rotations from the keys trusted (pins, vkeys): each rotation's old key
-/// must be trusted already, have signed the rotation event and a root checkpoint that includes
-/// it; then its new key is trusted. Returns every key trusted at the end.
-fn follow_rotations(file: &ProofFile, pins: &[String], vkeys: &[Vkey]) -> Result<Vec<VerifyingKey>, String> {
-    let mut trusted: Vec<VerifyingKey> = vkeys.iter().map(|v| v.public).collect();
-    for (n, r) in file.rotations.iter().enumerate() {
+/// The rotation proofs `GET /audit/{tenant}/rotations` serves, computed once per newest root
+/// checkpoint and number of log keys: a rotation adds a key, and the checkpoint that proves it
+/// is a new root checkpoint, so neither can change without the key changing. Computing them
+/// reads the root tenant's whole chain; a monitor asks only when a checkpoint is signed by a
+/// key it does not trust yet, but any reader could ask, hence the cache.
+#[derive(Default)]
+pub struct RotationSource {
+    cached: std::sync::Mutex<Option<(RotationsKey, std::sync::Arc<Vec<note::RotationProof>>)>>,
+}
+
+/// What the rotations depend on: the newest root checkpoint's size and the number of log keys.
+type RotationsKey = (u64, usize);
+
+impl RotationSource {
+    pub async fn get(&self, store: &dyn EventStore, deployment: &str) -> Result<std::sync::Arc<Vec<note::RotationProof>>> {
+        let vkeys = known_vkeys(store, deployment).await?;
+        let root_size = newest_checkpoint(store, TenantId::ROOT).await?.map(|c| c.size).unwrap_or(0);
+        let key = (root_size, vkeys.len());
+        if let Some((k, proofs)) = &*self.cached.lock().expect("rotation cache lock")
+            && *k == key
+        {
+            return Ok(proofs.clone());
+        }
+        let proofs = std::sync::Arc::new(rotation_proofs(store, &vkeys).await?);
+        *self.cached.lock().expect("rotation cache lock") = Some((key, proofs.clone()));
+        Ok(proofs)
+    }
+}
+
+/// Follows rotations (a proof file's, or what `GET /audit/{tenant}/rotations` serves) from the
+/// keys trusted (`pins`, `trusted`): each rotation's old key must be trusted already, have
+/// signed the rotation event and a root checkpoint that includes it; then its new key is
+/// trusted. A rotation whose old key is not trusted is passed over; one that is but does not
+/// check is an error. Returns every key trusted at the end.
+pub fn follow_rotations(
+    rotations: &[note::RotationProof],
+    pins: &[String],
+    trusted: &[VerifyingKey],
+) -> Result<Vec<VerifyingKey>, String> {
+    let mut trusted = trusted.to_vec();
+    for (n, r) in rotations.iter().enumerate() {
         let what = |e: String| format!("key rotation {}: {e}", n + 1);
         let old = Vkey::parse(&r.vkey).map_err(what)?;
         if !trusted.contains(&old.public) && !pins.contains(&old.pin()) {
@@ -871,7 +906,9 @@ pub fn check_proof(
         v.clone()
     } else if pins.iter().any(|p| *p == carried.pin()) {
         carried
-    } else if follow_rotations(&file, pins, vkeys)?.contains(&carried.public) {
+    } else if follow_rotations(&file.rotations, pins, &vkeys.iter().map(|v| v.public).collect::<Vec<_>>())?
+        .contains(&carried.public)
+    {
         // A newer key, introduced by rotations the trusted key signed.
         carried
     } else {

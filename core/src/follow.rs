@@ -11,7 +11,11 @@
 //!
 //! Key rotation: when a trusted key signed a `log_key.rotated` event (in the root tenant's
 //! chain) and that event is then covered by a checkpoint a trusted key signed, the new key is
-//! trusted from then on ([`FollowState::rotations`]).
+//! trusted from then on (`FollowState::rotated_keys`). A monitor of the root tenant sees the
+//! event among its entries; a monitor of any tenant (or one that missed the checkpoint the old
+//! key sealed) is given a checkpoint signed by a key it does not trust yet
+//! ([`FollowError::Untrusted`]), fetches the rotations' proofs and learns the key from them
+//! ([`FollowState::learn_rotations`], the checks `audit check-proof` makes).
 
 use base64::Engine;
 use ed25519_dalek::VerifyingKey;
@@ -34,6 +38,10 @@ pub enum FollowError {
     Fork { tenant: String, size: u64, what: String },
     #[error("tenant {tenant}: bad entry at index {index}: {what}")]
     BadEntry { tenant: String, index: u64, what: String },
+    /// The checkpoint verifies under no trusted key: a rotation not yet learned, or a log
+    /// signing with a key the monitor must not trust.
+    #[error("{0}")]
+    Untrusted(String),
     #[error("{0}")]
     Invalid(String),
 }
@@ -109,7 +117,7 @@ impl FollowState {
             }
         }
         let text =
-            opened.map_err(|e| FollowError::Invalid(format!("tenant {}: the checkpoint does not verify: {e}", self.tenant)))?;
+            opened.map_err(|e| FollowError::Untrusted(format!("tenant {}: the checkpoint does not verify: {e}", self.tenant)))?;
         let body = CheckpointBody::parse(&text).map_err(FollowError::Invalid)?;
         if !body.origin.ends_with(&format!("/audit/{}", self.tenant)) {
             return Err(FollowError::Invalid(format!("the checkpoint is for {}, not tenant {}", body.origin, self.tenant)));
@@ -124,6 +132,26 @@ impl FollowState {
             return Ok(None);
         }
         Ok(Some(body))
+    }
+
+    /// Learns the new keys of `rotations` (`GET /audit/{tenant}/rotations`) that the keys trusted
+    /// now (`pinned`, and the ones learned before) vouch for, each checked as
+    /// `bc_core::audit::follow_rotations` does for `check-proof`; returns how many are new. A
+    /// rotation whose old key is trusted but that does not check is an error: a forged rotation.
+    pub fn learn_rotations(
+        &mut self,
+        rotations: &[crate::note::RotationProof],
+        pinned: &[VerifyingKey],
+    ) -> Result<usize, FollowError> {
+        let trusted = self.trusted(pinned);
+        let after = crate::audit::follow_rotations(rotations, &[], &trusted)
+            .map_err(|e| FollowError::Untrusted(format!("tenant {}: {e}", self.tenant)))?;
+        let mut learned = 0;
+        for key in after.iter().filter(|k| !trusted.contains(k)) {
+            self.rotated_keys.push(hex::encode(key.as_bytes()));
+            learned += 1;
+        }
+        Ok(learned)
     }
 
     fn builder(&self) -> Result<RootBuilder, FollowError> {

@@ -230,6 +230,29 @@ impl RotationProof {
 /// Rotations one proof carries at most.
 pub const ROTATIONS_MAX: usize = 64;
 
+/// Bytes of [`encode_rotations`] read at most: a rotation is an event, a signature, a vkey, at
+/// most `PROOF_HASHES_MAX` hashes (2 KiB) and a checkpoint, well under 8 KiB.
+pub const ROTATIONS_BYTES_MAX: usize = ROTATIONS_MAX * 8 * 1024;
+
+/// The rotations as `GET /audit/{tenant}/rotations` serves them: a deterministic CBOR array of
+/// the maps a proof file's `rotations` holds, oldest first.
+pub fn encode_rotations(rotations: &[RotationProof]) -> Vec<u8> {
+    let value = ciborium::Value::Array(rotations.iter().map(RotationProof::to_cbor).collect());
+    crate::canonical::encode(value).expect("an array of maps of bytes and text encodes")
+}
+
+/// Parses [`encode_rotations`]' bytes; at most `ROTATIONS_MAX` rotations.
+pub fn parse_rotations(bytes: &[u8]) -> Result<Vec<RotationProof>, String> {
+    if bytes.len() > ROTATIONS_BYTES_MAX {
+        return Err("the rotations are too large".into());
+    }
+    match crate::canonical::decode_canonical(bytes).map_err(|e| format!("the rotations: {e}"))? {
+        ciborium::Value::Array(a) if a.len() <= ROTATIONS_MAX => a.into_iter().map(RotationProof::from_cbor).collect(),
+        ciborium::Value::Array(_) => Err(format!("more than {ROTATIONS_MAX} rotations")),
+        _ => Err("the rotations are not an array".into()),
+    }
+}
+
 /// An inclusion proof file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProofFile {
@@ -362,6 +385,24 @@ impl ConsistencyFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rotations_round_trip_and_are_bounded() {
+        let r = RotationProof {
+            event: vec![0xa0],
+            sig: vec![1; 64],
+            vkey: "better-compute+1a2b3c4d+AQ".into(),
+            index: 3,
+            path: vec![[2; 32], [3; 32]],
+            checkpoint: "better-compute/audit/x\n4\nAA==\n\n— sig\n".into(),
+        };
+        let bytes = encode_rotations(std::slice::from_ref(&r));
+        assert_eq!(parse_rotations(&bytes).unwrap(), vec![r.clone()]);
+        assert_eq!(parse_rotations(&encode_rotations(&[])).unwrap(), vec![]);
+        assert!(parse_rotations(&encode_rotations(&vec![r; ROTATIONS_MAX + 1])).is_err());
+        assert!(parse_rotations(&bytes[..bytes.len() - 1]).is_err());
+        assert!(parse_rotations(b"").is_err());
+    }
 
     #[test]
     fn notes_round_trip_and_reject_tampering() {

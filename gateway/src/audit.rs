@@ -3,6 +3,10 @@
 //! - `GET /audit/{tenant}/checkpoint`: the newest sealed checkpoint (signed note, with any
 //!   witness cosignatures), short-lived (`Cache-Control: no-cache`);
 //! - `GET /audit/{tenant}/keys`: the log keys' vkeys, one per line (a pin names one of them);
+//! - `GET /audit/{tenant}/rotations`: every key rotation with its proof (the `log_key.rotated`
+//!   event, the old key's signature of it, its inclusion in a root checkpoint the old key
+//!   signed), as a proof file carries them, so a monitor of any tenant holding only an old pin
+//!   learns the new key without reading the root tenant's chain;
 //! - `GET /audit/{tenant}/tile/{L}/{N}[.p/{W}]`: the tree's hashes;
 //! - `GET /audit/{tenant}/tile/entries/{N}[.p/{W}]`: the leaves' data (event hashes);
 //! - `GET /audit/{tenant}/tile/events/{N}[.p/{W}]`: the events themselves with their
@@ -83,6 +87,22 @@ pub async fn keys(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(t
             out.push('\n');
         }
         Ok::<_, ApiError>(bytes(CACHE_CHECKPOINT, "text/plain; charset=utf-8", out.into_bytes()))
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /audit/{tenant}/rotations`: `bc_core::note::encode_rotations` (deterministic CBOR).
+/// Served to the tenant's readers although it concerns the root chain: it is what every proof
+/// file `audit prove` writes for any tenant carries (the rotation events, a root checkpoint and
+/// an inclusion path), and no more.
+pub async fn rotations(State(state): State<Arc<AppState>>, headers: HeaderMap, Path(tenant): Path<String>) -> Response {
+    let run = async {
+        let tenant = authorized(&state, &headers, &tenant).await?;
+        let (note, _) = newest(&state, tenant).await?;
+        let origin = note.lines().next().unwrap_or_default();
+        let deployment = origin.strip_suffix(&format!("/audit/{tenant}")).unwrap_or(origin);
+        let proofs = state.rotations.get(&*state.store, deployment).await?;
+        Ok::<_, ApiError>(bytes(CACHE_CHECKPOINT, "application/cbor", bc_core::note::encode_rotations(&proofs)))
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }

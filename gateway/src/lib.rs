@@ -10,6 +10,7 @@
 //! - [`openapi`]: the OpenAPI document, generated from the table (checked in as
 //!   `gateway/openapi.json`);
 //! - [`audit`]: `GET /audit/{tenant}/checkpoint` and `…/tile/…`, the tree as C2SP tlog-tiles;
+//!   `…/keys` and `…/rotations`, what a monitor holding a pin needs to follow a key rotation;
 //! - [`watch`]: `GET /watch`, the live stream over server-sent events;
 //! - [`auth`]: API keys, tokens, actions;
 //! - [`error`]: the `{code, message, details}` envelope and status mapping;
@@ -73,6 +74,8 @@ pub struct AppState {
     pub limits: ServeLimits,
     /// Full tiles computed once (`bc_core::tiles`: bounded, never stale).
     pub tiles: Arc<bc_core::tiles::TileSource>,
+    /// The key rotations' proofs, computed once per root checkpoint (`bc_core::audit`).
+    pub rotations: Arc<bc_core::audit::RotationSource>,
 }
 
 /// The limits of serving; `conn.rs` says what each bounds. The defaults are the named constants.
@@ -128,6 +131,7 @@ impl AppState {
             fleet: Arc::new(bc_projections::fleet::Fleet::new()),
             limits: ServeLimits::default(),
             tiles: Arc::new(bc_core::tiles::TileSource::new()),
+            rotations: Arc::new(bc_core::audit::RotationSource::default()),
         }
     }
 
@@ -149,6 +153,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/watch", get(watch::watch))
         .route("/audit/{tenant}/checkpoint", get(audit::checkpoint))
         .route("/audit/{tenant}/keys", get(audit::keys))
+        .route("/audit/{tenant}/rotations", get(audit::rotations))
         .route("/audit/{tenant}/tile/{*rest}", get(audit::tile))
         .fallback(rpc::dispatch)
         .layer(

@@ -1,13 +1,29 @@
 //! The tree served as C2SP tlog-tiles: an independent client (`tests/scripts/tiles_check.py`,
-//! Python's standard library only) recomputes every tile and the root from the entry bundles;
-//! the event bundles hold the events whose hashes the entries are; caching, access and
-//! the tree's edge.
+//! Python's standard library only) recomputes every tile and the root from the entry bundles, and
+//! a third-party RFC 6962 implementation (pymerkle, `tests/scripts/tiles_pymerkle.py`, held to
+//! the transparency-dev vectors first) recomputes them again and checks the layout against the
+//! spec's examples; the event bundles hold the events whose hashes the entries are; caching,
+//! access and the tree's edge.
 
 use bc_core::tiles;
 use bc_tests::{Server, cli};
 use serde_json::{Value, json};
 
 const EVENTS_WANTED: usize = 530;
+
+/// The Python of the virtual environment `make tiles-venv` makes with pymerkle in it
+/// (`BC_TILES_PYTHON` names another). Missing, the test fails: it never skips.
+fn tiles_python() -> std::path::PathBuf {
+    let path = std::env::var_os("BC_TILES_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tiles-venv/bin/python"));
+    assert!(
+        path.exists(),
+        "no Python with pymerkle at {} (run `make tiles-venv`, which `make test` runs; it installs pymerkle from PyPI)",
+        path.display()
+    );
+    path
+}
 
 async fn get(server: &Server, token: &str, path: &str) -> (u16, Option<String>, Vec<u8>) {
     let response = server.http.get(format!("{}{path}", server.url)).bearer_auth(token).send().await.expect("request");
@@ -49,6 +65,21 @@ async fn tiles_are_what_the_spec_says_checked_by_an_independent_client() {
     let partial = format!("tile/0/002.p/{}", size - 512);
     assert_eq!(caches[&partial], "public, max-age=10", "{caches}");
     assert_eq!(caches["tile/1/000.p/2"], "public, max-age=10", "{caches}");
+
+    // Again with pymerkle, a third-party RFC 6962 implementation, after it passes the vectors.
+    let check = std::process::Command::new(tiles_python())
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/tiles_pymerkle.py"))
+        .args([&server.url, &root, &server.token, concat!(env!("CARGO_MANIFEST_DIR"), "/../core/testdata/rfc6962")])
+        .output()
+        .expect("the tiles venv's python");
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{stdout}{}", String::from_utf8_lossy(&check.stderr));
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!((summary["library"].as_str(), summary["size"].as_u64()), (Some("pymerkle 7.0.0"), Some(size)), "{summary}");
+    assert!(summary["vectors"].as_u64().unwrap() >= 10, "{summary}");
+    let tiles = summary["tiles"].as_object().unwrap();
+    let want = ["tile/0/000", "tile/0/001", partial.as_str(), "tile/1/000.p/2"];
+    assert_eq!(tiles.keys().map(String::as_str).collect::<Vec<_>>(), want, "every tile of the layout, no more");
 
     // The event bundle beside each entry bundle: each event hashes to its entry.
     let (status, _, entries) = get(&server, &server.token, &format!("{base}/tile/entries/001")).await;
