@@ -291,8 +291,15 @@ fn observe_machine() -> Vec<(&'static str, u64)> {
     out
 }
 
-/// The journal payload of an inventory (`node.inventory_reported`): integers and text only.
-pub fn inventory_payload(node: &NodeId, inventory: &crate::inventory::Inventory) -> Value {
+/// The journal payload of an inventory (`node.inventory_reported`): integers and text only. It
+/// says what the agent can do with the machine too: its capabilities (`gpu.hold` when its
+/// binding can set GPUs aside) and, when it cannot, why (`holdUnavailable`).
+pub fn inventory_payload(
+    node: &NodeId,
+    inventory: &crate::inventory::Inventory,
+    capabilities: &[String],
+    hold_unavailable: Option<&str>,
+) -> Value {
     let mut gpus = Vec::new();
     for g in &inventory.gpus.gpus {
         gpus.push(json!({
@@ -311,7 +318,10 @@ pub fn inventory_payload(node: &NodeId, inventory: &crate::inventory::Inventory)
             host[key] = json!(v);
         }
     }
-    let mut payload = json!({ "nodeId": node.to_string(), "gpus": gpus, "host": host });
+    let mut payload = json!({ "nodeId": node.to_string(), "gpus": gpus, "host": host, "capabilities": capabilities });
+    if let Some(reason) = hold_unavailable {
+        payload["holdUnavailable"] = json!(bc_core::id::truncate(reason, 256));
+    }
     for (key, value) in [
         ("driverVersion", &inventory.gpus.driver_version),
         ("cudaVersion", &inventory.gpus.cuda_version),
@@ -331,7 +341,8 @@ impl Runner {
         now_ms: u64,
         inventory: &crate::inventory::Inventory,
     ) -> Result<SignedEntry, JournalError> {
-        let payload = inventory_payload(&self.node, inventory);
+        let unavailable = self.binding.unprivileged();
+        let payload = inventory_payload(&self.node, inventory, &self.capabilities(), unavailable.as_deref());
         self.journal_about_node(now_ms, "node.inventory_reported", payload).await
     }
 }

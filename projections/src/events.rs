@@ -308,6 +308,12 @@ pub struct NodeInventoryReported {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unavailable: Option<String>,
     pub host: InventoryHost,
+    /// What the agent can do with the machine (`command.ping`, `gpu.hold`, …).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+    /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_unavailable: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal: Option<bc_core::agent::JournalOrigin>,
 }

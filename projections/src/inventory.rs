@@ -149,7 +149,15 @@ pub fn inventory_diff(before: &NodeInventoryReported, after: &NodeInventoryRepor
             diff.gpus_changed.push(GpuChange { uuid: (*uuid).to_owned(), changes });
         }
     }
-    let software = |r: &NodeInventoryReported| serde_json::json!({ "driverVersion": r.driver_version, "cudaVersion": r.cuda_version, "unavailable": r.unavailable });
+    let software = |r: &NodeInventoryReported| {
+        serde_json::json!({
+            "driverVersion": r.driver_version,
+            "cudaVersion": r.cuda_version,
+            "unavailable": r.unavailable,
+            "capabilities": r.capabilities,
+            "holdUnavailable": r.hold_unavailable,
+        })
+    };
     object_changes("", software(before), software(after), &[], &mut diff.software_changed);
     object_changes("", json_of(&before.host), json_of(&after.host), &["disks"], &mut diff.host_changed);
     let disks = |r: &NodeInventoryReported| {
@@ -192,6 +200,8 @@ mod tests {
                 product: Some("Box".into()),
                 serial: Some("S1".into()),
             },
+            capabilities: vec![],
+            hold_unavailable: None,
             journal: None,
         }
     }
@@ -258,6 +268,12 @@ mod tests {
                 FieldChange { field: "unavailable".into(), before: Value::Null, after: "NVML: library not found".into() },
             ]
         );
+        // What the agent can do is part of it: losing the privilege to hold GPUs shows.
+        let mut c = a.clone();
+        c.capabilities = vec!["command.ping".into()];
+        c.hold_unavailable = Some("node-unprivileged: no vfio-pci".into());
+        let fields: Vec<String> = inventory_diff(&a, &c).software_changed.into_iter().map(|f| f.field).collect();
+        assert_eq!(fields, ["capabilities", "holdUnavailable"]);
     }
 
     #[test]

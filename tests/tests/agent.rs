@@ -254,6 +254,15 @@ async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_to
     let status =
         wait_until("bcd status says live", Duration::from_secs(10), || machine.status().filter(|s| s["session"] == "live"));
     assert_eq!(status["nodeId"], node.as_str());
+    // This machine's inventory says whether its agent can hold GPUs, and if not, why (a machine
+    // without vfio-pci, or not root, cannot: `node-unprivileged`).
+    let reported = wait_until("the inventory is reported", Duration::from_secs(20), || {
+        let doc = futures_lite_block(node_doc(&server, &node));
+        doc["agent"]["inventory"].is_object().then(|| doc["agent"]["inventory"].clone())
+    });
+    let can_hold = reported["capabilities"].as_array().unwrap().iter().any(|c| c == "gpu.hold");
+    let why = reported["holdUnavailable"].as_str().unwrap_or_default();
+    assert!(can_hold != why.starts_with("node-unprivileged:"), "either it can hold or it says why not: {reported}");
 
     // A spent token is refused, and the refusal does not quote it.
     let other = Machine::new(&server, port);
@@ -536,6 +545,9 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
     let inventory = &doc["agent"]["inventory"];
     assert_eq!(inventory["gpus"].as_array().unwrap(), &fake_gpus, "{inventory}");
     assert_eq!(inventory["host"]["serial"], "FAKE0000000007");
+    // A fake machine's binding can hold: the agent says so, and gives no reason it cannot.
+    assert!(inventory["capabilities"].as_array().unwrap().iter().any(|c| c == "gpu.hold"), "{inventory}");
+    assert!(inventory.get("holdUnavailable").is_none(), "{inventory}");
     assert_eq!(doc["gpus"][0]["model"], fake_gpus[0]["model"]);
     assert_eq!(machine.stop(), 0);
 }

@@ -228,6 +228,16 @@ pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Re
             .map(String::as_str),
         )
         .chain(host.disks.iter().map(|d| d.name.as_str()));
+    let capabilities_ok = inventory.capabilities.len() <= bc_proto::CAPABILITIES_MAX
+        && inventory.capabilities.iter().all(|c| !c.is_empty() && c.len() <= bc_proto::CAPABILITY_BYTES_MAX);
+    if !capabilities_ok {
+        return Err(format!(
+            "an inventory names at most {} capabilities of 1 to {} bytes",
+            bc_proto::CAPABILITIES_MAX,
+            bc_proto::CAPABILITY_BYTES_MAX
+        ));
+    }
+    let texts = texts.chain(inventory.hold_unavailable.as_deref());
     if host.disks.len() > INVENTORY_DISKS_MAX || !texts.into_iter().all(text_ok) {
         return Err(format!(
             "an inventory holds at most {INVENTORY_DISKS_MAX} disks and text of at most {INVENTORY_TEXT_BYTES_MAX} bytes"

@@ -43,6 +43,11 @@ pub struct InventoryView {
     /// Why no GPUs could be read (no driver, no library).
     pub unavailable: Option<String>,
     pub host: bc_projections::events::InventoryHost,
+    /// What the agent can do with the machine (`command.ping`, `gpu.hold`, …).
+    pub capabilities: Vec<String>,
+    /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_unavailable: Option<String>,
     /// The reported GPUs differ from the node's but some were allocated when it came: they are
     /// taken once the node is free.
     pub pending: bool,
@@ -68,6 +73,11 @@ pub struct InventoryReportView {
     /// Why no GPUs could be read (no driver, no library).
     pub unavailable: Option<String>,
     pub host: bc_projections::events::InventoryHost,
+    /// What the agent can do with the machine (`command.ping`, `gpu.hold`, …).
+    pub capabilities: Vec<String>,
+    /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_unavailable: Option<String>,
 }
 
 impl From<InventoryReportDoc> for InventoryReportView {
@@ -83,6 +93,8 @@ impl From<InventoryReportDoc> for InventoryReportView {
             cuda_version: d.inventory.cuda_version,
             unavailable: d.inventory.unavailable,
             host: d.inventory.host,
+            capabilities: d.inventory.capabilities,
+            hold_unavailable: d.inventory.hold_unavailable,
         }
     }
 }
@@ -131,6 +143,8 @@ impl From<NodeAgent> for NodeAgentView {
                 cuda_version: i.cuda_version,
                 unavailable: i.unavailable,
                 host: i.host,
+                capabilities: i.capabilities,
+                hold_unavailable: i.hold_unavailable,
                 pending: a.inventory_pending,
             }),
             observed: a.observed.map(|o| ObservationView {
