@@ -28,6 +28,10 @@ pub const RESERVATION_EXPIRED: &str = "reservation.expired";
 pub const RESERVATION_CANCELLED: &str = "reservation.cancelled";
 pub const QUOTA_SET: &str = "quota.set";
 pub const QUOTA_EXCEEDED: &str = "quota.exceeded";
+/// A reservation counted against its tenant's quota in a pool: in the reservation's own append,
+/// guarded at the quota stream's version, so two gateways deciding on the same usage cannot both
+/// land (one is a CONFLICT and decides again).
+pub const QUOTA_CHARGED: &str = "quota.charged";
 pub const WEBHOOK_CREATED: &str = "webhook.created";
 pub const WEBHOOK_UPDATED: &str = "webhook.updated";
 pub const WEBHOOK_SECRET_ROTATED: &str = "webhook.secret_rotated";
@@ -93,6 +97,7 @@ pub const EVENT_TYPES: &[&str] = &[
     RESERVATION_CANCELLED,
     QUOTA_SET,
     QUOTA_EXCEEDED,
+    QUOTA_CHARGED,
     WEBHOOK_CREATED,
     WEBHOOK_UPDATED,
     WEBHOOK_SECRET_ROTATED,
@@ -483,6 +488,14 @@ pub struct ReservationEnded {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct QuotaSet {
     /// GPUs the tenant's live (queued and active) reservations in the pool may hold at once.
+    pub gpus: u32,
+}
+
+/// `quota.charged`: the reservation and the GPUs it counts for.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaCharged {
+    pub reservation_id: String,
     pub gpus: u32,
 }
 

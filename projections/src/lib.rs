@@ -1072,6 +1072,14 @@ impl Projector for Projections {
                 let live = doc.state.is_live();
                 if key.kind == KIND_RESERVATION_LIVE && !live { Ok(None) } else { to_doc(&doc) }
             }
+            QUOTA_EXCEEDED | QUOTA_CHARGED => {
+                // The quota's version follows its stream, which these move: a reservation's
+                // append guards it.
+                let Some(current) = current else { return Ok(None) };
+                let mut doc: QuotaDoc = from_doc(event, Some(current))?;
+                doc.version = env.version;
+                to_doc(&doc)
+            }
             QUOTA_SET => {
                 let p: QuotaSet = payload(event)?;
                 to_doc(&QuotaDoc {

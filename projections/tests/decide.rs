@@ -563,3 +563,32 @@ fn releasing_a_bound_reservation_sends_gpu_release() {
     let append = decide::reservation_release(&failed, None, ISSUE).unwrap().unwrap();
     assert_eq!(append.event_types(), [ev::RESERVATION_RELEASED, ev::NODE_FREED], "a failed hold holds nothing");
 }
+
+/// Issue 17, goal 7: under a quota, the request is charged on the quota's stream at the version
+/// the decision read, whether placed or queued, so a decision on stale usage cannot land.
+#[test]
+fn a_reservation_under_a_quota_is_charged_at_the_quota_version_read() {
+    let view = TenantView::new([node("node_a", POOL, 4)], []);
+    let q = quota(8);
+    let ReservationCreate::Place { append, if_lost, .. } =
+        decide::reservation_create(&view, Some(&q), &ask(1, 60), &input("rsv_q")).unwrap()
+    else {
+        panic!("placed")
+    };
+    for a in [&append, &if_lost] {
+        assert_eq!(guard_of(a, &format!("quota/{POOL}")), Some(ExpectedVersion::Exact(q.version)));
+        assert_eq!(a.events.last().map(|e| e.event_type.as_str()), Some(ev::QUOTA_CHARGED));
+    }
+    // Without a quota nothing is charged, and a replay charges nothing again.
+    let ReservationCreate::Place { append, .. } = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_q")).unwrap()
+    else {
+        panic!("placed")
+    };
+    assert!(!append.event_types().contains(&ev::QUOTA_CHARGED));
+    let replay = ReservationCreateInput { replay: true, ..input("rsv_q") };
+    let ReservationCreate::Queue { append, .. } = decide::reservation_create(&view, Some(&q), &ask(1, 60), &replay).unwrap()
+    else {
+        panic!("queued")
+    };
+    assert!(!append.event_types().contains(&ev::QUOTA_CHARGED));
+}

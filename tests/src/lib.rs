@@ -195,6 +195,19 @@ impl Server {
         Self::start(with_agents_port(args), data_dir, Some(temp))
     }
 
+    /// A second `serve` beside this one: the same database, the same data directory (the log
+    /// key and the admin token), its own port. The first keeps the directory alive.
+    pub fn serve_beside(&self) -> Server {
+        let mut args = self.args.clone();
+        // Its own ports (the first's are pinned in its arguments, for its restarts).
+        for i in 1..args.len() {
+            if args[i - 1] == "--listen" || args[i - 1] == "--agents-listen" {
+                args[i] = "127.0.0.1:0".into();
+            }
+        }
+        Self::start(args, self.data_dir.clone(), None)
+    }
+
     fn start(args: Vec<String>, data_dir: PathBuf, temp: Option<tempfile::TempDir>) -> Server {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut server = Server {

@@ -237,6 +237,15 @@ async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Resul
     call.row(tenant, KIND_RESERVATION, &id.to_string(), "reservation").await
 }
 
+/// Decisions a reservation makes before it gives up on a quota that keeps moving under it (each
+/// lost race means another reservation landed, so this bounds a burst, not a livelock).
+pub const QUOTA_RACE_ATTEMPTS: u32 = 16;
+
+/// Whether `e` is a CONFLICT on `stream` (as the append's guard on it failed).
+fn conflict_on(e: &bc_core::Error, stream: &str) -> bool {
+    matches!(e, bc_core::Error::Conflict { stream: s, .. } if s == stream)
+}
+
 /// The pools' loads, from this process's view of the log (no scan of the rows).
 pub(super) async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, PoolLoad>> {
     call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::by_pool(view)).await
@@ -279,49 +288,69 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
         }
         None => false,
     };
-    let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
     let rsv_text = ReservationId::from_ulid(call.ulid()).to_string();
     let actor = call.actor();
     let command_text = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
-    let input =
-        decide::ReservationCreateInput { reservation_id: &rsv_text, command_id: &command_text, now_ms, actor: &actor, replay };
+    let quota_stream = bc_projections::stream_of(KIND_QUOTA, &pool_id);
     let fleet = &call.state.fleet;
-    // One look at this process's view decides the quota, the queue and the placement together,
-    // and holds the GPUs and the reservation in the view until the append is done, so
-    // concurrent requests to this process count them.
-    let decision = fleet
-        .with_tenant(store, tenant, |view| {
-            let decision = decide::reservation_create(view, quota.as_ref(), &ask, &input);
-            if let Ok(d) = &decision {
-                d.hold(view);
+    let mut attempt = 0;
+    let (result, reread) = loop {
+        attempt += 1;
+        // Read before the view catches up, so the view holds at least what this version counts.
+        let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
+        let input = decide::ReservationCreateInput {
+            reservation_id: &rsv_text,
+            command_id: &command_text,
+            now_ms,
+            actor: &actor,
+            replay,
+        };
+        // One look at this process's view decides the quota, the queue and the placement
+        // together, and holds the GPUs and the reservation in the view until the append is
+        // done, so concurrent requests to this process count them.
+        let decision = fleet
+            .with_tenant(store, tenant, |view| {
+                let decision = decide::reservation_create(view, quota.as_ref(), &ask, &input);
+                if let Ok(d) = &decision {
+                    d.hold(view);
+                }
+                decision
+            })
+            .await??;
+        // The view reads what it held back from the store once this request is done with it,
+        // however it ends.
+        let held_node = decision.held_node().map(str::to_owned);
+        let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
+        let (append, if_lost) = match decision {
+            ReservationCreate::OverQuota { refusal, record } => {
+                let mut request = request_of(call, tenant, record);
+                // The refusal's record is not the request's result: a retry decides again.
+                request.idempotency_key = None;
+                request.fingerprint = None;
+                call.state.log.append(request).await?;
+                return Err(refusal.into());
             }
-            decision
-        })
-        .await??;
-    // The view reads what it held back from the store once this request is done with it,
-    // however it ends.
-    let held_node = decision.held_node().map(str::to_owned);
-    let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
-    let (append, if_lost) = match decision {
-        ReservationCreate::OverQuota { refusal, record } => {
-            let mut request = request_of(call, tenant, record);
-            // The refusal's record is not the request's result: a retry decides again.
-            request.idempotency_key = None;
-            request.fingerprint = None;
-            call.state.log.append(request).await?;
-            return Err(refusal.into());
+            ReservationCreate::Queue { append, .. } => (append, None),
+            ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
+        };
+        let appended = match (call.state.log.append(request_of(call, tenant, append)).await, if_lost) {
+            // Lost the node to another placement: queue instead; the reconciler places it.
+            (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict && !conflict_on(&e, &quota_stream) => {
+                tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
+                call.state.log.append(request_of(call, tenant, if_lost)).await
+            }
+            (other, _) => other,
+        };
+        match appended {
+            Ok(result) => break (result, reread),
+            // Another request (maybe through another gateway) was charged to the quota since
+            // it was read: decide again on the usage as it is now.
+            Err(e) if conflict_on(&e, &quota_stream) && attempt < QUOTA_RACE_ATTEMPTS => {
+                tracing::debug!(reservation = %rsv_text, attempt, "the quota moved; deciding again");
+                reread.now().await;
+            }
+            Err(e) => return Err(e),
         }
-        ReservationCreate::Queue { append, .. } => (append, None),
-        ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
-    };
-    let result = match (call.state.log.append(request_of(call, tenant, append)).await, if_lost) {
-        (Ok(r), _) => r,
-        // Lost the node to another placement: queue instead; the reconciler places it.
-        (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict => {
-            tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
-            call.state.log.append(request_of(call, tenant, if_lost)).await?
-        }
-        (Err(e), _) => return Err(e),
     };
     reread.now().await;
     let id: ReservationId = parse_id("reservationId", stream_id(&result.events[0].envelope.stream))?;

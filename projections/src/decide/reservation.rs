@@ -161,17 +161,28 @@ pub fn reservation_create(
     let pool_id = &ask.pool.pool_id;
     let rsv_stream = stream_of(KIND_RESERVATION, &input.reservation_id);
     let pool_guard = (stream_of(KIND_POOL, pool_id), ExpectedVersion::Exact(ask.pool.version));
+    // Under a quota, the request is charged on the quota's stream at the version read, so the
+    // usage it was decided on is the usage it lands on, whichever gateway decided it.
+    let charge = |guards: &mut Vec<(String, ExpectedVersion)>, events: &mut Vec<NewEvent>| -> Result<(), Refusal> {
+        if let Some(q) = quota {
+            let stream = stream_of(KIND_QUOTA, pool_id);
+            guards.push((stream.clone(), ExpectedVersion::Exact(q.version)));
+            let charged = ev::QuotaCharged { reservation_id: input.reservation_id.to_owned(), gpus: ask.gpus };
+            events.push(NewEvent { stream: Some(stream), event_type: ev::QUOTA_CHARGED.into(), payload: to_cbor(&charged)? });
+        }
+        Ok(())
+    };
     // The request alone: what a queued (or replayed) request appends.
-    let request_only = || -> Result<Append, Refusal> {
-        Ok(Append {
-            stream: rsv_stream.clone(),
-            expected: ExpectedVersion::NoStream,
-            guards: vec![pool_guard.clone()],
-            events: vec![ask.requested()?],
-        })
+    let request_only = |charged: bool| -> Result<Append, Refusal> {
+        let (mut guards, mut events) = (vec![pool_guard.clone()], vec![ask.requested()?]);
+        if charged {
+            charge(&mut guards, &mut events)?;
+        }
+        Ok(Append { stream: rsv_stream.clone(), expected: ExpectedVersion::NoStream, guards, events })
     };
     if input.replay {
-        return Ok(ReservationCreate::Queue { pending: None, append: request_only()? });
+        // Answered from the first result: nothing is charged again.
+        return Ok(ReservationCreate::Queue { pending: None, append: request_only(false)? });
     }
     let placement_ask = ask.placement_ask();
     if !view.nodes.values().any(|n| n.pool_id == *pool_id && placement::could_fit(n, &placement_ask)) {
@@ -199,20 +210,17 @@ pub fn reservation_create(
     let placed = if load.queued.is_empty() { place_preferring_quiet(view, pool_id, &placement_ask) } else { None };
     let Some(placement) = placed else {
         let pending = ask.pending(input.reservation_id, ReservationState::Queued);
-        return Ok(ReservationCreate::Queue { pending: Some(pending), append: request_only()? });
+        return Ok(ReservationCreate::Queue { pending: Some(pending), append: request_only(true)? });
     };
     let ends_at_ms = input.now_ms.saturating_add(ask.duration_s.saturating_mul(1000));
     let issue = placement::Issue { command_id: input.command_id, now_ms: input.now_ms };
     let (activation, mut guards) = placement::activation(input.reservation_id, &placement, ends_at_ms, issue)?;
     guards.push(pool_guard.clone());
-    let append = Append {
-        stream: rsv_stream.clone(),
-        expected: ExpectedVersion::NoStream,
-        guards,
-        events: std::iter::once(ask.requested()?).chain(activation).collect(),
-    };
+    let mut events: Vec<NewEvent> = std::iter::once(ask.requested()?).chain(activation).collect();
+    charge(&mut guards, &mut events)?;
+    let append = Append { stream: rsv_stream.clone(), expected: ExpectedVersion::NoStream, guards, events };
     let pending = ask.pending(input.reservation_id, ReservationState::Active);
-    Ok(ReservationCreate::Place { placement, pending, append, if_lost: request_only()? })
+    Ok(ReservationCreate::Place { placement, pending, append, if_lost: request_only(true)? })
 }
 
 /// `--if-version`: the reservation must be at the version the caller read, and the decision is
