@@ -352,6 +352,10 @@ id_schema!(/// `jt_…`
     JoinTokenIdText, bc_core::id::JoinTokenId);
 id_schema!(/// `cmd_…`
     CommandIdText, bc_core::id::CommandId);
+id_schema!(/// `flv_…`
+    FlavorIdText, bc_core::id::FlavorId);
+id_schema!(/// `img_…`
+    ImageIdText, bc_core::id::ImageId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({
