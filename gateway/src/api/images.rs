@@ -74,8 +74,11 @@ string_schema!(
 
 /// Refuses a URL the schema's pattern refuses, saying why.
 pub fn validate_image_url(url: &str) -> Result<()> {
+    // A URL with a user part may hold a password: it is never echoed back, even shortened.
+    let shown =
+        if url.contains('@') { "(not shown: it may hold a password)".to_owned() } else { format!("{:?}", truncate(url, 70)) };
     let refuse = |why: &str| Error::InvalidArgument {
-        message: format!("url {:?} {why}", truncate(url, 70)),
+        message: format!("url {shown} {why}"),
         hint: Some("give https://HOST[:PORT]/PATH (or http://), without user, password or query".into()),
     };
     if url.len() > IMAGE_URL_BYTES_MAX {
@@ -268,6 +271,7 @@ mod tests {
             ("https://a:/x", false),
             ("https://a/x y", false),
             ("https://a/é", false),
+            ("https://a/x@y", false),
             ("HTTPS://a/x", false),
             ("https://[::1]/x", false),
         ];
@@ -275,6 +279,8 @@ mod tests {
             assert_eq!(pattern.is_match(url), ok, "pattern, {url:?}");
             assert_eq!(validate_image_url(url).is_ok(), ok, "validator, {url:?}");
         }
+        let refusal = validate_image_url("https://user:hunter2@a/x").unwrap_err().to_string();
+        assert!(!refusal.contains("hunter2"), "a password is never echoed: {refusal}");
         let too_long = format!("https://a/{}", "x".repeat(IMAGE_URL_BYTES_MAX));
         assert!(validate_image_url(&too_long).is_err());
         let schema = ImageUrl::json_schema(&mut SchemaGenerator::default());
