@@ -1,6 +1,6 @@
 //! `flavors` and `images` against a real `dev`, through the CLI and HTTP: create, list, get and
 //! delete; a name twice is `ALREADY_EXISTS`; bad input is `INVALID_ARGUMENT` (exit 2) and
-//! appends nothing; an archived pool takes no flavor; a pool holds at most 64 flavors; and the
+//! appends nothing; an archived pool takes no flavor (`CONFLICT`); a pool holds at most 64 flavors; and the
 //! rows the server keeps are the rows its log folds to.
 
 use bc_tests::{Server, fold_log, json, rows_sorted};
@@ -49,6 +49,14 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
         (&json!(pool), &json!(8), &json!(65536), &json!(200), &json!(1)),
         "{out}"
     );
+
+    // A retry with the same idempotency key is answered from the log, not refused for its name.
+    let (status, first) = server.call_as(&server.token, "flavors.create", flavor_body(&pool, "retried"), Some("k-1")).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, again) = server.call_as(&server.token, "flavors.create", flavor_body(&pool, "retried"), Some("k-1")).await;
+    assert_eq!((status, &again["flavorId"]), (200, &first["flavorId"]), "{again}");
+    let (status, body) = server.call("flavors.delete", json!({ "flavorId": first["flavorId"] })).await;
+    assert_eq!(status, 200, "{body}");
 
     // The same name in the same pool is refused; in another pool it is another flavor.
     let (code, _, err) = server.cli(&[
@@ -134,7 +142,7 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
     let (status, body) = server.call("pools.archive", json!({ "poolId": other })).await;
     assert_eq!(status, 200, "{body}");
     let (status, body) = server.call("flavors.create", flavor_body(&other, "after-archive")).await;
-    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}");
+    assert_eq!((status, body["code"].as_str()), (409, Some("CONFLICT")), "{body}");
     assert!(body["message"].as_str().unwrap().contains("archived"), "{body}");
 
     // At most 64 flavors in one pool (one is there already).
@@ -204,6 +212,13 @@ async fn images_are_registered_listed_got_and_deleted_and_bad_ones_refused() {
     ]);
     assert_eq!(code, 1, "{err}");
     assert!(fails_with(&err, "ALREADY_EXISTS"), "{err}");
+    let body = json!({ "name": "retried", "url": "https://a.example/r.img", "sha256": DIGEST, "diskFormat": "raw" });
+    let (status, first) = server.call_as(&server.token, "images.register", body.clone(), Some("k-2")).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, again) = server.call_as(&server.token, "images.register", body, Some("k-2")).await;
+    assert_eq!((status, &again["imageId"]), (200, &first["imageId"]), "a retry is answered from the log: {again}");
+    let (status, body) = server.call("images.delete", json!({ "imageId": first["imageId"] })).await;
+    assert_eq!(status, 200, "{body}");
     let (status, raw) = server
         .call(
             "images.register",

@@ -1,8 +1,9 @@
 //! `flavors.*`: the shapes of instance a pool offers (vCPUs, memory, disk, GPUs). A flavor
 //! belongs to one pool and is named uniquely within it; instances will name one.
 //!
-//! A flavor is created only in a live pool: the append is guarded on the pool's version, so an
-//! archive racing the create makes one of them `CONFLICT`. A flavor is not changed in place; it
+//! A flavor is created only in a live pool (an archived one is `CONFLICT`, as `pools.update`
+//! answers): the append is guarded on the pool's version, so an archive racing the create makes
+//! one of them `CONFLICT`. A flavor is not changed in place; it
 //! is deleted and created again (an instance keeps what its flavor said when it was made).
 
 use bc_core::id::{FlavorId, PoolId, TenantId};
@@ -154,14 +155,25 @@ async fn flavors_create(call: &Call<'_>, input: FlavorsCreate) -> Result<FlavorV
     })?;
     let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
     let pool = pool_doc(call, tenant, &pool_id.to_string()).await?;
-    if pool.archived {
-        return Err(Error::invalid(format!("pool {pool_id} is archived: it takes no new flavor")));
+    // A retry is answered from the log (the append replays it), whatever the pool and its
+    // flavors say now: the first request's own flavor holds the name.
+    let retry = call.is_retry(tenant).await?;
+    if pool.archived && !retry {
+        // As `pools.update` answers for an archived pool: the request is well formed, the
+        // pool's state refuses it (a 409, which a schema-valid request may meet, not a 400).
+        return Err(Error::Conflict {
+            stream: stream_of(KIND_POOL, &pool_id),
+            expected: "a live pool (this one is archived and takes no new flavor)".into(),
+            actual: pool.version,
+        });
     }
     // One read of the tenant's flavors answers both the name and the counts. Two creates of
     // one name racing can both pass it: the flavors are then told apart by id.
-    let rows = call.state.store.row_list(&tenant.to_string(), KIND_FLAVOR, None, FLAVORS_PER_TENANT_MAX).await?;
-    let existing = rows.into_iter().map(doc::<FlavorDoc>).collect::<Result<Vec<_>>>()?;
-    check_flavor_fits(&existing, &pool_id.to_string(), &input.name)?;
+    if !retry {
+        let rows = call.state.store.row_list(&tenant.to_string(), KIND_FLAVOR, None, FLAVORS_PER_TENANT_MAX).await?;
+        let existing = rows.into_iter().map(doc::<FlavorDoc>).collect::<Result<Vec<_>>>()?;
+        check_flavor_fits(&existing, &pool_id.to_string(), &input.name)?;
+    }
     let flavor = FlavorId::from_ulid(call.ulid());
     let payload = ev::to_cbor(&ev::FlavorCreated {
         pool_id: pool_id.to_string(),
