@@ -80,6 +80,15 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
     let (status, in_other) = server.call("flavors.create", flavor_body(&other, "g1.large")).await;
     assert_eq!(status, 200, "{in_other}");
 
+    // Creates of one name at once: one flavor, the others ALREADY_EXISTS.
+    let racing = (0..8).map(|_| server.call("flavors.create", flavor_body(&pool, "raced")));
+    let answers = futures::future::join_all(racing).await;
+    let created: Vec<&Value> = answers.iter().filter(|(status, _)| *status == 200).map(|(_, body)| body).collect();
+    assert_eq!(created.len(), 1, "one create of a name wins: {answers:?}");
+    assert!(answers.iter().all(|(s, b)| *s == 200 || b["code"] == "ALREADY_EXISTS"), "{answers:?}");
+    let (status, body) = server.call("flavors.delete", json!({ "flavorId": created[0]["flavorId"] })).await;
+    assert_eq!(status, 200, "{body}");
+
     // list, of all pools and of one; the table shows the chosen columns.
     let (code, out, err) = server.cli(&["flavors", "list", "--format", "json"]);
     assert_eq!(code, 0, "{err}");
@@ -227,6 +236,15 @@ async fn images_are_registered_listed_got_and_deleted_and_bad_ones_refused() {
         .await;
     assert_eq!(status, 200, "{raw}");
     assert_eq!(raw["sizeBytes"], 1u64 << 30);
+
+    // Registrations of one name at once: one image, the others ALREADY_EXISTS.
+    let body = json!({ "name": "raced", "url": "https://a.example/r.img", "sha256": DIGEST, "diskFormat": "raw" });
+    let answers = futures::future::join_all((0..8).map(|_| server.call("images.register", body.clone()))).await;
+    let registered: Vec<&Value> = answers.iter().filter(|(status, _)| *status == 200).map(|(_, body)| body).collect();
+    assert_eq!(registered.len(), 1, "one registration of a name wins: {answers:?}");
+    assert!(answers.iter().all(|(s, b)| *s == 200 || b["code"] == "ALREADY_EXISTS"), "{answers:?}");
+    let (status, body) = server.call("images.delete", json!({ "imageId": registered[0]["imageId"] })).await;
+    assert_eq!(status, 200, "{body}");
 
     let (code, table, err) = server.cli(&["images", "list"]);
     assert_eq!(code, 0, "{err}");

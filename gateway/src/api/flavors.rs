@@ -167,8 +167,12 @@ async fn flavors_create(call: &Call<'_>, input: FlavorsCreate) -> Result<FlavorV
             actual: pool.version,
         });
     }
-    // One read of the tenant's flavors answers both the name and the counts. Two creates of
-    // one name racing can both pass it: the flavors are then told apart by id.
+    // One read of the tenant's flavors answers both the name and the counts. Two gateway
+    // processes creating one name at once can both pass it: the flavors are then told apart
+    // by id (the count bounds are exceeded by at most what the processes had in flight).
+    // The names' lock is held until the append is done: in this process, one create of a name
+    // passes the check at a time.
+    let _names = call.state.name_locks.lock(tenant).await;
     if !retry {
         let rows = call.state.store.row_list(&tenant.to_string(), KIND_FLAVOR, None, FLAVORS_PER_TENANT_MAX).await?;
         let existing = rows.into_iter().map(doc::<FlavorDoc>).collect::<Result<Vec<_>>>()?;

@@ -198,8 +198,11 @@ async fn images_register(call: &Call<'_>, input: ImagesRegister) -> Result<Image
     {
         return Err(Error::invalid(format!("sizeBytes must be 1 to {IMAGE_SIZE_BYTES_MAX} (64 TiB), not {size}")));
     }
-    // Two registrations of one name racing can both pass this read: told apart by id.
     // A retry is answered from the log (the append replays it): its own image holds the name.
+    // The names' lock is held until the append is done, so in this process one registration
+    // of a name passes the check at a time; two gateway processes registering one name at once
+    // can both pass it, and the images are then told apart by id.
+    let _names = call.state.name_locks.lock(tenant).await;
     if !call.is_retry(tenant).await? {
         let rows = call.state.store.row_list(&tenant.to_string(), KIND_IMAGE, None, IMAGES_PER_TENANT_MAX).await?;
         let existing = rows.into_iter().map(doc::<ImageDoc>).collect::<Result<Vec<_>>>()?;
