@@ -119,6 +119,36 @@ pub const JOIN_TOKENS: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+/// Memory in its largest whole unit: `64 GiB`, `1536 MiB`.
+fn mib(row: &Value, name: &str) -> String {
+    match row.get(name).and_then(Value::as_u64) {
+        Some(m) if m >= 1024 && m % 1024 == 0 => format!("{} GiB", m / 1024),
+        Some(m) => format!("{m} MiB"),
+        None => "-".into(),
+    }
+}
+
+pub const FLAVORS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "flavorId") },
+    Column { header: "POOL", cell: |r, _| field(r, "poolId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "VCPUS", cell: |r, _| field(r, "vcpus") },
+    Column { header: "MEMORY", cell: |r, _| mib(r, "memoryMiB") },
+    Column { header: "DISK", cell: |r, _| format!("{} GiB", field(r, "diskGiB")) },
+    Column { header: "GPUS", cell: |r, _| field(r, "gpus") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const IMAGES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "imageId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "FORMAT", cell: |r, _| field(r, "diskFormat") },
+    // The digest's first 12 hex digits, as `docker images` shows ids.
+    Column { header: "SHA256", cell: |r, _| field(r, "sha256").chars().take(12).collect() },
+    Column { header: "URL", cell: |r, _| field(r, "url") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 pub const COMMANDS: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "commandId") },
     Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
@@ -222,6 +252,8 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "webhooks.deliveries" => DELIVERIES,
         "webhooks.eventTypes" => EVENT_TYPES,
         "apiKeys.list" => API_KEYS,
+        "flavors.list" => FLAVORS,
+        "images.list" => IMAGES,
         "capacity.get" => CAPACITY,
         _ => return None,
     })
@@ -305,6 +337,22 @@ mod tests {
         let text = table_of(&page, NODES, NOW);
         assert!(text.contains("2× H100-SXM5-80GB (80 GiB)") && text.contains("1/2") && text.contains("2d ago"), "{text}");
         assert!(table_of(&json!({ "items": [] }), NODES, NOW).ends_with("(no rows)"));
+    }
+
+    #[test]
+    fn flavors_show_memory_in_its_unit_and_images_a_short_digest() {
+        let page = json!({ "items": [
+            { "flavorId": "flv_a", "poolId": "pool_a", "name": "g1", "vcpus": 8, "memoryMiB": 65_536, "diskGiB": 200, "gpus": 1 },
+            { "flavorId": "flv_b", "poolId": "pool_a", "name": "odd", "vcpus": 1, "memoryMiB": 1536, "diskGiB": 1, "gpus": 0 },
+        ] });
+        let text = table_of(&page, FLAVORS, NOW);
+        assert!(text.contains("64 GiB") && text.contains("1536 MiB") && text.contains("200 GiB"), "{text}");
+        let digest = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+        let page = json!({ "items": [{ "imageId": "img_a", "name": "u", "diskFormat": "qcow2", "sha256": digest, "url": "https://a/x" }] });
+        let text = table_of(&page, IMAGES, NOW);
+        assert!(text.contains("e3b0c44298fc ") && !text.contains(digest), "{text}");
+        assert_eq!(for_method("flavors.list").map(<[Column]>::len), Some(FLAVORS.len()));
+        assert_eq!(for_method("images.list").map(<[Column]>::len), Some(IMAGES.len()));
     }
 
     #[test]

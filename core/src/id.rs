@@ -92,6 +92,10 @@ typed_id!(/// A join token: its secret is shown once and stored hashed.
     JoinTokenId, "jt");
 typed_id!(/// A command to one node (`ping`, `gpu.hold`, …).
     CommandId, "cmd");
+typed_id!(/// A flavor: the shape of an instance (vCPUs, memory, disk, GPUs) offered in one pool.
+    FlavorId, "flv");
+typed_id!(/// A registered disk image an instance boots from (its URL and SHA-256).
+    ImageId, "img");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

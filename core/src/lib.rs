@@ -1,7 +1,7 @@
 //! `bc-core`: the event log of Better Compute.
 //!
 //! Layout:
-//! - [`id`]: typed, prefixed ids (`evt_`, `ten_`, `pool_`, `node_`, `rsv_`, `key_`);
+//! - [`id`]: typed, prefixed ids (`evt_`, `ten_`, `pool_`, `node_`, `rsv_`, `key_`, `flv_`, `img_`, …);
 //! - [`error`]: the one error type and its stable codes;
 //! - [`canonical`]: deterministic CBOR (RFC 8949 §4.2.1);
 //! - [`event`]: the envelope, its hash, the stored form, outbox positions;

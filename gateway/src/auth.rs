@@ -35,6 +35,10 @@ pub const ACTIONS: &[&str] = &[
     "compute:jointokens:admin",
     "compute:commands:read",
     "compute:commands:write",
+    "compute:flavors:read",
+    "compute:flavors:write",
+    "compute:images:read",
+    "compute:images:write",
 ];
 
 /// Most actions one key grants.

@@ -76,6 +76,36 @@ pub struct AppState {
     pub tiles: Arc<bc_core::tiles::TileSource>,
     /// The key rotations' proofs, computed once per root checkpoint (`bc_core::audit`).
     pub rotations: Arc<bc_core::audit::RotationSource>,
+    /// Held from the read of a tenant's names to the append of a new one (`flavors.create`,
+    /// `images.register`), so two creates of one name in this process cannot both pass the
+    /// check. Striped by tenant: bounded, and one tenant's creates rarely wait on another's.
+    pub name_locks: Arc<NameLocks>,
+}
+
+/// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
+pub const NAME_LOCK_STRIPES: usize = 64;
+
+/// A bounded set of locks, one chosen per tenant.
+pub struct NameLocks([tokio::sync::Mutex<()>; NAME_LOCK_STRIPES]);
+
+impl NameLocks {
+    pub fn new() -> Self {
+        Self(std::array::from_fn(|_| tokio::sync::Mutex::new(())))
+    }
+
+    /// The lock of `tenant`'s stripe.
+    pub async fn lock(&self, tenant: TenantId) -> tokio::sync::MutexGuard<'_, ()> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        tenant.hash(&mut hasher);
+        self.0[(hasher.finish() % NAME_LOCK_STRIPES as u64) as usize].lock().await
+    }
+}
+
+impl Default for NameLocks {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// The limits of serving; `conn.rs` says what each bounds. The defaults are the named constants.
@@ -132,6 +162,7 @@ impl AppState {
             limits: ServeLimits::default(),
             tiles: Arc::new(bc_core::tiles::TileSource::new()),
             rotations: Arc::new(bc_core::audit::RotationSource::default()),
+            name_locks: Arc::new(NameLocks::new()),
         }
     }
 

@@ -37,6 +37,10 @@ pub const WEBHOOK_UPDATED: &str = "webhook.updated";
 pub const WEBHOOK_SECRET_ROTATED: &str = "webhook.secret_rotated";
 pub const WEBHOOK_PINGED: &str = "webhook.pinged";
 pub const WEBHOOK_DELETED: &str = "webhook.deleted";
+pub const FLAVOR_CREATED: &str = "flavor.created";
+pub const FLAVOR_DELETED: &str = "flavor.deleted";
+pub const IMAGE_REGISTERED: &str = "image.registered";
+pub const IMAGE_DELETED: &str = "image.deleted";
 pub const JOIN_TOKEN_CREATED: &str = "join_token.created";
 pub const JOIN_TOKEN_USED: &str = "join_token.used";
 pub const JOIN_TOKEN_REVOKED: &str = "join_token.revoked";
@@ -103,6 +107,10 @@ pub const EVENT_TYPES: &[&str] = &[
     WEBHOOK_SECRET_ROTATED,
     WEBHOOK_PINGED,
     WEBHOOK_DELETED,
+    FLAVOR_CREATED,
+    FLAVOR_DELETED,
+    IMAGE_REGISTERED,
+    IMAGE_DELETED,
     JOIN_TOKEN_CREATED,
     JOIN_TOKEN_USED,
     JOIN_TOKEN_REVOKED,
@@ -549,6 +557,50 @@ pub struct WebhookPinged {}
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WebhookDeleted {}
+
+/// A flavor of one pool: what an instance of it is given. Guarded on the pool's version, so a
+/// flavor is never created in a pool archived meanwhile.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorCreated {
+    pub pool_id: String,
+    pub name: String,
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    pub disk_gib: u64,
+    pub gpus: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorDeleted {}
+
+/// How an image's bytes are laid out on disk.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskFormat {
+    Qcow2,
+    Raw,
+}
+
+/// A disk image, by where it is fetched from and the SHA-256 its bytes must have.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageRegistered {
+    pub name: String,
+    pub url: String,
+    /// Lowercase hex SHA-256 of the image's bytes.
+    pub sha256: String,
+    pub disk_format: DiskFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageDeleted {}
 
 /// Most patterns one filter (a watch, a webhook) takes.
 pub const TYPE_PATTERNS_MAX: usize = 20;

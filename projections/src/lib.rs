@@ -58,6 +58,10 @@ pub const HOLD_ATTEMPTS_MAX: u32 = 3;
 /// How long a node has to answer `gpu.hold` or `gpu.release`; an unanswered hold then counts as
 /// failed (`hold-timeout`).
 pub const HOLD_DEADLINE_S: u64 = 120;
+/// A flavor of a pool (`flavor/flv_…`): the shape instances of it get.
+pub const KIND_FLAVOR: &str = "flavor";
+/// A registered disk image (`image/img_…`).
+pub const KIND_IMAGE: &str = "image";
 /// A tenant's quota in one pool; the stream is `quota/pool_…`.
 pub const KIND_QUOTA: &str = "quota";
 /// The longest reservation a pool grants unless it says otherwise: 30 days.
@@ -311,6 +315,40 @@ pub struct WebhookDoc {
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+}
+
+/// A flavor: what an instance of it in its pool is given. Deleting it removes the document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FlavorDoc {
+    pub tenant_id: String,
+    pub flavor_id: String,
+    pub pool_id: String,
+    pub name: String,
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    pub disk_gib: u64,
+    pub gpus: u32,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+/// A registered image. Deleting it removes the document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageDoc {
+    pub tenant_id: String,
+    pub image_id: String,
+    pub name: String,
+    pub url: String,
+    pub sha256: String,
+    pub disk_format: DiskFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    pub version: u64,
+    pub created_at_ms: u64,
 }
 
 /// The outbox consumer whose work items are webhook deliveries.
@@ -664,6 +702,8 @@ impl Projector for Projections {
                     | KIND_RESERVATION
                     | KIND_QUOTA
                     | KIND_JOIN_TOKEN
+                    | KIND_FLAVOR
+                    | KIND_IMAGE
             )
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
@@ -1144,6 +1184,47 @@ impl Projector for Projections {
                 to_doc(&doc)
             }
             WEBHOOK_DELETED => Ok(None),
+            FLAVOR_CREATED => {
+                let p: FlavorCreated = payload(event)?;
+                if current.is_some() {
+                    return Err(corrupt(event, format!("flavor {} created twice", key.id)));
+                }
+                to_doc(&FlavorDoc {
+                    tenant_id,
+                    flavor_id: key.id.clone(),
+                    pool_id: p.pool_id,
+                    name: p.name,
+                    vcpus: p.vcpus,
+                    memory_mib: p.memory_mib,
+                    disk_gib: p.disk_gib,
+                    gpus: p.gpus,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                })
+            }
+            IMAGE_REGISTERED => {
+                let p: ImageRegistered = payload(event)?;
+                if current.is_some() {
+                    return Err(corrupt(event, format!("image {} registered twice", key.id)));
+                }
+                to_doc(&ImageDoc {
+                    tenant_id,
+                    image_id: key.id.clone(),
+                    name: p.name,
+                    url: p.url,
+                    sha256: p.sha256,
+                    disk_format: p.disk_format,
+                    size_bytes: p.size_bytes,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                })
+            }
+            FLAVOR_DELETED | IMAGE_DELETED => {
+                // Deleting what does not exist is a broken log, not a no-op.
+                let _: Value =
+                    current.ok_or_else(|| corrupt(event, format!("{} of {} that does not exist", env.event_type, key.id)))?;
+                Ok(None)
+            }
             // An event type this fold does not know leaves the row as it was: newer writers may
             // add types that older readers ignore.
             _ => Ok(current),

@@ -3,7 +3,7 @@
 //!
 //! One module per group: `api` (any method, the item syntax, the method table), `events`,
 //! `pools`, `nodes`, `inventory`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
-//! `quotas`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
+//! `quotas`), `flavors` (`flavors …`, `images …`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
 //! `projections`), `audit`, and `meta` (`completion`, `help`).
 
 use bc_core::id::TenantId;
@@ -18,6 +18,7 @@ pub mod api;
 mod audit;
 mod auth;
 mod events;
+mod flavors;
 mod inventory;
 mod join_tokens;
 mod meta;
@@ -55,6 +56,8 @@ impl Command {
             Command::Reservations { command } => reservations::run(ctx, command).await,
             Command::Capacity(args) => reservations::capacity(ctx, args).await,
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
+            Command::Flavors { command } => flavors::run(ctx, command).await,
+            Command::Images { command } => flavors::images(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::Completion { shell } => meta::completion(shell),

@@ -2,7 +2,7 @@
 //!
 //! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
 //! `inventory.rs`, `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
-//! `webhooks.rs`) declares its
+//! `flavors.rs`, `images.rs`, `webhooks.rs`) declares its
 //! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
 //! input type its handler parses, the output type it answers with, and the handler. The router
 //! ([`crate::rpc`]), authorization, `better-compute api --list` and the OpenAPI document
@@ -26,6 +26,8 @@ mod api_keys;
 mod capacity;
 mod commands;
 mod events;
+mod flavors;
+mod images;
 mod inventory;
 mod join_tokens;
 pub(crate) mod nodes;
@@ -118,6 +120,8 @@ const GROUPS: &[&[Method]] = &[
     capacity::METHODS,
     reservations::METHODS,
     quotas::METHODS,
+    flavors::METHODS,
+    images::METHODS,
     events::METHODS,
     webhooks::METHODS,
 ];

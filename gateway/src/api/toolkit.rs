@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use bc_core::id::TenantId;
 use bc_core::id::truncate;
-use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, READ_ROWS_MAX, Row};
+use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, PreReadQuery, READ_ROWS_MAX, Row};
 use bc_core::{Error, Result};
 use schemars::{JsonSchema, json_schema};
 use serde::Serialize;
@@ -98,6 +98,15 @@ impl Call<'_> {
         request.correlation = Some(self.request_id.clone());
         request.fingerprint = Some(self.fingerprint);
         request
+    }
+
+    /// Whether this call's idempotency key was used before in `tenant`: a retry, which the
+    /// append answers from the log whatever the state says now. A check that the first
+    /// request's own effect now fails (its name is taken, by itself) is skipped for a retry.
+    pub async fn is_retry(&self, tenant: TenantId) -> Result<bool> {
+        let Some(key) = &self.idempotency_key else { return Ok(false) };
+        let query = PreReadQuery { idempotency_keys: vec![(tenant, format!("request:{key}"))], ..Default::default() };
+        Ok(!self.state.store.preread(&query).await?.idempotency.is_empty())
     }
 
     /// Now, from the deployment's clock.
@@ -352,6 +361,10 @@ id_schema!(/// `jt_…`
     JoinTokenIdText, bc_core::id::JoinTokenId);
 id_schema!(/// `cmd_…`
     CommandIdText, bc_core::id::CommandId);
+id_schema!(/// `flv_…`
+    FlavorIdText, bc_core::id::FlavorId);
+id_schema!(/// `img_…`
+    ImageIdText, bc_core::id::ImageId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({

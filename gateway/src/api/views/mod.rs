@@ -20,10 +20,12 @@ use super::toolkit::{
 pub use bc_projections::EventView;
 
 mod agents;
+mod flavors;
 mod reservations;
 mod webhooks;
 
 pub use agents::*;
+pub use flavors::*;
 pub use reservations::*;
 pub use webhooks::*;
 

@@ -1,0 +1,289 @@
+//! `flavors.*`: the shapes of instance a pool offers (vCPUs, memory, disk, GPUs). A flavor
+//! belongs to one pool and is named uniquely within it; instances will name one.
+//!
+//! A flavor is created only in a live pool (an archived one is `CONFLICT`, as `pools.update`
+//! answers): the append is guarded on the pool's version, so an archive racing the create makes
+//! one of them `CONFLICT`. A flavor is not changed in place; it
+//! is deleted and created again (an instance keeps what its flavor said when it was made).
+
+use bc_core::id::{FlavorId, PoolId, TenantId};
+use bc_core::store::ExpectedVersion;
+use bc_core::{Error, Result};
+use bc_projections::events as ev;
+use bc_projections::{FlavorDoc, KIND_FLAVOR, KIND_POOL, stream_of};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::pools::pool_doc;
+use super::toolkit::{
+    CursorText, FlavorIdText, LimitNumber, NameText, Page, PoolIdText, TenantIdText, VersionNumber, doc, expected_version,
+    list_rows, parse_id, stream_id, validate_name,
+};
+use super::views::{FlavorDeletedView, FlavorView};
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:flavors:read");
+const WRITE: Access = Access::Action("compute:flavors:write");
+
+/// vCPUs a flavor gives: at least one, at most what a large host has.
+pub const FLAVOR_VCPUS_MAX: u32 = 1024;
+/// Memory a flavor gives, in MiB: at most 16 TiB.
+pub const FLAVOR_MEMORY_MIB_MAX: u64 = 16 * 1024 * 1024;
+/// Disk a flavor gives, in GiB: at most 64 TiB.
+pub const FLAVOR_DISK_GIB_MAX: u64 = 65_536;
+/// GPUs a flavor gives: at most what one node holds, since an instance lives on one node.
+pub const FLAVOR_GPUS_MAX: u32 = 64;
+/// Flavors one pool offers at most.
+pub const FLAVORS_PER_POOL_MAX: usize = 64;
+/// Flavors one tenant has at most, over all its pools: a create reads them all (name
+/// uniqueness and the per-pool count), so this bounds that read.
+pub const FLAVORS_PER_TENANT_MAX: u32 = 1000;
+const _: () = assert!(FLAVORS_PER_TENANT_MAX <= bc_core::store::READ_ROWS_MAX);
+const _: () = assert!(FLAVORS_PER_POOL_MAX <= FLAVORS_PER_TENANT_MAX as usize);
+
+pub(super) const METHODS: &[Method] = &[
+    method!("flavors.create", WRITE, "create a flavor in a pool", FlavorsCreate => FlavorView, flavors_create),
+    method!("flavors.get", READ, "one flavor", FlavorRef => FlavorView, flavors_get),
+    method!("flavors.list", READ, "a tenant's flavors, or one pool's, paged by cursor", FlavorsList => Page<FlavorView>, flavors_list),
+    method!("flavors.delete", WRITE, "delete a flavor", FlavorRef => FlavorDeletedView, flavors_delete),
+];
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorsCreate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// The pool whose nodes run instances of this flavor.
+    #[schemars(with = "PoolIdText")]
+    pool_id: String,
+    /// Unique within the pool.
+    #[schemars(with = "NameText")]
+    name: String,
+    #[schemars(range(min = 1, max = FLAVOR_VCPUS_MAX))]
+    vcpus: u32,
+    /// Memory in MiB (1 to 16 TiB).
+    #[serde(rename = "memoryMiB")]
+    #[schemars(range(min = 1, max = FLAVOR_MEMORY_MIB_MAX))]
+    memory_mib: u64,
+    /// Disk in GiB.
+    #[serde(rename = "diskGiB")]
+    #[schemars(range(min = 1, max = FLAVOR_DISK_GIB_MAX))]
+    disk_gib: u64,
+    /// GPUs passed through to the instance (0: none).
+    #[schemars(range(max = FLAVOR_GPUS_MAX))]
+    gpus: u32,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "FlavorIdText")]
+    flavor_id: String,
+    /// Act only while the flavor is at this version.
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorsList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// Only this pool's flavors (a filtered page can come back short).
+    #[schemars(with = "Option<PoolIdText>")]
+    pool_id: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+/// The shape a flavor gives, checked against the bounds above (what the schema states too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlavorShape {
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub disk_gib: u64,
+    pub gpus: u32,
+}
+
+/// Refuses a shape outside the bounds, naming the field and its range.
+pub fn validate_flavor_shape(shape: FlavorShape) -> Result<()> {
+    let range = |field: &str, value: u64, min: u64, max: u64| {
+        if (min..=max).contains(&value) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!("{field} must be {min} to {max}, not {value}")))
+        }
+    };
+    range("vcpus", shape.vcpus.into(), 1, FLAVOR_VCPUS_MAX.into())?;
+    range("memoryMiB", shape.memory_mib, 1, FLAVOR_MEMORY_MIB_MAX)?;
+    range("diskGiB", shape.disk_gib, 1, FLAVOR_DISK_GIB_MAX)?;
+    range("gpus", shape.gpus.into(), 0, FLAVOR_GPUS_MAX.into())
+}
+
+/// Whether a flavor called `name` may join `pool`, given the tenant's flavors: the name is
+/// free in the pool, the pool has room, the tenant has room.
+pub fn check_flavor_fits(existing: &[FlavorDoc], pool: &str, name: &str) -> Result<()> {
+    if existing.len() >= FLAVORS_PER_TENANT_MAX as usize {
+        return Err(Error::invalid(format!("a tenant has at most {FLAVORS_PER_TENANT_MAX} flavors")));
+    }
+    let in_pool: Vec<&FlavorDoc> = existing.iter().filter(|f| f.pool_id == pool).collect();
+    if let Some(same) = in_pool.iter().find(|f| f.name == name) {
+        return Err(Error::AlreadyExists { what: format!("flavor {name:?} in pool {pool} ({})", same.flavor_id) });
+    }
+    if in_pool.len() >= FLAVORS_PER_POOL_MAX {
+        return Err(Error::invalid(format!("pool {pool} has {FLAVORS_PER_POOL_MAX} flavors, the most a pool has")));
+    }
+    Ok(())
+}
+
+async fn flavor_doc(call: &Call<'_>, tenant: TenantId, id: &FlavorId) -> Result<FlavorDoc> {
+    call.row(tenant, KIND_FLAVOR, &id.to_string(), "flavor").await
+}
+
+async fn flavors_create(call: &Call<'_>, input: FlavorsCreate) -> Result<FlavorView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    validate_name("name", &input.name)?;
+    validate_flavor_shape(FlavorShape {
+        vcpus: input.vcpus,
+        memory_mib: input.memory_mib,
+        disk_gib: input.disk_gib,
+        gpus: input.gpus,
+    })?;
+    let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
+    let pool = pool_doc(call, tenant, &pool_id.to_string()).await?;
+    // A retry is answered from the log (the append replays it), whatever the pool and its
+    // flavors say now: the first request's own flavor holds the name.
+    let retry = call.is_retry(tenant).await?;
+    if pool.archived && !retry {
+        // As `pools.update` answers for an archived pool: the request is well formed, the
+        // pool's state refuses it (a 409, which a schema-valid request may meet, not a 400).
+        return Err(Error::Conflict {
+            stream: stream_of(KIND_POOL, &pool_id),
+            expected: "a live pool (this one is archived and takes no new flavor)".into(),
+            actual: pool.version,
+        });
+    }
+    // One read of the tenant's flavors answers both the name and the counts. Two gateway
+    // processes creating one name at once can both pass it: the flavors are then told apart
+    // by id (the count bounds are exceeded by at most what the processes had in flight).
+    // The names' lock is held until the append is done: in this process, one create of a name
+    // passes the check at a time.
+    let _names = call.state.name_locks.lock(tenant).await;
+    if !retry {
+        let rows = call.state.store.row_list(&tenant.to_string(), KIND_FLAVOR, None, FLAVORS_PER_TENANT_MAX).await?;
+        let existing = rows.into_iter().map(doc::<FlavorDoc>).collect::<Result<Vec<_>>>()?;
+        check_flavor_fits(&existing, &pool_id.to_string(), &input.name)?;
+    }
+    let flavor = FlavorId::from_ulid(call.ulid());
+    let payload = ev::to_cbor(&ev::FlavorCreated {
+        pool_id: pool_id.to_string(),
+        name: input.name,
+        vcpus: input.vcpus,
+        memory_mib: input.memory_mib,
+        disk_gib: input.disk_gib,
+        gpus: input.gpus,
+    })?;
+    let result = call
+        .append_guarded(
+            tenant,
+            stream_of(KIND_FLAVOR, &flavor),
+            ExpectedVersion::NoStream,
+            ev::FLAVOR_CREATED,
+            payload,
+            vec![(stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version))],
+        )
+        .await?;
+    let id: FlavorId = parse_id("flavorId", stream_id(&result.events[0].envelope.stream))?;
+    Ok(flavor_doc(call, tenant, &id).await?.into())
+}
+
+async fn flavors_get(call: &Call<'_>, input: FlavorRef) -> Result<FlavorView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
+    Ok(flavor_doc(call, tenant, &id).await?.into())
+}
+
+async fn flavors_list(call: &Call<'_>, input: FlavorsList) -> Result<Page<FlavorView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
+    list_rows(call, tenant, KIND_FLAVOR, input.limit, input.cursor.as_deref(), |row| {
+        let flavor: FlavorDoc = doc(row)?;
+        Ok(pool.as_ref().is_none_or(|p| *p == flavor.pool_id).then(|| flavor.into()))
+    })
+    .await
+}
+
+async fn flavors_delete(call: &Call<'_>, input: FlavorRef) -> Result<FlavorDeletedView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
+    let current = flavor_doc(call, tenant, &id).await?;
+    let stream = stream_of(KIND_FLAVOR, &id);
+    let expected = expected_version(input.if_version, current.version, &stream)?;
+    call.append(tenant, stream, expected, ev::FLAVOR_DELETED, ev::to_cbor(&ev::FlavorDeleted {})?).await?;
+    Ok(FlavorDeletedView { flavor_id: id.to_string(), deleted: true })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> FlavorShape {
+        FlavorShape { vcpus: 8, memory_mib: 65_536, disk_gib: 200, gpus: 1 }
+    }
+
+    #[test]
+    fn shapes_within_their_bounds_only() {
+        assert!(validate_flavor_shape(shape()).is_ok());
+        let edges =
+            FlavorShape { vcpus: FLAVOR_VCPUS_MAX, memory_mib: FLAVOR_MEMORY_MIB_MAX, disk_gib: FLAVOR_DISK_GIB_MAX, gpus: 0 };
+        assert!(validate_flavor_shape(edges).is_ok());
+        let refused = [
+            (FlavorShape { vcpus: 0, ..shape() }, "vcpus"),
+            (FlavorShape { vcpus: FLAVOR_VCPUS_MAX + 1, ..shape() }, "vcpus"),
+            (FlavorShape { memory_mib: 0, ..shape() }, "memoryMiB"),
+            (FlavorShape { memory_mib: FLAVOR_MEMORY_MIB_MAX + 1, ..shape() }, "memoryMiB"),
+            (FlavorShape { disk_gib: 0, ..shape() }, "diskGiB"),
+            (FlavorShape { disk_gib: FLAVOR_DISK_GIB_MAX + 1, ..shape() }, "diskGiB"),
+            (FlavorShape { gpus: FLAVOR_GPUS_MAX + 1, ..shape() }, "gpus"),
+        ];
+        for (shape, field) in refused {
+            let err = validate_flavor_shape(shape).unwrap_err();
+            assert_eq!(err.code(), bc_core::error::ErrorCode::InvalidArgument);
+            assert!(err.to_string().starts_with(field), "{shape:?}: {err}");
+        }
+    }
+
+    fn flavor(pool: &str, name: &str, n: usize) -> FlavorDoc {
+        FlavorDoc {
+            tenant_id: "ten_x".into(),
+            flavor_id: format!("flv_{n}"),
+            pool_id: pool.into(),
+            name: name.into(),
+            vcpus: 1,
+            memory_mib: 1,
+            disk_gib: 1,
+            gpus: 0,
+            version: 1,
+            created_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_name_is_unique_within_its_pool_and_pools_are_bounded() {
+        let existing = vec![flavor("pool_a", "small", 0)];
+        assert_eq!(check_flavor_fits(&existing, "pool_a", "small").unwrap_err().code(), bc_core::error::ErrorCode::AlreadyExists);
+        assert!(check_flavor_fits(&existing, "pool_b", "small").is_ok(), "another pool's name is no clash");
+        assert!(check_flavor_fits(&existing, "pool_a", "large").is_ok());
+        let full: Vec<FlavorDoc> = (0..FLAVORS_PER_POOL_MAX).map(|n| flavor("pool_a", &format!("f{n}"), n)).collect();
+        let err = check_flavor_fits(&full, "pool_a", "one-more").unwrap_err();
+        assert_eq!(err.code(), bc_core::error::ErrorCode::InvalidArgument, "{err}");
+        assert!(check_flavor_fits(&full, "pool_b", "one-more").is_ok());
+        let tenant_full: Vec<FlavorDoc> =
+            (0..FLAVORS_PER_TENANT_MAX as usize).map(|n| flavor(&format!("pool_{n}"), "f", n)).collect();
+        assert!(check_flavor_fits(&tenant_full, "pool_new", "f").unwrap_err().to_string().contains("at most"));
+    }
+}
