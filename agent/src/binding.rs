@@ -57,6 +57,9 @@ impl InUse for NvmlInUse {
 /// `00000000:3B:00.0` (NVML's bus id, 8 hex digits of domain) or `0000:3b:00.0` → sysfs's
 /// `0000:3b:00.0`; `None` unless it is exactly a PCI address (it becomes a path).
 pub fn pci_address(bus_id: &str) -> Option<String> {
+    if !bus_id.is_ascii() {
+        return None;
+    }
     let bus_id = bus_id.to_ascii_lowercase();
     let (domain, rest) = bus_id.split_once(':')?;
     // NVML gives 8 hex digits of domain, sysfs 4: the extra ones must be zeros.
@@ -291,7 +294,17 @@ mod tests {
     fn pci_addresses_from_nvml_and_sysfs_and_nothing_else() {
         assert_eq!(pci_address("00000000:3B:00.0").as_deref(), Some("0000:3b:00.0"));
         assert_eq!(pci_address("0000:5e:00.1").as_deref(), Some("0000:5e:00.1"));
-        for bad in ["", "3b:00.0", "0000:3b:00.8", "0000:3b:00.0/../x", "10000000:3b:00.0", "0000:3g:00.0", "../../0:00:00.0"] {
+        for bad in [
+            "",
+            "é000:3b:00.0",
+            "000é:3b:00.0",
+            "3b:00.0",
+            "0000:3b:00.8",
+            "0000:3b:00.0/../x",
+            "10000000:3b:00.0",
+            "0000:3g:00.0",
+            "../../0:00:00.0",
+        ] {
             assert_eq!(pci_address(bad), None, "{bad:?}");
         }
     }

@@ -60,7 +60,16 @@ pub enum HoldDecision {
 /// with a PCI address) and held for no other reservation.
 pub fn decide_hold(ledger: &Ledger, inventory: &Inventory, args: &HoldArgs) -> HoldDecision {
     if let Some(hold) = ledger.holds.get(&args.reservation_id) {
-        return HoldDecision::AlreadyHeld(hold.gpus.clone());
+        // The same hold again (a redelivery): answered, not redone. Other GPUs for it, or a
+        // release of it still pending: refused until the node has given the old ones back.
+        let same = hold.gpus.iter().map(|g| g.uuid.as_str()).eq(args.gpu_uuids.iter().map(String::as_str));
+        if same && hold.release_command_id.is_none() {
+            return HoldDecision::AlreadyHeld(hold.gpus.clone());
+        }
+        return HoldDecision::Refuse(format!(
+            "gpu-held: {} is still held here with other GPUs or a release pending",
+            args.reservation_id
+        ));
     }
     if args.gpu_uuids.is_empty() {
         return HoldDecision::Refuse("gpu-missing: the hold names no GPU".into());
@@ -156,7 +165,11 @@ mod tests {
         };
         assert_eq!(gpus[1].pci_address, "0000:11:00.0");
         ledger.holds.insert("rsv_a".into(), Hold { command_id: "cmd_1".into(), gpus: gpus.clone(), release_command_id: None });
-        assert_eq!(decide_hold(&ledger, &inventory(), &args("rsv_a", &["GPU-0"])), HoldDecision::AlreadyHeld(gpus));
+        assert_eq!(decide_hold(&ledger, &inventory(), &args("rsv_a", &["GPU-0", "GPU-1"])), HoldDecision::AlreadyHeld(gpus));
+        // The same reservation with other GPUs (placed again elsewhere on the node) waits.
+        assert!(
+            matches!(decide_hold(&ledger, &inventory(), &args("rsv_a", &["GPU-2"])), HoldDecision::Refuse(r) if r.starts_with("gpu-held:"))
+        );
         let refused = decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-2", "GPU-1"]));
         assert_eq!(refused, HoldDecision::Refuse("gpu-held: GPU-1 is held for rsv_a".into()));
         assert!(matches!(decide_hold(&ledger, &inventory(), &args("rsv_b", &["GPU-2", "GPU-3"])), HoldDecision::Bind(_)));

@@ -14,6 +14,23 @@ use crate::holds::{Hold, HoldArgs, HoldDecision, Ledger, LedgerFile, decide_hold
 use crate::inventory::InventorySource;
 use crate::journal::{Draft, Journal, JournalError, Stage};
 
+/// The longest reason a GPU report gives, and the longest `holdUnavailable`, in bytes: within
+/// what the gateway takes (1024 and 256), or the entry would be refused and block the journal.
+pub const REASON_BYTES_MAX: usize = 1000;
+pub const HOLD_UNAVAILABLE_BYTES_MAX: usize = 250;
+
+/// `text` cut to at most `max` bytes, on a character boundary.
+fn truncate_bytes(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
+}
+
 /// What every agent does.
 pub const CAPABILITIES: &[&str] = &["command.ping"];
 /// Said in `Hello` by an agent whose binding can set GPUs aside.
@@ -55,7 +72,7 @@ impl Finish {
             "gpus": gpus.iter().map(|g| g.uuid.clone()).collect::<Vec<_>>(),
         });
         if let Some(reason) = reason {
-            payload["reason"] = json!(bc_core::id::truncate(&reason, 1000));
+            payload["reason"] = json!(truncate_bytes(&reason, REASON_BYTES_MAX));
         }
         Self { entry_type, subject: Some(format!("reservation/{reservation_id}")), payload }
     }
@@ -129,10 +146,19 @@ impl Runner {
             return Finish::failed("bad-args: gpu.hold names no reservation");
         }
         let failed = |reason: String| Finish::gpu("gpu.hold_failed", &args.reservation_id, &[], Some(reason));
+        let mut ledger = self.ledger.lock().await;
+        // What the node holds comes first: a hold bound before a crash is answered as held.
+        if let Some(hold) = ledger.holds.get(&args.reservation_id)
+            && hold.release_command_id.is_none()
+        {
+            let same = hold.gpus.iter().map(|g| g.uuid.as_str()).eq(args.gpu_uuids.iter().map(String::as_str));
+            if same {
+                return Finish::gpu("gpu.held", &args.reservation_id, &hold.gpus, None);
+            }
+        }
         if let Some(reason) = self.binding.unprivileged() {
             return failed(reason);
         }
-        let mut ledger = self.ledger.lock().await;
         let inventory = self.inventory.read();
         let gpus = match decide_hold(&ledger, &inventory, &args) {
             HoldDecision::AlreadyHeld(gpus) => return Finish::gpu("gpu.held", &args.reservation_id, &gpus, None),
@@ -205,9 +231,16 @@ impl Runner {
         if now_ms > command.deadline_ms && command.kind != "gpu.release" {
             let reason = "deadline-passed: the deadline passed before the node ran it";
             let finish = match command.kind.as_str() {
-                // A hold's answer goes to its reservation, which then goes back to its queue.
+                // A hold's answer goes to its reservation, which then goes back to its queue; one
+                // the node holds already (bound before a crash) is answered as held.
                 "gpu.hold" => match serde_json::from_str::<HoldArgs>(&command.args_json) {
-                    Ok(args) => Finish::gpu("gpu.hold_failed", &args.reservation_id, &[], Some(reason.into())),
+                    Ok(args) => {
+                        let ledger = self.ledger.lock().await;
+                        match ledger.holds.get(&args.reservation_id).filter(|h| h.release_command_id.is_none()) {
+                            Some(hold) => Finish::gpu("gpu.held", &args.reservation_id, &hold.gpus, None),
+                            None => Finish::gpu("gpu.hold_failed", &args.reservation_id, &[], Some(reason.into())),
+                        }
+                    }
                     Err(_) => Finish::failed(reason),
                 },
                 _ => Finish::failed(reason),
@@ -320,7 +353,7 @@ pub fn inventory_payload(
     }
     let mut payload = json!({ "nodeId": node.to_string(), "gpus": gpus, "host": host, "capabilities": capabilities });
     if let Some(reason) = hold_unavailable {
-        payload["holdUnavailable"] = json!(bc_core::id::truncate(reason, 256));
+        payload["holdUnavailable"] = json!(truncate_bytes(reason, HOLD_UNAVAILABLE_BYTES_MAX));
     }
     for (key, value) in [
         ("driverVersion", &inventory.gpus.driver_version),

@@ -1356,7 +1356,11 @@ fn apply_command(
                 doc.reason = Some(p.reason);
                 doc.finished_at_ms = Some(env.at_ms);
             }
-            doc.version = env.version;
+            // A GPU report finishes its command from the reservation's stream: the command's own
+            // version moves only with its own stream.
+            if env.stream.starts_with(&format!("{KIND_COMMAND}/")) {
+                doc.version = env.version;
+            }
             if key.kind == KIND_COMMAND_LIVE && doc.state.is_finished() { Ok(None) } else { to_doc(&doc) }
         }
         KIND_NODE_COMMANDS => {
@@ -1365,7 +1369,12 @@ fn apply_command(
                 None => NodeCommandsDoc::default(),
             };
             if issued {
-                if queue.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
+                // The bound is `commands.issue`'s; the control plane's own GPU commands (one or two
+                // per placement, so bounded by the node's GPUs and the hold attempts) are never
+                // refused here, or an expiry or a release would fail for a node that is away.
+                let kind = canonical::to_json(&env.payload).get("kind").and_then(Value::as_str).map(str::to_owned);
+                let ours = kind.is_some_and(|k| k.starts_with("gpu."));
+                if !ours && queue.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
                     return Err(corrupt(
                         event,
                         format!("node {} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands", key.id),

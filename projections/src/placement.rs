@@ -340,7 +340,10 @@ fn issue_command(
 
 /// Whether a node may take new reservations for this ask at all.
 pub fn usable(node: &NodeDoc, tolerations: &[String]) -> bool {
-    node.state == crate::NodeState::Ready && node.taints.keys().all(|k| tolerations.iter().any(|t| t == k))
+    // A node whose agent says it cannot hold GPUs (`holdUnavailable`: no vfio-pci, not root)
+    // would only fail each hold sent to it: it takes none, like a cordoned node.
+    let cannot_hold = node.agent.as_ref().and_then(|a| a.inventory.as_ref()).is_some_and(|i| i.hold_unavailable.is_some());
+    node.state == crate::NodeState::Ready && !cannot_hold && node.taints.keys().all(|k| tolerations.iter().any(|t| t == k))
 }
 
 /// The best GPUs on one node, or `None` if it cannot take the ask.

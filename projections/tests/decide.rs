@@ -512,9 +512,13 @@ fn a_failed_hold_requeues_at_the_head_then_fails_after_the_last_attempt() {
     let actions = decide::plan(&view, NOW_MS);
     assert_eq!(actions.len(), 1, "rsv_later does not overtake the requeued one: {actions:?}");
     let Action::HoldFailed { reason, attempts, gives_up, release, .. } = &actions[0] else { panic!("{actions:?}") };
-    assert_eq!((reason.as_str(), *attempts, *gives_up, *release), ("gpu-in-use: GPU-0 runs 1 processes", 1, false, false));
+    assert_eq!((reason.as_str(), *attempts, *gives_up, *release), ("gpu-in-use: GPU-0 runs 1 processes", 1, false, true));
     let append = actions[0].append(ISSUE).unwrap().unwrap();
-    assert_eq!(append.event_types(), [ev::RESERVATION_REQUEUED, ev::NODE_FREED], "a refused hold holds nothing to release");
+    assert_eq!(
+        append.event_types(),
+        [ev::RESERVATION_REQUEUED, ev::NODE_FREED, ev::COMMAND_ISSUED],
+        "a node that refused may still hold them (bound, then lost its answer): released anyway"
+    );
     assert_eq!(append.expected, ExpectedVersion::Exact(rsv.version));
 
     // Requeued (as the fold leaves it): placed on the node that did not fail.
@@ -531,7 +535,10 @@ fn a_failed_hold_requeues_at_the_head_then_fails_after_the_last_attempt() {
     let view = TenantView::new([bad], [last]);
     let actions = decide::plan(&view, NOW_MS);
     assert!(matches!(&actions[0], Action::HoldFailed { gives_up: true, attempts: 3, .. }), "{actions:?}");
-    assert_eq!(actions[0].append(ISSUE).unwrap().unwrap().event_types(), [ev::RESERVATION_FAILED, ev::NODE_FREED]);
+    assert_eq!(
+        actions[0].append(ISSUE).unwrap().unwrap().event_types(),
+        [ev::RESERVATION_FAILED, ev::NODE_FREED, ev::COMMAND_ISSUED]
+    );
 }
 
 /// A hold the node never answers counts as failed at its deadline, and the node is sent

@@ -100,7 +100,12 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
                 (Action::Expire { .. } | Action::HoldFailed { .. }, Err(e)) if e.code() == ErrorCode::Conflict => {
                     done.conflicts += 1
                 }
-                (Action::Expire { .. } | Action::HoldFailed { .. }, Err(e)) => return Err(e),
+                (Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. }, Err(e)) => {
+                    // One reservation's failure is its own: the rest of the pass (other pools,
+                    // other tenants) goes on, and its pool activates nothing more this pass.
+                    tracing::warn!(reconciler = NAME, reservation = %reservation_id, code = %e.code(), error = %e, "ending failed");
+                    stopped.insert(action.pool_id().to_owned());
+                }
                 (_, Ok(_)) => done.activated += 1,
                 (_, Err(e)) => {
                     // Oldest first: a pool whose next activation did not land activates nothing more.

@@ -617,8 +617,15 @@ async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_t
     let command = wait_command(&server, hold_command, "succeeded", Duration::from_secs(5)).await;
     assert_eq!(command["kind"], "gpu.hold");
 
+    // Released while the node is away: the release waits for it, and no caller can cancel it
+    // (that would leave the GPUs held on the node for good).
+    assert_eq!(machine.stop(), 0);
     let (status, released) = server.call("reservations.release", json!({ "reservationId": id })).await;
     assert_eq!(status, 200, "{released}");
+    let release_command = released["binding"]["releaseCommandId"].as_str().expect("a release was sent").to_owned();
+    let (status, refused) = server.call("commands.cancel", json!({ "commandId": release_command })).await;
+    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+    machine.start();
     let released = wait_reservation(&server, &id, "released on the node", |r| r["binding"]["state"] == "released").await;
     assert_eq!(released["state"], "released");
     let ledger: Value = serde_json::from_str(&std::fs::read_to_string(machine.data().join("holds.json")).unwrap()).unwrap();
@@ -664,8 +671,10 @@ async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_t
         .filter(|e| e["stream"] == format!("reservation/{id}"))
         .map(|e| e["type"].as_str().unwrap().to_owned())
         .collect();
-    let requeues = types.iter().filter(|t| *t == "reservation.requeued").count();
-    let refusals = types.iter().filter(|t| *t == "gpu.hold_failed").count();
-    assert_eq!((requeues, refusals, types.last().map(String::as_str)), (2, 3, Some("reservation.failed")), "{types:?}");
+    let count = |what: &str| types.iter().filter(|t| *t == what).count();
+    let (requeues, refusals, failed) = (count("reservation.requeued"), count("gpu.hold_failed"), count("reservation.failed"));
+    assert_eq!((requeues, refusals, failed), (2, 3, 1), "{types:?}");
+    let last_refusal = types.iter().rposition(|t| t == "gpu.hold_failed").unwrap();
+    assert!(types.iter().position(|t| t == "reservation.failed").unwrap() > last_refusal, "{types:?}");
     assert_eq!(refusing.stop(), 0);
 }

@@ -190,6 +190,14 @@ async fn commands_cancel(call: &Call<'_>, input: CommandRef) -> Result<CommandVi
     if current.state != CommandState::Issued && current.state != CommandState::Started {
         return Ok(current.into());
     }
+    if current.kind.starts_with("gpu.") {
+        // A reservation's hold or release is the control plane's: cancelling a release would
+        // leave the GPUs held on the node for good.
+        return Err(Error::InvalidArgument {
+            message: format!("{} is a reservation's {}: it is not cancelled by a caller", id, current.kind),
+            hint: Some("release the reservation instead (reservations.release)".into()),
+        });
+    }
     let payload = ev::to_cbor(&ev::CommandCancelled {
         node_id: current.node_id.clone(),
         reason: format!("cancelled by {}", call.actor()),

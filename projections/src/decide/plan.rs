@@ -36,8 +36,8 @@ pub enum Action {
     /// node `gpu.release`).
     Expire { reservation_id: String, reservation_version: u64, pool_id: String, node_id: String, release: bool },
     /// An active reservation whose hold failed: free its GPUs and put it back in its queue, or
-    /// (`gives_up`, its last attempt) fail it. `release`: the hold was not answered, so the node
-    /// is sent `gpu.release` in case it holds them after all.
+    /// (`gives_up`, its last attempt) fail it. `release`: the node is sent `gpu.release` in case it
+    /// holds them after all (always, today: a release of nothing is answered at once).
     HoldFailed {
         reservation_id: String,
         reservation_version: u64,
@@ -152,7 +152,9 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
         match binding.state {
             BindingState::Failed => {
                 let reason = binding.reason.clone().unwrap_or_else(|| "hold-failed: the node gave no reason".into());
-                failed.push((rsv, reason, false));
+                // A node that refused may still hold them (it bound, then lost its answer, then
+                // refused the redelivery): the release is idempotent, so it is always sent.
+                failed.push((rsv, reason, true));
             }
             BindingState::Pending if binding.deadline_at_ms.is_some_and(|d| d <= now_ms) => {
                 let reason = format!("hold-timeout: the node did not answer gpu.hold within {} s", crate::HOLD_DEADLINE_S);
