@@ -1,5 +1,5 @@
-//! Property: random reservations, releases, reconciler passes, failed holds, unanswered holds,
-//! releases the machine refuses, agents away, agents that crash before their journal reaches the
+//! Property: random reservations, releases, reconciler passes and liveness sweeps, failed holds,
+//! unanswered holds, releases the machine refuses, agents away or with skewed clocks (±30 s), agents that crash before their journal reaches the
 //! log, and commands delivered twice never leave one GPU held for two reservations, on the
 //! control plane or on an agent; and once the faults stop, every active reservation settles
 //! `bound` and every agent holds exactly what the control plane says it does (none leaked).
@@ -79,6 +79,8 @@ struct Agent {
     machine: Machine,
     runner: Option<Runner>,
     delivered: u64,
+    /// How far this agent's clock is from the control plane's (ms; either way).
+    skew_ms: i64,
 }
 
 impl Agent {
@@ -190,7 +192,8 @@ impl World {
                 .unwrap();
             let inventory = Inventory { gpus: GpuInventory { gpus, ..Default::default() }, ..Default::default() };
             let machine = Machine { inventory, ..Default::default() };
-            let mut agent = Agent { node, key, dir: tempfile::tempdir().unwrap(), machine, runner: None, delivered: 0 };
+            let skew_ms = pick(rng, 60_001) as i64 - 30_000;
+            let mut agent = Agent { node, key, dir: tempfile::tempdir().unwrap(), machine, runner: None, delivered: 0, skew_ms };
             agent.start().await;
             agents.push(agent);
         }
@@ -242,8 +245,11 @@ impl World {
         }
     }
 
+    /// The reservations reconciler's pass, and the liveness sweep (which fails commands past
+    /// their deadline, but never a `gpu.release`).
     async fn pass(&self) {
         bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &[self.tenant]).await.unwrap();
+        bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.unwrap();
     }
 
     /// Agent `a` runs its queued commands in issue order with its real runner (and the
@@ -251,7 +257,7 @@ impl World {
     /// entries wait in its journal for its restart). `again` delivers a finished command a
     /// second time, which the runner must not run twice.
     async fn answer(&mut self, a: usize, crash: bool, again: Option<String>) {
-        let now = self.clock.now_ms();
+        let now = self.clock.now_ms().saturating_add_signed(self.agents[a].skew_ms);
         let node = self.agents[a].node.clone();
         let Some(runner) = self.agents[a].runner.as_ref() else { return };
         let mut ids = self.doc::<NodeCommandsDoc>(KIND_NODE_COMMANDS, &node).await.map(|q| q.pending).unwrap_or_default();
