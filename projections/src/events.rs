@@ -448,17 +448,9 @@ pub struct ReservationRequeued {
     pub release: Option<HoldIssued>,
 }
 
-/// `reservation.failed`: ended after its last allowed hold failed.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ReservationFailed {
-    pub node_id: String,
-    pub reason: String,
-    pub attempts: u32,
-    /// `gpu.release` to the node, when the hold was not answered (it may yet hold them).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub release: Option<HoldIssued>,
-}
+/// `reservation.failed`: ended after its last allowed hold failed; the same fields as
+/// `reservation.requeued`.
+pub type ReservationFailed = ReservationRequeued;
 
 /// `gpu.held`, `gpu.hold_failed`, `gpu.released`: a node's answer to its `gpu.hold` or
 /// `gpu.release` command, from its journal, on the stream of the reservation the command names.

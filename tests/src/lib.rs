@@ -619,6 +619,40 @@ impl RecordingListener {
     }
 }
 
+/// A free loopback port, so a restarted gateway listens where its agents look.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `dev` with its agents' endpoint on a fixed port (see [`free_port`]), a 2 s lease and 300 ms
+/// heartbeats: what the tests of nodes that join start.
+pub fn agents_gateway() -> (Server, u16) {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
+    (server, port)
+}
+
+/// The log key's pin (`pki show`), which a node's `config.toml` names.
+pub fn log_key_pin(server: &Server) -> String {
+    let (code, out, err) = cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()], &[]);
+    assert_eq!(code, 0, "pki show: {err}");
+    json(&out)["pin"].as_str().unwrap().to_owned()
+}
+
+/// Runs a future to its end from synchronous code inside a multi-threaded tokio test (the
+/// closures of [`wait_until`]).
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
+}
+
+/// What `bcd hardware --fake-hw SEED` says the fake machine of `seed` holds.
+pub fn fake_hardware(seed: u64) -> Value {
+    let out = Command::new(binary("bcd")).args(["hardware", "--fake-hw", &seed.to_string()]).output().expect("run bcd");
+    assert!(out.status.success(), "bcd hardware: {}", String::from_utf8_lossy(&out.stderr));
+    json(&String::from_utf8_lossy(&out.stdout))
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, SystemTime};

@@ -14,25 +14,6 @@ use std::time::Duration;
 use bc_tests::{Server, json, wait_until};
 use serde_json::{Value, json};
 
-/// A free loopback port, so a restarted gateway listens where its agents look.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// `dev` with its agents' endpoint on a fixed port and a short lease.
-fn gateway() -> (Server, u16) {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
-    (server, port)
-}
-
-fn log_key_pin(server: &Server) -> String {
-    let (code, out, err) = bc_tests::cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()], &[]);
-    assert_eq!(code, 0, "pki show: {err}");
-    json(&out)["pin"].as_str().unwrap().to_owned()
-}
-
 /// One machine: its data directory and configuration.
 struct Machine {
     dir: tempfile::TempDir,
@@ -46,7 +27,7 @@ impl Machine {
             "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\nobserve_interval = \"150ms\"\n\n[log]\nlevel = \"info\"\nformat = \"json\"\n",
             dir.path().join("data").display().to_string(),
             server.agents_pin.clone().expect("the agents' endpoint is TLS"),
-            log_key_pin(server),
+            bc_tests::log_key_pin(server),
         );
         std::fs::write(dir.path().join("config.toml"), config).unwrap();
         Machine { dir, node: None }
@@ -223,7 +204,7 @@ fn in_some_argv(secret: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_token_is_nowhere() {
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("gpu-a").await;
     let machine_dir = tempfile::tempdir().unwrap();
     let token_file = machine_dir.path().join("join.token");
@@ -257,7 +238,7 @@ async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_to
     // This machine's inventory says whether its agent can hold GPUs, and if not, why (a machine
     // without vfio-pci, or not root, cannot: `node-unprivileged`).
     let reported = wait_until("the inventory is reported", Duration::from_secs(20), || {
-        let doc = futures_lite_block(node_doc(&server, &node));
+        let doc = bc_tests::block_on(node_doc(&server, &node));
         doc["agent"]["inventory"].is_object().then(|| doc["agent"]["inventory"].clone())
     });
     let can_hold = reported["capabilities"].as_array().unwrap().iter().any(|c| c == "gpu.hold");
@@ -283,7 +264,7 @@ async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_to
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_racing_joins_with_one_token_exactly_one_wins() {
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("race").await;
     for _ in 0..3 {
         let secret = token(&server, &pool, 1).await;
@@ -306,7 +287,7 @@ async fn two_racing_joins_with_one_token_exactly_one_wins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_log_once() {
-    let (mut server, port) = gateway();
+    let (mut server, port) = bc_tests::agents_gateway();
     let pool = server.pool("journal").await;
     let secret = token(&server, &pool, 1).await;
     let mut machine = Machine::new(&server, port);
@@ -383,7 +364,7 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_liveness_follows_the_lease() {
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("away").await;
     let secret = token(&server, &pool, 1).await;
     let mut machine = Machine::new(&server, port);
@@ -470,7 +451,7 @@ fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_join_again() {
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("reset").await;
     let mut first = Machine::new(&server, port);
     assert_eq!(first.join_stdin(&token(&server, &pool, 1).await).0, 0);
@@ -528,7 +509,7 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
     let fake_gpus = fake["gpus"]["gpus"].as_array().unwrap().clone();
     assert!(!fake_gpus.is_empty(), "seed 7 has GPUs: {fake}");
 
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("inventory").await;
     let mut machine = Machine::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
@@ -539,7 +520,7 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
     assert_eq!(joined["gpus"].as_array().unwrap().len(), fake_gpus.len(), "claimed at join: {joined}");
     machine.start();
     let doc = wait_until("the inventory is reported", Duration::from_secs(20), || {
-        let doc = futures_lite_block(node_doc(&server, &node));
+        let doc = bc_tests::block_on(node_doc(&server, &node));
         doc["agent"]["inventory"].is_object().then_some(doc)
     });
     let inventory = &doc["agent"]["inventory"];
@@ -550,10 +531,6 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
     assert!(inventory.get("holdUnavailable").is_none(), "{inventory}");
     assert_eq!(doc["gpus"][0]["model"], fake_gpus[0]["model"]);
     assert_eq!(machine.stop(), 0);
-}
-
-fn futures_lite_block<F: std::future::Future>(f: F) -> F::Output {
-    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }
 
 /// Polls `reservations.get` until `done` says yes.
@@ -573,10 +550,9 @@ async fn wait_reservation(server: &Server, rsv: &str, what: &str, done: impl Fn(
 /// A fake machine with at least `gpus` GPUs: the seed, and its GPUs' UUIDs.
 fn fake_machine_with(gpus: usize) -> (u64, Vec<String>) {
     for seed in 1..100u64 {
-        let (code, out, _) = Machine::run_bcd(&["hardware", "--fake-hw", &seed.to_string()]);
-        assert_eq!(code, 0);
+        let hardware = bc_tests::fake_hardware(seed);
         let uuids: Vec<String> =
-            json(&out)["gpus"]["gpus"].as_array().unwrap().iter().map(|g| g["uuid"].as_str().unwrap().to_owned()).collect();
+            hardware["gpus"]["gpus"].as_array().unwrap().iter().map(|g| g["uuid"].as_str().unwrap().to_owned()).collect();
         if uuids.len() >= gpus {
             return (seed, uuids);
         }
@@ -590,7 +566,7 @@ fn fake_machine_with(gpus: usize) -> (u64, Vec<String>) {
 /// back to its queue with the reason (in `reservations.get`), and fail after the last try.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_the_queue() {
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let (seed, uuids) = fake_machine_with(2);
     let pool = server.pool("holds").await;
     let mut machine = Machine::new(&server, port);

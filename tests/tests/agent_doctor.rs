@@ -7,25 +7,8 @@
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use bc_tests::{Server, json, wait_until};
+use bc_tests::wait_until;
 use serde_json::{Value, json};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn gateway() -> (Server, u16) {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
-    (server, port)
-}
-
-fn log_key_pin(server: &Server) -> String {
-    let (code, out, err) = bc_tests::cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()], &[]);
-    assert_eq!(code, 0, "pki show: {err}");
-    json(&out)["pin"].as_str().unwrap().to_owned()
-}
 
 fn bcd(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
     use std::io::Write;
@@ -83,10 +66,10 @@ const REQUIRED: &[&str] = &["config", "identity", "journal", "gateway", "clock"]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_passes_on_a_joined_node_and_fails_a_wrong_pin_and_a_missing_config() {
-    let (server, port) = gateway();
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("doctor").await;
     let dir = tempfile::tempdir().unwrap();
-    let log_pin = log_key_pin(&server);
+    let log_pin = bc_tests::log_key_pin(&server);
     let config = write_config(dir.path(), port, server.agents_pin.as_deref().unwrap(), &log_pin);
 
     // Before the join: the identity check fails and says to join.
@@ -126,7 +109,7 @@ async fn doctor_passes_on_a_joined_node_and_fails_a_wrong_pin_and_a_missing_conf
         dir.path().join("data/journal.db").exists().then_some(())
     });
     wait_until("the node is ready", Duration::from_secs(20), || {
-        let (status, doc) = block(server.call("nodes.get", json!({ "nodeId": node_id })));
+        let (status, doc) = bc_tests::block_on(server.call("nodes.get", json!({ "nodeId": node_id })));
         (status == 200 && doc["state"] == "ready").then_some(())
     });
     let (code, checks) = doctor(&config, &[]);
@@ -170,8 +153,4 @@ async fn doctor_passes_on_a_joined_node_and_fails_a_wrong_pin_and_a_missing_conf
     let (code, out, _) = bcd(&["doctor", "--config", &missing], &[], None);
     assert_eq!(code, 1);
     assert!(out.starts_with("fail config: ") && out.contains("(fix: "), "{out}");
-}
-
-fn block<F: std::future::Future>(f: F) -> F::Output {
-    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }

@@ -11,16 +11,6 @@ use std::time::Duration;
 use bc_tests::{Server, json, wait_until};
 use serde_json::{Value, json};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn log_key_pin(server: &Server) -> String {
-    let (code, out, err) = bc_tests::cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()], &[]);
-    assert_eq!(code, 0, "pki show: {err}");
-    json(&out)["pin"].as_str().unwrap().to_owned()
-}
-
 /// `bcd sim`, its standard error to `log`.
 fn start_sim(args: &[&str], env: &[(&str, &str)], log: &std::path::Path) -> Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
@@ -77,7 +67,7 @@ fn all_in_state(server: &Server, pool: &str, state: &str) -> Option<BTreeMap<Str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin_nothing_on_restart() {
-    let port = free_port();
+    let port = bc_tests::free_port();
     let listen = format!("127.0.0.1:{port}");
     let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
     let pool = server.pool("sim").await;
@@ -88,7 +78,7 @@ async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin
         format!(
             "data_dir = \"/unused\"\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\nobserve_interval = \"500ms\"\n\n[log]\nformat = \"json\"\n",
             server.agents_pin.clone().unwrap(),
-            log_key_pin(&server),
+            bc_tests::log_key_pin(&server),
         ),
     )
     .unwrap();
@@ -112,7 +102,7 @@ async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin
         let expected = fake_gpus(40 + i);
         assert_eq!(ready[&node]["gpus"].as_array().unwrap().len(), expected.len(), "node-{i}: {}", ready[&node]);
         let doc = wait_until("the inventory is reported", Duration::from_secs(20), || {
-            let (status, doc) = futures_block(server.call("nodes.get", json!({ "nodeId": node })));
+            let (status, doc) = bc_tests::block_on(server.call("nodes.get", json!({ "nodeId": node })));
             (status == 200 && doc["agent"]["inventory"].is_object()).then_some(doc)
         });
         assert_eq!(doc["agent"]["inventory"]["gpus"].as_array().unwrap(), &expected, "node-{i}");
@@ -142,15 +132,11 @@ async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin
     assert!(String::from_utf8_lossy(&out.stderr).contains("--nodes is 1 to 10000"));
 }
 
-fn futures_block<F: std::future::Future>(f: F) -> F::Output {
-    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
-}
-
 /// A join that fails (a token with too few uses) stops every machine with exit 1; the
 /// identities written stay, so a run with a new token joins only the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_join_stops_the_sim_and_a_new_token_joins_only_the_rest() {
-    let port = free_port();
+    let port = bc_tests::free_port();
     let listen = format!("127.0.0.1:{port}");
     let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
     let pool = server.pool("sim-short").await;
@@ -161,7 +147,7 @@ async fn a_failed_join_stops_the_sim_and_a_new_token_joins_only_the_rest() {
         format!(
             "data_dir = \"/unused\"\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\n",
             server.agents_pin.clone().unwrap(),
-            log_key_pin(&server),
+            bc_tests::log_key_pin(&server),
         ),
     )
     .unwrap();

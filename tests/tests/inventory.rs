@@ -5,8 +5,8 @@
 //! host's serial changed; a second node's reports stay out of the first's history. Bad input: an unknown node is `NOT_FOUND` (exit 1), a node registered
 //! by hand `INVALID_ARGUMENT` (exit 2), a malformed node id a usage error before any call.
 //!
-//! The machine helper is a short copy of `agent.rs`'s (only what this test needs), so that file
-//! and this one can change apart.
+//! The machine helper is a short copy of `agent.rs`'s (only what this test needs, with
+//! `set_seed`); the shared pieces (the gateway, the pins, the fake hardware) are `bc_tests`'.
 
 use std::io::Write;
 use std::process::{Child, Command, Stdio};
@@ -102,13 +102,6 @@ impl Drop for Machine {
     }
 }
 
-/// What `bcd hardware --fake-hw SEED` says the fake machine of `seed` holds.
-fn fake_machine(seed: u64) -> Value {
-    let out = Command::new(bc_tests::binary("bcd")).args(["hardware", "--fake-hw", &seed.to_string()]).output().unwrap();
-    assert!(out.status.success(), "bcd hardware: {}", String::from_utf8_lossy(&out.stderr));
-    json(&String::from_utf8_lossy(&out.stdout))
-}
-
 fn uuids(gpus: &Value) -> Vec<String> {
     gpus.as_array().unwrap().iter().map(|g| g["uuid"].as_str().unwrap().to_owned()).collect()
 }
@@ -131,8 +124,8 @@ fn history_of(server: &Server, node: &str, n: usize) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inventory_get_history_and_diff_follow_a_machine_that_changes() {
     let (first_seed, second_seed) = (7, 8);
-    let first = fake_machine(first_seed);
-    let second = fake_machine(second_seed);
+    let first = bc_tests::fake_hardware(first_seed);
+    let second = bc_tests::fake_hardware(second_seed);
     let (first_uuids, second_uuids) = (uuids(&first["gpus"]["gpus"]), uuids(&second["gpus"]["gpus"]));
     assert!(!first_uuids.is_empty(), "seed {first_seed} has GPUs: {first}");
     assert_ne!(first_uuids, second_uuids, "two seeds, two machines");
