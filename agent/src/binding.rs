@@ -183,6 +183,10 @@ impl GpuBinding for Vfio {
             return Err(reason);
         }
         for gpu in gpus {
+            // On vfio-pci already (held before): no driver of the host can be using it.
+            if self.driver(&gpu.pci_address).as_deref() == Some(VFIO_DRIVER) {
+                continue;
+            }
             match self.in_use.processes(&gpu.uuid) {
                 Ok(0) => {}
                 Ok(n) => return Err(format!("gpu-in-use: {} runs {n} processes", gpu.uuid)),
@@ -354,6 +358,10 @@ mod tests {
             std::fs::remove_file(&link).unwrap();
             std::os::unix::fs::symlink("../../drivers/vfio-pci", &link).unwrap();
         }
+        // Holding again (a redelivery after a crash) writes only the override.
+        std::fs::write(d.join("sys/bus/pci/drivers/vfio-pci/bind"), "").unwrap();
+        vfio.hold(&gpus).unwrap();
+        assert_eq!(read(d, "sys/bus/pci/drivers/vfio-pci/bind"), "", "not bound twice");
         vfio.release(&gpus[..1]).unwrap();
         assert_eq!(read(d, "sys/bus/pci/drivers/vfio-pci/unbind"), "0000:3b:00.0");
         assert_eq!(read(d, "sys/bus/pci/devices/0000:3b:00.0/driver_override"), "\n");

@@ -147,13 +147,19 @@ impl Runner {
         }
         let failed = |reason: String| Finish::gpu("gpu.hold_failed", &args.reservation_id, &[], Some(reason));
         let mut ledger = self.ledger.lock().await;
-        // What the node holds comes first: a hold bound before a crash is answered as held.
+        // What the node holds comes first: a hold recorded before a crash is held. The ledger is
+        // written before the machine is touched, so the binding may not have happened: it is
+        // applied again (binding is idempotent). If that fails the entry stays, and the release
+        // the control plane sends after a failed hold gives the GPUs back.
         if let Some(hold) = ledger.holds.get(&args.reservation_id)
             && hold.release_command_id.is_none()
         {
             let same = hold.gpus.iter().map(|g| g.uuid.as_str()).eq(args.gpu_uuids.iter().map(String::as_str));
             if same {
-                return Finish::gpu("gpu.held", &args.reservation_id, &hold.gpus, None);
+                return match self.binding.hold(&hold.gpus) {
+                    Ok(()) => Finish::gpu("gpu.held", &args.reservation_id, &hold.gpus, None),
+                    Err(reason) => failed(reason),
+                };
             }
         }
         if let Some(reason) = self.binding.unprivileged() {
@@ -165,18 +171,25 @@ impl Runner {
             HoldDecision::Refuse(reason) => return failed(reason),
             HoldDecision::Bind(gpus) => gpus,
         };
-        if let Err(reason) = self.binding.hold(&gpus) {
-            return failed(reason);
-        }
+        // Recorded first: a crash after the binding can never leave GPUs bound that the ledger
+        // does not name (a release would not know to give them back).
         let mut next = ledger.clone();
         let hold = Hold { command_id: command_id.to_owned(), gpus: gpus.clone(), release_command_id: None };
         next.holds.insert(args.reservation_id.clone(), hold);
         if let Err(e) = self.ledger_file.save(&next) {
-            // Not recorded, so not held: give the GPUs back.
-            let _ = self.binding.release(&gpus);
             return failed(format!("ledger-failed: {e}"));
         }
         *ledger = next;
+        if let Err(reason) = self.binding.hold(&gpus) {
+            // The binding undid itself (all or nothing): not held.
+            let mut back = ledger.clone();
+            back.holds.remove(&args.reservation_id);
+            match self.ledger_file.save(&back) {
+                Ok(()) => *ledger = back,
+                Err(e) => tracing::error!(error = %e, "forgetting a failed hold in the ledger failed; the release clears it"),
+            }
+            return failed(reason);
+        }
         tracing::info!(reservation = %args.reservation_id, gpus = gpus.len(), "GPUs held");
         Finish::gpu("gpu.held", &args.reservation_id, &gpus, None)
     }
