@@ -128,6 +128,7 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
             },
         };
         let outputs = machine.step(clock.now_ms(), &mut rng, input);
+        let mut overflowed = false;
         for output in outputs {
             match output {
                 Output::Connect => {
@@ -146,8 +147,14 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
                     }
                 }
                 Output::Run(command) => {
-                    if commands_tx.try_send(command).is_err() {
-                        tracing::warn!("the command queue is full; the command comes again with the next session");
+                    // Dropping one command and running the next would run them out of order
+                    // (a release before its hold): the session ends instead, and the next one
+                    // delivers every unfinished command again, in issue order.
+                    if !overflowed && commands_tx.try_send(command).is_err() {
+                        tracing::warn!("the command queue is full; the session ends so commands come again in order");
+                        overflowed = true;
+                        outbound = None;
+                        generation += 1;
                     }
                 }
                 Output::Close { reason } => {
@@ -161,6 +168,9 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
                     return Err(message);
                 }
             }
+        }
+        if overflowed {
+            machine.step(clock.now_ms(), &mut rng, Input::Disconnected { reason: "the command queue is full".into() });
         }
         let mut s = status.lock().expect("status lock");
         s.session = match machine.phase() {
