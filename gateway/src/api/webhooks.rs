@@ -457,13 +457,17 @@ async fn webhooks_redeliver(call: &Call<'_>, input: WebhooksRedeliver) -> Result
     let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
     current(call, tenant, &id).await?;
     let delivery = input.delivery_id.as_str();
-    let well_formed = delivery.len() <= DELIVERY_ID_BYTES_MAX
-        && delivery.split_once('/').is_some_and(|(msg, hook)| msg.parse::<EventId>().is_ok() && hook == id.to_string());
-    if !well_formed {
+    let parts =
+        delivery.split_once('/').filter(|(msg, hook)| msg.parse::<EventId>().is_ok() && hook.parse::<WebhookId>().is_ok());
+    let Some((_, hook)) = parts.filter(|_| delivery.len() <= DELIVERY_ID_BYTES_MAX) else {
         return Err(Error::InvalidArgument {
-            message: format!("deliveryId {:?} is not a delivery of {id}", bc_core::id::truncate(delivery, 90)),
+            message: format!("deliveryId {:?} is not a delivery id", bc_core::id::truncate(delivery, 90)),
             hint: Some("delivery ids look like evt_…/wh_…; webhooks.deliveries lists them".into()),
         });
+    };
+    // Well formed, but another webhook's: this webhook has no such delivery.
+    if hook != id.to_string() {
+        return Err(Error::not_found(format!("delivery {} of {id}", bc_core::id::truncate(delivery, 90))));
     }
     let item =
         store.work_get(CONSUMER, tenant, delivery).await?.ok_or_else(|| Error::not_found(format!("delivery {delivery}")))?;
