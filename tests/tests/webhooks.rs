@@ -336,7 +336,10 @@ async fn two_reconcilers_on_postgres_deliver_each_event_once() {
     assert_eq!(code, 0, "{err}");
     let server = Server::serve_postgres_with(&db.url, &["--no-reconcilers", "--webhook-allow-loopback"]);
     let receiver = Receiver::start();
-    receiver.delay(20);
+    // Slow enough that one reconciler cannot finish all 40 (10 rounds of 4 at 200 ms: 2 s)
+    // before the other's next poll, however loaded the machine (at 20 ms, a clean CI run once
+    // saw one process deliver them all).
+    receiver.delay(200);
     let dir = tempfile::tempdir().unwrap();
     let (webhook, secret) = create_webhook(&server, &receiver.url, "pool.created", &dir.path().join("secret"));
     let args = ["--only", "webhooks", "--database-url", &db.url, "--webhook-allow-loopback", "--concurrency", "4"];
