@@ -646,6 +646,35 @@ pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }
 
+/// Runs `bcd ARGS` to its end with `env` (never the caller's `BCD_JOIN_TOKEN`) and, if given,
+/// `stdin`: (exit status, stdout, stderr). A run past 60 s is killed, so a command that should end
+/// but runs on fails the test instead of hanging it.
+pub fn bcd(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(binary("bcd"))
+        .args(args)
+        .env_remove("BCD_JOIN_TOKEN")
+        .envs(env.iter().copied())
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start bcd");
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    }
+    let pid = child.id();
+    let (done, watchdog) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if watchdog.recv_timeout(Duration::from_secs(60)).is_err() {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+    });
+    let out = child.wait_with_output().expect("bcd output");
+    let _ = done.send(());
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
 /// What `bcd hardware --fake-hw SEED` says the fake machine of `seed` holds.
 pub fn fake_hardware(seed: u64) -> Value {
     let out = Command::new(binary("bcd")).args(["hardware", "--fake-hw", &seed.to_string()]).output().expect("run bcd");

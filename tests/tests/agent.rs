@@ -6,7 +6,6 @@
 //! once after it returns; liveness follows the lease.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -42,43 +41,12 @@ impl Machine {
     }
 
     fn bcd(&self, args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
-        let mut child = Command::new(bc_tests::binary("bcd"))
-            .args(args)
-            .env_remove("BCD_JOIN_TOKEN")
-            .envs(env.iter().copied())
-            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start bcd");
-        if let Some(input) = stdin {
-            child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-        }
-        // A command that should end but runs on fails the test instead of hanging it.
-        let pid = child.id();
-        let (done, watchdog) = std::sync::mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            if watchdog.recv_timeout(Duration::from_secs(60)).is_err() {
-                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-            }
-        });
-        let out = child.wait_with_output().unwrap();
-        let _ = done.send(());
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into(),
-            String::from_utf8_lossy(&out.stderr).into(),
-        )
+        bc_tests::bcd(args, env, stdin)
     }
 
     /// `bcd ARGS` outside any machine.
     fn run_bcd(args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(bc_tests::binary("bcd")).args(args).stdin(Stdio::null()).output().unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into(),
-            String::from_utf8_lossy(&out.stderr).into(),
-        )
+        bc_tests::bcd(args, &[], None)
     }
 
     fn join_stdin(&self, token: &str) -> (i32, String, String) {

@@ -10,23 +10,7 @@ use std::time::Duration;
 use bc_tests::wait_until;
 use serde_json::{Value, json};
 
-fn bcd(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
-    use std::io::Write;
-    let mut child = Command::new(bc_tests::binary("bcd"))
-        .args(args)
-        .env_remove("BCD_JOIN_TOKEN")
-        .envs(env.iter().copied())
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start bcd");
-    if let Some(input) = stdin {
-        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    }
-    let out = child.wait_with_output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
+use bc_tests::bcd;
 
 /// `bcd doctor --json`: the exit code and the checks by name.
 fn doctor(config: &str, extra: &[&str]) -> (i32, Vec<Value>) {

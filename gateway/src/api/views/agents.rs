@@ -32,10 +32,11 @@ pub struct NodeAgentView {
     pub inventory: Option<InventoryView>,
 }
 
-/// A node's inventory as its agent reported it (NVML, `/proc`, `/sys`).
+/// What an agent reported its machine holds (NVML, `/proc`, `/sys`) and can do with it: the
+/// fields a node's latest inventory and each report in its history share.
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct InventoryView {
+pub struct InventoryFields {
     pub reported_at_ms: u64,
     pub gpus: Vec<bc_projections::events::InventoryGpu>,
     pub driver_version: Option<String>,
@@ -48,6 +49,29 @@ pub struct InventoryView {
     /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hold_unavailable: Option<String>,
+}
+
+impl InventoryFields {
+    fn of(reported_at_ms: u64, i: bc_projections::events::NodeInventoryReported) -> Self {
+        Self {
+            reported_at_ms,
+            gpus: i.gpus,
+            driver_version: i.driver_version,
+            cuda_version: i.cuda_version,
+            unavailable: i.unavailable,
+            host: i.host,
+            capabilities: i.capabilities,
+            hold_unavailable: i.hold_unavailable,
+        }
+    }
+}
+
+/// A node's inventory as its agent last reported it.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryView {
+    #[serde(flatten)]
+    pub report: InventoryFields,
     /// The reported GPUs differ from the node's but some were allocated when it came: they are
     /// taken once the node is free.
     pub pending: bool,
@@ -66,18 +90,8 @@ pub struct InventoryReportView {
     pub event_id: String,
     /// The entry of the node's journal it came in.
     pub journal_seq: u64,
-    pub reported_at_ms: u64,
-    pub gpus: Vec<bc_projections::events::InventoryGpu>,
-    pub driver_version: Option<String>,
-    pub cuda_version: Option<String>,
-    /// Why no GPUs could be read (no driver, no library).
-    pub unavailable: Option<String>,
-    pub host: bc_projections::events::InventoryHost,
-    /// What the agent can do with the machine (`command.ping`, `gpu.hold`, …).
-    pub capabilities: Vec<String>,
-    /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub hold_unavailable: Option<String>,
+    #[serde(flatten)]
+    pub report: InventoryFields,
 }
 
 impl From<InventoryReportDoc> for InventoryReportView {
@@ -87,14 +101,7 @@ impl From<InventoryReportDoc> for InventoryReportView {
             seq: d.seq,
             event_id: d.event_id,
             journal_seq: d.journal_seq,
-            reported_at_ms: d.reported_at_ms,
-            gpus: d.inventory.gpus,
-            driver_version: d.inventory.driver_version,
-            cuda_version: d.inventory.cuda_version,
-            unavailable: d.inventory.unavailable,
-            host: d.inventory.host,
-            capabilities: d.inventory.capabilities,
-            hold_unavailable: d.inventory.hold_unavailable,
+            report: InventoryFields::of(d.reported_at_ms, d.inventory),
         }
     }
 }
@@ -136,17 +143,9 @@ impl From<NodeAgent> for NodeAgentView {
             reachable: a.reachable,
             lease_expires_at_ms: a.lease_expires_at_ms,
             journal_seq: a.journal_seq,
-            inventory: a.inventory.map(|i| InventoryView {
-                reported_at_ms: a.inventory_at_ms,
-                gpus: i.gpus,
-                driver_version: i.driver_version,
-                cuda_version: i.cuda_version,
-                unavailable: i.unavailable,
-                host: i.host,
-                capabilities: i.capabilities,
-                hold_unavailable: i.hold_unavailable,
-                pending: a.inventory_pending,
-            }),
+            inventory: a
+                .inventory
+                .map(|i| InventoryView { report: InventoryFields::of(a.inventory_at_ms, i), pending: a.inventory_pending }),
             observed: a.observed.map(|o| ObservationView {
                 at_ms: o.at_ms,
                 uptime_s: o.uptime_s,
