@@ -83,6 +83,21 @@ async fn stalled_watch(server: &Server) -> tokio::net::TcpStream {
         server.token
     );
     stream.write_all(request.as_bytes()).await.unwrap();
+    // Admitted once the answer's head arrives: peek for it (reading nothing) so the next
+    // watcher is not raced into the last slot ahead of this one.
+    let mut head = [0u8; 12];
+    let peeked = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let n = stream.peek(&mut head).await.unwrap();
+            if n >= head.len() || n == 0 {
+                return n;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the stalled watch was answered");
+    assert_eq!(&head[..peeked], b"HTTP/1.1 200", "the stalled watch was admitted");
     stream
 }
 
