@@ -180,12 +180,17 @@ pub async fn reconcile(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
     let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
-    let appenders = [bc_reconcilers::reservations::NAME, bc_reconcilers::checkpoints::NAME, bc_reconcilers::liveness::NAME];
+    let appenders = [
+        bc_reconcilers::reservations::NAME,
+        bc_reconcilers::checkpoints::NAME,
+        bc_reconcilers::liveness::NAME,
+        bc_reconcilers::instances::NAME,
+    ];
     if names.iter().any(|n| appenders.contains(n)) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
             return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display())).hint(
-                "the reservations, checkpoints and liveness reconcilers append: pass the --data-dir that dev or serve uses",
+                "the reservations, checkpoints, liveness and instances reconcilers append: pass the --data-dir that dev or serve uses",
             ));
         }
         check_log_key(&*store, data_dir).await?;
@@ -194,6 +199,16 @@ pub async fn reconcile(
         if names.contains(&bc_reconcilers::reservations::NAME) {
             let run =
                 bc_reconcilers::reservations::run(log.clone(), Arc::new(SystemClock), options.tick_ms, None, stopped.clone());
+            tasks.push(tokio::spawn(run));
+        }
+        if names.contains(&bc_reconcilers::instances::NAME) {
+            let run = bc_reconcilers::instances::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                bc_reconcilers::instances::TICK_MS_DEFAULT,
+                None,
+                stopped.clone(),
+            );
             tasks.push(tokio::spawn(run));
         }
         if names.contains(&bc_reconcilers::liveness::NAME) {
@@ -519,6 +534,13 @@ pub async fn run_server(
                 log.clone(),
                 Arc::new(SystemClock),
                 bc_reconcilers::liveness::TICK_MS_DEFAULT,
+                stopped.clone(),
+            )));
+            tasks.push(tokio::spawn(bc_reconcilers::instances::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                bc_reconcilers::instances::TICK_MS_DEFAULT,
+                None,
                 stopped.clone(),
             )));
             tasks

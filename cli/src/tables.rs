@@ -149,6 +149,19 @@ pub const IMAGES: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const INSTANCES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "instanceId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "DESIRED", cell: |r, _| field(r, "desired") },
+    Column { header: "OBSERVED", cell: |r, _| r["observed"]["state"].as_str().unwrap_or("-").to_owned() },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "VCPUS", cell: |r, _| field(r, "vcpus") },
+    Column { header: "MEMORY", cell: |r, _| mib(r, "memoryMiB") },
+    Column { header: "GPUS", cell: |r, _| r["gpus"].as_array().map_or(0, Vec::len).to_string() },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 pub const COMMANDS: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "commandId") },
     Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
@@ -254,6 +267,7 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "apiKeys.list" => API_KEYS,
         "flavors.list" => FLAVORS,
         "images.list" => IMAGES,
+        "instances.list" => INSTANCES,
         "capacity.get" => CAPACITY,
         _ => return None,
     })

@@ -96,6 +96,8 @@ typed_id!(/// A flavor: the shape of an instance (vCPUs, memory, disk, GPUs) off
     FlavorId, "flv");
 typed_id!(/// A registered disk image an instance boots from (its URL and SHA-256).
     ImageId, "img");
+typed_id!(/// An instance: a virtual machine on a reservation's node, with its GPUs passed through.
+    InstanceId, "inst");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

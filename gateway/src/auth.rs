@@ -39,6 +39,8 @@ pub const ACTIONS: &[&str] = &[
     "compute:flavors:write",
     "compute:images:read",
     "compute:images:write",
+    "compute:instances:read",
+    "compute:instances:write",
 ];
 
 /// Most actions one key grants.

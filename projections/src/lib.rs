@@ -23,11 +23,16 @@ pub mod decide;
 pub mod event_view;
 pub mod events;
 pub mod fleet;
+pub mod instance;
 pub mod inventory;
 pub mod placement;
 
 pub use event_view::{EventView, event_view};
 use events::*;
+pub use instance::{
+    INSTANCE_APPLY, INSTANCE_APPLY_ATTEMPTS_MAX, INSTANCE_APPLY_DEADLINE_S, InstanceDoc, InstanceState, KIND_INSTANCE,
+    KIND_INSTANCE_LIVE,
+};
 
 /// Row kinds; also the stream prefixes.
 pub const KIND_TENANT: &str = "tenant";
@@ -415,6 +420,9 @@ pub struct ReservationDoc {
     pub hold_failed_nodes: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// The instance using its GPUs, until that instance is deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
     pub version: u64,
 }
 
@@ -674,21 +682,25 @@ impl Projector for Projections {
             }
             return;
         }
-        if GPU_REPORT_TYPES.contains(&event.envelope.event_type.as_str()) {
-            // On the reservation's stream (its rows below), and it finishes its command: the
+        let report_type = event.envelope.event_type.as_str();
+        if GPU_REPORT_TYPES.contains(&report_type) || INSTANCE_REPORT_TYPES.contains(&report_type) {
+            // On the reservation's (or the instance's) stream (its rows below), and it finishes its command: the
             // command's rows, its node's queue and the node's journal head.
             let tenant = event.envelope.tenant.to_string();
             let row = |kind: &str, id: &str| RowKey { tenant: tenant.clone(), kind: kind.to_owned(), id: id.to_owned() };
             let report = canonical::to_json(&event.envelope.payload);
-            if let (Some(command), Some(node)) =
-                (report.get("commandId").and_then(Value::as_str), report.get("nodeId").and_then(Value::as_str))
-            {
+            let node = report.get("nodeId").and_then(Value::as_str);
+            if let (Some(command), Some(node)) = (report.get("commandId").and_then(Value::as_str), node) {
                 out.push(row(KIND_COMMAND, command));
                 out.push(row(KIND_COMMAND_LIVE, command));
                 out.push(row(KIND_NODE_COMMANDS, node));
-                if event.envelope.payload_has(bc_core::agent::JOURNAL_PAYLOAD_KEY) {
-                    out.push(row(KIND_NODE, node));
-                }
+            }
+            // Any entry of a node's journal moves the node's journal head (an instance report
+            // may answer no command: a change the node saw by itself).
+            if let Some(node) = node
+                && event.envelope.payload_has(bc_core::agent::JOURNAL_PAYLOAD_KEY)
+            {
+                out.push(row(KIND_NODE, node));
             }
         }
         if let Some((kind, id)) = event.envelope.stream.split_once('/')
@@ -704,9 +716,17 @@ impl Projector for Projections {
                     | KIND_JOIN_TOKEN
                     | KIND_FLAVOR
                     | KIND_IMAGE
+                    | KIND_INSTANCE
             )
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
+            if kind == KIND_INSTANCE {
+                out.push(RowKey {
+                    tenant: event.envelope.tenant.to_string(),
+                    kind: KIND_INSTANCE_LIVE.to_owned(),
+                    id: id.to_owned(),
+                });
+            }
             if kind == KIND_RESERVATION {
                 out.push(RowKey {
                     tenant: event.envelope.tenant.to_string(),
@@ -1034,10 +1054,68 @@ impl Projector for Projections {
                     hold_attempts: 0,
                     hold_failed_nodes: Vec::new(),
                     last_error: None,
+                    instance_id: None,
                     version: env.version,
                 })
             }
             GPU_HELD | GPU_HOLD_FAILED | GPU_RELEASED => apply_gpu_report(key, current, event),
+            INSTANCE_CREATED
+            | INSTANCE_START_REQUESTED
+            | INSTANCE_STOP_REQUESTED
+            | INSTANCE_RESIZE_REQUESTED
+            | INSTANCE_DELETE_REQUESTED
+            | INSTANCE_REAPPLIED
+            | INSTANCE_FAILED
+            | INSTANCE_DELETED => instance::apply_instance(&key.kind, &key.id, current, event),
+            INSTANCE_OBSERVED | INSTANCE_APPLY_FAILED => match key.kind.as_str() {
+                KIND_INSTANCE | KIND_INSTANCE_LIVE => instance::apply_instance(&key.kind, &key.id, current, event),
+                KIND_NODE => {
+                    let report: InstanceReport = payload(event)?;
+                    let journal = report
+                        .journal
+                        .ok_or_else(|| corrupt(event, "an instance report without a journal entry touched its node".into()))?;
+                    let mut doc: NodeDoc = from_doc(event, current)?;
+                    advance_journal(&mut doc, &journal, event)?;
+                    to_doc(&doc)
+                }
+                _ => {
+                    // It finishes its command, as `command.succeeded` or `.failed` would.
+                    let report: InstanceReport = payload(event)?;
+                    let command_id = report
+                        .command_id
+                        .clone()
+                        .ok_or_else(|| corrupt(event, format!("{} without a command touched a command", env.event_type)))?;
+                    let failed = env.event_type == INSTANCE_APPLY_FAILED;
+                    let result = (!failed).then(
+                        || serde_json::json!({ "state": report.state, "vcpus": report.vcpus, "memoryMiB": report.memory_mib }),
+                    );
+                    let progress = CommandProgress {
+                        command_id: command_id.clone(),
+                        node_id: report.node_id,
+                        result,
+                        reason: report.reason,
+                        journal: report.journal,
+                    };
+                    apply_command(
+                        key,
+                        current,
+                        event,
+                        command_id,
+                        Some(progress),
+                        if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED },
+                    )
+                }
+            },
+            RESERVATION_INSTANCE_ATTACHED | RESERVATION_INSTANCE_DETACHED => {
+                if key.kind == KIND_RESERVATION_LIVE && current.is_none() {
+                    return Ok(None);
+                }
+                let p: ReservationInstance = payload(event)?;
+                let mut doc: ReservationDoc = from_doc(event, current)?;
+                doc.instance_id = (env.event_type == RESERVATION_INSTANCE_ATTACHED).then_some(p.instance_id);
+                doc.version = env.version;
+                to_doc(&doc)
+            }
             RESERVATION_ACTIVATED
             | RESERVATION_EXTENDED
             | RESERVATION_RELEASED
@@ -1373,7 +1451,9 @@ fn apply_command(
                 // per placement, so bounded by the node's GPUs and the hold attempts) are never
                 // refused here, or an expiry or a release would fail for a node that is away.
                 let kind = canonical::to_json(&env.payload).get("kind").and_then(Value::as_str).map(str::to_owned);
-                let ours = kind.is_some_and(|k| k.starts_with("gpu."));
+                // `instances.*` checks the bound before it issues `instance.apply`; the reconciler's
+                // applies again are bounded by the instances' attempts.
+                let ours = kind.is_some_and(|k| k.starts_with("gpu.") || k == INSTANCE_APPLY);
                 if !ours && queue.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
                     return Err(corrupt(
                         event,

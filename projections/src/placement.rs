@@ -320,14 +320,15 @@ pub const GPU_RELEASE: &str = "gpu.release";
 /// of it.
 /// The command's stream is new: the append guards it as such (an event on another stream must be
 /// guarded).
-fn issue_command(
+pub(crate) fn issue_command(
     node_id: &str,
     kind: &str,
     args: serde_json::Value,
     issue: Issue<'_>,
     guards: &mut Vec<(String, ExpectedVersion)>,
 ) -> Result<(NewEvent, HoldIssued)> {
-    let deadline_at_ms = issue.now_ms.saturating_add(crate::HOLD_DEADLINE_S * 1000);
+    let deadline_s = if kind == crate::INSTANCE_APPLY { crate::INSTANCE_APPLY_DEADLINE_S } else { crate::HOLD_DEADLINE_S };
+    let deadline_at_ms = issue.now_ms.saturating_add(deadline_s * 1000);
     let stream = stream_of(crate::KIND_COMMAND, &issue.command_id);
     guards.push((stream.clone(), ExpectedVersion::NoStream));
     let event = NewEvent {

@@ -79,6 +79,7 @@ fn queued(id: &str, pool: &str, gpus: u32, request_seq: u64) -> ReservationDoc {
         hold_attempts: 0,
         hold_failed_nodes: vec![],
         last_error: None,
+        instance_id: None,
         version: 1,
     }
 }
@@ -598,4 +599,241 @@ fn a_reservation_under_a_quota_is_charged_at_the_quota_version_read() {
         panic!("queued")
     };
     assert!(!append.event_types().contains(&ev::QUOTA_CHARGED));
+}
+
+// Instances: create on a bound reservation, requests, and the instances reconciler's plan.
+
+use bc_projections::decide::{InstanceAction, InstanceCreateInput, InstanceRequest};
+use bc_projections::events::{DesiredState, ObservedState};
+use bc_projections::{FlavorDoc, ImageDoc, InstanceDoc, InstanceState};
+
+fn flavor(gpus: u32) -> FlavorDoc {
+    FlavorDoc {
+        tenant_id: TENANT.into(),
+        flavor_id: "flv_1".into(),
+        pool_id: POOL.into(),
+        name: "f".into(),
+        vcpus: 4,
+        memory_mib: 2048,
+        disk_gib: 10,
+        gpus,
+        version: 1,
+        created_at_ms: 0,
+    }
+}
+
+fn image() -> ImageDoc {
+    ImageDoc {
+        tenant_id: TENANT.into(),
+        image_id: "img_1".into(),
+        name: "i".into(),
+        url: "https://images.example/u.qcow2".into(),
+        sha256: "ab".repeat(32),
+        disk_format: ev::DiskFormat::Qcow2,
+        size_bytes: None,
+        version: 1,
+        created_at_ms: 0,
+    }
+}
+
+/// An agent node whose inventory says it runs instances (or not).
+fn instance_node(runs_instances: bool) -> NodeDoc {
+    let mut node = agent_node("node_g", 4);
+    let capabilities = if runs_instances { vec!["gpu.hold".to_owned(), "instance.apply".to_owned()] } else { vec![] };
+    node.agent.as_mut().unwrap().inventory = Some(ev::NodeInventoryReported {
+        node_id: "node_g".into(),
+        gpus: vec![],
+        driver_version: None,
+        cuda_version: None,
+        unavailable: None,
+        host: ev::InventoryHost {
+            cpus: 8,
+            memory_kib: 1 << 24,
+            cpu_model: None,
+            vendor: None,
+            product: None,
+            serial: None,
+            disks: vec![],
+        },
+        capabilities,
+        hold_unavailable: None,
+        journal: None,
+    });
+    node
+}
+
+/// An active reservation of 2 GPUs on node_g, bound by its agent.
+fn bound_reservation() -> ReservationDoc {
+    let mut rsv = bound(active("rsv_a", "node_g", vec![0, 1], NOW_MS + 60_000), bc_projections::BindingState::Bound, 0, None);
+    rsv.binding.as_mut().unwrap().gpu_uuids = vec!["GPU-node_g-0".into(), "GPU-node_g-1".into()];
+    rsv
+}
+
+#[test]
+fn an_instance_is_made_only_on_a_bound_reservation_with_a_fitting_flavor() {
+    let (node, rsv, flavor2, image) = (instance_node(true), bound_reservation(), flavor(2), image());
+    fn input<'a>(
+        rsv: &'a ReservationDoc,
+        node: &'a NodeDoc,
+        flavor: &'a FlavorDoc,
+        image: &'a ImageDoc,
+    ) -> InstanceCreateInput<'a> {
+        InstanceCreateInput { instance_id: "inst_1", name: "vm", reservation: rsv, node, flavor, image, start: true }
+    }
+    let append = decide::instance_create(&input(&rsv, &node, &flavor2, &image), ISSUE).unwrap();
+    assert_eq!(append.stream, "instance/inst_1");
+    assert_eq!(append.expected, ExpectedVersion::NoStream);
+    assert_eq!(append.event_types(), [ev::INSTANCE_CREATED, ev::COMMAND_ISSUED, ev::RESERVATION_INSTANCE_ATTACHED]);
+    assert_eq!(guard_of(&append, "reservation/rsv_a"), Some(ExpectedVersion::Exact(rsv.version)), "two creates never both land");
+    let command = bc_core::canonical::to_json(&append.events[1].payload);
+    assert_eq!(command["kind"], "instance.apply");
+    assert_eq!(command["args"]["gpus"], serde_json::json!(["GPU-node_g-0", "GPU-node_g-1"]));
+    assert_eq!(command["args"]["desired"], "running");
+    assert_eq!(command["args"]["image"]["sha256"], "ab".repeat(32));
+    assert_eq!(command["deadlineAtMs"], NOW_MS + bc_projections::INSTANCE_APPLY_DEADLINE_S * 1000);
+
+    let refused = |rsv: &ReservationDoc, node: &NodeDoc, flavor: &FlavorDoc| {
+        let e: Error = decide::instance_create(&input(rsv, node, flavor, &image), ISSUE).unwrap_err().into();
+        (e.code(), e.to_string())
+    };
+    let (code, _) = refused(&rsv, &node, &flavor(1));
+    assert_eq!(code, ErrorCode::InvalidArgument, "a flavor with another GPU count");
+    let (code, message) = refused(&rsv, &instance_node(false), &flavor2);
+    assert_eq!(code, ErrorCode::Conflict);
+    assert!(message.contains("instance.apply"), "{message}");
+    let pending = bound(rsv.clone(), bc_projections::BindingState::Pending, 0, None);
+    let (code, message) = refused(&pending, &node, &flavor2);
+    assert_eq!((code, message.contains("pending")), (ErrorCode::Conflict, true), "{message}");
+    let taken = ReservationDoc { instance_id: Some("inst_0".into()), ..rsv.clone() };
+    assert!(refused(&taken, &node, &flavor2).1.contains("inst_0"));
+    let queued_rsv = queued("rsv_q", POOL, 2, 1);
+    assert_eq!(refused(&queued_rsv, &node, &flavor2).0, ErrorCode::Conflict);
+}
+
+/// The document an instance has after its create was applied and the node answered `observed`.
+fn instance(desired: DesiredState, observed: Option<ObservedState>, answered: bool) -> InstanceDoc {
+    InstanceDoc {
+        tenant_id: TENANT.into(),
+        instance_id: "inst_1".into(),
+        name: "vm".into(),
+        pool_id: POOL.into(),
+        node_id: "node_g".into(),
+        reservation_id: "rsv_a".into(),
+        shape: ev::InstanceShape { flavor_id: "flv_1".into(), vcpus: 4, memory_mib: 2048, disk_gib: 10 },
+        gpus: vec!["GPU-node_g-0".into()],
+        image: ev::InstanceImage {
+            image_id: "img_1".into(),
+            url: "https://images.example/u.qcow2".into(),
+            sha256: "ab".repeat(32),
+            disk_format: ev::DiskFormat::Qcow2,
+            size_bytes: None,
+        },
+        desired,
+        generation: 1,
+        state: InstanceState::Pending,
+        observed: observed.map(|state| bc_projections::instance::InstanceObserved {
+            state,
+            vcpus: Some(4),
+            memory_mib: Some(2048),
+            generation: 1,
+            at_ms: NOW_MS,
+        }),
+        apply: bc_projections::instance::ApplyStatus {
+            command_id: "cmd_apply".into(),
+            generation: 1,
+            deadline_at_ms: NOW_MS + 900_000,
+            answered_at_ms: answered.then_some(NOW_MS),
+            failed: None,
+        },
+        apply_attempts: 1,
+        last_error: None,
+        version: 4,
+        created_at_ms: 0,
+        updated_at_ms: NOW_MS,
+    }
+}
+
+fn reservations(rsv: Option<ReservationDoc>) -> std::collections::HashMap<String, ReservationDoc> {
+    rsv.into_iter().map(|r| (r.reservation_id.clone(), r)).collect()
+}
+
+#[test]
+fn the_plan_applies_again_on_drift_after_a_back_off_and_gives_up_after_the_last_attempt() {
+    let live = reservations(Some(bound_reservation()));
+    let converged = instance(DesiredState::Running, Some(ObservedState::Running), true);
+    assert!(converged.converged());
+    assert_eq!(decide::instances_plan(&[converged.clone()], &live, NOW_MS + 60_000), []);
+    // Crashed behind the agent's back: applied again once the back-off has passed.
+    let crashed = instance(DesiredState::Running, Some(ObservedState::Crashed), true);
+    assert_eq!(decide::instances_plan(&[crashed.clone()], &live, NOW_MS + 1), [], "within the back-off");
+    let later = NOW_MS + bc_projections::instance::INSTANCE_REAPPLY_BACKOFF_MS;
+    let actions = decide::instances_plan(&[crashed.clone()], &live, later);
+    let [InstanceAction::Reapply { reason, attempts: 2, version: 4, .. }] = actions.as_slice() else { panic!("{actions:?}") };
+    assert!(reason.starts_with("drift: node node_g observes crashed, desired running"), "{reason}");
+    let append = actions[0].append(&crashed, ISSUE).unwrap();
+    assert_eq!(append.event_types(), [ev::INSTANCE_REAPPLIED, ev::COMMAND_ISSUED]);
+    assert_eq!(append.expected, ExpectedVersion::Exact(4));
+    // A shape the node does not have is a drift too.
+    let mut small = converged.clone();
+    small.observed.as_mut().unwrap().vcpus = Some(2);
+    assert!(matches!(decide::instances_plan(&[small], &live, later).as_slice(), [InstanceAction::Reapply { .. }]));
+    // The last attempt: failed, with the reason.
+    let exhausted = InstanceDoc { apply_attempts: bc_projections::INSTANCE_APPLY_ATTEMPTS_MAX, ..crashed };
+    let far = NOW_MS + 3_600_000;
+    assert!(matches!(decide::instances_plan(&[exhausted], &live, far).as_slice(), [InstanceAction::Fail { attempts: 3, .. }]));
+    // A failed apply is applied again with the node's own reason.
+    let mut failed = instance(DesiredState::Running, None, true);
+    failed.apply.failed = Some("image-digest: the bytes' SHA-256 is not the image's".into());
+    let actions = decide::instances_plan(&[failed], &live, later);
+    assert!(matches!(actions.as_slice(), [InstanceAction::Reapply { reason, .. }] if reason.starts_with("image-digest")));
+}
+
+#[test]
+fn the_plan_times_out_unanswered_applies_deletes_on_ended_reservations_and_finishes_deletes() {
+    let live = reservations(Some(bound_reservation()));
+    let unanswered = instance(DesiredState::Running, None, false);
+    assert_eq!(decide::instances_plan(&[unanswered.clone()], &live, NOW_MS + 899_000), []);
+    let actions = decide::instances_plan(&[unanswered], &live, NOW_MS + 900_001);
+    assert!(matches!(actions.as_slice(), [InstanceAction::Reapply { reason, .. }] if reason.starts_with("apply-timeout")));
+
+    // The reservation ended: the instance is deleted (a new generation, desired deleted).
+    let running = instance(DesiredState::Running, Some(ObservedState::Running), true);
+    let actions = decide::instances_plan(&[running.clone()], &reservations(None), NOW_MS);
+    let [InstanceAction::Delete { reason, .. }] = actions.as_slice() else { panic!("{actions:?}") };
+    assert!(reason.starts_with("reservation-ended"));
+    let append = actions[0].append(&running, ISSUE).unwrap();
+    assert_eq!(append.event_types(), [ev::INSTANCE_DELETE_REQUESTED, ev::COMMAND_ISSUED]);
+    let command = bc_core::canonical::to_json(&append.events[1].payload);
+    assert_eq!((command["args"]["desired"].as_str(), command["args"]["generation"].as_u64()), (Some("deleted"), Some(2)));
+
+    // Gone from the node after a delete: deleted, and detached from its reservation.
+    let gone = instance(DesiredState::Deleted, Some(ObservedState::Absent), true);
+    let actions = decide::instances_plan(&[gone.clone()], &live, NOW_MS);
+    assert!(matches!(actions.as_slice(), [InstanceAction::Deleted { reservation_version: Some(2), .. }]), "{actions:?}");
+    let append = actions[0].append(&gone, ISSUE).unwrap();
+    assert_eq!(append.event_types(), [ev::INSTANCE_DELETED, ev::RESERVATION_INSTANCE_DETACHED]);
+    assert_eq!(guard_of(&append, "reservation/rsv_a"), Some(ExpectedVersion::Exact(2)));
+    // A failed instance takes no action.
+    let failed = InstanceDoc { state: InstanceState::Failed, ..instance(DesiredState::Running, None, false) };
+    assert_eq!(decide::instances_plan(&[failed], &live, NOW_MS + 10_000_000), []);
+}
+
+#[test]
+fn requests_bump_the_generation_and_a_deleted_instance_takes_none() {
+    let running = instance(DesiredState::Running, Some(ObservedState::Running), true);
+    let append = decide::instance_request(&running, &InstanceRequest::Stop, Some(4), None, ISSUE).unwrap();
+    assert_eq!(append.event_types(), [ev::INSTANCE_STOP_REQUESTED, ev::COMMAND_ISSUED]);
+    let command = bc_core::canonical::to_json(&append.events[1].payload);
+    assert_eq!((command["args"]["desired"].as_str(), command["args"]["generation"].as_u64()), (Some("stopped"), Some(2)));
+    let stale: Error = decide::instance_request(&running, &InstanceRequest::Stop, Some(3), None, ISSUE).unwrap_err().into();
+    assert_eq!(stale.code(), ErrorCode::Conflict);
+    let deleted = InstanceDoc { state: InstanceState::Deleted, ..running.clone() };
+    let refused: Error = decide::instance_request(&deleted, &InstanceRequest::Start, None, None, ISSUE).unwrap_err().into();
+    assert_eq!(refused.code(), ErrorCode::Conflict);
+    let deleting = InstanceDoc { desired: DesiredState::Deleted, ..running };
+    assert!(decide::instance_request(&deleting, &InstanceRequest::Start, None, None, ISSUE).is_err());
+    assert!(
+        decide::instance_request(&deleting, &InstanceRequest::Delete, None, None, ISSUE).is_ok(),
+        "a delete again resends it"
+    );
 }

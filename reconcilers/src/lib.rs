@@ -6,6 +6,8 @@
 //!   the retry schedule and dead letters;
 //! - [`webhooks`]: signed webhook deliveries (Standard Webhooks);
 //! - [`reservations`]: queued → active → expired, on the decisions of `bc_projections::decide`;
+//! - [`instances`]: each instance made what it should be (applied again on drift, deleted when
+//!   its reservation ends);
 //! - [`checkpoints`]: seals signed checkpoints of the tenants whose logs grew;
 //! - [`liveness`]: node leases into `node.ready` / `node.unreachable`, and commands failed at
 //!   their deadline;
@@ -16,6 +18,7 @@
 //! handlers.
 
 pub mod checkpoints;
+pub mod instances;
 pub mod liveness;
 pub mod outbox;
 pub mod reservations;
@@ -47,4 +50,4 @@ pub(crate) async fn idle(
 /// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
-pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME];
+pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME];

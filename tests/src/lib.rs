@@ -682,6 +682,151 @@ pub fn fake_hardware(seed: u64) -> Value {
     json(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// One machine that runs `bcd node`: its data directory and configuration (the agents'
+/// endpoint of `server` on `port`, TLS with its pin, the log key's pin, observations every
+/// 150 ms, JSON logs to `node.log`). Killed when dropped; its directory is kept when the test
+/// fails.
+pub struct Machine {
+    pub dir: tempfile::TempDir,
+    node: Option<Child>,
+}
+
+impl Machine {
+    pub fn new(server: &Server, port: u16) -> Machine {
+        let dir = tempfile::tempdir().unwrap();
+        let config = format!(
+            "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\nobserve_interval = \"150ms\"\n\n[log]\nlevel = \"info\"\nformat = \"json\"\n",
+            dir.path().join("data").display().to_string(),
+            server.agents_pin.clone().expect("the agents' endpoint is TLS"),
+            log_key_pin(server),
+        );
+        std::fs::write(dir.path().join("config.toml"), config).unwrap();
+        Machine { dir, node: None }
+    }
+
+    pub fn config(&self) -> String {
+        self.dir.path().join("config.toml").display().to_string()
+    }
+
+    pub fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    pub fn bcd(&self, args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
+        bcd(args, env, stdin)
+    }
+
+    /// `bcd ARGS` outside any machine.
+    pub fn run_bcd(args: &[&str]) -> (i32, String, String) {
+        bcd(args, &[], None)
+    }
+
+    pub fn join_stdin(&self, token: &str) -> (i32, String, String) {
+        self.bcd(&["join", "--config", &self.config()], &[], Some(&format!("{token}\n")))
+    }
+
+    pub fn start(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("node.log")).unwrap();
+        let child = Command::new(binary("bcd"))
+            .args(["node", "--config", &self.config()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start bcd node");
+        self.node = Some(child);
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.node.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, and the exit code.
+    pub fn stop(&mut self) -> i32 {
+        let mut child = self.node.take().expect("running");
+        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        child.wait().unwrap().code().unwrap_or(-1)
+    }
+
+    pub fn status(&self) -> Option<Value> {
+        let (code, out, _) = self.bcd(&["status", "--config", &self.config()], &[], None);
+        (code == 0).then(|| json(&out))
+    }
+
+    pub fn node_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("node.log")).unwrap_or_default()
+    }
+
+    pub fn node_id(&self) -> String {
+        let identity: Value = serde_json::from_str(&std::fs::read_to_string(self.data().join("identity.json")).unwrap()).unwrap();
+        let document: Value = serde_json::from_str(identity["identity"].as_str().unwrap()).unwrap();
+        document["nodeId"].as_str().unwrap().to_owned()
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            let kept = self.dir.path().to_path_buf();
+            std::mem::forget(std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap()));
+            eprintln!("kept the machine's directory: {}", kept.display());
+        }
+    }
+}
+
+/// A loopback HTTP/1.1 server that answers every GET with `bytes`: where the tests' images are
+/// fetched from. Counts the requests it answered.
+pub struct ImageServer {
+    pub url: String,
+    served: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ImageServer {
+    /// Serves `bytes` at `http://127.0.0.1:PORT/NAME`.
+    pub fn start(name: &str, bytes: Vec<u8>) -> ImageServer {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/{name}", listener.local_addr().unwrap());
+        let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = served.clone();
+        let bytes = std::sync::Arc::new(bytes);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let (count, bytes) = (count.clone(), bytes.clone());
+                std::thread::spawn(move || {
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        bytes.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes());
+                    let _ = stream.write_all(&bytes);
+                });
+            }
+        });
+        ImageServer { url, served }
+    }
+
+    /// GETs answered so far.
+    pub fn served(&self) -> usize {
+        self.served.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, SystemTime};

@@ -6,105 +6,11 @@
 //! once after it returns; liveness follows the lease.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use bc_tests::{Server, json, wait_until};
+use bc_tests::{Machine, Server, json, wait_until};
 use serde_json::{Value, json};
-
-/// One machine: its data directory and configuration.
-struct Machine {
-    dir: tempfile::TempDir,
-    node: Option<Child>,
-}
-
-impl Machine {
-    fn new(server: &Server, port: u16) -> Machine {
-        let dir = tempfile::tempdir().unwrap();
-        let config = format!(
-            "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\nobserve_interval = \"150ms\"\n\n[log]\nlevel = \"info\"\nformat = \"json\"\n",
-            dir.path().join("data").display().to_string(),
-            server.agents_pin.clone().expect("the agents' endpoint is TLS"),
-            bc_tests::log_key_pin(server),
-        );
-        std::fs::write(dir.path().join("config.toml"), config).unwrap();
-        Machine { dir, node: None }
-    }
-
-    fn config(&self) -> String {
-        self.dir.path().join("config.toml").display().to_string()
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn bcd(&self, args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> (i32, String, String) {
-        bc_tests::bcd(args, env, stdin)
-    }
-
-    /// `bcd ARGS` outside any machine.
-    fn run_bcd(args: &[&str]) -> (i32, String, String) {
-        bc_tests::bcd(args, &[], None)
-    }
-
-    fn join_stdin(&self, token: &str) -> (i32, String, String) {
-        self.bcd(&["join", "--config", &self.config()], &[], Some(&format!("{token}\n")))
-    }
-
-    fn start(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("node.log")).unwrap();
-        let child = Command::new(bc_tests::binary("bcd"))
-            .args(["node", "--config", &self.config()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start bcd node");
-        self.node = Some(child);
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.node.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// SIGTERM, and the exit code.
-    fn stop(&mut self) -> i32 {
-        let mut child = self.node.take().expect("running");
-        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
-        child.wait().unwrap().code().unwrap_or(-1)
-    }
-
-    fn status(&self) -> Option<Value> {
-        let (code, out, _) = self.bcd(&["status", "--config", &self.config()], &[], None);
-        (code == 0).then(|| json(&out))
-    }
-
-    fn node_log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("node.log")).unwrap_or_default()
-    }
-
-    fn node_id(&self) -> String {
-        let identity: Value = serde_json::from_str(&std::fs::read_to_string(self.data().join("identity.json")).unwrap()).unwrap();
-        let document: Value = serde_json::from_str(identity["identity"].as_str().unwrap()).unwrap();
-        document["nodeId"].as_str().unwrap().to_owned()
-    }
-}
-
-impl Drop for Machine {
-    fn drop(&mut self) {
-        self.kill9();
-        if std::thread::panicking() {
-            let kept = self.dir.path().to_path_buf();
-            std::mem::forget(std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap()));
-            eprintln!("kept the machine's directory: {}", kept.display());
-        }
-    }
-}
 
 async fn token(server: &Server, pool: &str, uses: u32) -> String {
     let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": uses })).await;

@@ -19,6 +19,7 @@ mod audit;
 mod auth;
 mod events;
 mod flavors;
+mod instances;
 mod inventory;
 mod join_tokens;
 mod meta;
@@ -58,6 +59,7 @@ impl Command {
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
             Command::Flavors { command } => flavors::run(ctx, command).await,
             Command::Images { command } => flavors::images(ctx, command).await,
+            Command::Instances { command } => instances::run(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::Completion { shell } => meta::completion(shell),

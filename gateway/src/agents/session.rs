@@ -486,6 +486,9 @@ async fn check_entry_subject(
     if ev::GPU_REPORT_TYPES.contains(&body.entry_type.as_str()) {
         return check_gpu_report(state, bound, body).await;
     }
+    if ev::INSTANCE_REPORT_TYPES.contains(&body.entry_type.as_str()) {
+        return check_instance_report(state, bound, body).await;
+    }
     let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
         Ok(p) => p,
         Err(e) => return Ok(Err(format!("the payload of {}: {e}", body.entry_type))),
@@ -549,7 +552,58 @@ async fn check_gpu_report(
     Ok(Ok(()))
 }
 
-/// The longest reason a node gives for a failed hold.
+/// An instance report must be about an instance on this node, on that instance's stream; one
+/// that answers a command must answer this node's `instance.apply` for that instance.
+async fn check_instance_report(
+    state: &AppState,
+    bound: &Bound,
+    body: &bc_core::agent::EntryBody,
+) -> std::result::Result<std::result::Result<(), String>, Refusal> {
+    let node = bound.node.to_string();
+    let report: ev::InstanceReport = match serde_json::from_value(body.payload.clone()) {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(format!("the payload of {}: {e}", body.entry_type))),
+    };
+    let observed = body.entry_type == ev::INSTANCE_OBSERVED;
+    let shape_ok = report.journal.is_none()
+        && report.node_id == node
+        && report.instance_id.parse::<bc_core::id::InstanceId>().is_ok()
+        && body.subject == stream_of(bc_projections::KIND_INSTANCE, &report.instance_id)
+        && report.command_id.as_deref().is_none_or(|c| c.parse::<CommandId>().is_ok())
+        && report.reason.as_ref().is_none_or(|r| r.len() <= REASON_BYTES_MAX)
+        && if observed { report.state.is_some() } else { report.command_id.is_some() && report.reason.is_some() };
+    if !shape_ok {
+        return Ok(Err(format!(
+            "{} names this node and one of its instances, on the instance's stream ({})",
+            body.entry_type,
+            if observed { "with the state observed" } else { "with the command and the reason" }
+        )));
+    }
+    let instance = state.store.row_get(&bound.tenant.to_string(), bc_projections::KIND_INSTANCE, &report.instance_id).await?;
+    let instance: Option<bc_projections::InstanceDoc> = instance.map(crate::api::toolkit::doc).transpose()?;
+    if instance.is_none_or(|i| i.node_id != node) {
+        return Ok(Err(format!("instance {} is not on this node", report.instance_id)));
+    }
+    if let Some(command_id) = &report.command_id {
+        let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, command_id).await?;
+        let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+        let answers = command.is_some_and(|c| {
+            c.node_id == node
+                && c.kind == bc_projections::INSTANCE_APPLY
+                && c.args.get("instanceId").and_then(|i| i.as_str()) == Some(&report.instance_id)
+        });
+        if !answers {
+            return Ok(Err(format!(
+                "command {command_id} is not this node's {} for instance {}",
+                bc_projections::INSTANCE_APPLY,
+                report.instance_id
+            )));
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// The longest reason a node gives for a failed hold or apply.
 pub const REASON_BYTES_MAX: usize = 1024;
 
 /// Sends the node's unfinished commands it has not been sent in this session, in issue order.

@@ -190,6 +190,12 @@ async fn commands_cancel(call: &Call<'_>, input: CommandRef) -> Result<CommandVi
     if current.state != CommandState::Issued && current.state != CommandState::Started {
         return Ok(current.into());
     }
+    if current.kind == bc_projections::INSTANCE_APPLY {
+        return Err(Error::InvalidArgument {
+            message: format!("{id} is an instance's {}: it is not cancelled by a caller", current.kind),
+            hint: Some("ask the instance for what it should be instead (instances.start, .stop, .delete)".into()),
+        });
+    }
     if current.kind.starts_with("gpu.") {
         // A reservation's hold or release is the control plane's: cancelling a release would
         // leave the GPUs held on the node for good.

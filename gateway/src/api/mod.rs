@@ -2,7 +2,7 @@
 //!
 //! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
 //! `inventory.rs`, `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
-//! `flavors.rs`, `images.rs`, `webhooks.rs`) declares its
+//! `flavors.rs`, `images.rs`, `instances.rs`, `webhooks.rs`) declares its
 //! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
 //! input type its handler parses, the output type it answers with, and the handler. The router
 //! ([`crate::rpc`]), authorization, `better-compute api --list` and the OpenAPI document
@@ -28,6 +28,7 @@ mod commands;
 mod events;
 mod flavors;
 mod images;
+mod instances;
 mod inventory;
 mod join_tokens;
 pub(crate) mod nodes;
@@ -122,6 +123,7 @@ const GROUPS: &[&[Method]] = &[
     quotas::METHODS,
     flavors::METHODS,
     images::METHODS,
+    instances::METHODS,
     events::METHODS,
     webhooks::METHODS,
 ];

@@ -365,6 +365,8 @@ id_schema!(/// `flv_…`
     FlavorIdText, bc_core::id::FlavorId);
 id_schema!(/// `img_…`
     ImageIdText, bc_core::id::ImageId);
+id_schema!(/// `inst_…`
+    InstanceIdText, bc_core::id::InstanceId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({

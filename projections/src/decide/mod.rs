@@ -26,10 +26,15 @@ use crate::fleet::TenantView;
 use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
 
 mod capacity;
+mod instance;
 mod plan;
 mod reservation;
 
 pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
+pub use instance::{
+    CAPABILITY_INSTANCE_APPLY, InstanceAction, InstanceCreateInput, InstanceRequest, instance_create, instance_request,
+    instances_plan,
+};
 pub use plan::{Action, plan};
 // `node_keys_change`, `node_register` and their bounds are defined below.
 pub use reservation::{
@@ -104,6 +109,19 @@ pub enum Refusal {
     /// The tenant has [`NODES_PER_TENANT_MAX`] nodes already.
     #[error("the tenant has {count} nodes, its limit of {max}", max = NODES_PER_TENANT_MAX)]
     TooManyNodes { count: usize },
+    /// The reservation cannot take an instance now (not active, not bound, or it has one).
+    #[error("reservation {reservation_id} cannot take an instance: {why}")]
+    ReservationNotReady { reservation_id: String, version: u64, why: String },
+    /// The flavor does not fit the reservation (another pool, another GPU count).
+    #[error("{0}")]
+    InstanceMismatch(String),
+    /// The node's agent has no hypervisor (it does not say `instance.apply`).
+    #[error("node {node_id} does not run instances: its agent has no hypervisor (capability instance.apply)")]
+    NodeCannotRunInstances { node_id: String, version: u64 },
+    #[error("instance {instance_id} is at version {actual}, not {expected}")]
+    InstanceVersionMismatch { instance_id: String, expected: u64, actual: u64 },
+    #[error("instance {instance_id} is {state}: it takes no other request")]
+    InstanceFinished { instance_id: String, version: u64, state: &'static str },
     /// Not a refusal of the request: a document breaks an invariant (an active reservation
     /// without a node) or a payload does not encode.
     #[error("{0}")]
@@ -136,6 +154,28 @@ impl From<Refusal> for Error {
             Refusal::PoolArchived { .. } | Refusal::NotActive { .. } | Refusal::ExtendPastPoolMaximum { .. } => {
                 Error::invalid(message)
             }
+            Refusal::ReservationNotReady { reservation_id, version, why } => Error::Conflict {
+                stream: stream_of(KIND_RESERVATION, &reservation_id),
+                expected: format!("an active reservation with its GPUs bound and no instance ({why})"),
+                actual: version,
+            },
+            Refusal::InstanceMismatch(_) => Error::InvalidArgument {
+                message,
+                hint: Some("choose a flavor of the reservation's pool with as many GPUs as it holds".into()),
+            },
+            Refusal::NodeCannotRunInstances { node_id, version } => Error::Conflict {
+                stream: stream_of(crate::KIND_NODE, &node_id),
+                expected: "a node whose agent runs instances (capability instance.apply)".into(),
+                actual: version,
+            },
+            Refusal::InstanceVersionMismatch { instance_id, expected, actual } => {
+                Error::Conflict { stream: stream_of(crate::KIND_INSTANCE, &instance_id), expected: expected.to_string(), actual }
+            }
+            Refusal::InstanceFinished { instance_id, version, state } => Error::Conflict {
+                stream: stream_of(crate::KIND_INSTANCE, &instance_id),
+                expected: format!("a live instance (this one is {state})"),
+                actual: version,
+            },
             Refusal::Internal(_) => Error::Internal(message),
         }
     }

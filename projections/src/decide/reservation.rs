@@ -84,6 +84,7 @@ impl ReservationAsk {
             hold_attempts: 0,
             hold_failed_nodes: Vec::new(),
             last_error: None,
+            instance_id: None,
             version: 0,
         }
     }

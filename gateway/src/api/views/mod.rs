@@ -21,11 +21,13 @@ pub use bc_projections::EventView;
 
 mod agents;
 mod flavors;
+mod instances;
 mod reservations;
 mod webhooks;
 
 pub use agents::*;
 pub use flavors::*;
+pub use instances::*;
 pub use reservations::*;
 pub use webhooks::*;
 

@@ -1,0 +1,163 @@
+//! The `instances` reconciler: makes each instance what it should be. Level-triggered: every
+//! pass reads each tenant's live instances (their `instance_live` rows) and the reservations
+//! they run on, and appends what [`decide::instances_plan`] says: another `instance.apply` when
+//! the node observes something else than what is desired (a drift, a failed or unanswered
+//! apply), `instance.failed` after [`bc_projections::INSTANCE_APPLY_ATTEMPTS_MAX`] tries, a
+//! delete when the reservation ended, and `instance.deleted` (with the reservation detached) once
+//! the node reports the domain gone.
+//!
+//! Every append is at the instance's version the pass read, so two processes running it never
+//! both act on one state: the second gets a CONFLICT and decides again next pass.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bc_core::clock::Clock;
+use bc_core::id::CommandId;
+use bc_core::store::Log;
+use bc_core::{ErrorCode, Result};
+use bc_projections::decide::{self, InstanceAction};
+use bc_projections::placement::Issue;
+use bc_projections::{InstanceDoc, KIND_INSTANCE_LIVE, KIND_RESERVATION, ReservationDoc};
+
+pub const NAME: &str = "instances";
+const ACTOR: &str = "reconciler:instances";
+/// How often a pass runs when nothing wakes it.
+pub const TICK_MS_DEFAULT: u64 = 500;
+/// Live instances read per tenant per query.
+const ROWS_PER_READ: u32 = 500;
+
+/// What one pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    pub reapplied: usize,
+    pub failed: usize,
+    pub deleting: usize,
+    pub deleted: usize,
+    pub conflicts: usize,
+}
+
+impl Pass {
+    fn any(&self) -> bool {
+        self.reapplied + self.failed + self.deleting + self.deleted + self.conflicts > 0
+    }
+}
+
+/// A tenant's live instances, every page.
+async fn live_instances(log: &Log, tenant: &str) -> Result<Vec<InstanceDoc>> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = log.store.row_list(tenant, KIND_INSTANCE_LIVE, after.as_deref(), ROWS_PER_READ).await?;
+        let full = rows.len() == ROWS_PER_READ as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            out.push(serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("instance row: {e}")))?);
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// One pass over every tenant.
+pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
+    let mut done = Pass::default();
+    for tenant in log.store.tenants().await? {
+        let tenant_text = tenant.to_string();
+        let instances = live_instances(log, &tenant_text).await?;
+        if instances.is_empty() {
+            continue;
+        }
+        let mut reservations: HashMap<String, ReservationDoc> = HashMap::new();
+        for instance in &instances {
+            if reservations.contains_key(&instance.reservation_id) {
+                continue;
+            }
+            if let Some(row) = log.store.row_get(&tenant_text, KIND_RESERVATION, &instance.reservation_id).await? {
+                let doc: ReservationDoc =
+                    serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("reservation row: {e}")))?;
+                reservations.insert(instance.reservation_id.clone(), doc);
+            }
+        }
+        let now_ms = clock.now_ms();
+        let by_id: HashMap<&str, &InstanceDoc> = instances.iter().map(|i| (i.instance_id.as_str(), i)).collect();
+        for action in decide::instances_plan(&instances, &reservations, now_ms) {
+            let Some(doc) = by_id.get(action.instance_id()) else { continue };
+            let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
+            let append = action.append(doc, Issue { command_id: &command_id, now_ms }).map_err(bc_core::Error::from)?;
+            match log.append(append.into_request(tenant, ACTOR)).await {
+                Ok(_) => match &action {
+                    InstanceAction::Reapply { reason, attempts, .. } => {
+                        done.reapplied += 1;
+                        tracing::info!(reconciler = NAME, instance = %doc.instance_id, attempts, reason = %bc_core::id::truncate(reason, 200), "applying again");
+                    }
+                    InstanceAction::Fail { reason, attempts, .. } => {
+                        done.failed += 1;
+                        tracing::warn!(reconciler = NAME, instance = %doc.instance_id, attempts, reason = %bc_core::id::truncate(reason, 200), "instance failed");
+                    }
+                    InstanceAction::Delete { .. } => done.deleting += 1,
+                    InstanceAction::Deleted { .. } => done.deleted += 1,
+                },
+                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                Err(e) => {
+                    // One instance's failure is its own: the pass goes on.
+                    tracing::warn!(reconciler = NAME, instance = %doc.instance_id, code = %e.code(), error = %e, "append failed");
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// Runs passes until `shutdown`: every `tick_ms`, and soon after a commit of this process.
+pub async fn run(
+    log: Arc<Log>,
+    clock: Arc<dyn Clock>,
+    tick_ms: u64,
+    mut wake: Option<tokio::sync::watch::Receiver<u64>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
+    let status = crate::status::PassRecorder::new(log.store.clone(), clock.clone(), NAME);
+    while !*shutdown.borrow() {
+        let started_at_ms = clock.now_ms();
+        let result = pass(&log, &*clock).await;
+        let mut again = false;
+        match &result {
+            Ok(p) => {
+                let counts = [
+                    ("reapplied", p.reapplied as u64),
+                    ("failed", p.failed as u64),
+                    ("deleting", p.deleting as u64),
+                    ("deleted", p.deleted as u64),
+                    ("conflicts", p.conflicts as u64),
+                ];
+                status.pass(started_at_ms, Ok(&counts)).await;
+                if p.any() {
+                    tracing::info!(
+                        reconciler = NAME,
+                        reapplied = p.reapplied,
+                        failed = p.failed,
+                        deleting = p.deleting,
+                        deleted = p.deleted,
+                        conflicts = p.conflicts,
+                        "pass"
+                    );
+                }
+                again = p.conflicts > 0;
+            }
+            Err(e) => {
+                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
+                status.pass(started_at_ms, Err(e)).await;
+            }
+        }
+        // At most one pass per PASS_INTERVAL_MIN_MS, however often commits wake it.
+        tokio::time::sleep(Duration::from_millis(crate::reservations::PASS_INTERVAL_MIN_MS.min(tick_ms))).await;
+        if !again {
+            crate::idle(tick_ms.saturating_sub(crate::reservations::PASS_INTERVAL_MIN_MS), &mut wake, &mut shutdown).await;
+        }
+    }
+    tracing::info!(reconciler = NAME, "reconciler stopped");
+}

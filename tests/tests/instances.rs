@@ -1,0 +1,230 @@
+//! Instances end to end (issue 11, part 3): a real `better-compute dev`, a real `bcd node` on a
+//! seeded fake machine whose hypervisor is libvirt's `test:///default` driver (the `libvirt`
+//! feature), and an image served over HTTP from loopback. An instance is created on a bound
+//! reservation through the CLI, then stopped, started, resized and deleted through the API;
+//! `instances get` shows each state as libvirt reports it. An image whose bytes do not match
+//! its digest fails the instance after the named number of applies, with the node's reason; a
+//! released reservation takes its instance with it.
+
+use std::time::Duration;
+
+use bc_tests::{ImageServer, Machine, Server, json};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+/// A fake machine with at least `gpus` GPUs: its seed.
+fn fake_seed_with(gpus: usize) -> u64 {
+    (1..100u64)
+        .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| g.len() >= gpus))
+        .expect("a fake machine with enough GPUs among seeds 1..100")
+}
+
+async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
+    let (status, doc) = server.call(method, body).await;
+    assert_eq!(status, 200, "{method}: {doc}");
+    doc
+}
+
+/// Polls `instances.get` until `done` says yes.
+async fn wait_instance(server: &Server, id: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let doc = call_ok(server, "instances.get", json!({ "instanceId": id })).await;
+        if done(&doc) {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "instance {id}: not {what} after 60 s: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_reservation(server: &Server, id: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let doc = call_ok(server, "reservations.get", json!({ "reservationId": id })).await;
+        if done(&doc) {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "reservation {id}: not {what} after 30 s: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn settled_in(state: &'static str) -> impl Fn(&Value) -> bool {
+    move |doc| doc["state"] == state
+}
+
+/// A reservation of `gpus` in `pool`, waited on until its GPUs are bound.
+async fn bound_reservation(server: &Server, pool: &str, gpus: u32) -> String {
+    let rsv = call_ok(server, "reservations.create", json!({ "poolId": pool, "gpus": gpus, "durationS": 3600 })).await;
+    let id = rsv["reservationId"].as_str().unwrap().to_owned();
+    wait_reservation(server, &id, "bound", |r| r["binding"]["state"] == "bound").await;
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_libvirt_does() {
+    let (server, port) = bc_tests::agents_gateway();
+    let seed = fake_seed_with(2);
+    let pool = server.pool("vms").await;
+    let mut machine = Machine::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(
+        machine.config(),
+        format!("{config}\n[hardware]\nfake_seed = {seed}\n\n[hypervisor]\nuri = \"test:///default\"\n"),
+    )
+    .unwrap();
+    let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    assert_eq!(status, 200, "{token}");
+    let (code, _, err) = machine.join_stdin(token["token"].as_str().unwrap());
+    assert_eq!(code, 0, "join: {err}");
+    let node = machine.node_id();
+    machine.start();
+    // Ready, and its inventory says it runs instances.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
+        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+        if doc["state"] == "ready" && caps.iter().any(|c| c == "instance.apply") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "node not ready with instance.apply: {doc}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let bytes: Vec<u8> = (0..1_500_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let images = ImageServer::start("ubuntu.qcow2", bytes);
+    let image = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "ubuntu", "url": images.url, "sha256": digest, "diskFormat": "qcow2", "sizeBytes": 1_500_000 }),
+    )
+    .await;
+    let small = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "small", "vcpus": 2, "memoryMiB": 1024, "diskGiB": 10, "gpus": 2 }),
+    )
+    .await;
+    let large = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "large", "vcpus": 4, "memoryMiB": 2048, "diskGiB": 10, "gpus": 2 }),
+    )
+    .await;
+    let rsv = bound_reservation(&server, &pool, 2).await;
+
+    // Created through the CLI, which waits until the node observes it running.
+    let (code, out, err) = server.cli(&[
+        "instances",
+        "create",
+        "--name",
+        "vm1",
+        "--reservation",
+        &rsv,
+        "--flavor",
+        small["flavorId"].as_str().unwrap(),
+        "--image",
+        image["imageId"].as_str().unwrap(),
+        "--wait",
+        "60",
+    ]);
+    assert_eq!(code, 0, "instances create: {err}\n{}", machine.node_log());
+    let created = json(&out);
+    let id = created["instanceId"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("inst_"), "{created}");
+    assert_eq!(created["state"], "running", "{created}");
+    assert_eq!(created["observed"]["state"], "running", "as libvirt reports it: {created}");
+    assert_eq!((created["observed"]["vcpus"].as_u64(), created["observed"]["memoryMiB"].as_u64()), (Some(2), Some(1024)));
+    assert_eq!(created["gpus"].as_array().unwrap().len(), 2, "the reservation's GPUs, passed through: {created}");
+    assert_eq!(images.served(), 1, "the node fetched the image once");
+    let cached = machine.data().join("images").join(&digest);
+    assert_eq!(std::fs::metadata(&cached).map(|m| m.len()).ok(), Some(1_500_000), "cached by digest");
+    let rsv_doc = call_ok(&server, "reservations.get", json!({ "reservationId": rsv })).await;
+    assert_eq!(rsv_doc["instanceId"], id.as_str(), "the reservation names its instance: {rsv_doc}");
+    // One instance per reservation.
+    let (status, taken) = server
+        .call(
+            "instances.create",
+            json!({ "name": "vm2", "reservationId": rsv, "flavorId": small["flavorId"], "imageId": image["imageId"] }),
+        )
+        .await;
+    assert_eq!((status, taken["code"].as_str()), (409, Some("CONFLICT")), "{taken}");
+
+    // Stopped, started, resized: each state as libvirt reports it.
+    call_ok(&server, "instances.stop", json!({ "instanceId": id })).await;
+    let stopped = wait_instance(&server, &id, "stopped", settled_in("stopped")).await;
+    assert_eq!((stopped["observed"]["state"].as_str(), stopped["generation"].as_u64()), (Some("stopped"), Some(2)));
+    call_ok(&server, "instances.start", json!({ "instanceId": id })).await;
+    wait_instance(&server, &id, "running again", settled_in("running")).await;
+    let resized = call_ok(&server, "instances.resize", json!({ "instanceId": id, "flavorId": large["flavorId"] })).await;
+    assert_eq!((resized["vcpus"].as_u64(), resized["state"].as_str()), (Some(4), Some("pending")), "{resized}");
+    let resized = wait_instance(&server, &id, "resized", settled_in("running")).await;
+    assert_eq!((resized["observed"]["vcpus"].as_u64(), resized["observed"]["memoryMiB"].as_u64()), (Some(4), Some(2048)));
+    assert_eq!(images.served(), 1, "the cached image is used again");
+
+    // Deleted: gone from libvirt, the instance finished, the reservation free for another.
+    call_ok(&server, "instances.delete", json!({ "instanceId": id })).await;
+    let deleted = wait_instance(&server, &id, "deleted", settled_in("deleted")).await;
+    assert_eq!(deleted["observed"]["state"], "absent", "{deleted}");
+    let rsv_doc = call_ok(&server, "reservations.get", json!({ "reservationId": rsv })).await;
+    assert!(rsv_doc["instanceId"].is_null(), "detached: {rsv_doc}");
+    let (status, again) = server.call("instances.start", json!({ "instanceId": id })).await;
+    assert_eq!((status, again["code"].as_str()), (409, Some("CONFLICT")), "a deleted instance takes no request: {again}");
+    let events: Vec<String> = call_ok(&server, "events.list", json!({ "types": ["instance.*"], "limit": 500 })).await["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["stream"] == format!("instance/{id}"))
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect();
+    for expected in [
+        "instance.created",
+        "instance.observed",
+        "instance.stop_requested",
+        "instance.start_requested",
+        "instance.resize_requested",
+        "instance.delete_requested",
+        "instance.deleted",
+    ] {
+        assert!(events.iter().any(|e| e == expected), "{expected} in the instance's history: {events:?}");
+    }
+
+    // An image whose bytes are not its digest: every apply fails with the node's reason, and
+    // after the last the instance is failed.
+    let bad = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "tampered", "url": images.url, "sha256": "0".repeat(64), "diskFormat": "qcow2" }),
+    )
+    .await;
+    let doomed = call_ok(
+        &server,
+        "instances.create",
+        json!({ "name": "doomed", "reservationId": rsv, "flavorId": small["flavorId"], "imageId": bad["imageId"] }),
+    )
+    .await;
+    let doomed_id = doomed["instanceId"].as_str().unwrap().to_owned();
+    let failed = wait_instance(&server, &doomed_id, "failed", settled_in("failed")).await;
+    assert!(failed["lastError"].as_str().unwrap().starts_with("image-digest"), "{failed}");
+    assert_eq!(failed["applyAttempts"], bc_projections::INSTANCE_APPLY_ATTEMPTS_MAX, "{failed}");
+    assert!(!machine.data().join("images").join("0".repeat(64)).exists(), "nothing kept of a bad image");
+    call_ok(&server, "instances.delete", json!({ "instanceId": doomed_id })).await;
+    wait_instance(&server, &doomed_id, "deleted", settled_in("deleted")).await;
+
+    // A released reservation takes its running instance with it.
+    let last = call_ok(
+        &server,
+        "instances.create",
+        json!({ "name": "last", "reservationId": rsv, "flavorId": small["flavorId"], "imageId": image["imageId"] }),
+    )
+    .await;
+    let last_id = last["instanceId"].as_str().unwrap().to_owned();
+    wait_instance(&server, &last_id, "running", settled_in("running")).await;
+    call_ok(&server, "reservations.release", json!({ "reservationId": rsv })).await;
+    let gone = wait_instance(&server, &last_id, "deleted with its reservation", settled_in("deleted")).await;
+    assert!(gone["lastError"].as_str().unwrap_or_default().starts_with("reservation-ended"), "{gone}");
+    wait_reservation(&server, &rsv, "released on the node", |r| r["binding"]["state"] == "released").await;
+    assert_eq!(machine.stop(), 0);
+}
