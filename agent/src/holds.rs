@@ -9,7 +9,6 @@
 //! after the binding and before the journal entry that reports it.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -96,44 +95,12 @@ pub fn decide_hold(ledger: &Ledger, inventory: &Inventory, args: &HoldArgs) -> H
     HoldDecision::Bind(gpus)
 }
 
-/// The ledger on disk.
-pub struct LedgerFile {
-    path: PathBuf,
+impl crate::ledger::LedgerContents for Ledger {
+    const FILE: &'static str = "holds.json";
 }
 
-impl LedgerFile {
-    pub fn new(data_dir: &Path) -> Self {
-        Self { path: data_dir.join("holds.json") }
-    }
-
-    /// The ledger as last written; empty when there is none yet.
-    pub fn load(&self) -> Result<Ledger, String> {
-        match std::fs::read(&self.path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", self.path.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Ledger::default()),
-            Err(e) => Err(format!("{}: {e}", self.path.display())),
-        }
-    }
-
-    /// Writes the ledger whole: a temporary file, synced, renamed over the old one.
-    pub fn save(&self, ledger: &Ledger) -> Result<(), String> {
-        use std::io::Write as _;
-        use std::os::unix::fs::OpenOptionsExt as _;
-        let temp = self.path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(ledger).map_err(|e| e.to_string())?;
-        let write = || -> std::io::Result<()> {
-            let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
-            file.write_all(&bytes)?;
-            file.sync_all()?;
-            std::fs::rename(&temp, &self.path)?;
-            if let Some(dir) = self.path.parent() {
-                std::fs::File::open(dir)?.sync_all()?;
-            }
-            Ok(())
-        };
-        write().map_err(|e| format!("{}: {e}", self.path.display()))
-    }
-}
+/// The ledger on disk (`holds.json`).
+pub type LedgerFile = crate::ledger::LedgerFile<Ledger>;
 
 #[cfg(test)]
 mod tests {

@@ -49,6 +49,20 @@ pub enum DomainState {
     Other,
 }
 
+impl DomainState {
+    /// Its name in `instance.observed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Stopping => "stopping",
+            Self::Stopped => "stopped",
+            Self::Crashed => "crashed",
+            Self::Other => "other",
+        }
+    }
+}
+
 /// What the hypervisor says of one domain.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Observed {
@@ -106,6 +120,19 @@ pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
     }
     xml.push_str("  </devices>\n</domain>\n");
     Ok(xml)
+}
+
+/// The hypervisor `config` names: libvirt at `[hypervisor] uri`; else, on a fake machine
+/// (`[hardware] fake_seed`), the in-memory [`Fake`]; else none (the node runs no instances).
+pub fn for_config(config: &crate::config::Config) -> Result<Option<Box<dyn Hypervisor>>, String> {
+    match (&config.hypervisor.uri, config.hardware.fake_seed) {
+        #[cfg(feature = "libvirt")]
+        (Some(uri), _) => Ok(Some(Box::new(Libvirt::open(uri)?))),
+        #[cfg(not(feature = "libvirt"))]
+        (Some(_), _) => Err(crate::config::HYPERVISOR_NEEDS_LIBVIRT.into()),
+        (None, Some(_)) => Ok(Some(Box::new(Fake::default()))),
+        (None, None) => Ok(None),
+    }
 }
 
 /// Domains in memory: what the simulator and fake machines run instances on.

@@ -19,9 +19,12 @@ pub mod doctor;
 pub mod driver;
 pub mod holds;
 pub mod hypervisor;
+pub mod images;
+pub mod instances;
 pub mod inventory;
 pub mod join;
 pub mod journal;
+pub mod ledger;
 pub mod machine;
 pub mod runner;
 #[cfg(feature = "fakehw")]
