@@ -218,7 +218,13 @@ impl Hypervisor for Libvirt {
     fn define(&self, spec: &DomainSpec) -> Result<(), String> {
         // libvirt's test driver has its own domain type; every real one here is KVM.
         let kind = if self.uri.starts_with("test:") { "test" } else { "kvm" };
-        let xml = domain_xml(spec, kind)?;
+        let mut xml = domain_xml(spec, kind)?;
+        // A redefinition names the domain's UUID: without it libvirt makes up another and
+        // refuses a second domain of the same name.
+        if let Some(domain) = self.domain(&spec.name)? {
+            let uuid = domain.uuid_string().map_err(|e| e.message().to_owned())?;
+            xml = xml.replacen("</name>\n", &format!("</name>\n  <uuid>{}</uuid>\n", escape(&uuid)), 1);
+        }
         let connection = self.connection.lock().expect("libvirt");
         connection.define_domain_xml(&xml).map(|_| ()).map_err(|e| e.message().to_owned())
     }

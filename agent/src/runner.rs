@@ -891,3 +891,336 @@ impl Agent {
         self.runner.report_inventory_saying(now_ms, inventory, &self.capabilities()).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bc_core::agent::EntryBody;
+
+    use super::*;
+    use crate::binding::HeldGpu;
+    use crate::images::tests::{ImageServer, sha256_of};
+    use crate::inventory::{GpuInfo, GpuInventory, Inventory};
+
+    /// As the node id prints: lowercase.
+    const NODE: &str = "node_01j00000000000000000000000";
+    const RSV: &str = "rsv_01J00000000000000000000000";
+    const INST: &str = "inst_01J00000000000000000000000";
+    const INST_2: &str = "inst_01J00000000000000000000001";
+    const NOW_MS: u64 = 1_000_000;
+
+    /// A machine with two GPUs whose binding holds anything.
+    struct TwoGpus;
+
+    impl GpuBinding for TwoGpus {
+        fn unprivileged(&self) -> Option<String> {
+            None
+        }
+        fn hold(&self, _gpus: &[HeldGpu]) -> Result<(), String> {
+            Ok(())
+        }
+        fn release(&self, _gpus: &[HeldGpu]) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    impl InventorySource for TwoGpus {
+        fn read(&self) -> crate::inventory::Inventory {
+            let gpu = |i: u32| GpuInfo {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                model: "H100".into(),
+                product: "H100".into(),
+                vram_gib: 80,
+                pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + i),
+                nvlink_domain: 0,
+            };
+            Inventory { gpus: GpuInventory { gpus: (0..2).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+        }
+    }
+
+    /// The agent of a node in `dir` on `hypervisor` (`None`: a node without one).
+    async fn agent(dir: &Path, hypervisor: Option<Box<dyn Hypervisor>>) -> Agent {
+        let node: NodeId = NODE.parse().unwrap();
+        let journal = Journal::open(&dir.join("journal.db"), node, u64::MAX).await.unwrap();
+        let runner = Runner {
+            journal: Arc::new(journal),
+            key: SigningKey::from_bytes(&[7; 32]),
+            node,
+            version: "test".into(),
+            binding: Box::new(TwoGpus),
+            inventory: Arc::new(TwoGpus),
+            ledger: tokio::sync::Mutex::new(Ledger::default()),
+            ledger_file: LedgerFile::new(dir),
+        };
+        let instances = hypervisor.map(|h| Instances::new(dir, h).unwrap());
+        Agent { runner, instances }
+    }
+
+    fn command(n: u32, kind: &str, args: Value) -> bc_proto::Command {
+        bc_proto::Command {
+            command_id: format!("cmd_01J000000000000000000000{n:02}"),
+            kind: kind.into(),
+            args_json: args.to_string(),
+            deadline_ms: NOW_MS + 900_000,
+            ..Default::default()
+        }
+    }
+
+    fn hold(n: u32) -> bc_proto::Command {
+        command(n, "gpu.hold", json!({ "reservationId": RSV, "gpuUuids": ["GPU-0", "GPU-1"] }))
+    }
+
+    fn release(n: u32) -> bc_proto::Command {
+        command(n, "gpu.release", json!({ "reservationId": RSV }))
+    }
+
+    struct Image {
+        url: String,
+        sha256: String,
+    }
+
+    fn apply(n: u32, instance_id: &str, generation: u64, desired: &str, vcpus: u32, image: &Image) -> bc_proto::Command {
+        command(
+            n,
+            "instance.apply",
+            json!({
+                "instanceId": instance_id, "generation": generation, "desired": desired, "reservationId": RSV,
+                "vcpus": vcpus, "memoryMiB": 1024 * vcpus, "diskGiB": 1, "gpus": ["GPU-0", "GPU-1"],
+                "image": { "imageId": "img_01J00000000000000000000000", "url": image.url, "sha256": image.sha256,
+                           "diskFormat": "raw" },
+            }),
+        )
+    }
+
+    /// The entries `run` wrote, read back.
+    fn bodies(entries: &[SignedEntry]) -> Vec<EntryBody> {
+        entries.iter().map(|e| EntryBody::decode(&e.body).unwrap()).collect()
+    }
+
+    /// The entry that finished the command: its type, subject and payload.
+    async fn run(agent: &Agent, command: &bc_proto::Command) -> EntryBody {
+        let entries = bodies(&agent.run(command, NOW_MS).await.unwrap());
+        entries.into_iter().last().expect("the command was answered")
+    }
+
+    fn observed(agent: &Agent, instance_id: &str) -> Option<crate::hypervisor::Observed> {
+        agent.instances.as_ref().unwrap().hypervisor.observe(instance_id).unwrap()
+    }
+
+    fn instance_ledger(dir: &Path) -> InstanceLedger {
+        InstanceLedgerFile::new(dir).load().unwrap()
+    }
+
+    async fn served(body: &[u8]) -> (ImageServer, Image) {
+        let server = ImageServer::start(body.to_vec()).await;
+        let image = Image { url: server.url.clone(), sha256: sha256_of(body) };
+        (server, image)
+    }
+
+    #[tokio::test]
+    async fn an_apply_fetches_verifies_and_caches_the_image_and_runs_the_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        assert!(agent.capabilities().contains(&CAPABILITY_INSTANCE_APPLY.to_owned()));
+        let (server, image) = served(b"a raw disk image").await;
+        assert_eq!(run(&agent, &hold(1)).await.entry_type, "gpu.held");
+
+        let cmd = apply(2, INST, 1, "running", 2, &image);
+        let answer = run(&agent, &cmd).await;
+        assert_eq!((answer.entry_type.as_str(), answer.subject.as_str()), ("instance.observed", &*format!("instance/{INST}")));
+        assert_eq!(
+            answer.payload,
+            json!({ "instanceId": INST, "generation": 1, "state": "running", "vcpus": 2, "memoryMiB": 2048,
+                    "commandId": cmd.command_id, "nodeId": NODE })
+        );
+        assert_eq!(agent.runner.journal.command_stage(&cmd.command_id).await.unwrap(), Some(Stage::Finished));
+        let disk = dir.path().join("instances").join(INST).join("disk.raw");
+        assert_eq!(std::fs::metadata(&disk).unwrap().len(), GIB, "a raw disk is grown, sparse, to diskGiB");
+        assert_eq!(server.requests(), 1);
+        let recorded = &instance_ledger(dir.path()).instances[INST];
+        assert_eq!((recorded.generation, recorded.gpus.len(), recorded.reservation_id.as_str()), (1, 2, RSV));
+
+        // Another instance of the same image, and this one stopped: no fetch either time.
+        let stopped = run(&agent, &apply(3, INST, 2, "stopped", 2, &image)).await;
+        assert_eq!((stopped.payload["state"].as_str(), stopped.payload["generation"].as_u64()), (Some("stopped"), Some(2)));
+        let second = run(&agent, &apply(4, INST_2, 1, "running", 1, &image)).await;
+        assert_eq!(second.payload["state"], "running");
+        assert_eq!(server.requests(), 1, "the image is the cached one, by its digest");
+
+        // Resized while running: stopped, redefined, started again.
+        let resized = run(&agent, &apply(5, INST_2, 2, "running", 4, &image)).await;
+        assert_eq!((resized.payload["state"].as_str(), resized.payload["vcpus"].as_u64()), (Some("running"), Some(4)));
+        assert_eq!(resized.payload["memoryMiB"], 4096);
+    }
+
+    #[tokio::test]
+    async fn a_digest_mismatch_is_refused_image_digest_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(b"not what was registered").await;
+        run(&agent, &hold(1)).await;
+        let wrong = Image { url: image.url.clone(), sha256: sha256_of(b"what was registered") };
+        let answer = run(&agent, &apply(2, INST, 1, "running", 2, &wrong)).await;
+        assert_eq!(answer.entry_type, "instance.apply_failed");
+        let reason = answer.payload["reason"].as_str().unwrap();
+        assert!(reason.starts_with("image-digest: "), "{reason}");
+        assert!(!reason.contains("signature=secret"), "no URL query in a reason: {reason}");
+        assert_eq!((answer.payload["instanceId"].as_str(), answer.payload["generation"].as_u64()), (Some(INST), Some(1)));
+        assert!(std::fs::read_dir(dir.path().join("images")).unwrap().next().is_none(), "no image, no partial file");
+        assert!(!dir.path().join("instances").join(INST).exists());
+        assert_eq!(observed(&agent, INST), None, "no domain");
+    }
+
+    #[tokio::test]
+    async fn a_stale_generation_is_answered_with_the_current_state_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(b"disk").await;
+        run(&agent, &hold(1)).await;
+        run(&agent, &apply(2, INST, 3, "running", 2, &image)).await;
+        let stale = run(&agent, &apply(3, INST, 2, "stopped", 8, &image)).await;
+        assert_eq!(stale.entry_type, "instance.observed");
+        assert_eq!(
+            (stale.payload["state"].as_str(), stale.payload["generation"].as_u64(), stale.payload["vcpus"].as_u64()),
+            (Some("running"), Some(3), Some(2))
+        );
+        assert_eq!(observed(&agent, INST).unwrap().state, DomainState::Running);
+        assert_eq!(instance_ledger(dir.path()).instances[INST].generation, 3);
+        let stale_delete = run(&agent, &apply(4, INST, 1, "deleted", 2, &image)).await;
+        assert_eq!(stale_delete.payload["state"], "running");
+        assert!(observed(&agent, INST).is_some());
+    }
+
+    #[tokio::test]
+    async fn an_instance_needs_its_reservations_gpus_held_and_a_node_a_hypervisor() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (server, image) = served(b"disk").await;
+        let answer = run(&agent, &apply(1, INST, 1, "running", 2, &image)).await;
+        assert_eq!(answer.entry_type, "instance.apply_failed");
+        assert!(answer.payload["reason"].as_str().unwrap().starts_with("gpus-not-held: "), "{}", answer.payload);
+        assert_eq!(server.requests(), 0, "refused before anything is fetched");
+        assert!(instance_ledger(dir.path()).instances.is_empty());
+
+        let bare_dir = tempfile::tempdir().unwrap();
+        let bare = self::agent(bare_dir.path(), None).await;
+        assert!(!bare.capabilities().contains(&CAPABILITY_INSTANCE_APPLY.to_owned()));
+        let answer = run(&bare, &apply(1, INST, 1, "running", 2, &image)).await;
+        assert!(answer.payload["reason"].as_str().unwrap().starts_with("no-hypervisor: "), "{}", answer.payload);
+
+        let late = bc_proto::Command { deadline_ms: NOW_MS - 1, ..apply(2, INST, 1, "running", 2, &image) };
+        let answer = run(&agent, &late).await;
+        assert_eq!(
+            (answer.entry_type.as_str(), answer.subject.as_str()),
+            ("instance.apply_failed", &*format!("instance/{INST}"))
+        );
+        assert!(answer.payload["reason"].as_str().unwrap().starts_with("deadline-passed: "), "{}", answer.payload);
+
+        let unnamed = run(&agent, &command(3, "instance.apply", json!({ "instanceId": "nope" }))).await;
+        assert_eq!(unnamed.entry_type, "command.failed");
+        let bad =
+            run(&agent, &command(4, "instance.apply", json!({ "instanceId": INST, "generation": 1, "desired": "running" })))
+                .await;
+        assert_eq!(bad.entry_type, "instance.apply_failed");
+        assert!(bad.payload["reason"].as_str().unwrap().starts_with("bad-args: "), "{}", bad.payload);
+    }
+
+    #[tokio::test]
+    async fn a_delete_removes_the_domain_the_directory_and_the_ledger_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(b"disk").await;
+        run(&agent, &hold(1)).await;
+        run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
+        let cmd = apply(3, INST, 2, "deleted", 2, &image);
+        let deleted = run(&agent, &cmd).await;
+        assert_eq!(
+            deleted.payload,
+            json!({ "instanceId": INST, "generation": 2, "state": "absent", "commandId": cmd.command_id, "nodeId": NODE })
+        );
+        assert_eq!(observed(&agent, INST), None);
+        assert!(!dir.path().join("instances").join(INST).exists());
+        assert!(instance_ledger(dir.path()).instances.is_empty());
+        assert!(dir.path().join("images").join(&image.sha256).exists(), "the image stays cached");
+        // Deleting what is gone already answers absent again.
+        let again = run(&agent, &apply(4, INST, 3, "deleted", 2, &image)).await;
+        assert_eq!(again.payload["state"], "absent");
+    }
+
+    #[tokio::test]
+    async fn a_release_deletes_the_reservations_instances_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(b"disk").await;
+        run(&agent, &hold(1)).await;
+        run(&agent, &apply(2, INST, 4, "running", 2, &image)).await;
+        let cmd = release(3);
+        let entries = bodies(&agent.run(&cmd, NOW_MS).await.unwrap());
+        let kinds: Vec<(&str, &str)> = entries.iter().map(|e| (e.entry_type.as_str(), e.subject.as_str())).collect();
+        let instance_subject = format!("instance/{INST}");
+        let reservation_subject = format!("reservation/{RSV}");
+        assert_eq!(
+            kinds,
+            vec![
+                ("command.started", &*format!("command/{}", cmd.command_id)),
+                ("instance.observed", &*instance_subject),
+                ("gpu.released", &*reservation_subject),
+            ]
+        );
+        assert_eq!(entries[1].payload, json!({ "instanceId": INST, "generation": 4, "state": "absent", "nodeId": NODE }));
+        assert_eq!(observed(&agent, INST), None);
+        assert!(instance_ledger(dir.path()).instances.is_empty());
+        assert!(agent.runner.ledger.lock().await.holds.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_observer_journals_a_change_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(b"disk").await;
+        run(&agent, &hold(1)).await;
+        run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
+        assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty(), "the apply reported it already");
+        // Stopped behind the agent's back.
+        agent.instances.as_ref().unwrap().hypervisor.stop(INST, true).unwrap();
+        let seen = bodies(&agent.observe_instances(NOW_MS).await.unwrap());
+        assert_eq!(seen.len(), 1);
+        assert_eq!((seen[0].entry_type.as_str(), seen[0].subject.as_str()), ("instance.observed", &*format!("instance/{INST}")));
+        assert_eq!(
+            seen[0].payload,
+            json!({ "instanceId": INST, "generation": 1, "state": "stopped", "vcpus": 2, "memoryMiB": 2048, "nodeId": NODE })
+        );
+        assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty(), "nothing changed since");
+        agent.instances.as_ref().unwrap().hypervisor.delete(INST).unwrap();
+        let gone = bodies(&agent.observe_instances(NOW_MS).await.unwrap());
+        assert_eq!(gone[0].payload["state"], "absent");
+        assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty());
+    }
+
+    /// The same apply, against libvirt's `test:///default` driver: running, stopped, resized,
+    /// resized while running, deleted; each state as libvirt reports it.
+    #[cfg(feature = "libvirt")]
+    #[tokio::test]
+    async fn an_instance_lives_and_dies_in_libvirts_test_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let libvirt = crate::hypervisor::Libvirt::open("test:///default").unwrap();
+        let agent = agent(dir.path(), Some(Box::new(libvirt))).await;
+        let (server, image) = served(b"disk").await;
+        run(&agent, &hold(1)).await;
+        let id = format!("inst_01J0000000000000000000{:04}", std::process::id() % 10_000);
+        let state = |e: &EntryBody| (e.payload["state"].as_str().map(str::to_owned), e.payload["vcpus"].as_u64());
+        let running = run(&agent, &apply(2, &id, 1, "running", 2, &image)).await;
+        assert_eq!(state(&running), (Some("running".into()), Some(2)), "{}", running.payload);
+        let stopped = run(&agent, &apply(3, &id, 2, "stopped", 2, &image)).await;
+        assert_eq!(state(&stopped), (Some("stopped".into()), Some(2)), "{}", stopped.payload);
+        let resized = run(&agent, &apply(4, &id, 3, "running", 4, &image)).await;
+        assert_eq!(state(&resized), (Some("running".into()), Some(4)), "{}", resized.payload);
+        assert_eq!(resized.payload["memoryMiB"], 4096);
+        let resized_running = run(&agent, &apply(5, &id, 4, "running", 8, &image)).await;
+        assert_eq!(state(&resized_running), (Some("running".into()), Some(8)), "{}", resized_running.payload);
+        let deleted = run(&agent, &apply(6, &id, 5, "deleted", 8, &image)).await;
+        assert_eq!(state(&deleted), (Some("absent".into()), None));
+        assert_eq!(observed(&agent, &id), None);
+        assert_eq!(server.requests(), 1);
+    }
+}
