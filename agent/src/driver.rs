@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::config::{Config, Identity};
 use crate::journal::{Journal, JournalError, READ_ENTRIES_MAX};
 use crate::machine::{Input, Machine, Output, Phase, SystemRng};
-use crate::runner::Agent;
+use crate::runner::{Agent, Instances, Runner};
 
 /// How often the machine is ticked.
 pub const TICK_MS: u64 = 100;
@@ -67,7 +67,8 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let version = env!("CARGO_PKG_VERSION").to_owned();
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
-    let agent = Arc::new(Agent::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?);
+    let runner = Runner::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?;
+    let agent = Arc::new(Agent { runner, instances: Instances::for_config(&config)? });
     let inventory = agent.runner.inventory.clone();
     let capabilities = agent.capabilities();
     if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
@@ -290,27 +291,8 @@ async fn observe(
     loop {
         ticker.tick().await;
         let now_ms = SystemClock.now_ms();
-        match agent.retry_releases(now_ms).await {
-            Ok(entries) => {
-                for entry in entries {
-                    let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "retrying releases failed"),
-        }
-        match agent.observe_instances(now_ms).await {
-            Ok(entries) => {
-                for entry in entries {
-                    let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
-                }
-            }
-            Err(JournalError::Full(n)) => {
-                let _ = events
-                    .send(Event::JournalFull(format!("journal full ({n} unacknowledged entries): an instance's change waits")))
-                    .await;
-            }
-            Err(e) => tracing::error!(error = %e, "journaling an instance's change failed"),
-        }
+        journaled(&events, agent.retry_releases(now_ms).await, "a retried release").await;
+        journaled(&events, agent.observe_instances(now_ms).await, "an instance's change").await;
         if now_ms >= next_inventory_ms {
             next_inventory_ms = now_ms + INVENTORY_CHECK_MS;
             let found = inventory.read();
@@ -330,18 +312,23 @@ async fn observe(
                 }
             }
         }
-        match agent.runner.observe(now_ms).await {
-            Ok(entry) => {
+        journaled(&events, agent.runner.observe(now_ms).await.map(|entry| vec![entry]), "an observation").await;
+    }
+}
+
+/// Tells the session loop of the entries `written` (so it sends them), or that the journal is
+/// full and `what` was not written.
+async fn journaled(events: &mpsc::Sender<Event>, written: Result<Vec<bc_core::agent::SignedEntry>, JournalError>, what: &str) {
+    match written {
+        Ok(entries) => {
+            for entry in entries {
                 let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
             }
-            Err(JournalError::Full(n)) => {
-                let _ = events
-                    .send(Event::JournalFull(format!(
-                        "journal full ({n} unacknowledged entries): an observation was not written"
-                    )))
-                    .await;
-            }
-            Err(e) => tracing::error!(error = %e, "journaling an observation failed"),
         }
+        Err(JournalError::Full(n)) => {
+            let message = format!("journal full ({n} unacknowledged entries): {what} was not written");
+            let _ = events.send(Event::JournalFull(message)).await;
+        }
+        Err(e) => tracing::error!(error = %e, what, "journaling failed"),
     }
 }

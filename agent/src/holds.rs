@@ -103,11 +103,12 @@ impl crate::ledger::LedgerContents for Ledger {
 pub type LedgerFile = crate::ledger::LedgerFile<Ledger>;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::inventory::{GpuInfo, GpuInventory};
 
-    fn inventory() -> Inventory {
+    /// A machine of `n` H100s, `GPU-0`… at PCI `00000000:10:00.0`….
+    pub(crate) fn inventory_of(n: u32) -> Inventory {
         let gpu = |i: u32| GpuInfo {
             index: i,
             uuid: format!("GPU-{i}"),
@@ -117,7 +118,11 @@ mod tests {
             pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + i),
             nvlink_domain: 0,
         };
-        Inventory { gpus: GpuInventory { gpus: (0..4).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+        Inventory { gpus: GpuInventory { gpus: (0..n).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+    }
+
+    fn inventory() -> Inventory {
+        inventory_of(4)
     }
 
     fn args(rsv: &str, uuids: &[&str]) -> HoldArgs {

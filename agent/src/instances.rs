@@ -486,18 +486,4 @@ mod tests {
         );
         assert_eq!(Report::absent().payload(INST, 3), json!({ "instanceId": INST, "generation": 3, "state": "absent" }));
     }
-
-    #[test]
-    fn the_ledger_survives_a_restart_and_is_private() {
-        use std::os::unix::fs::PermissionsExt as _;
-        let dir = tempfile::tempdir().unwrap();
-        let file = InstanceLedgerFile::new(dir.path());
-        assert_eq!(file.load().unwrap(), InstanceLedger::default());
-        let mut ledger = InstanceLedger::default();
-        ledger.instances.insert(INST.into(), entry(2, 8));
-        file.save(&ledger).unwrap();
-        assert_eq!(InstanceLedgerFile::new(dir.path()).load().unwrap(), ledger);
-        let mode = std::fs::metadata(dir.path().join("instances.json")).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
-    }
 }

@@ -845,18 +845,6 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// The agent of the machine `config` names ([`Runner::for_config`], [`Instances::for_config`]).
-    pub fn for_config(
-        config: &crate::config::Config,
-        journal: Arc<Journal>,
-        key: SigningKey,
-        node: NodeId,
-        version: String,
-    ) -> Result<Self, String> {
-        let runner = Runner::for_config(config, journal, key, node, version)?;
-        Ok(Self { runner, instances: Instances::for_config(config)? })
-    }
-
     /// The capabilities this agent says in `Hello`: the runner's, and `instance.apply` with a
     /// hypervisor.
     pub fn capabilities(&self) -> Vec<String> {
@@ -899,7 +887,6 @@ mod tests {
     use super::*;
     use crate::binding::HeldGpu;
     use crate::images::tests::{ImageServer, sha256_of};
-    use crate::inventory::{GpuInfo, GpuInventory, Inventory};
 
     /// As the node id prints: lowercase.
     const NODE: &str = "node_01j00000000000000000000000";
@@ -925,16 +912,7 @@ mod tests {
 
     impl InventorySource for TwoGpus {
         fn read(&self) -> crate::inventory::Inventory {
-            let gpu = |i: u32| GpuInfo {
-                index: i,
-                uuid: format!("GPU-{i}"),
-                model: "H100".into(),
-                product: "H100".into(),
-                vram_gib: 80,
-                pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + i),
-                nvlink_domain: 0,
-            };
-            Inventory { gpus: GpuInventory { gpus: (0..2).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+            crate::holds::tests::inventory_of(2)
         }
     }
 
@@ -1017,13 +995,20 @@ mod tests {
         (server, image)
     }
 
-    #[tokio::test]
-    async fn an_apply_fetches_verifies_and_caches_the_image_and_runs_the_instance() {
+    /// A node on the fake hypervisor holding `GPU-0` and `GPU-1` for [`RSV`], and an image
+    /// served on loopback.
+    async fn held_on_a_fake_hypervisor() -> (tempfile::TempDir, Agent, ImageServer, Image) {
         let dir = tempfile::tempdir().unwrap();
         let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
-        assert!(agent.capabilities().contains(&CAPABILITY_INSTANCE_APPLY.to_owned()));
         let (server, image) = served(b"a raw disk image").await;
         assert_eq!(run(&agent, &hold(1)).await.entry_type, "gpu.held");
+        (dir, agent, server, image)
+    }
+
+    #[tokio::test]
+    async fn an_apply_fetches_verifies_and_caches_the_image_and_runs_the_instance() {
+        let (dir, agent, server, image) = held_on_a_fake_hypervisor().await;
+        assert!(agent.capabilities().contains(&CAPABILITY_INSTANCE_APPLY.to_owned()));
 
         let cmd = apply(2, INST, 1, "running", 2, &image);
         let answer = run(&agent, &cmd).await;
@@ -1073,10 +1058,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stale_generation_is_answered_with_the_current_state_and_changes_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
-        let (_server, image) = served(b"disk").await;
-        run(&agent, &hold(1)).await;
+        let (dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
         run(&agent, &apply(2, INST, 3, "running", 2, &image)).await;
         let stale = run(&agent, &apply(3, INST, 2, "stopped", 8, &image)).await;
         assert_eq!(stale.entry_type, "instance.observed");
@@ -1127,10 +1109,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_delete_removes_the_domain_the_directory_and_the_ledger_entry() {
-        let dir = tempfile::tempdir().unwrap();
-        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
-        let (_server, image) = served(b"disk").await;
-        run(&agent, &hold(1)).await;
+        let (dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
         run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
         let cmd = apply(3, INST, 2, "deleted", 2, &image);
         let deleted = run(&agent, &cmd).await;
@@ -1149,10 +1128,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_release_deletes_the_reservations_instances_first() {
-        let dir = tempfile::tempdir().unwrap();
-        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
-        let (_server, image) = served(b"disk").await;
-        run(&agent, &hold(1)).await;
+        let (dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
         run(&agent, &apply(2, INST, 4, "running", 2, &image)).await;
         let cmd = release(3);
         let entries = bodies(&agent.run(&cmd, NOW_MS).await.unwrap());
@@ -1175,10 +1151,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_observer_journals_a_change_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
-        let (_server, image) = served(b"disk").await;
-        run(&agent, &hold(1)).await;
+        let (_dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
         run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
         assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty(), "the apply reported it already");
         // Stopped behind the agent's back.
