@@ -112,11 +112,11 @@ impl Config {
         if self.hardware.fake_seed.is_some() && !cfg!(feature = "fakehw") {
             return Err("[hardware] fake_seed needs a fakehw build (cargo build --features bc-agent/fakehw)".into());
         }
-        if self.hypervisor.uri.is_some() && !cfg!(feature = "libvirt") {
-            return Err(HYPERVISOR_NEEDS_LIBVIRT.into());
-        }
         if self.hypervisor.uri.as_deref().is_some_and(|uri| uri.is_empty() || uri.len() > HYPERVISOR_URI_BYTES_MAX) {
             return Err(format!("[hypervisor] uri is 1 to {HYPERVISOR_URI_BYTES_MAX} bytes"));
+        }
+        if self.hypervisor.uri.is_some() && !cfg!(feature = "libvirt") {
+            return Err(HYPERVISOR_NEEDS_LIBVIRT.into());
         }
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());

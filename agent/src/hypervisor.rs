@@ -316,6 +316,37 @@ mod tests {
         assert_eq!(fake.observe("inst_1").unwrap(), None);
     }
 
+    fn config(extra: &str) -> Result<crate::config::Config, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.toml");
+        let text = format!(
+            "data_dir = \"/var/lib/bcd\"\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = \"sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\"\n{extra}"
+        );
+        std::fs::write(&path, text).unwrap();
+        crate::config::Config::load(&path).map_err(|e| e.to_string())
+    }
+
+    /// `[hypervisor] uri` is libvirt (a build without it says so); a fake machine without one
+    /// runs the fake; any other node has none.
+    #[test]
+    fn the_hypervisor_is_the_one_the_configuration_names() {
+        assert!(for_config(&config("").unwrap()).unwrap().is_none());
+        let libvirt = config("[hypervisor]\nuri = \"test:///default\"\n");
+        let empty = config("[hypervisor]\nuri = \"\"\n").unwrap_err();
+        assert!(empty.contains("[hypervisor] uri is 1 to"), "{empty}");
+        if cfg!(feature = "libvirt") {
+            let hypervisor = for_config(&libvirt.unwrap()).unwrap().unwrap();
+            assert_eq!(hypervisor.observe("inst_nonesuch").unwrap(), None);
+        } else {
+            assert!(libvirt.unwrap_err().contains("needs a libvirt build"));
+        }
+        if cfg!(feature = "fakehw") {
+            let fake = for_config(&config("[hardware]\nfake_seed = 7\n").unwrap()).unwrap().unwrap();
+            fake.define(&spec("inst_1")).unwrap();
+            assert!(fake.observe("inst_1").unwrap().is_some());
+        }
+    }
+
     /// Against libvirt's `test:///default` driver (no daemon): define, start, stop, resize by
     /// redefinition, delete, each state as libvirt reports it.
     #[cfg(feature = "libvirt")]
