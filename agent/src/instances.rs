@@ -277,12 +277,12 @@ pub fn decide_apply(entry: Option<&Instance>, holds: &HoldsLedger, apply: &Apply
             steps.push(Step::Start);
         }
     };
-    match observed.map(|o| o.state) {
-        None | Some(DomainState::Stopped) => then_start(&mut steps),
-        Some(DomainState::Running) => {
-            let observed = observed.expect("matched Some");
-            let reshaped = observed.vcpus != args.vcpus
-                || observed.memory_mib != args.memory_mib
+    match observed {
+        None => then_start(&mut steps),
+        Some(o) if o.state == DomainState::Stopped => then_start(&mut steps),
+        Some(o) if o.state == DomainState::Running => {
+            let reshaped = o.vcpus != args.vcpus
+                || o.memory_mib != args.memory_mib
                 || entry.is_none_or(|e| e.gpus != gpus || e.disk_gib != args.disk_gib);
             if reshaped {
                 // Resized while running: stopped, redefined, started again if it should run.
@@ -293,7 +293,7 @@ pub fn decide_apply(entry: Option<&Instance>, holds: &HoldsLedger, apply: &Apply
             }
         }
         // Paused, crashed, shutting down or unknown: stopped at once, then made what it should be.
-        Some(DomainState::Paused | DomainState::Crashed | DomainState::Stopping | DomainState::Other) => {
+        Some(_) => {
             steps.push(Step::Stop { graceful: false });
             then_start(&mut steps);
         }

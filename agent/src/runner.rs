@@ -1,6 +1,10 @@
 //! What the node does and journals: commands, run once each (the journal records how far each
 //! got, so a redelivered command runs nothing twice), and periodic observations of the machine.
 //! Every result is journaled before it is sent.
+//!
+//! [`Runner`] runs `ping` and the GPU commands; [`Instances`] (a node with a hypervisor) adds
+//! `instance.apply`, and [`Agent`] is the two together, which `bcd node` runs. Locks are taken
+//! in one order: the instance ledger, then the holds ledger.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -368,6 +372,7 @@ impl Runner {
             }
             ApplyDecision::Apply { gpus, steps } => (gpus, steps),
         };
+        // `decide_apply` answers every delete `Delete`: what is left is a make.
         let Request::Make { start, args } = &apply.request else {
             return failed("bad-args: a delete is not made".into());
         };
