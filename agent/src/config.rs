@@ -1,6 +1,8 @@
 //! `config.toml` (`--config`, default `/etc/bcd/config.toml`), and the node's files in
 //! `data_dir`: `node.key` (the node's Ed25519 key, 0600, never leaves the machine),
-//! `identity.json` (the identity the control plane signed at join), `journal.db`, `bcd.sock`.
+//! `identity.json` (the identity the control plane signed at join), `journal.db`, `bcd.sock`,
+//! `holds.json` and `instances.json` (the ledgers), `images/` (the image cache) and
+//! `instances/` (each instance's disk).
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +20,8 @@ pub const CONFIG_BYTES_MAX: u64 = 64 * 1024;
 /// How often the node journals an observation of itself, by default.
 pub const OBSERVE_INTERVAL_MS_DEFAULT: u64 = 60_000;
 pub const OBSERVE_INTERVAL_MS_MIN: u64 = 100;
+/// The longest `[hypervisor] uri`.
+pub const HYPERVISOR_URI_BYTES_MAX: usize = 1024;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -39,7 +43,22 @@ pub struct Config {
     pub log: LogConfig,
     #[serde(default)]
     pub hardware: HardwareConfig,
+    #[serde(default)]
+    pub hypervisor: HypervisorConfig,
 }
+
+/// Where instances run (`[hypervisor]`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HypervisorConfig {
+    /// libvirt's connection URI (`qemu:///system`); `libvirt` builds only. Unset: a fake machine
+    /// runs instances on the in-memory fake hypervisor, any other node runs none.
+    pub uri: Option<String>,
+}
+
+/// The refusal of a `[hypervisor] uri` by a build without libvirt.
+pub const HYPERVISOR_NEEDS_LIBVIRT: &str =
+    "[hypervisor] uri needs a libvirt build (cargo build --features bc-agent/libvirt); this bcd has no libvirt";
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -92,6 +111,12 @@ impl Config {
         self.observe_interval_ms()?;
         if self.hardware.fake_seed.is_some() && !cfg!(feature = "fakehw") {
             return Err("[hardware] fake_seed needs a fakehw build (cargo build --features bc-agent/fakehw)".into());
+        }
+        if self.hypervisor.uri.as_deref().is_some_and(|uri| uri.is_empty() || uri.len() > HYPERVISOR_URI_BYTES_MAX) {
+            return Err(format!("[hypervisor] uri is 1 to {HYPERVISOR_URI_BYTES_MAX} bytes"));
+        }
+        if self.hypervisor.uri.is_some() && !cfg!(feature = "libvirt") {
+            return Err(HYPERVISOR_NEEDS_LIBVIRT.into());
         }
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());

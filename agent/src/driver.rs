@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::config::{Config, Identity};
 use crate::journal::{Journal, JournalError, READ_ENTRIES_MAX};
 use crate::machine::{Input, Machine, Output, Phase, SystemRng};
-use crate::runner::Runner;
+use crate::runner::{Agent, Instances, Runner};
 
 /// How often the machine is ticked.
 pub const TICK_MS: u64 = 100;
@@ -67,13 +67,17 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let version = env!("CARGO_PKG_VERSION").to_owned();
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
-    let runner = Arc::new(Runner::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?);
-    let inventory = runner.inventory.clone();
-    let capabilities = runner.capabilities();
+    let runner = Runner::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?;
+    let agent = Arc::new(Agent { runner, instances: Instances::for_config(&config)? });
+    let inventory = agent.runner.inventory.clone();
+    let capabilities = agent.capabilities();
     if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
-        && let Some(reason) = runner.binding.unprivileged()
+        && let Some(reason) = agent.runner.binding.unprivileged()
     {
         tracing::warn!(reason = %reason, "this node cannot hold GPUs: holds fail at once");
+    }
+    if agent.instances.is_none() {
+        tracing::info!("this node has no hypervisor: it runs no instances");
     }
     let mut machine = Machine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
     let status = Arc::new(Mutex::new(Status {
@@ -91,8 +95,8 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let mut rng = SystemRng;
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
     let (commands_tx, commands_rx) = mpsc::channel::<bc_proto::Command>(COMMANDS_QUEUED_MAX);
-    let worker = tokio::spawn(run_commands(runner.clone(), commands_rx, events_tx.clone()));
-    let observer = tokio::spawn(observe(runner.clone(), inventory, config.observe_interval_ms()?, events_tx.clone()));
+    let worker = tokio::spawn(run_commands(agent.clone(), commands_rx, events_tx.clone()));
+    let observer = tokio::spawn(observe(agent.clone(), inventory, config.observe_interval_ms()?, events_tx.clone()));
     let mut generation = 0u64;
     let mut outbound: Option<mpsc::Sender<bc_proto::AgentMessage>> = None;
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
@@ -254,9 +258,9 @@ async fn connect(channel: tonic::transport::Channel, generation: u64, events: mp
     }
 }
 
-async fn run_commands(runner: Arc<Runner>, mut commands: mpsc::Receiver<bc_proto::Command>, events: mpsc::Sender<Event>) {
+async fn run_commands(agent: Arc<Agent>, mut commands: mpsc::Receiver<bc_proto::Command>, events: mpsc::Sender<Event>) {
     while let Some(command) = commands.recv().await {
-        match runner.run(&command, SystemClock.now_ms()).await {
+        match agent.run(&command, SystemClock.now_ms()).await {
             Ok(entries) => {
                 for entry in entries {
                     let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
@@ -273,9 +277,10 @@ async fn run_commands(runner: Arc<Runner>, mut commands: mpsc::Receiver<bc_proto
 }
 
 /// Journals what the machine holds at start and whenever it changes (looked at every
-/// `INVENTORY_CHECK_MS`), and an observation every `interval_ms`.
+/// `INVENTORY_CHECK_MS`), and an observation every `interval_ms`; each tick it retries the
+/// releases the machine refused and journals each instance whose state changed.
 async fn observe(
-    runner: Arc<Runner>,
+    agent: Arc<Agent>,
     inventory: Arc<dyn crate::inventory::InventorySource>,
     interval_ms: u64,
     events: mpsc::Sender<Event>,
@@ -286,19 +291,13 @@ async fn observe(
     loop {
         ticker.tick().await;
         let now_ms = SystemClock.now_ms();
-        match runner.retry_releases(now_ms).await {
-            Ok(entries) => {
-                for entry in entries {
-                    let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "retrying releases failed"),
-        }
+        journaled(&events, agent.retry_releases(now_ms).await, "a retried release").await;
+        journaled(&events, agent.observe_instances(now_ms).await, "an instance's change").await;
         if now_ms >= next_inventory_ms {
             next_inventory_ms = now_ms + INVENTORY_CHECK_MS;
             let found = inventory.read();
             if reported.as_ref() != Some(&found) {
-                match runner.report_inventory(now_ms, &found).await {
+                match agent.report_inventory(now_ms, &found).await {
                     Ok(entry) => {
                         tracing::info!(gpus = found.gpus.gpus.len(), unavailable = ?found.gpus.unavailable, "inventory reported");
                         reported = Some(found);
@@ -313,18 +312,23 @@ async fn observe(
                 }
             }
         }
-        match runner.observe(now_ms).await {
-            Ok(entry) => {
+        journaled(&events, agent.runner.observe(now_ms).await.map(|entry| vec![entry]), "an observation").await;
+    }
+}
+
+/// Tells the session loop of the entries `written` (so it sends them), or that the journal is
+/// full and `what` was not written.
+async fn journaled(events: &mpsc::Sender<Event>, written: Result<Vec<bc_core::agent::SignedEntry>, JournalError>, what: &str) {
+    match written {
+        Ok(entries) => {
+            for entry in entries {
                 let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
             }
-            Err(JournalError::Full(n)) => {
-                let _ = events
-                    .send(Event::JournalFull(format!(
-                        "journal full ({n} unacknowledged entries): an observation was not written"
-                    )))
-                    .await;
-            }
-            Err(e) => tracing::error!(error = %e, "journaling an observation failed"),
         }
+        Err(JournalError::Full(n)) => {
+            let message = format!("journal full ({n} unacknowledged entries): {what} was not written");
+            let _ = events.send(Event::JournalFull(message)).await;
+        }
+        Err(e) => tracing::error!(error = %e, what, "journaling failed"),
     }
 }

@@ -9,7 +9,6 @@
 //! after the binding and before the journal entry that reports it.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -96,51 +95,20 @@ pub fn decide_hold(ledger: &Ledger, inventory: &Inventory, args: &HoldArgs) -> H
     HoldDecision::Bind(gpus)
 }
 
-/// The ledger on disk.
-pub struct LedgerFile {
-    path: PathBuf,
+impl crate::ledger::LedgerContents for Ledger {
+    const FILE: &'static str = "holds.json";
 }
 
-impl LedgerFile {
-    pub fn new(data_dir: &Path) -> Self {
-        Self { path: data_dir.join("holds.json") }
-    }
-
-    /// The ledger as last written; empty when there is none yet.
-    pub fn load(&self) -> Result<Ledger, String> {
-        match std::fs::read(&self.path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", self.path.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Ledger::default()),
-            Err(e) => Err(format!("{}: {e}", self.path.display())),
-        }
-    }
-
-    /// Writes the ledger whole: a temporary file, synced, renamed over the old one.
-    pub fn save(&self, ledger: &Ledger) -> Result<(), String> {
-        use std::io::Write as _;
-        use std::os::unix::fs::OpenOptionsExt as _;
-        let temp = self.path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(ledger).map_err(|e| e.to_string())?;
-        let write = || -> std::io::Result<()> {
-            let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
-            file.write_all(&bytes)?;
-            file.sync_all()?;
-            std::fs::rename(&temp, &self.path)?;
-            if let Some(dir) = self.path.parent() {
-                std::fs::File::open(dir)?.sync_all()?;
-            }
-            Ok(())
-        };
-        write().map_err(|e| format!("{}: {e}", self.path.display()))
-    }
-}
+/// The ledger on disk (`holds.json`).
+pub type LedgerFile = crate::ledger::LedgerFile<Ledger>;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::inventory::{GpuInfo, GpuInventory};
 
-    fn inventory() -> Inventory {
+    /// A machine of `n` H100s, `GPU-0`… at PCI `00000000:10:00.0`….
+    pub(crate) fn inventory_of(n: u32) -> Inventory {
         let gpu = |i: u32| GpuInfo {
             index: i,
             uuid: format!("GPU-{i}"),
@@ -150,7 +118,11 @@ mod tests {
             pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + i),
             nvlink_domain: 0,
         };
-        Inventory { gpus: GpuInventory { gpus: (0..4).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+        Inventory { gpus: GpuInventory { gpus: (0..n).map(gpu).collect(), ..Default::default() }, ..Default::default() }
+    }
+
+    fn inventory() -> Inventory {
+        inventory_of(4)
     }
 
     fn args(rsv: &str, uuids: &[&str]) -> HoldArgs {

@@ -49,6 +49,20 @@ pub enum DomainState {
     Other,
 }
 
+impl DomainState {
+    /// Its name in `instance.observed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Stopping => "stopping",
+            Self::Stopped => "stopped",
+            Self::Crashed => "crashed",
+            Self::Other => "other",
+        }
+    }
+}
+
 /// What the hypervisor says of one domain.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Observed {
@@ -106,6 +120,19 @@ pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
     }
     xml.push_str("  </devices>\n</domain>\n");
     Ok(xml)
+}
+
+/// The hypervisor `config` names: libvirt at `[hypervisor] uri`; else, on a fake machine
+/// (`[hardware] fake_seed`), the in-memory [`Fake`]; else none (the node runs no instances).
+pub fn for_config(config: &crate::config::Config) -> Result<Option<Box<dyn Hypervisor>>, String> {
+    match (&config.hypervisor.uri, config.hardware.fake_seed) {
+        #[cfg(feature = "libvirt")]
+        (Some(uri), _) => Ok(Some(Box::new(Libvirt::open(uri)?))),
+        #[cfg(not(feature = "libvirt"))]
+        (Some(_), _) => Err(crate::config::HYPERVISOR_NEEDS_LIBVIRT.into()),
+        (None, Some(_)) => Ok(Some(Box::new(Fake::default()))),
+        (None, None) => Ok(None),
+    }
 }
 
 /// Domains in memory: what the simulator and fake machines run instances on.
@@ -191,7 +218,13 @@ impl Hypervisor for Libvirt {
     fn define(&self, spec: &DomainSpec) -> Result<(), String> {
         // libvirt's test driver has its own domain type; every real one here is KVM.
         let kind = if self.uri.starts_with("test:") { "test" } else { "kvm" };
-        let xml = domain_xml(spec, kind)?;
+        let mut xml = domain_xml(spec, kind)?;
+        // A redefinition names the domain's UUID: without it libvirt makes up another and
+        // refuses a second domain of the same name.
+        if let Some(domain) = self.domain(&spec.name)? {
+            let uuid = domain.uuid_string().map_err(|e| e.message().to_owned())?;
+            xml = xml.replacen("</name>\n", &format!("</name>\n  <uuid>{}</uuid>\n", escape(&uuid)), 1);
+        }
         let connection = self.connection.lock().expect("libvirt");
         connection.define_domain_xml(&xml).map(|_| ()).map_err(|e| e.message().to_owned())
     }
@@ -281,6 +314,37 @@ mod tests {
         fake.stop("inst_1", false).unwrap();
         fake.delete("inst_1").unwrap();
         assert_eq!(fake.observe("inst_1").unwrap(), None);
+    }
+
+    fn config(extra: &str) -> Result<crate::config::Config, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.toml");
+        let text = format!(
+            "data_dir = \"/var/lib/bcd\"\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = \"sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\"\n{extra}"
+        );
+        std::fs::write(&path, text).unwrap();
+        crate::config::Config::load(&path).map_err(|e| e.to_string())
+    }
+
+    /// `[hypervisor] uri` is libvirt (a build without it says so); a fake machine without one
+    /// runs the fake; any other node has none.
+    #[test]
+    fn the_hypervisor_is_the_one_the_configuration_names() {
+        assert!(for_config(&config("").unwrap()).unwrap().is_none());
+        let libvirt = config("[hypervisor]\nuri = \"test:///default\"\n");
+        let empty = config("[hypervisor]\nuri = \"\"\n").unwrap_err();
+        assert!(empty.contains("[hypervisor] uri is 1 to"), "{empty}");
+        if cfg!(feature = "libvirt") {
+            let hypervisor = for_config(&libvirt.unwrap()).unwrap().unwrap();
+            assert_eq!(hypervisor.observe("inst_nonesuch").unwrap(), None);
+        } else {
+            assert!(libvirt.unwrap_err().contains("needs a libvirt build"));
+        }
+        if cfg!(feature = "fakehw") {
+            let fake = for_config(&config("[hardware]\nfake_seed = 7\n").unwrap()).unwrap().unwrap();
+            fake.define(&spec("inst_1")).unwrap();
+            assert!(fake.observe("inst_1").unwrap().is_some());
+        }
     }
 
     /// Against libvirt's `test:///default` driver (no daemon): define, start, stop, resize by

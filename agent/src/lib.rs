@@ -1,13 +1,16 @@
 //! `bc-agent`: `bcd`, the node agent. It joins a machine to the fleet (`join`), keeps a signed,
 //! hash-chained journal of what the machine did (`journal`), holds one long-lived session to
-//! the gateway (`machine`, driven by `driver`), runs commands (`runner`), and answers `bcd
+//! the gateway (`machine`, driven by `driver`), runs commands (`runner`): GPU holds
+//! (`binding`, `holds`) and instances (`hypervisor`, `images`, `instances`), and answers `bcd
 //! status` on a unix socket (`status`).
 //!
 //! Layout: [`machine`] is the session logic without IO (a clock, an RNG and the transport come
 //! in from outside), so the simulator runs the real logic; [`driver`] wraps it in tokio and
 //! tonic; [`client`] is the pinned-TLS (or loopback h2c) channel; [`config`] the configuration
 //! and the node's files; [`token`] where a join token may come from; [`join`] the join;
-//! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process.
+//! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process;
+//! [`ledger`] the whole-file JSON ledgers (`holds.json`, `instances.json`); the decisions over
+//! them ([`holds::decide_hold`], [`instances::decide_apply`]) are pure.
 //!
 //! Architecture invariant: this crate depends on `bc-core` and `bc-proto`, never on the gateway;
 //! it is the only crate that touches the node's OS.
@@ -19,9 +22,12 @@ pub mod doctor;
 pub mod driver;
 pub mod holds;
 pub mod hypervisor;
+pub mod images;
+pub mod instances;
 pub mod inventory;
 pub mod join;
 pub mod journal;
+pub mod ledger;
 pub mod machine;
 pub mod runner;
 #[cfg(feature = "fakehw")]

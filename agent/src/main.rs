@@ -266,6 +266,7 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
             log_key_pin: log_key_pin.clone(),
             observe_interval: None,
             hardware: Default::default(),
+            hypervisor: Default::default(),
             journal: Default::default(),
             log: Default::default(),
         };

@@ -1,8 +1,15 @@
 //! What the node does and journals: commands, run once each (the journal records how far each
 //! got, so a redelivered command runs nothing twice), and periodic observations of the machine.
 //! Every result is journaled before it is sent.
+//!
+//! [`Runner`] runs `ping` and the GPU commands; [`Instances`] (a node with a hypervisor) adds
+//! `instance.apply`, and [`Agent`] is the two together, which `bcd node` runs. Locks are taken
+//! in one order: the instance ledger, then the holds ledger.
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bc_core::agent::SignedEntry;
 use bc_core::id::NodeId;
@@ -11,6 +18,12 @@ use serde_json::{Value, json};
 
 use crate::binding::GpuBinding;
 use crate::holds::{Hold, HoldArgs, HoldDecision, Ledger, LedgerFile, decide_hold};
+use crate::hypervisor::{DomainSpec, DomainState, Hypervisor};
+use crate::images::ImageCache;
+use crate::instances::{
+    ApplyArgs, ApplyDecision, BadArgs, DiskFormat, GIB, INSTANCES_MAX, Instance, InstanceLedger, InstanceLedgerFile, Report,
+    Request, Step, decide_apply, parse_apply,
+};
 use crate::inventory::InventorySource;
 use crate::journal::{Draft, Journal, JournalError, Stage};
 
@@ -35,6 +48,18 @@ fn truncate_bytes(text: &str, max: usize) -> String {
 pub const CAPABILITIES: &[&str] = &["command.ping"];
 /// Said in `Hello` by an agent whose binding can set GPUs aside.
 pub const CAPABILITY_GPU_HOLD: &str = "gpu.hold";
+/// Said in `Hello` by an agent with a hypervisor.
+pub const CAPABILITY_INSTANCE_APPLY: &str = "instance.apply";
+/// How long a graceful stop (an ACPI shutdown) is given before the domain is stopped at once.
+pub const INSTANCE_STOP_GRACE_MS: u64 = 60_000;
+/// How often a domain shutting down is looked at.
+pub const INSTANCE_STOP_POLL_MS: u64 = 250;
+/// The answer of an agent without a hypervisor.
+pub const NO_HYPERVISOR: &str =
+    "no-hypervisor: this node runs no instances (hint: set [hypervisor] uri in config.toml, in a libvirt build)";
+
+const _: () = assert!(INSTANCE_STOP_POLL_MS < INSTANCE_STOP_GRACE_MS);
+const _: () = assert!(INSTANCE_STOP_GRACE_MS / 1000 < crate::images::INSTANCE_APPLY_DEADLINE_S);
 
 pub struct Runner {
     pub journal: Arc<Journal>,
@@ -63,6 +88,22 @@ impl Finish {
 
     fn failed(reason: impl Into<String>) -> Self {
         Self { entry_type: "command.failed", subject: None, payload: json!({ "reason": reason.into() }) }
+    }
+
+    /// An instance report (`instance.observed`, `instance.apply_failed`) on the instance's stream.
+    fn instance(entry_type: &'static str, instance_id: &str, payload: Value) -> Self {
+        Self { entry_type, subject: Some(format!("instance/{instance_id}")), payload }
+    }
+
+    fn instance_observed(instance_id: &str, generation: u64, report: &Report) -> Self {
+        Self::instance("instance.observed", instance_id, report.payload(instance_id, generation))
+    }
+
+    fn instance_failed(instance_id: &str, generation: u64, reason: &str) -> Self {
+        let payload = json!({
+            "instanceId": instance_id, "generation": generation, "reason": truncate_bytes(reason, REASON_BYTES_MAX),
+        });
+        Self::instance("instance.apply_failed", instance_id, payload)
     }
 
     /// A GPU report (`gpu.held`, …) on the reservation's stream.
@@ -194,20 +235,41 @@ impl Runner {
         Finish::gpu("gpu.held", &args.reservation_id, &gpus, None)
     }
 
-    /// `gpu.release`: gives back what the ledger holds for the reservation (nothing held:
-    /// released already), then reports `gpu.released`. A release the machine refuses keeps the
-    /// GPUs in the ledger (no other reservation gets them), marked for [`Self::retry_releases`],
-    /// and fails the command with the reason.
-    async fn release(&self, command_id: &str, args_json: &str) -> Finish {
+    /// `gpu.release`: deletes the reservation's instances first (a domain holds its GPUs through
+    /// passthrough; each is journaled `instance.observed` `absent`), then gives back what the
+    /// ledger holds for the reservation (nothing held: released already), then reports
+    /// `gpu.released`. A release the machine refuses keeps the GPUs in the ledger (no other
+    /// reservation gets them), marked for [`Self::retry_releases`], and fails the command with
+    /// the reason.
+    async fn release(
+        &self,
+        command_id: &str,
+        args_json: &str,
+        instances: Option<&Instances>,
+        now_ms: u64,
+        out: &mut Vec<SignedEntry>,
+    ) -> Result<Finish, JournalError> {
         let args: HoldArgs = match serde_json::from_str::<HoldArgs>(args_json) {
             Ok(args) if args.reservation_id.parse::<bc_core::id::ReservationId>().is_ok() => args,
-            _ => return Finish::failed("bad-args: gpu.release names no reservation"),
+            _ => return Ok(Finish::failed("bad-args: gpu.release names no reservation")),
+        };
+        // The instance ledger before the holds ledger, everywhere.
+        let mut instance_ledger = match instances {
+            Some(instances) => Some(instances.ledger.lock().await),
+            None => None,
         };
         let mut ledger = self.ledger.lock().await;
-        let Some(hold) = ledger.holds.get(&args.reservation_id).cloned() else {
-            return Finish::gpu("gpu.released", &args.reservation_id, &[], None);
+        let deleted = match (instances, instance_ledger.as_deref_mut()) {
+            (Some(instances), Some(il)) => self.delete_instances_of(instances, il, &args.reservation_id, now_ms, out).await?,
+            _ => Ok(()),
         };
-        if let Err(reason) = self.binding.release(&hold.gpus) {
+        let Some(hold) = ledger.holds.get(&args.reservation_id).cloned() else {
+            return Ok(match deleted {
+                Ok(()) => Finish::gpu("gpu.released", &args.reservation_id, &[], None),
+                Err(reason) => Finish::failed(format!("release-failed: {reason}")),
+            });
+        };
+        if let Err(reason) = deleted.and_then(|()| self.binding.release(&hold.gpus)) {
             let mut next = ledger.clone();
             if let Some(h) = next.holds.get_mut(&args.reservation_id) {
                 h.release_command_id = Some(command_id.to_owned());
@@ -216,20 +278,180 @@ impl Runner {
                 *ledger = next;
             }
             tracing::warn!(reservation = %args.reservation_id, reason = %reason, "a release failed; retrying");
-            return Finish::failed(format!("release-failed: {reason} (the node retries)"));
+            return Ok(Finish::failed(format!("release-failed: {reason} (the node retries)")));
         }
         let mut next = ledger.clone();
         next.holds.remove(&args.reservation_id);
         if let Err(e) = self.ledger_file.save(&next) {
-            return Finish::failed(format!("ledger-failed: {e}"));
+            return Ok(Finish::failed(format!("ledger-failed: {e}")));
         }
         *ledger = next;
         tracing::info!(reservation = %args.reservation_id, gpus = hold.gpus.len(), "GPUs released");
-        Finish::gpu("gpu.released", &args.reservation_id, &hold.gpus, None)
+        Ok(Finish::gpu("gpu.released", &args.reservation_id, &hold.gpus, None))
     }
 
-    /// Runs `command` unless the journal says it finished; returns the entries written.
+    /// Deletes every instance of `ledger` on `reservation_id`, journaling each `absent` (no
+    /// command: the release's own answer is `gpu.released`). `Ok(Err(reason))`: one could not
+    /// be deleted; the ones before it are gone.
+    async fn delete_instances_of(
+        &self,
+        instances: &Instances,
+        ledger: &mut InstanceLedger,
+        reservation_id: &str,
+        now_ms: u64,
+        out: &mut Vec<SignedEntry>,
+    ) -> Result<Result<(), String>, JournalError> {
+        let on: Vec<(String, u64)> = ledger
+            .instances
+            .iter()
+            .filter(|(_, i)| i.reservation_id == reservation_id)
+            .map(|(id, i)| (id.clone(), i.generation))
+            .collect();
+        for (instance_id, generation) in on {
+            if let Err(reason) = instances.remove(ledger, &instance_id, generation).await {
+                return Ok(Err(reason));
+            }
+            tracing::info!(instance = %instance_id, reservation = %reservation_id, "instance deleted for its reservation's release");
+            self.journal_instance(now_ms, &instance_id, generation, &Report::absent(), out).await?;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Journals what the node says of an instance by itself (no command).
+    async fn journal_instance(
+        &self,
+        now_ms: u64,
+        instance_id: &str,
+        generation: u64,
+        report: &Report,
+        out: &mut Vec<SignedEntry>,
+    ) -> Result<(), JournalError> {
+        let mut payload = report.payload(instance_id, generation);
+        payload["nodeId"] = json!(self.node.to_string());
+        let subject = format!("instance/{instance_id}");
+        let draft = Draft { at_ms: now_ms, entry_type: "instance.observed".into(), subject, payload, command: None };
+        self.write(draft, out).await
+    }
+
+    /// `instance.apply`: decided on the instance ledger, the holds ledger and what the
+    /// hypervisor says, recorded, carried out, then answered with what the hypervisor says
+    /// (`instance.observed`) or why not (`instance.apply_failed`).
+    async fn instance_apply(&self, command_id: &str, args_json: &str, instances: Option<&Instances>) -> Finish {
+        let apply = match parse_apply(args_json) {
+            Ok(apply) => apply,
+            Err(BadArgs { head: Some((instance_id, generation)), reason }) => {
+                return Finish::instance_failed(&instance_id, generation, &reason);
+            }
+            Err(BadArgs { head: None, reason }) => return Finish::failed(reason),
+        };
+        let (id, generation) = (apply.instance_id.as_str(), apply.generation);
+        let failed = |reason: String| Finish::instance_failed(id, generation, &reason);
+        let Some(instances) = instances else { return failed(NO_HYPERVISOR.into()) };
+        let mut ledger = instances.ledger.lock().await;
+        let entry = ledger.instances.get(id).cloned();
+        let observed = match instances.hypervisor.observe(id) {
+            Ok(observed) => observed,
+            Err(e) => return failed(format!("hypervisor: {e}")),
+        };
+        let holds = self.ledger.lock().await.clone();
+        let (gpus, steps) = match decide_apply(entry.as_ref(), &holds, &apply, observed.as_ref()) {
+            ApplyDecision::Stale { generation } => {
+                let report = Report::of(observed.as_ref());
+                instances.remember(id, &report);
+                return Finish::instance_observed(id, generation, &report);
+            }
+            ApplyDecision::Refuse(reason) => return failed(reason),
+            ApplyDecision::Delete => {
+                return match instances.remove(&mut ledger, id, generation).await {
+                    Ok(()) => {
+                        tracing::info!(instance = %id, "instance deleted");
+                        Finish::instance_observed(id, generation, &Report::absent())
+                    }
+                    Err(reason) => failed(reason),
+                };
+            }
+            ApplyDecision::Apply { gpus, steps } => (gpus, steps),
+        };
+        // `decide_apply` answers every delete `Delete`: what is left is a make.
+        let Request::Make { start, args } = &apply.request else {
+            return failed("bad-args: a delete is not made".into());
+        };
+        if entry.is_none() && ledger.instances.len() >= INSTANCES_MAX {
+            return failed(format!("bad-args: this node runs {INSTANCES_MAX} instances, its most"));
+        }
+        // Recorded first: a crash part way leaves the ledger naming what the machine may have,
+        // so a delete (or the reservation's release) knows to clean it up.
+        let mut next = ledger.clone();
+        next.instances.insert(
+            id.to_owned(),
+            Instance {
+                reservation_id: args.reservation_id.clone(),
+                generation,
+                command_id: command_id.to_owned(),
+                desired: if *start { crate::instances::Desired::Running } else { crate::instances::Desired::Stopped },
+                vcpus: args.vcpus,
+                memory_mib: args.memory_mib,
+                disk_gib: args.disk_gib,
+                gpus: gpus.clone(),
+                image_sha256: args.image.sha256.clone(),
+                disk_format: args.image.disk_format,
+            },
+        );
+        if let Err(e) = instances.ledger_file.save(&next) {
+            return failed(format!("disk: recording the instance: {e}"));
+        }
+        *ledger = next;
+        let disk = instances.disk_path(id, args.image.disk_format);
+        let Some(disk_path) = disk.to_str() else {
+            return failed(format!("disk: {} is not UTF-8", disk.display()));
+        };
+        let spec = DomainSpec {
+            name: id.to_owned(),
+            vcpus: args.vcpus,
+            memory_mib: args.memory_mib,
+            disk_path: Some(disk_path.to_owned()),
+            disk_format: args.image.disk_format.as_str().to_owned(),
+            gpus,
+        };
+        for step in steps {
+            let done = match step {
+                Step::PrepareDisk => instances.prepare_disk(id, args).await,
+                Step::Stop { graceful } => instances.stop(id, graceful).await,
+                Step::Define => instances.hypervisor.define(&spec).map_err(|e| format!("hypervisor: {e}")),
+                Step::Start => instances.hypervisor.start(id).map_err(|e| format!("hypervisor: {e}")),
+            };
+            if let Err(reason) = done {
+                // What it is now is what the control plane learns next, not a change to report.
+                if let Ok(report) = instances.report(id) {
+                    instances.remember(id, &report);
+                }
+                tracing::info!(instance = %id, reason = %reason, "an apply failed");
+                return failed(reason);
+            }
+        }
+        match instances.report(id) {
+            Ok(report) => {
+                instances.remember(id, &report);
+                tracing::info!(instance = %id, generation, state = report.state, "instance applied");
+                Finish::instance_observed(id, generation, &report)
+            }
+            Err(reason) => failed(reason),
+        }
+    }
+
+    /// Runs `command` unless the journal says it finished; returns the entries written. A node
+    /// without instances: [`Agent::run`] runs them too.
     pub async fn run(&self, command: &bc_proto::Command, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        self.run_with(command, now_ms, None).await
+    }
+
+    /// [`Self::run`] on a node whose instances are `instances`.
+    pub async fn run_with(
+        &self,
+        command: &bc_proto::Command,
+        now_ms: u64,
+        instances: Option<&Instances>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
         let mut out = Vec::new();
         let id = command.command_id.as_str();
         if id.parse::<bc_core::id::CommandId>().is_err() {
@@ -256,6 +478,14 @@ impl Runner {
                     }
                     Err(_) => Finish::failed(reason),
                 },
+                // An apply's answer goes to its instance, which the control plane applies again.
+                "instance.apply" => match parse_apply(&command.args_json) {
+                    Ok(apply) => Finish::instance_failed(&apply.instance_id, apply.generation, reason),
+                    Err(BadArgs { head: Some((instance_id, generation)), .. }) => {
+                        Finish::instance_failed(&instance_id, generation, reason)
+                    }
+                    Err(BadArgs { head: None, .. }) => Finish::failed(reason),
+                },
                 _ => Finish::failed(reason),
             };
             self.finish(now_ms, id, finish, &mut out).await?;
@@ -267,7 +497,8 @@ impl Runner {
         let finish = match command.kind.as_str() {
             "ping" => Finish::succeeded(json!({ "result": { "pong": true, "agentVersion": self.version } })),
             "gpu.hold" => self.hold(id, &command.args_json).await,
-            "gpu.release" => self.release(id, &command.args_json).await,
+            "gpu.release" => self.release(id, &command.args_json, instances, now_ms, &mut out).await?,
+            "instance.apply" => self.instance_apply(id, &command.args_json, instances).await,
             other => Finish::failed(format!("unknown-kind: this agent does not know {:?}", bc_core::id::truncate(other, 40))),
         };
         self.finish(now_ms, id, finish, &mut out).await?;
@@ -278,12 +509,34 @@ impl Runner {
     /// Retries the releases the machine refused; each that now succeeds leaves the ledger and
     /// is reported `gpu.released` for its command. Returns the entries written.
     pub async fn retry_releases(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        self.retry_releases_with(now_ms, None).await
+    }
+
+    /// [`Self::retry_releases`] on a node whose instances are `instances`: a release's
+    /// instances are deleted first.
+    pub async fn retry_releases_with(
+        &self,
+        now_ms: u64,
+        instances: Option<&Instances>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
         let mut out = Vec::new();
+        // The instance ledger before the holds ledger; an apply holding it (an image fetch can
+        // take minutes) is not waited for: the next tick retries.
+        let mut instance_ledger = match instances.map(|i| i.ledger.try_lock()) {
+            None => None,
+            Some(Ok(guard)) => Some(guard),
+            Some(Err(_)) => return Ok(out),
+        };
         let mut ledger = self.ledger.lock().await;
         let stuck: Vec<(String, Hold)> =
             ledger.holds.iter().filter(|(_, h)| h.release_command_id.is_some()).map(|(r, h)| (r.clone(), h.clone())).collect();
         for (reservation_id, hold) in stuck {
             let Some(command_id) = hold.release_command_id.as_deref() else { continue };
+            if let (Some(instances), Some(il)) = (instances, instance_ledger.as_deref_mut())
+                && self.delete_instances_of(instances, il, &reservation_id, now_ms, &mut out).await?.is_err()
+            {
+                continue;
+            }
             if self.binding.release(&hold.gpus).is_err() {
                 continue;
             }
@@ -387,8 +640,565 @@ impl Runner {
         now_ms: u64,
         inventory: &crate::inventory::Inventory,
     ) -> Result<SignedEntry, JournalError> {
+        self.report_inventory_saying(now_ms, inventory, &self.capabilities()).await
+    }
+
+    /// [`Self::report_inventory`] with these capabilities.
+    async fn report_inventory_saying(
+        &self,
+        now_ms: u64,
+        inventory: &crate::inventory::Inventory,
+        capabilities: &[String],
+    ) -> Result<SignedEntry, JournalError> {
         let unavailable = self.binding.unprivileged();
-        let payload = inventory_payload(&self.node, inventory, &self.capabilities(), unavailable.as_deref());
+        let payload = inventory_payload(&self.node, inventory, capabilities, unavailable.as_deref());
         self.journal_about_node(now_ms, "node.inventory_reported", payload).await
+    }
+
+    /// Journals each instance whose (state, vCPUs, memory) is not what was last reported
+    /// (`instance.observed` without a command, at the generation last applied). An apply in
+    /// flight holds the ledger: this tick looks at nothing (the apply answers for itself).
+    pub async fn observe_instances(&self, now_ms: u64, instances: &Instances) -> Result<Vec<SignedEntry>, JournalError> {
+        let mut out = Vec::new();
+        let Ok(ledger) = instances.ledger.try_lock() else { return Ok(out) };
+        for (instance_id, entry) in &ledger.instances {
+            let report = match instances.report(instance_id) {
+                Ok(report) => report,
+                Err(reason) => {
+                    tracing::warn!(instance = %instance_id, reason = %reason, "observing an instance failed");
+                    continue;
+                }
+            };
+            if instances.last_reported(instance_id).as_ref() == Some(&report) {
+                continue;
+            }
+            self.journal_instance(now_ms, instance_id, entry.generation, &report, &mut out).await?;
+            instances.remember(instance_id, &report);
+        }
+        Ok(out)
+    }
+}
+
+/// A node's instances: its hypervisor, its image cache, and the ledger of what it was asked to
+/// run. A node without a hypervisor has none (and answers `instance.apply` `no-hypervisor`).
+pub struct Instances {
+    pub hypervisor: Box<dyn Hypervisor>,
+    pub images: ImageCache,
+    /// What the node was asked to run; the lock is held across a whole apply or delete (so they
+    /// run one at a time) and taken before the holds ledger's, everywhere.
+    pub ledger: tokio::sync::Mutex<InstanceLedger>,
+    pub ledger_file: InstanceLedgerFile,
+    /// `<data_dir>/instances`: a directory per instance, holding its disk.
+    pub dir: PathBuf,
+    /// How long a graceful stop is given before it is forced ([`INSTANCE_STOP_GRACE_MS`]).
+    pub stop_grace_ms: u64,
+    /// What was last journaled of each instance, so the observer journals changes only. In
+    /// memory: after a restart each instance is reported once more.
+    reported: std::sync::Mutex<BTreeMap<String, Report>>,
+}
+
+impl Instances {
+    /// The instances of the node whose data directory is `data_dir`, on `hypervisor`.
+    pub fn new(data_dir: &Path, hypervisor: Box<dyn Hypervisor>) -> Result<Self, String> {
+        let ledger_file = InstanceLedgerFile::new(data_dir);
+        let ledger = ledger_file.load()?;
+        Ok(Self {
+            hypervisor,
+            images: ImageCache::new(data_dir)?,
+            ledger: tokio::sync::Mutex::new(ledger),
+            ledger_file,
+            dir: data_dir.join("instances"),
+            stop_grace_ms: INSTANCE_STOP_GRACE_MS,
+            reported: std::sync::Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// The instances of the machine `config` names, if it has a hypervisor
+    /// ([`crate::hypervisor::for_config`]).
+    pub fn for_config(config: &crate::config::Config) -> Result<Option<Self>, String> {
+        match crate::hypervisor::for_config(config)? {
+            Some(hypervisor) => Ok(Some(Self::new(&config.data_dir, hypervisor)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The instance's disk: `<data_dir>/instances/<id>/disk.<format>`.
+    pub fn disk_path(&self, instance_id: &str, format: DiskFormat) -> PathBuf {
+        self.dir.join(instance_id).join(format!("disk.{}", format.as_str()))
+    }
+
+    /// What the hypervisor says of the instance now.
+    fn report(&self, instance_id: &str) -> Result<Report, String> {
+        let observed = self.hypervisor.observe(instance_id).map_err(|e| format!("hypervisor: {e}"))?;
+        Ok(Report::of(observed.as_ref()))
+    }
+
+    fn last_reported(&self, instance_id: &str) -> Option<Report> {
+        self.reported.lock().expect("reported lock").get(instance_id).cloned()
+    }
+
+    fn remember(&self, instance_id: &str, report: &Report) {
+        self.reported.lock().expect("reported lock").insert(instance_id.to_owned(), report.clone());
+    }
+
+    /// The instance's disk, copied once from the image in the cache (fetched if need be); a
+    /// raw one grown, sparse, to the disk size (never shrunk). A qcow2 disk keeps its image's
+    /// virtual size.
+    async fn prepare_disk(&self, instance_id: &str, args: &ApplyArgs) -> Result<(), String> {
+        let disk = self.disk_path(instance_id, args.image.disk_format);
+        let io = |path: &Path, e: std::io::Error| format!("disk: {}: {e}", path.display());
+        if !tokio::fs::try_exists(&disk).await.map_err(|e| io(&disk, e))? {
+            let cached = self.images.fetch(&args.image).await.map_err(|e| e.to_string())?;
+            let dir = self.dir.join(instance_id);
+            // 0711: the hypervisor's user (libvirt's qemu) may pass through to the disk, which
+            // libvirt hands to it; nobody may list the directory.
+            let mut builder = tokio::fs::DirBuilder::new();
+            builder.recursive(true).mode(0o711);
+            builder.create(&dir).await.map_err(|e| io(&dir, e))?;
+            let partial = dir.join(format!("disk.{}.partial", args.image.disk_format.as_str()));
+            let copied = async {
+                tokio::fs::copy(&cached, &partial).await?;
+                tokio::fs::File::open(&partial).await?.sync_all().await?;
+                tokio::fs::rename(&partial, &disk).await?;
+                tokio::fs::File::open(&dir).await?.sync_all().await
+            };
+            if let Err(e) = copied.await {
+                let _ = tokio::fs::remove_file(&partial).await;
+                return Err(io(&disk, e));
+            }
+        }
+        if args.image.disk_format == DiskFormat::Raw {
+            let size_bytes = args.disk_gib.saturating_mul(GIB);
+            let grown = async {
+                let file = tokio::fs::OpenOptions::new().write(true).open(&disk).await?;
+                if file.metadata().await?.len() < size_bytes {
+                    file.set_len(size_bytes).await?;
+                    file.sync_all().await?;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            grown.await.map_err(|e| io(&disk, e))?;
+        }
+        Ok(())
+    }
+
+    fn stopped(&self, instance_id: &str) -> Result<bool, String> {
+        let observed = self.hypervisor.observe(instance_id).map_err(|e| format!("hypervisor: {e}"))?;
+        Ok(observed.is_none_or(|o| o.state == DomainState::Stopped))
+    }
+
+    /// Stops the domain: an ACPI shutdown given [`Self::stop_grace_ms`], then at once; or at
+    /// once.
+    async fn stop(&self, instance_id: &str, graceful: bool) -> Result<(), String> {
+        let hypervisor = |e: String| format!("hypervisor: {e}");
+        if graceful {
+            self.hypervisor.stop(instance_id, false).map_err(hypervisor)?;
+            let mut waited_ms = 0;
+            while !self.stopped(instance_id)? {
+                if waited_ms >= self.stop_grace_ms {
+                    tracing::info!(instance = %instance_id, grace_ms = self.stop_grace_ms, "a shutdown took its whole grace; stopping at once");
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(INSTANCE_STOP_POLL_MS)).await;
+                waited_ms += INSTANCE_STOP_POLL_MS;
+            }
+            if self.stopped(instance_id)? {
+                return Ok(());
+            }
+        }
+        self.hypervisor.stop(instance_id, true).map_err(hypervisor)?;
+        if self.stopped(instance_id)? { Ok(()) } else { Err(format!("hypervisor: {instance_id} did not stop")) }
+    }
+
+    /// Deletes the instance: its domain, its directory, its ledger entry (marked as being
+    /// deleted first, so a crash part way leaves the ledger saying what is left to do).
+    async fn remove(&self, ledger: &mut InstanceLedger, instance_id: &str, generation: u64) -> Result<(), String> {
+        if let Some(entry) = ledger.instances.get(instance_id)
+            && (entry.desired != crate::instances::Desired::Deleted || entry.generation < generation)
+        {
+            let mut next = ledger.clone();
+            if let Some(entry) = next.instances.get_mut(instance_id) {
+                entry.desired = crate::instances::Desired::Deleted;
+                entry.generation = entry.generation.max(generation);
+            }
+            self.ledger_file.save(&next).map_err(|e| format!("disk: recording the delete: {e}"))?;
+            *ledger = next;
+        }
+        self.hypervisor.delete(instance_id).map_err(|e| format!("hypervisor: {e}"))?;
+        let dir = self.dir.join(instance_id);
+        match tokio::fs::remove_dir_all(&dir).await {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(format!("disk: {}: {e}", dir.display())),
+            _ => {}
+        }
+        if ledger.instances.contains_key(instance_id) {
+            let mut next = ledger.clone();
+            next.instances.remove(instance_id);
+            self.ledger_file.save(&next).map_err(|e| format!("disk: recording the delete: {e}"))?;
+            *ledger = next;
+        }
+        self.reported.lock().expect("reported lock").remove(instance_id);
+        Ok(())
+    }
+}
+
+/// What `bcd node` runs: the [`Runner`] (commands, GPUs, observations) and, on a node with a
+/// hypervisor, its [`Instances`]. (The runner stands alone for a node without instances, which
+/// is what the GPU property tests drive.)
+pub struct Agent {
+    pub runner: Runner,
+    pub instances: Option<Instances>,
+}
+
+impl Agent {
+    /// The capabilities this agent says in `Hello`: the runner's, and `instance.apply` with a
+    /// hypervisor.
+    pub fn capabilities(&self) -> Vec<String> {
+        let mut out = self.runner.capabilities();
+        if self.instances.is_some() {
+            out.push(CAPABILITY_INSTANCE_APPLY.to_owned());
+        }
+        out
+    }
+
+    pub async fn run(&self, command: &bc_proto::Command, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        self.runner.run_with(command, now_ms, self.instances.as_ref()).await
+    }
+
+    pub async fn retry_releases(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        self.runner.retry_releases_with(now_ms, self.instances.as_ref()).await
+    }
+
+    /// [`Runner::observe_instances`]; nothing without a hypervisor.
+    pub async fn observe_instances(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        match &self.instances {
+            Some(instances) => self.runner.observe_instances(now_ms, instances).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    pub async fn report_inventory(
+        &self,
+        now_ms: u64,
+        inventory: &crate::inventory::Inventory,
+    ) -> Result<SignedEntry, JournalError> {
+        self.runner.report_inventory_saying(now_ms, inventory, &self.capabilities()).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bc_core::agent::EntryBody;
+
+    use super::*;
+    use crate::binding::HeldGpu;
+    use crate::images::tests::{ImageServer, sha256_of};
+
+    /// As the node id prints: lowercase.
+    const NODE: &str = "node_01j00000000000000000000000";
+    const RSV: &str = "rsv_01J00000000000000000000000";
+    const INST: &str = "inst_01J00000000000000000000000";
+    const INST_2: &str = "inst_01J00000000000000000000001";
+    const NOW_MS: u64 = 1_000_000;
+
+    /// A machine with two GPUs whose binding holds anything.
+    struct TwoGpus;
+
+    impl GpuBinding for TwoGpus {
+        fn unprivileged(&self) -> Option<String> {
+            None
+        }
+        fn hold(&self, _gpus: &[HeldGpu]) -> Result<(), String> {
+            Ok(())
+        }
+        fn release(&self, _gpus: &[HeldGpu]) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    impl InventorySource for TwoGpus {
+        fn read(&self) -> crate::inventory::Inventory {
+            crate::holds::tests::inventory_of(2)
+        }
+    }
+
+    /// The agent of a node in `dir` on `hypervisor` (`None`: a node without one).
+    async fn agent(dir: &Path, hypervisor: Option<Box<dyn Hypervisor>>) -> Agent {
+        let node: NodeId = NODE.parse().unwrap();
+        let journal = Journal::open(&dir.join("journal.db"), node, u64::MAX).await.unwrap();
+        let runner = Runner {
+            journal: Arc::new(journal),
+            key: SigningKey::from_bytes(&[7; 32]),
+            node,
+            version: "test".into(),
+            binding: Box::new(TwoGpus),
+            inventory: Arc::new(TwoGpus),
+            ledger: tokio::sync::Mutex::new(Ledger::default()),
+            ledger_file: LedgerFile::new(dir),
+        };
+        let instances = hypervisor.map(|h| Instances::new(dir, h).unwrap());
+        Agent { runner, instances }
+    }
+
+    fn command(n: u32, kind: &str, args: Value) -> bc_proto::Command {
+        bc_proto::Command {
+            command_id: format!("cmd_01J000000000000000000000{n:02}"),
+            kind: kind.into(),
+            args_json: args.to_string(),
+            deadline_ms: NOW_MS + 900_000,
+            ..Default::default()
+        }
+    }
+
+    fn hold(n: u32) -> bc_proto::Command {
+        command(n, "gpu.hold", json!({ "reservationId": RSV, "gpuUuids": ["GPU-0", "GPU-1"] }))
+    }
+
+    fn release(n: u32) -> bc_proto::Command {
+        command(n, "gpu.release", json!({ "reservationId": RSV }))
+    }
+
+    struct Image {
+        url: String,
+        sha256: String,
+    }
+
+    fn apply(n: u32, instance_id: &str, generation: u64, desired: &str, vcpus: u32, image: &Image) -> bc_proto::Command {
+        command(
+            n,
+            "instance.apply",
+            json!({
+                "instanceId": instance_id, "generation": generation, "desired": desired, "reservationId": RSV,
+                "vcpus": vcpus, "memoryMiB": 1024 * vcpus, "diskGiB": 1, "gpus": ["GPU-0", "GPU-1"],
+                "image": { "imageId": "img_01J00000000000000000000000", "url": image.url, "sha256": image.sha256,
+                           "diskFormat": "raw" },
+            }),
+        )
+    }
+
+    /// The entries `run` wrote, read back.
+    fn bodies(entries: &[SignedEntry]) -> Vec<EntryBody> {
+        entries.iter().map(|e| EntryBody::decode(&e.body).unwrap()).collect()
+    }
+
+    /// The entry that finished the command: its type, subject and payload.
+    async fn run(agent: &Agent, command: &bc_proto::Command) -> EntryBody {
+        let entries = bodies(&agent.run(command, NOW_MS).await.unwrap());
+        entries.into_iter().last().expect("the command was answered")
+    }
+
+    fn observed(agent: &Agent, instance_id: &str) -> Option<crate::hypervisor::Observed> {
+        agent.instances.as_ref().unwrap().hypervisor.observe(instance_id).unwrap()
+    }
+
+    fn instance_ledger(dir: &Path) -> InstanceLedger {
+        InstanceLedgerFile::new(dir).load().unwrap()
+    }
+
+    async fn served(body: &[u8]) -> (ImageServer, Image) {
+        let server = ImageServer::start(body.to_vec()).await;
+        let image = Image { url: server.url.clone(), sha256: sha256_of(body) };
+        (server, image)
+    }
+
+    /// A node on the fake hypervisor holding `GPU-0` and `GPU-1` for [`RSV`], and an image
+    /// served on loopback.
+    async fn held_on_a_fake_hypervisor() -> (tempfile::TempDir, Agent, ImageServer, Image) {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (server, image) = served(b"a raw disk image").await;
+        assert_eq!(run(&agent, &hold(1)).await.entry_type, "gpu.held");
+        (dir, agent, server, image)
+    }
+
+    #[tokio::test]
+    async fn an_apply_fetches_verifies_and_caches_the_image_and_runs_the_instance() {
+        let (dir, agent, server, image) = held_on_a_fake_hypervisor().await;
+        assert!(agent.capabilities().contains(&CAPABILITY_INSTANCE_APPLY.to_owned()));
+
+        let cmd = apply(2, INST, 1, "running", 2, &image);
+        let answer = run(&agent, &cmd).await;
+        assert_eq!((answer.entry_type.as_str(), answer.subject.as_str()), ("instance.observed", &*format!("instance/{INST}")));
+        assert_eq!(
+            answer.payload,
+            json!({ "instanceId": INST, "generation": 1, "state": "running", "vcpus": 2, "memoryMiB": 2048,
+                    "commandId": cmd.command_id, "nodeId": NODE })
+        );
+        assert_eq!(agent.runner.journal.command_stage(&cmd.command_id).await.unwrap(), Some(Stage::Finished));
+        let disk = dir.path().join("instances").join(INST).join("disk.raw");
+        assert_eq!(std::fs::metadata(&disk).unwrap().len(), GIB, "a raw disk is grown, sparse, to diskGiB");
+        assert_eq!(server.requests(), 1);
+        let recorded = &instance_ledger(dir.path()).instances[INST];
+        assert_eq!((recorded.generation, recorded.gpus.len(), recorded.reservation_id.as_str()), (1, 2, RSV));
+
+        // Another instance of the same image, and this one stopped: no fetch either time.
+        let stopped = run(&agent, &apply(3, INST, 2, "stopped", 2, &image)).await;
+        assert_eq!((stopped.payload["state"].as_str(), stopped.payload["generation"].as_u64()), (Some("stopped"), Some(2)));
+        let second = run(&agent, &apply(4, INST_2, 1, "running", 1, &image)).await;
+        assert_eq!(second.payload["state"], "running");
+        assert_eq!(server.requests(), 1, "the image is the cached one, by its digest");
+
+        // Resized while running: stopped, redefined, started again.
+        let resized = run(&agent, &apply(5, INST_2, 2, "running", 4, &image)).await;
+        assert_eq!((resized.payload["state"].as_str(), resized.payload["vcpus"].as_u64()), (Some("running"), Some(4)));
+        assert_eq!(resized.payload["memoryMiB"], 4096);
+    }
+
+    #[tokio::test]
+    async fn a_digest_mismatch_is_refused_image_digest_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(b"not what was registered").await;
+        run(&agent, &hold(1)).await;
+        let wrong = Image { url: image.url.clone(), sha256: sha256_of(b"what was registered") };
+        let answer = run(&agent, &apply(2, INST, 1, "running", 2, &wrong)).await;
+        assert_eq!(answer.entry_type, "instance.apply_failed");
+        let reason = answer.payload["reason"].as_str().unwrap();
+        assert!(reason.starts_with("image-digest: "), "{reason}");
+        assert!(!reason.contains("signature=secret"), "no URL query in a reason: {reason}");
+        assert_eq!((answer.payload["instanceId"].as_str(), answer.payload["generation"].as_u64()), (Some(INST), Some(1)));
+        assert!(std::fs::read_dir(dir.path().join("images")).unwrap().next().is_none(), "no image, no partial file");
+        assert!(!dir.path().join("instances").join(INST).exists());
+        assert_eq!(observed(&agent, INST), None, "no domain");
+    }
+
+    #[tokio::test]
+    async fn a_stale_generation_is_answered_with_the_current_state_and_changes_nothing() {
+        let (dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
+        run(&agent, &apply(2, INST, 3, "running", 2, &image)).await;
+        let stale = run(&agent, &apply(3, INST, 2, "stopped", 8, &image)).await;
+        assert_eq!(stale.entry_type, "instance.observed");
+        assert_eq!(
+            (stale.payload["state"].as_str(), stale.payload["generation"].as_u64(), stale.payload["vcpus"].as_u64()),
+            (Some("running"), Some(3), Some(2))
+        );
+        assert_eq!(observed(&agent, INST).unwrap().state, DomainState::Running);
+        assert_eq!(instance_ledger(dir.path()).instances[INST].generation, 3);
+        let stale_delete = run(&agent, &apply(4, INST, 1, "deleted", 2, &image)).await;
+        assert_eq!(stale_delete.payload["state"], "running");
+        assert!(observed(&agent, INST).is_some());
+    }
+
+    #[tokio::test]
+    async fn an_instance_needs_its_reservations_gpus_held_and_a_node_a_hypervisor() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (server, image) = served(b"disk").await;
+        let answer = run(&agent, &apply(1, INST, 1, "running", 2, &image)).await;
+        assert_eq!(answer.entry_type, "instance.apply_failed");
+        assert!(answer.payload["reason"].as_str().unwrap().starts_with("gpus-not-held: "), "{}", answer.payload);
+        assert_eq!(server.requests(), 0, "refused before anything is fetched");
+        assert!(instance_ledger(dir.path()).instances.is_empty());
+
+        let bare_dir = tempfile::tempdir().unwrap();
+        let bare = self::agent(bare_dir.path(), None).await;
+        assert!(!bare.capabilities().contains(&CAPABILITY_INSTANCE_APPLY.to_owned()));
+        let answer = run(&bare, &apply(1, INST, 1, "running", 2, &image)).await;
+        assert!(answer.payload["reason"].as_str().unwrap().starts_with("no-hypervisor: "), "{}", answer.payload);
+
+        let late = bc_proto::Command { deadline_ms: NOW_MS - 1, ..apply(2, INST, 1, "running", 2, &image) };
+        let answer = run(&agent, &late).await;
+        assert_eq!(
+            (answer.entry_type.as_str(), answer.subject.as_str()),
+            ("instance.apply_failed", &*format!("instance/{INST}"))
+        );
+        assert!(answer.payload["reason"].as_str().unwrap().starts_with("deadline-passed: "), "{}", answer.payload);
+
+        let unnamed = run(&agent, &command(3, "instance.apply", json!({ "instanceId": "nope" }))).await;
+        assert_eq!(unnamed.entry_type, "command.failed");
+        let bad =
+            run(&agent, &command(4, "instance.apply", json!({ "instanceId": INST, "generation": 1, "desired": "running" })))
+                .await;
+        assert_eq!(bad.entry_type, "instance.apply_failed");
+        assert!(bad.payload["reason"].as_str().unwrap().starts_with("bad-args: "), "{}", bad.payload);
+    }
+
+    #[tokio::test]
+    async fn a_delete_removes_the_domain_the_directory_and_the_ledger_entry() {
+        let (dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
+        run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
+        let cmd = apply(3, INST, 2, "deleted", 2, &image);
+        let deleted = run(&agent, &cmd).await;
+        assert_eq!(
+            deleted.payload,
+            json!({ "instanceId": INST, "generation": 2, "state": "absent", "commandId": cmd.command_id, "nodeId": NODE })
+        );
+        assert_eq!(observed(&agent, INST), None);
+        assert!(!dir.path().join("instances").join(INST).exists());
+        assert!(instance_ledger(dir.path()).instances.is_empty());
+        assert!(dir.path().join("images").join(&image.sha256).exists(), "the image stays cached");
+        // Deleting what is gone already answers absent again.
+        let again = run(&agent, &apply(4, INST, 3, "deleted", 2, &image)).await;
+        assert_eq!(again.payload["state"], "absent");
+    }
+
+    #[tokio::test]
+    async fn a_release_deletes_the_reservations_instances_first() {
+        let (dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
+        run(&agent, &apply(2, INST, 4, "running", 2, &image)).await;
+        let cmd = release(3);
+        let entries = bodies(&agent.run(&cmd, NOW_MS).await.unwrap());
+        let kinds: Vec<(&str, &str)> = entries.iter().map(|e| (e.entry_type.as_str(), e.subject.as_str())).collect();
+        let instance_subject = format!("instance/{INST}");
+        let reservation_subject = format!("reservation/{RSV}");
+        assert_eq!(
+            kinds,
+            vec![
+                ("command.started", &*format!("command/{}", cmd.command_id)),
+                ("instance.observed", &*instance_subject),
+                ("gpu.released", &*reservation_subject),
+            ]
+        );
+        assert_eq!(entries[1].payload, json!({ "instanceId": INST, "generation": 4, "state": "absent", "nodeId": NODE }));
+        assert_eq!(observed(&agent, INST), None);
+        assert!(instance_ledger(dir.path()).instances.is_empty());
+        assert!(agent.runner.ledger.lock().await.holds.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_observer_journals_a_change_once() {
+        let (_dir, agent, _server, image) = held_on_a_fake_hypervisor().await;
+        run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
+        assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty(), "the apply reported it already");
+        // Stopped behind the agent's back.
+        agent.instances.as_ref().unwrap().hypervisor.stop(INST, true).unwrap();
+        let seen = bodies(&agent.observe_instances(NOW_MS).await.unwrap());
+        assert_eq!(seen.len(), 1);
+        assert_eq!((seen[0].entry_type.as_str(), seen[0].subject.as_str()), ("instance.observed", &*format!("instance/{INST}")));
+        assert_eq!(
+            seen[0].payload,
+            json!({ "instanceId": INST, "generation": 1, "state": "stopped", "vcpus": 2, "memoryMiB": 2048, "nodeId": NODE })
+        );
+        assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty(), "nothing changed since");
+        agent.instances.as_ref().unwrap().hypervisor.delete(INST).unwrap();
+        let gone = bodies(&agent.observe_instances(NOW_MS).await.unwrap());
+        assert_eq!(gone[0].payload["state"], "absent");
+        assert!(agent.observe_instances(NOW_MS).await.unwrap().is_empty());
+    }
+
+    /// The same apply, against libvirt's `test:///default` driver: running, stopped, resized,
+    /// resized while running, deleted; each state as libvirt reports it.
+    #[cfg(feature = "libvirt")]
+    #[tokio::test]
+    async fn an_instance_lives_and_dies_in_libvirts_test_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let libvirt = crate::hypervisor::Libvirt::open("test:///default").unwrap();
+        let agent = agent(dir.path(), Some(Box::new(libvirt))).await;
+        let (server, image) = served(b"disk").await;
+        run(&agent, &hold(1)).await;
+        let id = format!("inst_01J0000000000000000000{:04}", std::process::id() % 10_000);
+        let state = |e: &EntryBody| (e.payload["state"].as_str().map(str::to_owned), e.payload["vcpus"].as_u64());
+        let running = run(&agent, &apply(2, &id, 1, "running", 2, &image)).await;
+        assert_eq!(state(&running), (Some("running".into()), Some(2)), "{}", running.payload);
+        let stopped = run(&agent, &apply(3, &id, 2, "stopped", 2, &image)).await;
+        assert_eq!(state(&stopped), (Some("stopped".into()), Some(2)), "{}", stopped.payload);
+        let resized = run(&agent, &apply(4, &id, 3, "running", 4, &image)).await;
+        assert_eq!(state(&resized), (Some("running".into()), Some(4)), "{}", resized.payload);
+        assert_eq!(resized.payload["memoryMiB"], 4096);
+        let resized_running = run(&agent, &apply(5, &id, 4, "running", 8, &image)).await;
+        assert_eq!(state(&resized_running), (Some("running".into()), Some(8)), "{}", resized_running.payload);
+        let deleted = run(&agent, &apply(6, &id, 5, "deleted", 8, &image)).await;
+        assert_eq!(state(&deleted), (Some("absent".into()), None));
+        assert_eq!(observed(&agent, &id), None);
+        assert_eq!(server.requests(), 1);
     }
 }

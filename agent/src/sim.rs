@@ -45,12 +45,14 @@ pub fn node_dir(data_dir: &Path, i: u32) -> PathBuf {
 }
 
 /// Machine `i`'s configuration: the shared one, in its own directory, on the fake machine of
-/// seed `seed + i`.
+/// seed `seed + i` (and so on the fake hypervisor).
 pub fn node_config(base: &Config, data_dir: &Path, seed: u64, i: u32) -> Result<Config, String> {
     let machine_seed = seed.checked_add(u64::from(i)).ok_or("--seed plus --nodes overflows a u64")?;
     let mut config = base.clone();
     config.data_dir = node_dir(data_dir, i);
     config.hardware.fake_seed = Some(machine_seed);
+    // A simulated machine's instances are the fake hypervisor's, in memory.
+    config.hypervisor.uri = None;
     Ok(config)
 }
 

@@ -1,0 +1,58 @@
+//! A ledger: one JSON document in the data directory that says what the node was asked to hold
+//! or run, so a restart (or a redelivered command) finds it again. It is written whole (a
+//! temporary file, synced, renamed over the old one, the directory synced), 0600, and read back
+//! whole; a missing file is the empty ledger. `holds.json` ([`crate::holds`]) and
+//! `instances.json` ([`crate::instances`]) are the two.
+
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// What one ledger file holds, and its name in the data directory.
+pub trait LedgerContents: Default + Serialize + DeserializeOwned {
+    const FILE: &'static str;
+}
+
+/// A ledger on disk.
+pub struct LedgerFile<T> {
+    path: PathBuf,
+    // `fn() -> T`: the file holds no `T`, so it is `Send` and `Sync` whatever `T` is.
+    contents: PhantomData<fn() -> T>,
+}
+
+impl<T: LedgerContents> LedgerFile<T> {
+    /// The ledger `T::FILE` in `data_dir`.
+    pub fn new(data_dir: &Path) -> Self {
+        Self { path: data_dir.join(T::FILE), contents: PhantomData }
+    }
+
+    /// The ledger as last written; empty when there is none yet.
+    pub fn load(&self) -> Result<T, String> {
+        match std::fs::read(&self.path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", self.path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
+            Err(e) => Err(format!("{}: {e}", self.path.display())),
+        }
+    }
+
+    /// Writes the ledger whole: a temporary file, synced, renamed over the old one.
+    pub fn save(&self, ledger: &T) -> Result<(), String> {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let temp = self.path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec_pretty(ledger).map_err(|e| e.to_string())?;
+        let write = || -> std::io::Result<()> {
+            let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
+            file.write_all(&bytes)?;
+            file.sync_all()?;
+            std::fs::rename(&temp, &self.path)?;
+            if let Some(dir) = self.path.parent() {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| format!("{}: {e}", self.path.display()))
+    }
+}
