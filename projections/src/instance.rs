@@ -27,7 +27,8 @@ use crate::{corrupt, from_doc, payload, to_doc};
 
 /// An instance's document.
 pub const KIND_INSTANCE: &str = "instance";
-/// One row per instance not yet deleted or failed: what the instances reconciler scans.
+/// One row per instance not yet deleted: what the instances reconciler scans (it acts on
+/// failed ones only when a request revives them).
 pub const KIND_INSTANCE_LIVE: &str = "instance_live";
 /// The command the control plane sends a node to make an instance what it should be.
 pub const INSTANCE_APPLY: &str = "instance.apply";
@@ -269,7 +270,9 @@ pub(crate) fn apply_instance(kind: &str, id: &str, current: Option<Value>, event
     doc.refresh_state();
     doc.version = env.version;
     doc.updated_at_ms = env.at_ms;
-    if kind == KIND_INSTANCE_LIVE && !doc.state.is_live() { Ok(None) } else { to_doc(&doc) }
+    // A failed instance keeps its live row: a request revives it (the fold cannot rebuild a
+    // row it removed, having only the event).
+    if kind == KIND_INSTANCE_LIVE && doc.state == InstanceState::Deleted { Ok(None) } else { to_doc(&doc) }
 }
 
 fn issued(apply: HoldIssued, generation: u64) -> ApplyStatus {

@@ -104,6 +104,10 @@ pub struct ReservationView {
     pub hold_attempts: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// The instance using its GPUs (`instances.*`), until that instance is deleted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<crate::api::toolkit::InstanceIdText>")]
+    pub instance_id: Option<String>,
     pub version: u64,
     /// While queued: 1 for the next in line.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -135,6 +139,7 @@ impl ReservationView {
             binding: d.binding.map(BindingView::from),
             hold_attempts: d.hold_attempts,
             last_error: d.last_error,
+            instance_id: d.instance_id,
             version: d.version,
             queue_position,
             replayed: None,
