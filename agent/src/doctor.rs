@@ -151,6 +151,27 @@ pub fn libvirt_check(root: &Path) -> Check {
     }
 }
 
+/// The hypervisor instances run on: the configured libvirt URI opens (and says its version),
+/// a fake machine's in-memory one, or none (the node runs no instances: a warning).
+pub fn hypervisor_check(config: &Config) -> Check {
+    match crate::hypervisor::for_config(config) {
+        Ok(Some(_)) => match &config.hypervisor.uri {
+            #[cfg(feature = "libvirt")]
+            Some(uri) => match crate::hypervisor::Libvirt::open(uri).and_then(|l| l.version()) {
+                Ok(version) => Check::ok("hypervisor", format!("libvirt {version} answers at {uri}")),
+                Err(e) => Check::fail("hypervisor", e, format!("start libvirt, or correct [hypervisor] uri ({uri})")),
+            },
+            _ => Check::ok("hypervisor", "the fake machine's in-memory hypervisor: instances run in name only"),
+        },
+        Ok(None) => Check::warn(
+            "hypervisor",
+            "no [hypervisor] uri: this node runs no instances (it does not say instance.apply)",
+            "set [hypervisor] uri = \"qemu:///system\" in the configuration",
+        ),
+        Err(e) => Check::fail("hypervisor", e, "connect libvirt, or correct [hypervisor] uri"),
+    }
+}
+
 /// Every check, in order. A configuration that does not load leaves the checks that need it
 /// unchecked (each a warning saying so; the configuration's failure already fails the run).
 pub async fn run(config_path: &Path) -> Vec<Check> {
@@ -188,6 +209,9 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     let root = config.as_ref().and_then(|c| c.hardware.root.clone()).unwrap_or_else(|| PathBuf::from("/"));
     checks.push(vfio_check(&root));
     checks.push(libvirt_check(&root));
+    if let Some(config) = &config {
+        checks.push(hypervisor_check(config));
+    }
     checks
 }
 

@@ -4,8 +4,8 @@
 //! about one ([`decide_apply`]) over the instance's ledger entry, the holds ledger, the request
 //! and what the hypervisor says of the domain. The runner carries the decision out.
 //!
-//! The protocol (fixed, shared with the control plane) is `notes/instances-protocol.md`: an
-//! apply names a generation; one older than the ledger's is stale and answered with what the
+//! The protocol, shared with the control plane, is in `schema/EVENTS.md` (`instance.apply`'s
+//! arguments, `instance.observed`, `instance.apply_failed`): an apply names a generation; one older than the ledger's is stale and answered with what the
 //! node observes, nothing done; an instance runs only on the GPUs the holds ledger holds for its
 //! reservation (`gpus-not-held` otherwise).
 

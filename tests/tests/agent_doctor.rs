@@ -38,7 +38,7 @@ fn hardware_root(dir: &std::path::Path) -> std::path::PathBuf {
 fn write_config(dir: &std::path::Path, port: u16, serving_pin: &str, log_pin: &str) -> String {
     let path = dir.join("config.toml");
     let text = format!(
-        "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {serving_pin:?}\nlog_key_pin = {log_pin:?}\nobserve_interval = \"200ms\"\n\n[log]\nformat = \"json\"\n\n[hardware]\nroot = {:?}\n",
+        "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {serving_pin:?}\nlog_key_pin = {log_pin:?}\nobserve_interval = \"200ms\"\n\n[log]\nformat = \"json\"\n\n[hardware]\nroot = {:?}\n\n[hypervisor]\nuri = \"test:///default\"\n",
         dir.join("data").display().to_string(),
         hardware_root(dir).display().to_string(),
     );
@@ -76,6 +76,9 @@ async fn doctor_passes_on_a_joined_node_and_fails_a_wrong_pin_and_a_missing_conf
     assert!(check(&checks, "gateway")["message"].as_str().unwrap().contains("pinned certificate"), "{checks:?}");
     assert_eq!(check(&checks, "vfio")["status"], "ok", "{checks:?}");
     assert_eq!(check(&checks, "libvirt")["status"], "ok", "{checks:?}");
+    let hypervisor = check(&checks, "hypervisor");
+    assert_eq!(hypervisor["status"], "ok", "the configured libvirt answers: {checks:?}");
+    assert!(hypervisor["message"].as_str().unwrap().contains("test:///default"), "{hypervisor}");
     assert_ne!(check(&checks, "nvml")["status"], "fail", "no driver is a warning, never a failure: {checks:?}");
     assert_eq!(code, 0, "{checks:?}");
 
