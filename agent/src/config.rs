@@ -70,6 +70,10 @@ pub struct HardwareConfig {
     /// The fake machine refuses every `gpu.hold` with this reason (`code: words`), to exercise
     /// a node that cannot bind (`fakehw` builds, with `fake_seed`).
     pub fake_hold_refusal: Option<String>,
+    /// The fake machine's hypervisor crashes a running domain once it has been observed this
+    /// many times since its start, to exercise a domain that fails behind the agent's back
+    /// (`fakehw` builds, with `fake_seed`).
+    pub fake_domain_crash_after: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -117,6 +121,9 @@ impl Config {
         }
         if self.hypervisor.uri.is_some() && !cfg!(feature = "libvirt") {
             return Err(HYPERVISOR_NEEDS_LIBVIRT.into());
+        }
+        if self.hardware.fake_domain_crash_after.is_some() && self.hardware.fake_seed.is_none() {
+            return Err("[hardware] fake_domain_crash_after is for a fake machine: set fake_seed too".into());
         }
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());

@@ -130,7 +130,10 @@ pub fn for_config(config: &crate::config::Config) -> Result<Option<Box<dyn Hyper
         (Some(uri), _) => Ok(Some(Box::new(Libvirt::open(uri)?))),
         #[cfg(not(feature = "libvirt"))]
         (Some(_), _) => Err(crate::config::HYPERVISOR_NEEDS_LIBVIRT.into()),
-        (None, Some(_)) => Ok(Some(Box::new(Fake::default()))),
+        (None, Some(_)) => Ok(Some(match config.hardware.fake_domain_crash_after {
+            Some(after) => Box::new(Fake::crashing_after(after)),
+            None => Box::new(Fake::default()),
+        })),
         (None, None) => Ok(None),
     }
 }
@@ -139,6 +142,18 @@ pub fn for_config(config: &crate::config::Config) -> Result<Option<Box<dyn Hyper
 #[derive(Default)]
 pub struct Fake {
     domains: Mutex<BTreeMap<String, (DomainSpec, DomainState)>>,
+    /// A running domain crashes when it has been observed this many times since it was last
+    /// started (`[hardware] fake_domain_crash_after`), to exercise a domain that fails behind
+    /// the agent's back. Counted in observations, not time, so a run is the same every time.
+    crash_after: Option<u32>,
+    observed_running: Mutex<BTreeMap<String, u32>>,
+}
+
+impl Fake {
+    /// A fake whose running domains crash after `observations` looks (see [`Fake::crash_after`]).
+    pub fn crashing_after(observations: u32) -> Self {
+        Self { crash_after: Some(observations.max(1)), ..Self::default() }
+    }
 }
 
 impl Hypervisor for Fake {
@@ -158,6 +173,7 @@ impl Hypervisor for Fake {
         let mut domains = self.domains.lock().expect("fake hypervisor");
         let (_, state) = domains.get_mut(name).ok_or_else(|| format!("no domain {name}"))?;
         *state = DomainState::Running;
+        self.observed_running.lock().expect("fake hypervisor").remove(name);
         Ok(())
     }
 
@@ -174,7 +190,17 @@ impl Hypervisor for Fake {
     }
 
     fn observe(&self, name: &str) -> Result<Option<Observed>, String> {
-        let domains = self.domains.lock().expect("fake hypervisor");
+        let mut domains = self.domains.lock().expect("fake hypervisor");
+        if let (Some(after), Some((_, state))) = (self.crash_after, domains.get_mut(name))
+            && *state == DomainState::Running
+        {
+            let mut seen = self.observed_running.lock().expect("fake hypervisor");
+            let count = seen.entry(name.to_owned()).or_default();
+            *count += 1;
+            if *count >= after {
+                *state = DomainState::Crashed;
+            }
+        }
         Ok(domains.get(name).map(|(spec, state)| Observed { state: *state, vcpus: spec.vcpus, memory_mib: spec.memory_mib }))
     }
 }
@@ -301,6 +327,18 @@ mod tests {
         assert!(!domain_xml(&hostile, "kvm").unwrap().contains("'/><x"), "names are escaped");
         assert!(domain_xml(&DomainSpec { vcpus: 0, ..spec("x") }, "kvm").is_err());
         assert!(domain_xml(&DomainSpec { disk_format: "vmdk".into(), ..spec("x") }, "kvm").is_err());
+    }
+
+    #[test]
+    fn a_crashing_fake_crashes_a_running_domain_after_its_observations_and_a_start_revives_it() {
+        let fake = Fake::crashing_after(3);
+        fake.define(&spec("inst_1")).unwrap();
+        assert_eq!(fake.observe("inst_1").unwrap().unwrap().state, DomainState::Stopped, "a stopped domain never crashes");
+        fake.start("inst_1").unwrap();
+        let states: Vec<DomainState> = (0..4).map(|_| fake.observe("inst_1").unwrap().unwrap().state).collect();
+        assert_eq!(states, [DomainState::Running, DomainState::Running, DomainState::Crashed, DomainState::Crashed]);
+        fake.start("inst_1").unwrap();
+        assert_eq!(fake.observe("inst_1").unwrap().unwrap().state, DomainState::Running, "started again, counted afresh");
     }
 
     #[test]

@@ -228,3 +228,67 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
     wait_reservation(&server, &rsv, "released on the node", |r| r["binding"]["state"] == "released").await;
     assert_eq!(machine.stop(), 0);
 }
+
+/// Desired and observed state are reconciled, not ignored: on a fake machine whose hypervisor
+/// crashes a running domain behind the agent's back (`fake_domain_crash_after`), the node
+/// reports the crash by itself, the instance turns `drifted`, and the `instances` reconciler
+/// applies it again until the node observes it running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_domain_that_crashes_behind_the_agents_back_is_started_again_by_the_reconciler() {
+    let (server, port) = bc_tests::agents_gateway();
+    let seed = fake_seed_with(1);
+    let pool = server.pool("drift").await;
+    let mut machine = Machine::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\nfake_domain_crash_after = 8\n")).unwrap();
+    let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    assert_eq!(status, 200, "{token}");
+    assert_eq!(machine.join_stdin(token["token"].as_str().unwrap()).0, 0);
+    machine.start();
+    let bytes = vec![7u8; 4096];
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let images = ImageServer::start("tiny.raw", bytes);
+    let image =
+        call_ok(&server, "images.register", json!({ "name": "tiny", "url": images.url, "sha256": digest, "diskFormat": "raw" }))
+            .await;
+    let flavor = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "one", "vcpus": 1, "memoryMiB": 512, "diskGiB": 1, "gpus": 1 }),
+    )
+    .await;
+    let rsv = bound_reservation(&server, &pool, 1).await;
+    let created = call_ok(
+        &server,
+        "instances.create",
+        json!({ "name": "flaky", "reservationId": rsv, "flavorId": flavor["flavorId"], "imageId": image["imageId"] }),
+    )
+    .await;
+    let id = created["instanceId"].as_str().unwrap().to_owned();
+    wait_instance(&server, &id, "running", settled_in("running")).await;
+    let drifted = wait_instance(&server, &id, "seen crashed", |d| d["observed"]["state"] == "crashed").await;
+    assert!(matches!(drifted["state"].as_str(), Some("drifted" | "pending")), "{drifted}");
+    let history = |events: &Value| -> Vec<Value> {
+        events["items"].as_array().unwrap().iter().filter(|e| e["stream"] == format!("instance/{id}")).cloned().collect()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let reapplied = loop {
+        let events = call_ok(&server, "events.list", json!({ "types": ["instance.*"], "limit": 500 })).await;
+        let found = history(&events).into_iter().find(|e| e["type"] == "instance.reapplied");
+        if let Some(found) = found {
+            break found;
+        }
+        assert!(std::time::Instant::now() < deadline, "never applied again: {:?}", history(&events));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let reason = reapplied["payload"]["reason"].as_str().unwrap_or_default();
+    assert!(reason.starts_with("drift: node") && reason.contains("crashed, desired running"), "{reapplied}");
+    let revived = wait_instance(&server, &id, "running again", |d| {
+        d["state"] == "running" && d["updatedAtMs"].as_u64() > drifted["updatedAtMs"].as_u64()
+    })
+    .await;
+    assert_eq!(revived["observed"]["state"], "running", "{revived}");
+    call_ok(&server, "instances.delete", json!({ "instanceId": id })).await;
+    wait_instance(&server, &id, "deleted", settled_in("deleted")).await;
+    assert_eq!(machine.stop(), 0);
+}
