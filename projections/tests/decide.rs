@@ -762,12 +762,12 @@ fn the_plan_applies_again_on_drift_after_a_back_off_and_gives_up_after_the_last_
     let live = reservations(Some(bound_reservation()));
     let converged = instance(DesiredState::Running, Some(ObservedState::Running), true);
     assert!(converged.converged());
-    assert_eq!(decide::instances_plan(&[converged.clone()], &live, NOW_MS + 60_000), []);
+    assert_eq!(decide::instances_plan(std::slice::from_ref(&converged), &live, NOW_MS + 60_000), []);
     // Crashed behind the agent's back: applied again once the back-off has passed.
     let crashed = instance(DesiredState::Running, Some(ObservedState::Crashed), true);
-    assert_eq!(decide::instances_plan(&[crashed.clone()], &live, NOW_MS + 1), [], "within the back-off");
+    assert_eq!(decide::instances_plan(std::slice::from_ref(&crashed), &live, NOW_MS + 1), [], "within the back-off");
     let later = NOW_MS + bc_projections::instance::INSTANCE_REAPPLY_BACKOFF_MS;
-    let actions = decide::instances_plan(&[crashed.clone()], &live, later);
+    let actions = decide::instances_plan(std::slice::from_ref(&crashed), &live, later);
     let [InstanceAction::Reapply { reason, attempts: 2, version: 4, .. }] = actions.as_slice() else { panic!("{actions:?}") };
     assert!(reason.starts_with("drift: node node_g observes crashed, desired running"), "{reason}");
     let append = actions[0].append(&crashed, ISSUE).unwrap();
@@ -792,13 +792,13 @@ fn the_plan_applies_again_on_drift_after_a_back_off_and_gives_up_after_the_last_
 fn the_plan_times_out_unanswered_applies_deletes_on_ended_reservations_and_finishes_deletes() {
     let live = reservations(Some(bound_reservation()));
     let unanswered = instance(DesiredState::Running, None, false);
-    assert_eq!(decide::instances_plan(&[unanswered.clone()], &live, NOW_MS + 899_000), []);
+    assert_eq!(decide::instances_plan(std::slice::from_ref(&unanswered), &live, NOW_MS + 899_000), []);
     let actions = decide::instances_plan(&[unanswered], &live, NOW_MS + 900_001);
     assert!(matches!(actions.as_slice(), [InstanceAction::Reapply { reason, .. }] if reason.starts_with("apply-timeout")));
 
     // The reservation ended: the instance is deleted (a new generation, desired deleted).
     let running = instance(DesiredState::Running, Some(ObservedState::Running), true);
-    let actions = decide::instances_plan(&[running.clone()], &reservations(None), NOW_MS);
+    let actions = decide::instances_plan(std::slice::from_ref(&running), &reservations(None), NOW_MS);
     let [InstanceAction::Delete { reason, .. }] = actions.as_slice() else { panic!("{actions:?}") };
     assert!(reason.starts_with("reservation-ended"));
     let append = actions[0].append(&running, ISSUE).unwrap();
@@ -808,7 +808,7 @@ fn the_plan_times_out_unanswered_applies_deletes_on_ended_reservations_and_finis
 
     // Gone from the node after a delete: deleted, and detached from its reservation.
     let gone = instance(DesiredState::Deleted, Some(ObservedState::Absent), true);
-    let actions = decide::instances_plan(&[gone.clone()], &live, NOW_MS);
+    let actions = decide::instances_plan(std::slice::from_ref(&gone), &live, NOW_MS);
     assert!(matches!(actions.as_slice(), [InstanceAction::Deleted { reservation_version: Some(2), .. }]), "{actions:?}");
     let append = actions[0].append(&gone, ISSUE).unwrap();
     assert_eq!(append.event_types(), [ev::INSTANCE_DELETED, ev::RESERVATION_INSTANCE_DETACHED]);
