@@ -141,6 +141,13 @@ pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<R
         }
         let value = canonical::decode_canonical(&item).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
         let record = Record::from_cbor(value).map_err(|e| malformed(Some(next), e))?;
+        if keys.get(&record.key_id).is_none() {
+            return Err(ReplayError::new(
+                EXPORT_TAMPERED,
+                Some(next),
+                format!("signed by {}, a key the pin {pin} does not vouch for (nor a rotation from it)", record.key_id),
+            ));
+        }
         let event = verify_record(&mut verifier, &tenant, record)?;
         if !key_ids.contains(&event.key_id) {
             key_ids.push(event.key_id.clone());

@@ -202,3 +202,61 @@ fn independent_read(bytes: &[u8], events: u64, pin: &str) {
     }
     assert_eq!(seen, events);
 }
+
+/// `pki rotate-log-key` between two runs: the export names both keys and carries the rotation's
+/// proof, so the old pin alone replays the whole chain (the new key is trusted from the
+/// rotation the old key signed and sealed), and the new pin alone does not vouch for the
+/// records before it. Ranges: `--to` gives a prefix that replays; `--from` past 1 verifies no
+/// state and is refused for a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_across_a_key_rotation_replays_from_the_old_pin_and_ranges_are_prefixes() {
+    let mut server = Server::dev();
+    server.pool("before-rotation").await;
+    let old_pin = log_key_pin(&server);
+    server.stop();
+    let data_dir = server.data_dir.display().to_string();
+    let (code, out, err) = cli(&["pki", "rotate-log-key", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+    let new_pin = json(&out)["pin"].as_str().unwrap().to_owned();
+    server.restart();
+    server.pool("after-rotation").await;
+    server.stop();
+
+    let root = TenantId::ROOT.to_string();
+    let work = tempfile::tempdir().unwrap();
+    let export = |name: &str, range: &[&str]| {
+        let path = work.path().join(name).display().to_string();
+        let mut args = vec!["events", "export", "--tenant", &root, "--data-dir", &data_dir, "--out", &path];
+        args.extend_from_slice(range);
+        let (code, out, err) = cli(&args, &[]);
+        assert_eq!(code, 0, "{err}");
+        (path, json(&out))
+    };
+    let (file, exported) = export("root.bcx", &[]);
+    assert_eq!(exported["rotations"], 1, "{exported}");
+    assert_eq!(exported["keyIds"].as_array().unwrap().len(), 2, "both keys signed records: {exported}");
+    let (code, summary, err) = replay(&[&file, "--log-key-pin", &old_pin]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(summary["events"], exported["events"]);
+    assert_eq!(summary["kinds"]["pool"], 2, "{summary}");
+    let (code, _, err) = replay(&[&file, "--log-key-pin", &new_pin]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.starts_with("EXPORT_TAMPERED: seq 1: ") && err.contains("does not vouch for"),
+        "the new key did not sign seq 1: {err}"
+    );
+
+    // A prefix replays to the state at its end, the same as --until there on the whole file.
+    let (prefix, _) = export("prefix.bcx", &["--to", "3"]);
+    let (code, short, err) = replay(&[&prefix, "--log-key-pin", &old_pin]);
+    assert_eq!(code, 0, "{err}");
+    let (code, until, err) = replay(&[&file, "--log-key-pin", &old_pin, "--until", "3"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!((short["events"].as_u64(), short["atSeq"].as_u64()), (Some(3), Some(3)));
+    assert_eq!(short["stateDigest"], until["stateDigest"]);
+    let (middle, exported) = export("middle.bcx", &["--from", "2", "--to", "3"]);
+    assert_eq!((exported["fromSeq"].as_u64(), exported["events"].as_u64()), (Some(2), Some(2)));
+    let (code, _, err) = replay(&[&middle, "--log-key-pin", &old_pin]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.starts_with("REPLAY_PARTIAL_FILE: "), "{err}");
+}
