@@ -309,6 +309,11 @@ pub enum Command {
         #[command(subcommand)]
         command: AuditCommand,
     },
+    /// Replay an event export offline: verify it, rebuild the tenant's state at a seq.
+    Sim {
+        #[command(subcommand)]
+        command: SimCommand,
+    },
     /// Call any API method: `api pools.get poolId=pool_…`; items `k=v`, `k:=json`, `a.b=v`,
     /// `ids[]=x`, `k=@file.txt`, `k:=@file.json`.
     Api(ApiArgs),
@@ -577,6 +582,27 @@ pub enum AuditCommand {
 }
 
 #[derive(Subcommand)]
+pub enum SimCommand {
+    /// Verify an `events export` file against the log key's pin and fold its events into the
+    /// tenant's projection rows; prints the state's digest and its rows per kind. Exits 1 with
+    /// EXPORT_TAMPERED (naming the first bad record's seq), EXPORT_UNTRUSTED_KEY,
+    /// EXPORT_TRUNCATED or EXPORT_MALFORMED when the file does not verify.
+    Replay {
+        file: PathBuf,
+        /// The pin of the log key that signed the file, `sha256/…` (`pki show` prints it).
+        #[arg(long)]
+        log_key_pin: String,
+        /// Rebuild the state as it was right after this seq (default: the file's last).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        until: Option<u64>,
+        /// Also write the rows, `{tenantId, atSeq, stateDigest, rows: [{kind, id, doc}]}`, to a
+        /// new JSON file.
+        #[arg(long, value_name = "FILE.json")]
+        rows_out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 pub enum ReconcilersCommand {
     /// Each reconciler's last pass per process: when, how long, its outcome and counts.
     Status {
@@ -606,6 +632,24 @@ pub enum EventsCommand {
     },
     /// One event with its canonical bytes, hash and signature.
     Get { event_id: String },
+    /// Write a tenant's events (--tenant), with their hashes and signatures, to a file that
+    /// verifies alone (a CBOR sequence; schema/LOG-FORMAT.md, "Event exports"). Reads the
+    /// database directly, like `audit verify`.
+    Export {
+        /// The first seq (default 1: the chain from its start, which `sim replay` needs).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        from: u64,
+        /// The last seq (default: the chain head when the export starts).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        to: Option<u64>,
+        /// The file to create (never over an existing file).
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
     /// Follow the log live from its end (like `tail -f`): one JSON line per event; reconnects
     /// after a broken connection.
     Watch {

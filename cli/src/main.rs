@@ -13,7 +13,8 @@
 //! - `output.rs`: `--format`/`--query` and terminal safety; `tables.rs`: the columns each list
 //!   prints and relative times (`5m ago`, `in 59m`).
 //! - `server.rs`: serving (`dev`, `serve`, `reconcile`) and the other commands that open the
-//!   database; `audit.rs`: checkpoints, verification and proofs.
+//!   database; `audit.rs`: checkpoints, verification and proofs; `sim.rs`: `events export`
+//!   and `sim replay` (the files around `bc_simulator`).
 //!
 //! Exit status: 0 on success, 2 for a usage mistake (`INVALID_ARGUMENT`), 1 for anything else.
 //! A failure prints `CODE: message` and, when there is one, a `hint:` line.
@@ -31,6 +32,7 @@ mod flags;
 mod follow;
 mod output;
 mod server;
+mod sim;
 mod tables;
 mod watch;
 

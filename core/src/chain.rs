@@ -35,6 +35,13 @@ impl<'k> ChainVerifier<'k> {
         Self { tenant, keys, next_seq: 1, prev: GENESIS_PREV }
     }
 
+    /// Resumes a walk mid-chain: the next event is `next_seq` and the one before it hashed to
+    /// `prev` (what an export that starts after seq 1 carries). `next_seq` 1 with
+    /// [`GENESIS_PREV`] is [`ChainVerifier::new`].
+    pub fn resume(tenant: TenantId, keys: &'k KeyRing, next_seq: u64, prev: [u8; 32]) -> Self {
+        Self { tenant, keys, next_seq: next_seq.max(1), prev }
+    }
+
     fn problem(&self, seq: u64, what: impl Into<String>) -> ChainProblem {
         ChainProblem { tenant: self.tenant.to_string(), seq, what: what.into() }
     }
@@ -60,7 +67,7 @@ impl<'k> ChainVerifier<'k> {
         Ok(event)
     }
 
-    /// Events verified so far.
+    /// The last seq verified (after [`ChainVerifier::resume`], counting the events before it).
     pub fn verified(&self) -> u64 {
         self.next_seq - 1
     }

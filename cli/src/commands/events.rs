@@ -1,5 +1,6 @@
-//! `events list|get|watch`. `watch` follows the log from its end unless `--since` says where
-//! to start (`start` or `0`: the beginning); the stream itself is followed by `crate::watch`.
+//! `events list|get|watch|export`. `watch` follows the log from its end unless `--since` says
+//! where to start (`start` or `0`: the beginning); the stream itself is followed by
+//! `crate::watch`. `export` reads the database itself (`crate::sim`), as the audit does.
 
 use serde_json::{Value, json};
 
@@ -23,6 +24,12 @@ pub async fn run(ctx: &Context, command: EventsCommand) -> Result<(), CliError> 
                 count,
             })
             .await
+        }
+        EventsCommand::Export { from, to, out, db, deployment } => {
+            let tenant = ctx.tenant_id()?.ok_or_else(|| CliError::usage("events export needs --tenant TENANT_ID"))?;
+            let args =
+                crate::sim::ExportArgs { tenant, from_seq: from, to_seq: to, out: &out, deployment: &deployment.deployment };
+            ctx.print(&crate::sim::export(&db.database(), args).await?, Format::Json)
         }
         EventsCommand::List { page, types } => {
             let mut body = ctx.page_body(&page)?;

@@ -4,7 +4,7 @@
 //! One module per group: `api` (any method, the item syntax, the method table), `events`,
 //! `pools`, `nodes`, `inventory`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
 //! `quotas`), `flavors` (`flavors …`, `images …`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
-//! `projections`), `audit`, and `meta` (`completion`, `help`).
+//! `projections`), `audit`, `sim` (`sim replay`), and `meta` (`completion`, `help`).
 
 use bc_core::id::TenantId;
 use serde_json::{Map, Value, json};
@@ -27,6 +27,7 @@ mod nodes;
 mod operator;
 mod pools;
 mod reservations;
+mod sim;
 mod webhooks;
 
 impl Command {
@@ -44,6 +45,7 @@ impl Command {
             Command::Pki { command } => operator::pki(ctx, command).await,
             Command::Projections { command } => operator::projections(ctx, command).await,
             Command::Audit { command } => audit::run(ctx, command).await,
+            Command::Sim { command } => sim::run(ctx, command),
             Command::Api(args) => api::run(ctx, args).await,
             Command::Events { command } => events::run(ctx, command).await,
             Command::Pools { command } => pools::run(ctx, command).await,

@@ -1,0 +1,288 @@
+//! Replaying an export: read it one record at a time, verify every record (the chain's links,
+//! the hashes, the signatures under the keys the caller's pin vouches for), and fold the events
+//! up to a seq into projection rows in memory with the real fold
+//! (`bc_core::store::fold_projections` over `bc_projections::Projections`).
+//!
+//! Verification is `bc_core::chain::ChainVerifier`'s, resumed at the file's first seq; trust
+//! is the pin's: a key of the file is used only when its pin is the one given, or when a key
+//! rotation proved from such a key (`bc_core::audit::follow_rotations`) names it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+
+use bc_core::canonical;
+use bc_core::chain::ChainVerifier;
+use bc_core::event::{Envelope, EventRow, StoredEvent};
+use bc_core::id::TenantId;
+use bc_core::keys::KeyRing;
+use bc_core::store::{Projector, RowKey, fold_projections, touched_rows};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::format::{HEADER_BYTES_MAX, Header, RECORD_BYTES_MAX, Record, read_item};
+
+/// Events folded at once: the fold's batch, bounded like a page of the store.
+pub const FOLD_EVENTS_MAX: usize = bc_core::store::READ_ROWS_MAX as usize;
+
+/// Why a file was refused. `code` is stable; `seq` is the first record that does not verify.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayError {
+    pub code: &'static str,
+    pub seq: Option<u64>,
+    pub message: String,
+}
+
+/// The file is not an export (not a CBOR sequence, another format or version, a bad field).
+pub const EXPORT_MALFORMED: &str = "EXPORT_MALFORMED";
+/// No key of the file is vouched for by the pin.
+pub const EXPORT_UNTRUSTED_KEY: &str = "EXPORT_UNTRUSTED_KEY";
+/// A record does not verify: its hash, its link, its signature, its place in the chain.
+pub const EXPORT_TAMPERED: &str = "EXPORT_TAMPERED";
+/// The file ends before the last record its header announces.
+pub const EXPORT_TRUNCATED: &str = "EXPORT_TRUNCATED";
+/// The file verifies but cannot rebuild state: it does not start at seq 1.
+pub const REPLAY_PARTIAL_FILE: &str = "REPLAY_PARTIAL_FILE";
+/// `--until` names no seq of the file.
+pub const REPLAY_UNTIL_OUTSIDE: &str = "REPLAY_UNTIL_OUTSIDE";
+/// An event verified but the projections refused it (a log the fold cannot read).
+pub const REPLAY_FOLD_FAILED: &str = "REPLAY_FOLD_FAILED";
+
+impl ReplayError {
+    fn new(code: &'static str, seq: Option<u64>, message: impl Into<String>) -> Self {
+        Self { code, seq, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.seq {
+            Some(seq) => write!(f, "seq {seq}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+/// The state rebuilt from a verified file.
+#[derive(Clone, Debug)]
+pub struct Replayed {
+    pub header: Header,
+    /// Records verified: every record of the file, whatever `until`.
+    pub events_verified: u64,
+    /// The seq the state is at (`until`, or the file's last).
+    pub at_seq: u64,
+    /// The keys that signed the file's records, in first-use order.
+    pub key_ids: Vec<String>,
+    /// The projection rows of the tenant at `at_seq`, by `(kind, id)`.
+    pub rows: BTreeMap<(String, String), Value>,
+}
+
+impl Replayed {
+    /// SHA-256 of [`rows_json`] in canonical JSON ([`canonical_json`]), hex.
+    pub fn digest(&self) -> String {
+        hex::encode(Sha256::digest(canonical_json(&self.rows_json()).as_bytes()))
+    }
+
+    /// The rows as `[{kind, id, doc}]`, sorted by `(kind, id)`.
+    pub fn rows_json(&self) -> Value {
+        Value::Array(
+            self.rows.iter().map(|((kind, id), doc)| serde_json::json!({ "kind": kind, "id": id, "doc": doc })).collect(),
+        )
+    }
+
+    /// Rows per kind.
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        let mut counts = BTreeMap::new();
+        for (kind, _) in self.rows.keys() {
+            *counts.entry(kind.clone()).or_insert(0) += 1;
+        }
+        counts
+    }
+}
+
+/// Verifies the export read from `reader` against `pin` (`sha256/…`, the log key's) and folds
+/// its events up to `until` (default: the last). Reads one record at a time.
+pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
+    let malformed = |seq: Option<u64>, m: String| ReplayError::new(EXPORT_MALFORMED, seq, m);
+    let item = read_item(reader, HEADER_BYTES_MAX).map_err(|e| malformed(None, format!("the header: {e}")))?;
+    let item = item.ok_or_else(|| malformed(None, "the file is empty".into()))?;
+    let value = canonical::decode_canonical(&item).map_err(|e| malformed(None, format!("the header: {e}")))?;
+    let header = Header::from_cbor(value).map_err(|e| malformed(None, e))?;
+    let tenant: TenantId = header.tenant.parse().map_err(|e| malformed(None, format!("the header's tenant: {e}")))?;
+    let keys = trusted_keys(&header, pin)?;
+    if header.from_seq != 1 {
+        return Err(ReplayError::new(
+            REPLAY_PARTIAL_FILE,
+            None,
+            format!("the file starts at seq {}, so the state before it is unknown", header.from_seq),
+        ));
+    }
+    let at_seq = until.unwrap_or(header.to_seq);
+    if at_seq < header.from_seq || at_seq > header.to_seq {
+        return Err(ReplayError::new(
+            REPLAY_UNTIL_OUTSIDE,
+            None,
+            format!("--until {at_seq} is outside the file's seqs {} to {}", header.from_seq, header.to_seq),
+        ));
+    }
+    let mut verifier = ChainVerifier::resume(tenant, &keys, header.from_seq, header.prev_hash);
+    let mut state: HashMap<RowKey, Value> = HashMap::new();
+    let mut batch: Vec<StoredEvent> = Vec::new();
+    let mut key_ids: Vec<String> = Vec::new();
+    let mut next = header.from_seq;
+    loop {
+        let item = read_item(reader, RECORD_BYTES_MAX).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
+        let Some(item) = item else { break };
+        if next > header.to_seq {
+            return Err(ReplayError::new(
+                EXPORT_TAMPERED,
+                Some(next),
+                format!("a record past the header's last seq {}", header.to_seq),
+            ));
+        }
+        let value = canonical::decode_canonical(&item).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
+        let record = Record::from_cbor(value).map_err(|e| malformed(Some(next), e))?;
+        if keys.get(&record.key_id).is_none() {
+            return Err(ReplayError::new(
+                EXPORT_TAMPERED,
+                Some(next),
+                format!("signed by {}, a key the pin {pin} does not vouch for (nor a rotation from it)", record.key_id),
+            ));
+        }
+        let event = verify_record(&mut verifier, &tenant, record)?;
+        if !key_ids.contains(&event.key_id) {
+            key_ids.push(event.key_id.clone());
+        }
+        if event.envelope.seq <= at_seq {
+            batch.push(event);
+            if batch.len() == FOLD_EVENTS_MAX {
+                fold(&mut state, &batch)?;
+                batch.clear();
+            }
+        }
+        next += 1;
+    }
+    fold(&mut state, &batch)?;
+    verifier
+        .finish(Some((header.to_seq, header.last_hash)))
+        .map_err(|p| ReplayError::new(EXPORT_TRUNCATED, Some(p.seq), format!("{} (the header's last seq)", p.what)))?;
+    let rows = state.into_iter().map(|(key, doc)| ((key.kind, key.id), doc)).collect();
+    Ok(Replayed { events_verified: next - header.from_seq, at_seq, key_ids, rows, header })
+}
+
+/// The keys `pin` vouches for among the file's: its own, and those a proved rotation from it
+/// names. None is refused: the file is not the pinned log's.
+fn trusted_keys(header: &Header, pin: &str) -> Result<KeyRing, ReplayError> {
+    let malformed = |m: String| ReplayError::new(EXPORT_MALFORMED, None, m);
+    let mut publics = Vec::new();
+    for (key_id, public) in &header.keys {
+        let public = bc_core::keys::stored_public_key(key_id, public).map_err(|e| malformed(format!("the header: {e}")))?;
+        if bc_core::keys::pin_of(&public) == pin {
+            publics.push(public);
+        }
+    }
+    let rotations =
+        bc_core::note::parse_rotations(&header.rotations).map_err(|e| malformed(format!("the header's rotations: {e}")))?;
+    let publics = bc_core::audit::follow_rotations(&rotations, &[pin.to_owned()], &publics)
+        .map_err(|e| ReplayError::new(EXPORT_UNTRUSTED_KEY, None, format!("the header's rotations: {e}")))?;
+    if publics.is_empty() {
+        let ids: Vec<&str> = header.keys.iter().map(|(id, _)| id.as_str()).collect();
+        return Err(ReplayError::new(
+            EXPORT_UNTRUSTED_KEY,
+            None,
+            format!("no key of the file has the pin {pin} (the file names {})", ids.join(", ")),
+        ));
+    }
+    let mut keys = KeyRing::default();
+    for public in publics {
+        keys.insert(public);
+    }
+    Ok(keys)
+}
+
+/// One record through the chain verifier, as the row a store would hold.
+fn verify_record(verifier: &mut ChainVerifier<'_>, tenant: &TenantId, record: Record) -> Result<StoredEvent, ReplayError> {
+    let seq = record.seq;
+    let tampered = |what: String| ReplayError::new(EXPORT_TAMPERED, Some(seq), what);
+    let index = u32::try_from(record.index).map_err(|_| tampered("the record's index is past 32 bits".into()))?;
+    // The columns a store keeps beside the bytes, from the bytes: the verifier compares them
+    // with the envelope it decodes again, and reports an envelope that does not decode.
+    let envelope = Envelope::from_canonical(&record.event).ok();
+    let row = EventRow {
+        tenant: tenant.to_string(),
+        seq,
+        id: envelope.as_ref().map(|e| e.id.to_string()).unwrap_or_default(),
+        stream: envelope.as_ref().map(|e| e.stream.clone()).unwrap_or_default(),
+        version: envelope.as_ref().map_or(0, |e| e.version),
+        event_type: envelope.as_ref().map(|e| e.event_type.clone()).unwrap_or_default(),
+        commit: record.commit,
+        index,
+        canonical: record.event,
+        hash: record.hash,
+        sig: record.sig,
+        key_id: record.key_id,
+    };
+    let event = verifier.push(row).map_err(|p| ReplayError::new(EXPORT_TAMPERED, Some(p.seq), p.what))?;
+    if record.prev != event.envelope.prev {
+        return Err(tampered("the record's prev differs from its envelope's".into()));
+    }
+    Ok(event)
+}
+
+/// Folds `batch` into `state` with the real fold: the rows it touches, taken out, folded,
+/// put back (a `None` deletes).
+fn fold(state: &mut HashMap<RowKey, Value>, batch: &[StoredEvent]) -> Result<(), ReplayError> {
+    let projector: &dyn Projector = &bc_projections::Projections;
+    let current = touched_rows(projector, batch).into_iter().filter_map(|k| state.remove_entry(&k)).collect();
+    let folded = fold_projections(projector, batch, current).map_err(|e| {
+        let seq = match &e {
+            bc_core::Error::Corrupt { seq, .. } => Some(*seq),
+            _ => None,
+        };
+        ReplayError::new(REPLAY_FOLD_FAILED, seq, e.to_string())
+    })?;
+    for (key, doc) in folded {
+        if let Some(doc) = doc {
+            state.insert(key, doc);
+        }
+    }
+    Ok(())
+}
+
+/// JSON with every object's keys sorted by their UTF-8 bytes and no whitespace; strings and
+/// numbers as `serde_json` writes them. The digest's input, so two builds agree whatever
+/// order their maps keep.
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push('{');
+            for (i, (key, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(key.clone()).to_string());
+                out.push(':');
+                write_canonical(item, out);
+            }
+            out.push('}');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
