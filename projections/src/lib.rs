@@ -25,6 +25,7 @@ pub mod events;
 pub mod fleet;
 pub mod instance;
 pub mod inventory;
+pub mod metal;
 pub mod placement;
 
 pub use event_view::{EventView, event_view};
