@@ -499,6 +499,12 @@ pub enum PkiCommand {
         #[command(flatten)]
         deployment: Deployment,
     },
+    /// Replace the data key secrets are sealed under, re-sealing every secret (run it with the
+    /// servers stopped, or restart them after: a running one holds only the old key).
+    RotateDataKey {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
 }
 
 #[derive(Subcommand)]

@@ -159,7 +159,8 @@ fn spawn_consumers(
 }
 
 /// `reconcile --only NAME…`: runs reconcilers as their own process until Ctrl-C/SIGTERM. The
-/// webhook consumer needs the database only; `reservations` appends, so it also needs the log
+/// webhook consumer needs the database and the data key its signing secrets are sealed under
+/// (`data.key` in `--data-dir`); `reservations` appends, so it also needs the log
 /// key in `--data-dir`.
 pub async fn reconcile(
     db: &Database,
@@ -177,6 +178,8 @@ pub async fn reconcile(
     }
     let store = db.open().await?;
     store.check_schema().await?;
+    // The webhook consumer opens signing secrets: sealed under the data key in `--data-dir`.
+    seal_secrets(&*store, data_dir, false).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
     let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
@@ -290,6 +293,66 @@ async fn check_log_key(store: &dyn EventStore, data_dir: &Path) -> Result<(), Cl
         )));
     }
     Ok(())
+}
+
+/// Sets the data key secrets are sealed under (`data.key` beside the log key; `create`: made at
+/// first start) on `store`, and seals every secret not yet sealed under it (written before
+/// sealing existed, or under the previous key of a rotation cut short). Refuses, before making
+/// a key, a database whose secrets are sealed under a key this directory does not hold.
+async fn seal_secrets(store: &dyn EventStore, data_dir: &Path, create: bool) -> Result<(), CliError> {
+    let path = data_dir.join(bc_core::sealing::DATA_KEY_FILE);
+    if !path.exists() {
+        let first = store.secrets_page_raw(None, bc_core::store::RESEAL_ROWS_PER_READ).await?;
+        if let Some(key_id) = first.iter().find_map(|(_, _, stored)| bc_core::sealing::sealed_key_id(stored)) {
+            return Err(CliError::new(
+                "DATA_KEY_NOT_FOUND",
+                format!("no data key at {}, but this database's secrets are sealed under {key_id}", path.display()),
+            )
+            .hint("restore that data.key beside the log key (or pass the --data-dir that holds it)"));
+        }
+        if !create {
+            return Ok(());
+        }
+    }
+    let (keys, created) = bc_core::sealing::load_data_keys(data_dir, create)?;
+    if created {
+        tracing::info!(key_id = keys.current.id(), path = %path.display(), "created the data key");
+    }
+    store.set_data_keys(keys);
+    let resealed = store.secrets_reseal().await.map_err(|e| match e {
+        bc_core::Error::Corrupt { what, .. } if what.contains("does not hold") => CliError::new("DATA_KEY_MISMATCH", what)
+            .hint("this database's secrets were sealed under another data key: pass the --data-dir that holds it"),
+        other => other.into(),
+    })?;
+    if resealed > 0 {
+        tracing::info!(resealed, "sealed secrets under the data key");
+    }
+    Ok(())
+}
+
+/// `pki rotate-data-key`: a new data key (`data.key.next`), every secret re-sealed under it
+/// (the old key still opens what is not yet), then the new key takes `data.key`'s place. Cut
+/// short, the next start (or this command again) finishes it: both keys stay on disk until then.
+pub async fn rotate_data_key(db: &Database, data_dir: &Path) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    let path = data_dir.join(bc_core::sealing::DATA_KEY_FILE);
+    let next = data_dir.join(bc_core::sealing::DATA_KEY_NEXT_FILE);
+    if !path.exists() {
+        return Err(CliError::new("DATA_KEY_NOT_FOUND", format!("no data key at {}", path.display()))
+            .hint("run better-compute dev (or serve) once to create it, or pass the --data-dir that holds it"));
+    }
+    let previous = bc_core::sealing::DataKey::load(&path)?.id().to_owned();
+    if !next.exists() {
+        bc_core::sealing::DataKey::create(&next)?;
+    }
+    let (keys, _) = bc_core::sealing::load_data_keys(data_dir, false)?;
+    let key_id = keys.current.id().to_owned();
+    store.set_data_keys(keys);
+    let resealed = store.secrets_reseal().await?;
+    std::fs::rename(&next, &path).map_err(|e| CliError::new("INTERNAL", format!("replacing {}: {e}", path.display())))?;
+    bc_core::keys::sync_dir_of(&path)?;
+    Ok(json!({ "keyId": key_id, "previousKeyId": previous, "resealed": resealed }))
 }
 
 /// The refusal for a half-done `pki rotate-log-key`, with how to finish it: it writes
@@ -449,6 +512,7 @@ pub async fn run_server(
     }
     store.check_schema().await?;
     check_log_key(&*store, data_dir).await?;
+    seal_secrets(&*store, data_dir, true).await?;
     let key_path = data_dir.join(LOG_KEY_FILE);
     let (key, created) = LogKey::load_or_create(&key_path)?;
     if created {

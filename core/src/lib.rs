@@ -30,6 +30,7 @@ pub mod id_source;
 pub mod keys;
 pub mod merkle;
 pub mod note;
+pub mod sealing;
 pub mod store;
 pub mod testing;
 pub mod tiles;

@@ -342,7 +342,19 @@ async fn two_reconcilers_on_postgres_deliver_each_event_once() {
     receiver.delay(200);
     let dir = tempfile::tempdir().unwrap();
     let (webhook, secret) = create_webhook(&server, &receiver.url, "pool.created", &dir.path().join("secret"));
-    let args = ["--only", "webhooks", "--database-url", &db.url, "--webhook-allow-loopback", "--concurrency", "4"];
+    // The signing secrets are sealed under the server's data key: the reconcilers read it there.
+    let data_dir = server.data_dir.display().to_string();
+    let args = [
+        "--only",
+        "webhooks",
+        "--database-url",
+        &db.url,
+        "--data-dir",
+        &data_dir,
+        "--webhook-allow-loopback",
+        "--concurrency",
+        "4",
+    ];
     let _a = Reconciler::start(&args, dir.path());
     let _b = Reconciler::start(&args, dir.path());
     for i in 0..40 {

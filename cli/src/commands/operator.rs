@@ -131,6 +131,7 @@ pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
         PkiCommand::RotateLogKey { db, deployment } => {
             crate::audit::rotate_log_key(&db.database(), &db.data_dir, &deployment.deployment).await?
         }
+        PkiCommand::RotateDataKey { db } => server::rotate_data_key(&db.database(), &db.data_dir).await?,
     };
     ctx.print(&value, Format::Json)
 }

@@ -401,14 +401,75 @@ pub trait RowStore: Store {
     }
 }
 
-/// Write-only secrets (webhook signing keys): not part of the log, nor of any projection.
+/// Secrets re-sealed per read of the table.
+pub const RESEAL_ROWS_PER_READ: u32 = 500;
+
+/// Write-only secrets (webhook signing keys, the hashes of tokens' secrets): not part of the
+/// log, nor of any projection. Sealed at rest under the deployment's data key once the process
+/// has set one ([`SecretStore::set_data_keys`], `crate::sealing`): `secret_put` seals,
+/// `secret_get` opens; the backends store and return the sealed text (`*_raw`).
 #[async_trait]
 pub trait SecretStore: Store {
-    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()>;
-    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
+    async fn secret_put_raw(&self, tenant: TenantId, id: &str, stored: &str, now_ms: u64) -> Result<()>;
+    async fn secret_get_raw(&self, tenant: TenantId, id: &str) -> Result<Option<String>>;
     async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()>;
     /// How many secrets the tenant has stored (operators and tests: a bound is checked by it).
     async fn secrets_count(&self, tenant: TenantId) -> Result<u64>;
+    /// Rows as stored, `(tenant, id, stored)` in key order after `after`: what re-sealing walks.
+    async fn secrets_page_raw(&self, after: Option<(String, String)>, limit: u32) -> Result<Vec<(String, String, String)>>;
+    /// Replaces a row's stored text if it is still `old`; whether it did.
+    async fn secret_replace_raw(&self, tenant: &str, id: &str, old: &str, new: &str) -> Result<bool>;
+    /// The keys secrets are sealed and opened with (`None`: stored as given, as in tests that
+    /// build a store by hand).
+    fn data_keys(&self) -> Option<std::sync::Arc<crate::sealing::DataKeys>>;
+    fn set_data_keys(&self, keys: std::sync::Arc<crate::sealing::DataKeys>);
+
+    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
+        let stored = match self.data_keys() {
+            Some(keys) => keys.seal(tenant, id, value)?,
+            None => value.to_owned(),
+        };
+        self.secret_put_raw(tenant, id, &stored, now_ms).await
+    }
+
+    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
+        let Some(stored) = self.secret_get_raw(tenant, id).await? else { return Ok(None) };
+        match self.data_keys() {
+            Some(keys) => keys.open(tenant, id, &stored).map(Some),
+            None if stored.starts_with(crate::sealing::SEALED_PREFIX) => {
+                Err(Error::Internal(format!("secret {id} is sealed and this process has no data key")))
+            }
+            None => Ok(Some(stored)),
+        }
+    }
+
+    /// Seals every row not yet sealed under the current data key (rows written before sealing,
+    /// or under the previous key during a rotation); returns how many it re-sealed. Each row is
+    /// replaced only if unchanged since it was read, so a concurrent write is never lost.
+    async fn secrets_reseal(&self) -> Result<u64> {
+        let keys = self.data_keys().ok_or_else(|| Error::Internal("re-sealing secrets needs a data key".into()))?;
+        let mut after = None;
+        let mut resealed = 0;
+        loop {
+            let page = self.secrets_page_raw(after.clone(), RESEAL_ROWS_PER_READ).await?;
+            let full = page.len() == RESEAL_ROWS_PER_READ as usize;
+            for (tenant, id, stored) in &page {
+                if crate::sealing::sealed_key_id(stored) == Some(keys.current.id()) {
+                    continue;
+                }
+                let tenant_id: TenantId = tenant.parse()?;
+                let value = keys.open(tenant_id, id, stored)?;
+                let sealed = keys.seal(tenant_id, id, &value)?;
+                if self.secret_replace_raw(tenant, id, stored, &sealed).await? {
+                    resealed += 1;
+                }
+            }
+            after = page.last().map(|(t, i, _)| (t.clone(), i.clone()));
+            if !full {
+                return Ok(resealed);
+            }
+        }
+    }
 }
 
 /// The umbrella every caller names (`Arc<dyn EventStore>`): the log, the projection rows, the

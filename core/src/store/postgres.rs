@@ -51,6 +51,7 @@ const EVENT_COLUMNS: &str =
 
 pub struct PostgresStore {
     pool: Pool,
+    data_keys: std::sync::RwLock<Option<std::sync::Arc<crate::sealing::DataKeys>>>,
 }
 
 impl PostgresStore {
@@ -78,7 +79,7 @@ impl PostgresStore {
             ))
         })?;
         drop(client);
-        Ok(Self { pool })
+        Ok(Self { pool, data_keys: Default::default() })
     }
 
     pub fn pool(&self) -> &Pool {
@@ -1027,18 +1028,18 @@ impl OutboxStore for PostgresStore {
 
 #[async_trait]
 impl SecretStore for PostgresStore {
-    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
+    async fn secret_put_raw(&self, tenant: TenantId, id: &str, stored: &str, now_ms: u64) -> Result<()> {
         let client = self.pool.get().await?;
         client
             .execute(
                 "INSERT INTO secrets (tenant_id, id, value, created_at_ms) VALUES ($1, $2, $3, $4)",
-                &[&tenant.to_string(), &id, &value, &to_i64(now_ms)?],
+                &[&tenant.to_string(), &id, &stored, &to_i64(now_ms)?],
             )
             .await?;
         Ok(())
     }
 
-    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
+    async fn secret_get_raw(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
         let client = self.pool.get().await?;
         let row =
             client.query_opt("SELECT value FROM secrets WHERE tenant_id = $1 AND id = $2", &[&tenant.to_string(), &id]).await?;
@@ -1056,6 +1057,34 @@ impl SecretStore for PostgresStore {
         let row = client.query_one("SELECT COUNT(*) FROM secrets WHERE tenant_id = $1", &[&tenant.to_string()]).await?;
         let n: i64 = row.try_get(0)?;
         Ok(n as u64)
+    }
+
+    async fn secrets_page_raw(&self, after: Option<(String, String)>, limit: u32) -> Result<Vec<(String, String, String)>> {
+        let client = self.pool.get().await?;
+        let (tenant, id) = after.unwrap_or_default();
+        let rows = client
+            .query(
+                "SELECT tenant_id, id, value FROM secrets WHERE (tenant_id, id) > ($1, $2) ORDER BY tenant_id, id LIMIT $3",
+                &[&tenant, &id, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))).collect()
+    }
+
+    async fn secret_replace_raw(&self, tenant: &str, id: &str, old: &str, new: &str) -> Result<bool> {
+        let client = self.pool.get().await?;
+        let n = client
+            .execute("UPDATE secrets SET value = $1 WHERE tenant_id = $2 AND id = $3 AND value = $4", &[&new, &tenant, &id, &old])
+            .await?;
+        Ok(n == 1)
+    }
+
+    fn data_keys(&self) -> Option<std::sync::Arc<crate::sealing::DataKeys>> {
+        self.data_keys.read().expect("data keys").clone()
+    }
+
+    fn set_data_keys(&self, keys: std::sync::Arc<crate::sealing::DataKeys>) {
+        *self.data_keys.write().expect("data keys") = Some(keys);
     }
 }
 

@@ -44,6 +44,7 @@ const MIGRATIONS: &[Migration] = migrations_of!("sqlite");
 
 pub struct SqliteStore {
     pool: SqlitePool,
+    data_keys: std::sync::RwLock<Option<std::sync::Arc<crate::sealing::DataKeys>>>,
 }
 
 /// The database file and its `-wal` and `-shm` companions are readable by their owner only
@@ -87,7 +88,7 @@ impl SqliteStore {
             companion.push(suffix);
             private_file(Path::new(&companion), false)?;
         }
-        Ok(Self { pool })
+        Ok(Self { pool, data_keys: Default::default() })
     }
 
     /// `sqlite://PATH` or `sqlite:PATH`.
@@ -805,18 +806,18 @@ impl OutboxStore for SqliteStore {
 
 #[async_trait]
 impl SecretStore for SqliteStore {
-    async fn secret_put(&self, tenant: TenantId, id: &str, value: &str, now_ms: u64) -> Result<()> {
+    async fn secret_put_raw(&self, tenant: TenantId, id: &str, stored: &str, now_ms: u64) -> Result<()> {
         sqlx::query("INSERT INTO secrets (tenant_id, id, value, created_at_ms) VALUES (?, ?, ?, ?)")
             .bind(tenant.to_string())
             .bind(id)
-            .bind(value)
+            .bind(stored)
             .bind(to_i64(now_ms)?)
             .execute(&self.pool)
             .await?;
         Ok(())
     }
 
-    async fn secret_get(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
+    async fn secret_get_raw(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
         Ok(sqlx::query_scalar("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
             .bind(tenant.to_string())
             .bind(id)
@@ -839,6 +840,37 @@ impl SecretStore for SqliteStore {
             .fetch_one(&self.pool)
             .await?;
         Ok(n as u64)
+    }
+
+    async fn secrets_page_raw(&self, after: Option<(String, String)>, limit: u32) -> Result<Vec<(String, String, String)>> {
+        let (tenant, id) = after.unwrap_or_default();
+        let rows =
+            sqlx::query("SELECT tenant_id, id, value FROM secrets WHERE (tenant_id, id) > (?, ?) ORDER BY tenant_id, id LIMIT ?")
+                .bind(tenant)
+                .bind(id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter().map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))).collect()
+    }
+
+    async fn secret_replace_raw(&self, tenant: &str, id: &str, old: &str, new: &str) -> Result<bool> {
+        let done = sqlx::query("UPDATE secrets SET value = ? WHERE tenant_id = ? AND id = ? AND value = ?")
+            .bind(new)
+            .bind(tenant)
+            .bind(id)
+            .bind(old)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    fn data_keys(&self) -> Option<std::sync::Arc<crate::sealing::DataKeys>> {
+        self.data_keys.read().expect("data keys").clone()
+    }
+
+    fn set_data_keys(&self, keys: std::sync::Arc<crate::sealing::DataKeys>) {
+        *self.data_keys.write().expect("data keys") = Some(keys);
     }
 }
 
