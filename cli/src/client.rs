@@ -96,7 +96,11 @@ fn is_loopback_host(url: &url::Url) -> bool {
 /// redirect, so a 30x never carries the token to another address, and for plain `http` (loopback
 /// only, see [`api_url`]) it uses no proxy, so the token never travels in clear text to one.
 pub fn api_http(url: &url::Url, builder: reqwest::ClientBuilder) -> Result<reqwest::Client, CliError> {
-    let mut builder = builder.redirect(reqwest::redirect::Policy::none());
+    // The gateway closes an HTTP/1.1 connection that waits longer than its header-read timeout
+    // for the next request: an idle connection is dropped here first, so a request is never
+    // sent on one the server is closing at that moment (a POST is not retried).
+    let idle = std::time::Duration::from_secs(bc_gateway::conn::HEADER_READ_TIMEOUT_S / 2);
+    let mut builder = builder.redirect(reqwest::redirect::Policy::none()).pool_idle_timeout(idle);
     if url.scheme() == "http" {
         builder = builder.no_proxy();
         // A `*.localhost` name is loopback by definition (RFC 6761), but a resolver without that

@@ -220,7 +220,7 @@ impl Server {
             _temp: temp,
             args,
             log_filter: LOG_FILTER.with(|f| f.borrow().clone()).unwrap_or_else(|| "info,bc_core=debug".into()),
-            http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client"),
+            http: harness_client(),
         };
         server.launch();
         server
@@ -228,7 +228,7 @@ impl Server {
 
     fn launch(&mut self) {
         // A fresh client per launch: pooled connections to a killed server are dead.
-        self.http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("client");
+        self.http = harness_client();
         let log = self.data_dir.join("server.log");
         let (child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", &self.log_filter)]);
         let first = next_line(&lines, &self.args, &log);
@@ -617,6 +617,14 @@ impl RecordingListener {
     pub fn accepted(&self) -> usize {
         self.accepted.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// The harness's HTTP client: idle connections are dropped well before the gateway's
+/// header-read timeout closes them (20 s), so a request never races the server's close of a
+/// pooled connection (a POST is not retried: the test would see `IncompleteMessage`).
+fn harness_client() -> reqwest::Client {
+    let idle = Duration::from_secs(bc_gateway::conn::HEADER_READ_TIMEOUT_S / 2);
+    reqwest::Client::builder().timeout(Duration::from_secs(30)).pool_idle_timeout(idle).build().expect("client")
 }
 
 /// A free loopback port, so a restarted gateway listens where its agents look.
