@@ -70,6 +70,9 @@ async fn a_name_resolving_to_a_refused_address_is_never_connected() {
     assert_eq!(status, 200, "{hook}");
     server.pool("p").await;
     let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
+    // The signing secret is sealed under the server's data key: this consumer opens it with it.
+    let (keys, _) = bc_core::sealing::load_data_keys(&server.data_dir, false).unwrap();
+    bc_core::store::SecretStore::set_data_keys(&store, keys);
     let item = pool_delivery(&store).await;
 
     let serve = EndpointPolicy::default();
