@@ -434,8 +434,7 @@ impl Sim {
             self.answer(a).await;
         }
         let started = self.world.now_ms();
-        loop {
-            let Some(((at, _), task)) = self.queue.first_key_value() else { break };
+        while let Some(((at, _), task)) = self.queue.first_key_value() {
             let reconcile = matches!(task, Task::Reconcile);
             if *at > started + LIVENESS_BOUND_MS {
                 break;
@@ -883,5 +882,49 @@ impl Sim {
                 *self.out.reservations.entry(state).or_default() += 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(seed: u64) -> Options {
+        Options { seed, nodes: 4, tenants: 2, hours: 1, faults: Fault::ALL.to_vec(), unsafe_no_placement_guard: false }
+    }
+
+    #[test]
+    fn fault_lists_parse_by_name_and_the_command_names_them_back() {
+        assert_eq!(Fault::parse_list("all").unwrap(), Fault::ALL);
+        assert_eq!(Fault::parse_list("none").unwrap(), vec![]);
+        assert_eq!(Fault::parse_list("agent-crash, failed-holds").unwrap(), vec![Fault::FailedHolds, Fault::AgentCrash]);
+        assert!(Fault::parse_list("gremlins").unwrap_err().contains("stale-view"));
+        let mut o = options(3);
+        assert!(o.command().ends_with("--hours 1 --faults all"), "{}", o.command());
+        o.faults = vec![Fault::ClockSkew];
+        assert!(o.command().ends_with("--faults clock-skew"), "{}", o.command());
+        o.unsafe_no_placement_guard = true;
+        assert!(o.command().ends_with(" --unsafe-no-placement-guard"));
+    }
+
+    #[test]
+    fn options_out_of_bounds_are_refused() {
+        assert!(options(1).check().is_ok());
+        assert!(Options { nodes: NODES_MAX + 1, ..options(1) }.check().is_err());
+        assert!(Options { tenants: 5, ..options(1) }.check().unwrap_err().contains("every tenant needs a node"));
+        assert!(Options { hours: 0, ..options(1) }.check().is_err());
+        assert!(Options { hours: HOURS_MAX + 1, ..options(1) }.check().is_err());
+    }
+
+    #[tokio::test]
+    async fn the_same_seed_gives_the_same_digest_and_another_seed_another() {
+        let (a, b, c) = (run(options(11)).await, run(options(11)).await, run(options(12)).await);
+        for outcome in [&a, &b, &c] {
+            assert!(outcome.violation.is_none(), "{:?}", outcome.violation);
+            assert!(outcome.liveness_ms.is_some());
+            assert!(outcome.full_checks >= 1 && outcome.step_checks == outcome.steps);
+        }
+        assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
+        assert_ne!(a.digest, c.digest);
     }
 }
