@@ -14,8 +14,9 @@
 //!   uncordon it later.
 //! - **Faults** (`--faults`, default all; each enabled by the seed with [`FAULT_ENABLED_P`]):
 //!   see [`Fault`].
-//! - **Invariants** after every step ([`World::check`]): no GPU held by two live reservations, on
-//!   the control plane or on an agent; what the control plane calls bound, the agent holds. Every
+//! - **Invariants** after every step ([`World::check`], on the tenant the step touched, or on
+//!   all after a reconciler pass or a fault): no GPU held by two live reservations, on the
+//!   control plane or on an agent; what the control plane calls bound, the agent holds. Every
 //!   [`FULL_CHECK_EVERY_STEPS`] steps and at the end: every chain verifies under the log key
 //!   (`bc_core::audit::verify`, node signatures included), the projection rows equal a fold of
 //!   the whole log, and each node's journal entries are in the log once each, in order.
@@ -473,6 +474,18 @@ impl Sim {
             return Err(Violation(format!("more than {STEPS_MAX} steps")));
         }
         let mut nudge: Option<usize> = None;
+        // The tenant the step changed (`None`: every tenant): only its rows and its agents'
+        // ledgers can have moved, so the check after the step looks at it alone.
+        let touched = match &task {
+            Task::Arrival(t) | Task::TenantAction(t) | Task::Uncordon(t, _) | Task::StaleViewRefresh(t) => Some(*t),
+            Task::Answer(a)
+            | Task::AgentTick(a)
+            | Task::Restart(a)
+            | Task::RefuseHoldsEnd(a)
+            | Task::RefuseReleasesEnd(a)
+            | Task::DeafEnd(a) => Some(self.world.agents[*a].tenant),
+            Task::Reconcile | Task::FaultTick => None,
+        };
         match task {
             Task::Arrival(t) => {
                 if self.workload_running {
@@ -540,7 +553,10 @@ impl Sim {
         if let Some(t) = nudge {
             self.nudge(t).await;
         }
-        self.world.check().await?;
+        match touched {
+            Some(t) => self.world.check_tenant(t).await?,
+            None => self.world.check().await?,
+        }
         self.out.step_checks += 1;
         if self.out.steps.is_multiple_of(FULL_CHECK_EVERY_STEPS) {
             self.full_check().await?;

@@ -503,10 +503,18 @@ impl World {
     /// No GPU held for two reservations, on the control plane or on an agent; what the control
     /// plane calls bound, the agent holds.
     pub async fn check(&self) -> Result<(), Violation> {
-        let mut live_by_tenant: Vec<Vec<ReservationDoc>> = Vec::new();
         for t in 0..self.tenants.len() {
-            live_by_tenant.push(self.rows(t, KIND_RESERVATION_LIVE).await);
-            let live = &live_by_tenant[t];
+            self.check_tenant(t).await?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::check`] for tenant `t` alone: its reservations, its nodes and their agents (a
+    /// node, its agent and its reservations are all one tenant's).
+    pub async fn check_tenant(&self, t: usize) -> Result<(), Violation> {
+        {
+            let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
+            let live = &live;
             let nodes: Vec<NodeDoc> = self.rows(t, KIND_NODE).await;
             let nodes: BTreeMap<&str, &NodeDoc> = nodes.iter().map(|n| (n.node_id.as_str(), n)).collect();
             let mut taken: BTreeMap<(String, u32), String> = BTreeMap::new();
@@ -529,8 +537,8 @@ impl World {
                 }
             }
         }
-        for agent in &self.agents {
-            let live = &live_by_tenant[agent.tenant];
+        let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
+        for agent in self.agents.iter().filter(|a| a.tenant == t) {
             let ledger = agent.ledger();
             let mut held: BTreeMap<&str, &str> = BTreeMap::new();
             for (rsv, hold) in &ledger.holds {
