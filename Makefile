@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres schemathesis witness tiles-venv system-deps
+.PHONY: dev test bench lint fmt build check-postgres schemathesis witness tiles-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -63,6 +63,21 @@ check-postgres:
 ## SCHEMATHESIS_SEED and SCHEMATHESIS_MAX_EXAMPLES override the seed and the examples per operation.
 schemathesis: build
 	scripts/schemathesis
+
+## Many seeds of the simulator (`better-compute sim run`, release build), two at a time, every
+## fault on: SEEDS seeds from SIM_SEED_FROM, each SIM_NODES nodes, SIM_TENANTS tenants,
+## SIM_HOURS simulated hours. A failing seed prints its command and stops the run.
+SEEDS ?= 100
+SIM_SEED_FROM ?= 1
+SIM_NODES ?= 50
+SIM_TENANTS ?= 5
+SIM_HOURS ?= 1
+sim:
+	$(CARGO) build --release --bin better-compute
+	seq $(SIM_SEED_FROM) $$(( $(SIM_SEED_FROM) + $(SEEDS) - 1 )) | xargs -P 2 -I SEED sh -c \
+		'target/release/better-compute sim run --seed SEED --nodes $(SIM_NODES) --tenants $(SIM_TENANTS) --hours $(SIM_HOURS) > target/sim-SEED.txt 2>&1 \
+		&& echo "seed SEED: $$(grep ^digest target/sim-SEED.txt)" \
+		|| { cat target/sim-SEED.txt; exit 255; }'
 
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
 ## The fleet bench runs `bcd sim`, so target/release/bcd is left a fakehw build (BC_BENCH_AGENTS,

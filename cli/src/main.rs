@@ -49,7 +49,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_tracing();
+    // A simulation's agents and reconcilers log every command at info: only warnings by default.
+    let quiet = matches!(&cli.command, flags::Command::Sim { command: flags::SimCommand::Run { .. } });
+    init_tracing(if quiet { "warn" } else { "info,sqlx=warn,tower_http=info" });
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
@@ -77,9 +79,9 @@ fn main() -> ExitCode {
 const SECRET_BEARING_TARGETS: &[&str] = &["tokio_postgres=info"];
 
 /// Logs go to stderr: human-readable on a terminal, JSON otherwise.
-fn init_tracing() {
+fn init_tracing(default_filter: &str) {
     let mut filter = tracing_subscriber::EnvFilter::try_from_env("BETTER_COMPUTE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn,tower_http=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     for directive in SECRET_BEARING_TARGETS {
         filter = filter.add_directive(directive.parse().expect("a valid directive"));
     }

@@ -1,5 +1,5 @@
-//! `events export` and `sim replay`: the files and the terminal around `bc_simulator`, which
-//! holds the format, the verification and the fold.
+//! `events export`, `sim replay` and `sim run`: the files and the terminal around
+//! `bc_simulator`, which holds the format, the verification, the fold and the simulation.
 //!
 //! An export is written to a temporary file beside `--out`, fsynced, renamed into place and
 //! its directory fsynced, so `--out` is either absent or whole; it is never written over.
@@ -164,4 +164,100 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
         "rowsOut": args.rows_out.map(|p| p.display().to_string()),
         "elapsedMs": started.elapsed().as_millis() as u64,
     }))
+}
+
+/// What `sim run` was asked.
+pub struct RunArgs<'a> {
+    pub seed: u64,
+    pub nodes: usize,
+    pub tenants: usize,
+    pub hours: u64,
+    pub faults: &'a str,
+    pub unsafe_no_placement_guard: bool,
+}
+
+/// Runs the simulation and prints its summary (text, or JSON with `--json`) on stdout; a broken
+/// invariant also says what broke and the command that repeats the run, and fails (exit 1).
+pub async fn run(args: RunArgs<'_>, json_out: bool) -> Result<(), CliError> {
+    use bc_simulator::run::{Fault, Options};
+    let faults = Fault::parse_list(args.faults).map_err(CliError::usage)?;
+    let options = Options {
+        seed: args.seed,
+        nodes: args.nodes,
+        tenants: args.tenants,
+        hours: args.hours,
+        faults,
+        unsafe_no_placement_guard: args.unsafe_no_placement_guard,
+    };
+    options.check().map_err(CliError::usage)?;
+    let started = Instant::now();
+    let outcome = bc_simulator::run::run(options.clone()).await;
+    let mut value = outcome.to_json(&options);
+    value["wallMs"] = json!(started.elapsed().as_millis() as u64);
+    let mut out = std::io::stdout().lock();
+    let written = if json_out {
+        writeln!(out, "{}", serde_json::to_string_pretty(&value).unwrap_or_default())
+    } else {
+        writeln!(out, "{}", summary_text(&value))
+    };
+    written.map_err(|e| CliError::new("INTERNAL", format!("writing the summary: {e}")))?;
+    match &outcome.violation {
+        None => Ok(()),
+        Some(failure) => Err(CliError::new(
+            "SIM_INVARIANT_BROKEN",
+            format!(
+                "seed {} (--nodes {} --tenants {} --hours {}), step {}, at {} ms of simulated time: {}",
+                options.seed, options.nodes, options.tenants, options.hours, failure.step, failure.at_ms, failure.what
+            ),
+        )
+        .hint(format!("repeat it with: {}", options.command()))),
+    }
+}
+
+/// The summary for a person: one line per figure.
+fn summary_text(value: &Value) -> String {
+    let mut lines = Vec::new();
+    let field = |name: &str| value.get(name).map(|v| v.to_string()).unwrap_or_default();
+    lines.push(format!(
+        "sim run: {} (seed {}, {} nodes, {} tenants, {} h)",
+        if value["ok"] == json!(true) { "ok" } else { "FAILED" },
+        field("seed"),
+        field("nodes"),
+        field("tenants"),
+        field("hours")
+    ));
+    lines.push(format!(
+        "steps: {}, simulated hours: {:.3}, wall: {} ms",
+        field("steps"),
+        value["simulatedHours"].as_f64().unwrap_or(0.0),
+        field("wallMs")
+    ));
+    lines.push(format!("events: {}", field("events")));
+    lines.push(format!(
+        "reservations: {} requested ({} placed at once, {} stale placements refused), {} released by tenants, {} extended; by state: {}",
+        field("reservationsRequested"),
+        field("placedAtRequest"),
+        field("stalePlacementsRefused"),
+        field("releases"),
+        field("extensions"),
+        value["reservations"]
+    ));
+    lines.push(format!("cordons: {}", field("cordons")));
+    lines.push(format!("faults enabled: {}; injected: {}", value["faultsEnabled"], value["faultsInjected"]));
+    lines.push(format!("invariant checks: {}", value["invariantChecks"]));
+    lines.push(format!("liveness: settled in {} ms (bound {} ms)", field("livenessSettledMs"), field("livenessBoundMs")));
+    for head in value["heads"].as_array().into_iter().flatten() {
+        lines.push(format!(
+            "head {} {} {}",
+            head["tenantId"].as_str().unwrap_or(""),
+            head["seq"],
+            head["hash"].as_str().unwrap_or("")
+        ));
+    }
+    lines.push(format!("digest {}", value["digest"].as_str().unwrap_or("")));
+    if let Some(failure) = value.get("failure").filter(|f| !f.is_null()) {
+        lines.push(format!("failure at step {}: {}", failure["step"], failure["what"].as_str().unwrap_or("")));
+        lines.push(format!("reproduce: {}", value["reproduce"].as_str().unwrap_or("")));
+    }
+    lines.join("\n")
 }

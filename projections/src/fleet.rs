@@ -9,7 +9,7 @@
 //! in the same process do not pick the same GPUs, and [`Reread`] makes the next use read what
 //! it held from the store again, whether the append happened or not.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use bc_core::Result;
 use bc_core::event::Position;
@@ -88,9 +88,11 @@ impl TenantView {
 struct Shared {
     /// Each tenant's view behind its own lock (`None` until loaded): loading or refreshing one
     /// tenant never waits on another's.
-    slots: HashMap<TenantId, std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>>,
+    /// A `BTreeMap`, so a pass over every tenant takes them in one order (the simulator's ids
+    /// are drawn in that order, and the same seed must give the same log).
+    slots: BTreeMap<TenantId, std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>>,
     /// Rows changed in the log (or held by a placer) since the tenant's view last read them.
-    dirty: HashMap<TenantId, Dirty>,
+    dirty: BTreeMap<TenantId, Dirty>,
 }
 
 #[derive(Default)]
@@ -271,7 +273,7 @@ impl Fleet {
             for row in &rows {
                 let Ok(tenant) = row.tenant.parse::<TenantId>() else { continue };
                 let reservation = row.stream.strip_prefix("reservation/");
-                if let std::collections::hash_map::Entry::Vacant(vacant) = shared.slots.entry(tenant) {
+                if let std::collections::btree_map::Entry::Vacant(vacant) = shared.slots.entry(tenant) {
                     if discover && reservation.is_some() {
                         vacant.insert(Slot::default());
                     }

@@ -1,8 +1,11 @@
-//! `bc-simulator`: replaying the log outside the control plane (issue 18). This first slice is
-//! export and replay: a tenant's chain written as a self-verifying file, and that file verified
+//! `bc-simulator`: the deterministic simulator and incident replay (issue 18). Two halves:
+//! export and replay (a tenant's chain written as a self-verifying file, and that file verified
 //! and folded back into the tenant's projection rows at any seq, with the real chain verifier
-//! and the real fold; nothing here decides or folds on its own. It depends on `bc-core` and
-//! `bc-projections`, never on the gateway.
+//! and the real fold), and `sim run` (one seeded world of the real log, decisions, reservations
+//! reconciler and agents' runners on a virtual clock, with a workload, faults and invariants).
+//! Nothing here decides or folds on its own. It depends on `bc-core`, `bc-projections`,
+//! `bc-reconcilers` (the passes it runs) and `bc-agent` (the runner it runs), never on the
+//! gateway.
 //!
 //! Layout:
 //! - [`format`]: the export file (a CBOR sequence, RFC 8742: a header, then one record per
@@ -11,6 +14,12 @@
 //! - [`export`]: writing a tenant's chain from an `EventStore`, streamed page by page.
 //! - [`replay`]: reading a file record by record, verifying it against a pin, folding it into
 //!   rows in memory up to a seq, the state's digest; stable error codes. Pure over a reader.
+//! - [`world`]: one seeded world (the store, the `Log`, the fleet, the tenants, each node's
+//!   agent with its real `Runner` on a fake machine), its steps (a request, a release, a pass,
+//!   an agent answering and its journal appended as the gateway's session appends it) and the
+//!   per-step invariant check. The holds property test drives it too.
+//! - [`run`]: `sim run`: the schedule on the virtual clock, the workload, the faults, the heavy
+//!   checks, the liveness phase, the outcome and its digest.
 //!
 //! `better-compute events export` and `better-compute sim replay` (`cli/src/sim.rs`) are the
 //! commands; they own the files (a temporary file, fsynced, renamed) and the terminal.
@@ -18,6 +27,8 @@
 pub mod export;
 pub mod format;
 pub mod replay;
+pub mod run;
+pub mod world;
 
 pub use replay::{ReplayError, Replayed, replay};
 

@@ -45,7 +45,7 @@ impl Command {
             Command::Pki { command } => operator::pki(ctx, command).await,
             Command::Projections { command } => operator::projections(ctx, command).await,
             Command::Audit { command } => audit::run(ctx, command).await,
-            Command::Sim { command } => sim::run(ctx, command),
+            Command::Sim { command } => sim::run(ctx, command).await,
             Command::Api(args) => api::run(ctx, args).await,
             Command::Events { command } => events::run(ctx, command).await,
             Command::Pools { command } => pools::run(ctx, command).await,

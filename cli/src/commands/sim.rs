@@ -1,4 +1,4 @@
-//! `sim replay`: the work is in `crate::sim` and `bc_simulator`.
+//! `sim run` and `sim replay`: the work is in `crate::sim` and `bc_simulator`.
 
 use crate::client::CliError;
 use crate::flags::SimCommand;
@@ -6,8 +6,12 @@ use crate::output::Format;
 
 use super::Context;
 
-pub fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
+pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
     let value = match command {
+        SimCommand::Run { seed, nodes, tenants, hours, faults, json, unsafe_no_placement_guard } => {
+            let args = crate::sim::RunArgs { seed, nodes, tenants, hours, faults: &faults, unsafe_no_placement_guard };
+            return crate::sim::run(args, json).await;
+        }
         SimCommand::Replay { file, log_key_pin, until, rows_out } => {
             crate::sim::replay(crate::sim::ReplayArgs { file: &file, pin: &log_key_pin, until, rows_out: rows_out.as_deref() })?
         }

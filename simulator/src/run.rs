@@ -1,0 +1,946 @@
+//! `sim run`: one seeded run of the [`World`] on a virtual clock, with a workload, faults and
+//! invariants; then a liveness phase; then one digest of every chain head.
+//!
+//! - **Time** is the world's `ManualClock`, moved only by the scheduler, which jumps to the next
+//!   due task (a tenant's next request or action, the next reconciler tick, an agent's answer or
+//!   tick, a fault starting or ending); nothing sleeps.
+//! - **Randomness** is one `SeededRng` from `--seed`; the log key, the nodes' keys, the tenants'
+//!   and every event's id (`SeededIds` on the same seed) and every fault's probability derive from
+//!   it, so a seed repeats the run byte for byte.
+//! - **Workload**: each tenant has one pool and its share of the nodes (node `i` is tenant
+//!   `i % T`'s). Requests arrive so the tenant's GPUs are about [`LOAD_TARGET`] busy; each is
+//!   decided by `decide::reservation_create` on the tenant's view (placed at once or queued, as
+//!   the gateway does); tenants release and extend at random; operators cordon a node and
+//!   uncordon it later.
+//! - **Faults** (`--faults`, default all; each enabled by the seed with [`FAULT_ENABLED_P`]):
+//!   see [`Fault`].
+//! - **Invariants** after every step ([`World::check`], on the tenant the step touched, or on
+//!   all after a reconciler pass or a fault): no GPU held by two live reservations, on the
+//!   control plane or on an agent; what the control plane calls bound, the agent holds. Every
+//!   [`FULL_CHECK_EVERY_STEPS`] steps and at the end: every chain verifies under the log key
+//!   (`bc_core::audit::verify`, node signatures included), the projection rows equal a fold of
+//!   the whole log, and each node's journal entries are in the log once each, in order.
+//! - **Liveness**: the faults and the workload stop; within [`LIVENESS_BOUND_MS`] of simulated
+//!   time every active reservation is bound and every agent holds exactly what the control plane
+//!   says, or the run fails.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use bc_agent::machine::{Rng, SeededRng};
+use bc_core::ErrorCode;
+use bc_core::event::Position;
+use bc_core::id::{CommandId, ReservationId};
+use bc_core::store::{ExpectedVersion, NewEvent, RowKey};
+use bc_projections::decide::{self, ReservationAsk, ReservationCreate, ReservationCreateInput};
+use bc_projections::events as ev;
+use bc_projections::fleet::TenantView;
+use bc_projections::placement::Selector;
+use bc_projections::{
+    KIND_NODE, KIND_NODE_COMMANDS, KIND_POOL, KIND_RESERVATION, KIND_RESERVATION_LIVE, NodeCommandsDoc, NodeDoc, PoolDoc,
+    Projections, ReservationDoc, ReservationState, stream_of,
+};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::world::{Shape, Violation, World, chance, pick};
+
+/// The bounds of a run (what was measured sane on 2 cores; see README).
+pub const NODES_MAX: usize = 1000;
+pub const TENANTS_MAX: usize = 100;
+pub const HOURS_MAX: u64 = 24 * 30;
+/// Steps of one run at most, whatever the options (a run that never ends is a bug).
+pub const STEPS_MAX: u64 = 50_000_000;
+/// How often the reservations reconciler and the liveness sweep pass.
+pub const RECONCILE_EVERY_MS: u64 = 10_000;
+/// How often every agent looks again by itself (retries releases, delivers its journal).
+pub const AGENT_TICK_MS: u64 = 300_000;
+/// A command reaches its agent this long after it is issued, at most (at least 50 ms).
+pub const COMMAND_LATENCY_MAX_MS: u64 = 2_000;
+/// A tenant's mean time between releases, extensions and its operator's cordons.
+pub const TENANT_ACTION_MEAN_MS: u64 = 60_000;
+/// The share of a tenant's GPUs its requests keep busy, on average.
+pub const LOAD_TARGET: f64 = 0.9;
+/// A request's duration: 5 to 60 minutes, in 5-minute steps.
+pub const DURATION_STEP_S: u64 = 300;
+pub const DURATION_STEPS_MAX: u64 = 12;
+/// A request asks for 1 to this many GPUs (at most a node's smallest count).
+pub const REQUEST_GPUS_MAX: u32 = 4;
+/// Nodes have this many GPUs, drawn per node.
+pub const NODE_GPUS_MIN: u32 = 4;
+pub const NODE_GPUS_MAX: u32 = 8;
+/// The mean time between faults while faults run.
+pub const FAULT_MEAN_MS: u64 = 60_000;
+/// Each fault named is enabled by the seed with this probability.
+pub const FAULT_ENABLED_P: f64 = 0.75;
+/// A stale view (another gateway's) is this old at most; a request is decided on it with the
+/// seed's probability when `stale-view` is enabled.
+pub const STALE_VIEW_REFRESH_MS: u64 = 60_000;
+/// The heavy checks (chains, projections, journals) run every this many steps and at the end.
+pub const FULL_CHECK_EVERY_STEPS: u64 = 2_000;
+/// After the faults stop, everything settles within this much simulated time or the run fails:
+/// a hold is answered within `COMMAND_LATENCY_MAX_MS`, a failed one is retried on the next pass,
+/// at most `HOLD_ATTEMPTS_MAX` times, each unanswered one within `HOLD_DEADLINE_S`.
+pub const LIVENESS_BOUND_MS: u64 = (bc_projections::HOLD_ATTEMPTS_MAX as u64 + 1)
+    * (bc_projections::HOLD_DEADLINE_S * 1000 + RECONCILE_EVERY_MS)
+    + AGENT_TICK_MS;
+
+const _: () = assert!(COMMAND_LATENCY_MAX_MS < RECONCILE_EVERY_MS);
+const _: () = assert!(REQUEST_GPUS_MAX <= NODE_GPUS_MIN && NODE_GPUS_MIN <= NODE_GPUS_MAX);
+const _: () = assert!(LIVENESS_BOUND_MS < 3_600_000);
+
+/// A fault the run can inject, by its `--faults` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fault {
+    /// A machine refuses every hold for a while (`gpu.hold_failed`; the plan requeues).
+    FailedHolds,
+    /// An agent's commands do not reach it for a while (holds unanswered past their deadline).
+    UnansweredHolds,
+    /// A machine refuses releases for a while (the ledger keeps them; the agent retries).
+    RefusedReleases,
+    /// An agent goes away (stops) for up to 10 minutes, then starts again and catches up.
+    AgentsAway,
+    /// An agent's clock is up to 30 s off the control plane's.
+    ClockSkew,
+    /// An agent crashes after running its commands, before its journal reaches the log.
+    AgentCrash,
+    /// A command an agent already ran is delivered to it again.
+    DuplicateCommands,
+    /// A request is decided on a view up to a minute old (another gateway's): its placement's
+    /// node guard must refuse it.
+    StaleView,
+}
+
+impl Fault {
+    pub const ALL: &[Fault] = &[
+        Fault::FailedHolds,
+        Fault::UnansweredHolds,
+        Fault::RefusedReleases,
+        Fault::AgentsAway,
+        Fault::ClockSkew,
+        Fault::AgentCrash,
+        Fault::DuplicateCommands,
+        Fault::StaleView,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::FailedHolds => "failed-holds",
+            Fault::UnansweredHolds => "unanswered-holds",
+            Fault::RefusedReleases => "refused-releases",
+            Fault::AgentsAway => "agents-away",
+            Fault::ClockSkew => "clock-skew",
+            Fault::AgentCrash => "agent-crash",
+            Fault::DuplicateCommands => "duplicate-commands",
+            Fault::StaleView => "stale-view",
+        }
+    }
+
+    /// `all`, `none`, or names separated by commas.
+    pub fn parse_list(text: &str) -> Result<Vec<Fault>, String> {
+        match text.trim() {
+            "all" => return Ok(Fault::ALL.to_vec()),
+            "none" | "" => return Ok(vec![]),
+            _ => {}
+        }
+        let mut out = BTreeSet::new();
+        for name in text.split(',').map(str::trim) {
+            let fault = Fault::ALL.iter().find(|f| f.name() == name).ok_or_else(|| {
+                let names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+                format!("unknown fault {name:?}; the faults are all, none or {}", names.join(", "))
+            })?;
+            out.insert(*fault);
+        }
+        Ok(out.into_iter().collect())
+    }
+}
+
+/// What `sim run` is asked.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub seed: u64,
+    pub nodes: usize,
+    pub tenants: usize,
+    pub hours: u64,
+    pub faults: Vec<Fault>,
+    /// TEST ONLY: the stale view's placements are appended without their node guard, so the
+    /// checker's premise is broken on purpose and it must find a double booking.
+    pub unsafe_no_placement_guard: bool,
+}
+
+impl Options {
+    pub fn check(&self) -> Result<(), String> {
+        if self.nodes == 0 || self.nodes > NODES_MAX {
+            return Err(format!("--nodes {} is outside 1..={NODES_MAX}", self.nodes));
+        }
+        if self.tenants == 0 || self.tenants > TENANTS_MAX {
+            return Err(format!("--tenants {} is outside 1..={TENANTS_MAX}", self.tenants));
+        }
+        if self.nodes < self.tenants {
+            return Err(format!("--nodes {} < --tenants {}: every tenant needs a node", self.nodes, self.tenants));
+        }
+        if self.hours == 0 || self.hours > HOURS_MAX {
+            return Err(format!("--hours {} is outside 1..={HOURS_MAX}", self.hours));
+        }
+        Ok(())
+    }
+
+    /// The one command that repeats this run.
+    pub fn command(&self) -> String {
+        let faults = if self.faults == Fault::ALL {
+            "all".to_owned()
+        } else if self.faults.is_empty() {
+            "none".to_owned()
+        } else {
+            self.faults.iter().map(|f| f.name()).collect::<Vec<_>>().join(",")
+        };
+        let mut command = format!(
+            "better-compute sim run --seed {} --nodes {} --tenants {} --hours {} --faults {faults}",
+            self.seed, self.nodes, self.tenants, self.hours
+        );
+        if self.unsafe_no_placement_guard {
+            command.push_str(" --unsafe-no-placement-guard");
+        }
+        command
+    }
+}
+
+/// What a run did and found.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    pub steps: u64,
+    pub simulated_ms: u64,
+    pub events: u64,
+    pub reservations_requested: u64,
+    pub placed_at_request: u64,
+    pub stale_placements_refused: u64,
+    /// Reservations per final state.
+    pub reservations: BTreeMap<String, u64>,
+    pub releases: u64,
+    pub extensions: u64,
+    pub cordons: u64,
+    /// Faults enabled by the seed, and how often each was injected.
+    pub faults_enabled: Vec<&'static str>,
+    pub faults_injected: BTreeMap<&'static str, u64>,
+    pub step_checks: u64,
+    pub full_checks: u64,
+    pub liveness_ms: Option<u64>,
+    /// `(tenant, seq, hash hex)` in tenant order.
+    pub heads: Vec<(String, u64, String)>,
+    /// SHA-256 over every tenant's head in tenant order (tenant id, seq big-endian, hash).
+    pub digest: String,
+    pub violation: Option<Failure>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub step: u64,
+    pub at_ms: u64,
+    pub what: String,
+}
+
+impl Outcome {
+    pub fn to_json(&self, options: &Options) -> Value {
+        json!({
+            "ok": self.violation.is_none(),
+            "seed": options.seed,
+            "nodes": options.nodes,
+            "tenants": options.tenants,
+            "hours": options.hours,
+            "steps": self.steps,
+            "simulatedHours": self.simulated_ms as f64 / 3_600_000.0,
+            "events": self.events,
+            "reservationsRequested": self.reservations_requested,
+            "placedAtRequest": self.placed_at_request,
+            "stalePlacementsRefused": self.stale_placements_refused,
+            "reservations": self.reservations,
+            "releases": self.releases,
+            "extensions": self.extensions,
+            "cordons": self.cordons,
+            "faultsEnabled": self.faults_enabled,
+            "faultsInjected": self.faults_injected,
+            "invariantChecks": { "afterEveryStep": self.step_checks, "full": self.full_checks, "fullEverySteps": FULL_CHECK_EVERY_STEPS },
+            "livenessSettledMs": self.liveness_ms,
+            "livenessBoundMs": LIVENESS_BOUND_MS,
+            "heads": self.heads.iter().map(|(t, seq, hash)| json!({"tenantId": t, "seq": seq, "hash": hash})).collect::<Vec<_>>(),
+            "digest": self.digest,
+            "failure": self.violation.as_ref().map(|f| json!({"step": f.step, "atMs": f.at_ms, "what": f.what})),
+            "reproduce": options.command(),
+        })
+    }
+}
+
+/// A due thing. Ordered by due time, then by when it was scheduled.
+#[derive(Clone, Debug)]
+enum Task {
+    Arrival(usize),
+    TenantAction(usize),
+    Reconcile,
+    Answer(usize),
+    AgentTick(usize),
+    FaultTick,
+    Restart(usize),
+    RefuseHoldsEnd(usize),
+    RefuseReleasesEnd(usize),
+    DeafEnd(usize),
+    Uncordon(usize, String),
+    StaleViewRefresh(usize),
+}
+
+/// The simulator's own state beside the world: the schedule and what each fault has pending.
+struct Sim {
+    world: World,
+    rng: SeededRng,
+    options: Options,
+    queue: BTreeMap<(u64, u64), Task>,
+    scheduled: u64,
+    /// Per agent: an answer is scheduled; commands do not reach it until; it crashes at its
+    /// next answer; a command is delivered twice at its next answer.
+    answer_due: Vec<bool>,
+    deaf_until: Vec<u64>,
+    crash_next: Vec<bool>,
+    again_next: Vec<bool>,
+    /// Per tenant: the mean time between requests, and the stale view (another gateway's).
+    arrival_mean_ms: Vec<f64>,
+    stale_views: Vec<Option<(Vec<NodeDoc>, Vec<ReservationDoc>)>>,
+    /// Each enabled fault's probability of being the one injected (drawn from the seed); the
+    /// stale view's is per request.
+    enabled: BTreeMap<Fault, f64>,
+    faults_running: bool,
+    workload_running: bool,
+    out: Outcome,
+}
+
+/// An exponential draw with mean `mean_ms` (at least 1 ms).
+fn exponential_ms(rng: &mut SeededRng, mean_ms: f64) -> u64 {
+    let u = rng.next_unit().max(1e-12);
+    ((-u.ln()) * mean_ms).max(1.0) as u64
+}
+
+fn between(rng: &mut SeededRng, low: u64, high: u64) -> u64 {
+    low + pick(rng, (high - low + 1) as usize) as u64
+}
+
+/// Runs `options` to the end (or its first broken invariant).
+pub async fn run(options: Options) -> Outcome {
+    let mut rng = SeededRng(options.seed);
+    let shape = Shape { tenants: options.tenants, nodes: options.nodes, gpus_min: NODE_GPUS_MIN, gpus_max: NODE_GPUS_MAX };
+    let world = World::new(options.seed, &mut rng, shape).await;
+    let mut enabled = BTreeMap::new();
+    for fault in &options.faults {
+        if chance(&mut rng, FAULT_ENABLED_P) || (options.unsafe_no_placement_guard && *fault == Fault::StaleView) {
+            enabled.insert(*fault, 0.1 + 0.4 * rng.next_unit());
+        }
+    }
+    if options.unsafe_no_placement_guard {
+        // The switch is there to be caught: the stale view decides often.
+        enabled.insert(Fault::StaleView, 0.5);
+    }
+    let nodes = options.nodes;
+    let mut sim = Sim {
+        rng,
+        options: options.clone(),
+        queue: BTreeMap::new(),
+        scheduled: 0,
+        answer_due: vec![false; nodes],
+        deaf_until: vec![0; nodes],
+        crash_next: vec![false; nodes],
+        again_next: vec![false; nodes],
+        arrival_mean_ms: vec![],
+        stale_views: vec![None; options.tenants],
+        out: Outcome { faults_enabled: enabled.keys().map(|f| f.name()).collect(), ..Outcome::default() },
+        enabled,
+        faults_running: true,
+        workload_running: true,
+        world,
+    };
+    if let Err(violation) = sim.go().await {
+        let (step, at_ms) = (sim.out.steps, sim.world.now_ms().saturating_sub(crate::world::EPOCH_MS));
+        sim.out.violation = Some(Failure { step, at_ms, what: violation.0 });
+    }
+    sim.out.simulated_ms = sim.world.now_ms().saturating_sub(crate::world::EPOCH_MS);
+    sim.finish().await;
+    sim.out
+}
+
+impl Sim {
+    fn schedule(&mut self, at_ms: u64, task: Task) {
+        self.scheduled += 1;
+        self.queue.insert((at_ms, self.scheduled), task);
+    }
+
+    fn after(&mut self, by_ms: u64, task: Task) {
+        let at = self.world.now_ms().saturating_add(by_ms);
+        self.schedule(at, task);
+    }
+
+    fn injected(&mut self, fault: Fault) {
+        *self.out.faults_injected.entry(fault.name()).or_default() += 1;
+    }
+
+    async fn go(&mut self) -> Result<(), Violation> {
+        // Arrivals keep each tenant's GPUs about LOAD_TARGET busy: mean gap = the mean ask's
+        // GPU-seconds over the GPUs kept busy.
+        for t in 0..self.options.tenants {
+            let nodes: Vec<NodeDoc> = self.world.rows(t, KIND_NODE).await;
+            let gpus: usize = nodes.iter().map(|n| n.gpus.len()).sum();
+            let mean_gpus = (1 + REQUEST_GPUS_MAX) as f64 / 2.0;
+            let mean_s = DURATION_STEP_S as f64 * (1 + DURATION_STEPS_MAX) as f64 / 2.0;
+            self.arrival_mean_ms.push(mean_gpus * mean_s * 1000.0 / (gpus as f64 * LOAD_TARGET).max(1.0));
+            let first = exponential_ms(&mut self.rng, self.arrival_mean_ms[t]);
+            self.after(first, Task::Arrival(t));
+            let first = exponential_ms(&mut self.rng, TENANT_ACTION_MEAN_MS as f64);
+            self.after(first, Task::TenantAction(t));
+            self.after(0, Task::StaleViewRefresh(t));
+        }
+        if self.enabled.contains_key(&Fault::ClockSkew) {
+            for a in 0..self.options.nodes {
+                if chance(&mut self.rng, 0.5) {
+                    self.world.agents[a].skew_ms = between(&mut self.rng, 0, 60_000) as i64 - 30_000;
+                    self.injected(Fault::ClockSkew);
+                }
+            }
+        }
+        self.after(RECONCILE_EVERY_MS, Task::Reconcile);
+        for a in 0..self.options.nodes {
+            let first = between(&mut self.rng, 1, AGENT_TICK_MS);
+            self.after(first, Task::AgentTick(a));
+        }
+        if !self.enabled.is_empty() {
+            let first = exponential_ms(&mut self.rng, FAULT_MEAN_MS as f64);
+            self.after(first, Task::FaultTick);
+        }
+        let end_ms = crate::world::EPOCH_MS + self.options.hours * 3_600_000;
+        // The safety phase.
+        while let Some(((at, _), _)) = self.queue.first_key_value() {
+            if *at > end_ms {
+                break;
+            }
+            self.step().await?;
+        }
+        // The liveness phase: faults and the workload stop.
+        self.world.clock.set_ms(end_ms.max(self.world.now_ms()));
+        self.faults_running = false;
+        self.workload_running = false;
+        for a in 0..self.options.nodes {
+            let machine = &self.world.agents[a].machine;
+            machine.set_refuse_holds(false);
+            machine.set_refuse_releases(false);
+            self.deaf_until[a] = 0;
+            self.crash_next[a] = false;
+            self.again_next[a] = false;
+            if self.world.agents[a].runner.is_none() {
+                self.world.agents[a].start().await;
+            }
+            // Its journal reaches the log, and it retries what its machine refused.
+            self.answer(a).await;
+        }
+        let started = self.world.now_ms();
+        while let Some(((at, _), task)) = self.queue.first_key_value() {
+            let reconcile = matches!(task, Task::Reconcile);
+            if *at > started + LIVENESS_BOUND_MS {
+                break;
+            }
+            self.step().await?;
+            if reconcile && self.world.settled().await.is_ok() && self.quiet().await {
+                self.out.liveness_ms = Some(self.world.now_ms() - started);
+                break;
+            }
+        }
+        if self.out.liveness_ms.is_none() {
+            let why = self.world.settled().await.err().map(|v| v.0).unwrap_or_else(|| "commands are still queued".into());
+            return Err(Violation(format!("not settled {LIVENESS_BOUND_MS} ms after the faults stopped: {why}")));
+        }
+        self.full_check().await
+    }
+
+    /// No command queued for any node, every journal delivered.
+    async fn quiet(&self) -> bool {
+        for t in 0..self.options.tenants {
+            let queues: Vec<NodeCommandsDoc> = self.world.rows(t, KIND_NODE_COMMANDS).await;
+            if queues.iter().any(|q| !q.pending.is_empty()) {
+                return false;
+            }
+        }
+        true
+    }
+
+    async fn step(&mut self) -> Result<(), Violation> {
+        let Some(((at, _), task)) = self.queue.pop_first() else { return Ok(()) };
+        if at > self.world.now_ms() {
+            self.world.clock.set_ms(at);
+        }
+        self.out.steps += 1;
+        if self.out.steps > STEPS_MAX {
+            return Err(Violation(format!("more than {STEPS_MAX} steps")));
+        }
+        let mut nudge: Option<usize> = None;
+        // The tenant the step changed (`None`: every tenant): only its rows and its agents'
+        // ledgers can have moved, so the check after the step looks at it alone.
+        let touched = match &task {
+            Task::Arrival(t) | Task::TenantAction(t) | Task::Uncordon(t, _) | Task::StaleViewRefresh(t) => Some(*t),
+            Task::Answer(a)
+            | Task::AgentTick(a)
+            | Task::Restart(a)
+            | Task::RefuseHoldsEnd(a)
+            | Task::RefuseReleasesEnd(a)
+            | Task::DeafEnd(a) => Some(self.world.agents[*a].tenant),
+            Task::Reconcile | Task::FaultTick => None,
+        };
+        match task {
+            Task::Arrival(t) => {
+                if self.workload_running {
+                    self.request(t).await?;
+                    nudge = Some(t);
+                    let next = exponential_ms(&mut self.rng, self.arrival_mean_ms[t]);
+                    self.after(next, Task::Arrival(t));
+                }
+            }
+            Task::TenantAction(t) => {
+                if self.workload_running {
+                    self.tenant_action(t).await;
+                    nudge = Some(t);
+                    let next = exponential_ms(&mut self.rng, TENANT_ACTION_MEAN_MS as f64);
+                    self.after(next, Task::TenantAction(t));
+                }
+            }
+            Task::Reconcile => {
+                self.world.pass().await;
+                self.after(RECONCILE_EVERY_MS, Task::Reconcile);
+                for t in 0..self.options.tenants {
+                    self.nudge(t).await;
+                }
+            }
+            Task::Answer(a) => {
+                self.answer_due[a] = false;
+                self.answer(a).await;
+            }
+            Task::AgentTick(a) => {
+                if !self.answer_due[a] {
+                    self.answer(a).await;
+                }
+                self.after(AGENT_TICK_MS, Task::AgentTick(a));
+            }
+            Task::FaultTick => {
+                if self.faults_running {
+                    self.fault().await;
+                    let next = exponential_ms(&mut self.rng, FAULT_MEAN_MS as f64);
+                    self.after(next, Task::FaultTick);
+                }
+            }
+            Task::Restart(a) => {
+                if self.world.agents[a].runner.is_none() {
+                    self.world.agents[a].start().await;
+                    self.world.deliver(a).await;
+                }
+            }
+            Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
+            Task::RefuseReleasesEnd(a) => self.world.agents[a].machine.set_refuse_releases(false),
+            Task::DeafEnd(a) => {
+                if self.deaf_until[a] <= self.world.now_ms() {
+                    self.deaf_until[a] = 0;
+                }
+            }
+            Task::Uncordon(t, node) => self.cordon(t, &node, false).await,
+            Task::StaleViewRefresh(t) => {
+                if self.workload_running {
+                    let nodes = self.world.rows(t, KIND_NODE).await;
+                    let live = self.world.rows(t, KIND_RESERVATION_LIVE).await;
+                    self.stale_views[t] = Some((nodes, live));
+                    self.after(STALE_VIEW_REFRESH_MS, Task::StaleViewRefresh(t));
+                }
+            }
+        }
+        if let Some(t) = nudge {
+            self.nudge(t).await;
+        }
+        match touched {
+            Some(t) => self.world.check_tenant(t).await?,
+            None => self.world.check().await?,
+        }
+        self.out.step_checks += 1;
+        if self.out.steps.is_multiple_of(FULL_CHECK_EVERY_STEPS) {
+            self.full_check().await?;
+        }
+        Ok(())
+    }
+
+    /// Schedules an answer for every node of tenant `t` with commands queued.
+    async fn nudge(&mut self, t: usize) {
+        let queues = self
+            .world
+            .store
+            .row_list(&self.world.tenants[t].id.to_string(), KIND_NODE_COMMANDS, None, crate::world::ROWS_MAX)
+            .await
+            .expect("rows read");
+        let waiting: BTreeSet<String> = queues
+            .into_iter()
+            .filter(|r| r.doc.get("pending").and_then(Value::as_array).is_some_and(|p| !p.is_empty()))
+            .map(|r| r.key.id)
+            .collect();
+        for a in 0..self.options.nodes {
+            if self.world.agents[a].tenant == t && !self.answer_due[a] && waiting.contains(&self.world.agents[a].node) {
+                self.answer_due[a] = true;
+                let latency = between(&mut self.rng, 50, COMMAND_LATENCY_MAX_MS);
+                self.after(latency, Task::Answer(a));
+            }
+        }
+    }
+
+    async fn answer(&mut self, a: usize) {
+        if self.world.agents[a].runner.is_none() {
+            return;
+        }
+        let crash = std::mem::take(&mut self.crash_next[a]);
+        let again = if std::mem::take(&mut self.again_next[a]) {
+            let ran = &self.world.agents[a].ran;
+            (!ran.is_empty()).then(|| ran[pick(&mut self.rng, ran.len())].clone())
+        } else {
+            None
+        };
+        let deaf = self.deaf_until[a] > self.world.now_ms();
+        self.world.answer(a, crash, again, deaf).await;
+        if crash {
+            let back = between(&mut self.rng, 1_000, 120_000);
+            self.after(back, Task::Restart(a));
+        }
+    }
+
+    /// One request, decided as `reservations.create` decides it: on the tenant's view (or, with
+    /// the stale-view fault, on one up to a minute old), placed at once or queued.
+    async fn request(&mut self, t: usize) -> Result<(), Violation> {
+        let gpus = 1 + pick(&mut self.rng, REQUEST_GPUS_MAX as usize) as u32;
+        let duration_s = DURATION_STEP_S * between(&mut self.rng, 1, DURATION_STEPS_MAX);
+        let tenant = self.world.tenants[t].clone();
+        let pool: PoolDoc = self.world.doc(t, KIND_POOL, &tenant.pool).await.expect("the pool");
+        let ask = ReservationAsk {
+            pool,
+            gpus,
+            duration_s,
+            selector_text: String::new(),
+            selector: Selector::parse("").expect("the empty selector"),
+            nvlink: false,
+            tolerations: vec![],
+        };
+        let reservation_id = ReservationId::from_ulid(self.world.log.ids.ulid()).to_string();
+        let command_id = CommandId::from_ulid(self.world.log.ids.ulid()).to_string();
+        let input = ReservationCreateInput {
+            reservation_id: &reservation_id,
+            command_id: &command_id,
+            now_ms: self.world.now_ms(),
+            actor: "sim",
+            replay: false,
+        };
+        let stale_p = self.enabled.get(&Fault::StaleView).copied().filter(|_| self.faults_running);
+        let stale = stale_p.is_some_and(|p| chance(&mut self.rng, p)) && self.stale_views[t].is_some();
+        let decided = if stale {
+            let (nodes, live) = self.stale_views[t].clone().expect("a stale view");
+            self.injected(Fault::StaleView);
+            decide::reservation_create(&TenantView::new(nodes, live), None, &ask, &input)
+        } else {
+            self.world
+                .fleet
+                .with_tenant(&*self.world.store, tenant.id, |view| decide::reservation_create(view, None, &ask, &input))
+                .await
+                .expect("the view reads")
+        };
+        let decided = match decided {
+            Ok(decided) => decided,
+            Err(decide::Refusal::NeverFits { .. }) => return Ok(()),
+            Err(e) => return Err(Violation(format!("reservation_create refused {reservation_id}: {e:?}"))),
+        };
+        self.out.reservations_requested += 1;
+        match decided {
+            ReservationCreate::Place { mut append, if_lost, .. } => {
+                if self.options.unsafe_no_placement_guard && stale {
+                    // TEST ONLY: the node guard dropped, so a stale placement lands.
+                    for (stream, expected) in &mut append.guards {
+                        if stream.starts_with("node/") {
+                            *expected = ExpectedVersion::Any;
+                        }
+                    }
+                }
+                match self.world.log.append(append.into_request(tenant.id, "sim")).await {
+                    Ok(_) => self.out.placed_at_request += 1,
+                    Err(e) if e.code() == ErrorCode::Conflict => {
+                        if stale {
+                            self.out.stale_placements_refused += 1;
+                        }
+                        self.append_or_conflict(if_lost.into_request(tenant.id, "sim")).await?;
+                    }
+                    // The fold refuses a GPU given twice (the log would be corrupt): without the
+                    // node guard, that is the double booking, caught before it is committed.
+                    Err(e) if e.to_string().contains("already held by") => {
+                        return Err(Violation(format!(
+                            "double booking: the placement of {reservation_id} was appended over a GPU already held, and the fold refused it: {e}"
+                        )));
+                    }
+                    Err(e) => return Err(Violation(format!("appending the placement of {reservation_id}: {e}"))),
+                }
+            }
+            ReservationCreate::Queue { append, .. } => self.append_or_conflict(append.into_request(tenant.id, "sim")).await?,
+            ReservationCreate::OverQuota { .. } => {}
+        }
+        Ok(())
+    }
+
+    async fn append_or_conflict(&self, request: bc_core::store::AppendRequest) -> Result<(), Violation> {
+        match self.world.log.append(request).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == ErrorCode::Conflict => Ok(()),
+            Err(e) => Err(Violation(format!("an append failed: {e}"))),
+        }
+    }
+
+    /// A release, an extension or an operator's cordon, at random.
+    async fn tenant_action(&mut self, t: usize) {
+        let roll = pick(&mut self.rng, 10);
+        if roll < 5 {
+            if self.world.release(t, &mut self.rng).await {
+                self.out.releases += 1;
+            }
+        } else if roll < 8 {
+            let live: Vec<ReservationDoc> = self.world.rows(t, KIND_RESERVATION_LIVE).await;
+            let active: Vec<&ReservationDoc> = live.iter().filter(|r| r.state == ReservationState::Active).collect();
+            if active.is_empty() {
+                return;
+            }
+            let rsv = active[pick(&mut self.rng, active.len())];
+            let pool: PoolDoc = self.world.doc(t, KIND_POOL, &self.world.tenants[t].pool).await.expect("the pool");
+            let by_s = DURATION_STEP_S * between(&mut self.rng, 1, 6);
+            if let Ok(append) = decide::reservation_extend(rsv, &pool, by_s, None)
+                && self.world.log.append(append.into_request(self.world.tenants[t].id, "sim")).await.is_ok()
+            {
+                self.out.extensions += 1;
+            }
+        } else {
+            let nodes: Vec<NodeDoc> = self.world.rows(t, KIND_NODE).await;
+            let ready: Vec<&NodeDoc> = nodes.iter().filter(|n| !n.cordoned).collect();
+            // Never the tenant's last uncordoned node: its queue would wait for the uncordon.
+            if ready.len() < 2 {
+                return;
+            }
+            let node = ready[pick(&mut self.rng, ready.len())].node_id.clone();
+            self.cordon(t, &node, true).await;
+            let back = between(&mut self.rng, 60_000, 1_200_000);
+            self.after(back, Task::Uncordon(t, node));
+        }
+    }
+
+    async fn cordon(&mut self, t: usize, node_id: &str, on: bool) {
+        let Some(node) = self.world.doc::<NodeDoc>(t, KIND_NODE, node_id).await else { return };
+        if node.cordoned == on {
+            return;
+        }
+        let event_type = if on { ev::NODE_CORDONED } else { ev::NODE_UNCORDONED };
+        let event = NewEvent::new(event_type, ev::to_cbor(&ev::NodeStateChanged {}).expect("cbor"));
+        let request = bc_core::store::AppendRequest::new(
+            self.world.tenants[t].id,
+            stream_of(KIND_NODE, &node_id),
+            ExpectedVersion::Exact(node.version),
+            "sim-operator",
+            vec![event],
+        );
+        if self.world.log.append(request).await.is_ok() && on {
+            self.out.cordons += 1;
+        }
+    }
+
+    /// One fault, chosen among the enabled ones by their probabilities, on a random agent.
+    async fn fault(&mut self) {
+        let kinds: Vec<(Fault, f64)> = self
+            .enabled
+            .iter()
+            .filter(|(f, _)| !matches!(f, Fault::StaleView | Fault::ClockSkew))
+            .map(|(f, p)| (*f, *p))
+            .collect();
+        let total: f64 = kinds.iter().map(|(_, p)| p).sum();
+        if kinds.is_empty() || total <= 0.0 {
+            return;
+        }
+        let mut roll = self.rng.next_unit() * total;
+        let mut fault = kinds[kinds.len() - 1].0;
+        for (f, p) in &kinds {
+            if roll < *p {
+                fault = *f;
+                break;
+            }
+            roll -= p;
+        }
+        let a = pick(&mut self.rng, self.options.nodes);
+        self.injected(fault);
+        match fault {
+            Fault::FailedHolds => {
+                self.world.agents[a].machine.set_refuse_holds(true);
+                let end = between(&mut self.rng, 10_000, 300_000);
+                self.after(end, Task::RefuseHoldsEnd(a));
+            }
+            Fault::RefusedReleases => {
+                self.world.agents[a].machine.set_refuse_releases(true);
+                let end = between(&mut self.rng, 10_000, 300_000);
+                self.after(end, Task::RefuseReleasesEnd(a));
+            }
+            Fault::UnansweredHolds => {
+                let end = between(&mut self.rng, 30_000, 3 * bc_projections::HOLD_DEADLINE_S * 1000);
+                self.deaf_until[a] = self.world.now_ms() + end;
+                self.after(end, Task::DeafEnd(a));
+            }
+            Fault::AgentsAway => {
+                if self.world.agents[a].runner.take().is_some() {
+                    let back = between(&mut self.rng, 30_000, 600_000);
+                    self.after(back, Task::Restart(a));
+                }
+            }
+            Fault::AgentCrash => self.crash_next[a] = true,
+            Fault::DuplicateCommands => self.again_next[a] = true,
+            Fault::ClockSkew | Fault::StaleView => {}
+        }
+    }
+
+    /// The heavy checks: every chain verifies under the log key (node signatures included), the
+    /// projection rows equal a fold of the whole log, and each node's journal entries are in the
+    /// log once each and in order.
+    async fn full_check(&mut self) -> Result<(), Violation> {
+        self.out.full_checks += 1;
+        let store = &*self.world.store;
+        let trust = bc_core::audit::Trust::of(&[self.world.log_key.public()], "sim").expect("trust");
+        let report = bc_core::audit::verify(store, &trust, None, &|_| {}).await.expect("verify reads");
+        if let Some(problem) = report.problems.first() {
+            return Err(Violation(format!("the chain does not verify: {problem:?}")));
+        }
+        // The fold of the whole log, and the journal entries it carries.
+        let mut state: HashMap<RowKey, Value> = HashMap::new();
+        let mut journal: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        let mut after = Position::START;
+        loop {
+            let rows = store.read_after_rows(after, None, 1000).await.expect("the log reads");
+            let Some(last) = rows.last() else { break };
+            after = Position { commit: last.commit, index: last.index };
+            let page = bc_core::store::decode_rows(rows).expect("events decode");
+            for event in &page {
+                let payload = bc_core::canonical::to_json(&event.envelope.payload);
+                if let Some(origin) = payload.get(bc_core::agent::JOURNAL_PAYLOAD_KEY) {
+                    let node = origin.get("nodeId").and_then(Value::as_str).unwrap_or_default().to_owned();
+                    let seq = origin.get("seq").and_then(Value::as_u64).unwrap_or_default();
+                    journal.entry(node).or_default().push(seq);
+                }
+            }
+            let keys = bc_core::store::touched_rows(&Projections, &page);
+            let current = keys.iter().filter_map(|k| state.remove(k).map(|v| (k.clone(), v))).collect();
+            for (key, doc) in bc_core::store::fold_projections(&Projections, &page, current).expect("the fold") {
+                if let Some(doc) = doc {
+                    state.insert(key, doc);
+                }
+            }
+        }
+        let stored: BTreeMap<RowKey, Value> =
+            store.rows_all().await.expect("rows read").into_iter().map(|r| (r.key, r.doc)).collect();
+        let folded: BTreeMap<RowKey, Value> = state.into_iter().collect();
+        if stored != folded {
+            let differs = stored
+                .keys()
+                .chain(folded.keys())
+                .find(|k| stored.get(*k) != folded.get(*k))
+                .map(|k| format!("{}/{}/{}", k.tenant, k.kind, k.id))
+                .unwrap_or_default();
+            return Err(Violation(format!(
+                "the projections differ from a fold of the log ({} rows stored, {} folded; first at {differs})",
+                stored.len(),
+                folded.len()
+            )));
+        }
+        for agent in &self.world.agents {
+            let in_log = journal.get(&agent.node).cloned().unwrap_or_default();
+            let expected: Vec<u64> = (1..=agent.delivered).collect();
+            if in_log != expected {
+                let unique: BTreeSet<u64> = in_log.iter().copied().collect();
+                let what = if unique.len() < in_log.len() { "duplicated" } else { "lost or out of order" };
+                return Err(Violation(format!(
+                    "journal entries of {} {what}: the log has {} of them, {} delivered",
+                    agent.node,
+                    in_log.len(),
+                    agent.delivered
+                )));
+            }
+            if let Some(seqs) = agent.journal_seqs().await {
+                let whole: Vec<u64> = (1..=seqs.len() as u64).collect();
+                if seqs != whole || agent.delivered > seqs.len() as u64 {
+                    return Err(Violation(format!("the journal of {} has seqs {seqs:?}", agent.node)));
+                }
+                if !self.faults_running && agent.delivered != seqs.len() as u64 {
+                    return Err(Violation(format!(
+                        "{} journal entries of {} never reached the log",
+                        seqs.len() as u64 - agent.delivered,
+                        agent.node
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The summary: reservations by state, the heads and the digest.
+    async fn finish(&mut self) {
+        let heads: BTreeMap<_, _> = self.world.store.heads().await.expect("heads read").into_iter().collect();
+        let mut digest = Sha256::new();
+        for tenant in &self.world.tenants {
+            let head = heads.get(&tenant.id).copied().unwrap_or(bc_core::store::Head { seq: 0, hash: [0; 32] });
+            digest.update(tenant.id.to_string().as_bytes());
+            digest.update(head.seq.to_be_bytes());
+            digest.update(head.hash);
+            self.out.events += head.seq;
+            self.out.heads.push((tenant.id.to_string(), head.seq, hex::encode(head.hash)));
+        }
+        self.out.digest = hex::encode(digest.finalize());
+        for t in 0..self.options.tenants {
+            let all: Vec<ReservationDoc> = self.world.rows(t, KIND_RESERVATION).await;
+            for rsv in all {
+                let state = serde_json::to_value(rsv.state).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+                *self.out.reservations.entry(state).or_default() += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(seed: u64) -> Options {
+        Options { seed, nodes: 4, tenants: 2, hours: 1, faults: Fault::ALL.to_vec(), unsafe_no_placement_guard: false }
+    }
+
+    #[test]
+    fn fault_lists_parse_by_name_and_the_command_names_them_back() {
+        assert_eq!(Fault::parse_list("all").unwrap(), Fault::ALL);
+        assert_eq!(Fault::parse_list("none").unwrap(), vec![]);
+        assert_eq!(Fault::parse_list("agent-crash, failed-holds").unwrap(), vec![Fault::FailedHolds, Fault::AgentCrash]);
+        assert!(Fault::parse_list("gremlins").unwrap_err().contains("stale-view"));
+        let mut o = options(3);
+        assert!(o.command().ends_with("--hours 1 --faults all"), "{}", o.command());
+        o.faults = vec![Fault::ClockSkew];
+        assert!(o.command().ends_with("--faults clock-skew"), "{}", o.command());
+        o.unsafe_no_placement_guard = true;
+        assert!(o.command().ends_with(" --unsafe-no-placement-guard"));
+    }
+
+    #[test]
+    fn options_out_of_bounds_are_refused() {
+        assert!(options(1).check().is_ok());
+        assert!(Options { nodes: NODES_MAX + 1, ..options(1) }.check().is_err());
+        assert!(Options { tenants: 5, ..options(1) }.check().unwrap_err().contains("every tenant needs a node"));
+        assert!(Options { hours: 0, ..options(1) }.check().is_err());
+        assert!(Options { hours: HOURS_MAX + 1, ..options(1) }.check().is_err());
+    }
+
+    #[tokio::test]
+    async fn the_same_seed_gives_the_same_digest_and_another_seed_another() {
+        let (a, b, c) = (run(options(11)).await, run(options(11)).await, run(options(12)).await);
+        for outcome in [&a, &b, &c] {
+            assert!(outcome.violation.is_none(), "{:?}", outcome.violation);
+            assert!(outcome.liveness_ms.is_some());
+            assert!(outcome.full_checks >= 1 && outcome.step_checks == outcome.steps);
+        }
+        assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
+        assert_ne!(a.digest, c.digest);
+    }
+}

@@ -1,0 +1,615 @@
+//! One seeded world of the control plane and its agents, in one process: the real `Log` on a
+//! real SQLite store with the real `Projections`, the real decisions, the reservations
+//! reconciler's `pass` and the liveness sweep, and per node the agent's real `Runner` (its
+//! journal, its holds ledger, `decide_hold`) over a fake [`Machine`] whose binding can be made
+//! to refuse. What it leaves out is the transport: each journal entry is appended as the
+//! gateway's session appends it (checked against the node's signature, on its subject's stream,
+//! exactly once by its idempotency key, with the entry under `journal`), which the end-to-end
+//! tests cover over gRPC.
+//!
+//! `sim run` ([`crate::run`]) and the holds property test (`tests/tests/holds_property.rs`)
+//! drive this one world; neither has its own copy. Time is the world's [`ManualClock`], ids
+//! its [`SeededIds`], and every other choice comes from the caller's one [`SeededRng`].
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bc_agent::binding::{GpuBinding, HeldGpu};
+use bc_agent::holds::{Ledger, LedgerFile};
+use bc_agent::inventory::{GpuInfo, GpuInventory, Inventory, InventorySource};
+use bc_agent::journal::Journal;
+use bc_agent::machine::{Rng, SeededRng};
+use bc_agent::runner::Runner;
+use bc_core::agent::{JournalOrigin, SignedEntry};
+use bc_core::clock::{Clock, ManualClock};
+use bc_core::id::{CommandId, NodeId, PoolId, ReservationId, TenantId};
+use bc_core::id_source::SeededIds;
+use bc_core::keys::LogKey;
+use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_projections::events as ev;
+use bc_projections::fleet::Fleet;
+use bc_projections::{
+    BindingState, CommandDoc, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, KIND_POOL, KIND_RESERVATION, KIND_RESERVATION_LIVE,
+    NodeCommandsDoc, NodeDoc, Projections, ReservationDoc, ReservationState, stream_of,
+};
+use ed25519_dalek::SigningKey;
+
+/// The virtual clock's start (2027-01-15): every run begins at the same instant.
+pub const EPOCH_MS: u64 = 1_800_000_000_000;
+/// Rows read at once from a projection (a tenant's nodes, reservations or commands).
+pub const ROWS_MAX: u32 = 100_000;
+/// Commands an agent remembers having run, to deliver one again.
+const RAN_REMEMBERED_MAX: usize = 16;
+/// Journal entries read at once when delivering.
+const DELIVER_PAGE: u32 = 256;
+
+/// Where the world's files go: memory (`/dev/shm`) where there is one, since the store and the
+/// journals sync every commit and nothing here needs to outlive the run; else the temporary
+/// directory.
+pub const SCRATCH_IN_MEMORY: &str = "/dev/shm";
+
+fn scratch_dir() -> tempfile::TempDir {
+    let builder = {
+        let mut b = tempfile::Builder::new();
+        b.prefix("bc-sim-");
+        b
+    };
+    let memory = std::path::Path::new(SCRATCH_IN_MEMORY);
+    if memory.is_dir()
+        && let Ok(dir) = builder.tempdir_in(memory)
+    {
+        return dir;
+    }
+    builder.tempdir().expect("a temporary directory")
+}
+
+/// A uniform draw in `0..n` (0 when `n` is 0).
+pub fn pick(rng: &mut SeededRng, n: usize) -> usize {
+    (rng.next_unit() * n as f64) as usize % n.max(1)
+}
+
+/// True with probability `p`.
+pub fn chance(rng: &mut SeededRng, p: f64) -> bool {
+    rng.next_unit() < p
+}
+
+/// 32 bytes from the rng (a node key's or the log key's seed).
+pub fn seed_bytes(rng: &mut SeededRng) -> [u8; 32] {
+    let mut bytes = [0u8; 32];
+    for b in &mut bytes {
+        *b = pick(rng, 256) as u8;
+    }
+    bytes
+}
+
+/// The machine under an agent: its GPUs, and a binding that can be made to refuse.
+#[derive(Clone, Default)]
+pub struct Machine {
+    pub inventory: Inventory,
+    pub refuse_holds: Arc<AtomicBool>,
+    pub refuse_releases: Arc<AtomicBool>,
+}
+
+impl Machine {
+    pub fn set_refuse_holds(&self, on: bool) {
+        self.refuse_holds.store(on, Ordering::SeqCst);
+    }
+    pub fn set_refuse_releases(&self, on: bool) {
+        self.refuse_releases.store(on, Ordering::SeqCst);
+    }
+    pub fn refuses_holds(&self) -> bool {
+        self.refuse_holds.load(Ordering::SeqCst)
+    }
+    pub fn refuses_releases(&self) -> bool {
+        self.refuse_releases.load(Ordering::SeqCst)
+    }
+}
+
+impl InventorySource for Machine {
+    fn read(&self) -> Inventory {
+        self.inventory.clone()
+    }
+}
+
+impl GpuBinding for Machine {
+    fn unprivileged(&self) -> Option<String> {
+        None
+    }
+    fn hold(&self, _gpus: &[HeldGpu]) -> Result<(), String> {
+        if self.refuses_holds() { Err("gpu-in-use: the simulated machine's refusal".into()) } else { Ok(()) }
+    }
+    fn release(&self, _gpus: &[HeldGpu]) -> Result<(), String> {
+        if self.refuses_releases() { Err("device busy".into()) } else { Ok(()) }
+    }
+}
+
+/// One node's agent: its data directory, key, the running `Runner` (`None`: crashed or away),
+/// and how far its journal reached the log.
+pub struct Agent {
+    /// The index of the node's tenant in [`World::tenants`].
+    pub tenant: usize,
+    pub node: String,
+    pub key: SigningKey,
+    dir: tempfile::TempDir,
+    pub machine: Machine,
+    pub runner: Option<Runner>,
+    /// The last journal seq appended to the log.
+    pub delivered: u64,
+    /// How far this agent's clock is from the control plane's (ms; either way).
+    pub skew_ms: i64,
+    /// Commands this agent ran, newest last (bounded): what a redelivery sends again.
+    pub ran: VecDeque<String>,
+}
+
+impl Agent {
+    pub async fn start(&mut self) {
+        let node: NodeId = self.node.parse().expect("a node id");
+        let journal = Journal::open(&self.dir.path().join("journal.db"), node, u64::MAX).await.expect("the journal opens");
+        let ledger_file = LedgerFile::new(self.dir.path());
+        let ledger = ledger_file.load().expect("the ledger loads");
+        self.runner = Some(Runner {
+            journal: Arc::new(journal),
+            key: self.key.clone(),
+            node,
+            version: "sim".into(),
+            binding: Box::new(self.machine.clone()),
+            inventory: Arc::new(self.machine.clone()),
+            ledger: tokio::sync::Mutex::new(ledger),
+            ledger_file,
+        });
+    }
+
+    /// What `holds.json` says (the ledger survives a crash).
+    pub fn ledger(&self) -> Ledger {
+        LedgerFile::new(self.dir.path()).load().expect("the ledger loads")
+    }
+
+    /// Every seq in the agent's journal, in order (the agent must be running).
+    pub async fn journal_seqs(&self) -> Option<Vec<u64>> {
+        let runner = self.runner.as_ref()?;
+        let mut seqs = Vec::new();
+        let mut after = 0;
+        loop {
+            let entries = runner.journal.after(after, DELIVER_PAGE).await.expect("the journal reads");
+            let Some(last) = entries.last() else { break };
+            after = last.seq;
+            seqs.extend(entries.iter().map(|e| e.seq));
+        }
+        Some(seqs)
+    }
+}
+
+/// A tenant of the world: its id and its one pool.
+#[derive(Clone, Debug)]
+pub struct Tenant {
+    pub id: TenantId,
+    pub pool: String,
+}
+
+/// The shape of a world.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub tenants: usize,
+    /// Nodes in all, dealt to the tenants in turn (node `i` to tenant `i % tenants`).
+    pub nodes: usize,
+    /// Each node has `gpus_min..=gpus_max` GPUs, drawn from the seed.
+    pub gpus_min: u32,
+    pub gpus_max: u32,
+}
+
+/// A broken invariant: what, and at which step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation(pub String);
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err(Violation(format!($($arg)+)));
+        }
+    };
+}
+
+pub struct World {
+    _dir: tempfile::TempDir,
+    pub store: Arc<dyn EventStore>,
+    pub log: Log,
+    pub log_key: Arc<LogKey>,
+    pub clock: Arc<ManualClock>,
+    pub tenants: Vec<Tenant>,
+    pub fleet: Fleet,
+    pub agents: Vec<Agent>,
+}
+
+impl World {
+    /// A world of `shape` from `seed`: the log key, the tenants' ids, the nodes' keys and GPU
+    /// counts all come from it.
+    pub async fn new(seed: u64, rng: &mut SeededRng, shape: Shape) -> World {
+        assert!(shape.tenants >= 1 && shape.nodes >= shape.tenants, "every tenant has a node");
+        let dir = scratch_dir();
+        let store: Arc<dyn EventStore> =
+            Arc::new(SqliteStore::open(&dir.path().join("sim.sqlite3")).await.expect("the store opens"));
+        store.migrate_at(EPOCH_MS).await.expect("the store migrates");
+        let clock = Arc::new(ManualClock::new(EPOCH_MS));
+        // Every id from the seed, so a seed repeats the run: placement breaks ties by node id,
+        // and the plan orders failed holds by reservation id.
+        let ids = Arc::new(SeededIds::new(seed, clock.clone()));
+        let log_key = Arc::new(LogKey::from_seed(seed_bytes(rng)));
+        let log = Log::open_with_ids(store.clone(), Arc::new(Projections), log_key.clone(), clock.clone(), ids)
+            .await
+            .expect("the log opens");
+        let mut tenants = Vec::new();
+        for t in 0..shape.tenants {
+            let id = TenantId::from_ulid(log.ids.ulid());
+            let pool = PoolId::from_ulid(log.ids.ulid()).to_string();
+            let created = ev::PoolCreated {
+                name: format!("pool-{t}"),
+                description: String::new(),
+                labels: Default::default(),
+                max_reservation_s: None,
+            };
+            let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).expect("cbor"));
+            log.append(AppendRequest::new(id, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "sim", vec![event]))
+                .await
+                .expect("the pool is created");
+            tenants.push(Tenant { id, pool });
+        }
+        let mut agents = Vec::new();
+        for n in 0..shape.nodes {
+            let t = n % shape.tenants;
+            let node = NodeId::from_ulid(log.ids.ulid()).to_string();
+            let span = shape.gpus_max.saturating_sub(shape.gpus_min) as usize + 1;
+            let count = shape.gpus_min + pick(rng, span) as u32;
+            let gpus: Vec<GpuInfo> = (0..count)
+                .map(|i| GpuInfo {
+                    index: i,
+                    uuid: format!("GPU-{n}-{i}"),
+                    model: "H100".into(),
+                    product: "H100".into(),
+                    vram_gib: 80,
+                    pci_bus_id: format!("00000000:{:02x}:00.0", 0x10 + i),
+                    nvlink_domain: 0,
+                })
+                .collect();
+            let key = SigningKey::from_bytes(&seed_bytes(rng));
+            let joined = ev::NodeJoined {
+                pool_id: tenants[t].pool.clone(),
+                name: format!("n{n}"),
+                gpus: gpus
+                    .iter()
+                    .map(|g| ev::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: 80, nvlink_domain: 0 })
+                    .collect(),
+                labels: Default::default(),
+                public_key: bc_core::agent::b64(key.verifying_key().as_bytes()),
+                join_token_id: "jt_sim".into(),
+                agent_version: "sim".into(),
+                hostname: format!("n{n}"),
+                gpu_uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
+            };
+            let ready = ev::NodeLiveness { lease_expires_at_ms: u64::MAX / 2 };
+            let events = vec![
+                NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined).expect("cbor")),
+                NewEvent::new(ev::NODE_READY, ev::to_cbor(&ready).expect("cbor")),
+            ];
+            log.append(AppendRequest::new(tenants[t].id, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "sim", events))
+                .await
+                .expect("the node joins");
+            let inventory = Inventory { gpus: GpuInventory { gpus, ..Default::default() }, ..Default::default() };
+            let machine = Machine { inventory, ..Default::default() };
+            let mut agent = Agent {
+                tenant: t,
+                node,
+                key,
+                dir: scratch_dir(),
+                machine,
+                runner: None,
+                delivered: 0,
+                skew_ms: 0,
+                ran: VecDeque::new(),
+            };
+            agent.start().await;
+            agents.push(agent);
+        }
+        let fleet = Fleet::new();
+        fleet.prime(&*store).await.expect("the fleet primes");
+        World { _dir: dir, store, log, log_key, clock, tenants, fleet, agents }
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    pub async fn rows<T: serde::de::DeserializeOwned>(&self, t: usize, kind: &str) -> Vec<T> {
+        let rows = self.store.row_list(&self.tenants[t].id.to_string(), kind, None, ROWS_MAX).await.expect("rows read");
+        rows.into_iter().map(|r| serde_json::from_value(r.doc).expect("a document")).collect()
+    }
+
+    pub async fn doc<T: serde::de::DeserializeOwned>(&self, t: usize, kind: &str, id: &str) -> Option<T> {
+        let row = self.store.row_get(&self.tenants[t].id.to_string(), kind, id).await.expect("a row read");
+        row.map(|r| serde_json::from_value(r.doc).expect("a document"))
+    }
+
+    /// Appends a reservation request (queued; the reconciler places it).
+    pub async fn request(&self, t: usize, gpus: u32, duration_s: u64) -> String {
+        let requested = ev::ReservationRequested {
+            pool_id: self.tenants[t].pool.clone(),
+            gpus,
+            duration_s,
+            selector: String::new(),
+            nvlink: false,
+            tolerations: vec![],
+        };
+        let id = ReservationId::from_ulid(self.log.ids.ulid()).to_string();
+        let event = NewEvent::new(ev::RESERVATION_REQUESTED, ev::to_cbor(&requested).expect("cbor"));
+        let request = AppendRequest::new(
+            self.tenants[t].id,
+            stream_of(KIND_RESERVATION, &id),
+            ExpectedVersion::NoStream,
+            "sim",
+            vec![event],
+        );
+        self.log.append(request).await.expect("the request is appended");
+        id
+    }
+
+    /// Releases `rsv` as `reservations.release` does; false if it was over or a CONFLICT.
+    pub async fn release_one(&self, t: usize, rsv: &ReservationDoc) -> bool {
+        let command = CommandId::from_ulid(self.log.ids.ulid()).to_string();
+        let issue = bc_projections::placement::Issue { command_id: &command, now_ms: self.now_ms() };
+        let Some(append) = bc_projections::decide::reservation_release(rsv, None, issue).expect("release decides") else {
+            return false;
+        };
+        match self.log.append(append.into_request(self.tenants[t].id, "sim")).await {
+            Ok(_) => true,
+            Err(e) if e.code() == bc_core::ErrorCode::Conflict => false,
+            Err(e) => panic!("release: {e}"),
+        }
+    }
+
+    /// Releases a random live reservation of tenant `t`.
+    pub async fn release(&self, t: usize, rng: &mut SeededRng) -> bool {
+        let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
+        if live.is_empty() {
+            return false;
+        }
+        let rsv = &live[pick(rng, live.len())];
+        self.release_one(t, rsv).await
+    }
+
+    /// The reservations reconciler's pass over every tenant, and the liveness sweep (which
+    /// fails commands past their deadline, but never a `gpu.release`).
+    pub async fn pass(&self) {
+        let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
+        bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await.expect("the reservations pass");
+        bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.expect("the liveness pass");
+    }
+
+    /// The commands queued for agent `a`'s node, in issue order.
+    pub async fn pending(&self, a: usize) -> Vec<String> {
+        let agent = &self.agents[a];
+        self.doc::<NodeCommandsDoc>(agent.tenant, KIND_NODE_COMMANDS, &agent.node).await.map(|q| q.pending).unwrap_or_default()
+    }
+
+    /// Agent `a` runs its queued commands in issue order with its real runner (and the
+    /// releases it retries), then its journal reaches the log, unless it `crash`es first (its
+    /// entries wait in its journal for its restart). `again` delivers a command a second time,
+    /// which the runner must not run twice. `deaf`: the commands do not reach it (they stay
+    /// queued, unanswered); it still retries releases and delivers its journal.
+    pub async fn answer(&mut self, a: usize, crash: bool, again: Option<String>, deaf: bool) {
+        let now = self.now_ms().saturating_add_signed(self.agents[a].skew_ms);
+        let t = self.agents[a].tenant;
+        if self.agents[a].runner.is_none() {
+            return;
+        }
+        let mut ids = if deaf { Vec::new() } else { self.pending(a).await };
+        ids.extend(again);
+        let mut ran = Vec::new();
+        {
+            let runner = self.agents[a].runner.as_ref().expect("running");
+            for id in ids {
+                let command: CommandDoc = self.doc(t, KIND_COMMAND, &id).await.expect("a queued command exists");
+                let proto = bc_proto::Command {
+                    command_id: command.command_id.clone(),
+                    kind: command.kind.clone(),
+                    args_json: serde_json::to_string(&command.args).expect("json"),
+                    issued_at_ms: command.issued_at_ms,
+                    deadline_ms: command.deadline_at_ms,
+                };
+                runner.run(&proto, now).await.expect("the runner runs");
+                ran.push(id);
+            }
+            runner.retry_releases(now).await.expect("the runner retries releases");
+        }
+        let agent = &mut self.agents[a];
+        for id in ran {
+            if !agent.ran.contains(&id) {
+                agent.ran.push_back(id);
+            }
+            while agent.ran.len() > RAN_REMEMBERED_MAX {
+                agent.ran.pop_front();
+            }
+        }
+        if crash {
+            agent.runner = None;
+            return;
+        }
+        self.deliver(a).await;
+    }
+
+    /// Appends the agent's journal entries the log lacks, as the gateway's session does.
+    pub async fn deliver(&mut self, a: usize) {
+        let agent = &self.agents[a];
+        let tenant = self.tenants[agent.tenant].id;
+        let Some(runner) = agent.runner.as_ref() else { return };
+        let mut delivered = agent.delivered;
+        loop {
+            let entries = runner.journal.after(delivered, DELIVER_PAGE).await.expect("the journal reads");
+            if entries.is_empty() {
+                break;
+            }
+            for entry in entries {
+                let (body, _) = SignedEntry::verify(entry.seq, &entry.body, &entry.signature, &agent.key.verifying_key())
+                    .expect("the entry verifies");
+                let origin = JournalOrigin {
+                    node_id: agent.node.clone(),
+                    seq: entry.seq,
+                    body: bc_core::agent::b64(&entry.body),
+                    signature: bc_core::agent::b64(&entry.signature),
+                };
+                let mut payload = body.payload.clone();
+                payload[bc_core::agent::JOURNAL_PAYLOAD_KEY] = serde_json::to_value(&origin).expect("json");
+                let event = NewEvent::new(body.entry_type.clone(), bc_core::canonical::from_json(&payload).expect("cbor"));
+                let mut request = AppendRequest::new(
+                    tenant,
+                    body.subject.clone(),
+                    ExpectedVersion::Any,
+                    format!("node:{}", agent.node),
+                    vec![event],
+                );
+                request.idempotency_key = Some(format!("journal:{}:{}", agent.node, entry.seq));
+                self.log.append(request).await.expect("the entry is appended");
+                delivered = entry.seq;
+            }
+        }
+        self.agents[a].delivered = delivered;
+    }
+
+    /// A reservation's events and its node's commands, to explain a failure.
+    pub async fn history(&self, t: usize, reservation_id: &str) -> Vec<String> {
+        let rows = self
+            .store
+            .read_after_rows(bc_core::event::Position { commit: 0, index: 0 }, Some(self.tenants[t].id), ROWS_MAX)
+            .await
+            .expect("the log reads");
+        let mut out = Vec::new();
+        for row in rows {
+            let (seq, stream, event_type) = (row.seq, row.stream.clone(), row.event_type.clone());
+            let event = row.decode().expect("an event decodes");
+            let payload = bc_core::canonical::to_json(&event.envelope.payload).to_string();
+            if stream.ends_with(reservation_id) || payload.contains(reservation_id) {
+                out.push(format!("{seq} {stream} {event_type} {}", bc_core::id::truncate(&payload, 400)));
+            }
+        }
+        out
+    }
+
+    /// No GPU held for two reservations, on the control plane or on an agent; what the control
+    /// plane calls bound, the agent holds.
+    pub async fn check(&self) -> Result<(), Violation> {
+        for t in 0..self.tenants.len() {
+            self.check_tenant(t).await?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::check`] for tenant `t` alone: its reservations, its nodes and their agents (a
+    /// node, its agent and its reservations are all one tenant's).
+    pub async fn check_tenant(&self, t: usize) -> Result<(), Violation> {
+        {
+            let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
+            let live = &live;
+            let nodes: Vec<NodeDoc> = self.rows(t, KIND_NODE).await;
+            let nodes: BTreeMap<&str, &NodeDoc> = nodes.iter().map(|n| (n.node_id.as_str(), n)).collect();
+            let mut taken: BTreeMap<(String, u32), String> = BTreeMap::new();
+            for rsv in live.iter().filter(|r| r.state == ReservationState::Active) {
+                let node = rsv.node_id.clone().unwrap_or_default();
+                for gpu in &rsv.gpu_indexes {
+                    if let Some(other) = taken.insert((node.clone(), *gpu), rsv.reservation_id.clone()) {
+                        return Err(Violation(format!(
+                            "double booking: GPU {gpu} of {node} is {other}'s and {}'s (both active)",
+                            rsv.reservation_id
+                        )));
+                    }
+                    let doc = nodes.get(node.as_str()).ok_or_else(|| Violation(format!("{node} has no row")))?;
+                    ensure!(
+                        doc.allocations.get(gpu) == Some(&rsv.reservation_id),
+                        "the allocations of {node} give GPU {gpu} to {:?}, not to {} which is active on it",
+                        doc.allocations.get(gpu),
+                        rsv.reservation_id
+                    );
+                }
+            }
+        }
+        let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
+        for agent in self.agents.iter().filter(|a| a.tenant == t) {
+            let ledger = agent.ledger();
+            let mut held: BTreeMap<&str, &str> = BTreeMap::new();
+            for (rsv, hold) in &ledger.holds {
+                for gpu in &hold.gpus {
+                    if let Some(other) = held.insert(&gpu.uuid, rsv) {
+                        return Err(Violation(format!(
+                            "double hold: the agent of {} holds {} for {other} and {rsv}",
+                            agent.node, gpu.uuid
+                        )));
+                    }
+                }
+            }
+            for rsv in live.iter().filter(|r| r.node_id.as_deref() == Some(agent.node.as_str())) {
+                let Some(binding) = rsv.binding.as_ref().filter(|b| b.state == BindingState::Bound) else { continue };
+                let on_agent: BTreeSet<&str> = ledger
+                    .holds
+                    .get(&rsv.reservation_id)
+                    .map(|h| h.gpus.iter().map(|g| g.uuid.as_str()).collect())
+                    .unwrap_or_default();
+                let bound: BTreeSet<&str> = binding.gpu_uuids.iter().map(String::as_str).collect();
+                if on_agent != bound {
+                    let history = self.history(agent.tenant, &rsv.reservation_id).await.join("\n  ");
+                    return Err(Violation(format!(
+                        "{} is bound to {bound:?}, but its node's agent holds {on_agent:?} for it; its history:\n  {history}",
+                        rsv.reservation_id
+                    )));
+                }
+                for gpu in &bound {
+                    ensure!(
+                        held.get(gpu) == Some(&rsv.reservation_id.as_str()),
+                        "{gpu} is bound to {}, but the agent of {} holds it for {:?}",
+                        rsv.reservation_id,
+                        agent.node,
+                        held.get(gpu)
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Settled: every active reservation is bound and every agent holds exactly the active
+    /// reservations of its node (none leaked, none missing). `Err` says what is not yet.
+    pub async fn settled(&self) -> Result<(), Violation> {
+        let mut live_by_tenant = Vec::new();
+        for t in 0..self.tenants.len() {
+            let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
+            for rsv in live.iter().filter(|r| r.state == ReservationState::Active) {
+                ensure!(
+                    rsv.binding.as_ref().map(|b| b.state) == Some(BindingState::Bound),
+                    "{} is active but its binding is {:?}",
+                    rsv.reservation_id,
+                    rsv.binding.as_ref().map(|b| b.state)
+                );
+            }
+            live_by_tenant.push(live);
+        }
+        for agent in &self.agents {
+            let expected: BTreeSet<&str> = live_by_tenant[agent.tenant]
+                .iter()
+                .filter(|r| r.state == ReservationState::Active && r.node_id.as_deref() == Some(agent.node.as_str()))
+                .map(|r| r.reservation_id.as_str())
+                .collect();
+            let ledger = agent.ledger();
+            let held: BTreeSet<&str> = ledger.holds.keys().map(String::as_str).collect();
+            ensure!(
+                held == expected,
+                "the agent of {} holds {held:?}, the control plane has {expected:?} active on it",
+                agent.node
+            );
+        }
+        Ok(())
+    }
+}
