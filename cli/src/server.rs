@@ -209,7 +209,6 @@ pub async fn reconcile(
                 log.clone(),
                 Arc::new(SystemClock),
                 bc_reconcilers::instances::TICK_MS_DEFAULT,
-                None,
                 stopped.clone(),
             );
             tasks.push(tokio::spawn(run));
@@ -604,7 +603,6 @@ pub async fn run_server(
                 log.clone(),
                 Arc::new(SystemClock),
                 bc_reconcilers::instances::TICK_MS_DEFAULT,
-                None,
                 stopped.clone(),
             )));
             tasks

@@ -111,14 +111,10 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     Ok(done)
 }
 
-/// Runs passes until `shutdown`: every `tick_ms`, and soon after a commit of this process.
-pub async fn run(
-    log: Arc<Log>,
-    clock: Arc<dyn Clock>,
-    tick_ms: u64,
-    mut wake: Option<tokio::sync::watch::Receiver<u64>>,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) {
+/// Runs passes every `tick_ms` until `shutdown`; a pass that lost a race (a conflict) is followed
+/// by the next after [`crate::reservations::PASS_INTERVAL_MIN_MS`]. Commits do not wake it: a
+/// pass reads every tenant's live instances, and the node's answers are not in a hurry.
+pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
     let status = crate::status::PassRecorder::new(log.store.clone(), clock.clone(), NAME);
     while !*shutdown.borrow() {
@@ -153,10 +149,10 @@ pub async fn run(
                 status.pass(started_at_ms, Err(e)).await;
             }
         }
-        // At most one pass per PASS_INTERVAL_MIN_MS, however often commits wake it.
-        tokio::time::sleep(Duration::from_millis(crate::reservations::PASS_INTERVAL_MIN_MS.min(tick_ms))).await;
-        if !again {
-            crate::idle(tick_ms.saturating_sub(crate::reservations::PASS_INTERVAL_MIN_MS), &mut wake, &mut shutdown).await;
+        let wait_ms = if again { crate::reservations::PASS_INTERVAL_MIN_MS } else { tick_ms };
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+            _ = shutdown.changed() => {}
         }
     }
     tracing::info!(reconciler = NAME, "reconciler stopped");
