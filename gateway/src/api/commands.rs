@@ -126,6 +126,25 @@ async fn command_doc(call: &Call<'_>, tenant: TenantId, id: &CommandId) -> Resul
     call.row(tenant, KIND_COMMAND, &id.to_string(), "command").await
 }
 
+/// Refuses a command for a node that has the most unfinished commands it may have
+/// (`commands.issue`, and the `instances.*` requests that send `instance.apply`).
+pub(super) async fn check_node_queue(call: &Call<'_>, tenant: TenantId, node_id: &str) -> Result<()> {
+    let pending = call
+        .state
+        .store
+        .row_get(&tenant.to_string(), KIND_NODE_COMMANDS, node_id)
+        .await?
+        .map(doc::<NodeCommandsDoc>)
+        .transpose()?
+        .unwrap_or_default();
+    if pending.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
+        return Err(Error::Unavailable(format!(
+            "node {node_id} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands; wait for it to catch up or cancel some"
+        )));
+    }
+    Ok(())
+}
+
 async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<CommandView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
@@ -141,19 +160,7 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
             hint: Some("commands go to nodes that joined with bcd join".into()),
         });
     }
-    let pending = call
-        .state
-        .store
-        .row_get(&tenant.to_string(), KIND_NODE_COMMANDS, &node_id.to_string())
-        .await?
-        .map(doc::<NodeCommandsDoc>)
-        .transpose()?
-        .unwrap_or_default();
-    if pending.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
-        return Err(Error::Unavailable(format!(
-            "node {node_id} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands; wait for it to catch up or cancel some"
-        )));
-    }
+    check_node_queue(call, tenant, &node_id.to_string()).await?;
     let command = CommandId::from_ulid(call.ulid());
     let payload = ev::to_cbor(&ev::CommandIssued {
         node_id: node_id.to_string(),

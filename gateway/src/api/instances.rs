@@ -8,14 +8,14 @@
 //! its journal (`instance.observed`), and the `instances` reconciler applies again when the two
 //! differ. The decisions are `bc_projections::decide::{instance_create, instance_request}`.
 
+use bc_core::Result;
 use bc_core::id::{CommandId, FlavorId, ImageId, InstanceId, ReservationId, TenantId};
-use bc_core::{Error, Result};
-use bc_projections::decide::{self, Append, InstanceCreateInput, InstanceRequest};
+use bc_projections::decide::{self, InstanceCreateInput, InstanceRequest};
 use bc_projections::events::InstanceShape;
 use bc_projections::placement::Issue;
 use bc_projections::{
-    COMMANDS_PENDING_PER_NODE_MAX, FlavorDoc, ImageDoc, InstanceDoc, KIND_FLAVOR, KIND_IMAGE, KIND_INSTANCE, KIND_NODE,
-    KIND_NODE_COMMANDS, KIND_RESERVATION, NodeCommandsDoc, NodeDoc, ReservationDoc,
+    FlavorDoc, ImageDoc, InstanceDoc, KIND_FLAVOR, KIND_IMAGE, KIND_INSTANCE, KIND_NODE, KIND_RESERVATION, NodeDoc,
+    ReservationDoc,
 };
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -115,34 +115,9 @@ async fn instance_doc(call: &Call<'_>, tenant: TenantId, id: &InstanceId) -> Res
     call.row(tenant, KIND_INSTANCE, &id.to_string(), "instance").await
 }
 
-/// Refuses a request that would put one more command on a node that has the most it may have
-/// unfinished (as `commands.issue` does).
-async fn check_node_queue(call: &Call<'_>, tenant: TenantId, node_id: &str) -> Result<()> {
-    let pending = call
-        .state
-        .store
-        .row_get(&tenant.to_string(), KIND_NODE_COMMANDS, node_id)
-        .await?
-        .map(doc::<NodeCommandsDoc>)
-        .transpose()?
-        .unwrap_or_default();
-    if pending.pending.len() >= COMMANDS_PENDING_PER_NODE_MAX {
-        return Err(Error::Unavailable(format!(
-            "node {node_id} has {COMMANDS_PENDING_PER_NODE_MAX} unfinished commands; wait for it to catch up"
-        )));
-    }
-    Ok(())
-}
-
 /// A fresh command id and the time: what a decision that issues `instance.apply` takes.
 fn command_id(call: &Call<'_>) -> String {
     CommandId::from_ulid(call.state.log.ids.ulid()).to_string()
-}
-
-async fn append(call: &Call<'_>, tenant: TenantId, append: Append) -> Result<bc_core::store::AppendResult> {
-    let mut request = call.request(tenant, append.stream, append.expected, append.events);
-    request.guards = append.guards;
-    call.state.log.append(request).await
 }
 
 async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<InstanceView> {
@@ -158,7 +133,7 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
     let instance_id = InstanceId::from_ulid(call.ulid()).to_string();
     let node_id = reservation.node_id.clone().unwrap_or_default();
     if !retry && !node_id.is_empty() {
-        check_node_queue(call, tenant, &node_id).await?;
+        super::commands::check_node_queue(call, tenant, &node_id).await?;
     }
     // A retry is answered from the log whatever the reservation says now (it names this
     // request's instance): the decision only has to encode the same request.
@@ -190,7 +165,7 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
         start: input.start.unwrap_or(true),
     };
     let decided = decide::instance_create(&input, issue)?;
-    let result = append(call, tenant, decided).await?;
+    let result = call.state.log.append(call.decided(tenant, decided)).await?;
     let id: InstanceId = parse_id("instanceId", stream_id(&result.events[0].envelope.stream))?;
     Ok(instance_doc(call, tenant, &id).await?.into())
 }
@@ -234,12 +209,12 @@ async fn request(
             current.state = bc_projections::InstanceState::Deleting;
         }
     } else {
-        check_node_queue(call, tenant, &current.node_id).await?;
+        super::commands::check_node_queue(call, tenant, &current.node_id).await?;
     }
     let command = command_id(call);
     let issue = Issue { command_id: &command, now_ms: call.now_ms() };
     let decided = decide::instance_request(&current, &asked, if_version, None, issue)?;
-    append(call, tenant, decided).await?;
+    call.state.log.append(call.decided(tenant, decided)).await?;
     Ok(instance_doc(call, tenant, &id).await?.into())
 }
 

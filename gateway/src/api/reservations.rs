@@ -13,9 +13,9 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{PoolId, ReservationId, TenantId};
-use bc_core::store::{AppendRequest, PreReadQuery};
+use bc_core::store::PreReadQuery;
 use bc_core::{Error, ErrorCode, Result};
-use bc_projections::decide::{self, Append, PoolLoad, ReservationAsk, ReservationCreate};
+use bc_projections::decide::{self, PoolLoad, ReservationAsk, ReservationCreate};
 use bc_projections::placement::{RESERVATION_GPUS_MAX, SELECTOR_BYTES_MAX, Selector};
 use bc_projections::{KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, QuotaDoc, ReservationDoc, ReservationState};
 use schemars::JsonSchema;
@@ -256,12 +256,6 @@ pub(super) async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> 
 }
 
 /// A decision's append on behalf of this call (its key, its request id, its fingerprint).
-fn request_of(call: &Call<'_>, tenant: TenantId, append: Append) -> AppendRequest {
-    let mut request = call.request(tenant, append.stream, append.expected, append.events);
-    request.guards = append.guards;
-    request
-}
-
 /// The place of a queued reservation in its pool's queue (1: next).
 fn queue_position(load: Option<&PoolLoad>, rsv: &ReservationDoc) -> Option<u32> {
     load.and_then(|l| l.position(rsv)).map(|p| u32::try_from(p).unwrap_or(u32::MAX))
@@ -323,7 +317,7 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
         let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
         let (append, if_lost) = match decision {
             ReservationCreate::OverQuota { refusal, record } => {
-                let mut request = request_of(call, tenant, record);
+                let mut request = call.decided(tenant, record);
                 // The refusal's record is not the request's result: a retry decides again.
                 request.idempotency_key = None;
                 request.fingerprint = None;
@@ -333,11 +327,11 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
             ReservationCreate::Queue { append, .. } => (append, None),
             ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
         };
-        let appended = match (call.state.log.append(request_of(call, tenant, append)).await, if_lost) {
+        let appended = match (call.state.log.append(call.decided(tenant, append)).await, if_lost) {
             // Lost the node to another placement: queue instead; the reconciler places it.
             (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict && !conflict_on(&e, &quota_stream) => {
                 tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
-                call.state.log.append(request_of(call, tenant, if_lost)).await
+                call.state.log.append(call.decided(tenant, if_lost)).await
             }
             (other, _) => other,
         };
@@ -395,7 +389,7 @@ async fn reservations_extend(call: &Call<'_>, input: ReservationsExtend) -> Resu
     let rsv = rsv_doc(call, tenant, &id).await?;
     let pool = pool_doc(call, tenant, &rsv.pool_id).await?;
     let append = decide::reservation_extend(&rsv, &pool, input.by_s as u64, input.if_version)?;
-    call.state.log.append(request_of(call, tenant, append)).await?;
+    call.state.log.append(call.decided(tenant, append)).await?;
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
 }
 
@@ -407,7 +401,7 @@ async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<
     let command_id = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
     let release = bc_projections::placement::Issue { command_id: &command_id, now_ms: call.state.log.clock.now_ms() };
     if let Some(append) = decide::reservation_release(&rsv, input.if_version, release)? {
-        call.state.log.append(request_of(call, tenant, append)).await?;
+        call.state.log.append(call.decided(tenant, append)).await?;
     }
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
 }

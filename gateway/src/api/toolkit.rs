@@ -100,6 +100,14 @@ impl Call<'_> {
         request
     }
 
+    /// The append a decision asked for (`bc_projections::decide::Append`: its events, stream,
+    /// expected version and guards), on behalf of this call.
+    pub fn decided(&self, tenant: TenantId, append: bc_projections::decide::Append) -> AppendRequest {
+        let mut request = self.request(tenant, append.stream, append.expected, append.events);
+        request.guards = append.guards;
+        request
+    }
+
     /// Whether this call's idempotency key was used before in `tenant`: a retry, which the
     /// append answers from the log whatever the state says now. A check that the first
     /// request's own effect now fails (its name is taken, by itself) is skipped for a retry.
