@@ -97,13 +97,25 @@ fn retryable(code: tonic::Code) -> bool {
     matches!(code, tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded)
 }
 
-/// Joins with `token`; removes a token file once joined.
-pub async fn join(config: &Config, token: Token, token_file: Option<&Path>) -> Result<Outcome, JoinError> {
-    join_as(config, token, token_file, &hostname()).await
+/// The node this machine joined as, if it has.
+pub fn joined_node(config: &Config) -> Result<Option<String>, JoinError> {
+    Ok(load_identity(config).map_err(fail)?.map(|identity| identity.identity.node_id))
+}
+
+/// Joins with `token` (as `node_id`, for a deployed machine's token bound to its node);
+/// removes a token file once joined.
+pub async fn join(config: &Config, token: Token, token_file: Option<&Path>, node_id: Option<&str>) -> Result<Outcome, JoinError> {
+    join_as(config, token, token_file, &hostname(), node_id).await
 }
 
 /// [`join`] under a given host name (`bcd sim`'s machines share one host but not one name).
-pub async fn join_as(config: &Config, token: Token, token_file: Option<&Path>, hostname: &str) -> Result<Outcome, JoinError> {
+pub async fn join_as(
+    config: &Config,
+    token: Token,
+    token_file: Option<&Path>,
+    hostname: &str,
+    node_id: Option<&str>,
+) -> Result<Outcome, JoinError> {
     let gateway = config.gateway().map_err(fail)?;
     let key = node_key_load_or_create(config).map_err(fail)?;
     let request = bc_proto::JoinRequest {
@@ -111,6 +123,7 @@ pub async fn join_as(config: &Config, token: Token, token_file: Option<&Path>, h
         node_public_key: key.verifying_key().as_bytes().to_vec(),
         hardware: Some(bc_proto::HardwareClaims { hostname: hostname.to_owned(), gpus: claimed_gpus(config)? }),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        node_id: node_id.unwrap_or_default().to_owned(),
     };
     let channel = gateway.channel().map_err(fail)?;
     let mut client = AgentClient::new(channel);

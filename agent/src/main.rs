@@ -45,6 +45,19 @@ fn command(name: &'static str) -> Command {
                     .help("node (the only role this build has)"),
             )
             .arg(
+                Arg::new("node-id")
+                    .long("node-id")
+                    .value_name("NODE")
+                    .help("the node an installed system joins as (a bare-metal deploy's join token); implies --attestor provisioned"),
+            )
+            .arg(
+                Arg::new("attestor")
+                    .long("attestor")
+                    .value_name("ATTESTOR")
+                    .default_value("join-token")
+                    .help("join-token, or provisioned (with --node-id)"),
+            )
+            .arg(
                 Arg::new("server")
                     .long("server")
                     .value_name("URL")
@@ -319,6 +332,32 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
         }
     }
     let token_file = matches.get_one::<String>("token-file").map(PathBuf::from);
+    let node_id = match matches.get_one::<String>("node-id") {
+        None => None,
+        Some(text) => match text.parse::<bc_core::id::NodeId>() {
+            Ok(id) => Some(id.to_string()),
+            Err(e) => return fail(join::usage(format!("--node-id: {e}"))),
+        },
+    };
+    match (matches.get_one::<String>("attestor").map(String::as_str), &node_id) {
+        (Some("join-token"), _) | (Some("provisioned"), Some(_)) => {}
+        (Some("provisioned"), None) => return fail(join::usage("--attestor provisioned needs --node-id")),
+        (other, _) => {
+            return fail(join::usage(format!("--attestor {:?} is not one this build has (join-token, provisioned)", other.unwrap_or(""))));
+        }
+    }
+    if let Some(want) = &node_id {
+        match join::joined_node(&config) {
+            Ok(Some(joined)) if joined != *want => {
+                return fail(join::JoinError {
+                    exit: 1,
+                    message: format!("this machine already joined as {joined}, not {want} (bcd join --reset --yes to join again)"),
+                });
+            }
+            Ok(_) => {}
+            Err(e) => return fail(e),
+        }
+    }
     match join::already_joined(&config) {
         Ok(Some(message)) => {
             if let Some(path) = &token_file {
@@ -335,7 +374,7 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
         Ok(t) => t,
         Err(e) => return fail(join::usage(e.0)),
     };
-    match join::join(&config, token, token_file.as_deref()).await {
+    match join::join(&config, token, token_file.as_deref(), node_id.as_deref()).await {
         Ok(join::Outcome::Joined(message) | join::Outcome::AlreadyJoined(message)) => {
             println!("{message}");
             ExitCode::SUCCESS

@@ -135,7 +135,7 @@ pub async fn run(
                         _ = stop_rx.wait_for(|stop| *stop) => return Ok(()),
                     };
                     let token = Token { secret, source: Source::Environment };
-                    let joined_now = crate::join::join_as(&config, token, None, &format!("sim-{i}"))
+                    let joined_now = crate::join::join_as(&config, token, None, &format!("sim-{i}"), None)
                         .await
                         .map_err(|e| format!("node-{i}: {}", e.message));
                     drop(permit);

@@ -329,6 +329,7 @@ async fn sessions() -> SessionFigures {
                 node_public_key: key.verifying_key().as_bytes().to_vec(),
                 hardware: Some(bc_proto::HardwareClaims { hostname: format!("bench-{i}"), gpus: vec![] }),
                 agent_version: "bench".into(),
+                node_id: String::new(),
             })
             .await
             .unwrap()

@@ -400,6 +400,17 @@ pub enum Command {
         #[command(subcommand)]
         command: InstancesCommand,
     },
+    /// Bare-metal machines by their BMCs: enroll, manage, inspect, provide, deploy, undeploy,
+    /// rescue, power; each verb a workflow with deadlines.
+    Metal {
+        #[command(subcommand)]
+        command: MetalCommand,
+    },
+    /// A machine's workflows: list (--node), get, abort, pause, resume, retry.
+    Workflows {
+        #[command(subcommand)]
+        command: WorkflowsCommand,
+    },
     /// Saved credentials: login (token from stdin or BETTER_COMPUTE_TOKEN), status, logout.
     Auth {
         #[command(subcommand)]
@@ -1009,6 +1020,134 @@ pub enum InstancesCommand {
         #[command(flatten)]
         wait: InstanceWait,
     },
+}
+
+/// How long to wait for a machine's workflow to end.
+#[derive(Args, Clone, Copy)]
+pub struct MetalWait {
+    /// Wait up to this many seconds until the machine rests in a stable state (0: do not wait).
+    #[arg(long, default_value_t = 0)]
+    pub wait: u64,
+}
+
+/// A verb on one machine.
+#[derive(Args)]
+pub struct MachineVerbArgs {
+    /// The machine's `node_…` id.
+    pub node_id: String,
+    #[command(flatten)]
+    pub if_version: IfVersion,
+    #[command(flatten)]
+    pub wait: MetalWait,
+}
+
+#[derive(Subcommand)]
+pub enum MetalCommand {
+    /// Enroll a machine by its BMC (Redfish over HTTPS); the password only from a file.
+    Enroll {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        name: String,
+        /// `https://host[:port]`.
+        #[arg(long)]
+        bmc_address: String,
+        #[arg(long)]
+        bmc_username: String,
+        /// A file holding the BMC's password (its first line).
+        #[arg(long)]
+        bmc_password_file: PathBuf,
+        /// The ComputerSystem (`/redfish/v1/Systems/…`) when the BMC has several.
+        #[arg(long)]
+        bmc_system_path: Option<String>,
+        /// Check the BMC's certificate against the CA certificates in this PEM file.
+        #[arg(long, conflicts_with_all = ["bmc_pin", "bmc_insecure"])]
+        bmc_ca_file: Option<PathBuf>,
+        /// Check the BMC's certificate by its public key: `sha256/…`.
+        #[arg(long, conflicts_with = "bmc_insecure")]
+        bmc_pin: Option<String>,
+        /// Do not check the BMC's certificate (anyone on the path can read its password).
+        #[arg(long)]
+        bmc_insecure: bool,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's machines.
+    List {
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only machines in this state (`available`, `deploy-wait`, …).
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One machine: state, power, BMC, workflow.
+    Get { node_id: String },
+    /// Check the BMC and manage the machine (enroll → manageable).
+    Manage(MachineVerbArgs),
+    /// Read the machine's hardware from its BMC.
+    Inspect(MachineVerbArgs),
+    /// Clean the machine and offer it (manageable → available).
+    Provide(MachineVerbArgs),
+    /// Boot an image on the machine through virtual media; it is active once the installed
+    /// system's agent joins as its node with the join token written to --token-out.
+    Deploy {
+        #[command(flatten)]
+        verb: MachineVerbArgs,
+        /// A registered image (`img_…`) whose URL the BMC's virtual CD boots.
+        #[arg(long)]
+        image: String,
+        /// A new 0600 file for the one-use join token the installed system joins with
+        /// (`bcd join --node-id NODE --token-file FILE`).
+        #[arg(long)]
+        token_out: PathBuf,
+    },
+    /// Tear down a deployed machine and clean it (drain its node first).
+    Undeploy(MachineVerbArgs),
+    /// Boot a deployed machine into a rescue image.
+    Rescue {
+        #[command(flatten)]
+        verb: MachineVerbArgs,
+        #[arg(long)]
+        image: String,
+    },
+    /// Boot a rescued machine back into its system.
+    Unrescue(MachineVerbArgs),
+    /// Retire a machine: never offered or deployed again.
+    Retire(MachineVerbArgs),
+    /// Take a machine out of maintenance.
+    Recover(MachineVerbArgs),
+    /// Abort the machine's running workflow (in a wait state, or a power change).
+    Abort(MachineVerbArgs),
+    /// Power a machine on, off, or reboot it.
+    Power {
+        #[command(flatten)]
+        verb: MachineVerbArgs,
+        #[arg(value_parser = ["on", "off", "reboot"])]
+        power: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum WorkflowsCommand {
+    /// A machine's workflows.
+    List {
+        #[arg(long)]
+        node: String,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One workflow, by its `wf_…` id.
+    Get { workflow_id: String },
+    /// Abort a running workflow.
+    Abort { workflow_id: String },
+    /// Stop running a workflow's steps (its deadline runs on).
+    Pause { workflow_id: String },
+    /// Run a paused workflow's steps again.
+    Resume { workflow_id: String },
+    /// Run a backing-off step now, or a failed workflow's verb again.
+    Retry { workflow_id: String },
 }
 
 #[derive(Subcommand)]

@@ -188,12 +188,13 @@ pub async fn reconcile(
         bc_reconcilers::checkpoints::NAME,
         bc_reconcilers::liveness::NAME,
         bc_reconcilers::instances::NAME,
+        bc_reconcilers::metal::NAME,
     ];
     if names.iter().any(|n| appenders.contains(n)) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
             return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display())).hint(
-                "the reservations, checkpoints, liveness and instances reconcilers append: pass the --data-dir that dev or serve uses",
+                "the reservations, checkpoints, liveness, instances and metal reconcilers append: pass the --data-dir that dev or serve uses",
             ));
         }
         check_log_key(&*store, data_dir).await?;
@@ -211,6 +212,11 @@ pub async fn reconcile(
                 bc_reconcilers::instances::TICK_MS_DEFAULT,
                 stopped.clone(),
             );
+            tasks.push(tokio::spawn(run));
+        }
+        if names.contains(&bc_reconcilers::metal::NAME) {
+            let metal = bc_reconcilers::metal::Metal::new(log.clone(), Arc::new(SystemClock), Arc::new(bc_bmc::RedfishConnector));
+            let run = bc_reconcilers::metal::run(Arc::new(metal), bc_reconcilers::metal::TICK_MS_DEFAULT, stopped.clone());
             tasks.push(tokio::spawn(run));
         }
         if names.contains(&bc_reconcilers::liveness::NAME) {
@@ -603,6 +609,12 @@ pub async fn run_server(
                 log.clone(),
                 Arc::new(SystemClock),
                 bc_reconcilers::instances::TICK_MS_DEFAULT,
+                stopped.clone(),
+            )));
+            let metal = bc_reconcilers::metal::Metal::new(log.clone(), Arc::new(SystemClock), Arc::new(bc_bmc::RedfishConnector));
+            tasks.push(tokio::spawn(bc_reconcilers::metal::run(
+                Arc::new(metal),
+                bc_reconcilers::metal::TICK_MS_DEFAULT,
                 stopped.clone(),
             )));
             tasks

@@ -244,6 +244,33 @@ pub const CAPACITY: &[Column] = &[
     },
 ];
 
+pub const MACHINES: &[Column] = &[
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "POWER", cell: |r, _| field(r, "power") },
+    Column { header: "MAINTENANCE", cell: |r, _| field(r, "maintenance") },
+    Column { header: "LAST ERROR", cell: |r, _| field(r, "lastError") },
+    Column { header: "BMC", cell: |r, _| field(&r["bmc"], "address") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const WORKFLOWS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "workflowId") },
+    Column { header: "VERB", cell: |r, _| field(r, "verb") },
+    Column { header: "OUTCOME", cell: |r, _| field(r, "outcome") },
+    Column {
+        header: "STEP",
+        cell: |r, _| {
+            let steps = r["steps"].as_array().cloned().unwrap_or_default();
+            let at = steps.iter().find(|s| s["state"] != "done").map(|s| s["name"].as_str().unwrap_or("?").to_owned());
+            at.unwrap_or_else(|| "-".into())
+        },
+    },
+    Column { header: "REASON", cell: |r, _| field(r, "reason") },
+    Column { header: "STARTED", cell: |r, now| when(r, "startedAtMs", now) },
+];
+
 /// `api --list`.
 pub const METHODS: &[Column] = &[
     Column { header: "METHOD", cell: |r, _| field(r, "method") },
@@ -268,6 +295,8 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "flavors.list" => FLAVORS,
         "images.list" => IMAGES,
         "instances.list" => INSTANCES,
+        "metal.list" => MACHINES,
+        "workflows.list" => WORKFLOWS,
         "capacity.get" => CAPACITY,
         _ => return None,
     })

@@ -12,6 +12,8 @@ pub enum ErrorCode {
     InvalidArgument,
     NotFound,
     Conflict,
+    /// The entity's state does not take this request (a machine's lifecycle verb).
+    InvalidState,
     IdempotencyConflict,
     AlreadyExists,
     Unauthenticated,
@@ -29,6 +31,7 @@ impl ErrorCode {
             Self::InvalidArgument => "INVALID_ARGUMENT",
             Self::NotFound => "NOT_FOUND",
             Self::Conflict => "CONFLICT",
+            Self::InvalidState => "INVALID_STATE",
             Self::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
             Self::AlreadyExists => "ALREADY_EXISTS",
             Self::Unauthenticated => "UNAUTHENTICATED",
@@ -57,6 +60,9 @@ pub enum Error {
     /// Optimistic concurrency: the stream moved on since the caller read it.
     #[error("stream {stream} is at version {actual}, not {expected}")]
     Conflict { stream: String, expected: String, actual: u64 },
+    /// The entity's state does not take this request; `allowed` are what it takes now.
+    #[error("{message}")]
+    InvalidState { message: String, allowed: Vec<String> },
     #[error("idempotency key {key:?} was first used for a different request")]
     IdempotencyConflict { key: String },
     #[error("{what} already exists")]
@@ -87,6 +93,7 @@ impl Error {
             Self::InvalidArgument { .. } => ErrorCode::InvalidArgument,
             Self::NotFound { .. } => ErrorCode::NotFound,
             Self::Conflict { .. } => ErrorCode::Conflict,
+            Self::InvalidState { .. } => ErrorCode::InvalidState,
             Self::IdempotencyConflict { .. } => ErrorCode::IdempotencyConflict,
             Self::AlreadyExists { .. } => ErrorCode::AlreadyExists,
             Self::Unauthenticated(_) => ErrorCode::Unauthenticated,

@@ -41,6 +41,8 @@ pub const ACTIONS: &[&str] = &[
     "compute:images:write",
     "compute:instances:read",
     "compute:instances:write",
+    "compute:metal:read",
+    "compute:metal:write",
 ];
 
 /// Most actions one key grants.

@@ -18,7 +18,11 @@ pub struct ApiError {
 impl From<Error> for ApiError {
     fn from(error: Error) -> Self {
         let close = error.code() == ErrorCode::PayloadTooLarge;
-        Self { error, details: Value::Object(Default::default()), close }
+        let details = match &error {
+            Error::InvalidState { allowed, .. } => json!({ "allowed": allowed }),
+            _ => Value::Object(Default::default()),
+        };
+        Self { error, details, close }
     }
 }
 
@@ -37,7 +41,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
     match code {
         ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
         ErrorCode::NotFound => StatusCode::NOT_FOUND,
-        ErrorCode::Conflict | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => StatusCode::CONFLICT,
+        ErrorCode::Conflict | ErrorCode::InvalidState | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => StatusCode::CONFLICT,
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::AccessDenied | ErrorCode::QuotaExceeded => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

@@ -19,6 +19,7 @@ const ERROR_CODES: &[ErrorCode] = &[
     ErrorCode::InvalidArgument,
     ErrorCode::NotFound,
     ErrorCode::Conflict,
+    ErrorCode::InvalidState,
     ErrorCode::IdempotencyConflict,
     ErrorCode::AlreadyExists,
     ErrorCode::Unauthenticated,

@@ -92,6 +92,27 @@ pub const INSTANCE_REPORT_TYPES: &[&str] = &[INSTANCE_OBSERVED, INSTANCE_APPLY_F
 /// On the reservation's stream: an instance now uses its GPUs, or no longer does.
 pub const RESERVATION_INSTANCE_ATTACHED: &str = "reservation.instance_attached";
 pub const RESERVATION_INSTANCE_DETACHED: &str = "reservation.instance_detached";
+/// A bare-metal machine (`metal/node_…`) was enrolled by its BMC ([`MetalEnrolled`]); its BMC
+/// password is sealed in the secret store, never in the log.
+pub const METAL_ENROLLED: &str = "metal.enrolled";
+/// The machine moved from one lifecycle state to another by a verb ([`MetalTransitioned`]):
+/// a caller's, or its workflow's (`done`, `wait`, `fail`). Every transition is one of these.
+pub const METAL_TRANSITIONED: &str = "metal.transitioned";
+/// One step of the machine's workflow finished ([`MetalStepDone`]).
+pub const METAL_STEP_DONE: &str = "metal.step_done";
+/// One step failed and is tried again after a back-off ([`MetalStepRetried`]).
+pub const METAL_STEP_RETRIED: &str = "metal.step_retried";
+/// A workflow ended ([`MetalWorkflowFinished`]): succeeded, failed (with the reason) or aborted.
+pub const METAL_WORKFLOW_FINISHED: &str = "metal.workflow_finished";
+/// An operator paused or resumed a workflow's steps (its deadline runs on either way).
+pub const METAL_WORKFLOW_PAUSED: &str = "metal.workflow_paused";
+pub const METAL_WORKFLOW_RESUMED: &str = "metal.workflow_resumed";
+/// The machine was put in maintenance with a reason ([`MetalMaintenanceSet`]): a BMC that
+/// refuses its credentials, after bounded retries. `recover` clears it.
+pub const METAL_MAINTENANCE_SET: &str = "metal.maintenance_set";
+/// The BMC says another power state than the log, on reads a sync interval apart
+/// ([`MetalPowerDrifted`]): the log follows the machine.
+pub const METAL_POWER_DRIFTED: &str = "metal.power_drifted";
 /// The event types a node may originate through its journal; nothing else is appended from one.
 pub const NODE_ORIGINATED_TYPES: &[&str] = &[
     COMMAND_STARTED,
@@ -170,6 +191,15 @@ pub const EVENT_TYPES: &[&str] = &[
     INSTANCE_APPLY_FAILED,
     RESERVATION_INSTANCE_ATTACHED,
     RESERVATION_INSTANCE_DETACHED,
+    METAL_ENROLLED,
+    METAL_TRANSITIONED,
+    METAL_STEP_DONE,
+    METAL_STEP_RETRIED,
+    METAL_WORKFLOW_FINISHED,
+    METAL_WORKFLOW_PAUSED,
+    METAL_WORKFLOW_RESUMED,
+    METAL_MAINTENANCE_SET,
+    METAL_POWER_DRIFTED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,
@@ -257,6 +287,10 @@ pub struct JoinTokenCreated {
     pub description: String,
     pub expires_at_ms: u64,
     pub uses_max: u32,
+    /// The one node a machine may join as with it (a bare-metal deploy's token: the installed
+    /// system joins as the enrolled machine's node, `bcd join --node-id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
 }
 
 /// A join spent one use of the token (in the same append as `node.joined`).
@@ -879,4 +913,141 @@ pub fn type_patterns() -> Vec<String> {
         patterns.push((*event_type).to_owned());
     }
     patterns
+}
+
+/// How a BMC's certificate is checked, as enrolled. The CA bundle and the pin are public.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalBmc {
+    /// `https://host[:port]`.
+    pub address: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_path: Option<String>,
+    pub username: String,
+    /// `ca`, `pin` or `insecure`.
+    pub tls: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_pem: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin: Option<String>,
+    /// Where the password is sealed in the secret store.
+    pub secret_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalEnrolled {
+    pub pool_id: String,
+    pub name: String,
+    pub bmc: MetalBmc,
+}
+
+/// A workflow started by a transition: its id, its steps in order, and what they need.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalWorkflowStart {
+    pub workflow_id: String,
+    /// The verb it runs (`deploy`, `power`, …).
+    pub verb: String,
+    pub steps: Vec<String>,
+    /// When it fails if not finished: the state's deadline (or the power change's).
+    pub deadline_at_ms: u64,
+    /// The image a deploy or a rescue boots (its URL, from the catalog).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_url: Option<String>,
+    /// A deploy's join token, bound to the node, that the installed system joins with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_token_id: Option<String>,
+    /// `on`, `off` or `reboot`: a power workflow's target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalTransitioned {
+    pub verb: String,
+    pub from: String,
+    pub to: String,
+    /// Why (a failure's reason: the machine's `lastError`; an operator's note).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The workflow the new state runs, when it runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<MetalWorkflowStart>,
+}
+
+/// What a machine's BMC said at inspection.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalInspection {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manufacturer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_number: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processor_count: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_gib: Option<u32>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalStepDone {
+    pub workflow_id: String,
+    pub step: String,
+    pub index: u32,
+    /// The power state the BMC said at this step (`on`/`off`), when it read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inspection: Option<MetalInspection>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalStepRetried {
+    pub workflow_id: String,
+    pub step: String,
+    pub index: u32,
+    /// Failed attempts of this step so far.
+    pub attempts: u32,
+    /// The BMC error's kind (`unauthorized`, `timeout`, `unreachable`, `refused`, `protocol`).
+    pub error_kind: String,
+    pub error: String,
+    pub retry_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalWorkflowFinished {
+    pub workflow_id: String,
+    /// `succeeded`, `failed` or `aborted`.
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalWorkflowRef {
+    pub workflow_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalMaintenanceSet {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalPowerDrifted {
+    /// What the log said (`on`/`off`), and what the BMC says now.
+    pub expected: String,
+    pub observed: String,
 }

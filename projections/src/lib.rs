@@ -27,6 +27,7 @@ pub mod instance;
 pub mod inventory;
 pub mod metal;
 pub mod placement;
+pub mod workflow;
 
 pub use event_view::{EventView, event_view};
 use events::*;
@@ -74,6 +75,11 @@ pub const KIND_QUOTA: &str = "quota";
 pub const MAX_RESERVATION_S_DEFAULT: u64 = 30 * 24 * 3600;
 
 /// The stream of one entity: `KIND/ID`.
+/// The id part of a stream name (`metal/node_…` → `node_…`).
+pub fn stream_id_of(stream: &str) -> &str {
+    stream.split_once('/').map_or(stream, |(_, id)| id)
+}
+
 pub fn stream_of(kind: &str, id: &impl std::fmt::Display) -> String {
     format!("{kind}/{id}")
 }
@@ -229,6 +235,9 @@ pub struct JoinTokenDoc {
     pub expires_at_ms: u64,
     pub uses_max: u32,
     pub uses: u32,
+    /// The one node a machine may join as with it (a bare-metal deploy's token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
     /// The nodes that joined with it, oldest first.
     pub node_ids: Vec<String>,
     pub revoked: bool,
@@ -683,6 +692,16 @@ impl Projector for Projections {
             }
             return;
         }
+        if let Some((kind, id)) = event.envelope.stream.split_once('/')
+            && kind == workflow::KIND_METAL
+        {
+            let tenant = event.envelope.tenant.to_string();
+            out.push(RowKey { tenant: tenant.clone(), kind: workflow::KIND_METAL.to_owned(), id: id.to_owned() });
+            if let Some(workflow) = workflow::workflow_of(&canonical::to_json(&event.envelope.payload)) {
+                out.push(RowKey { tenant, kind: workflow::KIND_WORKFLOW.to_owned(), id: workflow.to_owned() });
+            }
+            return;
+        }
         let report_type = event.envelope.event_type.as_str();
         if GPU_REPORT_TYPES.contains(&report_type) || INSTANCE_REPORT_TYPES.contains(&report_type) {
             // On the reservation's (or the instance's) stream (its rows below), and it finishes its command: the
@@ -914,6 +933,7 @@ impl Projector for Projections {
                     expires_at_ms: p.expires_at_ms,
                     uses_max: p.uses_max,
                     uses: 0,
+                    node_id: p.node_id,
                     node_ids: Vec::new(),
                     revoked: false,
                     version: env.version,
@@ -1060,6 +1080,15 @@ impl Projector for Projections {
                 })
             }
             GPU_HELD | GPU_HOLD_FAILED | GPU_RELEASED => apply_gpu_report(key, current, event),
+            METAL_ENROLLED
+            | METAL_TRANSITIONED
+            | METAL_STEP_DONE
+            | METAL_STEP_RETRIED
+            | METAL_WORKFLOW_FINISHED
+            | METAL_WORKFLOW_PAUSED
+            | METAL_WORKFLOW_RESUMED
+            | METAL_MAINTENANCE_SET
+            | METAL_POWER_DRIFTED => workflow::apply_metal(&key.kind, &key.id, current, event),
             INSTANCE_CREATED
             | INSTANCE_START_REQUESTED
             | INSTANCE_STOP_REQUESTED

@@ -94,6 +94,24 @@ impl Verb {
         Verb::Power,
     ];
 
+    /// Every verb, the workflow's included.
+    pub const ALL: &[Verb] = &[
+        Verb::Manage,
+        Verb::Inspect,
+        Verb::Provide,
+        Verb::Deploy,
+        Verb::Undeploy,
+        Verb::Rescue,
+        Verb::Unrescue,
+        Verb::Retire,
+        Verb::Recover,
+        Verb::Abort,
+        Verb::Power,
+        Verb::Done,
+        Verb::Wait,
+        Verb::Fail,
+    ];
+
     pub fn is_internal(self) -> bool {
         matches!(self, Verb::Done | Verb::Wait | Verb::Fail)
     }

@@ -8,6 +8,8 @@
 //! - [`reservations`]: queued → active → expired, on the decisions of `bc_projections::decide`;
 //! - [`instances`]: each instance made what it should be (applied again on drift, deleted when
 //!   its reservation ends);
+//! - [`metal`]: each bare-metal machine's workflow run against its BMC, step by step, with
+//!   deadlines; and its power state kept true to the machine;
 //! - [`checkpoints`]: seals signed checkpoints of the tenants whose logs grew;
 //! - [`liveness`]: node leases into `node.ready` / `node.unreachable`, and commands failed at
 //!   their deadline;
@@ -20,6 +22,7 @@
 pub mod checkpoints;
 pub mod instances;
 pub mod liveness;
+pub mod metal;
 pub mod outbox;
 pub mod reservations;
 pub mod status;
@@ -50,4 +53,4 @@ pub(crate) async fn idle(
 /// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
-pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME];
+pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME, metal::NAME];

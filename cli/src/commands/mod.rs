@@ -20,6 +20,7 @@ mod auth;
 mod events;
 mod flavors;
 mod instances;
+mod metal;
 mod inventory;
 mod join_tokens;
 mod meta;
@@ -62,6 +63,8 @@ impl Command {
             Command::Flavors { command } => flavors::run(ctx, command).await,
             Command::Images { command } => flavors::images(ctx, command).await,
             Command::Instances { command } => instances::run(ctx, command).await,
+            Command::Metal { command } => metal::run(ctx, command).await,
+            Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::Completion { shell } => meta::completion(shell),

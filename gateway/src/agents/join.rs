@@ -47,8 +47,13 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
     {
         return Err(refused("unknown join token"));
     }
+    let as_node = if request.node_id.is_empty() {
+        None
+    } else {
+        Some(request.node_id.parse::<NodeId>().map_err(|_| refused("the node id asked for is not a node_ id"))?)
+    };
     for _ in 0..JOIN_ATTEMPTS_MAX {
-        let claimed = Claimed { hostname: &hardware.hostname, gpus: &gpus, gpu_uuids: &gpu_uuids };
+        let claimed = Claimed { hostname: &hardware.hostname, gpus: &gpus, gpu_uuids: &gpu_uuids, as_node };
         match join_once(state, tenant, token_id, &request.agent_version, claimed, &public_key).await {
             Err(Error::Conflict { .. }) => continue,
             other => return other,
@@ -60,6 +65,8 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
 /// What a machine says of itself at join.
 #[derive(Clone, Copy)]
 struct Claimed<'a> {
+    /// The node asked for (a deployed machine's installed system: `bcd join --node-id`).
+    as_node: Option<NodeId>,
     hostname: &'a str,
     gpus: &'a [Gpu],
     gpu_uuids: &'a [String],
@@ -73,7 +80,7 @@ async fn join_once(
     claimed: Claimed<'_>,
     public_key: &ed25519_dalek::VerifyingKey,
 ) -> Result<Joined> {
-    let Claimed { hostname, gpus, gpu_uuids } = claimed;
+    let Claimed { hostname, gpus, gpu_uuids, as_node } = claimed;
     let row = state.store.row_get(&tenant.to_string(), KIND_JOIN_TOKEN, &token_id.to_string()).await?;
     let token: JoinTokenDoc = crate::api::toolkit::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
     let now_ms = state.log.clock.now_ms();
@@ -92,7 +99,24 @@ async fn join_once(
     if pool.archived {
         return Err(refused("the join token's pool is archived"));
     }
-    let node = NodeId::from_ulid(state.log.ids.ulid());
+    // A deploy's token is bound to its machine's node: the installed system joins as that node
+    // (again, after a redeploy: the node's stream goes on at its version), and as no other.
+    let (node, expected) = match (&token.node_id, as_node) {
+        (None, None) => (NodeId::from_ulid(state.log.ids.ulid()), ExpectedVersion::NoStream),
+        (None, Some(_)) => return Err(refused("this join token is not bound to a node: join without --node-id")),
+        (Some(bound), asked) => {
+            if asked.map(|a| a.to_string()).as_deref() != Some(bound.as_str()) {
+                return Err(refused(&format!("this join token provisions node {bound}: join with --node-id {bound}")));
+            }
+            let node: NodeId = bound.parse()?;
+            let existing = state.store.row_get(&tenant.to_string(), KIND_NODE, bound).await?;
+            let expected = match existing {
+                Some(row) => ExpectedVersion::Exact(crate::api::toolkit::doc::<NodeDoc>(row)?.version),
+                None => ExpectedVersion::NoStream,
+            };
+            (node, expected)
+        }
+    };
     let joined = ev::NodeJoined {
         pool_id: pool_id.to_string(),
         name: node_name(hostname),
@@ -110,7 +134,7 @@ async fn join_once(
     let mut request = AppendRequest::new(
         tenant,
         stream_of(KIND_NODE, &node),
-        ExpectedVersion::NoStream,
+        expected,
         format!("join_token:{token_id}"),
         vec![NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined)?), spend],
     );

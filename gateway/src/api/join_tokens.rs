@@ -118,6 +118,7 @@ async fn join_tokens_create(call: &Call<'_>, input: JoinTokensCreate) -> Result<
         description: input.description,
         expires_at_ms: call.now_ms().saturating_add(expires_s * 1000),
         uses_max,
+        node_id: None,
     })?;
     let pool_stream = stream_of(bc_projections::KIND_POOL, &pool_id);
     let result = call

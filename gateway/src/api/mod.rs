@@ -2,7 +2,7 @@
 //!
 //! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
 //! `inventory.rs`, `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
-//! `flavors.rs`, `images.rs`, `instances.rs`, `webhooks.rs`) declares its
+//! `flavors.rs`, `images.rs`, `instances.rs`, `metal.rs`, `webhooks.rs`) declares its
 //! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
 //! input type its handler parses, the output type it answers with, and the handler. The router
 //! ([`crate::rpc`]), authorization, `better-compute api --list` and the OpenAPI document
@@ -31,6 +31,7 @@ mod images;
 mod instances;
 mod inventory;
 mod join_tokens;
+mod metal;
 pub(crate) mod nodes;
 mod pools;
 mod quotas;
@@ -124,6 +125,7 @@ const GROUPS: &[&[Method]] = &[
     flavors::METHODS,
     images::METHODS,
     instances::METHODS,
+    metal::METHODS,
     events::METHODS,
     webhooks::METHODS,
 ];

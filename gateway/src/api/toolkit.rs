@@ -375,6 +375,8 @@ id_schema!(/// `img_…`
     ImageIdText, bc_core::id::ImageId);
 id_schema!(/// `inst_…`
     InstanceIdText, bc_core::id::InstanceId);
+id_schema!(/// `wf_…`
+    WorkflowIdText, bc_core::id::WorkflowId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({

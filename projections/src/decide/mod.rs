@@ -27,6 +27,7 @@ use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
 
 mod capacity;
 mod instance;
+mod metal;
 mod plan;
 mod reservation;
 
@@ -34,6 +35,10 @@ pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity
 pub use instance::{
     CAPABILITY_INSTANCE_APPLY, InstanceAction, InstanceCreateInput, InstanceRequest, instance_create, instance_request,
     instances_plan,
+};
+pub use metal::{
+    DEPLOY_TOKEN_GRACE_S, MetalPlan, StepResult, VerbInput, metal_drift, metal_fail, metal_pause, metal_plan, metal_step, metal_verb,
+    step_backoff_ms,
 };
 pub use plan::{Action, plan};
 // `node_keys_change`, `node_register` and their bounds are defined below.

@@ -22,12 +22,14 @@ pub use bc_projections::EventView;
 mod agents;
 mod flavors;
 mod instances;
+mod metal;
 mod reservations;
 mod webhooks;
 
 pub use agents::*;
 pub use flavors::*;
 pub use instances::*;
+pub use metal::*;
 pub use reservations::*;
 pub use webhooks::*;
 

@@ -1,0 +1,693 @@
+//! `metal.*` and `workflows.*`: bare-metal machines by their BMCs, through Ironic's lifecycle
+//! (`bc_projections::metal`), each verb a workflow of BMC steps the `metal` reconciler runs.
+//!
+//! A machine is enrolled into a pool with its BMC's address, user, password and how its
+//! certificate is checked (a CA bundle, a pin, or, only when asked in so many words, not at
+//! all); it gets its node id then, the id its installed system's agent joins as. The password
+//! is sealed in the secret store (the data key's AEAD) and is never in an event, a log line or
+//! an answer. `metal.deploy` mints a one-use join token bound to that node id in the same
+//! append and answers it once; the installed system joins with it (`bcd join --node-id`), and
+//! the deploy's workflow ends when it has.
+
+use bc_core::id::{ImageId, JoinTokenId, NodeId, PoolId, TenantId, WorkflowId};
+use bc_core::store::{ExpectedVersion, NewEvent};
+use bc_core::{Error, Result};
+use bc_projections::decide::{self, VerbInput};
+use bc_projections::events::{self as ev, MetalBmc};
+use bc_projections::metal::Verb;
+use bc_projections::workflow::{KIND_METAL, KIND_WORKFLOW, MetalDoc, Workflow, WorkflowOutcome};
+use bc_projections::{ImageDoc, KIND_IMAGE, KIND_NODE, KIND_POOL, NodeDoc, PoolDoc, stream_of};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::toolkit::{
+    CursorText, ImageIdText, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, WorkflowIdText, doc, list_rows,
+    parse_id, stream_id, string_schema, validate_name, validate_text,
+};
+use super::views::{MetalView, WorkflowView};
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:metal:read");
+const WRITE: Access = Access::Action("compute:metal:write");
+
+/// Longest BMC address, user name and password taken.
+pub const BMC_ADDRESS_CHARS_MAX: usize = 2048;
+pub const BMC_USERNAME_CHARS_MAX: usize = 256;
+pub const BMC_PASSWORD_BYTES_MAX: usize = 1024;
+/// Largest CA bundle taken at enrollment.
+pub const BMC_CA_PEM_BYTES_MAX: usize = 64 * 1024;
+/// Longest ComputerSystem path.
+pub const BMC_SYSTEM_PATH_CHARS_MAX: usize = 512;
+/// Machines one tenant enrolls at most.
+pub const MACHINES_PER_TENANT_MAX: usize = decide::NODES_PER_TENANT_MAX;
+
+pub(super) const METHODS: &[Method] = &[
+    method!(
+        "metal.enroll",
+        WRITE,
+        "enroll a bare-metal machine by its BMC (Redfish over HTTPS) into a pool",
+        MetalEnroll => MetalView,
+        metal_enroll,
+    ),
+    method!("metal.get", READ, "one machine: its lifecycle state, power, BMC and workflow", MachineRef => MetalView, metal_get),
+    method!("metal.list", READ, "a tenant's machines, paged by cursor", MetalList => Page<MetalView>, metal_list),
+    method!("metal.manage", WRITE, "check the BMC, then manage the machine (enroll → manageable)", MachineVerb => MetalView, metal_manage),
+    method!("metal.inspect", WRITE, "read the machine's hardware from its BMC", MachineVerb => MetalView, metal_inspect),
+    method!("metal.provide", WRITE, "clean the machine and offer it (manageable → available)", MachineVerb => MetalView, metal_provide),
+    method!(
+        "metal.deploy",
+        WRITE,
+        "boot an image through virtual media; active once its agent joins as the node",
+        MetalDeploy => MetalDeployView,
+        metal_deploy,
+    ),
+    method!("metal.undeploy", WRITE, "tear down a deployed machine and clean it", MachineVerb => MetalView, metal_undeploy),
+    method!("metal.rescue", WRITE, "boot a deployed machine into a rescue image", MetalRescue => MetalView, metal_rescue),
+    method!("metal.unrescue", WRITE, "boot a rescued machine back into its system", MachineVerb => MetalView, metal_unrescue),
+    method!("metal.retire", WRITE, "retire a machine: never offered or deployed again", MachineVerb => MetalView, metal_retire),
+    method!("metal.recover", WRITE, "take a machine out of maintenance", MachineVerb => MetalView, metal_recover),
+    method!("metal.abort", WRITE, "abort the machine's running workflow (in a wait state, or a power change)", MachineVerb => MetalView, metal_abort),
+    method!("metal.power", WRITE, "power a machine on, off, or reboot it", MetalPower => MetalView, metal_power),
+    method!("workflows.list", READ, "a machine's workflows, newest first", WorkflowsList => Page<WorkflowView>, workflows_list),
+    method!("workflows.get", READ, "one workflow: its steps and where it is", WorkflowRef => WorkflowView, workflows_get),
+    method!("workflows.abort", WRITE, "abort a running workflow", WorkflowRef => WorkflowView, workflows_abort),
+    method!("workflows.pause", WRITE, "stop running a workflow's steps (its deadline runs on)", WorkflowRef => WorkflowView, workflows_pause),
+    method!("workflows.resume", WRITE, "run a paused workflow's steps again", WorkflowRef => WorkflowView, workflows_resume),
+    method!(
+        "workflows.retry",
+        WRITE,
+        "run a backing-off step now, or run a failed workflow's verb again",
+        WorkflowRef => WorkflowView,
+        workflows_retry,
+    ),
+];
+
+string_schema!(/// An `https://` URL.
+HttpsUrlText, schemars::json_schema!({ "type": "string", "maxLength": BMC_ADDRESS_CHARS_MAX, "pattern": "^https://" }));
+string_schema!(/// `on`, `off` or `reboot`.
+PowerText, schemars::json_schema!({ "type": "string", "enum": ["on", "off", "reboot"] }));
+string_schema!(/// A lifecycle state.
+MetalStateText, schemars::json_schema!({
+    "type": "string",
+    "enum": bc_projections::metal::STATES.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+}));
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalEnroll {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "PoolIdText")]
+    pool_id: String,
+    #[schemars(with = "NameText")]
+    name: String,
+    /// The BMC's Redfish origin, `https://host[:port]`.
+    #[schemars(with = "HttpsUrlText")]
+    bmc_address: String,
+    /// The ComputerSystem's path (`/redfish/v1/Systems/…`); absent: the BMC's only system.
+    #[serde(default)]
+    bmc_system_path: Option<String>,
+    bmc_username: String,
+    /// Sealed in the secret store; never in an event, a log or an answer.
+    bmc_password: String,
+    /// Check the BMC's certificate against these CA certificates (PEM).
+    #[serde(default)]
+    bmc_ca_pem: Option<String>,
+    /// Check the BMC's certificate by its public key: `sha256/` + base64 of the SHA-256 of its
+    /// SubjectPublicKeyInfo.
+    #[serde(default)]
+    bmc_pin: Option<String>,
+    /// Do not check the BMC's certificate at all (`metal get` says so).
+    #[serde(default)]
+    bmc_insecure: bool,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MachineRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MachineVerb {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    /// Act only while the machine is at this version.
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalDeploy {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    /// A registered image (its URL is what the BMC's virtual CD boots).
+    #[schemars(with = "ImageIdText")]
+    image_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalRescue {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    /// The rescue system's image.
+    #[schemars(with = "ImageIdText")]
+    image_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalPower {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "PowerText")]
+    power: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// Only the machines of this pool (a filtered page can come back short).
+    #[schemars(with = "Option<PoolIdText>")]
+    pool_id: Option<String>,
+    /// Only the machines in this state.
+    #[schemars(with = "Option<MetalStateText>")]
+    state: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkflowsList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkflowRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "WorkflowIdText")]
+    workflow_id: String,
+}
+
+/// A deploy's answer: the machine, and once, the join token its installed system joins with.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalDeployView {
+    pub machine: MetalView,
+    /// `bcjt_…`: shown once (absent on a replay); give it to the installed system's
+    /// `bcd join --node-id`. It joins only as this node, once, until the deploy's deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_token: Option<String>,
+    pub replayed: bool,
+}
+
+/// Where a machine's BMC password is sealed.
+pub fn bmc_secret_id(node_id: &str) -> String {
+    format!("bmc_{node_id}")
+}
+
+/// The pin format: `sha256/` and the base64 of 32 bytes.
+fn check_pin(pin: &str) -> Result<()> {
+    use base64::Engine as _;
+    let ok = pin
+        .strip_prefix("sha256/")
+        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+        .is_some_and(|bytes| bytes.len() == 32);
+    if !ok {
+        return Err(Error::InvalidArgument {
+            message: "bmcPin must be sha256/ followed by the base64 of a 32-byte SHA-256".into(),
+            hint: Some("the SHA-256 of the BMC certificate's DER SubjectPublicKeyInfo, base64".into()),
+        });
+    }
+    Ok(())
+}
+
+fn check_bmc(input: &MetalEnroll) -> Result<(String, &'static str)> {
+    if input.bmc_address.chars().count() > BMC_ADDRESS_CHARS_MAX {
+        return Err(Error::invalid(format!("bmcAddress is longer than {BMC_ADDRESS_CHARS_MAX} characters")));
+    }
+    let url = url::Url::parse(&input.bmc_address).map_err(|e| Error::invalid(format!("bmcAddress is not a URL: {e}")))?;
+    if url.scheme() != "https" {
+        return Err(Error::InvalidArgument {
+            message: "bmcAddress must be https://: the BMC's password never crosses a network in clear text".into(),
+            hint: None,
+        });
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(Error::invalid("bmcAddress must not carry a user or password; pass bmcUsername and bmcPassword"));
+    }
+    if url.host_str().is_none_or(str::is_empty) || url.query().is_some() || url.fragment().is_some() || url.path() != "/" {
+        return Err(Error::invalid("bmcAddress must be an origin, https://host[:port], with no path, query or fragment"));
+    }
+    if let Some(path) = &input.bmc_system_path
+        && (!path.starts_with("/redfish/v1/Systems/")
+            || path.chars().count() > BMC_SYSTEM_PATH_CHARS_MAX
+            || path.contains("..")
+            || !path.chars().all(|c| c.is_ascii_graphic()))
+    {
+        return Err(Error::invalid(format!(
+            "bmcSystemPath must be a path under /redfish/v1/Systems/ of at most {BMC_SYSTEM_PATH_CHARS_MAX} printable characters"
+        )));
+    }
+    validate_text("bmcUsername", &input.bmc_username, BMC_USERNAME_CHARS_MAX)?;
+    if input.bmc_username.is_empty() {
+        return Err(Error::invalid("bmcUsername must not be empty"));
+    }
+    if input.bmc_password.is_empty() || input.bmc_password.len() > BMC_PASSWORD_BYTES_MAX {
+        return Err(Error::invalid(format!("bmcPassword must be 1 to {BMC_PASSWORD_BYTES_MAX} bytes")));
+    }
+    let modes = [input.bmc_ca_pem.is_some(), input.bmc_pin.is_some(), input.bmc_insecure].iter().filter(|m| **m).count();
+    if modes != 1 {
+        return Err(Error::InvalidArgument {
+            message: "say exactly one way to check the BMC's certificate: bmcCaPem, bmcPin or bmcInsecure".into(),
+            hint: Some("a CA bundle or a pin; bmcInsecure checks nothing and says so in metal get".into()),
+        });
+    }
+    if let Some(pem) = &input.bmc_ca_pem {
+        if pem.len() > BMC_CA_PEM_BYTES_MAX {
+            return Err(Error::invalid(format!("bmcCaPem is larger than {BMC_CA_PEM_BYTES_MAX} bytes")));
+        }
+        if !pem.contains("-----BEGIN CERTIFICATE-----") {
+            return Err(Error::invalid("bmcCaPem holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+        }
+    }
+    if let Some(pin) = &input.bmc_pin {
+        check_pin(pin)?;
+    }
+    let tls = if input.bmc_ca_pem.is_some() {
+        "ca"
+    } else if input.bmc_pin.is_some() {
+        "pin"
+    } else {
+        "insecure"
+    };
+    Ok((url.origin().ascii_serialization(), tls))
+}
+
+/// How many machines the tenant has (enrollment is rare; this reads their keys page by page).
+async fn machines_count(call: &Call<'_>, tenant: TenantId) -> Result<usize> {
+    const PAGE: u32 = 500;
+    let (mut count, mut after) = (0usize, None::<String>);
+    loop {
+        let rows = call.state.store.row_list(&tenant.to_string(), KIND_METAL, after.as_deref(), PAGE).await?;
+        count += rows.len();
+        if rows.len() < PAGE as usize || count >= MACHINES_PER_TENANT_MAX {
+            return Ok(count);
+        }
+        after = rows.last().map(|r| r.key.id.clone());
+    }
+}
+
+async fn machine_doc(call: &Call<'_>, tenant: TenantId, node_id: &str) -> Result<MetalDoc> {
+    let id: NodeId = parse_id("nodeId", node_id)?;
+    call.row(tenant, KIND_METAL, &id.to_string(), "machine").await
+}
+
+async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    validate_name("name", &input.name)?;
+    let (address, tls) = check_bmc(&input)?;
+    let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
+    let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
+    if pool.archived {
+        return Err(Error::invalid(format!("pool {pool_id} is archived: no machine is enrolled into it")));
+    }
+    let retry = call.is_retry(tenant).await?;
+    if !retry && machines_count(call, tenant).await? >= MACHINES_PER_TENANT_MAX {
+        return Err(Error::invalid(format!("the tenant has {MACHINES_PER_TENANT_MAX} machines, its limit")));
+    }
+    let node = NodeId::from_ulid(call.ulid()).to_string();
+    let secret_id = bmc_secret_id(&node);
+    let enrolled = ev::MetalEnrolled {
+        pool_id: pool_id.to_string(),
+        name: input.name,
+        bmc: MetalBmc {
+            address,
+            system_path: input.bmc_system_path,
+            username: input.bmc_username,
+            tls: tls.to_owned(),
+            ca_pem: input.bmc_ca_pem,
+            pin: input.bmc_pin,
+            secret_id: secret_id.clone(),
+        },
+    };
+    // The password is sealed first, under the new machine's id: an append that fails leaves a
+    // sealed secret no machine names, never a machine without its password. A retry stores
+    // nothing (its machine has its password).
+    if !retry {
+        call.state.store.secret_put(tenant, &secret_id, &input.bmc_password, call.now_ms()).await?;
+    }
+    let result = call
+        .append_guarded(
+            tenant,
+            stream_of(KIND_METAL, &node),
+            ExpectedVersion::NoStream,
+            ev::METAL_ENROLLED,
+            ev::to_cbor(&enrolled)?,
+            vec![(stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version))],
+        )
+        .await?;
+    let node = stream_id(&result.events[0].envelope.stream).to_owned();
+    tracing::info!(%tenant, node = %node, "a machine was enrolled");
+    Ok(machine_doc(call, tenant, &node).await?.into())
+}
+
+async fn metal_get(call: &Call<'_>, input: MachineRef) -> Result<MetalView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    Ok(machine_doc(call, tenant, &input.node_id).await?.into())
+}
+
+async fn metal_list(call: &Call<'_>, input: MetalList) -> Result<Page<MetalView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
+    let state = match input.state.as_deref() {
+        None => None,
+        Some(text) => Some(bc_projections::metal::STATES.iter().copied().find(|s| s.as_str() == text).ok_or_else(|| {
+            Error::invalid(format!(
+                "state {:?} is not a machine state ({})",
+                bc_core::id::truncate(text, 32),
+                bc_projections::metal::STATES.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+            ))
+        })?),
+    };
+    list_rows(call, tenant, KIND_METAL, input.limit, input.cursor.as_deref(), |row| {
+        let machine: MetalDoc = doc(row)?;
+        let keep = pool.as_ref().is_none_or(|p| *p == machine.pool_id) && state.is_none_or(|s| s == machine.state);
+        Ok(keep.then(|| machine.into()))
+    })
+    .await
+}
+
+/// A verb on a machine: decided on its document, appended at its version.
+async fn verb(call: &Call<'_>, tenant: TenantId, doc: &MetalDoc, verb: Verb, input: VerbInput<'_>) -> Result<MetalView> {
+    let decided = decide::metal_verb(doc, verb, &input)?;
+    call.state.log.append(call.decided(tenant, decided)).await?;
+    Ok(machine_doc(call, tenant, &doc.node_id).await?.into())
+}
+
+fn workflow_id(call: &Call<'_>) -> String {
+    WorkflowId::from_ulid(call.ulid()).to_string()
+}
+
+async fn simple(call: &Call<'_>, input: MachineVerb, v: Verb) -> Result<MetalView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let doc = machine_doc(call, tenant, &input.node_id).await?;
+    let wf = workflow_id(call);
+    verb(call, tenant, &doc, v, VerbInput { now_ms: call.now_ms(), workflow_id: &wf, if_version: input.if_version, ..Default::default() })
+        .await
+}
+
+async fn metal_manage(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Manage).await
+}
+
+async fn metal_inspect(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Inspect).await
+}
+
+async fn metal_provide(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Provide).await
+}
+
+async fn metal_unrescue(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Unrescue).await
+}
+
+async fn metal_retire(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Retire).await
+}
+
+async fn metal_recover(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Recover).await
+}
+
+async fn metal_abort(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    simple(call, input, Verb::Abort).await
+}
+
+/// Undeploy: refused while the node holds reservations (drain it first); the node is cordoned
+/// in the same append, so nothing is placed on a machine being torn down.
+async fn metal_undeploy(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let doc = machine_doc(call, tenant, &input.node_id).await?;
+    let wf = workflow_id(call);
+    let mut decided = decide::metal_verb(
+        &doc,
+        Verb::Undeploy,
+        &VerbInput { now_ms: call.now_ms(), workflow_id: &wf, if_version: input.if_version, ..Default::default() },
+    )?;
+    if let Some(row) = call.state.store.row_get(&tenant.to_string(), KIND_NODE, &doc.node_id).await? {
+        let node: NodeDoc = super::toolkit::doc(row)?;
+        if !node.allocations.is_empty() && !call.is_retry(tenant).await? {
+            return Err(Error::InvalidState {
+                message: format!(
+                    "node {} holds {} GPUs of live reservations: drain it (nodes drain) and let them end before undeploying",
+                    doc.node_id,
+                    node.allocations.len()
+                ),
+                allowed: vec![],
+            });
+        }
+        let stream = stream_of(KIND_NODE, &doc.node_id);
+        if !node.cordoned {
+            let mut cordon = NewEvent::new(ev::NODE_CORDONED, ev::to_cbor(&ev::NodeStateChanged {})?);
+            cordon.stream = Some(stream.clone());
+            decided.events.push(cordon);
+        }
+        decided.guards.push((stream, ExpectedVersion::Exact(node.version)));
+    }
+    call.state.log.append(call.decided(tenant, decided)).await?;
+    Ok(machine_doc(call, tenant, &doc.node_id).await?.into())
+}
+
+async fn image_of(call: &Call<'_>, tenant: TenantId, image_id: &str) -> Result<ImageDoc> {
+    let id: ImageId = parse_id("imageId", image_id)?;
+    call.row(tenant, KIND_IMAGE, &id.to_string(), "image").await
+}
+
+async fn metal_deploy(call: &Call<'_>, input: MetalDeploy) -> Result<MetalDeployView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let doc = machine_doc(call, tenant, &input.node_id).await?;
+    let image = image_of(call, tenant, &input.image_id).await?;
+    let (answer, replayed) = deploy(call, tenant, &doc, &image, input.if_version).await?;
+    Ok(MetalDeployView { machine: machine_doc(call, tenant, &doc.node_id).await?.into(), join_token: answer, replayed })
+}
+
+/// A deploy (or its retry): the transition and a join token bound to the node, in one append;
+/// the token's hash is stored once the append committed (a crash in between leaves a token
+/// no one can use, and the deploy times out with that reason).
+async fn deploy(call: &Call<'_>, tenant: TenantId, doc: &MetalDoc, image: &ImageDoc, if_version: Option<u64>) -> Result<(Option<String>, bool)> {
+    let wf = workflow_id(call);
+    let token_id = JoinTokenId::from_ulid(call.ulid());
+    let token_text = token_id.to_string();
+    let (token, secret_sha256) = bc_core::agent::join_token_new(token_id);
+    let input = VerbInput {
+        now_ms: call.now_ms(),
+        workflow_id: &wf,
+        image: Some((&image.image_id, &image.url)),
+        join_token_id: Some(&token_text),
+        if_version,
+        ..Default::default()
+    };
+    let decided = decide::metal_verb(doc, Verb::Deploy, &input)?;
+    let result = call.state.log.append(call.decided(tenant, decided)).await?;
+    if result.replayed {
+        return Ok((None, true));
+    }
+    call.state.store.secret_put(tenant, &token_text, &secret_sha256, call.now_ms()).await?;
+    Ok((Some(token), false))
+}
+
+async fn metal_rescue(call: &Call<'_>, input: MetalRescue) -> Result<MetalView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let doc = machine_doc(call, tenant, &input.node_id).await?;
+    let image = image_of(call, tenant, &input.image_id).await?;
+    let wf = workflow_id(call);
+    let verb_input = VerbInput {
+        now_ms: call.now_ms(),
+        workflow_id: &wf,
+        image: Some((&image.image_id, &image.url)),
+        if_version: input.if_version,
+        ..Default::default()
+    };
+    verb(call, tenant, &doc, Verb::Rescue, verb_input).await
+}
+
+async fn metal_power(call: &Call<'_>, input: MetalPower) -> Result<MetalView> {
+    if !matches!(input.power.as_str(), "on" | "off" | "reboot") {
+        return Err(Error::invalid(format!("power must be on, off or reboot, not {:?}", bc_core::id::truncate(&input.power, 16))));
+    }
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let doc = machine_doc(call, tenant, &input.node_id).await?;
+    let wf = workflow_id(call);
+    let verb_input = VerbInput {
+        now_ms: call.now_ms(),
+        workflow_id: &wf,
+        power: Some(&input.power),
+        if_version: input.if_version,
+        ..Default::default()
+    };
+    verb(call, tenant, &doc, Verb::Power, verb_input).await
+}
+
+async fn workflow_doc(call: &Call<'_>, tenant: TenantId, workflow_id: &str) -> Result<Workflow> {
+    let id: WorkflowId = parse_id("workflowId", workflow_id)?;
+    call.row(tenant, KIND_WORKFLOW, &id.to_string(), "workflow").await
+}
+
+async fn workflows_list(call: &Call<'_>, input: WorkflowsList) -> Result<Page<WorkflowView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let node: NodeId = parse_id("nodeId", &input.node_id)?;
+    let node = node.to_string();
+    // The machine must exist: an unknown node is NOT_FOUND, not an empty list.
+    machine_doc(call, tenant, &node).await?;
+    list_rows(call, tenant, KIND_WORKFLOW, input.limit, input.cursor.as_deref(), |row| {
+        let workflow: Workflow = doc(row)?;
+        Ok((workflow.node_id == node).then(|| workflow.into()))
+    })
+    .await
+}
+
+async fn workflows_get(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into())
+}
+
+/// A workflow and its machine, the workflow required to be the machine's running one.
+async fn running(call: &Call<'_>, input: &WorkflowRef) -> Result<(TenantId, Workflow, MetalDoc)> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let workflow = workflow_doc(call, tenant, &input.workflow_id).await?;
+    let machine = machine_doc(call, tenant, &workflow.node_id).await?;
+    Ok((tenant, workflow, machine))
+}
+
+fn not_running(workflow: &Workflow) -> Error {
+    Error::InvalidState {
+        message: format!("workflow {} is {}, not running", workflow.workflow_id, workflow.outcome.as_str()),
+        allowed: if workflow.outcome == WorkflowOutcome::Failed { vec!["retry".into()] } else { vec![] },
+    }
+}
+
+async fn workflows_abort(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
+    let (tenant, workflow, machine) = running(call, &input).await?;
+    if machine.running().is_none_or(|w| w.workflow_id != workflow.workflow_id) {
+        return Err(not_running(&workflow));
+    }
+    let decided = decide::metal_verb(&machine, Verb::Abort, &VerbInput { now_ms: call.now_ms(), ..Default::default() })?;
+    call.state.log.append(call.decided(tenant, decided)).await?;
+    Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into())
+}
+
+async fn pause(call: &Call<'_>, input: WorkflowRef, paused: bool) -> Result<WorkflowView> {
+    let (tenant, workflow, machine) = running(call, &input).await?;
+    if machine.running().is_none_or(|w| w.workflow_id != workflow.workflow_id) {
+        return Err(not_running(&workflow));
+    }
+    if let Some(decided) = decide::metal_pause(&machine, &workflow.workflow_id, paused)? {
+        call.state.log.append(call.decided(tenant, decided)).await?;
+    }
+    Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into())
+}
+
+async fn workflows_pause(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
+    pause(call, input, true).await
+}
+
+async fn workflows_resume(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
+    pause(call, input, false).await
+}
+
+/// Retry: a running workflow's backing-off step runs now (as a resume does); a failed
+/// workflow's verb runs again from where the failure left the machine, with the same image.
+/// The answer is the workflow that now runs.
+async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
+    let (tenant, workflow, machine) = running(call, &input).await?;
+    if machine.running().is_some_and(|w| w.workflow_id == workflow.workflow_id) {
+        if let Some(decided) = decide::metal_pause(&machine, &workflow.workflow_id, false)? {
+            call.state.log.append(call.decided(tenant, decided)).await?;
+        } else {
+            // Not paused: clear the back-off by a resume all the same.
+            let event = NewEvent::new(
+                ev::METAL_WORKFLOW_RESUMED,
+                ev::to_cbor(&ev::MetalWorkflowRef { workflow_id: workflow.workflow_id.clone() })?,
+            );
+            let append = decide::Append {
+                stream: stream_of(KIND_METAL, &machine.node_id),
+                expected: ExpectedVersion::Exact(machine.version),
+                guards: vec![],
+                events: vec![event],
+            };
+            call.state.log.append(call.decided(tenant, append)).await?;
+        }
+        return Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into());
+    }
+    if workflow.outcome != WorkflowOutcome::Failed || machine.workflow.as_ref().is_none_or(|w| w.workflow_id != workflow.workflow_id) {
+        return Err(Error::InvalidState {
+            message: format!(
+                "workflow {} is {} and is not the machine's last: only the last failed workflow is retried",
+                workflow.workflow_id,
+                workflow.outcome.as_str()
+            ),
+            allowed: vec![],
+        });
+    }
+    let v = Verb::ALL
+        .iter()
+        .copied()
+        .find(|v| v.as_str() == workflow.verb && !v.is_internal())
+        .ok_or_else(|| Error::InvalidState { message: format!("workflow {} ran {}, which is not retried", workflow.workflow_id, workflow.verb), allowed: vec![] })?;
+    if v == Verb::Deploy {
+        // A deploy mints a join token that only its answer carries: it is retried as a deploy.
+        return Err(Error::InvalidState {
+            message: format!(
+                "workflow {} is a deploy: deploy again with metal.deploy (nodeId {}), which mints the new join token",
+                workflow.workflow_id, machine.node_id
+            ),
+            allowed: vec![],
+        });
+    }
+    let wf = workflow_id(call);
+    let image = workflow.image_id.as_deref().zip(workflow.image_url.as_deref());
+    let verb_input =
+        VerbInput { now_ms: call.now_ms(), workflow_id: &wf, image, power: workflow.power.as_deref(), ..Default::default() };
+    let decided = decide::metal_verb(&machine, v, &verb_input)?;
+    call.state.log.append(call.decided(tenant, decided)).await?;
+    // The machine's workflow now (a replayed retry names the one its first call started).
+    let machine = machine_doc(call, tenant, &machine.node_id).await?;
+    let now = machine.workflow.ok_or_else(|| Error::Internal("a retried workflow is not on its machine".into()))?;
+    Ok(now.into())
+}

@@ -1,0 +1,386 @@
+//! The `metal` reconciler: runs each machine's workflow against its BMC, one step at a time,
+//! and keeps the log's power state true to the machine.
+//!
+//! Level-triggered: every pass reads each tenant's machines and, for each, asks
+//! [`decide::metal_plan`] what is next: a step to run, a deadline passed (fail), or nothing.
+//! It runs the step on the BMC (the [`bc_bmc::Bmc`] a [`BmcConnector`] gives: Redfish in `dev`
+//! and `serve`, fakes in the simulator and the deadline tests) and appends what
+//! [`decide::metal_step`] makes of the result, at the machine's version it read: a reconciler
+//! killed anywhere resumes at the first step not recorded as done (each step is safe to run
+//! twice: power to a state it is in is skipped, media ejected twice is no error), and two
+//! reconcilers never both record one step.
+//!
+//! A machine with no workflow running is **synced** every `sync_interval_ms`: its BMC's power
+//! state is read, and one that differs from the log's is read again on the next passes;
+//! [`DRIFT_READS`] reads in a row that differ are recorded (`metal.power_drifted`), and the log
+//! follows the machine (it is not forced back: the operator may have had a reason).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bc_bmc::{Bmc, BmcConnector, BmcError, BmcTarget, BmcTls, BootSource, PowerState, ResetType};
+use bc_core::clock::Clock;
+use bc_core::id::WorkflowId;
+use bc_core::store::Log;
+use bc_core::{ErrorCode, Result};
+use bc_projections::decide::{self, MetalPlan, StepResult};
+use bc_projections::events::MetalInspection;
+use bc_projections::workflow::{KIND_METAL, MetalDoc, Step};
+use bc_projections::{JoinTokenDoc, KIND_JOIN_TOKEN};
+use futures::StreamExt;
+
+pub const NAME: &str = "metal";
+const ACTOR: &str = "reconciler:metal";
+/// How often a pass runs: also how often a wait (power, the agent) is polled.
+pub const TICK_MS_DEFAULT: u64 = 1_000;
+/// How often a machine with no workflow has its power state read.
+pub const SYNC_INTERVAL_MS_DEFAULT: u64 = 60_000;
+/// Reads in a row that differ from the log before a power drift is recorded.
+pub const DRIFT_READS: u32 = 3;
+/// Machines worked on at once (each BMC call may take up to `bc_bmc::REQUEST_TIMEOUT_S`).
+pub const CONCURRENCY: usize = 16;
+/// Machines read per tenant per query.
+const ROWS_PER_READ: u32 = 500;
+
+/// What one pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    pub steps: usize,
+    pub retried: usize,
+    pub failed: usize,
+    pub drifted: usize,
+    pub conflicts: usize,
+}
+
+impl Pass {
+    fn add(&mut self, other: Pass) {
+        self.steps += other.steps;
+        self.retried += other.retried;
+        self.failed += other.failed;
+        self.drifted += other.drifted;
+        self.conflicts += other.conflicts;
+    }
+
+    fn any(&self) -> bool {
+        self.steps + self.retried + self.failed + self.drifted + self.conflicts > 0
+    }
+}
+
+/// The reconciler's state between passes: when each machine was last synced, and the drift
+/// reads so far (lost on restart, which only makes the next sync come sooner).
+pub struct Metal {
+    pub log: Arc<Log>,
+    pub clock: Arc<dyn Clock>,
+    pub connector: Arc<dyn BmcConnector>,
+    pub sync_interval_ms: u64,
+    synced: Mutex<BTreeMap<String, u64>>,
+    drift: Mutex<BTreeMap<String, (String, u32)>>,
+}
+
+fn power_text(power: Option<PowerState>) -> Option<String> {
+    match power? {
+        PowerState::On => Some("on".into()),
+        PowerState::Off => Some("off".into()),
+        PowerState::PoweringOn | PowerState::PoweringOff => None,
+    }
+}
+
+fn failed(e: BmcError) -> StepResult {
+    StepResult::Failed { kind: e.kind().to_owned(), message: e.to_string() }
+}
+
+impl Metal {
+    pub fn new(log: Arc<Log>, clock: Arc<dyn Clock>, connector: Arc<dyn BmcConnector>) -> Self {
+        Metal {
+            log,
+            clock,
+            connector,
+            sync_interval_ms: SYNC_INTERVAL_MS_DEFAULT,
+            synced: Mutex::new(BTreeMap::new()),
+            drift: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The machine's BMC, its password opened from the secret store.
+    async fn bmc(&self, doc: &MetalDoc) -> std::result::Result<Arc<dyn Bmc>, StepResult> {
+        let tenant: bc_core::id::TenantId = doc.tenant_id.parse().map_err(|e: bc_core::Error| credentials(e.to_string()))?;
+        let password = match self.log.store.secret_get(tenant, &doc.bmc.secret_id).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return Err(credentials("no BMC password is stored for this machine; enroll it again".into())),
+            Err(e) => return Err(StepResult::Failed { kind: "storage".into(), message: e.public_message() }),
+        };
+        let tls = match doc.bmc.tls.as_str() {
+            "ca" => BmcTls::CaBundle { pem: doc.bmc.ca_pem.clone().unwrap_or_default() },
+            "pin" => BmcTls::Pin { pin: doc.bmc.pin.clone().unwrap_or_default() },
+            _ => BmcTls::Insecure,
+        };
+        let address = url::Url::parse(&doc.bmc.address).map_err(|e| credentials(format!("the BMC address does not parse: {e}")))?;
+        let target = BmcTarget {
+            address,
+            system_path: doc.bmc.system_path.clone(),
+            username: doc.bmc.username.clone(),
+            password,
+            tls,
+        };
+        self.connector.connect(&target).map_err(failed)
+    }
+
+    /// Runs `step` on the machine's BMC (or, for the agent's wait, reads the log).
+    async fn run_step(&self, doc: &MetalDoc, step: Step) -> StepResult {
+        if step == Step::WaitAgent {
+            return self.agent_joined(doc).await;
+        }
+        let bmc = match self.bmc(doc).await {
+            Ok(bmc) => bmc,
+            Err(result) => return result,
+        };
+        let workflow = doc.running();
+        let result: std::result::Result<StepResult, BmcError> = async {
+            let done = |power: Option<String>| StepResult::Done { power, inspection: None };
+            Ok(match step {
+                Step::CheckBmc => done(power_text(bmc.system().await?.power_state)),
+                Step::ReadInventory => {
+                    let system = bmc.system().await?;
+                    StepResult::Done {
+                        power: power_text(system.power_state),
+                        inspection: Some(MetalInspection {
+                            manufacturer: system.manufacturer,
+                            model: system.model,
+                            serial_number: system.serial_number,
+                            processor_count: system.processor_count,
+                            memory_gib: system.memory_gib,
+                        }),
+                    }
+                }
+                Step::PowerOff | Step::PowerOn => {
+                    let (want, reset) =
+                        if step == Step::PowerOff { (PowerState::Off, ResetType::ForceOff) } else { (PowerState::On, ResetType::On) };
+                    if bmc.system().await?.power_state == Some(want) {
+                        done(power_text(Some(want)))
+                    } else {
+                        bmc.reset(reset).await?;
+                        done(None)
+                    }
+                }
+                Step::WaitPowerOff | Step::WaitPowerOn => {
+                    let want = if step == Step::WaitPowerOff { PowerState::Off } else { PowerState::On };
+                    if bmc.system().await?.power_state == Some(want) { done(power_text(Some(want))) } else { StepResult::NotYet }
+                }
+                Step::Reboot => {
+                    bmc.reset(ResetType::ForceRestart).await?;
+                    done(None)
+                }
+                Step::EjectMedia => {
+                    bmc.eject_media().await?;
+                    done(None)
+                }
+                Step::InsertMedia => {
+                    let url = workflow.and_then(|w| w.image_url.clone()).unwrap_or_default();
+                    bmc.insert_media(&url).await?;
+                    done(None)
+                }
+                Step::BootOnceCd => {
+                    bmc.set_boot_once(BootSource::Cd).await?;
+                    done(None)
+                }
+                Step::WaitAgent => unreachable!("handled above"),
+            })
+        }
+        .await;
+        result.unwrap_or_else(failed)
+    }
+
+    /// Whether the deploy's join token was spent: the installed system's agent joined as the
+    /// node (the join spends it in the same append as `node.joined`).
+    async fn agent_joined(&self, doc: &MetalDoc) -> StepResult {
+        let Some(token) = doc.running().and_then(|w| w.join_token_id.clone()) else {
+            return StepResult::Failed { kind: "protocol".into(), message: "the deploy has no join token".into() };
+        };
+        match self.log.store.row_get(&doc.tenant_id, KIND_JOIN_TOKEN, &token).await {
+            Ok(Some(row)) => match serde_json::from_value::<JoinTokenDoc>(row.doc) {
+                Ok(t) if t.uses > 0 => StepResult::Done { power: Some("on".into()), inspection: None },
+                Ok(_) => StepResult::NotYet,
+                Err(e) => StepResult::Failed { kind: "storage".into(), message: format!("join token row: {e}") },
+            },
+            Ok(None) => StepResult::NotYet,
+            Err(e) => StepResult::Failed { kind: "storage".into(), message: e.public_message() },
+        }
+    }
+
+    /// Appends a decision; a conflict (another reconciler, a caller) is counted, and decided
+    /// again next pass.
+    async fn append(&self, doc: &MetalDoc, append: decide::Append, done: Pass) -> Pass {
+        let tenant: bc_core::id::TenantId = match doc.tenant_id.parse() {
+            Ok(t) => t,
+            Err(_) => return done,
+        };
+        match self.log.append(append.into_request(tenant, ACTOR)).await {
+            Ok(_) => done,
+            Err(e) if e.code() == ErrorCode::Conflict => Pass { conflicts: 1, ..Pass::default() },
+            Err(e) => {
+                tracing::warn!(reconciler = NAME, node = %doc.node_id, code = %e.code(), error = %e, "append failed");
+                Pass::default()
+            }
+        }
+    }
+
+    /// One machine's turn in a pass.
+    async fn machine(&self, doc: MetalDoc) -> Pass {
+        let now_ms = self.clock.now_ms();
+        match decide::metal_plan(&doc, now_ms) {
+            MetalPlan::Fail(reason) => {
+                tracing::warn!(reconciler = NAME, node = %doc.node_id, state = %doc.state, reason = %reason, "workflow failed");
+                match decide::metal_fail(&doc, &reason) {
+                    Ok(append) => self.append(&doc, append, Pass { failed: 1, ..Pass::default() }).await,
+                    Err(e) => {
+                        tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot fail the workflow");
+                        Pass::default()
+                    }
+                }
+            }
+            MetalPlan::Run(step) => {
+                let result = self.run_step(&doc, step).await;
+                let now_ms = self.clock.now_ms();
+                let next = WorkflowId::from_ulid(self.log.ids.ulid()).to_string();
+                let counted = match &result {
+                    StepResult::Failed { kind, message } => {
+                        tracing::info!(reconciler = NAME, node = %doc.node_id, step = step.as_str(), kind = %kind, error = %bc_core::id::truncate(message, 300), "step failed");
+                        Pass { retried: 1, ..Pass::default() }
+                    }
+                    StepResult::NotYet => Pass::default(),
+                    StepResult::Done { .. } => Pass { steps: 1, ..Pass::default() },
+                };
+                match decide::metal_step(&doc, step, result, now_ms, &next) {
+                    Ok(Some(append)) => {
+                        let failing = append.event_types().contains(&bc_projections::events::METAL_WORKFLOW_FINISHED)
+                            && matches!(counted, Pass { retried: 1, .. });
+                        let counted = if failing { Pass { failed: 1, ..Pass::default() } } else { counted };
+                        self.append(&doc, append, counted).await
+                    }
+                    Ok(None) => Pass::default(),
+                    Err(e) => {
+                        tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot record the step");
+                        Pass::default()
+                    }
+                }
+            }
+            MetalPlan::Idle => {
+                if doc.running().is_none() && doc.power.is_some() && doc.flags.maintenance.is_none() {
+                    self.sync(&doc, now_ms).await
+                } else {
+                    Pass::default()
+                }
+            }
+        }
+    }
+
+    /// The power sync of a machine with no workflow.
+    async fn sync(&self, doc: &MetalDoc, now_ms: u64) -> Pass {
+        let suspect = self.drift.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&doc.node_id);
+        let last = self.synced.lock().unwrap_or_else(|p| p.into_inner()).get(&doc.node_id).copied();
+        if !suspect && last.is_some_and(|at| now_ms < at.saturating_add(self.sync_interval_ms)) {
+            return Pass::default();
+        }
+        self.synced.lock().unwrap_or_else(|p| p.into_inner()).insert(doc.node_id.clone(), now_ms);
+        let Ok(bmc) = self.bmc(doc).await else { return Pass::default() };
+        let observed = match bmc.system().await {
+            Ok(system) => power_text(system.power_state),
+            Err(e) => {
+                tracing::debug!(reconciler = NAME, node = %doc.node_id, error = %e, "power sync read failed");
+                return Pass::default();
+            }
+        };
+        let Some(observed) = observed else { return Pass::default() };
+        if doc.power.as_deref() == Some(observed.as_str()) {
+            self.drift.lock().unwrap_or_else(|p| p.into_inner()).remove(&doc.node_id);
+            return Pass::default();
+        }
+        let reads = {
+            let mut drift = self.drift.lock().unwrap_or_else(|p| p.into_inner());
+            let entry = drift.entry(doc.node_id.clone()).or_insert((observed.clone(), 0));
+            if entry.0 != observed {
+                *entry = (observed.clone(), 0);
+            }
+            entry.1 += 1;
+            entry.1
+        };
+        if reads < DRIFT_READS {
+            return Pass::default();
+        }
+        self.drift.lock().unwrap_or_else(|p| p.into_inner()).remove(&doc.node_id);
+        tracing::warn!(reconciler = NAME, node = %doc.node_id, expected = ?doc.power, observed = %observed, "power drifted");
+        match decide::metal_drift(doc, &observed) {
+            Ok(Some(append)) => self.append(doc, append, Pass { drifted: 1, ..Pass::default() }).await,
+            _ => Pass::default(),
+        }
+    }
+
+    /// Every machine of a tenant.
+    async fn machines(&self, tenant: &str) -> Result<Vec<MetalDoc>> {
+        let mut out = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let rows = self.log.store.row_list(tenant, KIND_METAL, after.as_deref(), ROWS_PER_READ).await?;
+            let full = rows.len() == ROWS_PER_READ as usize;
+            after = rows.last().map(|r| r.key.id.clone());
+            for row in rows {
+                out.push(serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("machine row: {e}")))?);
+            }
+            if !full {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// One pass over every tenant's machines, [`CONCURRENCY`] at a time.
+    pub async fn pass(&self) -> Result<Pass> {
+        let mut done = Pass::default();
+        for tenant in self.log.store.tenants().await? {
+            let machines = self.machines(&tenant.to_string()).await?;
+            let mut turns = futures::stream::iter(machines.into_iter().map(|doc| self.machine(doc))).buffer_unordered(CONCURRENCY);
+            while let Some(p) = turns.next().await {
+                done.add(p);
+            }
+        }
+        Ok(done)
+    }
+}
+
+fn credentials(message: String) -> StepResult {
+    StepResult::Failed { kind: "credentials".into(), message }
+}
+
+/// Runs passes every `tick_ms` until `shutdown`.
+pub async fn run(metal: Arc<Metal>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
+    let status = crate::status::PassRecorder::new(metal.log.store.clone(), metal.clock.clone(), NAME);
+    while !*shutdown.borrow() {
+        let started_at_ms = metal.clock.now_ms();
+        let result = metal.pass().await;
+        match &result {
+            Ok(p) => {
+                let counts = [
+                    ("steps", p.steps as u64),
+                    ("retried", p.retried as u64),
+                    ("failed", p.failed as u64),
+                    ("drifted", p.drifted as u64),
+                    ("conflicts", p.conflicts as u64),
+                ];
+                status.pass(started_at_ms, Ok(&counts)).await;
+                if p.any() {
+                    tracing::info!(reconciler = NAME, steps = p.steps, retried = p.retried, failed = p.failed, drifted = p.drifted, conflicts = p.conflicts, "pass");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
+                status.pass(started_at_ms, Err(e)).await;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(tick_ms)) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    tracing::info!(reconciler = NAME, "reconciler stopped");
+}
