@@ -1,0 +1,346 @@
+//! The `metal` reconciler on a virtual clock against fake BMCs: the whole lifecycle, each
+//! misbehaving BMC ending in a named state with a reason within its bound, power drift, and a
+//! reconciler restarted at every step of a deploy recording each transition once.
+
+use std::sync::Arc;
+
+use bc_bmc::PowerState;
+use bc_bmc::fake::{FakeBmc, FakeConnector, Misbehaviour};
+use bc_core::clock::ManualClock;
+use bc_core::id::{JoinTokenId, NodeId, PoolId, TenantId, WorkflowId};
+use bc_core::keys::LogKey;
+use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_projections::decide::{self, VerbInput};
+use bc_projections::events as ev;
+use bc_projections::metal::{MetalState, POWER_DEADLINE_S, Verb, WAIT_DEADLINE_S};
+use bc_projections::workflow::{KIND_METAL, MetalDoc, STEP_ATTEMPTS_MAX, UNAUTHORIZED_ATTEMPTS_MAX, WorkflowOutcome};
+use bc_projections::{KIND_JOIN_TOKEN, Projections, stream_of};
+use bc_reconcilers::metal::{DRIFT_READS, Metal};
+
+const ADDRESS: &str = "https://bmc-1.example:8443";
+
+struct World {
+    _dir: tempfile::TempDir,
+    store: Arc<dyn EventStore>,
+    log: Arc<Log>,
+    clock: Arc<ManualClock>,
+    fake: FakeConnector,
+    tenant: TenantId,
+    node: String,
+}
+
+async fn world() -> World {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap());
+    store.migrate().await.unwrap();
+    let clock = Arc::new(ManualClock::new(1_800_000_000_000));
+    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
+    let tenant = TenantId::generate();
+    let node = NodeId::generate().to_string();
+    let enrolled = ev::MetalEnrolled {
+        pool_id: PoolId::generate().to_string(),
+        name: "m1".into(),
+        bmc: ev::MetalBmc {
+            address: ADDRESS.into(),
+            system_path: None,
+            username: "admin".into(),
+            tls: "insecure".into(),
+            ca_pem: None,
+            pin: None,
+            secret_id: format!("bmc_{node}"),
+        },
+    };
+    store.secret_put(tenant, &format!("bmc_{node}"), "hunter2", 0).await.unwrap();
+    let event = NewEvent::new(ev::METAL_ENROLLED, ev::to_cbor(&enrolled).unwrap());
+    log.append(AppendRequest::new(tenant, stream_of(KIND_METAL, &node), ExpectedVersion::NoStream, "test", vec![event]))
+        .await
+        .unwrap();
+    World { _dir: dir, store, log, clock, fake: FakeConnector::default(), tenant, node }
+}
+
+impl World {
+    fn reconciler(&self) -> Metal {
+        let mut metal = Metal::new(self.log.clone(), self.clock.clone(), Arc::new(self.fake.clone()));
+        metal.sync_interval_ms = 10_000;
+        metal
+    }
+
+    fn bmc(&self) -> FakeBmc {
+        self.fake.machine(ADDRESS)
+    }
+
+    async fn doc(&self) -> MetalDoc {
+        let row = self.store.row_get(&self.tenant.to_string(), KIND_METAL, &self.node).await.unwrap().unwrap();
+        serde_json::from_value(row.doc).unwrap()
+    }
+
+    async fn verb(&self, verb: Verb, image: Option<(&str, &str)>, token: Option<&str>, power: Option<&str>) -> MetalDoc {
+        let doc = self.doc().await;
+        let wf = WorkflowId::generate().to_string();
+        let input = VerbInput { now_ms: self.clock.now(), workflow_id: &wf, image, join_token_id: token, power, if_version: None };
+        let append = decide::metal_verb(&doc, verb, &input).unwrap_or_else(|e| panic!("{verb} in {}: {e}", doc.state));
+        self.log.append(append.into_request(self.tenant, "test")).await.unwrap();
+        self.doc().await
+    }
+
+    /// Passes a second of virtual time apart until no workflow runs (or `passes` ran).
+    async fn settle(&self, metal: &Metal, passes: usize) -> MetalDoc {
+        for _ in 0..passes {
+            metal.pass().await.unwrap();
+            if self.doc().await.running().is_none() {
+                break;
+            }
+            self.clock.advance_ms(1_000);
+        }
+        self.doc().await
+    }
+
+    /// The installed system's agent joins: the deploy's token is spent.
+    async fn agent_joins(&self, token: &str) {
+        let used = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: self.node.clone() }).unwrap());
+        let stream = stream_of(KIND_JOIN_TOKEN, &token);
+        let row = self.store.row_get(&self.tenant.to_string(), KIND_JOIN_TOKEN, token).await.unwrap().unwrap();
+        let version = row.doc["version"].as_u64().unwrap();
+        self.log.append(AppendRequest::new(self.tenant, stream, ExpectedVersion::Exact(version), "test", vec![used])).await.unwrap();
+    }
+
+    async fn events(&self) -> Vec<bc_core::event::StoredEvent> {
+        let rows = self.store.read_stream_rows(self.tenant, &stream_of(KIND_METAL, &self.node), 0, 10_000).await.unwrap();
+        bc_core::store::decode_rows(rows).unwrap()
+    }
+
+    /// The machine's transitions, as `verb:from>to`, in log order.
+    async fn transitions(&self) -> Vec<String> {
+        self.events()
+            .await
+            .iter()
+            .filter(|e| e.envelope.event_type == ev::METAL_TRANSITIONED)
+            .map(|e| {
+                let p = bc_core::canonical::to_json(&e.envelope.payload);
+                format!("{}:{}>{}", p["verb"].as_str().unwrap(), p["from"].as_str().unwrap(), p["to"].as_str().unwrap())
+            })
+            .collect()
+    }
+}
+
+trait Now {
+    fn now(&self) -> u64;
+}
+
+impl Now for ManualClock {
+    fn now(&self) -> u64 {
+        bc_core::clock::Clock::now_ms(self)
+    }
+}
+
+/// Enroll → manage → inspect → provide → deploy → (the agent joins) → active → undeploy →
+/// available, every step against the fake BMC, every transition once.
+#[tokio::test]
+async fn the_lifecycle_runs_end_to_end_on_a_fake_bmc() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.bmc().with(|s| s.power = Some(PowerState::On));
+
+    w.verb(Verb::Manage, None, None, None).await;
+    let doc = w.settle(&metal, 10).await;
+    assert_eq!((doc.state, doc.power.as_deref()), (MetalState::Manageable, Some("on")), "{doc:#?}");
+
+    w.verb(Verb::Inspect, None, None, None).await;
+    let doc = w.settle(&metal, 10).await;
+    assert_eq!(doc.state, MetalState::Manageable);
+    assert_eq!(doc.inspection.as_ref().and_then(|i| i.memory_gib), Some(16), "{doc:#?}");
+
+    w.verb(Verb::Provide, None, None, None).await;
+    let doc = w.settle(&metal, 20).await;
+    assert_eq!((doc.state, doc.power.as_deref()), (MetalState::Available, Some("off")), "{doc:#?}");
+
+    let token = JoinTokenId::generate().to_string();
+    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
+    for _ in 0..20 {
+        metal.pass().await.unwrap();
+        w.clock.advance_ms(1_000);
+    }
+    let doc = w.doc().await;
+    assert_eq!(doc.state, MetalState::DeployWait, "{doc:#?}");
+    let bmc = w.bmc().with(|s| s.clone());
+    assert_eq!(bmc.media_image.as_deref(), Some("http://images.example/os.iso"));
+    assert_eq!(bmc.boot_overrides, vec![bc_bmc::BootSource::Cd], "the boot override is set once");
+    assert_eq!(bmc.power, Some(PowerState::On));
+
+    w.agent_joins(&token).await;
+    let doc = w.settle(&metal, 5).await;
+    assert_eq!((doc.state, doc.image_id.as_deref(), doc.last_error.as_deref()), (MetalState::Active, Some("img_x"), None));
+
+    w.verb(Verb::Undeploy, None, None, None).await;
+    let doc = w.settle(&metal, 30).await;
+    assert_eq!((doc.state, doc.power.as_deref()), (MetalState::Available, Some("off")), "{doc:#?}");
+    assert_eq!(w.bmc().with(|s| s.media_image.clone()), None);
+
+    assert_eq!(
+        w.transitions().await,
+        [
+            "manage:enroll>verifying",
+            "done:verifying>manageable",
+            "inspect:manageable>inspecting",
+            "done:inspecting>manageable",
+            "provide:manageable>cleaning",
+            "done:cleaning>available",
+            "deploy:available>deploying",
+            "wait:deploying>deploy-wait",
+            "done:deploy-wait>active",
+            "undeploy:active>deleting",
+            "done:deleting>cleaning",
+            "done:cleaning>available",
+        ]
+    );
+}
+
+/// A BMC that answers 401: bounded retries, then maintenance with the reason; never a loop.
+#[tokio::test]
+async fn a_bmc_that_refuses_the_credentials_puts_the_machine_in_maintenance() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.bmc().with(|s| s.misbehaviour = Misbehaviour::Unauthorized);
+    w.verb(Verb::Manage, None, None, None).await;
+    let doc = w.settle(&metal, 200).await;
+    assert_eq!(doc.state, MetalState::Enroll, "{doc:#?}");
+    let reason = doc.flags.maintenance.clone().expect("in maintenance");
+    assert!(reason.contains("refused the credentials"), "{reason}");
+    assert_eq!(doc.last_error.as_deref(), Some(reason.as_str()));
+    assert_eq!(w.bmc().with(|s| s.calls.len()), UNAUTHORIZED_ATTEMPTS_MAX as usize, "exactly the bounded attempts");
+    // In maintenance, only recover, abort and power are taken.
+    let refused = decide::metal_verb(&doc, Verb::Manage, &VerbInput { now_ms: 0, workflow_id: "wf_x", ..Default::default() });
+    assert_eq!(refused.unwrap_err().code(), bc_core::ErrorCode::InvalidState);
+}
+
+/// A BMC that takes the reset and never applies it: the power wait's own deadline.
+#[tokio::test]
+async fn a_bmc_that_never_applies_power_fails_the_clean_at_the_power_deadline() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.bmc().with(|s| s.power = Some(PowerState::On));
+    w.verb(Verb::Manage, None, None, None).await;
+    w.settle(&metal, 10).await;
+    w.bmc().with(|s| s.misbehaviour = Misbehaviour::PowerNeverApplies);
+    let started = w.clock.now();
+    w.verb(Verb::Provide, None, None, None).await;
+    let doc = w.settle(&metal, 200).await;
+    assert_eq!(doc.state, MetalState::CleanFailed, "{doc:#?}");
+    let error = doc.last_error.clone().unwrap();
+    assert!(error.contains("did not apply power off within 60 s"), "{error}");
+    let took = w.clock.now() - started;
+    assert!(took <= (POWER_DEADLINE_S + 5) * 1000, "failed {took} ms after the provide");
+}
+
+/// A BMC that never answers: the step's bounded attempts, then the failed state with the reason.
+#[tokio::test]
+async fn a_bmc_that_times_out_fails_the_workflow_after_bounded_attempts() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.bmc().with(|s| s.misbehaviour = Misbehaviour::Hangs);
+    w.verb(Verb::Manage, None, None, None).await;
+    let doc = w.settle(&metal, 500).await;
+    assert_eq!(doc.state, MetalState::Enroll, "{doc:#?}");
+    let error = doc.last_error.clone().unwrap();
+    assert!(error.contains(&format!("failed {STEP_ATTEMPTS_MAX} times")) && error.contains("did not answer"), "{error}");
+    assert!(doc.flags.maintenance.is_none());
+    assert_eq!(doc.workflow.as_ref().unwrap().outcome, WorkflowOutcome::Failed);
+}
+
+/// A deploy whose installed system never joins: deploy-wait's deadline, with the reason.
+#[tokio::test]
+async fn a_deploy_whose_agent_never_joins_fails_at_the_wait_deadline() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.verb(Verb::Manage, None, None, None).await;
+    w.settle(&metal, 10).await;
+    w.verb(Verb::Provide, None, None, None).await;
+    w.settle(&metal, 20).await;
+    let token = JoinTokenId::generate().to_string();
+    let deployed_at = w.clock.now();
+    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
+    for _ in 0..20 {
+        metal.pass().await.unwrap();
+        w.clock.advance_ms(1_000);
+    }
+    assert_eq!(w.doc().await.state, MetalState::DeployWait);
+    w.clock.set_ms(deployed_at + WAIT_DEADLINE_S * 1000);
+    metal.pass().await.unwrap();
+    let doc = w.doc().await;
+    assert_eq!(doc.state, MetalState::DeployFailed, "{doc:#?}");
+    let error = doc.last_error.unwrap();
+    assert!(error.contains("deploy-wait did not finish within its deadline of 1800 s (at step wait-agent)"), "{error}");
+}
+
+/// The BMC says on, the log says off: found within one sync interval, read again, recorded.
+#[tokio::test]
+async fn power_drift_is_found_read_again_and_recorded() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.verb(Verb::Manage, None, None, None).await;
+    let doc = w.settle(&metal, 10).await;
+    assert_eq!(doc.power.as_deref(), Some("off"));
+    w.bmc().with(|s| s.power = Some(PowerState::On));
+    for pass in 0..DRIFT_READS as usize + 1 {
+        metal.pass().await.unwrap();
+        let power = w.doc().await.power;
+        if pass + 1 < DRIFT_READS as usize {
+            assert_eq!(power.as_deref(), Some("off"), "recorded after {DRIFT_READS} reads, not at read {}", pass + 1);
+        }
+        w.clock.advance_ms(1_000);
+    }
+    let doc = w.doc().await;
+    assert_eq!(doc.power.as_deref(), Some("on"));
+    let events = w.events().await;
+    assert_eq!(events.iter().filter(|e| e.envelope.event_type == ev::METAL_POWER_DRIFTED).count(), 1);
+}
+
+/// A reconciler replaced by a new one (its process killed) before every step of a deploy, one
+/// of them after the step ran on the BMC but before it was recorded: the deploy ends active and
+/// the log shows each transition once.
+#[tokio::test]
+async fn a_reconciler_restarted_at_every_step_resumes_and_records_each_transition_once() {
+    let w = world().await;
+    w.verb(Verb::Manage, None, None, None).await;
+    w.settle(&w.reconciler(), 10).await;
+    w.verb(Verb::Provide, None, None, None).await;
+    w.settle(&w.reconciler(), 20).await;
+    let token = JoinTokenId::generate().to_string();
+    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
+    let mut joined = false;
+    for round in 0..60 {
+        let doc = w.doc().await;
+        if doc.state == MetalState::Active {
+            break;
+        }
+        if doc.state == MetalState::DeployWait && !joined {
+            w.agent_joins(&token).await;
+            joined = true;
+        }
+        if round == 3 {
+            // Killed after the BMC did the step but before the append: run the step's effect by
+            // hand, as the dead reconciler did, then let a new one run it again.
+            w.bmc().with(|s| s.media_image = Some("http://images.example/os.iso".into()));
+        }
+        w.reconciler().pass().await.unwrap();
+        w.clock.advance_ms(1_000);
+    }
+    let doc = w.doc().await;
+    assert_eq!(doc.state, MetalState::Active, "{doc:#?}");
+    assert_eq!(
+        w.transitions().await[4..],
+        ["deploy:available>deploying", "wait:deploying>deploy-wait", "done:deploy-wait>active"],
+        "each transition once"
+    );
+    let events = w.events().await;
+    let deploy = doc.workflow.unwrap();
+    let done: Vec<u64> = events
+        .iter()
+        .filter(|e| e.envelope.event_type == ev::METAL_STEP_DONE)
+        .map(|e| bc_core::canonical::to_json(&e.envelope.payload))
+        .filter(|p| p["workflowId"] == deploy.workflow_id)
+        .map(|p| p["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(done, (0..deploy.steps.len() as u64).collect::<Vec<_>>(), "each step recorded once, in order");
+}
