@@ -837,3 +837,109 @@ fn requests_bump_the_generation_and_a_deleted_instance_takes_none() {
         "a delete again resends it"
     );
 }
+
+/// Every state a workflow runs in fails at its deadline on a virtual clock, into a state where
+/// the machine rests, with the reason as its `lastError`; a moment before, it does not.
+#[test]
+fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
+    use bc_core::event::{Envelope, StoredEvent};
+    use bc_projections::decide::{MetalPlan, metal_fail, metal_plan};
+    use bc_projections::metal::{MetalFlags, STATES};
+    use bc_projections::workflow::{MetalDoc, Workflow, WorkflowOutcome};
+
+    let started = 1_000_000u64;
+    for &state in STATES.iter().filter(|s| !s.is_stable()) {
+        let deadline_s = state.deadline_s().unwrap();
+        let workflow = Workflow {
+            tenant_id: "ten_x".into(),
+            workflow_id: "wf_x".into(),
+            node_id: "node_x".into(),
+            verb: "test".into(),
+            steps: vec!["wait-agent".into()],
+            step_index: 0,
+            step_started_at_ms: started,
+            attempts: 0,
+            unauthorized: 0,
+            retry_at_ms: 0,
+            last_error: None,
+            started_at_ms: started,
+            deadline_at_ms: started + deadline_s * 1000,
+            paused: true,
+            outcome: WorkflowOutcome::Running,
+            reason: None,
+            finished_at_ms: None,
+            image_id: None,
+            image_url: None,
+            join_token_id: None,
+            power: None,
+            version: 1,
+            updated_at_ms: started,
+        };
+        let doc = MetalDoc {
+            tenant_id: "ten_x".into(),
+            node_id: "node_x".into(),
+            pool_id: "pool_x".into(),
+            name: "m".into(),
+            state,
+            flags: MetalFlags::default(),
+            last_error: None,
+            bmc: bc_projections::events::MetalBmc {
+                address: "https://bmc".into(),
+                system_path: None,
+                username: "u".into(),
+                tls: "insecure".into(),
+                ca_pem: None,
+                pin: None,
+                secret_id: "bmc_node_x".into(),
+            },
+            power: None,
+            inspection: None,
+            image_id: None,
+            state_entered_at_ms: started,
+            workflow: Some(workflow),
+            version: 1,
+            created_at_ms: started,
+            updated_at_ms: started,
+        };
+        assert_eq!(metal_plan(&doc, started + deadline_s * 1000 - 1), MetalPlan::Idle, "{state}: paused, before its deadline");
+        let MetalPlan::Fail(reason) = metal_plan(&doc, started + deadline_s * 1000) else {
+            panic!("{state}: no failure at its deadline");
+        };
+        assert!(reason.contains(&format!("{state} did not finish within its deadline of {deadline_s} s")), "{reason}");
+        let append = metal_fail(&doc, &reason).unwrap();
+        let moved = append.events.iter().find(|e| e.event_type == bc_projections::events::METAL_TRANSITIONED).unwrap();
+        let to = bc_core::canonical::to_json(&moved.payload)["to"].as_str().unwrap().to_owned();
+        let to_state = STATES.iter().copied().find(|s| s.as_str() == to).unwrap();
+        assert!(to_state.is_stable(), "{state} fails into {to}, which is not a resting state");
+        // Folded, the reason is the machine's lastError.
+        let mut current = Some(serde_json::to_value(&doc).unwrap());
+        for (i, event) in append.events.iter().enumerate() {
+            let stored = StoredEvent {
+                envelope: Envelope {
+                    tenant: TENANT.parse().unwrap(),
+                    seq: 2 + i as u64,
+                    id: bc_core::id::EventId::generate(),
+                    stream: "metal/node_x".into(),
+                    version: 2 + i as u64,
+                    event_type: event.event_type.clone(),
+                    at_ms: started + deadline_s * 1000,
+                    actor: "test".into(),
+                    idempotency_key: None,
+                    causation: None,
+                    correlation: None,
+                    payload: event.payload.clone(),
+                    prev: [0; 32],
+                },
+                canonical: vec![],
+                hash: [0; 32],
+                sig: vec![],
+                key_id: String::new(),
+                position: Default::default(),
+            };
+            let key = bc_core::store::RowKey { tenant: "ten_x".into(), kind: "metal".into(), id: "node_x".into() };
+            current = bc_core::store::Projector::apply(&bc_projections::Projections, &key, current, &stored).unwrap();
+        }
+        let folded: MetalDoc = serde_json::from_value(current.unwrap()).unwrap();
+        assert_eq!((folded.state, folded.last_error.as_deref()), (to_state, Some(reason.as_str())), "{state}");
+    }
+}
