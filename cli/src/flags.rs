@@ -907,6 +907,8 @@ pub enum FlavorsCommand {
 pub enum DiskFormatArg {
     Qcow2,
     Raw,
+    /// A bootable ISO, for `metal deploy` and `metal rescue`.
+    Iso,
 }
 
 #[derive(Subcommand)]

@@ -650,6 +650,9 @@ pub struct FlavorDeleted {}
 pub enum DiskFormat {
     Qcow2,
     Raw,
+    /// A bootable ISO 9660 image: what a bare-metal deploy or rescue boots through a BMC's
+    /// virtual CD; never an instance's disk.
+    Iso,
 }
 
 /// A disk image, by where it is fetched from and the SHA-256 its bytes must have.

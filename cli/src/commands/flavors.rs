@@ -77,6 +77,7 @@ pub async fn images(ctx: &Context, command: ImagesCommand) -> Result<(), CliErro
             let format = match disk_format {
                 DiskFormatArg::Qcow2 => "qcow2",
                 DiskFormatArg::Raw => "raw",
+                DiskFormatArg::Iso => "iso",
             };
             body.insert("diskFormat".into(), json!(format));
             if let Some(size) = size_bytes {

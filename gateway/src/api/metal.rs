@@ -494,9 +494,17 @@ async fn metal_undeploy(call: &Call<'_>, input: MachineVerb) -> Result<MetalView
     Ok(machine_doc(call, tenant, &doc.node_id).await?.into())
 }
 
+/// A registered image a BMC's virtual CD can boot: an ISO.
 async fn image_of(call: &Call<'_>, tenant: TenantId, image_id: &str) -> Result<ImageDoc> {
     let id: ImageId = parse_id("imageId", image_id)?;
-    call.row(tenant, KIND_IMAGE, &id.to_string(), "image").await
+    let image: ImageDoc = call.row(tenant, KIND_IMAGE, &id.to_string(), "image").await?;
+    if image.disk_format != ev::DiskFormat::Iso {
+        return Err(Error::InvalidArgument {
+            message: format!("image {id} is not an ISO: a machine boots its deploy or rescue image through the BMC's virtual CD"),
+            hint: Some("register the image with --disk-format iso".into()),
+        });
+    }
+    Ok(image)
 }
 
 async fn metal_deploy(call: &Call<'_>, input: MetalDeploy) -> Result<MetalDeployView> {

@@ -81,6 +81,12 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
             input.flavor.flavor_id, input.flavor.gpus, rsv.reservation_id, rsv.gpus
         )));
     }
+    if input.image.disk_format == crate::events::DiskFormat::Iso {
+        return Err(Refusal::InstanceMismatch(format!(
+            "image {} is an ISO (for bare-metal deploys): an instance boots a qcow2 or raw disk",
+            input.image.image_id
+        )));
+    }
     let capabilities = input.node.agent.as_ref().and_then(|a| a.inventory.as_ref()).map(|i| i.capabilities.as_slice());
     if !capabilities.unwrap_or_default().iter().any(|c| c == CAPABILITY_INSTANCE_APPLY) {
         return Err(Refusal::NodeCannotRunInstances { node_id: input.node.node_id.clone(), version: input.node.version });

@@ -61,6 +61,8 @@ pub enum DiskFormatView {
     Qcow2,
     /// A raw disk image.
     Raw,
+    /// A bootable ISO 9660 image, for bare-metal deploys and rescues (virtual media).
+    Iso,
 }
 
 impl From<DiskFormat> for DiskFormatView {
@@ -68,6 +70,7 @@ impl From<DiskFormat> for DiskFormatView {
         match f {
             DiskFormat::Qcow2 => Self::Qcow2,
             DiskFormat::Raw => Self::Raw,
+            DiskFormat::Iso => Self::Iso,
         }
     }
 }
@@ -77,6 +80,7 @@ impl From<DiskFormatView> for DiskFormat {
         match f {
             DiskFormatView::Qcow2 => Self::Qcow2,
             DiskFormatView::Raw => Self::Raw,
+            DiskFormatView::Iso => Self::Iso,
         }
     }
 }
