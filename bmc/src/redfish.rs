@@ -397,18 +397,35 @@ fn origin_of(address: &url::Url) -> BmcResult<url::Url> {
 }
 
 /// An error and its sources, one line: reqwest's own text hides the TLS or IO cause.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = String::new();
+    let mut next = Some(e);
+    while let Some(cause) = next {
+        let cause_text = describe(cause);
         if !text.contains(&cause_text) {
-            text.push_str(": ");
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
             text.push_str(&cause_text);
         }
-        source = cause.source();
+        next = cause.source();
     }
     text
+}
+
+/// One error's text; a verifier's own error (the pin's) by its Display, where rustls shows it
+/// by its Debug form. rustls's error arrives inside `io::Error`s, whose `source` skips it.
+fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut inner = e;
+    while let Some(wrapped) = inner.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
+        inner = wrapped;
+    }
+    match inner.downcast_ref::<rustls::Error>() {
+        Some(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other))) => {
+            format!("invalid peer certificate: {}", other.0)
+        }
+        _ => e.to_string(),
+    }
 }
 
 // --- Certificate checks ---------------------------------------------------------------------
@@ -476,6 +493,14 @@ impl PinVerifier {
     }
 }
 
+/// The leaf's key is not the pinned one; says which key it is, so an operator who trusts it
+/// can pin it.
+#[derive(Debug, thiserror::Error)]
+#[error("the BMC's certificate key is {presented}, not the pinned key")]
+struct PinMismatch {
+    presented: String,
+}
+
 impl ServerCertVerifier for PinVerifier {
     fn verify_server_cert(
         &self,
@@ -485,10 +510,12 @@ impl ServerCertVerifier for PinVerifier {
         _ocsp: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        if spki_pin(end_entity)? == self.pin {
+        let presented = spki_pin(end_entity)?;
+        if presented == self.pin {
             Ok(ServerCertVerified::assertion())
         } else {
-            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
+            let mismatch = PinMismatch { presented };
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(Arc::new(mismatch)))))
         }
     }
 
@@ -966,7 +993,14 @@ mod tests {
 
         let other = certificate(&rcgen::KeyPair::generate().unwrap());
         let refused = verifier.verify_server_cert(&other, &[], &name, &[], now).unwrap_err();
-        assert_eq!(refused, rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure));
+        assert!(matches!(refused, rustls::Error::InvalidCertificate(rustls::CertificateError::Other(_))), "{refused:?}");
+        let other_pin = spki_pin(&other).unwrap();
+        let wrapped = std::io::Error::other(refused);
+        let text = chain(&wrapped);
+        assert!(
+            text.ends_with(&format!("invalid peer certificate: the BMC's certificate key is {other_pin}, not the pinned key")),
+            "{text}"
+        );
         // The pinned certificate sent as an intermediate behind another leaf is not the leaf.
         assert!(verifier.verify_server_cert(&other, std::slice::from_ref(&leaf), &name, &[], now).is_err());
         let garbage = CertificateDer::from(vec![0x30, 0x03, 0x02, 0x01, 0x00]);
