@@ -201,29 +201,31 @@ impl RedfishBmc {
         Ok(None)
     }
 
-    /// The virtual CD drive's path, or a protocol error saying the BMC has none.
-    async fn media_path_required(&self) -> BmcResult<String> {
-        let path = match self.media_path.get() {
-            Some(path) => path.clone(),
+    /// The virtual CD drive's path, reading the system first if it was not found yet.
+    async fn media_path_found(&self) -> BmcResult<Option<String>> {
+        match self.media_path.get() {
+            Some(path) => Ok(path.clone()),
             None => {
                 let (system, _) = self.system_resource().await?;
-                self.media_path(&system).await?
+                self.media_path(&system).await
             }
-        };
-        path.ok_or_else(|| {
+        }
+    }
+
+    /// The virtual CD drive's path, or a protocol error saying the BMC has none.
+    async fn media_path_required(&self) -> BmcResult<String> {
+        self.media_path_found().await?.ok_or_else(|| {
             BmcError::Protocol("the BMC has no virtual CD or DVD drive (no VirtualMedia member with MediaTypes CD or DVD)".into())
         })
     }
 
-    /// Ejects what the drive at `media_path` holds, if anything. `true`: something was ejected.
-    async fn eject_at(&self, media_path: &str) -> BmcResult<bool> {
-        let (media, _) = self.get_json(media_path).await?;
-        if !is_inserted(&media) {
-            return Ok(false);
+    /// Ejects what the drive (its resource `media`, as just read) holds, if anything.
+    async fn eject(&self, media: &Value) -> BmcResult<()> {
+        if is_inserted(media) {
+            let target = action_target(media, "#VirtualMedia.EjectMedia")?;
+            self.send(Method::POST, &target, Some(&json!({})), None).await?;
         }
-        let target = action_target(&media, "#VirtualMedia.EjectMedia")?;
-        self.send(Method::POST, &target, Some(&json!({})), None).await?;
-        Ok(true)
+        Ok(())
     }
 
     async fn get_json(&self, path: &str) -> BmcResult<(Value, Option<String>)> {
@@ -345,9 +347,9 @@ impl Bmc for RedfishBmc {
 
     async fn insert_media(&self, image_url: &str) -> BmcResult<()> {
         let media_path = self.media_path_required().await?;
-        self.eject_at(&media_path).await?;
         let (media, _) = self.get_json(&media_path).await?;
         let target = action_target(&media, "#VirtualMedia.InsertMedia")?;
+        self.eject(&media).await?;
         let body = json!({ "Image": image_url, "Inserted": true, "WriteProtected": true });
         self.send(Method::POST, &target, Some(&body), None).await?;
         Ok(())
@@ -355,15 +357,8 @@ impl Bmc for RedfishBmc {
 
     async fn eject_media(&self) -> BmcResult<()> {
         // No drive at all holds no media either: nothing to eject is what was asked.
-        let path = match self.media_path.get() {
-            Some(path) => path.clone(),
-            None => {
-                let (system, _) = self.system_resource().await?;
-                self.media_path(&system).await?
-            }
-        };
-        match path {
-            Some(path) => self.eject_at(&path).await.map(drop),
+        match self.media_path_found().await? {
+            Some(path) => self.eject(&self.get_json(&path).await?.0).await,
             None => Ok(()),
         }
     }
