@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres schemathesis witness tiles-venv system-deps sim
+.PHONY: dev test bench lint fmt build check-postgres schemathesis witness tiles-venv sushy-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -26,7 +26,7 @@ system-deps:
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
 ## property, and end-to-end tests that start the real binaries; first the OpenAPI document is
 ## tested from outside by schemathesis against a running `dev` (installed by the script itself).
-test: check-postgres build witness tiles-venv
+test: check-postgres build witness tiles-venv sushy-venv
 	scripts/schemathesis
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast $(TEST_FEATURES); \
@@ -53,6 +53,18 @@ $(TILES_VENV)/installed-requirements.txt: $(TILES_REQUIREMENTS)
 	python3 -m venv $(TILES_VENV)
 	$(TILES_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(TILES_REQUIREMENTS)
 	cp $(TILES_REQUIREMENTS) $@
+
+## The BMC the Redfish test drives the real client against: OpenStack's sushy-tools emulator (PyPI,
+## pinned in tests/scripts/sushy-requirements.txt, its fake system driver) in a virtual environment
+## of its own, target/sushy-venv/, made once and again only when that file changes.
+SUSHY_VENV := target/sushy-venv
+SUSHY_REQUIREMENTS := tests/scripts/sushy-requirements.txt
+sushy-venv: $(SUSHY_VENV)/installed-requirements.txt
+$(SUSHY_VENV)/installed-requirements.txt: $(SUSHY_REQUIREMENTS)
+	rm -rf $(SUSHY_VENV)
+	python3 -m venv $(SUSHY_VENV)
+	$(SUSHY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(SUSHY_REQUIREMENTS)
+	cp $(SUSHY_REQUIREMENTS) $@
 
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:

@@ -112,7 +112,9 @@ pub enum BmcError {
     /// The BMC answered with an error status.
     #[error("the BMC refused the request (HTTP {status}): {message}")]
     Refused { status: u16, message: String },
-    /// The BMC answered something that is not Redfish as this client reads it.
+    /// The BMC answered something that is not Redfish as this client reads it (or lacks what
+    /// the call needs: no system, no virtual CD drive, no action target); or the target itself
+    /// cannot be used as given (not `https://`, a CA bundle or pin that does not parse).
     #[error("the BMC's answer is not understood: {0}")]
     Protocol(String),
 }
