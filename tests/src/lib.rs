@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 pub mod receiver;
+pub mod sushy;
 
 /// A command's standard output as JSON; panics with the text when it is not.
 pub fn json(out: &str) -> Value {

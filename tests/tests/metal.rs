@@ -126,3 +126,304 @@ async fn enroll_is_checked_at_the_edge_verbs_name_what_is_allowed_and_the_passwo
     assert!(!server.log_text().contains(PASSWORD), "the server log holds the password");
     assert!(!contains(&database_bytes(&server), PASSWORD), "the database holds the password in clear text");
 }
+
+/// What a sushy-driven test needs: the emulator, the control plane, a pool, the BMC's password
+/// and CA in files, and an ISO the emulator can fetch, registered.
+struct Rack {
+    notifications: bc_tests::sushy::Notifications,
+    emulator: bc_tests::sushy::Emulator,
+    server: Server,
+    agents_port: u16,
+    pool: String,
+    dir: tempfile::TempDir,
+    image: String,
+    _images: bc_tests::ImageServer,
+}
+
+async fn rack(server_args: &[&str]) -> Rack {
+    use sha2::Digest;
+    let pki = bc_tests::sushy::pki();
+    let (notifications, notify_url) = bc_tests::sushy::Notifications::start();
+    let emulator = bc_tests::sushy::Emulator::start(&pki, &notify_url);
+    let agents_port = bc_tests::free_port();
+    let listen = format!("127.0.0.1:{agents_port}");
+    let mut args = vec!["--agents-listen", listen.as_str(), "--node-lease", "2s", "--node-heartbeat", "300ms"];
+    args.extend_from_slice(server_args);
+    let server = Server::dev_with(&args);
+    let pool = server.pool("metal").await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("bmc-password"), format!("{}\n", bc_tests::sushy::PASSWORD)).unwrap();
+    std::fs::write(dir.path().join("bmc-ca.pem"), &pki.ca_pem).unwrap();
+    let iso = b"an installer ISO, as far as the emulator can tell".to_vec();
+    let sha256 = hex::encode(sha2::Sha256::digest(&iso));
+    let images = bc_tests::ImageServer::start("installer.iso", iso);
+    let (status, image) = server
+        .call("images.register", serde_json::json!({ "name": "installer", "url": images.url, "sha256": sha256, "diskFormat": "iso" }))
+        .await;
+    assert_eq!(status, 200, "{image}");
+    let image = image["imageId"].as_str().unwrap().to_owned();
+    Rack { notifications, emulator, server, agents_port, pool, dir, image, _images: images }
+}
+
+impl Rack {
+    fn cli(&self, args: &[&str]) -> Value {
+        let (code, out, err) = self.server.cli(args);
+        assert_eq!(code, 0, "{args:?}: {out}{err}");
+        json(&out)
+    }
+
+    fn enroll(&self, system: &str) -> String {
+        let address = format!("https://localhost:{}", self.emulator.port);
+        let system_path = format!("/redfish/v1/Systems/{system}");
+        let path = |name: &str| self.dir.path().join(name).display().to_string();
+        let machine = self.cli(&[
+            "metal",
+            "enroll",
+            "--pool",
+            &self.pool,
+            "--name",
+            "rack1-u07",
+            "--bmc-address",
+            &address,
+            "--bmc-system-path",
+            &system_path,
+            "--bmc-username",
+            bc_tests::sushy::USERNAME,
+            "--bmc-password-file",
+            &path("bmc-password"),
+            "--bmc-ca-file",
+            &path("bmc-ca.pem"),
+        ]);
+        assert_eq!((machine["bmc"]["tls"].as_str(), machine["bmc"]["insecure"].as_bool()), (Some("ca"), Some(false)));
+        machine["nodeId"].as_str().unwrap().to_owned()
+    }
+
+    fn machine(&self, node: &str) -> Value {
+        self.cli(&["metal", "get", node])
+    }
+
+    fn wait_state(&self, node: &str, state: &str, within: Duration) -> Value {
+        wait_until(&format!("{node} is {state}"), within, || {
+            let machine = self.machine(node);
+            assert!(
+                machine["workflow"]["outcome"] != "failed" || machine["state"] == state,
+                "the workflow failed: {machine}"
+            );
+            (machine["state"] == state && machine["workflow"]["outcome"] != "running").then_some(machine)
+        })
+    }
+
+    /// The boot devices the emulator saved for `system`, in order, with repeats folded.
+    fn boot_devices(&self, system: &str) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for state in self.notifications.of(system) {
+            let device = state["boot_device"].as_str().unwrap_or_default().to_owned();
+            if out.last() != Some(&device) {
+                out.push(device);
+            }
+        }
+        out
+    }
+
+    /// The installed system: a machine with GPUs whose `bcd join --node-id` uses the deploy's
+    /// token file.
+    fn installed_system(&self, node: &str, token_file: &std::path::Path) -> bc_tests::Machine {
+        let machine = bc_tests::Machine::new(&self.server, self.agents_port);
+        let seed = (1..100u64)
+            .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| !g.is_empty()))
+            .unwrap();
+        let config = std::fs::read_to_string(machine.config()).unwrap();
+        std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\n")).unwrap();
+        let token = token_file.display().to_string();
+        let (code, out, err) = machine.bcd(&["join", "--node-id", node, "--token-file", &token, "--config", &machine.config()], &[], None);
+        assert_eq!(code, 0, "bcd join --node-id: {out}{err}");
+        assert!(out.contains(&format!("joined as {node}")), "{out}");
+        machine
+    }
+
+    /// The machine's transitions in the log (`verb:from>to`), and its steps recorded done
+    /// (`workflow/index`), in log order.
+    fn history(&self, node: &str) -> (Vec<String>, Vec<String>) {
+        let (code, out, err) = self.server.cli(&["events", "list", "--types", "metal.*", "--limit", "500", "--format", "json"]);
+        assert_eq!(code, 0, "{err}");
+        let page = json(&out);
+        assert!(page["nextCursor"].is_null(), "more than a page of machine events");
+        let mut transitions = Vec::new();
+        let mut steps = Vec::new();
+        let stream = format!("metal/{node}");
+        for event in page["items"].as_array().unwrap().iter().filter(|e| e["stream"] == stream.as_str()) {
+            let p = &event["payload"];
+            match event["type"].as_str().unwrap() {
+                "metal.transitioned" => {
+                    transitions.push(format!("{}:{}>{}", p["verb"].as_str().unwrap(), p["from"].as_str().unwrap(), p["to"].as_str().unwrap()))
+                }
+                "metal.step_done" => steps.push(format!("{}/{}", p["workflowId"].as_str().unwrap(), p["index"])),
+                _ => {}
+            }
+        }
+        (transitions, steps)
+    }
+}
+
+/// End to end against sushy-tools: enroll → manage → provide → deploy → active (this test plays
+/// the installed system's agent, which joins as the machine's node and takes a reservation) →
+/// undeploy → available; power on, off and reboot seen by the emulator; the boot override set
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_is_deployed_through_a_redfish_bmc_joins_as_its_node_and_is_undeployed() {
+    use bc_tests::sushy::{SYSTEM_A, SYSTEM_B, power_history};
+    let rack = rack(&[]).await;
+    let node = rack.enroll(SYSTEM_A);
+    rack.cli(&["metal", "manage", &node, "--wait", "120"]);
+    let machine = rack.wait_state(&node, "manageable", Duration::from_secs(120));
+    assert_eq!(machine["power"], "off", "{machine}");
+    rack.cli(&["metal", "inspect", &node, "--wait", "120"]);
+    let machine = rack.wait_state(&node, "manageable", Duration::from_secs(120));
+    assert_eq!(machine["inspection"]["manufacturer"], "Sushy Emulator", "{machine}");
+
+    // Power, as the emulator saw it: on, a reboot (off with a restart pending, then on), off.
+    for power in ["on", "reboot", "off"] {
+        rack.cli(&["metal", "power", &node, power, "--wait", "120"]);
+        let machine = rack.wait_state(&node, "manageable", Duration::from_secs(120));
+        assert_eq!(machine["workflow"]["outcome"], "succeeded", "{power}: {machine}");
+    }
+    let history = power_history(&rack.notifications, SYSTEM_A);
+    assert!(history.ends_with(&["On".to_owned(), "Off".to_owned(), "On".to_owned(), "Off".to_owned()]), "{history:?}");
+
+    rack.cli(&["metal", "provide", &node, "--wait", "180"]);
+    rack.wait_state(&node, "available", Duration::from_secs(180));
+
+    // Deploy: the token goes to a new 0600 file, never to the terminal.
+    let token_file = rack.dir.path().join("node.token");
+    let (code, out, err) =
+        rack.server.cli(&["metal", "deploy", &node, "--image", &rack.image, "--token-out", &token_file.display().to_string()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(!out.contains("bcjt_") && !err.contains("bcjt_"), "the join token was printed");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777, 0o600);
+    let boots_before = rack.boot_devices(SYSTEM_A).iter().filter(|d| *d == "Cd").count();
+    let machine = wait_until("deploy-wait", Duration::from_secs(120), || {
+        let machine = rack.machine(&node);
+        assert_ne!(machine["state"], "deploy-failed", "{machine}");
+        (machine["state"] == "deploy-wait").then_some(machine)
+    });
+    let state = rack.notifications.of(SYSTEM_A).last().cloned().unwrap();
+    assert_eq!(state["power_state"], "On", "booted: {state}");
+    assert!(state["boot_image"]["Cd"][0].as_str().is_some_and(|f| f.ends_with("installer.iso")), "the ISO is in the virtual CD: {state}");
+    let boots = rack.boot_devices(SYSTEM_A).iter().filter(|d| *d == "Cd").count() - boots_before;
+    assert_eq!(boots, 1, "the boot override is set once: {:?}", rack.boot_devices(SYSTEM_A));
+    assert!(rack.notifications.of(SYSTEM_B).is_empty(), "the other system was left alone");
+    assert_eq!(machine["workflow"]["steps"].as_array().unwrap().iter().filter(|s| s["state"] == "done").count(), 7, "{machine}");
+
+    // The installed system joins as the machine's node with the deploy's token, and runs.
+    let mut installed = rack.installed_system(&node, &token_file);
+    assert!(!token_file.exists(), "the spent token file is removed");
+    installed.start();
+    let machine = rack.wait_state(&node, "active", Duration::from_secs(60));
+    assert_eq!(machine["imageId"], rack.image.as_str());
+    wait_until("the node is ready", Duration::from_secs(30), || {
+        let (_, out, _) = rack.server.cli(&["nodes", "get", &node]);
+        (json(&out)["state"] == "ready").then_some(())
+    });
+    let rsv = rack.cli(&["reserve", "--pool", &rack.pool, "--gpus", "1", "--for", "1h", "--wait", "30"]);
+    assert_eq!((rsv["state"].as_str(), rsv["nodeId"].as_str()), (Some("active"), Some(node.as_str())), "{rsv}");
+
+    // Undeploy is refused while the node holds the reservation; released, it goes through.
+    let (code, _, err) = rack.server.cli(&["metal", "undeploy", &node]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains("drain"), "{err}");
+    rack.cli(&["release", rsv["reservationId"].as_str().unwrap()]);
+    wait_until("the node is free", Duration::from_secs(30), || {
+        let (_, out, _) = rack.server.cli(&["nodes", "get", &node]);
+        json(&out)["allocations"].as_object().is_none_or(|a| a.is_empty()).then_some(())
+    });
+    rack.cli(&["metal", "undeploy", &node, "--wait", "180"]);
+    let machine = rack.wait_state(&node, "available", Duration::from_secs(180));
+    assert_eq!(machine["power"], "off", "{machine}");
+    let state = rack.notifications.of(SYSTEM_A).last().cloned().unwrap();
+    assert!(state["boot_image"]["Cd"][0].as_str().is_none_or(str::is_empty), "the CD is ejected: {state}");
+    let (_, out, _) = rack.server.cli(&["nodes", "get", &node]);
+    assert_eq!(json(&out)["state"], "cordoned", "an undeployed node takes no reservation: {out}");
+    drop(installed);
+
+    let (transitions, _) = rack.history(&node);
+    assert_eq!(
+        transitions,
+        [
+            "manage:enroll>verifying",
+            "done:verifying>manageable",
+            "inspect:manageable>inspecting",
+            "done:inspecting>manageable",
+            "power:manageable>manageable",
+            "power:manageable>manageable",
+            "power:manageable>manageable",
+            "provide:manageable>cleaning",
+            "done:cleaning>available",
+            "deploy:available>deploying",
+            "wait:deploying>deploy-wait",
+            "done:deploy-wait>active",
+            "undeploy:active>deleting",
+            "done:deleting>cleaning",
+            "done:cleaning>available",
+        ]
+    );
+}
+
+/// The `metal` reconciler, its own process, killed with SIGKILL again and again through a deploy
+/// against sushy and started again each time: the deploy ends active, and the log shows each
+/// transition and each step once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metal_reconciler_killed_through_a_deploy_resumes_and_records_each_transition_once() {
+    use bc_tests::sushy::SYSTEM_B;
+    let rack = rack(&["--no-reconcilers"]).await;
+    let data_dir = rack.server.data_dir.display().to_string();
+    let logs = tempfile::tempdir().unwrap();
+    let node = rack.enroll(SYSTEM_B);
+    let mut reconciler = bc_tests::Reconciler::start(&["--only", "metal", "--data-dir", &data_dir], logs.path());
+    rack.cli(&["metal", "manage", &node]);
+    rack.wait_state(&node, "manageable", Duration::from_secs(120));
+    rack.cli(&["metal", "provide", &node]);
+    rack.wait_state(&node, "available", Duration::from_secs(180));
+
+    let token_file = rack.dir.path().join("node.token");
+    rack.cli(&["metal", "deploy", &node, "--image", &rack.image, "--token-out", &token_file.display().to_string()]);
+    // Killed every 0.4 to 2.5 s (a seeded schedule), in whatever state and step it is.
+    let seed: u64 = std::env::var("BC_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261201);
+    eprintln!("kill schedule seed {seed} (BC_TEST_SEED reproduces it)");
+    let mut rng = seed;
+    let mut states_killed_in = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let mut joined = None;
+    loop {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        std::thread::sleep(Duration::from_millis(400 + (rng >> 33) % 2100));
+        let machine = rack.machine(&node);
+        let step = machine["workflow"]["steps"].as_array().and_then(|s| s.iter().find(|s| s["state"] == "running")).map(|s| s["name"].clone());
+        states_killed_in.insert(format!("{}/{}", machine["state"].as_str().unwrap(), step.unwrap_or_default()));
+        reconciler.kill9();
+        assert_ne!(machine["state"], "deploy-failed", "{machine}");
+        if machine["state"] == "deploy-wait" && joined.is_none() {
+            let mut installed = rack.installed_system(&node, &token_file);
+            installed.start();
+            joined = Some(installed);
+        }
+        if machine["state"] == "active" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the deploy did not end: {machine}");
+        reconciler.restart();
+    }
+    eprintln!("killed in: {states_killed_in:?}");
+    assert!(states_killed_in.len() >= 3, "killed in too few states to mean much: {states_killed_in:?}");
+    let (transitions, steps) = rack.history(&node);
+    assert_eq!(
+        transitions[4..],
+        ["deploy:available>deploying", "wait:deploying>deploy-wait", "done:deploy-wait>active"],
+        "each transition once: {transitions:?}"
+    );
+    let unique: std::collections::BTreeSet<&String> = steps.iter().collect();
+    assert_eq!(unique.len(), steps.len(), "a step recorded twice: {steps:?}");
+    let deploy = rack.machine(&node)["workflow"].clone();
+    let deploy_steps = steps.iter().filter(|s| s.starts_with(deploy["workflowId"].as_str().unwrap())).count();
+    assert_eq!(deploy_steps, deploy["steps"].as_array().unwrap().len(), "{steps:?}");
+}
