@@ -60,7 +60,7 @@ async fn enroll_is_checked_at_the_edge_verbs_name_what_is_allowed_and_the_passwo
     for (given, tls, why) in [
         (format!("http://127.0.0.1:{port}"), vec!["--bmc-insecure"], "https://"),
         (address.clone(), vec![], "--bmc-ca-file, --bmc-pin or --bmc-insecure"),
-        (format!("{address}/redfish/v1"), vec!["--bmc-insecure"], "an origin"),
+        (format!("{address}/redfish/v1"), vec!["--bmc-insecure"], "nothing after the port"),
         (address.clone(), vec!["--bmc-pin", "sha256/short"], "sha256/"),
     ] {
         let (code, out, err) = enroll(&server, &pool, &given, &password_file, &tls);

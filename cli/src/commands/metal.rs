@@ -117,14 +117,14 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             }
             match (bmc_ca_file, bmc_pin, bmc_insecure) {
                 (Some(ca), None, false) => {
-                    body.insert("bmcCaPem".into(), json!(read_file("--bmc-ca-file", &ca, CA_FILE_BYTES_MAX)?));
+                    body.insert("bmcTls".into(), json!({ "mode": "ca", "caPem": read_file("--bmc-ca-file", &ca, CA_FILE_BYTES_MAX)? }));
                 }
                 (None, Some(pin), false) => {
-                    body.insert("bmcPin".into(), json!(pin));
+                    body.insert("bmcTls".into(), json!({ "mode": "pin", "pin": pin }));
                 }
                 (None, None, true) => {
                     eprintln!("warning: --bmc-insecure: the BMC's certificate is not checked; `metal get` says so");
-                    body.insert("bmcInsecure".into(), json!(true));
+                    body.insert("bmcTls".into(), json!({ "mode": "insecure" }));
                 }
                 _ => {
                     return Err(CliError::usage("say how the BMC's certificate is checked: --bmc-ca-file, --bmc-pin or --bmc-insecure"));

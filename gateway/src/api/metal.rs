@@ -33,9 +33,9 @@ const WRITE: Access = Access::Action("compute:metal:write");
 /// Longest BMC address, user name and password taken.
 pub const BMC_ADDRESS_CHARS_MAX: usize = 2048;
 pub const BMC_USERNAME_CHARS_MAX: usize = 256;
-pub const BMC_PASSWORD_BYTES_MAX: usize = 1024;
-/// Largest CA bundle taken at enrollment.
-pub const BMC_CA_PEM_BYTES_MAX: usize = 64 * 1024;
+pub const BMC_PASSWORD_CHARS_MAX: usize = 1024;
+/// Largest CA bundle taken at enrollment, in characters (PEM is ASCII).
+pub const BMC_CA_PEM_CHARS_MAX: usize = 64 * 1024;
 /// Longest ComputerSystem path.
 pub const BMC_SYSTEM_PATH_CHARS_MAX: usize = 512;
 /// Machines one tenant enrolls at most.
@@ -82,8 +82,58 @@ pub(super) const METHODS: &[Method] = &[
     ),
 ];
 
-string_schema!(/// An `https://` URL.
-HttpsUrlText, schemars::json_schema!({ "type": "string", "maxLength": BMC_ADDRESS_CHARS_MAX, "pattern": "^https://" }));
+/// A host name's label: letters, digits and single hyphens inside.
+const LABEL: &str = "[A-Za-z0-9]+(-[A-Za-z0-9]+)*";
+/// An IPv4 address's octet, without leading zeros.
+const OCTET: &str = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])";
+/// A port, 1 to 65535.
+const PORT: &str = "([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])";
+
+/// What `bmcAddress` takes: `https://` and a host name (its last label starting with a letter)
+/// or an IPv4 address, an optional port, nothing else.
+fn bmc_address_pattern() -> String {
+    format!("^https://(({LABEL}\\.)*[A-Za-z]([A-Za-z0-9]*(-[A-Za-z0-9]+)*)?|({OCTET}\\.){{3}}{OCTET})(:{PORT})?/?$")
+}
+
+/// What `bmcSystemPath` takes: `/redfish/v1/Systems/` and segments of letters, digits, `_`,
+/// `~`, `-` and single inner dots.
+const SYSTEM_PATH_PATTERN: &str = "^/redfish/v1/Systems(/[A-Za-z0-9_~-]+(\\.[A-Za-z0-9_~-]+)*)+$";
+
+string_schema!(/// A BMC's Redfish origin.
+HttpsUrlText, schemars::json_schema!({
+    "type": "string",
+    "maxLength": BMC_ADDRESS_CHARS_MAX,
+    "pattern": bmc_address_pattern(),
+    "description": "https://host[:port]: a host name or an IPv4 address (an IPv6 BMC is not taken yet)",
+}));
+string_schema!(/// A ComputerSystem's path.
+SystemPathText, schemars::json_schema!({
+    "type": "string",
+    "maxLength": BMC_SYSTEM_PATH_CHARS_MAX,
+    "pattern": SYSTEM_PATH_PATTERN,
+}));
+string_schema!(/// A BMC user name.
+BmcUsernameText, schemars::json_schema!({
+    "type": "string",
+    "minLength": 1,
+    "maxLength": BMC_USERNAME_CHARS_MAX,
+    "pattern": "^[^\\u0000-\\u0008\\u000B-\\u001F\\u007F-\\u009F]*$",
+}));
+string_schema!(/// A BMC password: sealed in the secret store, never shown.
+BmcPasswordText, schemars::json_schema!({ "type": "string", "minLength": 1, "maxLength": BMC_PASSWORD_CHARS_MAX, "writeOnly": true }));
+string_schema!(/// PEM CA certificates.
+CaPemText, schemars::json_schema!({
+    "type": "string",
+    "maxLength": BMC_CA_PEM_CHARS_MAX,
+    "pattern": "-----BEGIN CERTIFICATE-----",
+    "description": "PEM CA certificates; a bundle that does not parse fails the first workflow (manage) with the reason",
+}));
+string_schema!(/// A public key pin.
+PinText, schemars::json_schema!({
+    "type": "string",
+    "pattern": "^sha256/[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$",
+    "description": "sha256/ and the base64 of the SHA-256 of the certificate's DER SubjectPublicKeyInfo",
+}));
 string_schema!(/// `on`, `off` or `reboot`.
 PowerText, schemars::json_schema!({ "type": "string", "enum": ["on", "off", "reboot"] }));
 string_schema!(/// A lifecycle state.
@@ -106,20 +156,35 @@ pub struct MetalEnroll {
     bmc_address: String,
     /// The ComputerSystem's path (`/redfish/v1/Systems/…`); absent: the BMC's only system.
     #[serde(default)]
+    #[schemars(with = "Option<SystemPathText>")]
     bmc_system_path: Option<String>,
+    #[schemars(with = "BmcUsernameText")]
     bmc_username: String,
     /// Sealed in the secret store; never in an event, a log or an answer.
+    #[schemars(with = "BmcPasswordText")]
     bmc_password: String,
-    /// Check the BMC's certificate against these CA certificates (PEM).
-    #[serde(default)]
-    bmc_ca_pem: Option<String>,
-    /// Check the BMC's certificate by its public key: `sha256/` + base64 of the SHA-256 of its
+    /// How the BMC's certificate is checked.
+    bmc_tls: BmcTlsInput,
+}
+
+/// How the BMC's certificate is checked: against CA certificates, by its key's pin, or (only
+/// when asked in so many words) not at all, which `metal get` says.
+#[derive(Deserialize, JsonSchema)]
+#[serde(tag = "mode", rename_all = "camelCase", rename_all_fields = "camelCase", deny_unknown_fields)]
+pub enum BmcTlsInput {
+    /// The chain must lead to one of these CA certificates (PEM), for the address's host name.
+    Ca {
+        #[schemars(with = "CaPemText")]
+        ca_pem: String,
+    },
+    /// The leaf's public key must be this one: `sha256/` + base64 of the SHA-256 of its
     /// SubjectPublicKeyInfo.
-    #[serde(default)]
-    bmc_pin: Option<String>,
-    /// Do not check the BMC's certificate at all (`metal get` says so).
-    #[serde(default)]
-    bmc_insecure: bool,
+    Pin {
+        #[schemars(with = "PinText")]
+        pin: String,
+    },
+    /// Not checked: anyone on the path can read the BMC's password.
+    Insecure {},
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -256,9 +321,38 @@ fn check_pin(pin: &str) -> Result<()> {
     Ok(())
 }
 
-fn check_bmc(input: &MetalEnroll) -> Result<(String, &'static str)> {
+/// A ComputerSystem path as [`SYSTEM_PATH_PATTERN`] says.
+fn system_path_ok(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix("/redfish/v1/Systems/") else { return false };
+    path.chars().count() <= BMC_SYSTEM_PATH_CHARS_MAX
+        && rest.split('/').all(|segment| {
+            !segment.is_empty()
+                && !segment.starts_with('.')
+                && !segment.ends_with('.')
+                && !segment.contains("..")
+                && segment.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '~' | '-' | '.'))
+        })
+}
+
+/// A BMC as enrolled: its origin, and how its certificate is checked.
+struct CheckedBmc {
+    address: String,
+    tls: &'static str,
+    ca_pem: Option<String>,
+    pin: Option<String>,
+}
+
+fn check_bmc(input: &MetalEnroll) -> Result<CheckedBmc> {
     if input.bmc_address.chars().count() > BMC_ADDRESS_CHARS_MAX {
         return Err(Error::invalid(format!("bmcAddress is longer than {BMC_ADDRESS_CHARS_MAX} characters")));
+    }
+    static ADDRESS: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(&bmc_address_pattern()).expect("the address pattern"));
+    if !ADDRESS.is_match(&input.bmc_address) {
+        return Err(Error::InvalidArgument {
+            message: "bmcAddress must be https://host[:port]: a host name or an IPv4 address, and nothing after the port".into(),
+            hint: Some("https:// only: the BMC's password never crosses a network in clear text".into()),
+        });
     }
     let url = url::Url::parse(&input.bmc_address).map_err(|e| Error::invalid(format!("bmcAddress is not a URL: {e}")))?;
     if url.scheme() != "https" {
@@ -274,48 +368,37 @@ fn check_bmc(input: &MetalEnroll) -> Result<(String, &'static str)> {
         return Err(Error::invalid("bmcAddress must be an origin, https://host[:port], with no path, query or fragment"));
     }
     if let Some(path) = &input.bmc_system_path
-        && (!path.starts_with("/redfish/v1/Systems/")
-            || path.chars().count() > BMC_SYSTEM_PATH_CHARS_MAX
-            || path.contains("..")
-            || !path.chars().all(|c| c.is_ascii_graphic()))
+        && !system_path_ok(path)
     {
         return Err(Error::invalid(format!(
-            "bmcSystemPath must be a path under /redfish/v1/Systems/ of at most {BMC_SYSTEM_PATH_CHARS_MAX} printable characters"
+            "bmcSystemPath must be /redfish/v1/Systems/ and segments of letters, digits, _ ~ - and single inner dots, at most {BMC_SYSTEM_PATH_CHARS_MAX} characters"
         )));
     }
     validate_text("bmcUsername", &input.bmc_username, BMC_USERNAME_CHARS_MAX)?;
     if input.bmc_username.is_empty() {
         return Err(Error::invalid("bmcUsername must not be empty"));
     }
-    if input.bmc_password.is_empty() || input.bmc_password.len() > BMC_PASSWORD_BYTES_MAX {
-        return Err(Error::invalid(format!("bmcPassword must be 1 to {BMC_PASSWORD_BYTES_MAX} bytes")));
+    let chars = input.bmc_password.chars().count();
+    if chars == 0 || chars > BMC_PASSWORD_CHARS_MAX {
+        return Err(Error::invalid(format!("bmcPassword must be 1 to {BMC_PASSWORD_CHARS_MAX} characters")));
     }
-    let modes = [input.bmc_ca_pem.is_some(), input.bmc_pin.is_some(), input.bmc_insecure].iter().filter(|m| **m).count();
-    if modes != 1 {
-        return Err(Error::InvalidArgument {
-            message: "say exactly one way to check the BMC's certificate: bmcCaPem, bmcPin or bmcInsecure".into(),
-            hint: Some("a CA bundle or a pin; bmcInsecure checks nothing and says so in metal get".into()),
-        });
-    }
-    if let Some(pem) = &input.bmc_ca_pem {
-        if pem.len() > BMC_CA_PEM_BYTES_MAX {
-            return Err(Error::invalid(format!("bmcCaPem is larger than {BMC_CA_PEM_BYTES_MAX} bytes")));
+    let (tls, ca_pem, pin) = match &input.bmc_tls {
+        BmcTlsInput::Ca { ca_pem } => {
+            if ca_pem.chars().count() > BMC_CA_PEM_CHARS_MAX {
+                return Err(Error::invalid(format!("bmcTls.caPem is longer than {BMC_CA_PEM_CHARS_MAX} characters")));
+            }
+            if !ca_pem.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(Error::invalid("bmcTls.caPem holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+            }
+            ("ca", Some(ca_pem.clone()), None)
         }
-        if !pem.contains("-----BEGIN CERTIFICATE-----") {
-            return Err(Error::invalid("bmcCaPem holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+        BmcTlsInput::Pin { pin } => {
+            check_pin(pin)?;
+            ("pin", None, Some(pin.clone()))
         }
-    }
-    if let Some(pin) = &input.bmc_pin {
-        check_pin(pin)?;
-    }
-    let tls = if input.bmc_ca_pem.is_some() {
-        "ca"
-    } else if input.bmc_pin.is_some() {
-        "pin"
-    } else {
-        "insecure"
+        BmcTlsInput::Insecure {} => ("insecure", None, None),
     };
-    Ok((url.origin().ascii_serialization(), tls))
+    Ok(CheckedBmc { address: url.origin().ascii_serialization(), tls, ca_pem, pin })
 }
 
 /// How many machines the tenant has (enrollment is rare; this reads their keys page by page).
@@ -340,7 +423,7 @@ async fn machine_doc(call: &Call<'_>, tenant: TenantId, node_id: &str) -> Result
 async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_name("name", &input.name)?;
-    let (address, tls) = check_bmc(&input)?;
+    let checked = check_bmc(&input)?;
     let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     if pool.archived {
@@ -356,12 +439,12 @@ async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> 
         pool_id: pool_id.to_string(),
         name: input.name,
         bmc: MetalBmc {
-            address,
+            address: checked.address,
             system_path: input.bmc_system_path,
             username: input.bmc_username,
-            tls: tls.to_owned(),
-            ca_pem: input.bmc_ca_pem,
-            pin: input.bmc_pin,
+            tls: checked.tls.to_owned(),
+            ca_pem: checked.ca_pem,
+            pin: checked.pin,
             secret_id: secret_id.clone(),
         },
     };
@@ -698,4 +781,54 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
     let machine = machine_doc(call, tenant, &machine.node_id).await?;
     let now = machine.workflow.ok_or_else(|| Error::Internal("a retried workflow is not on its machine".into()))?;
     Ok(now.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The schema's patterns say what the checks do: an address the pattern takes is an origin
+    /// the URL parser takes, and a system path the pattern takes is one `system_path_ok` takes.
+    #[test]
+    fn the_patterns_agree_with_the_checks() {
+        let address = regex::Regex::new(&bmc_address_pattern()).unwrap();
+        for text in [
+            "https://bmc",
+            "https://bmc-1.rack.example:8443",
+            "https://10.0.0.7",
+            "https://10.0.0.7:443/",
+            "https://a1.b",
+            "https://x.0a",
+            "http://bmc",
+            "https://bmc:0",
+            "https://bmc:65536",
+            "https://1.2.3.4.5",
+            "https://256.1.1.1",
+            "https://xn--abc.example",
+            "https://a_b",
+            "https://bmc/redfish",
+            "https://user@bmc",
+            "https://[::1]",
+        ] {
+            let taken = address.is_match(text);
+            let parsed = url::Url::parse(text).ok().filter(|u| u.scheme() == "https" && u.path() == "/" && u.username().is_empty());
+            if taken {
+                assert!(parsed.is_some(), "{text}: the pattern takes what the parser refuses");
+            }
+        }
+        let path = regex::Regex::new(SYSTEM_PATH_PATTERN).unwrap();
+        for text in [
+            "/redfish/v1/Systems/1",
+            "/redfish/v1/Systems/System.Embedded.1",
+            "/redfish/v1/Systems/a/b",
+            "/redfish/v1/Systems/",
+            "/redfish/v1/Systems/../x",
+            "/redfish/v1/Systems/.a",
+            "/redfish/v1/Systems/a..b",
+            "/redfish/v1/Systems/a b",
+            "/redfish/v1/Managers/1",
+        ] {
+            assert_eq!(path.is_match(text), system_path_ok(text), "{text}");
+        }
+    }
 }
