@@ -438,12 +438,43 @@ fn score(node: &NodeDoc, ask: &Ask<'_>, honour_holds: bool) -> Option<u32> {
 
 /// The tightest fit among `nodes`: fewest matching GPUs left free, then the lowest node id.
 pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) -> Option<Placement> {
+    place_by(nodes, ask, Preference::TightestFit)
+}
+
+/// Which node a placement prefers among those that fit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Preference {
+    /// Fewest matching GPUs left free (what this control plane does): large requests keep
+    /// finding whole nodes.
+    #[default]
+    TightestFit,
+    /// Most matching GPUs left free: load spread over the nodes (a what-if of `sim replay`).
+    Spread,
+}
+
+impl Preference {
+    pub const ALL: &[Preference] = &[Preference::TightestFit, Preference::Spread];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Preference::TightestFit => "tightest-fit",
+            Preference::Spread => "spread",
+        }
+    }
+}
+
+/// The node `preference` picks among `nodes` (ties: the lowest node id).
+pub fn place_by<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>, preference: Preference) -> Option<Placement> {
     let mut best: Option<(u32, &NodeDoc)> = None;
     for node in nodes {
-        if let Some(left) = leftover(node, ask)
-            && best.is_none_or(|(l, b)| (left, &node.node_id) < (l, &b.node_id))
-        {
-            best = Some((left, node));
+        if let Some(left) = leftover(node, ask) {
+            let better = best.is_none_or(|(l, b)| match preference {
+                Preference::TightestFit => (left, &node.node_id) < (l, &b.node_id),
+                Preference::Spread => left > l || (left == l && node.node_id < b.node_id),
+            });
+            if better {
+                best = Some((left, node));
+            }
         }
     }
     best.and_then(|(_, node)| fit(node, ask))

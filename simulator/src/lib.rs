@@ -27,6 +27,7 @@
 pub mod export;
 pub mod format;
 pub mod replay;
+pub mod whatif;
 pub mod run;
 pub mod world;
 

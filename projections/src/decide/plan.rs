@@ -113,9 +113,45 @@ impl Action {
     }
 }
 
+/// How a pool's queue is served.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueueRule {
+    /// Oldest request first, and the first that does not fit stops its pool (what this control
+    /// plane does): a large request is never overtaken.
+    #[default]
+    Fifo,
+    /// Oldest request first, but one that does not fit lets the later ones that do go ahead (a
+    /// what-if of `sim replay`): fuller nodes, at the risk of starving large requests.
+    Backfill,
+}
+
+impl QueueRule {
+    pub const ALL: &[QueueRule] = &[QueueRule::Fifo, QueueRule::Backfill];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueRule::Fifo => "fifo",
+            QueueRule::Backfill => "backfill",
+        }
+    }
+}
+
+/// The rules a plan decides by: the control plane's are the defaults; `sim replay --what-if`
+/// runs the same plan under others.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    pub queue: QueueRule,
+    pub placement: placement::Preference,
+}
+
 /// What the reconciler does in one pass over one tenant's view at `now_ms`. Deterministic: the
 /// same view and time give the same actions in the same order.
 pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
+    plan_with(view, now_ms, Policy::default())
+}
+
+/// [`plan`] under `policy`.
+pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> {
     let mut actions = Vec::new();
     // The nodes the actions so far change, as they leave them (with the version their appends
     // give them); the others are as the view has them.
@@ -211,8 +247,13 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
                 || view.nodes.iter().filter(|(_, n)| n.pool_id == pool_id).map(|(id, n)| changed.get(id.as_str()).unwrap_or(n));
             // Not again on a node where its hold failed, unless no other fits.
             let avoided = nodes().filter(|n| !rsv.hold_failed_nodes.contains(&n.node_id));
-            let placed = if rsv.hold_failed_nodes.is_empty() { None } else { placement::place(avoided, &ask) };
-            let Some(placed) = placed.or_else(|| placement::place(nodes(), &ask)) else { break };
+            let placed = if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_by(avoided, &ask, policy.placement) };
+            let Some(placed) = placed.or_else(|| placement::place_by(nodes(), &ask, policy.placement)) else {
+                match policy.queue {
+                    QueueRule::Fifo => break,
+                    QueueRule::Backfill => continue,
+                }
+            };
             let Some((key, node)) = view.nodes.get_key_value(&placed.node_id) else { break };
             let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
             for gpu in &placed.gpus {
