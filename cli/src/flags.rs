@@ -625,6 +625,12 @@ pub enum SimCommand {
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
+        /// Also write a self-contained HTML page (inline SVG, nothing fetched): a timeline over
+        /// simulated time of GPU utilization, queue depth, nodes up, faults injected and
+        /// invariant checks, the first failure marked. Written over a file of that name; the
+        /// run and its digest are the same with or without it.
+        #[arg(long, value_name = "FILE.html")]
+        report: Option<PathBuf>,
         /// TEST ONLY: drops the node guard of placements decided on a stale view, to show that
         /// the checker finds the double booking. Never a way to run anything.
         #[arg(long, hide = true)]
@@ -646,6 +652,12 @@ pub enum SimCommand {
         /// new JSON file.
         #[arg(long, value_name = "FILE.json")]
         rows_out: Option<PathBuf>,
+        /// Also write a self-contained HTML page (inline SVG, nothing fetched): a timeline over
+        /// the whole file's time of the tenant's GPU utilization, queue depth, nodes up, fault
+        /// events and records verified, the --until point marked. Written over a file of that
+        /// name.
+        #[arg(long, value_name = "FILE.html")]
+        report: Option<PathBuf>,
     },
 }
 

@@ -2,7 +2,9 @@
 //! `bc_simulator`, which holds the format, the verification, the fold and the simulation.
 //!
 //! An export is written to a temporary file beside `--out`, fsynced, renamed into place and
-//! its directory fsynced, so `--out` is either absent or whole; it is never written over.
+//! its directory fsynced, so `--out` is either absent or whole; it is never written over. A
+//! report (`--report`) is written the same way, 0644, but over a file of its name: it is a
+//! picture of a run, made again at will, and never seen half written.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -96,6 +98,28 @@ pub async fn export(db: &Database, args: ExportArgs<'_>) -> Result<Value, CliErr
     }))
 }
 
+/// Writes a report over `path`, atomically: a temporary file beside it (0644), fsynced, renamed
+/// over it, the directory fsynced. A failure removes the temporary file and leaves `path` as
+/// it was.
+pub fn write_report(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
+    use std::os::unix::fs::PermissionsExt;
+    let temporary = temporary_path(path);
+    let written = (|| -> std::io::Result<()> {
+        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(&temporary)?;
+        // Exactly 0644, whatever the umask: a report is for reading.
+        file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, path)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(CliError::new("INTERNAL", format!("writing the report {}: {e}", path.display())));
+    }
+    bc_core::keys::sync_dir_of(path)?;
+    Ok(())
+}
+
 /// `.NAME.tmp-PID` beside `out`: on the same file system, so the rename is atomic.
 fn temporary_path(out: &Path) -> PathBuf {
     let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "export".into());
@@ -108,6 +132,7 @@ pub struct ReplayArgs<'a> {
     pub pin: &'a str,
     pub until: Option<u64>,
     pub rows_out: Option<&'a Path>,
+    pub report: Option<&'a Path>,
 }
 
 pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
@@ -126,7 +151,11 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
         std::fs::File::open(args.file).map_err(|e| CliError::usage(format!("cannot read {}: {e}", args.file.display())))?;
     let started = Instant::now();
     let mut reader = std::io::BufReader::new(file);
-    let replayed = bc_simulator::replay(&mut reader, args.pin, args.until).map_err(|e| {
+    let replayed = match args.report {
+        None => bc_simulator::replay(&mut reader, args.pin, args.until),
+        Some(_) => bc_simulator::replay::replay_recorded(&mut reader, args.pin, args.until),
+    };
+    let replayed = replayed.map_err(|e| {
         let error = CliError::new(e.code, e.to_string());
         match e.code {
             bc_simulator::replay::REPLAY_UNTIL_OUTSIDE => CliError { code: "INVALID_ARGUMENT".into(), ..error },
@@ -150,6 +179,11 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
         text.write_all(b"\n").map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
         bc_core::keys::write_new_file(rows_out, &text, 0o644)?;
     }
+    if let Some(report) = args.report {
+        let page = bc_simulator::report::replay_report(&replayed, &args.file.display().to_string())
+            .map_err(|e| CliError::new("INTERNAL", e))?;
+        write_report(report, page.as_bytes())?;
+    }
     Ok(json!({
         "verified": true,
         "tenantId": replayed.header.tenant,
@@ -162,6 +196,7 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
         "rows": replayed.rows.len(),
         "kinds": replayed.counts(),
         "rowsOut": args.rows_out.map(|p| p.display().to_string()),
+        "report": args.report.map(|p| p.display().to_string()),
         "elapsedMs": started.elapsed().as_millis() as u64,
     }))
 }
@@ -173,6 +208,7 @@ pub struct RunArgs<'a> {
     pub tenants: usize,
     pub hours: u64,
     pub faults: &'a str,
+    pub report: Option<&'a Path>,
     pub unsafe_no_placement_guard: bool,
 }
 
@@ -188,12 +224,19 @@ pub async fn run(args: RunArgs<'_>, json_out: bool) -> Result<(), CliError> {
         hours: args.hours,
         faults,
         unsafe_no_placement_guard: args.unsafe_no_placement_guard,
+        timeline: args.report.is_some(),
     };
     options.check().map_err(CliError::usage)?;
     let started = Instant::now();
     let outcome = bc_simulator::run::run(options.clone()).await;
     let mut value = outcome.to_json(&options);
     value["wallMs"] = json!(started.elapsed().as_millis() as u64);
+    // The report first, so a failed run still leaves its picture.
+    if let Some(report) = args.report {
+        let page = bc_simulator::report::run_report(&options, &outcome).map_err(|e| CliError::new("INTERNAL", e))?;
+        write_report(report, page.as_bytes())?;
+        value["report"] = json!(report.display().to_string());
+    }
     let mut out = std::io::stdout().lock();
     let written = if json_out {
         writeln!(out, "{}", serde_json::to_string_pretty(&value).unwrap_or_default())
@@ -255,6 +298,9 @@ fn summary_text(value: &Value) -> String {
         ));
     }
     lines.push(format!("digest {}", value["digest"].as_str().unwrap_or("")));
+    if let Some(report) = value.get("report").and_then(Value::as_str) {
+        lines.push(format!("report {report}"));
+    }
     if let Some(failure) = value.get("failure").filter(|f| !f.is_null()) {
         lines.push(format!("failure at step {}: {}", failure["step"], failure["what"].as_str().unwrap_or("")));
         lines.push(format!("reproduce: {}", value["reproduce"].as_str().unwrap_or("")));

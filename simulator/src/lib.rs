@@ -20,15 +20,23 @@
 //!   per-step invariant check. The holds property test drives it too.
 //! - [`run`]: `sim run`: the schedule on the virtual clock, the workload, the faults, the heavy
 //!   checks, the liveness phase, the outcome and its digest.
+//! - [`timeline`]: the series a report draws (GPU utilization, queue depth, nodes up, faults,
+//!   invariant checks) and its marks, sampled as a run or a replay goes, bounded to
+//!   `SAMPLES_MAX` samples by merging. Pure.
+//! - [`report`]: the report page (`--report FILE.html`): self-contained HTML, one inline SVG
+//!   per series drawn by `plotters`, the marks across them. Pure.
 //!
 //! `better-compute events export` and `better-compute sim replay` (`cli/src/sim.rs`) are the
-//! commands; they own the files (a temporary file, fsynced, renamed) and the terminal.
+//! commands; they own the files (a temporary file, fsynced, renamed: exports, rows, reports)
+//! and the terminal.
 
 pub mod export;
 pub mod format;
 pub mod replay;
-pub mod whatif;
+pub mod report;
 pub mod run;
+pub mod timeline;
+pub mod whatif;
 pub mod world;
 
 pub use replay::{ReplayError, Replayed, replay};

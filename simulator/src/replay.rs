@@ -20,6 +20,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::format::{HEADER_BYTES_MAX, Header, RECORD_BYTES_MAX, Record, read_item};
+use crate::timeline::{MarkKind, Sample, Timeline};
 
 /// Events folded at once: the fold's batch, bounded like a page of the store.
 pub const FOLD_EVENTS_MAX: usize = bc_core::store::READ_ROWS_MAX as usize;
@@ -74,6 +75,8 @@ pub struct Replayed {
     pub key_ids: Vec<String>,
     /// The projection rows of the tenant at `at_seq`, by `(kind, id)`.
     pub rows: BTreeMap<(String, String), Value>,
+    /// The series over the log's time, the whole file's, when [`replay_recorded`] was asked.
+    pub timeline: Option<Timeline>,
 }
 
 impl Replayed {
@@ -102,6 +105,18 @@ impl Replayed {
 /// Verifies the export read from `reader` against `pin` (`sha256/…`, the log key's) and folds
 /// its events up to `until` (default: the last). Reads one record at a time.
 pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
+    replay_inner(reader, pin, until, false)
+}
+
+/// [`replay`], and the whole file's [`Timeline`] beside the state at `until` (`sim replay
+/// --report`): every event is folded, one at a time, past `until` too, and after each one the
+/// series are observed from the rows it changed. The state, the digest and the
+/// errors are [`replay`]'s.
+pub fn replay_recorded(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
+    replay_inner(reader, pin, until, true)
+}
+
+fn replay_inner(reader: &mut impl Read, pin: &str, until: Option<u64>, record: bool) -> Result<Replayed, ReplayError> {
     let malformed = |seq: Option<u64>, m: String| ReplayError::new(EXPORT_MALFORMED, seq, m);
     let item = read_item(reader, HEADER_BYTES_MAX).map_err(|e| malformed(None, format!("the header: {e}")))?;
     let item = item.ok_or_else(|| malformed(None, "the file is empty".into()))?;
@@ -129,6 +144,9 @@ pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<R
     let mut batch: Vec<StoredEvent> = Vec::new();
     let mut key_ids: Vec<String> = Vec::new();
     let mut next = header.from_seq;
+    let mut recording = record.then(|| (Series::default(), Timeline::new()));
+    // With a timeline the fold goes on past `until`; the state at `until` is kept aside.
+    let mut at_until: Option<HashMap<RowKey, Value>> = None;
     loop {
         let item = read_item(reader, RECORD_BYTES_MAX).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
         let Some(item) = item else { break };
@@ -152,7 +170,23 @@ pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<R
         if !key_ids.contains(&event.key_id) {
             key_ids.push(event.key_id.clone());
         }
-        if event.envelope.seq <= at_seq {
+        if let Some((series, timeline)) = recording.as_mut() {
+            let seq = event.envelope.seq;
+            let at_ms = event.envelope.at_ms;
+            let event_type = event.envelope.event_type.clone();
+            let changed = fold(&mut state, &[event])?;
+            timeline.observe(series.observe(at_ms, &event_type, &changed, &state));
+            if seq == at_seq {
+                let label = match until {
+                    Some(_) => format!("--until {seq}: the state replayed"),
+                    None => format!("seq {seq}, the file's last: the state replayed"),
+                };
+                timeline.mark(MarkKind::Until, series.since_first_ms(at_ms), label);
+                if seq < header.to_seq {
+                    at_until = Some(state.clone());
+                }
+            }
+        } else if event.envelope.seq <= at_seq {
             batch.push(event);
             if batch.len() == FOLD_EVENTS_MAX {
                 fold(&mut state, &batch)?;
@@ -165,8 +199,98 @@ pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<R
     verifier
         .finish(Some((header.to_seq, header.last_hash)))
         .map_err(|p| ReplayError::new(EXPORT_TRUNCATED, Some(p.seq), format!("{} (the header's last seq)", p.what)))?;
+    let state = at_until.unwrap_or(state);
     let rows = state.into_iter().map(|(key, doc)| ((key.kind, key.id), doc)).collect();
-    Ok(Replayed { events_verified: next - header.from_seq, at_seq, key_ids, rows, header })
+    let timeline = recording.map(|(_, timeline)| timeline);
+    Ok(Replayed { events_verified: next - header.from_seq, at_seq, key_ids, rows, header, timeline })
+}
+
+/// Event types that say something went wrong on a node or with a hold: what a replay's
+/// "faults" series counts (a log has no injected faults, only what they caused).
+pub const FAULT_EVENT_TYPES: &[&str] = &[
+    bc_projections::events::NODE_UNREACHABLE,
+    bc_projections::events::COMMAND_FAILED,
+    bc_projections::events::GPU_HOLD_FAILED,
+    bc_projections::events::RESERVATION_FAILED,
+    bc_projections::events::INSTANCE_FAILED,
+    bc_projections::events::INSTANCE_APPLY_FAILED,
+];
+
+/// A replay's series, kept up to date from the rows each event changes (never a scan of the
+/// state): each node's GPUs, how many are allocated and whether it is reachable; the queued
+/// reservations; the fault events and the records verified so far.
+#[derive(Default)]
+struct Series {
+    nodes: BTreeMap<String, NodeCounts>,
+    queued: std::collections::BTreeSet<String>,
+    gpus: u64,
+    allocated: u64,
+    up: u64,
+    faults: u64,
+    verified: u64,
+    first_at_ms: Option<u64>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct NodeCounts {
+    gpus: u64,
+    allocated: u64,
+    up: bool,
+}
+
+impl Series {
+    fn since_first_ms(&self, at_ms: u64) -> u64 {
+        at_ms.saturating_sub(self.first_at_ms.unwrap_or(at_ms))
+    }
+
+    /// After one event (`changed`: the rows it touched, `None` deleted): the sample.
+    fn observe(&mut self, at_ms: u64, event_type: &str, changed: &[RowKey], state: &HashMap<RowKey, Value>) -> Sample {
+        self.first_at_ms.get_or_insert(at_ms);
+        self.verified += 1;
+        if FAULT_EVENT_TYPES.contains(&event_type) {
+            self.faults += 1;
+        }
+        for key in changed {
+            let doc = state.get(key);
+            if key.kind == bc_projections::KIND_NODE {
+                let old = self.nodes.remove(&key.id).unwrap_or_default();
+                self.gpus -= old.gpus;
+                self.allocated -= old.allocated;
+                self.up -= u64::from(old.up);
+                if let Some(doc) = doc {
+                    let count = |field: &str| match &doc[field] {
+                        Value::Array(items) => items.len() as u64,
+                        Value::Object(items) => items.len() as u64,
+                        _ => 0,
+                    };
+                    let new = NodeCounts {
+                        gpus: count("gpus"),
+                        allocated: count("allocations"),
+                        up: doc["state"].as_str() != Some(bc_projections::NodeState::Unreachable.as_str()),
+                    };
+                    self.gpus += new.gpus;
+                    self.allocated += new.allocated;
+                    self.up += u64::from(new.up);
+                    self.nodes.insert(key.id.clone(), new);
+                }
+            } else if key.kind == bc_projections::KIND_RESERVATION {
+                let queued = doc.is_some_and(|d| d["state"].as_str() == Some("queued"));
+                if queued {
+                    self.queued.insert(key.id.clone());
+                } else {
+                    self.queued.remove(&key.id);
+                }
+            }
+        }
+        Sample {
+            at_ms: self.since_first_ms(at_ms),
+            gpu_utilization: self.allocated as f64 / self.gpus.max(1) as f64,
+            queue_depth: self.queued.len() as u64,
+            nodes_up: self.up,
+            faults: self.faults,
+            checks: self.verified,
+        }
+    }
 }
 
 /// The keys `pin` vouches for among the file's: its own, and those a proved rotation from it
@@ -229,8 +353,8 @@ fn verify_record(verifier: &mut ChainVerifier<'_>, tenant: &TenantId, record: Re
 }
 
 /// Folds `batch` into `state` with the real fold: the rows it touches, taken out, folded,
-/// put back (a `None` deletes).
-fn fold(state: &mut HashMap<RowKey, Value>, batch: &[StoredEvent]) -> Result<(), ReplayError> {
+/// put back (a `None` deletes). Returns the rows it touched.
+fn fold(state: &mut HashMap<RowKey, Value>, batch: &[StoredEvent]) -> Result<Vec<RowKey>, ReplayError> {
     let projector: &dyn Projector = &bc_projections::Projections;
     let current = touched_rows(projector, batch).into_iter().filter_map(|k| state.remove_entry(&k)).collect();
     let folded = fold_projections(projector, batch, current).map_err(|e| {
@@ -240,12 +364,14 @@ fn fold(state: &mut HashMap<RowKey, Value>, batch: &[StoredEvent]) -> Result<(),
         };
         ReplayError::new(REPLAY_FOLD_FAILED, seq, e.to_string())
     })?;
+    let mut touched = Vec::with_capacity(folded.len());
     for (key, doc) in folded {
         if let Some(doc) = doc {
-            state.insert(key, doc);
+            state.insert(key.clone(), doc);
         }
+        touched.push(key);
     }
-    Ok(())
+    Ok(touched)
 }
 
 /// JSON with every object's keys sorted by their UTF-8 bytes and no whitespace; strings and

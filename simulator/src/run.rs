@@ -42,6 +42,7 @@ use bc_projections::{
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+use crate::timeline::{MarkKind, Sample, Timeline};
 use crate::world::{Shape, Violation, World, chance, pick};
 
 /// The bounds of a run (what was measured sane on 2 cores; see README).
@@ -165,6 +166,9 @@ pub struct Options {
     /// TEST ONLY: the stale view's placements are appended without their node guard, so the
     /// checker's premise is broken on purpose and it must find a double booking.
     pub unsafe_no_placement_guard: bool,
+    /// Record the [`Timeline`] a report draws (`sim run --report`). It only reads: the run
+    /// decides the same and gives the same digest either way.
+    pub timeline: bool,
 }
 
 impl Options {
@@ -229,6 +233,8 @@ pub struct Outcome {
     /// SHA-256 over every tenant's head in tenant order (tenant id, seq big-endian, hash).
     pub digest: String,
     pub violation: Option<Failure>,
+    /// The series over simulated time, when [`Options::timeline`] asked for them.
+    pub timeline: Option<Timeline>,
 }
 
 #[derive(Clone, Debug)]
@@ -308,6 +314,9 @@ struct Sim {
     faults_running: bool,
     workload_running: bool,
     out: Outcome,
+    /// The series being recorded (`--report`), and every node's GPUs added up (its denominator).
+    timeline: Option<Timeline>,
+    gpus_total: u64,
 }
 
 /// An exponential draw with mean `mean_ms` (at least 1 ms).
@@ -351,14 +360,24 @@ pub async fn run(options: Options) -> Outcome {
         enabled,
         faults_running: true,
         workload_running: true,
+        timeline: options.timeline.then(Timeline::new),
+        gpus_total: world.agents.iter().map(|a| a.machine.inventory.gpus.gpus.len() as u64).sum(),
         world,
     };
-    if let Err(violation) = sim.go().await {
+    sim.observe().await;
+    let went = sim.go().await;
+    // The last sample: the end, or the moment of the failure.
+    sim.observe().await;
+    if let Err(violation) = went {
         let (step, at_ms) = (sim.out.steps, sim.world.now_ms().saturating_sub(crate::world::EPOCH_MS));
+        if let Some(timeline) = sim.timeline.as_mut() {
+            timeline.mark(MarkKind::Failure, at_ms, format!("step {step}: {}", violation.0));
+        }
         sim.out.violation = Some(Failure { step, at_ms, what: violation.0 });
     }
     sim.out.simulated_ms = sim.world.now_ms().saturating_sub(crate::world::EPOCH_MS);
     sim.finish().await;
+    sim.out.timeline = sim.timeline.take();
     sim.out
 }
 
@@ -421,6 +440,10 @@ impl Sim {
         self.world.clock.set_ms(end_ms.max(self.world.now_ms()));
         self.faults_running = false;
         self.workload_running = false;
+        if let Some(timeline) = self.timeline.as_mut() {
+            let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
+            timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
+        }
         for a in 0..self.options.nodes {
             let machine = &self.world.agents[a].machine;
             machine.set_refuse_holds(false);
@@ -561,7 +584,45 @@ impl Sim {
         if self.out.steps.is_multiple_of(FULL_CHECK_EVERY_STEPS) {
             self.full_check().await?;
         }
+        if touched.is_none() {
+            // After a reconciler pass (every RECONCILE_EVERY_MS) or a fault: the series' step.
+            self.observe().await;
+        }
         Ok(())
+    }
+
+    /// One sample of the series, when a timeline is recorded: GPUs held by active reservations
+    /// over every GPU, reservations queued, nodes whose agent runs and hears its commands,
+    /// faults injected and checks passed so far. Reads only (the rows, the agents' state);
+    /// draws nothing from the seed.
+    async fn observe(&mut self) {
+        if self.timeline.is_none() {
+            return;
+        }
+        let (mut busy, mut queued) = (0u64, 0u64);
+        for t in 0..self.options.tenants {
+            let live: Vec<ReservationDoc> = self.world.rows(t, KIND_RESERVATION_LIVE).await;
+            for rsv in &live {
+                match rsv.state {
+                    ReservationState::Active => busy += rsv.gpu_indexes.len() as u64,
+                    ReservationState::Queued => queued += 1,
+                    _ => {}
+                }
+            }
+        }
+        let now = self.world.now_ms();
+        let up = (0..self.options.nodes).filter(|&a| self.world.agents[a].runner.is_some() && self.deaf_until[a] <= now).count();
+        let sample = Sample {
+            at_ms: now - crate::world::EPOCH_MS,
+            gpu_utilization: busy as f64 / self.gpus_total.max(1) as f64,
+            queue_depth: queued,
+            nodes_up: up as u64,
+            faults: self.out.faults_injected.values().sum(),
+            checks: self.out.step_checks + self.out.full_checks,
+        };
+        if let Some(timeline) = self.timeline.as_mut() {
+            timeline.observe(sample);
+        }
     }
 
     /// Schedules an answer for every node of tenant `t` with commands queued.
@@ -906,7 +967,15 @@ mod tests {
     use super::*;
 
     fn options(seed: u64) -> Options {
-        Options { seed, nodes: 4, tenants: 2, hours: 1, faults: Fault::ALL.to_vec(), unsafe_no_placement_guard: false }
+        Options {
+            seed,
+            nodes: 4,
+            tenants: 2,
+            hours: 1,
+            faults: Fault::ALL.to_vec(),
+            unsafe_no_placement_guard: false,
+            timeline: false,
+        }
     }
 
     #[test]
@@ -942,5 +1011,27 @@ mod tests {
         }
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
         assert_ne!(a.digest, c.digest);
+        assert!(a.timeline.is_none(), "no timeline unless asked");
+    }
+
+    #[tokio::test]
+    async fn a_timeline_changes_nothing_the_run_decides() {
+        let plain = run(options(11)).await;
+        let recorded = run(Options { timeline: true, ..options(11) }).await;
+        assert!(recorded.violation.is_none(), "{:?}", recorded.violation);
+        assert_eq!(
+            (plain.digest.as_str(), &plain.heads, plain.steps),
+            (recorded.digest.as_str(), &recorded.heads, recorded.steps)
+        );
+        assert_eq!(plain.faults_injected, recorded.faults_injected);
+        let timeline = recorded.timeline.expect("a timeline");
+        let samples = timeline.samples();
+        // One sample at the start and one after every pass or fault: about an hour of passes.
+        assert!(samples.len() as u64 >= 3_600_000 / RECONCILE_EVERY_MS, "{}", samples.len());
+        assert!(samples.iter().any(|s| s.gpu_utilization > 0.0), "GPUs were used");
+        assert!(samples.iter().all(|s| s.nodes_up <= 4 && (0.0..=1.0).contains(&s.gpu_utilization)));
+        assert_eq!(samples.last().unwrap().checks, recorded.step_checks + recorded.full_checks);
+        assert_eq!(samples.last().unwrap().faults, recorded.faults_injected.values().sum::<u64>());
+        assert!(timeline.marks.iter().any(|m| m.kind == MarkKind::Liveness && m.at_ms == 3_600_000));
     }
 }

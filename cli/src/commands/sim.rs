@@ -8,13 +8,25 @@ use super::Context;
 
 pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
     let value = match command {
-        SimCommand::Run { seed, nodes, tenants, hours, faults, json, unsafe_no_placement_guard } => {
-            let args = crate::sim::RunArgs { seed, nodes, tenants, hours, faults: &faults, unsafe_no_placement_guard };
+        SimCommand::Run { seed, nodes, tenants, hours, faults, json, report, unsafe_no_placement_guard } => {
+            let args = crate::sim::RunArgs {
+                seed,
+                nodes,
+                tenants,
+                hours,
+                faults: &faults,
+                report: report.as_deref(),
+                unsafe_no_placement_guard,
+            };
             return crate::sim::run(args, json).await;
         }
-        SimCommand::Replay { file, log_key_pin, until, rows_out } => {
-            crate::sim::replay(crate::sim::ReplayArgs { file: &file, pin: &log_key_pin, until, rows_out: rows_out.as_deref() })?
-        }
+        SimCommand::Replay { file, log_key_pin, until, rows_out, report } => crate::sim::replay(crate::sim::ReplayArgs {
+            file: &file,
+            pin: &log_key_pin,
+            until,
+            rows_out: rows_out.as_deref(),
+            report: report.as_deref(),
+        })?,
     };
     ctx.print(&value, Format::Json)
 }
