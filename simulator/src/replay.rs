@@ -105,7 +105,19 @@ impl Replayed {
 /// Verifies the export read from `reader` against `pin` (`sha256/…`, the log key's) and folds
 /// its events up to `until` (default: the last). Reads one record at a time.
 pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
-    replay_inner(reader, pin, until, false)
+    replay_inner(reader, pin, until, false, &mut |_| {})
+}
+
+/// [`replay`] (or [`replay_recorded`], with `record`), handing `observe` every event of the
+/// file once it verified, in seq order, past `until` too (`sim replay --what-if`).
+pub fn replay_observed(
+    reader: &mut impl Read,
+    pin: &str,
+    until: Option<u64>,
+    record: bool,
+    observe: &mut dyn FnMut(&StoredEvent),
+) -> Result<Replayed, ReplayError> {
+    replay_inner(reader, pin, until, record, observe)
 }
 
 /// [`replay`], and the whole file's [`Timeline`] beside the state at `until` (`sim replay
@@ -113,10 +125,16 @@ pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<R
 /// series are observed from the rows it changed. The state, the digest and the
 /// errors are [`replay`]'s.
 pub fn replay_recorded(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
-    replay_inner(reader, pin, until, true)
+    replay_inner(reader, pin, until, true, &mut |_| {})
 }
 
-fn replay_inner(reader: &mut impl Read, pin: &str, until: Option<u64>, record: bool) -> Result<Replayed, ReplayError> {
+fn replay_inner(
+    reader: &mut impl Read,
+    pin: &str,
+    until: Option<u64>,
+    record: bool,
+    observe: &mut dyn FnMut(&StoredEvent),
+) -> Result<Replayed, ReplayError> {
     let malformed = |seq: Option<u64>, m: String| ReplayError::new(EXPORT_MALFORMED, seq, m);
     let item = read_item(reader, HEADER_BYTES_MAX).map_err(|e| malformed(None, format!("the header: {e}")))?;
     let item = item.ok_or_else(|| malformed(None, "the file is empty".into()))?;
@@ -167,6 +185,7 @@ fn replay_inner(reader: &mut impl Read, pin: &str, until: Option<u64>, record: b
             ));
         }
         let event = verify_record(&mut verifier, &tenant, record)?;
+        observe(&event);
         if !key_ids.contains(&event.key_id) {
             key_ids.push(event.key_id.clone());
         }

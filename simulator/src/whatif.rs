@@ -93,8 +93,8 @@ struct World {
     decisions: Vec<Decision>,
     /// Reservation → (requested at, activated at).
     waits: BTreeMap<String, (u64, Option<u64>)>,
-    /// GPU-milliseconds given, to the end of the log.
-    gpu_ms: u128,
+    /// Reservation → (activated at, ends at, GPUs): the GPU-time given.
+    held: BTreeMap<String, (u64, u64, u64)>,
 }
 
 /// The event types that change a node as a caller or a machine did, not as a plan decided.
@@ -117,11 +117,11 @@ fn fold(kind: &str, id: &str, current: Option<Value>, event: &StoredEvent) -> Op
 
 impl World {
     fn new(policy: Policy) -> Self {
-        World { policy, nodes: BTreeMap::new(), live: BTreeMap::new(), decisions: Vec::new(), waits: BTreeMap::new(), gpu_ms: 0 }
+        World { policy, nodes: BTreeMap::new(), live: BTreeMap::new(), decisions: Vec::new(), waits: BTreeMap::new(), held: BTreeMap::new() }
     }
 
     /// Runs the plan at `now_ms` and applies what it decides.
-    fn pass(&mut self, now_ms: u64, after_seq: u64, log_end_ms: u64) {
+    fn pass(&mut self, now_ms: u64, after_seq: u64) {
         let view = TenantView::new(self.nodes.values().cloned(), self.live.values().cloned());
         for action in plan_with(&view, now_ms, self.policy) {
             match action {
@@ -143,8 +143,7 @@ impl World {
                     if let Some(wait) = self.waits.get_mut(&reservation_id) {
                         wait.1.get_or_insert(now_ms);
                     }
-                    let held_ms = ends_at_ms.min(log_end_ms).saturating_sub(now_ms);
-                    self.gpu_ms += u128::from(held_ms) * placement.gpus.len() as u128;
+                    self.held.insert(reservation_id.clone(), (now_ms, ends_at_ms, placement.gpus.len() as u64));
                     self.decisions.push(Decision {
                         after_seq,
                         at_ms: now_ms,
@@ -170,7 +169,7 @@ impl World {
     }
 
     /// The expiries due up to `now_ms`, each at its own time.
-    fn expire_until(&mut self, now_ms: u64, after_seq: u64, log_end_ms: u64) {
+    fn expire_until(&mut self, now_ms: u64, after_seq: u64) {
         loop {
             let next = self
                 .live
@@ -180,14 +179,14 @@ impl World {
                 .filter(|end| *end <= now_ms)
                 .min();
             let Some(at) = next else { return };
-            self.pass(at, after_seq, log_end_ms);
+            self.pass(at, after_seq);
         }
     }
 
     /// One event of the log: applied if a caller or a machine did it, then the plan runs.
-    fn event(&mut self, event: &StoredEvent, log_end_ms: u64) {
+    fn event(&mut self, event: &StoredEvent) {
         let env = &event.envelope;
-        self.expire_until(env.at_ms, env.seq, log_end_ms);
+        self.expire_until(env.at_ms, env.seq);
         let Some((kind, id)) = env.stream.split_once('/') else { return };
         let t = env.event_type.as_str();
         if kind == KIND_NODE && NODE_INPUTS.contains(&t) {
@@ -207,11 +206,10 @@ impl World {
                     }
                 }
                 ev::RESERVATION_RELEASED | ev::RESERVATION_CANCELLED => {
-                    if let Some(rsv) = self.end(id)
-                        && let (Some(end), Some(_)) = (rsv.ends_at_ms, rsv.node_id)
+                    if self.end(id).is_some()
+                        && let Some(held) = self.held.get_mut(id)
                     {
-                        let unused = end.min(log_end_ms).saturating_sub(env.at_ms);
-                        self.gpu_ms = self.gpu_ms.saturating_sub(u128::from(unused) * rsv.gpu_indexes.len() as u128);
+                        held.1 = held.1.min(env.at_ms);
                     }
                 }
                 ev::RESERVATION_EXTENDED => {
@@ -220,10 +218,10 @@ impl World {
                         serde_json::from_value::<ev::ReservationExtended>(bc_core::canonical::to_json(&env.payload)),
                     ) && rsv.state == ReservationState::Active
                     {
-                        let old = rsv.ends_at_ms.unwrap_or(p.ends_at_ms);
-                        let gained = p.ends_at_ms.min(log_end_ms).saturating_sub(old.min(log_end_ms));
-                        self.gpu_ms += u128::from(gained) * rsv.gpu_indexes.len() as u128;
                         rsv.ends_at_ms = Some(p.ends_at_ms);
+                        if let Some(held) = self.held.get_mut(id) {
+                            held.1 = p.ends_at_ms;
+                        }
                     }
                 }
                 _ => return,
@@ -231,18 +229,23 @@ impl World {
         } else {
             return;
         }
-        self.pass(env.at_ms, env.seq, log_end_ms);
+        self.pass(env.at_ms, env.seq);
+    }
+
+    /// GPU-hours given up to `end_ms` (the log's last event).
+    fn gpu_hours(&self, end_ms: u64) -> f64 {
+        let ms: u128 = self.held.values().map(|(from, to, gpus)| u128::from(to.min(&end_ms).saturating_sub(*from)) * u128::from(*gpus)).sum();
+        (ms as f64 / 3_600_000.0 * 1000.0).round() / 1000.0
     }
 }
 
-/// The log's own decisions, in order.
-fn logged(events: &[StoredEvent]) -> Vec<Decision> {
-    let mut out = Vec::new();
-    for event in events {
+/// The log's own decision in `event`, if it is one.
+fn logged(event: &StoredEvent, out: &mut Vec<Decision>) {
+    {
         let env = &event.envelope;
-        let Some((kind, id)) = env.stream.split_once('/') else { continue };
+        let Some((kind, id)) = env.stream.split_once('/') else { return };
         if kind != KIND_RESERVATION {
-            continue;
+            return;
         }
         match env.event_type.as_str() {
             ev::RESERVATION_ACTIVATED => {
@@ -268,7 +271,6 @@ fn logged(events: &[StoredEvent]) -> Vec<Decision> {
             _ => {}
         }
     }
-    out
 }
 
 /// The first index where two decision streams differ (by reservation, node and GPUs), if any.
@@ -284,7 +286,7 @@ fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
     (!sorted.is_empty()).then(|| sorted[((sorted.len() as f64 - 1.0) * p).round() as usize])
 }
 
-fn waits_json(world: &World) -> Value {
+fn waits_json(world: &World, end_ms: u64) -> Value {
     let mut waits: Vec<u64> = world.waits.values().filter_map(|(asked, got)| got.map(|g| g.saturating_sub(*asked))).collect();
     waits.sort_unstable();
     json!({
@@ -294,7 +296,7 @@ fn waits_json(world: &World) -> Value {
         "waitP50Ms": percentile(&waits, 0.5),
         "waitP99Ms": percentile(&waits, 0.99),
         "waitMaxMs": waits.last(),
-        "gpuHours": (world.gpu_ms as f64 / 3_600_000.0 * 1000.0).round() / 1000.0,
+        "gpuHours": world.gpu_hours(end_ms),
     })
 }
 
@@ -302,64 +304,92 @@ fn policy_json(policy: Policy) -> Value {
     json!({ "queue": policy.queue.as_str(), "placement": policy.placement.as_str() })
 }
 
-/// The what-if of `events` (one tenant's, verified, in seq order, from seq 1) under `policy`.
-pub fn what_if(events: &[StoredEvent], policy: Policy) -> Value {
-    let log_end_ms = events.last().map_or(0, |e| e.envelope.at_ms);
-    let mut baseline = World::new(Policy::default());
-    let mut changed = World::new(policy);
-    for event in events {
-        baseline.event(event, log_end_ms);
-        changed.event(event, log_end_ms);
-    }
-    let log = logged(events);
-    let log_activations: Vec<Decision> = log.iter().filter(|d| d.kind == "activate").cloned().collect();
-    let base_activations: Vec<Decision> = baseline.decisions.iter().filter(|d| d.kind == "activate").cloned().collect();
-    let fidelity = match first_difference(&log_activations, &base_activations, true) {
-        None => json!({ "reproducesLog": true, "activations": log_activations.len() }),
-        Some(i) => json!({
-            "reproducesLog": false,
-            "activations": log_activations.len(),
-            "firstMismatch": { "index": i, "log": log_activations.get(i).map(Decision::json), "model": base_activations.get(i).map(Decision::json) },
-            "note": "the model applies callers' and machines' events and decides again; it does not model holds an agent refused or never answered",
-        }),
-    };
-    let divergence = first_difference(&baseline.decisions, &changed.decisions, true).map(|i| {
-        let base = baseline.decisions.get(i);
-        let what_if = changed.decisions.get(i);
-        let after_seq = [base, what_if].into_iter().flatten().map(|d| d.after_seq).min().unwrap_or(0);
-        json!({
-            "index": i,
-            "afterSeq": after_seq,
-            "baseline": base.map(Decision::json),
-            "whatIf": what_if.map(Decision::json),
-        })
-    });
-    // What followed: each reservation's activation under each policy.
-    let (mut earlier, mut later, mut same, mut only_baseline, mut only_what_if) = (0u64, 0u64, 0u64, 0u64, 0u64);
-    for (id, (_, base_at)) in &baseline.waits {
-        match (base_at, changed.waits.get(id).and_then(|w| w.1)) {
-            (Some(b), Some(w)) if w < *b => earlier += 1,
-            (Some(b), Some(w)) if w > *b => later += 1,
-            (Some(_), Some(_)) => same += 1,
-            (Some(_), None) => only_baseline += 1,
-            (None, Some(_)) => only_what_if += 1,
-            (None, None) => {}
+/// A what-if in progress: give it the file's verified events in seq order from seq 1
+/// ([`WhatIf::event`]), then [`WhatIf::finish`].
+pub struct WhatIf {
+    policy: Policy,
+    baseline: World,
+    changed: World,
+    log: Vec<Decision>,
+    events: u64,
+    end_ms: u64,
+}
+
+impl WhatIf {
+    pub fn new(policy: Policy) -> Self {
+        WhatIf {
+            policy,
+            baseline: World::new(Policy::default()),
+            changed: World::new(policy),
+            log: Vec::new(),
+            events: 0,
+            end_ms: 0,
         }
     }
-    json!({
-        "policy": policy_json(policy),
-        "baselinePolicy": policy_json(Policy::default()),
-        "events": events.len(),
-        "baseline": fidelity,
-        "firstDivergence": divergence,
-        "followed": {
-            "baseline": waits_json(&baseline),
-            "whatIf": waits_json(&changed),
-            "activatedEarlier": earlier,
-            "activatedLater": later,
-            "activatedSame": same,
-            "activatedOnlyInBaseline": only_baseline,
-            "activatedOnlyInWhatIf": only_what_if,
-        },
-    })
+
+    pub fn event(&mut self, event: &StoredEvent) {
+        self.baseline.event(event);
+        self.changed.event(event);
+        logged(event, &mut self.log);
+        self.events += 1;
+        self.end_ms = self.end_ms.max(event.envelope.at_ms);
+    }
+
+    /// The seq after which the what-if's decisions part from the baseline's, if they do.
+    pub fn divergence_seq(&self) -> Option<u64> {
+        let i = first_difference(&self.baseline.decisions, &self.changed.decisions, true)?;
+        [self.baseline.decisions.get(i), self.changed.decisions.get(i)].into_iter().flatten().map(|d| d.after_seq).min()
+    }
+
+    /// What the what-if found, as `sim replay --what-if` prints it.
+    pub fn finish(&self) -> Value {
+        let (baseline, changed, policy) = (&self.baseline, &self.changed, self.policy);
+        let log_activations: Vec<Decision> = self.log.iter().filter(|d| d.kind == "activate").cloned().collect();
+        let base_activations: Vec<Decision> = baseline.decisions.iter().filter(|d| d.kind == "activate").cloned().collect();
+        let fidelity = match first_difference(&log_activations, &base_activations, true) {
+            None => json!({ "reproducesLog": true, "activations": log_activations.len() }),
+            Some(i) => json!({
+                "reproducesLog": false,
+                "activations": log_activations.len(),
+                "firstMismatch": { "index": i, "log": log_activations.get(i).map(Decision::json), "model": base_activations.get(i).map(Decision::json) },
+                "note": "the model applies callers' and machines' events and decides again; it does not model holds an agent refused or never answered",
+            }),
+        };
+        let divergence = first_difference(&baseline.decisions, &changed.decisions, true).map(|i| {
+            json!({
+                "index": i,
+                "afterSeq": self.divergence_seq(),
+                "baseline": baseline.decisions.get(i).map(Decision::json),
+                "whatIf": changed.decisions.get(i).map(Decision::json),
+            })
+        });
+        // What followed: each reservation's activation under each policy.
+        let (mut earlier, mut later, mut same, mut only_baseline, mut only_what_if) = (0u64, 0u64, 0u64, 0u64, 0u64);
+        for (id, (_, base_at)) in &baseline.waits {
+            match (base_at, changed.waits.get(id).and_then(|w| w.1)) {
+                (Some(b), Some(w)) if w < *b => earlier += 1,
+                (Some(b), Some(w)) if w > *b => later += 1,
+                (Some(_), Some(_)) => same += 1,
+                (Some(_), None) => only_baseline += 1,
+                (None, Some(_)) => only_what_if += 1,
+                (None, None) => {}
+            }
+        }
+        json!({
+            "policy": policy_json(policy),
+            "baselinePolicy": policy_json(Policy::default()),
+            "events": self.events,
+            "baseline": fidelity,
+            "firstDivergence": divergence,
+            "followed": {
+                "baseline": waits_json(baseline, self.end_ms),
+                "whatIf": waits_json(changed, self.end_ms),
+                "activatedEarlier": earlier,
+                "activatedLater": later,
+                "activatedSame": same,
+                "activatedOnlyInBaseline": only_baseline,
+                "activatedOnlyInWhatIf": only_what_if,
+            },
+        })
+    }
 }
