@@ -658,6 +658,11 @@ pub enum SimCommand {
         /// name.
         #[arg(long, value_name = "FILE.html")]
         report: Option<PathBuf>,
+        /// Decide the file's reservations again under another policy and show the first
+        /// decision that differs and what followed: `queue=fifo|backfill`,
+        /// `placement=tightest-fit|spread` (repeatable).
+        #[arg(long = "what-if", value_name = "KEY=VALUE")]
+        what_if: Vec<String>,
     },
 }
 

@@ -133,6 +133,8 @@ pub struct ReplayArgs<'a> {
     pub until: Option<u64>,
     pub rows_out: Option<&'a Path>,
     pub report: Option<&'a Path>,
+    /// `KEY=VALUE` policy changes for a what-if.
+    pub what_if: &'a [String],
 }
 
 pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
@@ -147,14 +149,22 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
             format!("{} exists; rows are never written over a file", rows_out.display()),
         ));
     }
+    let policy = (!args.what_if.is_empty())
+        .then(|| bc_simulator::whatif::parse_policy(args.what_if).map_err(CliError::usage))
+        .transpose()?;
     let file =
         std::fs::File::open(args.file).map_err(|e| CliError::usage(format!("cannot read {}: {e}", args.file.display())))?;
     let started = Instant::now();
     let mut reader = std::io::BufReader::new(file);
-    let replayed = match args.report {
-        None => bc_simulator::replay(&mut reader, args.pin, args.until),
-        Some(_) => bc_simulator::replay::replay_recorded(&mut reader, args.pin, args.until),
+    let mut what_if = policy.map(bc_simulator::whatif::WhatIf::new);
+    let mut first_at_ms: Option<u64> = None;
+    let mut observe = |event: &bc_core::event::StoredEvent| {
+        first_at_ms.get_or_insert(event.envelope.at_ms);
+        if let Some(w) = what_if.as_mut() {
+            w.event(event);
+        }
     };
+    let replayed = bc_simulator::replay::replay_observed(&mut reader, args.pin, args.until, args.report.is_some(), &mut observe);
     let replayed = replayed.map_err(|e| {
         let error = CliError::new(e.code, e.to_string());
         match e.code {
@@ -179,6 +189,18 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
         text.write_all(b"\n").map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
         bc_core::keys::write_new_file(rows_out, &text, 0o644)?;
     }
+    let mut replayed = replayed;
+    let what_if = what_if.map(|w| (w.finish(), w));
+    if let (Some((found, _)), Some(timeline), Some(first)) = (&what_if, replayed.timeline.as_mut(), first_at_ms)
+        && let Some(at_ms) = found["firstDivergence"]["whatIf"]["atMs"].as_u64().or(found["firstDivergence"]["baseline"]["atMs"].as_u64())
+    {
+        let seq = found["firstDivergence"]["afterSeq"].as_u64().unwrap_or(0);
+        timeline.mark(
+            bc_simulator::timeline::MarkKind::Divergence,
+            at_ms.saturating_sub(first),
+            format!("after seq {seq}: the what-if's first decision that differs"),
+        );
+    }
     if let Some(report) = args.report {
         let page = bc_simulator::report::replay_report(&replayed, &args.file.display().to_string())
             .map_err(|e| CliError::new("INTERNAL", e))?;
@@ -197,6 +219,7 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
         "kinds": replayed.counts(),
         "rowsOut": args.rows_out.map(|p| p.display().to_string()),
         "report": args.report.map(|p| p.display().to_string()),
+        "whatIf": what_if.map(|(found, _)| found),
         "elapsedMs": started.elapsed().as_millis() as u64,
     }))
 }

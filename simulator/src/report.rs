@@ -279,6 +279,7 @@ fn panel(
                 MarkKind::Failure => ("#d62728", "none"),
                 MarkKind::Until => ("#1f3fb4", "6 3"),
                 MarkKind::Liveness => ("#7f7f7f", "2 3"),
+                MarkKind::Divergence => ("#ff7f0e", "8 2"),
             };
             lines.push(format!(
                 "<line class=\"mark {}\" x1=\"{x1}\" y1=\"{y1}\" x2=\"{x1}\" y2=\"{y2}\" stroke=\"{stroke}\" stroke-width=\"2\" stroke-dasharray=\"{dash}\"><title>{}</title></line>",

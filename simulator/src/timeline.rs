@@ -59,6 +59,8 @@ pub enum MarkKind {
     Until,
     /// The run's liveness phase begins: faults and the workload stop.
     Liveness,
+    /// A replay's what-if decides otherwise than the control plane did, for the first time.
+    Divergence,
 }
 
 impl MarkKind {
@@ -68,6 +70,7 @@ impl MarkKind {
             MarkKind::Failure => "mark-failure",
             MarkKind::Until => "mark-until",
             MarkKind::Liveness => "mark-liveness",
+            MarkKind::Divergence => "mark-divergence",
         }
     }
 }

@@ -260,3 +260,95 @@ async fn an_export_across_a_key_rotation_replays_from_the_old_pin_and_ranges_are
     assert_eq!(code, 1, "{err}");
     assert!(err.starts_with("REPLAY_PARTIAL_FILE: "), "{err}");
 }
+
+/// `sim replay --what-if`: a dev run's reservations decided again under another queue rule and
+/// another placement. The baseline (the control plane's own rules) reproduces the log; backfill
+/// lets a small request past a large one that waits, spread puts a request on the emptier node,
+/// and each shows the first decision that differs and what followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
+    let mut server = Server::dev();
+    let pool = server.pool("what-if").await;
+    let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
+    let mut nodes = Vec::new();
+    for n in 0..2 {
+        let (status, node) = server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
+        assert_eq!(status, 200, "{node}");
+        nodes.push(node["nodeId"].as_str().unwrap().to_owned());
+    }
+    nodes.sort();
+    let reserve = |gpus: u32| {
+        let server = &server;
+        let pool = pool.clone();
+        async move {
+            let (status, r) = server.call("reservations.create", json!({ "poolId": pool, "gpus": gpus, "durationS": 3600 })).await;
+            assert_eq!(status, 200, "{r}");
+            r
+        }
+    };
+    // n0: E (1) and A (2), the tightest fit; B (4) takes n1; C (2) waits, and D (1) waits
+    // behind it (FIFO) though one GPU of n0 is free.
+    let e = reserve(1).await;
+    let a = reserve(2).await;
+    let b = reserve(4).await;
+    let c = reserve(2).await;
+    let d = reserve(1).await;
+    assert_eq!([&e, &a, &b].map(|r| r["state"].as_str().unwrap()), ["active"; 3]);
+    assert_eq!((a["nodeId"].as_str(), c["state"].as_str(), d["state"].as_str()), (Some(nodes[0].as_str()), Some("queued"), Some("queued")));
+    let (status, released) = server.call("reservations.release", json!({ "reservationId": a["reservationId"] })).await;
+    assert_eq!(status, 200, "{released}");
+    let id = |r: &Value| r["reservationId"].as_str().unwrap().to_owned();
+    bc_tests::wait_until("C and D active", std::time::Duration::from_secs(20), || {
+        let states: Vec<String> = [&c, &d]
+            .iter()
+            .map(|r| {
+                let out = server.cli(&["reservations", "get", &id(r)]).1;
+                json(&out)["state"].as_str().unwrap_or_default().to_owned()
+            })
+            .collect();
+        (states == ["active", "active"]).then_some(())
+    });
+    server.stop();
+    let work = tempfile::tempdir().unwrap();
+    let file = work.path().join("root.bcx").display().to_string();
+    let data_dir = server.data_dir.display().to_string();
+    let (code, _, err) = cli(&["events", "export", "--tenant", &TenantId::ROOT.to_string(), "--data-dir", &data_dir, "--out", &file], &[]);
+    assert_eq!(code, 0, "{err}");
+    let pin = log_key_pin(&server);
+
+    // The control plane's own rules: no divergence, and the model reproduces the log.
+    let (code, same, err) = replay(&[&file, "--log-key-pin", &pin, "--what-if", "queue=fifo"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(same["whatIf"]["baseline"]["reproducesLog"], true, "{same}");
+    assert!(same["whatIf"]["firstDivergence"].is_null(), "{same}");
+
+    // Backfill: D goes at once on n0's free GPU; C still waits for A's release.
+    let report = work.path().join("what-if.html");
+    let (code, backfill, err) = replay(&[&file, "--log-key-pin", &pin, "--what-if", "queue=backfill", "--report", &report.display().to_string()]);
+    assert_eq!(code, 0, "{err}");
+    let found = &backfill["whatIf"];
+    assert_eq!(found["policy"], json!({ "queue": "backfill", "placement": "tightest-fit" }), "{found}");
+    assert_eq!(found["baseline"]["reproducesLog"], true, "{found}");
+    let divergence = &found["firstDivergence"];
+    assert_eq!((divergence["whatIf"]["action"].as_str(), divergence["whatIf"]["reservationId"].as_str()), (Some("activate"), Some(id(&d).as_str())), "{divergence}");
+    assert_eq!(divergence["whatIf"]["nodeId"], nodes[0].as_str(), "{divergence}");
+    assert_eq!(divergence["baseline"]["reservationId"], id(&c).as_str(), "the baseline's next decision: C, at A's release: {divergence}");
+    assert_eq!((found["followed"]["activatedEarlier"].as_u64(), found["followed"]["activatedLater"].as_u64()), (Some(1), Some(0)), "{found}");
+    let page = std::fs::read_to_string(&report).unwrap();
+    assert!(page.contains("mark-divergence"), "the report marks the divergence");
+
+    // Spread: A goes to the empty n1, so B (4) finds no whole node and waits for A's release.
+    let (code, spread, err) = replay(&[&file, "--log-key-pin", &pin, "--what-if", "placement=spread"]);
+    assert_eq!(code, 0, "{err}");
+    let divergence = &spread["whatIf"]["firstDivergence"];
+    assert_eq!(divergence["whatIf"]["reservationId"], id(&a).as_str(), "{divergence}");
+    assert_eq!((divergence["baseline"]["nodeId"].as_str(), divergence["whatIf"]["nodeId"].as_str()), (Some(nodes[0].as_str()), Some(nodes[1].as_str())), "{divergence}");
+    assert_eq!(spread["whatIf"]["followed"]["activatedLater"], 1, "B waits: {spread}");
+
+    // Bad keys and values: usage errors naming what is taken.
+    for (bad, says) in [("queue=lifo", "fifo and backfill"), ("colour=blue", "queue=fifo|backfill"), ("queue", "KEY=VALUE")] {
+        let (code, _, err) = replay(&[&file, "--log-key-pin", &pin, "--what-if", bad]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+}
