@@ -231,7 +231,9 @@ pub fn read_node_key(path: &Path) -> Result<SigningKey, String> {
 }
 
 /// The node key: the one in `data_dir` if a join was interrupted after making it, else a new
-/// one written 0600.
+/// one written 0600, from the OS's randomness (a secret, never drawn from a seed; the
+/// simulator's nodes get theirs from the seed without this).
+#[allow(clippy::disallowed_methods)]
 pub fn node_key_load_or_create(config: &Config) -> Result<SigningKey, String> {
     let path = config.key_path();
     if path.exists() {

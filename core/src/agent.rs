@@ -77,6 +77,8 @@ pub const JOIN_TOKEN_SECRET_BYTES: usize = 32;
 pub const JOIN_TOKEN_BYTES_MAX: usize = 4096;
 
 /// A new join token for `id` and the hex SHA-256 of its secret, which is all that is stored.
+/// The secret is from the OS's randomness, never a seed.
+#[allow(clippy::disallowed_methods)]
 pub fn join_token_new(id: crate::id::JoinTokenId) -> (String, String) {
     let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; JOIN_TOKEN_SECRET_BYTES]>());
     let hash = hex::encode(sha256(secret.as_bytes()));

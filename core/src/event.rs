@@ -389,6 +389,8 @@ pub fn validate_name(what: &str, name: &str, bytes_max: usize) -> Result<()> {
 }
 
 #[cfg(test)]
+// Tests, outside the simulator: fresh random ids and the real clock (clippy.toml).
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

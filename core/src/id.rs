@@ -20,7 +20,10 @@ macro_rules! typed_id {
         impl $name {
             pub const PREFIX: &'static str = $prefix;
 
-            /// A fresh id; ULIDs sort by creation time.
+            /// A fresh id from the wall clock and the thread's RNG; ULIDs sort by creation time.
+            /// For tests and the composition root: in the crates the simulator runs this is
+            /// itself disallowed (clippy.toml), and a new id is `from_ulid(ids.ulid())`.
+            #[allow(clippy::disallowed_methods)]
             pub fn generate() -> Self {
                 Self(ulid::Ulid::generate())
             }
@@ -137,6 +140,8 @@ pub fn truncate(text: &str, max_chars: usize) -> String {
 }
 
 #[cfg(test)]
+// Tests, outside the simulator: fresh random ids and the real clock (clippy.toml).
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -42,6 +42,9 @@ impl Default for RandomIds {
 }
 
 impl IdSource for RandomIds {
+    // The real IdSource: the OS-seeded thread RNG behind the trait (clippy.toml), which the
+    // simulator replaces with SeededIds.
+    #[allow(clippy::disallowed_methods)]
     fn ulid(&self) -> Ulid {
         Ulid::from_parts(self.clock.now_ms(), rand::random::<u128>())
     }

@@ -50,6 +50,9 @@ impl std::fmt::Debug for LogKey {
 }
 
 impl LogKey {
+    /// A new key from the OS's randomness (a secret is never drawn from a seed; the simulator's
+    /// key is `from_seed`).
+    #[allow(clippy::disallowed_methods)]
     pub fn generate() -> Self {
         Self::from_seed(rand::random::<[u8; 32]>())
     }

@@ -53,6 +53,8 @@ impl DataKey {
         Self { cipher: XChaCha20Poly1305::new(&key.into()), id: format!("dk_{}", hex::encode(&digest[..8])) }
     }
 
+    /// A new data key from the OS's randomness: a secret, never drawn from a seed.
+    #[allow(clippy::disallowed_methods)]
     pub fn generate() -> (Self, [u8; 32]) {
         let key = rand::random::<[u8; 32]>();
         (Self::from_bytes(key), key)
@@ -92,7 +94,9 @@ impl DataKey {
         aad
     }
 
-    /// `value` sealed for the row (`tenant`, `id`).
+    /// `value` sealed for the row (`tenant`, `id`). The nonce is from the OS's randomness: a
+    /// nonce from a seed could repeat under one key, which XChaCha20-Poly1305 must never see.
+    #[allow(clippy::disallowed_methods)]
     pub fn seal(&self, tenant: TenantId, id: &str, value: &str) -> Result<String> {
         let nonce_bytes = rand::random::<[u8; NONCE_BYTES]>();
         let aad = Self::aad(tenant, id);

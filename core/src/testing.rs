@@ -1,6 +1,10 @@
 //! Test support shared by this workspace's suites: scratch PostgreSQL databases and seeds.
 //! Used only by tests and benchmarks; nothing in the product calls it.
 
+// Test support, outside every simulated path (clippy.toml): a scratch database's random name, and
+// a fresh seed when `BC_TEST_SEED` gives none (the tests print it, so a failure repeats).
+#![allow(clippy::disallowed_methods)]
+
 use crate::error::{Error, Result};
 
 /// The server tests use; override with `BC_TEST_DATABASE_URL` (a URL to its `postgres` database).

@@ -40,6 +40,8 @@ impl std::fmt::Debug for Secret {
 }
 
 impl Secret {
+    /// A new signing secret from the OS's randomness, never a seed.
+    #[allow(clippy::disallowed_methods)]
     pub fn generate() -> Self {
         Self(rand::random::<[u8; SECRET_BYTES]>().to_vec())
     }

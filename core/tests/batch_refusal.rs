@@ -2,6 +2,9 @@
 //! failed its whole batch (`fail_all`), other tenants' requests included. Now it is refused
 //! alone and the rest of its batch commits.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::sync::Arc;
 
 use bc_core::clock::SystemClock;

@@ -2,6 +2,9 @@
 //! byte of any stored event, deleting one or reordering two is detected at the first bad `seq`.
 //! Seeded: set `BC_TEST_SEED` to replay a failure; the seed is printed when a case fails.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::sync::Arc;
 
 use bc_core::chain::verify_chain;

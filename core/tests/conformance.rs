@@ -1,5 +1,8 @@
 //! The `EventStore` conformance suite: every test runs against SQLite and PostgreSQL.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 

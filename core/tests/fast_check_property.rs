@@ -2,6 +2,9 @@
 //! the answers of the full decode (`decode_canonical`, `EventRow::decode`) on valid events and
 //! on every kind of mutated bytes. Seeded: `BC_TEST_SEED` replays.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use bc_core::canonical;
 use bc_core::event::{Envelope, EventRow, GENESIS_PREV, sha256};
 use bc_core::id::{EventId, TenantId};

@@ -8,6 +8,9 @@
 //! postgres user reads them, next to the data directory) and reloads; plain connections and
 //! other tests' `prefer` connections are unaffected. At the end it resets both settings.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

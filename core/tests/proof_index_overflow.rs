@@ -3,6 +3,9 @@
 //! seq 0 in a release one). It is refused with a clear error, as are the Merkle verifiers'
 //! extreme indices and sizes.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use bc_core::audit;
 use bc_core::event::{Envelope, GENESIS_PREV, sha256};
 use bc_core::id::{EventId, TenantId};

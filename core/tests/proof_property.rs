@@ -2,6 +2,9 @@
 //! and every mutated one (any byte of a path hash, the index, the event, the checkpoint, a
 //! hash added or dropped, a consistency proof bent) fails. Seeded: `BC_TEST_SEED` replays.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use base64::Engine;
 use bc_core::audit;
 use bc_core::event::{Envelope, GENESIS_PREV, sha256};

@@ -9,7 +9,7 @@
 //! in the same process do not pick the same GPUs, and [`Reread`] makes the next use read what
 //! it held from the store again, whether the append happened or not.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 
 use bc_core::Result;
 use bc_core::event::Position;
@@ -21,19 +21,20 @@ use crate::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc};
 /// Log rows read per query while catching up.
 const CATCH_UP_ROWS: u32 = 1000;
 
-/// One tenant's view.
+/// One tenant's view. Ordered maps throughout: the decisions iterate it, and an iteration that
+/// decides something takes the same order in every process (by id), whatever the hasher.
 #[derive(Default)]
 pub struct TenantView {
-    pub nodes: HashMap<String, NodeDoc>,
+    pub nodes: BTreeMap<String, NodeDoc>,
     /// Queued and active reservations.
-    pub live: HashMap<String, ReservationDoc>,
+    pub live: BTreeMap<String, ReservationDoc>,
     /// Rows to read again before the next use: changed in the log, or held for an append that
     /// failed.
-    dirty_nodes: HashSet<String>,
-    dirty_reservations: HashSet<String>,
+    dirty_nodes: BTreeSet<String>,
+    dirty_reservations: BTreeSet<String>,
     /// Nodes with GPUs held for appends not yet read back: a placement guards a node's store
     /// version, so two in flight on one node cannot both land.
-    held: HashSet<String>,
+    held: BTreeSet<String>,
 }
 
 impl TenantView {
@@ -47,7 +48,7 @@ impl TenantView {
         }
     }
 
-    /// The nodes of a pool, in no particular order (placement breaks ties by node id).
+    /// The nodes of a pool, by node id (placement breaks ties by node id too).
     pub fn pool_nodes(&mut self, pool: &str) -> Vec<&mut NodeDoc> {
         self.nodes.values_mut().filter(|n| n.pool_id == pool).collect()
     }
@@ -97,8 +98,8 @@ struct Shared {
 
 #[derive(Default)]
 struct Dirty {
-    nodes: HashSet<String>,
-    reservations: HashSet<String>,
+    nodes: BTreeSet<String>,
+    reservations: BTreeSet<String>,
 }
 
 /// Makes the view read a node and a reservation again once a placer is done with its holds,

@@ -3,6 +3,9 @@
 //! reservations. Each tenant's view has its own lock now: while one tenant's view is in use,
 //! another tenant's is loaded and used.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -5,6 +5,9 @@
 //! the log gives the same nodes and reservations. Seeded: set `BC_TEST_SEED` to replay; the
 //! seed is printed when a case fails.
 
+// A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 

@@ -206,6 +206,8 @@ pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, mut shutdow
 }
 
 #[cfg(test)]
+// Tests, outside the simulator: fresh random ids and the real clock (clippy.toml).
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::sync::Arc;
 

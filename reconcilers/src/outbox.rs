@@ -129,6 +129,10 @@ pub struct RunnerConfig {
 }
 
 impl RunnerConfig {
+    /// A real process's defaults: its owner name (the PID and a fresh ULID, so two processes'
+    /// leases never share an owner) and the jitter's seed from the OS's randomness. Both are
+    /// fields a caller that must repeat itself (a test, the simulator) sets (clippy.toml).
+    #[allow(clippy::disallowed_methods)]
     pub fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
             owner: format!("{}-{}", std::process::id(), ulid::Ulid::generate().to_string().to_lowercase()),
@@ -428,11 +432,12 @@ pub async fn attempt(
     rng: &std::sync::Mutex<rand::rngs::StdRng>,
     item: &WorkItem,
 ) -> (Attempt, Outcome) {
+    // On the config's clock: the end of the attempt decides when the next one is due, so it is
+    // the clock's (a ManualClock that does not move makes the latency 0), never the wall's.
     let started = config.clock.now_ms();
-    let clock_started = std::time::Instant::now();
     let handled = consumer.handle(store, item).await;
-    let latency_ms = clock_started.elapsed().as_millis() as u64;
-    let ended = started.saturating_add(latency_ms);
+    let ended = config.clock.now_ms().max(started);
+    let latency_ms = ended - started;
     let outcome = if handled.ok {
         Outcome::Done
     } else if handled.retryable && item.round_attempts < config.retry.attempts_max {

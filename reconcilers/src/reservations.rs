@@ -193,6 +193,8 @@ pub async fn run(
 }
 
 #[cfg(test)]
+// Tests, outside the simulator: fresh random ids and the real clock (clippy.toml).
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::sync::Arc;
 

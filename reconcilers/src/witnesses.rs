@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bc_core::audit;
 use bc_core::id::TenantId;
@@ -52,8 +52,8 @@ impl Witness {
 struct Peer {
     /// The size this witness last said it has, per tenant.
     sizes: HashMap<TenantId, u64>,
-    /// Not before this instant (back-off), and the current back-off.
-    retry_at: Option<Instant>,
+    /// Not before this time (ms, the log's clock: back-off), and the current back-off.
+    retry_at_ms: Option<u64>,
     backoff_ms: u64,
 }
 
@@ -142,18 +142,18 @@ pub async fn run(log: Arc<Log>, witnesses: Vec<Witness>, mut shutdown: tokio::sy
             let Ok(Some(cp)) = audit::newest_checkpoint(&*log.store, tenant).await else { continue };
             let note = cp.cosigned_note();
             for (w, peer) in witnesses.iter().zip(peers.iter_mut()) {
-                if w.key.cosigned(&note) || peer.retry_at.is_some_and(|at| Instant::now() < at) {
+                if w.key.cosigned(&note) || peer.retry_at_ms.is_some_and(|at| log.clock.now_ms() < at) {
                     continue;
                 }
                 match witness_one(&log, &http, w, peer, tenant, &cp).await {
                     Ok(()) => {
                         tracing::info!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, "cosigned");
-                        peer.retry_at = None;
+                        peer.retry_at_ms = None;
                         peer.backoff_ms = 0;
                     }
                     Err(e) => {
                         peer.backoff_ms = (peer.backoff_ms * 2).clamp(BACKOFF_MS_MIN, BACKOFF_MS_MAX);
-                        peer.retry_at = Some(Instant::now() + Duration::from_millis(peer.backoff_ms));
+                        peer.retry_at_ms = Some(log.clock.now_ms().saturating_add(peer.backoff_ms));
                         tracing::warn!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, retry_ms = peer.backoff_ms, error = %e, "witness did not cosign");
                     }
                 }

@@ -23,6 +23,11 @@
 //! - **Liveness**: the faults and the workload stop; within [`LIVENESS_BOUND_MS`] of simulated
 //!   time every active reservation is bound and every agent holds exactly what the control plane
 //!   says, or the run fails.
+//! - **Timeline** ([`Options::timeline`], `--report`): a sample of the series (GPU utilization,
+//!   queue depth, nodes up, faults injected, checks passed) at the start, after every reconciler
+//!   pass and fault, and at the end, and the marks (the liveness phase, the first failure), in a
+//!   bounded [`Timeline`]. Observing only reads rows and the agents' state and draws nothing
+//!   from the seed, so the run and its digest are the same with or without it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
