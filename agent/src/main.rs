@@ -45,10 +45,9 @@ fn command(name: &'static str) -> Command {
                     .help("node (the only role this build has)"),
             )
             .arg(
-                Arg::new("node-id")
-                    .long("node-id")
-                    .value_name("NODE")
-                    .help("the node an installed system joins as (a bare-metal deploy's join token); implies --attestor provisioned"),
+                Arg::new("node-id").long("node-id").value_name("NODE").help(
+                    "the node an installed system joins as (a bare-metal deploy's join token); implies --attestor provisioned",
+                ),
             )
             .arg(
                 Arg::new("attestor")
@@ -343,7 +342,10 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
         (Some("join-token"), _) | (Some("provisioned"), Some(_)) => {}
         (Some("provisioned"), None) => return fail(join::usage("--attestor provisioned needs --node-id")),
         (other, _) => {
-            return fail(join::usage(format!("--attestor {:?} is not one this build has (join-token, provisioned)", other.unwrap_or(""))));
+            return fail(join::usage(format!(
+                "--attestor {:?} is not one this build has (join-token, provisioned)",
+                other.unwrap_or("")
+            )));
         }
     }
     if let Some(want) = &node_id {
@@ -351,7 +353,9 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
             Ok(Some(joined)) if joined != *want => {
                 return fail(join::JoinError {
                     exit: 1,
-                    message: format!("this machine already joined as {joined}, not {want} (bcd join --reset --yes to join again)"),
+                    message: format!(
+                        "this machine already joined as {joined}, not {want} (bcd join --reset --yes to join again)"
+                    ),
                 });
             }
             Ok(_) => {}

@@ -124,7 +124,8 @@ async fn replay() -> (f64, f64, f64) {
     let machine_dir = dir.path().join("machine");
     let config = agent_config(&machine_dir, &agents, None, &key.pin());
     let joined =
-        bc_agent::join::join(&config, bc_agent::token::Token { secret, source: bc_agent::token::Source::Stdin }, None, None).await;
+        bc_agent::join::join(&config, bc_agent::token::Token { secret, source: bc_agent::token::Source::Stdin }, None, None)
+            .await;
     assert!(joined.is_ok(), "the bench's join failed");
     let identity = load_identity(&config).unwrap().unwrap();
     let node: bc_core::id::NodeId = identity.identity.node_id.parse().unwrap();

@@ -192,7 +192,8 @@ pub fn replay(args: ReplayArgs<'_>) -> Result<Value, CliError> {
     let mut replayed = replayed;
     let what_if = what_if.map(|w| (w.finish(), w));
     if let (Some((found, _)), Some(timeline), Some(first)) = (&what_if, replayed.timeline.as_mut(), first_at_ms)
-        && let Some(at_ms) = found["firstDivergence"]["whatIf"]["atMs"].as_u64().or(found["firstDivergence"]["baseline"]["atMs"].as_u64())
+        && let Some(at_ms) =
+            found["firstDivergence"]["whatIf"]["atMs"].as_u64().or(found["firstDivergence"]["baseline"]["atMs"].as_u64())
     {
         let seq = found["firstDivergence"]["afterSeq"].as_u64().unwrap_or(0);
         timeline.mark(

@@ -41,7 +41,9 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
     match code {
         ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
         ErrorCode::NotFound => StatusCode::NOT_FOUND,
-        ErrorCode::Conflict | ErrorCode::InvalidState | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => StatusCode::CONFLICT,
+        ErrorCode::Conflict | ErrorCode::InvalidState | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => {
+            StatusCode::CONFLICT
+        }
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::AccessDenied | ErrorCode::QuotaExceeded => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

@@ -137,7 +137,9 @@ pub fn recipe(state: MetalState, power: Option<&str>) -> Option<&'static [Step]>
             St::WaitAgent,
         ],
         S::Deleting => &[St::PowerOff, St::WaitPowerOff, St::EjectMedia],
-        S::Rescuing => &[St::PowerOff, St::WaitPowerOff, St::EjectMedia, St::InsertMedia, St::BootOnceCd, St::PowerOn, St::WaitPowerOn],
+        S::Rescuing => {
+            &[St::PowerOff, St::WaitPowerOff, St::EjectMedia, St::InsertMedia, St::BootOnceCd, St::PowerOn, St::WaitPowerOn]
+        }
         S::Unrescuing => &[St::PowerOff, St::WaitPowerOff, St::EjectMedia, St::PowerOn, St::WaitPowerOn],
         // The wait states continue the workflow of the state before them.
         _ => return None,
@@ -370,10 +372,7 @@ pub fn fold_workflow(workflow: &mut Workflow, event: &StoredEvent) -> Result<()>
 
 /// The workflow an event names (what its row is keyed by).
 pub fn workflow_of(payload: &Value) -> Option<&str> {
-    payload
-        .get("workflowId")
-        .or_else(|| payload.get("workflow").and_then(|w| w.get("workflowId")))
-        .and_then(Value::as_str)
+    payload.get("workflowId").or_else(|| payload.get("workflow").and_then(|w| w.get("workflowId"))).and_then(Value::as_str)
 }
 
 /// The fold of a `metal.*` event into the machine's document or a workflow's row.

@@ -918,7 +918,7 @@ fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
                 envelope: Envelope {
                     tenant: TENANT.parse().unwrap(),
                     seq: 2 + i as u64,
-                    id: bc_core::id::EventId::generate(),
+                    id: bc_core::id::EventId::from_ulid(ulid::Ulid::from_parts(started, i as u128)),
                     stream: "metal/node_x".into(),
                     version: 2 + i as u64,
                     event_type: event.event_type.clone(),

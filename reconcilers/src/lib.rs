@@ -53,4 +53,5 @@ pub(crate) async fn idle(
 /// Every outbox consumer this version knows, by name.
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
-pub const RECONCILERS: &[&str] = &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME, metal::NAME];
+pub const RECONCILERS: &[&str] =
+    &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME, metal::NAME];

@@ -115,14 +115,10 @@ impl Metal {
             "pin" => BmcTls::Pin { pin: doc.bmc.pin.clone().unwrap_or_default() },
             _ => BmcTls::Insecure,
         };
-        let address = url::Url::parse(&doc.bmc.address).map_err(|e| credentials(format!("the BMC address does not parse: {e}")))?;
-        let target = BmcTarget {
-            address,
-            system_path: doc.bmc.system_path.clone(),
-            username: doc.bmc.username.clone(),
-            password,
-            tls,
-        };
+        let address =
+            url::Url::parse(&doc.bmc.address).map_err(|e| credentials(format!("the BMC address does not parse: {e}")))?;
+        let target =
+            BmcTarget { address, system_path: doc.bmc.system_path.clone(), username: doc.bmc.username.clone(), password, tls };
         self.connector.connect(&target).map_err(failed)
     }
 
@@ -154,8 +150,11 @@ impl Metal {
                     }
                 }
                 Step::PowerOff | Step::PowerOn => {
-                    let (want, reset) =
-                        if step == Step::PowerOff { (PowerState::Off, ResetType::ForceOff) } else { (PowerState::On, ResetType::On) };
+                    let (want, reset) = if step == Step::PowerOff {
+                        (PowerState::Off, ResetType::ForceOff)
+                    } else {
+                        (PowerState::On, ResetType::On)
+                    };
                     if bmc.system().await?.power_state == Some(want) {
                         done(power_text(Some(want)))
                     } else {
@@ -338,7 +337,8 @@ impl Metal {
         let mut done = Pass::default();
         for tenant in self.log.store.tenants().await? {
             let machines = self.machines(&tenant.to_string()).await?;
-            let mut turns = futures::stream::iter(machines.into_iter().map(|doc| self.machine(doc))).buffer_unordered(CONCURRENCY);
+            let mut turns =
+                futures::stream::iter(machines.into_iter().map(|doc| self.machine(doc))).buffer_unordered(CONCURRENCY);
             while let Some(p) = turns.next().await {
                 done.add(p);
             }
@@ -369,7 +369,15 @@ pub async fn run(metal: Arc<Metal>, tick_ms: u64, mut shutdown: tokio::sync::wat
                 ];
                 status.pass(started_at_ms, Ok(&counts)).await;
                 if p.any() {
-                    tracing::info!(reconciler = NAME, steps = p.steps, retried = p.retried, failed = p.failed, drifted = p.drifted, conflicts = p.conflicts, "pass");
+                    tracing::info!(
+                        reconciler = NAME,
+                        steps = p.steps,
+                        retried = p.retried,
+                        failed = p.failed,
+                        drifted = p.drifted,
+                        conflicts = p.conflicts,
+                        "pass"
+                    );
                 }
             }
             Err(e) => {

@@ -1,6 +1,8 @@
 //! The `metal` reconciler on a virtual clock against fake BMCs: the whole lifecycle, each
 //! misbehaving BMC ending in a named state with a reason within its bound, power drift, and a
 //! reconciler restarted at every step of a deploy recording each transition once.
+// Fixtures' ids (tenants, nodes, tokens) only name things; the clock is the manual one.
+#![allow(clippy::disallowed_methods)]
 
 use std::sync::Arc;
 
@@ -35,7 +37,8 @@ async fn world() -> World {
     let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap());
     store.migrate().await.unwrap();
     let clock = Arc::new(ManualClock::new(1_800_000_000_000));
-    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
+    let log =
+        Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
     let tenant = TenantId::generate();
     let node = NodeId::generate().to_string();
     let enrolled = ev::MetalEnrolled {
@@ -78,7 +81,8 @@ impl World {
     async fn verb(&self, verb: Verb, image: Option<(&str, &str)>, token: Option<&str>, power: Option<&str>) -> MetalDoc {
         let doc = self.doc().await;
         let wf = WorkflowId::generate().to_string();
-        let input = VerbInput { now_ms: self.clock.now(), workflow_id: &wf, image, join_token_id: token, power, if_version: None };
+        let input =
+            VerbInput { now_ms: self.clock.now(), workflow_id: &wf, image, join_token_id: token, power, if_version: None };
         let append = decide::metal_verb(&doc, verb, &input).unwrap_or_else(|e| panic!("{verb} in {}: {e}", doc.state));
         self.log.append(append.into_request(self.tenant, "test")).await.unwrap();
         self.doc().await
@@ -102,7 +106,10 @@ impl World {
         let stream = stream_of(KIND_JOIN_TOKEN, &token);
         let row = self.store.row_get(&self.tenant.to_string(), KIND_JOIN_TOKEN, token).await.unwrap().unwrap();
         let version = row.doc["version"].as_u64().unwrap();
-        self.log.append(AppendRequest::new(self.tenant, stream, ExpectedVersion::Exact(version), "test", vec![used])).await.unwrap();
+        self.log
+            .append(AppendRequest::new(self.tenant, stream, ExpectedVersion::Exact(version), "test", vec![used]))
+            .await
+            .unwrap();
     }
 
     async fn events(&self) -> Vec<bc_core::event::StoredEvent> {

@@ -81,7 +81,8 @@ impl Decision {
 
     /// What two decisions are compared by (their time may differ by the reconciler's tick).
     fn same(&self, other: &Decision) -> bool {
-        (self.kind, &self.reservation_id, &self.node_id, &self.gpus) == (other.kind, &other.reservation_id, &other.node_id, &other.gpus)
+        (self.kind, &self.reservation_id, &self.node_id, &self.gpus)
+            == (other.kind, &other.reservation_id, &other.node_id, &other.gpus)
     }
 }
 
@@ -117,7 +118,14 @@ fn fold(kind: &str, id: &str, current: Option<Value>, event: &StoredEvent) -> Op
 
 impl World {
     fn new(policy: Policy) -> Self {
-        World { policy, nodes: BTreeMap::new(), live: BTreeMap::new(), decisions: Vec::new(), waits: BTreeMap::new(), held: BTreeMap::new() }
+        World {
+            policy,
+            nodes: BTreeMap::new(),
+            live: BTreeMap::new(),
+            decisions: Vec::new(),
+            waits: BTreeMap::new(),
+            held: BTreeMap::new(),
+        }
     }
 
     /// Runs the plan at `now_ms` and applies what it decides.
@@ -127,7 +135,14 @@ impl World {
             match action {
                 Action::Expire { reservation_id, node_id, .. } => {
                     self.end(&reservation_id);
-                    self.decisions.push(Decision { after_seq, at_ms: now_ms, kind: "expire", reservation_id, node_id, gpus: vec![] });
+                    self.decisions.push(Decision {
+                        after_seq,
+                        at_ms: now_ms,
+                        kind: "expire",
+                        reservation_id,
+                        node_id,
+                        gpus: vec![],
+                    });
                 }
                 Action::Activate { reservation_id, placement, ends_at_ms, .. } => {
                     let Some(rsv) = self.live.get_mut(&reservation_id) else { continue };
@@ -200,7 +215,9 @@ impl World {
         } else if kind == KIND_RESERVATION {
             match t {
                 ev::RESERVATION_REQUESTED => {
-                    if let Some(rsv) = fold(KIND_RESERVATION, id, None, event).and_then(|v| serde_json::from_value::<ReservationDoc>(v).ok()) {
+                    if let Some(rsv) =
+                        fold(KIND_RESERVATION, id, None, event).and_then(|v| serde_json::from_value::<ReservationDoc>(v).ok())
+                    {
                         self.waits.insert(id.to_owned(), (env.at_ms, None));
                         self.live.insert(id.to_owned(), rsv);
                     }
@@ -234,7 +251,11 @@ impl World {
 
     /// GPU-hours given up to `end_ms` (the log's last event).
     fn gpu_hours(&self, end_ms: u64) -> f64 {
-        let ms: u128 = self.held.values().map(|(from, to, gpus)| u128::from(to.min(&end_ms).saturating_sub(*from)) * u128::from(*gpus)).sum();
+        let ms: u128 = self
+            .held
+            .values()
+            .map(|(from, to, gpus)| u128::from(to.min(&end_ms).saturating_sub(*from)) * u128::from(*gpus))
+            .sum();
         (ms as f64 / 3_600_000.0 * 1000.0).round() / 1000.0
     }
 }
@@ -275,7 +296,9 @@ fn logged(event: &StoredEvent, out: &mut Vec<Decision>) {
 
 /// The first index where two decision streams differ (by reservation, node and GPUs), if any.
 fn first_difference(a: &[Decision], b: &[Decision], compare_nodes: bool) -> Option<usize> {
-    let same = |x: &Decision, y: &Decision| if compare_nodes { x.same(y) } else { (x.kind, &x.reservation_id) == (y.kind, &y.reservation_id) };
+    let same = |x: &Decision, y: &Decision| {
+        if compare_nodes { x.same(y) } else { (x.kind, &x.reservation_id) == (y.kind, &y.reservation_id) }
+    };
     (0..a.len().max(b.len())).find(|&i| match (a.get(i), b.get(i)) {
         (Some(x), Some(y)) => !same(x, y),
         _ => true,

@@ -259,4 +259,3 @@ pub fn power_history(notifications: &Notifications, uuid: &str) -> Vec<String> {
     }
     history
 }
-

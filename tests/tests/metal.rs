@@ -158,7 +158,10 @@ async fn rack(server_args: &[&str]) -> Rack {
     let sha256 = hex::encode(sha2::Sha256::digest(&iso));
     let images = bc_tests::ImageServer::start("installer.iso", iso);
     let (status, image) = server
-        .call("images.register", serde_json::json!({ "name": "installer", "url": images.url, "sha256": sha256, "diskFormat": "iso" }))
+        .call(
+            "images.register",
+            serde_json::json!({ "name": "installer", "url": images.url, "sha256": sha256, "diskFormat": "iso" }),
+        )
         .await;
     assert_eq!(status, 200, "{image}");
     let image = image["imageId"].as_str().unwrap().to_owned();
@@ -205,10 +208,7 @@ impl Rack {
     fn wait_state(&self, node: &str, state: &str, within: Duration) -> Value {
         wait_until(&format!("{node} is {state}"), within, || {
             let machine = self.machine(node);
-            assert!(
-                machine["workflow"]["outcome"] != "failed" || machine["state"] == state,
-                "the workflow failed: {machine}"
-            );
+            assert!(machine["workflow"]["outcome"] != "failed" || machine["state"] == state, "the workflow failed: {machine}");
             (machine["state"] == state && machine["workflow"]["outcome"] != "running").then_some(machine)
         })
     }
@@ -235,7 +235,8 @@ impl Rack {
         let config = std::fs::read_to_string(machine.config()).unwrap();
         std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\n")).unwrap();
         let token = token_file.display().to_string();
-        let (code, out, err) = machine.bcd(&["join", "--node-id", node, "--token-file", &token, "--config", &machine.config()], &[], None);
+        let (code, out, err) =
+            machine.bcd(&["join", "--node-id", node, "--token-file", &token, "--config", &machine.config()], &[], None);
         assert_eq!(code, 0, "bcd join --node-id: {out}{err}");
         assert!(out.contains(&format!("joined as {node}")), "{out}");
         machine
@@ -254,9 +255,12 @@ impl Rack {
         for event in page["items"].as_array().unwrap().iter().filter(|e| e["stream"] == stream.as_str()) {
             let p = &event["payload"];
             match event["type"].as_str().unwrap() {
-                "metal.transitioned" => {
-                    transitions.push(format!("{}:{}>{}", p["verb"].as_str().unwrap(), p["from"].as_str().unwrap(), p["to"].as_str().unwrap()))
-                }
+                "metal.transitioned" => transitions.push(format!(
+                    "{}:{}>{}",
+                    p["verb"].as_str().unwrap(),
+                    p["from"].as_str().unwrap(),
+                    p["to"].as_str().unwrap()
+                )),
                 "metal.step_done" => steps.push(format!("{}/{}", p["workflowId"].as_str().unwrap(), p["index"])),
                 _ => {}
             }
@@ -309,7 +313,10 @@ async fn a_machine_is_deployed_through_a_redfish_bmc_joins_as_its_node_and_is_un
     });
     let state = rack.notifications.of(SYSTEM_A).last().cloned().unwrap();
     assert_eq!(state["power_state"], "On", "booted: {state}");
-    assert!(state["boot_image"]["Cd"][0].as_str().is_some_and(|f| f.ends_with("installer.iso")), "the ISO is in the virtual CD: {state}");
+    assert!(
+        state["boot_image"]["Cd"][0].as_str().is_some_and(|f| f.ends_with("installer.iso")),
+        "the ISO is in the virtual CD: {state}"
+    );
     let boots = rack.boot_devices(SYSTEM_A).iter().filter(|d| *d == "Cd").count() - boots_before;
     assert_eq!(boots, 1, "the boot override is set once: {:?}", rack.boot_devices(SYSTEM_A));
     assert!(rack.notifications.of(SYSTEM_B).is_empty(), "the other system was left alone");
@@ -398,7 +405,10 @@ async fn a_metal_reconciler_killed_through_a_deploy_resumes_and_records_each_tra
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         std::thread::sleep(Duration::from_millis(400 + (rng >> 33) % 2100));
         let machine = rack.machine(&node);
-        let step = machine["workflow"]["steps"].as_array().and_then(|s| s.iter().find(|s| s["state"] == "running")).map(|s| s["name"].clone());
+        let step = machine["workflow"]["steps"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["state"] == "running"))
+            .map(|s| s["name"].clone());
         states_killed_in.insert(format!("{}/{}", machine["state"].as_str().unwrap(), step.unwrap_or_default()));
         reconciler.kill9();
         assert_ne!(machine["state"], "deploy-failed", "{machine}");

@@ -272,7 +272,8 @@ async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
     let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
     let mut nodes = Vec::new();
     for n in 0..2 {
-        let (status, node) = server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
+        let (status, node) =
+            server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
         assert_eq!(status, 200, "{node}");
         nodes.push(node["nodeId"].as_str().unwrap().to_owned());
     }
@@ -281,7 +282,8 @@ async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
         let server = &server;
         let pool = pool.clone();
         async move {
-            let (status, r) = server.call("reservations.create", json!({ "poolId": pool, "gpus": gpus, "durationS": 3600 })).await;
+            let (status, r) =
+                server.call("reservations.create", json!({ "poolId": pool, "gpus": gpus, "durationS": 3600 })).await;
             assert_eq!(status, 200, "{r}");
             r
         }
@@ -294,7 +296,10 @@ async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
     let c = reserve(2).await;
     let d = reserve(1).await;
     assert_eq!([&e, &a, &b].map(|r| r["state"].as_str().unwrap()), ["active"; 3]);
-    assert_eq!((a["nodeId"].as_str(), c["state"].as_str(), d["state"].as_str()), (Some(nodes[0].as_str()), Some("queued"), Some("queued")));
+    assert_eq!(
+        (a["nodeId"].as_str(), c["state"].as_str(), d["state"].as_str()),
+        (Some(nodes[0].as_str()), Some("queued"), Some("queued"))
+    );
     let (status, released) = server.call("reservations.release", json!({ "reservationId": a["reservationId"] })).await;
     assert_eq!(status, 200, "{released}");
     let id = |r: &Value| r["reservationId"].as_str().unwrap().to_owned();
@@ -312,7 +317,8 @@ async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
     let work = tempfile::tempdir().unwrap();
     let file = work.path().join("root.bcx").display().to_string();
     let data_dir = server.data_dir.display().to_string();
-    let (code, _, err) = cli(&["events", "export", "--tenant", &TenantId::ROOT.to_string(), "--data-dir", &data_dir, "--out", &file], &[]);
+    let (code, _, err) =
+        cli(&["events", "export", "--tenant", &TenantId::ROOT.to_string(), "--data-dir", &data_dir, "--out", &file], &[]);
     assert_eq!(code, 0, "{err}");
     let pin = log_key_pin(&server);
 
@@ -324,16 +330,29 @@ async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
 
     // Backfill: D goes at once on n0's free GPU; C still waits for A's release.
     let report = work.path().join("what-if.html");
-    let (code, backfill, err) = replay(&[&file, "--log-key-pin", &pin, "--what-if", "queue=backfill", "--report", &report.display().to_string()]);
+    let (code, backfill, err) =
+        replay(&[&file, "--log-key-pin", &pin, "--what-if", "queue=backfill", "--report", &report.display().to_string()]);
     assert_eq!(code, 0, "{err}");
     let found = &backfill["whatIf"];
     assert_eq!(found["policy"], json!({ "queue": "backfill", "placement": "tightest-fit" }), "{found}");
     assert_eq!(found["baseline"]["reproducesLog"], true, "{found}");
     let divergence = &found["firstDivergence"];
-    assert_eq!((divergence["whatIf"]["action"].as_str(), divergence["whatIf"]["reservationId"].as_str()), (Some("activate"), Some(id(&d).as_str())), "{divergence}");
+    assert_eq!(
+        (divergence["whatIf"]["action"].as_str(), divergence["whatIf"]["reservationId"].as_str()),
+        (Some("activate"), Some(id(&d).as_str())),
+        "{divergence}"
+    );
     assert_eq!(divergence["whatIf"]["nodeId"], nodes[0].as_str(), "{divergence}");
-    assert_eq!(divergence["baseline"]["reservationId"], id(&c).as_str(), "the baseline's next decision: C, at A's release: {divergence}");
-    assert_eq!((found["followed"]["activatedEarlier"].as_u64(), found["followed"]["activatedLater"].as_u64()), (Some(1), Some(0)), "{found}");
+    assert_eq!(
+        divergence["baseline"]["reservationId"],
+        id(&c).as_str(),
+        "the baseline's next decision: C, at A's release: {divergence}"
+    );
+    assert_eq!(
+        (found["followed"]["activatedEarlier"].as_u64(), found["followed"]["activatedLater"].as_u64()),
+        (Some(1), Some(0)),
+        "{found}"
+    );
     let page = std::fs::read_to_string(&report).unwrap();
     assert!(page.contains("mark-divergence"), "the report marks the divergence");
 
@@ -342,7 +361,11 @@ async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
     assert_eq!(code, 0, "{err}");
     let divergence = &spread["whatIf"]["firstDivergence"];
     assert_eq!(divergence["whatIf"]["reservationId"], id(&a).as_str(), "{divergence}");
-    assert_eq!((divergence["baseline"]["nodeId"].as_str(), divergence["whatIf"]["nodeId"].as_str()), (Some(nodes[0].as_str()), Some(nodes[1].as_str())), "{divergence}");
+    assert_eq!(
+        (divergence["baseline"]["nodeId"].as_str(), divergence["whatIf"]["nodeId"].as_str()),
+        (Some(nodes[0].as_str()), Some(nodes[1].as_str())),
+        "{divergence}"
+    );
     assert_eq!(spread["whatIf"]["followed"]["activatedLater"], 1, "B waits: {spread}");
 
     // Bad keys and values: usage errors naming what is taken.

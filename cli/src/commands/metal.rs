@@ -68,7 +68,11 @@ async fn settle(ctx: &Context, c: &Client, mut machine: Value, wait: MetalWait) 
             .and_then(|s| s["name"].as_str())
             .unwrap_or("-")
             .to_owned();
-        let line = format!("{}: {} at step {step}", machine["state"].as_str().unwrap_or("?"), machine["workflow"]["verb"].as_str().unwrap_or("?"));
+        let line = format!(
+            "{}: {} at step {step}",
+            machine["state"].as_str().unwrap_or("?"),
+            machine["workflow"]["verb"].as_str().unwrap_or("?")
+        );
         if line != shown {
             eprintln!("{line}…");
             shown = line;
@@ -87,9 +91,10 @@ async fn settle(ctx: &Context, c: &Client, mut machine: Value, wait: MetalWait) 
 
 pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
     let c = ctx.client()?;
-    let simple = |method: &'static str, verb: MachineVerbArgs| -> Result<(&'static str, Map<String, Value>, MetalWait), CliError> {
-        Ok((method, machine_body(ctx, &verb)?, verb.wait))
-    };
+    let simple =
+        |method: &'static str, verb: MachineVerbArgs| -> Result<(&'static str, Map<String, Value>, MetalWait), CliError> {
+            Ok((method, machine_body(ctx, &verb)?, verb.wait))
+        };
     let (method, body, wait) = match command {
         MetalCommand::Enroll {
             pool,
@@ -107,7 +112,9 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
             body.insert("name".into(), json!(name));
             if !bmc_address.starts_with("https://") {
-                return Err(CliError::usage("--bmc-address must be https://: the BMC's password never crosses a network in clear text"));
+                return Err(CliError::usage(
+                    "--bmc-address must be https://: the BMC's password never crosses a network in clear text",
+                ));
             }
             body.insert("bmcAddress".into(), json!(bmc_address));
             body.insert("bmcUsername".into(), json!(bmc_username));
@@ -117,7 +124,10 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             }
             match (bmc_ca_file, bmc_pin, bmc_insecure) {
                 (Some(ca), None, false) => {
-                    body.insert("bmcTls".into(), json!({ "mode": "ca", "caPem": read_file("--bmc-ca-file", &ca, CA_FILE_BYTES_MAX)? }));
+                    body.insert(
+                        "bmcTls".into(),
+                        json!({ "mode": "ca", "caPem": read_file("--bmc-ca-file", &ca, CA_FILE_BYTES_MAX)? }),
+                    );
                 }
                 (None, Some(pin), false) => {
                     body.insert("bmcTls".into(), json!({ "mode": "pin", "pin": pin }));
@@ -127,7 +137,9 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
                     body.insert("bmcTls".into(), json!({ "mode": "insecure" }));
                 }
                 _ => {
-                    return Err(CliError::usage("say how the BMC's certificate is checked: --bmc-ca-file, --bmc-pin or --bmc-insecure"));
+                    return Err(CliError::usage(
+                        "say how the BMC's certificate is checked: --bmc-ca-file, --bmc-pin or --bmc-insecure",
+                    ));
                 }
             }
             let machine = c.call("metal.enroll", &Value::Object(body), Some(&idempotency_key(&key.key))).await?;
@@ -160,7 +172,8 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             let answer = c.call("metal.deploy", &Value::Object(body), None).await?;
             if let Some(token) = answer["joinToken"].as_str() {
                 bc_core::keys::write_secret_file(&token_out, format!("{token}\n").as_bytes()).map_err(|e| {
-                    CliError::from(e).hint("the deploy started; abort it (metal abort) and deploy again with a writable --token-out")
+                    CliError::from(e)
+                        .hint("the deploy started; abort it (metal abort) and deploy again with a writable --token-out")
                 })?;
                 eprintln!("join token written to {} (0600)", token_out.display());
             }

@@ -20,14 +20,16 @@ pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
             };
             return crate::sim::run(args, json).await;
         }
-        SimCommand::Replay { file, log_key_pin, until, rows_out, report, what_if } => crate::sim::replay(crate::sim::ReplayArgs {
-            file: &file,
-            pin: &log_key_pin,
-            until,
-            rows_out: rows_out.as_deref(),
-            report: report.as_deref(),
-            what_if: &what_if,
-        })?,
+        SimCommand::Replay { file, log_key_pin, until, rows_out, report, what_if } => {
+            crate::sim::replay(crate::sim::ReplayArgs {
+                file: &file,
+                pin: &log_key_pin,
+                until,
+                rows_out: rows_out.as_deref(),
+                report: report.as_deref(),
+                what_if: &what_if,
+            })?
+        }
     };
     ctx.print(&value, Format::Json)
 }

@@ -21,8 +21,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::toolkit::{
-    CursorText, ImageIdText, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, WorkflowIdText, doc, list_rows,
-    parse_id, stream_id, string_schema, validate_name, validate_text,
+    CursorText, ImageIdText, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, WorkflowIdText,
+    doc, list_rows, parse_id, stream_id, string_schema, validate_name, validate_text,
 };
 use super::views::{MetalView, WorkflowView};
 use super::{Access, Call, Method, method};
@@ -510,8 +510,14 @@ async fn simple(call: &Call<'_>, input: MachineVerb, v: Verb) -> Result<MetalVie
     let tenant = call.tenant(&input.tenant_id).await?;
     let doc = machine_doc(call, tenant, &input.node_id).await?;
     let wf = workflow_id(call);
-    verb(call, tenant, &doc, v, VerbInput { now_ms: call.now_ms(), workflow_id: &wf, if_version: input.if_version, ..Default::default() })
-        .await
+    verb(
+        call,
+        tenant,
+        &doc,
+        v,
+        VerbInput { now_ms: call.now_ms(), workflow_id: &wf, if_version: input.if_version, ..Default::default() },
+    )
+    .await
 }
 
 async fn metal_manage(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
@@ -601,7 +607,13 @@ async fn metal_deploy(call: &Call<'_>, input: MetalDeploy) -> Result<MetalDeploy
 /// A deploy (or its retry): the transition and a join token bound to the node, in one append;
 /// the token's hash is stored once the append committed (a crash in between leaves a token
 /// no one can use, and the deploy times out with that reason).
-async fn deploy(call: &Call<'_>, tenant: TenantId, doc: &MetalDoc, image: &ImageDoc, if_version: Option<u64>) -> Result<(Option<String>, bool)> {
+async fn deploy(
+    call: &Call<'_>,
+    tenant: TenantId,
+    doc: &MetalDoc,
+    image: &ImageDoc,
+    if_version: Option<u64>,
+) -> Result<(Option<String>, bool)> {
     let wf = workflow_id(call);
     let token_id = JoinTokenId::from_ulid(call.ulid());
     let token_text = token_id.to_string();
@@ -640,7 +652,10 @@ async fn metal_rescue(call: &Call<'_>, input: MetalRescue) -> Result<MetalView> 
 
 async fn metal_power(call: &Call<'_>, input: MetalPower) -> Result<MetalView> {
     if !matches!(input.power.as_str(), "on" | "off" | "reboot") {
-        return Err(Error::invalid(format!("power must be on, off or reboot, not {:?}", bc_core::id::truncate(&input.power, 16))));
+        return Err(Error::invalid(format!(
+            "power must be on, off or reboot, not {:?}",
+            bc_core::id::truncate(&input.power, 16)
+        )));
     }
     let tenant = call.tenant(&input.tenant_id).await?;
     let doc = machine_doc(call, tenant, &input.node_id).await?;
@@ -746,7 +761,9 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
         }
         return Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into());
     }
-    if workflow.outcome != WorkflowOutcome::Failed || machine.workflow.as_ref().is_none_or(|w| w.workflow_id != workflow.workflow_id) {
+    if workflow.outcome != WorkflowOutcome::Failed
+        || machine.workflow.as_ref().is_none_or(|w| w.workflow_id != workflow.workflow_id)
+    {
         return Err(Error::InvalidState {
             message: format!(
                 "workflow {} is {} and is not the machine's last: only the last failed workflow is retried",
@@ -756,11 +773,12 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
             allowed: vec![],
         });
     }
-    let v = Verb::ALL
-        .iter()
-        .copied()
-        .find(|v| v.as_str() == workflow.verb && !v.is_internal())
-        .ok_or_else(|| Error::InvalidState { message: format!("workflow {} ran {}, which is not retried", workflow.workflow_id, workflow.verb), allowed: vec![] })?;
+    let v = Verb::ALL.iter().copied().find(|v| v.as_str() == workflow.verb && !v.is_internal()).ok_or_else(|| {
+        Error::InvalidState {
+            message: format!("workflow {} ran {}, which is not retried", workflow.workflow_id, workflow.verb),
+            allowed: vec![],
+        }
+    })?;
     if v == Verb::Deploy {
         // A deploy mints a join token that only its answer carries: it is retried as a deploy.
         return Err(Error::InvalidState {
@@ -811,7 +829,8 @@ mod tests {
             "https://[::1]",
         ] {
             let taken = address.is_match(text);
-            let parsed = url::Url::parse(text).ok().filter(|u| u.scheme() == "https" && u.path() == "/" && u.username().is_empty());
+            let parsed =
+                url::Url::parse(text).ok().filter(|u| u.scheme() == "https" && u.path() == "/" && u.username().is_empty());
             if taken {
                 assert!(parsed.is_some(), "{text}: the pattern takes what the parser refuses");
             }

@@ -95,12 +95,7 @@ fn transitioned(
 }
 
 fn on_machine(doc: &MetalDoc, events: Vec<NewEvent>) -> Append {
-    Append {
-        stream: stream_of(KIND_METAL, &doc.node_id),
-        expected: ExpectedVersion::Exact(doc.version),
-        guards: vec![],
-        events,
-    }
+    Append { stream: stream_of(KIND_METAL, &doc.node_id), expected: ExpectedVersion::Exact(doc.version), guards: vec![], events }
 }
 
 /// A caller's verb on a machine: the transition (and the workflow it starts), or why not.
@@ -111,7 +106,11 @@ pub fn metal_verb(doc: &MetalDoc, verb: Verb, input: &VerbInput<'_>) -> Result<A
     if let Some(expected) = input.if_version
         && expected != doc.version
     {
-        return Err(Error::Conflict { stream: stream_of(KIND_METAL, &doc.node_id), expected: expected.to_string(), actual: doc.version });
+        return Err(Error::Conflict {
+            stream: stream_of(KIND_METAL, &doc.node_id),
+            expected: expected.to_string(),
+            actual: doc.version,
+        });
     }
     if let Some(running) = doc.running() {
         // Only an abort stops a running workflow: in a wait state by the table, in a stable
@@ -189,7 +188,11 @@ pub fn metal_plan(doc: &MetalDoc, now_ms: u64) -> MetalPlan {
         let step = workflow.current().map_or("its last step", Step::as_str);
         let mut reason = format!(
             "{} did not finish within its deadline of {} s (at step {step})",
-            if doc.state.is_stable() { format!("power {}", workflow.power.as_deref().unwrap_or("change")) } else { doc.state.to_string() },
+            if doc.state.is_stable() {
+                format!("power {}", workflow.power.as_deref().unwrap_or("change"))
+            } else {
+                doc.state.to_string()
+            },
             workflow.deadline_at_ms.saturating_sub(workflow.started_at_ms) / 1000,
         );
         if let Some(error) = &workflow.last_error {
@@ -234,7 +237,13 @@ pub fn step_backoff_ms(attempts: u32) -> u64 {
 /// What follows from one step's result; `next_workflow_id` names the workflow the next state
 /// runs, if finishing this one moves the machine into a state that runs one (deleting →
 /// cleaning). `None`: nothing to append.
-pub fn metal_step(doc: &MetalDoc, step: Step, result: StepResult, now_ms: u64, next_workflow_id: &str) -> Result<Option<Append>, Error> {
+pub fn metal_step(
+    doc: &MetalDoc,
+    step: Step,
+    result: StepResult,
+    now_ms: u64,
+    next_workflow_id: &str,
+) -> Result<Option<Append>, Error> {
     let Some(workflow) = doc.running() else { return Ok(None) };
     if workflow.current() != Some(step) {
         return Ok(None);

@@ -247,7 +247,8 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
                 || view.nodes.iter().filter(|(_, n)| n.pool_id == pool_id).map(|(id, n)| changed.get(id.as_str()).unwrap_or(n));
             // Not again on a node where its hold failed, unless no other fits.
             let avoided = nodes().filter(|n| !rsv.hold_failed_nodes.contains(&n.node_id));
-            let placed = if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_by(avoided, &ask, policy.placement) };
+            let placed =
+                if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_by(avoided, &ask, policy.placement) };
             let Some(placed) = placed.or_else(|| placement::place_by(nodes(), &ask, policy.placement)) else {
                 match policy.queue {
                     QueueRule::Fifo => break,
