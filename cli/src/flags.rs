@@ -635,6 +635,10 @@ pub enum SimCommand {
         /// the checker finds the double booking. Never a way to run anything.
         #[arg(long, hide = true)]
         unsafe_no_placement_guard: bool,
+        /// TEST ONLY: appends journal entries without their idempotency key and loses
+        /// deliveries' acknowledgements often, to show that the checker finds the duplicate.
+        #[arg(long, hide = true)]
+        unsafe_no_journal_dedupe: bool,
     },
     /// Verify an `events export` file against the log key's pin and fold its events into the
     /// tenant's projection rows; prints the state's digest and its rows per kind. Exits 1 with

@@ -234,6 +234,7 @@ pub struct RunArgs<'a> {
     pub faults: &'a str,
     pub report: Option<&'a Path>,
     pub unsafe_no_placement_guard: bool,
+    pub unsafe_no_journal_dedupe: bool,
 }
 
 /// Runs the simulation and prints its summary (text, or JSON with `--json`) on stdout; a broken
@@ -248,6 +249,7 @@ pub async fn run(args: RunArgs<'_>, json_out: bool) -> Result<(), CliError> {
         hours: args.hours,
         faults,
         unsafe_no_placement_guard: args.unsafe_no_placement_guard,
+        unsafe_no_journal_dedupe: args.unsafe_no_journal_dedupe,
         timeline: args.report.is_some(),
     };
     options.check().map_err(CliError::usage)?;

@@ -114,6 +114,9 @@ pub enum Fault {
     /// A request is decided on a view up to a minute old (another gateway's): its placement's
     /// node guard must refuse it.
     StaleView,
+    /// A journal delivery's acknowledgement is lost: the agent delivers the same entries again,
+    /// which the log must take once (their idempotency key).
+    LostAcks,
 }
 
 impl Fault {
@@ -126,6 +129,7 @@ impl Fault {
         Fault::AgentCrash,
         Fault::DuplicateCommands,
         Fault::StaleView,
+        Fault::LostAcks,
     ];
 
     pub fn name(self) -> &'static str {
@@ -137,6 +141,7 @@ impl Fault {
             Fault::ClockSkew => "clock-skew",
             Fault::AgentCrash => "agent-crash",
             Fault::DuplicateCommands => "duplicate-commands",
+            Fault::LostAcks => "lost-acks",
             Fault::StaleView => "stale-view",
         }
     }
@@ -171,6 +176,10 @@ pub struct Options {
     /// TEST ONLY: the stale view's placements are appended without their node guard, so the
     /// checker's premise is broken on purpose and it must find a double booking.
     pub unsafe_no_placement_guard: bool,
+    /// TEST ONLY: journal entries are appended without their idempotency key, and deliveries'
+    /// acknowledgements are lost often, so an entry delivered twice is appended twice: the
+    /// checker must find the duplicate.
+    pub unsafe_no_journal_dedupe: bool,
     /// Record the [`Timeline`] a report draws (`sim run --report`). It only reads: the run
     /// decides the same and gives the same digest either way.
     pub timeline: bool,
@@ -208,6 +217,9 @@ impl Options {
         );
         if self.unsafe_no_placement_guard {
             command.push_str(" --unsafe-no-placement-guard");
+        }
+        if self.unsafe_no_journal_dedupe {
+            command.push_str(" --unsafe-no-journal-dedupe");
         }
         command
     }
@@ -310,6 +322,7 @@ struct Sim {
     deaf_until: Vec<u64>,
     crash_next: Vec<bool>,
     again_next: Vec<bool>,
+    lose_ack_next: Vec<bool>,
     /// Per tenant: the mean time between requests, and the stale view (another gateway's).
     arrival_mean_ms: Vec<f64>,
     stale_views: Vec<Option<(Vec<NodeDoc>, Vec<ReservationDoc>)>>,
@@ -338,16 +351,23 @@ fn between(rng: &mut SeededRng, low: u64, high: u64) -> u64 {
 pub async fn run(options: Options) -> Outcome {
     let mut rng = SeededRng(options.seed);
     let shape = Shape { tenants: options.tenants, nodes: options.nodes, gpus_min: NODE_GPUS_MIN, gpus_max: NODE_GPUS_MAX };
-    let world = World::new(options.seed, &mut rng, shape).await;
+    let mut world = World::new(options.seed, &mut rng, shape).await;
+    world.journal_dedupe = !options.unsafe_no_journal_dedupe;
     let mut enabled = BTreeMap::new();
     for fault in &options.faults {
-        if chance(&mut rng, FAULT_ENABLED_P) || (options.unsafe_no_placement_guard && *fault == Fault::StaleView) {
+        let forced = (options.unsafe_no_placement_guard && *fault == Fault::StaleView)
+            || (options.unsafe_no_journal_dedupe && *fault == Fault::LostAcks);
+        if chance(&mut rng, FAULT_ENABLED_P) || forced {
             enabled.insert(*fault, 0.1 + 0.4 * rng.next_unit());
         }
     }
     if options.unsafe_no_placement_guard {
         // The switch is there to be caught: the stale view decides often.
         enabled.insert(Fault::StaleView, 0.5);
+    }
+    if options.unsafe_no_journal_dedupe {
+        // Likewise: acknowledgements are lost often.
+        enabled.insert(Fault::LostAcks, 0.5);
     }
     let nodes = options.nodes;
     let mut sim = Sim {
@@ -359,6 +379,7 @@ pub async fn run(options: Options) -> Outcome {
         deaf_until: vec![0; nodes],
         crash_next: vec![false; nodes],
         again_next: vec![false; nodes],
+        lose_ack_next: vec![false; nodes],
         arrival_mean_ms: vec![],
         stale_views: vec![None; options.tenants],
         out: Outcome { faults_enabled: enabled.keys().map(|f| f.name()).collect(), ..Outcome::default() },
@@ -456,6 +477,7 @@ impl Sim {
             self.deaf_until[a] = 0;
             self.crash_next[a] = false;
             self.again_next[a] = false;
+            self.lose_ack_next[a] = false;
             if self.world.agents[a].runner.is_none() {
                 self.world.agents[a].start().await;
             }
@@ -493,6 +515,9 @@ impl Sim {
     }
 
     async fn step(&mut self) -> Result<(), Violation> {
+        if let Some(why) = self.world.refused.take() {
+            return Err(Violation(format!("a journal entry was delivered twice (duplicated) and {why}")));
+        }
         let Some(((at, _), task)) = self.queue.pop_first() else { return Ok(()) };
         if at > self.world.now_ms() {
             self.world.clock.set_ms(at);
@@ -558,7 +583,7 @@ impl Sim {
             Task::Restart(a) => {
                 if self.world.agents[a].runner.is_none() {
                     self.world.agents[a].start().await;
-                    self.world.deliver(a).await;
+                    self.world.deliver(a, false).await;
                 }
             }
             Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
@@ -664,7 +689,8 @@ impl Sim {
             None
         };
         let deaf = self.deaf_until[a] > self.world.now_ms();
-        self.world.answer(a, crash, again, deaf).await;
+        let lose_ack = std::mem::take(&mut self.lose_ack_next[a]);
+        self.world.answer(a, crash, again, deaf, lose_ack).await;
         if crash {
             let back = between(&mut self.rng, 1_000, 120_000);
             self.after(back, Task::Restart(a));
@@ -858,6 +884,7 @@ impl Sim {
             }
             Fault::AgentCrash => self.crash_next[a] = true,
             Fault::DuplicateCommands => self.again_next[a] = true,
+            Fault::LostAcks => self.lose_ack_next[a] = true,
             Fault::ClockSkew | Fault::StaleView => {}
         }
     }
@@ -979,6 +1006,7 @@ mod tests {
             hours: 1,
             faults: Fault::ALL.to_vec(),
             unsafe_no_placement_guard: false,
+            unsafe_no_journal_dedupe: false,
             timeline: false,
         }
     }

@@ -226,6 +226,11 @@ pub struct World {
     pub tenants: Vec<Tenant>,
     pub fleet: Fleet,
     pub agents: Vec<Agent>,
+    /// Journal entries are appended under their idempotency key (false only for the checker's
+    /// own test, `--unsafe-no-journal-dedupe`).
+    pub journal_dedupe: bool,
+    /// The first journal entry the log refused (a broken invariant the run reports).
+    pub refused: Option<String>,
 }
 
 impl World {
@@ -319,7 +324,7 @@ impl World {
         }
         let fleet = Fleet::new();
         fleet.prime(&*store).await.expect("the fleet primes");
-        World { _dir: dir, store, log, log_key, clock, tenants, fleet, agents }
+        World { _dir: dir, store, log, log_key, clock, tenants, fleet, agents, journal_dedupe: true, refused: None }
     }
 
     pub fn now_ms(&self) -> u64 {
@@ -402,7 +407,7 @@ impl World {
     /// entries wait in its journal for its restart). `again` delivers a command a second time,
     /// which the runner must not run twice. `deaf`: the commands do not reach it (they stay
     /// queued, unanswered); it still retries releases and delivers its journal.
-    pub async fn answer(&mut self, a: usize, crash: bool, again: Option<String>, deaf: bool) {
+    pub async fn answer(&mut self, a: usize, crash: bool, again: Option<String>, deaf: bool, lose_ack: bool) {
         let now = self.now_ms().saturating_add_signed(self.agents[a].skew_ms);
         let t = self.agents[a].tenant;
         if self.agents[a].runner.is_none() {
@@ -440,11 +445,14 @@ impl World {
             agent.runner = None;
             return;
         }
-        self.deliver(a).await;
+        self.deliver(a, lose_ack).await;
     }
 
-    /// Appends the agent's journal entries the log lacks, as the gateway's session does.
-    pub async fn deliver(&mut self, a: usize) {
+    /// Appends the agent's journal entries the log lacks, as the gateway's session does, each
+    /// under its idempotency key (`journal:NODE:SEQ`), so an entry delivered again is taken
+    /// once. `lose_ack`: the acknowledgement never reaches the agent, which delivers the same
+    /// entries again next time.
+    pub async fn deliver(&mut self, a: usize, lose_ack: bool) {
         let agent = &self.agents[a];
         let tenant = self.tenants[agent.tenant].id;
         let Some(runner) = agent.runner.as_ref() else { return };
@@ -473,12 +481,22 @@ impl World {
                     format!("node:{}", agent.node),
                     vec![event],
                 );
-                request.idempotency_key = Some(format!("journal:{}:{}", agent.node, entry.seq));
-                self.log.append(request).await.expect("the entry is appended");
+                if self.journal_dedupe {
+                    request.idempotency_key = Some(format!("journal:{}:{}", agent.node, entry.seq));
+                }
+                if let Err(e) = self.log.append(request).await {
+                    // Only a broken premise gets here (an entry appended twice, out of order):
+                    // the run reports it; this agent delivers nothing more.
+                    let what = format!("journal entry {} of {} was refused by the log: {e}", entry.seq, agent.node);
+                    self.refused.get_or_insert(what);
+                    return;
+                }
                 delivered = entry.seq;
             }
         }
-        self.agents[a].delivered = delivered;
+        if !lose_ack {
+            self.agents[a].delivered = delivered;
+        }
     }
 
     /// A reservation's events and its node's commands, to explain a failure.

@@ -53,7 +53,7 @@ async fn case(seed: u64) {
                 // A command this node ran delivered again (the gateway sends a node only its own).
                 let ran = &w.agents[a].ran;
                 let again = (chance(&mut rng, 0.2) && !ran.is_empty()).then(|| ran[pick(&mut rng, ran.len())].clone());
-                w.answer(a, crash, again, false).await;
+                w.answer(a, crash, again, false, false).await;
             }
             7 => {
                 // Time passes: sometimes past holds' deadlines and reservations' ends.
@@ -67,7 +67,7 @@ async fn case(seed: u64) {
                     w.agents[a].runner = None;
                 } else {
                     w.agents[a].start().await;
-                    w.deliver(a).await;
+                    w.deliver(a, false).await;
                 }
             }
             9 => {
@@ -90,12 +90,12 @@ async fn case(seed: u64) {
         if w.agents[a].runner.is_none() {
             w.agents[a].start().await;
         }
-        w.deliver(a).await;
+        w.deliver(a, false).await;
     }
     for _ in 0..20 {
         w.pass().await;
         for a in 0..NODES {
-            w.answer(a, false, None, false).await;
+            w.answer(a, false, None, false, false).await;
         }
     }
     check(&w, seed, STEPS).await;

@@ -1,7 +1,8 @@
 //! `better-compute sim run`, from outside: the same seed in two processes gives the same digest
 //! byte for byte and another seed another; the checker finds the double booking a test-only
 //! switch lets in (the node guard of placements decided on a stale view dropped) and prints the
-//! command that repeats it, which does; and a handful of seeds with every fault hold their
+//! command that repeats it, which does; likewise the duplicate journal entry another switch lets in
+//! (entries appended without their idempotency key while acknowledgements get lost); and a handful of seeds with every fault hold their
 //! invariants and settle (`make sim SEEDS=N` runs more).
 
 use std::thread;
@@ -64,6 +65,32 @@ fn without_the_placement_guard_the_checker_finds_a_double_booking_and_its_comman
     let args: Vec<&str> = hint.split_whitespace().collect();
     assert_eq!(&args[..3], &["better-compute", "sim", "run"], "{hint}");
     assert!(args.contains(&"--unsafe-no-placement-guard") && args.contains(&seed.as_str()), "{hint}");
+    let (status, _, again) = cli(&args[1..], &[]);
+    assert_eq!(status, 1);
+    let what = |e: &str| e.lines().find(|l| l.starts_with("SIM_INVARIANT_BROKEN")).map(str::to_owned);
+    assert_eq!(what(&again), what(&err), "the command repeats the same failure");
+}
+
+#[test]
+fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_repeats_it() {
+    let mut found = None;
+    for seed in 1..=UNSAFE_SEEDS_MAX {
+        let seed = seed.to_string();
+        let (status, out, err) =
+            sim(&["--seed", &seed, "--nodes", "6", "--tenants", "1", "--hours", "1", "--unsafe-no-journal-dedupe"]);
+        if status == 0 {
+            continue;
+        }
+        assert_eq!(status, 1, "{out}\n{err}");
+        assert!(err.contains(&format!("SIM_INVARIANT_BROKEN: seed {seed}")), "{err}");
+        found = Some((seed, err));
+        break;
+    }
+    let (seed, err) = found.unwrap_or_else(|| panic!("no duplicate found within {UNSAFE_SEEDS_MAX} seeds"));
+    assert!(err.contains("delivered twice (duplicated)"), "{err}");
+    let hint = err.lines().find_map(|l| l.strip_prefix("hint: repeat it with: ")).expect("the command is printed").to_owned();
+    let args: Vec<&str> = hint.split_whitespace().collect();
+    assert!(args.contains(&"--unsafe-no-journal-dedupe") && args.contains(&seed.as_str()), "{hint}");
     let (status, _, again) = cli(&args[1..], &[]);
     assert_eq!(status, 1);
     let what = |e: &str| e.lines().find(|l| l.starts_with("SIM_INVARIANT_BROKEN")).map(str::to_owned);

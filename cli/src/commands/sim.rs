@@ -8,7 +8,17 @@ use super::Context;
 
 pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
     let value = match command {
-        SimCommand::Run { seed, nodes, tenants, hours, faults, json, report, unsafe_no_placement_guard } => {
+        SimCommand::Run {
+            seed,
+            nodes,
+            tenants,
+            hours,
+            faults,
+            json,
+            report,
+            unsafe_no_placement_guard,
+            unsafe_no_journal_dedupe,
+        } => {
             let args = crate::sim::RunArgs {
                 seed,
                 nodes,
@@ -17,6 +27,7 @@ pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
                 faults: &faults,
                 report: report.as_deref(),
                 unsafe_no_placement_guard,
+                unsafe_no_journal_dedupe,
             };
             return crate::sim::run(args, json).await;
         }
