@@ -93,7 +93,9 @@ sim:
 
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
 ## The fleet bench runs `bcd sim`, so target/release/bcd is left a fakehw build (BC_BENCH_AGENTS,
-## BC_BENCH_RESERVES change its sizes).
+## BC_BENCH_RESERVES change its sizes). The sim bench prints `sim run`'s simulated node-hours per
+## wall-clock second at 1,000 nodes beside the goal (100× real time), and replay's events per second
+## beside the raw append rate (BC_BENCH_SIM_NODES, BC_BENCH_SIM_TENANTS, BC_BENCH_SIM_HOURS).
 bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
@@ -104,6 +106,7 @@ bench: check-postgres
 	$(CARGO) bench -p bc-cli --bench agents
 	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
 	$(CARGO) bench -p bc-cli --bench fleet
+	$(CARGO) bench -p bc-cli --bench sim
 
 ## fmt, and clippy on every target with the test build's features (the agent's fakehw and
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded
