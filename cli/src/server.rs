@@ -491,6 +491,34 @@ fn agents_transport(
     Ok((bc_gateway::agents::Transport::Tls(identity.server_config()?), Some(identity.pin.clone())))
 }
 
+/// Open files a server needs beside its `--connections-max` connections: the database's, the
+/// webhooks' and the agents' own (a rough allowance, for the warning below).
+const FILES_BESIDE_CONNECTIONS: u64 = 256;
+
+/// Raises the soft open-file limit to the hard one, as Go's runtime does at start: the default
+/// `--connections-max` (so that every watcher can hold a connection) is over the usual soft limit
+/// of 1,024. Warns when even the hard limit is short of what `connections_max` needs.
+fn raise_open_file_limit(connections_max: usize) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+        && current < maximum
+        && let Err(e) = setrlimit(Resource::Nofile, Rlimit { current: Some(maximum), maximum: Some(maximum) })
+    {
+        tracing::debug!(error = %e, current, maximum, "could not raise the open-file limit");
+    }
+    let wanted = connections_max as u64 + FILES_BESIDE_CONNECTIONS;
+    if let Some(now) = getrlimit(Resource::Nofile).current
+        && now < wanted
+    {
+        tracing::warn!(
+            limit = now,
+            connections_max,
+            "the open-file limit is below what --connections-max needs; hint: raise it (ulimit -n {wanted}) or lower --connections-max"
+        );
+    }
+}
+
 /// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_server(
@@ -507,6 +535,7 @@ pub async fn run_server(
     agents: &AgentsOptions,
 ) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
+    raise_open_file_limit(limits.connections_max);
     create_private_dir(data_dir)?;
     let store = db.open().await?;
     if migrate_first {

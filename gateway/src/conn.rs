@@ -37,9 +37,11 @@ pub const HEADER_READ_TIMEOUT_S: u64 = 20;
 pub const IDLE_TIMEOUT_S: u64 = 120;
 /// How long a request body may take to arrive once the handler reads it, by default.
 pub const BODY_READ_TIMEOUT_S: u64 = 30;
-/// Connections open at once, by default: well under the usual 1024 file descriptors of a process
-/// with the database's and the webhooks' own.
-pub const CONNECTIONS_MAX: usize = 768;
+/// Connections open at once, by default: room for `watch::WATCHERS_MAX` watchers (one connection
+/// each over HTTP/1.1) and as many again for requests. That is over the usual soft limit of 1,024
+/// open files, so `dev` and `serve` raise their soft limit to the hard one at start, and warn when
+/// even that is short of this plus the database's and the webhooks' own files.
+pub const CONNECTIONS_MAX: usize = 2048;
 /// HTTP/2 keep-alive: a ping this often, and the connection dropped if one is not answered
 /// within as long again.
 pub const HTTP2_KEEP_ALIVE_S: u64 = 20;

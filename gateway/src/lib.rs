@@ -11,7 +11,8 @@
 //!   `gateway/openapi.json`);
 //! - [`audit`]: `GET /audit/{tenant}/checkpoint` and `…/tile/…`, the tree as C2SP tlog-tiles;
 //!   `…/keys` and `…/rotations`, what a monitor holding a pin needs to follow a key rotation;
-//! - [`watch`]: `GET /watch`, the live stream over server-sent events;
+//! - [`watch`]: `GET /watch`, the live stream over server-sent events, served from one shared
+//!   tail of the log per process (`watch::tail`);
 //! - [`auth`]: API keys, tokens, actions;
 //! - [`error`]: the `{code, message, details}` envelope and status mapping;
 //! - [`conn`]: the connections' limits (header, idle, body and write deadlines; the cap on open
@@ -64,6 +65,9 @@ pub struct AppState {
     pub store: Arc<dyn EventStore>,
     /// Connected watchers, bounded in total, per tenant and per key (`watch::WATCHERS_*`).
     pub watchers: Arc<watch::WatcherSlots>,
+    /// The one tail of the log every caught-up watcher is served from (`watch::tail`), started
+    /// by the first watcher.
+    pub watch_tail: Arc<watch::Tail>,
     /// Set when the server stops: long-lived streams end so the graceful shutdown can finish.
     pub shutdown: tokio::sync::watch::Sender<bool>,
     /// Which webhook receivers this deployment accepts.
@@ -156,6 +160,7 @@ impl AppState {
             store: log.store.clone(),
             log,
             watchers: watch::WatcherSlots::new(watch::WatcherLimits::default()),
+            watch_tail: watch::Tail::new(watch::TailLimits::default()),
             shutdown: tokio::sync::watch::channel(false).0,
             webhook_policy: bc_core::webhook::EndpointPolicy::default(),
             fleet: Arc::new(bc_projections::fleet::Fleet::new()),

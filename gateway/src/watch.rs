@@ -4,57 +4,78 @@
 //! Each event goes out as `id: COMMIT.INDEX` (its outbox position), `event: TYPE`, and one line
 //! of JSON. A new watcher starts at the end of the log, as `tail -f` does; `?since=start` (or
 //! `since=0`) replays from the beginning. `Last-Event-ID` (a reconnect) or `?since=` resume
-//! exactly after a position; both `COMMIT.INDEX` and `COMMIT:INDEX` are accepted. A producer task reads the log by position and
-//! feeds a bounded channel (`WATCH_BUFFER_EVENTS`); a client that does not drain it within
-//! `WATCH_SEND_TIMEOUT_S` is disconnected, so a slow reader never grows the server's memory.
-//! The appender's commit notification wakes the producer early; it also polls every
-//! `WATCH_POLL_MS`, so commits by other processes are found too. The key is checked again every
-//! `WATCH_REAUTH_S` and whenever API keys change, and a server shutdown ends every stream (a
-//! graceful shutdown waits for open responses). A client that stops reading is dropped by the
-//! connection's write deadline (`conn.rs`). Slots are limited in total (`WATCHERS_MAX`), per
-//! tenant (`WATCHERS_PER_TENANT_MAX`) and per key (`WATCHERS_PER_KEY_MAX`); a watcher's slot
-//! is held by its producer task, which ends as soon as the client is gone.
+//! exactly after a position; both `COMMIT.INDEX` and `COMMIT:INDEX` are accepted.
+//!
+//! One shared tail per process ([`tail`], the Kubernetes watch cache's shape) reads each
+//! commit's new rows once, woken by the appender's commit notification and polling every
+//! `WATCH_POLL_MS` for other processes' commits, renders each event once, and hands it to every
+//! caught-up watcher of its tenant whose filter takes it; a bounded ring of recent events
+//! (`WATCH_RING_EVENTS`, `WATCH_RING_BYTES`) serves a watcher that joins from a recent position.
+//! A watcher that is behind (it resumes from before the ring, or its client did not keep up)
+//! reads history itself, a page of `WATCH_PAGE_ROWS` at a time, and then joins the tail with no
+//! gap and no duplicate at the seam (`tail.rs` says why). Each watcher's task holds its slot,
+//! does that catching up, and checks its key. Each client has a bounded buffer
+//! (`WATCH_BUFFER_EVENTS`): when it is full the tail hands the watcher back, and a client that
+//! takes nothing for `WATCH_SEND_TIMEOUT_S` is disconnected, so a slow reader never grows the
+//! server's memory. The key is checked again every `WATCH_REAUTH_S` and whenever API keys of
+//! the watched tenant or of the key's own change (before anything more is sent), and a server
+//! shutdown ends every stream (a graceful shutdown waits for open responses). Heartbeats every
+//! `WATCH_HEARTBEAT_S`. A client that stops reading is dropped by the connection's write
+//! deadline (`conn.rs`). Slots are limited in total (`WATCHERS_MAX`), per tenant
+//! (`WATCHERS_PER_TENANT_MAX`) and per key (`WATCHERS_PER_KEY_MAX`); a watcher's slot is held
+//! by its task, which ends as soon as the client is gone.
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
-use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use bc_core::event::Position;
 use bc_core::id::TenantId;
-use bc_core::store::decode_rows;
+use bc_core::store::{EventStore, decode_rows};
 use bc_core::{Error, Result};
 use serde::Deserialize;
 
 use crate::AppState;
 use crate::error::ApiError;
 
+pub mod tail;
+
+use tail::{Cursor, Join, Why, end_of};
+pub use tail::{Tail, TailLimits, WATCH_RING_BYTES, WATCH_RING_EVENTS};
+
 /// Type patterns one watch or list may give.
 pub const WATCH_TYPES_MAX: usize = bc_projections::events::TYPE_PATTERNS_MAX;
-/// Events queued for one watcher before the producer waits for the client.
+/// Events queued for one watcher's client; when full, the tail hands the watcher back.
 pub const WATCH_BUFFER_EVENTS: usize = 256;
-/// How long the producer waits for a client to take an event before disconnecting it.
+/// How long a watcher waits for its client to take an event before disconnecting it.
 pub const WATCH_SEND_TIMEOUT_S: u64 = 30;
-/// How often an idle watcher looks for commits made by other processes.
+/// How often the tail looks for commits made by other processes.
 pub const WATCH_POLL_MS: u64 = 1000;
 /// Comment lines that keep idle connections (and proxies) alive.
 pub const WATCH_HEARTBEAT_S: u64 = 15;
-/// Watchers served at once, all tenants together.
-pub const WATCHERS_MAX: usize = 256;
+/// Watchers served at once, all tenants together: each costs a task, a buffer and (over
+/// HTTP/1.1) a connection, and nothing per event of other tenants.
+pub const WATCHERS_MAX: usize = 1024;
 /// Watchers one tenant's keys hold at once, so one tenant cannot take every slot.
 pub const WATCHERS_PER_TENANT_MAX: usize = 64;
 /// Watchers one API key holds at once, so one leaked or looping client cannot take its
 /// tenant's share.
 pub const WATCHERS_PER_KEY_MAX: usize = 16;
 const _: () = assert!(WATCHERS_PER_KEY_MAX <= WATCHERS_PER_TENANT_MAX && WATCHERS_PER_TENANT_MAX <= WATCHERS_MAX);
+// Every watcher can have a connection of its own, with room left for requests.
+const _: () = assert!(WATCHERS_MAX < crate::conn::CONNECTIONS_MAX);
 /// How often a watcher's key is checked again, so a revoked key stops receiving events.
 pub const WATCH_REAUTH_S: u64 = 30;
-/// Rows read from the log per query while streaming.
-const WATCH_PAGE_ROWS: u32 = 500;
+/// Rows read from the log per query, by the tail and by a watcher that is behind.
+pub const WATCH_PAGE_ROWS: u32 = 500;
 const _: () = assert!(WATCH_BUFFER_EVENTS >= 1 && WATCH_PAGE_ROWS as usize >= WATCH_BUFFER_EVENTS);
+
+/// What a client is sent when nothing else was for `WATCH_HEARTBEAT_S`: an SSE comment.
+const HEARTBEAT: &[u8] = b":\n\n";
 
 pub use bc_projections::events::TypeFilter;
 
@@ -92,9 +113,9 @@ async fn start(
     };
     state.authorize_tenant(&principal, "compute:events:read", tenant).await?;
     let resume = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("-").to_owned()).or(query.since.clone());
-    let mut after = match resume.as_deref() {
+    let after = match resume.as_deref() {
         // Like `tail -f`: a new watcher sees what commits from now on.
-        None => Position { commit: state.store.last_commit().await?, index: i32::MAX as u32 },
+        None => end_of(state.store.last_commit().await?),
         Some("start" | "0") => Position::START,
         Some(p) => p.parse::<Position>()?,
     };
@@ -104,82 +125,214 @@ async fn start(
         .map(|t| t.split(',').map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect())
         .unwrap_or_default();
     let filter = TypeFilter::parse(&patterns)?;
-    // The slot lives in the producer task, which ends when the client is gone (its receiver
-    // dropped), so the count is of live producers, and a stalled connection keeps its slot only
+    // The slot lives in the watcher's task, which ends when the client is gone (its receiver
+    // dropped), so the count is of live watchers, and a stalled connection keeps its slot only
     // until the write deadline drops it.
     let slot = state.watchers.acquire(principal.tenant, &principal.key_id)?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Event>(WATCH_BUFFER_EVENTS);
-    let mut commits = state.log.subscribe();
-    let mut notified = true;
-    let mut shutdown = state.shutdown.subscribe();
-    let store = state.store.clone();
-    let token_header = header.map(str::to_owned);
-    let mut authorized_at = std::time::Instant::now();
+    state.watch_tail.start(&state.store, state.log.subscribe(), state.shutdown.subscribe()).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(state.watch_tail.limits().buffer_events);
+    let watcher = Watcher {
+        tail: state.watch_tail.clone(),
+        store: state.store.clone(),
+        token_header: header.map(str::to_owned),
+        closed: tx.clone(),
+        shutdown: state.shutdown.subscribe(),
+        authorized_at: Instant::now(),
+    };
+    let cursor = Cursor { tenant, key_tenant: principal.tenant, filter, after, tx };
     tokio::spawn(async move {
         let _slot = slot;
+        watcher.run(cursor).await;
+    });
+    Ok(stream_response(rx))
+}
+
+/// The response: the client's buffer as a body of server-sent events, with a heartbeat after
+/// every `WATCH_HEARTBEAT_S` without one. It ends when the watcher's task and the tail have
+/// both let go of the buffer.
+fn stream_response(rx: tokio::sync::mpsc::Receiver<Bytes>) -> Response {
+    let heartbeat = Duration::from_secs(WATCH_HEARTBEAT_S);
+    let frames = futures::stream::unfold(rx, move |mut rx| async move {
+        match tokio::time::timeout(heartbeat, rx.recv()).await {
+            Ok(Some(frame)) => Some((Ok::<_, Infallible>(frame), rx)),
+            Ok(None) => None,
+            Err(_) => Some((Ok(Bytes::from_static(HEARTBEAT)), rx)),
+        }
+    });
+    ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(frames))
+        .into_response()
+}
+
+/// One watcher's task: it catches up when the watcher is behind, joins the tail, and checks
+/// the key; the tail does the sending while the watcher is joined.
+struct Watcher {
+    tail: Arc<Tail>,
+    store: Arc<dyn EventStore>,
+    token_header: Option<String>,
+    /// A handle on the client's buffer, to notice the client is gone while the tail holds the
+    /// cursor.
+    closed: tokio::sync::mpsc::Sender<Bytes>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    authorized_at: Instant,
+}
+
+/// What one page of history came to.
+enum Page {
+    /// Read and sent; join (or read more) next.
+    Sent,
+    /// An API key event was sent or passed: check the key before anything more.
+    Recheck,
+    /// The client is gone, too slow, the server stops, or the read failed.
+    Ended,
+}
+
+impl Watcher {
+    async fn run(mut self, mut cursor: Cursor) {
+        let reauth = Duration::from_secs(WATCH_REAUTH_S);
+        let mut recheck = false;
         loop {
-            // A client gone away ends its producer, even while it scans past events its filter
-            // drops (and so never tries to send).
-            if tx.is_closed() {
+            if *self.shutdown.borrow() {
                 return;
             }
             // A revoked key, or one that lost the action, stops receiving events.
-            if authorized_at.elapsed() >= Duration::from_secs(WATCH_REAUTH_S) {
-                let still = crate::auth::authenticate(&*store, token_header.as_deref())
-                    .await
-                    .and_then(|p| p.authorize("compute:events:read", tenant));
-                if still.is_err() {
-                    tracing::info!(%tenant, "ending a watch whose key is no longer valid");
+            if recheck || self.authorized_at.elapsed() >= reauth {
+                if !self.still_authorized(cursor.tenant).await {
                     return;
                 }
-                authorized_at = std::time::Instant::now();
+                recheck = false;
             }
-            let rows = match store.read_after_rows(after, Some(tenant), WATCH_PAGE_ROWS).await.and_then(decode_rows) {
-                Ok(rows) => rows,
-                Err(e) => {
-                    tracing::warn!(error = %e, "watch stream ended: reading the log failed");
-                    return;
+            let tenant = cursor.tenant;
+            cursor = match self.tail.join(cursor) {
+                Join::Ended => return,
+                Join::Recheck(c) => {
+                    recheck = true;
+                    c
                 }
-            };
-            let idle = rows.is_empty();
-            for event in rows {
-                after = event.position;
-                if event.envelope.event_type.starts_with("api_key.") {
-                    // Keys changed: check this watcher's key before sending anything more.
-                    authorized_at = std::time::Instant::now() - Duration::from_secs(WATCH_REAUTH_S);
-                }
-                if !filter.matches(&event.envelope.event_type) {
-                    continue;
-                }
-                let data = bc_projections::event_view(&event, false).to_string();
-                let sse = Event::default().id(event.position.to_string()).event(&event.envelope.event_type).data(data);
-                match tx.send_timeout(sse, Duration::from_secs(WATCH_SEND_TIMEOUT_S)).await {
-                    Ok(()) => {}
-                    Err(tokio::sync::mpsc::error::SendTimeoutError::Timeout(_)) => {
-                        tracing::info!(%tenant, "disconnecting a watcher that stopped reading");
+                Join::Full(c) => {
+                    if !self.wait_for_room(&c).await {
                         return;
                     }
-                    Err(tokio::sync::mpsc::error::SendTimeoutError::Closed(_)) => return,
+                    c
                 }
-            }
-            if *shutdown.borrow() {
-                return;
-            }
-            if idle || authorized_at.elapsed() >= Duration::from_secs(WATCH_REAUTH_S) {
-                tokio::select! {
-                    // If the appender is gone, its sender is dropped: fall back to polling only.
-                    changed = commits.changed(), if notified => notified = changed.is_ok(),
-                    _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
-                    _ = shutdown.changed() => return,
-                    _ = tx.closed() => return,
+                Join::Behind(mut c) => match self.history_page(&mut c).await {
+                    Page::Sent => c,
+                    Page::Recheck => {
+                        recheck = true;
+                        c
+                    }
+                    Page::Ended => return,
+                },
+                Join::Joined { id, mut handback } => {
+                    let due = reauth.saturating_sub(self.authorized_at.elapsed());
+                    let back = tokio::select! {
+                        back = &mut handback => back,
+                        _ = tokio::time::sleep(due) => match self.tail.leave(tenant, id) {
+                            Some(c) => Ok(tail::Handback { cursor: c, why: Why::Keys }),
+                            // Handed back meanwhile (or dropped): take it from the channel.
+                            None => handback.await,
+                        },
+                        _ = self.shutdown.changed() => {
+                            let _ = self.tail.leave(tenant, id);
+                            return;
+                        }
+                        _ = self.closed.closed() => {
+                            let _ = self.tail.leave(tenant, id);
+                            return;
+                        }
+                    };
+                    // Dropped by the tail: the client is gone, a stored event does not verify,
+                    // or the server stops.
+                    let Ok(back) = back else { return };
+                    recheck |= back.why == Why::Keys;
+                    back.cursor
                 }
+            };
+        }
+    }
+
+    /// Checks the key again; false (and logged) when it no longer may read `tenant`'s events.
+    async fn still_authorized(&mut self, tenant: TenantId) -> bool {
+        let still = crate::auth::authenticate(&*self.store, self.token_header.as_deref())
+            .await
+            .and_then(|p| p.authorize("compute:events:read", tenant));
+        if still.is_err() {
+            tracing::info!(%tenant, "ending a watch whose key is no longer valid");
+            return false;
+        }
+        self.authorized_at = Instant::now();
+        true
+    }
+
+    /// Waits up to `WATCH_SEND_TIMEOUT_S` for room in the client's buffer; false when the
+    /// client is gone, took nothing in that time, or the server stops.
+    async fn wait_for_room(&mut self, cursor: &Cursor) -> bool {
+        let timeout = Duration::from_secs(WATCH_SEND_TIMEOUT_S);
+        tokio::select! {
+            room = tokio::time::timeout(timeout, cursor.tx.reserve()) => match room {
+                // The permit is dropped unused: the next join sends into the room it saw.
+                Ok(Ok(_permit)) => true,
+                Ok(Err(_)) => false,
+                Err(_) => {
+                    tracing::info!(tenant = %cursor.tenant, "disconnecting a watcher that stopped reading");
+                    false
+                }
+            },
+            _ = self.shutdown.changed() => false,
+        }
+    }
+
+    /// Reads one page of the watched tenant's history after the cursor and sends what the
+    /// filter takes, each send waiting up to `WATCH_SEND_TIMEOUT_S`. A page shorter than asked
+    /// for read everything committed when it began, so the cursor moves to the end of that
+    /// commit even when none of it was this tenant's: the next join finds it in the ring.
+    async fn history_page(&mut self, cursor: &mut Cursor) -> Page {
+        let page_rows = self.tail.limits().page_rows;
+        // Read before the rows: commit numbers are gap-free and become visible in order, so
+        // the rows read next include every commit up to this one.
+        let read = async {
+            let last = self.store.last_commit().await?;
+            let rows = self.store.read_after_rows(cursor.after, Some(cursor.tenant), page_rows).await.and_then(decode_rows)?;
+            Ok::<_, Error>((last, rows))
+        };
+        let (last, rows) = match read.await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(error = %e, "watch stream ended: reading the log failed");
+                return Page::Ended;
+            }
+        };
+        let short = rows.len() < page_rows as usize;
+        let timeout = Duration::from_secs(WATCH_SEND_TIMEOUT_S);
+        for event in rows {
+            if cursor.filter.matches(&event.envelope.event_type) {
+                let sent = tokio::select! {
+                    sent = cursor.tx.send_timeout(tail::frame(&event), timeout) => sent,
+                    _ = self.shutdown.changed() => return Page::Ended,
+                };
+                match sent {
+                    Ok(()) => {}
+                    Err(tokio::sync::mpsc::error::SendTimeoutError::Timeout(_)) => {
+                        tracing::info!(tenant = %cursor.tenant, "disconnecting a watcher that stopped reading");
+                        return Page::Ended;
+                    }
+                    Err(tokio::sync::mpsc::error::SendTimeoutError::Closed(_)) => return Page::Ended,
+                }
+            } else if cursor.tx.is_closed() {
+                // A client gone away ends its watcher even while its filter drops every event.
+                return Page::Ended;
+            }
+            cursor.after = event.position;
+            if event.envelope.event_type.starts_with("api_key.") {
+                // Keys changed: check this watcher's key before sending anything more.
+                return Page::Recheck;
             }
         }
-    });
-    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(WATCH_HEARTBEAT_S))).into_response())
+        if short {
+            cursor.after = cursor.after.max(end_of(last));
+        }
+        Page::Sent
+    }
 }
-
 /// The watcher limits a gateway enforces (the defaults are the `WATCHERS_*` constants).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WatcherLimits {

@@ -1,8 +1,10 @@
-//! The watch's limits through the real server: at most `WATCHERS_MAX` (256) watchers at once,
+//! The watch's limits through the real server: at most `WATCHERS_MAX` (1,024) watchers at once,
 //! the next refused with 503 `UNAVAILABLE`; and a watcher that stops reading is dropped once a
 //! write has waited `--write-stall` (30 s by default, 2 s here), which frees its slot. A key
-//! holds at most 16 watchers and a tenant 64 (tested in the gateway's `hardening.rs`), so the 256
-//! are spread over the administrator's key and keys of four tenants.
+//! holds at most 16 watchers and a tenant 64 (tested in the gateway's `hardening.rs`), so the 1,024
+//! are spread over the administrator's key and keys of sixteen tenants. Each watcher is a
+//! connection of its own (HTTP/1.1): the test process needs some 1,100 open files, the server
+//! as many (`dev` raises its soft limit to the hard one).
 
 use std::time::{Duration, Instant};
 
@@ -11,11 +13,13 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// `bc_gateway::watch::WATCHERS_MAX`, as the server's operator reads it.
-const WATCHERS_MAX: usize = 256;
+const WATCHERS_MAX: usize = 1024;
 /// `bc_gateway::watch::WATCHERS_PER_KEY_MAX`.
 const WATCHERS_PER_KEY_MAX: usize = 16;
 /// `bc_gateway::watch::WATCHERS_PER_TENANT_MAX`.
 const WATCHERS_PER_TENANT_MAX: usize = 64;
+/// Tenants whose keys hold their tenant's whole share; one more holds 3 keys' worth.
+const FULL_TENANTS: usize = 15;
 /// The stall limit given to the server, well under the watch's own 30 s send timeout.
 const WRITE_STALL: &str = "2s";
 /// Nodes of about 25 kB of event each: several MB of replay, more than the sockets, the
@@ -106,12 +110,13 @@ async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
     let server = Server::dev_with(&["--no-reconcilers", "--write-stall", WRITE_STALL]);
     big_events(&server).await;
     let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
-    // 256 = the administrator's 16 + 3 tenants' 64 + 48 of a fourth tenant (3 of its 4 keys).
-    const _: () = assert!(WATCHERS_PER_KEY_MAX + 3 * WATCHERS_PER_TENANT_MAX + 3 * WATCHERS_PER_KEY_MAX == WATCHERS_MAX);
-    let keys = tenant_keys(&server, 4, WATCHERS_PER_TENANT_MAX / WATCHERS_PER_KEY_MAX).await;
+    // 1,024 = the administrator's 16 + 15 tenants' 64 + 48 of a sixteenth tenant (3 of its 4 keys).
+    const _: () =
+        assert!(WATCHERS_PER_KEY_MAX + FULL_TENANTS * WATCHERS_PER_TENANT_MAX + 3 * WATCHERS_PER_KEY_MAX == WATCHERS_MAX);
+    let keys = tenant_keys(&server, FULL_TENANTS + 1, WATCHERS_PER_TENANT_MAX / WATCHERS_PER_KEY_MAX).await;
     let mut tokens: Vec<&str> = vec![&server.token; WATCHERS_PER_KEY_MAX - 1];
     for (t, tenant) in keys.iter().enumerate() {
-        let used = if t == 3 { &tenant[..3] } else { &tenant[..] };
+        let used = if t == FULL_TENANTS { &tenant[..3] } else { &tenant[..] };
         for key in used {
             tokens.extend(std::iter::repeat_n(key.as_str(), WATCHERS_PER_KEY_MAX));
         }
@@ -128,16 +133,16 @@ async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
     // none of it.
     let mut stalled = stalled_watch(&server).await;
     let refused_at = Instant::now();
-    // A key of the fourth tenant with no watcher yet, in a tenant under its limit: refused by
-    // the total.
-    let refused = open(&server, &client, &keys[3][3]).await;
+    // A key of the sixteenth tenant with no watcher yet, in a tenant under its limit: refused
+    // by the total.
+    let refused = open(&server, &client, &keys[FULL_TENANTS][3]).await;
     assert_eq!(refused.status(), 503, "watcher {} is refused", WATCHERS_MAX + 1);
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["code"], "UNAVAILABLE", "{body}");
-    assert!(body["message"].as_str().unwrap().contains("256 watchers are connected"), "the total is the limit: {body}");
+    assert!(body["message"].as_str().unwrap().contains("1024 watchers are connected"), "the total is the limit: {body}");
 
     // The stalled write fails after --write-stall and the server drops that connection, so a
-    // slot is free again while the other 255 stay connected.
+    // slot is free again while the other 1,023 stay connected.
     let deadline = Instant::now() + Duration::from_secs(20);
     let admitted = loop {
         let response = open(&server, &client, &server.token).await;
