@@ -58,6 +58,7 @@ fn main() {
             hours,
             faults: Fault::ALL.to_vec(),
             unsafe_no_placement_guard: false,
+            unsafe_no_journal_dedupe: false,
             timeline: false,
         };
         options.check().expect("the bench's options");
