@@ -8,7 +8,7 @@ use bc_projections::events::TYPE_PATTERNS_MAX;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{EventIdText, LimitNumber, Page, PositionText, TenantIdText, limit, parse_id, string_schema};
+use super::toolkit::{EventIdText, LimitNumber, PositionText, TenantIdText, limit, parse_id, string_schema};
 use super::views::EventView;
 use super::{Access, Call, Method, method};
 use crate::watch::TypeFilter;
@@ -19,7 +19,7 @@ const READ: Access = Access::Action("compute:events:read");
 pub const EVENTS_SCAN_ROWS_MAX: usize = 5000;
 
 pub(super) const METHODS: &[Method] = &[
-    method!("events.list", READ, "a tenant's events by outbox position", EventsList => Page<EventView>, events_list),
+    method!("events.list", READ, "a tenant's events by outbox position", EventsList => EventPage, events_list),
     method!(
         "events.get",
         READ,
@@ -40,6 +40,16 @@ string_schema!(
             })
     }
 );
+
+/// A page of events: its cursor is the outbox position to read after, not a row id.
+#[derive(serde::Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EventPage {
+    pub items: Vec<EventView>,
+    /// Set while events remain: pass it as `cursor` (`COMMIT.INDEX`).
+    #[schemars(with = "Option<PositionText>")]
+    pub next_cursor: Option<String>,
+}
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -69,7 +79,7 @@ pub struct EventsGet {
     event_id: String,
 }
 
-async fn events_list(call: &Call<'_>, input: EventsList) -> Result<Page<EventView>> {
+async fn events_list(call: &Call<'_>, input: EventsList) -> Result<EventPage> {
     let store = &*call.state.store;
     let tenant = call.tenant(&input.tenant_id).await?;
     let limit = limit(input.limit)?;
@@ -114,7 +124,7 @@ async fn events_list(call: &Call<'_>, input: EventsList) -> Result<Page<EventVie
         let more = !store.read_after_rows(position, Some(tenant), 1).await?.is_empty();
         more.then(|| position.to_string())
     };
-    Ok(Page { items, next_cursor })
+    Ok(EventPage { items, next_cursor })
 }
 
 async fn events_get(call: &Call<'_>, input: EventsGet) -> Result<EventView> {
