@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test bench lint fmt build check-postgres schemathesis witness tiles-venv sushy-venv system-deps sim
+.PHONY: dev test bench bench-deps lint fmt build check-postgres schemathesis witness tiles-venv sushy-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -91,12 +91,17 @@ sim:
 		&& echo "seed SEED: $$(grep ^digest target/sim-SEED.txt)" \
 		|| { cat target/sim-SEED.txt; exit 255; }'
 
+## What the benches need from Debian: etcd-server, the watch bench's baseline, installed once.
+bench-deps:
+	@scripts/bench-deps
+
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
-## The fleet bench runs `bcd sim`, so target/release/bcd is left a fakehw build (BC_BENCH_AGENTS,
-## BC_BENCH_RESERVES change its sizes). The sim bench prints `sim run`'s simulated node-hours per
-## wall-clock second at 1,000 nodes beside the goal (100× real time), and replay's events per second
-## beside the raw append rate (BC_BENCH_SIM_NODES, BC_BENCH_SIM_TENANTS, BC_BENCH_SIM_HOURS).
-bench: check-postgres
+## The watch bench starts etcd (bench-deps) beside the gateway. The fleet bench runs `bcd sim`, so
+## target/release/bcd is left a fakehw build (BC_BENCH_AGENTS, BC_BENCH_RESERVES change its sizes).
+## The sim bench prints `sim run`'s simulated node-hours per wall-clock second at 1,000 nodes
+## beside the goal (100× real time), and replay's events per second beside the raw append rate
+## (BC_BENCH_SIM_NODES, BC_BENCH_SIM_TENANTS, BC_BENCH_SIM_HOURS).
+bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
 	$(CARGO) bench -p bc-cli --bench watch

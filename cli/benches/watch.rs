@@ -1,175 +1,523 @@
-//! `make bench` (watch): commit-to-client latency of `GET /watch` with 1 and with 100 connected
-//! watchers, beside the latency of the append itself in the same run. One real server (the
-//! gateway on SQLite, in this process, on loopback) and real SSE clients (reqwest).
+//! `make bench` (watch): write → watcher latency with 1 and with 1,000 connected watchers, and
+//! the write's own latency with 0 and with 1,000, for `GET /watch` and, driven by the same
+//! harness in the same run, for etcd (Debian's `etcd-server`, which `make bench` installs: its
+//! v3 JSON gateway, `POST /v3/watch` streaming and `POST /v3/kv/put`). Then the goals of issue 17
+//! as ratios: our p99 with 1,000 watchers ÷ etcd's (≤ 1.0), and our write latency with 1,000
+//! watchers ÷ with none (≤ 1.5).
 //!
-//! Each event is appended once the previous one reached every watcher. The watcher's latency is
-//! measured from the commit (the moment the appender announces the commit number, which it does
-//! right after the transaction commits) to the moment a watcher has parsed the event, so it does
-//! not include the append's own work; the append's latency (request to acknowledgement) is shown
-//! beside it.
+//! The harness, the same for both: one client process (this one, its own 2-thread runtime) with
+//! reqwest over HTTP/1.1 on loopback; every watcher its own connection and stream; writes one
+//! at a time on a connection of their own, from a thread and runtime of their own (a writer is
+//! not its watchers' process), each once the previous one reached every watcher. A
+//! write's latency is request to response; write → watcher is the write's request to the moment
+//! a watcher has the event in hand (found in the bytes it read; neither side's JSON is parsed,
+//! so the client's cost is the same for both). Ours is the gateway on SQLite (`synchronous =
+//! FULL`), served in this process on a runtime of its own (2 threads, no reconcilers); each
+//! write is `pools.create`, a signed, chained, projected event. etcd runs as its own process
+//! with its defaults (one member, its WAL fsynced), started afresh in a temp directory for each
+//! run; each write is a put of a value about as long as our event's frame, under a prefix the
+//! watchers watch. `BC_BENCH_ETCD` names the binary (default `etcd` on `PATH`).
 
 use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as B64;
 use bc_core::clock::SystemClock;
-use bc_core::id::{PoolId, TenantId};
 use bc_core::keys::LogKey;
+use bc_core::store::Log;
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
 use bc_gateway::AppState;
+use bc_gateway::watch::{WATCHERS_MAX, WatcherLimits, WatcherSlots};
 use bc_projections::Projections;
-use bc_projections::events as ev;
 use futures::StreamExt;
 
-const EVENTS: usize = 200;
+/// Writes measured per run, after `WARMUP_WRITES` that are not.
+const WRITES: usize = 500;
+const WARMUP_WRITES: usize = 20;
+/// The many-watchers case of the goals.
+const MANY_WATCHERS: usize = 1000;
+const _: () = assert!(MANY_WATCHERS <= WATCHERS_MAX);
+/// How long one write may take to reach every watcher before the run fails.
+const FAN_OUT_TIMEOUT_S: u64 = 30;
+/// etcd's key prefix, and the length of each put's value (about our `pool.created` frame's).
+const ETCD_PREFIX: &str = "bench/";
+const ETCD_VALUE_BYTES: usize = 245;
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-async fn run(watchers: usize) -> ([f64; 2], [f64; 2]) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(SqliteStore::open(&dir.path().join("w.sqlite3")).await.unwrap());
-    bc_core::store::EventStore::migrate(&*store).await.unwrap();
-    let log =
-        Arc::new(Log::open(store, Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap());
-    let token = Arc::new(Mutex::new(String::new()));
-    let t2 = token.clone();
-    bc_gateway::bootstrap_root(
-        &log,
-        move |t| {
-            *t2.lock().unwrap() = t.to_owned();
-            Ok(())
-        },
-        || {},
-    )
-    .await
-    .unwrap();
-    let token = token.lock().unwrap().clone();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    // Every watcher uses the one administrator key: the per-key and per-tenant limits are
-    // raised to the total, which is what is measured.
-    let mut state = AppState::new(log.clone());
-    let all = bc_gateway::watch::WATCHERS_MAX;
-    state.watchers =
-        bc_gateway::watch::WatcherSlots::new(bc_gateway::watch::WatcherLimits { total: all, per_tenant: all, per_key: all });
-    tokio::spawn(bc_gateway::serve(listener, Arc::new(state), std::future::pending()));
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
 
-    // Arrival times per event id, per watcher.
-    let arrivals: Arc<Mutex<HashMap<String, Vec<Instant>>>> = Arc::default();
-    let http = reqwest::Client::new();
+/// Which system a run measures: how to write to it, watch it, and find a write in what a
+/// watcher read.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Ours,
+    Etcd,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Ours => "better-compute",
+            Kind::Etcd => "etcd",
+        }
+    }
+
+    /// Where one message ends: SSE events end with a blank line, etcd's JSON messages with a
+    /// line break.
+    fn delimiter(self) -> &'static [u8] {
+        match self {
+            Kind::Ours => b"\n\n",
+            Kind::Etcd => b"\n",
+        }
+    }
+
+    /// Which write a message is, if it is one; or that it confirms the watch (etcd's `created`).
+    fn parse(self, message: &[u8]) -> Message {
+        let text = String::from_utf8_lossy(message);
+        match self {
+            Kind::Ours => {
+                let Some(at) = text.find("\"name\":\"w") else { return Message::Other };
+                let digits: String = text[at + 9..].chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().map_or(Message::Other, Message::Write)
+            }
+            Kind::Etcd => {
+                let Some(at) = text.find("\"key\":\"") else {
+                    return if text.contains("\"created\":true") { Message::Created } else { Message::Other };
+                };
+                let key = &text[at + 7..];
+                let key = &key[..key.find('"').unwrap_or(key.len())];
+                let key = String::from_utf8(B64.decode(key).unwrap_or_default()).unwrap_or_default();
+                key.strip_prefix(&format!("{ETCD_PREFIX}w")).and_then(|i| i.parse().ok()).map_or(Message::Other, Message::Write)
+            }
+        }
+    }
+}
+
+/// Where a system is served, and (for ours) the administrator's token.
+#[derive(Clone)]
+struct Endpoint {
+    kind: Kind,
+    url: String,
+    token: String,
+}
+
+/// A running system.
+struct Target {
+    endpoint: Endpoint,
+    _server: Server,
+}
+
+enum Server {
+    Ours(#[allow(dead_code)] OurServer),
+    Etcd(#[allow(dead_code)] EtcdServer),
+}
+
+impl Target {
+    /// Starts a fresh server: ours on its own runtime, etcd as a process (`client` waits for it).
+    fn start(kind: Kind, client: &tokio::runtime::Runtime) -> Target {
+        match kind {
+            Kind::Ours => {
+                let (url, token, server) = OurServer::start();
+                Target { endpoint: Endpoint { kind, url, token }, _server: Server::Ours(server) }
+            }
+            Kind::Etcd => {
+                let (url, server) = client.block_on(EtcdServer::start());
+                Target { endpoint: Endpoint { kind, url, token: String::new() }, _server: Server::Etcd(server) }
+            }
+        }
+    }
+}
+
+impl Endpoint {
+    async fn write(&self, http: &reqwest::Client, i: usize) {
+        let url = &self.url;
+        let response = match self.kind {
+            Kind::Ours => http
+                .post(format!("{url}/api/compute/pools.create"))
+                .bearer_auth(&self.token)
+                .json(&serde_json::json!({ "name": format!("w{i}") }))
+                .send()
+                .await
+                .unwrap(),
+            Kind::Etcd => {
+                let value = format!("w{i}:{}", "x".repeat(ETCD_VALUE_BYTES));
+                let body = serde_json::json!({ "key": B64.encode(format!("{ETCD_PREFIX}w{i}")), "value": B64.encode(value) });
+                http.post(format!("{url}/v3/kv/put")).json(&body).send().await.unwrap()
+            }
+        };
+        let status = response.status();
+        let body = response.bytes().await.unwrap();
+        assert!(status.is_success(), "{} write {i}: {status} {}", self.kind.name(), String::from_utf8_lossy(&body));
+    }
+
+    async fn watch(&self, http: &reqwest::Client) -> reqwest::Response {
+        let url = &self.url;
+        let response = match self.kind {
+            Kind::Ours => http.get(format!("{url}/watch?types=pool.*")).bearer_auth(&self.token).send().await,
+            Kind::Etcd => {
+                let key = B64.encode(ETCD_PREFIX);
+                let range_end = B64.encode(format!("{}0", ETCD_PREFIX.trim_end_matches('/')));
+                let body = serde_json::json!({ "create_request": { "key": key, "range_end": range_end } });
+                http.post(format!("{url}/v3/watch")).json(&body).send().await
+            }
+        }
+        .unwrap();
+        assert!(response.status().is_success(), "{} watch: {}", self.kind.name(), response.status());
+        response
+    }
+}
+
+enum Message {
+    Write(usize),
+    Created,
+    Other,
+}
+
+/// When each write reached each watcher.
+struct Arrivals {
+    at: Mutex<HashMap<usize, Vec<Instant>>>,
+    watchers: usize,
+    complete: tokio::sync::Notify,
+    created: AtomicUsize,
+    bytes: AtomicUsize,
+    messages: AtomicUsize,
+}
+
+impl Arrivals {
+    fn record(&self, i: usize, length: usize) {
+        let now = Instant::now();
+        self.bytes.fetch_add(length, Ordering::Relaxed);
+        self.messages.fetch_add(1, Ordering::Relaxed);
+        let mut at = self.at.lock().unwrap();
+        let times = at.entry(i).or_default();
+        times.push(now);
+        if times.len() == self.watchers {
+            self.complete.notify_waiters();
+        }
+    }
+
+    fn count(&self, i: usize) -> usize {
+        self.at.lock().unwrap().get(&i).map_or(0, Vec::len)
+    }
+}
+
+/// One run's figures: the writes' latencies, and write → watcher over every (write, watcher).
+struct Figures {
+    write_ms: Vec<f64>,
+    watcher_ms: Vec<f64>,
+    frame_bytes: usize,
+}
+
+/// The writing client: a thread and a runtime of its own, as a writer is a process apart from its
+/// watchers, so this process's reading of 1,000 streams does not hold up reading a write's
+/// answer (the two still share the machine's cores). Each request names a write and is answered
+/// with when it was sent and how long it took.
+type WriteRequest = (usize, tokio::sync::oneshot::Sender<(Instant, Duration)>);
+
+fn writer(endpoint: Endpoint) -> (tokio::sync::mpsc::Sender<WriteRequest>, std::thread::JoinHandle<()>) {
+    let (requests, mut received) = tokio::sync::mpsc::channel::<WriteRequest>(1);
+    let thread = std::thread::Builder::new().name("writer".into()).spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let http = reqwest::Client::new();
+            while let Some((i, answer)) = received.recv().await {
+                let started = Instant::now();
+                endpoint.write(&http, i).await;
+                let _ = answer.send((started, started.elapsed()));
+            }
+        });
+    });
+    (requests, thread.unwrap())
+}
+
+async fn run(target: &Target, watchers: usize) -> Figures {
+    let target = &target.endpoint;
+    let arrivals = Arc::new(Arrivals {
+        at: Mutex::default(),
+        watchers,
+        complete: tokio::sync::Notify::new(),
+        created: AtomicUsize::new(0),
+        bytes: AtomicUsize::new(0),
+        messages: AtomicUsize::new(0),
+    });
+    // Every watcher on a connection of its own; the writes on one more, from their own thread.
+    let watch_http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let (write, write_thread) = writer(target.clone());
+    let mut readers = Vec::new();
     for _ in 0..watchers {
-        let (http, url, token, arrivals) = (http.clone(), url.clone(), token.clone(), arrivals.clone());
-        let response = http.get(format!("{url}/watch?types=pool.*")).bearer_auth(&token).send().await.unwrap();
-        assert!(response.status().is_success());
-        tokio::spawn(async move {
+        let response = target.watch(&watch_http).await;
+        let (arrivals, kind) = (arrivals.clone(), target.kind);
+        let delimiter = kind.delimiter();
+        readers.push(tokio::spawn(async move {
             let mut body = response.bytes_stream();
             let mut buffer = Vec::new();
             while let Some(Ok(chunk)) = body.next().await {
                 buffer.extend_from_slice(&chunk);
-                while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
-                    let block: Vec<u8> = buffer.drain(..end + 2).collect();
-                    let text = String::from_utf8_lossy(&block);
-                    if let Some(data) = text.lines().find_map(|l| l.strip_prefix("data:")) {
-                        let value: serde_json::Value = serde_json::from_str(data.trim()).unwrap();
-                        let id = value["id"].as_str().unwrap().to_owned();
-                        arrivals.lock().unwrap().entry(id).or_default().push(Instant::now());
+                while let Some(end) = buffer.windows(delimiter.len()).position(|w| w == delimiter) {
+                    let message: Vec<u8> = buffer.drain(..end + delimiter.len()).collect();
+                    match kind.parse(&message) {
+                        Message::Write(i) => arrivals.record(i, message.len()),
+                        Message::Created => {
+                            arrivals.created.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Message::Other => {}
                     }
                 }
             }
-        });
+        }));
     }
-    // When each commit was announced: the appender's commit notification, seen here at once
-    // (appends are one at a time, so no commit is coalesced into the next).
-    let committed: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
-    let mut commits = log.subscribe();
-    let seen = committed.clone();
-    tokio::spawn(async move {
-        while commits.changed().await.is_ok() {
-            let n = *commits.borrow_and_update();
-            seen.lock().unwrap().insert(n, Instant::now());
+    // etcd confirms each watch with a `created` message; ours is registered once its response
+    // is answered (it starts at the log's end as of then).
+    if target.kind == Kind::Etcd {
+        let deadline = Instant::now() + Duration::from_secs(FAN_OUT_TIMEOUT_S);
+        while arrivals.created.load(Ordering::Relaxed) < watchers {
+            assert!(
+                Instant::now() < deadline,
+                "etcd confirmed {} of {watchers} watches",
+                arrivals.created.load(Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-    });
-    let mut append_ms = Vec::new();
-    let mut client_ms = Vec::new();
-    let mut missed_commits = 0usize;
-    for i in 0..EVENTS {
-        let pool = PoolId::generate();
-        let payload = ev::to_cbor(&ev::PoolCreated {
-            name: format!("w{i}"),
-            description: String::new(),
-            labels: Default::default(),
-            max_reservation_s: None,
-        })
-        .unwrap();
-        let started = Instant::now();
-        let result = log
-            .append(AppendRequest {
-                tenant: TenantId::ROOT,
-                stream: format!("pool/{pool}"),
-                expected: ExpectedVersion::NoStream,
-                idempotency_key: None,
-                actor: "bench".into(),
-                causation: None,
-                correlation: None,
-                fingerprint: None,
-                guards: vec![],
-                events: vec![NewEvent::new(ev::POOL_CREATED, payload)],
+    }
+    let mut figures = Figures { write_ms: Vec::new(), watcher_ms: Vec::new(), frame_bytes: 0 };
+    for i in 0..WARMUP_WRITES + WRITES {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        write.send((i, answer)).await.unwrap();
+        let (started, written) = answered.await.expect("the writer answers");
+        if watchers > 0 && arrivals.count(i) < watchers {
+            let waited = tokio::time::timeout(Duration::from_secs(FAN_OUT_TIMEOUT_S), async {
+                while arrivals.count(i) < watchers {
+                    let next = arrivals.complete.notified();
+                    tokio::pin!(next);
+                    next.as_mut().enable();
+                    if arrivals.count(i) >= watchers {
+                        break;
+                    }
+                    next.await;
+                }
             })
+            .await;
+            assert!(waited.is_ok(), "{} write {i} reached {} of {watchers} watchers", target.kind.name(), arrivals.count(i));
+        }
+        let times = arrivals.at.lock().unwrap().remove(&i).unwrap_or_default();
+        if i < WARMUP_WRITES {
+            continue;
+        }
+        figures.write_ms.push(ms(written));
+        figures.watcher_ms.extend(times.iter().map(|t| ms(t.saturating_duration_since(started))));
+    }
+    assert_eq!(figures.watcher_ms.len(), WRITES * watchers, "every watcher got every write once");
+    let messages = arrivals.messages.load(Ordering::Relaxed);
+    figures.frame_bytes = arrivals.bytes.load(Ordering::Relaxed).checked_div(messages).unwrap_or(0);
+    for reader in readers {
+        reader.abort();
+    }
+    drop(write);
+    write_thread.join().unwrap();
+    figures.write_ms.sort_by(f64::total_cmp);
+    figures.watcher_ms.sort_by(f64::total_cmp);
+    figures
+}
+
+/// The gateway on a fresh SQLite database, served on a runtime of its own.
+struct OurServer {
+    runtime: Option<tokio::runtime::Runtime>,
+    _dir: tempfile::TempDir,
+}
+
+impl OurServer {
+    fn start() -> (String, String, Self) {
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("server").enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.sqlite3");
+        let (url, token) = runtime.block_on(async move {
+            let store = Arc::new(SqliteStore::open(&path).await.unwrap());
+            bc_core::store::EventStore::migrate(&*store).await.unwrap();
+            let log = Arc::new(
+                Log::open(store, Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap(),
+            );
+            let token = Arc::new(Mutex::new(String::new()));
+            let keep = token.clone();
+            bc_gateway::bootstrap_root(
+                &log,
+                move |t| {
+                    *keep.lock().unwrap() = t.to_owned();
+                    Ok(())
+                },
+                || {},
+            )
             .await
             .unwrap();
-        let acknowledged = Instant::now();
-        append_ms.push(acknowledged.duration_since(started).as_secs_f64() * 1e3);
-        let id = result.events[0].envelope.id.to_string();
-        let commit = result.events[0].position.commit;
-        let deadline = Instant::now() + Duration::from_secs(10);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}", listener.local_addr().unwrap());
+            // Every watcher uses the one administrator key, so the per-key and per-tenant
+            // limits are raised to the total: what is measured is one tenant's events fanned
+            // out to 1,000 watchers, the tail's worst case (by default a tenant holds 64).
+            let mut state = AppState::new(log);
+            state.watchers =
+                WatcherSlots::new(WatcherLimits { total: WATCHERS_MAX, per_tenant: WATCHERS_MAX, per_key: WATCHERS_MAX });
+            tokio::spawn(bc_gateway::serve(listener, Arc::new(state), std::future::pending()));
+            let token = token.lock().unwrap().clone();
+            (url, token)
+        });
+        (url, token, Self { runtime: Some(runtime), _dir: dir })
+    }
+}
+
+impl Drop for OurServer {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// One etcd member in a temp directory, on loopback ports of its own; killed when dropped.
+struct EtcdServer {
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+/// The etcd binary: `BC_BENCH_ETCD`, or `etcd` on `PATH`.
+fn etcd_binary() -> String {
+    std::env::var("BC_BENCH_ETCD").unwrap_or_else(|_| "etcd".to_owned())
+}
+
+/// `etcd --version`'s first line, or why there is none.
+fn etcd_version() -> String {
+    match Command::new(etcd_binary()).arg("--version").output() {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").trim().to_owned(),
+        Ok(out) => panic!("{} --version failed: {}", etcd_binary(), String::from_utf8_lossy(&out.stderr)),
+        Err(e) => panic!(
+            "cannot run {}: {e}\nhint: make bench installs Debian's etcd-server (scripts/bench-deps), or set BC_BENCH_ETCD",
+            etcd_binary()
+        ),
+    }
+}
+
+/// A loopback port nothing listens on now (bound and released: another process could take it
+/// before etcd does, which this bench does not guard against).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl EtcdServer {
+    async fn start() -> (String, Self) {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
+        let child = Command::new(etcd_binary())
+            .args(["--name", "bench", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("bench={peer_url}"), "--log-level", "error"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", etcd_binary()));
+        let server = Self { child, _dir: dir };
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let done = arrivals.lock().unwrap().get(&id).map(|v| v.len()).unwrap_or(0) == watchers;
-            if done || Instant::now() > deadline {
+            if let Ok(r) = http.get(format!("{client_url}/health")).send().await
+                && r.status().is_success()
+                && r.text().await.unwrap_or_default().contains("true")
+            {
                 break;
             }
-            tokio::time::sleep(Duration::from_micros(200)).await;
+            assert!(Instant::now() < deadline, "etcd did not become healthy on {client_url}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let from = match committed.lock().unwrap().remove(&commit) {
-            Some(at) => at,
-            // The notification task ran late and saw a later commit first (a watch channel keeps
-            // the newest value): this one is timed from the acknowledgement, just after commit.
-            None => {
-                missed_commits += 1;
-                acknowledged
-            }
-        };
-        for t in arrivals.lock().unwrap().remove(&id).unwrap_or_default() {
-            client_ms.push(t.saturating_duration_since(from).as_secs_f64() * 1e3);
-        }
+        (client_url, server)
     }
-    assert_eq!(client_ms.len(), EVENTS * watchers, "every watcher got every event");
-    if missed_commits > 0 {
-        eprintln!(
-            "  {missed_commits} of {EVENTS} events timed from the append's acknowledgement (their commit notification was coalesced)"
-        );
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
-    append_ms.sort_by(f64::total_cmp);
-    client_ms.sort_by(f64::total_cmp);
-    ([percentile(&append_ms, 0.5), percentile(&append_ms, 0.99)], [percentile(&client_ms, 0.5), percentile(&client_ms, 0.99)])
+}
+
+/// So 2,000 sockets (1,000 watchers' on each side) fit: the soft open-file limit raised to the
+/// hard one.
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+        && current < maximum
+    {
+        let _ = setrlimit(Resource::Nofile, Rlimit { current: Some(maximum), maximum: Some(maximum) });
+    }
+    let now = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    assert!(now >= 4 * MANY_WATCHERS as u64, "the open-file limit is {now}; hint: ulimit -n {}", 4 * MANY_WATCHERS);
+}
+
+struct Line {
+    kind: Kind,
+    system: String,
+    watchers: usize,
+    figures: Figures,
 }
 
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async {
-        let mut lines = Vec::new();
-        for watchers in [1, 100] {
-            eprintln!("watch benchmark: {watchers} watcher(s), {EVENTS} events");
-            lines.push((watchers, run(watchers).await));
+    raise_open_file_limit();
+    let version = etcd_version();
+    let client =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("client").enable_all().build().unwrap();
+    let mut lines: Vec<Line> = Vec::new();
+    for kind in [Kind::Ours, Kind::Etcd] {
+        for watchers in [0, 1, MANY_WATCHERS] {
+            let target = Target::start(kind, &client);
+            eprintln!("watch benchmark: {} with {watchers} watcher(s), {WRITES} writes", kind.name());
+            let figures = client.block_on(run(&target, watchers));
+            let system = if kind == Kind::Ours { kind.name().to_owned() } else { version.replace("etcd Version: ", "etcd ") };
+            lines.push(Line { kind, system, watchers, figures });
         }
-        println!();
-        println!("| watchers | append p50 / p99 (ms) | commit → watcher p50 / p99 (ms) |");
-        println!("|---------:|----------------------:|--------------------------------:|");
-        for (w, (a, c)) in lines {
-            println!("| {w:>8} | {:>9.2} / {:>9.2} | {:>14.2} / {:>14.2} |", a[0], a[1], c[0], c[1]);
-        }
-    });
+    }
+    println!();
+    println!("| system | watchers | write p50 / p99 (ms) | write → watcher p50 / p99 (ms) | bytes per event |");
+    println!("|---|---:|---:|---:|---:|");
+    for line in &lines {
+        let f = &line.figures;
+        let (w50, w99) = (percentile(&f.write_ms, 0.5), percentile(&f.write_ms, 0.99));
+        let watcher = if f.watcher_ms.is_empty() {
+            "—".to_owned()
+        } else {
+            format!("{:.2} / {:.2}", percentile(&f.watcher_ms, 0.5), percentile(&f.watcher_ms, 0.99))
+        };
+        let bytes = if f.frame_bytes == 0 { "—".to_owned() } else { f.frame_bytes.to_string() };
+        println!("| {} | {} | {w50:.2} / {w99:.2} | {watcher} | {bytes} |", line.system, line.watchers);
+    }
+    let find = |kind: Kind, watchers: usize| &lines.iter().find(|l| l.kind == kind && l.watchers == watchers).unwrap().figures;
+    let p99 = |v: &[f64]| percentile(v, 0.99);
+    let p50 = |v: &[f64]| percentile(v, 0.5);
+    let fan_out = p99(&find(Kind::Ours, MANY_WATCHERS).watcher_ms) / p99(&find(Kind::Etcd, MANY_WATCHERS).watcher_ms);
+    let write_p50 = p50(&find(Kind::Ours, MANY_WATCHERS).write_ms) / p50(&find(Kind::Ours, 0).write_ms);
+    let write_p99 = p99(&find(Kind::Ours, MANY_WATCHERS).write_ms) / p99(&find(Kind::Ours, 0).write_ms);
+    let verdict = |ratio: f64, goal: f64| if ratio <= goal { "met" } else { "MISSED" };
+    println!();
+    println!("| goal (issue 17, goal 1) | ratio | target | |");
+    println!("|---|---:|---:|---|");
+    println!(
+        "| write → watcher p99, {MANY_WATCHERS} watchers: ours ÷ etcd's | {fan_out:.2} | ≤ 1.0 | {} |",
+        verdict(fan_out, 1.0)
+    );
+    println!("| our write p50, {MANY_WATCHERS} watchers ÷ none | {write_p50:.2} | ≤ 1.5 | {} |", verdict(write_p50, 1.5));
+    println!("| our write p99, {MANY_WATCHERS} watchers ÷ none | {write_p99:.2} | ≤ 1.5 | {} |", verdict(write_p99, 1.5));
 }

@@ -147,17 +147,20 @@ async fn start(
     Ok(stream_response(rx))
 }
 
-/// The response: the client's buffer as a body of server-sent events, with a heartbeat after
-/// every `WATCH_HEARTBEAT_S` without one. It ends when the watcher's task and the tail have
-/// both let go of the buffer.
+/// The response: the client's buffer as a body of server-sent events, and a heartbeat every
+/// `WATCH_HEARTBEAT_S` (on a timer of its own that frames do not touch, so a frame costs no timer
+/// work). It ends when the watcher's task and the tail have both let go of the buffer.
 fn stream_response(rx: tokio::sync::mpsc::Receiver<Bytes>) -> Response {
-    let heartbeat = Duration::from_secs(WATCH_HEARTBEAT_S);
-    let frames = futures::stream::unfold(rx, move |mut rx| async move {
-        match tokio::time::timeout(heartbeat, rx.recv()).await {
-            Ok(Some(frame)) => Some((Ok::<_, Infallible>(frame), rx)),
-            Ok(None) => None,
-            Err(_) => Some((Ok(Bytes::from_static(HEARTBEAT)), rx)),
-        }
+    let period = Duration::from_secs(WATCH_HEARTBEAT_S);
+    let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let frames = futures::stream::unfold((rx, heartbeat), |(mut rx, mut heartbeat)| async move {
+        let frame = tokio::select! {
+            biased;
+            frame = rx.recv() => frame?,
+            _ = heartbeat.tick() => Bytes::from_static(HEARTBEAT),
+        };
+        Some((Ok::<_, Infallible>(frame), (rx, heartbeat)))
     });
     ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(frames))
         .into_response()
@@ -447,6 +450,25 @@ mod tests {
         assert_eq!(slots.held(), 1);
         let held = slots.held.lock().unwrap();
         assert_eq!((held.per_tenant.len(), held.per_key.len()), (1, 1), "no entries are left for idle tenants and keys");
+    }
+
+    /// Frames go out as they come; a heartbeat comment after each `WATCH_HEARTBEAT_S`, on a
+    /// paused clock; the body ends when its buffer's senders are gone.
+    #[tokio::test(start_paused = true)]
+    async fn the_stream_sends_frames_and_a_heartbeat_every_period() {
+        use futures::StreamExt;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let response = stream_response(rx);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+        let mut body = response.into_body().into_data_stream();
+        tx.send(Bytes::from_static(b"id: 1.0\nevent: pool.created\ndata: {}\n\n")).await.unwrap();
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], b"id: 1.0\nevent: pool.created\ndata: {}\n\n");
+        let started = tokio::time::Instant::now();
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], HEARTBEAT);
+        assert_eq!(started.elapsed(), Duration::from_secs(WATCH_HEARTBEAT_S), "on the virtual clock");
+        assert_eq!(&body.next().await.unwrap().unwrap()[..], HEARTBEAT);
+        drop(tx);
+        assert!(body.next().await.is_none(), "the stream ends with its buffer");
     }
 
     #[test]
