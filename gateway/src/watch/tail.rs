@@ -396,6 +396,12 @@ impl Tail {
         self.lock().publish(events, &self.limits)
     }
 
+    /// Moves the head to `position` if it is behind: the tail has read that far.
+    fn read_to(&self, position: Position) {
+        let mut state = self.lock();
+        state.head = state.head.max(position);
+    }
+
     /// The newest position read.
     pub fn head(&self) -> Position {
         self.lock().head
@@ -435,7 +441,12 @@ async fn run(
                 }
             };
             let full = rows.len() >= tail.limits.page_rows as usize;
+            let read_to = rows.last().map(|row| Position { commit: row.commit, index: row.index });
             tail.publish(rows.into_iter().filter_map(TailEvent::of_row).collect());
+            if let Some(read_to) = read_to {
+                // Past a row naming no tenant too, so it is not read again.
+                tail.read_to(read_to);
+            }
             if !full || *shutdown.borrow() {
                 break;
             }
