@@ -353,7 +353,10 @@ async fn a_machine_is_deployed_through_a_redfish_bmc_joins_as_its_node_and_is_un
     // agent on a loaded machine can lapse), so it takes no reservation.
     let (_, out, _) = rack.server.cli(&["events", "list", "--types", "node.cordoned", "--format", "json"]);
     let stream = format!("node/{node}");
-    assert!(json(&out)["items"].as_array().unwrap().iter().any(|e| e["stream"] == stream.as_str()), "the node is cordoned: {out}");
+    assert!(
+        json(&out)["items"].as_array().unwrap().iter().any(|e| e["stream"] == stream.as_str()),
+        "the node is cordoned: {out}"
+    );
     drop(installed);
 
     let (transitions, _) = rack.history(&node);
