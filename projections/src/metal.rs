@@ -80,21 +80,9 @@ pub enum Verb {
 
 impl Verb {
     /// The verbs a caller may use (the reference's `metal` commands that move a machine).
-    pub const CALLER: &[Verb] = &[
-        Verb::Manage,
-        Verb::Inspect,
-        Verb::Provide,
-        Verb::Deploy,
-        Verb::Undeploy,
-        Verb::Rescue,
-        Verb::Unrescue,
-        Verb::Retire,
-        Verb::Recover,
-        Verb::Abort,
-        Verb::Power,
-    ];
+    pub const CALLER: &[Verb] = Verb::ALL.split_at(Verb::ALL.len() - 3).0;
 
-    /// Every verb, the workflow's included.
+    /// Every verb: the callers' first, then the workflow's three (`done`, `wait`, `fail`).
     pub const ALL: &[Verb] = &[
         Verb::Manage,
         Verb::Inspect,

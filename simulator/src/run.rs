@@ -515,9 +515,6 @@ impl Sim {
     }
 
     async fn step(&mut self) -> Result<(), Violation> {
-        if let Some(why) = self.world.refused.take() {
-            return Err(Violation(format!("a journal entry was delivered twice (duplicated) and {why}")));
-        }
         let Some(((at, _), task)) = self.queue.pop_first() else { return Ok(()) };
         if at > self.world.now_ms() {
             self.world.clock.set_ms(at);
@@ -602,6 +599,10 @@ impl Sim {
                     self.after(STALE_VIEW_REFRESH_MS, Task::StaleViewRefresh(t));
                 }
             }
+        }
+        // A journal entry the log refused in this step: reported at the step that delivered it.
+        if let Some(why) = self.world.refused.take() {
+            return Err(Violation(format!("a journal entry was delivered twice (duplicated) and {why}")));
         }
         if let Some(t) = nudge {
             self.nudge(t).await;

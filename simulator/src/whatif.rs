@@ -262,35 +262,33 @@ impl World {
 
 /// The log's own decision in `event`, if it is one.
 fn logged(event: &StoredEvent, out: &mut Vec<Decision>) {
-    {
-        let env = &event.envelope;
-        let Some((kind, id)) = env.stream.split_once('/') else { return };
-        if kind != KIND_RESERVATION {
-            return;
-        }
-        match env.event_type.as_str() {
-            ev::RESERVATION_ACTIVATED => {
-                if let Ok(p) = serde_json::from_value::<ev::ReservationActivated>(bc_core::canonical::to_json(&env.payload)) {
-                    out.push(Decision {
-                        after_seq: env.seq,
-                        at_ms: env.at_ms,
-                        kind: "activate",
-                        reservation_id: id.to_owned(),
-                        node_id: p.node_id,
-                        gpus: p.gpus,
-                    });
-                }
+    let env = &event.envelope;
+    let Some((kind, id)) = env.stream.split_once('/') else { return };
+    if kind != KIND_RESERVATION {
+        return;
+    }
+    match env.event_type.as_str() {
+        ev::RESERVATION_ACTIVATED => {
+            if let Ok(p) = serde_json::from_value::<ev::ReservationActivated>(bc_core::canonical::to_json(&env.payload)) {
+                out.push(Decision {
+                    after_seq: env.seq,
+                    at_ms: env.at_ms,
+                    kind: "activate",
+                    reservation_id: id.to_owned(),
+                    node_id: p.node_id,
+                    gpus: p.gpus,
+                });
             }
-            ev::RESERVATION_EXPIRED => out.push(Decision {
-                after_seq: env.seq,
-                at_ms: env.at_ms,
-                kind: "expire",
-                reservation_id: id.to_owned(),
-                node_id: String::new(),
-                gpus: vec![],
-            }),
-            _ => {}
         }
+        ev::RESERVATION_EXPIRED => out.push(Decision {
+            after_seq: env.seq,
+            at_ms: env.at_ms,
+            kind: "expire",
+            reservation_id: id.to_owned(),
+            node_id: String::new(),
+            gpus: vec![],
+        }),
+        _ => {}
     }
 }
 

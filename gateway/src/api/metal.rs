@@ -743,22 +743,8 @@ async fn workflows_resume(call: &Call<'_>, input: WorkflowRef) -> Result<Workflo
 async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
     let (tenant, workflow, machine) = running(call, &input).await?;
     if machine.running().is_some_and(|w| w.workflow_id == workflow.workflow_id) {
-        if let Some(decided) = decide::metal_pause(&machine, &workflow.workflow_id, false)? {
-            call.state.log.append(call.decided(tenant, decided)).await?;
-        } else {
-            // Not paused: clear the back-off by a resume all the same.
-            let event = NewEvent::new(
-                ev::METAL_WORKFLOW_RESUMED,
-                ev::to_cbor(&ev::MetalWorkflowRef { workflow_id: workflow.workflow_id.clone() })?,
-            );
-            let append = decide::Append {
-                stream: stream_of(KIND_METAL, &machine.node_id),
-                expected: ExpectedVersion::Exact(machine.version),
-                guards: vec![],
-                events: vec![event],
-            };
-            call.state.log.append(call.decided(tenant, append)).await?;
-        }
+        let decided = decide::metal_run_now(&machine, &workflow.workflow_id)?;
+        call.state.log.append(call.decided(tenant, decided)).await?;
         return Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into());
     }
     if workflow.outcome != WorkflowOutcome::Failed

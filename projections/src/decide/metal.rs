@@ -328,15 +328,30 @@ pub fn metal_drift(doc: &MetalDoc, observed: &str) -> Result<Option<Append>, Err
     Ok(Some(on_machine(doc, vec![NewEvent::new(ev::METAL_POWER_DRIFTED, to_cbor(&drift)?)])))
 }
 
-/// `workflows.pause` / `resume` on the running workflow.
+/// `workflows.pause` / `resume` on the running workflow (`None`: it already is so).
 pub fn metal_pause(doc: &MetalDoc, workflow_id: &str, pause: bool) -> Result<Option<Append>, Error> {
-    let Some(workflow) = doc.running().filter(|w| w.workflow_id == workflow_id) else {
-        return Err(Error::InvalidState { message: format!("workflow {workflow_id} is not running"), allowed: vec![] });
-    };
+    let workflow = running_workflow(doc, workflow_id)?;
     if workflow.paused == pause {
         return Ok(None);
     }
     let event_type = if pause { ev::METAL_WORKFLOW_PAUSED } else { ev::METAL_WORKFLOW_RESUMED };
+    Ok(Some(workflow_event(doc, workflow_id, event_type)?))
+}
+
+/// `workflows.retry` of the running workflow: resumed, its current step run at once (its
+/// back-off cleared), paused or not.
+pub fn metal_run_now(doc: &MetalDoc, workflow_id: &str) -> Result<Append, Error> {
+    running_workflow(doc, workflow_id)?;
+    workflow_event(doc, workflow_id, ev::METAL_WORKFLOW_RESUMED)
+}
+
+fn running_workflow<'d>(doc: &'d MetalDoc, workflow_id: &str) -> Result<&'d Workflow, Error> {
+    doc.running()
+        .filter(|w| w.workflow_id == workflow_id)
+        .ok_or_else(|| Error::InvalidState { message: format!("workflow {workflow_id} is not running"), allowed: vec![] })
+}
+
+fn workflow_event(doc: &MetalDoc, workflow_id: &str, event_type: &str) -> Result<Append, Error> {
     let payload = to_cbor(&ev::MetalWorkflowRef { workflow_id: workflow_id.to_owned() })?;
-    Ok(Some(on_machine(doc, vec![NewEvent::new(event_type, payload)])))
+    Ok(on_machine(doc, vec![NewEvent::new(event_type, payload)]))
 }
