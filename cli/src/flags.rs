@@ -79,6 +79,22 @@ pub struct DataDir {
     pub data_dir: PathBuf,
 }
 
+/// Where the data key is: secrets (webhook signing secrets, BMC passwords, token hashes) are
+/// sealed under it.
+#[derive(Args)]
+pub struct DataKeyArgs {
+    /// The data key's file (0600; made at first start by dev and serve). Default: `data.key`
+    /// in --data-dir, beside the log key. A rotation keeps the next key at FILE.next.
+    #[arg(long, value_name = "FILE", env = "BETTER_COMPUTE_DATA_KEY_FILE")]
+    pub data_key_file: Option<PathBuf>,
+}
+
+impl DataKeyArgs {
+    pub fn path(&self, data_dir: &std::path::Path) -> PathBuf {
+        self.data_key_file.clone().unwrap_or_else(|| data_dir.join(bc_core::sealing::DATA_KEY_FILE))
+    }
+}
+
 #[derive(Args)]
 pub struct DatabaseArgs {
     /// Where the embedded database and the log key live.
@@ -135,6 +151,8 @@ pub struct ServerArgs {
     pub witnesses: Vec<String>,
     #[command(flatten)]
     pub consumers: ConsumerArgs,
+    #[command(flatten)]
+    pub data_key: DataKeyArgs,
     /// Do not run the reconcilers in this process (run `reconcile` instead).
     #[arg(long)]
     pub no_reconcilers: bool,
@@ -280,6 +298,8 @@ pub enum Command {
         consumers: ConsumerArgs,
         #[command(flatten)]
         sealing: Sealing,
+        #[command(flatten)]
+        data_key: DataKeyArgs,
         /// Allow http:// webhook receivers on loopback (dev, tests).
         #[arg(long)]
         webhook_allow_loopback: bool,
@@ -515,6 +535,8 @@ pub enum PkiCommand {
     RotateDataKey {
         #[command(flatten)]
         db: DatabaseArgs,
+        #[command(flatten)]
+        data_key: DataKeyArgs,
     },
 }
 

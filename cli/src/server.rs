@@ -165,6 +165,7 @@ fn spawn_consumers(
 pub async fn reconcile(
     db: &Database,
     data_dir: &Path,
+    data_key_path: &Path,
     only: &[String],
     options: &ConsumerOptions,
     sealing: &crate::flags::Sealing,
@@ -178,8 +179,8 @@ pub async fn reconcile(
     }
     let store = db.open().await?;
     store.check_schema().await?;
-    // The webhook consumer opens signing secrets: sealed under the data key in `--data-dir`.
-    seal_secrets(&*store, data_dir, false).await?;
+    // The webhook consumer opens signing secrets: sealed under the data key.
+    seal_secrets(&*store, data_key_path, false).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
     let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
@@ -304,8 +305,7 @@ async fn check_log_key(store: &dyn EventStore, data_dir: &Path) -> Result<(), Cl
 /// first start) on `store`, and seals every secret not yet sealed under it (written before
 /// sealing existed, or under the previous key of a rotation cut short). Refuses, before making
 /// a key, a database whose secrets are sealed under a key this directory does not hold.
-async fn seal_secrets(store: &dyn EventStore, data_dir: &Path, create: bool) -> Result<(), CliError> {
-    let path = data_dir.join(bc_core::sealing::DATA_KEY_FILE);
+async fn seal_secrets(store: &dyn EventStore, path: &Path, create: bool) -> Result<(), CliError> {
     if !path.exists() {
         let first = store.secrets_page_raw(None, bc_core::store::RESEAL_ROWS_PER_READ).await?;
         if let Some(key_id) = first.iter().find_map(|(_, _, stored)| bc_core::sealing::sealed_key_id(stored)) {
@@ -313,20 +313,21 @@ async fn seal_secrets(store: &dyn EventStore, data_dir: &Path, create: bool) -> 
                 "DATA_KEY_NOT_FOUND",
                 format!("no data key at {}, but this database's secrets are sealed under {key_id}", path.display()),
             )
-            .hint("restore that data.key beside the log key (or pass the --data-dir that holds it)"));
+            .hint("restore that data key (data.key beside the log key, or the file --data-key-file names)"));
         }
         if !create {
             return Ok(());
         }
     }
-    let (keys, created) = bc_core::sealing::load_data_keys(data_dir, create)?;
+    let (keys, created) = bc_core::sealing::load_data_key_file(path, create)?;
     if created {
         tracing::info!(key_id = keys.current.id(), path = %path.display(), "created the data key");
     }
     store.set_data_keys(keys);
     let resealed = store.secrets_reseal().await.map_err(|e| match e {
-        bc_core::Error::Corrupt { what, .. } if what.contains("does not hold") => CliError::new("DATA_KEY_MISMATCH", what)
-            .hint("this database's secrets were sealed under another data key: pass the --data-dir that holds it"),
+        bc_core::Error::Corrupt { what, .. } if what.contains("does not hold") => CliError::new("DATA_KEY_MISMATCH", what).hint(
+            "this database's secrets were sealed under another data key: pass the --data-dir (or --data-key-file) that holds it",
+        ),
         other => other.into(),
     })?;
     if resealed > 0 {
@@ -338,25 +339,25 @@ async fn seal_secrets(store: &dyn EventStore, data_dir: &Path, create: bool) -> 
 /// `pki rotate-data-key`: a new data key (`data.key.next`), every secret re-sealed under it
 /// (the old key still opens what is not yet), then the new key takes `data.key`'s place. Cut
 /// short, the next start (or this command again) finishes it: both keys stay on disk until then.
-pub async fn rotate_data_key(db: &Database, data_dir: &Path) -> Result<Value, CliError> {
+pub async fn rotate_data_key(db: &Database, path: &Path) -> Result<Value, CliError> {
     let store = db.open().await?;
     store.check_schema().await?;
-    let path = data_dir.join(bc_core::sealing::DATA_KEY_FILE);
-    let next = data_dir.join(bc_core::sealing::DATA_KEY_NEXT_FILE);
+    let next = bc_core::sealing::data_key_next_path(path);
     if !path.exists() {
-        return Err(CliError::new("DATA_KEY_NOT_FOUND", format!("no data key at {}", path.display()))
-            .hint("run better-compute dev (or serve) once to create it, or pass the --data-dir that holds it"));
+        return Err(CliError::new("DATA_KEY_NOT_FOUND", format!("no data key at {}", path.display())).hint(
+            "run better-compute dev (or serve) once to create it, or pass the --data-dir (or --data-key-file) that holds it",
+        ));
     }
-    let previous = bc_core::sealing::DataKey::load(&path)?.id().to_owned();
+    let previous = bc_core::sealing::DataKey::load(path)?.id().to_owned();
     if !next.exists() {
         bc_core::sealing::DataKey::create(&next)?;
     }
-    let (keys, _) = bc_core::sealing::load_data_keys(data_dir, false)?;
+    let (keys, _) = bc_core::sealing::load_data_key_file(path, false)?;
     let key_id = keys.current.id().to_owned();
     store.set_data_keys(keys);
     let resealed = store.secrets_reseal().await?;
-    std::fs::rename(&next, &path).map_err(|e| CliError::new("INTERNAL", format!("replacing {}: {e}", path.display())))?;
-    bc_core::keys::sync_dir_of(&path)?;
+    std::fs::rename(&next, path).map_err(|e| CliError::new("INTERNAL", format!("replacing {}: {e}", path.display())))?;
+    bc_core::keys::sync_dir_of(path)?;
     Ok(json!({ "keyId": key_id, "previousKeyId": previous, "resealed": resealed }))
 }
 
@@ -524,6 +525,7 @@ fn raise_open_file_limit(connections_max: usize) {
 pub async fn run_server(
     db: Database,
     data_dir: &Path,
+    data_key_path: &Path,
     listen: &str,
     migrate_first: bool,
     checkpoint_interval_s: u64,
@@ -546,7 +548,7 @@ pub async fn run_server(
     }
     store.check_schema().await?;
     check_log_key(&*store, data_dir).await?;
-    seal_secrets(&*store, data_dir, true).await?;
+    seal_secrets(&*store, data_key_path, true).await?;
     let key_path = data_dir.join(LOG_KEY_FILE);
     let (key, created) = LogKey::load_or_create(&key_path)?;
     if created {

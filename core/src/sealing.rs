@@ -1,7 +1,8 @@
 //! Secrets at rest: every value of the `secrets` table (webhook signing secrets, the SHA-256 of
-//! API keys' and join tokens' secrets, and later BMC credentials) is sealed with
+//! API keys' and join tokens' secrets, and BMC passwords) is sealed with
 //! XChaCha20-Poly1305 under the deployment's **data key**, a 32-byte key in a 0600 file beside
-//! the log key (`data.key`), never in the database. Whoever reads the database (a backup, a
+//! the log key (`data.key`) or where `--data-key-file` / `BETTER_COMPUTE_DATA_KEY_FILE` says,
+//! never in the database. Whoever reads the database (a backup, a
 //! replica, a leaked dump) reads no secret.
 //!
 //! A sealed value is text: `bcs1:`, then the key's id (`dk_` and 8 bytes of SHA-256 of the key,
@@ -178,10 +179,22 @@ impl DataKeys {
 /// `data.key.next` when a rotation was cut short (the rows are then being re-sealed under it:
 /// it seals, the old one still opens).
 pub fn load_data_keys(data_dir: &Path, create: bool) -> Result<(Arc<DataKeys>, bool)> {
-    let path = data_dir.join(DATA_KEY_FILE);
+    load_data_key_file(&data_dir.join(DATA_KEY_FILE), create)
+}
+
+/// The rotation's next key beside `path`: `path` + `.next` (`data.key.next` for `data.key`).
+pub fn data_key_next_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".next");
+    path.with_file_name(name)
+}
+
+/// [`load_data_keys`] with the key at `path` (given by a flag or the environment) and a
+/// rotation's next key at [`data_key_next_path`].
+pub fn load_data_key_file(path: &Path, create: bool) -> Result<(Arc<DataKeys>, bool)> {
     let (current, created) =
-        if path.exists() || !create { (DataKey::load(&path)?, false) } else { (DataKey::create(&path)?, true) };
-    let next = data_dir.join(DATA_KEY_NEXT_FILE);
+        if path.exists() || !create { (DataKey::load(path)?, false) } else { (DataKey::create(path)?, true) };
+    let next = data_key_next_path(path);
     if next.exists() {
         let next = DataKey::load(&next)?;
         return Ok((Arc::new(DataKeys { current: next, previous: Some(current) }), created));

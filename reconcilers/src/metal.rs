@@ -76,6 +76,10 @@ pub struct Metal {
     pub sync_interval_ms: u64,
     synced: Mutex<BTreeMap<String, u64>>,
     drift: Mutex<BTreeMap<String, (String, u32)>>,
+    /// Sync reads in a row the BMC refused with 401, per machine: a machine at rest whose
+    /// credentials stopped working goes into maintenance after
+    /// [`UNAUTHORIZED_ATTEMPTS_MAX`](bc_projections::workflow::UNAUTHORIZED_ATTEMPTS_MAX) of them.
+    unauthorized: Mutex<BTreeMap<String, u32>>,
 }
 
 fn power_text(power: Option<PowerState>) -> Option<String> {
@@ -99,6 +103,7 @@ impl Metal {
             sync_interval_ms: SYNC_INTERVAL_MS_DEFAULT,
             synced: Mutex::new(BTreeMap::new()),
             drift: Mutex::new(BTreeMap::new()),
+            unauthorized: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -110,10 +115,17 @@ impl Metal {
             Ok(None) => return Err(credentials("no BMC password is stored for this machine; enroll it again".into())),
             Err(e) => return Err(StepResult::Failed { kind: "storage".into(), message: e.public_message() }),
         };
-        let tls = match doc.bmc.tls.as_str() {
-            "ca" => BmcTls::CaBundle { pem: doc.bmc.ca_pem.clone().unwrap_or_default() },
-            "pin" => BmcTls::Pin { pin: doc.bmc.pin.clone().unwrap_or_default() },
-            _ => BmcTls::Insecure,
+        // Only the enrollment's explicit `insecure` skips verification: any other value (a
+        // row written by a later version, a damaged one) fails closed.
+        let tls = match (doc.bmc.tls.as_str(), &doc.bmc.ca_pem, &doc.bmc.pin) {
+            ("ca", Some(pem), _) => BmcTls::CaBundle { pem: pem.clone() },
+            ("pin", _, Some(pin)) => BmcTls::Pin { pin: pin.clone() },
+            ("insecure", _, _) => BmcTls::Insecure,
+            (mode, _, _) => {
+                return Err(credentials(format!(
+                    "the BMC's TLS mode {mode:?} is not one this reconciler knows, or lacks its CA or pin; enroll it again"
+                )));
+            }
         };
         let address =
             url::Url::parse(&doc.bmc.address).map_err(|e| credentials(format!("the BMC address does not parse: {e}")))?;
@@ -276,7 +288,8 @@ impl Metal {
 
     /// The power sync of a machine with no workflow.
     async fn sync(&self, doc: &MetalDoc, now_ms: u64) -> Pass {
-        let suspect = self.drift.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&doc.node_id);
+        let suspect = self.drift.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&doc.node_id)
+            || self.unauthorized.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&doc.node_id);
         let last = self.synced.lock().unwrap_or_else(|p| p.into_inner()).get(&doc.node_id).copied();
         if !suspect && last.is_some_and(|at| now_ms < at.saturating_add(self.sync_interval_ms)) {
             return Pass::default();
@@ -284,8 +297,13 @@ impl Metal {
         self.synced.lock().unwrap_or_else(|p| p.into_inner()).insert(doc.node_id.clone(), now_ms);
         let Ok(bmc) = self.bmc(doc).await else { return Pass::default() };
         let observed = match bmc.system().await {
-            Ok(system) => power_text(system.power_state),
+            Ok(system) => {
+                self.unauthorized.lock().unwrap_or_else(|p| p.into_inner()).remove(&doc.node_id);
+                power_text(system.power_state)
+            }
+            Err(BmcError::Unauthorized(message)) => return self.sync_unauthorized(doc, message).await,
             Err(e) => {
+                self.unauthorized.lock().unwrap_or_else(|p| p.into_inner()).remove(&doc.node_id);
                 tracing::debug!(reconciler = NAME, node = %doc.node_id, error = %e, "power sync read failed");
                 return Pass::default();
             }
@@ -312,6 +330,30 @@ impl Metal {
         match decide::metal_drift(doc, &observed) {
             Ok(Some(append)) => self.append(doc, append, Pass { drifted: 1, ..Pass::default() }).await,
             _ => Pass::default(),
+        }
+    }
+
+    /// A sync read the BMC refused with 401: read again on the next passes (bounded), then the
+    /// machine goes into maintenance with the reason, as a workflow's step would put it.
+    async fn sync_unauthorized(&self, doc: &MetalDoc, message: String) -> Pass {
+        let reads = {
+            let mut refused = self.unauthorized.lock().unwrap_or_else(|p| p.into_inner());
+            let reads = refused.entry(doc.node_id.clone()).or_insert(0);
+            *reads += 1;
+            *reads
+        };
+        tracing::info!(reconciler = NAME, node = %doc.node_id, reads, error = %message, "power sync refused the credentials");
+        match decide::metal_unauthorized_at_rest(doc, reads, &message) {
+            Ok(Some(append)) => {
+                self.unauthorized.lock().unwrap_or_else(|p| p.into_inner()).remove(&doc.node_id);
+                tracing::warn!(reconciler = NAME, node = %doc.node_id, "BMC refused the credentials; machine put in maintenance");
+                self.append(doc, append, Pass { failed: 1, ..Pass::default() }).await
+            }
+            Ok(None) => Pass::default(),
+            Err(e) => {
+                tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot record maintenance");
+                Pass::default()
+            }
         }
     }
 

@@ -221,6 +221,68 @@ async fn a_bmc_that_refuses_the_credentials_puts_the_machine_in_maintenance() {
     assert_eq!(refused.unwrap_err().code(), bc_core::ErrorCode::InvalidState);
 }
 
+/// A machine at rest whose BMC starts answering 401 (its password changed behind our back): the
+/// power sync reads it again a bounded number of times, then puts it into maintenance with the
+/// reason, and reads it no more.
+#[tokio::test]
+async fn a_machine_at_rest_whose_bmc_starts_refusing_goes_into_maintenance_after_bounded_reads() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.verb(Verb::Manage, None, None, None).await;
+    let doc = w.settle(&metal, 10).await;
+    assert_eq!((doc.state, doc.running().is_none()), (MetalState::Manageable, true));
+    w.bmc().with(|s| {
+        s.misbehaviour = Misbehaviour::Unauthorized;
+        s.calls.clear();
+    });
+    for _ in 0..20 {
+        w.clock.advance_ms(metal.sync_interval_ms);
+        metal.pass().await.unwrap();
+    }
+    let doc = w.doc().await;
+    let reason = doc.flags.maintenance.clone().expect("in maintenance");
+    assert!(reason.contains(&format!("refused the credentials {UNAUTHORIZED_ATTEMPTS_MAX} times in a row")), "{reason}");
+    assert_eq!(doc.state, MetalState::Manageable, "maintenance is a flag, not a state");
+    assert_eq!(w.bmc().with(|s| s.calls.len()), UNAUTHORIZED_ATTEMPTS_MAX as usize, "bounded reads, then none");
+    let set = w.events().await.iter().filter(|e| e.envelope.event_type == ev::METAL_MAINTENANCE_SET).count();
+    assert_eq!(set, 1);
+}
+
+/// A machine whose stored TLS mode asks for a pin it does not have is refused, never connected
+/// to without verification.
+#[tokio::test]
+async fn a_tls_mode_without_its_pin_fails_closed() {
+    let w = world().await;
+    let tampered = ev::MetalEnrolled {
+        pool_id: PoolId::generate().to_string(),
+        name: "m2".into(),
+        bmc: ev::MetalBmc {
+            address: "https://bmc-2.example:8443".into(),
+            system_path: None,
+            username: "admin".into(),
+            tls: "pin".into(),
+            ca_pem: None,
+            pin: None,
+            secret_id: "bmc_m2".into(),
+        },
+    };
+    w.store.secret_put(w.tenant, "bmc_m2", "hunter2", 0).await.unwrap();
+    let node = NodeId::generate().to_string();
+    let event = NewEvent::new(ev::METAL_ENROLLED, ev::to_cbor(&tampered).unwrap());
+    w.log
+        .append(AppendRequest::new(w.tenant, stream_of(KIND_METAL, &node), ExpectedVersion::NoStream, "test", vec![event]))
+        .await
+        .unwrap();
+    let w = World { node, ..w };
+    let metal = w.reconciler();
+    w.verb(Verb::Manage, None, None, None).await;
+    let doc = w.settle(&metal, 200).await;
+    assert_eq!(doc.state, MetalState::Enroll, "{doc:#?}");
+    let error = doc.last_error.unwrap();
+    assert!(error.contains("TLS mode \"pin\"") && error.contains("enroll it again"), "{error}");
+    assert_eq!(w.fake.machine("https://bmc-2.example:8443").with(|s| s.calls.len()), 0, "never connected");
+}
+
 /// A BMC that takes the reset and never applies it: the power wait's own deadline.
 #[tokio::test]
 async fn a_bmc_that_never_applies_power_fails_the_clean_at_the_power_deadline() {

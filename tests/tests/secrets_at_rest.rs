@@ -2,7 +2,8 @@
 //! table holds no secret in clear text (webhook signing secrets, the hashes of API keys'
 //! secrets), only values sealed under the data key in the data directory (0600); a row written
 //! in clear before sealing existed is sealed at the next start; `pki rotate-data-key` re-seals
-//! every row under a new key and the server, restarted, still authenticates and signs.
+//! every row under a new key and the server, restarted, still authenticates and signs; the key
+//! may be kept elsewhere (`--data-key-file`, `BETTER_COMPUTE_DATA_KEY_FILE`).
 
 use bc_core::store::{EventStore, SecretStore};
 use bc_core::testing::ScratchDatabase;
@@ -112,6 +113,40 @@ async fn secrets_are_sealed_at_rest_a_clear_row_is_sealed_at_start_and_a_rotatio
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("DATA_KEY_NOT_FOUND"), "{err}");
     assert!(!key_path.exists(), "no new key was made over the database's");
+
+    // The key where an operator keeps it, named by the environment: the rotation finds it
+    // there, re-seals every row and leaves the next key nowhere.
+    let moved = server.data_dir.join("data.key.moved");
+    let moved_text = moved.display().to_string();
+    let (code, out, err) =
+        bc_tests::cli(&["pki", "rotate-data-key", "--data-dir", &data_dir], &[("BETTER_COMPUTE_DATA_KEY_FILE", &moved_text)]);
+    assert_eq!(code, 0, "{err}");
+    let rotated = bc_tests::json(&out);
+    assert_eq!(rotated["previousKeyId"], new_key.as_str());
+    let moved_key = bc_core::sealing::DataKey::load(&moved).unwrap().id().to_owned();
+    assert_eq!(rotated["keyId"], moved_key.as_str());
+    assert_eq!(std::fs::metadata(&moved).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(!key_path.exists() && !bc_core::sealing::data_key_next_path(&moved).exists());
+    assert_sealed(&sqlite_rows(&server).await, &[&secret], Some(&moved_key));
+}
+
+/// `dev` (and `serve`) with the data key outside the data directory (`--data-key-file`): made
+/// there at first start, 0600, and nothing named data.key in the directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_data_key_may_live_outside_the_data_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let keys = tempfile::tempdir().unwrap();
+    let path = keys.path().join("bc-data.key");
+    let mut server = Server::dev_with(&["--no-reconcilers", "--data-key-file", &path.display().to_string()]);
+    let (secret, token) = populate(&server).await;
+    server.stop();
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(!server.data_dir.join(bc_core::sealing::DATA_KEY_FILE).exists(), "no key in the data directory");
+    let key_id = bc_core::sealing::DataKey::load(&path).unwrap().id().to_owned();
+    assert_sealed(&sqlite_rows(&server).await, &[&secret, &token], Some(&key_id));
+    server.restart();
+    let (status, whoami) = server.call_as(&token, "system.whoami", json!({}), None).await;
+    assert_eq!(status, 200, "the key opens again from the same file: {whoami}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use crate::client::CliError;
 use crate::flags::{
-    AgentsArgs, ConsumerArgs, DataDir, DatabaseArgs, PkiCommand, ProjectionsCommand, ReconcilersCommand, Sealing, ServerArgs,
+    AgentsArgs, ConsumerArgs, DataDir, DataKeyArgs, DatabaseArgs, PkiCommand, ProjectionsCommand, ReconcilersCommand, Sealing,
+    ServerArgs,
 };
 use crate::output::Format;
 use crate::server::{self, AgentsOptions, ConsumerOptions, Database};
@@ -79,6 +80,7 @@ async fn run_server(
     server::run_server(
         db,
         data_dir,
+        &args.data_key.path(data_dir),
         &args.listen,
         dev,
         args.sealing.checkpoint_interval,
@@ -107,9 +109,11 @@ pub async fn reconcile(
     db: DatabaseArgs,
     consumers: ConsumerArgs,
     sealing: Sealing,
+    data_key: DataKeyArgs,
     allow_loopback: bool,
 ) -> Result<(), CliError> {
-    server::reconcile(&db.database(), &db.data_dir, &only, &consumers.options(allow_loopback)?, &sealing).await
+    let key_path = data_key.path(&db.data_dir);
+    server::reconcile(&db.database(), &db.data_dir, &key_path, &only, &consumers.options(allow_loopback)?, &sealing).await
 }
 
 pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(), CliError> {
@@ -131,7 +135,9 @@ pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
         PkiCommand::RotateLogKey { db, deployment } => {
             crate::audit::rotate_log_key(&db.database(), &db.data_dir, &deployment.deployment).await?
         }
-        PkiCommand::RotateDataKey { db } => server::rotate_data_key(&db.database(), &db.data_dir).await?,
+        PkiCommand::RotateDataKey { db, data_key } => {
+            server::rotate_data_key(&db.database(), &data_key.path(&db.data_dir)).await?
+        }
     };
     ctx.print(&value, Format::Json)
 }

@@ -318,6 +318,18 @@ pub fn metal_fail(doc: &MetalDoc, reason: &str) -> Result<Append, Error> {
     Ok(on_machine(doc, events))
 }
 
+/// A machine at rest (no workflow) whose BMC refused the credentials `reads` sync reads in a
+/// row: at [`UNAUTHORIZED_ATTEMPTS_MAX`] it goes into maintenance with the reason (`None`
+/// before that, or when a workflow runs or it is in maintenance already).
+pub fn metal_unauthorized_at_rest(doc: &MetalDoc, reads: u32, message: &str) -> Result<Option<Append>, Error> {
+    if reads < UNAUTHORIZED_ATTEMPTS_MAX || doc.running().is_some() || doc.flags.maintenance.is_some() {
+        return Ok(None);
+    }
+    let reason = format!("the BMC refused the credentials {reads} times in a row: {message}");
+    let event = NewEvent::new(ev::METAL_MAINTENANCE_SET, to_cbor(&ev::MetalMaintenanceSet { reason })?);
+    Ok(Some(on_machine(doc, vec![event])))
+}
+
 /// The BMC says `observed` where the log says otherwise: the log follows the machine.
 pub fn metal_drift(doc: &MetalDoc, observed: &str) -> Result<Option<Append>, Error> {
     let Some(expected) = doc.power.as_deref() else { return Ok(None) };

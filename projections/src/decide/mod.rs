@@ -38,7 +38,7 @@ pub use instance::{
 };
 pub use metal::{
     DEPLOY_TOKEN_GRACE_S, MetalPlan, StepResult, VerbInput, metal_drift, metal_fail, metal_pause, metal_plan, metal_run_now,
-    metal_step, metal_verb, step_backoff_ms,
+    metal_step, metal_unauthorized_at_rest, metal_verb, step_backoff_ms,
 };
 pub use plan::{Action, Policy, QueueRule, plan, plan_with};
 // `node_keys_change`, `node_register` and their bounds are defined below.
