@@ -462,7 +462,11 @@ pub(crate) fn apply_metal(kind: &str, id: &str, current: Option<Value>, event: &
             if env.event_type == METAL_WORKFLOW_FINISHED && workflow.outcome == WorkflowOutcome::Succeeded {
                 doc.last_error = None;
             }
-            if env.event_type == METAL_WORKFLOW_FINISHED && workflow.outcome == WorkflowOutcome::Failed {
+            // An abort leaves the machine in a failed state too (deploy-wait → deploy-failed), and
+            // every failed state says why.
+            if env.event_type == METAL_WORKFLOW_FINISHED
+                && matches!(workflow.outcome, WorkflowOutcome::Failed | WorkflowOutcome::Aborted)
+            {
                 doc.last_error = workflow.reason.clone();
             }
             doc

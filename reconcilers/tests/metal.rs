@@ -342,6 +342,39 @@ async fn a_deploy_whose_agent_never_joins_fails_at_the_wait_deadline() {
     assert!(error.contains("deploy-wait did not finish within its deadline of 1800 s (at step wait-agent)"), "{error}");
 }
 
+/// An operator aborts a deploy waiting for its agent: deploy failed with the reason, the
+/// workflow aborted, and the reconciler runs none of its steps after.
+#[tokio::test]
+async fn an_aborted_deploy_wait_ends_in_deploy_failed_and_runs_no_more_steps() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.verb(Verb::Manage, None, None, None).await;
+    w.settle(&metal, 10).await;
+    w.verb(Verb::Provide, None, None, None).await;
+    w.settle(&metal, 20).await;
+    let token = JoinTokenId::generate().to_string();
+    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
+    for _ in 0..20 {
+        metal.pass().await.unwrap();
+        w.clock.advance_ms(1_000);
+    }
+    assert_eq!(w.doc().await.state, MetalState::DeployWait);
+    let doc = w.verb(Verb::Abort, None, None, None).await;
+    assert_eq!(doc.state, MetalState::DeployFailed, "{doc:#?}");
+    assert_eq!(doc.workflow.as_ref().unwrap().outcome, WorkflowOutcome::Aborted);
+    assert!(doc.last_error.as_deref().is_some_and(|e| e.contains("abort")), "{doc:#?}");
+    let calls = w.bmc().with(|s| s.calls.len());
+    let events = w.events().await.len();
+    for _ in 0..5 {
+        metal.pass().await.unwrap();
+        w.clock.advance_ms(1_000);
+    }
+    // Only the power sync's reads of a machine at rest: no step of the deploy ran again.
+    let after: Vec<String> = w.bmc().with(|s| s.calls[calls..].to_vec());
+    assert!(after.iter().all(|c| c == "system"), "{after:?}");
+    assert_eq!(w.events().await.len(), events, "nothing was recorded after the abort");
+}
+
 /// The BMC says on, the log says off: found within one sync interval, read again, recorded.
 #[tokio::test]
 async fn power_drift_is_found_read_again_and_recorded() {

@@ -118,6 +118,34 @@ async fn enroll_is_checked_at_the_edge_verbs_name_what_is_allowed_and_the_passwo
     assert_eq!(code, 0);
     assert_eq!(json(&out)["steps"][0], serde_json::json!({ "name": "check-bmc", "state": "failed" }), "{out}");
 
+    // Retry runs the failed verb again as a new workflow; pause stops its steps (its attempts
+    // stand still while paused), resume runs them again; abort is refused outside a wait
+    // state, naming what is allowed; a finished workflow is not paused.
+    let (code, out, err) = server.cli(&["workflows", "retry", &workflow]);
+    assert_eq!(code, 0, "{out}{err}");
+    let again = json(&out);
+    let again_id = again["workflowId"].as_str().unwrap().to_owned();
+    assert!(again_id != workflow && again["outcome"] == "running" && again["verb"] == "manage", "{again}");
+    let (code, out, err) = server.cli(&["workflows", "pause", &again_id]);
+    assert_eq!((code, json(&out)["paused"].as_bool()), (0, Some(true)), "{out}{err}");
+    let attempts_paused = json(&out)["attempts"].as_u64().unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    let (_, out, _) = server.cli(&["workflows", "get", &again_id]);
+    let paused = json(&out);
+    assert_eq!((paused["paused"].as_bool(), paused["attempts"].as_u64()), (Some(true), Some(attempts_paused)), "{paused}");
+    let (code, _, err) = server.cli(&["workflows", "abort", &again_id]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains("verifying"), "{err}");
+    let (code, out, err) = server.cli(&["workflows", "resume", &again_id]);
+    assert_eq!((code, json(&out)["paused"].as_bool()), (0, Some(false)), "{out}{err}");
+    wait_until("the retried manage fails again", Duration::from_secs(60), || {
+        let (_, out, _) = server.cli(&["workflows", "get", &again_id]);
+        (json(&out)["outcome"] == "failed").then_some(())
+    });
+    let (code, _, err) = server.cli(&["workflows", "pause", &workflow]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not running"), "{err}");
+
     // The password: in no answer, no event, no log line, no byte of the database.
     let (code, events, _) = server.cli(&["events", "list", "--format", "json", "--limit", "500"]);
     assert_eq!(code, 0);
