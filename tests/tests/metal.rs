@@ -410,9 +410,9 @@ async fn a_machine_is_deployed_through_a_redfish_bmc_joins_as_its_node_and_is_un
     );
 }
 
-/// The `metal` reconciler, its own process, killed with SIGKILL again and again through a deploy
-/// against sushy and started again each time: the deploy ends active, and the log shows each
-/// transition and each step once.
+/// The `metal` reconciler, its own process, killed with SIGKILL in each state and step of a
+/// deploy against sushy as it is first seen, and started again each time: the deploy ends
+/// active, and the log shows each transition and each step once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_metal_reconciler_killed_through_a_deploy_resumes_and_records_each_transition_once() {
     use bc_tests::sushy::SYSTEM_B;
@@ -428,37 +428,42 @@ async fn a_metal_reconciler_killed_through_a_deploy_resumes_and_records_each_tra
 
     let token_file = rack.dir.path().join("node.token");
     rack.cli(&["metal", "deploy", &node, "--image", &rack.image, "--token-out", &token_file.display().to_string()]);
-    // Killed every 0.4 to 2.5 s (a seeded schedule), in whatever state and step it is.
-    let seed: u64 = std::env::var("BC_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261201);
-    eprintln!("kill schedule seed {seed} (BC_TEST_SEED reproduces it)");
-    let mut rng = seed;
+    // Killed with SIGKILL the first time each (state, step) of the deploy is seen, polled every
+    // 150 ms, and started again: so in each state of the deploy, and in as many of its steps as
+    // last longer than a poll.
     let mut states_killed_in = std::collections::BTreeSet::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(240);
     let mut joined = None;
     loop {
-        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        std::thread::sleep(Duration::from_millis(400 + (rng >> 33) % 2100));
+        std::thread::sleep(Duration::from_millis(150));
         let machine = rack.machine(&node);
+        assert_ne!(machine["state"], "deploy-failed", "{machine}");
+        if machine["state"] == "active" {
+            reconciler.kill9();
+            break;
+        }
         let step = machine["workflow"]["steps"]
             .as_array()
             .and_then(|s| s.iter().find(|s| s["state"] == "running"))
-            .map(|s| s["name"].clone());
-        states_killed_in.insert(format!("{}/{}", machine["state"].as_str().unwrap(), step.unwrap_or_default()));
-        reconciler.kill9();
-        assert_ne!(machine["state"], "deploy-failed", "{machine}");
-        if machine["state"] == "deploy-wait" && joined.is_none() {
+            .map(|s| s["name"].as_str().unwrap_or_default().to_owned());
+        let at = format!("{}/{}", machine["state"].as_str().unwrap(), step.unwrap_or_default());
+        if machine["state"] == "deploy-wait" && joined.is_none() && states_killed_in.contains(&at) {
+            // Killed once in deploy-wait already: now the installed system may join.
             let mut installed = rack.installed_system(&node, &token_file);
             installed.start();
             joined = Some(installed);
         }
-        if machine["state"] == "active" {
-            break;
+        if states_killed_in.insert(at) {
+            reconciler.kill9();
+            reconciler.restart();
         }
         assert!(std::time::Instant::now() < deadline, "the deploy did not end: {machine}");
-        reconciler.restart();
     }
     eprintln!("killed in: {states_killed_in:?}");
-    assert!(states_killed_in.len() >= 3, "killed in too few states to mean much: {states_killed_in:?}");
+    for state in ["deploying/", "deploy-wait/"] {
+        assert!(states_killed_in.iter().any(|at| at.starts_with(state)), "never killed in {state}: {states_killed_in:?}");
+    }
+    assert!(states_killed_in.len() >= 3, "killed in too few steps to mean much: {states_killed_in:?}");
     let (transitions, steps) = rack.history(&node);
     assert_eq!(
         transitions[4..],
