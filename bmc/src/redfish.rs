@@ -99,7 +99,13 @@ impl RedfishBmc {
                 "the system path {path:?} is not a path on the BMC (it is /redfish/v1/Systems/<id>)"
             )));
         }
-        if matches!(target.tls, BmcTls::Insecure) {
+        // Once per BMC per process: a client is made for every step and every power sync, and
+        // a warning each time would bury everything else in the log.
+        static WARNED_INSECURE: std::sync::Mutex<std::collections::BTreeSet<String>> =
+            std::sync::Mutex::new(std::collections::BTreeSet::new());
+        if matches!(target.tls, BmcTls::Insecure)
+            && WARNED_INSECURE.lock().unwrap_or_else(|p| p.into_inner()).insert(origin.to_string())
+        {
             tracing::warn!(
                 bmc = %origin,
                 "the BMC's TLS certificate is not checked (insecure mode): whoever is on the path can read its credentials"
