@@ -129,6 +129,19 @@ async fn appends_and_reads(postgres: bool) {
     let after = decode_rows(f.store.read_after_rows(all[1].position, None, 100).await.unwrap()).unwrap();
     assert_eq!(after.len(), 4);
     assert_eq!(after[0].position, all[2].position);
+    // The narrow read names the same events' streams and positions, in the same order.
+    let touches = f.store.read_after_touches(all[1].position, 100).await.unwrap();
+    let expected: Vec<_> = after
+        .iter()
+        .map(|e| bc_core::store::StreamTouch {
+            tenant: e.envelope.tenant.to_string(),
+            stream: e.envelope.stream.clone(),
+            commit: e.position.commit,
+            index: e.position.index,
+        })
+        .collect();
+    assert_eq!(touches, expected);
+    assert_eq!(f.store.read_after_touches(all[1].position, 2).await.unwrap(), expected[..2], "bounded by its limit");
     let only_b = f.store.read_after_rows(Position::START, Some(b), 100).await.unwrap();
     assert_eq!(only_b.len(), 1);
     let one = f.store.event_row(a, third.events[1].envelope.id).await.unwrap().unwrap();

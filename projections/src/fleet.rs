@@ -28,10 +28,6 @@ pub struct TenantView {
     pub nodes: BTreeMap<String, NodeDoc>,
     /// Queued and active reservations.
     pub live: BTreeMap<String, ReservationDoc>,
-    /// Rows to read again before the next use: changed in the log, or held for an append that
-    /// failed.
-    dirty_nodes: BTreeSet<String>,
-    dirty_reservations: BTreeSet<String>,
     /// Nodes with GPUs held for appends not yet read back: a placement guards a node's store
     /// version, so two in flight on one node cannot both land.
     held: BTreeSet<String>,
@@ -87,6 +83,9 @@ impl TenantView {
 /// plain mutex that is never held across an `await`: no database read happens under it.
 #[derive(Default)]
 struct Shared {
+    /// Marks made so far: each mark of a row in `dirty` takes the next number, so a refresh
+    /// that read a row knows whether it was marked again while it read (then it stays dirty).
+    marks: u64,
     /// Each tenant's view behind its own lock (`None` until loaded): loading or refreshing one
     /// tenant never waits on another's.
     /// A `BTreeMap`, so a pass over every tenant takes them in one order (the simulator's ids
@@ -96,10 +95,31 @@ struct Shared {
     dirty: BTreeMap<TenantId, Dirty>,
 }
 
-#[derive(Default)]
+/// Rows to read again before the next use (changed in the log, or held for an append that
+/// may have failed), each with the number of its latest mark.
+#[derive(Clone, Default)]
 struct Dirty {
-    nodes: BTreeSet<String>,
-    reservations: BTreeSet<String>,
+    nodes: BTreeMap<String, u64>,
+    reservations: BTreeMap<String, u64>,
+}
+
+impl Dirty {
+    fn is_empty(&self) -> bool {
+        self.nodes.is_empty() && self.reservations.is_empty()
+    }
+}
+
+impl Shared {
+    fn mark(&mut self, tenant: TenantId, node: Option<&str>, reservation: Option<&str>) {
+        self.marks += 1;
+        let (mark, dirty) = (self.marks, self.dirty.entry(tenant).or_default());
+        if let Some(id) = node {
+            dirty.nodes.insert(id.to_owned(), mark);
+        }
+        if let Some(id) = reservation {
+            dirty.reservations.insert(id.to_owned(), mark);
+        }
+    }
 }
 
 /// Makes the view read a node and a reservation again once a placer is done with its holds,
@@ -136,14 +156,21 @@ impl Drop for Reread {
     }
 }
 
-/// The view of every tenant a process has used. Three locks, none held across another tenant's
-/// database reads: `cursor` while the log's new rows are read (all tenants' events, from where
-/// the last catch-up stopped), `shared` (a plain mutex) only to find a slot or record what
-/// changed, and each tenant's own slot while that tenant is loaded, refreshed and decided on.
+/// The view of every tenant a process has used. No lock is held across a database read (issue
+/// 17): rows are read first, then applied under the locks. `cursor` and `shared` are plain
+/// mutexes taken only to copy or record (where the log was read to, what changed); each
+/// tenant's slot is taken to apply what was read and while the tenant is decided on.
+///
+/// Reads that race are sound: marks are idempotent; a refresh removes a row's mark only if no
+/// newer mark came while it read (so a row changed meanwhile is read again at the next use); a
+/// node row older than the view's is not applied over it; and every use catches up with the log
+/// first, so a change a racing refresh missed is marked before the next decision. What stays
+/// is what always was: the view may be stale, and a decision on a stale view is a CONFLICT at
+/// its guarded append, never a double booking.
 #[derive(Default)]
 pub struct Fleet {
     /// Every event up to here is marked in `shared.dirty` for the tenants that had a slot.
-    cursor: tokio::sync::Mutex<Option<Position>>,
+    cursor: std::sync::Mutex<Option<Position>>,
     shared: std::sync::Mutex<Shared>,
 }
 
@@ -176,9 +203,9 @@ impl Fleet {
     ) -> Result<R> {
         self.catch_up(store, false).await?;
         let slot = self.slot(tenant);
+        self.refresh(store, tenant, &slot).await?;
         let mut view = slot.lock().await;
-        self.refresh(store, tenant, &mut view).await?;
-        Ok(f(view.as_mut().expect("refreshed")))
+        Ok(f(view.as_mut().expect("a refreshed view is loaded, and stays so")))
     }
 
     /// Runs `f` on every tenant with live reservations, brought up to date first. `known` are
@@ -199,9 +226,9 @@ impl Fleet {
             self.shared.lock().expect("fleet").slots.iter().map(|(t, s)| (*t, s.clone())).collect();
         let mut out = Vec::new();
         for (tenant, slot) in slots {
+            self.refresh(store, tenant, &slot).await?;
             let mut view = slot.lock().await;
-            self.refresh(store, tenant, &mut view).await?;
-            let view = view.as_mut().expect("refreshed");
+            let view = view.as_mut().expect("a refreshed view is loaded, and stays so");
             if !view.live.is_empty() {
                 out.push(f(tenant, view));
             }
@@ -216,13 +243,7 @@ impl Fleet {
         if !shared.slots.contains_key(&tenant) {
             return;
         }
-        let dirty = shared.dirty.entry(tenant).or_default();
-        if let Some(node) = node_id {
-            dirty.nodes.insert(node.to_owned());
-        }
-        if !reservation_id.is_empty() {
-            dirty.reservations.insert(reservation_id.to_owned());
-        }
+        shared.mark(tenant, node_id, (!reservation_id.is_empty()).then_some(reservation_id));
     }
 
     /// Starts following the log from now, if not yet: call before listing the tenants to load,
@@ -237,37 +258,75 @@ impl Fleet {
         self.shared.lock().expect("fleet").slots.entry(tenant).or_default().clone()
     }
 
-    /// Loads the tenant's view if it is not yet, and reads again the rows marked dirty. A
-    /// failure half-way leaves the view unloaded, so the next use loads it whole.
-    async fn refresh(&self, store: &dyn EventStore, tenant: TenantId, view: &mut Option<TenantView>) -> Result<()> {
-        let dirty = self.shared.lock().expect("fleet").dirty.remove(&tenant).unwrap_or_default();
-        let Some(loaded) = view.as_mut() else {
-            // Loaded from the rows as they are now, which reflect at least what was marked.
-            *view = Some(load(store, tenant).await?);
+    /// Loads the tenant's view if it is not yet, and reads again the rows marked dirty: read
+    /// with no lock held, then applied under the slot. A failure applies nothing and leaves
+    /// every mark, so the next use reads the same rows again.
+    async fn refresh(&self, store: &dyn EventStore, tenant: TenantId, slot: &Slot) -> Result<()> {
+        if slot.lock().await.is_none() {
+            // Rows read from here on reflect at least every mark made so far.
+            let marked = self.shared.lock().expect("fleet").marks;
+            let fresh = load(store, tenant).await?;
+            let mut view = slot.lock().await;
+            if view.is_none() {
+                *view = Some(fresh);
+                let mut shared = self.shared.lock().expect("fleet");
+                if let Some(dirty) = shared.dirty.get_mut(&tenant) {
+                    dirty.nodes.retain(|_, mark| *mark > marked);
+                    dirty.reservations.retain(|_, mark| *mark > marked);
+                }
+            }
+        }
+        let wanted = self.shared.lock().expect("fleet").dirty.get(&tenant).cloned().unwrap_or_default();
+        if wanted.is_empty() {
             return Ok(());
-        };
-        loaded.dirty_nodes.extend(dirty.nodes);
-        loaded.dirty_reservations.extend(dirty.reservations);
-        if let Err(e) = reread_dirty(store, tenant, loaded).await {
-            *view = None;
-            return Err(e);
+        }
+        let read = read_rows(store, tenant, &wanted).await?;
+        let mut view = slot.lock().await;
+        let view = view.as_mut().expect("loaded above or by a racing refresh");
+        let mut shared = self.shared.lock().expect("fleet");
+        let dirty = shared.dirty.entry(tenant).or_default();
+        for (id, doc) in read.nodes {
+            match doc {
+                // A racing refresh may have applied a newer read of this row already.
+                Some(doc) if view.nodes.get(&id).is_some_and(|seen| seen.version > doc.version) => {}
+                Some(doc) => {
+                    view.nodes.insert(id.clone(), doc);
+                }
+                None => {
+                    view.nodes.remove(&id);
+                }
+            }
+            view.held.remove(&id);
+            if dirty.nodes.get(&id) == wanted.nodes.get(&id) {
+                dirty.nodes.remove(&id);
+            }
+        }
+        for (id, doc) in read.reservations {
+            match doc {
+                Some(doc) => view.live.insert(id.clone(), doc),
+                None => view.live.remove(&id),
+            };
+            if dirty.reservations.get(&id) == wanted.reservations.get(&id) {
+                dirty.reservations.remove(&id);
+            }
         }
         Ok(())
     }
 
     /// Reads the log after the cursor for every tenant at once and marks what changed for the
     /// tenants with a slot. With `discover`, a tenant without a slot whose reservations changed
-    /// gets one (and is loaded at its next use). Holds only the cursor while reading the log; a
-    /// failure leaves the cursor where it was (marks already made are only extra reads).
+    /// gets one (and is loaded at its next use). No lock is held while the log is read: racing
+    /// catch-ups read the same rows and make the same marks, and the cursor only moves forward.
+    /// A failure leaves the cursor where it was (marks already made are only extra reads).
     async fn catch_up(&self, store: &dyn EventStore, discover: bool) -> Result<()> {
-        let mut cursor = self.cursor.lock().await;
-        let Some(mut after) = *cursor else {
+        let Some(mut after) = *self.cursor.lock().expect("fleet") else {
             // First use: everything loaded from now on is at least this recent.
-            *cursor = Some(Position { commit: store.last_commit().await?, index: u32::MAX >> 1 });
+            let at = Position { commit: store.last_commit().await?, index: u32::MAX >> 1 };
+            self.cursor.lock().expect("fleet").get_or_insert(at);
             return Ok(());
         };
         loop {
-            let rows = store.read_after_rows(after, None, CATCH_UP_ROWS).await?;
+            let rows = store.read_after_touches(after, CATCH_UP_ROWS).await?;
             let Some(last) = rows.last() else { break };
             after = Position { commit: last.commit, index: last.index };
             let mut shared = self.shared.lock().expect("fleet");
@@ -281,12 +340,11 @@ impl Fleet {
                     // Loaded at its next use, from rows at least this recent.
                     continue;
                 }
-                let dirty = shared.dirty.entry(tenant).or_default();
                 // A node's agent stream changes its row too (its inventory gives its GPUs).
                 if let Some(id) = row.stream.strip_prefix("node/").or_else(|| row.stream.strip_prefix("agent/")) {
-                    dirty.nodes.insert(id.to_owned());
-                } else if let Some(id) = reservation {
-                    dirty.reservations.insert(id.to_owned());
+                    shared.mark(tenant, Some(id), None);
+                } else if reservation.is_some() {
+                    shared.mark(tenant, None, reservation);
                 }
             }
             drop(shared);
@@ -294,30 +352,34 @@ impl Fleet {
                 break;
             }
         }
-        *cursor = Some(after);
+        let mut cursor = self.cursor.lock().expect("fleet");
+        if cursor.is_none_or(|at| at < after) {
+            *cursor = Some(after);
+        }
         Ok(())
     }
 }
 
-/// Reads again the rows of `view` marked dirty.
-async fn reread_dirty(store: &dyn EventStore, tenant: TenantId, view: &mut TenantView) -> Result<()> {
+/// Rows of a tenant read again: each dirty id with its row (`None`: gone).
+#[derive(Default)]
+struct ReadRows {
+    nodes: Vec<(String, Option<NodeDoc>)>,
+    reservations: Vec<(String, Option<ReservationDoc>)>,
+}
+
+/// Reads the rows `dirty` names, holding no lock.
+async fn read_rows(store: &dyn EventStore, tenant: TenantId, dirty: &Dirty) -> Result<ReadRows> {
     let t = tenant.to_string();
-    while let Some(id) = view.dirty_nodes.iter().next().cloned() {
-        match store.row_get(&t, KIND_NODE, &id).await? {
-            Some(row) => view.nodes.insert(id.clone(), decode(row.doc)?),
-            None => view.nodes.remove(&id),
-        };
-        view.held.remove(&id);
-        view.dirty_nodes.remove(&id);
+    let mut read = ReadRows::default();
+    for id in dirty.nodes.keys() {
+        let row = store.row_get(&t, KIND_NODE, id).await?;
+        read.nodes.push((id.clone(), row.map(|r| decode(r.doc)).transpose()?));
     }
-    while let Some(id) = view.dirty_reservations.iter().next().cloned() {
-        match store.row_get(&t, KIND_RESERVATION_LIVE, &id).await? {
-            Some(row) => view.live.insert(id.clone(), decode(row.doc)?),
-            None => view.live.remove(&id),
-        };
-        view.dirty_reservations.remove(&id);
+    for id in dirty.reservations.keys() {
+        let row = store.row_get(&t, KIND_RESERVATION_LIVE, id).await?;
+        read.reservations.push((id.clone(), row.map(|r| decode(r.doc)).transpose()?));
     }
-    Ok(())
+    Ok(read)
 }
 
 fn decode<T: serde::de::DeserializeOwned>(doc: serde_json::Value) -> Result<T> {

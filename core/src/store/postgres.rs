@@ -816,6 +816,21 @@ impl LogStore for PostgresStore {
         rows.iter().map(event_row_decode).collect()
     }
 
+    async fn read_after_touches(&self, after: Position, limit: u32) -> Result<Vec<super::StreamTouch>> {
+        let client = self.pool.get().await?;
+        let index = i32::try_from(after.index).unwrap_or(i32::MAX);
+        let rows = client
+            .query(
+                // commit_index is an int4: widened under another name, as EVENT_COLUMNS is, so ORDER BY
+                // still sorts by the indexed column.
+                "SELECT tenant_id, stream, commit_no, commit_index::int8 AS commit_index_wide FROM events \
+                 WHERE (commit_no, commit_index) > ($1, $2) ORDER BY commit_no, commit_index LIMIT $3",
+                &[&to_i64(after.commit)?, &index, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(super::touch_decode).collect()
+    }
+
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
         let client = self.pool.get().await?;
         let row = client

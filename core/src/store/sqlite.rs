@@ -592,6 +592,19 @@ impl LogStore for SqliteStore {
         rows.iter().map(event_row_decode).collect()
     }
 
+    async fn read_after_touches(&self, after: Position, limit: u32) -> Result<Vec<super::StreamTouch>> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {} FROM events WHERE (commit_no, commit_index) > (?, ?) ORDER BY commit_no, commit_index LIMIT ?",
+            super::TOUCH_COLUMNS
+        )))
+        .bind(to_i64(after.commit)?)
+        .bind(i64::from(after.index))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(super::touch_decode).collect()
+    }
+
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
         let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND id = ?")))
             .bind(tenant.to_string())
