@@ -231,5 +231,9 @@ fn main() {
             rate / http_rate,
             rate / raw_rate
         );
+        let p99 = percentile(&latency, 0.99);
+        println!("goal (issue 17, goal 5): reservations >= 0.30 of the raw append rate, reserve → active p99 <= 10 ms");
+        println!("  ratio to raw appends {:.2}  {}", rate / raw_rate, if rate / raw_rate >= 0.3 { "met" } else { "MISSED" });
+        println!("  reserve → active p99 {p99:.2} ms  {}", if p99 <= 10.0 { "met" } else { "MISSED" });
     });
 }
