@@ -100,22 +100,35 @@ pub async fn verify(
     let trust = trust(&*store, data_dir, pins, deployment).await?;
     let started = Instant::now();
     let terminal = std::io::stderr().is_terminal();
+    // The events to check: the chain heads' lengths (what verify walks), so a terminal gets a
+    // bar with a percentage and the time left; anywhere else a line a second.
+    let total: u64 = store.heads().await?.iter().filter(|(t, _)| tenant.is_none_or(|only| *t == only)).map(|(_, h)| h.seq).sum();
+    let bar = terminal.then(|| {
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "verifying {bar:30} {percent:>3}% {human_pos}/{human_len} events, {per_sec}, {eta} left",
+            )
+            .expect("a valid template"),
+        );
+        bar
+    });
     let last_report = std::sync::Mutex::new(Instant::now());
     let progress = |events: u64| {
+        if let Some(bar) = &bar {
+            bar.set_position(events.min(total));
+            return;
+        }
         let mut last = last_report.lock().expect("progress lock");
         if last.elapsed().as_millis() >= 1000 {
             *last = Instant::now();
             let rate = events as f64 / started.elapsed().as_secs_f64();
-            if terminal {
-                eprint!("\rverified {events} events ({rate:.0}/s)…");
-            } else {
-                eprintln!("verified {events} events ({rate:.0}/s)");
-            }
+            eprintln!("verified {events} of {total} events ({rate:.0}/s)");
         }
     };
     let report = audit::verify(&*store, &trust, tenant, &progress).await?;
-    if terminal {
-        eprint!("\r\x1b[K");
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
     }
     let elapsed = started.elapsed();
     let problems: Vec<Value> =
