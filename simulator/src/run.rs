@@ -1063,7 +1063,8 @@ mod tests {
         for outcome in [&a, &b, &c] {
             assert!(outcome.violation.is_none(), "{:?}", outcome.violation);
             assert!(outcome.liveness_ms.is_some());
-            assert!(outcome.full_checks >= 1 && outcome.step_checks == outcome.steps);
+            assert!(outcome.full_checks > 1 && outcome.step_checks == outcome.steps, "{} full checks", outcome.full_checks);
+            assert!(outcome.acknowledged_checked > 0, "the workload's appends were checked");
         }
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
         assert_ne!(a.digest, c.digest);
