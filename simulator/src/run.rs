@@ -79,6 +79,8 @@ pub const NODE_GPUS_MIN: u32 = 4;
 pub const NODE_GPUS_MAX: u32 = 8;
 /// The mean time between faults while faults run.
 pub const FAULT_MEAN_MS: u64 = 60_000;
+/// A crashed reconciler pass takes 0 to this many appends before it dies.
+pub const PASS_CRASH_APPENDS_MAX: u64 = 4;
 /// Each fault named is enabled by the seed with this probability.
 pub const FAULT_ENABLED_P: f64 = 0.75;
 /// A stale view (another gateway's) is this old at most; a request is decided on it with the
@@ -125,6 +127,13 @@ pub enum Fault {
     /// A journal delivery's acknowledgement is lost: the agent delivers the same entries again,
     /// which the log must take once (their idempotency key).
     LostAcks,
+    /// The next reconciler pass dies after its k-th append (k from the seed, 0 to 4): nothing
+    /// after it lands, and the next pass must do the rest.
+    ReconcilerCrash,
+    /// The gateway restarts: its `Log` (the appender), the store's connections and the fleet's
+    /// in-memory views are dropped and opened again from the same SQLite file; the agents
+    /// reconnect and deliver their journals again from what they were last acknowledged.
+    GatewayRestart,
 }
 
 impl Fault {
@@ -138,6 +147,8 @@ impl Fault {
         Fault::DuplicateCommands,
         Fault::StaleView,
         Fault::LostAcks,
+        Fault::ReconcilerCrash,
+        Fault::GatewayRestart,
     ];
 
     pub fn name(self) -> &'static str {
@@ -151,6 +162,8 @@ impl Fault {
             Fault::DuplicateCommands => "duplicate-commands",
             Fault::LostAcks => "lost-acks",
             Fault::StaleView => "stale-view",
+            Fault::ReconcilerCrash => "reconciler-crash",
+            Fault::GatewayRestart => "gateway-restart",
         }
     }
 
@@ -242,6 +255,8 @@ pub struct Outcome {
     pub reservations_requested: u64,
     pub placed_at_request: u64,
     pub stale_placements_refused: u64,
+    /// Reconciler passes a `reconciler-crash` stopped once they had made their appends.
+    pub passes_cut: u64,
     /// Reservations per final state.
     pub reservations: BTreeMap<String, u64>,
     pub releases: u64,
@@ -285,6 +300,7 @@ impl Outcome {
             "reservationsRequested": self.reservations_requested,
             "placedAtRequest": self.placed_at_request,
             "stalePlacementsRefused": self.stale_placements_refused,
+            "reconcilerPassesCut": self.passes_cut,
             "reservations": self.reservations,
             "releases": self.releases,
             "extensions": self.extensions,
@@ -339,6 +355,8 @@ struct Sim {
     crash_next: Vec<bool>,
     again_next: Vec<bool>,
     lose_ack_next: Vec<bool>,
+    /// The next reconciler pass dies after this many appends (`reconciler-crash`).
+    pass_crash_next: Option<u64>,
     /// Per tenant: the mean time between requests, and the stale view (another gateway's).
     arrival_mean_ms: Vec<f64>,
     stale_views: Vec<Option<(Vec<NodeDoc>, Vec<ReservationDoc>)>>,
@@ -399,6 +417,7 @@ pub async fn run(options: Options) -> Outcome {
         crash_next: vec![false; nodes],
         again_next: vec![false; nodes],
         lose_ack_next: vec![false; nodes],
+        pass_crash_next: None,
         arrival_mean_ms: vec![],
         stale_views: vec![None; options.tenants],
         out: Outcome { faults_enabled: enabled.keys().map(|f| f.name()).collect(), ..Outcome::default() },
@@ -487,6 +506,7 @@ impl Sim {
         self.world.clock.set_ms(end_ms.max(self.world.now_ms()));
         self.faults_running = false;
         self.workload_running = false;
+        self.pass_crash_next = None;
         if let Some(timeline) = self.timeline.as_mut() {
             let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
@@ -575,7 +595,14 @@ impl Sim {
                 }
             }
             Task::Reconcile => {
-                self.world.pass().await;
+                match self.pass_crash_next.take() {
+                    Some(appends) => {
+                        if self.world.pass_crashing(appends).await {
+                            self.out.passes_cut += 1;
+                        }
+                    }
+                    None => self.world.pass().await,
+                }
                 self.after(RECONCILE_EVERY_MS, Task::Reconcile);
                 for t in 0..self.options.tenants {
                     self.nudge(t).await;
@@ -908,6 +935,8 @@ impl Sim {
             Fault::AgentCrash => self.crash_next[a] = true,
             Fault::DuplicateCommands => self.again_next[a] = true,
             Fault::LostAcks => self.lose_ack_next[a] = true,
+            Fault::ReconcilerCrash => self.pass_crash_next = Some(between(&mut self.rng, 0, PASS_CRASH_APPENDS_MAX)),
+            Fault::GatewayRestart => self.world.restart_gateway().await,
             Fault::ClockSkew | Fault::StaleView => {}
         }
     }
@@ -1069,6 +1098,29 @@ mod tests {
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
         assert_ne!(a.digest, c.digest);
         assert!(a.timeline.is_none(), "no timeline unless asked");
+    }
+
+    #[tokio::test]
+    async fn crashed_passes_and_gateway_restarts_keep_the_invariants_and_the_digest() {
+        // The first seed from 9 that enables both (each does with FAULT_ENABLED_P); every run on
+        // the way must hold its invariants too.
+        let mut found = None;
+        for seed in 9..19 {
+            println!("seed {seed}");
+            let options = Options { faults: vec![Fault::ReconcilerCrash, Fault::GatewayRestart], ..options(seed) };
+            let a = run(options.clone()).await;
+            assert!(a.violation.is_none(), "seed {seed}: {:?}", a.violation);
+            if a.faults_enabled.len() == 2 {
+                found = Some((options, a));
+                break;
+            }
+        }
+        let (options, a) = found.expect("a seed enables both");
+        let b = run(options).await;
+        assert!(a.faults_injected["reconciler-crash"] > 0 && a.faults_injected["gateway-restart"] > 0, "{:?}", a.faults_injected);
+        assert!(a.passes_cut > 0, "a crash cut a pass short");
+        assert!(a.liveness_ms.is_some() && a.full_checks > 1);
+        assert_eq!((a.digest.as_str(), &a.heads, &a.faults_injected), (b.digest.as_str(), &b.heads, &b.faults_injected));
     }
 
     #[tokio::test]

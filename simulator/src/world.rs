@@ -287,7 +287,8 @@ macro_rules! ensure {
 }
 
 pub struct World {
-    _dir: tempfile::TempDir,
+    /// Where the store's file lives (a gateway restart opens it again).
+    dir: tempfile::TempDir,
     pub store: Arc<dyn EventStore>,
     /// The same store, typed: the checker's own tests corrupt it underneath the log.
     pub sqlite: Arc<SqliteStore>,
@@ -399,7 +400,7 @@ impl World {
         let fleet = Fleet::new();
         fleet.prime(&*store).await.expect("the fleet primes");
         World {
-            _dir: dir,
+            dir,
             store,
             sqlite,
             log,
@@ -481,6 +482,55 @@ impl World {
         let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
         bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await.expect("the reservations pass");
         bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.expect("the liveness pass");
+    }
+
+    /// [`Self::pass`] dropped part way, as a reconciler process dies: the passes' first
+    /// `appends` appends are taken and nothing after them (`Log::appends_limit`); the next
+    /// pass must do the rest. True if the passes used up their appends (so the crash may have
+    /// cut something off).
+    pub async fn pass_crashing(&self, appends: u64) -> bool {
+        let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
+        let stopped = |e: &bc_core::Error| e.to_string().contains(bc_core::store::APPENDS_STOPPED);
+        self.log.appends_limit(Some(appends));
+        let reservations = bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await;
+        let liveness = match &reservations {
+            Err(e) if stopped(e) => Ok(()),
+            _ => bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.map(drop),
+        };
+        let reached = self.log.appends_limit(None) == Some(0);
+        for result in [reservations.map(drop), liveness] {
+            if let Err(e) = result
+                && !stopped(&e)
+            {
+                panic!("a reconciler pass: {e}");
+            }
+        }
+        reached
+    }
+
+    /// A gateway restart: the `Log` (its appender task), the store's connections and the
+    /// fleet's in-memory views are dropped and opened again from the same SQLite file, as a new
+    /// process would; then the agents reconnect, each delivering its journal from what it was
+    /// last acknowledged (the log takes again-delivered entries once).
+    pub async fn restart_gateway(&mut self) {
+        let sqlite = Arc::new(SqliteStore::open(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"));
+        let store: Arc<dyn EventStore> = sqlite.clone();
+        store.migrate_at(self.now_ms()).await.expect("the store migrates (nothing to do)");
+        let ids = self.log.ids.clone();
+        let log = Log::open_with_ids(store.clone(), Arc::new(Projections), self.log_key.clone(), self.clock.clone(), ids)
+            .await
+            .expect("the log opens again");
+        let fleet = Fleet::new();
+        fleet.prime(&*store).await.expect("the fleet primes again");
+        // The old appender stops when its queue closes (nothing is in flight: steps run one at
+        // a time).
+        drop(std::mem::replace(&mut self.log, log));
+        self.fleet = fleet;
+        self.store = store;
+        self.sqlite = sqlite;
+        for a in 0..self.agents.len() {
+            self.deliver(a, false).await;
+        }
     }
 
     /// The commands queued for agent `a`'s node, in issue order.

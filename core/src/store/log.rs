@@ -119,7 +119,14 @@ pub struct Log {
     /// The newest commit number this process wrote: wakes watchers early. Only a nudge: other
     /// processes' commits are found by polling, so correctness never rests on it.
     commits: tokio::sync::watch::Receiver<u64>,
+    /// The simulator's crash of a caller part way (`sim run`'s `reconciler-crash`): while
+    /// `Some(n)`, `n` more appends are taken and every later one is refused before it is queued,
+    /// as if the caller's process had died after its last one. Always `None` elsewhere.
+    appends_left: std::sync::Mutex<Option<u64>>,
 }
+
+/// The error of an append refused by [`Log::appends_limit`].
+pub const APPENDS_STOPPED: &str = "the caller stopped (a crash the simulator injected)";
 
 impl Log {
     /// Registers the key with the store and starts the appender task; event ids are random
@@ -149,7 +156,7 @@ impl Log {
         let (notify, commits) = tokio::sync::watch::channel(store.last_commit().await?);
         let appender = Appender { store: store.clone(), projector, key: key.clone(), clock: clock.clone(), ids: ids.clone() };
         tokio::spawn(run_appender(receiver, appender, stats.clone(), notify));
-        Ok(Self { store, key, stats, clock, ids, handle: LogHandle { jobs }, commits })
+        Ok(Self { store, key, stats, clock, ids, handle: LogHandle { jobs }, commits, appends_left: Default::default() })
     }
 
     /// A receiver that changes when this process commits.
@@ -162,7 +169,21 @@ impl Log {
     }
 
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
+        if let Some(left) = self.appends_left.lock().expect("the appends limit is not poisoned").as_mut() {
+            if *left == 0 {
+                return Err(Error::Unavailable(APPENDS_STOPPED.into()));
+            }
+            *left -= 1;
+        }
         self.handle.append(request).await
+    }
+
+    /// Takes `left` more appends through this `Log`, then refuses every one (UNAVAILABLE,
+    /// [`APPENDS_STOPPED`]) until called with `None`: the simulator's crash of a caller after
+    /// its k-th append. The append path is otherwise untouched. Returns the limit it replaces
+    /// (`Some(0)`: it was reached).
+    pub fn appends_limit(&self, left: Option<u64>) -> Option<u64> {
+        std::mem::replace(&mut *self.appends_left.lock().expect("the appends limit is not poisoned"), left)
     }
 }
 
