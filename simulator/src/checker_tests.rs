@@ -323,3 +323,35 @@ async fn a_journal_idempotency_key_held_by_another_request_is_named() {
     let found = full_check(&world, false).await.expect_err("the full check must see it");
     assert!(found.0.contains(&format!("journal entry {next} of {node} is not the one its agent wrote")), "{found}");
 }
+
+#[tokio::test]
+async fn a_failed_commit_writes_nothing_and_the_next_append_takes_its_place() {
+    let world = busy_world().await;
+    let heads = world.store.heads().await.unwrap();
+    let rows = world.store.rows_all().await.unwrap().len();
+    world.log.commits_fail(1);
+    let event = bc_core::store::NewEvent::new(
+        bc_projections::events::NODE_CORDONED,
+        bc_projections::events::to_cbor(&bc_projections::events::NodeStateChanged {}).unwrap(),
+    );
+    let node = world.agents[0].node.clone();
+    let request = bc_core::store::AppendRequest::new(
+        world.tenants[0].id,
+        bc_projections::stream_of(KIND_NODE, &node),
+        bc_core::store::ExpectedVersion::Any,
+        "sim-operator",
+        vec![event],
+    );
+    let e = world.append_acknowledged(request.clone()).await.expect_err("the commit fails");
+    assert!(crate::world::injected(&e), "{e}");
+    assert_eq!(world.store.heads().await.unwrap(), heads, "no head moved");
+    assert_eq!(world.store.rows_all().await.unwrap().len(), rows);
+    full_check(&world, true).await.expect("nothing half written");
+    let doc: NodeDoc = world.doc(0, KIND_NODE, &node).await.unwrap();
+    assert!(!doc.cordoned);
+    // The next one commits, at the seq the failed one would have had.
+    let appended = world.append_acknowledged(request).await.expect("the next commit goes through");
+    let head = heads.iter().find(|(t, _)| *t == world.tenants[0].id).unwrap().1.seq;
+    assert_eq!(appended.events[0].envelope.seq, head + 1);
+    full_check(&world, true).await.expect("the log is whole");
+}

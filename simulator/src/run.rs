@@ -81,6 +81,8 @@ pub const NODE_GPUS_MAX: u32 = 8;
 pub const FAULT_MEAN_MS: u64 = 60_000;
 /// A crashed reconciler pass takes 0 to this many appends before it dies.
 pub const PASS_CRASH_APPENDS_MAX: u64 = 4;
+/// A `failing-commits` fault fails the next 1 to this many append transactions.
+pub const FAILING_COMMITS_MAX: u64 = 3;
 /// Each fault named is enabled by the seed with this probability.
 pub const FAULT_ENABLED_P: f64 = 0.75;
 /// A stale view (another gateway's) is this old at most; a request is decided on it with the
@@ -134,6 +136,10 @@ pub enum Fault {
     /// in-memory views are dropped and opened again from the same SQLite file; the agents
     /// reconnect and deliver their journals again from what they were last acknowledged.
     GatewayRestart,
+    /// The next 1 to 3 append transactions make their writes and then fail instead of
+    /// committing: the caller (a tenant, a reconciler pass, an agent's session) sees an error
+    /// and nothing is half written.
+    FailingCommits,
 }
 
 impl Fault {
@@ -149,6 +155,7 @@ impl Fault {
         Fault::LostAcks,
         Fault::ReconcilerCrash,
         Fault::GatewayRestart,
+        Fault::FailingCommits,
     ];
 
     pub fn name(self) -> &'static str {
@@ -164,6 +171,7 @@ impl Fault {
             Fault::StaleView => "stale-view",
             Fault::ReconcilerCrash => "reconciler-crash",
             Fault::GatewayRestart => "gateway-restart",
+            Fault::FailingCommits => "failing-commits",
         }
     }
 
@@ -507,6 +515,7 @@ impl Sim {
         self.faults_running = false;
         self.workload_running = false;
         self.pass_crash_next = None;
+        self.world.log.commits_fail(0);
         if let Some(timeline) = self.timeline.as_mut() {
             let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
@@ -803,6 +812,8 @@ impl Sim {
                 }
                 match self.world.append_acknowledged(append.into_request(tenant.id, "sim")).await {
                     Ok(_) => self.out.placed_at_request += 1,
+                    // A failed commit: the client sees an error and nothing was written.
+                    Err(e) if crate::world::injected(&e) => {}
                     Err(e) if e.code() == ErrorCode::Conflict => {
                         if stale {
                             self.out.stale_placements_refused += 1;
@@ -828,6 +839,7 @@ impl Sim {
     async fn append_or_conflict(&self, request: bc_core::store::AppendRequest) -> Result<(), Violation> {
         match self.world.append_acknowledged(request).await {
             Ok(_) => Ok(()),
+            Err(e) if crate::world::injected(&e) => Ok(()),
             Err(e) if e.code() == ErrorCode::Conflict => Ok(()),
             Err(e) => Err(Violation(format!("an append failed: {e}"))),
         }
@@ -937,6 +949,7 @@ impl Sim {
             Fault::LostAcks => self.lose_ack_next[a] = true,
             Fault::ReconcilerCrash => self.pass_crash_next = Some(between(&mut self.rng, 0, PASS_CRASH_APPENDS_MAX)),
             Fault::GatewayRestart => self.world.restart_gateway().await,
+            Fault::FailingCommits => self.world.log.commits_fail(between(&mut self.rng, 1, FAILING_COMMITS_MAX)),
             Fault::ClockSkew | Fault::StaleView => {}
         }
     }
@@ -1101,23 +1114,26 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn crashed_passes_and_gateway_restarts_keep_the_invariants_and_the_digest() {
-        // The first seed from 9 that enables both (each does with FAULT_ENABLED_P); every run on
-        // the way must hold its invariants too.
+    async fn crashed_passes_gateway_restarts_and_failing_commits_keep_the_invariants_and_the_digest() {
+        // The first seed from 9 that enables all three (each does with FAULT_ENABLED_P); every
+        // run on the way must hold its invariants too.
         let mut found = None;
         for seed in 9..19 {
             println!("seed {seed}");
-            let options = Options { faults: vec![Fault::ReconcilerCrash, Fault::GatewayRestart], ..options(seed) };
+            let faults = vec![Fault::ReconcilerCrash, Fault::GatewayRestart, Fault::FailingCommits];
+            let options = Options { faults, ..options(seed) };
             let a = run(options.clone()).await;
             assert!(a.violation.is_none(), "seed {seed}: {:?}", a.violation);
-            if a.faults_enabled.len() == 2 {
+            if a.faults_enabled.len() == 3 {
                 found = Some((options, a));
                 break;
             }
         }
-        let (options, a) = found.expect("a seed enables both");
+        let (options, a) = found.expect("a seed enables all three");
         let b = run(options).await;
-        assert!(a.faults_injected["reconciler-crash"] > 0 && a.faults_injected["gateway-restart"] > 0, "{:?}", a.faults_injected);
+        for fault in ["reconciler-crash", "gateway-restart", "failing-commits"] {
+            assert!(a.faults_injected.get(fault).is_some_and(|n| *n > 0), "{fault}: {:?}", a.faults_injected);
+        }
         assert!(a.passes_cut > 0, "a crash cut a pass short");
         assert!(a.liveness_ms.is_some() && a.full_checks > 1);
         assert_eq!((a.digest.as_str(), &a.heads, &a.faults_injected), (b.digest.as_str(), &b.heads, &b.faults_injected));

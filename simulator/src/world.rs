@@ -84,6 +84,15 @@ pub fn seed_bytes(rng: &mut SeededRng) -> [u8; 32] {
     bytes
 }
 
+/// True for an append error a fault injected into the log (`failing-commits`,
+/// `reconciler-crash`): the caller sees an error, as it would from a database or a process that
+/// failed, and must cope; any other error is a finding.
+pub fn injected(error: &bc_core::Error) -> bool {
+    let text = error.to_string();
+    error.code() == bc_core::ErrorCode::Unavailable
+        && (text.contains(bc_core::store::COMMIT_FAILED) || text.contains(bc_core::store::APPENDS_STOPPED))
+}
+
 /// The machine under an agent: its GPUs, and a binding that can be made to refuse.
 #[derive(Clone, Default)]
 pub struct Machine {
@@ -461,7 +470,7 @@ impl World {
         };
         match self.append_acknowledged(append.into_request(self.tenants[t].id, "sim")).await {
             Ok(_) => true,
-            Err(e) if e.code() == bc_core::ErrorCode::Conflict => false,
+            Err(e) if e.code() == bc_core::ErrorCode::Conflict || injected(&e) => false,
             Err(e) => panic!("release: {e}"),
         }
     }
@@ -480,8 +489,16 @@ impl World {
     /// fails commands past their deadline, but never a `gpu.release`).
     pub async fn pass(&self) {
         let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
-        bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await.expect("the reservations pass");
-        bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.expect("the liveness pass");
+        // A failed commit (`failing-commits`) ends a pass early, as in a reconciler process: the
+        // next pass reads the world again.
+        match bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await {
+            Err(e) if !injected(&e) => panic!("the reservations pass: {e}"),
+            _ => {}
+        }
+        match bc_reconcilers::liveness::pass(&self.log, &*self.clock).await {
+            Err(e) if !injected(&e) => panic!("the liveness pass: {e}"),
+            _ => {}
+        }
     }
 
     /// [`Self::pass`] dropped part way, as a reconciler process dies: the passes' first
@@ -490,7 +507,7 @@ impl World {
     /// cut something off).
     pub async fn pass_crashing(&self, appends: u64) -> bool {
         let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
-        let stopped = |e: &bc_core::Error| e.to_string().contains(bc_core::store::APPENDS_STOPPED);
+        let stopped = injected;
         self.log.appends_limit(Some(appends));
         let reservations = bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await;
         let liveness = match &reservations {
@@ -659,6 +676,12 @@ impl World {
             for entry in entries {
                 let request = self.journal_request(a, entry.seq, &entry.body, &entry.signature).expect("the entry verifies");
                 if let Err(e) = self.log.append(request).await {
+                    if injected(&e) {
+                        // The session's append failed: nothing is acknowledged from here on (those
+                        // before it were taken, their acknowledgement lost with the session); the
+                        // agent delivers again next time.
+                        return;
+                    }
                     // Only a broken premise gets here (an entry appended twice, out of order):
                     // the run reports it, by its cause; this agent delivers nothing more.
                     let refused = self.journal_refused(a, entry.seq, &e).await;

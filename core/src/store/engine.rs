@@ -125,11 +125,14 @@ pub(super) async fn finish<T>(tx: &mut (dyn Transaction + '_), outcome: Result<E
 }
 
 /// Writes a prepared batch unless a chain head it was built on moved (then nothing is written:
-/// the appender decides the batch again).
+/// the appender decides the batch again). `fail`: every write is made, then the transaction is
+/// rolled back instead of committed and the answer is UNAVAILABLE ([`super::COMMIT_FAILED`]):
+/// the simulator's failing commit (`Log::commits_fail`); never set elsewhere.
 pub(super) async fn commit(
     tx: &mut (dyn Transaction + '_),
     batch: &PreparedBatch,
     projector: &dyn Projector,
+    fail: bool,
 ) -> Result<CommitOutcome> {
     let outcome = async {
         let commit = tx.counter_bump().await?;
@@ -139,6 +142,9 @@ pub(super) async fn commit(
             return Ok(End::Rollback(CommitOutcome::Stale));
         }
         batch_write(tx, batch, commit, projector).await?;
+        if fail {
+            return Err(Error::Unavailable(super::COMMIT_FAILED.into()));
+        }
         Ok(End::Commit(CommitOutcome::Committed { commit }))
     }
     .await;
