@@ -641,7 +641,8 @@ pub enum SimCommand {
         hours: u64,
         /// The faults the seed may enable: all, none, or names separated by commas
         /// (failed-holds, unanswered-holds, refused-releases, agents-away, clock-skew,
-        /// agent-crash, duplicate-commands, stale-view).
+        /// agent-crash, duplicate-commands, stale-view, lost-acks, reconciler-crash,
+        /// gateway-restart, failing-commits).
         #[arg(long, default_value = "all")]
         faults: String,
         /// Print the summary as JSON.

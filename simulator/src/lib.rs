@@ -42,6 +42,9 @@ pub mod world;
 pub use replay::{ReplayError, Replayed, replay};
 
 #[cfg(test)]
+mod checker_tests;
+
+#[cfg(test)]
 mod tests {
     //! Files made here, event by event, with a known key; then tampered with, byte by byte.
     use bc_core::event::{Envelope, GENESIS_PREV, sha256};

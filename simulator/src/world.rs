@@ -84,6 +84,15 @@ pub fn seed_bytes(rng: &mut SeededRng) -> [u8; 32] {
     bytes
 }
 
+/// True for an append error a fault injected into the log (`failing-commits`,
+/// `reconciler-crash`): the caller sees an error, as it would from a database or a process that
+/// failed, and must cope; any other error is a finding.
+pub fn injected(error: &bc_core::Error) -> bool {
+    let text = error.to_string();
+    error.code() == bc_core::ErrorCode::Unavailable
+        && (text.contains(bc_core::store::COMMIT_FAILED) || text.contains(bc_core::store::APPENDS_STOPPED))
+}
+
 /// The machine under an agent: its GPUs, and a binding that can be made to refuse.
 #[derive(Clone, Default)]
 pub struct Machine {
@@ -166,18 +175,87 @@ impl Agent {
         LedgerFile::new(self.dir.path()).load().expect("the ledger loads")
     }
 
-    /// Every seq in the agent's journal, in order (the agent must be running).
-    pub async fn journal_seqs(&self) -> Option<Vec<u64>> {
-        let runner = self.runner.as_ref()?;
-        let mut seqs = Vec::new();
-        let mut after = 0;
+    /// Writes `holds.json` underneath the runner: for the checker's own tests, which corrupt it.
+    pub fn ledger_overwrite(&self, ledger: &Ledger) {
+        LedgerFile::new(self.dir.path()).save(ledger).expect("the ledger saves");
+    }
+
+    /// Every entry of the agent's journal, in order: read through its runner, or, while it is
+    /// crashed or away, from its journal file (which outlives the process, as on a node).
+    pub async fn journal_entries(&self) -> Vec<SignedEntry> {
+        let opened;
+        let journal = match self.runner.as_ref() {
+            Some(runner) => &*runner.journal,
+            None => {
+                let node: NodeId = self.node.parse().expect("a node id");
+                opened = Journal::open(&self.dir.path().join("journal.db"), node, u64::MAX).await.expect("the journal opens");
+                &opened
+            }
+        };
+        let mut all: Vec<SignedEntry> = Vec::new();
         loop {
-            let entries = runner.journal.after(after, DELIVER_PAGE).await.expect("the journal reads");
-            let Some(last) = entries.last() else { break };
-            after = last.seq;
-            seqs.extend(entries.iter().map(|e| e.seq));
+            let after = all.last().map_or(0, |e| e.seq);
+            let entries = journal.after(after, DELIVER_PAGE).await.expect("the journal reads");
+            if entries.is_empty() {
+                break;
+            }
+            all.extend(entries);
         }
-        Some(seqs)
+        all
+    }
+}
+
+/// One node's journal entries as the log holds them, in log order: `(seq, body)`, the body as
+/// the entry's `journal.body` carries it (base64).
+pub type JournalInLog = Vec<(u64, String)>;
+
+/// Why the log refused a journal entry: what the run reports, from the log's own state (the
+/// node's journal head as the log has it) and the error's code, not from its wording.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JournalRefusalCause {
+    /// The entry is at or below the node's journal head in the log: it was delivered twice and
+    /// taken twice (the idempotency key did not stop it).
+    Duplicated,
+    /// The entry is past the head's next: the entries between never reached the log.
+    Gap,
+    /// Its idempotency key (`journal:NODE:SEQ`) is held by another request.
+    IdempotencyKeyTaken,
+    /// Something else refused it (the error says what).
+    Other,
+}
+
+/// A journal entry the log refused: a broken premise the run reports at the step that
+/// delivered it.
+#[derive(Clone, Debug)]
+pub struct JournalRefused {
+    pub node: String,
+    pub seq: u64,
+    /// The node's journal head as the log had it when it refused (0: none yet).
+    pub head_in_log: u64,
+    pub cause: JournalRefusalCause,
+    pub error: String,
+}
+
+impl std::fmt::Display for JournalRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (node, seq, head) = (&self.node, self.seq, self.head_in_log);
+        match self.cause {
+            JournalRefusalCause::Duplicated => write!(
+                f,
+                "journal entry {seq} of {node} was delivered twice (duplicated): the log already has its journal up to {head}"
+            )?,
+            JournalRefusalCause::Gap => write!(
+                f,
+                "journal entry {seq} of {node} came after a gap: the log has its journal up to {head}, so {}..={} never reached it",
+                head + 1,
+                seq - 1
+            )?,
+            JournalRefusalCause::IdempotencyKeyTaken => {
+                write!(f, "journal entry {seq} of {node}: its idempotency key journal:{node}:{seq} is held by another request")?
+            }
+            JournalRefusalCause::Other => write!(f, "journal entry {seq} of {node} was refused (log journal head {head})")?,
+        }
+        write!(f, "; the log said: {}", self.error)
     }
 }
 
@@ -218,8 +296,11 @@ macro_rules! ensure {
 }
 
 pub struct World {
-    _dir: tempfile::TempDir,
+    /// Where the store's file lives (a gateway restart opens it again).
+    dir: tempfile::TempDir,
     pub store: Arc<dyn EventStore>,
+    /// The same store, typed: the checker's own tests corrupt it underneath the log.
+    pub sqlite: Arc<SqliteStore>,
     pub log: Log,
     pub log_key: Arc<LogKey>,
     pub clock: Arc<ManualClock>,
@@ -230,7 +311,10 @@ pub struct World {
     /// own test, `--unsafe-no-journal-dedupe`).
     pub journal_dedupe: bool,
     /// The first journal entry the log refused (a broken invariant the run reports).
-    pub refused: Option<String>,
+    pub refused: Option<JournalRefused>,
+    /// Every workload append the log acknowledged with new events: `(tenant, seq, event id)`,
+    /// which the full check finds in the log again (no acknowledged event lost).
+    pub acknowledged: std::sync::Mutex<Vec<(TenantId, u64, String)>>,
 }
 
 impl World {
@@ -239,8 +323,8 @@ impl World {
     pub async fn new(seed: u64, rng: &mut SeededRng, shape: Shape) -> World {
         assert!(shape.tenants >= 1 && shape.nodes >= shape.tenants, "every tenant has a node");
         let dir = scratch_dir();
-        let store: Arc<dyn EventStore> =
-            Arc::new(SqliteStore::open(&dir.path().join("sim.sqlite3")).await.expect("the store opens"));
+        let sqlite = Arc::new(SqliteStore::open(&dir.path().join("sim.sqlite3")).await.expect("the store opens"));
+        let store: Arc<dyn EventStore> = sqlite.clone();
         store.migrate_at(EPOCH_MS).await.expect("the store migrates");
         let clock = Arc::new(ManualClock::new(EPOCH_MS));
         // Every id from the seed, so a seed repeats the run: placement breaks ties by node id,
@@ -324,7 +408,20 @@ impl World {
         }
         let fleet = Fleet::new();
         fleet.prime(&*store).await.expect("the fleet primes");
-        World { _dir: dir, store, log, log_key, clock, tenants, fleet, agents, journal_dedupe: true, refused: None }
+        World {
+            dir,
+            store,
+            sqlite,
+            log,
+            log_key,
+            clock,
+            tenants,
+            fleet,
+            agents,
+            journal_dedupe: true,
+            refused: None,
+            acknowledged: Default::default(),
+        }
     }
 
     pub fn now_ms(&self) -> u64 {
@@ -360,7 +457,7 @@ impl World {
             "sim",
             vec![event],
         );
-        self.log.append(request).await.expect("the request is appended");
+        self.append_acknowledged(request).await.expect("the request is appended");
         id
     }
 
@@ -371,9 +468,9 @@ impl World {
         let Some(append) = bc_projections::decide::reservation_release(rsv, None, issue).expect("release decides") else {
             return false;
         };
-        match self.log.append(append.into_request(self.tenants[t].id, "sim")).await {
+        match self.append_acknowledged(append.into_request(self.tenants[t].id, "sim")).await {
             Ok(_) => true,
-            Err(e) if e.code() == bc_core::ErrorCode::Conflict => false,
+            Err(e) if e.code() == bc_core::ErrorCode::Conflict || injected(&e) => false,
             Err(e) => panic!("release: {e}"),
         }
     }
@@ -392,8 +489,65 @@ impl World {
     /// fails commands past their deadline, but never a `gpu.release`).
     pub async fn pass(&self) {
         let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
-        bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await.expect("the reservations pass");
-        bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.expect("the liveness pass");
+        // A failed commit (`failing-commits`) ends a pass early, as in a reconciler process: the
+        // next pass reads the world again.
+        match bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await {
+            Err(e) if !injected(&e) => panic!("the reservations pass: {e}"),
+            _ => {}
+        }
+        match bc_reconcilers::liveness::pass(&self.log, &*self.clock).await {
+            Err(e) if !injected(&e) => panic!("the liveness pass: {e}"),
+            _ => {}
+        }
+    }
+
+    /// [`Self::pass`] dropped part way, as a reconciler process dies: the passes' first
+    /// `appends` appends are taken and nothing after them (`Log::appends_limit`); the next
+    /// pass must do the rest. True if the passes used up their appends (so the crash may have
+    /// cut something off).
+    pub async fn pass_crashing(&self, appends: u64) -> bool {
+        let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
+        let stopped = injected;
+        self.log.appends_limit(Some(appends));
+        let reservations = bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await;
+        let liveness = match &reservations {
+            Err(e) if stopped(e) => Ok(()),
+            _ => bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.map(drop),
+        };
+        let reached = self.log.appends_limit(None) == Some(0);
+        for result in [reservations.map(drop), liveness] {
+            if let Err(e) = result
+                && !stopped(&e)
+            {
+                panic!("a reconciler pass: {e}");
+            }
+        }
+        reached
+    }
+
+    /// A gateway restart: the `Log` (its appender task), the store's connections and the
+    /// fleet's in-memory views are dropped and opened again from the same SQLite file, as a new
+    /// process would; then the agents reconnect, each delivering its journal from what it was
+    /// last acknowledged (the log takes again-delivered entries once).
+    pub async fn restart_gateway(&mut self) {
+        let sqlite = Arc::new(SqliteStore::open(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"));
+        let store: Arc<dyn EventStore> = sqlite.clone();
+        store.migrate_at(self.now_ms()).await.expect("the store migrates (nothing to do)");
+        let ids = self.log.ids.clone();
+        let log = Log::open_with_ids(store.clone(), Arc::new(Projections), self.log_key.clone(), self.clock.clone(), ids)
+            .await
+            .expect("the log opens again");
+        let fleet = Fleet::new();
+        fleet.prime(&*store).await.expect("the fleet primes again");
+        // The old appender stops when its queue closes (nothing is in flight: steps run one at
+        // a time).
+        drop(std::mem::replace(&mut self.log, log));
+        self.fleet = fleet;
+        self.store = store;
+        self.sqlite = sqlite;
+        for a in 0..self.agents.len() {
+            self.deliver(a, false).await;
+        }
     }
 
     /// The commands queued for agent `a`'s node, in issue order.
@@ -448,13 +602,70 @@ impl World {
         self.deliver(a, lose_ack).await;
     }
 
+    /// Appends a workload's request (a tenant's or an operator's) and remembers the events the
+    /// log acknowledged, so every full check can find them again.
+    pub async fn append_acknowledged(&self, request: AppendRequest) -> bc_core::Result<bc_core::store::AppendResult> {
+        let result = self.log.append(request).await?;
+        if !result.replayed {
+            let mut acknowledged = self.acknowledged.lock().expect("not poisoned");
+            for event in &result.events {
+                acknowledged.push((event.envelope.tenant, event.envelope.seq, event.envelope.id.to_string()));
+            }
+        }
+        Ok(result)
+    }
+
+    /// The append the gateway's session makes of agent `a`'s journal entry `seq` (its `body` and
+    /// node `signature` as the journal holds them): the entry's event on its subject's stream,
+    /// its provenance under `journal`, as the node, under the key `journal:NODE:SEQ` (unless the
+    /// checker's own test turned that off). Refuses an entry whose signature does not verify
+    /// under the node's key, as the session does.
+    pub fn journal_request(&self, a: usize, seq: u64, body: &[u8], signature: &[u8; 64]) -> Result<AppendRequest, String> {
+        let agent = &self.agents[a];
+        let (body_parsed, _) =
+            SignedEntry::verify(seq, body, signature, &agent.key.verifying_key()).map_err(|e| e.to_string())?;
+        Ok(self.journal_request_unchecked(a, seq, &body_parsed, body, signature))
+    }
+
+    /// [`Self::journal_request`] without the signature check: for the checker's own tests, to
+    /// put an entry in the log that its node never signed.
+    pub fn journal_request_unchecked(
+        &self,
+        a: usize,
+        seq: u64,
+        body_parsed: &bc_core::agent::EntryBody,
+        body: &[u8],
+        signature: &[u8; 64],
+    ) -> AppendRequest {
+        let agent = &self.agents[a];
+        let origin = JournalOrigin {
+            node_id: agent.node.clone(),
+            seq,
+            body: bc_core::agent::b64(body),
+            signature: bc_core::agent::b64(signature),
+        };
+        let mut payload = body_parsed.payload.clone();
+        payload[bc_core::agent::JOURNAL_PAYLOAD_KEY] = serde_json::to_value(&origin).expect("json");
+        let event = NewEvent::new(body_parsed.entry_type.clone(), bc_core::canonical::from_json(&payload).expect("cbor"));
+        let mut request = AppendRequest::new(
+            self.tenants[agent.tenant].id,
+            body_parsed.subject.clone(),
+            ExpectedVersion::Any,
+            format!("node:{}", agent.node),
+            vec![event],
+        );
+        if self.journal_dedupe {
+            request.idempotency_key = Some(format!("journal:{}:{}", agent.node, seq));
+        }
+        request
+    }
+
     /// Appends the agent's journal entries the log lacks, as the gateway's session does, each
     /// under its idempotency key (`journal:NODE:SEQ`), so an entry delivered again is taken
     /// once. `lose_ack`: the acknowledgement never reaches the agent, which delivers the same
     /// entries again next time.
     pub async fn deliver(&mut self, a: usize, lose_ack: bool) {
         let agent = &self.agents[a];
-        let tenant = self.tenants[agent.tenant].id;
         let Some(runner) = agent.runner.as_ref() else { return };
         let mut delivered = agent.delivered;
         loop {
@@ -463,32 +674,18 @@ impl World {
                 break;
             }
             for entry in entries {
-                let (body, _) = SignedEntry::verify(entry.seq, &entry.body, &entry.signature, &agent.key.verifying_key())
-                    .expect("the entry verifies");
-                let origin = JournalOrigin {
-                    node_id: agent.node.clone(),
-                    seq: entry.seq,
-                    body: bc_core::agent::b64(&entry.body),
-                    signature: bc_core::agent::b64(&entry.signature),
-                };
-                let mut payload = body.payload.clone();
-                payload[bc_core::agent::JOURNAL_PAYLOAD_KEY] = serde_json::to_value(&origin).expect("json");
-                let event = NewEvent::new(body.entry_type.clone(), bc_core::canonical::from_json(&payload).expect("cbor"));
-                let mut request = AppendRequest::new(
-                    tenant,
-                    body.subject.clone(),
-                    ExpectedVersion::Any,
-                    format!("node:{}", agent.node),
-                    vec![event],
-                );
-                if self.journal_dedupe {
-                    request.idempotency_key = Some(format!("journal:{}:{}", agent.node, entry.seq));
-                }
+                let request = self.journal_request(a, entry.seq, &entry.body, &entry.signature).expect("the entry verifies");
                 if let Err(e) = self.log.append(request).await {
+                    if injected(&e) {
+                        // The session's append failed: nothing is acknowledged from here on (those
+                        // before it were taken, their acknowledgement lost with the session); the
+                        // agent delivers again next time.
+                        return;
+                    }
                     // Only a broken premise gets here (an entry appended twice, out of order):
-                    // the run reports it; this agent delivers nothing more.
-                    let what = format!("journal entry {} of {} was refused by the log: {e}", entry.seq, agent.node);
-                    self.refused.get_or_insert(what);
+                    // the run reports it, by its cause; this agent delivers nothing more.
+                    let refused = self.journal_refused(a, entry.seq, &e).await;
+                    self.refused.get_or_insert(refused);
                     return;
                 }
                 delivered = entry.seq;
@@ -497,6 +694,24 @@ impl World {
         if !lose_ack {
             self.agents[a].delivered = delivered;
         }
+    }
+
+    /// What the log's refusal of agent `a`'s entry `seq` means, judged by the node's journal
+    /// head in the log's rows and the error's code.
+    async fn journal_refused(&self, a: usize, seq: u64, error: &bc_core::Error) -> JournalRefused {
+        let agent = &self.agents[a];
+        let head_in_log =
+            self.doc::<NodeDoc>(agent.tenant, KIND_NODE, &agent.node).await.and_then(|n| n.agent).map_or(0, |n| n.journal_seq);
+        let cause = if error.code() == bc_core::ErrorCode::IdempotencyConflict {
+            JournalRefusalCause::IdempotencyKeyTaken
+        } else if seq <= head_in_log {
+            JournalRefusalCause::Duplicated
+        } else if seq > head_in_log + 1 {
+            JournalRefusalCause::Gap
+        } else {
+            JournalRefusalCause::Other
+        };
+        JournalRefused { node: agent.node.clone(), seq, head_in_log, cause, error: error.to_string() }
     }
 
     /// A reservation's events and its node's commands, to explain a failure.
@@ -594,6 +809,60 @@ impl World {
                     );
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Each node's journal in the log (`in_log`, from a read of the whole log) against its
+    /// agent's journal: every entry the agent holds up to what the gateway acknowledged to it
+    /// (`delivered`) is in the log; every journal entry in the log is one the agent wrote (the
+    /// same seq, the same body), there once, in seq order. The log may be ahead of `delivered`
+    /// (an acknowledgement lost on its way: the agent sends those entries again, and the log
+    /// takes them once). `settled`: nothing is left undelivered either.
+    pub async fn check_journals(&self, in_log: &BTreeMap<String, JournalInLog>, settled: bool) -> Result<(), Violation> {
+        let none = JournalInLog::new();
+        for agent in &self.agents {
+            let node = &agent.node;
+            let journal = agent.journal_entries().await;
+            for (i, entry) in journal.iter().enumerate() {
+                ensure!(entry.seq == i as u64 + 1, "the journal of {node} holds entry {} at place {}", entry.seq, i + 1);
+            }
+            let written = journal.len() as u64;
+            ensure!(
+                agent.delivered <= written,
+                "{node}'s agent was acknowledged {} entries but wrote {written}",
+                agent.delivered
+            );
+            let logged = in_log.get(node).unwrap_or(&none);
+            let mut times: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut previous = 0;
+            for (seq, body) in logged {
+                let count = times.entry(*seq).or_default();
+                *count += 1;
+                ensure!(*count == 1, "journal entry {seq} of {node} is in the log more than once (duplicated)");
+                ensure!(*seq > previous, "journal entry {seq} of {node} is in the log after entry {previous} (out of order)");
+                previous = *seq;
+                let Some(wrote) = seq.checked_sub(1).and_then(|i| journal.get(i as usize)) else {
+                    return Err(Violation(format!(
+                        "the log has journal entry {seq} of {node}, which its agent never wrote (it wrote {written})"
+                    )));
+                };
+                ensure!(
+                    bc_core::agent::b64(&wrote.body) == *body,
+                    "the log's journal entry {seq} of {node} is not the one its agent wrote (the bodies differ)"
+                );
+            }
+            if let Some(lost) = (1..=agent.delivered).find(|seq| !times.contains_key(seq)) {
+                return Err(Violation(format!(
+                    "journal entry {lost} of {node} was acknowledged to its agent but is not in the log (lost; the log has {} of its entries)",
+                    logged.len()
+                )));
+            }
+            ensure!(
+                !settled || agent.delivered == written,
+                "{} journal entries of {node} never reached the log",
+                written - agent.delivered
+            );
         }
         Ok(())
     }

@@ -87,7 +87,7 @@ fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_re
         break;
     }
     let (seed, err) = found.unwrap_or_else(|| panic!("no duplicate found within {UNSAFE_SEEDS_MAX} seeds"));
-    assert!(err.contains("delivered twice (duplicated)"), "{err}");
+    assert!(err.contains("the log refused a journal entry") && err.contains("delivered twice (duplicated)"), "{err}");
     let hint = err.lines().find_map(|l| l.strip_prefix("hint: repeat it with: ")).expect("the command is printed").to_owned();
     let args: Vec<&str> = hint.split_whitespace().collect();
     assert!(args.contains(&"--unsafe-no-journal-dedupe") && args.contains(&seed.as_str()), "{hint}");
@@ -104,9 +104,20 @@ fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
         thread::spawn(move || {
             for seed in seeds {
                 let seed = seed.to_string();
-                let (status, out, err) = sim(&["--seed", &seed, "--nodes", "10", "--tenants", "2", "--hours", "1"]);
+                let (status, out, err) = sim(&["--seed", &seed, "--nodes", "10", "--tenants", "2", "--hours", "1", "--json"]);
                 assert_eq!(status, 0, "seed {seed}:\n{out}\n{err}");
-                assert!(out.contains("sim run: ok"), "{out}");
+                let value = json(&out);
+                assert_eq!(value["ok"], true, "seed {seed}: {value}");
+                // The faults ran: the seed enabled some and they were injected.
+                let injected: u64 = value["faultsInjected"].as_object().into_iter().flatten().filter_map(|(_, n)| n.as_u64()).sum();
+                assert!(injected > 0, "seed {seed}: no fault was injected: {value}");
+                assert!(!value["faultsEnabled"].as_array().is_none_or(Vec::is_empty), "seed {seed}: {value}");
+                // The full checks ran during the run, not only at its end, and found the
+                // workload's acknowledged appends.
+                let checks = &value["invariantChecks"];
+                assert!(checks["full"].as_u64().unwrap_or(0) > 1, "seed {seed}: {checks}");
+                assert!(checks["acknowledgedAppendsChecked"].as_u64().unwrap_or(0) > 0, "seed {seed}: {checks}");
+                assert_eq!(checks["afterEveryStep"], value["steps"], "seed {seed}: {checks}");
             }
         })
     };

@@ -125,11 +125,14 @@ pub(super) async fn finish<T>(tx: &mut (dyn Transaction + '_), outcome: Result<E
 }
 
 /// Writes a prepared batch unless a chain head it was built on moved (then nothing is written:
-/// the appender decides the batch again).
+/// the appender decides the batch again). `fail`: every write is made, then the transaction is
+/// rolled back instead of committed and the answer is UNAVAILABLE ([`super::COMMIT_FAILED`]):
+/// the simulator's failing commit (`Log::commits_fail`); never set elsewhere.
 pub(super) async fn commit(
     tx: &mut (dyn Transaction + '_),
     batch: &PreparedBatch,
     projector: &dyn Projector,
+    fail: bool,
 ) -> Result<CommitOutcome> {
     let outcome = async {
         let commit = tx.counter_bump().await?;
@@ -139,6 +142,9 @@ pub(super) async fn commit(
             return Ok(End::Rollback(CommitOutcome::Stale));
         }
         batch_write(tx, batch, commit, projector).await?;
+        if fail {
+            return Err(Error::Unavailable(super::COMMIT_FAILED.into()));
+        }
         Ok(End::Commit(CommitOutcome::Committed { commit }))
     }
     .await;
@@ -405,7 +411,7 @@ mod tests {
     async fn a_commit_bumps_the_counter_first_and_writes_rows_then_projections() {
         let tenant = TenantId::ROOT;
         let mut tx = Recording::default();
-        let outcome = commit(&mut tx, &batch(tenant, None, &["a.made", "b.deleted"]), &PerStream).await.unwrap();
+        let outcome = commit(&mut tx, &batch(tenant, None, &["a.made", "b.deleted"]), &PerStream, false).await.unwrap();
         assert_eq!(outcome, CommitOutcome::Committed { commit: 1 });
         assert_eq!(
             calls(&tx),
@@ -417,7 +423,7 @@ mod tests {
     async fn a_moved_head_rolls_back_before_writing() {
         let tenant = TenantId::ROOT;
         let mut tx = Recording { heads: [(tenant, Head { seq: 9, hash: [9; 32] })].into(), ..Default::default() };
-        let outcome = commit(&mut tx, &batch(tenant, None, &["a.made"]), &PerStream).await.unwrap();
+        let outcome = commit(&mut tx, &batch(tenant, None, &["a.made"]), &PerStream, false).await.unwrap();
         assert_eq!(outcome, CommitOutcome::Stale);
         assert_eq!(calls(&tx), ["counter_bump", "heads_lock", "rollback"]);
     }
@@ -425,12 +431,21 @@ mod tests {
     #[tokio::test]
     async fn a_failed_statement_rolls_back_and_reports_its_error() {
         let mut tx = Recording { fail: Some("batch_insert"), ..Default::default() };
-        let err = commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream).await.unwrap_err();
+        let err = commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream, false).await.unwrap_err();
         assert!(err.to_string().contains("batch_insert failed"), "{err}");
         assert_eq!(calls(&tx), ["counter_bump", "heads_lock", "batch_insert", "rollback"]);
         // A failing commit is the error too (nothing to roll back after it).
         let mut tx = Recording { fail: Some("commit"), ..Default::default() };
-        assert!(commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream).await.is_err());
+        assert!(commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream, false).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn an_injected_commit_failure_writes_everything_then_rolls_back_unavailable() {
+        let mut tx = Recording::default();
+        let err = commit(&mut tx, &batch(TenantId::ROOT, None, &["a.made"]), &PerStream, true).await.unwrap_err();
+        assert_eq!(err.code(), crate::ErrorCode::Unavailable, "{err}");
+        assert!(err.to_string().contains(super::super::COMMIT_FAILED), "{err}");
+        assert_eq!(calls(&tx), ["counter_bump", "heads_lock", "batch_insert", "projections_upsert", "rollback"]);
     }
 
     #[tokio::test]

@@ -119,7 +119,20 @@ pub struct Log {
     /// The newest commit number this process wrote: wakes watchers early. Only a nudge: other
     /// processes' commits are found by polling, so correctness never rests on it.
     commits: tokio::sync::watch::Receiver<u64>,
+    /// The simulator's crash of a caller part way (`sim run`'s `reconciler-crash`): while
+    /// `Some(n)`, `n` more appends are taken and every later one is refused before it is queued,
+    /// as if the caller's process had died after its last one. Always `None` elsewhere.
+    appends_left: std::sync::Mutex<Option<u64>>,
+    /// The simulator's failing commits (`sim run`'s `failing-commits`): this many more append
+    /// transactions make their writes and then fail instead of committing. Always 0 elsewhere.
+    commits_to_fail: Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// The error of an append whose commit [`Log::commits_fail`] made fail.
+pub const COMMIT_FAILED: &str = "the commit failed (a failure the simulator injected); nothing was written";
+
+/// The error of an append refused by [`Log::appends_limit`].
+pub const APPENDS_STOPPED: &str = "the caller stopped (a crash the simulator injected)";
 
 impl Log {
     /// Registers the key with the store and starts the appender task; event ids are random
@@ -147,9 +160,27 @@ impl Log {
         let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
         let stats = Arc::new(LogStats::default());
         let (notify, commits) = tokio::sync::watch::channel(store.last_commit().await?);
-        let appender = Appender { store: store.clone(), projector, key: key.clone(), clock: clock.clone(), ids: ids.clone() };
+        let commits_to_fail = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let appender = Appender {
+            store: store.clone(),
+            projector,
+            key: key.clone(),
+            clock: clock.clone(),
+            ids: ids.clone(),
+            commits_to_fail: commits_to_fail.clone(),
+        };
         tokio::spawn(run_appender(receiver, appender, stats.clone(), notify));
-        Ok(Self { store, key, stats, clock, ids, handle: LogHandle { jobs }, commits })
+        Ok(Self {
+            store,
+            key,
+            stats,
+            clock,
+            ids,
+            handle: LogHandle { jobs },
+            commits,
+            appends_left: Default::default(),
+            commits_to_fail,
+        })
     }
 
     /// A receiver that changes when this process commits.
@@ -162,7 +193,28 @@ impl Log {
     }
 
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
+        if let Some(left) = self.appends_left.lock().expect("the appends limit is not poisoned").as_mut() {
+            if *left == 0 {
+                return Err(Error::Unavailable(APPENDS_STOPPED.into()));
+            }
+            *left -= 1;
+        }
         self.handle.append(request).await
+    }
+
+    /// Makes the next `count` append transactions fail at their commit, after every write (rolled
+    /// back, answered UNAVAILABLE, [`COMMIT_FAILED`]): the simulator's failing commits. The
+    /// append path is otherwise untouched.
+    pub fn commits_fail(&self, count: u64) {
+        self.commits_to_fail.store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Takes `left` more appends through this `Log`, then refuses every one (UNAVAILABLE,
+    /// [`APPENDS_STOPPED`]) until called with `None`: the simulator's crash of a caller after
+    /// its k-th append. The append path is otherwise untouched. Returns the limit it replaces
+    /// (`Some(0)`: it was reached).
+    pub fn appends_limit(&self, left: Option<u64>) -> Option<u64> {
+        std::mem::replace(&mut *self.appends_left.lock().expect("the appends limit is not poisoned"), left)
     }
 }
 
@@ -173,6 +225,8 @@ struct Appender {
     key: Arc<LogKey>,
     clock: Arc<dyn Clock>,
     ids: Arc<dyn IdSource>,
+    /// [`Log::commits_fail`]'s count, taken one per append transaction.
+    commits_to_fail: Arc<std::sync::atomic::AtomicU64>,
 }
 
 async fn run_appender(
@@ -214,7 +268,7 @@ fn stopwatch() -> std::time::Instant {
 }
 
 async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>) -> Option<u64> {
-    let Appender { store, projector, key, clock, ids } = appender;
+    let Appender { store, projector, key, clock, ids, commits_to_fail } = appender;
     let store = &**store;
     let mut decided = None;
     let started = stopwatch();
@@ -245,7 +299,10 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
             break;
         }
         let phase = stopwatch();
-        let committed = commit(store, &batch, projector.as_ref()).await;
+        let fail = commits_to_fail
+            .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let committed = commit(store, &batch, projector.as_ref(), fail).await;
         timings[2] += phase.elapsed().as_micros();
         match committed {
             Ok(CommitOutcome::Committed { commit }) => {
@@ -322,9 +379,9 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
 
 /// Writes a decided batch: the one place outside the backends that opens an append
 /// transaction (the [`WriteToken`] is made here).
-async fn commit(store: &dyn EventStore, batch: &PreparedBatch, projector: &dyn Projector) -> Result<CommitOutcome> {
+async fn commit(store: &dyn EventStore, batch: &PreparedBatch, projector: &dyn Projector, fail: bool) -> Result<CommitOutcome> {
     let mut tx = store.transaction(WriteToken(())).await?;
-    engine::commit(&mut *tx, batch, projector).await
+    engine::commit(&mut *tx, batch, projector, fail).await
 }
 
 async fn commit_locked(
