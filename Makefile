@@ -105,6 +105,8 @@ bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
 	$(CARGO) bench -p bc-cli --bench watch
+	$(CARGO) bench -p bc-cli --bench api_writes
+	$(CARGO) bench -p bc-cli --bench log_growth
 	$(CARGO) bench -p bc-cli --bench webhooks
 	$(CARGO) bench -p bc-cli --bench reservations
 	$(CARGO) bench -p bc-cli --bench unknown_method

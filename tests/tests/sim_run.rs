@@ -109,7 +109,8 @@ fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
                 let value = json(&out);
                 assert_eq!(value["ok"], true, "seed {seed}: {value}");
                 // The faults ran: the seed enabled some and they were injected.
-                let injected: u64 = value["faultsInjected"].as_object().into_iter().flatten().filter_map(|(_, n)| n.as_u64()).sum();
+                let injected: u64 =
+                    value["faultsInjected"].as_object().into_iter().flatten().filter_map(|(_, n)| n.as_u64()).sum();
                 assert!(injected > 0, "seed {seed}: no fault was injected: {value}");
                 assert!(!value["faultsEnabled"].as_array().is_none_or(Vec::is_empty), "seed {seed}: {value}");
                 // The full checks ran during the run, not only at its end, and found the

@@ -1,0 +1,204 @@
+//! `make bench` (api_writes), issue 17 goal 6a: writes through the API against etcd's puts
+//! through its v3 JSON gateway, both driven by the same load generator, wrk (Debian's `wrk`,
+//! which `make bench` installs), at 64 and 256 connections in the same run.
+//!
+//! Ours: `better-compute dev` as its own process (this package's release binary) on a fresh
+//! SQLite database (`synchronous = FULL`), reconcilers on as a user runs it; each request is
+//! `pools.create` with a name of its own, so each is a signed, chained, projected event
+//! committed before the answer. etcd: one member with its defaults (its WAL fsynced), each
+//! request a `POST /v3/kv/put` of a key of its own and a value about as long as our event.
+//! wrk runs 2 threads for `WRK_DURATION_S` per cell, the cells interleaved (etcd 64, ours 64,
+//! etcd 256, ours 256) so a noisy minute hits both; every answer must be 2xx (a cell with any
+//! other answer stops the bench). The goal: ours ÷ etcd's requests per second ≥ 1.0 at each
+//! connection count.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "support/etcd.rs"]
+mod etcd;
+use etcd::{EtcdServer, etcd_version, free_port};
+
+/// How long wrk drives each cell.
+const WRK_DURATION_S: u64 = 10;
+/// wrk's threads (the machine has 2 cores, shared with the server under test).
+const WRK_THREADS: u32 = 2;
+const CONNECTIONS: [u32; 2] = [64, 256];
+/// The value etcd stores per put: about as long as our `pool.created` event's envelope.
+const ETCD_VALUE_BYTES: usize = 246;
+const _: () = assert!(ETCD_VALUE_BYTES % 3 == 0, "so its base64 has no padding to get wrong");
+
+/// The wrk script for ours: a `pools.create` with a name unique per thread and request.
+const OURS_LUA: &str = r#"
+local counter = 0
+local threads = 0
+function setup(thread)
+  thread:set("tid", threads)
+  threads = threads + 1
+end
+function request()
+  counter = counter + 1
+  local body = string.format('{"name":"w%d-%d"}', tid, counter)
+  return wrk.format("POST", "/api/compute/pools.create", nil, body)
+end
+"#;
+
+/// The wrk script for etcd: a put of a key unique per thread and request. Keys are base64 of
+/// `bench/` and then digits (any run of base64 characters whose length is a multiple of 4
+/// decodes), so no encoder is needed in Lua.
+const ETCD_LUA: &str = r#"
+local counter = 0
+local threads = 0
+function setup(thread)
+  thread:set("tid", threads)
+  threads = threads + 1
+end
+function request()
+  counter = counter + 1
+  local key = string.format("YmVuY2gv%02d%010d", tid, counter)
+  local body = string.format('{"key":"%s","value":"%s"}', key, VALUE)
+  return wrk.format("POST", "/v3/kv/put", nil, body)
+end
+"#;
+
+/// What one wrk run measured.
+struct Cell {
+    requests_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+fn wrk_binary() -> String {
+    std::env::var("BC_BENCH_WRK").unwrap_or_else(|_| "wrk".to_owned())
+}
+
+/// A latency as wrk prints it (`1.23ms`, `456.78us`, `1.02s`) in milliseconds.
+fn wrk_ms(text: &str) -> f64 {
+    let (number, scale) = if let Some(n) = text.strip_suffix("us") {
+        (n, 0.001)
+    } else if let Some(n) = text.strip_suffix("ms") {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1000.0)
+    } else {
+        panic!("a wrk latency: {text:?}")
+    };
+    number.parse::<f64>().unwrap_or_else(|_| panic!("a wrk latency: {text:?}")) * scale
+}
+
+/// Runs wrk against `url` with `script` (its `VALUE` and headers set first) and reads its report.
+fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir: &Path) -> Cell {
+    let mut lua = String::new();
+    lua.push_str(&format!("VALUE = \"{}\"\n", "QUJD".repeat(ETCD_VALUE_BYTES / 3)));
+    lua.push_str("wrk.headers[\"Content-Type\"] = \"application/json\"\n");
+    for (name, value) in headers {
+        lua.push_str(&format!("wrk.headers[\"{name}\"] = \"{value}\"\n"));
+    }
+    lua.push_str(script);
+    let path = dir.join(format!("script-{connections}.lua"));
+    std::fs::write(&path, lua).unwrap();
+    let out = Command::new(wrk_binary())
+        .args(["-t", &WRK_THREADS.to_string(), "-c", &connections.to_string(), "-d", &format!("{WRK_DURATION_S}s")])
+        .args(["--latency", "--timeout", "10s", "-s"])
+        .arg(&path)
+        .arg(url)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {}: {e}\nhint: make bench installs Debian's wrk (scripts/bench-deps)", wrk_binary())
+        });
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!text.contains("Non-2xx or 3xx responses"), "answers other than 2xx from {url}: {text}");
+    assert!(!text.contains("Socket errors"), "socket errors against {url}: {text}");
+    let field = |prefix: &str| -> String {
+        text.lines()
+            .find_map(|l| {
+                l.trim().strip_prefix(prefix).map(|rest| rest.trim().split_whitespace().next().unwrap_or("").to_owned())
+            })
+            .unwrap_or_else(|| panic!("no {prefix:?} in wrk's report: {text}"))
+    };
+    Cell { requests_per_s: field("Requests/sec:").parse().unwrap(), p50_ms: wrk_ms(&field("50%")), p99_ms: wrk_ms(&field("99%")) }
+}
+
+/// `better-compute dev` on a fresh data directory; killed when dropped.
+struct OurServer {
+    child: Child,
+    url: String,
+    token: String,
+    _dir: tempfile::TempDir,
+}
+
+impl OurServer {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (port, agents) = (free_port(), free_port());
+        let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_better-compute"))
+            .args(["dev", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--agents-listen", &format!("127.0.0.1:{agents}")])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        let token_path = dir.path().join("data").join("admin.token");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let up = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+            if up && let Ok(token) = std::fs::read_to_string(&token_path) {
+                return Self { child, url, token: token.trim().to_owned(), _dir: dir };
+            }
+            assert!(Instant::now() < deadline, "better-compute dev did not start; see its log");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for OurServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let scripts = tempfile::tempdir().unwrap();
+    eprintln!("api_writes: better-compute dev against {}, wrk {WRK_DURATION_S} s per cell", etcd_version());
+    let ours = OurServer::start();
+    let (etcd_url, _etcd) = runtime.block_on(EtcdServer::start());
+    let bearer = format!("Bearer {}", ours.token);
+    let mut rows = Vec::new();
+    for connections in CONNECTIONS {
+        eprintln!("  {connections} connections: etcd…");
+        let etcd = wrk(&etcd_url, ETCD_LUA, &[], connections, scripts.path());
+        eprintln!("  {connections} connections: ours…");
+        let mine = wrk(&ours.url, OURS_LUA, &[("Authorization", &bearer)], connections, scripts.path());
+        rows.push((connections, mine, etcd));
+    }
+    println!();
+    println!("| connections | ours writes/s | p50 / p99 ms | etcd puts/s | p50 / p99 ms | ours ÷ etcd |");
+    println!("|------------:|--------------:|-------------:|------------:|-------------:|------------:|");
+    for (connections, mine, etcd) in &rows {
+        println!(
+            "| {connections:>11} | {:>13.0} | {:>5.1} / {:<5.1} | {:>11.0} | {:>5.1} / {:<5.1} | {:>11.2} |",
+            mine.requests_per_s,
+            mine.p50_ms,
+            mine.p99_ms,
+            etcd.requests_per_s,
+            etcd.p50_ms,
+            etcd.p99_ms,
+            mine.requests_per_s / etcd.requests_per_s
+        );
+    }
+    println!("goal (issue 17, goal 6a): writes through the API >= etcd's puts through its JSON gateway");
+    for (connections, mine, etcd) in &rows {
+        let ratio = mine.requests_per_s / etcd.requests_per_s;
+        println!("  {connections} connections: {ratio:.2}  {}", if ratio >= 1.0 { "met" } else { "MISSED" });
+    }
+}

@@ -1,0 +1,269 @@
+//! `make bench` (log_growth), issue 17 goal 2: the costs users feel stay flat as a tenant's log
+//! grows. Four operations, each timed on the same tenant when its log holds `SMALL_EVENTS`
+//! and again after it has grown to `LARGE_EVENTS`, in one run on one database:
+//!
+//! - `events.list`, the first page with a type filter (`reservation.*`);
+//! - `GET /watch` resumed from a recent position (`RESUME_BACK_EVENTS` back), until it has
+//!   every event since;
+//! - `reservations.create` (one GPU; each released again, untimed);
+//! - `capacity.get`.
+//!
+//! The log grows by `pool.updated` events on a pool of its own (appended in process, 100 per
+//! append), so the tenant's state (its pools, nodes and live reservations) stays the same size
+//! and only the log grows. The gateway on SQLite is served in this process on a runtime of its
+//! own; the client is reqwest over HTTP/1.1 on loopback. Each figure is the median of
+//! `SAMPLES` calls after `WARMUP` that are not counted. Goal: large ÷ small ≤ 1.3 for each.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bc_core::clock::SystemClock;
+use bc_core::id::{NodeId, PoolId, TenantId};
+use bc_core::keys::LogKey;
+use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_gateway::AppState;
+use bc_projections::events::{self as ev, Gpu};
+use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+const SMALL_EVENTS: u64 = 10_000;
+const LARGE_EVENTS: u64 = 1_000_000;
+/// Filler events per append (one transaction).
+const FILL_BATCH_EVENTS: u64 = 100;
+const NODES: usize = 100;
+const GPUS_PER_NODE: u32 = 8;
+const SAMPLES: usize = 200;
+const WARMUP: usize = 20;
+/// How far back the resumed watch starts.
+const RESUME_BACK_EVENTS: u64 = 50;
+const GOAL_RATIO_MAX: f64 = 1.3;
+
+fn median(mut ms: Vec<f64>) -> f64 {
+    ms.sort_by(f64::total_cmp);
+    ms[ms.len() / 2]
+}
+
+struct Client {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl Client {
+    async fn call(&self, method: &str, body: Value) -> Value {
+        let r = self
+            .http
+            .post(format!("{}/api/compute/{method}", self.url))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        let value: Value = r.json().await.unwrap();
+        assert!(status.is_success(), "{method}: {status} {value}");
+        value
+    }
+
+    /// The median milliseconds of `f` over `SAMPLES` calls, after `WARMUP`.
+    async fn timed<F, Fut>(&self, f: F) -> f64
+    where
+        F: Fn(usize) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let mut ms = Vec::with_capacity(SAMPLES);
+        for i in 0..WARMUP + SAMPLES {
+            let started = Instant::now();
+            f(i).await;
+            if i >= WARMUP {
+                ms.push(started.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        median(ms)
+    }
+
+    /// One resumed watch: from `since`, until `expected` events arrived.
+    async fn watch_from(&self, since: &str, expected: u64) {
+        let r = self.http.get(format!("{}/watch?since={since}", self.url)).bearer_auth(&self.token).send().await.unwrap();
+        assert!(r.status().is_success(), "watch: {}", r.status());
+        let mut stream = r.bytes_stream();
+        // Counted by the lines that start with `id:` (one per event; heartbeats are comments).
+        let (mut seen, mut buf, mut pos) = (0u64, Vec::new(), 0usize);
+        while seen < expected {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(30), stream.next()).await.expect("watch stalled").unwrap().unwrap();
+            buf.extend_from_slice(&chunk);
+            while let Some(nl) = buf[pos..].iter().position(|b| *b == b'\n') {
+                if buf[pos..pos + nl].starts_with(b"id:") {
+                    seen += 1;
+                }
+                pos += nl + 1;
+            }
+        }
+    }
+}
+
+/// What one size measured, in milliseconds.
+struct Figures {
+    events_list: f64,
+    watch_resume: f64,
+    reserve: f64,
+    capacity: f64,
+}
+
+async fn measure(client: &Client, store: &dyn EventStore, pool: &str) -> Figures {
+    let events_list = client
+        .timed(|_| async {
+            client.call("events.list", json!({ "types": ["reservation.*"], "limit": 20 })).await;
+        })
+        .await;
+    let capacity = client
+        .timed(|_| async {
+            client.call("capacity.get", json!({ "poolId": pool })).await;
+        })
+        .await;
+    let reserve = {
+        let mut ms = Vec::new();
+        for i in 0..WARMUP + SAMPLES {
+            let started = Instant::now();
+            let r = client.call("reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 3600 })).await;
+            if i >= WARMUP {
+                ms.push(started.elapsed().as_secs_f64() * 1000.0);
+            }
+            assert_eq!(r["state"], "active", "{r}");
+            client.call("reservations.release", json!({ "reservationId": r["reservationId"] })).await;
+        }
+        median(ms)
+    };
+    // A recent position: the position of the event RESUME_BACK_EVENTS from the end.
+    let last = store.last_commit().await.unwrap();
+    let back = store
+        .read_after_touches(bc_core::event::Position { commit: last.saturating_sub(RESUME_BACK_EVENTS), index: 0 }, 10_000)
+        .await
+        .unwrap();
+    let since = back.first().map(|t| format!("{}.{}", t.commit, t.index)).unwrap();
+    let expected = back.len() as u64 - 1;
+    let watch_resume = client.timed(|_| async { client.watch_from(&since, expected).await }).await;
+    Figures { events_list, watch_resume, reserve, capacity }
+}
+
+/// Appends `count` filler events (`pool.updated` on the filler pool), 100 per transaction.
+async fn grow(log: &Log, tenant: TenantId, filler: &str, count: u64) {
+    let started = Instant::now();
+    let mut done = 0;
+    while done < count {
+        let n = FILL_BATCH_EVENTS.min(count - done);
+        let events = (0..n)
+            .map(|i| {
+                let update = ev::PoolUpdated { description: Some(format!("filler {}", done + i)), ..Default::default() };
+                NewEvent::new(ev::POOL_UPDATED, ev::to_cbor(&update).unwrap())
+            })
+            .collect();
+        log.append(AppendRequest::new(tenant, stream_of(KIND_POOL, &filler), ExpectedVersion::Any, "bench", events))
+            .await
+            .unwrap();
+        done += n;
+        if done % 100_000 == 0 {
+            eprintln!("  {done} filler events ({:.0}/s)", done as f64 / started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let server_runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g.sqlite3");
+    let (log, store, url, token) = server_runtime.block_on(async move {
+        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&path).await.unwrap());
+        store.migrate().await.unwrap();
+        let log = Arc::new(
+            Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap(),
+        );
+        let token = Arc::new(Mutex::new(String::new()));
+        let keep = token.clone();
+        bc_gateway::bootstrap_root(
+            &log,
+            move |t| {
+                *keep.lock().unwrap() = t.to_owned();
+                Ok(())
+            },
+            || {},
+        )
+        .await
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(bc_gateway::serve(listener, Arc::new(AppState::new(log.clone())), std::future::pending()));
+        let token = token.lock().unwrap().clone();
+        (log, store, url, token)
+    });
+    let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let tenant = TenantId::ROOT;
+    let (pool, filler) = (PoolId::generate().to_string(), PoolId::generate().to_string());
+    server_runtime.block_on(async {
+        for (id, name) in [(&pool, "gpus"), (&filler, "filler")] {
+            let created = ev::PoolCreated {
+                name: name.into(),
+                description: String::new(),
+                labels: Default::default(),
+                max_reservation_s: None,
+            };
+            let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
+            log.append(AppendRequest::new(tenant, stream_of(KIND_POOL, id), ExpectedVersion::NoStream, "bench", vec![event]))
+                .await
+                .unwrap();
+        }
+        for i in 0..NODES {
+            let gpus = (0..GPUS_PER_NODE)
+                .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
+                .collect();
+            let node = ev::NodeRegistered { pool_id: pool.clone(), name: format!("n{i}"), gpus, labels: Default::default() };
+            let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
+            let stream = stream_of(KIND_NODE, &NodeId::generate());
+            log.append(AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "bench", vec![event])).await.unwrap();
+        }
+    });
+    let client = Client { http: reqwest::Client::new(), url, token };
+    let head = |store: &Arc<dyn EventStore>| {
+        let store = store.clone();
+        server_runtime
+            .block_on(async move { store.heads().await.unwrap().iter().find(|(t, _)| *t == tenant).map(|(_, h)| h.seq).unwrap() })
+    };
+
+    eprintln!("log_growth: growing the tenant's log to {SMALL_EVENTS} events…");
+    let have = head(&store);
+    server_runtime.block_on(grow(&log, tenant, &filler, SMALL_EVENTS.saturating_sub(have)));
+    let small_at = head(&store);
+    eprintln!("  measuring at {small_at} events…");
+    let small = client_runtime.block_on(measure(&client, &*store, &pool));
+
+    eprintln!("log_growth: growing it to {LARGE_EVENTS} events…");
+    let have = head(&store);
+    server_runtime.block_on(grow(&log, tenant, &filler, LARGE_EVENTS.saturating_sub(have)));
+    let large_at = head(&store);
+    eprintln!("  measuring at {large_at} events…");
+    let large = client_runtime.block_on(measure(&client, &*store, &pool));
+
+    println!();
+    println!("log_growth: one tenant, SQLite, {NODES} nodes × {GPUS_PER_NODE} GPUs; median of {SAMPLES} calls (ms)");
+    println!("| operation | at {small_at} events | at {large_at} events | ratio |");
+    println!("|-----------|------:|------:|------:|");
+    let rows = [
+        ("events.list, first page, types reservation.*", small.events_list, large.events_list),
+        ("watch resumed from a recent position", small.watch_resume, large.watch_resume),
+        ("reservations.create", small.reserve, large.reserve),
+        ("capacity.get", small.capacity, large.capacity),
+    ];
+    for (name, a, b) in rows {
+        println!("| {name} | {a:.2} | {b:.2} | {:.2} |", b / a);
+    }
+    println!("goal (issue 17, goal 2): each at most {GOAL_RATIO_MAX}× apart");
+    for (name, a, b) in rows {
+        let ratio = b / a;
+        println!("  {name}: {ratio:.2}  {}", if ratio <= GOAL_RATIO_MAX { "met" } else { "MISSED" });
+    }
+    drop(server_runtime);
+}
