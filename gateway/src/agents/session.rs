@@ -110,6 +110,10 @@ impl Sessions {
     }
 }
 
+/// A refusal's status: gRPC's code, as a plain value (the simulator reads it without tonic's
+/// transport).
+pub use tonic::Code as RefusalCode;
+
 /// A refusal sent to the node before the session ends: a stable code and a message.
 #[derive(Debug)]
 pub struct Refusal {
