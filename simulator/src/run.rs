@@ -23,9 +23,15 @@
 //!   signatures included), the projection rows equal a fold of the whole log, every workload
 //!   append the log acknowledged is still in it, and each node's journal entries in the log are
 //!   the ones its agent wrote, once each, in order, and include all it was acknowledged.
+//! - **Agents** talk to the gateway over the in-memory transport (`net.rs`): each agent's real
+//!   session machine (`bc_agent::machine`) and the gateway's real session functions
+//!   (`bc_gateway::agents::session`): hello, challenge, proof, welcome, entries appended once
+//!   and acknowledged, commands down, heartbeats renewing the node's lease, which the liveness
+//!   pass turns into `node.unreachable` / `node.ready`. A step that only moved the transport
+//!   (nothing appended, no command run) is quiet: no check runs after it.
 //! - **Liveness**: the faults and the workload stop; within [`LIVENESS_BOUND_MS`] of simulated
-//!   time every active reservation is bound and every agent holds exactly what the control plane
-//!   says, or the run fails.
+//!   time every active reservation is bound, every agent holds exactly what the control plane
+//!   says and was acknowledged its whole journal, or the run fails.
 //! - **Timeline** ([`Options::timeline`], `--report`): a sample of the series (GPU utilization,
 //!   queue depth, nodes up, faults injected, checks passed) at the start, after every reconciler
 //!   pass and fault, and at the end, and the marks (the liveness phase, the first failure), in a

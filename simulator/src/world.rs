@@ -2,10 +2,12 @@
 //! real SQLite store with the real `Projections`, the real decisions, the reservations
 //! reconciler's `pass` and the liveness sweep, and per node the agent's real `Runner` (its
 //! journal, its holds ledger, `decide_hold`) over a fake [`Machine`] whose binding can be made
-//! to refuse. What it leaves out is the transport: each journal entry is appended as the
-//! gateway's session appends it (checked against the node's signature, on its subject's stream,
-//! exactly once by its idempotency key, with the entry under `journal`), which the end-to-end
-//! tests cover over gRPC.
+//! to refuse. `sim run` connects the agents to the gateway's real session logic over its
+//! in-memory transport (`run/net.rs`); [`World::answer`] and [`World::deliver`] are a direct
+//! path kept for the checkers' own tests and the holds property test: the pending commands run,
+//! and each journal entry is appended as the session appends it (checked against the node's
+//! signature, on its subject's stream, by its idempotency key, with the entry under `journal`)
+//! but without the session's other checks.
 //!
 //! `sim run` ([`crate::run`]) and the holds property test (`tests/tests/holds_property.rs`)
 //! drive this one world; neither has its own copy. Time is the world's [`ManualClock`], ids
