@@ -642,7 +642,8 @@ pub enum SimCommand {
         /// The faults the seed may enable: all, none, or names separated by commas
         /// (failed-holds, unanswered-holds, refused-releases, agents-away, clock-skew,
         /// agent-crash, duplicate-commands, stale-view, lost-acks, reconciler-crash,
-        /// gateway-restart, failing-commits).
+        /// gateway-restart, failing-commits, drop-messages, delay-messages,
+        /// duplicate-messages, reorder-messages, partition).
         #[arg(long, default_value = "all")]
         faults: String,
         /// Print the summary as JSON.

@@ -53,7 +53,15 @@ fn main() -> ExitCode {
     let quiet = matches!(&cli.command, flags::Command::Sim { command: flags::SimCommand::Run { .. } });
     init_tracing(if quiet { "warn" } else { "info,sqlx=warn,tower_http=info" });
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = match tokio::runtime::Runtime::new() {
+    // `sim run` is one thread (issue 18): the world, its log's appender task and every agent on
+    // a current-thread runtime. sqlx's SQLite connections still do their blocking calls on
+    // their own worker threads (see README, "sim run").
+    let built = if quiet {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    } else {
+        tokio::runtime::Runtime::new()
+    };
+    let runtime = match built {
         Ok(r) => r,
         Err(e) => {
             eprintln!("INTERNAL: starting the runtime: {e}");

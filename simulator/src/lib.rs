@@ -4,8 +4,9 @@
 //! and the real fold), and `sim run` (one seeded world of the real log, decisions, reservations
 //! reconciler and agents' runners on a virtual clock, with a workload, faults and invariants).
 //! Nothing here decides or folds on its own. It depends on `bc-core`, `bc-projections`,
-//! `bc-reconcilers` (the passes it runs) and `bc-agent` (the runner it runs), never on the
-//! gateway.
+//! `bc-reconcilers` (the passes it runs), `bc-agent` (the runner and the session machine it
+//! runs) and `bc-gateway` for the gateway's side of the agents' session alone
+//! (`agents::session`: its functions, never its server).
 //!
 //! Layout:
 //! - [`format`]: the export file (a CBOR sequence, RFC 8742: a header, then one record per
@@ -19,7 +20,9 @@
 //!   an agent answering and its journal appended as the gateway's session appends it) and the
 //!   per-step invariant check. The holds property test drives it too.
 //! - [`run`]: `sim run`: the schedule on the virtual clock, the workload, the faults, the heavy
-//!   checks, the liveness phase, the outcome and its digest.
+//!   checks, the liveness phase, the outcome and its digest; `run/net.rs`, the in-memory
+//!   transport between each agent's session machine and the gateway's session functions, and
+//!   its faults.
 //! - [`timeline`]: the series a report draws (GPU utilization, queue depth, nodes up, faults,
 //!   invariant checks) and its marks, sampled as a run or a replay goes, bounded to
 //!   `SAMPLES_MAX` samples by merging. Pure.

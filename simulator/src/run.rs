@@ -23,9 +23,15 @@
 //!   signatures included), the projection rows equal a fold of the whole log, every workload
 //!   append the log acknowledged is still in it, and each node's journal entries in the log are
 //!   the ones its agent wrote, once each, in order, and include all it was acknowledged.
+//! - **Agents** talk to the gateway over the in-memory transport (`net.rs`): each agent's real
+//!   session machine (`bc_agent::machine`) and the gateway's real session functions
+//!   (`bc_gateway::agents::session`): hello, challenge, proof, welcome, entries appended once
+//!   and acknowledged, commands down, heartbeats renewing the node's lease, which the liveness
+//!   pass turns into `node.unreachable` / `node.ready`. A step that only moved the transport
+//!   (nothing appended, no command run) is quiet: no check runs after it.
 //! - **Liveness**: the faults and the workload stop; within [`LIVENESS_BOUND_MS`] of simulated
-//!   time every active reservation is bound and every agent holds exactly what the control plane
-//!   says, or the run fails.
+//!   time every active reservation is bound, every agent holds exactly what the control plane
+//!   says and was acknowledged its whole journal, or the run fails.
 //! - **Timeline** ([`Options::timeline`], `--report`): a sample of the series (GPU utilization,
 //!   queue depth, nodes up, faults injected, checks passed) at the start, after every reconciler
 //!   pass and fault, and at the end, and the marks (the liveness phase, the first failure), in a
@@ -49,6 +55,10 @@ use bc_projections::{
 };
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+
+mod net;
+
+pub use net::NetCounts;
 
 use crate::timeline::{MarkKind, Sample, Timeline};
 use crate::world::{JournalInLog, Shape, Violation, World, chance, pick};
@@ -98,9 +108,13 @@ pub const FULL_CHECK_EVENTS_PER_STEP: u64 = 2;
 /// After the faults stop, everything settles within this much simulated time or the run fails:
 /// a hold is answered within `COMMAND_LATENCY_MAX_MS`, a failed one is retried on the next pass,
 /// at most `HOLD_ATTEMPTS_MAX` times, each unanswered one within `HOLD_DEADLINE_S`.
+/// And an agent cut off when the faults stopped reconnects within its longest back-off and
+/// is ready again within a lease of it.
 pub const LIVENESS_BOUND_MS: u64 = (bc_projections::HOLD_ATTEMPTS_MAX as u64 + 1)
     * (bc_projections::HOLD_DEADLINE_S * 1000 + RECONCILE_EVERY_MS)
-    + AGENT_TICK_MS;
+    + AGENT_TICK_MS
+    + bc_agent::machine::BACKOFF_MAX_MS
+    + net::SESSION.lease_ms;
 
 const _: () = assert!(COMMAND_LATENCY_MAX_MS < RECONCILE_EVERY_MS);
 const _: () = assert!(REQUEST_GPUS_MAX <= NODE_GPUS_MIN && NODE_GPUS_MIN <= NODE_GPUS_MAX);
@@ -111,7 +125,8 @@ const _: () = assert!(LIVENESS_BOUND_MS < 3_600_000);
 pub enum Fault {
     /// A machine refuses every hold for a while (`gpu.hold_failed`; the plan requeues).
     FailedHolds,
-    /// An agent's commands do not reach it for a while (holds unanswered past their deadline).
+    /// An agent's runner hangs for a while: the commands it is sent wait (holds unanswered past
+    /// their deadline), and run when it recovers.
     UnansweredHolds,
     /// A machine refuses releases for a while (the ledger keeps them; the agent retries).
     RefusedReleases,
@@ -119,15 +134,15 @@ pub enum Fault {
     AgentsAway,
     /// An agent's clock is up to 30 s off the control plane's.
     ClockSkew,
-    /// An agent crashes after running its commands, before its journal reaches the log.
+    /// An agent crashes after running its commands, before its journal goes out.
     AgentCrash,
-    /// A command an agent already ran is delivered to it again.
+    /// The next command that reaches an agent reaches it twice.
     DuplicateCommands,
     /// A request is decided on a view up to a minute old (another gateway's): its placement's
     /// node guard must refuse it.
     StaleView,
-    /// A journal delivery's acknowledgement is lost: the agent delivers the same entries again,
-    /// which the log must take once (their idempotency key).
+    /// The next acknowledgement of a journal entry to an agent is lost and its stream breaks:
+    /// the agent sends the entries again in its next session, which the log must take once.
     LostAcks,
     /// The next reconciler pass dies after its k-th append (k from the seed, 0 to 4): nothing
     /// after it lands, and the next pass must do the rest.
@@ -140,6 +155,19 @@ pub enum Fault {
     /// committing: the caller (a tenant, a reconciler pass, an agent's session) sees an error
     /// and nothing is half written.
     FailingCommits,
+    /// A node's link loses messages for a while; a loss breaks the stream (gRPC's is reliable),
+    /// and the agent reconnects.
+    DropMessages,
+    /// A node's link delays messages for a while, up to more than a lease (order kept): its
+    /// lease may lapse (`node.unreachable`) and its session end.
+    DelayMessages,
+    /// A node's link delivers messages twice for a while.
+    DuplicateMessages,
+    /// A node's link lets a message overtake the one before it for a while.
+    ReorderMessages,
+    /// A node is cut off both ways for a while (no message passes, no connection opens), then
+    /// healed.
+    Partition,
 }
 
 impl Fault {
@@ -156,6 +184,11 @@ impl Fault {
         Fault::ReconcilerCrash,
         Fault::GatewayRestart,
         Fault::FailingCommits,
+        Fault::DropMessages,
+        Fault::DelayMessages,
+        Fault::DuplicateMessages,
+        Fault::ReorderMessages,
+        Fault::Partition,
     ];
 
     pub fn name(self) -> &'static str {
@@ -172,6 +205,11 @@ impl Fault {
             Fault::ReconcilerCrash => "reconciler-crash",
             Fault::GatewayRestart => "gateway-restart",
             Fault::FailingCommits => "failing-commits",
+            Fault::DropMessages => "drop-messages",
+            Fault::DelayMessages => "delay-messages",
+            Fault::DuplicateMessages => "duplicate-messages",
+            Fault::ReorderMessages => "reorder-messages",
+            Fault::Partition => "partition",
         }
     }
 
@@ -285,6 +323,13 @@ pub struct Outcome {
     pub violation: Option<Failure>,
     /// The series over simulated time, when [`Options::timeline`] asked for them.
     pub timeline: Option<Timeline>,
+    /// Steps that only moved the transport or a session (a heartbeat and its answer, a tick): no
+    /// event appended, no command run, so nothing a check reads changed, and none is run.
+    pub quiet_steps: u64,
+    /// What the transport carried and did to it.
+    pub net: NetCounts,
+    /// Nodes that went unreachable (`node.unreachable` appended by the liveness pass).
+    pub unreachable: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -322,6 +367,17 @@ impl Outcome {
                 "fullEventsPerStep": FULL_CHECK_EVENTS_PER_STEP,
                 "acknowledgedAppendsChecked": self.acknowledged_checked,
             },
+            "quietSteps": self.quiet_steps,
+            "nodesUnreachable": self.unreachable,
+            "transport": {
+                "messages": self.net.messages,
+                "sessions": self.net.sessions,
+                "dropped": self.net.dropped,
+                "delayed": self.net.delayed,
+                "duplicated": self.net.duplicated,
+                "reordered": self.net.reordered,
+                "refusedPastAGap": self.net.gaps_refused,
+            },
             "livenessSettledMs": self.liveness_ms,
             "livenessBoundMs": LIVENESS_BOUND_MS,
             "heads": self.heads.iter().map(|(t, seq, hash)| json!({"tenantId": t, "seq": seq, "hash": hash})).collect::<Vec<_>>(),
@@ -338,7 +394,15 @@ enum Task {
     Arrival(usize),
     TenantAction(usize),
     Reconcile,
-    Answer(usize),
+    /// A message reaches an end of node `a`'s connection.
+    Deliver(usize, u64, Box<net::Message>),
+    /// Node `a`'s connection opened, or broke (the agent hears of it).
+    Connected(usize, u64),
+    Broken(usize, u64, String),
+    /// Node `a`'s machine's periodic tick (of its start's generation), or its retry after a
+    /// back-off.
+    MachineTick(usize, u64),
+    MachineRetry(usize),
     AgentTick(usize),
     FaultTick,
     Restart(usize),
@@ -356,9 +420,13 @@ struct Sim {
     options: Options,
     queue: BTreeMap<(u64, u64), Task>,
     scheduled: u64,
-    /// Per agent: an answer is scheduled; commands do not reach it until; it crashes at its
-    /// next answer; a command is delivered twice at its next answer.
-    answer_due: Vec<bool>,
+    /// The transport, the agents' session machines and the gateway's sessions.
+    net: net::Net,
+    net_counts: NetCounts,
+    /// Commands the agents' runners ran (a step that ran one is checked).
+    commands_run: u64,
+    /// Per agent: its runner is hung until; it crashes after its next commands; the next
+    /// command is delivered twice; the next entry's acknowledgement is lost.
     deaf_until: Vec<u64>,
     crash_next: Vec<bool>,
     again_next: Vec<bool>,
@@ -401,7 +469,7 @@ pub async fn run(options: Options) -> Outcome {
     let mut enabled = BTreeMap::new();
     for fault in &options.faults {
         let forced = (options.unsafe_no_placement_guard && *fault == Fault::StaleView)
-            || (options.unsafe_no_journal_dedupe && *fault == Fault::LostAcks);
+            || (options.unsafe_no_journal_dedupe && *fault == Fault::DuplicateMessages);
         if chance(&mut rng, FAULT_ENABLED_P) || forced {
             enabled.insert(*fault, 0.1 + 0.4 * rng.next_unit());
         }
@@ -411,8 +479,8 @@ pub async fn run(options: Options) -> Outcome {
         enabled.insert(Fault::StaleView, 0.5);
     }
     if options.unsafe_no_journal_dedupe {
-        // Likewise: acknowledgements are lost often.
-        enabled.insert(Fault::LostAcks, 0.5);
+        // Likewise: messages are duplicated often.
+        enabled.insert(Fault::DuplicateMessages, 0.5);
     }
     let nodes = options.nodes;
     let mut sim = Sim {
@@ -420,7 +488,9 @@ pub async fn run(options: Options) -> Outcome {
         options: options.clone(),
         queue: BTreeMap::new(),
         scheduled: 0,
-        answer_due: vec![false; nodes],
+        net: net::Net::new(nodes),
+        net_counts: NetCounts::default(),
+        commands_run: 0,
         deaf_until: vec![0; nodes],
         crash_next: vec![false; nodes],
         again_next: vec![false; nodes],
@@ -450,6 +520,7 @@ pub async fn run(options: Options) -> Outcome {
         sim.out.violation = Some(Failure { step, at_ms, what: violation.0 });
     }
     sim.out.simulated_ms = sim.world.now_ms().saturating_sub(crate::world::EPOCH_MS);
+    sim.out.net = sim.net_counts.clone();
     sim.finish().await;
     sim.out.timeline = sim.timeline.take();
     sim.out
@@ -494,7 +565,18 @@ impl Sim {
             }
         }
         self.after(RECONCILE_EVERY_MS, Task::Reconcile);
+        // Each node's lease as its join left it (held for one lease), then its agent starts and
+        // connects.
+        let now = self.world.now_ms();
         for a in 0..self.options.nodes {
+            let agent = &self.world.agents[a];
+            let tenant = self.world.tenants[agent.tenant].id.to_string();
+            let lease = [(tenant.clone(), agent.node.clone(), now + net::SESSION.lease_ms)];
+            self.world.store.lease_renew(&lease).await.expect("the lease is written");
+            self.world.store.lease_reported(&tenant, &agent.node, true).await.expect("the lease is written");
+        }
+        for a in 0..self.options.nodes {
+            self.agent_start(a).await;
             let first = between(&mut self.rng, 1, AGENT_TICK_MS);
             self.after(first, Task::AgentTick(a));
         }
@@ -516,6 +598,7 @@ impl Sim {
         self.workload_running = false;
         self.pass_crash_next = None;
         self.world.log.commits_fail(0);
+        self.net.heal();
         if let Some(timeline) = self.timeline.as_mut() {
             let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
@@ -528,11 +611,12 @@ impl Sim {
             self.crash_next[a] = false;
             self.again_next[a] = false;
             self.lose_ack_next[a] = false;
-            if self.world.agents[a].runner.is_none() {
-                self.world.agents[a].start().await;
+            if self.net.links[a].machine.is_none() {
+                self.agent_start(a).await;
+            } else {
+                // A hung runner recovers: what it was handed runs now.
+                self.agent_input(a, bc_agent::machine::Input::Tick).await?;
             }
-            // Its journal reaches the log, and it retries what its machine refused.
-            self.answer(a).await;
         }
         let started = self.world.now_ms();
         while let Some(((at, _), task)) = self.queue.first_key_value() {
@@ -553,8 +637,13 @@ impl Sim {
         self.full_check().await
     }
 
-    /// No command queued for any node, every journal delivered.
+    /// No command queued for any node, every journal delivered (each agent's machine was
+    /// acknowledged its journal's head).
     async fn quiet(&self) -> bool {
+        let delivered = self.net.links.iter().all(|l| l.machine.as_ref().is_some_and(|m| m.acked() == m.head()));
+        if !delivered {
+            return false;
+        }
         for t in 0..self.options.tenants {
             let queues: Vec<NodeCommandsDoc> = self.world.rows(t, KIND_NODE_COMMANDS).await;
             if queues.iter().any(|q| !q.pending.is_empty()) {
@@ -574,11 +663,17 @@ impl Sim {
             return Err(Violation(format!("more than {STEPS_MAX} steps")));
         }
         let mut nudge: Option<usize> = None;
+        let appended_before = self.world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed);
+        let ran_before = self.commands_run;
         // The tenant the step changed (`None`: every tenant): only its rows and its agents'
         // ledgers can have moved, so the check after the step looks at it alone.
         let touched = match &task {
             Task::Arrival(t) | Task::TenantAction(t) | Task::Uncordon(t, _) | Task::StaleViewRefresh(t) => Some(*t),
-            Task::Answer(a)
+            Task::Deliver(a, _, _)
+            | Task::Connected(a, _)
+            | Task::Broken(a, _, _)
+            | Task::MachineTick(a, _)
+            | Task::MachineRetry(a)
             | Task::AgentTick(a)
             | Task::Restart(a)
             | Task::RefuseHoldsEnd(a)
@@ -604,26 +699,54 @@ impl Sim {
                 }
             }
             Task::Reconcile => {
+                // The sessions' lease renewals are written before the liveness pass reads them
+                // (the gateway writes them every 250 ms; only that pass reads them).
+                self.net.leases.flush(&*self.world.store).await;
                 match self.pass_crash_next.take() {
                     Some(appends) => {
                         if self.world.pass_crashing(appends).await {
                             self.out.passes_cut += 1;
                         }
                     }
-                    None => self.world.pass().await,
+                    None => self.out.unreachable += self.world.pass().await,
                 }
                 self.after(RECONCILE_EVERY_MS, Task::Reconcile);
                 for t in 0..self.options.tenants {
-                    self.nudge(t).await;
+                    self.nudge(t).await?;
                 }
             }
-            Task::Answer(a) => {
-                self.answer_due[a] = false;
-                self.answer(a).await;
+            Task::Deliver(a, connection, message) => {
+                if !self.net.partitioned(a, self.world.now_ms()) {
+                    self.deliver(a, connection, *message).await?;
+                    nudge = Some(self.world.agents[a].tenant);
+                }
             }
+            Task::Connected(a, connection) => {
+                if self.net.links[a].connection == connection {
+                    self.agent_input(a, bc_agent::machine::Input::Connected).await?;
+                }
+            }
+            Task::Broken(a, connection, reason) => {
+                if self.net.links[a].connection == connection {
+                    self.agent_input(a, bc_agent::machine::Input::Disconnected { reason }).await?;
+                }
+            }
+            Task::MachineTick(a, generation) => {
+                if self.net.links[a].machine.is_some() && self.net.links[a].tick_generation == generation {
+                    self.agent_input(a, bc_agent::machine::Input::Tick).await?;
+                    self.after(net::MACHINE_TICK_MS, Task::MachineTick(a, generation));
+                }
+            }
+            Task::MachineRetry(a) => self.agent_input(a, bc_agent::machine::Input::Tick).await?,
             Task::AgentTick(a) => {
-                if !self.answer_due[a] {
-                    self.answer(a).await;
+                // It retries the releases its machine refused, and sends what that journaled.
+                let now = self.agent_now(a);
+                if let Some(runner) = self.world.agents[a].runner.as_ref() {
+                    let entries = runner.retry_releases(now).await.expect("the runner retries releases");
+                    if let Some(last) = entries.last() {
+                        let input = bc_agent::machine::Input::Journaled { seq: last.seq, hash: last.hash };
+                        self.agent_input(a, input).await?;
+                    }
                 }
                 self.after(AGENT_TICK_MS, Task::AgentTick(a));
             }
@@ -635,9 +758,8 @@ impl Sim {
                 }
             }
             Task::Restart(a) => {
-                if self.world.agents[a].runner.is_none() {
-                    self.world.agents[a].start().await;
-                    self.world.deliver(a, false).await;
+                if self.net.links[a].machine.is_none() {
+                    self.agent_start(a).await;
                 }
             }
             Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
@@ -645,6 +767,8 @@ impl Sim {
             Task::DeafEnd(a) => {
                 if self.deaf_until[a] <= self.world.now_ms() {
                     self.deaf_until[a] = 0;
+                    // The runner recovers: what it was handed runs now.
+                    self.agent_input(a, bc_agent::machine::Input::Tick).await?;
                 }
             }
             Task::Uncordon(t, node) => self.cordon(t, &node, false).await,
@@ -661,8 +785,15 @@ impl Sim {
         if let Some(refused) = self.world.refused.take() {
             return Err(Violation(format!("the log refused a journal entry: {refused}")));
         }
+        let appended = self.world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed) != appended_before;
+        let quiet = touched.is_some() && !appended && self.commands_run == ran_before;
+        if quiet {
+            // Only the transport or a session moved: no row, ledger or journal entry changed.
+            self.out.quiet_steps += 1;
+            return Ok(());
+        }
         if let Some(t) = nudge {
-            self.nudge(t).await;
+            self.nudge(t).await?;
         }
         match touched {
             Some(t) => self.world.check_tenant(t).await?,
@@ -670,7 +801,7 @@ impl Sim {
         }
         self.out.step_checks += 1;
         let full_check_gap = FULL_CHECK_STEPS_MIN.max(self.events_at_full_check / FULL_CHECK_EVENTS_PER_STEP);
-        if self.out.steps >= self.step_at_full_check + full_check_gap {
+        if self.out.step_checks >= self.step_at_full_check + full_check_gap {
             self.full_check().await?;
         }
         if touched.is_none() {
@@ -700,7 +831,9 @@ impl Sim {
             }
         }
         let now = self.world.now_ms();
-        let up = (0..self.options.nodes).filter(|&a| self.world.agents[a].runner.is_some() && self.deaf_until[a] <= now).count();
+        let up = (0..self.options.nodes)
+            .filter(|&a| self.world.agents[a].runner.is_some() && self.deaf_until[a] <= now && !self.net.partitioned(a, now))
+            .count();
         let sample = Sample {
             at_ms: now - crate::world::EPOCH_MS,
             gpu_utilization: busy as f64 / self.gpus_total.max(1) as f64,
@@ -714,45 +847,36 @@ impl Sim {
         }
     }
 
-    /// Schedules an answer for every node of tenant `t` with commands queued.
-    async fn nudge(&mut self, t: usize) {
-        let queues = self
-            .world
-            .store
-            .row_list(&self.world.tenants[t].id.to_string(), KIND_NODE_COMMANDS, None, crate::world::ROWS_MAX)
-            .await
-            .expect("rows read");
-        let waiting: BTreeSet<String> = queues
-            .into_iter()
-            .filter(|r| r.doc.get("pending").and_then(Value::as_array).is_some_and(|p| !p.is_empty()))
-            .map(|r| r.key.id)
-            .collect();
-        for a in 0..self.options.nodes {
-            if self.world.agents[a].tenant == t && !self.answer_due[a] && waiting.contains(&self.world.agents[a].node) {
-                self.answer_due[a] = true;
-                let latency = between(&mut self.rng, 50, COMMAND_LATENCY_MAX_MS);
-                self.after(latency, Task::Answer(a));
-            }
-        }
+    /// The gateway's sessions of tenant `t`'s nodes send the commands they have not sent.
+    async fn nudge(&mut self, t: usize) -> Result<(), Violation> {
+        self.route_commands(t).await
     }
 
-    async fn answer(&mut self, a: usize) {
-        if self.world.agents[a].runner.is_none() {
-            return;
-        }
-        let crash = std::mem::take(&mut self.crash_next[a]);
-        let again = if std::mem::take(&mut self.again_next[a]) {
-            let ran = &self.world.agents[a].ran;
-            (!ran.is_empty()).then(|| ran[pick(&mut self.rng, ran.len())].clone())
-        } else {
-            None
-        };
-        let deaf = self.deaf_until[a] > self.world.now_ms();
-        let lose_ack = std::mem::take(&mut self.lose_ack_next[a]);
-        self.world.answer(a, crash, again, deaf, lose_ack).await;
-        if crash {
-            let back = between(&mut self.rng, 1_000, 120_000);
-            self.after(back, Task::Restart(a));
+    /// A message reaches its end of node `a`'s connection.
+    async fn deliver(&mut self, a: usize, connection: u64, message: net::Message) -> Result<(), Violation> {
+        match message {
+            net::Message::ToGateway(msg) => self.gateway_receive(a, connection, msg).await,
+            net::Message::Closed => {
+                self.net.gateway.remove(&(a, connection));
+                Ok(())
+            }
+            net::Message::ToAgent(msg) => {
+                if self.net.links[a].connection != connection {
+                    return Ok(());
+                }
+                let is_ack = matches!(msg, bc_proto::gateway_message::Msg::EntryAck(_));
+                if is_ack && std::mem::take(&mut self.lose_ack_next[a]) {
+                    self.cut(a, connection, "an acknowledgement was lost: the stream broke");
+                    return Ok(());
+                }
+                let twice = matches!(msg, bc_proto::gateway_message::Msg::Command(_)) && std::mem::take(&mut self.again_next[a]);
+                let again = twice.then(|| msg.clone());
+                self.agent_input(a, bc_agent::machine::Input::Received(msg)).await?;
+                if let Some(again) = again {
+                    self.agent_input(a, bc_agent::machine::Input::Received(again)).await?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -939,7 +1063,8 @@ impl Sim {
                 self.after(end, Task::DeafEnd(a));
             }
             Fault::AgentsAway => {
-                if self.world.agents[a].runner.take().is_some() {
+                if self.net.links[a].machine.is_some() {
+                    self.agent_stop(a);
                     let back = between(&mut self.rng, 30_000, 600_000);
                     self.after(back, Task::Restart(a));
                 }
@@ -948,7 +1073,34 @@ impl Sim {
             Fault::DuplicateCommands => self.again_next[a] = true,
             Fault::LostAcks => self.lose_ack_next[a] = true,
             Fault::ReconcilerCrash => self.pass_crash_next = Some(between(&mut self.rng, 0, PASS_CRASH_APPENDS_MAX)),
-            Fault::GatewayRestart => self.world.restart_gateway().await,
+            Fault::GatewayRestart => {
+                self.world.restart_gateway().await;
+                // The old process's sessions and its unwritten lease renewals go with it.
+                self.net.leases = Default::default();
+                let sessions: Vec<(usize, u64)> = std::mem::take(&mut self.net.gateway).into_keys().collect();
+                for (b, connection) in sessions {
+                    self.cut(b, connection, "the gateway restarted");
+                }
+            }
+            Fault::DropMessages
+            | Fault::DelayMessages
+            | Fault::DuplicateMessages
+            | Fault::ReorderMessages
+            | Fault::Partition => {
+                let until = self.world.now_ms() + between(&mut self.rng, net::LINK_FAULT_MS_MIN, net::LINK_FAULT_MS_MAX);
+                let link = &mut self.net.links[a];
+                let window = match fault {
+                    Fault::DropMessages => &mut link.drop_until_ms,
+                    Fault::DelayMessages => &mut link.delay_until_ms,
+                    Fault::DuplicateMessages => &mut link.duplicate_until_ms,
+                    Fault::ReorderMessages => &mut link.reorder_until_ms,
+                    _ => &mut link.partition_until_ms,
+                };
+                *window = (*window).max(until);
+                if fault == Fault::Partition {
+                    self.net_counts.partitioned += 1;
+                }
+            }
             Fault::FailingCommits => self.world.log.commits_fail(between(&mut self.rng, 1, FAILING_COMMITS_MAX)),
             Fault::ClockSkew | Fault::StaleView => {}
         }
@@ -960,7 +1112,7 @@ impl Sim {
     /// once each ([`World::check_journals`]).
     async fn full_check(&mut self) -> Result<(), Violation> {
         self.out.full_checks += 1;
-        self.step_at_full_check = self.out.steps;
+        self.step_at_full_check = self.out.step_checks;
         let (events, acknowledged) = full_check(&self.world, !self.faults_running).await?;
         self.events_at_full_check = events;
         self.out.acknowledged_checked = acknowledged;
@@ -1105,7 +1257,9 @@ mod tests {
         for outcome in [&a, &b, &c] {
             assert!(outcome.violation.is_none(), "{:?}", outcome.violation);
             assert!(outcome.liveness_ms.is_some());
-            assert!(outcome.full_checks > 1 && outcome.step_checks == outcome.steps, "{} full checks", outcome.full_checks);
+            assert!(outcome.full_checks > 1, "{} full checks", outcome.full_checks);
+            assert_eq!(outcome.step_checks + outcome.quiet_steps, outcome.steps, "every step is checked or quiet");
+            assert!(outcome.net.sessions >= 4 && outcome.net.messages > 1000, "{:?}", outcome.net);
             assert!(outcome.acknowledged_checked > 0, "the workload's appends were checked");
         }
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
@@ -1137,6 +1291,42 @@ mod tests {
         assert!(a.passes_cut > 0, "a crash cut a pass short");
         assert!(a.liveness_ms.is_some() && a.full_checks > 1);
         assert_eq!((a.digest.as_str(), &a.heads, &a.faults_injected), (b.digest.as_str(), &b.heads, &b.faults_injected));
+    }
+
+    #[tokio::test]
+    async fn lost_delayed_duplicated_reordered_messages_and_partitions_keep_the_invariants_and_the_digest() {
+        // The first seed from 33 that enables all five (seeds 21 to 32 passed too, and enable
+        // fewer); every run on the way must hold.
+        let faults = vec![
+            Fault::DropMessages,
+            Fault::DelayMessages,
+            Fault::DuplicateMessages,
+            Fault::ReorderMessages,
+            Fault::Partition,
+        ];
+        let mut found = None;
+        for seed in 33..53 {
+            println!("seed {seed}");
+            let options = Options { faults: faults.clone(), ..options(seed) };
+            let a = run(options.clone()).await;
+            assert!(a.violation.is_none(), "seed {seed}: {:?}", a.violation);
+            if a.faults_enabled.len() == faults.len() {
+                found = Some((options, a));
+                break;
+            }
+        }
+        let (options, a) = found.expect("a seed enables all five");
+        println!("{}", a.to_json(&options));
+        for fault in &faults {
+            assert!(a.faults_injected.get(fault.name()).is_some_and(|n| *n > 0), "{}: {:?}", fault.name(), a.faults_injected);
+        }
+        let net = &a.net;
+        assert!(net.dropped > 0 && net.delayed > 0 && net.duplicated > 0 && net.reordered > 0, "{net:?}");
+        assert!(net.sessions > options.nodes as u64, "lost messages broke sessions, which began again: {net:?}");
+        assert!(a.unreachable > 0, "a partition or a delay lapsed a lease: the liveness pass said so");
+        assert!(a.liveness_ms.is_some() && a.full_checks > 1);
+        let b = run(options).await;
+        assert_eq!((a.digest.as_str(), &a.heads, a.steps), (b.digest.as_str(), &b.heads, b.steps));
     }
 
     #[tokio::test]

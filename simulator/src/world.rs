@@ -2,10 +2,12 @@
 //! real SQLite store with the real `Projections`, the real decisions, the reservations
 //! reconciler's `pass` and the liveness sweep, and per node the agent's real `Runner` (its
 //! journal, its holds ledger, `decide_hold`) over a fake [`Machine`] whose binding can be made
-//! to refuse. What it leaves out is the transport: each journal entry is appended as the
-//! gateway's session appends it (checked against the node's signature, on its subject's stream,
-//! exactly once by its idempotency key, with the entry under `journal`), which the end-to-end
-//! tests cover over gRPC.
+//! to refuse. `sim run` connects the agents to the gateway's real session logic over its
+//! in-memory transport (`run/net.rs`); [`World::answer`] and [`World::deliver`] are a direct
+//! path kept for the checkers' own tests and the holds property test: the pending commands run,
+//! and each journal entry is appended as the session appends it (checked against the node's
+//! signature, on its subject's stream, by its idempotency key, with the entry under `journal`)
+//! but without the session's other checks.
 //!
 //! `sim run` ([`crate::run`]) and the holds property test (`tests/tests/holds_property.rs`)
 //! drive this one world; neither has its own copy. Time is the world's [`ManualClock`], ids
@@ -168,6 +170,18 @@ impl Agent {
             ledger: tokio::sync::Mutex::new(ledger),
             ledger_file,
         });
+    }
+
+    /// Remembers commands this agent ran (bounded, newest last): what a redelivery sends again.
+    pub fn remember_ran(&mut self, ran: Vec<String>) {
+        for id in ran {
+            if !self.ran.contains(&id) {
+                self.ran.push_back(id);
+            }
+            while self.ran.len() > RAN_REMEMBERED_MAX {
+                self.ran.pop_front();
+            }
+        }
     }
 
     /// What `holds.json` says (the ledger survives a crash).
@@ -487,7 +501,8 @@ impl World {
 
     /// The reservations reconciler's pass over every tenant, and the liveness sweep (which
     /// fails commands past their deadline, but never a `gpu.release`).
-    pub async fn pass(&self) {
+    /// Returns how many nodes the liveness pass found unreachable.
+    pub async fn pass(&self) -> u64 {
         let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
         // A failed commit (`failing-commits`) ends a pass early, as in a reconciler process: the
         // next pass reads the world again.
@@ -497,7 +512,8 @@ impl World {
         }
         match bc_reconcilers::liveness::pass(&self.log, &*self.clock).await {
             Err(e) if !injected(&e) => panic!("the liveness pass: {e}"),
-            _ => {}
+            Ok(done) => done.unreachable as u64,
+            Err(_) => 0,
         }
     }
 
@@ -527,8 +543,8 @@ impl World {
 
     /// A gateway restart: the `Log` (its appender task), the store's connections and the
     /// fleet's in-memory views are dropped and opened again from the same SQLite file, as a new
-    /// process would; then the agents reconnect, each delivering its journal from what it was
-    /// last acknowledged (the log takes again-delivered entries once).
+    /// process would. The caller breaks the sessions: the agents reconnect and deliver their
+    /// journals from what the log says it holds.
     pub async fn restart_gateway(&mut self) {
         let sqlite = Arc::new(SqliteStore::open(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"));
         let store: Arc<dyn EventStore> = sqlite.clone();
@@ -545,9 +561,6 @@ impl World {
         self.fleet = fleet;
         self.store = store;
         self.sqlite = sqlite;
-        for a in 0..self.agents.len() {
-            self.deliver(a, false).await;
-        }
     }
 
     /// The commands queued for agent `a`'s node, in issue order.
@@ -587,14 +600,7 @@ impl World {
             runner.retry_releases(now).await.expect("the runner retries releases");
         }
         let agent = &mut self.agents[a];
-        for id in ran {
-            if !agent.ran.contains(&id) {
-                agent.ran.push_back(id);
-            }
-            while agent.ran.len() > RAN_REMEMBERED_MAX {
-                agent.ran.pop_front();
-            }
-        }
+        agent.remember_ran(ran);
         if crash {
             agent.runner = None;
             return;
@@ -693,6 +699,24 @@ impl World {
         }
         if !lose_ack {
             self.agents[a].delivered = delivered;
+        }
+    }
+
+    /// TEST ONLY (`--unsafe-no-journal-dedupe`): appends agent `a`'s entry as it came off the
+    /// transport, without the gateway session's checks (past the node's signature) and, the
+    /// world's `journal_dedupe` being off, without its idempotency key; true if the log took it.
+    /// A refusal is kept in [`Self::refused`] for the run to report.
+    pub async fn append_entry_unchecked(&mut self, a: usize, entry: &bc_proto::JournalEntry) -> bool {
+        let Ok(signature) = <[u8; 64]>::try_from(entry.signature.as_slice()) else { return false };
+        let request = self.journal_request(a, entry.seq, &entry.body, &signature).expect("the entry verifies");
+        match self.log.append(request).await {
+            Ok(_) => true,
+            Err(e) if injected(&e) => false,
+            Err(e) => {
+                let refused = self.journal_refused(a, entry.seq, &e).await;
+                self.refused.get_or_insert(refused);
+                false
+            }
         }
     }
 
@@ -824,10 +848,23 @@ impl World {
         for agent in &self.agents {
             let node = &agent.node;
             let journal = agent.journal_entries().await;
+            // Acknowledged entries are pruned past `ACKED_KEEP` (the newest stays): the journal
+            // may begin past 1, and what it dropped must have been acknowledged.
+            let first = journal.first().map_or(1, |e| e.seq);
             for (i, entry) in journal.iter().enumerate() {
-                ensure!(entry.seq == i as u64 + 1, "the journal of {node} holds entry {} at place {}", entry.seq, i + 1);
+                ensure!(
+                    entry.seq == first + i as u64,
+                    "the journal of {node} holds entry {} at place {}",
+                    entry.seq,
+                    first + i as u64
+                );
             }
-            let written = journal.len() as u64;
+            ensure!(
+                first <= agent.delivered + 1,
+                "the journal of {node} begins at {first} but only {} entries were acknowledged (pruned unacknowledged)",
+                agent.delivered
+            );
+            let written = journal.last().map_or(0, |e| e.seq);
             ensure!(
                 agent.delivered <= written,
                 "{node}'s agent was acknowledged {} entries but wrote {written}",
@@ -842,7 +879,11 @@ impl World {
                 ensure!(*count == 1, "journal entry {seq} of {node} is in the log more than once (duplicated)");
                 ensure!(*seq > previous, "journal entry {seq} of {node} is in the log after entry {previous} (out of order)");
                 previous = *seq;
-                let Some(wrote) = seq.checked_sub(1).and_then(|i| journal.get(i as usize)) else {
+                if *seq < first {
+                    // Pruned on the agent after its acknowledgement (checked above).
+                    continue;
+                }
+                let Some(wrote) = seq.checked_sub(first).and_then(|i| journal.get(i as usize)) else {
                     return Err(Violation(format!(
                         "the log has journal entry {seq} of {node}, which its agent never wrote (it wrote {written})"
                     )));

@@ -46,7 +46,9 @@ async fn case(seed: u64) {
             2 => {
                 w.release(0, &mut rng).await;
             }
-            3 | 4 => w.pass().await,
+            3 | 4 => {
+                w.pass().await;
+            }
             5 | 6 => {
                 let a = pick(&mut rng, NODES);
                 let crash = chance(&mut rng, 0.15);

@@ -1,6 +1,9 @@
-//! The gateway's side of a node's session, free of tonic: it reads `AgentMessage`s from any
-//! stream and writes `GatewayMessage`s to a channel, so the simulator can drive it as the
-//! gRPC service does.
+//! The gateway's side of a node's session. [`run`] reads `AgentMessage`s from any stream and
+//! writes `GatewayMessage`s to a channel, with tokio's timers; what it decides is in functions
+//! of the store, the log and the message alone, with no stream, no timer and no `AppState`
+//! ([`greet`], [`prove`], [`welcome`], [`handle`], [`commands_unsent`], [`LeaseRenewals`]), which
+//! the simulator (`bc-simulator`) calls on its virtual clock over its in-memory transport, so
+//! neither has its own copy. (A [`Refusal`] carries a `tonic::Code` as a plain value.)
 //!
 //! A session: `Hello` names the node; the gateway answers a random challenge, which the node
 //! signs with its key (bound to the node's public key from `node.joined`); then `Welcome` says
@@ -11,14 +14,14 @@
 //! (never an append). The node's unfinished commands are sent in issue order, and again after
 //! every reconnect; a new command wakes the session through [`Sessions`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bc_core::agent::{JOURNAL_PAYLOAD_KEY, JournalOrigin, SignedEntry, session_proof_message, unb64};
 use bc_core::event::sha256;
 use bc_core::id::{CommandId, NodeId, TenantId};
-use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_core::{Error, canonical};
 use bc_projections::events::{self as ev, CommandProgress, NODE_ORIGINATED_TYPES};
 use bc_projections::{
@@ -107,6 +110,10 @@ impl Sessions {
     }
 }
 
+/// A refusal's status: gRPC's code, as a plain value (the simulator reads it without tonic's
+/// transport).
+pub use tonic::Code as RefusalCode;
+
 /// A refusal sent to the node before the session ends: a stable code and a message.
 #[derive(Debug)]
 pub struct Refusal {
@@ -131,15 +138,38 @@ fn message(msg: gateway_message::Msg) -> std::result::Result<bc_proto::GatewayMe
 }
 
 /// The node a session serves, once its proof checked.
-struct Bound {
-    tenant: TenantId,
-    node: NodeId,
+pub struct Bound {
+    pub tenant: TenantId,
+    pub node: NodeId,
     key: VerifyingKey,
     /// The newest entry of this node's journal in the log.
     head_seq: u64,
     head_hash: [u8; 32],
     /// Commands sent in this session.
-    sent: HashSet<String>,
+    sent: BTreeSet<String>,
+}
+
+impl Bound {
+    /// The newest entry of the node's journal the log holds, as this session knows it.
+    pub fn head_seq(&self) -> u64 {
+        self.head_seq
+    }
+
+    /// Whether this session sent `command_id` already.
+    pub fn was_sent(&self, command_id: &str) -> bool {
+        self.sent.contains(command_id)
+    }
+}
+
+/// A node that said hello: who it claims to be and what the log holds of it, until its proof.
+pub struct Greeted {
+    tenant: TenantId,
+    node: NodeId,
+    key: VerifyingKey,
+    journal_seq: u64,
+    head_hash: [u8; 32],
+    /// The journal head the node said it has.
+    hello_seq: u64,
 }
 
 /// Runs one session until the node goes, the stream breaks, a refusal or the server stops.
@@ -195,6 +225,25 @@ where
     let agent_message::Msg::Hello(hello) = next_message(inbound, HANDSHAKE_TIMEOUT_MS).await? else {
         return Err(refuse(tonic::Code::InvalidArgument, "a session starts with hello"));
     };
+    let greeted = greet(&*state.store, &hello).await?;
+    let nonce: [u8; 32] = rand::random();
+    outbound
+        .send(message(gateway_message::Msg::Challenge(bc_proto::Challenge { nonce: nonce.to_vec() })))
+        .await
+        .map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
+    let agent_message::Msg::Proof(proof) = next_message(inbound, HANDSHAKE_TIMEOUT_MS).await? else {
+        return Err(refuse(tonic::Code::InvalidArgument, "a challenge is answered with proof"));
+    };
+    let bound = prove(greeted, &nonce, &proof)?;
+    renew(&state.log, leases, bound.tenant, &bound.node, config);
+    outbound.send(message(welcome(&bound, config))).await.map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
+    Ok(bound)
+}
+
+/// A session's first message: checks what `hello` claims (its capabilities' bounds, a node
+/// that joined with `bcd`) and reads the node's key and its journal head in the log. The caller
+/// then sends a challenge of 32 random bytes.
+pub async fn greet(store: &dyn EventStore, hello: &bc_proto::Hello) -> std::result::Result<Greeted, Refusal> {
     if hello.capabilities.len() > bc_proto::CAPABILITIES_MAX
         || hello.capabilities.iter().any(|c| c.is_empty() || c.len() > bc_proto::CAPABILITY_BYTES_MAX)
     {
@@ -204,8 +253,7 @@ where
         ));
     }
     let node: NodeId = hello.node_id.parse().map_err(|_| refuse(tonic::Code::InvalidArgument, "hello names no node_… id"))?;
-    let row = state
-        .store
+    let row = store
         .row_find(KIND_NODE, &node.to_string())
         .await?
         .ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} has not joined")))?;
@@ -215,18 +263,6 @@ where
     let key = unb64(&agent.public_key)
         .and_then(|bytes| bc_core::agent::node_public_key(&bytes))
         .map_err(|e| refuse(tonic::Code::Internal, format!("node {node}'s stored key: {e}")))?;
-    let nonce: [u8; 32] = rand::random();
-    outbound
-        .send(message(gateway_message::Msg::Challenge(bc_proto::Challenge { nonce: nonce.to_vec() })))
-        .await
-        .map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
-    let agent_message::Msg::Proof(proof) = next_message(inbound, HANDSHAKE_TIMEOUT_MS).await? else {
-        return Err(refuse(tonic::Code::InvalidArgument, "a challenge is answered with proof"));
-    };
-    let signature = Signature::from_slice(&proof.signature)
-        .map_err(|_| refuse(tonic::Code::Unauthenticated, "the proof is not an Ed25519 signature"))?;
-    key.verify(&session_proof_message(&node.to_string(), &nonce), &signature)
-        .map_err(|_| refuse(tonic::Code::Unauthenticated, format!("the proof is not signed by node {node}'s key")))?;
     let head_hash = if agent.journal_hash.is_empty() {
         bc_core::agent::GENESIS_HASH
     } else {
@@ -235,26 +271,37 @@ where
             .and_then(|b| b.try_into().ok())
             .ok_or_else(|| refuse(tonic::Code::Internal, "the stored journal head does not parse"))?
     };
-    renew(state, leases, tenant, &node, config);
-    outbound
-        .send(message(gateway_message::Msg::Welcome(bc_proto::Welcome {
-            acked_seq: agent.journal_seq,
-            acked_hash: if agent.journal_seq == 0 { Vec::new() } else { head_hash.to_vec() },
-            lease_ms: config.lease_ms,
-            heartbeat_ms: config.heartbeat_ms,
-        })))
-        .await
-        .map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
-    if hello.journal_seq < agent.journal_seq {
+    Ok(Greeted { tenant, node, key, journal_seq: agent.journal_seq, head_hash, hello_seq: hello.journal_seq })
+}
+
+/// Checks the node's proof: its signature of the challenge's `nonce` under the node's key.
+/// Then the session is bound to the node: the caller renews its lease and sends [`welcome`].
+pub fn prove(greeted: Greeted, nonce: &[u8], proof: &bc_proto::Proof) -> std::result::Result<Bound, Refusal> {
+    let Greeted { tenant, node, key, journal_seq, head_hash, hello_seq } = greeted;
+    let signature = Signature::from_slice(&proof.signature)
+        .map_err(|_| refuse(tonic::Code::Unauthenticated, "the proof is not an Ed25519 signature"))?;
+    key.verify(&session_proof_message(&node.to_string(), nonce), &signature)
+        .map_err(|_| refuse(tonic::Code::Unauthenticated, format!("the proof is not signed by node {node}'s key")))?;
+    if hello_seq < journal_seq {
         // The log holds entries the node no longer has: its journal was lost or replaced.
-        tracing::warn!(%tenant, node = %node, log = agent.journal_seq, node_says = hello.journal_seq, "a node's journal is behind the log");
+        tracing::warn!(%tenant, node = %node, log = journal_seq, node_says = hello_seq, "a node's journal is behind the log");
     }
-    Ok(Bound { tenant, node, key, head_seq: agent.journal_seq, head_hash, sent: HashSet::new() })
+    Ok(Bound { tenant, node, key, head_seq: journal_seq, head_hash, sent: BTreeSet::new() })
+}
+
+/// The `Welcome` a bound session sends: the newest journal entry the log holds, and the lease.
+pub fn welcome(bound: &Bound, config: SessionConfig) -> gateway_message::Msg {
+    gateway_message::Msg::Welcome(bc_proto::Welcome {
+        acked_seq: bound.head_seq,
+        acked_hash: if bound.head_seq == 0 { Vec::new() } else { bound.head_hash.to_vec() },
+        lease_ms: config.lease_ms,
+        heartbeat_ms: config.heartbeat_ms,
+    })
 }
 
 /// Renews a lease in this process's next batch (written within `LEASE_FLUSH_MS`).
-fn renew(state: &AppState, leases: &LeaseRenewals, tenant: TenantId, node: &NodeId, config: SessionConfig) {
-    let until = state.log.clock.now_ms().saturating_add(config.lease_ms);
+pub fn renew(log: &Log, leases: &LeaseRenewals, tenant: TenantId, node: &NodeId, config: SessionConfig) {
+    let until = log.clock.now_ms().saturating_add(config.lease_ms);
     leases.renew(tenant.to_string(), node.to_string(), until);
 }
 
@@ -267,7 +314,8 @@ const _: () = assert!(LEASE_FLUSH_MS * 8 < HEARTBEAT_MS_DEFAULT * 2);
 /// latest.
 #[derive(Default)]
 pub struct LeaseRenewals {
-    pending: Mutex<HashMap<(String, String), u64>>,
+    /// Ordered, so a batch is written in the same order each time (the simulator's runs repeat).
+    pending: Mutex<BTreeMap<(String, String), u64>>,
 }
 
 impl LeaseRenewals {
@@ -282,12 +330,12 @@ impl LeaseRenewals {
     }
 
     /// Writes the pending renewals; on failure they wait for the next write.
-    pub async fn flush(&self, state: &AppState) {
+    pub async fn flush(&self, store: &dyn EventStore) {
         let batch = self.take();
         if batch.is_empty() {
             return;
         }
-        if let Err(e) = state.store.lease_renew(&batch).await {
+        if let Err(e) = store.lease_renew(&batch).await {
             tracing::warn!(code = %e.code(), error = %e, leases = batch.len(), "writing lease renewals failed; retrying");
             for (tenant, node, until) in batch {
                 self.renew(tenant, node, until);
@@ -302,9 +350,9 @@ pub async fn write_leases(state: Arc<AppState>, sessions: Arc<Sessions>) {
     let mut ticker = tokio::time::interval(Duration::from_millis(LEASE_FLUSH_MS));
     loop {
         tokio::select! {
-            _ = ticker.tick() => sessions.leases.flush(&state).await,
+            _ = ticker.tick() => sessions.leases.flush(&*state.store).await,
             _ = shutdown.changed() => {
-                sessions.leases.flush(&state).await;
+                sessions.leases.flush(&*state.store).await;
                 return;
             }
         }
@@ -329,7 +377,7 @@ where
         tokio::select! {
             received = next_message(inbound, config.lease_ms) => {
                 let reply = match received {
-                    Ok(msg) => handle(state, leases, config, &mut bound, msg).await?,
+                    Ok(msg) => handle(&state.log, leases, config, &mut bound, msg).await?,
                     Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
                     Err(refusal) => return Err(refusal),
                 };
@@ -346,8 +394,11 @@ where
     }
 }
 
-async fn handle(
-    state: &AppState,
+/// One message of a bound session: a heartbeat renews the lease, an entry is checked and
+/// appended once ([`append_entry`]), a command's receipt is noted. `Ok(Some(reply))`: send it;
+/// `Err`: the session ends with the refusal.
+pub async fn handle(
+    log: &Log,
     leases: &LeaseRenewals,
     config: SessionConfig,
     bound: &mut Bound,
@@ -355,10 +406,10 @@ async fn handle(
 ) -> std::result::Result<Option<gateway_message::Msg>, Refusal> {
     Ok(match msg {
         agent_message::Msg::Heartbeat(_) => {
-            renew(state, leases, bound.tenant, &bound.node, config);
+            renew(log, leases, bound.tenant, &bound.node, config);
             Some(gateway_message::Msg::HeartbeatAck(bc_proto::HeartbeatAck {}))
         }
-        agent_message::Msg::Entry(entry) => match append_entry(state, bound, entry).await? {
+        agent_message::Msg::Entry(entry) => match append_entry(log, bound, entry).await? {
             Ok(seq) => Some(gateway_message::Msg::EntryAck(bc_proto::EntryAck { seq })),
             Err((seq, code, message)) => {
                 tracing::warn!(tenant = %bound.tenant, node = %bound.node, seq, code, error = %message, "a journal entry was refused");
@@ -380,7 +431,7 @@ type EntryOutcome = std::result::Result<u64, (u64, &'static str, String)>;
 /// Checks one entry and appends it once. `Ok(Err(..))` is the node's fault (refused, with a
 /// stable code); `Err` is the gateway's (the session ends, the node retries later).
 async fn append_entry(
-    state: &AppState,
+    log: &Log,
     bound: &mut Bound,
     entry: bc_proto::JournalEntry,
 ) -> std::result::Result<EntryOutcome, Refusal> {
@@ -419,7 +470,7 @@ async fn append_entry(
             format!("a node does not report {}", bc_core::id::truncate(&body.entry_type, 64)),
         );
     }
-    if let Err(why) = check_entry_subject(state, bound, &body).await? {
+    if let Err(why) = check_entry_subject(&*log.store, bound, &body).await? {
         return refuse_entry("INVALID_ARGUMENT", why);
     }
     let origin = JournalOrigin {
@@ -440,7 +491,7 @@ async fn append_entry(
     // Exactly once: a second append of this entry, by this session or a racing one, replays.
     request.idempotency_key = Some(format!("journal:{}:{seq}", bound.node));
     request.fingerprint = Some(sha256(&entry.body));
-    match state.log.append(request).await {
+    match log.append(request).await {
         Ok(_) => {}
         Err(Error::IdempotencyConflict { .. }) => {
             return refuse_entry("JOURNAL_LINK", "the log holds another entry with this number".into());
@@ -455,7 +506,7 @@ async fn append_entry(
 /// Whether an entry says only what a node may say: its own observations on `agent/NODE`, or
 /// progress of one of its own commands on `command/CMD`. `Ok(Err(why))` refuses the entry.
 async fn check_entry_subject(
-    state: &AppState,
+    store: &dyn EventStore,
     bound: &Bound,
     body: &bc_core::agent::EntryBody,
 ) -> std::result::Result<std::result::Result<(), String>, Refusal> {
@@ -484,10 +535,10 @@ async fn check_entry_subject(
         return Ok(Ok(()));
     }
     if ev::GPU_REPORT_TYPES.contains(&body.entry_type.as_str()) {
-        return check_gpu_report(state, bound, body).await;
+        return check_gpu_report(store, bound, body).await;
     }
     if ev::INSTANCE_REPORT_TYPES.contains(&body.entry_type.as_str()) {
-        return check_instance_report(state, bound, body).await;
+        return check_instance_report(store, bound, body).await;
     }
     let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
         Ok(p) => p,
@@ -500,7 +551,7 @@ async fn check_entry_subject(
     if !subject_ok {
         return Ok(Err("the entry must name this node and the command it is about".into()));
     }
-    let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &progress.command_id).await?;
+    let command = store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &progress.command_id).await?;
     let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
     if command.is_none_or(|c| c.node_id != node) {
         return Ok(Err(format!("command {} is not this node's", progress.command_id)));
@@ -512,7 +563,7 @@ async fn check_entry_subject(
 /// or `gpu.release` (`gpu.released`) commands, on the stream of the reservation that command
 /// names: a node cannot write to another reservation's history.
 async fn check_gpu_report(
-    state: &AppState,
+    store: &dyn EventStore,
     bound: &Bound,
     body: &bc_core::agent::EntryBody,
 ) -> std::result::Result<std::result::Result<(), String>, Refusal> {
@@ -535,7 +586,7 @@ async fn check_gpu_report(
             body.entry_type
         )));
     }
-    let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &report.command_id).await?;
+    let command = store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &report.command_id).await?;
     let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
     let kind = if body.entry_type == ev::GPU_RELEASED { placement::GPU_RELEASE } else { placement::GPU_HOLD };
     let answers = command.is_some_and(|c| {
@@ -555,7 +606,7 @@ async fn check_gpu_report(
 /// An instance report must be about an instance on this node, on that instance's stream; one
 /// that answers a command must answer this node's `instance.apply` for that instance.
 async fn check_instance_report(
-    state: &AppState,
+    store: &dyn EventStore,
     bound: &Bound,
     body: &bc_core::agent::EntryBody,
 ) -> std::result::Result<std::result::Result<(), String>, Refusal> {
@@ -579,13 +630,13 @@ async fn check_instance_report(
             if observed { "with the state observed" } else { "with the command and the reason" }
         )));
     }
-    let instance = state.store.row_get(&bound.tenant.to_string(), bc_projections::KIND_INSTANCE, &report.instance_id).await?;
+    let instance = store.row_get(&bound.tenant.to_string(), bc_projections::KIND_INSTANCE, &report.instance_id).await?;
     let instance: Option<bc_projections::InstanceDoc> = instance.map(crate::api::toolkit::doc).transpose()?;
     if instance.is_none_or(|i| i.node_id != node) {
         return Ok(Err(format!("instance {} is not on this node", report.instance_id)));
     }
     if let Some(command_id) = &report.command_id {
-        let command = state.store.row_get(&bound.tenant.to_string(), KIND_COMMAND, command_id).await?;
+        let command = store.row_get(&bound.tenant.to_string(), KIND_COMMAND, command_id).await?;
         let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
         let answers = command.is_some_and(|c| {
             c.node_id == node
@@ -608,33 +659,42 @@ pub const REASON_BYTES_MAX: usize = 1024;
 
 /// Sends the node's unfinished commands it has not been sent in this session, in issue order.
 async fn send_commands(state: &AppState, bound: &mut Bound, outbound: &Outbound) -> std::result::Result<(), Refusal> {
+    for msg in commands_unsent(&*state.store, bound).await? {
+        if outbound.send(message(msg)).await.is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// The node's unfinished commands this session has not sent yet, in issue order (at most
+/// `COMMANDS_PER_ROUND_MAX`), each marked sent: the caller sends them in this order.
+pub async fn commands_unsent(store: &dyn EventStore, bound: &mut Bound) -> std::result::Result<Vec<gateway_message::Msg>, Refusal> {
     let tenant = bound.tenant.to_string();
-    let Some(row) = state.store.row_get(&tenant, KIND_NODE_COMMANDS, &bound.node.to_string()).await? else {
-        return Ok(());
+    let Some(row) = store.row_get(&tenant, KIND_NODE_COMMANDS, &bound.node.to_string()).await? else {
+        return Ok(Vec::new());
     };
     let queue: NodeCommandsDoc = crate::api::toolkit::doc(row)?;
     let unsent: Vec<String> =
         queue.pending.into_iter().filter(|id| !bound.sent.contains(id)).take(COMMANDS_PER_ROUND_MAX).collect();
+    let mut out = Vec::new();
     for id in unsent {
-        let Some(row) = state.store.row_get(&tenant, KIND_COMMAND, &id).await? else { continue };
+        let Some(row) = store.row_get(&tenant, KIND_COMMAND, &id).await? else { continue };
         let command: CommandDoc = crate::api::toolkit::doc(row)?;
         if command.state.is_finished() {
             continue;
         }
         let args_json = serde_json::to_string(&command.args).map_err(|e| Error::Internal(e.to_string()))?;
-        let msg = gateway_message::Msg::Command(bc_proto::Command {
+        out.push(gateway_message::Msg::Command(bc_proto::Command {
             command_id: command.command_id.clone(),
             kind: command.kind.clone(),
             args_json,
             issued_at_ms: command.issued_at_ms,
             deadline_ms: command.deadline_at_ms,
-        });
-        if outbound.send(message(msg)).await.is_err() {
-            return Ok(());
-        }
+        }));
         bound.sent.insert(id);
     }
-    Ok(())
+    Ok(out)
 }
 
 /// Wakes the sessions whose node got a command: follows the log by position (one read per
