@@ -56,11 +56,8 @@ fn main() -> ExitCode {
     // `sim run` is one thread (issue 18): the world, its log's appender task and every agent on
     // a current-thread runtime. sqlx's SQLite connections still do their blocking calls on
     // their own worker threads (see README, "sim run").
-    let built = if quiet {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()
-    } else {
-        tokio::runtime::Runtime::new()
-    };
+    let built =
+        if quiet { tokio::runtime::Builder::new_current_thread().enable_all().build() } else { tokio::runtime::Runtime::new() };
     let runtime = match built {
         Ok(r) => r,
         Err(e) => {

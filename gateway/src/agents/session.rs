@@ -430,11 +430,7 @@ type EntryOutcome = std::result::Result<u64, (u64, &'static str, String)>;
 
 /// Checks one entry and appends it once. `Ok(Err(..))` is the node's fault (refused, with a
 /// stable code); `Err` is the gateway's (the session ends, the node retries later).
-async fn append_entry(
-    log: &Log,
-    bound: &mut Bound,
-    entry: bc_proto::JournalEntry,
-) -> std::result::Result<EntryOutcome, Refusal> {
+async fn append_entry(log: &Log, bound: &mut Bound, entry: bc_proto::JournalEntry) -> std::result::Result<EntryOutcome, Refusal> {
     let seq = entry.seq;
     let refuse_entry = |code: &'static str, message: String| Ok(Err((seq, code, message)));
     if entry.body.len() > bc_proto::ENTRY_BODY_BYTES_MAX {
@@ -669,7 +665,10 @@ async fn send_commands(state: &AppState, bound: &mut Bound, outbound: &Outbound)
 
 /// The node's unfinished commands this session has not sent yet, in issue order (at most
 /// `COMMANDS_PER_ROUND_MAX`), each marked sent: the caller sends them in this order.
-pub async fn commands_unsent(store: &dyn EventStore, bound: &mut Bound) -> std::result::Result<Vec<gateway_message::Msg>, Refusal> {
+pub async fn commands_unsent(
+    store: &dyn EventStore,
+    bound: &mut Bound,
+) -> std::result::Result<Vec<gateway_message::Msg>, Refusal> {
     let tenant = bound.tenant.to_string();
     let Some(row) = store.row_get(&tenant, KIND_NODE_COMMANDS, &bound.node.to_string()).await? else {
         return Ok(Vec::new());
