@@ -17,16 +17,15 @@ use std::time::{Duration, Instant};
 use bc_agent::config::{Config, load_identity};
 use bc_agent::machine::{Input, Machine, Output, Phase, SeededRng};
 use bc_core::clock::{Clock, SystemClock};
-use bc_core::keys::LogKey;
-use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
-use bc_gateway::AppState;
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_gateway::agents::{AgentService, SessionConfig, Transport};
-use bc_projections::Projections;
 use bc_proto::agent_client::AgentClient;
 use bc_proto::gateway_message;
 use serde_json::{Value, json};
 use tokio_stream::wrappers::ReceiverStream;
+
+#[path = "support/gateway.rs"]
+mod gateway;
 
 const REPLAY_ENTRIES: u64 = 3_000;
 const SESSIONS: usize = 1_000;
@@ -91,27 +90,8 @@ fn main() {
 
 async fn replay() -> (f64, f64, f64) {
     let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("g.sqlite3")).await.unwrap());
-    store.migrate().await.unwrap();
-    let key = Arc::new(LogKey::generate());
-    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(SystemClock)).await.unwrap());
-    let token = Arc::new(Mutex::new(String::new()));
-    let t2 = token.clone();
-    bc_gateway::bootstrap_root(
-        &log,
-        move |t| {
-            *t2.lock().unwrap() = t.to_owned();
-            Ok(())
-        },
-        || {},
-    )
-    .await
-    .unwrap();
-    let token = token.lock().unwrap().clone();
-    let state = Arc::new(AppState::new(log.clone()));
-    let http_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", http_listener.local_addr().unwrap());
-    tokio::spawn(bc_gateway::serve(http_listener, state.clone(), std::future::pending()));
+    let server = gateway::start(&dir.path().join("g.sqlite3"), |_| {}).await;
+    let (log, key, state, url, token) = (server.log, server.key, server.state, server.url, server.token);
     let agents_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let agents = format!("http://{}", agents_listener.local_addr().unwrap());
     let service = AgentService::new(state.clone(), SessionConfig::default());

@@ -14,19 +14,18 @@
 //! own; the client is reqwest over HTTP/1.1 on loopback. Each figure is the median of
 //! `SAMPLES` calls after `WARMUP` that are not counted. Goal: large ÷ small ≤ 1.3 for each.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bc_core::clock::SystemClock;
 use bc_core::id::{NodeId, PoolId, TenantId};
-use bc_core::keys::LogKey;
-use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
-use bc_gateway::AppState;
 use bc_projections::events::{self as ev, Gpu};
-use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
+use bc_projections::{KIND_NODE, KIND_POOL, stream_of};
 use futures::StreamExt;
 use serde_json::{Value, json};
+
+#[path = "support/gateway.rs"]
+mod gateway;
 
 const SMALL_EVENTS: u64 = 10_000;
 const LARGE_EVENTS: u64 = 1_000_000;
@@ -177,28 +176,8 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("g.sqlite3");
     let (log, store, url, token) = server_runtime.block_on(async move {
-        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&path).await.unwrap());
-        store.migrate().await.unwrap();
-        let log = Arc::new(
-            Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap(),
-        );
-        let token = Arc::new(Mutex::new(String::new()));
-        let keep = token.clone();
-        bc_gateway::bootstrap_root(
-            &log,
-            move |t| {
-                *keep.lock().unwrap() = t.to_owned();
-                Ok(())
-            },
-            || {},
-        )
-        .await
-        .unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(bc_gateway::serve(listener, Arc::new(AppState::new(log.clone())), std::future::pending()));
-        let token = token.lock().unwrap().clone();
-        (log, store, url, token)
+        let server = gateway::start(&path, |_| {}).await;
+        (server.log, server.store, server.url, server.token)
     });
     let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let tenant = TenantId::ROOT;

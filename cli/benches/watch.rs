@@ -25,17 +25,13 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as B64;
-use bc_core::clock::SystemClock;
-use bc_core::keys::LogKey;
-use bc_core::store::Log;
-use bc_core::store::sqlite::SqliteStore;
-use bc_gateway::AppState;
 use bc_gateway::watch::{WATCHERS_MAX, WatcherLimits, WatcherSlots};
-use bc_projections::Projections;
 use futures::StreamExt;
 
 #[path = "support/etcd.rs"]
 mod etcd;
+#[path = "support/gateway.rs"]
+mod gateway;
 use etcd::{EtcdServer, etcd_version};
 
 /// Writes measured per run, after `WARMUP_WRITES` that are not.
@@ -344,34 +340,15 @@ impl OurServer {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.sqlite3");
         let (url, token) = runtime.block_on(async move {
-            let store = Arc::new(SqliteStore::open(&path).await.unwrap());
-            bc_core::store::EventStore::migrate(&*store).await.unwrap();
-            let log = Arc::new(
-                Log::open(store, Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap(),
-            );
-            let token = Arc::new(Mutex::new(String::new()));
-            let keep = token.clone();
-            bc_gateway::bootstrap_root(
-                &log,
-                move |t| {
-                    *keep.lock().unwrap() = t.to_owned();
-                    Ok(())
-                },
-                || {},
-            )
-            .await
-            .unwrap();
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let url = format!("http://{}", listener.local_addr().unwrap());
             // Every watcher uses the one administrator key, so the per-key and per-tenant
             // limits are raised to the total: what is measured is one tenant's events fanned
             // out to 1,000 watchers, the tail's worst case (by default a tenant holds 64).
-            let mut state = AppState::new(log);
-            state.watchers =
-                WatcherSlots::new(WatcherLimits { total: WATCHERS_MAX, per_tenant: WATCHERS_MAX, per_key: WATCHERS_MAX });
-            tokio::spawn(bc_gateway::serve(listener, Arc::new(state), std::future::pending()));
-            let token = token.lock().unwrap().clone();
-            (url, token)
+            let server = gateway::start(&path, |state| {
+                state.watchers =
+                    WatcherSlots::new(WatcherLimits { total: WATCHERS_MAX, per_tenant: WATCHERS_MAX, per_key: WATCHERS_MAX });
+            })
+            .await;
+            (server.url, server.token)
         });
         (url, token, Self { runtime: Some(runtime), _dir: dir })
     }
