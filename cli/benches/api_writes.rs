@@ -27,7 +27,7 @@ const WRK_THREADS: u32 = 2;
 const CONNECTIONS: [u32; 2] = [64, 256];
 /// The value etcd stores per put: about as long as our `pool.created` event's envelope.
 const ETCD_VALUE_BYTES: usize = 246;
-const _: () = assert!(ETCD_VALUE_BYTES % 3 == 0, "so its base64 has no padding to get wrong");
+const _: () = assert!(ETCD_VALUE_BYTES.is_multiple_of(3), "so its base64 has no padding to get wrong");
 
 /// The wrk script for ours: a `pools.create` with a name unique per thread and request.
 const OURS_LUA: &str = r#"
@@ -113,9 +113,7 @@ fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir:
     assert!(!text.contains("Socket errors"), "socket errors against {url}: {text}");
     let field = |prefix: &str| -> String {
         text.lines()
-            .find_map(|l| {
-                l.trim().strip_prefix(prefix).map(|rest| rest.trim().split_whitespace().next().unwrap_or("").to_owned())
-            })
+            .find_map(|l| l.trim().strip_prefix(prefix).map(|rest| rest.split_whitespace().next().unwrap_or("").to_owned()))
             .unwrap_or_else(|| panic!("no {prefix:?} in wrk's report: {text}"))
     };
     Cell { requests_per_s: field("Requests/sec:").parse().unwrap(), p50_ms: wrk_ms(&field("50%")), p99_ms: wrk_ms(&field("99%")) }
@@ -144,13 +142,15 @@ impl OurServer {
             .stderr(log)
             .spawn()
             .unwrap();
-        let url = format!("http://127.0.0.1:{port}");
         let token_path = dir.path().join("data").join("admin.token");
+        // Owned before the wait, so a server that never comes up is killed as the bench panics.
+        let mut server = Self { child, url: format!("http://127.0.0.1:{port}"), token: String::new(), _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let up = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
             if up && let Ok(token) = std::fs::read_to_string(&token_path) {
-                return Self { child, url, token: token.trim().to_owned(), _dir: dir };
+                server.token = token.trim().to_owned();
+                return server;
             }
             assert!(Instant::now() < deadline, "better-compute dev did not start; see its log");
             std::thread::sleep(Duration::from_millis(50));
