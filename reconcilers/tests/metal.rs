@@ -100,6 +100,24 @@ impl World {
         self.doc().await
     }
 
+    /// Manage, provide, then deploy (a token that is never spent) until the machine is in
+    /// deploy-wait; returns when the deploy was asked for.
+    async fn deploy_until_it_waits_for_its_agent(&self, metal: &Metal) -> u64 {
+        self.verb(Verb::Manage, None, None, None).await;
+        self.settle(metal, 10).await;
+        self.verb(Verb::Provide, None, None, None).await;
+        self.settle(metal, 20).await;
+        let token = JoinTokenId::generate().to_string();
+        let deployed_at = self.clock.now();
+        self.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
+        for _ in 0..20 {
+            metal.pass().await.unwrap();
+            self.clock.advance_ms(1_000);
+        }
+        assert_eq!(self.doc().await.state, MetalState::DeployWait);
+        deployed_at
+    }
+
     /// The installed system's agent joins: the deploy's token is spent.
     async fn agent_joins(&self, token: &str) {
         let used = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: self.node.clone() }).unwrap());
@@ -322,18 +340,7 @@ async fn a_bmc_that_times_out_fails_the_workflow_after_bounded_attempts() {
 async fn a_deploy_whose_agent_never_joins_fails_at_the_wait_deadline() {
     let w = world().await;
     let metal = w.reconciler();
-    w.verb(Verb::Manage, None, None, None).await;
-    w.settle(&metal, 10).await;
-    w.verb(Verb::Provide, None, None, None).await;
-    w.settle(&metal, 20).await;
-    let token = JoinTokenId::generate().to_string();
-    let deployed_at = w.clock.now();
-    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
-    for _ in 0..20 {
-        metal.pass().await.unwrap();
-        w.clock.advance_ms(1_000);
-    }
-    assert_eq!(w.doc().await.state, MetalState::DeployWait);
+    let deployed_at = w.deploy_until_it_waits_for_its_agent(&metal).await;
     w.clock.set_ms(deployed_at + WAIT_DEADLINE_S * 1000);
     metal.pass().await.unwrap();
     let doc = w.doc().await;
@@ -348,17 +355,7 @@ async fn a_deploy_whose_agent_never_joins_fails_at_the_wait_deadline() {
 async fn an_aborted_deploy_wait_ends_in_deploy_failed_and_runs_no_more_steps() {
     let w = world().await;
     let metal = w.reconciler();
-    w.verb(Verb::Manage, None, None, None).await;
-    w.settle(&metal, 10).await;
-    w.verb(Verb::Provide, None, None, None).await;
-    w.settle(&metal, 20).await;
-    let token = JoinTokenId::generate().to_string();
-    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&token), None).await;
-    for _ in 0..20 {
-        metal.pass().await.unwrap();
-        w.clock.advance_ms(1_000);
-    }
-    assert_eq!(w.doc().await.state, MetalState::DeployWait);
+    w.deploy_until_it_waits_for_its_agent(&metal).await;
     let doc = w.verb(Verb::Abort, None, None, None).await;
     assert_eq!(doc.state, MetalState::DeployFailed, "{doc:#?}");
     assert_eq!(doc.workflow.as_ref().unwrap().outcome, WorkflowOutcome::Aborted);
