@@ -56,7 +56,10 @@ use bc_projections::{
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+mod hooks;
 mod net;
+
+pub use hooks::HookCounts;
 
 pub use net::NetCounts;
 
@@ -109,12 +112,16 @@ pub const FULL_CHECK_EVENTS_PER_STEP: u64 = 2;
 /// a hold is answered within `COMMAND_LATENCY_MAX_MS`, a failed one is retried on the next pass,
 /// at most `HOLD_ATTEMPTS_MAX` times, each unanswered one within `HOLD_DEADLINE_S`.
 /// And an agent cut off when the faults stopped reconnects within its longest back-off and
-/// is ready again within a lease of it.
+/// is ready again within a lease of it. And a webhook delivery the faults left pending is
+/// attempted again within its longest retry wait (`hooks::RETRY_WAIT_MAX_MS`) and the next
+/// pass, and succeeds (the receivers are up): it settles delivered or, already, dead.
 pub const LIVENESS_BOUND_MS: u64 = (bc_projections::HOLD_ATTEMPTS_MAX as u64 + 1)
     * (bc_projections::HOLD_DEADLINE_S * 1000 + RECONCILE_EVERY_MS)
     + AGENT_TICK_MS
     + bc_agent::machine::BACKOFF_MAX_MS
-    + net::SESSION.lease_ms;
+    + net::SESSION.lease_ms
+    + hooks::RETRY_WAIT_MAX_MS
+    + RECONCILE_EVERY_MS;
 
 const _: () = assert!(COMMAND_LATENCY_MAX_MS < RECONCILE_EVERY_MS);
 const _: () = assert!(REQUEST_GPUS_MAX <= NODE_GPUS_MIN && NODE_GPUS_MIN <= NODE_GPUS_MAX);
@@ -168,6 +175,9 @@ pub enum Fault {
     /// A node is cut off both ways for a while (no message passes, no connection opens), then
     /// healed.
     Partition,
+    /// A webhook receiver is down for 10 s to 4 minutes: it refuses connections or answers
+    /// 503, so its deliveries are retried on the schedule and some die (dead letters).
+    FailingReceivers,
 }
 
 impl Fault {
@@ -189,6 +199,7 @@ impl Fault {
         Fault::DuplicateMessages,
         Fault::ReorderMessages,
         Fault::Partition,
+        Fault::FailingReceivers,
     ];
 
     pub fn name(self) -> &'static str {
@@ -210,6 +221,7 @@ impl Fault {
             Fault::DuplicateMessages => "duplicate-messages",
             Fault::ReorderMessages => "reorder-messages",
             Fault::Partition => "partition",
+            Fault::FailingReceivers => "failing-receivers",
         }
     }
 
@@ -330,6 +342,8 @@ pub struct Outcome {
     pub net: NetCounts,
     /// Nodes that went unreachable (`node.unreachable` appended by the liveness pass).
     pub unreachable: u64,
+    /// The webhooks' subscriptions and deliveries.
+    pub webhooks: HookCounts,
 }
 
 #[derive(Clone, Debug)]
@@ -377,6 +391,14 @@ impl Outcome {
                 "duplicated": self.net.duplicated,
                 "reordered": self.net.reordered,
                 "refusedPastAGap": self.net.gaps_refused,
+            },
+            "webhooks": {
+                "subscriptions": self.webhooks.subscriptions,
+                "matchedEvents": self.webhooks.matched,
+                "delivered": self.webhooks.delivered,
+                "deadLetters": self.webhooks.dead,
+                "attempts": self.webhooks.attempts,
+                "received": self.webhooks.received,
             },
             "livenessSettledMs": self.liveness_ms,
             "livenessBoundMs": LIVENESS_BOUND_MS,
@@ -448,6 +470,10 @@ struct Sim {
     /// The step of the last full check and the events the log had then (its next one's gap).
     step_at_full_check: u64,
     events_at_full_check: u64,
+    /// The webhooks: subscriptions, receivers, the real consumer.
+    hooks: hooks::Hooks,
+    /// The last full check is running: no delivery may be pending.
+    ending: bool,
 }
 
 /// An exponential draw with mean `mean_ms` (at least 1 ms).
@@ -482,8 +508,11 @@ pub async fn run(options: Options) -> Outcome {
         // Likewise: messages are duplicated often.
         enabled.insert(Fault::DuplicateMessages, 0.5);
     }
+    let hooks = hooks::Hooks::new(&world, &mut rng).await;
     let nodes = options.nodes;
     let mut sim = Sim {
+        hooks,
+        ending: false,
         rng,
         options: options.clone(),
         queue: BTreeMap::new(),
@@ -599,6 +628,7 @@ impl Sim {
         self.pass_crash_next = None;
         self.world.log.commits_fail(0);
         self.net.heal();
+        self.hooks.heal();
         if let Some(timeline) = self.timeline.as_mut() {
             let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
@@ -631,15 +661,23 @@ impl Sim {
             }
         }
         if self.out.liveness_ms.is_none() {
-            let why = self.world.settled().await.err().map(|v| v.0).unwrap_or_else(|| "commands are still queued".into());
+            let why = match self.world.settled().await {
+                Err(v) => v.0,
+                Ok(()) if !self.hooks.settled(&self.world).await => "webhook deliveries are still pending".into(),
+                Ok(()) => "commands are still queued".into(),
+            };
             return Err(Violation(format!("not settled {LIVENESS_BOUND_MS} ms after the faults stopped: {why}")));
         }
+        self.ending = true;
         self.full_check().await
     }
 
     /// No command queued for any node, every journal delivered (each agent's machine was
     /// acknowledged its journal's head).
     async fn quiet(&self) -> bool {
+        if !self.hooks.settled(&self.world).await {
+            return false;
+        }
         let delivered = self.net.links.iter().all(|l| l.machine.as_ref().is_some_and(|m| m.acked() == m.head()));
         if !delivered {
             return false;
@@ -714,6 +752,9 @@ impl Sim {
                 for t in 0..self.options.tenants {
                     self.nudge(t).await?;
                 }
+                // The webhooks consumer's round: fan out what the pass appended, deliver what
+                // is due.
+                self.hooks.drive(&self.world).await?;
             }
             Task::Deliver(a, connection, message) => {
                 if !self.net.partitioned(a, self.world.now_ms()) {
@@ -1102,6 +1143,11 @@ impl Sim {
                 }
             }
             Fault::FailingCommits => self.world.log.commits_fail(between(&mut self.rng, 1, FAILING_COMMITS_MAX)),
+            Fault::FailingReceivers => {
+                let until = self.world.now_ms() + between(&mut self.rng, hooks::FAILING_MS_MIN, hooks::FAILING_MS_MAX);
+                let refusing = chance(&mut self.rng, 0.5);
+                self.hooks.fail(a, until, refusing);
+            }
             Fault::ClockSkew | Fault::StaleView => {}
         }
     }
@@ -1113,9 +1159,12 @@ impl Sim {
     async fn full_check(&mut self) -> Result<(), Violation> {
         self.out.full_checks += 1;
         self.step_at_full_check = self.out.step_checks;
-        let (events, acknowledged) = full_check(&self.world, !self.faults_running).await?;
+        let mut logged = Vec::new();
+        let (events, acknowledged) = full_check_logging(&self.world, !self.faults_running, Some(&mut logged)).await?;
         self.events_at_full_check = events;
         self.out.acknowledged_checked = acknowledged;
+        self.hooks.check(&self.world, &logged, self.ending).await?;
+        self.out.webhooks = self.hooks.counts.clone();
         Ok(())
     }
 
@@ -1145,6 +1194,15 @@ impl Sim {
 /// [`Sim::full_check`]'s checks on a world; `settled`: every journal entry has been delivered.
 /// Returns the events in the log and the acknowledged appends found in it.
 pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Violation> {
+    full_check_logging(world, settled, None).await
+}
+
+/// [`full_check`], also listing every event in `logged` (for the webhooks' check).
+async fn full_check_logging(
+    world: &World,
+    settled: bool,
+    mut logged: Option<&mut Vec<hooks::LoggedEvent>>,
+) -> Result<(u64, u64), Violation> {
     let store = &*world.store;
     let trust = bc_core::audit::Trust::of(&[world.log_key.public()], "sim").expect("trust");
     let report = bc_core::audit::verify(store, &trust, None, &|_| {}).await.expect("verify reads");
@@ -1163,6 +1221,15 @@ pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Viol
         let page = bc_core::store::decode_rows(rows).expect("events decode");
         for event in &page {
             ids.insert((event.envelope.tenant, event.envelope.seq), event.envelope.id.to_string());
+            if let Some(logged) = logged.as_deref_mut() {
+                logged.push(hooks::LoggedEvent {
+                    tenant: event.envelope.tenant,
+                    seq: event.envelope.seq,
+                    id: event.envelope.id.to_string(),
+                    event_type: event.envelope.event_type.clone(),
+                    position: event.position,
+                });
+            }
             let payload = bc_core::canonical::to_json(&event.envelope.payload);
             if let Some(origin) = payload.get(bc_core::agent::JOURNAL_PAYLOAD_KEY) {
                 let node = origin.get("nodeId").and_then(Value::as_str).unwrap_or_default().to_owned();
@@ -1327,6 +1394,31 @@ mod tests {
         assert!(a.liveness_ms.is_some() && a.full_checks > 1);
         let b = run(options).await;
         assert_eq!((a.digest.as_str(), &a.heads, a.steps), (b.digest.as_str(), &b.heads, b.steps));
+    }
+
+    #[tokio::test]
+    async fn failing_receivers_retry_and_dead_letter_and_every_matched_event_settles() {
+        // The first seed from 61 that enables it; every run on the way must hold too.
+        let mut found = None;
+        for seed in 61..71 {
+            println!("seed {seed}");
+            let options = Options { faults: vec![Fault::FailingReceivers, Fault::GatewayRestart], ..options(seed) };
+            let a = run(options.clone()).await;
+            assert!(a.violation.is_none(), "seed {seed}: {:?}", a.violation);
+            if a.faults_enabled.contains(&"failing-receivers") {
+                found = Some((options, a));
+                break;
+            }
+        }
+        let (options, a) = found.expect("a seed enables failing-receivers");
+        println!("{}", a.to_json(&options));
+        let hooks = &a.webhooks;
+        assert!(hooks.subscriptions >= options.tenants as u64, "{hooks:?}");
+        assert!(a.faults_injected.get("failing-receivers").is_some_and(|n| *n > 0), "{:?}", a.faults_injected);
+        assert_eq!(hooks.delivered + hooks.dead, hooks.matched, "every matched event settled: {hooks:?}");
+        assert!(hooks.delivered > 0 && hooks.attempts > hooks.matched, "failures were retried: {hooks:?}");
+        let b = run(options).await;
+        assert_eq!((a.digest.as_str(), &a.heads, &a.webhooks), (b.digest.as_str(), &b.heads, &b.webhooks));
     }
 
     #[tokio::test]
