@@ -289,7 +289,11 @@ impl Hooks {
         if end && events.iter().any(|e| e.position > cursor) {
             return Err(Violation(format!("webhooks: the fan-out stopped at {cursor}, before the log's end")));
         }
-        let by_url = self.receivers.by_url.lock().expect("not poisoned");
+        // What each receiver took, read once (the lock is not held across the reads below).
+        let taken: BTreeMap<String, BTreeMap<String, u32>> = {
+            let by_url = self.receivers.by_url.lock().expect("not poisoned");
+            by_url.iter().map(|(url, r)| (url.clone(), r.got.clone())).collect()
+        };
         let (mut delivered, mut dead, mut matched) = (0, 0, 0);
         for sub in &self.subscriptions {
             let expected: BTreeSet<&str> = events
@@ -312,7 +316,7 @@ impl Hooks {
                     break;
                 }
             }
-            let got = &by_url.get(&sub.url).expect("a receiver per subscription").got;
+            let got = taken.get(&sub.url).expect("a receiver per subscription");
             for id in &expected {
                 let key = webhook_delivery_id(id, &sub.webhook_id);
                 let Some(item) = items.remove(&key) else {
