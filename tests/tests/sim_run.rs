@@ -125,6 +125,11 @@ fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
                 // Agents talked to the gateway over the transport, in sessions.
                 let transport = &value["transport"];
                 assert!(transport["sessions"].as_u64().unwrap_or(0) >= 10, "seed {seed}: {transport}");
+                // Every event a subscription matched was delivered at least once or dead-lettered.
+                let hooks = &value["webhooks"];
+                let count = |k: &str| hooks[k].as_u64().unwrap_or(0);
+                assert!(count("subscriptions") >= 2 && count("matchedEvents") > 0, "seed {seed}: {hooks}");
+                assert_eq!(count("delivered") + count("deadLetters"), count("matchedEvents"), "seed {seed}: {hooks}");
             }
         })
     };
