@@ -1198,7 +1198,7 @@ pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Viol
 }
 
 /// [`full_check`], also listing every event in `logged` (for the webhooks' check).
-async fn full_check_logging(
+pub(crate) async fn full_check_logging(
     world: &World,
     settled: bool,
     mut logged: Option<&mut Vec<hooks::LoggedEvent>>,

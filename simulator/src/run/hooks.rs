@@ -368,3 +368,90 @@ pub struct LoggedEvent {
     pub event_type: String,
     pub position: Position,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::world::Shape;
+
+    /// The log's events as the full check lists them.
+    async fn logged(world: &World) -> Vec<LoggedEvent> {
+        let mut logged = Vec::new();
+        crate::run::full_check_logging(world, false, Some(&mut logged)).await.expect("the world is sound");
+        logged
+    }
+
+    #[tokio::test]
+    async fn a_delivery_its_receiver_never_took_a_stray_one_and_a_missing_one_are_named() {
+        // The first seed whose subscriptions take `reservation.requested`.
+        let (world, mut hooks) = {
+            let mut found = None;
+            for seed in 1..40 {
+                let mut rng = SeededRng(seed);
+                let shape = Shape { tenants: 1, nodes: 1, gpus_min: 4, gpus_max: 4 };
+                let world = World::new(seed, &mut rng, shape).await;
+                let hooks = Hooks::new(&world, &mut rng).await;
+                if hooks.subscriptions.iter().any(|s| s.filter.matches(ev::RESERVATION_REQUESTED)) {
+                    found = Some((world, hooks));
+                    break;
+                }
+            }
+            found.expect("a seed subscribes to reservation.requested")
+        };
+        let requested = world.request(0, 1, 300).await;
+        assert!(hooks.drive(&world).await.expect("the round runs"), "the request fanned out and went");
+        let events = logged(&world).await;
+        hooks.check(&world, &events, true).await.expect("every matched event was delivered");
+        assert!(hooks.counts.delivered > 0 && hooks.counts.delivered == hooks.counts.matched, "{:?}", hooks.counts);
+        let event_id = events.iter().find(|e| e.event_type == ev::RESERVATION_REQUESTED).expect("the request").id.clone();
+        let url = hooks.subscriptions.iter().find(|s| s.filter.matches(ev::RESERVATION_REQUESTED)).unwrap().url.clone();
+        let took = |hooks: &Hooks, id: &str, n: Option<u32>| {
+            let mut by_url = hooks.receivers.by_url.lock().unwrap();
+            let got = &mut by_url.get_mut(&url).unwrap().got;
+            match n {
+                Some(n) => got.insert(id.to_owned(), n),
+                None => got.remove(id),
+            }
+        };
+
+        // A receiver that answered 204 but never took it.
+        let n = took(&hooks, &event_id, None).expect("it took the event");
+        let what = hooks.check(&world, &events, true).await.unwrap_err().0;
+        assert!(what.contains("never took it"), "{what}");
+        took(&hooks, &event_id, Some(n));
+
+        // A receiver that took an event its subscription does not match.
+        took(&hooks, &requested, Some(1));
+        let what = hooks.check(&world, &events, true).await.unwrap_err().0;
+        assert!(what.contains("does not match"), "{what}");
+        took(&hooks, &requested, None);
+
+        // A matched event whose delivery is gone.
+        world.store.work_prune(CONSUMER, world.now_ms() + 1, 1000).await.expect("pruned");
+        let what = hooks.check(&world, &events, true).await.unwrap_err().0;
+        assert!(what.contains("has no delivery"), "{what}");
+    }
+
+    #[tokio::test]
+    async fn a_failing_receiver_is_retried_on_the_schedule_then_its_delivery_dies_with_a_reason() {
+        let mut rng = SeededRng(3);
+        let shape = Shape { tenants: 1, nodes: 1, gpus_min: 4, gpus_max: 4 };
+        let world = World::new(3, &mut rng, shape).await;
+        let mut hooks = Hooks::new(&world, &mut rng).await;
+        for n in 0..hooks.subscriptions.len() {
+            hooks.fail(n, u64::MAX, n % 2 == 0);
+        }
+        // Whatever the request matched must die after RETRY.attempts_max attempts.
+        world.request(0, 1, 300).await;
+        for _ in 0..2 * RETRY.attempts_max {
+            hooks.drive(&world).await.expect("the round runs");
+            world.clock.set_ms(world.now_ms() + RETRY_WAIT_MAX_MS);
+        }
+        assert!(hooks.settled(&world).await, "nothing is pending after the last attempt");
+        let events = logged(&world).await;
+        hooks.check(&world, &events, true).await.expect("dead letters with their reason settle the invariant");
+        assert!(hooks.counts.matched > 0 && hooks.counts.delivered == 0, "{:?}", hooks.counts);
+        assert_eq!(hooks.counts.dead, hooks.counts.matched, "{:?}", hooks.counts);
+        assert_eq!(hooks.counts.attempts, hooks.counts.matched * u64::from(RETRY.attempts_max), "{:?}", hooks.counts);
+    }
+}
