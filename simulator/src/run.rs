@@ -11,7 +11,8 @@
 //!   `i % T`'s). Requests arrive so the tenant's GPUs are about [`LOAD_TARGET`] busy; each is
 //!   decided by `decide::reservation_create` on the tenant's view (placed at once or queued, as
 //!   the gateway does); tenants release and extend at random; operators cordon a node and
-//!   uncordon it later.
+//!   uncordon it later; nodes join (about every [`NODE_JOIN_MEAN_MS`], on their own stream of
+//!   the seed) and their agents connect.
 //! - **Faults** (`--faults`, default all; each enabled by the seed with [`FAULT_ENABLED_P`]):
 //!   see [`Fault`].
 //! - **Invariants** after every step ([`World::check`], on the tenant the step touched, or on
@@ -90,6 +91,11 @@ pub const REQUEST_GPUS_MAX: u32 = 4;
 /// Nodes have this many GPUs, drawn per node.
 pub const NODE_GPUS_MIN: u32 = 4;
 pub const NODE_GPUS_MAX: u32 = 8;
+/// The mean time between nodes joining while the workload runs (each to a tenant drawn from
+/// the seed, with 4 to 8 GPUs), while the fleet is under [`NODES_MAX`].
+pub const NODE_JOIN_MEAN_MS: u64 = 20 * 60_000;
+/// Mixed into the seed for the joins' own stream.
+pub const JOIN_STREAM: u64 = 0x6a6f_696e_6a6f_696e;
 /// The mean time between faults while faults run.
 pub const FAULT_MEAN_MS: u64 = 60_000;
 /// A crashed reconciler pass takes 0 to this many appends before it dies.
@@ -344,6 +350,8 @@ pub struct Outcome {
     pub unreachable: u64,
     /// The webhooks' subscriptions and deliveries.
     pub webhooks: HookCounts,
+    /// Nodes that joined during the run (beside `--nodes` at the start).
+    pub nodes_joined: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -383,6 +391,7 @@ impl Outcome {
             },
             "quietSteps": self.quiet_steps,
             "nodesUnreachable": self.unreachable,
+            "nodesJoined": self.nodes_joined,
             "transport": {
                 "messages": self.net.messages,
                 "sessions": self.net.sessions,
@@ -433,6 +442,8 @@ enum Task {
     DeafEnd(usize),
     Uncordon(usize, String),
     StaleViewRefresh(usize),
+    /// A node joins (the tenant is drawn when it does).
+    Join,
 }
 
 /// The simulator's own state beside the world: the schedule and what each fault has pending.
@@ -472,6 +483,9 @@ struct Sim {
     events_at_full_check: u64,
     /// The webhooks: subscriptions, receivers, the real consumer.
     hooks: hooks::Hooks,
+    /// The nodes' joins draw from their own stream of the seed ([`JOIN_STREAM`]), so adding
+    /// them moved no other draw.
+    join_rng: SeededRng,
     /// The last full check is running: no delivery may be pending.
     ending: bool,
 }
@@ -513,6 +527,7 @@ pub async fn run(options: Options) -> Outcome {
     let mut sim = Sim {
         hooks,
         ending: false,
+        join_rng: SeededRng(options.seed ^ JOIN_STREAM),
         rng,
         options: options.clone(),
         queue: BTreeMap::new(),
@@ -613,6 +628,8 @@ impl Sim {
             let first = exponential_ms(&mut self.rng, FAULT_MEAN_MS as f64);
             self.after(first, Task::FaultTick);
         }
+        let first = exponential_ms(&mut self.join_rng, NODE_JOIN_MEAN_MS as f64);
+        self.after(first, Task::Join);
         let end_ms = crate::world::EPOCH_MS + self.options.hours * 3_600_000;
         // The safety phase.
         while let Some(((at, _), _)) = self.queue.first_key_value() {
@@ -633,7 +650,7 @@ impl Sim {
             let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
         }
-        for a in 0..self.options.nodes {
+        for a in 0..self.world.agents.len() {
             let machine = &self.world.agents[a].machine;
             machine.set_refuse_holds(false);
             machine.set_refuse_releases(false);
@@ -717,7 +734,7 @@ impl Sim {
             | Task::RefuseHoldsEnd(a)
             | Task::RefuseReleasesEnd(a)
             | Task::DeafEnd(a) => Some(self.world.agents[*a].tenant),
-            Task::Reconcile | Task::FaultTick => None,
+            Task::Reconcile | Task::FaultTick | Task::Join => None,
         };
         match task {
             Task::Arrival(t) => {
@@ -813,6 +830,13 @@ impl Sim {
                 }
             }
             Task::Uncordon(t, node) => self.cordon(t, &node, false).await,
+            Task::Join => {
+                if self.workload_running {
+                    self.node_join().await;
+                    let next = exponential_ms(&mut self.join_rng, NODE_JOIN_MEAN_MS as f64);
+                    self.after(next, Task::Join);
+                }
+            }
             Task::StaleViewRefresh(t) => {
                 if self.workload_running {
                     let nodes = self.world.rows(t, KIND_NODE).await;
@@ -872,7 +896,7 @@ impl Sim {
             }
         }
         let now = self.world.now_ms();
-        let up = (0..self.options.nodes)
+        let up = (0..self.world.agents.len())
             .filter(|&a| self.world.agents[a].runner.is_some() && self.deaf_until[a] <= now && !self.net.partitioned(a, now))
             .count();
         let sample = Sample {
@@ -1045,6 +1069,33 @@ impl Sim {
         }
     }
 
+    /// A node joins a tenant drawn from the seed, as `bcd join` makes it join: `node.joined`
+    /// and `node.ready`, its lease held for one lease, its agent started and connecting.
+    async fn node_join(&mut self) {
+        if self.world.agents.len() >= NODES_MAX {
+            return;
+        }
+        let t = pick(&mut self.join_rng, self.options.tenants);
+        let shape =
+            Shape { tenants: self.options.tenants, nodes: 1, gpus_min: NODE_GPUS_MIN, gpus_max: NODE_GPUS_MAX };
+        let Some(a) = self.world.node_join(t, &mut self.join_rng, &shape).await else { return };
+        self.out.nodes_joined += 1;
+        self.gpus_total += self.world.agents[a].machine.inventory.gpus.gpus.len() as u64;
+        self.deaf_until.push(0);
+        self.crash_next.push(false);
+        self.again_next.push(false);
+        self.lose_ack_next.push(false);
+        self.net.links.push(net::Link::default());
+        let agent = &self.world.agents[a];
+        let tenant = self.world.tenants[t].id.to_string();
+        let lease = [(tenant.clone(), agent.node.clone(), self.world.now_ms() + net::SESSION.lease_ms)];
+        self.world.store.lease_renew(&lease).await.expect("the lease is written");
+        self.world.store.lease_reported(&tenant, &agent.node, true).await.expect("the lease is written");
+        self.agent_start(a).await;
+        let first = between(&mut self.join_rng, 1, AGENT_TICK_MS);
+        self.after(first, Task::AgentTick(a));
+    }
+
     async fn cordon(&mut self, t: usize, node_id: &str, on: bool) {
         let Some(node) = self.world.doc::<NodeDoc>(t, KIND_NODE, node_id).await else { return };
         if node.cordoned == on {
@@ -1085,7 +1136,7 @@ impl Sim {
             }
             roll -= p;
         }
-        let a = pick(&mut self.rng, self.options.nodes);
+        let a = pick(&mut self.rng, self.world.agents.len());
         self.injected(fault);
         match fault {
             Fault::FailedHolds => {
@@ -1331,6 +1382,7 @@ mod tests {
         }
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
         assert_ne!(a.digest, c.digest);
+        assert!(a.nodes_joined > 0, "nodes joined during the run");
         assert!(a.timeline.is_none(), "no timeline unless asked");
     }
 
@@ -1436,7 +1488,7 @@ mod tests {
         // One sample at the start and one after every pass or fault: about an hour of passes.
         assert!(samples.len() as u64 >= 3_600_000 / RECONCILE_EVERY_MS, "{}", samples.len());
         assert!(samples.iter().any(|s| s.gpu_utilization > 0.0), "GPUs were used");
-        assert!(samples.iter().all(|s| s.nodes_up <= 4 && (0.0..=1.0).contains(&s.gpu_utilization)));
+        assert!(samples.iter().all(|s| s.nodes_up <= 4 + recorded.nodes_joined && (0.0..=1.0).contains(&s.gpu_utilization)));
         assert_eq!(samples.last().unwrap().checks, recorded.step_checks + recorded.full_checks);
         assert_eq!(samples.last().unwrap().faults, recorded.faults_injected.values().sum::<u64>());
         assert!(timeline.marks.iter().any(|m| m.kind == MarkKind::Liveness && m.at_ms == 3_600_000));
