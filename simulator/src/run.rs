@@ -12,7 +12,9 @@
 //!   decided by `decide::reservation_create` on the tenant's view (placed at once or queued, as
 //!   the gateway does); tenants release and extend at random; operators cordon a node and
 //!   uncordon it later; nodes join (about every [`NODE_JOIN_MEAN_MS`], on their own stream of
-//!   the seed) and their agents connect.
+//!   the seed) and their agents connect; operators take nodes out (`node.draining`; once
+//!   nothing runs on one and its journal is delivered, its agent stops for good and its lease
+//!   lapses).
 //! - **Faults** (`--faults`, default all; each enabled by the seed with [`FAULT_ENABLED_P`]):
 //!   see [`Fault`].
 //! - **Invariants** after every step ([`World::check`], on the tenant the step touched, or on
@@ -94,7 +96,12 @@ pub const NODE_GPUS_MAX: u32 = 8;
 /// The mean time between nodes joining while the workload runs (each to a tenant drawn from
 /// the seed, with 4 to 8 GPUs), while the fleet is under [`NODES_MAX`].
 pub const NODE_JOIN_MEAN_MS: u64 = 20 * 60_000;
-/// Mixed into the seed for the joins' own stream.
+/// The mean time between operators taking a node out (cordon and drain; once nothing runs on
+/// it and its journal is delivered, its agent stops for good), while the workload runs.
+pub const NODE_LEAVE_MEAN_MS: u64 = 20 * 60_000;
+/// How often a draining node is looked at again to see whether it can go.
+pub const LEAVE_CHECK_MS: u64 = 60_000;
+/// Mixed into the seed for the joins' (and leaves') own stream.
 pub const JOIN_STREAM: u64 = 0x6a6f_696e_6a6f_696e;
 /// The mean time between faults while faults run.
 pub const FAULT_MEAN_MS: u64 = 60_000;
@@ -350,8 +357,11 @@ pub struct Outcome {
     pub unreachable: u64,
     /// The webhooks' subscriptions and deliveries.
     pub webhooks: HookCounts,
-    /// Nodes that joined during the run (beside `--nodes` at the start).
+    /// Nodes that joined during the run (beside `--nodes` at the start), operators began to
+    /// take out (drained), and that went (their agent stopped for good).
     pub nodes_joined: u64,
+    pub nodes_drained: u64,
+    pub nodes_left: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -392,6 +402,8 @@ impl Outcome {
             "quietSteps": self.quiet_steps,
             "nodesUnreachable": self.unreachable,
             "nodesJoined": self.nodes_joined,
+            "nodesDrained": self.nodes_drained,
+            "nodesLeft": self.nodes_left,
             "transport": {
                 "messages": self.net.messages,
                 "sessions": self.net.sessions,
@@ -444,6 +456,10 @@ enum Task {
     StaleViewRefresh(usize),
     /// A node joins (the tenant is drawn when it does).
     Join,
+    /// An operator drains a node to take it out (the node is drawn when it does).
+    Leave,
+    /// Node `a`, draining, goes if nothing runs on it any more.
+    LeaveCheck(usize),
 }
 
 /// The simulator's own state beside the world: the schedule and what each fault has pending.
@@ -483,6 +499,8 @@ struct Sim {
     events_at_full_check: u64,
     /// The webhooks: subscriptions, receivers, the real consumer.
     hooks: hooks::Hooks,
+    /// Nodes whose agent stopped for good after their drain (never restarted).
+    departed: BTreeSet<usize>,
     /// The nodes' joins draw from their own stream of the seed ([`JOIN_STREAM`]), so adding
     /// them moved no other draw.
     join_rng: SeededRng,
@@ -528,6 +546,7 @@ pub async fn run(options: Options) -> Outcome {
         hooks,
         ending: false,
         join_rng: SeededRng(options.seed ^ JOIN_STREAM),
+        departed: BTreeSet::new(),
         rng,
         options: options.clone(),
         queue: BTreeMap::new(),
@@ -630,6 +649,8 @@ impl Sim {
         }
         let first = exponential_ms(&mut self.join_rng, NODE_JOIN_MEAN_MS as f64);
         self.after(first, Task::Join);
+        let first = exponential_ms(&mut self.join_rng, NODE_LEAVE_MEAN_MS as f64);
+        self.after(first, Task::Leave);
         let end_ms = crate::world::EPOCH_MS + self.options.hours * 3_600_000;
         // The safety phase.
         while let Some(((at, _), _)) = self.queue.first_key_value() {
@@ -651,6 +672,9 @@ impl Sim {
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
         }
         for a in 0..self.world.agents.len() {
+            if self.departed.contains(&a) {
+                continue;
+            }
             let machine = &self.world.agents[a].machine;
             machine.set_refuse_holds(false);
             machine.set_refuse_releases(false);
@@ -695,7 +719,13 @@ impl Sim {
         if !self.hooks.settled(&self.world).await {
             return false;
         }
-        let delivered = self.net.links.iter().all(|l| l.machine.as_ref().is_some_and(|m| m.acked() == m.head()));
+        let delivered = self
+            .net
+            .links
+            .iter()
+            .enumerate()
+            .filter(|(a, _)| !self.departed.contains(a))
+            .all(|(_, l)| l.machine.as_ref().is_some_and(|m| m.acked() == m.head()));
         if !delivered {
             return false;
         }
@@ -734,7 +764,8 @@ impl Sim {
             | Task::RefuseHoldsEnd(a)
             | Task::RefuseReleasesEnd(a)
             | Task::DeafEnd(a) => Some(self.world.agents[*a].tenant),
-            Task::Reconcile | Task::FaultTick | Task::Join => None,
+            Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
+            Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
         };
         match task {
             Task::Arrival(t) => {
@@ -816,7 +847,7 @@ impl Sim {
                 }
             }
             Task::Restart(a) => {
-                if self.net.links[a].machine.is_none() {
+                if self.net.links[a].machine.is_none() && !self.departed.contains(&a) {
                     self.agent_start(a).await;
                 }
             }
@@ -829,7 +860,24 @@ impl Sim {
                     self.agent_input(a, bc_agent::machine::Input::Tick).await?;
                 }
             }
-            Task::Uncordon(t, node) => self.cordon(t, &node, false).await,
+            Task::Uncordon(t, node) => {
+                // A node being taken out stays cordoned.
+                if self.world.doc::<NodeDoc>(t, KIND_NODE, &node).await.is_some_and(|n| !n.draining) {
+                    self.cordon(t, &node, false).await;
+                }
+            }
+            Task::Leave => {
+                if self.workload_running {
+                    self.node_leave().await;
+                    let next = exponential_ms(&mut self.join_rng, NODE_LEAVE_MEAN_MS as f64);
+                    self.after(next, Task::Leave);
+                }
+            }
+            Task::LeaveCheck(a) => {
+                if !self.node_gone(a).await {
+                    self.after(LEAVE_CHECK_MS, Task::LeaveCheck(a));
+                }
+            }
             Task::Join => {
                 if self.workload_running {
                     self.node_join().await;
@@ -1094,6 +1142,58 @@ impl Sim {
         self.agent_start(a).await;
         let first = between(&mut self.join_rng, 1, AGENT_TICK_MS);
         self.after(first, Task::AgentTick(a));
+    }
+
+    /// An operator takes a node out: `node.draining` (cordoned: nothing new is placed on it),
+    /// then it goes once nothing runs on it ([`Sim::node_gone`]). Never a tenant's last node
+    /// that is not cordoned.
+    async fn node_leave(&mut self) {
+        let t = pick(&mut self.join_rng, self.options.tenants);
+        let nodes: Vec<NodeDoc> = self.world.rows(t, KIND_NODE).await;
+        let ready: Vec<&NodeDoc> = nodes.iter().filter(|n| !n.cordoned).collect();
+        if ready.len() < 2 {
+            return;
+        }
+        let node = ready[pick(&mut self.join_rng, ready.len())].clone();
+        let Some(a) = self.world.agents.iter().position(|g| g.node == node.node_id) else { return };
+        let event = NewEvent::new(ev::NODE_DRAINING, ev::to_cbor(&ev::NodeStateChanged {}).expect("cbor"));
+        let request = bc_core::store::AppendRequest::new(
+            self.world.tenants[t].id,
+            stream_of(KIND_NODE, &node.node_id),
+            ExpectedVersion::Exact(node.version),
+            "sim-operator",
+            vec![event],
+        );
+        if self.world.append_acknowledged(request).await.is_ok() {
+            self.out.nodes_drained += 1;
+            self.after(LEAVE_CHECK_MS, Task::LeaveCheck(a));
+        }
+    }
+
+    /// Node `a` goes if its drain is done: no live reservation on it, nothing held by its
+    /// agent, no command queued for it, and its whole journal acknowledged. Its agent stops
+    /// for good (its lease lapses: `node.unreachable`). True when it went.
+    async fn node_gone(&mut self, a: usize) -> bool {
+        let (t, node) = (self.world.agents[a].tenant, self.world.agents[a].node.clone());
+        let live: Vec<ReservationDoc> = self.world.rows(t, KIND_RESERVATION_LIVE).await;
+        if live.iter().any(|r| r.node_id.as_deref() == Some(node.as_str())) {
+            return false;
+        }
+        if !self.world.agents[a].ledger().holds.is_empty() {
+            return false;
+        }
+        let queued: Option<NodeCommandsDoc> = self.world.doc(t, KIND_NODE_COMMANDS, &node).await;
+        if queued.is_some_and(|q| !q.pending.is_empty()) {
+            return false;
+        }
+        let delivered = self.net.links[a].machine.as_ref().is_some_and(|m| m.acked() == m.head());
+        if !delivered {
+            return false;
+        }
+        self.agent_stop(a);
+        self.departed.insert(a);
+        self.out.nodes_left += 1;
+        true
     }
 
     async fn cordon(&mut self, t: usize, node_id: &str, on: bool) {
@@ -1382,7 +1482,7 @@ mod tests {
         }
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
         assert_ne!(a.digest, c.digest);
-        assert!(a.nodes_joined > 0, "nodes joined during the run");
+        assert!(a.nodes_joined > 0 && a.nodes_left > 0, "nodes joined and left during the run");
         assert!(a.timeline.is_none(), "no timeline unless asked");
     }
 
