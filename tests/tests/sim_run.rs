@@ -102,6 +102,8 @@ fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
     let seeds: u64 = std::env::var("BC_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(SEEDS_DEFAULT);
     let run = |seeds: Vec<u64>| {
         thread::spawn(move || {
+            // Nodes that joined and left, counted as the fewer of the two per seed.
+            let mut churn = 0;
             for seed in seeds {
                 let seed = seed.to_string();
                 let (status, out, err) = sim(&["--seed", &seed, "--nodes", "10", "--tenants", "2", "--hours", "1", "--json"]);
@@ -130,12 +132,14 @@ fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
                 let count = |k: &str| hooks[k].as_u64().unwrap_or(0);
                 assert!(count("subscriptions") >= 2 && count("matchedEvents") > 0, "seed {seed}: {hooks}");
                 assert_eq!(count("delivered") + count("deadLetters"), count("matchedEvents"), "seed {seed}: {hooks}");
+                churn += value["nodesJoined"].as_u64().unwrap_or(0).min(value["nodesLeft"].as_u64().unwrap_or(0));
             }
+            churn
         })
     };
     let base = 1000;
     let (even, odd): (Vec<u64>, Vec<u64>) = (base..base + seeds).partition(|s| s % 2 == 0);
     let (a, b) = (run(even), run(odd));
-    a.join().unwrap();
-    b.join().unwrap();
+    let churn = a.join().unwrap() + b.join().unwrap();
+    assert!(churn > 0, "in some seed nodes joined and left");
 }
