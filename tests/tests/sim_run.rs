@@ -77,7 +77,21 @@ fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_re
     for seed in 1..=UNSAFE_SEEDS_MAX {
         let seed = seed.to_string();
         let (status, out, err) =
-            sim(&["--seed", &seed, "--nodes", "6", "--tenants", "1", "--hours", "1", "--unsafe-no-journal-dedupe"]);
+            // Only the faults that deliver entries again: with drop-messages too, the unchecked
+            // path may first append an entry past a gap, which the log refuses as well.
+            sim(&[
+                "--seed",
+                &seed,
+                "--nodes",
+                "6",
+                "--tenants",
+                "1",
+                "--hours",
+                "1",
+                "--faults",
+                "duplicate-messages,lost-acks",
+                "--unsafe-no-journal-dedupe",
+            ]);
         if status == 0 {
             continue;
         }
