@@ -353,7 +353,10 @@ fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut See
     let joined = ev::NodeJoined {
         pool_id: tenants[t].pool.clone(),
         name: format!("n{n}"),
-        gpus: gpus.iter().map(|g| ev::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: 80, nvlink_domain: 0 }).collect(),
+        gpus: gpus
+            .iter()
+            .map(|g| ev::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: 80, nvlink_domain: 0 })
+            .collect(),
         labels: Default::default(),
         public_key: bc_core::agent::b64(key.verifying_key().as_bytes()),
         join_token_id: "jt_sim".into(),

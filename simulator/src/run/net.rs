@@ -355,7 +355,8 @@ impl Sim {
     pub(super) async fn gateway_receive(&mut self, a: usize, connection: u64, msg: agent_message::Msg) -> Result<(), Violation> {
         let Some(side) = self.net.gateway.remove(&(a, connection)) else { return Ok(()) };
         let next = match (side, msg) {
-            (GatewaySide::AwaitHello, agent_message::Msg::Hello(hello)) => match session::greet(&*self.world.store, &hello).await {
+            (GatewaySide::AwaitHello, agent_message::Msg::Hello(hello)) => match session::greet(&*self.world.store, &hello).await
+            {
                 Ok(greeted) => {
                     let nonce = seed_bytes(&mut self.rng);
                     let challenge = gateway_message::Msg::Challenge(bc_proto::Challenge { nonce: nonce.to_vec() });
@@ -406,10 +407,8 @@ impl Sim {
                 }
             }
             (_, msg) => {
-                let refusal = Refusal {
-                    status: RefusalCode::InvalidArgument,
-                    message: format!("{OUT_OF_ORDER}{}", message_kind(&msg)),
-                };
+                let refusal =
+                    Refusal { status: RefusalCode::InvalidArgument, message: format!("{OUT_OF_ORDER}{}", message_kind(&msg)) };
                 return self.session_refused(a, connection, refusal);
             }
         };
