@@ -643,7 +643,7 @@ pub enum SimCommand {
         /// (failed-holds, unanswered-holds, refused-releases, agents-away, clock-skew,
         /// agent-crash, duplicate-commands, stale-view, lost-acks, reconciler-crash,
         /// gateway-restart, failing-commits, drop-messages, delay-messages,
-        /// duplicate-messages, reorder-messages, partition).
+        /// duplicate-messages, reorder-messages, partition, failing-receivers).
         #[arg(long, default_value = "all")]
         faults: String,
         /// Print the summary as JSON.

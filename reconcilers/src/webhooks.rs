@@ -12,6 +12,11 @@
 //! test controls in the tests, so the policy's check runs on names as well as on IP literals. 2xx is done;
 //! anything else is retried on the runner's schedule; a refused address, a deleted webhook or a
 //! missing secret is dead at once.
+//!
+//! The request goes out through a [`Sender`]: [`HttpSender`] (reqwest, the above) in the
+//! binaries, an in-memory receiver in the simulator, which drives this consumer on its virtual
+//! clock; everything before the send (the document, the policy's URL check, the secrets, the
+//! Standard Webhooks headers) and the reading of the answer is the same code either way.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -38,10 +43,61 @@ pub use bc_projections::WEBHOOK_CONSUMER as CONSUMER;
 pub const DELIVERY_TIMEOUT_MS: u64 = 10_000;
 
 pub struct Webhooks {
-    http: reqwest::Client,
-    timeout_ms: u64,
+    sender: Arc<dyn Sender>,
     policy: EndpointPolicy,
     clock: Arc<dyn Clock>,
+}
+
+/// One signed delivery, as the consumer sends it: `POST url` with these headers and body.
+#[derive(Clone, Copy, Debug)]
+pub struct Delivery<'a> {
+    pub url: &'a str,
+    /// `content-type`, `webhook-id`, `webhook-timestamp`, `webhook-signature`, in that order.
+    pub headers: &'a [(&'static str, &'a str)],
+    pub body: &'a str,
+}
+
+/// How a send went, before the consumer reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Sent {
+    /// The receiver answered with this HTTP status.
+    Answered(u16),
+    /// No answer: `error` says why (the whole cause chain, without the URL); `refused`: the
+    /// deployment's policy refused every address the name stands for (dead at once).
+    Failed { error: String, refused: bool },
+}
+
+/// Sends one delivery: over HTTP in the binaries ([`HttpSender`]), to an in-memory receiver in
+/// the simulator.
+#[async_trait]
+pub trait Sender: Send + Sync + 'static {
+    async fn send(&self, delivery: Delivery<'_>) -> Sent;
+}
+
+/// The real sender: reqwest with the time limit, no redirects, no proxy, and names resolved
+/// through the policy.
+pub struct HttpSender {
+    http: reqwest::Client,
+    timeout_ms: u64,
+}
+
+#[async_trait]
+impl Sender for HttpSender {
+    async fn send(&self, delivery: Delivery<'_>) -> Sent {
+        let mut request = self.http.post(delivery.url);
+        for (name, value) in delivery.headers {
+            request = request.header(*name, *value);
+        }
+        match request.body(delivery.body.to_owned()).send().await {
+            Ok(response) => Sent::Answered(response.status().as_u16()),
+            Err(e) => {
+                // Without the URL: a receiver's URL may carry a token in its query.
+                let e = e.without_url();
+                let refused = error_chain(&e).any(|s| s.is::<Refused>());
+                Sent::Failed { error: error_text(&e, self.timeout_ms), refused }
+            }
+        }
+    }
 }
 
 /// Looks a receiver's host name up: every address it stands for, before the policy's check.
@@ -118,7 +174,12 @@ impl Webhooks {
             .dns_resolver(Arc::new(PolicyResolver { policy, resolver }))
             .build()
             .map_err(|e| Error::Internal(format!("building the HTTP client: {e}")))?;
-        Ok(Self { http, timeout_ms, policy, clock })
+        Ok(Self::with_sender(policy, clock, Arc::new(HttpSender { http, timeout_ms })))
+    }
+
+    /// The consumer sending through `sender` (the simulator's in-memory receivers).
+    pub fn with_sender(policy: EndpointPolicy, clock: Arc<dyn Clock>, sender: Arc<dyn Sender>) -> Self {
+        Self { sender, policy, clock }
     }
 }
 
@@ -249,29 +310,22 @@ impl Consumer for Webhooks {
         };
         let timestamp = now_ms / 1000;
         let signature = signature_header(&secrets, msg_id, timestamp, body.as_bytes());
-        let sent = self
-            .http
-            .post(&webhook.url)
-            .header("content-type", "application/json")
-            .header("webhook-id", msg_id)
-            .header("webhook-timestamp", timestamp.to_string())
-            .header("webhook-signature", signature)
-            .body(body.to_owned())
-            .send()
-            .await;
-        match sent {
-            Ok(response) if response.status().is_success() => Handled::ok(Some(response.status().as_u16())),
-            Ok(response) => {
-                let status = response.status();
-                Handled::retry(Some(status.as_u16()), format!("the receiver answered {status}"))
+        let timestamp_text = timestamp.to_string();
+        let headers = [
+            ("content-type", "application/json"),
+            ("webhook-id", msg_id),
+            ("webhook-timestamp", timestamp_text.as_str()),
+            ("webhook-signature", signature.as_str()),
+        ];
+        match self.sender.send(Delivery { url: &webhook.url, headers: &headers, body }).await {
+            Sent::Answered(status) if (200..300).contains(&status) => Handled::ok(Some(status)),
+            Sent::Answered(code) => {
+                // As reqwest shows a status: `503 Service Unavailable`.
+                let status = reqwest::StatusCode::from_u16(code).map(|s| s.to_string()).unwrap_or_else(|_| code.to_string());
+                Handled::retry(Some(code), format!("the receiver answered {status}"))
             }
-            Err(e) => {
-                // Without the URL: a receiver's URL may carry a token in its query.
-                let e = e.without_url();
-                let refused = error_chain(&e).any(|s| s.is::<Refused>());
-                let text = error_text(&e, self.timeout_ms);
-                if refused { Handled::fatal(None, text) } else { Handled::retry(None, text) }
-            }
+            Sent::Failed { error, refused: true } => Handled::fatal(None, error),
+            Sent::Failed { error, refused: false } => Handled::retry(None, error),
         }
     }
 }

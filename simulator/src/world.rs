@@ -331,6 +331,52 @@ pub struct World {
     pub acknowledged: std::sync::Mutex<Vec<(TenantId, u64, String)>>,
 }
 
+/// Node `n` of tenant `t` as it joins: its agent (not started) and the append that joins it
+/// (`node.joined` and `node.ready` on its new stream). Its id, GPU count and key come from the
+/// log's ids and `rng`, in that order.
+fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut SeededRng, shape: &Shape) -> (Agent, AppendRequest) {
+    let node = NodeId::from_ulid(log.ids.ulid()).to_string();
+    let span = shape.gpus_max.saturating_sub(shape.gpus_min) as usize + 1;
+    let count = shape.gpus_min + pick(rng, span) as u32;
+    let gpus: Vec<GpuInfo> = (0..count)
+        .map(|i| GpuInfo {
+            index: i,
+            uuid: format!("GPU-{n}-{i}"),
+            model: "H100".into(),
+            product: "H100".into(),
+            vram_gib: 80,
+            pci_bus_id: format!("00000000:{:02x}:00.0", 0x10 + i),
+            nvlink_domain: 0,
+        })
+        .collect();
+    let key = SigningKey::from_bytes(&seed_bytes(rng));
+    let joined = ev::NodeJoined {
+        pool_id: tenants[t].pool.clone(),
+        name: format!("n{n}"),
+        gpus: gpus
+            .iter()
+            .map(|g| ev::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: 80, nvlink_domain: 0 })
+            .collect(),
+        labels: Default::default(),
+        public_key: bc_core::agent::b64(key.verifying_key().as_bytes()),
+        join_token_id: "jt_sim".into(),
+        agent_version: "sim".into(),
+        hostname: format!("n{n}"),
+        gpu_uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
+    };
+    let ready = ev::NodeLiveness { lease_expires_at_ms: u64::MAX / 2 };
+    let events = vec![
+        NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined).expect("cbor")),
+        NewEvent::new(ev::NODE_READY, ev::to_cbor(&ready).expect("cbor")),
+    ];
+    let request = AppendRequest::new(tenants[t].id, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "sim", events);
+    let inventory = Inventory { gpus: GpuInventory { gpus, ..Default::default() }, ..Default::default() };
+    let machine = Machine { inventory, ..Default::default() };
+    let agent =
+        Agent { tenant: t, node, key, dir: scratch_dir(), machine, runner: None, delivered: 0, skew_ms: 0, ran: VecDeque::new() };
+    (agent, request)
+}
+
 impl World {
     /// A world of `shape` from `seed`: the log key, the tenants' ids, the nodes' keys and GPU
     /// counts all come from it.
@@ -367,58 +413,12 @@ impl World {
         let mut agents = Vec::new();
         for n in 0..shape.nodes {
             let t = n % shape.tenants;
-            let node = NodeId::from_ulid(log.ids.ulid()).to_string();
-            let span = shape.gpus_max.saturating_sub(shape.gpus_min) as usize + 1;
-            let count = shape.gpus_min + pick(rng, span) as u32;
-            let gpus: Vec<GpuInfo> = (0..count)
-                .map(|i| GpuInfo {
-                    index: i,
-                    uuid: format!("GPU-{n}-{i}"),
-                    model: "H100".into(),
-                    product: "H100".into(),
-                    vram_gib: 80,
-                    pci_bus_id: format!("00000000:{:02x}:00.0", 0x10 + i),
-                    nvlink_domain: 0,
-                })
-                .collect();
-            let key = SigningKey::from_bytes(&seed_bytes(rng));
-            let joined = ev::NodeJoined {
-                pool_id: tenants[t].pool.clone(),
-                name: format!("n{n}"),
-                gpus: gpus
-                    .iter()
-                    .map(|g| ev::Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: 80, nvlink_domain: 0 })
-                    .collect(),
-                labels: Default::default(),
-                public_key: bc_core::agent::b64(key.verifying_key().as_bytes()),
-                join_token_id: "jt_sim".into(),
-                agent_version: "sim".into(),
-                hostname: format!("n{n}"),
-                gpu_uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
-            };
-            let ready = ev::NodeLiveness { lease_expires_at_ms: u64::MAX / 2 };
-            let events = vec![
-                NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined).expect("cbor")),
-                NewEvent::new(ev::NODE_READY, ev::to_cbor(&ready).expect("cbor")),
-            ];
-            log.append(AppendRequest::new(tenants[t].id, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "sim", events))
-                .await
-                .expect("the node joins");
-            let inventory = Inventory { gpus: GpuInventory { gpus, ..Default::default() }, ..Default::default() };
-            let machine = Machine { inventory, ..Default::default() };
-            let mut agent = Agent {
-                tenant: t,
-                node,
-                key,
-                dir: scratch_dir(),
-                machine,
-                runner: None,
-                delivered: 0,
-                skew_ms: 0,
-                ran: VecDeque::new(),
-            };
-            agent.start().await;
+            let (agent, request) = node_joining(&log, &tenants, n, t, rng, &shape);
+            log.append(request).await.expect("the node joins");
             agents.push(agent);
+        }
+        for agent in &mut agents {
+            agent.start().await;
         }
         let fleet = Fleet::new();
         fleet.prime(&*store).await.expect("the fleet primes");
@@ -436,6 +436,22 @@ impl World {
             refused: None,
             acknowledged: Default::default(),
         }
+    }
+
+    /// A node of tenant `t` joins now, as `bcd join` makes it join (its agent started): its
+    /// index, or `None` when the append failed (a fault the simulator injected; the operator
+    /// tries again later).
+    pub async fn node_join(&mut self, t: usize, rng: &mut SeededRng, shape: &Shape) -> Option<usize> {
+        let n = self.agents.len();
+        let (mut agent, request) = node_joining(&self.log, &self.tenants, n, t, rng, shape);
+        match self.append_acknowledged(request).await {
+            Ok(_) => {}
+            Err(e) if injected(&e) => return None,
+            Err(e) => panic!("a node's join failed: {e}"),
+        }
+        agent.start().await;
+        self.agents.push(agent);
+        Some(n)
     }
 
     pub fn now_ms(&self) -> u64 {
