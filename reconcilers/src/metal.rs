@@ -240,41 +240,14 @@ impl Metal {
     async fn machine(&self, doc: MetalDoc) -> Pass {
         let now_ms = self.clock.now_ms();
         match decide::metal_plan(&doc, now_ms) {
-            MetalPlan::Fail(reason) => {
-                tracing::warn!(reconciler = NAME, node = %doc.node_id, state = %doc.state, reason = %reason, "workflow failed");
-                match decide::metal_fail(&doc, &reason) {
-                    Ok(append) => self.append(&doc, append, Pass { failed: 1, ..Pass::default() }).await,
-                    Err(e) => {
-                        tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot fail the workflow");
-                        Pass::default()
-                    }
-                }
-            }
+            MetalPlan::Fail(reason) => self.fail(&doc, &reason).await,
+            MetalPlan::LastLook { step, reason } => match self.run_step(&doc, step).await {
+                done @ StepResult::Done { .. } => self.record(&doc, step, done).await,
+                _ => self.fail(&doc, &reason).await,
+            },
             MetalPlan::Run(step) => {
                 let result = self.run_step(&doc, step).await;
-                let now_ms = self.clock.now_ms();
-                let next = WorkflowId::from_ulid(self.log.ids.ulid()).to_string();
-                let counted = match &result {
-                    StepResult::Failed { kind, message } => {
-                        tracing::info!(reconciler = NAME, node = %doc.node_id, step = step.as_str(), kind = %kind, error = %bc_core::id::truncate(message, 300), "step failed");
-                        Pass { retried: 1, ..Pass::default() }
-                    }
-                    StepResult::NotYet => Pass::default(),
-                    StepResult::Done { .. } => Pass { steps: 1, ..Pass::default() },
-                };
-                match decide::metal_step(&doc, step, result, now_ms, &next) {
-                    Ok(Some(append)) => {
-                        let failing = append.event_types().contains(&bc_projections::events::METAL_WORKFLOW_FINISHED)
-                            && matches!(counted, Pass { retried: 1, .. });
-                        let counted = if failing { Pass { failed: 1, ..Pass::default() } } else { counted };
-                        self.append(&doc, append, counted).await
-                    }
-                    Ok(None) => Pass::default(),
-                    Err(e) => {
-                        tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot record the step");
-                        Pass::default()
-                    }
-                }
+                self.record(&doc, step, result).await
             }
             MetalPlan::Idle => {
                 if doc.running().is_none() && doc.power.is_some() && doc.flags.maintenance.is_none() {
@@ -282,6 +255,45 @@ impl Metal {
                 } else {
                     Pass::default()
                 }
+            }
+        }
+    }
+
+    /// Fails the running workflow with `reason`.
+    async fn fail(&self, doc: &MetalDoc, reason: &str) -> Pass {
+        tracing::warn!(reconciler = NAME, node = %doc.node_id, state = %doc.state, reason = %reason, "workflow failed");
+        match decide::metal_fail(doc, reason) {
+            Ok(append) => self.append(doc, append, Pass { failed: 1, ..Pass::default() }).await,
+            Err(e) => {
+                tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot fail the workflow");
+                Pass::default()
+            }
+        }
+    }
+
+    /// Appends what `result`, the outcome of running `step`, means for the workflow.
+    async fn record(&self, doc: &MetalDoc, step: Step, result: StepResult) -> Pass {
+        let now_ms = self.clock.now_ms();
+        let next = WorkflowId::from_ulid(self.log.ids.ulid()).to_string();
+        let counted = match &result {
+            StepResult::Failed { kind, message } => {
+                tracing::info!(reconciler = NAME, node = %doc.node_id, step = step.as_str(), kind = %kind, error = %bc_core::id::truncate(message, 300), "step failed");
+                Pass { retried: 1, ..Pass::default() }
+            }
+            StepResult::NotYet => Pass::default(),
+            StepResult::Done { .. } => Pass { steps: 1, ..Pass::default() },
+        };
+        match decide::metal_step(doc, step, result, now_ms, &next) {
+            Ok(Some(append)) => {
+                let failing = append.event_types().contains(&bc_projections::events::METAL_WORKFLOW_FINISHED)
+                    && matches!(counted, Pass { retried: 1, .. });
+                let counted = if failing { Pass { failed: 1, ..Pass::default() } } else { counted };
+                self.append(doc, append, counted).await
+            }
+            Ok(None) => Pass::default(),
+            Err(e) => {
+                tracing::error!(reconciler = NAME, node = %doc.node_id, error = %e, "cannot record the step");
+                Pass::default()
             }
         }
     }

@@ -320,6 +320,43 @@ async fn a_bmc_that_never_applies_power_fails_the_clean_at_the_power_deadline() 
     assert!(took <= (POWER_DEADLINE_S + 5) * 1000, "failed {took} ms after the provide");
 }
 
+/// A pass that comes late (a slow BMC elsewhere held the one before it) finds a power wait
+/// past its deadline: it looks once more, and a machine whose power was applied in the
+/// meantime goes on instead of failing (regression: the deadline was checked before the poll).
+#[tokio::test]
+async fn a_late_pass_looks_once_more_before_it_fails_a_power_wait() {
+    let w = world().await;
+    let metal = w.reconciler();
+    w.bmc().with(|s| s.power = Some(PowerState::On));
+    w.verb(Verb::Manage, None, None, None).await;
+    w.settle(&metal, 10).await;
+    // Power applies at the second read after the reset: the wait's first poll says not yet.
+    w.bmc().with(|s| s.power_lag_polls = 1);
+    w.verb(Verb::Provide, None, None, None).await;
+    let waiting =
+        |doc: &MetalDoc| doc.running().and_then(|wf| wf.current()) == Some(bc_projections::workflow::Step::WaitPowerOff);
+    for _ in 0..10 {
+        if waiting(&w.doc().await) {
+            break;
+        }
+        metal.pass().await.unwrap();
+    }
+    metal.pass().await.unwrap();
+    assert!(waiting(&w.doc().await), "the first poll found the power not yet off");
+    // The next pass comes only after the 60 s wait's deadline.
+    w.clock.advance_ms((POWER_DEADLINE_S + 30) * 1000);
+    let doc = w.settle(&metal, 20).await;
+    assert_eq!(doc.state, MetalState::Available, "{doc:#?}");
+    assert_eq!(doc.workflow.as_ref().unwrap().outcome, WorkflowOutcome::Succeeded);
+
+    // A BMC that never applies it still fails at the deadline, after that one more look.
+    w.bmc().with(|s| s.misbehaviour = Misbehaviour::PowerNeverApplies);
+    w.verb(Verb::Deploy, Some(("img_x", "http://images.example/os.iso")), Some(&JoinTokenId::generate().to_string()), None).await;
+    let doc = w.settle(&metal, 200).await;
+    assert_eq!(doc.state, MetalState::DeployFailed, "{doc:#?}");
+    assert!(doc.last_error.as_deref().is_some_and(|e| e.contains("did not apply power")), "{doc:#?}");
+}
+
 /// A BMC that never answers: the step's bounded attempts, then the failed state with the reason.
 #[tokio::test]
 async fn a_bmc_that_times_out_fails_the_workflow_after_bounded_attempts() {

@@ -179,6 +179,11 @@ pub enum MetalPlan {
     Run(Step),
     /// The workflow's (or the step's) deadline passed: fail it with this reason.
     Fail(String),
+    /// A wait's deadline passed (the power, the agent): look once more, and fail with `reason`
+    /// unless the look finds it done. The deadline is checked when a pass comes, and a pass
+    /// that came late (a slow BMC elsewhere) must not fail a machine whose power was applied,
+    /// or whose agent joined, in time.
+    LastLook { step: Step, reason: String },
 }
 
 /// The plan for one machine at `now_ms`. A paused workflow still fails at its deadline.
@@ -198,7 +203,12 @@ pub fn metal_plan(doc: &MetalDoc, now_ms: u64) -> MetalPlan {
         if let Some(error) = &workflow.last_error {
             reason.push_str(&format!("; last error: {error}"));
         }
-        return MetalPlan::Fail(reason);
+        return match workflow.current() {
+            Some(step) if !workflow.paused && (step.waits_for_power().is_some() || step == Step::WaitAgent) => {
+                MetalPlan::LastLook { step, reason }
+            }
+            _ => MetalPlan::Fail(reason),
+        };
     }
     let Some(step) = workflow.current() else {
         return MetalPlan::Fail(format!("workflow {} has no step left but did not finish", workflow.workflow_id));
@@ -206,11 +216,12 @@ pub fn metal_plan(doc: &MetalDoc, now_ms: u64) -> MetalPlan {
     if let Some(power) = step.waits_for_power()
         && now_ms >= workflow.step_deadline_at_ms()
     {
-        return MetalPlan::Fail(format!(
+        let reason = format!(
             "the BMC did not apply power {power} within {} s{}",
             crate::metal::POWER_DEADLINE_S,
             doc.power.as_deref().map(|p| format!(" (it said {p})")).unwrap_or_default()
-        ));
+        );
+        return if workflow.paused { MetalPlan::Fail(reason) } else { MetalPlan::LastLook { step, reason } };
     }
     if workflow.paused || now_ms < workflow.retry_at_ms {
         return MetalPlan::Idle;
