@@ -122,12 +122,7 @@ async fn a_changed_event_byte_breaks_the_chain_check() {
 async fn a_journal_entry_its_node_never_signed_breaks_the_chain_check() {
     let mut world = busy_world().await;
     // A journal entry the agent wrote but has not delivered yet: it crashes after running.
-    world.request(0, 1, 3600).await;
-    world.clock.set_ms(world.clock.now_ms() + 10_000);
-    world.pass().await;
-    let a = node_with_command(&world).await;
-    world.answer(a, true, None, false, false).await;
-    world.agents[a].start().await;
+    let a = an_agent_with_an_entry_not_delivered(&mut world).await;
     let entry = world.agents[a].journal_entries().await.into_iter().find(|e| e.seq == world.agents[a].delivered + 1).unwrap();
     let (body, _) = SignedEntry::verify(entry.seq, &entry.body, &entry.signature, &world.agents[a].key.verifying_key()).unwrap();
     // The same entry, signed by a key that is not the node's.
@@ -141,6 +136,23 @@ async fn a_journal_entry_its_node_never_signed_breaks_the_chain_check() {
 }
 
 /// The first agent with a command queued for its node.
+/// A reservation requested and a pass run, so a node has a command to run: that node.
+async fn a_node_with_a_command(world: &World) -> usize {
+    world.request(0, 1, 3600).await;
+    world.clock.set_ms(world.clock.now_ms() + 10_000);
+    world.pass().await;
+    node_with_command(world).await
+}
+
+/// A node whose agent ran its command, crashed before delivering the entry it journaled, and
+/// started again: the entry waits in its journal.
+async fn an_agent_with_an_entry_not_delivered(world: &mut World) -> usize {
+    let a = a_node_with_a_command(world).await;
+    world.answer(a, true, None, false, false).await;
+    world.agents[a].start().await;
+    a
+}
+
 async fn node_with_command(world: &World) -> usize {
     for a in 0..world.agents.len() {
         if !world.pending(a).await.is_empty() {
@@ -240,10 +252,7 @@ async fn a_lost_acknowledgement_is_not_a_lost_entry() {
     // The regression: after a lost ack the log is ahead of what the agent was acknowledged;
     // the full check inside that window used to call the entries lost or out of order.
     let mut world = busy_world().await;
-    world.request(0, 1, 3600).await;
-    world.clock.set_ms(world.clock.now_ms() + 10_000);
-    world.pass().await;
-    let a = node_with_command(&world).await;
+    let a = a_node_with_a_command(&world).await;
     let before = world.agents[a].delivered;
     world.answer(a, false, None, false, true).await;
     assert_eq!(world.agents[a].delivered, before, "the ack was lost");
@@ -276,12 +285,7 @@ async fn a_refused_journal_entry_is_named_by_its_cause() {
     assert!(refused.to_string().contains("delivered twice (duplicated)"), "{refused}");
     // An entry past the head's next: a gap.
     world.journal_dedupe = true;
-    world.request(0, 1, 3600).await;
-    world.clock.set_ms(world.clock.now_ms() + 10_000);
-    world.pass().await;
-    let a = node_with_command(&world).await;
-    world.answer(a, true, None, false, false).await;
-    world.agents[a].start().await;
+    let a = an_agent_with_an_entry_not_delivered(&mut world).await;
     let head = world.agents[a].delivered;
     let written = world.agents[a].journal_entries().await.len() as u64;
     assert!(written >= head + 2, "the hold was started and answered: {head} {written}");
@@ -295,12 +299,7 @@ async fn a_refused_journal_entry_is_named_by_its_cause() {
 #[tokio::test]
 async fn a_journal_idempotency_key_held_by_another_request_is_named() {
     let mut world = busy_world().await;
-    world.request(0, 1, 3600).await;
-    world.clock.set_ms(world.clock.now_ms() + 10_000);
-    world.pass().await;
-    let a = node_with_command(&world).await;
-    world.answer(a, true, None, false, false).await;
-    world.agents[a].start().await;
+    let a = an_agent_with_an_entry_not_delivered(&mut world).await;
     let next = world.agents[a].delivered + 1;
     let node = world.agents[a].node.clone();
     // Another request took the entry's key first: a node.observed the agent never wrote.
