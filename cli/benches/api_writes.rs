@@ -29,14 +29,19 @@ const CONNECTIONS: [u32; 2] = [64, 256];
 const ETCD_VALUE_BYTES: usize = 246;
 const _: () = assert!(ETCD_VALUE_BYTES.is_multiple_of(3), "so its base64 has no padding to get wrong");
 
-/// The wrk script for ours: a `pools.create` with a name unique per thread and request.
-const OURS_LUA: &str = r#"
+/// What both wrk scripts start with: a request counter per thread and each thread's number
+/// (`tid`), so every request's name or key is its own.
+const THREAD_IDS_LUA: &str = r#"
 local counter = 0
 local threads = 0
 function setup(thread)
   thread:set("tid", threads)
   threads = threads + 1
 end
+"#;
+
+/// The wrk script for ours: a `pools.create` with a name unique per thread and request.
+const OURS_LUA: &str = r#"
 function request()
   counter = counter + 1
   local body = string.format('{"name":"w%d-%d"}', tid, counter)
@@ -48,12 +53,6 @@ end
 /// `bench/` and then digits (any run of base64 characters whose length is a multiple of 4
 /// decodes), so no encoder is needed in Lua.
 const ETCD_LUA: &str = r#"
-local counter = 0
-local threads = 0
-function setup(thread)
-  thread:set("tid", threads)
-  threads = threads + 1
-end
 function request()
   counter = counter + 1
   local key = string.format("YmVuY2gv%02d%010d", tid, counter)
@@ -95,6 +94,7 @@ fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir:
     for (name, value) in headers {
         lua.push_str(&format!("wrk.headers[\"{name}\"] = \"{value}\"\n"));
     }
+    lua.push_str(THREAD_IDS_LUA);
     lua.push_str(script);
     let path = dir.join(format!("script-{connections}.lua"));
     std::fs::write(&path, lua).unwrap();
