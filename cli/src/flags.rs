@@ -149,6 +149,10 @@ pub struct ServerArgs {
     /// tlog-witness). One that is down delays only its own cosignature.
     #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
     pub witnesses: Vec<String>,
+    /// A release key `releases.register` trusts: the `.pub` file `release keygen` wrote
+    /// (repeatable). Without one, no release is registered.
+    #[arg(long = "release-key", value_name = "FILE.pub")]
+    pub release_keys: Vec<PathBuf>,
     #[command(flatten)]
     pub consumers: ConsumerArgs,
     #[command(flatten)]
@@ -414,6 +418,18 @@ pub enum Command {
     Images {
         #[command(subcommand)]
         command: ImagesCommand,
+    },
+    /// Signed bcd releases this control plane keeps: register (a manifest and its signature),
+    /// list, get.
+    Releases {
+        #[command(subcommand)]
+        command: ReleasesCommand,
+    },
+    /// A release taken to a pool's nodes in waves, with health gates: create, list, get,
+    /// pause, resume, abort.
+    Rollouts {
+        #[command(subcommand)]
+        command: RolloutsCommand,
     },
     /// Virtual machines on a reservation's node, with its GPUs passed through.
     Instances {
@@ -992,6 +1008,106 @@ pub enum ImagesCommand {
         image_id: String,
         #[command(flatten)]
         if_version: IfVersion,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ReleasesCommand {
+    /// Register a signed release: the manifest and signature `release sign` wrote. The control
+    /// plane keeps it only when a key it trusts (`--release-key` of dev/serve) signed it.
+    Register {
+        /// The manifest (JSON, as signed).
+        #[arg(long, value_name = "FILE")]
+        manifest: PathBuf,
+        /// Its signature (default: the manifest's path + `.sig`).
+        #[arg(long, value_name = "FILE")]
+        signature: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's releases.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One release, by its `rel_…` id.
+    Get { release_id: String },
+}
+
+/// What a node with live reservations does when its turn comes.
+#[derive(clap::ValueEnum, Clone, Copy)]
+pub enum BusyNodesArg {
+    /// Leave it until its reservations end (drain it to hurry that along).
+    Wait,
+    /// Update it anyway: held GPUs and running instances stay through the agent's restart.
+    Proceed,
+}
+
+#[derive(Subcommand)]
+pub enum RolloutsCommand {
+    /// Take a release to the nodes of a pool (and/or those with some labels) in waves.
+    Create {
+        /// The release, `rel_…`.
+        #[arg(long)]
+        release: String,
+        /// The pool whose nodes take it.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only nodes with this label, `key=value` (repeatable).
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        /// Cumulative waves, comma-separated: how many nodes have the release once each is
+        /// done, as counts or percentages; the last reaches every node.
+        #[arg(long, default_value = "1,100%", value_delimiter = ',')]
+        waves: Vec<String>,
+        /// Most nodes updating, rolling back or unreachable at once.
+        #[arg(long, default_value_t = 1)]
+        max_unavailable: u32,
+        /// How long a node must stay ready on the new version to pass its gate: `30s`, `5m`.
+        #[arg(long, default_value = "30s", value_parser = parse_duration_s)]
+        min_ready: u64,
+        /// How long a node has from its update to passing its gate.
+        #[arg(long, default_value = "15m", value_parser = parse_duration_s)]
+        node_deadline: u64,
+        /// Failed nodes a wave tolerates before the rollout pauses.
+        #[arg(long, default_value_t = 0)]
+        wave_failures_max: u32,
+        /// A node with live reservations: wait for them to end, or proceed.
+        #[arg(long, value_enum, default_value = "wait")]
+        busy_nodes: BusyNodesArg,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's rollouts.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One rollout: its waves and gates, its nodes, what it waits for.
+    Get {
+        rollout_id: String,
+        /// Wait up to this long for the rollout to end (done, paused or aborted), printing
+        /// its progress: `10m`.
+        #[arg(long, value_parser = parse_duration_s)]
+        wait: Option<u64>,
+    },
+    /// Send the release to no more nodes (the ones updating finish).
+    Pause {
+        rollout_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Go on, accepting the failures seen so far.
+    Resume {
+        rollout_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Roll the updated nodes back to the version they ran, then end.
+    Abort {
+        rollout_id: String,
+        #[arg(long)]
+        reason: Option<String>,
     },
 }
 

@@ -190,12 +190,13 @@ pub async fn reconcile(
         bc_reconcilers::liveness::NAME,
         bc_reconcilers::instances::NAME,
         bc_reconcilers::metal::NAME,
+        bc_reconcilers::rollouts::NAME,
     ];
     if names.iter().any(|n| appenders.contains(n)) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
             return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display())).hint(
-                "the reservations, checkpoints, liveness, instances and metal reconcilers append: pass the --data-dir that dev or serve uses",
+                "the reservations, checkpoints, liveness, instances, metal and rollouts reconcilers append: pass the --data-dir that dev or serve uses",
             ));
         }
         check_log_key(&*store, data_dir).await?;
@@ -211,6 +212,15 @@ pub async fn reconcile(
                 log.clone(),
                 Arc::new(SystemClock),
                 bc_reconcilers::instances::TICK_MS_DEFAULT,
+                stopped.clone(),
+            );
+            tasks.push(tokio::spawn(run));
+        }
+        if names.contains(&bc_reconcilers::rollouts::NAME) {
+            let run = bc_reconcilers::rollouts::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                bc_reconcilers::rollouts::TICK_MS_DEFAULT,
                 stopped.clone(),
             );
             tasks.push(tokio::spawn(run));
@@ -535,6 +545,7 @@ pub async fn run_server(
     policy: EndpointPolicy,
     limits: bc_gateway::ServeLimits,
     agents: &AgentsOptions,
+    release_keys: Vec<bc_core::release::ReleasePublicKey>,
 ) -> Result<(), CliError> {
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     raise_open_file_limit(limits.connections_max);
@@ -642,6 +653,12 @@ pub async fn run_server(
                 bc_reconcilers::instances::TICK_MS_DEFAULT,
                 stopped.clone(),
             )));
+            tasks.push(tokio::spawn(bc_reconcilers::rollouts::run(
+                log.clone(),
+                Arc::new(SystemClock),
+                bc_reconcilers::rollouts::TICK_MS_DEFAULT,
+                stopped.clone(),
+            )));
             let metal = bc_reconcilers::metal::Metal::new(log.clone(), Arc::new(SystemClock), Arc::new(bc_bmc::RedfishConnector));
             tasks.push(tokio::spawn(bc_reconcilers::metal::run(
                 Arc::new(metal),
@@ -657,7 +674,10 @@ pub async fn run_server(
         Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
         None => println!("  agents:    h2c://{agents_bound} (plaintext, loopback only)"),
     }
-    let mut state = AppState::new(log.clone()).with_webhook_policy(policy);
+    if !release_keys.is_empty() {
+        println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
+    }
+    let mut state = AppState::new(log.clone()).with_webhook_policy(policy).with_release_keys(release_keys);
     state.limits = limits;
     let state = Arc::new(state);
     // One signal stops both listeners.

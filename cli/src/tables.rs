@@ -149,6 +149,42 @@ pub const IMAGES: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const RELEASES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "releaseId") },
+    Column { header: "VERSION", cell: |r, _| field(r, "releaseVersion") },
+    Column { header: "KEY", cell: |r, _| field(r, "keyId") },
+    Column {
+        header: "ARCHES",
+        cell: |r, _| {
+            r["artifacts"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x["arch"].as_str()).collect::<Vec<_>>().join(","))
+                .unwrap_or_default()
+        },
+    },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const ROLLOUTS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "rolloutId") },
+    Column { header: "VERSION", cell: |r, _| field(r, "targetVersion") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column {
+        header: "WAVE",
+        cell: |r, _| {
+            let waves = r["waves"].as_array().map_or(0, Vec::len);
+            let wave = r["wave"].as_u64().unwrap_or(0) as usize;
+            format!("{}/{waves}", (wave + 1).min(waves.max(1)))
+        },
+    },
+    Column {
+        header: "UPDATED",
+        cell: |r, _| format!("{}/{}", r["counts"]["updated"].as_u64().unwrap_or(0), r["nodes"].as_array().map_or(0, Vec::len)),
+    },
+    Column { header: "FAILED", cell: |r, _| r["counts"]["failed"].as_u64().unwrap_or(0).to_string() },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 pub const INSTANCES: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "instanceId") },
     Column { header: "NAME", cell: |r, _| field(r, "name") },
@@ -294,6 +330,8 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "apiKeys.list" => API_KEYS,
         "flavors.list" => FLAVORS,
         "images.list" => IMAGES,
+        "releases.list" => RELEASES,
+        "rollouts.list" => ROLLOUTS,
         "instances.list" => INSTANCES,
         "metal.list" => MACHINES,
         "workflows.list" => WORKFLOWS,

@@ -103,6 +103,10 @@ typed_id!(/// An instance: a virtual machine on a reservation's node, with its G
     InstanceId, "inst");
 typed_id!(/// A bare-metal workflow: the steps one verb runs on one machine's BMC.
     WorkflowId, "wf");
+typed_id!(/// A registered, signed `bcd` release.
+    ReleaseId, "rel");
+typed_id!(/// A rollout of a release to nodes, in waves.
+    RolloutId, "ro");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

@@ -43,6 +43,10 @@ pub const ACTIONS: &[&str] = &[
     "compute:instances:write",
     "compute:metal:read",
     "compute:metal:write",
+    "compute:releases:read",
+    "compute:releases:write",
+    "compute:rollouts:read",
+    "compute:rollouts:write",
 ];
 
 /// Most actions one key grants.

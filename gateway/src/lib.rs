@@ -84,6 +84,8 @@ pub struct AppState {
     /// `images.register`), so two creates of one name in this process cannot both pass the
     /// check. Striped by tenant: bounded, and one tenant's creates rarely wait on another's.
     pub name_locks: Arc<NameLocks>,
+    /// The release keys `releases.register` trusts (`--release-key`): none, no release is taken.
+    pub release_keys: Arc<Vec<bc_core::release::ReleasePublicKey>>,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -168,7 +170,13 @@ impl AppState {
             tiles: Arc::new(bc_core::tiles::TileSource::new()),
             rotations: Arc::new(bc_core::audit::RotationSource::default()),
             name_locks: Arc::new(NameLocks::new()),
+            release_keys: Arc::new(Vec::new()),
         }
+    }
+
+    pub fn with_release_keys(mut self, keys: Vec<bc_core::release::ReleasePublicKey>) -> Self {
+        self.release_keys = Arc::new(keys);
+        self
     }
 
     pub fn with_webhook_policy(mut self, policy: bc_core::webhook::EndpointPolicy) -> Self {

@@ -113,8 +113,38 @@ pub const METAL_MAINTENANCE_SET: &str = "metal.maintenance_set";
 /// The BMC says another power state than the log, on reads a sync interval apart
 /// ([`MetalPowerDrifted`]): the log follows the machine.
 pub const METAL_POWER_DRIFTED: &str = "metal.power_drifted";
+/// A node's agent started (`bcd node`, not a reconnect), from its journal on `agent/node_…`
+/// ([`NodeAgentStarted`]): the version it runs and the slot it runs from. The node's document
+/// takes its version from here; a rollout's gate reads it.
+pub const NODE_AGENT_STARTED: &str = "node.agent_started";
+/// A signed `bcd` release, checked under a configured release key (`release/rel_…`).
+pub const RELEASE_REGISTERED: &str = "release.registered";
+/// A rollout of a release to a fixed list of nodes, in waves (`rollout/ro_…`; see
+/// `crate::rollout`).
+pub const ROLLOUT_CREATED: &str = "rollout.created";
+/// A node was sent `agent.update` (the command issued in the same append).
+pub const ROLLOUT_NODE_UPDATING: &str = "rollout.node_updating";
+/// A node runs the release, confirmed, and stayed ready for the rollout's `minReadyS`.
+pub const ROLLOUT_NODE_UPDATED: &str = "rollout.node_updated";
+/// A node did not get there (the reason: its command's, or the deadline's).
+pub const ROLLOUT_NODE_FAILED: &str = "rollout.node_failed";
+/// After `abort`: an updated node was sent `agent.rollback`, and how that ended.
+pub const ROLLOUT_NODE_ROLLING_BACK: &str = "rollout.node_rolling_back";
+pub const ROLLOUT_NODE_ROLLED_BACK: &str = "rollout.node_rolled_back";
+pub const ROLLOUT_NODE_ROLLBACK_FAILED: &str = "rollout.node_rollback_failed";
+/// Every node of a wave finished, within the wave's failure limit.
+pub const ROLLOUT_WAVE_PASSED: &str = "rollout.wave_passed";
+/// Paused by an operator or by a wave's gate (with the reason); resumed by an operator.
+pub const ROLLOUT_PAUSED: &str = "rollout.paused";
+pub const ROLLOUT_RESUMED: &str = "rollout.resumed";
+/// `abort` asked: the updated nodes are rolled back, then `rollout.aborted`.
+pub const ROLLOUT_ABORTING: &str = "rollout.aborting";
+pub const ROLLOUT_ABORTED: &str = "rollout.aborted";
+/// Every wave passed.
+pub const ROLLOUT_COMPLETED: &str = "rollout.completed";
 /// The event types a node may originate through its journal; nothing else is appended from one.
 pub const NODE_ORIGINATED_TYPES: &[&str] = &[
+    NODE_AGENT_STARTED,
     COMMAND_STARTED,
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
@@ -198,6 +228,21 @@ pub const EVENT_TYPES: &[&str] = &[
     METAL_WORKFLOW_FINISHED,
     METAL_WORKFLOW_PAUSED,
     METAL_WORKFLOW_RESUMED,
+    NODE_AGENT_STARTED,
+    RELEASE_REGISTERED,
+    ROLLOUT_CREATED,
+    ROLLOUT_NODE_UPDATING,
+    ROLLOUT_NODE_UPDATED,
+    ROLLOUT_NODE_FAILED,
+    ROLLOUT_NODE_ROLLING_BACK,
+    ROLLOUT_NODE_ROLLED_BACK,
+    ROLLOUT_NODE_ROLLBACK_FAILED,
+    ROLLOUT_WAVE_PASSED,
+    ROLLOUT_PAUSED,
+    ROLLOUT_RESUMED,
+    ROLLOUT_ABORTING,
+    ROLLOUT_ABORTED,
+    ROLLOUT_COMPLETED,
     METAL_MAINTENANCE_SET,
     METAL_POWER_DRIFTED,
     bc_core::audit::CHECKPOINT_SEALED,
@@ -377,6 +422,21 @@ pub struct NodeObserved {
     pub load_avg1_milli: Option<u64>,
     #[serde(default, rename = "memAvailableKiB", skip_serializing_if = "Option::is_none")]
     pub mem_available_kib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+}
+
+/// A node's agent started: its version and slot ([`NODE_AGENT_STARTED`]), on `agent/node_…`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeAgentStarted {
+    pub node_id: String,
+    pub version: String,
+    /// `a` or `b` for an agent run from its update slots; empty otherwise.
+    #[serde(default)]
+    pub slot: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal: Option<bc_core::agent::JournalOrigin>,
 }

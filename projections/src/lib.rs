@@ -27,6 +27,7 @@ pub mod instance;
 pub mod inventory;
 pub mod metal;
 pub mod placement;
+pub mod rollout;
 pub mod workflow;
 
 pub use event_view::{EventView, event_view};
@@ -190,6 +191,15 @@ pub struct NodeAgent {
     /// are taken when the node is free.
     #[serde(default)]
     pub inventory_pending: bool,
+    /// Since when the node holds its lease without a lapse (`node.ready`); 0: not reachable.
+    #[serde(default)]
+    pub ready_since_ms: u64,
+    /// The update slot the agent last started from (`a`, `b`; empty: no slots) and when it
+    /// started (`node.agent_started`); `agentVersion` is that start's version.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agent_slot: String,
+    #[serde(default)]
+    pub agent_started_at_ms: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -737,6 +747,8 @@ impl Projector for Projections {
                     | KIND_FLAVOR
                     | KIND_IMAGE
                     | KIND_INSTANCE
+                    | rollout::KIND_RELEASE
+                    | rollout::KIND_ROLLOUT
             )
         {
             out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() });
@@ -903,6 +915,9 @@ impl Projector for Projections {
                         inventory: None,
                         inventory_at_ms: 0,
                         inventory_pending: false,
+                        ready_since_ms: 0,
+                        agent_slot: String::new(),
+                        agent_started_at_ms: 0,
                     }),
                     version: env.version,
                     created_at_ms: env.at_ms,
@@ -916,7 +931,13 @@ impl Projector for Projections {
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 doc.normalize();
                 let agent = doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {} has no agent", key.id)))?;
-                agent.reachable = env.event_type == NODE_READY;
+                let ready = env.event_type == NODE_READY;
+                if ready && !agent.reachable {
+                    agent.ready_since_ms = env.at_ms;
+                } else if !ready {
+                    agent.ready_since_ms = 0;
+                }
+                agent.reachable = ready;
                 agent.lease_expires_at_ms = p.lease_expires_at_ms;
                 doc.refresh_state();
                 doc.version = env.version;
@@ -993,6 +1014,18 @@ impl Projector for Projections {
                     agent.inventory_pending = !free;
                     agent.inventory = Some(p);
                     agent.inventory_at_ms = env.at_ms;
+                }
+                to_doc(&doc)
+            }
+            NODE_AGENT_STARTED => {
+                let p: NodeAgentStarted = payload(event)?;
+                let journal = p.journal.ok_or_else(|| corrupt(event, "node.agent_started without a journal entry".into()))?;
+                let mut doc: NodeDoc = from_doc(event, current)?;
+                advance_journal(&mut doc, &journal, event)?;
+                if let Some(agent) = doc.agent.as_mut() {
+                    agent.agent_version = p.version;
+                    agent.agent_slot = p.slot;
+                    agent.agent_started_at_ms = env.at_ms;
                 }
                 to_doc(&doc)
             }
@@ -1089,6 +1122,20 @@ impl Projector for Projections {
             | METAL_WORKFLOW_RESUMED
             | METAL_MAINTENANCE_SET
             | METAL_POWER_DRIFTED => workflow::apply_metal(&key.kind, &key.id, current, event),
+            RELEASE_REGISTERED => rollout::apply_release(&key.id, current, event),
+            ROLLOUT_CREATED
+            | ROLLOUT_NODE_UPDATING
+            | ROLLOUT_NODE_UPDATED
+            | ROLLOUT_NODE_FAILED
+            | ROLLOUT_NODE_ROLLING_BACK
+            | ROLLOUT_NODE_ROLLED_BACK
+            | ROLLOUT_NODE_ROLLBACK_FAILED
+            | ROLLOUT_WAVE_PASSED
+            | ROLLOUT_PAUSED
+            | ROLLOUT_RESUMED
+            | ROLLOUT_ABORTING
+            | ROLLOUT_ABORTED
+            | ROLLOUT_COMPLETED => rollout::apply_rollout(&key.id, current, event),
             INSTANCE_CREATED
             | INSTANCE_START_REQUESTED
             | INSTANCE_STOP_REQUESTED

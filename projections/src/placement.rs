@@ -328,6 +328,18 @@ pub(crate) fn issue_command(
     guards: &mut Vec<(String, ExpectedVersion)>,
 ) -> Result<(NewEvent, HoldIssued)> {
     let deadline_s = if kind == crate::INSTANCE_APPLY { crate::INSTANCE_APPLY_DEADLINE_S } else { crate::HOLD_DEADLINE_S };
+    issue_command_for(node_id, kind, args, deadline_s, issue, guards)
+}
+
+/// [`issue_command`] with the command's deadline given.
+pub(crate) fn issue_command_for(
+    node_id: &str,
+    kind: &str,
+    args: serde_json::Value,
+    deadline_s: u64,
+    issue: Issue<'_>,
+    guards: &mut Vec<(String, ExpectedVersion)>,
+) -> Result<(NewEvent, HoldIssued)> {
     let deadline_at_ms = issue.now_ms.saturating_add(deadline_s * 1000);
     let stream = stream_of(crate::KIND_COMMAND, &issue.command_id);
     guards.push((stream.clone(), ExpectedVersion::NoStream));

@@ -450,6 +450,9 @@ fn agent_node(id: &str, gpus: u32) -> NodeDoc {
             inventory: None,
             inventory_at_ms: 0,
             inventory_pending: false,
+            ready_since_ms: 0,
+            agent_slot: String::new(),
+            agent_started_at_ms: 0,
         }),
         ..node(id, POOL, gpus)
     }

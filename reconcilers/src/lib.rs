@@ -25,6 +25,7 @@ pub mod liveness;
 pub mod metal;
 pub mod outbox;
 pub mod reservations;
+pub mod rollouts;
 pub mod status;
 pub mod webhooks;
 pub mod witnesses;
@@ -54,4 +55,4 @@ pub(crate) async fn idle(
 pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
 /// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
 pub const RECONCILERS: &[&str] =
-    &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME, metal::NAME];
+    &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME, metal::NAME, rollouts::NAME];

@@ -28,6 +28,7 @@ mod nodes;
 mod operator;
 mod pools;
 mod reservations;
+mod rollouts;
 mod sim;
 mod webhooks;
 
@@ -62,6 +63,8 @@ impl Command {
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
             Command::Flavors { command } => flavors::run(ctx, command).await,
             Command::Images { command } => flavors::images(ctx, command).await,
+            Command::Releases { command } => rollouts::releases(ctx, command).await,
+            Command::Rollouts { command } => rollouts::run(ctx, command).await,
             Command::Instances { command } => instances::run(ctx, command).await,
             Command::Metal { command } => metal::run(ctx, command).await,
             Command::Workflows { command } => metal::workflows(ctx, command).await,

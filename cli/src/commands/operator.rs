@@ -77,6 +77,7 @@ async fn run_server(
     let options = args.consumers.options(allow_loopback)?;
     let agents = args.agents.options(agents_plaintext, dev)?;
     let run = (!args.no_reconcilers).then_some(&options);
+    let release_keys = read_release_keys(&args.release_keys)?;
     server::run_server(
         db,
         data_dir,
@@ -90,8 +91,26 @@ async fn run_server(
         options.policy,
         args.serve_limits(),
         &agents,
+        release_keys,
     )
     .await
+}
+
+/// The release keys `--release-key` names: each file one `rk_… BASE64` line.
+fn read_release_keys(paths: &[PathBuf]) -> Result<Vec<bc_core::release::ReleasePublicKey>, CliError> {
+    let mut keys: Vec<bc_core::release::ReleasePublicKey> = Vec::new();
+    for path in paths {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| CliError::usage(format!("--release-key {}: {e}", path.display())))?;
+        let key = bc_core::release::ReleasePublicKey::parse_line(text.trim()).map_err(|e| {
+            CliError::usage(format!("--release-key {}: {e}", path.display()))
+                .hint("give the .pub file `better-compute release keygen` wrote")
+        })?;
+        if !keys.iter().any(|k| k.key_id() == key.key_id()) {
+            keys.push(key);
+        }
+    }
+    Ok(keys)
 }
 
 pub async fn dev(dir: DataDir, args: ServerArgs, agents_insecure_h2c: bool) -> Result<(), CliError> {

@@ -35,7 +35,9 @@ mod metal;
 pub(crate) mod nodes;
 mod pools;
 mod quotas;
+mod releases;
 mod reservations;
+mod rollouts;
 mod system;
 mod tenants;
 mod webhooks;
@@ -126,6 +128,8 @@ const GROUPS: &[&[Method]] = &[
     images::METHODS,
     instances::METHODS,
     metal::METHODS,
+    releases::METHODS,
+    rollouts::METHODS,
     events::METHODS,
     webhooks::METHODS,
 ];

@@ -377,6 +377,10 @@ id_schema!(/// `inst_…`
     InstanceIdText, bc_core::id::InstanceId);
 id_schema!(/// `wf_…`
     WorkflowIdText, bc_core::id::WorkflowId);
+id_schema!(/// `rel_…`
+    ReleaseIdText, bc_core::id::ReleaseId);
+id_schema!(/// `ro_…`
+    RolloutIdText, bc_core::id::RolloutId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({

@@ -30,6 +30,7 @@ mod instance;
 mod metal;
 mod plan;
 mod reservation;
+mod rollout;
 
 pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
 pub use instance::{
@@ -45,6 +46,7 @@ pub use plan::{Action, Policy, QueueRule, plan, plan_with};
 pub use reservation::{
     ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create, reservation_extend, reservation_release,
 };
+pub use rollout::{RolloutCreateInput, RolloutPlan, RolloutVerb, resolve_waves, rollout_create, rollout_plan, rollout_verb};
 
 /// One append a decision asks for: `events` on `stream` (or, for an event that names one, on
 /// another stream of the tenant, which is then one of the `guards`), if `stream` is at

@@ -1,0 +1,562 @@
+//! Rollouts' decisions: `rollouts.create` ([`rollout_create`]), an operator's verb
+//! ([`rollout_verb`]: pause, resume, abort) and the `rollouts` reconciler's pass over one
+//! rollout ([`rollout_plan`]). Pure: the documents, the time and the ids of the commands it
+//! issues come in; what to append (one append per rollout per pass, at the rollout's version)
+//! comes out, with what it waits for, so `rollouts get` can say why a rollout does not move.
+
+use std::collections::BTreeMap;
+
+use bc_core::store::{ExpectedVersion, NewEvent};
+use bc_core::{Error, Result};
+use serde_json::json;
+
+use super::Append;
+use crate::events::*;
+use crate::placement::{Issue, issue_command_for};
+use crate::rollout::*;
+use crate::{CommandDoc, CommandState, KIND_NODE, NodeDoc, stream_of};
+
+/// What `rollouts.create` asks, checked at the edge (bounds, ids).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RolloutCreateInput {
+    pub pool_id: Option<String>,
+    pub selector: Option<String>,
+    /// As asked: `"1"`, `"25%"`, cumulative.
+    pub waves: Vec<String>,
+    pub max_unavailable: u32,
+    pub min_ready_s: u64,
+    pub node_deadline_s: u64,
+    pub wave_failures_max: u32,
+    pub busy_nodes: BusyNodes,
+}
+
+/// A version as the rollout compares it: semver, or `None` for an agent that reports none
+/// (a test or simulator agent), which is never refused as a downgrade.
+fn semver(text: &str) -> Option<semver::Version> {
+    semver::Version::parse(text.trim_start_matches('v')).ok()
+}
+
+/// Resolves the waves to cumulative node counts for `total` nodes; waves that would not take a
+/// node more than the one before are merged into it (5 % of 3 nodes is the canary's 1).
+pub fn resolve_waves(specs: &[String], total: u32) -> Result<Vec<WaveSpec>> {
+    if specs.is_empty() || specs.len() > ROLLOUT_WAVES_MAX {
+        return Err(Error::invalid(format!("waves: 1 to {ROLLOUT_WAVES_MAX} waves")));
+    }
+    let mut out: Vec<WaveSpec> = Vec::new();
+    for spec in specs {
+        let bad = || Error::InvalidArgument {
+            message: format!("waves: {spec:?} is neither a node count nor a percentage"),
+            hint: Some(
+                "for example \"1\", \"5%\", \"25%\", \"100%\": each how many nodes have the release once it is done".into(),
+            ),
+        };
+        let up_to = if let Some(percent) = spec.strip_suffix('%') {
+            let percent: u64 = percent.parse().map_err(|_| bad())?;
+            if percent == 0 || percent > 100 {
+                return Err(bad());
+            }
+            (u64::from(total) * percent).div_ceil(100).max(1) as u32
+        } else {
+            let count: u32 = spec.parse().map_err(|_| bad())?;
+            if count == 0 {
+                return Err(bad());
+            }
+            count.min(total)
+        };
+        match out.last() {
+            Some(last) if up_to < last.up_to => {
+                return Err(Error::invalid(format!(
+                    "waves: {spec:?} takes {up_to} nodes, fewer than the wave before ({}): waves are cumulative",
+                    last.up_to
+                )));
+            }
+            Some(last) if up_to == last.up_to => continue,
+            _ => out.push(WaveSpec { spec: spec.clone(), up_to }),
+        }
+    }
+    if out.last().is_none_or(|w| w.up_to < total) {
+        return Err(Error::InvalidArgument {
+            message: format!("waves: the last wave takes {} of the {total} nodes", out.last().map_or(0, |w| w.up_to)),
+            hint: Some("end with \"100%\"".into()),
+        });
+    }
+    Ok(out)
+}
+
+/// `rollouts.create`: the release to `nodes` (the pool's or the selector's, any order: they are
+/// offered the release by node id), refused when a node is in another live rollout or runs a
+/// newer version than a release that does not allow downgrades.
+pub fn rollout_create(
+    rollout_id: &str,
+    release: &ReleaseDoc,
+    mut nodes: Vec<&NodeDoc>,
+    live: &[RolloutDoc],
+    input: RolloutCreateInput,
+) -> Result<Append> {
+    if nodes.is_empty() {
+        return Err(Error::invalid("the rollout would take no node: the pool or the selector matches none with an agent"));
+    }
+    if nodes.len() > ROLLOUT_NODES_MAX {
+        return Err(Error::invalid(format!("{} nodes: a rollout takes at most {ROLLOUT_NODES_MAX}", nodes.len())));
+    }
+    nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    let target = semver(&release.release_version);
+    for node in &nodes {
+        let Some(agent) = &node.agent else {
+            return Err(Error::invalid(format!("node {} has no agent to update (it was registered by hand)", node.node_id)));
+        };
+        if let Some(other) = live.iter().find(|r| r.node(&node.node_id).is_some()) {
+            return Err(Error::Conflict {
+                stream: stream_of(KIND_ROLLOUT, &other.rollout_id),
+                expected: format!(
+                    "no live rollout of node {} (rollout {} is {})",
+                    node.node_id,
+                    other.rollout_id,
+                    other.state.as_str()
+                ),
+                actual: other.version,
+            });
+        }
+        if let (Some(target), Some(running)) = (&target, semver(&agent.agent_version))
+            && running > *target
+            && !release.allow_downgrade
+        {
+            return Err(Error::InvalidArgument {
+                message: format!(
+                    "node {} runs {running}, newer than release {target}, which does not allow downgrades",
+                    node.node_id
+                ),
+                hint: Some("sign the release with --allow-downgrade to go back, or leave that node out".into()),
+            });
+        }
+    }
+    if input.max_unavailable == 0 {
+        return Err(Error::invalid("maxUnavailable must be at least 1"));
+    }
+    let waves = resolve_waves(&input.waves, nodes.len() as u32)?;
+    let created = RolloutCreated {
+        release_id: release.release_id.clone(),
+        target_version: release.release_version.clone(),
+        pool_id: input.pool_id,
+        selector: input.selector,
+        nodes: nodes.iter().map(|n| n.node_id.clone()).collect(),
+        waves,
+        max_unavailable: input.max_unavailable,
+        min_ready_s: input.min_ready_s,
+        node_deadline_s: input.node_deadline_s,
+        wave_failures_max: input.wave_failures_max,
+        busy_nodes: input.busy_nodes,
+    };
+    Ok(Append {
+        stream: stream_of(KIND_ROLLOUT, &rollout_id),
+        expected: ExpectedVersion::NoStream,
+        guards: Vec::new(),
+        events: vec![NewEvent::new(ROLLOUT_CREATED, to_cbor(&created)?)],
+    })
+}
+
+/// An operator's verb on a rollout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RolloutVerb {
+    Pause,
+    Resume,
+    Abort,
+}
+
+/// `rollouts.pause|resume|abort`: the event, at the rollout's version, or why not now.
+pub fn rollout_verb(rollout: &RolloutDoc, verb: RolloutVerb, reason: Option<String>) -> Result<Append> {
+    let (allowed, event_type) = match verb {
+        RolloutVerb::Pause => (rollout.state == RolloutState::Running, ROLLOUT_PAUSED),
+        RolloutVerb::Resume => (rollout.state == RolloutState::Paused, ROLLOUT_RESUMED),
+        RolloutVerb::Abort => (matches!(rollout.state, RolloutState::Running | RolloutState::Paused), ROLLOUT_ABORTING),
+    };
+    if !allowed {
+        let allowed = match rollout.state {
+            RolloutState::Running => vec!["pause".to_owned(), "abort".to_owned()],
+            RolloutState::Paused => vec!["resume".to_owned(), "abort".to_owned()],
+            _ => Vec::new(),
+        };
+        return Err(Error::InvalidState {
+            message: format!("rollout {} is {}", rollout.rollout_id, rollout.state.as_str()),
+            allowed,
+        });
+    }
+    let changed = RolloutChanged { reason, by: Some("operator".into()) };
+    Ok(Append {
+        stream: stream_of(KIND_ROLLOUT, &rollout.rollout_id),
+        expected: ExpectedVersion::Exact(rollout.version),
+        guards: Vec::new(),
+        events: vec![NewEvent::new(event_type, to_cbor(&changed)?)],
+    })
+}
+
+/// What one pass decided for one rollout: at most one append (every event of the pass, at the
+/// rollout's version), what it did, and what it waits for.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RolloutPlan {
+    pub append: Option<Append>,
+    /// One line per decision, for the reconciler's log.
+    pub did: Vec<String>,
+    /// Why nodes that could go do not (a busy node, `maxUnavailable` reached, an unreachable
+    /// node): what `rollouts get` shows.
+    pub waiting: Vec<String>,
+}
+
+/// Where a node stands against its gate.
+enum Gate {
+    Passed,
+    Failed(String),
+    Waiting,
+}
+
+fn reachable(node: &NodeDoc) -> bool {
+    node.agent.as_ref().is_some_and(|a| a.reachable)
+}
+
+fn version_of(node: &NodeDoc) -> &str {
+    node.agent.as_ref().map_or("", |a| a.agent_version.as_str())
+}
+
+/// A node sent a command (`agent.update` to `want`, or `agent.rollback` to `want`): passed once
+/// the command succeeded, the node reports `want` and stayed ready for `min_ready_s`.
+fn gate(
+    rollout: &RolloutDoc,
+    n: &RolloutNode,
+    node: Option<&NodeDoc>,
+    command: Option<&CommandDoc>,
+    want: &str,
+    now_ms: u64,
+) -> Gate {
+    let Some(node) = node else { return Gate::Failed("the node no longer exists".into()) };
+    let started = n.started_at_ms.unwrap_or(0);
+    if let Some(c) = command {
+        match c.state {
+            CommandState::Failed | CommandState::Cancelled => {
+                let reason = c.reason.clone().unwrap_or_else(|| format!("command {} {}", c.command_id, c.state.as_str()));
+                return Gate::Failed(reason);
+            }
+            CommandState::Succeeded => {
+                let running = version_of(node);
+                if running != want {
+                    return Gate::Failed(format!("the node reports version {running:?}, not {want}"));
+                }
+                let agent = node.agent.as_ref();
+                let since = [
+                    agent.map_or(0, |a| a.ready_since_ms),
+                    agent.map_or(0, |a| a.agent_started_at_ms),
+                    c.finished_at_ms.unwrap_or(0),
+                ]
+                .into_iter()
+                .max()
+                .unwrap_or(0);
+                if reachable(node) && now_ms >= since.saturating_add(rollout.min_ready_s * 1000) {
+                    return Gate::Passed;
+                }
+            }
+            CommandState::Issued | CommandState::Started => {}
+        }
+    }
+    if now_ms > started.saturating_add(rollout.node_deadline_s * 1000) {
+        let state = command.map_or("missing", |c| c.state.as_str());
+        return Gate::Failed(format!(
+            "not on {want} and ready for {} s within {} s (its command is {state})",
+            rollout.min_ready_s, rollout.node_deadline_s
+        ));
+    }
+    Gate::Waiting
+}
+
+fn truncate_reason(reason: &str) -> String {
+    bc_core::id::truncate(reason, ROLLOUT_REASON_BYTES_MAX).to_owned()
+}
+
+/// The `rollouts` reconciler's pass over one live rollout: observe the nodes in flight against
+/// their gates, then (running) pause on a wave's failures, offer the release to the wave's next
+/// nodes within `maxUnavailable`, pass the wave, complete; (aborting) roll the updated nodes
+/// back, then end. `release` is the rollout's (what `agent.update` carries); `nodes` are the rollout's nodes' documents (a missing one is gone),
+/// `commands` the documents of the commands it issued; `new_command_id` draws an id per command.
+pub fn rollout_plan(
+    rollout: &RolloutDoc,
+    release: &ReleaseDoc,
+    nodes: &BTreeMap<String, NodeDoc>,
+    commands: &BTreeMap<String, CommandDoc>,
+    now_ms: u64,
+    new_command_id: &mut dyn FnMut() -> String,
+) -> Result<RolloutPlan> {
+    let mut plan = RolloutPlan::default();
+    if !rollout.state.is_live() {
+        return Ok(plan);
+    }
+    let mut events: Vec<NewEvent> = Vec::new();
+    let mut guards: Vec<(String, ExpectedVersion)> = Vec::new();
+    let mut states: Vec<RolloutNodeState> = rollout.nodes.iter().map(|n| n.state).collect();
+    let mut new_failures: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    let finished = |event_type: &str, node_id: &str, reason: Option<String>| -> Result<NewEvent> {
+        Ok(NewEvent::new(
+            event_type,
+            to_cbor(&RolloutNodeFinished { node_id: node_id.to_owned(), reason: reason.map(|r| truncate_reason(&r)) })?,
+        ))
+    };
+
+    // 1. The nodes in flight, against their gates.
+    for (i, n) in rollout.nodes.iter().enumerate() {
+        let node = nodes.get(&n.node_id);
+        let command = n.command_id.as_ref().and_then(|c| commands.get(c));
+        match n.state {
+            RolloutNodeState::Updating => match gate(rollout, n, node, command, &rollout.target_version, now_ms) {
+                Gate::Passed => {
+                    events.push(finished(ROLLOUT_NODE_UPDATED, &n.node_id, None)?);
+                    plan.did.push(format!("{} updated to {}", n.node_id, rollout.target_version));
+                    states[i] = RolloutNodeState::Updated;
+                }
+                Gate::Failed(reason) => {
+                    plan.did.push(format!("{} failed: {reason}", n.node_id));
+                    events.push(finished(ROLLOUT_NODE_FAILED, &n.node_id, Some(reason.clone()))?);
+                    new_failures.entry(n.wave).or_default().push(format!("{}: {reason}", n.node_id));
+                    states[i] = RolloutNodeState::Failed;
+                }
+                Gate::Waiting => {}
+            },
+            RolloutNodeState::RollingBack => {
+                let want = n.from_version.clone().unwrap_or_default();
+                match gate(rollout, n, node, command, &want, now_ms) {
+                    Gate::Passed => {
+                        events.push(finished(ROLLOUT_NODE_ROLLED_BACK, &n.node_id, None)?);
+                        plan.did.push(format!("{} rolled back to {want}", n.node_id));
+                        states[i] = RolloutNodeState::RolledBack;
+                    }
+                    Gate::Failed(reason) => {
+                        plan.did.push(format!("{} rollback failed: {reason}", n.node_id));
+                        events.push(finished(ROLLOUT_NODE_ROLLBACK_FAILED, &n.node_id, Some(reason))?);
+                        states[i] = RolloutNodeState::RollbackFailed;
+                    }
+                    Gate::Waiting => {}
+                }
+            }
+            _ => {}
+        }
+    }
+
+    // Out: the rollout's commands in flight, and its other nodes that are unreachable.
+    let unavailable = |states: &[RolloutNodeState]| {
+        rollout
+            .nodes
+            .iter()
+            .zip(states)
+            .filter(|(n, s)| s.in_flight() || nodes.get(&n.node_id).is_some_and(|d| !reachable(d)))
+            .count() as u32
+    };
+    let mut issue = |node: &NodeDoc,
+                     kind: &str,
+                     args: serde_json::Value,
+                     guard_node: bool,
+                     events: &mut Vec<NewEvent>,
+                     guards: &mut Vec<(String, ExpectedVersion)>|
+     -> Result<String> {
+        let command_id = new_command_id();
+        let (event, _) = issue_command_for(
+            &node.node_id,
+            kind,
+            args,
+            AGENT_UPDATE_DEADLINE_S,
+            Issue { command_id: &command_id, now_ms },
+            guards,
+        )?;
+        if guard_node {
+            guards.push((stream_of(KIND_NODE, &node.node_id), ExpectedVersion::Exact(node.version)));
+        }
+        events.push(event);
+        Ok(command_id)
+    };
+
+    match rollout.state {
+        RolloutState::Running => {
+            let w = rollout.wave as usize;
+            let Some(wave) = rollout.waves.get(w) else { return Ok(finish(rollout, plan, events, guards)) };
+            let fresh = new_failures.get(&rollout.wave).map_or(&[][..], |v| v.as_slice());
+            let counted = wave.failures_counted + fresh.len() as u32;
+            if counted > rollout.wave_failures_max {
+                let first = fresh.first().cloned().or_else(|| {
+                    rollout
+                        .nodes
+                        .iter()
+                        .find(|n| n.wave == rollout.wave && n.state == RolloutNodeState::Failed)
+                        .map(|n| format!("{}: {}", n.node_id, n.reason.as_deref().unwrap_or("failed")))
+                });
+                let reason = format!(
+                    "wave {} ({}) failed its gate: {counted} node(s) failed, over its limit of {}; first: {}",
+                    w + 1,
+                    wave.spec,
+                    rollout.wave_failures_max,
+                    first.unwrap_or_default()
+                );
+                plan.did.push(format!("paused: {reason}"));
+                let changed = RolloutChanged { reason: Some(truncate_reason(&reason)), by: Some("gate".into()) };
+                events.push(NewEvent::new(ROLLOUT_PAUSED, to_cbor(&changed)?));
+                return Ok(finish(rollout, plan, events, guards));
+            }
+            let mut out = unavailable(&states);
+            let wave_started = wave.started_at_ms.unwrap_or(rollout.created_at_ms);
+            for (i, n) in rollout.nodes.iter().enumerate().take(wave.up_to as usize) {
+                if states[i] != RolloutNodeState::Pending {
+                    continue;
+                }
+                let Some(node) = nodes.get(&n.node_id) else {
+                    events.push(finished(ROLLOUT_NODE_FAILED, &n.node_id, Some("the node no longer exists".into()))?);
+                    plan.did.push(format!("{} failed: gone", n.node_id));
+                    states[i] = RolloutNodeState::Failed;
+                    continue;
+                };
+                if !reachable(node) {
+                    if now_ms > wave_started.saturating_add(rollout.node_deadline_s * 1000) {
+                        let reason = format!("unreachable for the {} s since its wave started", rollout.node_deadline_s);
+                        plan.did.push(format!("{} failed: {reason}", n.node_id));
+                        events.push(finished(ROLLOUT_NODE_FAILED, &n.node_id, Some(reason))?);
+                        states[i] = RolloutNodeState::Failed;
+                    } else {
+                        plan.waiting.push(format!("node {} is unreachable", n.node_id));
+                    }
+                    continue;
+                }
+                if version_of(node) == rollout.target_version {
+                    events.push(finished(
+                        ROLLOUT_NODE_UPDATED,
+                        &n.node_id,
+                        Some(format!("already on {}", rollout.target_version)),
+                    )?);
+                    plan.did.push(format!("{} already on {}", n.node_id, rollout.target_version));
+                    states[i] = RolloutNodeState::Updated;
+                    continue;
+                }
+                let busy = rollout.busy_nodes == BusyNodes::Wait && !node.allocations.is_empty();
+                if busy {
+                    plan.waiting.push(format!(
+                        "node {} holds {} GPU(s) of live reservations ({BUSY_WAIT}; drain it to hurry)",
+                        n.node_id,
+                        node.allocations.len()
+                    ));
+                    continue;
+                }
+                if out >= rollout.max_unavailable {
+                    plan.waiting.push(format!("maxUnavailable: {out} of {} nodes are out", rollout.max_unavailable));
+                    break;
+                }
+                let args = json!({
+                    "manifest": release.manifest,
+                    "signature": release.signature,
+                    "rolloutId": rollout.rollout_id,
+                });
+                let command_id =
+                    issue(node, AGENT_UPDATE, args, rollout.busy_nodes == BusyNodes::Wait, &mut events, &mut guards)?;
+                let commanded = RolloutNodeCommanded {
+                    node_id: n.node_id.clone(),
+                    command_id: command_id.clone(),
+                    from_version: version_of(node).to_owned(),
+                };
+                events.push(NewEvent::new(ROLLOUT_NODE_UPDATING, to_cbor(&commanded)?));
+                plan.did.push(format!("{} sent agent.update ({command_id})", n.node_id));
+                states[i] = RolloutNodeState::Updating;
+                out += 1;
+            }
+            let all_done =
+                (0..wave.up_to as usize).all(|i| matches!(states[i], RolloutNodeState::Updated | RolloutNodeState::Failed));
+            if all_done {
+                events.push(NewEvent::new(ROLLOUT_WAVE_PASSED, to_cbor(&RolloutWavePassed { wave: rollout.wave })?));
+                plan.did.push(format!("wave {} ({}) passed", w + 1, wave.spec));
+                if w + 1 == rollout.waves.len() {
+                    events.push(NewEvent::new(ROLLOUT_COMPLETED, to_cbor(&RolloutChanged::default())?));
+                    plan.did.push("completed".into());
+                }
+            }
+        }
+        RolloutState::Aborting => {
+            let mut out = unavailable(&states);
+            for (i, n) in rollout.nodes.iter().enumerate() {
+                let Some(from) = n.from_version.as_deref() else { continue };
+                if !matches!(states[i], RolloutNodeState::Updated | RolloutNodeState::Failed) {
+                    continue;
+                }
+                let Some(node) = nodes.get(&n.node_id) else { continue };
+                if version_of(node) == from || n.command_id.is_none() {
+                    continue;
+                }
+                if !reachable(node) {
+                    plan.waiting.push(format!("node {} is unreachable: it is rolled back when it is back", n.node_id));
+                    continue;
+                }
+                if out >= rollout.max_unavailable {
+                    plan.waiting.push(format!("maxUnavailable: {out} of {} nodes are out", rollout.max_unavailable));
+                    break;
+                }
+                let args = json!({ "toVersion": from, "rolloutId": rollout.rollout_id });
+                let command_id = issue(node, AGENT_ROLLBACK, args, false, &mut events, &mut guards)?;
+                let commanded = RolloutNodeCommanded {
+                    node_id: n.node_id.clone(),
+                    command_id: command_id.clone(),
+                    from_version: from.to_owned(),
+                };
+                events.push(NewEvent::new(ROLLOUT_NODE_ROLLING_BACK, to_cbor(&commanded)?));
+                plan.did.push(format!("{} sent agent.rollback to {from} ({command_id})", n.node_id));
+                states[i] = RolloutNodeState::RollingBack;
+                out += 1;
+            }
+            let unfinished = states.iter().any(|s| s.in_flight());
+            if !unfinished && plan.waiting.is_empty() {
+                events.push(NewEvent::new(ROLLOUT_ABORTED, to_cbor(&RolloutChanged::default())?));
+                plan.did.push("aborted".into());
+            }
+        }
+        RolloutState::Paused | RolloutState::Aborted | RolloutState::Done => {}
+    }
+    // Nothing moved for a node's deadline: a rollout never waits without end and without a
+    // reason (only a busy node under `busyNodes: wait` is waited for, as asked).
+    let stalled = events.is_empty() && now_ms > rollout.updated_at_ms.saturating_add(rollout.node_deadline_s * 1000);
+    let blocking: Vec<&String> = plan.waiting.iter().filter(|w| !w.contains(BUSY_WAIT)).collect();
+    if stalled && !blocking.is_empty() {
+        match rollout.state {
+            RolloutState::Running => {
+                let reason = format!("no progress for {} s: {}", rollout.node_deadline_s, blocking[0]);
+                plan.did.push(format!("paused: {reason}"));
+                let changed = RolloutChanged { reason: Some(truncate_reason(&reason)), by: Some("gate".into()) };
+                events.push(NewEvent::new(ROLLOUT_PAUSED, to_cbor(&changed)?));
+            }
+            RolloutState::Aborting => {
+                // Give up on the nodes it cannot reach or may not take out: each recorded, then the end.
+                for n in &rollout.nodes {
+                    let Some(from) = n.from_version.as_deref() else { continue };
+                    let needs = matches!(n.state, RolloutNodeState::Updated | RolloutNodeState::Failed)
+                        && n.command_id.is_some()
+                        && nodes.get(&n.node_id).is_some_and(|d| version_of(d) != from);
+                    if needs {
+                        let reason = format!("not rolled back to {from} within {} s: {}", rollout.node_deadline_s, blocking[0]);
+                        events.push(finished(ROLLOUT_NODE_ROLLBACK_FAILED, &n.node_id, Some(reason))?);
+                    }
+                }
+                events.push(NewEvent::new(ROLLOUT_ABORTED, to_cbor(&RolloutChanged::default())?));
+                plan.did.push("aborted, some nodes not rolled back".into());
+            }
+            _ => {}
+        }
+    }
+    Ok(finish(rollout, plan, events, guards))
+}
+
+/// What a busy node's waiting line says (the one wait that does not stall a rollout).
+const BUSY_WAIT: &str = "busyNodes: wait";
+
+fn finish(
+    rollout: &RolloutDoc,
+    mut plan: RolloutPlan,
+    events: Vec<NewEvent>,
+    guards: Vec<(String, ExpectedVersion)>,
+) -> RolloutPlan {
+    if !events.is_empty() {
+        plan.append = Some(Append {
+            stream: stream_of(KIND_ROLLOUT, &rollout.rollout_id),
+            expected: ExpectedVersion::Exact(rollout.version),
+            guards,
+            events,
+        });
+    }
+    plan
+}

@@ -1,0 +1,124 @@
+//! The `rollouts` reconciler: takes each live rollout one step further. Level-triggered: every
+//! pass re-reads each tenant's live rollouts, their release, their nodes' documents and the
+//! commands they issued, and appends what [`decide::rollout_plan`] says (a node's gate passed or
+//! failed, the next nodes sent `agent.update` within `maxUnavailable`, a wave passed, a pause
+//! with its reason, a rollback after `abort`), every event of one rollout's pass in one append
+//! at the rollout's version, so two processes running it never both act on one state: the
+//! second gets a CONFLICT and decides again next pass.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bc_core::clock::Clock;
+use bc_core::id::CommandId;
+use bc_core::store::Log;
+use bc_core::{Error, ErrorCode, Result};
+use bc_projections::decide;
+use bc_projections::rollout::{self, KIND_ROLLOUT, RolloutDoc};
+use bc_projections::{KIND_NODE, NodeDoc};
+
+pub const NAME: &str = "rollouts";
+const ACTOR: &str = "reconciler:rollouts";
+/// How often a pass runs when nothing wakes it.
+pub const TICK_MS_DEFAULT: u64 = 1_000;
+/// Rows read per query.
+const ROWS_PER_READ: u32 = 500;
+
+/// What one pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    /// Rollouts that moved.
+    pub moved: usize,
+    pub conflicts: usize,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(what: &str, doc: serde_json::Value) -> Result<T> {
+    serde_json::from_value(doc).map_err(|e| Error::Internal(format!("{what} row: {e}")))
+}
+
+/// Every row of one kind of a tenant.
+async fn rows<T: serde::de::DeserializeOwned>(log: &Log, tenant: &str, kind: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = log.store.row_list(tenant, kind, after.as_deref(), ROWS_PER_READ).await?;
+        let full = page.len() == ROWS_PER_READ as usize;
+        after = page.last().map(|r| r.key.id.clone());
+        for row in page {
+            out.push(parse(kind, row.doc)?);
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// A tenant's rollouts that are not finished.
+pub async fn live_rollouts(log: &Log, tenant: &str) -> Result<Vec<RolloutDoc>> {
+    Ok(rows::<RolloutDoc>(log, tenant, KIND_ROLLOUT).await?.into_iter().filter(|r| r.state.is_live()).collect())
+}
+
+/// One pass over every tenant's live rollouts.
+pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
+    let mut done = Pass::default();
+    for tenant in log.store.tenants().await? {
+        let tenant_text = tenant.to_string();
+        let rollouts = live_rollouts(log, &tenant_text).await?;
+        if rollouts.is_empty() {
+            continue;
+        }
+        let all_nodes: BTreeMap<String, NodeDoc> =
+            rows::<NodeDoc>(log, &tenant_text, KIND_NODE).await?.into_iter().map(|n| (n.node_id.clone(), n)).collect();
+        for rollout in rollouts {
+            let inputs = rollout::plan_inputs(&*log.store, &rollout, Some(&all_nodes)).await?;
+            let now_ms = clock.now_ms();
+            let mut ids = || CommandId::from_ulid(log.ids.ulid()).to_string();
+            let plan = decide::rollout_plan(&rollout, &inputs.release, &inputs.nodes, &inputs.commands, now_ms, &mut ids)?;
+            let Some(append) = plan.append else { continue };
+            match log.append(append.into_request(tenant, ACTOR)).await {
+                Ok(_) => {
+                    done.moved += 1;
+                    for line in &plan.did {
+                        tracing::info!(reconciler = NAME, rollout = %rollout.rollout_id, "{}", bc_core::id::truncate(line, 300));
+                    }
+                }
+                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                Err(e) => {
+                    // One rollout's failure is its own: the pass goes on.
+                    tracing::warn!(reconciler = NAME, rollout = %rollout.rollout_id, code = %e.code(), error = %e, "append failed");
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// Runs passes every `tick_ms` until `shutdown`; a pass that lost a race is followed by the next
+/// after [`crate::reservations::PASS_INTERVAL_MIN_MS`].
+pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
+    let status = crate::status::PassRecorder::new(log.store.clone(), clock.clone(), NAME);
+    while !*shutdown.borrow() {
+        let started_at_ms = clock.now_ms();
+        let result = pass(&log, &*clock).await;
+        let mut again = false;
+        match &result {
+            Ok(p) => {
+                let counts = [("moved", p.moved as u64), ("conflicts", p.conflicts as u64)];
+                status.pass(started_at_ms, Ok(&counts)).await;
+                again = p.conflicts > 0;
+            }
+            Err(e) => {
+                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
+                status.pass(started_at_ms, Err(e)).await;
+            }
+        }
+        let wait_ms = if again { crate::reservations::PASS_INTERVAL_MIN_MS } else { tick_ms };
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    tracing::info!(reconciler = NAME, "reconciler stopped");
+}
