@@ -6,6 +6,8 @@
 //! - [`canonical`]: deterministic CBOR (RFC 8949 §4.2.1);
 //! - [`event`]: the envelope, its hash, the stored form, outbox positions;
 //! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
+//! - [`release`]: signed `bcd` releases (release keys, the manifest, its signature, the update
+//!   checks), pure;
 //! - [`chain`]: pure verification of a tenant's hash chain;
 //! - [`clock`]: time as a trait; [`id_source`]: ids as a trait, real and seeded;
 //! - [`follow`]: a monitor's checks of fetched checkpoints and entries (pure);
@@ -30,6 +32,7 @@ pub mod id_source;
 pub mod keys;
 pub mod merkle;
 pub mod note;
+pub mod release;
 pub mod sealing;
 pub mod store;
 pub mod testing;
