@@ -53,6 +53,9 @@ pub const COMMAND_STARTED: &str = "command.started";
 pub const COMMAND_SUCCEEDED: &str = "command.succeeded";
 pub const COMMAND_FAILED: &str = "command.failed";
 pub const NODE_OBSERVED: &str = "node.observed";
+/// Every start of `bcd node` ([`NodeAgentStarted`]): the agent's version and slot; on
+/// `agent/node_…`.
+pub const NODE_AGENT_STARTED: &str = "node.agent_started";
 pub const NODE_INVENTORY_REPORTED: &str = "node.inventory_reported";
 /// A node's answer to `gpu.hold` and `gpu.release`, journaled on the reservation's stream
 /// ([`GpuReport`]); each finishes its command.
@@ -119,6 +122,7 @@ pub const NODE_ORIGINATED_TYPES: &[&str] = &[
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
     NODE_OBSERVED,
+    NODE_AGENT_STARTED,
     NODE_INVENTORY_REPORTED,
     GPU_HELD,
     GPU_HOLD_FAILED,
@@ -173,6 +177,7 @@ pub const EVENT_TYPES: &[&str] = &[
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
     NODE_OBSERVED,
+    NODE_AGENT_STARTED,
     NODE_INVENTORY_REPORTED,
     GPU_HELD,
     GPU_HOLD_FAILED,
@@ -377,6 +382,20 @@ pub struct NodeObserved {
     pub load_avg1_milli: Option<u64>,
     #[serde(default, rename = "memAvailableKiB", skip_serializing_if = "Option::is_none")]
     pub mem_available_kib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+}
+
+/// A start of `bcd node`: the version it runs, its slot (`a`, `b`, or `""` without slots) and
+/// the version that ran before it, when the node knows; on `agent/node_…`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeAgentStarted {
+    pub node_id: String,
+    pub version: String,
+    pub slot: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal: Option<bc_core::agent::JournalOrigin>,
 }

@@ -996,6 +996,15 @@ impl Projector for Projections {
                 }
                 to_doc(&doc)
             }
+            NODE_AGENT_STARTED => {
+                // The node document's agent fields of a start are the control plane half's; the
+                // journal moves on either way.
+                let p: events::NodeAgentStarted = payload(event)?;
+                let journal = p.journal.ok_or_else(|| corrupt(event, "node.agent_started without a journal entry".into()))?;
+                let mut doc: NodeDoc = from_doc(event, current)?;
+                advance_journal(&mut doc, &journal, event)?;
+                to_doc(&doc)
+            }
             NODE_OBSERVED => {
                 let p: NodeObserved = payload(event)?;
                 let journal = p.journal.ok_or_else(|| corrupt(event, "node.observed without a journal entry".into()))?;

@@ -520,6 +520,19 @@ async fn check_entry_subject(
         }
         return Ok(Ok(()));
     }
+    if body.entry_type == ev::NODE_AGENT_STARTED {
+        let started: ev::NodeAgentStarted = match serde_json::from_value(body.payload.clone()) {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(format!("the payload of node.agent_started: {e}"))),
+        };
+        let bounded = started.version.len() <= bc_core::release::VERSION_BYTES_MAX
+            && started.previous_version.as_ref().is_none_or(|v| v.len() <= bc_core::release::VERSION_BYTES_MAX)
+            && matches!(started.slot.as_str(), "" | "a" | "b");
+        if started.journal.is_some() || started.node_id != node || body.subject != format!("{KIND_AGENT}/{node}") || !bounded {
+            return Ok(Err(format!("node.agent_started is about this node, on {KIND_AGENT}/{node}, with a version and a slot")));
+        }
+        return Ok(Ok(()));
+    }
     if body.entry_type == ev::NODE_OBSERVED {
         let observed: ev::NodeObserved = match serde_json::from_value(body.payload.clone()) {
             Ok(p) => p,
