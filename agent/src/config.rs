@@ -2,7 +2,8 @@
 //! `data_dir`: `node.key` (the node's Ed25519 key, 0600, never leaves the machine),
 //! `identity.json` (the identity the control plane signed at join), `journal.db`, `bcd.sock`,
 //! `holds.json` and `instances.json` (the ledgers), `images/` (the image cache) and
-//! `instances/` (each instance's disk).
+//! `instances/` (each instance's disk), `bcd.pid`, and with `[update]` `slots/` and the
+//! entrypoint `bin/bcd` ([`crate::update`]).
 
 use std::path::{Path, PathBuf};
 
@@ -45,6 +46,29 @@ pub struct Config {
     pub hardware: HardwareConfig,
     #[serde(default)]
     pub hypervisor: HypervisorConfig,
+    /// Signed releases, slots and the watchdog (`[update]`); none: `agent.update` is refused
+    /// `update-unconfigured`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update: Option<UpdateConfig>,
+}
+
+/// `[update]`: what `agent.update` and `bcd update` need ([`crate::update`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateConfig {
+    /// The release keys this node trusts, each `rk_<16 hex> <base64>` (a `KEY.pub` line); empty:
+    /// every update is refused.
+    #[serde(default)]
+    pub release_keys: Vec<String>,
+    /// The slots (`a/bcd`, `b/bcd`, `state.json`); default `<data_dir>/slots`.
+    pub slots_dir: Option<PathBuf>,
+    /// The symlink to the active slot's binary that a service manager starts; default
+    /// `<data_dir>/bin/bcd`.
+    pub entrypoint: Option<PathBuf>,
+    /// Seconds a new agent has to confirm its health before the watchdog rolls back (120).
+    pub confirm_within_s: Option<u64>,
+    /// Seconds a new agent's session must be live before it confirms (5).
+    pub healthy_after_s: Option<u64>,
 }
 
 /// Where instances run (`[hypervisor]`).
@@ -125,6 +149,7 @@ impl Config {
         if self.hardware.fake_domain_crash_after.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_domain_crash_after is for a fake machine: set fake_seed too".into());
         }
+        crate::update::UpdateSettings::of(self)?;
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());
         }

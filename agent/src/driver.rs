@@ -2,6 +2,7 @@
 //! asks for: the stream to the gateway, the journal, the command runner, the clock, the status
 //! socket. Each input it feeds the machine and each output it carries out, in order.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use crate::config::{Config, Identity};
 use crate::journal::{Journal, JournalError, READ_ENTRIES_MAX};
 use crate::machine::{Input, Machine, Output, Phase, SystemRng};
 use crate::runner::{Agent, Instances, Runner};
+use crate::update::{Launch, UpdateSettings, Updater};
 
 /// How often the machine is ticked.
 pub const TICK_MS: u64 = 100;
@@ -54,7 +56,28 @@ enum Event {
     JournalFull(String),
 }
 
+/// How `bcd node` ended.
+#[derive(Debug)]
+pub enum Exit {
+    /// Stopped by the shutdown signal.
+    Stopped,
+    /// An update switched to this binary: the process executes it, with the same arguments.
+    Reexec(PathBuf),
+}
+
+/// `bcd node` without an update path (the agents of `bcd sim`).
 pub async fn run(config: Config, identity: Identity, shutdown: impl std::future::Future<Output = ()>) -> Result<(), String> {
+    run_node(config, identity, None, shutdown).await.map(|_| ())
+}
+
+/// `bcd node`: `launch` is how it was started, which an update needs (with `[update]`) to start
+/// the old agent again after a rollback.
+pub async fn run_node(
+    config: Config,
+    identity: Identity,
+    launch: Option<Launch>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<Exit, String> {
     let node: bc_core::id::NodeId = identity.identity.node_id.parse().map_err(|e: bc_core::Error| e.to_string())?;
     let gateway = config.gateway()?;
     let channel = gateway.channel()?;
@@ -64,11 +87,13 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
         }
         other => other.to_string(),
     })?);
-    let version = env!("CARGO_PKG_VERSION").to_owned();
-    let head = journal.head().await.map_err(|e| e.to_string())?;
-    let acked = journal.acked().await.map_err(|e| e.to_string())?;
+    let version = crate::update::running_version();
     let runner = Runner::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?;
-    let agent = Arc::new(Agent { runner, instances: Instances::for_config(&config)? });
+    let updater = match (UpdateSettings::of(&config)?, launch.clone()) {
+        (Some(settings), Some(launch)) => Some(Arc::new(Updater::new(settings, version.clone(), launch)?)),
+        _ => None,
+    };
+    let agent = Arc::new(Agent { runner, instances: Instances::for_config(&config)?, update: updater.clone() });
     let inventory = agent.runner.inventory.clone();
     let capabilities = agent.capabilities();
     if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
@@ -79,16 +104,45 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     if agent.instances.is_none() {
         tracing::info!("this node has no hypervisor: it runs no instances");
     }
+    let status = status_of(&identity, &config, &version);
+    let (updates_tx, updates_rx) = mpsc::channel::<crate::status::UpdateRequest>(1);
+    let socket = crate::status::serve(&config.socket_path(), status.clone(), updater.as_ref().map(|_| updates_tx))?;
+    let by_hand = updater.clone().map(|updater| tokio::spawn(updates_by_hand(updater, updates_rx)));
+    if launch.is_some() {
+        crate::update::write_pid_file(&config.data_dir)?;
+    }
+    // Every start is journaled, and a rollback the watchdog made fails its command, before the
+    // session delivers anything.
+    let start = match &updater {
+        Some(updater) => Some(updater.start()?),
+        None => None,
+    };
+    let started_ms = SystemClock.now_ms();
+    let slot = start.as_ref().map(|s| s.slot.as_str()).unwrap_or("");
+    let previous = start.as_ref().and_then(|s| s.previous_version.clone());
+    match agent.runner.journal_agent_started(started_ms, slot, previous.as_deref()).await {
+        Ok(_) => {}
+        Err(JournalError::Full(n)) => tracing::warn!(unacked = n, "the journal is full: this start is not journaled"),
+        Err(e) => return Err(e.to_string()),
+    }
+    let mut pending_confirmation = None;
+    if let (Some(start), Some(updater)) = (start, &updater) {
+        if let Some(rollback) = &start.rollback {
+            tracing::warn!(reason = %rollback.reason, "the last update was rolled back");
+            if let Some(command) = &rollback.command_id {
+                agent.runner.finish_update(started_ms, command, Err(rollback.reason.clone())).await.map_err(|e| e.to_string())?;
+            }
+            updater.rollback_reported()?;
+        }
+        if let Some(pending) = start.pending {
+            tracing::info!(version = %pending.version, slot = pending.slot.as_str(), "this agent confirms its health once live");
+            pending_confirmation = Some(pending);
+        }
+    }
+    let mut reexec = updater.as_ref().map(|u| u.reexec_requested());
+    let head = journal.head().await.map_err(|e| e.to_string())?;
+    let acked = journal.acked().await.map_err(|e| e.to_string())?;
     let mut machine = Machine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
-    let status = Arc::new(Mutex::new(Status {
-        node_id: identity.identity.node_id.clone(),
-        tenant_id: identity.identity.tenant_id.clone(),
-        pool_id: identity.identity.pool_id.clone(),
-        agent_version: version,
-        gateway: config.gateway.clone(),
-        ..Default::default()
-    }));
-    let socket = crate::status::serve(&config.socket_path(), status.clone())?;
     tracing::info!(node = %node, gateway = %config.gateway, journal_head = head.0, journal_acked = acked, "bcd node started");
 
     let clock = SystemClock;
@@ -102,9 +156,11 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
+    let mut live_since_ms: Option<u64> = None;
     let result = loop {
         let input = tokio::select! {
-            _ = &mut shutdown => break Ok(()),
+            _ = &mut shutdown => break Ok(Exit::Stopped),
+            path = reexec_wanted(&mut reexec) => break Ok(Exit::Reexec(path)),
             _ = ticker.tick() => Input::Tick,
             event = events.recv() => match event {
                 None => break Err("the driver's channels closed".into()),
@@ -176,6 +232,30 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
         if overflowed {
             machine.step(clock.now_ms(), &mut rng, Input::Disconnected { reason: "the command queue is full".into() });
         }
+        // A new agent confirms its health once its session has been live (Welcome received)
+        // for `healthy_after_s`; then the update's command succeeds.
+        let now_ms = clock.now_ms();
+        live_since_ms = if matches!(machine.phase(), Phase::Live) { live_since_ms.or(Some(now_ms)) } else { None };
+        if let (Some(pending), Some(since), Some(updater)) = (&pending_confirmation, live_since_ms, &updater)
+            && now_ms >= since + updater.settings.healthy_after_s * 1000
+        {
+            match updater.confirm(pending) {
+                Ok(true) => {
+                    if let Some(command) = &pending.command_id {
+                        let result = serde_json::json!({ "version": pending.version, "slot": pending.slot.as_str() });
+                        journaled(
+                            &events_tx,
+                            agent.runner.finish_update(now_ms, command, Ok(result)).await,
+                            "an update's success",
+                        )
+                        .await;
+                    }
+                }
+                Ok(false) => tracing::warn!("the watchdog took the update first: it rolls back"),
+                Err(e) => tracing::error!(error = %e, "confirming the update failed"),
+            }
+            pending_confirmation = None;
+        }
         let mut s = status.lock().expect("status lock");
         s.session = match machine.phase() {
             Phase::Idle { .. } => "idle",
@@ -192,9 +272,65 @@ pub async fn run(config: Config, identity: Identity, shutdown: impl std::future:
     worker.abort();
     observer.abort();
     socket.abort();
+    if let Some(task) = by_hand {
+        task.abort();
+    }
     let _ = std::fs::remove_file(config.socket_path());
-    tracing::info!("bcd node stopped");
+    match &result {
+        Ok(Exit::Reexec(path)) => tracing::info!(binary = %path.display(), "bcd node re-executes"),
+        _ => {
+            if launch.is_some() {
+                let _ = std::fs::remove_file(config.data_dir.join(crate::update::PID_FILE));
+            }
+            tracing::info!("bcd node stopped");
+        }
+    }
     result
+}
+
+/// Runs the updates asked for by hand (`bcd update`), one at a time; the re-exec is asked for
+/// once the answer is written.
+async fn updates_by_hand(updater: Arc<Updater>, mut requests: mpsc::Receiver<crate::status::UpdateRequest>) {
+    while let Some(request) = requests.recv().await {
+        match updater.by_hand(&request.args, SystemClock.now_ms()).await {
+            Ok((message, binary)) => {
+                let _ = request.reply.send(Ok(message));
+                if let Some(binary) = binary {
+                    let _ = tokio::time::timeout(Duration::from_secs(3), request.written).await;
+                    updater.request_reexec(binary);
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(reason = %reason, "an update by hand was refused");
+                let _ = request.reply.send(Err(reason));
+            }
+        }
+    }
+}
+
+/// The status `bcd status` starts from.
+fn status_of(identity: &Identity, config: &Config, version: &str) -> Arc<Mutex<Status>> {
+    Arc::new(Mutex::new(Status {
+        node_id: identity.identity.node_id.clone(),
+        tenant_id: identity.identity.tenant_id.clone(),
+        pool_id: identity.identity.pool_id.clone(),
+        agent_version: version.to_owned(),
+        gateway: config.gateway.clone(),
+        ..Default::default()
+    }))
+}
+
+/// The binary an update asks this process to become; never, without an update path.
+async fn reexec_wanted(wanted: &mut Option<tokio::sync::watch::Receiver<Option<PathBuf>>>) -> PathBuf {
+    let Some(receiver) = wanted else { return std::future::pending().await };
+    loop {
+        if let Some(path) = receiver.borrow_and_update().clone() {
+            return path;
+        }
+        if receiver.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+    }
 }
 
 async fn send(outbound: &Option<mpsc::Sender<bc_proto::AgentMessage>>, msg: agent_message::Msg) {

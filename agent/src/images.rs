@@ -75,9 +75,9 @@ fn host_of(url: &reqwest::Url) -> String {
 }
 
 /// A transfer error without its URL.
-fn fetch_error(e: reqwest::Error, host: &str) -> ImageError {
+pub(crate) fn fetch_error(e: reqwest::Error, host: &str) -> ImageError {
     let what = if e.is_timeout() {
-        format!("timed out (the fetch may take {IMAGE_FETCH_TIMEOUT_S} s, a read {IMAGE_READ_TIMEOUT_S} s)")
+        format!("timed out (the whole fetch has its bound, a read {IMAGE_READ_TIMEOUT_S} s)")
     } else if e.is_redirect() {
         format!("too many redirects, or one from https to http (at most {IMAGE_REDIRECTS_MAX})")
     } else if e.is_connect() {
@@ -92,25 +92,7 @@ fn fetch_error(e: reqwest::Error, host: &str) -> ImageError {
 impl ImageCache {
     /// The cache in `<data_dir>/images` (made, 0700, when first written).
     pub fn new(data_dir: &Path) -> Result<Self, String> {
-        // reqwest's rustls has no crypto provider of its own: ring, as everywhere in this crate
-        // (`main` installs it too; this is for a cache made in a test).
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let redirects = reqwest::redirect::Policy::custom(|attempt| {
-            let downgrade = attempt.url().scheme() == "http" && attempt.previous().iter().any(|u| u.scheme() == "https");
-            if attempt.previous().len() > IMAGE_REDIRECTS_MAX || downgrade {
-                attempt.error("refused redirect")
-            } else {
-                attempt.follow()
-            }
-        });
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(IMAGE_FETCH_TIMEOUT_S))
-            .connect_timeout(Duration::from_secs(IMAGE_CONNECT_TIMEOUT_S))
-            .read_timeout(Duration::from_secs(IMAGE_READ_TIMEOUT_S))
-            .redirect(redirects)
-            .user_agent(concat!("bcd/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| format!("the image client: {e}"))?;
+        let http = http_client(IMAGE_FETCH_TIMEOUT_S)?;
         Ok(Self { dir: data_dir.join("images"), http })
     }
 
@@ -151,54 +133,101 @@ impl ImageCache {
 
     /// Streams the image into `partial`, hashing and counting, and checks it; synced.
     async fn download(&self, image: &ImageRef, partial: &Path) -> Result<(), ImageError> {
-        let url = reqwest::Url::parse(&image.url).map_err(|_| ImageError::Fetch("the image URL does not parse".into()))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(ImageError::Fetch(format!(
-                "the image URL is {}:, not http(s):",
-                bc_core::id::truncate(url.scheme(), 20)
-            )));
-        }
-        let host = host_of(&url);
-        let limit = image.size_bytes.unwrap_or(IMAGE_BYTES_MAX).min(IMAGE_BYTES_MAX);
         if image.size_bytes.is_some_and(|n| n > IMAGE_BYTES_MAX) {
             return Err(ImageError::Size(format!("the image is registered at over {IMAGE_BYTES_MAX} bytes, this node's bound")));
         }
-        let mut response = self.http.get(url).send().await.map_err(|e| fetch_error(e, &host))?;
-        if !response.status().is_success() {
-            return Err(ImageError::Fetch(format!("{host} answered HTTP {}", response.status().as_u16())));
-        }
-        if let Some(length) = response.content_length()
-            && (length > limit || image.size_bytes.is_some_and(|n| n != length))
-        {
-            return Err(ImageError::Size(format!("{host} sends {length} bytes; the image may have {limit}")));
-        }
-        let disk = |e: std::io::Error| ImageError::Disk(format!("{}: {e}", partial.display()));
-        let mut file = open_private(partial).await.map_err(disk)?;
-        let mut hasher = Sha256::new();
-        let mut total = 0u64;
-        while let Some(chunk) = response.chunk().await.map_err(|e| fetch_error(e, &host))? {
-            total = total.saturating_add(chunk.len() as u64);
-            if total > limit {
-                return Err(ImageError::Size(format!("{host} sent over {limit} bytes, the most the image may have")));
-            }
-            hasher.update(&chunk);
-            file.write_all(&chunk).await.map_err(disk)?;
-        }
-        if let Some(expected) = image.size_bytes
-            && total != expected
-        {
-            return Err(ImageError::Size(format!("{host} sent {total} bytes; the image has {expected}")));
-        }
-        let digest = hex::encode(hasher.finalize());
-        if digest != image.sha256 {
-            return Err(ImageError::Digest(format!(
-                "the {total} bytes from {host} have SHA-256 {digest}, not the image's {}",
-                image.sha256
-            )));
-        }
-        file.sync_all().await.map_err(disk)?;
-        Ok(())
+        let wanted = Wanted {
+            what: "image",
+            url: &image.url,
+            sha256: &image.sha256,
+            size_bytes: image.size_bytes,
+            limit: IMAGE_BYTES_MAX,
+        };
+        download(&self.http, &wanted, partial).await
     }
+}
+
+/// What [`download`] fetches: a file by URL, its SHA-256, its size if known, and the most it
+/// may have.
+pub(crate) struct Wanted<'a> {
+    /// What it is, in messages (`image`, `artifact`).
+    pub what: &'a str,
+    pub url: &'a str,
+    pub sha256: &'a str,
+    pub size_bytes: Option<u64>,
+    pub limit: u64,
+}
+
+/// The client of bounded fetches: the whole transfer within `fetch_timeout_s`, a connection and
+/// a stalled read bounded too, redirects at most [`IMAGE_REDIRECTS_MAX`] and never from https
+/// to http.
+pub(crate) fn http_client(fetch_timeout_s: u64) -> Result<reqwest::Client, String> {
+    // reqwest's rustls has no crypto provider of its own: ring, as everywhere in this crate
+    // (`main` installs it too; this is for a client made in a test).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let redirects = reqwest::redirect::Policy::custom(|attempt| {
+        let downgrade = attempt.url().scheme() == "http" && attempt.previous().iter().any(|u| u.scheme() == "https");
+        if attempt.previous().len() > IMAGE_REDIRECTS_MAX || downgrade {
+            attempt.error("refused redirect")
+        } else {
+            attempt.follow()
+        }
+    });
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(fetch_timeout_s))
+        .connect_timeout(Duration::from_secs(IMAGE_CONNECT_TIMEOUT_S))
+        .read_timeout(Duration::from_secs(IMAGE_READ_TIMEOUT_S))
+        .redirect(redirects)
+        .user_agent(concat!("bcd/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| format!("the HTTP client: {e}"))
+}
+
+/// Streams `wanted` into `partial` (0600), hashing and counting, and checks it; synced. The
+/// caller removes `partial` on an error and renames it on success.
+pub(crate) async fn download(http: &reqwest::Client, wanted: &Wanted<'_>, partial: &Path) -> Result<(), ImageError> {
+    let what = wanted.what;
+    let url = reqwest::Url::parse(wanted.url).map_err(|_| ImageError::Fetch(format!("the {what} URL does not parse")))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(ImageError::Fetch(format!("the {what} URL is {}:, not http(s):", bc_core::id::truncate(url.scheme(), 20))));
+    }
+    let host = host_of(&url);
+    let limit = wanted.size_bytes.unwrap_or(wanted.limit).min(wanted.limit);
+    let mut response = http.get(url).send().await.map_err(|e| fetch_error(e, &host))?;
+    if !response.status().is_success() {
+        return Err(ImageError::Fetch(format!("{host} answered HTTP {}", response.status().as_u16())));
+    }
+    if let Some(length) = response.content_length()
+        && (length > limit || wanted.size_bytes.is_some_and(|n| n != length))
+    {
+        return Err(ImageError::Size(format!("{host} sends {length} bytes; the {what} may have {limit}")));
+    }
+    let disk = |e: std::io::Error| ImageError::Disk(format!("{}: {e}", partial.display()));
+    let mut file = open_private(partial).await.map_err(disk)?;
+    let mut hasher = Sha256::new();
+    let mut total = 0u64;
+    while let Some(chunk) = response.chunk().await.map_err(|e| fetch_error(e, &host))? {
+        total = total.saturating_add(chunk.len() as u64);
+        if total > limit {
+            return Err(ImageError::Size(format!("{host} sent over {limit} bytes, the most the {what} may have")));
+        }
+        hasher.update(&chunk);
+        file.write_all(&chunk).await.map_err(disk)?;
+    }
+    if let Some(expected) = wanted.size_bytes
+        && total != expected
+    {
+        return Err(ImageError::Size(format!("{host} sent {total} bytes; the {what} has {expected}")));
+    }
+    let digest = hex::encode(hasher.finalize());
+    if digest != wanted.sha256 {
+        return Err(ImageError::Digest(format!(
+            "the {total} bytes from {host} have SHA-256 {digest}, not the {what}'s {}",
+            wanted.sha256
+        )));
+    }
+    file.sync_all().await.map_err(disk)?;
+    Ok(())
 }
 
 /// A file the node alone reads and writes, emptied.

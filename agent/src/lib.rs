@@ -9,8 +9,9 @@
 //! tonic; [`client`] is the pinned-TLS (or loopback h2c) channel; [`config`] the configuration
 //! and the node's files; [`token`] where a join token may come from; [`join`] the join;
 //! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process;
+//! [`update`] signed releases into A/B slots, the re-exec and the watchdog (`agent.update`);
 //! [`ledger`] the whole-file JSON ledgers (`holds.json`, `instances.json`); the decisions over
-//! them ([`holds::decide_hold`], [`instances::decide_apply`]) are pure.
+//! them ([`holds::decide_hold`], [`instances::decide_apply`], [`update::decide_update`]) are pure.
 //!
 //! Architecture invariant: this crate depends on `bc-core` and `bc-proto`, never on the gateway;
 //! it is the only crate that touches the node's OS.
@@ -34,3 +35,4 @@ pub mod runner;
 pub mod sim;
 pub mod status;
 pub mod token;
+pub mod update;

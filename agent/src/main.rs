@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bc_agent::config::{CONFIG_DEFAULT, Config, DATA_DIR_DEFAULT, load_identity};
+use bc_agent::update::WATCHDOG_COMMAND;
 use bc_agent::{join, status, token};
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Arg, ArgAction, ArgMatches, Command};
@@ -17,6 +18,7 @@ const COMMANDS: &[(&str, &str)] = &[
     ("node", "run the node agent: the session to the gateway, the journal, commands"),
     ("status", "what the running agent is doing (JSON, from its socket)"),
     ("hardware", "what this machine holds, as JSON: GPUs (NVML) and the host (/proc, /sys)"),
+    ("update", "take a signed release by hand: --manifest M --signature S (see bcd update -h)"),
     ("doctor", "check the configuration, the node's files, the gateway, the clock, NVML, vfio, libvirt"),
     ("sim", "run N agents on seeded fake machines in one process (fakehw builds)"),
     ("version", "print the version"),
@@ -99,6 +101,10 @@ fn command(name: &'static str) -> Command {
                     .value_parser(clap::value_parser!(u64))
                     .help("a seeded fake machine (fakehw builds)"),
             ),
+        "update" => base
+            .arg(Arg::new("manifest").long("manifest").value_name("FILE").required(true).help("the release manifest"))
+            .arg(Arg::new("signature").long("signature").value_name("FILE").help("its signature (default: MANIFEST.sig)")),
+        WATCHDOG_COMMAND => base.arg(Arg::new("detached").long("detached").action(ArgAction::SetTrue)),
         "doctor" => base
             .arg(Arg::new("json").long("json").action(ArgAction::SetTrue).help("the checks as a JSON array"))
             .arg(Arg::new("strict").long("strict").action(ArgAction::SetTrue).help("exit 1 on a warning too")),
@@ -191,16 +197,18 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let rest: Vec<String> = args.collect();
+    let launch_args: Vec<String> = std::iter::once(name.clone()).chain(rest.iter().cloned()).collect();
     match name.as_str() {
         "help" | "-h" | "-help" | "--help" => {
             print!("{}", help());
             return ExitCode::SUCCESS;
         }
         "version" | "-version" | "--version" => {
-            println!("bcd {}", env!("CARGO_PKG_VERSION"));
+            println!("bcd {}", bc_agent::update::running_version());
             return ExitCode::SUCCESS;
         }
-        "join" | "node" | "status" | "hardware" | "doctor" => {}
+        WATCHDOG_COMMAND => return run_watchdog(rest),
+        "join" | "node" | "status" | "hardware" | "doctor" | "update" => {}
         "sim" if cfg!(feature = "fakehw") => {}
         "sim" => {
             eprintln!("bcd sim: this build has no fake machines (build with --features bc-agent/fakehw)");
@@ -231,18 +239,90 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let code = runtime.block_on(async move {
-        match name {
+    let (code, reexec) = runtime.block_on(async move {
+        let code = match name {
             "join" => run_join(&matches, env_token).await,
-            "node" => run_node(&matches).await,
+            "node" => return run_node(&matches, launch_args).await,
             "hardware" => run_hardware(&matches),
             "doctor" => run_doctor(&matches).await,
             "sim" => run_sim(&matches, env_token).await,
+            "update" => run_update(&matches),
             _ => run_status(&matches),
-        }
+        };
+        (code, None)
     });
     runtime.shutdown_timeout(std::time::Duration::from_secs(2));
-    code
+    match reexec {
+        None => code,
+        Some((binary, args)) => {
+            use std::os::unix::process::CommandExt as _;
+            let e = std::process::Command::new(&binary).args(&args).exec();
+            eprintln!("bcd node: re-executing {}: {e}", binary.display());
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `bcd __update-watchdog --config C [--detached]` (hidden; see `bc_agent::update::watchdog`).
+fn run_watchdog(rest: Vec<String>) -> ExitCode {
+    let matches = match command(WATCHDOG_COMMAND).try_get_matches_from(rest) {
+        Ok(m) => m,
+        Err(e) => return usage_error(WATCHDOG_COMMAND, e),
+    };
+    let path = config_path(&matches);
+    init_logging(Config::load(&path).ok().as_ref());
+    match bc_agent::update::watchdog(&path, matches.get_flag("detached")) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "the update watchdog failed");
+            eprintln!("bcd {WATCHDOG_COMMAND}: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `bcd update`: the release handed to the running `bcd node` over its status socket, which
+/// decides and installs it as it does an `agent.update` (without a command to answer): the
+/// answer, or the refusal with its code, exit 1.
+fn run_update(matches: &ArgMatches) -> ExitCode {
+    let config = match load_config("update", matches) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let manifest_path = PathBuf::from(matches.get_one::<String>("manifest").expect("required"));
+    let signature_path = matches.get_one::<String>("signature").map(PathBuf::from).unwrap_or_else(|| {
+        let mut name = manifest_path.as_os_str().to_owned();
+        name.push(".sig");
+        PathBuf::from(name)
+    });
+    let read = |path: &PathBuf, max: usize| -> Result<String, String> {
+        let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if meta.len() > max as u64 {
+            return Err(format!("{} is over {max} bytes", path.display()));
+        }
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    };
+    let (manifest, signature) = match (
+        read(&manifest_path, bc_core::release::MANIFEST_BYTES_MAX),
+        read(&signature_path, bc_core::release::SIGNATURE_BYTES_MAX),
+    ) {
+        (Ok(m), Ok(s)) => (m, s),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("bcd update: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let args = bc_agent::update::UpdateArgs { manifest, signature, rollout_id: None };
+    match bc_agent::update::request(&config, &args) {
+        Ok(answer) => {
+            println!("{answer}");
+            ExitCode::SUCCESS
+        }
+        Err(reason) => {
+            eprintln!("bcd update: {reason}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn config_path(matches: &ArgMatches) -> PathBuf {
@@ -281,6 +361,7 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
             hypervisor: Default::default(),
             journal: Default::default(),
             log: Default::default(),
+            update: None,
         };
         let text = match toml::to_string(&config) {
             Ok(t) => t,
@@ -387,29 +468,34 @@ async fn run_join(matches: &ArgMatches, env_token: Option<String>) -> ExitCode {
     }
 }
 
-async fn run_node(matches: &ArgMatches) -> ExitCode {
+/// What `bcd node` asks `main` to execute once the runtime is down: a binary and its arguments.
+type Reexec = Option<(PathBuf, Vec<String>)>;
+
+async fn run_node(matches: &ArgMatches, args: Vec<String>) -> (ExitCode, Reexec) {
     let config = match load_config("node", matches) {
         Ok(c) => c,
-        Err(code) => return code,
+        Err(code) => return (code, None),
     };
     init_logging(Some(&config));
     let identity = match load_identity(&config) {
         Ok(Some(identity)) => identity,
         Ok(None) => {
             eprintln!("bcd node: agent: this node has not joined (run bcd join)");
-            return ExitCode::from(1);
+            return (ExitCode::from(1), None);
         }
         Err(e) => {
             eprintln!("bcd node: {e}");
-            return ExitCode::from(1);
+            return (ExitCode::from(1), None);
         }
     };
-    match bc_agent::driver::run(config, identity, shutdown_signal()).await {
-        Ok(()) => ExitCode::SUCCESS,
+    let launch = bc_agent::update::Launch { config_path: config_path(matches), args: args.clone() };
+    match bc_agent::driver::run_node(config, identity, Some(launch), shutdown_signal()).await {
+        Ok(bc_agent::driver::Exit::Stopped) => (ExitCode::SUCCESS, None),
+        Ok(bc_agent::driver::Exit::Reexec(binary)) => (ExitCode::SUCCESS, Some((binary, args))),
         Err(e) => {
             tracing::error!(error = %e, "bcd node cannot go on");
             eprintln!("bcd node: {e}");
-            ExitCode::from(1)
+            (ExitCode::from(1), None)
         }
     }
 }

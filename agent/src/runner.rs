@@ -26,6 +26,12 @@ use crate::instances::{
 };
 use crate::inventory::InventorySource;
 use crate::journal::{Draft, Journal, JournalError, Stage};
+use crate::update::{UPDATE_UNCONFIGURED, UpdateArgs, UpdatePlan, Updater};
+
+/// The command that has the agent take a signed release.
+pub const AGENT_UPDATE: &str = "agent.update";
+/// What every start of `bcd node` journals, on `agent/NODE`.
+pub const NODE_AGENT_STARTED: &str = "node.agent_started";
 
 /// The longest reason a GPU report gives, and the longest `holdUnavailable`, in bytes: within
 /// what the gateway takes (1024 and 256), or the entry would be refused and block the journal.
@@ -439,6 +445,74 @@ impl Runner {
         }
     }
 
+    /// `agent.update`: decided by [`crate::update::decide_update`] and carried out by the
+    /// [`Updater`]. `None`: not finished here (the new agent confirms, or the watchdog's
+    /// rollback fails it at the old agent's start).
+    async fn agent_update(&self, command_id: &str, args_json: &str, update: Option<&Updater>, now_ms: u64) -> Option<Finish> {
+        let Some(updater) = update else { return Some(Finish::failed(UPDATE_UNCONFIGURED)) };
+        let args: UpdateArgs = match serde_json::from_str(args_json) {
+            Ok(args) => args,
+            Err(e) => {
+                return Some(Finish::failed(format!("bad-args: agent.update: {}", bc_core::id::truncate(&e.to_string(), 200))));
+            }
+        };
+        let refused = |reason: String| {
+            tracing::warn!(command = %command_id, reason = %reason, "an update was refused");
+            Some(Finish::failed(truncate_bytes(&reason, REASON_BYTES_MAX)))
+        };
+        match updater.decide(&args, Some(command_id)) {
+            Err(reason) => refused(reason),
+            Ok(UpdatePlan::AwaitingConfirmation) => None,
+            Ok(UpdatePlan::Already { version }) => {
+                let slot = updater.active_slot().map(|s| s.as_str()).unwrap_or("");
+                Some(Finish::succeeded(json!({ "result": { "version": version, "slot": slot, "already": true } })))
+            }
+            Ok(plan) => match updater.install(plan, Some(command_id), now_ms).await {
+                Ok(binary) => {
+                    updater.request_reexec(binary);
+                    None
+                }
+                Err(reason) => refused(reason),
+            },
+        }
+    }
+
+    /// Journals the end of an update command the runner left open: `command.succeeded` with
+    /// `result` (the new agent, confirmed) or `command.failed` with the reason (a rollback).
+    /// Nothing when the journal says it finished.
+    pub async fn finish_update(
+        &self,
+        now_ms: u64,
+        command_id: &str,
+        outcome: Result<Value, String>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
+        let mut out = Vec::new();
+        if self.journal.command_stage(command_id).await? == Some(Stage::Finished) {
+            return Ok(out);
+        }
+        let finish = match outcome {
+            Ok(result) => Finish::succeeded(json!({ "result": result })),
+            Err(reason) => Finish::failed(truncate_bytes(&reason, REASON_BYTES_MAX)),
+        };
+        self.finish(now_ms, command_id, finish, &mut out).await?;
+        Ok(out)
+    }
+
+    /// Journals `node.agent_started` (every start of `bcd node`): this agent's version, its
+    /// slot (`""` without slots) and the version that ran before it, when known.
+    pub async fn journal_agent_started(
+        &self,
+        now_ms: u64,
+        slot: &str,
+        previous_version: Option<&str>,
+    ) -> Result<SignedEntry, JournalError> {
+        let mut payload = json!({ "nodeId": self.node.to_string(), "version": self.version, "slot": slot });
+        if let Some(previous) = previous_version {
+            payload["previousVersion"] = json!(previous);
+        }
+        self.journal_about_node(now_ms, NODE_AGENT_STARTED, payload).await
+    }
+
     /// Runs `command` unless the journal says it finished; returns the entries written. A node
     /// without instances: [`Agent::run`] runs them too.
     pub async fn run(&self, command: &bc_proto::Command, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
@@ -451,6 +525,17 @@ impl Runner {
         command: &bc_proto::Command,
         now_ms: u64,
         instances: Option<&Instances>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
+        self.run_all(command, now_ms, instances, None).await
+    }
+
+    /// [`Self::run_with`] on a node that takes updates through `update`.
+    async fn run_all(
+        &self,
+        command: &bc_proto::Command,
+        now_ms: u64,
+        instances: Option<&Instances>,
+        update: Option<&Updater>,
     ) -> Result<Vec<SignedEntry>, JournalError> {
         let mut out = Vec::new();
         let id = command.command_id.as_str();
@@ -499,6 +584,12 @@ impl Runner {
             "gpu.hold" => self.hold(id, &command.args_json).await,
             "gpu.release" => self.release(id, &command.args_json, instances, now_ms, &mut out).await?,
             "instance.apply" => self.instance_apply(id, &command.args_json, instances).await,
+            AGENT_UPDATE => match self.agent_update(id, &command.args_json, update, now_ms).await {
+                Some(finish) => finish,
+                // Switched (the driver re-executes) or waiting for the new agent's confirmation:
+                // the new agent answers it.
+                None => return Ok(out),
+            },
             other => Finish::failed(format!("unknown-kind: this agent does not know {:?}", bc_core::id::truncate(other, 40))),
         };
         self.finish(now_ms, id, finish, &mut out).await?;
@@ -847,6 +938,9 @@ impl Instances {
 pub struct Agent {
     pub runner: Runner,
     pub instances: Option<Instances>,
+    /// The slots and the watchdog, with `[update]` (else `agent.update` is refused
+    /// `update-unconfigured`).
+    pub update: Option<Arc<Updater>>,
 }
 
 impl Agent {
@@ -861,7 +955,7 @@ impl Agent {
     }
 
     pub async fn run(&self, command: &bc_proto::Command, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
-        self.runner.run_with(command, now_ms, self.instances.as_ref()).await
+        self.runner.run_all(command, now_ms, self.instances.as_ref(), self.update.as_deref()).await
     }
 
     pub async fn retry_releases(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
@@ -936,7 +1030,7 @@ mod tests {
             ledger_file: LedgerFile::new(dir),
         };
         let instances = hypervisor.map(|h| Instances::new(dir, h).unwrap());
-        Agent { runner, instances }
+        Agent { runner, instances, update: None }
     }
 
     fn command(n: u32, kind: &str, args: Value) -> bc_proto::Command {

@@ -367,6 +367,12 @@ pub enum Command {
         #[command(subcommand)]
         command: JoinTokensCommand,
     },
+    /// Signed bcd releases: a release key, a signed manifest, its check (offline); register
+    /// one with the control plane, list, get.
+    Releases {
+        #[command(subcommand)]
+        command: ReleasesCommand,
+    },
     /// Commands to a node's agent: issue, list, get, cancel.
     Commands {
         #[command(subcommand)]
@@ -418,12 +424,6 @@ pub enum Command {
     Images {
         #[command(subcommand)]
         command: ImagesCommand,
-    },
-    /// Signed bcd releases this control plane keeps: register (a manifest and its signature),
-    /// list, get.
-    Releases {
-        #[command(subcommand)]
-        command: ReleasesCommand,
     },
     /// A release taken to a pool's nodes in waves, with health gates: create, list, get,
     /// pause, resume, abort.
@@ -1011,29 +1011,6 @@ pub enum ImagesCommand {
     },
 }
 
-#[derive(Subcommand)]
-pub enum ReleasesCommand {
-    /// Register a signed release: the manifest and signature `release sign` wrote. The control
-    /// plane keeps it only when a key it trusts (`--release-key` of dev/serve) signed it.
-    Register {
-        /// The manifest (JSON, as signed).
-        #[arg(long, value_name = "FILE")]
-        manifest: PathBuf,
-        /// Its signature (default: the manifest's path + `.sig`).
-        #[arg(long, value_name = "FILE")]
-        signature: Option<PathBuf>,
-        #[command(flatten)]
-        key: IdempotencyKey,
-    },
-    /// A tenant's releases.
-    List {
-        #[command(flatten)]
-        page: Page,
-    },
-    /// One release, by its `rel_…` id.
-    Get { release_id: String },
-}
-
 /// What a node with live reservations does when its turn comes.
 #[derive(clap::ValueEnum, Clone, Copy)]
 pub enum BusyNodesArg {
@@ -1311,6 +1288,73 @@ pub enum WorkflowsCommand {
     Resume { workflow_id: String },
     /// Run a backing-off step now, or a failed workflow's verb again.
     Retry { workflow_id: String },
+}
+
+#[derive(Subcommand)]
+pub enum ReleasesCommand {
+    /// Make a release key: KEY (the secret, 0600) and KEY.pub (its public line, which agents pin
+    /// in [update] release_keys); never over a file.
+    Keygen {
+        /// Where the secret key goes (a new file).
+        #[arg(long, value_name = "KEY")]
+        out: PathBuf,
+    },
+    /// Write a release manifest for the artifacts and its detached signature (MANIFEST and
+    /// MANIFEST.sig, new files).
+    Sign {
+        /// The release key (a file keygen wrote); never the secret itself.
+        #[arg(long, value_name = "KEY")]
+        key: PathBuf,
+        /// The release's version (semver).
+        #[arg(long)]
+        version: String,
+        /// ARCH=FILE (its URL is --url-base/FILE's name) or ARCH=FILE=URL; repeatable, one per
+        /// architecture (x86_64, aarch64).
+        #[arg(long = "artifact", value_name = "ARCH=FILE[=URL]", required = true)]
+        artifacts: Vec<String>,
+        /// Where the artifacts are served: http(s)://HOST/PATH.
+        #[arg(long, value_name = "URL")]
+        url_base: Option<String>,
+        /// The oldest version this release may update (semver).
+        #[arg(long, value_name = "VERSION")]
+        min_update_from: Option<String>,
+        /// It may replace a newer version (a release that rolls back).
+        #[arg(long)]
+        allow_downgrade: bool,
+        /// The manifest to write (and MANIFEST.sig beside it).
+        #[arg(long, value_name = "MANIFEST")]
+        out: PathBuf,
+    },
+    /// Check a manifest's signature against release public keys (KEY.pub), and its fields.
+    Verify {
+        #[arg(long, value_name = "MANIFEST")]
+        manifest: PathBuf,
+        /// The signature file (default: MANIFEST.sig).
+        #[arg(long, value_name = "SIG")]
+        signature: Option<PathBuf>,
+        /// A trusted release key's public file (repeatable).
+        #[arg(long = "key", value_name = "KEY.pub", required = true)]
+        keys: Vec<PathBuf>,
+    },
+    /// Register a signed release: the manifest and signature `release sign` wrote. The control
+    /// plane keeps it only when a key it trusts (`--release-key` of dev/serve) signed it.
+    Register {
+        /// The manifest (JSON, as signed).
+        #[arg(long, value_name = "FILE")]
+        manifest: PathBuf,
+        /// Its signature (default: the manifest's path + `.sig`).
+        #[arg(long, value_name = "FILE")]
+        signature: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's releases.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One release, by its `rel_…` id.
+    Get { release_id: String },
 }
 
 #[derive(Subcommand)]

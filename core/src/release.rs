@@ -223,7 +223,7 @@ impl ReleaseKey {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::InvalidArgument {
             message: format!("cannot read release key {}: {e}", path.display()),
-            hint: Some("make one with better-compute release keygen --out FILE".into()),
+            hint: Some("make one with better-compute releases keygen --out FILE".into()),
         })?;
         let seed = hex::decode(text.trim()).ok().and_then(|b| <[u8; 32]>::try_from(b).ok()).ok_or_else(|| {
             Error::invalid(format!("{} is not a release key (64 hex characters); is it the .pub file?", path.display()))
@@ -298,6 +298,11 @@ fn semver_of(field: &str, text: &str) -> std::result::Result<semver::Version, Re
     semver::Version::parse(text).map_err(|e| {
         ReleaseError::Malformed(format!("{field} {:?} is not a semantic version: {e}", crate::id::truncate(text, 40)))
     })
+}
+
+/// Whether `text` is a semantic version (what `version` and `minUpdateFrom` must be).
+pub fn is_version(text: &str) -> bool {
+    semver::Version::parse(text).is_ok()
 }
 
 fn is_sha256_hex(text: &str) -> bool {

@@ -53,6 +53,9 @@ pub const COMMAND_STARTED: &str = "command.started";
 pub const COMMAND_SUCCEEDED: &str = "command.succeeded";
 pub const COMMAND_FAILED: &str = "command.failed";
 pub const NODE_OBSERVED: &str = "node.observed";
+/// Every start of `bcd node` ([`NodeAgentStarted`]): the agent's version and slot, on
+/// `agent/node_…`. The node's document takes its version from here; a rollout's gate reads it.
+pub const NODE_AGENT_STARTED: &str = "node.agent_started";
 pub const NODE_INVENTORY_REPORTED: &str = "node.inventory_reported";
 /// A node's answer to `gpu.hold` and `gpu.release`, journaled on the reservation's stream
 /// ([`GpuReport`]); each finishes its command.
@@ -113,10 +116,6 @@ pub const METAL_MAINTENANCE_SET: &str = "metal.maintenance_set";
 /// The BMC says another power state than the log, on reads a sync interval apart
 /// ([`MetalPowerDrifted`]): the log follows the machine.
 pub const METAL_POWER_DRIFTED: &str = "metal.power_drifted";
-/// A node's agent started (`bcd node`, not a reconnect), from its journal on `agent/node_…`
-/// ([`NodeAgentStarted`]): the version it runs and the slot it runs from. The node's document
-/// takes its version from here; a rollout's gate reads it.
-pub const NODE_AGENT_STARTED: &str = "node.agent_started";
 /// A signed `bcd` release, checked under a configured release key (`release/rel_…`).
 pub const RELEASE_REGISTERED: &str = "release.registered";
 /// A rollout of a release to a fixed list of nodes, in waves (`rollout/ro_…`; see
@@ -144,11 +143,11 @@ pub const ROLLOUT_ABORTED: &str = "rollout.aborted";
 pub const ROLLOUT_COMPLETED: &str = "rollout.completed";
 /// The event types a node may originate through its journal; nothing else is appended from one.
 pub const NODE_ORIGINATED_TYPES: &[&str] = &[
-    NODE_AGENT_STARTED,
     COMMAND_STARTED,
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
     NODE_OBSERVED,
+    NODE_AGENT_STARTED,
     NODE_INVENTORY_REPORTED,
     GPU_HELD,
     GPU_HOLD_FAILED,
@@ -203,6 +202,7 @@ pub const EVENT_TYPES: &[&str] = &[
     COMMAND_SUCCEEDED,
     COMMAND_FAILED,
     NODE_OBSERVED,
+    NODE_AGENT_STARTED,
     NODE_INVENTORY_REPORTED,
     GPU_HELD,
     GPU_HOLD_FAILED,
@@ -228,7 +228,6 @@ pub const EVENT_TYPES: &[&str] = &[
     METAL_WORKFLOW_FINISHED,
     METAL_WORKFLOW_PAUSED,
     METAL_WORKFLOW_RESUMED,
-    NODE_AGENT_STARTED,
     RELEASE_REGISTERED,
     ROLLOUT_CREATED,
     ROLLOUT_NODE_UPDATING,

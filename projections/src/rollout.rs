@@ -36,7 +36,7 @@ pub const AGENT_UPDATE: &str = "agent.update";
 pub const AGENT_ROLLBACK: &str = "agent.rollback";
 /// How long a node has to answer `agent.update` or `agent.rollback` (a download, a re-exec and
 /// the new agent's health confirmation); the command fails past it.
-pub const AGENT_UPDATE_DEADLINE_S: u64 = 600;
+pub const AGENT_UPDATE_DEADLINE_S: u64 = bc_core::release::UPDATE_COMMAND_DEADLINE_S;
 /// Nodes one rollout may take.
 pub const ROLLOUT_NODES_MAX: usize = 10_000;
 /// Waves one rollout may have.

@@ -2,7 +2,7 @@
 //! [`Context`] carries what they share (the global flags, the client, printing, id checks).
 //!
 //! One module per group: `api` (any method, the item syntax, the method table), `events`,
-//! `pools`, `nodes`, `inventory`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
+//! `pools`, `nodes`, `inventory`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `release` (`releases keygen|sign|verify`, offline), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
 //! `quotas`), `flavors` (`flavors …`, `images …`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
 //! `projections`), `audit`, `sim` (`sim replay`), and `meta` (`completion`, `help`).
 
@@ -27,6 +27,7 @@ mod metal;
 mod nodes;
 mod operator;
 mod pools;
+mod release;
 mod reservations;
 mod rollouts;
 mod sim;
@@ -55,6 +56,7 @@ impl Command {
             Command::Inventory { command } => inventory::run(ctx, command).await,
             Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
             Command::Commands { command } => agent_commands::run(ctx, command).await,
+            Command::Releases { command } => rollouts::releases(ctx, command).await,
             Command::Reserve { ask, wait, key } => reservations::reserve(ctx, ask, wait, key).await,
             Command::Release { reservation_id, if_version } => reservations::release(ctx, reservation_id, if_version).await,
             Command::Extend { reservation_id, by, if_version } => reservations::extend(ctx, reservation_id, by, if_version).await,
@@ -63,7 +65,6 @@ impl Command {
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
             Command::Flavors { command } => flavors::run(ctx, command).await,
             Command::Images { command } => flavors::images(ctx, command).await,
-            Command::Releases { command } => rollouts::releases(ctx, command).await,
             Command::Rollouts { command } => rollouts::run(ctx, command).await,
             Command::Instances { command } => instances::run(ctx, command).await,
             Command::Metal { command } => metal::run(ctx, command).await,

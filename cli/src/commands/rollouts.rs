@@ -48,6 +48,9 @@ pub async fn releases(ctx: &Context, command: ReleasesCommand) -> Result<(), Cli
             body.insert("releaseId".into(), json!(check_id::<ReleaseId>("RELEASE_ID", &release_id)?));
             ctx.client()?.call("releases.get", &Value::Object(body), None).await?
         }
+        ReleasesCommand::Keygen { .. } | ReleasesCommand::Sign { .. } | ReleasesCommand::Verify { .. } => {
+            return super::release::run(ctx, command);
+        }
         ReleasesCommand::Register { manifest, signature, key } => {
             let signature = signature_path(&manifest, signature);
             let manifest_text = read_bounded(&manifest, "--manifest", bc_core::release::MANIFEST_BYTES_MAX)?;

@@ -525,13 +525,13 @@ async fn check_entry_subject(
             Ok(p) => p,
             Err(e) => return Ok(Err(format!("the payload of node.agent_started: {e}"))),
         };
-        let bounded = started.version.len() <= crate::agents::join::AGENT_VERSION_BYTES_MAX
-            && started.previous_version.as_ref().is_none_or(|v| v.len() <= crate::agents::join::AGENT_VERSION_BYTES_MAX)
+        let bounded = started.version.len() <= bc_core::release::VERSION_BYTES_MAX
+            && started.previous_version.as_ref().is_none_or(|v| v.len() <= bc_core::release::VERSION_BYTES_MAX)
             && matches!(started.slot.as_str(), "" | "a" | "b");
         if started.journal.is_some() || started.node_id != node || body.subject != format!("{KIND_AGENT}/{node}") || !bounded {
             return Ok(Err(format!(
                 "node.agent_started is about this node, on {KIND_AGENT}/{node}, with a version of at most {} bytes and slot a, b or none",
-                crate::agents::join::AGENT_VERSION_BYTES_MAX
+                bc_core::release::VERSION_BYTES_MAX
             )));
         }
         return Ok(Ok(()));

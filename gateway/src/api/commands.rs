@@ -34,7 +34,14 @@ pub const COMMAND_DEADLINE_S_MAX: u64 = 24 * 3600;
 /// The command kinds an API caller issues. `gpu.hold` and `gpu.release` are the control
 /// plane's own: a reservation's activation and ending issue them (`placement::activation`,
 /// `placement::ending`), so GPUs are never set aside outside a reservation.
-pub const COMMAND_KINDS: &[&str] = &["ping"];
+/// `agent.update` is also what a rollout sends (`rollouts`), and has its own default deadline,
+/// [`bc_core::release::UPDATE_COMMAND_DEADLINE_S`].
+pub const COMMAND_KINDS: &[&str] = &["ping", AGENT_UPDATE];
+/// The command that has an agent take a signed release (`bcd` verifies it against its pinned
+/// release keys, switches slots and re-executes).
+pub const AGENT_UPDATE: &str = "agent.update";
+/// The longest `rolloutId` an `agent.update` names.
+pub const ROLLOUT_ID_BYTES_MAX: usize = 64;
 
 pub(super) const METHODS: &[Method] = &[
     method!("commands.issue", WRITE, "send a command to a node's agent", CommandsIssue => CommandView, commands_issue),
@@ -44,7 +51,7 @@ pub(super) const METHODS: &[Method] = &[
 ];
 
 string_schema!(
-    /// `ping` (answer at once).
+    /// `ping` (answer at once), `agent.update` (take a signed release).
     CommandKindText,
     json_schema!({ "type": "string", "enum": COMMAND_KINDS })
 );
@@ -52,6 +59,61 @@ string_schema!(
 #[derive(Deserialize, JsonSchema, serde::Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PingArgs {}
+
+/// `agent.update`'s arguments: a signed release, exactly as signed. The gateway checks their
+/// bounds and that the manifest is one; the agent checks the signature against its own pinned
+/// release keys (the control plane is not what it trusts).
+#[derive(Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentUpdateArgs {
+    /// The release manifest's JSON text, byte for byte as signed (at most 8 KiB).
+    #[schemars(length(min = 1, max = bc_core::release::MANIFEST_BYTES_MAX))]
+    pub manifest: String,
+    /// The signature file's text: `rk_<16 hex> <base64>`.
+    #[schemars(length(min = 1, max = bc_core::release::SIGNATURE_BYTES_MAX))]
+    pub signature: String,
+    /// The rollout that sends it, if one does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = ROLLOUT_ID_BYTES_MAX))]
+    pub rollout_id: Option<String>,
+}
+
+impl AgentUpdateArgs {
+    /// The bounds, the signature line's shape and the manifest's fields (not the signature:
+    /// that is the agent's to check, under its pins).
+    pub fn check(&self) -> Result<()> {
+        use bc_core::release::{MANIFEST_BYTES_MAX, Manifest, SIGNATURE_BYTES_MAX, signature_key_id};
+        let invalid = |message: String| Error::InvalidArgument {
+            message: format!("args of {AGENT_UPDATE}: {message}"),
+            hint: Some("pass the files better-compute releases sign wrote: the manifest and its .sig".into()),
+        };
+        if self.manifest.len() > MANIFEST_BYTES_MAX || self.signature.len() > SIGNATURE_BYTES_MAX {
+            return Err(invalid(format!(
+                "the manifest is at most {MANIFEST_BYTES_MAX} bytes and the signature {SIGNATURE_BYTES_MAX}"
+            )));
+        }
+        Manifest::parse(self.manifest.as_bytes()).map_err(|e| invalid(e.to_string()))?;
+        signature_key_id(&self.signature).map_err(|e| invalid(e.to_string()))?;
+        if let Some(rollout) = &self.rollout_id {
+            let well_formed = rollout.len() <= ROLLOUT_ID_BYTES_MAX
+                && rollout.starts_with("ro_")
+                && rollout.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !well_formed {
+                return Err(invalid("rolloutId is not a rollout id (ro_…)".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The schema of `args`: one of the kinds' argument objects.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // a schema only
+enum CommandArgs {
+    Ping(PingArgs),
+    AgentUpdate(AgentUpdateArgs),
+}
 
 /// `args` are the arguments of `kind` (absent: `{}`, which only `ping` takes).
 #[derive(Deserialize, JsonSchema)]
@@ -63,11 +125,12 @@ pub struct CommandsIssue {
     node_id: String,
     #[schemars(with = "CommandKindText")]
     kind: String,
-    /// The kind's arguments (`{}` for `ping`).
+    /// The kind's arguments (`{}` for `ping`; `{manifest, signature, rolloutId?}` for
+    /// `agent.update`).
     #[serde(default)]
-    #[schemars(with = "PingArgs")]
+    #[schemars(with = "CommandArgs")]
     args: serde_json::Map<String, Value>,
-    /// Seconds the node has to run it (default 300).
+    /// Seconds the node has to run it (default 300; 600 for `agent.update`).
     #[schemars(range(min = 1, max = COMMAND_DEADLINE_S_MAX))]
     deadline_s: Option<u64>,
 }
@@ -107,6 +170,14 @@ fn args_of(kind: &str, args: serde_json::Map<String, Value>) -> Result<(&'static
     let args = Value::Object(args);
     Ok(match kind {
         "ping" => ("ping", typed::<PingArgs>(kind, args)?),
+        AGENT_UPDATE => {
+            let parsed: AgentUpdateArgs = serde_json::from_value(args).map_err(|e| Error::InvalidArgument {
+                message: format!("args of {kind}: {}", bc_core::id::truncate(&e.to_string(), 200)),
+                hint: None,
+            })?;
+            parsed.check()?;
+            (AGENT_UPDATE, serde_json::to_value(parsed).map_err(|e| Error::Internal(format!("command args: {e}")))?)
+        }
         "gpu.hold" | "gpu.release" => {
             return Err(Error::InvalidArgument {
                 message: format!("{kind} is issued by the control plane, not by a caller"),
@@ -149,7 +220,11 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
     let tenant = call.tenant(&input.tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
     let (kind, args) = args_of(&input.kind, input.args)?;
-    let deadline_s = input.deadline_s.unwrap_or(COMMAND_DEADLINE_S_DEFAULT);
+    let deadline_s = input.deadline_s.unwrap_or(if kind == AGENT_UPDATE {
+        bc_core::release::UPDATE_COMMAND_DEADLINE_S
+    } else {
+        COMMAND_DEADLINE_S_DEFAULT
+    });
     if !(1..=COMMAND_DEADLINE_S_MAX).contains(&deadline_s) {
         return Err(Error::invalid(format!("deadlineS must be 1 to {COMMAND_DEADLINE_S_MAX} seconds")));
     }

@@ -1,0 +1,911 @@
+//! `agent.update` and `bcd update`: a signed release into the inactive slot, the switch, the
+//! re-exec, and the watchdog that rolls back an agent that does not confirm its health.
+//!
+//! Files (`[update]` in config.toml): `slots/a/bcd` and `slots/b/bcd`, the two slots;
+//! `slots/state.json`, which slot is active, what each holds, the update waiting for its
+//! confirmation and the last rollback ([`SlotsState`], written whole like the ledgers);
+//! `slots/pending`, the marker of an update waiting for its confirmation, which the new agent
+//! (confirming) and the watchdog (rolling back) each try to rename away: `rename` succeeds for
+//! one of them only, so the two can never both win; and the entrypoint (`bin/bcd` by default), a
+//! symlink to the active slot's binary, which is what a service manager should start.
+//!
+//! The decisions are pure ([`decide_update`], [`watchdog_verdict`], [`trailer_version`]); the
+//! rest is the thin shell around them: fetching the artifact (bounded in size and time, through
+//! `images.rs`'s bounded download), writing the slot (a temporary file, synced, renamed, 0755),
+//! switching the symlink (a new link renamed over it), and the watchdog: a detached process of
+//! the *old* binary (`bcd __update-watchdog`), which past `confirm_within_s` (or as soon as the
+//! new agent is gone) kills the new agent, points the entrypoint back, records the rollback and
+//! execs the old agent with the same arguments. The old agent, at its start, journals the
+//! command `command.failed` with `rolled-back: …`.
+//!
+//! Reasons start with stable codes: `bc_core::release`'s (`release-…`, `artifact-…`), and
+//! `update-unconfigured`, `update-in-progress`, `update-failed` (the node's own files, or the
+//! watchdog could not be started).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use bc_core::clock::{Clock as _, SystemClock};
+use bc_core::release::{
+    ARTIFACT_BYTES_MAX, Artifact, Manifest, ReleaseError, ReleasePublicKey, UPDATE_COMMAND_DEADLINE_S, UpdateCheck, check_update,
+    verify,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+
+/// The slots directory under `data_dir`, by default, and the files in it.
+pub const SLOTS_DIR_DEFAULT: &str = "slots";
+pub const STATE_FILE: &str = "state.json";
+pub const PENDING_FILE: &str = "pending";
+/// A slot's binary, in its directory.
+pub const BINARY_FILE: &str = "bcd";
+/// The entrypoint under `data_dir`, by default.
+pub const ENTRYPOINT_DEFAULT: &str = "bin/bcd";
+/// `bcd node` writes its process id here (so an agent the watchdog started can be found).
+pub const PID_FILE: &str = "bcd.pid";
+/// How long a new agent has to confirm its health, by default, and the bounds.
+pub const CONFIRM_WITHIN_S_DEFAULT: u64 = 120;
+pub const CONFIRM_WITHIN_S_MIN: u64 = 2;
+pub const CONFIRM_WITHIN_S_MAX: u64 = 300;
+/// How long a new agent must be live (after its session's Welcome) before it confirms.
+pub const HEALTHY_AFTER_S_DEFAULT: u64 = 5;
+/// Release keys pinned at most.
+pub const RELEASE_KEYS_MAX: usize = 16;
+/// The longest an artifact fetch may take: with the confirmation, within the command's deadline.
+pub const ARTIFACT_FETCH_TIMEOUT_S: u64 = 240;
+/// How often the watchdog looks at the state and the new agent.
+pub const WATCHDOG_POLL_MS: u64 = 250;
+/// How long the watchdog waits for a killed agent to be gone.
+pub const WATCHDOG_KILL_WAIT_MS: u64 = 5_000;
+/// How long arming the watchdog (its first stage, which detaches the second) may take.
+pub const WATCHDOG_ARM_TIMEOUT_S: u64 = 10;
+/// The largest state file read.
+pub const STATE_BYTES_MAX: u64 = 64 * 1024;
+/// The hidden command of the watchdog.
+pub const WATCHDOG_COMMAND: &str = "__update-watchdog";
+/// The fakehw builds' version trailer: the executable's last bytes are
+/// `\nbcd-fakehw-version=X.Y.Z\n`, so a test makes release B from the same binary.
+pub const FAKEHW_TRAILER_PREFIX: &[u8] = b"\nbcd-fakehw-version=";
+/// The trailer's bytes at most.
+pub const FAKEHW_TRAILER_BYTES_MAX: usize = 96;
+
+const _: () = assert!(ARTIFACT_FETCH_TIMEOUT_S + CONFIRM_WITHIN_S_MAX < UPDATE_COMMAND_DEADLINE_S);
+const _: () = assert!(CONFIRM_WITHIN_S_MIN * 1000 > WATCHDOG_POLL_MS);
+
+/// One of the two slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Slot {
+    A,
+    B,
+}
+
+impl Slot {
+    pub fn other(self) -> Self {
+        match self {
+            Self::A => Self::B,
+            Self::B => Self::A,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::A => "a",
+            Self::B => "b",
+        }
+    }
+}
+
+/// An update switched to, waiting for the new agent to confirm its health.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pending {
+    /// The `agent.update` command; none for a `bcd update` by hand.
+    pub command_id: Option<String>,
+    pub slot: Slot,
+    pub version: String,
+    pub from_slot: Slot,
+    pub from_version: String,
+    /// Past it, the watchdog rolls back.
+    pub deadline_ms: u64,
+    pub confirm_within_s: u64,
+    /// The agent's process (the same after the exec), which the watchdog watches.
+    pub pid: u32,
+    /// The arguments the agent runs with, which the old agent is started with again.
+    pub args: Vec<String>,
+}
+
+/// A rollback the watchdog made.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Rollback {
+    pub command_id: Option<String>,
+    pub slot: Slot,
+    pub version: String,
+    pub back_slot: Slot,
+    pub back_version: String,
+    /// `rolled-back: …`, as journaled.
+    pub reason: String,
+    pub at_ms: u64,
+    /// Whether the old agent journaled it.
+    pub reported: bool,
+}
+
+/// `slots/state.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotsState {
+    pub active: Slot,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<Slot>,
+    /// The version each slot holds.
+    #[serde(default)]
+    pub versions: BTreeMap<Slot, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<Pending>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_rollback: Option<Rollback>,
+    /// The version the last `bcd node` ran (the next start's `previousVersion`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_started_version: Option<String>,
+}
+
+impl SlotsState {
+    /// A first start: the running binary adopted as slot `a`.
+    pub fn adopted(version: &str) -> Self {
+        Self {
+            active: Slot::A,
+            previous: None,
+            versions: BTreeMap::from([(Slot::A, version.to_owned())]),
+            pending: None,
+            last_rollback: None,
+            last_started_version: None,
+        }
+    }
+}
+
+/// What an `agent.update` asks: the manifest and signature as signed.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UpdateArgs {
+    pub manifest: String,
+    pub signature: String,
+    #[serde(default)]
+    pub rollout_id: Option<String>,
+}
+
+/// What [`decide_update`] says to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpdatePlan {
+    /// The release is what runs: succeeded at once (`already: true`).
+    Already { version: String },
+    /// This command is the update waiting for this agent's confirmation (redelivered to the new
+    /// agent): nothing to do; the confirmation answers it.
+    AwaitingConfirmation,
+    /// Fetch `artifact` into `slot`, switch to it, re-exec.
+    Install { manifest: Manifest, artifact: Artifact, slot: Slot, from_slot: Slot },
+}
+
+/// The refusal of an update that is not configured.
+pub const UPDATE_UNCONFIGURED: &str =
+    "update-unconfigured: this node pins no release keys (hint: set [update] release_keys in config.toml)";
+
+/// Decides an update, purely: the release must be signed by a pinned key (`trusted`), be one the
+/// running `current` may take, and have a build for `arch`; no other update may be waiting for
+/// its confirmation. Refusals are the reason to journal, starting with its code.
+pub fn decide_update(
+    current: &str,
+    trusted: &[ReleasePublicKey],
+    args: &UpdateArgs,
+    arch: &str,
+    state: &SlotsState,
+    command_id: Option<&str>,
+) -> Result<UpdatePlan, String> {
+    if trusted.is_empty() {
+        return Err(UPDATE_UNCONFIGURED.into());
+    }
+    if let Some(pending) = &state.pending {
+        if command_id.is_some() && pending.command_id.as_deref() == command_id {
+            return Ok(UpdatePlan::AwaitingConfirmation);
+        }
+        return Err(format!(
+            "update-in-progress: the update to {} (slot {}) waits for its confirmation; try again once it is confirmed or rolled back",
+            pending.version,
+            pending.slot.as_str()
+        ));
+    }
+    let manifest = verify(trusted, args.manifest.as_bytes(), &args.signature).map_err(|e| e.to_string())?;
+    match check_update(current, &manifest).map_err(|e| e.to_string())? {
+        UpdateCheck::Same => return Ok(UpdatePlan::Already { version: manifest.version }),
+        UpdateCheck::Upgrade | UpdateCheck::Downgrade => {}
+    }
+    let artifact = manifest.artifact_for(arch).map_err(|e| e.to_string())?.clone();
+    Ok(UpdatePlan::Install { manifest, artifact, slot: state.active.other(), from_slot: state.active })
+}
+
+/// The reason a rollback is journaled with.
+pub fn rollback_reason(pending: &Pending) -> String {
+    format!(
+        "rolled-back: the agent {} did not confirm health within {} s; back on slot {} (version {})",
+        pending.version,
+        pending.confirm_within_s,
+        pending.from_slot.as_str(),
+        pending.from_version
+    )
+}
+
+/// What the watchdog does on one look.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchdogVerdict {
+    /// The update was confirmed (or is gone): the watchdog ends.
+    Done,
+    Wait,
+    /// Past the deadline, or the new agent is gone: roll back.
+    RollBack,
+}
+
+/// The watchdog's decision for the update of `command_id` it watches: `state` as read now,
+/// whether the marker is still there, whether the agent's process lives.
+pub fn watchdog_verdict(state: &SlotsState, watched: &Pending, marker: bool, agent_alive: bool, now_ms: u64) -> WatchdogVerdict {
+    match &state.pending {
+        Some(p) if p == watched && marker => {
+            if now_ms >= p.deadline_ms || !agent_alive {
+                WatchdogVerdict::RollBack
+            } else {
+                WatchdogVerdict::Wait
+            }
+        }
+        _ => WatchdogVerdict::Done,
+    }
+}
+
+/// The version a fakehw trailer at the end of `tail` (an executable's last bytes) says.
+pub fn trailer_version(tail: &[u8]) -> Option<String> {
+    let body = tail.strip_suffix(b"\n")?;
+    let at = body.windows(FAKEHW_TRAILER_PREFIX.len()).rposition(|w| w == FAKEHW_TRAILER_PREFIX)?;
+    let version = std::str::from_utf8(&body[at + FAKEHW_TRAILER_PREFIX.len()..]).ok()?;
+    semver_ok(version).then(|| version.to_owned())
+}
+
+fn semver_ok(text: &str) -> bool {
+    text.len() <= bc_core::release::VERSION_BYTES_MAX && bc_core::release::is_version(text)
+}
+
+/// The version this agent reports: the package's, or in a fakehw build the trailer's of its
+/// executable when it has one.
+pub fn running_version() -> String {
+    if cfg!(feature = "fakehw")
+        && let Some(version) = std::env::current_exe().ok().and_then(|exe| executable_trailer(&exe))
+    {
+        return version;
+    }
+    env!("CARGO_PKG_VERSION").to_owned()
+}
+
+fn executable_trailer(path: &Path) -> Option<String> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let take = len.min(FAKEHW_TRAILER_BYTES_MAX as u64);
+    file.seek(SeekFrom::Start(len - take)).ok()?;
+    let mut tail = Vec::with_capacity(take as usize);
+    file.take(take).read_to_end(&mut tail).ok()?;
+    trailer_version(&tail)
+}
+
+/// `[update]`, checked, with its defaults filled in.
+#[derive(Clone, Debug)]
+pub struct UpdateSettings {
+    pub release_keys: Vec<ReleasePublicKey>,
+    pub slots_dir: PathBuf,
+    pub entrypoint: PathBuf,
+    pub confirm_within_s: u64,
+    pub healthy_after_s: u64,
+    pub data_dir: PathBuf,
+}
+
+impl UpdateSettings {
+    /// `config`'s `[update]`; `None` without one.
+    pub fn of(config: &Config) -> Result<Option<Self>, String> {
+        let Some(update) = &config.update else { return Ok(None) };
+        if update.release_keys.len() > RELEASE_KEYS_MAX {
+            return Err(format!("[update] release_keys holds at most {RELEASE_KEYS_MAX} keys"));
+        }
+        let mut release_keys = Vec::new();
+        for (i, line) in update.release_keys.iter().enumerate() {
+            release_keys.push(ReleasePublicKey::parse_line(line).map_err(|e| format!("[update] release_keys[{i}]: {e}"))?);
+        }
+        let confirm_within_s = update.confirm_within_s.unwrap_or(CONFIRM_WITHIN_S_DEFAULT);
+        if !(CONFIRM_WITHIN_S_MIN..=CONFIRM_WITHIN_S_MAX).contains(&confirm_within_s) {
+            return Err(format!("[update] confirm_within_s is {CONFIRM_WITHIN_S_MIN} to {CONFIRM_WITHIN_S_MAX}"));
+        }
+        let healthy_after_s = update.healthy_after_s.unwrap_or(HEALTHY_AFTER_S_DEFAULT.min(confirm_within_s / 2));
+        if healthy_after_s >= confirm_within_s {
+            return Err("[update] healthy_after_s is less than confirm_within_s".into());
+        }
+        let absolute = |p: PathBuf| if p.is_absolute() { p } else { config.data_dir.join(p) };
+        Ok(Some(Self {
+            release_keys,
+            slots_dir: absolute(update.slots_dir.clone().unwrap_or_else(|| SLOTS_DIR_DEFAULT.into())),
+            entrypoint: absolute(update.entrypoint.clone().unwrap_or_else(|| ENTRYPOINT_DEFAULT.into())),
+            confirm_within_s,
+            healthy_after_s,
+            data_dir: config.data_dir.clone(),
+        }))
+    }
+
+    pub fn binary(&self, slot: Slot) -> PathBuf {
+        self.slots_dir.join(slot.as_str()).join(BINARY_FILE)
+    }
+
+    fn state_path(&self) -> PathBuf {
+        self.slots_dir.join(STATE_FILE)
+    }
+
+    fn marker_path(&self) -> PathBuf {
+        self.slots_dir.join(PENDING_FILE)
+    }
+
+    /// The state, or none before the first start with `[update]`.
+    pub fn load_state(&self) -> Result<Option<SlotsState>, String> {
+        let path = self.state_path();
+        match std::fs::metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Ok(meta) if meta.len() > STATE_BYTES_MAX => {
+                return Err(format!("{} is over {STATE_BYTES_MAX} bytes", path.display()));
+            }
+            Ok(_) => {}
+        }
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn save_state(&self, state: &SlotsState) -> Result<(), String> {
+        let bytes = serde_json::to_vec_pretty(state).map_err(|e| e.to_string())?;
+        write_replacing(&self.state_path(), &bytes, 0o600).map_err(|e| format!("{}: {e}", self.state_path().display()))
+    }
+
+    /// Points the entrypoint at `slot`'s binary: a new link renamed over the old one.
+    pub fn point_entrypoint(&self, slot: Slot) -> Result<(), String> {
+        let link = &self.entrypoint;
+        let err = |e: std::io::Error| format!("the entrypoint {}: {e}", link.display());
+        if let Some(dir) = link.parent() {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+        let temp = sibling(link, ".tmp");
+        let _ = std::fs::remove_file(&temp);
+        std::os::unix::fs::symlink(self.binary(slot), &temp).map_err(err)?;
+        std::fs::rename(&temp, link).map_err(err)?;
+        bc_core::keys::sync_dir_of(link).map_err(|e| e.to_string())
+    }
+}
+
+/// `path` with `suffix` added to its name.
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// Writes `bytes` whole to `path` with `mode`: a temporary file, synced, renamed over it, the
+/// directory synced.
+fn write_replacing(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let temp = sibling(path, ".tmp");
+    let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&temp)?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&temp, path)?;
+    std::fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
+}
+
+/// What a start of `bcd node` learns from the slots, and journals.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StartReport {
+    pub slot: Slot,
+    pub previous_version: Option<String>,
+    /// A rollback not journaled yet: its command fails with its reason.
+    pub rollback: Option<Rollback>,
+    /// This agent is the update waiting for its confirmation.
+    pub pending: Option<Pending>,
+}
+
+/// How `bcd node` was started: what the watchdog needs to start the old agent again.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub config_path: PathBuf,
+    /// The arguments after the program's name.
+    pub args: Vec<String>,
+}
+
+/// The update machinery of a running `bcd node`.
+pub struct Updater {
+    pub settings: UpdateSettings,
+    pub version: String,
+    launch: Launch,
+    http: reqwest::Client,
+    /// The binary to re-execute, once an update switched to it; the driver watches it.
+    reexec: tokio::sync::watch::Sender<Option<PathBuf>>,
+}
+
+impl Updater {
+    pub fn new(settings: UpdateSettings, version: String, launch: Launch) -> Result<Self, String> {
+        let http = crate::images::http_client(ARTIFACT_FETCH_TIMEOUT_S)?;
+        Ok(Self { settings, version, launch, http, reexec: tokio::sync::watch::Sender::new(None) })
+    }
+
+    /// Where the driver learns that an update wants this process re-executed.
+    pub fn reexec_requested(&self) -> tokio::sync::watch::Receiver<Option<PathBuf>> {
+        self.reexec.subscribe()
+    }
+
+    /// At the start of `bcd node`: the slots made if there are none (this executable adopted as
+    /// slot `a`, the entrypoint pointed at it), the start recorded.
+    pub fn start(&self) -> Result<StartReport, String> {
+        let s = &self.settings;
+        let mut state = match s.load_state()? {
+            Some(state) => state,
+            None => {
+                let exe = std::env::current_exe().map_err(|e| format!("update-failed: this executable: {e}"))?;
+                let target = s.binary(Slot::A);
+                copy_executable(&exe, &target).map_err(|e| format!("adopting {} as slot a: {e}", exe.display()))?;
+                let state = SlotsState::adopted(&self.version);
+                s.save_state(&state)?;
+                s.point_entrypoint(Slot::A)?;
+                tracing::info!(slot = "a", version = %self.version, entrypoint = %s.entrypoint.display(), "this bcd was adopted as slot a");
+                state
+            }
+        };
+        let previous_version = state.last_started_version.replace(self.version.clone());
+        let rollback = state.last_rollback.clone().filter(|r| !r.reported);
+        let pending = state.pending.clone().filter(|p| p.slot == state.active);
+        s.save_state(&state)?;
+        Ok(StartReport { slot: state.active, previous_version, rollback, pending })
+    }
+
+    /// The slot the entrypoint points at.
+    pub fn active_slot(&self) -> Option<Slot> {
+        self.settings.load_state().ok().flatten().map(|s| s.active)
+    }
+
+    /// Records that the rollback's failure was journaled.
+    pub fn rollback_reported(&self) -> Result<(), String> {
+        let Some(mut state) = self.settings.load_state()? else { return Ok(()) };
+        if let Some(r) = state.last_rollback.as_mut() {
+            r.reported = true;
+        }
+        self.settings.save_state(&state)
+    }
+
+    /// The pure decision, on the state as it is now.
+    pub fn decide(&self, args: &UpdateArgs, command_id: Option<&str>) -> Result<UpdatePlan, String> {
+        let state = self
+            .settings
+            .load_state()
+            .map_err(|e| format!("update-failed: {e}"))?
+            .unwrap_or_else(|| SlotsState::adopted(&self.version));
+        decide_update(&self.version, &self.settings.release_keys, args, std::env::consts::ARCH, &state, command_id)
+    }
+
+    /// Carries out an [`UpdatePlan::Install`]: the artifact fetched and checked into the slot,
+    /// the update recorded as pending, the entrypoint switched, the watchdog armed; then the
+    /// driver is asked to re-execute. Any failure before the switch leaves the running agent as
+    /// it was.
+    pub async fn install(&self, plan: UpdatePlan, command_id: Option<&str>, now_ms: u64) -> Result<PathBuf, String> {
+        let UpdatePlan::Install { manifest, artifact, slot, from_slot } = plan else {
+            return Err("update-failed: nothing to install".into());
+        };
+        let s = &self.settings;
+        let target = s.binary(slot);
+        let dir = target.parent().unwrap_or(&s.slots_dir).to_path_buf();
+        std::fs::create_dir_all(&dir).map_err(|e| format!("update-failed: {}: {e}", dir.display()))?;
+        let partial = sibling(&target, ".partial");
+        let wanted = crate::images::Wanted {
+            what: "artifact",
+            url: &artifact.url,
+            sha256: &artifact.sha256,
+            size_bytes: Some(artifact.size),
+            limit: ARTIFACT_BYTES_MAX,
+        };
+        if let Err(e) = crate::images::download(&self.http, &wanted, &partial).await {
+            let _ = std::fs::remove_file(&partial);
+            return Err(artifact_error(e).to_string());
+        }
+        let placed = (|| {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o755))?;
+            std::fs::rename(&partial, &target)?;
+            std::fs::File::open(&dir)?.sync_all()
+        })();
+        if let Err(e) = placed {
+            let _ = std::fs::remove_file(&partial);
+            return Err(format!("update-failed: {}: {e}", target.display()));
+        }
+        let mut state =
+            s.load_state().map_err(|e| format!("update-failed: {e}"))?.unwrap_or_else(|| SlotsState::adopted(&self.version));
+        let before = state.clone();
+        let pending = Pending {
+            command_id: command_id.map(str::to_owned),
+            slot,
+            version: manifest.version.clone(),
+            from_slot,
+            from_version: self.version.clone(),
+            deadline_ms: now_ms + s.confirm_within_s * 1000,
+            confirm_within_s: s.confirm_within_s,
+            pid: std::process::id(),
+            args: self.launch.args.clone(),
+        };
+        state.versions.insert(slot, manifest.version.clone());
+        state.previous = Some(from_slot);
+        state.active = slot;
+        state.pending = Some(pending);
+        let switched = (|| {
+            s.save_state(&state)?;
+            write_replacing(&s.marker_path(), command_id.unwrap_or("by-hand").as_bytes(), 0o600)
+                .map_err(|e| format!("{}: {e}", s.marker_path().display()))?;
+            s.point_entrypoint(slot)?;
+            self.arm_watchdog(from_slot)
+        })();
+        if let Err(e) = switched {
+            // Back as it was: the old slot active, nothing pending.
+            let _ = std::fs::remove_file(s.marker_path());
+            let _ = s.point_entrypoint(from_slot);
+            let _ = s.save_state(&before);
+            return Err(format!("update-failed: {e}"));
+        }
+        tracing::info!(version = %manifest.version, slot = slot.as_str(), "release installed; re-executing");
+        Ok(target)
+    }
+
+    /// Asks the driver to re-execute as `binary` (an installed update).
+    pub fn request_reexec(&self, binary: PathBuf) {
+        self.reexec.send_replace(Some(binary));
+    }
+
+    /// An update by hand (`bcd update`, through the status socket): decided and installed as an
+    /// `agent.update` is, with no command to answer. `Ok`: what to tell the person, and the
+    /// binary to re-execute as once told (none: nothing to do).
+    pub async fn by_hand(&self, args: &UpdateArgs, now_ms: u64) -> Result<(String, Option<PathBuf>), String> {
+        match self.decide(args, None)? {
+            UpdatePlan::Already { version } => Ok((format!("bcd {version} runs already"), None)),
+            UpdatePlan::AwaitingConfirmation => Err("update-in-progress: an update waits for its confirmation".into()),
+            plan => {
+                let UpdatePlan::Install { manifest, slot, .. } = &plan else { unreachable!("matched above") };
+                let message = format!(
+                    "switched to bcd {} in slot {}; the agent re-executes and confirms its health within {} s, or the watchdog rolls it back",
+                    manifest.version,
+                    slot.as_str(),
+                    self.settings.confirm_within_s
+                );
+                let binary = self.install(plan, None, now_ms).await?;
+                Ok((message, Some(binary)))
+            }
+        }
+    }
+
+    /// Starts the watchdog from the old slot's binary and waits for its first stage, which
+    /// detaches the second and ends.
+    fn arm_watchdog(&self, from_slot: Slot) -> Result<(), String> {
+        let binary = self.settings.binary(from_slot);
+        let mut child = std::process::Command::new(&binary)
+            .arg(WATCHDOG_COMMAND)
+            .arg("--config")
+            .arg(&self.launch.config_path)
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| format!("starting the watchdog {}: {e}", binary.display()))?;
+        for _ in 0..(WATCHDOG_ARM_TIMEOUT_S * 1000 / 50) {
+            match child.try_wait() {
+                Ok(Some(status)) if status.success() => return Ok(()),
+                Ok(Some(status)) => return Err(format!("the watchdog did not start ({status})")),
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(50)),
+                Err(e) => return Err(format!("the watchdog: {e}")),
+            }
+        }
+        let _ = child.kill();
+        Err(format!("the watchdog did not start within {WATCHDOG_ARM_TIMEOUT_S} s"))
+    }
+
+    /// The new agent confirms its health: it takes the marker (the watchdog then has nothing to
+    /// roll back) and records the update done. `false`: the watchdog took it first.
+    pub fn confirm(&self, pending: &Pending) -> Result<bool, String> {
+        let s = &self.settings;
+        match std::fs::rename(s.marker_path(), sibling(&s.marker_path(), ".confirmed")) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(format!("{}: {e}", s.marker_path().display())),
+        }
+        let mut state = s.load_state()?.unwrap_or_else(|| SlotsState::adopted(&self.version));
+        if state.pending.as_ref() == Some(pending) {
+            state.pending = None;
+        }
+        s.save_state(&state)?;
+        tracing::info!(version = %pending.version, slot = pending.slot.as_str(), "the update is confirmed healthy");
+        Ok(true)
+    }
+}
+
+fn artifact_error(e: crate::images::ImageError) -> ReleaseError {
+    use crate::images::ImageError;
+    match e {
+        ImageError::Fetch(m) => ReleaseError::ArtifactFetch(m),
+        ImageError::Digest(m) => ReleaseError::ArtifactDigest(m),
+        ImageError::Size(m) => ReleaseError::ArtifactSize(m),
+        ImageError::Disk(m) => ReleaseError::ArtifactFetch(format!("writing the slot: {m}")),
+    }
+}
+
+/// Copies an executable into a slot: a temporary file, synced, 0755, renamed.
+fn copy_executable(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    if let Some(dir) = to.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let temp = sibling(to, ".partial");
+    std::fs::copy(from, &temp)?;
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::File::open(&temp)?.sync_all()?;
+    std::fs::rename(&temp, to)?;
+    std::fs::File::open(to.parent().unwrap_or(Path::new(".")))?.sync_all()
+}
+
+/// Writes `<data_dir>/bcd.pid`.
+pub fn write_pid_file(data_dir: &Path) -> Result<(), String> {
+    let path = data_dir.join(PID_FILE);
+    write_replacing(&path, format!("{}\n", std::process::id()).as_bytes(), 0o644).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Whether process `pid` runs (a zombie does not).
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command's name in parentheses, which may hold anything.
+        Ok(stat) => {
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z" && s != "X")
+        }
+        Err(_) => false,
+    }
+}
+
+/// `bcd update`: hands the release to the running agent of `config` ([`crate::status`]).
+pub fn request(config: &Config, args: &UpdateArgs) -> Result<String, String> {
+    crate::status::request_update(&config.socket_path(), args)
+}
+
+/// `bcd __update-watchdog --config C [--detached]`: the first stage starts the second in its
+/// own process group (so it outlives the agent's exec and its group's signals) and ends; the
+/// second watches the pending update (see the module's header). Returns when there is nothing
+/// to do; on a rollback it does not return (it becomes the old agent).
+pub fn watchdog(config_path: &Path, detached: bool) -> Result<(), String> {
+    use std::os::unix::process::CommandExt as _;
+    let config = Config::load(config_path).map_err(|e| e.to_string())?;
+    let settings = UpdateSettings::of(&config)?.ok_or("the configuration has no [update]")?;
+    if !detached {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        std::process::Command::new(exe)
+            .arg(WATCHDOG_COMMAND)
+            .arg("--config")
+            .arg(config_path)
+            .arg("--detached")
+            .stdin(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(|e| format!("detaching the watchdog: {e}"))?;
+        return Ok(());
+    }
+    let watched = match settings.load_state()?.and_then(|s| s.pending) {
+        Some(p) => p,
+        None => return Ok(()),
+    };
+    tracing::info!(version = %watched.version, slot = watched.slot.as_str(), within_s = watched.confirm_within_s, "watching the update");
+    loop {
+        let state = settings.load_state()?.ok_or("the slots' state is gone")?;
+        let marker = settings.marker_path().exists();
+        let now_ms = SystemClock.now_ms();
+        match watchdog_verdict(&state, &watched, marker, process_alive(watched.pid), now_ms) {
+            WatchdogVerdict::Done => {
+                tracing::info!(version = %watched.version, "the update was confirmed; the watchdog ends");
+                return Ok(());
+            }
+            WatchdogVerdict::Wait => std::thread::sleep(std::time::Duration::from_millis(WATCHDOG_POLL_MS)),
+            WatchdogVerdict::RollBack => break,
+        }
+    }
+    // Take the marker: if the new agent confirmed meanwhile, it has it and this ends.
+    match std::fs::rename(settings.marker_path(), sibling(&settings.marker_path(), ".rolled-back")) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("{}: {e}", settings.marker_path().display())),
+    }
+    let reason = rollback_reason(&watched);
+    tracing::warn!(reason = %reason, "rolling back");
+    if process_alive(watched.pid) {
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_raw(watched.pid as i32).ok_or("pid 0")?,
+            rustix::process::Signal::KILL,
+        );
+        let mut waited_ms = 0;
+        while process_alive(watched.pid) && waited_ms < WATCHDOG_KILL_WAIT_MS {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            waited_ms += 50;
+        }
+    }
+    settings.point_entrypoint(watched.from_slot)?;
+    let mut state = settings.load_state()?.ok_or("the slots' state is gone")?;
+    state.active = watched.from_slot;
+    state.previous = Some(watched.slot);
+    state.pending = None;
+    state.last_rollback = Some(Rollback {
+        command_id: watched.command_id.clone(),
+        slot: watched.slot,
+        version: watched.version.clone(),
+        back_slot: watched.from_slot,
+        back_version: watched.from_version.clone(),
+        reason,
+        at_ms: SystemClock.now_ms(),
+        reported: false,
+    });
+    settings.save_state(&state)?;
+    let binary = settings.binary(watched.from_slot);
+    let e = std::process::Command::new(&binary).args(&watched.args).exec();
+    Err(format!("starting the old agent {}: {e}", binary.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use bc_core::release::{MANIFEST_FORMAT, ReleaseKey, sign};
+
+    use super::*;
+
+    fn release(key: &ReleaseKey, version: &str) -> UpdateArgs {
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT.into(),
+            version: version.into(),
+            min_update_from: None,
+            allow_downgrade: false,
+            key_id: key.key_id().into(),
+            artifacts: vec![Artifact {
+                arch: "x86_64".into(),
+                url: "http://127.0.0.1:1/bcd".into(),
+                sha256: "cd".repeat(32),
+                size: 10,
+            }],
+        };
+        let text = manifest.to_text();
+        UpdateArgs { signature: sign(key, text.as_bytes()), manifest: text, rollout_id: None }
+    }
+
+    fn pending(command: &str) -> Pending {
+        Pending {
+            command_id: Some(command.into()),
+            slot: Slot::B,
+            version: "0.2.0".into(),
+            from_slot: Slot::A,
+            from_version: "0.1.0".into(),
+            deadline_ms: 10_000,
+            confirm_within_s: 10,
+            pid: 42,
+            args: vec!["node".into()],
+        }
+    }
+
+    #[test]
+    fn an_update_installs_into_the_inactive_slot_or_says_why_not() {
+        let key = ReleaseKey::from_seed([1; 32]);
+        let trusted = [key.public().clone()];
+        let state = SlotsState::adopted("0.1.0");
+        let plan = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, Some("cmd_1")).unwrap();
+        let UpdatePlan::Install { slot, from_slot, manifest, artifact } = plan else { panic!("{plan:?}") };
+        assert_eq!((slot, from_slot, manifest.version.as_str(), artifact.size), (Slot::B, Slot::A, "0.2.0", 10));
+        let on_b = SlotsState { active: Slot::B, ..state.clone() };
+        let plan = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &on_b, None).unwrap();
+        assert!(matches!(plan, UpdatePlan::Install { slot: Slot::A, from_slot: Slot::B, .. }));
+
+        let reason = |r: Result<UpdatePlan, String>| r.unwrap_err().split(':').next().unwrap().to_owned();
+        assert_eq!(reason(decide_update("0.1.0", &[], &release(&key, "0.2.0"), "x86_64", &state, None)), "update-unconfigured");
+        let other = ReleaseKey::from_seed([2; 32]);
+        assert_eq!(
+            reason(decide_update("0.1.0", &trusted, &release(&other, "0.2.0"), "x86_64", &state, None)),
+            "release-untrusted-key"
+        );
+        let mut tampered = release(&key, "0.2.0");
+        tampered.manifest = tampered.manifest.replace("0.2.0", "0.2.1");
+        assert_eq!(reason(decide_update("0.1.0", &trusted, &tampered, "x86_64", &state, None)), "release-bad-signature");
+        assert_eq!(
+            reason(decide_update("0.3.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None)),
+            "release-downgrade"
+        );
+        assert_eq!(
+            reason(decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "riscv64", &state, None)),
+            "artifact-no-arch"
+        );
+        assert_eq!(
+            decide_update("0.2.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None),
+            Ok(UpdatePlan::Already { version: "0.2.0".into() })
+        );
+    }
+
+    #[test]
+    fn a_pending_update_waits_for_its_confirmation_and_blocks_others() {
+        let key = ReleaseKey::from_seed([1; 32]);
+        let trusted = [key.public().clone()];
+        let state = SlotsState { pending: Some(pending("cmd_1")), active: Slot::B, ..SlotsState::adopted("0.1.0") };
+        assert_eq!(
+            decide_update("0.2.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, Some("cmd_1")),
+            Ok(UpdatePlan::AwaitingConfirmation)
+        );
+        let other = decide_update("0.2.0", &trusted, &release(&key, "0.3.0"), "x86_64", &state, Some("cmd_2")).unwrap_err();
+        assert!(other.starts_with("update-in-progress: "), "{other}");
+    }
+
+    #[test]
+    fn the_watchdog_rolls_back_past_the_deadline_or_when_the_agent_is_gone() {
+        let watched = pending("cmd_1");
+        let state = SlotsState { pending: Some(watched.clone()), active: Slot::B, ..SlotsState::adopted("0.1.0") };
+        assert_eq!(watchdog_verdict(&state, &watched, true, true, 9_999), WatchdogVerdict::Wait);
+        assert_eq!(watchdog_verdict(&state, &watched, true, true, 10_000), WatchdogVerdict::RollBack);
+        assert_eq!(watchdog_verdict(&state, &watched, true, false, 1), WatchdogVerdict::RollBack);
+        assert_eq!(
+            watchdog_verdict(&state, &watched, false, false, 10_000),
+            WatchdogVerdict::Done,
+            "confirmed: the marker is gone"
+        );
+        let confirmed = SlotsState { pending: None, ..state.clone() };
+        assert_eq!(watchdog_verdict(&confirmed, &watched, true, true, 10_000), WatchdogVerdict::Done);
+        let another = SlotsState { pending: Some(pending("cmd_2")), ..state };
+        assert_eq!(watchdog_verdict(&another, &watched, true, true, 10_000), WatchdogVerdict::Done);
+        assert_eq!(
+            rollback_reason(&watched),
+            "rolled-back: the agent 0.2.0 did not confirm health within 10 s; back on slot a (version 0.1.0)"
+        );
+    }
+
+    #[test]
+    fn a_trailer_names_a_version_only_when_it_is_one() {
+        assert_eq!(trailer_version(b"\x7fELF...\nbcd-fakehw-version=0.2.0\n"), Some("0.2.0".into()));
+        assert_eq!(trailer_version(b"\nbcd-fakehw-version=0.2.0"), None, "no final newline");
+        assert_eq!(trailer_version(b"\nbcd-fakehw-version=two\n"), None);
+        assert_eq!(trailer_version(b"\x7fELF and nothing else"), None);
+    }
+
+    #[test]
+    fn slots_are_adopted_switched_and_confirmed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let config: Config = toml::from_str(&format!(
+            "data_dir = {:?}\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = \"sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\"\n[update]\nrelease_keys = [{:?}]\nconfirm_within_s = 10\n",
+            dir.path().display().to_string(),
+            ReleaseKey::from_seed([1; 32]).public().line()
+        ))
+        .unwrap();
+        let settings = UpdateSettings::of(&config).unwrap().unwrap();
+        assert_eq!((settings.confirm_within_s, settings.healthy_after_s), (10, 5));
+        let launch = Launch { config_path: "/c".into(), args: vec!["node".into()] };
+        let updater = Updater::new(settings.clone(), "0.1.0".into(), launch).unwrap();
+        let first = updater.start().unwrap();
+        assert_eq!((first.slot, first.previous_version.as_deref()), (Slot::A, None));
+        assert!(settings.binary(Slot::A).exists());
+        assert_eq!(std::fs::read_link(&settings.entrypoint).unwrap(), settings.binary(Slot::A));
+        let second = updater.start().unwrap();
+        assert_eq!(second.previous_version.as_deref(), Some("0.1.0"));
+
+        // Pending on b: the confirmation takes the marker once.
+        let watched = pending("cmd_1");
+        let mut state = settings.load_state().unwrap().unwrap();
+        state.pending = Some(watched.clone());
+        state.active = Slot::B;
+        settings.save_state(&state).unwrap();
+        write_replacing(&settings.marker_path(), b"cmd_1", 0o600).unwrap();
+        settings.point_entrypoint(Slot::B).unwrap();
+        assert_eq!(std::fs::read_link(&settings.entrypoint).unwrap(), settings.binary(Slot::B));
+        assert_eq!(updater.start().unwrap().pending, Some(watched.clone()));
+        assert!(updater.confirm(&watched).unwrap());
+        assert!(!updater.confirm(&watched).unwrap(), "taken once");
+        assert_eq!(settings.load_state().unwrap().unwrap().pending, None);
+    }
+}

@@ -1,0 +1,162 @@
+//! `releases keygen|sign|verify`: signed `bcd` releases, offline (no server is called). The key
+//! is read from a file, never from an argument; every file is written new (keys 0600, the
+//! public line and the manifest 0644) and never over one. A refused manifest exits 1 with its
+//! stable code (`release-bad-signature: …`), the same words an agent journals.
+
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+
+use bc_core::release::{
+    ARTIFACT_BYTES_MAX, Artifact, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, Manifest, ReleaseError, ReleaseKey, ReleasePublicKey,
+    SIGNATURE_BYTES_MAX,
+};
+use serde_json::json;
+use sha2::{Digest as _, Sha256};
+
+use crate::client::CliError;
+use crate::flags::ReleasesCommand;
+use crate::output::Format;
+
+use super::Context;
+
+/// The largest public key file read.
+const PUBLIC_KEY_FILE_BYTES_MAX: u64 = 4 * 1024;
+
+pub fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
+    let value = match command {
+        ReleasesCommand::Register { .. } | ReleasesCommand::List { .. } | ReleasesCommand::Get { .. } => {
+            return Err(CliError::new("INTERNAL", "releases register|list|get call the control plane (commands::rollouts)"));
+        }
+        ReleasesCommand::Keygen { out } => {
+            let key = ReleaseKey::generate();
+            let public = key.write_new(&out)?;
+            json!({
+                "keyId": key.key_id(), "key": out.display().to_string(),
+                "publicKeyFile": public.display().to_string(), "publicKey": key.public().line(),
+            })
+        }
+        ReleasesCommand::Sign { key, version, artifacts, url_base, min_update_from, allow_downgrade, out } => {
+            let key = ReleaseKey::load(&key)?;
+            let mut listed = Vec::new();
+            for item in &artifacts {
+                listed.push(artifact(item, url_base.as_deref())?);
+            }
+            let manifest = Manifest {
+                format: MANIFEST_FORMAT.into(),
+                version,
+                min_update_from,
+                allow_downgrade,
+                key_id: key.key_id().into(),
+                artifacts: listed,
+            };
+            manifest.check().map_err(refused)?;
+            let text = manifest.to_text();
+            if text.len() > MANIFEST_BYTES_MAX {
+                return Err(CliError::usage(format!("the manifest would be over {MANIFEST_BYTES_MAX} bytes")));
+            }
+            let signature = bc_core::release::sign(&key, text.as_bytes());
+            bc_core::release::verify(&[key.public().clone()], text.as_bytes(), &signature).map_err(refused)?;
+            let signature_path = signature_path_of(&out);
+            if signature_path.exists() {
+                return Err(bc_core::Error::AlreadyExists { what: format!("file {}", signature_path.display()) }.into());
+            }
+            bc_core::keys::write_new_file(&out, text.as_bytes(), 0o644)?;
+            bc_core::keys::write_new_file(&signature_path, signature.as_bytes(), 0o644)?;
+            json!({
+                "manifest": out.display().to_string(), "signature": signature_path.display().to_string(),
+                "keyId": key.key_id(), "version": manifest.version, "artifacts": manifest.artifacts,
+            })
+        }
+        ReleasesCommand::Verify { manifest, signature, keys } => {
+            let mut trusted = Vec::new();
+            for path in &keys {
+                trusted.push(public_key(path)?);
+            }
+            let text = read_bounded(&manifest, MANIFEST_BYTES_MAX as u64, "the manifest")?;
+            let signature_path = signature.unwrap_or_else(|| signature_path_of(&manifest));
+            let signature = read_bounded(&signature_path, SIGNATURE_BYTES_MAX as u64, "the signature")?;
+            let signature = String::from_utf8(signature).map_err(|_| refused(ReleaseError::BadSignature("not text".into())))?;
+            let verified = bc_core::release::verify(&trusted, &text, &signature).map_err(refused)?;
+            json!({ "verified": true, "keyId": verified.key_id, "version": verified.version, "manifest": verified })
+        }
+    };
+    ctx.print(&value, Format::Json)
+}
+
+/// A refused release: its stable code, exit 1.
+fn refused(e: ReleaseError) -> CliError {
+    CliError::new(e.code(), e.detail())
+}
+
+/// `MANIFEST` + `.sig`.
+fn signature_path_of(manifest: &Path) -> PathBuf {
+    let mut name = manifest.as_os_str().to_owned();
+    name.push(".sig");
+    PathBuf::from(name)
+}
+
+fn read_bounded(path: &Path, max: u64, what: &str) -> Result<Vec<u8>, CliError> {
+    let file = std::fs::File::open(path).map_err(|e| CliError::usage(format!("cannot read {what} {}: {e}", path.display())))?;
+    let mut bytes = Vec::new();
+    file.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| CliError::usage(format!("cannot read {what} {}: {e}", path.display())))?;
+    if bytes.len() as u64 > max {
+        let e = match what {
+            "the signature" => ReleaseError::BadSignature(format!("the signature file is over {max} bytes")),
+            _ => ReleaseError::Malformed(format!("{what} is over {max} bytes")),
+        };
+        return Err(refused(e));
+    }
+    Ok(bytes)
+}
+
+fn public_key(path: &Path) -> Result<ReleasePublicKey, CliError> {
+    let bytes = read_bounded(path, PUBLIC_KEY_FILE_BYTES_MAX, "the public key")?;
+    let text = String::from_utf8(bytes).map_err(|_| CliError::usage(format!("{} is not text", path.display())))?;
+    let line = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+    ReleasePublicKey::parse_line(line)
+        .map_err(|e| CliError::usage(format!("{}: {e}", path.display())).hint("pass KEY.pub, the file release keygen wrote"))
+}
+
+/// `ARCH=FILE` (URL: the base + the file's name) or `ARCH=FILE=URL`: hashed and measured.
+fn artifact(item: &str, url_base: Option<&str>) -> Result<Artifact, CliError> {
+    let mut parts = item.splitn(3, '=');
+    let (Some(arch), Some(file)) = (parts.next(), parts.next()) else {
+        return Err(CliError::usage(format!("--artifact {item:?} is not ARCH=FILE or ARCH=FILE=URL")));
+    };
+    let path = PathBuf::from(file);
+    let url = match (parts.next(), url_base) {
+        (Some(url), _) => url.to_owned(),
+        (None, Some(base)) => {
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| CliError::usage(format!("--artifact {item:?}: the file has no UTF-8 name")))?;
+            format!("{}/{name}", base.trim_end_matches('/'))
+        }
+        (None, None) => {
+            return Err(CliError::usage(format!("--artifact {item:?} has no URL")).hint("give --url-base URL, or ARCH=FILE=URL"));
+        }
+    };
+    let mut file = std::fs::File::open(&path).map_err(|e| CliError::usage(format!("cannot read {}: {e}", path.display())))?;
+    let mut hasher = Sha256::new();
+    let mut size = 0u64;
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let n = file.read(&mut buffer).map_err(|e| CliError::usage(format!("reading {}: {e}", path.display())))?;
+        if n == 0 {
+            break;
+        }
+        size += n as u64;
+        if size > ARTIFACT_BYTES_MAX {
+            return Err(CliError::usage(format!("{} is over {ARTIFACT_BYTES_MAX} bytes", path.display())));
+        }
+        hasher.update(&buffer[..n]);
+    }
+    Ok(Artifact { arch: arch.to_owned(), url, sha256: hex_of(&hasher.finalize()), size })
+}
+
+fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
