@@ -14,7 +14,15 @@ use crate::api::toolkit::{CommandIdText, DescriptionText, JoinTokenIdText, NodeI
 pub struct NodeAgentView {
     /// Standard base64 of the node's Ed25519 public key.
     pub public_key: String,
+    /// The version the agent runs: from its last start (`node.agent_started`), or its join.
     pub agent_version: String,
+    /// The update slot it runs from (`a`, `b`); absent without slots.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub agent_slot: String,
+    /// When the agent last started (0: not since it joined).
+    pub agent_started_at_ms: u64,
+    /// Since when the node holds its lease without a lapse (0: not reachable).
+    pub ready_since_ms: u64,
     pub hostname: String,
     #[schemars(with = "JoinTokenIdText")]
     pub join_token_id: String,
@@ -137,6 +145,9 @@ impl From<NodeAgent> for NodeAgentView {
         Self {
             public_key: a.public_key,
             agent_version: a.agent_version,
+            agent_slot: a.agent_slot,
+            agent_started_at_ms: a.agent_started_at_ms,
+            ready_since_ms: a.ready_since_ms,
             hostname: a.hostname,
             join_token_id: a.join_token_id,
             joined_at_ms: a.joined_at_ms,
