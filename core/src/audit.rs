@@ -442,6 +442,7 @@ enum NodeFact {
 fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String> {
     let journaled = row.event_type.starts_with("command.")
         || row.event_type == "node.observed"
+        || row.event_type == "node.agent_started"
         || row.event_type == "node.inventory_reported";
     if row.event_type != NODE_JOINED && !journaled {
         return Ok(None);

@@ -207,7 +207,7 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
     let (head, journaled) = loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let head = node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap();
-        let journaled = events(&server, &["command.*", "node.observed", "node.inventory_reported"]).await;
+        let journaled = events(&server, &["command.*", "node.observed", "node.inventory_reported", "node.agent_started"]).await;
         let now = (head, journaled.len());
         if now == last {
             break (head, journaled);

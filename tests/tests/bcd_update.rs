@@ -245,4 +245,14 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     let command = issue_update(&server, &node, &manifest_b).await;
     let done = wait_command_done(&server, &command, Duration::from_secs(30)).await;
     assert_eq!((done["state"].as_str(), done["result"]["already"].as_bool()), (Some("succeeded"), Some(true)), "{done}");
+
+    // By hand (`bcd update`, over the running agent's socket): the same checks.
+    let by_hand = |manifest: &Path| {
+        machine.bcd(&["update", "--config", &machine.config(), "--manifest", &manifest.display().to_string()], &[], None)
+    };
+    let (code, out, err) = by_hand(&manifest_b);
+    assert_eq!((code, out.trim()), (0, "bcd 9.0.0 runs already"), "{err}");
+    let (code, _, err) = by_hand(&dir.join("downgrade.json"));
+    assert_eq!(code, 1);
+    assert!(err.starts_with("bcd update: release-downgrade: "), "{err}");
 }
