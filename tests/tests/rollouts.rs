@@ -182,12 +182,17 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let canary_done = nodes[0]["finishedAtMs"].as_u64().unwrap();
     assert!(nodes[1..].iter().all(|n| n["startedAtMs"].as_u64().unwrap() >= canary_done), "{done}");
     for machine in &machines {
-        let status = wait_until("B is live", Duration::from_secs(30), || machine.status().filter(|s| s["agentVersion"] == "9.0.0"));
+        let status =
+            wait_until("B is live", Duration::from_secs(30), || machine.status().filter(|s| s["agentVersion"] == "9.0.0"));
         assert_eq!(status["session"], "live");
         let entrypoint = machine.data().join("bin/bcd");
         assert_eq!(std::fs::read_link(&entrypoint).unwrap(), machine.data().join("slots/b/bcd"), "re-executed from slot b");
         let (_, doc) = server.call("nodes.get", json!({ "nodeId": node_of(machine) })).await;
-        assert_eq!((doc["agent"]["agentVersion"].as_str(), doc["agent"]["agentSlot"].as_str()), (Some("9.0.0"), Some("b")), "{doc}");
+        assert_eq!(
+            (doc["agent"]["agentVersion"].as_str(), doc["agent"]["agentSlot"].as_str()),
+            (Some("9.0.0"), Some("b")),
+            "{doc}"
+        );
     }
     assert_eq!(served_b.served(), 3);
 
@@ -245,7 +250,17 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let (status, page) = server.call("events.list", json!({ "types": ["rollout.*"], "limit": 200 })).await;
     assert_eq!(status, 200, "{page}");
     let types: Vec<&str> = page["items"].as_array().unwrap().iter().map(|e| e["type"].as_str().unwrap()).collect();
-    for t in ["rollout.created", "rollout.node_updating", "rollout.node_updated", "rollout.wave_passed", "rollout.completed", "rollout.node_failed", "rollout.paused", "rollout.aborting", "rollout.aborted"] {
+    for t in [
+        "rollout.created",
+        "rollout.node_updating",
+        "rollout.node_updated",
+        "rollout.wave_passed",
+        "rollout.completed",
+        "rollout.node_failed",
+        "rollout.paused",
+        "rollout.aborting",
+        "rollout.aborted",
+    ] {
         assert!(types.contains(&t), "{t} missing from {types:?}");
     }
 }
