@@ -312,6 +312,7 @@ fn summary_text(value: &Value) -> String {
         value["reservations"]
     ));
     lines.push(format!("cordons: {}", field("cordons")));
+    lines.push(format!("rollouts: {} (agent updates and rollbacks: {})", field("rollouts"), field("agentUpdates")));
     lines.push(format!("faults enabled: {}; injected: {}", value["faultsEnabled"], value["faultsInjected"]));
     lines.push(format!("invariant checks: {}", value["invariantChecks"]));
     lines.push(format!("liveness: settled in {} ms (bound {} ms)", field("livenessSettledMs"), field("livenessBoundMs")));

@@ -61,6 +61,7 @@ use sha2::{Digest, Sha256};
 
 mod hooks;
 mod net;
+mod rollouts;
 
 pub use hooks::HookCounts;
 
@@ -191,6 +192,11 @@ pub enum Fault {
     /// A webhook receiver is down for 10 s to 4 minutes: it refuses connections or answers
     /// 503, so its deliveries are retried on the schedule and some die (dead letters).
     FailingReceivers,
+    /// An operator rolls a new agent release out to a tenant's pool (or, one live already,
+    /// pauses, resumes or aborts it now and then); each node's new agent, by the seed, starts
+    /// and confirms, exits at start or hangs (its watchdog rolls it back), or drops off after
+    /// confirming (`run/rollouts.rs`).
+    Rollouts,
 }
 
 impl Fault {
@@ -213,6 +219,7 @@ impl Fault {
         Fault::ReorderMessages,
         Fault::Partition,
         Fault::FailingReceivers,
+        Fault::Rollouts,
     ];
 
     pub fn name(self) -> &'static str {
@@ -235,6 +242,7 @@ impl Fault {
             Fault::ReorderMessages => "reorder-messages",
             Fault::Partition => "partition",
             Fault::FailingReceivers => "failing-receivers",
+            Fault::Rollouts => "rollouts",
         }
     }
 
@@ -355,6 +363,9 @@ pub struct Outcome {
     pub net: NetCounts,
     /// Nodes that went unreachable (`node.unreachable` appended by the liveness pass).
     pub unreachable: u64,
+    /// Rollouts the `rollouts` fault created, and agent updates and rollbacks it carried out.
+    pub rollouts: u64,
+    pub updates: u64,
     /// The webhooks' subscriptions and deliveries.
     pub webhooks: HookCounts,
     /// Nodes that joined during the run (beside `--nodes` at the start), operators began to
@@ -390,6 +401,8 @@ impl Outcome {
             "releases": self.releases,
             "extensions": self.extensions,
             "cordons": self.cordons,
+            "rollouts": self.rollouts,
+            "agentUpdates": self.updates,
             "faultsEnabled": self.faults_enabled,
             "faultsInjected": self.faults_injected,
             "invariantChecks": {
@@ -460,10 +473,16 @@ enum Task {
     Leave,
     /// Node `a`, draining, goes if nothing runs on it any more.
     LeaveCheck(usize),
+    /// Node `a`'s agent starts again after an update or a rollback (`run/rollouts.rs`).
+    UpdateRestart(usize, Box<rollouts::Restart>),
+    /// Node `a`'s new agent, unhealthy, drops off.
+    UpdateAway(usize),
 }
 
 /// The simulator's own state beside the world: the schedule and what each fault has pending.
 struct Sim {
+    /// Releases the `rollouts` fault registered.
+    releases: u64,
     world: World,
     rng: SeededRng,
     options: Options,
@@ -547,6 +566,7 @@ pub async fn run(options: Options) -> Outcome {
         ending: false,
         join_rng: SeededRng(options.seed ^ JOIN_STREAM),
         departed: BTreeSet::new(),
+        releases: 0,
         rng,
         options: options.clone(),
         queue: BTreeMap::new(),
@@ -689,6 +709,7 @@ impl Sim {
                 self.agent_input(a, bc_agent::machine::Input::Tick).await?;
             }
         }
+        self.rollouts_abort_running().await;
         let started = self.world.now_ms();
         while let Some(((at, _), task)) = self.queue.first_key_value() {
             let reconcile = matches!(task, Task::Reconcile);
@@ -696,7 +717,7 @@ impl Sim {
                 break;
             }
             self.step().await?;
-            if reconcile && self.world.settled().await.is_ok() && self.quiet().await {
+            if reconcile && self.world.settled().await.is_ok() && self.quiet().await && self.rollouts_settled().await.is_ok() {
                 self.out.liveness_ms = Some(self.world.now_ms() - started);
                 break;
             }
@@ -704,6 +725,7 @@ impl Sim {
         if self.out.liveness_ms.is_none() {
             let why = match self.world.settled().await {
                 Err(v) => v.0,
+                Ok(()) if let Err(v) = self.rollouts_settled().await => v.0,
                 Ok(()) if !self.hooks.settled(&self.world).await => "webhook deliveries are still pending".into(),
                 Ok(()) => "commands are still queued".into(),
             };
@@ -763,7 +785,9 @@ impl Sim {
             | Task::Restart(a)
             | Task::RefuseHoldsEnd(a)
             | Task::RefuseReleasesEnd(a)
-            | Task::DeafEnd(a) => Some(self.world.agents[*a].tenant),
+            | Task::DeafEnd(a)
+            | Task::UpdateRestart(a, _)
+            | Task::UpdateAway(a) => Some(self.world.agents[*a].tenant),
             Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
             Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
         };
@@ -796,6 +820,7 @@ impl Sim {
                     }
                     None => self.out.unreachable += self.world.pass().await,
                 }
+                self.rollouts_check().await?;
                 self.after(RECONCILE_EVERY_MS, Task::Reconcile);
                 for t in 0..self.options.tenants {
                     self.nudge(t).await?;
@@ -851,6 +876,8 @@ impl Sim {
                     self.agent_start(a).await;
                 }
             }
+            Task::UpdateRestart(a, restart) => self.update_restart(a, *restart).await?,
+            Task::UpdateAway(a) => self.update_away(a),
             Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
             Task::RefuseReleasesEnd(a) => self.world.agents[a].machine.set_refuse_releases(false),
             Task::DeafEnd(a) => {
@@ -1294,6 +1321,7 @@ impl Sim {
                 let refusing = chance(&mut self.rng, 0.5);
                 self.hooks.fail(a, until, refusing);
             }
+            Fault::Rollouts => self.rollout_fault(a).await,
             Fault::ClockSkew | Fault::StaleView => {}
         }
     }

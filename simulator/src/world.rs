@@ -152,6 +152,11 @@ pub struct Agent {
     pub skew_ms: i64,
     /// Commands this agent ran, newest last (bounded): what a redelivery sends again.
     pub ran: VecDeque<String>,
+    /// The version it runs and the update slot it runs from (`rollouts`: `run/rollouts.rs`),
+    /// and the version and slot before its last update.
+    pub version: String,
+    pub slot: String,
+    pub previous: Option<(String, String)>,
 }
 
 impl Agent {
@@ -164,7 +169,7 @@ impl Agent {
             journal: Arc::new(journal),
             key: self.key.clone(),
             node,
-            version: "sim".into(),
+            version: self.version.clone(),
             binding: Box::new(self.machine.clone()),
             inventory: Arc::new(self.machine.clone()),
             ledger: tokio::sync::Mutex::new(ledger),
@@ -372,8 +377,20 @@ fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut See
     let request = AppendRequest::new(tenants[t].id, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "sim", events);
     let inventory = Inventory { gpus: GpuInventory { gpus, ..Default::default() }, ..Default::default() };
     let machine = Machine { inventory, ..Default::default() };
-    let agent =
-        Agent { tenant: t, node, key, dir: scratch_dir(), machine, runner: None, delivered: 0, skew_ms: 0, ran: VecDeque::new() };
+    let agent = Agent {
+        tenant: t,
+        node,
+        key,
+        dir: scratch_dir(),
+        machine,
+        runner: None,
+        delivered: 0,
+        skew_ms: 0,
+        ran: VecDeque::new(),
+        version: "sim".into(),
+        slot: "a".into(),
+        previous: None,
+    };
     (agent, request)
 }
 
@@ -524,6 +541,10 @@ impl World {
         // next pass reads the world again.
         match bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await {
             Err(e) if !injected(&e) => panic!("the reservations pass: {e}"),
+            _ => {}
+        }
+        match bc_reconcilers::rollouts::pass(&self.log, &*self.clock).await {
+            Err(e) if !injected(&e) => panic!("the rollouts pass: {e}"),
             _ => {}
         }
         match bc_reconcilers::liveness::pass(&self.log, &*self.clock).await {

@@ -217,7 +217,8 @@ impl Sim {
         let runner = agent.runner.as_ref().expect("started");
         let head = runner.journal.head().await.expect("the journal's head reads");
         let acked = runner.journal.acked().await.expect("the journal's ack reads");
-        let machine = SessionMachine::new(runner.node, agent.key.clone(), runner.capabilities(), "sim".into(), head, acked);
+        let machine =
+            SessionMachine::new(runner.node, agent.key.clone(), runner.capabilities(), agent.version.clone(), head, acked);
         let link = &mut self.net.links[a];
         link.machine = Some(machine);
         link.connection = 0;
@@ -334,13 +335,24 @@ impl Sim {
         let runner = self.world.agents[a].runner.as_ref()?;
         let mut last = None;
         let mut ran = Vec::new();
+        let mut update = None;
         while let Some(command) = self.net.links[a].runs.pop_front() {
+            if super::rollouts::is_update(&command) {
+                // The machine's updater (slots, re-exec) is modelled: `run/rollouts.rs`.
+                update.get_or_insert(command);
+                continue;
+            }
             let entries = runner.run(&command, now).await.expect("the runner runs");
             last = entries.last().map(|e| (e.seq, e.hash)).or(last);
             ran.push(command.command_id);
         }
         self.commands_run += ran.len() as u64;
         self.world.agents[a].remember_ran(ran);
+        if let Some(command) = update {
+            // What the runner journaled goes out with the agent's next session.
+            self.agent_update(a, &command).await;
+            return None;
+        }
         if std::mem::take(&mut self.crash_next[a]) {
             self.agent_stop(a);
             let back = between(&mut self.rng, 1_000, 120_000);
