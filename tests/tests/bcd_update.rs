@@ -6,8 +6,9 @@
 //! the command failed `rolled-back: …`); a good release B (the same binary with the fakehw
 //! version trailer) is re-executed from slot b in the same process, reports B in its status and
 //! its start, and its command succeeds once it confirmed its health. `agent.rollback` by hand:
-//! refused when the previous slot does not hold the version, else back on slot a, confirmed;
-//! then `already`.
+//! refused when the previous slot does not hold the version; a previous binary that no longer
+//! starts is rolled back by the watchdog (back on B); else back on slot a, confirmed; then
+//! `already`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -46,7 +47,8 @@ async fn issue(server: &Server, node: &str, kind: &str, args: Value) -> (u16, Va
 async fn rollback(server: &Server, node: &str, to: &str) -> Value {
     let (status, issued) = issue(server, node, "agent.rollback", json!({ "toVersion": to })).await;
     assert_eq!(status, 200, "{issued}");
-    assert_eq!(issued["deadlineAtMs"].as_u64().unwrap() - issued["issuedAtMs"].as_u64().unwrap(), 600_000, "{issued}");
+    let deadline_s = (issued["deadlineAtMs"].as_u64().unwrap() - issued["issuedAtMs"].as_u64().unwrap()).div_ceil(1000);
+    assert_eq!(deadline_s, 600, "agent.rollback's default deadline: {issued}");
     wait_command_done(server, issued["commandId"].as_str().unwrap(), Duration::from_secs(60)).await
 }
 
@@ -292,6 +294,24 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         "{done}"
     );
     assert_eq!(pid_of(&machine), rolled_back_pid, "nothing moved");
+    // A previous binary that no longer starts: the watchdog puts B back, the command fails.
+    let binary_a = std::fs::read(slot("a")).unwrap();
+    std::fs::write(slot("a"), b"#!/bin/sh\nexit 1\n").unwrap();
+    let done = rollback(&server, &node, &version_a).await;
+    assert_eq!(done["state"], "failed", "{done}");
+    assert_eq!(
+        done["reason"].as_str().unwrap(),
+        format!("rolled-back: the agent {version_a} did not confirm health within 20 s; back on slot b (version 9.0.0)"),
+        "{done}\n{}",
+        machine.node_log()
+    );
+    assert_eq!(std::fs::read_link(&entrypoint).unwrap(), slot("b"));
+    wait_until("B is live again", Duration::from_secs(30), || {
+        machine.status().filter(|s| s["agentVersion"] == "9.0.0" && s["session"] == "live")
+    });
+    let b_pid = pid_of(&machine);
+    std::fs::write(slot("a"), &binary_a).unwrap();
+    std::fs::set_permissions(slot("a"), std::fs::Permissions::from_mode(0o755)).unwrap();
     // Back to A: slot a again, re-executed in place, confirmed by the agent of slot a.
     let done = rollback(&server, &node, &version_a).await;
     assert_eq!(done["state"], "succeeded", "{done}\n{}", machine.node_log());
@@ -301,7 +321,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         machine.status().filter(|s| s["agentVersion"] == version_a.as_str() && s["session"] == "live")
     });
     assert_eq!(status["agentVersion"], version_a.as_str());
-    assert_eq!(pid_of(&machine), rolled_back_pid, "re-executed in place");
+    assert_eq!(pid_of(&machine), b_pid, "re-executed in place");
     let state: Value = serde_json::from_slice(&std::fs::read(machine.data().join("slots/state.json")).unwrap()).unwrap();
     assert_eq!((state["active"].as_str(), state["previous"].as_str()), (Some("a"), Some("b")), "{state}");
     assert_eq!(state["versions"], json!({ "a": version_a, "b": "9.0.0" }), "{state}");
