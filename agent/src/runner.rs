@@ -26,10 +26,12 @@ use crate::instances::{
 };
 use crate::inventory::InventorySource;
 use crate::journal::{Draft, Journal, JournalError, Stage};
-use crate::update::{UPDATE_UNCONFIGURED, UpdateArgs, UpdatePlan, Updater};
+use crate::update::{RollbackArgs, RollbackPlan, UPDATE_UNCONFIGURED, UpdateArgs, UpdatePlan, Updater};
 
 /// The command that has the agent take a signed release.
 pub const AGENT_UPDATE: &str = "agent.update";
+/// The command that has the agent go back to the version its previous slot holds.
+pub const AGENT_ROLLBACK: &str = "agent.rollback";
 /// What every start of `bcd node` journals, on `agent/NODE`.
 pub const NODE_AGENT_STARTED: &str = "node.agent_started";
 
@@ -477,6 +479,38 @@ impl Runner {
         }
     }
 
+    /// `agent.rollback`: decided by [`crate::update::decide_rollback`] and carried out by the
+    /// [`Updater`]'s switch (as an update's). `None`: not finished here (the agent of the
+    /// previous slot confirms, or the watchdog's rollback fails it).
+    async fn agent_rollback(&self, command_id: &str, args_json: &str, update: Option<&Updater>, now_ms: u64) -> Option<Finish> {
+        let Some(updater) = update else { return Some(Finish::failed(UPDATE_UNCONFIGURED)) };
+        let args: RollbackArgs = match serde_json::from_str(args_json) {
+            Ok(args) => args,
+            Err(e) => {
+                return Some(Finish::failed(format!("bad-args: agent.rollback: {}", bc_core::id::truncate(&e.to_string(), 200))));
+            }
+        };
+        let refused = |reason: String| {
+            tracing::warn!(command = %command_id, reason = %reason, "a rollback was refused");
+            Some(Finish::failed(truncate_bytes(&reason, REASON_BYTES_MAX)))
+        };
+        match updater.decide_rollback(&args, Some(command_id)) {
+            Err(reason) => refused(reason),
+            Ok(RollbackPlan::AwaitingConfirmation) => None,
+            Ok(RollbackPlan::Already { version }) => {
+                let slot = updater.active_slot().map(|s| s.as_str()).unwrap_or("");
+                Some(Finish::succeeded(json!({ "result": { "version": version, "slot": slot, "already": true } })))
+            }
+            Ok(plan) => match updater.roll_back(plan, Some(command_id), now_ms) {
+                Ok(binary) => {
+                    updater.request_reexec(binary);
+                    None
+                }
+                Err(reason) => refused(reason),
+            },
+        }
+    }
+
     /// Journals the end of an update command the runner left open: `command.succeeded` with
     /// `result` (the new agent, confirmed) or `command.failed` with the reason (a rollback).
     /// Nothing when the journal says it finished.
@@ -588,6 +622,12 @@ impl Runner {
                 Some(finish) => finish,
                 // Switched (the driver re-executes) or waiting for the new agent's confirmation:
                 // the new agent answers it.
+                None => return Ok(out),
+            },
+            AGENT_ROLLBACK => match self.agent_rollback(id, &command.args_json, update, now_ms).await {
+                Some(finish) => finish,
+                // Switched back (the driver re-executes) or waiting for the confirmation of the
+                // agent of the previous slot, which answers it.
                 None => return Ok(out),
             },
             other => Finish::failed(format!("unknown-kind: this agent does not know {:?}", bc_core::id::truncate(other, 40))),

@@ -1,5 +1,8 @@
 //! `agent.update` and `bcd update`: a signed release into the inactive slot, the switch, the
 //! re-exec, and the watchdog that rolls back an agent that does not confirm its health.
+//! `agent.rollback` (a rollout's abort, or by hand): back to the version the previous slot
+//! holds, by the same switch, re-exec and watchdog (so a previous binary that no longer starts
+//! is itself rolled back to the one that ran).
 //!
 //! Files (`[update]` in config.toml): `slots/a/bcd` and `slots/b/bcd`, the two slots;
 //! `slots/state.json`, which slot is active, what each holds, the update waiting for its
@@ -9,7 +12,8 @@
 //! one of them only, so the two can never both win; and the entrypoint (`bin/bcd` by default), a
 //! symlink to the active slot's binary, which is what a service manager should start.
 //!
-//! The decisions are pure ([`decide_update`], [`watchdog_verdict`], [`trailer_version`]); the
+//! The decisions are pure ([`decide_update`], [`decide_rollback`], [`watchdog_verdict`],
+//! [`trailer_version`]); the
 //! rest is the thin shell around them: fetching the artifact (bounded in size and time, through
 //! `images.rs`'s bounded download), writing the slot (a temporary file, synced, renamed, 0755),
 //! switching the symlink (a new link renamed over it), and the watchdog: a detached process of
@@ -20,7 +24,8 @@
 //!
 //! Reasons start with stable codes: `bc_core::release`'s (`release-…`, `artifact-…`), and
 //! `update-unconfigured`, `update-in-progress`, `update-failed` (the node's own files, or the
-//! watchdog could not be started).
+//! watchdog could not be started), `rollback-unavailable` (the previous slot does not hold the
+//! version asked for).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -222,6 +227,66 @@ pub fn decide_update(
     }
     let artifact = manifest.artifact_for(arch).map_err(|e| e.to_string())?.clone();
     Ok(UpdatePlan::Install { manifest, artifact, slot: state.active.other(), from_slot: state.active })
+}
+
+/// What an `agent.rollback` asks: the version to go back to.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RollbackArgs {
+    pub to_version: String,
+    #[serde(default)]
+    pub rollout_id: Option<String>,
+}
+
+/// What [`decide_rollback`] says to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RollbackPlan {
+    /// `toVersion` is what runs: succeeded at once (`already: true`).
+    Already { version: String },
+    /// This command is the rollback waiting for this agent's confirmation (redelivered to the
+    /// agent of the previous slot): the confirmation answers it.
+    AwaitingConfirmation,
+    /// Point the entrypoint back at `slot`, which holds `version`, and re-exec.
+    Switch { slot: Slot, version: String, from_slot: Slot },
+}
+
+/// Decides a rollback, purely: the version asked for runs already, or the previous slot holds
+/// it (then back to it, as an update is made: pending, watched); no update may be waiting for
+/// its confirmation. Refusals start with their code.
+pub fn decide_rollback(
+    current: &str,
+    state: &SlotsState,
+    to_version: &str,
+    command_id: Option<&str>,
+) -> Result<RollbackPlan, String> {
+    if let Some(pending) = &state.pending {
+        if command_id.is_some() && pending.command_id.as_deref() == command_id {
+            return Ok(RollbackPlan::AwaitingConfirmation);
+        }
+        return Err(format!(
+            "update-in-progress: the switch to {} (slot {}) waits for its confirmation; try again once it is confirmed or rolled back",
+            pending.version,
+            pending.slot.as_str()
+        ));
+    }
+    if current == to_version {
+        return Ok(RollbackPlan::Already { version: current.to_owned() });
+    }
+    let Some(previous) = state.previous.filter(|p| *p != state.active) else {
+        return Err(format!("rollback-unavailable: no previous slot (this node runs {current} and never switched slots)"));
+    };
+    match state.versions.get(&previous) {
+        Some(held) if held == to_version => {
+            Ok(RollbackPlan::Switch { slot: previous, version: held.clone(), from_slot: state.active })
+        }
+        Some(held) => {
+            Err(format!("rollback-unavailable: the previous slot holds {held}, not {to_version} (slot {})", previous.as_str()))
+        }
+        None => Err(format!(
+            "rollback-unavailable: the previous slot holds no known version, not {to_version} (slot {})",
+            previous.as_str()
+        )),
+    }
 }
 
 /// The reason a rollback is journaled with.
@@ -463,6 +528,8 @@ impl Updater {
                 state
             }
         };
+        // A state written before the slots' versions were recorded learns the running one's.
+        state.versions.entry(state.active).or_insert_with(|| self.version.clone());
         let previous_version = state.last_started_version.replace(self.version.clone());
         let rollback = state.last_rollback.clone().filter(|r| !r.reported);
         let pending = state.pending.clone().filter(|p| p.slot == state.active);
@@ -528,13 +595,31 @@ impl Updater {
             let _ = std::fs::remove_file(&partial);
             return Err(format!("update-failed: {}: {e}", target.display()));
         }
+        self.switch(slot, &manifest.version, from_slot, command_id, now_ms)?;
+        tracing::info!(version = %manifest.version, slot = slot.as_str(), "release installed; re-executing");
+        Ok(target)
+    }
+
+    /// The switch an update and a rollback share: the switch to `slot` (holding `version`)
+    /// recorded as pending, the marker written, the entrypoint pointed at it, the watchdog armed
+    /// from `from_slot`'s binary (the one running). On a failure all is put back as it was.
+    /// Returns the binary to re-execute as.
+    fn switch(
+        &self,
+        slot: Slot,
+        version: &str,
+        from_slot: Slot,
+        command_id: Option<&str>,
+        now_ms: u64,
+    ) -> Result<PathBuf, String> {
+        let s = &self.settings;
         let mut state =
             s.load_state().map_err(|e| format!("update-failed: {e}"))?.unwrap_or_else(|| SlotsState::adopted(&self.version));
         let before = state.clone();
         let pending = Pending {
             command_id: command_id.map(str::to_owned),
             slot,
-            version: manifest.version.clone(),
+            version: version.to_owned(),
             from_slot,
             from_version: self.version.clone(),
             deadline_ms: now_ms + s.confirm_within_s * 1000,
@@ -542,7 +627,8 @@ impl Updater {
             pid: std::process::id(),
             args: self.launch.args.clone(),
         };
-        state.versions.insert(slot, manifest.version.clone());
+        state.versions.insert(slot, version.to_owned());
+        state.versions.entry(from_slot).or_insert_with(|| self.version.clone());
         state.previous = Some(from_slot);
         state.active = slot;
         state.pending = Some(pending);
@@ -560,7 +646,32 @@ impl Updater {
             let _ = s.save_state(&before);
             return Err(format!("update-failed: {e}"));
         }
-        tracing::info!(version = %manifest.version, slot = slot.as_str(), "release installed; re-executing");
+        Ok(s.binary(slot))
+    }
+
+    /// The pure rollback decision, on the state as it is now.
+    pub fn decide_rollback(&self, args: &RollbackArgs, command_id: Option<&str>) -> Result<RollbackPlan, String> {
+        let state = self
+            .settings
+            .load_state()
+            .map_err(|e| format!("update-failed: {e}"))?
+            .unwrap_or_else(|| SlotsState::adopted(&self.version));
+        decide_rollback(&self.version, &state, &args.to_version, command_id)
+    }
+
+    /// Carries out a [`RollbackPlan::Switch`]: the same switch as an update's (pending, the
+    /// entrypoint, the watchdog), to the previous slot's binary, which must still be there.
+    /// Returns the binary to re-execute as.
+    pub fn roll_back(&self, plan: RollbackPlan, command_id: Option<&str>, now_ms: u64) -> Result<PathBuf, String> {
+        let RollbackPlan::Switch { slot, version, from_slot } = plan else {
+            return Err("update-failed: nothing to roll back to".into());
+        };
+        let binary = self.settings.binary(slot);
+        if !binary.is_file() {
+            return Err(format!("rollback-unavailable: the previous slot's binary {} is gone", binary.display()));
+        }
+        let target = self.switch(slot, &version, from_slot, command_id, now_ms)?;
+        tracing::info!(version = %version, slot = slot.as_str(), "rolling back to the previous slot; re-executing");
         Ok(target)
     }
 
@@ -845,6 +956,63 @@ mod tests {
     }
 
     #[test]
+    fn a_rollback_goes_back_to_the_previous_slot_only_when_it_holds_the_version() {
+        let fresh = SlotsState::adopted("0.1.0");
+        let refused = |r: Result<RollbackPlan, String>| r.unwrap_err();
+        // Already there: succeeded at once, whatever the slots.
+        assert_eq!(
+            decide_rollback("0.1.0", &fresh, "0.1.0", Some("cmd_1")),
+            Ok(RollbackPlan::Already { version: "0.1.0".into() })
+        );
+        assert_eq!(
+            refused(decide_rollback("0.1.0", &fresh, "0.0.9", Some("cmd_1"))),
+            "rollback-unavailable: no previous slot (this node runs 0.1.0 and never switched slots)"
+        );
+        // Updated from a (0.1.0) to b (0.2.0).
+        let on_b = SlotsState {
+            active: Slot::B,
+            previous: Some(Slot::A),
+            versions: BTreeMap::from([(Slot::A, "0.1.0".to_owned()), (Slot::B, "0.2.0".to_owned())]),
+            ..fresh.clone()
+        };
+        assert_eq!(
+            decide_rollback("0.2.0", &on_b, "0.1.0", Some("cmd_1")),
+            Ok(RollbackPlan::Switch { slot: Slot::A, version: "0.1.0".into(), from_slot: Slot::B })
+        );
+        assert_eq!(
+            refused(decide_rollback("0.2.0", &on_b, "0.0.9", Some("cmd_1"))),
+            "rollback-unavailable: the previous slot holds 0.1.0, not 0.0.9 (slot a)"
+        );
+        let unknown = SlotsState { versions: BTreeMap::from([(Slot::B, "0.2.0".to_owned())]), ..on_b.clone() };
+        assert!(refused(decide_rollback("0.2.0", &unknown, "0.1.0", None)).starts_with("rollback-unavailable: "));
+        // Back on a by a watchdog's rollback: b (the bad one) is the previous slot.
+        let rolled = SlotsState { active: Slot::A, previous: Some(Slot::B), ..on_b.clone() };
+        assert!(
+            refused(decide_rollback("0.1.0", &rolled, "0.0.9", None))
+                .starts_with("rollback-unavailable: the previous slot holds 0.2.0")
+        );
+        // Switched back and waiting for the confirmation: redelivered to the agent of slot a,
+        // it waits (not `already`), and blocks any other switch.
+        let waiting = SlotsState {
+            active: Slot::A,
+            previous: Some(Slot::B),
+            pending: Some(Pending {
+                slot: Slot::A,
+                version: "0.1.0".into(),
+                from_slot: Slot::B,
+                from_version: "0.2.0".into(),
+                ..pending("cmd_1")
+            }),
+            ..on_b.clone()
+        };
+        assert_eq!(decide_rollback("0.1.0", &waiting, "0.1.0", Some("cmd_1")), Ok(RollbackPlan::AwaitingConfirmation));
+        assert!(refused(decide_rollback("0.1.0", &waiting, "0.1.0", Some("cmd_2"))).starts_with("update-in-progress: "));
+        // An update waiting for its confirmation blocks a rollback too, and the reverse.
+        let updating = SlotsState { pending: Some(pending("cmd_1")), ..on_b.clone() };
+        assert!(refused(decide_rollback("0.2.0", &updating, "0.1.0", Some("cmd_2"))).starts_with("update-in-progress: "));
+    }
+
+    #[test]
     fn the_watchdog_rolls_back_past_the_deadline_or_when_the_agent_is_gone() {
         let watched = pending("cmd_1");
         let state = SlotsState { pending: Some(watched.clone()), active: Slot::B, ..SlotsState::adopted("0.1.0") };
@@ -907,5 +1075,20 @@ mod tests {
         assert!(updater.confirm(&watched).unwrap());
         assert!(!updater.confirm(&watched).unwrap(), "taken once");
         assert_eq!(settings.load_state().unwrap().unwrap().pending, None);
+
+        // A rollback to a previous slot whose binary is gone is refused; nothing moves.
+        let on_b = Updater::new(settings.clone(), "0.2.0".into(), Launch { config_path: "/c".into(), args: vec![] }).unwrap();
+        let mut state = settings.load_state().unwrap().unwrap();
+        state.previous = Some(Slot::A);
+        state.versions.insert(Slot::B, "0.2.0".into());
+        settings.save_state(&state).unwrap();
+        let args = RollbackArgs { to_version: "0.1.0".into(), rollout_id: None };
+        let plan = on_b.decide_rollback(&args, Some("cmd_2")).unwrap();
+        assert_eq!(plan, RollbackPlan::Switch { slot: Slot::A, version: "0.1.0".into(), from_slot: Slot::B });
+        std::fs::remove_file(settings.binary(Slot::A)).unwrap();
+        let refused = on_b.roll_back(plan, Some("cmd_2"), 1).unwrap_err();
+        assert!(refused.starts_with("rollback-unavailable: the previous slot's binary "), "{refused}");
+        assert_eq!(settings.load_state().unwrap().unwrap(), state);
+        assert_eq!(std::fs::read_link(&settings.entrypoint).unwrap(), settings.binary(Slot::B));
     }
 }

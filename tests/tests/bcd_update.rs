@@ -5,7 +5,10 @@
 //! binary exits at start is rolled back by the watchdog (the agent back on slot a, version A,
 //! the command failed `rolled-back: …`); a good release B (the same binary with the fakehw
 //! version trailer) is re-executed from slot b in the same process, reports B in its status and
-//! its start, and its command succeeds once it confirmed its health.
+//! its start, and its command succeeds once it confirmed its health. `agent.rollback` by hand:
+//! refused when the previous slot does not hold the version; a previous binary that no longer
+//! starts is rolled back by the watchdog (back on B); else back on slot a, confirmed; then
+//! `already`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -34,6 +37,19 @@ async fn issue_update(server: &Server, node: &str, manifest: &Path) -> String {
     let (status, issued) = server.call("commands.issue", json!({ "nodeId": node, "kind": "agent.update", "args": args })).await;
     assert_eq!(status, 200, "{issued}");
     issued["commandId"].as_str().unwrap().to_owned()
+}
+
+async fn issue(server: &Server, node: &str, kind: &str, args: Value) -> (u16, Value) {
+    server.call("commands.issue", json!({ "nodeId": node, "kind": kind, "args": args })).await
+}
+
+/// `agent.rollback` to `to`, issued (with its default deadline) and waited for.
+async fn rollback(server: &Server, node: &str, to: &str) -> Value {
+    let (status, issued) = issue(server, node, "agent.rollback", json!({ "toVersion": to })).await;
+    assert_eq!(status, 200, "{issued}");
+    let deadline_s = (issued["deadlineAtMs"].as_u64().unwrap() - issued["issuedAtMs"].as_u64().unwrap()).div_ceil(1000);
+    assert_eq!(deadline_s, 600, "agent.rollback's default deadline: {issued}");
+    wait_command_done(server, issued["commandId"].as_str().unwrap(), Duration::from_secs(60)).await
 }
 
 /// `releases sign` into `dir/NAME.json` (and `.sig`): version `version` of the file `artifact`
@@ -255,4 +271,61 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     let (code, _, err) = by_hand(&dir.join("downgrade.json"));
     assert_eq!(code, 1);
     assert!(err.starts_with("bcd update: release-downgrade: "), "{err}");
+
+    // `agent.rollback` by hand: its arguments are checked at the edge (and `agent.update`'s
+    // rolloutId is a rollout id); the previous slot must hold the version asked for.
+    let issue = |kind: &'static str, args: Value| issue(&server, &node, kind, args);
+    for args in [json!({ "toVersion": "nine" }), json!({}), json!({ "toVersion": version_a, "rolloutId": "ro_1" })] {
+        let (status, body) = issue("agent.rollback", args.clone()).await;
+        assert_eq!(status, 400, "{args}: {body}");
+    }
+    let text = |p: PathBuf| std::fs::read_to_string(p).unwrap();
+    let (status, body) = issue(
+        "agent.update",
+        json!({ "manifest": text(manifest_b.clone()), "signature": text(dir.join("b.json.sig")), "rolloutId": "ro_nope" }),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let done = rollback(&server, &node, "7.7.7").await;
+    assert_eq!(done["state"], "failed", "{done}");
+    assert_eq!(
+        done["reason"].as_str().unwrap(),
+        format!("rollback-unavailable: the previous slot holds {version_a}, not 7.7.7 (slot a)"),
+        "{done}"
+    );
+    assert_eq!(pid_of(&machine), rolled_back_pid, "nothing moved");
+    // A previous binary that no longer starts: the watchdog puts B back, the command fails.
+    let binary_a = std::fs::read(slot("a")).unwrap();
+    std::fs::write(slot("a"), b"#!/bin/sh\nexit 1\n").unwrap();
+    let done = rollback(&server, &node, &version_a).await;
+    assert_eq!(done["state"], "failed", "{done}");
+    assert_eq!(
+        done["reason"].as_str().unwrap(),
+        format!("rolled-back: the agent {version_a} did not confirm health within 20 s; back on slot b (version 9.0.0)"),
+        "{done}\n{}",
+        machine.node_log()
+    );
+    assert_eq!(std::fs::read_link(&entrypoint).unwrap(), slot("b"));
+    wait_until("B is live again", Duration::from_secs(30), || {
+        machine.status().filter(|s| s["agentVersion"] == "9.0.0" && s["session"] == "live")
+    });
+    let b_pid = pid_of(&machine);
+    std::fs::write(slot("a"), &binary_a).unwrap();
+    std::fs::set_permissions(slot("a"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Back to A: slot a again, re-executed in place, confirmed by the agent of slot a.
+    let done = rollback(&server, &node, &version_a).await;
+    assert_eq!(done["state"], "succeeded", "{done}\n{}", machine.node_log());
+    assert_eq!(done["result"], json!({ "version": version_a, "slot": "a" }));
+    assert_eq!(std::fs::read_link(&entrypoint).unwrap(), slot("a"));
+    let status = wait_until("A is live", Duration::from_secs(30), || {
+        machine.status().filter(|s| s["agentVersion"] == version_a.as_str() && s["session"] == "live")
+    });
+    assert_eq!(status["agentVersion"], version_a.as_str());
+    assert_eq!(pid_of(&machine), b_pid, "re-executed in place");
+    let state: Value = serde_json::from_slice(&std::fs::read(machine.data().join("slots/state.json")).unwrap()).unwrap();
+    assert_eq!((state["active"].as_str(), state["previous"].as_str()), (Some("a"), Some("b")), "{state}");
+    assert_eq!(state["versions"], json!({ "a": version_a, "b": "9.0.0" }), "{state}");
+    // Again: it runs A already.
+    let done = rollback(&server, &node, &version_a).await;
+    assert_eq!((done["state"].as_str(), done["result"]["already"].as_bool()), (Some("succeeded"), Some(true)), "{done}");
 }

@@ -8,6 +8,8 @@
 //!   with the reason, the canary is back on B through its watchdog, and the other nodes were
 //!   never sent anything.
 //! - A release signed by a key the control plane does not trust is refused at registration.
+//! - Aborting a rollout of B in its second wave: the node in flight finishes its update, then
+//!   every updated node is sent `agent.rollback` one at a time and ends back on A from slot a.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -66,80 +68,121 @@ async fn rollout(server: &Server, id: &str) -> Value {
     doc
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
-    let work = tempfile::tempdir().unwrap();
-    let dir = work.path();
-    let key = dir.join("release.key");
-    let (code, _, err) = bc_tests::cli(&["releases", "keygen", "--out", &key.display().to_string()], &[]);
-    assert_eq!(code, 0, "releases keygen: {err}");
-    let public = dir.join("release.key.pub");
-    let pinned = std::fs::read_to_string(&public).unwrap().trim().to_owned();
-    let untrusted = dir.join("untrusted.key");
-    assert_eq!(bc_tests::cli(&["releases", "keygen", "--out", &untrusted.display().to_string()], &[]).0, 0);
+/// `better-compute dev` trusting a fresh release key (`--release-key`), and `n` fakehw agents on
+/// version A in one pool, each pinning that key under `[update]`, live and known on A. Fields
+/// drop in order: the agents (through `bcd.pid`) before the server and the directory.
+struct Fleet {
+    _guards: Vec<PidGuard>,
+    machines: Vec<Machine>,
+    server: Server,
+    pool: String,
+    /// The release key (`release.key`, its public half beside it).
+    key: PathBuf,
+    version_a: String,
+    work: tempfile::TempDir,
+}
 
-    let port = bc_tests::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let server = Server::dev_with(&[
-        "--agents-listen",
-        &listen,
-        "--node-lease",
-        "2s",
-        "--node-heartbeat",
-        "300ms",
-        "--release-key",
-        &public.display().to_string(),
-    ]);
-    let pool = server.pool("gpu-a").await;
+impl Fleet {
+    async fn start(n: usize) -> Self {
+        let work = tempfile::tempdir().unwrap();
+        let dir = work.path();
+        let key = dir.join("release.key");
+        let (code, _, err) = bc_tests::cli(&["releases", "keygen", "--out", &key.display().to_string()], &[]);
+        assert_eq!(code, 0, "releases keygen: {err}");
+        let public = dir.join("release.key.pub");
+        let pinned = std::fs::read_to_string(&public).unwrap().trim().to_owned();
 
-    // Three agents on A, each pinning the release key.
-    let (code, version_a, _) = bc_tests::bcd(&["version"], &[], None);
-    assert_eq!(code, 0);
-    let version_a = version_a.trim().strip_prefix("bcd ").unwrap().to_owned();
-    let mut machines = Vec::new();
-    let mut guards = Vec::new();
-    for _ in 0..3 {
-        let mut machine = Machine::new(&server, port);
-        let config = std::fs::read_to_string(machine.config()).unwrap();
-        std::fs::write(
-            machine.config(),
-            format!("{config}\n[update]\nrelease_keys = [{pinned:?}]\nconfirm_within_s = 20\nhealthy_after_s = 1\n"),
-        )
-        .unwrap();
-        let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
-        assert_eq!(status, 200, "{created}");
-        let (code, out, err) = machine.join_stdin(created["token"].as_str().unwrap());
-        assert_eq!(code, 0, "bcd join: {out} {err}");
-        machine.start();
-        guards.push(PidGuard(machine.data().join("bcd.pid")));
-        machines.push(machine);
-    }
-    for machine in &machines {
-        wait_until("the agent is live", Duration::from_secs(30), || machine.status().filter(|s| s["session"] == "live"));
-    }
-    let node_of = |m: &Machine| m.node_id();
-    // The control plane knows each agent's version from its start.
-    for machine in &machines {
-        let node = node_of(machine);
-        wait_for("the node reports A", Duration::from_secs(20), || async {
-            let (_, doc) = server.call("nodes.get", json!({ "nodeId": node })).await;
-            (doc["agent"]["agentVersion"] == version_a.as_str() && doc["state"] == "ready").then_some(())
-        })
-        .await;
+        let port = bc_tests::free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let server = Server::dev_with(&[
+            "--agents-listen",
+            &listen,
+            "--node-lease",
+            "2s",
+            "--node-heartbeat",
+            "300ms",
+            "--release-key",
+            &public.display().to_string(),
+        ]);
+        let pool = server.pool("gpu-a").await;
+
+        let (code, version_a, _) = bc_tests::bcd(&["version"], &[], None);
+        assert_eq!(code, 0);
+        let version_a = version_a.trim().strip_prefix("bcd ").unwrap().to_owned();
+        let mut machines = Vec::new();
+        let mut guards = Vec::new();
+        for _ in 0..n {
+            let mut machine = Machine::new(&server, port);
+            let config = std::fs::read_to_string(machine.config()).unwrap();
+            std::fs::write(
+                machine.config(),
+                format!("{config}\n[update]\nrelease_keys = [{pinned:?}]\nconfirm_within_s = 20\nhealthy_after_s = 1\n"),
+            )
+            .unwrap();
+            let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+            assert_eq!(status, 200, "{created}");
+            let (code, out, err) = machine.join_stdin(created["token"].as_str().unwrap());
+            assert_eq!(code, 0, "bcd join: {out} {err}");
+            machine.start();
+            guards.push(PidGuard(machine.data().join("bcd.pid")));
+            machines.push(machine);
+        }
+        for machine in &machines {
+            wait_until("the agent is live", Duration::from_secs(30), || machine.status().filter(|s| s["session"] == "live"));
+        }
+        // The control plane knows each agent's version from its start.
+        for machine in &machines {
+            let node = machine.node_id();
+            wait_for("the node reports A", Duration::from_secs(20), || async {
+                let (_, doc) = server.call("nodes.get", json!({ "nodeId": node })).await;
+                (doc["agent"]["agentVersion"] == version_a.as_str() && doc["state"] == "ready").then_some(())
+            })
+            .await;
+        }
+        Self { _guards: guards, machines, server, pool, key, version_a, work }
     }
 
-    // A release signed by a key the control plane does not trust is refused.
+    fn dir(&self) -> &Path {
+        self.work.path()
+    }
+
+    /// Every agent's log, for a failed assertion.
+    fn logs(&self) -> String {
+        self.machines.iter().map(|m| m.node_log()).collect::<Vec<_>>().join("\n----\n")
+    }
+
+    fn machine(&self, node_id: &Value) -> &Machine {
+        self.machines.iter().find(|m| m.node_id() == node_id.as_str().unwrap()).unwrap()
+    }
+}
+
+/// Release B: this `bcd` with the fakehw trailer of version 9.0.0, written to `dir/bcd-b` and
+/// served on loopback.
+fn artifact_b(dir: &Path) -> (PathBuf, Vec<u8>, ImageServer) {
     let mut bytes_b = std::fs::read(bc_tests::binary("bcd")).unwrap();
     bytes_b.extend_from_slice(b"\nbcd-fakehw-version=9.0.0\n");
     let artifact_b = dir.join("bcd-b");
     std::fs::write(&artifact_b, &bytes_b).unwrap();
     let served_b = ImageServer::start("bcd-b", bytes_b.clone());
-    let (code, _, err) = release(&server, &untrusted, dir, "9.0.0", &artifact_b, &served_b.url);
+    (artifact_b, bytes_b, served_b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
+    let fleet = Fleet::start(3).await;
+    let (server, dir, machines, key, pool) = (&fleet.server, fleet.dir(), &fleet.machines, &fleet.key, &fleet.pool);
+    let untrusted = dir.join("untrusted.key");
+    assert_eq!(bc_tests::cli(&["releases", "keygen", "--out", &untrusted.display().to_string()], &[]).0, 0);
+    let node_of = |m: &Machine| m.node_id();
+
+    // A release signed by a key the control plane does not trust is refused.
+    let (artifact_b, _, served_b) = artifact_b(dir);
+    let (code, _, err) = release(server, &untrusted, dir, "9.0.0", &artifact_b, &served_b.url);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("release-untrusted-key"), "{err}");
 
     // Release B in two waves.
-    let (code, b, err) = release(&server, &key, dir, "9.0.0", &artifact_b, &served_b.url);
+    let (code, b, err) = release(server, key, dir, "9.0.0", &artifact_b, &served_b.url);
     assert_eq!(code, 0, "releases register: {err}");
     assert_eq!(b["releaseVersion"], "9.0.0");
     let rel_b = b["releaseId"].as_str().unwrap().to_owned();
@@ -149,7 +192,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
         "--release",
         &rel_b,
         "--pool",
-        &pool,
+        pool,
         "--waves",
         "1,100%",
         "--max-unavailable",
@@ -167,7 +210,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     assert_eq!(created["waves"].as_array().unwrap().len(), 2);
     // `rollouts get --wait` follows it to the end.
     let (code, out, err) = server.cli(&["rollouts", "get", &ro_b, "--wait", "240s", "--format", "json"]);
-    let logs = || machines.iter().map(|m| m.node_log()).collect::<Vec<_>>().join("\n----\n");
+    let logs = || fleet.logs();
     assert_eq!(code, 0, "rollouts get --wait: {out} {err}\n{}", logs());
     let done = json(&out);
     assert_eq!(done["state"], "done", "{done}");
@@ -181,7 +224,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let nodes = done["nodes"].as_array().unwrap();
     let canary_done = nodes[0]["finishedAtMs"].as_u64().unwrap();
     assert!(nodes[1..].iter().all(|n| n["startedAtMs"].as_u64().unwrap() >= canary_done), "{done}");
-    for machine in &machines {
+    for machine in machines {
         let status =
             wait_until("B is live", Duration::from_secs(30), || machine.status().filter(|s| s["agentVersion"] == "9.0.0"));
         assert_eq!(status["session"], "live");
@@ -200,7 +243,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let bad = dir.join("bcd-bad");
     std::fs::write(&bad, b"#!/bin/sh\nexit 1\n").unwrap();
     let served_bad = ImageServer::start("bcd-bad", std::fs::read(&bad).unwrap());
-    let (code, c, err) = release(&server, &key, dir, "10.0.0", &bad, &served_bad.url);
+    let (code, c, err) = release(server, key, dir, "10.0.0", &bad, &served_bad.url);
     assert_eq!(code, 0, "releases register: {err}");
     let pids: Vec<String> = machines.iter().map(pid_of).collect();
     let (status, created) = server
@@ -212,7 +255,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     assert_eq!(status, 200, "{created}");
     let ro_c = created["rolloutId"].as_str().unwrap().to_owned();
     let paused = wait_for("the rollout pauses", Duration::from_secs(120), || async {
-        let doc = rollout(&server, &ro_c).await;
+        let doc = rollout(server, &ro_c).await;
         (doc["state"] != "running").then_some(doc)
     })
     .await;
@@ -230,7 +273,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     }
     assert_eq!(served_bad.served(), 1, "only the canary fetched C");
     // The canary is back on B, through its watchdog.
-    let canary_machine = machines.iter().find(|m| m.node_id() == canary["nodeId"].as_str().unwrap()).unwrap();
+    let canary_machine = fleet.machine(&canary["nodeId"]);
     let status = wait_until("the canary is back on B", Duration::from_secs(30), || {
         canary_machine.status().filter(|s| s["agentVersion"] == "9.0.0" && s["session"] == "live")
     });
@@ -241,7 +284,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let (code, out, err) = server.cli(&["rollouts", "abort", &ro_c, "--reason", "C exits at start", "--format", "json"]);
     assert_eq!(code, 0, "rollouts abort: {out} {err}");
     let ended = wait_for("the rollout is aborted", Duration::from_secs(30), || async {
-        let doc = rollout(&server, &ro_c).await;
+        let doc = rollout(server, &ro_c).await;
         (doc["state"] == "aborted").then_some(doc)
     })
     .await;
@@ -263,4 +306,98 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     ] {
         assert!(types.contains(&t), "{t} missing from {types:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_rollout_rolls_its_updated_nodes_back_one_at_a_time() {
+    let fleet = Fleet::start(2).await;
+    let (server, dir, version_a) = (&fleet.server, fleet.dir(), fleet.version_a.as_str());
+    let (artifact_b, _, served_b) = artifact_b(dir);
+    let (code, b, err) = release(server, &fleet.key, dir, "9.0.0", &artifact_b, &served_b.url);
+    assert_eq!(code, 0, "releases register: {err}");
+    let (status, created) = server
+        .call(
+            "rollouts.create",
+            json!({
+                "releaseId": b["releaseId"],
+                "poolId": fleet.pool,
+                "waves": ["1", "100%"],
+                "maxUnavailable": 1,
+                "minReadyS": 3,
+                "nodeDeadlineS": 90,
+            }),
+        )
+        .await;
+    assert_eq!(status, 200, "{created}");
+    let ro = created["rolloutId"].as_str().unwrap().to_owned();
+
+    // The canary passed its gate; the second node is being updated.
+    let in_flight = wait_for("the second wave's node in flight", Duration::from_secs(120), || async {
+        let doc = rollout(server, &ro).await;
+        assert_eq!(doc["state"], "running", "{doc}\n{}", fleet.logs());
+        (doc["wave"] == 1 && doc["nodes"][0]["state"] == "updated" && doc["nodes"][1]["state"] == "updating").then_some(doc)
+    })
+    .await;
+    let nodes: Vec<Value> = in_flight["nodes"].as_array().unwrap().iter().map(|n| n["nodeId"].clone()).collect();
+    let (code, out, err) = server.cli(&["rollouts", "abort", &ro, "--reason", "B is not wanted", "--format", "json"]);
+    assert_eq!(code, 0, "rollouts abort: {out} {err}");
+    assert_eq!(json(&out)["state"], "aborting", "{out}");
+
+    let ended = wait_for("the rollout is aborted", Duration::from_secs(180), || async {
+        let doc = rollout(server, &ro).await;
+        (doc["state"] == "aborted").then_some(doc)
+    })
+    .await;
+    assert_eq!(ended["reason"], "B is not wanted", "{ended}");
+    for n in ended["nodes"].as_array().unwrap() {
+        assert_eq!(n["state"], "rolled-back", "{ended}\n{}", fleet.logs());
+        assert_eq!(n["fromVersion"], version_a, "{ended}");
+        // The rollback's command: agent.rollback to A, confirmed by the agent of slot a.
+        let (status, command) = server.call("commands.get", json!({ "commandId": n["commandId"] })).await;
+        assert_eq!(status, 200, "{command}");
+        assert_eq!(command["kind"], "agent.rollback", "{command}");
+        assert_eq!(command["args"], json!({ "toVersion": version_a, "rolloutId": ro }), "{command}");
+        assert_eq!(command["state"], "succeeded", "{command}");
+        assert_eq!(command["result"], json!({ "version": version_a, "slot": "a" }), "{command}");
+    }
+    // Every node is back on A, from slot a.
+    for node in &nodes {
+        let machine = fleet.machine(node);
+        let status = wait_until("A is live again", Duration::from_secs(30), || {
+            machine.status().filter(|s| s["agentVersion"] == version_a && s["session"] == "live")
+        });
+        assert_eq!(status["agentVersion"], version_a);
+        assert_eq!(std::fs::read_link(machine.data().join("bin/bcd")).unwrap(), machine.data().join("slots/a/bcd"));
+        let (_, doc) = server.call("nodes.get", json!({ "nodeId": node })).await;
+        assert_eq!(
+            (doc["agent"]["agentVersion"].as_str(), doc["agent"]["agentSlot"].as_str()),
+            (Some(version_a), Some("a")),
+            "{doc}"
+        );
+    }
+    assert_eq!(served_b.served(), 2, "both nodes took B before going back");
+
+    // The log: the node in flight finished its update after the abort, then the rollbacks went
+    // one at a time (maxUnavailable 1): each rolled back before the next was sent its command.
+    let (status, page) = server.call("events.list", json!({ "types": ["rollout.*"], "limit": 200 })).await;
+    assert_eq!(status, 200, "{page}");
+    let seen: Vec<(String, String)> = page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["type"].as_str().unwrap().to_owned(), e["payload"]["nodeId"].as_str().unwrap_or("").to_owned()))
+        .collect();
+    let at = |t: &str, node: &Value| {
+        seen.iter()
+            .position(|(st, sn)| st == t && sn == node.as_str().unwrap())
+            .unwrap_or_else(|| panic!("no {t} of {node} in {seen:?}"))
+    };
+    let aborting = seen.iter().position(|(t, _)| t == "rollout.aborting").expect("rollout.aborting");
+    assert!(at("rollout.node_updated", &nodes[1]) > aborting, "the node in flight finished after the abort: {seen:?}");
+    let mut rollbacks: Vec<(usize, usize)> =
+        nodes.iter().map(|n| (at("rollout.node_rolling_back", n), at("rollout.node_rolled_back", n))).collect();
+    rollbacks.sort();
+    assert!(rollbacks[0].0 > at("rollout.node_updated", &nodes[1]), "{seen:?}");
+    assert!(rollbacks[0].1 < rollbacks[1].0, "one at a time: {seen:?}");
+    assert!(seen.iter().position(|(t, _)| t == "rollout.aborted").unwrap() > rollbacks[1].1, "{seen:?}");
 }

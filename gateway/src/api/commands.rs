@@ -6,7 +6,7 @@
 
 use bc_core::Error;
 use bc_core::Result;
-use bc_core::id::{CommandId, NodeId, TenantId};
+use bc_core::id::{CommandId, NodeId, RolloutId, TenantId};
 use bc_core::store::ExpectedVersion;
 use bc_projections::events as ev;
 use bc_projections::{
@@ -20,7 +20,8 @@ use serde_json::Value;
 use schemars::json_schema;
 
 use super::toolkit::{
-    CommandIdText, CursorText, LimitNumber, NodeIdText, Page, TenantIdText, doc, list_rows, parse_id, stream_id, string_schema,
+    CommandIdText, CursorText, LimitNumber, NodeIdText, Page, RolloutIdText, TenantIdText, doc, list_rows, parse_id, stream_id,
+    string_schema,
 };
 use super::views::CommandView;
 use super::{Access, Call, Method, method};
@@ -34,14 +35,15 @@ pub const COMMAND_DEADLINE_S_MAX: u64 = 24 * 3600;
 /// The command kinds an API caller issues. `gpu.hold` and `gpu.release` are the control
 /// plane's own: a reservation's activation and ending issue them (`placement::activation`,
 /// `placement::ending`), so GPUs are never set aside outside a reservation.
-/// `agent.update` is also what a rollout sends (`rollouts`), and has its own default deadline,
-/// [`bc_core::release::UPDATE_COMMAND_DEADLINE_S`].
-pub const COMMAND_KINDS: &[&str] = &["ping", AGENT_UPDATE];
+/// `agent.update` and `agent.rollback` are also what a rollout sends (`rollouts`, and its
+/// abort), and have their own default deadline, [`bc_core::release::UPDATE_COMMAND_DEADLINE_S`].
+pub const COMMAND_KINDS: &[&str] = &["ping", AGENT_UPDATE, AGENT_ROLLBACK];
 /// The command that has an agent take a signed release (`bcd` verifies it against its pinned
 /// release keys, switches slots and re-executes).
-pub const AGENT_UPDATE: &str = "agent.update";
-/// The longest `rolloutId` an `agent.update` names.
-pub const ROLLOUT_ID_BYTES_MAX: usize = 64;
+pub const AGENT_UPDATE: &str = bc_projections::rollout::AGENT_UPDATE;
+/// The command that has an agent go back to the version its previous slot holds (the entrypoint
+/// pointed back, a re-exec, the watchdog armed as for an update).
+pub const AGENT_ROLLBACK: &str = bc_projections::rollout::AGENT_ROLLBACK;
 
 pub(super) const METHODS: &[Method] = &[
     method!("commands.issue", WRITE, "send a command to a node's agent", CommandsIssue => CommandView, commands_issue),
@@ -51,7 +53,8 @@ pub(super) const METHODS: &[Method] = &[
 ];
 
 string_schema!(
-    /// `ping` (answer at once), `agent.update` (take a signed release).
+    /// `ping` (answer at once), `agent.update` (take a signed release), `agent.rollback` (go
+    /// back to the version the previous slot holds).
     CommandKindText,
     json_schema!({ "type": "string", "enum": COMMAND_KINDS })
 );
@@ -74,8 +77,8 @@ pub struct AgentUpdateArgs {
     pub signature: String,
     /// The rollout that sends it, if one does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = ROLLOUT_ID_BYTES_MAX))]
-    pub rollout_id: Option<String>,
+    #[schemars(with = "Option<RolloutIdText>")]
+    pub rollout_id: Option<RolloutId>,
 }
 
 impl AgentUpdateArgs {
@@ -94,13 +97,36 @@ impl AgentUpdateArgs {
         }
         Manifest::parse(self.manifest.as_bytes()).map_err(|e| invalid(e.to_string()))?;
         signature_key_id(&self.signature).map_err(|e| invalid(e.to_string()))?;
-        if let Some(rollout) = &self.rollout_id {
-            let well_formed = rollout.len() <= ROLLOUT_ID_BYTES_MAX
-                && rollout.starts_with("ro_")
-                && rollout.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            if !well_formed {
-                return Err(invalid("rolloutId is not a rollout id (ro_…)".into()));
-            }
+        Ok(())
+    }
+}
+
+/// `agent.rollback`'s arguments: the version to go back to, which the node's previous slot must
+/// hold (the agent refuses it `rollback-unavailable` otherwise; already on it, it succeeds at
+/// once).
+#[derive(Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentRollbackArgs {
+    /// A semantic version (at most 64 bytes): the one the node ran before.
+    #[schemars(length(min = 1, max = bc_core::release::VERSION_BYTES_MAX))]
+    pub to_version: String,
+    /// The rollout that sends it, if one does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<RolloutIdText>")]
+    pub rollout_id: Option<RolloutId>,
+}
+
+impl AgentRollbackArgs {
+    pub fn check(&self) -> Result<()> {
+        use bc_core::release::{VERSION_BYTES_MAX, is_version};
+        if self.to_version.len() > VERSION_BYTES_MAX || !is_version(&self.to_version) {
+            return Err(Error::InvalidArgument {
+                message: format!(
+                    "args of {AGENT_ROLLBACK}: toVersion {:?} is not a semantic version of at most {VERSION_BYTES_MAX} bytes",
+                    bc_core::id::truncate(&self.to_version, 40)
+                ),
+                hint: Some("the version the node ran before, as nodes.get shows it (agentVersion), e.g. 0.1.0".into()),
+            });
         }
         Ok(())
     }
@@ -113,6 +139,7 @@ impl AgentUpdateArgs {
 enum CommandArgs {
     Ping(PingArgs),
     AgentUpdate(AgentUpdateArgs),
+    AgentRollback(AgentRollbackArgs),
 }
 
 /// `args` are the arguments of `kind` (absent: `{}`, which only `ping` takes).
@@ -126,11 +153,12 @@ pub struct CommandsIssue {
     #[schemars(with = "CommandKindText")]
     kind: String,
     /// The kind's arguments (`{}` for `ping`; `{manifest, signature, rolloutId?}` for
-    /// `agent.update`).
+    /// `agent.update`; `{toVersion, rolloutId?}` for `agent.rollback`).
     #[serde(default)]
     #[schemars(with = "CommandArgs")]
     args: serde_json::Map<String, Value>,
-    /// Seconds the node has to run it (default 300; 600 for `agent.update`).
+    /// Seconds the node has to run it (default 300; 600 for `agent.update` and
+    /// `agent.rollback`).
     #[schemars(range(min = 1, max = COMMAND_DEADLINE_S_MAX))]
     deadline_s: Option<u64>,
 }
@@ -160,23 +188,30 @@ pub struct CommandsList {
 
 /// The kind and its arguments, checked against what the kind takes.
 fn args_of(kind: &str, args: serde_json::Map<String, Value>) -> Result<(&'static str, Value)> {
-    fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(kind: &str, args: Value) -> Result<Value> {
-        let parsed: T = serde_json::from_value(args).map_err(|e| Error::InvalidArgument {
+    fn parse<T: serde::de::DeserializeOwned>(kind: &str, args: Value) -> Result<T> {
+        serde_json::from_value(args).map_err(|e| Error::InvalidArgument {
             message: format!("args of {kind}: {}", bc_core::id::truncate(&e.to_string(), 200)),
             hint: None,
-        })?;
+        })
+    }
+    fn to_value<T: serde::Serialize>(parsed: T) -> Result<Value> {
         serde_json::to_value(parsed).map_err(|e| Error::Internal(format!("command args: {e}")))
+    }
+    fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(kind: &str, args: Value) -> Result<Value> {
+        to_value(parse::<T>(kind, args)?)
     }
     let args = Value::Object(args);
     Ok(match kind {
         "ping" => ("ping", typed::<PingArgs>(kind, args)?),
         AGENT_UPDATE => {
-            let parsed: AgentUpdateArgs = serde_json::from_value(args).map_err(|e| Error::InvalidArgument {
-                message: format!("args of {kind}: {}", bc_core::id::truncate(&e.to_string(), 200)),
-                hint: None,
-            })?;
+            let parsed: AgentUpdateArgs = parse(kind, args)?;
             parsed.check()?;
-            (AGENT_UPDATE, serde_json::to_value(parsed).map_err(|e| Error::Internal(format!("command args: {e}")))?)
+            (AGENT_UPDATE, to_value(parsed)?)
+        }
+        AGENT_ROLLBACK => {
+            let parsed: AgentRollbackArgs = parse(kind, args)?;
+            parsed.check()?;
+            (AGENT_ROLLBACK, to_value(parsed)?)
         }
         "gpu.hold" | "gpu.release" => {
             return Err(Error::InvalidArgument {
@@ -220,7 +255,7 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
     let tenant = call.tenant(&input.tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
     let (kind, args) = args_of(&input.kind, input.args)?;
-    let deadline_s = input.deadline_s.unwrap_or(if kind == AGENT_UPDATE {
+    let deadline_s = input.deadline_s.unwrap_or(if kind == AGENT_UPDATE || kind == AGENT_ROLLBACK {
         bc_core::release::UPDATE_COMMAND_DEADLINE_S
     } else {
         COMMAND_DEADLINE_S_DEFAULT

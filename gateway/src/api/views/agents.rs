@@ -273,7 +273,7 @@ pub struct CommandView {
     pub command_id: String,
     #[schemars(with = "NodeIdText")]
     pub node_id: String,
-    /// `ping`, `gpu.hold`, `gpu.release`.
+    /// `ping`, `gpu.hold`, `gpu.release`, `instance.apply`, `agent.update`, `agent.rollback`.
     pub kind: String,
     pub args: serde_json::Map<String, Value>,
     pub state: CommandStateView,
