@@ -254,6 +254,9 @@ pub(super) async fn check_node_queue(call: &Call<'_>, tenant: TenantId, node_id:
 async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<CommandView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
+    // The node first: the arguments' schema is one per kind (an `anyOf`, not tied to `kind`), so
+    // a call to a node that is not there is NOT_FOUND whatever it carries.
+    let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
     let (kind, args) = args_of(&input.kind, input.args)?;
     let deadline_s = input.deadline_s.unwrap_or(if kind == AGENT_UPDATE || kind == AGENT_ROLLBACK {
         bc_core::release::UPDATE_COMMAND_DEADLINE_S
@@ -263,7 +266,6 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
     if !(1..=COMMAND_DEADLINE_S_MAX).contains(&deadline_s) {
         return Err(Error::invalid(format!("deadlineS must be 1 to {COMMAND_DEADLINE_S_MAX} seconds")));
     }
-    let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
     if node.agent.is_none() {
         return Err(Error::InvalidArgument {
             message: format!("node {node_id} has no agent: it was registered by hand"),

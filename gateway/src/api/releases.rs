@@ -110,18 +110,22 @@ pub(super) async fn release_doc(call: &Call<'_>, tenant: TenantId, id: &ReleaseI
 
 async fn releases_register(call: &Call<'_>, input: ReleasesRegister) -> Result<ReleaseView> {
     let tenant = call.tenant(&input.tenant_id).await?;
+    // A signature that does not verify under a key this deployment trusts is a signer that may
+    // not publish releases here: ACCESS_DENIED (the signature is checked before the manifest is
+    // read at all). A manifest a trusted key signed that does not hold up is INVALID_ARGUMENT.
     let keys = &call.state.release_keys;
     if keys.is_empty() {
-        return Err(Error::InvalidArgument {
-            message: "this control plane trusts no release key".into(),
-            hint: Some("start it with --release-key FILE.pub (from `better-compute release keygen`)".into()),
-        });
+        return Err(Error::AccessDenied(
+            "release-untrusted-key: this control plane trusts no release key (start it with --release-key FILE.pub, from `better-compute releases keygen`)".into(),
+        ));
     }
-    let manifest =
-        bc_core::release::verify(keys, input.manifest.as_bytes(), &input.signature).map_err(|e| Error::InvalidArgument {
+    let manifest = bc_core::release::verify(keys, input.manifest.as_bytes(), &input.signature).map_err(|e| match e {
+        bc_core::release::ReleaseError::Malformed(_) => Error::InvalidArgument {
             message: format!("{}: {}", e.code(), e.detail()),
-            hint: Some("sign it with `better-compute release sign` under a key this control plane trusts".into()),
-        })?;
+            hint: Some("make the manifest with `better-compute releases sign`".into()),
+        },
+        _ => Error::AccessDenied(format!("{}: {}", e.code(), e.detail())),
+    })?;
     let _names = call.state.name_locks.lock(tenant).await;
     if !call.is_retry(tenant).await? {
         let rows = call.state.store.row_list(&tenant.to_string(), KIND_RELEASE, None, RELEASES_PER_TENANT_MAX).await?;

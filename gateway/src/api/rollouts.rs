@@ -14,7 +14,7 @@ use bc_projections::rollout::{
     NODE_DEADLINE_S_MAX, NODE_DEADLINE_S_MIN, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, RolloutDoc,
 };
 use bc_projections::{KIND_NODE, NodeDoc};
-use schemars::JsonSchema;
+use schemars::{JsonSchema, json_schema};
 use serde::{Deserialize, Serialize};
 
 use super::releases::release_doc;
@@ -22,6 +22,7 @@ use super::toolkit::{
     CursorText, LabelsMap, LimitNumber, Page, PoolIdText, ReleaseIdText, RolloutIdText, TenantIdText, doc, list_rows, parse_id,
     stream_id, validate_labels, validate_text,
 };
+use super::toolkit::{TEXT_PATTERN, string_schema};
 use super::{Access, Call, Method, method};
 
 const READ: Access = Access::Action("compute:rollouts:read");
@@ -33,6 +34,16 @@ pub const WAVE_SPEC_CHARS_MAX: usize = 8;
 pub const ROLLOUT_REASON_CHARS_MAX: usize = 500;
 /// Rows read per query when gathering a tenant's nodes or rollouts.
 const ROWS_PER_READ: u32 = 500;
+
+string_schema!(
+    /// A reason given to a pause, resume or abort ([`validate_text`] with
+    /// [`ROLLOUT_REASON_CHARS_MAX`]).
+    ReasonText,
+    json_schema!({ "type": "string", "maxLength": ROLLOUT_REASON_CHARS_MAX, "pattern": TEXT_PATTERN })
+);
+
+/// A wave: a node count from 1, or a percentage from 1 % to 100 %.
+const WAVE_PATTERN: &str = "^([1-9][0-9]{0,6}|[1-9][0-9]?%|100%)$";
 
 pub(super) const METHODS: &[Method] = &[
     method!("rollouts.create", WRITE, "take a release to a pool's nodes in waves", RolloutsCreate => RolloutView, rollouts_create),
@@ -58,7 +69,7 @@ pub struct RolloutsCreate {
     labels: Option<BTreeMap<String, String>>,
     /// Cumulative: how many nodes have the release once each wave is done, as a count or a
     /// percentage; the last must reach every node. Default `["1", "100%"]`.
-    #[schemars(length(min = 1, max = ROLLOUT_WAVES_MAX), inner(length(min = 1, max = WAVE_SPEC_CHARS_MAX), regex(pattern = r"^[0-9]{1,7}%?$")))]
+    #[schemars(length(min = 1, max = ROLLOUT_WAVES_MAX), inner(length(min = 1, max = WAVE_SPEC_CHARS_MAX), regex(pattern = WAVE_PATTERN)))]
     waves: Option<Vec<String>>,
     /// Most of the rollout's nodes updating, rolling back or unreachable at once. Default 1.
     #[schemars(range(min = 1, max = ROLLOUT_NODES_MAX))]
@@ -93,7 +104,7 @@ pub struct RolloutAct {
     #[schemars(with = "RolloutIdText")]
     rollout_id: String,
     /// Why, recorded in the event.
-    #[schemars(length(max = ROLLOUT_REASON_CHARS_MAX))]
+    #[schemars(with = "Option<ReasonText>")]
     reason: Option<String>,
 }
 
@@ -152,6 +163,8 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
     let tenant = call.tenant(&input.tenant_id).await?;
     let release_id: ReleaseId = parse_id("releaseId", &input.release_id)?;
     let pool: Option<PoolId> = input.pool_id.as_deref().map(|p| parse_id("poolId", p)).transpose()?;
+    // The release first: what the rollout is of (NOT_FOUND before any check of how).
+    let release = release_doc(call, tenant, &release_id).await?;
     if let Some(labels) = &input.labels {
         validate_labels(labels)?;
     }
@@ -185,7 +198,6 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
             "maxUnavailable is 1 to {ROLLOUT_NODES_MAX}; waveFailuresMax at most {ROLLOUT_NODES_MAX}"
         )));
     }
-    let release = release_doc(call, tenant, &release_id).await?;
     let nodes: Vec<NodeDoc> = all_rows(call, tenant, KIND_NODE).await?;
     let labels = input.labels.clone().unwrap_or_default();
     let pool_text = pool.map(|p| p.to_string());

@@ -317,7 +317,7 @@ pub async fn list_rows<T>(
 /// most 7 so that the 128 bits do not overflow.
 const ULID_PATTERN: &str = "[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}";
 /// The characters `is_control` refuses, but newline and tab.
-const TEXT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B-\\u001F\\u007F-\\u009F]*$";
+pub(crate) const TEXT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B-\\u001F\\u007F-\\u009F]*$";
 
 /// Declares a schema-only type for a constrained value, named in the document's components:
 /// `string_schema!(NameText, json_schema!({…}))`, or with another component name and the
