@@ -759,6 +759,13 @@ impl Projector for Projections {
                     id: id.to_owned(),
                 });
             }
+            if kind == rollout::KIND_ROLLOUT {
+                out.push(RowKey {
+                    tenant: event.envelope.tenant.to_string(),
+                    kind: rollout::KIND_ROLLOUT_LIVE.to_owned(),
+                    id: id.to_owned(),
+                });
+            }
             if kind == KIND_RESERVATION {
                 out.push(RowKey {
                     tenant: event.envelope.tenant.to_string(),
@@ -1135,7 +1142,7 @@ impl Projector for Projections {
             | ROLLOUT_RESUMED
             | ROLLOUT_ABORTING
             | ROLLOUT_ABORTED
-            | ROLLOUT_COMPLETED => rollout::apply_rollout(&key.id, current, event),
+            | ROLLOUT_COMPLETED => rollout::apply_rollout(&key.kind, &key.id, current, event),
             INSTANCE_CREATED
             | INSTANCE_START_REQUESTED
             | INSTANCE_STOP_REQUESTED

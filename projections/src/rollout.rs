@@ -31,6 +31,9 @@ use crate::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, corrupt, from_doc, pay
 pub const KIND_RELEASE: &str = "release";
 /// A rollout: `rollout/ro_…`.
 pub const KIND_ROLLOUT: &str = "rollout";
+/// One row per rollout still running, paused or aborting (removed when it ends): what the
+/// reconciler and `rollouts.create`'s overlap check scan, so they never read finished ones.
+pub const KIND_ROLLOUT_LIVE: &str = "rollout_live";
 /// The commands a rollout sends a node.
 pub const AGENT_UPDATE: &str = "agent.update";
 pub const AGENT_ROLLBACK: &str = "agent.rollback";
@@ -356,8 +359,23 @@ pub fn apply_release(id: &str, current: Option<serde_json::Value>, event: &Store
     }
 }
 
-/// Folds a `rollout.*` event into its document.
-pub fn apply_rollout(id: &str, current: Option<serde_json::Value>, event: &StoredEvent) -> Result<Option<serde_json::Value>> {
+/// Folds a `rollout.*` event into its document (`kind` [`KIND_ROLLOUT`]) or its live row
+/// ([`KIND_ROLLOUT_LIVE`]: the same document while the rollout is live, then none).
+pub fn apply_rollout(
+    kind: &str,
+    id: &str,
+    current: Option<serde_json::Value>,
+    event: &StoredEvent,
+) -> Result<Option<serde_json::Value>> {
+    if kind == KIND_ROLLOUT_LIVE {
+        if current.is_none() && event.envelope.event_type != ROLLOUT_CREATED {
+            return Ok(None);
+        }
+        let doc = apply_rollout(KIND_ROLLOUT, id, current, event)?;
+        let live =
+            doc.as_ref().and_then(|d| serde_json::from_value::<RolloutDoc>(d.clone()).ok()).is_some_and(|d| d.state.is_live());
+        return Ok(if live { doc } else { None });
+    }
     let env = &event.envelope;
     if env.event_type == ROLLOUT_CREATED {
         if current.is_some() {

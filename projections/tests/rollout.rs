@@ -15,7 +15,8 @@ use bc_core::store::{Projector, RowKey};
 use bc_projections::decide::{RolloutCreateInput, RolloutVerb, resolve_waves, rollout_create, rollout_plan, rollout_verb};
 use bc_projections::events::{self as ev, CommandIssued};
 use bc_projections::rollout::{
-    AGENT_ROLLBACK, AGENT_UPDATE, BusyNodes, KIND_ROLLOUT, ReleaseDoc, RolloutDoc, RolloutNodeState, RolloutState,
+    AGENT_ROLLBACK, AGENT_UPDATE, BusyNodes, KIND_ROLLOUT, KIND_ROLLOUT_LIVE, ReleaseDoc, RolloutDoc, RolloutNodeState,
+    RolloutState,
 };
 use bc_projections::{CommandDoc, CommandState, NodeAgent, NodeDoc, NodeState, Projections};
 use rand::rngs::StdRng;
@@ -96,6 +97,8 @@ fn input(waves: &[&str], max_unavailable: u32, wave_failures_max: u32) -> Rollou
 /// The model: the rollout's document folded by the real projection, the nodes, the commands.
 struct World {
     rollout: Option<serde_json::Value>,
+    /// The rollout's live row, folded from the same events.
+    live: Option<serde_json::Value>,
     seq: u64,
     nodes: BTreeMap<String, NodeDoc>,
     commands: BTreeMap<String, CommandDoc>,
@@ -106,7 +109,7 @@ struct World {
 impl World {
     fn new(count: usize) -> Self {
         let nodes = (0..count).map(node).map(|n| (n.node_id.clone(), n)).collect();
-        Self { rollout: None, seq: 0, nodes, commands: BTreeMap::new(), next_command: 0, now_ms: 1_000 }
+        Self { rollout: None, live: None, seq: 0, nodes, commands: BTreeMap::new(), next_command: 0, now_ms: 1_000 }
     }
 
     fn doc(&self) -> RolloutDoc {
@@ -169,6 +172,13 @@ impl World {
                     };
                     let key = RowKey { tenant: TENANT.into(), kind: KIND_ROLLOUT.into(), id: ROLLOUT.into() };
                     self.rollout = Projections.apply(&key, self.rollout.take(), &stored).unwrap();
+                    let live = RowKey { tenant: TENANT.into(), kind: KIND_ROLLOUT_LIVE.into(), id: ROLLOUT.into() };
+                    self.live = Projections.apply(&live, self.live.take(), &stored).unwrap();
+                    let running = self.doc().state.is_live();
+                    assert_eq!(self.live.is_some(), running, "the live row is there exactly while the rollout is live");
+                    if running {
+                        assert_eq!(self.live, self.rollout, "the live row is the document");
+                    }
                 }
             }
         }

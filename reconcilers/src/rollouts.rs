@@ -15,7 +15,7 @@ use bc_core::id::CommandId;
 use bc_core::store::Log;
 use bc_core::{Error, ErrorCode, Result};
 use bc_projections::decide;
-use bc_projections::rollout::{self, KIND_ROLLOUT, RolloutDoc};
+use bc_projections::rollout::{self, KIND_ROLLOUT_LIVE, RolloutDoc};
 use bc_projections::{KIND_NODE, NodeDoc};
 
 pub const NAME: &str = "rollouts";
@@ -56,7 +56,7 @@ async fn rows<T: serde::de::DeserializeOwned>(log: &Log, tenant: &str, kind: &st
 
 /// A tenant's rollouts that are not finished.
 pub async fn live_rollouts(log: &Log, tenant: &str) -> Result<Vec<RolloutDoc>> {
-    Ok(rows::<RolloutDoc>(log, tenant, KIND_ROLLOUT).await?.into_iter().filter(|r| r.state.is_live()).collect())
+    Ok(rows::<RolloutDoc>(log, tenant, KIND_ROLLOUT_LIVE).await?.into_iter().filter(|r| r.state.is_live()).collect())
 }
 
 /// One pass over every tenant's live rollouts.

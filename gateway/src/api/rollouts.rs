@@ -10,8 +10,8 @@ use bc_core::id::{PoolId, ReleaseId, RolloutId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::{self, RolloutCreateInput, RolloutVerb};
 use bc_projections::rollout::{
-    BusyNodes, KIND_ROLLOUT, MAX_UNAVAILABLE_DEFAULT, MIN_READY_S_DEFAULT, MIN_READY_S_MAX, NODE_DEADLINE_S_DEFAULT,
-    NODE_DEADLINE_S_MAX, NODE_DEADLINE_S_MIN, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, RolloutDoc,
+    BusyNodes, KIND_ROLLOUT, KIND_ROLLOUT_LIVE, MAX_UNAVAILABLE_DEFAULT, MIN_READY_S_DEFAULT, MIN_READY_S_MAX,
+    NODE_DEADLINE_S_DEFAULT, NODE_DEADLINE_S_MAX, NODE_DEADLINE_S_MIN, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, RolloutDoc,
 };
 use bc_projections::{KIND_NODE, NodeDoc};
 use schemars::{JsonSchema, json_schema};
@@ -208,7 +208,7 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
         .filter(|n| labels.iter().all(|(k, v)| n.labels.get(k) == Some(v)))
         .collect();
     let live: Vec<RolloutDoc> =
-        all_rows::<RolloutDoc>(call, tenant, KIND_ROLLOUT).await?.into_iter().filter(|r| r.state.is_live()).collect();
+        all_rows::<RolloutDoc>(call, tenant, KIND_ROLLOUT_LIVE).await?.into_iter().filter(|r| r.state.is_live()).collect();
     let selector = (!labels.is_empty()).then(|| labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","));
     let rollout = RolloutId::from_ulid(call.ulid());
     let append = decide::rollout_create(

@@ -26,7 +26,7 @@ use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_projections::decide::{self, RolloutCreateInput, RolloutVerb};
 use bc_projections::events as ev;
 use bc_projections::rollout::{
-    AGENT_ROLLBACK, AGENT_UPDATE, BusyNodes, KIND_RELEASE, KIND_ROLLOUT, ReleaseArtifact, ReleaseDoc, ReleaseRegistered,
+    AGENT_ROLLBACK, AGENT_UPDATE, BusyNodes, KIND_RELEASE, KIND_ROLLOUT_LIVE, ReleaseArtifact, ReleaseDoc, ReleaseRegistered,
     RolloutDoc, RolloutState,
 };
 use bc_projections::{KIND_NODE, NodeDoc, stream_of};
@@ -66,7 +66,7 @@ impl Sim {
     pub(super) async fn rollout_fault(&mut self, a: usize) {
         let t = self.world.agents[a].tenant;
         let live: Vec<RolloutDoc> =
-            self.world.rows::<RolloutDoc>(t, KIND_ROLLOUT).await.into_iter().filter(|r| r.state.is_live()).collect();
+            self.world.rows::<RolloutDoc>(t, KIND_ROLLOUT_LIVE).await.into_iter().filter(|r| r.state.is_live()).collect();
         if let Some(rollout) = live.first() {
             let roll = self.rng.next_unit();
             let verb = match rollout.state {
@@ -287,7 +287,7 @@ impl Sim {
     async fn live_rollouts(&self) -> Vec<RolloutDoc> {
         let mut out = Vec::new();
         for t in 0..self.world.tenants.len() {
-            out.extend(self.world.rows::<RolloutDoc>(t, KIND_ROLLOUT).await.into_iter().filter(|r| r.state.is_live()));
+            out.extend(self.world.rows::<RolloutDoc>(t, KIND_ROLLOUT_LIVE).await.into_iter().filter(|r| r.state.is_live()));
         }
         out
     }
