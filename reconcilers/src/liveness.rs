@@ -15,7 +15,6 @@
 //! time), gets `command.failed` at the command's version, without a journal entry.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::TenantId;
@@ -24,8 +23,6 @@ use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
 use bc_core::{Error, ErrorCode, Result};
 use bc_projections::events as ev;
 use bc_projections::{CommandDoc, CommandState, KIND_COMMAND, KIND_COMMAND_LIVE, KIND_NODE, NodeDoc, stream_of};
-
-use crate::status::PassRecorder;
 
 pub const NAME: &str = "liveness";
 const ACTOR: &str = "reconciler:liveness";
@@ -160,49 +157,38 @@ async fn sweep_commands(log: &Log, tenant: TenantId, now_ms: u64, done: &mut Pas
     }
 }
 
-/// Runs passes every `tick_ms` until `shutdown`; a pass that left work (a full lease batch, a
-/// conflict) is followed by the next at once.
-pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
-    let status = PassRecorder::new(log.store.clone(), clock.clone(), NAME);
-    while !*shutdown.borrow() {
-        let started_at_ms = clock.now_ms();
-        let result = pass(&log, &*clock).await;
-        let mut again = false;
-        match &result {
-            Ok(p) => {
-                let counts = [
-                    ("ready", p.ready as u64),
-                    ("unreachable", p.unreachable as u64),
-                    ("expired", p.expired as u64),
-                    ("conflicts", p.conflicts as u64),
-                ];
-                status.pass(started_at_ms, Ok(&counts)).await;
-                if p.ready + p.unreachable + p.expired + p.conflicts > 0 {
-                    tracing::info!(
-                        reconciler = NAME,
-                        ready = p.ready,
-                        unreachable = p.unreachable,
-                        expired = p.expired,
-                        conflicts = p.conflicts,
-                        "pass"
-                    );
-                }
-                again = p.more || p.conflicts > 0;
-            }
-            Err(e) => {
-                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
-                status.pass(started_at_ms, Err(e)).await;
-            }
-        }
-        // Even a pass with work left waits a little, so a hot loop cannot starve the appender.
-        let wait_ms = if again { crate::reservations::PASS_INTERVAL_MIN_MS } else { tick_ms };
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
-            _ = shutdown.changed() => {}
+impl crate::status::PassReport for Pass {
+    fn counts(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("ready", self.ready as u64),
+            ("unreachable", self.unreachable as u64),
+            ("expired", self.expired as u64),
+            ("conflicts", self.conflicts as u64),
+        ]
+    }
+
+    fn again(&self) -> bool {
+        self.more || self.conflicts > 0
+    }
+
+    fn log(&self, name: &'static str) {
+        if self.ready + self.unreachable + self.expired + self.conflicts > 0 {
+            tracing::info!(
+                reconciler = name,
+                ready = self.ready,
+                unreachable = self.unreachable,
+                expired = self.expired,
+                conflicts = self.conflicts,
+                "pass"
+            );
         }
     }
-    tracing::info!(reconciler = NAME, "reconciler stopped");
+}
+
+/// Runs passes every `tick_ms` until `shutdown` ([`crate::status::run_passes`]); a pass that
+/// left work (a full lease batch, a conflict) is followed by the next soon.
+pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, shutdown: tokio::sync::watch::Receiver<bool>) {
+    crate::status::run_passes(NAME, log, clock, tick_ms, |log, clock| Box::pin(pass(log, clock)), shutdown).await;
 }
 
 #[cfg(test)]

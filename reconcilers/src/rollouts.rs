@@ -8,7 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::CommandId;
@@ -94,31 +93,17 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     Ok(done)
 }
 
-/// Runs passes every `tick_ms` until `shutdown`; a pass that lost a race is followed by the next
-/// after [`crate::reservations::PASS_INTERVAL_MIN_MS`].
-pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
-    let status = crate::status::PassRecorder::new(log.store.clone(), clock.clone(), NAME);
-    while !*shutdown.borrow() {
-        let started_at_ms = clock.now_ms();
-        let result = pass(&log, &*clock).await;
-        let mut again = false;
-        match &result {
-            Ok(p) => {
-                let counts = [("moved", p.moved as u64), ("conflicts", p.conflicts as u64)];
-                status.pass(started_at_ms, Ok(&counts)).await;
-                again = p.conflicts > 0;
-            }
-            Err(e) => {
-                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
-                status.pass(started_at_ms, Err(e)).await;
-            }
-        }
-        let wait_ms = if again { crate::reservations::PASS_INTERVAL_MIN_MS } else { tick_ms };
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
-            _ = shutdown.changed() => {}
-        }
+impl crate::status::PassReport for Pass {
+    fn counts(&self) -> Vec<(&'static str, u64)> {
+        vec![("moved", self.moved as u64), ("conflicts", self.conflicts as u64)]
     }
-    tracing::info!(reconciler = NAME, "reconciler stopped");
+
+    fn again(&self) -> bool {
+        self.conflicts > 0
+    }
+}
+
+/// Runs passes every `tick_ms` until `shutdown` ([`crate::status::run_passes`]).
+pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, shutdown: tokio::sync::watch::Receiver<bool>) {
+    crate::status::run_passes(NAME, log, clock, tick_ms, |log, clock| Box::pin(pass(log, clock)), shutdown).await;
 }

@@ -787,6 +787,23 @@ impl Drop for Machine {
     }
 }
 
+/// Stops, when dropped, the `bcd node` whose pid file this names: an agent a watchdog started
+/// (after an update's rollback) is no child of the test.
+pub struct PidGuard(pub PathBuf);
+
+impl Drop for PidGuard {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(&self.0) {
+            let _ = Command::new("kill").args(["-TERM", pid.trim()]).status();
+        }
+    }
+}
+
+/// The pid `bcd node` wrote in the machine's data directory (`bcd.pid`), or empty.
+pub fn pid_of(machine: &Machine) -> String {
+    std::fs::read_to_string(machine.data().join("bcd.pid")).unwrap_or_default().trim().to_owned()
+}
+
 /// A loopback HTTP/1.1 server that answers every GET with `bytes`: where the tests' images are
 /// fetched from. Counts the requests it answered.
 pub struct ImageServer {

@@ -75,21 +75,6 @@ fn sign(server: &Server, key: &Path, dir: &Path, name: &str, version: &str, arti
     out
 }
 
-/// The agent the watchdog started is no child of the test: it is stopped through `bcd.pid`.
-struct PidGuard(PathBuf);
-
-impl Drop for PidGuard {
-    fn drop(&mut self) {
-        if let Ok(pid) = std::fs::read_to_string(&self.0) {
-            let _ = std::process::Command::new("kill").args(["-TERM", pid.trim()]).status();
-        }
-    }
-}
-
-fn pid_of(machine: &Machine) -> String {
-    std::fs::read_to_string(machine.data().join("bcd.pid")).unwrap_or_default().trim().to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     let (server, port) = bc_tests::agents_gateway();
@@ -134,12 +119,12 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     assert_eq!(code, 0, "bcd join: {out} {err}");
     let node = machine.node_id();
     machine.start();
-    let _guard = PidGuard(machine.data().join("bcd.pid"));
+    let _guard = bc_tests::PidGuard(machine.data().join("bcd.pid"));
     wait_until("the agent is live", Duration::from_secs(20), || machine.status().filter(|s| s["session"] == "live"));
     let entrypoint = machine.data().join("bin/bcd");
     let slot = |s: &str| machine.data().join("slots").join(s).join("bcd");
     assert_eq!(std::fs::read_link(&entrypoint).unwrap(), slot("a"), "the running bcd is adopted as slot a");
-    let first_pid = pid_of(&machine);
+    let first_pid = bc_tests::pid_of(&machine);
 
     // `releases verify`: the pinned key verifies B, the other key does not.
     let manifest_b = sign(&server, &key, dir, "b", "9.0.0", &artifact_b, &served_b.url);
@@ -189,7 +174,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     assert_eq!(served_b.served(), 0, "a refused signature or version fetches nothing");
     assert_eq!(std::fs::read_link(&entrypoint).unwrap(), slot("a"));
     assert!(!slot("b").exists(), "a tampered artifact is never put in a slot");
-    assert_eq!(pid_of(&machine), first_pid);
+    assert_eq!(bc_tests::pid_of(&machine), first_pid);
 
     // (b) A bad release: its binary exits at start. The watchdog puts A back.
     let bad = dir.join("bcd-bad");
@@ -212,7 +197,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         machine.status().filter(|s| s["session"] == "live")
     });
     assert_eq!(status["agentVersion"], version_a.as_str());
-    let rolled_back_pid = pid_of(&machine);
+    let rolled_back_pid = bc_tests::pid_of(&machine);
     assert_ne!(rolled_back_pid, first_pid, "the watchdog started the old agent");
     let state: Value = serde_json::from_slice(&std::fs::read(machine.data().join("slots/state.json")).unwrap()).unwrap();
     assert_eq!(state["active"], "a");
@@ -228,7 +213,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     assert_eq!(std::fs::read(slot("b")).unwrap(), bytes_b);
     let status = wait_until("B is live", Duration::from_secs(30), || machine.status().filter(|s| s["agentVersion"] == "9.0.0"));
     assert_eq!(status["session"], "live");
-    assert_eq!(pid_of(&machine), rolled_back_pid, "re-executed in place");
+    assert_eq!(bc_tests::pid_of(&machine), rolled_back_pid, "re-executed in place");
 
     // Every start is in the log: A, the A after the rollback, and B from slot b.
     let (status, page) = server.call("events.list", json!({ "types": ["node.agent_started"], "limit": 100 })).await;
@@ -293,7 +278,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         format!("rollback-unavailable: the previous slot holds {version_a}, not 7.7.7 (slot a)"),
         "{done}"
     );
-    assert_eq!(pid_of(&machine), rolled_back_pid, "nothing moved");
+    assert_eq!(bc_tests::pid_of(&machine), rolled_back_pid, "nothing moved");
     // A previous binary that no longer starts: the watchdog puts B back, the command fails.
     let binary_a = std::fs::read(slot("a")).unwrap();
     std::fs::write(slot("a"), b"#!/bin/sh\nexit 1\n").unwrap();
@@ -309,7 +294,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     wait_until("B is live again", Duration::from_secs(30), || {
         machine.status().filter(|s| s["agentVersion"] == "9.0.0" && s["session"] == "live")
     });
-    let b_pid = pid_of(&machine);
+    let b_pid = bc_tests::pid_of(&machine);
     std::fs::write(slot("a"), &binary_a).unwrap();
     std::fs::set_permissions(slot("a"), std::fs::Permissions::from_mode(0o755)).unwrap();
     // Back to A: slot a again, re-executed in place, confirmed by the agent of slot a.
@@ -321,7 +306,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         machine.status().filter(|s| s["agentVersion"] == version_a.as_str() && s["session"] == "live")
     });
     assert_eq!(status["agentVersion"], version_a.as_str());
-    assert_eq!(pid_of(&machine), b_pid, "re-executed in place");
+    assert_eq!(bc_tests::pid_of(&machine), b_pid, "re-executed in place");
     let state: Value = serde_json::from_slice(&std::fs::read(machine.data().join("slots/state.json")).unwrap()).unwrap();
     assert_eq!((state["active"].as_str(), state["previous"].as_str()), (Some("a"), Some("b")), "{state}");
     assert_eq!(state["versions"], json!({ "a": version_a, "b": "9.0.0" }), "{state}");

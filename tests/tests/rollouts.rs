@@ -17,21 +17,6 @@ use std::time::Duration;
 use bc_tests::{ImageServer, Machine, Server, json, wait_until};
 use serde_json::{Value, json};
 
-/// The agent a watchdog started is no child of the test: it is stopped through `bcd.pid`.
-struct PidGuard(PathBuf);
-
-impl Drop for PidGuard {
-    fn drop(&mut self) {
-        if let Ok(pid) = std::fs::read_to_string(&self.0) {
-            let _ = std::process::Command::new("kill").args(["-TERM", pid.trim()]).status();
-        }
-    }
-}
-
-fn pid_of(machine: &Machine) -> String {
-    std::fs::read_to_string(machine.data().join("bcd.pid")).unwrap_or_default().trim().to_owned()
-}
-
 /// `releases sign` then `releases register`: the release's `rel_…` id.
 fn release(server: &Server, key: &Path, dir: &Path, version: &str, artifact: &Path, url: &str) -> (i32, Value, String) {
     let manifest = dir.join(format!("{version}-{}.json", key.file_stem().unwrap().to_string_lossy()));
@@ -72,7 +57,7 @@ async fn rollout(server: &Server, id: &str) -> Value {
 /// version A in one pool, each pinning that key under `[update]`, live and known on A. Fields
 /// drop in order: the agents (through `bcd.pid`) before the server and the directory.
 struct Fleet {
-    _guards: Vec<PidGuard>,
+    _guards: Vec<bc_tests::PidGuard>,
     machines: Vec<Machine>,
     server: Server,
     pool: String,
@@ -124,7 +109,7 @@ impl Fleet {
             let (code, out, err) = machine.join_stdin(created["token"].as_str().unwrap());
             assert_eq!(code, 0, "bcd join: {out} {err}");
             machine.start();
-            guards.push(PidGuard(machine.data().join("bcd.pid")));
+            guards.push(bc_tests::PidGuard(machine.data().join("bcd.pid")));
             machines.push(machine);
         }
         for machine in &machines {
@@ -245,7 +230,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let served_bad = ImageServer::start("bcd-bad", std::fs::read(&bad).unwrap());
     let (code, c, err) = release(server, key, dir, "10.0.0", &bad, &served_bad.url);
     assert_eq!(code, 0, "releases register: {err}");
-    let pids: Vec<String> = machines.iter().map(pid_of).collect();
+    let pids: Vec<String> = machines.iter().map(bc_tests::pid_of).collect();
     let (status, created) = server
         .call(
             "rollouts.create",
@@ -269,7 +254,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
         assert_eq!(n["state"], "pending", "{paused}");
         assert!(n.get("commandId").is_none(), "{paused}");
         let machine = machines.iter().find(|m| m.node_id() == n["nodeId"].as_str().unwrap()).unwrap();
-        assert_eq!(pid_of(machine), pids[machines.iter().position(|m| std::ptr::eq(m, machine)).unwrap()], "node {i}");
+        assert_eq!(bc_tests::pid_of(machine), pids[machines.iter().position(|m| std::ptr::eq(m, machine)).unwrap()], "node {i}");
     }
     assert_eq!(served_bad.served(), 1, "only the canary fetched C");
     // The canary is back on B, through its watchdog.
