@@ -97,39 +97,6 @@ impl PassRecorder {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bc_core::clock::ManualClock;
-
-    /// Regression (review): a success right after a recorded failure was held back by the
-    /// once-a-second limit, so an idle reconciler showed a stale failure for good.
-    #[tokio::test]
-    async fn a_recovery_is_recorded_at_once_after_a_failure() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = bc_core::store::sqlite::SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap();
-        store.migrate().await.unwrap();
-        let store: Arc<dyn EventStore> = Arc::new(store);
-        let clock = Arc::new(ManualClock::new(1_000_000));
-        let recorder = PassRecorder::new(store.clone(), clock.clone(), "test");
-        recorder.pass(clock.now_ms(), Ok(&[("done", 1)])).await;
-        clock.advance_ms(100);
-        let failure = bc_core::Error::Unavailable("the database went away".into());
-        recorder.pass(clock.now_ms(), Err(&failure)).await;
-        let last = |passes: Vec<PassRecord>| passes.into_iter().find(|p| p.name == "test").unwrap();
-        assert!(!last(store.passes().await.unwrap()).ok, "a failure is recorded at once");
-        clock.advance_ms(100);
-        recorder.pass(clock.now_ms(), Ok(&[("done", 2)])).await;
-        let now = last(store.passes().await.unwrap());
-        assert!(now.ok, "the recovery is recorded at once: {now:?}");
-        assert_eq!((now.passes, now.counts["done"]), (3, 2));
-        // Then the once-a-second limit holds again.
-        clock.advance_ms(100);
-        recorder.pass(clock.now_ms(), Ok(&[("done", 5)])).await;
-        assert_eq!(last(store.passes().await.unwrap()).passes, 3, "held back within the second");
-    }
-}
-
 /// What a level-triggered reconciler's pass tells [`run_passes`]: its counts for the status row,
 /// whether to pass again soon (work left, a lost race), and what to log when it did something.
 pub trait PassReport {
@@ -181,4 +148,37 @@ pub async fn run_passes<P: PassReport>(
         }
     }
     tracing::info!(reconciler = name, "reconciler stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bc_core::clock::ManualClock;
+
+    /// Regression (review): a success right after a recorded failure was held back by the
+    /// once-a-second limit, so an idle reconciler showed a stale failure for good.
+    #[tokio::test]
+    async fn a_recovery_is_recorded_at_once_after_a_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = bc_core::store::sqlite::SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap();
+        store.migrate().await.unwrap();
+        let store: Arc<dyn EventStore> = Arc::new(store);
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let recorder = PassRecorder::new(store.clone(), clock.clone(), "test");
+        recorder.pass(clock.now_ms(), Ok(&[("done", 1)])).await;
+        clock.advance_ms(100);
+        let failure = bc_core::Error::Unavailable("the database went away".into());
+        recorder.pass(clock.now_ms(), Err(&failure)).await;
+        let last = |passes: Vec<PassRecord>| passes.into_iter().find(|p| p.name == "test").unwrap();
+        assert!(!last(store.passes().await.unwrap()).ok, "a failure is recorded at once");
+        clock.advance_ms(100);
+        recorder.pass(clock.now_ms(), Ok(&[("done", 2)])).await;
+        let now = last(store.passes().await.unwrap());
+        assert!(now.ok, "the recovery is recorded at once: {now:?}");
+        assert_eq!((now.passes, now.counts["done"]), (3, 2));
+        // Then the once-a-second limit holds again.
+        clock.advance_ms(100);
+        recorder.pass(clock.now_ms(), Ok(&[("done", 5)])).await;
+        assert_eq!(last(store.passes().await.unwrap()).passes, 3, "held back within the second");
+    }
 }
