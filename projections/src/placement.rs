@@ -496,11 +496,7 @@ pub fn place_by<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>,
 const ROWS_PER_READ: u32 = 1000;
 
 /// Every row of one kind of a tenant, decoded (paged reads).
-pub(crate) async fn all_rows<T: serde::de::DeserializeOwned>(
-    store: &dyn EventStore,
-    tenant: TenantId,
-    kind: &str,
-) -> Result<Vec<T>> {
+pub async fn all_rows<T: serde::de::DeserializeOwned>(store: &dyn EventStore, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
     let mut out = Vec::new();
     let mut after: Option<String> = None;
     loop {

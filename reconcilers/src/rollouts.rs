@@ -10,10 +10,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bc_core::clock::Clock;
-use bc_core::id::CommandId;
+use bc_core::id::{CommandId, TenantId};
 use bc_core::store::Log;
-use bc_core::{Error, ErrorCode, Result};
+use bc_core::{ErrorCode, Result};
 use bc_projections::decide;
+use bc_projections::placement::all_rows;
 use bc_projections::rollout::{self, KIND_ROLLOUT_LIVE, RolloutDoc};
 use bc_projections::{KIND_NODE, NodeDoc};
 
@@ -21,8 +22,6 @@ pub const NAME: &str = "rollouts";
 const ACTOR: &str = "reconciler:rollouts";
 /// How often a pass runs when nothing wakes it.
 pub const TICK_MS_DEFAULT: u64 = 1_000;
-/// Rows read per query.
-const ROWS_PER_READ: u32 = 500;
 
 /// What one pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,43 +31,21 @@ pub struct Pass {
     pub conflicts: usize,
 }
 
-fn parse<T: serde::de::DeserializeOwned>(what: &str, doc: serde_json::Value) -> Result<T> {
-    serde_json::from_value(doc).map_err(|e| Error::Internal(format!("{what} row: {e}")))
-}
-
-/// Every row of one kind of a tenant.
-async fn rows<T: serde::de::DeserializeOwned>(log: &Log, tenant: &str, kind: &str) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let page = log.store.row_list(tenant, kind, after.as_deref(), ROWS_PER_READ).await?;
-        let full = page.len() == ROWS_PER_READ as usize;
-        after = page.last().map(|r| r.key.id.clone());
-        for row in page {
-            out.push(parse(kind, row.doc)?);
-        }
-        if !full {
-            return Ok(out);
-        }
-    }
-}
-
 /// A tenant's rollouts that are not finished.
-pub async fn live_rollouts(log: &Log, tenant: &str) -> Result<Vec<RolloutDoc>> {
-    Ok(rows::<RolloutDoc>(log, tenant, KIND_ROLLOUT_LIVE).await?.into_iter().filter(|r| r.state.is_live()).collect())
+pub async fn live_rollouts(log: &Log, tenant: TenantId) -> Result<Vec<RolloutDoc>> {
+    Ok(all_rows::<RolloutDoc>(&*log.store, tenant, KIND_ROLLOUT_LIVE).await?.into_iter().filter(|r| r.state.is_live()).collect())
 }
 
 /// One pass over every tenant's live rollouts.
 pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     let mut done = Pass::default();
     for tenant in log.store.tenants().await? {
-        let tenant_text = tenant.to_string();
-        let rollouts = live_rollouts(log, &tenant_text).await?;
+        let rollouts = live_rollouts(log, tenant).await?;
         if rollouts.is_empty() {
             continue;
         }
         let all_nodes: BTreeMap<String, NodeDoc> =
-            rows::<NodeDoc>(log, &tenant_text, KIND_NODE).await?.into_iter().map(|n| (n.node_id.clone(), n)).collect();
+            all_rows::<NodeDoc>(&*log.store, tenant, KIND_NODE).await?.into_iter().map(|n| (n.node_id.clone(), n)).collect();
         for rollout in rollouts {
             let inputs = rollout::plan_inputs(&*log.store, &rollout, Some(&all_nodes)).await?;
             let now_ms = clock.now_ms();

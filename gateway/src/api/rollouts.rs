@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use bc_core::id::{PoolId, ReleaseId, RolloutId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::{self, RolloutCreateInput, RolloutVerb};
+use bc_projections::placement::all_rows;
 use bc_projections::rollout::{
     BusyNodes, KIND_ROLLOUT, KIND_ROLLOUT_LIVE, MAX_UNAVAILABLE_DEFAULT, MIN_READY_S_DEFAULT, MIN_READY_S_MAX,
     NODE_DEADLINE_S_DEFAULT, NODE_DEADLINE_S_MAX, NODE_DEADLINE_S_MIN, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, RolloutDoc,
@@ -32,8 +33,6 @@ const WRITE: Access = Access::Action("compute:rollouts:write");
 pub const WAVE_SPEC_CHARS_MAX: usize = 8;
 /// Longest reason a caller gives a pause or an abort, in characters.
 pub const ROLLOUT_REASON_CHARS_MAX: usize = 500;
-/// Rows read per query when gathering a tenant's nodes or rollouts.
-const ROWS_PER_READ: u32 = 500;
 
 string_schema!(
     /// A reason given to a pause, resume or abort ([`validate_text`] with
@@ -142,23 +141,6 @@ async fn rollout_doc(call: &Call<'_>, tenant: TenantId, id: &RolloutId) -> Resul
     call.row(tenant, KIND_ROLLOUT, &id.to_string(), "rollout").await
 }
 
-/// Every row of `kind` of a tenant (nodes, rollouts: each bounded per tenant).
-async fn all_rows<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let rows = call.state.store.row_list(&tenant.to_string(), kind, after.as_deref(), ROWS_PER_READ).await?;
-        let full = rows.len() == ROWS_PER_READ as usize;
-        after = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            out.push(doc::<T>(row)?);
-        }
-        if !full {
-            return Ok(out);
-        }
-    }
-}
-
 async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<RolloutView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let release_id: ReleaseId = parse_id("releaseId", &input.release_id)?;
@@ -198,7 +180,7 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
             "maxUnavailable is 1 to {ROLLOUT_NODES_MAX}; waveFailuresMax at most {ROLLOUT_NODES_MAX}"
         )));
     }
-    let nodes: Vec<NodeDoc> = all_rows(call, tenant, KIND_NODE).await?;
+    let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
     let labels = input.labels.clone().unwrap_or_default();
     let pool_text = pool.map(|p| p.to_string());
     let chosen: Vec<&NodeDoc> = nodes
@@ -207,8 +189,11 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
         .filter(|n| pool_text.as_ref().is_none_or(|p| &n.pool_id == p))
         .filter(|n| labels.iter().all(|(k, v)| n.labels.get(k) == Some(v)))
         .collect();
-    let live: Vec<RolloutDoc> =
-        all_rows::<RolloutDoc>(call, tenant, KIND_ROLLOUT_LIVE).await?.into_iter().filter(|r| r.state.is_live()).collect();
+    let live: Vec<RolloutDoc> = all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
+        .await?
+        .into_iter()
+        .filter(|r| r.state.is_live())
+        .collect();
     let selector = (!labels.is_empty()).then(|| labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","));
     let rollout = RolloutId::from_ulid(call.ulid());
     let append = decide::rollout_create(
