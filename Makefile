@@ -87,7 +87,7 @@ SIM_HOURS ?= 1
 sim:
 	$(CARGO) build --release --bin better-compute
 	seq $(SIM_SEED_FROM) $$(( $(SIM_SEED_FROM) + $(SEEDS) - 1 )) | xargs -P 2 -I SEED sh -c \
-		'target/release/better-compute sim run --seed SEED --nodes $(SIM_NODES) --tenants $(SIM_TENANTS) --hours $(SIM_HOURS) > target/sim-SEED.txt 2>&1 \
+		'target/release/better-compute sim run --cpu $$(( SEED % $$(nproc) )) --seed SEED --nodes $(SIM_NODES) --tenants $(SIM_TENANTS) --hours $(SIM_HOURS) > target/sim-SEED.txt 2>&1 \
 		&& echo "seed SEED: $$(grep ^digest target/sim-SEED.txt)" \
 		|| { cat target/sim-SEED.txt; exit 255; }'
 

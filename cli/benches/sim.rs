@@ -43,6 +43,24 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// The run as `sim run` runs it: one thread, a current-thread runtime, kept to the CPU it
+/// starts on with SQLite's worker threads (`sim run --cpu auto`). Returns the outcome and the
+/// wall-clock seconds it took.
+fn run_alone(options: Options) -> (bc_simulator::run::Outcome, f64) {
+    std::thread::spawn(move || {
+        use rustix::thread::{CpuSet, sched_getcpu, sched_setaffinity};
+        let mut one = CpuSet::new();
+        one.set(sched_getcpu());
+        sched_setaffinity(None, &one).expect("keeping to one CPU");
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let started = Instant::now();
+        let outcome = runtime.block_on(bc_simulator::run::run(options));
+        (outcome, started.elapsed().as_secs_f64())
+    })
+    .join()
+    .expect("the run")
+}
+
 fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
@@ -63,9 +81,7 @@ fn main() {
         };
         options.check().expect("the bench's options");
         eprintln!("sim run: {} …", options.command());
-        let started = Instant::now();
-        let outcome = bc_simulator::run::run(options.clone()).await;
-        let wall_s = started.elapsed().as_secs_f64();
+        let (outcome, wall_s) = run_alone(options.clone());
         assert!(outcome.violation.is_none(), "the bench's run broke an invariant: {:?}", outcome.violation);
         let simulated_h = outcome.simulated_ms as f64 / 3_600_000.0;
         let node_hours = simulated_h * nodes as f64;

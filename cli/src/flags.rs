@@ -665,6 +665,12 @@ pub enum SimCommand {
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
+        /// The CPU the run keeps to, with SQLite's worker threads: `auto` (the one it starts
+        /// on), a CPU number, or `any` (wherever the scheduler puts it). The run hands every
+        /// statement to a worker thread and waits for it, which costs about half as much on
+        /// one CPU as across two; runs side by side each take their own.
+        #[arg(long, default_value = "auto", value_name = "auto|N|any")]
+        cpu: String,
         /// Also write a self-contained HTML page (inline SVG, nothing fetched): a timeline over
         /// simulated time of GPU utilization, queue depth, nodes up, faults injected and
         /// invariant checks, the first failure marked. Written over a file of that name; the

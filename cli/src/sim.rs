@@ -232,9 +232,30 @@ pub struct RunArgs<'a> {
     pub tenants: usize,
     pub hours: u64,
     pub faults: &'a str,
+    /// `--cpu`: `auto`, a CPU number or `any`.
+    pub cpu: &'a str,
     pub report: Option<&'a Path>,
     pub unsafe_no_placement_guard: bool,
     pub unsafe_no_journal_dedupe: bool,
+}
+
+/// Keeps the calling thread, and the threads it starts from now on (SQLite's workers), to one
+/// CPU (`--cpu`): `auto` the one it runs on now, `N` that one, `any` leaves it to the scheduler.
+/// Call it before the run opens its store. Nothing the run decides depends on it.
+pub fn keep_to_cpu(cpu: &str) -> Result<(), CliError> {
+    use rustix::thread::{CpuSet, sched_getaffinity, sched_getcpu, sched_setaffinity};
+    let allowed = sched_getaffinity(None).map_err(|e| CliError::new("INTERNAL", format!("reading the CPU affinity: {e}")))?;
+    let chosen = match cpu {
+        "any" => return Ok(()),
+        "auto" => sched_getcpu(),
+        n => n.parse::<usize>().map_err(|_| CliError::usage(format!("--cpu {n:?}: expected auto, any or a CPU number")))?,
+    };
+    if chosen >= CpuSet::MAX_CPU || !allowed.is_set(chosen) {
+        return Err(CliError::usage(format!("--cpu {chosen}: this process may not run on that CPU")));
+    }
+    let mut one = CpuSet::new();
+    one.set(chosen);
+    sched_setaffinity(None, &one).map_err(|e| CliError::new("INTERNAL", format!("keeping to CPU {chosen}: {e}")))
 }
 
 /// Runs the simulation and prints its summary (text, or JSON with `--json`) on stdout; a broken
@@ -253,6 +274,7 @@ pub async fn run(args: RunArgs<'_>, json_out: bool) -> Result<(), CliError> {
         timeline: args.report.is_some(),
     };
     options.check().map_err(CliError::usage)?;
+    keep_to_cpu(args.cpu)?;
     let started = Instant::now();
     let outcome = bc_simulator::run::run(options.clone()).await;
     let mut value = outcome.to_json(&options);

@@ -717,47 +717,52 @@ impl Sim {
                 break;
             }
             self.step().await?;
-            if reconcile && self.world.settled().await.is_ok() && self.quiet().await && self.rollouts_settled().await.is_ok() {
-                self.out.liveness_ms = Some(self.world.now_ms() - started);
-                break;
+            if !reconcile {
+                continue;
+            }
+            match self.unsettled().await {
+                None => {
+                    self.out.liveness_ms = Some(self.world.now_ms() - started);
+                    break;
+                }
+                Some(why) => tracing::debug!(after_ms = self.world.now_ms() - started, why = %why, "not settled yet"),
             }
         }
         if self.out.liveness_ms.is_none() {
-            let why = match self.world.settled().await {
-                Err(v) => v.0,
-                Ok(()) if let Err(v) = self.rollouts_settled().await => v.0,
-                Ok(()) if !self.hooks.settled(&self.world).await => "webhook deliveries are still pending".into(),
-                Ok(()) => "commands are still queued".into(),
-            };
+            let why = self.unsettled().await.unwrap_or_else(|| "nothing (it settled after the last pass)".into());
             return Err(Violation(format!("not settled {LIVENESS_BOUND_MS} ms after the faults stopped: {why}")));
         }
         self.ending = true;
         self.full_check().await
     }
 
-    /// No command queued for any node, every journal delivered (each agent's machine was
-    /// acknowledged its journal's head).
-    async fn quiet(&self) -> bool {
-        if !self.hooks.settled(&self.world).await {
-            return false;
+    /// What keeps the run from being settled (`None`: nothing): a reservation or an agent's
+    /// holds ([`World::settled`]), a rollout, a webhook delivery, an agent whose journal is not
+    /// all acknowledged, a command still queued for its node.
+    async fn unsettled(&self) -> Option<String> {
+        if let Err(v) = self.world.settled().await {
+            return Some(v.0);
         }
-        let delivered = self
-            .net
-            .links
-            .iter()
-            .enumerate()
-            .filter(|(a, _)| !self.departed.contains(a))
-            .all(|(_, l)| l.machine.as_ref().is_some_and(|m| m.acked() == m.head()));
-        if !delivered {
-            return false;
+        if let Err(v) = self.rollouts_settled().await {
+            return Some(v.0);
+        }
+        if !self.hooks.settled(&self.world).await {
+            return Some("webhook deliveries are still pending".into());
+        }
+        let undelivered: Vec<&str> = (self.net.links.iter().enumerate())
+            .filter(|(a, l)| !self.departed.contains(a) && !l.machine.as_ref().is_some_and(|m| m.acked() == m.head()))
+            .map(|(a, _)| self.world.agents[a].node.as_str())
+            .collect();
+        if !undelivered.is_empty() {
+            return Some(format!("the journals of {undelivered:?} are not all acknowledged (or their agents are down)"));
         }
         for t in 0..self.options.tenants {
             let queues: Vec<NodeCommandsDoc> = self.world.rows(t, KIND_NODE_COMMANDS).await;
-            if queues.iter().any(|q| !q.pending.is_empty()) {
-                return false;
+            if let Some(queue) = queues.iter().find(|q| !q.pending.is_empty()) {
+                return Some(format!("commands are still queued for a node: {:?}", queue.pending));
             }
         }
-        true
+        None
     }
 
     async fn step(&mut self) -> Result<(), Violation> {
@@ -790,6 +795,13 @@ impl Sim {
             | Task::UpdateAway(a) => Some(self.world.agents[*a].tenant),
             Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
             Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
+        };
+        // A reconciler pass appends for some tenants and runs nothing on an agent (it queues
+        // commands; their deliveries are steps of their own): the check after it looks at the
+        // tenants whose chain moved.
+        let heads_before = match &task {
+            Task::Reconcile => Some(self.world.store.heads().await.expect("the heads read")),
+            _ => None,
         };
         match task {
             Task::Arrival(t) => {
@@ -935,9 +947,21 @@ impl Sim {
         if let Some(t) = nudge {
             self.nudge(t).await?;
         }
-        match touched {
-            Some(t) => self.world.check_tenant(t).await?,
-            None => self.world.check().await?,
+        match (touched, heads_before) {
+            (Some(t), _) => self.world.check_tenant(t).await?,
+            (None, Some(before)) => {
+                let after = self.world.store.heads().await.expect("the heads read");
+                for t in 0..self.world.tenants.len() {
+                    let id = self.world.tenants[t].id;
+                    let head = |heads: &[(bc_core::id::TenantId, bc_core::store::Head)]| {
+                        heads.iter().find(|(tenant, _)| *tenant == id).map(|(_, h)| h.seq)
+                    };
+                    if head(&before) != head(&after) {
+                        self.world.check_tenant(t).await?;
+                    }
+                }
+            }
+            (None, None) => self.world.check().await?,
         }
         self.out.step_checks += 1;
         let full_check_gap = FULL_CHECK_STEPS_MIN.max(self.events_at_full_check / FULL_CHECK_EVENTS_PER_STEP);
@@ -1334,7 +1358,7 @@ impl Sim {
         self.out.full_checks += 1;
         self.step_at_full_check = self.out.step_checks;
         let mut logged = Vec::new();
-        let (events, acknowledged) = full_check_logging(&self.world, !self.faults_running, Some(&mut logged)).await?;
+        let (events, acknowledged) = full_check_logging(&self.world, self.ending, Some(&mut logged)).await?;
         self.events_at_full_check = events;
         self.out.acknowledged_checked = acknowledged;
         self.hooks.check(&self.world, &logged, self.ending).await?;

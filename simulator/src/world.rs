@@ -806,9 +806,8 @@ impl World {
     /// [`Self::check`] for tenant `t` alone: its reservations, its nodes and their agents (a
     /// node, its agent and its reservations are all one tenant's).
     pub async fn check_tenant(&self, t: usize) -> Result<(), Violation> {
+        let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
         {
-            let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
-            let live = &live;
             let nodes: Vec<NodeDoc> = self.rows(t, KIND_NODE).await;
             let nodes: BTreeMap<&str, &NodeDoc> = nodes.iter().map(|n| (n.node_id.as_str(), n)).collect();
             let mut taken: BTreeMap<(String, u32), String> = BTreeMap::new();
@@ -831,7 +830,6 @@ impl World {
                 }
             }
         }
-        let live: Vec<ReservationDoc> = self.rows(t, KIND_RESERVATION_LIVE).await;
         for agent in self.agents.iter().filter(|a| a.tenant == t) {
             let ledger = agent.ledger();
             let mut held: BTreeMap<&str, &str> = BTreeMap::new();
@@ -969,11 +967,17 @@ impl World {
                 .collect();
             let ledger = agent.ledger();
             let held: BTreeSet<&str> = ledger.holds.keys().map(String::as_str).collect();
-            ensure!(
-                held == expected,
-                "the agent of {} holds {held:?}, the control plane has {expected:?} active on it",
-                agent.node
-            );
+            if held != expected {
+                let mut histories = String::new();
+                for rsv in held.symmetric_difference(&expected) {
+                    let history = self.history(agent.tenant, rsv).await.join("\n  ");
+                    histories.push_str(&format!("\nthe history of {rsv}:\n  {history}"));
+                }
+                return Err(Violation(format!(
+                    "the agent of {} holds {held:?}, the control plane has {expected:?} active on it{histories}",
+                    agent.node
+                )));
+            }
         }
         Ok(())
     }

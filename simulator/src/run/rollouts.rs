@@ -274,9 +274,10 @@ impl Sim {
         Ok(())
     }
 
-    /// An unhealthy new agent drops off for up to half an hour.
+    /// An unhealthy new agent drops off for up to half an hour: a fault, so not once the faults
+    /// have stopped (the liveness phase).
     pub(super) fn update_away(&mut self, a: usize) {
-        if self.net.links[a].machine.is_some() && !self.departed.contains(&a) {
+        if self.faults_running && self.net.links[a].machine.is_some() && !self.departed.contains(&a) {
             self.agent_stop(a);
             let back = between(&mut self.rng, 60_000, 1_800_000);
             self.after(back, Task::Restart(a));
