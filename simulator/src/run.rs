@@ -750,7 +750,7 @@ impl Sim {
             return Some("webhook deliveries are still pending".into());
         }
         let undelivered: Vec<&str> = (self.net.links.iter().enumerate())
-            .filter(|(a, l)| !self.departed.contains(a) && !l.machine.as_ref().is_some_and(|m| m.acked() == m.head()))
+            .filter(|(a, l)| !self.departed.contains(a) && l.machine.as_ref().is_none_or(|m| m.acked() != m.head()))
             .map(|(a, _)| self.world.agents[a].node.as_str())
             .collect();
         if !undelivered.is_empty() {
