@@ -190,3 +190,17 @@ fn seeds_that_once_failed_at_50_nodes_hold_and_settle() {
         run.join().unwrap();
     }
 }
+
+/// `--cpu` takes `auto`, `any` or a CPU this process may run on; anything else is a usage error
+/// (exit 2, `INVALID_ARGUMENT`) before the run starts.
+#[test]
+fn a_cpu_not_a_number_or_not_allowed_to_this_process_is_refused_before_the_run() {
+    for (cpu, says) in [("x", "expected auto, any or a CPU number"), ("100000", "may not run on that CPU")] {
+        let (status, out, err) = sim(&["--cpu", cpu, "--seed", "1", "--nodes", "2", "--tenants", "1"]);
+        assert_eq!(status, 2, "--cpu {cpu}:\n{out}\n{err}");
+        assert!(err.starts_with("INVALID_ARGUMENT: ") && err.contains(says), "--cpu {cpu}: {err}");
+        assert!(out.is_empty(), "--cpu {cpu}: nothing ran: {out}");
+    }
+    let (status, out, err) = sim(&["--cpu", "any", "--seed", "1", "--nodes", "2", "--tenants", "1", "--hours", "1", "--json"]);
+    assert_eq!(status, 0, "--cpu any:\n{out}\n{err}");
+}
