@@ -950,13 +950,11 @@ impl Sim {
         match (touched, heads_before) {
             (Some(t), _) => self.world.check_tenant(t).await?,
             (None, Some(before)) => {
-                let after = self.world.store.heads().await.expect("the heads read");
-                for t in 0..self.world.tenants.len() {
-                    let id = self.world.tenants[t].id;
-                    let head = |heads: &[(bc_core::id::TenantId, bc_core::store::Head)]| {
-                        heads.iter().find(|(tenant, _)| *tenant == id).map(|(_, h)| h.seq)
-                    };
-                    if head(&before) != head(&after) {
+                let before: HashMap<_, _> = before.into_iter().map(|(tenant, head)| (tenant, head.seq)).collect();
+                for (tenant, head) in self.world.store.heads().await.expect("the heads read") {
+                    if before.get(&tenant) != Some(&head.seq)
+                        && let Some(t) = self.world.tenants.iter().position(|x| x.id == tenant)
+                    {
                         self.world.check_tenant(t).await?;
                     }
                 }
