@@ -336,6 +336,7 @@ fn summary_text(value: &Value) -> String {
     lines.push(format!("cordons: {}", field("cordons")));
     lines.push(format!("rollouts: {} (agent updates and rollbacks: {})", field("rollouts"), field("agentUpdates")));
     lines.push(format!("faults enabled: {}; injected: {}", value["faultsEnabled"], value["faultsInjected"]));
+    lines.push(format!("transport: {}", value["transport"]));
     lines.push(format!("invariant checks: {}", value["invariantChecks"]));
     lines.push(format!("liveness: settled in {} ms (bound {} ms)", field("livenessSettledMs"), field("livenessBoundMs")));
     for head in value["heads"].as_array().into_iter().flatten() {

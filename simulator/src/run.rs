@@ -425,6 +425,7 @@ impl Outcome {
                 "duplicated": self.net.duplicated,
                 "reordered": self.net.reordered,
                 "refusedPastAGap": self.net.gaps_refused,
+                "endedIdle": self.net.idle_ended,
             },
             "webhooks": {
                 "subscriptions": self.webhooks.subscriptions,
@@ -477,6 +478,8 @@ enum Task {
     UpdateRestart(usize, Box<rollouts::Restart>),
     /// Node `a`'s new agent, unhealthy, drops off.
     UpdateAway(usize),
+    /// The gateway's deadline for hearing from node `a` on a connection.
+    GatewayIdle(usize, u64),
 }
 
 /// The simulator's own state beside the world: the schedule and what each fault has pending.
@@ -774,7 +777,6 @@ impl Sim {
         if self.out.steps > STEPS_MAX {
             return Err(Violation(format!("more than {STEPS_MAX} steps")));
         }
-        let mut nudge: Option<usize> = None;
         let appended_before = self.world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed);
         let ran_before = self.commands_run;
         // The tenant the step changed (`None`: every tenant): only its rows and its agents'
@@ -792,7 +794,8 @@ impl Sim {
             | Task::RefuseReleasesEnd(a)
             | Task::DeafEnd(a)
             | Task::UpdateRestart(a, _)
-            | Task::UpdateAway(a) => Some(self.world.agents[*a].tenant),
+            | Task::UpdateAway(a)
+            | Task::GatewayIdle(a, _) => Some(self.world.agents[*a].tenant),
             Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
             Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
         };
@@ -807,7 +810,6 @@ impl Sim {
             Task::Arrival(t) => {
                 if self.workload_running {
                     self.request(t).await?;
-                    nudge = Some(t);
                     let next = exponential_ms(&mut self.rng, self.arrival_mean_ms[t]);
                     self.after(next, Task::Arrival(t));
                 }
@@ -815,7 +817,6 @@ impl Sim {
             Task::TenantAction(t) => {
                 if self.workload_running {
                     self.tenant_action(t).await;
-                    nudge = Some(t);
                     let next = exponential_ms(&mut self.rng, TENANT_ACTION_MEAN_MS as f64);
                     self.after(next, Task::TenantAction(t));
                 }
@@ -834,9 +835,7 @@ impl Sim {
                 }
                 self.rollouts_check().await?;
                 self.after(RECONCILE_EVERY_MS, Task::Reconcile);
-                for t in 0..self.options.tenants {
-                    self.nudge(t).await?;
-                }
+                self.route_commands().await?;
                 // The webhooks consumer's round: fan out what the pass appended, deliver what
                 // is due.
                 self.hooks.drive(&self.world).await?;
@@ -844,7 +843,6 @@ impl Sim {
             Task::Deliver(a, connection, message) => {
                 if !self.net.partitioned(a, self.world.now_ms()) {
                     self.deliver(a, connection, *message).await?;
-                    nudge = Some(self.world.agents[a].tenant);
                 }
             }
             Task::Connected(a, connection) => {
@@ -890,6 +888,7 @@ impl Sim {
             }
             Task::UpdateRestart(a, restart) => self.update_restart(a, *restart).await?,
             Task::UpdateAway(a) => self.update_away(a),
+            Task::GatewayIdle(a, connection) => self.gateway_idle(a, connection)?,
             Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
             Task::RefuseReleasesEnd(a) => self.world.agents[a].machine.set_refuse_releases(false),
             Task::DeafEnd(a) => {
@@ -944,9 +943,8 @@ impl Sim {
             self.out.quiet_steps += 1;
             return Ok(());
         }
-        if let Some(t) = nudge {
-            self.nudge(t).await?;
-        }
+        // The gateway's command router follows every commit.
+        self.route_commands().await?;
         match (touched, heads_before) {
             (Some(t), _) => self.world.check_tenant(t).await?,
             (None, Some(before)) => {
@@ -1007,11 +1005,6 @@ impl Sim {
         if let Some(timeline) = self.timeline.as_mut() {
             timeline.observe(sample);
         }
-    }
-
-    /// The gateway's sessions of tenant `t`'s nodes send the commands they have not sent.
-    async fn nudge(&mut self, t: usize) -> Result<(), Violation> {
-        self.route_commands(t).await
     }
 
     /// A message reaches its end of node `a`'s connection.
@@ -1315,8 +1308,10 @@ impl Sim {
             Fault::ReconcilerCrash => self.pass_crash_next = Some(between(&mut self.rng, 0, PASS_CRASH_APPENDS_MAX)),
             Fault::GatewayRestart => {
                 self.world.restart_gateway().await;
-                // The old process's sessions and its unwritten lease renewals go with it.
+                // The old process's sessions, its unwritten lease renewals and its command
+                // router go with it.
                 self.net.leases = Default::default();
+                self.net.router_restart(&self.world).await;
                 let sessions: Vec<(usize, u64)> = std::mem::take(&mut self.net.gateway).into_keys().collect();
                 for (b, connection) in sessions {
                     self.cut(b, connection, "the gateway restarted");

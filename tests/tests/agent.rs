@@ -2,8 +2,8 @@
 //! --out`, `bcd join`, `bcd node`, over gRPC with a pinned TLS certificate. The token is in no
 //! log and in no process's argv; a spent token is refused; two racing joins with one token:
 //! exactly one wins; the journal survives SIGKILL and a gateway outage with every entry in the
-//! log exactly once (node signatures verified); a command issued while the node is away runs
-//! once after it returns; liveness follows the lease.
+//! log exactly once (node signatures verified); commands issued while the node is away (more
+//! than 64) run once each after it returns; liveness follows the lease.
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -241,6 +241,9 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
     assert_eq!(report["nodeSignedEvents"].as_u64(), Some(head), "{report}");
 }
 
+/// Commands issued to the away node beside the first: more than a session once sent at a time.
+const PINGS_WHILE_AWAY: usize = 70;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_liveness_follows_the_lease() {
     let (server, port) = bc_tests::agents_gateway();
@@ -259,10 +262,22 @@ async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_l
         .call("commands.issue", json!({ "nodeId": node, "kind": "gpu.hold", "args": { "reservationId": "rsv_01jd0000000000000000000000", "gpus": [0] } }))
         .await;
     assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+    // More than one round's worth once (a session sent 64 and left the rest for the node's next
+    // command): every one is sent when the node returns.
+    let mut more = Vec::new();
+    for _ in 0..PINGS_WHILE_AWAY {
+        let (status, issued) = server.call("commands.issue", json!({ "nodeId": node, "kind": "ping" })).await;
+        assert_eq!(status, 200, "{issued}");
+        more.push(issued["commandId"].as_str().unwrap().to_owned());
+    }
     machine.start();
     wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
     let done = wait_command(&server, &command, "succeeded", Duration::from_secs(20)).await;
     assert_eq!(done["journalSeqs"].as_array().unwrap().len(), 2, "started and succeeded, once each: {done}");
+    for id in &more {
+        let done = wait_command(&server, id, "succeeded", Duration::from_secs(20)).await;
+        assert_eq!(done["journalSeqs"].as_array().unwrap().len(), 2, "{done}");
+    }
 
     // Stopped: unreachable once the lease (2 s) lapses; started again: ready.
     assert_eq!(machine.stop(), 0);

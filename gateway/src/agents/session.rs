@@ -42,9 +42,6 @@ const _: () = assert!(HEARTBEAT_MS_DEFAULT * 2 < LEASE_MS_DEFAULT);
 pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Messages queued for one node's stream; a node that reads nothing is dropped, not buffered.
 pub const SESSION_OUTBOUND_MESSAGES: usize = 64;
-/// Commands sent to a node in one round (its unfinished ones are at most
-/// `COMMANDS_PENDING_PER_NODE_MAX`).
-const COMMANDS_PER_ROUND_MAX: usize = 64;
 
 #[derive(Clone, Copy, Debug)]
 pub struct SessionConfig {
@@ -125,6 +122,12 @@ fn refuse(status: tonic::Code, message: impl Into<String>) -> Refusal {
     Refusal { status, message: message.into() }
 }
 
+/// What ends a session whose node sent nothing by its deadline: `HANDSHAKE_TIMEOUT_MS` for the
+/// hello and the proof, then a lease (`SessionConfig::lease_ms`) from its last message.
+pub fn idle_refusal() -> Refusal {
+    refuse(tonic::Code::DeadlineExceeded, "the node sent nothing in time")
+}
+
 impl From<Error> for Refusal {
     fn from(e: Error) -> Self {
         refuse(crate::agents::code_of(&e), e.public_message())
@@ -203,8 +206,16 @@ async fn next_message<S>(inbound: &mut S, within_ms: u64) -> std::result::Result
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
-    match tokio::time::timeout(Duration::from_millis(within_ms), inbound.next()).await {
-        Err(_) => Err(refuse(tonic::Code::DeadlineExceeded, "the node sent nothing in time")),
+    next_message_by(inbound, tokio::time::Instant::now() + Duration::from_millis(within_ms)).await
+}
+
+/// The node's next message, if it comes by `deadline` (else `DEADLINE_EXCEEDED`).
+async fn next_message_by<S>(inbound: &mut S, deadline: tokio::time::Instant) -> std::result::Result<agent_message::Msg, Refusal>
+where
+    S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
+{
+    match tokio::time::timeout_at(deadline, inbound.next()).await {
+        Err(_) => Err(idle_refusal()),
         Ok(None) => Err(refuse(tonic::Code::Cancelled, "the node closed the stream")),
         Ok(Some(Err(status))) => Err(refuse(status.code(), status.message().to_owned())),
         Ok(Some(Ok(bc_proto::AgentMessage { msg: None }))) => Err(refuse(tonic::Code::InvalidArgument, "an empty message")),
@@ -373,9 +384,13 @@ where
 {
     let mut shutdown = state.shutdown.subscribe();
     send_commands(state, &mut bound, outbound).await?;
+    // The node must be heard from within a lease of the last message (a nudge that wakes the
+    // loop does not move it).
+    let mut deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
     loop {
         tokio::select! {
-            received = next_message(inbound, config.lease_ms) => {
+            received = next_message_by(inbound, deadline) => {
+                deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
                 let reply = match received {
                     Ok(msg) => handle(&state.log, leases, config, &mut bound, msg).await?,
                     Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
@@ -679,8 +694,10 @@ async fn send_commands(state: &AppState, bound: &mut Bound, outbound: &Outbound)
     Ok(())
 }
 
-/// The node's unfinished commands this session has not sent yet, in issue order (at most
-/// `COMMANDS_PER_ROUND_MAX`), each marked sent: the caller sends them in this order.
+/// The node's unfinished commands this session has not sent yet, in issue order, each marked
+/// sent: the caller sends them in this order. All of them: a session is woken once per command
+/// issued ([`wakes`]), so one left for a later round could wait for the node's next command.
+/// (The API keeps a node's unfinished commands to `COMMANDS_PENDING_PER_NODE_MAX`.)
 pub async fn commands_unsent(
     store: &dyn EventStore,
     bound: &mut Bound,
@@ -690,8 +707,7 @@ pub async fn commands_unsent(
         return Ok(Vec::new());
     };
     let queue: NodeCommandsDoc = crate::api::toolkit::doc(row)?;
-    let unsent: Vec<String> =
-        queue.pending.into_iter().filter(|id| !bound.sent.contains(id)).take(COMMANDS_PER_ROUND_MAX).collect();
+    let unsent: Vec<String> = queue.pending.into_iter().filter(|id| !bound.sent.contains(id)).collect();
     let mut out = Vec::new();
     for id in unsent {
         let Some(row) = store.row_get(&tenant, KIND_COMMAND, &id).await? else { continue };
@@ -712,6 +728,16 @@ pub async fn commands_unsent(
     Ok(out)
 }
 
+/// The node whose session `event` wakes: a command issued to it, or cancelled. Only these
+/// change what [`commands_unsent`] returns to a session that has sent what it had.
+pub fn wakes(event: &bc_core::event::StoredEvent) -> Option<String> {
+    let t = event.envelope.event_type.as_str();
+    if t != ev::COMMAND_ISSUED && t != ev::COMMAND_CANCELLED {
+        return None;
+    }
+    canonical::to_json(&event.envelope.payload).get("nodeId").and_then(|n| n.as_str()).map(str::to_owned)
+}
+
 /// Wakes the sessions whose node got a command: follows the log by position (one read per
 /// commit for the whole process, not one per session), woken by this process's commits and by
 /// polling for other processes'.
@@ -730,12 +756,10 @@ pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_
             Ok(events) => {
                 for event in &events {
                     after = event.position;
-                    let t = event.envelope.event_type.as_str();
-                    if (t == ev::COMMAND_ISSUED || t == ev::COMMAND_CANCELLED)
-                        && !sessions.is_empty()
-                        && let Some(node) = canonical::to_json(&event.envelope.payload).get("nodeId").and_then(|n| n.as_str())
+                    if !sessions.is_empty()
+                        && let Some(node) = wakes(event)
                     {
-                        sessions.nudge(node);
+                        sessions.nudge(&node);
                     }
                 }
                 if events.len() == 500 {

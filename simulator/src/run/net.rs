@@ -1,11 +1,14 @@
 //! The in-memory transport of `sim run`: in place of TCP and gRPC between each agent's real
 //! session machine (`bc_agent::machine::Machine`, the one `bcd node` drives) and the gateway's
 //! real session logic (`bc_gateway::agents::session`: `greet`, `prove`, `welcome`, `handle`,
-//! `commands_unsent`, the lease batch). A message is a task on the run's schedule, due after a
+//! `commands_unsent`, `wakes`, the lease batch). A message is a task on the run's schedule, due after a
 //! latency drawn from the seed; each direction of a connection is first in, first out, unless a
 //! fault reorders it. Nothing here decides what a session does: it carries messages, runs the
 //! commands the machine hands it on the agent's real `Runner`, and says which refusals are
-//! findings.
+//! findings. The gateway's side keeps the session's deadlines as `session::run` does (the hello
+//! and the proof within `HANDSHAKE_TIMEOUT_MS`, then a message within a lease of the last one)
+//! and follows the log for commands as `session::route_commands` does, waking only the sessions
+//! whose node a command was issued to or cancelled for.
 //!
 //! Faults on the link, each a window of [`LINK_FAULT_MS_MIN`] to [`LINK_FAULT_MS_MAX`] on one
 //! node (`partition` aside, each message in the window is hit with [`MESSAGE_FAULT_P`]):
@@ -17,7 +20,9 @@
 //! - `partition`: the node is cut off both ways: every message on its way is lost and no
 //!   connection opens, until it heals; each end notices by its own lease.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use bc_core::event::Position;
 
 use bc_agent::machine::{Input, Machine as SessionMachine, Output, Phase};
 use bc_gateway::agents::session::{self, Bound, Greeted, LeaseRenewals, Refusal, RefusalCode, SessionConfig};
@@ -95,7 +100,22 @@ pub struct Net {
     /// The sessions' lease renewals, written before each liveness pass.
     pub leases: LeaseRenewals,
     connections: u64,
+    /// When the gateway's side of each connection last heard from the node (or the stream
+    /// opened): it ends the session past its deadline ([`Sim::gateway_idle`]).
+    heard: BTreeMap<(usize, u64), u64>,
+    /// The gateway's command router (`session::route_commands`): where it has read the log to,
+    /// and the log's append count then (it reads again only when that moved).
+    router: Router,
 }
+
+#[derive(Default)]
+struct Router {
+    after: Position,
+    appends: u64,
+}
+
+/// Events the command router reads at once.
+const ROUTER_PAGE: u32 = 500;
 
 /// What the transport did, for the outcome.
 #[derive(Clone, Debug, Default)]
@@ -109,11 +129,23 @@ pub struct NetCounts {
     pub sessions: u64,
     /// Entries the gateway refused as past a gap (a reordered entry): the session ends.
     pub gaps_refused: u64,
+    /// Sessions the gateway ended because the node sent nothing by the deadline.
+    pub idle_ended: u64,
 }
 
 impl Net {
     pub fn new(nodes: usize) -> Net {
         Net { links: (0..nodes).map(|_| Link::default()).collect(), ..Net::default() }
+    }
+
+    /// The gateway restarted: its command router starts again at the log's end, as
+    /// `session::route_commands` does (the new sessions are sent what is pending when bound).
+    pub async fn router_restart(&mut self, world: &crate::world::World) {
+        let commit = world.store.last_commit().await.expect("the log's end reads");
+        self.router = Router {
+            after: Position { commit, index: i32::MAX as u32 },
+            appends: world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed),
+        };
     }
 
     pub fn partitioned(&self, a: usize, now_ms: u64) -> bool {
@@ -134,12 +166,13 @@ impl Net {
 
 /// Refusals a session may end with that are no finding: an injected commit failure
 /// (`UNAVAILABLE`), an entry past a gap (the transport reordered it), a handshake message out of
-/// order (duplicated or reordered).
+/// order (duplicated or reordered), a node not heard from in time (a delay, a partition).
 fn refusal_expected(refusal: &Refusal) -> bool {
     refusal.status == RefusalCode::Unavailable
         || refusal.message.starts_with("JOURNAL_GAP")
         || refusal.message.starts_with(OUT_OF_ORDER)
         || refusal.message == HANDSHAKE_AGAIN
+        || refusal.status == RefusalCode::DeadlineExceeded
 }
 
 /// `session::handle`'s refusal of a hello or a proof once the session is bound (one duplicated
@@ -319,6 +352,8 @@ impl Sim {
         }
         self.net_counts.sessions += 1;
         self.net.gateway.insert((a, connection), GatewaySide::AwaitHello);
+        self.net.heard.insert((a, connection), self.world.now_ms());
+        self.after(session::HANDSHAKE_TIMEOUT_MS, Task::GatewayIdle(a, connection));
         let latency = between(&mut self.rng, LATENCY_MIN_MS, LATENCY_MAX_MS);
         self.after(latency, Task::Connected(a, connection));
     }
@@ -366,6 +401,7 @@ impl Sim {
     /// answers as `session::run` does, through the same functions.
     pub(super) async fn gateway_receive(&mut self, a: usize, connection: u64, msg: agent_message::Msg) -> Result<(), Violation> {
         let Some(side) = self.net.gateway.remove(&(a, connection)) else { return Ok(()) };
+        self.net.heard.insert((a, connection), self.world.now_ms());
         let next = match (side, msg) {
             (GatewaySide::AwaitHello, agent_message::Msg::Hello(hello)) => match session::greet(&*self.world.store, &hello).await
             {
@@ -430,6 +466,31 @@ impl Sim {
         Ok(())
     }
 
+    /// The gateway's deadline on connection `connection` of node `a`, as `session::run` keeps
+    /// it: the hello and the proof each within `HANDSHAKE_TIMEOUT_MS`, then a message within a
+    /// lease of the last one; past it, the session ends ([`session::idle_refusal`]). One timer
+    /// per session, set again for the deadline the last message moved.
+    pub(super) fn gateway_idle(&mut self, a: usize, connection: u64) -> Result<(), Violation> {
+        let key = (a, connection);
+        let within = match self.net.gateway.get(&key) {
+            None => {
+                self.net.heard.remove(&key);
+                return Ok(());
+            }
+            Some(GatewaySide::Live(_)) => SESSION.lease_ms,
+            Some(_) => session::HANDSHAKE_TIMEOUT_MS,
+        };
+        let due = self.net.heard.get(&key).copied().unwrap_or_default() + within;
+        if self.world.now_ms() < due {
+            self.schedule(due, Task::GatewayIdle(a, connection));
+            return Ok(());
+        }
+        self.net.gateway.remove(&key);
+        self.net.heard.remove(&key);
+        self.net_counts.idle_ended += 1;
+        self.session_refused(a, connection, session::idle_refusal())
+    }
+
     /// The gateway ended a session with `refusal`: the stream ends. A refusal no fault explains
     /// (a signature, a link, what a node may say) is a finding.
     fn session_refused(&mut self, a: usize, connection: u64, refusal: Refusal) -> Result<(), Violation> {
@@ -446,14 +507,37 @@ impl Sim {
         Ok(())
     }
 
-    /// Sends each live session of tenant `t`'s nodes the commands it has not sent yet (the
-    /// gateway's command router wakes them on `command.issued`).
-    pub(super) async fn route_commands(&mut self, t: usize) -> Result<(), Violation> {
+    /// The gateway's command router, after each step: reads what was committed since it last
+    /// read (only when something was), and each live session whose node a command was issued
+    /// to or cancelled for (`session::wakes`) sends the commands it has not sent yet. No other
+    /// session is woken, as in the gateway: a command waits for its node's session to be woken
+    /// or bound.
+    pub(super) async fn route_commands(&mut self) -> Result<(), Violation> {
+        let appends = self.world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed);
+        if appends == self.net.router.appends {
+            return Ok(());
+        }
+        self.net.router.appends = appends;
+        let mut woken = BTreeSet::new();
+        loop {
+            let rows = self.world.store.read_after_rows(self.net.router.after, None, ROUTER_PAGE).await.expect("the log reads");
+            let full = rows.len() == ROUTER_PAGE as usize;
+            for event in bc_core::store::decode_rows(rows).expect("the log decodes") {
+                self.net.router.after = event.position;
+                woken.extend(session::wakes(&event));
+            }
+            if !full {
+                break;
+            }
+        }
+        if woken.is_empty() {
+            return Ok(());
+        }
         let keys: Vec<(usize, u64)> = self
             .net
             .gateway
             .iter()
-            .filter(|((a, _), side)| self.world.agents[*a].tenant == t && matches!(side, GatewaySide::Live(_)))
+            .filter(|((a, _), side)| woken.contains(&self.world.agents[*a].node) && matches!(side, GatewaySide::Live(_)))
             .map(|(key, _)| *key)
             .collect();
         for (a, connection) in keys {
