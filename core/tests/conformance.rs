@@ -484,6 +484,37 @@ async fn reconciler_passes(postgres: bool) {
     assert_eq!(left, ["reservations@b:2", "webhooks@c:3"]);
 }
 
+/// Lease renewals in one call, more than one statement's worth: each held or renewed, never
+/// shortened; what is due to be reported follows.
+async fn lease_renewals(postgres: bool) {
+    const LEASES: u64 = 2_500;
+    let f = fixture(postgres).await;
+    let tenant = TenantId::ROOT.to_string();
+    let node = |i: u64| format!("node_{i:026}");
+    let first: Vec<(String, String, u64)> = (0..LEASES).map(|i| (tenant.clone(), node(i), 10_000 + i)).collect();
+    f.store.lease_renew(&first).await.unwrap();
+    // Again: the even ones longer, the odd ones shorter (kept as they were).
+    let again: Vec<(String, String, u64)> =
+        (0..LEASES).map(|i| (tenant.clone(), node(i), if i % 2 == 0 { 50_000 + i } else { 5_000 })).collect();
+    f.store.lease_renew(&again).await.unwrap();
+    for i in [0, 1, 998, 999, 1_000, 1_001, LEASES - 2, LEASES - 1] {
+        let lease = f.store.lease_get(&tenant, &node(i)).await.unwrap().unwrap();
+        let expected = if i % 2 == 0 { 50_000 + i } else { 10_000 + i };
+        assert_eq!(lease.expires_at_ms, expected, "lease {i}");
+    }
+    assert!(f.store.lease_get(&tenant, &node(LEASES)).await.unwrap().is_none());
+    // Held, never reported ready: every one is a change to report; reported, none is until the
+    // odd ones lapse.
+    assert_eq!(f.store.lease_changes(0, 10_000).await.unwrap().len() as u64, LEASES);
+    for i in 0..LEASES {
+        f.store.lease_reported(&tenant, &node(i), true).await.unwrap();
+    }
+    assert!(f.store.lease_changes(10_000, 10_000).await.unwrap().is_empty());
+    let lapsed = f.store.lease_changes(20_000, 10_000).await.unwrap();
+    assert_eq!(lapsed.len() as u64, LEASES / 2);
+    assert!(lapsed.iter().all(|l| l.reported_reachable && !l.held_at(20_000)));
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -499,6 +530,7 @@ macro_rules! both_backends {
 
 both_backends!(
     appends_and_reads,
+    lease_renewals,
     idempotency,
     optimistic_concurrency,
     multi_stream_appends,

@@ -27,9 +27,10 @@ impl Lease {
 
 #[async_trait]
 pub trait LeaseStore: Store {
-    /// Holds or renews each `(tenant, node, expires_at_ms)` lease (never shortening one), in
-    /// one transaction: the gateway batches its sessions' heartbeats, so a thousand nodes cost a
-    /// few commits a second, not a thousand.
+    /// Holds or renews each `(tenant, node, expires_at_ms)` lease (never shortening one; each
+    /// key once), in one transaction of one statement per thousand leases: the gateway batches
+    /// its sessions' heartbeats, so a thousand nodes cost a few commits a second, not a
+    /// thousand.
     async fn lease_renew(&self, leases: &[(String, String, u64)]) -> Result<()>;
     /// Up to `limit` leases whose state at `now_ms` is not what was last reported: lapsed but
     /// reported ready, or held but reported unreachable.

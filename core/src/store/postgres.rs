@@ -1148,18 +1148,23 @@ fn read_after_tenant_sql() -> String {
 #[async_trait]
 impl super::lease::LeaseStore for PostgresStore {
     async fn lease_renew(&self, leases: &[(String, String, u64)]) -> Result<()> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let statement = tx
-            .prepare(
-                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES ($1, $2, $3) \
+        // One statement: a gateway renews every node it holds a session to. (The keys are
+        // distinct: the renewals are a map.)
+        let (mut tenants, mut nodes, mut expires) = (Vec::new(), Vec::new(), Vec::new());
+        for (tenant, node, at) in leases {
+            tenants.push(tenant.as_str());
+            nodes.push(node.as_str());
+            expires.push(to_i64(*at)?);
+        }
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) \
+                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bigint[]) \
                  ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = GREATEST(node_leases.expires_at_ms, excluded.expires_at_ms)",
+                &[&tenants, &nodes, &expires],
             )
             .await?;
-        for (tenant, node, expires_at_ms) in leases {
-            tx.execute(&statement, &[tenant, node, &to_i64(*expires_at_ms)?]).await?;
-        }
-        tx.commit().await?;
         Ok(())
     }
 

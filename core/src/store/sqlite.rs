@@ -936,16 +936,20 @@ fn read_after_sql(one_tenant: bool) -> String {
 impl super::lease::LeaseStore for SqliteStore {
     async fn lease_renew(&self, leases: &[(String, String, u64)]) -> Result<()> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        for (tenant, node, expires_at_ms) in leases {
-            sqlx::query(
-                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) VALUES (?, ?, ?) \
-                 ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = MAX(node_leases.expires_at_ms, excluded.expires_at_ms)",
-            )
-            .bind(tenant)
-            .bind(node)
-            .bind(to_i64(*expires_at_ms)?)
-            .execute(&mut *tx)
-            .await?;
+        // One statement per chunk: a gateway renews every node it holds a session to.
+        for chunk in leases.chunks(ROWS_PER_STATEMENT_MAX) {
+            let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) ");
+            let mut expires = Vec::with_capacity(chunk.len());
+            for (_, _, at) in chunk {
+                expires.push(to_i64(*at)?);
+            }
+            q.push_values(chunk.iter().zip(expires), |mut b, ((tenant, node, _), at)| {
+                b.push_bind(tenant.clone()).push_bind(node.clone()).push_bind(at);
+            });
+            q.push(
+                " ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = MAX(node_leases.expires_at_ms, excluded.expires_at_ms)",
+            );
+            q.build().execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(())
