@@ -429,6 +429,7 @@ impl Outcome {
             },
             "webhooks": {
                 "subscriptions": self.webhooks.subscriptions,
+                "subscribedMidRun": self.webhooks.subscribed_mid_run,
                 "matchedEvents": self.webhooks.matched,
                 "delivered": self.webhooks.delivered,
                 "deadLetters": self.webhooks.dead,
@@ -1124,14 +1125,14 @@ impl Sim {
         }
     }
 
-    /// A release, an extension or an operator's cordon, at random.
+    /// A release, an extension, an operator's cordon or a new webhook subscription, at random.
     async fn tenant_action(&mut self, t: usize) {
-        let roll = pick(&mut self.rng, 10);
-        if roll < 5 {
+        let roll = pick(&mut self.rng, 20);
+        if roll < 10 {
             if self.world.release(t, &mut self.rng).await {
                 self.out.releases += 1;
             }
-        } else if roll < 8 {
+        } else if roll < 16 {
             let live: Vec<ReservationDoc> = self.world.rows(t, KIND_RESERVATION_LIVE).await;
             let active: Vec<&ReservationDoc> = live.iter().filter(|r| r.state == ReservationState::Active).collect();
             if active.is_empty() {
@@ -1145,6 +1146,8 @@ impl Sim {
             {
                 self.out.extensions += 1;
             }
+        } else if roll == 19 {
+            self.hooks.subscribe_more(&self.world, &mut self.rng, t).await;
         } else {
             let nodes: Vec<NodeDoc> = self.world.rows(t, KIND_NODE).await;
             let ready: Vec<&NodeDoc> = nodes.iter().filter(|n| !n.cordoned).collect();
@@ -1601,6 +1604,9 @@ mod tests {
         println!("{}", a.to_json(&options));
         let hooks = &a.webhooks;
         assert!(hooks.subscriptions >= options.tenants as u64, "{hooks:?}");
+        // Some made while the run went, the fan-out behind them: only what followed each one's
+        // `webhook.created` was delivered to it (the check after every pass).
+        assert!(hooks.subscribed_mid_run > 0, "{hooks:?}");
         assert!(a.faults_injected.get("failing-receivers").is_some_and(|n| *n > 0), "{:?}", a.faults_injected);
         assert_eq!(hooks.delivered + hooks.dead, hooks.matched, "every matched event settled: {hooks:?}");
         assert!(hooks.delivered > 0 && hooks.attempts > hooks.matched, "failures were retried: {hooks:?}");

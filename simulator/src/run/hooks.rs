@@ -2,8 +2,9 @@
 //! `webhooks` consumer (`bc_reconcilers::webhooks`: fan-out, claim, the Standard Webhooks
 //! signature, the retry schedule, the dead letter) driven on the virtual clock.
 //!
-//! - **Subscriptions**: each tenant subscribes 1 or 2 receivers at the start, as
-//!   `webhooks.create` does (the signing secret stored first, then `webhook.created` on the
+//! - **Subscriptions**: each tenant subscribes 1 or 2 receivers at the start, and may add one
+//!   in the middle of the run (a tenant's action, up to [`SUBSCRIPTIONS_PER_TENANT_RUN_MAX`]),
+//!   as `webhooks.create` does (the signing secret stored first, then `webhook.created` on the
 //!   webhook's stream), with type patterns drawn from [`PATTERNS`] and a secret from the seed.
 //! - **Receivers** ([`Receivers`], the consumer's [`Sender`]) check every delivery's signature
 //!   under the subscription's secret at the virtual clock's time, count each `webhook-id` they
@@ -39,8 +40,10 @@ use crate::world::{Violation, World, pick, seed_bytes};
 
 /// The patterns a subscription draws from (one or two of them).
 pub const PATTERNS: &[&str] = &["reservation.*", "node.*", "gpu.*", "*", "reservation.activated"];
-/// Subscriptions per tenant: 1 to this many.
+/// Subscriptions per tenant at the start: 1 to this many.
 pub const SUBSCRIPTIONS_PER_TENANT_MAX: usize = 2;
+/// Subscriptions per tenant once some are made in the middle of the run.
+pub const SUBSCRIPTIONS_PER_TENANT_RUN_MAX: usize = 3;
 /// The simulator's retry schedule: 2 s, 6 s, 18 s, 54 s, 60 s (±20 %), dead after the 6th
 /// attempt, about 2.3 minutes after the first (the production schedule's 7.5 hours would
 /// outlast any run).
@@ -127,6 +130,8 @@ impl Sender for Receivers {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HookCounts {
     pub subscriptions: u64,
+    /// Of those, made in the middle of the run.
+    pub subscribed_mid_run: u64,
     /// Attempts made, and those the receiver took (duplicates included).
     pub attempts: u64,
     pub received: u64,
@@ -135,6 +140,50 @@ pub struct HookCounts {
     pub dead: u64,
     /// Matched events the last check found (one item each).
     pub matched: u64,
+}
+
+/// Tenant `t`'s subscription number `n`, made as `webhooks.create` makes one: the secret
+/// stored, then `webhook.created`; its patterns and secret drawn from `rng`, and its receiver
+/// up. `None`: the fault failed its commit.
+async fn subscribe(world: &World, rng: &mut SeededRng, receivers: &Receivers, t: usize, n: usize) -> Option<Subscription> {
+    let tenant = &world.tenants[t];
+    let mut patterns = vec![PATTERNS[pick(rng, PATTERNS.len())].to_owned()];
+    if rng.next_unit() < 0.5 {
+        patterns.push(PATTERNS[pick(rng, PATTERNS.len())].to_owned());
+    }
+    let secret = Secret::parse(&format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(&seed_bytes(rng)[..24])))
+        .expect("a secret");
+    let id = WebhookId::from_ulid(world.log.ids.ulid()).to_string();
+    let url = format!("https://hooks-{t}-{n}.sim.example/compute");
+    let secret_id = new_webhook_secret_id(&id, world.log.ids.ulid());
+    world.store.secret_put(tenant.id, &secret_id, &secret.expose(), world.now_ms()).await.expect("the secret is stored");
+    let payload = ev::to_cbor(&ev::WebhookCreated {
+        url: url.clone(),
+        event_types: patterns.clone(),
+        description: String::new(),
+        secret_version: 1,
+        secret_id,
+    })
+    .expect("cbor");
+    let request = AppendRequest::new(
+        tenant.id,
+        stream_of(KIND_WEBHOOK, &id),
+        ExpectedVersion::NoStream,
+        "sim",
+        vec![NewEvent::new(ev::WEBHOOK_CREATED, payload)],
+    );
+    // A commit the `failing-commits` fault fails leaves the secret without its webhook, as a
+    // failed `webhooks.create` does.
+    let appended = match world.append_acknowledged(request).await {
+        Ok(appended) => appended,
+        Err(e) if crate::world::injected(&e) => return None,
+        Err(e) => panic!("the webhook is created: {e}"),
+    };
+    let created_seq = appended.events[0].envelope.seq;
+    let filter = TypeFilter::parse(&patterns).expect("the patterns parse");
+    let receiver = Receiver { secret, failing_until_ms: 0, refusing: false, got: BTreeMap::new() };
+    receivers.by_url.lock().expect("not poisoned").insert(url.clone(), receiver);
+    Some(Subscription { tenant: tenant.id, webhook_id: id, url, created_seq, filter })
 }
 
 /// The subscriptions, the receivers and the consumer.
@@ -160,44 +209,9 @@ impl Hooks {
         config.retry = RETRY;
         config.seed = u64::from_be_bytes(seed_bytes(rng)[..8].try_into().expect("8 bytes"));
         let mut subscriptions = Vec::new();
-        for (t, tenant) in world.tenants.iter().enumerate() {
+        for t in 0..world.tenants.len() {
             for n in 0..1 + pick(rng, SUBSCRIPTIONS_PER_TENANT_MAX) {
-                let mut patterns = vec![PATTERNS[pick(rng, PATTERNS.len())].to_owned()];
-                if rng.next_unit() < 0.5 {
-                    patterns.push(PATTERNS[pick(rng, PATTERNS.len())].to_owned());
-                }
-                let secret =
-                    Secret::parse(&format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(&seed_bytes(rng)[..24])))
-                        .expect("a secret");
-                let id = WebhookId::from_ulid(world.log.ids.ulid()).to_string();
-                let url = format!("https://hooks-{t}-{n}.sim.example/compute");
-                let secret_id = new_webhook_secret_id(&id, world.log.ids.ulid());
-                world
-                    .store
-                    .secret_put(tenant.id, &secret_id, &secret.expose(), world.now_ms())
-                    .await
-                    .expect("the secret is stored");
-                let payload = ev::to_cbor(&ev::WebhookCreated {
-                    url: url.clone(),
-                    event_types: patterns.clone(),
-                    description: String::new(),
-                    secret_version: 1,
-                    secret_id,
-                })
-                .expect("cbor");
-                let request = AppendRequest::new(
-                    tenant.id,
-                    stream_of(KIND_WEBHOOK, &id),
-                    ExpectedVersion::NoStream,
-                    "sim",
-                    vec![NewEvent::new(ev::WEBHOOK_CREATED, payload)],
-                );
-                let appended = world.append_acknowledged(request).await.expect("the webhook is created");
-                let created_seq = appended.events[0].envelope.seq;
-                let filter = TypeFilter::parse(&patterns).expect("the patterns parse");
-                let receiver = Receiver { secret, failing_until_ms: 0, refusing: false, got: BTreeMap::new() };
-                receivers.by_url.lock().expect("not poisoned").insert(url.clone(), receiver);
-                subscriptions.push(Subscription { tenant: tenant.id, webhook_id: id, url, created_seq, filter });
+                subscriptions.push(subscribe(world, rng, &receivers, t, n).await.expect("no fault runs before the start"));
             }
         }
         let counts = HookCounts { subscriptions: subscriptions.len() as u64, ..HookCounts::default() };
@@ -206,6 +220,22 @@ impl Hooks {
         // receivers stand where DNS and TCP would.
         let consumer = Webhooks::with_sender(EndpointPolicy::default(), world.clock.clone(), receivers.clone());
         Hooks { subscriptions, receivers, consumer, config, rng, counts }
+    }
+
+    /// Tenant `t` subscribes one more receiver in the middle of the run (while the fan-out may
+    /// still be behind the log: it must deliver only what follows the `webhook.created`), up to
+    /// [`SUBSCRIPTIONS_PER_TENANT_RUN_MAX`]. True if it did.
+    pub async fn subscribe_more(&mut self, world: &World, rng: &mut SeededRng, t: usize) -> bool {
+        let tenant = world.tenants[t].id;
+        let n = self.subscriptions.iter().filter(|s| s.tenant == tenant).count();
+        if n >= SUBSCRIPTIONS_PER_TENANT_RUN_MAX {
+            return false;
+        }
+        let Some(subscription) = subscribe(world, rng, &self.receivers, t, n).await else { return false };
+        self.subscriptions.push(subscription);
+        self.counts.subscriptions += 1;
+        self.counts.subscribed_mid_run += 1;
+        true
     }
 
     /// `failing-receivers`: receiver `n` (mod their count) is down until `until_ms`, refusing
