@@ -1,9 +1,9 @@
 //! The in-memory transport of `sim run`: in place of TCP and gRPC between each agent's real
 //! session machine (`bc_agent::machine::Machine`, the one `bcd node` drives) and the gateway's
 //! real session logic (`bc_gateway::agents::session`: `greet`, `prove`, `welcome`, `handle`,
-//! `commands_unsent`, `wakes`, the lease batch). A message is a task on the run's schedule, due after a
-//! latency drawn from the seed; each direction of a connection is first in, first out, unless a
-//! fault reorders it. Nothing here decides what a session does: it carries messages, runs the
+//! `commands_unsent`, `wakes`, the lease batch). A message is a task on the run's schedule, due
+//! after a latency drawn from the seed; each direction of a connection is first in, first out,
+//! unless a fault reorders it. Nothing here decides what a session does: it carries messages, runs the
 //! commands the machine hands it on the agent's real `Runner`, and says which refusals are
 //! findings. The gateway's side keeps the session's deadlines as `session::run` does (the hello
 //! and the proof within `HANDSHAKE_TIMEOUT_MS`, then a message within a lease of the last one)
