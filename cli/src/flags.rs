@@ -852,6 +852,20 @@ pub enum NodesCommand {
         #[command(flatten)]
         if_version: IfVersion,
     },
+    /// Remove a node for good (`node.deleted`): one cordoned or draining, holding no GPU, its
+    /// agent gone, with no unfinished command, live instance or live rollout. Refused without
+    /// --yes, before any call.
+    Delete {
+        node_id: String,
+        /// Why, kept in the log (at most 500 characters).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Confirm: the node's document goes (its events stay in the log).
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
     /// Add a host by hand.
     Register {
         #[arg(long)]

@@ -20,6 +20,7 @@ pub const NODE_LABELED: &str = "node.labeled";
 pub const NODE_TAINTED: &str = "node.tainted";
 pub const NODE_ALLOCATED: &str = "node.allocated";
 pub const NODE_FREED: &str = "node.freed";
+pub const NODE_DELETED: &str = "node.deleted";
 pub const RESERVATION_REQUESTED: &str = "reservation.requested";
 pub const RESERVATION_ACTIVATED: &str = "reservation.activated";
 pub const RESERVATION_EXTENDED: &str = "reservation.extended";
@@ -172,6 +173,7 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_TAINTED,
     NODE_ALLOCATED,
     NODE_FREED,
+    NODE_DELETED,
     RESERVATION_REQUESTED,
     RESERVATION_ACTIVATED,
     RESERVATION_EXTENDED,
@@ -510,6 +512,14 @@ pub struct InventoryDisk {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NodeStateChanged {}
+
+/// `node.deleted`: the node is gone for good (its document with it); why, as the operator said.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeDeleted {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
 
 /// `node.labeled` and `node.tainted`: keys to set and keys to remove.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]

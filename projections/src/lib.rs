@@ -1051,6 +1051,11 @@ impl Projector for Projections {
                 }
                 to_doc(&doc)
             }
+            // The node is gone: its document with it (the events stay in the log).
+            NODE_DELETED => {
+                let _: NodeDeleted = payload(event)?;
+                Ok(None)
+            }
             NODE_CORDONED | NODE_UNCORDONED | NODE_DRAINING | NODE_LABELED | NODE_TAINTED | NODE_ALLOCATED | NODE_FREED => {
                 let mut doc: NodeDoc = from_doc(event, current)?;
                 doc.normalize();

@@ -512,6 +512,32 @@ pub async fn all_rows<T: serde::de::DeserializeOwned>(store: &dyn EventStore, te
     }
 }
 
+/// What else holds on to node `node` of `tenant`, which [`crate::decide::node_delete`] decides
+/// on: its unfinished commands, the live instances on it, the live rollouts that name it.
+pub async fn node_holders(store: &dyn EventStore, tenant: TenantId, node: &str) -> Result<crate::decide::NodeHolders> {
+    let commands = store.row_get(&tenant.to_string(), crate::KIND_NODE_COMMANDS, node).await?;
+    let unfinished_commands = match commands {
+        Some(row) => serde_json::from_value::<crate::NodeCommandsDoc>(row.doc)
+            .map_err(|e| Error::Internal(format!("node_commands document: {e}")))?
+            .pending
+            .len(),
+        None => 0,
+    };
+    let instances = all_rows::<crate::instance::InstanceDoc>(store, tenant, crate::instance::KIND_INSTANCE_LIVE)
+        .await?
+        .into_iter()
+        .filter(|i| i.node_id == node)
+        .map(|i| i.instance_id)
+        .collect();
+    let rollouts = all_rows::<crate::rollout::RolloutDoc>(store, tenant, crate::rollout::KIND_ROLLOUT_LIVE)
+        .await?
+        .into_iter()
+        .filter(|r| r.state.is_live() && r.nodes.iter().any(|n| n.node_id == node))
+        .map(|r| r.rollout_id)
+        .collect();
+    Ok(crate::decide::NodeHolders { unfinished_commands, instances, rollouts })
+}
+
 /// Every node of a pool.
 pub async fn pool_nodes(store: &dyn EventStore, tenant: TenantId, pool: &str) -> Result<Vec<NodeDoc>> {
     let nodes: Vec<NodeDoc> = all_rows(store, tenant, KIND_NODE).await?;

@@ -14,7 +14,7 @@
 //!   uncordon it later; nodes join (about every [`NODE_JOIN_MEAN_MS`], on their own stream of
 //!   the seed) and their agents connect; operators take nodes out (`node.draining`; once
 //!   nothing runs on one and its journal is delivered, its agent stops for good and its lease
-//!   lapses).
+//!   lapses; then `node.deleted`, decided as `nodes.delete` decides it).
 //! - **Faults** (`--faults`, default all; each enabled by the seed with [`FAULT_ENABLED_P`]):
 //!   see [`Fault`].
 //! - **Invariants** after every step ([`World::check`], on the tenant the step touched, or on
@@ -373,6 +373,8 @@ pub struct Outcome {
     pub nodes_joined: u64,
     pub nodes_drained: u64,
     pub nodes_left: u64,
+    /// Of those, deleted once nothing held them (`node.deleted`).
+    pub nodes_deleted: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -417,6 +419,7 @@ impl Outcome {
             "nodesJoined": self.nodes_joined,
             "nodesDrained": self.nodes_drained,
             "nodesLeft": self.nodes_left,
+            "nodesDeleted": self.nodes_deleted,
             "transport": {
                 "messages": self.net.messages,
                 "sessions": self.net.sessions,
@@ -481,6 +484,8 @@ enum Task {
     UpdateAway(usize),
     /// The gateway's deadline for hearing from node `a` on a connection.
     GatewayIdle(usize, u64),
+    /// Node `a`, gone, is deleted by its operator once nothing holds it.
+    NodeDelete(usize),
 }
 
 /// The simulator's own state beside the world: the schedule and what each fault has pending.
@@ -796,7 +801,8 @@ impl Sim {
             | Task::DeafEnd(a)
             | Task::UpdateRestart(a, _)
             | Task::UpdateAway(a)
-            | Task::GatewayIdle(a, _) => Some(self.world.agents[*a].tenant),
+            | Task::GatewayIdle(a, _)
+            | Task::NodeDelete(a) => Some(self.world.agents[*a].tenant),
             Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
             Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
         };
@@ -890,6 +896,11 @@ impl Sim {
             Task::UpdateRestart(a, restart) => self.update_restart(a, *restart).await?,
             Task::UpdateAway(a) => self.update_away(a),
             Task::GatewayIdle(a, connection) => self.gateway_idle(a, connection)?,
+            Task::NodeDelete(a) => {
+                if !self.node_delete(a).await {
+                    self.after(LEAVE_CHECK_MS, Task::NodeDelete(a));
+                }
+            }
             Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
             Task::RefuseReleasesEnd(a) => self.world.agents[a].machine.set_refuse_releases(false),
             Task::DeafEnd(a) => {
@@ -1237,6 +1248,26 @@ impl Sim {
         self.agent_stop(a);
         self.departed.insert(a);
         self.out.nodes_left += 1;
+        // Once its lease lapses and the liveness pass says so, its operator deletes it.
+        self.after(net::SESSION.lease_ms + RECONCILE_EVERY_MS, Task::NodeDelete(a));
+        true
+    }
+
+    /// Node `a`, gone, is deleted as `nodes.delete` deletes one: decided on its document and what
+    /// holds it (`decide::node_delete`; refused while its agent is still marked connected). True
+    /// when it is gone; false to try again later (refused, a conflict, a failed commit).
+    async fn node_delete(&mut self, a: usize) -> bool {
+        let (t, node_id) = (self.world.agents[a].tenant, self.world.agents[a].node.clone());
+        let Some(node) = self.world.doc::<NodeDoc>(t, KIND_NODE, &node_id).await else { return true };
+        let tenant = self.world.tenants[t].id;
+        let holders = bc_projections::placement::node_holders(&*self.world.store, tenant, &node_id)
+            .await
+            .expect("what holds the node reads");
+        let Ok(append) = decide::node_delete(&node, &holders, Some("sim: taken out of the fleet".into())) else { return false };
+        if self.world.append_acknowledged(append.into_request(tenant, "sim-operator")).await.is_err() {
+            return false;
+        }
+        self.out.nodes_deleted += 1;
         true
     }
 
@@ -1526,6 +1557,7 @@ mod tests {
         assert_eq!((a.digest.as_str(), &a.heads), (b.digest.as_str(), &b.heads));
         assert_ne!(a.digest, c.digest);
         assert!(a.nodes_joined > 0 && a.nodes_left > 0, "nodes joined and left during the run");
+        assert!(a.nodes_deleted > 0, "nodes that left were deleted");
         assert!(a.timeline.is_none(), "no timeline unless asked");
     }
 

@@ -204,7 +204,10 @@ impl World {
         self.expire_until(env.at_ms, env.seq);
         let Some((kind, id)) = env.stream.split_once('/') else { return };
         let t = env.event_type.as_str();
-        if kind == KIND_NODE && NODE_INPUTS.contains(&t) {
+        if kind == KIND_NODE && t == ev::NODE_DELETED {
+            // Gone for good: nothing is placed on it in this world either.
+            self.nodes.remove(id);
+        } else if kind == KIND_NODE && NODE_INPUTS.contains(&t) {
             let current = self.nodes.get(id).and_then(|n| serde_json::to_value(n).ok());
             let allocations = self.nodes.get(id).map(|n| n.allocations.clone()).unwrap_or_default();
             if let Some(mut node) = fold(KIND_NODE, id, current, event).and_then(|v| serde_json::from_value::<NodeDoc>(v).ok()) {

@@ -533,3 +533,73 @@ async fn two_gateways_on_one_database_never_overshoot_a_quota_or_double_book() {
         assert_eq!((status, body["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{body}");
     }
 }
+
+/// `nodes.delete`: a node goes for good only once nothing holds it (cordoned, no GPU held), with
+/// the CLI asking for `--yes` before any call; then it is gone from reads and from placement,
+/// and the log that says so still verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_deleted_only_once_nothing_holds_it_and_is_gone_from_placement() {
+    let server = Server::dev();
+    let a100 = ("A100-SXM4-40GB", 40, 0);
+    let (pool, nodes) = fleet(&server, &[&[a100, a100]]).await;
+    let node = nodes[0].as_str();
+    let (code, held, err) = reserve(&server, &["--pool", &pool, "--gpus", "1", "--for", "1h"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(held["state"], "active");
+    let held = held["reservationId"].as_str().unwrap().to_owned();
+
+    // The CLI refuses before any call without --yes; a bad id is a usage error too.
+    let (code, _, err) = server.cli(&["nodes", "delete", node]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--yes"), "{err}");
+    let (code, _, err) = server.cli(&["nodes", "delete", "pool_01jd0000000000000000000000", "--yes"]);
+    assert_eq!(code, 2, "{err}");
+    let delete = |reason: Option<&str>| {
+        let mut body = json!({ "nodeId": node });
+        if let Some(r) = reason {
+            body["reason"] = json!(r);
+        }
+        server.call("nodes.delete", body)
+    };
+    // Still taking reservations, then holding a GPU: refused, with what holds it.
+    let (status, refused) = delete(None).await;
+    assert_eq!((status, refused["code"].as_str()), (409, Some("CONFLICT")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("cordon or drain it first"), "{refused}");
+    let (code, _, err) = server.cli(&["nodes", "cordon", node]);
+    assert_eq!(code, 0, "{err}");
+    let (status, refused) = delete(None).await;
+    assert_eq!(status, 409, "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains(&held), "names the holder: {refused}");
+    // A reason past its bound is bad input.
+    let (status, refused) = delete(Some(&"x".repeat(501))).await;
+    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+
+    let (code, _, err) = server.cli(&["release", &held]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = server.cli(&["nodes", "delete", node, "--yes", "--reason", "decommissioned: rack 4"]);
+    assert_eq!(code, 0, "{err}");
+    let deleted = bc_tests::json(&out);
+    assert_eq!((deleted["nodeId"].as_str(), deleted["deleted"].as_bool()), (Some(node), Some(true)), "{deleted}");
+
+    // Gone: from reads, from lists, from placement; a second delete finds nothing.
+    let (status, gone) = server.call("nodes.get", json!({ "nodeId": node })).await;
+    assert_eq!((status, gone["code"].as_str()), (404, Some("NOT_FOUND")), "{gone}");
+    let (status, list) = server.call("nodes.list", json!({ "poolId": pool })).await;
+    assert_eq!(status, 200, "{list}");
+    assert!(list["items"].as_array().unwrap().is_empty(), "{list}");
+    let (status, again) = delete(None).await;
+    assert_eq!(status, 404, "{again}");
+    let (code, _, err) = reserve(&server, &["--pool", &pool, "--gpus", "1", "--for", "1h", "--wait", "0"]);
+    assert_eq!(code, 2, "no node can hold it now: {err}");
+    assert!(err.contains("could ever hold"), "{err}");
+
+    // The log says so, with the reason, and still verifies.
+    let (status, events) = server.call("events.list", json!({ "types": ["node.deleted"] })).await;
+    assert_eq!(status, 200, "{events}");
+    let items = events["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{events}");
+    assert_eq!(items[0]["payload"]["reason"], "decommissioned: rack 4", "{events}");
+    let (code, out, err) =
+        server.cli(&["audit", "verify", "--data-dir", &server.data_dir.display().to_string(), "--format", "json"]);
+    assert_eq!(code, 0, "audit verify: {out} {err}");
+}

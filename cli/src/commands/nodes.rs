@@ -1,5 +1,5 @@
-//! `nodes list|get|register|cordon|uncordon|drain|label|taint`. `drain --wait N` waits until
-//! the node holds no reservation.
+//! `nodes list|get|register|cordon|uncordon|drain|label|taint|delete`. `drain --wait N` waits
+//! until the node holds no reservation; `delete` asks for `--yes` before any call.
 
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,23 @@ pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
         }
         NodesCommand::Taint { node_id, items, if_version } => {
             node_op(&c, body, "nodes.taint", &node_id, if_version.if_version, &items, 0).await?
+        }
+        NodesCommand::Delete { node_id, reason, yes, if_version } => {
+            let node = check_id::<NodeId>("NODE_ID", &node_id)?;
+            if !yes {
+                return Err(CliError::usage(format!(
+                    "nodes delete removes {node} for good (its events stay in the log); add --yes to confirm"
+                )));
+            }
+            let mut body = body;
+            body.insert("nodeId".into(), json!(node));
+            if let Some(v) = if_version.if_version {
+                body.insert("ifVersion".into(), json!(v));
+            }
+            if let Some(reason) = reason {
+                body.insert("reason".into(), json!(reason));
+            }
+            c.call("nodes.delete", &Value::Object(body), None).await?
         }
         NodesCommand::Register { pool, name, gpus, labels: items, key } => {
             let mut body = body;

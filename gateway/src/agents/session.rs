@@ -267,7 +267,7 @@ pub async fn greet(store: &dyn EventStore, hello: &bc_proto::Hello) -> std::resu
     let row = store
         .row_find(KIND_NODE, &node.to_string())
         .await?
-        .ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} has not joined")))?;
+        .ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} has not joined, or was deleted")))?;
     let tenant: TenantId = row.key.tenant.parse()?;
     let doc: NodeDoc = crate::api::toolkit::doc(row)?;
     let agent = doc.agent.ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} did not join with bcd")))?;

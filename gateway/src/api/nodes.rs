@@ -1,5 +1,6 @@
 //! `nodes.*`: hosts and their GPUs. `register` adds one by hand; `cordon`, `uncordon`, `drain`,
-//! `label` and `taint` change what can be placed on it.
+//! `label` and `taint` change what can be placed on it; `delete` removes one nothing holds any
+//! more, for good (`decide::node_delete`).
 
 use std::collections::BTreeMap;
 
@@ -7,6 +8,7 @@ use bc_core::id::{NodeId, PoolId, TenantId};
 use bc_core::store::ExpectedVersion;
 use bc_core::{Error, Result};
 use bc_projections::events::{self as ev, Gpu};
+use bc_projections::placement::node_holders;
 use bc_projections::{KIND_NODE, NodeDoc, decide, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -15,8 +17,9 @@ use super::pools::pool_doc;
 use super::toolkit::{
     CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, doc,
     expected_version, list_rows, parse_id, stream_id, string_schema, validate_label_key, validate_labels, validate_name,
+    validate_text,
 };
-use super::views::{NodeChangedView, NodeView};
+use super::views::{NodeChangedView, NodeDeletedView, NodeView};
 use super::{Access, Call, Method, method};
 
 /// Also what `inventory.*` are read as: a node's reports are the node's.
@@ -41,6 +44,13 @@ pub(super) const METHODS: &[Method] = &[
     method!("nodes.drain", WRITE, "cordon a node until its reservations end", NodeChange => NodeChangedView, nodes_drain),
     method!("nodes.label", WRITE, "set or remove a node's labels", NodeKeys => NodeChangedView, nodes_label),
     method!("nodes.taint", WRITE, "set or remove a node's taints", NodeKeys => NodeChangedView, nodes_taint),
+    method!(
+        "nodes.delete",
+        WRITE,
+        "remove a node for good: cordoned, no GPU held, its agent gone, nothing else holding it",
+        NodeDelete => NodeDeletedView,
+        nodes_delete
+    ),
 ];
 
 string_schema!(
@@ -117,6 +127,29 @@ pub struct NodeChange {
     #[schemars(with = "Option<VersionNumber>")]
     if_version: Option<u64>,
 }
+
+/// A node to delete, while it is at `ifVersion` (if given), and why.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeDelete {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    #[schemars(with = "Option<DeleteReasonText>")]
+    reason: Option<String>,
+}
+
+/// Longest reason an operator gives a node's deletion, in characters.
+pub const DELETE_REASON_CHARS_MAX: usize = 500;
+
+string_schema!(
+    /// Why a node was deleted ([`validate_text`] with [`DELETE_REASON_CHARS_MAX`]).
+    DeleteReasonText,
+    schemars::json_schema!({ "type": "string", "maxLength": DELETE_REASON_CHARS_MAX, "pattern": super::toolkit::TEXT_PATTERN })
+);
 
 /// Keys to set and keys to remove: at least one, at most `KEY_CHANGES_MAX` in all.
 #[derive(Deserialize, JsonSchema)]
@@ -234,6 +267,21 @@ async fn nodes_uncordon(call: &Call<'_>, input: NodeChange) -> Result<NodeChange
 async fn nodes_drain(call: &Call<'_>, input: NodeChange) -> Result<NodeChangedView> {
     let payload = |_: &NodeDoc| ev::to_cbor(&ev::NodeStateChanged {});
     node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_DRAINING, payload).await
+}
+
+async fn nodes_delete(call: &Call<'_>, input: NodeDelete) -> Result<NodeDeletedView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
+    if let Some(reason) = &input.reason {
+        validate_text("reason", reason, DELETE_REASON_CHARS_MAX)?;
+    }
+    let node = node_doc(call, tenant, &node_id.to_string()).await?;
+    expected_version(input.if_version, node.version, &stream_of(KIND_NODE, &node_id))?;
+    let holders = node_holders(&*call.state.store, tenant, &node_id.to_string()).await?;
+    let append = decide::node_delete(&node, &holders, input.reason)?;
+    let appended = call.state.log.append(call.decided(tenant, append)).await?;
+    let version = appended.events.last().map_or(node.version + 1, |e| e.envelope.version);
+    Ok(NodeDeletedView { node_id: node_id.to_string(), deleted: true, version })
 }
 
 /// Checks a labels (or taints, `what`) change against the node's current keys.

@@ -129,6 +129,9 @@ pub enum Refusal {
     InstanceVersionMismatch { instance_id: String, expected: u64, actual: u64 },
     #[error("instance {instance_id} is {state}: it takes no other request")]
     InstanceFinished { instance_id: String, version: u64, state: &'static str },
+    /// The node is not one that can go for good now (`why` says what holds it).
+    #[error("node {node_id} cannot be deleted: {why}")]
+    NodeNotDeletable { node_id: String, version: u64, why: String },
     /// Not a refusal of the request: a document breaks an invariant (an active reservation
     /// without a node) or a payload does not encode.
     #[error("{0}")]
@@ -183,6 +186,11 @@ impl From<Refusal> for Error {
                 expected: format!("a live instance (this one is {state})"),
                 actual: version,
             },
+            Refusal::NodeNotDeletable { node_id, version, why } => Error::Conflict {
+                stream: stream_of(crate::KIND_NODE, &node_id),
+                expected: format!("a node that can be deleted ({why})"),
+                actual: version,
+            },
             Refusal::Internal(_) => Error::Internal(message),
         }
     }
@@ -215,6 +223,53 @@ pub fn node_keys_change(
         return Err(Refusal::TooManyNodeKeys { node_id: node_id.to_owned(), what, count });
     }
     Ok(())
+}
+
+/// What else holds on to a node, read by the caller for [`node_delete`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeHolders {
+    /// Its commands not finished yet.
+    pub unfinished_commands: usize,
+    /// Live instances on it.
+    pub instances: Vec<String>,
+    /// Live rollouts that name it.
+    pub rollouts: Vec<String>,
+}
+
+/// `nodes.delete`: the node goes for good (`node.deleted`, its document with it), at the
+/// version read, so a placement that raced the decision fails. Only a node nothing holds: taken
+/// out of placement (cordoned or draining), no GPU held, its agent gone (its lease lapsed: an
+/// agent still connected would go on reporting), no unfinished command, no live instance, no
+/// live rollout naming it.
+pub fn node_delete(node: &crate::NodeDoc, holders: &NodeHolders, reason: Option<String>) -> Result<Append, Refusal> {
+    let refuse = |why: String| Refusal::NodeNotDeletable { node_id: node.node_id.clone(), version: node.version, why };
+    if !node.cordoned {
+        return Err(refuse("it still takes reservations: cordon or drain it first".into()));
+    }
+    if !node.allocations.is_empty() {
+        let holders: std::collections::BTreeSet<&str> = node.allocations.values().map(String::as_str).collect();
+        let names: Vec<&str> = holders.into_iter().take(3).collect();
+        return Err(refuse(format!("{} GPUs are held, by {}", node.allocations.len(), names.join(", "))));
+    }
+    if node.agent.as_ref().is_some_and(|a| a.reachable) {
+        return Err(refuse("its agent is connected: stop bcd on the machine, then wait for the node to be unreachable".into()));
+    }
+    if holders.unfinished_commands > 0 {
+        return Err(refuse(format!("{} commands are unfinished: cancel them or let them end", holders.unfinished_commands)));
+    }
+    if let Some(instance) = holders.instances.first() {
+        return Err(refuse(format!("{} live instances are on it ({instance}, …)", holders.instances.len())));
+    }
+    if let Some(rollout) = holders.rollouts.first() {
+        return Err(refuse(format!("rollout {rollout} is live on it: let it end or abort it")));
+    }
+    let payload = crate::events::to_cbor(&crate::events::NodeDeleted { reason })?;
+    Ok(Append {
+        stream: stream_of(crate::KIND_NODE, &node.node_id),
+        expected: ExpectedVersion::Exact(node.version),
+        guards: Vec::new(),
+        events: vec![NewEvent::new(crate::events::NODE_DELETED, payload)],
+    })
 }
 
 /// Whether the tenant may register one more node, given how many it has.
@@ -267,5 +322,49 @@ impl PoolLoad {
     /// A queued reservation's place in the queue (1: next in line); `None` when not queued.
     pub fn position(&self, rsv: &ReservationDoc) -> Option<usize> {
         (rsv.state == ReservationState::Queued).then(|| self.queued.partition_point(|(seq, _)| *seq < rsv.request_seq) + 1)
+    }
+}
+
+#[cfg(test)]
+mod node_delete_tests {
+    use super::*;
+
+    fn node(cordoned: bool, allocations: serde_json::Value) -> crate::NodeDoc {
+        serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_00000000000000000000000000", "nodeId": "node_01jd0000000000000000000000",
+            "poolId": "pool_01jd0000000000000000000000", "name": "n0", "gpus": [], "labels": {},
+            "state": if cordoned { "cordoned" } else { "ready" }, "cordoned": cordoned,
+            "allocations": allocations, "version": 7, "createdAtMs": 1, "updatedAtMs": 2,
+        }))
+        .expect("a node document")
+    }
+
+    fn why(result: Result<Append, Refusal>) -> String {
+        match result {
+            Err(Refusal::NodeNotDeletable { version: 7, why, .. }) => why,
+            Err(other) => panic!("another refusal: {other}"),
+            Ok(_) => panic!("deleted"),
+        }
+    }
+
+    #[test]
+    fn only_a_node_nothing_holds_goes_and_at_the_version_read() {
+        let free = NodeHolders::default();
+        assert!(why(node_delete(&node(false, serde_json::json!({})), &free, None)).contains("cordon or drain it first"));
+        let held = node(true, serde_json::json!({ "0": "rsv_a", "1": "rsv_a" }));
+        assert!(why(node_delete(&held, &free, None)).contains("2 GPUs are held, by rsv_a"));
+        let cordoned = node(true, serde_json::json!({}));
+        let commands = NodeHolders { unfinished_commands: 3, ..NodeHolders::default() };
+        assert!(why(node_delete(&cordoned, &commands, None)).contains("3 commands are unfinished"));
+        let instances = NodeHolders { instances: vec!["inst_x".into()], ..NodeHolders::default() };
+        assert!(why(node_delete(&cordoned, &instances, None)).contains("inst_x"));
+        let rollouts = NodeHolders { rollouts: vec!["ro_y".into()], ..NodeHolders::default() };
+        assert!(why(node_delete(&cordoned, &rollouts, None)).contains("rollout ro_y"));
+        let append = node_delete(&cordoned, &free, Some("retired".into())).expect("deleted");
+        assert_eq!(append.stream, "node/node_01jd0000000000000000000000");
+        assert_eq!(append.expected, ExpectedVersion::Exact(7));
+        assert_eq!(append.event_types(), [crate::events::NODE_DELETED]);
+        let refusal: Error = Refusal::NodeNotDeletable { node_id: "node_x".into(), version: 7, why: "w".into() }.into();
+        assert_eq!(refusal.code(), bc_core::ErrorCode::Conflict);
     }
 }

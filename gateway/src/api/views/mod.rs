@@ -245,6 +245,17 @@ impl From<NodeDoc> for NodeView {
     }
 }
 
+/// A node `nodes.delete` removed: gone for good, at the log's version of its stream.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeDeletedView {
+    #[schemars(with = "super::toolkit::NodeIdText")]
+    pub node_id: String,
+    pub deleted: bool,
+    /// The node stream's version after `node.deleted`.
+    pub version: u64,
+}
+
 /// A node after `cordon`, `uncordon`, `drain`, `label` or `taint`.
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
