@@ -40,7 +40,8 @@ pub const HEARTBEAT_MS_DEFAULT: u64 = 5_000;
 const _: () = assert!(HEARTBEAT_MS_DEFAULT * 2 < LEASE_MS_DEFAULT);
 /// The first two messages (`Hello`, `Proof`) must come within this.
 pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
-/// Messages queued for one node's stream; a node that reads nothing is dropped, not buffered.
+/// Messages queued for one node's stream; a node that reads nothing for a lease while it is full
+/// is dropped (`send_within`), not buffered.
 pub const SESSION_OUTBOUND_MESSAGES: usize = 64;
 
 #[derive(Clone, Copy, Debug)]
@@ -183,7 +184,7 @@ where
     let bound = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
         Ok(bound) => bound,
         Err(refusal) => {
-            let _ = outbound.send(Err(tonic::Status::new(refusal.status, refusal.message))).await;
+            let _ = send_within(&outbound, Err(tonic::Status::new(refusal.status, refusal.message)), config.lease_ms).await;
             return;
         }
     };
@@ -197,7 +198,7 @@ where
         Ok(why) => tracing::info!(node = %node, why, "node session ended"),
         Err(refusal) => {
             tracing::info!(node = %node, code = ?refusal.status, error = %refusal.message, "node session refused");
-            let _ = outbound.send(Err(tonic::Status::new(refusal.status, refusal.message))).await;
+            let _ = send_within(&outbound, Err(tonic::Status::new(refusal.status, refusal.message)), config.lease_ms).await;
         }
     }
 }
@@ -383,7 +384,7 @@ where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
     let mut shutdown = state.shutdown.subscribe();
-    send_commands(state, &mut bound, outbound).await?;
+    send_commands(state, &mut bound, outbound, config).await?;
     // The node must be heard from within a lease of the last message (a nudge that wakes the
     // loop does not move it).
     let mut deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
@@ -396,12 +397,12 @@ where
                     Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
                     Err(refusal) => return Err(refusal),
                 };
-                if let Some(reply) = reply && outbound.send(message(reply)).await.is_err() {
+                if let Some(reply) = reply && !send_within(outbound, message(reply), config.lease_ms).await? {
                     return Ok("the stream broke");
                 }
             }
             nudge = nudges.recv() => match nudge {
-                Some(Nudge::Commands) => send_commands(state, &mut bound, outbound).await?,
+                Some(Nudge::Commands) => send_commands(state, &mut bound, outbound, config).await?,
                 Some(Nudge::Replaced) | None => return Ok("a newer session of the node replaced it"),
             },
             _ = shutdown.changed() => return Err(refuse(tonic::Code::Unavailable, "the gateway is stopping; reconnect")),
@@ -685,13 +686,33 @@ async fn check_instance_report(
 pub const REASON_BYTES_MAX: usize = 1024;
 
 /// Sends the node's unfinished commands it has not been sent in this session, in issue order.
-async fn send_commands(state: &AppState, bound: &mut Bound, outbound: &Outbound) -> std::result::Result<(), Refusal> {
+async fn send_commands(
+    state: &AppState,
+    bound: &mut Bound,
+    outbound: &Outbound,
+    config: SessionConfig,
+) -> std::result::Result<(), Refusal> {
     for msg in commands_unsent(&*state.store, bound).await? {
-        if outbound.send(message(msg)).await.is_err() {
+        if !send_within(outbound, message(msg), config.lease_ms).await? {
             return Ok(());
         }
     }
     Ok(())
+}
+
+/// Queues `msg` for the node's stream, waiting at most `within_ms` for room
+/// (`SESSION_OUTBOUND_MESSAGES` are queued): a node that reads nothing for that long ends its
+/// session rather than holding it, and the commands behind, for ever. `Ok(false)`: the stream
+/// is gone.
+async fn send_within(
+    outbound: &Outbound,
+    msg: std::result::Result<bc_proto::GatewayMessage, tonic::Status>,
+    within_ms: u64,
+) -> std::result::Result<bool, Refusal> {
+    match tokio::time::timeout(Duration::from_millis(within_ms), outbound.send(msg)).await {
+        Ok(sent) => Ok(sent.is_ok()),
+        Err(_) => Err(refuse(tonic::Code::DeadlineExceeded, "the node read nothing in time")),
+    }
 }
 
 /// The node's unfinished commands this session has not sent yet, in issue order, each marked
