@@ -842,7 +842,7 @@ impl Sim {
                 }
                 self.rollouts_check().await?;
                 self.after(RECONCILE_EVERY_MS, Task::Reconcile);
-                self.route_commands().await?;
+                // (What the pass issued is routed after the step, as after every step.)
                 // The webhooks consumer's round: fan out what the pass appended, deliver what
                 // is due.
                 self.hooks.drive(&self.world).await?;

@@ -939,10 +939,7 @@ impl super::lease::LeaseStore for SqliteStore {
         // One statement per chunk: a gateway renews every node it holds a session to.
         for chunk in leases.chunks(ROWS_PER_STATEMENT_MAX) {
             let mut q = QueryBuilder::<Sqlite>::new("INSERT INTO node_leases (tenant_id, node_id, expires_at_ms) ");
-            let mut expires = Vec::with_capacity(chunk.len());
-            for (_, _, at) in chunk {
-                expires.push(to_i64(*at)?);
-            }
+            let expires = chunk.iter().map(|(_, _, at)| to_i64(*at)).collect::<Result<Vec<_>>>()?;
             q.push_values(chunk.iter().zip(expires), |mut b, ((tenant, node, _), at)| {
                 b.push_bind(tenant.clone()).push_bind(node.clone()).push_bind(at);
             });
