@@ -1,4 +1,5 @@
-//! The `EventStore` conformance suite: every test runs against SQLite and PostgreSQL.
+//! The `EventStore` conformance suite: every test runs against SQLite, SQLite with the
+//! simulator's inline reads (`SqliteStore::open_for_one_thread`) and PostgreSQL.
 
 // A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
 #![allow(clippy::disallowed_methods)]
@@ -49,13 +50,30 @@ struct Fixture {
     _backend: Backend,
 }
 
-async fn fixture(postgres: bool) -> Fixture {
-    let (store, backend): (Arc<dyn EventStore>, Backend) = if postgres {
-        let db = ScratchDatabase::create().await.expect("PostgreSQL for the conformance suite");
-        (Arc::new(PostgresStore::connect(&db.url).await.unwrap()), Backend::Postgres(db))
-    } else {
-        let dir = tempfile::tempdir().unwrap();
-        (Arc::new(SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap()), Backend::Sqlite(dir))
+/// Which store a test runs against.
+#[derive(Clone, Copy)]
+enum Kind {
+    Sqlite,
+    /// SQLite whose hot reads run on the caller's thread, as the simulator opens it.
+    SqliteInline,
+    Postgres,
+}
+
+async fn fixture(kind: Kind) -> Fixture {
+    let (store, backend): (Arc<dyn EventStore>, Backend) = match kind {
+        Kind::Postgres => {
+            let db = ScratchDatabase::create().await.expect("PostgreSQL for the conformance suite");
+            (Arc::new(PostgresStore::connect(&db.url).await.unwrap()), Backend::Postgres(db))
+        }
+        Kind::Sqlite | Kind::SqliteInline => {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("log.sqlite3");
+            let store = match kind {
+                Kind::SqliteInline => SqliteStore::open_for_one_thread(&path).await.unwrap(),
+                _ => SqliteStore::open(&path).await.unwrap(),
+            };
+            (Arc::new(store), Backend::Sqlite(dir))
+        }
     };
     assert!(store.check_schema().await.is_err(), "an empty database must not pass the schema check");
     store.migrate().await.unwrap();
@@ -102,8 +120,8 @@ async fn verify_all(f: &Fixture) -> u64 {
     total
 }
 
-async fn appends_and_reads(postgres: bool) {
-    let f = fixture(postgres).await;
+async fn appends_and_reads(kind: Kind) {
+    let f = fixture(kind).await;
     let (a, b) = (TenantId::generate(), TenantId::generate());
     let first = f.log.append(request(a, "thing/1", ExpectedVersion::NoStream, 3)).await.unwrap();
     assert!(!first.replayed);
@@ -164,8 +182,8 @@ async fn appends_and_reads(postgres: bool) {
     assert!(f.store.row_get(&a.to_string(), "count", "thing/1").await.unwrap().is_none());
 }
 
-async fn idempotency(postgres: bool) {
-    let f = fixture(postgres).await;
+async fn idempotency(kind: Kind) {
+    let f = fixture(kind).await;
     let t = TenantId::generate();
     let mut req = request(t, "thing/1", ExpectedVersion::Any, 2);
     req.idempotency_key = Some("create-1".into());
@@ -194,8 +212,8 @@ async fn idempotency(postgres: bool) {
     assert_eq!(chain(&*f.store, t).await.len(), 3);
 }
 
-async fn optimistic_concurrency(postgres: bool) {
-    let f = fixture(postgres).await;
+async fn optimistic_concurrency(kind: Kind) {
+    let f = fixture(kind).await;
     let t = TenantId::generate();
     f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 2)).await.unwrap();
     let err = f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 1)).await.unwrap_err();
@@ -235,8 +253,8 @@ async fn optimistic_concurrency(postgres: bool) {
 /// One append moving two streams (a reservation and a node): each event takes its own stream's
 /// next version; racing appends on the same node version, each with its own first stream, let
 /// exactly one through; an event for an unguarded stream is refused.
-async fn multi_stream_appends(postgres: bool) {
-    let f = fixture(postgres).await;
+async fn multi_stream_appends(kind: Kind) {
+    let f = fixture(kind).await;
     let t = TenantId::generate();
     f.log.append(request(t, "node/1", ExpectedVersion::NoStream, 2)).await.unwrap();
     let two = |rsv: &str, node_version: u64| {
@@ -263,9 +281,9 @@ async fn multi_stream_appends(postgres: bool) {
 /// The outbox store: one fan-out lease at a time, items inserted once however often a fan-out
 /// repeats, claims that never hand one item to two owners, completions only by the lease
 /// holder, requeue of dead items, and pruning of done ones (dead ones stay).
-async fn outbox_leases_and_items(postgres: bool) {
+async fn outbox_leases_and_items(kind: Kind) {
     use bc_core::store::outbox::{Attempt, Completion, NewWorkItem, Outcome, WorkState};
-    let f = fixture(postgres).await;
+    let f = fixture(kind).await;
     let s = &*f.store;
     let t = TenantId::generate();
     f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 3)).await.unwrap();
@@ -327,11 +345,11 @@ async fn outbox_leases_and_items(postgres: bool) {
 
 /// Many tasks append to many tenants at once while a reader follows positions: every chain is
 /// gap-free and verifies, and the reader sees every event exactly once, in position order.
-async fn concurrent_appends_and_reader(postgres: bool) {
+async fn concurrent_appends_and_reader(kind: Kind) {
     const TASKS: usize = 16;
     const TENANTS: usize = 5;
     const APPENDS_PER_TASK: usize = 25;
-    let f = Arc::new(fixture(postgres).await);
+    let f = Arc::new(fixture(kind).await);
     // A second appender on the same store plays a second process: its batches race the first's
     // and lose the chain-head check now and then, which must cost nothing but a retry.
     let second = Log::open(f.store.clone(), Arc::new(CountingProjector), Arc::new(LogKey::generate()), Arc::new(SystemClock))
@@ -416,10 +434,10 @@ async fn concurrent_appends_and_reader(postgres: bool) {
 /// completion) and transactions abandoned mid-flight (a cancelled caller) leave nothing open:
 /// far more of them than the pool has connections, and the store still appends, swaps and
 /// leases, with nothing half-written.
-async fn abandoned_transactions_leave_nothing_open(postgres: bool) {
+async fn abandoned_transactions_leave_nothing_open(kind: Kind) {
     use bc_core::store::outbox::NewWorkItem;
     const ROUNDS: usize = 40;
-    let f = fixture(postgres).await;
+    let f = fixture(kind).await;
     let s = &*f.store;
     let t = TenantId::generate();
     f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 2)).await.unwrap();
@@ -455,9 +473,9 @@ async fn abandoned_transactions_leave_nothing_open(postgres: bool) {
 
 /// The last pass of each reconciler per process: replaced by each pass with its count of
 /// passes, kept per instance, and forgotten once the process has not passed for long.
-async fn reconciler_passes(postgres: bool) {
+async fn reconciler_passes(kind: Kind) {
     use bc_core::store::status::PassRecord;
-    let f = fixture(postgres).await;
+    let f = fixture(kind).await;
     let pass = |name: &str, instance: &str, at: u64, ok: bool| PassRecord {
         name: name.into(),
         instance: instance.into(),
@@ -486,9 +504,9 @@ async fn reconciler_passes(postgres: bool) {
 
 /// Lease renewals in one call, more than one statement's worth: each held or renewed, never
 /// shortened; what is due to be reported follows.
-async fn lease_renewals(postgres: bool) {
+async fn lease_renewals(kind: Kind) {
     const LEASES: u64 = 2_500;
-    let f = fixture(postgres).await;
+    let f = fixture(kind).await;
     let tenant = TenantId::ROOT.to_string();
     let node = |i: u64| format!("node_{i:026}");
     let first: Vec<(String, String, u64)> = (0..LEASES).map(|i| (tenant.clone(), node(i), 10_000 + i)).collect();
@@ -515,20 +533,24 @@ async fn lease_renewals(postgres: bool) {
     assert!(lapsed.iter().all(|l| l.reported_reachable && !l.held_at(20_000)));
 }
 
-macro_rules! both_backends {
+macro_rules! every_backend {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name(false).await })*
+            async fn $name() { super::$name(super::Kind::Sqlite).await })*
+        }
+        mod sqlite_inline_reads {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Kind::SqliteInline).await })*
         }
         mod postgres {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name(true).await })*
+            async fn $name() { super::$name(super::Kind::Postgres).await })*
         }
     };
 }
 
-both_backends!(
+every_backend!(
     appends_and_reads,
     lease_renewals,
     idempotency,

@@ -410,7 +410,7 @@ impl World {
     pub async fn new(seed: u64, rng: &mut SeededRng, shape: Shape) -> World {
         assert!(shape.tenants >= 1 && shape.nodes >= shape.tenants, "every tenant has a node");
         let dir = scratch_dir();
-        let sqlite = Arc::new(SqliteStore::open(&dir.path().join("sim.sqlite3")).await.expect("the store opens"));
+        let sqlite = Arc::new(SqliteStore::open_for_one_thread(&dir.path().join("sim.sqlite3")).await.expect("the store opens"));
         let store: Arc<dyn EventStore> = sqlite.clone();
         store.migrate_at(EPOCH_MS).await.expect("the store migrates");
         let clock = Arc::new(ManualClock::new(EPOCH_MS));
@@ -593,7 +593,7 @@ impl World {
     /// process would. The caller breaks the sessions: the agents reconnect and deliver their
     /// journals from what the log says it holds.
     pub async fn restart_gateway(&mut self) {
-        let sqlite = Arc::new(SqliteStore::open(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"));
+        let sqlite = Arc::new(SqliteStore::open_for_one_thread(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"));
         let store: Arc<dyn EventStore> = sqlite.clone();
         store.migrate_at(self.now_ms()).await.expect("the store migrates (nothing to do)");
         let ids = self.log.ids.clone();

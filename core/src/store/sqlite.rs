@@ -29,6 +29,7 @@ use super::{
     WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
     stream_version_decode, to_i64, to_u32, to_u64,
 };
+use super::Columns as _;
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
 use crate::id::{EventId, TenantId};
@@ -42,9 +43,13 @@ const ROWS_PER_STATEMENT_MAX: usize = 1000;
 
 const MIGRATIONS: &[Migration] = migrations_of!("sqlite");
 
+mod inline;
+
 pub struct SqliteStore {
     pool: SqlitePool,
     data_keys: std::sync::RwLock<Option<std::sync::Arc<crate::sealing::DataKeys>>>,
+    /// The hot reads' own connection, on the caller's thread ([`Self::open_for_one_thread`]).
+    inline: Option<inline::InlineReads>,
 }
 
 /// The database file and its `-wal` and `-shm` companions are readable by their owner only
@@ -88,7 +93,17 @@ impl SqliteStore {
             companion.push(suffix);
             private_file(Path::new(&companion), false)?;
         }
-        Ok(Self { pool, data_keys: Default::default() })
+        Ok(Self { pool, data_keys: Default::default(), inline: None })
+    }
+
+    /// [`Self::open`], with the hot reads (projection rows, events, chain heads, secrets, cursor
+    /// positions) made on the caller's thread through a read-only connection of their own
+    /// rather than handed to a pool connection's worker thread (the module `inline`). For the
+    /// simulator, whose one thread is the whole world; never for a server, whose runtime
+    /// threads such a read would block.
+    pub async fn open_for_one_thread(path: &Path) -> Result<Self> {
+        let store = Self::open(path).await?;
+        Ok(Self { inline: Some(inline::InlineReads::open(path)?), ..store })
     }
 
     /// `sqlite://PATH` or `sqlite:PATH`.
@@ -558,9 +573,12 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq >= ? ORDER BY seq LIMIT ?"
-        )))
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq >= ? ORDER BY seq LIMIT ?");
+        if let Some(inline) = &self.inline {
+            let params = rusqlite::params![tenant.to_string(), to_i64(from_seq)?, i64::from(limit)];
+            return inline.all(&sql, params, |r| event_row_decode(r));
+        }
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(tenant.to_string())
         .bind(to_i64(from_seq)?)
         .bind(i64::from(limit))
@@ -570,9 +588,14 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        let sql = format!(
             "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND stream = ? AND version > ? ORDER BY version LIMIT ?"
-        )))
+        );
+        if let Some(inline) = &self.inline {
+            let params = rusqlite::params![tenant.to_string(), stream, to_i64(after_version)?, i64::from(limit)];
+            return inline.all(&sql, params, |r| event_row_decode(r));
+        }
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(tenant.to_string())
         .bind(stream.to_owned())
         .bind(to_i64(after_version)?)
@@ -583,6 +606,14 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
+        if let Some(inline) = &self.inline {
+            let sql = read_after_sql(tenant.is_some());
+            let (commit, index, limit) = (to_i64(after.commit)?, i64::from(after.index), i64::from(limit));
+            return match tenant {
+                Some(t) => inline.all(&sql, rusqlite::params![t.to_string(), commit, index, limit], |r| event_row_decode(r)),
+                None => inline.all(&sql, rusqlite::params![commit, index, limit], |r| event_row_decode(r)),
+            };
+        }
         let mut q = sqlx::query(sqlx::AssertSqlSafe(read_after_sql(tenant.is_some())));
         if let Some(t) = tenant {
             q = q.bind(t.to_string());
@@ -593,10 +624,15 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_after_touches(&self, after: Position, limit: u32) -> Result<Vec<super::StreamTouch>> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        let sql = format!(
             "SELECT {} FROM events WHERE (commit_no, commit_index) > (?, ?) ORDER BY commit_no, commit_index LIMIT ?",
             super::TOUCH_COLUMNS
-        )))
+        );
+        if let Some(inline) = &self.inline {
+            let params = rusqlite::params![to_i64(after.commit)?, i64::from(after.index), i64::from(limit)];
+            return inline.all(&sql, params, |r| super::touch_decode(r));
+        }
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(to_i64(after.commit)?)
         .bind(i64::from(after.index))
         .bind(i64::from(limit))
@@ -606,7 +642,11 @@ impl LogStore for SqliteStore {
     }
 
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND id = ?")))
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND id = ?");
+        if let Some(inline) = &self.inline {
+            return inline.first(&sql, rusqlite::params![tenant.to_string(), id.to_string()], |r| event_row_decode(r));
+        }
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(tenant.to_string())
             .bind(id.to_string())
             .fetch_optional(&self.pool)
@@ -615,7 +655,11 @@ impl LogStore for SqliteStore {
     }
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
-        let rows = sqlx::query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id").fetch_all(&self.pool).await?;
+        const SQL: &str = "SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id";
+        if let Some(inline) = &self.inline {
+            return inline.all(SQL, [], |r| head_decode(r));
+        }
+        let rows = sqlx::query(SQL).fetch_all(&self.pool).await?;
         rows.iter().map(head_decode).collect()
     }
 
@@ -656,7 +700,11 @@ impl LogStore for SqliteStore {
 #[async_trait]
 impl RowStore for SqliteStore {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>> {
-        let row = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
+        const SQL: &str = "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?";
+        if let Some(inline) = &self.inline {
+            return inline.first(SQL, rusqlite::params![tenant, kind, id], |r| projection_row_decode(r));
+        }
+        let row = sqlx::query(SQL)
             .bind(tenant.to_owned())
             .bind(kind.to_owned())
             .bind(id.to_owned())
@@ -666,7 +714,11 @@ impl RowStore for SqliteStore {
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
-        let row = sqlx::query("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = ? AND id = ?")
+        const SQL: &str = "SELECT tenant_id, kind, id, doc FROM projections WHERE kind = ? AND id = ?";
+        if let Some(inline) = &self.inline {
+            return inline.first(SQL, rusqlite::params![kind, id], |r| projection_row_decode(r));
+        }
+        let row = sqlx::query(SQL)
             .bind(kind.to_owned())
             .bind(id.to_owned())
             .fetch_optional(&self.pool)
@@ -675,9 +727,13 @@ impl RowStore for SqliteStore {
     }
 
     async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
-        let rows = sqlx::query(
-            "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id > ? ORDER BY id LIMIT ?",
-        )
+        const SQL: &str =
+            "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id > ? ORDER BY id LIMIT ?";
+        if let Some(inline) = &self.inline {
+            let params = rusqlite::params![tenant, kind, after_id.unwrap_or(""), i64::from(limit)];
+            return inline.all(SQL, params, |r| projection_row_decode(r));
+        }
+        let rows = sqlx::query(SQL)
         .bind(tenant.to_owned())
         .bind(kind.to_owned())
         .bind(after_id.unwrap_or("").to_owned())
@@ -700,7 +756,11 @@ columns_by_try_get!(SqliteRow);
 #[async_trait]
 impl OutboxStore for SqliteStore {
     async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
-        let row = sqlx::query("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?")
+        const SQL: &str = "SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?";
+        if let Some(inline) = &self.inline {
+            return inline.first(SQL, [consumer], |r| Ok(Position { commit: to_u64(r.int(0)?)?, index: to_u32(r.int(1)?)? }));
+        }
+        let row = sqlx::query(SQL)
             .bind(consumer)
             .fetch_optional(&self.pool)
             .await?;
@@ -831,7 +891,11 @@ impl SecretStore for SqliteStore {
     }
 
     async fn secret_get_raw(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
-        Ok(sqlx::query_scalar("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
+        const SQL: &str = "SELECT value FROM secrets WHERE tenant_id = ? AND id = ?";
+        if let Some(inline) = &self.inline {
+            return inline.first(SQL, rusqlite::params![tenant.to_string(), id], |r| r.text(0));
+        }
+        Ok(sqlx::query_scalar(SQL)
             .bind(tenant.to_string())
             .bind(id)
             .fetch_optional(&self.pool)
