@@ -6,15 +6,21 @@
 //!
 //! The file names its node: a journal of another node is refused. WAL with `synchronous=FULL`:
 //! an entry that `append` returned survives a SIGKILL and a power cut.
+//!
+//! One connection (rusqlite), one writer. `bcd` runs each call on tokio's blocking threads, so a
+//! commit's fsync never holds a runtime thread; the simulator, whose one thread is the whole
+//! world and which runs a thousand agents, opens it with [`Journal::open_for_one_thread`] and the
+//! same statements run on the caller's thread (a thread per journal, woken per statement, was
+//! a fifth of a 1,000-node run).
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bc_core::agent::{EntryBody, GENESIS_HASH, SignedEntry};
 use bc_core::id::NodeId;
 use ed25519_dalek::SigningKey;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Row, SqlitePool};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
 pub const JOURNAL_FILE: &str = "journal.db";
 /// Unacknowledged entries the journal holds at most, by default.
@@ -23,6 +29,8 @@ pub const UNACKED_MAX_DEFAULT: u64 = 100_000;
 pub const ACKED_KEEP: u64 = 1_000;
 /// Entries read for one send at most.
 pub const READ_ENTRIES_MAX: u32 = 256;
+/// How long a statement waits for the file's lock (another process reading it: `bcd doctor`).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
@@ -34,8 +42,8 @@ pub enum JournalError {
     Storage(String),
 }
 
-impl From<sqlx::Error> for JournalError {
-    fn from(e: sqlx::Error) -> Self {
+impl From<rusqlite::Error> for JournalError {
+    fn from(e: rusqlite::Error) -> Self {
         Self::Storage(e.to_string())
     }
 }
@@ -65,23 +73,62 @@ pub struct Draft {
 }
 
 pub struct Journal {
-    pool: SqlitePool,
+    conn: Arc<Mutex<Connection>>,
     node: NodeId,
     unacked_max: u64,
+    /// Statements run on the caller's thread (the simulator), not on a blocking thread.
+    inline: bool,
 }
 
-const SCHEMA: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS entries (seq INTEGER PRIMARY KEY, hash BLOB NOT NULL, body BLOB NOT NULL, \
-     signature BLOB NOT NULL, acked INTEGER NOT NULL DEFAULT 0)",
-    "CREATE TABLE IF NOT EXISTS commands (command_id TEXT PRIMARY KEY, stage TEXT NOT NULL)",
-    // The newest acknowledged sequence, kept apart from the entries so pruning never loses it.
-    "CREATE TABLE IF NOT EXISTS acked (id INTEGER PRIMARY KEY CHECK (id = 1), seq INTEGER NOT NULL)",
-];
+const SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE IF NOT EXISTS entries (seq INTEGER PRIMARY KEY, hash BLOB NOT NULL, body BLOB NOT NULL,
+        signature BLOB NOT NULL, acked INTEGER NOT NULL DEFAULT 0);
+    CREATE TABLE IF NOT EXISTS commands (command_id TEXT PRIMARY KEY, stage TEXT NOT NULL);
+    -- The newest acknowledged sequence, kept apart from the entries so pruning never loses it.
+    CREATE TABLE IF NOT EXISTS acked (id INTEGER PRIMARY KEY CHECK (id = 1), seq INTEGER NOT NULL);
+    INSERT INTO acked (id, seq) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
+";
+
+fn hash32(bytes: Vec<u8>) -> Result<[u8; 32], JournalError> {
+    bytes.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))
+}
+
+/// The newest entry's sequence and hash, if any entry is left.
+fn newest(conn: &Connection) -> Result<Option<(u64, [u8; 32])>, JournalError> {
+    let row = conn
+        .prepare_cached("SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1")?
+        .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))
+        .optional()?;
+    row.map(|(seq, hash)| Ok((seq as u64, hash32(hash)?))).transpose()
+}
+
+fn acked_on(conn: &Connection) -> Result<u64, JournalError> {
+    Ok(conn.prepare_cached("SELECT seq FROM acked WHERE id = 1")?.query_row([], |r| r.get::<_, i64>(0))? as u64)
+}
+
+fn unacked_on(conn: &Connection) -> Result<u64, JournalError> {
+    Ok(conn.prepare_cached("SELECT COUNT(*) FROM entries WHERE acked = 0")?.query_row([], |r| r.get::<_, i64>(0))? as u64)
+}
 
 impl Journal {
     /// Opens (creating it 0600 if needed) the journal of `node` at `path`.
     pub async fn open(path: &Path, node: NodeId, unacked_max: u64) -> Result<Self, JournalError> {
+        let path = path.to_owned();
+        let conn = tokio::task::spawn_blocking(move || Self::connect(&path, node))
+            .await
+            .map_err(|e| JournalError::Storage(format!("opening the journal: {e}")))??;
+        Ok(Self { conn: Arc::new(Mutex::new(conn)), node, unacked_max, inline: false })
+    }
+
+    /// [`Self::open`] for a process whose one thread is the whole world (the simulator): every
+    /// statement runs on the caller's thread.
+    pub fn open_for_one_thread(path: &Path, node: NodeId, unacked_max: u64) -> Result<Self, JournalError> {
+        let conn = Self::connect(path, node)?;
+        Ok(Self { conn: Arc::new(Mutex::new(conn)), node, unacked_max, inline: true })
+    }
+
+    fn connect(path: &Path, node: NodeId) -> Result<Connection, JournalError> {
         if !path.exists() {
             use std::os::unix::fs::OpenOptionsExt;
             std::fs::OpenOptions::new()
@@ -91,26 +138,33 @@ impl Journal {
                 .open(path)
                 .map_err(|e| JournalError::Storage(format!("creating {}: {e}", path.display())))?;
         }
-        let options = SqliteConnectOptions::new()
-            .filename(path)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(Duration::from_secs(5));
-        // One connection: the journal has one writer, and appends are serialized by it.
-        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-        for statement in SCHEMA {
-            sqlx::query(*statement).execute(&pool).await?;
-        }
-        sqlx::query("INSERT INTO meta (key, value) VALUES ('node', ?) ON CONFLICT (key) DO NOTHING")
-            .bind(node.to_string())
-            .execute(&pool)
-            .await?;
-        let found: String = sqlx::query("SELECT value FROM meta WHERE key = 'node'").fetch_one(&pool).await?.get(0);
+        let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.execute_batch(SCHEMA)?;
+        conn.execute("INSERT INTO meta (key, value) VALUES ('node', ?1) ON CONFLICT (key) DO NOTHING", [node.to_string()])?;
+        let found: String = conn.query_row("SELECT value FROM meta WHERE key = 'node'", [], |r| r.get(0))?;
         if found != node.to_string() {
             return Err(JournalError::OtherNode { found, expected: node.to_string() });
         }
-        sqlx::query("INSERT INTO acked (id, seq) VALUES (1, 0) ON CONFLICT (id) DO NOTHING").execute(&pool).await?;
-        Ok(Self { pool, node, unacked_max })
+        Ok(conn)
+    }
+
+    /// Runs `work` on the connection: on a blocking thread, or here when opened for one thread.
+    async fn with<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&mut Connection) -> Result<T, JournalError> + Send + 'static,
+    ) -> Result<T, JournalError> {
+        let conn = self.conn.clone();
+        let run = move || {
+            let mut conn = conn.lock().map_err(|_| JournalError::Storage("the journal's connection is poisoned".into()))?;
+            work(&mut conn)
+        };
+        if self.inline {
+            return run();
+        }
+        tokio::task::spawn_blocking(run).await.map_err(|e| JournalError::Storage(format!("the journal's thread: {e}")))?
     }
 
     /// The node a journal file names, read without writing (`bcd doctor`); `Ok(None)`: no file.
@@ -118,141 +172,139 @@ impl Journal {
         if !path.exists() {
             return Ok(None);
         }
-        let options = SqliteConnectOptions::new().filename(path).read_only(true).busy_timeout(Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-        let found = sqlx::query("SELECT value FROM meta WHERE key = 'node'").fetch_optional(&pool).await;
-        pool.close().await;
-        Ok(found?.map(|row| row.get(0)))
+        let path = path.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let conn = Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)?;
+            conn.busy_timeout(BUSY_TIMEOUT)?;
+            Ok(conn.query_row("SELECT value FROM meta WHERE key = 'node'", [], |r| r.get(0)).optional()?)
+        })
+        .await
+        .map_err(|e| JournalError::Storage(format!("reading the journal: {e}")))?
     }
 
-    /// The newest entry's sequence and hash (0 and the genesis hash: none).
+    /// The newest entry's sequence and hash (the acknowledged head and the genesis hash: none).
     pub async fn head(&self) -> Result<(u64, [u8; 32]), JournalError> {
-        let row = sqlx::query("SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1").fetch_optional(&self.pool).await?;
-        Ok(match row {
-            None => (self.acked().await?, GENESIS_HASH),
-            Some(row) => {
-                let hash: Vec<u8> = row.get(1);
-                (
-                    row.get::<i64, _>(0) as u64,
-                    hash.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))?,
-                )
-            }
+        self.with(|conn| match newest(conn)? {
+            Some(head) => Ok(head),
+            None => Ok((acked_on(conn)?, GENESIS_HASH)),
         })
+        .await
     }
 
     pub async fn acked(&self) -> Result<u64, JournalError> {
-        Ok(sqlx::query("SELECT seq FROM acked WHERE id = 1").fetch_one(&self.pool).await?.get::<i64, _>(0) as u64)
+        self.with(|conn| acked_on(conn)).await
     }
 
     pub async fn unacked(&self) -> Result<u64, JournalError> {
-        Ok(sqlx::query("SELECT COUNT(*) FROM entries WHERE acked = 0").fetch_one(&self.pool).await?.get::<i64, _>(0) as u64)
+        self.with(|conn| unacked_on(conn)).await
     }
 
     /// Numbers, links, signs and stores `draft`; durable when this returns.
     pub async fn append(&self, key: &SigningKey, draft: Draft) -> Result<SignedEntry, JournalError> {
-        let mut tx = self.pool.begin().await?;
-        let unacked: i64 = sqlx::query("SELECT COUNT(*) FROM entries WHERE acked = 0").fetch_one(&mut *tx).await?.get(0);
-        if unacked as u64 >= self.unacked_max {
-            return Err(JournalError::Full(unacked as u64));
-        }
-        let head = sqlx::query("SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1").fetch_optional(&mut *tx).await?;
-        let (seq, prev) = match head {
-            Some(row) => {
-                let hash: Vec<u8> = row.get(1);
-                (
-                    row.get::<i64, _>(0) as u64 + 1,
-                    hash.try_into().map_err(|_| JournalError::Storage("a stored hash is not 32 bytes".into()))?,
-                )
+        let (key, node, unacked_max) = (key.clone(), self.node, self.unacked_max);
+        self.with(move |conn| {
+            let tx = conn.transaction()?;
+            let unacked = unacked_on(&tx)?;
+            if unacked >= unacked_max {
+                return Err(JournalError::Full(unacked));
             }
-            None => {
-                // Everything was pruned or nothing was written: continue after the acked head.
-                let acked: i64 = sqlx::query("SELECT seq FROM acked WHERE id = 1").fetch_one(&mut *tx).await?.get(0);
-                if acked > 0 {
-                    return Err(JournalError::Storage(
-                        "the journal lost its newest entry's hash (every entry was pruned)".into(),
-                    ));
+            let (seq, prev) = match newest(&tx)? {
+                Some((seq, hash)) => (seq + 1, hash),
+                None => {
+                    // Everything was pruned or nothing was written: continue after the acked head.
+                    if acked_on(&tx)? > 0 {
+                        return Err(JournalError::Storage(
+                            "the journal lost its newest entry's hash (every entry was pruned)".into(),
+                        ));
+                    }
+                    (1, GENESIS_HASH)
                 }
-                (1, GENESIS_HASH)
-            }
-        };
-        let body = EntryBody {
-            node: self.node,
-            seq,
-            prev,
-            at_ms: draft.at_ms,
-            entry_type: draft.entry_type,
-            subject: draft.subject,
-            payload: draft.payload,
-        };
-        let entry = SignedEntry::sign(key, &body)?;
-        sqlx::query("INSERT INTO entries (seq, hash, body, signature) VALUES (?, ?, ?, ?)")
-            .bind(seq as i64)
-            .bind(entry.hash.to_vec())
-            .bind(entry.body.clone())
-            .bind(entry.signature.to_vec())
-            .execute(&mut *tx)
-            .await?;
-        if let Some((command, stage)) = draft.command {
-            let stage = match stage {
-                Stage::Started => "started",
-                Stage::Finished => "finished",
             };
-            sqlx::query("INSERT INTO commands (command_id, stage) VALUES (?, ?) ON CONFLICT (command_id) DO UPDATE SET stage = excluded.stage")
-                .bind(command)
-                .bind(stage)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(entry)
+            let body = EntryBody {
+                node,
+                seq,
+                prev,
+                at_ms: draft.at_ms,
+                entry_type: draft.entry_type,
+                subject: draft.subject,
+                payload: draft.payload,
+            };
+            let entry = SignedEntry::sign(&key, &body)?;
+            tx.prepare_cached("INSERT INTO entries (seq, hash, body, signature) VALUES (?1, ?2, ?3, ?4)")?.execute(params![
+                seq as i64,
+                &entry.hash[..],
+                &entry.body,
+                &entry.signature[..]
+            ])?;
+            if let Some((command, stage)) = draft.command {
+                let stage = match stage {
+                    Stage::Started => "started",
+                    Stage::Finished => "finished",
+                };
+                tx.prepare_cached(
+                    "INSERT INTO commands (command_id, stage) VALUES (?1, ?2) ON CONFLICT (command_id) DO UPDATE SET stage = excluded.stage",
+                )?
+                .execute(params![command, stage])?;
+            }
+            tx.commit()?;
+            Ok(entry)
+        })
+        .await
     }
 
     /// The entries after `seq`, oldest first, at most `limit`.
     pub async fn after(&self, seq: u64, limit: u32) -> Result<Vec<SignedEntry>, JournalError> {
-        let rows = sqlx::query("SELECT seq, hash, body, signature FROM entries WHERE seq > ? ORDER BY seq LIMIT ?")
-            .bind(seq as i64)
-            .bind(i64::from(limit.min(READ_ENTRIES_MAX)))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|row| {
+        self.with(move |conn| {
+            let mut statement = conn.prepare_cached("SELECT seq, hash, body, signature FROM entries WHERE seq > ?1 ORDER BY seq LIMIT ?2")?;
+            let rows = statement.query_map(params![seq as i64, i64::from(limit.min(READ_ENTRIES_MAX))], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?, r.get::<_, Vec<u8>>(2)?, r.get::<_, Vec<u8>>(3)?))
+            })?;
+            rows.map(|row| {
+                let (seq, hash, body, signature) = row?;
                 let bad = || JournalError::Storage("a stored entry is malformed".into());
                 Ok(SignedEntry {
-                    seq: row.get::<i64, _>(0) as u64,
-                    hash: row.get::<Vec<u8>, _>(1).try_into().map_err(|_| bad())?,
-                    body: row.get(2),
-                    signature: row.get::<Vec<u8>, _>(3).try_into().map_err(|_| bad())?,
+                    seq: seq as u64,
+                    hash: hash.try_into().map_err(|_| bad())?,
+                    body,
+                    signature: signature.try_into().map_err(|_| bad())?,
                 })
             })
             .collect()
+        })
+        .await
     }
 
     /// Marks every entry up to `seq` acknowledged and prunes the acknowledged ones past
     /// [`ACKED_KEEP`] (the newest entry always stays: it is the chain's link).
     pub async fn ack(&self, seq: u64) -> Result<(), JournalError> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("UPDATE entries SET acked = 1 WHERE seq <= ? AND acked = 0").bind(seq as i64).execute(&mut *tx).await?;
-        sqlx::query("UPDATE acked SET seq = MAX(seq, ?) WHERE id = 1").bind(seq as i64).execute(&mut *tx).await?;
-        sqlx::query(
-            "DELETE FROM entries WHERE acked = 1 AND seq <= (SELECT MAX(seq) FROM entries) - ? \
-             AND seq < (SELECT MAX(seq) FROM entries)",
-        )
-        .bind(ACKED_KEEP as i64)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(())
+        self.with(move |conn| {
+            let tx = conn.transaction()?;
+            tx.prepare_cached("UPDATE entries SET acked = 1 WHERE seq <= ?1 AND acked = 0")?.execute([seq as i64])?;
+            tx.prepare_cached("UPDATE acked SET seq = MAX(seq, ?1) WHERE id = 1")?.execute([seq as i64])?;
+            tx.prepare_cached(
+                "DELETE FROM entries WHERE acked = 1 AND seq <= (SELECT MAX(seq) FROM entries) - ?1 \
+                 AND seq < (SELECT MAX(seq) FROM entries)",
+            )?
+            .execute([ACKED_KEEP as i64])?;
+            tx.commit()?;
+            Ok(())
+        })
+        .await
     }
 
     /// How far `command` got in this journal.
     pub async fn command_stage(&self, command: &str) -> Result<Option<Stage>, JournalError> {
-        let row = sqlx::query("SELECT stage FROM commands WHERE command_id = ?").bind(command).fetch_optional(&self.pool).await?;
-        Ok(row.map(|r| if r.get::<String, _>(0) == "started" { Stage::Started } else { Stage::Finished }))
+        let command = command.to_owned();
+        self.with(move |conn| {
+            let stage: Option<String> =
+                conn.prepare_cached("SELECT stage FROM commands WHERE command_id = ?1")?.query_row([command], |r| r.get(0)).optional()?;
+            Ok(stage.map(|s| if s == "started" { Stage::Started } else { Stage::Finished }))
+        })
+        .await
     }
 
-    pub async fn close(self) {
-        self.pool.close().await;
-    }
+    /// Closes the file (dropping the journal does too); for symmetry with `open`.
+    pub async fn close(self) {}
 }
 
 #[cfg(test)]

@@ -162,7 +162,7 @@ pub struct Agent {
 impl Agent {
     pub async fn start(&mut self) {
         let node: NodeId = self.node.parse().expect("a node id");
-        let journal = Journal::open(&self.dir.path().join("journal.db"), node, u64::MAX).await.expect("the journal opens");
+        let journal = Journal::open_for_one_thread(&self.dir.path().join("journal.db"), node, u64::MAX).expect("the journal opens");
         let ledger_file = LedgerFile::new(self.dir.path());
         let ledger = ledger_file.load().expect("the ledger loads");
         self.runner = Some(Runner {
@@ -207,7 +207,7 @@ impl Agent {
             Some(runner) => &*runner.journal,
             None => {
                 let node: NodeId = self.node.parse().expect("a node id");
-                opened = Journal::open(&self.dir.path().join("journal.db"), node, u64::MAX).await.expect("the journal opens");
+                opened = Journal::open_for_one_thread(&self.dir.path().join("journal.db"), node, u64::MAX).expect("the journal opens");
                 &opened
             }
         };
