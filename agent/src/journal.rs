@@ -255,7 +255,8 @@ impl Journal {
     /// The entries after `seq`, oldest first, at most `limit`.
     pub async fn after(&self, seq: u64, limit: u32) -> Result<Vec<SignedEntry>, JournalError> {
         self.with(move |conn| {
-            let mut statement = conn.prepare_cached("SELECT seq, hash, body, signature FROM entries WHERE seq > ?1 ORDER BY seq LIMIT ?2")?;
+            let mut statement =
+                conn.prepare_cached("SELECT seq, hash, body, signature FROM entries WHERE seq > ?1 ORDER BY seq LIMIT ?2")?;
             let rows = statement.query_map(params![seq as i64, i64::from(limit.min(READ_ENTRIES_MAX))], |r| {
                 Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?, r.get::<_, Vec<u8>>(2)?, r.get::<_, Vec<u8>>(3)?))
             })?;
@@ -296,8 +297,10 @@ impl Journal {
     pub async fn command_stage(&self, command: &str) -> Result<Option<Stage>, JournalError> {
         let command = command.to_owned();
         self.with(move |conn| {
-            let stage: Option<String> =
-                conn.prepare_cached("SELECT stage FROM commands WHERE command_id = ?1")?.query_row([command], |r| r.get(0)).optional()?;
+            let stage: Option<String> = conn
+                .prepare_cached("SELECT stage FROM commands WHERE command_id = ?1")?
+                .query_row([command], |r| r.get(0))
+                .optional()?;
             Ok(stage.map(|s| if s == "started" { Stage::Started } else { Stage::Finished }))
         })
         .await

@@ -162,7 +162,8 @@ pub struct Agent {
 impl Agent {
     pub async fn start(&mut self) {
         let node: NodeId = self.node.parse().expect("a node id");
-        let journal = Journal::open_for_one_thread(&self.dir.path().join("journal.db"), node, u64::MAX).expect("the journal opens");
+        let journal =
+            Journal::open_for_one_thread(&self.dir.path().join("journal.db"), node, u64::MAX).expect("the journal opens");
         let ledger_file = LedgerFile::new(self.dir.path());
         let ledger = ledger_file.load().expect("the ledger loads");
         self.runner = Some(Runner {
@@ -207,7 +208,8 @@ impl Agent {
             Some(runner) => &*runner.journal,
             None => {
                 let node: NodeId = self.node.parse().expect("a node id");
-                opened = Journal::open_for_one_thread(&self.dir.path().join("journal.db"), node, u64::MAX).expect("the journal opens");
+                opened =
+                    Journal::open_for_one_thread(&self.dir.path().join("journal.db"), node, u64::MAX).expect("the journal opens");
                 &opened
             }
         };
@@ -593,7 +595,9 @@ impl World {
     /// process would. The caller breaks the sessions: the agents reconnect and deliver their
     /// journals from what the log says it holds.
     pub async fn restart_gateway(&mut self) {
-        let sqlite = Arc::new(SqliteStore::open_for_one_thread(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"));
+        let sqlite = Arc::new(
+            SqliteStore::open_for_one_thread(&self.dir.path().join("sim.sqlite3")).await.expect("the store opens again"),
+        );
         let store: Arc<dyn EventStore> = sqlite.clone();
         store.migrate_at(self.now_ms()).await.expect("the store migrates (nothing to do)");
         let ids = self.log.ids.clone();

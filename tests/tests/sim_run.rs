@@ -10,8 +10,9 @@ use std::thread;
 
 use bc_tests::{cli, json};
 
-/// The seeds the many-seeds test runs (`BC_SIM_SEEDS` sets another count), two at a time.
-const SEEDS_DEFAULT: u64 = 6;
+/// The seeds the many-seeds test runs (`BC_SIM_SEEDS` sets another count), two at a time, each
+/// 50 nodes, 5 tenants, one simulated hour (about 10 s a seed in the test build).
+const SEEDS_DEFAULT: u64 = 8;
 /// The unsafe switch must be caught within this many seeds.
 const UNSAFE_SEEDS_MAX: u64 = 3;
 
@@ -124,7 +125,7 @@ fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
                 let cpu = (seed % cpus).to_string();
                 let seed = seed.to_string();
                 let (status, out, err) =
-                    sim(&["--cpu", &cpu, "--seed", &seed, "--nodes", "10", "--tenants", "2", "--hours", "1", "--json"]);
+                    sim(&["--cpu", &cpu, "--seed", &seed, "--nodes", "50", "--tenants", "5", "--hours", "1", "--json"]);
                 assert_eq!(status, 0, "seed {seed}:\n{out}\n{err}");
                 let value = json(&out);
                 assert_eq!(value["ok"], true, "seed {seed}: {value}");

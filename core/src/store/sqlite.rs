@@ -18,6 +18,7 @@ use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{QueryBuilder, Row as _, Sqlite, SqliteConnection, SqlitePool};
 
+use super::Columns as _;
 use super::engine::{Migration, Transaction};
 use super::outbox::{
     ATTEMPT_COLUMNS, Attempt, CLAIM_ITEMS_MAX, Completion, ITEM_COLUMNS, NewWorkItem, OutboxStore, WorkItem, WorkState,
@@ -29,7 +30,6 @@ use super::{
     WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
     stream_version_decode, to_i64, to_u32, to_u64,
 };
-use super::Columns as _;
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
 use crate::id::{EventId, TenantId};
@@ -579,11 +579,11 @@ impl LogStore for SqliteStore {
             return inline.all(&sql, params, |r| event_row_decode(r));
         }
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(tenant.to_string())
-        .bind(to_i64(from_seq)?)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
+            .bind(tenant.to_string())
+            .bind(to_i64(from_seq)?)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(event_row_decode).collect()
     }
 
@@ -596,12 +596,12 @@ impl LogStore for SqliteStore {
             return inline.all(&sql, params, |r| event_row_decode(r));
         }
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(tenant.to_string())
-        .bind(stream.to_owned())
-        .bind(to_i64(after_version)?)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
+            .bind(tenant.to_string())
+            .bind(stream.to_owned())
+            .bind(to_i64(after_version)?)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(event_row_decode).collect()
     }
 
@@ -633,11 +633,11 @@ impl LogStore for SqliteStore {
             return inline.all(&sql, params, |r| super::touch_decode(r));
         }
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(to_i64(after.commit)?)
-        .bind(i64::from(after.index))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
+            .bind(to_i64(after.commit)?)
+            .bind(i64::from(after.index))
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(super::touch_decode).collect()
     }
 
@@ -704,12 +704,8 @@ impl RowStore for SqliteStore {
         if let Some(inline) = &self.inline {
             return inline.first(SQL, rusqlite::params![tenant, kind, id], |r| projection_row_decode(r));
         }
-        let row = sqlx::query(SQL)
-            .bind(tenant.to_owned())
-            .bind(kind.to_owned())
-            .bind(id.to_owned())
-            .fetch_optional(&self.pool)
-            .await?;
+        let row =
+            sqlx::query(SQL).bind(tenant.to_owned()).bind(kind.to_owned()).bind(id.to_owned()).fetch_optional(&self.pool).await?;
         row.as_ref().map(projection_row_decode).transpose()
     }
 
@@ -718,11 +714,7 @@ impl RowStore for SqliteStore {
         if let Some(inline) = &self.inline {
             return inline.first(SQL, rusqlite::params![kind, id], |r| projection_row_decode(r));
         }
-        let row = sqlx::query(SQL)
-            .bind(kind.to_owned())
-            .bind(id.to_owned())
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query(SQL).bind(kind.to_owned()).bind(id.to_owned()).fetch_optional(&self.pool).await?;
         row.as_ref().map(projection_row_decode).transpose()
     }
 
@@ -734,12 +726,12 @@ impl RowStore for SqliteStore {
             return inline.all(SQL, params, |r| projection_row_decode(r));
         }
         let rows = sqlx::query(SQL)
-        .bind(tenant.to_owned())
-        .bind(kind.to_owned())
-        .bind(after_id.unwrap_or("").to_owned())
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
+            .bind(tenant.to_owned())
+            .bind(kind.to_owned())
+            .bind(after_id.unwrap_or("").to_owned())
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(projection_row_decode).collect()
     }
 
@@ -760,10 +752,7 @@ impl OutboxStore for SqliteStore {
         if let Some(inline) = &self.inline {
             return inline.first(SQL, [consumer], |r| Ok(Position { commit: to_u64(r.int(0)?)?, index: to_u32(r.int(1)?)? }));
         }
-        let row = sqlx::query(SQL)
-            .bind(consumer)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query(SQL).bind(consumer).fetch_optional(&self.pool).await?;
         row.map(|row| Ok(Position { commit: to_u64(row.try_get(0)?)?, index: to_u32(row.try_get(1)?)? })).transpose()
     }
 
@@ -895,11 +884,7 @@ impl SecretStore for SqliteStore {
         if let Some(inline) = &self.inline {
             return inline.first(SQL, rusqlite::params![tenant.to_string(), id], |r| r.text(0));
         }
-        Ok(sqlx::query_scalar(SQL)
-            .bind(tenant.to_string())
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?)
+        Ok(sqlx::query_scalar(SQL).bind(tenant.to_string()).bind(id).fetch_optional(&self.pool).await?)
     }
 
     async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {

@@ -46,7 +46,12 @@ impl InlineReads {
     }
 
     /// Every row `sql` returns, each decoded by `decode`.
-    pub(super) fn all<T>(&self, sql: &str, params: impl Params, decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>) -> Result<Vec<T>> {
+    pub(super) fn all<T>(
+        &self,
+        sql: &str,
+        params: impl Params,
+        decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>,
+    ) -> Result<Vec<T>> {
         let conn = self.conn.lock().map_err(|_| Error::Internal("the inline read connection is poisoned".into()))?;
         let mut statement = conn.prepare_cached(sql).map_err(storage)?;
         let mut rows = statement.query(params).map_err(storage)?;
@@ -58,7 +63,12 @@ impl InlineReads {
     }
 
     /// The first row `sql` returns, if any, decoded by `decode`.
-    pub(super) fn first<T>(&self, sql: &str, params: impl Params, decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>) -> Result<Option<T>> {
+    pub(super) fn first<T>(
+        &self,
+        sql: &str,
+        params: impl Params,
+        decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>,
+    ) -> Result<Option<T>> {
         Ok(self.all(sql, params, decode)?.into_iter().next())
     }
 }
