@@ -9,6 +9,9 @@
 //! (`notes/limits.md`): a batch is written with one multi-row statement per table. Write
 //! transactions start with `BEGIN IMMEDIATE`, taking SQLite's write lock up front; so SQLite's
 //! "locks" (the commit counter's, the chain heads') are that one write lock.
+//!
+//! The simulator opens the store with [`SqliteStore::open_for_one_thread`]: the hot reads then
+//! run the same SQL on a read-only connection on the caller's thread (the module `inline`).
 
 use std::collections::HashMap;
 use std::path::Path;
