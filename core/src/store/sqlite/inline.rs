@@ -45,6 +45,13 @@ impl InlineReads {
         Ok(Self { conn: Mutex::new(conn) })
     }
 
+    /// Runs `sql` and hands its rows to `read`, under the connection's lock.
+    fn query<R>(&self, sql: &str, params: impl Params, read: impl FnOnce(rusqlite::Rows<'_>) -> Result<R>) -> Result<R> {
+        let conn = self.conn.lock().map_err(|_| Error::Internal("the inline read connection is poisoned".into()))?;
+        let mut statement = conn.prepare_cached(sql).map_err(storage)?;
+        read(statement.query(params).map_err(storage)?)
+    }
+
     /// Every row `sql` returns, each decoded by `decode`.
     pub(super) fn all<T>(
         &self,
@@ -52,24 +59,23 @@ impl InlineReads {
         params: impl Params,
         decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>,
     ) -> Result<Vec<T>> {
-        let conn = self.conn.lock().map_err(|_| Error::Internal("the inline read connection is poisoned".into()))?;
-        let mut statement = conn.prepare_cached(sql).map_err(storage)?;
-        let mut rows = statement.query(params).map_err(storage)?;
-        let mut out = Vec::new();
-        while let Some(row) = rows.next().map_err(storage)? {
-            out.push(decode(row)?);
-        }
-        Ok(out)
+        self.query(sql, params, |mut rows| {
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(storage)? {
+                out.push(decode(row)?);
+            }
+            Ok(out)
+        })
     }
 
-    /// The first row `sql` returns, if any, decoded by `decode`.
+    /// The first row `sql` returns, if any, decoded by `decode`; the rest are never read.
     pub(super) fn first<T>(
         &self,
         sql: &str,
         params: impl Params,
         decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>,
     ) -> Result<Option<T>> {
-        Ok(self.all(sql, params, decode)?.into_iter().next())
+        self.query(sql, params, |mut rows| rows.next().map_err(storage)?.map(decode).transpose())
     }
 }
 
