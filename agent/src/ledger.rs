@@ -28,6 +28,11 @@ impl<T: LedgerContents> LedgerFile<T> {
         Self { path: data_dir.join(T::FILE), contents: PhantomData }
     }
 
+    /// The file the ledger is kept in.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The ledger as last written; empty when there is none yet.
     pub fn load(&self) -> Result<T, String> {
         match std::fs::read(&self.path) {

@@ -1,5 +1,5 @@
 //! The `EventStore` conformance suite: every test runs against SQLite, SQLite with the
-//! simulator's inline reads (`SqliteStore::open_for_one_thread`) and PostgreSQL.
+//! simulator's inline connection (`SqliteStore::open_for_one_thread`) and PostgreSQL.
 
 // A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
 #![allow(clippy::disallowed_methods)]
@@ -54,7 +54,7 @@ struct Fixture {
 #[derive(Clone, Copy)]
 enum Kind {
     Sqlite,
-    /// SQLite whose hot reads run on the caller's thread, as the simulator opens it.
+    /// SQLite whose every statement runs on the caller's thread, as the simulator opens it.
     SqliteInline,
     Postgres,
 }
@@ -539,7 +539,7 @@ macro_rules! every_backend {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { super::$name(super::Kind::Sqlite).await })*
         }
-        mod sqlite_inline_reads {
+        mod sqlite_inline {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { super::$name(super::Kind::SqliteInline).await })*
         }

@@ -157,7 +157,14 @@ pub struct Agent {
     pub version: String,
     pub slot: String,
     pub previous: Option<(String, String)>,
+    /// `holds.json` as last read, with the stamp of the file it was read from.
+    ledger_read: std::sync::Mutex<Option<(LedgerStamp, Ledger)>>,
 }
+
+/// Which `holds.json` a ledger was read from: its inode, modification time and size. The
+/// runner writes the ledger whole, to a new file renamed over the old one (`LedgerFile::save`),
+/// so a write gives a new inode; a stamp unchanged is the file unchanged.
+type LedgerStamp = (u64, i64, i64, u64);
 
 impl Agent {
     pub async fn start(&mut self) {
@@ -191,8 +198,29 @@ impl Agent {
     }
 
     /// What `holds.json` says (the ledger survives a crash).
+    /// Read again only when the file changed: the check after every step asks each of the
+    /// tenant's agents, and reading and parsing every ledger each time was 4 % of a run.
     pub fn ledger(&self) -> Ledger {
-        LedgerFile::new(self.dir.path()).load().expect("the ledger loads")
+        use std::os::unix::fs::MetadataExt as _;
+        let file = LedgerFile::new(self.dir.path());
+        let stamp = match std::fs::metadata(file.path()) {
+            Ok(m) => Some((m.ino(), m.mtime(), m.mtime_nsec(), m.size())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => panic!("the ledger's file: {e}"),
+        };
+        let mut read = self.ledger_read.lock().expect("the ledger cache");
+        match (stamp, read.as_ref()) {
+            (Some(stamp), Some((seen, ledger))) if *seen == stamp => ledger.clone(),
+            (Some(stamp), _) => {
+                let ledger = file.load().expect("the ledger loads");
+                *read = Some((stamp, ledger.clone()));
+                ledger
+            }
+            (None, _) => {
+                *read = None;
+                file.load().expect("the ledger loads")
+            }
+        }
     }
 
     /// Writes `holds.json` underneath the runner: for the checker's own tests, which corrupt it.
@@ -392,6 +420,7 @@ fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut See
         version: "sim".into(),
         slot: "a".into(),
         previous: None,
+        ledger_read: Default::default(),
     };
     (agent, request)
 }

@@ -43,7 +43,7 @@ pub trait LeaseStore: Store {
 pub(crate) const LEASE_COLUMNS: &str = "tenant_id, node_id, expires_at_ms, reported_reachable";
 
 impl Lease {
-    pub(crate) fn decode(row: &impl super::Columns) -> Result<Self> {
+    pub(crate) fn decode(row: &(impl super::Columns + ?Sized)) -> Result<Self> {
         Ok(Self {
             tenant: row.text(0)?,
             node: row.text(1)?,

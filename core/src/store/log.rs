@@ -628,6 +628,14 @@ fn decide(
     (batch, outcomes)
 }
 
+/// Threads a large batch is signed on: the cores this process may use, at most 4. Asked once:
+/// `available_parallelism` reads the cgroup's CPU quota from `/proc` and `/sys` (four files) on
+/// every call, which every batch paid (four `openat` per append in `sim run`'s `strace`).
+fn signing_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(4))
+}
+
 /// Signs every event, on both cores when the batch is large enough to pay for a thread.
 fn sign_all(events: &mut [StoredEvent], key: &LogKey) {
     let sign = |chunk: &mut [StoredEvent]| {
@@ -635,12 +643,11 @@ fn sign_all(events: &mut [StoredEvent], key: &LogKey) {
             event.sig = key.sign_event_hash(&event.hash).to_vec();
         }
     };
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(4);
-    if events.len() < PARALLEL_SIGNING_EVENTS_MIN || threads < 2 {
+    if events.len() < PARALLEL_SIGNING_EVENTS_MIN || signing_threads() < 2 {
         sign(events);
         return;
     }
-    let chunk = events.len().div_ceil(threads);
+    let chunk = events.len().div_ceil(signing_threads());
     std::thread::scope(|scope| {
         for part in events.chunks_mut(chunk) {
             scope.spawn(move || sign(part));

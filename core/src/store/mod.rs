@@ -636,7 +636,7 @@ pub struct StreamTouch {
 /// The columns a [`StreamTouch`] is read from, in its order.
 pub(crate) const TOUCH_COLUMNS: &str = "tenant_id, stream, commit_no, commit_index";
 
-pub(crate) fn touch_decode(row: &impl Columns) -> Result<StreamTouch> {
+pub(crate) fn touch_decode(row: &(impl Columns + ?Sized)) -> Result<StreamTouch> {
     Ok(StreamTouch {
         tenant: row.text(0)?,
         stream: row.text(1)?,
@@ -650,7 +650,7 @@ pub(crate) fn touch_decode(row: &impl Columns) -> Result<StreamTouch> {
 pub(crate) const EVENT_COLUMNS: &str =
     "tenant_id, seq, id, stream, version, type, commit_no, commit_index, canonical, hash, sig, key_id";
 
-pub(crate) fn event_row_decode(row: &impl Columns) -> Result<EventRow> {
+pub(crate) fn event_row_decode(row: &(impl Columns + ?Sized)) -> Result<EventRow> {
     Ok(EventRow {
         tenant: row.text(0)?,
         seq: to_u64(row.int(1)?)?,
@@ -668,7 +668,7 @@ pub(crate) fn event_row_decode(row: &impl Columns) -> Result<EventRow> {
 }
 
 /// A projection row from `tenant_id, kind, id, doc`.
-pub(crate) fn projection_row_decode(row: &impl Columns) -> Result<Row> {
+pub(crate) fn projection_row_decode(row: &(impl Columns + ?Sized)) -> Result<Row> {
     let doc = row.text(3)?;
     Ok(Row {
         key: RowKey { tenant: row.text(0)?, kind: row.text(1)?, id: row.text(2)? },
@@ -677,18 +677,18 @@ pub(crate) fn projection_row_decode(row: &impl Columns) -> Result<Row> {
 }
 
 /// A stream's version from `tenant_id, stream, MAX(version)` (`None`: no such stream).
-pub(crate) fn stream_version_decode(row: &impl Columns) -> Result<Option<((TenantId, String), u64)>> {
+pub(crate) fn stream_version_decode(row: &(impl Columns + ?Sized)) -> Result<Option<((TenantId, String), u64)>> {
     let Some(version) = row.opt_int(2)? else { return Ok(None) };
     Ok(Some(((row.text(0)?.parse()?, row.text(1)?), to_u64(version)?)))
 }
 
 /// An idempotency record from `tenant_id, key, request_hash, first_seq, last_seq`.
-pub(crate) fn idempotency_decode(row: &impl Columns) -> Result<((TenantId, String), IdempotencyRecord)> {
+pub(crate) fn idempotency_decode(row: &(impl Columns + ?Sized)) -> Result<((TenantId, String), IdempotencyRecord)> {
     Ok(((row.text(0)?.parse()?, row.text(1)?), IdempotencyRecord::from_columns(row.bytes(2)?, row.int(3)?, row.int(4)?)?))
 }
 
 /// A chain head from `tenant_id, seq, hash`.
-pub(crate) fn head_decode(row: &impl Columns) -> Result<(TenantId, Head)> {
+pub(crate) fn head_decode(row: &(impl Columns + ?Sized)) -> Result<(TenantId, Head)> {
     Ok((row.text(0)?.parse()?, Head { seq: to_u64(row.int(1)?)?, hash: hash32(row.bytes(2)?)? }))
 }
 

@@ -253,7 +253,7 @@ pub(crate) const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload
 pub(crate) const ATTEMPT_COLUMNS: &str = "number, at_ms, latency_ms, status, error, next_at_ms, owner";
 
 impl WorkItem {
-    pub(crate) fn decode(row: &impl Columns) -> Result<Self> {
+    pub(crate) fn decode(row: &(impl Columns + ?Sized)) -> Result<Self> {
         let payload = row.text(4)?;
         let state = row.text(5)?;
         Ok(Self {
@@ -274,7 +274,7 @@ impl WorkItem {
 }
 
 impl Attempt {
-    pub(crate) fn decode(row: &impl Columns) -> Result<Self> {
+    pub(crate) fn decode(row: &(impl Columns + ?Sized)) -> Result<Self> {
         Ok(Self {
             number: to_u32(row.int(0)?)?,
             at_ms: to_u64(row.int(1)?)?,

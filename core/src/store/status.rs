@@ -50,7 +50,7 @@ impl PassRecord {
     }
 
     /// A pass from a row of [`PASS_COLUMNS`].
-    pub(crate) fn decode(row: &impl super::Columns) -> Result<Self> {
+    pub(crate) fn decode(row: &(impl super::Columns + ?Sized)) -> Result<Self> {
         let (name, instance) = (row.text(0)?, row.text(1)?);
         let counts = serde_json::from_str(&row.text(6)?)
             .map_err(|e| Error::Storage(format!("reconciler pass {name}/{instance}: counts: {e}")))?;

@@ -1,65 +1,119 @@
-//! Reads on the calling thread, for a process whose one thread is the whole world.
+//! The store's own connection on the calling thread, for a process whose one thread is the
+//! whole world.
 //!
 //! sqlx hands every statement to a worker thread and waits for it to answer (`notes/limits.md`:
-//! waking a core costs about 20 µs here, per statement, not per row). The simulator runs the
-//! control plane, every agent and the clock on one thread, so it paid that hand-off, twice, on
-//! every read of every step. [`SqliteStore::open_for_one_thread`](super::SqliteStore::open_for_one_thread)
-//! gives the store a second connection to the same file, read-only (`query_only`), which the hot
-//! reads (projection rows, events, chain heads, secrets, cursor positions) use directly on the
-//! caller's thread; writes and everything inside a transaction keep going through the pool.
+//! waking a core costs about 20 µs here, per statement, not per row), and each pooled
+//! connection throws its page cache away whenever another connection has written (WAL mode:
+//! a read transaction that finds the WAL changed resets the pager). The simulator runs the
+//! control plane, every agent and the clock on one thread, so it paid both on every statement
+//! of every step. [`SqliteStore::open_for_one_thread`](super::SqliteStore::open_for_one_thread)
+//! gives the store one more connection to the same file, which every statement then uses
+//! directly on the caller's thread: reads, one-statement writes and write transactions, with the
+//! same SQL text and the same row decoding as the pool's ([`super::stmt`]).
 //!
-//! Each read is the same SQL as the pool's (the text is shared, so is the row decoding) and sees
-//! what a pooled read sees: in WAL mode a statement outside a transaction reads the last committed
-//! state. Never in a server: a read here blocks the runtime thread that makes it.
+//! - A write transaction holds [`InlineConn::writer`] (an async lock: a second writer waits,
+//!   as it would for SQLite's write lock, without blocking the thread the first one needs) and
+//!   marks the connection busy; a read outside that transaction meanwhile goes to the pool, so
+//!   it sees the last commit and never the transaction's uncommitted rows, as on a server.
+//! - The connection is opened as sqlx opens its own (`synchronous = FULL`, foreign keys on,
+//!   the same busy timeout), so what commits here is as durable as through the pool.
+//!
+//! Never in a server: a statement here blocks the runtime thread that runs it.
 
 use std::path::Path;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rusqlite::{OpenFlags, Params};
+use rusqlite::OpenFlags;
 
 use super::BUSY_TIMEOUT_MS;
+use super::stmt::Sql;
 use crate::error::{Error, Result};
 use crate::store::Columns;
 
-/// Prepared statements kept by the inline connection: every hot read, with room to spare.
-const STATEMENTS_CACHED: usize = 64;
+/// Prepared statements kept: every statement the store runs, and the multi-row inserts at the
+/// batch sizes the appender makes.
+const STATEMENTS_CACHED: usize = 256;
 
-pub(super) struct InlineReads {
+pub(crate) struct InlineConn {
     conn: Mutex<rusqlite::Connection>,
+    /// Held by the one write transaction open on this connection.
+    pub(super) writer: tokio::sync::Mutex<()>,
+    /// A write transaction is open: reads outside it go elsewhere.
+    in_transaction: AtomicBool,
 }
 
 fn storage(e: rusqlite::Error) -> Error {
-    Error::Storage(format!("sqlite (inline read): {e}"))
+    Error::Storage(format!("sqlite: {e}"))
 }
 
-impl InlineReads {
-    /// A read-only connection to the database at `path`, which the pool has already opened (so
-    /// it exists, in WAL mode, migrated or about to be).
+impl InlineConn {
+    /// A connection to the database at `path`, which the pool has already opened (so it
+    /// exists, in WAL mode).
     pub(super) fn open(path: &Path) -> Result<Self> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(storage)?;
         conn.busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS)).map_err(storage)?;
-        conn.pragma_update(None, "query_only", true).map_err(storage)?;
+        conn.pragma_update(None, "synchronous", "FULL").map_err(storage)?;
+        conn.pragma_update(None, "foreign_keys", true).map_err(storage)?;
         conn.set_prepared_statement_cache_capacity(STATEMENTS_CACHED);
-        Ok(Self { conn: Mutex::new(conn) })
+        Ok(Self { conn: Mutex::new(conn), writer: tokio::sync::Mutex::new(()), in_transaction: AtomicBool::new(false) })
+    }
+
+    /// Whether a write transaction is open on this connection.
+    pub(super) fn in_transaction(&self) -> bool {
+        self.in_transaction.load(Ordering::Acquire)
+    }
+
+    /// Starts the write transaction (the caller holds [`Self::writer`]).
+    pub(super) fn begin(&self) -> Result<()> {
+        self.in_transaction.store(true, Ordering::Release);
+        self.script("BEGIN IMMEDIATE").inspect_err(|_| self.in_transaction.store(false, Ordering::Release))
+    }
+
+    /// Ends the write transaction: commits it, or rolls it back. A failed commit is rolled back
+    /// too (SQLite may leave the transaction open), and reported.
+    pub(super) fn end(&self, commit: bool) -> Result<()> {
+        let ended = self.script(if commit { "COMMIT" } else { "ROLLBACK" });
+        if ended.is_err() && commit {
+            let conn = self.lock()?;
+            if !conn.is_autocommit()
+                && let Err(e) = conn.execute_batch("ROLLBACK")
+            {
+                tracing::debug!(error = %e, "rolling back after a failed commit");
+            }
+        }
+        self.in_transaction.store(false, Ordering::Release);
+        ended
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, rusqlite::Connection>> {
+        self.conn.lock().map_err(|_| Error::Internal("the store's inline connection is poisoned".into()))
+    }
+
+    /// Runs statements without arguments.
+    pub(super) fn script(&self, text: &str) -> Result<()> {
+        self.lock()?.execute_batch(text).map_err(storage)
+    }
+
+    /// Runs `sql`; returns the rows it changed.
+    pub(super) fn execute(&self, sql: &Sql) -> Result<u64> {
+        let conn = self.lock()?;
+        let mut statement = conn.prepare_cached(&sql.text).map_err(storage)?;
+        Ok(statement.execute(rusqlite::params_from_iter(&sql.args)).map_err(storage)? as u64)
     }
 
     /// Runs `sql` and hands its rows to `read`, under the connection's lock.
-    fn query<R>(&self, sql: &str, params: impl Params, read: impl FnOnce(rusqlite::Rows<'_>) -> Result<R>) -> Result<R> {
-        let conn = self.conn.lock().map_err(|_| Error::Internal("the inline read connection is poisoned".into()))?;
-        let mut statement = conn.prepare_cached(sql).map_err(storage)?;
-        read(statement.query(params).map_err(storage)?)
+    fn query<R>(&self, sql: &Sql, read: impl FnOnce(rusqlite::Rows<'_>) -> Result<R>) -> Result<R> {
+        let conn = self.lock()?;
+        let mut statement = conn.prepare_cached(&sql.text).map_err(storage)?;
+        read(statement.query(rusqlite::params_from_iter(&sql.args)).map_err(storage)?)
     }
 
     /// Every row `sql` returns, each decoded by `decode`.
-    pub(super) fn all<T>(
-        &self,
-        sql: &str,
-        params: impl Params,
-        decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>,
-    ) -> Result<Vec<T>> {
-        self.query(sql, params, |mut rows| {
+    pub(super) fn all<T>(&self, sql: &Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Vec<T>> {
+        self.query(sql, |mut rows| {
             let mut out = Vec::new();
             while let Some(row) = rows.next().map_err(storage)? {
                 out.push(decode(row)?);
@@ -69,13 +123,8 @@ impl InlineReads {
     }
 
     /// The first row `sql` returns, if any, decoded by `decode`; the rest are never read.
-    pub(super) fn first<T>(
-        &self,
-        sql: &str,
-        params: impl Params,
-        decode: impl Fn(&rusqlite::Row<'_>) -> Result<T>,
-    ) -> Result<Option<T>> {
-        self.query(sql, params, |mut rows| rows.next().map_err(storage)?.map(decode).transpose())
+    pub(super) fn first<T>(&self, sql: &Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Option<T>> {
+        self.query(sql, |mut rows| rows.next().map_err(storage)?.map(|row| decode(row)).transpose())
     }
 }
 
