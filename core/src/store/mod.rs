@@ -282,6 +282,22 @@ pub struct Row {
     pub doc: serde_json::Value,
 }
 
+/// A projection row as stored: its document still the JSON text, for a caller that decodes it
+/// into a type of its own without building a [`serde_json::Value`] first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawRow {
+    pub key: RowKey,
+    pub doc: String,
+}
+
+impl RawRow {
+    /// The document decoded.
+    pub fn parse(self) -> Result<Row> {
+        let doc = serde_json::from_str(&self.doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?;
+        Ok(Row { key: self.key, doc })
+    }
+}
+
 /// Read models, as pure functions of events (implemented in `bc-projections`).
 pub trait Projector: Send + Sync + 'static {
     /// The rows `event` changes.
@@ -395,7 +411,12 @@ pub trait RowStore: Store {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>>;
     /// Rows of one kind by id across tenants (API keys are found by their id alone).
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>>;
-    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>>;
+    /// A tenant's rows of one kind in id order, after `after_id`, at most `limit`.
+    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
+        self.row_list_raw(tenant, kind, after_id, limit).await?.into_iter().map(RawRow::parse).collect()
+    }
+    /// [`RowStore::row_list`] with the documents as stored (JSON text).
+    async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>>;
     async fn rows_all(&self) -> Result<Vec<Row>>;
     /// Replaces every projection row, if the log is still at `at_commit`; returns false if it
     /// moved (the caller folds again).
@@ -669,11 +690,12 @@ pub(crate) fn event_row_decode(row: &(impl Columns + ?Sized)) -> Result<EventRow
 
 /// A projection row from `tenant_id, kind, id, doc`.
 pub(crate) fn projection_row_decode(row: &(impl Columns + ?Sized)) -> Result<Row> {
-    let doc = row.text(3)?;
-    Ok(Row {
-        key: RowKey { tenant: row.text(0)?, kind: row.text(1)?, id: row.text(2)? },
-        doc: serde_json::from_str(&doc).map_err(|e| Error::Storage(format!("projection doc: {e}")))?,
-    })
+    raw_row_decode(row)?.parse()
+}
+
+/// [`projection_row_decode`] leaving the document as its JSON text.
+pub(crate) fn raw_row_decode(row: &(impl Columns + ?Sized)) -> Result<RawRow> {
+    Ok(RawRow { key: RowKey { tenant: row.text(0)?, kind: row.text(1)?, id: row.text(2)? }, doc: row.text(3)? })
 }
 
 /// A stream's version from `tenant_id, stream, MAX(version)` (`None`: no such stream).

@@ -27,9 +27,9 @@ use super::outbox::{
 };
 use super::status::{PASS_COLUMNS, PassRecord, StatusStore};
 use super::{
-    EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore, Store, WriteToken,
-    columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
-    stream_version_decode, to_i64, to_u32, to_u64,
+    EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, RawRow, Row, RowKey, RowStore, SecretStore, Store,
+    WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of, projection_row_decode,
+    raw_row_decode, stream_version_decode, to_i64, to_u32, to_u64,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -904,7 +904,7 @@ impl RowStore for PostgresStore {
         row.as_ref().map(projection_row_decode).transpose()
     }
 
-    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
+    async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>> {
         let client = self.pool.get().await?;
         let rows = client
             .query(
@@ -913,7 +913,7 @@ impl RowStore for PostgresStore {
                 &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)],
             )
             .await?;
-        rows.iter().map(projection_row_decode).collect()
+        rows.iter().map(raw_row_decode).collect()
     }
 
     async fn rows_all(&self) -> Result<Vec<Row>> {

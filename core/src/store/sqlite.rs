@@ -32,9 +32,9 @@ use super::outbox::{
 };
 use super::status::{PASS_COLUMNS, PassRecord, StatusStore};
 use super::{
-    Columns, EVENT_COLUMNS, EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, Row, RowKey, RowStore, SecretStore,
-    Store, WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of,
-    projection_row_decode, stream_version_decode, to_i64, to_u32, to_u64,
+    Columns, EVENT_COLUMNS, EventStore, Head, LogStore, PreRead, PreReadQuery, PreparedBatch, RawRow, Row, RowKey, RowStore,
+    SecretStore, Store, WriteToken, columns_by_try_get, event_row_decode, head_decode, idempotency_decode, migrations_of,
+    projection_row_decode, raw_row_decode, stream_version_decode, to_i64, to_u32, to_u64,
 };
 use crate::error::{Error, Result};
 use crate::event::{EventRow, Position};
@@ -720,7 +720,7 @@ impl RowStore for SqliteStore {
             .await
     }
 
-    async fn row_list(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<Row>> {
+    async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>> {
         Sql::new(
             "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id > ? ORDER BY id LIMIT ?",
         )
@@ -728,7 +728,7 @@ impl RowStore for SqliteStore {
         .bind(kind)
         .bind(after_id.unwrap_or(""))
         .bind(i64::from(limit))
-        .all(self.read_on(), |r| projection_row_decode(r))
+        .all(self.read_on(), |r| raw_row_decode(r))
         .await
     }
 
