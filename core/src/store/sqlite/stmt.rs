@@ -182,8 +182,8 @@ impl Sql {
     /// [`Sql::first`] of a statement that always returns a row (an aggregate, `RETURNING` of a
     /// row known to exist).
     pub(super) async fn one<T>(self, on: On<'_>, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<T> {
-        let text = self.text.clone();
-        self.first(on, decode).await?.ok_or_else(|| Error::Storage(format!("sqlite: no row from {text}")))
+        // The text is not cloned for the error: `counter_bump` runs this on every append.
+        self.first(on, decode).await?.ok_or_else(|| Error::Storage("sqlite: a statement that returns a row returned none".into()))
     }
 }
 
