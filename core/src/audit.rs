@@ -561,10 +561,16 @@ pub async fn verify(
                     let keys = trust.keys.clone();
                     move || {
                         let chunk = rows.len().div_ceil(threads).max(1);
-                        let results: Vec<_> = std::thread::scope(|s| {
-                            let handles: Vec<_> = rows.chunks(chunk).map(|c| s.spawn(|| check_rows(c, &keys))).collect();
-                            handles.into_iter().flat_map(|h| h.join().expect("verifier thread")).collect()
-                        });
+                        // One chunk (one core, or a short page) is checked on this thread: a
+                        // fresh thread per page costs its start and a fresh allocator heap.
+                        let results: Vec<_> = if chunk >= rows.len() {
+                            check_rows(&rows, &keys)
+                        } else {
+                            std::thread::scope(|s| {
+                                let handles: Vec<_> = rows.chunks(chunk).map(|c| s.spawn(|| check_rows(c, &keys))).collect();
+                                handles.into_iter().flat_map(|h| h.join().expect("verifier thread")).collect()
+                            })
+                        };
                         (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results)
                     }
                 }),
