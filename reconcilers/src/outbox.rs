@@ -99,6 +99,9 @@ impl Handled {
     }
 }
 
+/// What [`Consumer::prepare`] read for a claimed batch: the consumer's own type behind `Any`.
+pub type Prepared = Option<Arc<dyn std::any::Any + Send + Sync>>;
+
 /// One named consumer of the outbox.
 #[async_trait]
 pub trait Consumer: Send + Sync + 'static {
@@ -106,8 +109,15 @@ pub trait Consumer: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     /// The items these committed events give rise to (ids deterministic per event).
     async fn fan_out(&self, store: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>>;
-    /// Does one item. It may run more than once for the same item.
-    async fn handle(&self, store: &dyn EventStore, item: &WorkItem) -> Handled;
+    /// The reads a claimed batch of items shares (the webhooks' documents and signing
+    /// secrets), made once, right after the claim and before any of its items is handled, and
+    /// handed to each [`Consumer::handle`] of the batch. Nothing by default.
+    async fn prepare(&self, _store: &dyn EventStore, _items: &[WorkItem]) -> Prepared {
+        None
+    }
+    /// Does one item, with what [`Consumer::prepare`] read for its batch (`None`: it reads for
+    /// itself). It may run more than once for the same item.
+    async fn handle(&self, store: &dyn EventStore, item: &WorkItem, prepared: &Prepared) -> Handled;
 }
 
 #[derive(Clone)]
@@ -295,12 +305,13 @@ async fn work_loop(
             match store.work_claim(name, &config.owner, now, config.lease_ms, free as u32).await {
                 Ok(items) => {
                     claimed = items.len();
+                    let prepared = if items.is_empty() { None } else { consumer.prepare(&*store, &items).await };
                     for item in items {
                         let permit = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
-                        let (store, consumer, config, rng, finished) =
-                            (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone());
+                        let (store, consumer, config, rng, finished, prepared) =
+                            (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), prepared.clone());
                         tokio::spawn(async move {
-                            let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item).await;
+                            let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
                             // The slot is freed once the attempt is recorded.
                             let _ = finished.send(Finished { item, attempt, outcome, _slot: permit }).await;
                         });
@@ -423,7 +434,8 @@ fn log_completion(name: &str, f: &Finished, written: bool) {
     }
 }
 
-/// One attempt at one claimed item: handle it, and decide what comes next (done, a retry on
+/// One attempt at one claimed item (with what [`Consumer::prepare`] read for its batch):
+/// handle it, and decide what comes next (done, a retry on
 /// the schedule, or dead).
 pub async fn attempt(
     store: &dyn EventStore,
@@ -431,11 +443,12 @@ pub async fn attempt(
     config: &RunnerConfig,
     rng: &std::sync::Mutex<rand::rngs::StdRng>,
     item: &WorkItem,
+    prepared: &Prepared,
 ) -> (Attempt, Outcome) {
     // On the config's clock: the end of the attempt decides when the next one is due, so it is
     // the clock's (a ManualClock that does not move makes the latency 0), never the wall's.
     let started = config.clock.now_ms();
-    let handled = consumer.handle(store, item).await;
+    let handled = consumer.handle(store, item, prepared).await;
     let ended = config.clock.now_ms().max(started);
     let latency_ms = ended - started;
     let outcome = if handled.ok {

@@ -5,6 +5,9 @@
 //! its own webhook only. The item keeps the exact body, so every retry sends the same bytes
 //! under the same `webhook-id` (the event id), signed afresh with the attempt's timestamp.
 //!
+//! The webhook's document and signing secrets are read once per claimed batch (`prepare`),
+//! right after the claim, and shared by the batch's deliveries to it.
+//!
 //! Delivery: `POST` with a 10 s timeout, no redirects, no proxy, and a resolver that connects
 //! only to addresses the deployment's [`EndpointPolicy`] admits, checked at delivery time (a
 //! name that resolved to a public address when saved cannot later point inside). The name
@@ -35,7 +38,7 @@ use bc_projections::events::{TypeFilter, WEBHOOK_PINGED};
 use bc_projections::{KIND_WEBHOOK, WebhookDoc, event_view};
 use serde_json::json;
 
-use crate::outbox::{Consumer, Handled};
+use crate::outbox::{Consumer, Handled, Prepared};
 
 pub use bc_projections::WEBHOOK_CONSUMER as CONSUMER;
 /// One delivery's time limit (connect, send, answer) by default; the lease must be at least
@@ -216,6 +219,41 @@ pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u6
     Ok(secrets)
 }
 
+/// A webhook's document (its URL admitted by the policy) and its signing secrets in use, or
+/// how every delivery to it ends without a send (deleted, a refused URL, a missing secret, a
+/// database hiccup).
+type LookedUp = std::result::Result<Arc<(WebhookDoc, Vec<Secret>)>, Handled>;
+
+/// What [`Webhooks`]' `prepare` reads for a claimed batch: each of its webhooks, looked up
+/// once, however many of its deliveries the batch holds.
+#[derive(Default)]
+struct Batch(HashMap<(TenantId, String), LookedUp>);
+
+impl Webhooks {
+    /// Reads webhook `id` of `tenant` for a delivery: its document, the policy's check of its
+    /// URL and its signing secrets in use now.
+    async fn look_up(&self, store: &dyn EventStore, tenant: TenantId, id: &str) -> LookedUp {
+        let webhook = match store.row_get(&tenant.to_string(), KIND_WEBHOOK, id).await {
+            Ok(Some(row)) => match serde_json::from_value::<WebhookDoc>(row.doc) {
+                Ok(doc) => doc,
+                Err(e) => return Err(Handled::fatal(None, format!("webhook document: {e}"))),
+            },
+            Ok(None) => return Err(Handled::fatal(None, "the webhook was deleted")),
+            Err(e) => return Err(Handled::retry(None, format!("reading the webhook: {}", e.public_message()))),
+        };
+        if let Err(e) = self.policy.check_url(&webhook.url) {
+            return Err(Handled::fatal(None, e.to_string()));
+        }
+        let secrets = match secrets_of(store, &webhook, self.clock.now_ms()).await {
+            Ok(s) => s,
+            // A missing or malformed secret stays so; a database hiccup does not.
+            Err(e @ (Error::NotFound { .. } | Error::InvalidArgument { .. })) => return Err(Handled::fatal(None, e.to_string())),
+            Err(e) => return Err(Handled::retry(None, e.public_message())),
+        };
+        Ok(Arc::new((webhook, secrets)))
+    }
+}
+
 /// Rows of webhooks read per query while loading a tenant's subscriptions.
 const WEBHOOK_ROWS_PER_READ: u32 = 500;
 
@@ -286,30 +324,33 @@ impl Consumer for Webhooks {
         Ok(items)
     }
 
-    async fn handle(&self, store: &dyn EventStore, item: &WorkItem) -> Handled {
+    async fn prepare(&self, store: &dyn EventStore, items: &[WorkItem]) -> Prepared {
+        let mut batch = Batch::default();
+        for item in items {
+            if let std::collections::hash_map::Entry::Vacant(slot) = batch.0.entry((item.tenant, item.subject.clone())) {
+                slot.insert(self.look_up(store, item.tenant, &item.subject).await);
+            }
+        }
+        Some(Arc::new(batch))
+    }
+
+    async fn handle(&self, store: &dyn EventStore, item: &WorkItem, prepared: &Prepared) -> Handled {
         let (Some(msg_id), Some(body)) = (item.payload["messageId"].as_str(), item.payload["body"].as_str()) else {
             return Handled::fatal(None, "malformed work item");
         };
-        let webhook = match store.row_get(&item.tenant.to_string(), KIND_WEBHOOK, &item.subject).await {
-            Ok(Some(row)) => match serde_json::from_value::<WebhookDoc>(row.doc) {
-                Ok(doc) => doc,
-                Err(e) => return Handled::fatal(None, format!("webhook document: {e}")),
-            },
-            Ok(None) => return Handled::fatal(None, "the webhook was deleted"),
-            Err(e) => return Handled::retry(None, format!("reading the webhook: {}", e.public_message())),
+        let batch = prepared.as_ref().and_then(|p| p.downcast_ref::<Batch>());
+        let looked = match batch.and_then(|b| b.0.get(&(item.tenant, item.subject.clone()))) {
+            Some(looked) => looked.clone(),
+            None => self.look_up(store, item.tenant, &item.subject).await,
         };
-        if let Err(e) = self.policy.check_url(&webhook.url) {
-            return Handled::fatal(None, e.to_string());
-        }
+        let found = match looked {
+            Ok(found) => found,
+            Err(handled) => return handled,
+        };
+        let (webhook, secrets) = (&found.0, &found.1);
         let now_ms = self.clock.now_ms();
-        let secrets = match secrets_of(store, &webhook, now_ms).await {
-            Ok(s) => s,
-            // A missing or malformed secret stays so; a database hiccup does not.
-            Err(e @ (Error::NotFound { .. } | Error::InvalidArgument { .. })) => return Handled::fatal(None, e.to_string()),
-            Err(e) => return Handled::retry(None, e.public_message()),
-        };
         let timestamp = now_ms / 1000;
-        let signature = signature_header(&secrets, msg_id, timestamp, body.as_bytes());
+        let signature = signature_header(secrets, msg_id, timestamp, body.as_bytes());
         let timestamp_text = timestamp.to_string();
         let headers = [
             ("content-type", "application/json"),

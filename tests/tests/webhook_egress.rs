@@ -92,7 +92,7 @@ async fn a_name_resolving_to_a_refused_address_is_never_connected() {
     for (what, policy, addresses) in cases {
         let resolver = Arc::new(FakeResolver { addresses: addresses.clone(), asked: Mutex::default() });
         let consumer = Webhooks::with_resolver(*policy, 2000, Arc::new(SystemClock), resolver.clone()).unwrap();
-        let handled = consumer.handle(&store, &item).await;
+        let handled = consumer.handle(&store, &item, &None).await;
         assert_eq!(*resolver.asked.lock().unwrap(), [RECEIVER_HOST], "{what}: the name went through the resolver");
         assert_eq!(listener.accepted(), 0, "{what}: nothing connected to the refused address: {handled:?}");
         assert!(!handled.ok && !handled.retryable, "{what}: refused for good: {handled:?}");
@@ -104,7 +104,7 @@ async fn a_name_resolving_to_a_refused_address_is_never_connected() {
     // connection to it would have been seen. It speaks no TLS, so the attempt is retried.
     let resolver = Arc::new(FakeResolver { addresses: vec![private, loopback], asked: Mutex::default() });
     let consumer = Webhooks::with_resolver(dev, 2000, Arc::new(SystemClock), resolver).unwrap();
-    let handled = consumer.handle(&store, &item).await;
+    let handled = consumer.handle(&store, &item, &None).await;
     assert!(!handled.ok && handled.retryable, "{handled:?}");
     assert_eq!(listener.accepted(), 1, "only the admitted address was connected to: {handled:?}");
 }

@@ -283,8 +283,9 @@ impl Hooks {
             moved = true;
             let received_before = self.received();
             let mut done = Vec::with_capacity(items.len());
+            let prepared = outbox::Consumer::prepare(&self.consumer, store, &items).await;
             for item in &items {
-                let (attempt, outcome) = outbox::attempt(store, &self.consumer, &self.config, &self.rng, item).await;
+                let (attempt, outcome) = outbox::attempt(store, &self.consumer, &self.config, &self.rng, item, &prepared).await;
                 done.push(Completion { tenant: item.tenant, id: item.id.clone(), attempt, outcome });
             }
             self.counts.attempts += items.len() as u64;
