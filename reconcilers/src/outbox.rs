@@ -295,8 +295,8 @@ async fn work_loop(
     // for many deliveries instead of one each.
     let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(concurrency);
     let completer = tokio::spawn(complete(store.clone(), name, config.clone(), to_record, work_ready.clone(), status));
-    // Claim when a quarter of the slots are free (or all are), so claims come in batches too.
-    let claim_at = (concurrency / 4).max(1);
+    // Claim when half of the slots are free (or all are), so claims come in batches too.
+    let claim_at = (concurrency / 2).max(1);
     while !*shutdown.borrow() {
         let free = slots.available_permits();
         let mut claimed = 0;
@@ -308,12 +308,24 @@ async fn work_loop(
                     let prepared = if items.is_empty() { None } else { consumer.prepare(&*store, &items).await };
                     for item in items {
                         let permit = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
-                        let (store, consumer, config, rng, finished, prepared) =
-                            (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), prepared.clone());
+                        let (store, consumer, config, rng, finished, prepared, work_ready) = (
+                            store.clone(),
+                            consumer.clone(),
+                            config.clone(),
+                            rng.clone(),
+                            finished.clone(),
+                            prepared.clone(),
+                            work_ready.clone(),
+                        );
                         tokio::spawn(async move {
                             let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
-                            // The slot is freed once the attempt is recorded.
-                            let _ = finished.send(Finished { item, attempt, outcome, _slot: permit }).await;
+                            // The slot is freed once the attempt is queued for the completer
+                            // (at most `concurrency` wait there), so the next claim's sends
+                            // overlap the commit of this one's records. The item stays leased
+                            // to this process until its record is written.
+                            let _ = finished.send(Finished { item, attempt, outcome }).await;
+                            drop(permit);
+                            work_ready.notify_one();
                         });
                     }
                 }
@@ -329,19 +341,19 @@ async fn work_loop(
             _ = shutdown.changed() => {}
         }
     }
-    // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded;
-    // what does not is claimed again when its lease runs out.
+    // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
+    // (the completer ends when the last attempt has sent its record); what does not is claimed
+    // again when its lease runs out.
     drop(finished);
     let _ = tokio::time::timeout(Duration::from_secs(15), slots.acquire_many(concurrency as u32)).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), completer).await;
 }
 
-/// A handled item on its way to being recorded, holding its concurrency slot.
+/// A handled item on its way to being recorded.
 struct Finished {
     item: WorkItem,
     attempt: Attempt,
     outcome: Outcome,
-    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// Tries at recording one batch of completions.
@@ -409,7 +421,6 @@ async fn complete(
                 }
             }
         }
-        drop(batch);
         work_ready.notify_one();
     }
 }
