@@ -308,7 +308,7 @@ async fn work_loop(
                     let prepared = if items.is_empty() { None } else { consumer.prepare(&*store, &items).await };
                     for item in items {
                         let permit = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
-                        let (store, consumer, config, rng, finished, prepared, work_ready) = (
+                        let (store, consumer, config, rng, finished, prepared, work_ready, slots) = (
                             store.clone(),
                             consumer.clone(),
                             config.clone(),
@@ -316,6 +316,7 @@ async fn work_loop(
                             finished.clone(),
                             prepared.clone(),
                             work_ready.clone(),
+                            slots.clone(),
                         );
                         tokio::spawn(async move {
                             let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
@@ -325,7 +326,12 @@ async fn work_loop(
                             // to this process until its record is written.
                             let _ = finished.send(Finished { item, attempt, outcome }).await;
                             drop(permit);
-                            work_ready.notify_one();
+                            // The work loop is woken when enough slots are free to claim (a
+                            // wake-up missed in a race waits for the completer's or the poll).
+                            let free = slots.available_permits();
+                            if free == claim_at || free == concurrency {
+                                work_ready.notify_one();
+                            }
                         });
                     }
                 }
@@ -345,9 +351,17 @@ async fn work_loop(
     // (the completer ends when the last attempt has sent its record); what does not is claimed
     // again when its lease runs out.
     drop(finished);
-    let _ = tokio::time::timeout(Duration::from_secs(15), slots.acquire_many(concurrency as u32)).await;
-    let _ = tokio::time::timeout(Duration::from_secs(5), completer).await;
+    // One deadline for both: the attempts (bounded by the handlers' time limits) and their
+    // records.
+    let wait = async {
+        let _ = slots.acquire_many(concurrency as u32).await;
+        let _ = completer.await;
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
 }
+
+/// How long a stopping work loop waits for its attempts in flight and their records.
+const SHUTDOWN_WAIT_S: u64 = 20;
 
 /// A handled item on its way to being recorded.
 struct Finished {

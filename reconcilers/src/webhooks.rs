@@ -222,7 +222,10 @@ pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u6
 /// A webhook's document (its URL admitted by the policy) and its signing secrets in use, or
 /// how every delivery to it ends without a send (deleted, a refused URL, a missing secret, a
 /// database hiccup).
-type LookedUp = std::result::Result<Arc<(WebhookDoc, Vec<Secret>)>, Handled>;
+type LookedUp = std::result::Result<Arc<(WebhookDoc, Vec<(Secret, Option<u64>)>)>, Handled>;
+
+/// Webhooks a batch's `prepare` looks up at once.
+const LOOKUPS_AT_ONCE: usize = 8;
 
 /// What [`Webhooks`]' `prepare` reads for a claimed batch: each of its webhooks, looked up
 /// once, however many of its deliveries the batch holds.
@@ -244,8 +247,14 @@ impl Webhooks {
         if let Err(e) = self.policy.check_url(&webhook.url) {
             return Err(Handled::fatal(None, e.to_string()));
         }
-        let secrets = match secrets_of(store, &webhook, self.clock.now_ms()).await {
-            Ok(s) => s,
+        let now_ms = self.clock.now_ms();
+        let secrets = match secrets_of(store, &webhook, now_ms).await {
+            // With each one's end (none for the current one), checked again when it signs.
+            Ok(s) => {
+                let ends = std::iter::once(None)
+                    .chain(webhook.previous_secrets.iter().filter(|p| p.valid_until_ms > now_ms).map(|p| Some(p.valid_until_ms)));
+                s.into_iter().zip(ends).collect()
+            }
             // A missing or malformed secret stays so; a database hiccup does not.
             Err(e @ (Error::NotFound { .. } | Error::InvalidArgument { .. })) => return Err(Handled::fatal(None, e.to_string())),
             Err(e) => return Err(Handled::retry(None, e.public_message())),
@@ -325,13 +334,23 @@ impl Consumer for Webhooks {
     }
 
     async fn prepare(&self, store: &dyn EventStore, items: &[WorkItem]) -> Prepared {
-        let mut batch = Batch::default();
+        use futures::StreamExt as _;
+        let mut distinct: Vec<(TenantId, String)> = Vec::new();
         for item in items {
-            if let std::collections::hash_map::Entry::Vacant(slot) = batch.0.entry((item.tenant, item.subject.clone())) {
-                slot.insert(self.look_up(store, item.tenant, &item.subject).await);
+            if !distinct.iter().any(|(t, id)| *t == item.tenant && *id == item.subject) {
+                distinct.push((item.tenant, item.subject.clone()));
             }
         }
-        Some(Arc::new(batch))
+        // A few webhooks at once, as the deliveries' own reads ran before.
+        let looked: Vec<_> = futures::stream::iter(distinct)
+            .map(|(tenant, id)| async move {
+                let looked = self.look_up(store, tenant, &id).await;
+                ((tenant, id), looked)
+            })
+            .buffered(LOOKUPS_AT_ONCE)
+            .collect()
+            .await;
+        Some(Arc::new(Batch(looked.into_iter().collect())))
     }
 
     async fn handle(&self, store: &dyn EventStore, item: &WorkItem, prepared: &Prepared) -> Handled {
@@ -347,10 +366,13 @@ impl Consumer for Webhooks {
             Ok(found) => found,
             Err(handled) => return handled,
         };
-        let (webhook, secrets) = (&found.0, &found.1);
+        let webhook = &found.0;
         let now_ms = self.clock.now_ms();
+        // A rotated-out secret whose overlap ended since the batch was prepared signs nothing.
+        let secrets: Vec<Secret> =
+            found.1.iter().filter(|(_, end)| end.is_none_or(|end| end > now_ms)).map(|(secret, _)| secret.clone()).collect();
         let timestamp = now_ms / 1000;
-        let signature = signature_header(secrets, msg_id, timestamp, body.as_bytes());
+        let signature = signature_header(&secrets, msg_id, timestamp, body.as_bytes());
         let timestamp_text = timestamp.to_string();
         let headers = [
             ("content-type", "application/json"),
