@@ -197,24 +197,30 @@ pub fn body_of(event: &StoredEvent) -> String {
     .to_string()
 }
 
-/// The signing secrets in use for a webhook now: the current one, and rotated-out ones while
-/// they are honoured.
-pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u64) -> Result<Vec<Secret>> {
+/// The signing secrets in use for a webhook now, each with the end of its overlap: the current
+/// one (no end), and rotated-out ones while they are honoured.
+pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u64) -> Result<Vec<(Secret, Option<u64>)>> {
     let tenant: TenantId = webhook.tenant_id.parse()?;
     // A rotated-out secret whose overlap is over signs nothing again: its row goes (the next
     // rotation drops it from the document too).
     for expired in webhook.previous_secrets.iter().filter(|p| p.valid_until_ms <= now_ms) {
         store.secret_delete(tenant, &expired.secret_id).await?;
     }
-    let mut ids = vec![webhook.secret_id.as_str()];
-    ids.extend(webhook.previous_secrets.iter().filter(|p| p.valid_until_ms > now_ms).map(|p| p.secret_id.as_str()));
+    let mut ids = vec![(webhook.secret_id.as_str(), None)];
+    ids.extend(
+        webhook
+            .previous_secrets
+            .iter()
+            .filter(|p| p.valid_until_ms > now_ms)
+            .map(|p| (p.secret_id.as_str(), Some(p.valid_until_ms))),
+    );
     let mut secrets = Vec::new();
-    for id in ids {
+    for (id, end) in ids {
         let text = store
             .secret_get(tenant, id)
             .await?
             .ok_or_else(|| Error::not_found(format!("signing secret {id} of {}", webhook.webhook_id)))?;
-        secrets.push(Secret::parse(&text)?);
+        secrets.push((Secret::parse(&text)?, end));
     }
     Ok(secrets)
 }
@@ -247,14 +253,9 @@ impl Webhooks {
         if let Err(e) = self.policy.check_url(&webhook.url) {
             return Err(Handled::fatal(None, e.to_string()));
         }
-        let now_ms = self.clock.now_ms();
-        let secrets = match secrets_of(store, &webhook, now_ms).await {
-            // With each one's end (none for the current one), checked again when it signs.
-            Ok(s) => {
-                let ends = std::iter::once(None)
-                    .chain(webhook.previous_secrets.iter().filter(|p| p.valid_until_ms > now_ms).map(|p| Some(p.valid_until_ms)));
-                s.into_iter().zip(ends).collect()
-            }
+        let secrets = match secrets_of(store, &webhook, self.clock.now_ms()).await {
+            // With each one's end, checked again when it signs.
+            Ok(s) => s,
             // A missing or malformed secret stays so; a database hiccup does not.
             Err(e @ (Error::NotFound { .. } | Error::InvalidArgument { .. })) => return Err(Handled::fatal(None, e.to_string())),
             Err(e) => return Err(Handled::retry(None, e.public_message())),
