@@ -295,58 +295,59 @@ async fn work_loop(
     // for many deliveries instead of one each.
     let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(concurrency);
     let completer = tokio::spawn(complete(store.clone(), name, config.clone(), to_record, work_ready.clone(), status));
-    // Claim when half of the slots are free (or all are), so claims come in batches too.
-    let claim_at = (concurrency / 2).max(1);
+    // Claims run ahead of the slots: up to `concurrency` claimed items wait here for a slot, so
+    // a claim is as large as the slots (not half of them) and the slots never wait for a claim.
+    // The lease allows it: a waiting item starts once the attempts in flight end, each within
+    // the handler's time limit, and the lease is at least twice that limit.
+    let mut ahead: std::collections::VecDeque<(WorkItem, Prepared)> = std::collections::VecDeque::new();
+    let slot_freed = Arc::new(tokio::sync::Notify::new());
+    // Nothing more to claim until something new is due (a fan-out's wake-up or the poll),
+    // unless the last claim took all it asked for.
+    let mut claim_due = true;
     while !*shutdown.borrow() {
-        let free = slots.available_permits();
-        let mut claimed = 0;
-        if free >= claim_at || free == concurrency {
+        while !ahead.is_empty() {
+            let Ok(permit) = slots.clone().try_acquire_owned() else { break };
+            let (item, prepared) = ahead.pop_front().expect("not empty");
+            let (store, consumer, config, rng, finished, slot_freed) =
+                (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), slot_freed.clone());
+            tokio::spawn(async move {
+                let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
+                // The slot is freed once the attempt is queued for the completer (at most
+                // `concurrency` wait there). The item stays leased until its record is written.
+                let _ = finished.send(Finished { item, attempt, outcome }).await;
+                drop(permit);
+                slot_freed.notify_one();
+            });
+        }
+        let outstanding = concurrency - slots.available_permits() + ahead.len();
+        if claim_due && outstanding <= concurrency {
+            let asked = 2 * concurrency - outstanding;
             let now = config.clock.now_ms();
-            match store.work_claim(name, &config.owner, now, config.lease_ms, free as u32).await {
+            match store.work_claim(name, &config.owner, now, config.lease_ms, asked as u32).await {
                 Ok(items) => {
-                    claimed = items.len();
-                    let prepared = if items.is_empty() { None } else { consumer.prepare(&*store, &items).await };
-                    for item in items {
-                        let permit = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
-                        let (store, consumer, config, rng, finished, prepared, work_ready, slots) = (
-                            store.clone(),
-                            consumer.clone(),
-                            config.clone(),
-                            rng.clone(),
-                            finished.clone(),
-                            prepared.clone(),
-                            work_ready.clone(),
-                            slots.clone(),
-                        );
-                        tokio::spawn(async move {
-                            let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
-                            // The slot is freed once the attempt is queued for the completer
-                            // (at most `concurrency` wait there), so the next claim's sends
-                            // overlap the commit of this one's records. The item stays leased
-                            // to this process until its record is written.
-                            let _ = finished.send(Finished { item, attempt, outcome }).await;
-                            drop(permit);
-                            // The work loop is woken when enough slots are free to claim (a
-                            // wake-up missed in a race waits for the completer's or the poll).
-                            let free = slots.available_permits();
-                            if free == claim_at || free == concurrency {
-                                work_ready.notify_one();
-                            }
-                        });
+                    claim_due = items.len() == asked;
+                    if !items.is_empty() {
+                        let prepared = consumer.prepare(&*store, &items).await;
+                        ahead.extend(items.into_iter().map(|item| (item, prepared.clone())));
+                        continue;
                     }
                 }
-                Err(e) => tracing::warn!(consumer = name, code = %e.code(), error = %e, "claiming work failed"),
+                Err(e) => {
+                    claim_due = false;
+                    tracing::warn!(consumer = name, code = %e.code(), error = %e, "claiming work failed");
+                }
             }
         }
-        if claimed > 0 && claimed == free {
-            continue;
-        }
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(config.poll_ms)) => {}
-            _ = work_ready.notified() => {}
+            _ = tokio::time::sleep(Duration::from_millis(config.poll_ms)) => claim_due = true,
+            _ = work_ready.notified() => claim_due = true,
+            _ = slot_freed.notified() => {}
             _ = shutdown.changed() => {}
         }
     }
+    // Claimed items that never started are left to their leases: they run again when those
+    // run out.
+    drop(ahead);
     // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
     // (the completer ends when the last attempt has sent its record); what does not is claimed
     // again when its lease runs out.
