@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::Clock;
 use bc_core::event::StoredEvent;
-use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, Completion, NewWorkItem, Outcome, WorkItem};
+use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, Outcome, WorkItem};
 use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
 
@@ -321,7 +321,8 @@ async fn work_loop(
         }
         let outstanding = concurrency - slots.available_permits() + ahead.len();
         if claim_due && outstanding <= concurrency {
-            let asked = 2 * concurrency - outstanding;
+            // No more than the store hands out in one claim, so a full claim reads as full.
+            let asked = (2 * concurrency - outstanding).min(CLAIM_ITEMS_MAX as usize);
             let now = config.clock.now_ms();
             match store.work_claim(name, &config.owner, now, config.lease_ms, asked as u32).await {
                 Ok(items) => {
