@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test bench bench-deps lint fmt build check-postgres schemathesis witness tiles-venv sushy-venv system-deps sim
+.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -16,24 +16,30 @@ dev:
 
 ## Every target of the workspace: the binaries the end-to-end tests start, the tests, and the
 ## benches (compiled, not run, so they cannot rot). The tests refuse a binary older than its sources.
+## (`+`: cargo shares make's job slots when make runs jobs side by side, as `make test` does.)
 build: system-deps
-	$(CARGO) build --workspace --all-targets $(TEST_FEATURES)
+	+$(CARGO) build --workspace --all-targets $(TEST_FEATURES)
 
 ## Debian packages a test build needs (libvirt-dev, pkg-config), installed once.
 system-deps:
 	@scripts/system-deps
 
 ## Every test of the workspace, in one run: unit, conformance (SQLite and PostgreSQL),
-## property, and end-to-end tests that start the real binaries; first the OpenAPI document is
-## tested from outside by schemathesis against a running `dev` (installed by the script itself).
-test: check-postgres build witness tiles-venv sushy-venv
-	scripts/schemathesis
+## property, and end-to-end tests that start the real binaries, schemathesis testing the OpenAPI
+## document from outside against a running `dev` among them. What the run needs is made first,
+## side by side (one job per core and one more; both cargo builds share make's job slots, so the
+## cores stay busy while a download or a C build runs alone): the workspace's build, siglog's
+## witness, and the three Python virtual environments (pymerkle, sushy-tools, schemathesis).
+test: check-postgres
+	+@$(MAKE) --no-print-directory -j$$(( $$(nproc) + 1 )) test-deps
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast $(TEST_FEATURES); \
 	else \
 		echo "cargo-nextest not found; using cargo test"; \
 		$(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES); \
 	fi
+
+test-deps: build witness tiles-venv sushy-venv schemathesis-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned), installed under target/tools/ once; a second run finds it and does nothing.
@@ -42,7 +48,7 @@ witness: $(WITNESS_BIN)
 ## Built unoptimised (`--debug`): it cosigns a few checkpoints in one test, and the release
 ## build took 7 of a clean `make test`'s 24 minutes on 2 cores (3 min this way).
 $(WITNESS_BIN):
-	$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools --debug
+	+$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools --debug
 
 ## The third-party RFC 6962 implementation the tiles test checks the served tiles with: pymerkle
 ## (PyPI, pinned in tests/scripts/tiles-requirements.txt) in a virtual environment of its own,
@@ -73,10 +79,15 @@ check-postgres:
 	@scripts/check-postgres
 
 ## The OpenAPI document tested from the outside: schemathesis (pinned, in a virtual environment of
-## its own under target/schemathesis/) against a fresh `better-compute dev`, every check on.
+## its own under target/schemathesis/) against a fresh `better-compute dev`, every check on; `make
+## test` runs it as one of its tests (tests/tests/schemathesis.rs), this runs it alone.
 ## SCHEMATHESIS_SEED and SCHEMATHESIS_MAX_EXAMPLES override the seed and the examples per operation.
 schemathesis: build
 	scripts/schemathesis
+
+## That virtual environment alone (the script makes it again when its pins change).
+schemathesis-venv:
+	@scripts/schemathesis --install-only
 
 ## Many seeds of the simulator (`better-compute sim run`, release build), two at a time, every
 ## fault on: SEEDS seeds from SIM_SEED_FROM, each SIM_NODES nodes, SIM_TENANTS tenants,

@@ -1,0 +1,38 @@
+//! The OpenAPI document tested from the outside by schemathesis, a property-based API tester we
+//! did not write: `scripts/schemathesis` starts this build's `better-compute dev` on a fresh data
+//! directory and a free loopback port and runs every check of `schemathesis.toml` (status codes,
+//! content types, response schemas, negative data rejected) over every operation, with a fixed
+//! seed. It runs here, inside the one test run, so its two minutes of one core overlap the other
+//! tests instead of coming before them. `make schemathesis` runs the same script alone;
+//! `SCHEMATHESIS_SEED` and `SCHEMATHESIS_MAX_EXAMPLES` change the seed and the examples.
+
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn every_operation_keeps_the_openapi_document_under_schemathesis() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let tool = root.join("target/schemathesis/venv/bin/schemathesis");
+    // Missing, the test fails: it never skips.
+    assert!(
+        tool.exists(),
+        "no schemathesis at {} (run `make schemathesis-venv`, which `make test` runs; it installs schemathesis from PyPI)",
+        tool.display()
+    );
+    let server = bc_tests::binary("better-compute");
+    let run = Command::new(root.join("scripts/schemathesis"))
+        .env("BETTER_COMPUTE_BIN", &server)
+        .current_dir(&root)
+        .output()
+        .expect("scripts/schemathesis");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    // The script's summary (exit status, cases, seed, the command, where the reports are) is
+    // its last lines; the whole output is in target/schemathesis/output.txt.
+    assert!(
+        run.status.success(),
+        "schemathesis failed ({}); reproduce with `make schemathesis` (the seed and command below)\n{stdout}\n{stderr}",
+        run.status
+    );
+    assert!(stdout.contains("schemathesis exit status: 0"), "no summary from the script:\n{stdout}\n{stderr}");
+}
