@@ -47,8 +47,10 @@ WITNESS_BIN := target/tools/bin/witness
 witness: $(WITNESS_BIN)
 ## Built unoptimised (`--debug`): it cosigns a few checkpoints in one test, and the release
 ## build took 7 of a clean `make test`'s 24 minutes on 2 cores (3 min this way).
+## Half the cores (at least one): beside `make test`'s build it must not take every job slot, or
+## the workspace's build (the longer) waits for it.
 $(WITNESS_BIN):
-	+$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools --debug
+	$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools --debug -j $$(( ($$(nproc) + 1) / 2 ))
 
 ## The third-party RFC 6962 implementation the tiles test checks the served tiles with: pymerkle
 ## (PyPI, pinned in tests/scripts/tiles-requirements.txt) in a virtual environment of its own,
