@@ -150,7 +150,7 @@ fn create_over_quota_is_refused_with_a_record() {
     assert!(error.to_string().contains("take the tenant to 5 of its quota of 4"), "{error}");
     // A refusal holds nothing in the view.
     decision.hold(&mut view);
-    assert_eq!(view.live.len(), 1);
+    assert_eq!(view.live().len(), 1);
     // Within the quota, the same request is placed.
     let placed = decide::reservation_create(&view, Some(&quota(5)), &ask(2, 60), &input("rsv_new")).unwrap();
     assert!(matches!(placed, ReservationCreate::Place { .. }), "{placed:?}");
@@ -170,12 +170,12 @@ fn create_queues_behind_the_pools_queue_and_holds_its_place() {
     decision.hold(&mut view);
     let load = PoolLoad::of_pool(&view, POOL);
     assert_eq!(load.queued.len(), 2);
-    assert_eq!(load.position(&view.live["rsv_first"]), Some(1));
-    assert_eq!(load.position(&view.live["rsv_second"]), Some(2), "a new request is last in line");
+    assert_eq!(load.position(&view.live()["rsv_first"]), Some(1));
+    assert_eq!(load.position(&view.live()["rsv_second"]), Some(2), "a new request is last in line");
     // A third asks after both.
     let third = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_third")).unwrap();
     third.hold(&mut view);
-    assert_eq!(PoolLoad::of_pool(&view, POOL).position(&view.live["rsv_first"]), Some(1));
+    assert_eq!(PoolLoad::of_pool(&view, POOL).position(&view.live()["rsv_first"]), Some(1));
     assert_eq!(PoolLoad::of_pool(&view, POOL).queued_gpus, 10);
 }
 
@@ -359,7 +359,9 @@ fn plan_never_lets_a_small_request_overtake_one_that_does_not_fit_yet() {
 #[test]
 fn plan_skips_an_unreadable_selector_without_stopping_the_queue() {
     let mut view = busy_view();
-    view.live.get_mut("rsv_big").unwrap().selector = "gpuColour = red".into();
+    let mut big = view.remove_live("rsv_big").unwrap();
+    big.selector = "gpuColour = red".into();
+    view.put_live(big);
     let actions = decide::plan(&view, NOW_MS - 1);
     assert!(matches!(&actions[0], Action::Skip { reservation_id, .. } if reservation_id == "rsv_big"), "{actions:?}");
     assert_eq!(actions[0].append(ISSUE).unwrap(), None);
@@ -944,5 +946,44 @@ fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
         }
         let folded: MetalDoc = serde_json::from_value(current.unwrap()).unwrap();
         assert_eq!((folded.state, folded.last_error.as_deref()), (to_state, Some(reason.as_str())), "{state}");
+    }
+}
+
+/// The view's per-pool loads, kept as reservations come, change and go, always equal a count of
+/// its live reservations from scratch (seeded; the seed is printed on failure).
+#[test]
+fn pool_loads_kept_as_reservations_change_equal_a_recount() {
+    for seed in 0..64u64 {
+        let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut next = |n: u64| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (rng >> 33) % n
+        };
+        let pools = [POOL, "pool_01jd00000000000000000000b", "pool_01jd00000000000000000000c"];
+        let mut view = TenantView::new([], []);
+        for _ in 0..300 {
+            let id = format!("rsv_{}", next(40));
+            match next(4) {
+                0 => drop(view.remove_live(&id)),
+                _ => {
+                    let pool = pools[next(3) as usize];
+                    // A reservation keeps its pool; a new one draws one.
+                    let pool = view.live().get(&id).map(|r| r.pool_id.clone()).unwrap_or_else(|| pool.to_owned());
+                    let mut rsv = queued(&id, &pool, 1 + next(8) as u32, next(20));
+                    if next(2) == 0 {
+                        rsv.state = ReservationState::Active;
+                    }
+                    view.put_live(rsv);
+                }
+            }
+            let mut recount: BTreeMap<String, PoolLoad> = BTreeMap::new();
+            for pool in pools {
+                let load = PoolLoad::of(view.live().values().filter(|r| r.pool_id == pool));
+                if load.reservations > 0 {
+                    recount.insert(pool.to_owned(), load);
+                }
+            }
+            assert_eq!(*view.pool_loads(), recount, "seed {seed}");
+        }
     }
 }

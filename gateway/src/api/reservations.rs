@@ -251,21 +251,30 @@ pub(super) async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<
     call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::by_pool(view)).await
 }
 
-pub(super) async fn pool_load(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<PoolLoad> {
-    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::of_pool(view, pool)).await
+/// A queued reservation's place in its pool's queue (1: next), from the view.
+async fn position_in_queue(call: &Call<'_>, tenant: TenantId, rsv: &ReservationDoc) -> Result<Option<usize>> {
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.pool_load(&rsv.pool_id).position(rsv)).await
 }
 
 /// A decision's append on behalf of this call (its key, its request id, its fingerprint).
 /// The place of a queued reservation in its pool's queue (1: next).
 fn queue_position(load: Option<&PoolLoad>, rsv: &ReservationDoc) -> Option<u32> {
-    load.and_then(|l| l.position(rsv)).map(|p| u32::try_from(p).unwrap_or(u32::MAX))
+    load.and_then(|l| l.position(rsv)).map(queue_number)
+}
+
+fn queue_number(position: usize) -> u32 {
+    u32::try_from(position).unwrap_or(u32::MAX)
+}
+
+/// GPUs of the tenant's queued and active reservations in the pool: what its quota counts.
+pub(super) async fn gpus_in_use(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<u32> {
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.pool_load(pool).gpus).await
 }
 
 /// The reservation with its place in the queue (1: next) while queued.
 async fn view_of(call: &Call<'_>, tenant: TenantId, rsv: ReservationDoc) -> Result<ReservationView> {
-    let load = if rsv.state == ReservationState::Queued { Some(pool_load(call, tenant, &rsv.pool_id).await?) } else { None };
-    let position = queue_position(load.as_ref(), &rsv);
-    Ok(ReservationView::of(rsv, position))
+    let position = if rsv.state == ReservationState::Queued { position_in_queue(call, tenant, &rsv).await? } else { None };
+    Ok(ReservationView::of(rsv, position.map(queue_number)))
 }
 
 async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<ReservationView> {

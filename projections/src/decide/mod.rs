@@ -280,7 +280,8 @@ pub fn node_register(nodes: usize) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// What the queue and the quota need of a tenant's live reservations in one pool.
+/// What the queue and the quota need of a tenant's live reservations in one pool. The view keeps
+/// one per pool as its reservations change ([`TenantView::pool_load`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolLoad {
     /// Queued reservations by request order: (request seq, id).
@@ -288,35 +289,58 @@ pub struct PoolLoad {
     pub queued_gpus: u32,
     /// GPUs of queued and active reservations: what the quota counts.
     pub gpus: u32,
+    /// Queued and active reservations.
+    pub reservations: u32,
 }
 
 impl PoolLoad {
+    /// No live reservation.
+    pub const EMPTY: PoolLoad = PoolLoad { queued: Vec::new(), queued_gpus: 0, gpus: 0, reservations: 0 };
+
     /// The load of these live reservations (all of one pool).
     pub fn of<'a>(reservations: impl IntoIterator<Item = &'a ReservationDoc>) -> Self {
         let mut load = Self::default();
         for r in reservations {
-            load.gpus = load.gpus.saturating_add(r.gpus);
-            if r.state == ReservationState::Queued {
-                load.queued.push((r.request_seq, r.reservation_id.clone()));
-                load.queued_gpus = load.queued_gpus.saturating_add(r.gpus);
-            }
+            load.add(r);
         }
-        load.queued.sort();
         load
     }
 
+    /// Counts one more live reservation of the pool.
+    pub(crate) fn add(&mut self, r: &ReservationDoc) {
+        self.reservations += 1;
+        self.gpus = self.gpus.saturating_add(r.gpus);
+        if r.state == ReservationState::Queued {
+            let key = (r.request_seq, r.reservation_id.clone());
+            let at = self.queued.partition_point(|q| *q < key);
+            self.queued.insert(at, key);
+            self.queued_gpus = self.queued_gpus.saturating_add(r.gpus);
+        }
+    }
+
+    /// Stops counting a live reservation [`Self::add`] counted (the same document); true when
+    /// none is left.
+    pub(crate) fn remove(&mut self, r: &ReservationDoc) -> bool {
+        self.reservations = self.reservations.saturating_sub(1);
+        self.gpus = self.gpus.saturating_sub(r.gpus);
+        if r.state == ReservationState::Queued {
+            let key = (r.request_seq, r.reservation_id.clone());
+            if let Ok(at) = self.queued.binary_search(&key) {
+                self.queued.remove(at);
+            }
+            self.queued_gpus = self.queued_gpus.saturating_sub(r.gpus);
+        }
+        self.reservations == 0
+    }
+
     /// The load of one pool in the view.
-    pub fn of_pool(view: &TenantView, pool_id: &str) -> Self {
-        Self::of(view.live.values().filter(|r| r.pool_id == pool_id))
+    pub fn of_pool<'v>(view: &'v TenantView, pool_id: &str) -> &'v Self {
+        view.pool_load(pool_id)
     }
 
     /// Every pool's load in the view, by pool id (pools with no live reservation are absent).
     pub fn by_pool(view: &TenantView) -> BTreeMap<String, Self> {
-        let mut by_pool: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-        for r in view.live.values() {
-            by_pool.entry(r.pool_id.as_str()).or_default().push(r);
-        }
-        by_pool.into_iter().map(|(pool, list)| (pool.to_owned(), Self::of(list))).collect()
+        view.pool_loads().clone()
     }
 
     /// A queued reservation's place in the queue (1: next in line); `None` when not queued.

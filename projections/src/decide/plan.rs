@@ -160,7 +160,7 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
     let mut freed: HashMap<&str, Vec<String>> = HashMap::new();
 
     let mut due: Vec<&ReservationDoc> = view
-        .live
+        .live()
         .values()
         .filter(|r| r.state == ReservationState::Active && r.ends_at_ms.is_some_and(|end| end <= now_ms))
         .collect();
@@ -180,7 +180,7 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
     // Failed holds (and holds unanswered by their deadline), not already expired above.
     let mut requeued: HashSet<&str> = HashSet::new();
     let mut failed: Vec<(&ReservationDoc, String, bool)> = Vec::new();
-    for rsv in view.live.values().filter(|r| r.state == ReservationState::Active) {
+    for rsv in view.live().values().filter(|r| r.state == ReservationState::Active) {
         let (Some(binding), Some(_)) = (&rsv.binding, &rsv.node_id) else { continue };
         if rsv.ends_at_ms.is_some_and(|end| end <= now_ms) {
             continue;
@@ -222,7 +222,7 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
     }
 
     let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-    for rsv in view.live.values().filter(|r| r.state == ReservationState::Queued) {
+    for rsv in view.live().values().filter(|r| r.state == ReservationState::Queued) {
         queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
     }
     for (pool_id, mut queue) in queues {
