@@ -76,3 +76,52 @@ async fn finding_4_a_request_whose_fold_fails_is_refused_alone_and_its_batch_com
     assert!(store.row_get(&tenants[1].to_string(), "test", "s/5").await.unwrap().is_none());
     assert!(store.row_get(&tenants[2].to_string(), "test", "s/6").await.unwrap().is_some());
 }
+
+/// A chain of appends handed to the log at once lands in order or not at all: after one that
+/// does not land (a guard refused here, a fold failed inside the commit there), every later one
+/// that waits on the chain is refused unread, while one that does not wait is decided on its
+/// own; a chain whose appends all land commits them together.
+#[tokio::test]
+async fn a_chain_stops_at_its_first_append_that_does_not_land() {
+    use bc_core::store::{Chain, InChain};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap());
+    store.migrate().await.unwrap();
+    let log =
+        Log::open(store.clone(), Arc::new(RefusingProjector), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
+    let tenant = TenantId::generate();
+    let linked = |mut r: AppendRequest, chain: &Chain, waits: bool| {
+        r.chain = Some(InChain { chain: chain.clone(), waits });
+        r
+    };
+    // All land, in one commit.
+    let chain = Chain::new();
+    let all = futures::future::join_all(
+        (0..4).map(|i| log.append(linked(request(tenant, &format!("a/{i}"), "test.made"), &chain, true))),
+    )
+    .await;
+    let commits: Vec<u64> = all.into_iter().map(|r| r.expect("lands").events[0].position.commit).collect();
+    assert!(commits.windows(2).all(|w| w[0] == w[1]), "one commit: {commits:?}");
+
+    for refusal in ["guard", "fold"] {
+        let chain = Chain::new();
+        let mut first = request(tenant, &format!("b/{refusal}/0"), if refusal == "fold" { REFUSED } else { "test.made" });
+        if refusal == "guard" {
+            first.expected = ExpectedVersion::Exact(7);
+        }
+        let requests = vec![
+            linked(first, &chain, true),
+            linked(request(tenant, &format!("b/{refusal}/1"), "test.made"), &chain, true),
+            linked(request(tenant, &format!("b/{refusal}/2"), "test.made"), &chain, false),
+            linked(request(tenant, &format!("b/{refusal}/3"), "test.made"), &chain, true),
+            request(tenant, &format!("b/{refusal}/alone"), "test.made"),
+        ];
+        let results = futures::future::join_all(requests.into_iter().map(|r| log.append(r))).await;
+        let landed: Vec<bool> = results.iter().map(Result::is_ok).collect();
+        assert_eq!(landed, [false, false, true, false, true], "{refusal}: {results:?}");
+        assert_eq!(results[1].as_ref().unwrap_err().code(), bc_core::ErrorCode::Conflict, "{refusal}");
+        // A later append of a broken chain is refused too, in another batch.
+        let late = log.append(linked(request(tenant, &format!("b/{refusal}/late"), "test.made"), &chain, true)).await;
+        assert_eq!(late.unwrap_err().code(), bc_core::ErrorCode::Conflict, "{refusal}");
+    }
+}

@@ -102,7 +102,15 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS));
-        let pool = SqlitePoolOptions::new().max_connections(POOL_CONNECTIONS_MAX).connect_with(options).await?;
+        // No ping before each statement (sqlx's default): a SQLite connection is a file handle in
+        // this process, not a socket that can go stale, and the ping is one more hand-over to
+        // the connection's worker thread and back per statement (issue 17: with the ping sqlx
+        // does when a connection is given back, two of the three hand-overs of every read).
+        let pool = SqlitePoolOptions::new()
+            .max_connections(POOL_CONNECTIONS_MAX)
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await?;
         for suffix in ["-wal", "-shm"] {
             let mut companion = path.as_os_str().to_owned();
             companion.push(suffix);
