@@ -48,7 +48,6 @@ fn pool_request(tenant: TenantId) -> AppendRequest {
     })
     .unwrap();
     AppendRequest {
-        chain: None,
         tenant,
         stream: stream_of(KIND_POOL, &pool),
         expected: ExpectedVersion::NoStream,

@@ -144,7 +144,6 @@ pub fn parse_cosigned_payload(payload: &Value) -> Option<(u64, String, String)> 
 /// Records a witness's cosignature of the checkpoint of `size` (idempotent per witness and size).
 pub async fn record_cosignature(log: &Log, tenant: TenantId, size: u64, witness: &str, line: &str) -> Result<()> {
     log.append(AppendRequest {
-        chain: None,
         tenant,
         stream: format!("{KIND_CHECKPOINT}/{tenant}"),
         expected: ExpectedVersion::Any,
@@ -326,7 +325,6 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
     let body = CheckpointBody { origin: note::origin_of(deployment, &tenant), size: builder.size(), root: builder.root() };
     let signed = note::sign_note(&body.encode(), deployment, &log.key).map_err(Error::Internal)?;
     log.append(AppendRequest {
-        chain: None,
         tenant,
         stream: format!("{KIND_CHECKPOINT}/{tenant}"),
         expected: ExpectedVersion::Any,
@@ -361,7 +359,6 @@ pub async fn rotate_log_key(log: &Log, new: &LogKey, at_ms: u64) -> Result<u64> 
     ]);
     let result = log
         .append(AppendRequest {
-            chain: None,
             tenant: root,
             stream: format!("log_key/{root}"),
             expected: ExpectedVersion::Any,

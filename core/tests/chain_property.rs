@@ -90,7 +90,6 @@ fn chains_verify_and_tampering_is_located() {
             for (t, s, n) in &appends {
                 let events = (0..*n).map(|i| NewEvent::new("x.y", Value::Integer((i as u64).into()))).collect();
                 log.append(AppendRequest {
-                    chain: None,
                     tenant: tenants[*t],
                     stream: format!("s/{s}"),
                     expected: ExpectedVersion::Any,

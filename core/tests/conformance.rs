@@ -88,7 +88,6 @@ async fn fixture(kind: Kind) -> Fixture {
 
 fn request(tenant: TenantId, stream: &str, expected: ExpectedVersion, n: usize) -> AppendRequest {
     AppendRequest {
-        chain: None,
         tenant,
         stream: stream.into(),
         expected,

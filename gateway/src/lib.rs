@@ -242,7 +242,6 @@ pub(crate) async fn not_found() -> ApiError {
 pub async fn bootstrap_root(log: &Log, persist: impl FnOnce(&str) -> Result<()>, unpersist: impl FnOnce()) -> Result<bool> {
     let root = TenantId::ROOT;
     let request = |stream: String, expected, event_type: &str, payload| AppendRequest {
-        chain: None,
         tenant: root,
         stream,
         expected,

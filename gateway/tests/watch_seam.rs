@@ -90,7 +90,6 @@ async fn pool_via(log: &Log, name: &str) {
     })
     .unwrap();
     log.append(AppendRequest {
-        chain: None,
         tenant: TenantId::ROOT,
         stream: format!("pool/{}", PoolId::generate()),
         expected: ExpectedVersion::NoStream,

@@ -18,13 +18,13 @@
 //! reservation of a pool is placed first, and a pool whose oldest does not fit activates nothing
 //! until it does.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::{CommandId, TenantId};
-use bc_core::store::{Chain, InChain, Log};
+use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
 use bc_projections::decide::{self, Action};
 use bc_projections::fleet::Fleet;
@@ -48,17 +48,9 @@ pub struct Pass {
 }
 
 /// One pass over every tenant with live reservations: [`decide::plan`] on this process's view
-/// of the log (`fleet`), then the plan's actions appended. `known` are tenants to load into
+/// of the log (`fleet`), then each action appended in order. `known` are tenants to load into
 /// the view first (every tenant on the first pass). The view holds nothing of the pass: it
 /// reads what the appends did from the log on the next pass.
-///
-/// A tenant's appends are handed to the log all at once, in the plan's order, so the appender
-/// commits them together (one commit for a pass's activations, not one each: issue 17, where
-/// draining a queue of thousands waited on a commit per reservation). What waiting for each
-/// used to give is kept by a [`Chain`] per pool: an activation is refused, without being
-/// decided, once an expiry or activation before it in its pool did not land, as when they were
-/// appended one by one and the pool stopped at the first failure (so nothing overtakes its
-/// queue, and nothing is placed on GPUs an expiry that did not land would have freed).
 ///
 /// Each action that issues a command (`gpu.hold` with an activation on a node with an agent,
 /// `gpu.release` with an ending) gets a fresh command id from the log's id source.
@@ -67,29 +59,35 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
     let now_ms = clock.now_ms();
     let plans = fleet.with_busy_tenants(&*log.store, known, |tenant, view| (tenant, decide::plan(view, now_ms))).await?;
     for (tenant, actions) in plans {
-        let mut chains: HashMap<&str, Chain> = HashMap::new();
-        let mut planned = Vec::with_capacity(actions.len());
+        // Expiries that landed, and pools whose queue stopped at an activation that did not.
+        let mut expired: HashSet<String> = HashSet::new();
+        let mut stopped: HashSet<String> = HashSet::new();
         for action in &actions {
-            if let Action::Skip { reservation_id, reason, .. } = action {
-                tracing::warn!(reconciler = NAME, reservation = %reservation_id, error = %reason, "skipping a reservation whose selector does not parse");
-                continue;
+            match action {
+                Action::Skip { reservation_id, reason, .. } => {
+                    tracing::warn!(reconciler = NAME, reservation = %reservation_id, error = %reason, "skipping a reservation whose selector does not parse");
+                    continue;
+                }
+                Action::Activate { pool_id, freed_by, .. } => {
+                    if stopped.contains(pool_id) {
+                        continue;
+                    }
+                    // Its guard counts on expiries that did not land: the next pass decides again.
+                    if !freed_by.iter().all(|id| expired.contains(id)) {
+                        stopped.insert(pool_id.clone());
+                        continue;
+                    }
+                }
+                Action::Expire { .. } | Action::HoldFailed { .. } => {}
             }
             let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
             let Some(append) = action.append(Issue { command_id: &command_id, now_ms })? else { continue };
-            let mut request = append.into_request(tenant, ACTOR);
-            let chain = chains.entry(action.pool_id()).or_default().clone();
-            request.chain = Some(InChain { chain, waits: matches!(action, Action::Activate { .. }) });
-            planned.push((action, request));
-        }
-        let appended = futures::future::join_all(
-            planned.into_iter().map(|(action, request)| async move { (action, log.append(request).await) }),
-        )
-        .await;
-        // Pools whose queue stopped at an activation that did not land.
-        let mut stopped: HashSet<&str> = HashSet::new();
-        for (action, appended) in appended {
+            let appended = log.append(append.into_request(tenant, ACTOR)).await;
             match (action, appended) {
-                (Action::Expire { .. }, Ok(_)) => done.expired += 1,
+                (Action::Expire { reservation_id, .. }, Ok(_)) => {
+                    done.expired += 1;
+                    expired.insert(reservation_id.clone());
+                }
                 (Action::HoldFailed { reservation_id, reason, gives_up, attempts, .. }, Ok(_)) => {
                     if *gives_up {
                         done.failed += 1;
@@ -97,22 +95,21 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
                         done.requeued += 1;
                     }
                     tracing::info!(reconciler = NAME, reservation = %reservation_id, attempts, failed = gives_up, reason = %bc_core::id::truncate(reason, 200), "hold failed");
+                    expired.insert(reservation_id.clone());
                 }
                 (Action::Expire { .. } | Action::HoldFailed { .. }, Err(e)) if e.code() == ErrorCode::Conflict => {
                     done.conflicts += 1
                 }
                 (Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. }, Err(e)) => {
                     // One reservation's failure is its own: the rest of the pass (other pools,
-                    // other tenants) goes on; what it freed is not given (the node's guard).
+                    // other tenants) goes on, and its pool activates nothing more this pass.
                     tracing::warn!(reconciler = NAME, reservation = %reservation_id, code = %e.code(), error = %e, "ending failed");
+                    stopped.insert(action.pool_id().to_owned());
                 }
                 (_, Ok(_)) => done.activated += 1,
                 (_, Err(e)) => {
-                    // The first activation of a pool that did not land is counted (and logged
-                    // unless it lost a race); the rest of its pool failed their guard on it.
-                    if !stopped.insert(action.pool_id()) {
-                        continue;
-                    }
+                    // Oldest first: a pool whose next activation did not land activates nothing more.
+                    stopped.insert(action.pool_id().to_owned());
                     if e.code() == ErrorCode::Conflict {
                         done.conflicts += 1;
                     } else {

@@ -58,7 +58,6 @@ struct Fixture {
 
 fn request(tenant: TenantId, i: u64) -> AppendRequest {
     AppendRequest {
-        chain: None,
         tenant,
         stream: format!("pool/pool_{:026}", i),
         expected: ExpectedVersion::Any,

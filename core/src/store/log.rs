@@ -98,15 +98,9 @@ pub struct LogHandle {
 
 impl LogHandle {
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
-        if let Err(e) = request.validate() {
-            request.break_chain();
-            return Err(e);
-        }
+        request.validate()?;
         let (reply, answer) = oneshot::channel();
-        if let Err(refused) = self.jobs.send(Job { request, reply }).await {
-            refused.0.request.break_chain();
-            return Err(Error::Unavailable("the appender has stopped".into()));
-        }
+        self.jobs.send(Job { request, reply }).await.map_err(|_| Error::Unavailable("the appender has stopped".into()))?;
         answer.await.map_err(|_| Error::Unavailable("the appender stopped before answering".into()))?
     }
 }
@@ -201,7 +195,6 @@ impl Log {
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
         if let Some(left) = self.appends_left.lock().expect("the appends limit is not poisoned").as_mut() {
             if *left == 0 {
-                request.break_chain();
                 return Err(Error::Unavailable(APPENDS_STOPPED.into()));
             }
             *left -= 1;
@@ -379,9 +372,6 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
             Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
             Outcome::Refused(e) => Err(e),
         };
-        if answer.is_err() {
-            job.request.break_chain();
-        }
         let _ = job.reply.send(answer);
     }
     batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
@@ -449,7 +439,6 @@ async fn split_failed(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>,
 fn fail_all(jobs: Vec<Job>, error: &Error) -> Option<u64> {
     tracing::error!(error = %error, jobs = jobs.len(), "append batch failed");
     for job in jobs {
-        job.request.break_chain();
         let _ = job.reply.send(Err(error.clone()));
     }
     None
@@ -495,30 +484,7 @@ fn decide(
     // (tenant, key) → (request hash, job index) for keys first used in this batch.
     let mut keys_in_batch: HashMap<(TenantId, String), ([u8; 32], usize)> = HashMap::new();
 
-    // Chains broken by a refusal in this batch (a chain broken by an earlier batch says so itself).
-    let mut broken_chains: std::collections::HashSet<usize> = std::collections::HashSet::new();
     for (job_index, request) in requests.iter().enumerate() {
-        // A chain breaks at its first append that does not land.
-        if let Some(before) = job_index.checked_sub(1)
-            && let Some(link) = &requests[before].chain
-            && matches!(outcomes.get(before), Some(Outcome::Refused(_)))
-        {
-            broken_chains.insert(link.chain.id());
-        }
-        if let Some(link) = &request.chain
-            && link.waits
-            && (link.chain.is_broken() || broken_chains.contains(&link.chain.id()))
-        {
-            outcomes.push(Outcome::Refused(Error::Conflict {
-                stream: request.stream.clone(),
-                expected: "the appends before it in its chain landed".into(),
-                actual: versions
-                    .get(&(request.tenant, request.stream.clone()))
-                    .copied()
-                    .unwrap_or_else(|| pre.stream_versions.get(&(request.tenant, request.stream.clone())).copied().unwrap_or(0)),
-            }));
-            continue;
-        }
         // Only idempotent appends need the request's hash (an encoding of every event).
         let request_hash = match request.idempotency_key.as_ref().map(|_| request.request_hash()).transpose() {
             Ok(h) => h.unwrap_or_default(),

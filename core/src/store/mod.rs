@@ -130,58 +130,6 @@ pub struct AppendRequest {
     /// moves the tenant's chain head, which the commit re-checks.
     pub guards: Vec<(String, ExpectedVersion)>,
     pub events: Vec<NewEvent>,
-    /// This append's place in a [`Chain`] of appends handed to the log at once (`None`: it
-    /// stands alone). Never part of what is stored or hashed.
-    pub chain: Option<InChain>,
-}
-
-/// Appends that land in the order they were handed to the log, or not at all: once one of a
-/// chain is refused or fails, each later one that [waits](InChain::waits) on the chain is
-/// refused (CONFLICT) without being decided. A caller can so hand the log a sequence at once,
-/// committed together, where each append counts on the ones before it having landed (the
-/// reservations reconciler's pass: an activation counts on the expiries that free its GPUs and
-/// on the activations ahead of it in its pool's queue), instead of waiting for a commit each.
-/// The appends must be handed to the log in chain order (one task, one after another, as
-/// `join_all` polls them); the log's one appender decides them in that order.
-#[derive(Clone, Debug, Default)]
-pub struct Chain(std::sync::Arc<std::sync::atomic::AtomicBool>);
-
-impl Chain {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// An append of this chain failed or was refused.
-    pub(crate) fn is_broken(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    pub(crate) fn mark_broken(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Tells chains apart within one batch.
-    pub(crate) fn id(&self) -> usize {
-        std::sync::Arc::as_ptr(&self.0) as usize
-    }
-}
-
-/// An append's place in a [`Chain`].
-#[derive(Clone, Debug)]
-pub struct InChain {
-    pub chain: Chain,
-    /// Refused once an earlier append of the chain did not land. Either way, this append not
-    /// landing breaks the chain for the ones after it.
-    pub waits: bool,
-}
-
-impl AppendRequest {
-    /// Marks the chain broken if this append belongs to one (it did not land).
-    pub(crate) fn break_chain(&self) {
-        if let Some(link) = &self.chain {
-            link.chain.mark_broken();
-        }
-    }
 }
 
 impl NewEvent {
@@ -211,7 +159,6 @@ impl AppendRequest {
             fingerprint: None,
             guards: vec![],
             events,
-            chain: None,
         }
     }
 
