@@ -168,15 +168,15 @@ fn create_queues_behind_the_pools_queue_and_holds_its_place() {
     assert_eq!(append.guards, [(format!("pool/{POOL}"), ExpectedVersion::Exact(3))]);
     assert_eq!(pending.state, ReservationState::Queued);
     decision.hold(&mut view);
-    let load = PoolLoad::of_pool(&view, POOL);
+    let load = view.pool_load(POOL);
     assert_eq!(load.queued.len(), 2);
     assert_eq!(load.position(&view.live()["rsv_first"]), Some(1));
     assert_eq!(load.position(&view.live()["rsv_second"]), Some(2), "a new request is last in line");
     // A third asks after both.
     let third = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_third")).unwrap();
     third.hold(&mut view);
-    assert_eq!(PoolLoad::of_pool(&view, POOL).position(&view.live()["rsv_first"]), Some(1));
-    assert_eq!(PoolLoad::of_pool(&view, POOL).queued_gpus, 10);
+    assert_eq!(view.pool_load(POOL).position(&view.live()["rsv_first"]), Some(1));
+    assert_eq!(view.pool_load(POOL).queued_gpus, 10);
 }
 
 #[test]

@@ -248,7 +248,7 @@ fn conflict_on(e: &bc_core::Error, stream: &str) -> bool {
 
 /// The pools' loads, from this process's view of the log (no scan of the rows).
 pub(super) async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, PoolLoad>> {
-    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| PoolLoad::by_pool(view)).await
+    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.pool_loads().clone()).await
 }
 
 /// A queued reservation's place in its pool's queue (1: next), from the view.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::{PoolLoad, ReservationAsk};
+use super::ReservationAsk;
 use crate::fleet::TenantView;
 use crate::{NodeState, PoolDoc, placement};
 
@@ -72,7 +72,7 @@ pub fn pool_capacity(pool: &PoolDoc, view: &TenantView) -> PoolCapacity {
             }
         }
     }
-    let load = PoolLoad::of_pool(view, &pool.pool_id);
+    let load = view.pool_load(&pool.pool_id);
     PoolCapacity {
         pool_id: pool.pool_id.clone(),
         name: pool.name.clone(),
@@ -112,7 +112,7 @@ pub struct CapacityPreview {
 
 pub fn capacity_preview(view: &TenantView, ask: &ReservationAsk) -> CapacityPreview {
     let pool_id = ask.pool.pool_id.as_str();
-    let queued_ahead = PoolLoad::of_pool(view, pool_id).queued.len() as u32;
+    let queued_ahead = view.pool_load(pool_id).queued.len() as u32;
     let placement_ask = ask.placement_ask();
     let in_pool = || view.nodes.values().filter(|n| n.pool_id == pool_id);
     let possible = in_pool().any(|n| placement::could_fit(n, &placement_ask));

@@ -1,4 +1,4 @@
-//! Decisions: pure functions from state (this process's [`TenantView`] of the fleet, the
+//! Decisions: pure functions from state (this process's [`TenantView`](crate::fleet::TenantView) of the fleet, the
 //! documents a method read) and input (the parsed, checked request, the time, the ids of what
 //! it creates) to what to append ([`Append`]: events, stream, expected version, guards), or a
 //! typed [`Refusal`]. No IO, no clock, no id generation in here: the caller reads, draws ids and
@@ -22,7 +22,6 @@ use bc_core::Error;
 use bc_core::id::TenantId;
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 
-use crate::fleet::TenantView;
 use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
 
 mod capacity;
@@ -281,7 +280,7 @@ pub fn node_register(nodes: usize) -> Result<(), Refusal> {
 }
 
 /// What the queue and the quota need of a tenant's live reservations in one pool. The view keeps
-/// one per pool as its reservations change ([`TenantView::pool_load`]).
+/// one per pool as its reservations change ([`TenantView::pool_load`](crate::fleet::TenantView::pool_load)).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolLoad {
     /// Queued reservations by request order: (request seq, id).
@@ -331,16 +330,6 @@ impl PoolLoad {
             self.queued_gpus = self.queued_gpus.saturating_sub(r.gpus);
         }
         self.reservations == 0
-    }
-
-    /// The load of one pool in the view.
-    pub fn of_pool<'v>(view: &'v TenantView, pool_id: &str) -> &'v Self {
-        view.pool_load(pool_id)
-    }
-
-    /// Every pool's load in the view, by pool id (pools with no live reservation are absent).
-    pub fn by_pool(view: &TenantView) -> BTreeMap<String, Self> {
-        view.pool_loads().clone()
     }
 
     /// A queued reservation's place in the queue (1: next in line); `None` when not queued.

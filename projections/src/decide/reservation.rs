@@ -6,7 +6,7 @@
 
 use bc_core::store::ExpectedVersion;
 
-use super::{Append, PoolLoad, Refusal};
+use super::{Append, Refusal};
 use crate::events::{self as ev, to_cbor};
 use crate::fleet::TenantView;
 use crate::placement::{self, Ask, Placement, Selector};
@@ -194,7 +194,7 @@ pub fn reservation_create(
             nvlink: ask.nvlink,
         });
     }
-    let load = PoolLoad::of_pool(view, pool_id);
+    let load = view.pool_load(pool_id);
     if let Some(q) = quota
         && load.gpus.saturating_add(ask.gpus) > q.gpus
     {
