@@ -292,6 +292,11 @@ pub struct PoolLoad {
     pub reservations: u32,
 }
 
+/// A queued entry's sort key, borrowed: the queue is searched without cloning an id.
+fn queue_key((seq, id): &(u64, String)) -> (u64, &str) {
+    (*seq, id)
+}
+
 impl PoolLoad {
     /// No live reservation.
     pub const EMPTY: PoolLoad = PoolLoad { queued: Vec::new(), queued_gpus: 0, gpus: 0, reservations: 0 };
@@ -310,9 +315,8 @@ impl PoolLoad {
         self.reservations += 1;
         self.gpus = self.gpus.saturating_add(r.gpus);
         if r.state == ReservationState::Queued {
-            let key = (r.request_seq, r.reservation_id.clone());
-            let at = self.queued.partition_point(|q| *q < key);
-            self.queued.insert(at, key);
+            let at = self.queued.partition_point(|q| queue_key(q) < (r.request_seq, &r.reservation_id));
+            self.queued.insert(at, (r.request_seq, r.reservation_id.clone()));
             self.queued_gpus = self.queued_gpus.saturating_add(r.gpus);
         }
     }
@@ -323,8 +327,7 @@ impl PoolLoad {
         self.reservations = self.reservations.saturating_sub(1);
         self.gpus = self.gpus.saturating_sub(r.gpus);
         if r.state == ReservationState::Queued {
-            let key = (r.request_seq, r.reservation_id.clone());
-            if let Ok(at) = self.queued.binary_search(&key) {
+            if let Ok(at) = self.queued.binary_search_by(|q| queue_key(q).cmp(&(r.request_seq, &r.reservation_id))) {
                 self.queued.remove(at);
             }
             self.queued_gpus = self.queued_gpus.saturating_sub(r.gpus);
