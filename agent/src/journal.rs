@@ -115,20 +115,23 @@ impl Journal {
     /// Opens (creating it 0600 if needed) the journal of `node` at `path`.
     pub async fn open(path: &Path, node: NodeId, unacked_max: u64) -> Result<Self, JournalError> {
         let path = path.to_owned();
-        let conn = tokio::task::spawn_blocking(move || Self::connect(&path, node))
+        let conn = tokio::task::spawn_blocking(move || Self::connect(&path, node, None))
             .await
             .map_err(|e| JournalError::Storage(format!("opening the journal: {e}")))??;
         Ok(Self { conn: Arc::new(Mutex::new(conn)), node, unacked_max, inline: false })
     }
 
     /// [`Self::open`] for a process whose one thread is the whole world (the simulator): every
-    /// statement runs on the caller's thread.
+    /// statement runs on the caller's thread, and the file is opened through SQLite's
+    /// `unix-excl` VFS ([`ONE_PROCESS_VFS`](bc_core::store::sqlite::ONE_PROCESS_VFS)): locked once against other processes, its locks
+    /// between this process's connections kept in memory, so a write makes no `fcntl` calls.
     pub fn open_for_one_thread(path: &Path, node: NodeId, unacked_max: u64) -> Result<Self, JournalError> {
-        let conn = Self::connect(path, node)?;
+        let conn = Self::connect(path, node, Some(bc_core::store::sqlite::ONE_PROCESS_VFS))?;
         Ok(Self { conn: Arc::new(Mutex::new(conn)), node, unacked_max, inline: true })
     }
 
-    fn connect(path: &Path, node: NodeId) -> Result<Connection, JournalError> {
+    /// `vfs`: SQLite's VFS to open it through (`None`: the platform's default).
+    fn connect(path: &Path, node: NodeId, vfs: Option<&str>) -> Result<Connection, JournalError> {
         if !path.exists() {
             use std::os::unix::fs::OpenOptionsExt;
             std::fs::OpenOptions::new()
@@ -138,7 +141,11 @@ impl Journal {
                 .open(path)
                 .map_err(|e| JournalError::Storage(format!("creating {}: {e}", path.display())))?;
         }
-        let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)?;
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = match vfs {
+            Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs)?,
+            None => Connection::open_with_flags(path, flags)?,
+        };
         conn.busy_timeout(BUSY_TIMEOUT)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;

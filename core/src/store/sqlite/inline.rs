@@ -51,9 +51,10 @@ fn storage(e: rusqlite::Error) -> Error {
 impl InlineConn {
     /// A connection to the database at `path`, which the pool has already opened (so it
     /// exists, in WAL mode).
-    pub(super) fn open(path: &Path) -> Result<Self> {
+    /// `vfs` is the pool's (SQLite's in-process locks coordinate the two only within one VFS).
+    pub(super) fn open(path: &Path, vfs: &str) -> Result<Self> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(storage)?;
+        let conn = rusqlite::Connection::open_with_flags_and_vfs(path, flags, vfs).map_err(storage)?;
         conn.busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS)).map_err(storage)?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(storage)?;
         conn.pragma_update(None, "foreign_keys", true).map_err(storage)?;
