@@ -123,8 +123,9 @@ impl Journal {
 
     /// [`Self::open`] for a process whose one thread is the whole world (the simulator): every
     /// statement runs on the caller's thread, and the file is opened through SQLite's
-    /// `unix-excl` VFS ([`ONE_PROCESS_VFS`](bc_core::store::sqlite::ONE_PROCESS_VFS)): locked once against other processes, its locks
-    /// between this process's connections kept in memory, so a write makes no `fcntl` calls.
+    /// `unix-excl` VFS ([`bc_core::store::sqlite::ONE_PROCESS_VFS`]): locked once against
+    /// other processes, its locks between this process's connections kept in memory, so a
+    /// write makes no `fcntl` calls.
     pub fn open_for_one_thread(path: &Path, node: NodeId, unacked_max: u64) -> Result<Self, JournalError> {
         let conn = Self::connect(path, node, Some(bc_core::store::sqlite::ONE_PROCESS_VFS))?;
         Ok(Self { conn: Arc::new(Mutex::new(conn)), node, unacked_max, inline: true })

@@ -231,8 +231,8 @@ mod tests {
 
     /// One pass activates a whole queue that fits, several on each node, each activation
     /// guarding the node at the version the pass's earlier appends gave it: no append of the
-    /// pass conflicts with another of the same pass (issue 17: the bench's drain stopped with a
-    /// CONFLICT every ~60 activations).
+    /// pass conflicts with another of the same pass. (Issue 17: the bench's drain stops with a
+    /// CONFLICT about every 60 activations; this shows a pass alone does not make them.)
     #[tokio::test]
     async fn one_pass_drains_a_queue_that_fits_without_conflicting_with_itself() {
         const NODES: usize = 30;

@@ -139,8 +139,8 @@ impl SqliteStore {
     /// Opened through SQLite's `unix-excl` VFS ([`ONE_PROCESS_VFS`]), pool and inline
     /// connection alike: the file is locked once against other processes, and the connections
     /// of this one coordinate in memory (the WAL index on the heap, not in a `-shm` file), so a
-    /// transaction makes no `fcntl` lock calls (issue 18: they were about 5 % of a 1,000-node
-    /// run).
+    /// transaction makes no `fcntl` lock calls (issue 18: 1.33 million of them in a 1,000-node
+    /// run, 27 thousand after).
     pub async fn open_for_one_thread(path: &Path) -> Result<Self> {
         let store = Self::open_on(path, Some(ONE_PROCESS_VFS)).await?;
         Ok(Self { inline: Some(inline::InlineConn::open(path, ONE_PROCESS_VFS)?), ..store })
