@@ -229,26 +229,40 @@ mod tests {
         serde_json::from_value(row.doc).unwrap()
     }
 
-    /// One pass activates a whole queue that fits, several on each node, each activation
-    /// guarding the node at the version the pass's earlier appends gave it: no append of the
-    /// pass conflicts with another of the same pass. (Issue 17: the bench's drain stops with a
-    /// CONFLICT about every 60 activations; this shows a pass alone does not make them.)
-    #[tokio::test]
-    async fn one_pass_drains_a_queue_that_fits_without_conflicting_with_itself() {
-        const NODES: usize = 30;
-        const QUEUED: usize = 70;
-        let path = std::env::temp_dir().join(format!("bc-reservations-drain-{}.sqlite3", TenantId::generate()));
+    /// A fresh SQLite store and log in the temporary directory, with one tenant's pool.
+    struct Scratch {
+        path: std::path::PathBuf,
+        store: Arc<dyn EventStore>,
+        log: Log,
+        tenant: TenantId,
+        pool: String,
+    }
+
+    async fn scratch(name: &str) -> Scratch {
+        let path = std::env::temp_dir().join(format!("bc-reservations-{name}-{}.sqlite3", TenantId::generate()));
         let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&path).await.unwrap());
         store.migrate().await.unwrap();
         let log =
             Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
         let tenant = TenantId::generate();
-        let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
         let pool = PoolId::generate().to_string();
         let created =
             ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
         let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
-        log.append(append(stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, vec![event])).await.unwrap();
+        let request = AppendRequest::new(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "test", vec![event]);
+        log.append(request).await.unwrap();
+        Scratch { path, store, log, tenant, pool }
+    }
+
+    /// One pass activates a whole queue that fits, several on each node, each activation
+    /// guarding the node at the version the pass's earlier appends gave it: no append of the
+    /// pass conflicts with another of the same pass.
+    #[tokio::test]
+    async fn one_pass_drains_a_queue_that_fits_without_conflicting_with_itself() {
+        const NODES: usize = 30;
+        const QUEUED: usize = 70;
+        let Scratch { path, store, log, tenant, pool } = scratch("drain").await;
+        let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
         for i in 0..NODES {
             let gpus = (0..8)
                 .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
@@ -279,18 +293,8 @@ mod tests {
     /// node at the version the expiry's append gives it; the next in line waits.
     #[tokio::test]
     async fn one_pass_expires_then_activates_on_the_freed_gpus() {
-        let path = std::env::temp_dir().join(format!("bc-reservations-pass-{}.sqlite3", TenantId::generate()));
-        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&path).await.unwrap());
-        store.migrate().await.unwrap();
-        let log =
-            Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
-        let tenant = TenantId::generate();
+        let Scratch { path, store, log, tenant, pool } = scratch("pass").await;
         let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
-        let pool = PoolId::generate().to_string();
-        let created =
-            ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
-        let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
-        log.append(append(stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, vec![event])).await.unwrap();
         let node_id = NodeId::generate().to_string();
         let gpu = Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 };
         let node = ev::NodeRegistered { pool_id: pool.clone(), name: "n".into(), gpus: vec![gpu; 4], labels: Default::default() };
