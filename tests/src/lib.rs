@@ -112,7 +112,12 @@ pub fn cli_stdin(args: &[&str], env: &[(&str, &str)], input: Option<&str>) -> (i
     command.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = command.spawn().expect("run better-compute");
     if let Some(text) = input {
-        child.stdin.take().expect("stdin").write_all(text.as_bytes()).expect("write stdin");
+        // A command that refuses before it reads its input (a refused URL) may exit first: the
+        // write then meets a closed pipe, and the exit status and output are what is checked.
+        match child.stdin.take().expect("stdin").write_all(text.as_bytes()) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => panic!("write stdin: {e}"),
+            _ => {}
+        }
     }
     let out = child.wait_with_output().expect("run better-compute");
     (
