@@ -250,6 +250,54 @@ async fn optimistic_concurrency(kind: Kind) {
     assert_eq!(verify_all(&f).await, 5);
 }
 
+/// A group of appends lands whole, in one commit, each member seeing the versions the members
+/// before it made; a group with one refused member lands nothing and is refused with that
+/// member's error, while appends racing it land; a group past the batch's size is refused
+/// before the store; the simulator's appends limit counts a group's members.
+async fn append_groups(kind: Kind) {
+    let f = fixture(kind).await;
+    let t = TenantId::generate();
+    let mut second = request(t, "group/b", ExpectedVersion::NoStream, 1);
+    second.guards = vec![("group/a".into(), ExpectedVersion::Exact(2))];
+    let third = request(t, "group/a", ExpectedVersion::Exact(2), 1);
+    let results = f.log.append_group(vec![request(t, "group/a", ExpectedVersion::NoStream, 2), second, third]).await.unwrap();
+    assert_eq!(results.len(), 3);
+    let commits: std::collections::BTreeSet<u64> =
+        results.iter().flat_map(|r| r.events.iter().map(|e| e.position.commit)).collect();
+    assert_eq!(commits.len(), 1, "one commit for the group: {commits:?}");
+    assert_eq!(results[2].events[0].envelope.version, 3);
+    assert_eq!(chain(&*f.store, t).await.len(), 4);
+
+    // The second member's guard fails: nothing of the group lands, the singles around it do.
+    let mut stale = request(t, "group/c", ExpectedVersion::NoStream, 1);
+    stale.guards = vec![("group/a".into(), ExpectedVersion::Exact(2))];
+    let group = f.log.append_group(vec![request(t, "group/d", ExpectedVersion::NoStream, 1), stale]);
+    let before = f.log.append(request(t, "group/e", ExpectedVersion::NoStream, 1));
+    let after = f.log.append(request(t, "group/f", ExpectedVersion::NoStream, 1));
+    let (group, before, after) = tokio::join!(group, before, after);
+    let error = group.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::Conflict, "{error}");
+    assert!(error.to_string().contains("group/a"), "the refused member's error: {error}");
+    before.unwrap();
+    after.unwrap();
+    assert_eq!(chain(&*f.store, t).await.len(), 6, "the two singles, nothing of the group");
+    assert_eq!(f.log.append(request(t, "group/d", ExpectedVersion::NoStream, 1)).await.unwrap().events[0].envelope.version, 1);
+
+    let too_big: Vec<AppendRequest> = (0..=bc_core::store::BATCH_EVENTS_MAX / 100)
+        .map(|i| request(t, &format!("big/{i}"), ExpectedVersion::Any, 100))
+        .collect();
+    assert_eq!(f.log.append_group(too_big).await.unwrap_err().code(), ErrorCode::InvalidArgument);
+    assert!(f.log.append_group(vec![]).await.unwrap().is_empty());
+
+    // A group is one transaction: under the simulator's limit it counts as one append.
+    f.log.appends_limit(Some(1));
+    let three = || (0..3).map(|i| request(t, &format!("limit/{i}"), ExpectedVersion::Any, 1)).collect();
+    assert_eq!(f.log.append_group(three()).await.unwrap().len(), 3);
+    assert_eq!(f.log.append_group(three()).await.unwrap_err().code(), ErrorCode::Unavailable);
+    assert_eq!(f.log.appends_limit(None), Some(0));
+    assert_eq!(verify_all(&f).await, 10);
+}
+
 /// One append moving two streams (a reservation and a node): each event takes its own stream's
 /// next version; racing appends on the same node version, each with its own first stream, let
 /// exactly one through; an event for an unguarded stream is refused.
@@ -552,6 +600,7 @@ macro_rules! every_backend {
 
 every_backend!(
     appends_and_reads,
+    append_groups,
     lease_renewals,
     idempotency,
     optimistic_concurrency,

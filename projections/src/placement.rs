@@ -453,6 +453,62 @@ pub fn place<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>) ->
     place_by(nodes, ask, Preference::TightestFit)
 }
 
+/// A node's free GPUs: those no reservation holds, whatever they are.
+pub fn free_gpus(node: &NodeDoc) -> u32 {
+    (0..node.gpus.len() as u32).filter(|i| !node.allocations.contains_key(i)).count() as u32
+}
+
+/// [`place_by`] over nodes given with their [`free_gpus`] in ascending order of (free GPUs,
+/// node id), as [`crate::fleet::TenantView::ranked`] keeps them: the same choice, without
+/// scoring every node. The matching GPUs left on a node are at most its free GPUs less the ask,
+/// and exactly that when the selector is empty (every GPU matches), so a tightest fit with no
+/// selector takes the first node that fits, and spread walks down from the freest node until
+/// no node left could beat the one it has. A tightest fit with a selector scores every node
+/// with enough free GPUs (one with more free GPUs may have fewer matching).
+pub fn place_ranked<'n>(
+    ranked: impl DoubleEndedIterator<Item = (u32, &'n NodeDoc)>,
+    ask: &Ask<'_>,
+    preference: Preference,
+) -> Option<Placement> {
+    let exact = ask.selector.clauses.is_empty();
+    let mut best: Option<(u32, &NodeDoc)> = None;
+    let consider = |best: &mut Option<(u32, &'n NodeDoc)>, node: &'n NodeDoc| {
+        if let Some(left) = leftover(node, ask)
+            && best.is_none_or(|(l, b)| better(preference, left, node, l, b))
+        {
+            *best = Some((left, node));
+        }
+    };
+    match preference {
+        Preference::TightestFit => {
+            for (free, node) in ranked.skip_while(|(free, _)| *free < ask.gpus) {
+                if exact && best.is_some_and(|(l, _)| free - ask.gpus > l) {
+                    break;
+                }
+                consider(&mut best, node);
+            }
+        }
+        Preference::Spread => {
+            for (free, node) in ranked.rev() {
+                if free < ask.gpus || best.is_some_and(|(l, _)| free - ask.gpus < l) {
+                    break;
+                }
+                consider(&mut best, node);
+            }
+        }
+    }
+    best.and_then(|(_, node)| fit(node, ask))
+}
+
+/// Whether `preference` takes `node` with `left` matching GPUs left over `best` with
+/// `best_left` (ties: the lower node id).
+fn better(preference: Preference, left: u32, node: &NodeDoc, best_left: u32, best: &NodeDoc) -> bool {
+    match preference {
+        Preference::TightestFit => (left, &node.node_id) < (best_left, &best.node_id),
+        Preference::Spread => left > best_left || (left == best_left && node.node_id < best.node_id),
+    }
+}
+
 /// Which node a placement prefers among those that fit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Preference {
@@ -479,14 +535,10 @@ impl Preference {
 pub fn place_by<'n>(nodes: impl IntoIterator<Item = &'n NodeDoc>, ask: &Ask<'_>, preference: Preference) -> Option<Placement> {
     let mut best: Option<(u32, &NodeDoc)> = None;
     for node in nodes {
-        if let Some(left) = leftover(node, ask) {
-            let better = best.is_none_or(|(l, b)| match preference {
-                Preference::TightestFit => (left, &node.node_id) < (l, &b.node_id),
-                Preference::Spread => left > l || (left == l && node.node_id < b.node_id),
-            });
-            if better {
-                best = Some((left, node));
-            }
+        if let Some(left) = leftover(node, ask)
+            && best.is_none_or(|(l, b)| better(preference, left, node, l, b))
+        {
+            best = Some((left, node));
         }
     }
     best.and_then(|(_, node)| fit(node, ask))

@@ -203,9 +203,9 @@ fn create_places_at_the_tightest_fit_and_holds_the_gpus() {
     assert_eq!(pending.state, ReservationState::Active);
     assert_eq!(decision.held_node(), Some("node_b"));
     decision.hold(&mut view);
-    assert_eq!(view.nodes["node_b"].allocations.get(&2).map(String::as_str), Some("rsv_new"));
+    assert_eq!(view.nodes()["node_b"].allocations.get(&2).map(String::as_str), Some("rsv_new"));
     assert!(view.is_held("node_b"));
-    assert_eq!(view.nodes["node_b"].version, 7, "a hold does not move the version a guard names");
+    assert_eq!(view.nodes()["node_b"].version, 7, "a hold does not move the version a guard names");
     // The next request in this process goes to a node with no placement in flight.
     let next = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_next")).unwrap();
     assert_eq!(next.held_node(), Some("node_a"), "{next:?}");
@@ -384,7 +384,9 @@ fn a_plan_is_deterministic_for_the_same_view_and_time() {
 #[test]
 fn capacity_counts_free_reserved_and_unavailable_gpus() {
     let mut view = busy_view();
-    view.nodes.get_mut("node_b").unwrap().state = NodeState::Cordoned;
+    let mut node_b = view.nodes()["node_b"].clone();
+    node_b.state = NodeState::Cordoned;
+    view.put_node(node_b);
     let capacity = decide::pool_capacity(&pool(3600), &view);
     assert_eq!((capacity.nodes, capacity.gpus, capacity.free, capacity.reserved, capacity.unavailable), (3, 7, 0, 5, 2));
     assert_eq!((capacity.queued, capacity.queued_gpus), (3, 8));
@@ -984,6 +986,66 @@ fn pool_loads_kept_as_reservations_change_equal_a_recount() {
                 }
             }
             assert_eq!(*view.pool_loads(), recount, "seed {seed}");
+        }
+    }
+}
+
+/// The view's ranking of each pool's nodes by free GPUs, kept as nodes come, change, go and
+/// have GPUs held, always equals a ranking from scratch (seeded; the seed is printed on failure).
+#[test]
+fn nodes_ranked_by_free_gpus_as_they_change_equal_a_ranking_from_scratch() {
+    for seed in 0..64u64 {
+        let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut next = |n: u64| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (rng >> 33) % n
+        };
+        let pools = [POOL, "pool_01jd00000000000000000000b"];
+        let mut view = TenantView::new([], []);
+        for step in 0..300u64 {
+            let id = format!("node_{}", next(20));
+            match next(4) {
+                0 => drop(view.remove_node(&id)),
+                1 => {
+                    let Some(doc) = view.nodes().get(&id) else { continue };
+                    let free: Vec<u32> = (0..doc.gpus.len() as u32).filter(|i| !doc.allocations.contains_key(i)).collect();
+                    let Some(&gpu) = free.get(next(free.len().max(1) as u64) as usize) else { continue };
+                    let placement = placement::Placement {
+                        node_id: id.clone(),
+                        node_version: doc.version,
+                        gpus: vec![gpu],
+                        leftover: 0,
+                        hold: None,
+                    };
+                    let pending = queued(&format!("rsv_{step}"), &doc.pool_id.clone(), 1, step);
+                    view.hold(pending, Some(&placement));
+                }
+                _ => {
+                    // A node keeps its pool; a new one draws one.
+                    let pool = view.nodes().get(&id).map_or_else(|| pools[next(2) as usize].to_owned(), |n| n.pool_id.clone());
+                    let mut doc = node(&id, &pool, 1 + next(8) as u32);
+                    for gpu in 0..doc.gpus.len() as u32 {
+                        if next(3) == 0 {
+                            doc.allocations.insert(gpu, "rsv_x".into());
+                        }
+                    }
+                    view.put_node(doc);
+                }
+            }
+            for pool in pools {
+                let mut scratch: Vec<(u32, &str)> = view
+                    .nodes()
+                    .values()
+                    .filter(|n| n.pool_id == pool)
+                    .map(|n| (placement::free_gpus(n), n.node_id.as_str()))
+                    .collect();
+                scratch.sort();
+                let kept: Vec<(u32, &str)> = view.ranked(pool, 0).map(|(free, n)| (free, n.node_id.as_str())).collect();
+                assert_eq!(kept, scratch, "seed {seed} step {step}");
+                let at_least_3: Vec<_> = scratch.iter().copied().filter(|(free, _)| *free >= 3).collect();
+                let kept_3: Vec<_> = view.ranked(pool, 3).map(|(free, n)| (free, n.node_id.as_str())).collect();
+                assert_eq!(kept_3, at_least_3, "seed {seed} step {step}");
+            }
         }
     }
 }

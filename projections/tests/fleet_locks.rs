@@ -40,8 +40,90 @@ async fn finding_9_one_tenants_use_of_the_fleet_view_does_not_stall_anothers() {
     });
     tokio::task::spawn_blocking(move || entered.recv().unwrap()).await.unwrap();
     // Tenant B's first use loads it from the database while A's view is held.
-    let other = tokio::time::timeout(Duration::from_secs(5), fleet.with_tenant(&*store, b, |view| view.nodes.len())).await;
+    let other = tokio::time::timeout(Duration::from_secs(5), fleet.with_tenant(&*store, b, |view| view.nodes().len())).await;
     release.send(()).unwrap();
     assert!(holder.await.unwrap(), "tenant A was released");
     assert_eq!(other.expect("tenant B did not wait for tenant A").unwrap(), 0);
+}
+
+/// Issue 17: a placer's held GPUs were lost from the view when any refresh read its node again,
+/// even a read made before the placer's append landed; the next request then placed on the
+/// same GPUs, its guarded append was a CONFLICT, and it queued (and with it every request
+/// after it, behind the queue). A held node is read again only once its placers are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
+    use bc_core::clock::SystemClock;
+    use bc_core::id::{NodeId, PoolId};
+    use bc_core::keys::LogKey;
+    use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
+    use bc_projections::events::{self as ev, Gpu};
+    use bc_projections::fleet::Reread;
+    use bc_projections::placement::{self, Ask, Selector};
+    use bc_projections::{KIND_NODE, KIND_POOL, Projections, ReservationDoc, ReservationState, stream_of};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("fleet.sqlite3")).await.unwrap();
+    store.migrate().await.unwrap();
+    let store: Arc<dyn EventStore> = Arc::new(store);
+    let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
+    let tenant = TenantId::generate();
+    let (pool, node) = (PoolId::generate().to_string(), NodeId::generate().to_string());
+    let append = |stream: String, event_type: &str, payload| {
+        AppendRequest::new(tenant, stream, ExpectedVersion::Any, "test", vec![NewEvent::new(event_type, payload)])
+    };
+    let created =
+        ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+    log.append(append(stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
+    let gpus = vec![Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 }; 8];
+    let registered = ev::NodeRegistered { pool_id: pool.clone(), name: "n".into(), gpus, labels: Default::default() };
+    log.append(append(stream_of(KIND_NODE, &node), ev::NODE_REGISTERED, ev::to_cbor(&registered).unwrap())).await.unwrap();
+
+    let fleet = Arc::new(Fleet::new());
+    fleet.prime(&*store).await.unwrap();
+    let selector = Selector::default();
+    let ask = Ask { gpus: 4, selector: &selector, nvlink: false, tolerations: &[] };
+    // A placer holds four GPUs of the node for an append it has not made yet.
+    let placed = fleet
+        .with_tenant(&*store, tenant, |view| {
+            let placed = placement::place_ranked(view.ranked(&pool, 4), &ask, Default::default()).unwrap();
+            let pending = ReservationDoc {
+                tenant_id: tenant.to_string(),
+                reservation_id: "rsv_pending".into(),
+                pool_id: pool.clone(),
+                gpus: 4,
+                duration_s: 60,
+                selector: String::new(),
+                nvlink: false,
+                tolerations: vec![],
+                state: ReservationState::Active,
+                node_id: Some(node.clone()),
+                gpu_indexes: placed.gpus.clone(),
+                request_seq: u64::MAX,
+                requested_at_ms: 0,
+                activated_at_ms: None,
+                ends_at_ms: None,
+                ended_at_ms: None,
+                binding: None,
+                hold_attempts: 0,
+                hold_failed_nodes: vec![],
+                last_error: None,
+                instance_id: None,
+                version: 0,
+            };
+            view.hold(pending, Some(&placed));
+            placed
+        })
+        .await
+        .unwrap();
+    // Meanwhile the node's row changes in the log (an operator cordons it), and the next use
+    // reads it again.
+    log.append(append(stream_of(KIND_NODE, &node), ev::NODE_CORDONED, ev::to_cbor(&ev::NodeStateChanged {}).unwrap()))
+        .await
+        .unwrap();
+    let seen = |view: &mut bc_projections::fleet::TenantView| (placement::free_gpus(&view.nodes()[&node]), view.is_held(&node));
+    let held = fleet.with_tenant(&*store, tenant, seen).await.unwrap();
+    assert_eq!(held, (4, true), "the held GPUs stay held while the placer appends");
+    // The placer is done (its append failed, say): the node is read from the store again.
+    Reread::new(fleet.clone(), tenant, Some(placed.node_id.clone()), "rsv_pending".into()).now().await;
+    assert_eq!(fleet.with_tenant(&*store, tenant, seen).await.unwrap(), (8, false), "read again once its placer is done");
 }

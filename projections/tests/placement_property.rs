@@ -17,7 +17,8 @@ use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, rebuild_projections};
 use bc_projections::events::{self as ev, Gpu};
-use bc_projections::placement::{self, Ask, Selector, live, pool_nodes};
+use bc_projections::fleet::TenantView;
+use bc_projections::placement::{self, Ask, Preference, Selector, live, pool_nodes};
 use bc_projections::{KIND_NODE, KIND_POOL, KIND_RESERVATION, NodeDoc, Projections, stream_of};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -115,6 +116,14 @@ async fn case(seed: u64) -> usize {
         for node in &nodes {
             let fitted = placement::fit(node, &ask).map(|f| f.leftover);
             assert_eq!(placement::leftover(node, &ask), fitted, "seed {seed}: the fast score disagrees with fit");
+        }
+        let view = TenantView::new(nodes.iter().cloned(), []);
+        for &preference in Preference::ALL {
+            assert_eq!(
+                placement::place_ranked(view.ranked(&pool, ask.gpus), &ask, preference),
+                placement::place_by(&nodes, &ask, preference),
+                "seed {seed} step {step}: walking the nodes by free GPUs and scoring them all disagree ({preference:?}, {text:?})"
+            );
         }
         let Some(p) = placement::place(&nodes, &ask) else {
             for node in &nodes {

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::{CommandId, TenantId};
-use bc_core::store::Log;
+use bc_core::store::{AppendRequest, Log};
 use bc_core::{ErrorCode, Result};
 use bc_projections::decide::{self, Action};
 use bc_projections::fleet::Fleet;
@@ -47,10 +47,23 @@ pub struct Pass {
     pub conflicts: usize,
 }
 
+/// Actions appended together, in one transaction, at most ([`Log::append_group`]): a pass that
+/// activates thousands commits them a group at a time instead of one commit each (issue 17).
+pub const GROUP_ACTIONS_MAX: usize = 64;
+/// Events one action appends at most (its reservation's event, its node's, and a command).
+const ACTION_EVENTS_MAX: usize = 3;
+const _: () = assert!(GROUP_ACTIONS_MAX * ACTION_EVENTS_MAX <= bc_core::store::BATCH_EVENTS_MAX);
+
 /// One pass over every tenant with live reservations: [`decide::plan`] on this process's view
-/// of the log (`fleet`), then each action appended in order. `known` are tenants to load into
-/// the view first (every tenant on the first pass). The view holds nothing of the pass: it
-/// reads what the appends did from the log on the next pass.
+/// of the log (`fleet`), then the actions appended in order, in groups of up to
+/// [`GROUP_ACTIONS_MAX`] that land whole or not at all. `known` are tenants to load into the
+/// view first (every tenant on the first pass). The view holds nothing of the pass: it reads
+/// what the appends did from the log on the next pass.
+///
+/// A group is gathered as if every action before it landed (an activation counting on an
+/// expiry of the same group, say); one that does not land is appended again one action at a
+/// time, each decided on what the actions before it did, as a pass without groups would: the
+/// appends that still land land, and a pool stops at its first activation that does not.
 ///
 /// Each action that issues a command (`gpu.hold` with an activation on a node with an agent,
 /// `gpu.release` with an ending) gets a fresh command id from the log's id source.
@@ -59,67 +72,159 @@ pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId
     let now_ms = clock.now_ms();
     let plans = fleet.with_busy_tenants(&*log.store, known, |tenant, view| (tenant, decide::plan(view, now_ms))).await?;
     for (tenant, actions) in plans {
-        // Expiries that landed, and pools whose queue stopped at an activation that did not.
-        let mut expired: HashSet<String> = HashSet::new();
-        let mut stopped: HashSet<String> = HashSet::new();
-        for action in &actions {
-            match action {
-                Action::Skip { reservation_id, reason, .. } => {
-                    tracing::warn!(reconciler = NAME, reservation = %reservation_id, error = %reason, "skipping a reservation whose selector does not parse");
-                    continue;
-                }
-                Action::Activate { pool_id, freed_by, .. } => {
-                    if stopped.contains(pool_id) {
-                        continue;
-                    }
-                    // Its guard counts on expiries that did not land: the next pass decides again.
-                    if !freed_by.iter().all(|id| expired.contains(id)) {
-                        stopped.insert(pool_id.clone());
-                        continue;
-                    }
-                }
-                Action::Expire { .. } | Action::HoldFailed { .. } => {}
+        append_plan(log, tenant, now_ms, &actions, &mut done).await?;
+    }
+    Ok(done)
+}
+
+/// Appends one tenant's plan (see [`pass`]), counting what happened into `done`.
+async fn append_plan(log: &Log, tenant: TenantId, now_ms: u64, actions: &[Action], done: &mut Pass) -> Result<()> {
+    let mut run = TenantPass { log, tenant, now_ms, expired: HashSet::new(), stopped: HashSet::new(), done };
+    let mut group: Vec<(&Action, AppendRequest)> = Vec::new();
+    for action in actions {
+        if group.len() == GROUP_ACTIONS_MAX {
+            run.flush(std::mem::take(&mut group)).await?;
+        }
+        if !run.gate(action) {
+            continue;
+        }
+        let Some(request) = run.request(action)? else { continue };
+        // As if it landed, for the actions after it in the group.
+        if let Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. } = action {
+            run.expired.insert(reservation_id.clone());
+        }
+        group.push((action, request));
+    }
+    run.flush(group).await
+}
+
+/// One tenant's share of a pass: what landed so far, and the counts.
+struct TenantPass<'a> {
+    log: &'a Log,
+    tenant: TenantId,
+    now_ms: u64,
+    /// Expiries (and failed holds) that landed, or are in the group being gathered.
+    expired: HashSet<String>,
+    /// Pools whose queue stopped at an activation that did not land.
+    stopped: HashSet<String>,
+    done: &'a mut Pass,
+}
+
+impl TenantPass<'_> {
+    /// Whether `action` is to be appended after what landed so far: not a skip, not an
+    /// activation of a stopped pool, not one whose guard counts on expiries that did not land
+    /// (that stops its pool: the next pass decides again).
+    fn gate(&mut self, action: &Action) -> bool {
+        match action {
+            Action::Skip { reservation_id, reason, .. } => {
+                tracing::warn!(reconciler = NAME, reservation = %reservation_id, error = %reason, "skipping a reservation whose selector does not parse");
+                false
             }
-            let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
-            let Some(append) = action.append(Issue { command_id: &command_id, now_ms })? else { continue };
-            let appended = log.append(append.into_request(tenant, ACTOR)).await;
-            match (action, appended) {
-                (Action::Expire { reservation_id, .. }, Ok(_)) => {
-                    done.expired += 1;
-                    expired.insert(reservation_id.clone());
+            Action::Activate { pool_id, freed_by, .. } => {
+                if self.stopped.contains(pool_id) {
+                    return false;
                 }
-                (Action::HoldFailed { reservation_id, reason, gives_up, attempts, .. }, Ok(_)) => {
-                    if *gives_up {
-                        done.failed += 1;
-                    } else {
-                        done.requeued += 1;
+                if !freed_by.iter().all(|id| self.expired.contains(id)) {
+                    self.stopped.insert(pool_id.clone());
+                    return false;
+                }
+                true
+            }
+            Action::Expire { .. } | Action::HoldFailed { .. } => true,
+        }
+    }
+
+    /// The append `action` makes, with a fresh command id.
+    fn request(&self, action: &Action) -> Result<Option<AppendRequest>> {
+        let command_id = CommandId::from_ulid(self.log.ids.ulid()).to_string();
+        let append = action.append(Issue { command_id: &command_id, now_ms: self.now_ms })?;
+        Ok(append.map(|a| a.into_request(self.tenant, ACTOR)))
+    }
+
+    /// Appends a gathered group in one transaction; if it does not land, its actions one at a
+    /// time, each gated again on what landed.
+    async fn flush(&mut self, group: Vec<(&Action, AppendRequest)>) -> Result<()> {
+        if group.is_empty() {
+            return Ok(());
+        }
+        let (actions, requests): (Vec<&Action>, Vec<AppendRequest>) = group.into_iter().unzip();
+        let appended = match <[AppendRequest; 1]>::try_from(requests) {
+            Ok([one]) => self.log.append(one).await.map(drop),
+            Err(requests) => self.log.append_group(requests).await.map(drop),
+        };
+        match appended {
+            Ok(()) => actions.into_iter().for_each(|action| self.landed(action)),
+            Err(e) if actions.len() == 1 => {
+                self.unassume(actions[0]);
+                self.refused(actions[0], e);
+            }
+            Err(e) => {
+                tracing::debug!(reconciler = NAME, actions = actions.len(), code = %e.code(), error = %e, "a group did not land; appending its actions one at a time");
+                for action in &actions {
+                    self.unassume(action);
+                }
+                for action in actions {
+                    if !self.gate(action) {
+                        continue;
                     }
-                    tracing::info!(reconciler = NAME, reservation = %reservation_id, attempts, failed = gives_up, reason = %bc_core::id::truncate(reason, 200), "hold failed");
-                    expired.insert(reservation_id.clone());
-                }
-                (Action::Expire { .. } | Action::HoldFailed { .. }, Err(e)) if e.code() == ErrorCode::Conflict => {
-                    done.conflicts += 1
-                }
-                (Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. }, Err(e)) => {
-                    // One reservation's failure is its own: the rest of the pass (other pools,
-                    // other tenants) goes on, and its pool activates nothing more this pass.
-                    tracing::warn!(reconciler = NAME, reservation = %reservation_id, code = %e.code(), error = %e, "ending failed");
-                    stopped.insert(action.pool_id().to_owned());
-                }
-                (_, Ok(_)) => done.activated += 1,
-                (_, Err(e)) => {
-                    // Oldest first: a pool whose next activation did not land activates nothing more.
-                    stopped.insert(action.pool_id().to_owned());
-                    if e.code() == ErrorCode::Conflict {
-                        done.conflicts += 1;
-                    } else {
-                        tracing::warn!(reconciler = NAME, reservation = %action.reservation_id(), code = %e.code(), error = %e, "activation failed");
+                    let Some(request) = self.request(action)? else { continue };
+                    match self.log.append(request).await {
+                        Ok(_) => self.landed(action),
+                        Err(e) => self.refused(action, e),
                     }
                 }
             }
         }
+        Ok(())
     }
-    Ok(done)
+
+    /// Forgets that an ending of a group that did not land was taken as landed.
+    fn unassume(&mut self, action: &Action) {
+        if let Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. } = action {
+            self.expired.remove(reservation_id);
+        }
+    }
+
+    fn landed(&mut self, action: &Action) {
+        match action {
+            Action::Expire { reservation_id, .. } => {
+                self.done.expired += 1;
+                self.expired.insert(reservation_id.clone());
+            }
+            Action::HoldFailed { reservation_id, reason, gives_up, attempts, .. } => {
+                if *gives_up {
+                    self.done.failed += 1;
+                } else {
+                    self.done.requeued += 1;
+                }
+                tracing::info!(reconciler = NAME, reservation = %reservation_id, attempts, failed = gives_up, reason = %bc_core::id::truncate(reason, 200), "hold failed");
+                self.expired.insert(reservation_id.clone());
+            }
+            Action::Activate { .. } => self.done.activated += 1,
+            Action::Skip { .. } => {}
+        }
+    }
+
+    fn refused(&mut self, action: &Action, e: bc_core::Error) {
+        match action {
+            Action::Expire { .. } | Action::HoldFailed { .. } if e.code() == ErrorCode::Conflict => self.done.conflicts += 1,
+            Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. } => {
+                // One reservation's failure is its own: the rest of the pass (other pools,
+                // other tenants) goes on, and its pool activates nothing more this pass.
+                tracing::warn!(reconciler = NAME, reservation = %reservation_id, code = %e.code(), error = %e, "ending failed");
+                self.stopped.insert(action.pool_id().to_owned());
+            }
+            Action::Activate { .. } | Action::Skip { .. } => {
+                // Oldest first: a pool whose next activation did not land activates nothing more.
+                self.stopped.insert(action.pool_id().to_owned());
+                if e.code() == ErrorCode::Conflict {
+                    self.done.conflicts += 1;
+                } else {
+                    tracing::warn!(reconciler = NAME, reservation = %action.reservation_id(), code = %e.code(), error = %e, "activation failed");
+                }
+            }
+        }
+    }
 }
 
 /// Runs passes until `shutdown`: every `tick_ms`, and at once after a commit of this process.
@@ -210,7 +315,7 @@ mod tests {
         KIND_NODE, KIND_POOL, KIND_RESERVATION, NodeDoc, Projections, ReservationDoc, ReservationState, stream_of,
     };
 
-    use super::{Pass, pass};
+    use super::{Action, Pass, pass};
 
     fn requested(pool: &str, gpus: u32) -> NewEvent {
         let payload = ev::ReservationRequested {
@@ -280,9 +385,58 @@ mod tests {
 
         let fleet = Fleet::new();
         fleet.prime(&*store).await.unwrap();
+        let batches = log.stats.snapshot()[0];
         let first = pass(&log, &fleet, &SystemClock, &[tenant]).await.unwrap();
         assert_eq!(first, Pass { activated: 2 * NODES, ..Pass::default() }, "the queue up to a full pool, in one pass");
+        assert_eq!(log.stats.snapshot()[0] - batches, 1, "{} activations, one group: one commit", 2 * NODES);
         assert_eq!(pass(&log, &fleet, &SystemClock, &[]).await.unwrap(), Pass::default(), "the rest wait");
+        drop(log);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+
+    /// A group with an activation that no longer lands (its node was cordoned after the plan
+    /// read it) lands nothing; its actions are then appended one at a time, so those before the
+    /// refused activation land and the pool's queue stops at it, as a pass without groups does.
+    #[tokio::test]
+    async fn a_group_that_does_not_land_is_appended_one_action_at_a_time_and_stops_its_pool() {
+        const NODES: usize = 12;
+        let Scratch { path, store, log, tenant, pool } = scratch("group").await;
+        let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
+        for i in 0..NODES {
+            let gpus = (0..8)
+                .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
+                .collect();
+            let node = ev::NodeRegistered { pool_id: pool.clone(), name: format!("n{i}"), gpus, labels: Default::default() };
+            let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
+            log.append(append(stream_of(KIND_NODE, &NodeId::generate()), ExpectedVersion::NoStream, vec![event])).await.unwrap();
+        }
+        for _ in 0..2 * NODES {
+            let id = ReservationId::generate().to_string();
+            log.append(append(stream_of(KIND_RESERVATION, &id), ExpectedVersion::NoStream, vec![requested(&pool, 4)]))
+                .await
+                .unwrap();
+        }
+        let nodes = placement::pool_nodes(&*store, tenant, &pool).await.unwrap();
+        let view = bc_projections::fleet::TenantView::new(nodes, placement::live(&*store, tenant).await.unwrap());
+        let actions = bc_projections::decide::plan(&view, 1);
+        assert_eq!(actions.len(), 2 * NODES);
+        // The node of the ninth activation (the fifth node), cordoned after the plan: its first
+        // activation is refused.
+        let Action::Activate { placement: ninth, .. } = &actions[8] else { panic!("{:?}", actions[8]) };
+        let first_on_it = actions
+            .iter()
+            .position(|a| matches!(a, Action::Activate { placement, .. } if placement.node_id == ninth.node_id))
+            .unwrap();
+        let cordon = NewEvent::new(ev::NODE_CORDONED, ev::to_cbor(&ev::NodeStateChanged {}).unwrap());
+        log.append(append(stream_of(KIND_NODE, &ninth.node_id), ExpectedVersion::Any, vec![cordon])).await.unwrap();
+
+        let mut done = Pass::default();
+        super::append_plan(&log, tenant, 1, &actions, &mut done).await.unwrap();
+        assert_eq!(done, Pass { activated: first_on_it, conflicts: 1, ..Pass::default() });
+        let live = placement::live(&*store, tenant).await.unwrap();
+        assert_eq!(live.iter().filter(|r| r.state == ReservationState::Active).count(), first_on_it);
         drop(log);
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));

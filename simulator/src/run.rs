@@ -165,8 +165,9 @@ pub enum Fault {
     /// The next acknowledgement of a journal entry to an agent is lost and its stream breaks:
     /// the agent sends the entries again in its next session, which the log must take once.
     LostAcks,
-    /// The next reconciler pass dies after its k-th append (k from the seed, 0 to 4): nothing
-    /// after it lands, and the next pass must do the rest.
+    /// The next reconciler pass dies after its k-th append (k from the seed, 0 to 4; a group of
+    /// actions appended in one transaction is one): nothing after it lands, and the next pass
+    /// must do the rest.
     ReconcilerCrash,
     /// The gateway restarts: its `Log` (the appender), the store's connections and the fleet's
     /// in-memory views are dropped and opened again from the same SQLite file; the agents

@@ -618,9 +618,9 @@ impl World {
     }
 
     /// [`Self::pass`] dropped part way, as a reconciler process dies: the passes' first
-    /// `appends` appends are taken and nothing after them (`Log::appends_limit`); the next
-    /// pass must do the rest. True if the passes used up their appends (so the crash may have
-    /// cut something off).
+    /// `appends` appends (a group of actions, one transaction, is one) are taken and nothing
+    /// after them (`Log::appends_limit`); the next pass must do the rest. True if the passes
+    /// used up their appends (so the crash may have cut something off).
     pub async fn pass_crashing(&self, appends: u64) -> bool {
         let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
         let stopped = injected;

@@ -43,8 +43,15 @@ pub const OPTIMISTIC_ATTEMPTS_MAX: usize = 2;
 const PARALLEL_SIGNING_EVENTS_MIN: usize = 64;
 
 struct Job {
-    request: AppendRequest,
-    reply: oneshot::Sender<Result<AppendResult>>,
+    /// One request, or a group ([`Log::append_group`]) that is appended whole or not at all.
+    requests: Vec<AppendRequest>,
+    reply: oneshot::Sender<Result<Vec<AppendResult>>>,
+}
+
+impl Job {
+    fn events(&self) -> usize {
+        self.requests.iter().map(|r| r.events.len()).sum()
+    }
 }
 
 /// What the appender decided for one job.
@@ -99,8 +106,30 @@ pub struct LogHandle {
 impl LogHandle {
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
         request.validate()?;
+        let mut results = self.send(vec![request]).await?;
+        results.pop().ok_or_else(|| Error::Internal("the appender answered an append with nothing".into()))
+    }
+
+    /// Appends every request, in order, in one transaction, or none: the first refusal (a
+    /// guard's CONFLICT, say) refuses the whole group with its error. At most
+    /// [`BATCH_EVENTS_MAX`] events in all.
+    pub async fn append_group(&self, requests: Vec<AppendRequest>) -> Result<Vec<AppendResult>> {
+        for request in &requests {
+            request.validate()?;
+        }
+        let events: usize = requests.iter().map(|r| r.events.len()).sum();
+        if events > BATCH_EVENTS_MAX {
+            return Err(Error::invalid(format!("a group of appends holds at most {BATCH_EVENTS_MAX} events, not {events}")));
+        }
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.send(requests).await
+    }
+
+    async fn send(&self, requests: Vec<AppendRequest>) -> Result<Vec<AppendResult>> {
         let (reply, answer) = oneshot::channel();
-        self.jobs.send(Job { request, reply }).await.map_err(|_| Error::Unavailable("the appender has stopped".into()))?;
+        self.jobs.send(Job { requests, reply }).await.map_err(|_| Error::Unavailable("the appender has stopped".into()))?;
         answer.await.map_err(|_| Error::Unavailable("the appender stopped before answering".into()))?
     }
 }
@@ -193,13 +222,31 @@ impl Log {
     }
 
     pub async fn append(&self, request: AppendRequest) -> Result<AppendResult> {
-        if let Some(left) = self.appends_left.lock().expect("the appends limit is not poisoned").as_mut() {
-            if *left == 0 {
-                return Err(Error::Unavailable(APPENDS_STOPPED.into()));
-            }
-            *left -= 1;
+        if let Some(stopped) = self.appends_limit_take() {
+            return Err(stopped);
         }
         self.handle.append(request).await
+    }
+
+    /// [`LogHandle::append_group`]: every request in one transaction, or none. Under
+    /// [`Log::appends_limit`] a group counts as one append: it is one transaction, so a caller
+    /// that dies does so before it or after it.
+    pub async fn append_group(&self, requests: Vec<AppendRequest>) -> Result<Vec<AppendResult>> {
+        if let Some(stopped) = self.appends_limit_take() {
+            return Err(stopped);
+        }
+        self.handle.append_group(requests).await
+    }
+
+    /// Takes one append from the limit, if there is one: `Some(error)` when none is left.
+    fn appends_limit_take(&self) -> Option<Error> {
+        let mut limit = self.appends_left.lock().expect("the appends limit is not poisoned");
+        let left = limit.as_mut()?;
+        if *left == 0 {
+            return Some(Error::Unavailable(APPENDS_STOPPED.into()));
+        }
+        *left -= 1;
+        None
     }
 
     /// Makes the next `count` append transactions fail at their commit, after every write (rolled
@@ -244,14 +291,14 @@ async fn run_appender(
                 None => return,
             },
         };
-        let mut events = first.request.events.len();
+        let mut events = first.events();
         let mut jobs = vec![first];
         while let Ok(job) = receiver.try_recv() {
-            if events + job.request.events.len() > BATCH_EVENTS_MAX {
+            if events + job.events() > BATCH_EVENTS_MAX {
                 carried = Some(job);
                 break;
             }
-            events += job.request.events.len();
+            events += job.events();
             jobs.push(job);
         }
         if let Some(commit) = process_batch(&appender, &stats, jobs).await {
@@ -281,14 +328,15 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         };
         timings[0] += phase.elapsed().as_micros();
         let phase = stopwatch();
-        let events: usize = jobs.iter().map(|j| j.request.events.len()).sum();
-        let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
+        let events: usize = jobs.iter().map(Job::events).sum();
+        let (requests, sizes) = flatten(&jobs);
         let (mut batch, outcomes) = if events < PARALLEL_SIGNING_EVENTS_MIN {
             // A few signatures cost less than a hop to the blocking pool.
-            decide(&pre, &requests, key, clock.now_ms(), &**ids)
+            decide_jobs(&pre, &requests, &sizes, key, clock.now_ms(), &**ids)
         } else {
             let (key2, clock2, ids2) = (key.clone(), clock.clone(), ids.clone());
-            match tokio::task::spawn_blocking(move || decide(&pre, &requests, &key2, clock2.now_ms(), &*ids2)).await {
+            match tokio::task::spawn_blocking(move || decide_jobs(&pre, &requests, &sizes, &key2, clock2.now_ms(), &*ids2)).await
+            {
                 Ok(decided) => decided,
                 Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
             }
@@ -321,11 +369,11 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         Some(decided) => decided,
         None => {
             // Contended: decide under the lock.
-            let requests: Vec<AppendRequest> = jobs.iter().map(|j| j.request.clone()).collect();
+            let (requests, sizes) = flatten(&jobs);
             let mut outcomes = Vec::new();
             let now_ms = clock.now_ms();
             let mut decide_locked = |pre: &PreRead| {
-                let (batch, decided) = decide(pre, &requests, key, now_ms, &**ids);
+                let (batch, decided) = decide_jobs(pre, &requests, &sizes, key, now_ms, &**ids);
                 outcomes = decided;
                 batch
             };
@@ -362,16 +410,28 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
             _ => None,
         })
         .collect();
-    for (job, outcome) in jobs.drain(..).zip(outcomes) {
-        let answer = match outcome {
-            Outcome::Append(range) => Ok(AppendResult { events: batch.events[range].to_vec(), replayed: false }),
-            Outcome::ReplayOfJob(first) => Ok(AppendResult {
-                events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
-                replayed: true,
-            }),
-            Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
-            Outcome::Refused(e) => Err(e),
-        };
+    let mut outcomes = outcomes.into_iter();
+    for job in jobs.drain(..) {
+        // A group's members are all appended or all refused (`decide_jobs`).
+        let mut answer = Ok(Vec::with_capacity(job.requests.len()));
+        for outcome in outcomes.by_ref().take(job.requests.len()) {
+            let result = match outcome {
+                Outcome::Append(range) => Ok(AppendResult { events: batch.events[range].to_vec(), replayed: false }),
+                Outcome::ReplayOfJob(first) => Ok(AppendResult {
+                    events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
+                    replayed: true,
+                }),
+                Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
+                Outcome::Refused(e) => Err(e),
+            };
+            answer = match (answer, result) {
+                (Ok(mut results), Ok(result)) => {
+                    results.push(result);
+                    Ok(results)
+                }
+                (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+            };
+        }
         let _ = job.reply.send(answer);
     }
     batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
@@ -449,8 +509,7 @@ fn pre_read_query(jobs: &[Job]) -> PreReadQuery {
     let mut tenants = std::collections::HashSet::new();
     let mut streams = std::collections::HashSet::new();
     let mut keys = std::collections::HashSet::new();
-    for job in jobs {
-        let r = &job.request;
+    for r in jobs.iter().flat_map(|job| &job.requests) {
         if tenants.insert(r.tenant) {
             query.tenants.push(r.tenant);
         }
@@ -468,11 +527,68 @@ fn pre_read_query(jobs: &[Job]) -> PreReadQuery {
     query
 }
 
+/// Every job's requests in one list, and how many each job holds.
+fn flatten(jobs: &[Job]) -> (Vec<AppendRequest>, Vec<usize>) {
+    (jobs.iter().flat_map(|j| j.requests.iter().cloned()).collect(), jobs.iter().map(|j| j.requests.len()).collect())
+}
+
+/// [`decide`] for jobs: `requests` are the jobs' requests in order, `sizes[j]` of them job
+/// `j`'s. A group (a job of more than one) with a refused member is refused whole: each of its
+/// members gets the first refusal's error, and the rest of the batch is decided again without
+/// it (rare: a group is a reconciler's, decided on what it read). One outcome per request, in
+/// order, [`Outcome::ReplayOfJob`] naming an index of `requests`.
+fn decide_jobs(
+    pre: &PreRead,
+    requests: &[AppendRequest],
+    sizes: &[usize],
+    key: &LogKey,
+    now_ms: u64,
+    ids: &dyn IdSource,
+) -> (PreparedBatch, Vec<Outcome>) {
+    let starts: Vec<usize> = sizes.iter().scan(0, |at, n| Some(std::mem::replace(at, *at + n))).collect();
+    // The error each refused group was refused with.
+    let mut refused: HashMap<usize, Error> = HashMap::new();
+    loop {
+        // The requests of the jobs still in, and where each sits in `requests`.
+        let kept: Vec<usize> =
+            (0..sizes.len()).filter(|j| !refused.contains_key(j)).flat_map(|j| starts[j]..starts[j] + sizes[j]).collect();
+        let subset: Vec<&AppendRequest> = kept.iter().map(|&i| &requests[i]).collect();
+        let (batch, outcomes) = decide(pre, &subset, key, now_ms, ids);
+        let mut at = 0;
+        let mut newly_refused = Vec::new();
+        for job in (0..sizes.len()).filter(|j| !refused.contains_key(j)) {
+            let mine = &outcomes[at..at + sizes[job]];
+            at += sizes[job];
+            if sizes[job] > 1
+                && let Some(Outcome::Refused(e)) = mine.iter().find(|o| matches!(o, Outcome::Refused(_)))
+            {
+                newly_refused.push((job, e.clone()));
+            }
+        }
+        if !newly_refused.is_empty() {
+            refused.extend(newly_refused);
+            continue;
+        }
+        let mut decided = outcomes.into_iter();
+        let mut out = Vec::with_capacity(requests.len());
+        for (job, &size) in sizes.iter().enumerate() {
+            match refused.get(&job) {
+                Some(e) => out.extend((0..size).map(|_| Outcome::Refused(e.clone()))),
+                None => out.extend(decided.by_ref().take(size).map(|o| match o {
+                    Outcome::ReplayOfJob(first) => Outcome::ReplayOfJob(kept[first]),
+                    other => other,
+                })),
+            }
+        }
+        return (batch, out);
+    }
+}
+
 /// Decides every request of a batch against the pre-read state, then hashes and signs the
 /// accepted events. Pure: the time is passed in and event ids come from `ids`.
 fn decide(
     pre: &PreRead,
-    requests: &[AppendRequest],
+    requests: &[&AppendRequest],
     key: &LogKey,
     now_ms: u64,
     ids: &dyn IdSource,

@@ -203,7 +203,7 @@ async fn nodes_register(call: &Call<'_>, input: NodesRegister) -> Result<NodeVie
     }
     // Counted in this process's fleet view: registrations in flight elsewhere can pass the
     // limit by their number, which still bounds a tenant's nodes.
-    let nodes = call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.nodes.len()).await?;
+    let nodes = call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.nodes().len()).await?;
     decide::node_register(nodes)?;
     let node = NodeId::from_ulid(call.ulid());
     let payload = ev::to_cbor(&ev::NodeRegistered { pool_id: pool.to_string(), name: input.name, gpus, labels: input.labels })?;

@@ -51,7 +51,7 @@ pub fn pool_capacity(pool: &PoolDoc, view: &TenantView) -> PoolCapacity {
     let mut by_model: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
     let mut by_product: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
     let (mut nodes, mut gpus, mut free, mut reserved, mut unavailable) = (0u32, 0u32, 0u32, 0u32, 0u32);
-    for node in view.nodes.values().filter(|n| n.pool_id == pool.pool_id) {
+    for (_, node) in view.ranked(&pool.pool_id, 0) {
         nodes += 1;
         let ready = node.state == NodeState::Ready;
         for (i, gpu) in node.gpus.iter().enumerate() {
@@ -114,9 +114,8 @@ pub fn capacity_preview(view: &TenantView, ask: &ReservationAsk) -> CapacityPrev
     let pool_id = ask.pool.pool_id.as_str();
     let queued_ahead = view.pool_load(pool_id).queued.len() as u32;
     let placement_ask = ask.placement_ask();
-    let in_pool = || view.nodes.values().filter(|n| n.pool_id == pool_id);
-    let possible = in_pool().any(|n| placement::could_fit(n, &placement_ask));
-    let placed = placement::place(in_pool(), &placement_ask);
+    let possible = view.ranked(pool_id, 0).any(|(_, n)| placement::could_fit(n, &placement_ask));
+    let placed = placement::place_ranked(view.ranked(pool_id, placement_ask.gpus), &placement_ask, Default::default());
     CapacityPreview {
         possible,
         fits: placed.is_some() && queued_ahead == 0,

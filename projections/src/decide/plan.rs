@@ -20,7 +20,7 @@
 //! meanwhile, the guard fails and the append is a CONFLICT (the next pass decides again),
 //! never a double booking.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use bc_core::store::ExpectedVersion;
 
@@ -230,6 +230,13 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
             continue;
         }
         queue.sort_by(|a, b| (a.request_seq, &a.reservation_id).cmp(&(b.request_seq, &b.reservation_id)));
+        // The pool's nodes by (free GPUs, node id) as the actions so far leave them, kept so as
+        // this pool's activations take GPUs: placement walks it (`place_ranked`) instead of
+        // scoring every node of the pool for each queued reservation.
+        let mut ranked: BTreeSet<(u32, &str)> = view
+            .ranked(pool_id, 0)
+            .map(|(free, n)| (changed.get(n.node_id.as_str()).map_or(free, placement::free_gpus), n.node_id.as_str()))
+            .collect();
         for rsv in queue {
             let selector = match Selector::parse(&rsv.selector) {
                 Ok(selector) => selector,
@@ -243,24 +250,26 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
                 }
             };
             let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
-            let nodes =
-                || view.nodes.iter().filter(|(_, n)| n.pool_id == pool_id).map(|(id, n)| changed.get(id.as_str()).unwrap_or(n));
+            let node_of = |id: &str| changed.get(id).or_else(|| view.nodes().get(id));
+            let walk = || ranked.range((rsv.gpus, "")..).filter_map(|(free, id)| Some((*free, node_of(id)?)));
             // Not again on a node where its hold failed, unless no other fits.
-            let avoided = nodes().filter(|n| !rsv.hold_failed_nodes.contains(&n.node_id));
+            let avoided = walk().filter(|(_, n)| !rsv.hold_failed_nodes.contains(&n.node_id));
             let placed =
-                if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_by(avoided, &ask, policy.placement) };
-            let Some(placed) = placed.or_else(|| placement::place_by(nodes(), &ask, policy.placement)) else {
+                if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_ranked(avoided, &ask, policy.placement) };
+            let Some(placed) = placed.or_else(|| placement::place_ranked(walk(), &ask, policy.placement)) else {
                 match policy.queue {
                     QueueRule::Fifo => break,
                     QueueRule::Backfill => continue,
                 }
             };
-            let Some((key, node)) = view.nodes.get_key_value(&placed.node_id) else { break };
+            let Some((key, node)) = view.nodes().get_key_value(&placed.node_id) else { break };
             let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
+            ranked.remove(&(placement::free_gpus(node), key.as_str()));
             for gpu in &placed.gpus {
                 node.allocations.insert(*gpu, rsv.reservation_id.clone());
             }
             node.version += 1;
+            ranked.insert((placement::free_gpus(node), key.as_str()));
             actions.push(Action::Activate {
                 reservation_id: rsv.reservation_id.clone(),
                 reservation_version: rsv.version,
@@ -283,7 +292,7 @@ fn free<'v>(
     node_id: &str,
     reservation_id: &str,
 ) {
-    if let Some((key, node)) = view.nodes.get_key_value(node_id) {
+    if let Some((key, node)) = view.nodes().get_key_value(node_id) {
         let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
         node.allocations.retain(|_, holder| holder != reservation_id);
         node.version += 1;

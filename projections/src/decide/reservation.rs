@@ -9,7 +9,7 @@ use bc_core::store::ExpectedVersion;
 use super::{Append, Refusal};
 use crate::events::{self as ev, to_cbor};
 use crate::fleet::TenantView;
-use crate::placement::{self, Ask, Placement, Selector};
+use crate::placement::{self, Ask, Placement, Preference, Selector};
 use crate::{KIND_POOL, KIND_QUOTA, KIND_RESERVATION, PoolDoc, QuotaDoc, ReservationDoc, ReservationState, stream_of};
 use bc_core::store::NewEvent;
 
@@ -145,8 +145,10 @@ impl ReservationCreate {
 /// fits (two appends in flight on one node guard the same version: one would conflict), else
 /// on any.
 fn place_preferring_quiet(view: &TenantView, pool_id: &str, ask: &Ask<'_>) -> Option<Placement> {
-    let in_pool = || view.nodes.values().filter(move |n| n.pool_id == pool_id);
-    placement::place(in_pool().filter(|n| !view.is_held(&n.node_id)), ask).or_else(|| placement::place(in_pool(), ask))
+    let ranked = view.ranked(pool_id, ask.gpus);
+    let quiet = ranked.clone().filter(|(_, n)| !view.is_held(&n.node_id));
+    placement::place_ranked(quiet, ask, Preference::TightestFit)
+        .or_else(|| placement::place_ranked(ranked, ask, Preference::TightestFit))
 }
 
 /// `reservations.create`: a replay is queued (its append replays the first result); a request
@@ -186,7 +188,7 @@ pub fn reservation_create(
         return Ok(ReservationCreate::Queue { pending: None, append: request_only(false)? });
     }
     let placement_ask = ask.placement_ask();
-    if !view.nodes.values().any(|n| n.pool_id == *pool_id && placement::could_fit(n, &placement_ask)) {
+    if !view.ranked(pool_id, 0).any(|(_, n)| placement::could_fit(n, &placement_ask)) {
         return Err(Refusal::NeverFits {
             pool_id: pool_id.clone(),
             gpus: ask.gpus,
