@@ -179,6 +179,9 @@ struct Shared {
     /// Placers done with their holds ([`Fleet::reread`]) on each node, not yet taken off the
     /// view's `held` counts (the next refresh does).
     released: BTreeMap<TenantId, BTreeMap<String, u32>>,
+    /// Placements that landed ([`Reread::landed`]): node → (the version the placement read, the
+    /// version its append gave the node), for the next refresh to move the view's node to.
+    landed: BTreeMap<TenantId, BTreeMap<String, (u64, u64)>>,
 }
 
 /// Rows to read again before the next use (changed in the log, or held for an append that
@@ -227,6 +230,23 @@ impl Reread {
     pub async fn now(mut self) {
         self.armed = false;
         self.fleet.reread(self.tenant, self.node.as_deref(), &self.reservation).await;
+    }
+
+    /// The placement's append landed, moving its node from version `read` (the one its guard
+    /// named) to `appended`: the view's node, which is the store's at `read` with the placed
+    /// GPUs held, is the store's at `appended` (or holds more, for other placers still in
+    /// flight, who will conflict), so it takes that version without reading the row again.
+    /// The next request's tightest fit is often this very node: read again later, it would be
+    /// decided on the old version and conflict. The reservation is read again.
+    pub async fn landed(mut self, read: u64, appended: u64) {
+        self.armed = false;
+        self.fleet.reread(self.tenant, self.node.as_deref(), &self.reservation).await;
+        if let Some(node) = self.node.take() {
+            let mut shared = self.fleet.shared.lock().expect("fleet");
+            if shared.slots.contains_key(&self.tenant) {
+                shared.landed.entry(self.tenant).or_default().insert(node, (read, appended));
+            }
+        }
     }
 }
 
@@ -367,6 +387,12 @@ impl Fleet {
                 if *count == 0 {
                     view.held.remove(&node);
                 }
+            }
+        }
+        for (id, (read_at, appended)) in shared.landed.remove(&tenant).unwrap_or_default() {
+            if let Some(mut node) = view.nodes.get(&id).filter(|n| n.version == read_at).cloned() {
+                node.version = appended;
+                view.put_node(node);
             }
         }
         let dirty = shared.dirty.entry(tenant).or_default();

@@ -463,8 +463,9 @@ pub fn free_gpus(node: &NodeDoc) -> u32 {
 /// scoring every node. The matching GPUs left on a node are at most its free GPUs less the ask,
 /// and exactly that when the selector is empty (every GPU matches), so a tightest fit with no
 /// selector takes the first node that fits, and spread walks down from the freest node until
-/// no node left could beat the one it has. A tightest fit with a selector scores every node
-/// with enough free GPUs (one with more free GPUs may have fewer matching).
+/// no node left could beat the one it has (all the nodes as free as the best, for the lowest
+/// id). A tightest fit with a selector scores every node with enough free GPUs (one with more
+/// free GPUs may have fewer matching).
 pub fn place_ranked<'n>(
     ranked: impl DoubleEndedIterator<Item = (u32, &'n NodeDoc)>,
     ask: &Ask<'_>,
@@ -481,11 +482,13 @@ pub fn place_ranked<'n>(
     };
     match preference {
         Preference::TightestFit => {
-            for (free, node) in ranked.skip_while(|(free, _)| *free < ask.gpus) {
-                if exact && best.is_some_and(|(l, _)| free - ask.gpus > l) {
+            for (_, node) in ranked.skip_while(|(free, _)| *free < ask.gpus) {
+                consider(&mut best, node);
+                // With no selector the nodes come in the order of the choice: the first that
+                // fits has the fewest left, then the lowest id.
+                if exact && best.is_some() {
                     break;
                 }
-                consider(&mut best, node);
             }
         }
         Preference::Spread => {

@@ -297,7 +297,7 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
     let quota_stream = bc_projections::stream_of(KIND_QUOTA, &pool_id);
     let fleet = &call.state.fleet;
     let mut attempt = 0;
-    let (result, reread) = loop {
+    let result = loop {
         attempt += 1;
         // Read before the view catches up, so the view holds at least what this version counts.
         let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
@@ -323,6 +323,13 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
         // The view reads what it held back from the store once this request is done with it,
         // however it ends.
         let held_node = decision.held_node().map(str::to_owned);
+        // The node's stream and the version the placement read, to tell the view what landed.
+        let placed_at = match &decision {
+            ReservationCreate::Place { placement, .. } => {
+                Some((bc_projections::stream_of(bc_projections::KIND_NODE, &placement.node_id), placement.node_version))
+            }
+            _ => None,
+        };
         let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
         let (append, if_lost) = match decision {
             ReservationCreate::OverQuota { refusal, record } => {
@@ -340,12 +347,23 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
             // Lost the node to another placement: queue instead; the reconciler places it.
             (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict && !conflict_on(&e, &quota_stream) => {
                 tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
-                call.state.log.append(call.decided(tenant, if_lost)).await
+                call.state.log.append(call.decided(tenant, if_lost)).await.map(|r| (r, false))
             }
-            (other, _) => other,
+            (other, _) => other.map(|r| (r, true)),
         };
         match appended {
-            Ok(result) => break (result, reread),
+            Ok((result, first)) => {
+                // Placed: the view's node takes the version the append gave it.
+                let landed = placed_at.as_ref().filter(|_| first && !result.replayed).and_then(|(stream, read)| {
+                    let event = result.events.iter().find(|e| e.envelope.stream == *stream)?;
+                    Some((*read, event.envelope.version))
+                });
+                match landed {
+                    Some((read, appended)) => reread.landed(read, appended).await,
+                    None => reread.now().await,
+                }
+                break result;
+            }
             // Another request (maybe through another gateway) was charged to the quota since
             // it was read: decide again on the usage as it is now.
             Err(e) if conflict_on(&e, &quota_stream) && attempt < QUOTA_RACE_ATTEMPTS => {
@@ -355,7 +373,6 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
             Err(e) => return Err(e),
         }
     };
-    reread.now().await;
     let id: ReservationId = parse_id("reservationId", stream_id(&result.events[0].envelope.stream))?;
     let mut view = view_of(call, tenant, rsv_doc(call, tenant, &id).await?).await?;
     view.replayed = Some(result.replayed);
