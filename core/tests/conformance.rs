@@ -170,6 +170,14 @@ async fn appends_and_reads(kind: Kind) {
     // Projections were written in the same transactions, and a rebuild gives the same rows.
     let row = f.store.row_get(&a.to_string(), "count", "thing/1").await.unwrap().unwrap();
     assert_eq!(row.doc, serde_json::json!({"n": 3, "lastSeq": 3}));
+    // Several rows in one read: the absent id left out, another tenant's row not read.
+    let some = f.store.rows_get(&a.to_string(), "count", &["thing/none", "thing/1", "thing/2"]).await.unwrap();
+    let ids: Vec<&str> = some.iter().map(|r| r.key.id.as_str()).collect();
+    assert_eq!(ids, ["thing/1", "thing/2"]);
+    assert_eq!(some[0], row);
+    assert!(f.store.rows_get(&a.to_string(), "count", &[]).await.unwrap().is_empty());
+    let too_many = vec!["x"; bc_core::store::ROWS_GET_MAX + 1];
+    assert_eq!(f.store.rows_get(&a.to_string(), "count", &too_many).await.unwrap_err().code(), ErrorCode::InvalidArgument);
     let before = f.store.rows_all().await.unwrap();
     assert_eq!(before.len(), 3);
     let (events, rows) = rebuild_projections(&*f.store, &CountingProjector).await.unwrap();

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use bc_core::Result;
 use bc_core::event::Position;
 use bc_core::id::TenantId;
-use bc_core::store::EventStore;
+use bc_core::store::{EventStore, ROWS_GET_MAX};
 
 use crate::decide::PoolLoad;
 use crate::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc};
@@ -477,19 +477,33 @@ struct ReadRows {
     reservations: Vec<(String, Option<ReservationDoc>)>,
 }
 
-/// Reads the rows `dirty` names, holding no lock.
+/// Reads the rows `dirty` names, holding no lock: a statement per kind (and per
+/// [`ROWS_GET_MAX`] ids), not one per row.
 async fn read_rows(store: &dyn EventStore, tenant: TenantId, dirty: &Dirty) -> Result<ReadRows> {
     let t = tenant.to_string();
-    let mut read = ReadRows::default();
-    for id in dirty.nodes.keys() {
-        let row = store.row_get(&t, KIND_NODE, id).await?;
-        read.nodes.push((id.clone(), row.map(|r| decode(r.doc)).transpose()?));
+    Ok(ReadRows {
+        nodes: read_kind(store, &t, KIND_NODE, dirty.nodes.keys()).await?,
+        reservations: read_kind(store, &t, KIND_RESERVATION_LIVE, dirty.reservations.keys()).await?,
+    })
+}
+
+/// Each of `ids` with its row of `kind`, decoded (`None`: it has none).
+async fn read_kind<'i, T: serde::de::DeserializeOwned>(
+    store: &dyn EventStore,
+    tenant: &str,
+    kind: &str,
+    ids: impl Iterator<Item = &'i String>,
+) -> Result<Vec<(String, Option<T>)>> {
+    let ids: Vec<&str> = ids.map(String::as_str).collect();
+    let mut out = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(ROWS_GET_MAX) {
+        let mut rows: BTreeMap<String, serde_json::Value> =
+            store.rows_get(tenant, kind, chunk).await?.into_iter().map(|r| (r.key.id, r.doc)).collect();
+        for id in chunk {
+            out.push(((*id).to_owned(), rows.remove(*id).map(decode).transpose()?));
+        }
     }
-    for id in dirty.reservations.keys() {
-        let row = store.row_get(&t, KIND_RESERVATION_LIVE, id).await?;
-        read.reservations.push((id.clone(), row.map(|r| decode(r.doc)).transpose()?));
-    }
-    Ok(read)
+    Ok(out)
 }
 
 fn decode<T: serde::de::DeserializeOwned>(doc: serde_json::Value) -> Result<T> {

@@ -409,6 +409,10 @@ pub trait LogStore: Store {
 #[async_trait]
 pub trait RowStore: Store {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>>;
+    /// The rows of these ids (at most [`ROWS_GET_MAX`]) of one kind of a tenant, in id order;
+    /// an id without a row is left out. One statement where [`RowStore::row_get`] would take
+    /// one each (the fleet view reads back what changed this way).
+    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>>;
     /// Rows of one kind by id across tenants (API keys are found by their id alone).
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>>;
     /// A tenant's rows of one kind in id order, after `after_id`, at most `limit`.
@@ -424,6 +428,17 @@ pub trait RowStore: Store {
         let mut tx = self.transaction(WriteToken(())).await?;
         engine::rows_replace_all(&mut *tx, rows, at_commit).await
     }
+}
+
+/// Ids one [`RowStore::rows_get`] reads at most.
+pub const ROWS_GET_MAX: usize = 500;
+
+/// Refuses a [`RowStore::rows_get`] of more than [`ROWS_GET_MAX`] ids.
+pub(crate) fn check_rows_get(ids: &[&str]) -> Result<()> {
+    if ids.len() > ROWS_GET_MAX {
+        return Err(Error::invalid(format!("rows_get reads at most {ROWS_GET_MAX} ids at once, not {}", ids.len())));
+    }
+    Ok(())
 }
 
 /// Secrets re-sealed per read of the table.

@@ -896,6 +896,21 @@ impl RowStore for PostgresStore {
         row.as_ref().map(projection_row_decode).transpose()
     }
 
+    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>> {
+        super::check_rows_get(ids)?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id = ANY($3) ORDER BY id",
+                &[&tenant, &kind, &ids],
+            )
+            .await?;
+        rows.iter().map(projection_row_decode).collect()
+    }
+
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
         let client = self.pool.get().await?;
         let row = client

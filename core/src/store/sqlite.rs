@@ -748,6 +748,18 @@ impl RowStore for SqliteStore {
             .await
     }
 
+    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>> {
+        super::check_rows_get(ids)?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut sql = Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id IN (")
+            .bind(tenant)
+            .bind(kind);
+        sql.push_list(ids.iter().copied()).push(") ORDER BY id");
+        sql.all(self.read_on(), |r| projection_row_decode(r)).await
+    }
+
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
         Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = ? AND id = ?")
             .bind(kind)
