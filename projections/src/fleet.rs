@@ -497,17 +497,15 @@ async fn read_kind<'i, T: serde::de::DeserializeOwned>(
     let ids: Vec<&str> = ids.map(String::as_str).collect();
     let mut out = Vec::with_capacity(ids.len());
     for chunk in ids.chunks(ROWS_GET_MAX) {
-        let mut rows: BTreeMap<String, serde_json::Value> =
-            store.rows_get(tenant, kind, chunk).await?.into_iter().map(|r| (r.key.id, r.doc)).collect();
+        // Decoded from the stored text into the type at once, not through a JSON tree.
+        let mut rows: BTreeMap<String, String> =
+            store.rows_get_raw(tenant, kind, chunk).await?.into_iter().map(|r| (r.key.id, r.doc)).collect();
         for id in chunk {
-            out.push(((*id).to_owned(), rows.remove(*id).map(decode).transpose()?));
+            let doc = rows.remove(*id).map(|text| serde_json::from_str(&text)).transpose();
+            out.push(((*id).to_owned(), doc.map_err(|e| bc_core::Error::Internal(format!("projection document: {e}")))?));
         }
     }
     Ok(out)
-}
-
-fn decode<T: serde::de::DeserializeOwned>(doc: serde_json::Value) -> Result<T> {
-    serde_json::from_value(doc).map_err(|e| bc_core::Error::Internal(format!("projection document: {e}")))
 }
 
 /// A tenant's rows as they are now. Events the catch-up replays over them later only make it

@@ -409,10 +409,15 @@ pub trait LogStore: Store {
 #[async_trait]
 pub trait RowStore: Store {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>>;
-    /// The rows of these ids (at most [`ROWS_GET_MAX`]) of one kind of a tenant, in id order;
-    /// an id without a row is left out. One statement where [`RowStore::row_get`] would take
-    /// one each (the fleet view reads back what changed this way).
-    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>>;
+    /// The rows of these ids (at most [`ROWS_GET_MAX`]) of one kind of a tenant, ordered by
+    /// id; an id without a row is left out. One statement where [`RowStore::row_get`] would
+    /// take one each.
+    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>> {
+        self.rows_get_raw(tenant, kind, ids).await?.into_iter().map(RawRow::parse).collect()
+    }
+    /// [`RowStore::rows_get`] with the documents as stored (JSON text), for a caller that
+    /// decodes them into its own type at once (the fleet view).
+    async fn rows_get_raw(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<RawRow>>;
     /// Rows of one kind by id across tenants (API keys are found by their id alone).
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>>;
     /// A tenant's rows of one kind in id order, after `after_id`, at most `limit`.

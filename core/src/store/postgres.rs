@@ -896,7 +896,7 @@ impl RowStore for PostgresStore {
         row.as_ref().map(projection_row_decode).transpose()
     }
 
-    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>> {
+    async fn rows_get_raw(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<RawRow>> {
         super::check_rows_get(ids)?;
         if ids.is_empty() {
             return Ok(Vec::new());
@@ -908,7 +908,7 @@ impl RowStore for PostgresStore {
                 &[&tenant, &kind, &ids],
             )
             .await?;
-        rows.iter().map(projection_row_decode).collect()
+        rows.iter().map(raw_row_decode).collect()
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {

@@ -748,7 +748,7 @@ impl RowStore for SqliteStore {
             .await
     }
 
-    async fn rows_get(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<Row>> {
+    async fn rows_get_raw(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<RawRow>> {
         super::check_rows_get(ids)?;
         if ids.is_empty() {
             return Ok(Vec::new());
@@ -757,7 +757,7 @@ impl RowStore for SqliteStore {
             .bind(tenant)
             .bind(kind);
         sql.push_list(ids.iter().copied()).push(") ORDER BY id");
-        sql.all(self.read_on(), |r| projection_row_decode(r)).await
+        sql.all(self.read_on(), |r| raw_row_decode(r)).await
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
