@@ -56,10 +56,11 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
     use bc_core::id::{NodeId, PoolId};
     use bc_core::keys::LogKey;
     use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
+    use bc_projections::decide::{self, ReservationAsk, ReservationCreateInput};
     use bc_projections::events::{self as ev, Gpu};
     use bc_projections::fleet::Reread;
-    use bc_projections::placement::{self, Ask, Selector};
-    use bc_projections::{KIND_NODE, KIND_POOL, Projections, ReservationDoc, ReservationState, stream_of};
+    use bc_projections::placement;
+    use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
 
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(&dir.path().join("fleet.sqlite3")).await.unwrap();
@@ -80,41 +81,34 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
 
     let fleet = Arc::new(Fleet::new());
     fleet.prime(&*store).await.unwrap();
-    let selector = Selector::default();
-    let ask = Ask { gpus: 4, selector: &selector, nvlink: false, tolerations: &[] };
-    // A placer holds four GPUs of the node for an append it has not made yet.
+    // A placer decides a reservation of four GPUs and holds them for an append it has not
+    // made yet, as the gateway's create does.
+    let row = store.row_get(&tenant.to_string(), KIND_POOL, &pool).await.unwrap().unwrap();
+    let ask = ReservationAsk {
+        pool: serde_json::from_value(row.doc).unwrap(),
+        gpus: 4,
+        duration_s: 60,
+        selector_text: String::new(),
+        selector: Default::default(),
+        nvlink: false,
+        tolerations: vec![],
+    };
+    let input = ReservationCreateInput {
+        reservation_id: "rsv_pending",
+        command_id: "cmd_unused",
+        now_ms: 1,
+        actor: "test",
+        replay: false,
+    };
     let placed = fleet
         .with_tenant(&*store, tenant, |view| {
-            let placed = placement::place_ranked(view.ranked(&pool, 4), &ask, Default::default()).unwrap();
-            let pending = ReservationDoc {
-                tenant_id: tenant.to_string(),
-                reservation_id: "rsv_pending".into(),
-                pool_id: pool.clone(),
-                gpus: 4,
-                duration_s: 60,
-                selector: String::new(),
-                nvlink: false,
-                tolerations: vec![],
-                state: ReservationState::Active,
-                node_id: Some(node.clone()),
-                gpu_indexes: placed.gpus.clone(),
-                request_seq: u64::MAX,
-                requested_at_ms: 0,
-                activated_at_ms: None,
-                ends_at_ms: None,
-                ended_at_ms: None,
-                binding: None,
-                hold_attempts: 0,
-                hold_failed_nodes: vec![],
-                last_error: None,
-                instance_id: None,
-                version: 0,
-            };
-            view.hold(pending, Some(&placed));
-            placed
+            let decision = decide::reservation_create(view, None, &ask, &input).unwrap();
+            decision.hold(view);
+            decision.held_node().map(str::to_owned)
         })
         .await
         .unwrap();
+    assert_eq!(placed.as_deref(), Some(node.as_str()), "placed at once on the one node");
     // Meanwhile the node's row changes in the log (an operator cordons it), and the next use
     // reads it again.
     log.append(append(stream_of(KIND_NODE, &node), ev::NODE_CORDONED, ev::to_cbor(&ev::NodeStateChanged {}).unwrap()))
@@ -124,6 +118,6 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
     let held = fleet.with_tenant(&*store, tenant, seen).await.unwrap();
     assert_eq!(held, (4, true), "the held GPUs stay held while the placer appends");
     // The placer is done (its append failed, say): the node is read from the store again.
-    Reread::new(fleet.clone(), tenant, Some(placed.node_id.clone()), "rsv_pending".into()).now().await;
+    Reread::new(fleet.clone(), tenant, placed, "rsv_pending".into()).now().await;
     assert_eq!(fleet.with_tenant(&*store, tenant, seen).await.unwrap(), (8, false), "read again once its placer is done");
 }

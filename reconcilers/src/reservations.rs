@@ -359,6 +359,24 @@ mod tests {
         Scratch { path, store, log, tenant, pool }
     }
 
+    /// Registers `nodes` nodes of 8 GPUs (two NVLink domains) in `pool`, then queues `queued`
+    /// reservations of 4 GPUs, in that order.
+    async fn fill(log: &Log, tenant: TenantId, pool: &str, nodes: usize, queued: usize) {
+        let append = |stream: String, events| AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "test", events);
+        for i in 0..nodes {
+            let gpus = (0..8)
+                .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
+                .collect();
+            let node = ev::NodeRegistered { pool_id: pool.to_owned(), name: format!("n{i}"), gpus, labels: Default::default() };
+            let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
+            log.append(append(stream_of(KIND_NODE, &NodeId::generate()), vec![event])).await.unwrap();
+        }
+        for _ in 0..queued {
+            let id = ReservationId::generate().to_string();
+            log.append(append(stream_of(KIND_RESERVATION, &id), vec![requested(pool, 4)])).await.unwrap();
+        }
+    }
+
     /// One pass activates a whole queue that fits, several on each node, each activation
     /// guarding the node at the version the pass's earlier appends gave it: no append of the
     /// pass conflicts with another of the same pass.
@@ -367,21 +385,7 @@ mod tests {
         const NODES: usize = 30;
         const QUEUED: usize = 70;
         let Scratch { path, store, log, tenant, pool } = scratch("drain").await;
-        let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
-        for i in 0..NODES {
-            let gpus = (0..8)
-                .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
-                .collect();
-            let node = ev::NodeRegistered { pool_id: pool.clone(), name: format!("n{i}"), gpus, labels: Default::default() };
-            let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
-            log.append(append(stream_of(KIND_NODE, &NodeId::generate()), ExpectedVersion::NoStream, vec![event])).await.unwrap();
-        }
-        for _ in 0..QUEUED {
-            let id = ReservationId::generate().to_string();
-            log.append(append(stream_of(KIND_RESERVATION, &id), ExpectedVersion::NoStream, vec![requested(&pool, 4)]))
-                .await
-                .unwrap();
-        }
+        fill(&log, tenant, &pool, NODES, QUEUED).await;
 
         let fleet = Fleet::new();
         fleet.prime(&*store).await.unwrap();
@@ -404,20 +408,7 @@ mod tests {
         const NODES: usize = 12;
         let Scratch { path, store, log, tenant, pool } = scratch("group").await;
         let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
-        for i in 0..NODES {
-            let gpus = (0..8)
-                .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
-                .collect();
-            let node = ev::NodeRegistered { pool_id: pool.clone(), name: format!("n{i}"), gpus, labels: Default::default() };
-            let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
-            log.append(append(stream_of(KIND_NODE, &NodeId::generate()), ExpectedVersion::NoStream, vec![event])).await.unwrap();
-        }
-        for _ in 0..2 * NODES {
-            let id = ReservationId::generate().to_string();
-            log.append(append(stream_of(KIND_RESERVATION, &id), ExpectedVersion::NoStream, vec![requested(&pool, 4)]))
-                .await
-                .unwrap();
-        }
+        fill(&log, tenant, &pool, NODES, 2 * NODES).await;
         let nodes = placement::pool_nodes(&*store, tenant, &pool).await.unwrap();
         let view = bc_projections::fleet::TenantView::new(nodes, placement::live(&*store, tenant).await.unwrap());
         let actions = bc_projections::decide::plan(&view, 1);
