@@ -951,16 +951,22 @@ fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
     }
 }
 
+/// A seeded source of draws below `n` (a linear congruential generator): the same seed, the
+/// same draws.
+fn draws(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    move |n: u64| {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    }
+}
+
 /// The view's per-pool loads, kept as reservations come, change and go, always equal a count of
 /// its live reservations from scratch (seeded; the seed is printed on failure).
 #[test]
 fn pool_loads_kept_as_reservations_change_equal_a_recount() {
     for seed in 0..64u64 {
-        let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let mut next = |n: u64| {
-            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (rng >> 33) % n
-        };
+        let mut next = draws(seed);
         let pools = [POOL, "pool_01jd00000000000000000000b", "pool_01jd00000000000000000000c"];
         let mut view = TenantView::new([], []);
         for _ in 0..300 {
@@ -995,11 +1001,7 @@ fn pool_loads_kept_as_reservations_change_equal_a_recount() {
 #[test]
 fn nodes_ranked_by_free_gpus_as_they_change_equal_a_ranking_from_scratch() {
     for seed in 0..64u64 {
-        let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let mut next = |n: u64| {
-            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (rng >> 33) % n
-        };
+        let mut next = draws(seed);
         let pools = [POOL, "pool_01jd00000000000000000000b"];
         let mut view = TenantView::new([], []);
         for step in 0..300u64 {
