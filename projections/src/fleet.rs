@@ -240,13 +240,15 @@ impl Reread {
     /// decided on the old version and conflict. The reservation is read again.
     pub async fn landed(mut self, read: u64, appended: u64) {
         self.armed = false;
-        self.fleet.reread(self.tenant, self.node.as_deref(), &self.reservation).await;
-        if let Some(node) = self.node.take() {
+        // The new version before the release: a refresh between the two must not find the node
+        // released, free to place on, at the old version (a placement on it would conflict).
+        if let Some(node) = &self.node {
             let mut shared = self.fleet.shared.lock().expect("fleet");
             if shared.slots.contains_key(&self.tenant) {
-                shared.landed.entry(self.tenant).or_default().insert(node, (read, appended));
+                shared.landed.entry(self.tenant).or_default().insert(node.clone(), (read, appended));
             }
         }
+        self.fleet.reread(self.tenant, self.node.as_deref(), &self.reservation).await;
     }
 }
 
