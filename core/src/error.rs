@@ -60,9 +60,12 @@ pub enum Error {
     /// Optimistic concurrency: the stream moved on since the caller read it.
     #[error("stream {stream} is at version {actual}, not {expected}")]
     Conflict { stream: String, expected: String, actual: u64 },
-    /// The entity's state does not take this request; `allowed` are what it takes now.
+    /// A well-formed request that what it touches does not take now: an archived pool, a
+    /// reservation that is not active, a limit the tenant has reached, a lifecycle verb the
+    /// entity's state refuses (`allowed` are the verbs it takes now). The same request may succeed
+    /// in another state, which is what sets it apart from `InvalidArgument` (wrong in any state).
     #[error("{message}")]
-    InvalidState { message: String, allowed: Vec<String> },
+    InvalidState { message: String, allowed: Vec<String>, hint: Option<String> },
     #[error("idempotency key {key:?} was first used for a different request")]
     IdempotencyConflict { key: String },
     #[error("{what} already exists")]
@@ -116,7 +119,7 @@ impl Error {
 
     pub fn hint(&self) -> Option<&str> {
         match self {
-            Self::InvalidArgument { hint, .. } => hint.as_deref(),
+            Self::InvalidArgument { hint, .. } | Self::InvalidState { hint, .. } => hint.as_deref(),
             Self::Conflict { .. } => Some("read the current version and retry"),
             Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
             _ => None,
@@ -125,6 +128,11 @@ impl Error {
 
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::InvalidArgument { message: message.into(), hint: None }
+    }
+
+    /// [`Error::InvalidState`] with no verbs to name, and what to do instead.
+    pub fn state(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self::InvalidState { message: message.into(), allowed: Vec::new(), hint: Some(hint.into()) }
     }
 
     pub fn not_found(what: impl Into<String>) -> Self {

@@ -217,8 +217,9 @@ fn create_refuses_what_no_node_could_ever_hold_and_queues_a_replay() {
     let refusal = decide::reservation_create(&view, None, &ask(8, 60), &input("rsv_big")).unwrap_err();
     assert_eq!(refusal, Refusal::NeverFits { pool_id: POOL.into(), gpus: 8, selector: String::new(), nvlink: false });
     let error = Error::from(refusal);
-    assert_eq!(error.code(), ErrorCode::InvalidArgument);
+    assert_eq!(error.code(), ErrorCode::InvalidState, "it depends on the fleet, not on the request alone");
     assert!(error.to_string().contains("could ever hold 8 GPUs"), "{error}");
+    assert!(error.hint().is_some_and(|h| h.contains("capacity")), "{error:?}");
     // A retry of a request already made replays it, whatever the fleet says now.
     let replay = ReservationCreateInput { replay: true, ..input("rsv_big") };
     let decision = decide::reservation_create(&view, Some(&quota(0)), &ask(8, 60), &replay).unwrap();
@@ -234,6 +235,30 @@ fn asks_past_the_pools_maximum_or_in_an_archived_pool_are_refused() {
     archived.pool.archived = true;
     assert_eq!(archived.check_pool().unwrap_err(), Refusal::PoolArchived { pool_id: POOL.into() });
     assert!(ask(1, 3600).check_pool().is_ok());
+}
+
+/// A refusal that depends on what is stored (the pool's maximum and state, the fleet, the
+/// reservation's state, the tenant's counts) is INVALID_STATE (409), with what to do next: the
+/// same request may succeed in another state, so it is no usage mistake (INVALID_ARGUMENT, 400,
+/// exit 2), which a client checking its requests against the schema could never have avoided.
+#[test]
+fn refusals_that_depend_on_state_are_invalid_state_with_a_hint() {
+    let refusals = [
+        Refusal::PoolArchived { pool_id: POOL.into() },
+        Refusal::DurationPastPoolMaximum { duration_s: 3601, max_reservation_s: 3600 },
+        Refusal::NeverFits { pool_id: POOL.into(), gpus: 8, selector: "vramGiB >= 80".into(), nvlink: true },
+        Refusal::NotActive { reservation_id: "rsv_q".into(), state: ReservationState::Queued },
+        Refusal::ExtendPastPoolMaximum { by_s: 601, max_reservation_s: 3600 },
+        Refusal::TooManyNodeKeys { node_id: "node_1".into(), what: "taints", count: 65 },
+        Refusal::TooManyNodes { count: 4096 },
+        Refusal::InstanceMismatch("flavor f has 2 GPUs; the reservation holds 1".into()),
+    ];
+    for refusal in refusals {
+        let error = Error::from(refusal.clone());
+        assert_eq!(error.code(), ErrorCode::InvalidState, "{refusal:?}");
+        assert_eq!(error.to_string(), refusal.to_string(), "the message is the refusal's");
+        assert!(error.hint().is_some_and(|h| !h.is_empty()), "{refusal:?} says what to do next");
+    }
 }
 
 #[test]
@@ -427,7 +452,7 @@ fn finding_9_node_keys_and_nodes_per_tenant_are_capped() {
     let one_more: BTreeMap<String, String> = [("new".to_owned(), "v".to_owned())].into();
     let refused = node_keys_change("node_1", "labels", &full, &one_more, &[]).unwrap_err();
     assert_eq!(refused, Refusal::TooManyNodeKeys { node_id: "node_1".into(), what: "labels", count: NODE_KEYS_MAX + 1 });
-    assert_eq!(Error::from(refused).code(), ErrorCode::InvalidArgument);
+    assert_eq!(Error::from(refused).code(), ErrorCode::InvalidState);
     // Replacing a key, or removing one to make room, is within the cap.
     assert!(node_keys_change("node_1", "labels", &full, &one_more, &["k0".into()]).is_ok());
     let replaced: BTreeMap<String, String> = [("k1".to_owned(), "w".to_owned())].into();
@@ -704,7 +729,7 @@ fn an_instance_is_made_only_on_a_bound_reservation_with_a_fitting_flavor() {
         (e.code(), e.to_string())
     };
     let (code, _) = refused(&rsv, &node, &flavor(1));
-    assert_eq!(code, ErrorCode::InvalidArgument, "a flavor with another GPU count");
+    assert_eq!(code, ErrorCode::InvalidState, "a flavor with another GPU count");
     let (code, message) = refused(&rsv, &instance_node(false), &flavor2);
     assert_eq!(code, ErrorCode::Conflict);
     assert!(message.contains("instance.apply"), "{message}");

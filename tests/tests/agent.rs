@@ -494,7 +494,7 @@ async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_t
     assert_eq!(status, 200, "{released}");
     let release_command = released["binding"]["releaseCommandId"].as_str().expect("a release was sent").to_owned();
     let (status, refused) = server.call("commands.cancel", json!({ "commandId": release_command })).await;
-    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
     machine.start();
     let released = wait_reservation(&server, &id, "released on the node", |r| r["binding"]["state"] == "released").await;
     assert_eq!(released["state"], "released");

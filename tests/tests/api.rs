@@ -45,7 +45,8 @@ async fn pools_nodes_and_events_round_trip() {
     let (_, listed) = server.call("pools.list", json!({ "includeArchived": true })).await;
     assert_eq!(listed["items"].as_array().unwrap().len(), 1);
     let (status, refused) = server.call("nodes.register", json!({ "poolId": pool, "name": "late", "gpus": [] })).await;
-    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")));
+    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
+    assert!(refused["details"]["hint"].as_str().is_some_and(|h| h.contains("pools list")), "{refused}");
 
     // Cursor paging over events: 2 bootstrap + created, updated, node, archived.
     let mut cursor = Value::Null;

@@ -160,7 +160,7 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
         assert_eq!(status, 200, "flavor {n}: {body}");
     }
     let (status, body) = server.call("flavors.create", flavor_body(&pool, "one-too-many")).await;
-    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}");
+    assert_eq!((status, body["code"].as_str()), (409, Some("INVALID_STATE")), "{body}");
     assert!(body["message"].as_str().unwrap().contains("64"), "{body}");
 
     // Delete: a stale ifVersion is CONFLICT; then it is gone, and its name is free again.

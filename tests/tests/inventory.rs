@@ -243,11 +243,11 @@ async fn inventory_get_history_and_diff_follow_a_machine_that_changes() {
     }
     let (code, _, err) = server.cli(&["inventory", "diff", "--node", &node, "--from", "1"]);
     assert_eq!((code, err.contains("NOT_FOUND")), (1, true), "{err}");
-    // A node registered by hand has no agent, hence no inventory: INVALID_ARGUMENT, exit 2.
+    // A node registered by hand has no agent, hence no inventory: INVALID_STATE, exit 1.
     let (status, by_hand) = server.call("nodes.register", json!({ "poolId": pool, "name": "by-hand", "gpus": [{ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }] })).await;
     assert_eq!(status, 200, "{by_hand}");
     let (code, _, err) = server.cli(&["inventory", "get", "--node", by_hand["nodeId"].as_str().unwrap()]);
-    assert_eq!((code, err.contains("INVALID_ARGUMENT") && err.contains("registered by hand")), (2, true), "{err}");
+    assert_eq!((code, err.contains("INVALID_STATE") && err.contains("registered by hand")), (1, true), "{err}");
     // Not a node id: refused before any call; over HTTP, the schema's edge says the same.
     let (code, _, err) = server.cli(&["inventory", "get", "--node", "pool_x"]);
     assert_eq!((code, err.contains("--node")), (2, true), "{err}");

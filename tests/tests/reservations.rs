@@ -152,8 +152,8 @@ async fn reserve_queue_extend_release_and_expire() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(bc_tests::json(&out)["endsAtMs"].as_u64().unwrap(), a["endsAtMs"].as_u64().unwrap() + 2 * 3600 * 1000);
     let (code, _, err) = server.cli(&["extend", a_id, "--by", "40d"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("maximum"), "{err}");
+    assert_eq!(code, 1, "the pool's state refuses it, not a usage mistake: {err}");
+    assert!(err.contains("INVALID_STATE: ") && err.contains("maximum"), "{err}");
 
     // Releasing the first frees its node: the queued 4-GPU reservation is activated there, and
     // the 1-GPU one behind it lands on the tightest remaining fit.
@@ -370,11 +370,17 @@ async fn bad_reservation_input_is_refused_before_or_at_the_edge() {
         assert_eq!((status, r["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}: {r}");
     }
     // A request no node could ever hold is refused, not queued to block the pool for good.
+    // It depends on the fleet, not on the request alone: INVALID_STATE (409, exit 1), with a hint.
     let (code, _, err) = server.cli(&["reserve", "--pool", &pool, "--gpus", "2", "--for", "1h"]);
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("could ever hold"), "{err}");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE: ") && err.contains("could ever hold") && err.contains("capacity"), "{err}");
     let (code, _, err) = server.cli(&["reserve", "--pool", &pool, "--gpus", "1", "--for", "1h", "--product", "B200"]);
-    assert_eq!(code, 2, "{err}");
+    assert_eq!(code, 1, "{err}");
+    let (status, r) = server.call("reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 60 })).await;
+    assert_eq!((status, r["code"].as_str()), (409, Some("INVALID_STATE")), "{r}");
+    assert!(r["details"]["hint"].as_str().is_some_and(|h| h.contains("capacity")), "{r}");
+    let (status, r) = server.call("capacity.preview", json!({ "poolId": pool, "gpus": 1, "durationS": 31 * 86_400 })).await;
+    assert_eq!((status, r["code"].as_str()), (409, Some("INVALID_STATE")), "past the pool's maximum: {r}");
     let (_, events) = server.call("events.list", json!({ "types": ["reservation.*"] })).await;
     assert_eq!(events["items"].as_array().unwrap().len(), 0, "nothing appended by refusals");
     // Cordoned and tainted nodes take nothing unless tolerated; --if-version guards.
@@ -590,7 +596,7 @@ async fn a_node_is_deleted_only_once_nothing_holds_it_and_is_gone_from_placement
     let (status, again) = delete(None).await;
     assert_eq!(status, 404, "{again}");
     let (code, _, err) = reserve(&server, &["--pool", &pool, "--gpus", "1", "--for", "1h", "--wait", "0"]);
-    assert_eq!(code, 2, "no node can hold it now: {err}");
+    assert_eq!(code, 1, "no node can hold it now: {err}");
     assert!(err.contains("could ever hold"), "{err}");
 
     // The log says so, with the reason, and still verifies.

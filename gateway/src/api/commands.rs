@@ -310,18 +310,18 @@ async fn commands_cancel(call: &Call<'_>, input: CommandRef) -> Result<CommandVi
         return Ok(current.into());
     }
     if current.kind == bc_projections::INSTANCE_APPLY {
-        return Err(Error::InvalidArgument {
-            message: format!("{id} is an instance's {}: it is not cancelled by a caller", current.kind),
-            hint: Some("ask the instance for what it should be instead (instances.start, .stop, .delete)".into()),
-        });
+        return Err(Error::state(
+            format!("{id} is an instance's {}: it is not cancelled by a caller", current.kind),
+            "ask the instance for what it should be instead (instances.start, .stop, .delete)",
+        ));
     }
     if current.kind.starts_with("gpu.") {
         // A reservation's hold or release is the control plane's: cancelling a release would
         // leave the GPUs held on the node for good.
-        return Err(Error::InvalidArgument {
-            message: format!("{} is a reservation's {}: it is not cancelled by a caller", id, current.kind),
-            hint: Some("release the reservation instead (reservations.release)".into()),
-        });
+        return Err(Error::state(
+            format!("{} is a reservation's {}: it is not cancelled by a caller", id, current.kind),
+            "release the reservation instead (reservations.release)",
+        ));
     }
     let payload = ev::to_cbor(&ev::CommandCancelled {
         node_id: current.node_id.clone(),

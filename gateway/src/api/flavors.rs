@@ -128,14 +128,20 @@ pub fn validate_flavor_shape(shape: FlavorShape) -> Result<()> {
 /// free in the pool, the pool has room, the tenant has room.
 pub fn check_flavor_fits(existing: &[FlavorDoc], pool: &str, name: &str) -> Result<()> {
     if existing.len() >= FLAVORS_PER_TENANT_MAX as usize {
-        return Err(Error::invalid(format!("a tenant has at most {FLAVORS_PER_TENANT_MAX} flavors")));
+        return Err(Error::state(
+            format!("a tenant has at most {FLAVORS_PER_TENANT_MAX} flavors"),
+            "delete flavors no one uses (flavors delete)",
+        ));
     }
     let in_pool: Vec<&FlavorDoc> = existing.iter().filter(|f| f.pool_id == pool).collect();
     if let Some(same) = in_pool.iter().find(|f| f.name == name) {
         return Err(Error::AlreadyExists { what: format!("flavor {name:?} in pool {pool} ({})", same.flavor_id) });
     }
     if in_pool.len() >= FLAVORS_PER_POOL_MAX {
-        return Err(Error::invalid(format!("pool {pool} has {FLAVORS_PER_POOL_MAX} flavors, the most a pool has")));
+        return Err(Error::state(
+            format!("pool {pool} has {FLAVORS_PER_POOL_MAX} flavors, the most a pool has"),
+            "delete flavors no one uses (flavors delete)",
+        ));
     }
     Ok(())
 }
@@ -280,7 +286,7 @@ mod tests {
         assert!(check_flavor_fits(&existing, "pool_a", "large").is_ok());
         let full: Vec<FlavorDoc> = (0..FLAVORS_PER_POOL_MAX).map(|n| flavor("pool_a", &format!("f{n}"), n)).collect();
         let err = check_flavor_fits(&full, "pool_a", "one-more").unwrap_err();
-        assert_eq!(err.code(), bc_core::error::ErrorCode::InvalidArgument, "{err}");
+        assert_eq!(err.code(), bc_core::error::ErrorCode::InvalidState, "{err}");
         assert!(check_flavor_fits(&full, "pool_b", "one-more").is_ok());
         let tenant_full: Vec<FlavorDoc> =
             (0..FLAVORS_PER_TENANT_MAX as usize).map(|n| flavor(&format!("pool_{n}"), "f", n)).collect();

@@ -138,7 +138,10 @@ pub fn check_image_fits(existing: &[ImageDoc], name: &str) -> Result<()> {
         return Err(Error::AlreadyExists { what: format!("image {name:?} ({})", same.image_id) });
     }
     if existing.len() >= IMAGES_PER_TENANT_MAX as usize {
-        return Err(Error::invalid(format!("a tenant has at most {IMAGES_PER_TENANT_MAX} images")));
+        return Err(Error::state(
+            format!("a tenant has at most {IMAGES_PER_TENANT_MAX} images"),
+            "delete images no flavor or instance uses (images delete)",
+        ));
     }
     Ok(())
 }
@@ -331,6 +334,6 @@ mod tests {
         assert_eq!(check_image_fits(&existing, "ubuntu").unwrap_err().code(), bc_core::ErrorCode::AlreadyExists);
         assert!(check_image_fits(&existing, "debian").is_ok());
         let full: Vec<ImageDoc> = (0..IMAGES_PER_TENANT_MAX as usize).map(|n| image(&format!("i{n}"), n)).collect();
-        assert_eq!(check_image_fits(&full, "one-more").unwrap_err().code(), bc_core::ErrorCode::InvalidArgument);
+        assert_eq!(check_image_fits(&full, "one-more").unwrap_err().code(), bc_core::ErrorCode::InvalidState);
     }
 }

@@ -101,10 +101,10 @@ async fn agent_node(call: &Call<'_>, tenant_id: &Option<String>, node_id: &str) 
     let node: NodeId = super::toolkit::parse_id("nodeId", node_id)?;
     let node = node.to_string();
     if node_doc(call, tenant, &node).await?.agent.is_none() {
-        return Err(Error::InvalidArgument {
-            message: format!("node {node} has no agent: it was registered by hand, so it reports no inventory"),
-            hint: Some("its GPUs are the ones it was registered with: better-compute nodes get".into()),
-        });
+        return Err(Error::state(
+            format!("node {node} has no agent: it was registered by hand, so it reports no inventory"),
+            "its GPUs are the ones it was registered with: better-compute nodes get",
+        ));
     }
     Ok((tenant, node))
 }

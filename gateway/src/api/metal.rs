@@ -427,11 +427,17 @@ async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> 
     let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     if pool.archived {
-        return Err(Error::invalid(format!("pool {pool_id} is archived: no machine is enrolled into it")));
+        return Err(Error::state(
+            format!("pool {pool_id} is archived: no machine is enrolled into it"),
+            super::ARCHIVED_POOL_HINT,
+        ));
     }
     let retry = call.is_retry(tenant).await?;
     if !retry && machines_count(call, tenant).await? >= MACHINES_PER_TENANT_MAX {
-        return Err(Error::invalid(format!("the tenant has {MACHINES_PER_TENANT_MAX} machines, its limit")));
+        return Err(Error::state(
+            format!("the tenant has {MACHINES_PER_TENANT_MAX} machines, its limit"),
+            "retired machines count too: enroll more machines under another tenant",
+        ));
     }
     let node = NodeId::from_ulid(call.ulid()).to_string();
     let secret_id = bmc_secret_id(&node);
@@ -569,6 +575,7 @@ async fn metal_undeploy(call: &Call<'_>, input: MachineVerb) -> Result<MetalView
                     node.allocations.len()
                 ),
                 allowed: vec![],
+                hint: None,
             });
         }
         let stream = stream_of(KIND_NODE, &doc.node_id);
@@ -705,6 +712,7 @@ fn not_running(workflow: &Workflow) -> Error {
     Error::InvalidState {
         message: format!("workflow {} is {}, not running", workflow.workflow_id, workflow.outcome.as_str()),
         allowed: if workflow.outcome == WorkflowOutcome::Failed { vec!["retry".into()] } else { vec![] },
+        hint: None,
     }
 }
 
@@ -757,12 +765,14 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
                 workflow.outcome.as_str()
             ),
             allowed: vec![],
+            hint: None,
         });
     }
     let v = Verb::ALL.iter().copied().find(|v| v.as_str() == workflow.verb && !v.is_internal()).ok_or_else(|| {
         Error::InvalidState {
             message: format!("workflow {} ran {}, which is not retried", workflow.workflow_id, workflow.verb),
             allowed: vec![],
+            hint: None,
         }
     })?;
     if v == Verb::Deploy {
@@ -773,6 +783,7 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
                 workflow.workflow_id, machine.node_id
             ),
             allowed: vec![],
+            hint: None,
         });
     }
     let wf = workflow_id(call);

@@ -136,7 +136,10 @@ async fn releases_register(call: &Call<'_>, input: ReleasesRegister) -> Result<R
             });
         }
         if existing.len() >= RELEASES_PER_TENANT_MAX as usize {
-            return Err(Error::invalid(format!("a tenant has at most {RELEASES_PER_TENANT_MAX} releases")));
+            return Err(Error::state(
+                format!("a tenant has at most {RELEASES_PER_TENANT_MAX} releases"),
+                "releases are kept for the audit trail: publish only versions you roll out, or use another tenant",
+            ));
         }
     }
     let release = ReleaseId::from_ulid(call.ulid());

@@ -266,7 +266,10 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
     validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
     let existing = store.row_list(&tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
     if existing.len() >= WEBHOOKS_PER_TENANT_MAX as usize {
-        return Err(Error::invalid(format!("a tenant has at most {WEBHOOKS_PER_TENANT_MAX} webhooks")));
+        return Err(Error::state(
+            format!("a tenant has at most {WEBHOOKS_PER_TENANT_MAX} webhooks"),
+            "delete webhooks no one receives (webhooks delete)",
+        ));
     }
     let id = WebhookId::from_ulid(call.ulid());
     let secret = Secret::generate();

@@ -22,9 +22,11 @@ impl From<MetalRefusal> for Error {
         let message = refusal.to_string();
         match refusal {
             MetalRefusal::InvalidState { allowed, .. } => {
-                Error::InvalidState { message, allowed: allowed.iter().map(|v| v.as_str().to_owned()).collect() }
+                Error::InvalidState { message, allowed: allowed.iter().map(|v| v.as_str().to_owned()).collect(), hint: None }
             }
-            MetalRefusal::Retired { .. } | MetalRefusal::InMaintenance { .. } => Error::InvalidState { message, allowed: vec![] },
+            MetalRefusal::Retired { .. } | MetalRefusal::InMaintenance { .. } => {
+                Error::InvalidState { message, allowed: vec![], hint: None }
+            }
         }
     }
 }
@@ -126,6 +128,7 @@ pub fn metal_verb(doc: &MetalDoc, verb: Verb, input: &VerbInput<'_>) -> Result<A
                 } else {
                     vec![]
                 },
+                hint: None,
             });
         }
         if doc.state.is_stable() {
@@ -369,9 +372,11 @@ pub fn metal_run_now(doc: &MetalDoc, workflow_id: &str) -> Result<Append, Error>
 }
 
 fn running_workflow<'d>(doc: &'d MetalDoc, workflow_id: &str) -> Result<&'d Workflow, Error> {
-    doc.running()
-        .filter(|w| w.workflow_id == workflow_id)
-        .ok_or_else(|| Error::InvalidState { message: format!("workflow {workflow_id} is not running"), allowed: vec![] })
+    doc.running().filter(|w| w.workflow_id == workflow_id).ok_or_else(|| Error::InvalidState {
+        message: format!("workflow {workflow_id} is not running"),
+        allowed: vec![],
+        hint: None,
+    })
 }
 
 fn workflow_event(doc: &MetalDoc, workflow_id: &str, event_type: &str) -> Result<Append, Error> {

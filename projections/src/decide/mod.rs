@@ -141,37 +141,35 @@ impl From<Refusal> for Error {
     fn from(refusal: Refusal) -> Self {
         let message = refusal.to_string();
         match refusal {
-            Refusal::DurationPastPoolMaximum { .. } => Error::InvalidArgument {
-                message,
-                hint: Some("ask for a shorter reservation and extend it later, within the maximum".into()),
-            },
-            Refusal::NeverFits { .. } => Error::InvalidArgument {
-                message,
-                hint: Some("check the selector's values with `capacity`, or ask for fewer GPUs".into()),
-            },
+            // Refusals that depend on what is stored, not on the request alone: the same request
+            // may succeed in another state, so they are INVALID_STATE (409), never a usage error.
+            Refusal::DurationPastPoolMaximum { .. } => {
+                Error::state(message, "ask for a shorter reservation and extend it later, within the maximum")
+            }
+            Refusal::NeverFits { .. } => {
+                Error::state(message, "check the selector's values with `capacity`, or ask for fewer GPUs")
+            }
             Refusal::OverQuota { .. } => Error::QuotaExceeded(message),
             Refusal::VersionMismatch { reservation_id, expected, actual } => {
                 Error::Conflict { stream: stream_of(KIND_RESERVATION, &reservation_id), expected: expected.to_string(), actual }
             }
-            Refusal::TooManyNodeKeys { what, .. } => Error::InvalidArgument {
-                message,
-                hint: Some(format!("remove some {what} in the same call (`remove`), or use fewer")),
-            },
-            Refusal::TooManyNodes { .. } => {
-                Error::InvalidArgument { message, hint: Some("deregister nodes that are gone, or use another tenant".into()) }
+            Refusal::TooManyNodeKeys { what, .. } => {
+                Error::state(message, format!("remove some {what} in the same call (`remove`), or use fewer"))
             }
-            Refusal::PoolArchived { .. } | Refusal::NotActive { .. } | Refusal::ExtendPastPoolMaximum { .. } => {
-                Error::invalid(message)
+            Refusal::TooManyNodes { .. } => Error::state(message, "deregister nodes that are gone, or use another tenant"),
+            Refusal::PoolArchived { .. } => Error::state(message, "use a pool that is not archived (pools list)"),
+            Refusal::NotActive { .. } => {
+                Error::state(message, "wait until a queued reservation is active, or reserve again if it has ended")
             }
+            Refusal::ExtendPastPoolMaximum { .. } => Error::state(message, "extend by less, or reserve again when this one ends"),
             Refusal::ReservationNotReady { reservation_id, version, why } => Error::Conflict {
                 stream: stream_of(KIND_RESERVATION, &reservation_id),
                 expected: format!("an active reservation with its GPUs bound and no instance ({why})"),
                 actual: version,
             },
-            Refusal::InstanceMismatch(_) => Error::InvalidArgument {
-                message,
-                hint: Some("choose a flavor of the reservation's pool with as many GPUs as it holds".into()),
-            },
+            Refusal::InstanceMismatch(_) => {
+                Error::state(message, "choose a flavor of the reservation's pool with as many GPUs as it holds")
+            }
             Refusal::NodeCannotRunInstances { node_id, version } => Error::Conflict {
                 stream: stream_of(crate::KIND_NODE, &node_id),
                 expected: "a node whose agent runs instances (capability instance.apply)".into(),

@@ -94,16 +94,25 @@ pub fn rollout_create(
     input: RolloutCreateInput,
 ) -> Result<Append> {
     if nodes.is_empty() {
-        return Err(Error::invalid("the rollout would take no node: the pool or the selector matches none with an agent"));
+        return Err(Error::state(
+            "the rollout would take no node: the pool or the selector matches none with an agent",
+            "nodes list shows which nodes have an agent (agentVersion); widen the selector, or join machines with bcd",
+        ));
     }
     if nodes.len() > ROLLOUT_NODES_MAX {
-        return Err(Error::invalid(format!("{} nodes: a rollout takes at most {ROLLOUT_NODES_MAX}", nodes.len())));
+        return Err(Error::state(
+            format!("{} nodes: a rollout takes at most {ROLLOUT_NODES_MAX}", nodes.len()),
+            "narrow the selector and roll out in several rollouts",
+        ));
     }
     nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
     let target = semver(&release.release_version);
     for node in &nodes {
         let Some(agent) = &node.agent else {
-            return Err(Error::invalid(format!("node {} has no agent to update (it was registered by hand)", node.node_id)));
+            return Err(Error::state(
+                format!("node {} has no agent to update (it was registered by hand)", node.node_id),
+                "leave it out with the selector, or join the machine with bcd",
+            ));
         };
         if let Some(other) = live.iter().find(|r| r.node(&node.node_id).is_some()) {
             return Err(Error::Conflict {
@@ -179,6 +188,7 @@ pub fn rollout_verb(rollout: &RolloutDoc, verb: RolloutVerb, reason: Option<Stri
         return Err(Error::InvalidState {
             message: format!("rollout {} is {}", rollout.rollout_id, rollout.state.as_str()),
             allowed,
+            hint: None,
         });
     }
     let changed = RolloutChanged { reason, by: Some("operator".into()) };
