@@ -12,6 +12,12 @@
 //! transactions start with `BEGIN IMMEDIATE`, taking SQLite's write lock up front; so SQLite's
 //! "locks" (the commit counter's, the chain heads') are that one write lock.
 //!
+//! A server's point reads (a row by key, rows by up to [`super::ROWS_GET_MAX`] keys, a bounded
+//! page of stream touches, the commit counter) run on the caller's thread too, on one of a few
+//! read-only connections ([`inline::Readers`]) that never wait: with none free, or SQLite busy,
+//! the read goes to the pool. Every other statement (writes, transactions, scans, pages of
+//! events) stays on the pool.
+//!
 //! The simulator opens the store with [`SqliteStore::open_for_one_thread`]: every statement then
 //! runs on one more connection, on the caller's thread (the module `inline`); the pool is left
 //! the reads made while that connection is inside a write transaction.
@@ -65,6 +71,8 @@ pub struct SqliteStore {
     /// The connection every statement runs on, on the caller's thread
     /// ([`Self::open_for_one_thread`]).
     inline: Option<inline::InlineConn>,
+    /// Point reads on the caller's thread, in a server ([`inline::Readers`]).
+    readers: Option<inline::Readers>,
 }
 
 /// SQLite's VFS for a database only this process opens: the Unix VFS with one exclusive lock
@@ -128,7 +136,12 @@ impl SqliteStore {
             companion.push(suffix);
             private_file(Path::new(&companion), false)?;
         }
-        Ok(Self { pool, data_keys: Default::default(), inline: None })
+        let readers = match vfs {
+            // The simulator's store reads on its own connection: no readers beside it.
+            Some(_) => None,
+            None => Some(inline::Readers::open(path, vfs, inline::READERS)?),
+        };
+        Ok(Self { pool, data_keys: Default::default(), inline: None, readers })
     }
 
     /// [`Self::open`], with every statement (reads, writes, write transactions) made on the
@@ -163,6 +176,22 @@ impl SqliteStore {
             Some(inline) if !inline.in_transaction() => On::Inline(inline),
             _ => On::Pool(&self.pool),
         }
+    }
+
+    /// Every row of a point read (a row by key, a few hundred by key, a `LIMIT`ed page): on a
+    /// reader on this thread where one is free, else where [`Self::read_on`] says.
+    async fn point<T>(&self, sql: Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Vec<T>> {
+        if let Some(readers) = &self.readers
+            && let Some(read) = readers.all(&sql, &decode)
+        {
+            return read;
+        }
+        sql.all(self.read_on(), decode).await
+    }
+
+    /// The first row of a point read ([`Self::point`]), if any.
+    async fn point_first<T>(&self, sql: Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Option<T>> {
+        Ok(self.point(sql, decode).await?.into_iter().next())
     }
 
     /// Runs one statement that writes, committing on its own; returns the rows it changed.
@@ -680,23 +709,21 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_after_touches(&self, after: Position, limit: u32) -> Result<Vec<super::StreamTouch>> {
-        Sql::new(format!(
+        let sql = Sql::new(format!(
             "SELECT {} FROM events WHERE (commit_no, commit_index) > (?, ?) ORDER BY commit_no, commit_index LIMIT ?",
             super::TOUCH_COLUMNS
         ))
         .bind(to_i64(after.commit)?)
         .bind(i64::from(after.index))
-        .bind(i64::from(limit))
-        .all(self.read_on(), |r| super::touch_decode(r))
-        .await
+        .bind(i64::from(limit));
+        self.point(sql, |r| super::touch_decode(r)).await
     }
 
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>> {
-        Sql::new(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND id = ?"))
+        let sql = Sql::new(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND id = ?"))
             .bind(tenant.to_string())
-            .bind(id.to_string())
-            .first(self.read_on(), |r| event_row_decode(r))
-            .await
+            .bind(id.to_string());
+        self.point_first(sql, |r| event_row_decode(r)).await
     }
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
@@ -714,7 +741,11 @@ impl LogStore for SqliteStore {
     }
 
     async fn last_commit(&self) -> Result<u64> {
-        to_u64(Sql::new("SELECT last_commit FROM log_counter WHERE id = 1").one(self.read_on(), |r| r.int(0)).await?)
+        let sql = Sql::new("SELECT last_commit FROM log_counter WHERE id = 1");
+        match self.point_first(sql, |r| r.int(0)).await? {
+            Some(last) => to_u64(last),
+            None => Err(Error::Storage("log_counter has no row".into())),
+        }
     }
 
     async fn signing_key_put(&self, key_id: &str, public: &[u8; 32], at_ms: u64) -> Result<()> {
@@ -740,12 +771,11 @@ impl LogStore for SqliteStore {
 #[async_trait]
 impl RowStore for SqliteStore {
     async fn row_get(&self, tenant: &str, kind: &str, id: &str) -> Result<Option<Row>> {
-        Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
+        let sql = Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id = ?")
             .bind(tenant)
             .bind(kind)
-            .bind(id)
-            .first(self.read_on(), |r| projection_row_decode(r))
-            .await
+            .bind(id);
+        self.point_first(sql, |r| projection_row_decode(r)).await
     }
 
     async fn rows_get_raw(&self, tenant: &str, kind: &str, ids: &[&str]) -> Result<Vec<RawRow>> {
@@ -757,15 +787,12 @@ impl RowStore for SqliteStore {
             .bind(tenant)
             .bind(kind);
         sql.push_list(ids.iter().copied()).push(") ORDER BY id");
-        sql.all(self.read_on(), |r| raw_row_decode(r)).await
+        self.point(sql, |r| raw_row_decode(r)).await
     }
 
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
-        Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = ? AND id = ?")
-            .bind(kind)
-            .bind(id)
-            .first(self.read_on(), |r| projection_row_decode(r))
-            .await
+        let sql = Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = ? AND id = ?").bind(kind).bind(id);
+        self.point_first(sql, |r| projection_row_decode(r)).await
     }
 
     async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>> {
@@ -1164,5 +1191,72 @@ mod inline_tests {
         second.commit().await.unwrap();
         drop(second);
         assert!(store.row_get("t", "k", "a").await.unwrap().is_none());
+    }
+}
+
+#[cfg(test)]
+mod reader_tests {
+    use super::*;
+
+    fn row(id: &str) -> Row {
+        Row { key: RowKey { tenant: "t".into(), kind: "k".into(), id: id.into() }, doc: serde_json::json!({ "id": id }) }
+    }
+
+    async fn store(dir: &tempfile::TempDir) -> SqliteStore {
+        let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
+        EventStore::migrate(&store).await.unwrap();
+        store
+    }
+
+    fn id_of(r: &dyn Columns) -> Result<String> {
+        r.text(2)
+    }
+
+    /// A server's point reads run on its readers and see every commit made before them, through
+    /// the pool or not; a transaction's rows only once it commits.
+    #[tokio::test]
+    async fn point_reads_see_each_commit_and_no_open_transaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let readers = store.readers.as_ref().expect("a server's store has readers");
+        let select = || Sql::new("SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = 't' ORDER BY id");
+        assert_eq!(readers.all(&select(), &id_of).unwrap().unwrap(), Vec::<String>::new());
+        let mut tx = store.begin().await.unwrap();
+        tx.projections_upsert(&[row("a")]).await.unwrap();
+        assert!(store.row_get("t", "k", "a").await.unwrap().is_none(), "uncommitted, so not seen");
+        tx.commit().await.unwrap();
+        drop(tx);
+        assert_eq!(readers.all(&select(), &id_of).unwrap().unwrap(), ["a"]);
+        assert!(store.row_get("t", "k", "a").await.unwrap().is_some());
+        assert_eq!(store.rows_get("t", "k", &["a", "b"]).await.unwrap().len(), 1);
+    }
+
+    /// A reader never waits: with every reader in use, or SQLite busy (another connection holds
+    /// the file exclusively, as a migration or recovery may), it gives the read back to the
+    /// pool, which waits as it always did.
+    #[tokio::test]
+    async fn a_point_read_goes_to_the_pool_when_no_reader_is_free_or_sqlite_is_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let readers = store.readers.as_ref().unwrap();
+        let select = || Sql::new("SELECT tenant_id, kind, id, doc FROM projections");
+        let held: Vec<_> = readers.conns.iter().map(|c| c.lock().unwrap()).collect();
+        assert!(readers.all(&select(), &id_of).is_none(), "every reader in use");
+        assert!(store.row_get("t", "k", "a").await.unwrap().is_none(), "read on the pool instead");
+        drop(held);
+        assert!(readers.all(&select(), &id_of).is_some());
+
+        // The file held exclusively by another connection (every connection of this store
+        // closed first, as WAL mode shares the file while any is open): busy, answered at once.
+        store.pool.close().await;
+        drop(store);
+        let path = dir.path().join("log.sqlite3");
+        let other = rusqlite::Connection::open(&path).unwrap();
+        other.execute_batch("PRAGMA locking_mode = EXCLUSIVE; BEGIN EXCLUSIVE;").unwrap();
+        let readers = inline::Readers::open(&path, None, 1).unwrap();
+        let started = std::time::Instant::now();
+        assert!(readers.all(&select(), &id_of).is_none(), "busy: no wait on a runtime thread");
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "it did not wait for the lock");
+        other.execute_batch("COMMIT").unwrap();
     }
 }

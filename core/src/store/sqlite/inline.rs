@@ -18,7 +18,10 @@
 //! - The connection is opened as sqlx opens its own (`synchronous = FULL`, foreign keys on,
 //!   the same busy timeout), so what commits here is as durable as through the pool.
 //!
-//! Never in a server: a statement here blocks the runtime thread that runs it.
+//! Never in a server as the store's one connection: a write transaction here would block the
+//! runtime thread that runs it. A server has [`Readers`] instead: connections of the same kind
+//! that run only point reads (a row by key, a few hundred by key, a bounded page of the log),
+//! which take microseconds, never wait for a lock, and give way to the pool when they would.
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -126,6 +129,72 @@ impl InlineConn {
     /// The first row `sql` returns, if any, decoded by `decode`; the rest are never read.
     pub(super) fn first<T>(&self, sql: &Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Option<T>> {
         self.query(sql, |mut rows| rows.next().map_err(storage)?.map(|row| decode(row)).transpose())
+    }
+}
+
+/// Connections for point reads on the caller's thread, in a server (issue 17: with every read
+/// handed to a pool connection's worker thread and back, those hand-overs were a quarter of the
+/// reservations bench's time, in the kernel). A point read is bounded by its statement (a
+/// primary key, at most [`crate::store::ROWS_GET_MAX`] keys, a `LIMIT`ed page), so it blocks
+/// the runtime thread for microseconds; it never waits: a reader in use by another thread is
+/// skipped, SQLite's busy timeout is 0, and when no reader is free or SQLite is busy the read
+/// goes to the pool as before. WAL mode gives each statement a snapshot of the last commit,
+/// as on a pool connection.
+pub(crate) struct Readers {
+    pub(super) conns: Vec<Mutex<rusqlite::Connection>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+/// Readers a server's store keeps: the runtime's threads on this kind of machine, and a few more.
+pub(crate) const READERS: usize = 4;
+
+impl Readers {
+    /// `count` read-only connections to the database at `path`, which the pool has opened.
+    pub(super) fn open(path: &Path, vfs: Option<&str>, count: usize) -> Result<Self> {
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conns = (0..count)
+            .map(|_| {
+                let conn = match vfs {
+                    Some(vfs) => rusqlite::Connection::open_with_flags_and_vfs(path, flags, vfs),
+                    None => rusqlite::Connection::open_with_flags(path, flags),
+                }
+                .map_err(storage)?;
+                // Never wait for a lock on a runtime thread: busy means the pool reads it.
+                conn.busy_timeout(Duration::ZERO).map_err(storage)?;
+                conn.pragma_update(None, "query_only", true).map_err(storage)?;
+                conn.set_prepared_statement_cache_capacity(STATEMENTS_CACHED);
+                Ok(Mutex::new(conn))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { conns, next: std::sync::atomic::AtomicUsize::new(0) })
+    }
+
+    /// Every row `sql` returns, decoded, read on this thread by a free reader; `None` when every
+    /// reader is in use or SQLite answers busy (the caller reads on the pool instead).
+    pub(super) fn all<T>(&self, sql: &Sql, decode: &dyn Fn(&dyn Columns) -> Result<T>) -> Option<Result<Vec<T>>> {
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let conn = (0..self.conns.len()).find_map(|i| self.conns[(start + i) % self.conns.len()].try_lock().ok())?;
+        let read = || -> rusqlite::Result<Result<Vec<T>>> {
+            let mut statement = conn.prepare_cached(&sql.text)?;
+            let mut rows = statement.query(rusqlite::params_from_iter(&sql.args))?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                match decode(row) {
+                    Ok(decoded) => out.push(decoded),
+                    Err(e) => return Ok(Err(e)),
+                }
+            }
+            Ok(Ok(out))
+        };
+        match read() {
+            Ok(decoded) => Some(decoded),
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(e.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) =>
+            {
+                None
+            }
+            Err(e) => Some(Err(storage(e))),
+        }
     }
 }
 
