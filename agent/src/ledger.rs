@@ -58,6 +58,19 @@ impl<T: LedgerContents> LedgerFile<T> {
             }
             Ok(())
         };
-        write().map_err(|e| format!("{}: {e}", self.path.display()))
+        let saved = write().map_err(|e| format!("{}: {e}", self.path.display()));
+        // Counted whether it succeeded or not: a failed save may have renamed the file already.
+        SAVES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        saved
     }
+}
+
+/// Saves of any ledger made by this process ([`saves_in_process`]).
+static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times this process has saved a ledger (any ledger, any agent): a reader that keeps
+/// what it read of a ledger file may keep it while this has not moved, without looking at the
+/// file again (the simulator reads every agent's ledger after every step).
+pub fn saves_in_process() -> u64 {
+    SAVES.load(std::sync::atomic::Ordering::Acquire)
 }

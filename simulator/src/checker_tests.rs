@@ -10,7 +10,7 @@ use bc_core::clock::Clock;
 use bc_projections::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc, ReservationState};
 use ed25519_dalek::SigningKey;
 
-use crate::run::full_check;
+use crate::run::{LogFold, full_check, full_check_on};
 use crate::world::{JournalInLog, JournalRefusalCause, Shape, World};
 
 const SEED: u64 = 41;
@@ -172,6 +172,48 @@ async fn a_projection_row_unlike_the_fold_of_the_log_is_named() {
     overwrite_row(&world, KIND_NODE, &node, &changed).await;
     let found = full_check(&world, true).await.expect_err("the full check must see it");
     assert!(found.0.starts_with("the projections differ from a fold of the log"), "{found}");
+    assert!(found.0.contains(&format!("/node/{node}")), "{found}");
+}
+
+/// The full checks of a run keep their fold and fold only what the log grew by: what they keep
+/// is what a fold of the whole log from scratch gives, as the log grows.
+#[tokio::test]
+async fn a_kept_fold_is_the_fold_from_scratch_as_the_log_grows() {
+    let mut world = busy_world().await;
+    let mut kept = LogFold::default();
+    let (events, _) = full_check_on(&world, true, &mut kept).await.expect("sound");
+    world.request(0, 1, 600).await;
+    world.request(0, 3, 60).await;
+    settle(&mut world).await;
+    let (more, _) = full_check_on(&world, true, &mut kept).await.expect("still sound");
+    assert!(more > events, "the log grew: {events} → {more}");
+    let mut scratch = LogFold::default();
+    full_check_on(&world, true, &mut scratch).await.expect("sound from scratch");
+    assert_eq!(kept.after, scratch.after);
+    assert_eq!(kept.ids, scratch.ids);
+    assert_eq!(kept.journal, scratch.journal);
+    let sorted = |fold: &LogFold| {
+        fold.state.iter().collect::<BTreeMap<_, _>>().into_iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(sorted(&kept), sorted(&scratch));
+    let listed = |fold: &LogFold| fold.logged.iter().map(|e| (e.tenant, e.seq, e.id.clone(), e.position)).collect::<Vec<_>>();
+    assert_eq!(listed(&kept), listed(&scratch));
+}
+
+/// A row changed underneath the log after a check folded its events is named by the next check
+/// that keeps its fold: every stored row is compared each time, not only the ones new events
+/// touch.
+#[tokio::test]
+async fn a_row_changed_after_a_kept_fold_is_named() {
+    let world = busy_world().await;
+    let mut kept = LogFold::default();
+    full_check_on(&world, true, &mut kept).await.expect("sound");
+    let node = world.agents[1].node.clone();
+    let doc: NodeDoc = world.doc(0, KIND_NODE, &node).await.unwrap();
+    let mut changed = serde_json::to_value(&doc).unwrap();
+    changed["cordoned"] = serde_json::json!(!doc.cordoned);
+    overwrite_row(&world, KIND_NODE, &node, &changed).await;
+    let found = full_check_on(&world, true, &mut kept).await.expect_err("the next check must see it");
     assert!(found.0.contains(&format!("/node/{node}")), "{found}");
 }
 

@@ -526,6 +526,8 @@ struct Sim {
     /// The step of the last full check and the events the log had then (its next one's gap).
     step_at_full_check: u64,
     events_at_full_check: u64,
+    /// The log as the full checks have read and folded it so far.
+    fold: LogFold,
     /// The webhooks: subscriptions, receivers, the real consumer.
     hooks: hooks::Hooks,
     /// Nodes whose agent stopped for good after their drain (never restarted).
@@ -599,6 +601,7 @@ pub async fn run(options: Options) -> Outcome {
         gpus_total: world.agents.iter().map(|a| a.machine.inventory.gpus.gpus.len() as u64).sum(),
         step_at_full_check: 0,
         events_at_full_check: 0,
+        fold: LogFold::default(),
         world,
     };
     sim.observe().await;
@@ -1382,14 +1385,16 @@ impl Sim {
     /// projection rows equal a fold of the whole log, every workload append the log
     /// acknowledged is still in it, and each node's journal in the log is what its agent wrote,
     /// once each ([`World::check_journals`]).
+    ///
+    /// The fold is kept between checks and each check folds only the events after the last
+    /// one ([`LogFold`]; a test holds it to a fold from scratch as the log grows).
     async fn full_check(&mut self) -> Result<(), Violation> {
         self.out.full_checks += 1;
         self.step_at_full_check = self.out.step_checks;
-        let mut logged = Vec::new();
-        let (events, acknowledged) = full_check_logging(&self.world, self.ending, Some(&mut logged)).await?;
+        let (events, acknowledged) = full_check_on(&self.world, self.ending, &mut self.fold).await?;
         self.events_at_full_check = events;
         self.out.acknowledged_checked = acknowledged;
-        self.hooks.check(&self.world, &logged, self.ending).await?;
+        self.hooks.check(&self.world, &self.fold.logged, self.ending).await?;
         self.out.webhooks = self.hooks.counts.clone();
         Ok(())
     }
@@ -1417,45 +1422,50 @@ impl Sim {
     }
 }
 
-/// [`Sim::full_check`]'s checks on a world; `settled`: every journal entry has been delivered.
-/// Returns the events in the log and the acknowledged appends found in it.
-pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Violation> {
-    full_check_logging(world, settled, None).await
+/// What the full checks have read of the log: the fold of every event up to `after`, the
+/// journal entries the events carry, every event's id, and the events as the webhooks' check
+/// lists them. The simulator's log only grows (a gateway restart opens the same file again, and
+/// what committed stays), so a check that keeps this reads and folds only the events after the
+/// last check's: a full check costs what the log grew by, not the whole log, apart from the
+/// chains' verification and the comparison with the stored rows, which read everything.
+#[derive(Default)]
+pub(crate) struct LogFold {
+    pub(crate) after: Position,
+    pub(crate) state: HashMap<RowKey, Value>,
+    pub(crate) journal: BTreeMap<String, JournalInLog>,
+    pub(crate) ids: BTreeMap<(bc_core::id::TenantId, u64), String>,
+    pub(crate) logged: Vec<hooks::LoggedEvent>,
 }
 
-/// [`full_check`], also listing every event in `logged` (for the webhooks' check).
-pub(crate) async fn full_check_logging(
-    world: &World,
-    settled: bool,
-    mut logged: Option<&mut Vec<hooks::LoggedEvent>>,
-) -> Result<(u64, u64), Violation> {
+/// [`Sim::full_check`]'s checks on a world, from scratch; `settled`: every journal entry has
+/// been delivered. Returns the events in the log and the acknowledged appends found in it.
+pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Violation> {
+    full_check_on(world, settled, &mut LogFold::default()).await
+}
+
+/// [`full_check`], folding on from `fold` (and leaving it at the end of the log).
+pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFold) -> Result<(u64, u64), Violation> {
     let store = &*world.store;
     let trust = bc_core::audit::Trust::of(&[world.log_key.public()], "sim").expect("trust");
     let report = bc_core::audit::verify(store, &trust, None, &|_| {}).await.expect("verify reads");
     if let Some(problem) = report.problems.first() {
         return Err(Violation(format!("the chain does not verify: {problem:?}")));
     }
-    // The fold of the whole log, the journal entries it carries and every event's id.
-    let mut state: HashMap<RowKey, Value> = HashMap::new();
-    let mut journal: BTreeMap<String, JournalInLog> = BTreeMap::new();
-    let mut ids: BTreeMap<(bc_core::id::TenantId, u64), String> = BTreeMap::new();
-    let mut after = Position::START;
+    let LogFold { after, state, journal, ids, logged } = fold;
     loop {
-        let rows = store.read_after_rows(after, None, 1000).await.expect("the log reads");
+        let rows = store.read_after_rows(*after, None, 1000).await.expect("the log reads");
         let Some(last) = rows.last() else { break };
-        after = Position { commit: last.commit, index: last.index };
+        *after = Position { commit: last.commit, index: last.index };
         let page = bc_core::store::decode_rows(rows).expect("events decode");
         for event in &page {
             ids.insert((event.envelope.tenant, event.envelope.seq), event.envelope.id.to_string());
-            if let Some(logged) = logged.as_deref_mut() {
-                logged.push(hooks::LoggedEvent {
-                    tenant: event.envelope.tenant,
-                    seq: event.envelope.seq,
-                    id: event.envelope.id.to_string(),
-                    event_type: event.envelope.event_type.clone(),
-                    position: event.position,
-                });
-            }
+            logged.push(hooks::LoggedEvent {
+                tenant: event.envelope.tenant,
+                seq: event.envelope.seq,
+                id: event.envelope.id.to_string(),
+                event_type: event.envelope.event_type.clone(),
+                position: event.position,
+            });
             let payload = bc_core::canonical::to_json(&event.envelope.payload);
             if let Some(origin) = payload.get(bc_core::agent::JOURNAL_PAYLOAD_KEY) {
                 let node = origin.get("nodeId").and_then(Value::as_str).unwrap_or_default().to_owned();
@@ -1486,12 +1496,12 @@ pub(crate) async fn full_check_logging(
     }
     let stored: BTreeMap<RowKey, Value> =
         store.rows_all().await.expect("rows read").into_iter().map(|r| (r.key, r.doc)).collect();
-    let folded: BTreeMap<RowKey, Value> = state.into_iter().collect();
-    if stored != folded {
+    if stored.len() != state.len() || stored.iter().any(|(k, v)| state.get(k) != Some(v)) {
+        let folded: BTreeMap<&RowKey, &Value> = state.iter().collect();
         let differs = stored
             .keys()
-            .chain(folded.keys())
-            .find(|k| stored.get(*k) != folded.get(*k))
+            .chain(folded.keys().copied())
+            .find(|k| stored.get(*k) != folded.get(*k).copied())
             .map(|k| format!("{}/{}/{}", k.tenant, k.kind, k.id))
             .unwrap_or_default();
         return Err(Violation(format!(
@@ -1500,7 +1510,7 @@ pub(crate) async fn full_check_logging(
             folded.len()
         )));
     }
-    world.check_journals(&journal, settled).await?;
+    world.check_journals(journal, settled).await?;
     Ok((ids.len() as u64, acknowledged.len() as u64))
 }
 

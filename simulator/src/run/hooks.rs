@@ -416,9 +416,9 @@ mod tests {
 
     /// The log's events as the full check lists them.
     async fn logged(world: &World) -> Vec<LoggedEvent> {
-        let mut logged = Vec::new();
-        crate::run::full_check_logging(world, false, Some(&mut logged)).await.expect("the world is sound");
-        logged
+        let mut fold = crate::run::LogFold::default();
+        crate::run::full_check_on(world, false, &mut fold).await.expect("the world is sound");
+        fold.logged
     }
 
     #[tokio::test]
