@@ -1139,7 +1139,7 @@ mod inline_tests {
 
     use super::*;
 
-    fn row(id: &str) -> Row {
+    pub(super) fn row(id: &str) -> Row {
         Row { key: RowKey { tenant: "t".into(), kind: "k".into(), id: id.into() }, doc: serde_json::json!({ "id": id }) }
     }
 
@@ -1196,11 +1196,8 @@ mod inline_tests {
 
 #[cfg(test)]
 mod reader_tests {
+    use super::inline_tests::row;
     use super::*;
-
-    fn row(id: &str) -> Row {
-        Row { key: RowKey { tenant: "t".into(), kind: "k".into(), id: id.into() }, doc: serde_json::json!({ "id": id }) }
-    }
 
     async fn store(dir: &tempfile::TempDir) -> SqliteStore {
         let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
