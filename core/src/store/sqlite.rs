@@ -139,7 +139,7 @@ impl SqliteStore {
         let readers = match vfs {
             // The simulator's store reads on its own connection: no readers beside it.
             Some(_) => None,
-            None => Some(inline::Readers::open(path, vfs, inline::READERS)?),
+            None => Some(inline::Readers::open(path, inline::READERS)?),
         };
         Ok(Self { pool, data_keys: Default::default(), inline: None, readers })
     }
@@ -1250,7 +1250,7 @@ mod reader_tests {
         let path = dir.path().join("log.sqlite3");
         let other = rusqlite::Connection::open(&path).unwrap();
         other.execute_batch("PRAGMA locking_mode = EXCLUSIVE; BEGIN EXCLUSIVE;").unwrap();
-        let readers = inline::Readers::open(&path, None, 1).unwrap();
+        let readers = inline::Readers::open(&path, 1).unwrap();
         let timeout: i64 = readers.conns[0].lock().unwrap().query_row("PRAGMA busy_timeout", [], |r| r.get(0)).unwrap();
         assert_eq!(timeout, 0, "a reader never waits for a lock on a runtime thread");
         assert!(readers.all(&select(), &id_of).is_none(), "busy: the pool reads it");

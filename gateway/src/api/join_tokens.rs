@@ -109,7 +109,10 @@ async fn join_tokens_create(call: &Call<'_>, input: JoinTokensCreate) -> Result<
     let pool_id: id::PoolId = parse_id("poolId", &input.pool_id)?;
     let pool = pool_doc(call, tenant, &pool_id.to_string()).await?;
     if pool.archived {
-        return Err(Error::state(format!("pool {pool_id} is archived: no machine joins it"), super::ARCHIVED_POOL_HINT));
+        return Err(Error::state(
+            format!("pool {pool_id} is archived: no machine joins it"),
+            bc_projections::decide::ARCHIVED_POOL_HINT,
+        ));
     }
     let join_token = JoinTokenId::from_ulid(call.ulid());
     let (token, secret_sha256) = join_token_new(join_token);

@@ -429,7 +429,7 @@ async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> 
     if pool.archived {
         return Err(Error::state(
             format!("pool {pool_id} is archived: no machine is enrolled into it"),
-            super::ARCHIVED_POOL_HINT,
+            decide::ARCHIVED_POOL_HINT,
         ));
     }
     let retry = call.is_retry(tenant).await?;

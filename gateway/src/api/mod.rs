@@ -44,9 +44,6 @@ mod webhooks;
 
 pub use toolkit::Call;
 
-/// What to do when a pool a request names is archived (an `INVALID_STATE` refusal).
-const ARCHIVED_POOL_HINT: &str = "use a pool that is not archived (pools list)";
-
 /// A handler as the table holds it: the raw JSON body in, the JSON answer out. [`method!`]
 /// builds it from a typed handler, so parsing and serializing are the same for every method.
 pub type Handler = for<'a> fn(&'a Call<'a>, &'a [u8]) -> BoxFuture<'a, Result<Value>>;

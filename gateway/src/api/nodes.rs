@@ -199,7 +199,7 @@ async fn nodes_register(call: &Call<'_>, input: NodesRegister) -> Result<NodeVie
     }
     let pool_doc = pool_doc(call, tenant, &pool.to_string()).await?;
     if pool_doc.archived {
-        return Err(Error::state(format!("pool {pool} is archived"), super::ARCHIVED_POOL_HINT));
+        return Err(Error::state(format!("pool {pool} is archived"), decide::ARCHIVED_POOL_HINT));
     }
     // Counted in this process's fleet view: registrations in flight elsewhere can pass the
     // limit by their number, which still bounds a tenant's nodes.

@@ -137,6 +137,9 @@ pub enum Refusal {
     Internal(String),
 }
 
+/// What to do when a pool a request names is archived (every `INVALID_STATE` refusal of one).
+pub const ARCHIVED_POOL_HINT: &str = "use a pool that is not archived (pools list)";
+
 impl From<Refusal> for Error {
     fn from(refusal: Refusal) -> Self {
         let message = refusal.to_string();
@@ -157,7 +160,7 @@ impl From<Refusal> for Error {
                 Error::state(message, format!("remove some {what} in the same call (`remove`), or use fewer"))
             }
             Refusal::TooManyNodes { .. } => Error::state(message, "deregister nodes that are gone, or use another tenant"),
-            Refusal::PoolArchived { .. } => Error::state(message, "use a pool that is not archived (pools list)"),
+            Refusal::PoolArchived { .. } => Error::state(message, ARCHIVED_POOL_HINT),
             Refusal::NotActive { .. } => {
                 Error::state(message, "wait until a queued reservation is active, or reserve again if it has ended")
             }

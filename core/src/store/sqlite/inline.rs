@@ -149,16 +149,13 @@ pub(crate) struct Readers {
 pub(crate) const READERS: usize = 4;
 
 impl Readers {
-    /// `count` read-only connections to the database at `path`, which the pool has opened.
-    pub(super) fn open(path: &Path, vfs: Option<&str>, count: usize) -> Result<Self> {
+    /// `count` read-only connections to the database at `path`, which the pool has opened
+    /// through the platform's default VFS (a server's store; the simulator's has no readers).
+    pub(super) fn open(path: &Path, count: usize) -> Result<Self> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conns = (0..count)
             .map(|_| {
-                let conn = match vfs {
-                    Some(vfs) => rusqlite::Connection::open_with_flags_and_vfs(path, flags, vfs),
-                    None => rusqlite::Connection::open_with_flags(path, flags),
-                }
-                .map_err(storage)?;
+                let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(storage)?;
                 // Never wait for a lock on a runtime thread: busy means the pool reads it.
                 conn.busy_timeout(Duration::ZERO).map_err(storage)?;
                 conn.pragma_update(None, "query_only", true).map_err(storage)?;
