@@ -21,7 +21,7 @@ use crate::chain::ChainProblem;
 use crate::error::{Error, Result};
 use crate::event::{EventRow, GENESIS_PREV, sha256};
 use crate::id::{EventId, TenantId};
-use crate::keys::{KeyRing, LogKey, event_signing_message, key_id_of};
+use crate::keys::{KeyRing, LogKey, VerifiedSignatures, event_signing_message, key_id_of};
 use crate::merkle::{self, RootBuilder};
 use crate::note::{self, CheckpointBody, ConsistencyFile, ProofFile, Vkey};
 use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_rows};
@@ -469,7 +469,7 @@ fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String>
 /// The `node.joined` event type (projections names it; the verifier must know it too).
 pub const NODE_JOINED: &str = "node.joined";
 
-fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, String>> {
+fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSignatures>) -> Vec<Result<CheckedRow, String>> {
     let decoded: Vec<_> = rows
         .iter()
         .map(|row| {
@@ -486,18 +486,34 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing) -> Vec<Result<CheckedRow, Strin
             Ok((event.hash, event.prev, key, sig, checkpoint, node))
         })
         .collect::<Vec<Result<_, String>>>();
-    // Batch-verify the signatures of the rows that decoded; on failure, find the bad ones.
-    let ok: Vec<usize> = decoded.iter().enumerate().filter(|(_, d)| d.is_ok()).map(|(i, _)| i).collect();
+    // Batch-verify the signatures of the rows that decoded (but those found good before); on
+    // failure, find the bad ones.
+    let seen = |i: &usize| {
+        let (hash, _, key, sig, _, _) = decoded[*i].as_ref().unwrap();
+        verified.is_some_and(|v| v.contains(key, &event_signing_message(hash), sig, true))
+    };
+    let ok: Vec<usize> = decoded.iter().enumerate().filter(|(_, d)| d.is_ok()).map(|(i, _)| i).filter(|i| !seen(i)).collect();
     let messages: Vec<Vec<u8>> = ok.iter().map(|&i| event_signing_message(&decoded[i].as_ref().unwrap().0)).collect();
     let message_refs: Vec<&[u8]> = messages.iter().map(|m| m.as_slice()).collect();
     let sigs: Vec<Signature> = ok.iter().map(|&i| decoded[i].as_ref().unwrap().3).collect();
     let publics: Vec<VerifyingKey> = ok.iter().map(|&i| decoded[i].as_ref().unwrap().2).collect();
-    let batch_ok = ed25519_dalek::verify_batch(&message_refs, &sigs, &publics).is_ok();
+    let batch_ok = ok.is_empty() || ed25519_dalek::verify_batch(&message_refs, &sigs, &publics).is_ok();
+    if batch_ok && let Some(verified) = verified {
+        for (n, message) in messages.iter().enumerate() {
+            verified.insert(&publics[n], message, &sigs[n], true);
+        }
+    }
     decoded
         .into_iter()
         .map(|d| {
             let (hash, prev, key, sig, checkpoint, node) = d?;
-            if !batch_ok && key.verify_strict(&event_signing_message(&hash), &sig).is_err() {
+            let message = event_signing_message(&hash);
+            let good = match (batch_ok, verified) {
+                (true, _) => true,
+                (false, Some(verified)) => verified.verify(&key, &message, &sig, true),
+                (false, None) => key.verify_strict(&message, &sig).is_ok(),
+            };
+            if !good {
                 return Err("signature does not verify".to_owned());
             }
             Ok(CheckedRow { hash, prev, checkpoint, node })
@@ -513,6 +529,20 @@ pub async fn verify(
     trust: &Trust,
     only: Option<TenantId>,
     progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report> {
+    verify_with(store, trust, only, progress, None).await
+}
+
+/// [`verify`], skipping the arithmetic of the event and journal signatures `verified` found good
+/// in an earlier run (and remembering the ones this run finds good). Everything else is checked
+/// again: every hash recomputed from the stored bytes, every link, every checkpoint. For a caller
+/// that verifies the same growing log again and again (the simulator's full checks).
+pub async fn verify_with(
+    store: &dyn EventStore,
+    trust: &Trust,
+    only: Option<TenantId>,
+    progress: &(dyn Fn(u64) + Sync),
+    verified: Option<std::sync::Arc<VerifiedSignatures>>,
 ) -> Result<Report> {
     let mut report = Report::default();
     let heads: std::collections::HashMap<TenantId, crate::store::Head> = store.heads().await?.into_iter().collect();
@@ -559,15 +589,18 @@ pub async fn verify(
                 tokio::task::spawn_blocking({
                     let rows = std::mem::take(&mut page);
                     let keys = trust.keys.clone();
+                    let verified = verified.clone();
                     move || {
+                        let verified = verified.as_deref();
                         let chunk = rows.len().div_ceil(threads).max(1);
                         // One chunk (one core, or a short page) is checked on this thread: a
                         // fresh thread per page costs its start and a fresh allocator heap.
                         let results: Vec<_> = if chunk >= rows.len() {
-                            check_rows(&rows, &keys)
+                            check_rows(&rows, &keys, verified)
                         } else {
                             std::thread::scope(|s| {
-                                let handles: Vec<_> = rows.chunks(chunk).map(|c| s.spawn(|| check_rows(c, &keys))).collect();
+                                let handles: Vec<_> =
+                                    rows.chunks(chunk).map(|c| s.spawn(|| check_rows(c, &keys, verified))).collect();
                                 handles.into_iter().flat_map(|h| h.join().expect("verifier thread")).collect()
                             })
                         };
@@ -612,7 +645,7 @@ pub async fn verify(
                             format!("an entry of node {} that never joined this chain", origin.node_id),
                         ),
                         Some(key) => {
-                            if let Err(what) = origin.check(key, &event_type, &stream, &payload) {
+                            if let Err(what) = origin.check_remembered(key, &event_type, &stream, &payload, verified.as_deref()) {
                                 report.problem(
                                     tenant,
                                     seq,

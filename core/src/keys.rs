@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::Path;
 
 use base64::Engine;
-use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
+use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
@@ -35,6 +35,63 @@ pub fn event_signing_message(hash: &[u8; 32]) -> Vec<u8> {
     message.extend_from_slice(EVENT_SIGNATURE_CONTEXT);
     message.extend_from_slice(hash);
     message
+}
+
+/// Ed25519 signatures this process has found good, for a caller that verifies the same log again
+/// and again (the simulator's full checks, every few steps of a run). Whether a signature
+/// verifies is a function of the public key, the message and the signature alone, so one found
+/// good once is good again: [`crate::audit::verify_with`] still recomputes every event's hash
+/// from its bytes and checks every link, and skips only the curve arithmetic of a signature it
+/// has checked before. Kept as a SHA-256 of the three (32 bytes a signature).
+#[derive(Default)]
+pub struct VerifiedSignatures {
+    seen: std::sync::Mutex<std::collections::HashSet<[u8; 32]>>,
+}
+
+impl VerifiedSignatures {
+    fn digest(key: &VerifyingKey, message: &[u8], signature: &Signature, strict: bool) -> [u8; 32] {
+        let mut digest = Sha256::new();
+        digest.update([u8::from(strict)]);
+        digest.update(key.as_bytes());
+        digest.update(signature.to_bytes());
+        digest.update(message);
+        digest.finalize().into()
+    }
+
+    /// Whether this signature of `message` under `key` was found good before (by
+    /// `verify_strict` when `strict`, else by `verify`: a signature can pass one and not the other).
+    pub fn contains(&self, key: &VerifyingKey, message: &[u8], signature: &Signature, strict: bool) -> bool {
+        let digest = Self::digest(key, message, signature, strict);
+        self.seen.lock().expect("verified signatures").contains(&digest)
+    }
+
+    /// Remembers a signature found good.
+    pub fn insert(&self, key: &VerifyingKey, message: &[u8], signature: &Signature, strict: bool) {
+        let digest = Self::digest(key, message, signature, strict);
+        self.seen.lock().expect("verified signatures").insert(digest);
+    }
+
+    /// Verifies (`verify_strict` when `strict`, else `verify`) unless found good before, and
+    /// remembers it when good.
+    pub fn verify(&self, key: &VerifyingKey, message: &[u8], signature: &Signature, strict: bool) -> bool {
+        if self.contains(key, message, signature, strict) {
+            return true;
+        }
+        let good = if strict { key.verify_strict(message, signature).is_ok() } else { key.verify(message, signature).is_ok() };
+        if good {
+            self.insert(key, message, signature, strict);
+        }
+        good
+    }
+
+    /// How many signatures are remembered.
+    pub fn len(&self) -> usize {
+        self.seen.lock().expect("verified signatures").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 pub struct LogKey {
@@ -196,5 +253,34 @@ impl KeyRing {
         let key = self.get(key_id).ok_or_else(|| format!("unknown key id {key_id}"))?;
         let sig = Signature::from_slice(sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
         key.verify_strict(&event_signing_message(hash), &sig).map_err(|_| "signature does not verify".to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signature_found_good_is_remembered_and_a_bad_one_never() {
+        let key = LogKey::from_seed([7; 32]);
+        let public = key.public();
+        let message = event_signing_message(&[1; 32]);
+        let good = Signature::from_bytes(&key.sign_event_hash(&[1; 32]));
+        let verified = VerifiedSignatures::default();
+        assert!(!verified.contains(&public, &message, &good, true));
+        assert!(verified.verify(&public, &message, &good, true));
+        assert!(verified.contains(&public, &message, &good, true));
+        // Found good by the strict check is not found good by the other, nor for another message.
+        assert!(!verified.contains(&public, &message, &good, false));
+        assert!(!verified.contains(&public, &event_signing_message(&[2; 32]), &good, true));
+        // A bad signature fails and is not remembered; nor is a good one under another key.
+        let mut bytes = good.to_bytes();
+        bytes[0] ^= 1;
+        let bad = Signature::from_bytes(&bytes);
+        assert!(!verified.verify(&public, &message, &bad, true));
+        assert!(!verified.contains(&public, &message, &bad, true));
+        let other = LogKey::from_seed([8; 32]).public();
+        assert!(!verified.verify(&other, &message, &good, true));
+        assert_eq!(verified.len(), 1);
     }
 }

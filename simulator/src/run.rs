@@ -1427,7 +1427,8 @@ impl Sim {
 /// lists them. The simulator's log only grows (a gateway restart opens the same file again, and
 /// what committed stays), so a check that keeps this reads and folds only the events after the
 /// last check's: a full check costs what the log grew by, not the whole log, apart from the
-/// chains' verification and the comparison with the stored rows, which read everything.
+/// chains' verification and the comparison with the stored rows, which read everything (the
+/// verification without the arithmetic of signatures an earlier check found good).
 #[derive(Default)]
 pub(crate) struct LogFold {
     pub(crate) after: Position,
@@ -1435,6 +1436,10 @@ pub(crate) struct LogFold {
     pub(crate) journal: BTreeMap<String, JournalInLog>,
     pub(crate) ids: BTreeMap<(bc_core::id::TenantId, u64), String>,
     pub(crate) logged: Vec<hooks::LoggedEvent>,
+    /// The event and journal signatures found good by an earlier check: each check still
+    /// verifies every chain whole (every hash from the stored bytes, every link, every
+    /// checkpoint) but does the curve arithmetic only for signatures it has not seen.
+    pub(crate) verified: std::sync::Arc<bc_core::keys::VerifiedSignatures>,
 }
 
 /// [`Sim::full_check`]'s checks on a world, from scratch; `settled`: every journal entry has
@@ -1447,11 +1452,12 @@ pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Viol
 pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFold) -> Result<(u64, u64), Violation> {
     let store = &*world.store;
     let trust = bc_core::audit::Trust::of(&[world.log_key.public()], "sim").expect("trust");
-    let report = bc_core::audit::verify(store, &trust, None, &|_| {}).await.expect("verify reads");
+    let report =
+        bc_core::audit::verify_with(store, &trust, None, &|_| {}, Some(fold.verified.clone())).await.expect("verify reads");
     if let Some(problem) = report.problems.first() {
         return Err(Violation(format!("the chain does not verify: {problem:?}")));
     }
-    let LogFold { after, state, journal, ids, logged } = fold;
+    let LogFold { after, state, journal, ids, logged, verified: _ } = fold;
     loop {
         let rows = store.read_after_rows(*after, None, 1000).await.expect("the log reads");
         let Some(last) = rows.last() else { break };
