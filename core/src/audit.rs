@@ -483,21 +483,20 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
                 None
             };
             let node = node_fact(row, event.payload)?;
-            Ok((event.hash, event.prev, key, sig, checkpoint, node))
+            Ok((event.hash, event.prev, key, sig, checkpoint, node, event_signing_message(&event.hash)))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded (but those found good before); on
     // failure, find the bad ones.
-    let seen = |i: &usize| {
-        let (hash, _, key, sig, _, _) = decoded[*i].as_ref().unwrap();
-        verified.is_some_and(|v| v.contains(key, &event_signing_message(hash), sig, true))
+    let unseen = |(_, _, key, sig, _, _, message): &(_, _, VerifyingKey, Signature, _, _, Vec<u8>)| {
+        verified.is_none_or(|v| !v.contains(key, message, sig, true))
     };
-    let ok: Vec<usize> = decoded.iter().enumerate().filter(|(_, d)| d.is_ok()).map(|(i, _)| i).filter(|i| !seen(i)).collect();
-    let messages: Vec<Vec<u8>> = ok.iter().map(|&i| event_signing_message(&decoded[i].as_ref().unwrap().0)).collect();
-    let message_refs: Vec<&[u8]> = messages.iter().map(|m| m.as_slice()).collect();
-    let sigs: Vec<Signature> = ok.iter().map(|&i| decoded[i].as_ref().unwrap().3).collect();
-    let publics: Vec<VerifyingKey> = ok.iter().map(|&i| decoded[i].as_ref().unwrap().2).collect();
-    let batch_ok = ok.is_empty() || ed25519_dalek::verify_batch(&message_refs, &sigs, &publics).is_ok();
+    let ok: Vec<usize> = decoded.iter().enumerate().filter(|(_, d)| d.as_ref().is_ok_and(unseen)).map(|(i, _)| i).collect();
+    let row = |i: usize| decoded[i].as_ref().unwrap();
+    let messages: Vec<&[u8]> = ok.iter().map(|&i| row(i).6.as_slice()).collect();
+    let sigs: Vec<Signature> = ok.iter().map(|&i| row(i).3).collect();
+    let publics: Vec<VerifyingKey> = ok.iter().map(|&i| row(i).2).collect();
+    let batch_ok = ok.is_empty() || ed25519_dalek::verify_batch(&messages, &sigs, &publics).is_ok();
     if batch_ok && let Some(verified) = verified {
         for (n, message) in messages.iter().enumerate() {
             verified.insert(&publics[n], message, &sigs[n], true);
@@ -506,8 +505,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
     decoded
         .into_iter()
         .map(|d| {
-            let (hash, prev, key, sig, checkpoint, node) = d?;
-            let message = event_signing_message(&hash);
+            let (hash, prev, key, sig, checkpoint, node, message) = d?;
             let good = match (batch_ok, verified) {
                 (true, _) => true,
                 (false, Some(verified)) => verified.verify(&key, &message, &sig, true),

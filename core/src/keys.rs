@@ -42,7 +42,8 @@ pub fn event_signing_message(hash: &[u8; 32]) -> Vec<u8> {
 /// verifies is a function of the public key, the message and the signature alone, so one found
 /// good once is good again: [`crate::audit::verify_with`] still recomputes every event's hash
 /// from its bytes and checks every link, and skips only the curve arithmetic of a signature it
-/// has checked before. Kept as a SHA-256 of the three (32 bytes a signature).
+/// has checked before. Kept as a SHA-256 of the three and of which check (strict or plain) found
+/// it good: 32 bytes a signature.
 #[derive(Default)]
 pub struct VerifiedSignatures {
     seen: std::sync::Mutex<std::collections::HashSet<[u8; 32]>>,
@@ -74,12 +75,13 @@ impl VerifiedSignatures {
     /// Verifies (`verify_strict` when `strict`, else `verify`) unless found good before, and
     /// remembers it when good.
     pub fn verify(&self, key: &VerifyingKey, message: &[u8], signature: &Signature, strict: bool) -> bool {
-        if self.contains(key, message, signature, strict) {
+        let digest = Self::digest(key, message, signature, strict);
+        if self.seen.lock().expect("verified signatures").contains(&digest) {
             return true;
         }
         let good = if strict { key.verify_strict(message, signature).is_ok() } else { key.verify(message, signature).is_ok() };
         if good {
-            self.insert(key, message, signature, strict);
+            self.seen.lock().expect("verified signatures").insert(digest);
         }
         good
     }
