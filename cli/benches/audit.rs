@@ -18,6 +18,11 @@ use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::Projections;
 use ciborium::Value;
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what
+/// `better-compute audit verify` runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const BATCH: u64 = 1000;
 
 /// A `/proc/self/status` field in KiB: `VmHWM` (the peak resident set) or `VmRSS` (now).

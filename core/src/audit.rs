@@ -521,7 +521,8 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
 
 /// Verifies every chain (or one tenant's): hashes, links, signatures under trusted keys, every
 /// checkpoint's signature and root, and that every sealed checkpoint is still stored. Streams
-/// the log page by page (bounded memory) and checks each page on all cores.
+/// the log page by page (bounded memory: a page a core in flight) and checks the pages on all
+/// cores while the oldest is walked in chain order.
 pub async fn verify(
     store: &dyn EventStore,
     trust: &Trust,
@@ -544,7 +545,8 @@ pub async fn verify_with(
 ) -> Result<Report> {
     let mut report = Report::default();
     let heads: std::collections::HashMap<TenantId, crate::store::Head> = store.heads().await?.into_iter().collect();
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 16);
+    // Pages checked at once: one a core (two at least, so reading and walking overlap checking).
+    let pages_in_flight = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(2, 16);
     // Every tenant with events, a head or checkpoints: deleting a head must not hide a chain.
     let tenants: Vec<TenantId> = store.tenants().await?.into_iter().filter(|t| only.is_none_or(|o| o == *t)).collect();
     if let Some(only) = only
@@ -579,35 +581,28 @@ pub async fn verify_with(
         let mut prev = GENESIS_PREV;
         let mut next_seq = 1u64;
         let mut broken = false;
-        let mut page = store.read_chain_rows(tenant, 1, VERIFY_PAGE_ROWS).await?;
-        'walk: while !page.is_empty() {
-            let from = next_seq + page.len() as u64;
-            // Read the next page while this one is checked.
-            let (checked, next) = tokio::join!(
-                tokio::task::spawn_blocking({
-                    let rows = std::mem::take(&mut page);
-                    let keys = trust.keys.clone();
-                    let verified = verified.clone();
-                    move || {
-                        let verified = verified.as_deref();
-                        let chunk = rows.len().div_ceil(threads).max(1);
-                        // One chunk (one core, or a short page) is checked on this thread: a
-                        // fresh thread per page costs its start and a fresh allocator heap.
-                        let results: Vec<_> = if chunk >= rows.len() {
-                            check_rows(&rows, &keys, verified)
-                        } else {
-                            std::thread::scope(|s| {
-                                let handles: Vec<_> =
-                                    rows.chunks(chunk).map(|c| s.spawn(|| check_rows(c, &keys, verified))).collect();
-                                handles.into_iter().flat_map(|h| h.join().expect("verifier thread")).collect()
-                            })
-                        };
-                        (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results)
-                    }
-                }),
-                store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS)
-            );
-            let (seqs, results) = checked.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
+        // A pipeline: pages are read in order and each is checked on a blocking thread of its
+        // own (up to one page a core in flight), while the oldest checked page is walked here in
+        // chain order. Memory stays bounded by the pages in flight.
+        let mut read_from = 1u64;
+        let mut read_all = false;
+        let mut in_flight = std::collections::VecDeque::new();
+        'walk: loop {
+            while in_flight.len() < pages_in_flight && !read_all {
+                let rows = store.read_chain_rows(tenant, read_from, VERIFY_PAGE_ROWS).await?;
+                let Some(last) = rows.last() else {
+                    read_all = true;
+                    break;
+                };
+                read_from = last.seq + 1;
+                let (keys, verified) = (trust.keys.clone(), verified.clone());
+                in_flight.push_back(tokio::task::spawn_blocking(move || {
+                    let results = check_rows(&rows, &keys, verified.as_deref());
+                    (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results)
+                }));
+            }
+            let Some(checked) = in_flight.pop_front() else { break };
+            let (seqs, results) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
             for (seq, result) in seqs.into_iter().zip(results) {
                 if seq != next_seq {
                     let what = if seq > next_seq {
@@ -686,7 +681,6 @@ pub async fn verify_with(
                 }
             }
             progress(report.events);
-            page = next?;
         }
         if !broken {
             let last = next_seq - 1;

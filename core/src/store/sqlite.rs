@@ -676,12 +676,13 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
-        Sql::new(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq >= ? ORDER BY seq LIMIT ?"))
+        // A page by the primary key: a point read (the audit's walk, a proof's leaves), so
+        // read on this thread, not handed row by row from a pool connection's thread.
+        let sql = Sql::new(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq >= ? ORDER BY seq LIMIT ?"))
             .bind(tenant.to_string())
             .bind(to_i64(from_seq)?)
-            .bind(i64::from(limit))
-            .all(self.read_on(), |r| event_row_decode(r))
-            .await
+            .bind(i64::from(limit));
+        self.point(sql, |r| event_row_decode(r)).await
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
