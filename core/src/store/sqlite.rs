@@ -676,8 +676,9 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
-        // A page by the primary key: a point read (the audit's walk, a proof's leaves), so
-        // read on this thread, not handed row by row from a pool connection's thread.
+        // A page by an index (here and below): a point read (the audit's walk, a proof's
+        // leaves, a stream's or a consumer's next page), so read on this thread, not handed row
+        // by row from a pool connection's thread.
         let sql = Sql::new(format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND seq >= ? ORDER BY seq LIMIT ?"))
             .bind(tenant.to_string())
             .bind(to_i64(from_seq)?)
@@ -686,15 +687,14 @@ impl LogStore for SqliteStore {
     }
 
     async fn read_stream_rows(&self, tenant: TenantId, stream: &str, after_version: u64, limit: u32) -> Result<Vec<EventRow>> {
-        Sql::new(format!(
+        let sql = Sql::new(format!(
             "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = ? AND stream = ? AND version > ? ORDER BY version LIMIT ?"
         ))
         .bind(tenant.to_string())
         .bind(stream)
         .bind(to_i64(after_version)?)
-        .bind(i64::from(limit))
-        .all(self.read_on(), |r| event_row_decode(r))
-        .await
+        .bind(i64::from(limit));
+        self.point(sql, |r| event_row_decode(r)).await
     }
 
     async fn read_after_rows(&self, after: Position, tenant: Option<TenantId>, limit: u32) -> Result<Vec<EventRow>> {
@@ -702,11 +702,8 @@ impl LogStore for SqliteStore {
         if let Some(t) = tenant {
             q = q.bind(t.to_string());
         }
-        q.bind(to_i64(after.commit)?)
-            .bind(i64::from(after.index))
-            .bind(i64::from(limit))
-            .all(self.read_on(), |r| event_row_decode(r))
-            .await
+        let sql = q.bind(to_i64(after.commit)?).bind(i64::from(after.index)).bind(i64::from(limit));
+        self.point(sql, |r| event_row_decode(r)).await
     }
 
     async fn read_after_touches(&self, after: Position, limit: u32) -> Result<Vec<super::StreamTouch>> {
@@ -820,10 +817,8 @@ columns_by_try_get!(SqliteRow);
 #[async_trait]
 impl OutboxStore for SqliteStore {
     async fn cursor_position(&self, consumer: &str) -> Result<Option<Position>> {
-        Sql::new("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?")
-            .bind(consumer)
-            .first(self.read_on(), |r| position_decode(r))
-            .await
+        let sql = Sql::new("SELECT commit_no, commit_index FROM consumer_cursors WHERE consumer = ?").bind(consumer);
+        self.point_first(sql, |r| position_decode(r)).await
     }
 
     async fn cursor_release(&self, consumer: &str, owner: &str) -> Result<()> {
@@ -944,11 +939,9 @@ impl SecretStore for SqliteStore {
     }
 
     async fn secret_get_raw(&self, tenant: TenantId, id: &str) -> Result<Option<String>> {
-        Sql::new("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?")
-            .bind(tenant.to_string())
-            .bind(id)
-            .first(self.read_on(), |r| r.text(0))
-            .await
+        // A row by key, read on every authenticated request: a point read.
+        let sql = Sql::new("SELECT value FROM secrets WHERE tenant_id = ? AND id = ?").bind(tenant.to_string()).bind(id);
+        self.point_first(sql, |r| r.text(0)).await
     }
 
     async fn secret_delete(&self, tenant: TenantId, id: &str) -> Result<()> {
