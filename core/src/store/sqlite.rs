@@ -1222,6 +1222,22 @@ mod reader_tests {
         assert_eq!(store.rows_get("t", "k", &["a", "b"]).await.unwrap().len(), 1);
     }
 
+    /// The readers read a column as the pool does: text where bytes are asked for is its bytes
+    /// (a row tampered with `canonical || X'00'`, which is text, is read and named by the
+    /// audit, not a storage error), and a wrong type is refused by both.
+    #[tokio::test]
+    async fn a_reader_decodes_bytes_and_text_as_the_pool_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let readers = store.readers.as_ref().unwrap();
+        let bytes = || Sql::new("SELECT X'6162' || X'00', X'0001', 7");
+        let decode = |r: &dyn Columns| Ok((r.bytes(0)?, r.bytes(1)?, r.bytes(2).is_err()));
+        let on_reader = readers.all(&bytes(), &decode).unwrap().unwrap();
+        let on_pool = bytes().all(On::Pool(&store.pool), decode).await.unwrap();
+        assert_eq!(on_reader, vec![(b"ab\0".to_vec(), vec![0, 1], true)]);
+        assert_eq!(on_reader, on_pool);
+    }
+
     /// A reader never waits: with every reader in use, or SQLite busy (another connection holds
     /// the file exclusively, as a migration or recovery may), it gives the read back to the
     /// pool, which waits as it always did.

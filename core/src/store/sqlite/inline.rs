@@ -209,6 +209,12 @@ impl Columns for rusqlite::Row<'_> {
         self.get(i).map_err(storage)
     }
     fn bytes(&self, i: usize) -> Result<Vec<u8>> {
-        self.get(i).map_err(storage)
+        // Text is taken as its bytes, as sqlx's pool reads it: a value written as text into a
+        // blob column (`canonical || X'00'` is text) is a changed row the audit must name, not
+        // a read that fails.
+        match self.get_ref(i).map_err(storage)? {
+            rusqlite::types::ValueRef::Blob(b) | rusqlite::types::ValueRef::Text(b) => Ok(b.to_vec()),
+            _ => self.get(i).map_err(storage),
+        }
     }
 }
