@@ -17,6 +17,11 @@ use bc_projections::{KIND_POOL, KIND_WEBHOOK, Projections, new_webhook_secret_id
 use bc_reconcilers::outbox::{RunnerConfig, run};
 use bc_reconcilers::webhooks::{CONSUMER, Webhooks};
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what its
+/// webhooks consumer runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const EVENTS: u64 = 2000;
 const CONCURRENCY: usize = 32;
 
