@@ -1222,11 +1222,11 @@ mod reader_tests {
         assert_eq!(store.rows_get("t", "k", &["a", "b"]).await.unwrap().len(), 1);
     }
 
-    /// The readers read a column as the pool does: text where bytes are asked for is its bytes
+    /// A reader reads bytes as the pool does: text where bytes are asked for is its bytes
     /// (a row tampered with `canonical || X'00'`, which is text, is read and named by the
     /// audit, not a storage error), and a wrong type is refused by both.
     #[tokio::test]
-    async fn a_reader_decodes_bytes_and_text_as_the_pool_does() {
+    async fn a_reader_decodes_bytes_as_the_pool_does() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(&dir).await;
         let readers = store.readers.as_ref().unwrap();
