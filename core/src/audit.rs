@@ -469,6 +469,13 @@ fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String>
 /// The `node.joined` event type (projections names it; the verifier must know it too).
 pub const NODE_JOINED: &str = "node.joined";
 
+/// A row's signature as the batch checks it: the trusted key, the signature and the message.
+struct RowSignature {
+    key: VerifyingKey,
+    sig: Signature,
+    message: Vec<u8>,
+}
+
 fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSignatures>) -> Vec<Result<CheckedRow, String>> {
     let decoded: Vec<_> = rows
         .iter()
@@ -483,29 +490,30 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
                 None
             };
             let node = node_fact(row, event.payload)?;
-            Ok((event.hash, event.prev, key, sig, checkpoint, node, event_signing_message(&event.hash)))
+            let signature = RowSignature { key, sig, message: event_signing_message(&event.hash) };
+            Ok((CheckedRow { hash: event.hash, prev: event.prev, checkpoint, node }, signature))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded (but those found good before); on
     // failure, find the bad ones.
-    let unseen = |(_, _, key, sig, _, _, message): &(_, _, VerifyingKey, Signature, _, _, Vec<u8>)| {
-        verified.is_none_or(|v| !v.contains(key, message, sig, true))
-    };
-    let ok: Vec<usize> = decoded.iter().enumerate().filter(|(_, d)| d.as_ref().is_ok_and(unseen)).map(|(i, _)| i).collect();
-    let row = |i: usize| decoded[i].as_ref().unwrap();
-    let messages: Vec<&[u8]> = ok.iter().map(|&i| row(i).6.as_slice()).collect();
-    let sigs: Vec<Signature> = ok.iter().map(|&i| row(i).3).collect();
-    let publics: Vec<VerifyingKey> = ok.iter().map(|&i| row(i).2).collect();
-    let batch_ok = ok.is_empty() || ed25519_dalek::verify_batch(&messages, &sigs, &publics).is_ok();
+    let batch: Vec<&RowSignature> = decoded
+        .iter()
+        .filter_map(|d| d.as_ref().ok().map(|(_, s)| s))
+        .filter(|s| verified.is_none_or(|v| !v.contains(&s.key, &s.message, &s.sig, true)))
+        .collect();
+    let messages: Vec<&[u8]> = batch.iter().map(|s| s.message.as_slice()).collect();
+    let sigs: Vec<Signature> = batch.iter().map(|s| s.sig).collect();
+    let publics: Vec<VerifyingKey> = batch.iter().map(|s| s.key).collect();
+    let batch_ok = batch.is_empty() || ed25519_dalek::verify_batch(&messages, &sigs, &publics).is_ok();
     if batch_ok && let Some(verified) = verified {
-        for (n, message) in messages.iter().enumerate() {
-            verified.insert(&publics[n], message, &sigs[n], true);
+        for s in &batch {
+            verified.insert(&s.key, &s.message, &s.sig, true);
         }
     }
     decoded
         .into_iter()
         .map(|d| {
-            let (hash, prev, key, sig, checkpoint, node, message) = d?;
+            let (checked, RowSignature { key, sig, message }) = d?;
             let good = match (batch_ok, verified) {
                 (true, _) => true,
                 (false, Some(verified)) => verified.verify(&key, &message, &sig, true),
@@ -514,7 +522,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
             if !good {
                 return Err("signature does not verify".to_owned());
             }
-            Ok(CheckedRow { hash, prev, checkpoint, node })
+            Ok(checked)
         })
         .collect()
 }
