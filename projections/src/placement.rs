@@ -552,7 +552,7 @@ const ROWS_PER_READ: u32 = 1000;
 
 /// Every row of one kind of a tenant, decoded (paged reads), straight from the stored JSON
 /// text into `T`: through a `serde_json::Value` first, the rollouts pass's read of every node
-/// of a tenant was a twentieth of a simulator run.
+/// of a tenant was a twentieth of a 50-node simulator run.
 pub async fn all_rows<T: serde::de::DeserializeOwned>(store: &dyn EventStore, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
     let mut out = Vec::new();
     let mut after: Option<String> = None;
