@@ -272,13 +272,15 @@ const WEBHOOK_ROWS_PER_READ: u32 = 500;
 async fn subscriptions(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<(WebhookDoc, TypeFilter)>> {
     let mut list = Vec::new();
     let mut after: Option<String> = None;
+    let tenant_text = tenant.to_string();
     loop {
-        let rows = store.row_list(&tenant.to_string(), KIND_WEBHOOK, after.as_deref(), WEBHOOK_ROWS_PER_READ).await?;
+        // Decoded straight from the stored text, as `placement::all_rows` does.
+        let rows = store.row_list_raw(&tenant_text, KIND_WEBHOOK, after.as_deref(), WEBHOOK_ROWS_PER_READ).await?;
         let full = rows.len() == WEBHOOK_ROWS_PER_READ as usize;
         after = rows.last().map(|r| r.key.id.clone());
         for row in rows {
             let id = row.key.id.clone();
-            let doc: WebhookDoc = match serde_json::from_value(row.doc) {
+            let doc: WebhookDoc = match serde_json::from_str(&row.doc) {
                 Ok(doc) => doc,
                 Err(e) => {
                     tracing::warn!(%tenant, webhook = %id, error = %e, "skipping a webhook document this version cannot read");
