@@ -138,6 +138,8 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
     );
     let mut config = RunnerConfig::new(Arc::new(SystemClock));
     config.concurrency = CONCURRENCY;
+    // As `serve` runs it: the default lease (60 s) and delivery limit (10 s).
+    config.time_limit_ms = bc_reconcilers::webhooks::DELIVERY_TIMEOUT_MS;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let started = Instant::now();
     let task = tokio::spawn(run(store.clone(), consumer, config, None, stopped));

@@ -127,6 +127,7 @@ impl ConsumerOptions {
     fn runner(&self) -> RunnerConfig {
         let mut config = RunnerConfig::new(Arc::new(SystemClock));
         config.lease_ms = self.lease_ms;
+        config.time_limit_ms = self.delivery_timeout_ms;
         config.retry = self.retry;
         config.concurrency = self.concurrency;
         config.poll_ms = self.poll_ms;

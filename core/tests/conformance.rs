@@ -389,6 +389,19 @@ async fn outbox_leases_and_items(kind: Kind) {
     // Dead → queued again; prune removes done items only.
     assert!(s.work_requeue("c", t, &a[1].id, 4_000).await.unwrap());
     assert!(!s.work_requeue("c", t, &a[1].id, 4_000).await.unwrap(), "already pending");
+    // A claim given back unattempted: only by its holder, at the attempt the claim counted; it
+    // is due again at once, for anyone, with the claim's counts undone.
+    let claimed = s.work_claim("c", "a", 4_000, 1_000, 5).await.unwrap();
+    assert_eq!((claimed.len(), claimed[0].attempts, claimed[0].round_attempts), (1, 2, 1));
+    let key = |item: &bc_core::store::outbox::WorkItem| (t, item.id.clone(), item.attempts);
+    assert_eq!(s.work_release("c", "b", &[key(&claimed[0])]).await.unwrap(), 0, "not b's to give back");
+    assert_eq!(s.work_release("c", "a", &[(t, claimed[0].id.clone(), 1)]).await.unwrap(), 0, "another attempt's claim");
+    assert_eq!(s.work_release("c", "a", &[key(&claimed[0])]).await.unwrap(), 1);
+    assert_eq!(s.work_release("c", "a", &[key(&claimed[0])]).await.unwrap(), 0, "given back once");
+    assert!(s.work_release("c", "a", &[]).await.unwrap() == 0);
+    let dead = s.work_claim("c", "b", 4_000, 1_000, 5).await.unwrap();
+    assert_eq!((dead.len(), dead[0].attempts, dead[0].round_attempts), (1, 2, 1), "due at once, its counts as before");
+    assert!(s.work_release("c", "b", &[key(&dead[0])]).await.unwrap() == 1);
     let dead = s.work_claim("c", "a", 4_000, 1_000, 5).await.unwrap();
     assert!(s.work_complete("c", t, &dead[0].id, "a", &attempt(&dead[0], "a"), &Outcome::Dead).await.unwrap());
     assert_eq!(s.work_get("c", t, &dead[0].id).await.unwrap().unwrap().state, WorkState::Dead);

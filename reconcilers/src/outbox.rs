@@ -39,6 +39,27 @@ pub const FAN_OUT_ITEMS_MAX: usize = 2000;
 const _: () = assert!(FAN_OUT_EVENTS_MAX <= READ_ROWS_MAX);
 /// Items one process works on at once, at most.
 pub const CONCURRENCY_MAX: usize = 256;
+/// Claimed items that wait for a slot in one process, at most.
+pub const AHEAD_MAX: usize = 1024;
+
+/// How many claimed items may wait for a slot: as many as start before their leases run short.
+/// The item `k` places back in the queue starts within `k / concurrency + 1` attempts' time
+/// limits (every slot busy with an attempt that takes its whole limit), and must start while
+/// its lease outlasts one more attempt: so `concurrency × ((lease - limit) / limit)` items, at
+/// least `concurrency` (one claim's worth, as when a lease is only twice the limit), at most
+/// [`AHEAD_MAX`]. With the defaults of `serve` (a 60 s lease, a 10 s delivery limit) and 32
+/// slots: 160.
+pub fn ahead_max(config: &RunnerConfig, concurrency: usize) -> usize {
+    let limit = config.time_limit_ms.max(1);
+    let rounds = config.lease_ms.saturating_sub(limit) / limit;
+    concurrency.saturating_mul(usize::try_from(rounds).unwrap_or(usize::MAX)).clamp(concurrency, AHEAD_MAX.max(concurrency))
+}
+
+/// When a claimed item must have started by, or be given back: while its lease still outlasts
+/// one attempt (half the lease if the lease is shorter than two attempts).
+fn start_by_ms(config: &RunnerConfig, claimed_at_ms: u64) -> u64 {
+    claimed_at_ms.saturating_add(config.lease_ms.saturating_sub(config.time_limit_ms).max(config.lease_ms / 2))
+}
 
 /// When to try again. After the `n`th failed attempt of a round (n ≥ 1) the next comes
 /// `base × factor^(n-1)` later, at most `max_delay`, scaled by a random factor in
@@ -126,6 +147,10 @@ pub struct RunnerConfig {
     pub owner: String,
     /// How long a claim lasts; longer than any one handler call can take.
     pub lease_ms: u64,
+    /// How long one handler call can take at most (the webhooks' delivery timeout). With the
+    /// lease it sets how many claimed items may wait for a slot: only as many as can start
+    /// while their leases still outlast an attempt.
+    pub time_limit_ms: u64,
     /// How often an idle runner looks for work it was not told about.
     pub poll_ms: u64,
     pub concurrency: usize,
@@ -147,6 +172,7 @@ impl RunnerConfig {
         Self {
             owner: format!("{}-{}", std::process::id(), ulid::Ulid::generate().to_string().to_lowercase()),
             lease_ms: 60_000,
+            time_limit_ms: 30_000,
             poll_ms: 250,
             concurrency: 32,
             retry: RetryPolicy::DEFAULT,
@@ -288,48 +314,63 @@ async fn work_loop(
     status: Arc<PassRecorder>,
 ) {
     let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
+    let ahead_max = ahead_max(&config, concurrency);
     let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let rng = Arc::new(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed)));
     let name = consumer.name();
     // Finished attempts go to one completer, which records them in batches: one transaction
-    // for many deliveries instead of one each.
-    let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(concurrency);
+    // for many deliveries instead of one each. Up to a whole batch waits for it, so the slots
+    // go on delivering while a batch is written; with no more room than the slots, a slot
+    // waited for each recording and the recordings' round trips bound the rate.
+    let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(COMPLETIONS_PER_COMMIT_MAX.max(concurrency));
     let completer = tokio::spawn(complete(store.clone(), name, config.clone(), to_record, work_ready.clone(), status));
-    // Claims run ahead of the slots: up to `concurrency` claimed items wait here for a slot, so
-    // a claim is as large as the slots (not half of them) and the slots never wait for a claim.
-    // The lease allows it: a waiting item starts once the attempts in flight end, each within
-    // the handler's time limit, and the lease is at least twice that limit.
-    let mut ahead: std::collections::VecDeque<(WorkItem, Prepared)> = std::collections::VecDeque::new();
+    // Claims run ahead of the slots: up to `ahead_max` claimed items wait here for a slot, so
+    // one claim feeds the slots for several rounds (one transaction on the writer for many
+    // deliveries) and the slots never wait for a claim. An item that waited until its lease
+    // would not outlast an attempt is given back unattempted (`work_release`), never started.
+    let mut ahead: std::collections::VecDeque<Claimed> = std::collections::VecDeque::new();
     let slot_freed = Arc::new(tokio::sync::Notify::new());
     // Nothing more to claim until something new is due (a fan-out's wake-up or the poll),
     // unless the last claim took all it asked for.
     let mut claim_due = true;
     while !*shutdown.borrow() {
+        let mut stale = Vec::new();
         while !ahead.is_empty() {
             let Ok(permit) = slots.clone().try_acquire_owned() else { break };
-            let (item, prepared) = ahead.pop_front().expect("not empty");
+            let Claimed { item, prepared, start_by_ms } = ahead.pop_front().expect("not empty");
+            if config.clock.now_ms() > start_by_ms {
+                stale.push(item);
+                continue;
+            }
             let (store, consumer, config, rng, finished, slot_freed) =
                 (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), slot_freed.clone());
             tokio::spawn(async move {
                 let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
-                // The slot is freed once the attempt is queued for the completer (at most
-                // `concurrency` wait there). The item stays leased until its record is written.
+                // The slot is freed once the attempt is queued for the completer (at most a
+                // batch waits there). The item stays leased until its record is written.
                 let _ = finished.send(Finished { item, attempt, outcome }).await;
                 drop(permit);
                 slot_freed.notify_one();
             });
         }
+        if !stale.is_empty() {
+            tracing::info!(consumer = name, items = stale.len(), "claimed items waited too long for a slot; giving them back");
+            release(&*store, name, &config.owner, &stale).await;
+        }
+        // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
+        // the slots and the queue ahead), and the slots have a round to work on while it runs.
         let outstanding = concurrency - slots.available_permits() + ahead.len();
-        if claim_due && outstanding <= concurrency {
+        if claim_due && ahead.len() < concurrency {
             // No more than the store hands out in one claim, so a full claim reads as full.
-            let asked = (2 * concurrency - outstanding).min(CLAIM_ITEMS_MAX as usize);
+            let asked = (concurrency + ahead_max).saturating_sub(outstanding).clamp(1, CLAIM_ITEMS_MAX as usize);
             let now = config.clock.now_ms();
             match store.work_claim(name, &config.owner, now, config.lease_ms, asked as u32).await {
                 Ok(items) => {
                     claim_due = items.len() == asked;
                     if !items.is_empty() {
                         let prepared = consumer.prepare(&*store, &items).await;
-                        ahead.extend(items.into_iter().map(|item| (item, prepared.clone())));
+                        let start_by_ms = start_by_ms(&config, now);
+                        ahead.extend(items.into_iter().map(|item| Claimed { item, prepared: prepared.clone(), start_by_ms }));
                         continue;
                     }
                 }
@@ -346,9 +387,10 @@ async fn work_loop(
             _ = shutdown.changed() => {}
         }
     }
-    // Claimed items that never started are left to their leases: they run again when those
-    // run out.
-    drop(ahead);
+    // Claimed items that never started are given back, due at once for any process (a process
+    // that dies instead leaves them to their leases).
+    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).collect();
+    release(&*store, name, &config.owner, &unstarted).await;
     // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
     // (the completer ends when the last attempt has sent its record); what does not is claimed
     // again when its lease runs out.
@@ -360,6 +402,27 @@ async fn work_loop(
         let _ = completer.await;
     };
     let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
+}
+
+/// A claimed item waiting for a slot, with what its batch's [`Consumer::prepare`] read and
+/// the time it must start by.
+struct Claimed {
+    item: WorkItem,
+    prepared: Prepared,
+    start_by_ms: u64,
+}
+
+/// Gives claimed items back unattempted; a failure leaves them to their leases.
+async fn release(store: &dyn EventStore, name: &'static str, owner: &str, items: &[WorkItem]) {
+    if items.is_empty() {
+        return;
+    }
+    let keys: Vec<(bc_core::id::TenantId, String, u32)> = items.iter().map(|i| (i.tenant, i.id.clone(), i.attempts)).collect();
+    match store.work_release(name, owner, &keys).await {
+        Ok(n) => tracing::debug!(consumer = name, items = n, "gave claimed items back"),
+        Err(e) => tracing::warn!(consumer = name, items = items.len(), code = %e.code(), error = %e,
+            "giving claimed items back failed; they run again when their leases run out"),
+    }
 }
 
 /// How long a stopping work loop waits for its attempts in flight and their records.
@@ -375,7 +438,7 @@ struct Finished {
 /// Tries at recording one batch of completions.
 const COMPLETE_TRIES_MAX: u32 = 3;
 /// Completions recorded in one transaction at most.
-const COMPLETIONS_PER_COMMIT_MAX: usize = 128;
+const COMPLETIONS_PER_COMMIT_MAX: usize = 256;
 
 /// Records finished attempts: whatever has arrived, up to a batch, in one transaction.
 async fn complete(
@@ -504,6 +567,29 @@ pub async fn attempt(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claimed_items_wait_only_while_their_leases_outlast_an_attempt() {
+        let mut config = RunnerConfig::new(Arc::new(bc_core::clock::ManualClock::new(0)));
+        // serve's defaults: a 60 s lease, a 10 s delivery limit: five rounds of the slots wait.
+        (config.lease_ms, config.time_limit_ms) = (60_000, 10_000);
+        assert_eq!(ahead_max(&config, 32), 160);
+        assert_eq!(start_by_ms(&config, 1_000), 51_000);
+        // The last of them starts within five limits of its claim (every slot busy for its
+        // whole limit before it), and its lease then outlasts its own attempt.
+        let last = ahead_max(&config, 32) - 1;
+        assert!((last / 32 + 1) as u64 * config.time_limit_ms <= start_by_ms(&config, 0));
+        // A lease of only twice the limit: one round, as many as the slots.
+        (config.lease_ms, config.time_limit_ms) = (20_000, 10_000);
+        assert_eq!(ahead_max(&config, 32), 32);
+        // A lease shorter than two attempts (the runner's own default pair is 60 s and 30 s):
+        // still one round waits, and an item starts within half its lease.
+        (config.lease_ms, config.time_limit_ms) = (15_000, 10_000);
+        assert_eq!((ahead_max(&config, 8), start_by_ms(&config, 0)), (8, 7_500));
+        // Never past the cap, however long the lease.
+        (config.lease_ms, config.time_limit_ms) = (86_400_000, 1);
+        assert_eq!(ahead_max(&config, 256), AHEAD_MAX);
+    }
 
     #[test]
     fn retry_schedule_is_exponential_capped_and_jittered() {

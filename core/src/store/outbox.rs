@@ -180,6 +180,11 @@ pub trait OutboxStore: Store {
     /// Leases up to `limit` due pending items (oldest due first) to `owner` and counts the
     /// attempt they are about to get.
     async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>>;
+    /// Gives back claimed items that were never attempted (`(tenant, id, attempt)`, the attempt
+    /// number the claim counted), where `owner` still holds them: each is due again at once for
+    /// any process, and its attempt counts are as before the claim, so an item given back never
+    /// uses up one of its attempts. Returns how many were given back.
+    async fn work_release(&self, consumer: &str, owner: &str, items: &[(TenantId, String, u32)]) -> Result<u64>;
     /// Records each attempt and moves its item on, in one transaction, where `owner` still
     /// holds the item's lease. One flag per completion; false: the lease ran out and another
     /// owner may have the item, so nothing was written for it.

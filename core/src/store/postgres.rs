@@ -987,6 +987,27 @@ impl OutboxStore for PostgresStore {
         rows.iter().map(WorkItem::decode).collect()
     }
 
+    async fn work_release(&self, consumer: &str, owner: &str, items: &[(TenantId, String, u32)]) -> Result<u64> {
+        if items.is_empty() {
+            return Ok(0);
+        }
+        let tenants: Vec<String> = items.iter().map(|(t, _, _)| t.to_string()).collect();
+        let ids: Vec<&str> = items.iter().map(|(_, i, _)| i.as_str()).collect();
+        let numbers: Vec<i64> = items.iter().map(|(_, _, n)| i64::from(*n)).collect();
+        let client = self.pool.get().await?;
+        let released = client
+            .execute(
+                "UPDATE work_items w SET lease_owner = NULL, lease_until_ms = 0, attempts = w.attempts - 1, \
+                 round_attempts = w.round_attempts - 1 \
+                 FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS r(t, i, num) \
+                 WHERE w.tenant_id = r.t AND w.consumer = $4 AND w.id = r.i AND w.lease_owner = $5 \
+                   AND w.attempts = r.num AND w.state = 'pending'",
+                &[&tenants, &ids, &numbers, &consumer, &owner],
+            )
+            .await?;
+        Ok(released)
+    }
+
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
         let client = self.pool.get().await?;
         let row = client

@@ -60,6 +60,13 @@ const ITEMS_COMPLETE_UPDATE: &str = ") UPDATE work_items SET state = u.state, ne
      AND work_items.attempts = u.num AND work_items.state = 'pending' \
      RETURNING work_items.tenant_id, work_items.id, work_items.attempts";
 
+/// Gives claimed items back (after `WITH r(t, i, num) AS (VALUES …)`): only those `owner`
+/// still holds at the attempt its claim counted, with the claim's counts undone.
+const ITEMS_RELEASE_UPDATE: &str = ") UPDATE work_items SET lease_owner = NULL, lease_until_ms = 0, \
+     attempts = work_items.attempts - 1, round_attempts = work_items.round_attempts - 1 FROM r \
+     WHERE work_items.tenant_id = r.t AND work_items.consumer = ? AND work_items.id = r.i AND work_items.lease_owner = ? \
+     AND work_items.attempts = r.num AND work_items.state = 'pending'";
+
 const MIGRATIONS: &[Migration] = migrations_of!("sqlite");
 
 mod inline;
@@ -850,6 +857,19 @@ impl OutboxStore for SqliteStore {
         .bind(now)
         .bind(i64::from(limit.min(CLAIM_ITEMS_MAX)));
         self.write_returning(q, |r| WorkItem::decode(r)).await
+    }
+
+    async fn work_release(&self, consumer: &str, owner: &str, items: &[(TenantId, String, u32)]) -> Result<u64> {
+        let mut released = 0;
+        for chunk in items.chunks(ROWS_PER_STATEMENT_MAX / 3) {
+            let mut q = Sql::new("WITH r(t, i, num) AS (");
+            q.push_values(chunk, |t, (tenant, id, number)| {
+                t.bind(tenant.to_string()).bind(id.as_str()).bind(i64::from(*number));
+            });
+            q.push(ITEMS_RELEASE_UPDATE);
+            released += self.write(q.bind(consumer).bind(owner)).await?;
+        }
+        Ok(released)
     }
 
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {

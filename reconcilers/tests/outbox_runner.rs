@@ -1,0 +1,138 @@
+//! The outbox runner (`outbox::run`) on SQLite with a consumer whose attempts wait at a gate:
+//! claimed items that never started are given back unattempted, at a clean stop and when they
+//! waited for a slot until their leases would not outlast an attempt, so an item given back
+//! never uses up one of its attempts and is due at once for any process.
+// Fixtures' ids only name things; the clock is the manual one.
+#![allow(clippy::disallowed_methods)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bc_core::Result;
+use bc_core::clock::{Clock as _, ManualClock};
+use bc_core::event::StoredEvent;
+use bc_core::id::TenantId;
+use bc_core::store::EventStore;
+use bc_core::store::outbox::{NewWorkItem, WorkItem};
+use bc_core::store::sqlite::SqliteStore;
+use bc_reconcilers::outbox::{Consumer, Handled, Prepared, RunnerConfig, run};
+
+const NAME: &str = "gated";
+
+/// Each attempt says it started (the item, and when it was claimed), then waits for a permit
+/// of the gate.
+struct Gated {
+    started: tokio::sync::mpsc::UnboundedSender<(String, u64)>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait]
+impl Consumer for Gated {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    async fn fan_out(&self, _: &dyn EventStore, _: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
+        Ok(Vec::new())
+    }
+
+    async fn handle(&self, _: &dyn EventStore, item: &WorkItem, _: &Prepared) -> Handled {
+        let _ = self.started.send((item.id.clone(), item.updated_at_ms));
+        self.gate.acquire().await.expect("the gate stays open").forget();
+        Handled::ok(Some(204))
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    store: Arc<dyn EventStore>,
+    clock: Arc<ManualClock>,
+    gate: Arc<tokio::sync::Semaphore>,
+    started: tokio::sync::mpsc::UnboundedReceiver<(String, u64)>,
+    stop: tokio::sync::watch::Sender<bool>,
+    runner: tokio::task::JoinHandle<()>,
+}
+
+/// `items` items due at 1 s, and a runner with one slot, a 60 s lease and a 10 s attempt limit
+/// (so five claimed items may wait, each to start within 50 s of its claim).
+async fn fixture(items: usize) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("outbox.sqlite3")).await.unwrap());
+    store.migrate().await.unwrap();
+    let new: Vec<NewWorkItem> = (0..items)
+        .map(|i| NewWorkItem {
+            tenant: TenantId::ROOT,
+            id: format!("item-{i}"),
+            subject: "s".into(),
+            payload: serde_json::json!({ "n": i }),
+        })
+        .collect();
+    store.work_insert(NAME, &new, 1_000).await.unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (tx, started) = tokio::sync::mpsc::unbounded_channel();
+    let consumer = Arc::new(Gated { started: tx, gate: gate.clone() });
+    let mut config = RunnerConfig::new(clock.clone());
+    (config.owner, config.seed, config.concurrency, config.poll_ms) = ("p1".into(), 7, 1, 20);
+    (config.lease_ms, config.time_limit_ms) = (60_000, 10_000);
+    assert_eq!(bc_reconcilers::outbox::ahead_max(&config, 1), 5);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let runner = tokio::spawn(run(store.clone(), consumer, config, None, stopped));
+    Fixture { _dir: dir, store, clock, gate, started, stop, runner }
+}
+
+async fn next_start(f: &mut Fixture) -> (String, u64) {
+    tokio::time::timeout(Duration::from_secs(30), f.started.recv()).await.expect("an attempt starts").expect("the runner runs")
+}
+
+#[tokio::test]
+async fn a_clean_stop_gives_unstarted_claims_back_due_at_once_with_their_attempts_unspent() {
+    let mut f = fixture(5).await;
+    let (first, _) = next_start(&mut f).await;
+    // One attempt in flight, four claimed items waiting for the one slot: stop, then let the
+    // attempt end.
+    f.stop.send(true).unwrap();
+    f.gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(30), f.runner).await.expect("the runner stops").unwrap();
+    assert_eq!(f.store.work_counts(NAME).await.unwrap(), (4, 1, 0), "the attempt in flight was recorded");
+    let done = f.store.work_get(NAME, TenantId::ROOT, &first).await.unwrap().unwrap();
+    assert_eq!(done.attempts, 1);
+    // The others are as before their claim, and another process takes them at once, on the
+    // same clock (not when the 60 s lease would have run out).
+    let again = f.store.work_claim(NAME, "p2", f.clock.now_ms(), 60_000, 10).await.unwrap();
+    assert_eq!(again.len(), 4);
+    assert!(again.iter().all(|i| (i.attempts, i.round_attempts) == (1, 1) && i.id != first), "{again:?}");
+}
+
+#[tokio::test]
+async fn claims_that_wait_past_their_start_by_are_given_back_and_run_once_each() {
+    let mut f = fixture(3).await;
+    let (first, claimed_at) = next_start(&mut f).await;
+    assert_eq!(claimed_at, 1_000);
+    // The attempt in flight takes 50 s and a millisecond: the two claimed items behind it
+    // could no longer finish an attempt within their leases, so they are given back, claimed
+    // again (at 51.001 s, not under the claim that ran short) and attempted once each.
+    f.clock.advance_ms(50_001);
+    f.gate.add_permits(10);
+    let mut rest = Vec::new();
+    for _ in 0..2 {
+        let (id, claimed_at) = next_start(&mut f).await;
+        assert_eq!(claimed_at, 51_001, "{id} attempted under a fresh claim");
+        rest.push(id);
+    }
+    assert!(!rest.contains(&first));
+    for _ in 0..1_500 {
+        if f.store.work_counts(NAME).await.unwrap() == (0, 3, 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(f.store.work_counts(NAME).await.unwrap(), (0, 3, 0));
+    for id in [&first, &rest[0], &rest[1]] {
+        let attempts = f.store.attempts(NAME, TenantId::ROOT, id).await.unwrap();
+        assert_eq!(attempts.iter().map(|a| a.number).collect::<Vec<_>>(), [1], "{id}: one attempt, numbered 1");
+    }
+    f.stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), f.runner).await.expect("the runner stops").unwrap();
+}
