@@ -2,7 +2,7 @@
 //! byte for byte and another seed another; the checker finds the double booking a test-only
 //! switch lets in (the node guard of placements decided on a stale view dropped) and prints the
 //! command that repeats it, which does; likewise the duplicate journal entry another switch lets in
-//! (entries appended without their idempotency key while acknowledgements get lost); 64
+//! (entries appended without their idempotency key while acknowledgements get lost); 100
 //! seeds with every fault hold their invariants and settle (`make sim SEEDS=N` runs more); and so
 //! do the seeds that once failed at 50 nodes.
 
@@ -13,7 +13,7 @@ use bc_tests::{cli, json};
 /// The seeds the many-seeds test runs (`BC_SIM_SEEDS` sets another count), two at a time, each
 /// 50 nodes, 5 tenants, one simulated hour (about 3 s a seed in the test build, whose crates
 /// the simulator runs are built at `opt-level = 1`: see the workspace's `Cargo.toml`).
-const SEEDS_DEFAULT: u64 = 64;
+const SEEDS_DEFAULT: u64 = 100;
 /// The unsafe switch must be caught within this many seeds.
 const UNSAFE_SEEDS_MAX: u64 = 3;
 
