@@ -80,6 +80,12 @@ pub struct SqliteStore {
     inline: Option<inline::InlineConn>,
     /// Point reads on the caller's thread, in a server ([`inline::Readers`]).
     readers: Option<inline::Readers>,
+    /// This process's writers on the pool queue here, in order, for SQLite's one write lock.
+    /// Without it a writer that found the lock taken waited in SQLite's busy handler, which
+    /// sleeps 1, 2, 5, 10 ms … between tries, never woken when the lock frees: with the
+    /// appender, the webhooks' claims, recordings and fan-out all writing, a 1 ms transaction
+    /// waited 8 (issue 17). Other processes still meet the busy handler.
+    pool_writer: tokio::sync::Mutex<()>,
 }
 
 /// SQLite's VFS for a database only this process opens: the Unix VFS with one exclusive lock
@@ -148,7 +154,7 @@ impl SqliteStore {
             Some(_) => None,
             None => Some(inline::Readers::open(path, inline::READERS)?),
         };
-        Ok(Self { pool, data_keys: Default::default(), inline: None, readers })
+        Ok(Self { pool, data_keys: Default::default(), inline: None, readers, pool_writer: tokio::sync::Mutex::new(()) })
     }
 
     /// [`Self::open`], with every statement (reads, writes, write transactions) made on the
@@ -208,7 +214,10 @@ impl SqliteStore {
                 let _writer = inline.writer.lock().await;
                 sql.execute(On::Inline(inline)).await
             }
-            None => sql.execute(On::Pool(&self.pool)).await,
+            None => {
+                let _writer = self.pool_writer.lock().await;
+                sql.execute(On::Pool(&self.pool)).await
+            }
         }
     }
 
@@ -219,7 +228,10 @@ impl SqliteStore {
                 let _writer = inline.writer.lock().await;
                 sql.all(On::Inline(inline), decode).await
             }
-            None => sql.all(On::Pool(&self.pool), decode).await,
+            None => {
+                let _writer = self.pool_writer.lock().await;
+                sql.all(On::Pool(&self.pool), decode).await
+            }
         }
     }
 
@@ -231,7 +243,10 @@ impl SqliteStore {
                 inline.begin()?;
                 TxState::Inline(inline, writer)
             }
-            None => TxState::Pool(self.pool.begin_with("BEGIN IMMEDIATE").await?),
+            None => {
+                let writer = self.pool_writer.lock().await;
+                TxState::Pool(self.pool.begin_with("BEGIN IMMEDIATE").await?, writer)
+            }
         };
         Ok(SqliteTransaction { state })
     }
@@ -287,7 +302,7 @@ pub struct SqliteTransaction<'s> {
 }
 
 enum TxState<'s> {
-    Pool(sqlx::Transaction<'static, Sqlite>),
+    Pool(sqlx::Transaction<'static, Sqlite>, tokio::sync::MutexGuard<'s, ()>),
     Inline(&'s inline::InlineConn, tokio::sync::MutexGuard<'s, ()>),
     Ended,
 }
@@ -295,7 +310,7 @@ enum TxState<'s> {
 impl SqliteTransaction<'_> {
     fn on(&mut self) -> Result<On<'_>> {
         match &mut self.state {
-            TxState::Pool(tx) => Ok(On::Conn(&mut *tx)),
+            TxState::Pool(tx, _) => Ok(On::Conn(&mut *tx)),
             TxState::Inline(inline, _) => Ok(On::Inline(inline)),
             TxState::Ended => Err(Error::Internal("the transaction has already ended".into())),
         }
@@ -303,8 +318,8 @@ impl SqliteTransaction<'_> {
 
     async fn end(&mut self, commit: bool) -> Result<()> {
         match std::mem::replace(&mut self.state, TxState::Ended) {
-            TxState::Pool(tx) if commit => Ok(tx.commit().await?),
-            TxState::Pool(tx) => Ok(tx.rollback().await?),
+            TxState::Pool(tx, _writer) if commit => Ok(tx.commit().await?),
+            TxState::Pool(tx, _writer) => Ok(tx.rollback().await?),
             TxState::Inline(inline, _writer) => inline.end(commit),
             TxState::Ended => Err(Error::Internal("the transaction has already ended".into())),
         }
