@@ -172,6 +172,8 @@ impl RunnerConfig {
         Self {
             owner: format!("{}-{}", std::process::id(), ulid::Ulid::generate().to_string().to_lowercase()),
             lease_ms: 60_000,
+            // Half the lease: one round of claimed items waits, as before the limit was known.
+            // `serve` and `reconcile` set it to --delivery-timeout.
             time_limit_ms: 30_000,
             poll_ms: 250,
             concurrency: 32,
