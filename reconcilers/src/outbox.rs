@@ -42,23 +42,29 @@ pub const CONCURRENCY_MAX: usize = 256;
 /// Claimed items that wait for a slot in one process, at most.
 pub const AHEAD_MAX: usize = 1024;
 
-/// How many claimed items may wait for a slot: as many as start before their leases run short.
-/// The item `k` places back in the queue starts within `k / concurrency + 1` attempts' time
-/// limits (every slot busy with an attempt that takes its whole limit), and must start while
-/// its lease outlasts one more attempt: so `concurrency × ((lease - limit) / limit)` items, at
-/// least `concurrency` (one claim's worth, as when a lease is only twice the limit), at most
-/// [`AHEAD_MAX`]. With the defaults of `serve` (a 60 s lease, a 10 s delivery limit) and 32
-/// slots: 160.
+/// How long after its claim a claimed item may still start: while its lease outlasts its own
+/// attempt and one more limit's worth for its record to be written (`lease - 2 × limit`, when the
+/// lease is at least three limits); else one limit (at most half the lease), as long as items
+/// waited before the limit was known.
+fn start_window_ms(config: &RunnerConfig) -> u64 {
+    let limit = config.time_limit_ms;
+    if config.lease_ms >= limit.saturating_mul(3) { config.lease_ms - 2 * limit } else { limit.min(config.lease_ms / 2) }
+}
+
+/// How many claimed items may wait for a slot: as many as start within their start window
+/// ([`start_window_ms`]). The item `k` places back in the queue starts within
+/// `(k / concurrency + 1) × limit` (every slot busy with an attempt that takes its whole
+/// limit), so `concurrency × (window / limit)` of them, at least `concurrency` (one claim's
+/// worth), at most [`AHEAD_MAX`]. With the defaults of `serve` (a 60 s lease, a 10 s delivery
+/// limit) and 32 slots: 128.
 pub fn ahead_max(config: &RunnerConfig, concurrency: usize) -> usize {
-    let limit = config.time_limit_ms.max(1);
-    let rounds = config.lease_ms.saturating_sub(limit) / limit;
+    let rounds = start_window_ms(config) / config.time_limit_ms.max(1);
     concurrency.saturating_mul(usize::try_from(rounds).unwrap_or(usize::MAX)).clamp(concurrency, AHEAD_MAX.max(concurrency))
 }
 
-/// When a claimed item must have started by, or be given back: while its lease still outlasts
-/// one attempt (half the lease if the lease is shorter than two attempts).
+/// When a claimed item must have started by, or be given back.
 fn start_by_ms(config: &RunnerConfig, claimed_at_ms: u64) -> u64 {
-    claimed_at_ms.saturating_add(config.lease_ms.saturating_sub(config.time_limit_ms).max(config.lease_ms / 2))
+    claimed_at_ms.saturating_add(start_window_ms(config))
 }
 
 /// When to try again. After the `n`th failed attempt of a round (n ≥ 1) the next comes
@@ -329,7 +335,10 @@ async fn work_loop(
     // Claims run ahead of the slots: up to `ahead_max` claimed items wait here for a slot, so
     // one claim feeds the slots for several rounds (one transaction on the writer for many
     // deliveries) and the slots never wait for a claim. An item that waited until its lease
-    // would not outlast an attempt is given back unattempted (`work_release`), never started.
+    // would not outlast an attempt and its record is given back unattempted (`work_release`),
+    // never started; what `prepare` read for waiting items is read again once it is older than
+    // one attempt's limit, so a webhook deleted, re-pointed or given a new secret meanwhile is
+    // seen as it is now.
     let mut ahead: std::collections::VecDeque<Claimed> = std::collections::VecDeque::new();
     let slot_freed = Arc::new(tokio::sync::Notify::new());
     // Nothing more to claim until something new is due (a fan-out's wake-up or the poll),
@@ -337,9 +346,17 @@ async fn work_loop(
     let mut claim_due = true;
     while !*shutdown.borrow() {
         let mut stale = Vec::new();
+        let now = config.clock.now_ms();
+        if ahead.front().is_some_and(|c| now.saturating_sub(c.prepared_at_ms) > config.time_limit_ms) {
+            let items: Vec<WorkItem> = ahead.iter().map(|c| c.item.clone()).collect();
+            let prepared = consumer.prepare(&*store, &items).await;
+            for c in &mut ahead {
+                (c.prepared, c.prepared_at_ms) = (prepared.clone(), now);
+            }
+        }
         while !ahead.is_empty() {
             let Ok(permit) = slots.clone().try_acquire_owned() else { break };
-            let Claimed { item, prepared, start_by_ms } = ahead.pop_front().expect("not empty");
+            let Claimed { item, prepared, start_by_ms, .. } = ahead.pop_front().expect("not empty");
             if config.clock.now_ms() > start_by_ms {
                 stale.push(item);
                 continue;
@@ -372,7 +389,12 @@ async fn work_loop(
                     if !items.is_empty() {
                         let prepared = consumer.prepare(&*store, &items).await;
                         let start_by_ms = start_by_ms(&config, now);
-                        ahead.extend(items.into_iter().map(|item| Claimed { item, prepared: prepared.clone(), start_by_ms }));
+                        ahead.extend(items.into_iter().map(|item| Claimed {
+                            item,
+                            prepared: prepared.clone(),
+                            prepared_at_ms: now,
+                            start_by_ms,
+                        }));
                         continue;
                     }
                 }
@@ -406,11 +428,12 @@ async fn work_loop(
     let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
 }
 
-/// A claimed item waiting for a slot, with what its batch's [`Consumer::prepare`] read and
-/// the time it must start by.
+/// A claimed item waiting for a slot, with what [`Consumer::prepare`] read for it and when,
+/// and the time it must start by.
 struct Claimed {
     item: WorkItem,
     prepared: Prepared,
+    prepared_at_ms: u64,
     start_by_ms: u64,
 }
 
@@ -571,21 +594,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn claimed_items_wait_only_while_their_leases_outlast_an_attempt() {
+    fn claimed_items_wait_only_while_their_leases_outlast_an_attempt_and_its_record() {
         let mut config = RunnerConfig::new(Arc::new(bc_core::clock::ManualClock::new(0)));
-        // serve's defaults: a 60 s lease, a 10 s delivery limit: five rounds of the slots wait.
+        // serve's defaults: a 60 s lease, a 10 s delivery limit: an item starts within 40 s of
+        // its claim (its attempt then ends 10 s before its lease, left for its record), so
+        // four rounds of the slots wait.
         (config.lease_ms, config.time_limit_ms) = (60_000, 10_000);
-        assert_eq!(ahead_max(&config, 32), 160);
-        assert_eq!(start_by_ms(&config, 1_000), 51_000);
-        // The last of them starts within five limits of its claim (every slot busy for its
-        // whole limit before it), and its lease then outlasts its own attempt.
-        let last = ahead_max(&config, 32) - 1;
-        assert!((last / 32 + 1) as u64 * config.time_limit_ms <= start_by_ms(&config, 0));
-        // A lease of only twice the limit: one round, as many as the slots.
+        assert_eq!((ahead_max(&config, 32), start_by_ms(&config, 1_000)), (128, 41_000));
+        // The runner's own defaults (60 s, 30 s) and the shortest lease `serve` accepts (twice
+        // the limit): one round, each to start within one limit.
+        (config.lease_ms, config.time_limit_ms) = (60_000, 30_000);
+        assert_eq!((ahead_max(&config, 32), start_by_ms(&config, 0)), (32, 30_000));
         (config.lease_ms, config.time_limit_ms) = (20_000, 10_000);
-        assert_eq!(ahead_max(&config, 32), 32);
-        // A lease shorter than two attempts (the runner's own default pair is 60 s and 30 s):
-        // still one round waits, and an item starts within half its lease.
+        assert_eq!((ahead_max(&config, 32), start_by_ms(&config, 0)), (32, 10_000));
+        // A lease shorter than two attempts: one round waits, each to start within half the
+        // lease.
         (config.lease_ms, config.time_limit_ms) = (15_000, 10_000);
         assert_eq!((ahead_max(&config, 8), start_by_ms(&config, 0)), (8, 7_500));
         // Never past the cap, however long the lease.

@@ -1,7 +1,8 @@
 //! The outbox runner (`outbox::run`) on SQLite with a consumer whose attempts wait at a gate:
 //! claimed items that never started are given back unattempted, at a clean stop and when they
-//! waited for a slot until their leases would not outlast an attempt, so an item given back
-//! never uses up one of its attempts and is due at once for any process.
+//! waited for a slot until their leases would not outlast an attempt and its record, so an item
+//! given back never uses up one of its attempts and is due at once for any process; and what
+//! `prepare` read for a waiting item is read again once it is older than an attempt's limit.
 // Fixtures' ids only name things; the clock is the manual one.
 #![allow(clippy::disallowed_methods)]
 
@@ -20,11 +21,19 @@ use bc_reconcilers::outbox::{Consumer, Handled, Prepared, RunnerConfig, run};
 
 const NAME: &str = "gated";
 
-/// Each attempt says it started (the item, and when it was claimed), then waits for a permit
-/// of the gate.
+/// Each attempt says it started (the item, when it was claimed, when its batch was prepared),
+/// then waits for a permit of the gate.
 struct Gated {
-    started: tokio::sync::mpsc::UnboundedSender<(String, u64)>,
+    started: tokio::sync::mpsc::UnboundedSender<Started>,
     gate: Arc<tokio::sync::Semaphore>,
+    clock: Arc<ManualClock>,
+}
+
+#[derive(Debug)]
+struct Started {
+    id: String,
+    claimed_at_ms: u64,
+    prepared_at_ms: u64,
 }
 
 #[async_trait]
@@ -37,8 +46,13 @@ impl Consumer for Gated {
         Ok(Vec::new())
     }
 
-    async fn handle(&self, _: &dyn EventStore, item: &WorkItem, _: &Prepared) -> Handled {
-        let _ = self.started.send((item.id.clone(), item.updated_at_ms));
+    async fn prepare(&self, _: &dyn EventStore, _: &[WorkItem]) -> Prepared {
+        Some(Arc::new(self.clock.now_ms()))
+    }
+
+    async fn handle(&self, _: &dyn EventStore, item: &WorkItem, prepared: &Prepared) -> Handled {
+        let prepared_at_ms = *prepared.as_ref().and_then(|p| p.downcast_ref::<u64>()).expect("prepared by the runner");
+        let _ = self.started.send(Started { id: item.id.clone(), claimed_at_ms: item.updated_at_ms, prepared_at_ms });
         self.gate.acquire().await.expect("the gate stays open").forget();
         Handled::ok(Some(204))
     }
@@ -49,13 +63,13 @@ struct Fixture {
     store: Arc<dyn EventStore>,
     clock: Arc<ManualClock>,
     gate: Arc<tokio::sync::Semaphore>,
-    started: tokio::sync::mpsc::UnboundedReceiver<(String, u64)>,
+    started: tokio::sync::mpsc::UnboundedReceiver<Started>,
     stop: tokio::sync::watch::Sender<bool>,
     runner: tokio::task::JoinHandle<()>,
 }
 
 /// `items` items due at 1 s, and a runner with one slot, a 60 s lease and a 10 s attempt limit
-/// (so five claimed items may wait, each to start within 50 s of its claim).
+/// (so four claimed items may wait, each to start within 40 s of its claim).
 async fn fixture(items: usize) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("outbox.sqlite3")).await.unwrap());
@@ -72,24 +86,24 @@ async fn fixture(items: usize) -> Fixture {
     let clock = Arc::new(ManualClock::new(1_000));
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let (tx, started) = tokio::sync::mpsc::unbounded_channel();
-    let consumer = Arc::new(Gated { started: tx, gate: gate.clone() });
+    let consumer = Arc::new(Gated { started: tx, gate: gate.clone(), clock: clock.clone() });
     let mut config = RunnerConfig::new(clock.clone());
     (config.owner, config.seed, config.concurrency, config.poll_ms) = ("p1".into(), 7, 1, 20);
     (config.lease_ms, config.time_limit_ms) = (60_000, 10_000);
-    assert_eq!(bc_reconcilers::outbox::ahead_max(&config, 1), 5);
+    assert_eq!(bc_reconcilers::outbox::ahead_max(&config, 1), 4);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let runner = tokio::spawn(run(store.clone(), consumer, config, None, stopped));
     Fixture { _dir: dir, store, clock, gate, started, stop, runner }
 }
 
-async fn next_start(f: &mut Fixture) -> (String, u64) {
+async fn next_start(f: &mut Fixture) -> Started {
     tokio::time::timeout(Duration::from_secs(30), f.started.recv()).await.expect("an attempt starts").expect("the runner runs")
 }
 
 #[tokio::test]
 async fn a_clean_stop_gives_unstarted_claims_back_due_at_once_with_their_attempts_unspent() {
     let mut f = fixture(5).await;
-    let (first, _) = next_start(&mut f).await;
+    let first = next_start(&mut f).await.id;
     // One attempt in flight, four claimed items waiting for the one slot: stop, then let the
     // attempt end.
     f.stop.send(true).unwrap();
@@ -108,17 +122,19 @@ async fn a_clean_stop_gives_unstarted_claims_back_due_at_once_with_their_attempt
 #[tokio::test]
 async fn claims_that_wait_past_their_start_by_are_given_back_and_run_once_each() {
     let mut f = fixture(3).await;
-    let (first, claimed_at) = next_start(&mut f).await;
-    assert_eq!(claimed_at, 1_000);
-    // The attempt in flight takes 50 s and a millisecond: the two claimed items behind it
-    // could no longer finish an attempt within their leases, so they are given back, claimed
-    // again (at 51.001 s, not under the claim that ran short) and attempted once each.
-    f.clock.advance_ms(50_001);
+    let started = next_start(&mut f).await;
+    let first = started.id;
+    assert_eq!(started.claimed_at_ms, 1_000);
+    // The attempt in flight takes 40 s and a millisecond: the two claimed items behind it
+    // could no longer finish an attempt and have it recorded within their leases, so they are
+    // given back, claimed again (at 41.001 s, not under the claim that ran short) and attempted
+    // once each.
+    f.clock.advance_ms(40_001);
     f.gate.add_permits(10);
     let mut rest = Vec::new();
     for _ in 0..2 {
-        let (id, claimed_at) = next_start(&mut f).await;
-        assert_eq!(claimed_at, 51_001, "{id} attempted under a fresh claim");
+        let Started { id, claimed_at_ms, .. } = next_start(&mut f).await;
+        assert_eq!(claimed_at_ms, 41_001, "{id} attempted under a fresh claim");
         rest.push(id);
     }
     assert!(!rest.contains(&first));
@@ -135,4 +151,22 @@ async fn claims_that_wait_past_their_start_by_are_given_back_and_run_once_each()
     }
     f.stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(30), f.runner).await.expect("the runner stops").unwrap();
+}
+
+#[tokio::test]
+async fn what_prepare_read_is_read_again_for_items_that_waited_longer_than_an_attempts_limit() {
+    let mut f = fixture(3).await;
+    let started = next_start(&mut f).await;
+    assert_eq!((started.claimed_at_ms, started.prepared_at_ms), (1_000, 1_000));
+    // The attempt in flight takes 10 s and a millisecond: the items behind it still start
+    // under their claim (within 40 s of it), but with what `prepare` reads now, not at the claim.
+    f.clock.advance_ms(10_001);
+    f.gate.add_permits(10);
+    for _ in 0..2 {
+        let next = next_start(&mut f).await;
+        assert_eq!((next.claimed_at_ms, next.prepared_at_ms), (1_000, 11_001), "{next:?}");
+    }
+    f.stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), f.runner).await.expect("the runner stops").unwrap();
+    assert_eq!(f.store.work_counts(NAME).await.unwrap(), (0, 3, 0));
 }
