@@ -1238,6 +1238,29 @@ mod reader_tests {
         r.text(2)
     }
 
+    /// A server's writers on the pool queue on the store's lock, as the inline connection's do:
+    /// a second transaction and a one-statement write wait while one is open, and a transaction
+    /// dropped unfinished frees the lock (its writes rolled back), so the next writer begins.
+    #[tokio::test]
+    async fn a_pool_writer_waits_for_the_open_one_and_a_dropped_one_frees_the_lock() {
+        use futures::FutureExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let mut first = store.begin().await.unwrap();
+        assert!(store.begin().now_or_never().is_none(), "a second transaction must wait");
+        assert!(store.cursor_release("c", "o").now_or_never().is_none(), "a one-statement write must wait");
+        first.projections_upsert(&[row("a")]).await.unwrap();
+        drop(first);
+        let begun = tokio::time::timeout(std::time::Duration::from_secs(30), store.begin());
+        let mut second = begun.await.expect("the lock is free once the first is dropped").unwrap();
+        second.projections_upsert(&[row("b")]).await.unwrap();
+        second.commit().await.unwrap();
+        drop(second);
+        assert!(store.row_get("t", "k", "a").await.unwrap().is_none(), "the dropped transaction wrote nothing");
+        assert!(store.row_get("t", "k", "b").await.unwrap().is_some());
+        store.cursor_release("c", "o").await.unwrap();
+    }
+
     /// A server's point reads run on its readers and see every commit made before them, through
     /// the pool or not; a transaction's rows only once it commits.
     #[tokio::test]
