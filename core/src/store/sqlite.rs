@@ -1172,6 +1172,17 @@ mod inline_tests {
         Row { key: RowKey { tenant: "t".into(), kind: "k".into(), id: id.into() }, doc: serde_json::json!({ "id": id }) }
     }
 
+    /// Opens a write transaction on `store`, checks that a second transaction and a
+    /// one-statement write wait while it is open, and writes row `a` in it: the opening both
+    /// stores' writer tests share (inline here, the pool's in `reader_tests`).
+    pub(super) async fn first_writer_and_others_waiting(store: &SqliteStore) -> SqliteTransaction<'_> {
+        let mut first = store.begin().await.unwrap();
+        assert!(store.begin().now_or_never().is_none(), "a second transaction must wait");
+        assert!(store.cursor_release("c", "o").now_or_never().is_none(), "a one-statement write must wait");
+        first.projections_upsert(&[row("a")]).await.unwrap();
+        first
+    }
+
     async fn store(dir: &tempfile::TempDir) -> SqliteStore {
         let store = SqliteStore::open_for_one_thread(&dir.path().join("log.sqlite3")).await.unwrap();
         EventStore::migrate(&store).await.unwrap();
@@ -1209,10 +1220,7 @@ mod inline_tests {
     async fn a_second_inline_writer_waits_for_the_first() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(&dir).await;
-        let mut first = store.begin().await.unwrap();
-        assert!(store.begin().now_or_never().is_none(), "a second transaction must wait");
-        assert!(store.cursor_release("c", "o").now_or_never().is_none(), "a one-statement write must wait");
-        first.projections_upsert(&[row("a")]).await.unwrap();
+        let mut first = first_writer_and_others_waiting(&store).await;
         first.commit().await.unwrap();
         drop(first);
         let mut second = store.begin().now_or_never().expect("free once the first ends").unwrap();
@@ -1243,13 +1251,9 @@ mod reader_tests {
     /// dropped unfinished frees the lock (its writes rolled back), so the next writer begins.
     #[tokio::test]
     async fn a_pool_writer_waits_for_the_open_one_and_a_dropped_one_frees_the_lock() {
-        use futures::FutureExt as _;
         let dir = tempfile::tempdir().unwrap();
         let store = store(&dir).await;
-        let mut first = store.begin().await.unwrap();
-        assert!(store.begin().now_or_never().is_none(), "a second transaction must wait");
-        assert!(store.cursor_release("c", "o").now_or_never().is_none(), "a one-statement write must wait");
-        first.projections_upsert(&[row("a")]).await.unwrap();
+        let first = super::inline_tests::first_writer_and_others_waiting(&store).await;
         drop(first);
         let begun = tokio::time::timeout(std::time::Duration::from_secs(30), store.begin());
         let mut second = begun.await.expect("the lock is free once the first is dropped").unwrap();
