@@ -1,26 +1,34 @@
-//! The embedded backend: SQLite through `sqlx`, in WAL mode with `synchronous = FULL`, so an
-//! acknowledged append survives a crash of the process or the machine.
+//! The embedded backend: SQLite in WAL mode with `synchronous = FULL`, so an acknowledged
+//! append survives a crash of the process or the machine.
 //!
 //! Only SQL text, parameter binding and row decoding live here; the algorithms (append commit,
 //! locked commit, projection fold, migrations, the outbox's transactions) are in `engine.rs` and
 //! `outbox.rs`, over [`SqliteTransaction`]. Each statement is written once as a [`stmt::Sql`]
-//! and runs where [`stmt::On`] says: on the pool (sqlx) or, in the simulator, on the caller's
-//! own connection (`inline`).
+//! and runs where [`stmt::On`] says: on sqlx's pool, or on one of the store's own connections
+//! (`inline`) on the caller's thread.
 //!
-//! sqlx hands every statement to a worker thread, so the cost is per statement, not per row
-//! (`notes/limits.md`): a batch is written with one multi-row statement per table. Write
+//! **Writes.** Every write of this process (the appender's transactions, the outbox's, the
+//! one-statement writes) is made on one connection of the store's own, [`inline::Own`], after
+//! the writers before it (an async lock, in order: SQLite has one write lock, and its busy
+//! handler sleeps 1, 2, 5, 10 ms … between tries, never woken when the lock frees). Write
 //! transactions start with `BEGIN IMMEDIATE`, taking SQLite's write lock up front; so SQLite's
-//! "locks" (the commit counter's, the chain heads') are that one write lock.
+//! "locks" (the commit counter's, the chain heads') are that one write lock. In a server the
+//! statements run on the caller's thread (microseconds each: no hand-over to a worker thread
+//! and back, and one connection whose page cache the other writers never invalidate) and the
+//! `COMMIT`, SQLite's fsync, on a blocking thread; a `BEGIN` that finds another process
+//! holding the lock waits for it on a blocking thread too (issue 17).
 //!
-//! A server's point reads (a row by key, rows by up to [`super::ROWS_GET_MAX`] keys, a bounded
-//! page of stream touches, the commit counter) run on the caller's thread too, on one of a few
-//! read-only connections ([`inline::Readers`]) that never wait: with none free, or SQLite busy,
-//! the read goes to the pool. Every other statement (writes, transactions, scans, pages of
-//! events) stays on the pool.
+//! **Reads.** sqlx hands every statement to a worker thread, so the cost is per statement, not
+//! per row (`notes/limits.md`). A server's point reads (a row by key, rows by up to
+//! [`super::ROWS_GET_MAX`] keys, a bounded page of stream touches, the commit counter) run on
+//! the caller's thread, on one of a few read-only connections ([`inline::Readers`]) that never
+//! wait: with none free, or SQLite busy, the read goes to the pool. Every other read (scans,
+//! pages of events) stays on the pool.
 //!
-//! The simulator opens the store with [`SqliteStore::open_for_one_thread`]: every statement then
-//! runs on one more connection, on the caller's thread (the module `inline`); the pool is left
-//! the reads made while that connection is inside a write transaction.
+//! The simulator opens the store with [`SqliteStore::open_for_one_thread`]: every statement,
+//! reads included and the `COMMIT` too, then runs on the store's own connection on the
+//! caller's thread; the pool is left the reads made while that connection is inside a write
+//! transaction.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -28,7 +36,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
-use sqlx::{Row as _, Sqlite, SqlitePool};
+use sqlx::{Row as _, SqlitePool};
 
 use self::stmt::{On, Sql, execute_script};
 use super::engine::{Migration, Transaction};
@@ -75,17 +83,12 @@ mod stmt;
 pub struct SqliteStore {
     pool: SqlitePool,
     data_keys: std::sync::RwLock<Option<std::sync::Arc<crate::sealing::DataKeys>>>,
-    /// The connection every statement runs on, on the caller's thread
-    /// ([`Self::open_for_one_thread`]).
-    inline: Option<inline::InlineConn>,
+    /// The connection every write of this process is made on (module `inline`): a server's
+    /// writer, or, in the simulator ([`Self::open_for_one_thread`]), the connection every
+    /// statement runs on.
+    own: inline::Own,
     /// Point reads on the caller's thread, in a server ([`inline::Readers`]).
     readers: Option<inline::Readers>,
-    /// This process's writers on the pool queue here, in order, for SQLite's one write lock.
-    /// Without it a writer that found the lock taken waited in SQLite's busy handler, which
-    /// sleeps 1, 2, 5, 10 ms … between tries, never woken when the lock frees: with the
-    /// appender, the webhooks' claims, recordings and fan-out all writing, a 1 ms transaction
-    /// waited 8 (issue 17). Other processes still meet the busy handler.
-    pool_writer: tokio::sync::Mutex<()>,
 }
 
 /// SQLite's VFS for a database only this process opens: the Unix VFS with one exclusive lock
@@ -149,12 +152,15 @@ impl SqliteStore {
             companion.push(suffix);
             private_file(Path::new(&companion), false)?;
         }
-        let readers = match vfs {
+        let (own, readers) = match vfs {
             // The simulator's store reads on its own connection: no readers beside it.
-            Some(_) => None,
-            None => Some(inline::Readers::open(path, inline::READERS)?),
+            Some(vfs) => (inline::Own::OneThread(inline::InlineConn::open(path, Some(vfs))?.into()), None),
+            None => (
+                inline::Own::Writer(inline::InlineConn::open(path, None)?.into()),
+                Some(inline::Readers::open(path, inline::READERS)?),
+            ),
         };
-        Ok(Self { pool, data_keys: Default::default(), inline: None, readers, pool_writer: tokio::sync::Mutex::new(()) })
+        Ok(Self { pool, data_keys: Default::default(), own, readers })
     }
 
     /// [`Self::open`], with every statement (reads, writes, write transactions) made on the
@@ -168,8 +174,7 @@ impl SqliteStore {
     /// transaction makes no `fcntl` lock calls (issue 18: 1.33 million of them in a 1,000-node
     /// run, 27 thousand after).
     pub async fn open_for_one_thread(path: &Path) -> Result<Self> {
-        let store = Self::open_on(path, Some(ONE_PROCESS_VFS)).await?;
-        Ok(Self { inline: Some(inline::InlineConn::open(path, ONE_PROCESS_VFS)?), ..store })
+        Self::open_on(path, Some(ONE_PROCESS_VFS)).await
     }
 
     /// `sqlite://PATH` or `sqlite:PATH`.
@@ -185,8 +190,8 @@ impl SqliteStore {
     /// Where a read outside any transaction runs: the inline connection, unless a write
     /// transaction is open on it (whose uncommitted rows the read must not see).
     fn read_on(&self) -> On<'_> {
-        match &self.inline {
-            Some(inline) if !inline.in_transaction() => On::Inline(inline),
+        match &self.own {
+            inline::Own::OneThread(inline) if !inline.in_transaction() => On::Inline(inline),
             _ => On::Pool(&self.pool),
         }
     }
@@ -209,46 +214,42 @@ impl SqliteStore {
 
     /// Runs one statement that writes, committing on its own; returns the rows it changed.
     async fn write(&self, sql: Sql) -> Result<u64> {
-        match &self.inline {
-            Some(inline) => {
-                let _writer = inline.writer.lock().await;
-                sql.execute(On::Inline(inline)).await
-            }
-            None => {
-                let _writer = self.pool_writer.lock().await;
-                sql.execute(On::Pool(&self.pool)).await
-            }
-        }
+        let mut tx = self.begin().await?;
+        let changed = sql.execute(tx.on()?).await?;
+        tx.end(true).await?;
+        Ok(changed)
     }
 
     /// [`Self::write`] for a statement with `RETURNING`: the rows it returns.
     async fn write_returning<T>(&self, sql: Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Vec<T>> {
-        match &self.inline {
-            Some(inline) => {
-                let _writer = inline.writer.lock().await;
-                sql.all(On::Inline(inline), decode).await
-            }
-            None => {
-                let _writer = self.pool_writer.lock().await;
-                sql.all(On::Pool(&self.pool), decode).await
-            }
-        }
+        let mut tx = self.begin().await?;
+        let rows = sql.all(tx.on()?, decode).await?;
+        tx.end(true).await?;
+        Ok(rows)
     }
 
-    /// Opens a write transaction (`BEGIN IMMEDIATE`) where this store's statements run.
-    async fn begin(&self) -> Result<SqliteTransaction<'_>> {
-        let state = match &self.inline {
-            Some(inline) => {
-                let writer = inline.writer.lock().await;
-                inline.begin()?;
-                TxState::Inline(inline, writer)
+    /// Opens a write transaction (`BEGIN IMMEDIATE`) on the store's own connection, after
+    /// this process's writers before it (its async lock, in order).
+    async fn begin(&self) -> Result<SqliteTransaction> {
+        let conn = self.own.conn().clone();
+        let mut writer = conn.writer.clone().lock_owned().await;
+        match &self.own {
+            inline::Own::OneThread(_) => conn.begin()?,
+            inline::Own::Writer(_) => {
+                if !conn.begin_now()? {
+                    // Another process holds SQLite's write lock: wait for it off the runtime,
+                    // the writer lock going with the wait (`InlineConn::begin` ends a
+                    // transaction a caller that stopped waiting left open).
+                    let waiting = conn.clone();
+                    let begun = tokio::task::spawn_blocking(move || (waiting.begin(), writer))
+                        .await
+                        .map_err(|e| Error::Internal(format!("the store's writer: {e}")))?;
+                    begun.0?;
+                    writer = begun.1;
+                }
             }
-            None => {
-                let writer = self.pool_writer.lock().await;
-                TxState::Pool(self.pool.begin_with("BEGIN IMMEDIATE").await?, writer)
-            }
-        };
-        Ok(SqliteTransaction { state })
+        }
+        Ok(SqliteTransaction { state: TxState::Open { conn, commit_off_thread: self.own.commits_off_thread(), _writer: writer } })
     }
 }
 
@@ -295,42 +296,53 @@ async fn preread_on(mut on: On<'_>, query: &PreReadQuery) -> Result<PreRead> {
     Ok(out)
 }
 
-/// One write transaction, `BEGIN IMMEDIATE`: on a pooled connection, or on the store's inline
-/// connection holding its writer lock. Dropped unfinished, it is rolled back.
-pub struct SqliteTransaction<'s> {
-    state: TxState<'s>,
+/// One write transaction, `BEGIN IMMEDIATE`, on the store's own connection, holding this
+/// process's writer lock. Dropped unfinished, it is rolled back.
+pub struct SqliteTransaction {
+    state: TxState,
 }
 
-enum TxState<'s> {
-    Pool(sqlx::Transaction<'static, Sqlite>, tokio::sync::MutexGuard<'s, ()>),
-    Inline(&'s inline::InlineConn, tokio::sync::MutexGuard<'s, ()>),
+enum TxState {
+    Open {
+        conn: std::sync::Arc<inline::InlineConn>,
+        /// The `COMMIT` (SQLite's fsync) runs on a blocking thread: a server's.
+        commit_off_thread: bool,
+        _writer: tokio::sync::OwnedMutexGuard<()>,
+    },
     Ended,
 }
 
-impl SqliteTransaction<'_> {
+impl SqliteTransaction {
     fn on(&mut self) -> Result<On<'_>> {
-        match &mut self.state {
-            TxState::Pool(tx, _) => Ok(On::Conn(&mut *tx)),
-            TxState::Inline(inline, _) => Ok(On::Inline(inline)),
+        match &self.state {
+            TxState::Open { conn, .. } => Ok(On::Inline(conn)),
             TxState::Ended => Err(Error::Internal("the transaction has already ended".into())),
         }
     }
 
     async fn end(&mut self, commit: bool) -> Result<()> {
         match std::mem::replace(&mut self.state, TxState::Ended) {
-            TxState::Pool(tx, _writer) if commit => Ok(tx.commit().await?),
-            TxState::Pool(tx, _writer) => Ok(tx.rollback().await?),
-            TxState::Inline(inline, _writer) => inline.end(commit),
+            TxState::Open { conn, commit_off_thread: true, _writer } if commit => {
+                // The writer lock goes with the commit: a caller that stops waiting for it does
+                // not let the next writer in before it ends.
+                tokio::task::spawn_blocking(move || {
+                    let _writer = _writer;
+                    conn.end(true)
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("the store's writer: {e}")))?
+            }
+            // A rollback in WAL mode writes nothing durable: it is quick on any thread.
+            TxState::Open { conn, .. } => conn.end(commit),
             TxState::Ended => Err(Error::Internal("the transaction has already ended".into())),
         }
     }
 }
 
-impl Drop for SqliteTransaction<'_> {
+impl Drop for SqliteTransaction {
     fn drop(&mut self) {
-        // sqlx rolls its own back when dropped; the inline connection's is rolled back here.
-        if let TxState::Inline(inline, _) = &self.state
-            && let Err(e) = inline.end(false)
+        if let TxState::Open { conn, .. } = &self.state
+            && let Err(e) = conn.end(false)
         {
             tracing::debug!(error = %e, "rolling back a dropped transaction");
         }
@@ -338,7 +350,7 @@ impl Drop for SqliteTransaction<'_> {
 }
 
 #[async_trait]
-impl Transaction for SqliteTransaction<'_> {
+impl Transaction for SqliteTransaction {
     async fn commit(&mut self) -> Result<()> {
         self.end(true).await
     }
@@ -1175,7 +1187,7 @@ mod inline_tests {
     /// Opens a write transaction on `store`, checks that a second transaction and a
     /// one-statement write wait while it is open, and writes row `a` in it: the opening both
     /// stores' writer tests share (inline here, the pool's in `reader_tests`).
-    pub(super) async fn first_writer_and_others_waiting(store: &SqliteStore) -> SqliteTransaction<'_> {
+    pub(super) async fn first_writer_and_others_waiting(store: &SqliteStore) -> SqliteTransaction {
         let mut first = store.begin().await.unwrap();
         assert!(store.begin().now_or_never().is_none(), "a second transaction must wait");
         assert!(store.cursor_release("c", "o").now_or_never().is_none(), "a one-statement write must wait");
@@ -1246,11 +1258,11 @@ mod reader_tests {
         r.text(2)
     }
 
-    /// A server's writers on the pool queue on the store's lock, as the inline connection's do:
-    /// a second transaction and a one-statement write wait while one is open, and a transaction
-    /// dropped unfinished frees the lock (its writes rolled back), so the next writer begins.
+    /// A server's writers queue on the store's lock, as the simulator's do: a second
+    /// transaction and a one-statement write wait while one is open, and a transaction dropped
+    /// unfinished frees the lock (its writes rolled back), so the next writer begins.
     #[tokio::test]
-    async fn a_pool_writer_waits_for_the_open_one_and_a_dropped_one_frees_the_lock() {
+    async fn a_server_writer_waits_for_the_open_one_and_a_dropped_one_frees_the_lock() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(&dir).await;
         let first = super::inline_tests::first_writer_and_others_waiting(&store).await;
@@ -1327,5 +1339,62 @@ mod reader_tests {
         assert_eq!(timeout, 0, "a reader never waits for a lock on a runtime thread");
         assert!(readers.all(&select(), &id_of).is_none(), "busy: the pool reads it");
         other.execute_batch("COMMIT").unwrap();
+    }
+
+    /// Another process's connection holding SQLite's write lock.
+    fn other_process_writing(dir: &tempfile::TempDir) -> rusqlite::Connection {
+        let other = rusqlite::Connection::open(dir.path().join("log.sqlite3")).unwrap();
+        other
+            .execute_batch("BEGIN IMMEDIATE; INSERT INTO projections (tenant_id, kind, id, doc) VALUES ('t', 'k', 'x', '{}')")
+            .unwrap();
+        other
+    }
+
+    /// While another process holds SQLite's write lock, a server's writer waits for it off the
+    /// runtime's thread (this test's runtime has one thread, which goes on running other
+    /// tasks meanwhile), and writes once the lock is free.
+    #[tokio::test]
+    #[allow(clippy::disallowed_methods)] // the test's own stopwatch: did the thread block for 10 s
+    async fn a_server_writer_waits_for_another_process_off_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let other = other_process_writing(&dir);
+        let write = store.cursor_release("c", "o");
+        tokio::pin!(write);
+        let ticks = async {
+            for _ in 0..5 {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        };
+        let started = std::time::Instant::now();
+        tokio::select! {
+            _ = &mut write => panic!("the write cannot end while another process holds the lock"),
+            () = ticks => {}
+        }
+        // Five 10 ms ticks ran while the writer waited: had it waited on this thread, they
+        // would have ended only with SQLite's busy timeout (10 s).
+        assert!(started.elapsed() < std::time::Duration::from_millis(BUSY_TIMEOUT_MS / 2), "the runtime's thread was blocked");
+        other.execute_batch("COMMIT").unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), write).await.expect("written once the lock is free").unwrap();
+        assert!(store.row_get("t", "k", "x").await.unwrap().is_some());
+    }
+
+    /// A writer that stops waiting for another process's lock leaves nothing open behind it:
+    /// the next transaction begins and commits its own rows only.
+    #[tokio::test]
+    async fn a_writer_that_stops_waiting_for_another_process_leaves_no_transaction_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let other = other_process_writing(&dir);
+        let gave_up = tokio::time::timeout(std::time::Duration::from_millis(50), store.begin()).await;
+        assert!(gave_up.is_err(), "the lock is another process's");
+        other.execute_batch("COMMIT").unwrap();
+        let begun = tokio::time::timeout(std::time::Duration::from_secs(30), store.begin());
+        let mut tx = begun.await.expect("the writer lock is free again").unwrap();
+        tx.projections_upsert(&[row("b")]).await.unwrap();
+        tx.commit().await.unwrap();
+        drop(tx);
+        assert!(store.row_get("t", "k", "b").await.unwrap().is_some());
+        assert!(store.row_get("t", "k", "x").await.unwrap().is_some());
     }
 }

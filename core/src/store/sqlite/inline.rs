@@ -1,31 +1,33 @@
-//! The store's own connection on the calling thread, for a process whose one thread is the
-//! whole world.
+//! The store's own connections on the calling thread: its writer, and in a server its point
+//! readers.
 //!
 //! sqlx hands every statement to a worker thread and waits for it to answer (`notes/limits.md`:
 //! waking a core costs about 20 µs here, per statement, not per row), and each pooled
 //! connection throws its page cache away whenever another connection has written (WAL mode:
-//! a read transaction that finds the WAL changed resets the pager). The simulator runs the
-//! control plane, every agent and the clock on one thread, so it paid both on every statement
-//! of every step. [`SqliteStore::open_for_one_thread`](super::SqliteStore::open_for_one_thread)
-//! gives the store one more connection to the same file, which every statement then uses
-//! directly on the caller's thread: reads, one-statement writes and write transactions, with the
-//! same SQL text and the same row decoding as the pool's ([`super::stmt`]).
+//! a read transaction that finds the WAL changed resets the pager). An [`InlineConn`] runs
+//! statements directly on the caller's thread, with the same SQL text and the same row
+//! decoding as the pool's ([`super::stmt`]). Every store writes on one ([`Own`]):
 //!
 //! - A write transaction holds [`InlineConn::writer`] (an async lock: a second writer waits,
-//!   as it would for SQLite's write lock, without blocking the thread the first one needs) and
-//!   marks the connection busy; a read outside that transaction meanwhile goes to the pool, so
-//!   it sees the last commit and never the transaction's uncommitted rows, as on a server.
+//!   as it would for SQLite's write lock, without blocking the thread the first one needs).
+//! - In a server ([`Own::Writer`]) only writes use it. Its statements inside a transaction
+//!   hold SQLite's write lock already, so they never wait for another connection; the
+//!   `COMMIT` (the fsync) runs on a blocking thread, and so does a `BEGIN` that finds another
+//!   process holding the lock ([`InlineConn::begin_now`] answers at once).
+//! - The simulator's ([`Own::OneThread`]) runs every statement, reads included: its one thread
+//!   is the whole world. It marks itself busy inside a write transaction; a read outside that
+//!   transaction meanwhile goes to the pool, so it sees the last commit and never the
+//!   transaction's uncommitted rows, as on a server.
 //! - The connection is opened as sqlx opens its own (`synchronous = FULL`, foreign keys on,
 //!   the same busy timeout), so what commits here is as durable as through the pool.
 //!
-//! Never in a server as the store's one connection: a write transaction here would block the
-//! runtime thread that runs it. A server has [`Readers`] instead: connections of the same kind
-//! that run only point reads (a row by key, a few hundred by key, a bounded page of the log),
-//! which take microseconds, never wait for a lock, and give way to the pool when they would.
+//! A server reads on [`Readers`]: connections of the same kind that run only point reads (a
+//! row by key, a few hundred by key, a bounded page of the log), which take microseconds, never
+//! wait for a lock, and give way to the pool when they would.
 
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rusqlite::OpenFlags;
@@ -39,10 +41,31 @@ use crate::store::Columns;
 /// batch sizes the appender makes.
 const STATEMENTS_CACHED: usize = 256;
 
+/// The connection a store writes on (and, in the simulator, reads on too).
+pub(crate) enum Own {
+    /// The simulator's: every statement, reads included, on the caller's thread.
+    OneThread(Arc<InlineConn>),
+    /// A server's: every write, each statement on the caller's thread and each `COMMIT` (the
+    /// fsync) on a blocking thread; reads go to the readers and the pool.
+    Writer(Arc<InlineConn>),
+}
+
+impl Own {
+    pub(super) fn conn(&self) -> &Arc<InlineConn> {
+        match self {
+            Self::OneThread(conn) | Self::Writer(conn) => conn,
+        }
+    }
+
+    pub(super) fn commits_off_thread(&self) -> bool {
+        matches!(self, Self::Writer(_))
+    }
+}
+
 pub(crate) struct InlineConn {
     conn: Mutex<rusqlite::Connection>,
     /// Held by the one write transaction open on this connection.
-    pub(super) writer: tokio::sync::Mutex<()>,
+    pub(super) writer: Arc<tokio::sync::Mutex<()>>,
     /// A write transaction is open: reads outside it go elsewhere.
     in_transaction: AtomicBool,
 }
@@ -54,15 +77,20 @@ fn storage(e: rusqlite::Error) -> Error {
 impl InlineConn {
     /// A connection to the database at `path`, which the pool has already opened (so it
     /// exists, in WAL mode).
-    /// `vfs` is the pool's (SQLite's in-process locks coordinate the two only within one VFS).
-    pub(super) fn open(path: &Path, vfs: &str) -> Result<Self> {
+    /// `vfs` is the pool's (SQLite's in-process locks coordinate the two only within one VFS);
+    /// `None`: the platform's default.
+    pub(super) fn open(path: &Path, vfs: Option<&str>) -> Result<Self> {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = rusqlite::Connection::open_with_flags_and_vfs(path, flags, vfs).map_err(storage)?;
+        let conn = match vfs {
+            Some(vfs) => rusqlite::Connection::open_with_flags_and_vfs(path, flags, vfs),
+            None => rusqlite::Connection::open_with_flags(path, flags),
+        }
+        .map_err(storage)?;
         conn.busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS)).map_err(storage)?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(storage)?;
         conn.pragma_update(None, "foreign_keys", true).map_err(storage)?;
         conn.set_prepared_statement_cache_capacity(STATEMENTS_CACHED);
-        Ok(Self { conn: Mutex::new(conn), writer: tokio::sync::Mutex::new(()), in_transaction: AtomicBool::new(false) })
+        Ok(Self { conn: Mutex::new(conn), writer: Default::default(), in_transaction: AtomicBool::new(false) })
     }
 
     /// Whether a write transaction is open on this connection.
@@ -70,10 +98,34 @@ impl InlineConn {
         self.in_transaction.load(Ordering::Acquire)
     }
 
-    /// Starts the write transaction (the caller holds [`Self::writer`]).
+    /// Starts the write transaction (the caller holds [`Self::writer`]), waiting up to the
+    /// busy timeout for another process's write lock.
     pub(super) fn begin(&self) -> Result<()> {
+        let conn = self.lock()?;
+        self.begin_locked(&conn).map_err(storage)
+    }
+
+    /// [`Self::begin`] without waiting: false, and no transaction, when another process holds
+    /// SQLite's write lock (the caller waits for it off its thread).
+    pub(super) fn begin_now(&self) -> Result<bool> {
+        let conn = self.lock()?;
+        conn.busy_timeout(Duration::ZERO).map_err(storage)?;
+        let begun = self.begin_locked(&conn);
+        conn.busy_timeout(Duration::from_millis(BUSY_TIMEOUT_MS)).map_err(storage)?;
+        match begun {
+            Ok(()) => Ok(true),
+            Err(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => Ok(false),
+            Err(e) => Err(storage(e)),
+        }
+    }
+
+    fn begin_locked(&self, conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+        if !conn.is_autocommit() {
+            // Left open by a writer that stopped waiting for its `BEGIN` off the runtime.
+            conn.execute_batch("ROLLBACK")?;
+        }
         self.in_transaction.store(true, Ordering::Release);
-        self.script("BEGIN IMMEDIATE").inspect_err(|_| self.in_transaction.store(false, Ordering::Release))
+        conn.execute_batch("BEGIN IMMEDIATE").inspect_err(|_| self.in_transaction.store(false, Ordering::Release))
     }
 
     /// Ends the write transaction: commits it, or rolls it back. A failed commit is rolled back
