@@ -19,7 +19,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::Clock;
-use bc_core::event::StoredEvent;
+use bc_core::event::{Position, StoredEvent};
 use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, Outcome, WorkItem};
 use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
@@ -254,9 +254,10 @@ async fn fan_out_loop(
     status: Arc<PassRecorder>,
 ) {
     let name = consumer.name();
+    let mut fan_out = FanOut::default();
     while !*shutdown.borrow() {
         let started_at_ms = config.clock.now_ms();
-        let progressed = match fan_out_step(&*store, &*consumer, &config).await {
+        let progressed = match fan_out.step(&*store, &*consumer, &config, true).await {
             Ok(Some(n)) => {
                 if n > 0 {
                     work_ready.notify_one();
@@ -276,40 +277,132 @@ async fn fan_out_loop(
         }
         crate::idle(config.poll_ms, &mut wake, &mut shutdown).await;
     }
-    // A clean stop hands the cursor over at once; a crash leaves it to the lease.
+    // A clean stop writes where the fan-out got to and hands the cursor over at once; a crash
+    // leaves it to the lease (and the events since the cursor, which made no items, are read
+    // again by whoever takes it).
+    if let Err(e) = fan_out.flush(&*store, name, &config).await {
+        tracing::warn!(consumer = name, code = %e.code(), error = %e, "writing the fan-out cursor failed");
+    }
     if let Err(e) = store.cursor_release(name, &config.owner).await {
         tracing::warn!(consumer = name, code = %e.code(), error = %e, "releasing the fan-out lease failed");
     }
 }
 
-/// One fan-out step: `Some(items)` when the cursor moved, `None` when there was nothing to do
-/// (no new events, or another process holds the cursor).
+/// One fan-out step that leaves nothing in memory: `Some(items)` when the cursor moved, `None`
+/// when there was nothing to do (no new events, or another process holds the cursor). The
+/// simulator drives its consumer with it.
 pub async fn fan_out_step(store: &dyn EventStore, consumer: &dyn Consumer, config: &RunnerConfig) -> Result<Option<usize>> {
-    // A read first: an idle consumer polls without writing (and fsyncing) anything.
-    if let Some(at) = store.cursor_position(consumer.name()).await?
-        && store.read_after_rows(at, None, 1).await?.is_empty()
-    {
-        return Ok(None);
+    FanOut::default().step(store, consumer, config, false).await
+}
+
+/// The fan-out's cursor as a runner holds it between steps (issue 17). Before, every step
+/// wrote twice (the lease taken again, then the cursor moved), each a transaction with its
+/// fsync, and a step followed nearly every commit of the log, so a consumer with nothing to
+/// deliver doubled the writes of a busy log. Now the lease is taken once and renewed when half
+/// its term is gone, and events that make no items are passed over in memory: the cursor is
+/// written with the next items, when the consumer goes idle, at most [`RunnerConfig::poll_ms`]
+/// after the first event passed over, and at a clean stop. A crash between loses no work: the
+/// events after the written cursor are read again and make no items again (an item's id is
+/// its event's and its subject's, inserted once). So the written cursor may trail the
+/// fan-out by up to two poll intervals while only events without items arrive.
+#[derive(Default)]
+pub struct FanOut {
+    held: Option<Held>,
+}
+
+/// The lease this runner holds on the cursor, and how far it has read past the written cursor.
+struct Held {
+    until_ms: u64,
+    /// The cursor as written.
+    written: Position,
+    /// The last event read, at or after `written`: every event between made no items.
+    read: Position,
+    /// When `read` first moved past `written`.
+    ahead_since_ms: u64,
+}
+
+impl FanOut {
+    /// One step: `Some(items)` when the fan-out moved on (the cursor written, or with `defer`
+    /// only read past events that made no items), `None` when there was nothing to do. Without
+    /// `defer` every step that moves writes the cursor, as [`fan_out_step`] does.
+    pub async fn step(
+        &mut self,
+        store: &dyn EventStore,
+        consumer: &dyn Consumer,
+        config: &RunnerConfig,
+        defer: bool,
+    ) -> Result<Option<usize>> {
+        let name = consumer.name();
+        let now = config.clock.now_ms();
+        // A read first: an idle consumer polls without writing (and fsyncing) anything, but
+        // writes a cursor it has read ahead of for a poll's interval.
+        let at = match &self.held {
+            Some(held) => Some(held.read),
+            None => store.cursor_position(name).await?,
+        };
+        if let Some(at) = at
+            && store.read_after_rows(at, None, 1).await?.is_empty()
+        {
+            if self.held.as_ref().is_some_and(|held| now >= held.ahead_since_ms.saturating_add(config.poll_ms)) || !defer {
+                self.flush(store, name, config).await?;
+            }
+            return Ok(None);
+        }
+        let renew = self.held.as_ref().is_none_or(|held| now >= held.until_ms.saturating_sub(config.lease_ms / 2));
+        if renew {
+            let Some(from) = store.cursor_lease(name, &config.owner, now, config.lease_ms).await? else {
+                self.held = None;
+                return Ok(None);
+            };
+            let until_ms = now.saturating_add(config.lease_ms);
+            self.held = Some(match self.held.take() {
+                // Still ours, as written: what was read past stays passed over.
+                Some(held) if held.written == from => Held { until_ms, ..held },
+                _ => Held { until_ms, written: from, read: from, ahead_since_ms: now },
+            });
+        }
+        let held = self.held.as_mut().expect("the lease is held");
+        let mut events = decode_rows(store.read_after_rows(held.read, None, FAN_OUT_EVENTS_MAX).await?)?;
+        let mut items = consumer.fan_out(store, &events).await?;
+        // One step writes a bounded transaction: fewer events until their items fit (at least one
+        // event, whose items are bounded by the subscriptions one tenant may have).
+        while items.len() > FAN_OUT_ITEMS_MAX && events.len() > 1 {
+            events.truncate(events.len() / 2);
+            items = consumer.fan_out(store, &events).await?;
+        }
+        let Some(last) = events.last() else { return Ok(None) };
+        let to = last.position;
+        if held.read == held.written {
+            held.ahead_since_ms = now;
+        }
+        if defer && items.is_empty() && now < held.ahead_since_ms.saturating_add(config.poll_ms) {
+            held.read = to;
+            return Ok(Some(0));
+        }
+        let from = held.written;
+        if store.cursor_advance(name, &config.owner, from, to, &items, config.clock.now_ms()).await? {
+            (held.written, held.read) = (to, to);
+            tracing::debug!(consumer = name, %from, %to, items = items.len(), "fanned out");
+            Ok(Some(items.len()))
+        } else {
+            // Another process took the cursor once the lease ran out: start again from it.
+            self.held = None;
+            Ok(None)
+        }
     }
-    let now = config.clock.now_ms();
-    let Some(from) = store.cursor_lease(consumer.name(), &config.owner, now, config.lease_ms).await? else {
-        return Ok(None);
-    };
-    let mut events = decode_rows(store.read_after_rows(from, None, FAN_OUT_EVENTS_MAX).await?)?;
-    let mut items = consumer.fan_out(store, &events).await?;
-    // One step writes a bounded transaction: fewer events until their items fit (at least one
-    // event, whose items are bounded by the subscriptions one tenant may have).
-    while items.len() > FAN_OUT_ITEMS_MAX && events.len() > 1 {
-        events.truncate(events.len() / 2);
-        items = consumer.fan_out(store, &events).await?;
-    }
-    let Some(last) = events.last() else { return Ok(None) };
-    let to = last.position;
-    if store.cursor_advance(consumer.name(), &config.owner, from, to, &items, config.clock.now_ms()).await? {
-        tracing::debug!(consumer = consumer.name(), %from, %to, items = items.len(), "fanned out");
-        Ok(Some(items.len()))
-    } else {
-        Ok(None)
+
+    /// Writes the cursor where the fan-out has read to, if it is ahead of the written one.
+    pub async fn flush(&mut self, store: &dyn EventStore, name: &str, config: &RunnerConfig) -> Result<()> {
+        let Some(held) = self.held.as_mut() else { return Ok(()) };
+        if held.read == held.written {
+            return Ok(());
+        }
+        if store.cursor_advance(name, &config.owner, held.written, held.read, &[], config.clock.now_ms()).await? {
+            held.written = held.read;
+        } else {
+            self.held = None;
+        }
+        Ok(())
     }
 }
 
