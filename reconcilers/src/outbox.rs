@@ -343,7 +343,7 @@ impl FanOut {
         if let Some(at) = at
             && store.read_after_rows(at, None, 1).await?.is_empty()
         {
-            if self.held.as_ref().is_some_and(|held| now >= held.ahead_since_ms.saturating_add(config.poll_ms)) || !defer {
+            if !defer || self.held.as_ref().is_some_and(|held| now >= held.ahead_since_ms.saturating_add(config.poll_ms)) {
                 self.flush(store, name, config).await?;
             }
             return Ok(None);
@@ -380,29 +380,42 @@ impl FanOut {
             return Ok(Some(0));
         }
         let from = held.written;
-        if store.cursor_advance(name, &config.owner, from, to, &items, config.clock.now_ms()).await? {
-            (held.written, held.read) = (to, to);
+        if self.write(store, name, config, to, &items).await? {
             tracing::debug!(consumer = name, %from, %to, items = items.len(), "fanned out");
             Ok(Some(items.len()))
         } else {
-            // Another process took the cursor once the lease ran out: start again from it.
-            self.held = None;
             Ok(None)
         }
     }
 
     /// Writes the cursor where the fan-out has read to, if it is ahead of the written one.
     pub async fn flush(&mut self, store: &dyn EventStore, name: &str, config: &RunnerConfig) -> Result<()> {
-        let Some(held) = self.held.as_mut() else { return Ok(()) };
-        if held.read == held.written {
-            return Ok(());
+        if let Some(held) = &self.held
+            && held.read != held.written
+        {
+            self.write(store, name, config, held.read, &[]).await?;
         }
-        if store.cursor_advance(name, &config.owner, held.written, held.read, &[], config.clock.now_ms()).await? {
-            held.written = held.read;
+        Ok(())
+    }
+
+    /// Moves the written cursor to `to` with `items` (the lease is held); false when another
+    /// process took the cursor once the lease ran out: the next step starts again from it.
+    async fn write(
+        &mut self,
+        store: &dyn EventStore,
+        name: &str,
+        config: &RunnerConfig,
+        to: Position,
+        items: &[NewWorkItem],
+    ) -> Result<bool> {
+        let Some(held) = self.held.as_mut() else { return Ok(false) };
+        let moved = store.cursor_advance(name, &config.owner, held.written, to, items, config.clock.now_ms()).await?;
+        if moved {
+            (held.written, held.read) = (to, to);
         } else {
             self.held = None;
         }
-        Ok(())
+        Ok(moved)
     }
 }
 
