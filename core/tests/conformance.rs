@@ -412,6 +412,55 @@ async fn outbox_leases_and_items(kind: Kind) {
     assert!(s.cursor_lease("c", "z", 1_250, 100).await.unwrap().is_some(), "released: anyone may take it");
 }
 
+/// A fan-out that writes its first items already claimed (issue 17): those are its owner's,
+/// with their first attempt counted as a claim counts it, so no claim hands them to anyone
+/// before their lease ends; the rest are due for any claim; an item that existed is skipped and
+/// never handed over; a lost lease writes and hands nothing; a handed item is completed and
+/// given back as a claimed one is.
+async fn outbox_items_written_claimed(kind: Kind) {
+    use bc_core::store::outbox::{Attempt, Claim, Completion, NewWorkItem, Outcome, WorkState};
+    let f = fixture(kind).await;
+    let s = &*f.store;
+    let t = TenantId::generate();
+    f.log.append(request(t, "thing/1", ExpectedVersion::NoStream, 3)).await.unwrap();
+    let item =
+        |i: usize| NewWorkItem { tenant: t, id: format!("item{i}"), subject: "s".into(), payload: serde_json::json!({ "i": i }) };
+    let start = s.cursor_lease("c", "a", 1_000, 10_000).await.unwrap().expect("a new consumer's lease");
+    let one = Position { commit: 1, index: 0 };
+    s.work_insert("c", &[item(0)], 1_000).await.unwrap();
+    // item0 exists (unclaimed): of the three to claim, only item1 and item2 are a's.
+    let items: Vec<NewWorkItem> = (0..4).map(item).collect();
+    let claim = Claim { count: 3, lease_until_ms: 2_000 };
+    let handed = s.cursor_advance_claiming("c", "a", start, one, &items, claim, 1_010).await.unwrap().expect("a holds the lease");
+    let ids: Vec<&str> = handed.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(ids, ["item1", "item2"]);
+    assert!(
+        handed
+            .iter()
+            .all(|i| (i.attempts, i.round_attempts, i.state, i.payload["i"].is_u64()) == (1, 1, WorkState::Pending, true))
+    );
+    assert_eq!(handed[0], s.work_get("c", t, "item1").await.unwrap().unwrap(), "as stored");
+    // Until the lease ends a claim gets only the unclaimed ones (item0 and item3).
+    let mut others: Vec<String> = s.work_claim("c", "b", 1_500, 1_000, 10).await.unwrap().into_iter().map(|i| i.id).collect();
+    others.sort();
+    assert_eq!(others, ["item0", "item3"]);
+    // Done by a; given back by a (due at once, its counts undone).
+    let attempt =
+        Attempt { number: 1, at_ms: 1_100, latency_ms: 3, status: Some(204), error: None, next_at_ms: None, owner: "a".into() };
+    let done = [Completion { tenant: t, id: "item1".into(), attempt, outcome: Outcome::Done }];
+    assert_eq!(s.work_complete_many("c", "a", &done).await.unwrap(), [true]);
+    assert_eq!(s.work_release("c", "a", &[(t, "item2".into(), 1)]).await.unwrap(), 1);
+    let again = s.work_claim("c", "b", 1_600, 1_000, 10).await.unwrap();
+    assert_eq!((again.len(), again[0].id.as_str(), again[0].attempts), (1, "item2", 1));
+    // A fan-out redone from an older cursor, or by an owner without the lease, hands nothing.
+    let two = Position { commit: 1, index: 1 };
+    assert!(s.cursor_advance_claiming("c", "a", start, two, &items, claim, 1_700).await.unwrap().is_none());
+    assert!(s.cursor_advance_claiming("c", "b", one, two, &items, claim, 1_700).await.unwrap().is_none());
+    let redone = s.cursor_advance_claiming("c", "a", one, two, &items, claim, 1_700).await.unwrap();
+    assert_eq!(redone, Some(Vec::new()), "every id exists: nothing is a's");
+    assert_eq!(s.work_counts("c").await.unwrap(), (3, 1, 0));
+}
+
 /// Many tasks append to many tenants at once while a reader follows positions: every chain is
 /// gap-free and verifies, and the reader sees every event exactly once, in position order.
 async fn concurrent_appends_and_reader(kind: Kind) {
@@ -627,6 +676,7 @@ every_backend!(
     optimistic_concurrency,
     multi_stream_appends,
     outbox_leases_and_items,
+    outbox_items_written_claimed,
     concurrent_appends_and_reader,
     abandoned_transactions_leave_nothing_open,
     reconciler_passes

@@ -14,13 +14,16 @@
 //! Time comes from the [`Clock`]; jitter from a seeded generator, so a schedule replays.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::Clock;
 use bc_core::event::{Position, StoredEvent};
-use bc_core::store::outbox::{ATTEMPT_ERROR_CHARS_MAX, Attempt, CLAIM_ITEMS_MAX, Completion, NewWorkItem, Outcome, WorkItem};
+use bc_core::store::outbox::{
+    ATTEMPT_ERROR_CHARS_MAX, Attempt, CLAIM_ITEMS_MAX, Claim, Completion, NewWorkItem, Outcome, WorkItem,
+};
 use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
 use rand::{Rng, RngExt, SeedableRng};
 
@@ -203,10 +206,24 @@ pub async fn run(
     let work_ready = Arc::new(tokio::sync::Notify::new());
     tracing::info!(consumer = consumer.name(), owner = %config.owner, "consumer started");
     let status = Arc::new(PassRecorder::new(store.clone(), config.clock.clone(), consumer.name()));
-    let fan =
-        fan_out_loop(store.clone(), consumer.clone(), config.clone(), wake, shutdown.clone(), work_ready.clone(), status.clone());
+    // The items the fan-out writes already claimed go straight to the work loop, as many as it
+    // has room for (issue 17).
+    let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
+    let room = Arc::new(AtomicUsize::new(concurrency + ahead_max(&config, concurrency)));
+    let (hand, handed) = tokio::sync::mpsc::unbounded_channel();
+    let fan_out = FanOut::handing_to(Handoff { room: room.clone(), items: hand });
+    let fan = fan_out_loop(
+        store.clone(),
+        consumer.clone(),
+        config.clone(),
+        fan_out,
+        wake,
+        shutdown.clone(),
+        work_ready.clone(),
+        status.clone(),
+    );
     let prune = prune_loop(store.clone(), consumer.name(), config.clone(), shutdown.clone());
-    let work = work_loop(store, consumer.clone(), config, shutdown, work_ready, status);
+    let work = work_loop(store, consumer.clone(), config, shutdown, work_ready, Handed { room, items: handed }, status);
     tokio::join!(fan, work, prune);
     tracing::info!(consumer = consumer.name(), "consumer stopped");
 }
@@ -244,22 +261,25 @@ async fn prune_loop(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn fan_out_loop(
     store: Arc<dyn EventStore>,
     consumer: Arc<dyn Consumer>,
     config: RunnerConfig,
+    mut fan_out: FanOut,
     mut wake: Option<tokio::sync::watch::Receiver<u64>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
     work_ready: Arc<tokio::sync::Notify>,
     status: Arc<PassRecorder>,
 ) {
     let name = consumer.name();
-    let mut fan_out = FanOut::default();
     while !*shutdown.borrow() {
         let started_at_ms = config.clock.now_ms();
         let progressed = match fan_out.step(&*store, &*consumer, &config, true).await {
             Ok(Some(n)) => {
-                if n > 0 {
+                // Items it wrote unclaimed are the work loop's to claim; those it handed over
+                // reach it without.
+                if fan_out.take_unhanded() > 0 {
                     work_ready.notify_one();
                 }
                 status.pass(started_at_ms, Ok(&[("items", n as u64)])).await;
@@ -308,6 +328,22 @@ pub async fn fan_out_step(store: &dyn EventStore, consumer: &dyn Consumer, confi
 #[derive(Default)]
 pub struct FanOut {
     held: Option<Held>,
+    handoff: Option<Handoff>,
+    /// Items written unclaimed since [`FanOut::take_unhanded`] last looked.
+    unhanded: usize,
+}
+
+/// Where a runner's fan-out hands the items it writes already claimed: its own work loop, with
+/// room for this many now (the loop sets it, the fan-out takes from it).
+struct Handoff {
+    room: Arc<AtomicUsize>,
+    items: tokio::sync::mpsc::UnboundedSender<Vec<WorkItem>>,
+}
+
+/// The work loop's end of a [`Handoff`].
+struct Handed {
+    room: Arc<AtomicUsize>,
+    items: tokio::sync::mpsc::UnboundedReceiver<Vec<WorkItem>>,
 }
 
 /// The lease this runner holds on the cursor, and how far it has read past the written cursor.
@@ -322,6 +358,18 @@ struct Held {
 }
 
 impl FanOut {
+    /// A fan-out that writes as many of its items already claimed as `handoff`'s work loop has
+    /// room for, and hands them to it: no claim (a write, and on PostgreSQL a round trip) for
+    /// them, and no wait for one (issue 17).
+    fn handing_to(handoff: Handoff) -> Self {
+        Self { handoff: Some(handoff), ..Self::default() }
+    }
+
+    /// How many items were written unclaimed since the last look (for the work loop to claim).
+    pub fn take_unhanded(&mut self) -> usize {
+        std::mem::take(&mut self.unhanded)
+    }
+
     /// One step: `Some(items)` when the fan-out moved on (the cursor written, or with `defer`
     /// only read past events that made no items), `None` when there was nothing to do. Without
     /// `defer` every step that moves writes the cursor, as [`fan_out_step`] does.
@@ -409,22 +457,37 @@ impl FanOut {
         items: &[NewWorkItem],
     ) -> Result<bool> {
         let Some(held) = self.held.as_mut() else { return Ok(false) };
-        let moved = store.cursor_advance(name, &config.owner, held.written, to, items, config.clock.now_ms()).await?;
-        if moved {
-            (held.written, held.read) = (to, to);
-        } else {
+        let now = config.clock.now_ms();
+        let room = self.handoff.as_ref().map_or(0, |h| h.room.load(Ordering::Acquire));
+        let claim = Claim { count: room.min(items.len()), lease_until_ms: now.saturating_add(config.lease_ms) };
+        let Some(claimed) = store.cursor_advance_claiming(name, &config.owner, held.written, to, items, claim, now).await? else {
             self.held = None;
+            return Ok(false);
+        };
+        (held.written, held.read) = (to, to);
+        self.unhanded += items.len() - claimed.len();
+        if let Some(handoff) = &self.handoff
+            && !claimed.is_empty()
+        {
+            let n = claimed.len();
+            let _ = handoff.room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r.saturating_sub(n)));
+            // A work loop that has stopped takes nothing more: give them back at once.
+            if let Err(unsent) = handoff.items.send(claimed) {
+                release(store, name, &config.owner, &unsent.0).await;
+            }
         }
-        Ok(moved)
+        Ok(true)
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn work_loop(
     store: Arc<dyn EventStore>,
     consumer: Arc<dyn Consumer>,
     config: RunnerConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
     work_ready: Arc<tokio::sync::Notify>,
+    mut handed: Handed,
     status: Arc<PassRecorder>,
 ) {
     let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
@@ -450,7 +513,25 @@ async fn work_loop(
     // Nothing more to claim until something new is due (a fan-out's wake-up or the poll),
     // unless the last claim took all it asked for.
     let mut claim_due = true;
+    // Items the fan-out wrote already claimed for this loop, and whether it may hand more.
+    let mut received: Vec<WorkItem> = Vec::new();
+    let mut fan_out_open = true;
     while !*shutdown.borrow() {
+        while let Ok(more) = handed.items.try_recv() {
+            received.extend(more);
+        }
+        if !received.is_empty() {
+            let items = std::mem::take(&mut received);
+            let now = config.clock.now_ms();
+            let prepared = consumer.prepare(&*store, &items).await;
+            ahead.extend(items.into_iter().map(|item| Claimed {
+                // Claimed when it was written.
+                start_by_ms: start_by_ms(&config, item.updated_at_ms),
+                item,
+                prepared: prepared.clone(),
+                prepared_at_ms: now,
+            }));
+        }
         let mut stale = Vec::new();
         let now = config.clock.now_ms();
         if ahead.front().is_some_and(|c| now.saturating_sub(c.prepared_at_ms) > config.time_limit_ms) {
@@ -485,6 +566,8 @@ async fn work_loop(
         // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
         // the slots and the queue ahead), and the slots have a round to work on while it runs.
         let outstanding = concurrency - slots.available_permits() + ahead.len();
+        // What the fan-out may hand over, claimed as it writes: the same room a claim would fill.
+        handed.room.store((concurrency + ahead_max).saturating_sub(outstanding), Ordering::Release);
         if claim_due && ahead.len() < concurrency {
             // No more than the store hands out in one claim, so a full claim reads as full.
             let asked = (concurrency + ahead_max).saturating_sub(outstanding).clamp(1, CLAIM_ITEMS_MAX as usize);
@@ -514,12 +597,21 @@ async fn work_loop(
             _ = tokio::time::sleep(Duration::from_millis(config.poll_ms)) => claim_due = true,
             _ = work_ready.notified() => claim_due = true,
             _ = slot_freed.notified() => {}
+            items = handed.items.recv(), if fan_out_open => match items {
+                Some(items) => received = items,
+                None => fan_out_open = false,
+            },
             _ = shutdown.changed() => {}
         }
     }
     // Claimed items that never started are given back, due at once for any process (a process
-    // that dies instead leaves them to their leases).
-    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).collect();
+    // that dies instead leaves them to their leases); so are those the fan-out handed over
+    // meanwhile, and any it hands from now on (it gives them back itself).
+    handed.items.close();
+    while let Ok(more) = handed.items.try_recv() {
+        received.extend(more);
+    }
+    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).chain(received).collect();
     release(&*store, name, &config.owner, &unstarted).await;
     // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
     // (the completer ends when the last attempt has sent its record); what does not is claimed
@@ -544,7 +636,7 @@ struct Claimed {
 }
 
 /// Gives claimed items back unattempted; a failure leaves them to their leases.
-async fn release(store: &dyn EventStore, name: &'static str, owner: &str, items: &[WorkItem]) {
+async fn release(store: &dyn EventStore, name: &str, owner: &str, items: &[WorkItem]) {
     if items.is_empty() {
         return;
     }

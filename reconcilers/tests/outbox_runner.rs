@@ -3,6 +3,8 @@
 //! waited for a slot until their leases would not outlast an attempt and its record, so an item
 //! given back never uses up one of its attempts and is due at once for any process; and what
 //! `prepare` read for a waiting item is read again once it is older than an attempt's limit.
+//! Items the runner's own fan-out writes go to its work loop already claimed, as many as it has
+//! room for, and a clean stop gives back those too.
 // Fixtures' ids only name things; the clock is the manual one.
 #![allow(clippy::disallowed_methods)]
 
@@ -13,20 +15,25 @@ use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::{Clock as _, ManualClock};
 use bc_core::event::StoredEvent;
+use bc_core::id::PoolId;
 use bc_core::id::TenantId;
-use bc_core::store::EventStore;
+use bc_core::keys::LogKey;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
 use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_projections::events as ev;
+use bc_projections::{KIND_POOL, Projections, stream_of};
 use bc_reconcilers::outbox::{Consumer, Handled, Prepared, RunnerConfig, run};
 
 const NAME: &str = "gated";
 
 /// Each attempt says it started (the item, when it was claimed, when its batch was prepared),
-/// then waits for a permit of the gate.
+/// then waits for a permit of the gate. With `fans_out`, each event makes one item.
 struct Gated {
     started: tokio::sync::mpsc::UnboundedSender<Started>,
     gate: Arc<tokio::sync::Semaphore>,
     clock: Arc<ManualClock>,
+    fans_out: bool,
 }
 
 #[derive(Debug)]
@@ -42,8 +49,19 @@ impl Consumer for Gated {
         NAME
     }
 
-    async fn fan_out(&self, _: &dyn EventStore, _: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
-        Ok(Vec::new())
+    async fn fan_out(&self, _: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
+        if !self.fans_out {
+            return Ok(Vec::new());
+        }
+        Ok(events
+            .iter()
+            .map(|e| NewWorkItem {
+                tenant: e.envelope.tenant,
+                id: e.envelope.id.to_string(),
+                subject: "s".into(),
+                payload: serde_json::json!({}),
+            })
+            .collect())
     }
 
     async fn prepare(&self, _: &dyn EventStore, _: &[WorkItem]) -> Prepared {
@@ -71,9 +89,30 @@ struct Fixture {
 /// `items` items due at 1 s, and a runner with one slot, a 60 s lease and a 10 s attempt limit
 /// (so four claimed items may wait, each to start within 40 s of its claim).
 async fn fixture(items: usize) -> Fixture {
+    fixture_with(items, 0).await
+}
+
+/// [`fixture`], with `events` events in the log first, each of which the consumer's fan-out
+/// makes one item of.
+async fn fixture_with(items: usize, events: usize) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("outbox.sqlite3")).await.unwrap());
     store.migrate().await.unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap();
+    for _ in 0..events {
+        let pool = PoolId::generate();
+        let payload = ev::to_cbor(&ev::PoolCreated {
+            name: format!("p-{}", pool.ulid().to_string().to_ascii_lowercase()),
+            description: String::new(),
+            labels: Default::default(),
+            max_reservation_s: None,
+        })
+        .unwrap();
+        let event = vec![NewEvent::new(ev::POOL_CREATED, payload)];
+        let request = AppendRequest::new(TenantId::ROOT, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "test", event);
+        log.append(request).await.unwrap();
+    }
     let new: Vec<NewWorkItem> = (0..items)
         .map(|i| NewWorkItem {
             tenant: TenantId::ROOT,
@@ -83,10 +122,9 @@ async fn fixture(items: usize) -> Fixture {
         })
         .collect();
     store.work_insert(NAME, &new, 1_000).await.unwrap();
-    let clock = Arc::new(ManualClock::new(1_000));
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let (tx, started) = tokio::sync::mpsc::unbounded_channel();
-    let consumer = Arc::new(Gated { started: tx, gate: gate.clone(), clock: clock.clone() });
+    let consumer = Arc::new(Gated { started: tx, gate: gate.clone(), clock: clock.clone(), fans_out: events > 0 });
     let mut config = RunnerConfig::new(clock.clone());
     (config.owner, config.seed, config.concurrency, config.poll_ms) = ("p1".into(), 7, 1, 20);
     (config.lease_ms, config.time_limit_ms) = (60_000, 10_000);
@@ -169,4 +207,29 @@ async fn what_prepare_read_is_read_again_for_items_that_waited_longer_than_an_at
     f.stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(30), f.runner).await.expect("the runner stops").unwrap();
     assert_eq!(f.store.work_counts(NAME).await.unwrap(), (0, 3, 0));
+}
+
+#[tokio::test]
+async fn the_fan_out_hands_the_work_loop_claimed_items_and_a_clean_stop_gives_back_those_unstarted() {
+    // Eight events make eight items; the work loop has room for five (its slot and the four
+    // that may wait), which the fan-out writes claimed and hands over; the other three are
+    // written due, for any process to claim.
+    let mut f = fixture_with(0, 8).await;
+    let first = next_start(&mut f).await;
+    assert_eq!((first.claimed_at_ms, first.prepared_at_ms), (1_000, 1_000));
+    let item = f.store.work_get(NAME, TenantId::ROOT, &first.id).await.unwrap().unwrap();
+    assert_eq!((item.attempts, item.round_attempts), (1, 1), "claimed as it was written");
+    let due = f.store.work_claim(NAME, "p2", f.clock.now_ms(), 60_000, 10).await.unwrap();
+    assert_eq!(due.len(), 3, "only those not handed over are due: {due:?}");
+    let due: Vec<_> = due.iter().map(|i| (TenantId::ROOT, i.id.clone(), i.attempts)).collect();
+    assert_eq!(f.store.work_release(NAME, "p2", &due).await.unwrap(), 3);
+    // A clean stop with one attempt in flight: the four handed over and never started are
+    // given back, due at once with their attempts unspent.
+    f.stop.send(true).unwrap();
+    f.gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(30), f.runner).await.expect("the runner stops").unwrap();
+    assert_eq!(f.store.work_counts(NAME).await.unwrap(), (7, 1, 0), "the attempt in flight was recorded");
+    let again = f.store.work_claim(NAME, "p2", f.clock.now_ms(), 60_000, 10).await.unwrap();
+    assert_eq!(again.len(), 7);
+    assert!(again.iter().all(|i| (i.attempts, i.round_attempts) == (1, 1) && i.id != first.id), "{again:?}");
 }

@@ -83,8 +83,17 @@ pub trait Transaction: Send {
     async fn cursor_take(&mut self, consumer: &str, owner: &str, now_ms: u64, until_ms: u64) -> Result<Option<Position>>;
     /// Moves the cursor from `from` to `to` if `owner` holds the lease at `from`.
     async fn cursor_move(&mut self, consumer: &str, owner: &str, from: Position, to: Position, now_ms: u64) -> Result<bool>;
-    /// Inserts pending items, skipping ids that exist.
-    async fn items_insert(&mut self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()>;
+    /// Inserts pending items, skipping ids that exist. With `claimed_by` (an owner and the end
+    /// of its lease) they are inserted already claimed, their first attempt counted as
+    /// `work_claim` counts it, and the `(tenant, id)` of each row inserted is returned (none
+    /// without).
+    async fn items_insert(
+        &mut self,
+        consumer: &str,
+        items: &[NewWorkItem],
+        now_ms: u64,
+        claimed_by: Option<(&str, u64)>,
+    ) -> Result<Vec<(String, String)>>;
     /// Moves each completed item on where `owner` still holds its lease for that attempt; one
     /// flag per completion.
     async fn items_complete(&mut self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>>;
@@ -343,7 +352,13 @@ mod tests {
         async fn cursor_move(&mut self, _: &str, _: &str, _: Position, _: Position, _: u64) -> Result<bool> {
             Err(no_outbox())
         }
-        async fn items_insert(&mut self, _: &str, _: &[NewWorkItem], _: u64) -> Result<()> {
+        async fn items_insert(
+            &mut self,
+            _: &str,
+            _: &[NewWorkItem],
+            _: u64,
+            _: Option<(&str, u64)>,
+        ) -> Result<Vec<(String, String)>> {
             Err(no_outbox())
         }
         async fn items_complete(&mut self, _: &str, _: &str, _: &[Completion]) -> Result<Vec<bool>> {

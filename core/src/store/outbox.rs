@@ -59,6 +59,14 @@ impl WorkState {
     }
 }
 
+/// How many of the items a fan-out writes are inserted already claimed, and until when
+/// ([`OutboxStore::cursor_advance_claiming`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claim {
+    pub count: usize,
+    pub lease_until_ms: u64,
+}
+
 /// A work item to create.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewWorkItem {
@@ -155,18 +163,64 @@ pub trait OutboxStore: Store {
         items: &[NewWorkItem],
         now_ms: u64,
     ) -> Result<bool> {
+        let claim = Claim { count: 0, lease_until_ms: 0 };
+        Ok(self.cursor_advance_claiming(consumer, owner, from, to, items, claim, now_ms).await?.is_some())
+    }
+    /// [`OutboxStore::cursor_advance`], with the first `claim.count` of `items` inserted
+    /// already claimed by `owner` (their first attempt counted, as [`OutboxStore::work_claim`]
+    /// counts it): the fan-out hands them to its own process's work loop, which then needs no
+    /// claim of its own for them (issue 17). Returns those of them that were inserted (an id
+    /// that existed is skipped, and so is not the caller's), or `None` when the lease was lost
+    /// and nothing was written.
+    #[allow(clippy::too_many_arguments)]
+    async fn cursor_advance_claiming(
+        &self,
+        consumer: &str,
+        owner: &str,
+        from: Position,
+        to: Position,
+        items: &[NewWorkItem],
+        claim: Claim,
+        now_ms: u64,
+    ) -> Result<Option<Vec<WorkItem>>> {
+        let (claimed, rest) = items.split_at(claim.count.min(items.len()));
         let mut tx = self.transaction(WriteToken(())).await?;
         let outcome = async {
             if !tx.cursor_move(consumer, owner, from, to, now_ms).await? {
-                return Ok(End::Rollback(false));
+                return Ok(End::Rollback(None));
             }
-            if !items.is_empty() {
-                tx.items_insert(consumer, items, now_ms).await?;
+            let mut inserted = Vec::new();
+            if !claimed.is_empty() {
+                inserted = tx.items_insert(consumer, claimed, now_ms, Some((owner, claim.lease_until_ms))).await?;
             }
-            Ok(End::Commit(true))
+            if !rest.is_empty() {
+                tx.items_insert(consumer, rest, now_ms, None).await?;
+            }
+            Ok(End::Commit(Some(inserted)))
         }
         .await;
-        finish(&mut *tx, outcome).await
+        let Some(inserted) = finish(&mut *tx, outcome).await? else { return Ok(None) };
+        let inserted: std::collections::HashSet<(String, String)> = inserted.into_iter().collect();
+        Ok(Some(
+            claimed
+                .iter()
+                .filter(|item| inserted.contains(&(item.tenant.to_string(), item.id.clone())))
+                .map(|item| WorkItem {
+                    tenant: item.tenant,
+                    consumer: consumer.to_owned(),
+                    id: item.id.clone(),
+                    subject: item.subject.clone(),
+                    payload: item.payload.clone(),
+                    state: WorkState::Pending,
+                    attempts: 1,
+                    round_attempts: 1,
+                    next_at_ms: now_ms,
+                    last_error: None,
+                    created_at_ms: now_ms,
+                    updated_at_ms: now_ms,
+                })
+                .collect(),
+        ))
     }
     /// Inserts items directly, skipping ids that exist (for work not driven by the cursor).
     async fn work_insert(&self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
@@ -174,7 +228,7 @@ pub trait OutboxStore: Store {
             return Ok(());
         }
         let mut tx = self.transaction(WriteToken(())).await?;
-        let outcome = tx.items_insert(consumer, items, now_ms).await.map(End::Commit);
+        let outcome = tx.items_insert(consumer, items, now_ms, None).await.map(|_| End::Commit(()));
         finish(&mut *tx, outcome).await
     }
     /// Leases up to `limit` due pending items (oldest due first) to `owner` and counts the

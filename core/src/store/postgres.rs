@@ -628,22 +628,34 @@ impl Transaction for PostgresTransaction {
         Ok(moved == 1)
     }
 
-    async fn items_insert(&mut self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+    async fn items_insert(
+        &mut self,
+        consumer: &str,
+        items: &[NewWorkItem],
+        now_ms: u64,
+        claimed_by: Option<(&str, u64)>,
+    ) -> Result<Vec<(String, String)>> {
         let tenants: Vec<String> = items.iter().map(|i| i.tenant.to_string()).collect();
         let ids: Vec<&str> = items.iter().map(|i| i.id.as_str()).collect();
         let subjects: Vec<&str> = items.iter().map(|i| i.subject.as_str()).collect();
         let payloads: Vec<String> = items.iter().map(|i| i.payload.to_string()).collect();
-        self.client()?
-            .execute(
-                "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
-                 lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) \
-                 SELECT t, $1, i, s, p, 'pending', 0, 0, $2, NULL, 0, NULL, $2, $2 \
-                 FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[]) AS x(t, i, s, p) \
-                 ON CONFLICT (tenant_id, consumer, id) DO NOTHING",
-                &[&consumer, &to_i64(now_ms)?, &tenants, &ids, &subjects, &payloads],
-            )
-            .await?;
-        Ok(())
+        let (owner, lease_until, attempts) = match claimed_by {
+            Some((owner, until_ms)) => (Some(owner), to_i64(until_ms)?, 1i64),
+            None => (None, 0, 0),
+        };
+        let sql = format!(
+            "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, next_at_ms, \
+             lease_owner, lease_until_ms, last_error, created_at_ms, updated_at_ms) \
+             SELECT t, $1, i, s, p, 'pending', $7, $7, $2, $8, $9, NULL, $2, $2 \
+             FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[]) AS x(t, i, s, p) \
+             ON CONFLICT (tenant_id, consumer, id) DO NOTHING{}",
+            // The rows inserted, when they are the caller's to work on.
+            if claimed_by.is_some() { " RETURNING tenant_id, id" } else { "" }
+        );
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+            [&consumer, &to_i64(now_ms)?, &tenants, &ids, &subjects, &payloads, &attempts, &owner, &lease_until];
+        let rows = self.client()?.query(&sql, &params).await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
     async fn items_complete(&mut self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {

@@ -62,7 +62,13 @@ pub const BUSY_TIMEOUT_MS: u64 = 10_000;
 const ROWS_PER_STATEMENT_MAX: usize = 1000;
 
 /// The rest of `items_complete`'s statement after its `u` rows: consumer and owner bound last.
-const ITEMS_COMPLETE_UPDATE: &str = ") UPDATE work_items SET state = u.state, next_at_ms = u.next_at, lease_owner = NULL, \
+///
+/// Each row of the batch finds its item by the primary key, named (`INDEXED BY`, here and in
+/// [`ITEMS_RELEASE_UPDATE`]) because SQLite's planner, once a batch holds more than a few dozen
+/// rows, would rather walk every pending item of the consumer (`work_items_due`) and scan the
+/// whole batch for each: quadratic, and most of a webhook delivery's database time once
+/// completions queued up (issue 17). `plan_tests` holds both to a whole chunk's rows.
+const ITEMS_COMPLETE_UPDATE: &str = ") UPDATE work_items INDEXED BY sqlite_autoindex_work_items_1 SET state = u.state, next_at_ms = u.next_at, lease_owner = NULL, \
      lease_until_ms = 0, last_error = u.err, updated_at_ms = u.upd FROM u \
      WHERE work_items.tenant_id = u.t AND work_items.consumer = ? AND work_items.id = u.i AND work_items.lease_owner = ? \
      AND work_items.attempts = u.num AND work_items.state = 'pending' \
@@ -70,7 +76,7 @@ const ITEMS_COMPLETE_UPDATE: &str = ") UPDATE work_items SET state = u.state, ne
 
 /// Gives claimed items back (after `WITH r(t, i, num) AS (VALUES …)`): only those `owner`
 /// still holds at the attempt its claim counted, with the claim's counts undone.
-const ITEMS_RELEASE_UPDATE: &str = ") UPDATE work_items SET lease_owner = NULL, lease_until_ms = 0, \
+const ITEMS_RELEASE_UPDATE: &str = ") UPDATE work_items INDEXED BY sqlite_autoindex_work_items_1 SET lease_owner = NULL, lease_until_ms = 0, \
      attempts = work_items.attempts - 1, round_attempts = work_items.round_attempts - 1 FROM r \
      WHERE work_items.tenant_id = r.t AND work_items.consumer = ? AND work_items.id = r.i AND work_items.lease_owner = ? \
      AND work_items.attempts = r.num AND work_items.state = 'pending'";
@@ -555,9 +561,20 @@ impl Transaction for SqliteTransaction {
         Ok(moved == 1)
     }
 
-    async fn items_insert(&mut self, consumer: &str, items: &[NewWorkItem], now_ms: u64) -> Result<()> {
+    async fn items_insert(
+        &mut self,
+        consumer: &str,
+        items: &[NewWorkItem],
+        now_ms: u64,
+        claimed_by: Option<(&str, u64)>,
+    ) -> Result<Vec<(String, String)>> {
         let now = to_i64(now_ms)?;
+        let (owner, lease_until, attempts) = match claimed_by {
+            Some((owner, until_ms)) => (Some(owner), to_i64(until_ms)?, 1i64),
+            None => (None, 0, 0),
+        };
         let mut on = self.on()?;
+        let mut inserted = Vec::new();
         for chunk in items.chunks(ROWS_PER_STATEMENT_MAX / 4) {
             let mut q = Sql::new(
                 "INSERT INTO work_items (tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, \
@@ -570,19 +587,24 @@ impl Transaction for SqliteTransaction {
                     .bind(&item.subject)
                     .bind(item.payload.to_string())
                     .bind("pending")
-                    .bind(0i64)
-                    .bind(0i64)
+                    .bind(attempts)
+                    .bind(attempts)
                     .bind(now)
-                    .bind(None::<String>)
-                    .bind(0i64)
+                    .bind(owner)
+                    .bind(lease_until)
                     .bind(None::<String>)
                     .bind(now)
                     .bind(now);
             });
             q.push(" ON CONFLICT (tenant_id, consumer, id) DO NOTHING");
-            q.execute(on.again()).await?;
+            if claimed_by.is_some() {
+                q.push(" RETURNING tenant_id, id");
+                inserted.extend(q.all(on.again(), |r| Ok((r.text(0)?, r.text(1)?))).await?);
+            } else {
+                q.execute(on.again()).await?;
+            }
         }
-        Ok(())
+        Ok(inserted)
     }
 
     async fn items_complete(&mut self, consumer: &str, owner: &str, done: &[Completion]) -> Result<Vec<bool>> {
@@ -1148,29 +1170,42 @@ mod plan_tests {
         }
     }
 
-    /// `items_complete` updates a batch in one statement: each of its rows must find its item
-    /// by the primary key, never by a scan of the consumer's items.
+    /// `items_complete` and `work_release` update a batch in one statement: each of its rows
+    /// must find its item by the primary key, never by a walk of the consumer's items, at two
+    /// rows and at a whole chunk's. Regression (issue 17): from some dozens of rows on, SQLite
+    /// walked every pending item of the consumer and scanned the batch for each.
     #[tokio::test]
-    async fn completing_a_batch_finds_each_item_by_its_key() {
+    async fn updating_a_batch_of_items_finds_each_by_its_key() {
         let dir = tempfile::tempdir().unwrap();
         let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
         crate::store::EventStore::migrate(&store).await.unwrap();
-        let text = format!(
-            "EXPLAIN QUERY PLAN WITH u(t, i, state, next_at, err, upd, num) AS (VALUES (?, ?, ?, ?, ?, ?, ?), (?, ?, ?, ?, ?, ?, ?){ITEMS_COMPLETE_UPDATE}"
-        );
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(text));
-        for n in 0..2 {
-            q = q.bind("ten_00000000000000000000000000").bind(format!("item{n}")).bind("done").bind(1i64);
-            q = q.bind(None::<String>).bind(2i64).bind(1i64);
+        // Each row's item id `item<n>`, the rest of its columns as any.
+        let statements = [
+            (
+                "u(t, i, state, next_at, err, upd, num)",
+                ITEMS_COMPLETE_UPDATE,
+                "'done', 1, NULL, 2, 1",
+                ROWS_PER_STATEMENT_MAX / 7,
+            ),
+            ("r(t, i, num)", ITEMS_RELEASE_UPDATE, "1", ROWS_PER_STATEMENT_MAX / 3),
+        ];
+        for (cte, rest, columns, chunk) in statements {
+            for rows in [2, chunk] {
+                let values: Vec<String> =
+                    (0..rows).map(|n| format!("('ten_00000000000000000000000000', 'item{n}', {columns})")).collect();
+                let text = format!("EXPLAIN QUERY PLAN WITH {cte} AS (VALUES {}{rest}", values.join(", "));
+                let q = sqlx::query(sqlx::AssertSqlSafe(text)).bind("webhooks").bind("owner");
+                let plan: Vec<String> = q.fetch_all(store.pool()).await.unwrap().iter().map(|r| r.get::<String, _>(3)).collect();
+                let plan = plan.join(" | ");
+                assert!(
+                    plan.contains(
+                        "SEARCH work_items USING INDEX sqlite_autoindex_work_items_1 (tenant_id=? AND consumer=? AND id=?)"
+                    ),
+                    "{rows} rows: {plan}"
+                );
+                assert!(!plan.contains("SCAN work_items") && !plan.contains("work_items_due"), "{rows} rows: {plan}");
+            }
         }
-        let rows = q.bind("webhooks").bind("owner").fetch_all(store.pool()).await.unwrap();
-        let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(3)).collect();
-        let plan = plan.join(" | ");
-        assert!(
-            plan.contains("SEARCH work_items USING INDEX sqlite_autoindex_work_items_1 (tenant_id=? AND consumer=? AND id=?)"),
-            "{plan}"
-        );
-        assert!(!plan.contains("SCAN work_items"), "{plan}");
     }
 }
 
