@@ -516,6 +516,10 @@ async fn work_loop(
     // Items the fan-out wrote already claimed for this loop, and whether it may hand more.
     let mut received: Vec<WorkItem> = Vec::new();
     let mut fan_out_open = true;
+    // A claim runs beside this loop (issue 17): while it waits for the database (on SQLite,
+    // for the writer, behind a commit's fsync) the loop goes on starting waiting items as slots
+    // free. At most one at a time: what it asked for, and where its outcome comes.
+    let mut claiming: Option<(usize, tokio::sync::oneshot::Receiver<ClaimDone>)> = None;
     while !*shutdown.borrow() {
         while let Ok(more) = handed.items.try_recv() {
             received.extend(more);
@@ -565,33 +569,25 @@ async fn work_loop(
         }
         // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
         // the slots and the queue ahead), and the slots have a round to work on while it runs.
-        let outstanding = concurrency - slots.available_permits() + ahead.len();
+        let outstanding = concurrency - slots.available_permits() + ahead.len() + claiming.as_ref().map_or(0, |c| c.0);
         // What the fan-out may hand over, claimed as it writes: the same room a claim would fill.
         handed.room.store((concurrency + ahead_max).saturating_sub(outstanding), Ordering::Release);
-        if claim_due && ahead.len() < concurrency {
+        if claim_due && claiming.is_none() && ahead.len() < concurrency {
             // No more than the store hands out in one claim, so a full claim reads as full.
             let asked = (concurrency + ahead_max).saturating_sub(outstanding).clamp(1, CLAIM_ITEMS_MAX as usize);
-            let now = config.clock.now_ms();
-            match store.work_claim(name, &config.owner, now, config.lease_ms, asked as u32).await {
-                Ok(items) => {
-                    claim_due = items.len() == asked;
-                    if !items.is_empty() {
-                        let prepared = consumer.prepare(&*store, &items).await;
-                        let start_by_ms = start_by_ms(&config, now);
-                        ahead.extend(items.into_iter().map(|item| Claimed {
-                            item,
-                            prepared: prepared.clone(),
-                            prepared_at_ms: now,
-                            start_by_ms,
-                        }));
-                        continue;
-                    }
-                }
-                Err(e) => {
-                    claim_due = false;
-                    tracing::warn!(consumer = name, code = %e.code(), error = %e, "claiming work failed");
-                }
-            }
+            // Due again only if this claim comes back full or something new is due meanwhile.
+            let (claim_done, outcome) = tokio::sync::oneshot::channel();
+            (claiming, claim_due) = (Some((asked, outcome)), false);
+            let (store, consumer, config) = (store.clone(), consumer.clone(), config.clone());
+            tokio::spawn(async move {
+                let at_ms = config.clock.now_ms();
+                let items = store.work_claim(consumer.name(), &config.owner, at_ms, config.lease_ms, asked as u32).await;
+                let prepared = match &items {
+                    Ok(items) if !items.is_empty() => consumer.prepare(&*store, items).await,
+                    _ => None,
+                };
+                let _ = claim_done.send(ClaimDone { at_ms, asked, items, prepared });
+            });
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(config.poll_ms)) => claim_due = true,
@@ -601,12 +597,20 @@ async fn work_loop(
                 Some(items) => received = items,
                 None => fan_out_open = false,
             },
+            done = async { (&mut claiming.as_mut().expect("a claim runs").1).await }, if claiming.is_some() => {
+                claiming = None;
+                claim_due |= take_claim(name, &config, done, &mut ahead);
+            }
             _ = shutdown.changed() => {}
         }
     }
     // Claimed items that never started are given back, due at once for any process (a process
     // that dies instead leaves them to their leases); so are those the fan-out handed over
-    // meanwhile, and any it hands from now on (it gives them back itself).
+    // meanwhile, and any it hands from now on (it gives them back itself), and those of a claim
+    // still running.
+    if let Some((_, outcome)) = claiming {
+        take_claim(name, &config, outcome.await, &mut ahead);
+    }
     handed.items.close();
     while let Ok(more) = handed.items.try_recv() {
         received.extend(more);
@@ -624,6 +628,46 @@ async fn work_loop(
         let _ = completer.await;
     };
     let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
+}
+
+/// A claim's outcome, from the task that ran it beside the work loop.
+struct ClaimDone {
+    at_ms: u64,
+    asked: usize,
+    items: Result<Vec<WorkItem>>,
+    prepared: Prepared,
+}
+
+/// Queues a claim's items to wait for a slot; true when it took all it asked for (so more may
+/// be due). A claim whose task ended without an outcome (it panicked) took nothing this loop
+/// knows of: its items wait for their leases.
+fn take_claim(
+    name: &str,
+    config: &RunnerConfig,
+    done: std::result::Result<ClaimDone, tokio::sync::oneshot::error::RecvError>,
+    ahead: &mut std::collections::VecDeque<Claimed>,
+) -> bool {
+    let Ok(ClaimDone { at_ms, asked, items, prepared }) = done else {
+        tracing::warn!(consumer = name, "a claim ended without an outcome");
+        return false;
+    };
+    match items {
+        Ok(items) => {
+            let full = items.len() == asked;
+            let start_by_ms = start_by_ms(config, at_ms);
+            ahead.extend(items.into_iter().map(|item| Claimed {
+                item,
+                prepared: prepared.clone(),
+                prepared_at_ms: at_ms,
+                start_by_ms,
+            }));
+            full
+        }
+        Err(e) => {
+            tracing::warn!(consumer = name, code = %e.code(), error = %e, "claiming work failed");
+            false
+        }
+    }
 }
 
 /// A claimed item waiting for a slot, with what [`Consumer::prepare`] read for it and when,
