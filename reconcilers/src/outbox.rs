@@ -20,11 +20,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::Clock;
-use bc_core::event::{Position, StoredEvent};
+use bc_core::event::{EventRow, Position};
 use bc_core::store::outbox::{
     ATTEMPT_ERROR_CHARS_MAX, Attempt, CLAIM_ITEMS_MAX, Claim, Completion, NewWorkItem, Outcome, WorkItem,
 };
-use bc_core::store::{EventStore, READ_ROWS_MAX, decode_rows};
+use bc_core::store::{EventStore, READ_ROWS_MAX};
 use rand::{Rng, RngExt, SeedableRng};
 
 use crate::status::PassRecorder;
@@ -137,8 +137,12 @@ pub type Prepared = Option<Arc<dyn std::any::Any + Send + Sync>>;
 pub trait Consumer: Send + Sync + 'static {
     /// Its name: the cursor's and the items' key. Never rename a consumer in use.
     fn name(&self) -> &'static str;
-    /// The items these committed events give rise to (ids deterministic per event).
-    async fn fan_out(&self, store: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>>;
+    /// The items these committed events give rise to (ids deterministic per event). They come
+    /// as stored rows: a consumer decodes (and so checks, `decode_rows`) only the events it
+    /// makes items of, and decides on the rows' columns (tenant, stream, type) which those are;
+    /// decoding every event of a busy log for a consumer with nothing to deliver was most of
+    /// its cost (issue 17).
+    async fn fan_out(&self, store: &dyn EventStore, rows: &[EventRow]) -> Result<Vec<NewWorkItem>>;
     /// The reads a claimed batch of items shares (the webhooks' documents and signing
     /// secrets), made once, right after the claim and before any of its items is handled, and
     /// handed to each [`Consumer::handle`] of the batch. Nothing by default.
@@ -410,16 +414,16 @@ impl FanOut {
             });
         }
         let held = self.held.as_mut().expect("the lease is held");
-        let mut events = decode_rows(store.read_after_rows(held.read, None, FAN_OUT_EVENTS_MAX).await?)?;
-        let mut items = consumer.fan_out(store, &events).await?;
+        let mut rows = store.read_after_rows(held.read, None, FAN_OUT_EVENTS_MAX).await?;
+        let mut items = consumer.fan_out(store, &rows).await?;
         // One step writes a bounded transaction: fewer events until their items fit (at least one
         // event, whose items are bounded by the subscriptions one tenant may have).
-        while items.len() > FAN_OUT_ITEMS_MAX && events.len() > 1 {
-            events.truncate(events.len() / 2);
-            items = consumer.fan_out(store, &events).await?;
+        while items.len() > FAN_OUT_ITEMS_MAX && rows.len() > 1 {
+            rows.truncate(rows.len() / 2);
+            items = consumer.fan_out(store, &rows).await?;
         }
-        let Some(last) = events.last() else { return Ok(None) };
-        let to = last.position;
+        let Some(last) = rows.last() else { return Ok(None) };
+        let to = Position { commit: last.commit, index: last.index };
         if held.read == held.written {
             held.ahead_since_ms = now;
         }

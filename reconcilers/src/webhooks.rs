@@ -28,10 +28,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bc_core::clock::{Clock, rfc3339_ms};
-use bc_core::event::StoredEvent;
+use bc_core::event::{EventRow, StoredEvent};
 use bc_core::id::TenantId;
-use bc_core::store::EventStore;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
+use bc_core::store::{EventStore, decode_rows};
 use bc_core::webhook::{EndpointPolicy, Secret, signature_header};
 use bc_core::{Error, Result};
 use bc_projections::events::{TypeFilter, WEBHOOK_PINGED};
@@ -307,30 +307,40 @@ impl Consumer for Webhooks {
         CONSUMER
     }
 
-    async fn fan_out(&self, store: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
-        let mut hooks: HashMap<TenantId, Vec<(WebhookDoc, TypeFilter)>> = HashMap::new();
+    async fn fan_out(&self, store: &dyn EventStore, rows: &[EventRow]) -> Result<Vec<NewWorkItem>> {
+        let mut hooks: HashMap<String, Vec<(WebhookDoc, TypeFilter)>> = HashMap::new();
         let mut items = Vec::new();
-        for event in events {
-            let env = &event.envelope;
-            if let std::collections::hash_map::Entry::Vacant(slot) = hooks.entry(env.tenant) {
-                slot.insert(subscriptions(store, env.tenant).await?);
+        for row in rows {
+            if !hooks.contains_key(&row.tenant) {
+                let tenant: TenantId = row.tenant.parse()?;
+                hooks.insert(row.tenant.clone(), subscriptions(store, tenant).await?);
             }
-            let mut body = None;
-            for (hook, filter) in &hooks[&env.tenant] {
-                let wanted = if env.event_type == WEBHOOK_PINGED {
-                    env.stream == bc_projections::stream_of(KIND_WEBHOOK, &hook.webhook_id)
-                } else {
-                    hook.created_seq < env.seq && filter.matches(&env.event_type)
-                };
-                if wanted {
-                    let body = body.get_or_insert_with(|| body_of(event));
-                    items.push(NewWorkItem {
-                        tenant: env.tenant,
-                        id: bc_projections::webhook_delivery_id(&env.id, &hook.webhook_id),
-                        subject: hook.webhook_id.clone(),
-                        payload: json!({ "messageId": env.id.to_string(), "type": env.event_type, "body": body }),
-                    });
-                }
+            // Which webhooks want it, from the row's columns; the event is decoded (and
+            // checked) only when one does.
+            let wanted: Vec<&WebhookDoc> = hooks[&row.tenant]
+                .iter()
+                .filter(|(hook, filter)| {
+                    if row.event_type == WEBHOOK_PINGED {
+                        row.stream == bc_projections::stream_of(KIND_WEBHOOK, &hook.webhook_id)
+                    } else {
+                        hook.created_seq < row.seq && filter.matches(&row.event_type)
+                    }
+                })
+                .map(|(hook, _)| hook)
+                .collect();
+            if wanted.is_empty() {
+                continue;
+            }
+            let event = decode_rows(vec![row.clone()])?.remove(0);
+            let env = &event.envelope;
+            let body = body_of(&event);
+            for hook in wanted {
+                items.push(NewWorkItem {
+                    tenant: env.tenant,
+                    id: bc_projections::webhook_delivery_id(&env.id, &hook.webhook_id),
+                    subject: hook.webhook_id.clone(),
+                    payload: json!({ "messageId": env.id.to_string(), "type": env.event_type, "body": body }),
+                });
             }
         }
         Ok(items)

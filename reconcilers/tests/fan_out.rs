@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::ManualClock;
-use bc_core::event::{Position, StoredEvent};
+use bc_core::event::{EventRow, Position};
 use bc_core::id::{PoolId, TenantId};
 use bc_core::keys::LogKey;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
@@ -37,18 +37,19 @@ impl Consumer for Picky {
         NAME
     }
 
-    async fn fan_out(&self, _: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
+    async fn fan_out(&self, _: &dyn EventStore, rows: &[EventRow]) -> Result<Vec<NewWorkItem>> {
         let wanted = self.wanted.lock().unwrap();
-        Ok(events
-            .iter()
-            .filter(|e| wanted.contains(&e.envelope.stream))
-            .map(|e| NewWorkItem {
-                tenant: e.envelope.tenant,
-                id: e.envelope.id.to_string(),
-                subject: "s".into(),
-                payload: serde_json::json!({}),
+        rows.iter()
+            .filter(|r| wanted.contains(&r.stream))
+            .map(|r| {
+                Ok(NewWorkItem {
+                    tenant: r.tenant.parse()?,
+                    id: r.id.clone(),
+                    subject: "s".into(),
+                    payload: serde_json::json!({}),
+                })
             })
-            .collect())
+            .collect()
     }
 
     async fn prepare(&self, _: &dyn EventStore, _: &[WorkItem]) -> Prepared {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::{Clock as _, ManualClock};
-use bc_core::event::StoredEvent;
+use bc_core::event::EventRow;
 use bc_core::id::PoolId;
 use bc_core::id::TenantId;
 use bc_core::keys::LogKey;
@@ -49,19 +49,20 @@ impl Consumer for Gated {
         NAME
     }
 
-    async fn fan_out(&self, _: &dyn EventStore, events: &[StoredEvent]) -> Result<Vec<NewWorkItem>> {
+    async fn fan_out(&self, _: &dyn EventStore, rows: &[EventRow]) -> Result<Vec<NewWorkItem>> {
         if !self.fans_out {
             return Ok(Vec::new());
         }
-        Ok(events
-            .iter()
-            .map(|e| NewWorkItem {
-                tenant: e.envelope.tenant,
-                id: e.envelope.id.to_string(),
-                subject: "s".into(),
-                payload: serde_json::json!({}),
+        rows.iter()
+            .map(|r| {
+                Ok(NewWorkItem {
+                    tenant: r.tenant.parse()?,
+                    id: r.id.clone(),
+                    subject: "s".into(),
+                    payload: serde_json::json!({}),
+                })
             })
-            .collect())
+            .collect()
     }
 
     async fn prepare(&self, _: &dyn EventStore, _: &[WorkItem]) -> Prepared {

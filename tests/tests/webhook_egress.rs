@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bc_core::clock::SystemClock;
 use bc_core::event::Position;
+use bc_core::store::EventStore;
 use bc_core::store::outbox::{WorkItem, WorkState};
-use bc_core::store::{EventStore, decode_rows};
 use bc_core::webhook::EndpointPolicy;
 use bc_reconcilers::outbox::Consumer;
 use bc_reconcilers::webhooks::{Resolver, Webhooks};
@@ -40,9 +40,9 @@ impl Resolver for FakeResolver {
 
 /// The `pool.created` delivery the webhooks consumer fans out from the log, as a work item.
 async fn pool_delivery(store: &dyn EventStore) -> WorkItem {
-    let events = decode_rows(store.read_after_rows(Position::START, None, 1000).await.unwrap()).unwrap();
+    let rows = store.read_after_rows(Position::START, None, 1000).await.unwrap();
     let consumer = Webhooks::new(EndpointPolicy::default(), 2000, Arc::new(SystemClock)).unwrap();
-    let mut items = consumer.fan_out(store, &events).await.unwrap();
+    let mut items = consumer.fan_out(store, &rows).await.unwrap();
     assert_eq!(items.len(), 1, "one pool event, one webhook: {items:?}");
     let item = items.pop().unwrap();
     WorkItem {

@@ -761,7 +761,9 @@ pub fn wakes(event: &bc_core::event::StoredEvent) -> Option<String> {
 
 /// Wakes the sessions whose node got a command: follows the log by position (one read per
 /// commit for the whole process, not one per session), woken by this process's commits and by
-/// polling for other processes'.
+/// polling for other processes'. Only a command's row is decoded (and checked), and only while
+/// this process has sessions: the type is a column of the row, and decoding every event of a
+/// busy log was 6 % of a server's time under API writes with no agent at all (issue 17).
 pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_ms: u64) {
     let mut commits = state.log.subscribe();
     let mut shutdown = state.shutdown.subscribe();
@@ -773,17 +775,22 @@ pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_
         }
     };
     loop {
-        match state.store.read_after_rows(after, None, 500).await.and_then(bc_core::store::decode_rows) {
-            Ok(events) => {
-                for event in &events {
-                    after = event.position;
-                    if !sessions.is_empty()
-                        && let Some(node) = wakes(event)
-                    {
-                        sessions.nudge(&node);
-                    }
+        let rows = state.store.read_after_rows(after, None, 500).await.and_then(|rows| {
+            let read = rows.len();
+            let last = rows.last().map(|r| bc_core::event::Position { commit: r.commit, index: r.index });
+            let commands = rows
+                .into_iter()
+                .filter(|r| !sessions.is_empty() && (r.event_type == ev::COMMAND_ISSUED || r.event_type == ev::COMMAND_CANCELLED))
+                .collect();
+            Ok((read, last, bc_core::store::decode_rows(commands)?))
+        });
+        match rows {
+            Ok((read, last, commands)) => {
+                for node in commands.iter().filter_map(wakes) {
+                    sessions.nudge(&node);
                 }
-                if events.len() == 500 {
+                after = last.unwrap_or(after);
+                if read == 500 {
                     continue;
                 }
             }
