@@ -532,13 +532,7 @@ async fn work_loop(
             let items = std::mem::take(&mut received);
             let now = config.clock.now_ms();
             let prepared = consumer.prepare(&*store, &items).await;
-            ahead.extend(items.into_iter().map(|item| Claimed {
-                // Claimed when it was written.
-                start_by_ms: start_by_ms(&config, item.updated_at_ms),
-                item,
-                prepared: prepared.clone(),
-                prepared_at_ms: now,
-            }));
+            queue(&config, &mut ahead, items, prepared, now);
         }
         let mut stale = Vec::new();
         let now = config.clock.now_ms();
@@ -658,13 +652,7 @@ fn take_claim(
     match items {
         Ok(items) => {
             let full = items.len() == asked;
-            let start_by_ms = start_by_ms(config, at_ms);
-            ahead.extend(items.into_iter().map(|item| Claimed {
-                item,
-                prepared: prepared.clone(),
-                prepared_at_ms: at_ms,
-                start_by_ms,
-            }));
+            queue(config, ahead, items, prepared, at_ms);
             full
         }
         Err(e) => {
@@ -672,6 +660,24 @@ fn take_claim(
             false
         }
     }
+}
+
+/// Queues claimed items (by a claim, or written so by the fan-out) to wait for a slot, with what
+/// [`Consumer::prepare`] read for them at `prepared_at_ms`; each must start within the window
+/// from its claim (its `updated_at_ms`, which a claim and a claimed insert both set).
+fn queue(
+    config: &RunnerConfig,
+    ahead: &mut std::collections::VecDeque<Claimed>,
+    items: Vec<WorkItem>,
+    prepared: Prepared,
+    prepared_at_ms: u64,
+) {
+    ahead.extend(items.into_iter().map(|item| Claimed {
+        start_by_ms: start_by_ms(config, item.updated_at_ms),
+        item,
+        prepared: prepared.clone(),
+        prepared_at_ms,
+    }));
 }
 
 /// A claimed item waiting for a slot, with what [`Consumer::prepare`] read for it and when,

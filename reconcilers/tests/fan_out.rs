@@ -13,14 +13,14 @@ use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::ManualClock;
 use bc_core::event::{EventRow, Position};
-use bc_core::id::{PoolId, TenantId};
 use bc_core::keys::LogKey;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
-use bc_projections::events as ev;
-use bc_projections::{KIND_POOL, Projections, stream_of};
+use bc_core::store::{EventStore, Log};
+use bc_projections::Projections;
 use bc_reconcilers::outbox::{Consumer, FanOut, Handled, Prepared, RunnerConfig, fan_out_step};
+
+mod support;
 
 const NAME: &str = "picky";
 const POLL_MS: u64 = 250;
@@ -39,17 +39,7 @@ impl Consumer for Picky {
 
     async fn fan_out(&self, _: &dyn EventStore, rows: &[EventRow]) -> Result<Vec<NewWorkItem>> {
         let wanted = self.wanted.lock().unwrap();
-        rows.iter()
-            .filter(|r| wanted.contains(&r.stream))
-            .map(|r| {
-                Ok(NewWorkItem {
-                    tenant: r.tenant.parse()?,
-                    id: r.id.clone(),
-                    subject: "s".into(),
-                    payload: serde_json::json!({}),
-                })
-            })
-            .collect()
+        rows.iter().filter(|r| wanted.contains(&r.stream)).map(support::item_of).collect()
     }
 
     async fn prepare(&self, _: &dyn EventStore, _: &[WorkItem]) -> Prepared {
@@ -87,25 +77,10 @@ impl Fixture {
 
     /// Appends a `pool.created` on a pool of its own (wanted or not); returns its position.
     async fn append(&self, wanted: bool) -> Position {
-        let pool = PoolId::generate();
-        let stream = stream_of(KIND_POOL, &pool);
+        let (stream, request) = support::pool_created();
         if wanted {
-            self.consumer.wanted.lock().unwrap().insert(stream.clone());
+            self.consumer.wanted.lock().unwrap().insert(stream);
         }
-        let payload = ev::to_cbor(&ev::PoolCreated {
-            name: format!("p-{}", pool.ulid().to_string().to_ascii_lowercase()),
-            description: String::new(),
-            labels: Default::default(),
-            max_reservation_s: None,
-        })
-        .unwrap();
-        let request = AppendRequest::new(
-            TenantId::ROOT,
-            stream,
-            ExpectedVersion::NoStream,
-            "test",
-            vec![NewEvent::new(ev::POOL_CREATED, payload)],
-        );
         self.log.append(request).await.unwrap().events[0].position
     }
 

@@ -15,15 +15,15 @@ use async_trait::async_trait;
 use bc_core::Result;
 use bc_core::clock::{Clock as _, ManualClock};
 use bc_core::event::EventRow;
-use bc_core::id::PoolId;
 use bc_core::id::TenantId;
 use bc_core::keys::LogKey;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
-use bc_projections::events as ev;
-use bc_projections::{KIND_POOL, Projections, stream_of};
+use bc_core::store::{EventStore, Log};
+use bc_projections::Projections;
 use bc_reconcilers::outbox::{Consumer, Handled, Prepared, RunnerConfig, run};
+
+mod support;
 
 const NAME: &str = "gated";
 
@@ -53,16 +53,7 @@ impl Consumer for Gated {
         if !self.fans_out {
             return Ok(Vec::new());
         }
-        rows.iter()
-            .map(|r| {
-                Ok(NewWorkItem {
-                    tenant: r.tenant.parse()?,
-                    id: r.id.clone(),
-                    subject: "s".into(),
-                    payload: serde_json::json!({}),
-                })
-            })
-            .collect()
+        rows.iter().map(support::item_of).collect()
     }
 
     async fn prepare(&self, _: &dyn EventStore, _: &[WorkItem]) -> Prepared {
@@ -102,17 +93,7 @@ async fn fixture_with(items: usize, events: usize) -> Fixture {
     let clock = Arc::new(ManualClock::new(1_000));
     let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap();
     for _ in 0..events {
-        let pool = PoolId::generate();
-        let payload = ev::to_cbor(&ev::PoolCreated {
-            name: format!("p-{}", pool.ulid().to_string().to_ascii_lowercase()),
-            description: String::new(),
-            labels: Default::default(),
-            max_reservation_s: None,
-        })
-        .unwrap();
-        let event = vec![NewEvent::new(ev::POOL_CREATED, payload)];
-        let request = AppendRequest::new(TenantId::ROOT, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "test", event);
-        log.append(request).await.unwrap();
+        log.append(support::pool_created().1).await.unwrap();
     }
     let new: Vec<NewWorkItem> = (0..items)
         .map(|i| NewWorkItem {
