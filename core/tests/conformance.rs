@@ -170,6 +170,15 @@ async fn appends_and_reads(kind: Kind) {
     // Projections were written in the same transactions, and a rebuild gives the same rows.
     let row = f.store.row_get(&a.to_string(), "count", "thing/1").await.unwrap().unwrap();
     assert_eq!(row.doc, serde_json::json!({"n": 3, "lastSeq": 3}));
+    // Each append answers with the rows it touched as its commit left them: what a read gives.
+    assert_eq!(first.row(&row.key), Some(Some(&row.doc)));
+    assert_eq!(first.rows.len(), 1);
+    let other = bc_core::store::RowKey { tenant: a.to_string(), kind: "count".into(), id: "thing/2".into() };
+    assert_eq!(first.row(&other), None, "a row the append did not touch is not in its answer");
+    assert_eq!(
+        third.row(&other).flatten(),
+        f.store.row_get(&a.to_string(), "count", "thing/2").await.unwrap().map(|r| r.doc).as_ref()
+    );
     // Several rows in one read: the absent id left out, another tenant's row not read.
     let some = f.store.rows_get(&a.to_string(), "count", &["thing/none", "thing/1", "thing/2"]).await.unwrap();
     let ids: Vec<&str> = some.iter().map(|r| r.key.id.as_str()).collect();
@@ -186,8 +195,9 @@ async fn appends_and_reads(kind: Kind) {
     // A delete in the fold removes the row.
     let mut del = request(a, "thing/1", ExpectedVersion::Exact(3), 1);
     del.events[0].event_type = "thing.deleted".into();
-    f.log.append(del).await.unwrap();
+    let deleted = f.log.append(del).await.unwrap();
     assert!(f.store.row_get(&a.to_string(), "count", "thing/1").await.unwrap().is_none());
+    assert_eq!(deleted.row(&row.key), Some(None), "the answer says the row was deleted");
 }
 
 async fn idempotency(kind: Kind) {
@@ -199,6 +209,7 @@ async fn idempotency(kind: Kind) {
     let again = f.log.append(req.clone()).await.unwrap();
     assert!(again.replayed);
     assert_eq!(again.events, first.events, "a retry returns the first result");
+    assert!(again.rows.is_empty(), "a replay's caller reads the rows as they are now");
     assert_eq!(chain(&*f.store, t).await.len(), 2, "and appends nothing");
     // Same key, different request.
     let mut other = req.clone();

@@ -86,6 +86,8 @@ pub struct AppState {
     pub name_locks: Arc<NameLocks>,
     /// The release keys `releases.register` trusts (`--release-key`): none, no release is taken.
     pub release_keys: Arc<Vec<bc_core::release::ReleasePublicKey>>,
+    /// The API keys found live lately (`auth::KEY_CACHE_TTL`).
+    pub keys: Arc<auth::KeyCache>,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -171,6 +173,7 @@ impl AppState {
             rotations: Arc::new(bc_core::audit::RotationSource::default()),
             name_locks: Arc::new(NameLocks::new()),
             release_keys: Arc::new(Vec::new()),
+            keys: Arc::new(auth::KeyCache::default()),
         }
     }
 

@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use crate::api::{self, Access, Call};
 use crate::error::ApiError;
-use crate::{AppState, BODY_BYTES_MAX, IDEMPOTENCY_KEY_BYTES_MAX, auth};
+use crate::{AppState, BODY_BYTES_MAX, IDEMPOTENCY_KEY_BYTES_MAX};
 
 /// Every request the router has no route for: `POST /api/compute/NAME` goes to [`rpc`], another
 /// method on such a path is 405 (`Allow: POST`), anything else 404.
@@ -119,7 +119,7 @@ async fn call(
         Access::Public => None,
         Access::Authenticated | Access::Action(_) => {
             let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
-            Some(auth::authenticate(&*state.store, header).await?)
+            Some(state.keys.authenticate(&*state.store, header).await?)
         }
     };
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
@@ -161,7 +161,7 @@ async fn call(
         hasher.finalize().into()
     };
     let action = method.access.action().unwrap_or("");
-    let call = Call { state, principal, action, idempotency_key, fingerprint, request_id };
+    let call = Call { state, principal, action, idempotency_key, fingerprint, request_id, appended: Default::default() };
     Ok((method.handler)(&call, &bytes).await?)
 }
 

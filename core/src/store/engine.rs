@@ -19,7 +19,10 @@ use std::collections::HashMap;
 use async_trait::async_trait;
 
 use super::outbox::{Completion, NewWorkItem};
-use super::{CommitOutcome, Head, PreRead, PreReadQuery, PreparedBatch, Projector, Row, RowKey, fold_projections, touched_rows};
+use super::{
+    CommitOutcome, Head, PreRead, PreReadQuery, PreparedBatch, ProjectedRows, Projector, Row, RowKey, fold_projections,
+    touched_rows,
+};
 use crate::error::{Error, Result};
 use crate::event::Position;
 use crate::id::TenantId;
@@ -150,11 +153,11 @@ pub(super) async fn commit(
         if batch.heads_before.iter().any(|(tenant, before)| heads.get(tenant) != before.as_ref()) {
             return Ok(End::Rollback(CommitOutcome::Stale));
         }
-        batch_write(tx, batch, commit, projector).await?;
+        let rows = batch_write(tx, batch, commit, projector).await?;
         if fail {
             return Err(Error::Unavailable(super::COMMIT_FAILED.into()));
         }
-        Ok(End::Commit(CommitOutcome::Committed { commit }))
+        Ok(End::Commit(CommitOutcome::Committed { commit, rows }))
     }
     .await;
     finish(tx, outcome).await
@@ -162,42 +165,44 @@ pub(super) async fn commit(
 
 /// The contended path: reads the state and decides inside the transaction, under the counter
 /// lock, so the batch cannot go stale. Returns the commit number (0 when `decide` accepted
-/// nothing and nothing was written) and the batch as written.
+/// nothing and nothing was written), the batch as written and the rows its projection left.
 pub(super) async fn commit_locked(
     tx: &mut (dyn Transaction + '_),
     query: &PreReadQuery,
     decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
     projector: &dyn Projector,
-) -> Result<(u64, PreparedBatch)> {
+) -> Result<(u64, PreparedBatch, ProjectedRows)> {
     let outcome = async {
         let commit = tx.counter_bump().await?;
         let pre = tx.preread(query).await?;
         let batch = decide(&pre);
         if batch.events.is_empty() {
-            return Ok(End::Rollback((0, batch)));
+            return Ok(End::Rollback((0, batch, ProjectedRows::new())));
         }
-        batch_write(tx, &batch, commit, projector).await?;
-        Ok(End::Commit((commit, batch)))
+        let rows = batch_write(tx, &batch, commit, projector).await?;
+        Ok(End::Commit((commit, batch, rows)))
     }
     .await;
     finish(tx, outcome).await
 }
 
-/// The batch's rows, then its projection updates, in the caller's transaction.
+/// The batch's rows, then its projection updates, in the caller's transaction. Returns the
+/// rows as the projection left them.
 async fn batch_write(
     tx: &mut (dyn Transaction + '_),
     batch: &PreparedBatch,
     commit: u64,
     projector: &dyn Projector,
-) -> Result<()> {
+) -> Result<ProjectedRows> {
     let touched = touched_rows(projector, &batch.events);
     let current = tx.batch_insert(batch, commit, &touched).await?;
+    let projected = fold_projections(projector, &batch.events, current)?;
     let mut upserts = Vec::new();
     let mut deletes = Vec::new();
-    for (key, doc) in fold_projections(projector, &batch.events, current)? {
+    for (key, doc) in &projected {
         match doc {
-            Some(doc) => upserts.push(Row { key, doc }),
-            None => deletes.push(key),
+            Some(doc) => upserts.push(Row { key: key.clone(), doc: doc.clone() }),
+            None => deletes.push(key.clone()),
         }
     }
     if !upserts.is_empty() {
@@ -206,7 +211,7 @@ async fn batch_write(
     if !deletes.is_empty() {
         tx.projections_delete(&deletes).await?;
     }
-    Ok(())
+    Ok(projected)
 }
 
 /// Replaces every projection row if the log is still at `at_commit` (holding the counter lock,
@@ -427,7 +432,7 @@ mod tests {
         let tenant = TenantId::ROOT;
         let mut tx = Recording::default();
         let outcome = commit(&mut tx, &batch(tenant, None, &["a.made", "b.deleted"]), &PerStream, false).await.unwrap();
-        assert_eq!(outcome, CommitOutcome::Committed { commit: 1 });
+        assert!(matches!(outcome, CommitOutcome::Committed { commit: 1, .. }), "{outcome:?}");
         assert_eq!(
             calls(&tx),
             ["counter_bump", "heads_lock", "batch_insert", "projections_upsert", "projections_delete", "commit"]
@@ -468,13 +473,15 @@ mod tests {
         let tenant = TenantId::ROOT;
         let mut tx = Recording::default();
         let mut nothing = |_: &PreRead| PreparedBatch::default();
-        let (commit_no, written) = commit_locked(&mut tx, &PreReadQuery::default(), &mut nothing, &PerStream).await.unwrap();
-        assert_eq!((commit_no, written.events.len()), (0, 0));
+        let (commit_no, written, rows) =
+            commit_locked(&mut tx, &PreReadQuery::default(), &mut nothing, &PerStream).await.unwrap();
+        assert_eq!((commit_no, written.events.len(), rows.len()), (0, 0, 0));
         assert_eq!(calls(&tx), ["counter_bump", "preread", "rollback"]);
         let mut tx = Recording::default();
         let mut one = |_: &PreRead| batch(tenant, None, &["a.made"]);
-        let (commit_no, written) = commit_locked(&mut tx, &PreReadQuery::default(), &mut one, &PerStream).await.unwrap();
+        let (commit_no, written, rows) = commit_locked(&mut tx, &PreReadQuery::default(), &mut one, &PerStream).await.unwrap();
         assert_eq!((commit_no, written.events.len()), (1, 1));
+        assert_eq!(rows.len(), 1, "the rows the projection left come back with the commit: {rows:?}");
         assert_eq!(calls(&tx), ["counter_bump", "preread", "batch_insert", "projections_upsert", "commit"]);
     }
 

@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     AppendRequest, AppendResult, BATCH_EVENTS_MAX, CommitOutcome, EventStore, Head, IdempotencyRecord, PreRead, PreReadQuery,
-    PreparedBatch, Projector, READ_ROWS_MAX, WriteToken, decode_rows, engine,
+    PreparedBatch, ProjectedRows, Projector, READ_ROWS_MAX, RowKey, WriteToken, decode_rows, engine, touched_rows,
 };
 use crate::clock::Clock;
 use crate::error::{Error, Result};
@@ -343,7 +343,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         };
         timings[1] += phase.elapsed().as_micros();
         if batch.events.is_empty() {
-            decided = Some((batch, outcomes));
+            decided = Some((batch, outcomes, ProjectedRows::new()));
             break;
         }
         let phase = stopwatch();
@@ -353,9 +353,9 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         let committed = commit(store, &batch, projector.as_ref(), fail).await;
         timings[2] += phase.elapsed().as_micros();
         match committed {
-            Ok(CommitOutcome::Committed { commit }) => {
+            Ok(CommitOutcome::Committed { commit, rows }) => {
                 set_commit(&mut batch, commit);
-                decided = Some((batch, outcomes));
+                decided = Some((batch, outcomes, rows));
                 break;
             }
             Ok(CommitOutcome::Stale) => {
@@ -365,7 +365,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
             Err(e) => return split_failed(appender, stats, jobs, e).await,
         }
     }
-    let (batch, outcomes) = match decided {
+    let (batch, outcomes, rows) = match decided {
         Some(decided) => decided,
         None => {
             // Contended: decide under the lock.
@@ -378,9 +378,9 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
                 batch
             };
             match commit_locked(store, &pre_read_query(&jobs), &mut decide_locked, projector.as_ref()).await {
-                Ok((commit, mut batch)) => {
+                Ok((commit, mut batch, rows)) => {
                     set_commit(&mut batch, commit);
-                    (batch, outcomes)
+                    (batch, outcomes, rows)
                 }
                 Err(e) => return split_failed(appender, stats, jobs, e).await,
             }
@@ -416,10 +416,18 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         let mut answer = Ok(Vec::with_capacity(job.requests.len()));
         for outcome in outcomes.by_ref().take(job.requests.len()) {
             let result = match outcome {
-                Outcome::Append(range) => Ok(AppendResult { events: batch.events[range].to_vec(), replayed: false }),
+                Outcome::Append(range) => {
+                    let events = &batch.events[range];
+                    Ok(AppendResult {
+                        events: events.to_vec(),
+                        replayed: false,
+                        rows: rows_of(projector.as_ref(), events, &rows),
+                    })
+                }
                 Outcome::ReplayOfJob(first) => Ok(AppendResult {
                     events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
                     replayed: true,
+                    rows: Vec::new(),
                 }),
                 Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
                 Outcome::Refused(e) => Err(e),
@@ -449,9 +457,18 @@ async fn commit_locked(
     query: &PreReadQuery,
     decide: &mut (dyn for<'p> FnMut(&'p PreRead) -> PreparedBatch + Send),
     projector: &dyn Projector,
-) -> Result<(u64, PreparedBatch)> {
+) -> Result<(u64, PreparedBatch, ProjectedRows)> {
     let mut tx = store.transaction(WriteToken(())).await?;
     engine::commit_locked(&mut *tx, query, decide, projector).await
+}
+
+/// The rows `events` touched, as the commit (`projected`) left them.
+fn rows_of(
+    projector: &dyn Projector,
+    events: &[StoredEvent],
+    projected: &ProjectedRows,
+) -> Vec<(RowKey, Option<serde_json::Value>)> {
+    touched_rows(projector, events).into_iter().filter_map(|key| projected.get(&key).cloned().map(|doc| (key, doc))).collect()
 }
 
 fn set_commit(batch: &mut PreparedBatch, commit: u64) {
@@ -477,7 +494,7 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
         from += page.len() as u64;
         events.extend(page);
     }
-    Ok(AppendResult { events, replayed: true })
+    Ok(AppendResult { events, replayed: true, rows: Vec::new() })
 }
 
 /// A batch whose commit failed. One request can be the cause (its projection fold refused its

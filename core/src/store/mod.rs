@@ -215,6 +215,19 @@ pub struct AppendResult {
     pub events: Vec<StoredEvent>,
     /// True when an idempotency key matched an earlier append: nothing new was written.
     pub replayed: bool,
+    /// The projection rows this request's events touched, as its commit left them (`None`: the
+    /// row was deleted): the state after every event of the commit, this request's and any
+    /// batched after it, so what a read right after the commit would return, without the read.
+    /// Empty for a replay, whose caller reads the rows as they are now.
+    pub rows: Vec<(RowKey, Option<serde_json::Value>)>,
+}
+
+impl AppendResult {
+    /// The document of `key` as this append's commit left it: `Some(None)` when the commit
+    /// deleted it, `None` when this append did not touch it (or was a replay).
+    pub fn row(&self, key: &RowKey) -> Option<Option<&serde_json::Value>> {
+        self.rows.iter().find(|(k, _)| k == key).map(|(_, doc)| doc.as_ref())
+    }
 }
 
 /// The last event of a chain.
@@ -258,10 +271,15 @@ pub struct PreparedBatch {
     pub idempotency: Vec<(TenantId, String, IdempotencyRecord)>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The final document of every projection row a commit touched (`None`: deleted).
+pub type ProjectedRows = BTreeMap<RowKey, Option<serde_json::Value>>;
+
+#[derive(Clone, Debug, PartialEq)]
 pub enum CommitOutcome {
     Committed {
         commit: u64,
+        /// The rows the commit's projection left.
+        rows: ProjectedRows,
     },
     /// Another writer moved a chain head since the pre-read; nothing was written.
     Stale,
@@ -328,8 +346,8 @@ pub fn fold_projections(
     projector: &dyn Projector,
     events: &[StoredEvent],
     mut current: HashMap<RowKey, serde_json::Value>,
-) -> Result<BTreeMap<RowKey, Option<serde_json::Value>>> {
-    let mut out: BTreeMap<RowKey, Option<serde_json::Value>> = BTreeMap::new();
+) -> Result<ProjectedRows> {
+    let mut out = ProjectedRows::new();
     let mut scratch = Vec::new();
     for event in events {
         scratch.clear();

@@ -775,26 +775,37 @@ pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_
         }
     };
     loop {
-        let rows = state.store.read_after_rows(after, None, 500).await.and_then(|rows| {
-            let read = rows.len();
-            let last = rows.last().map(|r| bc_core::event::Position { commit: r.commit, index: r.index });
-            let commands = rows
-                .into_iter()
-                .filter(|r| !sessions.is_empty() && (r.event_type == ev::COMMAND_ISSUED || r.event_type == ev::COMMAND_CANCELLED))
-                .collect();
-            Ok((read, last, bc_core::store::decode_rows(commands)?))
-        });
-        match rows {
-            Ok((read, last, commands)) => {
-                for node in commands.iter().filter_map(wakes) {
-                    sessions.nudge(&node);
-                }
-                after = last.unwrap_or(after);
-                if read == 500 {
-                    continue;
-                }
+        if sessions.is_empty() {
+            // Nobody to nudge, so nothing to read: every commit known so far is passed over. A
+            // session that joins later reads its pending commands itself when it starts, after
+            // every commit numbered up to here, so starting from here misses none of the
+            // commands issued after it did.
+            let known = *commits.borrow_and_update();
+            if known > after.commit {
+                after = bc_core::event::Position { commit: known, index: i32::MAX as u32 };
             }
-            Err(e) => tracing::warn!(code = %e.code(), error = %e, "the command router's read failed"),
+        } else {
+            let rows = state.store.read_after_rows(after, None, 500).await.and_then(|rows| {
+                let read = rows.len();
+                let last = rows.last().map(|r| bc_core::event::Position { commit: r.commit, index: r.index });
+                let commands = rows
+                    .into_iter()
+                    .filter(|r| r.event_type == ev::COMMAND_ISSUED || r.event_type == ev::COMMAND_CANCELLED)
+                    .collect();
+                Ok((read, last, bc_core::store::decode_rows(commands)?))
+            });
+            match rows {
+                Ok((read, last, commands)) => {
+                    for node in commands.iter().filter_map(wakes) {
+                        sessions.nudge(&node);
+                    }
+                    after = last.unwrap_or(after);
+                    if read == 500 {
+                        continue;
+                    }
+                }
+                Err(e) => tracing::warn!(code = %e.code(), error = %e, "the command router's read failed"),
+            }
         }
         tokio::select! {
             _ = commits.changed() => {}

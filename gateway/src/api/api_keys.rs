@@ -101,6 +101,7 @@ async fn api_keys_revoke(call: &Call<'_>, input: ApiKeysRevoke) -> Result<ApiKey
     }
     // A revoked key is refused before its hash is looked at: the hash is not needed again.
     call.state.store.secret_delete(tenant, &bc_projections::api_key_secret_id(&key_id.to_string())).await?;
+    call.state.keys.forget(&key_id);
     let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
     Ok(key.into())
 }

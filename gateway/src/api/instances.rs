@@ -165,7 +165,7 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
         start: input.start.unwrap_or(true),
     };
     let decided = decide::instance_create(&input, issue)?;
-    let result = call.state.log.append(call.decided(tenant, decided)).await?;
+    let result = call.submit(call.decided(tenant, decided)).await?;
     let id: InstanceId = parse_id("instanceId", stream_id(&result.events[0].envelope.stream))?;
     Ok(instance_doc(call, tenant, &id).await?.into())
 }
@@ -214,7 +214,7 @@ async fn request(
     let command = command_id(call);
     let issue = Issue { command_id: &command, now_ms: call.now_ms() };
     let decided = decide::instance_request(&current, &asked, if_version, None, issue)?;
-    call.state.log.append(call.decided(tenant, decided)).await?;
+    call.submit(call.decided(tenant, decided)).await?;
     Ok(instance_doc(call, tenant, &id).await?.into())
 }
 

@@ -504,7 +504,7 @@ async fn metal_list(call: &Call<'_>, input: MetalList) -> Result<Page<MetalView>
 /// A verb on a machine: decided on its document, appended at its version.
 async fn verb(call: &Call<'_>, tenant: TenantId, doc: &MetalDoc, verb: Verb, input: VerbInput<'_>) -> Result<MetalView> {
     let decided = decide::metal_verb(doc, verb, &input)?;
-    call.state.log.append(call.decided(tenant, decided)).await?;
+    call.submit(call.decided(tenant, decided)).await?;
     Ok(machine_doc(call, tenant, &doc.node_id).await?.into())
 }
 
@@ -586,7 +586,7 @@ async fn metal_undeploy(call: &Call<'_>, input: MachineVerb) -> Result<MetalView
         }
         decided.guards.push((stream, ExpectedVersion::Exact(node.version)));
     }
-    call.state.log.append(call.decided(tenant, decided)).await?;
+    call.submit(call.decided(tenant, decided)).await?;
     Ok(machine_doc(call, tenant, &doc.node_id).await?.into())
 }
 
@@ -634,7 +634,7 @@ async fn deploy(
         ..Default::default()
     };
     let decided = decide::metal_verb(doc, Verb::Deploy, &input)?;
-    let result = call.state.log.append(call.decided(tenant, decided)).await?;
+    let result = call.submit(call.decided(tenant, decided)).await?;
     if result.replayed {
         return Ok((None, true));
     }
@@ -722,7 +722,7 @@ async fn workflows_abort(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
         return Err(not_running(&workflow));
     }
     let decided = decide::metal_verb(&machine, Verb::Abort, &VerbInput { now_ms: call.now_ms(), ..Default::default() })?;
-    call.state.log.append(call.decided(tenant, decided)).await?;
+    call.submit(call.decided(tenant, decided)).await?;
     Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into())
 }
 
@@ -732,7 +732,7 @@ async fn pause(call: &Call<'_>, input: WorkflowRef, paused: bool) -> Result<Work
         return Err(not_running(&workflow));
     }
     if let Some(decided) = decide::metal_pause(&machine, &workflow.workflow_id, paused)? {
-        call.state.log.append(call.decided(tenant, decided)).await?;
+        call.submit(call.decided(tenant, decided)).await?;
     }
     Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into())
 }
@@ -752,7 +752,7 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
     let (tenant, workflow, machine) = running(call, &input).await?;
     if machine.running().is_some_and(|w| w.workflow_id == workflow.workflow_id) {
         let decided = decide::metal_run_now(&machine, &workflow.workflow_id)?;
-        call.state.log.append(call.decided(tenant, decided)).await?;
+        call.submit(call.decided(tenant, decided)).await?;
         return Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into());
     }
     if workflow.outcome != WorkflowOutcome::Failed
@@ -791,7 +791,7 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
     let verb_input =
         VerbInput { now_ms: call.now_ms(), workflow_id: &wf, image, power: workflow.power.as_deref(), ..Default::default() };
     let decided = decide::metal_verb(&machine, v, &verb_input)?;
-    call.state.log.append(call.decided(tenant, decided)).await?;
+    call.submit(call.decided(tenant, decided)).await?;
     // The machine's workflow now (a replayed retry names the one its first call started).
     let machine = machine_doc(call, tenant, &machine.node_id).await?;
     let now = machine.workflow.ok_or_else(|| Error::Internal("a retried workflow is not on its machine".into()))?;

@@ -279,7 +279,7 @@ async fn nodes_delete(call: &Call<'_>, input: NodeDelete) -> Result<NodeDeletedV
     expected_version(input.if_version, node.version, &stream_of(KIND_NODE, &node_id))?;
     let holders = node_holders(&*call.state.store, tenant, &node_id.to_string()).await?;
     let append = decide::node_delete(&node, &holders, input.reason)?;
-    let appended = call.state.log.append(call.decided(tenant, append)).await?;
+    let appended = call.submit(call.decided(tenant, append)).await?;
     let version = appended.events.last().map_or(node.version + 1, |e| e.envelope.version);
     Ok(NodeDeletedView { node_id: node_id.to_string(), deleted: true, version })
 }

@@ -337,17 +337,17 @@ async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<Reserva
                 // The refusal's record is not the request's result: a retry decides again.
                 request.idempotency_key = None;
                 request.fingerprint = None;
-                call.state.log.append(request).await?;
+                call.submit(request).await?;
                 return Err(refusal.into());
             }
             ReservationCreate::Queue { append, .. } => (append, None),
             ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
         };
-        let appended = match (call.state.log.append(call.decided(tenant, append)).await, if_lost) {
+        let appended = match (call.submit(call.decided(tenant, append)).await, if_lost) {
             // Lost the node to another placement: queue instead; the reconciler places it.
             (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict && !conflict_on(&e, &quota_stream) => {
                 tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
-                call.state.log.append(call.decided(tenant, if_lost)).await.map(|r| (r, false))
+                call.submit(call.decided(tenant, if_lost)).await.map(|r| (r, false))
             }
             (other, _) => other.map(|r| (r, true)),
         };
@@ -415,7 +415,7 @@ async fn reservations_extend(call: &Call<'_>, input: ReservationsExtend) -> Resu
     let rsv = rsv_doc(call, tenant, &id).await?;
     let pool = pool_doc(call, tenant, &rsv.pool_id).await?;
     let append = decide::reservation_extend(&rsv, &pool, input.by_s as u64, input.if_version)?;
-    call.state.log.append(call.decided(tenant, append)).await?;
+    call.submit(call.decided(tenant, append)).await?;
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
 }
 
@@ -427,7 +427,7 @@ async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<
     let command_id = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
     let release = bc_projections::placement::Issue { command_id: &command_id, now_ms: call.state.log.clock.now_ms() };
     if let Some(append) = decide::reservation_release(&rsv, input.if_version, release)? {
-        call.state.log.append(call.decided(tenant, append)).await?;
+        call.submit(call.decided(tenant, append)).await?;
     }
     Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
 }

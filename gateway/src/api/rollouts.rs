@@ -212,7 +212,7 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
             busy_nodes: input.busy_nodes.unwrap_or_default(),
         },
     )?;
-    let result = call.state.log.append(call.decided(tenant, append)).await?;
+    let result = call.submit(call.decided(tenant, append)).await?;
     let id: RolloutId = parse_id("rolloutId", stream_id(&result.events[0].envelope.stream))?;
     Ok(rollout_doc(call, tenant, &id).await?.into())
 }
@@ -248,7 +248,7 @@ async fn act(call: &Call<'_>, input: RolloutAct, verb: RolloutVerb) -> Result<Ro
     }
     let rollout = rollout_doc(call, tenant, &id).await?;
     let append = decide::rollout_verb(&rollout, verb, input.reason)?;
-    call.state.log.append(call.decided(tenant, append)).await?;
+    call.submit(call.decided(tenant, append)).await?;
     Ok(rollout_doc(call, tenant, &id).await?.into())
 }
 

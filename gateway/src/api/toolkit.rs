@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use bc_core::id::TenantId;
 use bc_core::id::truncate;
-use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, PreReadQuery, READ_ROWS_MAX, Row};
+use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, PreReadQuery, READ_ROWS_MAX, Row, RowKey};
 use bc_core::{Error, Result};
 use schemars::{JsonSchema, json_schema};
 use serde::Serialize;
@@ -41,6 +41,9 @@ pub struct Call<'a> {
     /// SHA-256 of the method name and the request body, for idempotent retries.
     pub fingerprint: [u8; 32],
     pub request_id: String,
+    /// The projection rows this call's appends touched, as their commits left them: what
+    /// [`Call::row`] answers for those rows instead of reading them back.
+    pub appended: std::sync::Mutex<Vec<(RowKey, Option<Value>)>>,
 }
 
 impl Call<'_> {
@@ -86,7 +89,21 @@ impl Call<'_> {
     ) -> Result<AppendResult> {
         let mut request = self.request(tenant, stream, expected, vec![NewEvent::new(event_type, payload)]);
         request.guards = guards;
-        self.state.log.append(request).await
+        self.submit(request).await
+    }
+
+    /// Appends `request` and remembers the rows its commit left, so that a handler answering
+    /// with a row its append just wrote does not read it back.
+    pub async fn submit(&self, request: AppendRequest) -> Result<AppendResult> {
+        let result = self.state.log.append(request).await?;
+        let mut appended = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (key, doc) in &result.rows {
+            match appended.iter_mut().find(|(k, _)| k == key) {
+                Some(slot) => slot.1 = doc.clone(),
+                None => appended.push((key.clone(), doc.clone())),
+            }
+        }
+        Ok(result)
     }
 
     /// An append on behalf of this call: its key, its request id, its fingerprint.
@@ -128,10 +145,22 @@ impl Call<'_> {
         self.state.log.ids.ulid()
     }
 
-    /// The stored document of `kind/id`, or `NOT_FOUND` naming `what`.
+    /// The stored document of `kind/id`, or `NOT_FOUND` naming `what`: as this call's own
+    /// append left it when one touched it, else read.
     pub async fn row<T: DeserializeOwned>(&self, tenant: TenantId, kind: &str, id: &str, what: &str) -> Result<T> {
-        let row = self.state.store.row_get(&tenant.to_string(), kind, id).await?;
-        doc(row.ok_or_else(|| Error::not_found(format!("{what} {id}")))?)
+        let not_found = || Error::not_found(format!("{what} {id}"));
+        let key = RowKey { tenant: tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
+        let remembered = {
+            let appended = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            appended.iter().find(|(k, _)| *k == key).map(|(_, doc)| doc.clone())
+        };
+        match remembered {
+            Some(Some(remembered)) => {
+                T::deserialize(remembered).map_err(|e| Error::Internal(format!("projection document {kind}/{id}: {e}")))
+            }
+            Some(None) => Err(not_found()),
+            None => doc(self.state.store.row_get(&key.tenant, kind, id).await?.ok_or_else(not_found)?),
+        }
     }
 }
 
