@@ -392,13 +392,19 @@ impl FanOut {
             Some(held) => Some(held.read),
             None => store.cursor_position(name).await?,
         };
-        if let Some(at) = at
-            && store.read_after_rows(at, None, 1).await?.is_empty()
-        {
-            if !defer || self.held.as_ref().is_some_and(|held| now >= held.ahead_since_ms.saturating_add(config.poll_ms)) {
-                self.flush(store, name, config).await?;
+        // The events after the cursor, read once: the same read tells an idle consumer there
+        // is nothing to do and gives a busy one what it fans out (unless the lease moved the
+        // cursor meanwhile).
+        let mut read = None;
+        if let Some(at) = at {
+            let rows = store.read_after_rows(at, None, FAN_OUT_EVENTS_MAX).await?;
+            if rows.is_empty() {
+                if !defer || self.held.as_ref().is_some_and(|held| now >= held.ahead_since_ms.saturating_add(config.poll_ms)) {
+                    self.flush(store, name, config).await?;
+                }
+                return Ok(None);
             }
-            return Ok(None);
+            read = Some((at, rows));
         }
         let renew = self.held.as_ref().is_none_or(|held| now >= held.until_ms.saturating_sub(config.lease_ms / 2));
         if renew {
@@ -414,7 +420,10 @@ impl FanOut {
             });
         }
         let held = self.held.as_mut().expect("the lease is held");
-        let mut rows = store.read_after_rows(held.read, None, FAN_OUT_EVENTS_MAX).await?;
+        let mut rows = match read {
+            Some((at, rows)) if at == held.read => rows,
+            _ => store.read_after_rows(held.read, None, FAN_OUT_EVENTS_MAX).await?,
+        };
         let mut items = consumer.fan_out(store, &rows).await?;
         // One step writes a bounded transaction: fewer events until their items fit (at least one
         // event, whose items are bounded by the subscriptions one tenant may have).
