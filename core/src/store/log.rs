@@ -276,6 +276,15 @@ struct Appender {
     commits_to_fail: Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// The appender: takes jobs from the queue in batches, decides, signs and commits them, and
+/// answers each. Decisions are pipelined with commits (issue 17): while one batch's commit
+/// waits for the database (on SQLite its fsync), the jobs that arrive are pre-read and decided
+/// on top of it, as if it had committed (its heads, stream versions and idempotency keys laid
+/// over what the database says), and signed, in chunks as they come; when the commit lands,
+/// every chunk decided meanwhile is committed together as the next batch. If the commit did not
+/// land (a head moved under it, or it failed), what was decided on top of it is thrown away
+/// and those jobs are decided again from the database. A chunk built on a wrong guess can never
+/// be written: its commit checks the chain heads it was decided on, under the lock.
 async fn run_appender(
     mut receiver: mpsc::Receiver<Job>,
     appender: Appender,
@@ -283,28 +292,239 @@ async fn run_appender(
     notify: tokio::sync::watch::Sender<u64>,
 ) {
     let mut carried: Option<Job> = None;
+    // The batch being committed, in a task of its own.
+    let mut committing: Option<Committing> = None;
+    // Chunks decided on top of it (and of each other), in order.
+    let mut decided: Vec<Decided> = Vec::new();
     loop {
-        let first = match carried.take() {
-            Some(job) => job,
-            None => match receiver.recv().await {
-                Some(job) => job,
-                None => return,
-            },
-        };
-        let mut events = first.events();
-        let mut jobs = vec![first];
-        while let Ok(job) = receiver.try_recv() {
-            if events + job.events() > BATCH_EVENTS_MAX {
-                carried = Some(job);
-                break;
+        let Some(in_flight) = committing.as_mut() else {
+            if !decided.is_empty() {
+                let merged = merge(std::mem::take(&mut decided));
+                if merged.batch.events.is_empty() {
+                    // Refusals and replays only, decided on a commit that has landed since.
+                    let Decided { jobs, batch, outcomes } = merged;
+                    answer(&*appender.store, appender.projector.as_ref(), jobs, &batch, outcomes, &ProjectedRows::new()).await;
+                } else {
+                    committing = Some(Committing::start(&appender, merged));
+                }
+                continue;
             }
-            events += job.events();
-            jobs.push(job);
-        }
-        if let Some(commit) = process_batch(&appender, &stats, jobs).await {
-            notify.send_replace(commit);
+            let Some(first) = next_job(&mut carried, &mut receiver).await else { return };
+            let jobs = gather(first, BATCH_EVENTS_MAX, &mut carried, &mut receiver);
+            if let Some(chunk) = decide_chunk(&appender, &stats, jobs, &[]).await {
+                decided.push(chunk);
+            }
+            continue;
+        };
+        let decided_events: usize = decided.iter().map(|d| d.batch.events.len()).sum();
+        let room = BATCH_EVENTS_MAX.saturating_sub(decided_events);
+        tokio::select! {
+            biased;
+            done = &mut in_flight.task => {
+                let Committing { decided: batch, started, .. } = committing.take().expect("a commit in flight");
+                stats.commit_us.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+                let done = done.unwrap_or_else(|e| Err(Error::Internal(format!("appender commit task: {e}"))));
+                if let Some(commit) = settle(&appender, &stats, batch, done, &mut decided).await {
+                    notify.send_replace(commit);
+                }
+            }
+            job = next_job(&mut carried, &mut receiver), if room > 0 => {
+                let Some(first) = job else {
+                    // Every handle is gone: finish what is in flight, then stop.
+                    let Committing { decided: batch, task, .. } = committing.take().expect("a commit in flight");
+                    let done = task.await.unwrap_or_else(|e| Err(Error::Internal(format!("appender commit task: {e}"))));
+                    if let Some(commit) = settle(&appender, &stats, batch, done, &mut decided).await {
+                        notify.send_replace(commit);
+                    }
+                    for chunk in std::mem::take(&mut decided) {
+                        if let Some(commit) = process_batch(&appender, &stats, chunk.jobs).await {
+                            notify.send_replace(commit);
+                        }
+                    }
+                    return;
+                };
+                let jobs = gather(first, room, &mut carried, &mut receiver);
+                let mut under: Vec<&PreparedBatch> = vec![&in_flight.decided.batch];
+                under.extend(decided.iter().map(|d| &d.batch));
+                if let Some(chunk) = decide_chunk(&appender, &stats, jobs, &under).await {
+                    decided.push(chunk);
+                }
+            }
         }
     }
+}
+
+/// The next job: the one carried over from the last gathering, else the queue's next.
+async fn next_job(carried: &mut Option<Job>, receiver: &mut mpsc::Receiver<Job>) -> Option<Job> {
+    match carried.take() {
+        Some(job) => Some(job),
+        None => receiver.recv().await,
+    }
+}
+
+/// `first` and the jobs already queued behind it, up to `events_max` events (at least `first`);
+/// the job that would overflow is carried to the next gathering.
+fn gather(first: Job, events_max: usize, carried: &mut Option<Job>, receiver: &mut mpsc::Receiver<Job>) -> Vec<Job> {
+    let mut events = first.events();
+    let mut jobs = vec![first];
+    while let Ok(job) = receiver.try_recv() {
+        if events + job.events() > events_max {
+            *carried = Some(job);
+            break;
+        }
+        events += job.events();
+        jobs.push(job);
+    }
+    jobs
+}
+
+/// Jobs decided, hashed and signed, waiting for their commit.
+struct Decided {
+    jobs: Vec<Job>,
+    batch: PreparedBatch,
+    outcomes: Vec<Outcome>,
+}
+
+/// A decided batch whose commit runs in a task of its own.
+struct Committing {
+    decided: Decided,
+    task: tokio::task::JoinHandle<Result<CommitOutcome>>,
+    started: std::time::Instant,
+}
+
+impl Committing {
+    fn start(appender: &Appender, decided: Decided) -> Self {
+        let fail = appender
+            .commits_to_fail
+            .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let (store, projector, batch) = (appender.store.clone(), appender.projector.clone(), decided.batch.clone());
+        let task = tokio::spawn(async move { commit(&*store, &batch, projector.as_ref(), fail).await });
+        Self { decided, task, started: stopwatch() }
+    }
+}
+
+/// Pre-reads and decides `jobs` on top of the batches `under` (decided, not yet known to be
+/// committed, oldest first). `None` when the pre-read failed (every job answered with its
+/// error) or when nothing needs a commit (every job answered: refused or replayed).
+async fn decide_chunk(appender: &Appender, stats: &LogStats, jobs: Vec<Job>, under: &[&PreparedBatch]) -> Option<Decided> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let phase = stopwatch();
+    let mut pre = match appender.store.preread(&pre_read_query(&jobs)).await {
+        Ok(pre) => pre,
+        Err(e) => {
+            fail_all(jobs, &e);
+            return None;
+        }
+    };
+    for batch in under {
+        lay_over(&mut pre, batch);
+    }
+    stats.preread_us.fetch_add(phase.elapsed().as_micros() as u64, Relaxed);
+    let phase = stopwatch();
+    let (requests, sizes) = flatten(&jobs);
+    let (key, clock, ids) = (appender.key.clone(), appender.clock.clone(), appender.ids.clone());
+    let events: usize = jobs.iter().map(Job::events).sum();
+    let (batch, outcomes) = if events < PARALLEL_SIGNING_EVENTS_MIN {
+        decide_jobs(&pre, &requests, &sizes, &key, clock.now_ms(), &*ids)
+    } else {
+        match tokio::task::spawn_blocking(move || decide_jobs(&pre, &requests, &sizes, &key, clock.now_ms(), &*ids)).await {
+            Ok(decided) => decided,
+            Err(e) => {
+                fail_all(jobs, &Error::Internal(format!("appender task: {e}")));
+                return None;
+            }
+        }
+    };
+    stats.decide_us.fetch_add(phase.elapsed().as_micros() as u64, Relaxed);
+    if batch.events.is_empty() && under.is_empty() {
+        // Nothing to write and nothing in flight it could depend on: answer now.
+        answer(&*appender.store, appender.projector.as_ref(), jobs, &batch, outcomes, &ProjectedRows::new()).await;
+        return None;
+    }
+    Some(Decided { jobs, batch, outcomes })
+}
+
+/// The state after `batch` commits, laid over a pre-read: its chain heads, the versions of the
+/// streams it wrote and its idempotency keys.
+fn lay_over(pre: &mut PreRead, batch: &PreparedBatch) {
+    for (tenant, head) in &batch.heads_after {
+        pre.heads.insert(*tenant, *head);
+    }
+    for event in &batch.events {
+        let envelope = &event.envelope;
+        pre.stream_versions.insert((envelope.tenant, envelope.stream.clone()), envelope.version);
+    }
+    for (tenant, key, record) in &batch.idempotency {
+        pre.idempotency.insert((*tenant, key.clone()), *record);
+    }
+}
+
+/// Chunks decided one on top of another, as one batch for one commit: their events in order
+/// (positions renumbered; a position is not part of what is hashed or signed), each tenant's
+/// head before the first chunk that touched it and after the last.
+fn merge(chunks: Vec<Decided>) -> Decided {
+    let mut merged = Decided { jobs: Vec::new(), batch: PreparedBatch::default(), outcomes: Vec::new() };
+    for chunk in chunks {
+        let (events_at, requests_at) = (merged.batch.events.len(), merged.outcomes.len());
+        for mut event in chunk.batch.events {
+            event.position.index = merged.batch.events.len() as u32;
+            merged.batch.events.push(event);
+        }
+        for (tenant, before) in chunk.batch.heads_before {
+            if !merged.batch.heads_before.iter().any(|(t, _)| *t == tenant) {
+                merged.batch.heads_before.push((tenant, before));
+            }
+        }
+        for (tenant, after) in chunk.batch.heads_after {
+            match merged.batch.heads_after.iter_mut().find(|(t, _)| *t == tenant) {
+                Some(slot) => slot.1 = after,
+                None => merged.batch.heads_after.push((tenant, after)),
+            }
+        }
+        merged.batch.idempotency.extend(chunk.batch.idempotency);
+        merged.outcomes.extend(chunk.outcomes.into_iter().map(|outcome| match outcome {
+            Outcome::Append(range) => Outcome::Append(range.start + events_at..range.end + events_at),
+            Outcome::ReplayOfJob(first) => Outcome::ReplayOfJob(first + requests_at),
+            other => other,
+        }));
+        merged.jobs.extend(chunk.jobs);
+    }
+    merged
+}
+
+/// Ends a batch's commit: answers its jobs when it landed; when it did not, decides them again
+/// from the database as the sequential path does (and so also every chunk `decided` on top of
+/// it, which is thrown away). Returns the newest commit made.
+async fn settle(
+    appender: &Appender,
+    stats: &LogStats,
+    mut batch: Decided,
+    done: Result<CommitOutcome>,
+    decided: &mut Vec<Decided>,
+) -> Option<u64> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let newest = match done {
+        Ok(CommitOutcome::Committed { commit, rows }) => {
+            set_commit(&mut batch.batch, commit);
+            stats.batches.fetch_add(1, Relaxed);
+            stats.events.fetch_add(batch.batch.events.len() as u64, Relaxed);
+            tracing::debug!(jobs = batch.jobs.len(), events = batch.batch.events.len(), commit, "append batch");
+            answer(&*appender.store, appender.projector.as_ref(), batch.jobs, &batch.batch, batch.outcomes, &rows).await;
+            return Some(commit);
+        }
+        Ok(CommitOutcome::Stale) => {
+            stats.stale.fetch_add(1, Relaxed);
+            tracing::debug!("a chain head moved under the batch; deciding it and what was decided on it again");
+            process_batch(appender, stats, batch.jobs).await
+        }
+        Err(e) => split_failed(appender, stats, batch.jobs, e).await,
+    };
+    let mut newest = newest;
+    for chunk in std::mem::take(decided) {
+        newest = newest.max(process_batch(appender, stats, chunk.jobs).await);
+    }
+    newest
 }
 
 /// The start of one of the appender's phase timings (`LogStats`): a duration measured to be
@@ -314,7 +534,7 @@ fn stopwatch() -> std::time::Instant {
     std::time::Instant::now()
 }
 
-async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>) -> Option<u64> {
+async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) -> Option<u64> {
     let Appender { store, projector, key, clock, ids, commits_to_fail } = appender;
     let store = &**store;
     let mut decided = None;
@@ -403,6 +623,20 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         total_us = started.elapsed().as_micros() as u64,
         "append batch"
     );
+    answer(store, projector.as_ref(), jobs, &batch, outcomes, &rows).await;
+    batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
+}
+
+/// Answers every job of a batch that was committed (or needed no commit): each request its
+/// events and the rows they touched, a replay the events it names, a refusal its error.
+async fn answer(
+    store: &dyn EventStore,
+    projector: &dyn Projector,
+    mut jobs: Vec<Job>,
+    batch: &PreparedBatch,
+    outcomes: Vec<Outcome>,
+    rows: &ProjectedRows,
+) {
     let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
         .iter()
         .map(|o| match o {
@@ -418,11 +652,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
             let result = match outcome {
                 Outcome::Append(range) => {
                     let events = &batch.events[range];
-                    Ok(AppendResult {
-                        events: events.to_vec(),
-                        replayed: false,
-                        rows: rows_of(projector.as_ref(), events, &rows),
-                    })
+                    Ok(AppendResult { events: events.to_vec(), replayed: false, rows: rows_of(projector, events, rows) })
                 }
                 Outcome::ReplayOfJob(first) => Ok(AppendResult {
                     events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
@@ -442,7 +672,6 @@ async fn process_batch(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>
         }
         let _ = job.reply.send(answer);
     }
-    batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
 }
 
 /// Writes a decided batch: the one place outside the backends that opens an append
