@@ -108,7 +108,15 @@ fn request(tenant: TenantId, stream: &str, expected: ExpectedVersion, n: usize) 
 }
 
 async fn chain(store: &dyn EventStore, tenant: TenantId) -> Vec<bc_core::event::EventRow> {
-    store.read_chain_rows(tenant, 1, 1000).await.unwrap()
+    let mut rows = Vec::new();
+    loop {
+        let page = store.read_chain_rows(tenant, rows.len() as u64 + 1, 1000).await.unwrap();
+        let last = page.len() < 1000;
+        rows.extend(page);
+        if last {
+            return rows;
+        }
+    }
 }
 
 async fn verify_all(f: &Fixture) -> u64 {
@@ -662,6 +670,67 @@ async fn lease_renewals(kind: Kind) {
     assert!(lapsed.iter().all(|l| l.reported_reachable && !l.held_at(20_000)));
 }
 
+/// Decisions made while a commit is in flight (issue 17): appends that depend on the batch in
+/// flight (the next version of its stream, a retry of its idempotency key) are decided on top
+/// of it and land in order; when a commit fails, whatever was decided on top of it is decided
+/// again, and the chain has no gap. More appends than one batch takes
+/// ([`bc_core::store::BATCH_EVENTS_MAX`]), all queued at once: the first batch commits while
+/// the rest is decided on top of it.
+async fn pipelined_decisions(kind: Kind) {
+    const APPENDS: u64 = bc_core::store::BATCH_EVENTS_MAX as u64 * 3 / 2;
+    let f = fixture(kind).await;
+    let t = TenantId::generate();
+    let mut keyed = request(t, "keyed/1", ExpectedVersion::NoStream, 1);
+    keyed.idempotency_key = Some("once".into());
+    // Queued in this order (the appender's queue is first in, first out): the first commits
+    // alone while the rest are decided on top of it, each expecting exactly the version the
+    // ones before it leave, so none passes unless what is in flight is counted.
+    let mut all = vec![Box::pin(f.log.append(keyed.clone()))];
+    all.extend((0..APPENDS).map(|i| Box::pin(f.log.append(request(t, "counted/1", exact_or_new(i), 1)))));
+    all.push(Box::pin(f.log.append(keyed.clone())));
+    queue_in_order(&mut all).await;
+    let results = futures::future::join_all(all).await;
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap_or_else(|e| panic!("{e}"))).collect();
+    assert!(!results[0].replayed && results.last().unwrap().replayed, "the retry of a key in flight replays it");
+    assert_eq!(results[0].events, results.last().unwrap().events);
+    let versions: Vec<u64> = results[1..=APPENDS as usize].iter().map(|r| r.events[0].envelope.version).collect();
+    assert_eq!(versions, (1..=APPENDS).collect::<Vec<_>>());
+    assert_eq!(verify_all(&f).await, APPENDS + 1);
+
+    // A commit that fails: the batch in flight is answered with the failure, what was decided on
+    // top of it is decided again and lands, with no gap in the chain or the stream.
+    f.log.commits_fail(1);
+    let mut all: Vec<_> =
+        (0..APPENDS).map(|_| Box::pin(f.log.append(request(t, "counted/2", ExpectedVersion::Any, 1)))).collect();
+    queue_in_order(&mut all).await;
+    let results = futures::future::join_all(all).await;
+    let failed = results.iter().filter(|r| r.is_err()).count();
+    assert!(failed >= 1, "the first commit failed");
+    for e in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(e.to_string().contains(bc_core::store::COMMIT_FAILED), "{e}");
+    }
+    let mut versions: Vec<u64> = results.iter().filter_map(|r| r.as_ref().ok()).map(|r| r.events[0].envelope.version).collect();
+    versions.sort_unstable();
+    assert_eq!(versions, (1..=APPENDS - failed as u64).collect::<Vec<_>>(), "{failed} failed");
+    assert_eq!(verify_all(&f).await, APPENDS + 1 + APPENDS - failed as u64);
+}
+
+/// Polls each append once, in order, so each is queued in order (`join_all` polls a long
+/// list in no set order), outside tokio's cooperative budget (which makes a send wait after a
+/// hundred or so even with room in the queue).
+async fn queue_in_order<F: std::future::Future + Unpin>(appends: &mut [F]) {
+    tokio::task::unconstrained(async {
+        for append in appends.iter_mut() {
+            assert!(futures::poll!(append).is_pending());
+        }
+    })
+    .await
+}
+
+fn exact_or_new(version: u64) -> ExpectedVersion {
+    if version == 0 { ExpectedVersion::NoStream } else { ExpectedVersion::Exact(version) }
+}
+
 macro_rules! every_backend {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -689,6 +758,7 @@ every_backend!(
     outbox_leases_and_items,
     outbox_items_written_claimed,
     concurrent_appends_and_reader,
+    pipelined_decisions,
     abandoned_transactions_leave_nothing_open,
     reconciler_passes
 );
