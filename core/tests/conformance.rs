@@ -685,11 +685,10 @@ async fn pipelined_decisions(kind: Kind) {
     // Queued in this order (the appender's queue is first in, first out): the first commits
     // alone while the rest are decided on top of it, each expecting exactly the version the
     // ones before it leave, so none passes unless what is in flight is counted.
-    let mut all = vec![Box::pin(f.log.append(keyed.clone()))];
-    all.extend((0..APPENDS).map(|i| Box::pin(f.log.append(request(t, "counted/1", exact_or_new(i), 1)))));
-    all.push(Box::pin(f.log.append(keyed.clone())));
-    queue_in_order(&mut all).await;
-    let results = futures::future::join_all(all).await;
+    let mut all = vec![f.log.append(keyed.clone())];
+    all.extend((0..APPENDS).map(|i| f.log.append(request(t, "counted/1", exact_or_new(i), 1))));
+    all.push(f.log.append(keyed.clone()));
+    let results = in_order(all).await;
     let results: Vec<_> = results.into_iter().map(|r| r.unwrap_or_else(|e| panic!("{e}"))).collect();
     assert!(!results[0].replayed && results.last().unwrap().replayed, "the retry of a key in flight replays it");
     assert_eq!(results[0].events, results.last().unwrap().events);
@@ -700,10 +699,7 @@ async fn pipelined_decisions(kind: Kind) {
     // A commit that fails: the batch in flight is answered with the failure, what was decided on
     // top of it is decided again and lands, with no gap in the chain or the stream.
     f.log.commits_fail(1);
-    let mut all: Vec<_> =
-        (0..APPENDS).map(|_| Box::pin(f.log.append(request(t, "counted/2", ExpectedVersion::Any, 1)))).collect();
-    queue_in_order(&mut all).await;
-    let results = futures::future::join_all(all).await;
+    let results = in_order((0..APPENDS).map(|_| f.log.append(request(t, "counted/2", ExpectedVersion::Any, 1))).collect()).await;
     let failed = results.iter().filter(|r| r.is_err()).count();
     assert!(failed >= 1, "the first commit failed");
     for e in results.iter().filter_map(|r| r.as_ref().err()) {
@@ -715,16 +711,20 @@ async fn pipelined_decisions(kind: Kind) {
     assert_eq!(verify_all(&f).await, APPENDS + 1 + APPENDS - failed as u64);
 }
 
-/// Polls each append once, in order, so each is queued in order (`join_all` polls a long
-/// list in no set order), outside tokio's cooperative budget (which makes a send wait after a
-/// hundred or so even with room in the queue).
-async fn queue_in_order<F: std::future::Future + Unpin>(appends: &mut [F]) {
+/// Runs `appends` to the end, each queued in the order given: each is polled once, in order,
+/// before any is waited on (`join_all` polls a long list in no set order), outside tokio's
+/// cooperative budget (which makes a send wait after a hundred or so even with room in the
+/// queue). One may finish on its first poll; `MaybeDone` keeps its answer.
+async fn in_order<F: std::future::Future>(appends: Vec<F>) -> Vec<F::Output> {
+    let mut all: Vec<_> = appends.into_iter().map(|a| Box::pin(futures::future::maybe_done(a))).collect();
     tokio::task::unconstrained(async {
-        for append in appends.iter_mut() {
-            assert!(futures::poll!(append).is_pending());
+        for append in all.iter_mut() {
+            let _ = futures::poll!(append.as_mut());
         }
     })
-    .await
+    .await;
+    futures::future::join_all(all.iter_mut().map(|a| a.as_mut())).await;
+    all.iter_mut().map(|a| a.as_mut().take_output().expect("each ran to the end")).collect()
 }
 
 fn exact_or_new(version: u64) -> ExpectedVersion {
