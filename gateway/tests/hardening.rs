@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::call;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -92,18 +94,6 @@ impl World {
         let row = self.store.row_find(KIND_POOL, pool).await.unwrap().expect("the pool");
         serde_json::from_value(row.doc).unwrap()
     }
-}
-
-async fn call(router: &axum::Router, token: &str, method: &str, body: Value) -> (u16, Value) {
-    let request = Request::post(format!("/api/compute/{method}"))
-        .header(header::AUTHORIZATION, format!("Bearer {token}"))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    let response = router.clone().oneshot(request).await.unwrap();
-    let status = response.status().as_u16();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
-    (status, serde_json::from_slice(&bytes).unwrap())
 }
 
 /// Before the fix, the stale handler checked version 1 and appended at the client's version 2:

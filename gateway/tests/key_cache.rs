@@ -4,11 +4,11 @@
 
 mod common;
 
+use common::call;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::http::{Request, header};
 use bc_core::clock::SystemClock;
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
@@ -16,20 +16,7 @@ use bc_core::store::{EventStore, Log};
 use bc_gateway::AppState;
 use bc_gateway::auth::KEY_CACHE_TTL;
 use bc_projections::Projections;
-use serde_json::{Value, json};
-use tower::ServiceExt;
-
-async fn call(router: &axum::Router, token: &str, method: &str, body: Value) -> (u16, Value) {
-    let request = Request::post(format!("/api/compute/{method}"))
-        .header(header::AUTHORIZATION, format!("Bearer {token}"))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    let response = router.clone().oneshot(request).await.unwrap();
-    let status = response.status().as_u16();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
-    (status, serde_json::from_slice(&bytes).unwrap())
-}
+use serde_json::json;
 
 /// Two gateways (each its own key cache, as two `serve` processes have) over one log, and a
 /// reader key made through the first.
