@@ -422,18 +422,11 @@ async fn decide_chunk(appender: &Appender, stats: &LogStats, jobs: Vec<Job>, und
     }
     stats.preread_us.fetch_add(phase.elapsed().as_micros() as u64, Relaxed);
     let phase = stopwatch();
-    let (requests, sizes) = flatten(&jobs);
-    let (key, clock, ids) = (appender.key.clone(), appender.clock.clone(), appender.ids.clone());
-    let events: usize = jobs.iter().map(Job::events).sum();
-    let (batch, outcomes) = if events < PARALLEL_SIGNING_EVENTS_MIN {
-        decide_jobs(&pre, &requests, &sizes, &key, clock.now_ms(), &*ids)
-    } else {
-        match tokio::task::spawn_blocking(move || decide_jobs(&pre, &requests, &sizes, &key, clock.now_ms(), &*ids)).await {
-            Ok(decided) => decided,
-            Err(e) => {
-                fail_all(jobs, &Error::Internal(format!("appender task: {e}")));
-                return None;
-            }
+    let (batch, outcomes) = match decide_signed(appender, pre, &jobs).await {
+        Ok(decided) => decided,
+        Err(e) => {
+            fail_all(jobs, &e);
+            return None;
         }
     };
     stats.decide_us.fetch_add(phase.elapsed().as_micros() as u64, Relaxed);
@@ -443,6 +436,19 @@ async fn decide_chunk(appender: &Appender, stats: &LogStats, jobs: Vec<Job>, und
         return None;
     }
     Some(Decided { jobs, batch, outcomes })
+}
+
+/// [`decide_jobs`] for `jobs` on `pre`, now: on this task for a few events (a few signatures
+/// cost less than a hop to the blocking pool), on the blocking pool for more.
+async fn decide_signed(appender: &Appender, pre: PreRead, jobs: &[Job]) -> Result<(PreparedBatch, Vec<Outcome>)> {
+    let (requests, sizes) = flatten(jobs);
+    let (key, clock, ids) = (appender.key.clone(), appender.clock.clone(), appender.ids.clone());
+    if jobs.iter().map(Job::events).sum::<usize>() < PARALLEL_SIGNING_EVENTS_MIN {
+        return Ok(decide_jobs(&pre, &requests, &sizes, &key, clock.now_ms(), &*ids));
+    }
+    tokio::task::spawn_blocking(move || decide_jobs(&pre, &requests, &sizes, &key, clock.now_ms(), &*ids))
+        .await
+        .map_err(|e| Error::Internal(format!("appender task: {e}")))
 }
 
 /// The state after `batch` commits, laid over a pre-read: its chain heads, the versions of the
@@ -548,18 +554,9 @@ async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) ->
         };
         timings[0] += phase.elapsed().as_micros();
         let phase = stopwatch();
-        let events: usize = jobs.iter().map(Job::events).sum();
-        let (requests, sizes) = flatten(&jobs);
-        let (mut batch, outcomes) = if events < PARALLEL_SIGNING_EVENTS_MIN {
-            // A few signatures cost less than a hop to the blocking pool.
-            decide_jobs(&pre, &requests, &sizes, key, clock.now_ms(), &**ids)
-        } else {
-            let (key2, clock2, ids2) = (key.clone(), clock.clone(), ids.clone());
-            match tokio::task::spawn_blocking(move || decide_jobs(&pre, &requests, &sizes, &key2, clock2.now_ms(), &*ids2)).await
-            {
-                Ok(decided) => decided,
-                Err(e) => return fail_all(jobs, &Error::Internal(format!("appender task: {e}"))),
-            }
+        let (mut batch, outcomes) = match decide_signed(appender, pre, &jobs).await {
+            Ok(decided) => decided,
+            Err(e) => return fail_all(jobs, &e),
         };
         timings[1] += phase.elapsed().as_micros();
         if batch.events.is_empty() {
