@@ -10,8 +10,6 @@ mod common;
 
 use std::sync::Arc;
 
-use axum::body::Body;
-use axum::http::{Request, header};
 use bc_core::clock::{Clock, ManualClock};
 use bc_core::id::TenantId;
 use bc_core::id_source::SeededIds;
@@ -19,7 +17,6 @@ use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{EventStore, Log, decode_rows};
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
 const START_MS: u64 = 1_800_000_000_000;
 
@@ -30,16 +27,8 @@ struct Run {
 }
 
 async fn call(router: &axum::Router, token: &str, method: &str, body: Value) -> Value {
-    let request = Request::post(format!("/api/compute/{method}"))
-        .header(header::AUTHORIZATION, format!("Bearer {token}"))
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    let response = router.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
-    let value: Value = serde_json::from_slice(&bytes).unwrap();
-    assert!(status.is_success(), "{method}: {status} {value}");
+    let (status, value) = common::call(router, token, method, body).await;
+    assert!((200..300).contains(&status), "{method}: {status} {value}");
     value
 }
 

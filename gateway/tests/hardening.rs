@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::call;
+use common::{call, call_with};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -483,20 +483,6 @@ async fn finding_3c_a_watch_producer_stops_when_its_client_is_gone() {
 // ---------------------------------------------------------------------------------------------
 // Finding 9: growth bounds.
 
-/// `call` with an `Idempotency-Key`.
-async fn call_keyed(router: &axum::Router, token: &str, method: &str, body: Value, key: &str) -> (u16, Value) {
-    let request = Request::post(format!("/api/compute/{method}"))
-        .header(header::AUTHORIZATION, format!("Bearer {token}"))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header("idempotency-key", key)
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    let response = router.clone().oneshot(request).await.unwrap();
-    let status = response.status().as_u16();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
-    (status, serde_json::from_slice(&bytes).unwrap())
-}
-
 /// Finding 9: labels and taints added up on a node without a cap. A node carries at most
 /// `NODE_KEYS_MAX` of each; a change that would pass it is refused, one that makes room is not.
 #[tokio::test]
@@ -538,10 +524,10 @@ async fn finding_9_webhook_secret_rows_do_not_grow_with_replays_and_rotations() 
     let body = json!({ "url": "https://hooks.example.com/compute", "eventTypes": ["pool.*"] });
     // The administrator's key hash is a secret row too.
     let before = world.store.secrets_count(root).await.unwrap();
-    let (status, first) = call_keyed(&world.router, &world.token, "webhooks.create", body.clone(), "create-1").await;
+    let (status, first) = call_with(&world.router, &world.token, "webhooks.create", body.clone(), Some("create-1")).await;
     assert_eq!(status, 200, "{first}");
     for _ in 0..5 {
-        let (status, again) = call_keyed(&world.router, &world.token, "webhooks.create", body.clone(), "create-1").await;
+        let (status, again) = call_with(&world.router, &world.token, "webhooks.create", body.clone(), Some("create-1")).await;
         assert_eq!((status, &again["replayed"]), (200, &json!(true)), "{again}");
     }
     assert_eq!(world.store.secrets_count(root).await.unwrap(), before + 1, "replays store no secret rows");

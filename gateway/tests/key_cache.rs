@@ -9,24 +9,15 @@ use common::call;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bc_core::clock::SystemClock;
-use bc_core::keys::LogKey;
-use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{EventStore, Log};
 use bc_gateway::AppState;
 use bc_gateway::auth::KEY_CACHE_TTL;
-use bc_projections::Projections;
 use serde_json::json;
 
 /// Two gateways (each its own key cache, as two `serve` processes have) over one log, and a
 /// reader key made through the first.
 async fn two_gateways() -> (tempfile::TempDir, axum::Router, axum::Router, String, String, String) {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap());
-    store.migrate().await.unwrap();
-    let store: Arc<dyn EventStore> = store;
-    let log =
-        Arc::new(Log::open(store, Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap());
+    let log = common::sqlite_log(dir.path()).await;
     let (first, admin) = common::gateway_over(&log).await;
     let second = bc_gateway::router(Arc::new(AppState::new(log.clone())));
     let (status, key) =

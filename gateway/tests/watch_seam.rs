@@ -6,6 +6,8 @@
 //! path is taken: reads of history, joins from the ring, hand-backs of a full buffer. The
 //! assertions hold in every interleaving; the unit tests in `watch/tail.rs` pin each path.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +17,7 @@ use bc_core::clock::SystemClock;
 use bc_core::id::{PoolId, TenantId};
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
 use bc_gateway::AppState;
 use bc_gateway::watch::{Tail, TailLimits};
 use bc_projections::Projections;
@@ -36,21 +38,12 @@ struct World {
 impl World {
     async fn new(limits: TailLimits) -> World {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap());
-        store.migrate().await.unwrap();
-        let store: Arc<dyn EventStore> = store;
-        let log =
-            Arc::new(Log::open(store, Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap());
-        let token = std::sync::Mutex::new(String::new());
-        let keep = |t: &str| {
-            *token.lock().unwrap() = t.to_owned();
-            Ok(())
-        };
-        bc_gateway::bootstrap_root(&log, keep, || {}).await.unwrap();
+        let log = common::sqlite_log(dir.path()).await;
+        let token = common::admin_token(&log).await;
         let mut state = AppState::new(log);
         state.watch_tail = Tail::new(limits);
         let router = bc_gateway::router(Arc::new(state));
-        World { dir, router, token: token.into_inner().unwrap() }
+        World { dir, router, token }
     }
 
     async fn pool(&self, name: &str) {
