@@ -196,13 +196,12 @@ async fn batch_write(
 ) -> Result<ProjectedRows> {
     let touched = touched_rows(projector, &batch.events);
     let current = tx.batch_insert(batch, commit, &touched).await?;
-    let projected = fold_projections(projector, &batch.events, current)?;
     let mut upserts = Vec::new();
     let mut deletes = Vec::new();
-    for (key, doc) in &projected {
+    for (key, doc) in fold_projections(projector, &batch.events, current)? {
         match doc {
-            Some(doc) => upserts.push(Row { key: key.clone(), doc: doc.clone() }),
-            None => deletes.push(key.clone()),
+            Some(doc) => upserts.push(Row { key, doc }),
+            None => deletes.push(key),
         }
     }
     if !upserts.is_empty() {
@@ -211,7 +210,9 @@ async fn batch_write(
     if !deletes.is_empty() {
         tx.projections_delete(&deletes).await?;
     }
-    Ok(projected)
+    // The rows handed back as they were written: no copy of a document.
+    let deleted = deletes.into_iter().map(|key| (key, None));
+    Ok(upserts.into_iter().map(|row| (row.key, Some(row.doc))).chain(deleted).collect())
 }
 
 /// Replaces every projection row if the log is still at `at_commit` (holding the counter lock,

@@ -321,19 +321,17 @@ async fn run_appender(
         tokio::select! {
             biased;
             done = &mut in_flight.task => {
-                let Committing { decided: batch, started, .. } = committing.take().expect("a commit in flight");
-                stats.commit_us.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
-                let done = done.unwrap_or_else(|e| Err(Error::Internal(format!("appender commit task: {e}"))));
-                if let Some(commit) = settle(&appender, &stats, batch, done, &mut decided).await {
+                let landed = committing.take().expect("a commit in flight");
+                if let Some(commit) = settle(&appender, &stats, landed, done, &mut decided).await {
                     notify.send_replace(commit);
                 }
             }
             job = next_job(&mut carried, &mut receiver), if room > 0 => {
                 let Some(first) = job else {
                     // Every handle is gone: finish what is in flight, then stop.
-                    let Committing { decided: batch, task, .. } = committing.take().expect("a commit in flight");
-                    let done = task.await.unwrap_or_else(|e| Err(Error::Internal(format!("appender commit task: {e}"))));
-                    if let Some(commit) = settle(&appender, &stats, batch, done, &mut decided).await {
+                    let mut landed = committing.take().expect("a commit in flight");
+                    let done = (&mut landed.task).await;
+                    if let Some(commit) = settle(&appender, &stats, landed, done, &mut decided).await {
                         notify.send_replace(commit);
                     }
                     for chunk in std::mem::take(&mut decided) {
@@ -499,17 +497,21 @@ fn merge(chunks: Vec<Decided>) -> Decided {
     merged
 }
 
-/// Ends a batch's commit: answers its jobs when it landed; when it did not, decides them again
+/// Ends a batch's commit (`done`: its task's outcome): counts its time, answers its jobs when
+/// it landed; when it did not, decides them again
 /// from the database as the sequential path does (and so also every chunk `decided` on top of
 /// it, which is thrown away). Returns the newest commit made.
 async fn settle(
     appender: &Appender,
     stats: &LogStats,
-    mut batch: Decided,
-    done: Result<CommitOutcome>,
+    landed: Committing,
+    done: std::result::Result<Result<CommitOutcome>, tokio::task::JoinError>,
     decided: &mut Vec<Decided>,
 ) -> Option<u64> {
     use std::sync::atomic::Ordering::Relaxed;
+    stats.commit_us.fetch_add(landed.started.elapsed().as_micros() as u64, Relaxed);
+    let mut batch = landed.decided;
+    let done = done.unwrap_or_else(|e| Err(Error::Internal(format!("appender commit task: {e}"))));
     let newest = match done {
         Ok(CommitOutcome::Committed { commit, rows }) => {
             set_commit(&mut batch.batch, commit);

@@ -150,15 +150,15 @@ impl Call<'_> {
     pub async fn row<T: DeserializeOwned>(&self, tenant: TenantId, kind: &str, id: &str, what: &str) -> Result<T> {
         let not_found = || Error::not_found(format!("{what} {id}"));
         let key = RowKey { tenant: tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
-        let remembered = {
+        let remembered: Option<Result<T>> = {
             let appended = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            appended.iter().find(|(k, _)| *k == key).map(|(_, doc)| doc.clone())
+            appended.iter().find(|(k, _)| *k == key).map(|(_, doc)| match doc {
+                Some(doc) => T::deserialize(doc).map_err(|e| Error::Internal(format!("projection document {kind}/{id}: {e}"))),
+                None => Err(not_found()),
+            })
         };
         match remembered {
-            Some(Some(remembered)) => {
-                T::deserialize(remembered).map_err(|e| Error::Internal(format!("projection document {kind}/{id}: {e}")))
-            }
-            Some(None) => Err(not_found()),
+            Some(answer) => answer,
             None => doc(self.state.store.row_get(&key.tenant, kind, id).await?.ok_or_else(not_found)?),
         }
     }
