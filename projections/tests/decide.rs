@@ -1021,6 +1021,68 @@ fn pool_loads_kept_as_reservations_change_equal_a_recount() {
     }
 }
 
+/// The view's active reservations by when a pass must look at them, kept as reservations come,
+/// change and go, always list exactly those a scan of every live reservation finds due, and
+/// among them every one the plan acts on (an end come, a hold failed, a hold's deadline past)
+/// (seeded; the seed is printed on failure).
+#[test]
+fn reservations_needing_attention_kept_as_they_change_equal_a_scan() {
+    use bc_projections::{Binding, BindingState};
+    for seed in 0..64u64 {
+        let mut next = draws(seed);
+        let mut view = TenantView::new([], []);
+        for _ in 0..300 {
+            let id = format!("rsv_{}", next(40));
+            if next(4) == 0 {
+                drop(view.remove_live(&id));
+            } else {
+                let mut rsv = queued(&id, POOL, 1 + next(8) as u32, next(20));
+                if next(3) > 0 {
+                    rsv = active(&id, "node_a", vec![0], 1 + next(100));
+                    if next(4) == 0 {
+                        rsv.ends_at_ms = None;
+                    }
+                    if next(2) == 0 {
+                        let state = [BindingState::Pending, BindingState::Bound, BindingState::Failed, BindingState::Released]
+                            [next(4) as usize];
+                        rsv.binding = Some(Binding {
+                            state,
+                            hold_command_id: Some("cmd_x".into()),
+                            deadline_at_ms: (next(2) == 0).then(|| next(100)),
+                            release_command_id: None,
+                            gpu_uuids: vec![],
+                            reason: None,
+                            changed_at_ms: 0,
+                        });
+                    }
+                }
+                view.put_live(rsv);
+            }
+            for now in [0, next(100), 100] {
+                let listed: Vec<&str> = view.needing_attention(now).map(|r| r.reservation_id.as_str()).collect();
+                let mut scanned: Vec<(u64, &str)> = view
+                    .live()
+                    .values()
+                    .filter_map(|r| Some((bc_projections::fleet::attention_at(r)?, r.reservation_id.as_str())))
+                    .filter(|(at, _)| *at <= now)
+                    .collect();
+                scanned.sort();
+                assert_eq!(listed, scanned.iter().map(|(_, id)| *id).collect::<Vec<_>>(), "seed {seed}, now {now}");
+                for r in view.live().values().filter(|r| r.state == ReservationState::Active) {
+                    let ended = r.ends_at_ms.is_some_and(|end| end <= now);
+                    let hold_due = r.binding.as_ref().is_some_and(|b| {
+                        b.state == BindingState::Failed
+                            || (b.state == BindingState::Pending && b.deadline_at_ms.is_some_and(|d| d <= now))
+                    });
+                    if ended || hold_due {
+                        assert!(listed.contains(&r.reservation_id.as_str()), "seed {seed}, now {now}: {}", r.reservation_id);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The view's ranking of each pool's nodes by free GPUs, kept as nodes come, change, go and
 /// have GPUs held, always equals a ranking from scratch (seeded; the seed is printed on failure).
 #[test]

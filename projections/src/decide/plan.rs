@@ -20,7 +20,7 @@
 //! meanwhile, the guard fails and the append is a CONFLICT (the next pass decides again),
 //! never a double booking.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bc_core::store::ExpectedVersion;
 
@@ -159,9 +159,11 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
     // Node id → this plan's expiries on it.
     let mut freed: HashMap<&str, Vec<String>> = HashMap::new();
 
-    let mut due: Vec<&ReservationDoc> = view
-        .live()
-        .values()
+    // The active reservations whose time has come (the view keeps them by it), not every live one.
+    let attention: Vec<&ReservationDoc> = view.needing_attention(now_ms).collect();
+    let mut due: Vec<&ReservationDoc> = attention
+        .iter()
+        .copied()
         .filter(|r| r.state == ReservationState::Active && r.ends_at_ms.is_some_and(|end| end <= now_ms))
         .collect();
     due.sort_by(|a, b| (a.ends_at_ms, &a.reservation_id).cmp(&(b.ends_at_ms, &b.reservation_id)));
@@ -180,7 +182,7 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
     // Failed holds (and holds unanswered by their deadline), not already expired above.
     let mut requeued: HashSet<&str> = HashSet::new();
     let mut failed: Vec<(&ReservationDoc, String, bool)> = Vec::new();
-    for rsv in view.live().values().filter(|r| r.state == ReservationState::Active) {
+    for rsv in attention.iter().copied().filter(|r| r.state == ReservationState::Active) {
         let (Some(binding), Some(_)) = (&rsv.binding, &rsv.node_id) else { continue };
         if rsv.ends_at_ms.is_some_and(|end| end <= now_ms) {
             continue;
@@ -221,15 +223,13 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
         free(view, &mut changed, &mut freed, node_id, &rsv.reservation_id);
     }
 
-    let mut queues: BTreeMap<&str, Vec<&ReservationDoc>> = BTreeMap::new();
-    for rsv in view.live().values().filter(|r| r.state == ReservationState::Queued) {
-        queues.entry(rsv.pool_id.as_str()).or_default().push(rsv);
-    }
-    for (pool_id, mut queue) in queues {
-        if requeued.contains(pool_id) {
+    // Each pool's queue in request order, as the view's loads keep it.
+    for (pool_id, load) in view.pool_loads() {
+        let pool_id = pool_id.as_str();
+        if load.queued.is_empty() || requeued.contains(pool_id) {
             continue;
         }
-        queue.sort_by(|a, b| (a.request_seq, &a.reservation_id).cmp(&(b.request_seq, &b.reservation_id)));
+        let queue = load.queued.iter().filter_map(|(_, id)| view.live().get(id));
         // The pool's nodes by (free GPUs, node id) as the actions so far leave them, kept so as
         // this pool's activations take GPUs: placement walks it (`place_ranked`) instead of
         // scoring every node of the pool for each queued reservation.
