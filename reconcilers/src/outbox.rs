@@ -673,7 +673,7 @@ fn take_claim(
 
 /// Queues claimed items (by a claim, or written so by the fan-out) to wait for a slot, with what
 /// [`Consumer::prepare`] read for them at `prepared_at_ms`; each must start within the window
-/// from its claim (its `updated_at_ms`, which a claim and a claimed insert both set).
+/// from its claim, the start of the lease this process took on it.
 fn queue(
     config: &RunnerConfig,
     ahead: &mut std::collections::VecDeque<Claimed>,
@@ -682,7 +682,7 @@ fn queue(
     prepared_at_ms: u64,
 ) {
     ahead.extend(items.into_iter().map(|item| Claimed {
-        start_by_ms: start_by_ms(config, item.updated_at_ms),
+        start_by_ms: start_by_ms(config, item.claimed_at_ms(config.lease_ms)),
         item,
         prepared: prepared.clone(),
         prepared_at_ms,

@@ -26,6 +26,8 @@ use bc_reconcilers::outbox::{Consumer, Handled, Prepared, RunnerConfig, run};
 mod support;
 
 const NAME: &str = "gated";
+/// The fixture runner's lease.
+const LEASE_MS: u64 = 60_000;
 
 /// Each attempt says it started (the item, when it was claimed, when its batch was prepared),
 /// then waits for a permit of the gate. With `fans_out`, each event makes one item.
@@ -62,7 +64,7 @@ impl Consumer for Gated {
 
     async fn handle(&self, _: &dyn EventStore, item: &WorkItem, prepared: &Prepared) -> Handled {
         let prepared_at_ms = *prepared.as_ref().and_then(|p| p.downcast_ref::<u64>()).expect("prepared by the runner");
-        let _ = self.started.send(Started { id: item.id.clone(), claimed_at_ms: item.updated_at_ms, prepared_at_ms });
+        let _ = self.started.send(Started { id: item.id.clone(), claimed_at_ms: item.claimed_at_ms(LEASE_MS), prepared_at_ms });
         self.gate.acquire().await.expect("the gate stays open").forget();
         Handled::ok(Some(204))
     }
@@ -109,7 +111,7 @@ async fn fixture_with(items: usize, events: usize) -> Fixture {
     let consumer = Arc::new(Gated { started: tx, gate: gate.clone(), clock: clock.clone(), fans_out: events > 0 });
     let mut config = RunnerConfig::new(clock.clone());
     (config.owner, config.seed, config.concurrency, config.poll_ms) = ("p1".into(), 7, 1, 20);
-    (config.lease_ms, config.time_limit_ms) = (60_000, 10_000);
+    (config.lease_ms, config.time_limit_ms) = (LEASE_MS, 10_000);
     assert_eq!(bc_reconcilers::outbox::ahead_max(&config, 1), 4);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let runner = tokio::spawn(run(store.clone(), consumer, config, None, stopped));

@@ -58,6 +58,7 @@ async fn pool_delivery(store: &dyn EventStore) -> WorkItem {
         last_error: None,
         created_at_ms: 0,
         updated_at_ms: 0,
+        lease_until_ms: 0,
     }
 }
 

@@ -678,6 +678,11 @@ macro_rules! migrations_of {
                 name: "node_leases",
                 sql: include_str!(concat!("../../../schema/", $dialect, "/0006_node_leases.sql")),
             },
+            $crate::store::Migration {
+                version: 7,
+                name: "work_items_fillfactor",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0007_work_items_fillfactor.sql")),
+            },
         ]
     };
 }

@@ -91,9 +91,19 @@ pub struct WorkItem {
     /// Attempts since the item was last (re)queued, for the back-off.
     pub round_attempts: u32,
     pub next_at_ms: u64,
+    /// Until when the current claim holds it (0: not claimed).
+    pub lease_until_ms: u64,
     pub last_error: Option<String>,
     pub created_at_ms: u64,
+    /// When it was made or last attempted (a claim leaves it: see [`OutboxStore::work_claim`]).
     pub updated_at_ms: u64,
+}
+
+impl WorkItem {
+    /// When the current claim was taken, by a claimer whose leases last `lease_ms`.
+    pub fn claimed_at_ms(&self, lease_ms: u64) -> u64 {
+        self.lease_until_ms.saturating_sub(lease_ms)
+    }
 }
 
 /// How an attempt ended.
@@ -215,6 +225,7 @@ pub trait OutboxStore: Store {
                     attempts: 1,
                     round_attempts: 1,
                     next_at_ms: now_ms,
+                    lease_until_ms: claim.lease_until_ms,
                     last_error: None,
                     created_at_ms: now_ms,
                     updated_at_ms: now_ms,
@@ -232,7 +243,9 @@ pub trait OutboxStore: Store {
         finish(&mut *tx, outcome).await
     }
     /// Leases up to `limit` due pending items (oldest due first) to `owner` and counts the
-    /// attempt they are about to get.
+    /// attempt they are about to get. It writes no column an index covers (`updated_at_ms`
+    /// stays when the item was made or last attempted; the claim's time is its lease,
+    /// [`WorkItem::claimed_at_ms`]), so on PostgreSQL the new row version needs no index entry.
     async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>>;
     /// Gives back claimed items that were never attempted (`(tenant, id, attempt)`, the attempt
     /// number the claim counted), where `owner` still holds them: each is due again at once for
@@ -307,7 +320,7 @@ pub trait OutboxStore: Store {
 
 /// The columns a work item is read from, in `WorkItem::decode`'s order.
 pub(crate) const ITEM_COLUMNS: &str = "tenant_id, consumer, id, subject, payload, state, attempts, round_attempts, \
-                                       next_at_ms, last_error, created_at_ms, updated_at_ms";
+                                       next_at_ms, last_error, created_at_ms, updated_at_ms, lease_until_ms";
 /// The columns an attempt is read from, in `Attempt::decode`'s order.
 pub(crate) const ATTEMPT_COLUMNS: &str = "number, at_ms, latency_ms, status, error, next_at_ms, owner";
 
@@ -328,6 +341,7 @@ impl WorkItem {
             last_error: row.opt_text(9)?,
             created_at_ms: to_u64(row.int(10)?)?,
             updated_at_ms: to_u64(row.int(11)?)?,
+            lease_until_ms: to_u64(row.int(12)?)?,
         })
     }
 }

@@ -975,19 +975,9 @@ impl OutboxStore for PostgresStore {
     async fn work_claim(&self, consumer: &str, owner: &str, now_ms: u64, lease_ms: u64, limit: u32) -> Result<Vec<WorkItem>> {
         let client = self.pool.get().await?;
         let now = to_i64(now_ms)?;
-        // SKIP LOCKED: processes claiming at once each take different rows and never wait.
         let rows = client
             .query(
-                &format!(
-                    "UPDATE work_items w SET lease_owner = $1, lease_until_ms = $2, attempts = w.attempts + 1, \
-                     round_attempts = w.round_attempts + 1, updated_at_ms = $3 \
-                     FROM (SELECT tenant_id, consumer, id FROM work_items WHERE consumer = $4 AND state = 'pending' \
-                           AND next_at_ms <= $3 AND lease_until_ms <= $3 ORDER BY next_at_ms LIMIT $5 \
-                           FOR UPDATE SKIP LOCKED) due \
-                     WHERE w.tenant_id = due.tenant_id AND w.consumer = due.consumer AND w.id = due.id \
-                     RETURNING {}",
-                    ITEM_COLUMNS.split(", ").map(|c| format!("w.{}", c.trim())).collect::<Vec<_>>().join(", ")
-                ),
+                &claim_sql(),
                 &[&owner, &to_i64(now_ms.saturating_add(lease_ms))?, &now, &consumer, &i64::from(limit.min(CLAIM_ITEMS_MAX))],
             )
             .await?;
@@ -1240,6 +1230,25 @@ impl super::lease::LeaseStore for PostgresStore {
     }
 }
 
+/// A claim of due items ([`OutboxStore::work_claim`]): `$1` the owner, `$2` its lease's end, `$3`
+/// now, `$4` the consumer, `$5` how many at most. SKIP LOCKED: processes claiming at once each
+/// take different rows and never wait. It changes no indexed column (not even `updated_at_ms`,
+/// which the done items' index holds), so its new row version is written beside the old one on
+/// the same page without an entry in any index (a heap-only tuple; 0007's fillfactor leaves
+/// the room for it; `plan_tests`).
+fn claim_sql() -> String {
+    format!(
+        "UPDATE work_items w SET lease_owner = $1, lease_until_ms = $2, attempts = w.attempts + 1, \
+         round_attempts = w.round_attempts + 1 \
+         FROM (SELECT tenant_id, consumer, id FROM work_items WHERE consumer = $4 AND state = 'pending' \
+               AND next_at_ms <= $3 AND lease_until_ms <= $3 ORDER BY next_at_ms LIMIT $5 \
+               FOR UPDATE SKIP LOCKED) due \
+         WHERE w.tenant_id = due.tenant_id AND w.consumer = due.consumer AND w.id = due.id \
+         RETURNING {}",
+        ITEM_COLUMNS.split(", ").map(|c| format!("w.{}", c.trim())).collect::<Vec<_>>().join(", ")
+    )
+}
+
 /// The guarded update of a batch of completions. The state an item must still be in comes with
 /// the batch (`was`), not as a constant: with `w.state = 'pending'` the planner may drive the
 /// join from the partial index of due items, and on a table it has no statistics for yet (a new
@@ -1333,5 +1342,35 @@ mod plan_tests {
             .unwrap();
         let release = plan(release);
         assert!(release.contains("work_items_pkey") && !release.contains("work_items_due"), "{release}");
+    }
+
+    /// Regression (issue 17): a claim's update is heap-only on a table migrated as `serve`
+    /// migrates it: it writes no indexed column and finds room on the row's page, so it costs
+    /// no index entries (counted by PostgreSQL for the claim's own transaction).
+    #[tokio::test]
+    async fn a_claim_updates_its_items_without_touching_an_index() {
+        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
+        let store = PostgresStore::connect(&db.url).await.unwrap();
+        crate::store::EventStore::migrate(&store).await.unwrap();
+        let items: Vec<NewWorkItem> = (0..200)
+            .map(|i| NewWorkItem {
+                tenant: TenantId::ROOT,
+                id: format!("item{i:03}"),
+                subject: "s".into(),
+                payload: serde_json::json!({ "body": "x".repeat(900) }),
+            })
+            .collect();
+        store.work_insert("webhooks", &items, 1_000).await.unwrap();
+        let mut client = store.pool.get().await.unwrap();
+        let tx = client.transaction().await.unwrap();
+        // Claimed a second after they were made.
+        let claimed = tx.query(&claim_sql(), &[&"me", &62_000i64, &2_000i64, &"webhooks", &50i64]).await.unwrap();
+        assert_eq!(claimed.len(), 50);
+        let counts = tx
+            .query_one("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'work_items'", &[])
+            .await
+            .unwrap();
+        let (updated, hot): (i64, i64) = (counts.get(0), counts.get(1));
+        assert_eq!((updated, hot), (50, 50), "every claimed row heap-only");
     }
 }

@@ -893,14 +893,13 @@ impl OutboxStore for SqliteStore {
         // and the update.
         let q = Sql::new(format!(
             "UPDATE work_items SET lease_owner = ?, lease_until_ms = ?, attempts = attempts + 1, \
-             round_attempts = round_attempts + 1, updated_at_ms = ? \
+             round_attempts = round_attempts + 1 \
              WHERE rowid IN (SELECT rowid FROM work_items WHERE consumer = ? AND state = 'pending' \
              AND next_at_ms <= ? AND lease_until_ms <= ? ORDER BY next_at_ms LIMIT ?) \
              RETURNING {ITEM_COLUMNS}"
         ))
         .bind(owner)
         .bind(to_i64(now_ms.saturating_add(lease_ms))?)
-        .bind(now)
         .bind(consumer)
         .bind(now)
         .bind(now)
