@@ -22,7 +22,7 @@ use bc_reconcilers::webhooks::{CONSUMER, Webhooks};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const EVENTS: u64 = 2000;
+const EVENTS: u64 = 20_000;
 const CONCURRENCY: usize = 32;
 
 async fn receiver() -> (String, Arc<AtomicU64>) {
