@@ -1275,14 +1275,21 @@ const WORK_RELEASE_SQL: &str = "UPDATE work_items w SET lease_owner = NULL, leas
 mod plan_tests {
     use super::*;
 
+    /// A scratch database (dropped with the first value) with a store migrated as `serve`
+    /// migrates it.
+    async fn migrated() -> (crate::testing::ScratchDatabase, PostgresStore) {
+        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
+        let store = PostgresStore::connect(&db.url).await.unwrap();
+        crate::store::EventStore::migrate(&store).await.unwrap();
+        (db, store)
+    }
+
     /// Regression (hardening, finding 3): a tenant's read by position must be able to walk
     /// `events_by_tenant_position` (sequential scans turned off, so the planner shows whether
     /// an index serves the query at all on a small test table).
     #[tokio::test]
     async fn a_tenants_read_by_position_uses_its_index() {
-        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
-        let store = PostgresStore::connect(&db.url).await.unwrap();
-        crate::store::EventStore::migrate(&store).await.unwrap();
+        let (_db, store) = migrated().await;
         let client = store.pool.get().await.unwrap();
         client.batch_execute("SET enable_seqscan = off").await.unwrap();
         let explain = format!("EXPLAIN {}", read_after_tenant_sql());
@@ -1308,9 +1315,7 @@ mod plan_tests {
     /// every pending item once per row of the batch.
     #[tokio::test]
     async fn a_batch_of_completions_finds_its_items_by_the_primary_key() {
-        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
-        let store = PostgresStore::connect(&db.url).await.unwrap();
-        crate::store::EventStore::migrate(&store).await.unwrap();
+        let (_db, store) = migrated().await;
         let client = store.pool.get().await.unwrap();
         // A backlog written since the last analyze: 20,000 pending items, 160 of them leased.
         client
@@ -1349,9 +1354,7 @@ mod plan_tests {
     /// no index entries (counted by PostgreSQL for the claim's own transaction).
     #[tokio::test]
     async fn a_claim_updates_its_items_without_touching_an_index() {
-        let db = crate::testing::ScratchDatabase::create().await.expect("PostgreSQL for the plan test");
-        let store = PostgresStore::connect(&db.url).await.unwrap();
-        crate::store::EventStore::migrate(&store).await.unwrap();
+        let (_db, store) = migrated().await;
         let items: Vec<NewWorkItem> = (0..200)
             .map(|i| NewWorkItem {
                 tenant: TenantId::ROOT,
