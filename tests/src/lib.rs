@@ -157,12 +157,17 @@ impl Server {
 
     /// `better-compute dev` with extra arguments (`--no-reconcilers`, `--retry-base 200ms`, …).
     pub fn dev_with(extra: &[&str]) -> Server {
+        Self::try_dev_with(extra).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Server::dev_with`], or what the process said when it stopped before printing its URL.
+    fn try_dev_with(extra: &[&str]) -> Result<Server, String> {
         let temp = tempfile::Builder::new().prefix("bc-e2e-").tempdir().expect("tempdir");
         let data_dir = temp.path().to_path_buf();
         let mut args: Vec<String> =
             vec!["dev".into(), "--data-dir".into(), data_dir.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(extra.iter().map(|a| a.to_string()));
-        Self::start(with_agents_port(args), data_dir, Some(temp))
+        Self::try_start(with_agents_port(args), data_dir, Some(temp))
     }
 
     /// Runs `start` (which starts a server) with the server's `BETTER_COMPUTE_LOG` set to
@@ -215,6 +220,10 @@ impl Server {
     }
 
     fn start(args: Vec<String>, data_dir: PathBuf, temp: Option<tempfile::TempDir>) -> Server {
+        Self::try_start(args, data_dir, temp).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn try_start(args: Vec<String>, data_dir: PathBuf, temp: Option<tempfile::TempDir>) -> Result<Server, String> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut server = Server {
             child: None,
@@ -228,16 +237,22 @@ impl Server {
             log_filter: LOG_FILTER.with(|f| f.borrow().clone()).unwrap_or_else(|| "info,bc_core=debug".into()),
             http: harness_client(),
         };
-        server.launch();
-        server
+        server.try_launch()?;
+        Ok(server)
     }
 
     fn launch(&mut self) {
+        self.try_launch().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Starts the process; `Err` with its log when it stops (or says nothing) before printing
+    /// its URL.
+    fn try_launch(&mut self) -> Result<(), String> {
         // A fresh client per launch: pooled connections to a killed server are dead.
         self.http = harness_client();
         let log = self.data_dir.join("server.log");
         let (child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", &self.log_filter)]);
-        let first = next_line(&lines, &self.args, &log);
+        let first = try_next_line(&lines, &self.args, &log)?;
         self.url = first.rsplit(' ').next().expect("url").to_owned();
         assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");
         // `  agents:    https://ADDR (pin sha256/…)` or `  agents:    h2c://ADDR (plaintext, …)`,
@@ -269,6 +284,7 @@ impl Server {
         }
         self.token = std::fs::read_to_string(self.data_dir.join("admin.token")).expect("admin.token").trim().to_owned();
         self.child = Some(child);
+        Ok(())
     }
 
     /// The agents' endpoint as `bcd`'s `gateway` names it: `https://ADDR`, or `http://ADDR` for
@@ -462,9 +478,14 @@ fn with_agents_port(mut args: Vec<String>) -> Vec<String> {
 
 /// The next line the process printed, within [`START_TIMEOUT_S`]; panics with its log.
 fn next_line(lines: &std::sync::mpsc::Receiver<String>, args: &[String], log: &Path) -> String {
-    lines.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).unwrap_or_else(|_| {
+    try_next_line(lines, args, log).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`next_line`], or its log when the process stopped or said nothing in time.
+fn try_next_line(lines: &std::sync::mpsc::Receiver<String>, args: &[String], log: &Path) -> Result<String, String> {
+    lines.recv_timeout(Duration::from_secs(START_TIMEOUT_S)).map_err(|_| {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        panic!("better-compute {} did not start within {START_TIMEOUT_S}s; its log:\n{text}", args.join(" "))
+        format!("better-compute {} did not start within {START_TIMEOUT_S}s (or stopped); its log:\n{text}", args.join(" "))
     })
 }
 
@@ -638,13 +659,25 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Ports [`agents_gateway`] tries: another test may take a port between [`free_port`] letting
+/// it go and the gateway binding it.
+const AGENTS_PORT_TRIES: usize = 5;
+
 /// `dev` with its agents' endpoint on a fixed port (see [`free_port`]), a 2 s lease and 300 ms
-/// heartbeats: what the tests of nodes that join start.
+/// heartbeats: what the tests of nodes that join start. A port taken meanwhile by a test beside
+/// it (the gateway stops with `Address already in use`) is given up for another.
 pub fn agents_gateway() -> (Server, u16) {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
-    (server, port)
+    let mut last = String::new();
+    for _ in 0..AGENTS_PORT_TRIES {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        match Server::try_dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]) {
+            Ok(server) => return (server, port),
+            Err(e) if e.contains("Address already in use") => last = e,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("no free agents port in {AGENTS_PORT_TRIES} tries; the last:\n{last}")
 }
 
 /// The log key's pin (`pki show`), which a node's `config.toml` names.
