@@ -246,13 +246,17 @@ impl Server {
     }
 
     /// Starts the process; `Err` with its log when it stops (or says nothing) before printing
-    /// its URL.
+    /// its URL, the process then stopped and reaped, so a caller that tries again leaves none
+    /// behind.
     fn try_launch(&mut self) -> Result<(), String> {
         // A fresh client per launch: pooled connections to a killed server are dead.
         self.http = harness_client();
         let log = self.data_dir.join("server.log");
-        let (child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", &self.log_filter)]);
-        let first = try_next_line(&lines, &self.args, &log)?;
+        let (mut child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", &self.log_filter)]);
+        let first = try_next_line(&lines, &self.args, &log).inspect_err(|_| {
+            let _ = child.kill();
+            let _ = child.wait();
+        })?;
         self.url = first.rsplit(' ').next().expect("url").to_owned();
         assert!(self.url.starts_with("http://127.0.0.1:"), "unexpected first line {first:?}");
         // `  agents:    https://ADDR (pin sha256/…)` or `  agents:    h2c://ADDR (plaintext, …)`,
