@@ -429,6 +429,9 @@ struct CheckedRow {
     checkpoint: Option<(u64, String)>,
     /// What the row says about a node's own signatures, checked in chain order.
     node: Option<NodeFact>,
+    /// Whether the row carries a signature of its own (checked here); one without is covered
+    /// by the next that does, which the walk in chain order checks exists.
+    signed: bool,
 }
 
 /// A node joining (its key is known from here on), or an event a node originated.
@@ -481,8 +484,16 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
         .iter()
         .map(|row| {
             let event = row.check()?;
-            let key = *keys.get(&row.key_id).ok_or_else(|| format!("signed by untrusted key {}", row.key_id))?;
-            let sig = Signature::from_slice(&row.sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
+            let signature = match (row.sig.is_empty(), row.key_id.is_empty()) {
+                (true, true) => None,
+                (true, false) => return Err(format!("no signature, yet a key id ({})", row.key_id)),
+                (false, true) => return Err("a signature without a key id".to_owned()),
+                (false, false) => {
+                    let key = *keys.get(&row.key_id).ok_or_else(|| format!("signed by untrusted key {}", row.key_id))?;
+                    let sig = Signature::from_slice(&row.sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
+                    Some(RowSignature { key, sig, message: event_signing_message(&event.hash) })
+                }
+            };
             let checkpoint = if row.event_type == CHECKPOINT_SEALED {
                 let payload: Value = ciborium::de::from_reader(event.payload).map_err(|e| format!("checkpoint payload: {e}"))?;
                 parse_checkpoint_payload(&payload)
@@ -490,15 +501,15 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
                 None
             };
             let node = node_fact(row, event.payload)?;
-            let signature = RowSignature { key, sig, message: event_signing_message(&event.hash) };
-            Ok((CheckedRow { hash: event.hash, prev: event.prev, checkpoint, node }, signature))
+            let signed = signature.is_some();
+            Ok((CheckedRow { hash: event.hash, prev: event.prev, checkpoint, node, signed }, signature))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded (but those found good before); on
     // failure, find the bad ones.
     let batch: Vec<&RowSignature> = decoded
         .iter()
-        .filter_map(|d| d.as_ref().ok().map(|(_, s)| s))
+        .filter_map(|d| d.as_ref().ok().and_then(|(_, s)| s.as_ref()))
         .filter(|s| verified.is_none_or(|v| !v.contains(&s.key, &s.message, &s.sig, true)))
         .collect();
     let messages: Vec<&[u8]> = batch.iter().map(|s| s.message.as_slice()).collect();
@@ -513,7 +524,8 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
     decoded
         .into_iter()
         .map(|d| {
-            let (checked, RowSignature { key, sig, message }) = d?;
+            let (checked, signature) = d?;
+            let Some(RowSignature { key, sig, message }) = signature else { return Ok(checked) };
             let good = match (batch_ok, verified) {
                 (true, _) => true,
                 (false, Some(verified)) => verified.verify(&key, &message, &sig, true),
@@ -589,6 +601,8 @@ pub async fn verify_with(
         let mut prev = GENESIS_PREV;
         let mut next_seq = 1u64;
         let mut broken = false;
+        // The first event since the last signed one: a later signature must cover it.
+        let mut uncovered_from: Option<u64> = None;
         // A pipeline: pages are read in order and each is checked on a blocking thread of its
         // own (up to one page a core in flight), while the oldest checked page is walked here in
         // chain order. Memory stays bounded by the pages in flight.
@@ -622,7 +636,7 @@ pub async fn verify_with(
                     broken = true;
                     break 'walk;
                 }
-                let CheckedRow { hash, prev: event_prev, checkpoint, node } = match result {
+                let CheckedRow { hash, prev: event_prev, checkpoint, node, signed } = match result {
                     Ok(ok) => ok,
                     Err(what) => {
                         report.problem(tenant, seq, what);
@@ -658,6 +672,11 @@ pub async fn verify_with(
                         }
                     },
                     None => {}
+                }
+                if signed {
+                    uncovered_from = None;
+                } else {
+                    uncovered_from.get_or_insert(seq);
                 }
                 prev = hash;
                 next_seq += 1;
@@ -698,6 +717,8 @@ pub async fn verify_with(
                 report.problem(tenant, head.seq + 1, format!("seq {} is past the chain head {}", head.seq + 1, head.seq));
             } else if head.hash != prev {
                 report.problem(tenant, last, "chain head hash differs from the last event's hash");
+            } else if let Some(from) = uncovered_from {
+                report.problem(tenant, from, crate::chain::uncovered(from, last));
             }
             for size in expected_roots.keys().filter(|s| **s > last) {
                 report.problem(tenant, last + 1, format!("checkpoint of size {size} is beyond the end of the log (truncated?)"));

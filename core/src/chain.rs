@@ -1,7 +1,10 @@
 //! Verification of one tenant's hash chain: pure, no IO (STYLE rule 3).
 //!
 //! The verifier is fed the stored rows in `seq` order and stops at the first problem, naming
-//! the first sequence number that does not verify.
+//! the first sequence number that does not verify. Not every event carries a signature: one
+//! without is covered by the next signed event of its chain, whose hash commits to it through
+//! the `prev` links between them, so a walk's events are vouched for up to the last signed one,
+//! and the chain head must be signed (`schema/LOG-FORMAT.md`, "Signature").
 
 use crate::event::{EventRow, GENESIS_PREV, StoredEvent};
 use crate::id::TenantId;
@@ -28,24 +31,29 @@ pub struct ChainVerifier<'k> {
     keys: &'k KeyRing,
     next_seq: u64,
     prev: [u8; 32],
+    /// The first event of the walk no signature covers yet.
+    uncovered_from: Option<u64>,
 }
 
 impl<'k> ChainVerifier<'k> {
     pub fn new(tenant: TenantId, keys: &'k KeyRing) -> Self {
-        Self { tenant, keys, next_seq: 1, prev: GENESIS_PREV }
+        Self { tenant, keys, next_seq: 1, prev: GENESIS_PREV, uncovered_from: None }
     }
 
     /// Resumes a walk mid-chain: the next event is `next_seq` and the one before it hashed to
     /// `prev` (what an export that starts after seq 1 carries). `next_seq` 1 with
     /// [`GENESIS_PREV`] is [`ChainVerifier::new`].
     pub fn resume(tenant: TenantId, keys: &'k KeyRing, next_seq: u64, prev: [u8; 32]) -> Self {
-        Self { tenant, keys, next_seq: next_seq.max(1), prev }
+        Self { tenant, keys, next_seq: next_seq.max(1), prev, uncovered_from: None }
     }
 
     fn problem(&self, seq: u64, what: impl Into<String>) -> ChainProblem {
         ChainProblem { tenant: self.tenant.to_string(), seq, what: what.into() }
     }
 
+    /// Checks the next row and returns its event. An event without a signature of its own is
+    /// linked but not yet vouched for: a later signed event covers it, and
+    /// [`ChainVerifier::finish`] refuses a walk that ends on an uncovered event.
     pub fn push(&mut self, row: EventRow) -> Result<StoredEvent, ChainProblem> {
         let expected = self.next_seq;
         if row.seq > expected {
@@ -61,7 +69,12 @@ impl<'k> ChainVerifier<'k> {
         if event.envelope.prev != self.prev {
             return Err(self.problem(expected, "prev does not match the hash of the event before"));
         }
-        self.keys.verify_event(&event.key_id, &event.hash, &event.sig).map_err(|what| self.problem(expected, what))?;
+        if event.sig.is_empty() && event.key_id.is_empty() {
+            self.uncovered_from.get_or_insert(expected);
+        } else {
+            self.keys.verify_event(&event.key_id, &event.hash, &event.sig).map_err(|what| self.problem(expected, what))?;
+            self.uncovered_from = None;
+        }
         self.prev = event.hash;
         self.next_seq += 1;
         Ok(event)
@@ -76,7 +89,22 @@ impl<'k> ChainVerifier<'k> {
         self.prev
     }
 
-    /// Compares the end of the walk with the stored head (`None` if the tenant has no head).
+    /// The first event of the walk that no signature covers yet (none after a signed event).
+    pub fn uncovered_from(&self) -> Option<u64> {
+        self.uncovered_from
+    }
+
+    /// Ends a walk that stops short of the head (an export's last record): every event must be
+    /// covered by a signature.
+    pub fn finish_covered(&self) -> Result<u64, ChainProblem> {
+        match self.uncovered_from {
+            Some(seq) => Err(self.problem(seq, uncovered(seq, self.verified()))),
+            None => Ok(self.verified()),
+        }
+    }
+
+    /// Compares the end of the walk with the stored head (`None` if the tenant has no head);
+    /// the head must be signed.
     pub fn finish(&self, head: Option<(u64, [u8; 32])>) -> Result<u64, ChainProblem> {
         let (head_seq, head_hash) = head.unwrap_or((0, GENESIS_PREV));
         let last = self.verified();
@@ -89,8 +117,13 @@ impl<'k> ChainVerifier<'k> {
         if head_hash != self.prev {
             return Err(self.problem(last, "chain head hash differs from the last event's hash"));
         }
-        Ok(last)
+        self.finish_covered()
     }
+}
+
+/// What a walk that ends on unsigned events says about them.
+pub fn uncovered(from: u64, last: u64) -> String {
+    format!("no signature covers seq {from} to {last}: the last event of a chain must be signed")
 }
 
 /// Verifies a whole chain held in memory.

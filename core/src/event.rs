@@ -25,6 +25,19 @@ pub const EVENT_TYPE_BYTES_MAX: usize = 100;
 pub const LABEL_BYTES_MAX: usize = 200;
 /// Largest canonical payload of one event.
 pub const PAYLOAD_BYTES_MAX: usize = 64 * 1024;
+/// Every event whose `seq` is a multiple of this carries a signature of its own, so an event
+/// without one is followed, at most this many events on, by one that covers it
+/// (`schema/LOG-FORMAT.md`, "Signature"): `events.get` proves any event with at most this many
+/// others' bytes.
+pub const SIGNED_SEQ_INTERVAL: u64 = 16;
+
+/// Whether the appender must sign `envelope` whatever else it decides with it: every
+/// [`SIGNED_SEQ_INTERVAL`]th event of a chain, and a key rotation (`audit check-proof` and
+/// `audit follow` check that event's signature alone). The last event of each chain in a decided
+/// batch is signed too: that is the chain head the batch leaves.
+pub fn signed_alone(envelope: &Envelope) -> bool {
+    envelope.seq.is_multiple_of(SIGNED_SEQ_INTERVAL) || envelope.event_type == crate::audit::LOG_KEY_ROTATED
+}
 
 /// Where an event sits in the outbox of one database: the append transaction's number,
 /// gap-free and in commit order, and the event's index inside it.

@@ -4,7 +4,8 @@
 //! tree (`merkle::RootBuilder`'s perfect subtrees: O(log n) hashes) and the hash of the last
 //! event. Each new checkpoint must be signed by a trusted key and be no smaller; every new
 //! entry is checked (the event hashes to its entry, the entry's leaf hash is the level-0 tile's,
-//! `seq` and `prev` follow on, the signature verifies under a trusted key), pushed onto the
+//! `seq` and `prev` follow on, its signature, when it carries one, verifies under a trusted
+//! key), pushed onto the
 //! compact range, and at the end the range's root must be the checkpoint's. Because the range
 //! was built from the old tree, a matching root proves the new tree extends the old one: a
 //! fork or a rewritten entry fails here, with the tenant and the index.
@@ -228,8 +229,14 @@ impl FollowState {
             if envelope.prev != prev {
                 return Err(self.bad(index, "prev does not match the hash of the event before"));
             }
-            keys.verify_event(&event.key_id, &hash, &event.sig)
-                .map_err(|e| self.bad(index, format!("signature: {e} (a key you trust?)")))?;
+            // An event's own signature, when it carries one (the checkpoint's signature over
+            // the root covers every entry either way); a key rotation must carry its own.
+            if !event.sig.is_empty() || !event.key_id.is_empty() {
+                keys.verify_event(&event.key_id, &hash, &event.sig)
+                    .map_err(|e| self.bad(index, format!("signature: {e} (a key you trust?)")))?;
+            } else if envelope.event_type == LOG_KEY_ROTATED {
+                return Err(self.bad(index, "a key rotation without a signature of its own"));
+            }
             if envelope.event_type == LOG_KEY_ROTATED
                 && let Some(new) = rotated_key(&envelope.payload)
             {

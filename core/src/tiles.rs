@@ -11,8 +11,8 @@
 //!   `u16` length and the bytes: here the event's 32-byte hash (`schema/LOG-FORMAT.md`).
 //! - Event bundle `N` (this project's, beside the entry bundles, same `N` and `W`) holds each
 //!   event as a big-endian `u32` length and a deterministic CBOR map `{event: canonical bytes,
-//!   keyId: text, sig: bytes}`, so a monitor checks the event against its leaf and its
-//!   signature. `u32`, not `u16`: an event can be longer than 64 KiB (its payload alone may be).
+//!   keyId: text, sig: bytes}` (`keyId` and `sig` only for an event that carries a signature of
+//!   its own), so a monitor checks the event against its leaf and its signature. `u32`, not `u16`: an event can be longer than 64 KiB (its payload alone may be).
 //! - `N` in a path is written in groups of three decimal digits, every group but the last
 //!   prefixed with `x`: 1234067 is `x001/x234/067`; a partial tile adds `.p/W`.
 //!
@@ -187,11 +187,14 @@ pub fn event_bundle(events: &[BundledEvent]) -> Vec<u8> {
     use ciborium::Value;
     let mut out = Vec::new();
     for e in events {
-        let map = Value::Map(vec![
-            (Value::Text("event".into()), Value::Bytes(e.canonical.clone())),
-            (Value::Text("keyId".into()), Value::Text(e.key_id.clone())),
-            (Value::Text("sig".into()), Value::Bytes(e.sig.clone())),
-        ]);
+        let mut fields = vec![(Value::Text("event".into()), Value::Bytes(e.canonical.clone()))];
+        // An event without a signature of its own has neither (a later one, and the
+        // checkpoint, cover it).
+        if !e.sig.is_empty() {
+            fields.push((Value::Text("keyId".into()), Value::Text(e.key_id.clone())));
+            fields.push((Value::Text("sig".into()), Value::Bytes(e.sig.clone())));
+        }
+        let map = Value::Map(fields);
         let bytes = crate::canonical::encode(map).expect("bytes and text encode");
         out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
         out.extend_from_slice(&bytes);
@@ -223,8 +226,8 @@ pub fn parse_event_bundle(bytes: &[u8]) -> Result<Vec<BundledEvent>, String> {
         }
         out.push(BundledEvent {
             canonical: canonical.ok_or("a bundled event has no event")?,
-            key_id: key_id.ok_or("a bundled event has no keyId")?,
-            sig: sig.ok_or("a bundled event has no sig")?,
+            key_id: key_id.unwrap_or_default(),
+            sig: sig.unwrap_or_default(),
         });
         if out.len() as u64 > TILE_WIDTH {
             return Err("more than 256 events in a bundle".into());
@@ -405,7 +408,13 @@ mod tests {
         assert_eq!(&bytes[..2], &[0, 32]);
         assert_eq!(parse_entry_bundle(&bytes).unwrap(), vec![vec![1u8; 32], vec![2u8; 32]]);
         assert!(parse_entry_bundle(&bytes[..67]).is_err());
-        let events = vec![BundledEvent { canonical: vec![0xa0], key_id: "lk_00".into(), sig: vec![7; 64] }];
-        assert_eq!(parse_event_bundle(&event_bundle(&events)).unwrap(), events);
+        let events = vec![
+            BundledEvent { canonical: vec![0xa0], key_id: "lk_00".into(), sig: vec![7; 64] },
+            // Without a signature of its own: the map holds the event alone.
+            BundledEvent { canonical: vec![0xa0], key_id: String::new(), sig: vec![] },
+        ];
+        let bytes = event_bundle(&events);
+        assert_eq!(&bytes[bytes.len() - 13..], b"\0\0\0\x09\xa1\x65event\x41\xa0");
+        assert_eq!(parse_event_bundle(&bytes).unwrap(), events);
     }
 }

@@ -1,5 +1,6 @@
 //! Property: random appends across tenants always give chains that verify, and flipping any
-//! byte of any stored event, deleting one or reordering two is detected at the first bad `seq`.
+//! byte of any stored event, deleting one or reordering two is detected at the first bad `seq`;
+//! taking a signature away is harmless where a later one covers the event, caught where none does.
 //! Seeded: set `BC_TEST_SEED` to replay a failure; the seed is printed when a case fails.
 
 // A test, outside the simulator: fresh random ids, the real clock and timings (clippy.toml).
@@ -9,8 +10,8 @@ use std::sync::Arc;
 
 use bc_core::chain::verify_chain;
 use bc_core::clock::SystemClock;
-use bc_core::event::EventRow;
 use bc_core::event::StoredEvent;
+use bc_core::event::{EventRow, SIGNED_SEQ_INTERVAL};
 use bc_core::id::TenantId;
 use bc_core::keys::{KeyRing, LogKey};
 use bc_core::store::sqlite::SqliteStore;
@@ -47,6 +48,11 @@ enum Tamper {
         a: usize,
         b: usize,
     },
+    /// Take one event's signature away (its `sig` and `key_id` emptied): harmless when a later
+    /// signed event covers it, caught at the first uncovered seq when none does (the head).
+    Strip {
+        event: usize,
+    },
 }
 
 fn tamper() -> impl Strategy<Value = Tamper> {
@@ -59,6 +65,7 @@ fn tamper() -> impl Strategy<Value = Tamper> {
         }),
         any::<usize>().prop_map(|event| Tamper::Delete { event }),
         (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Tamper::Swap { a, b }),
+        any::<usize>().prop_map(|event| Tamper::Strip { event }),
     ]
 }
 
@@ -104,15 +111,26 @@ fn chains_verify_and_tampering_is_located() {
                 .await
                 .unwrap();
             }
-            // Honest: every chain verifies.
+            // Honest: every chain verifies, its head signed; an append of several events
+            // leaves the ones before its last without a signature of their own.
             let heads = store.heads().await.unwrap();
             let mut chains: Vec<Chain> = Vec::new();
             for (tenant, head) in heads {
                 let rows = store.read_chain_rows(tenant, 1, 1000).await.unwrap();
                 let verified = verify_chain(tenant, rows.clone(), Some((head.seq, head.hash)), &keys);
                 prop_assert_eq!(verified, Ok(head.seq));
+                prop_assert!(!rows.last().unwrap().sig.is_empty(), "the head is signed");
                 chains.push((tenant, rows, (head.seq, head.hash)));
             }
+            // Exactly: each append decided alone signs its last event and every 16th seq.
+            let mut next = [1u64; 3];
+            let mut expected = 0;
+            for (t, _, n) in &appends {
+                expected += (next[*t]..next[*t] + *n as u64 - 1).filter(|seq| seq % SIGNED_SEQ_INTERVAL != 0).count();
+                next[*t] += *n as u64;
+            }
+            let unsigned = chains.iter().flat_map(|c| &c.1).filter(|r| r.sig.is_empty()).count();
+            prop_assert_eq!(unsigned, expected);
             // Tamper with the largest chain and expect the first bad seq to be named.
             chains.sort_by_key(|c| std::cmp::Reverse(c.1.len()));
             let (tenant, mut rows, head) = chains.swap_remove(0);
@@ -121,10 +139,16 @@ fn chains_verify_and_tampering_is_located() {
                 Tamper::Flip { field, event, byte, bit } => {
                     let i = event % n;
                     // Any stored byte: the hashed bytes, the hash, the signature, or a column.
+                    // An event without a signature of its own has an empty `sig` and
+                    // `key_id`: one is given a byte instead.
                     fn flip_text(text: &mut String, byte: usize, bit: u8) {
                         let mut bytes = std::mem::take(text).into_bytes();
-                        let at = byte % bytes.len();
-                        bytes[at] ^= 1 << bit;
+                        if bytes.is_empty() {
+                            bytes.push(b'x');
+                        } else {
+                            let at = byte % bytes.len();
+                            bytes[at] ^= 1 << bit;
+                        }
                         *text = String::from_utf8_lossy(&bytes).into_owned();
                     }
                     let row = &mut rows[i];
@@ -135,8 +159,12 @@ fn chains_verify_and_tampering_is_located() {
                                 1 => &mut row.hash,
                                 _ => &mut row.sig,
                             };
-                            let at = byte % target.len();
-                            target[at] ^= 1 << bit;
+                            if target.is_empty() {
+                                target.push(1 << bit);
+                            } else {
+                                let at = byte % target.len();
+                                target[at] ^= 1 << bit;
+                            }
                         }
                         3 => flip_text(&mut row.id, byte, bit),
                         4 => flip_text(&mut row.stream, byte, bit),
@@ -159,6 +187,18 @@ fn chains_verify_and_tampering_is_located() {
                     let (a, b) = (a.min(b), a.max(b));
                     rows.swap(a, b);
                     (a + 1) as u64
+                }
+                Tamper::Strip { event } => {
+                    let i = event % n;
+                    rows[i].sig.clear();
+                    rows[i].key_id.clear();
+                    if rows[i..].iter().any(|r| !r.sig.is_empty()) {
+                        let verified = verify_chain(tenant, rows, Some(head), &keys);
+                        prop_assert_eq!(verified, Ok(head.0), "a later signature covers seq {}", i + 1);
+                        return Ok(());
+                    }
+                    // The first of the unsigned run the head ends.
+                    rows.iter().rposition(|r| !r.sig.is_empty()).map_or(1, |signed| signed as u64 + 2)
                 }
             };
             let problem = verify_chain(tenant, rows, Some(head), &keys).expect_err("tampering went unnoticed");

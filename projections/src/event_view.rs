@@ -36,7 +36,10 @@ pub struct EventView {
     pub prev: String,
     #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
     pub hash: String,
-    pub key_id: String,
+    /// The key whose signature the event carries; absent when it carries none of its own (a
+    /// later event of its chain covers it: `coveredBy` in `events.get`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -46,9 +49,46 @@ pub struct EventView {
     /// The canonical CBOR bytes the hash is taken over (`events.get` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub canonical: Option<String>,
-    /// The log key's Ed25519 signature over the hash (`events.get` only).
+    /// The log key's Ed25519 signature over the hash (`events.get` only, when the event carries
+    /// one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sig: Option<String>,
+    /// For an event without a signature of its own (`events.get` only): what proves it alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub covered_by: Option<CoveredBy>,
+}
+
+/// The events after one without a signature of its own, up to the first that carries one, so
+/// the event verifies with nothing else: hash each `following` in turn, each one's `prev` the
+/// hash before it (the first's the event's own hash), and the signature over the last hash
+/// (`schema/LOG-FORMAT.md`, "Verifying one event").
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CoveredBy {
+    /// The seq of the signed event.
+    #[schemars(range(min = 2))]
+    pub seq: u64,
+    pub key_id: String,
+    /// Its Ed25519 signature, standard base64.
+    pub sig: String,
+    /// The canonical bytes (standard base64) of every event after this one up to and including
+    /// the signed one, in chain order: at most `SIGNED_SEQ_INTERVAL` (16).
+    #[schemars(length(min = 1, max = 16))]
+    pub following: Vec<String>,
+}
+
+impl CoveredBy {
+    /// `following`: the events after the one covered, the last of them signed.
+    pub fn of(following: &[StoredEvent]) -> Option<Self> {
+        let signed = following.last().filter(|e| !e.sig.is_empty())?;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        Some(Self {
+            seq: signed.envelope.seq,
+            key_id: signed.key_id.clone(),
+            sig: b64.encode(&signed.sig),
+            following: following.iter().map(|e| b64.encode(&e.canonical)).collect(),
+        })
+    }
 }
 
 impl EventView {
@@ -69,12 +109,13 @@ impl EventView {
             position: event.position.to_string(),
             prev: hex::encode(env.prev),
             hash: hex::encode(event.hash),
-            key_id: event.key_id.clone(),
+            key_id: (!event.key_id.is_empty()).then(|| event.key_id.clone()),
             idempotency_key: env.idempotency_key.clone(),
             causation: env.causation.clone(),
             correlation: env.correlation.clone(),
             canonical: with_bytes.then(|| b64.encode(&event.canonical)),
-            sig: with_bytes.then(|| b64.encode(&event.sig)),
+            sig: (with_bytes && !event.sig.is_empty()).then(|| b64.encode(&event.sig)),
+            covered_by: None,
         }
     }
 }

@@ -30,7 +30,7 @@ pub mod placement;
 pub mod rollout;
 pub mod workflow;
 
-pub use event_view::{EventView, event_view};
+pub use event_view::{CoveredBy, EventView, event_view};
 use events::*;
 pub use instance::{
     INSTANCE_APPLY, INSTANCE_APPLY_ATTEMPTS_MAX, INSTANCE_APPLY_DEADLINE_S, InstanceDoc, InstanceState, KIND_INSTANCE,

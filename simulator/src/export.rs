@@ -7,7 +7,7 @@
 
 use std::io::Write;
 
-use bc_core::event::GENESIS_PREV;
+use bc_core::event::{GENESIS_PREV, SIGNED_SEQ_INTERVAL};
 use bc_core::id::TenantId;
 use bc_core::store::{EventStore, READ_ROWS_MAX};
 use bc_core::{Error, Result};
@@ -26,7 +26,8 @@ pub struct Exported {
 }
 
 /// Writes `tenant`'s events `from_seq ..= to_seq` (default: to the chain head as read when the
-/// export starts) to `out` as the export format; `progress(written, total)` after each page.
+/// export starts; a `to_seq` whose event carries no signature of its own is moved on to the next
+/// that does, so the file's last records verify) to `out` as the export format; `progress(written, total)` after each page.
 /// `deployment` names the log's keys in the rotations' checkpoints.
 pub async fn export(
     store: &dyn EventStore,
@@ -51,6 +52,8 @@ pub async fn export(
     if to_seq < from_seq {
         return Err(Error::invalid(format!("--to {to_seq} is before --from {from_seq}")));
     }
+    // A file must end on a signed event for its last records to verify: on to the next one.
+    let to_seq = signed_end(store, tenant, to_seq).await?;
     let prev_hash = if from_seq == 1 { GENESIS_PREV } else { stored_hash(store, tenant, from_seq - 1).await? };
     let last_hash = stored_hash(store, tenant, to_seq).await?;
     let mut keys = Vec::new();
@@ -86,7 +89,7 @@ pub async fn export(
                 return Err(corrupt(tenant, next, format!("event missing: the next stored event is seq {}", row.seq)));
             }
             let prev = row.check().map_err(|what| corrupt(tenant, row.seq, what))?.prev;
-            if !key_ids.contains(&row.key_id) {
+            if !row.key_id.is_empty() && !key_ids.contains(&row.key_id) {
                 key_ids.push(row.key_id.clone());
             }
             let record = Record {
@@ -105,6 +108,15 @@ pub async fn export(
         progress(next - from_seq, total);
     }
     Ok(Exported { from_seq, to_seq, events: total, bytes, key_ids, rotations: rotations.len() as u64 })
+}
+
+/// The first seq from `seq` on whose event carries a signature of its own (at most
+/// `SIGNED_SEQ_INTERVAL − 1` further; the chain head is always signed).
+async fn signed_end(store: &dyn EventStore, tenant: TenantId, seq: u64) -> Result<u64> {
+    let rows = store.read_chain_rows(tenant, seq, SIGNED_SEQ_INTERVAL as u32).await?;
+    rows.iter().find(|r| !r.sig.is_empty()).map(|r| r.seq).ok_or_else(|| {
+        corrupt(tenant, seq, format!("no event from seq {seq} to {} carries a signature", seq + SIGNED_SEQ_INTERVAL - 1))
+    })
 }
 
 async fn stored_hash(store: &dyn EventStore, tenant: TenantId, seq: u64) -> Result<[u8; 32]> {

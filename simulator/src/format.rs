@@ -13,8 +13,9 @@ use ciborium::Value;
 
 /// The header's `format`.
 pub const FORMAT_NAME: &str = "better-compute/events-export";
-/// The header's `version`: this layout.
-pub const FORMAT_VERSION: u64 = 1;
+/// The header's `version`: this layout. Version 2's records carry `sig` and `keyId` only for an
+/// event that has a signature of its own; version 1's all do, and this build reads both.
+pub const FORMAT_VERSION: u64 = 2;
 /// Most keys a header names (the log's keys, current and rotated out).
 pub const KEYS_MAX: usize = 64;
 /// Largest header item: the keys (under 100 bytes each) and the rotations' proofs.
@@ -98,8 +99,8 @@ impl Header {
             return Err(format!("the header's format is {format:?}, not {FORMAT_NAME:?}"));
         }
         let version = fields.uint("version")?;
-        if version != FORMAT_VERSION {
-            return Err(format!("export format version {version} is not the version this build reads ({FORMAT_VERSION})"));
+        if !(1..=FORMAT_VERSION).contains(&version) {
+            return Err(format!("export format version {version} is not a version this build reads (1 to {FORMAT_VERSION})"));
         }
         let tenant = fields.text("tenant")?;
         let from_seq = fields.uint("fromSeq")?;
@@ -132,16 +133,20 @@ impl Header {
 
 impl Record {
     pub fn to_cbor(&self) -> Value {
-        Value::Map(vec![
+        let mut fields = vec![
             (text("seq"), uint(self.seq)),
             (text("event"), Value::Bytes(self.event.clone())),
             (text("hash"), Value::Bytes(self.hash.clone())),
             (text("prev"), Value::Bytes(self.prev.clone())),
-            (text("sig"), Value::Bytes(self.sig.clone())),
-            (text("keyId"), text(&self.key_id)),
-            (text("commit"), uint(self.commit)),
-            (text("index"), uint(self.index)),
-        ])
+        ];
+        // Only an event that carries a signature of its own has them.
+        if !self.sig.is_empty() || !self.key_id.is_empty() {
+            fields.push((text("sig"), Value::Bytes(self.sig.clone())));
+            fields.push((text("keyId"), text(&self.key_id)));
+        }
+        fields.push((text("commit"), uint(self.commit)));
+        fields.push((text("index"), uint(self.index)));
+        Value::Map(fields)
     }
 
     pub fn from_cbor(value: Value) -> Result<Self, String> {
@@ -151,8 +156,8 @@ impl Record {
             event: fields.bytes("event")?,
             hash: fields.bytes("hash")?,
             prev: fields.bytes("prev")?,
-            sig: fields.bytes("sig")?,
-            key_id: fields.text("keyId")?,
+            sig: if fields.has("sig") { fields.bytes("sig")? } else { Vec::new() },
+            key_id: if fields.has("keyId") { fields.text("keyId")? } else { String::new() },
             commit: fields.uint("commit")?,
             index: fields.uint("index")?,
         };
@@ -185,6 +190,10 @@ impl Fields {
 
     fn take(&mut self, name: &str) -> Result<Value, String> {
         self.entries.remove(name).ok_or_else(|| format!("{} has no {name:?}", self.what))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
     }
 
     fn uint(&mut self, name: &str) -> Result<u64, String> {
@@ -354,7 +363,7 @@ mod tests {
             }
         };
         assert!(with(&set("format", text("other"))).unwrap_err().contains("format"));
-        assert!(with(&set("version", uint(2))).unwrap_err().contains("version 2"));
+        assert!(with(&set("version", uint(3))).unwrap_err().contains("version 3"));
         assert!(with(&set("fromSeq", uint(0))).unwrap_err().contains("range"));
         assert!(with(&set("prevHash", Value::Bytes(vec![1; 32]))).unwrap_err().contains("zero"));
         assert!(with(&|e| e.push((text("extra"), uint(1)))).unwrap_err().contains("unknown field"));

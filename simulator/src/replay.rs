@@ -177,7 +177,7 @@ fn replay_inner(
         }
         let value = canonical::decode_canonical(&item).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
         let record = Record::from_cbor(value).map_err(|e| malformed(Some(next), e))?;
-        if keys.get(&record.key_id).is_none() {
+        if !record.key_id.is_empty() && keys.get(&record.key_id).is_none() {
             return Err(ReplayError::new(
                 EXPORT_TAMPERED,
                 Some(next),
@@ -186,7 +186,7 @@ fn replay_inner(
         }
         let event = verify_record(&mut verifier, &tenant, record)?;
         observe(&event);
-        if !key_ids.contains(&event.key_id) {
+        if !event.key_id.is_empty() && !key_ids.contains(&event.key_id) {
             key_ids.push(event.key_id.clone());
         }
         if let Some((series, timeline)) = recording.as_mut() {
@@ -215,6 +215,12 @@ fn replay_inner(
         next += 1;
     }
     fold(&mut state, &batch)?;
+    if let Some(from) = verifier.uncovered_from()
+        && next > header.to_seq
+    {
+        // Every record there, the last ones covered by no signature: stripped, or cut short.
+        return Err(ReplayError::new(EXPORT_TAMPERED, Some(from), bc_core::chain::uncovered(from, header.to_seq)));
+    }
     verifier
         .finish(Some((header.to_seq, header.last_hash)))
         .map_err(|p| ReplayError::new(EXPORT_TRUNCATED, Some(p.seq), format!("{} (the header's last seq)", p.what)))?;

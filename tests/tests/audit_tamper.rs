@@ -84,7 +84,8 @@ fn request(tenant: TenantId, i: u64) -> AppendRequest {
     }
 }
 
-/// 10 events, a checkpoint (seq 11), 9 more, a checkpoint (seq 21), 2 more: 23 events.
+/// 10 events, a checkpoint (seq 11), 9 more, a checkpoint (seq 21), 2 more in one append: 23
+/// events, every one signed but seq 22 (the last of an append is; seq 23 covers 22).
 async fn fixture(postgres: bool) -> Fixture {
     let (store, raw): (Arc<dyn EventStore>, Raw) = if postgres {
         let db = ScratchDatabase::create().await.expect("PostgreSQL");
@@ -111,16 +112,17 @@ async fn fixture(postgres: bool) -> Fixture {
     }
     let second = audit::seal(&log, tenant, DEPLOYMENT, &Trust::of(&[key.public()], DEPLOYMENT).unwrap()).await.unwrap().unwrap();
     assert_eq!(second.size, 20);
-    for i in 19..21 {
-        log.append(request(tenant, i)).await.unwrap();
-    }
+    let mut pair = request(tenant, 19);
+    pair.events.push(request(tenant, 20).events.remove(0));
+    log.append(pair).await.unwrap();
     let verified = Arc::new(VerifiedSignatures::default());
     let f = Fixture { store, raw, _log: log, key, tenant, saved, verified };
     let report = verify(&f).await;
     assert!(report.problems.is_empty(), "honest log: {:?}", report.problems);
     assert_eq!((report.events, report.checkpoints), (23, 2));
-    // Every event's signature, and no other, is remembered.
-    assert_eq!(f.verified.len(), 23);
+    // Every event's signature, and no other, is remembered: 22 of them.
+    assert!(row(&f, 22).await.sig.is_empty() && row(&f, 22).await.key_id.is_empty());
+    assert_eq!(f.verified.len(), 22);
     f
 }
 
@@ -167,6 +169,62 @@ async fn a_changed_payload_byte_is_named() {
         let (seq, what) = first_problem(&f).await;
         assert_eq!(seq, 5, "{what}");
         assert!(what.contains("hash"), "{what}");
+    })
+    .await;
+}
+
+/// Seq 22 carries no signature of its own; seq 23's covers it. Rewriting 22 with every hash
+/// after it recomputed is caught by that signature; taking 23's away leaves both uncovered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_without_a_signature_is_covered_by_the_next_one() {
+    each_backend(async |f: Fixture| {
+        let (r22, r23) = (row(&f, 22).await, row(&f, 23).await);
+        let mut env = Envelope::from_canonical(&r22.canonical).unwrap();
+        env.payload = Value::Map(vec![(Value::Text("name".into()), Value::Text("forged".into()))]);
+        let canonical = env.to_canonical().unwrap();
+        let hash = sha256(&canonical);
+        let mut next = Envelope::from_canonical(&r23.canonical).unwrap();
+        next.prev = hash;
+        let next_canonical = next.to_canonical().unwrap();
+        let next_hash = sha256(&next_canonical);
+        f.raw
+            .exec(&format!(
+                "UPDATE events SET canonical = {}, hash = {} WHERE tenant_id = '{}' AND seq = 22;
+                 UPDATE events SET canonical = {}, hash = {} WHERE tenant_id = '{}' AND seq = 23;
+                 UPDATE chain_heads SET hash = {} WHERE tenant_id = '{}'",
+                f.raw.blob(&canonical),
+                f.raw.blob(&hash),
+                f.tenant,
+                f.raw.blob(&next_canonical),
+                f.raw.blob(&next_hash),
+                f.tenant,
+                f.raw.blob(&next_hash),
+                f.tenant
+            ))
+            .await;
+        let (seq, what) = first_problem(&f).await;
+        assert_eq!(seq, 23, "{what}");
+        assert!(what.contains("signature does not verify"), "{what}");
+        // Put them back, then take the head's signature away.
+        f.raw
+            .exec(&format!(
+                "UPDATE events SET canonical = {}, hash = {} WHERE tenant_id = '{}' AND seq = 22;
+                 UPDATE events SET canonical = {}, hash = {}, sig = {}, key_id = '' WHERE tenant_id = '{}' AND seq = 23;
+                 UPDATE chain_heads SET hash = {} WHERE tenant_id = '{}'",
+                f.raw.blob(&r22.canonical),
+                f.raw.blob(&r22.hash),
+                f.tenant,
+                f.raw.blob(&r23.canonical),
+                f.raw.blob(&r23.hash),
+                f.raw.blob(&[]),
+                f.tenant,
+                f.raw.blob(&r23.hash),
+                f.tenant
+            ))
+            .await;
+        let (seq, what) = first_problem(&f).await;
+        assert_eq!(seq, 22, "{what}");
+        assert!(what.contains("no signature covers seq 22 to 23"), "{what}");
     })
     .await;
 }

@@ -609,3 +609,68 @@ async fn a_node_is_deleted_only_once_nothing_holds_it_and_is_gone_from_placement
         server.cli(&["audit", "verify", "--data-dir", &server.data_dir.display().to_string(), "--format", "json"]);
     assert_eq!(code, 0, "audit verify: {out} {err}");
 }
+
+/// An event without a signature of its own (a reservation under a quota appends three events in
+/// one append; the appender signs the last) verifies alone from `events.get`, with libraries
+/// this project did not write: SHA-256 of its bytes, then each of `coveredBy.following` decoded
+/// with minicbor (its `seq` the next, its `prev` the hash before), and the Ed25519 signature
+/// over the last hash under the pinned key (`schema/LOG-FORMAT.md`, "Verifying one event").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_a_later_signature_covers_verifies_alone_from_events_get() {
+    use base64::Engine;
+    use ed25519_dalek::{Signature, VerifyingKey};
+    use sha2::{Digest, Sha256};
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let server = Server::dev();
+    let (pool, _) = fleet(&server, &[&[H100; 8]]).await;
+    let (status, quota) = server.call("quotas.set", json!({ "poolId": pool, "gpus": 4 })).await;
+    assert_eq!(status, 200, "{quota}");
+    let (status, rsv) = server.call("reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 600 })).await;
+    assert_eq!(status, 200, "{rsv}");
+    let (_, page) = server.call("events.list", json!({ "limit": 100 })).await;
+    let requested = page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "reservation.requested")
+        .unwrap_or_else(|| panic!("{page}"))
+        .clone();
+    assert!(requested.get("keyId").is_none(), "the first of the append carries no signature: {requested}");
+    let (status, full) = server.call("events.get", json!({ "eventId": requested["id"] })).await;
+    assert_eq!(status, 200, "{full}");
+    assert!(full.get("sig").is_none(), "{full}");
+    let covered = &full["coveredBy"];
+    let following = covered["following"].as_array().unwrap_or_else(|| panic!("{full}"));
+    assert_eq!(following.len() as u64, covered["seq"].as_u64().unwrap() - full["seq"].as_u64().unwrap(), "{full}");
+
+    let mut hash: [u8; 32] = Sha256::digest(b64.decode(full["canonical"].as_str().unwrap()).unwrap()).into();
+    assert_eq!(hex::encode(hash), full["hash"].as_str().unwrap());
+    let mut seq = full["seq"].as_u64().unwrap();
+    for bytes in following {
+        let bytes = b64.decode(bytes.as_str().unwrap()).unwrap();
+        let (mut their_seq, mut their_prev) = (0u64, Vec::new());
+        let mut d = minicbor::Decoder::new(&bytes);
+        for _ in 0..d.map().unwrap().expect("a definite map") {
+            match d.str().unwrap() {
+                "seq" => their_seq = d.u64().unwrap(),
+                "prev" => their_prev = d.bytes().unwrap().to_vec(),
+                _ => d.skip().unwrap(),
+            }
+        }
+        assert_eq!((their_seq, their_prev.as_slice()), (seq + 1, hash.as_slice()), "each links to the one before");
+        seq = their_seq;
+        hash = Sha256::digest(&bytes).into();
+    }
+    assert_eq!(seq, covered["seq"].as_u64().unwrap());
+
+    let (code, pki, err) = bc_tests::cli(&["pki", "show", "--data-dir", server.data_dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    let pki: Value = serde_json::from_str(&pki).unwrap();
+    assert_eq!(covered["keyId"], pki["keyId"]);
+    let public: [u8; 32] = b64.decode(pki["publicKey"].as_str().unwrap()).unwrap().try_into().unwrap();
+    let key = VerifyingKey::from_bytes(&public).unwrap();
+    let sig = Signature::from_slice(&b64.decode(covered["sig"].as_str().unwrap()).unwrap()).unwrap();
+    let mut message = b"better-compute/event/v1\n".to_vec();
+    message.extend_from_slice(&hash);
+    key.verify_strict(&message, &sig).expect("the covering signature verifies under the pinned key");
+}

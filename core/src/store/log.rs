@@ -29,7 +29,7 @@ use super::{
 };
 use crate::clock::Clock;
 use crate::error::{Error, Result};
-use crate::event::{Envelope, GENESIS_PREV, PAYLOAD_BYTES_MAX, Position, StoredEvent, sha256};
+use crate::event::{Envelope, GENESIS_PREV, PAYLOAD_BYTES_MAX, Position, StoredEvent, sha256, signed_alone};
 use crate::id::{EventId, TenantId};
 use crate::id_source::{IdSource, RandomIds};
 use crate::keys::LogKey;
@@ -39,7 +39,8 @@ pub const APPEND_QUEUE_REQUESTS_MAX: usize = 4096;
 /// Optimistic attempts (decided and signed outside the transaction) before the appender decides
 /// the batch inside the transaction instead, under the counter lock, which cannot go stale.
 pub const OPTIMISTIC_ATTEMPTS_MAX: usize = 2;
-/// Below this many events, signing on one thread beats starting another.
+/// Below this many events, deciding on this task beats a hop to the blocking pool, and below
+/// this many signatures, signing on one thread beats starting another.
 const PARALLEL_SIGNING_EVENTS_MIN: usize = 64;
 
 struct Job {
@@ -953,7 +954,7 @@ fn decide(
                 canonical,
                 hash,
                 sig: Vec::new(),
-                key_id: key.key_id().to_owned(),
+                key_id: String::new(),
                 position: Position::default(),
             });
         }
@@ -997,20 +998,37 @@ fn signing_threads() -> usize {
     *THREADS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(4))
 }
 
-/// Signs every event, on both cores when the batch is large enough to pay for a thread.
+/// Signs the events that carry a signature (`schema/LOG-FORMAT.md`, "Signature"): the last
+/// event of each chain in the batch (the head it leaves, which covers every event of that chain
+/// before it through their `prev` links), and the ones [`signed_alone`] names. The others keep an
+/// empty `sig` and `key_id`. On both cores when there are enough signatures to pay for a thread.
 fn sign_all(events: &mut [StoredEvent], key: &LogKey) {
-    let sign = |chunk: &mut [StoredEvent]| {
+    let mut last_of: Vec<(TenantId, usize)> = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        match last_of.iter_mut().find(|(t, _)| *t == event.envelope.tenant) {
+            Some(slot) => slot.1 = i,
+            None => last_of.push((event.envelope.tenant, i)),
+        }
+    }
+    let mut to_sign: Vec<&mut StoredEvent> = events
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, e)| signed_alone(&e.envelope) || last_of.iter().any(|(t, last)| *t == e.envelope.tenant && last == i))
+        .map(|(_, e)| e)
+        .collect();
+    let sign = |chunk: &mut [&mut StoredEvent]| {
         for event in chunk {
             event.sig = key.sign_event_hash(&event.hash).to_vec();
+            event.key_id = key.key_id().to_owned();
         }
     };
-    if events.len() < PARALLEL_SIGNING_EVENTS_MIN || signing_threads() < 2 {
-        sign(events);
+    if to_sign.len() < PARALLEL_SIGNING_EVENTS_MIN || signing_threads() < 2 {
+        sign(&mut to_sign);
         return;
     }
-    let chunk = events.len().div_ceil(signing_threads());
+    let chunk = to_sign.len().div_ceil(signing_threads());
     std::thread::scope(|scope| {
-        for part in events.chunks_mut(chunk) {
+        for part in to_sign.chunks_mut(chunk) {
             scope.spawn(move || sign(part));
         }
     });

@@ -1,6 +1,6 @@
 //! `events.*`: a tenant's log, read by outbox position, and one event with its proof material.
 
-use bc_core::event::{Position, STREAM_NAME_BYTES_MAX};
+use bc_core::event::{Position, SIGNED_SEQ_INTERVAL, STREAM_NAME_BYTES_MAX};
 use bc_core::id::EventId;
 use bc_core::store::{READ_ROWS_MAX, decode_rows};
 use bc_core::{Error, Result};
@@ -9,7 +9,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::toolkit::{EventIdText, LimitNumber, PositionText, TenantIdText, limit, parse_id, string_schema};
-use super::views::EventView;
+use super::views::{CoveredBy, EventView};
 use super::{Access, Call, Method, method};
 use crate::watch::TypeFilter;
 
@@ -23,7 +23,7 @@ pub(super) const METHODS: &[Method] = &[
     method!(
         "events.get",
         READ,
-        "one event with its canonical bytes, hash and signature",
+        "one event with its canonical bytes, hash and signature (or the later events whose signature covers it)",
         EventsGet => EventView,
         events_get,
     ),
@@ -132,5 +132,18 @@ async fn events_get(call: &Call<'_>, input: EventsGet) -> Result<EventView> {
     let id: EventId = parse_id("eventId", &input.event_id)?;
     let row = call.state.store.event_row(tenant, id).await?.ok_or_else(|| Error::not_found(format!("event {id}")))?;
     let event = decode_rows(vec![row])?.remove(0);
-    Ok(EventView::of(&event, true))
+    let mut view = EventView::of(&event, true);
+    if event.sig.is_empty() {
+        // Covered by a later event: the ones up to it, so this one verifies alone.
+        let seq = event.envelope.seq;
+        let rows = call.state.store.read_chain_rows(tenant, seq + 1, SIGNED_SEQ_INTERVAL as u32).await?;
+        let following = decode_rows(rows)?;
+        let upto = following.iter().position(|e| !e.sig.is_empty()).ok_or_else(|| Error::Corrupt {
+            tenant: tenant.to_string(),
+            seq,
+            what: format!("no signed event follows it within {SIGNED_SEQ_INTERVAL} events"),
+        })?;
+        view.covered_by = CoveredBy::of(&following[..=upto]);
+    }
+    Ok(view)
 }

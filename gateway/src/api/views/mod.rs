@@ -17,7 +17,7 @@ use super::toolkit::{
     ApiKeyIdText, DescriptionText, LabelsMap, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText,
 };
 
-pub use bc_projections::EventView;
+pub use bc_projections::{CoveredBy, EventView};
 
 mod agents;
 mod flavors;
