@@ -485,6 +485,9 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
         .map(|row| {
             let event = row.check()?;
             let signature = match (row.sig.is_empty(), row.key_id.is_empty()) {
+                (true, true) if crate::event::signed_alone(row.seq, &row.event_type) => {
+                    return Err(crate::event::unsigned_but_must_be(row.seq, &row.event_type));
+                }
                 (true, true) => None,
                 (true, false) => return Err(format!("no signature, yet a key id ({})", row.key_id)),
                 (false, true) => return Err("a signature without a key id".to_owned()),

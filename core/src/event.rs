@@ -31,12 +31,22 @@ pub const PAYLOAD_BYTES_MAX: usize = 64 * 1024;
 /// others' bytes.
 pub const SIGNED_SEQ_INTERVAL: u64 = 16;
 
-/// Whether the appender must sign `envelope` whatever else it decides with it: every
-/// [`SIGNED_SEQ_INTERVAL`]th event of a chain, and a key rotation (`audit check-proof` and
-/// `audit follow` check that event's signature alone). The last event of each chain in a decided
-/// batch is signed too: that is the chain head the batch leaves.
-pub fn signed_alone(envelope: &Envelope) -> bool {
-    envelope.seq.is_multiple_of(SIGNED_SEQ_INTERVAL) || envelope.event_type == crate::audit::LOG_KEY_ROTATED
+/// Whether the event at `seq` of type `event_type` must carry a signature of its own, whatever
+/// else is decided with it: every [`SIGNED_SEQ_INTERVAL`]th event of a chain, and a key
+/// rotation (`audit check-proof` and `audit follow` check that event's signature alone). The
+/// appender signs the last event of each chain in a decided batch too (the head it leaves);
+/// every verifier refuses an event this names without a signature.
+pub fn signed_alone(seq: u64, event_type: &str) -> bool {
+    seq.is_multiple_of(SIGNED_SEQ_INTERVAL) || event_type == crate::audit::LOG_KEY_ROTATED
+}
+
+/// What a verifier says of an event [`signed_alone`] names that carries no signature.
+pub fn unsigned_but_must_be(seq: u64, event_type: &str) -> String {
+    if event_type == crate::audit::LOG_KEY_ROTATED {
+        "a key rotation without a signature of its own".into()
+    } else {
+        format!("seq {seq} is a multiple of {SIGNED_SEQ_INTERVAL} and carries no signature")
+    }
 }
 
 /// Where an event sits in the outbox of one database: the append transaction's number,

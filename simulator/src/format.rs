@@ -151,6 +151,7 @@ impl Record {
 
     pub fn from_cbor(value: Value) -> Result<Self, String> {
         let mut fields = Fields::of(value, "a record")?;
+        let (has_sig, has_key) = (fields.has("sig"), fields.has("keyId"));
         let record = Self {
             seq: fields.uint("seq")?,
             event: fields.bytes("event")?,
@@ -162,6 +163,11 @@ impl Record {
             index: fields.uint("index")?,
         };
         fields.done()?;
+        // Both absent for an event without a signature of its own; never one without the other,
+        // nor either empty.
+        if record.sig.is_empty() != record.key_id.is_empty() || (record.sig.is_empty() && (has_sig || has_key)) {
+            return Err("a record's sig and keyId are both present and not empty, or both absent".into());
+        }
         Ok(record)
     }
 }

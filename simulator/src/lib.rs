@@ -148,6 +148,29 @@ mod tests {
         assert_eq!(outside.code, replay::REPLAY_UNTIL_OUTSIDE);
     }
 
+    /// The records before the last carry no signature of their own, as the appender writes
+    /// one batch: the file replays; with the last signature taken away it is refused at the
+    /// first uncovered seq.
+    #[test]
+    fn records_a_later_signature_covers_replay_and_a_stripped_last_one_is_refused() {
+        let key = key();
+        let mut records = records(&key);
+        let last = records.len() - 1;
+        for r in &mut records[..last] {
+            (r.sig, r.key_id) = (Vec::new(), String::new());
+        }
+        let replayed = replay::replay(&mut &file(&[&key], &records)[..], &key.pin(), None).unwrap();
+        assert_eq!((replayed.events_verified, replayed.counts().get("pool")), (EVENTS, Some(&EVENTS)));
+        (records[last].sig, records[last].key_id) = (Vec::new(), String::new());
+        let e = refused(&file(&[&key], &records), &key.pin());
+        assert_eq!((e.code, e.seq), (EXPORT_TAMPERED, Some(1)), "{e}");
+        assert!(e.message.contains("no signature covers seq 1"), "{e}");
+        // A keyId with an empty sig is not how a record says it has none.
+        records[0].key_id = key.key_id().to_owned();
+        let e = refused(&file(&[&key], &records), &key.pin());
+        assert_eq!((e.code, e.seq), (EXPORT_MALFORMED, Some(1)), "{e}");
+    }
+
     #[test]
     fn a_flipped_payload_byte_is_refused_at_its_seq() {
         let key = key();

@@ -160,6 +160,8 @@ fn replay_inner(
     let mut verifier = ChainVerifier::resume(tenant, &keys, header.from_seq, header.prev_hash);
     let mut state: HashMap<RowKey, Value> = HashMap::new();
     let mut batch: Vec<StoredEvent> = Vec::new();
+    // Verified events a later signature must still cover.
+    let mut held: Vec<StoredEvent> = Vec::new();
     let mut key_ids: Vec<String> = Vec::new();
     let mut next = header.from_seq;
     let mut recording = record.then(|| (Series::default(), Timeline::new()));
@@ -185,45 +187,55 @@ fn replay_inner(
             ));
         }
         let event = verify_record(&mut verifier, &tenant, record)?;
-        observe(&event);
-        if !event.key_id.is_empty() && !key_ids.contains(&event.key_id) {
-            key_ids.push(event.key_id.clone());
+        next += 1;
+        // An event without a signature of its own is held back until the one that covers it
+        // verifies (at most 15 later: the verifier refuses an unsigned 16th), so nothing a
+        // signature has not vouched for reaches the fold or the caller.
+        let signed = !event.sig.is_empty();
+        held.push(event);
+        if !signed {
+            continue;
         }
-        if let Some((series, timeline)) = recording.as_mut() {
-            let seq = event.envelope.seq;
-            let at_ms = event.envelope.at_ms;
-            let event_type = event.envelope.event_type.clone();
-            let changed = fold(&mut state, &[event])?;
-            timeline.observe(series.observe(at_ms, &event_type, &changed, &state));
-            if seq == at_seq {
-                let label = match until {
-                    Some(_) => format!("--until {seq}: the state replayed"),
-                    None => format!("seq {seq}, the file's last: the state replayed"),
-                };
-                timeline.mark(MarkKind::Until, series.since_first_ms(at_ms), label);
-                if seq < header.to_seq {
-                    at_until = Some(state.clone());
+        for event in held.drain(..) {
+            observe(&event);
+            if !event.key_id.is_empty() && !key_ids.contains(&event.key_id) {
+                key_ids.push(event.key_id.clone());
+            }
+            if let Some((series, timeline)) = recording.as_mut() {
+                let seq = event.envelope.seq;
+                let at_ms = event.envelope.at_ms;
+                let event_type = event.envelope.event_type.clone();
+                let changed = fold(&mut state, &[event])?;
+                timeline.observe(series.observe(at_ms, &event_type, &changed, &state));
+                if seq == at_seq {
+                    let label = match until {
+                        Some(_) => format!("--until {seq}: the state replayed"),
+                        None => format!("seq {seq}, the file's last: the state replayed"),
+                    };
+                    timeline.mark(MarkKind::Until, series.since_first_ms(at_ms), label);
+                    if seq < header.to_seq {
+                        at_until = Some(state.clone());
+                    }
+                }
+            } else if event.envelope.seq <= at_seq {
+                batch.push(event);
+                if batch.len() == FOLD_EVENTS_MAX {
+                    fold(&mut state, &batch)?;
+                    batch.clear();
                 }
             }
-        } else if event.envelope.seq <= at_seq {
-            batch.push(event);
-            if batch.len() == FOLD_EVENTS_MAX {
-                fold(&mut state, &batch)?;
-                batch.clear();
-            }
         }
-        next += 1;
     }
-    fold(&mut state, &batch)?;
     if let Some(from) = verifier.uncovered_from()
         && next > header.to_seq
     {
-        // Every record there, the last ones covered by no signature: stripped, or cut short.
+        // Every record there, the last ones covered by no signature: stripped.
         return Err(ReplayError::new(EXPORT_TAMPERED, Some(from), bc_core::chain::uncovered(from, header.to_seq)));
     }
     verifier
         .finish(Some((header.to_seq, header.last_hash)))
         .map_err(|p| ReplayError::new(EXPORT_TRUNCATED, Some(p.seq), format!("{} (the header's last seq)", p.what)))?;
+    fold(&mut state, &batch)?;
     let state = at_until.unwrap_or(state);
     let rows = state.into_iter().map(|(key, doc)| ((key.kind, key.id), doc)).collect();
     let timeline = recording.map(|(_, timeline)| timeline);

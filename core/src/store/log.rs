@@ -1013,7 +1013,10 @@ fn sign_all(events: &mut [StoredEvent], key: &LogKey) {
     let mut to_sign: Vec<&mut StoredEvent> = events
         .iter_mut()
         .enumerate()
-        .filter(|(i, e)| signed_alone(&e.envelope) || last_of.iter().any(|(t, last)| *t == e.envelope.tenant && last == i))
+        .filter(|(i, e)| {
+            signed_alone(e.envelope.seq, &e.envelope.event_type)
+                || last_of.iter().any(|(t, last)| *t == e.envelope.tenant && last == i)
+        })
         .map(|(_, e)| e)
         .collect();
     let sign = |chunk: &mut [&mut StoredEvent]| {
