@@ -97,15 +97,6 @@ impl<'k> ChainVerifier<'k> {
         self.uncovered_from
     }
 
-    /// Ends a walk that stops short of the head (an export's last record): every event must be
-    /// covered by a signature.
-    pub fn finish_covered(&self) -> Result<u64, ChainProblem> {
-        match self.uncovered_from {
-            Some(seq) => Err(self.problem(seq, uncovered(seq, self.verified()))),
-            None => Ok(self.verified()),
-        }
-    }
-
     /// Compares the end of the walk with the stored head (`None` if the tenant has no head);
     /// the head must be signed.
     pub fn finish(&self, head: Option<(u64, [u8; 32])>) -> Result<u64, ChainProblem> {
@@ -120,7 +111,10 @@ impl<'k> ChainVerifier<'k> {
         if head_hash != self.prev {
             return Err(self.problem(last, "chain head hash differs from the last event's hash"));
         }
-        self.finish_covered()
+        match self.uncovered_from {
+            Some(seq) => Err(self.problem(seq, uncovered(seq, last))),
+            None => Ok(last),
+        }
     }
 }
 

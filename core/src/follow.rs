@@ -5,10 +5,10 @@
 //! event. Each new checkpoint must be signed by a trusted key and be no smaller; every new
 //! entry is checked (the event hashes to its entry, the entry's leaf hash is the level-0 tile's,
 //! `seq` and `prev` follow on, its signature, when it carries one, verifies under a trusted
-//! key), pushed onto the
-//! compact range, and at the end the range's root must be the checkpoint's. Because the range
-//! was built from the old tree, a matching root proves the new tree extends the old one: a
-//! fork or a rewritten entry fails here, with the tenant and the index.
+//! key), pushed onto the compact range, and at the end the range's root must be the
+//! checkpoint's. Because the range was built from the old tree, a matching root proves the new
+//! tree extends the old one: a fork or a rewritten entry fails here, with the tenant and the
+//! index.
 //!
 //! Key rotation: when a trusted key signed a `log_key.rotated` event (in the root tenant's
 //! chain) and that event is then covered by a checkpoint a trusted key signed, the new key is

@@ -27,7 +27,8 @@ pub struct Exported {
 
 /// Writes `tenant`'s events `from_seq ..= to_seq` (default: to the chain head as read when the
 /// export starts; a `to_seq` whose event carries no signature of its own is moved on to the next
-/// that does, so the file's last records verify) to `out` as the export format; `progress(written, total)` after each page.
+/// that does, so the file's last records verify) to `out` as the export format;
+/// `progress(written, total)` after each page.
 /// `deployment` names the log's keys in the rotations' checkpoints.
 pub async fn export(
     store: &dyn EventStore,
