@@ -19,7 +19,7 @@ use ed25519_dalek::{Signature, VerifyingKey};
 
 use crate::chain::ChainProblem;
 use crate::error::{Error, Result};
-use crate::event::{EventRow, GENESIS_PREV, sha256};
+use crate::event::{EventRow, GENESIS_PREV, SignatureColumns, sha256};
 use crate::id::{EventId, TenantId};
 use crate::keys::{KeyRing, LogKey, VerifiedSignatures, event_signing_message, key_id_of};
 use crate::merkle::{self, RootBuilder};
@@ -484,16 +484,11 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
         .iter()
         .map(|row| {
             let event = row.check()?;
-            let signature = match (row.sig.is_empty(), row.key_id.is_empty()) {
-                (true, true) if crate::event::signed_alone(row.seq, &row.event_type) => {
-                    return Err(crate::event::unsigned_but_must_be(row.seq, &row.event_type));
-                }
-                (true, true) => None,
-                (true, false) => return Err(format!("no signature, yet a key id ({})", row.key_id)),
-                (false, true) => return Err("a signature without a key id".to_owned()),
-                (false, false) => {
-                    let key = *keys.get(&row.key_id).ok_or_else(|| format!("signed by untrusted key {}", row.key_id))?;
-                    let sig = Signature::from_slice(&row.sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
+            let signature = match crate::event::signature_columns(row.seq, &row.event_type, &row.key_id, &row.sig)? {
+                SignatureColumns::CoveredLater => None,
+                SignatureColumns::Signed { key_id, sig } => {
+                    let key = *keys.get(key_id).ok_or_else(|| format!("signed by untrusted key {key_id}"))?;
+                    let sig = Signature::from_slice(sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
                     Some(RowSignature { key, sig, message: event_signing_message(&event.hash) })
                 }
             };

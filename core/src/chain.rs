@@ -6,7 +6,7 @@
 //! the `prev` links between them, so a walk's events are vouched for up to the last signed one,
 //! and the chain head must be signed (`schema/LOG-FORMAT.md`, "Signature").
 
-use crate::event::{EventRow, GENESIS_PREV, StoredEvent, signed_alone, unsigned_but_must_be};
+use crate::event::{EventRow, GENESIS_PREV, SignatureColumns, StoredEvent, signature_columns};
 use crate::id::TenantId;
 use crate::keys::KeyRing;
 
@@ -69,14 +69,15 @@ impl<'k> ChainVerifier<'k> {
         if event.envelope.prev != self.prev {
             return Err(self.problem(expected, "prev does not match the hash of the event before"));
         }
-        if event.sig.is_empty() && event.key_id.is_empty() {
-            if signed_alone(expected, &event.envelope.event_type) {
-                return Err(self.problem(expected, unsigned_but_must_be(expected, &event.envelope.event_type)));
+        match signature_columns(expected, &event.envelope.event_type, &event.key_id, &event.sig) {
+            Ok(SignatureColumns::CoveredLater) => {
+                self.uncovered_from.get_or_insert(expected);
             }
-            self.uncovered_from.get_or_insert(expected);
-        } else {
-            self.keys.verify_event(&event.key_id, &event.hash, &event.sig).map_err(|what| self.problem(expected, what))?;
-            self.uncovered_from = None;
+            Ok(SignatureColumns::Signed { key_id, sig }) => {
+                self.keys.verify_event(key_id, &event.hash, sig).map_err(|what| self.problem(expected, what))?;
+                self.uncovered_from = None;
+            }
+            Err(what) => return Err(self.problem(expected, what)),
         }
         self.prev = event.hash;
         self.next_seq += 1;

@@ -35,17 +35,41 @@ pub const SIGNED_SEQ_INTERVAL: u64 = 16;
 /// else is decided with it: every [`SIGNED_SEQ_INTERVAL`]th event of a chain, and a key
 /// rotation (`audit check-proof` and `audit follow` check that event's signature alone). The
 /// appender signs the last event of each chain in a decided batch too (the head it leaves);
-/// every verifier refuses an event this names without a signature.
+/// every verifier refuses an event this names without a signature ([`signature_columns`]).
 pub fn signed_alone(seq: u64, event_type: &str) -> bool {
     seq.is_multiple_of(SIGNED_SEQ_INTERVAL) || event_type == crate::audit::LOG_KEY_ROTATED
 }
 
-/// What a verifier says of an event [`signed_alone`] names that carries no signature.
-pub fn unsigned_but_must_be(seq: u64, event_type: &str) -> String {
-    if event_type == crate::audit::LOG_KEY_ROTATED {
-        "a key rotation without a signature of its own".into()
-    } else {
-        format!("seq {seq} is a multiple of {SIGNED_SEQ_INTERVAL} and carries no signature")
+/// An event's `sig` and `key_id` columns as every verifier reads them (`schema/LOG-FORMAT.md`,
+/// "Signature"): the one rule of which events carry a signature of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignatureColumns<'a> {
+    /// The event carries a signature of its own: check `sig` under the key `key_id`.
+    Signed { key_id: &'a str, sig: &'a [u8] },
+    /// No signature of its own: a later signed event of the chain must cover it.
+    CoveredLater,
+}
+
+/// Reads the signature columns of the event at `seq` of type `event_type`: both set, or both
+/// empty where [`signed_alone`] does not name the event. Anything else is refused, with what a
+/// verifier says of it.
+pub fn signature_columns<'a>(
+    seq: u64,
+    event_type: &str,
+    key_id: &'a str,
+    sig: &'a [u8],
+) -> Result<SignatureColumns<'a>, String> {
+    match (sig.is_empty(), key_id.is_empty()) {
+        (true, true) if event_type == crate::audit::LOG_KEY_ROTATED => {
+            Err("a key rotation without a signature of its own".into())
+        }
+        (true, true) if signed_alone(seq, event_type) => {
+            Err(format!("seq {seq} is a multiple of {SIGNED_SEQ_INTERVAL} and carries no signature"))
+        }
+        (true, true) => Ok(SignatureColumns::CoveredLater),
+        (true, false) => Err(format!("no signature, yet a key id ({key_id})")),
+        (false, true) => Err("a signature without a key id".into()),
+        (false, false) => Ok(SignatureColumns::Signed { key_id, sig }),
     }
 }
 
@@ -416,6 +440,21 @@ pub fn validate_name(what: &str, name: &str, bytes_max: usize) -> Result<()> {
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signature_columns_are_both_set_or_both_empty_where_a_later_signature_may_cover() {
+        use SignatureColumns::*;
+        let sig = [7u8; 64];
+        assert_eq!(signature_columns(3, "pool.created", "lk_1", &sig), Ok(Signed { key_id: "lk_1", sig: &sig }));
+        assert_eq!(signature_columns(3, "pool.created", "", &[]), Ok(CoveredLater));
+        assert_eq!(signature_columns(16, "pool.created", "lk_1", &sig), Ok(Signed { key_id: "lk_1", sig: &sig }));
+        let must = signature_columns(32, "pool.created", "", &[]).unwrap_err();
+        assert!(must.contains("seq 32 is a multiple of 16"), "{must}");
+        let rotation = signature_columns(5, crate::audit::LOG_KEY_ROTATED, "", &[]).unwrap_err();
+        assert!(rotation.contains("key rotation"), "{rotation}");
+        assert!(signature_columns(3, "pool.created", "lk_1", &[]).unwrap_err().contains("yet a key id (lk_1)"));
+        assert!(signature_columns(3, "pool.created", "", &sig).unwrap_err().contains("without a key id"));
+    }
 
     #[test]
     fn positions_parse_both_spellings() {

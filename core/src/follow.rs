@@ -23,7 +23,7 @@ use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 
 use crate::audit::LOG_KEY_ROTATED;
-use crate::event::{Envelope, GENESIS_PREV, sha256};
+use crate::event::{Envelope, GENESIS_PREV, SignatureColumns, sha256, signature_columns};
 use crate::id::TenantId;
 use crate::keys::{KeyRing, key_id_of};
 use crate::merkle::{self, Hash, RootBuilder};
@@ -230,12 +230,13 @@ impl FollowState {
                 return Err(self.bad(index, "prev does not match the hash of the event before"));
             }
             // An event's own signature, when it carries one (the checkpoint's signature over
-            // the root covers every entry either way); a key rotation must carry its own.
-            if !event.sig.is_empty() || !event.key_id.is_empty() {
-                keys.verify_event(&event.key_id, &hash, &event.sig)
-                    .map_err(|e| self.bad(index, format!("signature: {e} (a key you trust?)")))?;
-            } else if envelope.event_type == LOG_KEY_ROTATED {
-                return Err(self.bad(index, "a key rotation without a signature of its own"));
+            // the root covers every entry either way); the ones `signed_alone` names must.
+            match signature_columns(envelope.seq, &envelope.event_type, &event.key_id, &event.sig) {
+                Ok(SignatureColumns::CoveredLater) => {}
+                Ok(SignatureColumns::Signed { key_id, sig }) => keys
+                    .verify_event(key_id, &hash, sig)
+                    .map_err(|e| self.bad(index, format!("signature: {e} (a key you trust?)")))?,
+                Err(what) => return Err(self.bad(index, what)),
             }
             if envelope.event_type == LOG_KEY_ROTATED
                 && let Some(new) = rotated_key(&envelope.payload)
