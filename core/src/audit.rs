@@ -425,6 +425,8 @@ impl Trust {
 struct CheckedRow {
     hash: [u8; 32],
     prev: [u8; 32],
+    /// The event's Merkle leaf hash, computed beside the rest of the page's checks.
+    leaf: merkle::Hash,
     /// `(tree size, note)` when the row seals a checkpoint.
     checkpoint: Option<(u64, String)>,
     /// What the row says about a node's own signatures, checked in chain order.
@@ -500,7 +502,8 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
             };
             let node = node_fact(row, event.payload)?;
             let signed = signature.is_some();
-            Ok((CheckedRow { hash: event.hash, prev: event.prev, checkpoint, node, signed }, signature))
+            let leaf = merkle::leaf_hash(&event.hash);
+            Ok((CheckedRow { hash: event.hash, prev: event.prev, leaf, checkpoint, node, signed }, signature))
         })
         .collect::<Vec<Result<_, String>>>();
     // Batch-verify the signatures of the rows that decoded (but those found good before); on
@@ -539,7 +542,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
 
 /// Verifies every chain (or one tenant's): hashes, links, signatures under trusted keys, every
 /// checkpoint's signature and root, and that every sealed checkpoint is still stored. Streams
-/// the log page by page (bounded memory: a page a core in flight) and checks the pages on all
+/// the log page by page (bounded memory: two pages a core in flight) and checks the pages on all
 /// cores while the oldest is walked in chain order.
 pub async fn verify(
     store: &dyn EventStore,
@@ -563,8 +566,9 @@ pub async fn verify_with(
 ) -> Result<Report> {
     let mut report = Report::default();
     let heads: std::collections::HashMap<TenantId, crate::store::Head> = store.heads().await?.into_iter().collect();
-    // Pages checked at once: one a core (two at least, so reading and walking overlap checking).
-    let pages_in_flight = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(2, 16);
+    // Pages in flight: two a core (four at least), so each core has a page to check while the
+    // walk reads the next one and walks the oldest, and an uneven page does not idle a core.
+    let pages_in_flight = std::thread::available_parallelism().map(|n| n.get().saturating_mul(2)).unwrap_or(1).clamp(4, 32);
     // Every tenant with events, a head or checkpoints: deleting a head must not hide a chain.
     let tenants: Vec<TenantId> = store.tenants().await?.into_iter().filter(|t| only.is_none_or(|o| o == *t)).collect();
     if let Some(only) = only
@@ -602,12 +606,12 @@ pub async fn verify_with(
         // The first event since the last signed one: a later signature must cover it.
         let mut uncovered_from: Option<u64> = None;
         // A pipeline: pages are read in order and each is checked on a blocking thread of its
-        // own (up to one page a core in flight), while the oldest checked page is walked here in
+        // own (up to two pages a core in flight), while the oldest checked page is walked here in
         // chain order. Memory stays bounded by the pages in flight.
         let mut read_from = 1u64;
         let mut read_all = false;
         let mut in_flight = std::collections::VecDeque::new();
-        'walk: loop {
+        loop {
             while in_flight.len() < pages_in_flight && !read_all {
                 let rows = store.read_chain_rows(tenant, read_from, VERIFY_PAGE_ROWS).await?;
                 let Some(last) = rows.last() else {
@@ -618,11 +622,18 @@ pub async fn verify_with(
                 let (keys, verified) = (trust.keys.clone(), verified.clone());
                 in_flight.push_back(tokio::task::spawn_blocking(move || {
                     let results = check_rows(&rows, &keys, verified.as_deref());
-                    (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results)
+                    // The page's Merkle subtrees too, if it holds the leaves from its first seq
+                    // on (the walk checks that it does before it uses them).
+                    let leaves: Option<Vec<merkle::Hash>> = results.iter().map(|r| r.as_ref().ok().map(|c| c.leaf)).collect();
+                    let subtrees = leaves.map(|leaves| merkle::range_subtrees(rows[0].seq.saturating_sub(1), &leaves));
+                    (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results, subtrees)
                 }));
             }
             let Some(checked) = in_flight.pop_front() else { break };
-            let (seqs, results) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
+            let (seqs, results, subtrees) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
+            // The leaves the walk vouches for, grown into the tree at the end of the page.
+            let mut leaves = Vec::with_capacity(seqs.len());
+            let whole = seqs.len();
             for (seq, result) in seqs.into_iter().zip(results) {
                 if seq != next_seq {
                     let what = if seq > next_seq {
@@ -632,20 +643,20 @@ pub async fn verify_with(
                     };
                     report.problem(tenant, next_seq, what);
                     broken = true;
-                    break 'walk;
+                    break;
                 }
-                let CheckedRow { hash, prev: event_prev, checkpoint, node, signed } = match result {
+                let CheckedRow { hash, prev: event_prev, leaf, checkpoint, node, signed } = match result {
                     Ok(ok) => ok,
                     Err(what) => {
                         report.problem(tenant, seq, what);
                         broken = true;
-                        break 'walk;
+                        break;
                     }
                 };
                 if event_prev != prev {
                     report.problem(tenant, seq, "prev does not match the hash of the event before");
                     broken = true;
-                    break 'walk;
+                    break;
                 }
                 match node {
                     Some(NodeFact::Joined { node, key }) => {
@@ -679,16 +690,7 @@ pub async fn verify_with(
                 prev = hash;
                 next_seq += 1;
                 report.events += 1;
-                builder.push_leaf_hash(merkle::leaf_hash(&hash));
-                if let Some(root) = expected_roots.get(&builder.size())
-                    && *root != builder.root()
-                {
-                    report.problem(
-                        tenant,
-                        builder.size(),
-                        format!("checkpoint of size {} does not match the log", builder.size()),
-                    );
-                }
+                leaves.push(leaf);
                 if let Some((size, sealed_note)) = checkpoint {
                     match stored_notes.get(&size) {
                         Some(stored) if *stored == sealed_note => {}
@@ -705,7 +707,30 @@ pub async fn verify_with(
                     }
                 }
             }
+            // The page's leaves go into the tree as the subtrees hashed beside its checks, unless
+            // the walk stopped inside it or a checkpoint's size falls inside it: then leaf by
+            // leaf, checking each checkpoint's root at its size.
+            let (from, to) = (builder.size(), builder.size() + leaves.len() as u64);
+            let at_once = leaves.len() == whole && expected_roots.range(from + 1..to).next().is_none();
+            match subtrees {
+                Some(subtrees) if at_once => {
+                    for (size, hash) in subtrees {
+                        let pushed = builder.push_subtree(size, hash);
+                        debug_assert!(pushed, "the page's subtrees start where the tree ends");
+                    }
+                    check_root(&mut report, tenant, &builder, &expected_roots);
+                }
+                _ => {
+                    for leaf in leaves {
+                        builder.push_leaf_hash(leaf);
+                        check_root(&mut report, tenant, &builder, &expected_roots);
+                    }
+                }
+            }
             progress(report.events);
+            if broken {
+                break;
+            }
         }
         if !broken {
             let last = next_seq - 1;
@@ -724,6 +749,15 @@ pub async fn verify_with(
         }
     }
     Ok(report)
+}
+
+/// Reports a stored checkpoint of the tree's size whose root is not the tree's.
+fn check_root(report: &mut Report, tenant: TenantId, builder: &RootBuilder, expected_roots: &BTreeMap<u64, [u8; 32]>) {
+    if let Some(root) = expected_roots.get(&builder.size())
+        && *root != builder.root()
+    {
+        report.problem(tenant, builder.size(), format!("checkpoint of size {} does not match the log", builder.size()));
+    }
 }
 
 /// Builds the proof of `event` in the newest checkpoint that contains it, and, given a

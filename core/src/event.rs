@@ -334,7 +334,9 @@ impl EventRow {
         if sha256(&self.canonical) != hash {
             return Err("stored hash is not SHA-256 of the canonical bytes".into());
         }
-        canonical::validate(&self.canonical).map_err(|e| format!("not in deterministic encoding: {e}"))?;
+        // One pass over the bytes checks the deterministic encoding (each head in shortest form,
+        // the keys in order, the payload item by item, nothing after the map) and the envelope
+        // at once: what `canonical::validate` and then a read of the fields would check apart.
         let mut r = canonical::Reader { bytes: &self.canonical, pos: 0 };
         let (major, entries) = r.head()?;
         if major != 5 {
@@ -342,8 +344,15 @@ impl EventRow {
         }
         let mismatch = |what: &str| format!("column {what} disagrees with the hashed envelope");
         let (mut seen, mut prev, mut payload) = (0u16, None, None);
+        let mut previous_key: &[u8] = &[];
         for _ in 0..entries {
+            let key_start = r.pos;
             let key = r.text().map_err(|_| "envelope key is not text".to_owned())?;
+            let key_bytes = &self.canonical[key_start..r.pos];
+            if key_bytes <= previous_key {
+                return Err("not in deterministic encoding: map keys are not in deterministic order, or repeat".into());
+            }
+            previous_key = key_bytes;
             let bit = match key {
                 "v" => {
                     if r.uint()? != ENVELOPE_FORMAT {
@@ -416,6 +425,9 @@ impl EventRow {
                 other => return Err(format!("envelope has unknown field {other:?}")),
             };
             seen |= bit;
+        }
+        if r.pos != self.canonical.len() {
+            return Err("not in deterministic encoding: trailing bytes after the item".into());
         }
         if seen != 2047 {
             return Err("envelope misses a required field".into());

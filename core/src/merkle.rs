@@ -80,7 +80,17 @@ impl RootBuilder {
 
     /// Appends a leaf given its leaf hash (`leaf_hash(data)`).
     pub fn push_leaf_hash(&mut self, leaf: Hash) {
-        let mut node = (1u64, leaf);
+        self.push_subtree(1, leaf);
+    }
+
+    /// Appends the perfect subtree of `size` leaves (a power of two) whose root is `hash`, as
+    /// [`range_subtrees`] cuts a run of leaves: the tree so far must end on a multiple of
+    /// `size` (false, and nothing is pushed, if it does not).
+    pub fn push_subtree(&mut self, size: u64, hash: Hash) -> bool {
+        if !size.is_power_of_two() || !self.size.is_multiple_of(size) {
+            return false;
+        }
+        let mut node = (size, hash);
         while let Some(&(size, top)) = self.stack.last() {
             if size != node.0 {
                 break;
@@ -89,7 +99,8 @@ impl RootBuilder {
             node = (size * 2, node_hash(&top, &node.1));
         }
         self.stack.push(node);
-        self.size += 1;
+        self.size += size;
+        true
     }
 
     pub fn root(&self) -> Hash {
@@ -100,6 +111,25 @@ impl RootBuilder {
         }
         acc
     }
+}
+
+/// The leaves at indices `start..start + leaves.len()` cut into the fewest perfect subtrees
+/// aligned on their size (a compact range), left to right, each with its root: what
+/// [`RootBuilder::push_subtree`] takes, in order, from a builder of `start` leaves. The roots
+/// of disjoint runs can be computed apart (on other cores) and pushed in order.
+pub fn range_subtrees(start: u64, leaves: &[Hash]) -> Vec<(u64, Hash)> {
+    let mut out = Vec::new();
+    let (mut at, mut i) = (start, 0usize);
+    while i < leaves.len() {
+        let left = (leaves.len() - i) as u64;
+        // The largest power of two that `at` is a multiple of and that fits in what is left.
+        let aligned = if at == 0 { u64::MAX } else { 1u64 << at.trailing_zeros() };
+        let size = aligned.min(1u64 << (63 - left.leading_zeros()));
+        out.push((size, root(&leaves[i..i + size as usize])));
+        at += size;
+        i += size as usize;
+    }
+    out
 }
 
 /// MTH over leaf hashes.

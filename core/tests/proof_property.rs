@@ -140,3 +140,46 @@ fn honest_proof_files_check_and_mutated_ones_fail() {
         panic!("property failed with BC_TEST_SEED={seed}: {e}");
     }
 }
+
+/// Property: a log grown by runs of leaves, each run cut by `range_subtrees` and pushed as
+/// subtrees (what `audit verify` does with the pages it hashes on other cores), is the tree
+/// grown leaf by leaf: the same root, size and compact range at every run's end.
+#[test]
+fn runs_pushed_as_subtrees_build_the_tree_leaves_build() {
+    let seed = bc_core::testing::seed();
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    let mut runner = TestRunner::new_with_rng(
+        Config { cases: 64, failure_persistence: None, ..Config::default() },
+        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
+    );
+    let runs = proptest::collection::vec(1usize..300, 1..12);
+    let result = runner.run(&runs, |runs| {
+        let total: usize = runs.iter().sum();
+        let leaves: Vec<merkle::Hash> = (0..total as u64).map(|i| merkle::leaf_hash(&i.to_be_bytes())).collect();
+        let (mut by_leaf, mut by_run) = (merkle::RootBuilder::new(), merkle::RootBuilder::new());
+        let mut at = 0usize;
+        for run in runs {
+            for leaf in &leaves[at..at + run] {
+                by_leaf.push_leaf_hash(*leaf);
+            }
+            for (size, hash) in merkle::range_subtrees(at as u64, &leaves[at..at + run]) {
+                prop_assert!(by_run.push_subtree(size, hash), "subtree of {} at {}", size, by_run.size());
+            }
+            at += run;
+            prop_assert_eq!(by_run.size(), at as u64);
+            prop_assert_eq!(by_run.root(), by_leaf.root());
+            prop_assert_eq!(by_run.subtrees(), by_leaf.subtrees());
+            prop_assert_eq!(by_run.root(), merkle::root(&leaves[..at]));
+        }
+        // A subtree that does not sit on a multiple of its size is refused.
+        if at % 2 == 1 {
+            prop_assert!(!by_run.push_subtree(2, leaves[0]));
+        }
+        prop_assert!(!by_run.push_subtree(3, leaves[0]));
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("property failed with BC_TEST_SEED={seed}: {e}");
+    }
+}
