@@ -338,7 +338,11 @@ pub struct FanOut {
 }
 
 /// Where a runner's fan-out hands the items it writes already claimed: its own work loop, with
-/// room for this many now (the loop sets it, the fan-out takes from it).
+/// room for this many now. The room is the items the loop may hold (waiting and in its slots)
+/// less those it holds and those claimed for it, by its own claim or by the fan-out, and not yet
+/// handed over: both reserve from it before they claim ([`reserve`]) and give back what they
+/// did not get, and the loop gives back each item it is done with. So the two never claim the
+/// same room twice.
 struct Handoff {
     room: Arc<AtomicUsize>,
     items: tokio::sync::mpsc::UnboundedSender<Vec<WorkItem>>,
@@ -348,6 +352,12 @@ struct Handoff {
 struct Handed {
     room: Arc<AtomicUsize>,
     items: tokio::sync::mpsc::UnboundedReceiver<Vec<WorkItem>>,
+}
+
+/// Takes up to `wanted` of `room`, returning how many it took.
+fn reserve(room: &AtomicUsize, wanted: usize) -> usize {
+    let before = room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r - r.min(wanted))).expect("always Some");
+    before.min(wanted)
 }
 
 /// The lease this runner holds on the cursor, and how far it has read past the written cursor.
@@ -471,9 +481,14 @@ impl FanOut {
     ) -> Result<bool> {
         let Some(held) = self.held.as_mut() else { return Ok(false) };
         let now = config.clock.now_ms();
-        let room = self.handoff.as_ref().map_or(0, |h| h.room.load(Ordering::Acquire));
-        let claim = Claim { count: room.min(items.len()), lease_until_ms: now.saturating_add(config.lease_ms) };
-        let Some(claimed) = store.cursor_advance_claiming(name, &config.owner, held.written, to, items, claim, now).await? else {
+        let reserved = self.handoff.as_ref().map_or(0, |h| reserve(&h.room, items.len()));
+        let claim = Claim { count: reserved, lease_until_ms: now.saturating_add(config.lease_ms) };
+        let advanced = store.cursor_advance_claiming(name, &config.owner, held.written, to, items, claim, now).await;
+        let got = advanced.as_ref().ok().and_then(|a| a.as_ref()).map_or(0, Vec::len);
+        if let Some(handoff) = &self.handoff {
+            handoff.room.fetch_add(reserved - got, Ordering::AcqRel);
+        }
+        let Some(claimed) = advanced? else {
             self.held = None;
             return Ok(false);
         };
@@ -482,8 +497,6 @@ impl FanOut {
         if let Some(handoff) = &self.handoff
             && !claimed.is_empty()
         {
-            let n = claimed.len();
-            let _ = handoff.room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r.saturating_sub(n)));
             // A work loop that has stopped takes nothing more: give them back at once.
             if let Err(unsent) = handoff.items.send(claimed) {
                 release(store, name, &config.owner, &unsent.0).await;
@@ -504,7 +517,6 @@ async fn work_loop(
     status: Arc<PassRecorder>,
 ) {
     let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
-    let ahead_max = ahead_max(&config, concurrency);
     let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let rng = Arc::new(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed)));
     let name = consumer.name();
@@ -514,7 +526,7 @@ async fn work_loop(
     // waited for each recording and the recordings' round trips bound the rate.
     let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(COMPLETIONS_PER_COMMIT_MAX.max(concurrency));
     let completer = tokio::spawn(complete(store.clone(), name, config.clone(), to_record, work_ready.clone(), status));
-    // Claims run ahead of the slots: up to `ahead_max` claimed items wait here for a slot, so
+    // Claims run ahead of the slots: up to [`ahead_max`] claimed items wait here for a slot, so
     // one claim feeds the slots for several rounds (one transaction on the writer for many
     // deliveries) and the slots never wait for a claim. An item that waited until its lease
     // would not outlast an attempt and its record is given back unattempted (`work_release`),
@@ -559,29 +571,40 @@ async fn work_loop(
                 stale.push(item);
                 continue;
             }
-            let (store, consumer, config, rng, finished, slot_freed) =
-                (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), slot_freed.clone());
+            let (store, consumer, config, rng, finished, slot_freed, room) = (
+                store.clone(),
+                consumer.clone(),
+                config.clone(),
+                rng.clone(),
+                finished.clone(),
+                slot_freed.clone(),
+                handed.room.clone(),
+            );
             tokio::spawn(async move {
                 let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
                 // The slot is freed once the attempt is queued for the completer (at most a
                 // batch waits there). The item stays leased until its record is written.
                 let _ = finished.send(Finished { item, attempt, outcome }).await;
                 drop(permit);
+                room.fetch_add(1, Ordering::AcqRel);
                 slot_freed.notify_one();
             });
         }
         if !stale.is_empty() {
             tracing::info!(consumer = name, items = stale.len(), "claimed items waited too long for a slot; giving them back");
             release(&*store, name, &config.owner, &stale).await;
+            handed.room.fetch_add(stale.len(), Ordering::AcqRel);
         }
         // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
-        // the slots and the queue ahead), and the slots have a round to work on while it runs.
-        let outstanding = concurrency - slots.available_permits() + ahead.len() + claiming.as_ref().map_or(0, |c| c.0);
-        // What the fan-out may hand over, claimed as it writes: the same room a claim would fill.
-        handed.room.store((concurrency + ahead_max).saturating_sub(outstanding), Ordering::Release);
-        if claim_due && claiming.is_none() && ahead.len() < concurrency {
-            // No more than the store hands out in one claim, so a full claim reads as full.
-            let asked = (concurrency + ahead_max).saturating_sub(outstanding).clamp(1, CLAIM_ITEMS_MAX as usize);
+        // the room: the slots and the queue ahead, less what the fan-out is handing over), and
+        // the slots have a round to work on while it runs. No more than the store hands out in
+        // one claim, so a full claim reads as full.
+        let asked = if claim_due && claiming.is_none() && ahead.len() < concurrency {
+            reserve(&handed.room, CLAIM_ITEMS_MAX as usize)
+        } else {
+            0
+        };
+        if asked > 0 {
             // Due again only if this claim comes back full or something new is due meanwhile.
             let (claim_done, outcome) = tokio::sync::oneshot::channel();
             (claiming, claim_due) = (Some((asked, outcome)), false);
@@ -593,7 +616,7 @@ async fn work_loop(
                     Ok(items) if !items.is_empty() => consumer.prepare(&*store, items).await,
                     _ => None,
                 };
-                let _ = claim_done.send(ClaimDone { at_ms, asked, items, prepared });
+                let _ = claim_done.send(ClaimDone { at_ms, items, prepared });
             });
         }
         tokio::select! {
@@ -605,8 +628,8 @@ async fn work_loop(
                 None => fan_out_open = false,
             },
             done = async { (&mut claiming.as_mut().expect("a claim runs").1).await }, if claiming.is_some() => {
-                claiming = None;
-                claim_due |= take_claim(name, &config, done, &mut ahead);
+                let asked = claiming.take().map_or(0, |c| c.0);
+                claim_due |= take_claim(name, &config, done, &mut ahead, (asked, &handed.room));
             }
             _ = shutdown.changed() => {}
         }
@@ -615,8 +638,8 @@ async fn work_loop(
     // that dies instead leaves them to their leases); so are those the fan-out handed over
     // meanwhile, and any it hands from now on (it gives them back itself), and those of a claim
     // still running.
-    if let Some((_, outcome)) = claiming {
-        take_claim(name, &config, outcome.await, &mut ahead);
+    if let Some((asked, outcome)) = claiming {
+        take_claim(name, &config, outcome.await, &mut ahead, (asked, &handed.room));
     }
     handed.items.close();
     while let Ok(more) = handed.items.try_recv() {
@@ -640,24 +663,28 @@ async fn work_loop(
 /// A claim's outcome, from the task that ran it beside the work loop.
 struct ClaimDone {
     at_ms: u64,
-    asked: usize,
     items: Result<Vec<WorkItem>>,
     prepared: Prepared,
 }
 
-/// Queues a claim's items to wait for a slot; true when it took all it asked for (so more may
-/// be due). A claim whose task ended without an outcome (it panicked) took nothing this loop
-/// knows of: its items wait for their leases.
+/// Queues a claim's items to wait for a slot and gives back to `room` what it reserved and did
+/// not get; true when it took all it asked for (so more may be due). A claim whose task ended
+/// without an outcome (it panicked) took nothing this loop knows of: its items wait for their
+/// leases, and what it asked for is given back.
 fn take_claim(
     name: &str,
     config: &RunnerConfig,
     done: std::result::Result<ClaimDone, tokio::sync::oneshot::error::RecvError>,
     ahead: &mut std::collections::VecDeque<Claimed>,
+    (asked, room): (usize, &AtomicUsize),
 ) -> bool {
-    let Ok(ClaimDone { at_ms, asked, items, prepared }) = done else {
+    let Ok(ClaimDone { at_ms, items, prepared }) = done else {
         tracing::warn!(consumer = name, "a claim ended without an outcome");
+        room.fetch_add(asked, Ordering::AcqRel);
         return false;
     };
+    let got = items.as_ref().map_or(0, Vec::len);
+    room.fetch_add(asked - got.min(asked), Ordering::AcqRel);
     match items {
         Ok(items) => {
             let full = items.len() == asked;
