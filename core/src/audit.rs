@@ -631,9 +631,12 @@ pub async fn verify_with(
             }
             let Some(checked) = in_flight.pop_front() else { break };
             let (seqs, results, subtrees) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
-            // The leaves the walk vouches for, grown into the tree at the end of the page.
-            let mut leaves = Vec::with_capacity(seqs.len());
-            let whole = seqs.len();
+            // The page goes into the tree as the subtrees hashed beside its checks, once the walk
+            // has vouched for every leaf of it; a page a stored checkpoint's size falls in goes
+            // leaf by leaf, the checkpoint's root checked at its size in chain order.
+            let (from, whole) = (builder.size(), seqs.len());
+            let at_once = subtrees.is_some() && expected_roots.range(from + 1..=from + whole as u64).next().is_none();
+            let mut leaves = Vec::with_capacity(if at_once { whole } else { 0 });
             for (seq, result) in seqs.into_iter().zip(results) {
                 if seq != next_seq {
                     let what = if seq > next_seq {
@@ -690,7 +693,12 @@ pub async fn verify_with(
                 prev = hash;
                 next_seq += 1;
                 report.events += 1;
-                leaves.push(leaf);
+                if at_once {
+                    leaves.push(leaf);
+                } else {
+                    builder.push_leaf_hash(leaf);
+                    check_root(&mut report, tenant, &builder, &expected_roots);
+                }
                 if let Some((size, sealed_note)) = checkpoint {
                     match stored_notes.get(&size) {
                         Some(stored) if *stored == sealed_note => {}
@@ -707,25 +715,20 @@ pub async fn verify_with(
                     }
                 }
             }
-            // The page's leaves go into the tree as the subtrees hashed beside its checks, unless
-            // the walk stopped inside it or a checkpoint's size falls inside it: then leaf by
-            // leaf, checking each checkpoint's root at its size.
-            let (from, to) = (builder.size(), builder.size() + leaves.len() as u64);
-            let at_once = leaves.len() == whole && expected_roots.range(from + 1..to).next().is_none();
+            // No stored checkpoint's size falls in such a page, so there is no root to check.
             match subtrees {
-                Some(subtrees) if at_once => {
+                Some(subtrees) if at_once && leaves.len() == whole => {
                     for (size, hash) in subtrees {
-                        let pushed = builder.push_subtree(size, hash);
-                        debug_assert!(pushed, "the page's subtrees start where the tree ends");
-                    }
-                    check_root(&mut report, tenant, &builder, &expected_roots);
-                }
-                _ => {
-                    for leaf in leaves {
-                        builder.push_leaf_hash(leaf);
-                        check_root(&mut report, tenant, &builder, &expected_roots);
+                        if !builder.push_subtree(size, hash) {
+                            return Err(Error::Internal(format!(
+                                "verifier: a subtree of {size} does not start where the tree of {} ends",
+                                builder.size()
+                            )));
+                        }
                     }
                 }
+                // The walk stopped inside the page: the leaves it vouched for.
+                _ => leaves.into_iter().for_each(|leaf| builder.push_leaf_hash(leaf)),
             }
             progress(report.events);
             if broken {

@@ -354,6 +354,15 @@ struct Handed {
     items: tokio::sync::mpsc::UnboundedReceiver<Vec<WorkItem>>,
 }
 
+/// One item's room, given back when the attempt that holds it ends, however it ends.
+struct RoomBack(Arc<AtomicUsize>);
+
+impl Drop for RoomBack {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
 /// Takes up to `wanted` of `room`, returning how many it took.
 fn reserve(room: &AtomicUsize, wanted: usize) -> usize {
     let before = room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r - r.min(wanted))).expect("always Some");
@@ -578,15 +587,16 @@ async fn work_loop(
                 rng.clone(),
                 finished.clone(),
                 slot_freed.clone(),
-                handed.room.clone(),
+                RoomBack(handed.room.clone()),
             );
             tokio::spawn(async move {
                 let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
-                // The slot is freed once the attempt is queued for the completer (at most a
-                // batch waits there). The item stays leased until its record is written.
+                // The slot (and the item's room) is freed once the attempt is queued for the
+                // completer (at most a batch waits there), or when the task ends some other
+                // way (a panic). The item stays leased until its record is written.
                 let _ = finished.send(Finished { item, attempt, outcome }).await;
                 drop(permit);
-                room.fetch_add(1, Ordering::AcqRel);
+                drop(room);
                 slot_freed.notify_one();
             });
         }
