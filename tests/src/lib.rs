@@ -671,11 +671,18 @@ const AGENTS_PORT_TRIES: usize = 5;
 /// heartbeats: what the tests of nodes that join start. A port taken meanwhile by a test beside
 /// it (the gateway stops with `Address already in use`) is given up for another.
 pub fn agents_gateway() -> (Server, u16) {
+    agents_gateway_with(&[])
+}
+
+/// [`agents_gateway`] with more of `dev`'s arguments after those.
+pub fn agents_gateway_with(extra: &[&str]) -> (Server, u16) {
     let mut last = String::new();
     for _ in 0..AGENTS_PORT_TRIES {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
-        match Server::try_dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]) {
+        let mut args = vec!["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"];
+        args.extend_from_slice(extra);
+        match Server::try_dev_with(&args) {
             Ok(server) => return (server, port),
             Err(e) if e.contains("Address already in use") => last = e,
             Err(e) => panic!("{e}"),

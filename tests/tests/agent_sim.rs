@@ -67,9 +67,7 @@ fn all_in_state(server: &Server, pool: &str, state: &str) -> Option<BTreeMap<Str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin_nothing_on_restart() {
-    let port = bc_tests::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("sim").await;
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.toml");
@@ -136,9 +134,7 @@ async fn three_simulated_machines_join_are_ready_with_their_fake_gpus_and_rejoin
 /// identities written stay, so a run with a new token joins only the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_join_stops_the_sim_and_a_new_token_joins_only_the_rest() {
-    let port = bc_tests::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let server = Server::dev_with(&["--agents-listen", &listen, "--node-lease", "2s", "--node-heartbeat", "300ms"]);
+    let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("sim-short").await;
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.toml");

@@ -173,11 +173,7 @@ async fn rack(server_args: &[&str]) -> Rack {
     let pki = bc_tests::sushy::pki();
     let (notifications, notify_url) = bc_tests::sushy::Notifications::start();
     let emulator = bc_tests::sushy::Emulator::start(&pki, &notify_url);
-    let agents_port = bc_tests::free_port();
-    let listen = format!("127.0.0.1:{agents_port}");
-    let mut args = vec!["--agents-listen", listen.as_str(), "--node-lease", "2s", "--node-heartbeat", "300ms"];
-    args.extend_from_slice(server_args);
-    let server = Server::dev_with(&args);
+    let (server, agents_port) = bc_tests::agents_gateway_with(server_args);
     let pool = server.pool("metal").await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("bmc-password"), format!("{}\n", bc_tests::sushy::PASSWORD)).unwrap();

@@ -77,18 +77,7 @@ impl Fleet {
         let public = dir.join("release.key.pub");
         let pinned = std::fs::read_to_string(&public).unwrap().trim().to_owned();
 
-        let port = bc_tests::free_port();
-        let listen = format!("127.0.0.1:{port}");
-        let server = Server::dev_with(&[
-            "--agents-listen",
-            &listen,
-            "--node-lease",
-            "2s",
-            "--node-heartbeat",
-            "300ms",
-            "--release-key",
-            &public.display().to_string(),
-        ]);
+        let (server, port) = bc_tests::agents_gateway_with(&["--release-key", &public.display().to_string()]);
         let pool = server.pool("gpu-a").await;
 
         let (code, version_a, _) = bc_tests::bcd(&["version"], &[], None);
