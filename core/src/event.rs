@@ -53,12 +53,7 @@ pub enum SignatureColumns<'a> {
 /// Reads the signature columns of the event at `seq` of type `event_type`: both set, or both
 /// empty where [`signed_alone`] does not name the event. Anything else is refused, with what a
 /// verifier says of it.
-pub fn signature_columns<'a>(
-    seq: u64,
-    event_type: &str,
-    key_id: &'a str,
-    sig: &'a [u8],
-) -> Result<SignatureColumns<'a>, String> {
+pub fn signature_columns<'a>(seq: u64, event_type: &str, key_id: &'a str, sig: &'a [u8]) -> Result<SignatureColumns<'a>, String> {
     match (sig.is_empty(), key_id.is_empty()) {
         (true, true) if event_type == crate::audit::LOG_KEY_ROTATED => {
             Err("a key rotation without a signature of its own".into())
