@@ -152,7 +152,8 @@ pub fn to_json(value: &Value) -> serde_json::Value {
 
 /// Checks, without allocating, that `bytes` are one item in the log's deterministic subset of
 /// CBOR: exactly what [`decode_canonical`] accepts, at a fraction of its cost. The audit's hot
-/// path uses it; a property test holds the two to the same answers.
+/// path (`EventRow::check`) makes the same checks with the same [`Reader`] in its one pass over
+/// an envelope; a property test holds this, that and the full decode to the same answers.
 pub fn validate(bytes: &[u8]) -> Result<(), String> {
     let mut reader = Reader { bytes, pos: 0 };
     reader.item(0)?;

@@ -18,7 +18,9 @@ use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, Projector, RowKey};
 use ciborium::Value;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+#[path = "support/seeded.rs"]
+mod seeded;
 
 struct NoProjections;
 impl Projector for NoProjections {
@@ -77,12 +79,7 @@ fn appends() -> impl Strategy<Value = Vec<(usize, usize, usize)>> {
 #[test]
 fn chains_verify_and_tampering_is_located() {
     let seed = bc_core::testing::seed();
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config { cases: 24, failure_persistence: None, ..Config::default() },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
-    );
+    let mut runner = seeded::runner(seed, 24);
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let result = runner.run(&(appends(), tamper()), |(appends, tamper)| {
         runtime.block_on(async {

@@ -10,7 +10,9 @@ use bc_core::event::{Envelope, EventRow, GENESIS_PREV, sha256};
 use bc_core::id::{EventId, TenantId};
 use ciborium::Value;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+#[path = "support/seeded.rs"]
+mod seeded;
 
 fn payload() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
@@ -73,12 +75,7 @@ fn mutate(bytes: &mut Vec<u8>, m: &Mutation) {
 #[test]
 fn fast_checks_agree_with_the_full_decode() {
     let seed = bc_core::testing::seed();
-    let mut rng_seed = [0u8; 32];
-    rng_seed[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config { cases: 2000, failure_persistence: None, ..Config::default() },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &rng_seed),
-    );
+    let mut runner = seeded::runner(seed, 2000);
     let result = runner.run(&(payload(), mutation(), any::<bool>(), any::<u64>()), |(payload, m, optional, seq)| {
         let env = Envelope {
             tenant: TenantId::generate(),

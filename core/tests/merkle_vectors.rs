@@ -4,8 +4,10 @@
 use base64::Engine;
 use bc_core::merkle::{self, Hash, RootBuilder};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde_json::Value;
+
+#[path = "support/seeded.rs"]
+mod seeded;
 
 fn b64(v: &Value) -> Vec<u8> {
     base64::engine::general_purpose::STANDARD.decode(v.as_str().unwrap_or("")).unwrap()
@@ -119,12 +121,7 @@ enum Mutation {
 #[test]
 fn honest_proofs_verify_and_mutated_ones_fail() {
     let seed = bc_core::testing::seed();
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config { cases: 256, failure_persistence: None, ..Config::default() },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
-    );
+    let mut runner = seeded::runner(seed, 256);
     let mutation = prop_oneof![
         (any::<usize>(), 0usize..256).prop_map(|(hash, bit)| Mutation::FlipBit { hash, bit }),
         Just(Mutation::Trailing),

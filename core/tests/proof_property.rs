@@ -14,7 +14,9 @@ use bc_core::merkle;
 use bc_core::note::{self, CheckpointBody, ConsistencyFile, ProofFile};
 use ciborium::Value;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+#[path = "support/seeded.rs"]
+mod seeded;
 
 const DEPLOYMENT: &str = "prop";
 
@@ -53,12 +55,7 @@ fn checkpoint(key: &LogKey, tenant: TenantId, leaves: &[merkle::Hash]) -> String
 #[test]
 fn honest_proof_files_check_and_mutated_ones_fail() {
     let seed = bc_core::testing::seed();
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config { cases: 48, failure_persistence: None, ..Config::default() },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
-    );
+    let mut runner = seeded::runner(seed, 48);
     let key = LogKey::from_seed([11; 32]);
     let pin = key.pin();
     let result = runner.run(&(2u64..80, any::<u64>(), any::<u64>(), any::<u64>(), 0u8..8), |(n, a, b, c, what)| {
@@ -147,12 +144,7 @@ fn honest_proof_files_check_and_mutated_ones_fail() {
 #[test]
 fn runs_pushed_as_subtrees_build_the_tree_leaves_build() {
     let seed = bc_core::testing::seed();
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config { cases: 64, failure_persistence: None, ..Config::default() },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
-    );
+    let mut runner = seeded::runner(seed, 64);
     let runs = proptest::collection::vec(1usize..300, 1..12);
     let result = runner.run(&runs, |runs| {
         let total: usize = runs.iter().sum();
