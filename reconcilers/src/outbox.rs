@@ -340,21 +340,22 @@ pub struct FanOut {
 /// Where a runner's fan-out hands the items it writes already claimed: its own work loop, with
 /// room for this many now. The room is the items the loop may hold (waiting and in its slots)
 /// less those it holds and those claimed for it, by its own claim or by the fan-out, and not yet
-/// handed over: both reserve from it before they claim ([`reserve`]) and give back what they
-/// did not get, and the loop gives back each item it is done with. So the two never claim the
-/// same room twice.
+/// handed over: both take a [`Reservation`] of it before they claim, and each item claimed
+/// carries its own share of it ([`RoomBack`]) until it is done with, however it leaves (its
+/// attempt queued for the record, given back stale, dropped at a stop). So the two never claim
+/// the same room twice, and no path has to remember to give room back.
 struct Handoff {
     room: Arc<AtomicUsize>,
-    items: tokio::sync::mpsc::UnboundedSender<Vec<WorkItem>>,
+    items: tokio::sync::mpsc::UnboundedSender<Vec<(WorkItem, RoomBack)>>,
 }
 
 /// The work loop's end of a [`Handoff`].
 struct Handed {
     room: Arc<AtomicUsize>,
-    items: tokio::sync::mpsc::UnboundedReceiver<Vec<WorkItem>>,
+    items: tokio::sync::mpsc::UnboundedReceiver<Vec<(WorkItem, RoomBack)>>,
 }
 
-/// One item's room, given back when the attempt that holds it ends, however it ends.
+/// One claimed item's room, given back when it is dropped.
 struct RoomBack(Arc<AtomicUsize>);
 
 impl Drop for RoomBack {
@@ -363,10 +364,36 @@ impl Drop for RoomBack {
     }
 }
 
-/// Takes up to `wanted` of `room`, returning how many it took.
-fn reserve(room: &AtomicUsize, wanted: usize) -> usize {
-    let before = room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r - r.min(wanted))).expect("always Some");
-    before.min(wanted)
+/// Room taken from a work loop's room before a claim: `count` items' worth, given back when it is
+/// dropped, less what [`Reservation::settle`] handed on to the items the claim got. A claim that
+/// failed, or whose task panicked, so gives back all of it.
+struct Reservation {
+    room: Arc<AtomicUsize>,
+    count: usize,
+}
+
+impl Reservation {
+    /// Takes up to `wanted` of `room` (less when less is free).
+    fn take(room: &Arc<AtomicUsize>, wanted: usize) -> Self {
+        let before = room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r - r.min(wanted))).expect("always Some");
+        Self { room: room.clone(), count: before.min(wanted) }
+    }
+
+    /// The claim got `items` (at most `count`: a claim asks for no more than was reserved):
+    /// each takes its share of the room with it; the rest goes back.
+    fn settle(mut self, items: Vec<WorkItem>) -> Vec<(WorkItem, RoomBack)> {
+        debug_assert!(items.len() <= self.count, "a claim got more than it reserved room for");
+        self.count -= items.len().min(self.count);
+        items.into_iter().map(|item| (item, RoomBack(self.room.clone()))).collect()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.count > 0 {
+            self.room.fetch_add(self.count, Ordering::AcqRel);
+        }
+    }
 }
 
 /// The lease this runner holds on the cursor, and how far it has read past the written cursor.
@@ -490,25 +517,23 @@ impl FanOut {
     ) -> Result<bool> {
         let Some(held) = self.held.as_mut() else { return Ok(false) };
         let now = config.clock.now_ms();
-        let reserved = self.handoff.as_ref().map_or(0, |h| reserve(&h.room, items.len()));
-        let claim = Claim { count: reserved, lease_until_ms: now.saturating_add(config.lease_ms) };
-        let advanced = store.cursor_advance_claiming(name, &config.owner, held.written, to, items, claim, now).await;
-        let got = advanced.as_ref().ok().and_then(|a| a.as_ref()).map_or(0, Vec::len);
-        if let Some(handoff) = &self.handoff {
-            handoff.room.fetch_add(reserved - got, Ordering::AcqRel);
-        }
-        let Some(claimed) = advanced? else {
+        // Room for the items it claims, given back (as it drops) on an error or a lost lease.
+        let reserved = self.handoff.as_ref().map(|h| Reservation::take(&h.room, items.len()));
+        let claim =
+            Claim { count: reserved.as_ref().map_or(0, |r| r.count), lease_until_ms: now.saturating_add(config.lease_ms) };
+        let Some(claimed) = store.cursor_advance_claiming(name, &config.owner, held.written, to, items, claim, now).await? else {
             self.held = None;
             return Ok(false);
         };
         (held.written, held.read) = (to, to);
         self.unhanded += items.len() - claimed.len();
-        if let Some(handoff) = &self.handoff
+        if let (Some(handoff), Some(reserved)) = (&self.handoff, reserved)
             && !claimed.is_empty()
         {
             // A work loop that has stopped takes nothing more: give them back at once.
-            if let Err(unsent) = handoff.items.send(claimed) {
-                release(store, name, &config.owner, &unsent.0).await;
+            if let Err(unsent) = handoff.items.send(reserved.settle(claimed)) {
+                let unsent: Vec<WorkItem> = unsent.0.into_iter().map(|(item, _)| item).collect();
+                release(store, name, &config.owner, &unsent).await;
             }
         }
         Ok(true)
@@ -548,21 +573,21 @@ async fn work_loop(
     // unless the last claim took all it asked for.
     let mut claim_due = true;
     // Items the fan-out wrote already claimed for this loop, and whether it may hand more.
-    let mut received: Vec<WorkItem> = Vec::new();
+    let mut received: Vec<(WorkItem, RoomBack)> = Vec::new();
     let mut fan_out_open = true;
     // A claim runs beside this loop (issue 17): while it waits for the database (on SQLite,
     // for the writer, behind a commit's fsync) the loop goes on starting waiting items as slots
     // free. At most one at a time: what it asked for, and where its outcome comes.
-    let mut claiming: Option<(usize, tokio::sync::oneshot::Receiver<ClaimDone>)> = None;
+    let mut claiming: Option<tokio::sync::oneshot::Receiver<ClaimDone>> = None;
     while !*shutdown.borrow() {
         while let Ok(more) = handed.items.try_recv() {
             received.extend(more);
         }
         if !received.is_empty() {
-            let items = std::mem::take(&mut received);
+            let (items, rooms): (Vec<WorkItem>, Vec<RoomBack>) = std::mem::take(&mut received).into_iter().unzip();
             let now = config.clock.now_ms();
             let prepared = consumer.prepare(&*store, &items).await;
-            queue(&config, &mut ahead, items, prepared, now);
+            queue(&config, &mut ahead, items.into_iter().zip(rooms).collect(), prepared, now);
         }
         let mut stale = Vec::new();
         let now = config.clock.now_ms();
@@ -575,20 +600,14 @@ async fn work_loop(
         }
         while !ahead.is_empty() {
             let Ok(permit) = slots.clone().try_acquire_owned() else { break };
-            let Claimed { item, prepared, start_by_ms, .. } = ahead.pop_front().expect("not empty");
+            let Claimed { item, room, prepared, start_by_ms, .. } = ahead.pop_front().expect("not empty");
             if config.clock.now_ms() > start_by_ms {
+                // Its room goes back as it drops here.
                 stale.push(item);
                 continue;
             }
-            let (store, consumer, config, rng, finished, slot_freed, room) = (
-                store.clone(),
-                consumer.clone(),
-                config.clone(),
-                rng.clone(),
-                finished.clone(),
-                slot_freed.clone(),
-                RoomBack(handed.room.clone()),
-            );
+            let (store, consumer, config, rng, finished, slot_freed) =
+                (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), slot_freed.clone());
             tokio::spawn(async move {
                 let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
                 // The slot (and the item's room) is freed once the attempt is queued for the
@@ -603,30 +622,29 @@ async fn work_loop(
         if !stale.is_empty() {
             tracing::info!(consumer = name, items = stale.len(), "claimed items waited too long for a slot; giving them back");
             release(&*store, name, &config.owner, &stale).await;
-            handed.room.fetch_add(stale.len(), Ordering::AcqRel);
         }
         // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
         // the room: the slots and the queue ahead, less what the fan-out is handing over), and
         // the slots have a round to work on while it runs. No more than the store hands out in
         // one claim, so a full claim reads as full.
-        let asked = if claim_due && claiming.is_none() && ahead.len() < concurrency {
-            reserve(&handed.room, CLAIM_ITEMS_MAX as usize)
-        } else {
-            0
-        };
-        if asked > 0 {
+        let reserved = (claim_due && claiming.is_none() && ahead.len() < concurrency)
+            .then(|| Reservation::take(&handed.room, CLAIM_ITEMS_MAX as usize))
+            .filter(|r| r.count > 0);
+        if let Some(reserved) = reserved {
             // Due again only if this claim comes back full or something new is due meanwhile.
             let (claim_done, outcome) = tokio::sync::oneshot::channel();
-            (claiming, claim_due) = (Some((asked, outcome)), false);
+            (claiming, claim_due) = (Some(outcome), false);
             let (store, consumer, config) = (store.clone(), consumer.clone(), config.clone());
+            // The task holds the reservation: a task that panics gives it back as it unwinds.
             tokio::spawn(async move {
                 let at_ms = config.clock.now_ms();
-                let items = store.work_claim(consumer.name(), &config.owner, at_ms, config.lease_ms, asked as u32).await;
+                let asked = reserved.count as u32;
+                let items = store.work_claim(consumer.name(), &config.owner, at_ms, config.lease_ms, asked).await;
                 let prepared = match &items {
                     Ok(items) if !items.is_empty() => consumer.prepare(&*store, items).await,
                     _ => None,
                 };
-                let _ = claim_done.send(ClaimDone { at_ms, items, prepared });
+                let _ = claim_done.send(ClaimDone { at_ms, items, prepared, reserved });
             });
         }
         tokio::select! {
@@ -637,9 +655,9 @@ async fn work_loop(
                 Some(items) => received = items,
                 None => fan_out_open = false,
             },
-            done = async { (&mut claiming.as_mut().expect("a claim runs").1).await }, if claiming.is_some() => {
-                let asked = claiming.take().map_or(0, |c| c.0);
-                claim_due |= take_claim(name, &config, done, &mut ahead, (asked, &handed.room));
+            done = async { claiming.as_mut().expect("a claim runs").await }, if claiming.is_some() => {
+                claiming = None;
+                claim_due |= take_claim(name, &config, done, &mut ahead);
             }
             _ = shutdown.changed() => {}
         }
@@ -648,14 +666,14 @@ async fn work_loop(
     // that dies instead leaves them to their leases); so are those the fan-out handed over
     // meanwhile, and any it hands from now on (it gives them back itself), and those of a claim
     // still running.
-    if let Some((asked, outcome)) = claiming {
-        take_claim(name, &config, outcome.await, &mut ahead, (asked, &handed.room));
+    if let Some(outcome) = claiming {
+        take_claim(name, &config, outcome.await, &mut ahead);
     }
     handed.items.close();
     while let Ok(more) = handed.items.try_recv() {
         received.extend(more);
     }
-    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).chain(received).collect();
+    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).chain(received.into_iter().map(|(item, _)| item)).collect();
     release(&*store, name, &config.owner, &unstarted).await;
     // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
     // (the completer ends when the last attempt has sent its record); what does not is claimed
@@ -670,35 +688,33 @@ async fn work_loop(
     let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
 }
 
-/// A claim's outcome, from the task that ran it beside the work loop.
+/// A claim's outcome, from the task that ran it beside the work loop, with the room reserved
+/// for it.
 struct ClaimDone {
     at_ms: u64,
     items: Result<Vec<WorkItem>>,
     prepared: Prepared,
+    reserved: Reservation,
 }
 
-/// Queues a claim's items to wait for a slot and gives back to `room` what it reserved and did
-/// not get; true when it took all it asked for (so more may be due). A claim whose task ended
-/// without an outcome (it panicked) took nothing this loop knows of: its items wait for their
-/// leases, and what it asked for is given back.
+/// Queues a claim's items to wait for a slot, each with its share of the room reserved for the
+/// claim (the rest goes back); true when it took all it asked for (so more may be due). A claim
+/// whose task ended without an outcome (it panicked) took nothing this loop knows of: its items
+/// wait for their leases, and its reservation went back as the task unwound.
 fn take_claim(
     name: &str,
     config: &RunnerConfig,
     done: std::result::Result<ClaimDone, tokio::sync::oneshot::error::RecvError>,
     ahead: &mut std::collections::VecDeque<Claimed>,
-    (asked, room): (usize, &AtomicUsize),
 ) -> bool {
-    let Ok(ClaimDone { at_ms, items, prepared }) = done else {
+    let Ok(ClaimDone { at_ms, items, prepared, reserved }) = done else {
         tracing::warn!(consumer = name, "a claim ended without an outcome");
-        room.fetch_add(asked, Ordering::AcqRel);
         return false;
     };
-    let got = items.as_ref().map_or(0, Vec::len);
-    room.fetch_add(asked - got.min(asked), Ordering::AcqRel);
     match items {
         Ok(items) => {
-            let full = items.len() == asked;
-            queue(config, ahead, items, prepared, at_ms);
+            let full = items.len() == reserved.count;
+            queue(config, ahead, reserved.settle(items), prepared, at_ms);
             full
         }
         Err(e) => {
@@ -714,22 +730,24 @@ fn take_claim(
 fn queue(
     config: &RunnerConfig,
     ahead: &mut std::collections::VecDeque<Claimed>,
-    items: Vec<WorkItem>,
+    items: Vec<(WorkItem, RoomBack)>,
     prepared: Prepared,
     prepared_at_ms: u64,
 ) {
-    ahead.extend(items.into_iter().map(|item| Claimed {
+    ahead.extend(items.into_iter().map(|(item, room)| Claimed {
         start_by_ms: start_by_ms(config, item.claimed_at_ms(config.lease_ms)),
         item,
+        room,
         prepared: prepared.clone(),
         prepared_at_ms,
     }));
 }
 
-/// A claimed item waiting for a slot, with what [`Consumer::prepare`] read for it and when,
-/// and the time it must start by.
+/// A claimed item waiting for a slot, with its share of the work loop's room, what
+/// [`Consumer::prepare`] read for it and when, and the time it must start by.
 struct Claimed {
     item: WorkItem,
+    room: RoomBack,
     prepared: Prepared,
     prepared_at_ms: u64,
     start_by_ms: u64,
@@ -912,6 +930,44 @@ mod tests {
         // Never past the cap, however long the lease.
         (config.lease_ms, config.time_limit_ms) = (86_400_000, 1);
         assert_eq!(ahead_max(&config, 256), AHEAD_MAX);
+    }
+
+    #[test]
+    fn room_reserved_for_a_claim_goes_back_however_the_claim_and_its_items_end() {
+        let item = |n: u32| WorkItem {
+            tenant: bc_core::id::TenantId::ROOT,
+            consumer: "test".into(),
+            id: format!("item-{n}"),
+            subject: "s".into(),
+            payload: serde_json::Value::Null,
+            state: bc_core::store::outbox::WorkState::Pending,
+            attempts: 1,
+            round_attempts: 1,
+            next_at_ms: 0,
+            lease_until_ms: 0,
+            last_error: None,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        };
+        let room = Arc::new(AtomicUsize::new(10));
+        let left = || room.load(Ordering::Acquire);
+        // A reservation takes what it wants while there is room, then what is left.
+        let first = Reservation::take(&room, 4);
+        assert_eq!((first.count, left()), (4, 6));
+        let second = Reservation::take(&room, 8);
+        assert_eq!((second.count, left()), (6, 0));
+        assert_eq!(Reservation::take(&room, 1).count, 0);
+        // A claim that failed (or whose task panicked) drops its reservation: all of it goes back.
+        drop(second);
+        assert_eq!(left(), 6);
+        // A claim that got 3 of 4: one goes back at once, each item holds its own until it ends.
+        let held = first.settle((0..3).map(item).collect());
+        assert_eq!((held.len(), left()), (3, 7));
+        let mut held = held.into_iter();
+        drop(held.next());
+        assert_eq!(left(), 8);
+        drop(held);
+        assert_eq!(left(), 10);
     }
 
     #[test]
