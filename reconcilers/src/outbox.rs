@@ -577,7 +577,7 @@ async fn work_loop(
     let mut fan_out_open = true;
     // A claim runs beside this loop (issue 17): while it waits for the database (on SQLite,
     // for the writer, behind a commit's fsync) the loop goes on starting waiting items as slots
-    // free. At most one at a time: what it asked for, and where its outcome comes.
+    // free. At most one at a time: where its outcome comes, with the room reserved for it.
     let mut claiming: Option<tokio::sync::oneshot::Receiver<ClaimDone>> = None;
     while !*shutdown.borrow() {
         while let Ok(more) = handed.items.try_recv() {
