@@ -1240,10 +1240,11 @@ impl super::lease::LeaseStore for PostgresStore {
 /// which the done items' index holds), so its new row version is written beside the old one on
 /// the same page without an entry in any index (a heap-only tuple; 0007's fillfactor leaves
 /// the room for it; `plan_tests`). The locked rows are updated where they lie (`ctid`, a TID
-/// scan), not found again by a key: joined by `(tenant_id, consumer, id)` the planner may take
-/// `work_items_by_subject`, whose third column is not the id, and walk every item of the tenant
-/// once per claimed row (seen on a table of small items: 1.1 ms a row, the deliveries a tenth as
-/// fast, issue 17).
+/// scan), not found again by a key: joined by `(tenant_id, consumer, id)` the planner took
+/// `work_items_by_subject`, whose third column is not the id, and walked every item of the
+/// tenant once per claimed row (the plan test found it at every item size; seen live at 1.1 ms
+/// a row, issue 17). A row another process changed after this statement began is not seen by
+/// the TID scan and stays unclaimed, never claimed twice.
 fn claim_sql() -> String {
     format!(
         "UPDATE work_items w SET lease_owner = $1, lease_until_ms = $2, attempts = w.attempts + 1, \
@@ -1332,8 +1333,8 @@ mod plan_tests {
     /// every pending item once per row of the batch.
     #[tokio::test]
     async fn a_batch_of_completions_finds_its_items_by_the_primary_key() {
-        // Items that keep a delivery's body, as webhooks' did before, and items that only name
-        // their event, as they do now (the planner weighs the indexes by the table's size).
+        // Items the size of a large event's delivery body down to a ping's (the planner weighs
+        // the indexes by the table's size).
         for payload_chars in [900, 300, 60] {
             completions_find_their_items_by_the_primary_key(payload_chars).await;
         }
