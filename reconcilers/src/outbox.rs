@@ -346,13 +346,13 @@ pub struct FanOut {
 /// the same room twice, and no path has to remember to give room back.
 struct Handoff {
     room: Arc<AtomicUsize>,
-    items: tokio::sync::mpsc::UnboundedSender<Vec<(WorkItem, RoomBack)>>,
+    items: tokio::sync::mpsc::UnboundedSender<Holding>,
 }
 
 /// The work loop's end of a [`Handoff`].
 struct Handed {
     room: Arc<AtomicUsize>,
-    items: tokio::sync::mpsc::UnboundedReceiver<Vec<(WorkItem, RoomBack)>>,
+    items: tokio::sync::mpsc::UnboundedReceiver<Holding>,
 }
 
 /// One claimed item's room, given back when it is dropped.
@@ -381,10 +381,25 @@ impl Reservation {
 
     /// The claim got `items` (at most `count`: a claim asks for no more than was reserved):
     /// each takes its share of the room with it; the rest goes back.
-    fn settle(mut self, items: Vec<WorkItem>) -> Vec<(WorkItem, RoomBack)> {
+    fn settle(mut self, items: Vec<WorkItem>) -> Holding {
         debug_assert!(items.len() <= self.count, "a claim got more than it reserved room for");
         self.count -= items.len().min(self.count);
-        items.into_iter().map(|item| (item, RoomBack(self.room.clone()))).collect()
+        let rooms = items.iter().map(|_| RoomBack(self.room.clone())).collect();
+        Holding { items, rooms }
+    }
+}
+
+/// Claimed items with their shares of the room, `rooms[i]` the share of `items[i]`.
+#[derive(Default)]
+struct Holding {
+    items: Vec<WorkItem>,
+    rooms: Vec<RoomBack>,
+}
+
+impl Holding {
+    fn append(&mut self, mut more: Holding) {
+        self.items.append(&mut more.items);
+        self.rooms.append(&mut more.rooms);
     }
 }
 
@@ -532,8 +547,7 @@ impl FanOut {
         {
             // A work loop that has stopped takes nothing more: give them back at once.
             if let Err(unsent) = handoff.items.send(reserved.settle(claimed)) {
-                let unsent: Vec<WorkItem> = unsent.0.into_iter().map(|(item, _)| item).collect();
-                release(store, name, &config.owner, &unsent).await;
+                release(store, name, &config.owner, &unsent.0.items).await;
             }
         }
         Ok(true)
@@ -573,7 +587,7 @@ async fn work_loop(
     // unless the last claim took all it asked for.
     let mut claim_due = true;
     // Items the fan-out wrote already claimed for this loop, and whether it may hand more.
-    let mut received: Vec<(WorkItem, RoomBack)> = Vec::new();
+    let mut received = Holding::default();
     let mut fan_out_open = true;
     // A claim runs beside this loop (issue 17): while it waits for the database (on SQLite,
     // for the writer, behind a commit's fsync) the loop goes on starting waiting items as slots
@@ -581,13 +595,13 @@ async fn work_loop(
     let mut claiming: Option<tokio::sync::oneshot::Receiver<ClaimDone>> = None;
     while !*shutdown.borrow() {
         while let Ok(more) = handed.items.try_recv() {
-            received.extend(more);
+            received.append(more);
         }
-        if !received.is_empty() {
-            let (items, rooms): (Vec<WorkItem>, Vec<RoomBack>) = std::mem::take(&mut received).into_iter().unzip();
+        if !received.items.is_empty() {
+            let holding = std::mem::take(&mut received);
             let now = config.clock.now_ms();
-            let prepared = consumer.prepare(&*store, &items).await;
-            queue(&config, &mut ahead, items.into_iter().zip(rooms).collect(), prepared, now);
+            let prepared = consumer.prepare(&*store, &holding.items).await;
+            queue(&config, &mut ahead, holding, prepared, now);
         }
         let mut stale = Vec::new();
         let now = config.clock.now_ms();
@@ -671,9 +685,9 @@ async fn work_loop(
     }
     handed.items.close();
     while let Ok(more) = handed.items.try_recv() {
-        received.extend(more);
+        received.append(more);
     }
-    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).chain(received.into_iter().map(|(item, _)| item)).collect();
+    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).chain(received.items).collect();
     release(&*store, name, &config.owner, &unstarted).await;
     // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
     // (the completer ends when the last attempt has sent its record); what does not is claimed
@@ -730,11 +744,11 @@ fn take_claim(
 fn queue(
     config: &RunnerConfig,
     ahead: &mut std::collections::VecDeque<Claimed>,
-    items: Vec<(WorkItem, RoomBack)>,
+    holding: Holding,
     prepared: Prepared,
     prepared_at_ms: u64,
 ) {
-    ahead.extend(items.into_iter().map(|(item, room)| Claimed {
+    ahead.extend(holding.items.into_iter().zip(holding.rooms).map(|(item, room)| Claimed {
         start_by_ms: start_by_ms(config, item.claimed_at_ms(config.lease_ms)),
         item,
         room,
@@ -961,10 +975,9 @@ mod tests {
         drop(second);
         assert_eq!(left(), 6);
         // A claim that got 3 of 4: one goes back at once, each item holds its own until it ends.
-        let held = first.settle((0..3).map(item).collect());
-        assert_eq!((held.len(), left()), (3, 7));
-        let mut held = held.into_iter();
-        drop(held.next());
+        let mut held = first.settle((0..3).map(item).collect());
+        assert_eq!((held.rooms.len(), left()), (3, 7));
+        drop(held.rooms.pop());
         assert_eq!(left(), 8);
         drop(held);
         assert_eq!(left(), 10);
