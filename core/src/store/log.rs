@@ -149,6 +149,8 @@ pub struct Log {
     /// The newest commit number this process wrote: wakes watchers early. Only a nudge: other
     /// processes' commits are found by polling, so correctness never rests on it.
     commits: tokio::sync::watch::Receiver<u64>,
+    /// The newest commit of this process whose answers have all been let go ([`Log::answered`]).
+    answered: tokio::sync::watch::Receiver<u64>,
     /// The simulator's crash of a caller part way (`sim run`'s `reconciler-crash`): while
     /// `Some(n)`, `n` more appends are taken and every later one is refused before it is queued,
     /// as if the caller's process had died after its last one. Always `None` elsewhere.
@@ -189,7 +191,9 @@ impl Log {
         store.signing_key_put(key.key_id(), key.public().as_bytes(), clock.now_ms()).await?;
         let (jobs, receiver) = mpsc::channel(APPEND_QUEUE_REQUESTS_MAX);
         let stats = Arc::new(LogStats::default());
-        let (notify, commits) = tokio::sync::watch::channel(store.last_commit().await?);
+        let last = store.last_commit().await?;
+        let (notify, commits) = tokio::sync::watch::channel(last);
+        let (answered_tx, answered) = tokio::sync::watch::channel(last);
         let commits_to_fail = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let appender = Appender {
             store: store.clone(),
@@ -198,6 +202,7 @@ impl Log {
             clock: clock.clone(),
             ids: ids.clone(),
             commits_to_fail: commits_to_fail.clone(),
+            answered: Arc::new(answered_tx),
         };
         tokio::spawn(run_appender(receiver, appender, stats.clone(), notify));
         Ok(Self {
@@ -208,6 +213,7 @@ impl Log {
             ids,
             handle: LogHandle { jobs },
             commits,
+            answered,
             appends_left: Default::default(),
             commits_to_fail,
         })
@@ -216,6 +222,15 @@ impl Log {
     /// A receiver that changes when this process commits.
     pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
         self.commits.clone()
+    }
+
+    /// A receiver that moves to a commit of this process once every answer the commit gave has
+    /// been let go by its caller (an HTTP handler: once it has made its response), or to a
+    /// newer commit's. The watch tail waits on it, a bounded time, so that a write is answered
+    /// before its event is fanned out to the watchers: the fan-out's work does not delay the
+    /// answer (issue 17, goal 1).
+    pub fn answered(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.answered.clone()
     }
 
     pub fn handle(&self) -> LogHandle {
@@ -275,6 +290,36 @@ struct Appender {
     ids: Arc<dyn IdSource>,
     /// [`Log::commits_fail`]'s count, taken one per append transaction.
     commits_to_fail: Arc<std::sync::atomic::AtomicU64>,
+    /// Where a commit's [`Receipt`] reports that its answers were let go.
+    answered: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Appender {
+    /// The receipt every answer of `commit` holds.
+    fn receipt(&self, commit: u64) -> Arc<Receipt> {
+        Arc::new(Receipt { commit, answered: self.answered.clone() })
+    }
+}
+
+/// Shared by every answer ([`AppendResult`]) one commit gave; dropped when the last of them is,
+/// which moves [`Log::answered`] to the commit (never back).
+#[derive(Debug)]
+pub(crate) struct Receipt {
+    commit: u64,
+    answered: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Drop for Receipt {
+    fn drop(&mut self) {
+        let commit = self.commit;
+        self.answered.send_if_modified(|at| {
+            let newer = *at < commit;
+            if newer {
+                *at = commit;
+            }
+            newer
+        });
+    }
 }
 
 /// The appender: takes jobs from the queue in batches, decides, signs and commits them, and
@@ -304,7 +349,16 @@ async fn run_appender(
                 if merged.batch.events.is_empty() {
                     // Refusals and replays only, decided on a commit that has landed since.
                     let Decided { jobs, batch, outcomes } = merged;
-                    answer(&*appender.store, appender.projector.as_ref(), jobs, &batch, outcomes, &ProjectedRows::new()).await;
+                    answer(
+                        appender.store.as_ref(),
+                        appender.projector.as_ref(),
+                        jobs,
+                        &batch,
+                        outcomes,
+                        &ProjectedRows::new(),
+                        None,
+                    )
+                    .await;
                 } else {
                     committing = Some(Committing::start(&appender, merged));
                 }
@@ -431,7 +485,7 @@ async fn decide_chunk(appender: &Appender, stats: &LogStats, jobs: Vec<Job>, und
     stats.decide_us.fetch_add(phase.elapsed().as_micros() as u64, Relaxed);
     if batch.events.is_empty() && under.is_empty() {
         // Nothing to write and nothing in flight it could depend on: answer now.
-        answer(&*appender.store, appender.projector.as_ref(), jobs, &batch, outcomes, &ProjectedRows::new()).await;
+        answer(appender.store.as_ref(), appender.projector.as_ref(), jobs, &batch, outcomes, &ProjectedRows::new(), None).await;
         return None;
     }
     Some(Decided { jobs, batch, outcomes })
@@ -519,7 +573,17 @@ async fn settle(
             stats.batches.fetch_add(1, Relaxed);
             stats.events.fetch_add(batch.batch.events.len() as u64, Relaxed);
             tracing::debug!(jobs = batch.jobs.len(), events = batch.batch.events.len(), commit, "append batch");
-            answer(&*appender.store, appender.projector.as_ref(), batch.jobs, &batch.batch, batch.outcomes, &rows).await;
+            let receipt = Some(appender.receipt(commit));
+            answer(
+                appender.store.as_ref(),
+                appender.projector.as_ref(),
+                batch.jobs,
+                &batch.batch,
+                batch.outcomes,
+                &rows,
+                receipt,
+            )
+            .await;
             return Some(commit);
         }
         Ok(CommitOutcome::Stale) => {
@@ -544,7 +608,7 @@ fn stopwatch() -> std::time::Instant {
 }
 
 async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) -> Option<u64> {
-    let Appender { store, projector, key, clock, ids, commits_to_fail } = appender;
+    let Appender { store, projector, key, clock, ids, commits_to_fail, answered: _ } = appender;
     let store = &**store;
     let mut decided = None;
     let started = stopwatch();
@@ -623,8 +687,9 @@ async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) ->
         total_us = started.elapsed().as_micros() as u64,
         "append batch"
     );
-    answer(store, projector.as_ref(), jobs, &batch, outcomes, &rows).await;
-    batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0)
+    let commit = batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0);
+    answer(store, projector.as_ref(), jobs, &batch, outcomes, &rows, commit.map(|c| appender.receipt(c))).await;
+    commit
 }
 
 /// Answers every job of a batch that was committed (or needed no commit): each request its
@@ -636,6 +701,7 @@ async fn answer(
     batch: &PreparedBatch,
     outcomes: Vec<Outcome>,
     rows: &ProjectedRows,
+    receipt: Option<Arc<Receipt>>,
 ) {
     let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
         .iter()
@@ -652,12 +718,18 @@ async fn answer(
             let result = match outcome {
                 Outcome::Append(range) => {
                     let events = &batch.events[range];
-                    Ok(AppendResult { events: events.to_vec(), replayed: false, rows: rows_of(projector, events, rows) })
+                    Ok(AppendResult {
+                        events: events.to_vec(),
+                        replayed: false,
+                        rows: rows_of(projector, events, rows),
+                        _receipt: receipt.clone(),
+                    })
                 }
                 Outcome::ReplayOfJob(first) => Ok(AppendResult {
                     events: ranges[first].clone().map(|r| batch.events[r].to_vec()).unwrap_or_default(),
                     replayed: true,
                     rows: Vec::new(),
+                    _receipt: receipt.clone(),
                 }),
                 Outcome::Replay { tenant, first_seq, last_seq } => read_replay(store, tenant, first_seq, last_seq).await,
                 Outcome::Refused(e) => Err(e),
@@ -723,7 +795,7 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
         from += page.len() as u64;
         events.extend(page);
     }
-    Ok(AppendResult { events, replayed: true, rows: Vec::new() })
+    Ok(AppendResult { events, replayed: true, rows: Vec::new(), _receipt: None })
 }
 
 /// A batch whose commit failed. One request can be the cause (its projection fold refused its

@@ -220,6 +220,10 @@ pub struct AppendResult {
     /// batched after it, so what a read right after the commit would return, without the read.
     /// Empty for a replay, whose caller reads the rows as they are now.
     pub rows: Vec<(RowKey, Option<serde_json::Value>)>,
+    /// The commit's receipt, shared by every answer it gave: when the last of them is let go
+    /// (each caller has used its answer: a handler has made its response), [`Log::answered`]
+    /// moves to the commit. `None` for an answer no commit of this process made.
+    pub(crate) _receipt: Option<std::sync::Arc<log::Receipt>>,
 }
 
 impl AppendResult {

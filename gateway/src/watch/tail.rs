@@ -32,7 +32,7 @@ use bc_core::store::EventStore;
 use bc_projections::events::TypeFilter;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{WATCH_BUFFER_EVENTS, WATCH_PAGE_ROWS, WATCH_POLL_MS};
+use super::{WATCH_AFTER_ANSWER_MS, WATCH_ANSWER_WAIT_MS, WATCH_BUFFER_EVENTS, WATCH_PAGE_ROWS, WATCH_POLL_MS};
 
 /// Recent events the tail keeps in memory, all tenants together, for watchers that join from a
 /// recent position (a reconnect, a re-check of the key, a watcher that fell behind).
@@ -329,6 +329,13 @@ impl TailState {
     }
 }
 
+/// What wakes the tail: this process's commits ([`bc_core::store::Log::subscribe`]) and their
+/// answers being let go ([`bc_core::store::Log::answered`]).
+pub struct Wakes {
+    pub commits: tokio::sync::watch::Receiver<u64>,
+    pub answered: tokio::sync::watch::Receiver<u64>,
+}
+
 /// The process's one tail. [`Tail::start`] starts its task the first time a watcher needs it.
 pub struct Tail {
     limits: TailLimits,
@@ -351,13 +358,15 @@ impl Tail {
     }
 
     /// Starts the tail's task at the end of the log, once; later calls return at once. It
-    /// reads after every commit this process announces on `commits`, and every `WATCH_POLL_MS`
-    /// for other processes' commits; it stops when `shutdown` is set (ending every joined
-    /// watcher) or when nothing but the task holds the tail.
+    /// reads after every commit this process announces on `wakes.commits`, once the commit's
+    /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`) and
+    /// `WATCH_AFTER_ANSWER_MS` more, and every `WATCH_POLL_MS` for other processes' commits;
+    /// it stops when `shutdown` is set (ending every joined watcher) or when nothing but the
+    /// task holds the tail.
     pub async fn start(
         self: &Arc<Self>,
         store: &Arc<dyn EventStore>,
-        commits: tokio::sync::watch::Receiver<u64>,
+        wakes: Wakes,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> bc_core::Result<()> {
         self.started
@@ -368,7 +377,7 @@ impl Tail {
                     state.head = at;
                     state.covered_from = at;
                 }
-                tokio::spawn(run(self.clone(), store.clone(), commits, shutdown));
+                tokio::spawn(run(self.clone(), store.clone(), wakes, shutdown));
                 Ok::<_, bc_core::Error>(())
             })
             .await
@@ -418,12 +427,8 @@ impl Tail {
 }
 
 /// The tail's task: everything committed after the head, a page at a time, then wait.
-async fn run(
-    tail: Arc<Tail>,
-    store: Arc<dyn EventStore>,
-    mut commits: tokio::sync::watch::Receiver<u64>,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) {
+async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    let Wakes { mut commits, mut answered } = wakes;
     let mut notified = true;
     loop {
         // The state that owns the tail is gone (a test's), or the server stops.
@@ -453,7 +458,17 @@ async fn run(
         }
         tokio::select! {
             // If the appender is gone, its sender is dropped: fall back to polling only.
-            changed = commits.changed(), if notified => notified = changed.is_ok(),
+            changed = commits.changed(), if notified => {
+                notified = changed.is_ok();
+                // Answer first: the commit's writers have their responses, and their clients
+                // the time to read them, before its fan-out (a write to every watcher's
+                // connection) takes the cores (issue 17, goal 1; `WATCH_AFTER_ANSWER_MS` says
+                // what it was measured to change).
+                let commit = *commits.borrow_and_update();
+                let wait = Duration::from_millis(WATCH_ANSWER_WAIT_MS);
+                let _ = tokio::time::timeout(wait, answered.wait_for(|at| *at >= commit)).await;
+                tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
+            }
             _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
             _ = shutdown.changed() => {}
         }
