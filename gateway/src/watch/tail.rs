@@ -32,7 +32,9 @@ use bc_core::store::EventStore;
 use bc_projections::events::TypeFilter;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{WATCH_AFTER_ANSWER_MS, WATCH_ANSWER_WAIT_MS, WATCH_BUFFER_EVENTS, WATCH_PAGE_ROWS, WATCH_POLL_MS};
+use super::{
+    WATCH_AFTER_ANSWER_MS, WATCH_AFTER_ANSWER_WATCHERS, WATCH_ANSWER_WAIT_MS, WATCH_BUFFER_EVENTS, WATCH_PAGE_ROWS, WATCH_POLL_MS,
+};
 
 /// Recent events the tail keeps in memory, all tenants together, for watchers that join from a
 /// recent position (a reconnect, a re-check of the key, a watcher that fell behind).
@@ -359,8 +361,9 @@ impl Tail {
 
     /// Starts the tail's task at the end of the log, once; later calls return at once. It
     /// reads after every commit this process announces on `wakes.commits`, once the commit's
-    /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`) and
-    /// `WATCH_AFTER_ANSWER_MS` more, and every `WATCH_POLL_MS` for other processes' commits;
+    /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`) and, with
+    /// `WATCH_AFTER_ANSWER_WATCHERS` or more joined, `WATCH_AFTER_ANSWER_MS` more, and every
+    /// `WATCH_POLL_MS` for other processes' commits;
     /// it stops when `shutdown` is set (ending every joined watcher) or when nothing but the
     /// task holds the tail.
     pub async fn start(
@@ -467,7 +470,9 @@ async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shut
                 let commit = *commits.borrow_and_update();
                 let wait = Duration::from_millis(WATCH_ANSWER_WAIT_MS);
                 let _ = tokio::time::timeout(wait, answered.wait_for(|at| *at >= commit)).await;
-                tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
+                if tail.joined() >= WATCH_AFTER_ANSWER_WATCHERS {
+                    tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
+                }
             }
             _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
             _ = shutdown.changed() => {}
