@@ -17,7 +17,7 @@ use bc_core::clock::SystemClock;
 use bc_core::id::{PoolId, TenantId};
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
+use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, Log, NewEvent};
 use bc_gateway::AppState;
 use bc_gateway::watch::{Tail, TailLimits};
 use bc_projections::Projections;
@@ -74,7 +74,7 @@ impl World {
     }
 }
 
-async fn pool_via(log: &Log, name: &str) {
+async fn pool_via(log: &Log, name: &str) -> AppendResult {
     let payload = ev::to_cbor(&ev::PoolCreated {
         name: name.to_owned(),
         description: String::new(),
@@ -95,7 +95,7 @@ async fn pool_via(log: &Log, name: &str) {
         events: vec![NewEvent::new(ev::POOL_CREATED, payload)],
     })
     .await
-    .unwrap();
+    .unwrap()
 }
 
 /// A watch's response body, read an event at a time.
@@ -224,4 +224,26 @@ async fn a_reconnect_within_the_ring_resumes_exactly_after_its_position() {
     assert_eq!(response.status(), 200);
     let mut again = Events { body: response.into_body().into_data_stream(), buffer: String::new() };
     assert_eq!(again.names(3).await, named("p", 3..6));
+}
+
+/// The tail reads a commit for the watchers once the commit's writers have let their answers go
+/// (`Log::answered`), so a write is answered before its fan-out; but a writer that keeps its
+/// answer holds the watchers back `WATCH_ANSWER_WAIT_MS` at most, never until it lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_keeps_its_answer_does_not_hold_the_watchers_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = common::sqlite_log(dir.path()).await;
+    let token = common::admin_token(&log).await;
+    let router = bc_gateway::router(Arc::new(AppState::new(log.clone())));
+    let world = World { dir, router, token };
+    let mut events = world.watch("").await;
+    let kept = pool_via(&log, "kept").await;
+    let commit = kept.events[0].position.commit;
+    // Seconds, where the bound is milliseconds: a tail that waited for the answer to be let go
+    // would not send it at all while the answer is kept.
+    let (id, name) = tokio::time::timeout(Duration::from_secs(10), events.next()).await.expect("the event, with its answer kept");
+    assert_eq!((id, name.as_str()), (kept.events[0].position.to_string(), "kept"));
+    assert!(*log.answered().borrow() < commit, "the answer is still kept, and the event came anyway");
+    drop(kept);
+    assert_eq!(*log.answered().borrow(), commit);
 }
