@@ -60,7 +60,9 @@ pub const WATCH_POLL_MS: u64 = 1000;
 /// How long the tail waits, after this process commits, for the commit's writers to have their
 /// answers before it reads the commit for the watchers ([`bc_core::store::Log::answered`]): a
 /// write is answered before its fan-out takes the cores. A caller that holds its answer longer
-/// delays the watchers by this much at most.
+/// delays the watchers by this much at most, and `WATCH_AFTER_ANSWER_MS` with many watchers
+/// (each rounded up to tokio's millisecond timer tick: 3–5 ms in all, at worst). A commit the
+/// tail has already read (it landed while the tail waited or read) is not waited for.
 pub const WATCH_ANSWER_WAIT_MS: u64 = 2;
 /// Then, when `WATCH_AFTER_ANSWER_WATCHERS` or more watchers are joined, how long more before
 /// the fan-out: the writers' clients read their answers while the cores are not busy writing to

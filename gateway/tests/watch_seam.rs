@@ -27,7 +27,13 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 /// A ring of 8 events, pages of 5 rows, buffers of 4 events.
-const SMALL: TailLimits = TailLimits { ring_events: 8, ring_bytes: 1 << 20, page_rows: 5, buffer_events: 4 };
+const SMALL: TailLimits = TailLimits {
+    ring_events: 8,
+    ring_bytes: 1 << 20,
+    page_rows: 5,
+    buffer_events: 4,
+    answer_wait: Duration::from_millis(bc_gateway::watch::WATCH_ANSWER_WAIT_MS),
+};
 
 struct World {
     dir: tempfile::TempDir,
@@ -246,4 +252,24 @@ async fn a_writer_that_keeps_its_answer_does_not_hold_the_watchers_back() {
     assert!(*log.answered().borrow() < commit, "the answer is still kept, and the event came anyway");
     drop(kept);
     assert_eq!(*log.answered().borrow(), commit);
+}
+
+/// And the tail does wait for them: with the bound made long, an event whose writer keeps its
+/// answer is not sent until the answer is let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tail_fans_a_commit_out_once_its_answers_are_let_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = common::sqlite_log(dir.path()).await;
+    let token = common::admin_token(&log).await;
+    let mut state = AppState::new(log.clone());
+    state.watch_tail = Tail::new(TailLimits { answer_wait: Duration::from_secs(600), ..TailLimits::default() });
+    let world = World { dir, router: bc_gateway::router(Arc::new(state)), token };
+    let mut events = world.watch("").await;
+    let kept = pool_via(&log, "kept").await;
+    let position = kept.events[0].position.to_string();
+    let early = tokio::time::timeout(Duration::from_millis(300), events.next()).await;
+    assert!(early.is_err(), "sent while its answer was kept: {early:?}");
+    drop(kept);
+    let (id, name) = tokio::time::timeout(Duration::from_secs(10), events.next()).await.expect("the event, its answer let go");
+    assert_eq!((id, name.as_str()), (position, "kept"));
 }

@@ -60,6 +60,8 @@ pub struct TailLimits {
     pub page_rows: u32,
     /// Frames queued for one client.
     pub buffer_events: usize,
+    /// How long the tail waits for a commit's answers to be let go (`WATCH_ANSWER_WAIT_MS`).
+    pub answer_wait: Duration,
 }
 
 impl Default for TailLimits {
@@ -69,6 +71,7 @@ impl Default for TailLimits {
             ring_bytes: WATCH_RING_BYTES,
             page_rows: WATCH_PAGE_ROWS,
             buffer_events: WATCH_BUFFER_EVENTS,
+            answer_wait: Duration::from_millis(WATCH_ANSWER_WAIT_MS),
         }
     }
 }
@@ -467,11 +470,15 @@ async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shut
                 // the time to read them, before its fan-out (a write to every watcher's
                 // connection) takes the cores (issue 17, goal 1; `WATCH_AFTER_ANSWER_MS` says
                 // what it was measured to change).
+                // A commit the last read already took (it landed while the tail waited or
+                // read) has nothing left to fan out: no wait.
                 let commit = *commits.borrow_and_update();
-                let wait = Duration::from_millis(WATCH_ANSWER_WAIT_MS);
-                let _ = tokio::time::timeout(wait, answered.wait_for(|at| *at >= commit)).await;
-                if tail.joined() >= WATCH_AFTER_ANSWER_WATCHERS {
-                    tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
+                if tail.head().commit < commit {
+                    let wait = tail.limits.answer_wait;
+                    let _ = tokio::time::timeout(wait, answered.wait_for(|at| *at >= commit)).await;
+                    if tail.joined() >= WATCH_AFTER_ANSWER_WATCHERS {
+                        tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
+                    }
                 }
             }
             _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
@@ -504,7 +511,7 @@ mod tests {
     }
 
     fn limits(ring_events: usize) -> TailLimits {
-        TailLimits { ring_events, ring_bytes: usize::MAX, page_rows: 4, buffer_events: 4 }
+        TailLimits { ring_events, ring_bytes: usize::MAX, page_rows: 4, buffer_events: 4, ..TailLimits::default() }
     }
 
     fn state_at(commit: u64) -> TailState {
@@ -666,7 +673,7 @@ mod tests {
     fn the_ring_is_bounded_in_events_and_bytes() {
         let a = TenantId::generate();
         let mut state = state_at(0);
-        let limits = TailLimits { ring_events: 3, ring_bytes: 9_100, page_rows: 4, buffer_events: 4 };
+        let limits = TailLimits { ring_events: 3, ring_bytes: 9_100, page_rows: 4, buffer_events: 4, ..TailLimits::default() };
         state.publish((1..=5).map(|c| event(c, 0, a, "pool.created")).collect(), &limits);
         assert_eq!(state.ring.len(), 3);
         assert_eq!(state.covered_from, Position { commit: 2, index: 0 });
