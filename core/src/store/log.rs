@@ -349,16 +349,7 @@ async fn run_appender(
                 if merged.batch.events.is_empty() {
                     // Refusals and replays only, decided on a commit that has landed since.
                     let Decided { jobs, batch, outcomes } = merged;
-                    answer(
-                        appender.store.as_ref(),
-                        appender.projector.as_ref(),
-                        jobs,
-                        &batch,
-                        outcomes,
-                        &ProjectedRows::new(),
-                        None,
-                    )
-                    .await;
+                    answer(&appender, jobs, &batch, outcomes, &ProjectedRows::new(), None).await;
                 } else {
                     committing = Some(Committing::start(&appender, merged));
                 }
@@ -485,7 +476,7 @@ async fn decide_chunk(appender: &Appender, stats: &LogStats, jobs: Vec<Job>, und
     stats.decide_us.fetch_add(phase.elapsed().as_micros() as u64, Relaxed);
     if batch.events.is_empty() && under.is_empty() {
         // Nothing to write and nothing in flight it could depend on: answer now.
-        answer(appender.store.as_ref(), appender.projector.as_ref(), jobs, &batch, outcomes, &ProjectedRows::new(), None).await;
+        answer(appender, jobs, &batch, outcomes, &ProjectedRows::new(), None).await;
         return None;
     }
     Some(Decided { jobs, batch, outcomes })
@@ -573,17 +564,7 @@ async fn settle(
             stats.batches.fetch_add(1, Relaxed);
             stats.events.fetch_add(batch.batch.events.len() as u64, Relaxed);
             tracing::debug!(jobs = batch.jobs.len(), events = batch.batch.events.len(), commit, "append batch");
-            let receipt = Some(appender.receipt(commit));
-            answer(
-                appender.store.as_ref(),
-                appender.projector.as_ref(),
-                batch.jobs,
-                &batch.batch,
-                batch.outcomes,
-                &rows,
-                receipt,
-            )
-            .await;
+            answer(appender, batch.jobs, &batch.batch, batch.outcomes, &rows, Some(commit)).await;
             return Some(commit);
         }
         Ok(CommitOutcome::Stale) => {
@@ -688,21 +669,23 @@ async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) ->
         "append batch"
     );
     let commit = batch.events.first().map(|e| e.position.commit).filter(|commit| *commit > 0);
-    answer(store, projector.as_ref(), jobs, &batch, outcomes, &rows, commit.map(|c| appender.receipt(c))).await;
+    answer(appender, jobs, &batch, outcomes, &rows, commit).await;
     commit
 }
 
-/// Answers every job of a batch that was committed (or needed no commit): each request its
-/// events and the rows they touched, a replay the events it names, a refusal its error.
+/// Answers every job of a batch that was committed as `commit` (or needed no commit): each
+/// request its events and the rows they touched, a replay the events it names, a refusal its
+/// error. The answers of a commit share its [`Receipt`].
 async fn answer(
-    store: &dyn EventStore,
-    projector: &dyn Projector,
+    appender: &Appender,
     mut jobs: Vec<Job>,
     batch: &PreparedBatch,
     outcomes: Vec<Outcome>,
     rows: &ProjectedRows,
-    receipt: Option<Arc<Receipt>>,
+    commit: Option<u64>,
 ) {
+    let (store, projector) = (appender.store.as_ref(), appender.projector.as_ref());
+    let receipt = commit.map(|commit| appender.receipt(commit));
     let ranges: Vec<Option<std::ops::Range<usize>>> = outcomes
         .iter()
         .map(|o| match o {

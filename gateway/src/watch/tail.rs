@@ -366,9 +366,8 @@ impl Tail {
     /// reads after every commit this process announces on `wakes.commits`, once the commit's
     /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`) and, with
     /// `WATCH_AFTER_ANSWER_WATCHERS` or more joined, `WATCH_AFTER_ANSWER_MS` more, and every
-    /// `WATCH_POLL_MS` for other processes' commits;
-    /// it stops when `shutdown` is set (ending every joined watcher) or when nothing but the
-    /// task holds the tail.
+    /// `WATCH_POLL_MS` for other processes' commits; it stops when `shutdown` is set (ending
+    /// every joined watcher) or when nothing but the task holds the tail.
     pub async fn start(
         self: &Arc<Self>,
         store: &Arc<dyn EventStore>,
