@@ -8,8 +8,8 @@
 //!
 //! One shared tail per process ([`tail`], the Kubernetes watch cache's shape) reads each
 //! commit's new rows once, woken by the appender's commit notification (once the commit's
-//! writers have their answers, or after `WATCH_ANSWER_WAIT_MS`, and with many watchers
-//! `WATCH_AFTER_ANSWER_MS` more) and polling every
+//! writers have their answers, or after `WATCH_ANSWER_WAIT_MS`; a fan-out to many watchers
+//! `WATCH_AFTER_ANSWER_MS` later) and polling every
 //! `WATCH_POLL_MS` for other processes' commits, renders each event once, and hands it to every
 //! caught-up watcher of its tenant whose filter takes it; a bounded ring of recent events
 //! (`WATCH_RING_EVENTS`, `WATCH_RING_BYTES`) serves a watcher that joins from a recent position.
@@ -60,21 +60,24 @@ pub const WATCH_POLL_MS: u64 = 1000;
 /// How long the tail waits, after this process commits, for the commit's writers to have their
 /// answers before it reads the commit for the watchers ([`bc_core::store::Log::answered`]): a
 /// write is answered before its fan-out takes the cores. A caller that holds its answer longer
-/// delays the watchers by this much at most, and `WATCH_AFTER_ANSWER_MS` with many watchers
-/// (each rounded up to tokio's millisecond timer tick: 3–5 ms in all, at worst). A commit the
-/// tail has already read (it landed while the tail waited or read) is not waited for.
+/// delays the watchers by this much at most, and `WATCH_AFTER_ANSWER_MS` for a fan-out to many
+/// watchers (each rounded up to tokio's millisecond timer tick: 3–5 ms in all, at worst). A
+/// commit the tail has already read (it landed while the tail waited or read) is not waited for.
 pub const WATCH_ANSWER_WAIT_MS: u64 = 2;
-/// Then, when `WATCH_AFTER_ANSWER_WATCHERS` or more watchers are joined, how long more before
-/// the fan-out: the writers' clients read their answers while the cores are not busy writing to
-/// every watcher. With 1,000 watchers on 2 cores (`make bench`, 2026-12-05, four interleaved
-/// pairs), a write's p99 went from 6.4–10.0 ms to 2.5–3.2 ms (with no watcher: 1.5–2.6 ms), and
-/// write → watcher p50 from 7.4–8.7 ms to 10.1–11.3 ms (etcd's: 24–30 ms). A fan-out to a few
-/// watchers takes the cores for microseconds, not milliseconds, and is not held back: with one
-/// watcher the wait had taken write → watcher p50 from 0.8–1.0 ms to 3.2 ms, for nothing.
+/// Then, when what the tail read goes to `WATCH_AFTER_ANSWER_WATCHERS` or more watchers (the
+/// joined watchers of its events' tenants), how long more before the fan-out: the writers'
+/// clients read their answers while the cores are not busy writing to every watcher. With 1,000
+/// watchers on 2 cores (`make bench`, 2026-12-05, four interleaved pairs), a write's p99 went
+/// from 6.4–10.0 ms to 2.5–3.2 ms (with no watcher: 1.5–2.6 ms), and write → watcher p50 from
+/// 7.4–8.7 ms to 10.1–11.3 ms (etcd's: 24–30 ms). A fan-out to a few watchers takes the cores
+/// for microseconds, not milliseconds, and is not held back: with one watcher the wait had taken
+/// write → watcher p50 from 0.8–1.0 ms to 3.2 ms, for nothing.
 pub const WATCH_AFTER_ANSWER_MS: u64 = 1;
-/// Joined watchers (all tenants) from which the tail waits `WATCH_AFTER_ANSWER_MS` after the
+/// Watchers a fan-out goes to from which the tail waits `WATCH_AFTER_ANSWER_MS` after the
 /// answers. Measured at 1 and 1,000 watchers only: 128 is an estimate of where a fan-out's socket
-/// writes (several µs each, counting both ends of loopback) come to about a millisecond.
+/// writes (several µs each, counting both ends of loopback) come to about a millisecond. Above
+/// the 64 watchers one tenant's keys may hold by default, so it takes a tenant with raised
+/// limits, or the root's administrators watching it.
 pub const WATCH_AFTER_ANSWER_WATCHERS: usize = 128;
 const _: () = assert!(WATCH_AFTER_ANSWER_WATCHERS <= WATCHERS_MAX);
 /// Comment lines that keep idle connections (and proxies) alive.

@@ -332,6 +332,13 @@ impl TailState {
     fn joined_count(&self) -> usize {
         self.joined.values().map(BTreeMap::len).sum()
     }
+
+    /// The joined watchers of the tenants `events` belong to: how many connections their
+    /// fan-out writes to (at most; filters take some out).
+    fn watchers_of(&self, events: &[TailEvent]) -> usize {
+        let tenants: std::collections::HashSet<TenantId> = events.iter().map(|e| e.tenant).collect();
+        tenants.iter().filter_map(|t| self.joined.get(t)).map(BTreeMap::len).sum()
+    }
 }
 
 /// What wakes the tail: this process's commits ([`bc_core::store::Log::subscribe`]) and their
@@ -364,8 +371,9 @@ impl Tail {
 
     /// Starts the tail's task at the end of the log, once; later calls return at once. It
     /// reads after every commit this process announces on `wakes.commits`, once the commit's
-    /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`) and, with
-    /// `WATCH_AFTER_ANSWER_WATCHERS` or more joined, `WATCH_AFTER_ANSWER_MS` more, and every
+    /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`), and hands
+    /// what it read to `WATCH_AFTER_ANSWER_WATCHERS` or more watchers `WATCH_AFTER_ANSWER_MS`
+    /// later; and every
     /// `WATCH_POLL_MS` for other processes' commits; it stops when `shutdown` is set (ending
     /// every joined watcher) or when nothing but the task holds the tail.
     pub async fn start(
@@ -405,6 +413,11 @@ impl Tail {
         self.lock().joined_count()
     }
 
+    /// The joined watchers of the tenants `events` belong to.
+    fn watchers_of(&self, events: &[TailEvent]) -> usize {
+        self.lock().watchers_of(events)
+    }
+
     /// Publishes events read after the head, in position order (the tail's task; tests).
     pub fn publish(&self, events: Vec<TailEvent>) {
         self.lock().publish(events, &self.limits)
@@ -435,6 +448,8 @@ impl Tail {
 async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     let Wakes { mut commits, mut answered } = wakes;
     let mut notified = true;
+    // The next read follows a wait for a commit's answers.
+    let mut answered_now = false;
     loop {
         // The state that owns the tail is gone (a test's), or the server stops.
         if *shutdown.borrow() || Arc::strong_count(&tail) == 1 {
@@ -452,7 +467,13 @@ async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shut
             };
             let full = rows.len() >= tail.limits.page_rows as usize;
             let read_to = rows.last().map(|row| Position { commit: row.commit, index: row.index });
-            tail.publish(rows.into_iter().filter_map(TailEvent::of_row).collect());
+            let events: Vec<TailEvent> = rows.into_iter().filter_map(TailEvent::of_row).collect();
+            // A fan-out to many connections waits a little more after its commit's answers
+            // (`WATCH_AFTER_ANSWER_MS`): their clients read them while the cores are free.
+            if std::mem::take(&mut answered_now) && tail.watchers_of(&events) >= WATCH_AFTER_ANSWER_WATCHERS {
+                tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
+            }
+            tail.publish(events);
             if let Some(read_to) = read_to {
                 // Past a row naming no tenant too, so it is not read again.
                 tail.read_to(read_to);
@@ -475,9 +496,7 @@ async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shut
                 if tail.head().commit < commit {
                     let wait = tail.limits.answer_wait;
                     let _ = tokio::time::timeout(wait, answered.wait_for(|at| *at >= commit)).await;
-                    if tail.joined() >= WATCH_AFTER_ANSWER_WATCHERS {
-                        tokio::time::sleep(Duration::from_millis(WATCH_AFTER_ANSWER_MS)).await;
-                    }
+                    answered_now = true;
                 }
             }
             _ = tokio::time::sleep(Duration::from_millis(WATCH_POLL_MS)) => {}
@@ -666,6 +685,22 @@ mod tests {
         assert!(matches!(handback.try_recv(), Err(oneshot::error::TryRecvError::Closed)), "dropped: the stream ends");
         let (c, _rx) = cursor(a, end_of(1), 8);
         assert!(matches!(state.join(c), Join::Ended), "a join across the bad event ends too");
+    }
+
+    #[test]
+    fn a_fan_out_counts_the_watchers_of_its_events_tenants_once_each() {
+        let (a, b, c) = (TenantId::generate(), TenantId::generate(), TenantId::generate());
+        let mut state = state_at(0);
+        let mut receivers = Vec::new();
+        for tenant in [a, a, a, b] {
+            let (cursor, rx) = cursor(tenant, end_of(0), 8);
+            assert!(matches!(state.join(cursor), Join::Joined { .. }));
+            receivers.push(rx);
+        }
+        let events = [event(1, 0, a, "pool.created"), event(1, 1, a, "pool.created"), event(2, 0, c, "pool.created")];
+        assert_eq!(state.watchers_of(&events), 3, "a's three, once; c has none; b's are not written to");
+        assert_eq!(state.watchers_of(&[event(3, 0, b, "pool.created")]), 1);
+        assert_eq!(state.watchers_of(&[]), 0);
     }
 
     #[test]
