@@ -1302,6 +1302,16 @@ mod plan_tests {
         (db, store)
     }
 
+    /// The plan PostgreSQL makes for `sql` with `params`, its lines joined by ` | `.
+    async fn explain(
+        client: &impl deadpool_postgres::GenericClient,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> String {
+        let rows = client.query(&format!("EXPLAIN {sql}"), params).await.unwrap();
+        rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join(" | ")
+    }
+
     /// Regression (hardening, finding 3): a tenant's read by position must be able to walk
     /// `events_by_tenant_position` (sequential scans turned off, so the planner shows whether
     /// an index serves the query at all on a small test table).
@@ -1310,20 +1320,15 @@ mod plan_tests {
         let (_db, store) = migrated().await;
         let client = store.pool.get().await.unwrap();
         client.batch_execute("SET enable_seqscan = off").await.unwrap();
-        let explain = format!("EXPLAIN {}", read_after_tenant_sql());
-        let rows = client.query(&explain, &[&0i64, &0i32, &"ten_00000000000000000000000000", &10i64]).await.unwrap();
-        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
-        let plan = plan.join(" | ");
+        let plan = explain(&client, &read_after_tenant_sql(), &[&0i64, &0i32, &"ten_00000000000000000000000000", &10i64]).await;
         assert!(plan.contains("events_by_tenant_position"), "{plan}");
         assert!(!plan.contains("Sort"), "no sort: {plan}");
         // Every tenant's read by position walks the position index in order too.
-        let explain = format!(
-            "EXPLAIN SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2) \
+        let every_tenant = format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2) \
              ORDER BY commit_no, commit_index LIMIT $3"
         );
-        let rows = client.query(&explain, &[&0i64, &0i32, &10i64]).await.unwrap();
-        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
-        let plan = plan.join(" | ");
+        let plan = explain(&client, &every_tenant, &[&0i64, &0i32, &10i64]).await;
         assert!(plan.contains("events_by_position") && !plan.contains("Sort"), "{plan}");
     }
 
@@ -1364,30 +1369,18 @@ mod plan_tests {
         let ids: Vec<String> = (1..=n).map(|g| format!("id{g:06}")).collect();
         let (states, errors) = (vec!["done"; n], vec![None::<&str>; n]);
         let (numbers, zeros, was) = (vec![1i64; n], vec![5i64; n], vec![WorkState::Pending.as_str(); n]);
-        let plan = |rows: Vec<tokio_postgres::Row>| rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join(" | ");
-        let complete = client
-            .query(
-                &format!("EXPLAIN {ITEMS_COMPLETE_SQL}"),
-                &[&tenants, &ids, &states, &zeros, &errors, &zeros, &numbers, &"webhooks", &"me", &was],
-            )
-            .await
-            .unwrap();
-        let complete = plan(complete);
+        let complete = explain(
+            &client,
+            ITEMS_COMPLETE_SQL,
+            &[&tenants, &ids, &states, &zeros, &errors, &zeros, &numbers, &"webhooks", &"me", &was],
+        )
+        .await;
         assert!(complete.contains("work_items_pkey") && !complete.contains("work_items_due"), "{complete}");
-        let release = client
-            .query(&format!("EXPLAIN {WORK_RELEASE_SQL}"), &[&tenants, &ids, &numbers, &"webhooks", &"me", &was])
-            .await
-            .unwrap();
-        let release = plan(release);
+        let release = explain(&client, WORK_RELEASE_SQL, &[&tenants, &ids, &numbers, &"webhooks", &"me", &was]).await;
         assert!(release.contains("work_items_pkey") && !release.contains("work_items_due"), "{release}");
         assert!(!complete.contains("Seq Scan") && !release.contains("Seq Scan"), "{complete} || {release}");
         // And a claim of that backlog updates the rows it locked where they lie.
-        let claim = plan(
-            client
-                .query(&format!("EXPLAIN {}", claim_sql()), &[&"you", &120_000i64, &70_000i64, &"webhooks", &100i64])
-                .await
-                .unwrap(),
-        );
+        let claim = explain(&client, &claim_sql(), &[&"you", &120_000i64, &70_000i64, &"webhooks", &100i64]).await;
         assert!(claim.contains("Tid Scan") && !claim.contains("work_items_by_subject"), "{claim}");
     }
 
@@ -1418,9 +1411,7 @@ mod plan_tests {
         let (updated, hot): (i64, i64) = (counts.get(0), counts.get(1));
         assert_eq!((updated, hot), (50, 50), "every claimed row heap-only");
         // The claimed rows are updated where they lie, whatever indexes the planner could use.
-        let plan =
-            tx.query(&format!("EXPLAIN {}", claim_sql()), &[&"me", &62_000i64, &2_000i64, &"webhooks", &50i64]).await.unwrap();
-        let plan = plan.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join(" | ");
+        let plan = explain(&tx, &claim_sql(), &[&"me", &62_000i64, &2_000i64, &"webhooks", &50i64]).await;
         assert!(plan.contains("Tid Scan") && !plan.contains("work_items_by_subject"), "{plan}");
     }
 }

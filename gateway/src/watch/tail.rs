@@ -373,9 +373,8 @@ impl Tail {
     /// reads after every commit this process announces on `wakes.commits`, once the commit's
     /// writers have their answers (`wakes.answered`, or after `WATCH_ANSWER_WAIT_MS`), and hands
     /// what it read to `WATCH_AFTER_ANSWER_WATCHERS` or more watchers `WATCH_AFTER_ANSWER_MS`
-    /// later; and every
-    /// `WATCH_POLL_MS` for other processes' commits; it stops when `shutdown` is set (ending
-    /// every joined watcher) or when nothing but the task holds the tail.
+    /// later; and every `WATCH_POLL_MS` for other processes' commits. It stops when `shutdown`
+    /// is set (ending every joined watcher) or when nothing but the task holds the tail.
     pub async fn start(
         self: &Arc<Self>,
         store: &Arc<dyn EventStore>,
@@ -489,9 +488,8 @@ async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shut
                 // Answer first: the commit's writers have their responses, and their clients
                 // the time to read them, before its fan-out (a write to every watcher's
                 // connection) takes the cores (issue 17, goal 1; `WATCH_AFTER_ANSWER_MS` says
-                // what it was measured to change).
-                // A commit the last read already took (it landed while the tail waited or
-                // read) has nothing left to fan out: no wait.
+                // what it was measured to change). A commit the last read already took (it
+                // landed while the tail waited or read) has nothing left to fan out: no wait.
                 let commit = *commits.borrow_and_update();
                 if tail.head().commit < commit {
                     let wait = tail.limits.answer_wait;
