@@ -429,8 +429,9 @@ struct CheckedRow {
     leaf: merkle::Hash,
     /// `(tree size, note)` when the row seals a checkpoint.
     checkpoint: Option<(u64, String)>,
-    /// What the row says about a node's own signatures, checked in chain order.
-    node: Option<NodeFact>,
+    /// What the row says about a node's own signatures, checked in chain order (boxed: few
+    /// rows have one, and every row's checks are moved between the page's vectors).
+    node: Option<Box<NodeFact>>,
     /// Whether the row carries a signature of its own (checked here); one without is covered
     /// by the next that does, which the walk in chain order checks exists.
     signed: bool,
@@ -444,7 +445,7 @@ enum NodeFact {
 
 /// The node fact of a row: `node.joined` carries the node's key; an event with a `journal`
 /// payload field carries a node's signed entry.
-fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String> {
+fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<Box<NodeFact>>, String> {
     let journaled = row.event_type.starts_with("command.")
         || row.event_type == "node.observed"
         || row.event_type == "node.agent_started"
@@ -463,20 +464,26 @@ fn node_fact(row: &EventRow, payload: &[u8]) -> Result<Option<NodeFact>, String>
             .map_err(str::to_owned)
             .and_then(crate::agent::unb64)
             .and_then(|bytes| crate::agent::node_public_key(&bytes))?;
-        return Ok(Some(NodeFact::Joined { node, key }));
+        return Ok(Some(Box::new(NodeFact::Joined { node, key })));
     }
     let Some(origin) = json.get(crate::agent::JOURNAL_PAYLOAD_KEY) else { return Ok(None) };
     let origin: crate::agent::JournalOrigin =
         serde_json::from_value(origin.clone()).map_err(|e| format!("the journal entry it carries: {e}"))?;
-    Ok(Some(NodeFact::Journal { origin, event_type: row.event_type.clone(), stream: row.stream.clone(), payload: json }))
+    Ok(Some(Box::new(NodeFact::Journal {
+        origin,
+        event_type: row.event_type.clone(),
+        stream: row.stream.clone(),
+        payload: json,
+    })))
 }
 
 /// The `node.joined` event type (projections names it; the verifier must know it too).
 pub const NODE_JOINED: &str = "node.joined";
 
-/// A row's signature as the batch checks it: the trusted key, the signature and the message.
-struct RowSignature {
-    key: VerifyingKey,
+/// A row's signature as the batch checks it: the trusted key (borrowed from the ring: a
+/// `VerifyingKey` is 192 bytes), the signature and the message.
+struct RowSignature<'k> {
+    key: &'k VerifyingKey,
     sig: Signature,
     message: Vec<u8>,
 }
@@ -489,7 +496,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
             let signature = match crate::event::signature_columns(row.seq, &row.event_type, &row.key_id, &row.sig)? {
                 SignatureColumns::CoveredLater => None,
                 SignatureColumns::Signed { key_id, sig } => {
-                    let key = *keys.get(key_id).ok_or_else(|| format!("signed by untrusted key {key_id}"))?;
+                    let key = keys.get(key_id).ok_or_else(|| format!("signed by untrusted key {key_id}"))?;
                     let sig = Signature::from_slice(sig).map_err(|_| "signature is not 64 bytes".to_owned())?;
                     Some(RowSignature { key, sig, message: event_signing_message(&event.hash) })
                 }
@@ -511,15 +518,15 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
     let batch: Vec<&RowSignature> = decoded
         .iter()
         .filter_map(|d| d.as_ref().ok().and_then(|(_, s)| s.as_ref()))
-        .filter(|s| verified.is_none_or(|v| !v.contains(&s.key, &s.message, &s.sig, true)))
+        .filter(|s| verified.is_none_or(|v| !v.contains(s.key, &s.message, &s.sig, true)))
         .collect();
     let messages: Vec<&[u8]> = batch.iter().map(|s| s.message.as_slice()).collect();
     let sigs: Vec<Signature> = batch.iter().map(|s| s.sig).collect();
-    let publics: Vec<VerifyingKey> = batch.iter().map(|s| s.key).collect();
+    let publics: Vec<VerifyingKey> = batch.iter().map(|s| *s.key).collect();
     let batch_ok = batch.is_empty() || ed25519_dalek::verify_batch(&messages, &sigs, &publics).is_ok();
     if batch_ok && let Some(verified) = verified {
         for s in &batch {
-            verified.insert(&s.key, &s.message, &s.sig, true);
+            verified.insert(s.key, &s.message, &s.sig, true);
         }
     }
     decoded
@@ -529,7 +536,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
             let Some(RowSignature { key, sig, message }) = signature else { return Ok(checked) };
             let good = match (batch_ok, verified) {
                 (true, _) => true,
-                (false, Some(verified)) => verified.verify(&key, &message, &sig, true),
+                (false, Some(verified)) => verified.verify(key, &message, &sig, true),
                 (false, None) => key.verify_strict(&message, &sig).is_ok(),
             };
             if !good {
@@ -661,7 +668,7 @@ pub async fn verify_with(
                     broken = true;
                     break;
                 }
-                match node {
+                match node.map(|fact| *fact) {
                     Some(NodeFact::Joined { node, key }) => {
                         node_keys.insert(node, key);
                     }

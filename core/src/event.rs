@@ -357,7 +357,9 @@ impl EventRow {
                 }
                 "tenant" => {
                     let tenant = r.text()?;
-                    canonical_id::<TenantId>("tenant", tenant)?;
+                    if !crate::id::is_canonical(tenant, TenantId::PREFIX) {
+                        canonical_id::<TenantId>("tenant", tenant)?;
+                    }
                     if tenant != self.tenant {
                         return Err(mismatch("tenant_id"));
                     }
@@ -371,7 +373,9 @@ impl EventRow {
                 }
                 "id" => {
                     let id = r.text()?;
-                    canonical_id::<EventId>("id", id)?;
+                    if !crate::id::is_canonical(id, EventId::PREFIX) {
+                        canonical_id::<EventId>("id", id)?;
+                    }
                     if id != self.id {
                         return Err(mismatch("id"));
                     }

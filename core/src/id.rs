@@ -110,6 +110,27 @@ typed_id!(/// A rollout of a release to nodes, in waves.
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 
+/// The bytes of Crockford's base 32 as ids spell it: the digits and the lowercase letters but
+/// i, l, o and u (a table: one load a byte).
+static CROCKFORD_LOWER: [bool; 256] = {
+    let mut table = [false; 256];
+    let alphabet = b"0123456789abcdefghjkmnpqrstvwxyz";
+    let mut i = 0;
+    while i < alphabet.len() {
+        table[alphabet[i] as usize] = true;
+        i += 1;
+    }
+    table
+};
+
+/// Whether `text` is `prefix` + `_` + a ULID in the spelling ids display (lowercase Crockford
+/// base 32, at most 128 bits): exactly the texts that parse as that kind of id and display as
+/// themselves, checked without parsing or allocating (the audit checks two ids an event).
+pub fn is_canonical(text: &str, prefix: &str) -> bool {
+    let Some(body) = text.strip_prefix(prefix).and_then(|rest| rest.strip_prefix('_')) else { return false };
+    body.len() == ULID_CHARS && body.as_bytes()[0] <= b'7' && body.bytes().all(|b| CROCKFORD_LOWER[usize::from(b)])
+}
+
 fn parse_prefixed(text: &str, prefix: &str) -> Result<ulid::Ulid, Error> {
     let invalid = |why: &str| Error::InvalidArgument {
         message: format!("malformed id {:?}: {why}", truncate(text, 64)),

@@ -127,3 +127,28 @@ fn fast_checks_agree_with_the_full_decode() {
         panic!("property failed with BC_TEST_SEED={seed}: {e}");
     }
 }
+
+/// `id::is_canonical` (the audit's allocation-free check) says yes exactly where an id parses
+/// and displays as itself, on ids with a character changed, added or dropped.
+#[test]
+fn the_canonical_spelling_check_agrees_with_parse_and_display() {
+    let seed = bc_core::testing::seed();
+    let mut runner = seeded::runner(seed, 5000);
+    let result = runner.run(&(any::<u128>(), mutation(), any::<bool>()), |(bits, m, tenant)| {
+        let ulid = ulid::Ulid(bits);
+        let mut bytes =
+            if tenant { TenantId::from_ulid(ulid).to_string() } else { EventId::from_ulid(ulid).to_string() }.into_bytes();
+        mutate(&mut bytes, &m);
+        let Ok(text) = String::from_utf8(bytes) else { return Ok(()) };
+        let (fast, full) = if tenant {
+            (bc_core::id::is_canonical(&text, TenantId::PREFIX), text.parse::<TenantId>().is_ok_and(|id| id.to_string() == text))
+        } else {
+            (bc_core::id::is_canonical(&text, EventId::PREFIX), text.parse::<EventId>().is_ok_and(|id| id.to_string() == text))
+        };
+        prop_assert_eq!(fast, full, "{:?} after {:?}", text, m);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("property failed with BC_TEST_SEED={seed}: {e}");
+    }
+}
