@@ -190,9 +190,9 @@ impl Envelope {
         if format != ENVELOPE_FORMAT {
             return Err(format!("unknown envelope format {format}"));
         }
-        let tenant: TenantId = canonical_id("tenant", &as_text("tenant", take("tenant")?)?)?;
+        let tenant: TenantId = canonical_id("tenant", &as_text("tenant", take("tenant")?)?, TenantId::PREFIX)?;
         let seq = as_u64("seq", take("seq")?)?;
-        let id: EventId = canonical_id("id", &as_text("id", take("id")?)?)?;
+        let id: EventId = canonical_id("id", &as_text("id", take("id")?)?, EventId::PREFIX)?;
         let stream = as_text("stream", take("stream")?)?;
         let version = as_u64("version", take("version")?)?;
         let event_type = as_text("type", take("type")?)?;
@@ -231,9 +231,11 @@ impl Envelope {
 
 /// Parses an id and insists on its canonical spelling (lowercase, no Crockford aliases such as
 /// `o` for `0`): the hashed bytes are the record, so one id has one spelling.
-fn canonical_id<T: FromStr<Err = Error> + fmt::Display>(name: &str, text: &str) -> Result<T, String> {
+/// Parses an id of the kind spelled `prefix`, which must be in its canonical spelling (what it
+/// displays as: [`crate::id::is_canonical`], checked without displaying it).
+fn canonical_id<T: FromStr<Err = Error> + fmt::Display>(name: &str, text: &str, prefix: &str) -> Result<T, String> {
     let id: T = text.parse().map_err(|e: Error| e.to_string())?;
-    if id.to_string() != text {
+    if !crate::id::is_canonical(text, prefix) && id.to_string() != text {
         return Err(format!("{name} is not in its canonical spelling"));
     }
     Ok(id)
@@ -358,7 +360,7 @@ impl EventRow {
                 "tenant" => {
                     let tenant = r.text()?;
                     if !crate::id::is_canonical(tenant, TenantId::PREFIX) {
-                        canonical_id::<TenantId>("tenant", tenant)?;
+                        canonical_id::<TenantId>("tenant", tenant, TenantId::PREFIX)?;
                     }
                     if tenant != self.tenant {
                         return Err(mismatch("tenant_id"));
@@ -374,7 +376,7 @@ impl EventRow {
                 "id" => {
                     let id = r.text()?;
                     if !crate::id::is_canonical(id, EventId::PREFIX) {
-                        canonical_id::<EventId>("id", id)?;
+                        canonical_id::<EventId>("id", id, EventId::PREFIX)?;
                     }
                     if id != self.id {
                         return Err(mismatch("id"));
