@@ -229,16 +229,22 @@ impl Envelope {
     }
 }
 
-/// Parses an id and insists on its canonical spelling (lowercase, no Crockford aliases such as
-/// `o` for `0`): the hashed bytes are the record, so one id has one spelling.
-/// Parses an id of the kind spelled `prefix`, which must be in its canonical spelling (what it
-/// displays as: [`crate::id::is_canonical`], checked without displaying it).
+/// Parses an id of the kind spelled `prefix` and insists on its canonical spelling (lowercase,
+/// no Crockford aliases such as `o` for `0`): the hashed bytes are the record, so one id has one
+/// spelling. The spelling is checked from the bytes ([`crate::id::is_canonical`]); only an id
+/// that fails it is displayed again, for the error.
 fn canonical_id<T: FromStr<Err = Error> + fmt::Display>(name: &str, text: &str, prefix: &str) -> Result<T, String> {
     let id: T = text.parse().map_err(|e: Error| e.to_string())?;
     if !crate::id::is_canonical(text, prefix) && id.to_string() != text {
         return Err(format!("{name} is not in its canonical spelling"));
     }
     Ok(id)
+}
+
+/// [`canonical_id`]'s check without the parse where the spelling is canonical (the audit's
+/// path, which needs no id value).
+fn check_spelling<T: FromStr<Err = Error> + fmt::Display>(name: &str, text: &str, prefix: &str) -> Result<(), String> {
+    if crate::id::is_canonical(text, prefix) { Ok(()) } else { canonical_id::<T>(name, text, prefix).map(drop) }
 }
 
 pub fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -359,9 +365,7 @@ impl EventRow {
                 }
                 "tenant" => {
                     let tenant = r.text()?;
-                    if !crate::id::is_canonical(tenant, TenantId::PREFIX) {
-                        canonical_id::<TenantId>("tenant", tenant, TenantId::PREFIX)?;
-                    }
+                    check_spelling::<TenantId>("tenant", tenant, TenantId::PREFIX)?;
                     if tenant != self.tenant {
                         return Err(mismatch("tenant_id"));
                     }
@@ -375,9 +379,7 @@ impl EventRow {
                 }
                 "id" => {
                     let id = r.text()?;
-                    if !crate::id::is_canonical(id, EventId::PREFIX) {
-                        canonical_id::<EventId>("id", id, EventId::PREFIX)?;
-                    }
+                    check_spelling::<EventId>("id", id, EventId::PREFIX)?;
                     if id != self.id {
                         return Err(mismatch("id"));
                     }

@@ -125,7 +125,7 @@ static CROCKFORD_LOWER: [bool; 256] = {
 
 /// Whether `text` is `prefix` + `_` + a ULID in the spelling ids display (lowercase Crockford
 /// base 32, at most 128 bits): exactly the texts that parse as that kind of id and display as
-/// themselves, checked without parsing or allocating (the audit checks two ids an event).
+/// themselves, checked without parsing or allocating (every event's check reads two).
 pub fn is_canonical(text: &str, prefix: &str) -> bool {
     let Some(body) = text.strip_prefix(prefix).and_then(|rest| rest.strip_prefix('_')) else { return false };
     body.len() == ULID_CHARS && body.as_bytes()[0] <= b'7' && body.bytes().all(|b| CROCKFORD_LOWER[usize::from(b)])

@@ -128,7 +128,8 @@ fn fast_checks_agree_with_the_full_decode() {
     }
 }
 
-/// `id::is_canonical` (the audit's allocation-free check) says yes exactly where an id parses
+/// `id::is_canonical` (the allocation-free check of an event's ids, in the audit and every
+/// decode) says yes exactly where an id parses
 /// and displays as itself, on ids with a character changed, added or dropped.
 #[test]
 fn the_canonical_spelling_check_agrees_with_parse_and_display() {
