@@ -1,6 +1,6 @@
 //! `make bench` (log_growth), issue 17 goal 2: the costs users feel stay flat as a tenant's log
-//! grows. Four operations, each timed on the same tenant when its log holds `SMALL_EVENTS`
-//! and again after it has grown to `LARGE_EVENTS`, in one run on one database:
+//! grows. Four operations, each timed on a tenant whose log holds `SMALL_EVENTS` and on one
+//! whose log holds `LARGE_EVENTS`, two databases set up alike, each with its gateway:
 //!
 //! - `events.list`, the first page with a type filter (`reservation.*`);
 //! - `GET /watch` resumed from a recent position (`RESUME_BACK_EVENTS` back), until it has
@@ -11,8 +11,11 @@
 //! The log grows by `pool.updated` events on a pool of its own (appended in process, 100 per
 //! append), so the tenant's state (its pools, nodes and live reservations) stays the same size
 //! and only the log grows. The gateway on SQLite is served in this process on a runtime of its
-//! own; the client is reqwest over HTTP/1.1 on loopback. Each figure is the median of
-//! `SAMPLES` calls after `WARMUP` that are not counted. Goal: large ÷ small ≤ 1.3 for each.
+//! own; the client is reqwest over HTTP/1.1 on loopback. The two are measured in turns
+//! (`ROUNDS` rounds, each taking its share of the samples on the small log, then on the large),
+//! so a machine that speeds up or slows down during the run moves both alike. Each figure is
+//! the median of `SAMPLES` calls after `WARMUP` that are not counted. Goal: large ÷ small ≤ 1.3
+//! for each.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +38,8 @@ const NODES: usize = 100;
 const GPUS_PER_NODE: u32 = 8;
 const SAMPLES: usize = 200;
 const WARMUP: usize = 20;
+/// Turns between the two logs; each round takes `SAMPLES / ROUNDS` samples of each operation.
+const ROUNDS: usize = 5;
 /// How far back the resumed watch starts.
 const RESUME_BACK_EVENTS: u64 = 50;
 const GOAL_RATIO_MAX: f64 = 1.3;
@@ -66,21 +71,19 @@ impl Client {
         value
     }
 
-    /// The median milliseconds of `f` over `SAMPLES` calls, after `WARMUP`.
-    async fn timed<F, Fut>(&self, f: F) -> f64
+    /// The milliseconds of `f` over `samples` calls, after `warmup` not counted, into `ms`.
+    async fn timed<F, Fut>(&self, warmup: usize, samples: usize, ms: &mut Vec<f64>, f: F)
     where
         F: Fn(usize) -> Fut,
         Fut: std::future::Future<Output = ()>,
     {
-        let mut ms = Vec::with_capacity(SAMPLES);
-        for i in 0..WARMUP + SAMPLES {
+        for i in 0..warmup + samples {
             let started = Instant::now();
             f(i).await;
-            if i >= WARMUP {
+            if i >= warmup {
                 ms.push(started.elapsed().as_secs_f64() * 1000.0);
             }
         }
-        median(ms)
     }
 
     /// One resumed watch: from `since`, until `expected` events arrived.
@@ -104,48 +107,56 @@ impl Client {
     }
 }
 
-/// What one size measured, in milliseconds.
-struct Figures {
-    events_list: f64,
-    watch_resume: f64,
-    reserve: f64,
-    capacity: f64,
+/// What one log's calls took, in milliseconds, every sample.
+#[derive(Default)]
+struct Samples {
+    events_list: Vec<f64>,
+    watch_resume: Vec<f64>,
+    reserve: Vec<f64>,
+    capacity: Vec<f64>,
 }
 
-async fn measure(client: &Client, store: &dyn EventStore, pool: &str) -> Figures {
-    let events_list = client
-        .timed(|_| async {
+/// One database with its gateway: the tenant's log, and what the calls name.
+struct Db {
+    client: Client,
+    log: Arc<Log>,
+    store: Arc<dyn EventStore>,
+    pool: String,
+    filler: String,
+}
+
+/// One round of the four operations on `db`: `samples` calls each, after `warmup`.
+async fn measure(db: &Db, warmup: usize, samples: usize, into: &mut Samples) {
+    let client = &db.client;
+    client
+        .timed(warmup, samples, &mut into.events_list, |_| async {
             client.call("events.list", json!({ "types": ["reservation.*"], "limit": 20 })).await;
         })
         .await;
-    let capacity = client
-        .timed(|_| async {
-            client.call("capacity.get", json!({ "poolId": pool })).await;
+    client
+        .timed(warmup, samples, &mut into.capacity, |_| async {
+            client.call("capacity.get", json!({ "poolId": db.pool })).await;
         })
         .await;
-    let reserve = {
-        let mut ms = Vec::new();
-        for i in 0..WARMUP + SAMPLES {
-            let started = Instant::now();
-            let r = client.call("reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 3600 })).await;
-            if i >= WARMUP {
-                ms.push(started.elapsed().as_secs_f64() * 1000.0);
-            }
-            assert_eq!(r["state"], "active", "{r}");
-            client.call("reservations.release", json!({ "reservationId": r["reservationId"] })).await;
+    for i in 0..warmup + samples {
+        let started = Instant::now();
+        let r = client.call("reservations.create", json!({ "poolId": db.pool, "gpus": 1, "durationS": 3600 })).await;
+        if i >= warmup {
+            into.reserve.push(started.elapsed().as_secs_f64() * 1000.0);
         }
-        median(ms)
-    };
+        assert_eq!(r["state"], "active", "{r}");
+        client.call("reservations.release", json!({ "reservationId": r["reservationId"] })).await;
+    }
     // A recent position: the position of the event RESUME_BACK_EVENTS from the end.
-    let last = store.last_commit().await.unwrap();
-    let back = store
+    let last = db.store.last_commit().await.unwrap();
+    let back = db
+        .store
         .read_after_touches(bc_core::event::Position { commit: last.saturating_sub(RESUME_BACK_EVENTS), index: 0 }, 10_000)
         .await
         .unwrap();
     let since = back.first().map(|t| format!("{}.{}", t.commit, t.index)).unwrap();
     let expected = back.len() as u64 - 1;
-    let watch_resume = client.timed(|_| async { client.watch_from(&since, expected).await }).await;
-    Figures { events_list, watch_resume, reserve, capacity }
+    client.timed(warmup, samples, &mut into.watch_resume, |_| async { client.watch_from(&since, expected).await }).await;
 }
 
 /// Appends `count` filler events (`pool.updated` on the filler pool), 100 per transaction.
@@ -170,71 +181,76 @@ async fn grow(log: &Log, tenant: TenantId, filler: &str, count: u64) {
     }
 }
 
+/// Starts a gateway on a fresh database at `path` and sets the tenant up: the pool the calls
+/// use, `NODES` nodes in it, and the pool the filler events go to.
+async fn open_db(path: &std::path::Path, tenant: TenantId) -> Db {
+    let server = gateway::start(path, |_| {}).await;
+    let (pool, filler) = (PoolId::generate().to_string(), PoolId::generate().to_string());
+    for (id, name) in [(&pool, "gpus"), (&filler, "filler")] {
+        let created =
+            ev::PoolCreated { name: name.into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+        let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
+        server
+            .log
+            .append(AppendRequest::new(tenant, stream_of(KIND_POOL, id), ExpectedVersion::NoStream, "bench", vec![event]))
+            .await
+            .unwrap();
+    }
+    for i in 0..NODES {
+        let gpus = (0..GPUS_PER_NODE)
+            .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
+            .collect();
+        let node = ev::NodeRegistered { pool_id: pool.clone(), name: format!("n{i}"), gpus, labels: Default::default() };
+        let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
+        let stream = stream_of(KIND_NODE, &NodeId::generate());
+        server.log.append(AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "bench", vec![event])).await.unwrap();
+    }
+    let client = Client { http: reqwest::Client::new(), url: server.url, token: server.token };
+    Db { client, log: server.log, store: server.store, pool, filler }
+}
+
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let server_runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("g.sqlite3");
-    let (log, store, url, token) = server_runtime.block_on(async move {
-        let server = gateway::start(&path, |_| {}).await;
-        (server.log, server.store, server.url, server.token)
-    });
     let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
     let tenant = TenantId::ROOT;
-    let (pool, filler) = (PoolId::generate().to_string(), PoolId::generate().to_string());
-    server_runtime.block_on(async {
-        for (id, name) in [(&pool, "gpus"), (&filler, "filler")] {
-            let created = ev::PoolCreated {
-                name: name.into(),
-                description: String::new(),
-                labels: Default::default(),
-                max_reservation_s: None,
-            };
-            let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
-            log.append(AppendRequest::new(tenant, stream_of(KIND_POOL, id), ExpectedVersion::NoStream, "bench", vec![event]))
-                .await
-                .unwrap();
-        }
-        for i in 0..NODES {
-            let gpus = (0..GPUS_PER_NODE)
-                .map(|g| Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: g / 4 })
-                .collect();
-            let node = ev::NodeRegistered { pool_id: pool.clone(), name: format!("n{i}"), gpus, labels: Default::default() };
-            let event = NewEvent::new(ev::NODE_REGISTERED, ev::to_cbor(&node).unwrap());
-            let stream = stream_of(KIND_NODE, &NodeId::generate());
-            log.append(AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "bench", vec![event])).await.unwrap();
-        }
-    });
-    let client = Client { http: reqwest::Client::new(), url, token };
     let head = |store: &Arc<dyn EventStore>| {
         let store = store.clone();
         server_runtime
             .block_on(async move { store.heads().await.unwrap().iter().find(|(t, _)| *t == tenant).map(|(_, h)| h.seq).unwrap() })
     };
-
-    eprintln!("log_growth: growing the tenant's log to {SMALL_EVENTS} events…");
-    let have = head(&store);
-    server_runtime.block_on(grow(&log, tenant, &filler, SMALL_EVENTS.saturating_sub(have)));
-    let small_at = head(&store);
-    eprintln!("  measuring at {small_at} events…");
-    let small = client_runtime.block_on(measure(&client, &*store, &pool));
-
-    eprintln!("log_growth: growing it to {LARGE_EVENTS} events…");
-    let have = head(&store);
-    server_runtime.block_on(grow(&log, tenant, &filler, LARGE_EVENTS.saturating_sub(have)));
-    let large_at = head(&store);
-    eprintln!("  measuring at {large_at} events…");
-    let large = client_runtime.block_on(measure(&client, &*store, &pool));
+    let mut sized = Vec::new();
+    for (name, events) in [("small", SMALL_EVENTS), ("large", LARGE_EVENTS)] {
+        let path = dir.path().join(format!("{name}.sqlite3"));
+        let db = server_runtime.block_on(open_db(&path, tenant));
+        eprintln!("log_growth: growing the {name} log to {events} events…");
+        let have = head(&db.store);
+        server_runtime.block_on(grow(&db.log, tenant, &db.filler, events.saturating_sub(have)));
+        let at = head(&db.store);
+        sized.push((db, at, Samples::default()));
+    }
+    eprintln!("  measuring both in {ROUNDS} rounds…");
+    for round in 0..ROUNDS {
+        let warmup = if round == 0 { WARMUP } else { 0 };
+        for (db, _, samples) in &mut sized {
+            client_runtime.block_on(measure(db, warmup, SAMPLES / ROUNDS, samples));
+        }
+    }
+    let [(_, small_at, small), (_, large_at, large)] = <[_; 2]>::try_from(sized).ok().expect("two logs");
 
     println!();
-    println!("log_growth: one tenant, SQLite, {NODES} nodes × {GPUS_PER_NODE} GPUs; median of {SAMPLES} calls (ms)");
+    println!(
+        "log_growth: one tenant a database, SQLite, {NODES} nodes × {GPUS_PER_NODE} GPUs; median of {} calls (ms), taken in {ROUNDS} turns",
+        SAMPLES / ROUNDS * ROUNDS
+    );
     println!("| operation | at {small_at} events | at {large_at} events | ratio |");
     println!("|-----------|------:|------:|------:|");
     let rows = [
-        ("events.list, first page, types reservation.*", small.events_list, large.events_list),
-        ("watch resumed from a recent position", small.watch_resume, large.watch_resume),
-        ("reservations.create", small.reserve, large.reserve),
-        ("capacity.get", small.capacity, large.capacity),
+        ("events.list, first page, types reservation.*", median(small.events_list), median(large.events_list)),
+        ("watch resumed from a recent position", median(small.watch_resume), median(large.watch_resume)),
+        ("reservations.create", median(small.reserve), median(large.reserve)),
+        ("capacity.get", median(small.capacity), median(large.capacity)),
     ];
     for (name, a, b) in rows {
         println!("| {name} | {a:.2} | {b:.2} | {:.2} |", b / a);
