@@ -375,6 +375,15 @@ impl Server {
         self.data_dir.join("better-compute.sqlite3")
     }
 
+    /// Runs `statement` on this server's SQLite database behind its back (a test that tampers
+    /// with what is stored), on a connection of its own.
+    pub async fn sql(&self, statement: &str) {
+        let url = format!("sqlite://{}", self.sqlite_path().display());
+        let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.unwrap();
+        pool.close().await;
+    }
+
     /// Env for running the CLI against this server as its administrator.
     pub fn env(&self) -> Vec<(&'static str, String)> {
         vec![("BETTER_COMPUTE_URL", self.url.clone()), ("BETTER_COMPUTE_TOKEN", self.token.clone())]

@@ -278,3 +278,28 @@ async fn openapi_document_covers_every_method() {
     let nowhere = server.http.get(format!("{}/api/other", server.url)).send().await.unwrap();
     assert_eq!(nowhere.status(), 404);
 }
+
+/// A filtered `events.list` matches rows on their columns and checks every row it serves
+/// against its hashed bytes: an event whose bytes were changed behind the server's back is
+/// refused as corrupt when a page would serve it, and passed over by a filter it does not match.
+#[tokio::test]
+async fn a_filtered_page_checks_the_events_it_serves() {
+    let server = Server::dev();
+    let pool = server.pool("gpu-a").await;
+    let (status, updated) = server.call("pools.update", json!({ "poolId": pool, "description": "row 4", "ifVersion": 1 })).await;
+    assert_eq!(status, 200, "{updated}");
+    let (status, page) = server.call("events.list", json!({ "types": ["pool.*"] })).await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["items"].as_array().unwrap().len(), 2, "{page}");
+
+    server.sql("UPDATE events SET canonical = canonical || X'00' WHERE type = 'pool.created'").await;
+    let (status, refused) = server.call("events.list", json!({ "types": ["pool.created"] })).await;
+    assert_eq!((status, refused["code"].as_str()), (500, Some("LOG_CORRUPT")), "{refused}");
+    let (status, refused) = server.call("events.list", json!({})).await;
+    assert_eq!(refused["code"], "LOG_CORRUPT", "an unfiltered page serves it too: {status} {refused}");
+    let (status, page) = server.call("events.list", json!({ "types": ["pool.updated"] })).await;
+    assert_eq!(status, 200, "{page}");
+    let items = page["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{page}");
+    assert_eq!(items[0]["type"], "pool.updated");
+}

@@ -19,13 +19,6 @@ fn seal(server: &Server) -> u64 {
     v["sealed"][0]["treeSize"].as_u64().unwrap()
 }
 
-async fn sql(server: &Server, statement: &str) {
-    let url = format!("sqlite://{}", server.sqlite_path().display());
-    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.unwrap();
-    pool.close().await;
-}
-
 async fn canonical_of(server: &Server, tenant: &str, seq: u64) -> Vec<u8> {
     use sqlx::Row;
     let url = format!("sqlite://{}", server.sqlite_path().display());
@@ -87,8 +80,7 @@ async fn follow_a_live_log_and_catch_an_edit_and_a_fork() {
     // `name: "cN"`: the text `name`, a one-byte head, `c`, then the digit to change.
     let at = edited.windows(6).position(|w| w == b"name\x62c").expect("the pool's name is in the payload");
     edited[at + 6] = if edited[at + 6] == b'9' { b'8' } else { b'9' };
-    sql(&server, &format!("UPDATE events SET canonical = X'{}' WHERE tenant_id = '{tenant}' AND seq = {seq}", hex(&edited)))
-        .await;
+    server.sql(&format!("UPDATE events SET canonical = X'{}' WHERE tenant_id = '{tenant}' AND seq = {seq}", hex(&edited))).await;
     let saved = std::fs::read(&state).unwrap();
     let (code, _, err) = follow();
     assert_eq!(code, 3, "{err}");
@@ -97,7 +89,8 @@ async fn follow_a_live_log_and_catch_an_edit_and_a_fork() {
     assert_eq!(std::fs::read(&state).unwrap(), saved, "a refused round leaves the state as it was");
 
     // Put the byte back: the log checks again and the follower catches up.
-    sql(&server, &format!("UPDATE events SET canonical = X'{}' WHERE tenant_id = '{tenant}' AND seq = {seq}", hex(&canonical)))
+    server
+        .sql(&format!("UPDATE events SET canonical = X'{}' WHERE tenant_id = '{tenant}' AND seq = {seq}", hex(&canonical)))
         .await;
     let (code, _, err) = follow();
     assert_eq!(code, 0, "{err}");
@@ -111,15 +104,13 @@ async fn follow_a_live_log_and_catch_an_edit_and_a_fork() {
     };
     let forked = bc_core::note::sign_note(&body.encode(), "better-compute", &key).unwrap();
     let doc = json!({ "treeSize": third, "note": forked, "seq": third + 1, "sealedAtMs": 0 }).to_string();
-    sql(
-        &server,
-        &format!(
+    server
+        .sql(&format!(
             "UPDATE projections SET doc = '{}' WHERE tenant_id = '{tenant}' AND kind = 'checkpoint' AND id = '{}'",
             doc.replace('\'', "''"),
             bc_core::audit::checkpoint_row_id(third)
-        ),
-    )
-    .await;
+        ))
+        .await;
     let (code, _, err) = follow();
     assert_eq!(code, 3, "{err}");
     assert!(err.starts_with("AUDIT_FORK: ") && err.contains(&tenant) && err.contains(&format!("size {third}")), "{err}");

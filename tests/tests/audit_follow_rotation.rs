@@ -24,13 +24,6 @@ fn follow(server: &Server, tenant: &str, token: &str, pin: &str, state: &std::pa
     )
 }
 
-async fn sql(server: &Server, statement: &str) {
-    let url = format!("sqlite://{}", server.sqlite_path().display());
-    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned())).execute(&pool).await.unwrap();
-    pool.close().await;
-}
-
 async fn rotation_sig(server: &Server) -> Vec<u8> {
     use sqlx::Row;
     let url = format!("sqlite://{}", server.sqlite_path().display());
@@ -111,7 +104,7 @@ async fn a_tenant_monitor_with_only_the_old_pin_follows_a_rotation_and_refuses_a
     let mut forged = sig.clone();
     forged[0] ^= 1;
     let root_sql = format!("UPDATE events SET sig = X'{{}}' WHERE tenant_id = '{root}' AND type = 'log_key.rotated'");
-    sql(&server, &root_sql.replace("{}", &hex(&forged))).await;
+    server.sql(&root_sql.replace("{}", &hex(&forged))).await;
     server.restart();
 
     let saved = std::fs::read(&state).unwrap();
@@ -128,7 +121,7 @@ async fn a_tenant_monitor_with_only_the_old_pin_follows_a_rotation_and_refuses_a
 
     // The rotation as the old key signed it: followed with the old pin alone.
     server.stop();
-    sql(&server, &root_sql.replace("{}", &hex(&sig))).await;
+    server.sql(&root_sql.replace("{}", &hex(&sig))).await;
     server.restart();
     let (code, out, err) = follow(&server, &acme, &monitor, &old_pin, &state);
     assert_eq!(code, 0, "{err}");
