@@ -24,7 +24,7 @@ use crate::id::{EventId, TenantId};
 use crate::keys::{KeyRing, LogKey, VerifiedSignatures, event_signing_message, key_id_of};
 use crate::merkle::{self, RootBuilder};
 use crate::note::{self, CheckpointBody, ConsistencyFile, ProofFile, Vkey};
-use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_rows};
+use crate::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, READ_ROWS_MAX, decode_row};
 
 pub const CHECKPOINT_SEALED: &str = "checkpoint.sealed";
 /// A witness's cosignature of a sealed checkpoint (`{treeSize, witness, cosignature}`),
@@ -781,7 +781,7 @@ pub async fn prove(
 ) -> Result<(ProofFile, Option<ConsistencyFile>)> {
     let row = store.event_row(tenant, event).await?.ok_or_else(|| Error::not_found(format!("event {event}")))?;
     let seq = row.seq;
-    let stored = decode_rows(vec![row])?.remove(0);
+    let stored = decode_row(row)?;
     let newest =
         checkpoints_of(store, tenant).await?.into_iter().filter(|c| c.size >= seq).max_by_key(|c| c.size).ok_or_else(|| {
             Error::InvalidArgument {

@@ -31,7 +31,7 @@ use bc_core::clock::{Clock, rfc3339_ms};
 use bc_core::event::{EventRow, StoredEvent};
 use bc_core::id::TenantId;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
-use bc_core::store::{EventStore, decode_rows};
+use bc_core::store::{EventStore, decode_row};
 use bc_core::webhook::{EndpointPolicy, Secret, signature_header};
 use bc_core::{Error, Result};
 use bc_projections::events::{TypeFilter, WEBHOOK_PINGED};
@@ -331,7 +331,7 @@ impl Consumer for Webhooks {
             if wanted.is_empty() {
                 continue;
             }
-            let event = decode_rows(vec![row.clone()])?.remove(0);
+            let event = decode_row(row.clone())?;
             let env = &event.envelope;
             let body = body_of(&event);
             for hook in wanted {

@@ -567,15 +567,16 @@ pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore + 
 
 /// Reads and checks stored rows (hash and columns; signatures are the chain verifier's job).
 pub fn decode_rows(rows: Vec<EventRow>) -> Result<Vec<StoredEvent>> {
-    rows.into_iter()
-        .map(|row| {
-            let (tenant, seq) = (row.tenant.clone(), row.seq);
-            row.decode().map_err(|what| {
-                tracing::error!(%tenant, seq, %what, "stored event does not verify");
-                Error::Corrupt { tenant, seq, what }
-            })
-        })
-        .collect()
+    rows.into_iter().map(decode_row).collect()
+}
+
+/// [`decode_rows`] for one row.
+pub fn decode_row(row: EventRow) -> Result<StoredEvent> {
+    let (tenant, seq) = (row.tenant.clone(), row.seq);
+    row.decode().map_err(|what| {
+        tracing::error!(%tenant, seq, %what, "stored event does not verify");
+        Error::Corrupt { tenant, seq, what }
+    })
 }
 
 /// Folds the whole log into fresh projection rows and swaps them in.

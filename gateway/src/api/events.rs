@@ -2,7 +2,7 @@
 
 use bc_core::event::{Position, SIGNED_SEQ_INTERVAL, STREAM_NAME_BYTES_MAX};
 use bc_core::id::EventId;
-use bc_core::store::{READ_ROWS_MAX, decode_rows};
+use bc_core::store::{READ_ROWS_MAX, decode_row, decode_rows};
 use bc_core::{Error, Result};
 use bc_projections::events::TYPE_PATTERNS_MAX;
 use schemars::JsonSchema;
@@ -112,7 +112,7 @@ async fn events_list(call: &Call<'_>, input: EventsList) -> Result<EventPage> {
             if !filter.matches(&row.event_type) || input.stream.as_ref().is_some_and(|s| *s != row.stream) {
                 continue;
             }
-            let event = decode_rows(vec![row])?.remove(0);
+            let event = decode_row(row)?;
             items.push(EventView::of(&event, false));
             if items.len() == limit as usize {
                 break;
@@ -133,7 +133,7 @@ async fn events_get(call: &Call<'_>, input: EventsGet) -> Result<EventView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: EventId = parse_id("eventId", &input.event_id)?;
     let row = call.state.store.event_row(tenant, id).await?.ok_or_else(|| Error::not_found(format!("event {id}")))?;
-    let event = decode_rows(vec![row])?.remove(0);
+    let event = decode_row(row)?;
     let mut view = EventView::of(&event, true);
     if event.sig.is_empty() {
         // Covered by a later event: the ones up to it, so this one verifies alone.
