@@ -329,6 +329,7 @@ impl TailState {
         Some(subscriber.cursor)
     }
 
+    #[cfg(test)]
     fn joined_count(&self) -> usize {
         self.joined.values().map(BTreeMap::len).sum()
     }
@@ -405,11 +406,6 @@ impl Tail {
     /// the watcher's handback channel) or dropped it.
     pub fn leave(&self, tenant: TenantId, id: u64) -> Option<Cursor> {
         self.lock().leave(tenant, id)
-    }
-
-    /// Watchers joined now.
-    pub fn joined(&self) -> usize {
-        self.lock().joined_count()
     }
 
     /// The joined watchers of the tenants `events` belong to.
