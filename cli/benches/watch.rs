@@ -14,7 +14,11 @@
 //! previous one's fan-out at once: with no watcher the writes ran back to back on cores the
 //! write before had just left hot, 0.29 ms at p50, while with 1,000 each came after a fan-out
 //! of several milliseconds, 0.59 ms; given the same 5 to 20 ms pause after each write, the two
-//! were 0.69 to 0.86 ms and 0.84 to 1.25 ms.) A
+//! were 0.69 to 0.86 ms and 0.84 to 1.25 ms.) Each system is started once and its three cases
+//! (0, 1 and 1,000 watchers) are measured in [`TURNS`] turns, a share of the writes each, so a
+//! machine that speeds up or slows down during the run moves every case alike: run one after
+//! the other, the no-watcher write's p50 moved from 0.75 to 1.10 ms between runs of one build.
+//! A
 //! write's latency is request to response; write → watcher is the write's request to the moment
 //! a watcher has the event in hand (found in the bytes it read; neither side's JSON is parsed,
 //! so the client's cost is the same for both). Ours is the gateway on SQLite (`synchronous =
@@ -40,9 +44,13 @@ mod etcd;
 mod gateway;
 use etcd::{EtcdServer, etcd_version};
 
-/// Writes measured per run, after `WARMUP_WRITES` that are not.
+/// Writes measured per case, in [`TURNS`] turns of `WRITES / TURNS`, each turn's after
+/// `WARMUP_WRITES` that are not (the first of which also ends, on the server, the watchers
+/// the turn before let go).
 const WRITES: usize = 500;
-const WARMUP_WRITES: usize = 20;
+const TURNS: usize = 5;
+const WARMUP_WRITES: usize = 10;
+const _: () = assert!(WRITES % TURNS == 0);
 /// One write starts this long after the one before it started (or once that one has reached
 /// every watcher, if later): longer than a fan-out to 1,000 watchers takes here at p99 (about
 /// 9 to 14 ms), so the schedule, not the fan-out, paces every case alike.
@@ -248,7 +256,10 @@ fn writer(endpoint: Endpoint) -> (tokio::sync::mpsc::Sender<WriteRequest>, std::
     (requests, thread.unwrap())
 }
 
-async fn run(target: &Target, watchers: usize) -> Figures {
+/// One turn of one case: `watchers` watchers connected, then `writes` writes measured after the
+/// warm-up, named from `first` on (names are unique on a server across turns), then the
+/// watchers let go.
+async fn run(target: &Target, watchers: usize, first: usize, writes: usize) -> Figures {
     let target = &target.endpoint;
     let arrivals = Arc::new(Arrivals {
         at: Mutex::default(),
@@ -300,7 +311,7 @@ async fn run(target: &Target, watchers: usize) -> Figures {
     let mut figures = Figures { write_ms: Vec::new(), watcher_ms: Vec::new(), frame_bytes: 0 };
     let interval = Duration::from_millis(WRITE_INTERVAL_MS);
     let mut next_write = tokio::time::Instant::now();
-    for i in 0..WARMUP_WRITES + WRITES {
+    for i in first..first + WARMUP_WRITES + writes {
         tokio::time::sleep_until(next_write).await;
         next_write = tokio::time::Instant::now() + interval;
         let (answer, answered) = tokio::sync::oneshot::channel();
@@ -322,13 +333,13 @@ async fn run(target: &Target, watchers: usize) -> Figures {
             assert!(waited.is_ok(), "{} write {i} reached {} of {watchers} watchers", target.kind.name(), arrivals.count(i));
         }
         let times = arrivals.at.lock().unwrap().remove(&i).unwrap_or_default();
-        if i < WARMUP_WRITES {
+        if i < first + WARMUP_WRITES {
             continue;
         }
         figures.write_ms.push(ms(written));
         figures.watcher_ms.extend(times.iter().map(|t| ms(t.saturating_duration_since(started))));
     }
-    assert_eq!(figures.watcher_ms.len(), WRITES * watchers, "every watcher got every write once");
+    assert_eq!(figures.watcher_ms.len(), writes * watchers, "every watcher got every write once");
     let messages = arrivals.messages.load(Ordering::Relaxed);
     figures.frame_bytes = arrivals.bytes.load(Ordering::Relaxed).checked_div(messages).unwrap_or(0);
     for reader in readers {
@@ -336,8 +347,6 @@ async fn run(target: &Target, watchers: usize) -> Figures {
     }
     drop(write);
     write_thread.join().unwrap();
-    figures.write_ms.sort_by(f64::total_cmp);
-    figures.watcher_ms.sort_by(f64::total_cmp);
     figures
 }
 
@@ -404,13 +413,28 @@ fn main() {
     let client =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("client").enable_all().build().unwrap();
     let mut lines: Vec<Line> = Vec::new();
+    const CASES: [usize; 3] = [0, 1, MANY_WATCHERS];
+    let per_turn = WRITES / TURNS;
     for kind in [Kind::Ours, Kind::Etcd] {
-        for watchers in [0, 1, MANY_WATCHERS] {
-            let target = Target::start(kind, &client);
-            eprintln!("watch benchmark: {} with {watchers} watcher(s), {WRITES} writes", kind.name());
-            let figures = client.block_on(run(&target, watchers));
-            let system = if kind == Kind::Ours { kind.name().to_owned() } else { version.replace("etcd Version: ", "etcd ") };
-            lines.push(Line { kind, system, watchers, figures });
+        let target = Target::start(kind, &client);
+        let mut cases: Vec<Figures> =
+            CASES.iter().map(|_| Figures { write_ms: Vec::new(), watcher_ms: Vec::new(), frame_bytes: 0 }).collect();
+        let mut first = 0;
+        for turn in 1..=TURNS {
+            for (case, watchers) in cases.iter_mut().zip(CASES) {
+                eprintln!("watch benchmark: {} with {watchers} watcher(s), turn {turn} of {TURNS}, {per_turn} writes", kind.name());
+                let figures = client.block_on(run(&target, watchers, first, per_turn));
+                first += WARMUP_WRITES + per_turn;
+                case.write_ms.extend(figures.write_ms);
+                case.watcher_ms.extend(figures.watcher_ms);
+                case.frame_bytes = case.frame_bytes.max(figures.frame_bytes);
+            }
+        }
+        let system = if kind == Kind::Ours { kind.name().to_owned() } else { version.replace("etcd Version: ", "etcd ") };
+        for (mut figures, watchers) in cases.into_iter().zip(CASES) {
+            figures.write_ms.sort_by(f64::total_cmp);
+            figures.watcher_ms.sort_by(f64::total_cmp);
+            lines.push(Line { kind, system: system.clone(), watchers, figures });
         }
     }
     println!();
