@@ -18,15 +18,15 @@
 //! (0, 1 and 1,000 watchers) are measured in [`TURNS`] turns, a share of the writes each, so a
 //! machine that speeds up or slows down during the run moves every case alike: run one after
 //! the other, the no-watcher write's p50 moved from 0.75 to 1.10 ms between runs of one build.
-//! A
-//! write's latency is request to response; write → watcher is the write's request to the moment
-//! a watcher has the event in hand (found in the bytes it read; neither side's JSON is parsed,
-//! so the client's cost is the same for both). Ours is the gateway on SQLite (`synchronous =
-//! FULL`), served in this process on a runtime of its own (2 threads, no reconcilers); each
-//! write is `pools.create`, a signed, chained, projected event. etcd runs as its own process
-//! with its defaults (one member, its WAL fsynced), started afresh in a temp directory for each
-//! run; each write is a put of a value about as long as our event's frame, under a prefix the
-//! watchers watch. `BC_BENCH_ETCD` names the binary (default `etcd` on `PATH`).
+//!
+//! A write's latency is request to response; write → watcher is the write's request to the
+//! moment a watcher has the event in hand (found in the bytes it read; neither side's JSON is
+//! parsed, so the client's cost is the same for both). Ours is the gateway on a fresh SQLite
+//! database (`synchronous = FULL`), served in this process on a runtime of its own (2 threads,
+//! no reconcilers); each write is `pools.create`, a signed, chained, projected event. etcd runs
+//! as its own process with its defaults (one member, its WAL fsynced), started in a fresh temp
+//! directory; each write is a put of a value about as long as our event's frame, under a prefix
+//! the watchers watch. `BC_BENCH_ETCD` names the binary (default `etcd` on `PATH`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
