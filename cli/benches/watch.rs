@@ -422,7 +422,10 @@ fn main() {
         let mut first = 0;
         for turn in 1..=TURNS {
             for (case, watchers) in cases.iter_mut().zip(CASES) {
-                eprintln!("watch benchmark: {} with {watchers} watcher(s), turn {turn} of {TURNS}, {per_turn} writes", kind.name());
+                eprintln!(
+                    "watch benchmark: {} with {watchers} watcher(s), turn {turn} of {TURNS}, {per_turn} writes",
+                    kind.name()
+                );
                 let figures = client.block_on(run(&target, watchers, first, per_turn));
                 first += WARMUP_WRITES + per_turn;
                 case.write_ms.extend(figures.write_ms);
