@@ -27,6 +27,10 @@ use tokio_stream::wrappers::ReceiverStream;
 #[path = "support/gateway.rs"]
 mod gateway;
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const REPLAY_ENTRIES: u64 = 3_000;
 const SESSIONS: usize = 1_000;
 /// How long heartbeats are sampled with every session live.

@@ -33,6 +33,10 @@ use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::events as ev;
 use bc_projections::{KIND_POOL, Projections, stream_of};
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Events per measurement, per batch size.
 const EVENTS_BATCH_1: usize = 1500;
 

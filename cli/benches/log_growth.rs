@@ -30,6 +30,10 @@ use serde_json::{Value, json};
 #[path = "support/gateway.rs"]
 mod gateway;
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const SMALL_EVENTS: u64 = 10_000;
 const LARGE_EVENTS: u64 = 1_000_000;
 /// Filler events per append (one transaction).

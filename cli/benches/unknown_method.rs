@@ -25,6 +25,10 @@ use bc_core::store::{EventStore, Log};
 use bc_gateway::AppState;
 use bc_projections::Projections;
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const REQUESTS_DEFAULT: usize = 2000;
 /// Rounds per kind, alternating: the rate shown is the median.
 const ROUNDS: usize = 5;

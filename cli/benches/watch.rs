@@ -44,6 +44,10 @@ mod etcd;
 mod gateway;
 use etcd::{EtcdServer, etcd_version};
 
+/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Writes measured per case, in [`TURNS`] turns of `WRITES / TURNS`, each turn's after
 /// `WARMUP_WRITES` that are not (the first of which also ends, on the server, the watchers
 /// the turn before let go).
