@@ -294,6 +294,14 @@ async fn append_groups(kind: Kind) {
     assert_eq!(commits.len(), 1, "one commit for the group: {commits:?}");
     assert_eq!(results[2].events[0].envelope.version, 3);
     assert_eq!(chain(&*f.store, t).await.len(), 4);
+    // Each member is answered with the rows its events touched as the commit left them: a row
+    // two members touched, in both answers.
+    let key = |id: &str| RowKey { tenant: t.to_string(), kind: "count".into(), id: id.into() };
+    let a = serde_json::json!({ "n": 3, "lastSeq": 4 });
+    assert_eq!(results[0].row(&key("group/a")), Some(Some(&a)));
+    assert_eq!(results[2].row(&key("group/a")), Some(Some(&a)));
+    assert_eq!(results[1].rows, [(key("group/b"), Some(serde_json::json!({ "n": 1, "lastSeq": 3 })))]);
+    assert_eq!(results[0].rows.len() + results[2].rows.len(), 2);
 
     // The second member's guard fails: nothing of the group lands, the singles around it do.
     let mut stale = request(t, "group/c", ExpectedVersion::NoStream, 1);

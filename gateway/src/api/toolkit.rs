@@ -93,14 +93,15 @@ impl Call<'_> {
     }
 
     /// Appends `request` and remembers the rows its commit left, so that a handler answering
-    /// with a row its append just wrote does not read it back.
+    /// with a row its append just wrote does not read it back ([`Call::row`]). They move into
+    /// the call: the result handed back has none.
     pub async fn submit(&self, request: AppendRequest) -> Result<AppendResult> {
-        let result = self.state.log.append(request).await?;
+        let mut result = self.state.log.append(request).await?;
         let mut appended = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (key, doc) in &result.rows {
-            match appended.iter_mut().find(|(k, _)| k == key) {
-                Some(slot) => slot.1 = doc.clone(),
-                None => appended.push((key.clone(), doc.clone())),
+        for (key, doc) in std::mem::take(&mut result.rows) {
+            match appended.iter_mut().find(|(k, _)| *k == key) {
+                Some(slot) => slot.1 = doc,
+                None => appended.push((key, doc)),
             }
         }
         Ok(result)
