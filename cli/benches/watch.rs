@@ -54,7 +54,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const WRITES: usize = 500;
 const TURNS: usize = 5;
 const WARMUP_WRITES: usize = 10;
-const _: () = assert!(WRITES % TURNS == 0);
+const _: () = assert!(WRITES.is_multiple_of(TURNS));
 /// One write starts this long after the one before it started (or once that one has reached
 /// every watcher, if later): longer than a fan-out to 1,000 watchers takes here at p99 (about
 /// 9 to 14 ms), so the schedule, not the fan-out, paces every case alike.
