@@ -319,6 +319,15 @@ pub struct Fleet {
 
 type Slot = std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>;
 
+/// Which of a tenant's dirty rows a refresh reads again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kinds {
+    /// Its nodes and its live reservations.
+    All,
+    /// Its live reservations only: its nodes stay as they are, marked.
+    Reservations,
+}
+
 impl Fleet {
     pub fn new() -> Self {
         Self::default()
@@ -334,19 +343,22 @@ impl Fleet {
     ) -> Result<R> {
         self.catch_up(store, false).await?;
         let slot = self.slot(tenant);
-        self.refresh(store, tenant, &slot).await?;
+        self.refresh(store, tenant, &slot, Kinds::All).await?;
         let mut view = slot.lock().await;
         Ok(f(view.as_mut().expect("a refreshed view is loaded, and stays so")))
     }
 
-    /// Runs `f` on every tenant with live reservations, brought up to date first. `known` are
-    /// tenants to load if they are not yet (the reconciler's first pass passes every tenant);
-    /// after that, a tenant is loaded when a reservation event of its shows up in the log.
-    /// Tenants are taken one at a time, each under its own slot.
+    /// Runs `f` on every tenant with live reservations, brought up to date first: its live
+    /// reservations always, its nodes only when `needs_nodes` says `f` will look at them on the
+    /// view as it then is (else the nodes that changed stay marked, and are read at the next use
+    /// that needs them). `known` are tenants to load if they are not yet (the reconciler's first
+    /// pass passes every tenant); after that, a tenant is loaded when a reservation event of its
+    /// shows up in the log. Tenants are taken one at a time, each under its own slot.
     pub async fn with_busy_tenants<R>(
         &self,
         store: &dyn EventStore,
         known: &[TenantId],
+        needs_nodes: impl Fn(&TenantView) -> bool,
         mut f: impl FnMut(TenantId, &mut TenantView) -> R,
     ) -> Result<Vec<R>> {
         self.catch_up(store, true).await?;
@@ -357,8 +369,13 @@ impl Fleet {
             self.shared.lock().expect("fleet").slots.iter().map(|(t, s)| (*t, s.clone())).collect();
         let mut out = Vec::new();
         for (tenant, slot) in slots {
-            self.refresh(store, tenant, &slot).await?;
+            self.refresh(store, tenant, &slot, Kinds::Reservations).await?;
             let mut view = slot.lock().await;
+            if view.as_ref().is_some_and(|view| !view.live.is_empty() && needs_nodes(view)) {
+                drop(view);
+                self.refresh(store, tenant, &slot, Kinds::All).await?;
+                view = slot.lock().await;
+            }
             let view = view.as_mut().expect("a refreshed view is loaded, and stays so");
             if !view.live.is_empty() {
                 out.push(f(tenant, view));
@@ -392,10 +409,10 @@ impl Fleet {
         self.shared.lock().expect("fleet").slots.entry(tenant).or_default().clone()
     }
 
-    /// Loads the tenant's view if it is not yet, and reads again the rows marked dirty: read
-    /// with no lock held, then applied under the slot. A failure applies nothing and leaves
-    /// every mark, so the next use reads the same rows again.
-    async fn refresh(&self, store: &dyn EventStore, tenant: TenantId, slot: &Slot) -> Result<()> {
+    /// Loads the tenant's view if it is not yet, and reads again the rows of `kinds` marked
+    /// dirty: read with no lock held, then applied under the slot. A failure applies nothing and
+    /// leaves every mark, so the next use reads the same rows again; rows not read stay marked.
+    async fn refresh(&self, store: &dyn EventStore, tenant: TenantId, slot: &Slot, kinds: Kinds) -> Result<()> {
         if slot.lock().await.is_none() {
             // Rows read from here on reflect at least every mark made so far.
             let marked = self.shared.lock().expect("fleet").marks;
@@ -410,7 +427,14 @@ impl Fleet {
                 }
             }
         }
-        let wanted = self.shared.lock().expect("fleet").dirty.get(&tenant).cloned().unwrap_or_default();
+        // Only the kinds to read: a reconciler that needs no nodes leaves thousands marked.
+        let wanted = match self.shared.lock().expect("fleet").dirty.get(&tenant) {
+            Some(dirty) => Dirty {
+                nodes: if kinds == Kinds::All { dirty.nodes.clone() } else { BTreeMap::new() },
+                reservations: dirty.reservations.clone(),
+            },
+            None => Dirty::default(),
+        };
         if wanted.is_empty() {
             return Ok(());
         }

@@ -1138,3 +1138,57 @@ fn nodes_ranked_by_free_gpus_as_they_change_equal_a_ranking_from_scratch() {
         }
     }
 }
+
+/// Property: a view for which `needs_nodes` says no is planned to nothing, whatever its nodes
+/// hold (the reconciler then leaves the nodes it would read again unread), and one that has a
+/// queue or a reservation due says yes. Random views of active reservations (bound, pending or
+/// failed holds, ends around now) and queues, at random times. Seeded: `BC_TEST_SEED` replays,
+/// and a failure prints the seed.
+#[test]
+fn a_plan_looks_at_the_nodes_only_when_needs_nodes_says_so() {
+    use bc_projections::BindingState;
+    use rand::rngs::StdRng;
+    use rand::{RngExt, SeedableRng};
+    let seed = bc_core::testing::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut planned_nothing, mut planned) = (0, 0);
+    for case in 0..2_000 {
+        let mut nodes: Vec<NodeDoc> = (0..rng.random_range(1..5)).map(|n| node(&format!("node_{n}"), POOL, 4)).collect();
+        let mut live = Vec::new();
+        for r in 0..rng.random_range(0..6) {
+            let id = format!("rsv_{r}");
+            if rng.random_bool(0.2) {
+                live.push(queued(&id, POOL, rng.random_range(1..5), 100 + r));
+                continue;
+            }
+            let at = rng.random_range(0..nodes.len());
+            let free: Vec<u32> = (0..4).filter(|gpu| !nodes[at].allocations.contains_key(gpu)).collect();
+            let Some(&gpu) = free.first() else { continue };
+            let mut rsv = active(&id, &nodes[at].node_id, vec![gpu], NOW_MS + rng.random_range(0..2_000) - 1_000);
+            rsv = match rng.random_range(0..4) {
+                0 => bound(rsv, BindingState::Pending, NOW_MS + rng.random_range(0..2_000) - 1_000, None),
+                1 => bound(rsv, BindingState::Failed, 0, Some("hold-failed: test")),
+                2 => bound(rsv, BindingState::Bound, 0, None),
+                _ => rsv,
+            };
+            hold_on(&mut nodes[at], &rsv);
+            live.push(rsv);
+        }
+        let view = TenantView::new(nodes, live.clone());
+        let now = NOW_MS + rng.random_range(0..2_000) - 1_000;
+        let needs = decide::needs_nodes(&view, now);
+        let actions = decide::plan(&view, now);
+        assert!(needs || actions.is_empty(), "seed {seed}, case {case}: needs_nodes said no to a plan of {actions:?}");
+        let due = live.iter().any(|r| {
+            r.state == ReservationState::Queued
+                || r.ends_at_ms.is_some_and(|end| end <= now)
+                || r.binding.as_ref().is_some_and(|b| {
+                    b.state == BindingState::Failed
+                        || (b.state == BindingState::Pending && b.deadline_at_ms.is_some_and(|d| d <= now))
+                })
+        });
+        assert_eq!(needs, due, "seed {seed}, case {case}: a queue or a reservation due is what needs the nodes");
+        if actions.is_empty() { planned_nothing += 1 } else { planned += 1 }
+    }
+    assert!(planned_nothing > 100 && planned > 100, "seed {seed}: both kinds of view drawn ({planned_nothing}, {planned})");
+}

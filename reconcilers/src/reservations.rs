@@ -70,7 +70,14 @@ const _: () = assert!(GROUP_ACTIONS_MAX * ACTION_EVENTS_MAX <= bc_core::store::B
 pub async fn pass(log: &Log, fleet: &Fleet, clock: &dyn Clock, known: &[TenantId]) -> Result<Pass> {
     let mut done = Pass::default();
     let now_ms = clock.now_ms();
-    let plans = fleet.with_busy_tenants(&*log.store, known, |tenant, view| (tenant, decide::plan(view, now_ms))).await?;
+    let plans = fleet
+        .with_busy_tenants(
+            &*log.store,
+            known,
+            |view| decide::needs_nodes(view, now_ms),
+            |tenant, view| (tenant, decide::plan(view, now_ms)),
+        )
+        .await?;
     for (tenant, actions) in plans {
         append_plan(log, tenant, now_ms, &actions, &mut done).await?;
     }

@@ -40,7 +40,7 @@ pub use metal::{
     DEPLOY_TOKEN_GRACE_S, MetalPlan, StepResult, VerbInput, metal_drift, metal_fail, metal_pause, metal_plan, metal_run_now,
     metal_step, metal_unauthorized_at_rest, metal_verb, step_backoff_ms,
 };
-pub use plan::{Action, Policy, QueueRule, plan, plan_with};
+pub use plan::{Action, Policy, QueueRule, needs_nodes, plan, plan_with};
 // `node_keys_change`, `node_register` and their bounds are defined below.
 pub use reservation::{
     ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create, reservation_extend, reservation_release,

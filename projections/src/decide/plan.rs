@@ -144,6 +144,16 @@ pub struct Policy {
     pub placement: placement::Preference,
 }
 
+/// Whether a plan at `now_ms` may look at the view's nodes: only when an active reservation is
+/// due for attention (its end, its hold's deadline, a failed hold: each frees GPUs on its node)
+/// or a pool has a queue (activations place on nodes). When neither, every plan at `now_ms` is
+/// empty whatever the nodes hold, so a reconciler pass need not read them again
+/// ([`crate::fleet::Fleet::with_busy_tenants`]): at fleet scale, every node placed on since the
+/// last pass.
+pub fn needs_nodes(view: &TenantView, now_ms: u64) -> bool {
+    view.needing_attention(now_ms).next().is_some() || view.pool_loads().values().any(|load| !load.queued.is_empty())
+}
+
 /// What the reconciler does in one pass over one tenant's view at `now_ms`. Deterministic: the
 /// same view and time give the same actions in the same order.
 pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
