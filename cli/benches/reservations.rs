@@ -10,9 +10,14 @@
 //!   and reads its document back), which is a reservation's work minus what is under test (the
 //!   fleet view, the quota, the queue and the placement decision, and the guarded append of three
 //!   events on two streams), so the ratio is what placing costs over a plain HTTP append; and
-//!   the raw in-process append rate of the same store (single-event appends, 16 at once), the
-//!   mean of a run before the fleet is registered and one after the reservations, on the loaded
-//!   database.
+//!   the raw in-process append rate of the same store (single-event appends, 16 at once).
+//!
+//! The reservations and the two baselines are measured in [`TURNS`] turns on the loaded
+//! database (raw appends, HTTP appends, then a share of the reservations, each turn), and each
+//! rate is its total over its time in all turns: a machine that speeds up or slows down during
+//! the run moves all three alike. (Measured once each, minutes apart, the raw rate moved from
+//! 15,638 to 20,308 appends/s between its run before the reservations and its run after them,
+//! and the goal's ratio with it.)
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -40,6 +45,9 @@ const QUEUED_SAMPLES: usize = 30;
 const RAW_APPENDS: usize = 4000;
 /// HTTP appends (pool creates) of the baseline on the loaded database.
 const HTTP_APPENDS: usize = 2000;
+/// The throughput and its baselines are measured in this many turns.
+const TURNS: usize = 5;
+const _: () = assert!(RAW_APPENDS.is_multiple_of(TURNS) && HTTP_APPENDS.is_multiple_of(TURNS));
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
@@ -49,16 +57,16 @@ fn append(tenant: TenantId, stream: String, event_type: &str, payload: ciborium:
     AppendRequest::new(tenant, stream, ExpectedVersion::Any, "bench", vec![NewEvent::new(event_type, payload)])
 }
 
-/// Raw single-event appends into the log's database, `RAW_APPENDS` of them 16 at once, each a
-/// pool of a tenant of its own: appends per second.
-async fn raw_appends(log: &Arc<Log>, tag: &'static str) -> f64 {
+/// Raw single-event appends into the log's database, `count` of them 16 at once, each a pool of
+/// a tenant of its own: the seconds they took.
+async fn raw_appends(log: &Arc<Log>, turn: usize, count: usize) -> f64 {
     let started = Instant::now();
     let l = log.clone();
-    concurrently(RAW_APPENDS, CLIENTS, move |i| {
+    concurrently(count, CLIENTS, move |i| {
         let l = l.clone();
         async move {
             let payload = ev::to_cbor(&ev::PoolCreated {
-                name: format!("raw-{tag}-{i}"),
+                name: format!("raw-{turn}-{i}"),
                 description: String::new(),
                 labels: Default::default(),
                 max_reservation_s: None,
@@ -70,7 +78,7 @@ async fn raw_appends(log: &Arc<Log>, tag: &'static str) -> f64 {
         }
     })
     .await;
-    RAW_APPENDS as f64 / started.elapsed().as_secs_f64()
+    started.elapsed().as_secs_f64()
 }
 
 async fn concurrently<F, Fut>(total: usize, clients: usize, f: F)
@@ -114,10 +122,6 @@ fn main() {
         store.migrate().await.unwrap();
         let log =
             Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap());
-
-        // Baseline: raw single-event appends into the same database, 16 at once; again after
-        // the run, on the loaded database (below).
-        let raw_before = raw_appends(&log, "before").await;
 
         let token = Arc::new(Mutex::new(String::new()));
         let t2 = token.clone();
@@ -169,37 +173,43 @@ fn main() {
         }
         latency.sort_by(|a, b| a.partial_cmp(b).unwrap());
 
-        // Baseline: plain HTTP appends on the same loaded database, by the same 16 clients.
-        let started = Instant::now();
-        let (h, u, t) = (http.clone(), url.clone(), token.clone());
-        concurrently(HTTP_APPENDS, CLIENTS, move |i| {
-            let (h, u, t) = (h.clone(), u.clone(), t.clone());
-            async move {
-                call(&h, &u, &t, "pools.create", json!({ "name": format!("baseline-{i}") })).await;
-            }
-        })
-        .await;
-        let http_rate = HTTP_APPENDS as f64 / started.elapsed().as_secs_f64();
-
-        // Throughput: 16 clients reserving 4 GPUs each until the pool is full.
+        // Throughput: 16 clients reserving 4 GPUs each until the pool is full, in turns with the
+        // two baselines on the same loaded database, by the same 16 clients: raw single-event
+        // appends in process, and plain HTTP appends.
         let capacity = NODES as u32 * GPUS_PER_NODE - LATENCY_SAMPLES as u32;
         let asks = (capacity / 4) as usize;
-        let started = Instant::now();
+        let (mut raw_s, mut http_s, mut created_s) = (0.0, 0.0, 0.0);
         let queued_at_create = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (h, u, t, p, q) = (http.clone(), url.clone(), token.clone(), pool.clone(), queued_at_create.clone());
-        concurrently(asks, CLIENTS, move |_| {
-            let (h, u, t, p, q) = (h.clone(), u.clone(), t.clone(), p.clone(), q.clone());
-            async move {
-                let r = call(&h, &u, &t, "reservations.create", json!({ "poolId": p, "gpus": 4, "durationS": 3600 })).await;
-                if r["state"] == "queued" {
-                    q.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        for turn in 0..TURNS {
+            raw_s += raw_appends(&log, turn, RAW_APPENDS / TURNS).await;
+            let started = Instant::now();
+            let (h, u, t) = (http.clone(), url.clone(), token.clone());
+            concurrently(HTTP_APPENDS / TURNS, CLIENTS, move |i| {
+                let (h, u, t) = (h.clone(), u.clone(), t.clone());
+                async move {
+                    call(&h, &u, &t, "pools.create", json!({ "name": format!("baseline-{turn}-{i}") })).await;
                 }
-            }
-        })
-        .await;
+            })
+            .await;
+            http_s += started.elapsed().as_secs_f64();
+            let share = if turn + 1 == TURNS { asks - asks / TURNS * (TURNS - 1) } else { asks / TURNS };
+            let started = Instant::now();
+            let (h, u, t, p, q) = (http.clone(), url.clone(), token.clone(), pool.clone(), queued_at_create.clone());
+            concurrently(share, CLIENTS, move |_| {
+                let (h, u, t, p, q) = (h.clone(), u.clone(), t.clone(), p.clone(), q.clone());
+                async move {
+                    let r = call(&h, &u, &t, "reservations.create", json!({ "poolId": p, "gpus": 4, "durationS": 3600 })).await;
+                    if r["state"] == "queued" {
+                        q.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            })
+            .await;
+            created_s += started.elapsed().as_secs_f64();
+        }
         let queued_at_create = queued_at_create.load(std::sync::atomic::Ordering::Relaxed);
-        let created_s = started.elapsed().as_secs_f64();
         // Until the reconciler has activated whatever was queued.
+        let started = Instant::now();
         loop {
             let q = call(&http, &url, &token, "reservations.list", json!({ "state": "queued", "limit": 1 })).await;
             let cap = call(&http, &url, &token, "capacity.get", json!({ "poolId": pool })).await;
@@ -208,12 +218,9 @@ fn main() {
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        let all_s = started.elapsed().as_secs_f64();
+        let all_s = created_s + started.elapsed().as_secs_f64();
         let rate = asks as f64 / all_s;
-        // The baseline again, on the database as the run left it: the ratio is to the mean of
-        // the two, so a machine that speeds up or slows down during the bench skews neither.
-        let raw_after = raw_appends(&log, "after").await;
-        let raw_rate = (raw_before + raw_after) / 2.0;
+        let (raw_rate, http_rate) = (RAW_APPENDS as f64 / raw_s, HTTP_APPENDS as f64 / http_s);
 
         // Queued → active: the pool is full; queue one, release one, time until it is active.
         let active = call(&http, &url, &token, "reservations.list", json!({ "state": "active", "limit": QUEUED_SAMPLES })).await;
@@ -237,9 +244,11 @@ fn main() {
 
         println!("reservations: {NODES} nodes × {GPUS_PER_NODE} GPUs in one pool, SQLite, HTTP on loopback");
         println!(
-            "  raw single-event appends, in process  {raw_rate:>8.0} /s   (mean of {raw_before:.0} /s before the run, {raw_after:.0} /s after it)"
+            "  raw single-event appends, in process  {raw_rate:>8.0} /s   ({RAW_APPENDS} in {TURNS} turns beside the reservations')"
         );
-        println!("  HTTP appends on the loaded database   {http_rate:>8.0} /s   (the baseline: {CLIENTS} clients creating pools)");
+        println!(
+            "  HTTP appends on the loaded database   {http_rate:>8.0} /s   (the baseline: {CLIENTS} clients creating pools, {HTTP_APPENDS} in {TURNS} turns)"
+        );
         println!("  first placement (loads the fleet view) {first_use_ms:>7.1} ms");
         println!(
             "  reserve → active (placed at once)      p50 {:.2} ms  p99 {:.2} ms  ({LATENCY_SAMPLES} sequential)",
@@ -252,14 +261,15 @@ fn main() {
             percentile(&queued_ms, 0.99)
         );
         println!(
-            "  reservations, {CLIENTS} clients, 4 GPUs each  {rate:>8.0} /s   ratio {:.2} of HTTP appends ({:.2} of raw)  ({asks} in {all_s:.1} s; creates answered in {created_s:.1} s)",
+            "  reservations, {CLIENTS} clients, 4 GPUs each  {rate:>8.0} /s   ratio {:.2} of HTTP appends ({:.2} of raw)  ({asks} in {all_s:.1} s in {TURNS} turns; creates answered in {created_s:.1} s)",
             rate / http_rate,
             rate / raw_rate
         );
         println!("  of which queued at their create           {queued_at_create:>8}   (the rest placed at once)");
         let p99 = percentile(&latency, 0.99);
         println!("goal (issue 17, goal 5): reservations >= 0.30 of the raw append rate, reserve → active p99 <= 10 ms");
-        println!("  ratio to raw appends {:.2}  {}", rate / raw_rate, if rate / raw_rate >= 0.3 { "met" } else { "MISSED" });
+        // Three places, so a ratio just under the goal does not read as on it.
+        println!("  ratio to raw appends {:.3}  {}", rate / raw_rate, if rate / raw_rate >= 0.3 { "met" } else { "MISSED" });
         println!("  reserve → active p99 {p99:.2} ms  {}", if p99 <= 10.0 { "met" } else { "MISSED" });
     });
 }
