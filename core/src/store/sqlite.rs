@@ -273,31 +273,48 @@ fn push_row_keys<'k>(q: &mut Sql, keys: impl IntoIterator<Item = &'k RowKey>) {
     });
 }
 
-async fn heads_on(mut on: On<'_>, tenants: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
+/// Where the statements of a pre-read run: inside a transaction (its connection), or, outside
+/// one, each as a point read ([`SqliteStore::point`]: on a reader on this thread where one is
+/// free, not handed to a pool connection's thread statement by statement).
+enum Reads<'a> {
+    On(On<'a>),
+    Point(&'a SqliteStore),
+}
+
+impl Reads<'_> {
+    async fn all<T>(&mut self, sql: Sql, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Vec<T>> {
+        match self {
+            Reads::On(on) => sql.all(on.again(), decode).await,
+            Reads::Point(store) => store.point(sql, decode).await,
+        }
+    }
+}
+
+async fn heads_on(on: &mut Reads<'_>, tenants: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
     let mut heads = HashMap::new();
     for chunk in tenants.chunks(ROWS_PER_STATEMENT_MAX) {
         let mut q = Sql::new("SELECT tenant_id, seq, hash FROM chain_heads WHERE tenant_id IN (");
         q.push_list(chunk.iter().map(|t| t.to_string())).push(")");
-        heads.extend(q.all(on.again(), |r| head_decode(r)).await?);
+        heads.extend(on.all(q, |r| head_decode(r)).await?);
     }
     Ok(heads)
 }
 
-async fn preread_on(mut on: On<'_>, query: &PreReadQuery) -> Result<PreRead> {
-    let mut out = PreRead { heads: heads_on(on.again(), &query.tenants).await?, ..Default::default() };
+async fn preread_on(mut on: Reads<'_>, query: &PreReadQuery) -> Result<PreRead> {
+    let mut out = PreRead { heads: heads_on(&mut on, &query.tenants).await?, ..Default::default() };
     for chunk in query.streams.chunks(ROWS_PER_STATEMENT_MAX) {
         // A correlated MAX per key walks the (tenant_id, stream, version) index; a row-value IN
         // list does not, and scans the table.
         let mut q = Sql::new("WITH k(t, s) AS (");
         push_pairs(&mut q, chunk.iter().map(|(t, s)| (t.to_string(), s.clone())));
         q.push(") SELECT k.t, k.s, (SELECT MAX(version) FROM events e WHERE e.tenant_id = k.t AND e.stream = k.s) FROM k");
-        out.stream_versions.extend(q.all(on.again(), |r| stream_version_decode(r)).await?.into_iter().flatten());
+        out.stream_versions.extend(on.all(q, |r| stream_version_decode(r)).await?.into_iter().flatten());
     }
     for chunk in query.idempotency_keys.chunks(ROWS_PER_STATEMENT_MAX) {
         let mut q = Sql::new("WITH k(t, s) AS (");
         push_pairs(&mut q, chunk.iter().map(|(t, k)| (t.to_string(), k.clone())));
         q.push(") SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq FROM k JOIN idempotency i ON i.tenant_id = k.t AND i.key = k.s");
-        out.idempotency.extend(q.all(on.again(), |r| idempotency_decode(r)).await?);
+        out.idempotency.extend(on.all(q, |r| idempotency_decode(r)).await?);
     }
     Ok(out)
 }
@@ -376,11 +393,11 @@ impl Transaction for SqliteTransaction {
     }
 
     async fn heads_lock(&mut self, tenants: &[TenantId]) -> Result<HashMap<TenantId, Head>> {
-        heads_on(self.on()?, tenants).await
+        heads_on(&mut Reads::On(self.on()?), tenants).await
     }
 
     async fn preread(&mut self, query: &PreReadQuery) -> Result<PreRead> {
-        preread_on(self.on()?, query).await
+        preread_on(Reads::On(self.on()?), query).await
     }
 
     async fn batch_insert(
@@ -725,10 +742,7 @@ impl EventStore for SqliteStore {
 #[async_trait]
 impl LogStore for SqliteStore {
     async fn preread(&self, query: &PreReadQuery) -> Result<PreRead> {
-        match self.read_on() {
-            On::Pool(pool) => preread_on(On::Conn(&mut *pool.acquire().await?), query).await,
-            on => preread_on(on, query).await,
-        }
+        preread_on(Reads::Point(self), query).await
     }
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {

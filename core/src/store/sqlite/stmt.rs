@@ -5,7 +5,7 @@
 //! types implement, so each query has one text and one decoder.
 
 use sqlx::sqlite::SqliteArguments;
-use sqlx::{Arguments as _, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Arguments as _, Sqlite, SqlitePool};
 
 use super::inline::InlineConn;
 use crate::error::{Error, Result};
@@ -154,7 +154,6 @@ impl Sql {
     pub(super) async fn execute(self, on: On<'_>) -> Result<u64> {
         Ok(match on {
             On::Pool(pool) => self.for_sqlx()?.execute(pool).await?.rows_affected(),
-            On::Conn(conn) => self.for_sqlx()?.execute(conn).await?.rows_affected(),
             On::Inline(inline) => inline.execute(&self)?,
         })
     }
@@ -163,7 +162,6 @@ impl Sql {
     pub(super) async fn all<T>(self, on: On<'_>, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Vec<T>> {
         let rows = match on {
             On::Pool(pool) => self.for_sqlx()?.fetch_all(pool).await?,
-            On::Conn(conn) => self.for_sqlx()?.fetch_all(conn).await?,
             On::Inline(inline) => return inline.all(&self, decode),
         };
         rows.iter().map(|row| decode(row)).collect()
@@ -173,7 +171,6 @@ impl Sql {
     pub(super) async fn first<T>(self, on: On<'_>, decode: impl Fn(&dyn Columns) -> Result<T>) -> Result<Option<T>> {
         let row = match on {
             On::Pool(pool) => self.for_sqlx()?.fetch_optional(pool).await?,
-            On::Conn(conn) => self.for_sqlx()?.fetch_optional(conn).await?,
             On::Inline(inline) => return inline.first(&self, decode),
         };
         row.as_ref().map(|row| decode(row)).transpose()
@@ -191,7 +188,6 @@ impl Sql {
 pub(super) async fn execute_script(on: On<'_>, text: &'static str) -> Result<()> {
     match on {
         On::Pool(pool) => sqlx::raw_sql(text).execute(pool).await.map(|_| ())?,
-        On::Conn(conn) => sqlx::raw_sql(text).execute(conn).await.map(|_| ())?,
         On::Inline(inline) => inline.script(text)?,
     }
     Ok(())
@@ -201,8 +197,6 @@ pub(super) async fn execute_script(on: On<'_>, text: &'static str) -> Result<()>
 pub(super) enum On<'c> {
     /// Any connection of the pool (a read, or one statement committing on its own).
     Pool(&'c SqlitePool),
-    /// One connection of the pool, in the middle of a transaction.
-    Conn(&'c mut SqliteConnection),
     /// The caller's own connection, on the caller's thread.
     Inline(&'c InlineConn),
 }
@@ -212,7 +206,6 @@ impl On<'_> {
     pub(super) fn again(&mut self) -> On<'_> {
         match self {
             On::Pool(pool) => On::Pool(pool),
-            On::Conn(conn) => On::Conn(conn),
             On::Inline(inline) => On::Inline(inline),
         }
     }
