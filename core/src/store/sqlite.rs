@@ -864,15 +864,15 @@ impl RowStore for SqliteStore {
     }
 
     async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>> {
-        Sql::new(
+        // A page by the key: a point read (every list method's page, a fleet view's load).
+        let sql = Sql::new(
             "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? AND id > ? ORDER BY id LIMIT ?",
         )
         .bind(tenant)
         .bind(kind)
         .bind(after_id.unwrap_or(""))
-        .bind(i64::from(limit))
-        .all(self.read_on(), |r| raw_row_decode(r))
-        .await
+        .bind(i64::from(limit));
+        self.point(sql, |r| raw_row_decode(r)).await
     }
 
     async fn rows_all(&self) -> Result<Vec<Row>> {
@@ -935,12 +935,11 @@ impl OutboxStore for SqliteStore {
     }
 
     async fn work_get(&self, consumer: &str, tenant: TenantId, id: &str) -> Result<Option<WorkItem>> {
-        Sql::new(format!("SELECT {ITEM_COLUMNS} FROM work_items WHERE tenant_id = ? AND consumer = ? AND id = ?"))
+        let sql = Sql::new(format!("SELECT {ITEM_COLUMNS} FROM work_items WHERE tenant_id = ? AND consumer = ? AND id = ?"))
             .bind(tenant.to_string())
             .bind(consumer)
-            .bind(id)
-            .first(self.read_on(), |r| WorkItem::decode(r))
-            .await
+            .bind(id);
+        self.point_first(sql, |r| WorkItem::decode(r)).await
     }
 
     async fn work_list(
@@ -1151,11 +1150,11 @@ impl super::lease::LeaseStore for SqliteStore {
     }
 
     async fn lease_get(&self, tenant: &str, node: &str) -> Result<Option<super::lease::Lease>> {
-        Sql::new(format!("SELECT {} FROM node_leases WHERE tenant_id = ? AND node_id = ?", super::lease::LEASE_COLUMNS))
-            .bind(tenant)
-            .bind(node)
-            .first(self.read_on(), |r| super::lease::Lease::decode(r))
-            .await
+        let sql =
+            Sql::new(format!("SELECT {} FROM node_leases WHERE tenant_id = ? AND node_id = ?", super::lease::LEASE_COLUMNS))
+                .bind(tenant)
+                .bind(node);
+        self.point_first(sql, |r| super::lease::Lease::decode(r)).await
     }
 }
 
