@@ -273,8 +273,8 @@ fn push_row_keys<'k>(q: &mut Sql, keys: impl IntoIterator<Item = &'k RowKey>) {
     });
 }
 
-/// Where the statements of a pre-read run: inside a transaction (its connection), or, outside
-/// one, each as a point read ([`SqliteStore::point`]: on a reader on this thread where one is
+/// Where the statements of a pre-read (and of the heads read under the write lock) run: inside
+/// a transaction, on its connection; outside one, each as a point read ([`SqliteStore::point`]: on a reader on this thread where one is
 /// free, not handed to a pool connection's thread statement by statement).
 enum Reads<'a> {
     On(On<'a>),

@@ -22,8 +22,9 @@
 //!   the same busy timeout), so what commits here is as durable as through the pool.
 //!
 //! A server reads on [`Readers`]: connections of the same kind that run only point reads (a
-//! row by key, a few hundred by key, a bounded page of the log), which take microseconds, never
-//! wait for a lock, and give way to the pool when they would.
+//! row by key, a few hundred by key, a bounded page of the log or of projection rows, each
+//! statement of the appender's pre-read), which take microseconds, never wait for a lock, and
+//! give way to the pool when they would.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
