@@ -60,7 +60,6 @@ fn append(tenant: TenantId, stream: String, event_type: &str, payload: ciborium:
 /// Raw single-event appends into the log's database, `count` of them 16 at once, each a pool of
 /// a tenant of its own: the seconds they took.
 async fn raw_appends(log: &Arc<Log>, turn: usize, count: usize) -> f64 {
-    let started = Instant::now();
     let l = log.clone();
     concurrently(count, CLIENTS, move |i| {
         let l = l.clone();
@@ -77,15 +76,16 @@ async fn raw_appends(log: &Arc<Log>, turn: usize, count: usize) -> f64 {
                 .unwrap();
         }
     })
-    .await;
-    started.elapsed().as_secs_f64()
+    .await
 }
 
-async fn concurrently<F, Fut>(total: usize, clients: usize, f: F)
+/// Runs `f(0..total)` on `clients` tasks at once: the seconds it took.
+async fn concurrently<F, Fut>(total: usize, clients: usize, f: F) -> f64
 where
     F: Fn(usize) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
+    let started = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..clients {
@@ -103,6 +103,7 @@ where
     for t in tasks {
         t.await.unwrap();
     }
+    started.elapsed().as_secs_f64()
 }
 
 async fn call(http: &reqwest::Client, url: &str, token: &str, method: &str, body: Value) -> Value {
@@ -133,9 +134,8 @@ fn main() {
             ev::PoolCreated { name: "bench".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
         log.append(append(tenant, stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
         eprintln!("registering {NODES} nodes × {GPUS_PER_NODE} GPUs…");
-        let started = Instant::now();
         let (l, p) = (log.clone(), pool.clone());
-        concurrently(NODES, CLIENTS, move |i| {
+        let registered_s = concurrently(NODES, CLIENTS, move |i| {
             let (l, p) = (l.clone(), p.clone());
             async move {
                 let gpus = (0..GPUS_PER_NODE)
@@ -148,7 +148,7 @@ fn main() {
             }
         })
         .await;
-        eprintln!("  in {:.1} s", started.elapsed().as_secs_f64());
+        eprintln!("  in {registered_s:.1} s");
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -182,20 +182,17 @@ fn main() {
         let queued_at_create = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for turn in 0..TURNS {
             raw_s += raw_appends(&log, turn, RAW_APPENDS / TURNS).await;
-            let started = Instant::now();
             let (h, u, t) = (http.clone(), url.clone(), token.clone());
-            concurrently(HTTP_APPENDS / TURNS, CLIENTS, move |i| {
+            http_s += concurrently(HTTP_APPENDS / TURNS, CLIENTS, move |i| {
                 let (h, u, t) = (h.clone(), u.clone(), t.clone());
                 async move {
                     call(&h, &u, &t, "pools.create", json!({ "name": format!("baseline-{turn}-{i}") })).await;
                 }
             })
             .await;
-            http_s += started.elapsed().as_secs_f64();
             let share = if turn + 1 == TURNS { asks - asks / TURNS * (TURNS - 1) } else { asks / TURNS };
-            let started = Instant::now();
             let (h, u, t, p, q) = (http.clone(), url.clone(), token.clone(), pool.clone(), queued_at_create.clone());
-            concurrently(share, CLIENTS, move |_| {
+            created_s += concurrently(share, CLIENTS, move |_| {
                 let (h, u, t, p, q) = (h.clone(), u.clone(), t.clone(), p.clone(), q.clone());
                 async move {
                     let r = call(&h, &u, &t, "reservations.create", json!({ "poolId": p, "gpus": 4, "durationS": 3600 })).await;
@@ -205,7 +202,6 @@ fn main() {
                 }
             })
             .await;
-            created_s += started.elapsed().as_secs_f64();
         }
         let queued_at_create = queued_at_create.load(std::sync::atomic::Ordering::Relaxed);
         // Until the reconciler has activated whatever was queued.

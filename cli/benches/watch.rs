@@ -232,6 +232,7 @@ impl Arrivals {
 }
 
 /// One run's figures: the writes' latencies, and write → watcher over every (write, watcher).
+#[derive(Default)]
 struct Figures {
     write_ms: Vec<f64>,
     watcher_ms: Vec<f64>,
@@ -312,7 +313,7 @@ async fn run(target: &Target, watchers: usize, first: usize, writes: usize) -> F
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    let mut figures = Figures { write_ms: Vec::new(), watcher_ms: Vec::new(), frame_bytes: 0 };
+    let mut figures = Figures::default();
     let interval = Duration::from_millis(WRITE_INTERVAL_MS);
     let mut next_write = tokio::time::Instant::now();
     for i in first..first + WARMUP_WRITES + writes {
@@ -421,8 +422,7 @@ fn main() {
     let per_turn = WRITES / TURNS;
     for kind in [Kind::Ours, Kind::Etcd] {
         let target = Target::start(kind, &client);
-        let mut cases: Vec<Figures> =
-            CASES.iter().map(|_| Figures { write_ms: Vec::new(), watcher_ms: Vec::new(), frame_bytes: 0 }).collect();
+        let mut cases: Vec<Figures> = CASES.iter().map(|_| Figures::default()).collect();
         let mut first = 0;
         for turn in 1..=TURNS {
             for (case, watchers) in cases.iter_mut().zip(CASES) {
