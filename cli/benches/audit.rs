@@ -138,7 +138,7 @@ fn main() {
         // verify's own cost is its peak above this.
         let rss_at_start = status_kib("VmRSS:");
         let (started, cpu_before) = (Instant::now(), cpu_seconds());
-        let report = audit::verify(&*store, &trust, None, &|_| {}).await.unwrap();
+        let report = audit::verify(&store, &trust, None, &|_| {}).await.unwrap();
         let elapsed = started.elapsed();
         let cores_used = (cpu_seconds() - cpu_before) / elapsed.as_secs_f64();
         let peak = rss_peak_kib();

@@ -126,7 +126,7 @@ pub async fn verify(
             eprintln!("verified {events} of {total} events ({rate:.0}/s)");
         }
     };
-    let report = audit::verify(&*store, &trust, tenant, &progress).await?;
+    let report = audit::verify(&store, &trust, tenant, &progress).await?;
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }

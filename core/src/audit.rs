@@ -13,6 +13,7 @@
 //! re-signed with a key slipped into the database does not verify.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use ciborium::Value;
 use ed25519_dalek::{Signature, VerifyingKey};
@@ -552,7 +553,7 @@ fn check_rows(rows: &[EventRow], keys: &KeyRing, verified: Option<&VerifiedSigna
 /// the log page by page (bounded memory: two pages a core in flight) and checks the pages on all
 /// cores while the oldest is walked in chain order.
 pub async fn verify(
-    store: &dyn EventStore,
+    store: &Arc<dyn EventStore>,
     trust: &Trust,
     only: Option<TenantId>,
     progress: &(dyn Fn(u64) + Sync),
@@ -565,7 +566,7 @@ pub async fn verify(
 /// again: every hash recomputed from the stored bytes, every link, every checkpoint. For a caller
 /// that verifies the same growing log again and again (the simulator's full checks).
 pub async fn verify_with(
-    store: &dyn EventStore,
+    store: &Arc<dyn EventStore>,
     trust: &Trust,
     only: Option<TenantId>,
     progress: &(dyn Fn(u64) + Sync),
@@ -589,7 +590,7 @@ pub async fn verify_with(
         // Stored checkpoints, each checked on its own first.
         let mut expected_roots: BTreeMap<u64, [u8; 32]> = BTreeMap::new();
         let mut stored_notes: BTreeMap<u64, String> = BTreeMap::new();
-        for cp in checkpoints_of(store, tenant).await? {
+        for cp in checkpoints_of(&**store, tenant).await? {
             report.checkpoints += 1;
             let opened = trust.vkeys.iter().find_map(|v| note::open_note(&cp.note, v).ok());
             let Some(text) = opened else {
@@ -615,29 +616,41 @@ pub async fn verify_with(
         // A pipeline: pages are read in order and each is checked on a blocking thread of its
         // own (up to two pages a core in flight), while the oldest checked page is walked here in
         // chain order. Memory stays bounded by the pages in flight.
+        //
+        // Up to the chain head the pages are fixed ranges of seqs, so each is read as well as
+        // checked beside the walk (reading was a third of the work, and done here, one page at
+        // a time, it left a core idle); past the head (rows a tampered head no longer counts,
+        // or appends since it was read), page by page from the last row read, as far as rows go.
         let mut read_from = 1u64;
         let mut read_all = false;
-        let mut in_flight = std::collections::VecDeque::new();
+        let mut in_flight = InFlight::default();
         loop {
-            while in_flight.len() < pages_in_flight && !read_all {
-                let rows = store.read_chain_rows(tenant, read_from, VERIFY_PAGE_ROWS).await?;
-                let Some(last) = rows.last() else {
-                    read_all = true;
-                    break;
-                };
-                read_from = last.seq + 1;
+            while in_flight.0.len() < pages_in_flight && !read_all {
                 let (keys, verified) = (trust.keys.clone(), verified.clone());
-                in_flight.push_back(tokio::task::spawn_blocking(move || {
-                    let results = check_rows(&rows, &keys, verified.as_deref());
-                    // The page's Merkle subtrees too, if it holds the leaves from its first seq
-                    // on (the walk checks that it does before it uses them).
-                    let leaves: Option<Vec<merkle::Hash>> = results.iter().map(|r| r.as_ref().ok().map(|c| c.leaf)).collect();
-                    let subtrees = leaves.map(|leaves| merkle::range_subtrees(rows[0].seq.saturating_sub(1), &leaves));
-                    (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results, subtrees)
-                }));
+                if read_from <= head.seq {
+                    let (from, to) = (read_from, head.seq.min(read_from + u64::from(VERIFY_PAGE_ROWS) - 1));
+                    read_from = to + 1;
+                    let store = store.clone();
+                    in_flight.0.push_back(tokio::spawn(async move {
+                        let mut rows = store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS).await?;
+                        // Rows past the range (after a gap in it) are the next page's.
+                        if let Some(past) = rows.iter().position(|r| r.seq > to) {
+                            rows.truncate(past);
+                        }
+                        check_page(rows, keys, verified).await
+                    }));
+                } else {
+                    let rows = store.read_chain_rows(tenant, read_from, VERIFY_PAGE_ROWS).await?;
+                    let Some(last) = rows.last() else {
+                        read_all = true;
+                        break;
+                    };
+                    read_from = last.seq + 1;
+                    in_flight.0.push_back(tokio::spawn(check_page(rows, keys, verified)));
+                }
             }
-            let Some(checked) = in_flight.pop_front() else { break };
-            let (seqs, results, subtrees) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))?;
+            let Some(checked) = in_flight.0.pop_front() else { break };
+            let (seqs, results, subtrees) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))??;
             // The page goes into the tree as the subtrees hashed beside its checks, once the walk
             // has vouched for every leaf of it; a page a stored checkpoint's size falls in goes
             // leaf by leaf, the checkpoint's root checked at its size in chain order.
@@ -759,6 +772,41 @@ pub async fn verify_with(
         }
     }
     Ok(report)
+}
+
+/// A page's order-free checks, as the walk takes them: its rows' seqs, each row's checks, and
+/// the page's Merkle subtrees if it holds the leaves from its first seq on (the walk checks
+/// that it does before it uses them).
+type CheckedPage = (Vec<u64>, Vec<Result<CheckedRow, String>>, Option<Vec<(u64, merkle::Hash)>>);
+
+/// Checks a page on a blocking thread ([`check_rows`] and the page's Merkle subtrees).
+async fn check_page(
+    rows: Vec<EventRow>,
+    keys: KeyRing,
+    verified: Option<Arc<VerifiedSignatures>>,
+) -> Result<CheckedPage> {
+    tokio::task::spawn_blocking(move || {
+        let results = check_rows(&rows, &keys, verified.as_deref());
+        let leaves: Option<Vec<merkle::Hash>> = results.iter().map(|r| r.as_ref().ok().map(|c| c.leaf)).collect();
+        let subtrees = match (leaves, rows.first()) {
+            (Some(leaves), Some(first)) => Some(merkle::range_subtrees(first.seq.saturating_sub(1), &leaves)),
+            _ => None,
+        };
+        (rows.iter().map(|r| r.seq).collect::<Vec<_>>(), results, subtrees)
+    })
+    .await
+    .map_err(|e| Error::Internal(format!("verifier: {e}")))
+}
+
+/// The verify's pages in flight, oldest first; those still running when the walk ends early (a
+/// broken chain, an error) are stopped rather than read and checked for nothing.
+#[derive(Default)]
+struct InFlight(std::collections::VecDeque<tokio::task::JoinHandle<Result<CheckedPage>>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.iter().for_each(tokio::task::JoinHandle::abort);
+    }
 }
 
 /// Reports a stored checkpoint of the tree's size whose root is not the tree's.

@@ -1453,7 +1453,7 @@ pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFo
     let store = &*world.store;
     let trust = bc_core::audit::Trust::of(&[world.log_key.public()], "sim").expect("trust");
     let report =
-        bc_core::audit::verify_with(store, &trust, None, &|_| {}, Some(fold.verified.clone())).await.expect("verify reads");
+        bc_core::audit::verify_with(&world.store, &trust, None, &|_| {}, Some(fold.verified.clone())).await.expect("verify reads");
     if let Some(problem) = report.problems.first() {
         return Err(Violation(format!("the chain does not verify: {problem:?}")));
     }

@@ -130,8 +130,8 @@ async fn fixture(postgres: bool) -> Fixture {
 /// both name the same problems.
 async fn verify(f: &Fixture) -> audit::Report {
     let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
-    let fresh = audit::verify(&*f.store, &trust, None, &|_| {}).await.unwrap();
-    let remembered = audit::verify_with(&*f.store, &trust, None, &|_| {}, Some(f.verified.clone())).await.unwrap();
+    let fresh = audit::verify(&f.store, &trust, None, &|_| {}).await.unwrap();
+    let remembered = audit::verify_with(&f.store, &trust, None, &|_| {}, Some(f.verified.clone())).await.unwrap();
     let problems = |r: &audit::Report| r.problems.iter().map(|p| (p.seq, p.what.clone())).collect::<Vec<_>>();
     assert_eq!(problems(&remembered), problems(&fresh), "remembering signatures changed what verify found");
     assert_eq!((remembered.events, remembered.checkpoints), (fresh.events, fresh.checkpoints));
