@@ -49,6 +49,23 @@ const MIGRATIONS: &[Migration] = migrations_of!("postgres");
 const EVENT_COLUMNS: &str =
     "tenant_id, seq, id, stream, version, type, commit_no, commit_index::int8 AS commit_index_wide, canonical, hash, sig, key_id";
 
+/// A chain's rows from seq `$2`, at most `$3 - $2` of them, in seq order. Read as the range
+/// `[$2, $3)` first, and past it only when the range holds fewer rows (the chain ends in it, or a
+/// tampered chain has a gap): the plain `seq >= $2 ORDER BY seq LIMIT n` was planned, while the
+/// table's statistics were stale (a log loaded faster than autovacuum analyzes it), as a bitmap
+/// scan of every row from `$2` to the chain's end and a sort, so an audit's walk read the rest of
+/// the chain for each page (39 ms a page in the middle of 200,000 events, against 1.3 ms so).
+/// The range's row count is a one-time filter: a full range never scans past it.
+fn read_chain_rows_sql() -> String {
+    format!(
+        "WITH r AS MATERIALIZED (SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND seq >= $2 AND seq < $3) \
+         SELECT * FROM r \
+         UNION ALL (SELECT {EVENT_COLUMNS} FROM events \
+                    WHERE tenant_id = $1 AND seq >= $3 AND (SELECT count(*) FROM r) < $3 - $2 ORDER BY seq LIMIT $3 - $2) \
+         ORDER BY seq LIMIT $3 - $2"
+    )
+}
+
 pub struct PostgresStore {
     pool: Pool,
     data_keys: std::sync::RwLock<Option<std::sync::Arc<crate::sealing::DataKeys>>>,
@@ -778,12 +795,8 @@ impl LogStore for PostgresStore {
 
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
         let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                &format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND seq >= $2 ORDER BY seq LIMIT $3"),
-                &[&tenant.to_string(), &to_i64(from_seq)?, &i64::from(limit)],
-            )
-            .await?;
+        let from = to_i64(from_seq)?;
+        let rows = client.query(&read_chain_rows_sql(), &[&tenant.to_string(), &from, &from.saturating_add(i64::from(limit))]).await?;
         rows.iter().map(event_row_decode).collect()
     }
 
