@@ -4,8 +4,9 @@
 //! the same number of threads, measured in the same run; and
 //! the peak resident memory of the verify.
 //!
-//! The log is written through the real append path (`Log::append`, two appends of 500 events in
-//! flight, so batches of 1,000 events, signed on all cores); one tenant, sealed once at the end.
+//! On SQLite and then on PostgreSQL (a scratch database). The log is written through the real
+//! append path (`Log::append`, two appends of 500 events in flight, so batches of 1,000 events,
+//! signed on all cores); one tenant, sealed once at the end.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -112,61 +113,101 @@ async fn raw_rate(store: &dyn EventStore, tenant: TenantId, key: &LogKey, total:
     total as f64 / cpu.as_secs_f64()
 }
 
+/// One backend's figures.
+struct Line {
+    backend: &'static str,
+    size: u64,
+    events: u64,
+    raw: f64,
+    rate: f64,
+    seconds: f64,
+    /// The verify's peak resident set above the process's as it started, and the process's
+    /// resident set as it started, at its peak, and at its peak before (generating the log).
+    rss_mib: [u64; 4],
+    cores_used: f64,
+}
+
+async fn measure(store: Arc<dyn EventStore>, backend: &'static str, total: u64, threads: usize) -> Line {
+    store.migrate().await.unwrap();
+    let key = Arc::new(LogKey::generate());
+    let tenant = TenantId::generate();
+    let log = Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(bc_core::clock::SystemClock)).await.unwrap();
+    eprintln!("audit benchmark: generating {total} signed events ({backend})…");
+    generate(&log, tenant, total).await;
+    // Seal one checkpoint at the end (one in the middle of a second, smaller run would add
+    // nothing to the walk's cost).
+    let trust = Trust::of(&[key.public()], audit::DEPLOYMENT_DEFAULT).unwrap();
+    let sealed = audit::seal(&log, tenant, audit::DEPLOYMENT_DEFAULT, &trust).await.unwrap().expect("sealed");
+    eprintln!("  measuring the raw rate…");
+    let raw = raw_rate(&*store, tenant, &key, total, threads).await;
+    eprintln!("  running audit verify…");
+    let rss_before = rss_peak_kib();
+    reset_rss_peak();
+    // What the process holds as the verify starts (the generated log's caches included); the
+    // verify's own cost is its peak above this.
+    let rss_at_start = status_kib("VmRSS:");
+    let (started, cpu_before) = (Instant::now(), cpu_seconds());
+    let report = audit::verify(&store, &trust, None, &|_| {}).await.unwrap();
+    let elapsed = started.elapsed();
+    let cores_used = (cpu_seconds() - cpu_before) / elapsed.as_secs_f64();
+    let peak = rss_peak_kib();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.events, total + 1);
+    Line {
+        backend,
+        size: sealed.size,
+        events: report.events,
+        raw,
+        rate: report.events as f64 / elapsed.as_secs_f64(),
+        seconds: elapsed.as_secs_f64(),
+        rss_mib: [peak.saturating_sub(rss_at_start) / 1024, rss_at_start / 1024, peak / 1024, rss_before / 1024],
+        cores_used,
+    }
+}
+
 fn main() {
     let total: u64 = std::env::var("BENCH_AUDIT_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("audit.sqlite3")).await.unwrap());
-        store.migrate().await.unwrap();
-        let key = Arc::new(LogKey::generate());
-        let tenant = TenantId::generate();
-        let log = Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(bc_core::clock::SystemClock)).await.unwrap();
-        eprintln!("audit benchmark: generating {total} signed events (sqlite)…");
-        generate(&log, tenant, total).await;
-        // Seal one checkpoint at the end (one in the middle of a second, smaller run would add
-        // nothing to the walk's cost).
-        let trust = Trust::of(&[key.public()], audit::DEPLOYMENT_DEFAULT).unwrap();
-        let sealed = audit::seal(&log, tenant, audit::DEPLOYMENT_DEFAULT, &trust).await.unwrap().expect("sealed");
         let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        eprintln!("  measuring the raw rate…");
-        let raw = raw_rate(&*store, tenant, &key, total, threads).await;
-        eprintln!("  running audit verify…");
-        let rss_before = rss_peak_kib();
-        reset_rss_peak();
-        // What the process holds as the verify starts (the generated log's caches included); the
-        // verify's own cost is its peak above this.
-        let rss_at_start = status_kib("VmRSS:");
-        let (started, cpu_before) = (Instant::now(), cpu_seconds());
-        let report = audit::verify(&store, &trust, None, &|_| {}).await.unwrap();
-        let elapsed = started.elapsed();
-        let cores_used = (cpu_seconds() - cpu_before) / elapsed.as_secs_f64();
-        let peak = rss_peak_kib();
-        assert!(report.problems.is_empty(), "{:?}", report.problems);
-        assert_eq!(report.events, total + 1);
-        let rate = report.events as f64 / elapsed.as_secs_f64();
+        let dir = tempfile::tempdir().unwrap();
+        let sqlite: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("audit.sqlite3")).await.unwrap());
+        let mut lines = vec![measure(sqlite, "sqlite", total, threads).await];
+        let db = bc_core::testing::ScratchDatabase::create().await.expect("PostgreSQL is required for make bench");
+        let pg: Arc<dyn EventStore> = Arc::new(bc_core::store::postgres::PostgresStore::connect(&db.url).await.unwrap());
+        lines.push(measure(pg, "postgresql", total, threads).await);
         println!();
-        println!("| log ({threads} threads)        | events    | raw SHA-256 + batch verify/s | audit verify/s | ratio | verify time | verify adds to RSS |");
-        println!("|-----------------------|----------:|-----------------------------:|---------------:|------:|------------:|-------------------:|");
-        println!(
-            "| sqlite, 1 tenant, 1 checkpoint (size {}) | {:>9} | {:>28.0} | {:>14.0} | {:>5.2} | {:>9.1} s | {:>12} MiB |",
-            sealed.size,
-            report.events,
-            raw,
-            rate,
-            rate / raw,
-            elapsed.as_secs_f64(),
-            peak.saturating_sub(rss_at_start) / 1024
-        );
-        println!(
-            "(the process: {} MiB resident as the verify started, {} MiB at its peak; {} MiB at the peak before it, generating the log)",
-            rss_at_start / 1024,
-            peak / 1024,
-            rss_before / 1024
-        );
-        println!("(the verify kept {cores_used:.2} of {threads} cores busy on average: its CPU time over its wall time)");
-        let ratio = rate / raw;
-        println!("goal (issue 17, goal 4): audit verify >= 0.80 of raw SHA-256 + batch verify: {ratio:.2}  {}",
-            if ratio >= 0.8 { "met" } else { "MISSED" });
+        println!("| log ({threads} threads), 1 tenant, 1 checkpoint | events | raw SHA-256 + batch verify/s | audit verify/s | ratio | verify time | verify adds to RSS |");
+        println!("|------------------------------------|----------:|-----------------------------:|---------------:|------:|------------:|-------------------:|");
+        for l in &lines {
+            println!(
+                "| {:<10} (checkpoint of size {}) | {:>9} | {:>28.0} | {:>14.0} | {:>5.2} | {:>9.1} s | {:>12} MiB |",
+                l.backend,
+                l.size,
+                l.events,
+                l.raw,
+                l.rate,
+                l.rate / l.raw,
+                l.seconds,
+                l.rss_mib[0]
+            );
+        }
+        for l in &lines {
+            println!(
+                "({}: the process {} MiB resident as the verify started, {} MiB at its peak; {} MiB at the peak before it, generating the log; \
+                 the verify kept {:.2} of {threads} cores busy on average, its CPU time over its wall time{})",
+                l.backend,
+                l.rss_mib[1],
+                l.rss_mib[2],
+                l.rss_mib[3],
+                l.cores_used,
+                if l.backend == "postgresql" { ", the server's not counted" } else { "" }
+            );
+        }
+        println!("goal (issue 17, goal 4): audit verify >= 0.80 of raw SHA-256 + batch verify");
+        for l in &lines {
+            let ratio = l.rate / l.raw;
+            println!("  {:<10} {ratio:.2}  {}", l.backend, if ratio >= 0.8 { "met" } else { "MISSED" });
+        }
     });
 }
