@@ -688,6 +688,11 @@ macro_rules! migrations_of {
                 name: "work_items_fillfactor",
                 sql: include_str!(concat!("../../../schema/", $dialect, "/0007_work_items_fillfactor.sql")),
             },
+            $crate::store::Migration {
+                version: 8,
+                name: "projections_byte_order",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0008_projections_byte_order.sql")),
+            },
         ]
     };
 }

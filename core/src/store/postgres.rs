@@ -66,6 +66,12 @@ fn read_chain_rows_sql() -> String {
     )
 }
 
+/// A page of one kind's projection rows after a cursor, in byte order (as on SQLite). The keys'
+/// columns are in the "C" collation (migration 0008), so the primary key walks them in this
+/// order (`plan_tests`).
+const ROW_LIST_SQL: &str = "SELECT tenant_id, kind, id, doc FROM projections \
+     WHERE tenant_id = $1 AND kind = $2 AND id COLLATE \"C\" > $3 ORDER BY id COLLATE \"C\" LIMIT $4";
+
 pub struct PostgresStore {
     pool: Pool,
     data_keys: std::sync::RwLock<Option<std::sync::Arc<crate::sealing::DataKeys>>>,
@@ -942,13 +948,7 @@ impl RowStore for PostgresStore {
 
     async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>> {
         let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id COLLATE \"C\" > $3
-                 ORDER BY id COLLATE \"C\" LIMIT $4",
-                &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)],
-            )
-            .await?;
+        let rows = client.query(ROW_LIST_SQL, &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)]).await?;
         rows.iter().map(raw_row_decode).collect()
     }
 
@@ -1343,6 +1343,28 @@ mod plan_tests {
         );
         let plan = explain(&client, &every_tenant, &[&0i64, &0i32, &10i64]).await;
         assert!(plan.contains("events_by_position") && !plan.contains("Sort"), "{plan}");
+    }
+
+    /// Regression (issue 17): a list method's page walks the projections' primary key in the
+    /// page's (byte) order; under the database's own collation it read every row of the kind
+    /// and sorted them, page after page. And a chain's page reads past its range only when the
+    /// range is short (a one-time filter), whatever the statistics.
+    #[tokio::test]
+    async fn a_list_page_and_a_chain_page_read_only_their_rows() {
+        let (_db, store) = migrated().await;
+        let client = store.pool.get().await.unwrap();
+        client
+            .batch_execute(
+                "INSERT INTO projections SELECT 'ten_0', 'node', 'node_' || lpad(g::text, 6, '0'), '{}' FROM generate_series(1, 5000) g",
+            )
+            .await
+            .unwrap();
+        for after in ["", "node_002500"] {
+            let plan = explain(&client, ROW_LIST_SQL, &[&"ten_0", &"node", &after, &100i64]).await;
+            assert!(plan.contains("projections_pkey") && !plan.contains("Sort"), "{plan}");
+        }
+        let plan = explain(&client, &read_chain_rows_sql(), &[&"ten_0", &1i64, &1001i64]).await;
+        assert!(plan.contains("One-Time Filter"), "{plan}");
     }
 
     /// Regression (issue 17): a batch of completions (and of items given back) finds its rows
