@@ -208,6 +208,21 @@ async fn appends_and_reads(kind: Kind) {
     assert_eq!(deleted.row(&row.key), Some(None), "the answer says the row was deleted");
 }
 
+/// Every tenant with events is listed once, in order, however many events each has (the store
+/// finds them one tenant at a time, not by reading every event).
+async fn tenants_are_listed(kind: Kind) {
+    let f = fixture(kind).await;
+    assert!(f.store.tenants().await.unwrap().is_empty());
+    let mut tenants: Vec<TenantId> = (0..5).map(|_| TenantId::generate()).collect();
+    for (i, tenant) in tenants.iter().enumerate().rev() {
+        for n in 0..=i {
+            f.log.append(request(*tenant, &format!("thing/{n}"), ExpectedVersion::NoStream, 2)).await.unwrap();
+        }
+    }
+    tenants.sort_by_key(|t| t.to_string());
+    assert_eq!(f.store.tenants().await.unwrap(), tenants);
+}
+
 async fn idempotency(kind: Kind) {
     let f = fixture(kind).await;
     let t = TenantId::generate();
@@ -758,6 +773,7 @@ macro_rules! every_backend {
 
 every_backend!(
     appends_and_reads,
+    tenants_are_listed,
     append_groups,
     lease_renewals,
     idempotency,

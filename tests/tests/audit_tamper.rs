@@ -471,6 +471,27 @@ async fn a_deleted_chain_head_does_not_hide_a_tenant() {
         let report = verify(&f).await;
         assert_eq!(report.tenants, 1);
         assert!(report.problems.iter().any(|p| p.what.contains("past the chain head")), "{:?}", report.problems);
+        // Nor do every tenant's heads gone: the store finds the tenants in the events and the
+        // projection rows themselves, one after another.
+        let mut tenants = vec![f.tenant];
+        for i in 0..3 {
+            let tenant = TenantId::generate();
+            f._log.append(request(tenant, i)).await.unwrap();
+            tenants.push(tenant);
+        }
+        f.raw.exec("DELETE FROM chain_heads").await;
+        tenants.sort_by_key(|t| t.to_string());
+        assert_eq!(f.store.tenants().await.unwrap(), tenants);
+        assert_eq!(verify(&f).await.tenants, 4);
+        // A tenant whose events are gone too is still found by its projection rows; with the
+        // projection rows gone as well, the tenants with events are found by those alone.
+        let emptied = tenants.remove(1);
+        f.raw.exec(&format!("DELETE FROM events WHERE tenant_id = '{emptied}'")).await;
+        let mut all = tenants.clone();
+        all.insert(1, emptied);
+        assert_eq!(f.store.tenants().await.unwrap(), all);
+        f.raw.exec("DELETE FROM projections").await;
+        assert_eq!(f.store.tenants().await.unwrap(), tenants);
     })
     .await;
 }

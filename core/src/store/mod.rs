@@ -418,7 +418,9 @@ pub trait LogStore: Store {
     async fn read_after_touches(&self, after: Position, limit: u32) -> Result<Vec<StreamTouch>>;
     async fn event_row(&self, tenant: TenantId, id: EventId) -> Result<Option<EventRow>>;
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>>;
-    /// Every tenant with a chain head, an event or a projection row (a full scan: for audits).
+    /// Every tenant with a chain head, an event or a projection row ([`TENANTS_SQL`]: the audit's
+    /// list, which deleting a head must not shorten, and the level-triggered reconcilers' each
+    /// pass).
     async fn tenants(&self) -> Result<Vec<TenantId>>;
     /// The number of the newest append transaction (0 for an empty log).
     async fn last_commit(&self) -> Result<u64>;
@@ -647,6 +649,20 @@ macro_rules! columns_by_try_get {
     };
 }
 pub(crate) use columns_by_try_get;
+
+/// [`LogStore::tenants`] on both backends: each table's tenants found by its primary key's first
+/// column one at a time (the next tenant after the last: a loose index scan), so the cost is the
+/// number of tenants, not of events. `SELECT DISTINCT tenant_id FROM events` read the whole key,
+/// 40 ms at 1,000,000 events against 0.05 ms so, and three reconcilers list the tenants every
+/// 0.5–1 s (issue 17).
+pub(crate) const TENANTS_SQL: &str = "SELECT tenant_id FROM chain_heads \
+     UNION SELECT t FROM (WITH RECURSIVE s(t) AS (SELECT (SELECT min(tenant_id) FROM events) \
+         UNION ALL SELECT (SELECT min(tenant_id) FROM events WHERE tenant_id > s.t) FROM s WHERE s.t IS NOT NULL) \
+         SELECT t FROM s WHERE t IS NOT NULL) e \
+     UNION SELECT t FROM (WITH RECURSIVE s(t) AS (SELECT (SELECT min(tenant_id) FROM projections) \
+         UNION ALL SELECT (SELECT min(tenant_id) FROM projections WHERE tenant_id > s.t) FROM s WHERE s.t IS NOT NULL) \
+         SELECT t FROM s WHERE t IS NOT NULL) p \
+     ORDER BY 1";
 
 /// This build's migrations for one backend, from `schema/<dialect>/`; the list is the same for
 /// every backend (each file has one counterpart per dialect).

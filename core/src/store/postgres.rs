@@ -877,13 +877,7 @@ impl LogStore for PostgresStore {
 
     async fn tenants(&self) -> Result<Vec<TenantId>> {
         let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                "SELECT tenant_id FROM chain_heads UNION SELECT DISTINCT tenant_id FROM events
-                 UNION SELECT DISTINCT tenant_id FROM projections ORDER BY 1",
-                &[],
-            )
-            .await?;
+        let rows = client.query(super::TENANTS_SQL, &[]).await?;
         rows.iter().map(|r| r.try_get::<_, String>(0)?.parse()).collect()
     }
 

@@ -799,12 +799,7 @@ impl LogStore for SqliteStore {
     }
 
     async fn tenants(&self) -> Result<Vec<TenantId>> {
-        let rows = Sql::new(
-            "SELECT tenant_id FROM chain_heads UNION SELECT DISTINCT tenant_id FROM events \
-             UNION SELECT DISTINCT tenant_id FROM projections ORDER BY 1",
-        )
-        .all(self.read_on(), |r| r.text(0))
-        .await?;
+        let rows = Sql::new(super::TENANTS_SQL).all(self.read_on(), |r| r.text(0)).await?;
         rows.iter().map(|t| t.parse()).collect()
     }
 
