@@ -780,11 +780,7 @@ pub async fn verify_with(
 type CheckedPage = (Vec<u64>, Vec<Result<CheckedRow, String>>, Option<Vec<(u64, merkle::Hash)>>);
 
 /// Checks a page on a blocking thread ([`check_rows`] and the page's Merkle subtrees).
-async fn check_page(
-    rows: Vec<EventRow>,
-    keys: KeyRing,
-    verified: Option<Arc<VerifiedSignatures>>,
-) -> Result<CheckedPage> {
+async fn check_page(rows: Vec<EventRow>, keys: KeyRing, verified: Option<Arc<VerifiedSignatures>>) -> Result<CheckedPage> {
     tokio::task::spawn_blocking(move || {
         let results = check_rows(&rows, &keys, verified.as_deref());
         let leaves: Option<Vec<merkle::Hash>> = results.iter().map(|r| r.as_ref().ok().map(|c| c.leaf)).collect();
