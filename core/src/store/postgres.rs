@@ -669,9 +669,13 @@ impl Transaction for PostgresTransaction {
         let row = self
             .client()?
             .query_opt(
-                "UPDATE consumer_cursors SET lease_owner = $1, lease_until_ms = $2, updated_at_ms = $3 \
+                &self
+                    .cached(
+                        "UPDATE consumer_cursors SET lease_owner = $1, lease_until_ms = $2, updated_at_ms = $3 \
                  WHERE consumer = $4 AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until_ms < $3) \
                  RETURNING commit_no, commit_index",
+                    )
+                    .await?,
                 &[&owner, &to_i64(until_ms)?, &to_i64(now_ms)?, &consumer],
             )
             .await?;
@@ -682,8 +686,12 @@ impl Transaction for PostgresTransaction {
         let moved = self
             .client()?
             .execute(
-                "UPDATE consumer_cursors SET commit_no = $1, commit_index = $2, updated_at_ms = $3 \
+                &self
+                    .cached(
+                        "UPDATE consumer_cursors SET commit_no = $1, commit_index = $2, updated_at_ms = $3 \
                  WHERE consumer = $4 AND lease_owner = $5 AND commit_no = $6 AND commit_index = $7",
+                    )
+                    .await?,
                 &[
                     &to_i64(to.commit)?,
                     &i64::from(to.index),
@@ -724,7 +732,7 @@ impl Transaction for PostgresTransaction {
         );
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
             [&consumer, &to_i64(now_ms)?, &tenants, &ids, &subjects, &payloads, &attempts, &owner, &lease_until];
-        let rows = self.client()?.query(&sql, &params).await?;
+        let rows = self.client()?.query(&self.cached(&sql).await?, &params).await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
@@ -748,7 +756,7 @@ impl Transaction for PostgresTransaction {
         let moved = self
             .client()?
             .query(
-                ITEMS_COMPLETE_SQL,
+                &self.cached(ITEMS_COMPLETE_SQL).await?,
                 &[&tenants, &ids, &states, &next_ats, &errors, &updated, &numbers, &consumer, &owner, &pending],
             )
             .await?;
@@ -773,11 +781,11 @@ impl Transaction for PostgresTransaction {
         let next: Vec<Option<i64>> = done.iter().map(|c| c.attempt.next_at_ms.map(to_i64).transpose()).collect::<Result<_>>()?;
         self.client()?
             .execute(
-                "INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
+                &self.cached("INSERT INTO work_attempts (tenant_id, consumer, item_id, number, at_ms, latency_ms, status, error, next_at_ms, owner) \
                  SELECT t, $1, i, n, a, l, s, e, x, $2 \
                  FROM UNNEST($3::text[], $4::text[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::text[], $10::bigint[]) \
                       AS u(t, i, n, a, l, s, e, x) \
-                 ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING",
+                 ON CONFLICT (tenant_id, consumer, item_id, number) DO NOTHING").await?,
                 &[&consumer, &owner, &tenants, &ids, &numbers, &at, &latency, &status, &errors, &next],
             )
             .await?;
@@ -1033,7 +1041,7 @@ impl OutboxStore for PostgresStore {
         let now = to_i64(now_ms)?;
         let rows = client
             .query(
-                &claim_sql(),
+                &cached(&client, &claim_sql()).await?,
                 &[&owner, &to_i64(now_ms.saturating_add(lease_ms))?, &now, &consumer, &i64::from(limit.min(CLAIM_ITEMS_MAX))],
             )
             .await?;
