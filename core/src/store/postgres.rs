@@ -857,8 +857,12 @@ impl LogStore for PostgresStore {
     async fn read_chain_rows(&self, tenant: TenantId, from_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
         let client = self.pool.get().await?;
         let from = to_i64(from_seq)?;
-        let rows =
-            client.query(&read_chain_rows_sql(), &[&tenant.to_string(), &from, &from.saturating_add(i64::from(limit))]).await?;
+        let rows = client
+            .query(
+                &cached(&client, &read_chain_rows_sql()).await?,
+                &[&tenant.to_string(), &from, &from.saturating_add(i64::from(limit))],
+            )
+            .await?;
         rows.iter().map(event_row_decode).collect()
     }
 
@@ -866,9 +870,9 @@ impl LogStore for PostgresStore {
         let client = self.pool.get().await?;
         let rows = client
             .query(
-                &format!(
+                &cached(&client, &format!(
                     "SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND stream = $2 AND version > $3 ORDER BY version LIMIT $4"
-                ),
+                )).await?,
                 &[&tenant.to_string(), &stream, &to_i64(after_version)?, &i64::from(limit)],
             )
             .await?;
@@ -881,16 +885,23 @@ impl LogStore for PostgresStore {
         let rows = match tenant {
             Some(t) => {
                 client
-                    .query(&read_after_tenant_sql(), &[&to_i64(after.commit)?, &index, &t.to_string(), &i64::from(limit)])
+                    .query(
+                        &cached(&client, &read_after_tenant_sql()).await?,
+                        &[&to_i64(after.commit)?, &index, &t.to_string(), &i64::from(limit)],
+                    )
                     .await?
             }
             None => {
                 client
                     .query(
-                        &format!(
-                            "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2)
+                        &cached(
+                            &client,
+                            &format!(
+                                "SELECT {EVENT_COLUMNS} FROM events WHERE (commit_no, commit_index) > ($1, $2)
                              ORDER BY commit_no, commit_index LIMIT $3"
-                        ),
+                            ),
+                        )
+                        .await?,
                         &[&to_i64(after.commit)?, &index, &i64::from(limit)],
                     )
                     .await?
@@ -918,7 +929,7 @@ impl LogStore for PostgresStore {
         let client = self.pool.get().await?;
         let row = client
             .query_opt(
-                &format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND id = $2"),
+                &cached(&client, &format!("SELECT {EVENT_COLUMNS} FROM events WHERE tenant_id = $1 AND id = $2")).await?,
                 &[&tenant.to_string(), &id.to_string()],
             )
             .await?;
@@ -927,7 +938,8 @@ impl LogStore for PostgresStore {
 
     async fn heads(&self) -> Result<Vec<(TenantId, Head)>> {
         let client = self.pool.get().await?;
-        let rows = client.query("SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id", &[]).await?;
+        let rows =
+            client.query(&cached(&client, "SELECT tenant_id, seq, hash FROM chain_heads ORDER BY tenant_id").await?, &[]).await?;
         rows.iter().map(head_decode).collect()
     }
 
@@ -966,7 +978,11 @@ impl RowStore for PostgresStore {
         let client = self.pool.get().await?;
         let row = client
             .query_opt(
-                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id = $3",
+                &cached(
+                    &client,
+                    "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id = $3",
+                )
+                .await?,
                 &[&tenant, &kind, &id],
             )
             .await?;
@@ -981,7 +997,7 @@ impl RowStore for PostgresStore {
         let client = self.pool.get().await?;
         let rows = client
             .query(
-                "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id = ANY($3) ORDER BY id",
+                &cached(&client, "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = $1 AND kind = $2 AND id = ANY($3) ORDER BY id").await?,
                 &[&tenant, &kind, &ids],
             )
             .await?;
@@ -991,14 +1007,19 @@ impl RowStore for PostgresStore {
     async fn row_find(&self, kind: &str, id: &str) -> Result<Option<Row>> {
         let client = self.pool.get().await?;
         let row = client
-            .query_opt("SELECT tenant_id, kind, id, doc FROM projections WHERE kind = $1 AND id = $2", &[&kind, &id])
+            .query_opt(
+                &cached(&client, "SELECT tenant_id, kind, id, doc FROM projections WHERE kind = $1 AND id = $2").await?,
+                &[&kind, &id],
+            )
             .await?;
         row.as_ref().map(projection_row_decode).transpose()
     }
 
     async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>> {
         let client = self.pool.get().await?;
-        let rows = client.query(ROW_LIST_SQL, &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)]).await?;
+        let rows = client
+            .query(&cached(&client, ROW_LIST_SQL).await?, &[&tenant, &kind, &after_id.unwrap_or(""), &i64::from(limit)])
+            .await?;
         rows.iter().map(raw_row_decode).collect()
     }
 
