@@ -1452,8 +1452,9 @@ pub async fn full_check(world: &World, settled: bool) -> Result<(u64, u64), Viol
 pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFold) -> Result<(u64, u64), Violation> {
     let store = &*world.store;
     let trust = bc_core::audit::Trust::of(&[world.log_key.public()], "sim").expect("trust");
-    let report =
-        bc_core::audit::verify_with(&world.store, &trust, None, &|_| {}, Some(fold.verified.clone())).await.expect("verify reads");
+    let report = bc_core::audit::verify_with(&world.store, &trust, None, &|_| {}, Some(fold.verified.clone()))
+        .await
+        .expect("verify reads");
     if let Some(problem) = report.problems.first() {
         return Err(Violation(format!("the chain does not verify: {problem:?}")));
     }
