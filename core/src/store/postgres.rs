@@ -370,28 +370,26 @@ async fn heads_on(
 }
 
 async fn preread_on(client: &deadpool_postgres::ClientWrapper, query: &PreReadQuery) -> Result<PreRead> {
-    let mut out = PreRead { heads: heads_on(client, &query.tenants, "").await?, ..Default::default() };
-    if !query.streams.is_empty() {
-        let t: Vec<String> = query.streams.iter().map(|(t, _)| t.to_string()).collect();
-        let s: Vec<&str> = query.streams.iter().map(|(_, s)| s.as_str()).collect();
-        // A correlated MAX per key walks the (tenant_id, stream, version) index, whatever the
-        // planner guesses about UNNEST's size.
+    let (st, ss): (Vec<String>, Vec<&str>) = query.streams.iter().map(|(t, s)| (t.to_string(), s.as_str())).unzip();
+    let (it, ik): (Vec<String>, Vec<&str>) = query.idempotency_keys.iter().map(|(t, k)| (t.to_string(), k.as_str())).unzip();
+    // A correlated MAX per key walks the (tenant_id, stream, version) index, whatever the
+    // planner guesses about UNNEST's size.
+    let versions = async {
+        if st.is_empty() {
+            return Ok(Vec::new());
+        }
         let statement = cached(
             client,
             "SELECT k.t, k.s, (SELECT MAX(e.version) FROM events e WHERE e.tenant_id = k.t AND e.stream = k.s)
              FROM UNNEST($1::text[], $2::text[]) AS k(t, s)",
         )
         .await?;
-        let rows = client.query(&statement, &[&t, &s]).await?;
-        for row in rows {
-            if let Some((stream, version)) = stream_version_decode(&row)? {
-                out.stream_versions.insert(stream, version);
-            }
+        Ok::<_, Error>(client.query(&statement, &[&st, &ss]).await?)
+    };
+    let records = async {
+        if it.is_empty() {
+            return Ok(Vec::new());
         }
-    }
-    if !query.idempotency_keys.is_empty() {
-        let t: Vec<String> = query.idempotency_keys.iter().map(|(t, _)| t.to_string()).collect();
-        let k: Vec<&str> = query.idempotency_keys.iter().map(|(_, k)| k.as_str()).collect();
         let statement = cached(
             client,
             "SELECT i.tenant_id, i.key, i.request_hash, i.first_seq, i.last_seq
@@ -399,11 +397,21 @@ async fn preread_on(client: &deadpool_postgres::ClientWrapper, query: &PreReadQu
              CROSS JOIN LATERAL (SELECT * FROM idempotency i WHERE i.tenant_id = k.t AND i.key = k.k) i",
         )
         .await?;
-        let rows = client.query(&statement, &[&t, &k]).await?;
-        for row in rows {
-            let (slot, record) = idempotency_decode(&row)?;
-            out.idempotency.insert(slot, record);
+        Ok::<_, Error>(client.query(&statement, &[&it, &ik]).await?)
+    };
+    // The three reads do not depend on each other: issued together, tokio-postgres pipelines
+    // them over the connection, one round trip where they took three (in a transaction they
+    // still run in order, in it).
+    let (heads, versions, records) = futures::try_join!(heads_on(client, &query.tenants, ""), versions, records)?;
+    let mut out = PreRead { heads, ..Default::default() };
+    for row in versions {
+        if let Some((stream, version)) = stream_version_decode(&row)? {
+            out.stream_versions.insert(stream, version);
         }
+    }
+    for row in records {
+        let (slot, record) = idempotency_decode(&row)?;
+        out.idempotency.insert(slot, record);
     }
     Ok(out)
 }
