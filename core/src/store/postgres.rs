@@ -505,8 +505,32 @@ impl Transaction for PostgresTransaction {
         touched: &[RowKey],
     ) -> Result<HashMap<RowKey, serde_json::Value>> {
         let tx = self.client()?;
-        // Each statement from the connection's cache ([`cached`]).
-        let wrapper = self.wrapper()?;
+        // Each statement from the connection's cache ([`cached`]), taken before the pipelined
+        // calls below (a prepare of its own only on the connection's first batch).
+        let events_insert_statement = self.cached("INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id)
+                 SELECT t, s, i, st, v, ty, a, $8, ix, c, h, sg, k
+                 FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[],
+                             $9::int4[], $10::bytea[], $11::bytea[], $12::bytea[], $13::text[])
+                      AS x(t, s, i, st, v, ty, a, ix, c, h, sg, k)").await?;
+        let heads_upsert_statement = self
+            .cached(
+                "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
+                 ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash",
+            )
+            .await?;
+        let idempotency_insert_statement = self
+            .cached(
+                "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
+                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
+            )
+            .await?;
+        let projections_select_statement = self
+            .cached(
+                "SELECT p.tenant_id, p.kind, p.id, p.doc
+                 FROM UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
+                 CROSS JOIN LATERAL (SELECT * FROM projections p WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i) p",
+            )
+            .await?;
         let commit = to_i64(commit)?;
         // One array per column, for UNNEST.
         let events = &batch.events;
@@ -529,11 +553,7 @@ impl Transaction for PostgresTransaction {
         // pipelines them over the connection, so the batch pays one round trip instead of four.
         let events_insert = async {
             tx.execute(
-                &wrapper.prepare_cached("INSERT INTO events (tenant_id, seq, id, stream, version, type, at_ms, commit_no, commit_index, canonical, hash, sig, key_id)
-                 SELECT t, s, i, st, v, ty, a, $8, ix, c, h, sg, k
-                 FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], $7::int8[],
-                             $9::int4[], $10::bytea[], $11::bytea[], $12::bytea[], $13::text[])
-                      AS x(t, s, i, st, v, ty, a, ix, c, h, sg, k)").await?,
+                &events_insert_statement,
                 &[&t, &seq, &id, &stream, &version, &ty, &at, &commit, &idx, &canonical, &hash, &sig, &key],
             )
             .await
@@ -541,18 +561,7 @@ impl Transaction for PostgresTransaction {
         let ht: Vec<String> = batch.heads_after.iter().map(|(t, _)| t.to_string()).collect();
         let hs: Vec<i64> = batch.heads_after.iter().map(|(_, h)| to_i64(h.seq)).collect::<Result<_>>()?;
         let hh: Vec<&[u8]> = batch.heads_after.iter().map(|(_, h)| &h.hash[..]).collect();
-        let heads_upsert = async {
-            tx.execute(
-                &wrapper
-                    .prepare_cached(
-                        "INSERT INTO chain_heads (tenant_id, seq, hash) SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[])
-                 ON CONFLICT (tenant_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash",
-                    )
-                    .await?,
-                &[&ht, &hs, &hh],
-            )
-            .await
-        };
+        let heads_upsert = async { tx.execute(&heads_upsert_statement, &[&ht, &hs, &hh]).await };
         let it: Vec<String> = batch.idempotency.iter().map(|(t, _, _)| t.to_string()).collect();
         let ik: Vec<&str> = batch.idempotency.iter().map(|(_, k, _)| k.as_str()).collect();
         let ih: Vec<&[u8]> = batch.idempotency.iter().map(|(_, _, r)| &r.request_hash[..]).collect();
@@ -562,31 +571,10 @@ impl Transaction for PostgresTransaction {
             if it.is_empty() {
                 return Ok(0);
             }
-            tx.execute(
-                &wrapper
-                    .prepare_cached(
-                        "INSERT INTO idempotency (tenant_id, key, request_hash, first_seq, last_seq)
-                 SELECT * FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])",
-                    )
-                    .await?,
-                &[&it, &ik, &ih, &first, &last],
-            )
-            .await
+            tx.execute(&idempotency_insert_statement, &[&it, &ik, &ih, &first, &last]).await
         };
         let (kt, kk, ki) = row_key_arrays(touched);
-        let projections_select = async {
-            tx.query(
-                &wrapper
-                    .prepare_cached(
-                        "SELECT p.tenant_id, p.kind, p.id, p.doc
-                 FROM UNNEST($1::text[], $2::text[], $3::text[]) AS k(t, kd, i)
-                 CROSS JOIN LATERAL (SELECT * FROM projections p WHERE p.tenant_id = k.t AND p.kind = k.kd AND p.id = k.i) p",
-                    )
-                    .await?,
-                &[&kt, &kk, &ki],
-            )
-            .await
-        };
+        let projections_select = async { tx.query(&projections_select_statement, &[&kt, &kk, &ki]).await };
         let (_, _, _, rows) = futures::try_join!(events_insert, heads_upsert, idempotency_insert, projections_select)?;
         let mut current = HashMap::new();
         for row in rows {
@@ -598,18 +586,14 @@ impl Transaction for PostgresTransaction {
 
     async fn projections_upsert(&mut self, rows: &[Row]) -> Result<()> {
         let tx = self.client()?;
-        let this = &*self;
+        let statement = self.cached("INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])
+                 ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc").await?;
         for chunk in rows.chunks(ROWS_PER_STATEMENT_MAX) {
             let t: Vec<&str> = chunk.iter().map(|r| r.key.tenant.as_str()).collect();
             let k: Vec<&str> = chunk.iter().map(|r| r.key.kind.as_str()).collect();
             let i: Vec<&str> = chunk.iter().map(|r| r.key.id.as_str()).collect();
             let d: Vec<String> = chunk.iter().map(|r| r.doc.to_string()).collect();
-            tx.execute(
-                &this.cached("INSERT INTO projections (tenant_id, kind, id, doc) SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[])
-                 ON CONFLICT (tenant_id, kind, id) DO UPDATE SET doc = excluded.doc").await?,
-                &[&t, &k, &i, &d],
-            )
-            .await?;
+            tx.execute(&statement, &[&t, &k, &i, &d]).await?;
         }
         Ok(())
     }
