@@ -1,12 +1,15 @@
 //! `make bench` (log_growth), issue 17 goal 2: the costs users feel stay flat as a tenant's log
-//! grows. Four operations, each timed on a tenant whose log holds `SMALL_EVENTS` and on one
+//! grows. Five operations, each timed on a tenant whose log holds `SMALL_EVENTS` and on one
 //! whose log holds `LARGE_EVENTS`, two databases set up alike, each with its gateway:
 //!
 //! - `events.list`, the first page with a type filter (`reservation.*`);
 //! - `GET /watch` resumed from a recent position (`RESUME_BACK_EVENTS` back), until it has
 //!   every event since;
 //! - `reservations.create` (one GPU; each released again, untimed);
-//! - `capacity.get`.
+//! - `capacity.get`;
+//! - sealing a checkpoint after `SEAL_AFTER_EVENTS` more events, by the sealer the checkpoints
+//!   reconciler keeps between passes (`audit::Sealer`; its first seal of each log, a walk from
+//!   seq 1, is in the warm-up and printed apart).
 //!
 //! The log grows by `pool.updated` events on a pool of its own (appended in process, 100 per
 //! append), so the tenant's state (its pools, nodes and live reservations) stays the same size
@@ -20,6 +23,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bc_core::audit::{self, Sealer, Trust};
 use bc_core::id::{NodeId, PoolId, TenantId};
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::events::{self as ev, Gpu};
@@ -47,6 +51,11 @@ const ROUNDS: usize = 5;
 /// How far back the resumed watch starts.
 const RESUME_BACK_EVENTS: u64 = 50;
 const GOAL_RATIO_MAX: f64 = 1.3;
+/// Events appended (untimed) before each timed seal: the log's growth between two passes.
+const SEAL_AFTER_EVENTS: u64 = 100;
+
+const SEAL_ROW: &str = "checkpoint seal after 100 more events (the reconciler's sealer)";
+const _: () = assert!(SEAL_AFTER_EVENTS == 100, "SEAL_ROW names the count");
 
 fn median(mut ms: Vec<f64>) -> f64 {
     ms.sort_by(f64::total_cmp);
@@ -118,6 +127,9 @@ struct Samples {
     watch_resume: Vec<f64>,
     reserve: Vec<f64>,
     capacity: Vec<f64>,
+    seal: Vec<f64>,
+    /// The first seal of the log: a walk from seq 1.
+    first_seal_ms: Option<f64>,
 }
 
 /// One database with its gateway: the tenant's log, and what the calls name.
@@ -127,10 +139,13 @@ struct Db {
     store: Arc<dyn EventStore>,
     pool: String,
     filler: String,
+    tenant: TenantId,
+    sealer: Sealer,
+    trust: Trust,
 }
 
-/// One round of the four operations on `db`: `samples` calls each, after `warmup`.
-async fn measure(db: &Db, warmup: usize, samples: usize, into: &mut Samples) {
+/// One round of the five operations on `db`: `samples` calls each, after `warmup`.
+async fn measure(db: &mut Db, warmup: usize, samples: usize, into: &mut Samples) {
     let client = &db.client;
     client
         .timed(warmup, samples, &mut into.events_list, |_| async {
@@ -161,6 +176,18 @@ async fn measure(db: &Db, warmup: usize, samples: usize, into: &mut Samples) {
     let since = back.first().map(|t| format!("{}.{}", t.commit, t.index)).unwrap();
     let expected = back.len() as u64 - 1;
     client.timed(warmup, samples, &mut into.watch_resume, |_| async { client.watch_from(&since, expected).await }).await;
+    for i in 0..warmup + samples {
+        grow(&db.log, db.tenant, &db.filler, SEAL_AFTER_EVENTS).await;
+        let started = Instant::now();
+        let sealed = db.sealer.seal(&db.log, db.tenant, audit::DEPLOYMENT_DEFAULT, &db.trust).await.unwrap();
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        assert!(sealed.is_some(), "the log grew, so a checkpoint is sealed");
+        if into.first_seal_ms.is_none() {
+            into.first_seal_ms = Some(ms);
+        } else if i >= warmup {
+            into.seal.push(ms);
+        }
+    }
 }
 
 /// Appends `count` filler events (`pool.updated` on the filler pool), 100 per transaction.
@@ -214,7 +241,8 @@ async fn open_db(path: &std::path::Path, tenant: TenantId) -> Db {
         server.log.append(AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "bench", vec![event])).await.unwrap();
     }
     let client = Client { http: reqwest::Client::new(), url: server.url, token: server.token };
-    Db { client, log: server.log, store: server.store, pool, filler }
+    let trust = Trust::of(&[server.key.public()], audit::DEPLOYMENT_DEFAULT).unwrap();
+    Db { client, log: server.log, store: server.store, pool, filler, tenant, sealer: Sealer::default(), trust }
 }
 
 fn main() {
@@ -259,10 +287,16 @@ fn main() {
         ("watch resumed from a recent position", median(small.watch_resume), median(large.watch_resume)),
         ("reservations.create", median(small.reserve), median(large.reserve)),
         ("capacity.get", median(small.capacity), median(large.capacity)),
+        (SEAL_ROW, median(small.seal), median(large.seal)),
     ];
     for (name, a, b) in rows {
         println!("| {name} | {a:.2} | {b:.2} | {:.2} |", b / a);
     }
+    println!(
+        "(the first seal of each, a walk from seq 1 as the checkpoints reconciler makes once a day: {:.1} and {:.1} ms)",
+        small.first_seal_ms.unwrap_or(0.0),
+        large.first_seal_ms.unwrap_or(0.0)
+    );
     println!("goal (issue 17, goal 2): each at most {GOAL_RATIO_MAX}× apart");
     for (name, a, b) in rows {
         let ratio = b / a;

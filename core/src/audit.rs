@@ -220,33 +220,152 @@ pub struct Sealed {
     pub failed: Vec<(TenantId, Error)>,
 }
 
-/// Seals every tenant whose tree grew (or just `only`). One tenant's failure (a log that does
-/// not verify) does not stop the others; it is logged and returned.
+/// Seals every tenant whose tree grew (or just `only`), each with a walk of its whole chain
+/// ([`Sealer`] keeps what it verified between calls; this does not). One tenant's failure (a
+/// log that does not verify) does not stop the others; it is logged and returned.
 pub async fn seal_all(log: &Log, only: Option<TenantId>, deployment: &str, trust: &Trust) -> Result<Sealed> {
-    let mut out = Sealed::default();
-    let tenants: Vec<TenantId> = match only {
-        Some(t) => vec![t],
-        None => log.store.heads().await?.into_iter().map(|(t, _)| t).collect(),
-    };
-    for tenant in tenants {
-        match seal(log, tenant, deployment, trust).await {
-            Ok(Some(cp)) => out.sealed.push((tenant, cp)),
-            Ok(None) => {}
-            Err(e) => {
-                tracing::error!(%tenant, error = %e, "sealing a checkpoint failed");
-                out.failed.push((tenant, e));
-            }
-        }
-    }
-    Ok(out)
+    Sealer::default().seal_all(log, only, deployment, trust).await
 }
 
-/// Seals a checkpoint of `tenant` now, if its tree grew (events other than checkpoints were
-/// appended since the last one). Only a log that verifies is signed: the whole chain is checked
-/// under `trust` (every seq, link and signature, and the head), and the last checkpoint sealed
-/// *in the chain* must still match the log, so two checkpoints of a tenant are never
-/// inconsistent. Returns the new checkpoint's size and note.
+/// Seals a checkpoint of `tenant` now, if its tree grew, after a walk of its whole chain
+/// ([`Sealer::seal`]).
 pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) -> Result<Option<StoredCheckpoint>> {
+    Sealer::default().seal(log, tenant, deployment, trust).await
+}
+
+/// Longest a [`Sealer`] goes without walking a tenant's chain from seq 1 again. Between full
+/// walks it verifies only the events appended since the last one it walked, so a seal costs
+/// what the log grew by, not what it holds. A row rewritten in the part already verified is
+/// caught by the next full walk (and by `audit verify`), and is never signed over: the new
+/// checkpoint's root extends the tree of the events as they were verified, not as they read now.
+pub const SEAL_FULL_WALK_INTERVAL_MS: u64 = 24 * 60 * 60 * 1000;
+
+/// Seals checkpoints, keeping what it verified of each tenant's chain so that the next seal
+/// walks only the events appended since (the `checkpoints` reconciler's: a seal per interval
+/// that re-verified the whole chain each time cost more every hour as the log grew, issue 17).
+/// It walks a chain from seq 1 on its first seal of a tenant, after [`SEAL_FULL_WALK_INTERVAL_MS`],
+/// after any walk that failed, and when a walk from where it stopped cannot tell (another
+/// process sealed a checkpoint of a size it has no root for). Use one sealer with one `trust`.
+#[derive(Default)]
+pub struct Sealer {
+    walked: std::collections::HashMap<TenantId, Walked>,
+    /// Walks from seq 1 so far, and events walked in all (for the reconciler's log and tests).
+    walks_from_start: u64,
+    events_walked: u64,
+}
+
+/// What a [`Sealer`] verified of one chain.
+#[derive(Clone)]
+struct Walked {
+    /// The tree of the events verified: seq 1 to its size.
+    builder: RootBuilder,
+    /// The hash of the last of them.
+    last_hash: [u8; 32],
+    /// The tree's root at each size a checkpoint might name: stored checkpoints' sizes passed on
+    /// the way, and the size each walk ended at. None below `previous`'s size.
+    roots: BTreeMap<u64, merkle::Hash>,
+    /// The newest checkpoint sealed in the chain: its size, its note, the seq it was sealed at.
+    previous: Option<(u64, String, u64)>,
+    /// The last event that made the tree grow (not a checkpoint or a cosignature).
+    grew_at: Option<u64>,
+    /// When the last walk from seq 1 was.
+    full_at_ms: u64,
+}
+
+impl Sealer {
+    /// How many walks started from seq 1.
+    pub fn walks_from_start(&self) -> u64 {
+        self.walks_from_start
+    }
+
+    /// How many events all walks verified, in all.
+    pub fn events_walked(&self) -> u64 {
+        self.events_walked
+    }
+
+    /// Forgets the roots kept of every chain, as if another process had sealed a checkpoint of
+    /// a size this sealer walked past before it was stored (a race no sequence of calls in one
+    /// process makes): the next seal of each tenant has to walk from seq 1 to check it.
+    #[doc(hidden)]
+    pub fn forget_roots_for_tests(&mut self) {
+        for walked in self.walked.values_mut() {
+            walked.roots.clear();
+        }
+    }
+
+    /// [`seal_all`], keeping what each walk verified.
+    pub async fn seal_all(&mut self, log: &Log, only: Option<TenantId>, deployment: &str, trust: &Trust) -> Result<Sealed> {
+        let mut out = Sealed::default();
+        let tenants: Vec<TenantId> = match only {
+            Some(t) => vec![t],
+            None => log.store.heads().await?.into_iter().map(|(t, _)| t).collect(),
+        };
+        for tenant in tenants {
+            match self.seal(log, tenant, deployment, trust).await {
+                Ok(Some(cp)) => out.sealed.push((tenant, cp)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(%tenant, error = %e, "sealing a checkpoint failed");
+                    out.failed.push((tenant, e));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Seals a checkpoint of `tenant` now, if its tree grew (events other than checkpoints
+    /// were appended since the last one). Only a log that verifies is signed: the chain is
+    /// checked under `trust` (every seq, link and signature, and the head) from where this
+    /// sealer last stopped, or from seq 1 (see [`Sealer`]), and the last checkpoint sealed *in
+    /// the chain* must still match the log, so two checkpoints of a tenant are never
+    /// inconsistent. Returns the new checkpoint's size and note.
+    pub async fn seal(
+        &mut self,
+        log: &Log,
+        tenant: TenantId,
+        deployment: &str,
+        trust: &Trust,
+    ) -> Result<Option<StoredCheckpoint>> {
+        let now_ms = log.clock.now_ms();
+        let kept = self.walked.remove(&tenant).filter(|w| now_ms.saturating_sub(w.full_at_ms) < SEAL_FULL_WALK_INTERVAL_MS);
+        let mut walk = async |from: Option<Walked>| {
+            let start = from.as_ref().map_or(0, |w| w.builder.size());
+            if from.is_none() {
+                self.walks_from_start += 1;
+            }
+            let done = seal_walk(log, tenant, deployment, trust, from).await;
+            if let Ok(Some((walked, _))) = &done {
+                self.events_walked += walked.builder.size() - start;
+            }
+            done
+        };
+        let walked = match kept {
+            // A walk from where the last stopped that fails or cannot tell is walked again from
+            // seq 1, whose answer (and error message) stands.
+            Some(kept) => match walk(Some(kept)).await {
+                Ok(Some(done)) => Some(done),
+                Ok(None) | Err(_) => walk(None).await?,
+            },
+            None => walk(None).await?,
+        };
+        let Some((walked, sealed)) = walked else { return Ok(None) };
+        self.walked.insert(tenant, walked);
+        Ok(sealed)
+    }
+}
+
+/// One seal: walks `tenant`'s chain from `from` (what an earlier walk verified) or from seq 1
+/// up to its head, and signs and appends a checkpoint if the tree grew. Returns what was
+/// verified and the checkpoint sealed, if any; `None` for a tenant without a head, and for a
+/// walk from `from` that cannot tell whether the last checkpoint matches (it has no root at
+/// its size).
+async fn seal_walk(
+    log: &Log,
+    tenant: TenantId,
+    deployment: &str,
+    trust: &Trust,
+    from: Option<Walked>,
+) -> Result<Option<(Walked, Option<StoredCheckpoint>)>> {
     let store = &*log.store;
     let Some(head) = store.heads().await?.into_iter().find(|(t, _)| *t == tenant).map(|(_, h)| h) else {
         return Ok(None);
@@ -257,13 +376,16 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
     };
     // The stored checkpoints must be the ones the chain sealed, as `verify` demands.
     let stored: BTreeMap<u64, String> = checkpoints_of(store, tenant).await?.into_iter().map(|c| (c.size, c.note)).collect();
-    let mut verifier = crate::chain::ChainVerifier::new(tenant, &trust.keys);
-    let mut builder = RootBuilder::new();
-    // The root at every stored checkpoint's size, taken on the way (one walk, no second read).
-    let mut roots: BTreeMap<u64, merkle::Hash> = BTreeMap::new();
-    // The newest checkpoint sealed in the chain: (its size, its note, the seq it was sealed at).
-    let mut previous: Option<(u64, String, u64)> = None;
-    let mut grew_at: Option<u64> = None;
+    let resumed = from.is_some();
+    let Walked { mut builder, last_hash, mut roots, mut previous, mut grew_at, full_at_ms } = from.unwrap_or(Walked {
+        builder: RootBuilder::new(),
+        last_hash: GENESIS_PREV,
+        roots: BTreeMap::new(),
+        previous: None,
+        grew_at: None,
+        full_at_ms: log.clock.now_ms(),
+    });
+    let mut verifier = crate::chain::ChainVerifier::resume(tenant, &trust.keys, builder.size() + 1, last_hash);
     while builder.size() < head.seq {
         let rows = store.read_chain_rows(tenant, builder.size() + 1, VERIFY_PAGE_ROWS).await?;
         if rows.is_empty() {
@@ -303,6 +425,16 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
     }
     verifier.finish(Some((head.seq, head.hash))).map_err(corrupt)?;
     if let Some((size, note, sealed_at)) = &previous {
+        let Some(root) = roots.get(size) else {
+            if resumed {
+                return Ok(None);
+            }
+            return Err(corrupt(ChainProblem {
+                tenant: tenant.to_string(),
+                seq: *sealed_at,
+                what: "the log no longer matches its last checkpoint".into(),
+            }));
+        };
         let (body, _) = open_with(note, &trust.vkeys).map_err(|e| {
             corrupt(ChainProblem {
                 tenant: tenant.to_string(),
@@ -310,8 +442,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
                 what: format!("the last checkpoint does not verify: {e}"),
             })
         })?;
-        if body.size != *size || body.origin != note::origin_of(deployment, &tenant) || roots.get(&body.size) != Some(&body.root)
-        {
+        if body.size != *size || body.origin != note::origin_of(deployment, &tenant) || body.root != *root {
             return Err(corrupt(ChainProblem {
                 tenant: tenant.to_string(),
                 seq: body.size,
@@ -319,11 +450,19 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
             }));
         }
     }
-    let last_size = previous.as_ref().map(|(size, _, _)| *size).unwrap_or(0);
-    if grew_at.is_none_or(|seq| seq <= last_size) {
-        return Ok(None);
+    // The next walk needs no root below the newest checkpoint's, and may meet a checkpoint of
+    // the size this one ends at (this sealer's, or another process's).
+    if let Some((size, _, _)) = &previous {
+        roots = roots.split_off(size);
     }
+    roots.insert(builder.size(), builder.root());
+    let last_size = previous.as_ref().map(|(size, _, _)| *size).unwrap_or(0);
+    let grew = grew_at.is_some_and(|seq| seq > last_size);
     let body = CheckpointBody { origin: note::origin_of(deployment, &tenant), size: builder.size(), root: builder.root() };
+    let walked = Walked { builder, last_hash: verifier.last_hash(), roots, previous, grew_at, full_at_ms };
+    if !grew {
+        return Ok(Some((walked, None)));
+    }
     let signed = note::sign_note(&body.encode(), deployment, &log.key).map_err(Error::Internal)?;
     log.append(AppendRequest {
         tenant,
@@ -344,7 +483,7 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
         }],
     })
     .await?;
-    Ok(Some(StoredCheckpoint { size: body.size, note: signed, cosignatures: vec![] }))
+    Ok(Some((walked, Some(StoredCheckpoint { size: body.size, note: signed, cosignatures: vec![] }))))
 }
 
 /// Rotates the log key: appends `log_key.rotated` (naming the new key) to the root tenant's

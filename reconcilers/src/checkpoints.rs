@@ -1,12 +1,14 @@
 //! The `checkpoints` reconciler: every interval, seals a signed checkpoint of each tenant whose
-//! log grew since its last one (`bc_core::audit::seal_all`). Level-triggered: each pass compares
+//! log grew since its last one (`bc_core::audit::Sealer`). Level-triggered: each pass compares
 //! every tenant's chain with its newest checkpoint, so a restart or a second process seals
-//! nothing twice (a checkpoint is an idempotent append keyed by its tree size).
+//! nothing twice (a checkpoint is an idempotent append keyed by its tree size). A pass verifies
+//! the events appended since the one before, and each chain from seq 1 once a day
+//! (`SEAL_FULL_WALK_INTERVAL_MS`) and on the first pass.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use bc_core::audit::{Trust, seal_all};
+use bc_core::audit::{Sealer, Trust};
 use bc_core::store::Log;
 
 use crate::status::PassRecorder;
@@ -25,6 +27,8 @@ pub async fn run(
 ) {
     let interval_s = interval_s.max(INTERVAL_S_MIN);
     let status = PassRecorder::new(log.store.clone(), log.clock.clone(), NAME);
+    // What each pass verified of each chain, so the next walks only what was appended since.
+    let mut sealer = Sealer::default();
     tracing::info!(reconciler = NAME, interval_s, "reconciler started");
     while !*shutdown.borrow() {
         tokio::select! {
@@ -32,7 +36,7 @@ pub async fn run(
             _ = shutdown.changed() => break,
         }
         let started_at_ms = log.clock.now_ms();
-        match seal_all(&log, None, &deployment, &trust).await {
+        match sealer.seal_all(&log, None, &deployment, &trust).await {
             Ok(done) => {
                 if !done.sealed.is_empty() {
                     tracing::info!(reconciler = NAME, tenants = done.sealed.len(), "sealed checkpoints");

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use bc_core::audit::{self, Trust};
-use bc_core::clock::SystemClock;
+use bc_core::clock::{Clock, SystemClock};
 use bc_core::event::{Envelope, sha256};
 use bc_core::id::TenantId;
 use bc_core::keys::{LogKey, VerifiedSignatures};
@@ -492,6 +492,124 @@ async fn a_deleted_chain_head_does_not_hide_a_tenant() {
         assert_eq!(f.store.tenants().await.unwrap(), all);
         f.raw.exec("DELETE FROM projections").await;
         assert_eq!(f.store.tenants().await.unwrap(), tenants);
+    })
+    .await;
+}
+
+/// Rewrites the event at `seq` with another payload and a hash that matches it (the signature,
+/// made over the old hash, no longer does).
+async fn rewrite(f: &Fixture, seq: u64) {
+    let r = row(f, seq).await;
+    let mut env = Envelope::from_canonical(&r.canonical).unwrap();
+    env.payload = Value::Text("forged".into());
+    let canonical = env.to_canonical().unwrap();
+    let hash = sha256(&canonical);
+    f.raw
+        .exec(&format!(
+            "UPDATE events SET canonical = {}, hash = {} WHERE tenant_id = '{}' AND seq = {seq}",
+            f.raw.blob(&canonical),
+            f.raw.blob(&hash),
+            f.tenant
+        ))
+        .await;
+}
+
+/// The tree's root in a sealed checkpoint's note.
+fn root_of(f: &Fixture, cp: &audit::StoredCheckpoint) -> [u8; 32] {
+    let vkey = audit::vkey_of(&f.key, DEPLOYMENT).unwrap();
+    note::CheckpointBody::parse(&note::open_note(&cp.note, &vkey).unwrap()).unwrap().root
+}
+
+/// The checkpoints reconciler's sealer walks a chain from seq 1 once, then only the events
+/// appended since. A row rewritten in the part it already verified is never signed over: the
+/// checkpoint it seals extends the tree it verified, and a walk from seq 1 refuses the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealer_walks_only_what_was_appended_and_never_signs_over_a_rewritten_row() {
+    each_backend(async |f: Fixture| {
+        let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
+        let mut sealer = audit::Sealer::default();
+        let first = sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed");
+        assert_eq!(first.size, 23);
+        assert_eq!((sealer.walks_from_start(), sealer.events_walked()), (1, 23));
+        // Nothing grew: nothing sealed, and only the checkpoint just appended is walked.
+        assert!(sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().is_none());
+        assert_eq!((sealer.walks_from_start(), sealer.events_walked()), (1, 24));
+        let honest = audit::leaves(&*f.store, f.tenant, 24).await.unwrap();
+        for i in 0..3 {
+            f._log.append(request(f.tenant, 100 + i)).await.unwrap();
+        }
+        let second = sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed");
+        assert_eq!(second.size, 27);
+        assert_eq!((sealer.walks_from_start(), sealer.events_walked()), (1, 27));
+        assert_eq!(root_of(&f, &second), bc_core::merkle::root(&audit::leaves(&*f.store, f.tenant, 27).await.unwrap()));
+        let report = verify(&f).await;
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+        assert_eq!(report.checkpoints, 4);
+
+        rewrite(&f, 5).await;
+        f._log.append(request(f.tenant, 200)).await.unwrap();
+        let third = sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed");
+        assert_eq!(third.size, 29);
+        assert_eq!((sealer.walks_from_start(), sealer.events_walked()), (1, 29));
+        let now = audit::leaves(&*f.store, f.tenant, 29).await.unwrap();
+        let mut expected = honest.clone();
+        expected.extend_from_slice(&now[24..]);
+        assert_eq!(root_of(&f, &third), bc_core::merkle::root(&expected), "the checkpoint is the honest tree's");
+        assert_ne!(bc_core::merkle::root(&now), bc_core::merkle::root(&expected));
+        assert_eq!(first_problem(&f).await.0, 5);
+        f._log.append(request(f.tenant, 201)).await.unwrap();
+        let err = audit::seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap_err();
+        assert!(err.to_string().contains("refusing to seal"), "{err}");
+    })
+    .await;
+}
+
+/// A row rewritten past what the sealer verified is refused, by the walk from where it stopped
+/// and then by one from seq 1; a sealer that failed walks from seq 1 next time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealer_refuses_a_rewritten_row_past_what_it_verified() {
+    each_backend(async |f: Fixture| {
+        let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
+        let mut sealer = audit::Sealer::default();
+        assert_eq!(sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed").size, 23);
+        let mut pair = request(f.tenant, 300);
+        pair.events.push(request(f.tenant, 301).events.remove(0));
+        f._log.append(pair).await.unwrap();
+        rewrite(&f, 26).await;
+        let err = sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap_err();
+        assert!(err.to_string().contains("refusing to seal"), "{err}");
+        assert_eq!(sealer.walks_from_start(), 2);
+        let err = sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap_err();
+        assert!(err.to_string().contains("refusing to seal"), "{err}");
+        assert_eq!(sealer.walks_from_start(), 3);
+    })
+    .await;
+}
+
+/// A sealer walks each chain from seq 1 again once `SEAL_FULL_WALK_INTERVAL_MS` has passed
+/// since its last walk from seq 1, and when it has no root for a checkpoint it meets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealer_walks_from_the_start_daily_and_when_it_cannot_tell() {
+    each_backend(async |f: Fixture| {
+        let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
+        let clock = Arc::new(bc_core::clock::ManualClock::new(SystemClock.now_ms()));
+        let log = Log::open(f.store.clone(), Arc::new(Projections), f.key.clone(), clock.clone()).await.unwrap();
+        let mut sealer = audit::Sealer::default();
+        let grow = async |i: u64| log.append(request(f.tenant, i)).await.unwrap();
+        assert!(sealer.seal(&log, f.tenant, DEPLOYMENT, &trust).await.unwrap().is_some());
+        grow(400).await;
+        clock.advance_ms(audit::SEAL_FULL_WALK_INTERVAL_MS - 1);
+        assert_eq!(sealer.seal(&log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed").size, 25);
+        assert_eq!(sealer.walks_from_start(), 1);
+        grow(401).await;
+        clock.advance_ms(1);
+        assert_eq!(sealer.seal(&log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed").size, 27);
+        assert_eq!((sealer.walks_from_start(), sealer.events_walked()), (2, 23 + 2 + 27));
+        grow(402).await;
+        sealer.forget_roots_for_tests();
+        assert_eq!(sealer.seal(&log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed").size, 29);
+        assert_eq!((sealer.walks_from_start(), sealer.events_walked()), (3, 23 + 2 + 27 + 29));
+        assert!(verify(&f).await.problems.is_empty());
     })
     .await;
 }
