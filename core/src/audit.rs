@@ -161,28 +161,37 @@ pub async fn record_cosignature(log: &Log, tenant: TenantId, size: u64, witness:
 }
 
 async fn checkpoints_of(store: &dyn EventStore, tenant: TenantId) -> Result<Vec<StoredCheckpoint>> {
+    checkpoints_after(store, tenant, None).await
+}
+
+/// A tenant's stored checkpoints larger than `after_size` (all of them for `None`), by size.
+async fn checkpoints_after(store: &dyn EventStore, tenant: TenantId, after_size: Option<u64>) -> Result<Vec<StoredCheckpoint>> {
     let mut out = Vec::new();
-    let mut after: Option<String> = None;
+    let mut after: Option<String> = after_size.map(checkpoint_row_id);
     loop {
         let rows = store.row_list(&tenant.to_string(), KIND_CHECKPOINT, after.as_deref(), READ_ROWS_MAX).await?;
         let Some(last) = rows.last() else { break };
         after = Some(last.key.id.clone());
-        for row in rows {
-            let size = row.doc["treeSize"].as_u64().unwrap_or(0);
-            let note = row.doc["note"].as_str().unwrap_or("").to_owned();
-            let cosignatures = row.doc["cosignatures"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
-                .unwrap_or_default();
-            out.push(StoredCheckpoint { size, note, cosignatures });
-        }
+        out.extend(rows.into_iter().map(stored_checkpoint));
     }
     Ok(out)
 }
 
-/// The newest stored checkpoint of `tenant`, if any was sealed.
+/// A stored checkpoint from its projection row.
+fn stored_checkpoint(row: crate::store::Row) -> StoredCheckpoint {
+    let size = row.doc["treeSize"].as_u64().unwrap_or(0);
+    let note = row.doc["note"].as_str().unwrap_or("").to_owned();
+    let cosignatures = row.doc["cosignatures"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|l| l.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    StoredCheckpoint { size, note, cosignatures }
+}
+
+/// The newest stored checkpoint of `tenant`, if any was sealed: the last row of its kind (ids
+/// are zero-padded sizes), one row read however many were sealed.
 pub async fn newest_checkpoint(store: &dyn EventStore, tenant: TenantId) -> Result<Option<StoredCheckpoint>> {
-    Ok(checkpoints_of(store, tenant).await?.into_iter().max_by_key(|c| c.size))
+    Ok(store.row_last(&tenant.to_string(), KIND_CHECKPOINT).await?.map(stored_checkpoint))
 }
 
 /// The leaf hashes of a tenant's first `size` events (for proofs; 32 bytes per event).
@@ -233,11 +242,14 @@ pub async fn seal(log: &Log, tenant: TenantId, deployment: &str, trust: &Trust) 
     Sealer::default().seal(log, tenant, deployment, trust).await
 }
 
-/// Longest a [`Sealer`] goes without walking a tenant's chain from seq 1 again. Between full
-/// walks it verifies only the events appended since the last one it walked, so a seal costs
-/// what the log grew by, not what it holds. A row rewritten in the part already verified is
-/// caught by the next full walk (and by `audit verify`), and is never signed over: the new
-/// checkpoint's root extends the tree of the events as they were verified, not as they read now.
+/// Longest a [`Sealer`] goes without walking a tenant's chain from seq 1 again (by the log's
+/// clock; a clock that goes back makes the walk due at once). Between full walks it verifies
+/// only the events appended since the last one it walked, and of the stored checkpoints those
+/// of the sizes it meets and the newest sealed in the chain, so a seal costs what the log grew
+/// by, not what it holds. An event rewritten in the part already verified, or an older
+/// checkpoint's stored row changed, is caught by the next full walk (and by `audit verify`); the
+/// event is never signed over: the new checkpoint's root extends the tree of the events as they
+/// were verified, not as they read now.
 pub const SEAL_FULL_WALK_INTERVAL_MS: u64 = 24 * 60 * 60 * 1000;
 
 /// Seals checkpoints, keeping what it verified of each tenant's chain so that the next seal
@@ -327,7 +339,9 @@ impl Sealer {
         trust: &Trust,
     ) -> Result<Option<StoredCheckpoint>> {
         let now_ms = log.clock.now_ms();
-        let kept = self.walked.remove(&tenant).filter(|w| now_ms.saturating_sub(w.full_at_ms) < SEAL_FULL_WALK_INTERVAL_MS);
+        // A clock that went back since the last walk from seq 1 makes the next one due now.
+        let kept =
+            self.walked.remove(&tenant).filter(|w| now_ms >= w.full_at_ms && now_ms - w.full_at_ms < SEAL_FULL_WALK_INTERVAL_MS);
         let mut walk = async |from: Option<Walked>| {
             let start = from.as_ref().map_or(0, |w| w.builder.size());
             if from.is_none() {
@@ -340,11 +354,13 @@ impl Sealer {
             done
         };
         let walked = match kept {
-            // A walk from where the last stopped that fails or cannot tell is walked again from
-            // seq 1, whose answer (and error message) stands.
+            // A walk from where the last stopped that finds the log does not verify, or cannot
+            // tell, is walked again from seq 1, whose answer (and error message) stands. Other
+            // errors (the store's) are the seal's.
             Some(kept) => match walk(Some(kept)).await {
                 Ok(Some(done)) => Some(done),
-                Ok(None) | Err(_) => walk(None).await?,
+                Ok(None) | Err(Error::Corrupt { .. }) => walk(None).await?,
+                Err(e) => return Err(e),
             },
             None => walk(None).await?,
         };
@@ -374,8 +390,14 @@ async fn seal_walk(
         tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
         Error::Corrupt { tenant: p.tenant, seq: p.seq, what: format!("refusing to seal: {}", p.what) }
     };
-    // The stored checkpoints must be the ones the chain sealed, as `verify` demands.
-    let stored: BTreeMap<u64, String> = checkpoints_of(store, tenant).await?.into_iter().map(|c| (c.size, c.note)).collect();
+    // The stored checkpoints must be the ones the chain sealed, as `verify` demands. A walk from
+    // where the last stopped, at size `n`, reads only those of size `n` on: the next checkpoint
+    // the chain holds is of the size the last walk ended at (this sealer's own) or larger. One
+    // smaller (another process's, sealed at a head this one had walked past) fails the check
+    // below, and the seal walks from seq 1.
+    let from_size = from.as_ref().map(|w| w.builder.size().saturating_sub(1));
+    let stored: BTreeMap<u64, String> =
+        checkpoints_after(store, tenant, from_size).await?.into_iter().map(|c| (c.size, c.note)).collect();
     let resumed = from.is_some();
     let Walked { mut builder, last_hash, mut roots, mut previous, mut grew_at, full_at_ms } = from.unwrap_or(Walked {
         builder: RootBuilder::new(),
@@ -425,6 +447,17 @@ async fn seal_walk(
     }
     verifier.finish(Some((head.seq, head.hash))).map_err(corrupt)?;
     if let Some((size, note, sealed_at)) = &previous {
+        // Still stored as sealed: checked on the way if it was met in this walk, else here.
+        if !stored.contains_key(size) {
+            let row = store.row_get(&tenant.to_string(), KIND_CHECKPOINT, &checkpoint_row_id(*size)).await?;
+            if row.map(stored_checkpoint).map(|c| c.note).as_ref() != Some(note) {
+                return Err(corrupt(ChainProblem {
+                    tenant: tenant.to_string(),
+                    seq: *sealed_at,
+                    what: format!("the checkpoint of size {size} is missing from the store or differs"),
+                }));
+            }
+        }
         let Some(root) = roots.get(size) else {
             if resumed {
                 return Ok(None);
@@ -965,13 +998,10 @@ pub async fn prove(
     let row = store.event_row(tenant, event).await?.ok_or_else(|| Error::not_found(format!("event {event}")))?;
     let seq = row.seq;
     let stored = decode_row(row)?;
-    let newest =
-        checkpoints_of(store, tenant).await?.into_iter().filter(|c| c.size >= seq).max_by_key(|c| c.size).ok_or_else(|| {
-            Error::InvalidArgument {
-                message: format!("no checkpoint of tenant {tenant} contains seq {seq} yet"),
-                hint: Some("seal one with `better-compute audit checkpoint`".into()),
-            }
-        })?;
+    let newest = newest_checkpoint(store, tenant).await?.filter(|c| c.size >= seq).ok_or_else(|| Error::InvalidArgument {
+        message: format!("no checkpoint of tenant {tenant} contains seq {seq} yet"),
+        hint: Some("seal one with `better-compute audit checkpoint`".into()),
+    })?;
     let mut vkeys = vec![vkey.clone()];
     vkeys.extend(known_vkeys(store, &vkey.name).await?);
     let (body, signer) = open_with(&newest.note, &vkeys).map_err(|e| Error::Corrupt {

@@ -223,6 +223,26 @@ async fn tenants_are_listed(kind: Kind) {
     assert_eq!(f.store.tenants().await.unwrap(), tenants);
 }
 
+/// A kind's last row is the one with the greatest id in byte order (as pages list them), per
+/// tenant; none for a kind without rows.
+async fn a_kinds_last_row(kind: Kind) {
+    let f = fixture(kind).await;
+    let (a, b) = (TenantId::generate(), TenantId::generate());
+    assert!(f.store.row_last(&a.to_string(), "count").await.unwrap().is_none());
+    // "thing/B" < "thing/_x" < "thing/a" in bytes; a linguistic collation, which passes over
+    // punctuation and case first, would put "thing/_x" last.
+    for stream in ["thing/a", "thing/_x", "thing/B"] {
+        f.log.append(request(a, stream, ExpectedVersion::Any, 1)).await.unwrap();
+    }
+    f.log.append(request(b, "thing/0", ExpectedVersion::Any, 1)).await.unwrap();
+    let last = f.store.row_last(&a.to_string(), "count").await.unwrap().expect("a row");
+    assert_eq!((last.key.tenant.clone(), last.key.id.clone()), (a.to_string(), "thing/a".to_owned()));
+    let listed = f.store.row_list(&a.to_string(), "count", None, 10).await.unwrap();
+    assert_eq!(listed.last().map(|r| r.key.id.clone()), Some(last.key.id.clone()), "the last a page lists");
+    assert_eq!(f.store.row_last(&b.to_string(), "count").await.unwrap().expect("b's row").key.id, "thing/0");
+    assert!(f.store.row_last(&a.to_string(), "other").await.unwrap().is_none());
+}
+
 async fn idempotency(kind: Kind) {
     let f = fixture(kind).await;
     let t = TenantId::generate();
@@ -774,6 +794,7 @@ macro_rules! every_backend {
 every_backend!(
     appends_and_reads,
     tenants_are_listed,
+    a_kinds_last_row,
     append_groups,
     lease_renewals,
     idempotency,

@@ -613,3 +613,30 @@ async fn a_sealer_walks_from_the_start_daily_and_when_it_cannot_tell() {
     })
     .await;
 }
+
+/// The newest checkpoint sealed in the chain must still be stored as sealed, even when the walk
+/// from where the sealer stopped does not meet it (it was walked the time before): regression
+/// (review) of a sealer that signed on top of a deleted checkpoint row, which `audit verify` and a
+/// walk from seq 1 refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealer_refuses_when_the_newest_checkpoint_is_no_longer_stored() {
+    each_backend(async |f: Fixture| {
+        let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();
+        let mut sealer = audit::Sealer::default();
+        assert_eq!(sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().expect("sealed").size, 23);
+        // This walk meets the checkpoint just sealed (seq 24) and seals nothing.
+        assert!(sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap().is_none());
+        f.raw
+            .exec(&format!(
+                "DELETE FROM projections WHERE tenant_id = '{}' AND kind = 'checkpoint' AND id = '{}'",
+                f.tenant,
+                audit::checkpoint_row_id(23)
+            ))
+            .await;
+        f._log.append(request(f.tenant, 500)).await.unwrap();
+        let err = sealer.seal(&f._log, f.tenant, DEPLOYMENT, &trust).await.unwrap_err();
+        assert!(err.to_string().contains("missing from the store"), "{err}");
+        assert_eq!(sealer.walks_from_start(), 2);
+    })
+    .await;
+}

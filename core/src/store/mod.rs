@@ -450,6 +450,10 @@ pub trait RowStore: Store {
     }
     /// [`RowStore::row_list`] with the documents as stored (JSON text).
     async fn row_list_raw(&self, tenant: &str, kind: &str, after_id: Option<&str>, limit: u32) -> Result<Vec<RawRow>>;
+    /// A tenant's row of one kind with the greatest id (in byte order, as [`RowStore::row_list`]
+    /// pages): one row read, however many the kind holds (the newest checkpoint, whose id is its
+    /// zero-padded size, for every checkpoint and tile an auditor fetches).
+    async fn row_last(&self, tenant: &str, kind: &str) -> Result<Option<Row>>;
     async fn rows_all(&self) -> Result<Vec<Row>>;
     /// Replaces every projection row, if the log is still at `at_commit`; returns false if it
     /// moved (the caller folds again).

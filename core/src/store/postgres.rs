@@ -71,6 +71,9 @@ fn read_chain_rows_sql() -> String {
 /// order (`plan_tests`).
 const ROW_LIST_SQL: &str = "SELECT tenant_id, kind, id, doc FROM projections \
      WHERE tenant_id = $1 AND kind = $2 AND id COLLATE \"C\" > $3 ORDER BY id COLLATE \"C\" LIMIT $4";
+/// [`RowStore::row_last`]: the primary key (in "C", migration 0008) walked backwards.
+const ROW_LAST_SQL: &str = "SELECT tenant_id, kind, id, doc FROM projections \
+     WHERE tenant_id = $1 AND kind = $2 ORDER BY id COLLATE \"C\" DESC LIMIT 1";
 
 pub struct PostgresStore {
     pool: Pool,
@@ -1015,6 +1018,12 @@ impl RowStore for PostgresStore {
         rows.iter().map(raw_row_decode).collect()
     }
 
+    async fn row_last(&self, tenant: &str, kind: &str) -> Result<Option<Row>> {
+        let client = self.pool.get().await?;
+        let row = client.query_opt(&cached(&client, ROW_LAST_SQL).await?, &[&tenant, &kind]).await?;
+        row.as_ref().map(projection_row_decode).transpose()
+    }
+
     async fn rows_all(&self) -> Result<Vec<Row>> {
         let client = self.pool.get().await?;
         let rows = client
@@ -1426,6 +1435,8 @@ mod plan_tests {
             let plan = explain(&client, ROW_LIST_SQL, &[&"ten_0", &"node", &after, &100i64]).await;
             assert!(plan.contains("projections_pkey") && !plan.contains("Sort"), "{plan}");
         }
+        let plan = explain(&client, ROW_LAST_SQL, &[&"ten_0", &"node"]).await;
+        assert!(plan.contains("Index Scan Backward using projections_pkey") && !plan.contains("Sort"), "{plan}");
         let plan = explain(&client, &read_chain_rows_sql(), &[&"ten_0", &1i64, &1001i64]).await;
         assert!(plan.contains("One-Time Filter"), "{plan}");
     }

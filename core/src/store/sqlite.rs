@@ -101,6 +101,10 @@ pub struct SqliteStore {
 /// on the file taken once, and every lock between this process's connections kept in memory.
 pub const ONE_PROCESS_VFS: &str = "unix-excl";
 
+/// [`RowStore::row_last`]: the primary key walked backwards from the end of the kind's rows.
+const ROW_LAST_SQL: &str =
+    "SELECT tenant_id, kind, id, doc FROM projections WHERE tenant_id = ? AND kind = ? ORDER BY id DESC LIMIT 1";
+
 /// The database file and its `-wal` and `-shm` companions are readable by their owner only
 /// (they hold webhook secrets and every event), whatever the umask.
 const FILE_MODE: u32 = 0o600;
@@ -870,6 +874,11 @@ impl RowStore for SqliteStore {
         self.point(sql, |r| raw_row_decode(r)).await
     }
 
+    async fn row_last(&self, tenant: &str, kind: &str) -> Result<Option<Row>> {
+        let sql = Sql::new(ROW_LAST_SQL).bind(tenant).bind(kind);
+        self.point_first(sql, |r| projection_row_decode(r)).await
+    }
+
     async fn rows_all(&self) -> Result<Vec<Row>> {
         Sql::new("SELECT tenant_id, kind, id, doc FROM projections ORDER BY tenant_id, kind, id")
             .all(self.read_on(), |r| projection_row_decode(r))
@@ -1175,6 +1184,20 @@ mod plan_tests {
             assert!(plan.contains(index), "one tenant: {one_tenant}: {plan}");
             assert!(!plan.contains("TEMP B-TREE"), "no sort: {plan}");
         }
+    }
+
+    /// A kind's last row is read off the end of the projections' primary key, not found by
+    /// reading and sorting every row of the kind (the newest checkpoint, read for every tile).
+    #[tokio::test]
+    async fn a_kinds_last_row_is_read_by_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap();
+        crate::store::EventStore::migrate(&store).await.unwrap();
+        let q = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {ROW_LAST_SQL}")));
+        let rows = q.bind("ten_0").bind("checkpoint").fetch_all(store.pool()).await.unwrap();
+        let plan = rows.iter().map(|r| r.get::<String, _>(3)).collect::<Vec<_>>().join(" | ");
+        assert!(plan.contains("USING INDEX sqlite_autoindex_projections_1") || plan.contains("PRIMARY KEY"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "no sort: {plan}");
     }
 
     /// `items_complete` and `work_release` update a batch in one statement: each of its rows
