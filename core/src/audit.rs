@@ -383,7 +383,10 @@ async fn seal_walk(
     from: Option<Walked>,
 ) -> Result<Option<(Walked, Option<StoredCheckpoint>)>> {
     let store = &*log.store;
-    let Some(head) = store.heads().await?.into_iter().find(|(t, _)| *t == tenant).map(|(_, h)| h) else {
+    // This tenant's head alone (a pass seals every tenant: reading every head for each was a
+    // pass quadratic in the tenants).
+    let query = crate::store::PreReadQuery { tenants: vec![tenant], ..Default::default() };
+    let Some(head) = store.preread(&query).await?.heads.remove(&tenant) else {
         return Ok(None);
     };
     let corrupt = |p: ChainProblem| {
