@@ -200,6 +200,61 @@ fn subproof(m: usize, leaves: &[Hash], complete: bool, out: &mut Vec<Hash>) {
     }
 }
 
+/// The consistency proof from the tree `old` (given by its compact range,
+/// [`RootBuilder::subtrees`]) to that tree with `added` leaves after it: what
+/// [`consistency_proof`] gives over all the leaves, from the old tree's compact range and the
+/// added leaves alone. Every hash such a proof holds is one of the old tree's compact-range
+/// subtrees or lies wholly among the added leaves, so a caller that kept the compact range reads
+/// only what the tree grew by. `None` for an empty old tree (no proof is needed from size 0).
+pub fn consistency_proof_extending(old: &RootBuilder, added: &[Hash]) -> Option<Vec<Hash>> {
+    let m = old.size();
+    if m == 0 {
+        return None;
+    }
+    let mut pieces = std::collections::HashMap::new();
+    let mut start = 0u64;
+    for (size, hash) in old.subtrees() {
+        pieces.insert((start, start + size), *hash);
+        start += size;
+    }
+    let hash = |lo: u64, hi: u64| -> Option<Hash> {
+        if lo >= m { Some(root(&added[(lo - m) as usize..(hi - m) as usize])) } else { pieces.get(&(lo, hi)).copied() }
+    };
+    let mut proof = Vec::new();
+    let n = m + added.len() as u64;
+    if m < n {
+        subproof_ranged(m, (0, n), true, &hash, &mut proof)?;
+    }
+    Some(proof)
+}
+
+/// [`subproof`] over the leaves `lo..hi` of a tree, `m` of them in the old tree, taking each
+/// hash from `hash(lo, hi)`.
+fn subproof_ranged(
+    m: u64,
+    (lo, hi): (u64, u64),
+    complete: bool,
+    hash: &dyn Fn(u64, u64) -> Option<Hash>,
+    out: &mut Vec<Hash>,
+) -> Option<()> {
+    let n = hi - lo;
+    if m == n {
+        if !complete {
+            out.push(hash(lo, hi)?);
+        }
+        return Some(());
+    }
+    let k = split(n);
+    if m <= k {
+        subproof_ranged(m, (lo, lo + k), complete, hash, out)?;
+        out.push(hash(lo + k, hi)?);
+    } else {
+        subproof_ranged(m - k, (lo + k, hi), false, hash, out)?;
+        out.push(hash(lo, lo + k)?);
+    }
+    Some(())
+}
+
 /// Why a proof does not verify.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ProofError {
@@ -327,4 +382,25 @@ pub fn verify_consistency(
         return Err(ProofError::RootMismatch);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every pair of sizes up to 130 leaves: the proof from a kept compact range and the added
+    /// leaves is RFC 6962's proof over all the leaves.
+    #[test]
+    fn a_proof_from_a_compact_range_is_the_proof_over_all_the_leaves() {
+        let leaves: Vec<Hash> = (0u32..130).map(|i| leaf_hash(&i.to_be_bytes())).collect();
+        for n in 1..=leaves.len() {
+            for m in 1..=n {
+                let mut old = RootBuilder::new();
+                leaves[..m].iter().for_each(|l| old.push_leaf_hash(*l));
+                let expected = consistency_proof(m as u64, &leaves[..n]).unwrap();
+                assert_eq!(consistency_proof_extending(&old, &leaves[m..n]), Some(expected), "{m} -> {n}");
+            }
+        }
+        assert_eq!(consistency_proof_extending(&RootBuilder::new(), &leaves), None);
+    }
 }

@@ -9,6 +9,11 @@
 //! (a `409` names its size; the request is sent again once from that size). A witness that is
 //! down or refuses is retried with exponential back-off (`BACKOFF_*`), and delays nothing but
 //! its own cosignature: witnesses are tried one after another with a per-request timeout.
+//!
+//! A consistency proof is made from the tree of the last checkpoint sent (its compact range,
+//! kept per tenant) and the events appended since, so each new checkpoint reads what the log grew
+//! by. The whole chain is read only for a witness at another size (one that lags, or the first
+//! proof after a start).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,6 +21,7 @@ use std::time::Duration;
 
 use bc_core::audit;
 use bc_core::id::TenantId;
+use bc_core::merkle::{self, RootBuilder};
 use bc_core::store::Log;
 use bc_core::witness::{self, WitnessKey};
 
@@ -75,6 +81,40 @@ async fn send(http: &reqwest::Client, w: &Witness, body: String) -> Result<Sent,
     }
 }
 
+/// The consistency proof from size `old` to `size` of `tenant`'s tree. From the tree kept in
+/// `trees` when it is of size `old` (reading only the events after it), else from every leaf;
+/// either way `trees` then keeps the tree of size `size`.
+async fn proof(
+    log: &Log,
+    trees: &mut HashMap<TenantId, RootBuilder>,
+    tenant: TenantId,
+    old: u64,
+    size: u64,
+) -> Result<Vec<merkle::Hash>, String> {
+    if old == 0 {
+        return Ok(vec![]);
+    }
+    if let Some(kept) = trees.get(&tenant).filter(|t| t.size() == old).cloned() {
+        let added: Vec<merkle::Hash> = bc_core::tiles::event_hashes(&*log.store, tenant, old + 1, size - old)
+            .await
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|h| merkle::leaf_hash(h))
+            .collect();
+        let proof = merkle::consistency_proof_extending(&kept, &added).ok_or("no proof from the kept tree")?;
+        let mut grown = kept;
+        added.iter().for_each(|leaf| grown.push_leaf_hash(*leaf));
+        trees.insert(tenant, grown);
+        return Ok(proof);
+    }
+    let leaves = audit::leaves(&*log.store, tenant, size).await.map_err(|e| e.to_string())?;
+    let proof = merkle::consistency_proof(old, &leaves).unwrap_or_default();
+    let mut tree = RootBuilder::new();
+    leaves.iter().for_each(|leaf| tree.push_leaf_hash(*leaf));
+    trees.insert(tenant, tree);
+    Ok(proof)
+}
+
 /// One witness, one tenant: send the checkpoint (again from the size a 409 names) and record
 /// the cosignature.
 async fn witness_one(
@@ -82,13 +122,13 @@ async fn witness_one(
     http: &reqwest::Client,
     w: &Witness,
     peer: &mut Peer,
+    trees: &mut HashMap<TenantId, RootBuilder>,
     tenant: TenantId,
     cp: &audit::StoredCheckpoint,
 ) -> Result<(), String> {
-    let leaves = audit::leaves(&*log.store, tenant, cp.size).await.map_err(|e| e.to_string())?;
     for _ in 0..2 {
         let old = peer.sizes.get(&tenant).copied().unwrap_or(0).min(cp.size);
-        let proof = if old == 0 { vec![] } else { bc_core::merkle::consistency_proof(old, &leaves).unwrap_or_default() };
+        let proof = proof(log, trees, tenant, old, cp.size).await?;
         match send(http, w, witness::add_checkpoint_body(old, &proof, &cp.note)).await? {
             Sent::Conflict(size) if size > cp.size => {
                 return Err(format!("the witness has size {size}, past the log's {}", cp.size));
@@ -129,6 +169,8 @@ pub async fn run(log: Arc<Log>, witnesses: Vec<Witness>, mut shutdown: tokio::sy
         }
     };
     let mut peers: Vec<Peer> = witnesses.iter().map(|_| Peer::default()).collect();
+    // Per tenant, the tree of the last checkpoint a proof was made to.
+    let mut trees: HashMap<TenantId, RootBuilder> = HashMap::new();
     tracing::info!(reconciler = NAME, witnesses = witnesses.len(), "reconciler started");
     while !*shutdown.borrow() {
         let tenants = match log.store.heads().await {
@@ -145,7 +187,7 @@ pub async fn run(log: Arc<Log>, witnesses: Vec<Witness>, mut shutdown: tokio::sy
                 if w.key.cosigned(&note) || peer.retry_at_ms.is_some_and(|at| log.clock.now_ms() < at) {
                     continue;
                 }
-                match witness_one(&log, &http, w, peer, tenant, &cp).await {
+                match witness_one(&log, &http, w, peer, &mut trees, tenant, &cp).await {
                     Ok(()) => {
                         tracing::info!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, "cosigned");
                         peer.retry_at_ms = None;

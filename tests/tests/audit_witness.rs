@@ -173,4 +173,24 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
     let status = response.status().as_u16();
     let body = response.text().await.unwrap();
     assert!(matches!(status, 409 | 422), "the witness must refuse a fork: {status} {body}");
+
+    // Again: this proof comes from the tree the reconciler kept at the second checkpoint and the
+    // events appended since (the second one's came from every leaf), and the witness checks it.
+    for i in 0..3 {
+        server.pool(&format!("r{i}")).await;
+    }
+    let third = seal(&server);
+    let mut note = String::new();
+    for _ in 0..600 {
+        note = checkpoint(&server).await;
+        if note.contains(&format!("\n{third}\n")) && key.cosigned(&note) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(note.contains(&format!("\n{third}\n")) && key.cosigned(&note), "no third cosignature: {note}\n{}", server.log_text());
+    // At the first try: a refused proof would be made again from every leaf, and pass.
+    let refused = format!("\"size\":{third},");
+    let logs = server.log_text();
+    assert!(!logs.lines().any(|l| l.contains("witness did not cosign") && l.contains(&refused)), "{logs}");
 }
