@@ -441,19 +441,7 @@ async fn a_chain_re_signed_with_another_key_is_rejected() {
 async fn sealing_refuses_a_log_that_does_not_verify() {
     each_backend(async |f: Fixture| {
         // Rewrite seq 22 with a consistent hash but no valid signature.
-        let r = row(&f, 22).await;
-        let mut env = Envelope::from_canonical(&r.canonical).unwrap();
-        env.payload = Value::Text("forged".into());
-        let canonical = env.to_canonical().unwrap();
-        let hash = sha256(&canonical);
-        f.raw
-            .exec(&format!(
-                "UPDATE events SET canonical = {}, hash = {} WHERE tenant_id = '{}' AND seq = 22",
-                f.raw.blob(&canonical),
-                f.raw.blob(&hash),
-                f.tenant
-            ))
-            .await;
+        rewrite(&f, 22).await;
         // New events still chain onto the stored head, so the log "grew" since the last seal.
         f._log.append(request(f.tenant, 99)).await.unwrap();
         let trust = Trust::of(&[f.key.public()], DEPLOYMENT).unwrap();

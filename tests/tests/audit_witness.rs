@@ -145,19 +145,7 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
         server.pool(&format!("q{i}")).await;
     }
     let second = seal(&server);
-    let mut note = String::new();
-    for _ in 0..600 {
-        note = checkpoint(&server).await;
-        if note.contains(&format!("\n{second}\n")) && key.cosigned(&note) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        note.contains(&format!("\n{second}\n")) && key.cosigned(&note),
-        "no second cosignature: {note}\n{}",
-        server.log_text()
-    );
+    cosigned(&server, &key, second).await;
 
     // A fork of a size the witness has seen is refused.
     let log_key = bc_core::keys::LogKey::load(&server.data_dir.join("log.key")).unwrap();
@@ -180,17 +168,22 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
         server.pool(&format!("r{i}")).await;
     }
     let third = seal(&server);
-    let mut note = String::new();
-    for _ in 0..600 {
-        note = checkpoint(&server).await;
-        if note.contains(&format!("\n{third}\n")) && key.cosigned(&note) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(note.contains(&format!("\n{third}\n")) && key.cosigned(&note), "no third cosignature: {note}\n{}", server.log_text());
+    cosigned(&server, &key, third).await;
     // At the first try: a refused proof would be made again from every leaf, and pass.
     let refused = format!("\"size\":{third},");
     let logs = server.log_text();
     assert!(!logs.lines().any(|l| l.contains("witness did not cosign") && l.contains(&refused)), "{logs}");
+}
+
+/// Waits (up to 60 s) for the newest checkpoint to be of `size` and cosigned by `key`.
+async fn cosigned(server: &Server, key: &bc_core::witness::WitnessKey, size: u64) {
+    let mut note = String::new();
+    for _ in 0..600 {
+        note = checkpoint(server).await;
+        if note.contains(&format!("\n{size}\n")) && key.cosigned(&note) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no cosignature of size {size}: {note}\n{}", server.log_text());
 }
