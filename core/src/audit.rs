@@ -256,8 +256,9 @@ pub const SEAL_FULL_WALK_INTERVAL_MS: u64 = 24 * 60 * 60 * 1000;
 /// walks only the events appended since (the `checkpoints` reconciler's: a seal per interval
 /// that re-verified the whole chain each time cost more every hour as the log grew, issue 17).
 /// It walks a chain from seq 1 on its first seal of a tenant, after [`SEAL_FULL_WALK_INTERVAL_MS`],
-/// after any walk that failed, and when a walk from where it stopped cannot tell (another
-/// process sealed a checkpoint of a size it has no root for). Use one sealer with one `trust`.
+/// after a walk that failed, and when a walk from where it stopped finds the log does not verify
+/// (which includes a benign race: another process's checkpoint of a size this one had walked
+/// past, which it keeps no stored row of). Use one sealer with one `trust`.
 #[derive(Default)]
 pub struct Sealer {
     walked: std::collections::HashMap<TenantId, Walked>,
@@ -293,16 +294,6 @@ impl Sealer {
     /// How many events all walks verified, in all.
     pub fn events_walked(&self) -> u64 {
         self.events_walked
-    }
-
-    /// Forgets the roots kept of every chain, as if another process had sealed a checkpoint of
-    /// a size this sealer walked past before it was stored (a race no sequence of calls in one
-    /// process makes): the next seal of each tenant has to walk from seq 1 to check it.
-    #[doc(hidden)]
-    pub fn forget_roots_for_tests(&mut self) {
-        for walked in self.walked.values_mut() {
-            walked.roots.clear();
-        }
     }
 
     /// [`seal_all`], keeping what each walk verified.
@@ -354,13 +345,16 @@ impl Sealer {
             done
         };
         let walked = match kept {
-            // A walk from where the last stopped that finds the log does not verify, or cannot
-            // tell, is walked again from seq 1, whose answer (and error message) stands. Other
-            // errors (the store's) are the seal's.
-            Some(kept) => match walk(Some(kept)).await {
-                Ok(Some(done)) => Some(done),
-                Ok(None) | Err(Error::Corrupt { .. }) => walk(None).await?,
-                Err(e) => return Err(e),
+            // A walk from where the last stopped that finds the log does not verify is walked
+            // again from seq 1, whose answer (and error message) stands. Another error (the
+            // store's) is the seal's, and what was verified is kept for the next.
+            Some(kept) => match walk(Some(kept.clone())).await {
+                Ok(done) => done,
+                Err(Error::Corrupt { .. }) => walk(None).await?,
+                Err(e) => {
+                    self.walked.insert(tenant, kept);
+                    return Err(e);
+                }
             },
             None => walk(None).await?,
         };
@@ -372,9 +366,7 @@ impl Sealer {
 
 /// One seal: walks `tenant`'s chain from `from` (what an earlier walk verified) or from seq 1
 /// up to its head, and signs and appends a checkpoint if the tree grew. Returns what was
-/// verified and the checkpoint sealed, if any; `None` for a tenant without a head, and for a
-/// walk from `from` that cannot tell whether the last checkpoint matches (it has no root at
-/// its size).
+/// verified and the checkpoint sealed, if any; `None` for a tenant without a head.
 async fn seal_walk(
     log: &Log,
     tenant: TenantId,
@@ -389,19 +381,26 @@ async fn seal_walk(
     let Some(head) = store.preread(&query).await?.heads.remove(&tenant) else {
         return Ok(None);
     };
+    // A walk from where the last stopped that fails is walked again from seq 1, whose failure
+    // is the one to raise the alarm (the first can be a benign race: another process's
+    // checkpoint of a size this sealer had walked past).
+    let resumed = from.is_some();
     let corrupt = |p: ChainProblem| {
-        tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
+        if resumed {
+            tracing::debug!(tenant = %p.tenant, seq = p.seq, what = %p.what, "a seal from where the last stopped does not verify; walking from seq 1");
+        } else {
+            tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
+        }
         Error::Corrupt { tenant: p.tenant, seq: p.seq, what: format!("refusing to seal: {}", p.what) }
     };
     // The stored checkpoints must be the ones the chain sealed, as `verify` demands. A walk from
     // where the last stopped, at size `n`, reads only those of size `n` on: the next checkpoint
     // the chain holds is of the size the last walk ended at (this sealer's own) or larger. One
-    // smaller (another process's, sealed at a head this one had walked past) fails the check
-    // below, and the seal walks from seq 1.
+    // smaller (another process's, sealed at a head this one had walked past) fails the walk's
+    // check that each checkpoint met is stored, and the seal walks from seq 1.
     let from_size = from.as_ref().map(|w| w.builder.size().saturating_sub(1));
     let stored: BTreeMap<u64, String> =
         checkpoints_after(store, tenant, from_size).await?.into_iter().map(|c| (c.size, c.note)).collect();
-    let resumed = from.is_some();
     let Walked { mut builder, last_hash, mut roots, mut previous, mut grew_at, full_at_ms } = from.unwrap_or(Walked {
         builder: RootBuilder::new(),
         last_hash: GENESIS_PREV,
@@ -461,10 +460,9 @@ async fn seal_walk(
                 }));
             }
         }
+        // The walk that met it kept the root at its size (a stored size it passed, or the size
+        // a walk ended at), and `roots` keeps every size from the newest checkpoint's on.
         let Some(root) = roots.get(size) else {
-            if resumed {
-                return Ok(None);
-            }
             return Err(corrupt(ChainProblem {
                 tenant: tenant.to_string(),
                 seq: *sealed_at,

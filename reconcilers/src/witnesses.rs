@@ -81,9 +81,10 @@ async fn send(http: &reqwest::Client, w: &Witness, body: String) -> Result<Sent,
     }
 }
 
-/// The consistency proof from size `old` to `size` of `tenant`'s tree. From the tree kept in
-/// `trees` when it is of size `old` (reading only the events after it), else from every leaf;
-/// either way `trees` then keeps the tree of size `size`.
+/// The consistency proof from size `old` to `size` of `tenant`'s tree: none from size 0 (nothing
+/// read or kept); from the tree kept in `trees` when it is of size `old` (reading only the
+/// events after it); else from every leaf. The last two leave `trees` keeping the tree of
+/// `size`.
 async fn proof(
     log: &Log,
     trees: &mut HashMap<TenantId, RootBuilder>,

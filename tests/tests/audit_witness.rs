@@ -169,7 +169,8 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
     }
     let third = seal(&server);
     cosigned(&server, &key, third).await;
-    // At the first try: a refused proof would be made again from every leaf, and pass.
+    // At the first try: a proof the witness refused would be made again from every leaf on the
+    // retry, and pass.
     let refused = format!("\"size\":{third},");
     let logs = server.log_text();
     assert!(!logs.lines().any(|l| l.contains("witness did not cosign") && l.contains(&refused)), "{logs}");
