@@ -1,7 +1,7 @@
 //! A tenant's tree, read-only, as C2SP `tlog-tiles` (`schema/LOG-FORMAT.md`, "Tiles"):
 //!
 //! - `GET /audit/{tenant}/checkpoint`: the newest sealed checkpoint (signed note, with any
-//!   witness cosignatures), short-lived (`Cache-Control: no-cache`);
+//!   witness cosignatures), short-lived (`Cache-Control: private, no-cache`);
 //! - `GET /audit/{tenant}/keys`: the log keys' vkeys, one per line (a pin names one of them);
 //! - `GET /audit/{tenant}/rotations`: every key rotation with its proof (the `log_key.rotated`
 //!   event, the old key's signature of it, its inclusion in a root checkpoint the old key
@@ -13,8 +13,11 @@
 //!   signatures, in bundles of the same shape.
 //!
 //! Only what the newest checkpoint covers is served. Full tiles and bundles never change:
-//! `Cache-Control: public, max-age=31536000, immutable`; partial ones are short-lived. Access
-//! is that of `events.list` (`compute:events:read` on the tenant).
+//! `Cache-Control: private, max-age=31536000, immutable`; partial ones are short-lived. Access
+//! is that of `events.list` (`compute:events:read` on the tenant), so every answer is
+//! `private`: a shared cache in front of the gateway must never serve one tenant's events,
+//! webhook URLs or BMC usernames to a request that did not carry that tenant's token (RFC 9111
+//! §3.5 lets a shared cache store an authenticated answer only when it says `public`).
 
 use std::sync::Arc;
 
@@ -31,10 +34,10 @@ use crate::error::ApiError;
 
 /// The action `events.list` needs: reading a tenant's tree is reading its events.
 pub const AUDIT_READ_ACTION: &str = "compute:events:read";
-pub const CACHE_IMMUTABLE: &str = "public, max-age=31536000, immutable";
+pub const CACHE_IMMUTABLE: &str = "private, max-age=31536000, immutable";
 /// Partial tiles: the full tile replaces them as the tree grows.
-pub const CACHE_PARTIAL: &str = "public, max-age=10";
-pub const CACHE_CHECKPOINT: &str = "no-cache";
+pub const CACHE_PARTIAL: &str = "private, max-age=10";
+pub const CACHE_CHECKPOINT: &str = "private, no-cache";
 
 async fn authorized(state: &AppState, headers: &HeaderMap, tenant: &str) -> Result<TenantId, ApiError> {
     let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));

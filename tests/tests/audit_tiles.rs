@@ -59,12 +59,15 @@ async fn tiles_are_what_the_spec_says_checked_by_an_independent_client() {
     assert!(check.status.success(), "{stdout}{}", String::from_utf8_lossy(&check.stderr));
     let summary: Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(summary["size"], size);
+    // Every answer needs a token, so none may be kept by a shared cache (RFC 9111 §3.5).
+    let (status, cache, _) = get(&server, &server.token, &format!("{base}/checkpoint")).await;
+    assert_eq!((status, cache.as_deref()), (200, Some("private, no-cache")));
     let caches = &summary["cacheControl"];
-    assert_eq!(caches["tile/0/000"], "public, max-age=31536000, immutable");
-    assert_eq!(caches["tile/entries/001"], "public, max-age=31536000, immutable");
+    assert_eq!(caches["tile/0/000"], "private, max-age=31536000, immutable");
+    assert_eq!(caches["tile/entries/001"], "private, max-age=31536000, immutable");
     let partial = format!("tile/0/002.p/{}", size - 512);
-    assert_eq!(caches[&partial], "public, max-age=10", "{caches}");
-    assert_eq!(caches["tile/1/000.p/2"], "public, max-age=10", "{caches}");
+    assert_eq!(caches[&partial], "private, max-age=10", "{caches}");
+    assert_eq!(caches["tile/1/000.p/2"], "private, max-age=10", "{caches}");
 
     // Again with pymerkle, a third-party RFC 6962 implementation, after it passes the vectors.
     let check = std::process::Command::new(tiles_python())
@@ -85,7 +88,7 @@ async fn tiles_are_what_the_spec_says_checked_by_an_independent_client() {
     let (status, _, entries) = get(&server, &server.token, &format!("{base}/tile/entries/001")).await;
     assert_eq!(status, 200);
     let (status, cache, events) = get(&server, &server.token, &format!("{base}/tile/events/001")).await;
-    assert_eq!((status, cache.as_deref()), (200, Some("public, max-age=31536000, immutable")));
+    assert_eq!((status, cache.as_deref()), (200, Some("private, max-age=31536000, immutable")));
     let entries = tiles::parse_entry_bundle(&entries).unwrap();
     let events = tiles::parse_event_bundle(&events).unwrap();
     assert_eq!((entries.len(), events.len()), (256, 256));
