@@ -117,6 +117,13 @@ async fn join_once(
             (node, expected)
         }
     };
+    // A machine that becomes a new node counts against the tenant's limit, as `nodes.register`
+    // does (counted the same way, in this process's fleet view); one that joins again as its
+    // node (a redeploy) adds none.
+    if expected == ExpectedVersion::NoStream {
+        let nodes = state.fleet.with_tenant(&*state.store, tenant, |view| view.nodes().len()).await?;
+        bc_projections::decide::node_register(nodes)?;
+    }
     let joined = ev::NodeJoined {
         pool_id: pool_id.to_string(),
         name: node_name(hostname),
