@@ -118,6 +118,14 @@ impl World {
         deployed_at
     }
 
+    /// The running (or last) deploy's join token: whether it is revoked.
+    async fn deploy_token_revoked(&self) -> bool {
+        let doc = self.doc().await;
+        let token = doc.workflow.and_then(|w| w.join_token_id).expect("a deploy's workflow names its token");
+        let row = self.store.row_get(&self.tenant.to_string(), KIND_JOIN_TOKEN, &token).await.unwrap().unwrap();
+        row.doc["revoked"].as_bool().unwrap()
+    }
+
     /// The installed system's agent joins: the deploy's token is spent.
     async fn agent_joins(&self, token: &str) {
         let used = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: self.node.clone() }).unwrap());
@@ -196,6 +204,7 @@ async fn the_lifecycle_runs_end_to_end_on_a_fake_bmc() {
     w.agent_joins(&token).await;
     let doc = w.settle(&metal, 5).await;
     assert_eq!((doc.state, doc.image_id.as_deref(), doc.last_error.as_deref()), (MetalState::Active, Some("img_x"), None));
+    assert!(!w.deploy_token_revoked().await, "a deploy that succeeded revokes nothing");
 
     w.verb(Verb::Undeploy, None, None, None).await;
     let doc = w.settle(&metal, 30).await;
@@ -384,6 +393,7 @@ async fn a_deploy_whose_agent_never_joins_fails_at_the_wait_deadline() {
     assert_eq!(doc.state, MetalState::DeployFailed, "{doc:#?}");
     let error = doc.last_error.unwrap();
     assert!(error.contains("deploy-wait did not finish within its deadline of 1800 s (at step wait-agent)"), "{error}");
+    assert!(w.deploy_token_revoked().await, "a failed deploy's join token outlives it");
 }
 
 /// An operator aborts a deploy waiting for its agent: deploy failed with the reason, the
@@ -393,8 +403,11 @@ async fn an_aborted_deploy_wait_ends_in_deploy_failed_and_runs_no_more_steps() {
     let w = world().await;
     let metal = w.reconciler();
     w.deploy_until_it_waits_for_its_agent(&metal).await;
+    assert!(!w.deploy_token_revoked().await);
     let doc = w.verb(Verb::Abort, None, None, None).await;
     assert_eq!(doc.state, MetalState::DeployFailed, "{doc:#?}");
+    // Its join token goes with it: the installed system cannot join (or re-key the node) later.
+    assert!(w.deploy_token_revoked().await, "an aborted deploy's join token outlives it");
     assert_eq!(doc.workflow.as_ref().unwrap().outcome, WorkflowOutcome::Aborted);
     assert!(doc.last_error.as_deref().is_some_and(|e| e.contains("abort")), "{doc:#?}");
     let calls = w.bmc().with(|s| s.calls.len());

@@ -77,6 +77,33 @@ fn finished(workflow: &Workflow, outcome: &str, reason: Option<String>) -> Resul
     ))
 }
 
+/// A deploy's join token, revoked when the deploy ends any way but success (aborted, failed,
+/// timed out): it was minted for the system that deploy installs, and a token that outlived its
+/// deploy could re-key the node afterwards. `None` for any other workflow. The token's stream is
+/// a guard at any version (an event on another stream must be one), so a token spent or revoked
+/// meanwhile is revoked again, harmlessly.
+fn deploy_token_revoked(workflow: &Workflow) -> Result<Option<(NewEvent, (String, ExpectedVersion))>, Error> {
+    let Some(token_id) = workflow.join_token_id.as_deref() else { return Ok(None) };
+    let stream = stream_of(KIND_JOIN_TOKEN, &token_id);
+    let mut revoked = NewEvent::new(ev::JOIN_TOKEN_REVOKED, to_cbor(&ev::JoinTokenRevoked {})?);
+    revoked.stream = Some(stream.clone());
+    Ok(Some((revoked, (stream, ExpectedVersion::Any))))
+}
+
+/// The machine's append of a workflow that ended any way but success, with its deploy's token
+/// revoked ([`deploy_token_revoked`]).
+fn ended_unsuccessfully(doc: &MetalDoc, workflow: &Workflow, mut events: Vec<NewEvent>) -> Result<Append, Error> {
+    let revoked = deploy_token_revoked(workflow)?;
+    let mut guards = Vec::new();
+    if let Some((event, guard)) = revoked {
+        events.push(event);
+        guards.push(guard);
+    }
+    let mut append = on_machine(doc, events);
+    append.guards = guards;
+    Ok(append)
+}
+
 fn transitioned(
     doc: &MetalDoc,
     verb: Verb,
@@ -132,14 +159,13 @@ pub fn metal_verb(doc: &MetalDoc, verb: Verb, input: &VerbInput<'_>) -> Result<A
             });
         }
         if doc.state.is_stable() {
-            return Ok(on_machine(doc, vec![finished(running, "aborted", Some("aborted by a caller".into()))?]));
+            let aborted = finished(running, "aborted", Some("aborted by a caller".into()))?;
+            return ended_unsuccessfully(doc, running, vec![aborted]);
         }
         let to = transition(doc.state, &doc.flags, Verb::Abort)?;
         let reason = Some(format!("{} aborted by a caller", running.verb));
-        return Ok(on_machine(
-            doc,
-            vec![finished(running, "aborted", reason.clone())?, transitioned(doc, Verb::Abort, to, reason, None)?],
-        ));
+        let ended = vec![finished(running, "aborted", reason.clone())?, transitioned(doc, Verb::Abort, to, reason, None)?];
+        return ended_unsuccessfully(doc, running, ended);
     }
     let to = transition(doc.state, &doc.flags, verb)?;
     if matches!(verb, Verb::Deploy | Verb::Rescue) && input.image.is_none() {
@@ -329,7 +355,7 @@ pub fn metal_fail(doc: &MetalDoc, reason: &str) -> Result<Append, Error> {
         let to = transition(doc.state, &doc.flags, Verb::Fail)?;
         events.push(transitioned(doc, Verb::Fail, to, Some(reason.to_owned()), None)?);
     }
-    Ok(on_machine(doc, events))
+    ended_unsuccessfully(doc, workflow, events)
 }
 
 /// A machine at rest (no workflow) whose BMC refused the credentials `reads` sync reads in a
