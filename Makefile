@@ -20,7 +20,7 @@ dev:
 build: system-deps
 	+$(CARGO) build --workspace --all-targets $(TEST_FEATURES)
 
-## Debian packages a test build needs (libvirt-dev, pkg-config), installed once.
+## Debian packages a test build needs (libvirt-dev, pkg-config, qemu-utils, …), installed once.
 system-deps:
 	@scripts/system-deps
 

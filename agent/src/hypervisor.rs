@@ -88,8 +88,9 @@ fn escape(text: &str) -> String {
 }
 
 /// The libvirt domain XML of `spec` for the domain type `kind` (`kvm`; libvirt's test driver
-/// takes `test`): the vCPUs and memory, the disk as virtio, and each GPU as a PCI `hostdev` at
-/// its address.
+/// takes `test`): the vCPUs and memory, the disk as virtio with an empty `<backingStore/>` (QEMU
+/// opens no backing file, whatever the image's header names; `disk_header` refuses such an
+/// image before this), and each GPU as a PCI `hostdev` at its address.
 pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
     if spec.vcpus == 0 || spec.vcpus > VCPUS_MAX || spec.memory_mib == 0 || spec.memory_mib > MEMORY_MIB_MAX {
         return Err(format!("a domain has 1 to {VCPUS_MAX} vCPUs and 1 to {MEMORY_MIB_MAX} MiB"));
@@ -106,7 +107,7 @@ pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
             other => return Err(format!("disk format {other:?}: qcow2 or raw")),
         };
         xml.push_str(&format!(
-            "    <disk type='file' device='disk'>\n      <driver name='qemu' type='{format}'/>\n      <source file='{}'/>\n      <target dev='vda' bus='virtio'/>\n    </disk>\n",
+            "    <disk type='file' device='disk'>\n      <driver name='qemu' type='{format}'/>\n      <source file='{}'/>\n      <backingStore/>\n      <target dev='vda' bus='virtio'/>\n    </disk>\n",
             escape(path)
         ));
     }
@@ -323,6 +324,10 @@ mod tests {
         assert!(xml.contains("<hostdev mode='subsystem' type='pci' managed='no'>"), "{xml}");
         assert!(xml.contains("<address domain='0x0000' bus='0x3b' slot='0x00' function='0x0'/>"), "{xml}");
         assert!(xml.contains("<driver name='qemu' type='qcow2'/>"));
+        assert!(
+            xml.contains("<source file='/var/lib/bcd/images/ubuntu.qcow2'/>\n      <backingStore/>\n"),
+            "the disk has no backing chain, whatever its header says: {xml}"
+        );
         let hostile = DomainSpec { name: "a'/><x".into(), ..spec("x") };
         assert!(!domain_xml(&hostile, "kvm").unwrap().contains("'/><x"), "names are escaped");
         assert!(domain_xml(&DomainSpec { vcpus: 0, ..spec("x") }, "kvm").is_err());

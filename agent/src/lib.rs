@@ -1,8 +1,8 @@
 //! `bc-agent`: `bcd`, the node agent. It joins a machine to the fleet (`join`), keeps a signed,
 //! hash-chained journal of what the machine did (`journal`), holds one long-lived session to
 //! the gateway (`machine`, driven by `driver`), runs commands (`runner`): GPU holds
-//! (`binding`, `holds`) and instances (`hypervisor`, `images`, `instances`), and answers `bcd
-//! status` on a unix socket (`status`).
+//! (`binding`, `holds`) and instances (`hypervisor`, `images`, `disk_header`, `instances`), and
+//! answers `bcd status` on a unix socket (`status`).
 //!
 //! Layout: [`machine`] is the session logic without IO (a clock, an RNG and the transport come
 //! in from outside), so the simulator runs the real logic; [`driver`] wraps it in tokio and
@@ -11,7 +11,8 @@
 //! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process;
 //! [`update`] signed releases into A/B slots, the re-exec and the watchdog (`agent.update`);
 //! [`ledger`] the whole-file JSON ledgers (`holds.json`, `instances.json`); the decisions over
-//! them ([`holds::decide_hold`], [`instances::decide_apply`], [`update::decide_update`]) are pure.
+//! them ([`holds::decide_hold`], [`instances::decide_apply`], [`update::decide_update`]) are pure,
+//! and so is [`disk_header::inspect_header`], whether a disk's header names no other file.
 //!
 //! Architecture invariant: this crate depends on `bc-core` and `bc-proto`, never on the gateway;
 //! it is the only crate that touches the node's OS.
@@ -19,6 +20,7 @@
 pub mod binding;
 pub mod client;
 pub mod config;
+pub mod disk_header;
 pub mod doctor;
 pub mod driver;
 pub mod holds;

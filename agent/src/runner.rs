@@ -462,7 +462,7 @@ impl Runner {
             tracing::warn!(command = %command_id, reason = %reason, "an update was refused");
             Some(Finish::failed(truncate_bytes(&reason, REASON_BYTES_MAX)))
         };
-        match updater.decide(&args, Some(command_id)) {
+        match updater.decide(&args, Some(command_id), now_ms) {
             Err(reason) => refused(reason),
             Ok(UpdatePlan::AwaitingConfirmation) => None,
             Ok(UpdatePlan::Already { version }) => {
@@ -874,7 +874,11 @@ impl Instances {
 
     /// The instance's disk, copied once from the image in the cache (fetched if need be); a
     /// raw one grown, sparse, to the disk size (never shrunk). A qcow2 disk keeps its image's
-    /// virtual size.
+    /// virtual size. The copy is inspected before it takes the disk's name
+    /// ([`crate::disk_header`]: `image-format`, a qcow2 naming a backing or data file, or an
+    /// image that is not what it is registered as), and a qcow2 disk again at every apply (one
+    /// copied before disks were inspected is refused too); so a domain is only ever defined on
+    /// a disk that names no other file. (A raw disk is the guest's to write: only its copy is.)
     async fn prepare_disk(&self, instance_id: &str, args: &ApplyArgs) -> Result<(), String> {
         let disk = self.disk_path(instance_id, args.image.disk_format);
         let io = |path: &Path, e: std::io::Error| format!("disk: {}: {e}", path.display());
@@ -888,15 +892,27 @@ impl Instances {
             builder.create(&dir).await.map_err(|e| io(&dir, e))?;
             let partial = dir.join(format!("disk.{}.partial", args.image.disk_format.as_str()));
             let copied = async {
-                tokio::fs::copy(&cached, &partial).await?;
-                tokio::fs::File::open(&partial).await?.sync_all().await?;
-                tokio::fs::rename(&partial, &disk).await?;
-                tokio::fs::File::open(&dir).await?.sync_all().await
+                let synced = async {
+                    tokio::fs::copy(&cached, &partial).await?;
+                    tokio::fs::File::open(&partial).await?.sync_all().await
+                };
+                synced.await.map_err(|e| io(&disk, e))?;
+                // The copy the domain will use, not the cached image: nothing changes it between
+                // this check and the use.
+                crate::disk_header::inspect(&partial, args.image.disk_format).await?;
+                let renamed = async {
+                    tokio::fs::rename(&partial, &disk).await?;
+                    tokio::fs::File::open(&dir).await?.sync_all().await
+                };
+                renamed.await.map_err(|e| io(&disk, e))
             };
-            if let Err(e) = copied.await {
+            if let Err(reason) = copied.await {
                 let _ = tokio::fs::remove_file(&partial).await;
-                return Err(io(&disk, e));
+                let _ = tokio::fs::remove_dir(&dir).await;
+                return Err(reason);
             }
+        } else if args.image.disk_format == DiskFormat::Qcow2 {
+            crate::disk_header::inspect(&disk, DiskFormat::Qcow2).await?;
         }
         if args.image.disk_format == DiskFormat::Raw {
             let size_bytes = args.disk_gib.saturating_mul(GIB);
@@ -1094,6 +1110,8 @@ mod tests {
     struct Image {
         url: String,
         sha256: String,
+        /// `raw` or `qcow2`: what the image is registered as.
+        disk_format: &'static str,
     }
 
     fn apply(n: u32, instance_id: &str, generation: u64, desired: &str, vcpus: u32, image: &Image) -> bc_proto::Command {
@@ -1104,7 +1122,7 @@ mod tests {
                 "instanceId": instance_id, "generation": generation, "desired": desired, "reservationId": RSV,
                 "vcpus": vcpus, "memoryMiB": 1024 * vcpus, "diskGiB": 1, "gpus": ["GPU-0", "GPU-1"],
                 "image": { "imageId": "img_01J00000000000000000000000", "url": image.url, "sha256": image.sha256,
-                           "diskFormat": "raw" },
+                           "diskFormat": image.disk_format },
             }),
         )
     }
@@ -1130,7 +1148,7 @@ mod tests {
 
     async fn served(body: &[u8]) -> (ImageServer, Image) {
         let server = ImageServer::start(body.to_vec()).await;
-        let image = Image { url: server.url.clone(), sha256: sha256_of(body) };
+        let image = Image { url: server.url.clone(), sha256: sha256_of(body), disk_format: "raw" };
         (server, image)
     }
 
@@ -1183,7 +1201,7 @@ mod tests {
         let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
         let (_server, image) = served(b"not what was registered").await;
         run(&agent, &hold(1)).await;
-        let wrong = Image { url: image.url.clone(), sha256: sha256_of(b"what was registered") };
+        let wrong = Image { url: image.url.clone(), sha256: sha256_of(b"what was registered"), disk_format: "raw" };
         let answer = run(&agent, &apply(2, INST, 1, "running", 2, &wrong)).await;
         assert_eq!(answer.entry_type, "instance.apply_failed");
         let reason = answer.payload["reason"].as_str().unwrap();
@@ -1193,6 +1211,45 @@ mod tests {
         assert!(std::fs::read_dir(dir.path().join("images")).unwrap().next().is_none(), "no image, no partial file");
         assert!(!dir.path().join("instances").join(INST).exists());
         assert_eq!(observed(&agent, INST), None, "no domain");
+    }
+
+    /// Issue 52, finding 2: a qcow2 whose header names a host file (the node's key as its
+    /// backing file, or a data file it writes) is refused `image-format` before any domain is
+    /// defined on it, and leaves no disk; so is a qcow2 disk already in place (copied by an agent
+    /// that did not inspect disks) at its next apply. A standalone qcow2 runs.
+    #[tokio::test]
+    async fn a_hostile_qcow2_is_refused_before_any_domain_is_defined() {
+        let images = crate::disk_header::tests::Images::new();
+        let hostile = [("backing file", images.with_backing_file()), ("data file", images.with_data_file())];
+        for (names, bytes) in &hostile {
+            let dir = tempfile::tempdir().unwrap();
+            let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+            let (_server, image) = served(bytes).await;
+            let image = Image { disk_format: "qcow2", ..image };
+            assert_eq!(run(&agent, &hold(1)).await.entry_type, "gpu.held");
+            let answer = run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
+            assert_eq!(answer.entry_type, "instance.apply_failed", "a qcow2 naming a {names}");
+            let reason = answer.payload["reason"].as_str().unwrap();
+            assert!(reason.starts_with("image-format: the qcow2 image ") && reason.contains(names), "{reason}");
+            assert_eq!(observed(&agent, INST), None, "no domain is defined on a qcow2 naming a {names}");
+            assert!(!dir.path().join("instances").join(INST).exists(), "no disk, no partial copy");
+        }
+
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(dir.path(), Some(Box::new(crate::hypervisor::Fake::default()))).await;
+        let (_server, image) = served(&images.qcow2("clean.qcow2", &[])).await;
+        let image = Image { disk_format: "qcow2", ..image };
+        assert_eq!(run(&agent, &hold(1)).await.entry_type, "gpu.held");
+        let answer = run(&agent, &apply(2, INST, 1, "running", 2, &image)).await;
+        assert_eq!((answer.entry_type.as_str(), answer.payload["state"].as_str()), ("instance.observed", Some("running")));
+
+        let disk = dir.path().join("instances").join(INST_2).join("disk.qcow2");
+        std::fs::create_dir_all(disk.parent().unwrap()).unwrap();
+        std::fs::write(&disk, &hostile[0].1).unwrap();
+        let answer = run(&agent, &apply(3, INST_2, 1, "running", 2, &image)).await;
+        let reason = answer.payload["reason"].as_str().unwrap_or_default();
+        assert!(reason.starts_with("image-format: the qcow2 image names a backing file"), "{answer:?}");
+        assert_eq!(observed(&agent, INST_2), None, "no domain on a disk in place that names a backing file");
     }
 
     #[tokio::test]
