@@ -2,7 +2,9 @@
 //! `<data_dir>/images/<sha256>` and named by their digest, so one fetched and verified is reused
 //! by every instance that names it.
 //!
-//! A fetch streams into `<sha256>.partial`, hashing (SHA-256) and counting as it goes; past the
+//! A fetch streams into a fresh file of its own, `<sha256>.<pid>-<n>.partial` (created
+//! `O_EXCL | O_NOFOLLOW`, so two fetches of one image never write one file), hashing (SHA-256)
+//! and counting as it goes; past the
 //! size it may have ([`IMAGE_BYTES_MAX`], or the `sizeBytes` the image was registered with) it
 //! stops. Only a file whose digest is the one asked for is synced and renamed to its name; any
 //! failure removes the partial file, so nothing but verified images is ever under a digest's
@@ -112,27 +114,23 @@ impl ImageCache {
             return Ok(path);
         }
         create_private_dir(&self.dir).await?;
-        let partial = self.dir.join(format!("{}.partial", image.sha256));
-        let fetched = self.download(image, &partial).await;
-        match fetched {
-            Ok(()) => {
-                let renamed = async {
-                    tokio::fs::rename(&partial, &path).await?;
-                    tokio::fs::File::open(&self.dir).await?.sync_all().await
-                };
-                renamed.await.map_err(|e| ImageError::Disk(format!("{}: {e}", path.display())))?;
-                tracing::info!(image = %bc_core::id::truncate(&image.image_id, 40), "image fetched and verified");
-                Ok(path)
-            }
-            Err(e) => {
-                let _ = tokio::fs::remove_file(&partial).await;
-                Err(e)
-            }
+        // A fresh file of this fetch's own: two fetches of one image at once never write into
+        // one file; each is verified and renamed whole (the same bytes, whichever lands last).
+        let temp = self.download(image).await?;
+        let renamed = async {
+            tokio::fs::rename(&temp, &path).await?;
+            tokio::fs::File::open(&self.dir).await?.sync_all().await
+        };
+        if let Err(e) = renamed.await {
+            let _ = tokio::fs::remove_file(&temp).await;
+            return Err(ImageError::Disk(format!("{}: {e}", path.display())));
         }
+        tracing::info!(image = %bc_core::id::truncate(&image.image_id, 40), "image fetched and verified");
+        Ok(path)
     }
 
-    /// Streams the image into `partial`, hashing and counting, and checks it; synced.
-    async fn download(&self, image: &ImageRef, partial: &Path) -> Result<(), ImageError> {
+    /// Streams the image into a fresh file, hashing and counting, and checks it; synced.
+    async fn download(&self, image: &ImageRef) -> Result<PathBuf, ImageError> {
         if image.size_bytes.is_some_and(|n| n > IMAGE_BYTES_MAX) {
             return Err(ImageError::Size(format!("the image is registered at over {IMAGE_BYTES_MAX} bytes, this node's bound")));
         }
@@ -143,7 +141,7 @@ impl ImageCache {
             size_bytes: image.size_bytes,
             limit: IMAGE_BYTES_MAX,
         };
-        download(&self.http, &wanted, partial).await
+        download(&self.http, &wanted, &self.dir, &image.sha256).await
     }
 }
 
@@ -183,9 +181,55 @@ pub(crate) fn http_client(fetch_timeout_s: u64) -> Result<reqwest::Client, Strin
         .map_err(|e| format!("the HTTP client: {e}"))
 }
 
-/// Streams `wanted` into `partial` (0600), hashing and counting, and checks it; synced. The
-/// caller removes `partial` on an error and renames it on success.
-pub(crate) async fn download(http: &reqwest::Client, wanted: &Wanted<'_>, partial: &Path) -> Result<(), ImageError> {
+/// The suffix of a fetch in progress: `<stem>.<pid>-<n>.partial`.
+pub const PARTIAL_SUFFIX: &str = ".partial";
+/// Fresh names tried at most before a fetch gives up (each is new unless a file of a crashed
+/// process of the same pid is left).
+pub const FRESH_NAME_ATTEMPTS_MAX: u32 = 16;
+
+/// Creates a file in `dir` that is this call's alone: `<stem>.<pid>-<n>.partial`, 0600, opened
+/// `O_CREAT | O_EXCL | O_NOFOLLOW`, so never a file or a link that was there already, and never
+/// one another fetch (in this process or another) writes too.
+pub(crate) fn create_fresh(dir: &Path, stem: &str) -> std::io::Result<(std::fs::File, PathBuf)> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut last = None;
+    for _ in 0..FRESH_NAME_ATTEMPTS_MAX {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("{stem}.{}-{n}{PARTIAL_SUFFIX}", std::process::id()));
+        match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(no_follow_flag()).open(&path) {
+            Ok(file) => return Ok((file, path)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no fresh name")))
+}
+
+/// `O_NOFOLLOW`, for `OpenOptionsExt::custom_flags` (through rustix: no unsafe code, no libc).
+pub(crate) fn no_follow_flag() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
+}
+
+/// Streams `wanted` into a fresh file in `dir` ([`create_fresh`], named after `stem`), hashing
+/// and counting the bytes as they are written to it, and checks them; synced. Returns the
+/// file's path, for the caller to rename (and remove if that fails); on an error nothing is
+/// left behind.
+pub(crate) async fn download(http: &reqwest::Client, wanted: &Wanted<'_>, dir: &Path, stem: &str) -> Result<PathBuf, ImageError> {
+    let (file, temp) = create_fresh(dir, stem).map_err(|e| ImageError::Disk(format!("{}: {e}", dir.display())))?;
+    let fetched = download_into(http, wanted, tokio::fs::File::from_std(file), &temp).await;
+    if fetched.is_err() {
+        let _ = tokio::fs::remove_file(&temp).await;
+    }
+    fetched.map(|()| temp)
+}
+
+async fn download_into(
+    http: &reqwest::Client,
+    wanted: &Wanted<'_>,
+    mut file: tokio::fs::File,
+    partial: &Path,
+) -> Result<(), ImageError> {
     let what = wanted.what;
     let url = reqwest::Url::parse(wanted.url).map_err(|_| ImageError::Fetch(format!("the {what} URL does not parse")))?;
     if !matches!(url.scheme(), "http" | "https") {
@@ -203,7 +247,6 @@ pub(crate) async fn download(http: &reqwest::Client, wanted: &Wanted<'_>, partia
         return Err(ImageError::Size(format!("{host} sends {length} bytes; the {what} may have {limit}")));
     }
     let disk = |e: std::io::Error| ImageError::Disk(format!("{}: {e}", partial.display()));
-    let mut file = open_private(partial).await.map_err(disk)?;
     let mut hasher = Sha256::new();
     let mut total = 0u64;
     while let Some(chunk) = response.chunk().await.map_err(|e| fetch_error(e, &host))? {
@@ -228,11 +271,6 @@ pub(crate) async fn download(http: &reqwest::Client, wanted: &Wanted<'_>, partia
     }
     file.sync_all().await.map_err(disk)?;
     Ok(())
-}
-
-/// A file the node alone reads and writes, emptied.
-async fn open_private(path: &Path) -> std::io::Result<tokio::fs::File> {
-    tokio::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path).await
 }
 
 async fn create_private_dir(dir: &Path) -> Result<(), ImageError> {

@@ -14,13 +14,24 @@
 //!
 //! The decisions are pure ([`decide_update`], [`decide_rollback`], [`watchdog_verdict`],
 //! [`trailer_version`]); the
-//! rest is the thin shell around them: fetching the artifact (bounded in size and time, through
-//! `images.rs`'s bounded download), writing the slot (a temporary file, synced, renamed, 0755),
+//! rest is the thin shell around them: one install at a time (`slots/install.lock`, an exclusive
+//! `flock` taken without waiting: a `bcd update` by hand and a command at once, the second is
+//! refused `update-in-progress`; the decision's state read again under it), fetching the
+//! artifact (bounded in size and time, through `images.rs`'s bounded download into a fresh
+//! file of its own, `O_EXCL | O_NOFOLLOW`, hashed as written, synced, then hashed again as it
+//! is on disk), writing the slot (that file renamed, 0755),
 //! switching the symlink (a new link renamed over it), and the watchdog: a detached process of
 //! the *old* binary (`bcd __update-watchdog`), which past `confirm_within_s` (or as soon as the
 //! new agent is gone) kills the new agent, points the entrypoint back, records the rollback and
 //! execs the old agent with the same arguments. The old agent, at its start, journals the
 //! command `command.failed` with `rolled-back: …`.
+//!
+//! The **floor** (`floorVersion` in `state.json`): the newest version this node has run
+//! healthy (started with no update waiting, or confirmed). An update to a version below it is
+//! refused `release-downgrade` unless its manifest allows a downgrade and is within its
+//! `notAfter` (`bc_core::release::check_update`); so once a node ran 0.3.0, a manifest of 0.2.0
+//! signed long ago does not take it back, even from a 0.1.0 it was rolled back to. An
+//! `agent.rollback` goes back to the binary the previous slot holds and is not held to it.
 //!
 //! Reasons start with stable codes: `bc_core::release`'s (`release-…`, `artifact-…`), and
 //! `update-unconfigured`, `update-in-progress`, `update-failed` (the node's own files, or the
@@ -65,6 +76,8 @@ pub const WATCHDOG_POLL_MS: u64 = 250;
 pub const WATCHDOG_KILL_WAIT_MS: u64 = 5_000;
 /// How long arming the watchdog (its first stage, which detaches the second) may take.
 pub const WATCHDOG_ARM_TIMEOUT_S: u64 = 10;
+/// The lock one install holds, in the slots directory.
+pub const INSTALL_LOCK_FILE: &str = "install.lock";
 /// The largest state file read.
 pub const STATE_BYTES_MAX: u64 = 64 * 1024;
 /// The hidden command of the watchdog.
@@ -154,6 +167,11 @@ pub struct SlotsState {
     /// The version the last `bcd node` ran (the next start's `previousVersion`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_started_version: Option<String>,
+    /// The newest version this node has run healthy: an update below it needs a valid
+    /// downgrade permission (see the module's header). None in a state written before it was
+    /// kept: the next start sets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floor_version: Option<String>,
 }
 
 impl SlotsState {
@@ -166,6 +184,19 @@ impl SlotsState {
             pending: None,
             last_rollback: None,
             last_started_version: None,
+            floor_version: None,
+        }
+    }
+
+    /// Raises the floor to `version` if it is newer (a floor that does not parse is replaced).
+    pub fn raise_floor(&mut self, version: &str) {
+        let Ok(new) = semver::Version::parse(version) else { return };
+        let higher = match self.floor_version.as_deref().map(semver::Version::parse) {
+            Some(Ok(floor)) => new > floor,
+            _ => true,
+        };
+        if higher {
+            self.floor_version = Some(version.to_owned());
         }
     }
 }
@@ -196,9 +227,11 @@ pub enum UpdatePlan {
 pub const UPDATE_UNCONFIGURED: &str =
     "update-unconfigured: this node pins no release keys (hint: set [update] release_keys in config.toml)";
 
-/// Decides an update, purely: the release must be signed by a pinned key (`trusted`), be one the
-/// running `current` may take, and have a build for `arch`; no other update may be waiting for
-/// its confirmation. Refusals are the reason to journal, starting with its code.
+/// Decides an update at `now_ms`, purely: the release must be signed by a pinned key
+/// (`trusted`), be one the running `current` may take above the node's floor (a downgrade only
+/// by a manifest that allows it, within its `notAfter`), and have a build for `arch`; no other
+/// update may be waiting for its confirmation. Refusals are the reason to journal, starting with
+/// its code.
 pub fn decide_update(
     current: &str,
     trusted: &[ReleasePublicKey],
@@ -206,6 +239,7 @@ pub fn decide_update(
     arch: &str,
     state: &SlotsState,
     command_id: Option<&str>,
+    now_ms: u64,
 ) -> Result<UpdatePlan, String> {
     if trusted.is_empty() {
         return Err(UPDATE_UNCONFIGURED.into());
@@ -221,7 +255,7 @@ pub fn decide_update(
         ));
     }
     let manifest = verify(trusted, args.manifest.as_bytes(), &args.signature).map_err(|e| e.to_string())?;
-    match check_update(current, &manifest).map_err(|e| e.to_string())? {
+    match check_update(current, state.floor_version.as_deref(), &manifest, now_ms).map_err(|e| e.to_string())? {
         UpdateCheck::Same => return Ok(UpdatePlan::Already { version: manifest.version }),
         UpdateCheck::Upgrade | UpdateCheck::Downgrade => {}
     }
@@ -533,6 +567,10 @@ impl Updater {
         let previous_version = state.last_started_version.replace(self.version.clone());
         let rollback = state.last_rollback.clone().filter(|r| !r.reported);
         let pending = state.pending.clone().filter(|p| p.slot == state.active);
+        if state.pending.is_none() {
+            // Started with no update waiting: this version runs as the node's own.
+            state.raise_floor(&self.version);
+        }
         s.save_state(&state)?;
         Ok(StartReport { slot: state.active, previous_version, rollback, pending })
     }
@@ -551,29 +589,45 @@ impl Updater {
         self.settings.save_state(&state)
     }
 
-    /// The pure decision, on the state as it is now.
-    pub fn decide(&self, args: &UpdateArgs, command_id: Option<&str>) -> Result<UpdatePlan, String> {
+    /// The pure decision, on the state as it is now, at `now_ms`.
+    pub fn decide(&self, args: &UpdateArgs, command_id: Option<&str>, now_ms: u64) -> Result<UpdatePlan, String> {
         let state = self
             .settings
             .load_state()
             .map_err(|e| format!("update-failed: {e}"))?
             .unwrap_or_else(|| SlotsState::adopted(&self.version));
-        decide_update(&self.version, &self.settings.release_keys, args, std::env::consts::ARCH, &state, command_id)
+        decide_update(&self.version, &self.settings.release_keys, args, std::env::consts::ARCH, &state, command_id, now_ms)
     }
 
-    /// Carries out an [`UpdatePlan::Install`]: the artifact fetched and checked into the slot,
-    /// the update recorded as pending, the entrypoint switched, the watchdog armed; then the
-    /// driver is asked to re-execute. Any failure before the switch leaves the running agent as
-    /// it was.
+    /// Carries out an [`UpdatePlan::Install`]: under the install lock (none free:
+    /// `update-in-progress`), the state read again (another install switched meanwhile:
+    /// `update-in-progress`), the artifact fetched into a fresh file, checked as written and again
+    /// as it is on disk, renamed into the slot, the update recorded as pending, the entrypoint
+    /// switched, the watchdog armed; then the driver is asked to re-execute. Any failure before
+    /// the switch leaves the running agent as it was.
     pub async fn install(&self, plan: UpdatePlan, command_id: Option<&str>, now_ms: u64) -> Result<PathBuf, String> {
         let UpdatePlan::Install { manifest, artifact, slot, from_slot } = plan else {
             return Err("update-failed: nothing to install".into());
         };
         let s = &self.settings;
+        let _lock = take_install_lock(&s.slots_dir)?;
+        let state =
+            s.load_state().map_err(|e| format!("update-failed: {e}"))?.unwrap_or_else(|| SlotsState::adopted(&self.version));
+        if let Some(pending) = &state.pending {
+            return Err(format!(
+                "update-in-progress: the update to {} (slot {}) waits for its confirmation; try again once it is confirmed or rolled back",
+                pending.version,
+                pending.slot.as_str()
+            ));
+        }
+        if state.active != from_slot {
+            return Err(format!("update-in-progress: slot {} became active meanwhile; try again", state.active.as_str()));
+        }
         let target = s.binary(slot);
         let dir = target.parent().unwrap_or(&s.slots_dir).to_path_buf();
         std::fs::create_dir_all(&dir).map_err(|e| format!("update-failed: {}: {e}", dir.display()))?;
-        let partial = sibling(&target, ".partial");
+        // Under the lock no other install writes here: what a crashed one left goes.
+        remove_partials(&dir);
         let wanted = crate::images::Wanted {
             what: "artifact",
             url: &artifact.url,
@@ -581,18 +635,39 @@ impl Updater {
             size_bytes: Some(artifact.size),
             limit: ARTIFACT_BYTES_MAX,
         };
-        if let Err(e) = crate::images::download(&self.http, &wanted, &partial).await {
-            let _ = std::fs::remove_file(&partial);
-            return Err(artifact_error(e).to_string());
+        let temp =
+            crate::images::download(&self.http, &wanted, &dir, BINARY_FILE).await.map_err(|e| artifact_error(e).to_string())?;
+        // The file that will run, as it is on disk (no one else had it open: it is new).
+        let on_disk = {
+            let temp = temp.clone();
+            tokio::task::spawn_blocking(move || file_sha256(&temp, ARTIFACT_BYTES_MAX))
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))
+                .and_then(|r| r)
+        };
+        match on_disk {
+            Ok((digest, size)) if digest == artifact.sha256 && size == artifact.size => {}
+            Ok((digest, size)) => {
+                let _ = std::fs::remove_file(&temp);
+                return Err(ReleaseError::ArtifactDigest(format!(
+                    "the slot's file has {size} bytes of SHA-256 {digest} on disk, not the artifact's {}",
+                    artifact.sha256
+                ))
+                .to_string());
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&temp);
+                return Err(format!("update-failed: {}: {e}", temp.display()));
+            }
         }
         let placed = (|| {
             use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o755))?;
-            std::fs::rename(&partial, &target)?;
+            std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o755))?;
+            std::fs::rename(&temp, &target)?;
             std::fs::File::open(&dir)?.sync_all()
         })();
         if let Err(e) = placed {
-            let _ = std::fs::remove_file(&partial);
+            let _ = std::fs::remove_file(&temp);
             return Err(format!("update-failed: {}: {e}", target.display()));
         }
         self.switch(slot, &manifest.version, from_slot, command_id, now_ms)?;
@@ -684,7 +759,7 @@ impl Updater {
     /// `agent.update` is, with no command to answer. `Ok`: what to tell the person, and the
     /// binary to re-execute as once told (none: nothing to do).
     pub async fn by_hand(&self, args: &UpdateArgs, now_ms: u64) -> Result<(String, Option<PathBuf>), String> {
-        match self.decide(args, None)? {
+        match self.decide(args, None, now_ms)? {
             UpdatePlan::Already { version } => Ok((format!("bcd {version} runs already"), None)),
             UpdatePlan::AwaitingConfirmation => Err("update-in-progress: an update waits for its confirmation".into()),
             plan => {
@@ -737,10 +812,71 @@ impl Updater {
         if state.pending.as_ref() == Some(pending) {
             state.pending = None;
         }
+        // Confirmed healthy: this version is the node's own now.
+        state.raise_floor(&pending.version);
         s.save_state(&state)?;
         tracing::info!(version = %pending.version, slot = pending.slot.as_str(), "the update is confirmed healthy");
         Ok(true)
     }
+}
+
+/// Takes the install lock (`slots/install.lock`, an exclusive `flock`, released when the file is
+/// closed, so a crashed install leaves none behind), without waiting: held, the install is
+/// refused `update-in-progress`.
+fn take_install_lock(slots_dir: &Path) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = slots_dir.join(INSTALL_LOCK_FILE);
+    let failed = |e: std::io::Error| format!("update-failed: {}: {e}", path.display());
+    std::fs::create_dir_all(slots_dir).map_err(failed)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(crate::images::no_follow_flag())
+        .open(&path)
+        .map_err(failed)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            Err("update-in-progress: another install (a bcd update or an agent.update) is under way; try again once it is done"
+                .into())
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(failed(e)),
+    }
+}
+
+/// Removes the `*.partial` files in a slot's directory (only under the install lock).
+fn remove_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().ends_with(crate::images::PARTIAL_SUFFIX) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The SHA-256 (hex) and size of the file at `path`, read to at most `limit` bytes (not
+/// following a link).
+fn file_sha256(path: &Path, limit: u64) -> std::io::Result<(String, u64)> {
+    use sha2::{Digest as _, Sha256};
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(crate::images::no_follow_flag()).open(path)?;
+    let mut reader = file.take(limit + 1);
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        total += n as u64;
+    }
+    Ok((hex::encode(hasher.finalize()), total))
 }
 
 fn artifact_error(e: crate::images::ImageError) -> ReleaseError {
@@ -874,12 +1010,16 @@ mod tests {
 
     use super::*;
 
+    /// 2026-05-01T00:00:00Z.
+    const NOW_MS: u64 = 1_777_593_600_000;
+
     fn release(key: &ReleaseKey, version: &str) -> UpdateArgs {
         let manifest = Manifest {
             format: MANIFEST_FORMAT.into(),
             version: version.into(),
             min_update_from: None,
             allow_downgrade: false,
+            not_after: None,
             key_id: key.key_id().into(),
             artifacts: vec![Artifact {
                 arch: "x86_64".into(),
@@ -911,35 +1051,70 @@ mod tests {
         let key = ReleaseKey::from_seed([1; 32]);
         let trusted = [key.public().clone()];
         let state = SlotsState::adopted("0.1.0");
-        let plan = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, Some("cmd_1")).unwrap();
+        let plan = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, Some("cmd_1"), NOW_MS).unwrap();
         let UpdatePlan::Install { slot, from_slot, manifest, artifact } = plan else { panic!("{plan:?}") };
         assert_eq!((slot, from_slot, manifest.version.as_str(), artifact.size), (Slot::B, Slot::A, "0.2.0", 10));
         let on_b = SlotsState { active: Slot::B, ..state.clone() };
-        let plan = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &on_b, None).unwrap();
+        let plan = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &on_b, None, NOW_MS).unwrap();
         assert!(matches!(plan, UpdatePlan::Install { slot: Slot::A, from_slot: Slot::B, .. }));
 
         let reason = |r: Result<UpdatePlan, String>| r.unwrap_err().split(':').next().unwrap().to_owned();
-        assert_eq!(reason(decide_update("0.1.0", &[], &release(&key, "0.2.0"), "x86_64", &state, None)), "update-unconfigured");
+        assert_eq!(
+            reason(decide_update("0.1.0", &[], &release(&key, "0.2.0"), "x86_64", &state, None, NOW_MS)),
+            "update-unconfigured"
+        );
         let other = ReleaseKey::from_seed([2; 32]);
         assert_eq!(
-            reason(decide_update("0.1.0", &trusted, &release(&other, "0.2.0"), "x86_64", &state, None)),
+            reason(decide_update("0.1.0", &trusted, &release(&other, "0.2.0"), "x86_64", &state, None, NOW_MS)),
             "release-untrusted-key"
         );
         let mut tampered = release(&key, "0.2.0");
         tampered.manifest = tampered.manifest.replace("0.2.0", "0.2.1");
-        assert_eq!(reason(decide_update("0.1.0", &trusted, &tampered, "x86_64", &state, None)), "release-bad-signature");
+        assert_eq!(reason(decide_update("0.1.0", &trusted, &tampered, "x86_64", &state, None, NOW_MS)), "release-bad-signature");
         assert_eq!(
-            reason(decide_update("0.3.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None)),
+            reason(decide_update("0.3.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None, NOW_MS)),
             "release-downgrade"
         );
         assert_eq!(
-            reason(decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "riscv64", &state, None)),
+            reason(decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "riscv64", &state, None, NOW_MS)),
             "artifact-no-arch"
         );
         assert_eq!(
-            decide_update("0.2.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None),
+            decide_update("0.2.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None, NOW_MS),
             Ok(UpdatePlan::Already { version: "0.2.0".into() })
         );
+    }
+
+    /// Issue 52: a node that ran 0.3.0 and was rolled back to 0.1.0 is not taken to 0.2.0 by a
+    /// manifest that allows no downgrade; one that does, within its notAfter, takes it.
+    #[test]
+    fn an_update_below_the_floor_needs_a_valid_downgrade_permission() {
+        let key = ReleaseKey::from_seed([1; 32]);
+        let trusted = [key.public().clone()];
+        let mut state = SlotsState::adopted("0.1.0");
+        state.raise_floor("0.3.0");
+        state.raise_floor("0.2.5");
+        state.raise_floor("junk");
+        assert_eq!(state.floor_version.as_deref(), Some("0.3.0"), "the floor only rises");
+        let refused = decide_update("0.1.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, None, NOW_MS).unwrap_err();
+        assert!(refused.starts_with("release-downgrade: ") && refused.contains("this node has run 0.3.0"), "{refused}");
+        let upgrade = decide_update("0.1.0", &trusted, &release(&key, "0.4.0"), "x86_64", &state, None, NOW_MS);
+        assert!(matches!(upgrade, Ok(UpdatePlan::Install { .. })), "{upgrade:?}");
+
+        let downgrade = |not_after: &str| {
+            let manifest = Manifest {
+                allow_downgrade: true,
+                not_after: Some(not_after.into()),
+                ..Manifest::parse(release(&key, "0.2.0").manifest.as_bytes()).unwrap()
+            };
+            let text = manifest.to_text();
+            UpdateArgs { signature: sign(&key, text.as_bytes()), manifest: text, rollout_id: None }
+        };
+        let allowed = decide_update("0.1.0", &trusted, &downgrade("2026-05-02T00:00:00Z"), "x86_64", &state, None, NOW_MS);
+        assert!(matches!(allowed, Ok(UpdatePlan::Install { .. })), "{allowed:?}");
+        let expired =
+            decide_update("0.1.0", &trusted, &downgrade("2026-04-30T00:00:00Z"), "x86_64", &state, None, NOW_MS).unwrap_err();
+        assert!(expired.starts_with("release-expired: "), "{expired}");
     }
 
     #[test]
@@ -948,10 +1123,11 @@ mod tests {
         let trusted = [key.public().clone()];
         let state = SlotsState { pending: Some(pending("cmd_1")), active: Slot::B, ..SlotsState::adopted("0.1.0") };
         assert_eq!(
-            decide_update("0.2.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, Some("cmd_1")),
+            decide_update("0.2.0", &trusted, &release(&key, "0.2.0"), "x86_64", &state, Some("cmd_1"), NOW_MS),
             Ok(UpdatePlan::AwaitingConfirmation)
         );
-        let other = decide_update("0.2.0", &trusted, &release(&key, "0.3.0"), "x86_64", &state, Some("cmd_2")).unwrap_err();
+        let other =
+            decide_update("0.2.0", &trusted, &release(&key, "0.3.0"), "x86_64", &state, Some("cmd_2"), NOW_MS).unwrap_err();
         assert!(other.starts_with("update-in-progress: "), "{other}");
     }
 
@@ -1072,9 +1248,11 @@ mod tests {
         settings.point_entrypoint(Slot::B).unwrap();
         assert_eq!(std::fs::read_link(&settings.entrypoint).unwrap(), settings.binary(Slot::B));
         assert_eq!(updater.start().unwrap().pending, Some(watched.clone()));
+        assert_eq!(settings.load_state().unwrap().unwrap().floor_version.as_deref(), Some("0.1.0"), "started: its floor");
         assert!(updater.confirm(&watched).unwrap());
         assert!(!updater.confirm(&watched).unwrap(), "taken once");
         assert_eq!(settings.load_state().unwrap().unwrap().pending, None);
+        assert_eq!(settings.load_state().unwrap().unwrap().floor_version.as_deref(), Some("0.2.0"), "confirmed: the floor");
 
         // A rollback to a previous slot whose binary is gone is refused; nothing moves.
         let on_b = Updater::new(settings.clone(), "0.2.0".into(), Launch { config_path: "/c".into(), args: vec![] }).unwrap();
@@ -1090,5 +1268,115 @@ mod tests {
         assert!(refused.starts_with("rollback-unavailable: the previous slot's binary "), "{refused}");
         assert_eq!(settings.load_state().unwrap().unwrap(), state);
         assert_eq!(std::fs::read_link(&settings.entrypoint).unwrap(), settings.binary(Slot::B));
+    }
+
+    /// A loopback HTTP/1.1 server of `bodies` at `/0`, `/1`, …, each sent a chunk at a time with
+    /// a pause between, so two downloads at once overlap.
+    async fn paced_server(bodies: Vec<Vec<u8>>) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        const CHUNK_BYTES: usize = 4096;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let bodies = std::sync::Arc::new(bodies);
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let bodies = bodies.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let path = String::from_utf8_lossy(&head).split_whitespace().nth(1).unwrap_or("").to_owned();
+                    let Some(body) = path.strip_prefix('/').and_then(|i| i.parse::<usize>().ok()).and_then(|i| bodies.get(i))
+                    else {
+                        let _ = stream.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n").await;
+                        return;
+                    };
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+                    if stream.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    for chunk in body.chunks(CHUNK_BYTES) {
+                        if stream.write_all(chunk).await.is_err() || stream.flush().await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    }
+                    let _ = stream.shutdown().await;
+                });
+            }
+        });
+        base
+    }
+
+    /// Issue 52 finding 10: every install downloaded into one `slots/<x>/bcd.partial`, opened
+    /// with truncate, and checked the stream, not the file: a `bcd update` by hand and a command
+    /// at once wrote into one file, and what ran was neither release. Now one install holds the
+    /// lock and the other is refused; the slot's binary is the winner's, byte for byte.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_installs_at_once_end_with_a_binary_whose_hash_is_the_manifests() {
+        use sha2::{Digest as _, Sha256};
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let key = ReleaseKey::from_seed([1; 32]);
+        let config: Config = toml::from_str(&format!(
+            "data_dir = {:?}\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = \"sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\"\n[update]\nrelease_keys = [{:?}]\nconfirm_within_s = 10\n",
+            dir.path().display().to_string(),
+            key.public().line()
+        ))
+        .unwrap();
+        let settings = UpdateSettings::of(&config).unwrap().unwrap();
+        let updater = Updater::new(settings.clone(), "0.1.0".into(), Launch { config_path: "/c".into(), args: vec![] }).unwrap();
+        updater.start().unwrap();
+        // Slot a's binary arms the watchdog: here a script that arms at once (a test is no bcd).
+        std::fs::write(settings.binary(Slot::A), b"#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(settings.binary(Slot::A), std::fs::Permissions::from_mode(0o755)).unwrap();
+
+        let bodies: Vec<Vec<u8>> = [b'2', b'3'].iter().map(|b| [*b; 7].repeat(64 * 1024)).collect();
+        let base = paced_server(bodies.clone()).await;
+        let versions = ["0.2.0", "0.3.0"];
+        let digests: Vec<String> = bodies.iter().map(|b| hex::encode(Sha256::digest(b))).collect();
+        let plans: Vec<UpdatePlan> = (0..2)
+            .map(|i| {
+                let manifest = Manifest {
+                    artifacts: vec![Artifact {
+                        arch: std::env::consts::ARCH.into(),
+                        url: format!("{base}/{i}"),
+                        sha256: digests[i].clone(),
+                        size: bodies[i].len() as u64,
+                    }],
+                    ..Manifest::parse(release(&key, versions[i]).manifest.as_bytes()).unwrap()
+                };
+                let text = manifest.to_text();
+                let args = UpdateArgs { signature: sign(&key, text.as_bytes()), manifest: text, rollout_id: None };
+                updater.decide(&args, None, NOW_MS).unwrap()
+            })
+            .collect();
+        let [by_hand, command] = <[UpdatePlan; 2]>::try_from(plans).unwrap();
+        let results = {
+            let (a, b) = tokio::join!(updater.install(by_hand, None, NOW_MS), updater.install(command, Some("cmd_1"), NOW_MS));
+            [a, b]
+        };
+        let won: Vec<usize> = (0..2).filter(|i| results[*i].is_ok()).collect();
+        assert_eq!(won.len(), 1, "one install, the other refused: {results:?}");
+        let (winner, loser) = (won[0], 1 - won[0]);
+        let refused = results[loser].as_ref().unwrap_err();
+        assert!(refused.starts_with("update-in-progress: "), "{refused}");
+        let installed = std::fs::read(settings.binary(Slot::B)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&installed)), digests[winner], "the slot holds the winner's release");
+        let state = settings.load_state().unwrap().unwrap();
+        assert_eq!(state.pending.as_ref().map(|p| p.version.as_str()), Some(versions[winner]));
+        assert_eq!(state.versions.get(&Slot::B).map(String::as_str), Some(versions[winner]));
+        let left: Vec<_> = std::fs::read_dir(settings.slots_dir.join("b"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .filter(|n| n != BINARY_FILE)
+            .collect();
+        assert!(left.is_empty(), "no partial file left: {left:?}");
     }
 }

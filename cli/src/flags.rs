@@ -133,9 +133,17 @@ pub struct ConsumerArgs {
     /// Deliveries in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=256))]
     pub concurrency: u64,
-    /// Allow webhook receivers on private and link-local addresses (10/8, 192.168/16, fe80::/10…).
+    /// Allow webhook receivers on private addresses (10/8, 172.16/12, 192.168/16, 100.64/10,
+    /// fc00::/7). Link-local addresses (169.254/16, fe80::/10: the cloud metadata service's
+    /// neighbourhood) stay refused whatever this says.
     #[arg(long)]
     pub webhook_allow_private: bool,
+    /// A network BMCs are reached on, CIDR (`10.20.0.0/16`, `fd00:b::/64`) or one address
+    /// (repeatable). Without one, only public addresses; loopback, link-local and this host's
+    /// own addresses only when named exactly (`127.0.0.1/32`). Checked at enrollment and on
+    /// every address a BMC's name resolves to, at connect time.
+    #[arg(long = "bmc-allow-network", value_name = "CIDR")]
+    pub bmc_allow_networks: Vec<String>,
 }
 
 /// What `dev` and `serve` share: the address, sealing, and the reconcilers run in process.
@@ -178,6 +186,16 @@ pub struct ServerArgs {
     /// Connections open at once; more wait to be accepted.
     #[arg(long, default_value_t = bc_gateway::conn::CONNECTIONS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub connections_max: u64,
+    /// Watchers (`GET /watch`) connected at once; one more is refused with UNAVAILABLE. Below
+    /// --connections-max.
+    #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub watchers_max: u64,
+    /// Watchers one tenant's keys may hold at once (at most --watchers-max).
+    #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_PER_TENANT_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub watchers_per_tenant_max: u64,
+    /// Watchers one API key may hold at once (at most --watchers-per-tenant-max).
+    #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_PER_KEY_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub watchers_per_key_max: u64,
     #[command(flatten)]
     pub agents: AgentsArgs,
 }
@@ -201,6 +219,23 @@ pub struct AgentsArgs {
     /// How often a node is asked to heartbeat (less than half --node-lease).
     #[arg(long, default_value = "5s", value_parser = parse_node_lease_ms)]
     pub node_heartbeat: u64,
+    /// Agent connections open at once; more wait to be accepted.
+    #[arg(long, default_value_t = bc_gateway::agents::AGENT_CONNECTIONS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub agents_connections_max: u64,
+    /// Agent connections from one address at once; more are closed at once. Raise it when many
+    /// nodes reach the gateway through one NAT address (at most --agents-connections-max).
+    #[arg(long, default_value_t = bc_gateway::agents::AGENT_CONNECTIONS_PER_PEER_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub agents_connections_per_peer_max: u64,
+    /// How long a new agent connection may take to finish TLS, send the HTTP/2 preface and open
+    /// its first stream before it is closed.
+    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
+    pub agents_handshake_timeout: u64,
+    /// How long an agent connection may hold no stream before it is closed.
+    #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
+    pub agents_idle_timeout: u64,
+    /// Joins decided at once; one more is refused with UNAVAILABLE and a retry hint.
+    #[arg(long, default_value_t = bc_gateway::agents::JOINS_CONCURRENT_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub agents_joins_max: u64,
 }
 
 #[derive(Args)]
@@ -1338,9 +1373,13 @@ pub enum ReleasesCommand {
         /// The oldest version this release may update (semver).
         #[arg(long, value_name = "VERSION")]
         min_update_from: Option<String>,
-        /// It may replace a newer version (a release that rolls back).
-        #[arg(long)]
+        /// It may replace a newer version (a release that rolls back); needs --not-after.
+        #[arg(long, requires = "not_after")]
         allow_downgrade: bool,
+        /// Until when the release may be taken (RFC 3339 UTC, 2026-05-01T00:00:00Z; at most 30
+        /// days ahead when it is registered and taken): what a downgrade permission must say.
+        #[arg(long, value_name = "TIME")]
+        not_after: Option<String>,
         /// The manifest to write (and MANIFEST.sig beside it).
         #[arg(long, value_name = "MANIFEST")]
         out: PathBuf,
@@ -1607,6 +1646,16 @@ mod tests {
         let defaults = bc_gateway::agents::SessionConfig::default();
         assert_eq!((server.agents.node_lease, server.agents.node_heartbeat), (defaults.lease_ms, defaults.heartbeat_ms));
         assert_eq!(server.agents.agents_listen, DEFAULT_AGENTS_LISTEN);
+        let agents = bc_gateway::agents::AgentLimits::default();
+        let a = &server.agents;
+        assert_eq!(
+            (a.agents_connections_max, a.agents_connections_per_peer_max, a.agents_joins_max),
+            (agents.connections_max as u64, agents.connections_per_peer_max as u64, agents.joins_max as u64)
+        );
+        assert_eq!(
+            (a.agents_handshake_timeout, a.agents_idle_timeout),
+            (agents.handshake_timeout.as_millis() as u64, agents.idle_timeout.as_millis() as u64)
+        );
         assert!(!agents_insecure_h2c);
         // The certificate and its key go together.
         assert!(Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem"]).is_err());
@@ -1626,5 +1675,8 @@ mod tests {
         assert_eq!(server.idle_timeout, bc_gateway::conn::IDLE_TIMEOUT_S * 1000);
         assert_eq!(server.body_timeout, bc_gateway::conn::BODY_READ_TIMEOUT_S * 1000);
         assert_eq!(server.connections_max, bc_gateway::conn::CONNECTIONS_MAX as u64);
+        let watchers = (server.watchers_max, server.watchers_per_tenant_max, server.watchers_per_key_max);
+        let defaults = bc_gateway::watch::WatcherLimits::default();
+        assert_eq!(watchers, (defaults.total as u64, defaults.per_tenant as u64, defaults.per_key as u64));
     }
 }

@@ -7,13 +7,17 @@
 //! an agent's `[update] release_keys` and the control plane pin it.
 //!
 //! The **manifest** is JSON (camelCase), signed as its exact bytes: the format, the version, the
-//! oldest version it may update from, whether it may replace a newer one, the signer's key id,
-//! and per architecture the artifact's URL, SHA-256 and size. The **signature file** is one line,
+//! oldest version it may update from, whether it may replace a newer one and until when
+//! (`notAfter`, RFC 3339 UTC, which a manifest that allows a downgrade must carry, at most
+//! [`DOWNGRADE_VALID_S_MAX`] ahead), the signer's key id, and per architecture the artifact's
+//! URL, SHA-256 and size. A manifest without `allowDowngrade` keeps the format it always had. The **signature file** is one line,
 //! `rk_<16 hex> <base64 signature>`, over [`RELEASE_SIGNATURE_CONTEXT`] ‖ the manifest's bytes.
 //!
 //! [`verify`] checks the signature first (under the trusted key the line names) and only then
-//! parses what it signed; [`check_update`] says whether a running version may take it. Both are
-//! pure; the errors carry the stable codes an agent journals ([`ReleaseError::code`]).
+//! parses what it signed; [`check_validity`] says whether a downgrade permission holds at a time;
+//! [`check_update`] says whether a running version (and the highest this node ran, its floor)
+//! may take it. All are pure (time is an argument); the errors carry the stable codes an agent
+//! journals ([`ReleaseError::code`]).
 
 use std::path::{Path, PathBuf};
 
@@ -45,6 +49,12 @@ pub const ARCH_BYTES_MAX: usize = 32;
 /// The deadline of an `agent.update` command (`commands.issue` and the `rollouts` reconciler):
 /// the fetch, the switch, the re-exec and the new agent's confirmation of health fit in it.
 pub const UPDATE_COMMAND_DEADLINE_S: u64 = 600;
+/// The longest a downgrade permission may run: a manifest with `allowDowngrade` names a
+/// `notAfter` at most this far past the time it is checked (registered, issued, taken), so a
+/// signed way back to an old version cannot be kept and replayed for good.
+pub const DOWNGRADE_VALID_S_MAX: u64 = 30 * 24 * 3600;
+/// The longest `notAfter` text (`YYYY-MM-DDTHH:MM:SS.sssssssssZ`).
+pub const NOT_AFTER_BYTES_MAX: usize = 40;
 /// The prefix of a release key's id.
 pub const RELEASE_KEY_ID_PREFIX: &str = "rk_";
 
@@ -65,9 +75,13 @@ pub enum ReleaseError {
     /// The manifest is not a manifest of this format, or breaks a bound.
     #[error("release-malformed: {0}")]
     Malformed(String),
-    /// The release is older than what runs, and does not say it may downgrade.
+    /// The release is older than what runs (or than the newest version this node ran), and does
+    /// not say it may downgrade.
     #[error("release-downgrade: {0}")]
     Downgrade(String),
+    /// The manifest allows a downgrade, and its `notAfter` has passed.
+    #[error("release-expired: {0}")]
+    Expired(String),
     /// What runs is older than the release's `minUpdateFrom`.
     #[error("release-too-old: {0}")]
     TooOld(String),
@@ -93,6 +107,7 @@ impl ReleaseError {
             | Self::BadSignature(d)
             | Self::Malformed(d)
             | Self::Downgrade(d)
+            | Self::Expired(d)
             | Self::TooOld(d)
             | Self::ArtifactDigest(d)
             | Self::ArtifactSize(d)
@@ -108,6 +123,7 @@ impl ReleaseError {
             Self::BadSignature(_) => "release-bad-signature",
             Self::Malformed(_) => "release-malformed",
             Self::Downgrade(_) => "release-downgrade",
+            Self::Expired(_) => "release-expired",
             Self::TooOld(_) => "release-too-old",
             Self::ArtifactDigest(_) => "artifact-digest",
             Self::ArtifactSize(_) => "artifact-size",
@@ -286,6 +302,10 @@ pub struct Manifest {
     /// Whether it may replace a newer version (a rollback release).
     #[serde(default)]
     pub allow_downgrade: bool,
+    /// Until when (RFC 3339, UTC) the manifest may be taken: required with `allowDowngrade`, and
+    /// then at most [`DOWNGRADE_VALID_S_MAX`] ahead of the time it is checked at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_after: Option<String>,
     /// The release key that signs it.
     pub key_id: String,
     pub artifacts: Vec<Artifact>,
@@ -298,6 +318,56 @@ fn semver_of(field: &str, text: &str) -> std::result::Result<semver::Version, Re
     semver::Version::parse(text).map_err(|e| {
         ReleaseError::Malformed(format!("{field} {:?} is not a semantic version: {e}", crate::id::truncate(text, 40)))
     })
+}
+
+/// `notAfter` in milliseconds since the epoch: RFC 3339 in UTC (`2026-05-01T00:00:00Z`).
+pub fn not_after_ms_of(text: &str) -> std::result::Result<u64, ReleaseError> {
+    let bad = || {
+        ReleaseError::Malformed(format!(
+            "notAfter {:?} is not an RFC 3339 time in UTC (2026-05-01T00:00:00Z)",
+            crate::id::truncate(text, 40)
+        ))
+    };
+    if text.len() > NOT_AFTER_BYTES_MAX || !text.ends_with('Z') {
+        return Err(bad());
+    }
+    let at = humantime::parse_rfc3339(text).map_err(|_| bad())?;
+    let ms = at.duration_since(std::time::UNIX_EPOCH).map_err(|_| bad())?.as_millis();
+    u64::try_from(ms).map_err(|_| bad())
+}
+
+/// `ms` since the epoch as `notAfter` spells it (RFC 3339 UTC, whole seconds).
+pub fn not_after_text(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
+}
+
+/// Whether `manifest` may be taken at `now_ms` (registered, issued, installed): a manifest with
+/// a `notAfter` is refused past it (`release-expired`), and one whose `notAfter` is more than
+/// [`DOWNGRADE_VALID_S_MAX`] ahead is refused as malformed (a downgrade permission is
+/// short-lived by construction). A manifest without one (which then allows no downgrade) is
+/// always valid.
+pub fn check_validity(manifest: &Manifest, now_ms: u64) -> std::result::Result<(), ReleaseError> {
+    let Some(text) = &manifest.not_after else {
+        if manifest.allow_downgrade {
+            return Err(ReleaseError::Malformed("a manifest that allows a downgrade says until when: notAfter".into()));
+        }
+        return Ok(());
+    };
+    let not_after_ms = not_after_ms_of(text)?;
+    if now_ms >= not_after_ms {
+        return Err(ReleaseError::Expired(format!(
+            "release {} was valid until {text}; it is {} (sign it again with a new --not-after)",
+            manifest.version,
+            not_after_text(now_ms)
+        )));
+    }
+    if not_after_ms - now_ms > DOWNGRADE_VALID_S_MAX * 1000 {
+        return Err(ReleaseError::Malformed(format!(
+            "notAfter {text} is more than {} days ahead: a release is valid for at most that long",
+            DOWNGRADE_VALID_S_MAX / (24 * 3600)
+        )));
+    }
+    Ok(())
 }
 
 /// Whether `text` is a semantic version (what `version` and `minUpdateFrom` must be).
@@ -333,6 +403,11 @@ impl Manifest {
         }
         if !is_release_key_id(&self.key_id) {
             return malformed("keyId is not a release key id (rk_ + 16 hex)".into());
+        }
+        if let Some(not_after) = &self.not_after {
+            not_after_ms_of(not_after)?;
+        } else if self.allow_downgrade {
+            return malformed("a manifest that allows a downgrade says until when: notAfter (releases sign --not-after)".into());
         }
         if self.artifacts.is_empty() || self.artifacts.len() > ARTIFACTS_MAX {
             return malformed(format!("a manifest has 1 to {ARTIFACTS_MAX} artifacts"));
@@ -442,10 +517,18 @@ pub enum UpdateCheck {
     Same,
 }
 
-/// Whether the agent running `current` may take `manifest`: the same version is `Same`; an
-/// older one is refused (`release-downgrade`) unless the manifest allows it; a `current` older
-/// than `minUpdateFrom` is refused (`release-too-old`).
-pub fn check_update(current: &str, manifest: &Manifest) -> std::result::Result<UpdateCheck, ReleaseError> {
+/// Whether the agent running `current` may take `manifest` at `now_ms`, on a node that has run
+/// `floor` at the highest (none: nothing known beyond `current`): the same version is `Same`; a
+/// `current` older than `minUpdateFrom` is refused (`release-too-old`); a manifest past its
+/// `notAfter` is refused (`release-expired`, [`check_validity`]); a version older than what
+/// runs, or than the floor, is refused (`release-downgrade`) unless the manifest allows a
+/// downgrade (and is then, by [`check_validity`], within its `notAfter`).
+pub fn check_update(
+    current: &str,
+    floor: Option<&str>,
+    manifest: &Manifest,
+    now_ms: u64,
+) -> std::result::Result<UpdateCheck, ReleaseError> {
     let running = semver_of("the running version", current)?;
     let target = semver_of("version", &manifest.version)?;
     if running == target {
@@ -458,13 +541,18 @@ pub fn check_update(current: &str, manifest: &Manifest) -> std::result::Result<U
             "release {target} updates from {min} or later; this agent runs {running} (update to {min} first)"
         )));
     }
-    if target < running {
+    check_validity(manifest, now_ms)?;
+    // A floor that does not parse (a hand-edited state) is no floor: what runs still is one.
+    let floor = floor.and_then(|f| semver::Version::parse(f).ok()).filter(|f| *f > running);
+    if target < running || floor.as_ref().is_some_and(|f| target < *f) {
         if manifest.allow_downgrade {
             return Ok(UpdateCheck::Downgrade);
         }
-        return Err(ReleaseError::Downgrade(format!(
-            "release {target} is older than the running {running} and does not allow a downgrade"
-        )));
+        let newest = match &floor {
+            Some(f) => format!("the running {running} (this node has run {f})"),
+            None => format!("the running {running}"),
+        };
+        return Err(ReleaseError::Downgrade(format!("release {target} is older than {newest} and does not allow a downgrade")));
     }
     Ok(UpdateCheck::Upgrade)
 }
@@ -483,6 +571,7 @@ mod tests {
             version: version.into(),
             min_update_from: Some("0.1.0".into()),
             allow_downgrade: false,
+            not_after: None,
             key_id: key.key_id().into(),
             artifacts: vec![Artifact {
                 arch: "x86_64".into(),
@@ -594,22 +683,82 @@ mod tests {
         assert_eq!(verify(&trusted, &text, &long_signature).unwrap_err().code(), "release-bad-signature");
     }
 
+    /// 2026-05-01T00:00:00Z.
+    const MAY_1_MS: u64 = 1_777_593_600_000;
+    const DAY_MS: u64 = 24 * 3600 * 1000;
+
     #[test]
     fn updates_refuse_downgrades_and_too_old_agents() {
         let k = key(1);
         let m = manifest(&k, "0.2.0");
-        assert_eq!(check_update("0.1.0", &m), Ok(UpdateCheck::Upgrade));
-        assert_eq!(check_update("0.1.5", &m), Ok(UpdateCheck::Upgrade));
-        assert_eq!(check_update("0.2.0", &m), Ok(UpdateCheck::Same));
-        assert_eq!(check_update("0.3.0", &m).unwrap_err().code(), "release-downgrade");
-        assert_eq!(check_update("0.2.0-rc.1", &m), Ok(UpdateCheck::Upgrade), "a pre-release is older");
-        let allowed = Manifest { allow_downgrade: true, ..m.clone() };
-        assert_eq!(check_update("0.3.0", &allowed), Ok(UpdateCheck::Downgrade));
+        let check = |current: &str, m: &Manifest| check_update(current, None, m, MAY_1_MS);
+        assert_eq!(check("0.1.0", &m), Ok(UpdateCheck::Upgrade));
+        assert_eq!(check("0.1.5", &m), Ok(UpdateCheck::Upgrade));
+        assert_eq!(check("0.2.0", &m), Ok(UpdateCheck::Same));
+        assert_eq!(check("0.3.0", &m).unwrap_err().code(), "release-downgrade");
+        assert_eq!(check("0.2.0-rc.1", &m), Ok(UpdateCheck::Upgrade), "a pre-release is older");
+        let allowed = Manifest { allow_downgrade: true, not_after: Some("2026-05-08T00:00:00Z".into()), ..m.clone() };
+        assert_eq!(check("0.3.0", &allowed), Ok(UpdateCheck::Downgrade));
         let strict = Manifest { min_update_from: Some("0.1.5".into()), ..m.clone() };
-        let e = check_update("0.1.0", &strict).unwrap_err();
+        let e = check("0.1.0", &strict).unwrap_err();
         assert_eq!(e.code(), "release-too-old", "{e}");
-        assert_eq!(check_update("0.0.9", &Manifest { min_update_from: None, ..m.clone() }), Ok(UpdateCheck::Upgrade));
-        assert_eq!(check_update("nonsense", &m).unwrap_err().code(), "release-malformed");
+        assert_eq!(check("0.0.9", &Manifest { min_update_from: None, ..m.clone() }), Ok(UpdateCheck::Upgrade));
+        assert_eq!(check("nonsense", &m).unwrap_err().code(), "release-malformed");
+    }
+
+    #[test]
+    fn a_downgrade_permission_expires_and_is_short_lived() {
+        let k = key(1);
+        let trusted = [k.public().clone()];
+        // Allowing a downgrade without saying until when is not a manifest.
+        let unbounded = Manifest { allow_downgrade: true, ..manifest(&k, "0.1.0") };
+        let (text, signature) = signed(&k, &unbounded);
+        let e = verify(&trusted, &text, &signature).unwrap_err();
+        assert_eq!(e.code(), "release-malformed", "{e}");
+        assert!(e.detail().contains("notAfter"), "{e}");
+        assert_eq!(check_validity(&unbounded, MAY_1_MS).unwrap_err().code(), "release-malformed");
+
+        let downgrade = Manifest { not_after: Some("2026-05-08T00:00:00Z".into()), ..unbounded };
+        let (text, signature) = signed(&k, &downgrade);
+        assert_eq!(verify(&trusted, &text, &signature).unwrap(), downgrade, "notAfter is signed and round-trips");
+        assert_eq!(not_after_ms_of("2026-05-08T00:00:00Z"), Ok(MAY_1_MS + 7 * DAY_MS));
+        assert_eq!(not_after_text(MAY_1_MS), "2026-05-01T00:00:00Z");
+        assert_eq!(check_validity(&downgrade, MAY_1_MS), Ok(()));
+        assert_eq!(check_update("0.3.0", None, &downgrade, MAY_1_MS), Ok(UpdateCheck::Downgrade));
+        // Past it: refused, as a downgrade and as anything else.
+        let past = MAY_1_MS + 7 * DAY_MS;
+        assert_eq!(check_validity(&downgrade, past).unwrap_err().code(), "release-expired");
+        assert_eq!(check_update("0.3.0", None, &downgrade, past).unwrap_err().code(), "release-expired");
+        let any = Manifest { min_update_from: None, ..downgrade.clone() };
+        assert_eq!(check_update("0.0.5", None, &any, past).unwrap_err().code(), "release-expired", "an upgrade too");
+        // Too far ahead of the time it is checked at.
+        let early = MAY_1_MS + 7 * DAY_MS - DOWNGRADE_VALID_S_MAX * 1000 - 1;
+        assert_eq!(check_validity(&downgrade, early).unwrap_err().code(), "release-malformed");
+        for bad in ["2026-05-08", "2026-05-08T00:00:00+02:00", "tomorrow", "2026-05-08T00:00:00.0000000000000000000000Z"] {
+            let m = Manifest { not_after: Some(bad.into()), ..downgrade.clone() };
+            assert_eq!(m.check().unwrap_err().code(), "release-malformed", "{bad}");
+        }
+        // A manifest without allowDowngrade keeps the format it had: no notAfter in its text.
+        assert!(!manifest(&k, "0.2.0").to_text().contains("notAfter"));
+    }
+
+    #[test]
+    fn the_floor_refuses_what_runs_newer_versions_had_replaced() {
+        let k = key(1);
+        let m = Manifest { min_update_from: None, ..manifest(&k, "0.2.0") };
+        // Running 0.1.0 after a rollback from 0.3.0: 0.2.0 is an upgrade of what runs but
+        // older than what this node ran.
+        let e = check_update("0.1.0", Some("0.3.0"), &m, MAY_1_MS).unwrap_err();
+        assert_eq!(e.code(), "release-downgrade", "{e}");
+        assert!(e.detail().contains("this node has run 0.3.0"), "{e}");
+        assert_eq!(check_update("0.1.0", Some("0.2.0"), &m, MAY_1_MS), Ok(UpdateCheck::Upgrade), "the floor itself");
+        assert_eq!(check_update("0.1.0", Some("0.1.0"), &m, MAY_1_MS), Ok(UpdateCheck::Upgrade));
+        assert_eq!(check_update("0.1.0", Some("junk"), &m, MAY_1_MS), Ok(UpdateCheck::Upgrade));
+        // A valid downgrade permission goes below it; an expired one does not.
+        let allowed = Manifest { allow_downgrade: true, not_after: Some("2026-05-02T00:00:00Z".into()), ..m };
+        assert_eq!(check_update("0.1.0", Some("0.3.0"), &allowed, MAY_1_MS), Ok(UpdateCheck::Downgrade));
+        let e = check_update("0.1.0", Some("0.3.0"), &allowed, MAY_1_MS + DAY_MS).unwrap_err();
+        assert_eq!(e.code(), "release-expired", "{e}");
     }
 
     #[test]

@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 
 use bc_core::event::{Envelope, StoredEvent};
 use bc_core::store::{Projector, RowKey};
-use bc_projections::decide::{RolloutCreateInput, RolloutVerb, resolve_waves, rollout_create, rollout_plan, rollout_verb};
+use bc_projections::decide::{
+    RolloutCreateInput, RolloutVerb, agent_update_issue, resolve_waves, rollout_create, rollout_plan, rollout_verb,
+};
 use bc_projections::events::{self as ev, CommandIssued};
 use bc_projections::rollout::{
     AGENT_ROLLBACK, AGENT_UPDATE, BusyNodes, KIND_ROLLOUT, KIND_ROLLOUT_LIVE, ReleaseDoc, RolloutDoc, RolloutNodeState,
@@ -262,6 +264,71 @@ fn creation_refuses_overlap_downgrades_and_empty_sets() {
     let mut allowing = release();
     allowing.allow_downgrade = true;
     assert!(rollout_create("ro_3", &allowing, vec![&newer], &[], input(&["100%"], 1, 0)).is_ok());
+}
+
+/// A signed release of `version` by `key`, as `releases sign` writes it: (manifest, signature).
+fn signed(key: &bc_core::release::ReleaseKey, version: &str, downgrade_until: Option<&str>) -> (String, String) {
+    use bc_core::release::{Artifact, MANIFEST_FORMAT, Manifest};
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: version.into(),
+        min_update_from: None,
+        allow_downgrade: downgrade_until.is_some(),
+        not_after: downgrade_until.map(str::to_owned),
+        key_id: key.key_id().into(),
+        artifacts: vec![Artifact {
+            arch: "x86_64".into(),
+            url: "http://127.0.0.1:1/bcd".into(),
+            sha256: "ab".repeat(32),
+            size: 10,
+        }],
+    }
+    .to_text();
+    let signature = bc_core::release::sign(key, manifest.as_bytes());
+    (manifest, signature)
+}
+
+/// Issue 52 finding 6: `commands.issue` of `agent.update` sent any manifest, so a key with
+/// `commands:write` alone could send a node what `releases.register` refuses.
+#[test]
+fn agent_update_is_issued_only_for_a_registered_release_the_control_plane_trusts() {
+    use bc_core::release::ReleaseKey;
+    // 2026-05-01T00:00:00Z.
+    let now_ms = 1_777_593_600_000;
+    let (trusted_key, untrusted_key) = (ReleaseKey::from_seed([1; 32]), ReleaseKey::from_seed([2; 32]));
+    let trusted = [trusted_key.public().clone()];
+    let (manifest, signature) = signed(&trusted_key, TO, None);
+    let registered = ReleaseDoc { manifest: manifest.clone(), signature: signature.trim_end().to_owned(), ..release() };
+    let releases = [registered.clone()];
+
+    let issued = agent_update_issue(&trusted, &releases, &manifest, &signature, now_ms).unwrap();
+    assert_eq!(issued.release_id, registered.release_id);
+
+    let code = |e: bc_core::Error| (e.code(), e.to_string().split(':').next().unwrap_or_default().to_owned());
+    // Signed by a key the control plane does not trust, allowing a downgrade to 0.0.1: what
+    // releases.register refuses, refused here with the same code.
+    let (evil, evil_signature) = signed(&untrusted_key, "0.0.1", Some("2026-05-08T00:00:00Z"));
+    let refused = agent_update_issue(&trusted, &releases, &evil, &evil_signature, now_ms).unwrap_err();
+    assert_eq!(code(refused), (bc_core::ErrorCode::AccessDenied, "release-untrusted-key".into()));
+    assert_eq!(
+        agent_update_issue(&[], &releases, &manifest, &signature, now_ms).unwrap_err().code(),
+        bc_core::ErrorCode::AccessDenied
+    );
+    // Signed by a trusted key but never registered.
+    let (unregistered, unregistered_signature) = signed(&trusted_key, "0.0.1", Some("2026-05-08T00:00:00Z"));
+    let refused = agent_update_issue(&trusted, &releases, &unregistered, &unregistered_signature, now_ms).unwrap_err();
+    assert_eq!(code(refused), (bc_core::ErrorCode::InvalidState, "release-unregistered".into()));
+    // The registered version, another text.
+    let (other_text, other_signature) = signed(&trusted_key, TO, Some("2026-05-08T00:00:00Z"));
+    let refused = agent_update_issue(&trusted, &releases, &other_text, &other_signature, now_ms).unwrap_err();
+    assert!(refused.to_string().starts_with("release-unregistered: ") && refused.to_string().contains("rel_1"), "{refused}");
+    // Registered, but its downgrade permission has expired.
+    let downgrade = ReleaseDoc { manifest: unregistered.clone(), ..release() };
+    let week_ms = 7 * 24 * 3600 * 1000;
+    assert!(agent_update_issue(&trusted, &[downgrade.clone()], &unregistered, &unregistered_signature, now_ms).is_ok());
+    let expired =
+        agent_update_issue(&trusted, &[downgrade], &unregistered, &unregistered_signature, now_ms + week_ms).unwrap_err();
+    assert_eq!(code(expired), (bc_core::ErrorCode::InvalidArgument, "release-expired".into()));
 }
 
 #[test]

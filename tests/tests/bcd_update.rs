@@ -1,6 +1,8 @@
-//! `agent.update` end to end with real processes: `better-compute dev`, a fakehw `bcd node` with
-//! `[update]` pinning a release key made by `releases keygen`, releases made by `releases sign`
-//! and served on loopback. Refused releases (a tampered artifact, a key the node does not pin, a
+//! `agent.update` end to end with real processes: `better-compute dev` trusting two release keys
+//! made by `releases keygen`, a fakehw `bcd node` with `[update]` pinning the first, releases made
+//! by `releases sign`, registered by `releases register` and served on loopback. A release that
+//! is not registered is refused by `commands.issue` itself (`release-unregistered`, or the code
+//! `releases.register` gives a key it does not trust). Refused releases (a tampered artifact, a key the node does not pin, a
 //! downgrade) fail their command with the reason's code and touch nothing; a release whose
 //! binary exits at start is rolled back by the watchdog (the agent back on slot a, version A,
 //! the command failed `rolled-back: …`); a good release B (the same binary with the fakehw
@@ -53,8 +55,16 @@ async fn rollback(server: &Server, node: &str, to: &str) -> Value {
 }
 
 /// `releases sign` into `dir/NAME.json` (and `.sig`): version `version` of the file `artifact`
-/// served at `url`.
+/// served at `url`, then `releases register`.
 fn sign(server: &Server, key: &Path, dir: &Path, name: &str, version: &str, artifact: &Path, url: &str) -> PathBuf {
+    let out = sign_only(server, key, dir, name, version, artifact, url);
+    let (code, stdout, err) = server.cli(&["releases", "register", "--manifest", &out.display().to_string()]);
+    assert_eq!(code, 0, "releases register: {stdout} {err}");
+    out
+}
+
+/// [`sign`] without registering.
+fn sign_only(server: &Server, key: &Path, dir: &Path, name: &str, version: &str, artifact: &Path, url: &str) -> PathBuf {
     let out = dir.join(format!("{name}.json"));
     let item = format!("{}={}={url}", std::env::consts::ARCH, artifact.display());
     let (code, stdout, err) = server.cli(&[
@@ -77,24 +87,31 @@ fn sign(server: &Server, key: &Path, dir: &Path, name: &str, version: &str, arti
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
-    let (server, port) = bc_tests::agents_gateway();
-    let pool = server.pool("gpu-a").await;
     let work = tempfile::tempdir().unwrap();
     let dir = work.path();
 
-    // Two release keys: the node pins the first.
+    // Two release keys, both trusted by the control plane: the node pins the first.
     let key = dir.join("release.key");
-    let (code, out, err) = server.cli(&["releases", "keygen", "--out", &key.display().to_string(), "--format", "json"]);
+    let (code, out, err) = bc_tests::cli(&["releases", "keygen", "--out", &key.display().to_string(), "--format", "json"], &[]);
     assert_eq!(code, 0, "releases keygen: {err}");
     let made = json(&out);
     let pinned = std::fs::read_to_string(dir.join("release.key.pub")).unwrap().trim().to_owned();
     assert_eq!(made["publicKey"], pinned.as_str());
     use std::os::unix::fs::PermissionsExt as _;
     assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
-    let (code, _, err) = server.cli(&["releases", "keygen", "--out", &key.display().to_string()]);
+    let (code, _, err) = bc_tests::cli(&["releases", "keygen", "--out", &key.display().to_string()], &[]);
     assert_ne!(code, 0, "never over a key: {err}");
     let other_key = dir.join("other.key");
-    assert_eq!(server.cli(&["releases", "keygen", "--out", &other_key.display().to_string()]).0, 0);
+    assert_eq!(bc_tests::cli(&["releases", "keygen", "--out", &other_key.display().to_string()], &[]).0, 0);
+    let untrusted_key = dir.join("untrusted.key");
+    assert_eq!(bc_tests::cli(&["releases", "keygen", "--out", &untrusted_key.display().to_string()], &[]).0, 0);
+    let (server, port) = bc_tests::agents_gateway_with(&[
+        "--release-key",
+        &dir.join("release.key.pub").display().to_string(),
+        "--release-key",
+        &dir.join("other.key.pub").display().to_string(),
+    ]);
+    let pool = server.pool("gpu-a").await;
 
     // Version A, and release B: the same binary with the fakehw version trailer.
     let (code, version_a, _) = bc_tests::bcd(&["version"], &[], None);
@@ -155,11 +172,28 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         bytes[last] ^= 0xff;
         ImageServer::start("bcd-tampered", bytes)
     };
+    // Issue 52: commands.issue sent any manifest; now only a registered one, still under a key
+    // the control plane trusts. Neither reaches the node.
+    let text = |p: &Path| std::fs::read_to_string(p).unwrap();
+    let with_sig = |p: &Path| {
+        let mut s = p.as_os_str().to_owned();
+        s.push(".sig");
+        PathBuf::from(s)
+    };
+    let unregistered = sign_only(&server, &key, dir, "unregistered", "9.9.9", &artifact_b, &served_b.url);
+    let untrusted = sign_only(&server, &untrusted_key, dir, "untrusted", "9.9.8", &artifact_b, &served_b.url);
+    for (manifest, status, code) in [(&unregistered, 409, "release-unregistered: "), (&untrusted, 403, "release-untrusted-key: ")]
+    {
+        let args = json!({ "manifest": text(manifest), "signature": text(&with_sig(manifest)) });
+        let (got, body) = issue(&server, &node, "agent.update", args).await;
+        assert_eq!(got, status, "{body}");
+        assert!(body["message"].as_str().unwrap_or_default().starts_with(code), "{body}");
+    }
     let refusals = [
-        ("tampered", sign(&server, &key, dir, "tampered", "9.0.0", &artifact_b, &tampered.url), "artifact-digest: "),
+        ("tampered", sign(&server, &key, dir, "tampered", "9.0.1", &artifact_b, &tampered.url), "artifact-digest: "),
         (
             "other-key",
-            sign(&server, &other_key, dir, "other-key", "9.0.0", &artifact_b, &served_b.url),
+            sign(&server, &other_key, dir, "other-key", "9.0.2", &artifact_b, &served_b.url),
             "release-untrusted-key: ",
         ),
         ("downgrade", sign(&server, &key, dir, "downgrade", "0.0.1", &artifact_b, &served_b.url), "release-downgrade: "),
@@ -264,10 +298,9 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         let (status, body) = issue("agent.rollback", args.clone()).await;
         assert_eq!(status, 400, "{args}: {body}");
     }
-    let text = |p: PathBuf| std::fs::read_to_string(p).unwrap();
     let (status, body) = issue(
         "agent.update",
-        json!({ "manifest": text(manifest_b.clone()), "signature": text(dir.join("b.json.sig")), "rolloutId": "ro_nope" }),
+        json!({ "manifest": text(&manifest_b), "signature": text(&dir.join("b.json.sig")), "rolloutId": "ro_nope" }),
     )
     .await;
     assert_eq!(status, 400, "{body}");

@@ -35,7 +35,7 @@ pub fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
                 "publicKeyFile": public.display().to_string(), "publicKey": key.public().line(),
             })
         }
-        ReleasesCommand::Sign { key, version, artifacts, url_base, min_update_from, allow_downgrade, out } => {
+        ReleasesCommand::Sign { key, version, artifacts, url_base, min_update_from, allow_downgrade, not_after, out } => {
             let key = ReleaseKey::load(&key)?;
             let mut listed = Vec::new();
             for item in &artifacts {
@@ -46,6 +46,7 @@ pub fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
                 version,
                 min_update_from,
                 allow_downgrade,
+                not_after,
                 key_id: key.key_id().into(),
                 artifacts: listed,
             };

@@ -9,6 +9,7 @@ use bc_core::Result;
 use bc_core::id::{CommandId, NodeId, RolloutId, TenantId};
 use bc_core::store::ExpectedVersion;
 use bc_projections::events as ev;
+use bc_projections::rollout::{KIND_RELEASE, ReleaseDoc};
 use bc_projections::{
     COMMANDS_PENDING_PER_NODE_MAX, CommandDoc, CommandState, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, NodeCommandsDoc,
     NodeDoc, stream_of,
@@ -64,8 +65,10 @@ string_schema!(
 pub struct PingArgs {}
 
 /// `agent.update`'s arguments: a signed release, exactly as signed. The gateway checks their
-/// bounds and that the manifest is one; the agent checks the signature against its own pinned
-/// release keys (the control plane is not what it trusts).
+/// bounds and that the manifest is one, then that it is one of the tenant's registered releases,
+/// still signed under a release key the control plane trusts and, if it allows a downgrade,
+/// within its `notAfter` (`decide::agent_update_issue`); the agent checks the signature again
+/// against its own pinned release keys (the control plane is not what it trusts).
 #[derive(Deserialize, JsonSchema, serde::Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AgentUpdateArgs {
@@ -271,6 +274,22 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
             message: format!("node {node_id} has no agent: it was registered by hand"),
             hint: Some("commands go to nodes that joined with bcd join".into()),
         });
+    }
+    if kind == AGENT_UPDATE {
+        // Only a registered release, checked again as releases.register checks it: a key that
+        // may issue commands but not register releases sends a node nothing register refuses.
+        let update: AgentUpdateArgs =
+            serde_json::from_value(args.clone()).map_err(|e| Error::Internal(format!("command args: {e}")))?;
+        let rows =
+            call.state.store.row_list(&tenant.to_string(), KIND_RELEASE, None, super::releases::RELEASES_PER_TENANT_MAX).await?;
+        let releases = rows.into_iter().map(doc::<ReleaseDoc>).collect::<Result<Vec<_>>>()?;
+        bc_projections::decide::agent_update_issue(
+            &call.state.release_keys,
+            &releases,
+            &update.manifest,
+            &update.signature,
+            call.now_ms(),
+        )?;
     }
     check_node_queue(call, tenant, &node_id.to_string()).await?;
     let command = CommandId::from_ulid(call.ulid());

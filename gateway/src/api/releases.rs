@@ -2,7 +2,9 @@
 //! signature (`better-compute release sign` makes both) and keeps them only when the signature
 //! verifies under a release key this deployment was configured with (`--release-key`): keys are
 //! trusted by configuration, never because a caller sent them. A version is registered once
-//! per tenant. The agents check the same signature again under their own pinned keys.
+//! per tenant. A manifest that allows a downgrade must say until when (`notAfter`) and is
+//! refused past it. The agents check the same signature again under their own pinned keys;
+//! `commands.issue` sends `agent.update` only for a registered release.
 
 use bc_core::id::{ReleaseId, TenantId, truncate};
 use bc_core::release::{MANIFEST_BYTES_MAX, SIGNATURE_BYTES_MAX};
@@ -112,20 +114,11 @@ async fn releases_register(call: &Call<'_>, input: ReleasesRegister) -> Result<R
     let tenant = call.tenant(&input.tenant_id).await?;
     // A signature that does not verify under a key this deployment trusts is a signer that may
     // not publish releases here: ACCESS_DENIED (the signature is checked before the manifest is
-    // read at all). A manifest a trusted key signed that does not hold up is INVALID_ARGUMENT.
-    let keys = &call.state.release_keys;
-    if keys.is_empty() {
-        return Err(Error::AccessDenied(
-            "release-untrusted-key: this control plane trusts no release key (start it with --release-key FILE.pub, from `better-compute releases keygen`)".into(),
-        ));
-    }
-    let manifest = bc_core::release::verify(keys, input.manifest.as_bytes(), &input.signature).map_err(|e| match e {
-        bc_core::release::ReleaseError::Malformed(_) => Error::InvalidArgument {
-            message: format!("{}: {}", e.code(), e.detail()),
-            hint: Some("make the manifest with `better-compute releases sign`".into()),
-        },
-        _ => Error::AccessDenied(format!("{}: {}", e.code(), e.detail())),
-    })?;
+    // read at all). A manifest a trusted key signed that does not hold up, or a downgrade
+    // permission past its notAfter, is INVALID_ARGUMENT (`decide::release_check`, which
+    // `commands.issue` of `agent.update` applies too).
+    let manifest =
+        bc_projections::decide::release_check(&call.state.release_keys, &input.manifest, &input.signature, call.now_ms())?;
     let _names = call.state.name_locks.lock(tenant).await;
     if !call.is_retry(tenant).await? {
         let rows = call.state.store.row_list(&tenant.to_string(), KIND_RELEASE, None, RELEASES_PER_TENANT_MAX).await?;

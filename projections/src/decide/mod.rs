@@ -45,7 +45,10 @@ pub use plan::{Action, Policy, QueueRule, needs_nodes, plan, plan_with};
 pub use reservation::{
     ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create, reservation_extend, reservation_release,
 };
-pub use rollout::{RolloutCreateInput, RolloutPlan, RolloutVerb, resolve_waves, rollout_create, rollout_plan, rollout_verb};
+pub use rollout::{
+    RolloutCreateInput, RolloutPlan, RolloutVerb, agent_update_issue, release_check, release_refusal, resolve_waves,
+    rollout_create, rollout_plan, rollout_verb,
+};
 
 /// One append a decision asks for: `events` on `stream` (or, for an event that names one, on
 /// another stream of the tenant, which is then one of the `guards`), if `stream` is at

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use bc_core::release::{Manifest, ReleaseError, ReleasePublicKey};
 use bc_core::store::{ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use serde_json::json;
@@ -162,6 +163,64 @@ pub fn rollout_create(
         guards: Vec::new(),
         events: vec![NewEvent::new(ROLLOUT_CREATED, to_cbor(&created)?)],
     })
+}
+
+/// A release refused by `releases.register` or `commands.issue`, as the caller sees it: a
+/// signer this control plane does not trust, or a signature that does not hold, is
+/// ACCESS_DENIED (a caller may not publish it here); a manifest that does not hold up, or a
+/// downgrade permission past its `notAfter`, is INVALID_ARGUMENT. The message starts with the
+/// stable code of `bc_core::release` (`release-untrusted-key: …`), the words an agent journals.
+pub fn release_refusal(e: ReleaseError) -> Error {
+    match e {
+        ReleaseError::Malformed(_) | ReleaseError::Expired(_) => Error::InvalidArgument {
+            message: format!("{}: {}", e.code(), e.detail()),
+            hint: Some("make the manifest with `better-compute releases sign`".into()),
+        },
+        _ => Error::AccessDenied(format!("{}: {}", e.code(), e.detail())),
+    }
+}
+
+/// Checks a release the way `releases.register` does: signed under one of `trusted` (the
+/// control plane's `--release-key`s, none: every release refused), its fields in their bounds,
+/// and a downgrade permission within its `notAfter` at `now_ms`.
+pub fn release_check(trusted: &[ReleasePublicKey], manifest: &str, signature: &str, now_ms: u64) -> Result<Manifest> {
+    if trusted.is_empty() {
+        return Err(Error::AccessDenied(
+            "release-untrusted-key: this control plane trusts no release key (start it with --release-key FILE.pub, from `better-compute releases keygen`)".into(),
+        ));
+    }
+    let parsed = bc_core::release::verify(trusted, manifest.as_bytes(), signature).map_err(release_refusal)?;
+    bc_core::release::check_validity(&parsed, now_ms).map_err(release_refusal)?;
+    Ok(parsed)
+}
+
+/// `commands.issue` of `agent.update`: only a release of the tenant's registered ones (`releases`,
+/// the tenant's `release/…` documents), byte for byte as registered, checked again as
+/// `releases.register` checks it ([`release_check`]: still under a key the control plane trusts,
+/// a downgrade permission not expired). So a key holding `commands:write` alone sends a node
+/// nothing `releases.register` (`releases:write`) would refuse. Returns the registered release.
+pub fn agent_update_issue<'a>(
+    trusted: &[ReleasePublicKey],
+    releases: &'a [ReleaseDoc],
+    manifest: &str,
+    signature: &str,
+    now_ms: u64,
+) -> Result<&'a ReleaseDoc> {
+    let parsed = release_check(trusted, manifest, signature, now_ms)?;
+    if let Some(registered) = releases.iter().find(|r| r.manifest == manifest) {
+        return Ok(registered);
+    }
+    let message = match releases.iter().find(|r| r.release_version == parsed.version) {
+        Some(other) => format!(
+            "release-unregistered: this manifest of {} is not the one registered as {} (same version, other text)",
+            parsed.version, other.release_id
+        ),
+        None => format!("release-unregistered: release {} is not registered in this tenant", parsed.version),
+    };
+    Err(Error::state(
+        message,
+        "register it first (better-compute releases register), then send it, or roll it out (rollouts create)",
+    ))
 }
 
 /// An operator's verb on a rollout.
