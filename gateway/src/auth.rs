@@ -102,8 +102,10 @@ impl Principal {
         })
     }
 
-    /// Checks `action` on `tenant`: a key acts in its own tenant; the root tenant's keys act in
-    /// any tenant.
+    /// Checks `action` on `tenant`: a key acts in its own tenant; a key of the root tenant (an
+    /// operator's) acts in every tenant, and there too only with the actions it holds: a root
+    /// key granted `compute:events:read` alone reads every tenant's events and changes nothing.
+    /// A key meant for one tenant is made in that tenant.
     pub fn authorize(&self, action: &str, tenant: TenantId) -> Result<()> {
         if tenant != self.tenant && !self.is_root() {
             return Err(Error::AccessDenied(format!("this key belongs to tenant {} and cannot act in {tenant}", self.tenant)));
@@ -306,5 +308,15 @@ mod tests {
         assert!(check_grantable(&p, &["compute:pools:read".into(), "compute:pools:*".into()]).is_ok());
         assert!(check_grantable(&p, &["*".into()]).is_err());
         assert!(check_grantable(&p, &["compute:nodes:read".into()]).is_err());
+    }
+
+    /// A root key acts in every tenant with the actions it holds, and with no other.
+    #[test]
+    fn a_root_key_acts_in_every_tenant_within_its_actions() {
+        let root = Principal { tenant: TenantId::ROOT, key_id: "k".into(), actions: vec!["compute:events:read".into()] };
+        let elsewhere = TenantId::generate();
+        assert!(root.authorize("compute:events:read", elsewhere).is_ok());
+        assert!(root.authorize("compute:pools:write", elsewhere).is_err());
+        assert!(root.authorize("compute:pools:write", TenantId::ROOT).is_err());
     }
 }
