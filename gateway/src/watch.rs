@@ -376,6 +376,21 @@ impl Default for WatcherLimits {
     }
 }
 
+impl WatcherLimits {
+    /// Limits an operator set, checked: each at least 1, a key's at most its tenant's, a
+    /// tenant's at most the total, and the total below the connections a gateway keeps open
+    /// (every watcher holds one, and the API needs some for itself).
+    pub fn checked(total: usize, per_tenant: usize, per_key: usize, connections_max: usize) -> Result<Self> {
+        if per_key == 0 || per_key > per_tenant || per_tenant > total || total >= connections_max {
+            return Err(Error::invalid(format!(
+                "watcher limits must hold 1 <= per key ({per_key}) <= per tenant ({per_tenant}) <= total ({total}) < \
+                 connections ({connections_max})"
+            )));
+        }
+        Ok(Self { total, per_tenant, per_key })
+    }
+}
+
 /// Watcher slots, counted in total, per tenant (of the calling key) and per key.
 #[derive(Debug, Default)]
 pub struct WatcherSlots {

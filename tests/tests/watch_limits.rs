@@ -163,3 +163,38 @@ async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
     assert!(sink.starts_with(b"HTTP/1.1 200"), "it was a watch: {:?}", String::from_utf8_lossy(&sink[..sink.len().min(200)]));
     drop((held, admitted));
 }
+
+/// The three caps are the operator's flags: lowered, each refuses the next watcher with 503
+/// naming the limit reached; a set that cannot hold (a key's above its tenant's) stops the
+/// server before it starts, with exit status 2.
+#[tokio::test]
+async fn the_watcher_caps_are_the_operators_flags() {
+    let caps = ["--watchers-max", "3", "--watchers-per-tenant-max", "2", "--watchers-per-key-max", "1"];
+    let server = Server::dev_with(&caps);
+    let client = reqwest::Client::new();
+    let tenants = tenant_keys(&server, 2, 2).await;
+    let first = open(&server, &client, &tenants[0][0]).await;
+    assert_eq!(first.status(), 200);
+    let refused = open(&server, &client, &tenants[0][0]).await;
+    assert_eq!(refused.status(), 503, "a key's second watcher");
+    assert!(refused.text().await.unwrap().contains("key"), "the refusal names the key's limit");
+    let second = open(&server, &client, &tenants[0][1]).await;
+    assert_eq!(second.status(), 200);
+    let root = open(&server, &client, &server.token).await;
+    assert_eq!(root.status(), 200, "the root tenant has a share of its own");
+    let over_total = open(&server, &client, &tenants[1][0]).await;
+    assert_eq!(over_total.status(), 503, "a fourth watcher, past --watchers-max 3");
+    let body: Value = over_total.json().await.unwrap();
+    assert_eq!(body["code"], "UNAVAILABLE", "{body}");
+    assert!(body["message"].as_str().unwrap().starts_with("3 watchers are connected already"), "{body}");
+    drop((first, second, root));
+
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().display().to_string();
+    let (code, _, err) = bc_tests::cli(
+        &["dev", "--data-dir", &data_dir, "--listen", "127.0.0.1:0", "--watchers-per-tenant-max", "2", "--watchers-per-key-max", "5"],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("per key (5) <= per tenant (2)"), "{err}");
+}
