@@ -14,10 +14,20 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub mod fake;
+pub mod network;
 pub mod redfish;
+
+pub use network::BmcNetworks;
 
 /// The longest one request to a BMC may take, connecting included.
 pub const REQUEST_TIMEOUT_S: u64 = 30;
+
+/// The longest connecting to a BMC may take (TCP and the TLS handshake): a BMC on a
+/// management network answers a connection in milliseconds, and one that does not (a dead
+/// address, a tarpit) holds its machine's turn no longer than this.
+pub const CONNECT_TIMEOUT_S: u64 = 5;
+
+const _: () = assert!(CONNECT_TIMEOUT_S < REQUEST_TIMEOUT_S);
 
 /// A system's power state, as Redfish names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,9 +116,15 @@ pub enum BmcError {
     /// No answer within [`REQUEST_TIMEOUT_S`].
     #[error("the BMC did not answer in time: {0}")]
     Timeout(String),
-    /// No connection (refused, DNS, TLS: the certificate did not verify).
+    /// No connection (refused, DNS, TLS: the certificate did not verify). One text for every
+    /// cause, so the error does not tell a closed port from an open one; the cause is in the
+    /// log.
     #[error("the BMC is unreachable: {0}")]
     Unreachable(String),
+    /// The address is outside the deployment's BMC networks ([`BmcNetworks`]): nothing was
+    /// sent.
+    #[error("the BMC's address is refused: {0}")]
+    AddressRefused(String),
     /// The BMC answered with an error status.
     #[error("the BMC refused the request (HTTP {status}): {message}")]
     Refused { status: u16, message: String },
@@ -126,6 +142,7 @@ impl BmcError {
             BmcError::Unauthorized(_) => "unauthorized",
             BmcError::Timeout(_) => "timeout",
             BmcError::Unreachable(_) => "unreachable",
+            BmcError::AddressRefused(_) => "address-refused",
             BmcError::Refused { .. } => "refused",
             BmcError::Protocol(_) => "protocol",
         }
@@ -193,11 +210,14 @@ pub trait BmcConnector: Send + Sync {
     fn connect(&self, target: &BmcTarget) -> BmcResult<Arc<dyn Bmc>>;
 }
 
-/// The connector of `dev` and `serve`: a Redfish client per target.
-pub struct RedfishConnector;
+/// The connector of `dev`, `serve` and `reconcile`: a Redfish client per target, connecting
+/// only to addresses inside the deployment's BMC networks.
+pub struct RedfishConnector {
+    pub networks: BmcNetworks,
+}
 
 impl BmcConnector for RedfishConnector {
     fn connect(&self, target: &BmcTarget) -> BmcResult<Arc<dyn Bmc>> {
-        Ok(Arc::new(redfish::RedfishBmc::new(target)?))
+        Ok(Arc::new(redfish::RedfishBmc::new(target, &self.networks)?))
     }
 }

@@ -14,8 +14,19 @@
 //! `CD` or `DVD`. The paths found are kept for the client's life. Every link is checked to stay
 //! on the BMC's own origin, so the credentials go nowhere else.
 //!
-//! The password is sent in the `Authorization` header only; it is in no URL, error, log line or
-//! `Debug` output (and an error text that echoes it is scrubbed).
+//! Where it connects: only to addresses the deployment's [`BmcNetworks`] admit, an address
+//! literal checked when the client is made (one per step) and every address a name resolves to
+//! checked by the client's resolver, at connect time.
+//!
+//! What its errors say (they end up in `workflow.lastError`, which the tenant reads): the
+//! request (`GET /redfish/v1/Systems`), the HTTP status and the Redfish error's messages, never
+//! an answer's raw body, a redirect's target or the transport's cause: every failure to get a
+//! TLS session (refused, timed out, not TLS, the certificate) reads the same, so an error does
+//! not tell an open port from a closed one. The cause is in the log, for the operator.
+//!
+//! The password is sent in the `Authorization` header only; no error, log line or `Debug`
+//! output is built from it (errors are made of the request's method and path, the status and
+//! the BMC's own message), so none needs scrubbing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +42,11 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::OnceCell;
 
-use crate::{Bmc, BmcError, BmcResult, BmcTarget, BmcTls, BootSource, PowerState, REQUEST_TIMEOUT_S, ResetType, SystemInfo};
+use crate::network::{BmcNetworks, address_refused};
+use crate::{
+    Bmc, BmcError, BmcResult, BmcTarget, BmcTls, BootSource, CONNECT_TIMEOUT_S, PowerState, REQUEST_TIMEOUT_S, ResetType,
+    SystemInfo,
+};
 
 /// The largest answer read from a BMC; a longer one is refused as a protocol error (a
 /// ComputerSystem is a few KiB).
@@ -88,10 +103,15 @@ struct Answer {
 }
 
 impl RedfishBmc {
-    /// A client for `target`: checks the address (`https://host[:port]`, nothing else) and
-    /// builds the TLS configuration its [`BmcTls`] asks for. Sends nothing yet.
-    pub fn new(target: &BmcTarget) -> BmcResult<Self> {
+    /// A client for `target`: checks the address (`https://host[:port]`, nothing else; an
+    /// address literal inside `networks`) and builds the TLS configuration its [`BmcTls`] asks
+    /// for. Sends nothing yet; a host name is resolved, and its addresses checked against
+    /// `networks`, when a request connects.
+    pub fn new(target: &BmcTarget, networks: &BmcNetworks) -> BmcResult<Self> {
         let origin = origin_of(&target.address)?;
+        if let Some(host) = origin.host() {
+            networks.check_literal(&host)?;
+        }
         if let Some(path) = &target.system_path
             && (!path.starts_with('/') || path.starts_with("//"))
         {
@@ -116,7 +136,8 @@ impl RedfishBmc {
             .tls_backend_preconfigured(tls)
             .https_only(true)
             .http1_only()
-            .connect_timeout(Duration::from_secs(REQUEST_TIMEOUT_S))
+            .connect_timeout(Duration::from_secs(CONNECT_TIMEOUT_S))
+            .dns_resolver(Arc::new(NetworksResolver { networks: networks.clone() }))
             .timeout(Duration::from_secs(REQUEST_TIMEOUT_S))
             .redirect(reqwest::redirect::Policy::none())
             // A BMC is reached directly on its management network; a proxy from the
@@ -279,10 +300,11 @@ impl RedfishBmc {
         }
         let mut message = error_message(&bytes).unwrap_or_else(|| status.canonical_reason().unwrap_or("no message").to_owned());
         if status.is_redirection() {
-            let to = location.map(|l| format!(" to {l:?}")).unwrap_or_default();
-            message = format!("a redirect{to}; the client follows none (is the address the BMC's own?)");
+            // Where it points stays in the log: the tenant learns of a redirect, not its target.
+            tracing::info!(bmc = %self.origin, request = %what, location = ?location, "the BMC answered a redirect");
+            message = "a redirect; the client follows none (is the address the BMC's own?)".to_owned();
         }
-        let message = self.scrub(&format!("{what}: {message}"));
+        let message = format!("{what}: {message}");
         Err(match status {
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
                 BmcError::Unauthorized(format!("HTTP {} for {message}", status.as_u16()))
@@ -304,18 +326,22 @@ impl RedfishBmc {
         Ok(url)
     }
 
+    /// What a failed exchange tells the caller: one text for every failure to get a TLS
+    /// session, whatever its cause (which goes to the log), so the text does not tell a closed
+    /// port, a silent one, one that is not TLS and one with another certificate apart.
     fn transport_error(&self, what: &str, e: &reqwest::Error) -> BmcError {
-        let detail = self.scrub(&chain(e));
-        if e.is_timeout() {
-            BmcError::Timeout(format!("{what}: no answer within {} ms ({detail})", self.timeout.as_millis()))
-        } else {
-            BmcError::Unreachable(format!("{what}: {detail}"))
+        let refused = error_sources(e).any(|s| s.is::<AddressRefused>());
+        tracing::info!(bmc = %self.origin, request = %what, error = %chain(e), "a BMC request failed");
+        if refused {
+            return address_refused();
         }
-    }
-
-    /// `text` without the password in it, should a BMC or a library ever echo it.
-    fn scrub(&self, text: &str) -> String {
-        if self.password.is_empty() { text.to_owned() } else { text.replace(&self.password, "<redacted>") }
+        if e.is_connect() {
+            BmcError::Unreachable(format!("{what}: {NO_SESSION}"))
+        } else if e.is_timeout() {
+            BmcError::Timeout(format!("{what}: no answer within {} ms", self.timeout.as_millis()))
+        } else {
+            BmcError::Unreachable(format!("{what}: the connection to the BMC ended before its answer"))
+        }
     }
 }
 
@@ -368,6 +394,42 @@ impl Bmc for RedfishBmc {
             None => Ok(()),
         }
     }
+}
+
+/// The one text of every failure to get a TLS session with a BMC.
+pub const NO_SESSION: &str = "no TLS session with the BMC (the connection was refused or timed out, the port does not \
+speak TLS, or the certificate did not verify); hint: a BMC whose certificate is self-signed (its own CA) is trusted by its \
+key with --bmc-pin sha256/… (the log of the process that ran the step names the cause and the key the BMC presents)";
+
+/// Resolves a BMC's host name, keeping only the addresses the BMC networks admit.
+struct NetworksResolver {
+    networks: BmcNetworks,
+}
+
+impl reqwest::dns::Resolve for NetworksResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let networks = self.networks.clone();
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let admitted: Vec<std::net::SocketAddr> = addrs.iter().copied().filter(|a| networks.admits(a.ip()).is_ok()).collect();
+            if admitted.is_empty() {
+                // Which addresses stays in the operator's log: the tenant learns only that
+                // the name was refused.
+                tracing::warn!(host = %host, addresses = ?addrs, "a BMC's name resolves only to addresses outside the BMC networks");
+                return Err(Box::new(AddressRefused) as Box<dyn std::error::Error + Send + Sync>);
+            }
+            Ok(Box::new(admitted.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the BMC's name resolves only to addresses outside the BMC networks")]
+struct AddressRefused;
+
+fn error_sources<'a>(e: &'a (dyn std::error::Error + 'static)) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |e| e.source())
 }
 
 /// `https://host[:port]` from the target's address: no other scheme, no credentials, no path.
@@ -438,7 +500,12 @@ fn client_config(tls: &BmcTls) -> BmcResult<rustls::ClientConfig> {
         .with_safe_default_protocol_versions()
         .map_err(|e| BmcError::Protocol(format!("the TLS configuration: {e}")))?;
     let mut config = match tls {
-        BmcTls::CaBundle { pem } => builder.with_root_certificates(ca_roots(pem)?).with_no_client_auth(),
+        BmcTls::CaBundle { pem } => {
+            let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(ca_roots(pem)?), provider.clone())
+                .build()
+                .map_err(|e| BmcError::Protocol(format!("the BMC's CA bundle: {e}")))?;
+            builder.dangerous().with_custom_certificate_verifier(Arc::new(CaVerifier { inner })).with_no_client_auth()
+        }
         BmcTls::Pin { pin } => {
             builder.dangerous().with_custom_certificate_verifier(Arc::new(PinVerifier::new(pin, provider)?)).with_no_client_auth()
         }
@@ -461,6 +528,66 @@ fn ca_roots(pem: &str) -> BmcResult<rustls::RootCertStore> {
         return Err(BmcError::Protocol("the BMC's CA bundle holds no certificate".into()));
     }
     Ok(roots)
+}
+
+/// The CA bundle's check (webpki's, the host name included), whose refusal says what to do: a
+/// BMC's self-signed certificate (its own CA, webpki's bare `CaUsedAsEndEntity`) is trusted by
+/// pinning its key, and the refusal names the key it presented.
+#[derive(Debug)]
+struct CaVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+}
+
+/// The certificate did not verify against the CA bundle.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{cause}: the BMC's certificate does not verify against its CA bundle; if it is self-signed (its own CA), trust it by its key instead: --bmc-pin {presented}"
+)]
+struct NotByTheCa {
+    cause: String,
+    presented: String,
+}
+
+impl ServerCertVerifier for CaVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.inner.verify_server_cert(end_entity, intermediates, server_name, ocsp, now).map_err(|e| match e {
+            rustls::Error::InvalidCertificate(cause) => {
+                let presented = spki_pin(end_entity).unwrap_or_else(|_| "(its key is unreadable)".into());
+                let explained = NotByTheCa { cause: format!("{cause:?}"), presented };
+                rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(Arc::new(explained))))
+            }
+            other => other,
+        })
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }
 
 /// The pin of a certificate's key: `sha256/` + base64 of the SHA-256 of its DER
@@ -715,8 +842,9 @@ fn system_info(system: &Value, media: Option<&Value>) -> SystemInfo {
 // --- Redfish JSON, errors -------------------------------------------------------------------
 
 /// What a BMC's error answer says: `error.message` and the `@Message.ExtendedInfo` messages
-/// (where iDRAC and iLO put the specific reason), or the body's text when it is not JSON; cut
-/// to [`MESSAGE_CHARS_MAX`].
+/// (where iDRAC and iLO put the specific reason), cut to [`MESSAGE_CHARS_MAX`]; nothing from
+/// an answer that is not a Redfish error (its raw body never reaches an error: whatever
+/// answered may not be a BMC).
 fn error_message(body: &[u8]) -> Option<String> {
     let message = match serde_json::from_slice::<Value>(body) {
         Ok(value) => {
@@ -734,14 +862,7 @@ fn error_message(body: &[u8]) -> Option<String> {
             }
             parts.join("; ")
         }
-        Err(_) => {
-            let text = String::from_utf8_lossy(body);
-            let text = text.trim();
-            if text.is_empty() {
-                return None;
-            }
-            text.to_owned()
-        }
+        Err(_) => return None,
     };
     Some(cut(&message))
 }
@@ -758,6 +879,11 @@ fn cut(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A management network of 10/8, as an operator names it.
+    fn lab() -> BmcNetworks {
+        BmcNetworks::parse(&["10.0.0.0/8", "fd00::/8"]).unwrap()
+    }
 
     fn target(address: &str, tls: BmcTls) -> BmcTarget {
         BmcTarget {
@@ -910,18 +1036,19 @@ mod tests {
         let body = json!({ "error": { "@Message.ExtendedInfo": [{ "Message": "Only this." }] } });
         assert_eq!(error_message(body.to_string().as_bytes()).as_deref(), Some("Only this."));
         assert_eq!(error_message(br#"{"error": {"code": "X"}}"#), None);
-        assert_eq!(error_message(b"<html>Bad Gateway</html>").as_deref(), Some("<html>Bad Gateway</html>"));
+        assert_eq!(error_message(b"<html>Bad Gateway: db_password=s3cret</html>"), None, "a raw body is never carried");
+        assert_eq!(error_message(br#"{"db_password": "s3cret"}"#), None, "nor JSON that is not a Redfish error");
         assert_eq!(error_message(b""), None);
-        let long = "x".repeat(5000);
+        let long = json!({ "error": { "message": "x".repeat(5000) } }).to_string();
         assert_eq!(error_message(long.as_bytes()).unwrap().chars().count(), MESSAGE_CHARS_MAX + 1, "cut, with an ellipsis");
     }
 
     #[test]
     fn only_an_https_origin_is_a_bmc_address() {
         for address in ["https://10.0.0.5", "https://bmc.example:8443/", "https://[fd00::5]:443"] {
-            assert!(RedfishBmc::new(&target(address, BmcTls::Insecure)).is_ok(), "{address}");
+            assert!(RedfishBmc::new(&target(address, BmcTls::Insecure), &lab()).is_ok(), "{address}");
         }
-        let refused = |address: &str| match RedfishBmc::new(&target(address, BmcTls::Insecure)) {
+        let refused = |address: &str| match RedfishBmc::new(&target(address, BmcTls::Insecure), &lab()) {
             Err(BmcError::Protocol(message)) => message,
             other => panic!("{address}: {other:?}"),
         };
@@ -931,12 +1058,12 @@ mod tests {
         assert!(refused("https://10.0.0.5/redfish/v1").contains("origin only"));
         let mut with_path = target("https://10.0.0.5", BmcTls::Insecure);
         with_path.system_path = Some("Systems/1".into());
-        assert!(matches!(RedfishBmc::new(&with_path), Err(BmcError::Protocol(_))));
+        assert!(matches!(RedfishBmc::new(&with_path, &lab()), Err(BmcError::Protocol(_))));
     }
 
     #[test]
     fn links_stay_on_the_bmc() {
-        let bmc = RedfishBmc::new(&target("https://10.0.0.5:8443", BmcTls::Insecure)).unwrap();
+        let bmc = RedfishBmc::new(&target("https://10.0.0.5:8443", BmcTls::Insecure), &lab()).unwrap();
         assert_eq!(bmc.url_of("/redfish/v1/Systems/1").unwrap().as_str(), "https://10.0.0.5:8443/redfish/v1/Systems/1");
         assert_eq!(bmc.url_of("https://10.0.0.5:8443/redfish/v1").unwrap().as_str(), "https://10.0.0.5:8443/redfish/v1");
         for away in
@@ -948,16 +1075,15 @@ mod tests {
 
     #[test]
     fn the_password_is_in_no_debug_output() {
-        let bmc = RedfishBmc::new(&target("https://10.0.0.5", BmcTls::Insecure)).unwrap();
+        let bmc = RedfishBmc::new(&target("https://10.0.0.5", BmcTls::Insecure), &lab()).unwrap();
         let debug = format!("{bmc:?} {:?}", target("https://10.0.0.5", BmcTls::Insecure));
         assert!(!debug.contains("hunter2"), "{debug}");
         assert!(debug.contains("<redacted>"), "{debug}");
-        assert_eq!(bmc.scrub("echoed hunter2-secret back"), "echoed <redacted> back");
     }
 
     #[test]
     fn tls_settings_are_checked_when_the_client_is_made() {
-        let bad = |tls: BmcTls| matches!(RedfishBmc::new(&target("https://10.0.0.5", tls)), Err(BmcError::Protocol(_)));
+        let bad = |tls: BmcTls| matches!(RedfishBmc::new(&target("https://10.0.0.5", tls), &lab()), Err(BmcError::Protocol(_)));
         assert!(bad(BmcTls::CaBundle { pem: String::new() }), "no certificate");
         assert!(bad(BmcTls::CaBundle { pem: "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n".into() }));
         assert!(bad(BmcTls::Pin { pin: "sha256/short".into() }));
@@ -970,6 +1096,28 @@ mod tests {
     fn certificate(key: &rcgen::KeyPair) -> CertificateDer<'static> {
         let params = rcgen::CertificateParams::new(vec!["bmc.example".to_owned()]).unwrap();
         params.self_signed(key).unwrap().der().clone()
+    }
+
+    /// A BMC's self-signed certificate that is its own CA, given as its own CA bundle: webpki
+    /// refuses it (`CaUsedAsEndEntity`), and the refusal says to pin it, with the key to pin.
+    #[test]
+    fn a_certificate_that_is_its_own_ca_is_refused_with_the_pin_to_use() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["bmc.example".to_owned()]).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let inner =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(ca_roots(&cert.pem()).unwrap()), provider)
+                .build()
+                .unwrap();
+        let verifier = CaVerifier { inner };
+        let name = ServerName::try_from("bmc.example").unwrap();
+        let refused = verifier.verify_server_cert(cert.der(), &[], &name, &[], UnixTime::now()).unwrap_err();
+        let text = chain(&std::io::Error::other(refused));
+        let pin = spki_pin(cert.der()).unwrap();
+        assert!(text.contains("CaUsedAsEndEntity"), "{text}");
+        assert!(text.contains(&format!("trust it by its key instead: --bmc-pin {pin}")), "{text}");
     }
 
     #[test]

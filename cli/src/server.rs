@@ -114,6 +114,9 @@ pub async fn projections_rebuild(db: &Database) -> Result<Value, CliError> {
 #[derive(Clone, Debug)]
 pub struct ConsumerOptions {
     pub policy: EndpointPolicy,
+    /// Where BMCs may be reached (`--bmc-allow-network`): the metal reconciler's connector and
+    /// enrollment's check.
+    pub bmc_networks: bc_bmc::BmcNetworks,
     pub delivery_timeout_ms: u64,
     pub lease_ms: u64,
     pub retry: RetryPolicy,
@@ -227,7 +230,11 @@ pub async fn reconcile(
             tasks.push(tokio::spawn(run));
         }
         if names.contains(&bc_reconcilers::metal::NAME) {
-            let metal = bc_reconcilers::metal::Metal::new(log.clone(), Arc::new(SystemClock), Arc::new(bc_bmc::RedfishConnector));
+            let metal = bc_reconcilers::metal::Metal::new(
+                log.clone(),
+                Arc::new(SystemClock),
+                Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() }),
+            );
             let run = bc_reconcilers::metal::run(Arc::new(metal), bc_reconcilers::metal::TICK_MS_DEFAULT, stopped.clone());
             tasks.push(tokio::spawn(run));
         }
@@ -544,6 +551,7 @@ pub async fn run_server(
     witnesses: &[String],
     consumers: Option<&ConsumerOptions>,
     policy: EndpointPolicy,
+    bmc_networks: bc_bmc::BmcNetworks,
     limits: bc_gateway::ServeLimits,
     agents: &AgentsOptions,
     release_keys: Vec<bc_core::release::ReleasePublicKey>,
@@ -660,7 +668,11 @@ pub async fn run_server(
                 bc_reconcilers::rollouts::TICK_MS_DEFAULT,
                 stopped.clone(),
             )));
-            let metal = bc_reconcilers::metal::Metal::new(log.clone(), Arc::new(SystemClock), Arc::new(bc_bmc::RedfishConnector));
+            let metal = bc_reconcilers::metal::Metal::new(
+                log.clone(),
+                Arc::new(SystemClock),
+                Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() }),
+            );
             tasks.push(tokio::spawn(bc_reconcilers::metal::run(
                 Arc::new(metal),
                 bc_reconcilers::metal::TICK_MS_DEFAULT,
@@ -678,7 +690,8 @@ pub async fn run_server(
     if !release_keys.is_empty() {
         println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
     }
-    let mut state = AppState::new(log.clone()).with_webhook_policy(policy).with_release_keys(release_keys);
+    let mut state =
+        AppState::new(log.clone()).with_webhook_policy(policy).with_bmc_networks(bmc_networks).with_release_keys(release_keys);
     state.limits = limits;
     let state = Arc::new(state);
     // One signal stops both listeners.

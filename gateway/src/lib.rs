@@ -72,6 +72,9 @@ pub struct AppState {
     pub shutdown: tokio::sync::watch::Sender<bool>,
     /// Which webhook receivers this deployment accepts.
     pub webhook_policy: bc_core::webhook::EndpointPolicy,
+    /// Where BMCs may be reached (`--bmc-allow-network`): an enrolled address literal is
+    /// checked against it (a name when the reconciler connects).
+    pub bmc_networks: bc_bmc::BmcNetworks,
     /// This process's view of the nodes, for placement.
     pub fleet: Arc<bc_projections::fleet::Fleet>,
     /// The connections' and requests' limits (`dev`/`serve` flags).
@@ -167,6 +170,7 @@ impl AppState {
             watch_tail: watch::Tail::new(watch::TailLimits::default()),
             shutdown: tokio::sync::watch::channel(false).0,
             webhook_policy: bc_core::webhook::EndpointPolicy::default(),
+            bmc_networks: bc_bmc::BmcNetworks::default(),
             fleet: Arc::new(bc_projections::fleet::Fleet::new()),
             limits: ServeLimits::default(),
             tiles: Arc::new(bc_core::tiles::TileSource::new()),
@@ -179,6 +183,11 @@ impl AppState {
 
     pub fn with_release_keys(mut self, keys: Vec<bc_core::release::ReleasePublicKey>) -> Self {
         self.release_keys = Arc::new(keys);
+        self
+    }
+
+    pub fn with_bmc_networks(mut self, networks: bc_bmc::BmcNetworks) -> Self {
+        self.bmc_networks = networks;
         self
     }
 

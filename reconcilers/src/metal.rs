@@ -14,8 +14,16 @@
 //! state is read, and one that differs from the log's is read again on the next passes;
 //! [`DRIFT_READS`] reads in a row that differ are recorded (`metal.power_drifted`), and the log
 //! follows the machine (it is not forced back: the operator may have had a reason).
+//!
+//! Scheduled per machine ([`run`]): each machine's turn (decide, one BMC step, append) runs on
+//! its own, a pass every tick starting a turn for each machine that has none running, at most
+//! [`TENANT_TURNS_MAX`] of a tenant's at once and [`TURNS_MAX`] in all, tenants taken in turn
+//! and each tenant's machines from where its last turn started, and a slot freed starts the
+//! next machine at once. A pass never waits for a turn: a BMC that hangs holds its own
+//! machine's turn (for at most `bc_bmc::REQUEST_TIMEOUT_S`, connecting at most
+//! `bc_bmc::CONNECT_TIMEOUT_S`), and one of a tenant's slots, nothing else.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,8 +46,12 @@ pub const TICK_MS_DEFAULT: u64 = 1_000;
 pub const SYNC_INTERVAL_MS_DEFAULT: u64 = 60_000;
 /// Reads in a row that differ from the log before a power drift is recorded.
 pub const DRIFT_READS: u32 = 3;
-/// Machines worked on at once (each BMC call may take up to `bc_bmc::REQUEST_TIMEOUT_S`).
-pub const CONCURRENCY: usize = 16;
+/// One tenant's machines whose turns run at once: its fair share, so one tenant's hanging BMCs
+/// hold its own slots only (each BMC call may take up to `bc_bmc::REQUEST_TIMEOUT_S`).
+pub const TENANT_TURNS_MAX: usize = 16;
+/// Machines whose turns run at once, all tenants together.
+pub const TURNS_MAX: usize = 256;
+const _: () = assert!(TENANT_TURNS_MAX <= TURNS_MAX);
 /// Machines read per tenant per query.
 const ROWS_PER_READ: u32 = 500;
 
@@ -386,18 +398,99 @@ impl Metal {
         }
     }
 
-    /// One pass over every tenant's machines, [`CONCURRENCY`] at a time.
+    /// Every tenant's machines, by tenant.
+    async fn all_machines(&self) -> Result<BTreeMap<String, Vec<MetalDoc>>> {
+        let mut all = BTreeMap::new();
+        for tenant in self.log.store.tenants().await? {
+            let tenant = tenant.to_string();
+            let machines = self.machines(&tenant).await?;
+            all.insert(tenant, machines);
+        }
+        Ok(all)
+    }
+
+    /// One pass over every tenant's machines that waits for every turn it starts (at most
+    /// [`TURNS_MAX`] at once): what the tests and the simulator step; [`run`] does not wait.
     pub async fn pass(&self) -> Result<Pass> {
         let mut done = Pass::default();
-        for tenant in self.log.store.tenants().await? {
-            let machines = self.machines(&tenant.to_string()).await?;
-            let mut turns =
-                futures::stream::iter(machines.into_iter().map(|doc| self.machine(doc))).buffer_unordered(CONCURRENCY);
-            while let Some(p) = turns.next().await {
-                done.add(p);
-            }
+        let machines = self.all_machines().await?.into_values().flatten();
+        let mut turns = futures::stream::iter(machines.map(|doc| self.machine(doc))).buffer_unordered(TURNS_MAX);
+        while let Some(p) = turns.next().await {
+            done.add(p);
         }
         Ok(done)
+    }
+}
+
+/// Which machines' turns run and which wait, per tenant: the fair share of [`run`]. Holds no
+/// IO and no time: a pass hands it what it read, a finished turn frees its slot.
+#[derive(Default)]
+pub struct Scheduler {
+    /// Per tenant: machines read by the last pass that have no turn yet, in the order they
+    /// are taken.
+    waiting: BTreeMap<String, VecDeque<MetalDoc>>,
+    /// Per tenant: the machines whose turn runs.
+    running: BTreeMap<String, BTreeSet<String>>,
+    /// Per tenant: the machine whose turn started last; the next pass's order starts after it,
+    /// so a tenant with more machines than its share has each of them in turn.
+    last_started: BTreeMap<String, String>,
+}
+
+impl Scheduler {
+    /// What a pass read (every tenant's machines, each tenant's in id order) replaces what
+    /// waited; machines with a turn running are left out.
+    pub fn read(&mut self, machines: BTreeMap<String, Vec<MetalDoc>>) {
+        self.waiting.clear();
+        for (tenant, docs) in machines {
+            let running = self.running.get(&tenant);
+            let mut docs: Vec<MetalDoc> = docs.into_iter().filter(|d| running.is_none_or(|r| !r.contains(&d.node_id))).collect();
+            if let Some(last) = self.last_started.get(&tenant) {
+                let after = docs.iter().position(|d| d.node_id > *last).unwrap_or(docs.len());
+                docs.rotate_left(after);
+            }
+            self.waiting.insert(tenant, docs.into());
+        }
+    }
+
+    /// The machines whose turn starts now: tenants taken in turn, one machine each per round,
+    /// while a tenant has fewer than [`TENANT_TURNS_MAX`] running and all fewer than
+    /// [`TURNS_MAX`].
+    pub fn start(&mut self) -> Vec<MetalDoc> {
+        let mut started = Vec::new();
+        let mut total: usize = self.running.values().map(BTreeSet::len).sum();
+        loop {
+            let mut any = false;
+            for (tenant, queue) in &mut self.waiting {
+                if total >= TURNS_MAX {
+                    return started;
+                }
+                let running = self.running.entry(tenant.clone()).or_default();
+                if running.len() >= TENANT_TURNS_MAX {
+                    continue;
+                }
+                let Some(doc) = queue.pop_front() else { continue };
+                running.insert(doc.node_id.clone());
+                self.last_started.insert(tenant.clone(), doc.node_id.clone());
+                total += 1;
+                any = true;
+                started.push(doc);
+            }
+            if !any {
+                return started;
+            }
+        }
+    }
+
+    /// A turn ended: its slot is free.
+    pub fn finished(&mut self, tenant: &str, node: &str) {
+        if let Some(running) = self.running.get_mut(tenant) {
+            running.remove(node);
+        }
+    }
+
+    /// Turns running now.
+    pub fn running(&self) -> usize {
+        self.running.values().map(BTreeSet::len).sum()
     }
 }
 
@@ -405,15 +498,28 @@ fn credentials(message: String) -> StepResult {
     StepResult::Failed { kind: "credentials".into(), message }
 }
 
-/// Runs passes every `tick_ms` until `shutdown`.
+/// Runs a pass every `tick_ms` until `shutdown`: each reads every machine and starts a turn
+/// for those without one ([`Scheduler`]), and waits for none of them; a turn that ends frees
+/// its slot for the next machine of its tenant at once. A pass's record counts the turns that
+/// ended since the one before.
 pub async fn run(metal: Arc<Metal>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
     let status = crate::status::PassRecorder::new(metal.log.store.clone(), metal.clock.clone(), NAME);
+    let this: &Metal = &metal;
+    let mut scheduler = Scheduler::default();
+    let mut turns = futures::stream::FuturesUnordered::new();
+    let turn = |doc: MetalDoc| async move {
+        let (tenant, node) = (doc.tenant_id.clone(), doc.node_id.clone());
+        (tenant, node, this.machine(doc).await)
+    };
+    let mut done = Pass::default();
     while !*shutdown.borrow() {
         let started_at_ms = metal.clock.now_ms();
-        let result = metal.pass().await;
-        match &result {
-            Ok(p) => {
+        match this.all_machines().await {
+            Ok(machines) => {
+                scheduler.read(machines);
+                turns.extend(scheduler.start().into_iter().map(turn));
+                let p = std::mem::take(&mut done);
                 let counts = [
                     ("steps", p.steps as u64),
                     ("retried", p.retried as u64),
@@ -430,19 +536,31 @@ pub async fn run(metal: Arc<Metal>, tick_ms: u64, mut shutdown: tokio::sync::wat
                         failed = p.failed,
                         drifted = p.drifted,
                         conflicts = p.conflicts,
+                        running = scheduler.running(),
                         "pass"
                     );
                 }
             }
             Err(e) => {
                 tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
-                status.pass(started_at_ms, Err(e)).await;
+                status.pass(started_at_ms, Err(&e)).await;
             }
         }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(tick_ms)) => {}
-            _ = shutdown.changed() => {}
+        let tick = tokio::time::sleep(Duration::from_millis(tick_ms));
+        tokio::pin!(tick);
+        loop {
+            tokio::select! {
+                _ = &mut tick => break,
+                _ = shutdown.changed() => break,
+                Some((tenant, node, p)) = turns.next(), if !turns.is_empty() => {
+                    done.add(p);
+                    scheduler.finished(&tenant, &node);
+                    turns.extend(scheduler.start().into_iter().map(turn));
+                }
+            }
         }
     }
-    tracing::info!(reconciler = NAME, "reconciler stopped");
+    // Turns still running stop here: each step is safe to run again, and the next process's
+    // pass does.
+    tracing::info!(reconciler = NAME, running = turns.len(), "reconciler stopped");
 }

@@ -191,7 +191,7 @@ impl Emulator {
     }
 
     pub fn bmc(&self, tls: BmcTls, system: Option<&str>) -> RedfishBmc {
-        RedfishBmc::new(&self.target(tls, system)).expect("a Redfish client")
+        RedfishBmc::new(&self.target(tls, system), &loopback_named()).expect("a Redfish client")
     }
 }
 
@@ -258,4 +258,10 @@ pub fn power_history(notifications: &Notifications, uuid: &str) -> Vec<String> {
         }
     }
     history
+}
+
+/// The BMC networks of the tests: the emulator's address, named exactly (`--bmc-allow-network
+/// 127.0.0.1/32`); loopback is refused otherwise.
+pub fn loopback_named() -> bc_bmc::BmcNetworks {
+    bc_bmc::BmcNetworks::parse(&["127.0.0.1/32"]).expect("a network")
 }

@@ -47,14 +47,29 @@ fn enroll(server: &Server, pool: &str, address: &str, password_file: &std::path:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enroll_is_checked_at_the_edge_verbs_name_what_is_allowed_and_the_password_is_never_shown() {
-    let server = Server::dev();
-    let pool = server.pool("metal").await;
     let dir = tempfile::tempdir().unwrap();
     let password_file = dir.path().join("bmc-password");
     std::fs::write(&password_file, format!("{PASSWORD}\n")).unwrap();
     // Nothing listens here: every BMC call is refused.
     let port = bc_tests::free_port();
     let address = format!("https://127.0.0.1:{port}");
+
+    // Issue 52: without the operator naming it, a BMC on loopback is refused at enrollment.
+    {
+        let server = Server::dev();
+        let pool = server.pool("metal").await;
+        for given in [address.clone(), format!("https://localhost:{port}")] {
+            let (code, out, err) = enroll(&server, &pool, &given, &password_file, &["--bmc-insecure"]);
+            assert_eq!(code, 2, "{given}: {out}{err}");
+            assert!(
+                err.contains("not on a network this deployment reaches BMCs on") && err.contains("--bmc-allow-network"),
+                "{err}"
+            );
+        }
+    }
+
+    let server = Server::dev_with(&["--bmc-allow-network", "127.0.0.1/32"]);
+    let pool = server.pool("metal").await;
 
     // At the edge: http, no way to check the certificate, two ways, a path in the address.
     for (given, tls, why) in [
@@ -173,7 +188,9 @@ async fn rack(server_args: &[&str]) -> Rack {
     let pki = bc_tests::sushy::pki();
     let (notifications, notify_url) = bc_tests::sushy::Notifications::start();
     let emulator = bc_tests::sushy::Emulator::start(&pki, &notify_url);
-    let (server, agents_port) = bc_tests::agents_gateway_with(server_args);
+    let mut server_args = server_args.to_vec();
+    server_args.extend(["--bmc-allow-network", "127.0.0.1/32"]);
+    let (server, agents_port) = bc_tests::agents_gateway_with(&server_args);
     let pool = server.pool("metal").await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("bmc-password"), format!("{}\n", bc_tests::sushy::PASSWORD)).unwrap();
@@ -416,7 +433,10 @@ async fn a_metal_reconciler_killed_through_a_deploy_resumes_and_records_each_tra
     let data_dir = rack.server.data_dir.display().to_string();
     let logs = tempfile::tempdir().unwrap();
     let node = rack.enroll(SYSTEM_B);
-    let mut reconciler = bc_tests::Reconciler::start(&["--only", "metal", "--data-dir", &data_dir], logs.path());
+    let mut reconciler = bc_tests::Reconciler::start(
+        &["--only", "metal", "--data-dir", &data_dir, "--bmc-allow-network", "127.0.0.1/32"],
+        logs.path(),
+    );
     rack.cli(&["metal", "manage", &node]);
     rack.wait_state(&node, "manageable", Duration::from_secs(120));
     rack.cli(&["metal", "provide", &node]);

@@ -31,6 +31,8 @@ impl ConsumerArgs {
         Ok(ConsumerOptions {
             delivery_timeout_ms: self.delivery_timeout,
             policy: bc_core::webhook::EndpointPolicy { allow_loopback, allow_private: self.webhook_allow_private },
+            bmc_networks: bc_bmc::BmcNetworks::parse(&self.bmc_allow_networks)
+                .map_err(|e| CliError::usage(format!("--bmc-allow-network {e}")))?,
             lease_ms: self.lease,
             retry: bc_reconcilers::outbox::RetryPolicy {
                 base_ms: self.retry_base,
@@ -89,6 +91,7 @@ async fn run_server(
         &args.witnesses,
         run,
         options.policy,
+        options.bmc_networks.clone(),
         args.serve_limits(),
         &agents,
         release_keys,

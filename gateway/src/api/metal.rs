@@ -342,7 +342,7 @@ struct CheckedBmc {
     pin: Option<String>,
 }
 
-fn check_bmc(input: &MetalEnroll) -> Result<CheckedBmc> {
+fn check_bmc(input: &MetalEnroll, networks: &bc_bmc::BmcNetworks) -> Result<CheckedBmc> {
     if input.bmc_address.chars().count() > BMC_ADDRESS_CHARS_MAX {
         return Err(Error::invalid(format!("bmcAddress is longer than {BMC_ADDRESS_CHARS_MAX} characters")));
     }
@@ -366,6 +366,18 @@ fn check_bmc(input: &MetalEnroll) -> Result<CheckedBmc> {
     }
     if url.host_str().is_none_or(str::is_empty) || url.query().is_some() || url.fragment().is_some() || url.path() != "/" {
         return Err(Error::invalid("bmcAddress must be an origin, https://host[:port], with no path, query or fragment"));
+    }
+    // An address literal (and `localhost`) outside the deployment's BMC networks is refused
+    // here; a name is checked, address by address, each time the reconciler connects.
+    if let Some(host) = url.host()
+        && networks.check_host(&host).is_err()
+    {
+        return Err(Error::InvalidArgument {
+            message: "bmcAddress is not on a network this deployment reaches BMCs on".into(),
+            hint: Some(
+                "the operator names the BMC networks with --bmc-allow-network CIDR on dev, serve and reconcile; loopback, link-local and the control plane's own addresses are taken only when named exactly".into(),
+            ),
+        });
     }
     if let Some(path) = &input.bmc_system_path
         && !system_path_ok(path)
@@ -423,7 +435,7 @@ async fn machine_doc(call: &Call<'_>, tenant: TenantId, node_id: &str) -> Result
 async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_name("name", &input.name)?;
-    let checked = check_bmc(&input)?;
+    let checked = check_bmc(&input, &call.state.bmc_networks)?;
     let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     if pool.archived {
@@ -801,6 +813,32 @@ async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<Workflow
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn enroll(address: &str) -> MetalEnroll {
+        serde_json::from_value(serde_json::json!({
+            "poolId": "pool_x", "name": "m1", "bmcAddress": address, "bmcUsername": "admin", "bmcPassword": "p",
+            "bmcTls": { "mode": "insecure" },
+        }))
+        .unwrap()
+    }
+
+    /// Issue 52: a BMC address on loopback (or the control plane's own, or link-local) is
+    /// refused at enrollment unless the operator named it exactly; a name is taken here and
+    /// checked, address by address, when the reconciler connects.
+    #[test]
+    fn a_bmc_address_outside_the_bmc_networks_is_refused_at_enrollment() {
+        let none = bc_bmc::BmcNetworks::default();
+        for address in ["https://127.0.0.1:8443", "https://localhost", "https://169.254.169.254", "https://10.0.0.7"] {
+            let refused = check_bmc(&enroll(address), &none).err().unwrap_or_else(|| panic!("{address} taken"));
+            assert!(refused.to_string().contains("not on a network this deployment reaches BMCs on"), "{address}: {refused}");
+        }
+        assert!(check_bmc(&enroll("https://bmc-1.mgmt.example"), &none).is_ok(), "a name is checked at connect time");
+        let named = bc_bmc::BmcNetworks::parse(&["10.0.0.0/8", "127.0.0.1/32"]).unwrap();
+        for address in ["https://127.0.0.1:8443", "https://10.0.0.7"] {
+            assert!(check_bmc(&enroll(address), &named).is_ok(), "{address}");
+        }
+        assert!(check_bmc(&enroll("https://169.254.169.254"), &named).is_err());
+    }
 
     /// The schema's patterns say what the checks do: an address the pattern takes is an origin
     /// the URL parser takes, and a system path the pattern takes is one `system_path_ok` takes.
