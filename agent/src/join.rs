@@ -15,6 +15,9 @@ use crate::token::{Source, Token};
 pub const JOIN_ATTEMPTS_MAX: u32 = 20;
 /// One attempt's deadline.
 pub const JOIN_TIMEOUT_MS: u64 = 15_000;
+/// The longest retry hint (`bc_proto::RETRY_PUSHBACK_MS_KEY`) a join waits for; a longer one
+/// is taken as this.
+pub const JOIN_PUSHBACK_MS_MAX: u64 = 60_000;
 
 /// How a join ends: the message for standard output, or an error with its exit code.
 pub enum Outcome {
@@ -97,6 +100,18 @@ fn retryable(code: tonic::Code) -> bool {
     matches!(code, tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded)
 }
 
+/// The gateway's retry hint on a refusal, in milliseconds, if it gave one.
+pub fn retry_hint_ms(status: &tonic::Status) -> Option<u64> {
+    status.metadata().get(bc_proto::RETRY_PUSHBACK_MS_KEY)?.to_str().ok()?.parse().ok()
+}
+
+/// How long to wait before the next attempt: the back-off's delay, or the gateway's hint when
+/// that is longer (bounded by `JOIN_PUSHBACK_MS_MAX`), so a gateway short of join permits is
+/// not asked again before it said.
+pub fn retry_delay_ms(hint_ms: Option<u64>, backoff_ms: u64) -> u64 {
+    hint_ms.map_or(backoff_ms, |hint| hint.min(JOIN_PUSHBACK_MS_MAX).max(backoff_ms))
+}
+
 /// The node this machine joined as, if it has.
 pub fn joined_node(config: &Config) -> Result<Option<String>, JoinError> {
     Ok(load_identity(config).map_err(fail)?.map(|identity| identity.identity.node_id))
@@ -137,7 +152,7 @@ pub async fn join_as(
         match client.join(call).await {
             Ok(response) => break response.into_inner(),
             Err(status) if retryable(status.code()) && attempt < JOIN_ATTEMPTS_MAX => {
-                let delay = backoff.next_delay_ms(&mut rng as &mut dyn Rng);
+                let delay = retry_delay_ms(retry_hint_ms(&status), backoff.next_delay_ms(&mut rng as &mut dyn Rng));
                 tracing::warn!(attempt, code = ?status.code(), error = %status.message(), delay_ms = delay, "join failed; retrying");
                 tokio::time::sleep(Duration::from_millis(delay)).await;
             }
@@ -174,5 +189,24 @@ pub async fn join_as(
 pub fn remove_token_file(path: &Path) {
     if let Err(e) = std::fs::remove_file(path) {
         tracing::warn!(path = %path.display(), error = %e, "could not remove the token file");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_join_waits_at_least_the_gateways_hint_and_no_longer_than_the_bound() {
+        assert_eq!(retry_delay_ms(None, 700), 700);
+        assert_eq!(retry_delay_ms(Some(1_000), 700), 1_000, "the hint when it is longer");
+        assert_eq!(retry_delay_ms(Some(200), 700), 700, "the back-off when it is longer");
+        assert_eq!(retry_delay_ms(Some(u64::MAX), 700), JOIN_PUSHBACK_MS_MAX);
+        let mut status = tonic::Status::unavailable("busy");
+        assert_eq!(retry_hint_ms(&status), None);
+        status.metadata_mut().insert(bc_proto::RETRY_PUSHBACK_MS_KEY, 1_500u64.into());
+        assert_eq!(retry_hint_ms(&status), Some(1_500));
+        status.metadata_mut().insert(bc_proto::RETRY_PUSHBACK_MS_KEY, tonic::metadata::MetadataValue::from_static("soon"));
+        assert_eq!(retry_hint_ms(&status), None, "a hint that is not a number is ignored");
     }
 }

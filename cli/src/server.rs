@@ -450,6 +450,8 @@ pub struct AgentsOptions {
     /// h2c instead of TLS (`dev` on loopback only; the caller checks).
     pub plaintext: bool,
     pub session: bc_gateway::agents::SessionConfig,
+    /// The endpoint's connection, stream and join bounds (`--agents-*` flags).
+    pub limits: bc_gateway::agents::AgentLimits,
 }
 
 impl AgentsOptions {
@@ -461,6 +463,7 @@ impl AgentsOptions {
         plaintext: bool,
         dev: bool,
         session: bc_gateway::agents::SessionConfig,
+        limits: bc_gateway::agents::AgentLimits,
     ) -> Result<Self, CliError> {
         let listen: SocketAddr =
             listen.parse().map_err(|_| CliError::usage(format!("--agents-listen {listen:?} is not HOST:PORT")))?;
@@ -484,7 +487,7 @@ impl AgentsOptions {
                 session.heartbeat_ms, session.lease_ms
             )));
         }
-        Ok(Self { listen, tls_files, plaintext, session })
+        Ok(Self { listen, tls_files, plaintext, session, limits })
     }
 }
 
@@ -692,6 +695,7 @@ pub async fn run_server(
     }
     let mut state =
         AppState::new(log.clone()).with_webhook_policy(policy).with_bmc_networks(bmc_networks).with_release_keys(release_keys);
+    state.watchers = bc_gateway::watch::WatcherSlots::new(limits.watchers);
     state.limits = limits;
     let state = Arc::new(state);
     // One signal stops both listeners.
@@ -703,7 +707,7 @@ pub async fn run_server(
     let on_signal = |mut signalled: tokio::sync::watch::Receiver<bool>| async move {
         let _ = signalled.wait_for(|stop| *stop).await;
     };
-    let service = bc_gateway::agents::AgentService::new(state.clone(), agents.session);
+    let service = bc_gateway::agents::AgentService::with_limits(state.clone(), agents.session, agents.limits);
     let agents_served = bc_gateway::agents::serve(agents_listener, transport, service, on_signal(signalled.clone()));
     let http_served = bc_gateway::serve(listener, state, on_signal(signalled));
     let (served, agents_served) = tokio::join!(http_served, agents_served);

@@ -18,3 +18,7 @@ pub const ENTRY_BODY_BYTES_MAX: usize = 16 * 1024;
 pub const CAPABILITIES_MAX: usize = 64;
 pub const CAPABILITY_BYTES_MAX: usize = 64;
 const _: () = assert!(ENTRY_BODY_BYTES_MAX * 2 < MESSAGE_BYTES_MAX);
+/// The metadata key of a retry hint on an `UNAVAILABLE` status, in milliseconds (gRPC's
+/// retry pushback, gRFC A6): the gateway sets it when it refuses a join for lack of permits,
+/// and `bcd join` waits at least that long before its next attempt.
+pub const RETRY_PUSHBACK_MS_KEY: &str = "grpc-retry-pushback-ms";

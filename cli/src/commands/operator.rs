@@ -47,24 +47,41 @@ impl ConsumerArgs {
 }
 
 impl AgentsArgs {
-    fn options(&self, plaintext: bool, dev: bool) -> Result<AgentsOptions, CliError> {
+    fn options(&self, plaintext: bool, dev: bool, write_stall_ms: u64) -> Result<AgentsOptions, CliError> {
         let tls_files = self.agents_tls_cert.clone().zip(self.agents_tls_key.clone());
         let session = bc_gateway::agents::SessionConfig { lease_ms: self.node_lease, heartbeat_ms: self.node_heartbeat };
-        AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session)
+        let ms = std::time::Duration::from_millis;
+        let limits = bc_gateway::agents::AgentLimits {
+            connections_max: self.agents_connections_max as usize,
+            connections_per_peer_max: self.agents_connections_per_peer_max.min(self.agents_connections_max) as usize,
+            handshake_timeout: ms(self.agents_handshake_timeout),
+            idle_timeout: ms(self.agents_idle_timeout.max(self.agents_handshake_timeout)),
+            joins_max: self.agents_joins_max as usize,
+            write_stall: ms(write_stall_ms),
+        };
+        AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session, limits)
     }
 }
 
 impl ServerArgs {
-    fn serve_limits(&self) -> bc_gateway::ServeLimits {
+    fn serve_limits(&self) -> Result<bc_gateway::ServeLimits, CliError> {
         let ms = std::time::Duration::from_millis;
-        bc_gateway::ServeLimits {
+        let watchers = bc_gateway::watch::WatcherLimits::checked(
+            self.watchers_max as usize,
+            self.watchers_per_tenant_max as usize,
+            self.watchers_per_key_max as usize,
+            self.connections_max as usize,
+        )
+        .map_err(|e| CliError::usage(format!("--watchers-max, --watchers-per-tenant-max, --watchers-per-key-max: {e}")))?;
+        Ok(bc_gateway::ServeLimits {
             write_stall: ms(self.write_stall),
             header_read_timeout: ms(self.header_timeout),
             idle_timeout: ms(self.idle_timeout.max(self.header_timeout)),
             body_read_timeout: ms(self.body_timeout),
             connections_max: self.connections_max as usize,
+            watchers,
             ..bc_gateway::ServeLimits::default()
-        }
+        })
     }
 }
 
@@ -77,7 +94,7 @@ async fn run_server(
     agents_plaintext: bool,
 ) -> Result<(), CliError> {
     let options = args.consumers.options(allow_loopback)?;
-    let agents = args.agents.options(agents_plaintext, dev)?;
+    let agents = args.agents.options(agents_plaintext, dev, args.write_stall)?;
     let run = (!args.no_reconcilers).then_some(&options);
     let release_keys = read_release_keys(&args.release_keys)?;
     server::run_server(
@@ -92,7 +109,7 @@ async fn run_server(
         run,
         options.policy,
         options.bmc_networks.clone(),
-        args.serve_limits(),
+        args.serve_limits()?,
         &agents,
         release_keys,
     )

@@ -2,14 +2,35 @@
 //! TLS with a pinned serving certificate ([`tls`]); plain h2c only on loopback in `dev`.
 //!
 //! Layout: [`join`] spends a join token; [`session`] is a node's session, free of tonic (the
-//! service here only adapts its streams); [`tls`] the serving certificate. Every connection
-//! holds a slot of `AGENT_CONNECTIONS_MAX`, and its TLS handshake must finish within
-//! `TLS_HANDSHAKE_TIMEOUT_MS`.
+//! service here only adapts its streams); [`tls`] the serving certificate. [`serve`] is the
+//! listener: its own accept loop and hyper's HTTP/2 server per connection (not tonic's
+//! `Server`, which leaves the streams per connection unbounded), with the bounds of
+//! [`AgentLimits`], each a named default and most a `dev`/`serve` flag, so that whoever reaches
+//! the port without credentials cannot exhaust the gateway or the agents' slots:
+//!
+//! - at most `connections_max` connections ([`AGENT_CONNECTIONS_MAX`]; the accept loop waits
+//!   for a slot) and `connections_per_peer_max` from one address ([`AGENT_CONNECTIONS_PER_PEER_MAX`];
+//!   more are closed at once);
+//! - the TLS handshake, the HTTP/2 preface and the first stream must all come within
+//!   `handshake_timeout` of the accept ([`AGENT_HANDSHAKE_TIMEOUT_MS`]); a session's `Hello`
+//!   and `Proof` within `session::HANDSHAKE_TIMEOUT_MS` of its stream;
+//! - at most [`AGENT_STREAMS_PER_CONNECTION_MAX`] streams open on a connection (every call is
+//!   one stream, so this is also the calls in service per connection): more are refused with
+//!   `REFUSED_STREAM`, and after [`AGENT_STREAM_REFUSALS_MAX`] refusals the connection is closed
+//!   (`GOAWAY ENHANCE_YOUR_CALM`);
+//! - a connection with no stream open for `idle_timeout` ([`AGENT_IDLE_TIMEOUT_MS`]) is closed,
+//!   a peer that does not answer a keep-alive ping is dropped, and a write that makes no progress
+//!   for `write_stall` fails;
+//! - `Join` takes one of `joins_max` permits ([`JOINS_CONCURRENT_MAX`]) or is refused at once
+//!   with `UNAVAILABLE` and a retry hint (`bc_proto::RETRY_PUSHBACK_MS_KEY`), which `bcd join`
+//!   honours.
 
+use std::collections::HashMap;
+use std::convert::Infallible;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,6 +42,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::AppState;
+use crate::conn::{Deadlines, GuardedIo};
 
 pub mod join;
 pub mod session;
@@ -28,14 +50,78 @@ pub mod tls;
 
 pub use session::{SessionConfig, Sessions};
 
-/// Agent connections held at once, so a flood cannot exhaust file descriptors.
+/// Agent connections held at once, so a flood cannot exhaust file descriptors
+/// (`--agents-connections-max`).
 pub const AGENT_CONNECTIONS_MAX: usize = 10_000;
-/// A TLS handshake that takes longer is dropped, freeing its slot.
-pub const TLS_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
-/// Joins decided at once: each is an append and a signature.
+/// Agent connections from one peer address at once, so one machine cannot take every slot
+/// (`--agents-connections-per-peer-max`): a `bcd` holds one. Raise it when many nodes reach the
+/// gateway through one NAT address.
+pub const AGENT_CONNECTIONS_PER_PEER_MAX: usize = 256;
+const _: () = assert!(AGENT_CONNECTIONS_PER_PEER_MAX <= AGENT_CONNECTIONS_MAX);
+/// From the accept, the TLS handshake, the HTTP/2 preface and the first stream must all arrive
+/// within this (`--agents-handshake-timeout`); a connection that stays silent is closed.
+pub const AGENT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// A connection with no stream open this long is closed (`--agents-idle-timeout`). A `bcd`
+/// keeps its session open; `bcd join` and `bcd doctor` close theirs when done.
+pub const AGENT_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// Streams (calls) one connection may hold open at once (HTTP/2's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`): a `bcd` holds one session; more are refused with
+/// `REFUSED_STREAM`.
+pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = 8;
+/// Streams the server refuses or resets on one connection for the peer's faults before it
+/// closes the connection (`GOAWAY ENHANCE_YOUR_CALM`).
+pub const AGENT_STREAM_REFUSALS_MAX: usize = 32;
+/// Streams the peer opens and resets before they are served (a "rapid reset") before the
+/// connection is closed.
+pub const AGENT_PENDING_RESETS_MAX: usize = 20;
+/// The largest request head (HTTP/2 header list) read, in bytes.
+pub const AGENT_HEAD_BYTES_MAX: u32 = 16 * 1024;
+/// HTTP/2 keep-alive: a ping this often, and the peer dropped if it does not answer within
+/// `AGENT_KEEP_ALIVE_TIMEOUT_S`.
+pub const AGENT_KEEP_ALIVE_S: u64 = 30;
+pub const AGENT_KEEP_ALIVE_TIMEOUT_S: u64 = 10;
+/// A connection told to close (idle, or the server stopping) is dropped after this even if its
+/// peer never acknowledges.
+pub const AGENT_CLOSE_GRACE_MS: u64 = 5_000;
+/// Joins decided at once: each is an append and a signature (`--agents-joins-max`).
 pub const JOINS_CONCURRENT_MAX: usize = 16;
+/// The retry hint a refused `Join` carries (`bc_proto::RETRY_PUSHBACK_MS_KEY`).
+pub const JOIN_RETRY_AFTER_MS: u64 = 1_000;
 /// How often the command router looks for other processes' commands.
 pub const COMMAND_POLL_MS: u64 = 1000;
+const _: () = assert!(AGENT_HANDSHAKE_TIMEOUT_MS <= AGENT_IDLE_TIMEOUT_MS);
+
+/// The bounds of the agents' endpoint; the module's header says what each bounds. The defaults
+/// are the named constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentLimits {
+    /// Connections open at once (`--agents-connections-max`).
+    pub connections_max: usize,
+    /// Connections from one peer address at once (`--agents-connections-per-peer-max`).
+    pub connections_per_peer_max: usize,
+    /// TLS, the preface and the first stream within this of the accept
+    /// (`--agents-handshake-timeout`).
+    pub handshake_timeout: Duration,
+    /// A connection with no stream open this long is closed (`--agents-idle-timeout`).
+    pub idle_timeout: Duration,
+    /// Joins decided at once (`--agents-joins-max`).
+    pub joins_max: usize,
+    /// A write making no progress this long fails (`--write-stall`, shared with the HTTP API).
+    pub write_stall: Duration,
+}
+
+impl Default for AgentLimits {
+    fn default() -> Self {
+        Self {
+            connections_max: AGENT_CONNECTIONS_MAX,
+            connections_per_peer_max: AGENT_CONNECTIONS_PER_PEER_MAX,
+            handshake_timeout: Duration::from_millis(AGENT_HANDSHAKE_TIMEOUT_MS),
+            idle_timeout: Duration::from_millis(AGENT_IDLE_TIMEOUT_MS),
+            joins_max: JOINS_CONCURRENT_MAX,
+            write_stall: Duration::from_secs(crate::conn::WRITE_STALL_S),
+        }
+    }
+}
 
 /// The gRPC status a core error leaves as.
 pub fn code_of(e: &Error) -> tonic::Code {
@@ -63,24 +149,47 @@ pub struct AgentService {
     pub state: Arc<AppState>,
     pub sessions: Arc<Sessions>,
     pub config: SessionConfig,
+    limits: AgentLimits,
+    /// Joins decided at once: a join past them is refused, never queued, so a flood of joins
+    /// holds no task and no memory while it waits.
     joins: Arc<tokio::sync::Semaphore>,
 }
 
 impl AgentService {
     pub fn new(state: Arc<AppState>, config: SessionConfig) -> Self {
+        Self::with_limits(state, config, AgentLimits::default())
+    }
+
+    pub fn with_limits(state: Arc<AppState>, config: SessionConfig, limits: AgentLimits) -> Self {
         Self {
             state,
             sessions: Arc::new(Sessions::default()),
             config,
-            joins: Arc::new(tokio::sync::Semaphore::new(JOINS_CONCURRENT_MAX)),
+            limits,
+            joins: Arc::new(tokio::sync::Semaphore::new(limits.joins_max)),
         }
     }
+
+    /// The joins' permits (a test holds them to see a join refused).
+    pub fn join_permits(&self) -> Arc<tokio::sync::Semaphore> {
+        self.joins.clone()
+    }
+}
+
+/// `UNAVAILABLE` with a hint of when to try again.
+fn unavailable_retry_after(message: &str, retry_after_ms: u64) -> Status {
+    let mut status = Status::unavailable(message);
+    status.metadata_mut().insert(bc_proto::RETRY_PUSHBACK_MS_KEY, retry_after_ms.into());
+    status
 }
 
 #[tonic::async_trait]
 impl Agent for AgentService {
     async fn join(&self, request: Request<bc_proto::JoinRequest>) -> Result<Response<bc_proto::JoinResponse>, Status> {
-        let _permit = self.joins.acquire().await.map_err(|_| Status::unavailable("the gateway is stopping"))?;
+        let Ok(_permit) = self.joins.try_acquire() else {
+            tracing::debug!("a join was refused: every join permit is taken");
+            return Err(unavailable_retry_after("the gateway is deciding as many joins as it can; retry", JOIN_RETRY_AFTER_MS));
+        };
         match join::join(&self.state, request.into_inner()).await {
             Ok(joined) => Ok(Response::new(bc_proto::JoinResponse {
                 identity: joined.identity,
@@ -108,51 +217,40 @@ impl Agent for AgentService {
     }
 }
 
-/// One accepted agent connection, plain or TLS, holding its slot.
-pub enum AgentConn {
-    Plain(TcpStream, tokio::sync::OwnedSemaphorePermit),
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>, tokio::sync::OwnedSemaphorePermit),
+/// One accepted agent connection, plain or TLS.
+enum AgentIo {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
 }
 
-impl tonic::transport::server::Connected for AgentConn {
-    type ConnectInfo = Option<SocketAddr>;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        match self {
-            Self::Plain(s, _) => s.peer_addr().ok(),
-            Self::Tls(s, _) => s.get_ref().0.peer_addr().ok(),
-        }
-    }
-}
-
-impl AsyncRead for AgentConn {
+impl AsyncRead for AgentIo {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
-            Self::Plain(s, _) => Pin::new(s).poll_read(cx, buf),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
     }
 }
 
-impl AsyncWrite for AgentConn {
+impl AsyncWrite for AgentIo {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         match self.get_mut() {
-            Self::Plain(s, _) => Pin::new(s).poll_write(cx, buf),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
-            Self::Plain(s, _) => Pin::new(s).poll_flush(cx),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::Plain(s) => Pin::new(s).poll_flush(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
-            Self::Plain(s, _) => Pin::new(s).poll_shutdown(cx),
-            Self::Tls(s, _) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 }
@@ -164,77 +262,231 @@ pub enum Transport {
     Plaintext,
 }
 
-/// Serves the agents' endpoint on `listener` until `shutdown`; also runs the command router.
+/// The connections open from each peer address.
+#[derive(Default)]
+struct PeerConnections {
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One connection's place in [`PeerConnections`], given back when dropped.
+struct PeerSlot {
+    peers: Arc<PeerConnections>,
+    ip: IpAddr,
+}
+
+impl PeerConnections {
+    /// A slot for one more connection from `ip`, unless it holds `max` already.
+    fn admit(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<PeerSlot> {
+        let ip = ip.to_canonical();
+        let mut open = self.open.lock().expect("the peer map is never poisoned");
+        let count = open.entry(ip).or_insert(0);
+        if *count >= max {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot { peers: self.clone(), ip })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.peers.open.lock().expect("the peer map is never poisoned");
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// The streams open on one connection, so a connection that holds none can be closed.
+#[derive(Clone)]
+struct OpenStreams(Arc<tokio::sync::watch::Sender<usize>>);
+
+/// One open stream; the count goes down when its response body is dropped.
+struct StreamGuard(OpenStreams);
+
+impl OpenStreams {
+    fn new() -> Self {
+        Self(Arc::new(tokio::sync::watch::channel(0).0))
+    }
+
+    fn opened(&self) -> StreamGuard {
+        self.0.send_modify(|n| *n += 1);
+        StreamGuard(self.clone())
+    }
+
+    /// Resolves once no stream has been open for `first` from now (before any stream) or for
+    /// `then` (after one).
+    async fn idle(&self, first: Duration, then: Duration) {
+        let mut open = self.0.subscribe();
+        let mut limit = first;
+        loop {
+            let _ = open.wait_for(|n| *n == 0).await;
+            if tokio::time::timeout(limit, open.wait_for(|n| *n > 0)).await.is_err() {
+                return;
+            }
+            limit = then;
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.0.send_modify(|n| *n -= 1);
+    }
+}
+
+/// A response body that holds its stream's place in [`OpenStreams`] until it is dropped.
+struct CountedBody {
+    inner: tonic::body::Body,
+    _stream: StreamGuard,
+}
+
+impl hyper::body::Body for CountedBody {
+    type Data = hyper::body::Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Serves the agents' endpoint on `listener` until `shutdown`, with the service's
+/// [`AgentLimits`]; also runs the command router and the lease writer.
 pub async fn serve(
     listener: TcpListener,
     transport: Transport,
     service: AgentService,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
-    let (connections, incoming) = tokio::sync::mpsc::channel::<io::Result<AgentConn>>(64);
-    let slots = Arc::new(tokio::sync::Semaphore::new(AGENT_CONNECTIONS_MAX));
+) -> io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
+    let limits = service.limits;
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
+    let peers = Arc::new(PeerConnections::default());
     let acceptor = match &transport {
         Transport::Tls(config) => Some(tokio_rustls::TlsAcceptor::from(config.clone())),
         Transport::Plaintext => None,
     };
-    let mut stopping = service.state.shutdown.subscribe();
-    let accept = tokio::spawn(async move {
-        loop {
-            let permit = tokio::select! {
-                permit = slots.clone().acquire_owned() => match permit { Ok(p) => p, Err(_) => return },
-                _ = stopping.changed() => return,
-            };
-            let (stream, _) = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accepting an agent connection failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-                _ = stopping.changed() => return,
-            };
-            let _ = stream.set_nodelay(true);
-            let connections = connections.clone();
-            match &acceptor {
-                None => {
-                    if connections.send(Ok(AgentConn::Plain(stream, permit))).await.is_err() {
-                        return;
-                    }
-                }
-                Some(acceptor) => {
-                    let acceptor = acceptor.clone();
-                    tokio::spawn(async move {
-                        let handshake =
-                            tokio::time::timeout(Duration::from_millis(TLS_HANDSHAKE_TIMEOUT_MS), acceptor.accept(stream));
-                        match handshake.await {
-                            Ok(Ok(tls)) => {
-                                let _ = connections.send(Ok(AgentConn::Tls(Box::new(tls), permit))).await;
-                            }
-                            Ok(Err(e)) => tracing::debug!(error = %e, "an agent's TLS handshake failed"),
-                            Err(_) => tracing::debug!("an agent's TLS handshake timed out"),
-                        }
-                    });
-                }
-            }
-        }
-    });
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(AGENT_STREAMS_PER_CONNECTION_MAX)
+        .max_local_error_reset_streams(AGENT_STREAM_REFUSALS_MAX)
+        .max_pending_accept_reset_streams(AGENT_PENDING_RESETS_MAX)
+        .max_header_list_size(AGENT_HEAD_BYTES_MAX)
+        .keep_alive_interval(Duration::from_secs(AGENT_KEEP_ALIVE_S))
+        .keep_alive_timeout(Duration::from_secs(AGENT_KEEP_ALIVE_TIMEOUT_S));
+    let builder = Arc::new(builder);
     let router = tokio::spawn(session::route_commands(service.state.clone(), service.sessions.clone(), COMMAND_POLL_MS));
     let leases = tokio::spawn(session::write_leases(service.state.clone(), service.sessions.clone()));
-    let served = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .add_service(
-            AgentServer::new(service)
-                .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
-                .max_encoding_message_size(bc_proto::MESSAGE_BYTES_MAX),
-        )
-        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown)
-        .await;
-    accept.abort();
+    let server = AgentServer::new(service)
+        .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(bc_proto::MESSAGE_BYTES_MAX);
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            permit = slots.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            stream = crate::conn::accept(&listener) => stream,
+            () = &mut shutdown => break,
+        };
+        let Ok(peer) = stream.peer_addr() else { continue };
+        let Some(peer_slot) = peers.admit(peer.ip(), limits.connections_per_peer_max) else {
+            tracing::debug!(peer = %peer.ip(), "an agent connection was closed: its address holds as many as it may");
+            continue;
+        };
+        let connection = Connection {
+            acceptor: acceptor.clone(),
+            builder: builder.clone(),
+            server: server.clone(),
+            limits,
+            stopping: stopping.clone(),
+            peer,
+        };
+        tokio::spawn(async move {
+            connection.run(stream).await;
+            drop((permit, peer_slot));
+        });
+    }
+    drop(listener);
+    // Every connection is told to close; each is dropped within its grace at most.
+    let _ = stop.send(true);
+    let all = u32::try_from(limits.connections_max).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(Duration::from_millis(AGENT_CLOSE_GRACE_MS * 2), slots.acquire_many(all)).await;
     router.abort();
     // Written once more on shutdown (the task ends itself then); not waited for past that.
     let _ = tokio::time::timeout(Duration::from_secs(2), leases).await;
-    served
+    Ok(())
+}
+
+/// What one connection is served with.
+struct Connection {
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+    builder: Arc<hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>>,
+    server: AgentServer<AgentService>,
+    limits: AgentLimits,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    peer: SocketAddr,
+}
+
+impl Connection {
+    async fn run(mut self, stream: TcpStream) {
+        let deadline = tokio::time::Instant::now() + self.limits.handshake_timeout;
+        let io = match &self.acceptor {
+            None => AgentIo::Plain(stream),
+            Some(acceptor) => match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => AgentIo::Tls(Box::new(tls)),
+                Ok(Err(e)) => return tracing::debug!(peer = %self.peer, error = %e, "an agent's TLS handshake failed"),
+                Err(_) => return tracing::debug!(peer = %self.peer, "an agent's TLS handshake timed out"),
+            },
+        };
+        // The preface's first bytes by the deadline; the keep-alive pings find a peer gone
+        // later, so the read deadline after that is far away.
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let far = Duration::from_secs(365 * 24 * 3600);
+        let io = GuardedIo::new(io, Deadlines { write_stall: self.limits.write_stall, first_read: remaining, idle: far });
+        let open = OpenStreams::new();
+        let (server, counter) = (self.server.clone(), open.clone());
+        let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            let mut server = server.clone();
+            let stream = counter.opened();
+            async move {
+                let response = tower::Service::call(&mut server, request).await.unwrap_or_else(|never| match never {});
+                Ok::<_, Infallible>(response.map(|inner| CountedBody { inner, _stream: stream }))
+            }
+        });
+        let connection = self.builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        let mut connection = std::pin::pin!(connection);
+        let why = tokio::select! {
+            served = connection.as_mut() => {
+                if let Err(e) = served {
+                    tracing::debug!(peer = %self.peer, error = %e, "an agent connection ended with an error");
+                }
+                return;
+            }
+            () = open.idle(remaining, self.limits.idle_timeout) => "no stream open in time",
+            _ = self.stopping.wait_for(|stop| *stop) => "the gateway is stopping",
+        };
+        tracing::debug!(peer = %self.peer, why, "closing an agent connection");
+        connection.as_mut().graceful_shutdown();
+        if tokio::time::timeout(Duration::from_millis(AGENT_CLOSE_GRACE_MS), connection).await.is_err() {
+            tracing::debug!(peer = %self.peer, "an agent connection did not close in time; dropped");
+        }
+    }
 }
