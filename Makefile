@@ -30,14 +30,18 @@ system-deps:
 ## side by side (one job per core and one more; both cargo builds share make's job slots, so the
 ## cores stay busy while a download or a C build runs alone): the workspace's build, siglog's
 ## witness, and the three Python virtual environments (pymerkle, sushy-tools, schemathesis).
+## nextest runs no doctests, so the doctests (the `compile_fail` ones that prove only the `Log`
+## appends among them) run after it, with `cargo test --doc` (the fallback leaves them to it);
+## either failing fails the make.
 test: check-postgres
 	+@$(MAKE) --no-print-directory -j$$(( $$(nproc) + 1 )) test-deps
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast $(TEST_FEATURES); \
 	else \
 		echo "cargo-nextest not found; using cargo test"; \
-		$(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES); \
+		$(CARGO) test --workspace --no-fail-fast --lib --bins --tests $(TEST_FEATURES); \
 	fi
+	$(CARGO) test --workspace --doc $(TEST_FEATURES)
 
 test-deps: build witness tiles-venv sushy-venv schemathesis-venv
 

@@ -378,16 +378,16 @@ pub struct RowPage {
 /// so no other crate (and no other module of this one) can make one, and without one no
 /// transaction opens. That is how only the [`Log`] appends.
 ///
-/// ```compile_fail
-/// // Outside `bc_core::store` the token cannot be made…
+/// Each check below fails to compile for the reason it names (its error code), not for another:
+///
+/// ```compile_fail,E0423
+/// // Outside `bc_core::store` the token cannot be made (its field is private)…
 /// let token = bc_core::store::WriteToken(());
 /// ```
 ///
-/// ```compile_fail
-/// // …and the store has no commit to call.
-/// async fn append_behind_the_log(store: &dyn bc_core::store::EventStore) {
-///     store.commit().await;
-/// }
+/// ```compile_fail,E0603
+/// // …and the append commit, which takes an open transaction, is private to the store.
+/// use bc_core::store::engine::commit;
 /// ```
 pub struct WriteToken(());
 
