@@ -84,13 +84,39 @@ pub fn source_newer_than(path: &Path) -> Option<PathBuf> {
             dep_info.display()
         )
     });
-    // `TARGET: SOURCE SOURCE …`, spaces inside a path escaped as `\ `.
-    let (_, sources) = text.lines().next().unwrap_or_default().split_once(": ")?;
+    // `TARGET: SOURCE SOURCE …`, spaces inside a path escaped as `\ `. A first line of another
+    // shape is refused, never taken for "fresh": nothing could be told from it.
+    let Some((_, sources)) = text.lines().next().unwrap_or_default().split_once(": ") else {
+        panic!(
+            "cannot tell whether {} is up to date: {} does not start with `TARGET: SOURCES`\nhint: run `cargo build --workspace --bins`",
+            path.display(),
+            dep_info.display()
+        )
+    };
     let sources = sources.replace("\\ ", "\u{0}");
+    // A source that is gone was deleted (or renamed) after the build: the binary is stale too.
     sources
         .split_whitespace()
         .map(|s| PathBuf::from(s.replace('\u{0}', " ")))
-        .find(|source| std::fs::metadata(source).and_then(|m| m.modified()).is_ok_and(|changed| changed > built))
+        .find(|source| std::fs::metadata(source).and_then(|m| m.modified()).map_or(true, |changed| changed > built))
+}
+
+/// Raises this process's soft open-file limit to at least `wanted` (to the hard limit, as the
+/// server does for itself), for a test that holds many connections; fails, saying what to do,
+/// when even the hard limit is lower.
+pub fn raise_open_file_limit(wanted: u64) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+        && current < maximum
+    {
+        setrlimit(Resource::Nofile, Rlimit { current: Some(maximum), maximum: Some(maximum) }).expect("raise the open-file limit");
+    }
+    let now = getrlimit(Resource::Nofile).current;
+    assert!(
+        now.is_none_or(|n| n >= wanted),
+        "this test holds {wanted} open files and the hard limit is {now:?}\nhint: raise it (ulimit -Hn {wanted}) and run again"
+    );
 }
 
 /// Runs `better-compute ARGS` to completion with `env`; returns (status, stdout, stderr).
@@ -946,5 +972,18 @@ mod tests {
         assert_eq!(source_newer_than(&bin), Some(changed.clone()), "edited after the build");
         set_mtime(&bin, t0 + Duration::from_secs(30));
         assert_eq!(source_newer_than(&bin), None, "rebuilt since");
+        // A source deleted since the build: stale too.
+        std::fs::remove_file(&old).unwrap();
+        assert_eq!(source_newer_than(&bin), Some(old.clone()), "a source is gone");
+    }
+
+    #[test]
+    #[should_panic(expected = "does not start with `TARGET: SOURCES`")]
+    fn a_dep_info_of_another_shape_is_refused_not_taken_for_fresh() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("tool");
+        std::fs::write(&bin, b"x").unwrap();
+        std::fs::write(dir.path().join("tool.d"), "something else entirely\n").unwrap();
+        source_newer_than(&bin);
     }
 }

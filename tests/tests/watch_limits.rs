@@ -4,7 +4,8 @@
 //! holds at most 16 watchers and a tenant 64 (tested in the gateway's `hardening.rs`), so the 1,024
 //! are spread over the administrator's key and keys of sixteen tenants. Each watcher is a
 //! connection of its own (HTTP/1.1): the test process needs some 1,100 open files, the server
-//! as many (`dev` raises its soft limit to the hard one).
+//! as many; each raises its soft limit to the hard one (and this test fails, saying so, when the
+//! hard limit is lower).
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,8 @@ const WATCHERS_PER_TENANT_MAX: usize = 64;
 const FULL_TENANTS: usize = 15;
 /// The stall limit given to the server, well under the watch's own 30 s send timeout.
 const WRITE_STALL: &str = "2s";
+/// Open files this process holds at most: a connection a watcher, and some to spare.
+const OPEN_FILES_WANTED: u64 = WATCHERS_MAX as u64 + 128;
 /// Nodes of about 25 kB of event each: several MB of replay, more than the sockets, the
 /// server's write buffer and the watcher's channel can hold, so a reader that takes nothing
 /// stalls the server's writes.
@@ -107,6 +110,7 @@ async fn stalled_watch(server: &Server) -> tokio::net::TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
+    bc_tests::raise_open_file_limit(OPEN_FILES_WANTED);
     let server = Server::dev_with(&["--no-reconcilers", "--write-stall", WRITE_STALL]);
     big_events(&server).await;
     let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
