@@ -9,6 +9,12 @@
 //!   heartbeat round trip's p50/p99; then the gateway is killed and started again: reconnects per
 //!   100 ms, peak over mean (goal at most 3), and the time until every agent is back (goal: within
 //!   the maximum back-off, 120 s).
+//! - Under attack (issue 52, finding 1): `better-compute dev` again with `ATTACK_AGENTS` honest
+//!   agents heartbeating every `ATTACK_HEARTBEAT`; for `ATTACK_WINDOW_S` without an attack, then
+//!   as long again while an unauthenticated client opens `ATTACK_STREAMS` `Session` streams on
+//!   one TLS connection after another (each closed by the gateway after its refusals), round
+//!   after round: the gateway's peak memory and the honest heartbeats' p99, with and without,
+//!   as ratios.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -26,6 +32,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 #[path = "support/gateway.rs"]
 mod gateway;
+#[path = "../../gateway/tests/h2_flood/mod.rs"]
+mod h2_flood;
 
 /// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
 #[global_allocator]
@@ -36,6 +44,15 @@ const SESSIONS: usize = 1_000;
 /// How long heartbeats are sampled with every session live.
 const HEARTBEAT_SAMPLE_S: u64 = 20;
 const RECONNECT_BUCKET_MS: u64 = 100;
+/// The attack: stream opens per round (each round on as many connections as the gateway makes
+/// it use), the honest agents beside it, how often they heartbeat, and each window's length.
+const ATTACK_STREAMS: u32 = 20_000;
+const ATTACK_AGENTS: usize = 10;
+const ATTACK_HEARTBEAT: &str = "500ms";
+const ATTACK_LEASE: &str = "2s";
+const ATTACK_WINDOW_S: u64 = 15;
+/// How often the gateway's memory is read during a window.
+const RSS_SAMPLE_MS: u64 = 50;
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -70,6 +87,7 @@ fn main() {
     runtime.block_on(async {
         let (replay_rate, raw_rate, journal_write_rate) = replay().await;
         let sessions = sessions().await;
+        let attack = attack().await;
         println!();
         println!("agents (SQLite, {} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
         println!("  journal writes (local, synchronous=FULL)      {journal_write_rate:>10.0} entries/s");
@@ -89,6 +107,29 @@ fn main() {
             "                   every agent back after       {:>10.1} s (goal ≤ 120; {} of {} back)",
             sessions.all_back_s, sessions.back, SESSIONS
         );
+        println!(
+            "  under attack: {} Session streams a round on unauthenticated TLS, {} honest agents",
+            ATTACK_STREAMS, ATTACK_AGENTS
+        );
+        println!(
+            "                   HEADERS written / opened      {:>10} / {} ({} connections, {} s)",
+            attack.streams_sent, attack.streams_opened, attack.connections, ATTACK_WINDOW_S
+        );
+        println!(
+            "                   gateway peak memory           {:>10.1} MiB, {:.1} MiB without (ratio {:.2})",
+            attack.rss_peak_attack_mib,
+            attack.rss_peak_quiet_mib,
+            attack.rss_peak_attack_mib / attack.rss_peak_quiet_mib
+        );
+        println!(
+            "                   honest heartbeat p99          {:>10.2} ms, {:.2} ms without (ratio {:.2}; {} / {} samples)",
+            attack.heartbeat_p99_attack_ms,
+            attack.heartbeat_p99_quiet_ms,
+            attack.heartbeat_p99_attack_ms / attack.heartbeat_p99_quiet_ms,
+            attack.heartbeats_attack,
+            attack.heartbeats_quiet
+        );
+        println!("                   honest agents live after      {:>10} of {}", attack.live_after, ATTACK_AGENTS);
     });
 }
 
@@ -179,12 +220,19 @@ fn rss_kib(pid: u32) -> f64 {
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()).unwrap().parse().unwrap()
 }
 
-/// `better-compute dev` as a child, and what it printed: (child, http url, agents pin).
+/// `better-compute dev` as a child, and what it printed: (child, http url, agents pin). Every
+/// agent of the bench connects from 127.0.0.1, so the cap per peer address is lifted.
 fn start_gateway(dir: &Path, agents_port: u16) -> (std::process::Child, String, String) {
+    start_gateway_with(dir, agents_port, &[])
+}
+
+fn start_gateway_with(dir: &Path, agents_port: u16, extra: &[&str]) -> (std::process::Child, String, String) {
     use std::io::BufRead;
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_better-compute"))
         .args(["dev", "--data-dir", &dir.display().to_string(), "--listen", "127.0.0.1:0"])
         .args(["--agents-listen", &format!("127.0.0.1:{agents_port}")])
+        .args(["--agents-connections-per-peer-max", "65536"])
+        .args(extra)
         .env("BETTER_COMPUTE_LOG", "warn")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -371,5 +419,129 @@ async fn sessions() -> SessionFigures {
         mean: lives.len() as f64 / buckets as f64,
         all_back_s: (last - killed).as_secs_f64(),
         back: lives.len(),
+    }
+}
+
+struct AttackFigures {
+    streams_sent: u64,
+    streams_opened: u64,
+    connections: u64,
+    rss_peak_quiet_mib: f64,
+    rss_peak_attack_mib: f64,
+    heartbeat_p99_quiet_ms: f64,
+    heartbeat_p99_attack_ms: f64,
+    heartbeats_quiet: usize,
+    heartbeats_attack: usize,
+    live_after: usize,
+}
+
+/// The gateway's peak memory over `window`, read every `RSS_SAMPLE_MS`.
+async fn rss_peak_mib(pid: u32, window: Duration) -> f64 {
+    let end = Instant::now() + window;
+    let mut peak: f64 = 0.0;
+    while Instant::now() < end {
+        peak = peak.max(rss_kib(pid));
+        tokio::time::sleep(Duration::from_millis(RSS_SAMPLE_MS)).await;
+    }
+    peak / 1024.0
+}
+
+async fn attack() -> AttackFigures {
+    let dir = tempfile::tempdir().unwrap();
+    let agents_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let lease = ["--node-heartbeat", ATTACK_HEARTBEAT, "--node-lease", ATTACK_LEASE];
+    let (mut child, url, serving_pin) = start_gateway_with(dir.path(), agents_port, &lease);
+    let token = std::fs::read_to_string(dir.path().join("admin.token")).unwrap().trim().to_owned();
+    let http = reqwest::Client::new();
+    let pool = call(&http, &url, &token, "pools.create", json!({ "name": "bench" })).await["poolId"].as_str().unwrap().to_owned();
+    let secret = call(&http, &url, &token, "joinTokens.create", json!({ "poolId": pool, "uses": ATTACK_AGENTS })).await["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let gateway = bc_agent::client::Gateway::parse(&format!("https://127.0.0.1:{agents_port}"), Some(&serving_pin)).unwrap();
+    let join_channel = gateway.channel().unwrap();
+    let shared = Arc::new(Mutex::new(Shared::default()));
+    for i in 0..ATTACK_AGENTS {
+        let key = ed25519_dalek::SigningKey::from_bytes(&{
+            let mut seed = [7u8; 32];
+            seed[..8].copy_from_slice(&(i as u64 + 1).to_le_bytes());
+            seed
+        });
+        let response = AgentClient::new(join_channel.clone())
+            .join(bc_proto::JoinRequest {
+                token: secret.clone(),
+                node_public_key: key.verifying_key().as_bytes().to_vec(),
+                hardware: Some(bc_proto::HardwareClaims { hostname: format!("honest-{i}"), gpus: vec![] }),
+                agent_version: "bench".into(),
+                node_id: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let identity: bc_core::agent::NodeIdentity = serde_json::from_slice(&response.identity).unwrap();
+        let node = identity.node_id.parse::<bc_core::id::NodeId>().unwrap();
+        tokio::spawn(agent(gateway.clone(), node, key, 5000 + i as u64, shared.clone()));
+    }
+    drop(join_channel);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while shared.lock().unwrap().lives.len() < ATTACK_AGENTS && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let window = Duration::from_secs(ATTACK_WINDOW_S);
+    shared.lock().unwrap().heartbeats_ms.clear();
+    let rss_peak_quiet_mib = rss_peak_mib(child.id(), window).await;
+    let mut quiet = std::mem::take(&mut shared.lock().unwrap().heartbeats_ms);
+
+    eprintln!("attacking the agents' endpoint for {ATTACK_WINDOW_S} s…");
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{agents_port}").parse().unwrap();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let attacker = tokio::spawn(async move {
+        let (mut sent, mut opened, mut connections) = (0u64, 0u64, 0u64);
+        while !*stopped.borrow() {
+            // One round: ATTACK_STREAMS stream opens, on a new connection whenever the gateway
+            // closes the last.
+            let mut left = ATTACK_STREAMS;
+            while left > 0 && !*stopped.borrow() {
+                let Ok(tls) = h2_flood::tls_connect(addr).await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                connections += 1;
+                let path = "/bettercompute.agent.v1.Agent/Session";
+                let report = h2_flood::flood(tls, left, path, true, Duration::from_secs(2)).await;
+                sent += u64::from(report.sent);
+                opened += report.accepted.len() as u64;
+                left -= report.sent.max(1).min(left);
+            }
+        }
+        (sent, opened, connections)
+    });
+    let rss_peak_attack_mib = rss_peak_mib(child.id(), window).await;
+    let _ = stop.send(true);
+    let mut attacked = std::mem::take(&mut shared.lock().unwrap().heartbeats_ms);
+    let (streams_sent, streams_opened, connections) = attacker.await.unwrap();
+    // Whether every honest agent is live after: a beat within the last lease.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let live_after = {
+        let doc = call(&http, &url, &token, "nodes.list", json!({ "poolId": pool })).await;
+        doc["items"].as_array().map(|items| items.iter().filter(|n| n["state"] == json!("ready")).count()).unwrap_or(0)
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    quiet.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    attacked.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    AttackFigures {
+        streams_sent,
+        streams_opened,
+        connections,
+        rss_peak_quiet_mib,
+        rss_peak_attack_mib,
+        heartbeat_p99_quiet_ms: percentile(&quiet, 0.99),
+        heartbeat_p99_attack_ms: percentile(&attacked, 0.99),
+        heartbeats_quiet: quiet.len(),
+        heartbeats_attack: attacked.len(),
+        live_after,
     }
 }

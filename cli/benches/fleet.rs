@@ -110,6 +110,8 @@ fn start_gateway(dir: &Path, agents_port: u16) -> (Child, String, String, String
     let mut child = Command::new(env!("CARGO_BIN_EXE_better-compute"))
         .args(["dev", "--data-dir", &dir.display().to_string(), "--listen", "127.0.0.1:0"])
         .args(["--agents-listen", &format!("127.0.0.1:{agents_port}")])
+        // Every simulated machine connects from 127.0.0.1: the cap per peer address is lifted.
+        .args(["--agents-connections-per-peer-max", "65536"])
         .env("BETTER_COMPUTE_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

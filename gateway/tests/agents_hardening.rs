@@ -13,8 +13,6 @@ use std::time::{Duration, Instant};
 use bc_gateway::AppState;
 use bc_gateway::agents::tls::ServingIdentity;
 use bc_gateway::agents::{AgentLimits, AgentService, SessionConfig, Transport};
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SESSION_PATH: &str = "/bettercompute.agent.v1.Agent/Session";
@@ -47,55 +45,6 @@ async fn endpoint(limits: AgentLimits, tls: bool) -> Endpoint {
     Endpoint { _dir: dir, addr, join_permits }
 }
 
-/// Accepts any server certificate: these tests attack the endpoint, they do not trust it.
-#[derive(Debug)]
-struct AnyCertificate;
-
-impl ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _: &[u8],
-        _: &CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Ok(HandshakeSignatureValid::assertion())
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        _: &[u8],
-        _: &CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Ok(HandshakeSignatureValid::assertion())
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        rustls::crypto::ring::default_provider().signature_verification_algorithms.supported_schemes()
-    }
-}
-
-async fn tls_connect(addr: std::net::SocketAddr) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
-    let mut config = rustls::ClientConfig::builder()
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyCertificate))
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    tokio_rustls::TlsConnector::from(Arc::new(config)).connect(ServerName::try_from("agents").unwrap(), tcp).await
-}
-
 /// How long until the server closes `stream` (what it sends is read and dropped), at most
 /// [`GUARD`]; `None` if it is still open then.
 async fn closed_after<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Option<Duration> {
@@ -119,7 +68,7 @@ async fn closed_after<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Option
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finding_1_twenty_thousand_streams_on_one_connection_are_refused_and_the_connection_closed() {
     let endpoint = endpoint(AgentLimits::default(), true).await;
-    let tls = tls_connect(endpoint.addr).await.unwrap();
+    let tls = h2_flood::tls_connect(endpoint.addr).await.unwrap();
     let report = h2_flood::flood(tls, 20_000, SESSION_PATH, true, GUARD).await;
     eprintln!(
         "sent {}, opened {}, refused {}, reset otherwise {}, goaway {:?}",
@@ -144,7 +93,7 @@ async fn finding_1_twenty_thousand_streams_on_one_connection_are_refused_and_the
     // An honest call on a new connection is still answered (a join with a token that is none).
     let addr = endpoint.addr;
     let connector = tower::service_fn(move |_: tonic::transport::Uri| async move {
-        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls_connect(addr).await?))
+        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(h2_flood::tls_connect(addr).await?))
     });
     let channel = tonic::transport::Endpoint::from_static("http://agents").connect_with_connector(connector).await.unwrap();
     let mut client = bc_proto::agent_client::AgentClient::new(channel);
@@ -169,11 +118,11 @@ async fn finding_1_silent_connections_are_closed_within_the_handshake_deadline()
     let after = closed_after(&mut tcp).await;
     assert!(after.is_some(), "a connection that never starts TLS is closed");
 
-    let mut tls = tls_connect(endpoint.addr).await.unwrap();
+    let mut tls = h2_flood::tls_connect(endpoint.addr).await.unwrap();
     let after = closed_after(&mut tls).await;
     assert!(after.is_some(), "a TLS connection that sends nothing is closed");
 
-    let mut tls = tls_connect(endpoint.addr).await.unwrap();
+    let mut tls = h2_flood::tls_connect(endpoint.addr).await.unwrap();
     tls.write_all(&h2_flood::preface()).await.unwrap();
     let after = closed_after(&mut tls).await;
     assert!(after.is_some(), "a connection with the preface and no stream is closed");
@@ -192,13 +141,13 @@ async fn finding_1_silent_connections_are_closed_within_the_handshake_deadline()
 async fn finding_1_connections_per_peer_address_are_capped() {
     let limits = AgentLimits { connections_per_peer_max: 2, ..AgentLimits::default() };
     let endpoint = endpoint(limits, true).await;
-    let first = tls_connect(endpoint.addr).await.unwrap();
-    let _second = tls_connect(endpoint.addr).await.unwrap();
-    assert!(tls_connect(endpoint.addr).await.is_err(), "a third connection from the same address is closed");
+    let first = h2_flood::tls_connect(endpoint.addr).await.unwrap();
+    let _second = h2_flood::tls_connect(endpoint.addr).await.unwrap();
+    assert!(h2_flood::tls_connect(endpoint.addr).await.is_err(), "a third connection from the same address is closed");
     drop(first);
     let started = Instant::now();
     loop {
-        if tls_connect(endpoint.addr).await.is_ok() {
+        if h2_flood::tls_connect(endpoint.addr).await.is_ok() {
             break;
         }
         assert!(started.elapsed() < GUARD, "a slot is given back when a connection closes");
