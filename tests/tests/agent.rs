@@ -200,20 +200,24 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
         let done = wait_command(&server, command, "succeeded", Duration::from_secs(30)).await;
         assert_eq!(done["result"]["pong"], true);
     }
-    assert_eq!(machine.stop(), 0);
-    // What the agent sent before it stopped may still be landing: wait until the node's head
-    // and the log agree and stay put.
-    let mut last = (0, 0);
-    let (head, journaled) = loop {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let head = node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap();
-        let journaled = events(&server, &["command.*", "node.observed", "node.inventory_reported", "node.agent_started"]).await;
-        let now = (head, journaled.len());
-        if now == last {
-            break (head, journaled);
-        }
-        last = now;
+    // What the agent sent before it stopped may still be landing. The gateway handles a
+    // session's messages in order and ends the session after the last one: once it says this
+    // session ended, nothing more of the agent's can land.
+    let ended = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains(&node) && (l.contains("node session ended") || l.contains("node session refused")))
+            .count()
     };
+    let ended_before = ended(&server.log_text());
+    assert_eq!(machine.stop(), 0);
+    wait_until("the gateway ended the stopped agent's session", Duration::from_secs(30), || {
+        (ended(&server.log_text()) > ended_before).then_some(())
+    });
+    let head = node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap();
+    let journaled = events(&server, &["command.*", "node.observed", "node.inventory_reported", "node.agent_started"]).await;
+    // The log holds at least what the agent saw acknowledged, and nothing it did not write.
+    let (acked, written) = agent_journal(&machine).await;
+    assert!(acked <= head && head <= written, "acknowledged {acked} <= the log's {head} <= written {written}");
     assert!(head > 60, "30 commands (started and succeeded) and observations: {head}");
     let mut seqs: BTreeMap<u64, usize> = BTreeMap::new();
     for event in &journaled {
@@ -239,6 +243,17 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
     let report = json(&out);
     assert_eq!(report["ok"], true, "{report}");
     assert_eq!(report["nodeSignedEvents"].as_u64(), Some(head), "{report}");
+}
+
+/// The stopped agent's journal (`journal.db`): the newest entry the gateway acknowledged, and
+/// the newest written.
+async fn agent_journal(machine: &Machine) -> (u64, u64) {
+    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(machine.data().join("journal.db"));
+    let pool = sqlx::SqlitePool::connect_with(options).await.expect("open the agent's journal");
+    let (acked,): (i64,) = sqlx::query_as("SELECT seq FROM acked WHERE id = 1").fetch_one(&pool).await.unwrap();
+    let (written,): (Option<i64>,) = sqlx::query_as("SELECT MAX(seq) FROM entries").fetch_one(&pool).await.unwrap();
+    pool.close().await;
+    (acked as u64, written.map_or(acked, |w| w.max(acked)) as u64)
 }
 
 /// Commands issued to the away node beside the first: more than a session once sent at a time.
