@@ -162,8 +162,11 @@ async fn a_bmc_that_accepts_and_never_answers_times_out() {
     let silent = bmc.system().await;
     let took = started.elapsed();
     assert!(matches!(silent, Err(BmcError::Timeout(_))), "{silent:?}");
-    assert!(took >= timeout && took < timeout + Duration::from_secs(5), "{took:?}");
-    assert!(took < Duration::from_secs(bc_bmc::REQUEST_TIMEOUT_S));
+    // A request timeout (not the connect bound: that is `Unreachable`), and the one given, not
+    // the default: at least 2 s, and well under the default's 30 s (a bound on which timeout
+    // fired, not on speed).
+    assert!(took >= timeout, "{took:?}");
+    assert!(took < Duration::from_secs(bc_bmc::REQUEST_TIMEOUT_S), "{took:?}");
     let reset = bmc.reset(ResetType::On).await;
     assert!(matches!(reset, Err(BmcError::Timeout(_))), "{reset:?}");
 }
