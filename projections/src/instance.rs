@@ -1,5 +1,5 @@
-//! Instances: the document (`instance/inst_…`), its live row, and the fold of the instance
-//! events into them.
+//! Instances: the document (`instance/inst_…`), its live row, the payloads of `instance.*`, and
+//! the fold of the instance events into them.
 //!
 //! An instance has a **desired** state (`running`, `stopped`, `deleted`) and shape, set by the
 //! requests and counted by its `generation`, and an **observed** state: what the node's
@@ -19,11 +19,200 @@
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::command::apply_command;
 use crate::events::*;
+use crate::node::{KIND_NODE, NodeDoc, advance_journal};
 use crate::{corrupt, from_doc, payload, to_doc};
+
+/// An instance (`instance/inst_…`): created on an active, bound reservation's node with the
+/// `instance.apply` command issued in the same append ([`InstanceCreated`]); each request
+/// (start, stop, resize, delete) moves its desired state or shape, bumps its generation and
+/// issues `instance.apply` again ([`InstanceRequested`]).
+pub const INSTANCE_CREATED: &str = "instance.created";
+pub const INSTANCE_START_REQUESTED: &str = "instance.start_requested";
+pub const INSTANCE_STOP_REQUESTED: &str = "instance.stop_requested";
+pub const INSTANCE_RESIZE_REQUESTED: &str = "instance.resize_requested";
+pub const INSTANCE_DELETE_REQUESTED: &str = "instance.delete_requested";
+/// The instances reconciler sent `instance.apply` again: the node's state differs from the
+/// desired one, or the last apply failed or went unanswered ([`InstanceReapplied`]).
+pub const INSTANCE_REAPPLIED: &str = "instance.reapplied";
+/// Applies failed [`crate::INSTANCE_APPLY_ATTEMPTS_MAX`] times in a row: given up, with the reason.
+pub const INSTANCE_FAILED: &str = "instance.failed";
+/// The node reported the domain gone after a delete: the instance is finished, and its
+/// reservation takes another (`reservation.instance_detached` in the same append).
+pub const INSTANCE_DELETED: &str = "instance.deleted";
+/// What the node's hypervisor says of the domain ([`InstanceReport`]), from its journal: the
+/// answer to an `instance.apply` (finishing it), or a change the node saw by itself.
+pub const INSTANCE_OBSERVED: &str = "instance.observed";
+/// The node could not apply (`image-digest: …`, `gpus-not-held: …`); finishes the command.
+pub const INSTANCE_APPLY_FAILED: &str = "instance.apply_failed";
+/// The node's instance reports.
+pub const INSTANCE_REPORT_TYPES: &[&str] = &[INSTANCE_OBSERVED, INSTANCE_APPLY_FAILED];
+
+/// What an instance should be: `running`, `stopped`, or `deleted` (gone from its node).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DesiredState {
+    Running,
+    Stopped,
+    Deleted,
+}
+
+impl DesiredState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Stopped => "stopped",
+            Self::Deleted => "deleted",
+        }
+    }
+}
+
+/// A domain's state as the node's hypervisor reports it; `absent`: no such domain.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ObservedState {
+    Running,
+    Paused,
+    Stopping,
+    Stopped,
+    Crashed,
+    Other,
+    Absent,
+}
+
+impl ObservedState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Stopping => "stopping",
+            Self::Stopped => "stopped",
+            Self::Crashed => "crashed",
+            Self::Other => "other",
+            Self::Absent => "absent",
+        }
+    }
+
+    /// Whether a domain in this state is what `desired` asks for.
+    pub fn satisfies(self, desired: DesiredState) -> bool {
+        matches!(
+            (self, desired),
+            (Self::Running, DesiredState::Running)
+                | (Self::Stopped, DesiredState::Stopped)
+                | (Self::Absent, DesiredState::Deleted)
+        )
+    }
+}
+
+/// The image an instance boots from, copied from its registration when the instance is made
+/// (the node fetches it by URL and checks the digest).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceImage {
+    pub image_id: String,
+    pub url: String,
+    pub sha256: String,
+    pub disk_format: DiskFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+}
+
+/// What an instance is given: its flavor's shape when it was made or last resized.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceShape {
+    pub flavor_id: String,
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    pub disk_gib: u64,
+}
+
+/// `instance.created`: on the node of `reservation_id` (active and bound), with its GPUs.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceCreated {
+    pub name: String,
+    pub pool_id: String,
+    pub node_id: String,
+    pub reservation_id: String,
+    pub shape: InstanceShape,
+    /// The reservation's GPUs' UUIDs, passed through whole.
+    pub gpus: Vec<String>,
+    pub image: InstanceImage,
+    pub desired: DesiredState,
+    pub generation: u64,
+    /// The `instance.apply` issued in the same append.
+    pub apply: HoldIssued,
+}
+
+/// `instance.start_requested`, `.stop_requested`, `.resize_requested` (with `shape`),
+/// `.delete_requested` (by a caller, or by the reconciler when the reservation ended: `reason`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceRequested {
+    pub desired: DesiredState,
+    pub generation: u64,
+    pub apply: HoldIssued,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<InstanceShape>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `instance.reapplied`: `instance.apply` sent again for the same generation, and why
+/// (`drift: …`, `apply-timeout: …`, or the node's last failure); `attempts` so far, this one
+/// included.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceReapplied {
+    pub apply: HoldIssued,
+    pub reason: String,
+    pub attempts: u32,
+}
+
+/// `instance.failed`: no more applies; the last reason and the attempts made.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceFailed {
+    pub reason: String,
+    pub attempts: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceDeleted {}
+
+/// `instance.observed` and `instance.apply_failed`, from the node's journal, on the instance's
+/// stream. With `command_id`, the answer to that `instance.apply` (and it finishes it).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InstanceReport {
+    pub instance_id: String,
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_id: Option<String>,
+    /// The generation the node applied (or failed to).
+    pub generation: u64,
+    /// `instance.observed` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<ObservedState>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    #[serde(default, rename = "memoryMiB", skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    /// `instance.apply_failed` only: a stable code, a colon, and words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+}
 
 /// An instance's document.
 pub const KIND_INSTANCE: &str = "instance";
@@ -282,5 +471,66 @@ fn issued(apply: HoldIssued, generation: u64) -> ApplyStatus {
         deadline_at_ms: apply.deadline_at_ms,
         answered_at_ms: None,
         failed: None,
+    }
+}
+
+/// Folds one `instance.*` event into the row `key`: the instance's document and live row, and
+/// for a node's report the node's journal head and the command it answers; any other type leaves
+/// the row as it was.
+pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    match event.envelope.event_type.as_str() {
+        INSTANCE_CREATED
+        | INSTANCE_START_REQUESTED
+        | INSTANCE_STOP_REQUESTED
+        | INSTANCE_RESIZE_REQUESTED
+        | INSTANCE_DELETE_REQUESTED
+        | INSTANCE_REAPPLIED
+        | INSTANCE_FAILED
+        | INSTANCE_DELETED => apply_instance(&key.kind, &key.id, current, event),
+        INSTANCE_OBSERVED | INSTANCE_APPLY_FAILED => report(key, current, event),
+        _ => Ok(current),
+    }
+}
+
+/// `instance.observed` or `.apply_failed`, from the node's journal.
+fn report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    match key.kind.as_str() {
+        KIND_INSTANCE | KIND_INSTANCE_LIVE => apply_instance(&key.kind, &key.id, current, event),
+        KIND_NODE => {
+            let report: InstanceReport = payload(event)?;
+            let journal = report
+                .journal
+                .ok_or_else(|| corrupt(event, "an instance report without a journal entry touched its node".into()))?;
+            let mut doc: NodeDoc = from_doc(event, current)?;
+            advance_journal(&mut doc, &journal, event)?;
+            to_doc(&doc)
+        }
+        _ => {
+            // It finishes its command, as `command.succeeded` or `.failed` would.
+            let report: InstanceReport = payload(event)?;
+            let command_id = report
+                .command_id
+                .clone()
+                .ok_or_else(|| corrupt(event, format!("{} without a command touched a command", env.event_type)))?;
+            let failed = env.event_type == INSTANCE_APPLY_FAILED;
+            let result = (!failed)
+                .then(|| serde_json::json!({ "state": report.state, "vcpus": report.vcpus, "memoryMiB": report.memory_mib }));
+            let progress = CommandProgress {
+                command_id: command_id.clone(),
+                node_id: report.node_id,
+                result,
+                reason: report.reason,
+                journal: report.journal,
+            };
+            apply_command(
+                key,
+                current,
+                event,
+                command_id,
+                Some(progress),
+                if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED },
+            )
+        }
     }
 }

@@ -7,6 +7,9 @@
 //! the order `row_list` hands them back in. Only the event's `seq` is kept, not its position:
 //! the commit number is not known while the fold runs, and the sequence names the event as well.
 //!
+//! The payload of `node.inventory_reported` ([`NodeInventoryReported`]) is here too; the node's
+//! own fold of it (its GPUs, its journal head) is in [`crate::node`].
+//!
 //! [`inventory_diff`] is pure: two reports in, what changed out (GPUs by UUID, the host field
 //! by field, the driver, CUDA and NVML's availability).
 
@@ -16,10 +19,76 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::events::{InventoryGpu, NodeInventoryReported};
-
 /// One row per inventory report: `NODE_SEQDOWN` (see [`inventory_row_id`]).
 pub const KIND_INVENTORY: &str = "inventory";
+
+pub const NODE_INVENTORY_REPORTED: &str = "node.inventory_reported";
+
+/// What a node's agent found on its machine (NVML and `/proc`, `/sys`), at its first session
+/// and whenever it changes; on `agent/node_…`. The node's GPUs are taken from it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeInventoryReported {
+    pub node_id: String,
+    pub gpus: Vec<InventoryGpu>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_version: Option<String>,
+    /// Why no GPUs could be read (no driver, no library).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+    pub host: InventoryHost,
+    /// What the agent can do with the machine (`command.ping`, `gpu.hold`, …).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+    /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_unavailable: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
+pub struct InventoryGpu {
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub product: String,
+    #[serde(rename = "vramGiB")]
+    pub vram_gib: u32,
+    pub pci_bus_id: String,
+    pub nvlink_domain: u32,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
+pub struct InventoryHost {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_model: Option<String>,
+    pub cpus: u32,
+    #[serde(rename = "memoryKiB")]
+    pub memory_kib: u64,
+    pub disks: Vec<InventoryDisk>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub product: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(schemars::JsonSchema)]
+pub struct InventoryDisk {
+    pub name: String,
+    pub bytes: u64,
+    pub rotational: bool,
+}
 
 /// Digits of the counted-down sequence: `u64::MAX` has 20, so every id has the same length and
 /// sorts as its number does.

@@ -1,5 +1,5 @@
-//! Releases and rollouts: the documents (`release/rel_…`, `rollout/ro_…`) and the fold of their
-//! events into them.
+//! Releases and rollouts: the documents (`release/rel_…`, `rollout/ro_…`), the types and
+//! payloads of `release.*` and `rollout.*`, and the fold of those events into them.
 //!
 //! A **release** is a signed manifest of a `bcd` version (`bc_core::release`): registered once
 //! per version, after the gateway checked its signature under a release key it was configured
@@ -22,10 +22,36 @@ use std::collections::BTreeMap;
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 
-use crate::events::*;
 use crate::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, corrupt, from_doc, payload, to_doc};
+
+/// A signed `bcd` release, checked under a configured release key (`release/rel_…`).
+pub const RELEASE_REGISTERED: &str = "release.registered";
+/// A rollout of a release to a fixed list of nodes, in waves (`rollout/ro_…`; see
+/// `crate::rollout`).
+pub const ROLLOUT_CREATED: &str = "rollout.created";
+/// A node was sent `agent.update` (the command issued in the same append).
+pub const ROLLOUT_NODE_UPDATING: &str = "rollout.node_updating";
+/// A node runs the release, confirmed, and stayed ready for the rollout's `minReadyS`.
+pub const ROLLOUT_NODE_UPDATED: &str = "rollout.node_updated";
+/// A node did not get there (the reason: its command's, or the deadline's).
+pub const ROLLOUT_NODE_FAILED: &str = "rollout.node_failed";
+/// After `abort`: an updated node was sent `agent.rollback`, and how that ended.
+pub const ROLLOUT_NODE_ROLLING_BACK: &str = "rollout.node_rolling_back";
+pub const ROLLOUT_NODE_ROLLED_BACK: &str = "rollout.node_rolled_back";
+pub const ROLLOUT_NODE_ROLLBACK_FAILED: &str = "rollout.node_rollback_failed";
+/// Every node of a wave finished, within the wave's failure limit.
+pub const ROLLOUT_WAVE_PASSED: &str = "rollout.wave_passed";
+/// Paused by an operator or by a wave's gate (with the reason); resumed by an operator.
+pub const ROLLOUT_PAUSED: &str = "rollout.paused";
+pub const ROLLOUT_RESUMED: &str = "rollout.resumed";
+/// `abort` asked: the updated nodes are rolled back, then `rollout.aborted`.
+pub const ROLLOUT_ABORTING: &str = "rollout.aborting";
+pub const ROLLOUT_ABORTED: &str = "rollout.aborted";
+/// Every wave passed.
+pub const ROLLOUT_COMPLETED: &str = "rollout.completed";
 
 /// A registered release: `release/rel_…`.
 pub const KIND_RELEASE: &str = "release";
@@ -552,4 +578,26 @@ pub async fn plan_inputs(
         }
     }
     Ok(PlanInputs { release, nodes, commands })
+}
+
+/// Folds one `release.*` or `rollout.*` event into the row `key`; any other type leaves the row
+/// as it was.
+pub(crate) fn apply(key: &RowKey, current: Option<serde_json::Value>, event: &StoredEvent) -> Result<Option<serde_json::Value>> {
+    match event.envelope.event_type.as_str() {
+        RELEASE_REGISTERED => apply_release(&key.id, current, event),
+        ROLLOUT_CREATED
+        | ROLLOUT_NODE_UPDATING
+        | ROLLOUT_NODE_UPDATED
+        | ROLLOUT_NODE_FAILED
+        | ROLLOUT_NODE_ROLLING_BACK
+        | ROLLOUT_NODE_ROLLED_BACK
+        | ROLLOUT_NODE_ROLLBACK_FAILED
+        | ROLLOUT_WAVE_PASSED
+        | ROLLOUT_PAUSED
+        | ROLLOUT_RESUMED
+        | ROLLOUT_ABORTING
+        | ROLLOUT_ABORTED
+        | ROLLOUT_COMPLETED => apply_rollout(&key.kind, &key.id, current, event),
+        _ => Ok(current),
+    }
 }

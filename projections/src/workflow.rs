@@ -1,5 +1,6 @@
 //! Bare-metal machines and their workflows: the documents (`metal/node_…`, `workflow/wf_…`),
-//! the recipes (which steps each verb runs, as data), and the fold of the `metal.*` events.
+//! the recipes (which steps each verb runs, as data), the types and payloads of the `metal.*`
+//! events, and their fold.
 //!
 //! A machine's lifecycle state moves only by the table in [`crate::metal`]; each state that is
 //! not stable runs a **workflow**: the steps of its recipe ([`recipe`]), executed one at a time
@@ -12,14 +13,173 @@
 //! Every event is on the machine's stream; a workflow's own row is folded from the same events
 //! by the same code as the copy in the machine's document ([`fold_workflow`]).
 
-use bc_core::Result;
 use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
+use bc_core::{Result, canonical};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::events::*;
 use crate::metal::{MetalFlags, MetalState, POWER_DEADLINE_S, Verb};
 use crate::{corrupt, from_doc, payload, to_doc};
+
+/// A bare-metal machine (`metal/node_…`) was enrolled by its BMC ([`MetalEnrolled`]); its BMC
+/// password is sealed in the secret store, never in the log.
+pub const METAL_ENROLLED: &str = "metal.enrolled";
+/// The machine moved from one lifecycle state to another by a verb ([`MetalTransitioned`]):
+/// a caller's, or its workflow's (`done`, `wait`, `fail`). Every transition is one of these.
+pub const METAL_TRANSITIONED: &str = "metal.transitioned";
+/// One step of the machine's workflow finished ([`MetalStepDone`]).
+pub const METAL_STEP_DONE: &str = "metal.step_done";
+/// One step failed and is tried again after a back-off ([`MetalStepRetried`]).
+pub const METAL_STEP_RETRIED: &str = "metal.step_retried";
+/// A workflow ended ([`MetalWorkflowFinished`]): succeeded, failed (with the reason) or aborted.
+pub const METAL_WORKFLOW_FINISHED: &str = "metal.workflow_finished";
+/// An operator paused or resumed a workflow's steps (its deadline runs on either way).
+pub const METAL_WORKFLOW_PAUSED: &str = "metal.workflow_paused";
+pub const METAL_WORKFLOW_RESUMED: &str = "metal.workflow_resumed";
+/// The machine was put in maintenance with a reason ([`MetalMaintenanceSet`]): a BMC that
+/// refuses its credentials, after bounded retries. `recover` clears it.
+pub const METAL_MAINTENANCE_SET: &str = "metal.maintenance_set";
+/// The BMC says another power state than the log, on reads a sync interval apart
+/// ([`MetalPowerDrifted`]): the log follows the machine.
+pub const METAL_POWER_DRIFTED: &str = "metal.power_drifted";
+
+/// How a BMC's certificate is checked, as enrolled. The CA bundle and the pin are public.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalBmc {
+    /// `https://host[:port]`.
+    pub address: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_path: Option<String>,
+    pub username: String,
+    /// `ca`, `pin` or `insecure`.
+    pub tls: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_pem: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin: Option<String>,
+    /// Where the password is sealed in the secret store.
+    pub secret_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalEnrolled {
+    pub pool_id: String,
+    pub name: String,
+    pub bmc: MetalBmc,
+}
+
+/// A workflow started by a transition: its id, its steps in order, and what they need.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalWorkflowStart {
+    pub workflow_id: String,
+    /// The verb it runs (`deploy`, `power`, …).
+    pub verb: String,
+    pub steps: Vec<String>,
+    /// When it fails if not finished: the state's deadline (or the power change's).
+    pub deadline_at_ms: u64,
+    /// The image a deploy or a rescue boots (its URL, from the catalog).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_url: Option<String>,
+    /// A deploy's join token, bound to the node, that the installed system joins with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_token_id: Option<String>,
+    /// `on`, `off` or `reboot`: a power workflow's target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalTransitioned {
+    pub verb: String,
+    pub from: String,
+    pub to: String,
+    /// Why (a failure's reason: the machine's `lastError`; an operator's note).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The workflow the new state runs, when it runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<MetalWorkflowStart>,
+}
+
+/// What a machine's BMC said at inspection.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalInspection {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manufacturer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_number: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processor_count: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_gib: Option<u32>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalStepDone {
+    pub workflow_id: String,
+    pub step: String,
+    pub index: u32,
+    /// The power state the BMC said at this step (`on`/`off`), when it read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inspection: Option<MetalInspection>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalStepRetried {
+    pub workflow_id: String,
+    pub step: String,
+    pub index: u32,
+    /// Failed attempts of this step so far.
+    pub attempts: u32,
+    /// The BMC error's kind (`unauthorized`, `timeout`, `unreachable`, `refused`, `protocol`).
+    pub error_kind: String,
+    pub error: String,
+    pub retry_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalWorkflowFinished {
+    pub workflow_id: String,
+    /// `succeeded`, `failed` or `aborted`.
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalWorkflowRef {
+    pub workflow_id: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalMaintenanceSet {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalPowerDrifted {
+    /// What the log said (`on`/`off`), and what the BMC says now.
+    pub expected: String,
+    pub observed: String,
+}
 
 /// A machine's document, keyed by its node id.
 pub const KIND_METAL: &str = "metal";
@@ -488,4 +648,30 @@ pub(crate) fn apply_metal(kind: &str, id: &str, current: Option<Value>, event: &
     doc.version = env.version;
     doc.updated_at_ms = env.at_ms;
     to_doc(&doc)
+}
+
+/// Folds one `metal.*` event into the row `key` (the machine's, or its workflow's); any other
+/// type leaves the row as it was.
+pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    match event.envelope.event_type.as_str() {
+        METAL_ENROLLED
+        | METAL_TRANSITIONED
+        | METAL_STEP_DONE
+        | METAL_STEP_RETRIED
+        | METAL_WORKFLOW_FINISHED
+        | METAL_WORKFLOW_PAUSED
+        | METAL_WORKFLOW_RESUMED
+        | METAL_MAINTENANCE_SET
+        | METAL_POWER_DRIFTED => apply_metal(&key.kind, &key.id, current, event),
+        _ => Ok(current),
+    }
+}
+
+/// The rows a `metal.*` event changes: the machine's, and its workflow's when it names one.
+pub(crate) fn touches(event: &StoredEvent, id: &str, out: &mut Vec<RowKey>) {
+    let tenant = event.envelope.tenant.to_string();
+    out.push(RowKey { tenant: tenant.clone(), kind: KIND_METAL.to_owned(), id: id.to_owned() });
+    if let Some(workflow) = workflow_of(&canonical::to_json(&event.envelope.payload)) {
+        out.push(RowKey { tenant, kind: KIND_WORKFLOW.to_owned(), id: workflow.to_owned() });
+    }
 }

@@ -1,0 +1,88 @@
+//! Flavors (`flavor/flv_…`): the document, the payloads of `flavor.*`, and their fold.
+//!
+//! A flavor is the shape an instance of it gets in its pool. It is made once and deleted once:
+//! made twice, or deleted when it does not exist, is a broken log, not a no-op.
+
+use bc_core::Result;
+use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{corrupt, payload, to_doc};
+
+pub const FLAVOR_CREATED: &str = "flavor.created";
+pub const FLAVOR_DELETED: &str = "flavor.deleted";
+
+/// A flavor of a pool (`flavor/flv_…`): the shape instances of it get.
+pub const KIND_FLAVOR: &str = "flavor";
+
+/// A flavor: what an instance of it in its pool is given. Deleting it removes the document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FlavorDoc {
+    pub tenant_id: String,
+    pub flavor_id: String,
+    pub pool_id: String,
+    pub name: String,
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    pub disk_gib: u64,
+    pub gpus: u32,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+/// A flavor of one pool: what an instance of it is given. Guarded on the pool's version, so a
+/// flavor is never created in a pool archived meanwhile.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorCreated {
+    pub pool_id: String,
+    pub name: String,
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    pub disk_gib: u64,
+    pub gpus: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorDeleted {}
+
+/// Folds one `flavor.*` event into the row `key`; any other type leaves the row as it was.
+pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let tenant_id = env.tenant.to_string();
+    match env.event_type.as_str() {
+        FLAVOR_CREATED => {
+            let p: FlavorCreated = payload(event)?;
+            if current.is_some() {
+                return Err(corrupt(event, format!("flavor {} created twice", key.id)));
+            }
+            to_doc(&FlavorDoc {
+                tenant_id,
+                flavor_id: key.id.clone(),
+                pool_id: p.pool_id,
+                name: p.name,
+                vcpus: p.vcpus,
+                memory_mib: p.memory_mib,
+                disk_gib: p.disk_gib,
+                gpus: p.gpus,
+                version: env.version,
+                created_at_ms: env.at_ms,
+            })
+        }
+        FLAVOR_DELETED => {
+            // Deleting what does not exist is a broken log, not a no-op.
+            let _: Value =
+                current.ok_or_else(|| corrupt(event, format!("{} of {} that does not exist", env.event_type, key.id)))?;
+            Ok(None)
+        }
+        _ => Ok(current),
+    }
+}

@@ -1,0 +1,95 @@
+//! Disk images (`image/img_…`): the document, the payloads of `image.*`, and their fold.
+//!
+//! An image is registered by where it is fetched from and the SHA-256 its bytes must have. It is
+//! registered once and deleted once: either twice, or a delete of what does not exist, is a
+//! broken log, not a no-op.
+
+use bc_core::Result;
+use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{corrupt, payload, to_doc};
+
+pub const IMAGE_REGISTERED: &str = "image.registered";
+pub const IMAGE_DELETED: &str = "image.deleted";
+
+/// A registered disk image (`image/img_…`).
+pub const KIND_IMAGE: &str = "image";
+
+/// A registered image. Deleting it removes the document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageDoc {
+    pub tenant_id: String,
+    pub image_id: String,
+    pub name: String,
+    pub url: String,
+    pub sha256: String,
+    pub disk_format: DiskFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    pub version: u64,
+    pub created_at_ms: u64,
+}
+
+/// How an image's bytes are laid out on disk.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskFormat {
+    Qcow2,
+    Raw,
+    /// A bootable ISO 9660 image: what a bare-metal deploy or rescue boots through a BMC's
+    /// virtual CD; never an instance's disk.
+    Iso,
+}
+
+/// A disk image, by where it is fetched from and the SHA-256 its bytes must have.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageRegistered {
+    pub name: String,
+    pub url: String,
+    /// Lowercase hex SHA-256 of the image's bytes.
+    pub sha256: String,
+    pub disk_format: DiskFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageDeleted {}
+
+/// Folds one `image.*` event into the row `key`; any other type leaves the row as it was.
+pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let tenant_id = env.tenant.to_string();
+    match env.event_type.as_str() {
+        IMAGE_REGISTERED => {
+            let p: ImageRegistered = payload(event)?;
+            if current.is_some() {
+                return Err(corrupt(event, format!("image {} registered twice", key.id)));
+            }
+            to_doc(&ImageDoc {
+                tenant_id,
+                image_id: key.id.clone(),
+                name: p.name,
+                url: p.url,
+                sha256: p.sha256,
+                disk_format: p.disk_format,
+                size_bytes: p.size_bytes,
+                version: env.version,
+                created_at_ms: env.at_ms,
+            })
+        }
+        IMAGE_DELETED => {
+            // Deleting what does not exist is a broken log, not a no-op.
+            let _: Value =
+                current.ok_or_else(|| corrupt(event, format!("{} of {} that does not exist", env.event_type, key.id)))?;
+            Ok(None)
+        }
+        _ => Ok(current),
+    }
+}

@@ -1,0 +1,81 @@
+//! Quotas (`quota/pool_…`, one per tenant and pool): the document, the payloads of `quota.*`,
+//! and their fold.
+//!
+//! A quota bounds the GPUs a tenant's live reservations in one pool hold at once. Its stream is
+//! the guard of that bound: every reservation counted against it (`quota.charged`) and every
+//! refusal (`quota.exceeded`) moves the quota's version, so two appends deciding on the same
+//! usage cannot both land.
+
+use bc_core::Result;
+use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{from_doc, payload, to_doc};
+
+pub const QUOTA_SET: &str = "quota.set";
+pub const QUOTA_EXCEEDED: &str = "quota.exceeded";
+/// A reservation counted against its tenant's quota in a pool: in the reservation's own append,
+/// guarded at the quota stream's version, so two gateways deciding on the same usage cannot both
+/// land (one is a CONFLICT and decides again).
+pub const QUOTA_CHARGED: &str = "quota.charged";
+
+/// A tenant's quota in one pool; the stream is `quota/pool_…`.
+pub const KIND_QUOTA: &str = "quota";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaDoc {
+    pub tenant_id: String,
+    pub pool_id: String,
+    pub gpus: u32,
+    pub version: u64,
+    pub updated_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaSet {
+    /// GPUs the tenant's live (queued and active) reservations in the pool may hold at once.
+    pub gpus: u32,
+}
+
+/// `quota.charged`: the reservation and the GPUs it counts for.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaCharged {
+    pub reservation_id: String,
+    pub gpus: u32,
+}
+
+/// The audit record of a refusal: nothing else is appended.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaExceeded {
+    pub requested: u32,
+    pub in_use: u32,
+    pub limit: u32,
+    pub actor: String,
+}
+
+/// Folds one `quota.*` event into the row `key`; any other type leaves the row as it was.
+pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let tenant_id = env.tenant.to_string();
+    match env.event_type.as_str() {
+        QUOTA_EXCEEDED | QUOTA_CHARGED => {
+            // The quota's version follows its stream, which these move: a reservation's
+            // append guards it.
+            let Some(current) = current else { return Ok(None) };
+            let mut doc: QuotaDoc = from_doc(event, Some(current))?;
+            doc.version = env.version;
+            to_doc(&doc)
+        }
+        QUOTA_SET => {
+            let p: QuotaSet = payload(event)?;
+            to_doc(&QuotaDoc { tenant_id, pool_id: key.id.clone(), gpus: p.gpus, version: env.version, updated_at_ms: env.at_ms })
+        }
+        _ => Ok(current),
+    }
+}
