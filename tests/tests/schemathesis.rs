@@ -4,7 +4,9 @@
 //! content types, response schemas, negative data rejected) over every operation, with a fixed
 //! seed. It runs here, inside the one test run, so its two minutes of one core overlap the other
 //! tests instead of coming before them. `make schemathesis` runs the same script alone;
-//! `SCHEMATHESIS_SEED` and `SCHEMATHESIS_MAX_EXAMPLES` change the seed and the examples.
+//! `SCHEMATHESIS_SEED` and `SCHEMATHESIS_MAX_EXAMPLES` change the seed and the examples. The
+//! exit status alone proves little (a run that tested nothing exits 0 too): the summary must
+//! show every method of the table selected, and cases generated and passed for them.
 
 use std::path::Path;
 use std::process::Command;
@@ -35,4 +37,18 @@ fn every_operation_keeps_the_openapi_document_under_schemathesis() {
         run.status
     );
     assert!(stdout.contains("schemathesis exit status: 0"), "no summary from the script:\n{stdout}\n{stderr}");
+    // It ran what it claims: every method of the table an operation, and cases for each.
+    let methods = bc_gateway::api::table().len();
+    let line = |prefix: &str| stdout.lines().find_map(|l| l.strip_prefix(prefix)).map(str::to_owned);
+    let operations = line("operations: ").unwrap_or_default();
+    assert_eq!(operations, format!("{methods} selected / {methods} total"), "every method is tested:\n{stdout}");
+    let cases = line("test cases: ").unwrap_or_default();
+    let count = |word: &str| -> Option<usize> { cases.split(", ").find_map(|part| part.strip_suffix(word)?.trim().parse().ok()) };
+    let generated = count(" generated").unwrap_or_else(|| panic!("no count of generated cases: {cases:?}"));
+    assert!(generated >= methods * CASES_PER_OPERATION_MIN, "{generated} cases for {methods} operations:\n{stdout}");
+    assert_eq!(count(" passed"), Some(generated), "every generated case passed its checks: {cases:?}");
+    assert_eq!(count(" errored"), None, "no case errored: {cases:?}");
 }
+
+/// Cases each operation gets at the least, on average (`SCHEMATHESIS_MAX_EXAMPLES` may be as low as 1).
+const CASES_PER_OPERATION_MIN: usize = 1;

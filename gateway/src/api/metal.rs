@@ -368,16 +368,18 @@ fn check_bmc(input: &MetalEnroll, networks: &bc_bmc::BmcNetworks) -> Result<Chec
         return Err(Error::invalid("bmcAddress must be an origin, https://host[:port], with no path, query or fragment"));
     }
     // An address literal (and `localhost`) outside the deployment's BMC networks is refused
-    // here; a name is checked, address by address, each time the reconciler connects.
+    // here; a name is checked, address by address, each time the reconciler connects. Refused as
+    // ACCESS_DENIED (403), not INVALID_ARGUMENT: the address is well formed, and this deployment's
+    // policy, not the request, is what stands in the way.
     if let Some(host) = url.host()
         && networks.check_host(&host).is_err()
     {
-        return Err(Error::InvalidArgument {
-            message: "bmcAddress is not on a network this deployment reaches BMCs on".into(),
-            hint: Some(
-                "the operator names the BMC networks with --bmc-allow-network CIDR on dev, serve and reconcile; loopback, link-local and the control plane's own addresses are taken only when named exactly".into(),
-            ),
-        });
+        return Err(Error::AccessDenied(
+            "bmcAddress is not on a network this deployment reaches BMCs on (the operator names the BMC networks with \
+             --bmc-allow-network CIDR on dev, serve and reconcile; loopback, link-local and the control plane's own \
+             addresses are taken only when named exactly)"
+                .into(),
+        ));
     }
     if let Some(path) = &input.bmc_system_path
         && !system_path_ok(path)
