@@ -145,8 +145,11 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
     let tenant = call.tenant(&input.tenant_id).await?;
     let release_id: ReleaseId = parse_id("releaseId", &input.release_id)?;
     let pool: Option<PoolId> = input.pool_id.as_deref().map(|p| parse_id("poolId", p)).transpose()?;
-    // The release first: what the rollout is of (NOT_FOUND before any check of how).
+    // The release first: what the rollout is of (NOT_FOUND before any check of how). Checked
+    // again as `releases.register` checks it: a release registered while its downgrade permission
+    // held, or under a key the control plane has stopped trusting, is not rolled out.
     let release = release_doc(call, tenant, &release_id).await?;
+    bc_projections::decide::release_check(&call.state.release_keys, &release.manifest, &release.signature, call.now_ms())?;
     if let Some(labels) = &input.labels {
         validate_labels(labels)?;
     }
