@@ -82,6 +82,7 @@ fn main() {
             faults: Fault::ALL.to_vec(),
             unsafe_no_placement_guard: false,
             unsafe_no_journal_dedupe: false,
+            unsafe_break: None,
             timeline: false,
         };
         options.check().expect("the bench's options");

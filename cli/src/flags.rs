@@ -720,6 +720,11 @@ pub enum SimCommand {
         /// deliveries' acknowledgements often, to show that the checker finds the duplicate.
         #[arg(long, hide = true)]
         unsafe_no_journal_dedupe: bool,
+        /// TEST ONLY: breaks one thing behind the back of the code that would refuse it
+        /// (wrong-fold, rollout-all-at-once, leaked-hold, bad-proof), to show that the
+        /// simulator's own checks find it. Never a way to run anything.
+        #[arg(long, hide = true, value_name = "NAME")]
+        unsafe_break: Option<String>,
     },
     /// Verify an `events export` file against the log key's pin and fold its events into the
     /// tenant's projection rows; prints the state's digest and its rows per kind. Exits 1 with

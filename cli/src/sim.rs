@@ -237,6 +237,7 @@ pub struct RunArgs<'a> {
     pub report: Option<&'a Path>,
     pub unsafe_no_placement_guard: bool,
     pub unsafe_no_journal_dedupe: bool,
+    pub unsafe_break: Option<&'a str>,
 }
 
 /// Keeps the calling thread, and the threads it starts from now on (SQLite's workers), to one
@@ -271,6 +272,7 @@ pub async fn run(args: RunArgs<'_>, json_out: bool) -> Result<(), CliError> {
         faults,
         unsafe_no_placement_guard: args.unsafe_no_placement_guard,
         unsafe_no_journal_dedupe: args.unsafe_no_journal_dedupe,
+        unsafe_break: args.unsafe_break.map(bc_simulator::run::Break::parse).transpose().map_err(CliError::usage)?,
         timeline: args.report.is_some(),
     };
     options.check().map_err(CliError::usage)?;

@@ -19,6 +19,9 @@
 //!   agent with its real `Runner` on a fake machine), its steps (a request, a release, a pass,
 //!   an agent answering and its journal appended as the gateway's session appends it) and the
 //!   per-step invariant check. The holds property test drives it too.
+//! - [`oracle`]: a reference model of the GPUs each node holds and each reservation's state,
+//!   written from `schema/EVENTS.md` apart from the fold, which the full checks hold the
+//!   projection rows to. Pure.
 //! - [`run`]: `sim run`: the schedule on the virtual clock, the workload, the faults, the heavy
 //!   checks, the liveness phase, the outcome and its digest; `run/net.rs`, the in-memory
 //!   transport between each agent's session machine and the gateway's session functions, and
@@ -35,6 +38,7 @@
 
 pub mod export;
 pub mod format;
+pub mod oracle;
 pub mod replay;
 pub mod report;
 pub mod run;

@@ -266,6 +266,75 @@ impl Fault {
     }
 }
 
+/// TEST ONLY: what `--unsafe-break NAME` breaks, each behind the back of the code that would
+/// refuse it, so that only the simulator's own check can find it (issue 53): each has a test
+/// in `tests/tests/sim_run.rs` that asserts that check's message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Break {
+    /// The log's fold (on the write path and in the full checks' fold alike) keeps a node's
+    /// GPUs allocated on some `node.freed` events: a fold wrong both ways, which only the
+    /// oracle ([`crate::oracle`]) sees.
+    WrongFold,
+    /// An agent handed `agent.update` takes every other running node of its rollout out with
+    /// it, as if the release were pushed to all at once: the rollout's own document never
+    /// says so, the modelled updaters do (the `maxUnavailable` check).
+    RolloutAllAtOnce,
+    /// When the liveness phase begins, one agent's ledger holds a GPU for a reservation the
+    /// control plane never gave it: the run never settles (the liveness bound).
+    LeakedHold,
+    /// One session's proof reaches the gateway with a flipped bit: a refusal no fault explains
+    /// (the sessions' check).
+    BadProof,
+}
+
+impl Break {
+    pub const ALL: &[Break] = &[Break::WrongFold, Break::RolloutAllAtOnce, Break::LeakedHold, Break::BadProof];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Break::WrongFold => "wrong-fold",
+            Break::RolloutAllAtOnce => "rollout-all-at-once",
+            Break::LeakedHold => "leaked-hold",
+            Break::BadProof => "bad-proof",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Break, String> {
+        Break::ALL.iter().copied().find(|b| b.name() == text.trim()).ok_or_else(|| {
+            let names: Vec<&str> = Break::ALL.iter().map(|b| b.name()).collect();
+            format!("unknown --unsafe-break {text:?}; expected one of {}", names.join(", "))
+        })
+    }
+}
+
+/// TEST ONLY (`--unsafe-break wrong-fold`): the real fold, but on one `node.freed` in
+/// [`WRONG_FOLD_EVERY`] (by its seq) the node's row keeps the reservation's GPUs. It is a pure
+/// function of the event, so the write path and a replay agree, as a wrong fold would.
+struct WrongFold;
+
+/// `--unsafe-break wrong-fold` breaks the `node.freed` events whose seq is a multiple of this.
+const WRONG_FOLD_EVERY: u64 = 7;
+
+impl bc_core::store::Projector for WrongFold {
+    fn touches(&self, event: &bc_core::event::StoredEvent, out: &mut Vec<RowKey>) {
+        Projections.touches(event, out)
+    }
+
+    fn apply(&self, key: &RowKey, current: Option<Value>, event: &bc_core::event::StoredEvent) -> bc_core::Result<Option<Value>> {
+        let kept = current.as_ref().and_then(|doc| doc.get("allocations").cloned());
+        let mut doc = Projections.apply(key, current, event)?;
+        let env = &event.envelope;
+        if key.kind == KIND_NODE
+            && env.event_type == ev::NODE_FREED
+            && env.seq % WRONG_FOLD_EVERY == 0
+            && let (Some(doc), Some(kept)) = (doc.as_mut(), kept)
+        {
+            doc["allocations"] = kept;
+        }
+        Ok(doc)
+    }
+}
+
 /// What `sim run` is asked.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -281,6 +350,9 @@ pub struct Options {
     /// acknowledgements are lost often, so an entry delivered twice is appended twice: the
     /// checker must find the duplicate.
     pub unsafe_no_journal_dedupe: bool,
+    /// TEST ONLY (`--unsafe-break NAME`): one thing broken on purpose that only the
+    /// simulator's own checks can see (see [`Break`]).
+    pub unsafe_break: Option<Break>,
     /// Record the [`Timeline`] a report draws (`sim run --report`). It only reads: the run
     /// decides the same and gives the same digest either way.
     pub timeline: bool,
@@ -321,6 +393,10 @@ impl Options {
         }
         if self.unsafe_no_journal_dedupe {
             command.push_str(" --unsafe-no-journal-dedupe");
+        }
+        if let Some(broken) = self.unsafe_break {
+            command.push_str(" --unsafe-break ");
+            command.push_str(broken.name());
         }
         command
     }
@@ -537,6 +613,15 @@ struct Sim {
     join_rng: SeededRng,
     /// The last full check is running: no delivery may be pending.
     ending: bool,
+    /// The modelled updaters: each agent that was handed `agent.update` or `agent.rollback` and
+    /// has not started again yet, with the rollout and the command's issue time.
+    updating: BTreeMap<usize, (String, u64)>,
+    /// Since when each stopped agent is down (crashed, away, updating, gone).
+    down_since: BTreeMap<usize, u64>,
+    /// `--unsafe-break bad-proof` flipped its bit already.
+    proof_broken: bool,
+    /// A broken invariant found deep in a step (a modelled updater's check), reported at its end.
+    found: Option<Violation>,
 }
 
 /// An exponential draw with mean `mean_ms` (at least 1 ms).
@@ -553,7 +638,10 @@ fn between(rng: &mut SeededRng, low: u64, high: u64) -> u64 {
 pub async fn run(options: Options) -> Outcome {
     let mut rng = SeededRng(options.seed);
     let shape = Shape { tenants: options.tenants, nodes: options.nodes, gpus_min: NODE_GPUS_MIN, gpus_max: NODE_GPUS_MAX };
-    let mut world = World::new(options.seed, &mut rng, shape).await;
+    let mut world = match options.unsafe_break {
+        Some(Break::WrongFold) => World::new_folding(options.seed, &mut rng, shape, std::sync::Arc::new(WrongFold)).await,
+        _ => World::new(options.seed, &mut rng, shape).await,
+    };
     world.journal_dedupe = !options.unsafe_no_journal_dedupe;
     let mut enabled = BTreeMap::new();
     for fault in &options.faults {
@@ -576,6 +664,10 @@ pub async fn run(options: Options) -> Outcome {
     let mut sim = Sim {
         hooks,
         ending: false,
+        updating: BTreeMap::new(),
+        down_since: BTreeMap::new(),
+        proof_broken: false,
+        found: None,
         join_rng: SeededRng(options.seed ^ JOIN_STREAM),
         departed: BTreeSet::new(),
         releases: 0,
@@ -723,6 +815,9 @@ impl Sim {
             }
         }
         self.rollouts_abort_running().await;
+        if self.options.unsafe_break == Some(Break::LeakedHold) {
+            self.leak_a_hold().await;
+        }
         let started = self.world.now_ms();
         while let Some(((at, _), task)) = self.queue.first_key_value() {
             let reconcile = matches!(task, Task::Reconcile);
@@ -747,6 +842,26 @@ impl Sim {
         }
         self.ending = true;
         self.full_check().await
+    }
+
+    /// TEST ONLY (`--unsafe-break leaked-hold`): the first running agent with a GPU it holds
+    /// for nobody takes it for a reservation the control plane never made, in its runner's
+    /// ledger and in `holds.json`, as a bug in the agent would.
+    async fn leak_a_hold(&mut self) {
+        for agent in &self.world.agents {
+            let Some(runner) = agent.runner.as_ref() else { continue };
+            let mut ledger = runner.ledger.lock().await;
+            let held: BTreeSet<&str> = ledger.holds.values().flat_map(|h| h.gpus.iter().map(|g| g.uuid.as_str())).collect();
+            let Some(free) = agent.machine.inventory.gpus.gpus.iter().find(|g| !held.contains(g.uuid.as_str())) else { continue };
+            let hold = bc_agent::holds::Hold {
+                command_id: "cmd_leaked".into(),
+                gpus: vec![bc_agent::binding::HeldGpu { uuid: free.uuid.clone(), pci_address: free.pci_bus_id.clone() }],
+                release_command_id: None,
+            };
+            ledger.holds.insert("rsv_never_given".into(), hold);
+            runner.ledger_file.save(&ledger).expect("the ledger saves");
+            return;
+        }
     }
 
     /// What keeps the run from being settled (`None`: nothing): a reservation or an agent's
@@ -948,6 +1063,9 @@ impl Sim {
                 }
             }
         }
+        if let Some(violation) = self.found.take() {
+            return Err(violation);
+        }
         // A journal entry the log refused in this step: reported at the step that delivered it.
         if let Some(refused) = self.world.refused.take() {
             return Err(Violation(format!("the log refused a journal entry: {refused}")));
@@ -1098,12 +1216,16 @@ impl Sim {
         match decided {
             ReservationCreate::Place { mut append, if_lost, .. } => {
                 if self.options.unsafe_no_placement_guard && stale {
-                    // TEST ONLY: the node guard dropped, so a stale placement lands.
+                    // TEST ONLY: the node guard dropped, so a stale placement lands; and the
+                    // guard below it, the fold's refusal of a GPU already held, is broken too:
+                    // the GPUs it takes are freed in the node's row behind the fold's back.
+                    // Only the checker can find the double booking that follows.
                     for (stream, expected) in &mut append.guards {
                         if stream.starts_with("node/") {
                             *expected = ExpectedVersion::Any;
                         }
                     }
+                    self.free_behind_the_fold(t, &append).await;
                 }
                 match self.world.append_acknowledged(append.into_request(tenant.id, "sim")).await {
                     Ok(_) => self.out.placed_at_request += 1,
@@ -1115,13 +1237,6 @@ impl Sim {
                         }
                         self.append_or_conflict(if_lost.into_request(tenant.id, "sim")).await?;
                     }
-                    // The fold refuses a GPU given twice (the log would be corrupt): without the
-                    // node guard, that is the double booking, caught before it is committed.
-                    Err(e) if e.to_string().contains("already held by") => {
-                        return Err(Violation(format!(
-                            "double booking: the placement of {reservation_id} was appended over a GPU already held, and the fold refused it: {e}"
-                        )));
-                    }
                     Err(e) => return Err(Violation(format!("appending the placement of {reservation_id}: {e}"))),
                 }
             }
@@ -1129,6 +1244,26 @@ impl Sim {
             ReservationCreate::OverQuota { .. } => {}
         }
         Ok(())
+    }
+
+    /// TEST ONLY (`--unsafe-no-placement-guard`): frees, in the node rows, the GPUs a
+    /// placement's `node.allocated` events take, underneath the log (no event says so), so the
+    /// fold takes them whoever holds them.
+    async fn free_behind_the_fold(&self, t: usize, append: &bc_projections::decide::Append) {
+        for event in &append.events {
+            if event.event_type != ev::NODE_ALLOCATED {
+                continue;
+            }
+            let Some(node_id) = event.stream.as_deref().and_then(|s| s.strip_prefix("node/")) else { continue };
+            let payload = bc_core::canonical::to_json(&event.payload);
+            let gpus: Vec<String> =
+                payload["gpus"].as_array().into_iter().flatten().filter_map(Value::as_u64).map(|g| g.to_string()).collect();
+            let Some(mut row) = self.world.doc::<Value>(t, KIND_NODE, node_id).await else { continue };
+            if let Some(allocations) = row.get_mut("allocations").and_then(Value::as_object_mut) {
+                allocations.retain(|gpu, _| !gpus.contains(gpu));
+            }
+            self.world.row_overwrite(t, KIND_NODE, node_id, &row).await;
+        }
     }
 
     async fn append_or_conflict(&self, request: bc_core::store::AppendRequest) -> Result<(), Violation> {
@@ -1440,6 +1575,8 @@ pub(crate) struct LogFold {
     /// verifies every chain whole (every hash from the stored bytes, every link, every
     /// checkpoint) but does the curve arithmetic only for signatures it has not seen.
     pub(crate) verified: std::sync::Arc<bc_core::keys::VerifiedSignatures>,
+    /// The reference model of GPUs and reservations, fed the same events as the fold.
+    pub(crate) oracle: crate::oracle::Oracle,
 }
 
 /// [`Sim::full_check`]'s checks on a world, from scratch; `settled`: every journal entry has
@@ -1458,7 +1595,7 @@ pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFo
     if let Some(problem) = report.problems.first() {
         return Err(Violation(format!("the chain does not verify: {problem:?}")));
     }
-    let LogFold { after, state, journal, ids, logged, verified: _ } = fold;
+    let LogFold { after, state, journal, ids, logged, verified: _, oracle } = fold;
     loop {
         let rows = store.read_after_rows(*after, None, 1000).await.expect("the log reads");
         let Some(last) = rows.last() else { break };
@@ -1481,11 +1618,25 @@ pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFo
                 journal.entry(node).or_default().push((seq, body));
             }
         }
-        let keys = bc_core::store::touched_rows(&Projections, &page);
+        for event in &page {
+            oracle.apply(event);
+        }
+        let projector = &*world.projector;
+        let keys = bc_core::store::touched_rows(projector, &page);
         let current = keys.iter().filter_map(|k| state.remove(k).map(|v| (k.clone(), v))).collect();
-        for (key, doc) in bc_core::store::fold_projections(&Projections, &page, current).expect("the fold") {
-            if let Some(doc) = doc {
-                state.insert(key, doc);
+        match bc_core::store::fold_projections(projector, &page, current) {
+            Ok(folded) => {
+                for (key, doc) in folded {
+                    if let Some(doc) = doc {
+                        state.insert(key, doc);
+                    }
+                }
+            }
+            Err(e) => {
+                // The log holds what its own fold refuses: a journal entry taken twice says so
+                // by its cause first.
+                world.check_journals(journal, false).await?;
+                return Err(Violation(format!("the log does not fold again: {e}")));
             }
         }
     }
@@ -1517,8 +1668,36 @@ pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFo
             folded.len()
         )));
     }
+    oracle_check(world, oracle, &stored)?;
     world.check_journals(journal, settled).await?;
     Ok((ids.len() as u64, acknowledged.len() as u64))
+}
+
+/// The projection rows the per-step checker reads (each node's allocations, the live
+/// reservations' states) against the oracle's model of the log ([`crate::oracle`]), which is
+/// not the fold: a fold wrong on the write path and in a replay alike is found here.
+fn oracle_check(world: &World, oracle: &crate::oracle::Oracle, stored: &BTreeMap<RowKey, Value>) -> Result<(), Violation> {
+    for tenant in &world.tenants {
+        let id = tenant.id.to_string();
+        let mut nodes: BTreeMap<String, BTreeMap<u32, String>> = BTreeMap::new();
+        let mut live: BTreeMap<String, String> = BTreeMap::new();
+        for (key, doc) in stored.range(RowKey { tenant: id.clone(), kind: String::new(), id: String::new() }..) {
+            if key.tenant != id {
+                break;
+            }
+            if key.kind == KIND_NODE {
+                let allocations = doc["allocations"].as_object().into_iter().flatten();
+                let held = allocations.filter_map(|(gpu, rsv)| Some((gpu.parse().ok()?, rsv.as_str()?.to_owned()))).collect();
+                nodes.insert(key.id.clone(), held);
+            } else if key.kind == KIND_RESERVATION_LIVE {
+                live.insert(key.id.clone(), doc["state"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+        oracle
+            .compare(tenant.id, &nodes, &live)
+            .map_err(|e| Violation(format!("the projections differ from the oracle's model of the log: {e}")))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1534,6 +1713,7 @@ mod tests {
             faults: Fault::ALL.to_vec(),
             unsafe_no_placement_guard: false,
             unsafe_no_journal_dedupe: false,
+            unsafe_break: None,
             timeline: false,
         }
     }

@@ -29,7 +29,7 @@ use bc_core::id::{CommandId, NodeId, PoolId, ReservationId, TenantId};
 use bc_core::id_source::SeededIds;
 use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
-use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, Projector};
 use bc_projections::events as ev;
 use bc_projections::fleet::Fleet;
 use bc_projections::{
@@ -356,6 +356,9 @@ pub struct World {
     /// The same store, typed: the checker's own tests corrupt it underneath the log.
     pub sqlite: Arc<SqliteStore>,
     pub log: Log,
+    /// The fold the log writes its rows with and the full checks fold the log with again: the
+    /// real `Projections`, but for the oracle's own test (`--unsafe-break wrong-fold`).
+    pub projector: Arc<dyn Projector>,
     pub log_key: Arc<LogKey>,
     pub clock: Arc<ManualClock>,
     pub tenants: Vec<Tenant>,
@@ -464,6 +467,11 @@ impl World {
     /// A world of `shape` from `seed`: the log key, the tenants' ids, the nodes' keys and GPU
     /// counts all come from it.
     pub async fn new(seed: u64, rng: &mut SeededRng, shape: Shape) -> World {
+        World::new_folding(seed, rng, shape, Arc::new(Projections)).await
+    }
+
+    /// [`Self::new`] with another fold (the oracle's own test gives a wrong one).
+    pub async fn new_folding(seed: u64, rng: &mut SeededRng, shape: Shape, projector: Arc<dyn Projector>) -> World {
         assert!(shape.tenants >= 1 && shape.nodes >= shape.tenants, "every tenant has a node");
         let dir = scratch_dir();
         let sqlite = Arc::new(SqliteStore::open_for_one_thread(&dir.path().join("sim.sqlite3")).await.expect("the store opens"));
@@ -474,7 +482,7 @@ impl World {
         // and the plan orders failed holds by reservation id.
         let ids = Arc::new(SeededIds::new(seed, clock.clone()));
         let log_key = Arc::new(LogKey::from_seed(seed_bytes(rng)));
-        let log = Log::open_with_ids(store.clone(), Arc::new(Projections), log_key.clone(), clock.clone(), ids)
+        let log = Log::open_with_ids(store.clone(), projector.clone(), log_key.clone(), clock.clone(), ids)
             .await
             .expect("the log opens");
         let mut tenants = Vec::new();
@@ -510,6 +518,7 @@ impl World {
             store,
             sqlite,
             log,
+            projector,
             log_key,
             clock,
             tenants,
@@ -551,6 +560,20 @@ impl World {
     pub async fn doc<T: serde::de::DeserializeOwned>(&self, t: usize, kind: &str, id: &str) -> Option<T> {
         let row = self.store.row_get(&self.tenants[t].id.to_string(), kind, id).await.expect("a row read");
         row.map(|r| serde_json::from_value(r.doc).expect("a document"))
+    }
+
+    /// TEST ONLY (`--unsafe-…` switches): overwrites tenant `t`'s row `kind`/`id` underneath
+    /// the log, as a fold gone wrong or a corrupted database would. True if the row was there.
+    pub async fn row_overwrite(&self, t: usize, kind: &str, id: &str, doc: &serde_json::Value) -> bool {
+        let done = sqlx::query("UPDATE projections SET doc = ? WHERE tenant_id = ? AND kind = ? AND id = ?")
+            .bind(serde_json::to_string(doc).expect("json"))
+            .bind(self.tenants[t].id.to_string())
+            .bind(kind)
+            .bind(id)
+            .execute(self.sqlite.pool())
+            .await
+            .expect("the row is written");
+        done.rows_affected() == 1
     }
 
     /// Appends a reservation request (queued; the reconciler places it).
@@ -657,7 +680,7 @@ impl World {
         let store: Arc<dyn EventStore> = sqlite.clone();
         store.migrate_at(self.now_ms()).await.expect("the store migrates (nothing to do)");
         let ids = self.log.ids.clone();
-        let log = Log::open_with_ids(store.clone(), Arc::new(Projections), self.log_key.clone(), self.clock.clone(), ids)
+        let log = Log::open_with_ids(store.clone(), self.projector.clone(), self.log_key.clone(), self.clock.clone(), ids)
             .await
             .expect("the log opens again");
         let fleet = Fleet::new();
@@ -813,12 +836,39 @@ impl World {
     /// transport, without the gateway session's checks (past the node's signature) and, the
     /// world's `journal_dedupe` being off, without its idempotency key; true if the log took it.
     /// A refusal is kept in [`Self::refused`] for the run to report.
+    ///
+    /// The guard below the session, the fold's refusal of an entry that does not follow the
+    /// node's journal head, is broken too: an entry at or below the head in the node's row
+    /// rewinds the row's head to just before it, behind the fold's back, so only the full
+    /// check's journal check can find the entry taken twice. When the fold still refuses it
+    /// for what it says (its subject's own state), the row is put back and the entry is
+    /// dropped, unreported: only a duplicate the log takes is of use here.
     pub async fn append_entry_unchecked(&mut self, a: usize, entry: &bc_proto::JournalEntry) -> bool {
         let Ok(signature) = <[u8; 64]>::try_from(entry.signature.as_slice()) else { return false };
         let request = self.journal_request(a, entry.seq, &entry.body, &signature).expect("the entry verifies");
+        let (t, node) = (self.agents[a].tenant, self.agents[a].node.clone());
+        let row = self.doc::<serde_json::Value>(t, KIND_NODE, &node).await;
+        let head = row.as_ref().and_then(|r| r["agent"]["journalSeq"].as_u64()).unwrap_or(0);
+        let rewound = match row.as_ref() {
+            Some(row) if entry.seq <= head && entry.seq > 0 => {
+                let mut behind = row.clone();
+                behind["agent"]["journalSeq"] = (entry.seq - 1).into();
+                self.row_overwrite(t, KIND_NODE, &node, &behind).await.then_some(row)
+            }
+            _ => None,
+        };
         match self.log.append(request).await {
             Ok(_) => true,
-            Err(e) if injected(&e) => false,
+            Err(e) if injected(&e) => {
+                if let Some(row) = rewound {
+                    self.row_overwrite(t, KIND_NODE, &node, row).await;
+                }
+                false
+            }
+            Err(_) if rewound.is_some() => {
+                self.row_overwrite(t, KIND_NODE, &node, rewound.expect("rewound")).await;
+                false
+            }
             Err(e) => {
                 let refused = self.journal_refused(a, entry.seq, &e).await;
                 self.refused.get_or_insert(refused);
@@ -881,6 +931,8 @@ impl World {
             let nodes: Vec<NodeAllocations> = self.rows(t, KIND_NODE).await;
             let nodes: BTreeMap<&str, &NodeAllocations> = nodes.iter().map(|n| (n.node_id.as_str(), n)).collect();
             let mut taken: BTreeMap<(String, u32), String> = BTreeMap::new();
+            // Every active reservation's GPUs first, so a GPU given twice is named as such
+            // rather than as the node's row giving it to the other one.
             for rsv in live.iter().filter(|r| r.state == ReservationState::Active) {
                 let node = rsv.node_id.clone().unwrap_or_default();
                 for gpu in &rsv.gpu_indexes {
@@ -890,6 +942,11 @@ impl World {
                             rsv.reservation_id
                         )));
                     }
+                }
+            }
+            for rsv in live.iter().filter(|r| r.state == ReservationState::Active) {
+                let node = rsv.node_id.clone().unwrap_or_default();
+                for gpu in &rsv.gpu_indexes {
                     let doc = nodes.get(node.as_str()).ok_or_else(|| Violation(format!("{node} has no row")))?;
                     ensure!(
                         doc.allocations.get(gpu) == Some(&rsv.reservation_id),

@@ -19,6 +19,7 @@ pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
             report,
             unsafe_no_placement_guard,
             unsafe_no_journal_dedupe,
+            unsafe_break,
         } => {
             let args = crate::sim::RunArgs {
                 seed,
@@ -30,6 +31,7 @@ pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
                 report: report.as_deref(),
                 unsafe_no_placement_guard,
                 unsafe_no_journal_dedupe,
+                unsafe_break: unsafe_break.as_deref(),
             };
             return crate::sim::run(args, json).await;
         }

@@ -167,6 +167,10 @@ impl Net {
 /// Refusals a session may end with that are no finding: an injected commit failure
 /// (`UNAVAILABLE`), an entry past a gap (the transport reordered it), a handshake message out of
 /// order (duplicated or reordered), a node not heard from in time (a delay, a partition).
+/// `--unsafe-break bad-proof` flips a bit of the first proof the gateway receives this long
+/// into the run (past the start, when every agent connects at once).
+const BAD_PROOF_AFTER_MS: u64 = 600_000;
+
 fn refusal_expected(refusal: &Refusal) -> bool {
     refusal.status == RefusalCode::Unavailable
         || refusal.message.starts_with("JOURNAL_GAP")
@@ -243,6 +247,8 @@ impl Sim {
     /// The agent of node `a` starts (or starts again): its runner over its journal, and a
     /// session machine from the journal's head and what it was acknowledged.
     pub(super) async fn agent_start(&mut self, a: usize) {
+        self.down_since.remove(&a);
+        self.updating.remove(&a);
         if self.world.agents[a].runner.is_none() {
             self.world.agents[a].start().await;
         }
@@ -264,6 +270,8 @@ impl Sim {
     /// The agent of node `a` stops (crashed or away): its runner, its machine and the commands
     /// it had not run are gone (its journal and ledger stay); its stream breaks.
     pub(super) fn agent_stop(&mut self, a: usize) {
+        let now = self.world.now_ms();
+        self.down_since.entry(a).or_insert(now);
         self.world.agents[a].runner = None;
         let link = &mut self.net.links[a];
         link.machine = None;
@@ -413,7 +421,15 @@ impl Sim {
                 }
                 Err(refusal) => return self.session_refused(a, connection, refusal),
             },
-            (GatewaySide::AwaitProof(greeted, nonce), agent_message::Msg::Proof(proof)) => {
+            (GatewaySide::AwaitProof(greeted, nonce), agent_message::Msg::Proof(mut proof)) => {
+                if self.options.unsafe_break == Some(super::Break::BadProof)
+                    && self.world.now_ms() >= crate::world::EPOCH_MS + BAD_PROOF_AFTER_MS
+                    && !std::mem::replace(&mut self.proof_broken, true)
+                    && let Some(bit) = proof.signature.first_mut()
+                {
+                    // TEST ONLY (`--unsafe-break bad-proof`): one proof, one bit flipped.
+                    *bit ^= 1;
+                }
                 match session::prove(*greeted, &nonce, &proof) {
                     Ok(mut bound) => {
                         // The newest session of a node replaces its older ones.

@@ -43,6 +43,11 @@ pub const CONFIRM_WITHIN_MS: u64 = 120_000;
 /// How long a restart (a re-exec, or the watchdog bringing the old agent back) takes at most.
 pub const RESTART_MS_MAX: u64 = 10_000;
 
+/// An agent down this long before a command was issued was marked unreachable by then: its
+/// lease lapsed, the liveness pass after that said so (a few passes later at worst, when
+/// failing commits or a crashed pass cut some short), and the rollouts pass reads it.
+pub const DOWN_SEEN_MS: u64 = super::net::SESSION.lease_ms + 5 * super::RECONCILE_EVERY_MS;
+
 /// What an agent's next start says about the update in flight.
 #[derive(Clone, Debug)]
 pub(super) struct Restart {
@@ -199,6 +204,7 @@ impl Sim {
             };
             Restart { command_id: command.command_id.clone(), version: to_version, slot: to_slot, failure, away_after_ms: away }
         };
+        let rollout_id = args["rolloutId"].as_str().unwrap_or_default().to_owned();
         let hang = restart.failure.as_deref().is_some_and(|f| f.contains("did not confirm"));
         let payload = json!({ "commandId": command.command_id, "nodeId": self.world.agents[a].node });
         let draft = Draft {
@@ -214,6 +220,64 @@ impl Sim {
         self.agent_stop(a);
         let after = if hang { CONFIRM_WITHIN_MS } else { between(&mut self.rng, 1_000, RESTART_MS_MAX) };
         self.after(after, Task::UpdateRestart(a, Box::new(restart)));
+        self.updating.insert(a, (rollout_id.clone(), command.issued_at_ms));
+        if let Err(violation) = self.max_unavailable_check(a, &rollout_id, command.issued_at_ms).await {
+            self.found.get_or_insert(violation);
+        }
+    }
+
+    /// Node `a`'s modelled updater has just taken it out for `rollout_id`'s command issued at
+    /// `issued_at_ms`: no more of the rollout's nodes may be out than its `maxUnavailable`,
+    /// counted from the modelled agents, not from the rollout's document (which the plan under
+    /// test writes): the nodes whose updater is in an update or rollback of the rollout (whose
+    /// command the plan still waits for: issued within its node deadline), and the nodes whose
+    /// agent has been down since long enough before the command was issued that the liveness
+    /// pass had marked them unreachable when the plan decided ([`DOWN_SEEN_MS`]). Nodes gone
+    /// for good are left out (the plan no longer counts a deleted node).
+    async fn max_unavailable_check(&mut self, a: usize, rollout_id: &str, issued_at_ms: u64) -> Result<(), Violation> {
+        let t = self.world.agents[a].tenant;
+        let rollouts: Vec<RolloutDoc> = self.world.rows(t, KIND_ROLLOUT_LIVE).await;
+        let Some(rollout) = rollouts.iter().find(|r| r.rollout_id == rollout_id) else { return Ok(()) };
+        if self.options.unsafe_break == Some(super::Break::RolloutAllAtOnce) {
+            // TEST ONLY: the release pushed to every running node of the rollout at once.
+            for n in &rollout.nodes {
+                let Some(b) = self.world.agents.iter().position(|g| g.node == n.node_id) else { continue };
+                if b != a && self.net.links[b].machine.is_some() && !self.departed.contains(&b) {
+                    self.agent_stop(b);
+                    self.updating.insert(b, (rollout_id.to_owned(), self.world.now_ms()));
+                    let back = between(&mut self.rng, 1_000, RESTART_MS_MAX);
+                    self.after(back, Task::Restart(b));
+                }
+            }
+        }
+        let now = self.world.now_ms();
+        let deadline_ms = rollout.node_deadline_s * 1000;
+        let mut updating = Vec::new();
+        let mut down = Vec::new();
+        for n in &rollout.nodes {
+            let Some(b) = self.world.agents.iter().position(|g| g.node == n.node_id) else { continue };
+            if self.departed.contains(&b) {
+                continue;
+            }
+            match self.updating.get(&b) {
+                Some((r, issued)) if r == rollout_id && now <= issued.saturating_add(deadline_ms) => {
+                    updating.push(n.node_id.as_str())
+                }
+                _ => {
+                    if self.down_since.get(&b).is_some_and(|since| since.saturating_add(DOWN_SEEN_MS) <= issued_at_ms) {
+                        down.push(n.node_id.as_str());
+                    }
+                }
+            }
+        }
+        let out = (updating.len() + down.len()) as u32;
+        if out > rollout.max_unavailable {
+            return Err(Violation(format!(
+                "rollout {rollout_id} has {out} nodes out, over its maxUnavailable {}: updating or rolling back (the modelled updaters) {updating:?}, unreachable {down:?}",
+                rollout.max_unavailable
+            )));
+        }
+        Ok(())
     }
 
     /// Node `a`'s agent starts again after an update: on the version the update left, journaling
