@@ -328,9 +328,13 @@ pub enum Command {
     },
     /// Run reconcilers (outbox consumers) as their own process, against the same database.
     Reconcile {
-        /// Only these reconcilers (repeatable): reservations, webhooks, checkpoints, liveness. Default: all.
-        #[arg(long)]
+        /// Only these reconcilers (repeatable). Default: all (`witnesses` only with --witness).
+        #[arg(long, value_name = "NAME", value_parser = clap::builder::PossibleValuesParser::new(bc_reconcilers::registry::NAMES))]
         only: Vec<String>,
+        /// A witness to cosign each sealed checkpoint, `NAME=URL+VKEY` (repeatable): the
+        /// `witnesses` reconciler sends them.
+        #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
+        witnesses: Vec<String>,
         #[command(flatten)]
         db: DatabaseArgs,
         #[command(flatten)]

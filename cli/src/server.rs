@@ -13,8 +13,8 @@ use bc_core::store::{EventStore, Log, rebuild_projections};
 use bc_core::webhook::EndpointPolicy;
 use bc_gateway::AppState;
 use bc_projections::Projections;
-use bc_reconcilers::outbox::{Consumer, RetryPolicy, RunnerConfig};
-use bc_reconcilers::{CONSUMERS, RECONCILERS};
+use bc_reconcilers::outbox::{RetryPolicy, RunnerConfig};
+use bc_reconcilers::registry::{self, REGISTRY, Registration};
 use serde_json::{Value, json};
 
 use crate::client::CliError;
@@ -110,7 +110,7 @@ pub async fn projections_rebuild(db: &Database) -> Result<Value, CliError> {
     Ok(json!({ "events": events, "rows": rows, "elapsedMs": started.elapsed().as_millis() as u64 }))
 }
 
-/// How the outbox consumers run: in `dev`/`serve` (unless turned off) and in `reconcile`.
+/// How the reconcilers run: in `dev`/`serve` (unless turned off) and in `reconcile`.
 #[derive(Clone, Debug)]
 pub struct ConsumerOptions {
     pub policy: EndpointPolicy,
@@ -127,6 +127,20 @@ pub struct ConsumerOptions {
 }
 
 impl ConsumerOptions {
+    /// What a server run with `--no-reconcilers` builds its duties from (they read none of it).
+    fn defaults(policy: EndpointPolicy, bmc_networks: bc_bmc::BmcNetworks) -> Self {
+        Self {
+            policy,
+            bmc_networks,
+            delivery_timeout_ms: bc_reconcilers::webhooks::DELIVERY_TIMEOUT_MS,
+            lease_ms: 60_000,
+            retry: RetryPolicy::DEFAULT,
+            concurrency: 1,
+            poll_ms: 250,
+            tick_ms: 500,
+        }
+    }
+
     fn runner(&self) -> RunnerConfig {
         let mut config = RunnerConfig::new(Arc::new(SystemClock));
         config.lease_ms = self.lease_ms;
@@ -138,34 +152,63 @@ impl ConsumerOptions {
     }
 }
 
-/// Starts the named consumers; each stops when `shutdown` turns true.
-fn spawn_consumers(
+/// What the registry builds the reconcilers from, in a process of this binary.
+fn reconciler_inputs(
     store: Arc<dyn EventStore>,
-    names: &[&str],
-    options: &ConsumerOptions,
+    log: Option<Arc<Log>>,
     wake: Option<tokio::sync::watch::Receiver<u64>>,
-    shutdown: tokio::sync::watch::Receiver<bool>,
-) -> Result<Vec<tokio::task::JoinHandle<()>>, CliError> {
-    let mut tasks = Vec::new();
-    for name in names {
-        let consumer: Arc<dyn Consumer> = match *name {
-            bc_reconcilers::webhooks::CONSUMER => Arc::new(bc_reconcilers::webhooks::Webhooks::new(
-                options.policy,
-                options.delivery_timeout_ms,
-                Arc::new(SystemClock),
-            )?),
-            other => return Err(CliError::usage(format!("no consumer named {other:?}"))),
-        };
-        let config = options.runner();
-        tasks.push(tokio::spawn(bc_reconcilers::outbox::run(store.clone(), consumer, config, wake.clone(), shutdown.clone())));
+    options: &ConsumerOptions,
+    sealing: Option<registry::Sealing>,
+    witnesses: Vec<bc_reconcilers::witnesses::Witness>,
+) -> registry::Inputs {
+    registry::Inputs {
+        store,
+        log,
+        clock: Arc::new(SystemClock),
+        wake,
+        reservations_tick_ms: options.tick_ms,
+        outbox: options.runner(),
+        webhook_policy: options.policy,
+        bmc: Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() }),
+        sealing,
+        witnesses,
     }
-    Ok(tasks)
 }
 
-/// `reconcile --only NAME…`: runs reconcilers as their own process until Ctrl-C/SIGTERM. The
-/// webhook consumer needs the database and the data key its signing secrets are sealed under
-/// (`data.key` in `--data-dir`); `reservations` appends, so it also needs the log
-/// key in `--data-dir`.
+/// Starts `chosen` from the registry, each until `shutdown` turns true; returns the names
+/// started (one with nothing to do, as `witnesses` without a witness, is not).
+fn start_reconcilers(
+    chosen: &[&'static Registration],
+    inputs: &registry::Inputs,
+    shutdown: &tokio::sync::watch::Receiver<bool>,
+    tasks: &mut Vec<tokio::task::JoinHandle<()>>,
+) -> Result<Vec<&'static str>, CliError> {
+    let mut started = Vec::new();
+    for registration in chosen {
+        if let Some(task) = registration.start(inputs, shutdown.clone())? {
+            tasks.push(task);
+            started.push(registration.name);
+        }
+    }
+    Ok(started)
+}
+
+/// `--witness NAME=URL+VKEY…`, at most `WITNESSES_MAX`.
+fn parse_witnesses(witnesses: &[String]) -> Result<Vec<bc_reconcilers::witnesses::Witness>, CliError> {
+    if witnesses.len() > bc_core::witness::WITNESSES_MAX {
+        return Err(CliError::usage(format!("at most {} --witness", bc_core::witness::WITNESSES_MAX)));
+    }
+    witnesses
+        .iter()
+        .map(|w| bc_reconcilers::witnesses::Witness::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
+        .collect()
+}
+
+/// `reconcile --only NAME…`: runs reconcilers of the registry (without `--only`, all of them)
+/// as their own process until Ctrl-C/SIGTERM. The webhook consumer needs the database and the
+/// data key its signing secrets are sealed under (`data.key` in `--data-dir`); the reconcilers
+/// that append also need the log key in `--data-dir`.
+#[allow(clippy::too_many_arguments)]
 pub async fn reconcile(
     db: &Database,
     data_dir: &Path,
@@ -173,91 +216,57 @@ pub async fn reconcile(
     only: &[String],
     options: &ConsumerOptions,
     sealing: &crate::flags::Sealing,
+    witnesses: &[String],
 ) -> Result<(), CliError> {
-    let names: Vec<&str> = if only.is_empty() { RECONCILERS.to_vec() } else { only.iter().map(String::as_str).collect() };
-    for name in &names {
-        if !RECONCILERS.contains(name) {
-            return Err(CliError::usage(format!("--only {name:?} is not a reconciler"))
-                .hint(format!("reconcilers: {}", RECONCILERS.join(", "))));
-        }
+    let chosen: Vec<&'static Registration> = if only.is_empty() {
+        REGISTRY.iter().collect()
+    } else {
+        only.iter()
+            .map(|name| {
+                registry::find(name).ok_or_else(|| {
+                    CliError::usage(format!("--only {name:?} is not a reconciler"))
+                        .hint(format!("reconcilers: {}", registry::NAMES.join(", ")))
+                })
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let runs = |name: &str| chosen.iter().any(|r| r.name == name);
+    if runs(bc_reconcilers::checkpoints::NAME) && sealing.checkpoint_interval == 0 {
+        return Err(CliError::usage("--only checkpoints needs a --checkpoint-interval other than 0"));
+    }
+    let witnesses = parse_witnesses(witnesses)?;
+    if !only.is_empty() && runs(bc_reconcilers::witnesses::NAME) && witnesses.is_empty() {
+        return Err(CliError::usage("--only witnesses needs a --witness NAME=URL+VKEY"));
     }
     let store = db.open().await?;
     store.check_schema().await?;
     // The webhook consumer opens signing secrets: sealed under the data key.
     seal_secrets(&*store, data_key_path, false).await?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let consumers: Vec<&str> = names.iter().copied().filter(|n| CONSUMERS.contains(n)).collect();
-    let mut tasks = spawn_consumers(store.clone(), &consumers, options, None, stopped.clone())?;
-    let appenders = [
-        bc_reconcilers::reservations::NAME,
-        bc_reconcilers::checkpoints::NAME,
-        bc_reconcilers::liveness::NAME,
-        bc_reconcilers::instances::NAME,
-        bc_reconcilers::metal::NAME,
-        bc_reconcilers::rollouts::NAME,
-    ];
-    if names.iter().any(|n| appenders.contains(n)) {
+    let mut log = None;
+    if chosen.iter().any(|r| r.appends) {
         let key_path = data_dir.join(LOG_KEY_FILE);
         if !key_path.exists() {
-            return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display())).hint(
-                "the reservations, checkpoints, liveness, instances, metal and rollouts reconcilers append: pass the --data-dir that dev or serve uses",
-            ));
+            let appenders: Vec<&str> = REGISTRY.iter().filter(|r| r.appends).map(|r| r.name).collect();
+            return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
+                .hint(format!("the {} reconcilers append: pass the --data-dir that dev or serve uses", appenders.join(", "))));
         }
         check_log_key(&*store, data_dir).await?;
         let key = Arc::new(LogKey::load(&key_path)?);
-        let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?);
-        if names.contains(&bc_reconcilers::reservations::NAME) {
-            let run =
-                bc_reconcilers::reservations::run(log.clone(), Arc::new(SystemClock), options.tick_ms, None, stopped.clone());
-            tasks.push(tokio::spawn(run));
-        }
-        if names.contains(&bc_reconcilers::instances::NAME) {
-            let run = bc_reconcilers::instances::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                bc_reconcilers::instances::TICK_MS_DEFAULT,
-                stopped.clone(),
-            );
-            tasks.push(tokio::spawn(run));
-        }
-        if names.contains(&bc_reconcilers::rollouts::NAME) {
-            let run = bc_reconcilers::rollouts::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                bc_reconcilers::rollouts::TICK_MS_DEFAULT,
-                stopped.clone(),
-            );
-            tasks.push(tokio::spawn(run));
-        }
-        if names.contains(&bc_reconcilers::metal::NAME) {
-            let metal = bc_reconcilers::metal::Metal::new(
-                log.clone(),
-                Arc::new(SystemClock),
-                Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() }),
-            );
-            let run = bc_reconcilers::metal::run(Arc::new(metal), bc_reconcilers::metal::TICK_MS_DEFAULT, stopped.clone());
-            tasks.push(tokio::spawn(run));
-        }
-        if names.contains(&bc_reconcilers::liveness::NAME) {
-            let run = bc_reconcilers::liveness::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                bc_reconcilers::liveness::TICK_MS_DEFAULT,
-                stopped.clone(),
-            );
-            tasks.push(tokio::spawn(run));
-        }
-        if names.contains(&bc_reconcilers::checkpoints::NAME) {
-            if sealing.checkpoint_interval == 0 {
-                return Err(CliError::usage("--only checkpoints needs a --checkpoint-interval other than 0"));
-            }
-            let deployment = &sealing.deployment.deployment;
-            let trust = crate::audit::local_trust(data_dir, deployment)?;
-            let run = bc_reconcilers::checkpoints::run(log, sealing.checkpoint_interval, deployment.clone(), trust, stopped);
-            tasks.push(tokio::spawn(run));
-        }
+        log = Some(Arc::new(Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?));
     }
-    println!("better-compute reconciling: {}", names.join(", "));
+    let sealing = match runs(bc_reconcilers::checkpoints::NAME) {
+        true => {
+            let deployment = sealing.deployment.deployment.clone();
+            let trust = crate::audit::local_trust(data_dir, &deployment)?;
+            Some(registry::Sealing { interval_s: sealing.checkpoint_interval, deployment, trust })
+        }
+        false => None,
+    };
+    let inputs = reconciler_inputs(store, log, None, options, sealing, witnesses);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    let started = start_reconcilers(&chosen, &inputs, &stopped, &mut tasks)?;
+    println!("better-compute reconciling: {}", started.join(", "));
     println!("  database:  {}", db.describe());
     shutdown_signal().await;
     let _ = stop.send(true);
@@ -620,71 +629,36 @@ pub async fn run_server(
         println!("  admin token: {} (from the first start)", token_path.display());
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    // Sealing is a reconciler too, and runs even with --no-reconcilers: the log's audit trail
-    // is the server's own duty.
-    let mut sealer = None;
-    if checkpoint_interval_s > 0 {
-        let trust = crate::audit::local_trust(data_dir, deployment)?;
-        let run =
-            bc_reconcilers::checkpoints::run(log.clone(), checkpoint_interval_s, deployment.to_owned(), trust, stopped.clone());
-        sealer = Some(tokio::spawn(run));
-    }
-    // Witnesses cosign what was sealed; like sealing, the server's own duty.
-    let mut witnessing = None;
-    if !witnesses.is_empty() {
-        if witnesses.len() > bc_core::witness::WITNESSES_MAX {
-            return Err(CliError::usage(format!("at most {} --witness", bc_core::witness::WITNESSES_MAX)));
-        }
-        let parsed: Vec<bc_reconcilers::witnesses::Witness> = witnesses
-            .iter()
-            .map(|w| bc_reconcilers::witnesses::Witness::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
-            .collect::<Result<_, _>>()?;
-        println!("  witnesses: {}", parsed.iter().map(|w| w.label.as_str()).collect::<Vec<_>>().join(", "));
-        witnessing = Some(tokio::spawn(bc_reconcilers::witnesses::run(log.clone(), parsed, stopped.clone())));
-    }
-    let tasks = match consumers {
-        Some(options) => {
-            println!("  reconcilers: {} (in process)", RECONCILERS.join(", "));
-            let mut tasks = spawn_consumers(store.clone(), CONSUMERS, options, Some(log.subscribe()), stopped.clone())?;
-            tasks.push(tokio::spawn(bc_reconcilers::reservations::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                options.tick_ms,
-                Some(log.subscribe()),
-                stopped.clone(),
-            )));
-            tasks.push(tokio::spawn(bc_reconcilers::liveness::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                bc_reconcilers::liveness::TICK_MS_DEFAULT,
-                stopped.clone(),
-            )));
-            tasks.push(tokio::spawn(bc_reconcilers::instances::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                bc_reconcilers::instances::TICK_MS_DEFAULT,
-                stopped.clone(),
-            )));
-            tasks.push(tokio::spawn(bc_reconcilers::rollouts::run(
-                log.clone(),
-                Arc::new(SystemClock),
-                bc_reconcilers::rollouts::TICK_MS_DEFAULT,
-                stopped.clone(),
-            )));
-            let metal = bc_reconcilers::metal::Metal::new(
-                log.clone(),
-                Arc::new(SystemClock),
-                Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() }),
-            );
-            tasks.push(tokio::spawn(bc_reconcilers::metal::run(
-                Arc::new(metal),
-                bc_reconcilers::metal::TICK_MS_DEFAULT,
-                stopped.clone(),
-            )));
-            tasks
-        }
-        None => Vec::new(),
+    // Sealing and witnessing are the server's own duty (the log's audit trail): they run even
+    // with --no-reconcilers (`Registration::duty`).
+    let sealing = match checkpoint_interval_s {
+        0 => None,
+        interval_s => Some(registry::Sealing {
+            interval_s,
+            deployment: deployment.to_owned(),
+            trust: crate::audit::local_trust(data_dir, deployment)?,
+        }),
     };
+    let witnesses = parse_witnesses(witnesses)?;
+    if !witnesses.is_empty() {
+        println!("  witnesses: {}", witnesses.iter().map(|w| w.label.as_str()).collect::<Vec<_>>().join(", "));
+    }
+    let chosen: Vec<&'static Registration> = REGISTRY.iter().filter(|r| r.duty || consumers.is_some()).collect();
+    let defaults;
+    let options = match consumers {
+        Some(options) => options,
+        None => {
+            // Only the duties run, which read none of the options.
+            defaults = ConsumerOptions::defaults(policy, bmc_networks.clone());
+            &defaults
+        }
+    };
+    let inputs = reconciler_inputs(store.clone(), Some(log.clone()), Some(log.subscribe()), options, sealing, witnesses);
+    let mut tasks = Vec::new();
+    let started = start_reconcilers(&chosen, &inputs, &stopped, &mut tasks)?;
+    if consumers.is_some() {
+        println!("  reconcilers: {} (in process)", started.join(", "));
+    }
     // The test harness reads this line too: `https://ADDR (pin sha256/…)` or `h2c://ADDR (…)`.
     match &agents_pin {
         Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
@@ -712,7 +686,7 @@ pub async fn run_server(
     let http_served = bc_gateway::serve(listener, state, on_signal(signalled));
     let (served, agents_served) = tokio::join!(http_served, agents_served);
     let _ = stop.send(true);
-    for task in tasks.into_iter().chain(sealer).chain(witnessing) {
+    for task in tasks {
         let _ = task.await;
     }
     served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;

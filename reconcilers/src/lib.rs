@@ -1,7 +1,10 @@
-//! `bc-reconcilers`: the outbox consumers, each runnable in its own process
-//! (`better-compute reconcile --only NAME`) or inside `dev`.
+//! `bc-reconcilers`: the background work, each reconciler runnable in its own process
+//! (`better-compute reconcile --only NAME`) or inside `dev` and `serve`.
 //!
 //! Layout:
+//! - [`driver`]: the one shape: the [`driver::Reconciler`] trait (a name, one pass, a report) and
+//!   [`driver::run`], which activates one on its schedule and records each activation;
+//! - [`registry`]: every reconciler, in one list, and how each is built and started;
 //! - [`outbox`]: the framework: the [`outbox::Consumer`] trait, the fan-out and work loops, leases,
 //!   the retry schedule and dead letters;
 //! - [`webhooks`]: signed webhook deliveries (Standard Webhooks);
@@ -13,6 +16,7 @@
 //! - [`checkpoints`]: seals signed checkpoints of the tenants whose logs grew;
 //! - [`liveness`]: node leases into `node.ready` / `node.unreachable`, and commands failed at
 //!   their deadline;
+//! - [`witnesses`]: sends checkpoints to witnesses and appends their cosignatures;
 //! - [`status`]: each reconciler's last pass, recorded for `better-compute reconcilers status`.
 //!
 //! Dependencies: `bc-core` (storage, signing, the URL policy) and `bc-projections` (the
@@ -20,10 +24,12 @@
 //! handlers.
 
 pub mod checkpoints;
+pub mod driver;
 pub mod instances;
 pub mod liveness;
 pub mod metal;
 pub mod outbox;
+pub mod registry;
 pub mod reservations;
 pub mod rollouts;
 pub mod status;
@@ -50,9 +56,3 @@ pub(crate) async fn idle(
         },
     }
 }
-
-/// Every outbox consumer this version knows, by name.
-pub const CONSUMERS: &[&str] = &[webhooks::CONSUMER];
-/// Every reconciler `reconcile --only` takes: the consumers and the level-triggered ones.
-pub const RECONCILERS: &[&str] =
-    &[reservations::NAME, webhooks::CONSUMER, checkpoints::NAME, liveness::NAME, instances::NAME, metal::NAME, rollouts::NAME];

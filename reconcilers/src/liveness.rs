@@ -157,7 +157,7 @@ async fn sweep_commands(log: &Log, tenant: TenantId, now_ms: u64, done: &mut Pas
     }
 }
 
-impl crate::status::PassReport for Pass {
+impl crate::driver::PassReport for Pass {
     fn counts(&self) -> Vec<(&'static str, u64)> {
         vec![
             ("ready", self.ready as u64),
@@ -185,10 +185,10 @@ impl crate::status::PassReport for Pass {
     }
 }
 
-/// Runs passes every `tick_ms` until `shutdown` ([`crate::status::run_passes`]); a pass that
-/// left work (a full lease batch, a conflict) is followed by the next soon.
-pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, shutdown: tokio::sync::watch::Receiver<bool>) {
-    crate::status::run_passes(NAME, log, clock, tick_ms, |log, clock| Box::pin(pass(log, clock)), shutdown).await;
+/// The reconciler: [`pass`] every [`TICK_MS_DEFAULT`] ([`crate::registry`]); a pass that left
+/// work (a full lease batch, a conflict) is followed by the next soon.
+pub fn reconciler(log: Arc<Log>, clock: Arc<dyn Clock>) -> crate::driver::LogPasses<Pass> {
+    crate::driver::LogPasses { name: NAME, log, clock, pass: |log, clock| Box::pin(pass(log, clock)) }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 //! [`DRIFT_READS`] reads in a row that differ are recorded (`metal.power_drifted`), and the log
 //! follows the machine (it is not forced back: the operator may have had a reason).
 //!
-//! Scheduled per machine ([`run`]): each machine's turn (decide, one BMC step, append) runs on
+//! Scheduled per machine ([`MetalTurns`]): each machine's turn (decide, one BMC step, append) runs on
 //! its own, a pass every tick starting a turn for each machine that has none running, at most
 //! [`TENANT_TURNS_MAX`] of a tenant's at once and [`TURNS_MAX`] in all, tenants taken in turn
 //! and each tenant's machines from where its last turn started, and a slot freed starts the
@@ -25,7 +25,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use bc_bmc::{Bmc, BmcConnector, BmcError, BmcTarget, BmcTls, BootSource, PowerState, ResetType};
 use bc_core::clock::Clock;
@@ -410,7 +409,7 @@ impl Metal {
     }
 
     /// One pass over every tenant's machines that waits for every turn it starts (at most
-    /// [`TURNS_MAX`] at once): what the tests and the simulator step; [`run`] does not wait.
+    /// [`TURNS_MAX`] at once): what the tests and the simulator step; [`MetalTurns`] does not wait.
     pub async fn pass(&self) -> Result<Pass> {
         let mut done = Pass::default();
         let machines = self.all_machines().await?.into_values().flatten();
@@ -422,7 +421,7 @@ impl Metal {
     }
 }
 
-/// Which machines' turns run and which wait, per tenant: the fair share of [`run`]. Holds no
+/// Which machines' turns run and which wait, per tenant: the fair share of [`MetalTurns`]. Holds no
 /// IO and no time: a pass hands it what it read, a finished turn frees its slot.
 #[derive(Default)]
 pub struct Scheduler {
@@ -498,69 +497,103 @@ fn credentials(message: String) -> StepResult {
     StepResult::Failed { kind: "credentials".into(), message }
 }
 
-/// Runs a pass every `tick_ms` until `shutdown`: each reads every machine and starts a turn
-/// for those without one ([`Scheduler`]), and waits for none of them; a turn that ends frees
-/// its slot for the next machine of its tenant at once. A pass's record counts the turns that
-/// ended since the one before.
-pub async fn run(metal: Arc<Metal>, tick_ms: u64, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    tracing::info!(reconciler = NAME, tick_ms, "reconciler started");
-    let status = crate::status::PassRecorder::new(metal.log.store.clone(), metal.clock.clone(), NAME);
-    let this: &Metal = &metal;
-    let mut scheduler = Scheduler::default();
-    let mut turns = futures::stream::FuturesUnordered::new();
-    let turn = |doc: MetalDoc| async move {
-        let (tenant, node) = (doc.tenant_id.clone(), doc.node_id.clone());
-        (tenant, node, this.machine(doc).await)
-    };
-    let mut done = Pass::default();
-    while !*shutdown.borrow() {
-        let started_at_ms = metal.clock.now_ms();
-        match this.all_machines().await {
-            Ok(machines) => {
-                scheduler.read(machines);
-                turns.extend(scheduler.start().into_iter().map(turn));
-                let p = std::mem::take(&mut done);
-                let counts = [
-                    ("steps", p.steps as u64),
-                    ("retried", p.retried as u64),
-                    ("failed", p.failed as u64),
-                    ("drifted", p.drifted as u64),
-                    ("conflicts", p.conflicts as u64),
-                ];
-                status.pass(started_at_ms, Ok(&counts)).await;
-                if p.any() {
-                    tracing::info!(
-                        reconciler = NAME,
-                        steps = p.steps,
-                        retried = p.retried,
-                        failed = p.failed,
-                        drifted = p.drifted,
-                        conflicts = p.conflicts,
-                        running = scheduler.running(),
-                        "pass"
-                    );
-                }
-            }
-            Err(e) => {
-                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying");
-                status.pass(started_at_ms, Err(&e)).await;
-            }
-        }
-        let tick = tokio::time::sleep(Duration::from_millis(tick_ms));
-        tokio::pin!(tick);
-        loop {
-            tokio::select! {
-                _ = &mut tick => break,
-                _ = shutdown.changed() => break,
-                Some((tenant, node, p)) = turns.next(), if !turns.is_empty() => {
-                    done.add(p);
-                    scheduler.finished(&tenant, &node);
-                    turns.extend(scheduler.start().into_iter().map(turn));
-                }
-            }
-        }
+/// The reconciler, scheduled per machine: each activation reads every machine and starts a
+/// turn ([`Metal::machine`]) for those without one ([`Scheduler`]), and returns without waiting
+/// for any: turns run as tasks of their own and outlive the activation. A turn that ends frees
+/// its slot and starts the next machine of its tenant at once. An activation's counts are those
+/// of the turns that ended since the one before. Dropped (the driver stopped), it aborts the
+/// turns still running: each step is safe to run again, and the next process's pass does.
+pub struct MetalTurns {
+    metal: Arc<Metal>,
+    turns: Arc<Mutex<Turns>>,
+}
+
+/// What the activations and the turns share.
+#[derive(Default)]
+struct Turns {
+    scheduler: Scheduler,
+    /// The turns running; aborted when the reconciler is dropped.
+    tasks: tokio::task::JoinSet<()>,
+    /// What the turns that ended since the last activation did.
+    done: Pass,
+}
+
+impl MetalTurns {
+    pub fn new(metal: Arc<Metal>) -> Self {
+        Self { metal, turns: Arc::default() }
     }
-    // Turns still running stop here: each step is safe to run again, and the next process's
-    // pass does.
-    tracing::info!(reconciler = NAME, running = turns.len(), "reconciler stopped");
+}
+
+/// Starts a turn for each machine the scheduler lets start now.
+fn start_turns(metal: &Arc<Metal>, shared: &Arc<Mutex<Turns>>, turns: &mut Turns) {
+    for doc in turns.scheduler.start() {
+        let (metal, shared) = (metal.clone(), shared.clone());
+        turns.tasks.spawn(async move {
+            let (tenant, node) = (doc.tenant_id.clone(), doc.node_id.clone());
+            let p = metal.machine(doc).await;
+            let mut turns = shared.lock().unwrap_or_else(|p| p.into_inner());
+            turns.done.add(p);
+            turns.scheduler.finished(&tenant, &node);
+            start_turns(&metal, &shared, &mut turns);
+        });
+    }
+}
+
+impl crate::driver::Reconciler for MetalTurns {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn activate(&mut self) -> futures::future::BoxFuture<'_, crate::driver::Activation> {
+        Box::pin(async move {
+            let machines = match self.metal.all_machines().await {
+                Ok(machines) => machines,
+                Err(e) => return crate::driver::Activation::failed(e),
+            };
+            let (p, running) = {
+                let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+                // Reap the turns that ended (their results are in `done`).
+                while turns.tasks.try_join_next().is_some() {}
+                turns.scheduler.read(machines);
+                start_turns(&self.metal, &self.turns, &mut turns);
+                (std::mem::take(&mut turns.done), turns.scheduler.running())
+            };
+            if p.any() {
+                tracing::info!(
+                    reconciler = NAME,
+                    steps = p.steps,
+                    retried = p.retried,
+                    failed = p.failed,
+                    drifted = p.drifted,
+                    conflicts = p.conflicts,
+                    running,
+                    "pass"
+                );
+            }
+            crate::driver::Activation::ok(vec![
+                ("steps", p.steps as u64),
+                ("retried", p.retried as u64),
+                ("failed", p.failed as u64),
+                ("drifted", p.drifted as u64),
+                ("conflicts", p.conflicts as u64),
+            ])
+        })
+    }
+}
+
+impl Drop for MetalTurns {
+    fn drop(&mut self) {
+        let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+        if !turns.tasks.is_empty() {
+            tracing::info!(reconciler = NAME, running = turns.tasks.len(), "turns stopped");
+        }
+        turns.tasks.abort_all();
+    }
+}
+
+/// Runs this reconciler alone, a pass every `tick_ms` until `shutdown`
+/// ([`crate::driver::run`]); `dev`, `serve` and `reconcile` start it from [`crate::registry`].
+pub async fn run(metal: Arc<Metal>, tick_ms: u64, shutdown: tokio::sync::watch::Receiver<bool>) {
+    let (store, clock) = (metal.log.store.clone(), metal.clock.clone());
+    crate::driver::run(Box::new(MetalTurns::new(metal)), crate::driver::Schedule::every(tick_ms), store, clock, shutdown).await;
 }

@@ -20,7 +20,6 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bc_core::clock::Clock;
 use bc_core::id::{CommandId, TenantId};
@@ -29,11 +28,14 @@ use bc_core::{ErrorCode, Result};
 use bc_projections::decide::{self, Action};
 use bc_projections::fleet::Fleet;
 use bc_projections::placement::Issue;
+use futures::future::BoxFuture;
+
+use crate::driver::Activation;
 
 pub const NAME: &str = "reservations";
 const ACTOR: &str = "reconciler:reservations";
 /// The shortest time between two passes.
-pub const PASS_INTERVAL_MIN_MS: u64 = 20;
+pub use crate::driver::PASS_INTERVAL_MIN_MS;
 
 /// What one pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -234,74 +236,90 @@ impl TenantPass<'_> {
     }
 }
 
-/// Runs passes until `shutdown`: every `tick_ms`, and at once after a commit of this process.
+/// The reconciler: [`pass`] on this process's view of the log, which it keeps between passes
+/// (a cache: it catches up from the log by position). A pass that lost a race asks to pass
+/// again soon; commits of this process wake it (its [`crate::driver::Schedule`]).
+pub struct Reservations {
+    log: Arc<Log>,
+    clock: Arc<dyn Clock>,
+    fleet: Fleet,
+    /// Every tenant, read before the first pass (and again after a failed one); `None` until
+    /// then.
+    known: Option<Vec<TenantId>>,
+}
+
+impl Reservations {
+    pub fn new(log: Arc<Log>, clock: Arc<dyn Clock>) -> Self {
+        Self { log, clock, fleet: Fleet::new(), known: None }
+    }
+}
+
+impl crate::driver::Reconciler for Reservations {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn activate(&mut self) -> BoxFuture<'_, Activation> {
+        Box::pin(async move {
+            let log = &*self.log;
+            // The first pass loads every tenant; later ones find new tenants in the log.
+            let first = self.known.is_none();
+            if first {
+                // Follow the log from before the tenants are listed, so none is missed in between.
+                if let Err(e) = self.fleet.prime(&*log.store).await {
+                    tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "reading the log failed");
+                }
+                match log.store.heads().await {
+                    Ok(heads) => self.known = Some(heads.into_iter().map(|(t, _)| t).collect()),
+                    Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "listing tenants failed"),
+                }
+            }
+            let tenants: &[TenantId] = if first { self.known.as_deref().unwrap_or(&[]) } else { &[] };
+            match pass(log, &self.fleet, &*self.clock, tenants).await {
+                Ok(p) => {
+                    if p.activated + p.expired + p.requeued + p.failed + p.conflicts > 0 {
+                        tracing::info!(
+                            reconciler = NAME,
+                            activated = p.activated,
+                            expired = p.expired,
+                            requeued = p.requeued,
+                            failed = p.failed,
+                            conflicts = p.conflicts,
+                            "pass"
+                        );
+                    }
+                    let counts = vec![
+                        ("activated", p.activated as u64),
+                        ("expired", p.expired as u64),
+                        ("requeued", p.requeued as u64),
+                        ("failed", p.failed as u64),
+                        ("conflicts", p.conflicts as u64),
+                    ];
+                    Activation { outcome: Ok(counts), again: p.conflicts > 0 }
+                }
+                Err(e) => {
+                    // The view may have been dropped: load every tenant again next time.
+                    self.known = None;
+                    Activation::failed(e)
+                }
+            }
+        })
+    }
+}
+
+/// Runs this reconciler alone until `shutdown` ([`crate::driver::run`]): every `tick_ms`, and
+/// soon after a commit of this process (`wake`). The benches start it so; `dev`, `serve` and
+/// `reconcile` start it from [`crate::registry`].
 pub async fn run(
     log: Arc<Log>,
     clock: Arc<dyn Clock>,
     tick_ms: u64,
-    mut wake: Option<tokio::sync::watch::Receiver<u64>>,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    wake: Option<tokio::sync::watch::Receiver<u64>>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    tracing::info!(reconciler = NAME, "reconciler started");
-    let status = crate::status::PassRecorder::new(log.store.clone(), clock.clone(), NAME);
-    let fleet = Fleet::new();
-    let mut known: Option<Vec<TenantId>> = None;
-    while !*shutdown.borrow() {
-        // The first pass loads every tenant; later ones find new tenants in the log.
-        let first = known.is_none();
-        if first {
-            // Follow the log from before the tenants are listed, so none is missed in between.
-            if let Err(e) = fleet.prime(&*log.store).await {
-                tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "reading the log failed");
-            }
-            match log.store.heads().await {
-                Ok(heads) => known = Some(heads.into_iter().map(|(t, _)| t).collect()),
-                Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "listing tenants failed"),
-            }
-        }
-        let tenants: &[TenantId] = if first { known.as_deref().unwrap_or(&[]) } else { &[] };
-        let started_at_ms = clock.now_ms();
-        let result = pass(&log, &fleet, &*clock, tenants).await;
-        match &result {
-            Ok(p) => {
-                let counts = [
-                    ("activated", p.activated as u64),
-                    ("expired", p.expired as u64),
-                    ("requeued", p.requeued as u64),
-                    ("failed", p.failed as u64),
-                    ("conflicts", p.conflicts as u64),
-                ];
-                status.pass(started_at_ms, Ok(&counts)).await;
-            }
-            Err(e) => status.pass(started_at_ms, Err(e)).await,
-        }
-        if result.is_err() {
-            // The view may have been dropped: load every tenant again next time.
-            known = None;
-        }
-        match result {
-            Ok(p) if p.activated + p.expired + p.requeued + p.failed + p.conflicts > 0 => {
-                tracing::info!(
-                    reconciler = NAME,
-                    activated = p.activated,
-                    expired = p.expired,
-                    requeued = p.requeued,
-                    failed = p.failed,
-                    conflicts = p.conflicts,
-                    "pass"
-                );
-                if p.conflicts > 0 {
-                    continue;
-                }
-            }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "pass failed; retrying"),
-        }
-        // At most one pass per PASS_INTERVAL_MIN_MS however often commits wake it.
-        tokio::time::sleep(Duration::from_millis(PASS_INTERVAL_MIN_MS.min(tick_ms))).await;
-        crate::idle(tick_ms.saturating_sub(PASS_INTERVAL_MIN_MS), &mut wake, &mut shutdown).await;
-    }
-    tracing::info!(reconciler = NAME, "reconciler stopped");
+    let schedule = crate::driver::Schedule { period_ms: tick_ms, first_after_period: false, wake };
+    let store = log.store.clone();
+    crate::driver::run(Box::new(Reservations::new(log, clock.clone())), schedule, store, clock, shutdown).await;
 }
 
 #[cfg(test)]

@@ -70,7 +70,7 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     Ok(done)
 }
 
-impl crate::status::PassReport for Pass {
+impl crate::driver::PassReport for Pass {
     fn counts(&self) -> Vec<(&'static str, u64)> {
         vec![("moved", self.moved as u64), ("conflicts", self.conflicts as u64)]
     }
@@ -80,7 +80,8 @@ impl crate::status::PassReport for Pass {
     }
 }
 
-/// Runs passes every `tick_ms` until `shutdown` ([`crate::status::run_passes`]).
-pub async fn run(log: Arc<Log>, clock: Arc<dyn Clock>, tick_ms: u64, shutdown: tokio::sync::watch::Receiver<bool>) {
-    crate::status::run_passes(NAME, log, clock, tick_ms, |log, clock| Box::pin(pass(log, clock)), shutdown).await;
+/// The reconciler: [`pass`] every [`TICK_MS_DEFAULT`] ([`crate::registry`]); a pass that lost a
+/// race (a conflict) is followed by the next soon.
+pub fn reconciler(log: Arc<Log>, clock: Arc<dyn Clock>) -> crate::driver::LogPasses<Pass> {
+    crate::driver::LogPasses { name: NAME, log, clock, pass: |log, clock| Box::pin(pass(log, clock)) }
 }

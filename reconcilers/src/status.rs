@@ -1,5 +1,6 @@
 //! Each reconciler records what it did (omicron's background-task status): [`PassRecorder`]
-//! writes a reconciler's last pass in this process to the store (`reconciler_passes`), which
+//! (called by [`crate::driver::run`] after every activation) writes a reconciler's last pass
+//! in this process to the store (`reconciler_passes`), which
 //! `better-compute reconcilers status` reads. A busy reconciler records at most once every
 //! `RECORD_EVERY_MS`, its counts summed over the passes since; a failure is recorded at once.
 
@@ -95,59 +96,6 @@ impl PassRecorder {
             tracing::warn!(reconciler = self.name, code = %e.code(), error = %e, "recording the pass failed");
         }
     }
-}
-
-/// What a level-triggered reconciler's pass tells [`run_passes`]: its counts for the status row,
-/// whether to pass again soon (work left, a lost race), and what to log when it did something.
-pub trait PassReport {
-    fn counts(&self) -> Vec<(&'static str, u64)>;
-    fn again(&self) -> bool;
-    /// Logs what the pass did (nothing by default).
-    fn log(&self, _name: &'static str) {}
-}
-
-/// One pass of a level-triggered reconciler over the log, boxed so [`run_passes`] can hold it.
-pub type PassFn<P> = for<'a> fn(
-    &'a bc_core::store::Log,
-    &'a dyn Clock,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = bc_core::Result<P>> + Send + 'a>>;
-
-/// The loop every level-triggered reconciler runs (`instances`, `liveness`, `rollouts`): a pass
-/// every `tick_ms` until `shutdown`, each recorded by a [`PassRecorder`]; a pass that left work or
-/// lost a race is followed by the next after [`crate::reservations::PASS_INTERVAL_MIN_MS`] (even
-/// then it waits a little, so a hot loop cannot starve the appender); a failed pass is logged and
-/// tried again at the next tick.
-pub async fn run_passes<P: PassReport>(
-    name: &'static str,
-    log: Arc<bc_core::store::Log>,
-    clock: Arc<dyn Clock>,
-    tick_ms: u64,
-    pass: PassFn<P>,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) {
-    tracing::info!(reconciler = name, tick_ms, "reconciler started");
-    let status = PassRecorder::new(log.store.clone(), clock.clone(), name);
-    while !*shutdown.borrow() {
-        let started_at_ms = clock.now_ms();
-        let mut again = false;
-        match pass(&log, &*clock).await {
-            Ok(p) => {
-                status.pass(started_at_ms, Ok(&p.counts())).await;
-                p.log(name);
-                again = p.again();
-            }
-            Err(e) => {
-                tracing::warn!(reconciler = name, code = %e.code(), error = %e, "pass failed; retrying");
-                status.pass(started_at_ms, Err(&e)).await;
-            }
-        }
-        let wait_ms = if again { crate::reservations::PASS_INTERVAL_MIN_MS } else { tick_ms };
-        tokio::select! {
-            _ = tokio::time::sleep(std::time::Duration::from_millis(wait_ms)) => {}
-            _ = shutdown.changed() => {}
-        }
-    }
-    tracing::info!(reconciler = name, "reconciler stopped");
 }
 
 #[cfg(test)]

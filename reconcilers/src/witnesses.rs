@@ -156,45 +156,50 @@ async fn witness_one(
     Err("the witness keeps naming another size".into())
 }
 
-/// Runs until `shutdown`.
-pub async fn run(log: Arc<Log>, witnesses: Vec<Witness>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    let http = match reqwest::Client::builder()
-        .timeout(Duration::from_secs(REQUEST_TIMEOUT_S))
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(reconciler = NAME, error = %e, "cannot build the HTTP client");
-            return;
-        }
-    };
-    let mut peers: Vec<Peer> = witnesses.iter().map(|_| Peer::default()).collect();
-    // Per tenant, the tree of the last checkpoint a proof was made to.
-    let mut trees: HashMap<TenantId, RootBuilder> = HashMap::new();
-    tracing::info!(reconciler = NAME, witnesses = witnesses.len(), "reconciler started");
-    while !*shutdown.borrow() {
-        let tenants = match log.store.heads().await {
-            Ok(h) => h.into_iter().map(|(t, _)| t).collect::<Vec<_>>(),
-            Err(e) => {
-                tracing::warn!(reconciler = NAME, error = %e, "reading the chain heads failed");
-                vec![]
-            }
-        };
+/// The reconciler: a pass every [`TICK_MS`] ([`crate::registry`]) sends each tenant's newest
+/// checkpoint to the witnesses that have not cosigned it and are not backing off. Its status
+/// counts the cosignatures recorded and the witnesses that did not cosign (each backs off on its
+/// own); a pass fails only when the log cannot be read.
+pub struct Witnesses {
+    log: Arc<Log>,
+    witnesses: Vec<Witness>,
+    http: reqwest::Client,
+    peers: Vec<Peer>,
+    /// Per tenant, the tree of the last checkpoint a proof was made to.
+    trees: HashMap<TenantId, RootBuilder>,
+}
+
+impl Witnesses {
+    pub fn new(log: Arc<Log>, witnesses: Vec<Witness>) -> bc_core::Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(REQUEST_TIMEOUT_S))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| bc_core::Error::Internal(format!("the witnesses' HTTP client: {e}")))?;
+        let peers = witnesses.iter().map(|_| Peer::default()).collect();
+        Ok(Self { log, witnesses, http, peers, trees: HashMap::new() })
+    }
+
+    async fn pass(&mut self) -> bc_core::Result<Vec<(&'static str, u64)>> {
+        let (mut cosigned, mut refused) = (0u64, 0u64);
+        let log = &*self.log;
+        let tenants: Vec<TenantId> = log.store.heads().await?.into_iter().map(|(t, _)| t).collect();
         for tenant in tenants {
             let Ok(Some(cp)) = audit::newest_checkpoint(&*log.store, tenant).await else { continue };
             let note = cp.cosigned_note();
-            for (w, peer) in witnesses.iter().zip(peers.iter_mut()) {
+            for (w, peer) in self.witnesses.iter().zip(self.peers.iter_mut()) {
                 if w.key.cosigned(&note) || peer.retry_at_ms.is_some_and(|at| log.clock.now_ms() < at) {
                     continue;
                 }
-                match witness_one(&log, &http, w, peer, &mut trees, tenant, &cp).await {
+                match witness_one(log, &self.http, w, peer, &mut self.trees, tenant, &cp).await {
                     Ok(()) => {
                         tracing::info!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, "cosigned");
+                        cosigned += 1;
                         peer.retry_at_ms = None;
                         peer.backoff_ms = 0;
                     }
                     Err(e) => {
+                        refused += 1;
                         peer.backoff_ms = (peer.backoff_ms * 2).clamp(BACKOFF_MS_MIN, BACKOFF_MS_MAX);
                         peer.retry_at_ms = Some(log.clock.now_ms().saturating_add(peer.backoff_ms));
                         tracing::warn!(reconciler = NAME, witness = %w.label, %tenant, size = cp.size, retry_ms = peer.backoff_ms, error = %e, "witness did not cosign");
@@ -202,10 +207,21 @@ pub async fn run(log: Arc<Log>, witnesses: Vec<Witness>, mut shutdown: tokio::sy
                 }
             }
         }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(TICK_MS)) => {}
-            _ = shutdown.changed() => break,
-        }
+        Ok(vec![("cosigned", cosigned), ("refused", refused)])
     }
-    tracing::info!(reconciler = NAME, "reconciler stopped");
+}
+
+impl crate::driver::Reconciler for Witnesses {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn activate(&mut self) -> futures::future::BoxFuture<'_, crate::driver::Activation> {
+        Box::pin(async move {
+            match self.pass().await {
+                Ok(counts) => crate::driver::Activation::ok(counts),
+                Err(e) => crate::driver::Activation::failed(e),
+            }
+        })
+    }
 }

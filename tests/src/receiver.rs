@@ -27,6 +27,9 @@ struct Shared {
     fail_first: AtomicU64,
     fail_always: AtomicBool,
     delay_ms: AtomicU64,
+    /// While true, each request is recorded on arrival and then held, unanswered, until it
+    /// turns false: a test sees a delivery in flight and acts while it is (a kill, a count).
+    held: tokio::sync::watch::Sender<bool>,
 }
 
 pub struct Receiver {
@@ -53,6 +56,8 @@ async fn hook(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
         body: body.to_vec(),
         at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64,
     });
+    let mut held = shared.held.subscribe();
+    let _ = held.wait_for(|held| !*held).await;
     let delay = shared.delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -96,6 +101,12 @@ impl Receiver {
 
     pub fn delay(&self, ms: u64) {
         self.shared.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Holds every request from now on (recorded on arrival, answered only after `hold(false)`);
+    /// `hold(false)` lets the held ones and the next go on as told.
+    pub fn hold(&self, on: bool) {
+        self.shared.held.send_replace(on);
     }
 
     pub fn received(&self) -> Vec<Received> {

@@ -119,6 +119,21 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
     );
     assert!(note.contains(&format!("\n{first}\n")));
 
+    // The witnesses reconciler records its passes like every other (issue 51): the
+    // cosignature is counted.
+    let mut row = Value::Null;
+    for _ in 0..100 {
+        let (code, out, err) = server.cli(&["reconcilers", "status", "--data-dir", &data_dir, "--format", "json"]);
+        assert_eq!(code, 0, "{err}");
+        let rows: Value = serde_json::from_str(&out).unwrap();
+        row = rows["items"].as_array().unwrap().iter().find(|r| r["name"] == "witnesses").cloned().unwrap_or(Value::Null);
+        if row["counts"]["cosigned"].as_u64().unwrap_or(0) >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(row["ok"] == true && row["counts"]["cosigned"].as_u64().unwrap_or(0) >= 1, "the witnesses' status: {row}");
+
     // A proof made now carries the cosignature; check-proof counts it.
     let proof = auditor.path().join("cosigned.tlog-proof");
     let (code, _, err) = cli(&["audit", "prove", &event, "--out", proof.to_str().unwrap(), "--data-dir", &data_dir], &[]);

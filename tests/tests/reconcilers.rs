@@ -71,4 +71,19 @@ async fn reconcilers_record_their_passes_and_status_shows_them() {
     assert!(err.contains("checkpoints"), "the hint lists the reconcilers: {err}");
     let (code, _, err) = server.cli(&["reconcile", "--only", "checkpoints", "--checkpoint-interval", "0", "--data-dir", &dir]);
     assert_eq!(code, 2, "{err}");
+    // `witnesses` is a reconciler too, with nothing to do without a witness.
+    let (code, _, err) = server.cli(&["reconcile", "--only", "witnesses", "--data-dir", &dir]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--witness"), "{err}");
+}
+
+/// `reconcile --only`'s help lists every registered reconciler (issue 51: it listed four of
+/// seven).
+#[test]
+fn the_help_of_reconcile_only_lists_the_registry() {
+    let (code, out, err) = bc_tests::cli(&["reconcile", "--help"], &[]);
+    assert_eq!(code, 0, "{err}");
+    for name in bc_reconcilers::registry::NAMES {
+        assert!(out.contains(name), "{name} is missing from the help: {out}");
+    }
 }

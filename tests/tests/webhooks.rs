@@ -153,15 +153,20 @@ async fn deliveries_are_signed_pinged_rotated_and_stop_on_delete() {
 
 /// A `reconcile --only webhooks` process killed with SIGKILL while deliveries are in flight,
 /// then started again: every event arrives at least once, every signature verifies, and a
-/// duplicate is the same message (same webhook-id, same body).
+/// duplicate is the same message (same webhook-id, same body). The kill is placed by what the
+/// test sees, not by timing: the first deliveries are let through and recorded done, then the
+/// receiver holds the next requests unanswered, and the kill comes once some are held; the
+/// work table then shows it landed mid-way (some done, some not, and deliveries the receiver
+/// got with no attempt recorded, leased by the dead process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconciler_killed_mid_delivery_loses_nothing() {
     let server = Server::dev_with(&["--no-reconcilers"]);
     let receiver = Receiver::start();
-    receiver.delay(150);
     let dir = tempfile::tempdir().unwrap();
     let (webhook, secret) = create_webhook(&server, &receiver.url, "pool.created", &dir.path().join("secret"));
     let data_dir = server.data_dir.display().to_string();
+    // The held requests outlive no delivery timeout before the kill: the kill follows the
+    // sight of them within far less than 1 s.
     let args = [
         "--only",
         "webhooks",
@@ -169,30 +174,48 @@ async fn reconciler_killed_mid_delivery_loses_nothing() {
         &data_dir,
         "--webhook-allow-loopback",
         "--lease",
-        "1s",
+        "2s",
         "--delivery-timeout",
-        "500ms",
+        "1s",
+        "--retry-base",
+        "200ms",
         "--concurrency",
         "4",
     ];
     let mut reconciler = Reconciler::start(&args, dir.path());
-    for i in 0..30 {
+    for i in 0..6 {
+        server.pool(&format!("p{i}")).await;
+    }
+    wait_deliveries(&server, &webhook, "the first 6 deliveries done", |l| l.len() == 6 && l.iter().all(|d| d["state"] == "done"));
+    receiver.hold(true);
+    for i in 6..30 {
         server.pool(&format!("p{i}")).await;
     }
     let wanted: BTreeSet<String> = event_ids(&server, "pool.created").await.into_iter().collect();
     assert_eq!(wanted.len(), 30);
-    receiver.wait_for(WAIT, "some deliveries", |r| r.len() >= 6);
+    receiver.wait_for(WAIT, "deliveries held in flight", |r| r.len() > 6);
     reconciler.kill9();
-    let at_kill = receiver.received().len();
-    // The dead process's leases stay in the table until they run out: the items it was working.
+    let at_kill = receiver.received();
+    // What the kill cut off: items the receiver got, unanswered, with no attempt recorded and
+    // the dead process's lease still on them.
     let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
-    let (leased,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM work_items WHERE state = 'pending' AND lease_owner IS NOT NULL")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    eprintln!("killed after {at_kill} requests arrived, with {leased} deliveries leased");
-    assert!(leased > 0, "deliveries were in flight at the kill (leases held by the killed process)");
-    assert!(at_kill < 30, "the kill came while deliveries were still in flight ({at_kill} received)");
+    let items: Vec<(String, String, i64, Option<String>)> = sqlx::query_as(
+        "SELECT id, state, (SELECT COUNT(*) FROM work_attempts a WHERE a.consumer = i.consumer AND a.item_id = i.id), \
+         lease_owner FROM work_items i WHERE consumer = 'webhooks'",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    let done = items.iter().filter(|(_, state, _, _)| state == "done").count();
+    let held: BTreeSet<String> = at_kill[6..].iter().map(|r| bc_projections::webhook_delivery_id(&r.id, &webhook)).collect();
+    let cut_off = items
+        .iter()
+        .filter(|(id, state, recorded, owner)| state == "pending" && *recorded == 0 && owner.is_some() && held.contains(id))
+        .count();
+    eprintln!("killed with {done} of 30 done and {} requests held, {cut_off} of them cut off", held.len());
+    assert_eq!(done, 6, "the kill landed mid-way: the first 6 done, none of the held ones: {items:?}");
+    assert!(cut_off > 0, "deliveries in flight at the kill: received, unanswered, leased by the dead process: {items:?}");
+    receiver.hold(false);
     reconciler.restart();
     // Done means a receiver answered 2xx; what was in flight at the kill is sent again once its
     // lease runs out.
@@ -212,7 +235,7 @@ async fn reconciler_killed_mid_delivery_loses_nothing() {
         assert!(copies.iter().all(|c| c.body == copies[0].body), "a redelivery sends the same bytes");
     }
     eprintln!("{} deliveries for {} events ({duplicates} duplicated by the kill)", got.len(), wanted.len());
-    assert!(duplicates > 0, "a delivery cut off by the kill was sent again");
+    assert!(duplicates >= cut_off, "each delivery cut off by the kill was sent again");
 }
 
 /// A receiver that fails, then recovers: the attempts follow the schedule (shortened to a
@@ -336,10 +359,10 @@ async fn two_reconcilers_on_postgres_deliver_each_event_once() {
     assert_eq!(code, 0, "{err}");
     let server = Server::serve_postgres_with(&db.url, &["--no-reconcilers", "--webhook-allow-loopback"]);
     let receiver = Receiver::start();
-    // Slow enough that one reconciler cannot finish all 40 (10 rounds of 4 at 200 ms: 2 s)
-    // before the other's next poll, however loaded the machine (at 20 ms, a clean CI run once
-    // saw one process deliver them all).
-    receiver.delay(200);
+    // The receiver holds every request until both processes are seen delivering: one process
+    // has at most 4 (--concurrency) in flight, so a fifth held request is the other's. (Paced
+    // by a slow receiver instead, a clean CI run once saw one process deliver them all.)
+    receiver.hold(true);
     let dir = tempfile::tempdir().unwrap();
     let (webhook, secret) = create_webhook(&server, &receiver.url, "pool.created", &dir.path().join("secret"));
     // The signing secrets are sealed under the server's data key: the reconcilers read it there.
@@ -361,6 +384,8 @@ async fn two_reconcilers_on_postgres_deliver_each_event_once() {
         server.pool(&format!("p{i}")).await;
     }
     let wanted: BTreeSet<String> = event_ids(&server, "pool.created").await.into_iter().collect();
+    receiver.wait_for(WAIT, "both processes' deliveries in flight", |r| r.len() > 4);
+    receiver.hold(false);
     receiver.wait_for(WAIT, "every event", |r| r.len() >= wanted.len());
     // Every delivery done: no item can be claimed again, so whatever was sent has arrived.
     wait_deliveries(&server, &webhook, "every delivery done", |l| {

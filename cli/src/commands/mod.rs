@@ -40,8 +40,8 @@ impl Command {
             Command::Serve { database_url, data_dir, server, webhook_allow_loopback } => {
                 operator::serve(database_url, data_dir, server, webhook_allow_loopback).await
             }
-            Command::Reconcile { only, db, consumers, sealing, data_key, webhook_allow_loopback } => {
-                operator::reconcile(only, db, consumers, sealing, data_key, webhook_allow_loopback).await
+            Command::Reconcile { only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback } => {
+                operator::reconcile(only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback).await
             }
             Command::Reconcilers { command } => operator::reconcilers(ctx, command).await,
             Command::Migrate { db } => operator::migrate(ctx, db).await,

@@ -145,6 +145,7 @@ pub async fn serve(database_url: String, data_dir: PathBuf, args: ServerArgs, al
 
 pub async fn reconcile(
     only: Vec<String>,
+    witnesses: Vec<String>,
     db: DatabaseArgs,
     consumers: ConsumerArgs,
     sealing: Sealing,
@@ -152,7 +153,8 @@ pub async fn reconcile(
     allow_loopback: bool,
 ) -> Result<(), CliError> {
     let key_path = data_key.path(&db.data_dir);
-    server::reconcile(&db.database(), &db.data_dir, &key_path, &only, &consumers.options(allow_loopback)?, &sealing).await
+    let options = consumers.options(allow_loopback)?;
+    server::reconcile(&db.database(), &db.data_dir, &key_path, &only, &options, &sealing, &witnesses).await
 }
 
 pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(), CliError> {

@@ -1,0 +1,191 @@
+//! Every reconciler, in one place ([`REGISTRY`]): its name, whether it appends, and how it is
+//! built and started (omicron's `BackgroundTasksInitializer`). `dev`, `serve`, `reconcile
+//! --only` (and its help) and the simulator read it; `reconcilers status` shows what the started
+//! ones recorded.
+//!
+//! All but one are [`Reconciler`]s driven by [`driver::run`]. The outbox consumer (`webhooks`)
+//! keeps its own loops ([`outbox::run`]): it claims work items under leases and delivers them
+//! concurrently as they come, which one pass at a time would serialise; its activations (each
+//! fan-out step, each claimed batch) record their status through the same
+//! [`crate::status::PassRecorder`].
+
+use std::sync::Arc;
+
+use bc_bmc::BmcConnector;
+use bc_core::audit::Trust;
+use bc_core::clock::Clock;
+use bc_core::store::{EventStore, Log};
+use bc_core::webhook::EndpointPolicy;
+use futures::future::BoxFuture;
+use tokio::sync::watch;
+
+use crate::driver::{self, Reconciler, Schedule};
+use crate::outbox::{self, RunnerConfig};
+use crate::{checkpoints, instances, liveness, metal, reservations, rollouts, webhooks, witnesses};
+
+/// What the reconcilers are built from: one process's store, log, clock and settings.
+pub struct Inputs {
+    pub store: Arc<dyn EventStore>,
+    /// The log, for the reconcilers that append; `None` in a process without the log key.
+    pub log: Option<Arc<Log>>,
+    pub clock: Arc<dyn Clock>,
+    /// This process's commits, to wake the reconcilers that follow them (`reservations`, the
+    /// outbox's fan-out); `None`: they poll.
+    pub wake: Option<watch::Receiver<u64>>,
+    /// How often `reservations` passes when nothing wakes it.
+    pub reservations_tick_ms: u64,
+    /// The outbox consumers' runner (leases, the time limit of one delivery, retries).
+    pub outbox: RunnerConfig,
+    pub webhook_policy: EndpointPolicy,
+    /// How `metal` reaches BMCs.
+    pub bmc: Arc<dyn BmcConnector>,
+    /// How `checkpoints` seals; `None`: it does not run.
+    pub sealing: Option<Sealing>,
+    /// Where `witnesses` sends checkpoints; empty: it does not run.
+    pub witnesses: Vec<witnesses::Witness>,
+}
+
+/// How `checkpoints` seals.
+pub struct Sealing {
+    pub interval_s: u64,
+    pub deployment: String,
+    pub trust: Trust,
+}
+
+/// How a registered reconciler runs.
+pub enum Task {
+    /// An activation at a time, by [`driver::run`].
+    Driven(Box<dyn Reconciler>, Schedule),
+    /// Its own loops until the shutdown it is given (the outbox consumers: see the module's
+    /// header).
+    Own(Box<dyn FnOnce(watch::Receiver<bool>) -> BoxFuture<'static, ()> + Send>),
+}
+
+/// One reconciler of [`REGISTRY`].
+pub struct Registration {
+    pub name: &'static str,
+    /// It appends to the log, so its process needs the log key.
+    pub appends: bool,
+    /// The server's own duty (the audit trail): `dev` and `serve` run it even with
+    /// `--no-reconcilers`.
+    pub duty: bool,
+    /// Builds it; `None` when `Inputs` leave it nothing to do (no sealing interval, no
+    /// witness).
+    build: fn(&Inputs) -> bc_core::Result<Option<Task>>,
+}
+
+/// Every reconciler this version runs.
+pub const REGISTRY: &[Registration] = &[
+    Registration { name: reservations::NAME, appends: true, duty: false, build: build_reservations },
+    Registration { name: webhooks::CONSUMER, appends: false, duty: false, build: build_webhooks },
+    Registration { name: checkpoints::NAME, appends: true, duty: true, build: build_checkpoints },
+    Registration { name: liveness::NAME, appends: true, duty: false, build: build_liveness },
+    Registration { name: instances::NAME, appends: true, duty: false, build: build_instances },
+    Registration { name: metal::NAME, appends: true, duty: false, build: build_metal },
+    Registration { name: rollouts::NAME, appends: true, duty: false, build: build_rollouts },
+    Registration { name: witnesses::NAME, appends: true, duty: true, build: build_witnesses },
+];
+
+/// The names of [`REGISTRY`], in its order (`reconcile --only`'s possible values).
+pub const NAMES: [&str; REGISTRY.len()] = {
+    let mut names = [""; REGISTRY.len()];
+    let mut i = 0;
+    while i < REGISTRY.len() {
+        names[i] = REGISTRY[i].name;
+        i += 1;
+    }
+    names
+};
+
+/// The registered reconciler named `name`.
+pub fn find(name: &str) -> Option<&'static Registration> {
+    REGISTRY.iter().find(|r| r.name == name)
+}
+
+impl Registration {
+    /// Builds it and spawns it until `shutdown`; `None` when it has nothing to do.
+    pub fn start(
+        &self,
+        inputs: &Inputs,
+        shutdown: watch::Receiver<bool>,
+    ) -> bc_core::Result<Option<tokio::task::JoinHandle<()>>> {
+        Ok((self.build)(inputs)?.map(|task| match task {
+            Task::Driven(reconciler, schedule) => {
+                tokio::spawn(driver::run(reconciler, schedule, inputs.store.clone(), inputs.clock.clone(), shutdown))
+            }
+            Task::Own(run) => tokio::spawn(run(shutdown)),
+        }))
+    }
+}
+
+fn log(inputs: &Inputs, name: &str) -> bc_core::Result<Arc<Log>> {
+    inputs.log.clone().ok_or_else(|| bc_core::Error::Internal(format!("the {name} reconciler appends: it needs the log")))
+}
+
+fn build_reservations(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let reconciler = reservations::Reservations::new(log(inputs, reservations::NAME)?, inputs.clock.clone());
+    let schedule = Schedule { period_ms: inputs.reservations_tick_ms, first_after_period: false, wake: inputs.wake.clone() };
+    Ok(Some(Task::Driven(Box::new(reconciler), schedule)))
+}
+
+fn build_webhooks(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let consumer: Arc<dyn outbox::Consumer> =
+        Arc::new(webhooks::Webhooks::new(inputs.webhook_policy, inputs.outbox.time_limit_ms, inputs.clock.clone())?);
+    let (store, config, wake) = (inputs.store.clone(), inputs.outbox.clone(), inputs.wake.clone());
+    Ok(Some(Task::Own(Box::new(move |shutdown| Box::pin(outbox::run(store, consumer, config, wake, shutdown))))))
+}
+
+fn build_checkpoints(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let Some(sealing) = &inputs.sealing else { return Ok(None) };
+    let reconciler =
+        checkpoints::Checkpoints::new(log(inputs, checkpoints::NAME)?, sealing.deployment.clone(), sealing.trust.clone());
+    let period_ms = sealing.interval_s.max(checkpoints::INTERVAL_S_MIN).saturating_mul(1000);
+    let schedule = Schedule { period_ms, first_after_period: true, wake: None };
+    Ok(Some(Task::Driven(Box::new(reconciler), schedule)))
+}
+
+fn build_liveness(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let reconciler = liveness::reconciler(log(inputs, liveness::NAME)?, inputs.clock.clone());
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(liveness::TICK_MS_DEFAULT))))
+}
+
+fn build_instances(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let reconciler = instances::reconciler(log(inputs, instances::NAME)?, inputs.clock.clone());
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(instances::TICK_MS_DEFAULT))))
+}
+
+fn build_metal(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let metal = metal::Metal::new(log(inputs, metal::NAME)?, inputs.clock.clone(), inputs.bmc.clone());
+    let reconciler = metal::MetalTurns::new(Arc::new(metal));
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(metal::TICK_MS_DEFAULT))))
+}
+
+fn build_rollouts(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let reconciler = rollouts::reconciler(log(inputs, rollouts::NAME)?, inputs.clock.clone());
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(rollouts::TICK_MS_DEFAULT))))
+}
+
+fn build_witnesses(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    if inputs.witnesses.is_empty() {
+        return Ok(None);
+    }
+    let reconciler = witnesses::Witnesses::new(log(inputs, witnesses::NAME)?, inputs.witnesses.clone())?;
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(witnesses::TICK_MS))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reconciler_is_registered_once() {
+        let mut names = NAMES.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), REGISTRY.len(), "a name is registered twice: {NAMES:?}");
+        for name in NAMES {
+            assert_eq!(find(name).map(|r| r.name), Some(name));
+        }
+        assert!(NAMES.contains(&witnesses::NAME), "witnesses is a reconciler too");
+    }
+}
