@@ -493,6 +493,10 @@ async fn two_reservation_reconcilers_on_postgres() {
     bc_tests::verify_store(&store).await;
 }
 
+/// What the store logs (at debug, on in the tests' servers) when another process moved a chain's
+/// head under a batch: the batch is decided again.
+const HEAD_MOVED: &str = "a chain head moved under the batch";
+
 /// Issue 17, goal 7: two `serve` processes on one PostgreSQL keep a quota exact, since the quota
 /// is guarded in the log (each reservation charged on the quota's stream at the version its
 /// decision read), not in one process's memory. Concurrent reserves through both never
@@ -511,12 +515,28 @@ async fn two_gateways_on_one_database_never_overshoot_a_quota_or_double_book() {
     assert_eq!(status, 200, "{quota}");
 
     // 24 reserves of one GPU at once, half through each gateway: 16 GPUs free, a quota of 5.
+    let moved_before = a.log_text().matches(HEAD_MOVED).count();
     let asks = (0..24).map(|i| {
         let server = if i % 2 == 0 { &a } else { &b };
         let pool = pool.clone();
-        async move { server.call("reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 600 })).await }
+        async move {
+            let sent = Instant::now();
+            let answer = server.call("reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 600 })).await;
+            (i % 2, sent, Instant::now(), answer)
+        }
     });
-    let answers = futures::future::join_all(asks).await;
+    let timed = futures::future::join_all(asks).await;
+    // They raced: a request through one gateway was answered while one through the other was
+    // still waiting for its answer, and the two processes' appends met on the tenant's chain
+    // (a batch of one decided again on the head the other had moved; both log to one file).
+    let overlapped = timed.iter().any(|(g, sent, answered, _)| {
+        timed.iter().any(|(h, other_sent, other_answered, _)| g != h && sent < other_answered && other_sent < answered)
+    });
+    assert!(overlapped, "a request through each gateway was in flight at once");
+    let moved = a.log_text().matches(HEAD_MOVED).count() - moved_before;
+    eprintln!("{moved} batches decided again on the other process's head");
+    assert!(moved > 0, "the two processes' appends met on one chain");
+    let answers: Vec<(u16, Value)> = timed.into_iter().map(|(_, _, _, answer)| answer).collect();
     let accepted: Vec<&Value> = answers.iter().filter(|(s, _)| *s == 200).map(|(_, r)| r).collect();
     for (status, body) in answers.iter().filter(|(s, _)| *s != 200) {
         assert_eq!(body["code"], "QUOTA_EXCEEDED", "{status} {body}");
