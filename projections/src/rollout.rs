@@ -404,60 +404,7 @@ pub fn apply_rollout(
     }
     let env = &event.envelope;
     if env.event_type == ROLLOUT_CREATED {
-        if current.is_some() {
-            return Err(corrupt(event, format!("rollout {id} created twice")));
-        }
-        let p: RolloutCreated = payload(event)?;
-        let nodes = p
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(i, node_id)| RolloutNode {
-                node_id: node_id.clone(),
-                wave: wave_of(i, &p.waves),
-                state: RolloutNodeState::Pending,
-                command_id: None,
-                from_version: None,
-                started_at_ms: None,
-                finished_at_ms: None,
-                reason: None,
-            })
-            .collect();
-        let waves = p
-            .waves
-            .iter()
-            .enumerate()
-            .map(|(i, w)| WaveDoc {
-                spec: w.spec.clone(),
-                up_to: w.up_to,
-                state: if i == 0 { "running" } else { "pending" }.into(),
-                started_at_ms: (i == 0).then_some(env.at_ms),
-                passed_at_ms: None,
-                failures: 0,
-                failures_counted: 0,
-            })
-            .collect();
-        return to_doc(&RolloutDoc {
-            tenant_id: env.tenant.to_string(),
-            rollout_id: id.to_owned(),
-            release_id: p.release_id,
-            target_version: p.target_version,
-            pool_id: p.pool_id,
-            selector: p.selector,
-            state: RolloutState::Running,
-            reason: None,
-            wave: 0,
-            waves,
-            nodes,
-            max_unavailable: p.max_unavailable,
-            min_ready_s: p.min_ready_s,
-            node_deadline_s: p.node_deadline_s,
-            wave_failures_max: p.wave_failures_max,
-            busy_nodes: p.busy_nodes,
-            version: env.version,
-            created_at_ms: env.at_ms,
-            updated_at_ms: env.at_ms,
-        });
+        return rollout_created(id, current, event);
     }
     let mut doc: RolloutDoc = from_doc(event, current)?;
     let at = env.at_ms;
@@ -531,6 +478,65 @@ pub fn apply_rollout(
     doc.version = env.version;
     doc.updated_at_ms = at;
     to_doc(&doc)
+}
+
+/// A rollout's document as `rollout.created` makes it: every node pending, its first wave running.
+fn rollout_created(id: &str, current: Option<serde_json::Value>, event: &StoredEvent) -> Result<Option<serde_json::Value>> {
+    let env = &event.envelope;
+    if current.is_some() {
+        return Err(corrupt(event, format!("rollout {id} created twice")));
+    }
+    let p: RolloutCreated = payload(event)?;
+    let nodes = p
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, node_id)| RolloutNode {
+            node_id: node_id.clone(),
+            wave: wave_of(i, &p.waves),
+            state: RolloutNodeState::Pending,
+            command_id: None,
+            from_version: None,
+            started_at_ms: None,
+            finished_at_ms: None,
+            reason: None,
+        })
+        .collect();
+    let waves = p
+        .waves
+        .iter()
+        .enumerate()
+        .map(|(i, w)| WaveDoc {
+            spec: w.spec.clone(),
+            up_to: w.up_to,
+            state: if i == 0 { "running" } else { "pending" }.into(),
+            started_at_ms: (i == 0).then_some(env.at_ms),
+            passed_at_ms: None,
+            failures: 0,
+            failures_counted: 0,
+        })
+        .collect();
+    to_doc(&RolloutDoc {
+        tenant_id: env.tenant.to_string(),
+        rollout_id: id.to_owned(),
+        release_id: p.release_id,
+        target_version: p.target_version,
+        pool_id: p.pool_id,
+        selector: p.selector,
+        state: RolloutState::Running,
+        reason: None,
+        wave: 0,
+        waves,
+        nodes,
+        max_unavailable: p.max_unavailable,
+        min_ready_s: p.min_ready_s,
+        node_deadline_s: p.node_deadline_s,
+        wave_failures_max: p.wave_failures_max,
+        busy_nodes: p.busy_nodes,
+        version: env.version,
+        created_at_ms: env.at_ms,
+        updated_at_ms: env.at_ms,
+    })
 }
 
 fn parse_doc<T: serde::de::DeserializeOwned>(what: &str, doc: serde_json::Value) -> Result<T> {

@@ -539,20 +539,7 @@ pub fn workflow_of(payload: &Value) -> Option<&str> {
 pub(crate) fn apply_metal(kind: &str, id: &str, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
     if kind == KIND_WORKFLOW {
-        if env.event_type == METAL_TRANSITIONED {
-            let p: MetalTransitioned = payload(event)?;
-            if let Some(start) = p.workflow.filter(|w| w.workflow_id == id) {
-                if current.is_some() {
-                    return Err(corrupt(event, format!("workflow {id} started twice")));
-                }
-                let node_id = crate::stream_id_of(&env.stream).to_owned();
-                return to_doc(&started(&env.tenant.to_string(), &node_id, &start, event));
-            }
-            return Ok(current);
-        }
-        let mut workflow: Workflow = from_doc(event, current)?;
-        fold_workflow(&mut workflow, event)?;
-        return to_doc(&workflow);
+        return apply_workflow_row(id, current, event);
     }
     let mut doc: MetalDoc = match env.event_type.as_str() {
         METAL_ENROLLED => {
@@ -648,6 +635,25 @@ pub(crate) fn apply_metal(kind: &str, id: &str, current: Option<Value>, event: &
     doc.version = env.version;
     doc.updated_at_ms = env.at_ms;
     to_doc(&doc)
+}
+
+/// The fold of a `metal.*` event into a workflow's row: made by the transition that starts it.
+fn apply_workflow_row(id: &str, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    if env.event_type == METAL_TRANSITIONED {
+        let p: MetalTransitioned = payload(event)?;
+        if let Some(start) = p.workflow.filter(|w| w.workflow_id == id) {
+            if current.is_some() {
+                return Err(corrupt(event, format!("workflow {id} started twice")));
+            }
+            let node_id = crate::stream_id_of(&env.stream).to_owned();
+            return to_doc(&started(&env.tenant.to_string(), &node_id, &start, event));
+        }
+        return Ok(current);
+    }
+    let mut workflow: Workflow = from_doc(event, current)?;
+    fold_workflow(&mut workflow, event)?;
+    to_doc(&workflow)
 }
 
 /// Folds one `metal.*` event into the row `key` (the machine's, or its workflow's); any other
