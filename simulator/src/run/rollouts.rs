@@ -14,9 +14,12 @@
 //! Each entry is journaled through the node's real journal (started, then finished), so a
 //! redelivered command finds its stage there and is not run twice. The operator, at each later
 //! `rollouts` fault on the tenant, pauses, resumes or aborts now and then. Checked after every
-//! pass: no live rollout has more nodes in flight (updating, rolling back) than its
-//! `maxUnavailable`. In the liveness phase the operator aborts what still runs, and the run
-//! settles only once every rollout is done, paused with a reason, or aborted.
+//! pass: no live rollout's document has more nodes in flight than its `maxUnavailable`; and
+//! whenever a modelled updater takes its node out, the rollout's nodes out counted from the
+//! modelled agents (in an update or rollback, or down since before the command was issued),
+//! not from the document the plan writes, are within it too ([`Sim::max_unavailable_check`]).
+//! In the liveness phase the operator aborts what still runs, and the run settles only once
+//! every rollout is done, paused with a reason, or aborted.
 
 use bc_agent::journal::{Draft, Stage};
 use bc_agent::machine::Rng as _;
