@@ -6,13 +6,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine;
 use hyper_util::rt::TokioIo;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, SignatureScheme};
-use sha2::{Digest, Sha256};
+use rustls::pki_types::ServerName;
 use tonic::transport::{Channel, Endpoint};
 
 /// Connecting (TCP and TLS) gives up after this.
@@ -95,9 +90,8 @@ impl Gateway {
             Err(_) => Err(HandshakeError::Unreachable("connecting timed out".into())),
             Ok(Ok(_)) => Ok(true),
             Ok(Err(e)) => {
-                let pin_mismatch = e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(|r| {
-                    matches!(r, rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
-                });
+                let pin_mismatch =
+                    e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(bc_pin::is_pin_mismatch);
                 Err(if pin_mismatch {
                     HandshakeError::PinMismatch
                 } else if e.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
@@ -142,11 +136,7 @@ fn bracket(host: &str) -> String {
 
 /// A pin is `sha256/` + the standard base64 of 32 bytes.
 pub fn check_pin(pin: &str) -> Result<(), String> {
-    let digest = pin.strip_prefix("sha256/").ok_or("a pin is sha256/ followed by base64")?;
-    match base64::engine::general_purpose::STANDARD.decode(digest) {
-        Ok(bytes) if bytes.len() == 32 => Ok(()),
-        _ => Err("a pin is sha256/ followed by the base64 of a SHA-256".into()),
-    }
+    bc_pin::check_pin(pin).map_err(|e| e.to_string())
 }
 
 fn client_config(pin: String) -> Result<Arc<rustls::ClientConfig>, String> {
@@ -155,68 +145,18 @@ fn client_config(pin: String) -> Result<Arc<rustls::ClientConfig>, String> {
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(PinVerifier { pin, provider }))
+        .with_custom_certificate_verifier(Arc::new(
+            bc_pin::PinVerifier::new(&pin, "the gateway's certificate", provider).map_err(|e| e.to_string())?,
+        ))
         .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
 }
 
-/// Accepts exactly the server whose certificate's key hashes to the pin (and which proves it
-/// holds that key in the handshake, checked by rustls as always).
-#[derive(Debug)]
-struct PinVerifier {
-    pin: String,
-    provider: Arc<CryptoProvider>,
-}
-
-fn spki_pin(cert: &CertificateDer<'_>) -> Result<String, rustls::Error> {
-    let parsed = webpki::EndEntityCert::try_from(cert)
-        .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
-    let spki = parsed.subject_public_key_info();
-    Ok(format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode(Sha256::digest(spki.as_ref()))))
-}
-
-impl ServerCertVerifier for PinVerifier {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        if spki_pin(end_entity)? == self.pin {
-            Ok(ServerCertVerified::assertion())
-        } else {
-            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use base64::Engine;
+
     use super::*;
 
     #[test]

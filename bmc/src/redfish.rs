@@ -31,15 +31,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine;
 use reqwest::{Method, StatusCode};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use tokio::sync::OnceCell;
 
 use crate::network::{BmcNetworks, address_refused};
@@ -507,7 +505,7 @@ fn client_config(tls: &BmcTls) -> BmcResult<rustls::ClientConfig> {
             builder.dangerous().with_custom_certificate_verifier(Arc::new(CaVerifier { inner })).with_no_client_auth()
         }
         BmcTls::Pin { pin } => {
-            builder.dangerous().with_custom_certificate_verifier(Arc::new(PinVerifier::new(pin, provider)?)).with_no_client_auth()
+            builder.dangerous().with_custom_certificate_verifier(Arc::new(pin_verifier(pin, provider)?)).with_no_client_auth()
         }
         BmcTls::Insecure => {
             builder.dangerous().with_custom_certificate_verifier(Arc::new(AnyCertificate { provider })).with_no_client_auth()
@@ -590,84 +588,15 @@ impl ServerCertVerifier for CaVerifier {
     }
 }
 
-/// The pin of a certificate's key: `sha256/` + base64 of the SHA-256 of its DER
-/// SubjectPublicKeyInfo (what `openssl x509 -pubkey | openssl pkey -pubin -outform der |
-/// openssl dgst -sha256 -binary | base64` prints after `sha256/`).
-pub fn spki_pin(cert: &CertificateDer<'_>) -> Result<String, rustls::Error> {
-    let parsed = webpki::EndEntityCert::try_from(cert)
-        .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
-    let spki = parsed.subject_public_key_info();
-    Ok(format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode(Sha256::digest(spki.as_ref()))))
-}
+/// The pin of a certificate's key (`bc_pin::spki_pin`, RFC 7469's `sha256/` + base64).
+pub use bc_pin::spki_pin;
 
-/// Accepts exactly the leaf whose key hashes to the pin, whatever signed it, whatever name or
-/// dates it carries (a BMC's self-signed certificate rarely names its address or is renewed);
-/// the handshake's signatures are checked as always, so the server proves it holds that key.
-#[derive(Debug)]
-struct PinVerifier {
-    pin: String,
-    provider: Arc<CryptoProvider>,
-}
-
-impl PinVerifier {
-    fn new(pin: &str, provider: Arc<CryptoProvider>) -> BmcResult<Self> {
-        let digest = pin.strip_prefix("sha256/").ok_or_else(|| {
-            BmcError::Protocol("the BMC's certificate pin is sha256/ followed by base64 (of the key's SHA-256)".into())
-        })?;
-        match base64::engine::general_purpose::STANDARD.decode(digest) {
-            Ok(bytes) if bytes.len() == 32 => Ok(PinVerifier { pin: pin.to_owned(), provider }),
-            _ => Err(BmcError::Protocol("the BMC's certificate pin is sha256/ followed by the base64 of 32 bytes".into())),
-        }
-    }
-}
-
-/// The leaf's key is not the pinned one; says which key it is, so an operator who trusts it
-/// can pin it.
-#[derive(Debug, thiserror::Error)]
-#[error("the BMC's certificate key is {presented}, not the pinned key")]
-struct PinMismatch {
-    presented: String,
-}
-
-impl ServerCertVerifier for PinVerifier {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        let presented = spki_pin(end_entity)?;
-        if presented == self.pin {
-            Ok(ServerCertVerified::assertion())
-        } else {
-            let mismatch = PinMismatch { presented };
-            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(Arc::new(mismatch)))))
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
-    }
+/// Accepts exactly the leaf whose key hashes to `pin` (`bc_pin::PinVerifier`), whatever signed it
+/// and whatever name or dates it carries: a BMC's self-signed certificate rarely names its address
+/// or is renewed. A mismatch names the key the BMC presented.
+fn pin_verifier(pin: &str, provider: Arc<CryptoProvider>) -> BmcResult<bc_pin::PinVerifier> {
+    bc_pin::PinVerifier::new(pin, "the BMC's certificate", provider)
+        .map_err(|e| BmcError::Protocol(format!("the BMC's certificate pin: {e}")))
 }
 
 /// Accepts any certificate and any handshake signature: insecure mode proves nothing, so it
@@ -878,6 +807,9 @@ fn cut(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+
     use super::*;
 
     /// A management network of 10/8, as an operator names it.
@@ -1130,7 +1062,7 @@ mod tests {
             base64::engine::general_purpose::STANDARD.encode(Sha256::digest(rcgen::PublicKeyData::subject_public_key_info(&key)))
         );
         assert_eq!(spki_pin(&leaf).unwrap(), pin, "the pin is of the DER SubjectPublicKeyInfo");
-        let verifier = PinVerifier::new(&pin, provider.clone()).unwrap();
+        let verifier = pin_verifier(&pin, provider.clone()).unwrap();
         let name = ServerName::try_from("another.name.example").unwrap();
         let now = UnixTime::now();
         assert!(verifier.verify_server_cert(&leaf, &[], &name, &[], now).is_ok(), "whatever name the server has");

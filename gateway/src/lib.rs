@@ -134,6 +134,9 @@ pub struct ServeLimits {
     pub connections_max: usize,
     /// Requests served at once.
     pub requests_max: usize,
+    /// Watchers connected at once, in all, per tenant and per key (`--watchers-max`,
+    /// `--watchers-per-tenant-max`, `--watchers-per-key-max`).
+    pub watchers: watch::WatcherLimits,
 }
 
 impl Default for ServeLimits {
@@ -145,6 +148,7 @@ impl Default for ServeLimits {
             body_read_timeout: Duration::from_secs(conn::BODY_READ_TIMEOUT_S),
             connections_max: conn::CONNECTIONS_MAX,
             requests_max: CONCURRENT_REQUESTS_MAX,
+            watchers: watch::WatcherLimits::default(),
         }
     }
 }

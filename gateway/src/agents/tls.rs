@@ -6,11 +6,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use base64::Engine;
 use bc_core::{Error, Result};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use sha2::{Digest, Sha256};
 
 pub const SERVING_CERT_FILE: &str = "agents-tls.crt";
 pub const SERVING_KEY_FILE: &str = "agents-tls.key";
@@ -28,12 +26,10 @@ impl std::fmt::Debug for ServingIdentity {
     }
 }
 
-/// `sha256/` + standard base64 of SHA-256 over the certificate's SubjectPublicKeyInfo.
+/// `sha256/` + standard base64 of SHA-256 over the certificate's SubjectPublicKeyInfo
+/// (`bc_pin::spki_pin`, the computation agents check it with).
 pub fn spki_pin(cert: &CertificateDer<'_>) -> Result<String> {
-    let parsed = webpki::EndEntityCert::try_from(cert)
-        .map_err(|e| Error::invalid(format!("the serving certificate does not parse: {e}")))?;
-    let spki = parsed.subject_public_key_info();
-    Ok(format!("sha256/{}", base64::engine::general_purpose::STANDARD.encode(Sha256::digest(spki.as_ref()))))
+    bc_pin::spki_pin(cert).map_err(|e| Error::invalid(format!("the serving certificate does not parse: {e}")))
 }
 
 impl ServingIdentity {
