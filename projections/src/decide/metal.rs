@@ -77,12 +77,15 @@ fn finished(workflow: &Workflow, outcome: &str, reason: Option<String>) -> Resul
     ))
 }
 
+/// A stream an append guards, at the version it expects.
+type Guard = (String, ExpectedVersion);
+
 /// A deploy's join token, revoked when the deploy ends any way but success (aborted, failed,
 /// timed out): it was minted for the system that deploy installs, and a token that outlived its
 /// deploy could re-key the node afterwards. `None` for any other workflow. The token's stream is
 /// a guard at any version (an event on another stream must be one), so a token spent or revoked
 /// meanwhile is revoked again, harmlessly.
-fn deploy_token_revoked(workflow: &Workflow) -> Result<Option<(NewEvent, (String, ExpectedVersion))>, Error> {
+fn deploy_token_revoked(workflow: &Workflow) -> Result<Option<(NewEvent, Guard)>, Error> {
     let Some(token_id) = workflow.join_token_id.as_deref() else { return Ok(None) };
     let stream = stream_of(KIND_JOIN_TOKEN, &token_id);
     let mut revoked = NewEvent::new(ev::JOIN_TOKEN_REVOKED, to_cbor(&ev::JoinTokenRevoked {})?);
