@@ -325,7 +325,9 @@ fn agent_update_is_issued_only_for_a_registered_release_the_control_plane_trusts
     // Registered, but its downgrade permission has expired.
     let downgrade = ReleaseDoc { manifest: unregistered.clone(), ..release() };
     let week_ms = 7 * 24 * 3600 * 1000;
-    assert!(agent_update_issue(&trusted, &[downgrade.clone()], &unregistered, &unregistered_signature, now_ms).is_ok());
+    assert!(
+        agent_update_issue(&trusted, std::slice::from_ref(&downgrade), &unregistered, &unregistered_signature, now_ms).is_ok()
+    );
     let expired =
         agent_update_issue(&trusted, &[downgrade], &unregistered, &unregistered_signature, now_ms + week_ms).unwrap_err();
     assert_eq!(code(expired), (bc_core::ErrorCode::InvalidArgument, "release-expired".into()));

@@ -326,7 +326,7 @@ impl bc_core::store::Projector for WrongFold {
         let env = &event.envelope;
         if key.kind == KIND_NODE
             && env.event_type == ev::NODE_FREED
-            && env.seq % WRONG_FOLD_EVERY == 0
+            && env.seq.is_multiple_of(WRONG_FOLD_EVERY)
             && let (Some(doc), Some(kept)) = (doc.as_mut(), kept)
         {
             doc["allocations"] = kept;

@@ -110,7 +110,8 @@ pub fn raise_open_file_limit(wanted: u64) {
     if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
         && current < maximum
     {
-        setrlimit(Resource::Nofile, Rlimit { current: Some(maximum), maximum: Some(maximum) }).expect("raise the open-file limit");
+        setrlimit(Resource::Nofile, Rlimit { current: Some(maximum), maximum: Some(maximum) })
+            .expect("raise the open-file limit");
     }
     let now = getrlimit(Resource::Nofile).current;
     assert!(

@@ -196,7 +196,17 @@ async fn the_watcher_caps_are_the_operators_flags() {
     let dir = tempfile::tempdir().unwrap();
     let data_dir = dir.path().display().to_string();
     let (code, _, err) = bc_tests::cli(
-        &["dev", "--data-dir", &data_dir, "--listen", "127.0.0.1:0", "--watchers-per-tenant-max", "2", "--watchers-per-key-max", "5"],
+        &[
+            "dev",
+            "--data-dir",
+            &data_dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--watchers-per-tenant-max",
+            "2",
+            "--watchers-per-key-max",
+            "5",
+        ],
         &[],
     );
     assert_eq!(code, 2, "{err}");
