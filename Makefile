@@ -28,8 +28,10 @@ system-deps:
 ## property, and end-to-end tests that start the real binaries, schemathesis testing the OpenAPI
 ## document from outside against a running `dev` among them. What the run needs is made first,
 ## side by side (one job per core and one more; both cargo builds share make's job slots, so the
-## cores stay busy while a download or a C build runs alone): the workspace's build, siglog's
-## witness, and the three Python virtual environments (pymerkle, sushy-tools, schemathesis).
+## cores stay busy while a download or a C build runs alone): the workspace's build, the lint
+## (`make lint`: rustfmt and clippy with the determinism bans, warnings as errors, so CI enforces
+## that nothing in the simulated crates escapes the seed), siglog's witness, and the three Python
+## virtual environments (pymerkle, sushy-tools, schemathesis).
 ## nextest runs no doctests, so the doctests (the `compile_fail` ones that prove only the `Log`
 ## appends among them) run after it, with `cargo test --doc` (the fallback leaves them to it);
 ## either failing fails the make.
@@ -43,7 +45,7 @@ test: check-postgres
 	fi
 	$(CARGO) test --workspace --doc $(TEST_FEATURES)
 
-test-deps: build witness tiles-venv sushy-venv schemathesis-venv
+test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned), installed under target/tools/ once; a second run finds it and does nothing.
