@@ -147,7 +147,7 @@ async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
 
     // The stalled write fails after --write-stall and the server drops that connection, so a
     // slot is free again while the other 1,023 stay connected.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     let admitted = loop {
         let response = open(&server, &client, &server.token).await;
         if response.status() == 200 {
@@ -157,9 +157,12 @@ async fn watchers_are_capped_and_a_stalled_reader_frees_its_slot() {
         assert!(Instant::now() < deadline, "the stalled watcher still holds its slot");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let freed_after = refused_at.elapsed();
-    eprintln!("a slot was free {freed_after:?} after the cap refused a watcher");
-    assert!(freed_after < Duration::from_secs(25), "freed by the write stall, not the watch's 30 s send timeout");
+    eprintln!("a slot was free {:?} after the cap refused a watcher", refused_at.elapsed());
+    // Freed by the write stall, not the watch's 30 s send timeout: that one says so in the log.
+    assert!(
+        !server.log_text().contains("disconnecting a watcher that stopped reading"),
+        "the watch's own send timeout dropped the stalled watcher, not --write-stall"
+    );
     // The dropped connection ends: what the socket held, then its end.
     let mut sink = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(20), stalled.read_to_end(&mut sink)).await;
