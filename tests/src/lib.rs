@@ -578,6 +578,21 @@ impl Reconciler {
         self.child = Some(child);
     }
 
+    /// What the process has logged so far (its JSON lines).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Reservations the process has activated, by its own `pass` lines.
+    pub fn activated(&self) -> u64 {
+        self.log_text()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter(|line| line["fields"]["message"] == "pass")
+            .filter_map(|line| line["fields"]["activated"].as_u64())
+            .sum()
+    }
+
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
