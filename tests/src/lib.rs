@@ -904,26 +904,37 @@ pub fn pid_of(machine: &Machine) -> String {
     std::fs::read_to_string(machine.data().join("bcd.pid")).unwrap_or_default().trim().to_owned()
 }
 
-/// A loopback HTTP/1.1 server that answers every GET with `bytes`: where the tests' images are
-/// fetched from. Counts the requests it answered.
+/// A loopback HTTP/1.1 server that answers every GET with `bytes`: where the tests' images and
+/// release artifacts are fetched from. Counts the requests it received and answered; a gated one
+/// ([`ImageServer::gated`]) holds requests unanswered until [`ImageServer::open`], so a test can
+/// act while a download is seen in flight.
 pub struct ImageServer {
     pub url: String,
+    arrived: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     served: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    gate: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
 }
 
 impl ImageServer {
-    /// Serves `bytes` at `http://127.0.0.1:PORT/NAME`.
+    /// Serves `bytes` at `http://127.0.0.1:PORT/NAME`, answering every GET at once.
     pub fn start(name: &str, bytes: Vec<u8>) -> ImageServer {
+        Self::gated(name, bytes, usize::MAX)
+    }
+
+    /// [`ImageServer::start`], answering its first `free` GETs at once and holding every later
+    /// one, unanswered, until [`ImageServer::open`].
+    pub fn gated(name: &str, bytes: Vec<u8>, free: usize) -> ImageServer {
         use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::SeqCst;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/{name}", listener.local_addr().unwrap());
-        let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let count = served.clone();
-        let bytes = std::sync::Arc::new(bytes);
+        let server = ImageServer { url, arrived: Default::default(), served: Default::default(), gate: Default::default() };
+        let (arrived, served, gate, bytes) =
+            (server.arrived.clone(), server.served.clone(), server.gate.clone(), std::sync::Arc::new(bytes));
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
-                let (count, bytes) = (count.clone(), bytes.clone());
+                let (arrived, served, gate, bytes) = (arrived.clone(), served.clone(), gate.clone(), bytes.clone());
                 std::thread::spawn(move || {
                     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
                     let mut seen = Vec::new();
@@ -934,7 +945,11 @@ impl ImageServer {
                             Ok(n) => seen.extend_from_slice(&buf[..n]),
                         }
                     }
-                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if arrived.fetch_add(1, SeqCst) >= free {
+                        let (open, opened) = &*gate;
+                        let _open = opened.wait_while(open.lock().unwrap(), |open| !*open).unwrap();
+                    }
+                    served.fetch_add(1, SeqCst);
                     let head = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
                         bytes.len()
@@ -944,12 +959,24 @@ impl ImageServer {
                 });
             }
         });
-        ImageServer { url, served }
+        server
+    }
+
+    /// GETs received so far, held or not.
+    pub fn arrived(&self) -> usize {
+        self.arrived.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// GETs answered so far.
     pub fn served(&self) -> usize {
         self.served.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Answers the held GETs and every later one.
+    pub fn open(&self) {
+        let (open, opened) = &*self.gate;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
     }
 }
 

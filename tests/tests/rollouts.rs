@@ -282,74 +282,6 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     }
 }
 
-/// Serves one artifact like [`ImageServer`], answering its first `free` GETs at once and
-/// holding every later one, unanswered, until [`GatedServer::open`]: a test acts while a node's
-/// download is seen in flight.
-struct GatedServer {
-    url: String,
-    arrived: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    served: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    gate: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
-}
-
-impl GatedServer {
-    fn start(name: &str, bytes: Vec<u8>, free: usize) -> GatedServer {
-        use std::io::{Read, Write};
-        use std::sync::atomic::Ordering::SeqCst;
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}/{name}", listener.local_addr().unwrap());
-        let server = GatedServer { url, arrived: Default::default(), served: Default::default(), gate: Default::default() };
-        let (arrived, served, gate, bytes) =
-            (server.arrived.clone(), server.served.clone(), server.gate.clone(), std::sync::Arc::new(bytes));
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let (arrived, served, gate, bytes) = (arrived.clone(), served.clone(), gate.clone(), bytes.clone());
-                std::thread::spawn(move || {
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-                    let mut seen = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match stream.read(&mut buf) {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => seen.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    if arrived.fetch_add(1, SeqCst) >= free {
-                        let (open, opened) = &*gate;
-                        let _open = opened.wait_while(open.lock().unwrap(), |open| !*open).unwrap();
-                    }
-                    served.fetch_add(1, SeqCst);
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                        bytes.len()
-                    );
-                    let _ = stream.write_all(head.as_bytes());
-                    let _ = stream.write_all(&bytes);
-                });
-            }
-        });
-        server
-    }
-
-    /// GETs received so far, held or not.
-    fn arrived(&self) -> usize {
-        self.arrived.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// GETs answered so far.
-    fn served(&self) -> usize {
-        self.served.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Answers the held GETs and every later one.
-    fn open(&self) {
-        let (open, opened) = &*self.gate;
-        *open.lock().unwrap() = true;
-        opened.notify_all();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_rollout_rolls_its_updated_nodes_back_one_at_a_time() {
     let fleet = Fleet::start(2).await;
@@ -357,7 +289,7 @@ async fn an_aborted_rollout_rolls_its_updated_nodes_back_one_at_a_time() {
     let (artifact_b, bytes_b, _) = artifact_b(dir);
     // The canary's download is answered; the second node's is held until the abort is in, so
     // the abort lands while that node's update is under way, by what the test sees.
-    let served_b = GatedServer::start("bcd-b", bytes_b, 1);
+    let served_b = ImageServer::gated("bcd-b", bytes_b, 1);
     let (code, b, err) = release(server, &fleet.key, dir, "9.0.0", &artifact_b, &served_b.url);
     assert_eq!(code, 0, "releases register: {err}");
     let (status, created) = server
