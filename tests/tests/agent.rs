@@ -193,6 +193,8 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
         machine.status().filter(|s| s["journalUnacked"].as_u64().unwrap_or(0) >= 3 && s["session"] != "live")
     });
     assert_ne!(offline["session"], "live");
+    // What the killed gateway logged ends here; what follows is the restarted one's.
+    let restarted_at = server.log_text().len();
     server.restart();
 
     // Caught up: every command ran once, and the log holds the journal up to the agent's head.
@@ -201,17 +203,17 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
         assert_eq!(done["result"]["pong"], true);
     }
     // What the agent sent before it stopped may still be landing. The gateway handles a
-    // session's messages in order and ends the session after the last one: once it says this
-    // session ended, nothing more of the agent's can land.
-    let ended = |log: &str| {
-        log.lines()
-            .filter(|l| l.contains(&node) && (l.contains("node session ended") || l.contains("node session refused")))
-            .count()
-    };
-    let ended_before = ended(&server.log_text());
+    // session's messages in order and ends the session after the last one: once every session of
+    // this node the restarted gateway started has ended, nothing more of the agent's can land.
+    // (Counted, not "one more ended": the agent may not have reconnected before the stop, or its
+    // last session may have ended before it; the killed gateway appends nothing more.)
+    let count =
+        |log: &str, what: &[&str]| log.lines().filter(|l| l.contains(&node) && what.iter().any(|w| l.contains(w))).count();
     assert_eq!(machine.stop(), 0);
-    wait_until("the gateway ended the stopped agent's session", Duration::from_secs(30), || {
-        (ended(&server.log_text()) > ended_before).then_some(())
+    wait_until("the gateway ended every session of the stopped agent", Duration::from_secs(30), || {
+        let log = server.log_text().split_off(restarted_at);
+        let started = count(&log, &["node session started"]);
+        (count(&log, &["node session ended", "node session refused"]) >= started).then_some(())
     });
     let head = node_doc(&server, &node).await["agent"]["journalSeq"].as_u64().unwrap();
     let journaled = events(&server, &["command.*", "node.observed", "node.inventory_reported", "node.agent_started"]).await;
