@@ -245,7 +245,7 @@ pub(crate) mod tests {
         inspect_header(b"", DiskFormat::Raw).unwrap();
     }
 
-    /// Issue 52, finding 2: a qcow2 naming a host file as its backing file or data file.
+    /// A qcow2 naming a host file as its backing file or data file is refused.
     #[test]
     fn a_qcow2_naming_a_backing_file_or_a_data_file_is_refused() {
         let images = Images::new();

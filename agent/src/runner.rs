@@ -1213,7 +1213,7 @@ mod tests {
         assert_eq!(observed(&agent, INST), None, "no domain");
     }
 
-    /// Issue 52, finding 2: a qcow2 whose header names a host file (the node's key as its
+    /// A qcow2 whose header names a host file (the node's key as its
     /// backing file, or a data file it writes) is refused `image-format` before any domain is
     /// defined on it, and leaves no disk; so is a qcow2 disk already in place (copied by an agent
     /// that did not inspect disks) at its next apply. A standalone qcow2 runs.

@@ -1088,7 +1088,7 @@ mod tests {
         );
     }
 
-    /// Issue 52: a node that ran 0.3.0 and was rolled back to 0.1.0 is not taken to 0.2.0 by a
+    /// A node that ran 0.3.0 and was rolled back to 0.1.0 is not taken to 0.2.0 by a
     /// manifest that allows no downgrade; one that does, within its notAfter, takes it.
     #[test]
     fn an_update_below_the_floor_needs_a_valid_downgrade_permission() {
@@ -1316,7 +1316,7 @@ mod tests {
         base
     }
 
-    /// Issue 52 finding 10: every install downloaded into one `slots/<x>/bcd.partial`, opened
+    /// Regression: every install downloaded into one `slots/<x>/bcd.partial`, opened
     /// with truncate, and checked the stream, not the file: a `bcd update` by hand and a command
     /// at once wrote into one file, and what ran was neither release. Now one install holds the
     /// lock and the other is refused; the slot's binary is the winner's, byte for byte.

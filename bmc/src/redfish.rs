@@ -1,4 +1,4 @@
-//! The Redfish client (issue 12): [`RedfishBmc`] speaks DMTF Redfish to one BMC over HTTPS
+//! The Redfish client: [`RedfishBmc`] speaks DMTF Redfish to one BMC over HTTPS
 //! with HTTP basic authentication, every request bounded by [`crate::REQUEST_TIMEOUT_S`]
 //! (connecting included) and every answer by [`RESPONSE_BYTES_MAX`].
 //!

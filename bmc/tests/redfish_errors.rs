@@ -1,4 +1,4 @@
-//! The Redfish client's errors and where it connects, against local servers (issue 52): an
+//! The Redfish client's errors and where it connects, against local servers: an
 //! address outside the BMC networks refused before any connection (a name that resolves to
 //! loopback included), a non-BMC's body never carried in an error, one text for every failure
 //! to get a TLS session whatever the port does, and errors that do not depend on the password.

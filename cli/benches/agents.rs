@@ -9,7 +9,7 @@
 //!   heartbeat round trip's p50/p99; then the gateway is killed and started again: reconnects per
 //!   100 ms, peak over mean (goal at most 3), and the time until every agent is back (goal: within
 //!   the maximum back-off, 120 s).
-//! - Under attack (issue 52, finding 1): `better-compute dev` again with `ATTACK_AGENTS` honest
+//! - Under attack: `better-compute dev` again with `ATTACK_AGENTS` honest
 //!   agents heartbeating every `ATTACK_HEARTBEAT`; for `ATTACK_WINDOW_S` without an attack, then
 //!   as long again while an unauthenticated client opens `ATTACK_STREAMS` `Session` streams on
 //!   one TLS connection after another (each closed by the gateway after its refusals), round

@@ -1,4 +1,4 @@
-//! `make bench` (api_writes), issue 17 goal 6a: writes through the API against etcd's puts
+//! `make bench` (api_writes), goal 6a: writes through the API against etcd's puts
 //! through its v3 JSON gateway, both driven by the same load generator, wrk (Debian's `wrk`,
 //! which `make bench` installs), at 64 and 256 connections in the same run.
 //!

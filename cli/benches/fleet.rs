@@ -1,4 +1,4 @@
-//! `make bench` (fleet): a thousand real agents on one gateway (issue 11). `better-compute dev`
+//! `make bench` (fleet): a thousand real agents on one gateway. `better-compute dev`
 //! (the release binary, SQLite, reconcilers in process) runs as a child process, and so does
 //! `bcd sim --nodes N` (the release `bcd` of a `fakehw` build, which `make bench` builds first):
 //! N real agents, each its own identity, journal and session over TLS, on seeded fake machines,

@@ -1,4 +1,4 @@
-//! `make bench` (log_growth), issue 17 goal 2: the costs users feel stay flat as a tenant's log
+//! `make bench` (log_growth), goal 2: the costs users feel stay flat as a tenant's log
 //! grows. Six operations, each timed on a tenant whose log holds `SMALL_EVENTS` and on one
 //! whose log holds `LARGE_EVENTS`, two databases set up alike, each with its gateway:
 //!

@@ -5,7 +5,7 @@
 //!   fault, seed 1; `BC_BENCH_SIM_NODES`, `BC_BENCH_SIM_TENANTS`, `BC_BENCH_SIM_HOURS` change
 //!   it), in process, as `better-compute sim run` runs it: simulated node-hours per wall-clock
 //!   second, and how many times faster than real time the run went (simulated time over wall
-//!   time), beside the goal of issue 18: at least 100× real time. The figure is printed whether
+//!   time), beside its goal: at least 100× real time. The figure is printed whether
 //!   it meets the goal or not.
 //! - **Replay** (`sim replay`'s verify and fold, `bc_simulator::replay`) of one tenant's chain
 //!   written in this run, beside the raw append rate of the same run: in-process `Log::append`
@@ -32,7 +32,7 @@ use bc_simulator::run::{Fault, Options};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// The goal of issue 18: a simulated fleet of 1,000 nodes runs at least this many times faster
+/// The goal: a simulated fleet of 1,000 nodes runs at least this many times faster
 /// than real time.
 const REAL_TIME_GOAL: f64 = 100.0;
 const SIM_NODES: usize = 1000;

@@ -1,7 +1,7 @@
 //! `make bench` (watch): write → watcher latency with 1 and with 1,000 connected watchers, and
 //! the write's own latency with 0 and with 1,000, for `GET /watch` and, driven by the same
 //! harness in the same run, for etcd (Debian's `etcd-server`, which `make bench` installs: its
-//! v3 JSON gateway, `POST /v3/watch` streaming and `POST /v3/kv/put`). Then the goals of issue 17
+//! v3 JSON gateway, `POST /v3/watch` streaming and `POST /v3/kv/put`). Then goal 1's targets
 //! as ratios: our p99 with 1,000 watchers ÷ etcd's (≤ 1.0), and our write latency with 1,000
 //! watchers ÷ with none (≤ 1.5).
 //!

@@ -59,7 +59,7 @@ fn main() -> ExitCode {
     let quiet = matches!(&cli.command, flags::Command::Sim { command: flags::SimCommand::Run { .. } });
     init_tracing(if quiet { "warn" } else { "info,sqlx=warn,tower_http=info" });
     let _ = rustls::crypto::ring::default_provider().install_default();
-    // `sim run` is one thread (issue 18): the world, its log's appender task and every agent on
+    // `sim run` is one thread: the world, its log's appender task and every agent on
     // a current-thread runtime. sqlx's SQLite connections still do their blocking calls on
     // their own worker threads (see README, "sim run").
     let built =

@@ -254,7 +254,7 @@ pub const SEAL_FULL_WALK_INTERVAL_MS: u64 = 24 * 60 * 60 * 1000;
 
 /// Seals checkpoints, keeping what it verified of each tenant's chain so that the next seal
 /// walks only the events appended since (the `checkpoints` reconciler's: a seal per interval
-/// that re-verified the whole chain each time cost more every hour as the log grew, issue 17).
+/// that re-verified the whole chain each time cost more every hour as the log grew).
 /// It walks a chain from seq 1 on its first seal of a tenant, after [`SEAL_FULL_WALK_INTERVAL_MS`],
 /// after a walk that failed, and when a walk from where it stopped finds the log does not verify
 /// (which includes a benign race: another process's checkpoint of a size this one had walked

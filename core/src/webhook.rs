@@ -341,7 +341,7 @@ mod tests {
         }
     }
 
-    /// Finding 10 (issue 15): `::ffff:0:0:0/96` (IPv4-translated) counted as public whatever
+    /// Regression: `::ffff:0:0:0/96` (IPv4-translated) counted as public whatever
     /// IPv4 address it carried. Every IPv4-embedding IPv6 form, carrying a loopback, private,
     /// link-local (metadata) or public IPv4 address, is refused by every policy unless the IPv4
     /// address itself would be admitted.

@@ -1,4 +1,4 @@
-//! Issue 17, goal 1: `Log::answered` moves to a commit once every answer the commit gave has
+//! `Log::answered` moves to a commit once every answer the commit gave has
 //! been let go by its caller, and never back. The watch tail waits on it so that a write is
 //! answered before its event is fanned out to the watchers.
 

@@ -1,4 +1,4 @@
-//! Issue 15, finding 4 (second half): a request whose projection fold fails inside the commit
+//! Regression: a request whose projection fold fails inside the commit
 //! failed its whole batch (`fail_all`), other tenants' requests included. Now it is refused
 //! alone and the rest of its batch commits.
 
@@ -45,7 +45,7 @@ fn request(tenant: TenantId, stream: &str, event_type: &str) -> AppendRequest {
 }
 
 #[tokio::test]
-async fn finding_4_a_request_whose_fold_fails_is_refused_alone_and_its_batch_commits() {
+async fn a_request_whose_fold_fails_is_refused_alone_and_its_batch_commits() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(SqliteStore::open(&dir.path().join("log.sqlite3")).await.unwrap());
     store.migrate().await.unwrap();

@@ -474,7 +474,7 @@ async fn outbox_leases_and_items(kind: Kind) {
     assert!(s.cursor_lease("c", "z", 1_250, 100).await.unwrap().is_some(), "released: anyone may take it");
 }
 
-/// A fan-out that writes its first items already claimed (issue 17): those are its owner's,
+/// A fan-out that writes its first items already claimed: those are its owner's,
 /// with their first attempt counted as a claim counts it, so no claim hands them to anyone
 /// before their lease ends; the rest are due for any claim; an item that existed is skipped and
 /// never handed over; a lost lease writes and hands nothing; a handed item is completed and
@@ -713,7 +713,7 @@ async fn lease_renewals(kind: Kind) {
     assert!(lapsed.iter().all(|l| l.reported_reachable && !l.held_at(20_000)));
 }
 
-/// Decisions made while a commit is in flight (issue 17): appends that depend on the batch in
+/// Decisions made while a commit is in flight: appends that depend on the batch in
 /// flight (the next version of its stream, a retry of its idempotency key) are decided on top
 /// of it and land in order; when a commit fails, whatever was decided on top of it is decided
 /// again, and the chain has no gap. More appends than one batch takes

@@ -1,4 +1,4 @@
-//! Issue 15, finding 11: a proof file's index is the auditor's input, and `check_proof` computed
+//! Regression: a proof file's index is the auditor's input, and `check_proof` computed
 //! `index + 1` unchecked, which overflows at `u64::MAX` (a panic in a debug build, a wrapped
 //! seq 0 in a release one). It is refused with a clear error, as are the Merkle verifiers'
 //! extreme indices and sizes.
@@ -49,7 +49,7 @@ fn proof_file(key: &LogKey, index: u64, seq: u64) -> String {
 }
 
 #[test]
-fn finding_11_a_proof_index_at_u64_max_is_refused_without_overflow() {
+fn a_proof_index_at_u64_max_is_refused_without_overflow() {
     let key = LogKey::from_seed([5; 32]);
     let pins = [key.pin()];
     // The honest proof of the same shape checks, so the refusal below is the index's.
@@ -63,7 +63,7 @@ fn finding_11_a_proof_index_at_u64_max_is_refused_without_overflow() {
 }
 
 #[test]
-fn finding_11_merkle_verifiers_take_extreme_indices_and_sizes() {
+fn merkle_verifiers_take_extreme_indices_and_sizes() {
     let (leaf, root) = ([1u8; 32], [2u8; 32]);
     assert_eq!(
         merkle::verify_inclusion(u64::MAX, u64::MAX, &leaf, &[], &root),

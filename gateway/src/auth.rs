@@ -220,7 +220,7 @@ pub const KEY_CACHE_KEYS_MAX: usize = 10_000;
 
 /// The keys this process found live lately, with the hash of the secret they were presented
 /// with, so a busy key is not read (its row, its sealed hash) on every request: under API
-/// writes the two reads and the unsealing were 9 % of the server's instructions (issue 17).
+/// writes the two reads and the unsealing were 9 % of the server's instructions.
 /// A failed check is never remembered.
 #[derive(Default)]
 pub struct KeyCache {

@@ -173,7 +173,7 @@ mod tests {
         api::SUGGEST_CALLS.with(|calls| calls.get())
     }
 
-    /// Finding 1 (issue 15): an unknown method's "did you mean" ran over a name of any length
+    /// Regression: an unknown method's "did you mean" ran over a name of any length
     /// before authentication. A 64 KiB name is `NOT_FOUND` without any suggestion computed, and
     /// the answer repeats only the start of it; a short typo still gets its suggestion.
     #[test]

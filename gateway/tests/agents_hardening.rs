@@ -1,4 +1,4 @@
-//! Issue 52, finding 1: whoever reached the agents' gRPC port exhausted the gateway without
+//! Regression: whoever reached the agents' gRPC port exhausted the gateway without
 //! credentials. One TLS connection opened 20,000 `Session` streams (tonic's server set no
 //! stream limit); TLS connections that sent nothing after the handshake stayed open; `Join`
 //! waited, unbounded, for one of its permits. Each test starts the real endpoint
@@ -66,7 +66,7 @@ async fn closed_after<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Option
 /// connection (`GOAWAY ENHANCE_YOUR_CALM`) after `AGENT_STREAM_REFUSALS_MAX` refusals; the
 /// endpoint still answers an honest call after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_1_twenty_thousand_streams_on_one_connection_are_refused_and_the_connection_closed() {
+async fn twenty_thousand_streams_on_one_connection_are_refused_and_the_connection_closed() {
     let endpoint = endpoint(AgentLimits::default(), true).await;
     let tls = h2_flood::tls_connect(endpoint.addr).await.unwrap();
     let report = h2_flood::flood(tls, 20_000, SESSION_PATH, true, GUARD).await;
@@ -101,12 +101,12 @@ async fn finding_1_twenty_thousand_streams_on_one_connection_are_refused_and_the
     assert_ne!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
 }
 
-/// Finding 1: 50 TLS connections that sent nothing after the handshake were all open after
+/// Regression: 50 TLS connections that sent nothing after the handshake were all open after
 /// 70 s. With a short `--agents-handshake-timeout`: a connection that never starts TLS, one that
 /// finishes TLS and sends nothing, and one that sends the HTTP/2 preface and opens no stream
 /// are each closed by the server; so is one whose last stream ended an idle timeout ago.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_1_silent_connections_are_closed_within_the_handshake_deadline() {
+async fn silent_connections_are_closed_within_the_handshake_deadline() {
     let limits = AgentLimits {
         handshake_timeout: Duration::from_millis(300),
         idle_timeout: Duration::from_millis(600),
@@ -138,7 +138,7 @@ async fn finding_1_silent_connections_are_closed_within_the_handshake_deadline()
 /// At most `connections_per_peer_max` connections from one address: the next is closed before
 /// its TLS handshake; once one closes, another is let in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_1_connections_per_peer_address_are_capped() {
+async fn connections_per_peer_address_are_capped() {
     let limits = AgentLimits { connections_per_peer_max: 2, ..AgentLimits::default() };
     let endpoint = endpoint(limits, true).await;
     let first = h2_flood::tls_connect(endpoint.addr).await.unwrap();
@@ -168,7 +168,7 @@ fn bogus_join() -> bc_proto::JoinRequest {
 /// `Join` with every permit taken is refused at once with `UNAVAILABLE` and a retry hint
 /// (it waited, unbounded, for a permit); with a permit free it is decided.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_1_join_with_its_permits_taken_is_unavailable_at_once_with_a_retry_hint() {
+async fn join_with_its_permits_taken_is_unavailable_at_once_with_a_retry_hint() {
     let endpoint = endpoint(AgentLimits::default(), false).await;
     let held = endpoint.join_permits.clone().acquire_many_owned(bc_gateway::agents::JOINS_CONCURRENT_MAX as u32).await.unwrap();
     let mut client = bc_proto::agent_client::AgentClient::connect(format!("http://{}", endpoint.addr)).await.unwrap();

@@ -1,6 +1,7 @@
-//! Issue 15, findings 2 (connections: slow clients, the connection cap, graceful shutdown) and
-//! 3 (watcher slots per tenant and per key; a producer ends with its client), below; first
-//! finding 4: a stated `ifVersion` overrode the version a handler checked. The race
+//! Hardening of the gateway: connections (slow clients, the connection cap, graceful
+//! shutdown), watchers (slots per tenant and per key; a producer ends with its client) and
+//! growth bounds, below; first, the regression where a stated `ifVersion` overrode the
+//! version a handler checked. The race
 //! (a handler reads, another request appends, the handler appends at the client's version) is
 //! made deterministic with a stale read replica: the gateway reads from a copy of the
 //! projection rows taken before the other append, and appends through the real log. A
@@ -99,7 +100,7 @@ impl World {
 /// Before the fix, the stale handler checked version 1 and appended at the client's version 2:
 /// the update landed on a pool changed since, and it was folded.
 #[tokio::test]
-async fn finding_4_pools_update_with_an_if_version_other_than_the_one_read_is_conflict_and_appends_nothing() {
+async fn pools_update_with_an_if_version_other_than_the_one_read_is_conflict_and_appends_nothing() {
     let world = World::new().await;
     let (status, pool) = call(&world.router, &world.token, "pools.create", json!({ "name": "gpu-a" })).await;
     assert_eq!(status, 200, "{pool}");
@@ -130,7 +131,7 @@ async fn finding_4_pools_update_with_an_if_version_other_than_the_one_read_is_co
 /// The race of the issue: a handler checks that the pool is live, the pool is archived, and the
 /// update (stating the archived pool's version) was appended and folded onto the archived pool.
 #[tokio::test]
-async fn finding_4_an_update_racing_an_archive_with_a_stale_if_version_does_not_reach_the_fold() {
+async fn an_update_racing_an_archive_with_a_stale_if_version_does_not_reach_the_fold() {
     let world = World::new().await;
     let (status, pool) = call(&world.router, &world.token, "pools.create", json!({ "name": "gpu-b" })).await;
     assert_eq!(status, 200, "{pool}");
@@ -156,7 +157,7 @@ async fn finding_4_an_update_racing_an_archive_with_a_stale_if_version_does_not_
 /// concurrently while one sends the racing `ifVersion`: it alone is refused, every other
 /// request succeeds.
 #[tokio::test]
-async fn finding_4_a_racing_if_version_does_not_fail_other_tenants_appends() {
+async fn a_racing_if_version_does_not_fail_other_tenants_appends() {
     let world = World::new().await;
     let mut tenants = Vec::new();
     for name in ["t1", "t2", "t3"] {
@@ -186,7 +187,7 @@ async fn finding_4_a_racing_if_version_does_not_fail_other_tenants_appends() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Finding 2: connections. A real listener on loopback, served by `bc_gateway::serve` with short
+// Connections. A real listener on loopback, served by `bc_gateway::serve` with short
 // limits, and raw TCP clients that misbehave.
 
 /// A gateway served on `127.0.0.1:0` with `limits`: the address, the administrator's token, and
@@ -262,12 +263,12 @@ const HEADER_TIMEOUT: Duration = Duration::from_millis(400);
 /// closed it, not on speed: a close is awaited, never timed.
 const OTHER_TIMEOUTS_BELOW: Duration = Duration::from_secs(10);
 
-/// Finding 2: 300 connections that sent half a request line were all still held after 35 s.
+/// Regression: 300 connections that sent half a request line were all still held after 35 s.
 /// A client that sends nothing, half a request line, or a request without its final blank line
 /// is dropped within the header timeout; so is a keep-alive connection that sends no next
 /// request. One that completes its request in time is answered.
 #[tokio::test]
-async fn finding_2_a_client_that_never_finishes_its_headers_is_dropped_within_the_header_timeout() {
+async fn a_client_that_never_finishes_its_headers_is_dropped_within_the_header_timeout() {
     let served = Served::start(bc_gateway::ServeLimits { header_read_timeout: HEADER_TIMEOUT, ..limits() }).await;
     let partial: [&[u8]; 3] = [b"", b"GET /hea", b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-slow: 1\r\n"];
     for sent in partial {
@@ -296,13 +297,13 @@ async fn finding_2_a_client_that_never_finishes_its_headers_is_dropped_within_th
     assert!(closed_after(&mut stream, OTHER_TIMEOUTS_BELOW).await.is_some(), "an idle keep-alive connection is closed");
 }
 
-/// Finding 2: a body that trickles in held its request slot for as long as it trickled. With one
+/// Regression: a body that trickles in held its request slot for as long as it trickled. With one
 /// request slot, a client trickling a body holds it until the body deadline; then it is refused
 /// (`Connection: close`) and the slot is free: a waiting request is answered at the deadline
 /// (0.6 s), long before the body would have ended (60 s): the bound between them tells the two
 /// apart by a wide margin, whatever the machine's load.
 #[tokio::test]
-async fn finding_2_a_trickled_body_frees_its_request_slot_at_the_deadline() {
+async fn a_trickled_body_frees_its_request_slot_at_the_deadline() {
     let body_deadline = Duration::from_millis(600);
     let served = Served::start(bc_gateway::ServeLimits { body_read_timeout: body_deadline, requests_max: 1, ..limits() }).await;
     let mut slow = served.connect().await;
@@ -341,7 +342,7 @@ async fn finding_2_a_trickled_body_frees_its_request_slot_at_the_deadline() {
 /// while two are open (with no cap it is answered at once), and is answered as soon as one of
 /// the two closes.
 #[tokio::test]
-async fn finding_2_open_connections_are_capped() {
+async fn open_connections_are_capped() {
     let served = Served::start(bc_gateway::ServeLimits { connections_max: 2, ..limits() }).await;
     let mut first = served.connect().await;
     let second = served.connect().await;
@@ -372,7 +373,7 @@ const WHILE_CAPPED: Duration = Duration::from_millis(500);
 /// Graceful shutdown is kept: an open watch stream ends, the server stops, and a request that
 /// was being answered finishes.
 #[tokio::test]
-async fn finding_2_graceful_shutdown_ends_watch_streams_and_stops() {
+async fn graceful_shutdown_ends_watch_streams_and_stops() {
     let mut served = Served::start(limits()).await;
     let mut watch = served.connect().await;
     let request = format!("GET /watch HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\n\r\n", served.token);
@@ -387,7 +388,7 @@ async fn finding_2_graceful_shutdown_ends_watch_streams_and_stops() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Finding 3: watcher slots per tenant and per key; a producer ends with its client.
+// Watcher slots per tenant and per key; a producer ends with its client.
 
 /// Opens `GET /watch` (`query` appended) as `token`: the response, whose body is the stream.
 async fn watch(router: &axum::Router, token: &str, query: &str) -> axum::response::Response {
@@ -415,11 +416,11 @@ async fn producers_become(state: &AppState, n: usize) {
     }
 }
 
-/// Finding 3b: the 256 watcher slots were shared by all tenants, so one key could take them all.
+/// Regression: the 256 watcher slots were shared by all tenants, so one key could take them all.
 /// A key holds at most `WATCHERS_PER_KEY_MAX`, a tenant's keys `WATCHERS_PER_TENANT_MAX`
 /// together; another tenant still gets a slot.
 #[tokio::test]
-async fn finding_3b_watchers_are_limited_per_key_and_per_tenant() {
+async fn watchers_are_limited_per_key_and_per_tenant() {
     use bc_gateway::watch::{WATCHERS_PER_KEY_MAX, WATCHERS_PER_TENANT_MAX};
     let world = World::new().await;
     let state = Arc::new(AppState::new(world.log.clone()));
@@ -466,11 +467,11 @@ async fn finding_3b_watchers_are_limited_per_key_and_per_tenant() {
     producers_become(&state, 0).await;
 }
 
-/// Finding 3c: a watcher's producer task outlived its closed client and kept scanning. A producer
+/// Regression: a watcher's producer task outlived its closed client and kept scanning. A producer
 /// ends, and frees its slot, as soon as its client is gone: one idle at the end of the log, and
 /// one that replayed events its filter drops (so it never tried to send) and then waits.
 #[tokio::test]
-async fn finding_3c_a_watch_producer_stops_when_its_client_is_gone() {
+async fn a_watch_producer_stops_when_its_client_is_gone() {
     let world = World::new().await;
     let state = Arc::new(AppState::new(world.log.clone()));
     let router = bc_gateway::router(state.clone());
@@ -491,12 +492,12 @@ async fn finding_3c_a_watch_producer_stops_when_its_client_is_gone() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Finding 9: growth bounds.
+// Growth bounds.
 
-/// Finding 9: labels and taints added up on a node without a cap. A node carries at most
+/// Regression: labels and taints added up on a node without a cap. A node carries at most
 /// `NODE_KEYS_MAX` of each; a change that would pass it is refused, one that makes room is not.
 #[tokio::test]
-async fn finding_9_labels_and_taints_per_node_are_capped() {
+async fn labels_and_taints_per_node_are_capped() {
     use bc_projections::decide::NODE_KEYS_MAX;
     let world = World::new().await;
     let (_, pool) = call(&world.router, &world.token, "pools.create", json!({ "name": "caps" })).await;
@@ -524,11 +525,11 @@ async fn finding_9_labels_and_taints_per_node_are_capped() {
     assert!(body["message"].as_str().unwrap().contains("taints"), "{body}");
 }
 
-/// Finding 9: each replay of `webhooks.create` with the same idempotency key stored a new
+/// Regression: each replay of `webhooks.create` with the same idempotency key stored a new
 /// secret row, and rotated-out secrets were never deleted. Replays store nothing; a rotation
 /// deletes the secrets whose overlap is over.
 #[tokio::test]
-async fn finding_9_webhook_secret_rows_do_not_grow_with_replays_and_rotations() {
+async fn webhook_secret_rows_do_not_grow_with_replays_and_rotations() {
     let world = World::new().await;
     let root = bc_core::id::TenantId::ROOT;
     let body = json!({ "url": "https://hooks.example.com/compute", "eventTypes": ["pool.*"] });

@@ -1,4 +1,4 @@
-//! The API keys found live are taken from memory for `KEY_CACHE_TTL` (issue 17): a key revoked
+//! The API keys found live are taken from memory for `KEY_CACHE_TTL`: a key revoked
 //! through this process is refused at once, through another process on the same database
 //! within the TTL, and a cached key id never lets a different secret in.
 

@@ -31,18 +31,18 @@ pub struct TenantView {
     nodes: BTreeMap<String, NodeDoc>,
     /// Each pool's nodes by (free GPUs, node id), kept as the nodes change: placement walks the
     /// nodes with enough free GPUs in the order it prefers them instead of scoring every node
-    /// of the pool (issue 17: at 10,000 nodes a placement scored all of them, 2.6 ms).
+    /// of the pool (before, at 10,000 nodes a placement scored all of them, 2.6 ms).
     ranked: BTreeMap<String, BTreeSet<(u32, String)>>,
     /// Queued and active reservations. Private: every change goes through [`Self::put_live`]
     /// and [`Self::remove_live`], which keep `loads` equal to a count of it.
     live: BTreeMap<String, ReservationDoc>,
     /// Each pool's [`PoolLoad`] of `live`, kept as it changes (pools with no live reservation
     /// absent): a request's quota and queue are read here instead of counting every live
-    /// reservation of the tenant (issue 17: a third of a reservation's time at 20,000 live).
+    /// reservation of the tenant (before, that count was a third of a reservation's time at 20,000 live).
     loads: BTreeMap<String, PoolLoad>,
     /// Active reservations by when a reconciler pass must next look at them ([`attention_at`]),
     /// kept as `live` changes: a pass takes those due instead of reading every live
-    /// reservation twice (issue 17: at 20,000 live a pass on every commit read them all).
+    /// reservation twice (before, at 20,000 live a pass on every commit read them all).
     attention: BTreeSet<(u64, String)>,
     /// Nodes with GPUs held for appends still in flight, and how many: a placement guards a
     /// node's store version, so two in flight on one node cannot both land. A held node's row

@@ -1,4 +1,4 @@
-//! The bare-metal provisioning lifecycle as data (issue 12, part 1): the states a machine goes
+//! The bare-metal provisioning lifecycle as data: the states a machine goes
 //! through from "cabled" to "running tenants' work" and back, modelled on OpenStack Ironic's
 //! (`ironic/common/states.py`), and the one table [`TRANSITIONS`] that says which verb moves
 //! which state where. [`transition`] is the pure decision over it; every other (state, verb) is

@@ -442,11 +442,11 @@ fn states_are_stored_as_the_lowercase_words() {
     assert!("Ready".parse::<NodeState>().is_err());
 }
 
-/// Issue 15, finding 9: labels and taints added up on a node without a cap, and a tenant's
+/// Regression: labels and taints added up on a node without a cap, and a tenant's
 /// nodes had no limit. A change is checked against the node's keys after it (remove, then
 /// set), and a registration against the tenant's count.
 #[test]
-fn finding_9_node_keys_and_nodes_per_tenant_are_capped() {
+fn node_keys_and_nodes_per_tenant_are_capped() {
     use bc_projections::decide::{NODE_KEYS_MAX, NODES_PER_TENANT_MAX, Refusal, node_keys_change, node_register};
     let full: BTreeMap<String, String> = (0..NODE_KEYS_MAX).map(|i| (format!("k{i}"), "v".to_owned())).collect();
     let one_more: BTreeMap<String, String> = [("new".to_owned(), "v".to_owned())].into();
@@ -604,7 +604,7 @@ fn releasing_a_bound_reservation_sends_gpu_release() {
     assert_eq!(append.event_types(), [ev::RESERVATION_RELEASED, ev::NODE_FREED], "a failed hold holds nothing");
 }
 
-/// Issue 17, goal 7: under a quota, the request is charged on the quota's stream at the version
+/// Under a quota, the request is charged on the quota's stream at the version
 /// the decision read, whether placed or queued, so a decision on stale usage cannot land.
 #[test]
 fn a_reservation_under_a_quota_is_charged_at_the_quota_version_read() {

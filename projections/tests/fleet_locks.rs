@@ -1,4 +1,4 @@
-//! Issue 15, finding 9: the fleet view held one global lock across database reads, so one
+//! Regression: the fleet view held one global lock across database reads, so one
 //! tenant's catch-up (loading its nodes, reading changed rows again) stalled every tenant's
 //! reservations. Each tenant's view has its own lock now: while one tenant's view is in use,
 //! another tenant's is loaded and used.
@@ -15,7 +15,7 @@ use bc_core::store::sqlite::SqliteStore;
 use bc_projections::fleet::Fleet;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_9_one_tenants_use_of_the_fleet_view_does_not_stall_anothers() {
+async fn one_tenants_use_of_the_fleet_view_does_not_stall_anothers() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(&dir.path().join("fleet.sqlite3")).await.unwrap();
     store.migrate().await.unwrap();
@@ -46,7 +46,7 @@ async fn finding_9_one_tenants_use_of_the_fleet_view_does_not_stall_anothers() {
     assert_eq!(other.expect("tenant B did not wait for tenant A").unwrap(), 0);
 }
 
-/// Issue 17: a placer's held GPUs were lost from the view when any refresh read its node again,
+/// Regression: a placer's held GPUs were lost from the view when any refresh read its node again,
 /// even a read made before the placer's append landed; the next request then placed on the
 /// same GPUs, its guarded append was a CONFLICT, and it queued (and with it every request
 /// after it, behind the queue). A held node is read again only once its placers are done.

@@ -288,7 +288,7 @@ fn signed(key: &bc_core::release::ReleaseKey, version: &str, downgrade_until: Op
     (manifest, signature)
 }
 
-/// Issue 52 finding 6: `commands.issue` of `agent.update` sent any manifest, so a key with
+/// Regression: `commands.issue` of `agent.update` sent any manifest, so a key with
 /// `commands:write` alone could send a node what `releases.register` refuses.
 #[test]
 fn agent_update_is_issued_only_for_a_registered_release_the_control_plane_trusts() {

@@ -141,7 +141,7 @@ pub trait Consumer: Send + Sync + 'static {
     /// as stored rows: a consumer decodes (and so checks, `decode_rows`) only the events it
     /// makes items of, and decides on the rows' columns (tenant, stream, type) which those are;
     /// decoding every event of a busy log for a consumer with nothing to deliver was most of
-    /// its cost (issue 17).
+    /// its cost.
     async fn fan_out(&self, store: &dyn EventStore, rows: &[EventRow]) -> Result<Vec<NewWorkItem>>;
     /// The reads a claimed batch of items shares (the webhooks' documents and signing
     /// secrets), made once, right after the claim and before any of its items is handled, and
@@ -211,7 +211,7 @@ pub async fn run(
     tracing::info!(consumer = consumer.name(), owner = %config.owner, "consumer started");
     let status = Arc::new(PassRecorder::new(store.clone(), config.clock.clone(), consumer.name()));
     // The items the fan-out writes already claimed go straight to the work loop, as many as it
-    // has room for (issue 17).
+    // has room for.
     let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
     let room = Arc::new(AtomicUsize::new(concurrency + ahead_max(&config, concurrency)));
     let (hand, handed) = tokio::sync::mpsc::unbounded_channel();
@@ -319,7 +319,7 @@ pub async fn fan_out_step(store: &dyn EventStore, consumer: &dyn Consumer, confi
     FanOut::default().step(store, consumer, config, false).await
 }
 
-/// The fan-out's cursor as a runner holds it between steps (issue 17). Before, every step
+/// The fan-out's cursor as a runner holds it between steps. Before, every step
 /// wrote twice (the lease taken again, then the cursor moved), each a transaction with its
 /// fsync, and a step followed nearly every commit of the log, so a consumer with nothing to
 /// deliver doubled the writes of a busy log. Now the lease is taken once and renewed when half
@@ -425,7 +425,7 @@ struct Held {
 impl FanOut {
     /// A fan-out that writes as many of its items already claimed as `handoff`'s work loop has
     /// room for, and hands them to it: no claim (a write, and on PostgreSQL a round trip) for
-    /// them, and no wait for one (issue 17).
+    /// them, and no wait for one.
     fn handing_to(handoff: Handoff) -> Self {
         Self { handoff: Some(handoff), ..Self::default() }
     }
@@ -589,7 +589,7 @@ async fn work_loop(
     // Items the fan-out wrote already claimed for this loop, and whether it may hand more.
     let mut received = Holding::default();
     let mut fan_out_open = true;
-    // A claim runs beside this loop (issue 17): while it waits for the database (on SQLite,
+    // A claim runs beside this loop: while it waits for the database (on SQLite,
     // for the writer, behind a commit's fsync) the loop goes on starting waiting items as slots
     // free. At most one at a time: where its outcome comes, with the room reserved for it.
     let mut claiming: Option<tokio::sync::oneshot::Receiver<ClaimDone>> = None;

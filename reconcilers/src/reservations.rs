@@ -50,7 +50,7 @@ pub struct Pass {
 }
 
 /// Actions appended together, in one transaction, at most ([`Log::append_group`]): a pass that
-/// activates thousands commits them a group at a time instead of one commit each (issue 17).
+/// activates thousands commits them a group at a time instead of one commit each.
 pub const GROUP_ACTIONS_MAX: usize = 64;
 /// Events one action appends at most (its reservation's event, its node's, and a command).
 const ACTION_EVENTS_MAX: usize = 3;

@@ -1,4 +1,4 @@
-//! The `metal` reconciler's scheduling (issue 52): one tenant's BMCs that never answer hold
+//! The `metal` reconciler's scheduling: one tenant's BMCs that never answer hold
 //! that tenant's share of turns and nothing else; another tenant's machine gets its BMC request
 //! at once, and a tenant with more machines than its share has each of them in turn.
 // Fixtures' ids only name things; the clock is the manual one.
@@ -125,7 +125,7 @@ impl World {
     }
 }
 
-/// Issue 52: 32 machines of tenant B behind BMCs that never answer, walked first; tenant A's
+/// 32 machines of tenant B behind BMCs that never answer, walked first; tenant A's
 /// machine gets its first BMC request while they hang (a generous 2 s deadline on that event;
 /// before, a pass waited for B's slowest, so A's request waited for B's timeouts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

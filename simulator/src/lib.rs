@@ -1,4 +1,4 @@
-//! `bc-simulator`: the deterministic simulator and incident replay (issue 18). Two halves:
+//! `bc-simulator`: the deterministic simulator and incident replay. Two halves:
 //! export and replay (a tenant's chain written as a self-verifying file, and that file verified
 //! and folded back into the tenant's projection rows at any seq, with the real chain verifier
 //! and the real fold), and `sim run` (one seeded world of the real log, decisions, reservations

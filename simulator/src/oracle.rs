@@ -1,5 +1,5 @@
-//! A reference model of the log's GPUs and reservations, apart from the fold (issue 53, item
-//! 4): "the projections equal a fold of the log" compares `Projections` with itself, so it
+//! A reference model of the log's GPUs and reservations, apart from the fold:
+//! "the projections equal a fold of the log" compares `Projections` with itself, so it
 //! catches a write path that parts from a replay, never a fold that is wrong both ways. This
 //! model is written from `schema/EVENTS.md` alone, never from `bc_projections`' fold: the GPUs
 //! each node holds and for whom, and each reservation's state, driven by the log's events in

@@ -267,7 +267,7 @@ impl Fault {
 }
 
 /// TEST ONLY: what `--unsafe-break NAME` breaks, each behind the back of the code that would
-/// refuse it, so that only the simulator's own check can find it (issue 53): each has a test
+/// refuse it, so that only the simulator's own check can find it: each has a test
 /// in `tests/tests/sim_run.rs` that asserts that check's message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Break {

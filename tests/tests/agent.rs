@@ -402,7 +402,7 @@ async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_
     assert_eq!(second.stop(), 0);
 }
 
-/// Issue 11: the node's GPUs come from what its agent finds (a seeded fake machine here, as the
+/// The node's GPUs come from what its agent finds (a seeded fake machine here, as the
 /// test build has one), at join and in `node.inventory_reported`; `bcd hardware` on this machine,
 /// which has no NVIDIA driver, reports no GPUs with the reason and exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

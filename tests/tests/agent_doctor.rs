@@ -1,4 +1,4 @@
-//! `bcd doctor` end to end (issue 11, item 4): against a real `better-compute dev` and a joined
+//! `bcd doctor` end to end: against a real `better-compute dev` and a joined
 //! `bcd`, the checks a node needs are `ok` (the hardware checks read a fake tree, so they are
 //! too, except NVML on a machine without a driver, a warning that `--strict` turns into exit 1);
 //! a wrong serving pin fails the gateway check and exits 1; a missing configuration fails with

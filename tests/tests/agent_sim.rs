@@ -1,4 +1,4 @@
-//! `bcd sim` end to end (issue 11, item 5): three real agents on seeded fake machines in one
+//! `bcd sim` end to end: three real agents on seeded fake machines in one
 //! process join a real `better-compute dev` with one token of three uses (read from
 //! `BCD_JOIN_TOKEN`), become `ready` with the fake GPUs their inventories report, turn
 //! `unreachable` when the sim is stopped, and come back under the same identities when it is

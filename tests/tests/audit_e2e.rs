@@ -94,7 +94,7 @@ async fn checkpoint_prove_and_check_offline() {
     let (code, _, err) = offline(&["audit", "check-proof", "node.tlog-proof", "--vkey", &vkey], &[]);
     assert_eq!(code, 0, "{err}");
     assert!(!auditor.path().join(".better-compute").exists(), "check-proof created no database");
-    // Finding 5: with the auditor's own saved checkpoint, consistency is proved from it and the
+    // With the auditor's own saved checkpoint, consistency is proved from it and the
     // output says so; without it, the output says whose checkpoint it was proved from.
     assert_eq!(proved["consistencyFrom"], "prover", "{proved}");
     let (code, out, err) =
@@ -222,7 +222,7 @@ async fn rotating_the_log_key_keeps_old_checkpoints_verifying() {
     assert_eq!(code, 0, "old proofs keep verifying under the old pin: {err}");
     let (code, _, err) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &new_pin], &[]);
     assert_eq!(code, 0, "{err}");
-    // Issue 16: the old pin alone follows the rotation the old key signed and sealed.
+    // The old pin alone follows the rotation the old key signed and sealed.
     let (code, out, err) = cli(&["audit", "check-proof", new_proof.to_str().unwrap(), "--pin", &old_pin], &[]);
     assert_eq!(code, 0, "a proof made after the rotation checks with only the old pin: {err}");
     assert_eq!(json_of(&out)["keyId"], rotated["keyId"]);

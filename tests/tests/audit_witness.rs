@@ -119,7 +119,7 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
     );
     assert!(note.contains(&format!("\n{first}\n")));
 
-    // The witnesses reconciler records its passes like every other (issue 51): the
+    // The witnesses reconciler records its passes like every other: the
     // cosignature is counted.
     let mut row = Value::Null;
     for _ in 0..100 {

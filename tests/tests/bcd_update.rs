@@ -172,7 +172,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
         bytes[last] ^= 0xff;
         ImageServer::start("bcd-tampered", bytes)
     };
-    // Issue 52: commands.issue sent any manifest; now only a registered one, still under a key
+    // Regression: commands.issue sent any manifest; now only a registered one, still under a key
     // the control plane trusts. Neither reaches the node.
     let text = |p: &Path| std::fs::read_to_string(p).unwrap();
     let with_sig = |p: &Path| {

@@ -1,4 +1,4 @@
-//! The client's token policy (issue 13): plain `http://` only on the loopback names, refused
+//! The client's token policy: plain `http://` only on the loopback names, refused
 //! before any connection, and no redirect ever followed, so a token never crosses a network in
 //! clear text nor reaches an address it was not given to.
 //!

@@ -1,7 +1,7 @@
-//! Issue 15 ("Hardening"), end to end against the real `better-compute dev`: findings 1 (an
-//! unknown method's cost without a token), 6 (a lost log key), 8 (no secret in logs, events or
-//! deliveries; on `serve` and PostgreSQL) and 11 (`quotas.set` is an
-//! operator action; the SQLite files are private whatever the umask).
+//! Hardening, end to end against the real `better-compute dev`: an unknown method's cost
+//! without a token, a lost log key, no secret in logs, events or deliveries (on `serve` and
+//! PostgreSQL), `quotas.set` as an operator action, and the SQLite files private whatever the
+//! umask.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
@@ -17,7 +17,7 @@ use serde_json::json;
 /// How long a refused start may take to exit.
 const REFUSAL_TIMEOUT_S: u64 = 30;
 
-/// Finding 1: a 64 KB method name, without a token, cost the server a "did you mean" against
+/// Regression: a 64 KB method name, without a token, cost the server a "did you mean" against
 /// every method. Now the request head is bounded (`conn::HEAD_BYTES_MAX`, 16 KiB), so a 64 KB
 /// name is refused by HTTP itself, `431 Request Header Fields Too Large`, before any of the
 /// gateway's code; a name that fits the head but not a method name's bound is `NOT_FOUND`
@@ -25,7 +25,7 @@ const REFUSAL_TIMEOUT_S: u64 = 30;
 /// gets its suggestion. (The work not done is counted in the gateway's unit test
 /// `unknown_method_with_a_64_kib_name_computes_no_suggestion`.)
 #[tokio::test]
-async fn finding_1_an_unknown_method_with_a_64_kb_name_is_not_found_without_a_suggestion() {
+async fn an_unknown_method_with_a_64_kb_name_is_not_found_without_a_suggestion() {
     let server = Server::dev();
     // 64 KB: a URI is at most 65,534 bytes (the `http` crate's bound).
     let name = "p".repeat(64_000);
@@ -88,12 +88,12 @@ async fn log_state(sqlite: &Path) -> (u64, Vec<String>) {
     (store.last_commit().await.expect("last commit"), keys)
 }
 
-/// Finding 6: with `log.key` moved away, `dev` created a new key and kept appending under it,
+/// Regression: with `log.key` moved away, `dev` created a new key and kept appending under it,
 /// and `audit verify` then called the log tampered. It refuses to start (exit 1, a hint naming
 /// `pki` and the data directory), creates no key and appends nothing; so does a foreign key,
 /// and a half-done rotation (`log.key.next`) is refused with how to finish it.
 #[tokio::test]
-async fn finding_6_a_lost_log_key_is_refused_not_replaced() {
+async fn a_lost_log_key_is_refused_not_replaced() {
     let mut server = Server::dev();
     server.pool("before").await;
     server.stop();
@@ -136,10 +136,10 @@ async fn finding_6_a_lost_log_key_is_refused_not_replaced() {
     assert_eq!(code, 0, "{out}{err}");
 }
 
-/// Finding 11: `quotas.set` was allowed to a tenant's own key, so a tenant could raise its own
+/// Regression: `quotas.set` was allowed to a tenant's own key, so a tenant could raise its own
 /// quota. Only the root tenant's administrators set quotas; the tenant still reads its quota.
 #[tokio::test]
-async fn finding_11_a_tenant_cannot_set_its_own_quota() {
+async fn a_tenant_cannot_set_its_own_quota() {
     let server = Server::dev();
     let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
     assert_eq!(status, 200, "{tenant}");
@@ -163,10 +163,10 @@ async fn finding_11_a_tenant_cannot_set_its_own_quota() {
     assert_eq!(quota["gpus"], 4);
 }
 
-/// Finding 11: the SQLite file and its `-wal` and `-shm` took the umask when the data directory
+/// Regression: the SQLite file and its `-wal` and `-shm` took the umask when the data directory
 /// already existed. With umask 000 and an existing directory, all three are 0600.
 #[test]
-fn finding_11_the_sqlite_files_are_private_under_a_permissive_umask() {
+fn the_sqlite_files_are_private_under_a_permissive_umask() {
     let temp = tempfile::Builder::new().prefix("bc-e2e-umask-").tempdir().expect("tempdir");
     let dir = temp.path().display().to_string();
     let better_compute = binary("better-compute").display().to_string();
@@ -206,14 +206,14 @@ fn token_hash(secret: &str) -> String {
     sha2::Sha256::digest(secret.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Finding 8: with debug logging, tokio-postgres logged statement parameters (`whsec_` secrets
+/// Regression: with debug logging, tokio-postgres logged statement parameters (`whsec_` secrets
 /// included); webhook URLs (which may carry a token) went into events and out to other
 /// webhooks' receivers; `api_key.created` carried the key's hash into the log and out to
 /// receivers. On PostgreSQL with `BETTER_COMPUTE_LOG=debug`: after creating keys and webhooks
 /// and rotating a secret, no log line, event view or delivery contains a secret, a token hash,
 /// or a URL's query; the keys still authenticate, also after a rebuild.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_8_no_log_line_event_or_delivery_contains_a_secret() {
+async fn no_log_line_event_or_delivery_contains_a_secret() {
     let db = bc_core::testing::ScratchDatabase::create().await.expect("PostgreSQL is required for this suite");
     let (code, _, err) = bc_tests::cli(&["migrate", "--database-url", &db.url], &[]);
     assert_eq!(code, 0, "{err}");

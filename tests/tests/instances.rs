@@ -1,4 +1,4 @@
-//! Instances end to end (issue 11, part 3): a real `better-compute dev`, a real `bcd node` on a
+//! Instances end to end: a real `better-compute dev`, a real `bcd node` on a
 //! seeded fake machine whose hypervisor is libvirt's `test:///default` driver (the `libvirt`
 //! feature), and an image served over HTTP from loopback. An instance is created on a bound
 //! reservation through the CLI, then stopped, started, resized and deleted through the API;

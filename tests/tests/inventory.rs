@@ -1,4 +1,4 @@
-//! `inventory get|history|diff --node` end to end (issue 11, item 1): a real `bcd` on a seeded
+//! `inventory get|history|diff --node` end to end: a real `bcd` on a seeded
 //! fake machine joins a real `better-compute dev`; `inventory get` shows the fake GPUs; the same
 //! machine restarted as another fake machine (another `fake_seed`) reports again, so the
 //! history holds both reports, newest first, and `diff` shows the GPUs removed and added and the

@@ -1,4 +1,4 @@
-//! Bare metal through the real binary (issue 12): the `metal` commands' validation at the
+//! Bare metal through the real binary: the `metal` commands' validation at the
 //! edge, `INVALID_STATE` naming the verbs allowed, the in-process `metal` reconciler failing a
 //! workflow against a BMC that is not there with the reason, within its bound, and the BMC's
 //! password in no row, log line, event or answer.
@@ -54,7 +54,7 @@ async fn enroll_is_checked_at_the_edge_verbs_name_what_is_allowed_and_the_passwo
     let port = bc_tests::free_port();
     let address = format!("https://127.0.0.1:{port}");
 
-    // Issue 52: without the operator naming it, a BMC on loopback is refused at enrollment.
+    // Without the operator naming it, a BMC on loopback is refused at enrollment.
     {
         let server = Server::dev();
         let pool = server.pool("metal").await;

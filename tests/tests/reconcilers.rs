@@ -77,7 +77,7 @@ async fn reconcilers_record_their_passes_and_status_shows_them() {
     assert!(err.contains("--witness"), "{err}");
 }
 
-/// `reconcile --only`'s help lists every registered reconciler (issue 51: it listed four of
+/// `reconcile --only`'s help lists every registered reconciler (it once listed four of
 /// seven).
 #[test]
 fn the_help_of_reconcile_only_lists_the_registry() {

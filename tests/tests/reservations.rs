@@ -514,7 +514,7 @@ async fn two_reservation_reconcilers_on_postgres() {
 /// head under a batch: the batch is decided again.
 const HEAD_MOVED: &str = "a chain head moved under the batch";
 
-/// Issue 17, goal 7: two `serve` processes on one PostgreSQL keep a quota exact, since the quota
+/// Two `serve` processes on one PostgreSQL keep a quota exact, since the quota
 /// is guarded in the log (each reservation charged on the quota's stream at the version its
 /// decision read), not in one process's memory. Concurrent reserves through both never
 /// overshoot it and never give one GPU twice.

@@ -1,4 +1,4 @@
-//! Secrets at rest (issue 12, part 5), through the real binary on each backend: the `secrets`
+//! Secrets at rest, through the real binary on each backend: the `secrets`
 //! table holds no secret in clear text (webhook signing secrets, the hashes of API keys'
 //! secrets), only values sealed under the data key in the data directory (0600); a row written
 //! in clear before sealing existed is sealed at the next start; `pki rotate-data-key` re-seals

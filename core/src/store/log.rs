@@ -228,7 +228,7 @@ impl Log {
     /// been let go by its caller (an HTTP handler: once it has made its response), or to a
     /// newer commit's. The watch tail waits on it, a bounded time, so that a write is answered
     /// before its event is fanned out to the watchers: the fan-out's work does not delay the
-    /// answer (issue 17, goal 1).
+    /// answer.
     pub fn answered(&self) -> tokio::sync::watch::Receiver<u64> {
         self.answered.clone()
     }
@@ -323,7 +323,7 @@ impl Drop for Receipt {
 }
 
 /// The appender: takes jobs from the queue in batches, decides, signs and commits them, and
-/// answers each. Decisions are pipelined with commits (issue 17): while one batch's commit
+/// answers each. Decisions are pipelined with commits: while one batch's commit
 /// waits for the database (on SQLite its fsync), the jobs that arrive are pre-read and decided
 /// on top of it, as if it had committed (its heads, stream versions and idempotency keys laid
 /// over what the database says), and signed, in chunks as they come; when the commit lands,

@@ -658,7 +658,7 @@ pub(crate) use columns_by_try_get;
 /// column one at a time (the next tenant after the last: a loose index scan), so the cost is the
 /// number of tenants, not of events. `SELECT DISTINCT tenant_id FROM events` read the whole key,
 /// 40 ms at 1,000,000 events against 0.05 ms so, and three reconcilers list the tenants every
-/// 0.5–1 s (issue 17).
+/// 0.5–1 s.
 pub(crate) const TENANTS_SQL: &str = "SELECT tenant_id FROM chain_heads \
      UNION SELECT t FROM (WITH RECURSIVE s(t) AS (SELECT (SELECT min(tenant_id) FROM events) \
          UNION ALL SELECT (SELECT min(tenant_id) FROM events WHERE tenant_id > s.t) FROM s WHERE s.t IS NOT NULL) \

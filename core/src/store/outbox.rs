@@ -179,7 +179,7 @@ pub trait OutboxStore: Store {
     /// [`OutboxStore::cursor_advance`], with the first `claim.count` of `items` inserted
     /// already claimed by `owner` (their first attempt counted, as [`OutboxStore::work_claim`]
     /// counts it): the fan-out hands them to its own process's work loop, which then needs no
-    /// claim of its own for them (issue 17). Returns those of them that were inserted (an id
+    /// claim of its own for them. Returns those of them that were inserted (an id
     /// that existed is skipped, and so is not the caller's), or `None` when the lease was lost
     /// and nothing was written.
     #[allow(clippy::too_many_arguments)]

@@ -353,7 +353,7 @@ fn row_key_arrays(keys: &[RowKey]) -> (Vec<&str>, Vec<&str>, Vec<&str>) {
 
 /// `sql` prepared on `client`'s connection once and then taken from its cache: a statement given
 /// as text is parsed and planned by the server on every call, a round trip of its own before the
-/// one that runs it (issue 17: a single append's pre-read on PostgreSQL 1,151–1,206 → 415–527 µs,
+/// one that runs it (measured: a single append's pre-read on PostgreSQL 1,151–1,206 → 415–527 µs,
 /// its commit 2,269–3,382 → 1,443–1,750 µs). For fixed texts only: each text is kept for the
 /// connection's life.
 async fn cached(client: &deadpool_postgres::ClientWrapper, sql: &str) -> Result<tokio_postgres::Statement> {
@@ -1328,7 +1328,7 @@ impl super::lease::LeaseStore for PostgresStore {
 /// scan), not found again by a key: joined by `(tenant_id, consumer, id)` the planner took
 /// `work_items_by_subject`, whose third column is not the id, and walked every item of the
 /// tenant once per claimed row (the plan test found it at every item size; seen live at 1.1 ms
-/// a row, issue 17). A row another process changed after this statement began is not seen by
+/// a row). A row another process changed after this statement began is not seen by
 /// the TID scan and stays unclaimed, never claimed twice.
 fn claim_sql() -> String {
     format!(
@@ -1397,7 +1397,7 @@ mod plan_tests {
         rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join(" | ")
     }
 
-    /// Regression (hardening, finding 3): a tenant's read by position must be able to walk
+    /// Regression: a tenant's read by position must be able to walk
     /// `events_by_tenant_position` (sequential scans turned off, so the planner shows whether
     /// an index serves the query at all on a small test table).
     #[tokio::test]
@@ -1417,7 +1417,7 @@ mod plan_tests {
         assert!(plan.contains("events_by_position") && !plan.contains("Sort"), "{plan}");
     }
 
-    /// Regression (issue 17): a list method's page walks the projections' primary key in the
+    /// Regression: a list method's page walks the projections' primary key in the
     /// page's (byte) order; under the database's own collation it read every row of the kind
     /// and sorted them, page after page. And a chain's page reads past its range only when the
     /// range is short (a one-time filter), whatever the statistics.
@@ -1441,7 +1441,7 @@ mod plan_tests {
         assert!(plan.contains("One-Time Filter"), "{plan}");
     }
 
-    /// Regression (issue 17): a batch of completions (and of items given back) finds its rows
+    /// Regression: a batch of completions (and of items given back) finds its rows
     /// by the primary key even on a table the planner has no statistics for, where a constant
     /// `state = 'pending'` let it drive the join from the partial index of due items and scan
     /// every pending item once per row of the batch.
@@ -1493,7 +1493,7 @@ mod plan_tests {
         assert!(claim.contains("Tid Scan") && !claim.contains("work_items_by_subject"), "{claim}");
     }
 
-    /// Regression (issue 17): a claim's update is heap-only on a table migrated as `serve`
+    /// Regression: a claim's update is heap-only on a table migrated as `serve`
     /// migrates it: it writes no indexed column and finds room on the row's page, so it costs
     /// no index entries (counted by PostgreSQL for the claim's own transaction).
     #[tokio::test]

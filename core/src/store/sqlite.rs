@@ -16,7 +16,7 @@
 //! statements run on the caller's thread (microseconds each: no hand-over to a worker thread
 //! and back, and one connection whose page cache the other writers never invalidate) and the
 //! `COMMIT`, SQLite's fsync, on a blocking thread; a `BEGIN` that finds another process
-//! holding the lock waits for it on a blocking thread too (issue 17).
+//! holding the lock waits for it on a blocking thread too.
 //!
 //! **Reads.** sqlx hands every statement to a worker thread, so the cost is per statement, not
 //! per row (`notes/limits.md`). A server's point reads (a row by key, rows by up to
@@ -67,7 +67,7 @@ const ROWS_PER_STATEMENT_MAX: usize = 1000;
 /// [`ITEMS_RELEASE_UPDATE`]) because SQLite's planner, once a batch holds more than a few dozen
 /// rows, would rather walk every pending item of the consumer (`work_items_due`) and scan the
 /// whole batch for each: quadratic, and most of a webhook delivery's database time once
-/// completions queued up (issue 17). `plan_tests` holds both to a whole chunk's rows.
+/// completions queued up. `plan_tests` holds both to a whole chunk's rows.
 const ITEMS_COMPLETE_UPDATE: &str = ") UPDATE work_items INDEXED BY sqlite_autoindex_work_items_1 SET state = u.state, next_at_ms = u.next_at, lease_owner = NULL, \
      lease_until_ms = 0, last_error = u.err, updated_at_ms = u.upd FROM u \
      WHERE work_items.tenant_id = u.t AND work_items.consumer = ? AND work_items.id = u.i AND work_items.lease_owner = ? \
@@ -150,7 +150,7 @@ impl SqliteStore {
         }
         // No ping before each statement (sqlx's default): a SQLite connection is a file handle in
         // this process, not a socket that can go stale, and the ping is one more hand-over to
-        // the connection's worker thread and back per statement (issue 17: with the ping sqlx
+        // the connection's worker thread and back per statement (with the ping sqlx
         // does when a connection is given back, two of the three hand-overs of every read).
         let pool = SqlitePoolOptions::new()
             .max_connections(POOL_CONNECTIONS_MAX)
@@ -181,7 +181,7 @@ impl SqliteStore {
     /// Opened through SQLite's `unix-excl` VFS ([`ONE_PROCESS_VFS`]), pool and inline
     /// connection alike: the file is locked once against other processes, and the connections
     /// of this one coordinate in memory (the WAL index on the heap, not in a `-shm` file), so a
-    /// transaction makes no `fcntl` lock calls (issue 18: 1.33 million of them in a 1,000-node
+    /// transaction makes no `fcntl` lock calls (before: 1.33 million of them in a 1,000-node
     /// run, 27 thousand after).
     pub async fn open_for_one_thread(path: &Path) -> Result<Self> {
         Self::open_on(path, Some(ONE_PROCESS_VFS)).await
@@ -1166,7 +1166,7 @@ impl super::lease::LeaseStore for SqliteStore {
 mod plan_tests {
     use super::*;
 
-    /// Regression (hardening, finding 3): a tenant's read by position searched the tenant's
+    /// Regression: a tenant's read by position searched the tenant's
     /// whole chain and sorted it in a temporary B-tree. It must walk an index, in order.
     #[tokio::test]
     async fn a_tenants_read_by_position_uses_its_index() {
@@ -1202,7 +1202,7 @@ mod plan_tests {
 
     /// `items_complete` and `work_release` update a batch in one statement: each of its rows
     /// must find its item by the primary key, never by a walk of the consumer's items, at two
-    /// rows and at a whole chunk's. Regression (issue 17): from some dozens of rows on, SQLite
+    /// rows and at a whole chunk's. Regression: from some dozens of rows on, SQLite
     /// walked every pending item of the consumer and scanned the batch for each.
     #[tokio::test]
     async fn updating_a_batch_of_items_finds_each_by_its_key() {

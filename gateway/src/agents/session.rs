@@ -763,7 +763,7 @@ pub fn wakes(event: &bc_core::event::StoredEvent) -> Option<String> {
 /// commit for the whole process, not one per session), woken by this process's commits and by
 /// polling for other processes'. Only a command's row is decoded (and checked), and only while
 /// this process has sessions: the type is a column of the row, and decoding every event of a
-/// busy log was 6 % of a server's time under API writes with no agent at all (issue 17).
+/// busy log was 6 % of a server's time under API writes with no agent at all.
 pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_ms: u64) {
     let mut commits = state.log.subscribe();
     let mut shutdown = state.shutdown.subscribe();

@@ -824,7 +824,7 @@ mod tests {
         .unwrap()
     }
 
-    /// Issue 52: a BMC address on loopback (or the control plane's own, or link-local) is
+    /// A BMC address on loopback (or the control plane's own, or link-local) is
     /// refused at enrollment unless the operator named it exactly; a name is taken here and
     /// checked, address by address, when the reconciler connects.
     #[test]

@@ -466,7 +466,7 @@ mod tests {
         assert!(parse::<Input>(br#"{"other": 1}"#).is_err());
     }
 
-    /// Finding 4 (issue 15): a stated `ifVersion` other than the version read is `CONFLICT`;
+    /// A stated `ifVersion` other than the version read is `CONFLICT`;
     /// the append always expects the version read.
     #[test]
     fn expected_version_is_the_version_read() {

@@ -483,7 +483,7 @@ async fn run(tail: Arc<Tail>, store: Arc<dyn EventStore>, wakes: Wakes, mut shut
                 notified = changed.is_ok();
                 // Answer first: the commit's writers have their responses, and their clients
                 // the time to read them, before its fan-out (a write to every watcher's
-                // connection) takes the cores (issue 17, goal 1; `WATCH_AFTER_ANSWER_MS` says
+                // connection) takes the cores (`WATCH_AFTER_ANSWER_MS` says
                 // what it was measured to change). A commit the last read already took (it
                 // landed while the tail waited or read) has nothing left to fan out: no wait.
                 let commit = *commits.borrow_and_update();

@@ -185,7 +185,7 @@ impl InlineConn {
     }
 }
 
-/// Connections for point reads on the caller's thread, in a server (issue 17: with every read
+/// Connections for point reads on the caller's thread, in a server (with every read
 /// handed to a pool connection's worker thread and back, those hand-overs were a quarter of the
 /// reservations bench's time, in the kernel). A point read is bounded by its statement (a
 /// primary key, at most [`crate::store::ROWS_GET_MAX`] keys, a `LIMIT`ed page), so it blocks

@@ -1,4 +1,4 @@
-//! Issue 15, finding 5: `audit check-proof` took the old checkpoint for the consistency proof
+//! Regression: `audit check-proof` took the old checkpoint for the consistency proof
 //! from the prover's own consistency file, so a forked log signed with the real key passed, and
 //! a proof without that file silently skipped consistency. The auditor's own saved checkpoint
 //! (`--saved`) is what consistency is proved from, and a check says when none was made.
@@ -75,7 +75,7 @@ fn prove(key: &LogKey, tenant: TenantId, events: &[(Vec<u8>, [u8; 32])], index: 
 }
 
 #[test]
-fn finding_5_a_forked_log_signed_with_the_real_key_is_caught_with_saved() {
+fn a_forked_log_signed_with_the_real_key_is_caught_with_saved() {
     let key = LogKey::from_seed([21; 32]);
     let pins = [key.pin()];
     let tenant = TenantId::generate();
