@@ -203,7 +203,7 @@ fn main() {
         );
     }
     println!(
-        "goal (issue 17, goal 6a): writes through the API >= etcd's puts through its JSON gateway (median of {ROUNDS} rounds)"
+        "goal 6a: writes through the API >= etcd's puts through its JSON gateway (median of {ROUNDS} rounds)"
     );
     for connections in CONNECTIONS {
         let mut ratios: Vec<f64> = rows

@@ -271,7 +271,7 @@ fn main() {
             cpu[0], cpu[1], cpu[2]
         );
         println!();
-        println!("goal (issue 17, goal 3): signed appends >= 0.50 of raw inserts at batch 100, on both backends");
+        println!("goal 3: signed appends >= 0.50 of raw inserts at batch 100, on both backends");
         for l in lines.iter().filter(|l| l.batch == 100) {
             let ratio = l.signed / l.raw;
             println!("  {:<10} batch 100: {ratio:.2}  {}", l.backend, if ratio >= 0.5 { "met" } else { "MISSED" });

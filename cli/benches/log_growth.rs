@@ -327,7 +327,7 @@ fn main() {
         "(a seal's walk from seq 1, as the checkpoints reconciler makes once a day and every seal made before: {:.1} and {:.1} ms)",
         full_walks_ms[0], full_walks_ms[1]
     );
-    println!("goal (issue 17, goal 2): each at most {GOAL_RATIO_MAX}× apart");
+    println!("goal 2: each at most {GOAL_RATIO_MAX}× apart");
     for (name, a, b) in rows {
         let ratio = b / a;
         println!("  {name}: {ratio:.2}  {}", if ratio <= GOAL_RATIO_MAX { "met" } else { "MISSED" });

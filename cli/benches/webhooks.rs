@@ -189,7 +189,7 @@ fn main() {
         println!("  raw signed POSTs (baseline)  {raw_before:>8.0} /s, {raw_between:>8.0} /s, {raw_after:>8.0} /s (before, between, after)");
         println!("  deliveries, sqlite           {sqlite_rate:>8.0} /s   ratio {:.2} (to the raw runs beside it)", sqlite_rate / sqlite_raw);
         println!("  deliveries, postgresql       {pg_rate:>8.0} /s   ratio {:.2} (to the raw runs beside it)", pg_rate / pg_raw);
-        println!("goal (issue 17, goal 6): deliveries >= 0.30 of raw signed POSTs to the same receiver");
+        println!("goal 6: deliveries >= 0.30 of raw signed POSTs to the same receiver");
         for (backend, ratio) in [("sqlite", sqlite_rate / sqlite_raw), ("postgresql", pg_rate / pg_raw)] {
             println!("  {backend:<10} {ratio:.2}  {}", if ratio >= 0.3 { "met" } else { "MISSED" });
         }
