@@ -202,9 +202,7 @@ fn main() {
             mine.requests_per_s / etcd.requests_per_s
         );
     }
-    println!(
-        "goal 6a: writes through the API >= etcd's puts through its JSON gateway (median of {ROUNDS} rounds)"
-    );
+    println!("goal 6a: writes through the API >= etcd's puts through its JSON gateway (median of {ROUNDS} rounds)");
     for connections in CONNECTIONS {
         let mut ratios: Vec<f64> = rows
             .iter()
