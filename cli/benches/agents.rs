@@ -348,29 +348,7 @@ async fn sessions() -> SessionFigures {
         .to_owned();
     let gateway = bc_agent::client::Gateway::parse(&format!("https://127.0.0.1:{agents_port}"), Some(&serving_pin)).unwrap();
     eprintln!("joining {SESSIONS} nodes…");
-    let join_channel = gateway.channel().unwrap();
-    let mut nodes = Vec::new();
-    for i in 0..SESSIONS {
-        let key = ed25519_dalek::SigningKey::from_bytes(&{
-            let mut seed = [0u8; 32];
-            seed[..8].copy_from_slice(&(i as u64 + 1).to_le_bytes());
-            seed
-        });
-        let response = AgentClient::new(join_channel.clone())
-            .join(bc_proto::JoinRequest {
-                token: secret.clone(),
-                node_public_key: key.verifying_key().as_bytes().to_vec(),
-                hardware: Some(bc_proto::HardwareClaims { hostname: format!("bench-{i}"), gpus: vec![] }),
-                agent_version: "bench".into(),
-                node_id: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let identity: bc_core::agent::NodeIdentity = serde_json::from_slice(&response.identity).unwrap();
-        nodes.push((identity.node_id.parse::<bc_core::id::NodeId>().unwrap(), key));
-    }
-    drop(join_channel);
+    let nodes = join_nodes(&gateway, &secret, SESSIONS, 0, "bench").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before_kib = rss_kib(child.id());
     let shared = Arc::new(Mutex::new(Shared::default()));
@@ -459,30 +437,10 @@ async fn attack() -> AttackFigures {
         .unwrap()
         .to_owned();
     let gateway = bc_agent::client::Gateway::parse(&format!("https://127.0.0.1:{agents_port}"), Some(&serving_pin)).unwrap();
-    let join_channel = gateway.channel().unwrap();
     let shared = Arc::new(Mutex::new(Shared::default()));
-    for i in 0..ATTACK_AGENTS {
-        let key = ed25519_dalek::SigningKey::from_bytes(&{
-            let mut seed = [7u8; 32];
-            seed[..8].copy_from_slice(&(i as u64 + 1).to_le_bytes());
-            seed
-        });
-        let response = AgentClient::new(join_channel.clone())
-            .join(bc_proto::JoinRequest {
-                token: secret.clone(),
-                node_public_key: key.verifying_key().as_bytes().to_vec(),
-                hardware: Some(bc_proto::HardwareClaims { hostname: format!("honest-{i}"), gpus: vec![] }),
-                agent_version: "bench".into(),
-                node_id: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let identity: bc_core::agent::NodeIdentity = serde_json::from_slice(&response.identity).unwrap();
-        let node = identity.node_id.parse::<bc_core::id::NodeId>().unwrap();
+    for (i, (node, key)) in join_nodes(&gateway, &secret, ATTACK_AGENTS, 7, "honest").await.into_iter().enumerate() {
         tokio::spawn(agent(gateway.clone(), node, key, 5000 + i as u64, shared.clone()));
     }
-    drop(join_channel);
     let deadline = Instant::now() + Duration::from_secs(60);
     while shared.lock().unwrap().lives.len() < ATTACK_AGENTS && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -544,4 +502,38 @@ async fn attack() -> AttackFigures {
         heartbeats_attack: attacked.len(),
         live_after,
     }
+}
+
+/// Joins `count` machines with `secret` over one channel, each with a key of its own (its seed's
+/// first 8 bytes its number, the rest `seed_fill`) and host name `PREFIX-N`: their node ids and keys.
+async fn join_nodes(
+    gateway: &bc_agent::client::Gateway,
+    secret: &str,
+    count: usize,
+    seed_fill: u8,
+    hostname_prefix: &str,
+) -> Vec<(bc_core::id::NodeId, ed25519_dalek::SigningKey)> {
+    let join_channel = gateway.channel().unwrap();
+    let mut nodes = Vec::with_capacity(count);
+    for i in 0..count {
+        let key = ed25519_dalek::SigningKey::from_bytes(&{
+            let mut seed = [seed_fill; 32];
+            seed[..8].copy_from_slice(&(i as u64 + 1).to_le_bytes());
+            seed
+        });
+        let response = AgentClient::new(join_channel.clone())
+            .join(bc_proto::JoinRequest {
+                token: secret.to_owned(),
+                node_public_key: key.verifying_key().as_bytes().to_vec(),
+                hardware: Some(bc_proto::HardwareClaims { hostname: format!("{hostname_prefix}-{i}"), gpus: vec![] }),
+                agent_version: "bench".into(),
+                node_id: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let identity: bc_core::agent::NodeIdentity = serde_json::from_slice(&response.identity).unwrap();
+        nodes.push((identity.node_id.parse::<bc_core::id::NodeId>().unwrap(), key));
+    }
+    nodes
 }
