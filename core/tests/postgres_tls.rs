@@ -107,6 +107,13 @@ fn run(mut command: Command, what: &str) {
     );
 }
 
+/// Gives `path` to the `postgres` user, who runs the cluster when this test runs as root.
+fn chown_to_postgres(path: &Path) {
+    let mut chown = Command::new("chown");
+    chown.arg("postgres:postgres").arg(path);
+    run(chown, &format!("chown {} to postgres", path.display()));
+}
+
 /// A new cluster serving `cert_pem`/`key_pem` with TLS on, on a free loopback port.
 fn start_cluster(cert_pem: &str, key_pem: &str) -> Cluster {
     let bindir = server_bindir();
@@ -115,14 +122,7 @@ fn start_cluster(cert_pem: &str, key_pem: &str) -> Cluster {
     let dir = tempfile::Builder::new().prefix("bc-pg-tls-").tempdir().unwrap();
     let data = dir.path().join("data");
     if as_postgres {
-        run(
-            {
-                let mut c = Command::new("chown");
-                c.arg("postgres:postgres").arg(dir.path());
-                c
-            },
-            "chown the cluster's directory to postgres",
-        );
+        chown_to_postgres(dir.path());
     }
     let mut initdb = command_as(as_postgres, &bindir.join("initdb"));
     initdb.args(["-U", "postgres", "--auth=trust", "--no-sync", "-D"]).arg(&data);
@@ -133,14 +133,7 @@ fn start_cluster(cert_pem: &str, key_pem: &str) -> Cluster {
         std::fs::write(&path, pem).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
         if as_postgres {
-            run(
-                {
-                    let mut c = Command::new("chown");
-                    c.arg("postgres:postgres").arg(&path);
-                    c
-                },
-                "chown the server's certificate",
-            );
+            chown_to_postgres(&path);
         }
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
