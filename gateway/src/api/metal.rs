@@ -305,14 +305,10 @@ pub fn bmc_secret_id(node_id: &str) -> String {
     format!("bmc_{node_id}")
 }
 
-/// The pin format: `sha256/` and the base64 of 32 bytes.
+/// The pin format: `sha256/` and the base64 of 32 bytes (`bc_pin::check_pin`, what the Redfish
+/// client checks it with).
 fn check_pin(pin: &str) -> Result<()> {
-    use base64::Engine as _;
-    let ok = pin
-        .strip_prefix("sha256/")
-        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
-        .is_some_and(|bytes| bytes.len() == 32);
-    if !ok {
+    if bc_pin::check_pin(pin).is_err() {
         return Err(Error::InvalidArgument {
             message: "bmcPin must be sha256/ followed by the base64 of a 32-byte SHA-256".into(),
             hint: Some("the SHA-256 of the BMC certificate's DER SubjectPublicKeyInfo, base64".into()),
