@@ -990,6 +990,21 @@ fn decide(
             }));
             continue;
         }
+        // An event on another stream must name it among the guards: only a guard's version is
+        // read (and checked) before the append, so an unguarded one would take a version the
+        // stream already has and fail at the commit as a broken constraint, far from its cause.
+        if let Some(unguarded) = request
+            .events
+            .iter()
+            .filter_map(|e| e.stream.as_ref())
+            .find(|other| **other != request.stream && !request.guards.iter().any(|(guarded, _)| guarded == *other))
+        {
+            outcomes.push(Outcome::Refused(Error::Internal(format!(
+                "an event of the append on {} names stream {unguarded}, which is not among its guards",
+                request.stream
+            ))));
+            continue;
+        }
         // Every stream this request writes, at its version before the request.
         let mut written: Vec<(String, u64)> = vec![(request.stream.clone(), current)];
         for event in &request.events {
