@@ -9,7 +9,7 @@ use bc_core::{Error, Result};
 use bc_projections::{ApiKeyDoc, KIND_API_KEY};
 use sha2::{Digest, Sha256};
 
-use crate::api::toolkit::string_schema;
+use crate::api::validate::string_schema;
 
 /// Longest `Authorization` header accepted.
 pub const TOKEN_BYTES_MAX: usize = 256;

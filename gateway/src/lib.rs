@@ -5,8 +5,8 @@
 //!   root tenant;
 //! - [`rpc`]: the one handler of `POST /api/compute/{method}`: it finds the method in the
 //!   table, authenticates, reads the body and runs the method's handler;
-//! - [`api`]: the method table, one file per API group, the handlers' toolkit and the wire
-//!   views;
+//! - [`api`]: the method table, one file per API group, what the handlers share (the call,
+//!   body parsing, validators, paging) and the wire views;
 //! - [`openapi`]: the OpenAPI document, generated from the table (checked in as
 //!   `gateway/openapi.json`);
 //! - [`audit`]: `GET /audit/{tenant}/checkpoint` and `…/tile/…`, the tree as C2SP tlog-tiles;

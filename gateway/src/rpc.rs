@@ -153,7 +153,7 @@ async fn call(
     };
     let fingerprint = {
         // Key order and whitespace do not make a different request.
-        let normalized = api::toolkit::body_json(&bytes).map(|v| v.to_string()).unwrap_or_default();
+        let normalized = api::body::body_json(&bytes).map(|v| v.to_string()).unwrap_or_default();
         let mut hasher = Sha256::new();
         hasher.update(name.as_bytes());
         hasher.update([0]);

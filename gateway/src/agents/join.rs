@@ -82,7 +82,7 @@ async fn join_once(
 ) -> Result<Joined> {
     let Claimed { hostname, gpus, gpu_uuids, as_node } = claimed;
     let row = state.store.row_get(&tenant.to_string(), KIND_JOIN_TOKEN, &token_id.to_string()).await?;
-    let token: JoinTokenDoc = crate::api::toolkit::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
+    let token: JoinTokenDoc = crate::api::call::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
     let now_ms = state.log.clock.now_ms();
     if token.revoked {
         return Err(refused("the join token was revoked"));
@@ -95,7 +95,7 @@ async fn join_once(
     }
     let pool_id: PoolId = token.pool_id.parse()?;
     let pool_row = state.store.row_get(&tenant.to_string(), KIND_POOL, &pool_id.to_string()).await?;
-    let pool: PoolDoc = crate::api::toolkit::doc(pool_row.ok_or_else(|| refused("the join token's pool is gone"))?)?;
+    let pool: PoolDoc = crate::api::call::doc(pool_row.ok_or_else(|| refused("the join token's pool is gone"))?)?;
     if pool.archived {
         return Err(refused("the join token's pool is archived"));
     }
@@ -111,7 +111,7 @@ async fn join_once(
             let node: NodeId = bound.parse()?;
             let existing = state.store.row_get(&tenant.to_string(), KIND_NODE, bound).await?;
             let expected = match existing {
-                Some(row) => ExpectedVersion::Exact(crate::api::toolkit::doc::<NodeDoc>(row)?.version),
+                Some(row) => ExpectedVersion::Exact(crate::api::call::doc::<NodeDoc>(row)?.version),
                 None => ExpectedVersion::NoStream,
             };
             (node, expected)
@@ -151,7 +151,7 @@ async fn join_once(
     ];
     let result = state.log.append(request).await?;
     let event = &result.events[0];
-    let doc: NodeDoc = crate::api::toolkit::doc(
+    let doc: NodeDoc = crate::api::call::doc(
         state
             .store
             .row_get(&tenant.to_string(), KIND_NODE, &node.to_string())
@@ -177,7 +177,7 @@ async fn join_once(
 /// The node's name: its host name when that is a valid name (lowercased), else `node`.
 fn node_name(hostname: &str) -> String {
     let lower = hostname.split('.').next().unwrap_or("").to_ascii_lowercase();
-    if crate::api::toolkit::validate_name("name", &lower).is_ok() { lower } else { "node".to_owned() }
+    if crate::api::validate::validate_name("name", &lower).is_ok() { lower } else { "node".to_owned() }
 }
 
 fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {

@@ -270,7 +270,7 @@ pub async fn greet(store: &dyn EventStore, hello: &bc_proto::Hello) -> std::resu
         .await?
         .ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} has not joined, or was deleted")))?;
     let tenant: TenantId = row.key.tenant.parse()?;
-    let doc: NodeDoc = crate::api::toolkit::doc(row)?;
+    let doc: NodeDoc = crate::api::call::doc(row)?;
     let agent = doc.agent.ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} did not join with bcd")))?;
     let key = unb64(&agent.public_key)
         .and_then(|bytes| bc_core::agent::node_public_key(&bytes))
@@ -580,7 +580,7 @@ async fn check_entry_subject(
         return Ok(Err("the entry must name this node and the command it is about".into()));
     }
     let command = store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &progress.command_id).await?;
-    let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+    let command: Option<CommandDoc> = command.map(crate::api::call::doc).transpose()?;
     if command.is_none_or(|c| c.node_id != node) {
         return Ok(Err(format!("command {} is not this node's", progress.command_id)));
     }
@@ -615,7 +615,7 @@ async fn check_gpu_report(
         )));
     }
     let command = store.row_get(&bound.tenant.to_string(), KIND_COMMAND, &report.command_id).await?;
-    let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+    let command: Option<CommandDoc> = command.map(crate::api::call::doc).transpose()?;
     let kind = if body.entry_type == ev::GPU_RELEASED { placement::GPU_RELEASE } else { placement::GPU_HOLD };
     let answers = command.is_some_and(|c| {
         c.node_id == node
@@ -659,13 +659,13 @@ async fn check_instance_report(
         )));
     }
     let instance = store.row_get(&bound.tenant.to_string(), bc_projections::KIND_INSTANCE, &report.instance_id).await?;
-    let instance: Option<bc_projections::InstanceDoc> = instance.map(crate::api::toolkit::doc).transpose()?;
+    let instance: Option<bc_projections::InstanceDoc> = instance.map(crate::api::call::doc).transpose()?;
     if instance.is_none_or(|i| i.node_id != node) {
         return Ok(Err(format!("instance {} is not on this node", report.instance_id)));
     }
     if let Some(command_id) = &report.command_id {
         let command = store.row_get(&bound.tenant.to_string(), KIND_COMMAND, command_id).await?;
-        let command: Option<CommandDoc> = command.map(crate::api::toolkit::doc).transpose()?;
+        let command: Option<CommandDoc> = command.map(crate::api::call::doc).transpose()?;
         let answers = command.is_some_and(|c| {
             c.node_id == node
                 && c.kind == bc_projections::INSTANCE_APPLY
@@ -727,12 +727,12 @@ pub async fn commands_unsent(
     let Some(row) = store.row_get(&tenant, KIND_NODE_COMMANDS, &bound.node.to_string()).await? else {
         return Ok(Vec::new());
     };
-    let queue: NodeCommandsDoc = crate::api::toolkit::doc(row)?;
+    let queue: NodeCommandsDoc = crate::api::call::doc(row)?;
     let unsent: Vec<String> = queue.pending.into_iter().filter(|id| !bound.sent.contains(id)).collect();
     let mut out = Vec::new();
     for id in unsent {
         let Some(row) = store.row_get(&tenant, KIND_COMMAND, &id).await? else { continue };
-        let command: CommandDoc = crate::api::toolkit::doc(row)?;
+        let command: CommandDoc = crate::api::call::doc(row)?;
         if command.state.is_finished() {
             continue;
         }

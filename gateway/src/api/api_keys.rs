@@ -9,9 +9,10 @@ use bc_projections::{ApiKeyDoc, KIND_API_KEY, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{
-    ApiKeyIdText, CursorText, LimitNumber, NameText, Page, TenantIdText, doc, list_rows, parse_id, stream_id, validate_name,
-};
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{ApiKeyIdText, CursorText, LimitNumber, NameText, TenantIdText, validate_name};
 use super::views::{ApiKeyCreatedView, ApiKeyView};
 use super::{Access, Call, Method, method};
 use crate::auth;

@@ -7,9 +7,12 @@ use bc_projections::{KIND_POOL, PoolDoc};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
+use super::call::doc;
+use super::paging::LIST_LIMIT_MAX;
 use super::pools::pool_doc;
 use super::reservations::{AskInput, check_ask};
-use super::toolkit::{LIST_LIMIT_MAX, PoolIdText, TenantIdText, doc, parse_id};
+use super::validate::{PoolIdText, TenantIdText};
 use super::views::{CapacityListView, CapacityView, PreviewView};
 use super::{Access, Call, Method, method};
 

@@ -20,10 +20,10 @@ use serde_json::Value;
 
 use schemars::json_schema;
 
-use super::toolkit::{
-    CommandIdText, CursorText, LimitNumber, NodeIdText, Page, RolloutIdText, TenantIdText, doc, list_rows, parse_id, stream_id,
-    string_schema,
-};
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{CommandIdText, CursorText, LimitNumber, NodeIdText, RolloutIdText, TenantIdText, string_schema};
 use super::views::CommandView;
 use super::{Access, Call, Method, method};
 

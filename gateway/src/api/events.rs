@@ -8,7 +8,9 @@ use bc_projections::events::TYPE_PATTERNS_MAX;
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{EventIdText, LimitNumber, PositionText, TenantIdText, limit, parse_id, string_schema};
+use super::body::parse_id;
+use super::paging::limit;
+use super::validate::{EventIdText, LimitNumber, PositionText, TenantIdText, string_schema};
 use super::views::{CoveredBy, EventView};
 use super::{Access, Call, Method, method};
 use crate::watch::TypeFilter;

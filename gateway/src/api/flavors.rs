@@ -14,11 +14,11 @@ use bc_projections::{FlavorDoc, KIND_FLAVOR, KIND_POOL, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
+use super::call::{doc, expected_version, stream_id};
+use super::paging::{Page, list_rows};
 use super::pools::pool_doc;
-use super::toolkit::{
-    CursorText, FlavorIdText, LimitNumber, NameText, Page, PoolIdText, TenantIdText, VersionNumber, doc, expected_version,
-    list_rows, parse_id, stream_id, validate_name,
-};
+use super::validate::{CursorText, FlavorIdText, LimitNumber, NameText, PoolIdText, TenantIdText, VersionNumber, validate_name};
 use super::views::{FlavorDeletedView, FlavorView};
 use super::{Access, Call, Method, method};
 

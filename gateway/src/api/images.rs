@@ -13,9 +13,11 @@ use bc_projections::{ImageDoc, KIND_IMAGE, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{
-    CursorText, ImageIdText, LimitNumber, NameText, Page, TenantIdText, VersionNumber, doc, expected_version, list_rows,
-    parse_id, stream_id, string_schema, validate_name,
+use super::body::parse_id;
+use super::call::{doc, expected_version, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{
+    CursorText, ImageIdText, LimitNumber, NameText, TenantIdText, VersionNumber, string_schema, validate_name,
 };
 use super::views::{DiskFormatView, ImageDeletedView, ImageView};
 use super::{Access, Call, Method, method};

@@ -20,9 +20,12 @@ use bc_projections::{
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{
-    CursorText, FlavorIdText, ImageIdText, InstanceIdText, LimitNumber, NameText, Page, ReservationIdText, TenantIdText,
-    VersionNumber, doc, list_rows, parse_id, stream_id, validate_name,
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{
+    CursorText, FlavorIdText, ImageIdText, InstanceIdText, LimitNumber, NameText, ReservationIdText, TenantIdText, VersionNumber,
+    validate_name,
 };
 use super::views::InstanceView;
 use super::{Access, Call, Method, method};

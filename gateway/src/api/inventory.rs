@@ -22,8 +22,10 @@ use bc_projections::inventory::{
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::call::doc;
 use super::nodes::{READ, node_doc};
-use super::toolkit::{NodeIdText, Page, TenantIdText, doc, string_schema};
+use super::paging::Page;
+use super::validate::{NodeIdText, TenantIdText, string_schema};
 use super::views::{InventoryDiffView, InventoryReportView};
 use super::{Call, Method, method};
 
@@ -32,7 +34,7 @@ use super::{Call, Method, method};
 pub const INVENTORY_HISTORY_LIMIT_MAX: u32 = 50;
 pub const INVENTORY_HISTORY_LIMIT_DEFAULT: u32 = 10;
 const _: () = assert!(INVENTORY_HISTORY_LIMIT_DEFAULT <= INVENTORY_HISTORY_LIMIT_MAX);
-const _: () = assert!(INVENTORY_HISTORY_LIMIT_MAX <= super::toolkit::LIST_LIMIT_MAX);
+const _: () = assert!(INVENTORY_HISTORY_LIMIT_MAX <= super::paging::LIST_LIMIT_MAX);
 
 pub(super) const METHODS: &[Method] = &[
     method!("inventory.get", READ, "a node's latest reported inventory", InventoryGet => InventoryReportView, inventory_get),
@@ -98,7 +100,7 @@ pub struct InventoryDiffInput {
 /// The tenant and the node, once it is known to exist and to have an agent.
 async fn agent_node(call: &Call<'_>, tenant_id: &Option<String>, node_id: &str) -> Result<(TenantId, String)> {
     let tenant = call.tenant(tenant_id).await?;
-    let node: NodeId = super::toolkit::parse_id("nodeId", node_id)?;
+    let node: NodeId = super::body::parse_id("nodeId", node_id)?;
     let node = node.to_string();
     if node_doc(call, tenant, &node).await?.agent.is_none() {
         return Err(Error::state(

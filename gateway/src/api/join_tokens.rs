@@ -12,10 +12,12 @@ use bc_projections::{JoinTokenDoc, KIND_JOIN_TOKEN, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
 use super::pools::pool_doc;
-use super::toolkit::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, JoinTokenIdText, LimitNumber, Page, PoolIdText, TenantIdText, doc,
-    list_rows, parse_id, stream_id, validate_text,
+use super::validate::{
+    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, JoinTokenIdText, LimitNumber, PoolIdText, TenantIdText, validate_text,
 };
 use super::views::{JoinTokenCreatedView, JoinTokenView};
 use super::{Access, Call, Method, method};

@@ -20,9 +20,12 @@ use bc_projections::{ImageDoc, KIND_IMAGE, KIND_NODE, KIND_POOL, NodeDoc, PoolDo
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::toolkit::{
-    CursorText, ImageIdText, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, WorkflowIdText,
-    doc, list_rows, parse_id, stream_id, string_schema, validate_name, validate_text,
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{
+    CursorText, ImageIdText, LimitNumber, NameText, NodeIdText, PoolIdText, TenantIdText, VersionNumber, WorkflowIdText,
+    string_schema, validate_name, validate_text,
 };
 use super::views::{MetalView, WorkflowView};
 use super::{Access, Call, Method, method};
@@ -576,7 +579,7 @@ async fn metal_undeploy(call: &Call<'_>, input: MachineVerb) -> Result<MetalView
         &VerbInput { now_ms: call.now_ms(), workflow_id: &wf, if_version: input.if_version, ..Default::default() },
     )?;
     if let Some(row) = call.state.store.row_get(&tenant.to_string(), KIND_NODE, &doc.node_id).await? {
-        let node: NodeDoc = super::toolkit::doc(row)?;
+        let node: NodeDoc = super::call::doc(row)?;
         if !node.allocations.is_empty() && !call.is_retry(tenant).await? {
             return Err(Error::InvalidState {
                 message: format!(

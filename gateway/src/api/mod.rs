@@ -1,17 +1,15 @@
 //! The method table: every method of `POST /api/compute/{group}.{method}`, declared once.
 //!
-//! Each group file (`system.rs`, `tenants.rs`, `api_keys.rs`, `pools.rs`, `nodes.rs`,
-//! `inventory.rs`, `join_tokens.rs`, `commands.rs`, `events.rs`, `capacity.rs`, `quotas.rs`, `reservations.rs`,
-//! `flavors.rs`, `images.rs`, `instances.rs`, `metal.rs`, `webhooks.rs`) declares its
-//! methods as data with [`method!`]: the name, the action it is authorized as, a summary, the
-//! input type its handler parses, the output type it answers with, and the handler. The router
-//! ([`crate::rpc`]), authorization, `better-compute api --list` and the OpenAPI document
-//! ([`crate::openapi`]) all read [`table`]; no method name is matched as a string anywhere
-//! else, so adding a method touches one file.
+//! A method is data, declared with [`method!`] in the file of its group: its name, the action
+//! it is authorized as, a summary, the input type its handler parses and the output type it
+//! answers with. The router ([`crate::rpc`]), authorization, `better-compute api --list` and the
+//! OpenAPI document ([`crate::openapi`]) all read [`table`]; no method name is matched as a
+//! string anywhere else, so adding a method touches one file.
 //!
-//! [`toolkit`] is what handlers share (the call, body parsing, validators, list paging); it
-//! imports no handler. [`views`] holds the wire types every response is made of, apart from
-//! the stored projection documents.
+//! A handler parses, decides, appends through its [`Call`] and answers with a wire view. What
+//! handlers share ([`call`], [`body`], [`validate`], [`paging`]) imports no handler; the wire
+//! types ([`views`]) are apart from the stored projection documents, and every input rule a
+//! validator enforces is stated in the schema the document publishes.
 
 use std::sync::LazyLock;
 
@@ -19,7 +17,10 @@ use bc_core::Result;
 use futures::future::BoxFuture;
 use serde_json::Value;
 
-pub mod toolkit;
+pub mod body;
+pub mod call;
+pub mod paging;
+pub mod validate;
 pub mod views;
 
 mod api_keys;
@@ -42,7 +43,7 @@ mod system;
 mod tenants;
 mod webhooks;
 
-pub use toolkit::Call;
+pub use call::Call;
 
 /// A handler as the table holds it: the raw JSON body in, the JSON answer out. [`method!`]
 /// builds it from a typed handler, so parsing and serializing are the same for every method.
@@ -101,9 +102,9 @@ macro_rules! method {
             output: |g| g.subschema_for::<$output>(),
             handler: |call, body| {
                 Box::pin(async move {
-                    let input: $input = $crate::api::toolkit::parse(body)?;
+                    let input: $input = $crate::api::body::parse(body)?;
                     let output: $output = $handler(call, input).await?;
-                    $crate::api::toolkit::to_value(&output)
+                    $crate::api::body::to_value(&output)
                 })
             },
         }

@@ -13,11 +13,13 @@ use bc_projections::{KIND_NODE, NodeDoc, decide, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
+use super::call::{doc, expected_version, stream_id};
+use super::paging::{Page, list_rows};
 use super::pools::pool_doc;
-use super::toolkit::{
-    CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, Page, PoolIdText, TenantIdText, VersionNumber, doc,
-    expected_version, list_rows, parse_id, stream_id, string_schema, validate_label_key, validate_labels, validate_name,
-    validate_text,
+use super::validate::{
+    CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, PoolIdText, TenantIdText, VersionNumber,
+    string_schema, validate_label_key, validate_labels, validate_name, validate_text,
 };
 use super::views::{NodeChangedView, NodeDeletedView, NodeView};
 use super::{Access, Call, Method, method};
@@ -33,7 +35,7 @@ pub const NVLINK_DOMAIN_MAX: u32 = 1024;
 pub const KEY_CHANGES_MAX: usize = 64;
 // A node is registered with at most `LABELS_MAX` labels, which a node may carry; a change is
 // checked against the node's keys by `decide::node_keys_change`.
-const _: () = assert!(super::toolkit::LABELS_MAX <= decide::NODE_KEYS_MAX);
+const _: () = assert!(super::validate::LABELS_MAX <= decide::NODE_KEYS_MAX);
 
 pub(super) const METHODS: &[Method] = &[
     method!("nodes.register", WRITE, "add a host and its GPUs by hand", NodesRegister => NodeView, nodes_register),
@@ -148,7 +150,7 @@ pub const DELETE_REASON_CHARS_MAX: usize = 500;
 string_schema!(
     /// Why a node was deleted ([`validate_text`] with [`DELETE_REASON_CHARS_MAX`]).
     DeleteReasonText,
-    schemars::json_schema!({ "type": "string", "maxLength": DELETE_REASON_CHARS_MAX, "pattern": super::toolkit::TEXT_PATTERN })
+    schemars::json_schema!({ "type": "string", "maxLength": DELETE_REASON_CHARS_MAX, "pattern": super::validate::TEXT_PATTERN })
 );
 
 /// Keys to set and keys to remove: at least one, at most `KEY_CHANGES_MAX` in all.

@@ -11,9 +11,12 @@ use bc_projections::{KIND_POOL, PoolDoc, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::toolkit::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, LimitNumber, NameText, Page, PoolIdText, TenantIdText,
-    VersionNumber, doc, expected_version, list_rows, parse_id, stream_id, validate_labels, validate_name, validate_text,
+use super::body::parse_id;
+use super::call::{doc, expected_version, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{
+    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, LimitNumber, NameText, PoolIdText, TenantIdText,
+    VersionNumber, validate_labels, validate_name, validate_text,
 };
 use super::views::PoolView;
 use super::{Access, Call, Method, method};

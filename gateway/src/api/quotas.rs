@@ -9,9 +9,10 @@ use bc_projections::{KIND_QUOTA, QuotaDoc, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
 use super::pools::pool_doc;
 use super::reservations::gpus_in_use;
-use super::toolkit::{PoolIdText, TenantIdText, parse_id};
+use super::validate::{PoolIdText, TenantIdText};
 use super::views::QuotaView;
 use super::{Access, Call, Method, method};
 
@@ -55,7 +56,7 @@ pub struct QuotasSet {
 
 async fn quota_view(call: &Call<'_>, tenant: bc_core::id::TenantId, pool: &PoolId) -> Result<QuotaView> {
     let quota = call.state.store.row_get(&tenant.to_string(), KIND_QUOTA, &pool.to_string()).await?;
-    let gpus = quota.map(super::toolkit::doc::<QuotaDoc>).transpose()?.map(|q| q.gpus);
+    let gpus = quota.map(super::call::doc::<QuotaDoc>).transpose()?.map(|q| q.gpus);
     let in_use = gpus_in_use(call, tenant, &pool.to_string()).await?;
     Ok(QuotaView { tenant_id: tenant.to_string(), pool_id: pool.to_string(), gpus, in_use })
 }

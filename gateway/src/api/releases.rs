@@ -16,7 +16,10 @@ use bc_projections::stream_of;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::toolkit::{CursorText, LimitNumber, Page, ReleaseIdText, TenantIdText, doc, list_rows, parse_id, stream_id};
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
+use super::validate::{CursorText, LimitNumber, ReleaseIdText, TenantIdText};
 use super::{Access, Call, Method, method};
 
 const READ: Access = Access::Action("compute:releases:read");

@@ -21,11 +21,11 @@ use bc_projections::{KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, QuotaD
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
 use super::pools::pool_doc;
-use super::toolkit::{
-    CursorText, LimitNumber, Page, PoolIdText, ReservationIdText, TenantIdText, VersionNumber, doc, list_rows, parse_id,
-    stream_id, string_schema,
-};
+use super::validate::{CursorText, LimitNumber, PoolIdText, ReservationIdText, TenantIdText, VersionNumber, string_schema};
 use super::views::ReservationView;
 use super::{Access, Call, Method, method};
 

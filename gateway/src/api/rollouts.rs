@@ -18,12 +18,14 @@ use bc_projections::{KIND_NODE, NodeDoc};
 use schemars::{JsonSchema, json_schema};
 use serde::{Deserialize, Serialize};
 
+use super::body::parse_id;
+use super::call::{doc, stream_id};
+use super::paging::{Page, list_rows};
 use super::releases::release_doc;
-use super::toolkit::{
-    CursorText, LabelsMap, LimitNumber, Page, PoolIdText, ReleaseIdText, RolloutIdText, TenantIdText, doc, list_rows, parse_id,
-    stream_id, validate_labels, validate_text,
+use super::validate::{
+    CursorText, LabelsMap, LimitNumber, PoolIdText, ReleaseIdText, RolloutIdText, TenantIdText, validate_labels, validate_text,
 };
-use super::toolkit::{TEXT_PATTERN, string_schema};
+use super::validate::{TEXT_PATTERN, string_schema};
 use super::{Access, Call, Method, method};
 
 const READ: Access = Access::Action("compute:rollouts:read");

@@ -10,7 +10,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use sha2::Digest;
 
-use super::toolkit::{NameText, TenantIdText, validate_name};
+use super::validate::{NameText, TenantIdText, validate_name};
 use super::views::TenantView;
 use super::{Access, Call, Method, method};
 

@@ -15,11 +15,14 @@ use bc_projections::{KIND_WEBHOOK, WebhookDoc, new_webhook_secret_id, stream_of}
 use schemars::JsonSchema;
 use serde::Deserialize;
 
+use super::body::parse_id;
+use super::call::{doc, expected_version, stream_id};
 use super::events::TypePatterns;
+use super::paging::{Page, limit, list_rows};
 use super::system::Empty;
-use super::toolkit::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, Page, TenantIdText, VersionNumber, WebhookIdText, doc,
-    expected_version, limit, list_rows, parse_id, stream_id, string_schema, validate_text,
+use super::validate::{
+    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, TenantIdText, VersionNumber, WebhookIdText, string_schema,
+    validate_text,
 };
 use super::views::{DeliveryView, EventTypesView, PingView, WebhookDeletedView, WebhookSecretView, WebhookView};
 use super::{Access, Call, Method, method};

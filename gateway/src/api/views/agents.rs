@@ -6,7 +6,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::api::toolkit::{CommandIdText, DescriptionText, JoinTokenIdText, NodeIdText, PoolIdText, TenantIdText};
+use crate::api::validate::{CommandIdText, DescriptionText, JoinTokenIdText, NodeIdText, PoolIdText, TenantIdText};
 
 /// What the control plane knows of a joined node's agent.
 #[derive(Serialize, JsonSchema)]

@@ -5,7 +5,7 @@ use bc_projections::{FlavorDoc, ImageDoc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::api::toolkit::{FlavorIdText, ImageIdText, NameText, PoolIdText, TenantIdText};
+use crate::api::validate::{FlavorIdText, ImageIdText, NameText, PoolIdText, TenantIdText};
 
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

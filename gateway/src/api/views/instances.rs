@@ -6,7 +6,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 
 use super::DiskFormatView;
-use crate::api::toolkit::{
+use crate::api::validate::{
     CommandIdText, FlavorIdText, ImageIdText, InstanceIdText, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText,
 };
 

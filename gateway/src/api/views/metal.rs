@@ -7,7 +7,7 @@ use bc_projections::workflow::{MetalDoc, Workflow, WorkflowOutcome};
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::api::toolkit::{ImageIdText, JoinTokenIdText, NameText, NodeIdText, PoolIdText, TenantIdText, WorkflowIdText};
+use crate::api::validate::{ImageIdText, JoinTokenIdText, NameText, NodeIdText, PoolIdText, TenantIdText, WorkflowIdText};
 
 /// How the control plane reaches a machine's BMC.
 #[derive(Serialize, JsonSchema)]

@@ -13,7 +13,7 @@ use bc_projections::{ApiKeyDoc, NodeDoc, PoolDoc, TenantDoc};
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use super::toolkit::{
+use super::validate::{
     ApiKeyIdText, DescriptionText, LabelsMap, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText,
 };
 
@@ -249,7 +249,7 @@ impl From<NodeDoc> for NodeView {
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeDeletedView {
-    #[schemars(with = "super::toolkit::NodeIdText")]
+    #[schemars(with = "super::validate::NodeIdText")]
     pub node_id: String,
     pub deleted: bool,
     /// The node stream's version after `node.deleted`.

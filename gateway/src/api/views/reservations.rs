@@ -3,7 +3,7 @@
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::api::toolkit::{CommandIdText, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText};
+use crate::api::validate::{CommandIdText, NameText, NodeIdText, PoolIdText, ReservationIdText, TenantIdText};
 
 /// A reservation's state: `queued` → `active` → `released` | `expired`, or `queued` →
 /// `cancelled`; `active` → `queued` again when its node could not hold its GPUs, and `failed`
@@ -106,7 +106,7 @@ pub struct ReservationView {
     pub last_error: Option<String>,
     /// The instance using its GPUs (`instances.*`), until that instance is deleted.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schemars(with = "Option<crate::api::toolkit::InstanceIdText>")]
+    #[schemars(with = "Option<crate::api::validate::InstanceIdText>")]
     pub instance_id: Option<String>,
     pub version: u64,
     /// While queued: 1 for the next in line.

@@ -3,7 +3,7 @@
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::api::toolkit::{DescriptionText, PositionText, TenantIdText, WebhookIdText};
+use crate::api::validate::{DescriptionText, PositionText, TenantIdText, WebhookIdText};
 use bc_projections::WebhookDoc;
 
 #[derive(Serialize, JsonSchema)]

@@ -1,0 +1,70 @@
+//! List paging: every list method returns at most [`LIST_LIMIT_MAX`] rows a page, ordered by
+//! row id, with the last id of a full page as the cursor of the next.
+//!
+//! A page is read one row beyond its limit, so `nextCursor` is set exactly while rows remain; a
+//! filter may make a page short without ending the list.
+
+use bc_core::id::TenantId;
+use bc_core::store::{READ_ROWS_MAX, Row};
+use bc_core::{Error, Result};
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use super::call::Call;
+use super::validate::CursorText;
+
+/// Rows a list method returns at most; the default is `LIST_LIMIT_DEFAULT`.
+pub const LIST_LIMIT_MAX: u32 = 500;
+pub const LIST_LIMIT_DEFAULT: u32 = 100;
+/// Longest list cursor (a row id).
+pub const CURSOR_CHARS_MAX: usize = 64;
+const _: () = assert!(LIST_LIMIT_DEFAULT <= LIST_LIMIT_MAX && LIST_LIMIT_MAX <= READ_ROWS_MAX);
+
+pub fn limit(requested: Option<u32>) -> Result<u32> {
+    match requested {
+        None => Ok(LIST_LIMIT_DEFAULT),
+        Some(n) if (1..=LIST_LIMIT_MAX).contains(&n) => Ok(n),
+        Some(n) => Err(Error::invalid(format!("limit {n} is out of range 1 to {LIST_LIMIT_MAX}"))),
+    }
+}
+
+/// One page of a list: `nextCursor` is set while rows remain.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(rename = "{T}Page")]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    #[schemars(with = "Option<CursorText>")]
+    pub next_cursor: Option<String>,
+}
+
+/// Pages through one kind of row by id. `view` may drop a row (a filter) by returning `None`;
+/// filtered pages can come back short, and `nextCursor` is set while rows remain.
+pub async fn list_rows<T>(
+    call: &Call<'_>,
+    tenant: TenantId,
+    kind: &str,
+    limit_requested: Option<u32>,
+    cursor: Option<&str>,
+    view: impl Fn(Row) -> Result<Option<T>>,
+) -> Result<Page<T>> {
+    let limit = limit(limit_requested)?;
+    if let Some(cursor) = cursor
+        && (cursor.is_empty()
+            || cursor.len() > CURSOR_CHARS_MAX
+            || !cursor.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+    {
+        return Err(Error::invalid("malformed cursor"));
+    }
+    let rows = call.state.store.row_list(&tenant.to_string(), kind, cursor, limit + 1).await?;
+    let more = rows.len() > limit as usize;
+    let rows: Vec<_> = rows.into_iter().take(limit as usize).collect();
+    let next_cursor = if more { rows.last().map(|r| r.key.id.clone()) } else { None };
+    let mut items = Vec::with_capacity(rows.len());
+    for row in rows {
+        if let Some(v) = view(row)? {
+            items.push(v);
+        }
+    }
+    Ok(Page { items, next_cursor })
+}
