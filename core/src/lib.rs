@@ -37,6 +37,7 @@ pub mod sealing;
 pub mod store;
 pub mod testing;
 pub mod tiles;
+pub mod tunnel;
 pub mod webhook;
 pub mod witness;
 
