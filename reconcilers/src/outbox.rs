@@ -340,7 +340,7 @@ pub struct FanOut {
 /// Where a runner's fan-out hands the items it writes already claimed: its own work loop, with
 /// room for this many now. The room is the items the loop may hold (waiting and in its slots)
 /// less those it holds and those claimed for it, by its own claim or by the fan-out, and not yet
-/// handed over: both take a [`Reservation`] of it before they claim, and each item claimed
+/// handed over: both set a [`ClaimRoom`] of it aside before they claim, and each item claimed
 /// carries its own share of it ([`RoomBack`]) until it is done with, however it leaves (its
 /// attempt queued for the record, given back stale, dropped at a stop). So the two never claim
 /// the same room twice, and no path has to remember to give room back.
@@ -364,15 +364,15 @@ impl Drop for RoomBack {
     }
 }
 
-/// Room taken from a work loop's room before a claim: `count` items' worth, given back when it is
-/// dropped, less what [`Reservation::settle`] handed on to the items the claim got. A claim that
-/// failed, or whose task panicked, so gives back all of it.
-struct Reservation {
+/// The room a claim sets aside of a work loop's before it runs: a count of `count` items' worth,
+/// given back when it is dropped, less what [`ClaimRoom::settle`] handed on to the items the claim
+/// got. A claim that failed, or whose task panicked, so gives back all of it.
+struct ClaimRoom {
     room: Arc<AtomicUsize>,
     count: usize,
 }
 
-impl Reservation {
+impl ClaimRoom {
     /// Takes up to `wanted` of `room` (less when less is free).
     fn take(room: &Arc<AtomicUsize>, wanted: usize) -> Self {
         let before = room.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r - r.min(wanted))).expect("always Some");
@@ -403,7 +403,7 @@ impl Holding {
     }
 }
 
-impl Drop for Reservation {
+impl Drop for ClaimRoom {
     fn drop(&mut self) {
         if self.count > 0 {
             self.room.fetch_add(self.count, Ordering::AcqRel);
@@ -533,20 +533,20 @@ impl FanOut {
         let Some(held) = self.held.as_mut() else { return Ok(false) };
         let now = config.clock.now_ms();
         // Room for the items it claims, given back (as it drops) on an error or a lost lease.
-        let reserved = self.handoff.as_ref().map(|h| Reservation::take(&h.room, items.len()));
+        let claim_room = self.handoff.as_ref().map(|h| ClaimRoom::take(&h.room, items.len()));
         let claim =
-            Claim { count: reserved.as_ref().map_or(0, |r| r.count), lease_until_ms: now.saturating_add(config.lease_ms) };
+            Claim { count: claim_room.as_ref().map_or(0, |r| r.count), lease_until_ms: now.saturating_add(config.lease_ms) };
         let Some(claimed) = store.cursor_advance_claiming(name, &config.owner, held.written, to, items, claim, now).await? else {
             self.held = None;
             return Ok(false);
         };
         (held.written, held.read) = (to, to);
         self.unhanded += items.len() - claimed.len();
-        if let (Some(handoff), Some(reserved)) = (&self.handoff, reserved)
+        if let (Some(handoff), Some(claim_room)) = (&self.handoff, claim_room)
             && !claimed.is_empty()
         {
             // A work loop that has stopped takes nothing more: give them back at once.
-            if let Err(unsent) = handoff.items.send(reserved.settle(claimed)) {
+            if let Err(unsent) = handoff.items.send(claim_room.settle(claimed)) {
                 release(store, name, &config.owner, &unsent.0.items).await;
             }
         }
@@ -554,7 +554,6 @@ impl FanOut {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn work_loop(
     store: Arc<dyn EventStore>,
     consumer: Arc<dyn Consumer>,
@@ -565,8 +564,6 @@ async fn work_loop(
     status: Arc<PassRecorder>,
 ) {
     let concurrency = config.concurrency.clamp(1, CONCURRENCY_MAX);
-    let slots = Arc::new(tokio::sync::Semaphore::new(concurrency));
-    let rng = Arc::new(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed)));
     let name = consumer.name();
     // Finished attempts go to one completer, which records them in batches: one transaction
     // for many deliveries instead of one each. Up to a whole batch waits for it, so the slots
@@ -574,15 +571,17 @@ async fn work_loop(
     // waited for each recording and the recordings' round trips bound the rate.
     let (finished, to_record) = tokio::sync::mpsc::channel::<Finished>(COMPLETIONS_PER_COMMIT_MAX.max(concurrency));
     let completer = tokio::spawn(complete(store.clone(), name, config.clone(), to_record, work_ready.clone(), status));
-    // Claims run ahead of the slots: up to [`ahead_max`] claimed items wait here for a slot, so
-    // one claim feeds the slots for several rounds (one transaction on the writer for many
-    // deliveries) and the slots never wait for a claim. An item that waited until its lease
-    // would not outlast an attempt and its record is given back unattempted (`work_release`),
-    // never started; what `prepare` read for waiting items is read again once it is older than
-    // one attempt's limit, so a webhook deleted, re-pointed or given a new secret meanwhile is
-    // seen as it is now.
-    let mut ahead: std::collections::VecDeque<Claimed> = std::collections::VecDeque::new();
-    let slot_freed = Arc::new(tokio::sync::Notify::new());
+    let mut work = Slots {
+        slots: Arc::new(tokio::sync::Semaphore::new(concurrency)),
+        rng: Arc::new(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed))),
+        slot_freed: Arc::new(tokio::sync::Notify::new()),
+        ahead: std::collections::VecDeque::new(),
+        store,
+        consumer,
+        config,
+        concurrency,
+        finished,
+    };
     // Nothing more to claim until something new is due (a fan-out's wake-up or the poll),
     // unless the last claim took all it asked for.
     let mut claim_due = true;
@@ -591,37 +590,110 @@ async fn work_loop(
     let mut fan_out_open = true;
     // A claim runs beside this loop: while it waits for the database (on SQLite,
     // for the writer, behind a commit's fsync) the loop goes on starting waiting items as slots
-    // free. At most one at a time: where its outcome comes, with the room reserved for it.
+    // free. At most one at a time: where its outcome comes, with the room set aside for it.
     let mut claiming: Option<tokio::sync::oneshot::Receiver<ClaimDone>> = None;
     while !*shutdown.borrow() {
         while let Ok(more) = handed.items.try_recv() {
             received.append(more);
         }
         if !received.items.is_empty() {
-            let holding = std::mem::take(&mut received);
-            let now = config.clock.now_ms();
-            let prepared = consumer.prepare(&*store, &holding.items).await;
-            queue(&config, &mut ahead, holding, prepared, now);
+            work.queue_prepared(std::mem::take(&mut received)).await;
         }
-        let mut stale = Vec::new();
-        let now = config.clock.now_ms();
-        if ahead.front().is_some_and(|c| now.saturating_sub(c.prepared_at_ms) > config.time_limit_ms) {
-            let items: Vec<WorkItem> = ahead.iter().map(|c| c.item.clone()).collect();
-            let prepared = consumer.prepare(&*store, &items).await;
-            for c in &mut ahead {
+        work.prepare_again_when_old().await;
+        work.start_waiting().await;
+        // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
+        // the room: the slots and the queue ahead, less what the fan-out is handing over), and
+        // the slots have a round to work on while it runs.
+        if claim_due && claiming.is_none() && work.ahead.len() < work.concurrency {
+            if let Some(outcome) = work.start_claim(&handed.room) {
+                // Due again only if this claim comes back full or something new is due meanwhile.
+                (claiming, claim_due) = (Some(outcome), false);
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(work.config.poll_ms)) => claim_due = true,
+            _ = work_ready.notified() => claim_due = true,
+            _ = work.slot_freed.notified() => {}
+            items = handed.items.recv(), if fan_out_open => match items {
+                Some(items) => received = items,
+                None => fan_out_open = false,
+            },
+            done = async { claiming.as_mut().expect("a claim runs").await }, if claiming.is_some() => {
+                claiming = None;
+                claim_due |= take_claim(name, &work.config, done, &mut work.ahead);
+            }
+            _ = shutdown.changed() => {}
+        }
+    }
+    work.stop(claiming, handed, received, completer).await;
+}
+
+/// A work loop's slots and the claimed items waiting for one.
+struct Slots {
+    store: Arc<dyn EventStore>,
+    consumer: Arc<dyn Consumer>,
+    config: RunnerConfig,
+    /// How many attempts run at once: the permits of `slots`.
+    concurrency: usize,
+    slots: Arc<tokio::sync::Semaphore>,
+    /// The retry schedule's jitter.
+    rng: Arc<std::sync::Mutex<rand::rngs::StdRng>>,
+    /// Where each finished attempt goes to be recorded (the completer).
+    finished: tokio::sync::mpsc::Sender<Finished>,
+    /// Wakes the loop when an attempt gives its slot back.
+    slot_freed: Arc<tokio::sync::Notify>,
+    /// Claims run ahead of the slots: up to [`ahead_max`] claimed items wait here for a slot, so
+    /// one claim feeds the slots for several rounds (one transaction on the writer for many
+    /// deliveries) and the slots never wait for a claim. An item that waited until its lease
+    /// would not outlast an attempt and its record is given back unattempted (`work_release`),
+    /// never started; what `prepare` read for waiting items is read again once it is older than
+    /// one attempt's limit, so a webhook deleted, re-pointed or given a new secret meanwhile is
+    /// seen as it is now.
+    ahead: std::collections::VecDeque<Claimed>,
+}
+
+impl Slots {
+    /// Queues items the fan-out handed over, with what [`Consumer::prepare`] reads for them now.
+    async fn queue_prepared(&mut self, holding: Holding) {
+        let now = self.config.clock.now_ms();
+        let prepared = self.consumer.prepare(&*self.store, &holding.items).await;
+        queue(&self.config, &mut self.ahead, holding, prepared, now);
+    }
+
+    /// Reads again what the waiting items need once the first's read is older than an attempt's
+    /// time limit.
+    async fn prepare_again_when_old(&mut self) {
+        let now = self.config.clock.now_ms();
+        if self.ahead.front().is_some_and(|c| now.saturating_sub(c.prepared_at_ms) > self.config.time_limit_ms) {
+            let items: Vec<WorkItem> = self.ahead.iter().map(|c| c.item.clone()).collect();
+            let prepared = self.consumer.prepare(&*self.store, &items).await;
+            for c in &mut self.ahead {
                 (c.prepared, c.prepared_at_ms) = (prepared.clone(), now);
             }
         }
-        while !ahead.is_empty() {
-            let Ok(permit) = slots.clone().try_acquire_owned() else { break };
-            let Claimed { item, room, prepared, start_by_ms, .. } = ahead.pop_front().expect("not empty");
-            if config.clock.now_ms() > start_by_ms {
+    }
+
+    /// Starts an attempt of each waiting item in a free slot, in order; items that waited past
+    /// their start-by time are given back unattempted.
+    async fn start_waiting(&mut self) {
+        let name = self.consumer.name();
+        let mut stale = Vec::new();
+        while !self.ahead.is_empty() {
+            let Ok(permit) = self.slots.clone().try_acquire_owned() else { break };
+            let Claimed { item, room, prepared, start_by_ms, .. } = self.ahead.pop_front().expect("not empty");
+            if self.config.clock.now_ms() > start_by_ms {
                 // Its room goes back as it drops here.
                 stale.push(item);
                 continue;
             }
-            let (store, consumer, config, rng, finished, slot_freed) =
-                (store.clone(), consumer.clone(), config.clone(), rng.clone(), finished.clone(), slot_freed.clone());
+            let (store, consumer, config, rng, finished, slot_freed) = (
+                self.store.clone(),
+                self.consumer.clone(),
+                self.config.clone(),
+                self.rng.clone(),
+                self.finished.clone(),
+                self.slot_freed.clone(),
+            );
             tokio::spawn(async move {
                 let (attempt, outcome) = attempt(&*store, &*consumer, &config, &rng, &item, &prepared).await;
                 // The slot (and the item's room) is freed once the attempt is queued for the
@@ -635,71 +707,64 @@ async fn work_loop(
         }
         if !stale.is_empty() {
             tracing::info!(consumer = name, items = stale.len(), "claimed items waited too long for a slot; giving them back");
-            release(&*store, name, &config.owner, &stale).await;
-        }
-        // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
-        // the room: the slots and the queue ahead, less what the fan-out is handing over), and
-        // the slots have a round to work on while it runs. No more than the store hands out in
-        // one claim, so a full claim reads as full.
-        let reserved = (claim_due && claiming.is_none() && ahead.len() < concurrency)
-            .then(|| Reservation::take(&handed.room, CLAIM_ITEMS_MAX as usize))
-            .filter(|r| r.count > 0);
-        if let Some(reserved) = reserved {
-            // Due again only if this claim comes back full or something new is due meanwhile.
-            let (claim_done, outcome) = tokio::sync::oneshot::channel();
-            (claiming, claim_due) = (Some(outcome), false);
-            let (store, consumer, config) = (store.clone(), consumer.clone(), config.clone());
-            // The task holds the reservation: a task that panics gives it back as it unwinds.
-            tokio::spawn(async move {
-                let at_ms = config.clock.now_ms();
-                let asked = reserved.count as u32;
-                let items = store.work_claim(consumer.name(), &config.owner, at_ms, config.lease_ms, asked).await;
-                let prepared = match &items {
-                    Ok(items) if !items.is_empty() => consumer.prepare(&*store, items).await,
-                    _ => None,
-                };
-                let _ = claim_done.send(ClaimDone { at_ms, items, prepared, reserved });
-            });
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(config.poll_ms)) => claim_due = true,
-            _ = work_ready.notified() => claim_due = true,
-            _ = slot_freed.notified() => {}
-            items = handed.items.recv(), if fan_out_open => match items {
-                Some(items) => received = items,
-                None => fan_out_open = false,
-            },
-            done = async { claiming.as_mut().expect("a claim runs").await }, if claiming.is_some() => {
-                claiming = None;
-                claim_due |= take_claim(name, &config, done, &mut ahead);
-            }
-            _ = shutdown.changed() => {}
+            release(&*self.store, name, &self.config.owner, &stale).await;
         }
     }
-    // Claimed items that never started are given back, due at once for any process (a process
-    // that dies instead leaves them to their leases); so are those the fan-out handed over
-    // meanwhile, and any it hands from now on (it gives them back itself), and those of a claim
-    // still running.
-    if let Some(outcome) = claiming {
-        take_claim(name, &config, outcome.await, &mut ahead);
+
+    /// Starts a claim beside the loop, of as many items as `room` has (no more than the store
+    /// hands out in one claim, so a full claim reads as full); `None` when there is no room.
+    fn start_claim(&self, room: &Arc<AtomicUsize>) -> Option<tokio::sync::oneshot::Receiver<ClaimDone>> {
+        let claim_room = Some(ClaimRoom::take(room, CLAIM_ITEMS_MAX as usize)).filter(|r| r.count > 0)?;
+        let (claim_done, outcome) = tokio::sync::oneshot::channel();
+        let (store, consumer, config) = (self.store.clone(), self.consumer.clone(), self.config.clone());
+        // The task holds the claim's room: a task that panics gives it back as it unwinds.
+        tokio::spawn(async move {
+            let at_ms = config.clock.now_ms();
+            let asked = claim_room.count as u32;
+            let items = store.work_claim(consumer.name(), &config.owner, at_ms, config.lease_ms, asked).await;
+            let prepared = match &items {
+                Ok(items) if !items.is_empty() => consumer.prepare(&*store, items).await,
+                _ => None,
+            };
+            let _ = claim_done.send(ClaimDone { at_ms, items, prepared, claim_room });
+        });
+        Some(outcome)
     }
-    handed.items.close();
-    while let Ok(more) = handed.items.try_recv() {
-        received.append(more);
+
+    /// The loop's end. Claimed items that never started are given back, due at once for any
+    /// process (a process that dies instead leaves them to their leases); so are those the
+    /// fan-out handed over meanwhile, and any it hands from now on (it gives them back itself),
+    /// and those of a claim still running. Then what is in flight finishes and is recorded,
+    /// within [`SHUTDOWN_WAIT_S`].
+    async fn stop(
+        mut self,
+        claiming: Option<tokio::sync::oneshot::Receiver<ClaimDone>>,
+        mut handed: Handed,
+        mut received: Holding,
+        completer: tokio::task::JoinHandle<()>,
+    ) {
+        let name = self.consumer.name();
+        if let Some(outcome) = claiming {
+            take_claim(name, &self.config, outcome.await, &mut self.ahead);
+        }
+        handed.items.close();
+        while let Ok(more) = handed.items.try_recv() {
+            received.append(more);
+        }
+        let unstarted: Vec<WorkItem> = self.ahead.drain(..).map(|c| c.item).chain(received.items).collect();
+        release(&*self.store, name, &self.config.owner, &unstarted).await;
+        // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
+        // (the completer ends when the last attempt has sent its record); what does not is
+        // claimed again when its lease runs out.
+        drop(self.finished);
+        // One deadline for both: the attempts (bounded by the handlers' time limits) and their
+        // records.
+        let wait = async {
+            let _ = self.slots.acquire_many(self.concurrency as u32).await;
+            let _ = completer.await;
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
     }
-    let unstarted: Vec<WorkItem> = ahead.drain(..).map(|c| c.item).chain(received.items).collect();
-    release(&*store, name, &config.owner, &unstarted).await;
-    // Let what is in flight finish (bounded by the handlers' own timeouts) and be recorded
-    // (the completer ends when the last attempt has sent its record); what does not is claimed
-    // again when its lease runs out.
-    drop(finished);
-    // One deadline for both: the attempts (bounded by the handlers' time limits) and their
-    // records.
-    let wait = async {
-        let _ = slots.acquire_many(concurrency as u32).await;
-        let _ = completer.await;
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(SHUTDOWN_WAIT_S), wait).await;
 }
 
 /// A claim's outcome, from the task that ran it beside the work loop, with the room reserved
@@ -708,27 +773,27 @@ struct ClaimDone {
     at_ms: u64,
     items: Result<Vec<WorkItem>>,
     prepared: Prepared,
-    reserved: Reservation,
+    claim_room: ClaimRoom,
 }
 
 /// Queues a claim's items to wait for a slot, each with its share of the room reserved for the
 /// claim (the rest goes back); true when it took all it asked for (so more may be due). A claim
 /// whose task ended without an outcome (it panicked) took nothing this loop knows of: its items
-/// wait for their leases, and its reservation went back as the task unwound.
+/// wait for their leases, and its room went back as the task unwound.
 fn take_claim(
     name: &str,
     config: &RunnerConfig,
     done: std::result::Result<ClaimDone, tokio::sync::oneshot::error::RecvError>,
     ahead: &mut std::collections::VecDeque<Claimed>,
 ) -> bool {
-    let Ok(ClaimDone { at_ms, items, prepared, reserved }) = done else {
+    let Ok(ClaimDone { at_ms, items, prepared, claim_room }) = done else {
         tracing::warn!(consumer = name, "a claim ended without an outcome");
         return false;
     };
     match items {
         Ok(items) => {
-            let full = items.len() == reserved.count;
-            queue(config, ahead, reserved.settle(items), prepared, at_ms);
+            let full = items.len() == claim_room.count;
+            queue(config, ahead, claim_room.settle(items), prepared, at_ms);
             full
         }
         Err(e) => {
@@ -965,13 +1030,13 @@ mod tests {
         };
         let room = Arc::new(AtomicUsize::new(10));
         let left = || room.load(Ordering::Acquire);
-        // A reservation takes what it wants while there is room, then what is left.
-        let first = Reservation::take(&room, 4);
+        // A claim's room takes what it wants while there is room, then what is left.
+        let first = ClaimRoom::take(&room, 4);
         assert_eq!((first.count, left()), (4, 6));
-        let second = Reservation::take(&room, 8);
+        let second = ClaimRoom::take(&room, 8);
         assert_eq!((second.count, left()), (6, 0));
-        assert_eq!(Reservation::take(&room, 1).count, 0);
-        // A claim that failed (or whose task panicked) drops its reservation: all of it goes back.
+        assert_eq!(ClaimRoom::take(&room, 1).count, 0);
+        // A claim that failed (or whose task panicked) drops its room: all of it goes back.
         drop(second);
         assert_eq!(left(), 6);
         // A claim that got 3 of 4: one goes back at once, each item holds its own until it ends.
