@@ -37,4 +37,5 @@ pub mod runner;
 pub mod sim;
 pub mod status;
 pub mod token;
+pub mod tunnel;
 pub mod update;

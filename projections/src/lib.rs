@@ -40,6 +40,7 @@ pub mod quota;
 pub mod reservation;
 pub mod rollout;
 pub mod tenant;
+pub mod tunnel;
 pub mod webhook;
 pub mod workflow;
 

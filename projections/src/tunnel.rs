@@ -1,0 +1,75 @@
+//! Tunnels (`schema/TUNNELS.md`): the two events that account for each one, on its node's stream.
+//! A tunnel has no document of its own: the events are the audit record (who had a terminal on
+//! which node, from where, for how long), and nothing typed or printed is ever in them, only
+//! counts. No read model folds them, so they change no row.
+
+use serde::{Deserialize, Serialize};
+
+pub const TUNNEL_OPENED: &str = "tunnel.opened";
+pub const TUNNEL_CLOSED: &str = "tunnel.closed";
+
+/// `tunnel.opened`, on `node/node_…`: the agent attached the op's end and the relay started.
+/// The key that opened it is the event's actor.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelOpened {
+    /// `tun_…`: what `tunnel.closed` names.
+    pub tunnel_id: String,
+    /// `console`, `exec` or `tcp`.
+    pub op: String,
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The API key that opened it (`key_…`).
+    pub key_id: String,
+    /// The client's address as the gateway saw it (`IP:PORT`).
+    pub from: String,
+}
+
+/// `tunnel.closed`, on `node/node_…`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelClosed {
+    pub tunnel_id: String,
+    pub node_id: String,
+    pub duration_ms: u64,
+    /// Payload bytes from the client to the node (channel 0), and from the node to the client
+    /// (channels 1 and 2).
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// The remote program's exit status, when it exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_status: Option<u8>,
+    /// `exited`, `client-closed`, `agent-gone`, `idle-timeout`, `max-duration`, `shutdown`.
+    pub reason: String,
+}
+
+/// Why a tunnel closed, as `tunnel.closed` says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    /// The remote program exited (its status is in the event).
+    Exited,
+    /// The client closed the WebSocket (a detach, or the client went away).
+    ClientClosed,
+    /// The agent's end broke or its session ended.
+    AgentGone,
+    IdleTimeout,
+    MaxDuration,
+    /// The gateway is stopping.
+    Shutdown,
+}
+
+impl CloseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exited => "exited",
+            Self::ClientClosed => "client-closed",
+            Self::AgentGone => "agent-gone",
+            Self::IdleTimeout => "idle-timeout",
+            Self::MaxDuration => "max-duration",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
