@@ -35,6 +35,7 @@ pub mod machine;
 pub mod runner;
 #[cfg(feature = "fakehw")]
 pub mod sim;
+pub mod ssh_ca;
 pub mod status;
 pub mod token;
 pub mod tunnel;

@@ -46,6 +46,7 @@ pub mod conn;
 pub mod error;
 pub mod openapi;
 pub mod rpc;
+pub mod ssh_ca;
 pub mod watch;
 
 use error::ApiError;

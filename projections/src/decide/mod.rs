@@ -30,6 +30,7 @@ mod metal;
 mod plan;
 mod reservation;
 mod rollout;
+pub mod ssh_cert;
 pub mod tunnel;
 
 pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
