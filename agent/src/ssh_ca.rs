@@ -11,7 +11,7 @@
 //! old one, and only when its contents change, so sshd never reads half a file. An empty list
 //! of CA keys (a gateway that has none) changes nothing. What to write ([`planned_files`]) and
 //! what `doctor` concludes from `sshd_config` ([`sshd_config_check`]) are pure; [`install`]
-//! does the writing, from the driver.
+//! does the writing, from the driver, and [`sshd_check`] the reading, for `doctor`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -100,13 +100,10 @@ fn is_unix_account(account: &str) -> bool {
 fn is_ca_key_line(line: &str) -> bool {
     let mut parts = line.split(' ');
     let algorithm_ok = parts.next().is_some_and(|a| a == "ssh-ed25519" || a.starts_with("ecdsa-sha2-nistp"));
-    let base64_ok = parts.next().is_some_and(|b| {
-        !b.is_empty() && b.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'+' || c == b'/' || c == b'=')
-    });
-    algorithm_ok
-        && base64_ok
-        && line.len() <= SSH_CA_KEY_BYTES_MAX
-        && line.chars().all(|c| c.is_ascii_graphic() || c == ' ')
+    let base64_ok = parts
+        .next()
+        .is_some_and(|b| !b.is_empty() && b.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'+' || c == b'/' || c == b'='));
+    algorithm_ok && base64_ok && line.len() <= SSH_CA_KEY_BYTES_MAX && line.chars().all(|c| c.is_ascii_graphic() || c == ' ')
 }
 
 /// The files to write for `node_id` trusting `ca_keys`: `(path, contents)`, the CA file first.
@@ -142,6 +139,19 @@ pub fn install(config: &SshConfig, node_id: &str, ca_keys: &[String]) -> Result<
         written.push(path);
     }
     Ok(written)
+}
+
+/// [`install`] as the driver runs it on each welcome: what it wrote, or why it could not, goes
+/// to the log; a failure does not end the session (sshd keeps the files it had).
+pub fn install_logged(config: &SshConfig, node_id: &str, ca_keys: &[String]) {
+    match install(config, node_id, ca_keys) {
+        Ok(written) if written.is_empty() => {}
+        Ok(written) => {
+            let files: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+            tracing::info!(files = %files.join(", "), keys = ca_keys.len(), "installed the SSH user CA for sshd");
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot install the SSH user CA for sshd"),
+    }
 }
 
 /// Writes `path` through a temporary file beside it, 0644, synced, then renamed over it.
@@ -211,12 +221,23 @@ pub fn sshd_config_check(config: &SshConfig, path: &Path, text: Option<&str>) ->
     )
 }
 
+/// `doctor`'s check: reads the sshd configuration `[ssh]` names (bounded) and judges it.
+pub fn sshd_check(config: &SshConfig) -> Check {
+    let path = config.sshd_config_path();
+    let text = std::fs::File::open(&path).ok().and_then(|file| {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::Read::take(file, SSHD_CONFIG_BYTES_MAX), &mut text).ok().map(|_| text)
+    });
+    sshd_config_check(config, &path, text.as_deref())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::doctor::Status;
 
-    const CA: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGPp5cSj0ubxLBNKS9nHc9vlsXR+lxeUHkpUqc6yIaLy better-compute-ssh-user-ca";
+    const CA: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGPp5cSj0ubxLBNKS9nHc9vlsXR+lxeUHkpUqc6yIaLy better-compute-ssh-user-ca";
 
     fn config(dir: &Path) -> SshConfig {
         SshConfig {
@@ -276,7 +297,8 @@ mod tests {
         c.trusted_user_ca_keys = "ca.pub".into();
         assert!(c.validate().is_err());
         let parsed: SshConfig =
-            toml::from_str("trusted_user_ca_keys = \"/etc/ssh/ca.pub\"\nauthorized_principals_file = \"/etc/ssh/p/%u\"\n").unwrap();
+            toml::from_str("trusted_user_ca_keys = \"/etc/ssh/ca.pub\"\nauthorized_principals_file = \"/etc/ssh/p/%u\"\n")
+                .unwrap();
         assert_eq!(parsed.accounts, ["root"]);
         assert_eq!(parsed.sshd_config_path(), Path::new(SSHD_CONFIG_DEFAULT));
     }

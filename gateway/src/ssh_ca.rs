@@ -117,8 +117,8 @@ impl SshUserCa {
     pub fn sign(&self, subject: &PublicKey, order: &CertificateOrder<'_>) -> Result<Certificate> {
         let nonce = Sha256::new().chain_update(NONCE_CONTEXT).chain_update(order.event_id.as_bytes()).finalize();
         let failed = |e: ssh_key::Error| Error::Internal(format!("signing an SSH certificate: {e}"));
-        let mut builder =
-            Builder::new(nonce.to_vec(), subject.key_data().clone(), order.valid_after_s, order.valid_before_s).map_err(failed)?;
+        let mut builder = Builder::new(nonce.to_vec(), subject.key_data().clone(), order.valid_after_s, order.valid_before_s)
+            .map_err(failed)?;
         builder.serial(order.serial).map_err(failed)?;
         builder.cert_type(CertType::User).map_err(failed)?;
         builder.key_id(order.key_id).map_err(failed)?;
