@@ -273,28 +273,7 @@ pub fn check_proof(
     witnesses_min: Option<usize>,
 ) -> Result<Value, CliError> {
     let invalid = |m: String| CliError::new("INVALID_PROOF", m);
-    let witness_keys: Vec<bc_core::witness::WitnessKey> = witnesses
-        .iter()
-        .map(|w| bc_core::witness::WitnessKey::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
-        .collect::<Result<_, _>>()?;
-    // Every witness named must cosign unless --witnesses-min says fewer suffice.
-    let witnesses_min = witnesses_min.unwrap_or(witness_keys.len());
-    if witnesses_min > witness_keys.len() {
-        return Err(CliError::usage(format!(
-            "--witnesses-min {witnesses_min} is more than the {} --witness keys given",
-            witness_keys.len()
-        )));
-    }
-    if pins.is_empty() && vkeys.is_empty() {
-        return Err(CliError::usage("give --pin PIN (or BETTER_COMPUTE_AUDIT_PIN) or --vkey VKEY: the key you trust"));
-    }
-    let vkeys: Vec<Vkey> =
-        vkeys.iter().map(|v| Vkey::parse(v).map_err(|e| CliError::usage(format!("--vkey: {e}")))).collect::<Result<_, _>>()?;
-    for pin in pins {
-        if !pin.starts_with("sha256/") {
-            return Err(CliError::usage(format!("--pin {pin:?} is not sha256/…")));
-        }
-    }
+    let trust = ProofTrust::parse(pins, vkeys, witnesses, witnesses_min)?;
     let text = std::fs::read_to_string(file).map_err(|e| CliError::usage(format!("cannot read {}: {e}", file.display())))?;
     let consistency_path = consistency_path_of(file);
     let consistency = if consistency_path.exists() {
@@ -309,36 +288,18 @@ pub fn check_proof(
         Some(p) => Some(std::fs::read_to_string(p).map_err(|e| CliError::usage(format!("cannot read {}: {e}", p.display())))?),
         None => None,
     };
-    let proved = audit::check_proof(&text, consistency.as_deref(), saved.as_deref(), pins, &vkeys).map_err(invalid)?;
+    let proved = audit::check_proof(&text, consistency.as_deref(), saved.as_deref(), pins, &trust.vkeys).map_err(invalid)?;
     // The checkpoint verified under the log key; now the witnesses' cosignatures of it.
     let checkpoint = bc_core::note::ProofFile::parse(&text).map_err(invalid)?.checkpoint;
-    let cosigned = bc_core::witness::cosigners(&checkpoint, &witness_keys);
-    if cosigned < witnesses_min {
+    let cosigned = bc_core::witness::cosigners(&checkpoint, &trust.witness_keys);
+    if cosigned < trust.witnesses_min {
         return Err(invalid(format!(
-            "the proof's checkpoint is cosigned by {cosigned} of the {} witnesses given, fewer than the {witnesses_min} required",
-            witness_keys.len()
+            "the proof's checkpoint is cosigned by {cosigned} of the {} witnesses given, fewer than the {} required",
+            trust.witness_keys.len(),
+            trust.witnesses_min
         )));
     }
-    let (consistent_from, said) = match proved.consistency {
-        audit::Consistency::FromSaved { size } => {
-            (Some(size), format!("checked: the log extends your saved checkpoint (size {size})"))
-        }
-        audit::Consistency::FromProver { size } => (
-            Some(size),
-            format!(
-                "checked from the prover's own checkpoint (size {size}), not one you saved: a forked log would pass; \
-                 give --saved CHECKPOINT"
-            ),
-        ),
-        audit::Consistency::NotChecked => (
-            None,
-            format!(
-                "NOT CHECKED: no --saved checkpoint and no {}; the event is in a tree the key signed, which a forked log \
-                 would also show",
-                consistency_path.display()
-            ),
-        ),
-    };
+    let (consistent_from, said) = consistency_said(&proved.consistency, &consistency_path);
     if !matches!(proved.consistency, audit::Consistency::FromSaved { .. }) {
         eprintln!("warning: consistency {said}");
     }
@@ -364,6 +325,69 @@ pub fn check_proof(
         "consistency": said,
         "witnessesCosigned": cosigned,
     }))
+}
+
+/// The keys `check-proof` trusts, checked before any file is read: the log key by pin or
+/// verifier key, and the witnesses, of which at least `witnesses_min` must have cosigned.
+struct ProofTrust {
+    vkeys: Vec<Vkey>,
+    witness_keys: Vec<bc_core::witness::WitnessKey>,
+    witnesses_min: usize,
+}
+
+impl ProofTrust {
+    fn parse(pins: &[String], vkeys: &[String], witnesses: &[String], witnesses_min: Option<usize>) -> Result<Self, CliError> {
+        let witness_keys: Vec<bc_core::witness::WitnessKey> = witnesses
+            .iter()
+            .map(|w| bc_core::witness::WitnessKey::parse(w).map_err(|e| CliError::usage(format!("--witness: {e}"))))
+            .collect::<Result<_, _>>()?;
+        // Every witness named must cosign unless --witnesses-min says fewer suffice.
+        let witnesses_min = witnesses_min.unwrap_or(witness_keys.len());
+        if witnesses_min > witness_keys.len() {
+            return Err(CliError::usage(format!(
+                "--witnesses-min {witnesses_min} is more than the {} --witness keys given",
+                witness_keys.len()
+            )));
+        }
+        if pins.is_empty() && vkeys.is_empty() {
+            return Err(CliError::usage("give --pin PIN (or BETTER_COMPUTE_AUDIT_PIN) or --vkey VKEY: the key you trust"));
+        }
+        let vkeys: Vec<Vkey> = vkeys
+            .iter()
+            .map(|v| Vkey::parse(v).map_err(|e| CliError::usage(format!("--vkey: {e}"))))
+            .collect::<Result<_, _>>()?;
+        for pin in pins {
+            if !pin.starts_with("sha256/") {
+                return Err(CliError::usage(format!("--pin {pin:?} is not sha256/…")));
+            }
+        }
+        Ok(Self { vkeys, witness_keys, witnesses_min })
+    }
+}
+
+/// The size consistency was proved from, if any, and what was checked, in words a reader acts
+/// on: only a checkpoint the auditor saved catches a forked log.
+fn consistency_said(consistency: &audit::Consistency, consistency_path: &Path) -> (Option<u64>, String) {
+    match *consistency {
+        audit::Consistency::FromSaved { size } => {
+            (Some(size), format!("checked: the log extends your saved checkpoint (size {size})"))
+        }
+        audit::Consistency::FromProver { size } => (
+            Some(size),
+            format!(
+                "checked from the prover's own checkpoint (size {size}), not one you saved: a forked log would pass; \
+                 give --saved CHECKPOINT"
+            ),
+        ),
+        audit::Consistency::NotChecked => (
+            None,
+            format!(
+                "NOT CHECKED: no --saved checkpoint and no {}; the event is in a tree the key signed, which a forked log \
+                 would also show",
+                consistency_path.display()
+            ),
+        ),
+    }
 }
 
 fn hex_of(bytes: &[u8]) -> String {

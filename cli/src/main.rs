@@ -56,7 +56,7 @@ fn main() -> ExitCode {
         }
     };
     // A simulation's agents and reconcilers log every command at info: only warnings by default.
-    let quiet = matches!(&cli.command, flags::Command::Sim { command: flags::SimCommand::Run { .. } });
+    let quiet = matches!(&cli.command, flags::Command::Sim { command: commands::sim::SimCommand::Run { .. } });
     init_tracing(if quiet { "warn" } else { "info,sqlx=warn,tower_http=info" });
     let _ = rustls::crypto::ring::default_provider().install_default();
     // `sim run` is one thread: the world, its log's appender task and every agent on

@@ -61,27 +61,12 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
     // sent, and no redirect followed.
     let parsed = client::api_url(&args.url)?;
     let http = client::api_http(&parsed, reqwest::Client::builder().connect_timeout(Duration::from_secs(10)))?;
-    // The id of the last event received: a reconnect resumes after it (`Last-Event-ID`).
-    let mut last: Option<String> = None;
-    let mut printed = 0u64;
-    let mut backoff_ms = RECONNECT_FIRST_MS;
+    let mut progress = Progress { last: None, printed: 0, backoff_ms: RECONNECT_FIRST_MS };
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
     loop {
-        let mut query: Vec<(&str, String)> = Vec::new();
-        if let Some(t) = &args.types {
-            query.push(("types", t.clone()));
-        }
-        if let Some(t) = &args.tenant {
-            query.push(("tenantId", t.clone()));
-        }
-        if let (None, Some(since)) = (&last, &args.since) {
-            query.push(("since", since.query()));
-        }
-        let url = url::Url::parse_with_params(&format!("{}/watch", args.url.trim_end_matches('/')), &query)
-            .map_err(|e| CliError::usage(format!("malformed BETTER_COMPUTE_URL: {e}")))?;
-        let mut request = http.get(url).bearer_auth(&args.token);
-        if let Some(id) = &last {
+        let mut request = http.get(watch_url(&args, progress.last.as_deref())?).bearer_auth(&args.token);
+        if let Some(id) = &progress.last {
             request = request.header("last-event-id", id);
         }
         let response = tokio::select! {
@@ -89,65 +74,15 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
             r = request.send() => r,
         };
         match response {
-            Ok(r) if r.status().is_client_error() && !matches!(r.status().as_u16(), 408 | 429) => {
-                let status = r.status();
-                let body: Value = r.json().await.unwrap_or_default();
-                let code = body["code"].as_str().unwrap_or("INVALID_ARGUMENT");
-                let message = body["message"].as_str().unwrap_or("refused");
-                return Err(CliError::new(code, format!("the server refused the watch ({status}): {message}")));
-            }
+            Ok(r) if r.status().is_client_error() && !matches!(r.status().as_u16(), 408 | 429) => return Err(refusal(r).await),
             Ok(r) if r.status().is_redirection() => {
                 return Err(client::redirect_refused(r.status(), r.headers().get(reqwest::header::LOCATION)));
             }
             Ok(r) if r.status().is_success() => {
-                let mut body = r.bytes_stream();
-                let mut buffer: Vec<u8> = Vec::new();
-                let (mut id, mut data) = (None::<String>, String::new());
-                loop {
-                    let chunk = tokio::select! {
-                        _ = &mut ctrl_c => return Ok(()),
-                        c = tokio::time::timeout(Duration::from_secs(IDLE_TIMEOUT_S), body.next()) => c,
-                    };
-                    // A half-open connection (silent for longer than heartbeats allow) is broken.
-                    let Ok(Some(Ok(chunk))) = chunk else { break };
-                    buffer.extend_from_slice(&chunk);
-                    while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
-                        let line: Vec<u8> = buffer.drain(..=end).collect();
-                        let line = String::from_utf8_lossy(&line[..line.len() - 1]).trim_end_matches('\r').to_owned();
-                        if line.is_empty() {
-                            // As in the SSE spec, an id counts even on an event without data.
-                            if let Some(id) = id.take() {
-                                last = Some(id);
-                            }
-                            if !data.is_empty() {
-                                let value: Value = serde_json::from_str(&data).unwrap_or(Value::String(data.clone()));
-                                use std::io::Write;
-                                let mut out = std::io::stdout().lock();
-                                // A closed pipe (`| head -1`) ends the watch quietly.
-                                if writeln!(out, "{}", output::safe_json(&value, false)).and_then(|()| out.flush()).is_err() {
-                                    return Ok(());
-                                }
-                                printed += 1;
-                                backoff_ms = RECONNECT_FIRST_MS;
-                                if args.count.is_some_and(|c| printed >= c) {
-                                    return Ok(());
-                                }
-                            }
-                            data.clear();
-                        } else if let Some(v) = line.strip_prefix("id:") {
-                            id = Some(v.trim_start().to_owned());
-                        } else if let Some(v) = line.strip_prefix("data:") {
-                            if !data.is_empty() {
-                                data.push('\n');
-                            }
-                            data.push_str(v.strip_prefix(' ').unwrap_or(v));
-                        }
-                    }
-                    if buffer.len() > LINE_BYTES_MAX {
-                        return Err(CliError::new("INVALID_RESPONSE", "the watch stream sent a line longer than 1 MiB"));
-                    }
+                if let Connection::Done = print_stream(r, &args, &mut progress, ctrl_c.as_mut()).await? {
+                    return Ok(());
                 }
-                match last.clone().or_else(|| args.since.as_ref().map(Since::query)) {
+                match progress.last.clone().or_else(|| args.since.as_ref().map(Since::query)) {
                     Some(from) => eprintln!("watch: connection closed; reconnecting after {from}"),
                     None => eprintln!("watch: connection closed; reconnecting at the end of the log"),
                 }
@@ -157,8 +92,138 @@ pub async fn watch(args: WatchArgs) -> Result<(), CliError> {
         }
         tokio::select! {
             _ = &mut ctrl_c => return Ok(()),
-            _ = tokio::time::sleep(Duration::from_millis(backoff_ms)) => {}
+            _ = tokio::time::sleep(Duration::from_millis(progress.backoff_ms)) => {}
         }
-        backoff_ms = (backoff_ms * 2).min(RECONNECT_MAX_MS);
+        progress.backoff_ms = (progress.backoff_ms * 2).min(RECONNECT_MAX_MS);
+    }
+}
+
+/// What a watch carries from one connection to the next.
+struct Progress {
+    /// The id of the last event received: a reconnect resumes after it (`Last-Event-ID`).
+    last: Option<String>,
+    /// Events printed, for `--count`.
+    printed: u64,
+    /// The wait before the next reconnect; back to the first after an event.
+    backoff_ms: u64,
+}
+
+/// How one connection's stream ended.
+enum Connection {
+    /// The watch is over: Ctrl-C, `--count` reached, or standard output closed.
+    Done,
+    /// The connection broke or went silent: reconnect.
+    Broken,
+}
+
+/// `GET /watch` with the filters; `since` only on the first connection (a reconnect sends
+/// `Last-Event-ID` instead).
+fn watch_url(args: &WatchArgs, last: Option<&str>) -> Result<url::Url, CliError> {
+    let mut query: Vec<(&str, String)> = Vec::new();
+    if let Some(t) = &args.types {
+        query.push(("types", t.clone()));
+    }
+    if let Some(t) = &args.tenant {
+        query.push(("tenantId", t.clone()));
+    }
+    if let (None, Some(since)) = (last, &args.since) {
+        query.push(("since", since.query()));
+    }
+    url::Url::parse_with_params(&format!("{}/watch", args.url.trim_end_matches('/')), &query)
+        .map_err(|e| CliError::usage(format!("malformed BETTER_COMPUTE_URL: {e}")))
+}
+
+/// A 4xx answer (but 408 and 429, which are worth a retry): the server's code and message.
+async fn refusal(response: reqwest::Response) -> CliError {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap_or_default();
+    let code = body["code"].as_str().unwrap_or("INVALID_ARGUMENT");
+    let message = body["message"].as_str().unwrap_or("refused");
+    CliError::new(code, format!("the server refused the watch ({status}): {message}"))
+}
+
+/// Reads one connection's event stream, printing each event, until it ends or the watch is over.
+async fn print_stream(
+    response: reqwest::Response,
+    args: &WatchArgs,
+    progress: &mut Progress,
+    mut ctrl_c: std::pin::Pin<&mut impl std::future::Future<Output = std::io::Result<()>>>,
+) -> Result<Connection, CliError> {
+    let mut body = response.bytes_stream();
+    let mut parser = SseParser::default();
+    loop {
+        let chunk = tokio::select! {
+            _ = &mut ctrl_c => return Ok(Connection::Done),
+            c = tokio::time::timeout(Duration::from_secs(IDLE_TIMEOUT_S), body.next()) => c,
+        };
+        // A half-open connection (silent for longer than heartbeats allow) is broken.
+        let Ok(Some(Ok(chunk))) = chunk else { return Ok(Connection::Broken) };
+        for event in parser.push(&chunk) {
+            // As in the SSE spec, an id counts even on an event without data.
+            if let Some(id) = event.id {
+                progress.last = Some(id);
+            }
+            let Some(data) = event.data else { continue };
+            if !print_event(data) {
+                return Ok(Connection::Done);
+            }
+            progress.printed += 1;
+            progress.backoff_ms = RECONNECT_FIRST_MS;
+            if args.count.is_some_and(|c| progress.printed >= c) {
+                return Ok(Connection::Done);
+            }
+        }
+        if parser.buffer.len() > LINE_BYTES_MAX {
+            return Err(CliError::new("INVALID_RESPONSE", "the watch stream sent a line longer than 1 MiB"));
+        }
+    }
+}
+
+/// Prints one event's data as a JSON line; false when standard output is closed (`| head -1`),
+/// which ends the watch quietly.
+fn print_event(data: String) -> bool {
+    use std::io::Write;
+    let value: Value = serde_json::from_str(&data).unwrap_or(Value::String(data));
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", output::safe_json(&value, false)).and_then(|()| out.flush()).is_ok()
+}
+
+/// Server-sent events, as far as the watch uses them: `id:` and `data:` lines, an event ended
+/// by a blank line. Bytes go in as they arrive; whole events come out.
+#[derive(Default)]
+struct SseParser {
+    /// Bytes of a line not yet ended.
+    buffer: Vec<u8>,
+    id: Option<String>,
+    data: String,
+}
+
+/// What a blank line ends: the event's id and its data, when it had them.
+struct SseEvent {
+    id: Option<String>,
+    data: Option<String>,
+}
+
+impl SseParser {
+    /// Takes the next chunk; returns the events it completes, in order.
+    fn push(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
+        self.buffer.extend_from_slice(chunk);
+        let mut events = Vec::new();
+        while let Some(end) = self.buffer.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.buffer.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line[..line.len() - 1]).trim_end_matches('\r').to_owned();
+            if line.is_empty() {
+                let data = (!self.data.is_empty()).then(|| std::mem::take(&mut self.data));
+                events.push(SseEvent { id: self.id.take(), data });
+            } else if let Some(v) = line.strip_prefix("id:") {
+                self.id = Some(v.trim_start().to_owned());
+            } else if let Some(v) = line.strip_prefix("data:") {
+                if !self.data.is_empty() {
+                    self.data.push('\n');
+                }
+                self.data.push_str(v.strip_prefix(' ').unwrap_or(v));
+            }
+        }
+        events
     }
 }

@@ -2,14 +2,46 @@
 //! nodes that joined with `bcd join` take commands; the gateway refuses the rest.
 
 use bc_core::id::{CommandId, NodeId};
+use clap::Subcommand;
 use serde_json::{Value, json};
 
 use crate::client::CliError;
-use crate::flags::CommandsCommand;
+use crate::flags::{IdempotencyKey, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+#[derive(Subcommand)]
+pub enum CommandsCommand {
+    /// Send a command to a node's agent: `ping`, `gpu.hold`, `gpu.release`.
+    Issue {
+        /// The node (one that joined with `bcd join`).
+        #[arg(long)]
+        node: String,
+        /// `ping`, `gpu.hold` or `gpu.release`.
+        kind: String,
+        /// The kind's arguments as a JSON object (`{"reservationId":"rsv_…","gpus":[0,1]}`).
+        #[arg(long, value_name = "JSON")]
+        args: Option<String>,
+        /// How long the node has to run it: `30s`, `5m`, `1h` (at most a day; default 5m).
+        #[arg(long, value_parser = parse_duration_s)]
+        deadline: Option<u64>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's commands, of one node with --node.
+    List {
+        #[arg(long)]
+        node: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One command.
+    Get { command_id: String },
+    /// Cancel a command that has not finished.
+    Cancel { command_id: String },
+}
 
 pub async fn run(ctx: &Context, command: CommandsCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;

@@ -21,14 +21,32 @@
 use std::io::Read;
 use std::path::Path;
 
+use clap::Args;
 use serde_json::{Map, Value, json};
 
 use crate::client::CliError;
-use crate::flags::ApiArgs;
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, nearest};
+
+#[derive(Args)]
+pub struct ApiArgs {
+    /// GROUP.METHOD (with --list: a group, `reservations`, to list only its methods).
+    pub method: Option<String>,
+    /// Body fields: `k=v` (a string), `k:=json`, `a.b=v` (nested), `ids[]=x` (appended),
+    /// `k=@file.txt` (a string from a file), `k:=@file.json` (JSON from a file).
+    pub items: Vec<String>,
+    /// The whole body: JSON, `@file.json`, or `-` to read it from standard input.
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Idempotency key to send.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// List the methods.
+    #[arg(long)]
+    pub list: bool,
+}
 
 /// The largest file an item or `--data` reads (the server takes bodies up to 1 MiB).
 pub const FILE_BYTES_MAX: u64 = 1024 * 1024;

@@ -2,14 +2,63 @@
 //! where to start (`start` or `0`: the beginning); the stream itself is followed by
 //! `crate::watch`. `export` reads the database itself (`crate::sim`), as the audit does.
 
+use std::path::PathBuf;
+
+use clap::Subcommand;
 use serde_json::{Value, json};
 
 use crate::client::CliError;
-use crate::flags::EventsCommand;
+use crate::flags::{DatabaseArgs, Deployment, Page};
 use crate::output::Format;
 use crate::{credentials, tables, watch};
 
 use super::{Context, check_id};
+
+#[derive(Subcommand)]
+pub enum EventsCommand {
+    /// Page through a tenant's events by outbox position.
+    List {
+        #[command(flatten)]
+        page: Page,
+        /// Comma-separated type patterns (`pool.*`).
+        #[arg(long)]
+        types: Option<String>,
+    },
+    /// One event with its canonical bytes, hash and signature.
+    Get { event_id: String },
+    /// Write a tenant's events (--tenant), with their hashes and signatures, to a file that
+    /// verifies alone (a CBOR sequence; schema/LOG-FORMAT.md, "Event exports"). Reads the
+    /// database directly, like `audit verify`.
+    Export {
+        /// The first seq (default 1: the chain from its start, which `sim replay` needs).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        from: u64,
+        /// The last seq (default: the chain head when the export starts).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        to: Option<u64>,
+        /// The file to create (never over an existing file).
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Follow the log live from its end (like `tail -f`): one JSON line per event; reconnects
+    /// after a broken connection.
+    Watch {
+        /// Comma-separated type patterns (`pool.*,node.registered`), at most 20.
+        #[arg(long)]
+        types: Option<String>,
+        /// Start after this position (`COMMIT.INDEX` or `COMMIT:INDEX`), or `start` (or `0`) to
+        /// replay the log from its beginning. Default: only events appended from now on.
+        #[arg(long)]
+        since: Option<String>,
+        /// Stop after printing this many events.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+    },
+}
 
 pub async fn run(ctx: &Context, command: EventsCommand) -> Result<(), CliError> {
     match command {

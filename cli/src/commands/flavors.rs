@@ -3,14 +3,103 @@
 //! checks only ids, so a refusal reads the same from the CLI and the API.
 
 use bc_core::id::{FlavorId, ImageId, PoolId};
+use clap::{Subcommand, ValueEnum};
 use serde_json::{Map, Value, json};
 
 use crate::client::CliError;
-use crate::flags::{DiskFormatArg, FlavorsCommand, IfVersion, ImagesCommand};
+use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+#[derive(Subcommand)]
+pub enum FlavorsCommand {
+    /// A flavor in one pool; its name is unique within the pool.
+    Create {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        name: String,
+        /// vCPUs (1 to 1024).
+        #[arg(long)]
+        vcpus: u32,
+        /// Memory in MiB (1 to 16777216, 16 TiB).
+        #[arg(long)]
+        memory_mib: u64,
+        /// Disk in GiB (1 to 65536).
+        #[arg(long)]
+        disk_gib: u64,
+        /// GPUs passed through (0 to 64; default 0).
+        #[arg(long, default_value_t = 0)]
+        gpus: u32,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's flavors, of one pool with --pool.
+    List {
+        #[arg(long)]
+        pool: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One flavor, by its `flv_…` id.
+    Get { flavor_id: String },
+    /// Delete a flavor.
+    Delete {
+        flavor_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+}
+
+/// An image's disk format.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum DiskFormatArg {
+    Qcow2,
+    Raw,
+    /// A bootable ISO, for `metal deploy` and `metal rescue`.
+    Iso,
+}
+
+#[derive(Subcommand)]
+pub enum ImagesCommand {
+    /// Register an image: where it is fetched from and the SHA-256 its bytes must have.
+    Register {
+        /// Unique within the tenant.
+        #[arg(long)]
+        name: String,
+        /// Where the image is fetched from: `https://` or `http://`, without user, password or
+        /// query (the URL enters the log). Not `--url`, which is every command's API URL: the
+        /// token would go to the image's host.
+        #[arg(long)]
+        image_url: String,
+        /// The image's SHA-256, 64 lowercase hex digits (as `sha256sum` prints it).
+        #[arg(long)]
+        sha256: String,
+        /// qcow2 or raw (not `--format`, which is every command's output format).
+        #[arg(long, value_enum)]
+        disk_format: DiskFormatArg,
+        /// The image's size in bytes, when known.
+        #[arg(long)]
+        size_bytes: Option<u64>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's images.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One image, by its `img_…` id.
+    Get { image_id: String },
+    /// Delete an image.
+    Delete {
+        image_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+}
 
 fn add_if_version(body: &mut Map<String, Value>, if_version: &IfVersion) {
     if let Some(v) = if_version.if_version {

@@ -5,14 +5,89 @@
 use std::time::{Duration, Instant};
 
 use bc_core::id::{FlavorId, ImageId, InstanceId, ReservationId};
+use clap::{Args, Subcommand};
 use serde_json::{Map, Value, json};
 
 use crate::client::{CliError, Client};
-use crate::flags::{IfVersion, InstanceWait, InstancesCommand};
+use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+/// How long to wait for an instance to settle.
+#[derive(Args, Clone, Copy)]
+pub struct InstanceWait {
+    /// Wait up to this many seconds until the node observes what was asked (0: do not wait).
+    #[arg(long, default_value_t = 0)]
+    pub wait: u64,
+}
+
+#[derive(Subcommand)]
+pub enum InstancesCommand {
+    /// An instance on an active reservation whose GPUs its node holds, from a flavor of the
+    /// reservation's pool (as many GPUs) and a registered image; started unless --stopped.
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        reservation: String,
+        #[arg(long)]
+        flavor: String,
+        #[arg(long)]
+        image: String,
+        /// Define it, but do not start it.
+        #[arg(long)]
+        stopped: bool,
+        #[command(flatten)]
+        wait: InstanceWait,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's instances, on one reservation with --reservation.
+    List {
+        #[arg(long)]
+        reservation: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One instance, by its `inst_…` id, with what its node observes.
+    Get { instance_id: String },
+    /// Start an instance.
+    Start {
+        instance_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+        #[command(flatten)]
+        wait: InstanceWait,
+    },
+    /// Stop an instance.
+    Stop {
+        instance_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+        #[command(flatten)]
+        wait: InstanceWait,
+    },
+    /// Give an instance another flavor of its pool, with as many GPUs.
+    Resize {
+        instance_id: String,
+        #[arg(long)]
+        flavor: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+        #[command(flatten)]
+        wait: InstanceWait,
+    },
+    /// Delete an instance from its node.
+    Delete {
+        instance_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+        #[command(flatten)]
+        wait: InstanceWait,
+    },
+}
 
 /// How often `--wait` reads the instance again.
 const WAIT_POLL_MS: u64 = 250;

@@ -3,14 +3,44 @@
 //! per report, by `seq`), as `nodes get` and `nodes list` do.
 
 use bc_core::id::NodeId;
+use clap::Subcommand;
 use serde_json::{Value, json};
 
 use crate::client::CliError;
-use crate::flags::InventoryCommand;
+use crate::flags::Page;
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id};
+
+#[derive(Subcommand)]
+pub enum InventoryCommand {
+    /// The node's latest reported inventory: GPUs (UUID, model, product, VRAM, PCI bus id, NVLink
+    /// domain), driver and CUDA versions, the host; `seq` names the report.
+    Get {
+        /// The node (one that joined with `bcd join`).
+        #[arg(long)]
+        node: String,
+    },
+    /// The node's reports, newest first (--limit 1 to 50, default 10).
+    History {
+        #[arg(long)]
+        node: String,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// What changed between two reports, by their `seq` (default: the latest and the one before).
+    Diff {
+        #[arg(long)]
+        node: String,
+        /// The earlier report's seq (default: the one before --to).
+        #[arg(long, value_name = "SEQ")]
+        from: Option<u64>,
+        /// The later report's seq (default: the latest).
+        #[arg(long, value_name = "SEQ")]
+        to: Option<u64>,
+    },
+}
 
 pub async fn run(ctx: &Context, command: InventoryCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;

@@ -3,18 +3,51 @@
 //! before anything is sent) and left out of the output. `get` and `revoke` refuse anything
 //! shaped like a secret without sending or echoing it: a pasted token is never an id.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use bc_core::agent::looks_like_join_token;
 use bc_core::id::{JoinTokenId, PoolId};
+use clap::Subcommand;
 use serde_json::{Map, Value, json};
 
 use crate::client::CliError;
-use crate::flags::JoinTokensCommand;
+use crate::flags::{IdempotencyKey, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+#[derive(Subcommand)]
+pub enum JoinTokensCommand {
+    /// A join token for one pool. The secret (`bcjt_…`) is printed once, or written to --out.
+    Create {
+        #[arg(long)]
+        pool: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// How long it can be used: `30m`, `1h`, `7d` (at most 30 days; default 1h).
+        #[arg(long, value_parser = parse_duration_s)]
+        expires: Option<u64>,
+        /// How many machines may join with it (default 1).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        uses: Option<u32>,
+        /// Write the secret to this new file (mode 0600, never over an existing file) and print
+        /// only the token's id and the file.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's join tokens (never their secrets).
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One join token, by its `jt_…` id.
+    Get { join_token_id: String },
+    /// Revoke a join token by its `jt_…` id (a pasted secret is refused, and never sent).
+    Revoke { join_token_id: String },
+}
 
 /// A `jt_…` id, refusing a secret without quoting it.
 fn token_id(text: &str) -> Result<String, CliError> {

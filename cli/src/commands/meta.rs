@@ -4,10 +4,33 @@
 //! choices and whether it is required.
 
 use clap::CommandFactory;
+use clap::{Args, ValueEnum};
 use serde_json::{Value, json};
 
 use crate::client::CliError;
-use crate::flags::{Cli, CompletionShell};
+use crate::flags::Cli;
+
+#[derive(Args)]
+pub struct CompletionArgs {
+    #[arg(value_enum)]
+    pub shell: CompletionShell,
+}
+
+#[derive(Args)]
+pub struct HelpArgs {
+    /// The command to describe (`help nodes drain`).
+    pub command: Vec<String>,
+    /// Every command, subcommand and flag as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum CompletionShell {
+    Bash,
+    Zsh,
+    Fish,
+}
 
 const BIN_NAME: &str = "better-compute";
 

@@ -3,17 +3,150 @@
 //! (`--token-out`), never to the terminal. With `--wait S`, a verb is followed until the
 //! machine rests in a stable state, its workflow's steps shown on standard error.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bc_core::id::{ImageId, NodeId, PoolId, WorkflowId};
+use clap::{Args, Subcommand};
 use serde_json::{Map, Value, json};
 
 use crate::client::{CliError, Client};
-use crate::flags::{MachineVerbArgs, MetalCommand, MetalWait, WorkflowsCommand};
+use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+/// How long to wait for a machine's workflow to end.
+#[derive(Args, Clone, Copy)]
+pub struct MetalWait {
+    /// Wait up to this many seconds until the machine rests in a stable state (0: do not wait).
+    #[arg(long, default_value_t = 0)]
+    pub wait: u64,
+}
+
+/// A verb on one machine.
+#[derive(Args)]
+pub struct MachineVerbArgs {
+    /// The machine's `node_…` id.
+    pub node_id: String,
+    #[command(flatten)]
+    pub if_version: IfVersion,
+    #[command(flatten)]
+    pub wait: MetalWait,
+}
+
+#[derive(Args)]
+pub struct EnrollArgs {
+    #[arg(long)]
+    pub pool: String,
+    #[arg(long)]
+    pub name: String,
+    /// `https://host[:port]`.
+    #[arg(long)]
+    pub bmc_address: String,
+    #[arg(long)]
+    pub bmc_username: String,
+    /// A file holding the BMC's password (its first line).
+    #[arg(long)]
+    pub bmc_password_file: PathBuf,
+    /// The ComputerSystem (`/redfish/v1/Systems/…`) when the BMC has several.
+    #[arg(long)]
+    pub bmc_system_path: Option<String>,
+    /// Check the BMC's certificate against the CA certificates in this PEM file.
+    #[arg(long, conflicts_with_all = ["bmc_pin", "bmc_insecure"])]
+    pub bmc_ca_file: Option<PathBuf>,
+    /// Check the BMC's certificate by its public key: `sha256/…`.
+    #[arg(long, conflicts_with = "bmc_insecure")]
+    pub bmc_pin: Option<String>,
+    /// Do not check the BMC's certificate (anyone on the path can read its password).
+    #[arg(long)]
+    pub bmc_insecure: bool,
+    #[command(flatten)]
+    pub key: IdempotencyKey,
+}
+
+#[derive(Subcommand)]
+pub enum MetalCommand {
+    /// Enroll a machine by its BMC (Redfish over HTTPS); the password only from a file.
+    Enroll(EnrollArgs),
+    /// A tenant's machines.
+    List {
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only machines in this state (`available`, `deploy-wait`, …).
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One machine: state, power, BMC, workflow.
+    Get { node_id: String },
+    /// Check the BMC and manage the machine (enroll → manageable).
+    Manage(MachineVerbArgs),
+    /// Read the machine's hardware from its BMC.
+    Inspect(MachineVerbArgs),
+    /// Clean the machine and offer it (manageable → available).
+    Provide(MachineVerbArgs),
+    /// Boot an image on the machine through virtual media; it is active once the installed
+    /// system's agent joins as its node with the join token written to --token-out.
+    Deploy {
+        #[command(flatten)]
+        verb: MachineVerbArgs,
+        /// A registered image (`img_…`) whose URL the BMC's virtual CD boots.
+        #[arg(long)]
+        image: String,
+        /// A new 0600 file for the one-use join token the installed system joins with
+        /// (`bcd join --node-id NODE --token-file FILE`).
+        #[arg(long)]
+        token_out: PathBuf,
+    },
+    /// Tear down a deployed machine and clean it (drain its node first).
+    Undeploy(MachineVerbArgs),
+    /// Boot a deployed machine into a rescue image.
+    Rescue {
+        #[command(flatten)]
+        verb: MachineVerbArgs,
+        #[arg(long)]
+        image: String,
+    },
+    /// Boot a rescued machine back into its system.
+    Unrescue(MachineVerbArgs),
+    /// Retire a machine: never offered or deployed again.
+    Retire(MachineVerbArgs),
+    /// Take a machine out of maintenance.
+    Recover(MachineVerbArgs),
+    /// Abort the machine's running workflow (in a wait state, or a power change).
+    Abort(MachineVerbArgs),
+    /// Power a machine on, off, or reboot it.
+    Power {
+        #[command(flatten)]
+        verb: MachineVerbArgs,
+        #[arg(value_parser = ["on", "off", "reboot"])]
+        power: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum WorkflowsCommand {
+    /// A machine's workflows.
+    List {
+        #[arg(long)]
+        node: String,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One workflow, by its `wf_…` id.
+    Get { workflow_id: String },
+    /// Abort a running workflow.
+    Abort { workflow_id: String },
+    /// Stop running a workflow's steps (its deadline runs on).
+    Pause { workflow_id: String },
+    /// Run a paused workflow's steps again.
+    Resume { workflow_id: String },
+    /// Run a backing-off step now, or a failed workflow's verb again.
+    Retry { workflow_id: String },
+}
 
 /// How often `--wait` reads the machine again.
 const WAIT_POLL_MS: u64 = 500;
@@ -96,53 +229,9 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             Ok((method, machine_body(ctx, &verb)?, verb.wait))
         };
     let (method, body, wait) = match command {
-        MetalCommand::Enroll {
-            pool,
-            name,
-            bmc_address,
-            bmc_username,
-            bmc_password_file,
-            bmc_system_path,
-            bmc_ca_file,
-            bmc_pin,
-            bmc_insecure,
-            key,
-        } => {
-            let mut body = ctx.tenant_body()?;
-            body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
-            body.insert("name".into(), json!(name));
-            if !bmc_address.starts_with("https://") {
-                return Err(CliError::usage(
-                    "--bmc-address must be https://: the BMC's password never crosses a network in clear text",
-                ));
-            }
-            body.insert("bmcAddress".into(), json!(bmc_address));
-            body.insert("bmcUsername".into(), json!(bmc_username));
-            body.insert("bmcPassword".into(), json!(password(&bmc_password_file)?));
-            if let Some(path) = bmc_system_path {
-                body.insert("bmcSystemPath".into(), json!(path));
-            }
-            match (bmc_ca_file, bmc_pin, bmc_insecure) {
-                (Some(ca), None, false) => {
-                    body.insert(
-                        "bmcTls".into(),
-                        json!({ "mode": "ca", "caPem": read_file("--bmc-ca-file", &ca, CA_FILE_BYTES_MAX)? }),
-                    );
-                }
-                (None, Some(pin), false) => {
-                    body.insert("bmcTls".into(), json!({ "mode": "pin", "pin": pin }));
-                }
-                (None, None, true) => {
-                    eprintln!("warning: --bmc-insecure: the BMC's certificate is not checked; `metal get` says so");
-                    body.insert("bmcTls".into(), json!({ "mode": "insecure" }));
-                }
-                _ => {
-                    return Err(CliError::usage(
-                        "say how the BMC's certificate is checked: --bmc-ca-file, --bmc-pin or --bmc-insecure",
-                    ));
-                }
-            }
-            let machine = c.call("metal.enroll", &Value::Object(body), Some(&idempotency_key(&key.key))).await?;
+        MetalCommand::Enroll(args) => {
+            let key = idempotency_key(&args.key.key);
+            let machine = c.call("metal.enroll", &Value::Object(enroll_body(ctx, args)?), Some(&key)).await?;
             return ctx.print(&machine, Format::Json);
         }
         MetalCommand::List { pool, state, page } => {
@@ -162,22 +251,7 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             return ctx.print(&c.call("metal.get", &Value::Object(body), None).await?, Format::Json);
         }
         MetalCommand::Deploy { verb, image, token_out } => {
-            // Refused before the call: a token made for a file that cannot be written is lost.
-            if token_out.exists() {
-                return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", token_out.display()))
-                    .hint("--token-out never overwrites: give a new file"));
-            }
-            let mut body = machine_body(ctx, &verb)?;
-            body.insert("imageId".into(), json!(check_id::<ImageId>("--image", &image)?));
-            let answer = c.call("metal.deploy", &Value::Object(body), None).await?;
-            if let Some(token) = answer["joinToken"].as_str() {
-                bc_core::keys::write_secret_file(&token_out, format!("{token}\n").as_bytes()).map_err(|e| {
-                    CliError::from(e)
-                        .hint("the deploy started; abort it (metal abort) and deploy again with a writable --token-out")
-                })?;
-                eprintln!("join token written to {} (0600)", token_out.display());
-            }
-            let machine = settle(ctx, &c, answer["machine"].clone(), verb.wait).await?;
+            let machine = deploy(ctx, &c, verb, &image, &token_out).await?;
             return ctx.print(&machine, Format::Json);
         }
         MetalCommand::Rescue { verb, image } => {
@@ -202,6 +276,56 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
     let machine = c.call(method, &Value::Object(body), None).await?;
     let machine = settle(ctx, &c, machine, wait).await?;
     ctx.print(&machine, Format::Json)
+}
+
+/// `metal.enroll`'s body: the BMC's address (https only: its password crosses the network),
+/// the password from its file, and how its certificate is checked.
+fn enroll_body(ctx: &Context, args: EnrollArgs) -> Result<Map<String, Value>, CliError> {
+    let mut body = ctx.tenant_body()?;
+    body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &args.pool)?));
+    body.insert("name".into(), json!(args.name));
+    if !args.bmc_address.starts_with("https://") {
+        return Err(CliError::usage("--bmc-address must be https://: the BMC's password never crosses a network in clear text"));
+    }
+    body.insert("bmcAddress".into(), json!(args.bmc_address));
+    body.insert("bmcUsername".into(), json!(args.bmc_username));
+    body.insert("bmcPassword".into(), json!(password(&args.bmc_password_file)?));
+    if let Some(path) = args.bmc_system_path {
+        body.insert("bmcSystemPath".into(), json!(path));
+    }
+    let tls = match (args.bmc_ca_file, args.bmc_pin, args.bmc_insecure) {
+        (Some(ca), None, false) => json!({ "mode": "ca", "caPem": read_file("--bmc-ca-file", &ca, CA_FILE_BYTES_MAX)? }),
+        (None, Some(pin), false) => json!({ "mode": "pin", "pin": pin }),
+        (None, None, true) => {
+            eprintln!("warning: --bmc-insecure: the BMC's certificate is not checked; `metal get` says so");
+            json!({ "mode": "insecure" })
+        }
+        _ => {
+            return Err(CliError::usage("say how the BMC's certificate is checked: --bmc-ca-file, --bmc-pin or --bmc-insecure"));
+        }
+    };
+    body.insert("bmcTls".into(), tls);
+    Ok(body)
+}
+
+/// `metal deploy`: the join token the answer carries goes to the new file `token_out`, never
+/// to the terminal; then the machine is followed as any verb's.
+async fn deploy(ctx: &Context, c: &Client, verb: MachineVerbArgs, image: &str, token_out: &Path) -> Result<Value, CliError> {
+    // Refused before the call: a token made for a file that cannot be written is lost.
+    if token_out.exists() {
+        return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", token_out.display()))
+            .hint("--token-out never overwrites: give a new file"));
+    }
+    let mut body = machine_body(ctx, &verb)?;
+    body.insert("imageId".into(), json!(check_id::<ImageId>("--image", image)?));
+    let answer = c.call("metal.deploy", &Value::Object(body), None).await?;
+    if let Some(token) = answer["joinToken"].as_str() {
+        bc_core::keys::write_secret_file(token_out, format!("{token}\n").as_bytes()).map_err(|e| {
+            CliError::from(e).hint("the deploy started; abort it (metal abort) and deploy again with a writable --token-out")
+        })?;
+        eprintln!("join token written to {} (0600)", token_out.display());
+    }
+    settle(ctx, c, answer["machine"].clone(), verb.wait).await
 }
 
 pub async fn workflows(ctx: &Context, command: WorkflowsCommand) -> Result<(), CliError> {

@@ -13,38 +13,34 @@ use crate::client::{CliError, Client};
 use crate::flags::{Command, GlobalArgs, Page};
 use crate::output::{self, Column, Format};
 
-mod agent_commands;
+pub mod agent_commands;
 pub mod api;
-mod audit;
-mod auth;
-mod events;
-mod flavors;
-mod instances;
-mod inventory;
-mod join_tokens;
-mod meta;
-mod metal;
-mod nodes;
-mod operator;
-mod pools;
-mod release;
-mod reservations;
-mod rollouts;
-mod sim;
-mod webhooks;
+pub mod audit;
+pub mod auth;
+pub mod events;
+pub mod flavors;
+pub mod instances;
+pub mod inventory;
+pub mod join_tokens;
+pub mod meta;
+pub mod metal;
+pub mod nodes;
+pub mod operator;
+pub mod pools;
+pub mod releases;
+pub mod reservations;
+pub mod rollouts;
+pub mod sim;
+pub mod webhooks;
 
 impl Command {
     pub async fn run(self, ctx: &Context) -> Result<(), CliError> {
         match self {
-            Command::Dev { dir, server, agents_insecure_h2c } => operator::dev(dir, server, agents_insecure_h2c).await,
-            Command::Serve { database_url, data_dir, server, webhook_allow_loopback } => {
-                operator::serve(database_url, data_dir, server, webhook_allow_loopback).await
-            }
-            Command::Reconcile { only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback } => {
-                operator::reconcile(only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback).await
-            }
+            Command::Dev(args) => operator::dev(args).await,
+            Command::Serve(args) => operator::serve(args).await,
+            Command::Reconcile(args) => operator::reconcile(args).await,
             Command::Reconcilers { command } => operator::reconcilers(ctx, command).await,
-            Command::Migrate { db } => operator::migrate(ctx, db).await,
+            Command::Migrate(args) => operator::migrate(ctx, args).await,
             Command::Pki { command } => operator::pki(ctx, command).await,
             Command::Projections { command } => operator::projections(ctx, command).await,
             Command::Audit { command } => audit::run(ctx, command).await,
@@ -56,10 +52,10 @@ impl Command {
             Command::Inventory { command } => inventory::run(ctx, command).await,
             Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
             Command::Commands { command } => agent_commands::run(ctx, command).await,
-            Command::Releases { command } => rollouts::releases(ctx, command).await,
-            Command::Reserve { ask, wait, key } => reservations::reserve(ctx, ask, wait, key).await,
-            Command::Release { reservation_id, if_version } => reservations::release(ctx, reservation_id, if_version).await,
-            Command::Extend { reservation_id, by, if_version } => reservations::extend(ctx, reservation_id, by, if_version).await,
+            Command::Releases { command } => releases::run(ctx, command).await,
+            Command::Reserve(args) => reservations::reserve(ctx, args).await,
+            Command::Release(args) => reservations::release(ctx, args).await,
+            Command::Extend(args) => reservations::extend(ctx, args).await,
             Command::Reservations { command } => reservations::run(ctx, command).await,
             Command::Capacity(args) => reservations::capacity(ctx, args).await,
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
@@ -71,8 +67,8 @@ impl Command {
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
-            Command::Completion { shell } => meta::completion(shell),
-            Command::Help { command, json } => meta::help(&command, json),
+            Command::Completion(args) => meta::completion(args.shell),
+            Command::Help(args) => meta::help(&args.command, args.json),
         }
     }
 }

@@ -4,14 +4,96 @@
 use std::time::{Duration, Instant};
 
 use bc_core::id::{NodeId, PoolId};
+use clap::Subcommand;
 use serde_json::{Map, Value, json};
 
 use crate::client::{CliError, Client};
-use crate::flags::NodesCommand;
+use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, check_id, idempotency_key, labels};
+
+/// Longest `nodes drain --wait`: a day.
+pub const DRAIN_WAIT_S_MAX: u64 = 86_400;
+
+#[derive(Subcommand)]
+pub enum NodesCommand {
+    List {
+        #[command(flatten)]
+        page: Page,
+        #[arg(long)]
+        pool: Option<String>,
+    },
+    Get {
+        node_id: String,
+    },
+    /// Take no new reservations on a node.
+    Cordon {
+        node_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Take reservations on a node again.
+    Uncordon {
+        node_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Cordon a node until its reservations end; --wait N waits up to N seconds for that.
+    Drain {
+        node_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=DRAIN_WAIT_S_MAX))]
+        wait: u64,
+    },
+    /// Set (`KEY=VALUE`) or remove (`KEY-`) a node's labels.
+    Label {
+        node_id: String,
+        #[arg(required = true)]
+        items: Vec<String>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Set (`KEY=VALUE`) or remove (`KEY-`) a node's taints; a tainted node takes only
+    /// reservations that tolerate every taint key (`reserve --tolerate KEY`).
+    Taint {
+        node_id: String,
+        #[arg(required = true)]
+        items: Vec<String>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Remove a node for good (`node.deleted`): one cordoned or draining, holding no GPU, its
+    /// agent gone, with no unfinished command, live instance or live rollout. Refused without
+    /// --yes, before any call.
+    Delete {
+        node_id: String,
+        /// Why, kept in the log (at most 500 characters).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Confirm: the node's document goes (its events stay in the log).
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Add a host by hand.
+    Register {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        name: String,
+        /// `MODEL:PRODUCT:VRAM_GIB:NVLINK_DOMAIN`, repeatable (`H100:H100-SXM5-80GB:80:0`).
+        #[arg(long = "gpu")]
+        gpus: Vec<String>,
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+}
 
 pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
     let c = ctx.client()?;

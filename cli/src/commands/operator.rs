@@ -4,15 +4,262 @@
 
 use std::path::{Path, PathBuf};
 
+use clap::{Args, Subcommand};
+
 use crate::client::CliError;
-use crate::flags::{
-    AgentsArgs, ConsumerArgs, DataDir, DataKeyArgs, DatabaseArgs, PkiCommand, ProjectionsCommand, ReconcilersCommand, Sealing,
-    ServerArgs,
-};
+use crate::flags::{DEFAULT_DATA_DIR, DatabaseArgs, Deployment, Sealing, parse_duration_ms, parse_node_lease_ms};
 use crate::output::Format;
 use crate::server::{self, AgentsOptions, ConsumerOptions, Database};
 
 use super::Context;
+
+#[derive(Args)]
+pub struct DevArgs {
+    #[command(flatten)]
+    pub dir: DataDir,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Serve the agents' endpoint as plaintext h2c instead of TLS: only on a loopback
+    /// --agents-listen, and only in dev.
+    #[arg(long)]
+    pub agents_insecure_h2c: bool,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[arg(long, env = "BETTER_COMPUTE_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Where the log key and the first admin token are kept.
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Allow http:// webhook receivers on loopback (tests, single-host setups).
+    #[arg(long)]
+    pub webhook_allow_loopback: bool,
+}
+
+#[derive(Args)]
+pub struct ReconcileArgs {
+    /// Only these reconcilers (repeatable). Default: all (`witnesses` only with --witness).
+    #[arg(long, value_name = "NAME", value_parser = clap::builder::PossibleValuesParser::new(bc_reconcilers::registry::NAMES))]
+    pub only: Vec<String>,
+    /// A witness to cosign each sealed checkpoint, `NAME=URL+VKEY` (repeatable): the
+    /// `witnesses` reconciler sends them.
+    #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
+    pub witnesses: Vec<String>,
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+    #[command(flatten)]
+    pub consumers: ConsumerArgs,
+    #[command(flatten)]
+    pub sealing: Sealing,
+    #[command(flatten)]
+    pub data_key: DataKeyArgs,
+    /// Allow http:// webhook receivers on loopback (dev, tests).
+    #[arg(long)]
+    pub webhook_allow_loopback: bool,
+}
+
+#[derive(Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+}
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+pub const DEFAULT_AGENTS_LISTEN: &str = "127.0.0.1:7444";
+
+#[derive(Args)]
+pub struct DataDir {
+    /// Where the embedded database, the log key and the admin token live.
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+}
+
+/// Where the data key is: secrets (webhook signing secrets, BMC passwords, token hashes) are
+/// sealed under it.
+#[derive(Args)]
+pub struct DataKeyArgs {
+    /// The data key's file (0600; made at first start by dev and serve). Default: `data.key`
+    /// in --data-dir, beside the log key. A rotation keeps the next key at FILE.next.
+    #[arg(long, value_name = "FILE", env = "BETTER_COMPUTE_DATA_KEY_FILE")]
+    pub data_key_file: Option<PathBuf>,
+}
+
+impl DataKeyArgs {
+    pub fn path(&self, data_dir: &std::path::Path) -> PathBuf {
+        self.data_key_file.clone().unwrap_or_else(|| data_dir.join(bc_core::sealing::DATA_KEY_FILE))
+    }
+}
+
+/// How the outbox consumers (webhook delivery) run.
+#[derive(Args)]
+pub struct ConsumerArgs {
+    /// How long a claimed delivery stays with this process if it dies: at least twice
+    /// --delivery-timeout, so a slow delivery is never sent by two processes at once.
+    #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
+    pub lease: u64,
+    /// One delivery's time limit (connect, send, answer).
+    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
+    pub delivery_timeout: u64,
+    /// The first retry's delay; each next one is 4× longer (at most 6 h), ±20 % jitter.
+    #[arg(long, default_value = "5s", value_parser = parse_duration_ms)]
+    pub retry_base: u64,
+    /// Attempts before a delivery is dead (a dead letter `webhooks redeliver` can send again).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub retry_attempts: u32,
+    /// Deliveries in flight at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub concurrency: u64,
+    /// Allow webhook receivers on private addresses (10/8, 172.16/12, 192.168/16, 100.64/10,
+    /// fc00::/7). Link-local addresses (169.254/16, fe80::/10: the cloud metadata service's
+    /// neighbourhood) stay refused whatever this says.
+    #[arg(long)]
+    pub webhook_allow_private: bool,
+    /// A network BMCs are reached on, CIDR (`10.20.0.0/16`, `fd00:b::/64`) or one address
+    /// (repeatable). Without one, only public addresses; loopback, link-local and this host's
+    /// own addresses only when named exactly (`127.0.0.1/32`). Checked at enrollment and on
+    /// every address a BMC's name resolves to, at connect time.
+    #[arg(long = "bmc-allow-network", value_name = "CIDR")]
+    pub bmc_allow_networks: Vec<String>,
+}
+
+/// What `dev` and `serve` share: the address, sealing, and the reconcilers run in process.
+#[derive(Args)]
+pub struct ServerArgs {
+    #[arg(long, default_value = DEFAULT_LISTEN)]
+    pub listen: String,
+    #[command(flatten)]
+    pub sealing: Sealing,
+    /// A witness to cosign each sealed checkpoint, `NAME=URL+VKEY` (repeatable; C2SP
+    /// tlog-witness). One that is down delays only its own cosignature.
+    #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
+    pub witnesses: Vec<String>,
+    /// A release key `releases.register` trusts: the `.pub` file `release keygen` wrote
+    /// (repeatable). Without one, no release is registered.
+    #[arg(long = "release-key", value_name = "FILE.pub")]
+    pub release_keys: Vec<PathBuf>,
+    #[command(flatten)]
+    pub consumers: ConsumerArgs,
+    #[command(flatten)]
+    pub data_key: DataKeyArgs,
+    /// Do not run the reconcilers in this process (run `reconcile` instead).
+    #[arg(long)]
+    pub no_reconcilers: bool,
+    /// How long a write to a client that reads nothing may wait before the connection is
+    /// dropped (a stalled watcher frees its slot).
+    #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+    pub write_stall: u64,
+    /// How long a request's head (request line and headers) may take to arrive; also how long an
+    /// HTTP/1.1 connection may wait for its next request.
+    #[arg(long, default_value = "20s", value_parser = parse_duration_ms)]
+    pub header_timeout: u64,
+    /// How long a connection may carry nothing either way before it is closed.
+    #[arg(long, default_value = "120s", value_parser = parse_duration_ms)]
+    pub idle_timeout: u64,
+    /// How long a request body may take to arrive; a slower one is refused and its
+    /// connection closed, so it never holds a request slot longer.
+    #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+    pub body_timeout: u64,
+    /// Connections open at once; more wait to be accepted.
+    #[arg(long, default_value_t = bc_gateway::conn::CONNECTIONS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub connections_max: u64,
+    /// Watchers (`GET /watch`) connected at once; one more is refused with UNAVAILABLE. Below
+    /// --connections-max.
+    #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub watchers_max: u64,
+    /// Watchers one tenant's keys may hold at once (at most --watchers-max).
+    #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_PER_TENANT_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub watchers_per_tenant_max: u64,
+    /// Watchers one API key may hold at once (at most --watchers-per-tenant-max).
+    #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_PER_KEY_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub watchers_per_key_max: u64,
+    #[command(flatten)]
+    pub agents: AgentsArgs,
+}
+
+/// The agents' endpoint (gRPC, `bcd`): where it listens, its serving certificate, the lease.
+#[derive(Args)]
+pub struct AgentsArgs {
+    /// Where the agents' endpoint listens (TLS; agents pin the certificate's key).
+    #[arg(long, default_value = DEFAULT_AGENTS_LISTEN)]
+    pub agents_listen: String,
+    /// The serving certificate chain (PEM); with --agents-tls-key. Default: one made at first
+    /// start in the data directory.
+    #[arg(long, requires = "agents_tls_key", value_name = "FILE")]
+    pub agents_tls_cert: Option<PathBuf>,
+    /// The serving certificate's private key (PEM); with --agents-tls-cert.
+    #[arg(long, requires = "agents_tls_cert", value_name = "FILE")]
+    pub agents_tls_key: Option<PathBuf>,
+    /// How long a node's lease lasts past its last heartbeat: it turns unreachable after that.
+    #[arg(long, default_value = "15s", value_parser = parse_node_lease_ms)]
+    pub node_lease: u64,
+    /// How often a node is asked to heartbeat (less than half --node-lease).
+    #[arg(long, default_value = "5s", value_parser = parse_node_lease_ms)]
+    pub node_heartbeat: u64,
+    /// Agent connections open at once; more wait to be accepted.
+    #[arg(long, default_value_t = bc_gateway::agents::AGENT_CONNECTIONS_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub agents_connections_max: u64,
+    /// Agent connections from one address at once; more are closed at once. Raise it when many
+    /// nodes reach the gateway through one NAT address (at most --agents-connections-max).
+    #[arg(long, default_value_t = bc_gateway::agents::AGENT_CONNECTIONS_PER_PEER_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub agents_connections_per_peer_max: u64,
+    /// How long a new agent connection may take to finish TLS, send the HTTP/2 preface and open
+    /// its first stream before it is closed.
+    #[arg(long, default_value = "10s", value_parser = parse_duration_ms)]
+    pub agents_handshake_timeout: u64,
+    /// How long an agent connection may hold no stream before it is closed.
+    #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
+    pub agents_idle_timeout: u64,
+    /// Joins decided at once; one more is refused with UNAVAILABLE and a retry hint.
+    #[arg(long, default_value_t = bc_gateway::agents::JOINS_CONCURRENT_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub agents_joins_max: u64,
+}
+
+#[derive(Subcommand)]
+pub enum PkiCommand {
+    /// Print the log key's id, pin (`sha256/…`) and note verifier key (vkey).
+    Show {
+        #[command(flatten)]
+        dir: DataDir,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Replace the log key; the old key signs the announcement and is kept as log.key.KEYID.
+    RotateLogKey {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        deployment: Deployment,
+    },
+    /// Replace the data key secrets are sealed under, re-sealing every secret (run it with the
+    /// servers stopped, or restart them after: a running one holds only the old key).
+    RotateDataKey {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        data_key: DataKeyArgs,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ReconcilersCommand {
+    /// Each reconciler's last pass per process: when, how long, its outcome and counts.
+    Status {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ProjectionsCommand {
+    /// Fold every read model again from the log.
+    Rebuild {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+}
 
 impl DatabaseArgs {
     pub fn database(&self) -> Database {
@@ -133,27 +380,22 @@ fn read_release_keys(paths: &[PathBuf]) -> Result<Vec<bc_core::release::ReleaseP
     Ok(keys)
 }
 
-pub async fn dev(dir: DataDir, args: ServerArgs, agents_insecure_h2c: bool) -> Result<(), CliError> {
+pub async fn dev(args: DevArgs) -> Result<(), CliError> {
+    let DevArgs { dir, server, agents_insecure_h2c } = args;
     let db = Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
     // dev delivers webhooks to loopback receivers: that is where a developer's are.
-    run_server(db, &dir.data_dir, &args, true, true, agents_insecure_h2c).await
+    run_server(db, &dir.data_dir, &server, true, true, agents_insecure_h2c).await
 }
 
-pub async fn serve(database_url: String, data_dir: PathBuf, args: ServerArgs, allow_loopback: bool) -> Result<(), CliError> {
-    run_server(Database::Postgres(database_url), &data_dir, &args, false, allow_loopback, false).await
+pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
+    let ServeArgs { database_url, data_dir, server, webhook_allow_loopback } = args;
+    run_server(Database::Postgres(database_url), &data_dir, &server, false, webhook_allow_loopback, false).await
 }
 
-pub async fn reconcile(
-    only: Vec<String>,
-    witnesses: Vec<String>,
-    db: DatabaseArgs,
-    consumers: ConsumerArgs,
-    sealing: Sealing,
-    data_key: DataKeyArgs,
-    allow_loopback: bool,
-) -> Result<(), CliError> {
+pub async fn reconcile(args: ReconcileArgs) -> Result<(), CliError> {
+    let ReconcileArgs { only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback } = args;
     let key_path = data_key.path(&db.data_dir);
-    let options = consumers.options(allow_loopback)?;
+    let options = consumers.options(webhook_allow_loopback)?;
     server::reconcile(&db.database(), &db.data_dir, &key_path, &only, &options, &sealing, &witnesses).await
 }
 
@@ -166,8 +408,8 @@ pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(
     }
 }
 
-pub async fn migrate(ctx: &Context, db: DatabaseArgs) -> Result<(), CliError> {
-    ctx.print(&server::migrate(&db.database()).await?, Format::Json)
+pub async fn migrate(ctx: &Context, args: MigrateArgs) -> Result<(), CliError> {
+    ctx.print(&server::migrate(&args.db.database()).await?, Format::Json)
 }
 
 pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
@@ -186,5 +428,61 @@ pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
 pub async fn projections(ctx: &Context, command: ProjectionsCommand) -> Result<(), CliError> {
     match command {
         ProjectionsCommand::Rebuild { db } => ctx.print(&server::projections_rebuild(&db.database()).await?, Format::Json),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::flags::{Cli, Command};
+
+    #[test]
+    fn the_write_stall_defaults_to_the_gateways_limit() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev(DevArgs { server, .. }) = cli.command else { panic!("not dev") };
+        assert_eq!(server.write_stall, bc_gateway::conn::WRITE_STALL_S * 1000);
+    }
+
+    #[test]
+    fn the_agents_flags_default_to_the_gateways_session_config() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev(DevArgs { server, agents_insecure_h2c, .. }) = cli.command else { panic!("not dev") };
+        let defaults = bc_gateway::agents::SessionConfig::default();
+        assert_eq!((server.agents.node_lease, server.agents.node_heartbeat), (defaults.lease_ms, defaults.heartbeat_ms));
+        assert_eq!(server.agents.agents_listen, DEFAULT_AGENTS_LISTEN);
+        let agents = bc_gateway::agents::AgentLimits::default();
+        let a = &server.agents;
+        assert_eq!(
+            (a.agents_connections_max, a.agents_connections_per_peer_max, a.agents_joins_max),
+            (agents.connections_max as u64, agents.connections_per_peer_max as u64, agents.joins_max as u64)
+        );
+        assert_eq!(
+            (a.agents_handshake_timeout, a.agents_idle_timeout),
+            (agents.handshake_timeout.as_millis() as u64, agents.idle_timeout.as_millis() as u64)
+        );
+        assert!(!agents_insecure_h2c);
+        // The certificate and its key go together.
+        assert!(Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem"]).is_err());
+        assert!(
+            Cli::try_parse_from(["better-compute", "dev", "--agents-tls-cert", "c.pem", "--agents-tls-key", "k.pem"]).is_ok()
+        );
+        // h2c is dev's only.
+        let serve = ["better-compute", "serve", "--database-url", "postgres://x", "--agents-insecure-h2c"];
+        assert!(Cli::try_parse_from(serve).is_err());
+    }
+
+    #[test]
+    fn the_connection_limits_default_to_the_gateways() {
+        let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
+        let Command::Dev(DevArgs { server, .. }) = cli.command else { panic!("not dev") };
+        assert_eq!(server.header_timeout, bc_gateway::conn::HEADER_READ_TIMEOUT_S * 1000);
+        assert_eq!(server.idle_timeout, bc_gateway::conn::IDLE_TIMEOUT_S * 1000);
+        assert_eq!(server.body_timeout, bc_gateway::conn::BODY_READ_TIMEOUT_S * 1000);
+        assert_eq!(server.connections_max, bc_gateway::conn::CONNECTIONS_MAX as u64);
+        let watchers = (server.watchers_max, server.watchers_per_tenant_max, server.watchers_per_key_max);
+        let defaults = bc_gateway::watch::WatcherLimits::default();
+        assert_eq!(watchers, (defaults.total as u64, defaults.per_tenant as u64, defaults.per_key as u64));
     }
 }

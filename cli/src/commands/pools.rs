@@ -1,14 +1,39 @@
 //! `pools list|get|create`.
 
 use bc_core::id::PoolId;
+use clap::Subcommand;
 use serde_json::{Value, json};
 
 use crate::client::CliError;
-use crate::flags::PoolsCommand;
+use crate::flags::{IdempotencyKey, Page};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, check_id, idempotency_key, labels};
+
+#[derive(Subcommand)]
+pub enum PoolsCommand {
+    List {
+        #[command(flatten)]
+        page: Page,
+        #[arg(long)]
+        include_archived: bool,
+    },
+    Get {
+        pool_id: String,
+    },
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// `key=value`, repeatable.
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+}
 
 pub async fn run(ctx: &Context, command: PoolsCommand) -> Result<(), CliError> {
     let c = ctx.client()?;

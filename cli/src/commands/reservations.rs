@@ -3,14 +3,128 @@
 use std::time::{Duration, Instant};
 
 use bc_core::id::{PoolId, ReservationId};
+use clap::{Args, Subcommand};
 use serde_json::{Map, Value, json};
 
 use crate::client::{CliError, Client};
-use crate::flags::{AskArgs, CapacityArgs, IdempotencyKey, IfVersion, PlacementArgs, QuotasCommand, ReservationsCommand};
+use crate::flags::{IdempotencyKey, IfVersion, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+#[derive(Args)]
+pub struct ReserveArgs {
+    #[command(flatten)]
+    pub ask: AskArgs,
+    /// Seconds to wait while queued (0 to 600).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=RESERVE_WAIT_S_MAX))]
+    pub wait: u64,
+    #[command(flatten)]
+    pub key: IdempotencyKey,
+}
+
+#[derive(Args)]
+pub struct ReleaseArgs {
+    pub reservation_id: String,
+    #[command(flatten)]
+    pub if_version: IfVersion,
+}
+
+#[derive(Args)]
+pub struct ExtendArgs {
+    pub reservation_id: String,
+    /// How much longer: `30m`, `4h`, `1d`.
+    #[arg(long, value_parser = parse_duration_s)]
+    pub by: u64,
+    #[command(flatten)]
+    pub if_version: IfVersion,
+}
+
+/// Longest `reserve --wait`: ten minutes.
+pub const RESERVE_WAIT_S_MAX: u64 = 600;
+
+/// What a reservation asks for: `reserve` sends it, `capacity --preview` tries it.
+#[derive(Args)]
+pub struct AskArgs {
+    #[arg(long)]
+    pub pool: String,
+    /// GPUs, all on one node (1 to 64).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus: u32,
+    /// How long: `90s`, `30m`, `8h`, `1d` (at most the pool's maximum).
+    #[arg(long = "for", value_parser = parse_duration_s)]
+    pub duration: u64,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+/// Where a reservation may go.
+#[derive(Args, Clone)]
+pub struct PlacementArgs {
+    /// All GPUs in one NVLink domain.
+    #[arg(long)]
+    pub nvlink: bool,
+    /// `gpuProduct in (H100-SXM5-80GB), vramGiB >= 80, label.rack = r1`.
+    #[arg(long)]
+    pub selector: Option<String>,
+    /// Adds `gpuModel = MODEL`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Adds `gpuProduct = PRODUCT`.
+    #[arg(long)]
+    pub product: Option<String>,
+    /// A taint key this reservation tolerates (repeatable).
+    #[arg(long = "tolerate")]
+    pub tolerations: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct CapacityArgs {
+    #[arg(long)]
+    pub preview: bool,
+    #[arg(long)]
+    pub pool: Option<String>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub gpus: Option<u32>,
+    #[arg(long = "for", value_parser = parse_duration_s)]
+    pub duration: Option<u64>,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+#[derive(Subcommand)]
+pub enum ReservationsCommand {
+    /// A tenant's reservations.
+    List {
+        /// queued, active, released, expired or cancelled.
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        pool: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    Get {
+        reservation_id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum QuotasCommand {
+    /// The tenant's GPU quota in a pool, and how much of it is in use.
+    Get {
+        #[arg(long)]
+        pool: String,
+    },
+    /// Set the tenant's GPU quota in a pool (queued and active reservations count).
+    Set {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        gpus: u32,
+    },
+}
 
 /// How often `reserve` looks again while its reservation is queued.
 const QUEUED_POLL_MS: u64 = 250;
@@ -45,7 +159,8 @@ fn ask_body(
 }
 
 /// `reserve`: creates, then waits up to `--wait` seconds while the reservation is queued.
-pub async fn reserve(ctx: &Context, ask: AskArgs, wait_s: u64, key: IdempotencyKey) -> Result<(), CliError> {
+pub async fn reserve(ctx: &Context, args: ReserveArgs) -> Result<(), CliError> {
+    let ReserveArgs { ask, wait: wait_s, key } = args;
     let c = ctx.client()?;
     let mut body = ctx.tenant_body()?;
     ask_body(&mut body, &ask.pool, ask.gpus, ask.duration, &ask.placement)?;
@@ -84,13 +199,15 @@ async fn on_reservation(
     c.call(method, &Value::Object(body), None).await
 }
 
-pub async fn release(ctx: &Context, reservation_id: String, if_version: IfVersion) -> Result<(), CliError> {
+pub async fn release(ctx: &Context, args: ReleaseArgs) -> Result<(), CliError> {
+    let ReleaseArgs { reservation_id, if_version } = args;
     let extra: Vec<(&str, Value)> = if_version.if_version.iter().map(|v| ("ifVersion", json!(v))).collect();
     let v = on_reservation(&ctx.client()?, "reservations.release", ctx.tenant_body()?, &reservation_id, &extra).await?;
     ctx.print(&v, Format::Json)
 }
 
-pub async fn extend(ctx: &Context, reservation_id: String, by_s: u64, if_version: IfVersion) -> Result<(), CliError> {
+pub async fn extend(ctx: &Context, args: ExtendArgs) -> Result<(), CliError> {
+    let ExtendArgs { reservation_id, by: by_s, if_version } = args;
     let mut extra = vec![("byS", json!(by_s))];
     extra.extend(if_version.if_version.iter().map(|v| ("ifVersion", json!(v))));
     let v = on_reservation(&ctx.client()?, "reservations.extend", ctx.tenant_body()?, &reservation_id, &extra).await?;

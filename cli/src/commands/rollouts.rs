@@ -1,69 +1,100 @@
-//! `releases register|list|get` and `rollouts create|list|get|pause|resume|abort` (the
-//! `releases.*` and `rollouts.*` methods). `rollouts get --wait` follows a rollout until it is
+//! `rollouts create|list|get|pause|resume|abort` (the `rollouts.*` methods): a release taken
+//! to a pool's nodes in waves. `rollouts get --wait` follows a rollout until it is
 //! done, paused or aborted, its progress on standard error; a rollout that ends otherwise than
 //! done exits 1 with its reason.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bc_core::id::{PoolId, ReleaseId, RolloutId};
+use clap::Subcommand;
 use serde_json::{Map, Value, json};
 
 use crate::client::{CliError, Client};
-use crate::flags::{BusyNodesArg, ReleasesCommand, RolloutsCommand};
+use crate::flags::{IdempotencyKey, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key, labels};
 
+/// What a node with live reservations does when its turn comes.
+#[derive(clap::ValueEnum, Clone, Copy)]
+pub enum BusyNodesArg {
+    /// Leave it until its reservations end (drain it to hurry that along).
+    Wait,
+    /// Update it anyway: held GPUs and running instances stay through the agent's restart.
+    Proceed,
+}
+
+#[derive(Subcommand)]
+pub enum RolloutsCommand {
+    /// Take a release to the nodes of a pool (and/or those with some labels) in waves.
+    Create {
+        /// The release, `rel_…`.
+        #[arg(long)]
+        release: String,
+        /// The pool whose nodes take it.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only nodes with this label, `key=value` (repeatable).
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        /// Cumulative waves, comma-separated: how many nodes have the release once each is
+        /// done, as counts or percentages; the last reaches every node.
+        #[arg(long, default_value = "1,100%", value_delimiter = ',')]
+        waves: Vec<String>,
+        /// Most nodes updating, rolling back or unreachable at once.
+        #[arg(long, default_value_t = 1)]
+        max_unavailable: u32,
+        /// How long a node must stay ready on the new version to pass its gate: `30s`, `5m`.
+        #[arg(long, default_value = "30s", value_parser = parse_duration_s)]
+        min_ready: u64,
+        /// How long a node has from its update to passing its gate.
+        #[arg(long, default_value = "15m", value_parser = parse_duration_s)]
+        node_deadline: u64,
+        /// Failed nodes a wave tolerates before the rollout pauses.
+        #[arg(long, default_value_t = 0)]
+        wave_failures_max: u32,
+        /// A node with live reservations: wait for them to end, or proceed.
+        #[arg(long, value_enum, default_value = "wait")]
+        busy_nodes: BusyNodesArg,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's rollouts.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One rollout: its waves and gates, its nodes, what it waits for.
+    Get {
+        rollout_id: String,
+        /// Wait up to this long for the rollout to end (done, paused or aborted), printing
+        /// its progress: `10m`.
+        #[arg(long, value_parser = parse_duration_s)]
+        wait: Option<u64>,
+    },
+    /// Send the release to no more nodes (the ones updating finish).
+    Pause {
+        rollout_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Go on, accepting the failures seen so far.
+    Resume {
+        rollout_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Roll the updated nodes back to the version they ran, then end.
+    Abort {
+        rollout_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
 /// How often `rollouts get --wait` reads the rollout again.
 const WAIT_POLL_MS: u64 = 1_000;
-
-/// A manifest or signature file, bounded before it is read.
-fn read_bounded(path: &Path, what: &str, max: usize) -> Result<String, CliError> {
-    let meta = std::fs::metadata(path).map_err(|e| CliError::usage(format!("{what} {}: {e}", path.display())))?;
-    if meta.len() > max as u64 {
-        return Err(CliError::usage(format!("{what} {} is over {max} bytes", path.display())));
-    }
-    std::fs::read_to_string(path).map_err(|e| CliError::usage(format!("{what} {}: {e}", path.display())))
-}
-
-fn signature_path(manifest: &Path, given: Option<PathBuf>) -> PathBuf {
-    given.unwrap_or_else(|| {
-        let mut path = manifest.as_os_str().to_owned();
-        path.push(".sig");
-        PathBuf::from(path)
-    })
-}
-
-pub async fn releases(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
-    let mut body = ctx.tenant_body()?;
-    let value = match command {
-        ReleasesCommand::List { page } => {
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("releases.list", &Value::Object(body), None).await?, tables::RELEASES);
-        }
-        ReleasesCommand::Get { release_id } => {
-            body.insert("releaseId".into(), json!(check_id::<ReleaseId>("RELEASE_ID", &release_id)?));
-            ctx.client()?.call("releases.get", &Value::Object(body), None).await?
-        }
-        ReleasesCommand::Keygen { .. } | ReleasesCommand::Sign { .. } | ReleasesCommand::Verify { .. } => {
-            return super::release::run(ctx, command);
-        }
-        ReleasesCommand::Register { manifest, signature, key } => {
-            let signature = signature_path(&manifest, signature);
-            let manifest_text = read_bounded(&manifest, "--manifest", bc_core::release::MANIFEST_BYTES_MAX)?;
-            let signature_text = read_bounded(&signature, "--signature", bc_core::release::SIGNATURE_BYTES_MAX)?;
-            body.insert("manifest".into(), json!(manifest_text));
-            body.insert("signature".into(), json!(signature_text.trim_end()));
-            let c = ctx.client()?;
-            let key = idempotency_key(&key.key);
-            c.call("releases.register", &Value::Object(body), Some(&key)).await?
-        }
-    };
-    ctx.print(&value, Format::Json)
-}
 
 /// One line of a rollout's progress: its state, its wave, its nodes by state.
 fn progress(rollout: &Value) -> String {

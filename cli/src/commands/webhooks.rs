@@ -5,14 +5,92 @@
 use std::path::PathBuf;
 
 use bc_core::id::WebhookId;
+use clap::Subcommand;
 use serde_json::{Map, Value, json};
 
 use crate::client::CliError;
-use crate::flags::WebhooksCommand;
+use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
 use super::{Context, add_page, check_id, idempotency_key};
+
+#[derive(Subcommand)]
+pub enum WebhooksCommand {
+    /// A tenant's webhooks.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    Get {
+        webhook_id: String,
+    },
+    /// Subscribe a receiver. The signing secret (`whsec_…`) is shown once.
+    Create {
+        /// The receiver's URL: https:// (http:// only to loopback in dev).
+        #[arg(long)]
+        endpoint: String,
+        /// Comma-separated type patterns (`pool.*,node.registered`, or `*`).
+        #[arg(long)]
+        types: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        /// Write the secret to this new file (mode 0600) instead of printing it.
+        #[arg(long)]
+        secret_out: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// Change the receiver, the types or the description.
+    Update {
+        webhook_id: String,
+        #[arg(long)]
+        endpoint: Option<String>,
+        #[arg(long)]
+        types: Option<String>,
+        #[arg(long)]
+        description: Option<String>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Delete a webhook; its pending deliveries die.
+    Delete {
+        webhook_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
+    /// Send a test delivery (`webhook.pinged`) to this webhook only.
+    Ping {
+        webhook_id: String,
+    },
+    /// A new signing secret, shown once; the old one keeps signing beside it for a while.
+    RotateSecret {
+        webhook_id: String,
+        /// How long the old secret keeps signing: seconds (0 to 604800; default 86400).
+        #[arg(long)]
+        previous_valid_s: Option<u64>,
+        /// Write the secret to this new file (mode 0600) instead of printing it.
+        #[arg(long)]
+        secret_out: Option<PathBuf>,
+    },
+    /// Deliveries and their attempts, newest first.
+    Deliveries {
+        webhook_id: String,
+        /// pending, done or dead.
+        #[arg(long)]
+        state: Option<String>,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// Queue a done or dead delivery again.
+    Redeliver {
+        webhook_id: String,
+        /// `evt_…/wh_…`, from `deliveries`.
+        delivery_id: String,
+    },
+    /// Every event type a webhook can subscribe to.
+    EventTypes,
+}
 
 fn types(list: &str) -> Value {
     json!(list.split(',').map(str::trim).filter(|t| !t.is_empty()).collect::<Vec<_>>())

@@ -1,31 +1,124 @@
-//! `releases keygen|sign|verify`: signed `bcd` releases, offline (no server is called). The key
-//! is read from a file, never from an argument; every file is written new (keys 0600, the
-//! public line and the manifest 0644) and never over one. A refused manifest exits 1 with its
-//! stable code (`release-bad-signature: …`), the same words an agent journals.
+//! `releases keygen|sign|verify|register|list|get`: signed `bcd` releases. `keygen`, `sign` and
+//! `verify` work offline (no server is called); `register`, `list` and `get` are the
+//! `releases.*` methods. The key is read from a file, never from an argument; every file is
+//! written new (keys 0600, the public line and the manifest 0644) and never over one. A refused
+//! manifest exits 1 with its stable code (`release-bad-signature: …`), the same words an agent
+//! journals.
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
+use bc_core::id::ReleaseId;
 use bc_core::release::{
     ARTIFACT_BYTES_MAX, Artifact, MANIFEST_BYTES_MAX, MANIFEST_FORMAT, Manifest, ReleaseError, ReleaseKey, ReleasePublicKey,
     SIGNATURE_BYTES_MAX,
 };
-use serde_json::json;
+use clap::Subcommand;
+use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
 use crate::client::CliError;
-use crate::flags::ReleasesCommand;
+use crate::flags::{IdempotencyKey, Page};
 use crate::output::Format;
+use crate::tables;
 
-use super::Context;
+use super::{Context, add_page, check_id, idempotency_key};
+
+#[derive(Subcommand)]
+pub enum ReleasesCommand {
+    /// Make a release key: KEY (the secret, 0600) and KEY.pub (its public line, which agents pin
+    /// in [update] release_keys); never over a file.
+    Keygen {
+        /// Where the secret key goes (a new file).
+        #[arg(long, value_name = "KEY")]
+        out: PathBuf,
+    },
+    /// Write a release manifest for the artifacts and its detached signature (MANIFEST and
+    /// MANIFEST.sig, new files).
+    Sign {
+        /// The release key (a file keygen wrote); never the secret itself.
+        #[arg(long, value_name = "KEY")]
+        key: PathBuf,
+        /// The release's version (semver).
+        #[arg(long)]
+        version: String,
+        /// ARCH=FILE (its URL is --url-base/FILE's name) or ARCH=FILE=URL; repeatable, one per
+        /// architecture (x86_64, aarch64).
+        #[arg(long = "artifact", value_name = "ARCH=FILE[=URL]", required = true)]
+        artifacts: Vec<String>,
+        /// Where the artifacts are served: http(s)://HOST/PATH.
+        #[arg(long, value_name = "URL")]
+        url_base: Option<String>,
+        /// The oldest version this release may update (semver).
+        #[arg(long, value_name = "VERSION")]
+        min_update_from: Option<String>,
+        /// It may replace a newer version (a release that rolls back); needs --not-after.
+        #[arg(long, requires = "not_after")]
+        allow_downgrade: bool,
+        /// Until when the release may be taken (RFC 3339 UTC, 2026-05-01T00:00:00Z; at most 30
+        /// days ahead when it is registered and taken): what a downgrade permission must say.
+        #[arg(long, value_name = "TIME")]
+        not_after: Option<String>,
+        /// The manifest to write (and MANIFEST.sig beside it).
+        #[arg(long, value_name = "MANIFEST")]
+        out: PathBuf,
+    },
+    /// Check a manifest's signature against release public keys (KEY.pub), and its fields.
+    Verify {
+        #[arg(long, value_name = "MANIFEST")]
+        manifest: PathBuf,
+        /// The signature file (default: MANIFEST.sig).
+        #[arg(long, value_name = "SIG")]
+        signature: Option<PathBuf>,
+        /// A trusted release key's public file (repeatable).
+        #[arg(long = "key", value_name = "KEY.pub", required = true)]
+        keys: Vec<PathBuf>,
+    },
+    /// Register a signed release: the manifest and signature `release sign` wrote. The control
+    /// plane keeps it only when a key it trusts (`--release-key` of dev/serve) signed it.
+    Register {
+        /// The manifest (JSON, as signed).
+        #[arg(long, value_name = "FILE")]
+        manifest: PathBuf,
+        /// Its signature (default: the manifest's path + `.sig`).
+        #[arg(long, value_name = "FILE")]
+        signature: Option<PathBuf>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// A tenant's releases.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One release, by its `rel_…` id.
+    Get { release_id: String },
+}
 
 /// The largest public key file read.
 const PUBLIC_KEY_FILE_BYTES_MAX: u64 = 4 * 1024;
 
-pub fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
+pub async fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
+    let mut body = ctx.tenant_body()?;
     let value = match command {
-        ReleasesCommand::Register { .. } | ReleasesCommand::List { .. } | ReleasesCommand::Get { .. } => {
-            return Err(CliError::new("INTERNAL", "releases register|list|get call the control plane (commands::rollouts)"));
+        ReleasesCommand::List { page } => {
+            add_page(&mut body, &page);
+            let c = ctx.client()?;
+            return ctx.print_list(&c.call("releases.list", &Value::Object(body), None).await?, tables::RELEASES);
+        }
+        ReleasesCommand::Get { release_id } => {
+            body.insert("releaseId".into(), json!(check_id::<ReleaseId>("RELEASE_ID", &release_id)?));
+            ctx.client()?.call("releases.get", &Value::Object(body), None).await?
+        }
+        ReleasesCommand::Register { manifest, signature, key } => {
+            let signature = signature.unwrap_or_else(|| signature_path_of(&manifest));
+            let manifest_text = read_text_bounded(&manifest, "--manifest", MANIFEST_BYTES_MAX)?;
+            let signature_text = read_text_bounded(&signature, "--signature", SIGNATURE_BYTES_MAX)?;
+            body.insert("manifest".into(), json!(manifest_text));
+            body.insert("signature".into(), json!(signature_text.trim_end()));
+            let c = ctx.client()?;
+            let key = idempotency_key(&key.key);
+            c.call("releases.register", &Value::Object(body), Some(&key)).await?
         }
         ReleasesCommand::Keygen { out } => {
             let key = ReleaseKey::generate();
@@ -82,6 +175,15 @@ pub fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
         }
     };
     ctx.print(&value, Format::Json)
+}
+
+/// A manifest or signature file to register, bounded before it is read.
+fn read_text_bounded(path: &Path, what: &str, max: usize) -> Result<String, CliError> {
+    let meta = std::fs::metadata(path).map_err(|e| CliError::usage(format!("{what} {}: {e}", path.display())))?;
+    if meta.len() > max as u64 {
+        return Err(CliError::usage(format!("{what} {} is over {max} bytes", path.display())));
+    }
+    std::fs::read_to_string(path).map_err(|e| CliError::usage(format!("{what} {}: {e}", path.display())))
 }
 
 /// A refused release: its stable code, exit 1.
