@@ -381,18 +381,7 @@ async fn seal_walk(
     let Some(head) = store.preread(&query).await?.heads.remove(&tenant) else {
         return Ok(None);
     };
-    // A walk from where the last stopped that fails is walked again from seq 1, whose failure
-    // is the one to raise the alarm (the first can be a benign race: another process's
-    // checkpoint of a size this sealer had walked past).
-    let resumed = from.is_some();
-    let corrupt = |p: ChainProblem| {
-        if resumed {
-            tracing::debug!(tenant = %p.tenant, seq = p.seq, what = %p.what, "a seal from where the last stopped does not verify; walking from seq 1");
-        } else {
-            tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
-        }
-        Error::Corrupt { tenant: p.tenant, seq: p.seq, what: format!("refusing to seal: {}", p.what) }
-    };
+    let refuse = Refusal { tenant, resumed: from.is_some() };
     // The stored checkpoints must be the ones the chain sealed, as `verify` demands. A walk from
     // where the last stopped, at size `n`, reads only those of size `n` on: the next checkpoint
     // the chain holds is of the size the last walk ended at (this sealer's own) or larger. One
@@ -401,7 +390,7 @@ async fn seal_walk(
     let from_size = from.as_ref().map(|w| w.builder.size().saturating_sub(1));
     let stored: BTreeMap<u64, String> =
         checkpoints_after(store, tenant, from_size).await?.into_iter().map(|c| (c.size, c.note)).collect();
-    let Walked { mut builder, last_hash, mut roots, mut previous, mut grew_at, full_at_ms } = from.unwrap_or(Walked {
+    let mut walked = from.unwrap_or(Walked {
         builder: RootBuilder::new(),
         last_hash: GENESIS_PREV,
         roots: BTreeMap::new(),
@@ -409,94 +398,133 @@ async fn seal_walk(
         grew_at: None,
         full_at_ms: log.clock.now_ms(),
     });
-    let mut verifier = crate::chain::ChainVerifier::resume(tenant, &trust.keys, builder.size() + 1, last_hash);
-    while builder.size() < head.seq {
-        let rows = store.read_chain_rows(tenant, builder.size() + 1, VERIFY_PAGE_ROWS).await?;
+    let mut verifier = crate::chain::ChainVerifier::resume(tenant, &trust.keys, walked.builder.size() + 1, walked.last_hash);
+    walk_to_head(store, &refuse, head.seq, &stored, &mut verifier, &mut walked).await?;
+    verifier.finish(Some((head.seq, head.hash))).map_err(|p| refuse.problem(p))?;
+    check_last_checkpoint(store, &refuse, deployment, trust, &stored, &walked).await?;
+    // The next walk needs no root below the newest checkpoint's, and may meet a checkpoint of
+    // the size this one ends at (this sealer's, or another process's).
+    if let Some((size, _, _)) = &walked.previous {
+        walked.roots = walked.roots.split_off(size);
+    }
+    walked.roots.insert(walked.builder.size(), walked.builder.root());
+    walked.last_hash = verifier.last_hash();
+    // The tree grew: an event other than a checkpoint or a cosignature past the newest checkpoint.
+    let last_size = walked.previous.as_ref().map(|(size, _, _)| *size).unwrap_or(0);
+    let grew = walked.grew_at.is_some_and(|seq| seq > last_size);
+    if !grew {
+        return Ok(Some((walked, None)));
+    }
+    let body =
+        CheckpointBody { origin: note::origin_of(deployment, &tenant), size: walked.builder.size(), root: walked.builder.root() };
+    let sealed = append_checkpoint(log, tenant, deployment, body).await?;
+    Ok(Some((walked, Some(sealed))))
+}
+
+/// A seal's refusal of a log that does not verify. A walk from where the last stopped that
+/// fails is walked again from seq 1, whose failure is the one to raise the alarm (the first can
+/// be a benign race: another process's checkpoint of a size this sealer had walked past).
+struct Refusal {
+    tenant: TenantId,
+    resumed: bool,
+}
+
+impl Refusal {
+    /// The refusal for what is wrong at `seq`.
+    fn at(&self, seq: u64, what: impl Into<String>) -> Error {
+        self.problem(ChainProblem { tenant: self.tenant.to_string(), seq, what: what.into() })
+    }
+
+    /// The refusal for a problem the chain verifier found, logged as a debug line for a resumed
+    /// walk and as an error for a walk from seq 1.
+    fn problem(&self, p: ChainProblem) -> Error {
+        if self.resumed {
+            tracing::debug!(tenant = %p.tenant, seq = p.seq, what = %p.what, "a seal from where the last stopped does not verify; walking from seq 1");
+        } else {
+            tracing::error!(tenant = %p.tenant, seq = p.seq, what = %p.what, "refusing to seal a log that does not verify");
+        }
+        Error::Corrupt { tenant: p.tenant, seq: p.seq, what: format!("refusing to seal: {}", p.what) }
+    }
+}
+
+/// Verifies the chain's rows from where `walked` ends up to `head_seq`, growing its tree,
+/// keeping the roots at the stored checkpoints' sizes, and noting the newest checkpoint sealed
+/// (each must be stored as sealed) and the last event that made the tree grow.
+async fn walk_to_head(
+    store: &dyn EventStore,
+    refuse: &Refusal,
+    head_seq: u64,
+    stored: &BTreeMap<u64, String>,
+    verifier: &mut crate::chain::ChainVerifier<'_>,
+    walked: &mut Walked,
+) -> Result<()> {
+    while walked.builder.size() < head_seq {
+        let rows = store.read_chain_rows(refuse.tenant, walked.builder.size() + 1, VERIFY_PAGE_ROWS).await?;
         if rows.is_empty() {
             break;
         }
         for row in rows {
-            if row.seq > head.seq {
+            if row.seq > head_seq {
                 break;
             }
-            let event = verifier.push(row).map_err(corrupt)?;
-            builder.push_leaf_hash(merkle::leaf_hash(&event.hash));
-            if stored.contains_key(&builder.size()) {
-                roots.insert(builder.size(), builder.root());
+            let event = verifier.push(row).map_err(|p| refuse.problem(p))?;
+            walked.builder.push_leaf_hash(merkle::leaf_hash(&event.hash));
+            if stored.contains_key(&walked.builder.size()) {
+                walked.roots.insert(walked.builder.size(), walked.builder.root());
             }
+            let seq = event.envelope.seq;
             if event.envelope.event_type == CHECKPOINT_SEALED {
-                let (size, note) = parse_checkpoint_payload(&event.envelope.payload).ok_or_else(|| {
-                    corrupt(ChainProblem {
-                        tenant: tenant.to_string(),
-                        seq: event.envelope.seq,
-                        what: "checkpoint payload does not parse".into(),
-                    })
-                })?;
+                let (size, note) = parse_checkpoint_payload(&event.envelope.payload)
+                    .ok_or_else(|| refuse.at(seq, "checkpoint payload does not parse"))?;
                 if stored.get(&size) != Some(&note) {
-                    return Err(corrupt(ChainProblem {
-                        tenant: tenant.to_string(),
-                        seq: event.envelope.seq,
-                        what: format!("the checkpoint of size {size} is missing from the store or differs"),
-                    }));
+                    return Err(refuse.at(seq, format!("the checkpoint of size {size} is missing from the store or differs")));
                 }
-                if previous.as_ref().is_none_or(|(s, _, _)| size >= *s) {
-                    previous = Some((size, note, event.envelope.seq));
+                if walked.previous.as_ref().is_none_or(|(s, _, _)| size >= *s) {
+                    walked.previous = Some((size, note, seq));
                 }
             } else if event.envelope.event_type != CHECKPOINT_COSIGNED {
-                grew_at = Some(event.envelope.seq);
+                walked.grew_at = Some(seq);
             }
         }
     }
-    verifier.finish(Some((head.seq, head.hash))).map_err(corrupt)?;
-    if let Some((size, note, sealed_at)) = &previous {
-        // Still stored as sealed: checked on the way if it was met in this walk, else here.
-        if !stored.contains_key(size) {
-            let row = store.row_get(&tenant.to_string(), KIND_CHECKPOINT, &checkpoint_row_id(*size)).await?;
-            if row.map(stored_checkpoint).map(|c| c.note).as_ref() != Some(note) {
-                return Err(corrupt(ChainProblem {
-                    tenant: tenant.to_string(),
-                    seq: *sealed_at,
-                    what: format!("the checkpoint of size {size} is missing from the store or differs"),
-                }));
-            }
-        }
-        // The walk that met it kept the root at its size (a stored size it passed, or the size
-        // a walk ended at), and `roots` keeps every size from the newest checkpoint's on.
-        let Some(root) = roots.get(size) else {
-            return Err(corrupt(ChainProblem {
-                tenant: tenant.to_string(),
-                seq: *sealed_at,
-                what: "the log no longer matches its last checkpoint".into(),
-            }));
-        };
-        let (body, _) = open_with(note, &trust.vkeys).map_err(|e| {
-            corrupt(ChainProblem {
-                tenant: tenant.to_string(),
-                seq: *sealed_at,
-                what: format!("the last checkpoint does not verify: {e}"),
-            })
-        })?;
-        if body.size != *size || body.origin != note::origin_of(deployment, &tenant) || body.root != *root {
-            return Err(corrupt(ChainProblem {
-                tenant: tenant.to_string(),
-                seq: body.size,
-                what: "the log no longer matches its last checkpoint".into(),
-            }));
+    Ok(())
+}
+
+/// The newest checkpoint sealed in the chain, if any, must still be stored as sealed, verify
+/// under a trusted key, and name this deployment's tenant and the root the walk found at its
+/// size: two checkpoints of a tenant are never inconsistent.
+async fn check_last_checkpoint(
+    store: &dyn EventStore,
+    refuse: &Refusal,
+    deployment: &str,
+    trust: &Trust,
+    stored: &BTreeMap<u64, String>,
+    walked: &Walked,
+) -> Result<()> {
+    let Some((size, note, sealed_at)) = &walked.previous else { return Ok(()) };
+    let tenant = refuse.tenant;
+    // Still stored as sealed: checked on the way if it was met in this walk, else here.
+    if !stored.contains_key(size) {
+        let row = store.row_get(&tenant.to_string(), KIND_CHECKPOINT, &checkpoint_row_id(*size)).await?;
+        if row.map(stored_checkpoint).map(|c| c.note).as_ref() != Some(note) {
+            return Err(refuse.at(*sealed_at, format!("the checkpoint of size {size} is missing from the store or differs")));
         }
     }
-    // The next walk needs no root below the newest checkpoint's, and may meet a checkpoint of
-    // the size this one ends at (this sealer's, or another process's).
-    if let Some((size, _, _)) = &previous {
-        roots = roots.split_off(size);
+    // The walk that met it kept the root at its size (a stored size it passed, or the size
+    // a walk ended at), and `roots` keeps every size from the newest checkpoint's on.
+    let Some(root) = walked.roots.get(size) else {
+        return Err(refuse.at(*sealed_at, "the log no longer matches its last checkpoint"));
+    };
+    let (body, _) =
+        open_with(note, &trust.vkeys).map_err(|e| refuse.at(*sealed_at, format!("the last checkpoint does not verify: {e}")))?;
+    if body.size != *size || body.origin != note::origin_of(deployment, &tenant) || body.root != *root {
+        return Err(refuse.at(body.size, "the log no longer matches its last checkpoint"));
     }
-    roots.insert(builder.size(), builder.root());
-    let last_size = previous.as_ref().map(|(size, _, _)| *size).unwrap_or(0);
-    let grew = grew_at.is_some_and(|seq| seq > last_size);
-    let body = CheckpointBody { origin: note::origin_of(deployment, &tenant), size: builder.size(), root: builder.root() };
-    let walked = Walked { builder, last_hash: verifier.last_hash(), roots, previous, grew_at, full_at_ms };
-    if !grew {
-        return Ok(Some((walked, None)));
-    }
+    Ok(())
+}
+
+/// Signs `body` and appends it as the tenant's `checkpoint.sealed`.
+async fn append_checkpoint(log: &Log, tenant: TenantId, deployment: &str, body: CheckpointBody) -> Result<StoredCheckpoint> {
     let signed = note::sign_note(&body.encode(), deployment, &log.key).map_err(Error::Internal)?;
     log.append(AppendRequest {
         tenant,
@@ -517,7 +545,7 @@ async fn seal_walk(
         }],
     })
     .await?;
-    Ok(Some((walked, Some(StoredCheckpoint { size: body.size, note: signed, cosignatures: vec![] }))))
+    Ok(StoredCheckpoint { size: body.size, note: signed, cosignatures: vec![] })
 }
 
 /// Rotates the log key: appends `log_key.rotated` (naming the new key) to the root tenant's
@@ -760,10 +788,120 @@ pub async fn verify_with(
     for tenant in tenants {
         let head = heads.get(&tenant).copied().unwrap_or(crate::store::Head { seq: 0, hash: GENESIS_PREV });
         report.tenants += 1;
-        // Stored checkpoints, each checked on its own first.
-        let mut expected_roots: BTreeMap<u64, [u8; 32]> = BTreeMap::new();
-        let mut stored_notes: BTreeMap<u64, String> = BTreeMap::new();
-        for cp in checkpoints_of(&**store, tenant).await? {
+        let mut walk = ChainWalk::new(tenant, verified.clone());
+        walk.stored_checkpoints(&**store, trust, &mut report).await?;
+        let mut pages = PageReader::new(tenant, head.seq, pages_in_flight);
+        while let Some(page) = pages.next(store, &trust.keys, &verified).await? {
+            walk.page(page, &mut report)?;
+            progress(report.events);
+            if walk.broken {
+                break;
+            }
+        }
+        if !walk.broken {
+            walk.finish(head, &mut report);
+        }
+    }
+    Ok(report)
+}
+
+/// The pages of one tenant's chain, read in order and each checked on a blocking thread of its
+/// own (up to two pages a core in flight), while the oldest checked page is walked in chain
+/// order. Memory stays bounded by the pages in flight.
+///
+/// Up to the chain head the pages are fixed ranges of seqs, so each is read as well as checked
+/// beside the walk (reading was a third of the work, and done in the walk, one page at a time,
+/// it left a core idle); past the head (rows a tampered head no longer counts, or appends since
+/// it was read), page by page from the last row read, as far as rows go.
+struct PageReader {
+    tenant: TenantId,
+    head_seq: u64,
+    pages_in_flight: usize,
+    read_from: u64,
+    read_all: bool,
+    in_flight: InFlight,
+}
+
+impl PageReader {
+    fn new(tenant: TenantId, head_seq: u64, pages_in_flight: usize) -> PageReader {
+        PageReader { tenant, head_seq, pages_in_flight, read_from: 1, read_all: false, in_flight: InFlight::default() }
+    }
+
+    /// The oldest page's checks, once the pipeline is refilled; `None` past the last row.
+    async fn next(
+        &mut self,
+        store: &Arc<dyn EventStore>,
+        keys: &KeyRing,
+        verified: &Option<Arc<VerifiedSignatures>>,
+    ) -> Result<Option<CheckedPage>> {
+        let tenant = self.tenant;
+        while self.in_flight.0.len() < self.pages_in_flight && !self.read_all {
+            let (keys, verified) = (keys.clone(), verified.clone());
+            if self.read_from <= self.head_seq {
+                let (from, to) = (self.read_from, self.head_seq.min(self.read_from + u64::from(VERIFY_PAGE_ROWS) - 1));
+                self.read_from = to + 1;
+                let store = store.clone();
+                self.in_flight.0.push_back(tokio::spawn(async move {
+                    let mut rows = store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS).await?;
+                    // Rows past the range (after a gap in it) are the next page's.
+                    if let Some(past) = rows.iter().position(|r| r.seq > to) {
+                        rows.truncate(past);
+                    }
+                    check_page(rows, keys, verified).await
+                }));
+            } else {
+                let rows = store.read_chain_rows(tenant, self.read_from, VERIFY_PAGE_ROWS).await?;
+                let Some(last) = rows.last() else {
+                    self.read_all = true;
+                    break;
+                };
+                self.read_from = last.seq + 1;
+                self.in_flight.0.push_back(tokio::spawn(check_page(rows, keys, verified)));
+            }
+        }
+        let Some(checked) = self.in_flight.0.pop_front() else { return Ok(None) };
+        Ok(Some(checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))??))
+    }
+}
+
+/// One tenant's walk in chain order: what it carries from row to row.
+struct ChainWalk {
+    tenant: TenantId,
+    /// The stored checkpoints' roots and notes by size, each checkpoint checked on its own first.
+    expected_roots: BTreeMap<u64, [u8; 32]>,
+    stored_notes: BTreeMap<u64, String>,
+    builder: RootBuilder,
+    node_keys: std::collections::HashMap<String, VerifyingKey>,
+    prev: [u8; 32],
+    next_seq: u64,
+    /// The walk stopped at a gap, a row that fails its checks or a broken link.
+    broken: bool,
+    /// The first event since the last signed one: a later signature must cover it.
+    uncovered_from: Option<u64>,
+    verified: Option<Arc<VerifiedSignatures>>,
+}
+
+impl ChainWalk {
+    fn new(tenant: TenantId, verified: Option<Arc<VerifiedSignatures>>) -> ChainWalk {
+        ChainWalk {
+            tenant,
+            expected_roots: BTreeMap::new(),
+            stored_notes: BTreeMap::new(),
+            builder: RootBuilder::new(),
+            node_keys: std::collections::HashMap::new(),
+            prev: GENESIS_PREV,
+            next_seq: 1,
+            broken: false,
+            uncovered_from: None,
+            verified,
+        }
+    }
+
+    /// Reads the tenant's stored checkpoints, each checked on its own: signed by a trusted key,
+    /// of this tenant, of the size it is stored under.
+    async fn stored_checkpoints(&mut self, store: &dyn EventStore, trust: &Trust, report: &mut Report) -> Result<()> {
+        let tenant = self.tenant;
+        for cp in checkpoints_of(store, tenant).await? {
             report.checkpoints += 1;
             let opened = trust.vkeys.iter().find_map(|v| note::open_note(&cp.note, v).ok());
             let Some(text) = opened else {
@@ -772,179 +910,155 @@ pub async fn verify_with(
             };
             match CheckpointBody::parse(&text) {
                 Ok(body) if body.size == cp.size && body.origin.ends_with(&format!("/audit/{tenant}")) => {
-                    expected_roots.insert(body.size, body.root);
-                    stored_notes.insert(body.size, cp.note.clone());
+                    self.expected_roots.insert(body.size, body.root);
+                    self.stored_notes.insert(body.size, cp.note.clone());
                 }
                 Ok(_) => report.problem(tenant, cp.size, "checkpoint names another tenant or size"),
                 Err(e) => report.problem(tenant, cp.size, format!("checkpoint does not parse: {e}")),
             }
         }
-        let mut builder = RootBuilder::new();
-        let mut node_keys: std::collections::HashMap<String, VerifyingKey> = std::collections::HashMap::new();
-        let mut prev = GENESIS_PREV;
-        let mut next_seq = 1u64;
-        let mut broken = false;
-        // The first event since the last signed one: a later signature must cover it.
-        let mut uncovered_from: Option<u64> = None;
-        // A pipeline: pages are read in order and each is checked on a blocking thread of its
-        // own (up to two pages a core in flight), while the oldest checked page is walked here in
-        // chain order. Memory stays bounded by the pages in flight.
-        //
-        // Up to the chain head the pages are fixed ranges of seqs, so each is read as well as
-        // checked beside the walk (reading was a third of the work, and done here, one page at
-        // a time, it left a core idle); past the head (rows a tampered head no longer counts,
-        // or appends since it was read), page by page from the last row read, as far as rows go.
-        let mut read_from = 1u64;
-        let mut read_all = false;
-        let mut in_flight = InFlight::default();
-        loop {
-            while in_flight.0.len() < pages_in_flight && !read_all {
-                let (keys, verified) = (trust.keys.clone(), verified.clone());
-                if read_from <= head.seq {
-                    let (from, to) = (read_from, head.seq.min(read_from + u64::from(VERIFY_PAGE_ROWS) - 1));
-                    read_from = to + 1;
-                    let store = store.clone();
-                    in_flight.0.push_back(tokio::spawn(async move {
-                        let mut rows = store.read_chain_rows(tenant, from, VERIFY_PAGE_ROWS).await?;
-                        // Rows past the range (after a gap in it) are the next page's.
-                        if let Some(past) = rows.iter().position(|r| r.seq > to) {
-                            rows.truncate(past);
-                        }
-                        check_page(rows, keys, verified).await
-                    }));
-                } else {
-                    let rows = store.read_chain_rows(tenant, read_from, VERIFY_PAGE_ROWS).await?;
-                    let Some(last) = rows.last() else {
-                        read_all = true;
-                        break;
-                    };
-                    read_from = last.seq + 1;
-                    in_flight.0.push_back(tokio::spawn(check_page(rows, keys, verified)));
-                }
-            }
-            let Some(checked) = in_flight.0.pop_front() else { break };
-            let (seqs, results, subtrees) = checked.await.map_err(|e| Error::Internal(format!("verifier: {e}")))??;
-            // The page goes into the tree as the subtrees hashed beside its checks, once the walk
-            // has vouched for every leaf of it; a page a stored checkpoint's size falls in goes
-            // leaf by leaf, the checkpoint's root checked at its size in chain order.
-            let (from, whole) = (builder.size(), seqs.len());
-            let at_once = subtrees.is_some() && expected_roots.range(from + 1..=from + whole as u64).next().is_none();
-            let mut leaves = Vec::with_capacity(if at_once { whole } else { 0 });
-            for (seq, result) in seqs.into_iter().zip(results) {
-                if seq != next_seq {
-                    let what = if seq > next_seq {
-                        format!("event missing: the next stored event is seq {seq}")
-                    } else {
-                        format!("out of order: seq {seq} stored after seq {}", next_seq - 1)
-                    };
-                    report.problem(tenant, next_seq, what);
-                    broken = true;
-                    break;
-                }
-                let CheckedRow { hash, prev: event_prev, leaf, checkpoint, node, signed } = match result {
-                    Ok(ok) => ok,
-                    Err(what) => {
-                        report.problem(tenant, seq, what);
-                        broken = true;
-                        break;
-                    }
-                };
-                if event_prev != prev {
-                    report.problem(tenant, seq, "prev does not match the hash of the event before");
-                    broken = true;
-                    break;
-                }
-                match node.map(|fact| *fact) {
-                    Some(NodeFact::Joined { node, key }) => {
-                        node_keys.insert(node, key);
-                    }
-                    Some(NodeFact::Journal { origin, event_type, stream, payload }) => match node_keys.get(&origin.node_id) {
-                        None => report.problem(
-                            tenant,
-                            seq,
-                            format!("an entry of node {} that never joined this chain", origin.node_id),
-                        ),
-                        Some(key) => {
-                            if let Err(what) = origin.check_remembered(key, &event_type, &stream, &payload, verified.as_deref()) {
-                                report.problem(
-                                    tenant,
-                                    seq,
-                                    format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq),
-                                );
-                            } else {
-                                report.node_entries += 1;
-                            }
-                        }
-                    },
-                    None => {}
-                }
-                if signed {
-                    uncovered_from = None;
-                } else {
-                    uncovered_from.get_or_insert(seq);
-                }
-                prev = hash;
-                next_seq += 1;
-                report.events += 1;
-                if at_once {
-                    leaves.push(leaf);
-                } else {
-                    builder.push_leaf_hash(leaf);
-                    check_root(&mut report, tenant, &builder, &expected_roots);
-                }
-                if let Some((size, sealed_note)) = checkpoint {
-                    match stored_notes.get(&size) {
-                        Some(stored) if *stored == sealed_note => {}
-                        Some(_) => report.problem(
-                            tenant,
-                            seq,
-                            format!("the stored checkpoint of size {size} differs from the one sealed at seq {seq}"),
-                        ),
-                        None => report.problem(
-                            tenant,
-                            seq,
-                            format!("the checkpoint of size {size} sealed at seq {seq} is no longer stored"),
-                        ),
-                    }
-                }
-            }
-            // No stored checkpoint's size falls in such a page, so there is no root to check.
-            match subtrees {
-                Some(subtrees) if at_once && leaves.len() == whole => {
-                    for (size, hash) in subtrees {
-                        if !builder.push_subtree(size, hash) {
-                            return Err(Error::Internal(format!(
-                                "verifier: a subtree of {size} does not start where the tree of {} ends",
-                                builder.size()
-                            )));
-                        }
-                    }
-                }
-                // The walk stopped inside the page: the leaves it vouched for.
-                _ => leaves.into_iter().for_each(|leaf| builder.push_leaf_hash(leaf)),
-            }
-            progress(report.events);
-            if broken {
+        Ok(())
+    }
+
+    /// Walks a checked page. The page goes into the tree as the subtrees hashed beside its
+    /// checks, once the walk has vouched for every leaf of it; a page a stored checkpoint's size
+    /// falls in goes leaf by leaf, the checkpoint's root checked at its size in chain order.
+    fn page(&mut self, (seqs, results, subtrees): CheckedPage, report: &mut Report) -> Result<()> {
+        let (from, whole) = (self.builder.size(), seqs.len());
+        let at_once = subtrees.is_some() && self.expected_roots.range(from + 1..=from + whole as u64).next().is_none();
+        let mut leaves = Vec::with_capacity(if at_once { whole } else { 0 });
+        for (seq, result) in seqs.into_iter().zip(results) {
+            if !self.row(seq, result, at_once.then_some(&mut leaves), report) {
+                self.broken = true;
                 break;
             }
         }
-        if !broken {
-            let last = next_seq - 1;
-            if head.seq > last {
-                report.problem(tenant, last + 1, format!("event missing: the chain head says seq {}", head.seq));
-            } else if head.seq < last {
-                report.problem(tenant, head.seq + 1, format!("seq {} is past the chain head {}", head.seq + 1, head.seq));
-            } else if head.hash != prev {
-                report.problem(tenant, last, "chain head hash differs from the last event's hash");
-            } else if let Some(from) = uncovered_from {
-                report.problem(tenant, from, crate::chain::uncovered(from, last));
+        // No stored checkpoint's size falls in such a page, so there is no root to check.
+        match subtrees {
+            Some(subtrees) if at_once && leaves.len() == whole => {
+                for (size, hash) in subtrees {
+                    if !self.builder.push_subtree(size, hash) {
+                        return Err(Error::Internal(format!(
+                            "verifier: a subtree of {size} does not start where the tree of {} ends",
+                            self.builder.size()
+                        )));
+                    }
+                }
             }
-            for size in expected_roots.keys().filter(|s| **s > last) {
-                report.problem(tenant, last + 1, format!("checkpoint of size {size} is beyond the end of the log (truncated?)"));
+            // The walk stopped inside the page: the leaves it vouched for.
+            _ => leaves.into_iter().for_each(|leaf| self.builder.push_leaf_hash(leaf)),
+        }
+        Ok(())
+    }
+
+    /// Walks one row: its seq, its own checks and its link, the node fact it carries, its leaf
+    /// (into `leaves` for a page taken at once, else into the tree, checked against a stored
+    /// root) and the checkpoint it seals. False where the chain breaks at it.
+    fn row(
+        &mut self,
+        seq: u64,
+        result: Result<CheckedRow, String>,
+        leaves: Option<&mut Vec<merkle::Hash>>,
+        report: &mut Report,
+    ) -> bool {
+        let tenant = self.tenant;
+        if seq != self.next_seq {
+            let what = if seq > self.next_seq {
+                format!("event missing: the next stored event is seq {seq}")
+            } else {
+                format!("out of order: seq {seq} stored after seq {}", self.next_seq - 1)
+            };
+            report.problem(tenant, self.next_seq, what);
+            return false;
+        }
+        let CheckedRow { hash, prev: event_prev, leaf, checkpoint, node, signed } = match result {
+            Ok(ok) => ok,
+            Err(what) => {
+                report.problem(tenant, seq, what);
+                return false;
+            }
+        };
+        if event_prev != self.prev {
+            report.problem(tenant, seq, "prev does not match the hash of the event before");
+            return false;
+        }
+        if let Some(fact) = node {
+            self.node_fact(seq, *fact, report);
+        }
+        if signed {
+            self.uncovered_from = None;
+        } else {
+            self.uncovered_from.get_or_insert(seq);
+        }
+        self.prev = hash;
+        self.next_seq += 1;
+        report.events += 1;
+        match leaves {
+            Some(leaves) => leaves.push(leaf),
+            None => {
+                self.builder.push_leaf_hash(leaf);
+                check_root(report, tenant, &self.builder, &self.expected_roots);
+            }
+        }
+        if let Some((size, sealed_note)) = checkpoint {
+            self.sealed_checkpoint(seq, size, &sealed_note, report);
+        }
+        true
+    }
+
+    /// A node's join remembers its key; a journal entry is checked under the key it joined with.
+    fn node_fact(&mut self, seq: u64, fact: NodeFact, report: &mut Report) {
+        let tenant = self.tenant;
+        match fact {
+            NodeFact::Joined { node, key } => {
+                self.node_keys.insert(node, key);
+            }
+            NodeFact::Journal { origin, event_type, stream, payload } => match self.node_keys.get(&origin.node_id) {
+                None => report.problem(tenant, seq, format!("an entry of node {} that never joined this chain", origin.node_id)),
+                Some(key) => {
+                    if let Err(what) = origin.check_remembered(key, &event_type, &stream, &payload, self.verified.as_deref()) {
+                        report.problem(tenant, seq, format!("node {}'s journal entry {}: {what}", origin.node_id, origin.seq));
+                    } else {
+                        report.node_entries += 1;
+                    }
+                }
+            },
+        }
+    }
+
+    /// The checkpoint a row sealed must still be stored, as it was sealed.
+    fn sealed_checkpoint(&self, seq: u64, size: u64, sealed_note: &str, report: &mut Report) {
+        match self.stored_notes.get(&size) {
+            Some(stored) if stored == sealed_note => {}
+            Some(_) => report.problem(
+                self.tenant,
+                seq,
+                format!("the stored checkpoint of size {size} differs from the one sealed at seq {seq}"),
+            ),
+            None => {
+                report.problem(self.tenant, seq, format!("the checkpoint of size {size} sealed at seq {seq} is no longer stored"))
             }
         }
     }
-    Ok(report)
+
+    /// The end of an unbroken walk: the chain head agrees with the last event, every event is
+    /// covered by a signature, and no stored checkpoint is larger than the log.
+    fn finish(&self, head: crate::store::Head, report: &mut Report) {
+        let tenant = self.tenant;
+        let last = self.next_seq - 1;
+        if head.seq > last {
+            report.problem(tenant, last + 1, format!("event missing: the chain head says seq {}", head.seq));
+        } else if head.seq < last {
+            report.problem(tenant, head.seq + 1, format!("seq {} is past the chain head {}", head.seq + 1, head.seq));
+        } else if head.hash != self.prev {
+            report.problem(tenant, last, "chain head hash differs from the last event's hash");
+        } else if let Some(from) = self.uncovered_from {
+            report.problem(tenant, from, crate::chain::uncovered(from, last));
+        }
+        for size in self.expected_roots.keys().filter(|s| **s > last) {
+            report.problem(tenant, last + 1, format!("checkpoint of size {size} is beyond the end of the log (truncated?)"));
+        }
+    }
 }
 
 /// A page's order-free checks, as the walk takes them: its rows' seqs, each row's checks, and
@@ -1218,19 +1332,7 @@ pub fn check_proof(
     vkeys: &[Vkey],
 ) -> Result<Proved, String> {
     let file = ProofFile::parse(proof)?;
-    let carried = Vkey::parse(&file.vkey).map_err(|e| format!("the proof's vkey: {e}"))?;
-    let vkey = if let Some(v) = vkeys.iter().find(|v| v.name == carried.name && v.public == carried.public) {
-        v.clone()
-    } else if pins.iter().any(|p| *p == carried.pin()) {
-        carried
-    } else if follow_rotations(&file.rotations, pins, &vkeys.iter().map(|v| v.public).collect::<Vec<_>>())?
-        .contains(&carried.public)
-    {
-        // A newer key, introduced by rotations the trusted key signed.
-        carried
-    } else {
-        return Err("the proof is not signed by a trusted key (check --pin or --vkey)".into());
-    };
+    let vkey = proof_vkey(&file, pins, vkeys)?;
     let text = note::open_note(&file.checkpoint, &vkey)?;
     let body = CheckpointBody::parse(&text)?;
     let event = crate::event::Envelope::from_canonical(&file.event).map_err(|e| format!("the event: {e}"))?;
@@ -1251,59 +1353,10 @@ pub fn check_proof(
     let mut trusted = vkeys.to_vec();
     trusted.push(vkey.clone());
     let consistency_file = consistency.map(ConsistencyFile::parse).transpose()?;
-    let consistency = match saved {
-        Some(saved) => {
-            let (old, _) =
-                open_with(saved, &trusted).map_err(|e| format!("your saved checkpoint is not signed by a trusted key: {e}"))?;
-            if old.origin != body.origin {
-                return Err(format!("your saved checkpoint is for {}, the proof for {}", old.origin, body.origin));
-            }
-            if old.size > body.size {
-                return Err(format!(
-                    "your saved checkpoint (size {}) is newer than the proof's (size {}): the log was rewound, or ask \
-                     for a proof in a checkpoint at least as new as yours",
-                    old.size, body.size
-                ));
-            }
-            if old.size == body.size {
-                if old.root != body.root {
-                    return Err(format!(
-                        "the proof's checkpoint and your saved one both have size {} but different roots: the log was forked",
-                        old.size
-                    ));
-                }
-            } else {
-                let Some(c) = &consistency_file else {
-                    return Err(format!(
-                        "no consistency proof from your saved checkpoint (size {}) came with the proof: ask for one made \
-                         with `audit prove --checkpoint` and your saved checkpoint",
-                        old.size
-                    ));
-                };
-                let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
-                merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path).map_err(|e| {
-                    format!(
-                        "the log in the proof does not extend your saved checkpoint (size {}): it was forked or rewritten ({e})",
-                        old.size
-                    )
-                })?;
-            }
-            Consistency::FromSaved { size: old.size }
-        }
-        None => match &consistency_file {
-            None => Consistency::NotChecked,
-            Some(c) => {
-                let (old, _) = open_with(&c.old_checkpoint, &trusted)
-                    .map_err(|_| "the older checkpoint is not signed by a trusted key".to_owned())?;
-                if old.origin != body.origin {
-                    return Err("the older checkpoint is for another tree".into());
-                }
-                let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
-                merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path)
-                    .map_err(|e| format!("consistency proof: {e}"))?;
-                Consistency::FromProver { size: old.size }
-            }
-        },
+    let consistency = match (saved, &consistency_file) {
+        (Some(saved), _) => consistency_from_saved(saved, consistency_file.as_ref(), &trusted, &body)?,
+        (None, None) => Consistency::NotChecked,
+        (None, Some(c)) => consistency_from_prover(c, &trusted, &body)?,
     };
     Ok(Proved {
         tenant: event.tenant,
@@ -1316,4 +1369,80 @@ pub fn check_proof(
         consistency,
         event,
     })
+}
+
+/// The key a proof's checkpoint is to be opened with: a trusted vkey, the key a pin names, or a
+/// newer key introduced by rotations the trusted key signed.
+fn proof_vkey(file: &ProofFile, pins: &[String], vkeys: &[Vkey]) -> Result<Vkey, String> {
+    let carried = Vkey::parse(&file.vkey).map_err(|e| format!("the proof's vkey: {e}"))?;
+    if let Some(v) = vkeys.iter().find(|v| v.name == carried.name && v.public == carried.public) {
+        Ok(v.clone())
+    } else if pins.iter().any(|p| *p == carried.pin()) {
+        Ok(carried)
+    } else if follow_rotations(&file.rotations, pins, &vkeys.iter().map(|v| v.public).collect::<Vec<_>>())?
+        .contains(&carried.public)
+    {
+        // A newer key, introduced by rotations the trusted key signed.
+        Ok(carried)
+    } else {
+        Err("the proof is not signed by a trusted key (check --pin or --vkey)".into())
+    }
+}
+
+/// The proof's checkpoint against the auditor's `saved` one: the same tree, no older, the same
+/// root at the same size, else extended from it as the consistency file proves.
+fn consistency_from_saved(
+    saved: &str,
+    consistency_file: Option<&ConsistencyFile>,
+    trusted: &[Vkey],
+    body: &CheckpointBody,
+) -> Result<Consistency, String> {
+    let (old, _) = open_with(saved, trusted).map_err(|e| format!("your saved checkpoint is not signed by a trusted key: {e}"))?;
+    if old.origin != body.origin {
+        return Err(format!("your saved checkpoint is for {}, the proof for {}", old.origin, body.origin));
+    }
+    if old.size > body.size {
+        return Err(format!(
+            "your saved checkpoint (size {}) is newer than the proof's (size {}): the log was rewound, or ask \
+             for a proof in a checkpoint at least as new as yours",
+            old.size, body.size
+        ));
+    }
+    if old.size == body.size {
+        if old.root != body.root {
+            return Err(format!(
+                "the proof's checkpoint and your saved one both have size {} but different roots: the log was forked",
+                old.size
+            ));
+        }
+    } else {
+        let Some(c) = consistency_file else {
+            return Err(format!(
+                "no consistency proof from your saved checkpoint (size {}) came with the proof: ask for one made \
+                 with `audit prove --checkpoint` and your saved checkpoint",
+                old.size
+            ));
+        };
+        let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
+        merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path).map_err(|e| {
+            format!(
+                "the log in the proof does not extend your saved checkpoint (size {}): it was forked or rewritten ({e})",
+                old.size
+            )
+        })?;
+    }
+    Ok(Consistency::FromSaved { size: old.size })
+}
+
+/// The proof's checkpoint extends the older checkpoint the prover's consistency file carries.
+fn consistency_from_prover(c: &ConsistencyFile, trusted: &[Vkey], body: &CheckpointBody) -> Result<Consistency, String> {
+    let (old, _) =
+        open_with(&c.old_checkpoint, trusted).map_err(|_| "the older checkpoint is not signed by a trusted key".to_owned())?;
+    if old.origin != body.origin {
+        return Err("the older checkpoint is for another tree".into());
+    }
+    let path: Vec<Vec<u8>> = c.path.iter().map(|h| h.to_vec()).collect();
+    merkle::verify_consistency(old.size, body.size, &old.root, &body.root, &path)
+        .map_err(|e| format!("consistency proof: {e}"))?;
+    Ok(Consistency::FromProver { size: old.size })
 }
