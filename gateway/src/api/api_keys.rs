@@ -10,9 +10,9 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, stream_id};
-use super::paging::{Page, list_rows};
-use super::validate::{ApiKeyIdText, CursorText, LimitNumber, NameText, TenantIdText, validate_name};
+use super::paging::{Page, list_input};
+use super::resource::list_all;
+use super::validate::{ApiKeyIdText, NameText, TenantIdText, validate_name};
 use super::views::{ApiKeyCreatedView, ApiKeyView};
 use super::{Access, Call, Method, method};
 use crate::auth;
@@ -44,16 +44,7 @@ pub struct ApiKeysCreate {
     actions: Vec<String>,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ApiKeysList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
-}
+list_input!(ApiKeysList {});
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -80,15 +71,12 @@ async fn api_keys_create(call: &Call<'_>, input: ApiKeysCreate) -> Result<ApiKey
         call.append(tenant, stream_of(KIND_API_KEY, &key_id), ExpectedVersion::NoStream, ev::API_KEY_CREATED, payload).await;
     let result = super::webhooks::forget_unused_secret(store, tenant, &secret_id, appended).await?;
     // A replay names the key created first; its secret was shown once and is not kept.
-    let id = stream_id(&result.events[0].envelope.stream);
-    let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, id, "api key").await?;
+    let key: ApiKeyDoc = call.created(tenant, &result).await?;
     Ok(ApiKeyCreatedView { key: key.into(), token: (!result.replayed).then_some(token), replayed: result.replayed })
 }
 
 async fn api_keys_list(call: &Call<'_>, input: ApiKeysList) -> Result<Page<ApiKeyView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    list_rows(call, tenant, KIND_API_KEY, input.limit, input.cursor.as_deref(), |row| Ok(Some(doc::<ApiKeyDoc>(row)?.into())))
-        .await
+    list_all::<ApiKeyDoc, _>(call, &input.tenant_id, input.limit, input.cursor.as_deref()).await
 }
 
 async fn api_keys_revoke(call: &Call<'_>, input: ApiKeysRevoke) -> Result<ApiKeyView> {

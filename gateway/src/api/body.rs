@@ -58,6 +58,14 @@ pub fn parse_id<T: std::str::FromStr<Err = Error>>(field: &str, text: &str) -> R
         .map_err(|e: Error| Error::InvalidArgument { message: format!("{field}: {e}"), hint: e.hint().map(str::to_owned) })
 }
 
+/// An optional id filter of a list, parsed as `I` (the error naming the field) and kept as the
+/// text the documents' ids are compared with.
+pub fn parse_filter<I: std::str::FromStr<Err = Error> + std::fmt::Display>(
+    field: &str,
+    text: &Option<String>,
+) -> Result<Option<String>> {
+    text.as_deref().map(|t| parse_id::<I>(field, t).map(|id| id.to_string())).transpose()
+}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,8 +21,9 @@ use serde_json::Value;
 use schemars::json_schema;
 
 use super::body::parse_id;
-use super::call::{doc, stream_id};
-use super::paging::{Page, list_rows};
+use super::call::doc;
+use super::paging::Page;
+use super::resource::list_by;
 use super::validate::{CommandIdText, CursorText, LimitNumber, NodeIdText, RolloutIdText, TenantIdText, string_schema};
 use super::views::CommandView;
 use super::{Access, Call, Method, method};
@@ -301,24 +302,16 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
     })?;
     let result =
         call.append(tenant, stream_of(KIND_COMMAND, &command), ExpectedVersion::NoStream, ev::COMMAND_ISSUED, payload).await?;
-    let id = stream_id(&result.events[0].envelope.stream);
-    Ok(call.row::<CommandDoc>(tenant, KIND_COMMAND, id, "command").await?.into())
+    Ok(call.created::<CommandDoc>(tenant, &result).await?.into())
 }
 
 async fn commands_get(call: &Call<'_>, input: CommandRef) -> Result<CommandView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let id: CommandId = parse_id("commandId", &input.command_id)?;
-    Ok(command_doc(call, tenant, &id).await?.into())
+    Ok(call.named::<CommandDoc>(&input.tenant_id, &input.command_id).await?.into())
 }
 
 async fn commands_list(call: &Call<'_>, input: CommandsList) -> Result<Page<CommandView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let node = input.node_id.as_deref().map(|n| parse_id::<NodeId>("nodeId", n)).transpose()?.map(|n| n.to_string());
-    list_rows(call, tenant, KIND_COMMAND, input.limit, input.cursor.as_deref(), |row| {
-        let command: CommandDoc = doc(row)?;
-        Ok(node.as_ref().is_none_or(|n| *n == command.node_id).then(|| command.into()))
-    })
-    .await
+    let page = (input.limit, input.cursor.as_deref());
+    list_by::<CommandDoc, _, NodeId>(call, &input.tenant_id, page, ("nodeId", &input.node_id), |c| &c.node_id).await
 }
 
 async fn commands_cancel(call: &Call<'_>, input: CommandRef) -> Result<CommandView> {

@@ -15,9 +15,10 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version, stream_id};
-use super::paging::{Page, list_rows};
+use super::call::{doc, expected_version};
+use super::paging::Page;
 use super::pools::pool_doc;
+use super::resource::list_by;
 use super::validate::{CursorText, FlavorIdText, LimitNumber, NameText, PoolIdText, TenantIdText, VersionNumber, validate_name};
 use super::views::{FlavorDeletedView, FlavorView};
 use super::{Access, Call, Method, method};
@@ -203,24 +204,16 @@ async fn flavors_create(call: &Call<'_>, input: FlavorsCreate) -> Result<FlavorV
             vec![(stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version))],
         )
         .await?;
-    let id: FlavorId = parse_id("flavorId", stream_id(&result.events[0].envelope.stream))?;
-    Ok(flavor_doc(call, tenant, &id).await?.into())
+    Ok(call.created::<FlavorDoc>(tenant, &result).await?.into())
 }
 
 async fn flavors_get(call: &Call<'_>, input: FlavorRef) -> Result<FlavorView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
-    Ok(flavor_doc(call, tenant, &id).await?.into())
+    Ok(call.named::<FlavorDoc>(&input.tenant_id, &input.flavor_id).await?.into())
 }
 
 async fn flavors_list(call: &Call<'_>, input: FlavorsList) -> Result<Page<FlavorView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
-    list_rows(call, tenant, KIND_FLAVOR, input.limit, input.cursor.as_deref(), |row| {
-        let flavor: FlavorDoc = doc(row)?;
-        Ok(pool.as_ref().is_none_or(|p| *p == flavor.pool_id).then(|| flavor.into()))
-    })
-    .await
+    let page = (input.limit, input.cursor.as_deref());
+    list_by::<FlavorDoc, _, PoolId>(call, &input.tenant_id, page, ("poolId", &input.pool_id), |f| &f.pool_id).await
 }
 
 async fn flavors_delete(call: &Call<'_>, input: FlavorRef) -> Result<FlavorDeletedView> {

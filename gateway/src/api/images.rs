@@ -14,11 +14,10 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version, stream_id};
-use super::paging::{Page, list_rows};
-use super::validate::{
-    CursorText, ImageIdText, LimitNumber, NameText, TenantIdText, VersionNumber, string_schema, validate_name,
-};
+use super::call::{doc, expected_version};
+use super::paging::{Page, list_input};
+use super::resource::list_all;
+use super::validate::{ImageIdText, NameText, TenantIdText, VersionNumber, string_schema, validate_name};
 use super::views::{DiskFormatView, ImageDeletedView, ImageView};
 use super::{Access, Call, Method, method};
 
@@ -178,16 +177,7 @@ pub struct ImageRef {
     if_version: Option<u64>,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ImagesList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
-}
+list_input!(ImagesList {});
 
 async fn image_doc(call: &Call<'_>, tenant: TenantId, id: &ImageId) -> Result<ImageDoc> {
     call.row(tenant, KIND_IMAGE, &id.to_string(), "image").await
@@ -223,19 +213,15 @@ async fn images_register(call: &Call<'_>, input: ImagesRegister) -> Result<Image
     })?;
     let result =
         call.append(tenant, stream_of(KIND_IMAGE, &image), ExpectedVersion::NoStream, ev::IMAGE_REGISTERED, payload).await?;
-    let id: ImageId = parse_id("imageId", stream_id(&result.events[0].envelope.stream))?;
-    Ok(image_doc(call, tenant, &id).await?.into())
+    Ok(call.created::<ImageDoc>(tenant, &result).await?.into())
 }
 
 async fn images_get(call: &Call<'_>, input: ImageRef) -> Result<ImageView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let id: ImageId = parse_id("imageId", &input.image_id)?;
-    Ok(image_doc(call, tenant, &id).await?.into())
+    Ok(call.named::<ImageDoc>(&input.tenant_id, &input.image_id).await?.into())
 }
 
 async fn images_list(call: &Call<'_>, input: ImagesList) -> Result<Page<ImageView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    list_rows(call, tenant, KIND_IMAGE, input.limit, input.cursor.as_deref(), |row| Ok(Some(doc::<ImageDoc>(row)?.into()))).await
+    list_all::<ImageDoc, _>(call, &input.tenant_id, input.limit, input.cursor.as_deref()).await
 }
 
 async fn images_delete(call: &Call<'_>, input: ImageRef) -> Result<ImageDeletedView> {

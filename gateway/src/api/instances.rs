@@ -21,8 +21,8 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, stream_id};
-use super::paging::{Page, list_rows};
+use super::paging::Page;
+use super::resource::list_by;
 use super::validate::{
     CursorText, FlavorIdText, ImageIdText, InstanceIdText, LimitNumber, NameText, ReservationIdText, TenantIdText, VersionNumber,
     validate_name,
@@ -169,27 +169,17 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
     };
     let decided = decide::instance_create(&input, issue)?;
     let result = call.submit(call.decided(tenant, decided)).await?;
-    let id: InstanceId = parse_id("instanceId", stream_id(&result.events[0].envelope.stream))?;
-    Ok(instance_doc(call, tenant, &id).await?.into())
+    Ok(call.created::<InstanceDoc>(tenant, &result).await?.into())
 }
 
 async fn instances_get(call: &Call<'_>, input: InstanceRef) -> Result<InstanceView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let id: InstanceId = parse_id("instanceId", &input.instance_id)?;
-    Ok(instance_doc(call, tenant, &id).await?.into())
+    Ok(call.named::<InstanceDoc>(&input.tenant_id, &input.instance_id).await?.into())
 }
 
 async fn instances_list(call: &Call<'_>, input: InstancesList) -> Result<Page<InstanceView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let reservation = input
-        .reservation_id
-        .as_deref()
-        .map(|r| parse_id::<ReservationId>("reservationId", r))
-        .transpose()?
-        .map(|r| r.to_string());
-    list_rows(call, tenant, KIND_INSTANCE, input.limit, input.cursor.as_deref(), |row| {
-        let instance: InstanceDoc = doc(row)?;
-        Ok(reservation.as_ref().is_none_or(|r| *r == instance.reservation_id).then(|| instance.into()))
+    let page = (input.limit, input.cursor.as_deref());
+    list_by::<InstanceDoc, _, ReservationId>(call, &input.tenant_id, page, ("reservationId", &input.reservation_id), |i| {
+        &i.reservation_id
     })
     .await
 }

@@ -14,11 +14,9 @@ use serde::Deserialize;
 
 use super::body::parse_id;
 use super::call::{doc, stream_id};
-use super::paging::{Page, list_rows};
+use super::paging::{Page, list_input, list_rows};
 use super::pools::pool_doc;
-use super::validate::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, JoinTokenIdText, LimitNumber, PoolIdText, TenantIdText, validate_text,
-};
+use super::validate::{DESCRIPTION_CHARS_MAX, DescriptionText, JoinTokenIdText, PoolIdText, TenantIdText, validate_text};
 use super::views::{JoinTokenCreatedView, JoinTokenView};
 use super::{Access, Call, Method, method};
 
@@ -71,16 +69,7 @@ pub struct JoinTokenRef {
     join_token_id: String,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct JoinTokensList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
-}
+list_input!(JoinTokensList {});
 
 /// A token id, refusing a pasted secret without quoting it.
 fn token_id(text: &str) -> Result<JoinTokenId> {

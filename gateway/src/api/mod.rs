@@ -20,6 +20,7 @@ use serde_json::Value;
 pub mod body;
 pub mod call;
 pub mod paging;
+pub mod resource;
 pub mod validate;
 pub mod views;
 

@@ -14,12 +14,13 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version, stream_id};
-use super::paging::{Page, list_rows};
+use super::call::expected_version;
+use super::paging::{Page, list_input};
 use super::pools::pool_doc;
+use super::resource::list_by;
 use super::validate::{
-    CursorText, LabelKeyText, LabelsMap, LimitNumber, NameText, NodeIdText, PoolIdText, TenantIdText, VersionNumber,
-    string_schema, validate_label_key, validate_labels, validate_name, validate_text,
+    LabelKeyText, LabelsMap, NameText, NodeIdText, PoolIdText, TenantIdText, VersionNumber, string_schema, validate_label_key,
+    validate_labels, validate_name, validate_text,
 };
 use super::views::{NodeChangedView, NodeDeletedView, NodeView};
 use super::{Access, Call, Method, method};
@@ -104,19 +105,11 @@ pub struct NodeRef {
     node_id: String,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct NodesList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
+list_input!(NodesList {
     /// Only the nodes of this pool.
     #[schemars(with = "Option<PoolIdText>")]
     pool_id: Option<String>,
-}
+});
 
 /// A state change of one node, while it is at `ifVersion` (if given).
 #[derive(Deserialize, JsonSchema)]
@@ -214,23 +207,16 @@ async fn nodes_register(call: &Call<'_>, input: NodesRegister) -> Result<NodeVie
     let result = call
         .append_guarded(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, ev::NODE_REGISTERED, payload, vec![guard])
         .await?;
-    Ok(node_doc(call, tenant, stream_id(&result.events[0].envelope.stream)).await?.into())
+    Ok(call.created::<NodeDoc>(tenant, &result).await?.into())
 }
 
 async fn nodes_get(call: &Call<'_>, input: NodeRef) -> Result<NodeView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let node: NodeId = parse_id("nodeId", &input.node_id)?;
-    Ok(node_doc(call, tenant, &node.to_string()).await?.into())
+    Ok(call.named::<NodeDoc>(&input.tenant_id, &input.node_id).await?.into())
 }
 
 async fn nodes_list(call: &Call<'_>, input: NodesList) -> Result<Page<NodeView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
-    list_rows(call, tenant, KIND_NODE, input.limit, input.cursor.as_deref(), |row| {
-        let node: NodeDoc = doc(row)?;
-        Ok(pool.as_ref().is_none_or(|p| *p == node.pool_id).then(|| node.into()))
-    })
-    .await
+    let page = (input.limit, input.cursor.as_deref());
+    list_by::<NodeDoc, _, PoolId>(call, &input.tenant_id, page, ("poolId", &input.pool_id), |n| &n.pool_id).await
 }
 
 /// Appends one change to a node at the version read (`ifVersion`, if given, must be it), and

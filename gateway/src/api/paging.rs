@@ -68,3 +68,23 @@ pub async fn list_rows<T>(
     }
     Ok(Page { items, next_cursor })
 }
+
+/// Declares a list method's input, named in the document's components: the tenant (the
+/// caller's own when absent), `limit` and `cursor`, then the method's own filters in the order
+/// given: `list_input!(PoolsList { /// Archived pools too. #[serde(default)] include_archived: bool, })`.
+macro_rules! list_input {
+    ($name:ident { $($(#[$field_meta:meta])* $field:ident: $type:ty,)* }) => {
+        #[derive(::serde::Deserialize, ::schemars::JsonSchema)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct $name {
+            #[schemars(with = "Option<crate::api::validate::TenantIdText>")]
+            tenant_id: Option<String>,
+            #[schemars(with = "Option<crate::api::validate::LimitNumber>")]
+            limit: Option<u32>,
+            #[schemars(with = "Option<crate::api::validate::CursorText>")]
+            cursor: Option<String>,
+            $($(#[$field_meta])* $field: $type,)*
+        }
+    };
+}
+pub(crate) use list_input;

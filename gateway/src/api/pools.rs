@@ -12,11 +12,12 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version, stream_id};
-use super::paging::{Page, list_rows};
+use super::call::expected_version;
+use super::paging::{Page, list_input};
+use super::resource::list_where;
 use super::validate::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, LimitNumber, NameText, PoolIdText, TenantIdText,
-    VersionNumber, validate_labels, validate_name, validate_text,
+    DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, NameText, PoolIdText, TenantIdText, VersionNumber, validate_labels,
+    validate_name, validate_text,
 };
 use super::views::PoolView;
 use super::{Access, Call, Method, method};
@@ -98,19 +99,11 @@ pub struct PoolsUpdate {
     max_reservation_s: Option<u64>,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct PoolsList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
+list_input!(PoolsList {
     /// Archived pools too.
     #[serde(default)]
     include_archived: bool,
-}
+});
 
 fn check_max_reservation(value: Option<u64>) -> Result<Option<u64>> {
     match value {
@@ -139,23 +132,17 @@ async fn pools_create(call: &Call<'_>, input: PoolsCreate) -> Result<PoolView> {
         max_reservation_s: check_max_reservation(input.max_reservation_s)?,
     })?;
     let result = call.append(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload).await?;
-    Ok(pool_doc(call, tenant, stream_id(&result.events[0].envelope.stream)).await?.into())
+    Ok(call.created::<PoolDoc>(tenant, &result).await?.into())
 }
 
 async fn pools_get(call: &Call<'_>, input: PoolRef) -> Result<PoolView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let pool: PoolId = parse_id("poolId", &input.pool_id)?;
-    Ok(pool_doc(call, tenant, &pool.to_string()).await?.into())
+    Ok(call.named::<PoolDoc>(&input.tenant_id, &input.pool_id).await?.into())
 }
 
 async fn pools_list(call: &Call<'_>, input: PoolsList) -> Result<Page<PoolView>> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let include_archived = input.include_archived;
-    list_rows(call, tenant, KIND_POOL, input.limit, input.cursor.as_deref(), |row| {
-        let pool: PoolDoc = doc(row)?;
-        Ok((include_archived || !pool.archived).then(|| pool.into()))
-    })
-    .await
+    list_where(call, tenant, input.limit, input.cursor.as_deref(), |p: &PoolDoc| include_archived || !p.archived).await
 }
 
 async fn pools_update(call: &Call<'_>, input: PoolsUpdate) -> Result<PoolView> {

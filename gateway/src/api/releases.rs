@@ -16,10 +16,10 @@ use bc_projections::stream_of;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::body::parse_id;
-use super::call::{doc, stream_id};
-use super::paging::{Page, list_rows};
-use super::validate::{CursorText, LimitNumber, ReleaseIdText, TenantIdText};
+use super::call::doc;
+use super::paging::{Page, list_input};
+use super::resource::list_all;
+use super::validate::{ReleaseIdText, TenantIdText};
 use super::{Access, Call, Method, method};
 
 const READ: Access = Access::Action("compute:releases:read");
@@ -57,16 +57,7 @@ pub struct ReleaseRef {
     release_id: String,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ReleasesList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
-}
+list_input!(ReleasesList {});
 
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -155,18 +146,13 @@ async fn releases_register(call: &Call<'_>, input: ReleasesRegister) -> Result<R
     let result = call
         .append(tenant, stream_of(KIND_RELEASE, &release), ExpectedVersion::NoStream, ev::RELEASE_REGISTERED, payload)
         .await?;
-    let id: ReleaseId = parse_id("releaseId", stream_id(&result.events[0].envelope.stream))?;
-    Ok(release_doc(call, tenant, &id).await?.into())
+    Ok(call.created::<ReleaseDoc>(tenant, &result).await?.into())
 }
 
 async fn releases_get(call: &Call<'_>, input: ReleaseRef) -> Result<ReleaseView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let id: ReleaseId = parse_id("releaseId", &input.release_id)?;
-    Ok(release_doc(call, tenant, &id).await?.into())
+    Ok(call.named::<ReleaseDoc>(&input.tenant_id, &input.release_id).await?.into())
 }
 
 async fn releases_list(call: &Call<'_>, input: ReleasesList) -> Result<Page<ReleaseView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    list_rows(call, tenant, KIND_RELEASE, input.limit, input.cursor.as_deref(), |row| Ok(Some(doc::<ReleaseDoc>(row)?.into())))
-        .await
+    list_all::<ReleaseDoc, _>(call, &input.tenant_id, input.limit, input.cursor.as_deref()).await
 }

@@ -16,13 +16,13 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version, stream_id};
+use super::call::{expected_version, stream_id};
 use super::events::TypePatterns;
-use super::paging::{Page, limit, list_rows};
+use super::paging::{Page, limit, list_input};
+use super::resource::list_all;
 use super::system::Empty;
 use super::validate::{
-    CursorText, DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, TenantIdText, VersionNumber, WebhookIdText, string_schema,
-    validate_text,
+    DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, TenantIdText, VersionNumber, WebhookIdText, string_schema, validate_text,
 };
 use super::views::{DeliveryView, EventTypesView, PingView, WebhookDeletedView, WebhookSecretView, WebhookView};
 use super::{Access, Call, Method, method};
@@ -186,16 +186,7 @@ pub struct WebhooksRotate {
     previous_valid_s: Option<u64>,
 }
 
-#[derive(Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct WebhooksList {
-    #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
-    #[schemars(with = "Option<LimitNumber>")]
-    limit: Option<u32>,
-    #[schemars(with = "Option<CursorText>")]
-    cursor: Option<String>,
-}
+list_input!(WebhooksList {});
 
 string_schema!(
     /// A delivery's state, as a filter: `pending`, `done` or `dead`.
@@ -321,15 +312,11 @@ pub(super) async fn forget_unused_secret(
 }
 
 async fn webhooks_list(call: &Call<'_>, input: WebhooksList) -> Result<Page<WebhookView>> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    list_rows(call, tenant, KIND_WEBHOOK, input.limit, input.cursor.as_deref(), |row| Ok(Some(doc::<WebhookDoc>(row)?.into())))
-        .await
+    list_all::<WebhookDoc, _>(call, &input.tenant_id, input.limit, input.cursor.as_deref()).await
 }
 
 async fn webhooks_get(call: &Call<'_>, input: WebhookRef) -> Result<WebhookView> {
-    let tenant = call.tenant(&input.tenant_id).await?;
-    let id: WebhookId = parse_id("webhookId", &input.webhook_id)?;
-    Ok(current(call, tenant, &id).await?.into())
+    Ok(call.named::<WebhookDoc>(&input.tenant_id, &input.webhook_id).await?.into())
 }
 
 async fn webhooks_update(call: &Call<'_>, input: WebhooksUpdate) -> Result<WebhookView> {
