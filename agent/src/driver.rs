@@ -1,4 +1,4 @@
-//! `bcd node`: the [`Machine`] wrapped in tokio and tonic. The driver owns the IO the machine
+//! `bcd node`: the [`SessionMachine`] wrapped in tokio and tonic. The driver owns the IO the machine
 //! asks for: the stream to the gateway, the journal, the command runner, the clock, the status
 //! socket. Each input it feeds the machine and each output it carries out, in order.
 
@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::config::{Config, Identity};
 use crate::journal::{Journal, JournalError, READ_ENTRIES_MAX};
-use crate::machine::{Input, Machine, Output, Phase, SystemRng};
+use crate::session::{Input, Output, Phase, SessionMachine, SystemRng};
 use crate::runner::{Agent, Instances, Runner};
 use crate::update::{Launch, UpdateSettings, Updater};
 
@@ -142,7 +142,7 @@ pub async fn run_node(
     let mut reexec = updater.as_ref().map(|u| u.reexec_requested());
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
-    let mut machine = Machine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
+    let mut machine = SessionMachine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
     tracing::info!(node = %node, gateway = %config.gateway, journal_head = head.0, journal_acked = acked, "bcd node started");
 
     let clock = SystemClock;

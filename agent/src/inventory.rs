@@ -270,12 +270,12 @@ impl Host {
     }
 }
 
-/// The real machine: NVML and the host under `root`.
-pub struct Machine {
+/// The real hardware: NVML and the host under `root`.
+pub struct HostInventory {
     pub root: PathBuf,
 }
 
-impl InventorySource for Machine {
+impl InventorySource for HostInventory {
     fn read(&self) -> Inventory {
         Inventory { gpus: Nvml::read(), host: Host { root: self.root.clone() }.read() }
     }
@@ -291,9 +291,9 @@ pub struct Fake {
 #[cfg(feature = "fakehw")]
 impl InventorySource for Fake {
     fn read(&self) -> Inventory {
-        let mut rng = crate::machine::SeededRng(self.seed);
-        use crate::machine::Rng;
-        let pick = |rng: &mut crate::machine::SeededRng, n: usize| (rng.next_unit() * n as f64) as usize % n;
+        let mut rng = crate::session::SeededRng(self.seed);
+        use crate::session::Rng;
+        let pick = |rng: &mut crate::session::SeededRng, n: usize| (rng.next_unit() * n as f64) as usize % n;
         let count = [0u32, 2, 4, 8][pick(&mut rng, 4)];
         let (model, product, vram) =
             [("H100", "NVIDIA-H100-80GB-HBM3", 80), ("A100", "NVIDIA-A100-SXM4-40GB", 40), ("L40S", "NVIDIA-L40S", 48)]
@@ -339,7 +339,7 @@ pub fn source(root: Option<&Path>, fake_seed: Option<u64>) -> Result<Box<dyn Inv
         #[cfg(not(feature = "fakehw"))]
         return Err(format!("a fake machine (seed {seed}) needs a fakehw build"));
     }
-    Ok(Box::new(Machine { root: root.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("/")) }))
+    Ok(Box::new(HostInventory { root: root.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("/")) }))
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bc_proto::agent_client::AgentClient;
 
 use crate::config::{Config, IdentityFile, load_identity, node_key_load_or_create, verify_identity};
-use crate::machine::{Backoff, Rng, SystemRng};
+use crate::session::{Backoff, Rng, SystemRng};
 use crate::token::{Source, Token};
 
 /// Attempts at a join that fails in a way worth retrying.

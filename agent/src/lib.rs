@@ -1,10 +1,10 @@
 //! `bc-agent`: `bcd`, the node agent. It joins a machine to the fleet (`join`), keeps a signed,
 //! hash-chained journal of what the machine did (`journal`), holds one long-lived session to
-//! the gateway (`machine`, driven by `driver`), runs commands (`runner`): GPU holds
+//! the gateway (`session`, driven by `driver`), runs commands (`runner`): GPU holds
 //! (`binding`, `holds`) and instances (`hypervisor`, `images`, `disk_header`, `instances`), and
 //! answers `bcd status` on a unix socket (`status`).
 //!
-//! Layout: [`machine`] is the session logic without IO (a clock, an RNG and the transport come
+//! Layout: [`session`] is the session logic without IO (a clock, an RNG and the transport come
 //! in from outside), so the simulator runs the real logic; [`driver`] wraps it in tokio and
 //! tonic; [`client`] is the pinned-TLS (or loopback h2c) channel; [`config`] the configuration
 //! and the node's files; [`token`] where a join token may come from; [`join`] the join;
@@ -31,8 +31,8 @@ pub mod inventory;
 pub mod join;
 pub mod journal;
 pub mod ledger;
-pub mod machine;
 pub mod runner;
+pub mod session;
 #[cfg(feature = "fakehw")]
 pub mod sim;
 pub mod ssh_ca;

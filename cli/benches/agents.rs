@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bc_agent::config::{Config, load_identity};
-use bc_agent::machine::{Input, Machine, Output, Phase, SeededRng};
+use bc_agent::session::{Input, Output, Phase, SeededRng, SessionMachine};
 use bc_core::clock::{Clock, SystemClock};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_gateway::agents::{AgentService, SessionConfig, Transport};
@@ -271,7 +271,7 @@ async fn agent(
     seed: u64,
     shared: Arc<Mutex<Shared>>,
 ) {
-    let mut machine = Machine::new(node, key, vec![], "bench".into(), (0, bc_core::agent::GENESIS_HASH), 0);
+    let mut machine = SessionMachine::new(node, key, vec![], "bench".into(), (0, bc_core::agent::GENESIS_HASH), 0);
     let mut rng = SeededRng(seed);
     let channel = gateway.channel().unwrap();
     let mut outbound: Option<tokio::sync::mpsc::Sender<bc_proto::AgentMessage>> = None;

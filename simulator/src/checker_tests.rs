@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use bc_agent::machine::SeededRng;
+use bc_agent::session::SeededRng;
 use bc_core::agent::{EntryBody, SignedEntry};
 use bc_core::clock::Clock;
 use bc_projections::{KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc, ReservationState};

@@ -27,7 +27,7 @@
 //!   append the log acknowledged is still in it, and each node's journal entries in the log are
 //!   the ones its agent wrote, once each, in order, and include all it was acknowledged.
 //! - **Agents** talk to the gateway over the in-memory transport (`net.rs`): each agent's real
-//!   session machine (`bc_agent::machine`) and the gateway's real session functions
+//!   session machine (`bc_agent::session`) and the gateway's real session functions
 //!   (`bc_gateway::agents::session`): hello, challenge, proof, welcome, entries appended once
 //!   and acknowledged, commands down, heartbeats renewing the node's lease, which the liveness
 //!   pass turns into `node.unreachable` / `node.ready`. A step that only moved the transport
@@ -43,7 +43,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use bc_agent::machine::{Rng, SeededRng};
+use bc_agent::session::{Rng, SeededRng};
 use bc_core::ErrorCode;
 use bc_core::event::Position;
 use bc_core::id::{CommandId, ReservationId};
@@ -132,7 +132,7 @@ pub const FULL_CHECK_EVENTS_PER_STEP: u64 = 2;
 pub const LIVENESS_BOUND_MS: u64 = (bc_projections::HOLD_ATTEMPTS_MAX as u64 + 1)
     * (bc_projections::HOLD_DEADLINE_S * 1000 + RECONCILE_EVERY_MS)
     + AGENT_TICK_MS
-    + bc_agent::machine::BACKOFF_MAX_MS
+    + bc_agent::session::BACKOFF_MAX_MS
     + net::SESSION.lease_ms
     + hooks::RETRY_WAIT_MAX_MS
     + RECONCILE_EVERY_MS;
@@ -811,7 +811,7 @@ impl Sim {
                 self.agent_start(a).await;
             } else {
                 // A hung runner recovers: what it was handed runs now.
-                self.agent_input(a, bc_agent::machine::Input::Tick).await?;
+                self.agent_input(a, bc_agent::session::Input::Tick).await?;
             }
         }
         self.rollouts_abort_running().await;
@@ -973,28 +973,28 @@ impl Sim {
             }
             Task::Connected(a, connection) => {
                 if self.net.links[a].connection == connection {
-                    self.agent_input(a, bc_agent::machine::Input::Connected).await?;
+                    self.agent_input(a, bc_agent::session::Input::Connected).await?;
                 }
             }
             Task::Broken(a, connection, reason) => {
                 if self.net.links[a].connection == connection {
-                    self.agent_input(a, bc_agent::machine::Input::Disconnected { reason }).await?;
+                    self.agent_input(a, bc_agent::session::Input::Disconnected { reason }).await?;
                 }
             }
             Task::MachineTick(a, generation) => {
                 if self.net.links[a].machine.is_some() && self.net.links[a].tick_generation == generation {
-                    self.agent_input(a, bc_agent::machine::Input::Tick).await?;
+                    self.agent_input(a, bc_agent::session::Input::Tick).await?;
                     self.after(net::MACHINE_TICK_MS, Task::MachineTick(a, generation));
                 }
             }
-            Task::MachineRetry(a) => self.agent_input(a, bc_agent::machine::Input::Tick).await?,
+            Task::MachineRetry(a) => self.agent_input(a, bc_agent::session::Input::Tick).await?,
             Task::AgentTick(a) => {
                 // It retries the releases its machine refused, and sends what that journaled.
                 let now = self.agent_now(a);
                 if let Some(runner) = self.world.agents[a].runner.as_ref() {
                     let entries = runner.retry_releases(now).await.expect("the runner retries releases");
                     if let Some(last) = entries.last() {
-                        let input = bc_agent::machine::Input::Journaled { seq: last.seq, hash: last.hash };
+                        let input = bc_agent::session::Input::Journaled { seq: last.seq, hash: last.hash };
                         self.agent_input(a, input).await?;
                     }
                 }
@@ -1026,7 +1026,7 @@ impl Sim {
                 if self.deaf_until[a] <= self.world.now_ms() {
                     self.deaf_until[a] = 0;
                     // The runner recovers: what it was handed runs now.
-                    self.agent_input(a, bc_agent::machine::Input::Tick).await?;
+                    self.agent_input(a, bc_agent::session::Input::Tick).await?;
                 }
             }
             Task::Uncordon(t, node) => {
@@ -1160,9 +1160,9 @@ impl Sim {
                 }
                 let twice = matches!(msg, bc_proto::gateway_message::Msg::Command(_)) && std::mem::take(&mut self.again_next[a]);
                 let again = twice.then(|| msg.clone());
-                self.agent_input(a, bc_agent::machine::Input::Received(msg)).await?;
+                self.agent_input(a, bc_agent::session::Input::Received(msg)).await?;
                 if let Some(again) = again {
-                    self.agent_input(a, bc_agent::machine::Input::Received(again)).await?;
+                    self.agent_input(a, bc_agent::session::Input::Received(again)).await?;
                 }
                 Ok(())
             }

@@ -21,7 +21,7 @@ use bc_agent::binding::{GpuBinding, HeldGpu};
 use bc_agent::holds::{Ledger, LedgerFile};
 use bc_agent::inventory::{GpuInfo, GpuInventory, Inventory, InventorySource};
 use bc_agent::journal::Journal;
-use bc_agent::machine::{Rng, SeededRng};
+use bc_agent::session::{Rng, SeededRng};
 use bc_agent::runner::Runner;
 use bc_core::agent::{JournalOrigin, SignedEntry};
 use bc_core::clock::{Clock, ManualClock};

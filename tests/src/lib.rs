@@ -795,13 +795,13 @@ pub fn fake_hardware(seed: u64) -> Value {
 /// endpoint of `server` on `port`, TLS with its pin, the log key's pin, observations every
 /// 150 ms, JSON logs to `node.log`). Killed when dropped; its directory is kept when the test
 /// fails.
-pub struct Machine {
+pub struct AgentNode {
     pub dir: tempfile::TempDir,
     node: Option<Child>,
 }
 
-impl Machine {
-    pub fn new(server: &Server, port: u16) -> Machine {
+impl AgentNode {
+    pub fn new(server: &Server, port: u16) -> AgentNode {
         let dir = tempfile::tempdir().unwrap();
         let config = format!(
             "data_dir = {:?}\ngateway = \"https://127.0.0.1:{port}\"\nserving_ca_spki_pin = {:?}\nlog_key_pin = {:?}\nobserve_interval = \"150ms\"\n\n[log]\nlevel = \"info\"\nformat = \"json\"\n",
@@ -810,7 +810,7 @@ impl Machine {
             log_key_pin(server),
         );
         std::fs::write(dir.path().join("config.toml"), config).unwrap();
-        Machine { dir, node: None }
+        AgentNode { dir, node: None }
     }
 
     pub fn config(&self) -> String {
@@ -876,7 +876,7 @@ impl Machine {
     }
 }
 
-impl Drop for Machine {
+impl Drop for AgentNode {
     fn drop(&mut self) {
         self.kill9();
         if std::thread::panicking() {
@@ -900,7 +900,7 @@ impl Drop for PidGuard {
 }
 
 /// The pid `bcd node` wrote in the machine's data directory (`bcd.pid`), or empty.
-pub fn pid_of(machine: &Machine) -> String {
+pub fn pid_of(machine: &AgentNode) -> String {
     std::fs::read_to_string(machine.data().join("bcd.pid")).unwrap_or_default().trim().to_owned()
 }
 

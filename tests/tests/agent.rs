@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use bc_tests::{Machine, Server, json, wait_until};
+use bc_tests::{AgentNode, Server, json, wait_until};
 use serde_json::{Value, json};
 
 async fn token(server: &Server, pool: &str, uses: u32) -> String {
@@ -88,7 +88,7 @@ async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_to
     let secret = std::fs::read_to_string(&token_file).unwrap().trim().to_owned();
     assert!(secret.starts_with("bcjt_") && !out.contains(&secret) && !err.contains(&secret), "the secret went to the file only");
 
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     let (code, out, err) = machine.join_stdin(&secret);
     assert_eq!(code, 0, "bcd join: {out} {err}");
     assert!(out.starts_with("joined as node_"), "{out}");
@@ -120,7 +120,7 @@ async fn a_machine_joins_with_a_token_file_on_stdin_runs_and_is_ready_and_the_to
     assert!(can_hold != why.starts_with("node-unprivileged:"), "either it can hold or it says why not: {reported}");
 
     // A spent token is refused, and the refusal does not quote it.
-    let other = Machine::new(&server, port);
+    let other = AgentNode::new(&server, port);
     let (code, out, err) = other.bcd(&["join", "--config", &other.config()], &[("BCD_JOIN_TOKEN", &secret)], None);
     assert_eq!(code, 1, "{out} {err}");
     assert!(err.contains("spent"), "{err}");
@@ -147,7 +147,7 @@ async fn two_racing_joins_with_one_token_exactly_one_wins() {
     let pool = server.pool("race").await;
     for _ in 0..3 {
         let secret = token(&server, &pool, 1).await;
-        let machines: Vec<Machine> = (0..2).map(|_| Machine::new(&server, port)).collect();
+        let machines: Vec<AgentNode> = (0..2).map(|_| AgentNode::new(&server, port)).collect();
         let codes: Vec<i32> = std::thread::scope(|s| {
             let handles: Vec<_> = machines
                 .iter()
@@ -169,7 +169,7 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
     let (mut server, port) = bc_tests::agents_gateway();
     let pool = server.pool("journal").await;
     let secret = token(&server, &pool, 1).await;
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     assert_eq!(machine.join_stdin(&secret).0, 0);
     let node = machine.node_id();
     machine.start();
@@ -249,7 +249,7 @@ async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_lo
 
 /// The stopped agent's journal (`journal.db`): the newest entry the gateway acknowledged, and
 /// the newest written.
-async fn agent_journal(machine: &Machine) -> (u64, u64) {
+async fn agent_journal(machine: &AgentNode) -> (u64, u64) {
     let options = sqlx::sqlite::SqliteConnectOptions::new().filename(machine.data().join("journal.db"));
     let pool = sqlx::SqlitePool::connect_with(options).await.expect("open the agent's journal");
     let (acked,): (i64,) = sqlx::query_as("SELECT seq FROM acked WHERE id = 1").fetch_one(&pool).await.unwrap();
@@ -266,7 +266,7 @@ async fn a_command_issued_while_the_node_is_away_runs_once_when_it_returns_and_l
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("away").await;
     let secret = token(&server, &pool, 1).await;
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     assert_eq!(machine.join_stdin(&secret).0, 0);
     let node = machine.node_id();
     assert_eq!(node_doc(&server, &node).await["state"], "unreachable", "joined is not running");
@@ -364,14 +364,14 @@ fn bcd_never_echoes_an_argument_and_exits_as_the_reference_says() {
 async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_join_again() {
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("reset").await;
-    let mut first = Machine::new(&server, port);
+    let mut first = AgentNode::new(&server, port);
     assert_eq!(first.join_stdin(&token(&server, &pool, 1).await).0, 0);
     first.start();
     wait_until("the first node journals", Duration::from_secs(20), || {
         first.status().filter(|s| s["journalHead"].as_u64().unwrap_or(0) >= 1)
     });
     assert_eq!(first.stop(), 0);
-    let mut second = Machine::new(&server, port);
+    let mut second = AgentNode::new(&server, port);
     assert_eq!(second.join_stdin(&token(&server, &pool, 1).await).0, 0);
     // The whole database: its last writes may still be in the WAL.
     for file in ["journal.db", "journal.db-wal"] {
@@ -407,14 +407,14 @@ async fn another_nodes_journal_is_refused_and_reset_moves_the_identity_aside_to_
 /// which has no NVIDIA driver, reports no GPUs with the reason and exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_none() {
-    let (code, out, err) = Machine::run_bcd(&["hardware"]);
+    let (code, out, err) = AgentNode::run_bcd(&["hardware"]);
     assert_eq!(code, 0, "{err}");
     let here = json(&out);
     assert!(here["host"]["cpus"].as_u64().unwrap() >= 1, "{here}");
     if here["gpus"]["gpus"].as_array().unwrap().is_empty() {
         assert!(here["gpus"]["unavailable"].as_str().unwrap().contains("NVML"), "{here}");
     }
-    let (code, out, _) = Machine::run_bcd(&["hardware", "--fake-hw", "7"]);
+    let (code, out, _) = AgentNode::run_bcd(&["hardware", "--fake-hw", "7"]);
     assert_eq!(code, 0);
     let fake = json(&out);
     let fake_gpus = fake["gpus"]["gpus"].as_array().unwrap().clone();
@@ -422,7 +422,7 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
 
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("inventory").await;
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
     std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 7\n")).unwrap();
     assert_eq!(machine.join_stdin(&token(&server, &pool, 1).await).0, 0);
@@ -480,7 +480,7 @@ async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_t
     let (server, port) = bc_tests::agents_gateway();
     let (seed, uuids) = fake_machine_with(2);
     let pool = server.pool("holds").await;
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
     std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\n")).unwrap();
     assert_eq!(machine.join_stdin(&token(&server, &pool, 1).await).0, 0);
@@ -533,7 +533,7 @@ async fn a_reserve_becomes_a_hold_on_the_agent_and_a_refused_hold_goes_back_to_t
     // A node that cannot bind: each hold fails with its reason, the reservation goes back to
     // the head of its queue, and after the last try it fails with that reason.
     let refusing_pool = server.pool("refusing").await;
-    let mut refusing = Machine::new(&server, port);
+    let mut refusing = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(refusing.config()).unwrap();
     let reason = "gpu-in-use: the fake machine refuses every hold";
     std::fs::write(refusing.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\nfake_hold_refusal = {reason:?}\n"))

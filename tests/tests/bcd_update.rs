@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bc_tests::{ImageServer, Machine, Server, json, wait_until};
+use bc_tests::{ImageServer, AgentNode, Server, json, wait_until};
 use serde_json::{Value, json};
 
 async fn wait_command_done(server: &Server, command: &str, timeout: Duration) -> Value {
@@ -123,7 +123,7 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     std::fs::write(&artifact_b, &bytes_b).unwrap();
     let served_b = ImageServer::start("bcd-b", bytes_b.clone());
 
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
     std::fs::write(
         machine.config(),

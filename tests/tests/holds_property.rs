@@ -25,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use bc_agent::machine::SeededRng;
+use bc_agent::session::SeededRng;
 use bc_core::clock::Clock;
 use bc_projections::events::{self as ev, ReservationRequeued};
 use bc_projections::{KIND_RESERVATION, ReservationDoc, ReservationState};

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use bc_tests::{ImageServer, Machine, Server, json};
+use bc_tests::{ImageServer, AgentNode, Server, json};
 use serde_json::{Value, json};
 use sha2::Digest;
 
@@ -83,7 +83,7 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
     let (server, port) = bc_tests::agents_gateway();
     let seed = fake_seed_with(2);
     let pool = server.pool("vms").await;
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
     std::fs::write(
         machine.config(),
@@ -254,7 +254,7 @@ async fn a_domain_that_crashes_behind_the_agents_back_is_started_again_by_the_re
     let (server, port) = bc_tests::agents_gateway();
     let seed = fake_seed_with(1);
     let pool = server.pool("drift").await;
-    let mut machine = Machine::new(&server, port);
+    let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
     std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\nfake_domain_crash_after = 8\n")).unwrap();
     let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;

@@ -17,14 +17,14 @@ use serde_json::{Value, json};
 
 /// One machine: a data directory and a `config.toml` naming the gateway, its pins and a fake
 /// machine's seed.
-struct Machine {
+struct AgentNode {
     dir: tempfile::TempDir,
     node: Option<Child>,
     base_config: String,
 }
 
-impl Machine {
-    fn new(server: &Server) -> Machine {
+impl AgentNode {
+    fn new(server: &Server) -> AgentNode {
         let dir = tempfile::tempdir().unwrap();
         let (code, out, err) = bc_tests::cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()], &[]);
         assert_eq!(code, 0, "pki show: {err}");
@@ -35,7 +35,7 @@ impl Machine {
             server.agents_pin.clone().expect("the agents' endpoint is TLS"),
             json(&out)["pin"].as_str().unwrap(),
         );
-        Machine { dir, node: None, base_config }
+        AgentNode { dir, node: None, base_config }
     }
 
     fn config(&self) -> String {
@@ -88,7 +88,7 @@ impl Machine {
     }
 }
 
-impl Drop for Machine {
+impl Drop for AgentNode {
     fn drop(&mut self) {
         if let Some(mut child) = self.node.take() {
             let _ = child.kill();
@@ -134,7 +134,7 @@ async fn inventory_get_history_and_diff_follow_a_machine_that_changes() {
     let pool = server.pool("inventory").await;
     let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 2 })).await;
     assert_eq!(status, 200, "{created}");
-    let mut machine = Machine::new(&server);
+    let mut machine = AgentNode::new(&server);
     machine.set_seed(first_seed);
     machine.join(created["token"].as_str().unwrap());
     let node = machine.node_id();
@@ -193,7 +193,7 @@ async fn inventory_get_history_and_diff_follow_a_machine_that_changes() {
 
     // Another node's reports are its own: its rows sit beside this node's (ids sort by node),
     // and neither history reads into the other's.
-    let mut other = Machine::new(&server);
+    let mut other = AgentNode::new(&server);
     other.set_seed(9);
     other.join(created["token"].as_str().unwrap());
     other.start();

@@ -275,8 +275,8 @@ impl Rack {
 
     /// The installed system: a machine with GPUs whose `bcd join --node-id` uses the deploy's
     /// token file.
-    fn installed_system(&self, node: &str, token_file: &std::path::Path) -> bc_tests::Machine {
-        let machine = bc_tests::Machine::new(&self.server, self.agents_port);
+    fn installed_system(&self, node: &str, token_file: &std::path::Path) -> bc_tests::AgentNode {
+        let machine = bc_tests::AgentNode::new(&self.server, self.agents_port);
         let seed = (1..100u64)
             .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| !g.is_empty()))
             .unwrap();

@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bc_tests::{ImageServer, Machine, Server, json, wait_until};
+use bc_tests::{ImageServer, AgentNode, Server, json, wait_until};
 use serde_json::{Value, json};
 
 /// `releases sign` then `releases register`: the release's `rel_…` id.
@@ -58,7 +58,7 @@ async fn rollout(server: &Server, id: &str) -> Value {
 /// drop in order: the agents (through `bcd.pid`) before the server and the directory.
 struct Fleet {
     _guards: Vec<bc_tests::PidGuard>,
-    machines: Vec<Machine>,
+    machines: Vec<AgentNode>,
     server: Server,
     pool: String,
     /// The release key (`release.key`, its public half beside it).
@@ -86,7 +86,7 @@ impl Fleet {
         let mut machines = Vec::new();
         let mut guards = Vec::new();
         for _ in 0..n {
-            let mut machine = Machine::new(&server, port);
+            let mut machine = AgentNode::new(&server, port);
             let config = std::fs::read_to_string(machine.config()).unwrap();
             std::fs::write(
                 machine.config(),
@@ -125,7 +125,7 @@ impl Fleet {
         self.machines.iter().map(|m| m.node_log()).collect::<Vec<_>>().join("\n----\n")
     }
 
-    fn machine(&self, node_id: &Value) -> &Machine {
+    fn machine(&self, node_id: &Value) -> &AgentNode {
         self.machines.iter().find(|m| m.node_id() == node_id.as_str().unwrap()).unwrap()
     }
 }
@@ -147,7 +147,7 @@ async fn a_release_goes_out_in_waves_and_a_bad_one_pauses_at_its_canary() {
     let (server, dir, machines, key, pool) = (&fleet.server, fleet.dir(), &fleet.machines, &fleet.key, &fleet.pool);
     let untrusted = dir.join("untrusted.key");
     assert_eq!(bc_tests::cli(&["releases", "keygen", "--out", &untrusted.display().to_string()], &[]).0, 0);
-    let node_of = |m: &Machine| m.node_id();
+    let node_of = |m: &AgentNode| m.node_id();
 
     // A release signed by a key the control plane does not trust is refused.
     let (artifact_b, _, served_b) = artifact_b(dir);

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use base64::Engine;
-use bc_agent::machine::{Rng, SeededRng};
+use bc_agent::session::{Rng, SeededRng};
 use bc_core::clock::{Clock, ManualClock};
 use bc_core::event::Position;
 use bc_core::id::{TenantId, WebhookId};

@@ -1,5 +1,5 @@
 //! The in-memory transport of `sim run`: in place of TCP and gRPC between each agent's real
-//! session machine (`bc_agent::machine::Machine`, the one `bcd node` drives) and the gateway's
+//! session machine (`bc_agent::session::SessionMachine`, the one `bcd node` drives) and the gateway's
 //! real session logic (`bc_gateway::agents::session`: `greet`, `prove`, `welcome`, `handle`,
 //! `commands_unsent`, `wakes`, the lease batch). A message is a task on the run's schedule, due
 //! after a latency drawn from the seed; each direction of a connection is first in, first out,
@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bc_core::event::Position;
 
-use bc_agent::machine::{Input, Machine as SessionMachine, Output, Phase};
+use bc_agent::session::{Input, Output, Phase, SessionMachine};
 use bc_gateway::agents::session::{self, Bound, Greeted, LeaseRenewals, Refusal, RefusalCode, SessionConfig};
 use bc_proto::{agent_message, gateway_message};
 

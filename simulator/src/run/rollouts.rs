@@ -22,7 +22,7 @@
 //! every rollout is done, paused with a reason, or aborted.
 
 use bc_agent::journal::{Draft, Stage};
-use bc_agent::machine::Rng as _;
+use bc_agent::session::Rng as _;
 use bc_core::id::RolloutId;
 use bc_core::release::{ReleaseKey, sign};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};

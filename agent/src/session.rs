@@ -130,7 +130,7 @@ pub enum Output {
     Fatal(String),
 }
 
-pub struct Machine {
+pub struct SessionMachine {
     node: NodeId,
     key: SigningKey,
     capabilities: Vec<String>,
@@ -150,7 +150,7 @@ pub struct Machine {
     pub sessions: u64,
 }
 
-impl Machine {
+impl SessionMachine {
     pub fn new(
         node: NodeId,
         key: SigningKey,
@@ -338,9 +338,9 @@ fn kind_of(msg: &gateway_message::Msg) -> &'static str {
 mod tests {
     use super::*;
 
-    fn machine(head: u64) -> Machine {
+    fn machine(head: u64) -> SessionMachine {
         let node = NodeId::from_ulid(ulid::Ulid::from_parts(9, 9));
-        Machine::new(node, SigningKey::from_bytes(&[1; 32]), vec![], "test".into(), (head, [head as u8; 32]), 0)
+        SessionMachine::new(node, SigningKey::from_bytes(&[1; 32]), vec![], "test".into(), (head, [head as u8; 32]), 0)
     }
 
     fn welcome(acked: u64) -> Input {
@@ -352,7 +352,7 @@ mod tests {
         }))
     }
 
-    fn connect(m: &mut Machine, rng: &mut dyn Rng, now: u64) {
+    fn connect(m: &mut SessionMachine, rng: &mut dyn Rng, now: u64) {
         assert_eq!(m.step(now, rng, Input::Tick), vec![Output::Connect]);
         assert!(matches!(m.step(now, rng, Input::Connected)[..], [Output::Send(agent_message::Msg::Hello(_))]));
         let proof =
