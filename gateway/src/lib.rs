@@ -40,6 +40,7 @@ use serde_json::json;
 
 pub mod agents;
 pub mod api;
+pub mod app;
 pub mod audit;
 pub mod auth;
 pub mod conn;

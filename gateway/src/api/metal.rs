@@ -12,7 +12,7 @@
 use bc_core::id::{ImageId, JoinTokenId, NodeId, PoolId, TenantId, WorkflowId};
 use bc_core::store::{ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
-use bc_projections::decide::{self, VerbInput};
+use bc_projections::decide::{self, VerbInput, WorkflowRetry};
 use bc_projections::events::{self as ev, MetalBmc};
 use bc_projections::metal::Verb;
 use bc_projections::workflow::{KIND_METAL, KIND_WORKFLOW, MetalDoc, Workflow, WorkflowOutcome};
@@ -763,52 +763,19 @@ async fn workflows_resume(call: &Call<'_>, input: WorkflowRef) -> Result<Workflo
 /// The answer is the workflow that now runs.
 async fn workflows_retry(call: &Call<'_>, input: WorkflowRef) -> Result<WorkflowView> {
     let (tenant, workflow, machine) = running(call, &input).await?;
-    if machine.running().is_some_and(|w| w.workflow_id == workflow.workflow_id) {
-        let decided = decide::metal_run_now(&machine, &workflow.workflow_id)?;
-        call.submit(call.decided(tenant, decided)).await?;
-        return Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into());
-    }
-    if workflow.outcome != WorkflowOutcome::Failed
-        || machine.workflow.as_ref().is_none_or(|w| w.workflow_id != workflow.workflow_id)
-    {
-        return Err(Error::InvalidState {
-            message: format!(
-                "workflow {} is {} and is not the machine's last: only the last failed workflow is retried",
-                workflow.workflow_id,
-                workflow.outcome.as_str()
-            ),
-            allowed: vec![],
-            hint: None,
-        });
-    }
-    let v = Verb::ALL.iter().copied().find(|v| v.as_str() == workflow.verb && !v.is_internal()).ok_or_else(|| {
-        Error::InvalidState {
-            message: format!("workflow {} ran {}, which is not retried", workflow.workflow_id, workflow.verb),
-            allowed: vec![],
-            hint: None,
+    match decide::workflow_retry(&machine, &workflow, call.now_ms(), &mut || workflow_id(call))? {
+        WorkflowRetry::RunNow(decided) => {
+            call.submit(call.decided(tenant, decided)).await?;
+            Ok(workflow_doc(call, tenant, &input.workflow_id).await?.into())
         }
-    })?;
-    if v == Verb::Deploy {
-        // A deploy mints a join token that only its answer carries: it is retried as a deploy.
-        return Err(Error::InvalidState {
-            message: format!(
-                "workflow {} is a deploy: deploy again with metal.deploy (nodeId {}), which mints the new join token",
-                workflow.workflow_id, machine.node_id
-            ),
-            allowed: vec![],
-            hint: None,
-        });
+        WorkflowRetry::Again(decided) => {
+            call.submit(call.decided(tenant, decided)).await?;
+            // The machine's workflow now (a replayed retry names the one its first call started).
+            let machine = machine_doc(call, tenant, &machine.node_id).await?;
+            let now = machine.workflow.ok_or_else(|| Error::Internal("a retried workflow is not on its machine".into()))?;
+            Ok(now.into())
+        }
     }
-    let wf = workflow_id(call);
-    let image = workflow.image_id.as_deref().zip(workflow.image_url.as_deref());
-    let verb_input =
-        VerbInput { now_ms: call.now_ms(), workflow_id: &wf, image, power: workflow.power.as_deref(), ..Default::default() };
-    let decided = decide::metal_verb(&machine, v, &verb_input)?;
-    call.submit(call.decided(tenant, decided)).await?;
-    // The machine's workflow now (a replayed retry names the one its first call started).
-    let machine = machine_doc(call, tenant, &machine.node_id).await?;
-    let now = machine.workflow.ok_or_else(|| Error::Internal("a retried workflow is not on its machine".into()))?;
-    Ok(now.into())
 }
 
 #[cfg(test)]

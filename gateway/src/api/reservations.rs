@@ -13,11 +13,10 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{PoolId, ReservationId, TenantId};
-use bc_core::store::PreReadQuery;
-use bc_core::{Error, ErrorCode, Result};
-use bc_projections::decide::{self, PoolLoad, ReservationAsk, ReservationCreate};
+use bc_core::{Error, Result};
+use bc_projections::decide::{self, PoolLoad, ReservationAsk};
 use bc_projections::placement::{RESERVATION_GPUS_MAX, SELECTOR_BYTES_MAX, Selector};
-use bc_projections::{KIND_QUOTA, KIND_RESERVATION, KIND_RESERVATION_LIVE, QuotaDoc, ReservationDoc, ReservationState};
+use bc_projections::{KIND_RESERVATION, KIND_RESERVATION_LIVE, ReservationDoc, ReservationState};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
@@ -28,6 +27,7 @@ use super::pools::pool_doc;
 use super::validate::{CursorText, LimitNumber, PoolIdText, ReservationIdText, TenantIdText, VersionNumber, string_schema};
 use super::views::ReservationView;
 use super::{Access, Call, Method, method};
+use crate::app;
 
 const READ: Access = Access::Action("compute:reservations:read");
 const WRITE: Access = Access::Action("compute:reservations:write");
@@ -237,15 +237,6 @@ async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Resul
     call.row(tenant, KIND_RESERVATION, &id.to_string(), "reservation").await
 }
 
-/// Decisions a reservation makes before it gives up on a quota that keeps moving under it (each
-/// lost race means another reservation landed, so this bounds a burst, not a livelock).
-pub const QUOTA_RACE_ATTEMPTS: u32 = 16;
-
-/// Whether `e` is a CONFLICT on `stream` (as the append's guard on it failed).
-fn conflict_on(e: &bc_core::Error, stream: &str) -> bool {
-    matches!(e, bc_core::Error::Conflict { stream: s, .. } if s == stream)
-}
-
 /// The pools' loads, from this process's view of the log (no scan of the rows).
 pub(super) async fn loads(call: &Call<'_>, tenant: TenantId) -> Result<BTreeMap<String, PoolLoad>> {
     call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.pool_loads().clone()).await
@@ -277,102 +268,11 @@ async fn view_of(call: &Call<'_>, tenant: TenantId, rsv: ReservationDoc) -> Resu
     Ok(ReservationView::of(rsv, position.map(queue_number)))
 }
 
+/// Parse, decide (with the quota race's retry: `app::reservations::reservation_create`),
+/// answer with the reservation its append wrote.
 async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<ReservationView> {
-    let store = &*call.state.store;
-    let now_ms = call.now_ms();
     let Checked { tenant, ask } = check_ask(call, input).await?;
-    let pool_id = ask.pool.pool_id.clone();
-    // A retry of a request already made is answered from the log (the append below replays
-    // it), whatever the quota or the queue say now.
-    let replay = match &call.idempotency_key {
-        Some(key) => {
-            let query = PreReadQuery { idempotency_keys: vec![(tenant, format!("request:{key}"))], ..Default::default() };
-            !store.preread(&query).await?.idempotency.is_empty()
-        }
-        None => false,
-    };
-    let rsv_text = ReservationId::from_ulid(call.ulid()).to_string();
-    let actor = call.actor();
-    let command_text = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
-    let quota_stream = bc_projections::stream_of(KIND_QUOTA, &pool_id);
-    let fleet = &call.state.fleet;
-    let mut attempt = 0;
-    let result = loop {
-        attempt += 1;
-        // Read before the view catches up, so the view holds at least what this version counts.
-        let quota: Option<QuotaDoc> = store.row_get(&tenant.to_string(), KIND_QUOTA, &pool_id).await?.map(doc).transpose()?;
-        let input = decide::ReservationCreateInput {
-            reservation_id: &rsv_text,
-            command_id: &command_text,
-            now_ms,
-            actor: &actor,
-            replay,
-        };
-        // One look at this process's view decides the quota, the queue and the placement
-        // together, and holds the GPUs and the reservation in the view until the append is
-        // done, so concurrent requests to this process count them.
-        let decision = fleet
-            .with_tenant(store, tenant, |view| {
-                let decision = decide::reservation_create(view, quota.as_ref(), &ask, &input);
-                if let Ok(d) = &decision {
-                    d.hold(view);
-                }
-                decision
-            })
-            .await??;
-        // The view reads what it held back from the store once this request is done with it,
-        // however it ends.
-        let held_node = decision.held_node().map(str::to_owned);
-        // The node's stream and the version the placement read, to tell the view what landed.
-        let placed_at = match &decision {
-            ReservationCreate::Place { placement, .. } => {
-                Some((bc_projections::stream_of(bc_projections::KIND_NODE, &placement.node_id), placement.node_version))
-            }
-            _ => None,
-        };
-        let reread = bc_projections::fleet::Reread::new(fleet.clone(), tenant, held_node, rsv_text.clone());
-        let (append, if_lost) = match decision {
-            ReservationCreate::OverQuota { refusal, record } => {
-                let mut request = call.decided(tenant, record);
-                // The refusal's record is not the request's result: a retry decides again.
-                request.idempotency_key = None;
-                request.fingerprint = None;
-                call.submit(request).await?;
-                return Err(refusal.into());
-            }
-            ReservationCreate::Queue { append, .. } => (append, None),
-            ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
-        };
-        let appended = match (call.submit(call.decided(tenant, append)).await, if_lost) {
-            // Lost the node to another placement: queue instead; the reconciler places it.
-            (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict && !conflict_on(&e, &quota_stream) => {
-                tracing::debug!(reservation = %rsv_text, error = %e, "placement lost a race; queueing");
-                call.submit(call.decided(tenant, if_lost)).await.map(|r| (r, false))
-            }
-            (other, _) => other.map(|r| (r, true)),
-        };
-        match appended {
-            Ok((result, first)) => {
-                // Placed: the view's node takes the version the append gave it.
-                let landed = placed_at.as_ref().filter(|_| first && !result.replayed).and_then(|(stream, read)| {
-                    let event = result.events.iter().find(|e| e.envelope.stream == *stream)?;
-                    Some((*read, event.envelope.version))
-                });
-                match landed {
-                    Some((read, appended)) => reread.landed(read, appended).await,
-                    None => reread.now().await,
-                }
-                break result;
-            }
-            // Another request (maybe through another gateway) was charged to the quota since
-            // it was read: decide again on the usage as it is now.
-            Err(e) if conflict_on(&e, &quota_stream) && attempt < QUOTA_RACE_ATTEMPTS => {
-                tracing::debug!(reservation = %rsv_text, attempt, "the quota moved; deciding again");
-                reread.now().await;
-            }
-            Err(e) => return Err(e),
-        }
-    };
+    let result = app::reservations::reservation_create(call, tenant, &ask).await?;
     let id: ReservationId = parse_id("reservationId", stream_id(&result.events[0].envelope.stream))?;
     let mut view = view_of(call, tenant, rsv_doc(call, tenant, &id).await?).await?;
     view.replayed = Some(result.replayed);

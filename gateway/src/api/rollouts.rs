@@ -188,18 +188,13 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
     let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
     let labels = input.labels.clone().unwrap_or_default();
     let pool_text = pool.map(|p| p.to_string());
-    let chosen: Vec<&NodeDoc> = nodes
-        .iter()
-        .filter(|n| n.agent.is_some())
-        .filter(|n| pool_text.as_ref().is_none_or(|p| &n.pool_id == p))
-        .filter(|n| labels.iter().all(|(k, v)| n.labels.get(k) == Some(v)))
-        .collect();
+    let chosen = decide::rollout_nodes(&nodes, pool_text.as_deref(), &labels);
     let live: Vec<RolloutDoc> = all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
         .await?
         .into_iter()
         .filter(|r| r.state.is_live())
         .collect();
-    let selector = (!labels.is_empty()).then(|| labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","));
+    let selector = decide::rollout_selector(&labels);
     let rollout = RolloutId::from_ulid(call.ulid());
     let append = decide::rollout_create(
         &rollout.to_string(),

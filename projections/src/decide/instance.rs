@@ -16,8 +16,8 @@ use crate::events::*;
 use crate::instance::{INSTANCE_APPLY, INSTANCE_APPLY_ATTEMPTS_MAX, INSTANCE_REAPPLY_BACKOFF_MS};
 use crate::placement::{Issue, issue_command};
 use crate::{
-    BindingState, FlavorDoc, ImageDoc, InstanceDoc, InstanceState, KIND_INSTANCE, KIND_RESERVATION, NodeDoc, ReservationDoc,
-    ReservationState, stream_of,
+    Binding, BindingState, FlavorDoc, ImageDoc, InstanceDoc, InstanceState, KIND_INSTANCE, KIND_RESERVATION, NodeDoc,
+    ReservationDoc, ReservationState, stream_of,
 };
 
 /// The capability an agent says when it can run instances (it has a hypervisor).
@@ -50,6 +50,41 @@ fn not_ready(reservation: &ReservationDoc, why: impl Into<String>) -> Refusal {
 /// (guarded at the reservation's version, so two creates on one reservation never both land).
 pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Result<Append, Refusal> {
     let rsv = input.reservation;
+    let binding = bound_for_instance(rsv)?;
+    instance_fits(input)?;
+    let doc = pending_instance(input, binding, issue.now_ms);
+    let mut guards = Vec::new();
+    let (command, apply) = issue_command(&doc.node_id, INSTANCE_APPLY, doc.apply_args(), issue, &mut guards)?;
+    let created = InstanceCreated {
+        name: doc.name,
+        pool_id: doc.pool_id,
+        node_id: doc.node_id,
+        reservation_id: doc.reservation_id,
+        shape: doc.shape,
+        gpus: doc.gpus,
+        image: doc.image,
+        desired: doc.desired,
+        generation: 1,
+        apply,
+    };
+    let rsv_stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
+    guards.push((rsv_stream.clone(), ExpectedVersion::Exact(rsv.version)));
+    let attached = NewEvent {
+        stream: Some(rsv_stream),
+        event_type: RESERVATION_INSTANCE_ATTACHED.into(),
+        payload: to_cbor(&ReservationInstance { instance_id: input.instance_id.to_owned() })?,
+    };
+    Ok(Append {
+        stream: stream_of(KIND_INSTANCE, &input.instance_id),
+        expected: ExpectedVersion::NoStream,
+        guards,
+        events: vec![NewEvent::new(INSTANCE_CREATED, to_cbor(&created)?), command, attached],
+    })
+}
+
+/// The reservation's binding, when an instance may take its GPUs: the reservation is active,
+/// its GPUs bound by the node's agent, and no instance uses them.
+fn bound_for_instance(rsv: &ReservationDoc) -> Result<&Binding, Refusal> {
     if rsv.state != ReservationState::Active {
         return Err(not_ready(rsv, format!("it is {}, not active", rsv.state.as_str())));
     }
@@ -69,6 +104,14 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
     if let Some(other) = &rsv.instance_id {
         return Err(not_ready(rsv, format!("instance {other} uses its GPUs")));
     }
+    Ok(binding)
+}
+
+/// Whether the flavor, the image and the node suit the reservation: the flavor is of its pool
+/// and gives as many GPUs as it holds, the image is a disk (not an ISO), and the node's agent
+/// runs instances.
+fn instance_fits(input: &InstanceCreateInput<'_>) -> Result<(), Refusal> {
+    let rsv = input.reservation;
     if input.flavor.pool_id != rsv.pool_id {
         return Err(Refusal::InstanceMismatch(format!(
             "flavor {} is of pool {}, the reservation of pool {}",
@@ -91,31 +134,35 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
     if !capabilities.unwrap_or_default().iter().any(|c| c == CAPABILITY_INSTANCE_APPLY) {
         return Err(Refusal::NodeCannotRunInstances { node_id: input.node.node_id.clone(), version: input.node.version });
     }
-    let shape = InstanceShape {
-        flavor_id: input.flavor.flavor_id.clone(),
-        vcpus: input.flavor.vcpus,
-        memory_mib: input.flavor.memory_mib,
-        disk_gib: input.flavor.disk_gib,
-    };
-    let image = InstanceImage {
-        image_id: input.image.image_id.clone(),
-        url: input.image.url.clone(),
-        sha256: input.image.sha256.clone(),
-        disk_format: input.image.disk_format,
-        size_bytes: input.image.size_bytes,
-    };
-    let desired = if input.start { DesiredState::Running } else { DesiredState::Stopped };
-    let doc = InstanceDoc {
+    Ok(())
+}
+
+/// The new instance's document, as `instance.created` will fold it (generation 1, pending), so
+/// its first `instance.apply` carries what the document will say.
+fn pending_instance(input: &InstanceCreateInput<'_>, binding: &Binding, now_ms: u64) -> InstanceDoc {
+    let rsv = input.reservation;
+    InstanceDoc {
         tenant_id: rsv.tenant_id.clone(),
         instance_id: input.instance_id.to_owned(),
         name: input.name.to_owned(),
         pool_id: rsv.pool_id.clone(),
         node_id: input.node.node_id.clone(),
         reservation_id: rsv.reservation_id.clone(),
-        shape: shape.clone(),
+        shape: InstanceShape {
+            flavor_id: input.flavor.flavor_id.clone(),
+            vcpus: input.flavor.vcpus,
+            memory_mib: input.flavor.memory_mib,
+            disk_gib: input.flavor.disk_gib,
+        },
         gpus: binding.gpu_uuids.clone(),
-        image: image.clone(),
-        desired,
+        image: InstanceImage {
+            image_id: input.image.image_id.clone(),
+            url: input.image.url.clone(),
+            sha256: input.image.sha256.clone(),
+            disk_format: input.image.disk_format,
+            size_bytes: input.image.size_bytes,
+        },
+        desired: if input.start { DesiredState::Running } else { DesiredState::Stopped },
         generation: 1,
         state: InstanceState::Pending,
         observed: None,
@@ -129,36 +176,9 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
         apply_attempts: 1,
         last_error: None,
         version: 0,
-        created_at_ms: issue.now_ms,
-        updated_at_ms: issue.now_ms,
-    };
-    let mut guards = Vec::new();
-    let (command, apply) = issue_command(&doc.node_id, INSTANCE_APPLY, doc.apply_args(), issue, &mut guards)?;
-    let created = InstanceCreated {
-        name: doc.name,
-        pool_id: doc.pool_id,
-        node_id: doc.node_id,
-        reservation_id: doc.reservation_id,
-        shape,
-        gpus: doc.gpus,
-        image,
-        desired,
-        generation: 1,
-        apply,
-    };
-    let rsv_stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
-    guards.push((rsv_stream.clone(), ExpectedVersion::Exact(rsv.version)));
-    let attached = NewEvent {
-        stream: Some(rsv_stream),
-        event_type: RESERVATION_INSTANCE_ATTACHED.into(),
-        payload: to_cbor(&ReservationInstance { instance_id: input.instance_id.to_owned() })?,
-    };
-    Ok(Append {
-        stream: stream_of(KIND_INSTANCE, &input.instance_id),
-        expected: ExpectedVersion::NoStream,
-        guards,
-        events: vec![NewEvent::new(INSTANCE_CREATED, to_cbor(&created)?), command, attached],
-    })
+        created_at_ms: now_ms,
+        updated_at_ms: now_ms,
+    }
 }
 
 /// What a caller asks of an existing instance.

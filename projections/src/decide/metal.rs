@@ -1,6 +1,7 @@
 //! The bare-metal decisions: a caller's verb on a machine ([`metal_verb`]), the `metal`
 //! reconciler's plan for one machine ([`metal_plan`]), and what follows from one step's result
-//! ([`metal_step`], [`metal_fail`], [`metal_drift`]). Pure: the document, the time and the ids
+//! ([`metal_step`], [`metal_fail`], [`metal_drift`]), and which workflows a caller may retry
+//! ([`workflow_retry`]). Pure: the document, the time and the ids
 //! in, the append out. The BMC calls happen in the reconciler, between [`metal_plan`] and
 //! [`metal_step`]; every append is at the machine's version read, so two reconcilers never
 //! both record one step.
@@ -13,7 +14,7 @@ use crate::events::{self as ev, MetalInspection, MetalWorkflowStart};
 use crate::metal::{MetalRefusal, MetalState, Verb, transition};
 use crate::workflow::{
     KIND_METAL, MetalDoc, STEP_ATTEMPTS_MAX, STEP_BACKOFF_MAX_MS, STEP_BACKOFF_MS, Step, UNAUTHORIZED_ATTEMPTS_MAX, Workflow,
-    recipe,
+    WorkflowOutcome, recipe,
 };
 use crate::{KIND_JOIN_TOKEN, stream_of};
 
@@ -398,6 +399,60 @@ pub fn metal_pause(doc: &MetalDoc, workflow_id: &str, pause: bool) -> Result<Opt
 pub fn metal_run_now(doc: &MetalDoc, workflow_id: &str) -> Result<Append, Error> {
     running_workflow(doc, workflow_id)?;
     workflow_event(doc, workflow_id, ev::METAL_WORKFLOW_RESUMED)
+}
+
+/// What `workflows.retry` does with one of a machine's workflows ([`workflow_retry`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum WorkflowRetry {
+    /// The workflow is running: resumed, its current step run at once ([`metal_run_now`]).
+    RunNow(Append),
+    /// The machine's last workflow failed: its verb again, as a new workflow.
+    Again(Append),
+}
+
+/// `workflows.retry`: the running workflow has its current step run at once; the machine's last
+/// workflow, failed, is started again as a new workflow (its id drawn from `new_workflow_id`)
+/// with the verb, image and power it ran. Refused: any other workflow (only the last failed
+/// one is retried), an internal verb's, and a deploy's (a deploy mints a join token that only
+/// its answer carries: it is retried with `metal.deploy`).
+pub fn workflow_retry(
+    doc: &MetalDoc,
+    workflow: &Workflow,
+    now_ms: u64,
+    new_workflow_id: &mut dyn FnMut() -> String,
+) -> Result<WorkflowRetry, Error> {
+    if doc.running().is_some_and(|w| w.workflow_id == workflow.workflow_id) {
+        return Ok(WorkflowRetry::RunNow(metal_run_now(doc, &workflow.workflow_id)?));
+    }
+    let refused = |message: String| Error::InvalidState { message, allowed: vec![], hint: None };
+    if workflow.outcome != WorkflowOutcome::Failed || doc.workflow.as_ref().is_none_or(|w| w.workflow_id != workflow.workflow_id)
+    {
+        return Err(refused(format!(
+            "workflow {} is {} and is not the machine's last: only the last failed workflow is retried",
+            workflow.workflow_id,
+            workflow.outcome.as_str()
+        )));
+    }
+    let verb = Verb::ALL
+        .iter()
+        .copied()
+        .find(|v| v.as_str() == workflow.verb && !v.is_internal())
+        .ok_or_else(|| refused(format!("workflow {} ran {}, which is not retried", workflow.workflow_id, workflow.verb)))?;
+    if verb == Verb::Deploy {
+        return Err(refused(format!(
+            "workflow {} is a deploy: deploy again with metal.deploy (nodeId {}), which mints the new join token",
+            workflow.workflow_id, doc.node_id
+        )));
+    }
+    let workflow_id = new_workflow_id();
+    let input = VerbInput {
+        now_ms,
+        workflow_id: &workflow_id,
+        image: workflow.image_id.as_deref().zip(workflow.image_url.as_deref()),
+        power: workflow.power.as_deref(),
+        ..Default::default()
+    };
+    Ok(WorkflowRetry::Again(metal_verb(doc, verb, &input)?))
 }
 
 fn running_workflow<'d>(doc: &'d MetalDoc, workflow_id: &str) -> Result<&'d Workflow, Error> {

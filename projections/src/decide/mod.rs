@@ -39,8 +39,8 @@ pub use instance::{
     instances_plan,
 };
 pub use metal::{
-    DEPLOY_TOKEN_GRACE_S, MetalPlan, StepResult, VerbInput, metal_drift, metal_fail, metal_pause, metal_plan, metal_run_now,
-    metal_step, metal_unauthorized_at_rest, metal_verb, step_backoff_ms,
+    DEPLOY_TOKEN_GRACE_S, MetalPlan, StepResult, VerbInput, WorkflowRetry, metal_drift, metal_fail, metal_pause, metal_plan,
+    metal_run_now, metal_step, metal_unauthorized_at_rest, metal_verb, step_backoff_ms, workflow_retry,
 };
 pub use plan::{Action, Policy, QueueRule, needs_nodes, plan, plan_with};
 // `node_keys_change`, `node_register` and their bounds are defined below.
@@ -49,7 +49,7 @@ pub use reservation::{
 };
 pub use rollout::{
     RolloutCreateInput, RolloutPlan, RolloutVerb, agent_update_issue, release_check, release_refusal, resolve_waves,
-    rollout_create, rollout_plan, rollout_verb,
+    rollout_create, rollout_nodes, rollout_plan, rollout_selector, rollout_verb,
 };
 
 /// One append a decision asks for: `events` on `stream` (or, for an event that names one, on

@@ -24,7 +24,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bc_core::store::ExpectedVersion;
 
-use super::Append;
+use super::{Append, PoolLoad};
 use crate::fleet::TenantView;
 use crate::placement::{self, Ask, Ending, Issue, Placement, Selector};
 use crate::{BindingState, HOLD_ATTEMPTS_MAX, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
@@ -160,17 +160,50 @@ pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
     plan_with(view, now_ms, Policy::default())
 }
 
-/// [`plan`] under `policy`.
+/// [`plan`] under `policy`: the expiries, then the failed holds, then each pool's queue.
 pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> {
-    let mut actions = Vec::new();
-    // The nodes the actions so far change, as they leave them (with the version their appends
-    // give them); the others are as the view has them.
-    let mut changed: HashMap<&str, NodeDoc> = HashMap::new();
-    // Node id → this plan's expiries on it.
-    let mut freed: HashMap<&str, Vec<String>> = HashMap::new();
-
+    let mut planned = Planned::default();
     // The active reservations whose time has come (the view keeps them by it), not every live one.
     let attention: Vec<&ReservationDoc> = view.needing_attention(now_ms).collect();
+    expire_due(view, &attention, now_ms, &mut planned);
+    let requeued = fail_holds(view, &attention, now_ms, &mut planned);
+    // Each pool's queue in request order, as the view's loads keep it.
+    for (pool_id, load) in view.pool_loads() {
+        if load.queued.is_empty() || requeued.contains(pool_id.as_str()) {
+            continue;
+        }
+        activate_queue(view, pool_id, load, now_ms, policy, &mut planned);
+    }
+    planned.actions
+}
+
+/// A plan as its phases leave it: the actions so far, and the nodes they change.
+#[derive(Default)]
+struct Planned<'v> {
+    actions: Vec<Action>,
+    /// The nodes the actions so far change, as they leave them (with the version their appends
+    /// give them); the others are as the view has them.
+    changed: HashMap<&'v str, NodeDoc>,
+    /// Node id → this plan's expiries on it.
+    freed: HashMap<&'v str, Vec<String>>,
+}
+
+impl<'v> Planned<'v> {
+    /// Frees `reservation_id`'s GPUs on `node_id` as the plan's actions leave the node (one more
+    /// version), and records that the node's next activations count on this action.
+    fn free(&mut self, view: &'v TenantView, node_id: &str, reservation_id: &str) {
+        if let Some((key, node)) = view.nodes().get_key_value(node_id) {
+            let node = self.changed.entry(key.as_str()).or_insert_with(|| node.clone());
+            node.allocations.retain(|_, holder| holder != reservation_id);
+            node.version += 1;
+            self.freed.entry(key.as_str()).or_default().push(reservation_id.to_owned());
+        }
+    }
+}
+
+/// The expiries: every active reservation of `attention` whose end is at or before `now_ms`,
+/// earliest end first, its GPUs freed.
+fn expire_due<'v>(view: &'v TenantView, attention: &[&ReservationDoc], now_ms: u64, planned: &mut Planned<'v>) {
     let mut due: Vec<&ReservationDoc> = attention
         .iter()
         .copied()
@@ -179,17 +212,26 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
     due.sort_by(|a, b| (a.ends_at_ms, &a.reservation_id).cmp(&(b.ends_at_ms, &b.reservation_id)));
     for rsv in due {
         let Some(node_id) = rsv.node_id.as_deref() else { continue };
-        actions.push(Action::Expire {
+        planned.actions.push(Action::Expire {
             reservation_id: rsv.reservation_id.clone(),
             reservation_version: rsv.version,
             pool_id: rsv.pool_id.clone(),
             node_id: node_id.to_owned(),
             release: rsv.binding.as_ref().is_some_and(crate::Binding::may_hold),
         });
-        free(view, &mut changed, &mut freed, node_id, &rsv.reservation_id);
+        planned.free(view, node_id, &rsv.reservation_id);
     }
+}
 
-    // Failed holds (and holds unanswered by their deadline), not already expired above.
+/// Failed holds (and holds unanswered by their deadline), not already expired: each requeued or,
+/// at its last attempt, failed, its GPUs freed. Returns the pools a reservation was requeued in,
+/// which activate nothing more this pass (it is next in its pool).
+fn fail_holds<'v, 'a>(
+    view: &'v TenantView,
+    attention: &[&'a ReservationDoc],
+    now_ms: u64,
+    planned: &mut Planned<'v>,
+) -> HashSet<&'a str> {
     let mut requeued: HashSet<&str> = HashSet::new();
     let mut failed: Vec<(&ReservationDoc, String, bool)> = Vec::new();
     for rsv in attention.iter().copied().filter(|r| r.state == ReservationState::Active) {
@@ -216,7 +258,7 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
         let node_id = rsv.node_id.as_deref().unwrap_or_default();
         let attempts = rsv.hold_attempts.saturating_add(1);
         let gives_up = attempts >= HOLD_ATTEMPTS_MAX;
-        actions.push(Action::HoldFailed {
+        planned.actions.push(Action::HoldFailed {
             reservation_id: rsv.reservation_id.clone(),
             reservation_version: rsv.version,
             pool_id: rsv.pool_id.clone(),
@@ -230,82 +272,70 @@ pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> 
             // It is next in its pool: nothing there overtakes it in this pass.
             requeued.insert(rsv.pool_id.as_str());
         }
-        free(view, &mut changed, &mut freed, node_id, &rsv.reservation_id);
+        planned.free(view, node_id, &rsv.reservation_id);
     }
-
-    // Each pool's queue in request order, as the view's loads keep it.
-    for (pool_id, load) in view.pool_loads() {
-        let pool_id = pool_id.as_str();
-        if load.queued.is_empty() || requeued.contains(pool_id) {
-            continue;
-        }
-        let queue = load.queued.iter().filter_map(|(_, id)| view.live().get(id));
-        // The pool's nodes by (free GPUs, node id) as the actions so far leave them, kept so as
-        // this pool's activations take GPUs: placement walks it (`place_ranked`) instead of
-        // scoring every node of the pool for each queued reservation.
-        let mut ranked: BTreeSet<(u32, &str)> = view
-            .ranked(pool_id, 0)
-            .map(|(free, n)| (changed.get(n.node_id.as_str()).map_or(free, placement::free_gpus), n.node_id.as_str()))
-            .collect();
-        for rsv in queue {
-            let selector = match Selector::parse(&rsv.selector) {
-                Ok(selector) => selector,
-                Err(e) => {
-                    actions.push(Action::Skip {
-                        reservation_id: rsv.reservation_id.clone(),
-                        pool_id: pool_id.to_owned(),
-                        reason: e.to_string(),
-                    });
-                    continue;
-                }
-            };
-            let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
-            let node_of = |id: &str| changed.get(id).or_else(|| view.nodes().get(id));
-            let walk = || ranked.range((rsv.gpus, "")..).filter_map(|(free, id)| Some((*free, node_of(id)?)));
-            // Not again on a node where its hold failed, unless no other fits.
-            let avoided = walk().filter(|(_, n)| !rsv.hold_failed_nodes.contains(&n.node_id));
-            let placed =
-                if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_ranked(avoided, &ask, policy.placement) };
-            let Some(placed) = placed.or_else(|| placement::place_ranked(walk(), &ask, policy.placement)) else {
-                match policy.queue {
-                    QueueRule::Fifo => break,
-                    QueueRule::Backfill => continue,
-                }
-            };
-            let Some((key, node)) = view.nodes().get_key_value(&placed.node_id) else { break };
-            let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
-            ranked.remove(&(placement::free_gpus(node), key.as_str()));
-            for gpu in &placed.gpus {
-                node.allocations.insert(*gpu, rsv.reservation_id.clone());
-            }
-            node.version += 1;
-            ranked.insert((placement::free_gpus(node), key.as_str()));
-            actions.push(Action::Activate {
-                reservation_id: rsv.reservation_id.clone(),
-                reservation_version: rsv.version,
-                pool_id: pool_id.to_owned(),
-                ends_at_ms: now_ms.saturating_add(rsv.duration_s.saturating_mul(1000)),
-                freed_by: freed.get(key.as_str()).cloned().unwrap_or_default(),
-                placement: placed,
-            });
-        }
-    }
-    actions
+    requeued
 }
 
-/// Frees `reservation_id`'s GPUs on `node_id` as the plan's actions leave the node (one more
-/// version), and records that the node's next activations count on this action.
-fn free<'v>(
+/// One pool's queue, oldest request first: each queued reservation placed on the nodes as the
+/// actions before it leave them, until the first that does not fit ([`QueueRule::Fifo`]; under
+/// [`QueueRule::Backfill`], past it).
+fn activate_queue<'v>(
     view: &'v TenantView,
-    changed: &mut HashMap<&'v str, NodeDoc>,
-    freed: &mut HashMap<&'v str, Vec<String>>,
-    node_id: &str,
-    reservation_id: &str,
+    pool_id: &str,
+    load: &PoolLoad,
+    now_ms: u64,
+    policy: Policy,
+    planned: &mut Planned<'v>,
 ) {
-    if let Some((key, node)) = view.nodes().get_key_value(node_id) {
-        let node = changed.entry(key.as_str()).or_insert_with(|| node.clone());
-        node.allocations.retain(|_, holder| holder != reservation_id);
+    let queue = load.queued.iter().filter_map(|(_, id)| view.live().get(id));
+    // The pool's nodes by (free GPUs, node id) as the actions so far leave them, kept so as
+    // this pool's activations take GPUs: placement walks it (`place_ranked`) instead of
+    // scoring every node of the pool for each queued reservation.
+    let mut ranked: BTreeSet<(u32, &str)> = view
+        .ranked(pool_id, 0)
+        .map(|(free, n)| (planned.changed.get(n.node_id.as_str()).map_or(free, placement::free_gpus), n.node_id.as_str()))
+        .collect();
+    for rsv in queue {
+        let selector = match Selector::parse(&rsv.selector) {
+            Ok(selector) => selector,
+            Err(e) => {
+                planned.actions.push(Action::Skip {
+                    reservation_id: rsv.reservation_id.clone(),
+                    pool_id: pool_id.to_owned(),
+                    reason: e.to_string(),
+                });
+                continue;
+            }
+        };
+        let ask = Ask { gpus: rsv.gpus, selector: &selector, nvlink: rsv.nvlink, tolerations: &rsv.tolerations };
+        let node_of = |id: &str| planned.changed.get(id).or_else(|| view.nodes().get(id));
+        let walk = || ranked.range((rsv.gpus, "")..).filter_map(|(free, id)| Some((*free, node_of(id)?)));
+        // Not again on a node where its hold failed, unless no other fits.
+        let avoided = walk().filter(|(_, n)| !rsv.hold_failed_nodes.contains(&n.node_id));
+        let placed =
+            if rsv.hold_failed_nodes.is_empty() { None } else { placement::place_ranked(avoided, &ask, policy.placement) };
+        let Some(placed) = placed.or_else(|| placement::place_ranked(walk(), &ask, policy.placement)) else {
+            match policy.queue {
+                QueueRule::Fifo => break,
+                QueueRule::Backfill => continue,
+            }
+        };
+        let Some((key, node)) = view.nodes().get_key_value(&placed.node_id) else { break };
+        let node = planned.changed.entry(key.as_str()).or_insert_with(|| node.clone());
+        ranked.remove(&(placement::free_gpus(node), key.as_str()));
+        for gpu in &placed.gpus {
+            node.allocations.insert(*gpu, rsv.reservation_id.clone());
+        }
         node.version += 1;
-        freed.entry(key.as_str()).or_default().push(reservation_id.to_owned());
+        ranked.insert((placement::free_gpus(node), key.as_str()));
+        planned.actions.push(Action::Activate {
+            reservation_id: rsv.reservation_id.clone(),
+            reservation_version: rsv.version,
+            pool_id: pool_id.to_owned(),
+            ends_at_ms: now_ms.saturating_add(rsv.duration_s.saturating_mul(1000)),
+            freed_by: planned.freed.get(key.as_str()).cloned().unwrap_or_default(),
+            placement: placed,
+        });
     }
 }

@@ -5,6 +5,7 @@
 //! comes out, with what it waits for, so `rollouts get` can say why a rollout does not move.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 
 use bc_core::release::{Manifest, ReleaseError, ReleasePublicKey};
 use bc_core::store::{ExpectedVersion, NewEvent};
@@ -82,6 +83,24 @@ pub fn resolve_waves(specs: &[String], total: u32) -> Result<Vec<WaveSpec>> {
         });
     }
     Ok(out)
+}
+
+/// The nodes a rollout takes, as `rollouts.create` names them: every node with an agent (one
+/// registered by hand has nothing to update), of `pool_id` when one is named, carrying every
+/// one of `labels`; in the order of `nodes`.
+pub fn rollout_nodes<'a>(nodes: &'a [NodeDoc], pool_id: Option<&str>, labels: &BTreeMap<String, String>) -> Vec<&'a NodeDoc> {
+    nodes
+        .iter()
+        .filter(|n| n.agent.is_some())
+        .filter(|n| pool_id.is_none_or(|p| n.pool_id == p))
+        .filter(|n| labels.iter().all(|(k, v)| n.labels.get(k) == Some(v)))
+        .collect()
+}
+
+/// The selector a rollout records for the `labels` it was named by (`key=value,…`), none for no
+/// label.
+pub fn rollout_selector(labels: &BTreeMap<String, String>) -> Option<String> {
+    (!labels.is_empty()).then(|| labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))
 }
 
 /// `rollouts.create`: the release to `nodes` (the pool's or the selector's, any order: they are
@@ -342,8 +361,10 @@ fn truncate_reason(reason: &str) -> String {
 /// The `rollouts` reconciler's pass over one live rollout: observe the nodes in flight against
 /// their gates, then (running) pause on a wave's failures, offer the release to the wave's next
 /// nodes within `maxUnavailable`, pass the wave, complete; (aborting) roll the updated nodes
-/// back, then end. `release` is the rollout's (what `agent.update` carries); `nodes` are the rollout's nodes' documents (a missing one is gone),
-/// `commands` the documents of the commands it issued; `new_command_id` draws an id per command.
+/// back, then end; last, pause (or end an abort) when nothing moved for a node's deadline.
+/// `release` is the rollout's (what `agent.update` carries); `nodes` are the rollout's nodes'
+/// documents (a missing one is gone), `commands` the documents of the commands it issued;
+/// `new_command_id` draws an id per command.
 pub fn rollout_plan(
     rollout: &RolloutDoc,
     release: &ReleaseDoc,
@@ -352,280 +373,349 @@ pub fn rollout_plan(
     now_ms: u64,
     new_command_id: &mut dyn FnMut() -> String,
 ) -> Result<RolloutPlan> {
-    let mut plan = RolloutPlan::default();
     if !rollout.state.is_live() {
-        return Ok(plan);
+        return Ok(RolloutPlan::default());
     }
-    let mut events: Vec<NewEvent> = Vec::new();
-    let mut guards: Vec<(String, ExpectedVersion)> = Vec::new();
-    let mut states: Vec<RolloutNodeState> = rollout.nodes.iter().map(|n| n.state).collect();
-    let mut new_failures: BTreeMap<u32, Vec<String>> = BTreeMap::new();
-    let finished = |event_type: &str, node_id: &str, reason: Option<String>| -> Result<NewEvent> {
-        Ok(NewEvent::new(
-            event_type,
-            to_cbor(&RolloutNodeFinished { node_id: node_id.to_owned(), reason: reason.map(|r| truncate_reason(&r)) })?,
-        ))
+    let mut pass = Pass {
+        rollout,
+        nodes,
+        now_ms,
+        plan: RolloutPlan::default(),
+        events: Vec::new(),
+        guards: Vec::new(),
+        states: rollout.nodes.iter().map(|n| n.state).collect(),
+        new_failures: BTreeMap::new(),
     };
-
-    // 1. The nodes in flight, against their gates.
-    for (i, n) in rollout.nodes.iter().enumerate() {
-        let node = nodes.get(&n.node_id);
-        let command = n.command_id.as_ref().and_then(|c| commands.get(c));
-        match n.state {
-            RolloutNodeState::Updating => match gate(rollout, n, node, command, &rollout.target_version, now_ms) {
-                Gate::Passed => {
-                    events.push(finished(ROLLOUT_NODE_UPDATED, &n.node_id, None)?);
-                    plan.did.push(format!("{} updated to {}", n.node_id, rollout.target_version));
-                    states[i] = RolloutNodeState::Updated;
-                }
-                Gate::Failed(reason) => {
-                    plan.did.push(format!("{} failed: {reason}", n.node_id));
-                    events.push(finished(ROLLOUT_NODE_FAILED, &n.node_id, Some(reason.clone()))?);
-                    new_failures.entry(n.wave).or_default().push(format!("{}: {reason}", n.node_id));
-                    states[i] = RolloutNodeState::Failed;
-                }
-                Gate::Waiting => {}
-            },
-            RolloutNodeState::RollingBack => {
-                let want = n.from_version.clone().unwrap_or_default();
-                match gate(rollout, n, node, command, &want, now_ms) {
-                    Gate::Passed => {
-                        events.push(finished(ROLLOUT_NODE_ROLLED_BACK, &n.node_id, None)?);
-                        plan.did.push(format!("{} rolled back to {want}", n.node_id));
-                        states[i] = RolloutNodeState::RolledBack;
-                    }
-                    Gate::Failed(reason) => {
-                        plan.did.push(format!("{} rollback failed: {reason}", n.node_id));
-                        events.push(finished(ROLLOUT_NODE_ROLLBACK_FAILED, &n.node_id, Some(reason))?);
-                        states[i] = RolloutNodeState::RollbackFailed;
-                    }
-                    Gate::Waiting => {}
-                }
-            }
-            _ => {}
+    pass.observe(commands)?;
+    let go_on = match rollout.state {
+        RolloutState::Running => pass.run_wave(release, new_command_id)?,
+        RolloutState::Aborting => {
+            pass.roll_back(new_command_id)?;
+            ControlFlow::Continue(())
         }
+        RolloutState::Paused | RolloutState::Aborted | RolloutState::Done => ControlFlow::Continue(()),
+    };
+    if go_on.is_continue() {
+        pass.give_up_if_stalled()?;
+    }
+    Ok(pass.finish())
+}
+
+/// What a busy node's waiting line says (the one wait that does not stall a rollout).
+const BUSY_WAIT: &str = "busyNodes: wait";
+
+/// One pass over one rollout as its phases leave it.
+struct Pass<'a> {
+    rollout: &'a RolloutDoc,
+    nodes: &'a BTreeMap<String, NodeDoc>,
+    now_ms: u64,
+    plan: RolloutPlan,
+    /// Every event of the pass, appended at the rollout's version, with `guards`.
+    events: Vec<NewEvent>,
+    guards: Vec<(String, ExpectedVersion)>,
+    /// The rollout's nodes' states (in its order) as the pass's events leave them.
+    states: Vec<RolloutNodeState>,
+    /// Wave → the failures this pass found in it (`node: reason`).
+    new_failures: BTreeMap<u32, Vec<String>>,
+}
+
+impl Pass<'_> {
+    /// Records that a node's update or rollback ended (`event_type`), with why.
+    fn finished(&mut self, event_type: &str, node_id: &str, reason: Option<String>) -> Result<()> {
+        let finished = RolloutNodeFinished { node_id: node_id.to_owned(), reason: reason.map(|r| truncate_reason(&r)) };
+        self.events.push(NewEvent::new(event_type, to_cbor(&finished)?));
+        Ok(())
     }
 
-    // Out: the rollout's commands in flight, and its other nodes that are unreachable.
-    let unavailable = |states: &[RolloutNodeState]| {
+    /// Node `i` of the rollout failed for `reason`.
+    fn failed(&mut self, i: usize, node_id: &str, reason: String) -> Result<()> {
+        self.plan.did.push(format!("{node_id} failed: {reason}"));
+        self.finished(ROLLOUT_NODE_FAILED, node_id, Some(reason))?;
+        self.states[i] = RolloutNodeState::Failed;
+        Ok(())
+    }
+
+    /// The gate pauses the rollout for `reason`.
+    fn paused(&mut self, reason: String) -> Result<()> {
+        self.plan.did.push(format!("paused: {reason}"));
+        let changed = RolloutChanged { reason: Some(truncate_reason(&reason)), by: Some("gate".into()) };
+        self.events.push(NewEvent::new(ROLLOUT_PAUSED, to_cbor(&changed)?));
+        Ok(())
+    }
+
+    /// Out: the rollout's commands in flight, and its other nodes that are unreachable.
+    fn unavailable(&self) -> u32 {
+        let rollout = self.rollout;
         rollout
             .nodes
             .iter()
-            .zip(states)
-            .filter(|(n, s)| s.in_flight() || nodes.get(&n.node_id).is_some_and(|d| !reachable(d)))
+            .zip(&self.states)
+            .filter(|(n, s)| s.in_flight() || self.nodes.get(&n.node_id).is_some_and(|d| !reachable(d)))
             .count() as u32
-    };
-    let mut issue = |node: &NodeDoc,
-                     kind: &str,
-                     args: serde_json::Value,
-                     guard_node: bool,
-                     events: &mut Vec<NewEvent>,
-                     guards: &mut Vec<(String, ExpectedVersion)>|
-     -> Result<String> {
+    }
+
+    /// Issues a command of `kind` to `node` (guarding the node at its version when
+    /// `guard_node`), and returns its id.
+    fn issue(
+        &mut self,
+        node: &NodeDoc,
+        kind: &str,
+        args: serde_json::Value,
+        guard_node: bool,
+        new_command_id: &mut dyn FnMut() -> String,
+    ) -> Result<String> {
         let command_id = new_command_id();
         let (event, _) = issue_command_for(
             &node.node_id,
             kind,
             args,
             AGENT_UPDATE_DEADLINE_S,
-            Issue { command_id: &command_id, now_ms },
-            guards,
+            Issue { command_id: &command_id, now_ms: self.now_ms },
+            &mut self.guards,
         )?;
         if guard_node {
-            guards.push((stream_of(KIND_NODE, &node.node_id), ExpectedVersion::Exact(node.version)));
+            self.guards.push((stream_of(KIND_NODE, &node.node_id), ExpectedVersion::Exact(node.version)));
         }
-        events.push(event);
+        self.events.push(event);
         Ok(command_id)
-    };
-
-    match rollout.state {
-        RolloutState::Running => {
-            let w = rollout.wave as usize;
-            let Some(wave) = rollout.waves.get(w) else { return Ok(finish(rollout, plan, events, guards)) };
-            let fresh = new_failures.get(&rollout.wave).map_or(&[][..], |v| v.as_slice());
-            let counted = wave.failures_counted + fresh.len() as u32;
-            if counted > rollout.wave_failures_max {
-                let first = fresh.first().cloned().or_else(|| {
-                    rollout
-                        .nodes
-                        .iter()
-                        .find(|n| n.wave == rollout.wave && n.state == RolloutNodeState::Failed)
-                        .map(|n| format!("{}: {}", n.node_id, n.reason.as_deref().unwrap_or("failed")))
-                });
-                let reason = format!(
-                    "wave {} ({}) failed its gate: {counted} node(s) failed, over its limit of {}; first: {}",
-                    w + 1,
-                    wave.spec,
-                    rollout.wave_failures_max,
-                    first.unwrap_or_default()
-                );
-                plan.did.push(format!("paused: {reason}"));
-                let changed = RolloutChanged { reason: Some(truncate_reason(&reason)), by: Some("gate".into()) };
-                events.push(NewEvent::new(ROLLOUT_PAUSED, to_cbor(&changed)?));
-                return Ok(finish(rollout, plan, events, guards));
-            }
-            let mut out = unavailable(&states);
-            let wave_started = wave.started_at_ms.unwrap_or(rollout.created_at_ms);
-            for (i, n) in rollout.nodes.iter().enumerate().take(wave.up_to as usize) {
-                if states[i] != RolloutNodeState::Pending {
-                    continue;
-                }
-                let Some(node) = nodes.get(&n.node_id) else {
-                    events.push(finished(ROLLOUT_NODE_FAILED, &n.node_id, Some("the node no longer exists".into()))?);
-                    plan.did.push(format!("{} failed: gone", n.node_id));
-                    states[i] = RolloutNodeState::Failed;
-                    continue;
-                };
-                if !reachable(node) {
-                    if now_ms > wave_started.saturating_add(rollout.node_deadline_s * 1000) {
-                        let reason = format!("unreachable for the {} s since its wave started", rollout.node_deadline_s);
-                        plan.did.push(format!("{} failed: {reason}", n.node_id));
-                        events.push(finished(ROLLOUT_NODE_FAILED, &n.node_id, Some(reason))?);
-                        states[i] = RolloutNodeState::Failed;
-                    } else {
-                        plan.waiting.push(format!("node {} is unreachable", n.node_id));
-                    }
-                    continue;
-                }
-                if version_of(node) == rollout.target_version {
-                    events.push(finished(
-                        ROLLOUT_NODE_UPDATED,
-                        &n.node_id,
-                        Some(format!("already on {}", rollout.target_version)),
-                    )?);
-                    plan.did.push(format!("{} already on {}", n.node_id, rollout.target_version));
-                    states[i] = RolloutNodeState::Updated;
-                    continue;
-                }
-                let busy = rollout.busy_nodes == BusyNodes::Wait && !node.allocations.is_empty();
-                if busy {
-                    plan.waiting.push(format!(
-                        "node {} holds {} GPU(s) of live reservations ({BUSY_WAIT}; drain it to hurry)",
-                        n.node_id,
-                        node.allocations.len()
-                    ));
-                    continue;
-                }
-                if out >= rollout.max_unavailable {
-                    plan.waiting.push(format!("maxUnavailable: {out} of {} nodes are out", rollout.max_unavailable));
-                    break;
-                }
-                let args = json!({
-                    "manifest": release.manifest,
-                    "signature": release.signature,
-                    "rolloutId": rollout.rollout_id,
-                });
-                let command_id =
-                    issue(node, AGENT_UPDATE, args, rollout.busy_nodes == BusyNodes::Wait, &mut events, &mut guards)?;
-                let commanded = RolloutNodeCommanded {
-                    node_id: n.node_id.clone(),
-                    command_id: command_id.clone(),
-                    from_version: version_of(node).to_owned(),
-                };
-                events.push(NewEvent::new(ROLLOUT_NODE_UPDATING, to_cbor(&commanded)?));
-                plan.did.push(format!("{} sent agent.update ({command_id})", n.node_id));
-                states[i] = RolloutNodeState::Updating;
-                out += 1;
-            }
-            let all_done =
-                (0..wave.up_to as usize).all(|i| matches!(states[i], RolloutNodeState::Updated | RolloutNodeState::Failed));
-            if all_done {
-                events.push(NewEvent::new(ROLLOUT_WAVE_PASSED, to_cbor(&RolloutWavePassed { wave: rollout.wave })?));
-                plan.did.push(format!("wave {} ({}) passed", w + 1, wave.spec));
-                if w + 1 == rollout.waves.len() {
-                    events.push(NewEvent::new(ROLLOUT_COMPLETED, to_cbor(&RolloutChanged::default())?));
-                    plan.did.push("completed".into());
-                }
-            }
-        }
-        RolloutState::Aborting => {
-            let mut out = unavailable(&states);
-            for (i, n) in rollout.nodes.iter().enumerate() {
-                let Some(from) = n.from_version.as_deref() else { continue };
-                if !matches!(states[i], RolloutNodeState::Updated | RolloutNodeState::Failed) {
-                    continue;
-                }
-                let Some(node) = nodes.get(&n.node_id) else { continue };
-                if version_of(node) == from || n.command_id.is_none() {
-                    continue;
-                }
-                if !reachable(node) {
-                    plan.waiting.push(format!("node {} is unreachable: it is rolled back when it is back", n.node_id));
-                    continue;
-                }
-                if out >= rollout.max_unavailable {
-                    plan.waiting.push(format!("maxUnavailable: {out} of {} nodes are out", rollout.max_unavailable));
-                    break;
-                }
-                let args = json!({ "toVersion": from, "rolloutId": rollout.rollout_id });
-                let command_id = issue(node, AGENT_ROLLBACK, args, false, &mut events, &mut guards)?;
-                let commanded = RolloutNodeCommanded {
-                    node_id: n.node_id.clone(),
-                    command_id: command_id.clone(),
-                    from_version: from.to_owned(),
-                };
-                events.push(NewEvent::new(ROLLOUT_NODE_ROLLING_BACK, to_cbor(&commanded)?));
-                plan.did.push(format!("{} sent agent.rollback to {from} ({command_id})", n.node_id));
-                states[i] = RolloutNodeState::RollingBack;
-                out += 1;
-            }
-            let unfinished = states.iter().any(|s| s.in_flight());
-            if !unfinished && plan.waiting.is_empty() {
-                events.push(NewEvent::new(ROLLOUT_ABORTED, to_cbor(&RolloutChanged::default())?));
-                plan.did.push("aborted".into());
-            }
-        }
-        RolloutState::Paused | RolloutState::Aborted | RolloutState::Done => {}
     }
-    // Nothing moved for a node's deadline: a rollout never waits without end and without a
-    // reason (only a busy node under `busyNodes: wait` is waited for, as asked).
-    let stalled = events.is_empty() && now_ms > rollout.updated_at_ms.saturating_add(rollout.node_deadline_s * 1000);
-    let blocking: Vec<&String> = plan.waiting.iter().filter(|w| !w.contains(BUSY_WAIT)).collect();
-    if stalled && !blocking.is_empty() {
-        match rollout.state {
-            RolloutState::Running => {
-                let reason = format!("no progress for {} s: {}", rollout.node_deadline_s, blocking[0]);
-                plan.did.push(format!("paused: {reason}"));
-                let changed = RolloutChanged { reason: Some(truncate_reason(&reason)), by: Some("gate".into()) };
-                events.push(NewEvent::new(ROLLOUT_PAUSED, to_cbor(&changed)?));
+
+    /// The nodes in flight, against their gates: updated or failed, rolled back or not.
+    fn observe(&mut self, commands: &BTreeMap<String, CommandDoc>) -> Result<()> {
+        let (rollout, nodes) = (self.rollout, self.nodes);
+        for (i, n) in rollout.nodes.iter().enumerate() {
+            let node = nodes.get(&n.node_id);
+            let command = n.command_id.as_ref().and_then(|c| commands.get(c));
+            match n.state {
+                RolloutNodeState::Updating => match gate(rollout, n, node, command, &rollout.target_version, self.now_ms) {
+                    Gate::Passed => {
+                        self.finished(ROLLOUT_NODE_UPDATED, &n.node_id, None)?;
+                        self.plan.did.push(format!("{} updated to {}", n.node_id, rollout.target_version));
+                        self.states[i] = RolloutNodeState::Updated;
+                    }
+                    Gate::Failed(reason) => {
+                        self.new_failures.entry(n.wave).or_default().push(format!("{}: {reason}", n.node_id));
+                        self.failed(i, &n.node_id, reason)?;
+                    }
+                    Gate::Waiting => {}
+                },
+                RolloutNodeState::RollingBack => {
+                    let want = n.from_version.clone().unwrap_or_default();
+                    match gate(rollout, n, node, command, &want, self.now_ms) {
+                        Gate::Passed => {
+                            self.finished(ROLLOUT_NODE_ROLLED_BACK, &n.node_id, None)?;
+                            self.plan.did.push(format!("{} rolled back to {want}", n.node_id));
+                            self.states[i] = RolloutNodeState::RolledBack;
+                        }
+                        Gate::Failed(reason) => {
+                            self.plan.did.push(format!("{} rollback failed: {reason}", n.node_id));
+                            self.finished(ROLLOUT_NODE_ROLLBACK_FAILED, &n.node_id, Some(reason))?;
+                            self.states[i] = RolloutNodeState::RollbackFailed;
+                        }
+                        Gate::Waiting => {}
+                    }
+                }
+                _ => {}
             }
+        }
+        Ok(())
+    }
+
+    /// A running rollout's wave: paused on its failures, else the release offered to its next
+    /// nodes, and the wave passed (and the rollout completed) once each of its nodes is updated
+    /// or failed. Breaks when the pass ends here (no wave left, or paused).
+    fn run_wave(&mut self, release: &ReleaseDoc, new_command_id: &mut dyn FnMut() -> String) -> Result<ControlFlow<()>> {
+        let rollout = self.rollout;
+        let w = rollout.wave as usize;
+        let Some(wave) = rollout.waves.get(w) else { return Ok(ControlFlow::Break(())) };
+        if let Some(reason) = self.wave_failed(wave) {
+            self.paused(reason)?;
+            return Ok(ControlFlow::Break(()));
+        }
+        self.offer_updates(wave, release, new_command_id)?;
+        let all_done =
+            (0..wave.up_to as usize).all(|i| matches!(self.states[i], RolloutNodeState::Updated | RolloutNodeState::Failed));
+        if all_done {
+            self.events.push(NewEvent::new(ROLLOUT_WAVE_PASSED, to_cbor(&RolloutWavePassed { wave: rollout.wave })?));
+            self.plan.did.push(format!("wave {} ({}) passed", w + 1, wave.spec));
+            if w + 1 == rollout.waves.len() {
+                self.events.push(NewEvent::new(ROLLOUT_COMPLETED, to_cbor(&RolloutChanged::default())?));
+                self.plan.did.push("completed".into());
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// Why the current wave failed its gate (more failed nodes than `waveFailuresMax`), if it did.
+    fn wave_failed(&self, wave: &WaveDoc) -> Option<String> {
+        let rollout = self.rollout;
+        let fresh = self.new_failures.get(&rollout.wave).map_or(&[][..], |v| v.as_slice());
+        let counted = wave.failures_counted + fresh.len() as u32;
+        if counted <= rollout.wave_failures_max {
+            return None;
+        }
+        let first = fresh.first().cloned().or_else(|| {
+            rollout
+                .nodes
+                .iter()
+                .find(|n| n.wave == rollout.wave && n.state == RolloutNodeState::Failed)
+                .map(|n| format!("{}: {}", n.node_id, n.reason.as_deref().unwrap_or("failed")))
+        });
+        Some(format!(
+            "wave {} ({}) failed its gate: {counted} node(s) failed, over its limit of {}; first: {}",
+            rollout.wave + 1,
+            wave.spec,
+            rollout.wave_failures_max,
+            first.unwrap_or_default()
+        ))
+    }
+
+    /// The wave's pending nodes, in order: a gone node failed, an unreachable one waited for
+    /// (failed past the node deadline since the wave started), one already on the target
+    /// updated, a busy one waited for under `busyNodes: wait`; the others sent `agent.update`
+    /// while fewer than `maxUnavailable` nodes are out.
+    fn offer_updates(&mut self, wave: &WaveDoc, release: &ReleaseDoc, new_command_id: &mut dyn FnMut() -> String) -> Result<()> {
+        let (rollout, nodes) = (self.rollout, self.nodes);
+        let mut out = self.unavailable();
+        let wave_started = wave.started_at_ms.unwrap_or(rollout.created_at_ms);
+        for (i, n) in rollout.nodes.iter().enumerate().take(wave.up_to as usize) {
+            if self.states[i] != RolloutNodeState::Pending {
+                continue;
+            }
+            let Some(node) = nodes.get(&n.node_id) else {
+                self.finished(ROLLOUT_NODE_FAILED, &n.node_id, Some("the node no longer exists".into()))?;
+                self.plan.did.push(format!("{} failed: gone", n.node_id));
+                self.states[i] = RolloutNodeState::Failed;
+                continue;
+            };
+            if !reachable(node) {
+                if self.now_ms > wave_started.saturating_add(rollout.node_deadline_s * 1000) {
+                    let reason = format!("unreachable for the {} s since its wave started", rollout.node_deadline_s);
+                    self.failed(i, &n.node_id, reason)?;
+                } else {
+                    self.plan.waiting.push(format!("node {} is unreachable", n.node_id));
+                }
+                continue;
+            }
+            if version_of(node) == rollout.target_version {
+                let reason = format!("already on {}", rollout.target_version);
+                self.finished(ROLLOUT_NODE_UPDATED, &n.node_id, Some(reason))?;
+                self.plan.did.push(format!("{} already on {}", n.node_id, rollout.target_version));
+                self.states[i] = RolloutNodeState::Updated;
+                continue;
+            }
+            if rollout.busy_nodes == BusyNodes::Wait && !node.allocations.is_empty() {
+                self.plan.waiting.push(format!(
+                    "node {} holds {} GPU(s) of live reservations ({BUSY_WAIT}; drain it to hurry)",
+                    n.node_id,
+                    node.allocations.len()
+                ));
+                continue;
+            }
+            if out >= rollout.max_unavailable {
+                self.plan.waiting.push(format!("maxUnavailable: {out} of {} nodes are out", rollout.max_unavailable));
+                break;
+            }
+            let args = json!({ "manifest": release.manifest, "signature": release.signature, "rolloutId": rollout.rollout_id });
+            let command_id = self.issue(node, AGENT_UPDATE, args, rollout.busy_nodes == BusyNodes::Wait, new_command_id)?;
+            let commanded = RolloutNodeCommanded {
+                node_id: n.node_id.clone(),
+                command_id: command_id.clone(),
+                from_version: version_of(node).to_owned(),
+            };
+            self.events.push(NewEvent::new(ROLLOUT_NODE_UPDATING, to_cbor(&commanded)?));
+            self.plan.did.push(format!("{} sent agent.update ({command_id})", n.node_id));
+            self.states[i] = RolloutNodeState::Updating;
+            out += 1;
+        }
+        Ok(())
+    }
+
+    /// An aborting rollout: each node it updated (or whose update failed) and that is not on its
+    /// old version sent `agent.rollback` while fewer than `maxUnavailable` nodes are out; the
+    /// abort ends once nothing is in flight and nothing waited for.
+    fn roll_back(&mut self, new_command_id: &mut dyn FnMut() -> String) -> Result<()> {
+        let (rollout, nodes) = (self.rollout, self.nodes);
+        let mut out = self.unavailable();
+        for (i, n) in rollout.nodes.iter().enumerate() {
+            let Some(from) = n.from_version.as_deref() else { continue };
+            if !matches!(self.states[i], RolloutNodeState::Updated | RolloutNodeState::Failed) {
+                continue;
+            }
+            let Some(node) = nodes.get(&n.node_id) else { continue };
+            if version_of(node) == from || n.command_id.is_none() {
+                continue;
+            }
+            if !reachable(node) {
+                self.plan.waiting.push(format!("node {} is unreachable: it is rolled back when it is back", n.node_id));
+                continue;
+            }
+            if out >= rollout.max_unavailable {
+                self.plan.waiting.push(format!("maxUnavailable: {out} of {} nodes are out", rollout.max_unavailable));
+                break;
+            }
+            let args = json!({ "toVersion": from, "rolloutId": rollout.rollout_id });
+            let command_id = self.issue(node, AGENT_ROLLBACK, args, false, new_command_id)?;
+            let commanded = RolloutNodeCommanded {
+                node_id: n.node_id.clone(),
+                command_id: command_id.clone(),
+                from_version: from.to_owned(),
+            };
+            self.events.push(NewEvent::new(ROLLOUT_NODE_ROLLING_BACK, to_cbor(&commanded)?));
+            self.plan.did.push(format!("{} sent agent.rollback to {from} ({command_id})", n.node_id));
+            self.states[i] = RolloutNodeState::RollingBack;
+            out += 1;
+        }
+        let unfinished = self.states.iter().any(|s| s.in_flight());
+        if !unfinished && self.plan.waiting.is_empty() {
+            self.events.push(NewEvent::new(ROLLOUT_ABORTED, to_cbor(&RolloutChanged::default())?));
+            self.plan.did.push("aborted".into());
+        }
+        Ok(())
+    }
+
+    /// Nothing moved for a node's deadline: a rollout never waits without end and without a
+    /// reason (only a busy node under `busyNodes: wait` is waited for, as asked). A running one
+    /// pauses; an aborting one gives up on the nodes it cannot reach or may not take out, each
+    /// recorded, then ends.
+    fn give_up_if_stalled(&mut self) -> Result<()> {
+        let rollout = self.rollout;
+        let stalled =
+            self.events.is_empty() && self.now_ms > rollout.updated_at_ms.saturating_add(rollout.node_deadline_s * 1000);
+        let blocking = self.plan.waiting.iter().find(|w| !w.contains(BUSY_WAIT)).cloned();
+        let (true, Some(blocking)) = (stalled, blocking) else { return Ok(()) };
+        match rollout.state {
+            RolloutState::Running => self.paused(format!("no progress for {} s: {blocking}", rollout.node_deadline_s))?,
             RolloutState::Aborting => {
-                // Give up on the nodes it cannot reach or may not take out: each recorded, then the end.
                 for n in &rollout.nodes {
                     let Some(from) = n.from_version.as_deref() else { continue };
                     let needs = matches!(n.state, RolloutNodeState::Updated | RolloutNodeState::Failed)
                         && n.command_id.is_some()
-                        && nodes.get(&n.node_id).is_some_and(|d| version_of(d) != from);
+                        && self.nodes.get(&n.node_id).is_some_and(|d| version_of(d) != from);
                     if needs {
-                        let reason = format!("not rolled back to {from} within {} s: {}", rollout.node_deadline_s, blocking[0]);
-                        events.push(finished(ROLLOUT_NODE_ROLLBACK_FAILED, &n.node_id, Some(reason))?);
+                        let reason = format!("not rolled back to {from} within {} s: {blocking}", rollout.node_deadline_s);
+                        self.finished(ROLLOUT_NODE_ROLLBACK_FAILED, &n.node_id, Some(reason))?;
                     }
                 }
-                events.push(NewEvent::new(ROLLOUT_ABORTED, to_cbor(&RolloutChanged::default())?));
-                plan.did.push("aborted, some nodes not rolled back".into());
+                self.events.push(NewEvent::new(ROLLOUT_ABORTED, to_cbor(&RolloutChanged::default())?));
+                self.plan.did.push("aborted, some nodes not rolled back".into());
             }
             _ => {}
         }
+        Ok(())
     }
-    Ok(finish(rollout, plan, events, guards))
-}
 
-/// What a busy node's waiting line says (the one wait that does not stall a rollout).
-const BUSY_WAIT: &str = "busyNodes: wait";
-
-fn finish(
-    rollout: &RolloutDoc,
-    mut plan: RolloutPlan,
-    events: Vec<NewEvent>,
-    guards: Vec<(String, ExpectedVersion)>,
-) -> RolloutPlan {
-    if !events.is_empty() {
-        plan.append = Some(Append {
-            stream: stream_of(KIND_ROLLOUT, &rollout.rollout_id),
-            expected: ExpectedVersion::Exact(rollout.version),
-            guards,
-            events,
-        });
+    /// The plan, with its one append at the rollout's version if the pass has events.
+    fn finish(self) -> RolloutPlan {
+        let mut plan = self.plan;
+        if !self.events.is_empty() {
+            plan.append = Some(Append {
+                stream: stream_of(KIND_ROLLOUT, &self.rollout.rollout_id),
+                expected: ExpectedVersion::Exact(self.rollout.version),
+                guards: self.guards,
+                events: self.events,
+            });
+        }
+        plan
     }
-    plan
 }

@@ -133,7 +133,7 @@ impl Sim {
         // The pool of node `a`, every node of it with an agent.
         let nodes: Vec<NodeDoc> = self.world.rows(t, KIND_NODE).await;
         let Some(pool) = nodes.iter().find(|n| n.node_id == self.world.agents[a].node).map(|n| n.pool_id.clone()) else { return };
-        let chosen: Vec<&NodeDoc> = nodes.iter().filter(|n| n.pool_id == pool && n.agent.is_some()).collect();
+        let chosen = decide::rollout_nodes(&nodes, Some(&pool), &Default::default());
         let waves: &[&str] = [&["1", "100%"][..], &["1", "50%", "100%"], &["100%"]][pick(&mut self.rng, 3)];
         let input = RolloutCreateInput {
             pool_id: Some(pool),
