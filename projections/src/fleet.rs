@@ -4,8 +4,8 @@
 //!
 //! It is only a cache: every placement is still appended with a guard on the node's version, so
 //! a stale view costs a CONFLICT, never a double booking. The decisions made on it are pure
-//! functions of a [`TenantView`] (see [`crate::decide`]); within one process, the gateway then
-//! marks the GPUs it is about to append as held ([`TenantView::hold`]), so concurrent requests
+//! functions of a [`FleetIndex`] (see [`crate::decide`]); within one process, the gateway then
+//! marks the GPUs it is about to append as held ([`FleetIndex::hold`]), so concurrent requests
 //! in the same process do not pick the same GPUs, and [`Reread`] makes the next use read what
 //! it held from the store again, whether the append happened or not.
 
@@ -22,10 +22,11 @@ use crate::{BindingState, KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, Reservation
 /// Log rows read per query while catching up.
 const CATCH_UP_ROWS: u32 = 1000;
 
-/// One tenant's view. Ordered maps throughout: the decisions iterate it, and an iteration that
+/// One tenant's fleet index: its nodes and live reservations, with the rankings and loads the
+/// decisions read, kept as they change. Ordered maps throughout: the decisions iterate it, and an iteration that
 /// decides something takes the same order in every process (by id), whatever the hasher.
 #[derive(Default)]
-pub struct TenantView {
+pub struct FleetIndex {
     /// Private: every change goes through [`Self::put_node`], [`Self::remove_node`] and
     /// [`Self::hold`], which keep `ranked` equal to a ranking of it.
     nodes: BTreeMap<String, NodeDoc>,
@@ -51,7 +52,7 @@ pub struct TenantView {
     held: BTreeMap<String, u32>,
 }
 
-impl TenantView {
+impl FleetIndex {
     /// A view of these nodes and live reservations, with nothing held: what a test or the
     /// simulator hands to the decisions of [`crate::decide`].
     pub fn new(nodes: impl IntoIterator<Item = NodeDoc>, live: impl IntoIterator<Item = ReservationDoc>) -> Self {
@@ -208,7 +209,7 @@ struct Shared {
     /// tenant never waits on another's.
     /// A `BTreeMap`, so a pass over every tenant takes them in one order (the simulator's ids
     /// are drawn in that order, and the same seed must give the same log).
-    slots: BTreeMap<TenantId, std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>>,
+    slots: BTreeMap<TenantId, std::sync::Arc<tokio::sync::Mutex<Option<FleetIndex>>>>,
     /// Rows changed in the log (or held by a placer) since the tenant's view last read them.
     dirty: BTreeMap<TenantId, Dirty>,
     /// Placers done with their holds ([`Fleet::reread`]) on each node, not yet taken off the
@@ -317,7 +318,7 @@ pub struct Fleet {
     shared: std::sync::Mutex<Shared>,
 }
 
-type Slot = std::sync::Arc<tokio::sync::Mutex<Option<TenantView>>>;
+type Slot = std::sync::Arc<tokio::sync::Mutex<Option<FleetIndex>>>;
 
 /// Which of a tenant's dirty rows a refresh reads again.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -339,7 +340,7 @@ impl Fleet {
         &self,
         store: &dyn EventStore,
         tenant: TenantId,
-        f: impl FnOnce(&mut TenantView) -> R,
+        f: impl FnOnce(&mut FleetIndex) -> R,
     ) -> Result<R> {
         self.catch_up(store, false).await?;
         let slot = self.slot(tenant);
@@ -358,8 +359,8 @@ impl Fleet {
         &self,
         store: &dyn EventStore,
         known: &[TenantId],
-        needs_nodes: impl Fn(&TenantView) -> bool,
-        mut f: impl FnMut(TenantId, &mut TenantView) -> R,
+        needs_nodes: impl Fn(&FleetIndex) -> bool,
+        mut f: impl FnMut(TenantId, &mut FleetIndex) -> R,
     ) -> Result<Vec<R>> {
         self.catch_up(store, true).await?;
         for tenant in known {
@@ -571,8 +572,8 @@ async fn read_kind<'i, T: serde::de::DeserializeOwned>(
 
 /// A tenant's rows as they are now. Events the catch-up replays over them later only make it
 /// read some rows again, which is harmless.
-async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<TenantView> {
+async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<FleetIndex> {
     let nodes: Vec<NodeDoc> = crate::placement::all_rows(store, tenant, KIND_NODE).await?;
     let live = crate::placement::live(store, tenant).await?;
-    Ok(TenantView::new(nodes, live))
+    Ok(FleetIndex::new(nodes, live))
 }

@@ -459,7 +459,7 @@ pub fn free_gpus(node: &NodeDoc) -> u32 {
 }
 
 /// [`place_by`] over nodes given with their [`free_gpus`] in ascending order of (free GPUs,
-/// node id), as [`crate::fleet::TenantView::ranked`] keeps them: the same choice, without
+/// node id), as [`crate::fleet::FleetIndex::ranked`] keeps them: the same choice, without
 /// scoring every node. The matching GPUs left on a node are at most its free GPUs less the ask,
 /// and exactly that when the selector is empty (every GPU matches), so a tightest fit with no
 /// selector takes the first node that fits, and spread walks down from the freest node until

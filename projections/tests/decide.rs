@@ -9,7 +9,7 @@ use bc_projections::decide::{
     self, Action, Append, PoolLoad, Refusal, ReservationAsk, ReservationCreate, ReservationCreateInput,
 };
 use bc_projections::events::{self as ev, Gpu};
-use bc_projections::fleet::TenantView;
+use bc_projections::fleet::FleetIndex;
 use bc_projections::placement::{self, Selector};
 use bc_projections::{NodeDoc, NodeState, PoolDoc, QuotaDoc, ReservationDoc, ReservationState};
 
@@ -136,7 +136,7 @@ fn create_over_quota_is_refused_with_a_record() {
     let mut a = node("node_a", POOL, 8);
     let running = active("rsv_run", "node_a", vec![0, 1, 2], NOW_MS + 60_000);
     hold_on(&mut a, &running);
-    let mut view = TenantView::new([a], [running]);
+    let mut view = FleetIndex::new([a], [running]);
     let decision = decide::reservation_create(&view, Some(&quota(4)), &ask(2, 60), &input("rsv_new")).unwrap();
     let ReservationCreate::OverQuota { refusal, record } = &decision else { panic!("not refused: {decision:?}") };
     assert_eq!(*refusal, Refusal::OverQuota { pool_id: POOL.into(), requested: 2, in_use: 3, limit: 4 });
@@ -159,7 +159,7 @@ fn create_over_quota_is_refused_with_a_record() {
 #[test]
 fn create_queues_behind_the_pools_queue_and_holds_its_place() {
     let view_nodes = [node("node_a", POOL, 8)];
-    let mut view = TenantView::new(view_nodes, [queued("rsv_first", POOL, 8, 10)]);
+    let mut view = FleetIndex::new(view_nodes, [queued("rsv_first", POOL, 8, 10)]);
     let decision = decide::reservation_create(&view, None, &ask(1, 60), &input("rsv_second")).unwrap();
     let ReservationCreate::Queue { pending: Some(pending), append } = &decision else { panic!("not queued: {decision:?}") };
     assert_eq!(append.stream, "reservation/rsv_second");
@@ -186,7 +186,7 @@ fn create_places_at_the_tightest_fit_and_holds_the_gpus() {
     let mut tight = node("node_b", POOL, 4);
     let running = active("rsv_run", "node_b", vec![0, 1], NOW_MS + 60_000);
     hold_on(&mut tight, &running);
-    let mut view = TenantView::new([roomy, tight, node("node_c", OTHER_POOL, 2)], [running]);
+    let mut view = FleetIndex::new([roomy, tight, node("node_c", OTHER_POOL, 2)], [running]);
     let decision = decide::reservation_create(&view, None, &ask(2, 60), &input("rsv_new")).unwrap();
     let ReservationCreate::Place { placement, append, if_lost, pending } = &decision else { panic!("not placed: {decision:?}") };
     assert_eq!((placement.node_id.as_str(), placement.gpus.as_slice(), placement.leftover), ("node_b", &[2, 3][..], 0));
@@ -213,7 +213,7 @@ fn create_places_at_the_tightest_fit_and_holds_the_gpus() {
 
 #[test]
 fn create_refuses_what_no_node_could_ever_hold_and_queues_a_replay() {
-    let view = TenantView::new([node("node_a", POOL, 4), node("node_c", OTHER_POOL, 16)], []);
+    let view = FleetIndex::new([node("node_a", POOL, 4), node("node_c", OTHER_POOL, 16)], []);
     let refusal = decide::reservation_create(&view, None, &ask(8, 60), &input("rsv_big")).unwrap_err();
     assert_eq!(refusal, Refusal::NeverFits { pool_id: POOL.into(), gpus: 8, selector: String::new(), nvlink: false });
     let error = Error::from(refusal);
@@ -313,14 +313,14 @@ fn release_cancels_a_queued_reservation_and_frees_an_active_ones_gpus() {
 
 /// node_a (4 GPUs) is full with `rsv_done`, due now; node_b (2 GPUs) is free. Queue of POOL:
 /// `rsv_big` (4 GPUs, oldest), `rsv_small` (2), `rsv_late` (2). OTHER_POOL: `rsv_other` (1).
-fn busy_view() -> TenantView {
+fn busy_view() -> FleetIndex {
     let mut a = node("node_a", POOL, 4);
     let done = active("rsv_done", "node_a", vec![0, 1, 2, 3], NOW_MS);
     hold_on(&mut a, &done);
     let mut still = node("node_s", POOL, 1);
     let running = active("rsv_running", "node_s", vec![0], NOW_MS + 1);
     hold_on(&mut still, &running);
-    TenantView::new(
+    FleetIndex::new(
         [a, node("node_b", POOL, 2), still, node("node_o", OTHER_POOL, 1)],
         [
             done,
@@ -508,7 +508,7 @@ fn bound(rsv: ReservationDoc, state: bc_projections::BindingState, deadline_at_m
 /// hand it does not.
 #[test]
 fn an_activation_on_an_agent_node_issues_gpu_hold_in_the_same_append() {
-    let view = TenantView::new([agent_node("node_g", 4)], [queued("rsv_q", POOL, 2, 5)]);
+    let view = FleetIndex::new([agent_node("node_g", 4)], [queued("rsv_q", POOL, 2, 5)]);
     let actions = decide::plan(&view, NOW_MS);
     let append = actions[0].append(ISSUE).unwrap().unwrap();
     assert_eq!(append.event_types(), [ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED, ev::COMMAND_ISSUED]);
@@ -522,7 +522,7 @@ fn an_activation_on_an_agent_node_issues_gpu_hold_in_the_same_append() {
     assert_eq!(activated["hold"]["commandId"], "cmd_01");
     assert_eq!(activated["hold"]["deadlineAtMs"], NOW_MS + bc_projections::HOLD_DEADLINE_S * 1000);
 
-    let by_hand = TenantView::new([node("node_h", POOL, 4)], [queued("rsv_q", POOL, 2, 5)]);
+    let by_hand = FleetIndex::new([node("node_h", POOL, 4)], [queued("rsv_q", POOL, 2, 5)]);
     let append = decide::plan(&by_hand, NOW_MS)[0].append(ISSUE).unwrap().unwrap();
     assert_eq!(append.event_types(), [ev::RESERVATION_ACTIVATED, ev::NODE_ALLOCATED]);
 }
@@ -541,7 +541,7 @@ fn a_failed_hold_requeues_at_the_head_then_fails_after_the_last_attempt() {
         Some("gpu-in-use: GPU-0 runs 1 processes"),
     );
     hold_on(&mut bad, &rsv);
-    let view = TenantView::new([bad.clone(), agent_node("node_good", 2)], [rsv.clone(), queued("rsv_later", POOL, 2, 9)]);
+    let view = FleetIndex::new([bad.clone(), agent_node("node_good", 2)], [rsv.clone(), queued("rsv_later", POOL, 2, 9)]);
     let actions = decide::plan(&view, NOW_MS);
     assert_eq!(actions.len(), 1, "rsv_later does not overtake the requeued one: {actions:?}");
     let Action::HoldFailed { reason, attempts, gives_up, release, .. } = &actions[0] else { panic!("{actions:?}") };
@@ -556,16 +556,16 @@ fn a_failed_hold_requeues_at_the_head_then_fails_after_the_last_attempt() {
 
     // Requeued (as the fold leaves it): placed on the node that did not fail.
     let requeued = ReservationDoc { hold_attempts: 1, hold_failed_nodes: vec!["node_bad".into()], ..queued("rsv_a", POOL, 2, 1) };
-    let view = TenantView::new([agent_node("node_bad", 2), agent_node("node_good", 2)], [requeued.clone()]);
+    let view = FleetIndex::new([agent_node("node_bad", 2), agent_node("node_good", 2)], [requeued.clone()]);
     let Action::Activate { placement, .. } = &decide::plan(&view, NOW_MS)[0] else { panic!() };
     assert_eq!(placement.node_id, "node_good");
     // Only the failing node fits: it is tried again rather than waiting for ever.
-    let view = TenantView::new([agent_node("node_bad", 2)], [requeued]);
+    let view = FleetIndex::new([agent_node("node_bad", 2)], [requeued]);
     assert!(matches!(&decide::plan(&view, NOW_MS)[0], Action::Activate { placement, .. } if placement.node_id == "node_bad"));
 
     // The last attempt fails the reservation instead.
     let last = ReservationDoc { hold_attempts: bc_projections::HOLD_ATTEMPTS_MAX - 1, ..rsv };
-    let view = TenantView::new([bad], [last]);
+    let view = FleetIndex::new([bad], [last]);
     let actions = decide::plan(&view, NOW_MS);
     assert!(matches!(&actions[0], Action::HoldFailed { gives_up: true, attempts: 3, .. }), "{actions:?}");
     assert_eq!(
@@ -582,7 +582,7 @@ fn an_unanswered_hold_fails_at_its_deadline_and_sends_a_release() {
     let mut n = agent_node("node_g", 2);
     let rsv = bound(active("rsv_a", "node_g", vec![0, 1], NOW_MS + 600_000), BindingState::Pending, NOW_MS, None);
     hold_on(&mut n, &rsv);
-    let view = TenantView::new([n], [rsv]);
+    let view = FleetIndex::new([n], [rsv]);
     assert!(decide::plan(&view, NOW_MS - 1).is_empty());
     let actions = decide::plan(&view, NOW_MS);
     let Action::HoldFailed { reason, release: true, .. } = &actions[0] else { panic!("{actions:?}") };
@@ -608,7 +608,7 @@ fn releasing_a_bound_reservation_sends_gpu_release() {
 /// the decision read, whether placed or queued, so a decision on stale usage cannot land.
 #[test]
 fn a_reservation_under_a_quota_is_charged_at_the_quota_version_read() {
-    let view = TenantView::new([node("node_a", POOL, 4)], []);
+    let view = FleetIndex::new([node("node_a", POOL, 4)], []);
     let q = quota(8);
     let ReservationCreate::Place { append, if_lost, .. } =
         decide::reservation_create(&view, Some(&q), &ask(1, 60), &input("rsv_q")).unwrap()
@@ -993,7 +993,7 @@ fn pool_loads_kept_as_reservations_change_equal_a_recount() {
     for seed in 0..64u64 {
         let mut next = draws(seed);
         let pools = [POOL, "pool_01jd00000000000000000000b", "pool_01jd00000000000000000000c"];
-        let mut view = TenantView::new([], []);
+        let mut view = FleetIndex::new([], []);
         for _ in 0..300 {
             let id = format!("rsv_{}", next(40));
             match next(4) {
@@ -1030,7 +1030,7 @@ fn reservations_needing_attention_kept_as_they_change_equal_a_scan() {
     use bc_projections::{Binding, BindingState};
     for seed in 0..64u64 {
         let mut next = draws(seed);
-        let mut view = TenantView::new([], []);
+        let mut view = FleetIndex::new([], []);
         for _ in 0..300 {
             let id = format!("rsv_{}", next(40));
             if next(4) == 0 {
@@ -1090,7 +1090,7 @@ fn nodes_ranked_by_free_gpus_as_they_change_equal_a_ranking_from_scratch() {
     for seed in 0..64u64 {
         let mut next = draws(seed);
         let pools = [POOL, "pool_01jd00000000000000000000b"];
-        let mut view = TenantView::new([], []);
+        let mut view = FleetIndex::new([], []);
         for step in 0..300u64 {
             let id = format!("node_{}", next(20));
             match next(4) {
@@ -1174,7 +1174,7 @@ fn a_plan_looks_at_the_nodes_only_when_needs_nodes_says_so() {
             hold_on(&mut nodes[at], &rsv);
             live.push(rsv);
         }
-        let view = TenantView::new(nodes, live.clone());
+        let view = FleetIndex::new(nodes, live.clone());
         let now = NOW_MS + rng.random_range(0..2_000) - 1_000;
         let needs = decide::needs_nodes(&view, now);
         let actions = decide::plan(&view, now);

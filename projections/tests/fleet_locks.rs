@@ -114,7 +114,7 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
     log.append(append(stream_of(KIND_NODE, &node), ev::NODE_CORDONED, ev::to_cbor(&ev::NodeStateChanged {}).unwrap()))
         .await
         .unwrap();
-    let seen = |view: &mut bc_projections::fleet::TenantView| (placement::free_gpus(&view.nodes()[&node]), view.is_held(&node));
+    let seen = |view: &mut bc_projections::fleet::FleetIndex| (placement::free_gpus(&view.nodes()[&node]), view.is_held(&node));
     let held = fleet.with_tenant(&*store, tenant, seen).await.unwrap();
     assert_eq!(held, (4, true), "the held GPUs stay held while the placer appends");
     // The placer is done (its append failed, say): the node is read from the store again.

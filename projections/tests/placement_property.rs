@@ -26,7 +26,7 @@ use bc_core::keys::LogKey;
 use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, rebuild_projections};
 use bc_projections::events::{self as ev, Gpu};
-use bc_projections::fleet::TenantView;
+use bc_projections::fleet::FleetIndex;
 use bc_projections::placement::{self, Ask, Preference, Selector, live, pool_nodes};
 use bc_projections::{KIND_NODE, KIND_POOL, KIND_RESERVATION, NodeDoc, NodeState, Projections, stream_of};
 use rand::rngs::StdRng;
@@ -245,7 +245,7 @@ async fn case(seed: u64) -> BTreeMap<&'static str, u32> {
             let fitted = placement::fit(node, &ask).map(|f| f.leftover);
             assert_eq!(placement::leftover(node, &ask), fitted, "seed {seed}: the fast score disagrees with fit");
         }
-        let view = TenantView::new(nodes.iter().cloned(), []);
+        let view = FleetIndex::new(nodes.iter().cloned(), []);
         for &preference in Preference::ALL {
             assert_eq!(
                 placement::place_ranked(view.ranked(&pool, ask.gpus), &ask, preference),

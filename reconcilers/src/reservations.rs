@@ -435,7 +435,7 @@ mod tests {
         let append = |stream: String, expected, events| AppendRequest::new(tenant, stream, expected, "test", events);
         fill(&log, tenant, &pool, NODES, 2 * NODES).await;
         let nodes = placement::pool_nodes(&*store, tenant, &pool).await.unwrap();
-        let view = bc_projections::fleet::TenantView::new(nodes, placement::live(&*store, tenant).await.unwrap());
+        let view = bc_projections::fleet::FleetIndex::new(nodes, placement::live(&*store, tenant).await.unwrap());
         let actions = bc_projections::decide::plan(&view, 1);
         assert_eq!(actions.len(), 2 * NODES);
         // The node of the ninth activation (the fifth node), cordoned after the plan: its first

@@ -50,7 +50,7 @@ use bc_core::id::{CommandId, ReservationId};
 use bc_core::store::{ExpectedVersion, NewEvent, RowKey};
 use bc_projections::decide::{self, ReservationAsk, ReservationCreate, ReservationCreateInput};
 use bc_projections::events as ev;
-use bc_projections::fleet::TenantView;
+use bc_projections::fleet::FleetIndex as TenantView;
 use bc_projections::placement::Selector;
 use bc_projections::{
     KIND_NODE, KIND_NODE_COMMANDS, KIND_POOL, KIND_RESERVATION, KIND_RESERVATION_LIVE, NodeCommandsDoc, NodeDoc, PoolDoc,

@@ -18,7 +18,7 @@ use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};
 use bc_projections::decide::{Action, Policy, QueueRule, plan_with};
 use bc_projections::events as ev;
-use bc_projections::fleet::TenantView;
+use bc_projections::fleet::FleetIndex as TenantView;
 use bc_projections::placement::Preference;
 use bc_projections::{KIND_NODE, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState};
 use serde_json::{Value, json};

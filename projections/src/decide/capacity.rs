@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::ReservationAsk;
-use crate::fleet::TenantView;
+use crate::fleet::FleetIndex as TenantView;
 use crate::{NodeState, PoolDoc, placement};
 
 /// One pool's GPUs: how many, free (on ready nodes, not held), reserved (held by a

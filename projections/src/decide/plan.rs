@@ -25,7 +25,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bc_core::store::ExpectedVersion;
 
 use super::{Append, PoolLoad};
-use crate::fleet::TenantView;
+use crate::fleet::FleetIndex as TenantView;
 use crate::placement::{self, Ask, Ending, Issue, Placement, Selector};
 use crate::{BindingState, HOLD_ATTEMPTS_MAX, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
 

@@ -8,7 +8,7 @@ use bc_core::store::ExpectedVersion;
 
 use super::{Append, Refusal};
 use crate::events::{self as ev, to_cbor};
-use crate::fleet::TenantView;
+use crate::fleet::FleetIndex as TenantView;
 use crate::placement::{self, Ask, Placement, Preference, Selector};
 use crate::{KIND_POOL, KIND_QUOTA, KIND_RESERVATION, PoolDoc, QuotaDoc, ReservationDoc, ReservationState, stream_of};
 use bc_core::store::NewEvent;
