@@ -345,7 +345,6 @@ impl EventRow {
         if major != 5 {
             return Err("envelope is not a map".into());
         }
-        let mismatch = |what: &str| format!("column {what} disagrees with the hashed envelope");
         let (mut seen, mut prev, mut payload) = (0u16, None, None);
         let mut previous_key: &[u8] = &[];
         for _ in 0..entries {
@@ -356,78 +355,7 @@ impl EventRow {
                 return Err("not in deterministic encoding: map keys are not in deterministic order, or repeat".into());
             }
             previous_key = key_bytes;
-            let bit = match key {
-                "v" => {
-                    if r.uint()? != ENVELOPE_FORMAT {
-                        return Err("unknown envelope format".into());
-                    }
-                    1
-                }
-                "tenant" => {
-                    let tenant = r.text()?;
-                    check_spelling::<TenantId>("tenant", tenant, TenantId::PREFIX)?;
-                    if tenant != self.tenant {
-                        return Err(mismatch("tenant_id"));
-                    }
-                    2
-                }
-                "seq" => {
-                    if r.uint()? != self.seq {
-                        return Err(mismatch("seq"));
-                    }
-                    4
-                }
-                "id" => {
-                    let id = r.text()?;
-                    check_spelling::<EventId>("id", id, EventId::PREFIX)?;
-                    if id != self.id {
-                        return Err(mismatch("id"));
-                    }
-                    8
-                }
-                "stream" => {
-                    if r.text()? != self.stream {
-                        return Err(mismatch("stream"));
-                    }
-                    16
-                }
-                "version" => {
-                    if r.uint()? != self.version {
-                        return Err(mismatch("version"));
-                    }
-                    32
-                }
-                "type" => {
-                    if r.text()? != self.event_type {
-                        return Err(mismatch("type"));
-                    }
-                    64
-                }
-                "at" => {
-                    r.uint()?;
-                    128
-                }
-                "actor" => {
-                    r.text()?;
-                    256
-                }
-                "payload" => {
-                    let start = r.pos;
-                    r.item(1)?;
-                    payload = Some(&self.canonical[start..r.pos]);
-                    512
-                }
-                "prev" => {
-                    prev = Some(<[u8; 32]>::try_from(r.bytes()?).map_err(|_| "prev is not 32 bytes".to_owned())?);
-                    1024
-                }
-                "idempotency_key" | "causation" | "correlation" => {
-                    r.text()?;
-                    0
-                }
-                other => return Err(format!("envelope has unknown field {other:?}")),
-            };
-            seen |= bit;
+            seen |= self.check_field(key, &mut r, &mut prev, &mut payload)?;
         }
         if r.pos != self.canonical.len() {
             return Err("not in deterministic encoding: trailing bytes after the item".into());
@@ -436,6 +364,57 @@ impl EventRow {
             return Err("envelope misses a required field".into());
         }
         Ok(CheckedEvent { hash, prev: prev.expect("seen"), payload: payload.expect("seen") })
+    }
+
+    /// Reads the value of the envelope's field `key` and checks it against the row's columns
+    /// (`prev` and `payload` are kept for the caller); the field's bit among the required fields
+    /// (0 for an optional one).
+    fn check_field<'a>(
+        &'a self,
+        key: &str,
+        r: &mut canonical::Reader<'a>,
+        prev: &mut Option<[u8; 32]>,
+        payload: &mut Option<&'a [u8]>,
+    ) -> Result<u16, String> {
+        let agrees = |same: bool, column: &str, bit: u16| {
+            if same { Ok(bit) } else { Err(format!("column {column} disagrees with the hashed envelope")) }
+        };
+        match key {
+            "v" => {
+                if r.uint()? != ENVELOPE_FORMAT {
+                    return Err("unknown envelope format".into());
+                }
+                Ok(1)
+            }
+            "tenant" => {
+                let tenant = r.text()?;
+                check_spelling::<TenantId>("tenant", tenant, TenantId::PREFIX)?;
+                agrees(tenant == self.tenant, "tenant_id", 2)
+            }
+            "seq" => agrees(r.uint()? == self.seq, "seq", 4),
+            "id" => {
+                let id = r.text()?;
+                check_spelling::<EventId>("id", id, EventId::PREFIX)?;
+                agrees(id == self.id, "id", 8)
+            }
+            "stream" => agrees(r.text()? == self.stream, "stream", 16),
+            "version" => agrees(r.uint()? == self.version, "version", 32),
+            "type" => agrees(r.text()? == self.event_type, "type", 64),
+            "at" => r.uint().map(|_| 128),
+            "actor" => r.text().map(|_| 256),
+            "payload" => {
+                let start = r.pos;
+                r.item(1)?;
+                *payload = Some(&self.canonical[start..r.pos]);
+                Ok(512)
+            }
+            "prev" => {
+                *prev = Some(<[u8; 32]>::try_from(r.bytes()?).map_err(|_| "prev is not 32 bytes".to_owned())?);
+                Ok(1024)
+            }
+            "idempotency_key" | "causation" | "correlation" => r.text().map(|_| 0),
+            other => Err(format!("envelope has unknown field {other:?}")),
+        }
     }
 }
 

@@ -931,44 +931,109 @@ fn decide(
     now_ms: u64,
     ids: &dyn IdSource,
 ) -> (PreparedBatch, Vec<Outcome>) {
-    let mut batch = PreparedBatch::default();
-    let mut outcomes = Vec::with_capacity(requests.len());
-    let mut heads: HashMap<TenantId, Option<Head>> = HashMap::new();
-    let mut versions: HashMap<(TenantId, String), u64> = HashMap::new();
-    // (tenant, key) → (request hash, job index) for keys first used in this batch.
-    let mut keys_in_batch: HashMap<(TenantId, String), ([u8; 32], usize)> = HashMap::new();
+    let mut deciding = Deciding {
+        pre,
+        now_ms,
+        ids,
+        batch: PreparedBatch::default(),
+        heads: HashMap::new(),
+        versions: HashMap::new(),
+        keys_in_batch: HashMap::new(),
+    };
+    let outcomes = requests.iter().enumerate().map(|(job_index, request)| deciding.request(job_index, request)).collect();
+    let Deciding { mut batch, heads, .. } = deciding;
+    batch.heads_after =
+        batch.heads_before.iter().map(|(tenant, _)| (*tenant, heads[tenant].expect("accepted tenants have a head"))).collect();
+    sign_all(&mut batch.events, key);
+    (batch, outcomes)
+}
 
-    for (job_index, request) in requests.iter().enumerate() {
+/// The working state of [`decide`]: the pre-read state as the batch's accepted requests so far
+/// leave it.
+struct Deciding<'a> {
+    pre: &'a PreRead,
+    now_ms: u64,
+    ids: &'a dyn IdSource,
+    batch: PreparedBatch,
+    heads: HashMap<TenantId, Option<Head>>,
+    versions: HashMap<(TenantId, String), u64>,
+    /// (tenant, key) → (request hash, job index) for keys first used in this batch.
+    keys_in_batch: HashMap<(TenantId, String), ([u8; 32], usize)>,
+}
+
+impl Deciding<'_> {
+    /// One request's outcome: a replay, a refusal, or its events added to the batch (and the
+    /// working state advanced past them).
+    fn request(&mut self, job_index: usize, request: &AppendRequest) -> Outcome {
         // Only idempotent appends need the request's hash (an encoding of every event).
         let request_hash = match request.idempotency_key.as_ref().map(|_| request.request_hash()).transpose() {
             Ok(h) => h.unwrap_or_default(),
-            Err(e) => {
-                outcomes.push(Outcome::Refused(e));
-                continue;
-            }
+            Err(e) => return Outcome::Refused(e),
         };
-        if let Some(idem) = &request.idempotency_key {
-            let slot = (request.tenant, idem.clone());
-            if let Some(record) = pre.idempotency.get(&slot) {
-                outcomes.push(if record.request_hash == request_hash {
-                    Outcome::Replay { tenant: request.tenant, first_seq: record.first_seq, last_seq: record.last_seq }
-                } else {
-                    Outcome::Refused(Error::IdempotencyConflict { key: idem.clone() })
-                });
-                continue;
-            }
-            if let Some((hash, first_job)) = keys_in_batch.get(&slot) {
-                outcomes.push(if *hash == request_hash {
-                    Outcome::ReplayOfJob(*first_job)
-                } else {
-                    Outcome::Refused(Error::IdempotencyConflict { key: idem.clone() })
-                });
-                continue;
-            }
+        if let Some(replayed) = self.replayed(request, request_hash) {
+            return replayed;
         }
+        let current = match self.admitted(request) {
+            Ok(current) => current,
+            Err(e) => return Outcome::Refused(e),
+        };
+        let mut written = self.written_streams(request, current);
+        let head_before = *self.heads.entry(request.tenant).or_insert_with(|| self.pre.heads.get(&request.tenant).copied());
+        let (built, head_after) = match self.build(request, head_before, &mut written) {
+            Ok(built) => built,
+            Err(e) => return Outcome::Refused(e),
+        };
+        // Accepted: advance the working state.
+        let first_seq = built[0].envelope.seq;
+        let start = self.batch.events.len();
+        for (i, mut event) in built.into_iter().enumerate() {
+            event.position.index = (start + i) as u32;
+            self.batch.events.push(event);
+        }
+        let end = self.batch.events.len();
+        self.heads.insert(request.tenant, Some(head_after));
+        for (stream, version) in written {
+            self.versions.insert((request.tenant, stream), version);
+        }
+        if !self.batch.heads_before.iter().any(|(t, _)| *t == request.tenant) {
+            self.batch.heads_before.push((request.tenant, head_before));
+        }
+        if let Some(idem) = &request.idempotency_key {
+            self.keys_in_batch.insert((request.tenant, idem.clone()), (request_hash, job_index));
+            let record = IdempotencyRecord { request_hash, first_seq, last_seq: head_after.seq };
+            self.batch.idempotency.push((request.tenant, idem.clone(), record));
+        }
+        Outcome::Append(start..end)
+    }
+
+    /// The answer to a request whose idempotency key was used before, stored or earlier in this
+    /// batch: a replay of the same request, a conflict for another.
+    fn replayed(&self, request: &AppendRequest, request_hash: [u8; 32]) -> Option<Outcome> {
+        let idem = request.idempotency_key.as_ref()?;
+        let slot = (request.tenant, idem.clone());
+        let conflict = || Outcome::Refused(Error::IdempotencyConflict { key: idem.clone() });
+        if let Some(record) = self.pre.idempotency.get(&slot) {
+            return Some(if record.request_hash == request_hash {
+                Outcome::Replay { tenant: request.tenant, first_seq: record.first_seq, last_seq: record.last_seq }
+            } else {
+                conflict()
+            });
+        }
+        let (hash, first_job) = self.keys_in_batch.get(&slot)?;
+        Some(if *hash == request_hash { Outcome::ReplayOfJob(*first_job) } else { conflict() })
+    }
+
+    /// A stream's version as the batch so far leaves it.
+    fn version(&self, tenant: TenantId, stream: &str) -> u64 {
+        let slot = (tenant, stream.to_owned());
+        self.versions.get(&slot).copied().unwrap_or_else(|| self.pre.stream_versions.get(&slot).copied().unwrap_or(0))
+    }
+
+    /// Checks the request's guards, its expected version and that every stream its events name
+    /// is guarded; the request's stream's current version, or why it is refused.
+    fn admitted(&mut self, request: &AppendRequest) -> Result<u64> {
         let guard_failed = request.guards.iter().find_map(|(stream, expected)| {
-            let slot = (request.tenant, stream.clone());
-            let current = versions.get(&slot).copied().unwrap_or_else(|| pre.stream_versions.get(&slot).copied().unwrap_or(0));
+            let current = self.version(request.tenant, stream);
             (!expected.admits(current)).then(|| Error::Conflict {
                 stream: stream.clone(),
                 expected: expected.to_string(),
@@ -976,19 +1041,20 @@ fn decide(
             })
         });
         if let Some(conflict) = guard_failed {
-            outcomes.push(Outcome::Refused(conflict));
-            continue;
+            return Err(conflict);
         }
         let stream_slot = (request.tenant, request.stream.clone());
-        let current =
-            *versions.entry(stream_slot.clone()).or_insert_with(|| pre.stream_versions.get(&stream_slot).copied().unwrap_or(0));
+        let pre = self.pre;
+        let current = *self
+            .versions
+            .entry(stream_slot.clone())
+            .or_insert_with(|| pre.stream_versions.get(&stream_slot).copied().unwrap_or(0));
         if !request.expected.admits(current) {
-            outcomes.push(Outcome::Refused(Error::Conflict {
+            return Err(Error::Conflict {
                 stream: request.stream.clone(),
                 expected: request.expected.to_string(),
                 actual: current,
-            }));
-            continue;
+            });
         }
         // An event on another stream must name it among the guards: only a guard's version is
         // read (and checked) before the append, so an unguarded one would take a version the
@@ -999,27 +1065,39 @@ fn decide(
             .filter_map(|e| e.stream.as_ref())
             .find(|other| **other != request.stream && !request.guards.iter().any(|(guarded, _)| guarded == *other))
         {
-            outcomes.push(Outcome::Refused(Error::Internal(format!(
+            return Err(Error::Internal(format!(
                 "an event of the append on {} names stream {unguarded}, which is not among its guards",
                 request.stream
-            ))));
-            continue;
+            )));
         }
-        // Every stream this request writes, at its version before the request.
+        Ok(current)
+    }
+
+    /// Every stream this request writes, at its version before the request; its own stream
+    /// (at `current`) first.
+    fn written_streams(&self, request: &AppendRequest, current: u64) -> Vec<(String, u64)> {
         let mut written: Vec<(String, u64)> = vec![(request.stream.clone(), current)];
         for event in &request.events {
             if let Some(other) = &event.stream
                 && !written.iter().any(|(s, _)| s == other)
             {
-                let slot = (request.tenant, other.clone());
-                let at = versions.get(&slot).copied().unwrap_or_else(|| pre.stream_versions.get(&slot).copied().unwrap_or(0));
-                written.push((other.clone(), at));
+                written.push((other.clone(), self.version(request.tenant, other)));
             }
         }
-        let head_before = *heads.entry(request.tenant).or_insert_with(|| pre.heads.get(&request.tenant).copied());
+        written
+    }
+
+    /// The request's events, chained from `head_before` and hashed (not yet signed), each at
+    /// the next version of its stream in `written`; and the head they leave. Refused when an
+    /// event does not encode or is larger than [`PAYLOAD_BYTES_MAX`].
+    fn build(
+        &self,
+        request: &AppendRequest,
+        head_before: Option<Head>,
+        written: &mut [(String, u64)],
+    ) -> Result<(Vec<StoredEvent>, Head)> {
         let (mut seq, mut prev) = head_before.map(|h| (h.seq, h.hash)).unwrap_or((0, GENESIS_PREV));
         let mut built = Vec::with_capacity(request.events.len());
-        let mut failure = None;
         for new in &request.events {
             let stream = new.stream.as_ref().unwrap_or(&request.stream);
             let version = {
@@ -1030,11 +1108,11 @@ fn decide(
             let envelope = Envelope {
                 tenant: request.tenant,
                 seq: seq + 1,
-                id: EventId::from_ulid(ids.ulid()),
+                id: EventId::from_ulid(self.ids.ulid()),
                 stream: stream.clone(),
                 version,
                 event_type: new.event_type.clone(),
-                at_ms: now_ms,
+                at_ms: self.now_ms,
                 actor: request.actor.clone(),
                 idempotency_key: request.idempotency_key.clone(),
                 causation: request.causation.clone(),
@@ -1042,17 +1120,10 @@ fn decide(
                 payload: new.payload.clone(),
                 prev,
             };
-            let canonical = match envelope.to_canonical() {
-                Ok(bytes) if bytes.len() > PAYLOAD_BYTES_MAX => {
-                    failure = Some(Error::PayloadTooLarge { limit_bytes: PAYLOAD_BYTES_MAX });
-                    break;
-                }
-                Ok(bytes) => bytes,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            };
+            let canonical = envelope.to_canonical()?;
+            if canonical.len() > PAYLOAD_BYTES_MAX {
+                return Err(Error::PayloadTooLarge { limit_bytes: PAYLOAD_BYTES_MAX });
+            }
             let hash = sha256(&canonical);
             seq += 1;
             prev = hash;
@@ -1065,36 +1136,8 @@ fn decide(
                 position: Position::default(),
             });
         }
-        if let Some(e) = failure {
-            outcomes.push(Outcome::Refused(e));
-            continue;
-        }
-        // Accepted: advance the working state.
-        let first_seq = built[0].envelope.seq;
-        let start = batch.events.len();
-        for (i, mut event) in built.into_iter().enumerate() {
-            event.position.index = (start + i) as u32;
-            batch.events.push(event);
-        }
-        let end = batch.events.len();
-        let head_after = Head { seq, hash: prev };
-        heads.insert(request.tenant, Some(head_after));
-        for (stream, version) in written {
-            versions.insert((request.tenant, stream), version);
-        }
-        if !batch.heads_before.iter().any(|(t, _)| *t == request.tenant) {
-            batch.heads_before.push((request.tenant, head_before));
-        }
-        if let Some(idem) = &request.idempotency_key {
-            keys_in_batch.insert((request.tenant, idem.clone()), (request_hash, job_index));
-            batch.idempotency.push((request.tenant, idem.clone(), IdempotencyRecord { request_hash, first_seq, last_seq: seq }));
-        }
-        outcomes.push(Outcome::Append(start..end));
+        Ok((built, Head { seq, hash: prev }))
     }
-    batch.heads_after =
-        batch.heads_before.iter().map(|(tenant, _)| (*tenant, heads[tenant].expect("accepted tenants have a head"))).collect();
-    sign_all(&mut batch.events, key);
-    (batch, outcomes)
 }
 
 /// Threads a large batch is signed on: the cores this process may use, at most 4. Asked once:
