@@ -5,15 +5,16 @@
 //! a pure function ([`Projections::apply`]); the store runs it inside the append transaction and
 //! again, from the whole log, in `better-compute projections rebuild`.
 //!
-//! Layout: one module per aggregate ([`tenant`] with its API keys, [`pool`], [`node`] with its
-//! agent's reports, [`join_token`], [`command`], [`reservation`] with the GPU reports, [`quota`],
-//! [`webhook`], [`flavor`], [`image`], [`instance`], [`workflow`] for bare metal, [`rollout`]
-//! with releases, `checkpoint`), each holding its documents, its event types and payloads, and
-//! its fold; [`events`] re-exports every payload (the log's wire format) and lists the types;
-//! [`inventory`] the row per inventory report and the pure diff of two; [`metal`] the bare-metal
-//! lifecycle table; [`placement`] the selector language and the choice of GPUs; [`fleet`] the
-//! in-memory view of nodes and live reservations; [`decide`] the pure decisions. This file holds
-//! the dispatch of [`Projections`] to the aggregates' folds and the helpers they share.
+//! Invariants every fold keeps:
+//! - it is deterministic: the same events give the same documents, byte for byte, in every
+//!   process and on every rebuild (ordered maps, no clock, no randomness, no IO);
+//! - an event that cannot apply (a payload that does not parse, an entity it changes that does
+//!   not exist) is a broken log, refused as `Corrupt` naming the event, never skipped;
+//! - an event of a type an aggregate does not know leaves its row as it was.
+//!
+//! Each aggregate's module holds its documents, its event types and payloads, and its fold;
+//! [`events`] is the log's wire format in one place. The decisions ([`decide`]) and the
+//! in-memory fleet index ([`fleet`]) read the documents and never write them.
 
 use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};

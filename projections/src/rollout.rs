@@ -550,7 +550,7 @@ pub struct PlanInputs {
     pub commands: BTreeMap<String, CommandDoc>,
 }
 
-/// Reads what [`decide::rollout_plan`] needs for `rollout`; `all_nodes` is the tenant's nodes
+/// Reads what [`crate::decide::rollout_plan`] needs for `rollout`; `all_nodes` is the tenant's nodes
 /// when the caller has them (one scan for all its rollouts).
 pub async fn plan_inputs(
     store: &dyn bc_core::store::EventStore,

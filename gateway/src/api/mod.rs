@@ -7,9 +7,9 @@
 //! string anywhere else, so adding a method touches one file.
 //!
 //! A handler parses, decides, appends through its [`Call`] and answers with a wire view. What
-//! handlers share ([`call`], [`body`], [`validate`], [`paging`]) imports no handler; the wire
-//! types ([`views`]) are apart from the stored projection documents, and every input rule a
-//! validator enforces is stated in the schema the document publishes.
+//! handlers share ([`call`], [`body`], [`validate`], [`paging`], [`resource`]) imports no
+//! handler; the wire types ([`views`]) are apart from the stored projection documents, and every
+//! input rule a validator enforces is stated in the schema the document publishes.
 
 use std::sync::LazyLock;
 

@@ -1,6 +1,4 @@
-//! Wire types: what every method answers, apart from the stored projection documents
-//! (`reservations.rs`: reservations, capacity and quotas; `webhooks.rs`: webhooks and their
-//! deliveries; this file: the rest).
+//! Wire types: what every method answers, apart from the stored projection documents.
 //!
 //! A view is built from a document (or from a decision) by one conversion here, so the JSON a
 //! client reads changes only when a view does; every view derives its JSON schema for the
