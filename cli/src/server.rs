@@ -137,7 +137,7 @@ impl ConsumerOptions {
             retry: RetryPolicy::DEFAULT,
             concurrency: 1,
             poll_ms: 250,
-            tick_ms: 500,
+            tick_ms: registry::RESERVATIONS_TICK_MS_DEFAULT,
         }
     }
 
@@ -167,9 +167,9 @@ fn reconciler_inputs(
         clock: Arc::new(SystemClock),
         wake,
         reservations_tick_ms: options.tick_ms,
-        outbox: options.runner(),
+        outbox: Some(options.runner()),
         webhook_policy: options.policy,
-        bmc: Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() }),
+        bmc: Some(Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() })),
         sealing,
         witnesses,
     }
@@ -571,40 +571,9 @@ pub async fn run_server(
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     raise_open_file_limit(limits.connections_max);
     create_private_dir(data_dir)?;
-    let store = db.open().await?;
-    if migrate_first {
-        let applied = store.migrate_at(SystemClock.now_ms()).await?;
-        if !applied.is_empty() {
-            tracing::info!(?applied, "applied migrations");
-        }
-    }
-    store.check_schema().await?;
-    check_log_key(&*store, data_dir).await?;
-    seal_secrets(&*store, data_key_path, true).await?;
-    let key_path = data_dir.join(LOG_KEY_FILE);
-    let (key, created) = LogKey::load_or_create(&key_path)?;
-    if created {
-        tracing::info!(key_id = key.key_id(), path = %key_path.display(), "created the log key");
-    }
-    let key = Arc::new(key);
-    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(SystemClock)).await?);
+    let (store, key, log) = open_store_and_log(&db, data_dir, data_key_path, migrate_first).await?;
     let token_path = data_dir.join(ADMIN_TOKEN_FILE);
-    let created_token = bc_gateway::bootstrap_root(
-        &log,
-        |token| {
-            write_secret_file(&token_path, format!("{token}\n").as_bytes()).map_err(|e| match e {
-                bc_core::Error::AlreadyExists { .. } => bc_core::Error::InvalidArgument {
-                    message: format!("{} exists but this database has no administrator key", token_path.display()),
-                    hint: Some("it belongs to another database: move it away and start again".into()),
-                },
-                other => other,
-            })
-        },
-        || {
-            let _ = std::fs::remove_file(&token_path);
-        },
-    )
-    .await?;
+    let created_token = bootstrap_admin(&log, &token_path).await?;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address")
     })?;
@@ -629,8 +598,105 @@ pub async fn run_server(
         println!("  admin token: {} (from the first start)", token_path.display());
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    // Sealing and witnessing are the server's own duty (the log's audit trail): they run even
-    // with --no-reconcilers (`Registration::duty`).
+    let duties = ServerDuties { checkpoint_interval_s, deployment, witnesses };
+    let tasks = start_server_reconcilers(store, &log, data_dir, duties, consumers, policy, bmc_networks.clone(), &stopped)?;
+    // The test harness reads this line too: `https://ADDR (pin sha256/…)` or `h2c://ADDR (…)`.
+    match &agents_pin {
+        Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
+        None => println!("  agents:    h2c://{agents_bound} (plaintext, loopback only)"),
+    }
+    if !release_keys.is_empty() {
+        println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
+    }
+    let mut state =
+        AppState::new(log.clone()).with_webhook_policy(policy).with_bmc_networks(bmc_networks).with_release_keys(release_keys);
+    state.watchers = bc_gateway::watch::WatcherSlots::new(limits.watchers);
+    state.limits = limits;
+    let service = bc_gateway::agents::AgentService::with_limits(Arc::new(state), agents.session, agents.limits);
+    let (served, agents_served) = serve_until_signal(listener, agents_listener, transport, service).await;
+    let _ = stop.send(true);
+    for task in tasks {
+        let _ = task.await;
+    }
+    served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
+    agents_served.map_err(|e| CliError::new("INTERNAL", format!("agents' endpoint: {e}")))?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The store (migrated first when asked, its schema and log key checked, its secrets sealed
+/// under the data key) and the log over it, under the data directory's log key, created on the
+/// first start.
+async fn open_store_and_log(
+    db: &Database,
+    data_dir: &Path,
+    data_key_path: &Path,
+    migrate_first: bool,
+) -> Result<(Arc<dyn EventStore>, Arc<LogKey>, Arc<Log>), CliError> {
+    let store = db.open().await?;
+    if migrate_first {
+        let applied = store.migrate_at(SystemClock.now_ms()).await?;
+        if !applied.is_empty() {
+            tracing::info!(?applied, "applied migrations");
+        }
+    }
+    store.check_schema().await?;
+    check_log_key(&*store, data_dir).await?;
+    seal_secrets(&*store, data_key_path, true).await?;
+    let key_path = data_dir.join(LOG_KEY_FILE);
+    let (key, created) = LogKey::load_or_create(&key_path)?;
+    if created {
+        tracing::info!(key_id = key.key_id(), path = %key_path.display(), "created the log key");
+    }
+    let key = Arc::new(key);
+    let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(SystemClock)).await?);
+    Ok((store, key, log))
+}
+
+/// The administrator key of a database that has none, its token written to `token_path` (mode
+/// 0600): true when this start made it. A token file left by another database is refused.
+async fn bootstrap_admin(log: &Log, token_path: &Path) -> Result<bool, CliError> {
+    let created = bc_gateway::bootstrap_root(
+        log,
+        |token| {
+            write_secret_file(token_path, format!("{token}\n").as_bytes()).map_err(|e| match e {
+                bc_core::Error::AlreadyExists { .. } => bc_core::Error::InvalidArgument {
+                    message: format!("{} exists but this database has no administrator key", token_path.display()),
+                    hint: Some("it belongs to another database: move it away and start again".into()),
+                },
+                other => other,
+            })
+        },
+        || {
+            let _ = std::fs::remove_file(token_path);
+        },
+    )
+    .await?;
+    Ok(created)
+}
+
+/// The server's own duties' settings (`--checkpoint-interval`, `--deployment`, `--witness`).
+struct ServerDuties<'a> {
+    checkpoint_interval_s: u64,
+    deployment: &'a str,
+    witnesses: &'a [String],
+}
+
+/// Starts the reconcilers of a server from the registry until `stopped`: its duties (sealing
+/// and witnessing, the log's audit trail, `Registration::duty`) always, the rest unless
+/// `--no-reconcilers` (`consumers` is `None`). Prints the witnesses and the reconcilers started.
+#[allow(clippy::too_many_arguments)]
+fn start_server_reconcilers(
+    store: Arc<dyn EventStore>,
+    log: &Arc<Log>,
+    data_dir: &Path,
+    duties: ServerDuties<'_>,
+    consumers: Option<&ConsumerOptions>,
+    policy: EndpointPolicy,
+    bmc_networks: bc_bmc::BmcNetworks,
+    stopped: &tokio::sync::watch::Receiver<bool>,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, CliError> {
+    let ServerDuties { checkpoint_interval_s, deployment, witnesses } = duties;
     let sealing = match checkpoint_interval_s {
         0 => None,
         interval_s => Some(registry::Sealing {
@@ -649,29 +715,28 @@ pub async fn run_server(
         Some(options) => options,
         None => {
             // Only the duties run, which read none of the options.
-            defaults = ConsumerOptions::defaults(policy, bmc_networks.clone());
+            defaults = ConsumerOptions::defaults(policy, bmc_networks);
             &defaults
         }
     };
-    let inputs = reconciler_inputs(store.clone(), Some(log.clone()), Some(log.subscribe()), options, sealing, witnesses);
+    let inputs = reconciler_inputs(store, Some(log.clone()), Some(log.subscribe()), options, sealing, witnesses);
     let mut tasks = Vec::new();
-    let started = start_reconcilers(&chosen, &inputs, &stopped, &mut tasks)?;
+    let started = start_reconcilers(&chosen, &inputs, stopped, &mut tasks)?;
     if consumers.is_some() {
         println!("  reconcilers: {} (in process)", started.join(", "));
     }
-    // The test harness reads this line too: `https://ADDR (pin sha256/…)` or `h2c://ADDR (…)`.
-    match &agents_pin {
-        Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
-        None => println!("  agents:    h2c://{agents_bound} (plaintext, loopback only)"),
-    }
-    if !release_keys.is_empty() {
-        println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
-    }
-    let mut state =
-        AppState::new(log.clone()).with_webhook_policy(policy).with_bmc_networks(bmc_networks).with_release_keys(release_keys);
-    state.watchers = bc_gateway::watch::WatcherSlots::new(limits.watchers);
-    state.limits = limits;
-    let state = Arc::new(state);
+    Ok(tasks)
+}
+
+/// Serves the API on `listener` and the agents' endpoint on `agents_listener` until
+/// Ctrl-C/SIGTERM, which stops both; their outcomes.
+async fn serve_until_signal(
+    listener: tokio::net::TcpListener,
+    agents_listener: tokio::net::TcpListener,
+    transport: bc_gateway::agents::Transport,
+    service: bc_gateway::agents::AgentService,
+) -> (std::io::Result<()>, std::io::Result<()>) {
+    let state = service.state.clone();
     // One signal stops both listeners.
     let (signal, signalled) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -681,18 +746,9 @@ pub async fn run_server(
     let on_signal = |mut signalled: tokio::sync::watch::Receiver<bool>| async move {
         let _ = signalled.wait_for(|stop| *stop).await;
     };
-    let service = bc_gateway::agents::AgentService::with_limits(state.clone(), agents.session, agents.limits);
     let agents_served = bc_gateway::agents::serve(agents_listener, transport, service, on_signal(signalled.clone()));
     let http_served = bc_gateway::serve(listener, state, on_signal(signalled));
-    let (served, agents_served) = tokio::join!(http_served, agents_served);
-    let _ = stop.send(true);
-    for task in tasks {
-        let _ = task.await;
-    }
-    served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
-    agents_served.map_err(|e| CliError::new("INTERNAL", format!("agents' endpoint: {e}")))?;
-    tracing::info!("stopped");
-    Ok(())
+    tokio::join!(http_served, agents_served)
 }
 
 async fn shutdown_signal() {
@@ -704,10 +760,22 @@ async fn shutdown_signal() {
     }
 }
 
-/// `reconcilers status`: every reconciler's last pass in every process, from the database.
+/// What `reconcilers status` says of a registered reconciler no process has recorded a pass of
+/// (within `PASS_FORGET_MS`).
+pub const NEVER_RUN: &str = "never run";
+
+/// `reconcilers status`: every reconciler's last pass in every process, from the database
+/// (`items`), and every registered reconciler with no pass recorded (`neverRun`, in the
+/// registry's order, each `{name, state: "never run"}`, with no last pass): together, the whole
+/// registry.
 pub async fn reconcilers_status(db: &Database) -> Result<Value, CliError> {
     let store = db.open().await?;
     store.check_schema().await?;
     let passes = store.passes().await?;
-    Ok(json!({ "items": passes }))
+    let never_run: Vec<Value> = REGISTRY
+        .iter()
+        .filter(|r| !passes.iter().any(|p| p.name == r.name))
+        .map(|r| json!({ "name": r.name, "state": NEVER_RUN }))
+        .collect();
+    Ok(json!({ "items": passes, "neverRun": never_run }))
 }

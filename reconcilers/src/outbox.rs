@@ -604,11 +604,13 @@ async fn work_loop(
         // Claim when fewer than one round of slots' worth wait: then a claim is large (up to
         // the room: the slots and the queue ahead, less what the fan-out is handing over), and
         // the slots have a round to work on while it runs.
-        if claim_due && claiming.is_none() && work.ahead.len() < work.concurrency {
-            if let Some(outcome) = work.start_claim(&handed.room) {
-                // Due again only if this claim comes back full or something new is due meanwhile.
-                (claiming, claim_due) = (Some(outcome), false);
-            }
+        if claim_due
+            && claiming.is_none()
+            && work.ahead.len() < work.concurrency
+            && let Some(outcome) = work.start_claim(&handed.room)
+        {
+            // Due again only if this claim comes back full or something new is due meanwhile.
+            (claiming, claim_due) = (Some(outcome), false);
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(work.config.poll_ms)) => claim_due = true,

@@ -1,7 +1,8 @@
 //! Every reconciler, in one place ([`REGISTRY`]): its name, whether it appends, and how it is
 //! built and started (omicron's `BackgroundTasksInitializer`). `dev`, `serve`, `reconcile
-//! --only` (and its help) and the simulator read it; `reconcilers status` shows what the started
-//! ones recorded.
+//! --only` (and its help), `reconcilers status` (which lists those that never ran too) and the
+//! simulator read it: the simulator activates the ones marked [`Simulated::Passes`], in the
+//! registry's order, at each of its reconciler steps ([`simulated`]).
 //!
 //! All but one are [`Reconciler`]s driven by [`driver::run`]. The outbox consumer (`webhooks`)
 //! keeps its own loops ([`outbox::run`]): it claims work items under leases and delivers them
@@ -34,15 +35,39 @@ pub struct Inputs {
     pub wake: Option<watch::Receiver<u64>>,
     /// How often `reservations` passes when nothing wakes it.
     pub reservations_tick_ms: u64,
-    /// The outbox consumers' runner (leases, the time limit of one delivery, retries).
-    pub outbox: RunnerConfig,
+    /// The outbox consumers' runner (leases, the time limit of one delivery, retries); `None`:
+    /// `webhooks` does not run.
+    pub outbox: Option<RunnerConfig>,
     pub webhook_policy: EndpointPolicy,
-    /// How `metal` reaches BMCs.
-    pub bmc: Arc<dyn BmcConnector>,
+    /// How `metal` reaches BMCs; `None`: it does not run.
+    pub bmc: Option<Arc<dyn BmcConnector>>,
     /// How `checkpoints` seals; `None`: it does not run.
     pub sealing: Option<Sealing>,
     /// Where `witnesses` sends checkpoints; empty: it does not run.
     pub witnesses: Vec<witnesses::Witness>,
+}
+
+/// How often `reservations` passes when nothing wakes it, unless its process says otherwise.
+pub const RESERVATIONS_TICK_MS_DEFAULT: u64 = 500;
+
+impl Inputs {
+    /// Inputs that build only what needs nothing more than the store, the log and the clock: no
+    /// wake-ups (`reservations` polls every [`RESERVATIONS_TICK_MS_DEFAULT`]), no outbox runner,
+    /// no BMC connector, no sealing, no witness.
+    pub fn new(store: Arc<dyn EventStore>, log: Option<Arc<Log>>, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            store,
+            log,
+            clock,
+            wake: None,
+            reservations_tick_ms: RESERVATIONS_TICK_MS_DEFAULT,
+            outbox: None,
+            webhook_policy: EndpointPolicy::default(),
+            bmc: None,
+            sealing: None,
+            witnesses: Vec::new(),
+        }
+    }
 }
 
 /// How `checkpoints` seals.
@@ -61,6 +86,21 @@ pub enum Task {
     Own(Box<dyn FnOnce(watch::Receiver<bool>) -> BoxFuture<'static, ()> + Send>),
 }
 
+/// How the simulator (`sim run`) runs a registered reconciler on its virtual clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Simulated {
+    /// Not at all: the simulated world has none of what it works on (instances, bare-metal
+    /// machines, a sealing interval, witnesses).
+    No,
+    /// Activated at each of the simulator's reconciler steps, in the registry's order.
+    /// `crashes`: the `reconciler-crash` fault cuts it; a step so cut activates only these, in
+    /// order, and none after the one the cut stopped.
+    Passes { crashes: bool },
+    /// The outbox consumer: the simulator steps its fan-out, claims and attempts itself, after
+    /// the passes (its `run/webhooks.rs`), since its own loops run on the real clock.
+    Consumer,
+}
+
 /// One reconciler of [`REGISTRY`].
 pub struct Registration {
     pub name: &'static str,
@@ -69,21 +109,41 @@ pub struct Registration {
     /// The server's own duty (the audit trail): `dev` and `serve` run it even with
     /// `--no-reconcilers`.
     pub duty: bool,
+    /// How `sim run` runs it.
+    pub simulated: Simulated,
     /// Builds it; `None` when `Inputs` leave it nothing to do (no sealing interval, no
     /// witness).
     build: fn(&Inputs) -> bc_core::Result<Option<Task>>,
 }
 
-/// Every reconciler this version runs.
+/// Every reconciler this version runs. The order is the simulator's order of activation.
 pub const REGISTRY: &[Registration] = &[
-    Registration { name: reservations::NAME, appends: true, duty: false, build: build_reservations },
-    Registration { name: webhooks::CONSUMER, appends: false, duty: false, build: build_webhooks },
-    Registration { name: checkpoints::NAME, appends: true, duty: true, build: build_checkpoints },
-    Registration { name: liveness::NAME, appends: true, duty: false, build: build_liveness },
-    Registration { name: instances::NAME, appends: true, duty: false, build: build_instances },
-    Registration { name: metal::NAME, appends: true, duty: false, build: build_metal },
-    Registration { name: rollouts::NAME, appends: true, duty: false, build: build_rollouts },
-    Registration { name: witnesses::NAME, appends: true, duty: true, build: build_witnesses },
+    Registration {
+        name: reservations::NAME,
+        appends: true,
+        duty: false,
+        simulated: Simulated::Passes { crashes: true },
+        build: build_reservations,
+    },
+    Registration { name: webhooks::CONSUMER, appends: false, duty: false, simulated: Simulated::Consumer, build: build_webhooks },
+    Registration { name: checkpoints::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_checkpoints },
+    Registration {
+        name: rollouts::NAME,
+        appends: true,
+        duty: false,
+        simulated: Simulated::Passes { crashes: false },
+        build: build_rollouts,
+    },
+    Registration {
+        name: liveness::NAME,
+        appends: true,
+        duty: false,
+        simulated: Simulated::Passes { crashes: true },
+        build: build_liveness,
+    },
+    Registration { name: instances::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_instances },
+    Registration { name: metal::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_metal },
+    Registration { name: witnesses::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_witnesses },
 ];
 
 /// The names of [`REGISTRY`], in its order (`reconcile --only`'s possible values).
@@ -100,6 +160,34 @@ pub const NAMES: [&str; REGISTRY.len()] = {
 /// The registered reconciler named `name`.
 pub fn find(name: &str) -> Option<&'static Registration> {
     REGISTRY.iter().find(|r| r.name == name)
+}
+
+/// A reconciler the simulator activates itself at each of its reconciler steps
+/// ([`Simulated::Passes`]).
+pub struct SimulatedPass {
+    pub name: &'static str,
+    /// The `reconciler-crash` fault cuts it.
+    pub crashes: bool,
+    pub reconciler: Box<dyn Reconciler>,
+}
+
+/// The reconcilers `sim run` activates at each of its reconciler steps, built from `inputs`, in
+/// the registry's order.
+pub fn simulated(inputs: &Inputs) -> bc_core::Result<Vec<SimulatedPass>> {
+    let mut passes = Vec::new();
+    for registration in REGISTRY {
+        let Simulated::Passes { crashes } = registration.simulated else { continue };
+        match (registration.build)(inputs)? {
+            Some(Task::Driven(reconciler, _)) => passes.push(SimulatedPass { name: registration.name, crashes, reconciler }),
+            Some(Task::Own(_)) | None => {
+                return Err(bc_core::Error::Internal(format!(
+                    "the {} reconciler is simulated by its passes: it must build as one",
+                    registration.name
+                )));
+            }
+        }
+    }
+    Ok(passes)
 }
 
 impl Registration {
@@ -129,9 +217,10 @@ fn build_reservations(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
 }
 
 fn build_webhooks(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let Some(config) = inputs.outbox.clone() else { return Ok(None) };
     let consumer: Arc<dyn outbox::Consumer> =
-        Arc::new(webhooks::Webhooks::new(inputs.webhook_policy, inputs.outbox.time_limit_ms, inputs.clock.clone())?);
-    let (store, config, wake) = (inputs.store.clone(), inputs.outbox.clone(), inputs.wake.clone());
+        Arc::new(webhooks::Webhooks::new(inputs.webhook_policy, config.time_limit_ms, inputs.clock.clone())?);
+    let (store, wake) = (inputs.store.clone(), inputs.wake.clone());
     Ok(Some(Task::Own(Box::new(move |shutdown| Box::pin(outbox::run(store, consumer, config, wake, shutdown))))))
 }
 
@@ -155,7 +244,8 @@ fn build_instances(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
 }
 
 fn build_metal(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
-    let metal = metal::Metal::new(log(inputs, metal::NAME)?, inputs.clock.clone(), inputs.bmc.clone());
+    let Some(bmc) = inputs.bmc.clone() else { return Ok(None) };
+    let metal = metal::Metal::new(log(inputs, metal::NAME)?, inputs.clock.clone(), bmc);
     let reconciler = metal::MetalTurns::new(Arc::new(metal));
     Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(metal::TICK_MS_DEFAULT))))
 }

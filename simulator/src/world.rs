@@ -1,8 +1,8 @@
 //! One seeded world of the control plane and its agents, in one process: the real `Log` on a
-//! real SQLite store with the real `Projections`, the real decisions, the reservations
-//! reconciler's `pass` and the liveness sweep, and per node the agent's real `Runner` (its
-//! journal, its holds ledger, `decide_hold`) over a fake [`Machine`] whose binding can be made
-//! to refuse. `sim run` connects the agents to the gateway's real session logic over its
+//! real SQLite store with the real `Projections`, the real decisions, the reconcilers the
+//! registry marks for the simulator (`bc_reconcilers::registry::simulated`: reservations,
+//! rollouts, liveness), and per node the agent's real `Runner` (its journal, its holds ledger,
+//! `decide_hold`) over a simulated node ([`SimNode`]) whose binding can be made to refuse. `sim run` connects the agents to the gateway's real session logic over its
 //! in-memory transport (`run/net.rs`); [`World::answer`] and [`World::deliver`] are a direct
 //! path kept for the checkers' own tests and the holds property test: the pending commands run,
 //! and each journal entry is appended as the session appends it (checked against the node's
@@ -21,8 +21,8 @@ use bc_agent::binding::{GpuBinding, HeldGpu};
 use bc_agent::holds::{Ledger, LedgerFile};
 use bc_agent::inventory::{GpuInfo, GpuInventory, Inventory, InventorySource};
 use bc_agent::journal::Journal;
-use bc_agent::session::{Rng, SeededRng};
 use bc_agent::runner::Runner;
+use bc_agent::session::{Rng, SeededRng};
 use bc_core::agent::{JournalOrigin, SignedEntry};
 use bc_core::clock::{Clock, ManualClock};
 use bc_core::id::{CommandId, NodeId, PoolId, ReservationId, TenantId};
@@ -36,6 +36,7 @@ use bc_projections::{
     BindingState, CommandDoc, KIND_COMMAND, KIND_NODE, KIND_NODE_COMMANDS, KIND_POOL, KIND_RESERVATION, KIND_RESERVATION_LIVE,
     NodeCommandsDoc, NodeDoc, Projections, ReservationDoc, ReservationState, stream_of,
 };
+use bc_reconcilers::registry::{self, SimulatedPass};
 use ed25519_dalek::SigningKey;
 
 /// The virtual clock's start (2027-01-15): every run begins at the same instant.
@@ -95,15 +96,16 @@ pub fn injected(error: &bc_core::Error) -> bool {
         && (text.contains(bc_core::store::COMMIT_FAILED) || text.contains(bc_core::store::APPENDS_STOPPED))
 }
 
-/// The machine under an agent: its GPUs, and a binding that can be made to refuse.
+/// A simulated node, the hardware under an agent: its GPUs, and a binding that can be made to
+/// refuse.
 #[derive(Clone, Default)]
-pub struct Machine {
+pub struct SimNode {
     pub inventory: Inventory,
     pub refuse_holds: Arc<AtomicBool>,
     pub refuse_releases: Arc<AtomicBool>,
 }
 
-impl Machine {
+impl SimNode {
     pub fn set_refuse_holds(&self, on: bool) {
         self.refuse_holds.store(on, Ordering::SeqCst);
     }
@@ -118,13 +120,13 @@ impl Machine {
     }
 }
 
-impl InventorySource for Machine {
+impl InventorySource for SimNode {
     fn read(&self) -> Inventory {
         self.inventory.clone()
     }
 }
 
-impl GpuBinding for Machine {
+impl GpuBinding for SimNode {
     fn unprivileged(&self) -> Option<String> {
         None
     }
@@ -144,7 +146,7 @@ pub struct Agent {
     pub node: String,
     pub key: SigningKey,
     dir: tempfile::TempDir,
-    pub machine: Machine,
+    pub machine: SimNode,
     pub runner: Option<Runner>,
     /// The last journal seq appended to the log.
     pub delivered: u64,
@@ -355,7 +357,10 @@ pub struct World {
     pub store: Arc<dyn EventStore>,
     /// The same store, typed: the checker's own tests corrupt it underneath the log.
     pub sqlite: Arc<SqliteStore>,
-    pub log: Log,
+    pub log: Arc<Log>,
+    /// The reconcilers the registry marks for the simulator, built on `log`, in its order: what
+    /// [`Self::pass`] activates.
+    reconcilers: tokio::sync::Mutex<Vec<SimulatedPass>>,
     /// The fold the log writes its rows with and the full checks fold the log with again: the
     /// real `Projections`, but for the oracle's own test (`--unsafe-break wrong-fold`).
     pub projector: Arc<dyn Projector>,
@@ -414,7 +419,7 @@ fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut See
     ];
     let request = AppendRequest::new(tenants[t].id, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "sim", events);
     let inventory = Inventory { gpus: GpuInventory { gpus, ..Default::default() }, ..Default::default() };
-    let machine = Machine { inventory, ..Default::default() };
+    let machine = SimNode { inventory, ..Default::default() };
     let agent = Agent {
         tenant: t,
         node,
@@ -461,6 +466,13 @@ struct LiveBinding {
     state: BindingState,
     #[serde(default)]
     gpu_uuids: Vec<String>,
+}
+
+/// The reconcilers of the registry the simulator activates itself, built on `log` and the
+/// world's clock.
+fn simulated_passes(store: &Arc<dyn EventStore>, log: &Arc<Log>, clock: &Arc<ManualClock>) -> Vec<SimulatedPass> {
+    let inputs = registry::Inputs::new(store.clone(), Some(log.clone()), clock.clone());
+    registry::simulated(&inputs).expect("the simulated reconcilers build")
 }
 
 impl World {
@@ -513,8 +525,10 @@ impl World {
         }
         let fleet = Fleet::new();
         fleet.prime(&*store).await.expect("the fleet primes");
+        let log = Arc::new(log);
         World {
             dir,
+            reconcilers: tokio::sync::Mutex::new(simulated_passes(&store, &log, &clock)),
             store,
             sqlite,
             log,
@@ -623,50 +637,39 @@ impl World {
         self.release_one(t, rsv).await
     }
 
-    /// The reservations reconciler's pass over every tenant, and the liveness sweep (which
-    /// fails commands past their deadline, but never a `gpu.release`).
-    /// Returns how many nodes the liveness pass found unreachable.
+    /// One activation of each reconciler the registry marks for the simulator
+    /// (`registry::Simulated::Passes`: reservations, rollouts, liveness), in its order.
+    /// Returns how many nodes they found unreachable (the liveness pass's count).
     pub async fn pass(&self) -> u64 {
-        let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
-        // A failed commit (`failing-commits`) ends a pass early, as in a reconciler process: the
-        // next pass reads the world again.
-        match bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await {
-            Err(e) if !injected(&e) => panic!("the reservations pass: {e}"),
-            _ => {}
+        let mut unreachable = 0;
+        for pass in self.reconcilers.lock().await.iter_mut() {
+            // A failed commit (`failing-commits`) ends a pass early, as in a reconciler process:
+            // the next pass reads the world again.
+            match pass.reconciler.activate().await.outcome {
+                Err(e) if !injected(&e) => panic!("the {} pass: {e}", pass.name),
+                Ok(counts) => unreachable += counts.iter().filter(|(key, _)| *key == "unreachable").map(|(_, n)| n).sum::<u64>(),
+                Err(_) => {}
+            }
         }
-        match bc_reconcilers::rollouts::pass(&self.log, &*self.clock).await {
-            Err(e) if !injected(&e) => panic!("the rollouts pass: {e}"),
-            _ => {}
-        }
-        match bc_reconcilers::liveness::pass(&self.log, &*self.clock).await {
-            Err(e) if !injected(&e) => panic!("the liveness pass: {e}"),
-            Ok(done) => done.unreachable as u64,
-            Err(_) => 0,
-        }
+        unreachable
     }
 
-    /// [`Self::pass`] dropped part way, as a reconciler process dies: the passes' first
+    /// [`Self::pass`] dropped part way, as a reconciler process dies: of the passes the
+    /// `reconciler-crash` fault cuts (`Simulated::Passes { crashes: true }`), the first
     /// `appends` appends (a group of actions, one transaction, is one) are taken and nothing
     /// after them (`Log::appends_limit`); the next pass must do the rest. True if the passes
     /// used up their appends (so the crash may have cut something off).
     pub async fn pass_crashing(&self, appends: u64) -> bool {
-        let known: Vec<TenantId> = self.tenants.iter().map(|t| t.id).collect();
-        let stopped = injected;
         self.log.appends_limit(Some(appends));
-        let reservations = bc_reconcilers::reservations::pass(&self.log, &self.fleet, &*self.clock, &known).await;
-        let liveness = match &reservations {
-            Err(e) if stopped(e) => Ok(()),
-            _ => bc_reconcilers::liveness::pass(&self.log, &*self.clock).await.map(drop),
-        };
-        let reached = self.log.appends_limit(None) == Some(0);
-        for result in [reservations.map(drop), liveness] {
-            if let Err(e) = result
-                && !stopped(&e)
-            {
-                panic!("a reconciler pass: {e}");
+        for pass in self.reconcilers.lock().await.iter_mut().filter(|pass| pass.crashes) {
+            match pass.reconciler.activate().await.outcome {
+                // The process died there: no pass after it runs.
+                Err(e) if injected(&e) => break,
+                Err(e) => panic!("a reconciler pass: {e}"),
+                Ok(_) => {}
             }
         }
-        reached
+        self.log.appends_limit(None) == Some(0)
     }
 
     /// A gateway restart: the `Log` (its appender task), the store's connections and the
@@ -683,10 +686,15 @@ impl World {
         let log = Log::open_with_ids(store.clone(), self.projector.clone(), self.log_key.clone(), self.clock.clone(), ids)
             .await
             .expect("the log opens again");
+        let log = Arc::new(log);
         let fleet = Fleet::new();
         fleet.prime(&*store).await.expect("the fleet primes again");
-        // The old appender stops when its queue closes (nothing is in flight: steps run one at
-        // a time).
+        // The reconcilers restart with the process: they let go of the old log and their views,
+        // and are built again on the new log.
+        let reconcilers = simulated_passes(&store, &log, &self.clock);
+        drop(std::mem::replace(self.reconcilers.get_mut(), reconcilers));
+        // The old appender stops when its queue closes, with the last handle on the old log
+        // (nothing is in flight: steps run one at a time).
         drop(std::mem::replace(&mut self.log, log));
         self.fleet = fleet;
         self.store = store;

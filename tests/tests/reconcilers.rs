@@ -7,11 +7,16 @@ use std::time::{Duration, Instant};
 use bc_tests::{Reconciler, Server, json};
 use serde_json::Value;
 
-fn status(server: &Server) -> Vec<Value> {
+/// `reconcilers status --format json`, whole.
+fn status_document(server: &Server) -> Value {
     let dir = server.data_dir.display().to_string();
     let (code, out, err) = server.cli(&["reconcilers", "status", "--data-dir", &dir, "--format", "json"]);
     assert_eq!(code, 0, "{err}");
-    json(&out)["items"].as_array().cloned().unwrap_or_default()
+    json(&out)
+}
+
+fn status(server: &Server) -> Vec<Value> {
+    status_document(server)["items"].as_array().cloned().unwrap_or_default()
 }
 
 /// Waits until `wanted` holds of the status rows.
@@ -85,5 +90,28 @@ fn the_help_of_reconcile_only_lists_the_registry() {
     assert_eq!(code, 0, "{err}");
     for name in bc_reconcilers::registry::NAMES {
         assert!(out.contains(name), "{name} is missing from the help: {out}");
+    }
+}
+
+/// `reconcilers status` lists every registered reconciler, those no process has run too: a
+/// `dev` without `--witness` never starts `witnesses`, which is listed as never run, with no
+/// last pass, beside the passes of those that ran.
+#[tokio::test]
+async fn status_lists_the_reconcilers_that_never_ran() {
+    let server = Server::dev();
+    wait_for(&server, "the dev's reservations reconciler records a pass", |rows| {
+        rows.iter().any(|r| r["name"] == "reservations")
+    });
+    let document = status_document(&server);
+    let never_run = document["neverRun"].as_array().cloned().unwrap_or_default();
+    let witnesses = never_run.iter().find(|r| r["name"] == "witnesses").unwrap_or_else(|| panic!("{document:#}"));
+    assert_eq!(witnesses["state"], "never run", "{witnesses}");
+    assert!(witnesses.get("startedAtMs").is_none() && witnesses.get("instance").is_none(), "{witnesses}");
+    assert!(!never_run.iter().any(|r| r["name"] == "reservations"), "reservations ran: {document:#}");
+    // Together, the passes and the reconcilers that never ran name the whole registry.
+    let listed: Vec<&str> =
+        document["items"].as_array().into_iter().flatten().chain(&never_run).map(|r| r["name"].as_str().unwrap()).collect();
+    for name in bc_reconcilers::registry::NAMES {
+        assert!(listed.contains(&name), "{name} is missing: {document:#}");
     }
 }
