@@ -105,7 +105,7 @@ impl Replayed {
 /// Verifies the export read from `reader` against `pin` (`sha256/…`, the log key's) and folds
 /// its events up to `until` (default: the last). Reads one record at a time.
 pub fn replay(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
-    replay_inner(reader, pin, until, false, &mut |_| {})
+    replay_observed(reader, pin, until, false, &mut |_| {})
 }
 
 /// [`replay`] (or [`replay_recorded`], with `record`), handing `observe` every event of the
@@ -117,7 +117,39 @@ pub fn replay_observed(
     record: bool,
     observe: &mut dyn FnMut(&StoredEvent),
 ) -> Result<Replayed, ReplayError> {
-    replay_inner(reader, pin, until, record, observe)
+    let (header, tenant, keys, at_seq) = read_header(reader, pin, until)?;
+    let mut verifier = ChainVerifier::resume(tenant, &keys, header.from_seq, header.prev_hash);
+    let mut folding = Folding::new(record, until, at_seq, header.to_seq);
+    // Verified events a later signature must still cover.
+    let mut held: Vec<StoredEvent> = Vec::new();
+    let mut next = header.from_seq;
+    while let Some(event) = read_record(reader, &header, &keys, pin, &mut verifier, &tenant, next)? {
+        next += 1;
+        // An event without a signature of its own is held back until the one that covers it
+        // verifies (at most 15 later: the verifier refuses an unsigned 16th), so nothing a
+        // signature has not vouched for reaches the fold or the caller.
+        let signed = !event.sig.is_empty();
+        held.push(event);
+        if !signed {
+            continue;
+        }
+        for event in held.drain(..) {
+            observe(&event);
+            folding.take(event)?;
+        }
+    }
+    if let Some(from) = verifier.uncovered_from()
+        && next > header.to_seq
+    {
+        // Every record there, the last ones covered by no signature: stripped.
+        return Err(ReplayError::new(EXPORT_TAMPERED, Some(from), bc_core::chain::uncovered(from, header.to_seq)));
+    }
+    verifier
+        .finish(Some((header.to_seq, header.last_hash)))
+        .map_err(|p| ReplayError::new(EXPORT_TRUNCATED, Some(p.seq), format!("{} (the header's last seq)", p.what)))?;
+    let Folded { state, key_ids, timeline } = folding.finish()?;
+    let rows = state.into_iter().map(|(key, doc)| ((key.kind, key.id), doc)).collect();
+    Ok(Replayed { events_verified: next - header.from_seq, at_seq, key_ids, rows, header, timeline })
 }
 
 /// [`replay`], and the whole file's [`Timeline`] beside the state at `until` (`sim replay
@@ -125,17 +157,16 @@ pub fn replay_observed(
 /// series are observed from the rows it changed. The state, the digest and the
 /// errors are [`replay`]'s.
 pub fn replay_recorded(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<Replayed, ReplayError> {
-    replay_inner(reader, pin, until, true, &mut |_| {})
+    replay_observed(reader, pin, until, true, &mut |_| {})
 }
 
-fn replay_inner(
-    reader: &mut impl Read,
-    pin: &str,
-    until: Option<u64>,
-    record: bool,
-    observe: &mut dyn FnMut(&StoredEvent),
-) -> Result<Replayed, ReplayError> {
-    let malformed = |seq: Option<u64>, m: String| ReplayError::new(EXPORT_MALFORMED, seq, m);
+fn malformed(seq: Option<u64>, m: String) -> ReplayError {
+    ReplayError::new(EXPORT_MALFORMED, seq, m)
+}
+
+/// The file's header, its tenant, the keys `pin` vouches for, and the seq to replay to: the
+/// file must start at seq 1 and hold `until`.
+fn read_header(reader: &mut impl Read, pin: &str, until: Option<u64>) -> Result<(Header, TenantId, KeyRing, u64), ReplayError> {
     let item = read_item(reader, HEADER_BYTES_MAX).map_err(|e| malformed(None, format!("the header: {e}")))?;
     let item = item.ok_or_else(|| malformed(None, "the file is empty".into()))?;
     let value = canonical::decode_canonical(&item).map_err(|e| malformed(None, format!("the header: {e}")))?;
@@ -157,89 +188,114 @@ fn replay_inner(
             format!("--until {at_seq} is outside the file's seqs {} to {}", header.from_seq, header.to_seq),
         ));
     }
-    let mut verifier = ChainVerifier::resume(tenant, &keys, header.from_seq, header.prev_hash);
-    let mut state: HashMap<RowKey, Value> = HashMap::new();
-    let mut batch: Vec<StoredEvent> = Vec::new();
-    // Verified events a later signature must still cover.
-    let mut held: Vec<StoredEvent> = Vec::new();
-    let mut key_ids: Vec<String> = Vec::new();
-    let mut next = header.from_seq;
-    let mut recording = record.then(|| (Series::default(), Timeline::new()));
-    // With a timeline the fold goes on past `until`; the state at `until` is kept aside.
-    let mut at_until: Option<HashMap<RowKey, Value>> = None;
-    loop {
-        let item = read_item(reader, RECORD_BYTES_MAX).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
-        let Some(item) = item else { break };
-        if next > header.to_seq {
-            return Err(ReplayError::new(
-                EXPORT_TAMPERED,
-                Some(next),
-                format!("a record past the header's last seq {}", header.to_seq),
-            ));
-        }
-        let value = canonical::decode_canonical(&item).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
-        let record = Record::from_cbor(value).map_err(|e| malformed(Some(next), e))?;
-        if !record.key_id.is_empty() && keys.get(&record.key_id).is_none() {
-            return Err(ReplayError::new(
-                EXPORT_TAMPERED,
-                Some(next),
-                format!("signed by {}, a key the pin {pin} does not vouch for (nor a rotation from it)", record.key_id),
-            ));
-        }
-        let event = verify_record(&mut verifier, &tenant, record)?;
-        next += 1;
-        // An event without a signature of its own is held back until the one that covers it
-        // verifies (at most 15 later: the verifier refuses an unsigned 16th), so nothing a
-        // signature has not vouched for reaches the fold or the caller.
-        let signed = !event.sig.is_empty();
-        held.push(event);
-        if !signed {
-            continue;
-        }
-        for event in held.drain(..) {
-            observe(&event);
-            if !event.key_id.is_empty() && !key_ids.contains(&event.key_id) {
-                key_ids.push(event.key_id.clone());
-            }
-            if let Some((series, timeline)) = recording.as_mut() {
-                let seq = event.envelope.seq;
-                let at_ms = event.envelope.at_ms;
-                let event_type = event.envelope.event_type.clone();
-                let changed = fold(&mut state, &[event])?;
-                timeline.observe(series.observe(at_ms, &event_type, &changed, &state));
-                if seq == at_seq {
-                    let label = match until {
-                        Some(_) => format!("--until {seq}: the state replayed"),
-                        None => format!("seq {seq}, the file's last: the state replayed"),
-                    };
-                    timeline.mark(MarkKind::Until, series.since_first_ms(at_ms), label);
-                    if seq < header.to_seq {
-                        at_until = Some(state.clone());
-                    }
-                }
-            } else if event.envelope.seq <= at_seq {
-                batch.push(event);
-                if batch.len() == FOLD_EVENTS_MAX {
-                    fold(&mut state, &batch)?;
-                    batch.clear();
-                }
-            }
+    Ok((header, tenant, keys, at_seq))
+}
+
+/// The next record (seq `next`), decoded, signed by a key `keys` holds (if signed) and verified
+/// on the chain; `None` at the end of the file.
+fn read_record(
+    reader: &mut impl Read,
+    header: &Header,
+    keys: &KeyRing,
+    pin: &str,
+    verifier: &mut ChainVerifier<'_>,
+    tenant: &TenantId,
+    next: u64,
+) -> Result<Option<StoredEvent>, ReplayError> {
+    let item = read_item(reader, RECORD_BYTES_MAX).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
+    let Some(item) = item else { return Ok(None) };
+    if next > header.to_seq {
+        return Err(ReplayError::new(
+            EXPORT_TAMPERED,
+            Some(next),
+            format!("a record past the header's last seq {}", header.to_seq),
+        ));
+    }
+    let value = canonical::decode_canonical(&item).map_err(|e| malformed(Some(next), format!("the record: {e}")))?;
+    let record = Record::from_cbor(value).map_err(|e| malformed(Some(next), e))?;
+    if !record.key_id.is_empty() && keys.get(&record.key_id).is_none() {
+        return Err(ReplayError::new(
+            EXPORT_TAMPERED,
+            Some(next),
+            format!("signed by {}, a key the pin {pin} does not vouch for (nor a rotation from it)", record.key_id),
+        ));
+    }
+    verify_record(verifier, tenant, record).map(Some)
+}
+
+/// The fold of a replay's verified events: the rows, in batches up to `at_seq`; or, recording a
+/// timeline, one event at a time to the file's end, the state at `at_seq` kept aside.
+struct Folding {
+    state: HashMap<RowKey, Value>,
+    batch: Vec<StoredEvent>,
+    key_ids: Vec<String>,
+    recording: Option<(Series, Timeline)>,
+    /// With a timeline the fold goes on past `until`; the state at `until` is kept aside.
+    at_until: Option<HashMap<RowKey, Value>>,
+    until: Option<u64>,
+    at_seq: u64,
+    to_seq: u64,
+}
+
+impl Folding {
+    fn new(record: bool, until: Option<u64>, at_seq: u64, to_seq: u64) -> Self {
+        Self {
+            state: HashMap::new(),
+            batch: Vec::new(),
+            key_ids: Vec::new(),
+            recording: record.then(|| (Series::default(), Timeline::new())),
+            at_until: None,
+            until,
+            at_seq,
+            to_seq,
         }
     }
-    if let Some(from) = verifier.uncovered_from()
-        && next > header.to_seq
-    {
-        // Every record there, the last ones covered by no signature: stripped.
-        return Err(ReplayError::new(EXPORT_TAMPERED, Some(from), bc_core::chain::uncovered(from, header.to_seq)));
+
+    /// Takes the next verified event: its key id noted, and folded (or batched to be).
+    fn take(&mut self, event: StoredEvent) -> Result<(), ReplayError> {
+        if !event.key_id.is_empty() && !self.key_ids.contains(&event.key_id) {
+            self.key_ids.push(event.key_id.clone());
+        }
+        if let Some((series, timeline)) = self.recording.as_mut() {
+            let seq = event.envelope.seq;
+            let at_ms = event.envelope.at_ms;
+            let event_type = event.envelope.event_type.clone();
+            let changed = fold(&mut self.state, &[event])?;
+            timeline.observe(series.observe(at_ms, &event_type, &changed, &self.state));
+            if seq == self.at_seq {
+                let label = match self.until {
+                    Some(_) => format!("--until {seq}: the state replayed"),
+                    None => format!("seq {seq}, the file's last: the state replayed"),
+                };
+                timeline.mark(MarkKind::Until, series.since_first_ms(at_ms), label);
+                if seq < self.to_seq {
+                    self.at_until = Some(self.state.clone());
+                }
+            }
+        } else if event.envelope.seq <= self.at_seq {
+            self.batch.push(event);
+            if self.batch.len() == FOLD_EVENTS_MAX {
+                fold(&mut self.state, &self.batch)?;
+                self.batch.clear();
+            }
+        }
+        Ok(())
     }
-    verifier
-        .finish(Some((header.to_seq, header.last_hash)))
-        .map_err(|p| ReplayError::new(EXPORT_TRUNCATED, Some(p.seq), format!("{} (the header's last seq)", p.what)))?;
-    fold(&mut state, &batch)?;
-    let state = at_until.unwrap_or(state);
-    let rows = state.into_iter().map(|(key, doc)| ((key.kind, key.id), doc)).collect();
-    let timeline = recording.map(|(_, timeline)| timeline);
-    Ok(Replayed { events_verified: next - header.from_seq, at_seq, key_ids, rows, header, timeline })
+
+    /// What the fold came to.
+    fn finish(mut self) -> Result<Folded, ReplayError> {
+        fold(&mut self.state, &self.batch)?;
+        let state = self.at_until.unwrap_or(self.state);
+        Ok(Folded { state, key_ids: self.key_ids, timeline: self.recording.map(|(_, timeline)| timeline) })
+    }
+}
+
+/// A replay's fold, finished: the state at `at_seq`, the key ids in the order met, and the
+/// timeline when recorded.
+struct Folded {
+    state: HashMap<RowKey, Value>,
+    key_ids: Vec<String>,
+    timeline: Option<Timeline>,
 }
 
 /// Event types that say something went wrong on a node or with a hold: what a replay's

@@ -50,7 +50,7 @@ use bc_core::id::{CommandId, ReservationId};
 use bc_core::store::{ExpectedVersion, NewEvent, RowKey};
 use bc_projections::decide::{self, ReservationAsk, ReservationCreate, ReservationCreateInput};
 use bc_projections::events as ev;
-use bc_projections::fleet::FleetIndex as TenantView;
+use bc_projections::fleet::FleetIndex;
 use bc_projections::placement::Selector;
 use bc_projections::{
     KIND_NODE, KIND_NODE_COMMANDS, KIND_POOL, KIND_RESERVATION, KIND_RESERVATION_LIVE, NodeCommandsDoc, NodeDoc, PoolDoc,
@@ -59,11 +59,11 @@ use bc_projections::{
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-mod hooks;
 mod net;
 mod rollouts;
+mod webhooks;
 
-pub use hooks::HookCounts;
+pub use webhooks::WebhookCounts;
 
 pub use net::NetCounts;
 
@@ -127,14 +127,14 @@ pub const FULL_CHECK_EVENTS_PER_STEP: u64 = 2;
 /// at most `HOLD_ATTEMPTS_MAX` times, each unanswered one within `HOLD_DEADLINE_S`.
 /// And an agent cut off when the faults stopped reconnects within its longest back-off and
 /// is ready again within a lease of it. And a webhook delivery the faults left pending is
-/// attempted again within its longest retry wait (`hooks::RETRY_WAIT_MAX_MS`) and the next
+/// attempted again within its longest retry wait (`webhooks::RETRY_WAIT_MAX_MS`) and the next
 /// pass, and succeeds (the receivers are up): it settles delivered or, already, dead.
 pub const LIVENESS_BOUND_MS: u64 = (bc_projections::HOLD_ATTEMPTS_MAX as u64 + 1)
     * (bc_projections::HOLD_DEADLINE_S * 1000 + RECONCILE_EVERY_MS)
     + AGENT_TICK_MS
     + bc_agent::session::BACKOFF_MAX_MS
     + net::SESSION.lease_ms
-    + hooks::RETRY_WAIT_MAX_MS
+    + webhooks::RETRY_WAIT_MAX_MS
     + RECONCILE_EVERY_MS;
 
 const _: () = assert!(COMMAND_LATENCY_MAX_MS < RECONCILE_EVERY_MS);
@@ -444,7 +444,7 @@ pub struct Outcome {
     pub rollouts: u64,
     pub updates: u64,
     /// The webhooks' subscriptions and deliveries.
-    pub webhooks: HookCounts,
+    pub webhooks: WebhookCounts,
     /// Nodes that joined during the run (beside `--nodes` at the start), operators began to
     /// take out (drained), and that went (their agent stopped for good).
     pub nodes_joined: u64,
@@ -537,10 +537,10 @@ enum Task {
     /// Node `a`'s connection opened, or broke (the agent hears of it).
     Connected(usize, u64),
     Broken(usize, u64, String),
-    /// Node `a`'s machine's periodic tick (of its start's generation), or its retry after a
+    /// Node `a`'s session machine's periodic tick (of its start's generation), or its retry after a
     /// back-off.
-    MachineTick(usize, u64),
-    MachineRetry(usize),
+    SessionTick(usize, u64),
+    SessionRetry(usize),
     AgentTick(usize),
     FaultTick,
     Restart(usize),
@@ -605,7 +605,7 @@ struct Sim {
     /// The log as the full checks have read and folded it so far.
     fold: LogFold,
     /// The webhooks: subscriptions, receivers, the real consumer.
-    hooks: hooks::Hooks,
+    webhooks: webhooks::SimWebhooks,
     /// Nodes whose agent stopped for good after their drain (never restarted).
     departed: BTreeSet<usize>,
     /// The nodes' joins draw from their own stream of the seed ([`JOIN_STREAM`]), so adding
@@ -659,10 +659,10 @@ pub async fn run(options: Options) -> Outcome {
         // Likewise: messages are duplicated often.
         enabled.insert(Fault::DuplicateMessages, 0.5);
     }
-    let hooks = hooks::Hooks::new(&world, &mut rng).await;
+    let webhooks = webhooks::SimWebhooks::new(&world, &mut rng).await;
     let nodes = options.nodes;
     let mut sim = Sim {
-        hooks,
+        webhooks,
         ending: false,
         updating: BTreeMap::new(),
         down_since: BTreeMap::new(),
@@ -729,7 +729,23 @@ impl Sim {
         *self.out.faults_injected.entry(fault.name()).or_default() += 1;
     }
 
+    /// The run: its start, the safety phase until `--hours` are up, then the liveness phase.
     async fn go(&mut self) -> Result<(), Violation> {
+        self.start().await;
+        let end_ms = crate::world::EPOCH_MS + self.options.hours * 3_600_000;
+        // The safety phase.
+        while let Some(((at, _), _)) = self.queue.first_key_value() {
+            if *at > end_ms {
+                break;
+            }
+            self.step().await?;
+        }
+        self.liveness_phase(end_ms).await
+    }
+
+    /// The first of everything on the schedule: each tenant's requests and actions, the clock
+    /// skews, the reconciler steps, each node's lease and agent, the faults, joins and leaves.
+    async fn start(&mut self) {
         // Arrivals keep each tenant's GPUs about LOAD_TARGET busy: mean gap = the mean ask's
         // GPU-seconds over the GPUs kept busy.
         for t in 0..self.options.tenants {
@@ -776,22 +792,18 @@ impl Sim {
         self.after(first, Task::Join);
         let first = exponential_ms(&mut self.join_rng, NODE_LEAVE_MEAN_MS as f64);
         self.after(first, Task::Leave);
-        let end_ms = crate::world::EPOCH_MS + self.options.hours * 3_600_000;
-        // The safety phase.
-        while let Some(((at, _), _)) = self.queue.first_key_value() {
-            if *at > end_ms {
-                break;
-            }
-            self.step().await?;
-        }
-        // The liveness phase: faults and the workload stop.
+    }
+
+    /// The liveness phase, from `end_ms`: faults and the workload stop, every agent comes back,
+    /// and the run must settle within [`LIVENESS_BOUND_MS`]; then the last full check.
+    async fn liveness_phase(&mut self, end_ms: u64) -> Result<(), Violation> {
         self.world.clock.set_ms(end_ms.max(self.world.now_ms()));
         self.faults_running = false;
         self.workload_running = false;
         self.pass_crash_next = None;
         self.world.log.commits_fail(0);
         self.net.heal();
-        self.hooks.heal();
+        self.webhooks.heal();
         if let Some(timeline) = self.timeline.as_mut() {
             let at_ms = self.world.now_ms() - crate::world::EPOCH_MS;
             timeline.mark(MarkKind::Liveness, at_ms, "liveness phase: faults and the workload stop");
@@ -874,7 +886,7 @@ impl Sim {
         if let Err(v) = self.rollouts_settled().await {
             return Some(v.0);
         }
-        if !self.hooks.settled(&self.world).await {
+        if !self.webhooks.settled(&self.world).await {
             return Some("webhook deliveries are still pending".into());
         }
         let undelivered: Vec<&str> = (self.net.links.iter().enumerate())
@@ -893,6 +905,8 @@ impl Sim {
         None
     }
 
+    /// One step: the next task due, run at its time; then, unless it was quiet, the commands it
+    /// issued routed and the invariants checked ([`Self::check_after`]).
     async fn step(&mut self) -> Result<(), Violation> {
         let Some(((at, _), task)) = self.queue.pop_first() else { return Ok(()) };
         if at > self.world.now_ms() {
@@ -906,13 +920,27 @@ impl Sim {
         let ran_before = self.commands_run;
         // The tenant the step changed (`None`: every tenant): only its rows and its agents'
         // ledgers can have moved, so the check after the step looks at it alone.
-        let touched = match &task {
+        let touched = self.touched(&task);
+        // A reconciler pass appends for some tenants and runs nothing on an agent (it queues
+        // commands; their deliveries are steps of their own): the check after it looks at the
+        // tenants whose chain moved.
+        let heads_before = match &task {
+            Task::Reconcile => Some(self.world.store.heads().await.expect("the heads read")),
+            _ => None,
+        };
+        self.run_task(task).await?;
+        self.check_after(touched, heads_before, appended_before, ran_before).await
+    }
+
+    /// The tenant a task can change (`None`: every tenant).
+    fn touched(&self, task: &Task) -> Option<usize> {
+        match task {
             Task::Arrival(t) | Task::TenantAction(t) | Task::Uncordon(t, _) | Task::StaleViewRefresh(t) => Some(*t),
             Task::Deliver(a, _, _)
             | Task::Connected(a, _)
             | Task::Broken(a, _, _)
-            | Task::MachineTick(a, _)
-            | Task::MachineRetry(a)
+            | Task::SessionTick(a, _)
+            | Task::SessionRetry(a)
             | Task::AgentTick(a)
             | Task::Restart(a)
             | Task::RefuseHoldsEnd(a)
@@ -924,15 +952,14 @@ impl Sim {
             | Task::NodeDelete(a) => Some(self.world.agents[*a].tenant),
             Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
             Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
-        };
-        // A reconciler pass appends for some tenants and runs nothing on an agent (it queues
-        // commands; their deliveries are steps of their own): the check after it looks at the
-        // tenants whose chain moved.
-        let heads_before = match &task {
-            Task::Reconcile => Some(self.world.store.heads().await.expect("the heads read")),
-            _ => None,
-        };
+        }
+    }
+
+    /// Runs a task of the workload, the operators, the reconcilers or the faults; a node's
+    /// own task goes to [`Self::run_node_task`].
+    async fn run_task(&mut self, task: Task) -> Result<(), Violation> {
         match task {
+            Task::Reconcile => self.reconcile().await?,
             Task::Arrival(t) => {
                 if self.workload_running {
                     self.request(t).await?;
@@ -947,59 +974,6 @@ impl Sim {
                     self.after(next, Task::TenantAction(t));
                 }
             }
-            Task::Reconcile => {
-                // The sessions' lease renewals are written before the liveness pass reads them
-                // (the gateway writes them every 250 ms; only that pass reads them).
-                self.net.leases.flush(&*self.world.store).await;
-                match self.pass_crash_next.take() {
-                    Some(appends) => {
-                        if self.world.pass_crashing(appends).await {
-                            self.out.passes_cut += 1;
-                        }
-                    }
-                    None => self.out.unreachable += self.world.pass().await,
-                }
-                self.rollouts_check().await?;
-                self.after(RECONCILE_EVERY_MS, Task::Reconcile);
-                // (What the pass issued is routed after the step, as after every step.)
-                // The webhooks consumer's round: fan out what the pass appended, deliver what
-                // is due.
-                self.hooks.drive(&self.world).await?;
-            }
-            Task::Deliver(a, connection, message) => {
-                if !self.net.partitioned(a, self.world.now_ms()) {
-                    self.deliver(a, connection, *message).await?;
-                }
-            }
-            Task::Connected(a, connection) => {
-                if self.net.links[a].connection == connection {
-                    self.agent_input(a, bc_agent::session::Input::Connected).await?;
-                }
-            }
-            Task::Broken(a, connection, reason) => {
-                if self.net.links[a].connection == connection {
-                    self.agent_input(a, bc_agent::session::Input::Disconnected { reason }).await?;
-                }
-            }
-            Task::MachineTick(a, generation) => {
-                if self.net.links[a].machine.is_some() && self.net.links[a].tick_generation == generation {
-                    self.agent_input(a, bc_agent::session::Input::Tick).await?;
-                    self.after(net::MACHINE_TICK_MS, Task::MachineTick(a, generation));
-                }
-            }
-            Task::MachineRetry(a) => self.agent_input(a, bc_agent::session::Input::Tick).await?,
-            Task::AgentTick(a) => {
-                // It retries the releases its machine refused, and sends what that journaled.
-                let now = self.agent_now(a);
-                if let Some(runner) = self.world.agents[a].runner.as_ref() {
-                    let entries = runner.retry_releases(now).await.expect("the runner retries releases");
-                    if let Some(last) = entries.last() {
-                        let input = bc_agent::session::Input::Journaled { seq: last.seq, hash: last.hash };
-                        self.agent_input(a, input).await?;
-                    }
-                }
-                self.after(AGENT_TICK_MS, Task::AgentTick(a));
-            }
             Task::FaultTick => {
                 if self.faults_running {
                     self.fault().await;
@@ -1007,26 +981,9 @@ impl Sim {
                     self.after(next, Task::FaultTick);
                 }
             }
-            Task::Restart(a) => {
-                if self.net.links[a].machine.is_none() && !self.departed.contains(&a) {
-                    self.agent_start(a).await;
-                }
-            }
-            Task::UpdateRestart(a, restart) => self.update_restart(a, *restart).await?,
-            Task::UpdateAway(a) => self.update_away(a),
-            Task::GatewayIdle(a, connection) => self.gateway_idle(a, connection)?,
             Task::NodeDelete(a) => {
                 if !self.node_delete(a).await {
                     self.after(LEAVE_CHECK_MS, Task::NodeDelete(a));
-                }
-            }
-            Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
-            Task::RefuseReleasesEnd(a) => self.world.agents[a].machine.set_refuse_releases(false),
-            Task::DeafEnd(a) => {
-                if self.deaf_until[a] <= self.world.now_ms() {
-                    self.deaf_until[a] = 0;
-                    // The runner recovers: what it was handed runs now.
-                    self.agent_input(a, bc_agent::session::Input::Tick).await?;
                 }
             }
             Task::Uncordon(t, node) => {
@@ -1062,7 +1019,103 @@ impl Sim {
                     self.after(STALE_VIEW_REFRESH_MS, Task::StaleViewRefresh(t));
                 }
             }
+            node_task => self.run_node_task(node_task).await?,
         }
+        Ok(())
+    }
+
+    /// The reconciler step: the passes the registry marks for the simulator (or a crashed
+    /// one), the rollouts' check, the next step scheduled, and the webhooks consumer's round.
+    async fn reconcile(&mut self) -> Result<(), Violation> {
+        // The sessions' lease renewals are written before the liveness pass reads them
+        // (the gateway writes them every 250 ms; only that pass reads them).
+        self.net.leases.flush(&*self.world.store).await;
+        match self.pass_crash_next.take() {
+            Some(appends) => {
+                if self.world.pass_crashing(appends).await {
+                    self.out.passes_cut += 1;
+                }
+            }
+            None => self.out.unreachable += self.world.pass().await,
+        }
+        self.rollouts_check().await?;
+        self.after(RECONCILE_EVERY_MS, Task::Reconcile);
+        // (What the pass issued is routed after the step, as after every step.)
+        // The webhooks consumer's round: fan out what the pass appended, deliver what is due.
+        self.webhooks.drive(&self.world).await?;
+        Ok(())
+    }
+
+    /// Runs a task of one node: its connection, its session machine, its agent, its hardware.
+    async fn run_node_task(&mut self, task: Task) -> Result<(), Violation> {
+        match task {
+            Task::Deliver(a, connection, message) => {
+                if !self.net.partitioned(a, self.world.now_ms()) {
+                    self.deliver(a, connection, *message).await?;
+                }
+            }
+            Task::Connected(a, connection) => {
+                if self.net.links[a].connection == connection {
+                    self.agent_input(a, bc_agent::session::Input::Connected).await?;
+                }
+            }
+            Task::Broken(a, connection, reason) => {
+                if self.net.links[a].connection == connection {
+                    self.agent_input(a, bc_agent::session::Input::Disconnected { reason }).await?;
+                }
+            }
+            Task::SessionTick(a, generation) => {
+                if self.net.links[a].machine.is_some() && self.net.links[a].tick_generation == generation {
+                    self.agent_input(a, bc_agent::session::Input::Tick).await?;
+                    self.after(net::SESSION_TICK_MS, Task::SessionTick(a, generation));
+                }
+            }
+            Task::SessionRetry(a) => self.agent_input(a, bc_agent::session::Input::Tick).await?,
+            Task::AgentTick(a) => {
+                // It retries the releases its machine refused, and sends what that journaled.
+                let now = self.agent_now(a);
+                if let Some(runner) = self.world.agents[a].runner.as_ref() {
+                    let entries = runner.retry_releases(now).await.expect("the runner retries releases");
+                    if let Some(last) = entries.last() {
+                        let input = bc_agent::session::Input::Journaled { seq: last.seq, hash: last.hash };
+                        self.agent_input(a, input).await?;
+                    }
+                }
+                self.after(AGENT_TICK_MS, Task::AgentTick(a));
+            }
+            Task::Restart(a) => {
+                if self.net.links[a].machine.is_none() && !self.departed.contains(&a) {
+                    self.agent_start(a).await;
+                }
+            }
+            Task::UpdateRestart(a, restart) => self.update_restart(a, *restart).await?,
+            Task::UpdateAway(a) => self.update_away(a),
+            Task::GatewayIdle(a, connection) => self.gateway_idle(a, connection)?,
+            Task::RefuseHoldsEnd(a) => self.world.agents[a].machine.set_refuse_holds(false),
+            Task::RefuseReleasesEnd(a) => self.world.agents[a].machine.set_refuse_releases(false),
+            Task::DeafEnd(a) => {
+                if self.deaf_until[a] <= self.world.now_ms() {
+                    self.deaf_until[a] = 0;
+                    // The runner recovers: what it was handed runs now.
+                    self.agent_input(a, bc_agent::session::Input::Tick).await?;
+                }
+            }
+            other => unreachable!("not a node's task: {other:?}"),
+        }
+        Ok(())
+    }
+
+    /// After a step's task: a broken invariant it found; then, unless the step was quiet (only
+    /// the transport or a session moved), the commands routed, the tenants it touched checked
+    /// (every tenant whose chain moved, after a reconciler step), a full check when one is
+    /// due, and a sample of the series after a step that touched every tenant.
+    async fn check_after(
+        &mut self,
+        touched: Option<usize>,
+        heads_before: Option<Vec<(bc_core::id::TenantId, bc_core::store::Head)>>,
+        appended_before: u64,
+        ran_before: u64,
+    ) -> Result<(), Violation> {
         if let Some(violation) = self.found.take() {
             return Err(violation);
         }
@@ -1199,7 +1252,7 @@ impl Sim {
         let decided = if stale {
             let (nodes, live) = self.stale_views[t].clone().expect("a stale view");
             self.injected(Fault::StaleView);
-            decide::reservation_create(&TenantView::new(nodes, live), None, &ask, &input)
+            decide::reservation_create(&FleetIndex::new(nodes, live), None, &ask, &input)
         } else {
             self.world
                 .fleet
@@ -1297,7 +1350,7 @@ impl Sim {
                 self.out.extensions += 1;
             }
         } else if roll == 19 {
-            self.hooks.subscribe_more(&self.world, &mut self.rng, t).await;
+            self.webhooks.subscribe_more(&self.world, &mut self.rng, t).await;
         } else {
             let nodes: Vec<NodeDoc> = self.world.rows(t, KIND_NODE).await;
             let ready: Vec<&NodeDoc> = nodes.iter().filter(|n| !n.cordoned).collect();
@@ -1507,9 +1560,9 @@ impl Sim {
             }
             Fault::FailingCommits => self.world.log.commits_fail(between(&mut self.rng, 1, FAILING_COMMITS_MAX)),
             Fault::FailingReceivers => {
-                let until = self.world.now_ms() + between(&mut self.rng, hooks::FAILING_MS_MIN, hooks::FAILING_MS_MAX);
+                let until = self.world.now_ms() + between(&mut self.rng, webhooks::FAILING_MS_MIN, webhooks::FAILING_MS_MAX);
                 let refusing = chance(&mut self.rng, 0.5);
-                self.hooks.fail(a, until, refusing);
+                self.webhooks.fail(a, until, refusing);
             }
             Fault::Rollouts => self.rollout_fault(a).await,
             Fault::ClockSkew | Fault::StaleView => {}
@@ -1529,8 +1582,8 @@ impl Sim {
         let (events, acknowledged) = full_check_on(&self.world, self.ending, &mut self.fold).await?;
         self.events_at_full_check = events;
         self.out.acknowledged_checked = acknowledged;
-        self.hooks.check(&self.world, &self.fold.logged, self.ending).await?;
-        self.out.webhooks = self.hooks.counts.clone();
+        self.webhooks.check(&self.world, &self.fold.logged, self.ending).await?;
+        self.out.webhooks = self.webhooks.counts.clone();
         Ok(())
     }
 
@@ -1570,7 +1623,7 @@ pub(crate) struct LogFold {
     pub(crate) state: HashMap<RowKey, Value>,
     pub(crate) journal: BTreeMap<String, JournalInLog>,
     pub(crate) ids: BTreeMap<(bc_core::id::TenantId, u64), String>,
-    pub(crate) logged: Vec<hooks::LoggedEvent>,
+    pub(crate) logged: Vec<webhooks::LoggedEvent>,
     /// The event and journal signatures found good by an earlier check: each check still
     /// verifies every chain whole (every hash from the stored bytes, every link, every
     /// checkpoint) but does the curve arithmetic only for signatures it has not seen.
@@ -1603,7 +1656,7 @@ pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFo
         let page = bc_core::store::decode_rows(rows).expect("events decode");
         for event in &page {
             ids.insert((event.envelope.tenant, event.envelope.seq), event.envelope.id.to_string());
-            logged.push(hooks::LoggedEvent {
+            logged.push(webhooks::LoggedEvent {
                 tenant: event.envelope.tenant,
                 seq: event.envelope.seq,
                 id: event.envelope.id.to_string(),

@@ -18,7 +18,7 @@ use bc_core::event::StoredEvent;
 use bc_core::store::{Projector, RowKey};
 use bc_projections::decide::{Action, Policy, QueueRule, plan_with};
 use bc_projections::events as ev;
-use bc_projections::fleet::FleetIndex as TenantView;
+use bc_projections::fleet::FleetIndex;
 use bc_projections::placement::Preference;
 use bc_projections::{KIND_NODE, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState};
 use serde_json::{Value, json};
@@ -130,7 +130,7 @@ impl World {
 
     /// Runs the plan at `now_ms` and applies what it decides.
     fn pass(&mut self, now_ms: u64, after_seq: u64) {
-        let view = TenantView::new(self.nodes.values().cloned(), self.live.values().cloned());
+        let view = FleetIndex::new(self.nodes.values().cloned(), self.live.values().cloned());
         for action in plan_with(&view, now_ms, self.policy) {
             match action {
                 Action::Expire { reservation_id, node_id, .. } => {

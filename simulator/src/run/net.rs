@@ -34,8 +34,8 @@ use crate::world::{Violation, chance, seed_bytes};
 /// The gateway's lease and heartbeat in the simulated fleet (the defaults are 15 s and 5 s; a
 /// longer beat is three times fewer steps, the same code).
 pub const SESSION: SessionConfig = SessionConfig { lease_ms: 30_000, heartbeat_ms: 10_000 };
-/// How often each agent's machine is ticked (it beats when its heartbeat is due).
-pub const MACHINE_TICK_MS: u64 = 10_000;
+/// How often each agent's session machine is ticked (it beats when its heartbeat is due).
+pub const SESSION_TICK_MS: u64 = 10_000;
 /// A message's latency, drawn per message.
 pub const LATENCY_MIN_MS: u64 = 1;
 pub const LATENCY_MAX_MS: u64 = 50;
@@ -50,7 +50,7 @@ pub const MESSAGE_FAULT_P: f64 = 0.2;
 pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
 
 const _: () = assert!(DELAY_MAX_MS > SESSION.lease_ms && SESSION.heartbeat_ms * 2 < SESSION.lease_ms);
-const _: () = assert!(MACHINE_TICK_MS <= SESSION.heartbeat_ms);
+const _: () = assert!(SESSION_TICK_MS <= SESSION.heartbeat_ms);
 
 /// What travels on a connection.
 #[derive(Clone, Debug)]
@@ -264,7 +264,7 @@ impl Sim {
         link.runs.clear();
         link.tick_generation += 1;
         let generation = link.tick_generation;
-        self.after(0, Task::MachineTick(a, generation));
+        self.after(0, Task::SessionTick(a, generation));
     }
 
     /// The agent of node `a` stops (crashed or away): its runner, its machine and the commands
@@ -344,7 +344,7 @@ impl Sim {
                 self.send(a, connection, Message::Closed);
             }
             let wait = retry_at_ms.saturating_sub(self.agent_now(a));
-            self.after(wait.max(1), Task::MachineRetry(a));
+            self.after(wait.max(1), Task::SessionRetry(a));
         }
         Ok(())
     }

@@ -10,10 +10,10 @@
 //!   under the subscription's secret at the virtual clock's time, count each `webhook-id` they
 //!   take, and answer 204; while `failing-receivers` has one down they answer 503 or refuse the
 //!   connection.
-//! - **Delivery** ([`Hooks::drive`]), at every reconciler pass: `outbox::fan_out_step` until
+//! - **Delivery** ([`SimWebhooks::drive`]), at every reconciler pass: `outbox::fan_out_step` until
 //!   the cursor is at the log's end, then `work_claim`, `outbox::attempt` and
 //!   `work_complete_many` for what is due, on [`RETRY`]'s schedule (its jitter from the seed).
-//! - **Invariant** ([`Hooks::check`]): every event a subscription matches (of its tenant, after
+//! - **Invariant** ([`SimWebhooks::check`]): every event a subscription matches (of its tenant, after
 //!   its `webhook.created`, by its patterns) and the fan-out has passed has exactly its work
 //!   item, and no other item exists; a done item's event reached its receiver; a dead one has a
 //!   reason and used all its attempts; a receiver took only what its subscription matches and
@@ -128,7 +128,7 @@ impl Sender for Receivers {
 
 /// What the deliveries came to, for the outcome.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HookCounts {
+pub struct WebhookCounts {
     pub subscriptions: u64,
     /// Of those, made in the middle of the run.
     pub subscribed_mid_run: u64,
@@ -187,20 +187,20 @@ async fn subscribe(world: &World, rng: &mut SeededRng, receivers: &Receivers, t:
 }
 
 /// The subscriptions, the receivers and the consumer.
-pub struct Hooks {
+pub struct SimWebhooks {
     pub subscriptions: Vec<Subscription>,
     receivers: Arc<Receivers>,
     consumer: Webhooks,
     config: RunnerConfig,
     /// The retry schedule's jitter, from the seed.
     rng: std::sync::Mutex<rand::rngs::StdRng>,
-    pub counts: HookCounts,
+    pub counts: WebhookCounts,
 }
 
-impl Hooks {
+impl SimWebhooks {
     /// Each tenant subscribes 1 to [`SUBSCRIPTIONS_PER_TENANT_MAX`] receivers, as
     /// `webhooks.create` does: the secret stored, then `webhook.created`.
-    pub async fn new(world: &World, rng: &mut SeededRng) -> Hooks {
+    pub async fn new(world: &World, rng: &mut SeededRng) -> SimWebhooks {
         use rand::SeedableRng;
         let receivers = Arc::new(Receivers { clock: world.clock.clone(), by_url: Mutex::default(), bad: Mutex::default() });
         let mut config = RunnerConfig::new(world.clock.clone());
@@ -214,12 +214,12 @@ impl Hooks {
                 subscriptions.push(subscribe(world, rng, &receivers, t, n).await.expect("no fault runs before the start"));
             }
         }
-        let counts = HookCounts { subscriptions: subscriptions.len() as u64, ..HookCounts::default() };
+        let counts = WebhookCounts { subscriptions: subscriptions.len() as u64, ..WebhookCounts::default() };
         let rng = std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(config.seed));
         // Any URL the subscriptions use passes the policy's check (names, not addresses): the
         // receivers stand where DNS and TCP would.
         let consumer = Webhooks::with_sender(EndpointPolicy::default(), world.clock.clone(), receivers.clone());
-        Hooks { subscriptions, receivers, consumer, config, rng, counts }
+        SimWebhooks { subscriptions, receivers, consumer, config, rng, counts }
     }
 
     /// Tenant `t` subscribes one more receiver in the middle of the run (while the fan-out may
@@ -430,7 +430,7 @@ mod tests {
                 let mut rng = SeededRng(seed);
                 let shape = Shape { tenants: 1, nodes: 1, gpus_min: 4, gpus_max: 4 };
                 let world = World::new(seed, &mut rng, shape).await;
-                let hooks = Hooks::new(&world, &mut rng).await;
+                let hooks = SimWebhooks::new(&world, &mut rng).await;
                 if hooks.subscriptions.iter().any(|s| s.filter.matches(ev::RESERVATION_REQUESTED)) {
                     found = Some((world, hooks));
                     break;
@@ -445,7 +445,7 @@ mod tests {
         assert!(hooks.counts.delivered > 0 && hooks.counts.delivered == hooks.counts.matched, "{:?}", hooks.counts);
         let event_id = events.iter().find(|e| e.event_type == ev::RESERVATION_REQUESTED).expect("the request").id.clone();
         let url = hooks.subscriptions.iter().find(|s| s.filter.matches(ev::RESERVATION_REQUESTED)).unwrap().url.clone();
-        let took = |hooks: &Hooks, id: &str, n: Option<u32>| {
+        let took = |hooks: &SimWebhooks, id: &str, n: Option<u32>| {
             let mut by_url = hooks.receivers.by_url.lock().unwrap();
             let got = &mut by_url.get_mut(&url).unwrap().got;
             match n {
@@ -477,7 +477,7 @@ mod tests {
         let mut rng = SeededRng(3);
         let shape = Shape { tenants: 1, nodes: 1, gpus_min: 4, gpus_max: 4 };
         let world = World::new(3, &mut rng, shape).await;
-        let mut hooks = Hooks::new(&world, &mut rng).await;
+        let mut hooks = SimWebhooks::new(&world, &mut rng).await;
         for n in 0..hooks.subscriptions.len() {
             hooks.fail(n, u64::MAX, n % 2 == 0);
         }
