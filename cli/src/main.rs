@@ -1,20 +1,11 @@
-//! `better-compute`: the composition root and the CLI.
+//! `better-compute`: the composition root (it wires a store, the log and the gateway into
+//! `dev`, `serve` and `reconcile`) and the client of the API.
 //!
-//! Layout:
-//! - `main.rs` (this file) parses the command line and runs the command: nothing else.
-//! - `flags.rs`: every command and flag as clap types, shared flag groups declared once, and the
-//!   one duration parser.
-//! - `commands/`: one module per command group, each with its `run`; `commands/mod.rs` holds
-//!   [`commands::Context`] (global flags, client, printing) and `Command::run`, the dispatch.
-//!   `commands/api.rs` owns the `api` item syntax and is the only reader of the gateway's
-//!   method table ([`commands::api::methods`]).
-//! - `client.rs`: the API client and [`client::CliError`]; `credentials.rs`: saved tokens;
-//!   `watch.rs`: following `GET /watch`.
-//! - `output.rs`: `--format`/`--query` and terminal safety; `tables.rs`: the columns each list
-//!   prints and relative times (`5m ago`, `in 59m`).
-//! - `server.rs`: serving (`dev`, `serve`, `reconcile`) and the other commands that open the
-//!   database; `audit.rs`: checkpoints, verification and proofs; `sim.rs`: `events export`
-//!   and `sim replay` (the files around `bc_simulator`).
+//! `main` parses the command line ([`flags::Cli`]) and runs the command ([`flags::Command::run`]):
+//! nothing else. Each command group lives in `commands/<group>.rs`, its clap types beside its
+//! `run`. The CLI names no method it cannot find in the gateway's table (a test reads every
+//! method name in `src/` against it), and what it prints is either the server's JSON untouched
+//! (`--format json|compact`, `--query`) or a table of chosen columns, terminal-safe.
 //!
 //! Exit status: 0 on success, 2 for a usage mistake (`INVALID_ARGUMENT`), 1 for anything else.
 //! A failure prints `CODE: message` and, when there is one, a `hint:` line.

@@ -10,7 +10,7 @@ use crate::flags::{IdempotencyKey, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, check_id, put_id};
 
 #[derive(Subcommand)]
 pub enum CommandsCommand {
@@ -49,22 +49,20 @@ pub async fn run(ctx: &Context, command: CommandsCommand) -> Result<(), CliError
     let value = match command {
         CommandsCommand::List { node, page } => {
             if let Some(node) = node {
-                body.insert("nodeId".into(), json!(check_id::<NodeId>("--node", &node)?));
+                put_id::<NodeId>(&mut body, "nodeId", "--node", &node)?;
             }
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("commands.list", &Value::Object(body), None).await?, tables::COMMANDS);
+            return ctx.list("commands.list", body, &page, tables::COMMANDS).await;
         }
         CommandsCommand::Get { command_id } => {
             body.insert("commandId".into(), json!(id(&command_id)?));
-            ctx.client()?.call("commands.get", &Value::Object(body), None).await?
+            ctx.call("commands.get", body, None).await?
         }
         CommandsCommand::Cancel { command_id } => {
             body.insert("commandId".into(), json!(id(&command_id)?));
-            ctx.client()?.call("commands.cancel", &Value::Object(body), None).await?
+            ctx.call("commands.cancel", body, None).await?
         }
         CommandsCommand::Issue { node, kind, args, deadline, key } => {
-            body.insert("nodeId".into(), json!(check_id::<NodeId>("--node", &node)?));
+            put_id::<NodeId>(&mut body, "nodeId", "--node", &node)?;
             body.insert("kind".into(), json!(kind));
             if let Some(args) = args {
                 let parsed: Value =
@@ -77,9 +75,7 @@ pub async fn run(ctx: &Context, command: CommandsCommand) -> Result<(), CliError
             if let Some(s) = deadline {
                 body.insert("deadlineS".into(), json!(s));
             }
-            let c = ctx.client()?;
-            let key = idempotency_key(&key.key);
-            c.call("commands.issue", &Value::Object(body), Some(&key)).await?
+            ctx.create("commands.issue", body, &key).await?
         }
     };
     ctx.print(&value, Format::Json)

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::client::CliError;
 use crate::flags::{DatabaseArgs, Deployment, Page};
@@ -85,13 +85,13 @@ pub async fn run(ctx: &Context, command: EventsCommand) -> Result<(), CliError> 
             if let Some(types) = types {
                 body.insert("types".into(), json!(types.split(',').map(str::trim).collect::<Vec<_>>()));
             }
-            let value = ctx.client()?.call("events.list", &Value::Object(body), None).await?;
+            let value = ctx.call("events.list", body, None).await?;
             ctx.print_list(&value, tables::EVENTS)
         }
         EventsCommand::Get { event_id } => {
             let mut body = ctx.tenant_body()?;
             body.insert("eventId".into(), json!(check_id::<bc_core::id::EventId>("EVENT_ID", &event_id)?));
-            ctx.print(&ctx.client()?.call("events.get", &Value::Object(body), None).await?, Format::Json)
+            ctx.print(&ctx.call("events.get", body, None).await?, Format::Json)
         }
     }
 }

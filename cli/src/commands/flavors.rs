@@ -4,14 +4,14 @@
 
 use bc_core::id::{FlavorId, ImageId, PoolId};
 use clap::{Subcommand, ValueEnum};
-use serde_json::{Map, Value, json};
+use serde_json::json;
 
 use crate::client::CliError;
 use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, add_if_version, put_id};
 
 #[derive(Subcommand)]
 pub enum FlavorsCommand {
@@ -101,42 +101,32 @@ pub enum ImagesCommand {
     },
 }
 
-fn add_if_version(body: &mut Map<String, Value>, if_version: &IfVersion) {
-    if let Some(v) = if_version.if_version {
-        body.insert("ifVersion".into(), json!(v));
-    }
-}
-
 pub async fn run(ctx: &Context, command: FlavorsCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
     let value = match command {
         FlavorsCommand::List { pool, page } => {
             if let Some(pool) = pool {
-                body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+                put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             }
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("flavors.list", &Value::Object(body), None).await?, tables::FLAVORS);
+            return ctx.list("flavors.list", body, &page, tables::FLAVORS).await;
         }
         FlavorsCommand::Get { flavor_id } => {
-            body.insert("flavorId".into(), json!(check_id::<FlavorId>("FLAVOR_ID", &flavor_id)?));
-            ctx.client()?.call("flavors.get", &Value::Object(body), None).await?
+            put_id::<FlavorId>(&mut body, "flavorId", "FLAVOR_ID", &flavor_id)?;
+            ctx.call("flavors.get", body, None).await?
         }
         FlavorsCommand::Delete { flavor_id, if_version } => {
-            body.insert("flavorId".into(), json!(check_id::<FlavorId>("FLAVOR_ID", &flavor_id)?));
+            put_id::<FlavorId>(&mut body, "flavorId", "FLAVOR_ID", &flavor_id)?;
             add_if_version(&mut body, &if_version);
-            ctx.client()?.call("flavors.delete", &Value::Object(body), None).await?
+            ctx.call("flavors.delete", body, None).await?
         }
         FlavorsCommand::Create { pool, name, vcpus, memory_mib, disk_gib, gpus, key } => {
-            body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+            put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             body.insert("name".into(), json!(name));
             body.insert("vcpus".into(), json!(vcpus));
             body.insert("memoryMiB".into(), json!(memory_mib));
             body.insert("diskGiB".into(), json!(disk_gib));
             body.insert("gpus".into(), json!(gpus));
-            let c = ctx.client()?;
-            let key = idempotency_key(&key.key);
-            c.call("flavors.create", &Value::Object(body), Some(&key)).await?
+            ctx.create("flavors.create", body, &key).await?
         }
     };
     ctx.print(&value, Format::Json)
@@ -145,19 +135,15 @@ pub async fn run(ctx: &Context, command: FlavorsCommand) -> Result<(), CliError>
 pub async fn images(ctx: &Context, command: ImagesCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
     let value = match command {
-        ImagesCommand::List { page } => {
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("images.list", &Value::Object(body), None).await?, tables::IMAGES);
-        }
+        ImagesCommand::List { page } => return ctx.list("images.list", body, &page, tables::IMAGES).await,
         ImagesCommand::Get { image_id } => {
-            body.insert("imageId".into(), json!(check_id::<ImageId>("IMAGE_ID", &image_id)?));
-            ctx.client()?.call("images.get", &Value::Object(body), None).await?
+            put_id::<ImageId>(&mut body, "imageId", "IMAGE_ID", &image_id)?;
+            ctx.call("images.get", body, None).await?
         }
         ImagesCommand::Delete { image_id, if_version } => {
-            body.insert("imageId".into(), json!(check_id::<ImageId>("IMAGE_ID", &image_id)?));
+            put_id::<ImageId>(&mut body, "imageId", "IMAGE_ID", &image_id)?;
             add_if_version(&mut body, &if_version);
-            ctx.client()?.call("images.delete", &Value::Object(body), None).await?
+            ctx.call("images.delete", body, None).await?
         }
         ImagesCommand::Register { name, image_url, sha256, disk_format, size_bytes, key } => {
             body.insert("name".into(), json!(name));
@@ -172,9 +158,7 @@ pub async fn images(ctx: &Context, command: ImagesCommand) -> Result<(), CliErro
             if let Some(size) = size_bytes {
                 body.insert("sizeBytes".into(), json!(size));
             }
-            let c = ctx.client()?;
-            let key = idempotency_key(&key.key);
-            c.call("images.register", &Value::Object(body), Some(&key)).await?
+            ctx.create("images.register", body, &key).await?
         }
     };
     ctx.print(&value, Format::Json)

@@ -2,18 +2,16 @@
 //! `--wait S`, a change is followed until the node observes what was asked (the state is no
 //! longer `pending` or `deleting`), with its progress on standard error.
 
-use std::time::{Duration, Instant};
-
 use bc_core::id::{FlavorId, ImageId, InstanceId, ReservationId};
 use clap::{Args, Subcommand};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
-use crate::client::{CliError, Client};
+use crate::client::CliError;
 use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, Settle, add_if_version, add_page, idempotency_key, put_id};
 
 /// How long to wait for an instance to settle.
 #[derive(Args, Clone, Copy)]
@@ -89,45 +87,26 @@ pub enum InstancesCommand {
     },
 }
 
-/// How often `--wait` reads the instance again.
-const WAIT_POLL_MS: u64 = 250;
-
-fn add_if_version(body: &mut Map<String, Value>, if_version: &IfVersion) {
-    if let Some(v) = if_version.if_version {
-        body.insert("ifVersion".into(), json!(v));
-    }
-}
-
-/// Follows the instance until it settles, or `wait.wait` seconds pass (then exit 1, with the
-/// instance as it stands printed).
-async fn settle(ctx: &Context, c: &Client, mut instance: Value, wait: InstanceWait) -> Result<Value, CliError> {
-    if wait.wait == 0 {
-        return Ok(instance);
-    }
-    let deadline = Instant::now() + Duration::from_secs(wait.wait);
-    let mut shown = String::new();
-    loop {
-        let state = instance["state"].as_str().unwrap_or_default().to_owned();
+/// `--wait`: until the node observes what was asked (the state is no longer `pending` or
+/// `deleting`), read again every 250 ms.
+const SETTLE: Settle = Settle {
+    get: "instances.get",
+    id_field: "instanceId",
+    poll_ms: 250,
+    progress: |instance| {
+        let state = instance["state"].as_str().unwrap_or_default();
         if state != "pending" && state != "deleting" {
-            return Ok(instance);
+            return None;
         }
         let observed = instance["observed"]["state"].as_str().unwrap_or("nothing yet");
-        let line = format!("{state}: the node observes {observed}, desired {}", instance["desired"].as_str().unwrap_or(""));
-        if line != shown {
-            eprintln!("{line}…");
-            shown = line;
-        }
-        if Instant::now() >= deadline {
-            ctx.print(&instance, Format::Json)?;
-            return Err(CliError::new("TIMEOUT", format!("the instance is still {state} after {} s", wait.wait))
-                .hint("`instances get` shows where it stands; the node may be away or fetching the image"));
-        }
-        tokio::time::sleep(Duration::from_millis(WAIT_POLL_MS)).await;
-        let mut get = ctx.tenant_body()?;
-        get.insert("instanceId".into(), instance["instanceId"].clone());
-        instance = c.call("instances.get", &Value::Object(get), None).await?;
-    }
-}
+        Some(format!("{state}: the node observes {observed}, desired {}", instance["desired"].as_str().unwrap_or("")))
+    },
+    timed_out: |instance, wait_s| {
+        let state = instance["state"].as_str().unwrap_or_default();
+        CliError::new("TIMEOUT", format!("the instance is still {state} after {wait_s} s"))
+            .hint("`instances get` shows where it stands; the node may be away or fetching the image")
+    },
+};
 
 pub async fn run(ctx: &Context, command: InstancesCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
@@ -135,46 +114,46 @@ pub async fn run(ctx: &Context, command: InstancesCommand) -> Result<(), CliErro
     let (method, wait, key) = match command {
         InstancesCommand::List { reservation, page } => {
             if let Some(r) = reservation {
-                body.insert("reservationId".into(), json!(check_id::<ReservationId>("--reservation", &r)?));
+                put_id::<ReservationId>(&mut body, "reservationId", "--reservation", &r)?;
             }
             add_page(&mut body, &page);
             return ctx.print_list(&c.call("instances.list", &Value::Object(body), None).await?, tables::INSTANCES);
         }
         InstancesCommand::Get { instance_id } => {
-            body.insert("instanceId".into(), json!(check_id::<InstanceId>("INSTANCE_ID", &instance_id)?));
+            put_id::<InstanceId>(&mut body, "instanceId", "INSTANCE_ID", &instance_id)?;
             return ctx.print(&c.call("instances.get", &Value::Object(body), None).await?, Format::Json);
         }
         InstancesCommand::Create { name, reservation, flavor, image, stopped, wait, key } => {
             body.insert("name".into(), json!(name));
-            body.insert("reservationId".into(), json!(check_id::<ReservationId>("--reservation", &reservation)?));
-            body.insert("flavorId".into(), json!(check_id::<FlavorId>("--flavor", &flavor)?));
-            body.insert("imageId".into(), json!(check_id::<ImageId>("--image", &image)?));
+            put_id::<ReservationId>(&mut body, "reservationId", "--reservation", &reservation)?;
+            put_id::<FlavorId>(&mut body, "flavorId", "--flavor", &flavor)?;
+            put_id::<ImageId>(&mut body, "imageId", "--image", &image)?;
             body.insert("start".into(), json!(!stopped));
             ("instances.create", wait, Some(idempotency_key(&key.key)))
         }
         InstancesCommand::Start { instance_id, if_version, wait } => {
-            body.insert("instanceId".into(), json!(check_id::<InstanceId>("INSTANCE_ID", &instance_id)?));
+            put_id::<InstanceId>(&mut body, "instanceId", "INSTANCE_ID", &instance_id)?;
             add_if_version(&mut body, &if_version);
             ("instances.start", wait, None)
         }
         InstancesCommand::Stop { instance_id, if_version, wait } => {
-            body.insert("instanceId".into(), json!(check_id::<InstanceId>("INSTANCE_ID", &instance_id)?));
+            put_id::<InstanceId>(&mut body, "instanceId", "INSTANCE_ID", &instance_id)?;
             add_if_version(&mut body, &if_version);
             ("instances.stop", wait, None)
         }
         InstancesCommand::Delete { instance_id, if_version, wait } => {
-            body.insert("instanceId".into(), json!(check_id::<InstanceId>("INSTANCE_ID", &instance_id)?));
+            put_id::<InstanceId>(&mut body, "instanceId", "INSTANCE_ID", &instance_id)?;
             add_if_version(&mut body, &if_version);
             ("instances.delete", wait, None)
         }
         InstancesCommand::Resize { instance_id, flavor, if_version, wait } => {
-            body.insert("instanceId".into(), json!(check_id::<InstanceId>("INSTANCE_ID", &instance_id)?));
-            body.insert("flavorId".into(), json!(check_id::<FlavorId>("--flavor", &flavor)?));
+            put_id::<InstanceId>(&mut body, "instanceId", "INSTANCE_ID", &instance_id)?;
+            put_id::<FlavorId>(&mut body, "flavorId", "--flavor", &flavor)?;
             add_if_version(&mut body, &if_version);
             ("instances.resize", wait, None)
         }
     };
     let instance = c.call(method, &Value::Object(body), key.as_deref()).await?;
-    let instance = settle(ctx, &c, instance, wait).await?;
+    let instance = SETTLE.follow(ctx, &c, instance, wait.wait).await?;
     ctx.print(&instance, Format::Json)
 }

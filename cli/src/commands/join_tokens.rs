@@ -15,7 +15,7 @@ use crate::flags::{IdempotencyKey, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, check_id, idempotency_key, put_id};
 
 #[derive(Subcommand)]
 pub enum JoinTokensCommand {
@@ -73,24 +73,20 @@ fn refuse_existing(path: &Path) -> Result<(), CliError> {
 pub async fn run(ctx: &Context, command: JoinTokensCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
     let value = match command {
-        JoinTokensCommand::List { page } => {
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("joinTokens.list", &Value::Object(body), None).await?, tables::JOIN_TOKENS);
-        }
+        JoinTokensCommand::List { page } => return ctx.list("joinTokens.list", body, &page, tables::JOIN_TOKENS).await,
         JoinTokensCommand::Get { join_token_id } => {
             body.insert("joinTokenId".into(), json!(token_id(&join_token_id)?));
-            ctx.client()?.call("joinTokens.get", &Value::Object(body), None).await?
+            ctx.call("joinTokens.get", body, None).await?
         }
         JoinTokensCommand::Revoke { join_token_id } => {
             body.insert("joinTokenId".into(), json!(token_id(&join_token_id)?));
-            ctx.client()?.call("joinTokens.revoke", &Value::Object(body), None).await?
+            ctx.call("joinTokens.revoke", body, None).await?
         }
         JoinTokensCommand::Create { pool, description, expires, uses, out, key } => {
             if let Some(out) = &out {
                 refuse_existing(out)?;
             }
-            body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+            put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             body.insert("description".into(), json!(description));
             if let Some(s) = expires {
                 body.insert("expiresS".into(), json!(s));

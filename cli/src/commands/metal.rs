@@ -4,7 +4,6 @@
 //! machine rests in a stable state, its workflow's steps shown on standard error.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use bc_core::id::{ImageId, NodeId, PoolId, WorkflowId};
 use clap::{Args, Subcommand};
@@ -15,7 +14,7 @@ use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, Settle, add_if_version, add_page, check_id, idempotency_key, put_id};
 
 /// How long to wait for a machine's workflow to end.
 #[derive(Args, Clone, Copy)]
@@ -148,8 +147,6 @@ pub enum WorkflowsCommand {
     Retry { workflow_id: String },
 }
 
-/// How often `--wait` reads the machine again.
-const WAIT_POLL_MS: u64 = 500;
 /// Largest password file read.
 const PASSWORD_FILE_BYTES_MAX: u64 = 4096;
 /// Largest CA file read.
@@ -176,51 +173,36 @@ fn password(path: &std::path::Path) -> Result<String, CliError> {
 fn machine_body(ctx: &Context, verb: &MachineVerbArgs) -> Result<Map<String, Value>, CliError> {
     let mut body = ctx.tenant_body()?;
     body.insert("nodeId".into(), json!(check_id::<NodeId>("NODE_ID", &verb.node_id)?));
-    if let Some(v) = verb.if_version.if_version {
-        body.insert("ifVersion".into(), json!(v));
-    }
+    add_if_version(&mut body, &verb.if_version);
     Ok(body)
 }
 
-/// Follows the machine until it rests in a stable state, or `wait.wait` seconds pass (then
-/// exit 1 with the machine as it stands).
-async fn settle(ctx: &Context, c: &Client, mut machine: Value, wait: MetalWait) -> Result<Value, CliError> {
-    if wait.wait == 0 {
-        return Ok(machine);
-    }
-    let deadline = Instant::now() + Duration::from_secs(wait.wait);
-    let mut shown = String::new();
-    loop {
-        let running = machine["workflow"]["outcome"] == "running";
-        if !running {
-            return Ok(machine);
+/// `--wait`: until the machine rests in a stable state (its workflow no longer runs), read
+/// again every 500 ms.
+const SETTLE: Settle = Settle {
+    get: "metal.get",
+    id_field: "nodeId",
+    poll_ms: 500,
+    progress: |machine| {
+        if machine["workflow"]["outcome"] != "running" {
+            return None;
         }
         let step = machine["workflow"]["steps"]
             .as_array()
             .and_then(|s| s.iter().find(|s| s["state"] == "running"))
             .and_then(|s| s["name"].as_str())
-            .unwrap_or("-")
-            .to_owned();
-        let line = format!(
+            .unwrap_or("-");
+        Some(format!(
             "{}: {} at step {step}",
             machine["state"].as_str().unwrap_or("?"),
             machine["workflow"]["verb"].as_str().unwrap_or("?")
-        );
-        if line != shown {
-            eprintln!("{line}…");
-            shown = line;
-        }
-        if Instant::now() >= deadline {
-            ctx.print(&machine, Format::Json)?;
-            return Err(CliError::new("TIMEOUT", format!("the machine's workflow still runs after {} s", wait.wait))
-                .hint("`metal get` shows where it stands; its workflow fails by itself at its deadline"));
-        }
-        tokio::time::sleep(Duration::from_millis(WAIT_POLL_MS)).await;
-        let mut get = ctx.tenant_body()?;
-        get.insert("nodeId".into(), machine["nodeId"].clone());
-        machine = c.call("metal.get", &Value::Object(get), None).await?;
-    }
-}
+        ))
+    },
+    timed_out: |_, wait_s| {
+        CliError::new("TIMEOUT", format!("the machine's workflow still runs after {wait_s} s"))
+            .hint("`metal get` shows where it stands; its workflow fails by itself at its deadline")
+    },
+};
 
 pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
     let c = ctx.client()?;
@@ -237,7 +219,7 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
         MetalCommand::List { pool, state, page } => {
             let mut body = ctx.tenant_body()?;
             if let Some(p) = pool {
-                body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &p)?));
+                put_id::<PoolId>(&mut body, "poolId", "--pool", &p)?;
             }
             if let Some(s) = state {
                 body.insert("state".into(), json!(s));
@@ -247,7 +229,7 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
         }
         MetalCommand::Get { node_id } => {
             let mut body = ctx.tenant_body()?;
-            body.insert("nodeId".into(), json!(check_id::<NodeId>("NODE_ID", &node_id)?));
+            put_id::<NodeId>(&mut body, "nodeId", "NODE_ID", &node_id)?;
             return ctx.print(&c.call("metal.get", &Value::Object(body), None).await?, Format::Json);
         }
         MetalCommand::Deploy { verb, image, token_out } => {
@@ -256,7 +238,7 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
         }
         MetalCommand::Rescue { verb, image } => {
             let mut body = machine_body(ctx, &verb)?;
-            body.insert("imageId".into(), json!(check_id::<ImageId>("--image", &image)?));
+            put_id::<ImageId>(&mut body, "imageId", "--image", &image)?;
             ("metal.rescue", body, verb.wait)
         }
         MetalCommand::Power { verb, power } => {
@@ -274,7 +256,7 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
         MetalCommand::Abort(v) => simple("metal.abort", v)?,
     };
     let machine = c.call(method, &Value::Object(body), None).await?;
-    let machine = settle(ctx, &c, machine, wait).await?;
+    let machine = SETTLE.follow(ctx, &c, machine, wait.wait).await?;
     ctx.print(&machine, Format::Json)
 }
 
@@ -317,7 +299,7 @@ async fn deploy(ctx: &Context, c: &Client, verb: MachineVerbArgs, image: &str, t
             .hint("--token-out never overwrites: give a new file"));
     }
     let mut body = machine_body(ctx, &verb)?;
-    body.insert("imageId".into(), json!(check_id::<ImageId>("--image", image)?));
+    put_id::<ImageId>(&mut body, "imageId", "--image", image)?;
     let answer = c.call("metal.deploy", &Value::Object(body), None).await?;
     if let Some(token) = answer["joinToken"].as_str() {
         bc_core::keys::write_secret_file(token_out, format!("{token}\n").as_bytes()).map_err(|e| {
@@ -325,7 +307,7 @@ async fn deploy(ctx: &Context, c: &Client, verb: MachineVerbArgs, image: &str, t
         })?;
         eprintln!("join token written to {} (0600)", token_out.display());
     }
-    settle(ctx, c, answer["machine"].clone(), verb.wait).await
+    SETTLE.follow(ctx, c, answer["machine"].clone(), verb.wait.wait).await
 }
 
 pub async fn workflows(ctx: &Context, command: WorkflowsCommand) -> Result<(), CliError> {
@@ -333,7 +315,7 @@ pub async fn workflows(ctx: &Context, command: WorkflowsCommand) -> Result<(), C
     let mut body = ctx.tenant_body()?;
     let (method, id) = match command {
         WorkflowsCommand::List { node, page } => {
-            body.insert("nodeId".into(), json!(check_id::<NodeId>("--node", &node)?));
+            put_id::<NodeId>(&mut body, "nodeId", "--node", &node)?;
             add_page(&mut body, &page);
             return ctx.print_list(&c.call("workflows.list", &Value::Object(body), None).await?, tables::WORKFLOWS);
         }
@@ -343,6 +325,6 @@ pub async fn workflows(ctx: &Context, command: WorkflowsCommand) -> Result<(), C
         WorkflowsCommand::Resume { workflow_id } => ("workflows.resume", workflow_id),
         WorkflowsCommand::Retry { workflow_id } => ("workflows.retry", workflow_id),
     };
-    body.insert("workflowId".into(), json!(check_id::<WorkflowId>("WORKFLOW_ID", &id)?));
+    put_id::<WorkflowId>(&mut body, "workflowId", "WORKFLOW_ID", &id)?;
     ctx.print(&c.call(method, &Value::Object(body), None).await?, Format::Json)
 }

@@ -1,16 +1,19 @@
-//! Running what `flags` parsed: [`Command::run`] hands each command group to its module, and
-//! [`Context`] carries what they share (the global flags, the client, printing, id checks).
+//! Running what the command line parsed: [`Command::run`] hands each command group to its
+//! module, and [`Context`] carries what they share (the global flags, the client, printing, id
+//! checks, `--wait`'s following).
 //!
-//! One module per group: `api` (any method, the item syntax, the method table), `events`,
-//! `pools`, `nodes`, `inventory`, `join_tokens`, `agent_commands` (`commands …`, work for a node's agent), `release` (`releases keygen|sign|verify`, offline), `reservations` (`reserve`, `release`, `extend`, `reservations`, `capacity`,
-//! `quotas`), `flavors` (`flavors …`, `images …`), `webhooks`, `auth`, `operator` (`dev`, `serve`, `reconcile`, `migrate`, `pki`,
-//! `projections`), `audit`, `sim` (`sim replay`), and `meta` (`completion`, `help`).
+//! A group's module owns its clap types (its subcommand enum and the flag groups only it uses)
+//! and its `run`; flag groups several groups take are in `crate::flags`. Every id is checked for
+//! its kind before anything is sent, so a wrong id is a usage error (exit 2) and never a call;
+//! every create sends an idempotency key, printed so a retry can reuse it.
+
+use std::time::{Duration, Instant};
 
 use bc_core::id::TenantId;
 use serde_json::{Map, Value, json};
 
 use crate::client::{CliError, Client};
-use crate::flags::{Command, GlobalArgs, Page};
+use crate::flags::{Command, GlobalArgs, IdempotencyKey, IfVersion, Page};
 use crate::output::{self, Column, Format};
 
 pub mod agent_commands;
@@ -105,6 +108,33 @@ impl Context {
         self.print(value, Format::Table)
     }
 
+    /// Sends `method` with `body`, under `key` when it is a create.
+    pub async fn call(&self, method: &str, body: Map<String, Value>, key: Option<&str>) -> Result<Value, CliError> {
+        self.client()?.call(method, &Value::Object(body), key).await
+    }
+
+    /// Sends a create method under the user's `--key`, or a fresh key, printed so a retry can
+    /// reuse it (see [`idempotency_key`]).
+    pub async fn create(&self, method: &str, body: Map<String, Value>, key: &IdempotencyKey) -> Result<Value, CliError> {
+        let c = self.client()?;
+        let key = idempotency_key(&key.key);
+        c.call(method, &Value::Object(body), Some(&key)).await
+    }
+
+    /// Sends a list method for `page` and prints the rows as a table of `columns` (see
+    /// [`Self::print_list`]).
+    pub async fn list(
+        &self,
+        method: &str,
+        mut body: Map<String, Value>,
+        page: &Page,
+        columns: &[Column],
+    ) -> Result<(), CliError> {
+        add_page(&mut body, page);
+        let rows = self.call(method, body, None).await?;
+        self.print_list(&rows, columns)
+    }
+
     /// A body holding `--tenant`, checked, when it is given.
     pub fn tenant_body(&self) -> Result<Map<String, Value>, CliError> {
         let mut body = Map::new();
@@ -156,6 +186,64 @@ pub fn add_page(body: &mut Map<String, Value>, page: &Page) {
     }
     if let Some(cursor) = &page.cursor {
         body.insert("cursor".into(), json!(cursor));
+    }
+}
+
+/// Puts `--if-version`, when it is given, as `ifVersion`.
+pub fn add_if_version(body: &mut Map<String, Value>, if_version: &IfVersion) {
+    if let Some(v) = if_version.if_version {
+        body.insert("ifVersion".into(), json!(v));
+    }
+}
+
+/// Puts the id `text` as `field`, its kind checked first (`what` names it in the error).
+pub fn put_id<T: std::str::FromStr<Err = bc_core::Error>>(
+    body: &mut Map<String, Value>,
+    field: &str,
+    what: &str,
+    text: &str,
+) -> Result<(), CliError> {
+    body.insert(field.into(), json!(check_id::<T>(what, text)?));
+    Ok(())
+}
+
+/// How `--wait` follows a resource after a change: what it reads again, how often, when it
+/// has settled, and what it says when the wait runs out.
+pub struct Settle {
+    /// The get method, and the id field it takes from the resource.
+    pub get: &'static str,
+    pub id_field: &'static str,
+    pub poll_ms: u64,
+    /// The progress line while the resource has not settled; `None` once it has.
+    pub progress: fn(&Value) -> Option<String>,
+    /// The error when it has not settled after `wait_s` seconds.
+    pub timed_out: fn(&Value, u64) -> CliError,
+}
+
+impl Settle {
+    /// Follows `resource` until it settles, showing each new progress line on stderr, or until
+    /// `wait_s` seconds pass (then exit 1 with the resource as it stands printed). `0`: no wait.
+    pub async fn follow(&self, ctx: &Context, c: &Client, mut resource: Value, wait_s: u64) -> Result<Value, CliError> {
+        if wait_s == 0 {
+            return Ok(resource);
+        }
+        let deadline = Instant::now() + Duration::from_secs(wait_s);
+        let mut shown = String::new();
+        loop {
+            let Some(line) = (self.progress)(&resource) else { return Ok(resource) };
+            if line != shown {
+                eprintln!("{line}…");
+                shown = line;
+            }
+            if Instant::now() >= deadline {
+                ctx.print(&resource, Format::Json)?;
+                return Err((self.timed_out)(&resource, wait_s));
+            }
+            tokio::time::sleep(Duration::from_millis(self.poll_ms)).await;
+            let mut get = ctx.tenant_body()?;
+            get.insert(self.id_field.into(), resource[self.id_field].clone());
+            resource = c.call(self.get, &Value::Object(get), None).await?;
+        }
     }
 }
 

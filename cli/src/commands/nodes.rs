@@ -12,7 +12,7 @@ use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, check_id, idempotency_key, labels};
+use super::{Context, check_id, idempotency_key, labels, put_id};
 
 /// Longest `nodes drain --wait`: a day.
 pub const DRAIN_WAIT_S_MAX: u64 = 86_400;
@@ -102,7 +102,7 @@ pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
         NodesCommand::List { page, pool } => {
             let mut body = ctx.page_body(&page)?;
             if let Some(pool) = pool {
-                body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+                put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             }
             return ctx.print_list(&c.call("nodes.list", &Value::Object(body), None).await?, tables::NODES);
         }
@@ -141,7 +141,7 @@ pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
         }
         NodesCommand::Register { pool, name, gpus, labels: items, key } => {
             let mut body = body;
-            body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+            put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             body.insert("name".into(), json!(name));
             let gpus = gpus.iter().map(|spec| gpu(spec)).collect::<Result<Vec<_>, _>>()?;
             body.insert("gpus".into(), Value::Array(gpus));
@@ -174,7 +174,7 @@ async fn node_op(
     items: &[String],
     wait_s: u64,
 ) -> Result<Value, CliError> {
-    body.insert("nodeId".into(), json!(check_id::<NodeId>("NODE_ID", node)?));
+    put_id::<NodeId>(&mut body, "nodeId", "NODE_ID", node)?;
     if let Some(v) = if_version {
         body.insert("ifVersion".into(), json!(v));
     }

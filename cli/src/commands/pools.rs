@@ -9,7 +9,7 @@ use crate::flags::{IdempotencyKey, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, check_id, idempotency_key, labels};
+use super::{Context, idempotency_key, labels, put_id};
 
 #[derive(Subcommand)]
 pub enum PoolsCommand {
@@ -45,7 +45,7 @@ pub async fn run(ctx: &Context, command: PoolsCommand) -> Result<(), CliError> {
         }
         PoolsCommand::Get { pool_id } => {
             let mut body = ctx.tenant_body()?;
-            body.insert("poolId".into(), json!(check_id::<PoolId>("POOL_ID", &pool_id)?));
+            put_id::<PoolId>(&mut body, "poolId", "POOL_ID", &pool_id)?;
             ctx.print(&c.call("pools.get", &Value::Object(body), None).await?, Format::Json)
         }
         PoolsCommand::Create { name, description, labels: items, key } => {

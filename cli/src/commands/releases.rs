@@ -14,7 +14,7 @@ use bc_core::release::{
     SIGNATURE_BYTES_MAX,
 };
 use clap::Subcommand;
-use serde_json::{Value, json};
+use serde_json::json;
 use sha2::{Digest as _, Sha256};
 
 use crate::client::CliError;
@@ -22,7 +22,7 @@ use crate::flags::{IdempotencyKey, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, put_id};
 
 #[derive(Subcommand)]
 pub enum ReleasesCommand {
@@ -101,14 +101,10 @@ const PUBLIC_KEY_FILE_BYTES_MAX: u64 = 4 * 1024;
 pub async fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
     let value = match command {
-        ReleasesCommand::List { page } => {
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("releases.list", &Value::Object(body), None).await?, tables::RELEASES);
-        }
+        ReleasesCommand::List { page } => return ctx.list("releases.list", body, &page, tables::RELEASES).await,
         ReleasesCommand::Get { release_id } => {
-            body.insert("releaseId".into(), json!(check_id::<ReleaseId>("RELEASE_ID", &release_id)?));
-            ctx.client()?.call("releases.get", &Value::Object(body), None).await?
+            put_id::<ReleaseId>(&mut body, "releaseId", "RELEASE_ID", &release_id)?;
+            ctx.call("releases.get", body, None).await?
         }
         ReleasesCommand::Register { manifest, signature, key } => {
             let signature = signature.unwrap_or_else(|| signature_path_of(&manifest));
@@ -116,9 +112,7 @@ pub async fn run(ctx: &Context, command: ReleasesCommand) -> Result<(), CliError
             let signature_text = read_text_bounded(&signature, "--signature", SIGNATURE_BYTES_MAX)?;
             body.insert("manifest".into(), json!(manifest_text));
             body.insert("signature".into(), json!(signature_text.trim_end()));
-            let c = ctx.client()?;
-            let key = idempotency_key(&key.key);
-            c.call("releases.register", &Value::Object(body), Some(&key)).await?
+            ctx.create("releases.register", body, &key).await?
         }
         ReleasesCommand::Keygen { out } => {
             let key = ReleaseKey::generate();

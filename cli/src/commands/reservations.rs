@@ -11,7 +11,7 @@ use crate::flags::{IdempotencyKey, IfVersion, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key};
+use super::{Context, add_page, idempotency_key, put_id};
 
 #[derive(Args)]
 pub struct ReserveArgs {
@@ -137,7 +137,7 @@ fn ask_body(
     duration_s: u64,
     placement: &PlacementArgs,
 ) -> Result<(), CliError> {
-    body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", pool)?));
+    put_id::<PoolId>(body, "poolId", "--pool", pool)?;
     body.insert("gpus".into(), json!(gpus));
     body.insert("durationS".into(), json!(duration_s));
     body.insert("nvlink".into(), json!(placement.nvlink));
@@ -192,7 +192,7 @@ async fn on_reservation(
     id: &str,
     extra: &[(&str, Value)],
 ) -> Result<Value, CliError> {
-    body.insert("reservationId".into(), json!(check_id::<ReservationId>("RESERVATION_ID", id)?));
+    put_id::<ReservationId>(&mut body, "reservationId", "RESERVATION_ID", id)?;
     for (k, v) in extra {
         body.insert((*k).into(), v.clone());
     }
@@ -223,7 +223,7 @@ pub async fn run(ctx: &Context, command: ReservationsCommand) -> Result<(), CliE
                 body.insert("state".into(), json!(state));
             }
             if let Some(pool) = pool {
-                body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+                put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             }
             add_page(&mut body, &page);
             ctx.print_list(&c.call("reservations.list", &Value::Object(body), None).await?, tables::RESERVATIONS)
@@ -249,7 +249,7 @@ pub async fn capacity(ctx: &Context, args: CapacityArgs) -> Result<(), CliError>
         return Err(CliError::usage("--gpus, --for, --selector and --nvlink go with --preview"));
     }
     if let Some(pool) = &args.pool {
-        body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", pool)?));
+        put_id::<PoolId>(&mut body, "poolId", "--pool", pool)?;
     }
     ctx.print_list(&c.call("capacity.get", &Value::Object(body), None).await?, tables::CAPACITY)
 }
@@ -264,6 +264,6 @@ pub async fn quotas(ctx: &Context, command: QuotasCommand) -> Result<(), CliErro
             ("quotas.set", pool)
         }
     };
-    body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", pool)?));
+    put_id::<PoolId>(&mut body, "poolId", "--pool", pool)?;
     ctx.print(&c.call(method, &Value::Object(body), None).await?, Format::Json)
 }

@@ -14,7 +14,7 @@ use crate::flags::{IdempotencyKey, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, check_id, idempotency_key, labels};
+use super::{Context, idempotency_key, labels, put_id};
 
 /// What a node with live reservations does when its turn comes.
 #[derive(clap::ValueEnum, Clone, Copy)]
@@ -156,7 +156,7 @@ fn act(
     rollout_id: &str,
     reason: Option<String>,
 ) -> Result<(&'static str, Option<String>), CliError> {
-    body.insert("rolloutId".into(), json!(check_id::<RolloutId>("ROLLOUT_ID", rollout_id)?));
+    put_id::<RolloutId>(body, "rolloutId", "ROLLOUT_ID", rollout_id)?;
     if let Some(reason) = reason {
         body.insert("reason".into(), json!(reason));
     }
@@ -166,13 +166,9 @@ fn act(
 pub async fn run(ctx: &Context, command: RolloutsCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
     let (method, key) = match command {
-        RolloutsCommand::List { page } => {
-            add_page(&mut body, &page);
-            let c = ctx.client()?;
-            return ctx.print_list(&c.call("rollouts.list", &Value::Object(body), None).await?, tables::ROLLOUTS);
-        }
+        RolloutsCommand::List { page } => return ctx.list("rollouts.list", body, &page, tables::ROLLOUTS).await,
         RolloutsCommand::Get { rollout_id, wait } => {
-            body.insert("rolloutId".into(), json!(check_id::<RolloutId>("ROLLOUT_ID", &rollout_id)?));
+            put_id::<RolloutId>(&mut body, "rolloutId", "ROLLOUT_ID", &rollout_id)?;
             let c = ctx.client()?;
             if let Some(wait_s) = wait {
                 return follow(ctx, &c, body, wait_s).await;
@@ -191,9 +187,9 @@ pub async fn run(ctx: &Context, command: RolloutsCommand) -> Result<(), CliError
             busy_nodes,
             key,
         } => {
-            body.insert("releaseId".into(), json!(check_id::<ReleaseId>("--release", &release)?));
+            put_id::<ReleaseId>(&mut body, "releaseId", "--release", &release)?;
             if let Some(pool) = pool {
-                body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &pool)?));
+                put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
             }
             if !items.is_empty() {
                 body.insert("labels".into(), labels(&items)?);
