@@ -116,31 +116,18 @@ pub struct Registration {
     build: fn(&Inputs) -> bc_core::Result<Option<Task>>,
 }
 
+/// Activated at each of the simulator's reconciler steps, and cut by `reconciler-crash`.
+const PASS_CUT: Simulated = Simulated::Passes { crashes: true };
+/// Activated at each of the simulator's reconciler steps; `reconciler-crash` leaves it out.
+const PASS: Simulated = Simulated::Passes { crashes: false };
+
 /// Every reconciler this version runs. The order is the simulator's order of activation.
 pub const REGISTRY: &[Registration] = &[
-    Registration {
-        name: reservations::NAME,
-        appends: true,
-        duty: false,
-        simulated: Simulated::Passes { crashes: true },
-        build: build_reservations,
-    },
+    Registration { name: reservations::NAME, appends: true, duty: false, simulated: PASS_CUT, build: build_reservations },
     Registration { name: webhooks::CONSUMER, appends: false, duty: false, simulated: Simulated::Consumer, build: build_webhooks },
     Registration { name: checkpoints::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_checkpoints },
-    Registration {
-        name: rollouts::NAME,
-        appends: true,
-        duty: false,
-        simulated: Simulated::Passes { crashes: false },
-        build: build_rollouts,
-    },
-    Registration {
-        name: liveness::NAME,
-        appends: true,
-        duty: false,
-        simulated: Simulated::Passes { crashes: true },
-        build: build_liveness,
-    },
+    Registration { name: rollouts::NAME, appends: true, duty: false, simulated: PASS, build: build_rollouts },
+    Registration { name: liveness::NAME, appends: true, duty: false, simulated: PASS_CUT, build: build_liveness },
     Registration { name: instances::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_instances },
     Registration { name: metal::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_metal },
     Registration { name: witnesses::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_witnesses },
