@@ -12,7 +12,8 @@ use bc_projections::decide::{self, RolloutCreateInput, RolloutVerb};
 use bc_projections::placement::all_rows;
 use bc_projections::rollout::{
     BusyNodes, KIND_ROLLOUT, KIND_ROLLOUT_LIVE, MAX_UNAVAILABLE_DEFAULT, MIN_READY_S_DEFAULT, MIN_READY_S_MAX,
-    NODE_DEADLINE_S_DEFAULT, NODE_DEADLINE_S_MAX, NODE_DEADLINE_S_MIN, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, RolloutDoc,
+    NODE_DEADLINE_S_DEFAULT, NODE_DEADLINE_S_MAX, NODE_DEADLINE_S_MIN, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, ReleaseDoc,
+    RolloutDoc,
 };
 use bc_projections::{KIND_NODE, NodeDoc};
 use schemars::{JsonSchema, json_schema};
@@ -143,7 +144,35 @@ async fn rollout_doc(call: &Call<'_>, tenant: TenantId, id: &RolloutId) -> Resul
     call.row(tenant, KIND_ROLLOUT, &id.to_string(), "rollout").await
 }
 
+/// Parse, check, choose the nodes and decide (`decide::rollout_nodes`, `decide::rollout_create`),
+/// append, answer with the rollout its append wrote.
 async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<RolloutView> {
+    let Checked { tenant, release, labels, create } = check_create(call, input).await?;
+    let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
+    let chosen = decide::rollout_nodes(&nodes, create.pool_id.as_deref(), &labels);
+    let live: Vec<RolloutDoc> = all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
+        .await?
+        .into_iter()
+        .filter(|r| r.state.is_live())
+        .collect();
+    let rollout = RolloutId::from_ulid(call.ulid());
+    let append = decide::rollout_create(&rollout.to_string(), &release, chosen, &live, create)?;
+    let result = call.submit(call.decided(tenant, append)).await?;
+    let id: RolloutId = parse_id("rolloutId", stream_id(&result.events[0].envelope.stream))?;
+    Ok(rollout_doc(call, tenant, &id).await?.into())
+}
+
+/// A checked `rollouts.create`: the tenant, the release (found and trusted), the labels that
+/// choose the nodes, and the rollout asked, its defaults filled in.
+struct Checked {
+    tenant: TenantId,
+    release: ReleaseDoc,
+    labels: BTreeMap<String, String>,
+    create: RolloutCreateInput,
+}
+
+/// Checks a `rollouts.create`: the release first, then how the rollout goes.
+async fn check_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Checked> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let release_id: ReleaseId = parse_id("releaseId", &input.release_id)?;
     let pool: Option<PoolId> = input.pool_id.as_deref().map(|p| parse_id("poolId", p)).transpose()?;
@@ -185,36 +214,18 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
             "maxUnavailable is 1 to {ROLLOUT_NODES_MAX}; waveFailuresMax at most {ROLLOUT_NODES_MAX}"
         )));
     }
-    let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
-    let labels = input.labels.clone().unwrap_or_default();
-    let pool_text = pool.map(|p| p.to_string());
-    let chosen = decide::rollout_nodes(&nodes, pool_text.as_deref(), &labels);
-    let live: Vec<RolloutDoc> = all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
-        .await?
-        .into_iter()
-        .filter(|r| r.state.is_live())
-        .collect();
-    let selector = decide::rollout_selector(&labels);
-    let rollout = RolloutId::from_ulid(call.ulid());
-    let append = decide::rollout_create(
-        &rollout.to_string(),
-        &release,
-        chosen,
-        &live,
-        RolloutCreateInput {
-            pool_id: pool_text,
-            selector,
-            waves,
-            max_unavailable,
-            min_ready_s,
-            node_deadline_s,
-            wave_failures_max,
-            busy_nodes: input.busy_nodes.unwrap_or_default(),
-        },
-    )?;
-    let result = call.submit(call.decided(tenant, append)).await?;
-    let id: RolloutId = parse_id("rolloutId", stream_id(&result.events[0].envelope.stream))?;
-    Ok(rollout_doc(call, tenant, &id).await?.into())
+    let labels = input.labels.unwrap_or_default();
+    let create = RolloutCreateInput {
+        pool_id: pool.map(|p| p.to_string()),
+        selector: decide::rollout_selector(&labels),
+        waves,
+        max_unavailable,
+        min_ready_s,
+        node_deadline_s,
+        wave_failures_max,
+        busy_nodes: input.busy_nodes.unwrap_or_default(),
+    };
+    Ok(Checked { tenant, release, labels, create })
 }
 
 async fn rollouts_get(call: &Call<'_>, input: RolloutRef) -> Result<RolloutView> {
