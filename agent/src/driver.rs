@@ -15,9 +15,9 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::config::{Config, Identity};
 use crate::journal::{Journal, JournalError, READ_ENTRIES_MAX};
-use crate::session::{Input, Output, Phase, SessionMachine, SystemRng};
 use crate::runner::{Agent, Instances, Runner};
-use crate::update::{Launch, UpdateSettings, Updater};
+use crate::session::{Input, Output, Phase, SessionMachine, SystemRng};
+use crate::update::{Launch, Pending, UpdateSettings, Updater};
 
 /// How often the machine is ticked.
 pub const TICK_MS: u64 = 100;
@@ -81,29 +81,10 @@ pub async fn run_node(
     let node: bc_core::id::NodeId = identity.identity.node_id.parse().map_err(|e: bc_core::Error| e.to_string())?;
     let gateway = config.gateway()?;
     let channel = gateway.channel()?;
-    let journal = Arc::new(Journal::open(&config.journal_path(), node, config.unacked_max()).await.map_err(|e| match e {
-        JournalError::OtherNode { .. } => {
-            format!("{}: {e} (hint: this data directory holds another node's journal)", config.journal_path().display())
-        }
-        other => other.to_string(),
-    })?);
     let version = crate::update::running_version();
-    let runner = Runner::for_config(&config, journal.clone(), identity.key.clone(), node, version.clone())?;
-    let updater = match (UpdateSettings::of(&config)?, launch.clone()) {
-        (Some(settings), Some(launch)) => Some(Arc::new(Updater::new(settings, version.clone(), launch)?)),
-        _ => None,
-    };
-    let agent = Arc::new(Agent { runner, instances: Instances::for_config(&config)?, update: updater.clone() });
+    let (journal, agent, capabilities) = open_agent(&config, &identity, node, &version, launch.clone()).await?;
+    let updater = agent.update.clone();
     let inventory = agent.runner.inventory.clone();
-    let capabilities = agent.capabilities();
-    if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
-        && let Some(reason) = agent.runner.binding.unprivileged()
-    {
-        tracing::warn!(reason = %reason, "this node cannot hold GPUs: holds fail at once");
-    }
-    if agent.instances.is_none() {
-        tracing::info!("this node has no hypervisor: it runs no instances");
-    }
     let status = status_of(&identity, &config, &version);
     let (updates_tx, updates_rx) = mpsc::channel::<crate::status::UpdateRequest>(1);
     let socket = crate::status::serve(&config.socket_path(), status.clone(), updater.as_ref().map(|_| updates_tx))?;
@@ -111,52 +92,34 @@ pub async fn run_node(
     if launch.is_some() {
         crate::update::write_pid_file(&config.data_dir)?;
     }
-    // Every start is journaled, and a rollback the watchdog made fails its command, before the
-    // session delivers anything.
-    let start = match &updater {
-        Some(updater) => Some(updater.start()?),
-        None => None,
-    };
-    let started_ms = SystemClock.now_ms();
-    let slot = start.as_ref().map(|s| s.slot.as_str()).unwrap_or("");
-    let previous = start.as_ref().and_then(|s| s.previous_version.clone());
-    match agent.runner.journal_agent_started(started_ms, slot, previous.as_deref()).await {
-        Ok(_) => {}
-        Err(JournalError::Full(n)) => tracing::warn!(unacked = n, "the journal is full: this start is not journaled"),
-        Err(e) => return Err(e.to_string()),
-    }
-    let mut pending_confirmation = None;
-    if let (Some(start), Some(updater)) = (start, &updater) {
-        if let Some(rollback) = &start.rollback {
-            tracing::warn!(reason = %rollback.reason, "the last update was rolled back");
-            if let Some(command) = &rollback.command_id {
-                agent.runner.finish_update(started_ms, command, Err(rollback.reason.clone())).await.map_err(|e| e.to_string())?;
-            }
-            updater.rollback_reported()?;
-        }
-        if let Some(pending) = start.pending {
-            tracing::info!(version = %pending.version, slot = pending.slot.as_str(), "this agent confirms its health once live");
-            pending_confirmation = Some(pending);
-        }
-    }
+    let pending_confirmation = journal_start(&agent).await?;
     let mut reexec = updater.as_ref().map(|u| u.reexec_requested());
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
-    let mut machine = SessionMachine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
+    let machine = SessionMachine::new(node, identity.key.clone(), capabilities, version.clone(), head, acked);
     tracing::info!(node = %node, gateway = %config.gateway, journal_head = head.0, journal_acked = acked, "bcd node started");
 
-    let clock = SystemClock;
-    let mut rng = SystemRng;
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
     let (commands_tx, commands_rx) = mpsc::channel::<bc_proto::Command>(COMMANDS_QUEUED_MAX);
     let worker = tokio::spawn(run_commands(agent.clone(), commands_rx, events_tx.clone()));
     let observer = tokio::spawn(observe(agent.clone(), inventory, config.observe_interval_ms()?, events_tx.clone()));
-    let mut generation = 0u64;
-    let mut outbound: Option<mpsc::Sender<bc_proto::AgentMessage>> = None;
+    let mut driver = Driver {
+        machine,
+        rng: SystemRng,
+        channel,
+        generation: 0,
+        outbound: None,
+        events_tx,
+        commands_tx,
+        journal,
+        status,
+        agent,
+        pending_confirmation,
+        live_since_ms: None,
+    };
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
-    let mut live_since_ms: Option<u64> = None;
     let result = loop {
         let input = tokio::select! {
             _ = &mut shutdown => break Ok(Exit::Stopped),
@@ -164,110 +127,19 @@ pub async fn run_node(
             _ = ticker.tick() => Input::Tick,
             event = events.recv() => match event {
                 None => break Err("the driver's channels closed".into()),
-                Some(Event::Connected(g, sender)) if g == generation => { outbound = Some(sender); Input::Connected }
-                Some(Event::Message(g, msg)) if g == generation => Input::Received(msg),
-                Some(Event::Broken(g, reason)) if g == generation => {
-                    outbound = None;
-                    tracing::info!(reason = %reason, "the session to the gateway ended");
-                    status.lock().expect("status lock").last_error = Some(reason.clone());
-                    Input::Disconnected { reason }
-                }
-                Some(Event::Journaled(seq, hash)) => {
-                    let mut s = status.lock().expect("status lock");
-                    s.journal_full = false;
-                    Input::Journaled { seq, hash }
-                }
-                Some(Event::JournalFull(message)) => {
-                    tracing::error!(error = %message, "the journal is full");
-                    let mut s = status.lock().expect("status lock");
-                    s.journal_full = true;
-                    s.last_error = Some(message);
-                    continue;
-                }
-                Some(_) => continue, // an event of a session already given up
+                Some(event) => match driver.input(event) {
+                    Some(input) => input,
+                    None => continue,
+                },
             },
         };
-        let outputs = machine.step(clock.now_ms(), &mut rng, input);
-        let mut overflowed = false;
-        for output in outputs {
-            match output {
-                Output::Connect => {
-                    generation += 1;
-                    tokio::spawn(connect(channel.clone(), generation, events_tx.clone()));
-                }
-                Output::Send(msg) => send(&outbound, msg).await,
-                Output::SendEntries { from, to } => {
-                    if let Err(e) = send_entries(&journal, &outbound, from, to).await {
-                        tracing::error!(error = %e, "reading the journal failed");
-                    }
-                }
-                Output::Acknowledged { seq } => {
-                    if let Err(e) = journal.ack(seq).await {
-                        tracing::error!(error = %e, "marking entries acknowledged failed");
-                    }
-                }
-                Output::Run(command) => {
-                    // Dropping one command and running the next would run them out of order
-                    // (a release before its hold): the session ends instead, and the next one
-                    // delivers every unfinished command again, in issue order.
-                    if !overflowed && commands_tx.try_send(command).is_err() {
-                        tracing::warn!("the command queue is full; the session ends so commands come again in order");
-                        overflowed = true;
-                        outbound = None;
-                        generation += 1;
-                    }
-                }
-                Output::Close { reason } => {
-                    tracing::info!(reason = %reason, "closing the session");
-                    outbound = None;
-                    generation += 1;
-                }
-                Output::Fatal(message) => {
-                    worker.abort();
-                    observer.abort();
-                    return Err(message);
-                }
-            }
+        if let Err(message) = driver.step(input).await {
+            worker.abort();
+            observer.abort();
+            return Err(message);
         }
-        if overflowed {
-            machine.step(clock.now_ms(), &mut rng, Input::Disconnected { reason: "the command queue is full".into() });
-        }
-        // A new agent confirms its health once its session has been live (Welcome received)
-        // for `healthy_after_s`; then the update's command succeeds.
-        let now_ms = clock.now_ms();
-        live_since_ms = if matches!(machine.phase(), Phase::Live) { live_since_ms.or(Some(now_ms)) } else { None };
-        if let (Some(pending), Some(since), Some(updater)) = (&pending_confirmation, live_since_ms, &updater)
-            && now_ms >= since + updater.settings.healthy_after_s * 1000
-        {
-            match updater.confirm(pending) {
-                Ok(true) => {
-                    if let Some(command) = &pending.command_id {
-                        let result = serde_json::json!({ "version": pending.version, "slot": pending.slot.as_str() });
-                        journaled(
-                            &events_tx,
-                            agent.runner.finish_update(now_ms, command, Ok(result)).await,
-                            "an update's success",
-                        )
-                        .await;
-                    }
-                }
-                Ok(false) => tracing::warn!("the watchdog took the update first: it rolls back"),
-                Err(e) => tracing::error!(error = %e, "confirming the update failed"),
-            }
-            pending_confirmation = None;
-        }
-        let mut s = status.lock().expect("status lock");
-        s.session = match machine.phase() {
-            Phase::Idle { .. } => "idle",
-            Phase::Connecting => "connecting",
-            Phase::AwaitChallenge | Phase::AwaitWelcome => "handshake",
-            Phase::Live => "live",
-        }
-        .into();
-        s.sessions = machine.sessions;
-        s.journal_head = machine.head();
-        s.journal_acked = machine.acked();
-        s.journal_unacked = machine.head().saturating_sub(machine.acked());
+        driver.confirm_when_healthy().await;
+        driver.show_status();
     };
     worker.abort();
     observer.abort();
@@ -286,6 +158,214 @@ pub async fn run_node(
         }
     }
     result
+}
+
+/// Opens the node's journal and builds what runs its commands (the runner, the hypervisor, the
+/// updater with `[update]` and a `launch`); and the capabilities the session announces, with a
+/// line in the log for each it lacks.
+async fn open_agent(
+    config: &Config,
+    identity: &Identity,
+    node: bc_core::id::NodeId,
+    version: &str,
+    launch: Option<Launch>,
+) -> Result<(Arc<Journal>, Arc<Agent>, Vec<String>), String> {
+    let journal = Arc::new(Journal::open(&config.journal_path(), node, config.unacked_max()).await.map_err(|e| match e {
+        JournalError::OtherNode { .. } => {
+            format!("{}: {e} (hint: this data directory holds another node's journal)", config.journal_path().display())
+        }
+        other => other.to_string(),
+    })?);
+    let runner = Runner::for_config(config, journal.clone(), identity.key.clone(), node, version.to_owned())?;
+    let updater = match (UpdateSettings::of(config)?, launch) {
+        (Some(settings), Some(launch)) => Some(Arc::new(Updater::new(settings, version.to_owned(), launch)?)),
+        _ => None,
+    };
+    let agent = Arc::new(Agent { runner, instances: Instances::for_config(config)?, update: updater });
+    let capabilities = agent.capabilities();
+    if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
+        && let Some(reason) = agent.runner.binding.unprivileged()
+    {
+        tracing::warn!(reason = %reason, "this node cannot hold GPUs: holds fail at once");
+    }
+    if agent.instances.is_none() {
+        tracing::info!("this node has no hypervisor: it runs no instances");
+    }
+    Ok((journal, agent, capabilities))
+}
+
+/// Journals this start, and fails the command of a rollback the watchdog made, before the
+/// session delivers anything. The update this agent is to confirm once healthy, if any.
+async fn journal_start(agent: &Agent) -> Result<Option<Pending>, String> {
+    let start = match &agent.update {
+        Some(updater) => Some(updater.start()?),
+        None => None,
+    };
+    let started_ms = SystemClock.now_ms();
+    let slot = start.as_ref().map(|s| s.slot.as_str()).unwrap_or("");
+    let previous = start.as_ref().and_then(|s| s.previous_version.clone());
+    match agent.runner.journal_agent_started(started_ms, slot, previous.as_deref()).await {
+        Ok(_) => {}
+        Err(JournalError::Full(n)) => tracing::warn!(unacked = n, "the journal is full: this start is not journaled"),
+        Err(e) => return Err(e.to_string()),
+    }
+    let (Some(start), Some(updater)) = (start, &agent.update) else { return Ok(None) };
+    if let Some(rollback) = &start.rollback {
+        tracing::warn!(reason = %rollback.reason, "the last update was rolled back");
+        if let Some(command) = &rollback.command_id {
+            agent.runner.finish_update(started_ms, command, Err(rollback.reason.clone())).await.map_err(|e| e.to_string())?;
+        }
+        updater.rollback_reported()?;
+    }
+    let Some(pending) = start.pending else { return Ok(None) };
+    tracing::info!(version = %pending.version, slot = pending.slot.as_str(), "this agent confirms its health once live");
+    Ok(Some(pending))
+}
+
+/// The session's loop state: the machine, the current session's stream, and what its outputs
+/// are carried out on.
+struct Driver {
+    machine: SessionMachine,
+    rng: SystemRng,
+    channel: tonic::transport::Channel,
+    /// The current session's number: the events of a session already given up are dropped.
+    generation: u64,
+    outbound: Option<mpsc::Sender<bc_proto::AgentMessage>>,
+    events_tx: mpsc::Sender<Event>,
+    commands_tx: mpsc::Sender<bc_proto::Command>,
+    journal: Arc<Journal>,
+    status: Arc<Mutex<Status>>,
+    agent: Arc<Agent>,
+    /// The update this agent confirms once its session has been live for `healthy_after_s`.
+    pending_confirmation: Option<Pending>,
+    live_since_ms: Option<u64>,
+}
+
+impl Driver {
+    /// The machine's input for an event of the driver's tasks; none for an event of a session
+    /// already given up, or one only the status shows.
+    fn input(&mut self, event: Event) -> Option<Input> {
+        match event {
+            Event::Connected(g, sender) if g == self.generation => {
+                self.outbound = Some(sender);
+                Some(Input::Connected)
+            }
+            Event::Message(g, msg) if g == self.generation => Some(Input::Received(msg)),
+            Event::Broken(g, reason) if g == self.generation => {
+                self.outbound = None;
+                tracing::info!(reason = %reason, "the session to the gateway ended");
+                self.status.lock().expect("status lock").last_error = Some(reason.clone());
+                Some(Input::Disconnected { reason })
+            }
+            Event::Journaled(seq, hash) => {
+                let mut s = self.status.lock().expect("status lock");
+                s.journal_full = false;
+                Some(Input::Journaled { seq, hash })
+            }
+            Event::JournalFull(message) => {
+                tracing::error!(error = %message, "the journal is full");
+                let mut s = self.status.lock().expect("status lock");
+                s.journal_full = true;
+                s.last_error = Some(message);
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Feeds the machine one input and carries out its outputs, in order; the message of a
+    /// fatal one.
+    async fn step(&mut self, input: Input) -> Result<(), String> {
+        let outputs = self.machine.step(SystemClock.now_ms(), &mut self.rng, input);
+        let mut overflowed = false;
+        for output in outputs {
+            match output {
+                Output::Connect => {
+                    self.generation += 1;
+                    tokio::spawn(connect(self.channel.clone(), self.generation, self.events_tx.clone()));
+                }
+                Output::Send(msg) => send(&self.outbound, msg).await,
+                Output::SendEntries { from, to } => {
+                    if let Err(e) = send_entries(&self.journal, &self.outbound, from, to).await {
+                        tracing::error!(error = %e, "reading the journal failed");
+                    }
+                }
+                Output::Acknowledged { seq } => {
+                    if let Err(e) = self.journal.ack(seq).await {
+                        tracing::error!(error = %e, "marking entries acknowledged failed");
+                    }
+                }
+                Output::Run(command) => {
+                    // Dropping one command and running the next would run them out of order
+                    // (a release before its hold): the session ends instead, and the next one
+                    // delivers every unfinished command again, in issue order.
+                    if !overflowed && self.commands_tx.try_send(command).is_err() {
+                        tracing::warn!("the command queue is full; the session ends so commands come again in order");
+                        overflowed = true;
+                        self.outbound = None;
+                        self.generation += 1;
+                    }
+                }
+                Output::Close { reason } => {
+                    tracing::info!(reason = %reason, "closing the session");
+                    self.outbound = None;
+                    self.generation += 1;
+                }
+                Output::Fatal(message) => return Err(message),
+            }
+        }
+        if overflowed {
+            self.machine.step(
+                SystemClock.now_ms(),
+                &mut self.rng,
+                Input::Disconnected { reason: "the command queue is full".into() },
+            );
+        }
+        Ok(())
+    }
+
+    /// A new agent confirms its health once its session has been live (Welcome received) for
+    /// `healthy_after_s`; then the update's command succeeds.
+    async fn confirm_when_healthy(&mut self) {
+        let now_ms = SystemClock.now_ms();
+        self.live_since_ms = if matches!(self.machine.phase(), Phase::Live) { self.live_since_ms.or(Some(now_ms)) } else { None };
+        let (Some(pending), Some(since), Some(updater)) = (&self.pending_confirmation, self.live_since_ms, &self.agent.update)
+        else {
+            return;
+        };
+        if now_ms < since + updater.settings.healthy_after_s * 1000 {
+            return;
+        }
+        match updater.confirm(pending) {
+            Ok(true) => {
+                if let Some(command) = &pending.command_id {
+                    let result = serde_json::json!({ "version": pending.version, "slot": pending.slot.as_str() });
+                    let finished = self.agent.runner.finish_update(now_ms, command, Ok(result)).await;
+                    journaled(&self.events_tx, finished, "an update's success").await;
+                }
+            }
+            Ok(false) => tracing::warn!("the watchdog took the update first: it rolls back"),
+            Err(e) => tracing::error!(error = %e, "confirming the update failed"),
+        }
+        self.pending_confirmation = None;
+    }
+
+    /// What `bcd status` shows of the session and the journal.
+    fn show_status(&self) {
+        let machine = &self.machine;
+        let mut s = self.status.lock().expect("status lock");
+        s.session = match machine.phase() {
+            Phase::Idle { .. } => "idle",
+            Phase::Connecting => "connecting",
+            Phase::AwaitChallenge | Phase::AwaitWelcome => "handshake",
+            Phase::Live => "live",
+        }
+        .into();
+        s.sessions = machine.sessions;
+        s.journal_head = machine.head();
+        s.journal_acked = machine.acked();
+        s.journal_unacked = machine.head().saturating_sub(machine.acked());
+    }
 }
 
 /// Runs the updates asked for by hand (`bcd update`), one at a time; the re-exec is asked for

@@ -390,52 +390,22 @@ impl Runner {
         // Recorded first: a crash part way leaves the ledger naming what the machine may have,
         // so a delete (or the reservation's release) knows to clean it up.
         let mut next = ledger.clone();
-        next.instances.insert(
-            id.to_owned(),
-            Instance {
-                reservation_id: args.reservation_id.clone(),
-                generation,
-                command_id: command_id.to_owned(),
-                desired: if *start { crate::instances::Desired::Running } else { crate::instances::Desired::Stopped },
-                vcpus: args.vcpus,
-                memory_mib: args.memory_mib,
-                disk_gib: args.disk_gib,
-                gpus: gpus.clone(),
-                image_sha256: args.image.sha256.clone(),
-                disk_format: args.image.disk_format,
-            },
-        );
+        next.instances.insert(id.to_owned(), ledger_entry(command_id, generation, *start, args, gpus.clone()));
         if let Err(e) = instances.ledger_file.save(&next) {
             return failed(format!("disk: recording the instance: {e}"));
         }
         *ledger = next;
-        let disk = instances.disk_path(id, args.image.disk_format);
-        let Some(disk_path) = disk.to_str() else {
-            return failed(format!("disk: {} is not UTF-8", disk.display()));
+        let spec = match instances.domain_spec(id, args, gpus) {
+            Ok(spec) => spec,
+            Err(reason) => return failed(reason),
         };
-        let spec = DomainSpec {
-            name: id.to_owned(),
-            vcpus: args.vcpus,
-            memory_mib: args.memory_mib,
-            disk_path: Some(disk_path.to_owned()),
-            disk_format: args.image.disk_format.as_str().to_owned(),
-            gpus,
-        };
-        for step in steps {
-            let done = match step {
-                Step::PrepareDisk => instances.prepare_disk(id, args).await,
-                Step::Stop { graceful } => instances.stop(id, graceful).await,
-                Step::Define => instances.hypervisor.define(&spec).map_err(|e| format!("hypervisor: {e}")),
-                Step::Start => instances.hypervisor.start(id).map_err(|e| format!("hypervisor: {e}")),
-            };
-            if let Err(reason) = done {
-                // What it is now is what the control plane learns next, not a change to report.
-                if let Ok(report) = instances.report(id) {
-                    instances.remember(id, &report);
-                }
-                tracing::info!(instance = %id, reason = %reason, "an apply failed");
-                return failed(reason);
+        if let Err(reason) = instances.run_steps(id, args, &spec, steps).await {
+            // What it is now is what the control plane learns next, not a change to report.
+            if let Ok(report) = instances.report(id) {
+                instances.remember(id, &report);
             }
+            tracing::info!(instance = %id, reason = %reason, "an apply failed");
+            return failed(reason);
         }
         match instances.report(id) {
             Ok(report) => {
@@ -810,6 +780,28 @@ impl Runner {
     }
 }
 
+/// The instance ledger's entry for a make: what it was asked, and the GPUs it was given.
+fn ledger_entry(
+    command_id: &str,
+    generation: u64,
+    start: bool,
+    args: &ApplyArgs,
+    gpus: Vec<crate::binding::HeldGpu>,
+) -> Instance {
+    Instance {
+        reservation_id: args.reservation_id.clone(),
+        generation,
+        command_id: command_id.to_owned(),
+        desired: if start { crate::instances::Desired::Running } else { crate::instances::Desired::Stopped },
+        vcpus: args.vcpus,
+        memory_mib: args.memory_mib,
+        disk_gib: args.disk_gib,
+        gpus,
+        image_sha256: args.image.sha256.clone(),
+        disk_format: args.image.disk_format,
+    }
+}
+
 /// A node's instances: its hypervisor, its image cache, and the ledger of what it was asked to
 /// run. A node without a hypervisor has none (and answers `instance.apply` `no-hypervisor`).
 pub struct Instances {
@@ -856,6 +848,35 @@ impl Instances {
     /// The instance's disk: `<data_dir>/instances/<id>/disk.<format>`.
     pub fn disk_path(&self, instance_id: &str, format: DiskFormat) -> PathBuf {
         self.dir.join(instance_id).join(format!("disk.{}", format.as_str()))
+    }
+
+    /// The domain an apply defines: the instance's shape, its disk, and the GPUs it was given.
+    fn domain_spec(&self, instance_id: &str, args: &ApplyArgs, gpus: Vec<crate::binding::HeldGpu>) -> Result<DomainSpec, String> {
+        let disk = self.disk_path(instance_id, args.image.disk_format);
+        let Some(disk_path) = disk.to_str() else {
+            return Err(format!("disk: {} is not UTF-8", disk.display()));
+        };
+        Ok(DomainSpec {
+            name: instance_id.to_owned(),
+            vcpus: args.vcpus,
+            memory_mib: args.memory_mib,
+            disk_path: Some(disk_path.to_owned()),
+            disk_format: args.image.disk_format.as_str().to_owned(),
+            gpus,
+        })
+    }
+
+    /// Carries out an apply's steps in order, up to the first that fails.
+    async fn run_steps(&self, instance_id: &str, args: &ApplyArgs, spec: &DomainSpec, steps: Vec<Step>) -> Result<(), String> {
+        for step in steps {
+            match step {
+                Step::PrepareDisk => self.prepare_disk(instance_id, args).await,
+                Step::Stop { graceful } => self.stop(instance_id, graceful).await,
+                Step::Define => self.hypervisor.define(spec).map_err(|e| format!("hypervisor: {e}")),
+                Step::Start => self.hypervisor.start(instance_id).map_err(|e| format!("hypervisor: {e}")),
+            }?;
+        }
+        Ok(())
     }
 
     /// What the hypervisor says of the instance now.
