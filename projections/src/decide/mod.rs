@@ -1,20 +1,20 @@
-//! Decisions: pure functions from state (this process's [`FleetIndex`](crate::fleet::FleetIndex) of the fleet, the
+//! Decisions: pure functions from state (this process's [`TenantView`](crate::fleet::TenantView) of the fleet, the
 //! documents a method read) and input (the parsed, checked request, the time, the ids of what
 //! it creates) to what to append ([`Append`]: events, stream, expected version, guards), or a
 //! typed [`Refusal`]. No IO, no clock, no id generation in here: the caller reads, draws ids and
 //! the time, and appends; so the gateway, the reservations reconciler, the simulator and the
 //! tests make the very same decisions, and the same view and input give the same appends.
 //!
-//! - The gateway's reservation handlers are parse → decide → append → view:
-//!   [`reservation_create`] (quota, queue position or placement, or refusal),
-//!   [`reservation_release`] (cancel a queued one, release an active one), [`reservation_extend`],
-//!   [`pool_capacity`] (`capacity.get`) and [`capacity_preview`].
+//! - A gateway handler is parse → one decision → append → view; a decision that must be made
+//!   again when its append lost a race (the quota's, for [`reservation_create`]) is retried by
+//!   the gateway's application layer (`bc_gateway::app`), never here and never in a handler.
+//! - A node choice or a retry rule a method needs ([`rollout_nodes`], [`workflow_retry`]) is a
+//!   decision too, so the simulator and the gateway share it.
 //! - The reservations reconciler's pass is [`plan`]`(view, now_ms)` (expiries first, then each
 //!   pool's queue in FIFO order), then one append per [`Action`].
 //!
-//! Layout: this file holds what the decisions share ([`Append`], [`Refusal`], [`PoolLoad`]);
-//! `reservation.rs` the methods' decisions, `capacity.rs` the capacity views, `plan.rs` the
-//! reconciler's pass. The unit tests (no database) are in `projections/tests/decide.rs`.
+//! This file holds what the decisions share ([`Append`], [`Refusal`], [`PoolLoad`]). The unit
+//! tests (no database) are in `projections/tests/decide.rs` and `projections/tests/rollout.rs`.
 
 use std::collections::BTreeMap;
 
@@ -286,7 +286,7 @@ pub fn node_register(nodes: usize) -> Result<(), Refusal> {
 }
 
 /// What the queue and the quota need of a tenant's live reservations in one pool. The view keeps
-/// one per pool as its reservations change ([`FleetIndex::pool_load`](crate::fleet::FleetIndex::pool_load)).
+/// one per pool as its reservations change ([`TenantView::pool_load`](crate::fleet::TenantView::pool_load)).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolLoad {
     /// Queued reservations by request order: (request seq, id).
