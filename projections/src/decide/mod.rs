@@ -1,4 +1,4 @@
-//! Decisions: pure functions from state (this process's [`TenantView`](crate::fleet::TenantView) of the fleet, the
+//! Decisions: pure functions from state (this process's [`FleetIndex`](crate::fleet::FleetIndex) of the fleet, the
 //! documents a method read) and input (the parsed, checked request, the time, the ids of what
 //! it creates) to what to append ([`Append`]: events, stream, expected version, guards), or a
 //! typed [`Refusal`]. No IO, no clock, no id generation in here: the caller reads, draws ids and
@@ -286,7 +286,7 @@ pub fn node_register(nodes: usize) -> Result<(), Refusal> {
 }
 
 /// What the queue and the quota need of a tenant's live reservations in one pool. The view keeps
-/// one per pool as its reservations change ([`TenantView::pool_load`](crate::fleet::TenantView::pool_load)).
+/// one per pool as its reservations change ([`FleetIndex::pool_load`](crate::fleet::FleetIndex::pool_load)).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolLoad {
     /// Queued reservations by request order: (request seq, id).
