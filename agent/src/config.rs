@@ -50,6 +50,10 @@ pub struct Config {
     /// `update-unconfigured`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update: Option<UpdateConfig>,
+    /// Break-glass SSH (`[ssh]`): the files sshd reads to accept the deployment's node-bound
+    /// certificates ([`crate::ssh_ca`]); none: bcd writes nothing for sshd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh: Option<crate::ssh_ca::SshConfig>,
 }
 
 /// `[update]`: what `agent.update` and `bcd update` need ([`crate::update`]).
@@ -150,6 +154,9 @@ impl Config {
             return Err("[hardware] fake_domain_crash_after is for a fake machine: set fake_seed too".into());
         }
         crate::update::UpdateSettings::of(self)?;
+        if let Some(ssh) = &self.ssh {
+            ssh.validate()?;
+        }
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());
         }

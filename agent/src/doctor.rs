@@ -211,6 +211,9 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
     checks.push(libvirt_check(&root));
     if let Some(config) = &config {
         checks.push(hypervisor_check(config));
+        if let Some(ssh) = &config.ssh {
+            checks.push(crate::ssh_ca::sshd_check(ssh));
+        }
     }
     checks
 }

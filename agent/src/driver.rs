@@ -116,6 +116,7 @@ pub async fn run_node(
         agent,
         pending_confirmation,
         live_since_ms: None,
+        ssh: config.ssh.clone().map(|ssh| (ssh, node.to_string())),
     };
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -239,6 +240,8 @@ struct Driver {
     /// The update this agent confirms once its session has been live for `healthy_after_s`.
     pending_confirmation: Option<Pending>,
     live_since_ms: Option<u64>,
+    /// `[ssh]` and this node's id: the CA keys of each welcome are installed for sshd.
+    ssh: Option<(crate::ssh_ca::SshConfig, String)>,
 }
 
 impl Driver {
@@ -250,7 +253,12 @@ impl Driver {
                 self.outbound = Some(sender);
                 Some(Input::Connected)
             }
-            Event::Message(g, msg) if g == self.generation => Some(Input::Received(msg)),
+            Event::Message(g, msg) if g == self.generation => {
+                if let (Some((ssh, node)), bc_proto::gateway_message::Msg::Welcome(welcome)) = (&self.ssh, &msg) {
+                    crate::ssh_ca::install_logged(ssh, node, &welcome.ssh_user_ca_keys);
+                }
+                Some(Input::Received(msg))
+            }
             Event::Broken(g, reason) if g == self.generation => {
                 self.outbound = None;
                 tracing::info!(reason = %reason, "the session to the gateway ended");

@@ -349,6 +349,7 @@ mod tests {
             acked_hash: vec![],
             lease_ms: 15_000,
             heartbeat_ms: 5_000,
+            ssh_user_ca_keys: vec![],
         }))
     }
 

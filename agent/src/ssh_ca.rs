@@ -278,7 +278,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let config = config(dir.path());
         for bad in [format!("{CA}\nssh-ed25519 AAAA evil"), "ssh-rsa AAAAB3 x".into(), "ssh-ed25519".into(), "".into()] {
-            assert!(install(&config, "node_01", &[bad.clone()]).is_err(), "{bad:?}");
+            assert!(install(&config, "node_01", std::slice::from_ref(&bad)).is_err(), "{bad:?}");
         }
         assert!(install(&config, "node_01", &vec![CA.to_owned(); SSH_CA_KEYS_MAX + 1]).is_err());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);

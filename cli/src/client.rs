@@ -35,6 +35,14 @@ impl CliError {
             "INVALID_ARGUMENT" | "INVALID_COMMAND" => 2,
             // What a monitor exists to find (`audit follow`): stable, apart from any other failure.
             "AUDIT_FORK" | "AUDIT_BAD_ENTRY" => 3,
+            // The remote program's own status (`ssh-cert --connect`), 255 when none is known.
+            "REMOTE_EXIT" => self
+                .details
+                .as_ref()
+                .and_then(|d| d["exitStatus"].as_u64())
+                .and_then(|s| u8::try_from(s).ok())
+                .filter(|s| *s != 0)
+                .unwrap_or(255),
             _ => 1,
         }
     }

@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
     agent_commands, api, audit, auth, events, flavors, instances, inventory, join_tokens, meta, metal, nodes, operator, pools,
-    releases, reservations, rollouts, sim, webhooks,
+    releases, reservations, rollouts, sim, ssh_cert, webhooks,
 };
 use crate::output::Format;
 
@@ -251,6 +251,9 @@ pub enum Command {
         #[command(subcommand)]
         command: webhooks::WebhooksCommand,
     },
+    /// Break-glass SSH: a certificate for your public key that only this node's sshd accepts,
+    /// written as KEY-cert.pub beside it; with --connect HOST, ssh to the node with it.
+    SshCert(ssh_cert::SshCertArgs),
     /// Print a shell completion script: `source <(better-compute completion bash)`.
     Completion(meta::CompletionArgs),
     /// The commands, one command's flags (`help reserve`), or with --json the whole manifest.

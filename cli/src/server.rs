@@ -84,6 +84,23 @@ pub async fn migrate(db: &Database) -> Result<Value, CliError> {
     Ok(json!({ "backend": store.backend(), "applied": applied }))
 }
 
+/// The public line of the deployment's SSH user CA, beside the log key: what `pki show` prints
+/// (the CA itself is in the database, sealed).
+pub const SSH_USER_CA_FILE: &str = "ssh_user_ca.pub";
+
+/// The deployment's SSH user CA, made and stored (sealed under the data key) at the first start;
+/// its public line is written to [`SSH_USER_CA_FILE`] for `pki show`.
+async fn ssh_user_ca(store: &dyn EventStore, data_dir: &Path) -> Result<bc_gateway::ssh_ca::SshUserCa, CliError> {
+    let (ca, created) = bc_gateway::ssh_ca::SshUserCa::load_or_create(store, SystemClock.now_ms()).await?;
+    if created {
+        tracing::info!(fingerprint = %ca.fingerprint(), "created the SSH user CA");
+    }
+    let path = data_dir.join(SSH_USER_CA_FILE);
+    std::fs::write(&path, format!("{}\n", ca.public_openssh()))
+        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))?;
+    Ok(ca)
+}
+
 pub fn pki_show(data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
     use base64::Engine;
     let path = data_dir.join(LOG_KEY_FILE);
@@ -98,6 +115,8 @@ pub fn pki_show(data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
         "vkey": bc_core::audit::vkey_of(&key, deployment)?.encode(),
         "publicKey": base64::engine::general_purpose::STANDARD.encode(key.public().as_bytes()),
         "algorithm": "ed25519",
+        // Absent before the first start of dev or serve with this directory.
+        "sshUserCa": std::fs::read_to_string(data_dir.join(SSH_USER_CA_FILE)).ok().map(|line| line.trim().to_owned()),
     }))
 }
 
@@ -608,8 +627,12 @@ pub async fn run_server(
     if !release_keys.is_empty() {
         println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
     }
-    let mut state =
-        AppState::new(log.clone()).with_webhook_policy(policy).with_bmc_networks(bmc_networks).with_release_keys(release_keys);
+    let ssh_user_ca = ssh_user_ca(&*log.store, data_dir).await?;
+    let mut state = AppState::new(log.clone())
+        .with_webhook_policy(policy)
+        .with_bmc_networks(bmc_networks)
+        .with_release_keys(release_keys)
+        .with_ssh_user_ca(ssh_user_ca);
     state.watchers = bc_gateway::watch::WatcherSlots::new(limits.watchers);
     state.limits = limits;
     let service = bc_gateway::agents::AgentService::with_limits(Arc::new(state), agents.session, agents.limits);

@@ -24,6 +24,7 @@ pub const ACTIONS: &[&str] = &[
     "compute:pools:write",
     "compute:nodes:read",
     "compute:nodes:write",
+    "compute:nodes:ssh-root",
     "compute:events:read",
     "compute:capacity:read",
     "compute:reservations:read",

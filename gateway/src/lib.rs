@@ -93,6 +93,9 @@ pub struct AppState {
     pub release_keys: Arc<Vec<bc_core::release::ReleasePublicKey>>,
     /// The API keys found live lately (`auth::KEY_CACHE_TTL`).
     pub keys: Arc<auth::KeyCache>,
+    /// The deployment's SSH user CA (`nodes.issueSshCert`, and the keys each agent's welcome
+    /// carries); none: certificates are refused `UNAVAILABLE`.
+    pub ssh_user_ca: Option<Arc<ssh_ca::SshUserCa>>,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -184,7 +187,13 @@ impl AppState {
             name_locks: Arc::new(NameLocks::new()),
             release_keys: Arc::new(Vec::new()),
             keys: Arc::new(auth::KeyCache::default()),
+            ssh_user_ca: None,
         }
+    }
+
+    pub fn with_ssh_user_ca(mut self, ca: ssh_ca::SshUserCa) -> Self {
+        self.ssh_user_ca = Some(Arc::new(ca));
+        self
     }
 
     pub fn with_release_keys(mut self, keys: Vec<bc_core::release::ReleasePublicKey>) -> Self {

@@ -30,6 +30,7 @@ pub use crate::node::{
     NODE_OBSERVED, NODE_READY, NODE_REGISTERED, NODE_TAINTED, NODE_UNCORDONED, NODE_UNREACHABLE, NodeAgentStarted, NodeAllocated,
     NodeDeleted, NodeFreed, NodeJoined, NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeStateChanged,
 };
+pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued};
 pub use crate::pool::{POOL_ARCHIVED, POOL_CREATED, POOL_UPDATED, PoolArchived, PoolCreated, PoolUpdated};
 pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
 pub use crate::reservation::{
@@ -87,6 +88,7 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_ALLOCATED,
     NODE_FREED,
     NODE_DELETED,
+    NODE_SSH_CERT_ISSUED,
     RESERVATION_REQUESTED,
     RESERVATION_ACTIVATED,
     RESERVATION_EXTENDED,

@@ -382,9 +382,14 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             let _: NodeDeleted = payload(event)?;
             Ok(None)
         }
-        NODE_CORDONED | NODE_UNCORDONED | NODE_DRAINING | NODE_LABELED | NODE_TAINTED | NODE_ALLOCATED | NODE_FREED => {
-            marked(current, event)
-        }
+        NODE_CORDONED
+        | NODE_UNCORDONED
+        | NODE_DRAINING
+        | NODE_LABELED
+        | NODE_TAINTED
+        | NODE_ALLOCATED
+        | NODE_FREED
+        | crate::decide::ssh_cert::NODE_SSH_CERT_ISSUED => marked(current, event),
         _ => Ok(current),
     }
 }
@@ -500,6 +505,10 @@ fn marked(current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> 
         NODE_DRAINING => (doc.cordoned, doc.draining) = (true, true),
         NODE_LABELED => apply_keys(&mut doc.labels, payload(event)?),
         NODE_TAINTED => apply_keys(&mut doc.taints, payload(event)?),
+        // A certificate changes nothing the node's document shows; the event moves its version.
+        crate::decide::ssh_cert::NODE_SSH_CERT_ISSUED => {
+            let _: crate::decide::ssh_cert::NodeSshCertIssued = payload(event)?;
+        }
         NODE_ALLOCATED => {
             let p: NodeAllocated = payload(event)?;
             for gpu in p.gpus {

@@ -38,6 +38,7 @@ mod review_regressions;
 mod rollouts;
 mod schemathesis;
 mod secrets_at_rest;
+mod ssh_cert;
 mod sim_report;
 mod sim_run;
 mod watch;

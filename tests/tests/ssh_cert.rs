@@ -154,9 +154,11 @@ async fn a_node_bound_certificate_opens_sshd_on_that_node_only_and_sshd_refuses_
     let principals_pattern = format!("{}/ssh/principals/%u", dir.display());
     let sshd = Sshd::start(&dir, &ca_file, &principals_pattern);
     // `bcd doctor` reads the same sshd configuration and finds both files named.
-    let (_, out, _) = machine.bcd(&["doctor", "--config", &machine.config(), "--format", "json"], &[], None);
-    assert!(out.contains("\"name\":\"ssh\"") || out.contains("\"name\": \"ssh\""), "doctor checks ssh: {out}");
-    assert!(out.contains("names the CA and principals files"), "{out}");
+    let (_, out, _) = machine.bcd(&["doctor", "--config", &machine.config(), "--json"], &[], None);
+    let checks = bc_tests::json(&out);
+    let ssh =
+        checks.as_array().unwrap().iter().find(|c| c["name"] == "ssh").unwrap_or_else(|| panic!("doctor checks ssh: {out}"));
+    assert_eq!(ssh["status"], "ok", "{ssh}");
 
     let key = dir.join("id_ed25519");
     run("ssh-keygen", &["-q", "-t", "ed25519", "-N", "", "-C", "tester", "-f", &key.display().to_string()]);

@@ -86,6 +86,7 @@ fn config_for(args: &JoinArgs) -> Result<Config, ExitCode> {
         journal: Default::default(),
         log: Default::default(),
         update: None,
+        ssh: None,
     };
     let text = toml::to_string(&config).map_err(|e| failed(e.to_string()))?;
     bc_core::keys::write_new_file(path, text.as_bytes(), 0o600).map_err(|e| failed(e.to_string()))?;

@@ -34,6 +34,7 @@ pub mod releases;
 pub mod reservations;
 pub mod rollouts;
 pub mod sim;
+pub mod ssh_cert;
 pub mod webhooks;
 
 impl Command {
@@ -70,6 +71,7 @@ impl Command {
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
+            Command::SshCert(args) => ssh_cert::run(ctx, args).await,
             Command::Completion(args) => meta::completion(args.shell),
             Command::Help(args) => meta::help(&args.command, args.json),
         }

@@ -248,7 +248,12 @@ where
     };
     let bound = prove(greeted, &nonce, &proof)?;
     renew(&state.log, leases, bound.tenant, &bound.node, config);
-    outbound.send(message(welcome(&bound, config))).await.map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
+    let mut welcomed = welcome(&bound, config);
+    // The CA keys ride on the welcome, so a node trusts the current ones after every reconnect.
+    if let (gateway_message::Msg::Welcome(w), Some(ca)) = (&mut welcomed, &state.ssh_user_ca) {
+        w.ssh_user_ca_keys = ca.trusted_public_keys();
+    }
+    outbound.send(message(welcomed)).await.map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
     Ok(bound)
 }
 
@@ -308,6 +313,8 @@ pub fn welcome(bound: &Bound, config: SessionConfig) -> gateway_message::Msg {
         acked_hash: if bound.head_seq == 0 { Vec::new() } else { bound.head_hash.to_vec() },
         lease_ms: config.lease_ms,
         heartbeat_ms: config.heartbeat_ms,
+        // Set by the caller that holds the CA (`handshake`); the simulator's agents get none.
+        ssh_user_ca_keys: Vec::new(),
     })
 }
 

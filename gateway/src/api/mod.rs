@@ -24,6 +24,7 @@ pub mod resource;
 pub mod validate;
 pub mod views;
 
+mod access;
 mod api_keys;
 mod capacity;
 mod commands;
@@ -120,6 +121,7 @@ const GROUPS: &[&[Method]] = &[
     api_keys::METHODS,
     pools::METHODS,
     nodes::METHODS,
+    access::METHODS,
     inventory::METHODS,
     join_tokens::METHODS,
     commands::METHODS,
