@@ -9,7 +9,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{corrupt, payload, to_doc};
+use crate::{NoFields, create_once, delete_once};
 
 pub const FLAVOR_CREATED: &str = "flavor.created";
 pub const FLAVOR_DELETED: &str = "flavor.deleted";
@@ -50,39 +50,24 @@ pub struct FlavorCreated {
     pub gpus: u32,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct FlavorDeleted {}
+pub type FlavorDeleted = NoFields;
 
 /// Folds one `flavor.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
-    let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
-    match env.event_type.as_str() {
-        FLAVOR_CREATED => {
-            let p: FlavorCreated = payload(event)?;
-            if current.is_some() {
-                return Err(corrupt(event, format!("flavor {} created twice", key.id)));
-            }
-            to_doc(&FlavorDoc {
-                tenant_id,
-                flavor_id: key.id.clone(),
-                pool_id: p.pool_id,
-                name: p.name,
-                vcpus: p.vcpus,
-                memory_mib: p.memory_mib,
-                disk_gib: p.disk_gib,
-                gpus: p.gpus,
-                version: env.version,
-                created_at_ms: env.at_ms,
-            })
-        }
-        FLAVOR_DELETED => {
-            // Deleting what does not exist is a broken log, not a no-op.
-            let _: Value =
-                current.ok_or_else(|| corrupt(event, format!("{} of {} that does not exist", env.event_type, key.id)))?;
-            Ok(None)
-        }
+    match event.envelope.event_type.as_str() {
+        FLAVOR_CREATED => create_once(key, &current, event, ("flavor", "created"), |p: FlavorCreated, env| FlavorDoc {
+            tenant_id: env.tenant.to_string(),
+            flavor_id: key.id.clone(),
+            pool_id: p.pool_id,
+            name: p.name,
+            vcpus: p.vcpus,
+            memory_mib: p.memory_mib,
+            disk_gib: p.disk_gib,
+            gpus: p.gpus,
+            version: env.version,
+            created_at_ms: env.at_ms,
+        }),
+        FLAVOR_DELETED => delete_once(key, current, event),
         _ => Ok(current),
     }
 }

@@ -10,7 +10,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{corrupt, payload, to_doc};
+use crate::{NoFields, create_once, delete_once};
 
 pub const IMAGE_REGISTERED: &str = "image.registered";
 pub const IMAGE_DELETED: &str = "image.deleted";
@@ -58,38 +58,23 @@ pub struct ImageRegistered {
     pub size_bytes: Option<u64>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ImageDeleted {}
+pub type ImageDeleted = NoFields;
 
 /// Folds one `image.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
-    let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
-    match env.event_type.as_str() {
-        IMAGE_REGISTERED => {
-            let p: ImageRegistered = payload(event)?;
-            if current.is_some() {
-                return Err(corrupt(event, format!("image {} registered twice", key.id)));
-            }
-            to_doc(&ImageDoc {
-                tenant_id,
-                image_id: key.id.clone(),
-                name: p.name,
-                url: p.url,
-                sha256: p.sha256,
-                disk_format: p.disk_format,
-                size_bytes: p.size_bytes,
-                version: env.version,
-                created_at_ms: env.at_ms,
-            })
-        }
-        IMAGE_DELETED => {
-            // Deleting what does not exist is a broken log, not a no-op.
-            let _: Value =
-                current.ok_or_else(|| corrupt(event, format!("{} of {} that does not exist", env.event_type, key.id)))?;
-            Ok(None)
-        }
+    match event.envelope.event_type.as_str() {
+        IMAGE_REGISTERED => create_once(key, &current, event, ("image", "registered"), |p: ImageRegistered, env| ImageDoc {
+            tenant_id: env.tenant.to_string(),
+            image_id: key.id.clone(),
+            name: p.name,
+            url: p.url,
+            sha256: p.sha256,
+            disk_format: p.disk_format,
+            size_bytes: p.size_bytes,
+            version: env.version,
+            created_at_ms: env.at_ms,
+        }),
+        IMAGE_DELETED => delete_once(key, current, event),
         _ => Ok(current),
     }
 }

@@ -11,7 +11,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{corrupt, from_doc, payload, to_doc};
+use crate::{NoFields, corrupt, create, from_doc, payload, to_doc};
 
 pub const JOIN_TOKEN_CREATED: &str = "join_token.created";
 pub const JOIN_TOKEN_USED: &str = "join_token.used";
@@ -63,32 +63,26 @@ pub struct JoinTokenUsed {
     pub node_id: String,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct JoinTokenRevoked {}
+pub type JoinTokenRevoked = NoFields;
 
 /// Folds one `join_token.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
     match env.event_type.as_str() {
-        JOIN_TOKEN_CREATED => {
-            let p: JoinTokenCreated = payload(event)?;
-            to_doc(&JoinTokenDoc {
-                tenant_id,
-                join_token_id: key.id.clone(),
-                pool_id: p.pool_id,
-                description: p.description,
-                expires_at_ms: p.expires_at_ms,
-                uses_max: p.uses_max,
-                uses: 0,
-                node_id: p.node_id,
-                node_ids: Vec::new(),
-                revoked: false,
-                version: env.version,
-                created_at_ms: env.at_ms,
-            })
-        }
+        JOIN_TOKEN_CREATED => create(event, |p: JoinTokenCreated, env| JoinTokenDoc {
+            tenant_id: env.tenant.to_string(),
+            join_token_id: key.id.clone(),
+            pool_id: p.pool_id,
+            description: p.description,
+            expires_at_ms: p.expires_at_ms,
+            uses_max: p.uses_max,
+            uses: 0,
+            node_id: p.node_id,
+            node_ids: Vec::new(),
+            revoked: false,
+            version: env.version,
+            created_at_ms: env.at_ms,
+        }),
         JOIN_TOKEN_USED | JOIN_TOKEN_REVOKED => {
             let mut doc: JoinTokenDoc = from_doc(event, current)?;
             if env.event_type == JOIN_TOKEN_USED {

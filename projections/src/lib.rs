@@ -16,7 +16,7 @@
 //! [`events`] is the log's wire format in one place. The decisions ([`decide`]) and the
 //! in-memory fleet index ([`fleet`]) read the documents and never write them.
 
-use bc_core::event::StoredEvent;
+use bc_core::event::{Envelope, StoredEvent};
 use bc_core::store::{Projector, RowKey};
 use bc_core::{Error, Result, canonical};
 use serde::{Deserialize, Serialize};
@@ -114,6 +114,69 @@ pub(crate) fn from_doc<T: for<'de> Deserialize<'de>>(event: &StoredEvent, doc: O
         what: format!("{} applies to an entity that does not exist", event.envelope.event_type),
     })?;
     serde_json::from_value(doc).map_err(|e| Error::Internal(format!("projection document: {e}")))
+}
+
+/// The payload of an event that says everything by its type (`flavor.deleted`,
+/// `node.cordoned`, …): an empty map on the wire, and nothing else is accepted.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NoFields {}
+
+/// Folds the event that makes a row: the document `make` builds from its payload and envelope.
+pub(crate) fn create<P, D>(event: &StoredEvent, make: impl FnOnce(P, &Envelope) -> D) -> Result<Option<Value>>
+where
+    P: for<'de> Deserialize<'de>,
+    D: Serialize,
+{
+    to_doc(&make(payload(event)?, &event.envelope))
+}
+
+/// Folds the event that makes a row made only once (`what` says it, e.g. `flavor … created`):
+/// a row that exists already is a broken log, not a new document.
+pub(crate) fn create_once<P, D>(
+    key: &RowKey,
+    current: &Option<Value>,
+    event: &StoredEvent,
+    what: (&str, &str),
+    make: impl FnOnce(P, &Envelope) -> D,
+) -> Result<Option<Value>>
+where
+    P: for<'de> Deserialize<'de>,
+    D: Serialize,
+{
+    let p: P = payload(event)?;
+    if current.is_some() {
+        let (kind, verb) = what;
+        return Err(corrupt(event, format!("{kind} {} {verb} twice", key.id)));
+    }
+    to_doc(&make(p, &event.envelope))
+}
+
+/// Folds an event that changes a row that exists: `change` applies its payload to the document.
+pub(crate) fn update<P, D>(event: &StoredEvent, current: Option<Value>, change: impl FnOnce(&mut D, P)) -> Result<Option<Value>>
+where
+    P: for<'de> Deserialize<'de>,
+    D: Serialize + for<'de> Deserialize<'de>,
+{
+    let p: P = payload(event)?;
+    let mut doc: D = from_doc(event, current)?;
+    change(&mut doc, p);
+    to_doc(&doc)
+}
+
+/// Replaces `field` with what a change names, if it names one.
+pub(crate) fn set_if<T>(field: &mut T, new: Option<T>) {
+    if let Some(new) = new {
+        *field = new;
+    }
+}
+
+/// Folds the event that deletes a row: deleting what does not exist is a broken log, not a no-op.
+pub(crate) fn delete_once(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    match current {
+        Some(_) => Ok(None),
+        None => Err(corrupt(event, format!("{} of {} that does not exist", event.envelope.event_type, key.id))),
+    }
 }
 
 impl Projector for Projections {

@@ -126,6 +126,31 @@ pub struct Observation {
     pub mem_available_kib: Option<u64>,
 }
 
+impl NodeAgent {
+    /// The agent of a machine that just joined: unreachable until its first session, with no
+    /// journal, observation, inventory or start recorded yet.
+    pub fn joined(public_key: String, agent_version: String, hostname: String, join_token_id: String, joined_at_ms: u64) -> Self {
+        NodeAgent {
+            public_key,
+            agent_version,
+            hostname,
+            join_token_id,
+            joined_at_ms,
+            reachable: false,
+            lease_expires_at_ms: 0,
+            journal_seq: 0,
+            journal_hash: String::new(),
+            observed: None,
+            inventory: None,
+            inventory_at_ms: 0,
+            inventory_pending: false,
+            ready_since_ms: 0,
+            agent_slot: String::new(),
+            agent_started_at_ms: 0,
+        }
+    }
+}
+
 impl NodeDoc {
     /// Derives `state` from the operator's marks and the agent's liveness.
     fn refresh_state(&mut self) {
@@ -434,24 +459,7 @@ fn joined(key: &RowKey, event: &StoredEvent, tenant_id: String) -> Result<Option
         cordoned: false,
         draining: false,
         // Unreachable until its first session: joining is not running.
-        agent: Some(NodeAgent {
-            public_key: p.public_key,
-            agent_version: p.agent_version,
-            hostname: p.hostname,
-            join_token_id: p.join_token_id,
-            joined_at_ms: env.at_ms,
-            reachable: false,
-            lease_expires_at_ms: 0,
-            journal_seq: 0,
-            journal_hash: String::new(),
-            observed: None,
-            inventory: None,
-            inventory_at_ms: 0,
-            inventory_pending: false,
-            ready_since_ms: 0,
-            agent_slot: String::new(),
-            agent_started_at_ms: 0,
-        }),
+        agent: Some(NodeAgent::joined(p.public_key, p.agent_version, p.hostname, p.join_token_id, env.at_ms)),
         version: env.version,
         created_at_ms: env.at_ms,
         updated_at_ms: env.at_ms,

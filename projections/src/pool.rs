@@ -12,7 +12,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{from_doc, payload, to_doc};
+use crate::{NoFields, create, from_doc, set_if, to_doc, update};
 
 pub const POOL_CREATED: &str = "pool.created";
 pub const POOL_UPDATED: &str = "pool.updated";
@@ -67,49 +67,32 @@ pub struct PoolUpdated {
     pub max_reservation_s: Option<u64>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct PoolArchived {}
+pub type PoolArchived = NoFields;
 
 /// Folds one `pool.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
     match env.event_type.as_str() {
-        POOL_CREATED => {
-            let p: PoolCreated = payload(event)?;
-            to_doc(&PoolDoc {
-                tenant_id,
-                pool_id: key.id.clone(),
-                name: p.name,
-                description: p.description,
-                labels: p.labels,
-                max_reservation_s: p.max_reservation_s.unwrap_or(MAX_RESERVATION_S_DEFAULT),
-                archived: false,
-                version: env.version,
-                created_at_ms: env.at_ms,
-                updated_at_ms: env.at_ms,
-            })
-        }
-        POOL_UPDATED => {
-            let p: PoolUpdated = payload(event)?;
-            let mut doc: PoolDoc = from_doc(event, current)?;
-            if let Some(name) = p.name {
-                doc.name = name;
-            }
-            if let Some(description) = p.description {
-                doc.description = description;
-            }
-            if let Some(labels) = p.labels {
-                doc.labels = labels;
-            }
-            if let Some(max) = p.max_reservation_s {
-                doc.max_reservation_s = max;
-            }
+        POOL_CREATED => create(event, |p: PoolCreated, env| PoolDoc {
+            tenant_id: env.tenant.to_string(),
+            pool_id: key.id.clone(),
+            name: p.name,
+            description: p.description,
+            labels: p.labels,
+            max_reservation_s: p.max_reservation_s.unwrap_or(MAX_RESERVATION_S_DEFAULT),
+            archived: false,
+            version: env.version,
+            created_at_ms: env.at_ms,
+            updated_at_ms: env.at_ms,
+        }),
+        POOL_UPDATED => update(event, current, |doc: &mut PoolDoc, p: PoolUpdated| {
+            set_if(&mut doc.name, p.name);
+            set_if(&mut doc.description, p.description);
+            set_if(&mut doc.labels, p.labels);
+            set_if(&mut doc.max_reservation_s, p.max_reservation_s);
             doc.version = env.version;
             doc.updated_at_ms = env.at_ms;
-            to_doc(&doc)
-        }
+        }),
         POOL_ARCHIVED => {
             let mut doc: PoolDoc = from_doc(event, current)?;
             doc.archived = true;

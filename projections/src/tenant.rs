@@ -11,7 +11,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{from_doc, payload, to_doc};
+use crate::{NoFields, create, from_doc, to_doc};
 
 pub const TENANT_CREATED: &str = "tenant.created";
 pub const API_KEY_CREATED: &str = "api_key.created";
@@ -75,36 +75,32 @@ pub struct ApiKeyCreated {
     pub secret_sha256: String,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ApiKeyRevoked {}
+pub type ApiKeyRevoked = NoFields;
 
 /// Folds one `tenant.*` or `api_key.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
-    let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
-    match env.event_type.as_str() {
-        TENANT_CREATED => {
-            let p: TenantCreated = payload(event)?;
-            to_doc(&TenantDoc { tenant_id, name: p.name, root: p.root, version: env.version, created_at_ms: env.at_ms })
-        }
-        API_KEY_CREATED => {
-            let p: ApiKeyCreated = payload(event)?;
-            to_doc(&ApiKeyDoc {
-                tenant_id,
-                key_id: key.id.clone(),
-                name: p.name,
-                actions: p.actions,
-                secret_sha256: p.secret_sha256,
-                revoked: false,
-                version: env.version,
-                created_at_ms: env.at_ms,
-            })
-        }
+    match event.envelope.event_type.as_str() {
+        TENANT_CREATED => create(event, |p: TenantCreated, env| TenantDoc {
+            tenant_id: env.tenant.to_string(),
+            name: p.name,
+            root: p.root,
+            version: env.version,
+            created_at_ms: env.at_ms,
+        }),
+        API_KEY_CREATED => create(event, |p: ApiKeyCreated, env| ApiKeyDoc {
+            tenant_id: env.tenant.to_string(),
+            key_id: key.id.clone(),
+            name: p.name,
+            actions: p.actions,
+            secret_sha256: p.secret_sha256,
+            revoked: false,
+            version: env.version,
+            created_at_ms: env.at_ms,
+        }),
         API_KEY_REVOKED => {
             let mut doc: ApiKeyDoc = from_doc(event, current)?;
             doc.revoked = true;
-            doc.version = env.version;
+            doc.version = event.envelope.version;
             to_doc(&doc)
         }
         _ => Ok(current),

@@ -12,7 +12,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{from_doc, payload, to_doc};
+use crate::{NoFields, create, from_doc, set_if, to_doc, update};
 
 pub const WEBHOOK_CREATED: &str = "webhook.created";
 pub const WEBHOOK_UPDATED: &str = "webhook.updated";
@@ -97,55 +97,36 @@ pub struct WebhookSecretRotated {
 }
 
 /// A test delivery: it goes to this webhook only, whatever its event types.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct WebhookPinged {}
+pub type WebhookPinged = NoFields;
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct WebhookDeleted {}
+pub type WebhookDeleted = NoFields;
 
 /// Folds one `webhook.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
     match env.event_type.as_str() {
-        WEBHOOK_CREATED => {
-            let p: WebhookCreated = payload(event)?;
-            to_doc(&WebhookDoc {
-                tenant_id,
-                webhook_id: key.id.clone(),
-                url: p.url,
-                event_types: p.event_types,
-                description: p.description,
-                secret_version: p.secret_version,
-                secret_id: p.secret_id,
-                previous_secrets: Vec::new(),
-                created_seq: env.seq,
-                version: env.version,
-                created_at_ms: env.at_ms,
-                updated_at_ms: env.at_ms,
-            })
-        }
-        WEBHOOK_UPDATED => {
-            let p: WebhookUpdated = payload(event)?;
-            let mut doc: WebhookDoc = from_doc(event, current)?;
-            if let Some(url) = p.url {
-                doc.url = url;
-            }
-            if let Some(types) = p.event_types {
-                doc.event_types = types;
-            }
-            if let Some(description) = p.description {
-                doc.description = description;
-            }
+        WEBHOOK_CREATED => create(event, |p: WebhookCreated, env| WebhookDoc {
+            tenant_id: env.tenant.to_string(),
+            webhook_id: key.id.clone(),
+            url: p.url,
+            event_types: p.event_types,
+            description: p.description,
+            secret_version: p.secret_version,
+            secret_id: p.secret_id,
+            previous_secrets: Vec::new(),
+            created_seq: env.seq,
+            version: env.version,
+            created_at_ms: env.at_ms,
+            updated_at_ms: env.at_ms,
+        }),
+        WEBHOOK_UPDATED => update(event, current, |doc: &mut WebhookDoc, p: WebhookUpdated| {
+            set_if(&mut doc.url, p.url);
+            set_if(&mut doc.event_types, p.event_types);
+            set_if(&mut doc.description, p.description);
             doc.version = env.version;
             doc.updated_at_ms = env.at_ms;
-            to_doc(&doc)
-        }
-        WEBHOOK_SECRET_ROTATED => {
-            let p: WebhookSecretRotated = payload(event)?;
-            let mut doc: WebhookDoc = from_doc(event, current)?;
+        }),
+        WEBHOOK_SECRET_ROTATED => update(event, current, |doc: &mut WebhookDoc, p: WebhookSecretRotated| {
             doc.secret_version = p.secret_version;
             let old = std::mem::replace(&mut doc.secret_id, p.secret_id);
             doc.previous_secrets.retain(|prev| prev.valid_until_ms > env.at_ms);
@@ -156,8 +137,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             doc.previous_secrets.drain(..excess);
             doc.version = env.version;
             doc.updated_at_ms = env.at_ms;
-            to_doc(&doc)
-        }
+        }),
         WEBHOOK_PINGED => {
             let mut doc: WebhookDoc = from_doc(event, current)?;
             doc.version = env.version;

@@ -466,22 +466,9 @@ fn agent_node(id: &str, gpus: u32) -> NodeDoc {
     NodeDoc {
         gpu_uuids: (0..gpus).map(|i| format!("GPU-{id}-{i}")).collect(),
         agent: Some(bc_projections::NodeAgent {
-            public_key: String::new(),
-            agent_version: "test".into(),
-            hostname: id.into(),
-            join_token_id: "jt_1".into(),
-            joined_at_ms: 0,
             reachable: true,
             lease_expires_at_ms: NOW_MS + 60_000,
-            journal_seq: 0,
-            journal_hash: String::new(),
-            observed: None,
-            inventory: None,
-            inventory_at_ms: 0,
-            inventory_pending: false,
-            ready_since_ms: 0,
-            agent_slot: String::new(),
-            agent_started_at_ms: 0,
+            ..bc_projections::NodeAgent::joined(String::new(), "test".into(), id.into(), "jt_1".into(), 0)
         }),
         ..node(id, POOL, gpus)
     }
