@@ -187,9 +187,9 @@ impl Runner {
     /// `gpu.hold`: decided on the ledger and the machine's inventory, bound, recorded, then
     /// reported (`gpu.held` or `gpu.hold_failed` with the reason).
     async fn hold(&self, command_id: &str, args_json: &str) -> Finish {
-        let args: HoldArgs = match serde_json::from_str(args_json) {
+        let args: HoldArgs = match command_args("gpu.hold", args_json) {
             Ok(args) => args,
-            Err(e) => return Finish::failed(format!("bad-args: gpu.hold: {}", bc_core::id::truncate(&e.to_string(), 200))),
+            Err(bad) => return bad,
         };
         if args.reservation_id.parse::<bc_core::id::ReservationId>().is_err() {
             return Finish::failed("bad-args: gpu.hold names no reservation");
@@ -422,11 +422,9 @@ impl Runner {
     /// rollback fails it at the old agent's start).
     async fn agent_update(&self, command_id: &str, args_json: &str, update: Option<&Updater>, now_ms: u64) -> Option<Finish> {
         let Some(updater) = update else { return Some(Finish::failed(UPDATE_UNCONFIGURED)) };
-        let args: UpdateArgs = match serde_json::from_str(args_json) {
+        let args: UpdateArgs = match command_args("agent.update", args_json) {
             Ok(args) => args,
-            Err(e) => {
-                return Some(Finish::failed(format!("bad-args: agent.update: {}", bc_core::id::truncate(&e.to_string(), 200))));
-            }
+            Err(bad) => return Some(bad),
         };
         let refused = |reason: String| {
             tracing::warn!(command = %command_id, reason = %reason, "an update was refused");
@@ -435,10 +433,7 @@ impl Runner {
         match updater.decide(&args, Some(command_id), now_ms) {
             Err(reason) => refused(reason),
             Ok(UpdatePlan::AwaitingConfirmation) => None,
-            Ok(UpdatePlan::Already { version }) => {
-                let slot = updater.active_slot().map(|s| s.as_str()).unwrap_or("");
-                Some(Finish::succeeded(json!({ "result": { "version": version, "slot": slot, "already": true } })))
-            }
+            Ok(UpdatePlan::Already { version }) => Some(already_running(updater, &version)),
             Ok(plan) => match updater.install(plan, Some(command_id), now_ms).await {
                 Ok(binary) => {
                     updater.request_reexec(binary);
@@ -454,11 +449,9 @@ impl Runner {
     /// previous slot confirms, or the watchdog's rollback fails it).
     async fn agent_rollback(&self, command_id: &str, args_json: &str, update: Option<&Updater>, now_ms: u64) -> Option<Finish> {
         let Some(updater) = update else { return Some(Finish::failed(UPDATE_UNCONFIGURED)) };
-        let args: RollbackArgs = match serde_json::from_str(args_json) {
+        let args: RollbackArgs = match command_args("agent.rollback", args_json) {
             Ok(args) => args,
-            Err(e) => {
-                return Some(Finish::failed(format!("bad-args: agent.rollback: {}", bc_core::id::truncate(&e.to_string(), 200))));
-            }
+            Err(bad) => return Some(bad),
         };
         let refused = |reason: String| {
             tracing::warn!(command = %command_id, reason = %reason, "a rollback was refused");
@@ -467,10 +460,7 @@ impl Runner {
         match updater.decide_rollback(&args, Some(command_id)) {
             Err(reason) => refused(reason),
             Ok(RollbackPlan::AwaitingConfirmation) => None,
-            Ok(RollbackPlan::Already { version }) => {
-                let slot = updater.active_slot().map(|s| s.as_str()).unwrap_or("");
-                Some(Finish::succeeded(json!({ "result": { "version": version, "slot": slot, "already": true } })))
-            }
+            Ok(RollbackPlan::Already { version }) => Some(already_running(updater, &version)),
             Ok(plan) => match updater.roll_back(plan, Some(command_id), now_ms) {
                 Ok(binary) => {
                     updater.request_reexec(binary);
@@ -778,6 +768,18 @@ impl Runner {
         }
         Ok(out)
     }
+}
+
+/// A command's arguments, or its failure `bad-args: TYPE: why` (the parser's message, cut short).
+fn command_args<T: serde::de::DeserializeOwned>(command_type: &str, args_json: &str) -> Result<T, Finish> {
+    serde_json::from_str(args_json)
+        .map_err(|e| Finish::failed(format!("bad-args: {command_type}: {}", bc_core::id::truncate(&e.to_string(), 200))))
+}
+
+/// An update or rollback to the version this agent runs already: it succeeds at once, saying so.
+fn already_running(updater: &Updater, version: &str) -> Finish {
+    let slot = updater.active_slot().map(|s| s.as_str()).unwrap_or("");
+    Finish::succeeded(json!({ "result": { "version": version, "slot": slot, "already": true } }))
 }
 
 /// The instance ledger's entry for a make: what it was asked, and the GPUs it was given.
