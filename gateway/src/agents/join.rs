@@ -81,42 +81,8 @@ async fn join_once(
     public_key: &ed25519_dalek::VerifyingKey,
 ) -> Result<Joined> {
     let Claimed { hostname, gpus, gpu_uuids, as_node } = claimed;
-    let row = state.store.row_get(&tenant.to_string(), KIND_JOIN_TOKEN, &token_id.to_string()).await?;
-    let token: JoinTokenDoc = crate::api::call::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
-    let now_ms = state.log.clock.now_ms();
-    if token.revoked {
-        return Err(refused("the join token was revoked"));
-    }
-    if token.uses >= token.uses_max {
-        return Err(refused("the join token is spent (each use joins one machine)"));
-    }
-    if now_ms >= token.expires_at_ms {
-        return Err(refused("the join token expired"));
-    }
-    let pool_id: PoolId = token.pool_id.parse()?;
-    let pool_row = state.store.row_get(&tenant.to_string(), KIND_POOL, &pool_id.to_string()).await?;
-    let pool: PoolDoc = crate::api::call::doc(pool_row.ok_or_else(|| refused("the join token's pool is gone"))?)?;
-    if pool.archived {
-        return Err(refused("the join token's pool is archived"));
-    }
-    // A deploy's token is bound to its machine's node: the installed system joins as that node
-    // (again, after a redeploy: the node's stream goes on at its version), and as no other.
-    let (node, expected) = match (&token.node_id, as_node) {
-        (None, None) => (NodeId::from_ulid(state.log.ids.ulid()), ExpectedVersion::NoStream),
-        (None, Some(_)) => return Err(refused("this join token is not bound to a node: join without --node-id")),
-        (Some(bound), asked) => {
-            if asked.map(|a| a.to_string()).as_deref() != Some(bound.as_str()) {
-                return Err(refused(&format!("this join token provisions node {bound}: join with --node-id {bound}")));
-            }
-            let node: NodeId = bound.parse()?;
-            let existing = state.store.row_get(&tenant.to_string(), KIND_NODE, bound).await?;
-            let expected = match existing {
-                Some(row) => ExpectedVersion::Exact(crate::api::call::doc::<NodeDoc>(row)?.version),
-                None => ExpectedVersion::NoStream,
-            };
-            (node, expected)
-        }
-    };
+    let (token, pool_id, pool) = usable_token(state, tenant, token_id).await?;
+    let (node, expected) = node_to_join(state, tenant, &token, as_node).await?;
     // A machine that becomes a new node counts against the tenant's limit, as `nodes.register`
     // does (counted the same way, in this process's fleet view); one that joins again as its
     // node (a redeploy) adds none.
@@ -150,7 +116,73 @@ async fn join_once(
         (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version)),
     ];
     let result = state.log.append(request).await?;
-    let event = &result.events[0];
+    let joined = signed_identity(state, tenant, node, pool_id, public_key, &result.events[0]).await?;
+    tracing::info!(%tenant, node = %node, join_token = %token_id, "a machine joined");
+    Ok(joined)
+}
+
+/// The join token, if it may join a machine now (not revoked, not spent, not expired), and its
+/// pool, if that is not archived.
+async fn usable_token(state: &AppState, tenant: TenantId, token_id: JoinTokenId) -> Result<(JoinTokenDoc, PoolId, PoolDoc)> {
+    let row = state.store.row_get(&tenant.to_string(), KIND_JOIN_TOKEN, &token_id.to_string()).await?;
+    let token: JoinTokenDoc = crate::api::call::doc(row.ok_or_else(|| refused("unknown join token"))?)?;
+    let now_ms = state.log.clock.now_ms();
+    if token.revoked {
+        return Err(refused("the join token was revoked"));
+    }
+    if token.uses >= token.uses_max {
+        return Err(refused("the join token is spent (each use joins one machine)"));
+    }
+    if now_ms >= token.expires_at_ms {
+        return Err(refused("the join token expired"));
+    }
+    let pool_id: PoolId = token.pool_id.parse()?;
+    let pool_row = state.store.row_get(&tenant.to_string(), KIND_POOL, &pool_id.to_string()).await?;
+    let pool: PoolDoc = crate::api::call::doc(pool_row.ok_or_else(|| refused("the join token's pool is gone"))?)?;
+    if pool.archived {
+        return Err(refused("the join token's pool is archived"));
+    }
+    Ok((token, pool_id, pool))
+}
+
+/// The node the machine joins as, and the version its stream is expected at. A deploy's token
+/// is bound to its machine's node: the installed system joins as that node (again, after a
+/// redeploy: the node's stream goes on at its version), and as no other; another token makes a
+/// new node.
+async fn node_to_join(
+    state: &AppState,
+    tenant: TenantId,
+    token: &JoinTokenDoc,
+    as_node: Option<NodeId>,
+) -> Result<(NodeId, ExpectedVersion)> {
+    match (&token.node_id, as_node) {
+        (None, None) => Ok((NodeId::from_ulid(state.log.ids.ulid()), ExpectedVersion::NoStream)),
+        (None, Some(_)) => Err(refused("this join token is not bound to a node: join without --node-id")),
+        (Some(bound), asked) => {
+            if asked.map(|a| a.to_string()).as_deref() != Some(bound.as_str()) {
+                return Err(refused(&format!("this join token provisions node {bound}: join with --node-id {bound}")));
+            }
+            let node: NodeId = bound.parse()?;
+            let existing = state.store.row_get(&tenant.to_string(), KIND_NODE, bound).await?;
+            let expected = match existing {
+                Some(row) => ExpectedVersion::Exact(crate::api::call::doc::<NodeDoc>(row)?.version),
+                None => ExpectedVersion::NoStream,
+            };
+            Ok((node, expected))
+        }
+    }
+}
+
+/// The node's identity document, signed by the log key, from its `node.joined` event and the
+/// node's row.
+async fn signed_identity(
+    state: &AppState,
+    tenant: TenantId,
+    node: NodeId,
+    pool_id: PoolId,
+    public_key: &ed25519_dalek::VerifyingKey,
+    event: &bc_core::event::StoredEvent,
+) -> Result<Joined> {
     let doc: NodeDoc = crate::api::call::doc(
         state
             .store
@@ -170,7 +202,6 @@ async fn join_once(
     };
     let bytes = serde_json::to_vec(&identity).map_err(|e| Error::Internal(format!("identity: {e}")))?;
     let signature = state.log.key.sign_raw(&identity_signing_message(&bytes)).to_vec();
-    tracing::info!(%tenant, node = %node, join_token = %token_id, "a machine joined");
     Ok(Joined { identity: bytes, signature })
 }
 
