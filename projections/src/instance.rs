@@ -26,7 +26,7 @@ use serde_json::Value;
 use crate::command::apply_command;
 use crate::events::*;
 use crate::node::{KIND_NODE, NodeDoc, advance_journal};
-use crate::{corrupt, from_doc, payload, to_doc};
+use crate::{NoFields, corrupt, from_doc, payload, to_doc};
 
 /// An instance (`instance/inst_…`): created on an active, bound reservation's node with the
 /// `instance.apply` command issued in the same append ([`InstanceCreated`]); each request
@@ -185,9 +185,7 @@ pub struct InstanceFailed {
     pub attempts: u32,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct InstanceDeleted {}
+pub type InstanceDeleted = NoFields;
 
 /// `instance.observed` and `instance.apply_failed`, from the node's journal, on the instance's
 /// stream. With `command_id`, the answer to that `instance.apply` (and it finishes it).

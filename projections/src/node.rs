@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::inventory::{self, NODE_INVENTORY_REPORTED, NodeInventoryReported};
-use crate::{corrupt, from_doc, payload, state_from_str, to_doc};
+use crate::{NoFields, corrupt, from_doc, payload, state_from_str, to_doc};
 
 pub const NODE_REGISTERED: &str = "node.registered";
 pub const NODE_CORDONED: &str = "node.cordoned";
@@ -311,9 +311,7 @@ pub struct NodeAgentStarted {
 }
 
 /// `node.cordoned`, `node.uncordoned`, `node.draining`: no payload.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct NodeStateChanged {}
+pub type NodeStateChanged = NoFields;
 
 /// `node.deleted`: the node is gone for good (its document with it); why, as the operator said.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]

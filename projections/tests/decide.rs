@@ -13,6 +13,8 @@ use bc_projections::fleet::FleetIndex;
 use bc_projections::placement::{self, Selector};
 use bc_projections::{NodeDoc, NodeState, PoolDoc, QuotaDoc, ReservationDoc, ReservationState};
 
+mod support;
+
 const TENANT: &str = "ten_01kb0000000000000000000000";
 const POOL: &str = "pool_01kb0000000000000000000000";
 const OTHER_POOL: &str = "pool_01kb0000000000000000000001";
@@ -861,7 +863,6 @@ fn requests_bump_the_generation_and_a_deleted_instance_takes_none() {
 /// the machine rests, with the reason as its `lastError`; a moment before, it does not.
 #[test]
 fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
-    use bc_core::event::{Envelope, StoredEvent};
     use bc_projections::decide::{MetalPlan, metal_fail, metal_plan};
     use bc_projections::metal::{MetalFlags, STATES};
     use bc_projections::workflow::{MetalDoc, Workflow, WorkflowOutcome};
@@ -933,28 +934,8 @@ fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
         // Folded, the reason is the machine's lastError.
         let mut current = Some(serde_json::to_value(&doc).unwrap());
         for (i, event) in append.events.iter().enumerate() {
-            let stored = StoredEvent {
-                envelope: Envelope {
-                    tenant: TENANT.parse().unwrap(),
-                    seq: 2 + i as u64,
-                    id: bc_core::id::EventId::from_ulid(ulid::Ulid::from_parts(started, i as u128)),
-                    stream: "metal/node_x".into(),
-                    version: 2 + i as u64,
-                    event_type: event.event_type.clone(),
-                    at_ms: started + deadline_s * 1000,
-                    actor: "test".into(),
-                    idempotency_key: None,
-                    causation: None,
-                    correlation: None,
-                    payload: event.payload.clone(),
-                    prev: [0; 32],
-                },
-                canonical: vec![],
-                hash: [0; 32],
-                sig: vec![],
-                key_id: String::new(),
-                position: Default::default(),
-            };
+            let id = ulid::Ulid::from_parts(started, i as u128);
+            let stored = support::stored(TENANT, "metal/node_x".into(), 2 + i as u64, id, started + deadline_s * 1000, event);
             let key = bc_core::store::RowKey { tenant: "ten_x".into(), kind: "metal".into(), id: "node_x".into() };
             current = bc_core::store::Projector::apply(&bc_projections::Projections, &key, current, &stored).unwrap();
         }

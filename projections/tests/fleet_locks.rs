@@ -14,12 +14,17 @@ use bc_core::store::EventStore;
 use bc_core::store::sqlite::SqliteStore;
 use bc_projections::fleet::Fleet;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_tenants_use_of_the_fleet_view_does_not_stall_anothers() {
+/// A migrated store in a fresh directory (kept while the directory is).
+async fn fresh_store() -> (tempfile::TempDir, Arc<dyn EventStore>) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(&dir.path().join("fleet.sqlite3")).await.unwrap();
     store.migrate().await.unwrap();
-    let store: Arc<dyn EventStore> = Arc::new(store);
+    (dir, Arc::new(store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_use_of_the_fleet_view_does_not_stall_anothers() {
+    let (_dir, store) = fresh_store().await;
     let fleet = Arc::new(Fleet::new());
     fleet.prime(&*store).await.unwrap();
     let (a, b) = (TenantId::generate(), TenantId::generate());
@@ -62,10 +67,7 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
     use bc_projections::placement;
     use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
 
-    let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(&dir.path().join("fleet.sqlite3")).await.unwrap();
-    store.migrate().await.unwrap();
-    let store: Arc<dyn EventStore> = Arc::new(store);
+    let (_dir, store) = fresh_store().await;
     let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
     let tenant = TenantId::generate();
     let (pool, node) = (PoolId::generate().to_string(), NodeId::generate().to_string());

@@ -10,7 +10,6 @@
 
 use std::collections::BTreeMap;
 
-use bc_core::event::{Envelope, StoredEvent};
 use bc_core::store::{Projector, RowKey};
 use bc_projections::decide::{
     RolloutCreateInput, RolloutVerb, agent_update_issue, resolve_waves, rollout_create, rollout_plan, rollout_verb,
@@ -23,6 +22,8 @@ use bc_projections::rollout::{
 use bc_projections::{CommandDoc, CommandState, NodeAgent, NodeDoc, NodeState, Projections};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+
+mod support;
 
 const TENANT: &str = "ten_01kb0000000000000000000000";
 const ROLLOUT: &str = "ro_01kb0000000000000000000000";
@@ -138,28 +139,8 @@ impl World {
                 }
                 _ => {
                     self.seq += 1;
-                    let stored = StoredEvent {
-                        envelope: Envelope {
-                            tenant: TENANT.parse().unwrap(),
-                            seq: self.seq,
-                            id: bc_core::id::EventId::from_ulid(ulid::Ulid::from_parts(self.now_ms, u128::from(self.seq as u32))),
-                            stream: format!("{KIND_ROLLOUT}/{ROLLOUT}"),
-                            version: self.seq,
-                            event_type: event.event_type.clone(),
-                            at_ms: self.now_ms,
-                            actor: "test".into(),
-                            idempotency_key: None,
-                            causation: None,
-                            correlation: None,
-                            payload: event.payload.clone(),
-                            prev: [0; 32],
-                        },
-                        canonical: vec![],
-                        hash: [0; 32],
-                        sig: vec![],
-                        key_id: String::new(),
-                        position: Default::default(),
-                    };
+                    let id = ulid::Ulid::from_parts(self.now_ms, u128::from(self.seq as u32));
+                    let stored = support::stored(TENANT, format!("{KIND_ROLLOUT}/{ROLLOUT}"), self.seq, id, self.now_ms, &event);
                     let key = RowKey { tenant: TENANT.into(), kind: KIND_ROLLOUT.into(), id: ROLLOUT.into() };
                     self.rollout = Projections.apply(&key, self.rollout.take(), &stored).unwrap();
                     let live = RowKey { tenant: TENANT.into(), kind: KIND_ROLLOUT_LIVE.into(), id: ROLLOUT.into() };
