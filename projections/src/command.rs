@@ -133,6 +133,15 @@ pub struct CommandProgress {
     pub journal: Option<bc_core::agent::JournalOrigin>,
 }
 
+/// A command event as the command's rows fold it: the command, what its node reported (a start
+/// or a finish), and `effect`, the command event type it counts as (a GPU report finishes its
+/// command as `command.succeeded` or `.failed`).
+pub(crate) struct CommandStep<'a> {
+    pub command_id: String,
+    pub progress: Option<CommandProgress>,
+    pub effect: &'a str,
+}
+
 /// Folds one `command.*` event (on the command's stream) into the row `key`; any other type
 /// leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
@@ -146,7 +155,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                 } else {
                     None
                 };
-            apply_command(key, current, event, command_id, progress, env.event_type.as_str())
+            apply_command(key, current, event, CommandStep { command_id, progress, effect: env.event_type.as_str() })
         }
         _ => Ok(current),
     }
@@ -154,18 +163,16 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
 
 /// The rows a command event changes: the command, its live row, its node's queue and, for an
 /// entry of the node's journal, the node's journal head (the node's version does not move: the
-/// event is on the command's stream). `effect` is the command event type the event counts as
-/// (a GPU report finishes its command as `command.succeeded` or `.failed`).
+/// event is on the command's stream).
 pub(crate) fn apply_command(
     key: &RowKey,
     current: Option<Value>,
     event: &StoredEvent,
-    command_id: String,
-    progress: Option<CommandProgress>,
-    effect: &str,
+    step: CommandStep<'_>,
 ) -> Result<Option<Value>> {
+    let CommandStep { command_id, progress, effect } = step;
     match key.kind.as_str() {
-        KIND_COMMAND | KIND_COMMAND_LIVE => command_doc(key, current, event, command_id, progress, effect),
+        KIND_COMMAND | KIND_COMMAND_LIVE => command_doc(key, current, event, CommandStep { command_id, progress, effect }),
         KIND_NODE_COMMANDS => node_queue(key, current, event, command_id, effect),
         KIND_NODE => {
             let journal = progress
@@ -180,14 +187,8 @@ pub(crate) fn apply_command(
 }
 
 /// The command's document and its live row (removed once the command is finished).
-fn command_doc(
-    key: &RowKey,
-    current: Option<Value>,
-    event: &StoredEvent,
-    command_id: String,
-    progress: Option<CommandProgress>,
-    effect: &str,
-) -> Result<Option<Value>> {
+fn command_doc(key: &RowKey, current: Option<Value>, event: &StoredEvent, step: CommandStep<'_>) -> Result<Option<Value>> {
+    let CommandStep { command_id, progress, effect } = step;
     let env = &event.envelope;
     let issued = effect == COMMAND_ISSUED;
     if key.kind == KIND_COMMAND_LIVE && current.is_none() && !issued {

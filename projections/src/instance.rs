@@ -23,7 +23,7 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::command::apply_command;
+use crate::command::{CommandStep, apply_command};
 use crate::events::*;
 use crate::node::{KIND_NODE, NodeDoc, advance_journal};
 use crate::{NoFields, corrupt, from_doc, payload, to_doc};
@@ -521,14 +521,8 @@ fn report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<O
                 reason: report.reason,
                 journal: report.journal,
             };
-            apply_command(
-                key,
-                current,
-                event,
-                command_id,
-                Some(progress),
-                if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED },
-            )
+            let effect = if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED };
+            apply_command(key, current, event, CommandStep { command_id, progress: Some(progress), effect })
         }
     }
 }

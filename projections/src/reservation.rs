@@ -13,7 +13,7 @@ use bc_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::command::{COMMAND_FAILED, COMMAND_SUCCEEDED, CommandProgress, apply_command};
+use crate::command::{COMMAND_FAILED, COMMAND_SUCCEEDED, CommandProgress, CommandStep, apply_command};
 use crate::{from_doc, payload, state_from_str, to_doc};
 
 pub const RESERVATION_REQUESTED: &str = "reservation.requested";
@@ -313,34 +313,48 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     }
 }
 
+impl ReservationDoc {
+    /// A reservation as its request makes it: queued (at `request_seq`, the request's place in
+    /// line), on no node, nothing held or tried yet.
+    pub fn requested(
+        tenant_id: String,
+        reservation_id: String,
+        p: ReservationRequested,
+        request_seq: u64,
+        requested_at_ms: u64,
+        version: u64,
+    ) -> Self {
+        ReservationDoc {
+            tenant_id,
+            reservation_id,
+            pool_id: p.pool_id,
+            gpus: p.gpus,
+            duration_s: p.duration_s,
+            selector: p.selector,
+            nvlink: p.nvlink,
+            tolerations: p.tolerations,
+            state: ReservationState::Queued,
+            node_id: None,
+            gpu_indexes: Vec::new(),
+            request_seq,
+            requested_at_ms,
+            activated_at_ms: None,
+            ends_at_ms: None,
+            ended_at_ms: None,
+            binding: None,
+            hold_attempts: 0,
+            hold_failed_nodes: Vec::new(),
+            last_error: None,
+            instance_id: None,
+            version,
+        }
+    }
+}
+
 fn requested(key: &RowKey, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
-    let tenant_id = env.tenant.to_string();
     let p: ReservationRequested = payload(event)?;
-    to_doc(&ReservationDoc {
-        tenant_id,
-        reservation_id: key.id.clone(),
-        pool_id: p.pool_id,
-        gpus: p.gpus,
-        duration_s: p.duration_s,
-        selector: p.selector,
-        nvlink: p.nvlink,
-        tolerations: p.tolerations,
-        state: ReservationState::Queued,
-        node_id: None,
-        gpu_indexes: Vec::new(),
-        request_seq: env.seq,
-        requested_at_ms: env.at_ms,
-        activated_at_ms: None,
-        ends_at_ms: None,
-        ended_at_ms: None,
-        binding: None,
-        hold_attempts: 0,
-        hold_failed_nodes: Vec::new(),
-        last_error: None,
-        instance_id: None,
-        version: env.version,
-    })
+    to_doc(&ReservationDoc::requested(env.tenant.to_string(), key.id.clone(), p, env.seq, env.at_ms, env.version))
 }
 
 /// A reservation's activation, extension, requeue or end.
@@ -462,7 +476,7 @@ fn apply_gpu_report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                 journal: report.journal,
             };
             let effect = if env.event_type == GPU_HOLD_FAILED { COMMAND_FAILED } else { COMMAND_SUCCEEDED };
-            apply_command(key, current, event, report.command_id, Some(progress), effect)
+            apply_command(key, current, event, CommandStep { command_id: report.command_id, progress: Some(progress), effect })
         }
     }
 }

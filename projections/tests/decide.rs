@@ -60,30 +60,15 @@ fn node(id: &str, pool: &str, gpus: u32) -> NodeDoc {
 }
 
 fn queued(id: &str, pool: &str, gpus: u32, request_seq: u64) -> ReservationDoc {
-    ReservationDoc {
-        tenant_id: TENANT.into(),
-        reservation_id: id.into(),
+    let request = ev::ReservationRequested {
         pool_id: pool.into(),
         gpus,
         duration_s: 60,
         selector: String::new(),
         nvlink: false,
         tolerations: vec![],
-        state: ReservationState::Queued,
-        node_id: None,
-        gpu_indexes: vec![],
-        request_seq,
-        requested_at_ms: 0,
-        activated_at_ms: None,
-        ends_at_ms: None,
-        ended_at_ms: None,
-        binding: None,
-        hold_attempts: 0,
-        hold_failed_nodes: vec![],
-        last_error: None,
-        instance_id: None,
-        version: 1,
-    }
+    };
+    ReservationDoc::requested(TENANT.into(), id.into(), request, request_seq, 0, 1)
 }
 
 /// The command id every test decision draws.
