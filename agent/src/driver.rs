@@ -183,7 +183,9 @@ async fn open_agent(
         _ => None,
     };
     let agent = Arc::new(Agent { runner, instances: Instances::for_config(config)?, update: updater });
-    let capabilities = agent.capabilities();
+    let mut capabilities = agent.capabilities();
+    // A console on the node: the driver attaches it (`crate::tunnel`), at the edge.
+    capabilities.push(bc_core::tunnel::CAPABILITY_NODE_CONSOLE.to_owned());
     if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
         && let Some(reason) = agent.runner.binding.unprivileged()
     {
@@ -455,7 +457,7 @@ async fn send_entries(
 
 async fn connect(channel: tonic::transport::Channel, generation: u64, events: mpsc::Sender<Event>) {
     let (sender, receiver) = mpsc::channel(OUTBOUND_MESSAGES);
-    let mut client = AgentClient::new(channel)
+    let mut client = AgentClient::new(channel.clone())
         .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
         .max_encoding_message_size(bc_proto::MESSAGE_BYTES_MAX);
     let mut inbound = match client.session(ReceiverStream::new(receiver)).await {
@@ -470,6 +472,11 @@ async fn connect(channel: tonic::transport::Channel, generation: u64, events: mp
     }
     loop {
         let event = match inbound.message().await {
+            // A tunnel is IO at the edge, beside the session: its own call on this connection.
+            Ok(Some(bc_proto::GatewayMessage { msg: Some(gateway_message::Msg::OpenTunnel(open)) })) => {
+                tokio::spawn(crate::tunnel::attach(channel.clone(), open));
+                continue;
+            }
             Ok(Some(bc_proto::GatewayMessage { msg: Some(msg) })) => Event::Message(generation, msg),
             Ok(Some(_)) => continue,
             Ok(None) => Event::Broken(generation, "the gateway closed the stream".into()),

@@ -331,6 +331,8 @@ fn kind_of(msg: &gateway_message::Msg) -> &'static str {
         gateway_message::Msg::EntryRefused(_) => "entry refusal",
         gateway_message::Msg::Command(_) => "command",
         gateway_message::Msg::HeartbeatAck(_) => "heartbeat ack",
+        // The driver answers it at the edge; the machine never sees one.
+        gateway_message::Msg::OpenTunnel(_) => "tunnel request",
     }
 }
 

@@ -145,6 +145,48 @@ fn write_terminal(mut writer: Box<dyn Write + Send>, mut typed: mpsc::Receiver<V
     }
 }
 
+/// Opens the `Tunnel` call the gateway asked for with `open`, on `channel` (the session's own
+/// connection), its first message carrying the tunnel's id, and relays it to the op's end until
+/// either side ends. An op this agent does not attach is answered with a `Failure` status.
+pub async fn attach(channel: tonic::transport::Channel, open: bc_proto::OpenTunnel) {
+    let (to_gateway, from_end) = mpsc::channel::<Vec<u8>>(FRAMES_QUEUED);
+    let first = bc_proto::TunnelFrame { tunnel_id: open.tunnel_id, frame: Vec::new() };
+    let frames =
+        tokio_stream::wrappers::ReceiverStream::new(from_end).map(|frame| bc_proto::TunnelFrame { tunnel_id: Vec::new(), frame });
+    let outbound = futures::stream::iter([first]).chain(frames);
+    let mut client = bc_proto::agent_client::AgentClient::new(channel)
+        .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(bc_proto::MESSAGE_BYTES_MAX);
+    let inbound = match client.tunnel(outbound).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => {
+            tracing::warn!(code = ?status.code(), error = %status.message(), "a tunnel's call was refused");
+            return;
+        }
+    };
+    let mut from_gateway = Box::pin(
+        inbound.take_while(|m| std::future::ready(m.is_ok())).filter_map(|m| std::future::ready(m.ok().map(|f| f.frame))),
+    );
+    match wire::Op::parse(&open.op) {
+        Some(wire::Op::Console) if open.instance_id.is_empty() => {
+            tracing::info!("a console tunnel opened");
+            console(&mut from_gateway, to_gateway).await;
+            tracing::info!("a console tunnel ended");
+        }
+        _ => {
+            let _ = to_gateway.send(refusal(&format!("{} tunnels", open.op))).await;
+        }
+    }
+    // The call lives until the gateway ends it: dropping it now would reset the stream before
+    // its last frames (the status) are sent.
+    let drained = async { while from_gateway.next().await.is_some() {} };
+    let _ = tokio::time::timeout(std::time::Duration::from_millis(CALL_LINGER_MS), drained).await;
+}
+
+/// After its end sent everything, a tunnel's call waits this long at most for the gateway to
+/// end it.
+pub const CALL_LINGER_MS: u64 = 10_000;
+
 /// The answer to an op this agent does not attach.
 pub fn refusal(what: &str) -> Vec<u8> {
     Frame::Status(End::Broken { message: format!("this node's agent does not attach {what}"), timeout: false }).encode()

@@ -21,6 +21,9 @@ pub enum ErrorCode {
     QuotaExceeded,
     PayloadTooLarge,
     Unavailable,
+    /// A well-formed request this deployment or the target cannot serve (yet): what is
+    /// missing is `details.reason`.
+    Unsupported,
     Corrupt,
     Internal,
 }
@@ -39,6 +42,7 @@ impl ErrorCode {
             Self::QuotaExceeded => "QUOTA_EXCEEDED",
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             Self::Unavailable => "UNAVAILABLE",
+            Self::Unsupported => "UNSUPPORTED",
             Self::Corrupt => "LOG_CORRUPT",
             Self::Internal => "INTERNAL",
         }
@@ -81,6 +85,10 @@ pub enum Error {
     PayloadTooLarge { limit_bytes: usize },
     #[error("{0}")]
     Unavailable(String),
+    /// A request the target cannot serve; `reason` names what is missing, a stable word
+    /// (`guest-agent`, `daemon-capability`, …).
+    #[error("{message}")]
+    Unsupported { message: String, reason: String },
     /// The log or a stored row does not verify: corruption or tampering.
     #[error("log corrupt: tenant {tenant} seq {seq}: {what}")]
     Corrupt { tenant: String, seq: u64, what: String },
@@ -104,6 +112,7 @@ impl Error {
             Self::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
             Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
             Self::Unavailable(_) => ErrorCode::Unavailable,
+            Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
             Self::Storage(_) | Self::Internal(_) => ErrorCode::Internal,
         }

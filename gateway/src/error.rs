@@ -20,6 +20,7 @@ impl From<Error> for ApiError {
         let close = error.code() == ErrorCode::PayloadTooLarge;
         let details = match &error {
             Error::InvalidState { allowed, .. } => json!({ "allowed": allowed }),
+            Error::Unsupported { reason, .. } => json!({ "reason": reason }),
             _ => Value::Object(Default::default()),
         };
         Self { error, details, close }
@@ -47,6 +48,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::AccessDenied | ErrorCode::QuotaExceeded => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::Unsupported => StatusCode::NOT_IMPLEMENTED,
         ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::Corrupt | ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
     }

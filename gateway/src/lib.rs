@@ -48,6 +48,7 @@ pub mod error;
 pub mod openapi;
 pub mod rpc;
 pub mod ssh_ca;
+pub mod tunnels;
 pub mod watch;
 
 use error::ApiError;
@@ -93,6 +94,9 @@ pub struct AppState {
     pub release_keys: Arc<Vec<bc_core::release::ReleasePublicKey>>,
     /// The API keys found live lately (`auth::KEY_CACHE_TTL`).
     pub keys: Arc<auth::KeyCache>,
+    /// The tunnels of this process: tickets, the nodes' sessions here, open counts
+    /// (`schema/TUNNELS.md`).
+    pub tunnels: Arc<tunnels::Tunnels>,
     /// The deployment's SSH user CA (`nodes.issueSshCert`, and the keys each agent's welcome
     /// carries); none: certificates are refused `UNAVAILABLE`.
     pub ssh_user_ca: Option<Arc<ssh_ca::SshUserCa>>,
@@ -187,6 +191,7 @@ impl AppState {
             name_locks: Arc::new(NameLocks::new()),
             release_keys: Arc::new(Vec::new()),
             keys: Arc::new(auth::KeyCache::default()),
+            tunnels: tunnels::Tunnels::new(tunnels::TunnelLimits::default()),
             ssh_user_ca: None,
         }
     }
@@ -238,6 +243,9 @@ pub fn router(state: Arc<AppState>) -> Router {
                     Duration::from_secs(REQUEST_TIMEOUT_S),
                 )),
         )
+        // After the layers: the trace layer would log the path, and the ticket is a secret; the
+        // upgraded tunnel outlives any request timeout.
+        .route("/tunnels/{ticket}", get(tunnels::upgrade))
         .with_state(state)
 }
 
@@ -357,9 +365,18 @@ pub async fn serve(
             stream = conn::accept(&listener) => stream,
             () = &mut shutdown => break,
         };
+        // The peer's address, for the handlers that record it (`tunnel.opened`'s `from`).
+        let peer = stream.peer_addr().ok();
         let io = TokioIo::new(conn::GuardedIo::new(stream, deadlines));
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let connection = graceful.watch(builder.serve_connection(io, service).into_owned());
+        let app = tower::ServiceExt::map_request(app.clone(), move |mut request: axum::http::Request<hyper::body::Incoming>| {
+            if let Some(peer) = peer {
+                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+            }
+            request
+        });
+        let service = hyper_util::service::TowerToHyperService::new(app);
+        // With upgrades: `GET /tunnels/{ticket}` becomes a WebSocket.
+        let connection = graceful.watch(builder.serve_connection_with_upgrades(io, service).into_owned());
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "connection ended with an error");

@@ -27,6 +27,7 @@ const ERROR_CODES: &[ErrorCode] = &[
     ErrorCode::QuotaExceeded,
     ErrorCode::PayloadTooLarge,
     ErrorCode::Unavailable,
+    ErrorCode::Unsupported,
     ErrorCode::Corrupt,
     ErrorCode::Internal,
 ];

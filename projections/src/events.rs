@@ -161,6 +161,8 @@ pub const EVENT_TYPES: &[&str] = &[
     ROLLOUT_COMPLETED,
     METAL_MAINTENANCE_SET,
     METAL_POWER_DRIFTED,
+    crate::tunnel::TUNNEL_OPENED,
+    crate::tunnel::TUNNEL_CLOSED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,

@@ -41,6 +41,7 @@ mod secrets_at_rest;
 mod ssh_cert;
 mod sim_report;
 mod sim_run;
+mod tunnels;
 mod watch;
 mod watch_limits;
 mod watch_tail;

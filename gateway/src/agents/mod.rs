@@ -136,6 +136,7 @@ pub fn code_of(e: &Error) -> tonic::Code {
         C::AccessDenied => tonic::Code::PermissionDenied,
         C::QuotaExceeded => tonic::Code::ResourceExhausted,
         C::Unavailable => tonic::Code::Unavailable,
+        C::Unsupported => tonic::Code::Unimplemented,
         C::Corrupt | C::Internal => tonic::Code::Internal,
     }
 }
@@ -214,6 +215,30 @@ impl Agent for AgentService {
         let (outbound, stream) = tokio::sync::mpsc::channel(session::SESSION_OUTBOUND_MESSAGES);
         tokio::spawn(session::run(self.state.clone(), self.sessions.clone(), self.config, inbound, outbound));
         Ok(Response::new(ReceiverStream::new(stream)))
+    }
+
+    type TunnelStream = Pin<Box<dyn futures::Stream<Item = Result<bc_proto::TunnelFrame, Status>> + Send>>;
+
+    /// A tunnel's end: the first message names a tunnel this process asked the node's session
+    /// for (`crate::tunnels`); then frames both ways until either side ends.
+    async fn tunnel(
+        &self,
+        request: Request<Streaming<bc_proto::TunnelFrame>>,
+    ) -> Result<Response<Self::TunnelStream>, Status> {
+        use futures::StreamExt;
+        let mut inbound = request.into_inner();
+        let first = tokio::time::timeout(Duration::from_millis(crate::tunnels::AGENT_ATTACH_TIMEOUT_MS), inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("a tunnel's first message names it"))??
+            .ok_or_else(|| Status::cancelled("the node closed the tunnel"))?;
+        let from_node = inbound.take_while(|m| std::future::ready(m.is_ok())).filter_map(|m| std::future::ready(m.ok().map(|f| f.frame)));
+        let (to_node, to_node_rx) = tokio::sync::mpsc::channel(crate::tunnels::TUNNEL_FRAMES_QUEUED);
+        let end = crate::tunnels::AgentEnd { from_node: Box::pin(from_node), to_node };
+        if !self.state.tunnels.agent_attached(&first.tunnel_id, end) {
+            return Err(Status::not_found("no tunnel waits for this id"));
+        }
+        let outbound = ReceiverStream::new(to_node_rx).map(|frame| Ok(bc_proto::TunnelFrame { tunnel_id: Vec::new(), frame }));
+        Ok(Response::new(Box::pin(outbound)))
     }
 }
 

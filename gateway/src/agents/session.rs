@@ -181,7 +181,7 @@ pub async fn run<S>(state: Arc<AppState>, sessions: Arc<Sessions>, config: Sessi
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
-    let bound = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
+    let (bound, capabilities) = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
         Ok(bound) => bound,
         Err(refusal) => {
             let _ = send_within(&outbound, Err(tonic::Status::new(refusal.status, refusal.message)), config.lease_ms).await;
@@ -191,8 +191,12 @@ where
     let (nudge_tx, mut nudges) = mpsc::channel(4);
     let node = bound.node.to_string();
     let id = sessions.register(&node, nudge_tx);
+    // Tunnels to the node are asked for on this session while it lasts (dropping the link ends that).
+    let (tunnel_link, mut tunnel_requests) = state.tunnels.attach_session(&node, capabilities);
     tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
-    let outcome = serve(&state, &sessions.leases, config, bound, &mut inbound, &outbound, &mut nudges).await;
+    let channels = Channels { nudges: &mut nudges, tunnels: &mut tunnel_requests };
+    let outcome = serve(&state, &sessions.leases, config, bound, &mut inbound, &outbound, channels).await;
+    drop(tunnel_link);
     sessions.unregister(&node, id);
     match outcome {
         Ok(why) => tracing::info!(node = %node, why, "node session ended"),
@@ -230,7 +234,7 @@ async fn handshake<S>(
     inbound: &mut S,
     outbound: &Outbound,
     config: SessionConfig,
-) -> std::result::Result<Bound, Refusal>
+) -> std::result::Result<(Bound, Vec<String>), Refusal>
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
@@ -254,7 +258,7 @@ where
         w.ssh_user_ca_keys = ca.trusted_public_keys();
     }
     outbound.send(message(welcomed)).await.map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
-    Ok(bound)
+    Ok((bound, hello.capabilities))
 }
 
 /// A session's first message: checks what `hello` claims (its capabilities' bounds, a node
@@ -378,6 +382,13 @@ pub async fn write_leases(state: Arc<AppState>, sessions: Arc<Sessions>) {
     }
 }
 
+/// What wakes a bound session besides the node's messages: this process's nudges, and the
+/// tunnels asked of the node.
+struct Channels<'a> {
+    nudges: &'a mut mpsc::Receiver<Nudge>,
+    tunnels: &'a mut mpsc::Receiver<crate::tunnels::OpenRequest>,
+}
+
 async fn serve<S>(
     state: &AppState,
     leases: &LeaseRenewals,
@@ -385,7 +396,7 @@ async fn serve<S>(
     mut bound: Bound,
     inbound: &mut S,
     outbound: &Outbound,
-    nudges: &mut mpsc::Receiver<Nudge>,
+    channels: Channels<'_>,
 ) -> std::result::Result<&'static str, Refusal>
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
@@ -408,7 +419,18 @@ where
                     return Ok("the stream broke");
                 }
             }
-            nudge = nudges.recv() => match nudge {
+            Some(open) = channels.tunnels.recv() => {
+                let open = gateway_message::Msg::OpenTunnel(bc_proto::OpenTunnel {
+                    tunnel_id: open.tunnel_id,
+                    op: open.op.as_str().to_owned(),
+                    instance_id: open.instance_id.unwrap_or_default(),
+                    port: open.port.map(u32::from).unwrap_or(0),
+                });
+                if !send_within(outbound, message(open), config.lease_ms).await? {
+                    return Ok("the stream broke");
+                }
+            }
+            nudge = channels.nudges.recv() => match nudge {
                 Some(Nudge::Commands) => send_commands(state, &mut bound, outbound, config).await?,
                 Some(Nudge::Replaced) | None => return Ok("a newer session of the node replaced it"),
             },

@@ -43,6 +43,7 @@ mod reservations;
 mod rollouts;
 mod system;
 mod tenants;
+mod tunnels;
 mod webhooks;
 
 pub use call::Call;
@@ -136,6 +137,7 @@ const GROUPS: &[&[Method]] = &[
     rollouts::METHODS,
     events::METHODS,
     webhooks::METHODS,
+    tunnels::METHODS,
 ];
 
 static TABLE: LazyLock<Vec<&'static Method>> = LazyLock::new(|| {

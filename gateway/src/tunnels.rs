@@ -1,0 +1,640 @@
+//! Tunnels (`schema/TUNNELS.md`): the tickets `tunnels.open` grants, `GET /tunnels/{ticket}` (the
+//! WebSocket, `v5.channel.k8s.io`), and its relay to the node's agent over the agent's own gRPC
+//! connection.
+//!
+//! Everything is in this process's memory ([`Tunnels`]): tickets (a secret, never logged nor
+//! stored), the nodes whose agent holds a session here and what each advertised, the tunnels
+//! waiting for their agent to attach, and the open tunnels' counts per tenant, key and node. A
+//! ticket counts against the bounds from its issue (so a burst of `tunnels.open` cannot pass
+//! them) until it expires unspent or its tunnel ends.
+//!
+//! The relay checks every frame both ways with `bc_core::tunnel` and counts payload bytes; the
+//! two events `tunnel.opened` and `tunnel.closed` carry those counts, never a byte typed or
+//! printed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use bc_core::id::TenantId;
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::tunnel::{self as wire, End, Frame, Op};
+use bc_core::{Error, Result};
+use bc_projections::decide::tunnel::{TunnelCounts, TunnelGrant, TunnelRefusal, TunnelRefusalKind};
+use bc_projections::tunnel::{CloseReason, TUNNEL_CLOSED, TUNNEL_OPENED, TunnelClosed, TunnelOpened};
+use bc_projections::{KIND_NODE, stream_of};
+use futures::{SinkExt, Stream, StreamExt};
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// Unspent tickets one process holds, so a flood of `tunnels.open` cannot grow memory.
+pub const TICKETS_MAX: usize = 4096;
+/// A ticket is remembered this long past its expiry, so a late use says "expired" or "spent"
+/// rather than "unknown".
+pub const TICKET_FORGET_AFTER_MS: u64 = 60_000;
+/// Tunnels open at once per tenant, per API key and per node (`--tunnels-per-tenant-max`,
+/// `--tunnels-per-key-max`, `--tunnels-per-node-max`). Each is one HTTP/2 stream of the agent's
+/// connection, which carries `agents::AGENT_STREAMS_PER_CONNECTION_MAX` with its session.
+pub const TUNNELS_PER_TENANT_MAX: usize = 64;
+pub const TUNNELS_PER_KEY_MAX: usize = 16;
+pub const TUNNELS_PER_NODE_MAX: usize = 6;
+const _: () = assert!(TUNNELS_PER_NODE_MAX < crate::agents::AGENT_STREAMS_PER_CONNECTION_MAX as usize);
+/// A tunnel carrying no data either way this long is closed (`--tunnel-idle-timeout`).
+pub const TUNNEL_IDLE_TIMEOUT_S: u64 = 900;
+/// The longest a tunnel stays open (`--tunnel-max-duration`).
+pub const TUNNEL_MAX_DURATION_S: u64 = 12 * 3600;
+/// The agent must attach its end within this of the upgrade.
+pub const AGENT_ATTACH_TIMEOUT_MS: u64 = 10_000;
+/// Frames queued each way between the WebSocket and the agent's stream: a slow reader holds the
+/// other side back rather than growing a buffer.
+pub const TUNNEL_FRAMES_QUEUED: usize = 16;
+/// Tunnel requests queued for one node's session.
+pub const OPEN_REQUESTS_QUEUED: usize = 8;
+
+/// The bounds of tunnels (`dev`/`serve` flags); the defaults are the named constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TunnelLimits {
+    pub per_tenant_max: usize,
+    pub per_key_max: usize,
+    pub per_node_max: usize,
+    pub idle_timeout: Duration,
+    pub max_duration: Duration,
+}
+
+impl Default for TunnelLimits {
+    fn default() -> Self {
+        Self {
+            per_tenant_max: TUNNELS_PER_TENANT_MAX,
+            per_key_max: TUNNELS_PER_KEY_MAX,
+            per_node_max: TUNNELS_PER_NODE_MAX,
+            idle_timeout: Duration::from_secs(TUNNEL_IDLE_TIMEOUT_S),
+            max_duration: Duration::from_secs(TUNNEL_MAX_DURATION_S),
+        }
+    }
+}
+
+impl TunnelLimits {
+    pub fn bounds(&self) -> bc_projections::decide::tunnel::TunnelBounds {
+        bc_projections::decide::tunnel::TunnelBounds {
+            per_tenant_max: self.per_tenant_max,
+            per_key_max: self.per_key_max,
+            per_node_max: self.per_node_max,
+        }
+    }
+}
+
+/// What a node's session is asked to do: open a `Tunnel` call carrying `tunnel_id`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenRequest {
+    pub tunnel_id: Vec<u8>,
+    pub op: Op,
+    pub instance_id: Option<String>,
+    pub port: Option<u16>,
+}
+
+/// The agent's end of a tunnel, as its `Tunnel` call delivered it: frames from the node, and a
+/// sender of frames to it. Dropping the sender ends the call.
+pub struct AgentEnd {
+    pub from_node: std::pin::Pin<Box<dyn Stream<Item = Vec<u8>> + Send>>,
+    pub to_node: mpsc::Sender<Vec<u8>>,
+}
+
+/// One granted ticket.
+struct Ticket {
+    tenant: TenantId,
+    key_id: String,
+    grant: TunnelGrant,
+    expires_at_ms: u64,
+    spent: bool,
+}
+
+/// A node whose agent holds a session with this process.
+struct Attached {
+    session: u64,
+    capabilities: Vec<String>,
+    requests: mpsc::Sender<OpenRequest>,
+}
+
+#[derive(Default)]
+struct Inner {
+    tickets: HashMap<String, Ticket>,
+    nodes: HashMap<String, Attached>,
+    waiting: HashMap<Vec<u8>, oneshot::Sender<AgentEnd>>,
+    per_tenant: HashMap<TenantId, usize>,
+    per_key: HashMap<String, usize>,
+    per_node: HashMap<String, usize>,
+    next_session: u64,
+}
+
+impl Inner {
+    fn counts(&self, tenant: TenantId, key: &str, node: &str) -> TunnelCounts {
+        TunnelCounts {
+            tenant: self.per_tenant.get(&tenant).copied().unwrap_or(0),
+            key: self.per_key.get(key).copied().unwrap_or(0),
+            node: self.per_node.get(node).copied().unwrap_or(0),
+        }
+    }
+
+    fn take(&mut self, tenant: TenantId, key: &str, node: &str) {
+        *self.per_tenant.entry(tenant).or_insert(0) += 1;
+        *self.per_key.entry(key.to_owned()).or_insert(0) += 1;
+        *self.per_node.entry(node.to_owned()).or_insert(0) += 1;
+    }
+
+    fn give_back(&mut self, tenant: TenantId, key: &str, node: &str) {
+        fn down<K: std::hash::Hash + Eq>(map: &mut HashMap<K, usize>, k: &K) {
+            if let Some(n) = map.get_mut(k) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    map.remove(k);
+                }
+            }
+        }
+        down(&mut self.per_tenant, &tenant);
+        down(&mut self.per_key, &key.to_owned());
+        down(&mut self.per_node, &node.to_owned());
+    }
+
+    /// Forgets old tickets; one that expired unspent gives its place back.
+    fn sweep(&mut self, now_ms: u64) {
+        let expired: Vec<String> = self
+            .tickets
+            .iter()
+            .filter(|(_, t)| !t.spent && now_ms >= t.expires_at_ms || now_ms >= t.expires_at_ms + TICKET_FORGET_AFTER_MS)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for ticket in expired {
+            let t = self.tickets.get_mut(&ticket).expect("listed above");
+            if !t.spent {
+                t.spent = true;
+                let (tenant, key, node) = (t.tenant, t.key_id.clone(), t.grant.node_id.clone());
+                self.give_back(tenant, &key, &node);
+            }
+            if now_ms >= self.tickets[&ticket].expires_at_ms + TICKET_FORGET_AFTER_MS {
+                self.tickets.remove(&ticket);
+            }
+        }
+    }
+}
+
+/// The tunnels of this process: tickets, attached sessions, open counts.
+pub struct Tunnels {
+    pub limits: TunnelLimits,
+    inner: Mutex<Inner>,
+}
+
+/// A session's place among the attached nodes; detached when dropped.
+pub struct SessionLink {
+    tunnels: Arc<Tunnels>,
+    node: String,
+    session: u64,
+}
+
+impl Drop for SessionLink {
+    fn drop(&mut self) {
+        let mut inner = self.tunnels.lock();
+        if inner.nodes.get(&self.node).is_some_and(|a| a.session == self.session) {
+            inner.nodes.remove(&self.node);
+        }
+    }
+}
+
+/// A spent ticket's tunnel: what it is bound to, and its place in the counts until dropped.
+pub struct TunnelSlot {
+    tunnels: Arc<Tunnels>,
+    pub tenant: TenantId,
+    pub key_id: String,
+    pub grant: TunnelGrant,
+}
+
+impl Drop for TunnelSlot {
+    fn drop(&mut self) {
+        self.tunnels.lock().give_back(self.tenant, &self.key_id, &self.grant.node_id);
+    }
+}
+
+/// Why a ticket cannot be spent.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SpendRefusal {
+    Unknown,
+    OtherKey,
+    Spent,
+    Expired,
+}
+
+impl From<SpendRefusal> for Error {
+    fn from(refusal: SpendRefusal) -> Self {
+        match refusal {
+            SpendRefusal::Unknown => Error::not_found("ticket (never issued, or forgotten after it expired)"),
+            SpendRefusal::OtherKey => Error::AccessDenied("this ticket was issued to another API key".into()),
+            SpendRefusal::Spent => {
+                Error::state("this ticket was spent already: a ticket opens one tunnel", "call tunnels.open again")
+            }
+            SpendRefusal::Expired => Error::state(
+                format!("this ticket expired: a ticket is good for {} s", wire::TICKET_TTL_MS / 1000),
+                "call tunnels.open again and connect at once",
+            ),
+        }
+    }
+}
+
+impl Tunnels {
+    pub fn new(limits: TunnelLimits) -> Arc<Self> {
+        Arc::new(Self { limits, inner: Mutex::new(Inner::default()) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Attaches `node`'s session, which advertised `capabilities`: tunnel requests for the node
+    /// come on the receiver until the link is dropped (a newer session of the node replaces it).
+    pub fn attach_session(self: &Arc<Self>, node: &str, capabilities: Vec<String>) -> (SessionLink, mpsc::Receiver<OpenRequest>) {
+        let (requests, receiver) = mpsc::channel(OPEN_REQUESTS_QUEUED);
+        let mut inner = self.lock();
+        inner.next_session += 1;
+        let session = inner.next_session;
+        inner.nodes.insert(node.to_owned(), Attached { session, capabilities, requests });
+        (SessionLink { tunnels: self.clone(), node: node.to_owned(), session }, receiver)
+    }
+
+    /// Issues a ticket if `decide` (given the open counts of the tenant, the key and the node,
+    /// and what the node's session advertised, if it has one here) grants it. Returns the
+    /// ticket and its expiry.
+    pub fn issue(
+        &self,
+        tenant: TenantId,
+        key_id: &str,
+        node_id: &str,
+        now_ms: u64,
+        decide: impl FnOnce(TunnelCounts, Option<&[String]>) -> std::result::Result<TunnelGrant, TunnelRefusal>,
+    ) -> std::result::Result<(String, u64), TunnelRefusal> {
+        let mut inner = self.lock();
+        inner.sweep(now_ms);
+        let counts = inner.counts(tenant, key_id, node_id);
+        let capabilities = inner.nodes.get(node_id).map(|a| a.capabilities.clone());
+        let grant = decide(counts, capabilities.as_deref())?;
+        if inner.tickets.len() >= TICKETS_MAX {
+            return Err(TunnelRefusal {
+                kind: TunnelRefusalKind::QuotaExceeded,
+                message: format!("this gateway holds {TICKETS_MAX} tickets, the most it may; retry in a minute"),
+                reason: Some("tickets"),
+            });
+        }
+        let ticket = format!(
+            "{}{}",
+            wire::TICKET_PREFIX,
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
+        );
+        debug_assert!(wire::is_ticket(&ticket));
+        let expires_at_ms = now_ms + wire::TICKET_TTL_MS;
+        inner.take(tenant, key_id, &grant.node_id);
+        inner.tickets.insert(ticket.clone(), Ticket { tenant, key_id: key_id.to_owned(), grant, expires_at_ms, spent: false });
+        Ok((ticket, expires_at_ms))
+    }
+
+    /// Spends `ticket` for `key_id`: it is the caller's, unspent and unexpired. The slot holds
+    /// the tunnel's place in the counts until it is dropped.
+    pub fn spend(self: &Arc<Self>, ticket: &str, key_id: &str, now_ms: u64) -> std::result::Result<TunnelSlot, SpendRefusal> {
+        let mut inner = self.lock();
+        inner.sweep(now_ms);
+        let t = inner.tickets.get_mut(ticket).ok_or(SpendRefusal::Unknown)?;
+        if t.key_id != key_id {
+            return Err(SpendRefusal::OtherKey);
+        }
+        if t.spent {
+            return Err(if now_ms >= t.expires_at_ms { SpendRefusal::Expired } else { SpendRefusal::Spent });
+        }
+        t.spent = true;
+        Ok(TunnelSlot { tunnels: self.clone(), tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() })
+    }
+
+    /// Asks the node's session to attach a tunnel's end, and waits for its `Tunnel` call.
+    pub async fn dial(&self, grant: &TunnelGrant, timeout: Duration) -> Result<AgentEnd> {
+        let tunnel_id = rand::random::<[u8; 32]>().to_vec();
+        let (attached, waiting) = oneshot::channel();
+        let requests = {
+            let mut inner = self.lock();
+            let requests = inner.nodes.get(&grant.node_id).map(|a| a.requests.clone());
+            if requests.is_some() {
+                inner.waiting.insert(tunnel_id.clone(), attached);
+            }
+            requests
+        };
+        let unavailable = || Error::Unavailable(format!("node {}'s agent has no session with this gateway now", grant.node_id));
+        let requests = requests.ok_or_else(unavailable)?;
+        let request =
+            OpenRequest { tunnel_id: tunnel_id.clone(), op: grant.op, instance_id: grant.instance_id.clone(), port: grant.port };
+        let answer = async {
+            requests.send(request).await.map_err(|_| unavailable())?;
+            waiting.await.map_err(|_| unavailable())
+        };
+        let outcome = tokio::time::timeout(timeout, answer).await;
+        self.lock().waiting.remove(&tunnel_id);
+        match outcome {
+            Ok(end) => end,
+            Err(_) => Err(Error::Unavailable(format!(
+                "node {}'s agent did not attach the tunnel within {} s",
+                grant.node_id,
+                timeout.as_secs()
+            ))),
+        }
+    }
+
+    /// Hands the agent's `Tunnel` call to the tunnel waiting for `tunnel_id`; `false`: none is
+    /// (an id never asked for, or one that timed out), and the call should be refused.
+    pub fn agent_attached(&self, tunnel_id: &[u8], end: AgentEnd) -> bool {
+        let Some(waiting) = self.lock().waiting.remove(tunnel_id) else { return false };
+        waiting.send(end).is_ok()
+    }
+
+    /// Tunnels counted against `tenant` now (open, and tickets unspent).
+    pub fn open_in(&self, tenant: TenantId) -> usize {
+        self.lock().per_tenant.get(&tenant).copied().unwrap_or(0)
+    }
+}
+
+/// `GET /tunnels/{ticket}`: checks the caller and the ticket, spends it, has the node's agent
+/// attach its end, then upgrades and relays until the remote program ends. Every refusal is an
+/// HTTP answer with the API's envelope, before the upgrade.
+pub async fn upgrade(
+    State(state): State<Arc<AppState>>,
+    Path(ticket): Path<String>,
+    peer: Option<axum::Extension<ConnectInfo<SocketAddr>>>,
+    headers: HeaderMap,
+    ws: std::result::Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    match prepare(&state, &ticket, &headers, ws).await {
+        Ok((ws, slot, end)) => {
+            let from = peer.map(|axum::Extension(ConnectInfo(addr))| addr.to_string()).unwrap_or_default();
+            match opened(&state, &slot, &from).await {
+                Ok(opened) => ws
+                    .protocols([wire::SUBPROTOCOL])
+                    .max_message_size(wire::FRAME_BYTES_MAX)
+                    .on_upgrade(move |socket| relay(state, slot, opened, end, socket))
+                    .into_response(),
+                Err(e) => ApiError::from(e).into_response(),
+            }
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn prepare(
+    state: &Arc<AppState>,
+    ticket: &str,
+    headers: &HeaderMap,
+    ws: std::result::Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> std::result::Result<(WebSocketUpgrade, TunnelSlot, AgentEnd), ApiError> {
+    let ws = ws.map_err(|e| Error::invalid(format!("GET /tunnels/TICKET is a WebSocket upgrade: {e}")))?;
+    let offered = headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == wire::SUBPROTOCOL);
+    if !offered {
+        return Err(Error::InvalidArgument {
+            message: format!("the WebSocket must offer the subprotocol {}", wire::SUBPROTOCOL),
+            hint: Some("see schema/TUNNELS.md".into()),
+        }
+        .into());
+    }
+    // Read as it is now, not from the cache: a key revoked a moment ago opens nothing.
+    let authorization = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
+    let principal = crate::auth::authenticate(&*state.store, authorization).await?;
+    if !wire::is_ticket(ticket) {
+        return Err(Error::from(SpendRefusal::Unknown).into());
+    }
+    let slot = state.tunnels.spend(ticket, &principal.key_id, state.log.clock.now_ms()).map_err(Error::from)?;
+    let end = state.tunnels.dial(&slot.grant, Duration::from_millis(AGENT_ATTACH_TIMEOUT_MS)).await?;
+    Ok((ws, slot, end))
+}
+
+/// What `tunnel.closed` needs of the opening.
+struct Opened {
+    tunnel_id: String,
+    started: tokio::time::Instant,
+}
+
+fn actor(slot: &TunnelSlot) -> String {
+    format!("apikey:{}", slot.key_id)
+}
+
+async fn append_node_event(state: &AppState, slot: &TunnelSlot, event_type: &str, payload: ciborium::Value) -> Result<()> {
+    let stream = stream_of(KIND_NODE, &slot.grant.node_id);
+    let request =
+        AppendRequest::new(slot.tenant, stream, ExpectedVersion::Any, actor(slot), vec![NewEvent::new(event_type, payload)]);
+    state.log.append(request).await.map(|_| ())
+}
+
+async fn opened(state: &AppState, slot: &TunnelSlot, from: &str) -> Result<Opened> {
+    let tunnel_id = format!("tun_{}", state.log.ids.ulid());
+    let payload = bc_projections::events::to_cbor(&TunnelOpened {
+        tunnel_id: tunnel_id.clone(),
+        op: slot.grant.op.as_str().to_owned(),
+        node_id: slot.grant.node_id.clone(),
+        instance_id: slot.grant.instance_id.clone(),
+        port: slot.grant.port,
+        key_id: slot.key_id.clone(),
+        from: from.to_owned(),
+    })?;
+    append_node_event(state, slot, TUNNEL_OPENED, payload).await?;
+    tracing::info!(tunnel = %tunnel_id, node = %slot.grant.node_id, op = slot.grant.op.as_str(), "tunnel opened");
+    Ok(Opened { tunnel_id, started: tokio::time::Instant::now() })
+}
+
+/// What a relay counted.
+#[derive(Default)]
+struct Tally {
+    bytes_in: u64,
+    bytes_out: u64,
+    exit: Option<u8>,
+}
+
+/// Relays frames between the client's socket and the agent's end until one ends, then closes
+/// both and appends `tunnel.closed`.
+async fn relay(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: AgentEnd, socket: WebSocket) {
+    let limits = state.tunnels.limits;
+    let (mut to_client, mut from_client) = socket.split();
+    let AgentEnd { mut from_node, to_node } = end;
+    let mut tally = Tally::default();
+    let mut shutdown = state.shutdown.subscribe();
+    let deadline = tokio::time::sleep(limits.max_duration);
+    tokio::pin!(deadline);
+    let idle = tokio::time::sleep(limits.idle_timeout);
+    tokio::pin!(idle);
+    let reason = loop {
+        tokio::select! {
+            message = from_client.next() => match message {
+                Some(Ok(Message::Binary(bytes))) => {
+                    match Frame::decode(&bytes) {
+                        Ok(Frame::Data { channel: wire::CHANNEL_STDIN, bytes: data }) => tally.bytes_in += data.len() as u64,
+                        Ok(Frame::Resize(_) | Frame::Close(_)) => {}
+                        Ok(_) => { let _ = to_client.send(close(1008, "clients send stdin, resize and close frames only")).await; break CloseReason::ClientClosed }
+                        Err(e) => { let _ = to_client.send(close(1008, &e.to_string())).await; break CloseReason::ClientClosed }
+                    }
+                    idle.as_mut().reset(tokio::time::Instant::now() + limits.idle_timeout);
+                    if to_node.send(bytes.to_vec()).await.is_err() {
+                        break CloseReason::AgentGone;
+                    }
+                }
+                Some(Ok(Message::Text(_))) => { let _ = to_client.send(close(1003, "frames are binary messages")).await; break CloseReason::ClientClosed }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break CloseReason::ClientClosed,
+            },
+            frame = from_node.next() => match frame {
+                Some(bytes) => match Frame::decode(&bytes) {
+                    Ok(Frame::Data { channel: wire::CHANNEL_STDOUT | wire::CHANNEL_STDERR, bytes: data }) => {
+                        tally.bytes_out += data.len() as u64;
+                        idle.as_mut().reset(tokio::time::Instant::now() + limits.idle_timeout);
+                        if to_client.send(Message::Binary(bytes.into())).await.is_err() {
+                            break CloseReason::ClientClosed;
+                        }
+                    }
+                    Ok(Frame::Status(end)) => {
+                        if let End::Exited(code) = end { tally.exit = Some(code) }
+                        let _ = to_client.send(Message::Binary(bytes.into())).await;
+                        let _ = to_client.send(close(1000, "the remote program ended")).await;
+                        break if tally.exit.is_some() { CloseReason::Exited } else { CloseReason::AgentGone };
+                    }
+                    Ok(Frame::Close(_)) => {}
+                    Ok(_) | Err(_) => { end_broken(&mut to_client, "the node's agent sent a frame that is not the tunnel's", false).await; break CloseReason::AgentGone }
+                },
+                None => { end_broken(&mut to_client, "the node's agent went away", false).await; break CloseReason::AgentGone }
+            },
+            () = &mut idle => { end_broken(&mut to_client, &format!("no data either way for {} s", limits.idle_timeout.as_secs()), true).await; break CloseReason::IdleTimeout }
+            () = &mut deadline => { end_broken(&mut to_client, &format!("the tunnel reached its maximum duration of {} s", limits.max_duration.as_secs()), true).await; break CloseReason::MaxDuration }
+            _ = shutdown.changed() => { end_broken(&mut to_client, "the gateway is stopping", false).await; break CloseReason::Shutdown }
+        }
+    };
+    drop(to_node);
+    let closed = TunnelClosed {
+        tunnel_id: opened.tunnel_id.clone(),
+        node_id: slot.grant.node_id.clone(),
+        duration_ms: u64::try_from(opened.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        bytes_in: tally.bytes_in,
+        bytes_out: tally.bytes_out,
+        exit_status: tally.exit,
+        reason: reason.as_str().to_owned(),
+    };
+    tracing::info!(tunnel = %opened.tunnel_id, reason = reason.as_str(), "tunnel closed");
+    let appended = match bc_projections::events::to_cbor(&closed) {
+        Ok(payload) => append_node_event(&state, &slot, TUNNEL_CLOSED, payload).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = appended {
+        tracing::error!(tunnel = %opened.tunnel_id, code = %e.code(), error = %e, "tunnel.closed could not be appended");
+    }
+    drop(slot);
+}
+
+fn close(code: u16, reason: &str) -> Message {
+    // A close reason is at most 123 bytes.
+    let reason: String = reason.chars().take(100).collect();
+    Message::Close(Some(CloseFrame { code, reason: reason.into() }))
+}
+
+/// Ends the client's side with a `Failure` status that is no exit status, then a close.
+async fn end_broken<S>(to_client: &mut S, message: &str, timeout: bool)
+where
+    S: futures::Sink<Message> + Unpin,
+{
+    let status = Frame::Status(End::Broken { message: message.to_owned(), timeout }).encode();
+    let _ = to_client.send(Message::Binary(status.into())).await;
+    let _ = to_client.send(close(1000, message)).await;
+}
+
+/// The JSON answer of `tunnels.open`, built by the API's handler.
+pub fn ticket_answer(ticket: &str, expires_at_ms: u64) -> serde_json::Value {
+    json!({ "ticket": ticket, "url": format!("/tunnels/{ticket}"), "expiresAtMs": expires_at_ms })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(node: &str) -> TunnelGrant {
+        TunnelGrant { op: Op::Console, node_id: node.into(), instance_id: None, port: None }
+    }
+
+    #[test]
+    fn a_ticket_is_spent_once_by_its_own_key_before_it_expires() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let tenant = TenantId::generate();
+        let (ticket, expires) = tunnels.issue(tenant, "key_a", "node_1", 1_000, |_, _| Ok(grant("node_1"))).unwrap();
+        assert!(wire::is_ticket(&ticket));
+        assert_eq!(expires, 1_000 + wire::TICKET_TTL_MS);
+        assert_eq!(tunnels.spend(&ticket, "key_b", 2_000).err(), Some(SpendRefusal::OtherKey));
+        let slot = tunnels.spend(&ticket, "key_a", 2_000).unwrap();
+        assert_eq!(tunnels.spend(&ticket, "key_a", 2_001).err(), Some(SpendRefusal::Spent));
+        assert_eq!(tunnels.open_in(tenant), 1);
+        drop(slot);
+        assert_eq!(tunnels.open_in(tenant), 0);
+        assert_eq!(tunnels.spend("bctt_nope", "key_a", 2_000).err(), Some(SpendRefusal::Unknown));
+
+        let (late, _) = tunnels.issue(tenant, "key_a", "node_1", 10_000, |_, _| Ok(grant("node_1"))).unwrap();
+        assert_eq!(tunnels.open_in(tenant), 1, "an unspent ticket counts");
+        assert_eq!(tunnels.spend(&late, "key_a", 10_000 + wire::TICKET_TTL_MS).err(), Some(SpendRefusal::Expired));
+        assert_eq!(tunnels.open_in(tenant), 0, "an expired ticket gives its place back");
+        let forgotten = 10_000 + wire::TICKET_TTL_MS + TICKET_FORGET_AFTER_MS;
+        assert_eq!(tunnels.spend(&late, "key_a", forgotten).err(), Some(SpendRefusal::Unknown));
+    }
+
+    #[test]
+    fn the_decision_sees_the_counts_and_the_session() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let tenant = TenantId::generate();
+        let seen = std::cell::RefCell::new(Vec::new());
+        let decide = |counts: TunnelCounts, caps: Option<&[String]>| {
+            seen.borrow_mut().push((counts, caps.map(<[String]>::to_vec)));
+            Ok(grant("node_1"))
+        };
+        tunnels.issue(tenant, "key_a", "node_1", 0, decide).unwrap();
+        let (_link, _requests) = tunnels.attach_session("node_1", vec!["tunnel.node-console".into()]);
+        tunnels.issue(tenant, "key_a", "node_1", 0, decide).unwrap();
+        let seen = seen.into_inner();
+        assert_eq!(seen[0], (TunnelCounts::default(), None));
+        assert_eq!(seen[1], (TunnelCounts { tenant: 1, key: 1, node: 1 }, Some(vec!["tunnel.node-console".to_owned()])));
+    }
+
+    #[tokio::test]
+    async fn dial_asks_the_session_and_pairs_the_agents_call() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let (link, mut requests) = tunnels.attach_session("node_1", Vec::new());
+        let agent = {
+            let tunnels = tunnels.clone();
+            tokio::spawn(async move {
+                let request = requests.recv().await.unwrap();
+                assert_eq!(request.op, Op::Console);
+                let (to_node, _keep) = mpsc::channel(1);
+                assert!(
+                    tunnels
+                        .agent_attached(&request.tunnel_id, AgentEnd { from_node: Box::pin(futures::stream::empty()), to_node })
+                );
+                assert!(
+                    !tunnels.agent_attached(&request.tunnel_id, {
+                        let (to_node, _) = mpsc::channel(1);
+                        AgentEnd { from_node: Box::pin(futures::stream::empty()), to_node }
+                    }),
+                    "an id pairs once"
+                );
+                _keep
+            })
+        };
+        tunnels.dial(&grant("node_1"), Duration::from_secs(5)).await.unwrap();
+        agent.await.unwrap();
+        drop(link);
+        let gone = tunnels.dial(&grant("node_1"), Duration::from_secs(5)).await.err().unwrap();
+        assert_eq!(gone.code(), bc_core::ErrorCode::Unavailable);
+    }
+}

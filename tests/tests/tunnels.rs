@@ -1,0 +1,129 @@
+//! Tunnels end to end (`schema/TUNNELS.md`): `dev` and a fakehw `bcd node`; tickets refused
+//! (spent, expired, another tenant's key); and a client the project did not write (Python's
+//! `websockets`) running a command on the node's console and reading its status.
+
+use std::time::Duration;
+
+use bc_tests::{AgentNode, Server, wait_until};
+use serde_json::{Value, json};
+
+/// A joined, running node of `server`.
+async fn running_node(server: &Server, port: u16) -> (AgentNode, String) {
+    let pool = server.pool("gpu-a").await;
+    let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool })).await;
+    assert_eq!(status, 200, "{token}");
+    let mut machine = AgentNode::new(server, port);
+    let (code, out, err) = machine.join_stdin(token["token"].as_str().unwrap());
+    assert_eq!(code, 0, "bcd join: {out} {err}");
+    machine.start();
+    let node = machine.node_id();
+    wait_until("the node's session is live", Duration::from_secs(20), || machine.status().filter(|s| s["session"] == "live"));
+    (machine, node)
+}
+
+async fn tunnel_events(server: &Server) -> Vec<Value> {
+    let (status, page) = server.call("events.list", json!({ "types": ["tunnel.*"], "limit": 100 })).await;
+    assert_eq!(status, 200, "{page}");
+    page["items"].as_array().unwrap().clone()
+}
+
+/// A WebSocket upgrade of `/tunnels/{ticket}` as `token`, read as an HTTP answer (refusals come
+/// before the upgrade).
+async fn upgrade_status(server: &Server, ticket: &str, token: &str) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .get(format!("{}/tunnels/{ticket}", server.url))
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .header("sec-websocket-protocol", "v5.channel.k8s.io")
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_an_expired_and_another_keys_ticket_are_refused_by_name() {
+    let (server, port) = bc_tests::agents_gateway();
+    let (_machine, node) = running_node(&server, port).await;
+    let open = || async { server.call("tunnels.open", json!({ "op": "console", "nodeId": node })).await };
+
+    // Another tenant's key, which may open consoles in its own tenant, cannot use it.
+    let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
+    assert_eq!(status, 200, "{tenant}");
+    let (status, key) = server
+        .call("apiKeys.create", json!({ "tenantId": tenant["tenantId"], "name": "ops", "actions": ["compute:nodes:console"] }))
+        .await;
+    assert_eq!(status, 200, "{key}");
+    let other = key["token"].as_str().unwrap();
+    let (status, ticket) = open().await;
+    assert_eq!(status, 200, "{ticket}");
+    let ticket = ticket["ticket"].as_str().unwrap().to_owned();
+    let (status, refused) = upgrade_status(&server, &ticket, other).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("ACCESS_DENIED")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("another API key"), "{refused}");
+    let (status, refused) = server.call_as(other, "tunnels.open", json!({ "op": "console", "nodeId": node }), None).await;
+    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "not acme's node: {refused}");
+
+    // Spent: the owner uses it once (the upgrade answers 101), and not again.
+    let (status, _) = upgrade_status(&server, &ticket, &server.token).await;
+    assert_eq!(status, 101);
+    let (status, refused) = upgrade_status(&server, &ticket, &server.token).await;
+    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("spent"), "{refused}");
+
+    // Expired: 30 s after its issue.
+    let (_, late) = open().await;
+    tokio::time::sleep(Duration::from_millis(bc_core::tunnel::TICKET_TTL_MS + 500)).await;
+    let (status, refused) = upgrade_status(&server, late["ticket"].as_str().unwrap(), &server.token).await;
+    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("expired"), "{refused}");
+
+    // A ticket that was never issued.
+    let (status, refused) = upgrade_status(&server, &format!("bctt_{}", "A".repeat(43)), &server.token).await;
+    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
+    // A node takes console tunnels only.
+    let (status, refused) = server.call("tunnels.open", json!({ "op": "exec", "nodeId": node })).await;
+    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+}
+
+/// A client written from schema/TUNNELS.md alone, on Python's `websockets` (PyPI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_websockets_client_runs_a_command_on_the_node_console_and_reads_its_status() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join("target/tiles-venv/bin/python");
+    assert!(python.exists(), "no Python with websockets at {} (run `make tiles-venv`, which `make test` runs)", python.display());
+    let (server, port) = bc_tests::agents_gateway();
+    let (_machine, node) = running_node(&server, port).await;
+    let script = root.join("tests/scripts/tunnel_client.py");
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .args(["--url", &server.url, "--node", &node, "--command", "echo from-python; exit 42"])
+        .env("BETTER_COMPUTE_TOKEN", &server.token)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(42), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("from-python"), "{stdout}");
+
+    // Two events on the node's stream, with counts and no byte typed or printed.
+    let events = wait_until("tunnel.closed is in the log", Duration::from_secs(10), || {
+        let events = bc_tests::block_on(tunnel_events(&server));
+        (events.len() == 2).then_some(events)
+    });
+    let (opened, closed) = (&events[0], &events[1]);
+    assert_eq!((opened["type"].as_str(), closed["type"].as_str()), (Some("tunnel.opened"), Some("tunnel.closed")), "{events:?}");
+    assert_eq!(opened["stream"], format!("node/{node}"));
+    assert_eq!(opened["payload"]["op"], "console");
+    assert!(opened["payload"]["from"].as_str().unwrap().starts_with("127.0.0.1:"), "{opened}");
+    assert_eq!(closed["payload"]["tunnelId"], opened["payload"]["tunnelId"]);
+    assert_eq!(closed["payload"]["exitStatus"], 42);
+    assert_eq!(closed["payload"]["reason"], "exited");
+    let typed = "echo from-python; exit 42\r".len();
+    assert_eq!(closed["payload"]["bytesIn"].as_u64().unwrap(), typed as u64, "{closed}");
+    assert!(closed["payload"]["bytesOut"].as_u64().unwrap() > 10, "{closed}");
+    assert!(!events.iter().any(|e| e.to_string().contains("from-python")), "nothing typed is logged: {events:?}");
+}
