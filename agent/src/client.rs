@@ -146,7 +146,7 @@ fn client_config(pin: String) -> Result<Arc<rustls::ClientConfig>, String> {
         .map_err(|e| e.to_string())?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(
-            bc_pin::PinVerifier::new(&pin, "the gateway's certificate", provider).map_err(|e| e.to_string())?,
+            bc_pin::Verifier::pinned(&pin, "the gateway's certificate", provider).map_err(|e| e.to_string())?,
         ))
         .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];

@@ -32,11 +32,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
+use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, SignatureScheme};
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
@@ -502,13 +500,13 @@ fn client_config(tls: &BmcTls) -> BmcResult<rustls::ClientConfig> {
             let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(ca_roots(pem)?), provider.clone())
                 .build()
                 .map_err(|e| BmcError::Protocol(format!("the BMC's CA bundle: {e}")))?;
-            builder.dangerous().with_custom_certificate_verifier(Arc::new(CaVerifier { inner })).with_no_client_auth()
+            builder.dangerous().with_custom_certificate_verifier(Arc::new(ca_verifier(inner, provider))).with_no_client_auth()
         }
         BmcTls::Pin { pin } => {
             builder.dangerous().with_custom_certificate_verifier(Arc::new(pin_verifier(pin, provider)?)).with_no_client_auth()
         }
         BmcTls::Insecure => {
-            builder.dangerous().with_custom_certificate_verifier(Arc::new(AnyCertificate { provider })).with_no_client_auth()
+            builder.dangerous().with_custom_certificate_verifier(Arc::new(bc_pin::Verifier::any(provider))).with_no_client_auth()
         }
     };
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -531,9 +529,8 @@ fn ca_roots(pem: &str) -> BmcResult<rustls::RootCertStore> {
 /// The CA bundle's check (webpki's, the host name included), whose refusal says what to do: a
 /// BMC's self-signed certificate (its own CA, webpki's bare `CaUsedAsEndEntity`) is trusted by
 /// pinning its key, and the refusal names the key it presented.
-#[derive(Debug)]
-struct CaVerifier {
-    inner: Arc<rustls::client::WebPkiServerVerifier>,
+fn ca_verifier(inner: Arc<rustls::client::WebPkiServerVerifier>, provider: Arc<CryptoProvider>) -> bc_pin::Verifier {
+    bc_pin::Verifier::ca(inner, |cause, presented| Arc::new(NotByTheCa { cause, presented }), provider)
 }
 
 /// The certificate did not verify against the CA bundle.
@@ -546,99 +543,15 @@ struct NotByTheCa {
     presented: String,
 }
 
-impl ServerCertVerifier for CaVerifier {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        self.inner.verify_server_cert(end_entity, intermediates, server_name, ocsp, now).map_err(|e| match e {
-            rustls::Error::InvalidCertificate(cause) => {
-                let presented = spki_pin(end_entity).unwrap_or_else(|_| "(its key is unreadable)".into());
-                let explained = NotByTheCa { cause: format!("{cause:?}"), presented };
-                rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(Arc::new(explained))))
-            }
-            other => other,
-        })
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
-    }
-}
-
 /// The pin of a certificate's key (`bc_pin::spki_pin`, RFC 7469's `sha256/` + base64).
 pub use bc_pin::spki_pin;
 
-/// Accepts exactly the leaf whose key hashes to `pin` (`bc_pin::PinVerifier`), whatever signed it
+/// Accepts exactly the leaf whose key hashes to `pin` (`bc_pin::Verifier::pinned`), whatever signed it
 /// and whatever name or dates it carries: a BMC's self-signed certificate rarely names its address
 /// or is renewed. A mismatch names the key the BMC presented.
-fn pin_verifier(pin: &str, provider: Arc<CryptoProvider>) -> BmcResult<bc_pin::PinVerifier> {
-    bc_pin::PinVerifier::new(pin, "the BMC's certificate", provider)
+fn pin_verifier(pin: &str, provider: Arc<CryptoProvider>) -> BmcResult<bc_pin::Verifier> {
+    bc_pin::Verifier::pinned(pin, "the BMC's certificate", provider)
         .map_err(|e| BmcError::Protocol(format!("the BMC's certificate pin: {e}")))
-}
-
-/// Accepts any certificate and any handshake signature: insecure mode proves nothing, so it
-/// does not fail on keys `ring` will not verify (old BMCs' 1024-bit RSA) either.
-#[derive(Debug)]
-struct AnyCertificate {
-    provider: Arc<CryptoProvider>,
-}
-
-impl ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Ok(HandshakeSignatureValid::assertion())
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Ok(HandshakeSignatureValid::assertion())
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
-    }
 }
 
 // --- Redfish JSON, read ---------------------------------------------------------------------
@@ -808,6 +721,8 @@ fn cut(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use base64::Engine;
+    use rustls::client::danger::ServerCertVerifier;
+    use rustls::pki_types::{ServerName, UnixTime};
     use sha2::{Digest, Sha256};
 
     use super::*;
@@ -1043,7 +958,7 @@ mod tests {
             rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(ca_roots(&cert.pem()).unwrap()), provider)
                 .build()
                 .unwrap();
-        let verifier = CaVerifier { inner };
+        let verifier = ca_verifier(inner, Arc::new(rustls::crypto::ring::default_provider()));
         let name = ServerName::try_from("bmc.example").unwrap();
         let refused = verifier.verify_server_cert(cert.der(), &[], &name, &[], UnixTime::now()).unwrap_err();
         let text = chain(&std::io::Error::other(refused));

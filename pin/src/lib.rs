@@ -16,8 +16,9 @@
 use std::sync::Arc;
 
 use base64::Engine;
+use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms, verify_tls12_signature, verify_tls13_signature};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
 use sha2::{Digest, Sha256};
@@ -60,7 +61,7 @@ pub struct PinMismatch {
     pub presented: String,
 }
 
-/// Whether a rustls error is a [`PinVerifier`]'s refusal of another key.
+/// Whether a rustls error is a pinned [`Verifier`]'s refusal of another key.
 pub fn is_pin_mismatch(error: &rustls::Error) -> bool {
     match error {
         rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other)) => other.0.is::<PinMismatch>(),
@@ -68,39 +69,98 @@ pub fn is_pin_mismatch(error: &rustls::Error) -> bool {
     }
 }
 
-/// Accepts exactly the leaf whose key hashes to the pin; the handshake's signatures are checked
-/// with the provider's algorithms.
+/// Rewrites webpki's refusal of a certificate (its cause, and the pin of the key the server
+/// presented) into the error a person reads, one that says what to do instead.
+pub type Explain = fn(cause: String, presented: String) -> Arc<dyn std::error::Error + Send + Sync>;
+
+/// How [`Verifier`] trusts a server.
 #[derive(Debug)]
-pub struct PinVerifier {
-    pin: String,
-    subject: &'static str,
+enum Trust {
+    /// Exactly the leaf whose key hashes to `pin`.
+    Pin { pin: String, subject: &'static str },
+    /// webpki against a CA bundle (the host name included), its refusals explained.
+    Ca { inner: Arc<WebPkiServerVerifier>, explain: Explain },
+    /// Anything: no certificate and no handshake signature is checked.
+    Any,
+}
+
+/// The workspace's one rustls server-certificate verifier: by pin, by a CA bundle, or (insecure
+/// mode) not at all. By pin, the leaf is accepted whatever signed it and whatever name or dates
+/// it carries, and the handshake's signatures are checked with the provider's algorithms.
+#[derive(Debug)]
+pub struct Verifier {
+    trust: Trust,
     provider: Arc<CryptoProvider>,
 }
 
-impl PinVerifier {
-    /// A verifier for `pin`, checked first; `subject` names whose certificate it checks in a
-    /// mismatch's message ("the BMC's certificate").
-    pub fn new(pin: &str, subject: &'static str, provider: Arc<CryptoProvider>) -> Result<Self, PinFormat> {
+impl Verifier {
+    /// Trusts exactly the leaf whose key hashes to `pin`, checked first; `subject` names whose
+    /// certificate it checks in a mismatch's message ("the BMC's certificate").
+    pub fn pinned(pin: &str, subject: &'static str, provider: Arc<CryptoProvider>) -> Result<Self, PinFormat> {
         check_pin(pin)?;
-        Ok(Self { pin: pin.to_owned(), subject, provider })
+        Ok(Self { trust: Trust::Pin { pin: pin.to_owned(), subject }, provider })
+    }
+
+    /// Trusts what `inner` (webpki over a CA bundle) trusts; a refusal of the certificate is
+    /// rewritten by `explain`, given the pin of the key presented.
+    pub fn ca(inner: Arc<WebPkiServerVerifier>, explain: Explain, provider: Arc<CryptoProvider>) -> Self {
+        Self { trust: Trust::Ca { inner, explain }, provider }
+    }
+
+    /// Trusts any certificate and any handshake signature: insecure mode proves nothing, so it
+    /// does not fail on keys the provider will not verify (old 1024-bit RSA) either.
+    pub fn any(provider: Arc<CryptoProvider>) -> Self {
+        Self { trust: Trust::Any, provider }
     }
 }
 
-impl ServerCertVerifier for PinVerifier {
+impl Verifier {
+    /// A handshake signature checked as the trust says: by the CA bundle's verifier, by the
+    /// provider's algorithms (a pinned key must still prove it is held), or not at all.
+    fn signature(
+        &self,
+        by_ca: impl FnOnce(&WebPkiServerVerifier) -> Result<HandshakeSignatureValid, rustls::Error>,
+        by_provider: impl FnOnce(&WebPkiSupportedAlgorithms) -> Result<HandshakeSignatureValid, rustls::Error>,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        match &self.trust {
+            Trust::Pin { .. } => by_provider(&self.provider.signature_verification_algorithms),
+            Trust::Ca { inner, .. } => by_ca(inner),
+            Trust::Any => Ok(HandshakeSignatureValid::assertion()),
+        }
+    }
+}
+
+impl ServerCertVerifier for Verifier {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let presented = spki_pin(end_entity)?;
-        if presented == self.pin {
-            return Ok(ServerCertVerified::assertion());
+        let refuse = |error: Arc<dyn std::error::Error + Send + Sync>| {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(error)))
+        };
+        match &self.trust {
+            Trust::Pin { pin, subject } => {
+                let presented = spki_pin(end_entity)?;
+                if presented == *pin {
+                    return Ok(ServerCertVerified::assertion());
+                }
+                Err(refuse(Arc::new(PinMismatch { subject, presented })))
+            }
+            Trust::Ca { inner, explain } => {
+                inner.verify_server_cert(end_entity, intermediates, server_name, ocsp, now).map_err(|e| match e {
+                    rustls::Error::InvalidCertificate(cause) => {
+                        let presented = spki_pin(end_entity).unwrap_or_else(|_| "(its key is unreadable)".into());
+                        refuse(explain(format!("{cause:?}"), presented))
+                    }
+                    other => other,
+                })
+            }
+            Trust::Any => Ok(ServerCertVerified::assertion()),
         }
-        let mismatch = PinMismatch { subject: self.subject, presented };
-        Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(Arc::new(mismatch)))))
     }
 
     fn verify_tls12_signature(
@@ -109,7 +169,10 @@ impl ServerCertVerifier for PinVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+        self.signature(
+            |inner| inner.verify_tls12_signature(message, cert, dss),
+            |algs| verify_tls12_signature(message, cert, dss, algs),
+        )
     }
 
     fn verify_tls13_signature(
@@ -118,11 +181,17 @@ impl ServerCertVerifier for PinVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+        self.signature(
+            |inner| inner.verify_tls13_signature(message, cert, dss),
+            |algs| verify_tls13_signature(message, cert, dss, algs),
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
+        match &self.trust {
+            Trust::Ca { inner, .. } => inner.supported_verify_schemes(),
+            Trust::Pin { .. } | Trust::Any => self.provider.signature_verification_algorithms.supported_schemes(),
+        }
     }
 }
 
@@ -147,7 +216,7 @@ mod tests {
     fn only_the_pinned_key_is_accepted_and_a_mismatch_names_the_key_presented() {
         let (pinned, other) = (certificate(), certificate());
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let verifier = PinVerifier::new(&spki_pin(&pinned).unwrap(), "the test's certificate", provider).unwrap();
+        let verifier = Verifier::pinned(&spki_pin(&pinned).unwrap(), "the test's certificate", provider).unwrap();
         let name = ServerName::try_from("anything.example").unwrap();
         assert!(verifier.verify_server_cert(&pinned, &[], &name, &[], UnixTime::now()).is_ok(), "any name, any issuer");
         let refused = verifier.verify_server_cert(&other, &[], &name, &[], UnixTime::now()).unwrap_err();
