@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bc_gateway::AppState;
 use bc_gateway::agents::tls::ServingIdentity;
 use bc_gateway::agents::{AgentLimits, AgentService, SessionConfig, Transport};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 const SESSION_PATH: &str = "/bettercompute.agent.v1.Agent/Session";
 /// How long a test waits for what should come at once, or within a short deadline; only a
@@ -43,22 +43,6 @@ async fn endpoint(limits: AgentLimits, tls: bool) -> Endpoint {
     let join_permits = service.join_permits();
     tokio::spawn(bc_gateway::agents::serve(listener, transport, service, std::future::pending()));
     Endpoint { _dir: dir, addr, join_permits }
-}
-
-/// How long until the server closes `stream` (what it sends is read and dropped), at most
-/// [`GUARD`]; `None` if it is still open then.
-async fn closed_after<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Option<Duration> {
-    let started = Instant::now();
-    let mut sink = [0u8; 4096];
-    let read = async {
-        loop {
-            match stream.read(&mut sink).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    };
-    tokio::time::timeout(GUARD, read).await.ok().map(|()| started.elapsed())
 }
 
 /// 20,000 `Session` streams on one unauthenticated TLS connection: the server opens at most
@@ -115,16 +99,16 @@ async fn silent_connections_are_closed_within_the_handshake_deadline() {
     let endpoint = endpoint(limits, true).await;
 
     let mut tcp = tokio::net::TcpStream::connect(endpoint.addr).await.unwrap();
-    let after = closed_after(&mut tcp).await;
+    let after = common::closed_after(&mut tcp, GUARD).await;
     assert!(after.is_some(), "a connection that never starts TLS is closed");
 
     let mut tls = h2_flood::tls_connect(endpoint.addr).await.unwrap();
-    let after = closed_after(&mut tls).await;
+    let after = common::closed_after(&mut tls, GUARD).await;
     assert!(after.is_some(), "a TLS connection that sends nothing is closed");
 
     let mut tls = h2_flood::tls_connect(endpoint.addr).await.unwrap();
     tls.write_all(&h2_flood::preface()).await.unwrap();
-    let after = closed_after(&mut tls).await;
+    let after = common::closed_after(&mut tls, GUARD).await;
     assert!(after.is_some(), "a connection with the preface and no stream is closed");
 
     // A call answered at once (an unknown method), then nothing: closed an idle timeout after.

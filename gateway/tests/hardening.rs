@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{call, call_with};
+use common::{call, call_with, closed_after};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -235,22 +235,6 @@ impl Served {
             Err(_) => None,
         }
     }
-}
-
-/// How long until the server closes `stream` (reading and dropping what it sends), at most
-/// `within`; `None` if it is still open then.
-async fn closed_after(stream: &mut tokio::net::TcpStream, within: Duration) -> Option<Duration> {
-    let started = Instant::now();
-    let mut sink = [0u8; 4096];
-    let read = async {
-        loop {
-            match stream.read(&mut sink).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    };
-    tokio::time::timeout(within, read).await.ok().map(|()| started.elapsed())
 }
 
 fn limits() -> bc_gateway::ServeLimits {

@@ -4,20 +4,20 @@
 // Fixtures' ids (tenants, nodes, tokens) only name things; the clock is the manual one.
 #![allow(clippy::disallowed_methods)]
 
+mod support;
+
 use std::sync::Arc;
 
 use bc_bmc::PowerState;
 use bc_bmc::fake::{FakeBmc, FakeConnector, Misbehaviour};
 use bc_core::clock::ManualClock;
 use bc_core::id::{JoinTokenId, NodeId, PoolId, TenantId, WorkflowId};
-use bc_core::keys::LogKey;
-use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::decide::{self, VerbInput};
 use bc_projections::events as ev;
 use bc_projections::metal::{MetalState, POWER_DEADLINE_S, Verb, WAIT_DEADLINE_S};
 use bc_projections::workflow::{KIND_METAL, MetalDoc, STEP_ATTEMPTS_MAX, UNAUTHORIZED_ATTEMPTS_MAX, WorkflowOutcome};
-use bc_projections::{KIND_JOIN_TOKEN, Projections, stream_of};
+use bc_projections::{KIND_JOIN_TOKEN, stream_of};
 use bc_reconcilers::metal::{DRIFT_READS, Metal};
 
 const ADDRESS: &str = "https://bmc-1.example:8443";
@@ -33,12 +33,7 @@ struct World {
 }
 
 async fn world() -> World {
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap());
-    store.migrate().await.unwrap();
-    let clock = Arc::new(ManualClock::new(1_800_000_000_000));
-    let log =
-        Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
+    let (dir, store, log, clock) = support::manual_log().await;
     let tenant = TenantId::generate();
     let node = NodeId::generate().to_string();
     let enrolled = ev::MetalEnrolled {

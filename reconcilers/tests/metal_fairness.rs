@@ -4,6 +4,8 @@
 // Fixtures' ids only name things; the clock is the manual one.
 #![allow(clippy::disallowed_methods)]
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -12,14 +14,12 @@ use bc_bmc::fake::FakeConnector;
 use bc_bmc::{Bmc, BmcConnector, BmcResult, BmcTarget, BootSource, ResetType, SystemInfo};
 use bc_core::clock::{Clock as _, ManualClock};
 use bc_core::id::{NodeId, PoolId, TenantId, WorkflowId};
-use bc_core::keys::LogKey;
-use bc_core::store::sqlite::SqliteStore;
 use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::decide::{self, VerbInput};
 use bc_projections::events as ev;
 use bc_projections::metal::Verb;
+use bc_projections::stream_of;
 use bc_projections::workflow::{KIND_METAL, MetalDoc};
-use bc_projections::{Projections, stream_of};
 use bc_reconcilers::metal::{Metal, Scheduler, TENANT_TURNS_MAX};
 
 /// A BMC that accepts the call and never answers: a tarpit. Counts the calls it holds.
@@ -71,12 +71,7 @@ struct World {
 }
 
 async fn world() -> World {
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap());
-    store.migrate().await.unwrap();
-    let clock = Arc::new(ManualClock::new(1_800_000_000_000));
-    let log =
-        Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
+    let (dir, store, log, clock) = support::manual_log().await;
     World { _dir: dir, store, log, clock }
 }
 

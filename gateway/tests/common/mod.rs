@@ -69,3 +69,23 @@ pub async fn call_with(
     let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
     (status, serde_json::from_slice(&bytes).unwrap())
 }
+
+/// How long until the server closes `stream` (reading and dropping what it sends), at most
+/// `within`; `None` if it is still open then.
+pub async fn closed_after<S: tokio::io::AsyncRead + Unpin>(
+    stream: &mut S,
+    within: std::time::Duration,
+) -> Option<std::time::Duration> {
+    use tokio::io::AsyncReadExt;
+    let started = std::time::Instant::now();
+    let mut sink = [0u8; 4096];
+    let read = async {
+        loop {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, read).await.ok().map(|()| started.elapsed())
+}

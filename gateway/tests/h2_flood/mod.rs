@@ -185,11 +185,11 @@ impl ServerCertVerifier for AnyCertificate {
 
     fn verify_tls13_signature(
         &self,
-        _: &[u8],
-        _: &CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        signature: &rustls::DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Ok(HandshakeSignatureValid::assertion())
+        self.verify_tls12_signature(message, cert, signature)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {

@@ -1,13 +1,20 @@
-//! What the outbox tests (`fan_out.rs`, `outbox_runner.rs`) share: an event to fan out and the
-//! one item a test consumer makes of it.
+//! What the reconcilers' tests share: an event to fan out and the one item a test consumer makes
+//! of it (the outbox tests), and a log on a fresh SQLite file at a manual clock (the metal tests).
+//! Not every test file uses every piece.
+#![allow(dead_code)]
+
+use std::sync::Arc;
 
 use bc_core::Result;
+use bc_core::clock::ManualClock;
 use bc_core::event::EventRow;
 use bc_core::id::{PoolId, TenantId};
+use bc_core::keys::LogKey;
 use bc_core::store::outbox::NewWorkItem;
-use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::store::sqlite::SqliteStore;
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::events as ev;
-use bc_projections::{KIND_POOL, stream_of};
+use bc_projections::{KIND_POOL, Projections, stream_of};
 
 /// A `pool.created` of the root tenant on a pool of its own: its stream and the request.
 pub fn pool_created() -> (String, AppendRequest) {
@@ -27,4 +34,16 @@ pub fn pool_created() -> (String, AppendRequest) {
 /// The item a test consumer makes of an event: the event's id, an empty payload.
 pub fn item_of(row: &EventRow) -> Result<NewWorkItem> {
     Ok(NewWorkItem { tenant: row.tenant.parse()?, id: row.id.clone(), subject: "s".into(), payload: serde_json::json!({}) })
+}
+
+/// A store on a new SQLite file in a temporary directory (kept while the first part lives), and a
+/// log with the real projections and a fresh key over it, on a manual clock.
+pub async fn manual_log() -> (tempfile::TempDir, Arc<dyn EventStore>, Arc<Log>, Arc<ManualClock>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn EventStore> = Arc::new(SqliteStore::open(&dir.path().join("s.sqlite3")).await.unwrap());
+    store.migrate().await.unwrap();
+    let clock = Arc::new(ManualClock::new(1_800_000_000_000));
+    let log =
+        Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
+    (dir, store, log, clock)
 }
