@@ -351,8 +351,9 @@ pub const RECONCILER_PASSES: &[Column] = &[
     },
     Column {
         header: "OUTCOME",
-        cell: |r, _| match r["ok"].as_bool() {
-            Some(true) => "ok".into(),
+        cell: |r, _| match (r["ok"].as_bool(), r["state"].as_str()) {
+            (Some(true), _) => "ok".into(),
+            (None, Some(state)) => state.into(),
             _ => format!("failed: {}", r["error"].as_str().unwrap_or("?")),
         },
     },

@@ -114,4 +114,11 @@ async fn status_lists_the_reconcilers_that_never_ran() {
     for name in bc_reconcilers::registry::NAMES {
         assert!(listed.contains(&name), "{name} is missing: {document:#}");
     }
+    // The table a person reads shows it too, its state where a pass's outcome would be.
+    let dir = server.data_dir.display().to_string();
+    let (code, table, err) = server.cli(&["reconcilers", "status", "--data-dir", &dir, "--format", "table"]);
+    assert_eq!(code, 0, "{err}");
+    let row =
+        table.lines().find(|l| l.trim_start().starts_with("witnesses")).unwrap_or_else(|| panic!("no witnesses row:\n{table}"));
+    assert!(row.contains("never run") && !row.contains("failed"), "{row}");
 }

@@ -403,7 +403,14 @@ pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(
     match command {
         ReconcilersCommand::Status { db } => {
             let value = server::reconcilers_status(&db.database()).await?;
-            ctx.print_list(&value, crate::tables::RECONCILER_PASSES)
+            if ctx.global.format.unwrap_or(Format::Table) != Format::Table || ctx.global.query.is_some() {
+                return ctx.print(&value, Format::Table);
+            }
+            // The table shows every registered reconciler: the recorded passes, then one row
+            // per reconciler that never ran, its state in OUTCOME.
+            let mut rows = value["items"].as_array().cloned().unwrap_or_default();
+            rows.extend(value["neverRun"].as_array().cloned().unwrap_or_default());
+            ctx.print_list(&serde_json::json!({ "items": rows }), crate::tables::RECONCILER_PASSES)
         }
     }
 }
