@@ -13,7 +13,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, events, flavors, instances, inventory, join_tokens, meta, metal, nodes, operator, pools,
+    agent_commands, api, audit, auth, console, events, flavors, instances, inventory, join_tokens, meta, metal, nodes, operator, pools,
     releases, reservations, rollouts, sim, ssh_cert, webhooks,
 };
 use crate::output::Format;
@@ -254,6 +254,9 @@ pub enum Command {
     /// Break-glass SSH: a certificate for your public key that only this node's sshd accepts,
     /// written as KEY-cert.pub beside it; with --connect HOST, ssh to the node with it.
     SshCert(ssh_cert::SshCertArgs),
+    /// A terminal on a node (--node: a shell as its agent's user) through the node's agent;
+    /// exits with the remote program's status (255: the tunnel broke). Ctrl-] detaches.
+    Console(console::ConsoleArgs),
     /// Print a shell completion script: `source <(better-compute completion bash)`.
     Completion(meta::CompletionArgs),
     /// The commands, one command's flags (`help reserve`), or with --json the whole manifest.

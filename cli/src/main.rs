@@ -25,6 +25,7 @@ mod output;
 mod server;
 mod sim;
 mod tables;
+mod tunnel;
 mod watch;
 
 /// mimalloc rather than glibc's malloc: a run of the simulator spent a fifth of its time in

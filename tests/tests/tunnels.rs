@@ -1,7 +1,10 @@
-//! Tunnels end to end (`schema/TUNNELS.md`): `dev` and a fakehw `bcd node`; tickets refused
+//! Tunnels end to end (`schema/TUNNELS.md`): `dev` and a fakehw `bcd node`; `better-compute
+//! console --node` driven through a pseudo-terminal by the test as its user; tickets refused
 //! (spent, expired, another tenant's key); and a client the project did not write (Python's
 //! `websockets`) running a command on the node's console and reading its status.
 
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bc_tests::{AgentNode, Server, wait_until};
@@ -43,6 +46,75 @@ async fn upgrade_status(server: &Server, ticket: &str, token: &str) -> (u16, Val
         .unwrap();
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// Reads a pseudo-terminal into a shared buffer on a thread of its own.
+fn capture(mut reader: Box<dyn Read + Send>) -> Arc<Mutex<Vec<u8>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buffer) {
+            if n == 0 {
+                return;
+            }
+            sink.lock().unwrap().extend_from_slice(&buffer[..n]);
+        }
+    });
+    seen
+}
+
+fn wait_for(seen: &Arc<Mutex<Vec<u8>>>, what: &str) {
+    wait_until(&format!("the terminal shows {what:?}"), Duration::from_secs(20), || {
+        String::from_utf8_lossy(&seen.lock().unwrap()).contains(what).then_some(())
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_on_a_node_through_a_pseudo_terminal_returns_the_remote_status_and_is_accounted() {
+    let (server, port) = bc_tests::agents_gateway();
+    let (_machine, node) = running_node(&server, port).await;
+
+    // The test is the user: the CLI on a terminal of 100 × 30.
+    let pty = portable_pty::native_pty_system();
+    let pair = pty.openpty(portable_pty::PtySize { rows: 30, cols: 100, pixel_width: 0, pixel_height: 0 }).unwrap();
+    let mut command = portable_pty::CommandBuilder::new(bc_tests::binary("better-compute"));
+    command.args(["console", "--node", &node]);
+    for (key, value) in server.env() {
+        command.env(key, value);
+    }
+    let mut cli = pair.slave.spawn_command(command).unwrap();
+    drop(pair.slave);
+    let seen = capture(pair.master.try_clone_reader().unwrap());
+    let mut keyboard = pair.master.take_writer().unwrap();
+    keyboard.write_all(b"tty; stty size\r").unwrap();
+    wait_for(&seen, "/dev/pts/");
+    wait_for(&seen, "30 100");
+    // A resize of the local terminal reaches the remote one.
+    pair.master.resize(portable_pty::PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 }).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    keyboard.write_all(b"stty size; exit 7\r").unwrap();
+    wait_for(&seen, "40 120");
+    let status = wait_until("the console exits", Duration::from_secs(20), || cli.try_wait().unwrap());
+    assert_eq!(status.exit_code(), 7, "{}", String::from_utf8_lossy(&seen.lock().unwrap()));
+
+    // Two events on the node's stream, with counts and no byte typed or printed.
+    let events = wait_until("tunnel.closed is in the log", Duration::from_secs(10), || {
+        let events = bc_tests::block_on(tunnel_events(&server));
+        (events.len() == 2).then_some(events)
+    });
+    let (opened, closed) = (&events[0], &events[1]);
+    assert_eq!((opened["type"].as_str(), closed["type"].as_str()), (Some("tunnel.opened"), Some("tunnel.closed")), "{events:?}");
+    assert_eq!(opened["stream"], format!("node/{node}"));
+    assert_eq!(opened["payload"]["op"], "console");
+    assert!(opened["payload"]["from"].as_str().unwrap().starts_with("127.0.0.1:"), "{opened}");
+    assert_eq!(closed["payload"]["tunnelId"], opened["payload"]["tunnelId"]);
+    assert_eq!(closed["payload"]["exitStatus"], 7);
+    assert_eq!(closed["payload"]["reason"], "exited");
+    let typed = "tty; stty size\r".len() + "stty size; exit 7\r".len();
+    assert_eq!(closed["payload"]["bytesIn"].as_u64().unwrap(), typed as u64, "{closed}");
+    assert!(closed["payload"]["bytesOut"].as_u64().unwrap() > 20, "{closed}");
+    assert!(!events.iter().any(|e| e.to_string().contains("stty")), "nothing typed is logged: {events:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,7 @@ pub mod agent_commands;
 pub mod api;
 pub mod audit;
 pub mod auth;
+pub mod console;
 pub mod events;
 pub mod flavors;
 pub mod instances;
@@ -72,6 +73,7 @@ impl Command {
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::SshCert(args) => ssh_cert::run(ctx, args).await,
+            Command::Console(args) => console::run(ctx, args).await,
             Command::Completion(args) => meta::completion(args.shell),
             Command::Help(args) => meta::help(&args.command, args.json),
         }
