@@ -1,23 +1,13 @@
 //! `bc-reconcilers`: the background work, each reconciler runnable in its own process
 //! (`better-compute reconcile --only NAME`) or inside `dev` and `serve`.
 //!
-//! Layout:
-//! - [`driver`]: the one shape: the [`driver::Reconciler`] trait (a name, one pass, a report) and
-//!   [`driver::run`], which activates one on its schedule and records each activation;
-//! - [`registry`]: every reconciler, in one list, and how each is built and started;
-//! - [`outbox`]: the framework: the [`outbox::Consumer`] trait, the fan-out and work loops, leases,
-//!   the retry schedule and dead letters;
-//! - [`webhooks`]: signed webhook deliveries (Standard Webhooks);
-//! - [`reservations`]: queued → active → expired, on the decisions of `bc_projections::decide`;
-//! - [`instances`]: each instance made what it should be (applied again on drift, deleted when
-//!   its reservation ends);
-//! - [`metal`]: each bare-metal machine's workflow run against its BMC, step by step, with
-//!   deadlines; and its power state kept true to the machine;
-//! - [`checkpoints`]: seals signed checkpoints of the tenants whose logs grew;
-//! - [`liveness`]: node leases into `node.ready` / `node.unreachable`, and commands failed at
-//!   their deadline;
-//! - [`witnesses`]: sends checkpoints to witnesses and appends their cosignatures;
-//! - [`status`]: each reconciler's last pass, recorded for `better-compute reconcilers status`.
+//! **Invariants.** Every reconciler is a [`driver::Reconciler`] (a name, one pass, a report),
+//! listed once in [`registry`], which `dev`, `serve`, `reconcile --only`, `reconcilers status`
+//! and the simulator all read; [`driver::run`] activates it and records each activation. A pass
+//! re-reads the state it needs, asks a pure decision of `bc_projections::decide` what follows,
+//! and appends that through the `Log`, at the versions it read: a pass that loses a race is
+//! simply run again, and two processes running the same reconciler append nothing twice.
+//! Outbox consumers (webhooks) work off leased work items, at least once.
 //!
 //! Dependencies: `bc-core` (storage, signing, the URL policy) and `bc-projections` (the
 //! documents consumers read). Never the gateway: consumers talk to the database, not to HTTP

@@ -8,29 +8,12 @@
 //! runs) and `bc-gateway` for the gateway's side of the agents' session alone
 //! (`agents::session`: its functions, never its server).
 //!
-//! Layout:
-//! - [`format`]: the export file (a CBOR sequence, RFC 8742: a header, then one record per
-//!   event; `schema/LOG-FORMAT.md`, "Event exports"), its items to bytes and back, and the
-//!   bounded framing of one item from a reader. Pure.
-//! - [`export`]: writing a tenant's chain from an `EventStore`, streamed page by page.
-//! - [`replay`]: reading a file record by record, verifying it against a pin, folding it into
-//!   rows in memory up to a seq, the state's digest; stable error codes. Pure over a reader.
-//! - [`world`]: one seeded world (the store, the `Log`, the fleet, the tenants, each node's
-//!   agent with its real `Runner` on a fake machine), its steps (a request, a release, a pass,
-//!   an agent answering and its journal appended as the gateway's session appends it) and the
-//!   per-step invariant check. The holds property test drives it too.
-//! - [`oracle`]: a reference model of the GPUs each node holds and each reservation's state,
-//!   written from `schema/EVENTS.md` apart from the fold, which the full checks hold the
-//!   projection rows to. Pure.
-//! - [`run`]: `sim run`: the schedule on the virtual clock, the workload, the faults, the heavy
-//!   checks, the liveness phase, the outcome and its digest; `run/net.rs`, the in-memory
-//!   transport between each agent's session machine and the gateway's session functions, and
-//!   its faults.
-//! - [`timeline`]: the series a report draws (GPU utilization, queue depth, nodes up, faults,
-//!   invariant checks) and its marks, sampled as a run or a replay goes, bounded to
-//!   `SAMPLES_MAX` samples by merging. Pure.
-//! - [`report`]: the report page (`--report FILE.html`): self-contained HTML, one inline SVG
-//!   per series drawn by `plotters`, the marks across them. Pure.
+//! **Invariants.** A run is a function of its seed and options: one thread, a virtual clock,
+//! ids and randomness from the seed, no wall clock (clippy bans it here), so the same seed gives
+//! the same digest in any process. The reconcilers it activates are the registry's, in the
+//! registry's order. Export, replay, the oracle, the timeline and the report are pure over
+//! their inputs; the invariants are checked after every step, against a reference model
+//! written from `schema/EVENTS.md` apart from the fold.
 //!
 //! `better-compute events export` and `better-compute sim replay` (`cli/src/sim.rs`) are the
 //! commands; they own the files (a temporary file, fsynced, renamed: exports, rows, reports)

@@ -14,20 +14,12 @@
 //! There is no public `commit`: only the [`Log`] appends, so every event is chained, signed and
 //! committed with its projections.
 //!
-//! Layout:
-//! - `mod.rs` (this file): the types and traits every backend shares, the pure projection fold,
-//!   the rebuild, and the row decoders both backends use (over `Columns`);
-//! - `engine.rs`: the algorithms, once: the append commit (bump the counter, re-check the chain
-//!   heads, insert, fold the projections), the locked commit, the rebuild's swap, the migration
-//!   runner and the schema check, over a small per-dialect transaction trait;
-//! - `log.rs`: the appender. It batches concurrent appends, decides each one (idempotency,
-//!   optimistic concurrency, event ids from its [`IdSource`](crate::id_source::IdSource), the
-//!   time from its clock), hashes and signs *outside* any database transaction, then commits the
-//!   batch through `engine.rs`;
-//! - `outbox.rs`: the outbox's types and its transactions (lease, advance, insert, complete,
-//!   prune), once;
-//! - `sqlite.rs`, `postgres.rs`: the only modules that know SQL: each is its SQL text, its
-//!   parameter binding and its row type, behind the transaction trait and the read methods.
+//! **Invariants.** SQL is written only in the two backends (`sqlite`, `postgres`); every
+//! algorithm over it (the append commit, the locked commit, the rebuild's swap, migrations and
+//! the schema check) is written once, over a small per-dialect transaction trait. The `Log`
+//! decides, hashes and signs *outside* any database transaction, with ids from its
+//! [`IdSource`](crate::id_source::IdSource) and time from its clock, and then commits a batch in
+//! one transaction that re-checks the chain heads it built on.
 //!
 //! The outbox position (`COMMIT.INDEX`) is assigned inside the commit transaction from a
 //! one-row counter that every append transaction updates first. The row lock serialises append
