@@ -159,6 +159,11 @@ std::thread_local! {
     static LOG_FILTER: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
+/// `sim run`'s arguments for a small run at `seed`: 6 nodes, 1 tenant, one simulated hour.
+pub fn small_sim_run(seed: &str) -> Vec<&str> {
+    vec!["--seed", seed, "--nodes", "6", "--tenants", "1", "--hours", "1"]
+}
+
 pub struct Server {
     child: Option<Child>,
     pub url: String,
@@ -446,6 +451,44 @@ impl Server {
         }
         let response = request.send().await.expect("request");
         (response.status().as_u16(), response.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Creates tenant `name` as the root administrator; its id.
+    pub async fn tenant(&self, name: &str) -> String {
+        let (status, tenant) = self.call("tenants.create", json!({ "name": name })).await;
+        assert_eq!(status, 200, "{tenant}");
+        tenant["tenantId"].as_str().unwrap().to_owned()
+    }
+
+    /// Creates pool `name` in `tenant` as the root administrator; its id.
+    pub async fn tenant_pool(&self, tenant: &str, name: &str) -> String {
+        let (status, pool) = self.call("pools.create", json!({ "tenantId": tenant, "name": name })).await;
+        assert_eq!(status, 200, "{pool}");
+        pool["poolId"].as_str().unwrap().to_owned()
+    }
+
+    /// Stops the server, rotates its log key with `pki rotate-log-key`, and starts it again; what
+    /// the rotation printed.
+    pub fn rotate_log_key_offline(&mut self) -> Value {
+        self.stop();
+        let (code, out, err) = cli(&["pki", "rotate-log-key", "--data-dir", self.data_dir.to_str().unwrap()], &[]);
+        assert_eq!(code, 0, "{err}");
+        self.restart();
+        json(&out)
+    }
+
+    /// Registers `count` nodes `n0`, `n1`, … in `pool`, each with four H100s on one NVLink
+    /// domain; their ids, in order.
+    pub async fn h100_nodes(&self, pool: &str, count: usize) -> Vec<String> {
+        let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
+        let mut ids = Vec::new();
+        for n in 0..count {
+            let (status, node) =
+                self.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
+            assert_eq!(status, 200, "{node}");
+            ids.push(node["nodeId"].as_str().unwrap().to_owned());
+        }
+        ids
     }
 
     /// Creates a pool and returns its id.
@@ -795,6 +838,18 @@ pub fn fake_hardware(seed: u64) -> Value {
 /// endpoint of `server` on `port`, TLS with its pin, the log key's pin, observations every
 /// 150 ms, JSON logs to `node.log`). Killed when dropped; its directory is kept when the test
 /// fails.
+/// `bcd node --config CONFIG`, its log appended to `dir/node.log`.
+pub fn start_bcd_node(dir: &Path, config: &str) -> Child {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("node.log")).unwrap();
+    Command::new(binary("bcd"))
+        .args(["node", "--config", config])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start bcd node")
+}
+
 pub struct AgentNode {
     pub dir: tempfile::TempDir,
     node: Option<Child>,
@@ -834,16 +889,27 @@ impl AgentNode {
         self.bcd(&["join", "--config", &self.config()], &[], Some(&format!("{token}\n")))
     }
 
+    /// Trusts `release_key` for self-updates: a new version confirms within 20 s and counts as
+    /// healthy after 1 s.
+    pub fn trust_release_key(&self, release_key: &str) {
+        let config = std::fs::read_to_string(self.config()).unwrap();
+        std::fs::write(
+            self.config(),
+            format!("{config}\n[update]\nrelease_keys = [{release_key:?}]\nconfirm_within_s = 20\nhealthy_after_s = 1\n"),
+        )
+        .unwrap();
+    }
+
+    /// Joins the machine to `pool` with a one-use token the root administrator makes.
+    pub async fn join_pool(&self, server: &Server, pool: &str) {
+        let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+        assert_eq!(status, 200, "{created}");
+        let (code, out, err) = self.join_stdin(created["token"].as_str().unwrap());
+        assert_eq!(code, 0, "bcd join: {out} {err}");
+    }
+
     pub fn start(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("node.log")).unwrap();
-        let child = Command::new(binary("bcd"))
-            .args(["node", "--config", &self.config()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start bcd node");
-        self.node = Some(child);
+        self.node = Some(start_bcd_node(self.dir.path(), &self.config()));
     }
 
     pub fn kill9(&mut self) {

@@ -125,12 +125,9 @@ async fn idempotent_creates_over_http() {
 #[tokio::test]
 async fn keys_are_bound_to_a_tenant_and_actions() {
     let server = Server::dev();
-    let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
-    assert_eq!(status, 200, "{tenant}");
-    let acme = tenant["tenantId"].as_str().unwrap().to_owned();
+    let acme = server.tenant("acme").await;
     // The root administrator acts in acme.
-    let (status, pool) = server.call("pools.create", json!({ "tenantId": acme, "name": "acme-a" })).await;
-    assert_eq!(status, 200, "{pool}");
+    server.tenant_pool(&acme, "acme-a").await;
     let (status, key) = server
         .call(
             "apiKeys.create",

@@ -185,13 +185,9 @@ async fn rotating_the_log_key_keeps_old_checkpoints_verifying() {
         cli(&["audit", "prove", &first_pool, "--out", old_proof.to_str().unwrap(), "--data-dir", &data_dir], &[]);
     assert_eq!(code, 0, "{err}");
 
-    server.stop();
-    let (code, out, err) = cli(&["pki", "rotate-log-key", "--data-dir", &data_dir], &[]);
-    assert_eq!(code, 0, "{err}");
-    let rotated = json_of(&out);
+    let rotated = server.rotate_log_key_offline();
     let new_pin = rotated["pin"].as_str().unwrap().to_owned();
     assert_ne!(new_pin, old_pin);
-    server.restart();
     server.pool("after").await;
     let (_, events, _) = server.cli(&["events", "list", "--format", "json"]);
     let items = json_of(&events)["items"].as_array().unwrap().clone();

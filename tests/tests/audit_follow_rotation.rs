@@ -53,9 +53,7 @@ async fn pools(server: &Server, tenant: &str, prefix: &str, n: usize) {
 async fn a_tenant_monitor_with_only_the_old_pin_follows_a_rotation_and_refuses_a_forged_one() {
     let mut server = Server::dev_with(&["--no-reconcilers"]);
     let data_dir = server.data_dir.to_str().unwrap().to_owned();
-    let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
-    assert_eq!(status, 200, "{tenant}");
-    let acme = tenant["tenantId"].as_str().unwrap().to_owned();
+    let acme = server.tenant("acme").await;
     let (status, key) =
         server.call("apiKeys.create", json!({ "tenantId": acme, "name": "monitor", "actions": ["compute:events:read"] })).await;
     assert_eq!(status, 200, "{key}");
@@ -76,13 +74,9 @@ async fn a_tenant_monitor_with_only_the_old_pin_follows_a_rotation_and_refuses_a
     assert_ne!(code, 0, "{err}");
     assert!(err.contains("403") || err.contains("ACCESS_DENIED"), "{err}");
 
-    server.stop();
-    let (code, out, err) = cli(&["pki", "rotate-log-key", "--data-dir", &data_dir], &[]);
-    assert_eq!(code, 0, "{err}");
-    let rotated = json_of(&out);
+    let rotated = server.rotate_log_key_offline();
     let new_pin = rotated["pin"].as_str().unwrap().to_owned();
     assert_ne!(new_pin, old_pin);
-    server.restart();
     pools(&server, &acme, "after", 3).await;
     seal(&server);
     let served = server

@@ -14,6 +14,9 @@ async fn bad_requests_get_their_codes_and_append_nothing() {
     let auth = format!("Bearer {}", server.token);
     let json_headers = [("authorization", auth.as_str()), ("content-type", "application/json")];
 
+    // A well-formed create whose caller is not who it says.
+    let unauthenticated =
+        |what, headers| -> Case { (what, "pools.create", br#"{"name":"x"}"#.to_vec(), headers, 401, "UNAUTHENTICATED") };
     let cases: Vec<Case> = vec![
         ("malformed JSON", "pools.create", b"{\"name\": ".to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
         ("not an object", "pools.create", b"[1,2]".to_vec(), json_headers.to_vec(), 400, "INVALID_ARGUMENT"),
@@ -86,38 +89,13 @@ async fn bad_requests_get_their_codes_and_append_nothing() {
             400,
             "INVALID_ARGUMENT",
         ),
-        (
-            "missing token",
-            "pools.create",
-            br#"{"name":"x"}"#.to_vec(),
-            vec![("content-type", "application/json")],
-            401,
-            "UNAUTHENTICATED",
-        ),
-        (
-            "not bearer",
-            "pools.create",
-            br#"{"name":"x"}"#.to_vec(),
-            vec![("authorization", "Basic YTpi"), ("content-type", "application/json")],
-            401,
-            "UNAUTHENTICATED",
-        ),
-        (
+        unauthenticated("missing token", vec![("content-type", "application/json")]),
+        unauthenticated("not bearer", vec![("authorization", "Basic YTpi"), ("content-type", "application/json")]),
+        unauthenticated(
             "wrong token",
-            "pools.create",
-            br#"{"name":"x"}"#.to_vec(),
             vec![("authorization", "Bearer key_00000000000000000000000000.bogus"), ("content-type", "application/json")],
-            401,
-            "UNAUTHENTICATED",
         ),
-        (
-            "garbage token",
-            "pools.create",
-            br#"{"name":"x"}"#.to_vec(),
-            vec![("authorization", "Bearer ###.###"), ("content-type", "application/json")],
-            401,
-            "UNAUTHENTICATED",
-        ),
+        unauthenticated("garbage token", vec![("authorization", "Bearer ###.###"), ("content-type", "application/json")]),
         ("unknown method", "pools.destroy", b"{}".to_vec(), json_headers.to_vec(), 404, "NOT_FOUND"),
         (
             "bad idempotency key",

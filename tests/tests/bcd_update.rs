@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bc_tests::{ImageServer, AgentNode, Server, json, wait_until};
+use bc_tests::{AgentNode, ImageServer, Server, json, wait_until};
 use serde_json::{Value, json};
 
 async fn wait_command_done(server: &Server, command: &str, timeout: Duration) -> Value {
@@ -124,16 +124,8 @@ async fn releases_are_refused_rolled_back_or_taken_from_the_new_slot() {
     let served_b = ImageServer::start("bcd-b", bytes_b.clone());
 
     let mut machine = AgentNode::new(&server, port);
-    let config = std::fs::read_to_string(machine.config()).unwrap();
-    std::fs::write(
-        machine.config(),
-        format!("{config}\n[update]\nrelease_keys = [{pinned:?}]\nconfirm_within_s = 20\nhealthy_after_s = 1\n"),
-    )
-    .unwrap();
-    let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
-    assert_eq!(status, 200, "{created}");
-    let (code, out, err) = machine.join_stdin(created["token"].as_str().unwrap());
-    assert_eq!(code, 0, "bcd join: {out} {err}");
+    machine.trust_release_key(&pinned);
+    machine.join_pool(&server, &pool).await;
     let node = machine.node_id();
     machine.start();
     let _guard = bc_tests::PidGuard(machine.data().join("bcd.pid"));

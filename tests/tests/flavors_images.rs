@@ -18,28 +18,34 @@ fn flavor_body(pool: &str, name: &str) -> Value {
     json!({ "poolId": pool, "name": name, "vcpus": 8, "memoryMiB": 65536, "diskGiB": 200, "gpus": 1 })
 }
 
+/// `flavors create` of `name` in `pool` with `[vcpus, memory MiB, disk GiB]`, then `extra`.
+fn flavors_create(server: &Server, pool: &str, name: &str, shape: [&str; 3], extra: &[&str]) -> (i32, String, String) {
+    let [vcpus, memory_mib, disk_gib] = shape;
+    let mut args = vec![
+        "flavors",
+        "create",
+        "--pool",
+        pool,
+        "--name",
+        name,
+        "--vcpus",
+        vcpus,
+        "--memory-mib",
+        memory_mib,
+        "--disk-gib",
+        disk_gib,
+    ];
+    args.extend_from_slice(extra);
+    server.cli(&args)
+}
+
 #[tokio::test]
 async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced() {
     let server = Server::dev();
     let pool = server.pool("gpu-a").await;
     let other = server.pool("gpu-b").await;
 
-    let (code, out, err) = server.cli(&[
-        "flavors",
-        "create",
-        "--pool",
-        &pool,
-        "--name",
-        "g1.large",
-        "--vcpus",
-        "8",
-        "--memory-mib",
-        "65536",
-        "--disk-gib",
-        "200",
-        "--gpus",
-        "1",
-    ]);
+    let (code, out, err) = flavors_create(&server, &pool, "g1.large", ["8", "65536", "200"], &["--gpus", "1"]);
     assert_eq!(code, 0, "{err}");
     let created = json(&out);
     let id = created["flavorId"].as_str().unwrap().to_owned();
@@ -59,20 +65,7 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
     assert_eq!(status, 200, "{body}");
 
     // The same name in the same pool is refused; in another pool it is another flavor.
-    let (code, _, err) = server.cli(&[
-        "flavors",
-        "create",
-        "--pool",
-        &pool,
-        "--name",
-        "g1.large",
-        "--vcpus",
-        "1",
-        "--memory-mib",
-        "1",
-        "--disk-gib",
-        "1",
-    ]);
+    let (code, _, err) = flavors_create(&server, &pool, "g1.large", ["1", "1", "1"], &[]);
     assert_eq!(code, 1, "{err}");
     assert!(fails_with(&err, "ALREADY_EXISTS") && err.contains(&id), "{err}");
     let (status, body) = server.call("flavors.create", flavor_body(&pool, "g1.large")).await;
@@ -124,20 +117,7 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
         let (status, answer) = server.call("flavors.create", body).await;
         assert_eq!((status, answer["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{field}={value}: {answer}");
     }
-    let (code, _, err) = server.cli(&[
-        "flavors",
-        "create",
-        "--pool",
-        &pool,
-        "--name",
-        "huge",
-        "--vcpus",
-        "2000",
-        "--memory-mib",
-        "1",
-        "--disk-gib",
-        "1",
-    ]);
+    let (code, _, err) = flavors_create(&server, &pool, "huge", ["2000", "1", "1"], &[]);
     assert_eq!(code, 2, "{err}");
     assert!(fails_with(&err, "INVALID_ARGUMENT") && err.contains("vcpus"), "{err}");
     let (code, _, err) = server.cli(&["flavors", "get", "flv_nope"]);

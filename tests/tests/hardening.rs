@@ -141,12 +141,8 @@ async fn a_lost_log_key_is_refused_not_replaced() {
 #[tokio::test]
 async fn a_tenant_cannot_set_its_own_quota() {
     let server = Server::dev();
-    let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
-    assert_eq!(status, 200, "{tenant}");
-    let acme = tenant["tenantId"].as_str().unwrap().to_owned();
-    let (status, pool) = server.call("pools.create", json!({ "tenantId": acme, "name": "acme-a" })).await;
-    assert_eq!(status, 200, "{pool}");
-    let pool = pool["poolId"].as_str().unwrap().to_owned();
+    let acme = server.tenant("acme").await;
+    let pool = server.tenant_pool(&acme, "acme-a").await;
     let (status, key) = server.call("apiKeys.create", json!({ "tenantId": acme, "name": "owner", "actions": ["*"] })).await;
     assert_eq!(status, 200, "{key}");
     let owner = key["token"].as_str().unwrap().to_owned();

@@ -62,15 +62,7 @@ impl AgentNode {
     }
 
     fn start(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("node.log")).unwrap();
-        let child = Command::new(bc_tests::binary("bcd"))
-            .args(["node", "--config", &self.config()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start bcd node");
-        self.node = Some(child);
+        self.node = Some(bc_tests::start_bcd_node(self.dir.path(), &self.config()));
     }
 
     /// SIGTERM, and the exit code.

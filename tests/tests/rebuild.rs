@@ -11,12 +11,7 @@ use serde_json::json;
 async fn populate(server: &Server) {
     let pool = server.pool("rebuild-a").await;
     server.pool("rebuild-b").await;
-    let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
-    for n in 0..2 {
-        let (status, node) =
-            server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
-        assert_eq!(status, 200, "{node}");
-    }
+    server.h100_nodes(&pool, 2).await;
     for _ in 0..3 {
         let (status, r) = server.call("reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 3600 })).await;
         assert_eq!(status, 200, "{r}");

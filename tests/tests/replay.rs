@@ -17,12 +17,7 @@ use serde_json::{Value, json};
 async fn populate(server: &Server) -> String {
     let pool = server.pool("replay-a").await;
     server.pool("replay-b").await;
-    let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
-    for n in 0..2 {
-        let (status, node) =
-            server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
-        assert_eq!(status, 200, "{node}");
-    }
+    server.h100_nodes(&pool, 2).await;
     let mut ids = Vec::new();
     for _ in 0..3 {
         let (status, r) = server.call("reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 3600 })).await;
@@ -278,14 +273,7 @@ async fn an_export_across_a_key_rotation_replays_from_the_old_pin_and_ranges_are
 async fn a_what_if_shows_the_first_decision_that_differs_and_what_followed() {
     let mut server = Server::dev();
     let pool = server.pool("what-if").await;
-    let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
-    let mut nodes = Vec::new();
-    for n in 0..2 {
-        let (status, node) =
-            server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
-        assert_eq!(status, 200, "{node}");
-        nodes.push(node["nodeId"].as_str().unwrap().to_owned());
-    }
+    let mut nodes = server.h100_nodes(&pool, 2).await;
     nodes.sort();
     let reserve = |gpus: u32| {
         let server = &server;

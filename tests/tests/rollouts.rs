@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bc_tests::{ImageServer, AgentNode, Server, json, wait_until};
+use bc_tests::{AgentNode, ImageServer, Server, json, wait_until};
 use serde_json::{Value, json};
 
 /// `releases sign` then `releases register`: the release's `rel_…` id.
@@ -87,16 +87,8 @@ impl Fleet {
         let mut guards = Vec::new();
         for _ in 0..n {
             let mut machine = AgentNode::new(&server, port);
-            let config = std::fs::read_to_string(machine.config()).unwrap();
-            std::fs::write(
-                machine.config(),
-                format!("{config}\n[update]\nrelease_keys = [{pinned:?}]\nconfirm_within_s = 20\nhealthy_after_s = 1\n"),
-            )
-            .unwrap();
-            let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
-            assert_eq!(status, 200, "{created}");
-            let (code, out, err) = machine.join_stdin(created["token"].as_str().unwrap());
-            assert_eq!(code, 0, "bcd join: {out} {err}");
+            machine.trust_release_key(&pinned);
+            machine.join_pool(&server, &pool).await;
             machine.start();
             guards.push(bc_tests::PidGuard(machine.data().join("bcd.pid")));
             machines.push(machine);

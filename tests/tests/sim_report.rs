@@ -176,19 +176,8 @@ fn a_failed_runs_report_marks_its_first_failure() {
     let page_arg = page.display().to_string();
     for seed in 1..=UNSAFE_SEEDS_MAX {
         let seed = seed.to_string();
-        let args = [
-            "--seed",
-            &seed,
-            "--nodes",
-            "6",
-            "--tenants",
-            "1",
-            "--hours",
-            "1",
-            "--unsafe-no-placement-guard",
-            "--report",
-            &page_arg,
-        ];
+        let mut args = bc_tests::small_sim_run(&seed);
+        args.extend_from_slice(&["--unsafe-no-placement-guard", "--report", &page_arg]);
         let (status, out, err) = sim_run(&args);
         if status == 0 {
             continue;
@@ -212,12 +201,7 @@ async fn a_replay_report_has_every_series_marks_until_and_renders() {
     // released, one queued behind the others.
     let mut server = Server::dev();
     let pool = server.pool("report").await;
-    let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
-    for n in 0..2 {
-        let (status, node) =
-            server.call("nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
-        assert_eq!(status, 200, "{node}");
-    }
+    server.h100_nodes(&pool, 2).await;
     let mut ids = Vec::new();
     for gpus in [4, 4, 2] {
         let (status, r) = server.call("reservations.create", json!({ "poolId": pool, "gpus": gpus, "durationS": 3600 })).await;

@@ -13,7 +13,7 @@
 
 use std::thread;
 
-use bc_tests::{cli, json};
+use bc_tests::{cli, json, small_sim_run};
 
 /// The seeds the many-seeds test runs (`BC_SIM_SEEDS` sets another count), two at a time, each
 /// 50 nodes, 5 tenants, one simulated hour (about 3 s a seed in the test build, whose crates
@@ -39,6 +39,19 @@ fn digest_of(seed: &str) -> String {
     value["digest"].as_str().expect("a digest").to_owned()
 }
 
+/// The command a failed run prints to repeat it.
+fn printed_command(err: &str) -> String {
+    err.lines().find_map(|l| l.strip_prefix("hint: repeat it with: ")).expect("the command is printed").to_owned()
+}
+
+/// Runs the printed command `args` (`better-compute` first) and asserts it fails as `err` did.
+fn it_repeats(args: &[&str], err: &str) {
+    let (status, _, again) = cli(&args[1..], &[]);
+    assert_eq!(status, 1);
+    let what = |e: &str| e.lines().find(|l| l.starts_with("SIM_INVARIANT_BROKEN")).map(str::to_owned);
+    assert_eq!(what(&again), what(err), "the command repeats the same failure");
+}
+
 #[test]
 fn the_same_seed_gives_the_same_digest_in_two_processes_and_another_seed_another() {
     // Two processes at once, then the other seed.
@@ -58,8 +71,9 @@ fn without_the_placement_guard_the_checker_finds_a_double_booking_and_its_comman
     let mut found = None;
     for seed in 1..=UNSAFE_SEEDS_MAX {
         let seed = seed.to_string();
-        let (status, out, err) =
-            sim(&["--seed", &seed, "--nodes", "6", "--tenants", "1", "--hours", "1", "--unsafe-no-placement-guard"]);
+        let mut args = small_sim_run(&seed);
+        args.push("--unsafe-no-placement-guard");
+        let (status, out, err) = sim(&args);
         if status == 0 {
             continue;
         }
@@ -75,14 +89,11 @@ fn without_the_placement_guard_the_checker_finds_a_double_booking_and_its_comman
     assert!(!err.contains("already held by"), "the fold must not be what found it: {err}");
     assert!(out.contains("FAILED") && out.contains("reproduce: better-compute sim run"), "{out}");
     // The one command printed repeats the failure, step for step.
-    let hint = err.lines().find_map(|l| l.strip_prefix("hint: repeat it with: ")).expect("the command is printed").to_owned();
+    let hint = printed_command(&err);
     let args: Vec<&str> = hint.split_whitespace().collect();
     assert_eq!(&args[..3], &["better-compute", "sim", "run"], "{hint}");
     assert!(args.contains(&"--unsafe-no-placement-guard") && args.contains(&seed.as_str()), "{hint}");
-    let (status, _, again) = cli(&args[1..], &[]);
-    assert_eq!(status, 1);
-    let what = |e: &str| e.lines().find(|l| l.starts_with("SIM_INVARIANT_BROKEN")).map(str::to_owned);
-    assert_eq!(what(&again), what(&err), "the command repeats the same failure");
+    it_repeats(&args, &err);
 }
 
 /// Seen failing with the journal check's duplicate verdict dropped: the run then failed on the
@@ -92,22 +103,11 @@ fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_re
     let mut found = None;
     for seed in 1..=UNSAFE_SEEDS_MAX {
         let seed = seed.to_string();
-        let (status, out, err) =
-            // Only the faults that deliver entries again: with drop-messages too, the unchecked
-            // path may first append an entry past a gap, which the log refuses as well.
-            sim(&[
-                "--seed",
-                &seed,
-                "--nodes",
-                "6",
-                "--tenants",
-                "1",
-                "--hours",
-                "1",
-                "--faults",
-                "duplicate-messages,lost-acks",
-                "--unsafe-no-journal-dedupe",
-            ]);
+        // Only the faults that deliver entries again: with drop-messages too, the unchecked
+        // path may first append an entry past a gap, which the log refuses as well.
+        let mut args = small_sim_run(&seed);
+        args.extend_from_slice(&["--faults", "duplicate-messages,lost-acks", "--unsafe-no-journal-dedupe"]);
+        let (status, out, err) = sim(&args);
         if status == 0 {
             continue;
         }
@@ -121,13 +121,10 @@ fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_re
     // switch rewinds the node's journal head behind the fold's back, so the log takes it.
     assert!(err.contains("is in the log more than once (duplicated)"), "{err}");
     assert!(!err.contains("the log refused a journal entry"), "the fold must not be what found it: {err}");
-    let hint = err.lines().find_map(|l| l.strip_prefix("hint: repeat it with: ")).expect("the command is printed").to_owned();
+    let hint = printed_command(&err);
     let args: Vec<&str> = hint.split_whitespace().collect();
     assert!(args.contains(&"--unsafe-no-journal-dedupe") && args.contains(&seed.as_str()), "{hint}");
-    let (status, _, again) = cli(&args[1..], &[]);
-    assert_eq!(status, 1);
-    let what = |e: &str| e.lines().find(|l| l.starts_with("SIM_INVARIANT_BROKEN")).map(str::to_owned);
-    assert_eq!(what(&again), what(&err), "the command repeats the same failure");
+    it_repeats(&args, &err);
 }
 
 /// Runs `--unsafe-break NAME` on seeds 1 to `UNSAFE_SEEDS_MAX` until one fails; asserts it fails
@@ -136,7 +133,7 @@ fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) {
     let mut found = None;
     for seed in 1..=UNSAFE_SEEDS_MAX {
         let seed = seed.to_string();
-        let mut args = vec!["--seed", &seed, "--nodes", "6", "--tenants", "1", "--hours", "1"];
+        let mut args = small_sim_run(&seed);
         args.extend_from_slice(extra);
         args.extend_from_slice(&["--unsafe-break", name]);
         let (status, out, err) = sim(&args);
@@ -152,13 +149,10 @@ fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) {
     for says in says {
         assert!(err.contains(says), "--unsafe-break {name}: expected {says:?} in:\n{err}");
     }
-    let hint = err.lines().find_map(|l| l.strip_prefix("hint: repeat it with: ")).expect("the command is printed").to_owned();
+    let hint = printed_command(&err);
     let args: Vec<&str> = hint.split_whitespace().collect();
     assert!(args.windows(2).any(|w| w == ["--unsafe-break", name]) && args.contains(&seed.as_str()), "{hint}");
-    let (status, _, again) = cli(&args[1..], &[]);
-    assert_eq!(status, 1);
-    let what = |e: &str| e.lines().find(|l| l.starts_with("SIM_INVARIANT_BROKEN")).map(str::to_owned);
-    assert_eq!(what(&again), what(&err), "the command repeats the same failure");
+    it_repeats(&args, &err);
 }
 
 /// A fold wrong on the write path and in the full checks' fold alike (some `node.freed` leave
