@@ -146,6 +146,10 @@ pub struct ServeLimits {
     /// Watchers connected at once, in all, per tenant and per key (`--watchers-max`,
     /// `--watchers-per-tenant-max`, `--watchers-per-key-max`).
     pub watchers: watch::WatcherLimits,
+    /// Tunnels open at once per tenant, key and node, and how long one may idle or last
+    /// (`--tunnels-per-tenant-max`, `--tunnels-per-key-max`, `--tunnels-per-node-max`,
+    /// `--tunnel-idle-timeout`, `--tunnel-max-duration`).
+    pub tunnels: tunnels::TunnelLimits,
 }
 
 impl Default for ServeLimits {
@@ -158,6 +162,7 @@ impl Default for ServeLimits {
             connections_max: conn::CONNECTIONS_MAX,
             requests_max: CONCURRENT_REQUESTS_MAX,
             watchers: watch::WatcherLimits::default(),
+            tunnels: tunnels::TunnelLimits::default(),
         }
     }
 }

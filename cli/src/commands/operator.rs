@@ -175,6 +175,22 @@ pub struct ServerArgs {
     /// Watchers one API key may hold at once (at most --watchers-per-tenant-max).
     #[arg(long, default_value_t = bc_gateway::watch::WATCHERS_PER_KEY_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
     pub watchers_per_key_max: u64,
+    /// Tunnels (`console`) one tenant may hold open at once, unspent tickets included.
+    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_TENANT_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub tunnels_per_tenant_max: u64,
+    /// Tunnels one API key may hold open at once.
+    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_KEY_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub tunnels_per_key_max: u64,
+    /// Tunnels open to one node at once: each is a stream of the agent's connection, which
+    /// carries 8 with its session.
+    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_NODE_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=7))]
+    pub tunnels_per_node_max: u64,
+    /// A tunnel carrying no data either way this long (ms) is closed.
+    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNEL_IDLE_TIMEOUT_S * 1000, value_parser = clap::value_parser!(u64).range(1_000..))]
+    pub tunnel_idle_timeout: u64,
+    /// The longest (ms) a tunnel stays open.
+    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNEL_MAX_DURATION_S * 1000, value_parser = clap::value_parser!(u64).range(1_000..))]
+    pub tunnel_max_duration: u64,
     #[command(flatten)]
     pub agents: AgentsArgs,
 }
@@ -327,6 +343,13 @@ impl ServerArgs {
             body_read_timeout: ms(self.body_timeout),
             connections_max: self.connections_max as usize,
             watchers,
+            tunnels: bc_gateway::tunnels::TunnelLimits {
+                per_tenant_max: self.tunnels_per_tenant_max as usize,
+                per_key_max: self.tunnels_per_key_max as usize,
+                per_node_max: self.tunnels_per_node_max as usize,
+                idle_timeout: ms(self.tunnel_idle_timeout),
+                max_duration: ms(self.tunnel_max_duration),
+            },
             ..bc_gateway::ServeLimits::default()
         })
     }
@@ -491,5 +514,7 @@ mod tests {
         let watchers = (server.watchers_max, server.watchers_per_tenant_max, server.watchers_per_key_max);
         let defaults = bc_gateway::watch::WatcherLimits::default();
         assert_eq!(watchers, (defaults.total as u64, defaults.per_tenant as u64, defaults.per_key as u64));
+        let tunnels = server.serve_limits().unwrap().tunnels;
+        assert_eq!(tunnels, bc_gateway::tunnels::TunnelLimits::default());
     }
 }
