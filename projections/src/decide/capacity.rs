@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::ReservationAsk;
-use crate::fleet::FleetIndex as TenantView;
+use crate::fleet::FleetIndex;
 use crate::{NodeState, PoolDoc, placement};
 
 /// One pool's GPUs: how many, free (on ready nodes, not held), reserved (held by a
@@ -46,7 +46,7 @@ pub struct ProductCapacity {
 }
 
 /// `capacity.get` for one pool.
-pub fn pool_capacity(pool: &PoolDoc, view: &TenantView) -> PoolCapacity {
+pub fn pool_capacity(pool: &PoolDoc, view: &FleetIndex) -> PoolCapacity {
     // (GPUs, free) by model and by product.
     let mut by_model: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
     let mut by_product: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
@@ -110,7 +110,7 @@ pub struct CapacityPreview {
     pub selector: String,
 }
 
-pub fn capacity_preview(view: &TenantView, ask: &ReservationAsk) -> CapacityPreview {
+pub fn capacity_preview(view: &FleetIndex, ask: &ReservationAsk) -> CapacityPreview {
     let pool_id = ask.pool.pool_id.as_str();
     let queued_ahead = view.pool_load(pool_id).queued.len() as u32;
     let placement_ask = ask.placement_ask();

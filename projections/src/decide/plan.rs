@@ -25,7 +25,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bc_core::store::ExpectedVersion;
 
 use super::{Append, PoolLoad};
-use crate::fleet::FleetIndex as TenantView;
+use crate::fleet::FleetIndex;
 use crate::placement::{self, Ask, Ending, Issue, Placement, Selector};
 use crate::{BindingState, HOLD_ATTEMPTS_MAX, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
 
@@ -150,18 +150,18 @@ pub struct Policy {
 /// empty whatever the nodes hold, so a reconciler pass need not read them again
 /// ([`crate::fleet::Fleet::with_busy_tenants`]): at fleet scale, every node placed on since the
 /// last pass.
-pub fn needs_nodes(view: &TenantView, now_ms: u64) -> bool {
+pub fn needs_nodes(view: &FleetIndex, now_ms: u64) -> bool {
     view.needing_attention(now_ms).next().is_some() || view.pool_loads().values().any(|load| !load.queued.is_empty())
 }
 
 /// What the reconciler does in one pass over one tenant's view at `now_ms`. Deterministic: the
 /// same view and time give the same actions in the same order.
-pub fn plan(view: &TenantView, now_ms: u64) -> Vec<Action> {
+pub fn plan(view: &FleetIndex, now_ms: u64) -> Vec<Action> {
     plan_with(view, now_ms, Policy::default())
 }
 
 /// [`plan`] under `policy`: the expiries, then the failed holds, then each pool's queue.
-pub fn plan_with(view: &TenantView, now_ms: u64, policy: Policy) -> Vec<Action> {
+pub fn plan_with(view: &FleetIndex, now_ms: u64, policy: Policy) -> Vec<Action> {
     let mut planned = Planned::default();
     // The active reservations whose time has come (the view keeps them by it), not every live one.
     let attention: Vec<&ReservationDoc> = view.needing_attention(now_ms).collect();
@@ -191,7 +191,7 @@ struct Planned<'v> {
 impl<'v> Planned<'v> {
     /// Frees `reservation_id`'s GPUs on `node_id` as the plan's actions leave the node (one more
     /// version), and records that the node's next activations count on this action.
-    fn free(&mut self, view: &'v TenantView, node_id: &str, reservation_id: &str) {
+    fn free(&mut self, view: &'v FleetIndex, node_id: &str, reservation_id: &str) {
         if let Some((key, node)) = view.nodes().get_key_value(node_id) {
             let node = self.changed.entry(key.as_str()).or_insert_with(|| node.clone());
             node.allocations.retain(|_, holder| holder != reservation_id);
@@ -203,7 +203,7 @@ impl<'v> Planned<'v> {
 
 /// The expiries: every active reservation of `attention` whose end is at or before `now_ms`,
 /// earliest end first, its GPUs freed.
-fn expire_due<'v>(view: &'v TenantView, attention: &[&ReservationDoc], now_ms: u64, planned: &mut Planned<'v>) {
+fn expire_due<'v>(view: &'v FleetIndex, attention: &[&ReservationDoc], now_ms: u64, planned: &mut Planned<'v>) {
     let mut due: Vec<&ReservationDoc> = attention
         .iter()
         .copied()
@@ -227,7 +227,7 @@ fn expire_due<'v>(view: &'v TenantView, attention: &[&ReservationDoc], now_ms: u
 /// at its last attempt, failed, its GPUs freed. Returns the pools a reservation was requeued in,
 /// which activate nothing more this pass (it is next in its pool).
 fn fail_holds<'v, 'a>(
-    view: &'v TenantView,
+    view: &'v FleetIndex,
     attention: &[&'a ReservationDoc],
     now_ms: u64,
     planned: &mut Planned<'v>,
@@ -281,7 +281,7 @@ fn fail_holds<'v, 'a>(
 /// actions before it leave them, until the first that does not fit ([`QueueRule::Fifo`]; under
 /// [`QueueRule::Backfill`], past it).
 fn activate_queue<'v>(
-    view: &'v TenantView,
+    view: &'v FleetIndex,
     pool_id: &str,
     load: &PoolLoad,
     now_ms: u64,

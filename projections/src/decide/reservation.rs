@@ -8,7 +8,7 @@ use bc_core::store::ExpectedVersion;
 
 use super::{Append, Refusal};
 use crate::events::{self as ev, to_cbor};
-use crate::fleet::FleetIndex as TenantView;
+use crate::fleet::FleetIndex;
 use crate::placement::{self, Ask, Placement, Preference, Selector};
 use crate::{KIND_POOL, KIND_QUOTA, KIND_RESERVATION, PoolDoc, QuotaDoc, ReservationDoc, ReservationState, stream_of};
 use bc_core::store::NewEvent;
@@ -123,8 +123,8 @@ pub enum ReservationCreate {
 }
 
 impl ReservationCreate {
-    /// Holds in the view what the append is about to do (see [`TenantView::hold`]).
-    pub fn hold(&self, view: &mut TenantView) {
+    /// Holds in the view what the append is about to do (see [`FleetIndex::hold`]).
+    pub fn hold(&self, view: &mut FleetIndex) {
         match self {
             Self::Place { placement, pending, .. } => view.hold(pending.clone(), Some(placement)),
             Self::Queue { pending: Some(pending), .. } => view.hold(pending.clone(), None),
@@ -144,7 +144,7 @@ impl ReservationCreate {
 /// The tightest fit in `pool`, on a node with no placement of this process in flight if one
 /// fits (two appends in flight on one node guard the same version: one would conflict), else
 /// on any.
-fn place_preferring_quiet(view: &TenantView, pool_id: &str, ask: &Ask<'_>) -> Option<Placement> {
+fn place_preferring_quiet(view: &FleetIndex, pool_id: &str, ask: &Ask<'_>) -> Option<Placement> {
     let ranked = view.ranked(pool_id, ask.gpus);
     let quiet = ranked.clone().filter(|(_, n)| !view.is_held(&n.node_id));
     placement::place_ranked(quiet, ask, Preference::TightestFit)
@@ -156,7 +156,7 @@ fn place_preferring_quiet(view: &TenantView, pool_id: &str, ask: &Ask<'_>) -> Op
 /// (live reservations' GPUs plus its own) is refused with a record; otherwise it is placed at
 /// once if nothing is queued ahead in its pool and a node fits, else queued.
 pub fn reservation_create(
-    view: &TenantView,
+    view: &FleetIndex,
     quota: Option<&QuotaDoc>,
     ask: &ReservationAsk,
     input: &ReservationCreateInput<'_>,
