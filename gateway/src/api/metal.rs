@@ -539,33 +539,26 @@ async fn simple(call: &Call<'_>, input: MachineVerb, v: Verb) -> Result<MetalVie
     .await
 }
 
-async fn metal_manage(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Manage).await
+/// The handlers of the verbs that name a machine and nothing else, each over [`simple`].
+macro_rules! simple_verbs {
+    ($($handler:ident => $verb:ident),* $(,)?) => {
+        $(
+            async fn $handler(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
+                simple(call, input, Verb::$verb).await
+            }
+        )*
+    };
 }
 
-async fn metal_inspect(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Inspect).await
-}
-
-async fn metal_provide(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Provide).await
-}
-
-async fn metal_unrescue(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Unrescue).await
-}
-
-async fn metal_retire(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Retire).await
-}
-
-async fn metal_recover(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Recover).await
-}
-
-async fn metal_abort(call: &Call<'_>, input: MachineVerb) -> Result<MetalView> {
-    simple(call, input, Verb::Abort).await
-}
+simple_verbs!(
+    metal_manage => Manage,
+    metal_inspect => Inspect,
+    metal_provide => Provide,
+    metal_unrescue => Unrescue,
+    metal_retire => Retire,
+    metal_recover => Recover,
+    metal_abort => Abort,
+);
 
 /// Undeploy: refused while the node holds reservations (drain it first); the node is cordoned
 /// in the same append, so nothing is placed on a machine being torn down.
