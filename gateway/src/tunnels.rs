@@ -57,6 +57,10 @@ pub const AGENT_ATTACH_TIMEOUT_MS: u64 = 10_000;
 /// Frames queued each way between the WebSocket and the agent's stream: a slow reader holds the
 /// other side back rather than growing a buffer.
 pub const TUNNEL_FRAMES_QUEUED: usize = 16;
+/// The relay pings the client this often, so the connection's own idle deadline
+/// (`conn::IDLE_TIMEOUT_S`) never closes a quiet tunnel: only the tunnel's idle timeout does.
+pub const TUNNEL_KEEPALIVE_S: u64 = 30;
+const _: () = assert!(TUNNEL_KEEPALIVE_S < crate::conn::IDLE_TIMEOUT_S);
 /// Tunnel requests queued for one node's session.
 pub const OPEN_REQUESTS_QUEUED: usize = 8;
 
@@ -473,6 +477,8 @@ async fn relay(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: Agen
     tokio::pin!(deadline);
     let idle = tokio::time::sleep(limits.idle_timeout);
     tokio::pin!(idle);
+    let start = tokio::time::Instant::now() + Duration::from_secs(TUNNEL_KEEPALIVE_S);
+    let mut keepalive = tokio::time::interval_at(start, Duration::from_secs(TUNNEL_KEEPALIVE_S));
     let reason = loop {
         tokio::select! {
             message = from_client.next() => match message {
@@ -512,6 +518,11 @@ async fn relay(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: Agen
                 },
                 None => { end_broken(&mut to_client, "the node's agent went away", false).await; break CloseReason::AgentGone }
             },
+            _ = keepalive.tick() => {
+                if to_client.send(Message::Ping(Vec::new().into())).await.is_err() {
+                    break CloseReason::ClientClosed;
+                }
+            }
             () = &mut idle => { end_broken(&mut to_client, &format!("no data either way for {} s", limits.idle_timeout.as_secs()), true).await; break CloseReason::IdleTimeout }
             () = &mut deadline => { end_broken(&mut to_client, &format!("the tunnel reached its maximum duration of {} s", limits.max_duration.as_secs()), true).await; break CloseReason::MaxDuration }
             _ = shutdown.changed() => { end_broken(&mut to_client, "the gateway is stopping", false).await; break CloseReason::Shutdown }
