@@ -100,22 +100,9 @@ fn without_the_placement_guard_the_checker_finds_a_double_booking_and_its_comman
 /// same entry "in the log after entry N (out of order)".
 #[test]
 fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_repeats_it() {
-    let mut found = None;
-    for seed in 1..=UNSAFE_SEEDS_MAX {
-        let seed = seed.to_string();
-        // Only the faults that deliver entries again: with drop-messages too, the unchecked
-        // path may first append an entry past a gap, which the log refuses as well.
-        let mut args = small_sim_run(&seed);
-        args.extend_from_slice(&["--faults", "duplicate-messages,lost-acks", "--unsafe-no-journal-dedupe"]);
-        let (status, out, err) = sim(&args);
-        if status == 0 {
-            continue;
-        }
-        assert_eq!(status, 1, "{out}\n{err}");
-        assert!(err.contains(&format!("SIM_INVARIANT_BROKEN: seed {seed}")), "{err}");
-        found = Some((seed, err));
-        break;
-    }
+    // Only the faults that deliver entries again: with drop-messages too, the unchecked path may
+    // first append an entry past a gap, which the log refuses as well.
+    let found = first_broken_seed(&["--faults", "duplicate-messages,lost-acks", "--unsafe-no-journal-dedupe"]);
     let (seed, err) = found.unwrap_or_else(|| panic!("no duplicate found within {UNSAFE_SEEDS_MAX} seeds"));
     // The simulator's own journal check (`World::check_journals`), not the log's refusal: the
     // switch rewinds the node's journal head behind the fold's back, so the log takes it.
@@ -127,24 +114,30 @@ fn without_the_journal_dedupe_the_checker_finds_the_duplicate_and_its_command_re
     it_repeats(&args, &err);
 }
 
-/// Runs `--unsafe-break NAME` on seeds 1 to `UNSAFE_SEEDS_MAX` until one fails; asserts it fails
-/// with `says` (each of them) and that its printed command repeats the same failure.
-fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) {
-    let mut found = None;
+/// Runs a small run with `extra` on seeds 1 to `UNSAFE_SEEDS_MAX` until one breaks an invariant
+/// (and says so, naming its seed): that seed and its standard error.
+fn first_broken_seed(extra: &[&str]) -> Option<(String, String)> {
     for seed in 1..=UNSAFE_SEEDS_MAX {
         let seed = seed.to_string();
         let mut args = small_sim_run(&seed);
         args.extend_from_slice(extra);
-        args.extend_from_slice(&["--unsafe-break", name]);
         let (status, out, err) = sim(&args);
         if status == 0 {
             continue;
         }
         assert_eq!(status, 1, "{out}\n{err}");
         assert!(err.contains(&format!("SIM_INVARIANT_BROKEN: seed {seed}")), "{err}");
-        found = Some((seed, err));
-        break;
+        return Some((seed, err));
     }
+    None
+}
+
+/// Runs `--unsafe-break NAME` on seeds 1 to `UNSAFE_SEEDS_MAX` until one fails; asserts it fails
+/// with `says` (each of them) and that its printed command repeats the same failure.
+fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) {
+    let mut args = extra.to_vec();
+    args.extend_from_slice(&["--unsafe-break", name]);
+    let found = first_broken_seed(&args);
     let (seed, err) = found.unwrap_or_else(|| panic!("--unsafe-break {name} was not found within {UNSAFE_SEEDS_MAX} seeds"));
     for says in says {
         assert!(err.contains(says), "--unsafe-break {name}: expected {says:?} in:\n{err}");
