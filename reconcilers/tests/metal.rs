@@ -36,24 +36,7 @@ async fn world() -> World {
     let (dir, store, log, clock) = support::manual_log().await;
     let tenant = TenantId::generate();
     let node = NodeId::generate().to_string();
-    let enrolled = ev::MetalEnrolled {
-        pool_id: PoolId::generate().to_string(),
-        name: "m1".into(),
-        bmc: ev::MetalBmc {
-            address: ADDRESS.into(),
-            system_path: None,
-            username: "admin".into(),
-            tls: "insecure".into(),
-            ca_pem: None,
-            pin: None,
-            secret_id: format!("bmc_{node}"),
-        },
-    };
-    store.secret_put(tenant, &format!("bmc_{node}"), "hunter2", 0).await.unwrap();
-    let event = NewEvent::new(ev::METAL_ENROLLED, ev::to_cbor(&enrolled).unwrap());
-    log.append(AppendRequest::new(tenant, stream_of(KIND_METAL, &node), ExpectedVersion::NoStream, "test", vec![event]))
-        .await
-        .unwrap();
+    support::enroll(&*store, &log, tenant, &node, "m1".into(), ADDRESS, "hunter2").await;
     World { _dir: dir, store, log, clock, fake: FakeConnector::default(), tenant, node }
 }
 

@@ -13,12 +13,10 @@ use std::time::Duration;
 use bc_bmc::fake::FakeConnector;
 use bc_bmc::{Bmc, BmcConnector, BmcResult, BmcTarget, BootSource, ResetType, SystemInfo};
 use bc_core::clock::{Clock as _, ManualClock};
-use bc_core::id::{NodeId, PoolId, TenantId, WorkflowId};
-use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
+use bc_core::id::{NodeId, TenantId, WorkflowId};
+use bc_core::store::{EventStore, Log};
 use bc_projections::decide::{self, VerbInput};
-use bc_projections::events as ev;
 use bc_projections::metal::Verb;
-use bc_projections::stream_of;
 use bc_projections::workflow::{KIND_METAL, MetalDoc};
 use bc_reconcilers::metal::{Metal, Scheduler, TENANT_TURNS_MAX};
 
@@ -80,25 +78,7 @@ impl World {
     /// BMC request.
     async fn managed_machine(&self, tenant: TenantId, address: &str) -> String {
         let node = NodeId::generate().to_string();
-        let enrolled = ev::MetalEnrolled {
-            pool_id: PoolId::generate().to_string(),
-            name: format!("m-{node}"),
-            bmc: ev::MetalBmc {
-                address: address.into(),
-                system_path: None,
-                username: "admin".into(),
-                tls: "insecure".into(),
-                ca_pem: None,
-                pin: None,
-                secret_id: format!("bmc_{node}"),
-            },
-        };
-        self.store.secret_put(tenant, &format!("bmc_{node}"), "p", 0).await.unwrap();
-        let event = NewEvent::new(ev::METAL_ENROLLED, ev::to_cbor(&enrolled).unwrap());
-        self.log
-            .append(AppendRequest::new(tenant, stream_of(KIND_METAL, &node), ExpectedVersion::NoStream, "test", vec![event]))
-            .await
-            .unwrap();
+        support::enroll(&*self.store, &self.log, tenant, &node, format!("m-{node}"), address, "p").await;
         let doc = self.doc(tenant, &node).await;
         let wf = WorkflowId::generate().to_string();
         let input = VerbInput {

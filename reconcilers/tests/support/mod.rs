@@ -47,3 +47,33 @@ pub async fn manual_log() -> (tempfile::TempDir, Arc<dyn EventStore>, Arc<Log>, 
         Arc::new(Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), clock.clone()).await.unwrap());
     (dir, store, log, clock)
 }
+
+/// Enrolls machine `node` (named `name`, in a pool of its own) in `tenant`: its BMC at `address`
+/// over TLS unchecked, user `admin` with `password`, kept as the secret `bmc_NODE`.
+pub async fn enroll(
+    store: &dyn EventStore,
+    log: &Log,
+    tenant: TenantId,
+    node: &str,
+    name: String,
+    address: &str,
+    password: &str,
+) {
+    let enrolled = ev::MetalEnrolled {
+        pool_id: PoolId::generate().to_string(),
+        name,
+        bmc: ev::MetalBmc {
+            address: address.into(),
+            system_path: None,
+            username: "admin".into(),
+            tls: "insecure".into(),
+            ca_pem: None,
+            pin: None,
+            secret_id: format!("bmc_{node}"),
+        },
+    };
+    store.secret_put(tenant, &format!("bmc_{node}"), password, 0).await.unwrap();
+    let event = NewEvent::new(ev::METAL_ENROLLED, ev::to_cbor(&enrolled).unwrap());
+    let stream = stream_of(bc_projections::workflow::KIND_METAL, &node);
+    log.append(AppendRequest::new(tenant, stream, ExpectedVersion::NoStream, "test", vec![event])).await.unwrap();
+}
