@@ -39,6 +39,11 @@ fn flavors_create(server: &Server, pool: &str, name: &str, shape: [&str; 3], ext
     server.cli(&args)
 }
 
+/// `images register` of `name` at `url` with digest `sha256` in `disk_format`.
+fn images_register(server: &Server, name: &str, url: &str, sha256: &str, disk_format: &str) -> (i32, String, String) {
+    server.cli(&["images", "register", "--name", name, "--image-url", url, "--sha256", sha256, "--disk-format", disk_format])
+}
+
 #[tokio::test]
 async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced() {
     let server = Server::dev();
@@ -168,18 +173,8 @@ async fn flavors_are_created_listed_got_and_deleted_with_their_bounds_enforced()
 #[tokio::test]
 async fn images_are_registered_listed_got_and_deleted_and_bad_ones_refused() {
     let server = Server::dev();
-    let (code, out, err) = server.cli(&[
-        "images",
-        "register",
-        "--name",
-        "ubuntu-24.04",
-        "--image-url",
-        "https://images.example.com/ubuntu-24.04.qcow2",
-        "--sha256",
-        DIGEST,
-        "--disk-format",
-        "qcow2",
-    ]);
+    let (code, out, err) =
+        images_register(&server, "ubuntu-24.04", "https://images.example.com/ubuntu-24.04.qcow2", DIGEST, "qcow2");
     assert_eq!(code, 0, "{err}");
     let image = json(&out);
     let id = image["imageId"].as_str().unwrap().to_owned();
@@ -187,18 +182,7 @@ async fn images_are_registered_listed_got_and_deleted_and_bad_ones_refused() {
     assert_eq!((&image["diskFormat"], &image["sha256"]), (&json!("qcow2"), &json!(DIGEST)), "{out}");
     assert!(image.get("sizeBytes").is_none(), "no size unless one was given: {out}");
 
-    let (code, _, err) = server.cli(&[
-        "images",
-        "register",
-        "--name",
-        "ubuntu-24.04",
-        "--image-url",
-        "http://10.0.0.5:8080/other.raw",
-        "--sha256",
-        DIGEST,
-        "--disk-format",
-        "raw",
-    ]);
+    let (code, _, err) = images_register(&server, "ubuntu-24.04", "http://10.0.0.5:8080/other.raw", DIGEST, "raw");
     assert_eq!(code, 1, "{err}");
     assert!(fails_with(&err, "ALREADY_EXISTS"), "{err}");
     let body = json!({ "name": "retried", "url": "https://a.example/r.img", "sha256": DIGEST, "diskFormat": "raw" });
@@ -255,32 +239,10 @@ async fn images_are_registered_listed_got_and_deleted_and_bad_ones_refused() {
         assert_eq!((status, answer["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{field}={value}: {answer}");
         assert!(!answer.to_string().contains("hunter2"), "the refusal does not echo a password: {answer}");
     }
-    let (code, _, err) = server.cli(&[
-        "images",
-        "register",
-        "--name",
-        "y",
-        "--image-url",
-        "file:///etc/passwd",
-        "--sha256",
-        DIGEST,
-        "--disk-format",
-        "raw",
-    ]);
+    let (code, _, err) = images_register(&server, "y", "file:///etc/passwd", DIGEST, "raw");
     assert_eq!(code, 2, "{err}");
     assert!(fails_with(&err, "INVALID_ARGUMENT"), "{err}");
-    let (code, _, err) = server.cli(&[
-        "images",
-        "register",
-        "--name",
-        "y",
-        "--image-url",
-        "https://a/x",
-        "--sha256",
-        DIGEST,
-        "--disk-format",
-        "vmdk",
-    ]);
+    let (code, _, err) = images_register(&server, "y", "https://a/x", DIGEST, "vmdk");
     assert_eq!(code, 2, "clap refuses an unknown format: {err}");
     assert_eq!(server.last_commit().await, before, "a refusal appends nothing");
 
