@@ -13,8 +13,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, console, events, flavors, instances, inventory, join_tokens, meta, metal, nodes, operator, pools,
-    releases, reservations, rollouts, sim, ssh_cert, webhooks,
+    agent_commands, api, audit, auth, console, events, flavors, instances, inventory, join_tokens, meta, metal, nodes, operator,
+    pools, releases, reservations, rollouts, sim, ssh_cert, webhooks,
 };
 use crate::output::Format;
 

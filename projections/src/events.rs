@@ -13,6 +13,7 @@ pub use crate::command::{
     COMMAND_CANCELLED, COMMAND_FAILED, COMMAND_ISSUED, COMMAND_STARTED, COMMAND_SUCCEEDED, CommandCancelled, CommandIssued,
     CommandProgress,
 };
+pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued};
 pub use crate::flavor::{FLAVOR_CREATED, FLAVOR_DELETED, FlavorCreated, FlavorDeleted};
 pub use crate::image::{DiskFormat, IMAGE_DELETED, IMAGE_REGISTERED, ImageDeleted, ImageRegistered};
 pub use crate::instance::{
@@ -30,7 +31,6 @@ pub use crate::node::{
     NODE_OBSERVED, NODE_READY, NODE_REGISTERED, NODE_TAINTED, NODE_UNCORDONED, NODE_UNREACHABLE, NodeAgentStarted, NodeAllocated,
     NodeDeleted, NodeFreed, NodeJoined, NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeStateChanged,
 };
-pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued};
 pub use crate::pool::{POOL_ARCHIVED, POOL_CREATED, POOL_UPDATED, PoolArchived, PoolCreated, PoolUpdated};
 pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
 pub use crate::reservation::{

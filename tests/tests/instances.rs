@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use bc_tests::{ImageServer, AgentNode, Server, json};
+use bc_tests::{AgentNode, ImageServer, Server, json};
 use serde_json::{Value, json};
 use sha2::Digest;
 

@@ -221,17 +221,15 @@ impl Agent for AgentService {
 
     /// A tunnel's end: the first message names a tunnel this process asked the node's session
     /// for (`crate::tunnels`); then frames both ways until either side ends.
-    async fn tunnel(
-        &self,
-        request: Request<Streaming<bc_proto::TunnelFrame>>,
-    ) -> Result<Response<Self::TunnelStream>, Status> {
+    async fn tunnel(&self, request: Request<Streaming<bc_proto::TunnelFrame>>) -> Result<Response<Self::TunnelStream>, Status> {
         use futures::StreamExt;
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(Duration::from_millis(crate::tunnels::AGENT_ATTACH_TIMEOUT_MS), inbound.message())
             .await
             .map_err(|_| Status::deadline_exceeded("a tunnel's first message names it"))??
             .ok_or_else(|| Status::cancelled("the node closed the tunnel"))?;
-        let from_node = inbound.take_while(|m| std::future::ready(m.is_ok())).filter_map(|m| std::future::ready(m.ok().map(|f| f.frame)));
+        let from_node =
+            inbound.take_while(|m| std::future::ready(m.is_ok())).filter_map(|m| std::future::ready(m.ok().map(|f| f.frame)));
         let (to_node, to_node_rx) = tokio::sync::mpsc::channel(crate::tunnels::TUNNEL_FRAMES_QUEUED);
         let end = crate::tunnels::AgentEnd { from_node: Box::pin(from_node), to_node };
         if !self.state.tunnels.agent_attached(&first.tunnel_id, end) {
