@@ -35,7 +35,12 @@ string_schema!(
     /// One OpenSSH Ed25519 or ECDSA public key line (`ssh-ed25519 AAAA… comment`); never a
     /// private key.
     SshPublicKeyText,
-    schemars::json_schema!({ "type": "string", "minLength": 1, "maxLength": SSH_PUBLIC_KEY_BYTES_MAX })
+    schemars::json_schema!({
+        "type": "string",
+        "minLength": 1,
+        "maxLength": SSH_PUBLIC_KEY_BYTES_MAX,
+        "pattern": "^(ssh-ed25519|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecdsa-sha2-nistp521) [A-Za-z0-9+/]+={0,2}( [^\\n]*)?$"
+    })
 );
 
 string_schema!(
@@ -82,7 +87,6 @@ pub struct SshCertView {
 async fn nodes_issue_ssh_cert(call: &Call<'_>, input: NodesIssueSshCert) -> Result<SshCertView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let node_id: NodeId = parse_id("nodeId", &input.node_id)?;
-    let subject = parse_user_public_key("publicKey", &input.public_key)?;
     let account = input.account.as_deref().unwrap_or("root");
     let minutes = input.minutes.unwrap_or(SSH_CERT_MINUTES_DEFAULT);
     ssh_cert_check(account, minutes)?;
@@ -92,6 +96,9 @@ async fn nodes_issue_ssh_cert(call: &Call<'_>, input: NodesIssueSshCert) -> Resu
         .clone()
         .ok_or_else(|| Error::Unavailable("this server has no SSH user CA (dev and serve make one at start)".into()))?;
     let node = node_doc(call, tenant, &node_id.to_string()).await?;
+    // The key's own checks (it parses, its type, never a private key) after the node is found,
+    // as what its schema cannot say.
+    let subject = parse_user_public_key("publicKey", &input.public_key)?;
     // The serial is the random half of an id from the log's id source.
     let serial = (call.ulid().0 & u128::from(u64::MAX)) as u64;
     let decided = SshCertInput {

@@ -36,8 +36,13 @@ enum TunnelOp {
     Tcp,
 }
 
+/// Exactly one of `nodeId` and `instanceId`, a string (not `null`).
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("oneOf" = [
+    { "required": ["nodeId"], "properties": { "nodeId": { "type": "string" } } },
+    { "required": ["instanceId"], "properties": { "instanceId": { "type": "string" } } },
+]))]
 pub struct TunnelsOpen {
     #[schemars(with = "Option<TenantIdText>")]
     tenant_id: Option<String>,
