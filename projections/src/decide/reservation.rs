@@ -48,45 +48,27 @@ impl ReservationAsk {
         Ask { gpus: self.gpus, selector: &self.selector, nvlink: self.nvlink, tolerations: &self.tolerations }
     }
 
-    fn requested(&self) -> Result<NewEvent, Refusal> {
-        let payload = to_cbor(&ev::ReservationRequested {
+    /// The `reservation.requested` payload of this ask.
+    fn payload(&self) -> ev::ReservationRequested {
+        ev::ReservationRequested {
             pool_id: self.pool.pool_id.clone(),
             gpus: self.gpus,
             duration_s: self.duration_s,
             selector: self.selector_text.clone(),
             nvlink: self.nvlink,
             tolerations: self.tolerations.clone(),
-        })?;
-        Ok(NewEvent::new(ev::RESERVATION_REQUESTED, payload))
+        }
+    }
+
+    fn requested(&self) -> Result<NewEvent, Refusal> {
+        Ok(NewEvent::new(ev::RESERVATION_REQUESTED, to_cbor(&self.payload())?))
     }
 
     /// The reservation as the view holds it until the append is read back: last in line when
     /// queued (no request seq yet).
     fn pending(&self, reservation_id: &str, state: ReservationState) -> ReservationDoc {
-        ReservationDoc {
-            tenant_id: self.pool.tenant_id.clone(),
-            reservation_id: reservation_id.to_owned(),
-            pool_id: self.pool.pool_id.clone(),
-            gpus: self.gpus,
-            duration_s: self.duration_s,
-            selector: self.selector_text.clone(),
-            nvlink: self.nvlink,
-            tolerations: self.tolerations.clone(),
-            state,
-            node_id: None,
-            gpu_indexes: Vec::new(),
-            request_seq: u64::MAX,
-            requested_at_ms: 0,
-            activated_at_ms: None,
-            ends_at_ms: None,
-            ended_at_ms: None,
-            binding: None,
-            hold_attempts: 0,
-            hold_failed_nodes: Vec::new(),
-            last_error: None,
-            instance_id: None,
-            version: 0,
-        }
+        let (tenant_id, id) = (self.pool.tenant_id.clone(), reservation_id.to_owned());
+        ReservationDoc { state, ..ReservationDoc::requested(tenant_id, id, self.payload(), u64::MAX, 0, 0) }
     }
 }
 
