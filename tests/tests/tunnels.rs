@@ -98,21 +98,8 @@ async fn console_on_a_node_through_a_pseudo_terminal_returns_the_remote_status_a
     let status = wait_until("the console exits", Duration::from_secs(20), || cli.try_wait().unwrap());
     assert_eq!(status.exit_code(), 7, "{}", String::from_utf8_lossy(&seen.lock().unwrap()));
 
-    // Two events on the node's stream, with counts and no byte typed or printed.
-    let events = wait_until("tunnel.closed is in the log", Duration::from_secs(10), || {
-        let events = bc_tests::block_on(tunnel_events(&server));
-        (events.len() == 2).then_some(events)
-    });
-    let (opened, closed) = (&events[0], &events[1]);
-    assert_eq!((opened["type"].as_str(), closed["type"].as_str()), (Some("tunnel.opened"), Some("tunnel.closed")), "{events:?}");
-    assert_eq!(opened["stream"], format!("node/{node}"));
-    assert_eq!(opened["payload"]["op"], "console");
-    assert!(opened["payload"]["from"].as_str().unwrap().starts_with("127.0.0.1:"), "{opened}");
-    assert_eq!(closed["payload"]["tunnelId"], opened["payload"]["tunnelId"]);
-    assert_eq!(closed["payload"]["exitStatus"], 7);
-    assert_eq!(closed["payload"]["reason"], "exited");
-    let typed = "tty; stty size\r".len() + "stty size; exit 7\r".len();
-    assert_eq!(closed["payload"]["bytesIn"].as_u64().unwrap(), typed as u64, "{closed}");
+    let events = console_events_say(&server, &node, 7, "tty; stty size\r".len() + "stty size; exit 7\r".len());
+    let closed = &events[1];
     assert!(closed["payload"]["bytesOut"].as_u64().unwrap() > 20, "{closed}");
     assert!(!events.iter().any(|e| e.to_string().contains("stty")), "nothing typed is logged: {events:?}");
 }
@@ -181,9 +168,18 @@ async fn a_python_websockets_client_runs_a_command_on_the_node_console_and_reads
     assert_eq!(out.status.code(), Some(42), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("from-python"), "{stdout}");
 
-    // Two events on the node's stream, with counts and no byte typed or printed.
+    let events = console_events_say(&server, &node, 42, "echo from-python; exit 42\r".len());
+    let closed = &events[1];
+    assert!(closed["payload"]["bytesOut"].as_u64().unwrap() > 10, "{closed}");
+    assert!(!events.iter().any(|e| e.to_string().contains("from-python")), "nothing typed is logged: {events:?}");
+}
+
+/// The node's two tunnel events, with counts and no byte typed or printed: `tunnel.opened` for a
+/// console from loopback, `tunnel.closed` with the same id, the remote `exit`, and `typed` bytes in.
+/// Returns the two events.
+fn console_events_say(server: &Server, node: &str, exit: u64, typed: usize) -> Vec<Value> {
     let events = wait_until("tunnel.closed is in the log", Duration::from_secs(10), || {
-        let events = bc_tests::block_on(tunnel_events(&server));
+        let events = bc_tests::block_on(tunnel_events(server));
         (events.len() == 2).then_some(events)
     });
     let (opened, closed) = (&events[0], &events[1]);
@@ -192,10 +188,8 @@ async fn a_python_websockets_client_runs_a_command_on_the_node_console_and_reads
     assert_eq!(opened["payload"]["op"], "console");
     assert!(opened["payload"]["from"].as_str().unwrap().starts_with("127.0.0.1:"), "{opened}");
     assert_eq!(closed["payload"]["tunnelId"], opened["payload"]["tunnelId"]);
-    assert_eq!(closed["payload"]["exitStatus"], 42);
+    assert_eq!(closed["payload"]["exitStatus"], exit);
     assert_eq!(closed["payload"]["reason"], "exited");
-    let typed = "echo from-python; exit 42\r".len();
     assert_eq!(closed["payload"]["bytesIn"].as_u64().unwrap(), typed as u64, "{closed}");
-    assert!(closed["payload"]["bytesOut"].as_u64().unwrap() > 10, "{closed}");
-    assert!(!events.iter().any(|e| e.to_string().contains("from-python")), "nothing typed is logged: {events:?}");
+    events
 }
