@@ -3,7 +3,7 @@
 //! bounds on open tunnels. Pure: the gateway reads the documents, its live sessions and its
 //! counts, and holds the ticket this grants; nothing is appended until the tunnel opens.
 
-use bc_core::tunnel::{CAPABILITY_INSTANCE_DIAL, Op};
+use bc_core::tunnel::{CAPABILITY_INSTANCE_DIAL, CAPABILITY_NODE_CONSOLE, Op};
 
 use crate::instance::InstanceState;
 
@@ -141,10 +141,15 @@ pub fn tunnel_open(input: &TunnelOpenInput<'_>) -> Result<TunnelGrant, TunnelRef
             None,
         ));
     };
-    if instance_id.is_some() && !capabilities.iter().any(|c| c == CAPABILITY_INSTANCE_DIAL) {
+    // What the node's agent must advertise to attach the op's end.
+    let (needed, cannot) = match instance_id {
+        Some(_) => (CAPABILITY_INSTANCE_DIAL, "it cannot reach its instances"),
+        None => (CAPABILITY_NODE_CONSOLE, "it cannot attach a console on its node"),
+    };
+    if !capabilities.iter().any(|c| c == needed) {
         return Err(refuse(
             K::Unsupported,
-            format!("node {node_id}'s agent does not advertise {CAPABILITY_INSTANCE_DIAL}: it cannot reach its instances"),
+            format!("node {node_id}'s agent does not advertise {needed}: {cannot}"),
             Some("daemon-capability"),
         ));
     }
@@ -174,9 +179,14 @@ mod tests {
         tunnel_open(&TunnelOpenInput { op, target, port, capabilities: caps, open: TunnelCounts::default(), bounds: BOUNDS })
     }
 
+    /// What an agent that attaches node consoles advertises.
+    fn console_caps() -> [String; 1] {
+        [CAPABILITY_NODE_CONSOLE.to_owned()]
+    }
+
     #[test]
     fn a_console_on_a_node_with_a_session_is_granted() {
-        let grant = open(Op::Console, NODE, None, Some(&[])).unwrap();
+        let grant = open(Op::Console, NODE, None, Some(&console_caps())).unwrap();
         assert_eq!(grant, TunnelGrant { op: Op::Console, node_id: "node_1".into(), instance_id: None, port: None });
         assert_eq!(tunnel_action(true), "compute:nodes:console");
         assert_eq!(tunnel_action(false), "compute:instances:exec");
@@ -193,7 +203,7 @@ mod tests {
         }
         assert_eq!(open(Op::Tcp, INSTANCE, Some(5432), Some(&dial)).unwrap().port, Some(5432));
         let manual = TunnelTarget::Node { node_id: "node_2", has_agent: false };
-        assert_eq!(kind(open(Op::Console, manual, None, Some(&[]))), TunnelRefusalKind::InvalidState);
+        assert_eq!(kind(open(Op::Console, manual, None, Some(&console_caps()))), TunnelRefusalKind::InvalidState);
         let stopped = TunnelTarget::Instance { instance_id: "inst_1", node_id: "node_1", state: InstanceState::Stopped };
         assert_eq!(kind(open(Op::Console, stopped, None, Some(&dial))), TunnelRefusalKind::InvalidState);
     }
@@ -209,6 +219,16 @@ mod tests {
     }
 
     #[test]
+    fn a_node_console_needs_its_agent_to_advertise_it() {
+        for caps in [&[][..], &[CAPABILITY_INSTANCE_DIAL.to_owned()][..]] {
+            let refused = open(Op::Console, NODE, None, Some(caps)).unwrap_err();
+            assert_eq!((refused.kind, refused.reason), (TunnelRefusalKind::Unsupported, Some("daemon-capability")), "{caps:?}");
+            assert!(refused.message.contains(CAPABILITY_NODE_CONSOLE), "{}", refused.message);
+        }
+        assert!(open(Op::Console, NODE, None, Some(&console_caps())).is_ok());
+    }
+
+    #[test]
     fn each_bound_is_named_when_reached() {
         for (open_now, reason) in [
             (TunnelCounts { tenant: 3, key: 0, node: 0 }, "tunnels-per-tenant"),
@@ -219,7 +239,7 @@ mod tests {
                 op: Op::Console,
                 target: NODE,
                 port: None,
-                capabilities: Some(&[]),
+                capabilities: Some(&console_caps()),
                 open: open_now,
                 bounds: BOUNDS,
             };
