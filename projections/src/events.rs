@@ -13,7 +13,7 @@ pub use crate::command::{
     COMMAND_CANCELLED, COMMAND_FAILED, COMMAND_ISSUED, COMMAND_STARTED, COMMAND_SUCCEEDED, CommandCancelled, CommandIssued,
     CommandProgress,
 };
-pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued};
+pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued, SSH_CA_ROTATED, SshCaRotated};
 pub use crate::flavor::{FLAVOR_CREATED, FLAVOR_DELETED, FlavorCreated, FlavorDeleted};
 pub use crate::image::{DiskFormat, IMAGE_DELETED, IMAGE_REGISTERED, ImageDeleted, ImageRegistered};
 pub use crate::instance::{
@@ -166,6 +166,7 @@ pub const EVENT_TYPES: &[&str] = &[
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,
+    SSH_CA_ROTATED,
 ];
 
 /// Most patterns one filter (a watch, a webhook) takes.
