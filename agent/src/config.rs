@@ -82,6 +82,21 @@ pub struct HypervisorConfig {
     /// libvirt's connection URI (`qemu:///system`); `libvirt` builds only. Unset: a fake machine
     /// runs instances on the in-memory fake hypervisor, any other node runs none.
     pub uri: Option<String>,
+    /// The libvirt network each domain gets a virtio interface on (`default`, libvirt's NAT
+    /// network), so the agent can reach its guests' ports (`forward`); unset: domains have no
+    /// network interface, and only their serial console is reached.
+    pub network: Option<String>,
+}
+
+/// The longest `[hypervisor] network`.
+pub const NETWORK_NAME_BYTES_MAX: usize = 64;
+
+/// Whether `name` may be a libvirt network's name as this agent writes it into domain XML.
+pub fn is_network_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= NETWORK_NAME_BYTES_MAX
+        && !name.starts_with('.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// The refusal of a `[hypervisor] uri` by a build without libvirt.
@@ -102,6 +117,13 @@ pub struct HardwareConfig {
     /// many times since its start, to exercise a domain that fails behind the agent's back
     /// (`fakehw` builds, with `fake_seed`).
     pub fake_domain_crash_after: Option<u32>,
+    /// The fake machine's guests are reached here: port N of any running instance is port N of
+    /// this address (`127.0.0.1`: a server the tests run stands for the guest), and the agent
+    /// advertises `tunnel.instance-dial` (`fakehw` builds, with `fake_seed`).
+    pub fake_guest_address: Option<std::net::IpAddr>,
+    /// The fake machine's instances' serial console: a TCP endpoint the agent connects to, as
+    /// QEMU's `-serial tcp:HOST:PORT` chardev does (`fakehw` builds, with `fake_guest_address`).
+    pub fake_guest_console: Option<std::net::SocketAddr>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -159,6 +181,20 @@ impl Config {
         }
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());
+        }
+        if self.hardware.fake_guest_address.is_some() && self.hardware.fake_seed.is_none() {
+            return Err("[hardware] fake_guest_address is for a fake machine: set fake_seed too".into());
+        }
+        if self.hardware.fake_guest_console.is_some() && self.hardware.fake_guest_address.is_none() {
+            return Err("[hardware] fake_guest_console is a fake machine's guest's: set fake_guest_address too".into());
+        }
+        if self.hypervisor.network.as_deref().is_some_and(|n| !is_network_name(n)) {
+            return Err(format!(
+                "[hypervisor] network is a libvirt network's name: 1 to {NETWORK_NAME_BYTES_MAX} letters, digits, '-', '_' or '.'"
+            ));
+        }
+        if self.hypervisor.network.is_some() && self.hypervisor.uri.is_none() {
+            return Err("[hypervisor] network is libvirt's: set uri too".into());
         }
         Ok(())
     }

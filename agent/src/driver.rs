@@ -186,6 +186,10 @@ async fn open_agent(
     let mut capabilities = agent.capabilities();
     // A console on the node: the driver attaches it (`crate::tunnel`), at the edge.
     capabilities.push(bc_core::tunnel::CAPABILITY_NODE_CONSOLE.to_owned());
+    // Its instances' ports and serial consoles, when the hypervisor reaches its guests.
+    if agent.instances.as_ref().is_some_and(|i| i.hypervisor.reaches_guests()) {
+        capabilities.push(bc_core::tunnel::CAPABILITY_INSTANCE_DIAL.to_owned());
+    }
     if !capabilities.iter().any(|c| c == crate::runner::CAPABILITY_GPU_HOLD)
         && let Some(reason) = agent.runner.binding.unprivileged()
     {
@@ -292,7 +296,8 @@ impl Driver {
             match output {
                 Output::Connect => {
                     self.generation += 1;
-                    tokio::spawn(connect(self.channel.clone(), self.generation, self.events_tx.clone()));
+                    let guests: Arc<dyn crate::tunnel::Guests> = self.agent.clone();
+                    tokio::spawn(connect(self.channel.clone(), self.generation, self.events_tx.clone(), guests));
                 }
                 Output::Send(msg) => send(&self.outbound, msg).await,
                 Output::SendEntries { from, to } => {
@@ -455,7 +460,12 @@ async fn send_entries(
     Ok(())
 }
 
-async fn connect(channel: tonic::transport::Channel, generation: u64, events: mpsc::Sender<Event>) {
+async fn connect(
+    channel: tonic::transport::Channel,
+    generation: u64,
+    events: mpsc::Sender<Event>,
+    guests: Arc<dyn crate::tunnel::Guests>,
+) {
     let (sender, receiver) = mpsc::channel(OUTBOUND_MESSAGES);
     let mut client = AgentClient::new(channel.clone())
         .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
@@ -474,7 +484,7 @@ async fn connect(channel: tonic::transport::Channel, generation: u64, events: mp
         let event = match inbound.message().await {
             // A tunnel is IO at the edge, beside the session: its own call on this connection.
             Ok(Some(bc_proto::GatewayMessage { msg: Some(gateway_message::Msg::OpenTunnel(open)) })) => {
-                tokio::spawn(crate::tunnel::attach(channel.clone(), open));
+                tokio::spawn(crate::tunnel::attach(channel.clone(), open, guests.clone()));
                 continue;
             }
             Ok(Some(bc_proto::GatewayMessage { msg: Some(msg) })) => Event::Message(generation, msg),

@@ -8,9 +8,19 @@
 //!
 //! The domain is described by [`DomainSpec`] and written as libvirt domain XML by the pure
 //! [`domain_xml`]: the held GPUs become `hostdev` PCI passthrough devices at their sysfs
-//! addresses (`managed='no'`: the agent's hold already bound them to `vfio-pci`).
+//! addresses (`managed='no'`: the agent's hold already bound them to `vfio-pci`), and every
+//! domain has a serial console on a pseudo-terminal.
+//!
+//! Reaching a guest (`tunnel.instance-dial`, for `forward` and `console --instance`): the trait
+//! says where a running domain's port is ([`Hypervisor::guest_address`]) and hands its serial
+//! console ([`Hypervisor::serial_console`]); the bytes themselves are `crate::tunnel`'s, at the
+//! edge. libvirt reads the address from the domain's interfaces (DHCP leases, else the guest
+//! agent) and opens the console as a libvirt stream; the fake names a local address
+//! (`[hardware] fake_guest_address`, `fake_guest_console`) where a test's server stands for
+//! the guest.
 
 use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 
 use crate::binding::HeldGpu;
@@ -71,6 +81,15 @@ pub struct Observed {
     pub memory_mib: u64,
 }
 
+/// Where a running guest's serial console is.
+pub enum SerialConsole {
+    /// A TCP endpoint that carries it, as QEMU's `-serial tcp:HOST:PORT` chardev (the fake's).
+    Tcp(SocketAddr),
+    /// libvirt's stream of the domain's console (`virDomainOpenConsole`), open.
+    #[cfg(feature = "libvirt")]
+    Libvirt(virt::stream::Stream),
+}
+
 pub trait Hypervisor: Send + Sync {
     /// Defines (or redefines, for a domain not running) the domain.
     fn define(&self, spec: &DomainSpec) -> Result<(), String>;
@@ -81,6 +100,24 @@ pub trait Hypervisor: Send + Sync {
     fn delete(&self, name: &str) -> Result<(), String>;
     /// `None`: no such domain.
     fn observe(&self, name: &str) -> Result<Option<Observed>, String>;
+    /// Whether this agent can reach its guests (their ports, their serial consoles): it then
+    /// advertises `tunnel.instance-dial`.
+    fn reaches_guests(&self) -> bool;
+    /// The address of port `port` of the domain `name`, which the caller saw running.
+    fn guest_address(&self, name: &str, port: u16) -> Result<SocketAddr, String>;
+    /// The serial console of the domain `name`, which the caller saw running.
+    fn serial_console(&self, name: &str) -> Result<SerialConsole, String>;
+}
+
+/// The address a guest is reached at among its interfaces' addresses (each an interface's
+/// name and its addresses): the first IPv4 address that is not loopback, else the first
+/// global IPv6 one (a link-local address needs a scope this agent does not know).
+pub fn guest_ip(interfaces: &[(String, Vec<IpAddr>)]) -> Option<IpAddr> {
+    let all = || interfaces.iter().filter(|(name, _)| name != "lo").flat_map(|(_, addrs)| addrs.iter().copied());
+    let usable = |ip: &IpAddr| !ip.is_loopback() && !ip.is_unspecified() && !ip.is_multicast();
+    all()
+        .find(|ip| ip.is_ipv4() && usable(ip))
+        .or_else(|| all().find(|ip| matches!(ip, IpAddr::V6(v6) if usable(ip) && (v6.segments()[0] & 0xffc0) != 0xfe80)))
 }
 
 fn escape(text: &str) -> String {
@@ -90,8 +127,9 @@ fn escape(text: &str) -> String {
 /// The libvirt domain XML of `spec` for the domain type `kind` (`kvm`; libvirt's test driver
 /// takes `test`): the vCPUs and memory, the disk as virtio with an empty `<backingStore/>` (QEMU
 /// opens no backing file, whatever the image's header names; `disk_header` refuses such an
-/// image before this), and each GPU as a PCI `hostdev` at its address.
-pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
+/// image before this), each GPU as a PCI `hostdev` at its address, a virtio interface on the
+/// libvirt network `network` if any, and a serial console on a pseudo-terminal.
+pub fn domain_xml(spec: &DomainSpec, kind: &str, network: Option<&str>) -> Result<String, String> {
     if spec.vcpus == 0 || spec.vcpus > VCPUS_MAX || spec.memory_mib == 0 || spec.memory_mib > MEMORY_MIB_MAX {
         return Err(format!("a domain has 1 to {VCPUS_MAX} vCPUs and 1 to {MEMORY_MIB_MAX} MiB"));
     }
@@ -119,6 +157,15 @@ pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
             "    <hostdev mode='subsystem' type='pci' managed='no'>\n      <source>\n        <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'/>\n      </source>\n    </hostdev>\n"
         ));
     }
+    if let Some(network) = network {
+        xml.push_str(&format!(
+            "    <interface type='network'>\n      <source network='{}'/>\n      <model type='virtio'/>\n    </interface>\n",
+            escape(network)
+        ));
+    }
+    // The serial console `console --instance` reaches (`virDomainOpenConsole`).
+    xml.push_str("    <serial type='pty'>\n      <target port='0'/>\n    </serial>\n");
+    xml.push_str("    <console type='pty'>\n      <target type='serial' port='0'/>\n    </console>\n");
     xml.push_str("  </devices>\n</domain>\n");
     Ok(xml)
 }
@@ -126,17 +173,34 @@ pub fn domain_xml(spec: &DomainSpec, kind: &str) -> Result<String, String> {
 /// The hypervisor `config` names: libvirt at `[hypervisor] uri`; else, on a fake machine
 /// (`[hardware] fake_seed`), the in-memory [`Fake`]; else none (the node runs no instances).
 pub fn for_config(config: &crate::config::Config) -> Result<Option<Box<dyn Hypervisor>>, String> {
-    match (&config.hypervisor.uri, config.hardware.fake_seed) {
+    let hardware = &config.hardware;
+    match (&config.hypervisor.uri, hardware.fake_seed) {
         #[cfg(feature = "libvirt")]
-        (Some(uri), _) => Ok(Some(Box::new(Libvirt::open(uri)?))),
+        (Some(uri), _) => Ok(Some(Box::new(Libvirt::open(uri)?.with_network(config.hypervisor.network.clone())))),
         #[cfg(not(feature = "libvirt"))]
         (Some(_), _) => Err(crate::config::HYPERVISOR_NEEDS_LIBVIRT.into()),
-        (None, Some(_)) => Ok(Some(match config.hardware.fake_domain_crash_after {
-            Some(after) => Box::new(Fake::crashing_after(after)),
-            None => Box::new(Fake::default()),
-        })),
+        (None, Some(_)) => {
+            let fake = match hardware.fake_domain_crash_after {
+                Some(after) => Fake::crashing_after(after),
+                None => Fake::default(),
+            };
+            Ok(Some(Box::new(match hardware.fake_guest_address {
+                Some(address) => fake.reaching(FakeGuests { address, console: hardware.fake_guest_console }),
+                None => fake,
+            })))
+        }
         (None, None) => Ok(None),
     }
+}
+
+/// Where a fake machine's guests are reached (`[hardware] fake_guest_address`,
+/// `fake_guest_console`): servers on this machine stand for them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FakeGuests {
+    /// Port N of every running instance is port N of this address.
+    pub address: IpAddr,
+    /// Every running instance's serial console, a TCP endpoint (as QEMU's `-serial tcp:`).
+    pub console: Option<SocketAddr>,
 }
 
 /// Domains in memory: what the simulator and fake machines run instances on.
@@ -148,6 +212,8 @@ pub struct Fake {
     /// the agent's back. Counted in observations, not time, so a run is the same every time.
     crash_after: Option<u32>,
     observed_running: Mutex<BTreeMap<String, u32>>,
+    /// Where its guests are reached; none: the fake reaches no guest.
+    guests: Option<FakeGuests>,
 }
 
 impl Fake {
@@ -155,11 +221,16 @@ impl Fake {
     pub fn crashing_after(observations: u32) -> Self {
         Self { crash_after: Some(observations.max(1)), ..Self::default() }
     }
+
+    /// This fake, its guests reached at `guests`.
+    pub fn reaching(self, guests: FakeGuests) -> Self {
+        Self { guests: Some(guests), ..self }
+    }
 }
 
 impl Hypervisor for Fake {
     fn define(&self, spec: &DomainSpec) -> Result<(), String> {
-        domain_xml(spec, "kvm")?;
+        domain_xml(spec, "kvm", None)?;
         let mut domains = self.domains.lock().expect("fake hypervisor");
         let state = match domains.get(&spec.name) {
             Some((_, DomainState::Running)) => return Err(format!("domain {} is running", spec.name)),
@@ -204,6 +275,35 @@ impl Hypervisor for Fake {
         }
         Ok(domains.get(name).map(|(spec, state)| Observed { state: *state, vcpus: spec.vcpus, memory_mib: spec.memory_mib }))
     }
+
+    fn reaches_guests(&self) -> bool {
+        self.guests.is_some()
+    }
+
+    fn guest_address(&self, name: &str, port: u16) -> Result<SocketAddr, String> {
+        self.running(name)?;
+        let guests = self.guests.ok_or("this fake machine names no guest address ([hardware] fake_guest_address)")?;
+        Ok(SocketAddr::new(guests.address, port))
+    }
+
+    fn serial_console(&self, name: &str) -> Result<SerialConsole, String> {
+        self.running(name)?;
+        let console = self.guests.and_then(|g| g.console);
+        console
+            .map(SerialConsole::Tcp)
+            .ok_or_else(|| "this fake machine names no serial console ([hardware] fake_guest_console)".into())
+    }
+}
+
+impl Fake {
+    /// `Ok` if the domain `name` is running.
+    fn running(&self, name: &str) -> Result<(), String> {
+        match self.domains.lock().expect("fake hypervisor").get(name) {
+            Some((_, DomainState::Running)) => Ok(()),
+            Some((_, state)) => Err(format!("domain {name} is {}, not running", state.as_str())),
+            None => Err(format!("no domain {name}")),
+        }
+    }
 }
 
 /// libvirt, on one connection.
@@ -211,13 +311,38 @@ impl Hypervisor for Fake {
 pub struct Libvirt {
     connection: Mutex<virt::connect::Connect>,
     pub uri: String,
+    /// The libvirt network each domain gets an interface on (`[hypervisor] network`).
+    pub network: Option<String>,
 }
 
 #[cfg(feature = "libvirt")]
 impl Libvirt {
     pub fn open(uri: &str) -> Result<Self, String> {
         let connection = virt::connect::Connect::open(Some(uri)).map_err(|e| format!("libvirt {uri}: {}", e.message()))?;
-        Ok(Self { connection: Mutex::new(connection), uri: uri.to_owned() })
+        Ok(Self { connection: Mutex::new(connection), uri: uri.to_owned(), network: None })
+    }
+
+    /// Domains defined from now on get an interface on `network`.
+    pub fn with_network(self, network: Option<String>) -> Self {
+        Self { network, ..self }
+    }
+
+    /// The running domain `name`.
+    fn running(&self, name: &str) -> Result<virt::domain::Domain, String> {
+        let domain = self.existing(name)?;
+        match domain.is_active().map_err(|e| e.message().to_owned())? {
+            true => Ok(domain),
+            false => Err(format!("domain {name} is not running")),
+        }
+    }
+
+    /// The domain's interfaces and their addresses, as `source` knows them.
+    fn interfaces(domain: &virt::domain::Domain, source: u32) -> Result<Vec<(String, Vec<IpAddr>)>, String> {
+        let interfaces = domain.interface_addresses(source, 0).map_err(|e| e.message().to_owned())?;
+        Ok(interfaces
+            .into_iter()
+            .map(|i| (i.name, i.addrs.iter().filter_map(|a| a.addr.parse::<IpAddr>().ok()).collect()))
+            .collect())
     }
 
     /// libvirt's version, as `major.minor.release`.
@@ -245,7 +370,7 @@ impl Hypervisor for Libvirt {
     fn define(&self, spec: &DomainSpec) -> Result<(), String> {
         // libvirt's test driver has its own domain type; every real one here is KVM.
         let kind = if self.uri.starts_with("test:") { "test" } else { "kvm" };
-        let mut xml = domain_xml(spec, kind)?;
+        let mut xml = domain_xml(spec, kind, self.network.as_deref())?;
         // A redefinition names the domain's UUID: without it libvirt makes up another and
         // refuses a second domain of the same name.
         if let Some(domain) = self.domain(&spec.name)? {
@@ -296,6 +421,45 @@ impl Hypervisor for Libvirt {
         };
         Ok(Some(Observed { state, vcpus: info.nr_virt_cpu, memory_mib: info.max_mem / 1024 }))
     }
+
+    /// A domain's serial console is always reached (every domain has one); its ports when it
+    /// has an address on a network the host routes to.
+    fn reaches_guests(&self) -> bool {
+        true
+    }
+
+    /// The domain's address from its DHCP leases on a libvirt network, else from the guest
+    /// agent (a guest on a bridge, with an agent, that no libvirt DHCP server leased to).
+    fn guest_address(&self, name: &str, port: u16) -> Result<SocketAddr, String> {
+        let domain = self.running(name)?;
+        let mut why = Vec::new();
+        for (source, what) in [
+            (virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE, "DHCP leases"),
+            (virt::sys::VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT, "the guest agent"),
+        ] {
+            match Self::interfaces(&domain, source) {
+                Ok(interfaces) => match guest_ip(&interfaces) {
+                    Some(ip) => return Ok(SocketAddr::new(ip, port)),
+                    None => why.push(format!("{what}: no address")),
+                },
+                Err(e) => why.push(format!("{what}: {e}")),
+            }
+        }
+        Err(format!("domain {name} has no address this node reaches ({})", why.join("; ")))
+    }
+
+    fn serial_console(&self, name: &str) -> Result<SerialConsole, String> {
+        let domain = self.running(name)?;
+        let stream = {
+            let connection = self.connection.lock().expect("libvirt");
+            virt::stream::Stream::new(&connection, 0).map_err(|e| e.message().to_owned())?
+        };
+        // FORCE: a console left open by an earlier tunnel (or virsh) is taken over, not refused.
+        domain
+            .open_console(None, &stream, virt::sys::VIR_DOMAIN_CONSOLE_FORCE)
+            .map_err(|e| format!("domain {name}'s serial console: {}", e.message()))?;
+        Ok(SerialConsole::Libvirt(stream))
+    }
 }
 
 #[cfg(test)]
@@ -315,7 +479,7 @@ mod tests {
 
     #[test]
     fn the_held_gpus_are_hostdev_passthrough_devices() {
-        let xml = domain_xml(&spec("inst_1"), "kvm").unwrap();
+        let xml = domain_xml(&spec("inst_1"), "kvm", None).unwrap();
         assert!(
             xml.contains("<name>inst_1</name>")
                 && xml.contains("<vcpu>4</vcpu>")
@@ -328,10 +492,17 @@ mod tests {
             xml.contains("<source file='/var/lib/bcd/images/ubuntu.qcow2'/>\n      <backingStore/>\n"),
             "the disk has no backing chain, whatever its header says: {xml}"
         );
+        assert!(
+            xml.contains("<serial type='pty'>") && xml.contains("<console type='pty'>\n      <target type='serial' port='0'/>"),
+            "every domain has a serial console: {xml}"
+        );
+        assert!(!xml.contains("<interface"), "no network named, no interface: {xml}");
+        let networked = domain_xml(&spec("inst_1"), "kvm", Some("default")).unwrap();
+        assert!(networked.contains("<interface type='network'>\n      <source network='default'/>"), "{networked}");
         let hostile = DomainSpec { name: "a'/><x".into(), ..spec("x") };
-        assert!(!domain_xml(&hostile, "kvm").unwrap().contains("'/><x"), "names are escaped");
-        assert!(domain_xml(&DomainSpec { vcpus: 0, ..spec("x") }, "kvm").is_err());
-        assert!(domain_xml(&DomainSpec { disk_format: "vmdk".into(), ..spec("x") }, "kvm").is_err());
+        assert!(!domain_xml(&hostile, "kvm", None).unwrap().contains("'/><x"), "names are escaped");
+        assert!(domain_xml(&DomainSpec { vcpus: 0, ..spec("x") }, "kvm", None).is_err());
+        assert!(domain_xml(&DomainSpec { disk_format: "vmdk".into(), ..spec("x") }, "kvm", None).is_err());
     }
 
     #[test]
@@ -357,6 +528,40 @@ mod tests {
         fake.stop("inst_1", false).unwrap();
         fake.delete("inst_1").unwrap();
         assert_eq!(fake.observe("inst_1").unwrap(), None);
+    }
+
+    /// The guest's address is the first usable IPv4 one, else a global IPv6 one; never
+    /// loopback or link-local.
+    #[test]
+    fn a_guest_is_reached_at_its_first_usable_address() {
+        let ip = |text: &str| text.parse::<IpAddr>().unwrap();
+        let nic = |name: &str, addrs: &[&str]| (name.to_owned(), addrs.iter().map(|a| ip(a)).collect::<Vec<_>>());
+        assert_eq!(guest_ip(&[nic("lo", &["127.0.0.1"]), nic("eth0", &["fe80::1", "192.168.122.7"])]), Some(ip("192.168.122.7")));
+        assert_eq!(guest_ip(&[nic("eth0", &["fe80::1", "2001:db8::7"])]), Some(ip("2001:db8::7")));
+        assert_eq!(guest_ip(&[nic("eth0", &["fe80::1"]), nic("lo", &["::1"])]), None);
+        assert_eq!(guest_ip(&[]), None);
+    }
+
+    /// The fake reaches its guests only when the configuration names where: a running domain's
+    /// port N is that address's port N, its console the endpoint named; a stopped one is not
+    /// reached.
+    #[test]
+    fn the_fake_reaches_a_running_guest_where_the_configuration_says() {
+        let bare = Fake::default();
+        assert!(!bare.reaches_guests());
+        let console: SocketAddr = "127.0.0.1:4555".parse().unwrap();
+        let fake = Fake::default().reaching(FakeGuests { address: "127.0.0.1".parse().unwrap(), console: Some(console) });
+        assert!(fake.reaches_guests());
+        fake.define(&spec("inst_1")).unwrap();
+        assert!(fake.guest_address("inst_1", 5432).unwrap_err().contains("not running"));
+        assert!(fake.guest_address("inst_2", 5432).unwrap_err().contains("no domain"));
+        fake.start("inst_1").unwrap();
+        assert_eq!(fake.guest_address("inst_1", 5432).unwrap(), "127.0.0.1:5432".parse().unwrap());
+        assert!(matches!(fake.serial_console("inst_1").unwrap(), SerialConsole::Tcp(a) if a == console));
+        let no_console = Fake::default().reaching(FakeGuests { address: "127.0.0.1".parse().unwrap(), console: None });
+        no_console.define(&spec("inst_1")).unwrap();
+        no_console.start("inst_1").unwrap();
+        assert!(no_console.serial_console("inst_1").is_err_and(|e| e.contains("fake_guest_console")));
     }
 
     fn config(extra: &str) -> Result<crate::config::Config, String> {
@@ -387,7 +592,21 @@ mod tests {
             let fake = for_config(&config("[hardware]\nfake_seed = 7\n").unwrap()).unwrap().unwrap();
             fake.define(&spec("inst_1")).unwrap();
             assert!(fake.observe("inst_1").unwrap().is_some());
+            assert!(!fake.reaches_guests(), "no guest address named");
+            let guests =
+                "[hardware]\nfake_seed = 7\nfake_guest_address = \"127.0.0.1\"\nfake_guest_console = \"127.0.0.1:4555\"\n";
+            let fake = for_config(&config(guests).unwrap()).unwrap().unwrap();
+            assert!(fake.reaches_guests());
         }
+        // The guest keys belong to a fake machine, the network to libvirt, and are checked.
+        let refused = |extra: &str| config(extra).unwrap_err();
+        assert!(refused("[hardware]\nfake_guest_address = \"127.0.0.1\"\n").contains("set fake_seed too"));
+        assert!(refused("[hardware]\nfake_guest_address = \"nope\"\n").contains("fake_guest_address"));
+        assert!(
+            refused("[hardware]\nfake_seed = 7\nfake_guest_console = \"127.0.0.1:1\"\n").contains("set fake_guest_address too")
+        );
+        assert!(refused("[hypervisor]\nnetwork = \"default\"\n").contains("set uri too"));
+        assert!(refused("[hypervisor]\nuri = \"test:///default\"\nnetwork = \"a'b\"\n").contains("a libvirt network's name"));
     }
 
     /// Against libvirt's `test:///default` driver (no daemon): define, start, stop, resize by
@@ -410,5 +629,31 @@ mod tests {
         assert_eq!(libvirt.observe(&name).unwrap(), None);
         libvirt.delete(&name).unwrap();
         assert!(libvirt.start(&name).unwrap_err().contains("no domain"));
+    }
+
+    /// What libvirt's test driver says of a guest's address and its console, on a domain with
+    /// an interface on its `default` network: a stopped domain is not reached; a running one's
+    /// address is read from the driver's leases (the test driver makes them up in
+    /// 192.168.122.0/24); its console is refused by libvirt itself (the test driver has no
+    /// `virDomainOpenConsole`), and the refusal says so.
+    #[cfg(feature = "libvirt")]
+    #[test]
+    fn a_guest_is_found_through_libvirts_test_driver() {
+        let libvirt = Libvirt::open("test:///default").unwrap().with_network(Some("default".into()));
+        assert!(libvirt.reaches_guests());
+        let name = format!("inst_dial_{}", std::process::id());
+        libvirt.define(&DomainSpec { name: name.clone(), ..spec("x") }).unwrap();
+        assert!(libvirt.guest_address(&name, 22).unwrap_err().contains("not running"));
+        assert!(libvirt.serial_console(&name).is_err());
+        libvirt.start(&name).unwrap();
+        let address = libvirt.guest_address(&name, 22).unwrap();
+        assert_eq!(address.port(), 22);
+        assert!(address.ip().is_ipv4() && !address.ip().is_loopback(), "{address}");
+        // The test driver opens no console (only the hypervisor drivers do): libvirt's own
+        // refusal comes back, named.
+        let console = libvirt.serial_console(&name).map(|_| ()).unwrap_err();
+        assert!(console.contains("serial console") && console.contains("virDomainOpenConsole"), "{console}");
+        libvirt.delete(&name).unwrap();
+        assert!(libvirt.guest_address(&name, 22).unwrap_err().contains("no domain"));
     }
 }
