@@ -36,10 +36,11 @@ use tokio::sync::{mpsc, oneshot};
 use crate::AppState;
 use crate::error::ApiError;
 
-/// Unspent tickets one process holds, so a flood of `tunnels.open` cannot grow memory.
+/// Tickets one process holds, so a flood of `tunnels.open` cannot grow memory. Only unspent
+/// ones bound it: spent and expired tickets are remembered in the room left (so a late use says
+/// "spent" or "expired" rather than "unknown"), the oldest forgotten first to make room.
 pub const TICKETS_MAX: usize = 4096;
-/// A ticket is remembered this long past its expiry, so a late use says "expired" or "spent"
-/// rather than "unknown".
+/// A ticket is remembered at most this long past its expiry.
 pub const TICKET_FORGET_AFTER_MS: u64 = 60_000;
 /// Tunnels open at once per tenant, per API key and per node (`--tunnels-per-tenant-max`,
 /// `--tunnels-per-key-max`, `--tunnels-per-node-max`). Each is one HTTP/2 stream of the agent's
@@ -168,6 +169,22 @@ impl Inner {
         down(&mut self.per_node, &node.to_owned());
     }
 
+    /// Room for one more ticket: when the map is full, the spent or expired ticket that expires
+    /// first is forgotten. `false`: every ticket held is unspent.
+    fn make_room(&mut self) -> bool {
+        if self.tickets.len() < TICKETS_MAX {
+            return true;
+        }
+        let oldest = self.tickets.iter().filter(|(_, t)| t.spent).min_by_key(|(_, t)| t.expires_at_ms).map(|(k, _)| k.clone());
+        match oldest {
+            Some(ticket) => {
+                self.tickets.remove(&ticket);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Forgets old tickets; one that expired unspent gives its place back.
     fn sweep(&mut self, now_ms: u64) {
         let expired: Vec<String> = self
@@ -287,10 +304,10 @@ impl Tunnels {
         let counts = inner.counts(tenant, key_id, node_id);
         let capabilities = inner.nodes.get(node_id).map(|a| a.capabilities.clone());
         let grant = decide(counts, capabilities.as_deref())?;
-        if inner.tickets.len() >= TICKETS_MAX {
+        if !inner.make_room() {
             return Err(TunnelRefusal {
                 kind: TunnelRefusalKind::QuotaExceeded,
-                message: format!("this gateway holds {TICKETS_MAX} tickets, the most it may; retry in a minute"),
+                message: format!("this gateway holds {TICKETS_MAX} unspent tickets, the most it may; retry in a minute"),
                 reason: Some("tickets"),
             });
         }
@@ -599,6 +616,33 @@ mod tests {
         assert_eq!(tunnels.open_in(tenant), 0, "an expired ticket gives its place back");
         let forgotten = 10_000 + wire::TICKET_TTL_MS + TICKET_FORGET_AFTER_MS;
         assert_eq!(tunnels.spend(&late, "key_a", forgotten).err(), Some(SpendRefusal::Unknown));
+    }
+
+    /// Spent tickets do not hold places: past `TICKETS_MAX` spent ones, a new ticket is still
+    /// issued (the oldest spent one forgotten); only `TICKETS_MAX` unspent ones refuse it.
+    #[test]
+    fn only_unspent_tickets_bound_the_map() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let tenant = TenantId::generate();
+        let issue = |now_ms| tunnels.issue(tenant, "key_a", "node_1", now_ms, |_, _| Ok(grant("node_1")));
+        let spent: Vec<String> = (0..TICKETS_MAX as u64)
+            .map(|i| {
+                let (ticket, _) = issue(i).unwrap();
+                drop(tunnels.spend(&ticket, "key_a", i).unwrap());
+                ticket
+            })
+            .collect();
+        let now = TICKETS_MAX as u64;
+        let (fresh, _) = issue(now).expect("spent tickets leave room");
+        assert_eq!(tunnels.spend(&spent[0], "key_a", now).err(), Some(SpendRefusal::Unknown), "the oldest spent one made room");
+        assert_eq!(tunnels.spend(&spent[1], "key_a", now).err(), Some(SpendRefusal::Spent), "the others are still remembered");
+
+        let unspent: Vec<String> = (1..TICKETS_MAX).map(|_| issue(now).unwrap().0).collect();
+        let full = issue(now).unwrap_err();
+        assert_eq!((full.kind, full.reason), (TunnelRefusalKind::QuotaExceeded, Some("tickets")), "{}", full.message);
+        drop(tunnels.spend(&fresh, "key_a", now).unwrap());
+        assert!(issue(now).is_ok(), "a spend makes room");
+        assert_eq!(unspent.len() + 1, TICKETS_MAX);
     }
 
     #[test]
