@@ -34,6 +34,7 @@ use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::AppState;
+use crate::agents::ConnectionId;
 use crate::error::ApiError;
 
 /// Tickets one process holds, so a flood of `tunnels.open` cannot grow memory. Only unspent
@@ -125,15 +126,27 @@ struct Ticket {
 /// A node whose agent holds a session with this process.
 struct Attached {
     session: u64,
+    /// The agents' endpoint connection that carries the session: a tunnel's `Tunnel` call must
+    /// come on it.
+    connection: ConnectionId,
     capabilities: Vec<String>,
     requests: mpsc::Sender<OpenRequest>,
+}
+
+/// A tunnel whose agent has been asked to attach: the session asked, on which connection, and
+/// where its end goes.
+struct Waiting {
+    node: String,
+    session: u64,
+    connection: ConnectionId,
+    attached: oneshot::Sender<AgentEnd>,
 }
 
 #[derive(Default)]
 struct Inner {
     tickets: HashMap<String, Ticket>,
     nodes: HashMap<String, Attached>,
-    waiting: HashMap<Vec<u8>, oneshot::Sender<AgentEnd>>,
+    waiting: HashMap<Vec<u8>, Waiting>,
     per_tenant: HashMap<TenantId, usize>,
     per_key: HashMap<String, usize>,
     per_node: HashMap<String, usize>,
@@ -229,6 +242,18 @@ impl Drop for SessionLink {
     }
 }
 
+/// A dial's waiting entry, removed when the dial returns or its future is dropped.
+struct WaitingGuard<'a> {
+    tunnels: &'a Tunnels,
+    tunnel_id: &'a [u8],
+}
+
+impl Drop for WaitingGuard<'_> {
+    fn drop(&mut self) {
+        self.tunnels.lock().waiting.remove(self.tunnel_id);
+    }
+}
+
 /// A spent ticket's tunnel: what it is bound to, and its place in the counts until dropped.
 pub struct TunnelSlot {
     tunnels: Arc<Tunnels>,
@@ -277,14 +302,20 @@ impl Tunnels {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Attaches `node`'s session, which advertised `capabilities`: tunnel requests for the node
-    /// come on the receiver until the link is dropped (a newer session of the node replaces it).
-    pub fn attach_session(self: &Arc<Self>, node: &str, capabilities: Vec<String>) -> (SessionLink, mpsc::Receiver<OpenRequest>) {
+    /// Attaches `node`'s session, carried by `connection` and which advertised `capabilities`:
+    /// tunnel requests for the node come on the receiver until the link is dropped (a newer
+    /// session of the node replaces it), and their `Tunnel` calls must come on `connection`.
+    pub fn attach_session(
+        self: &Arc<Self>,
+        node: &str,
+        connection: ConnectionId,
+        capabilities: Vec<String>,
+    ) -> (SessionLink, mpsc::Receiver<OpenRequest>) {
         let (requests, receiver) = mpsc::channel(OPEN_REQUESTS_QUEUED);
         let mut inner = self.lock();
         inner.next_session += 1;
         let session = inner.next_session;
-        inner.nodes.insert(node.to_owned(), Attached { session, capabilities, requests });
+        inner.nodes.insert(node.to_owned(), Attached { session, connection, capabilities, requests });
         (SessionLink { tunnels: self.clone(), node: node.to_owned(), session }, receiver)
     }
 
@@ -339,20 +370,23 @@ impl Tunnels {
         Ok(TunnelSlot { tunnels: self.clone(), tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() })
     }
 
-    /// Asks the node's session to attach a tunnel's end, and waits for its `Tunnel` call.
+    /// Asks the node's session to attach a tunnel's end, and waits for its `Tunnel` call. The
+    /// waiting entry is gone when this returns or its future is dropped.
     pub async fn dial(&self, grant: &TunnelGrant, timeout: Duration) -> Result<AgentEnd> {
         let tunnel_id = rand::random::<[u8; 32]>().to_vec();
         let (attached, waiting) = oneshot::channel();
         let requests = {
             let mut inner = self.lock();
-            let requests = inner.nodes.get(&grant.node_id).map(|a| a.requests.clone());
-            if requests.is_some() {
-                inner.waiting.insert(tunnel_id.clone(), attached);
-            }
-            requests
+            let attached_node = inner.nodes.get(&grant.node_id).map(|a| (a.requests.clone(), a.session, a.connection));
+            attached_node.map(|(requests, session, connection)| {
+                let entry = Waiting { node: grant.node_id.clone(), session, connection, attached };
+                inner.waiting.insert(tunnel_id.clone(), entry);
+                requests
+            })
         };
         let unavailable = || Error::Unavailable(format!("node {}'s agent has no session with this gateway now", grant.node_id));
         let requests = requests.ok_or_else(unavailable)?;
+        let _forget = WaitingGuard { tunnels: self, tunnel_id: &tunnel_id };
         let request =
             OpenRequest { tunnel_id: tunnel_id.clone(), op: grant.op, instance_id: grant.instance_id.clone(), port: grant.port };
         let answer = async {
@@ -360,7 +394,6 @@ impl Tunnels {
             waiting.await.map_err(|_| unavailable())
         };
         let outcome = tokio::time::timeout(timeout, answer).await;
-        self.lock().waiting.remove(&tunnel_id);
         match outcome {
             Ok(end) => end,
             Err(_) => Err(Error::Unavailable(format!(
@@ -371,11 +404,22 @@ impl Tunnels {
         }
     }
 
-    /// Hands the agent's `Tunnel` call to the tunnel waiting for `tunnel_id`; `false`: none is
-    /// (an id never asked for, or one that timed out), and the call should be refused.
-    pub fn agent_attached(&self, tunnel_id: &[u8], end: AgentEnd) -> bool {
-        let Some(waiting) = self.lock().waiting.remove(tunnel_id) else { return false };
-        waiting.send(end).is_ok()
+    /// Hands the agent's `Tunnel` call, which came on `connection`, to the tunnel waiting for
+    /// `tunnel_id`; `false`: none is (an id never asked for, or one that timed out), or it waits
+    /// for a call on another connection or of a session that ended, and the call should be
+    /// refused. A refused call leaves the waiting tunnel as it was: only its own agent's call
+    /// takes it.
+    pub fn agent_attached(&self, tunnel_id: &[u8], connection: ConnectionId, end: AgentEnd) -> bool {
+        let waiting = {
+            let mut inner = self.lock();
+            let Some(waiting) = inner.waiting.get(tunnel_id) else { return false };
+            let session_live = inner.nodes.get(&waiting.node).is_some_and(|a| a.session == waiting.session);
+            if waiting.connection != connection || !session_live {
+                return false;
+            }
+            inner.waiting.remove(tunnel_id).expect("found above")
+        };
+        waiting.attached.send(end).is_ok()
     }
 
     /// Tunnels counted against `tenant` now (open, and tickets unspent).
@@ -655,41 +699,85 @@ mod tests {
             Ok(grant("node_1"))
         };
         tunnels.issue(tenant, "key_a", "node_1", 0, decide).unwrap();
-        let (_link, _requests) = tunnels.attach_session("node_1", vec!["tunnel.node-console".into()]);
+        let (_link, _requests) = tunnels.attach_session("node_1", ConnectionId(1), vec!["tunnel.node-console".into()]);
         tunnels.issue(tenant, "key_a", "node_1", 0, decide).unwrap();
         let seen = seen.into_inner();
         assert_eq!(seen[0], (TunnelCounts::default(), None));
         assert_eq!(seen[1], (TunnelCounts { tenant: 1, key: 1, node: 1 }, Some(vec!["tunnel.node-console".to_owned()])));
     }
 
+    /// An agent's end that carries nothing.
+    fn empty_end() -> AgentEnd {
+        let (to_node, _) = mpsc::channel(1);
+        AgentEnd { from_node: Box::pin(futures::stream::empty()), to_node }
+    }
+
     #[tokio::test]
     async fn dial_asks_the_session_and_pairs_the_agents_call() {
         let tunnels = Tunnels::new(TunnelLimits::default());
-        let (link, mut requests) = tunnels.attach_session("node_1", Vec::new());
+        let (link, mut requests) = tunnels.attach_session("node_1", ConnectionId(1), Vec::new());
         let agent = {
             let tunnels = tunnels.clone();
             tokio::spawn(async move {
                 let request = requests.recv().await.unwrap();
                 assert_eq!(request.op, Op::Console);
                 let (to_node, _keep) = mpsc::channel(1);
-                assert!(
-                    tunnels
-                        .agent_attached(&request.tunnel_id, AgentEnd { from_node: Box::pin(futures::stream::empty()), to_node })
-                );
-                assert!(
-                    !tunnels.agent_attached(&request.tunnel_id, {
-                        let (to_node, _) = mpsc::channel(1);
-                        AgentEnd { from_node: Box::pin(futures::stream::empty()), to_node }
-                    }),
-                    "an id pairs once"
-                );
+                let end = AgentEnd { from_node: Box::pin(futures::stream::empty()), to_node };
+                assert!(tunnels.agent_attached(&request.tunnel_id, ConnectionId(1), end));
+                assert!(!tunnels.agent_attached(&request.tunnel_id, ConnectionId(1), empty_end()), "an id pairs once");
                 _keep
             })
         };
         tunnels.dial(&grant("node_1"), Duration::from_secs(5)).await.unwrap();
         agent.await.unwrap();
+        assert_eq!(tunnels.lock().waiting.len(), 0);
         drop(link);
         let gone = tunnels.dial(&grant("node_1"), Duration::from_secs(5)).await.err().unwrap();
         assert_eq!(gone.code(), bc_core::ErrorCode::Unavailable);
+    }
+
+    /// A `Tunnel` call pairs only on the connection of the session that was asked: a call on
+    /// another connection (another node, or anyone who learnt the id) is refused and leaves the
+    /// waiting tunnel to its own agent.
+    #[tokio::test]
+    async fn an_agents_call_pairs_only_on_its_sessions_connection() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let (_link, mut requests) = tunnels.attach_session("node_1", ConnectionId(7), Vec::new());
+        let agent = {
+            let tunnels = tunnels.clone();
+            tokio::spawn(async move {
+                let request = requests.recv().await.unwrap();
+                assert!(!tunnels.agent_attached(&request.tunnel_id, ConnectionId(8), empty_end()), "another connection");
+                assert_eq!(tunnels.lock().waiting.len(), 1, "the refused call cancelled nothing");
+                assert!(tunnels.agent_attached(&request.tunnel_id, ConnectionId(7), empty_end()));
+            })
+        };
+        tunnels.dial(&grant("node_1"), Duration::from_secs(5)).await.expect("its own agent's call pairs");
+        agent.await.unwrap();
+
+        // A session that ended (replaced by a newer one) pairs nothing it was asked.
+        let (_old, mut asked) = tunnels.attach_session("node_2", ConnectionId(9), Vec::new());
+        let dial = tokio::spawn({
+            let tunnels = tunnels.clone();
+            async move { tunnels.dial(&grant("node_2"), Duration::from_millis(300)).await.err().unwrap() }
+        });
+        let request = asked.recv().await.unwrap();
+        let (_new, _) = tunnels.attach_session("node_2", ConnectionId(10), Vec::new());
+        assert!(!tunnels.agent_attached(&request.tunnel_id, ConnectionId(9), empty_end()));
+        assert_eq!(dial.await.unwrap().code(), bc_core::ErrorCode::Unavailable);
+    }
+
+    /// A dial whose future is dropped (the client went away mid-upgrade) leaves no waiting entry.
+    #[tokio::test]
+    async fn a_dropped_dial_leaves_nothing_waiting() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let (_link, mut requests) = tunnels.attach_session("node_1", ConnectionId(1), Vec::new());
+        let grant = grant("node_1");
+        let dial = tunnels.dial(&grant, Duration::from_secs(60));
+        tokio::select! {
+            _ = dial => panic!("nobody attaches"),
+            request = requests.recv() => assert!(request.is_some()),
+        }
+        assert_eq!(tunnels.lock().waiting.len(), 0);
     }
 }

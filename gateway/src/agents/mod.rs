@@ -123,6 +123,12 @@ impl Default for AgentLimits {
     }
 }
 
+/// One connection of the agents' endpoint, as a request extension of every call on it: a
+/// tunnel's `Tunnel` call must come on the connection of the session that was asked for it
+/// (`crate::tunnels`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnectionId(pub u64);
+
 /// The gRPC status a core error leaves as.
 pub fn code_of(e: &Error) -> tonic::Code {
     use bc_core::error::ErrorCode as C;
@@ -211,18 +217,21 @@ impl Agent for AgentService {
         &self,
         request: Request<Streaming<bc_proto::AgentMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
+        let connection = connection_of(&request)?;
         let inbound = request.into_inner();
         let (outbound, stream) = tokio::sync::mpsc::channel(session::SESSION_OUTBOUND_MESSAGES);
-        tokio::spawn(session::run(self.state.clone(), self.sessions.clone(), self.config, inbound, outbound));
+        tokio::spawn(session::run(self.state.clone(), self.sessions.clone(), self.config, connection, inbound, outbound));
         Ok(Response::new(ReceiverStream::new(stream)))
     }
 
     type TunnelStream = Pin<Box<dyn futures::Stream<Item = Result<bc_proto::TunnelFrame, Status>> + Send>>;
 
     /// A tunnel's end: the first message names a tunnel this process asked the node's session
-    /// for (`crate::tunnels`); then frames both ways until either side ends.
+    /// for (`crate::tunnels`), and the call comes on that session's connection; then frames both
+    /// ways until either side ends.
     async fn tunnel(&self, request: Request<Streaming<bc_proto::TunnelFrame>>) -> Result<Response<Self::TunnelStream>, Status> {
         use futures::StreamExt;
+        let connection = connection_of(&request)?;
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(Duration::from_millis(crate::tunnels::AGENT_ATTACH_TIMEOUT_MS), inbound.message())
             .await
@@ -232,12 +241,17 @@ impl Agent for AgentService {
             inbound.take_while(|m| std::future::ready(m.is_ok())).filter_map(|m| std::future::ready(m.ok().map(|f| f.frame)));
         let (to_node, to_node_rx) = tokio::sync::mpsc::channel(crate::tunnels::TUNNEL_FRAMES_QUEUED);
         let end = crate::tunnels::AgentEnd { from_node: Box::pin(from_node), to_node };
-        if !self.state.tunnels.agent_attached(&first.tunnel_id, end) {
+        if !self.state.tunnels.agent_attached(&first.tunnel_id, connection, end) {
             return Err(Status::not_found("no tunnel waits for this id"));
         }
         let outbound = ReceiverStream::new(to_node_rx).map(|frame| Ok(bc_proto::TunnelFrame { tunnel_id: Vec::new(), frame }));
         Ok(Response::new(Box::pin(outbound)))
     }
+}
+
+/// The connection a call came on ([`Connection::run`] marks every request).
+fn connection_of<T>(request: &Request<T>) -> Result<ConnectionId, Status> {
+    request.extensions().get::<ConnectionId>().copied().ok_or_else(|| Status::internal("a call with no connection"))
 }
 
 /// One accepted agent connection, plain or TLS.
@@ -420,6 +434,7 @@ pub async fn serve(
         .max_encoding_message_size(bc_proto::MESSAGE_BYTES_MAX);
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
+    let mut next_connection = 0u64;
     loop {
         let permit = tokio::select! {
             permit = slots.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
@@ -434,7 +449,9 @@ pub async fn serve(
             tracing::debug!(peer = %peer.ip(), "an agent connection was closed: its address holds as many as it may");
             continue;
         };
+        next_connection += 1;
         let connection = Connection {
+            id: ConnectionId(next_connection),
             acceptor: acceptor.clone(),
             builder: builder.clone(),
             server: server.clone(),
@@ -460,6 +477,8 @@ pub async fn serve(
 
 /// What one connection is served with.
 struct Connection {
+    /// Marks every call on the connection ([`ConnectionId`]).
+    id: ConnectionId,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     builder: Arc<hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>>,
     server: AgentServer<AgentService>,
@@ -485,10 +504,11 @@ impl Connection {
         let far = Duration::from_secs(365 * 24 * 3600);
         let io = GuardedIo::new(io, Deadlines { write_stall: self.limits.write_stall, first_read: remaining, idle: far });
         let open = OpenStreams::new();
-        let (server, counter) = (self.server.clone(), open.clone());
-        let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+        let (server, counter, id) = (self.server.clone(), open.clone(), self.id);
+        let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
             let mut server = server.clone();
             let stream = counter.opened();
+            request.extensions_mut().insert(id);
             async move {
                 let response = tower::Service::call(&mut server, request).await.unwrap_or_else(|never| match never {});
                 Ok::<_, Infallible>(response.map(|inner| CountedBody { inner, _stream: stream }))

@@ -177,8 +177,15 @@ pub struct Greeted {
 }
 
 /// Runs one session until the node goes, the stream breaks, a refusal or the server stops.
-pub async fn run<S>(state: Arc<AppState>, sessions: Arc<Sessions>, config: SessionConfig, mut inbound: S, outbound: Outbound)
-where
+/// `connection` carries the session (its tunnels' calls must come on it).
+pub async fn run<S>(
+    state: Arc<AppState>,
+    sessions: Arc<Sessions>,
+    config: SessionConfig,
+    connection: super::ConnectionId,
+    mut inbound: S,
+    outbound: Outbound,
+) where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
     let (bound, capabilities) = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
@@ -192,7 +199,7 @@ where
     let node = bound.node.to_string();
     let id = sessions.register(&node, nudge_tx);
     // Tunnels to the node are asked for on this session while it lasts (dropping the link ends that).
-    let (tunnel_link, mut tunnel_requests) = state.tunnels.attach_session(&node, capabilities);
+    let (tunnel_link, mut tunnel_requests) = state.tunnels.attach_session(&node, connection, capabilities);
     tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
     let channels = Channels { nudges: &mut nudges, tunnels: &mut tunnel_requests };
     let outcome = serve(&state, &sessions.leases, config, bound, &mut inbound, &outbound, channels).await;
