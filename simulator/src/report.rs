@@ -83,7 +83,7 @@ pub fn run_report(options: &Options, outcome: &Outcome) -> Result<String, String
         (
             "liveness",
             match outcome.liveness_ms {
-                Some(ms) => format!("settled in {ms} ms (bound {} ms)", crate::run::LIVENESS_BOUND_MS),
+                Some(ms) => format!("settled in {ms} ms (bound {} ms)", outcome.liveness_bound_ms),
                 None => "not settled".to_owned(),
             },
         ),

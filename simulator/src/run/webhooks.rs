@@ -265,7 +265,10 @@ impl SimWebhooks {
             match outbox::fan_out_step(store, &self.consumer, &self.config).await {
                 Ok(Some(_)) => moved = true,
                 Ok(None) => break,
-                Err(e) if crate::world::injected(&e) => return Ok(moved),
+                Err(e) if crate::world::injected(&e) => {
+                    tracing::debug!(error = %e, "the webhooks fan-out failed by injection; the next round retries");
+                    return Ok(moved);
+                }
                 Err(e) => return Err(Violation(format!("the webhooks fan-out failed: {e}"))),
             }
         }
@@ -307,14 +310,26 @@ impl SimWebhooks {
         by_url.values().flat_map(|r| r.got.values()).map(|n| u64::from(*n)).sum()
     }
 
-    /// Whether every delivery has settled: the fan-out at the log's end, nothing pending.
-    pub async fn settled(&self, world: &World) -> bool {
+    /// What keeps the deliveries from having settled (`None`: nothing): the fan-out behind the
+    /// log's end, or items still pending (claimed or waiting for their next attempt).
+    pub async fn unsettled(&self, world: &World) -> Option<String> {
         let store = &*world.store;
-        let fanned = match store.cursor_position(CONSUMER).await.expect("the cursor reads") {
-            Some(at) => store.read_after_rows(at, None, 1).await.expect("the log reads").is_empty(),
-            None => false,
+        let cursor = store.cursor_position(CONSUMER).await.expect("the cursor reads");
+        let behind = match cursor {
+            Some(at) => store
+                .read_after_rows(at, None, 1)
+                .await
+                .expect("the log reads")
+                .first()
+                .map(|e| format!("{} ({}, commit {})", e.event_type, e.tenant, e.commit)),
+            None => Some("the log's first event".to_owned()),
         };
-        fanned && store.work_counts(CONSUMER).await.expect("the counts read").0 == 0
+        if let Some(next) = behind {
+            let at = cursor.map_or_else(|| "its start".to_owned(), |c| c.to_string());
+            return Some(format!("webhook deliveries are still pending: the fan-out is at {at}, behind the event at {next}"));
+        }
+        let (pending, done, dead) = store.work_counts(CONSUMER).await.expect("the counts read");
+        (pending > 0).then(|| format!("webhook deliveries are still pending: {pending} items ({done} done, {dead} dead)"))
     }
 
     /// The invariant over `events` (every event in the log: tenant, seq, id, type, position);
@@ -487,7 +502,7 @@ mod tests {
             hooks.drive(&world).await.expect("the round runs");
             world.clock.set_ms(world.now_ms() + RETRY_WAIT_MAX_MS);
         }
-        assert!(hooks.settled(&world).await, "nothing is pending after the last attempt");
+        assert_eq!(hooks.unsettled(&world).await, None, "nothing is pending after the last attempt");
         let events = logged(&world).await;
         hooks.check(&world, &events, true).await.expect("dead letters with their reason settle the invariant");
         assert!(hooks.counts.matched > 0 && hooks.counts.delivered == 0, "{:?}", hooks.counts);
