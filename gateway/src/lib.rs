@@ -225,6 +225,11 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     let requests_max = state.limits.requests_max;
     Router::new()
+        // `GET /tunnels/{ticket}` under the same limits as the API: the upgrade waits for the
+        // node's agent to attach (at most `tunnels::AGENT_ATTACH_TIMEOUT_MS`) holding a request
+        // slot, and lets it go with the `101` (the upgraded tunnel is bounded by its own flags).
+        // The ticket is a secret: the trace layer's span names the route, never the path.
+        .route("/tunnels/{ticket}", get(tunnels::upgrade))
         .route("/healthz", get(healthz))
         .route("/api/compute/openapi.json", get(openapi))
         // `POST /api/compute/{method}` is dispatched by the fallback (`rpc::dispatch`), not a
@@ -239,7 +244,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(rpc::dispatch)
         .layer(
             tower::ServiceBuilder::new()
-                .layer(tower_http::trace::TraceLayer::new_for_http())
+                .layer(tower_http::trace::TraceLayer::new_for_http().make_span_with(request_span))
                 // One semaphore for every route: axum applies a layer to each route, and a plain
                 // `ConcurrencyLimitLayer` would give each route a limit of its own.
                 .layer(tower::limit::GlobalConcurrencyLimitLayer::new(requests_max))
@@ -248,10 +253,16 @@ pub fn router(state: Arc<AppState>) -> Router {
                     Duration::from_secs(REQUEST_TIMEOUT_S),
                 )),
         )
-        // After the layers: the trace layer would log the path, and the ticket is a secret; the
-        // upgraded tunnel outlives any request timeout.
-        .route("/tunnels/{ticket}", get(tunnels::upgrade))
         .with_state(state)
+}
+
+/// The trace layer's span of a request, as `DefaultMakeSpan` at `DEBUG` makes it (its method,
+/// URI and version) but for a tunnel's, whose URI is only `/tunnels/{ticket}`: the ticket is a
+/// secret.
+fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    let uri = request.uri();
+    let shown: &dyn std::fmt::Display = if uri.path().starts_with("/tunnels/") { &"/tunnels/{ticket}" } else { uri };
+    tracing::debug_span!("request", method = %request.method(), uri = %shown, version = ?request.version())
 }
 
 async fn healthz(State(state): State<Arc<AppState>>) -> Response {

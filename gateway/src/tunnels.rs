@@ -428,9 +428,11 @@ impl Tunnels {
     }
 }
 
-/// `GET /tunnels/{ticket}`: checks the caller and the ticket, spends it, has the node's agent
-/// attach its end, then upgrades and relays until the remote program ends. Every refusal is an
-/// HTTP answer with the API's envelope, before the upgrade.
+/// `GET /tunnels/{ticket}`: checks the ticket's form, the request and the caller, spends the
+/// ticket, has the node's agent attach its end, then upgrades; once upgraded, appends
+/// `tunnel.opened` and relays until the tunnel ends. Every refusal is an HTTP answer with the
+/// API's envelope, before the upgrade; an upgrade that fails appends nothing (the slot and the
+/// agent's end are dropped with the callback), so the log holds no tunnel that never opened.
 pub async fn upgrade(
     State(state): State<Arc<AppState>>,
     Path(ticket): Path<String>,
@@ -441,14 +443,11 @@ pub async fn upgrade(
     match prepare(&state, &ticket, &headers, ws).await {
         Ok((ws, slot, end)) => {
             let from = peer.map(|axum::Extension(ConnectInfo(addr))| addr.to_string()).unwrap_or_default();
-            match opened(&state, &slot, &from).await {
-                Ok(opened) => ws
-                    .protocols([wire::SUBPROTOCOL])
-                    .max_message_size(wire::FRAME_BYTES_MAX)
-                    .on_upgrade(move |socket| relay(state, slot, opened, end, socket))
-                    .into_response(),
-                Err(e) => ApiError::from(e).into_response(),
-            }
+            ws.protocols([wire::SUBPROTOCOL])
+                .max_message_size(wire::FRAME_BYTES_MAX)
+                .on_failed_upgrade(|e| tracing::debug!(error = %e, "a tunnel's upgrade failed; nothing was opened"))
+                .on_upgrade(move |socket| open_and_relay(state, slot, end, from, socket))
+                .into_response()
         }
         Err(e) => e.into_response(),
     }
@@ -460,6 +459,10 @@ async fn prepare(
     headers: &HeaderMap,
     ws: std::result::Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> std::result::Result<(WebSocketUpgrade, TunnelSlot, AgentEnd), ApiError> {
+    // The form of the ticket before anything that reads the store or hashes a secret.
+    if !wire::is_ticket(ticket) {
+        return Err(Error::from(SpendRefusal::Unknown).into());
+    }
     let ws = ws.map_err(|e| Error::invalid(format!("GET /tunnels/TICKET is a WebSocket upgrade: {e}")))?;
     let offered = headers
         .get_all(header::SEC_WEBSOCKET_PROTOCOL)
@@ -477,9 +480,6 @@ async fn prepare(
     // Read as it is now, not from the cache: a key revoked a moment ago opens nothing.
     let authorization = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
     let principal = crate::auth::authenticate(&*state.store, authorization).await?;
-    if !wire::is_ticket(ticket) {
-        return Err(Error::from(SpendRefusal::Unknown).into());
-    }
     let slot = state.tunnels.spend(ticket, &principal.key_id, state.log.clock.now_ms()).map_err(Error::from)?;
     let end = state.tunnels.dial(&slot.grant, Duration::from_millis(AGENT_ATTACH_TIMEOUT_MS)).await?;
     Ok((ws, slot, end))
@@ -524,6 +524,18 @@ struct Tally {
     bytes_in: u64,
     bytes_out: u64,
     exit: Option<u8>,
+}
+
+/// The upgraded tunnel: appends `tunnel.opened`, then relays. A tunnel the log cannot record
+/// does not open: the client is sent a `Failure` status and the agent's end is dropped.
+async fn open_and_relay(state: Arc<AppState>, slot: TunnelSlot, end: AgentEnd, from: String, mut socket: WebSocket) {
+    match opened(&state, &slot, &from).await {
+        Ok(opened) => relay(state, slot, opened, end, socket).await,
+        Err(e) => {
+            tracing::warn!(node = %slot.grant.node_id, code = %e.code(), error = %e, "a tunnel was not opened: tunnel.opened could not be appended");
+            end_broken(&mut socket, "the gateway could not record the tunnel in its log; try again", false).await;
+        }
+    }
 }
 
 /// Relays frames between the client's socket and the agent's end until one ends, then closes
