@@ -17,25 +17,28 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use bc_core::id::TenantId;
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
-use bc_core::tunnel::{self as wire, End, Frame, Op};
+use bc_core::tunnel::{self as wire, Op};
 use bc_core::{Error, Result};
 use bc_projections::decide::tunnel::{TunnelCounts, TunnelGrant, TunnelRefusal, TunnelRefusalKind};
-use bc_projections::tunnel::{CloseReason, TUNNEL_CLOSED, TUNNEL_OPENED, TunnelClosed, TunnelOpened};
+use bc_projections::tunnel::{TUNNEL_CLOSED, TUNNEL_OPENED, TunnelClosed, TunnelOpened};
 use bc_projections::{KIND_NODE, stream_of};
-use futures::{SinkExt, Stream, StreamExt};
+use futures::{Stream, StreamExt};
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::AppState;
 use crate::agents::ConnectionId;
+
+mod relay;
 use crate::error::ApiError;
+pub use relay::{Relayed, TUNNEL_CLOSE_GRACE_MS};
 
 /// Tickets one process holds, so a flood of `tunnels.open` cannot grow memory. Only unspent
 /// ones bound it: spent and expired tickets are remembered in the room left (so a late use says
@@ -518,100 +521,32 @@ async fn opened(state: &AppState, slot: &TunnelSlot, from: &str) -> Result<Opene
     Ok(Opened { tunnel_id, started: tokio::time::Instant::now() })
 }
 
-/// What a relay counted.
-#[derive(Default)]
-struct Tally {
-    bytes_in: u64,
-    bytes_out: u64,
-    exit: Option<u8>,
-}
-
 /// The upgraded tunnel: appends `tunnel.opened`, then relays. A tunnel the log cannot record
 /// does not open: the client is sent a `Failure` status and the agent's end is dropped.
 async fn open_and_relay(state: Arc<AppState>, slot: TunnelSlot, end: AgentEnd, from: String, mut socket: WebSocket) {
     match opened(&state, &slot, &from).await {
-        Ok(opened) => relay(state, slot, opened, end, socket).await,
+        Ok(opened) => relay_and_close(state, slot, opened, end, socket).await,
         Err(e) => {
             tracing::warn!(node = %slot.grant.node_id, code = %e.code(), error = %e, "a tunnel was not opened: tunnel.opened could not be appended");
-            end_broken(&mut socket, "the gateway could not record the tunnel in its log; try again", false).await;
+            relay::end_broken(&mut socket, "the gateway could not record the tunnel in its log; try again", false).await;
         }
     }
 }
 
-/// Relays frames between the client's socket and the agent's end until one ends, then closes
-/// both and appends `tunnel.closed`.
-async fn relay(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: AgentEnd, socket: WebSocket) {
-    let limits = state.tunnels.limits;
-    let (mut to_client, mut from_client) = socket.split();
-    let AgentEnd { mut from_node, to_node } = end;
-    let mut tally = Tally::default();
-    let mut shutdown = state.shutdown.subscribe();
-    let deadline = tokio::time::sleep(limits.max_duration);
-    tokio::pin!(deadline);
-    let idle = tokio::time::sleep(limits.idle_timeout);
-    tokio::pin!(idle);
-    let start = tokio::time::Instant::now() + Duration::from_secs(TUNNEL_KEEPALIVE_S);
-    let mut keepalive = tokio::time::interval_at(start, Duration::from_secs(TUNNEL_KEEPALIVE_S));
-    let reason = loop {
-        tokio::select! {
-            message = from_client.next() => match message {
-                Some(Ok(Message::Binary(bytes))) => {
-                    match Frame::decode(&bytes) {
-                        Ok(Frame::Data { channel: wire::CHANNEL_STDIN, bytes: data }) => tally.bytes_in += data.len() as u64,
-                        Ok(Frame::Resize(_) | Frame::Close(_)) => {}
-                        Ok(_) => { let _ = to_client.send(close(1008, "clients send stdin, resize and close frames only")).await; break CloseReason::ClientClosed }
-                        Err(e) => { let _ = to_client.send(close(1008, &e.to_string())).await; break CloseReason::ClientClosed }
-                    }
-                    idle.as_mut().reset(tokio::time::Instant::now() + limits.idle_timeout);
-                    if to_node.send(bytes.to_vec()).await.is_err() {
-                        break CloseReason::AgentGone;
-                    }
-                }
-                Some(Ok(Message::Text(_))) => { let _ = to_client.send(close(1003, "frames are binary messages")).await; break CloseReason::ClientClosed }
-                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
-                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break CloseReason::ClientClosed,
-            },
-            frame = from_node.next() => match frame {
-                Some(bytes) => match Frame::decode(&bytes) {
-                    Ok(Frame::Data { channel: wire::CHANNEL_STDOUT | wire::CHANNEL_STDERR, bytes: data }) => {
-                        tally.bytes_out += data.len() as u64;
-                        idle.as_mut().reset(tokio::time::Instant::now() + limits.idle_timeout);
-                        if to_client.send(Message::Binary(bytes.into())).await.is_err() {
-                            break CloseReason::ClientClosed;
-                        }
-                    }
-                    Ok(Frame::Status(end)) => {
-                        if let End::Exited(code) = end { tally.exit = Some(code) }
-                        let _ = to_client.send(Message::Binary(bytes.into())).await;
-                        let _ = to_client.send(close(1000, "the remote program ended")).await;
-                        break if tally.exit.is_some() { CloseReason::Exited } else { CloseReason::AgentGone };
-                    }
-                    Ok(Frame::Close(_)) => {}
-                    Ok(_) | Err(_) => { end_broken(&mut to_client, "the node's agent sent a frame that is not the tunnel's", false).await; break CloseReason::AgentGone }
-                },
-                None => { end_broken(&mut to_client, "the node's agent went away", false).await; break CloseReason::AgentGone }
-            },
-            _ = keepalive.tick() => {
-                if to_client.send(Message::Ping(Vec::new().into())).await.is_err() {
-                    break CloseReason::ClientClosed;
-                }
-            }
-            () = &mut idle => { end_broken(&mut to_client, &format!("no data either way for {} s", limits.idle_timeout.as_secs()), true).await; break CloseReason::IdleTimeout }
-            () = &mut deadline => { end_broken(&mut to_client, &format!("the tunnel reached its maximum duration of {} s", limits.max_duration.as_secs()), true).await; break CloseReason::MaxDuration }
-            _ = shutdown.changed() => { end_broken(&mut to_client, "the gateway is stopping", false).await; break CloseReason::Shutdown }
-        }
-    };
-    drop(to_node);
+/// Relays until the tunnel ends (`relay`), then appends `tunnel.closed`.
+async fn relay_and_close(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: AgentEnd, socket: WebSocket) {
+    let (to_client, from_client) = socket.split();
+    let relayed = relay::relay(to_client, from_client, end, state.tunnels.limits, state.shutdown.subscribe()).await;
     let closed = TunnelClosed {
         tunnel_id: opened.tunnel_id.clone(),
         node_id: slot.grant.node_id.clone(),
         duration_ms: u64::try_from(opened.started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        bytes_in: tally.bytes_in,
-        bytes_out: tally.bytes_out,
-        exit_status: tally.exit,
-        reason: reason.as_str().to_owned(),
+        bytes_in: relayed.bytes_in,
+        bytes_out: relayed.bytes_out,
+        exit_status: relayed.exit,
+        reason: relayed.reason.as_str().to_owned(),
     };
-    tracing::info!(tunnel = %opened.tunnel_id, reason = reason.as_str(), "tunnel closed");
+    tracing::info!(tunnel = %opened.tunnel_id, reason = relayed.reason.as_str(), "tunnel closed");
     let appended = match bc_projections::events::to_cbor(&closed) {
         Ok(payload) => append_node_event(&state, &slot, TUNNEL_CLOSED, payload).await,
         Err(e) => Err(e),
@@ -620,22 +555,6 @@ async fn relay(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: Agen
         tracing::error!(tunnel = %opened.tunnel_id, code = %e.code(), error = %e, "tunnel.closed could not be appended");
     }
     drop(slot);
-}
-
-fn close(code: u16, reason: &str) -> Message {
-    // A close reason is at most 123 bytes.
-    let reason: String = reason.chars().take(100).collect();
-    Message::Close(Some(CloseFrame { code, reason: reason.into() }))
-}
-
-/// Ends the client's side with a `Failure` status that is no exit status, then a close.
-async fn end_broken<S>(to_client: &mut S, message: &str, timeout: bool)
-where
-    S: futures::Sink<Message> + Unpin,
-{
-    let status = Frame::Status(End::Broken { message: message.to_owned(), timeout }).encode();
-    let _ = to_client.send(Message::Binary(status.into())).await;
-    let _ = to_client.send(close(1000, message)).await;
 }
 
 /// The JSON answer of `tunnels.open`, built by the API's handler.
