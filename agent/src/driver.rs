@@ -116,7 +116,7 @@ pub async fn run_node(
         agent,
         pending_confirmation,
         live_since_ms: None,
-        ssh: config.ssh.clone().map(|ssh| (ssh, node.to_string())),
+        ssh: config.ssh.clone().map(|ssh| crate::ssh_ca::SshInstaller::new(ssh, node.to_string())),
     };
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -246,8 +246,9 @@ struct Driver {
     /// The update this agent confirms once its session has been live for `healthy_after_s`.
     pending_confirmation: Option<Pending>,
     live_since_ms: Option<u64>,
-    /// `[ssh]` and this node's id: the CA keys of each welcome are installed for sshd.
-    ssh: Option<(crate::ssh_ca::SshConfig, String)>,
+    /// `[ssh]` and this node's id: the CA keys of each welcome and `SshUserCaKeys` are
+    /// installed for sshd, and dropped at their trust's end.
+    ssh: Option<crate::ssh_ca::SshInstaller>,
 }
 
 impl Driver {
@@ -260,8 +261,12 @@ impl Driver {
                 Some(Input::Connected)
             }
             Event::Message(g, msg) if g == self.generation => {
-                if let (Some((ssh, node)), bc_proto::gateway_message::Msg::Welcome(welcome)) = (&self.ssh, &msg) {
-                    crate::ssh_ca::install_logged(ssh, node, &welcome.ssh_user_ca_keys);
+                if let Some(ssh) = &mut self.ssh {
+                    ssh.received(&msg, SystemClock.now_ms());
+                }
+                // The trusted CA keys are the edge's alone; the machine never sees them.
+                if matches!(msg, bc_proto::gateway_message::Msg::SshUserCaKeys(_)) {
+                    return None;
                 }
                 Some(Input::Received(msg))
             }
@@ -290,6 +295,9 @@ impl Driver {
     /// Feeds the machine one input and carries out its outputs, in order; the message of a
     /// fatal one.
     async fn step(&mut self, input: Input) -> Result<(), String> {
+        if let (Input::Tick, Some(ssh)) = (&input, &mut self.ssh) {
+            ssh.tick(SystemClock.now_ms());
+        }
         let outputs = self.machine.step(SystemClock.now_ms(), &mut self.rng, input);
         let mut overflowed = false;
         for output in outputs {

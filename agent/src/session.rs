@@ -333,6 +333,8 @@ fn kind_of(msg: &gateway_message::Msg) -> &'static str {
         gateway_message::Msg::HeartbeatAck(_) => "heartbeat ack",
         // The driver answers it at the edge; the machine never sees one.
         gateway_message::Msg::OpenTunnel(_) => "tunnel request",
+        // The driver installs them at the edge (`crate::ssh_ca`); the machine never sees one.
+        gateway_message::Msg::SshUserCaKeys(_) => "SSH CA keys",
     }
 }
 
@@ -352,6 +354,7 @@ mod tests {
             lease_ms: 15_000,
             heartbeat_ms: 5_000,
             ssh_user_ca_keys: vec![],
+            ssh_user_ca_keys_until_ms: vec![],
         }))
     }
 

@@ -2,7 +2,11 @@
 //! deployment's node-bound user certificates (`better-compute ssh-cert`).
 //!
 //! - `trusted_user_ca_keys`: the file `sshd_config` names as `TrustedUserCAKeys`; `bcd` writes
-//!   every CA key the gateway trusts now (its session's welcome), one OpenSSH line each.
+//!   every CA key the gateway trusts now, one OpenSSH line each: the current CA and, after a
+//!   rotation, the replaced one until its grace ends. The keys come with the session's welcome
+//!   and again whenever they change (`SshUserCaKeys`); each carries the end of its trust, and
+//!   [`SshInstaller`] drops a key at its end by this node's clock even if the gateway cannot
+//!   say so (a node cut off from the control plane is when break-glass is used).
 //! - `authorized_principals_file`: `sshd_config`'s `AuthorizedPrincipalsFile`, with `%u` for the
 //!   account as sshd expands it; for each of `accounts` `bcd` writes the one principal only
 //!   this node and that account accept, `bc-node:<node id>:<account>`.
@@ -151,6 +155,68 @@ pub fn install_logged(config: &SshConfig, node_id: &str, ca_keys: &[String]) {
             tracing::info!(files = %files.join(", "), keys = ca_keys.len(), "installed the SSH user CA for sshd");
         }
         Err(e) => tracing::warn!(error = %e, "cannot install the SSH user CA for sshd"),
+    }
+}
+
+/// Pairs each key line with the end of its trust: `until_ms` is parallel to `keys` (the
+/// protocol's `until_ms`), 0 or absent meaning none.
+pub fn keys_with_ends(keys: &[String], until_ms: &[u64]) -> Vec<(String, Option<u64>)> {
+    keys.iter().enumerate().map(|(i, k)| (k.clone(), until_ms.get(i).copied().filter(|&u| u > 0))).collect()
+}
+
+/// The keys still trusted at `now_ms`, in the order given: those whose end is not reached.
+pub fn keys_trusted_at(keys: &[(String, Option<u64>)], now_ms: u64) -> Vec<String> {
+    keys.iter().filter(|(_, until)| until.is_none_or(|u| u > now_ms)).map(|(k, _)| k.clone()).collect()
+}
+
+/// When [`keys_trusted_at`] next gives less after `now_ms`: the earliest end still ahead.
+pub fn next_end_after(keys: &[(String, Option<u64>)], now_ms: u64) -> Option<u64> {
+    keys.iter().filter_map(|(_, until)| *until).filter(|&u| u > now_ms).min()
+}
+
+/// `[ssh]` on a running node: the CA keys of the gateway's last word (a welcome, or
+/// `SshUserCaKeys`) with the end of each one's trust, installed on every message and again when
+/// an end passes. The driver feeds it; what to write is [`keys_trusted_at`]'s, pure.
+#[derive(Debug)]
+pub struct SshInstaller {
+    config: SshConfig,
+    node: String,
+    keys: Vec<(String, Option<u64>)>,
+    /// The next end of a key's trust, when the file is written again without a message.
+    next_end_ms: Option<u64>,
+}
+
+impl SshInstaller {
+    pub fn new(config: SshConfig, node: String) -> Self {
+        Self { config, node, keys: Vec::new(), next_end_ms: None }
+    }
+
+    /// A message from the gateway: a welcome's or an `SshUserCaKeys`' keys replace those held
+    /// and are installed (an empty list changes nothing); any other message is not this one's.
+    pub fn received(&mut self, msg: &bc_proto::gateway_message::Msg, now_ms: u64) {
+        use bc_proto::gateway_message::Msg;
+        let keys = match msg {
+            Msg::Welcome(w) => keys_with_ends(&w.ssh_user_ca_keys, &w.ssh_user_ca_keys_until_ms),
+            Msg::SshUserCaKeys(k) => keys_with_ends(&k.keys, &k.until_ms),
+            _ => return,
+        };
+        if keys.is_empty() {
+            return;
+        }
+        self.keys = keys;
+        self.install(now_ms);
+    }
+
+    /// On every tick of the driver: once a key's trust has ended, installs the keys left.
+    pub fn tick(&mut self, now_ms: u64) {
+        if self.next_end_ms.is_some_and(|end| end <= now_ms) {
+            self.install(now_ms);
+        }
+    }
+
+    fn install(&mut self, now_ms: u64) {
+        self.next_end_ms = next_end_after(&self.keys, now_ms);
+        install_logged(&self.config, &self.node, &keys_trusted_at(&self.keys, now_ms));
     }
 }
 
@@ -321,5 +387,56 @@ mod tests {
         let in_match = "Match User root\n  TrustedUserCAKeys /etc/ssh/ca.pub\n  AuthorizedPrincipalsFile /etc/ssh/p/%u\n";
         assert_eq!(sshd_config_check(&c, path, Some(in_match)).status, Status::Fail);
         assert_eq!(sshd_config_check(&c, path, None).status, Status::Warn);
+    }
+
+    fn welcome(keys: &[&str], until_ms: &[u64]) -> bc_proto::gateway_message::Msg {
+        bc_proto::gateway_message::Msg::Welcome(bc_proto::Welcome {
+            ssh_user_ca_keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+            ssh_user_ca_keys_until_ms: until_ms.to_vec(),
+            ..Default::default()
+        })
+    }
+
+    fn ca_lines(dir: &Path) -> Vec<String> {
+        let text = std::fs::read_to_string(dir.join("ca.pub")).unwrap();
+        text.lines().filter(|l| !l.starts_with('#')).map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn a_replaced_ca_is_trusted_beside_the_new_one_until_its_grace_ends_by_the_nodes_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = CA.replace("IGPp", "IGPq");
+        let mut installer = SshInstaller::new(config(dir.path()), "node_01".into());
+        installer.received(&welcome(&[CA], &[]), 1_000);
+        assert_eq!(ca_lines(dir.path()), [CA]);
+        // A rotation: the new CA first, the old one until 5 000.
+        let rotated = bc_proto::gateway_message::Msg::SshUserCaKeys(bc_proto::SshUserCaKeys {
+            keys: vec![CA.to_owned(), old.clone()],
+            until_ms: vec![0, 5_000],
+        });
+        installer.received(&rotated, 2_000);
+        assert_eq!(ca_lines(dir.path()), [CA.to_owned(), old.clone()]);
+        installer.tick(4_999);
+        assert_eq!(ca_lines(dir.path()).len(), 2);
+        // The gateway says nothing more (cut off); the node's own clock ends the grace.
+        installer.tick(5_000);
+        assert_eq!(ca_lines(dir.path()), [CA]);
+        // A welcome that still lists the old one after its end (a gateway's clock behind) does
+        // not bring it back.
+        installer.received(&welcome(&[CA, &old], &[0, 5_000]), 6_000);
+        assert_eq!(ca_lines(dir.path()), [CA]);
+        // Other messages and empty lists change nothing.
+        installer.received(&bc_proto::gateway_message::Msg::HeartbeatAck(bc_proto::HeartbeatAck {}), 7_000);
+        installer.received(&welcome(&[], &[]), 7_000);
+        assert_eq!(ca_lines(dir.path()), [CA]);
+    }
+
+    #[test]
+    fn the_ends_pair_with_their_keys_and_a_missing_end_is_none() {
+        let keys = keys_with_ends(&["a".into(), "b".into(), "c".into()], &[0, 9]);
+        assert_eq!(keys, [("a".to_owned(), None), ("b".to_owned(), Some(9)), ("c".to_owned(), None)]);
+        assert_eq!(keys_trusted_at(&keys, 8), ["a", "b", "c"]);
+        assert_eq!(keys_trusted_at(&keys, 9), ["a", "c"]);
+        assert_eq!((next_end_after(&keys, 0), next_end_after(&keys, 9)), (Some(9), None));
     }
 }

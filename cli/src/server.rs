@@ -1,5 +1,5 @@
 //! The operator commands that open the database directly: `dev`, `serve`, `migrate`,
-//! `pki show`, `projections rebuild`.
+//! `pki show`, `pki rotate-ssh-ca`, `projections rebuild`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -88,20 +88,29 @@ pub async fn migrate(db: &Database) -> Result<Value, CliError> {
 /// (the CA itself is in the database, sealed).
 pub const SSH_USER_CA_FILE: &str = "ssh_user_ca.pub";
 
-/// The deployment's SSH user CA, made and stored (sealed under the data key) at the first start;
-/// its public line is written to [`SSH_USER_CA_FILE`] for `pki show`.
-async fn ssh_user_ca(store: &dyn EventStore, data_dir: &Path) -> Result<bc_gateway::ssh_ca::SshUserCa, CliError> {
-    let (ca, created) = bc_gateway::ssh_ca::SshUserCa::load_or_create(store, SystemClock.now_ms()).await?;
+/// The deployment's SSH user CAs, the first made and stored (sealed under the data key) at the
+/// first start; the current one's public line is written to [`SSH_USER_CA_FILE`].
+async fn ssh_user_ca(log: &Log, data_dir: &Path) -> Result<bc_gateway::ssh_ca::SshUserCaRing, CliError> {
+    let (ring, created) = bc_gateway::ssh_ca::SshUserCaRing::open(log.store.clone(), log.clock.clone()).await?;
+    let current = ring.current().await?;
     if created {
-        tracing::info!(fingerprint = %ca.fingerprint(), "created the SSH user CA");
+        tracing::info!(fingerprint = %current.fingerprint(), "created the SSH user CA");
     }
-    let path = data_dir.join(SSH_USER_CA_FILE);
-    std::fs::write(&path, format!("{}\n", ca.public_openssh()))
-        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))?;
-    Ok(ca)
+    write_ssh_user_ca_file(data_dir, &current.public_openssh())?;
+    Ok(ring)
 }
 
-pub fn pki_show(data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
+fn write_ssh_user_ca_file(data_dir: &Path, line: &str) -> Result<(), CliError> {
+    let path = data_dir.join(SSH_USER_CA_FILE);
+    std::fs::write(&path, format!("{line}\n"))
+        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))
+}
+
+/// `pki show`: the log key's id, pin and vkey, and the SSH user CAs: the current one
+/// (`sshUserCa`) and those replaced still in their grace (`sshUserCaInGrace`, with its end). The
+/// CAs come from the log when this directory's database (or `--database-url`) is there to
+/// read (public keys only: no data key is needed), else from [`SSH_USER_CA_FILE`].
+pub async fn pki_show(db: &Database, data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
     use base64::Engine;
     let path = data_dir.join(LOG_KEY_FILE);
     if !path.exists() {
@@ -109,14 +118,96 @@ pub fn pki_show(data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
             .hint("run `better-compute dev` once, or pass the --data-dir that serve uses"));
     }
     let key = LogKey::load(&path)?;
-    Ok(json!({
+    let mut shown = json!({
         "keyId": key.key_id(),
         "pin": key.pin(),
         "vkey": bc_core::audit::vkey_of(&key, deployment)?.encode(),
         "publicKey": base64::engine::general_purpose::STANDARD.encode(key.public().as_bytes()),
         "algorithm": "ed25519",
-        // Absent before the first start of dev or serve with this directory.
-        "sshUserCa": std::fs::read_to_string(data_dir.join(SSH_USER_CA_FILE)).ok().map(|line| line.trim().to_owned()),
+    });
+    shown.as_object_mut().expect("an object").extend(ssh_user_ca_shown(db, data_dir).await?);
+    Ok(shown)
+}
+
+/// `pki show`'s SSH user CA fields (see [`pki_show`]).
+async fn ssh_user_ca_shown(db: &Database, data_dir: &Path) -> Result<serde_json::Map<String, Value>, CliError> {
+    let mut state = bc_projections::decide::ssh_cert::SshCaState::default();
+    let readable = match db {
+        Database::Sqlite(path) => path.exists(),
+        Database::Postgres(_) => true,
+    };
+    if readable {
+        let store = db.open().await?;
+        store.check_schema().await?;
+        bc_gateway::ssh_ca::read_rotations(&*store, &mut state).await?;
+    }
+    // Before the first rotation the log holds no CA key: the file the first start wrote does.
+    let current = match &state.current {
+        Some(current) => Some(current.public_key.clone()),
+        None => std::fs::read_to_string(data_dir.join(SSH_USER_CA_FILE)).ok().map(|line| line.trim().to_owned()),
+    };
+    let fingerprint = current
+        .as_deref()
+        .and_then(|line| ssh_key::PublicKey::from_openssh(line).ok())
+        .map(|key| key.fingerprint(ssh_key::HashAlg::Sha256).to_string());
+    let now_ms = SystemClock.now_ms();
+    let in_grace: Vec<Value> = state
+        .in_grace_at(now_ms)
+        .map(|k| {
+            json!({
+                "publicKey": k.public_key,
+                "fingerprint": k.fingerprint,
+                "graceEndsAtMs": k.grace_ends_at_ms,
+                "graceEnds": bc_core::clock::rfc3339_ms(k.grace_ends_at_ms),
+            })
+        })
+        .collect();
+    let mut shown = serde_json::Map::new();
+    // Absent before the first start of dev or serve with this directory.
+    shown.insert("sshUserCa".into(), json!(current));
+    shown.insert("sshUserCaFingerprint".into(), json!(fingerprint));
+    shown.insert("sshUserCaGeneration".into(), json!(state.generation()));
+    shown.insert("sshUserCaInGrace".into(), Value::Array(in_grace));
+    Ok(shown)
+}
+
+/// `pki rotate-ssh-ca`: a new SSH user CA (sealed under the data key), `ssh_ca.rotated` in the
+/// log; running servers sign with it from their next certificate and send it to their agents
+/// within `SSH_CA_REFRESH_MS`, beside the replaced one until `grace_ms` has passed.
+pub async fn rotate_ssh_ca(db: &Database, data_dir: &Path, data_key_path: &Path, grace_ms: u64) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    if !data_key_path.exists() {
+        return Err(CliError::new("DATA_KEY_NOT_FOUND", format!("no data key at {}", data_key_path.display()))
+            .hint("the new CA is sealed under it: pass the --data-dir (or --data-key-file) that dev or serve uses"));
+    }
+    check_log_key(&*store, data_dir).await?;
+    seal_secrets(&*store, data_key_path, false).await?;
+    let key_path = data_dir.join(LOG_KEY_FILE);
+    if !key_path.exists() {
+        return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
+            .hint("the rotation is appended to the log: pass the --data-dir that dev or serve uses"));
+    }
+    let key = Arc::new(LogKey::load(&key_path)?);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let log = Log::open(store.clone(), Arc::new(Projections), key, clock.clone()).await?;
+    let (ring, _) = bc_gateway::ssh_ca::SshUserCaRing::open(store, clock).await?;
+    let rotation = ring.rotate(&log, grace_ms).await?;
+    let rotated = &rotation.rotated;
+    write_ssh_user_ca_file(data_dir, &rotated.public_key)?;
+    Ok(json!({
+        "generation": rotated.generation,
+        "publicKey": rotated.public_key,
+        "fingerprint": rotated.fingerprint,
+        "previousFingerprint": rotated.previous_fingerprint,
+        "graceEndsAtMs": rotated.grace_ends_at_ms,
+        "graceEnds": bc_core::clock::rfc3339_ms(rotated.grace_ends_at_ms),
+        "rotationSeq": rotation.seq,
+        "previousKeyDeleted": rotation.previous_key_deleted,
+        "next": format!(
+            "servers sign with the new CA from now on, and their agents trust it within {} s; they trust the previous one until graceEnds",
+            bc_gateway::ssh_ca::SSH_CA_REFRESH_MS / 1000
+        ),
     }))
 }
 
@@ -627,7 +718,7 @@ pub async fn run_server(
     if !release_keys.is_empty() {
         println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
     }
-    let ssh_user_ca = ssh_user_ca(&*log.store, data_dir).await?;
+    let ssh_user_ca = ssh_user_ca(&log, data_dir).await?;
     let mut state = AppState::new(log.clone())
         .with_webhook_policy(policy)
         .with_bmc_networks(bmc_networks)

@@ -97,9 +97,10 @@ pub struct AppState {
     /// The tunnels of this process: tickets, the nodes' sessions here, open counts
     /// (`schema/TUNNELS.md`).
     pub tunnels: Arc<tunnels::Tunnels>,
-    /// The deployment's SSH user CA (`nodes.issueSshCert`, and the keys each agent's welcome
-    /// carries); none: certificates are refused `UNAVAILABLE`.
-    pub ssh_user_ca: Option<Arc<ssh_ca::SshUserCa>>,
+    /// The deployment's SSH user CAs (`nodes.issueSshCert` signs with the current one; each
+    /// agent's session carries the keys trusted now); none: certificates are refused
+    /// `UNAVAILABLE`.
+    pub ssh_user_ca: Option<Arc<ssh_ca::SshUserCaRing>>,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -201,8 +202,8 @@ impl AppState {
         }
     }
 
-    pub fn with_ssh_user_ca(mut self, ca: ssh_ca::SshUserCa) -> Self {
-        self.ssh_user_ca = Some(Arc::new(ca));
+    pub fn with_ssh_user_ca(mut self, ring: ssh_ca::SshUserCaRing) -> Self {
+        self.ssh_user_ca = Some(Arc::new(ring));
         self
     }
 

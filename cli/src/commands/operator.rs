@@ -1,5 +1,5 @@
 //! The operator commands that open the database themselves: `dev`, `serve`, `reconcile`,
-//! `migrate`, `pki show|rotate-log-key`, `projections rebuild`. The work is in `crate::server`
+//! `migrate`, `pki show|rotate-log-key|rotate-data-key|rotate-ssh-ca`, `projections rebuild`. The work is in `crate::server`
 //! and `crate::audit`; this module turns flags into its options.
 
 use std::path::{Path, PathBuf};
@@ -233,14 +233,38 @@ pub struct AgentsArgs {
     pub agents_joins_max: u64,
 }
 
+/// `pki rotate-ssh-ca --grace`'s default: `SSH_CA_GRACE_MS_DEFAULT` (a test holds them equal).
+const SSH_CA_GRACE_DEFAULT: &str = "24h";
+
+/// `--grace`: whole seconds, from none to `SSH_CA_GRACE_MS_MAX`.
+fn parse_ssh_ca_grace_ms(text: &str) -> Result<u64, String> {
+    use bc_projections::decide::ssh_cert::SSH_CA_GRACE_MS_MAX;
+    let max = std::time::Duration::from_millis(SSH_CA_GRACE_MS_MAX);
+    let grace = crate::flags::parse_duration(text, std::time::Duration::ZERO, max, std::time::Duration::from_secs(1))?;
+    Ok(grace.as_millis() as u64)
+}
+
 #[derive(Subcommand)]
 pub enum PkiCommand {
-    /// Print the log key's id, pin (`sha256/…`) and note verifier key (vkey).
+    /// Print the log key's id, pin (`sha256/…`) and note verifier key (vkey), and the SSH user
+    /// CA: the current key and the replaced ones still trusted, with their grace's end.
     Show {
         #[command(flatten)]
-        dir: DataDir,
+        db: DatabaseArgs,
         #[command(flatten)]
         deployment: Deployment,
+    },
+    /// Replace the SSH user CA: certificates are signed by the new one at once; nodes trust the
+    /// replaced one beside it until --grace has passed.
+    RotateSshCa {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        data_key: DataKeyArgs,
+        /// How long nodes still trust the replaced CA (its certificates keep working), at most
+        /// 7 days; `0s` ends its trust at once (a key that leaked).
+        #[arg(long, default_value = SSH_CA_GRACE_DEFAULT, value_parser = parse_ssh_ca_grace_ms)]
+        grace: u64,
     },
     /// Replace the log key; the old key signs the announcement and is kept as log.key.KEYID.
     RotateLogKey {
@@ -444,7 +468,10 @@ pub async fn migrate(ctx: &Context, args: MigrateArgs) -> Result<(), CliError> {
 
 pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
     let value = match command {
-        PkiCommand::Show { dir, deployment } => server::pki_show(&dir.data_dir, &deployment.deployment)?,
+        PkiCommand::Show { db, deployment } => server::pki_show(&db.database(), &db.data_dir, &deployment.deployment).await?,
+        PkiCommand::RotateSshCa { db, data_key, grace } => {
+            server::rotate_ssh_ca(&db.database(), &db.data_dir, &data_key.path(&db.data_dir), grace).await?
+        }
         PkiCommand::RotateLogKey { db, deployment } => {
             crate::audit::rotate_log_key(&db.database(), &db.data_dir, &deployment.deployment).await?
         }
@@ -501,6 +528,18 @@ mod tests {
         // h2c is dev's only.
         let serve = ["better-compute", "serve", "--database-url", "postgres://x", "--agents-insecure-h2c"];
         assert!(Cli::try_parse_from(serve).is_err());
+    }
+
+    #[test]
+    fn the_ssh_ca_grace_defaults_to_a_day_and_stops_at_its_maximum() {
+        use bc_projections::decide::ssh_cert::{SSH_CA_GRACE_MS_DEFAULT, SSH_CA_GRACE_MS_MAX};
+        let cli = Cli::try_parse_from(["better-compute", "pki", "rotate-ssh-ca"]).unwrap();
+        let Command::Pki { command: PkiCommand::RotateSshCa { grace, .. } } = cli.command else { panic!("not rotate-ssh-ca") };
+        assert_eq!(grace, SSH_CA_GRACE_MS_DEFAULT);
+        assert_eq!(parse_ssh_ca_grace_ms("0s"), Ok(0));
+        assert_eq!(parse_ssh_ca_grace_ms("7d"), Ok(SSH_CA_GRACE_MS_MAX));
+        assert!(parse_ssh_ca_grace_ms("8d").is_err());
+        assert!(parse_ssh_ca_grace_ms("1500ms").is_err(), "whole seconds");
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! The user's own public key goes to `nodes.issueSshCert`; the private key never leaves the
 //! machine: a `--key` that is not a `.pub` file, or that holds a private key, is refused before
 //! anything is sent. The answer is checked before use (an OpenSSH user certificate for this
-//! very key, naming the principal the answer gives, for a Unix account name), else
-//! `INVALID_RESPONSE` and nothing is written. The certificate goes beside the key as
+//! very key, whose one principal is the one of the node and account asked for, valid no
+//! longer than the minutes asked), else `INVALID_RESPONSE` and nothing is written. The certificate goes beside the key as
 //! `KEY-cert.pub`, where `ssh -i KEY` finds it. With `--connect HOST` the user's `ssh` runs with
 //! exactly `-i KEY -o CertificateFile=CERT -o IdentitiesOnly=yes -l ACCOUNT -- HOST [command]`;
 //! `HOST` is checked to be a host name or an address (never an option) before a certificate is
@@ -15,7 +15,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use bc_core::id::NodeId;
-use bc_projections::decide::ssh_cert::{SSH_CERT_MINUTES_DEFAULT, SSH_CERT_MINUTES_MAX, is_unix_account};
+use bc_projections::decide::ssh_cert::{SSH_CERT_MINUTES_DEFAULT, SSH_CERT_MINUTES_MAX, is_unix_account, ssh_principal};
 use serde_json::{Value, json};
 use ssh_key::certificate::CertType;
 use ssh_key::{Algorithm, Certificate, PublicKey};
@@ -83,7 +83,7 @@ pub async fn run(ctx: &Context, args: SshCertArgs) -> Result<(), CliError> {
     body.insert("account".into(), json!(args.account));
     body.insert("minutes".into(), json!(args.minutes));
     let answer = ctx.client()?.call("nodes.issueSshCert", &Value::Object(body), None).await?;
-    let certificate = check_answer(&answer, &public_key)?;
+    let certificate = check_answer(&answer, &public_key, &ssh_principal(&node.to_string(), &args.account), args.minutes)?;
     let cert_path = certificate_path(&key_path);
     write_certificate(&cert_path, &certificate)?;
     let Some(host) = args.connect else {
@@ -193,9 +193,10 @@ pub fn check_host(host: &str) -> Result<(), CliError> {
         .hint("give the node's address (10.0.0.5) or name; ssh options go in your ssh configuration"))
 }
 
-/// Checks the server's answer: an OpenSSH user certificate for `key`, naming the answer's
-/// principal, for a Unix account; `INVALID_RESPONSE` otherwise.
-pub fn check_answer(answer: &Value, key: &PublicKey) -> Result<Certificate, CliError> {
+/// Checks the server's answer: an OpenSSH user certificate for `key` whose one principal is
+/// `principal`, the one of the node and account asked for (and what the answer says), valid for
+/// no longer than the `minutes` asked; `INVALID_RESPONSE` otherwise.
+pub fn check_answer(answer: &Value, key: &PublicKey, principal: &str, minutes: u32) -> Result<Certificate, CliError> {
     let invalid =
         |why: &str| CliError::new("INVALID_RESPONSE", format!("nodes.issueSshCert answered {why}; nothing was written"));
     let text = answer["certificate"].as_str().ok_or_else(|| invalid("no certificate"))?;
@@ -210,13 +211,12 @@ pub fn check_answer(answer: &Value, key: &PublicKey) -> Result<Certificate, CliE
     if certificate.public_key() != key.key_data() {
         return Err(invalid("a certificate for another key"));
     }
-    let principal = answer["principal"].as_str().ok_or_else(|| invalid("no principal"))?;
-    if certificate.valid_principals() != [principal.to_owned()] {
-        return Err(invalid("a certificate whose principals are not the one it names"));
+    if answer["principal"].as_str() != Some(principal) || certificate.valid_principals() != [principal.to_owned()] {
+        return Err(invalid(&format!("a certificate whose principals are not {principal}, the node's and account's asked for")));
     }
-    let account = principal.rsplit(':').next().unwrap_or_default();
-    if !is_unix_account(account) {
-        return Err(invalid("a principal whose account is not a Unix account name"));
+    let window_s = certificate.valid_before().saturating_sub(certificate.valid_after());
+    if window_s > u64::from(minutes) * 60 {
+        return Err(invalid(&format!("a certificate valid for {window_s} s, longer than the {minutes} minutes asked")));
     }
     Ok(certificate)
 }
@@ -344,35 +344,45 @@ mod tests {
             json!({ "certificate": "ssh-ed25519-cert-v01@openssh.com AAAA", "principal": "bc-node:n:root" }),
             json!({ "certificate": KEY }),
         ] {
-            assert_eq!(check_answer(&answer, &key).unwrap_err().code, "INVALID_RESPONSE", "{answer}");
+            let e = check_answer(&answer, &key, "bc-node:node_01:root", 15).unwrap_err();
+            assert_eq!(e.code, "INVALID_RESPONSE", "{answer}");
         }
     }
 
     #[test]
-    fn a_user_certificate_for_this_key_naming_its_principal_is_taken() {
+    fn only_a_user_certificate_for_this_key_this_node_and_account_and_the_minutes_asked_is_taken() {
         use bc_gateway::ssh_ca::{CertificateOrder, SshUserCa};
         let key = PublicKey::from_openssh(KEY).unwrap();
-        let order = |principal| CertificateOrder {
+        let order = |principal, valid_before_s| CertificateOrder {
             principal,
             key_id: "caller=apikey:key_01 node=node_01 request=req_01",
             serial: 1,
-            valid_after_s: 0,
-            valid_before_s: u64::MAX,
+            valid_after_s: 1_000,
+            valid_before_s,
             event_id: "evt_01",
         };
         let ca = SshUserCa::from_seed(&[3; 32]);
-        let certificate = ca.sign(&key, &order("bc-node:node_01:root")).unwrap().to_openssh().unwrap();
+        let sign = |principal, valid_before_s| ca.sign(&key, &order(principal, valid_before_s)).unwrap().to_openssh().unwrap();
+        let asked = ssh_principal("node_01", "root");
+        let certificate = sign("bc-node:node_01:root", 1_000 + 15 * 60);
         let answer = json!({ "certificate": certificate, "principal": "bc-node:node_01:root" });
-        assert_eq!(check_answer(&answer, &key).unwrap().key_id(), "caller=apikey:key_01 node=node_01 request=req_01");
-        let other_principal = json!({ "certificate": certificate, "principal": "bc-node:node_02:root" });
-        assert_eq!(check_answer(&other_principal, &key).unwrap_err().code, "INVALID_RESPONSE");
-        let bad_account = ca.sign(&key, &order("bc-node:node_01:Root;x")).unwrap().to_openssh().unwrap();
-        let answer = json!({ "certificate": bad_account, "principal": "bc-node:node_01:Root;x" });
-        assert_eq!(check_answer(&answer, &key).unwrap_err().code, "INVALID_RESPONSE");
+        let taken = check_answer(&answer, &key, &asked, 15).unwrap();
+        assert_eq!(taken.key_id(), "caller=apikey:key_01 node=node_01 request=req_01");
+        // Longer than asked: refused.
+        assert_eq!(check_answer(&answer, &key, &asked, 14).unwrap_err().code, "INVALID_RESPONSE");
+        // Another node's, or another account's, even when the answer names it: refused.
+        for principal in ["bc-node:node_02:root", "bc-node:node_01:admin"] {
+            let other = json!({ "certificate": sign(principal, 1_000 + 60), "principal": principal });
+            let e = check_answer(&other, &key, &asked, 15).unwrap_err();
+            assert_eq!(e.code, "INVALID_RESPONSE", "{principal}");
+            assert!(e.message.contains("bc-node:node_01:root"), "{}", e.message);
+        }
+        // The answer naming another principal than its certificate's: refused.
+        let mislabelled = json!({ "certificate": certificate, "principal": "bc-node:node_02:root" });
+        assert_eq!(check_answer(&mislabelled, &key, &asked, 15).unwrap_err().code, "INVALID_RESPONSE");
         let other_key =
             PublicKey::from_openssh("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAII9A0eG82lMzYlOAjRSvh8EskMEHT5D22bf0oi/ulU7R other")
                 .unwrap();
-        let answer = json!({ "certificate": certificate, "principal": "bc-node:node_01:root" });
-        assert_eq!(check_answer(&answer, &other_key).unwrap_err().code, "INVALID_RESPONSE");
+        assert_eq!(check_answer(&answer, &other_key, &asked, 15).unwrap_err().code, "INVALID_RESPONSE");
     }
 }

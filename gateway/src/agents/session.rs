@@ -188,6 +188,8 @@ pub async fn run<S>(
 ) where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
 {
+    // Subscribed before the welcome reads them, so no change of the trusted CAs falls between.
+    let ssh_user_ca_keys = state.ssh_user_ca.as_ref().map(|ring| ring.subscribe(state.shutdown.subscribe()));
     let (bound, capabilities) = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
         Ok(bound) => bound,
         Err(refusal) => {
@@ -201,7 +203,7 @@ pub async fn run<S>(
     // Tunnels to the node are asked for on this session while it lasts (dropping the link ends that).
     let (tunnel_link, mut tunnel_requests) = state.tunnels.attach_session(&node, connection, capabilities);
     tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
-    let channels = Channels { nudges: &mut nudges, tunnels: &mut tunnel_requests };
+    let channels = Channels { nudges: &mut nudges, tunnels: &mut tunnel_requests, ssh_user_ca_keys };
     let outcome = serve(&state, &sessions.leases, config, bound, &mut inbound, &outbound, channels).await;
     drop(tunnel_link);
     sessions.unregister(&node, id);
@@ -260,9 +262,11 @@ where
     let bound = prove(greeted, &nonce, &proof)?;
     renew(&state.log, leases, bound.tenant, &bound.node, config);
     let mut welcomed = welcome(&bound, config);
-    // The CA keys ride on the welcome, so a node trusts the current ones after every reconnect.
-    if let (gateway_message::Msg::Welcome(w), Some(ca)) = (&mut welcomed, &state.ssh_user_ca) {
-        w.ssh_user_ca_keys = ca.trusted_public_keys();
+    // The CA keys ride on the welcome, so a node trusts the current ones after every reconnect
+    // (and each change after it comes as `SshUserCaKeys`).
+    if let (gateway_message::Msg::Welcome(w), Some(ring)) = (&mut welcomed, &state.ssh_user_ca) {
+        let keys = crate::ssh_ca::ssh_user_ca_keys(&ring.trusted());
+        (w.ssh_user_ca_keys, w.ssh_user_ca_keys_until_ms) = (keys.keys, keys.until_ms);
     }
     outbound.send(message(welcomed)).await.map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
     Ok((bound, hello.capabilities))
@@ -326,6 +330,7 @@ pub fn welcome(bound: &Bound, config: SessionConfig) -> gateway_message::Msg {
         heartbeat_ms: config.heartbeat_ms,
         // Set by the caller that holds the CA (`handshake`); the simulator's agents get none.
         ssh_user_ca_keys: Vec::new(),
+        ssh_user_ca_keys_until_ms: Vec::new(),
     })
 }
 
@@ -389,11 +394,12 @@ pub async fn write_leases(state: Arc<AppState>, sessions: Arc<Sessions>) {
     }
 }
 
-/// What wakes a bound session besides the node's messages: this process's nudges, and the
-/// tunnels asked of the node.
+/// What wakes a bound session besides the node's messages: this process's nudges, the
+/// tunnels asked of the node, and a change of the SSH CA keys it trusts.
 struct Channels<'a> {
     nudges: &'a mut mpsc::Receiver<Nudge>,
     tunnels: &'a mut mpsc::Receiver<crate::tunnels::OpenRequest>,
+    ssh_user_ca_keys: Option<tokio::sync::watch::Receiver<Vec<bc_projections::decide::ssh_cert::TrustedCaKey>>>,
 }
 
 async fn serve<S>(
@@ -403,7 +409,7 @@ async fn serve<S>(
     mut bound: Bound,
     inbound: &mut S,
     outbound: &Outbound,
-    channels: Channels<'_>,
+    mut channels: Channels<'_>,
 ) -> std::result::Result<&'static str, Refusal>
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
@@ -434,6 +440,12 @@ where
                     port: open.port.map(u32::from).unwrap_or(0),
                 });
                 if !send_within(outbound, message(open), config.lease_ms).await? {
+                    return Ok("the stream broke");
+                }
+            }
+            keys = crate::ssh_ca::next_trusted(&mut channels.ssh_user_ca_keys) => {
+                let keys = gateway_message::Msg::SshUserCaKeys(crate::ssh_ca::ssh_user_ca_keys(&keys));
+                if !send_within(outbound, message(keys), config.lease_ms).await? {
                     return Ok("the stream broke");
                 }
             }

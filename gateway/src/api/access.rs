@@ -2,8 +2,9 @@
 //! private one: refused without being echoed); `decide::ssh_cert::ssh_cert_issue` decides the
 //! certificate from the node as read, the `Log`'s clock and an id from its id source; the
 //! append of `node.ssh_cert_issued` on the node's stream comes first, and the deployment's CA
-//! ([`crate::ssh_ca`]) then signs exactly what the appended event says, so every certificate
-//! that exists is in the log (an idempotent retry signs the same certificate again).
+//! ([`crate::ssh_ca`]; the one current in the log at the call, whichever process rotated it)
+//! then signs exactly what the appended event says, so every certificate that exists is in the
+//! log (an idempotent retry signs the same certificate again, while its CA is current).
 
 use bc_core::id::NodeId;
 use bc_core::{Error, Result};
@@ -90,11 +91,13 @@ async fn nodes_issue_ssh_cert(call: &Call<'_>, input: NodesIssueSshCert) -> Resu
     let account = input.account.as_deref().unwrap_or("root");
     let minutes = input.minutes.unwrap_or(SSH_CERT_MINUTES_DEFAULT);
     ssh_cert_check(account, minutes)?;
-    let ca = call
+    let ring = call
         .state
         .ssh_user_ca
         .clone()
         .ok_or_else(|| Error::Unavailable("this server has no SSH user CA (dev and serve make one at start)".into()))?;
+    // The CA current in the log now: a rotation by any process is taken at once.
+    let ca = ring.current().await?;
     let node = node_doc(call, tenant, &node_id.to_string()).await?;
     // The key's own checks (it parses, its type, never a private key) after the node is found,
     // as what its schema cannot say.
@@ -120,6 +123,13 @@ async fn nodes_issue_ssh_cert(call: &Call<'_>, input: NodesIssueSshCert) -> Resu
         .map_err(|e| Error::Internal(format!("node.ssh_cert_issued does not parse: {e}")))?;
     if issued.public_key_fingerprint != public_key_fingerprint(&subject) {
         return Err(Error::Internal("the appended certificate names another key".into()));
+    }
+    if issued.ca_fingerprint != ca.fingerprint() {
+        // A replay of a call answered before a rotation: only the CA it names could sign it.
+        return Err(Error::state(
+            format!("this request's certificate was signed by the SSH CA {}, rotated since", issued.ca_fingerprint),
+            "ask again with a new Idempotency-Key for a certificate from the current CA",
+        ));
     }
     let event_id = event.envelope.id.to_string();
     let order = CertificateOrder {
