@@ -119,6 +119,8 @@ bench-deps:
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
 ## The watch bench starts etcd (bench-deps) beside the gateway. The fleet bench runs `bcd sim`, so
 ## target/release/bcd is left a fakehw build (BC_BENCH_AGENTS, BC_BENCH_RESERVES change its sizes).
+## The tunnels bench runs that `bcd` too, beside a release `dev`: `forward`'s throughput against
+## raw loopback TCP, a console keystroke's round trip, and the gateway's memory per open tunnel.
 ## The sim bench prints `sim run`'s simulated node-hours per wall-clock second at 1,000 nodes
 ## beside the goal (100× real time), and replay's events per second beside the raw append rate
 ## (BC_BENCH_SIM_NODES, BC_BENCH_SIM_TENANTS, BC_BENCH_SIM_HOURS).
@@ -135,6 +137,7 @@ bench: check-postgres bench-deps
 	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
 	$(CARGO) bench -p bc-cli --bench fleet
 	$(CARGO) bench -p bc-cli --bench sim
+	$(CARGO) bench -p bc-cli --bench tunnels
 
 ## fmt, and clippy on every target with the test build's features (the agent's fakehw and
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded

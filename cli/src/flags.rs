@@ -13,8 +13,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, console, events, flavors, instances, inventory, join_tokens, meta, metal, nodes, operator,
-    pools, releases, reservations, rollouts, sim, ssh_cert, webhooks,
+    agent_commands, api, audit, auth, console, events, exec, flavors, forward, instances, inventory, join_tokens, meta, metal,
+    nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, webhooks,
 };
 use crate::output::Format;
 
@@ -254,9 +254,16 @@ pub enum Command {
     /// Break-glass SSH: a certificate for your public key that only this node's sshd accepts,
     /// written as KEY-cert.pub beside it; with --connect HOST, ssh to the node with it.
     SshCert(ssh_cert::SshCertArgs),
-    /// A terminal on a node (--node: a shell as its agent's user) through the node's agent;
-    /// exits with the remote program's status (255: the tunnel broke). Ctrl-] detaches.
+    /// A terminal on a node (--node: a shell as its agent's user) or a running instance's
+    /// serial console (--instance) through the node's agent; exits with the remote program's
+    /// status (255: the tunnel broke). Ctrl-] detaches.
     Console(console::ConsoleArgs),
+    /// A shell in a running instance (--instance); refused until guests have an agent (use
+    /// console --instance).
+    Exec(exec::ExecArgs),
+    /// A port of a running instance on a local port, like ssh -L: one tunnel per accepted
+    /// connection, until Ctrl-C.
+    Forward(forward::ForwardArgs),
     /// Print a shell completion script: `source <(better-compute completion bash)`.
     Completion(meta::CompletionArgs),
     /// The commands, one command's flags (`help reserve`), or with --json the whole manifest.

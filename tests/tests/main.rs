@@ -21,6 +21,7 @@ mod cli_items;
 mod client_policy;
 mod crash;
 mod flavors_images;
+mod forward;
 mod hardening;
 mod holds_property;
 mod instances;

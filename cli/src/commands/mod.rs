@@ -22,7 +22,9 @@ pub mod audit;
 pub mod auth;
 pub mod console;
 pub mod events;
+pub mod exec;
 pub mod flavors;
+pub mod forward;
 pub mod instances;
 pub mod inventory;
 pub mod join_tokens;
@@ -74,6 +76,8 @@ impl Command {
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::SshCert(args) => ssh_cert::run(ctx, args).await,
             Command::Console(args) => console::run(ctx, args).await,
+            Command::Exec(args) => exec::run(ctx, args).await,
+            Command::Forward(args) => forward::run(ctx, args).await,
             Command::Completion(args) => meta::completion(args.shell),
             Command::Help(args) => meta::help(&args.command, args.json),
         }

@@ -1,0 +1,617 @@
+//! Instance tunnels end to end (`schema/TUNNELS.md`): `dev`, a fakehw `bcd node` whose fake
+//! hypervisor's guests are this machine's loopback (`[hardware] fake_guest_address`) and whose
+//! serial console is a TCP server the test runs (`fake_guest_console`), and an instance running
+//! there. The test's servers are the guest:
+//!
+//! - `better-compute forward` to an echo server: 1 GiB each way at once arrives intact (SHA-256
+//!   of what was sent and of what came back), ten local connections at once (the node carries
+//!   at most 7 tunnels: the three others are closed with a note), and a local reader that
+//!   stalls, or a guest that reads nothing, leaves the CLI's memory bounded (its peak RSS, from
+//!   `/proc`);
+//! - `console --instance` on the guest's serial console, through a pseudo-terminal, and again
+//!   over `wss://` through a TLS front the CLI trusts as it trusts any server (the platform's
+//!   roots, `SSL_CERT_FILE` here); `exec --instance` refused with the reason.
+
+use std::io::{BufRead, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bc_tests::{AgentNode, ImageServer, Server, wait_until};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// Tunnels one node carries at once: each is a stream of its agent's HTTP/2 connection, which
+/// carries 8 with the session (`dev --tunnels-per-node-max` is at most 7).
+const NODE_TUNNELS_MAX: usize = 7;
+/// The bytes sent each way through one forwarded connection.
+const TRANSFER_BYTES: usize = 1 << 30;
+/// What the CLI's resident memory may grow by while a local reader stalls: the 16 MiB it holds
+/// for the reader before it disconnects it, and the allocator's slack (measured: 20 MiB).
+const BEHIND_RSS_MAX_BYTES: u64 = 32 << 20;
+/// ...and while the guest reads nothing: the 4 MiB unsent before the local socket pauses, and
+/// the slack (measured: 14 MiB; without the pause it holds what the writer sent, up to 1 GiB).
+const UNSENT_RSS_MAX_BYTES: u64 = 24 << 20;
+
+async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
+    let (status, doc) = server.call(method, body).await;
+    assert_eq!(status, 200, "{method}: {doc}");
+    doc
+}
+
+/// `len` bytes that begin as a standalone qcow2 (version 3, no backing file), then noise: the
+/// node checks a disk's header before it defines a domain on it.
+fn qcow2_of(len: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    bytes[..112].fill(0);
+    bytes[0..4].copy_from_slice(b"QFI\xfb");
+    bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
+    bytes[20..24].copy_from_slice(&16u32.to_be_bytes());
+    bytes[24..32].copy_from_slice(&(1u64 << 30).to_be_bytes());
+    bytes[96..100].copy_from_slice(&4u32.to_be_bytes());
+    bytes[100..104].copy_from_slice(&104u32.to_be_bytes());
+    bytes
+}
+
+async fn tunnel_events(server: &Server) -> Vec<Value> {
+    call_ok(server, "events.list", json!({ "types": ["tunnel.*"], "limit": 100 })).await["items"].as_array().unwrap().clone()
+}
+
+/// A dev server, a fake machine whose guests are on loopback (its console at `console`), and a
+/// running instance on it.
+struct World {
+    server: Server,
+    machine: AgentNode,
+    node: String,
+    instance: String,
+    _images: ImageServer,
+}
+
+async fn world(console: std::net::SocketAddr) -> World {
+    let (server, port) = bc_tests::agents_gateway_with(&["--tunnels-per-node-max", &NODE_TUNNELS_MAX.to_string()]);
+    let seed = (1..100u64)
+        .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| !g.is_empty()))
+        .expect("a fake machine with a GPU among seeds 1..100");
+    let pool = server.pool("vms").await;
+    let mut machine = AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    let hardware =
+        format!("[hardware]\nfake_seed = {seed}\nfake_guest_address = \"127.0.0.1\"\nfake_guest_console = \"{console}\"\n");
+    std::fs::write(machine.config(), format!("{config}\n{hardware}")).unwrap();
+    machine.join_pool(&server, &pool).await;
+    let node = machine.node_id();
+    machine.start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
+        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+        // (`tunnel.instance-dial` is said in the session's Hello, which nodes.get does not show.)
+        if doc["state"] == "ready" && caps.iter().any(|c| c == "instance.apply") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "node not ready with instance.apply: {doc}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let bytes = qcow2_of(256 * 1024);
+    let digest = hex::encode(Sha256::digest(&bytes));
+    let images = ImageServer::start("guest.qcow2", bytes);
+    let image = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "guest", "url": images.url, "sha256": digest, "diskFormat": "qcow2" }),
+    )
+    .await;
+    let flavor = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "small", "vcpus": 1, "memoryMiB": 512, "diskGiB": 1, "gpus": 1 }),
+    )
+    .await;
+    let rsv = call_ok(&server, "reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 3600 })).await;
+    let rsv = rsv["reservationId"].as_str().unwrap().to_owned();
+    wait_until("the reservation's GPU is held", Duration::from_secs(30), || {
+        let doc = bc_tests::block_on(server.call("reservations.get", json!({ "reservationId": rsv }))).1;
+        (doc["binding"]["state"] == "bound").then_some(())
+    });
+    let created = call_ok(
+        &server,
+        "instances.create",
+        json!({ "name": "guest", "reservationId": rsv, "flavorId": flavor["flavorId"], "imageId": image["imageId"] }),
+    )
+    .await;
+    let instance = created["instanceId"].as_str().unwrap().to_owned();
+    wait_until("the instance runs", Duration::from_secs(60), || {
+        let doc = bc_tests::block_on(server.call("instances.get", json!({ "instanceId": instance }))).1;
+        (doc["state"] == "running").then_some(())
+    });
+    World { server, machine, node, instance, _images: images }
+}
+
+/// The guest's echo server: every connection gets back what it sends, until it closes.
+fn echo_server() -> u16 {
+    serve(|mut socket| {
+        let mut back = socket.try_clone().unwrap();
+        let _ = std::io::copy(&mut socket, &mut back);
+    })
+}
+
+/// The guest's transfer server: a connection's first byte asks `U` (it reads `TRANSFER_BYTES`
+/// and answers their SHA-256) or `D` (it sends `TRANSFER_BYTES` of [`Noise`] and closes); the
+/// SHA-256 of what it sent or received is also kept in `digests`.
+fn transfer_server(digests: Arc<Mutex<Vec<[u8; 32]>>>) -> u16 {
+    serve(move |mut socket| {
+        let mut ask = [0u8; 1];
+        socket.read_exact(&mut ask).unwrap();
+        let mut hash = Sha256::new();
+        if ask[0] == b'U' {
+            let (mut buffer, mut left) = (vec![0u8; 1 << 20], TRANSFER_BYTES);
+            while left > 0 {
+                let n = socket.read(&mut buffer[..left.min(1 << 20)]).unwrap();
+                assert!(n > 0, "the upload ended {left} bytes early");
+                hash.update(&buffer[..n]);
+                left -= n;
+            }
+            let digest: [u8; 32] = hash.finalize().into();
+            digests.lock().unwrap().push(digest);
+            socket.write_all(&digest).unwrap();
+        } else {
+            let (noise, mut block) = (Noise::new(), Vec::new());
+            for index in 0..TRANSFER_BYTES >> 20 {
+                noise.block(index, &mut block);
+                hash.update(&block);
+                socket.write_all(&block).unwrap();
+            }
+            digests.lock().unwrap().push(hash.finalize().into());
+        }
+    })
+}
+
+/// A guest server that runs `each` on a thread per connection; its port.
+fn serve(each: impl Fn(TcpStream) + Send + Sync + 'static) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let each = Arc::new(each);
+    std::thread::spawn(move || {
+        for socket in listener.incoming().flatten() {
+            let each = each.clone();
+            std::thread::spawn(move || each(socket));
+        }
+    });
+    port
+}
+
+/// `better-compute forward` running, its stderr read line by line.
+struct Forward {
+    child: Child,
+    local: std::net::SocketAddr,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Forward {
+    fn start(server: &Server, instance: &str, port: u16) -> Forward {
+        let mut child = Command::new(bc_tests::binary("better-compute"))
+            .args(["forward", "--instance", instance, "--port", &port.to_string(), "--local-port", "0"])
+            .envs(server.env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let lines = stderr.clone();
+        let reader = std::io::BufReader::new(child.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            for line in reader.lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let local = wait_until("forward listens", Duration::from_secs(20), || {
+            let lines = stderr.lock().unwrap();
+            let line = lines.iter().find(|l| l.starts_with("forwarding "))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        });
+        Forward { child, local, stderr }
+    }
+
+    fn connect(&self) -> TcpStream {
+        TcpStream::connect(self.local).unwrap()
+    }
+
+    fn notes(&self) -> Vec<String> {
+        self.stderr.lock().unwrap().iter().filter(|l| l.starts_with("forward: connection")).cloned().collect()
+    }
+
+    /// The process's resident memory now and at its peak, in bytes (`VmRSS`, `VmHWM`).
+    fn memory(&self) -> (u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap()
+                * 1024
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// Carries one connection (`use_it` uses it) and closes it, so what any connection
+    /// allocates once (the HTTP clients, the system's roots) is there; the resident memory then.
+    fn warmed_up(&self, use_it: impl FnOnce(&mut TcpStream)) -> u64 {
+        let mut socket = self.connect();
+        socket.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        use_it(&mut socket);
+        drop(socket);
+        std::thread::sleep(Duration::from_millis(500));
+        self.memory().0
+    }
+
+    /// SIGINT (Ctrl-C): it stops, exit 0.
+    fn interrupt(mut self) {
+        let _ = Command::new("kill").args(["-INT", &self.child.id().to_string()]).status();
+        let status = wait_until("forward stops on Ctrl-C", Duration::from_secs(10), || self.child.try_wait().unwrap());
+        assert_eq!(status.code(), Some(0), "{:?}", self.stderr.lock().unwrap());
+    }
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// 1 MiB blocks of noise, each 4 KiB of them starting with its own index, so no two parts of
+/// the stream are alike: a byte lost, doubled or moved changes its digest.
+struct Noise {
+    base: Vec<u8>,
+}
+
+impl Noise {
+    fn new() -> Noise {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let base = (0..1 << 20)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        Noise { base }
+    }
+
+    fn block(&self, index: usize, into: &mut Vec<u8>) {
+        into.clear();
+        into.extend_from_slice(&self.base);
+        for (n, page) in into.chunks_mut(4096).enumerate() {
+            page[..8].copy_from_slice(&((index * 256 + n) as u64).to_le_bytes());
+        }
+    }
+}
+
+/// Sends `TRANSFER_BYTES` of [`Noise`] through `socket` to the transfer server: the SHA-256 of
+/// what was sent, the one the server answered, and how long it took.
+fn upload(mut socket: TcpStream) -> ([u8; 32], [u8; 32], Duration) {
+    let started = Instant::now();
+    socket.write_all(b"U").unwrap();
+    let (noise, mut block, mut hash) = (Noise::new(), Vec::new(), Sha256::new());
+    for index in 0..TRANSFER_BYTES >> 20 {
+        noise.block(index, &mut block);
+        hash.update(&block);
+        socket.write_all(&block).unwrap();
+    }
+    socket.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut answered = [0u8; 32];
+    socket.read_exact(&mut answered).unwrap();
+    (hash.finalize().into(), answered, started.elapsed())
+}
+
+/// Asks the transfer server for `TRANSFER_BYTES` through `socket` and reads them to the end:
+/// their SHA-256, and how long it took.
+fn download(mut socket: TcpStream) -> ([u8; 32], Duration) {
+    let started = Instant::now();
+    socket.write_all(b"D").unwrap();
+    socket.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let (mut hash, mut buffer, mut total) = (Sha256::new(), vec![0u8; 1 << 20], 0usize);
+    loop {
+        let n = socket.read(&mut buffer).unwrap();
+        if n == 0 {
+            break;
+        }
+        hash.update(&buffer[..n]);
+        total += n;
+    }
+    assert_eq!(total, TRANSFER_BYTES, "the whole download, then the end");
+    (hash.finalize().into(), started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_carries_a_gibibyte_ten_connections_and_keeps_its_memory_bounded() {
+    bc_tests::raise_open_file_limit(4096);
+    let unused = TcpListener::bind("127.0.0.1:0").unwrap();
+    let world = world(unused.local_addr().unwrap()).await;
+    let digests = Arc::new(Mutex::new(Vec::new()));
+    let transfers = transfer_server(digests.clone());
+    let forward = Forward::start(&world.server, &world.instance, transfers);
+
+    // 1 GiB up and 1 GiB down, intact (the relay carries one direction at a time well; both at
+    // once wait on it).
+    let (sent, answered, took) = upload(forward.connect());
+    eprintln!("forward: 1 GiB up in {:.1} s ({:.0} MiB/s)", took.as_secs_f64(), 1024.0 / took.as_secs_f64());
+    assert_eq!(hex::encode(answered), hex::encode(sent), "the guest received what was sent");
+    let (received, took) = download(forward.connect());
+    eprintln!("forward: 1 GiB down in {:.1} s ({:.0} MiB/s)", took.as_secs_f64(), 1024.0 / took.as_secs_f64());
+    assert_eq!(hex::encode(received), hex::encode(digests.lock().unwrap()[1]), "the client received what the guest sent");
+
+    // Their tunnels ended with them (the node's slots are free again), with the bytes each way.
+    let closed = wait_until("two tunnel.closed", Duration::from_secs(20), || {
+        let events = bc_tests::block_on(tunnel_events(&world.server));
+        let closed: Vec<Value> = events.into_iter().filter(|e| e["type"] == "tunnel.closed").collect();
+        (closed.len() == 2).then_some(closed)
+    });
+    let counts: Vec<(u64, u64)> =
+        closed.iter().map(|c| (c["payload"]["bytesIn"].as_u64().unwrap(), c["payload"]["bytesOut"].as_u64().unwrap())).collect();
+    let transfer = TRANSFER_BYTES as u64;
+    assert!(counts.contains(&(transfer + 1, 32)) && counts.contains(&(1, transfer)), "{closed:?}");
+    forward.interrupt();
+    let echo = echo_server();
+    let forward = Forward::start(&world.server, &world.instance, echo);
+
+    // Ten at once: the node carries NODE_TUNNELS_MAX, the others are closed with a note.
+    let sockets: Vec<TcpStream> = (0..10).map(|_| forward.connect()).collect();
+    let answered: Vec<bool> = sockets
+        .iter()
+        .enumerate()
+        .map(|(i, socket)| {
+            let mut socket = socket.try_clone().unwrap();
+            socket.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let hello = format!("hello from {i}");
+            let _ = socket.write_all(hello.as_bytes());
+            let mut back = vec![0u8; hello.len()];
+            socket.read_exact(&mut back).is_ok_and(|()| back == hello.as_bytes())
+        })
+        .collect();
+    assert_eq!(answered.iter().filter(|a| **a).count(), NODE_TUNNELS_MAX, "{answered:?} {:?}", forward.notes());
+    let notes = wait_until("three notes", Duration::from_secs(10), || {
+        let notes = forward.notes();
+        (notes.len() == 10 - NODE_TUNNELS_MAX).then_some(notes)
+    });
+    assert!(notes.iter().all(|n| n.contains("QUOTA_EXCEEDED") && n.contains("open tunnels")), "{notes:?}");
+    drop(sockets);
+    // Their tunnels end with them: a new connection is carried again.
+    wait_until("a connection is carried again", Duration::from_secs(20), || {
+        let mut socket = forward.connect();
+        socket.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        socket.write_all(b"again").ok()?;
+        let mut back = [0u8; 5];
+        socket.read_exact(&mut back).ok().filter(|()| &back == b"again")
+    });
+    forward.interrupt();
+
+    stalled_reader_and_guest(&world).await;
+    drop(world.machine);
+}
+
+/// A local reader that reads nothing, then a guest that reads nothing: the CLI's peak memory
+/// stays bounded (the tunnel's marks, 16 MiB behind and 4 MiB unsent, plus buffers), the
+/// reader is disconnected with a note, and the writer is held back.
+async fn stalled_reader_and_guest(world: &World) {
+    let flood = serve(|mut socket| {
+        let block = vec![0x5au8; 64 * 1024];
+        while socket.write_all(&block).is_ok() {}
+    });
+    let forward = Forward::start(&world.server, &world.instance, flood);
+    let baseline = forward.warmed_up(|socket| socket.read_exact(&mut [0u8; 1]).unwrap());
+    let mut stalled = forward.connect();
+    let note = wait_until("the stalled reader is disconnected", Duration::from_secs(60), || {
+        forward.notes().into_iter().find(|n| n.contains("behind"))
+    });
+    let (_, peak) = forward.memory();
+    eprintln!("forward: stalled reader: baseline {} MiB, peak {} MiB; {note}", baseline >> 20, peak >> 20);
+    assert!(
+        peak < baseline + BEHIND_RSS_MAX_BYTES,
+        "the CLI's memory is bounded: {} MiB over {} MiB",
+        (peak - baseline) >> 20,
+        baseline >> 20
+    );
+    stalled.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut drained = 0usize;
+    let mut buffer = vec![0u8; 1 << 20];
+    while let Ok(n @ 1..) = stalled.read(&mut buffer) {
+        drained += n;
+    }
+    assert!(drained < 64 << 20, "the reader was cut off: {drained} bytes after the stall");
+    forward.interrupt();
+
+    let sink = serve(|socket| {
+        // Reads nothing, holds the connection.
+        std::thread::sleep(Duration::from_secs(60));
+        drop(socket);
+    });
+    let forward = Forward::start(&world.server, &world.instance, sink);
+    let baseline = forward.warmed_up(|socket| socket.write_all(b"x").unwrap());
+    let mut writer = forward.connect();
+    writer.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    let block = vec![0xa5u8; 1 << 20];
+    let mut written = 0usize;
+    while written < 1 << 30 && writer.write_all(&block).is_ok() {
+        written += block.len();
+    }
+    let (_, peak) = forward.memory();
+    eprintln!(
+        "forward: stalled guest: {} MiB written before the writer was held; peak {} MiB over {} MiB",
+        written >> 20,
+        (peak - baseline) >> 20,
+        baseline >> 20
+    );
+    assert!(written < 256 << 20, "the local writer is held back: {} MiB written", written >> 20);
+    assert!(
+        peak < baseline + UNSENT_RSS_MAX_BYTES,
+        "the CLI's memory is bounded: {} MiB over {} MiB",
+        (peak - baseline) >> 20,
+        baseline >> 20
+    );
+    forward.interrupt();
+}
+
+/// The guest's serial console: a TCP server (as QEMU's `-serial tcp:` chardev is a client of
+/// one) that answers each chunk it is sent with `guest got: CHUNK`; its address.
+fn serial_console() -> (TcpListener, std::net::SocketAddr) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    (listener, address)
+}
+
+fn answer_on(listener: TcpListener) {
+    std::thread::spawn(move || {
+        for socket in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut socket = socket;
+                let _ = socket.write_all(b"guest login: ");
+                let mut buffer = [0u8; 4096];
+                while let Ok(n @ 1..) = socket.read(&mut buffer) {
+                    let typed = String::from_utf8_lossy(&buffer[..n]).trim().to_owned();
+                    if socket.write_all(format!("guest got: {typed}\r\n").as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// Reads a child's stream into a shared buffer on a thread of its own.
+fn capture(mut reader: Box<dyn Read + Send>) -> Arc<Mutex<Vec<u8>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(n @ 1..) = reader.read(&mut buffer) {
+            sink.lock().unwrap().extend_from_slice(&buffer[..n]);
+        }
+    });
+    seen
+}
+
+fn wait_for(seen: &Arc<Mutex<Vec<u8>>>, what: &str) {
+    wait_until(&format!("the terminal shows {what:?}"), Duration::from_secs(20), || {
+        String::from_utf8_lossy(&seen.lock().unwrap()).contains(what).then_some(())
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_reaches_an_instances_serial_console_over_ws_and_wss_and_exec_is_refused() {
+    let (listener, console) = serial_console();
+    answer_on(listener);
+    let world = world(console).await;
+
+    // The test is the user: `console --instance` on a pseudo-terminal; Ctrl-] detaches, exit 0.
+    let pty = portable_pty::native_pty_system();
+    let pair = pty.openpty(portable_pty::PtySize { rows: 30, cols: 100, pixel_width: 0, pixel_height: 0 }).unwrap();
+    let mut command = portable_pty::CommandBuilder::new(bc_tests::binary("better-compute"));
+    command.args(["console", "--instance", &world.instance]);
+    for (key, value) in world.server.env() {
+        command.env(key, value);
+    }
+    let mut cli = pair.slave.spawn_command(command).unwrap();
+    drop(pair.slave);
+    let seen = capture(pair.master.try_clone_reader().unwrap());
+    let mut keyboard = pair.master.take_writer().unwrap();
+    wait_for(&seen, "guest login: ");
+    keyboard.write_all(b"root\r").unwrap();
+    wait_for(&seen, "guest got: root");
+    keyboard.write_all(&[0x1d]).unwrap();
+    let status = wait_until("the console detaches", Duration::from_secs(20), || cli.try_wait().unwrap());
+    assert_eq!(status.exit_code(), 0, "{}", String::from_utf8_lossy(&seen.lock().unwrap()));
+    let opened = wait_until("tunnel.opened", Duration::from_secs(10), || {
+        bc_tests::block_on(tunnel_events(&world.server)).into_iter().find(|e| e["type"] == "tunnel.opened")
+    });
+    assert_eq!(opened["stream"], format!("node/{}", world.node));
+    assert_eq!(
+        (opened["payload"]["op"].as_str(), opened["payload"]["instanceId"].as_str()),
+        (Some("console"), Some(world.instance.as_str()))
+    );
+
+    // The same over wss://, through a TLS front whose CA the CLI trusts as a platform root.
+    let pki = bc_tests::sushy::pki();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+    let front = tls_front(&pki, world.server.url.trim_start_matches("http://")).await;
+    let mut cli = Command::new(bc_tests::binary("better-compute"))
+        .args(["console", "--instance", &world.instance])
+        .env("BETTER_COMPUTE_URL", format!("https://localhost:{front}"))
+        .env("BETTER_COMPUTE_TOKEN", &world.server.token)
+        .env("SSL_CERT_FILE", &ca)
+        .env_remove("SSL_CERT_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen = capture(Box::new(cli.stdout.take().unwrap()));
+    let errors = capture(Box::new(cli.stderr.take().unwrap()));
+    let mut keyboard = cli.stdin.take().unwrap();
+    wait_for(&seen, "guest login: ");
+    keyboard.write_all(b"over tls\r").unwrap();
+    wait_for(&seen, "guest got: over tls");
+    keyboard.write_all(&[0x1d]).unwrap();
+    let status = wait_until("the console over wss detaches", Duration::from_secs(20), || cli.try_wait().unwrap());
+    assert_eq!(status.code(), Some(0), "{}", String::from_utf8_lossy(&errors.lock().unwrap()));
+    // Without that CA, the same server is not trusted: nothing is opened.
+    let (code, _, err) = bc_tests::cli(
+        &["console", "--instance", &world.instance],
+        &[("BETTER_COMPUTE_URL", &format!("https://localhost:{front}")), ("BETTER_COMPUTE_TOKEN", &world.server.token)],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("UnknownIssuer") && err.contains("UNAVAILABLE: cannot reach https://localhost"), "{err}");
+
+    // exec is refused before any ticket, with the reason and what works instead.
+    let (code, out, err) = world.server.cli(&["exec", "--instance", &world.instance]);
+    assert_eq!(code, 1, "{out} {err}");
+    assert!(err.contains("UNSUPPORTED: ") && err.contains("until guests have an agent"), "{err}");
+    assert!(err.contains("hint: `better-compute console --instance"), "{err}");
+    // The new commands are in the manifest and the completion.
+    let (code, manifest, _) = bc_tests::cli(&["help", "--json"], &[]);
+    assert_eq!(code, 0);
+    let manifest = bc_tests::json(&manifest);
+    for name in ["console", "exec", "forward"] {
+        assert!(manifest["commands"].as_array().unwrap().iter().any(|c| c["name"] == name), "{name} in help --json");
+    }
+    let (_, completion, _) = bc_tests::cli(&["completion", "bash"], &[]);
+    assert!(completion.contains("--local-port") && completion.contains("forward"), "forward is completed");
+    drop(world.machine);
+}
+
+/// A TLS front for `upstream` (the dev server's `HOST:PORT`) on a loopback port, serving the
+/// test PKI's `localhost` certificate: what a deployment's reverse proxy is.
+async fn tls_front(pki: &bc_tests::sushy::Pki, upstream: &str) -> u16 {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain = vec![CertificateDer::from_pem_slice(pki.server_pem.as_bytes()).unwrap()];
+    let key = PrivateKeyDer::from_pem_slice(pki.server_key_pem.as_bytes()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let upstream = upstream.to_owned();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, upstream) = (acceptor.clone(), upstream.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(&upstream).await else { return };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    port
+}
