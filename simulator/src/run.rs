@@ -71,7 +71,7 @@ use crate::timeline::{MarkKind, Sample, Timeline};
 use crate::world::{JournalInLog, Shape, Violation, World, chance, pick};
 
 /// The bounds of a run (what was measured sane on 2 cores; see README).
-pub const NODES_MAX: usize = 1000;
+pub const NODES_MAX: usize = 5000;
 pub const TENANTS_MAX: usize = 100;
 pub const HOURS_MAX: u64 = 24 * 30;
 /// Steps of one run at most, whatever the options (a run that never ends is a bug).
