@@ -1,8 +1,11 @@
 //! Break-glass SSH end to end, against Debian's real `sshd`: `dev`, a fakehw `bcd node` with
 //! `[ssh]` writing the deployment's CA and its principals file, `sshd` on a loopback port
 //! reading exactly those files, and `better-compute ssh-cert --connect` running the real `ssh`.
-//! `sshd` itself refuses a certificate for another node, one signed by another CA and an
-//! expired one. The method's validation and authorization are checked at the API.
+//! `sshd` itself refuses a certificate for another node, one signed by another CA, an expired
+//! one, and a port forward (a certificate permits a terminal only). After `pki rotate-ssh-ca`,
+//! certificates of the old CA and of the new one both log in until the grace ends, and then
+//! `sshd` refuses the old one's. The method's validation and authorization are checked at the
+//! API.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -92,9 +95,16 @@ fn ssh_wrapper(dir: &Path, port: u16) -> PathBuf {
 
 /// `ssh` with a certificate to the test's sshd, running `echo ok`: (status, stdout).
 fn ssh_with(wrapper: &Path, key: &Path, certificate: &Path, account: &str) -> (i32, String) {
+    ssh_with_options(wrapper, key, certificate, account, &[])
+}
+
+/// [`ssh_with`], with more ssh options before the host.
+fn ssh_with_options(wrapper: &Path, key: &Path, certificate: &Path, account: &str, options: &[&str]) -> (i32, String) {
     let out = Command::new(wrapper)
         .args(["-i", &key.display().to_string(), "-o", &format!("CertificateFile={}", certificate.display())])
-        .args(["-o", "IdentitiesOnly=yes", "-l", account, "--", "127.0.0.1", "echo", "ok"])
+        .args(["-o", "IdentitiesOnly=yes", "-l", account])
+        .args(options)
+        .args(["--", "127.0.0.1", "echo", "ok"])
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -196,6 +206,13 @@ async fn a_node_bound_certificate_opens_sshd_on_that_node_only_and_sshd_refuses_
     );
     assert!(listed.contains("Valid: from"), "{listed}");
     assert!(listed.contains("permit-pty"), "{listed}");
+    for broader in ["permit-port-forwarding", "permit-agent-forwarding", "permit-X11-forwarding", "permit-user-rc"] {
+        assert!(!listed.contains(broader), "a terminal only, not {broader}: {listed}");
+    }
+    // sshd itself holds the certificate to that: a remote port forward is refused.
+    let forward = ["-o", "ExitOnForwardFailure=yes", "-R", "0:127.0.0.1:9"];
+    let (code, out) = ssh_with_options(&wrapper, &key, &certificate, &account, &forward);
+    assert_eq!((code, out.as_str()), (255, ""), "no port forwarding: {}", sshd.log_text());
     assert!(
         sshd.log_text().contains("Accepted publickey") || sshd.log_text().contains("Accepted certificate"),
         "{}",
@@ -267,6 +284,110 @@ async fn a_node_bound_certificate_opens_sshd_on_that_node_only_and_sshd_refuses_
     let log = sshd.log_text();
     assert!(log.contains("expired") || log.contains("not yet valid") || log.contains("Certificate invalid"), "{log}");
     assert_eq!(ssh_cert_events(&server).await.len(), 4);
+}
+
+/// The grace the rotation test gives the replaced CA: long enough for the checks made within
+/// it, short enough to wait out.
+const ROTATION_GRACE_S: u64 = 30;
+
+/// The SSH user CA keys in the file the agent wrote for sshd.
+fn trusted_lines(ca_file: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(ca_file).unwrap_or_default();
+    text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).map(str::to_owned).collect()
+}
+
+/// `ssh-keygen -L`'s "Signing CA" line of a certificate.
+fn signing_ca(certificate: &Path) -> String {
+    let listed = run("ssh-keygen", &["-L", "-f", &certificate.display().to_string()]);
+    listed.lines().find(|l| l.trim_start().starts_with("Signing CA:")).unwrap_or_else(|| panic!("{listed}")).to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_rotation_both_cas_log_in_until_the_grace_ends_then_sshd_refuses_the_old_one() {
+    let account = account();
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("gpu-a").await;
+    let mut machine = joined_machine(&server, port, &pool, Some(&account)).await;
+    let node = machine.node_id();
+    machine.start();
+    let dir = machine.dir.path().to_path_buf();
+    let ca_file = dir.join("ssh/ca.pub");
+    wait_until("the agent writes the CA file", Duration::from_secs(20), || ca_file.exists().then_some(()));
+    let sshd = Sshd::start(&dir, &ca_file, &format!("{}/ssh/principals/%u", dir.display()));
+    let wrapper = ssh_wrapper(&dir, sshd.port);
+    let key = dir.join("id_ed25519");
+    run("ssh-keygen", &["-q", "-t", "ed25519", "-N", "", "-C", "tester", "-f", &key.display().to_string()]);
+    let public = format!("{}.pub", key.display());
+    let certificate = dir.join("id_ed25519-cert.pub");
+    let data_dir = server.data_dir.display().to_string();
+    let issue = |what: &str| {
+        let (code, out, err) = server.cli(&["ssh-cert", "--node", &node, "--key", &public, "--account", &account]);
+        assert_eq!(code, 0, "{what}: {err}");
+        bc_tests::json(&out)
+    };
+
+    // A certificate of the first CA, kept for after the rotation.
+    let (code, out, err) = server.cli(&["pki", "show", "--data-dir", &data_dir]);
+    assert_eq!(code, 0, "{err}");
+    let first = bc_tests::json(&out);
+    let first_ca = first["sshUserCa"].as_str().unwrap().to_owned();
+    assert_eq!((first["sshUserCaGeneration"].as_u64(), first["sshUserCaInGrace"].clone()), (Some(1), json!([])));
+    issue("the first CA's certificate");
+    let old_certificate = dir.join("old-cert.pub");
+    std::fs::copy(&certificate, &old_certificate).unwrap();
+    assert_eq!(ssh_with(&wrapper, &key, &old_certificate, &account), (0, "ok\n".into()));
+
+    let (code, out, err) =
+        server.cli(&["pki", "rotate-ssh-ca", "--data-dir", &data_dir, "--grace", &format!("{ROTATION_GRACE_S}s")]);
+    assert_eq!(code, 0, "pki rotate-ssh-ca: {err}");
+    let rotated = bc_tests::json(&out);
+    let new_ca = rotated["publicKey"].as_str().unwrap().to_owned();
+    let grace_ends_ms = rotated["graceEndsAtMs"].as_u64().unwrap();
+    assert_ne!(new_ca, first_ca);
+    assert_eq!((rotated["generation"].as_u64(), rotated["previousKeyDeleted"].as_bool()), (Some(2), Some(true)), "{rotated}");
+
+    // The running server signs with the new CA at once; the agent trusts both.
+    let answer = issue("the new CA's certificate");
+    assert_eq!(answer["caFingerprint"], rotated["fingerprint"], "{answer}");
+    assert!(signing_ca(&certificate).contains(rotated["fingerprint"].as_str().unwrap()), "{}", signing_ca(&certificate));
+    wait_until("the agent trusts the new CA beside the old one", Duration::from_secs(10), || {
+        (trusted_lines(&ca_file) == [new_ca.clone(), first_ca.clone()]).then_some(())
+    });
+    let (code, out, err) = server.cli(&["pki", "show", "--data-dir", &data_dir]);
+    assert_eq!(code, 0, "{err}");
+    let shown = bc_tests::json(&out);
+    assert_eq!((shown["sshUserCa"].as_str(), shown["sshUserCaGeneration"].as_u64()), (Some(new_ca.as_str()), Some(2)));
+    let in_grace = &shown["sshUserCaInGrace"];
+    assert_eq!(
+        (in_grace[0]["publicKey"].as_str(), in_grace[0]["graceEndsAtMs"].as_u64()),
+        (Some(first_ca.as_str()), Some(grace_ends_ms)),
+        "{shown}"
+    );
+
+    // Within the grace, both log in.
+    assert_eq!(ssh_with(&wrapper, &key, &certificate, &account), (0, "ok\n".into()), "the new CA's: {}", sshd.log_text());
+    assert_eq!(ssh_with(&wrapper, &key, &old_certificate, &account), (0, "ok\n".into()), "the old CA's: {}", sshd.log_text());
+    assert!(bc_tests::now_ms() < grace_ends_ms, "the checks within the grace took longer than {ROTATION_GRACE_S} s");
+
+    // The rotation is in the root tenant's log, public keys only.
+    let (status, page) = server.call("events.list", json!({ "types": ["ssh_ca.rotated"], "limit": 10 })).await;
+    assert_eq!(status, 200, "{page}");
+    let events = page["items"].as_array().unwrap();
+    assert_eq!(events.len(), 1, "{page}");
+    assert_eq!(events[0]["payload"]["previousPublicKey"], first_ca.as_str());
+    assert_eq!(events[0]["payload"]["graceEndsAtMs"], grace_ends_ms);
+
+    // Once the grace ends, the agent writes the new CA alone, and sshd refuses the old one's.
+    wait_until("the grace ends", Duration::from_secs(ROTATION_GRACE_S + 10), || {
+        (bc_tests::now_ms() >= grace_ends_ms).then_some(())
+    });
+    wait_until("the agent trusts the new CA alone", Duration::from_secs(10), || {
+        (trusted_lines(&ca_file) == [new_ca.clone()]).then_some(())
+    });
+    assert_eq!(ssh_with(&wrapper, &key, &old_certificate, &account), (255, String::new()), "the old CA's, after the grace");
+    assert_eq!(ssh_with(&wrapper, &key, &certificate, &account), (0, "ok\n".into()), "the new CA's: {}", sshd.log_text());
+    let (code, out, _) = server.cli(&["pki", "show", "--data-dir", &data_dir]);
+    assert_eq!((code, bc_tests::json(&out)["sshUserCaInGrace"].clone()), (0, json!([])));
 }
 
 #[tokio::test(flavor = "multi_thread")]
