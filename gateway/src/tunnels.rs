@@ -25,10 +25,12 @@ use base64::Engine;
 use bc_core::id::TenantId;
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::tunnel::{self as wire, Op};
-use bc_core::{Error, Result};
-use bc_projections::decide::tunnel::{TunnelCounts, TunnelGrant, TunnelRefusal, TunnelRefusalKind};
-use bc_projections::tunnel::{TUNNEL_CLOSED, TUNNEL_OPENED, TunnelClosed, TunnelOpened};
-use bc_projections::{KIND_NODE, stream_of};
+use bc_core::{Error, ErrorCode, Result};
+use bc_projections::decide::tunnel::{
+    TunnelCounts, TunnelGrant, TunnelRefusal, TunnelRefusalKind, TunnelTargetNow, tunnel_action, tunnel_target_ended,
+};
+use bc_projections::tunnel::{CloseReason, TUNNEL_CLOSED, TUNNEL_OPENED, TunnelClosed, TunnelOpened};
+use bc_projections::{InstanceDoc, KIND_INSTANCE, KIND_NODE, KIND_RESERVATION, NodeDoc, ReservationDoc, stream_of};
 use futures::{Stream, StreamExt};
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
@@ -38,7 +40,7 @@ use crate::agents::ConnectionId;
 
 mod relay;
 use crate::error::ApiError;
-pub use relay::{Relayed, TUNNEL_CLOSE_GRACE_MS};
+pub use relay::{Ending, Relayed, TUNNEL_CLOSE_GRACE_MS};
 
 /// Tickets one process holds, so a flood of `tunnels.open` cannot grow memory. Only unspent
 /// ones bound it: spent and expired tickets are remembered in the room left (so a late use says
@@ -66,6 +68,11 @@ pub const TUNNEL_FRAMES_QUEUED: usize = 16;
 /// (`conn::IDLE_TIMEOUT_S`) never closes a quiet tunnel: only the tunnel's idle timeout does.
 pub const TUNNEL_KEEPALIVE_S: u64 = 30;
 const _: () = assert!(TUNNEL_KEEPALIVE_S < crate::conn::IDLE_TIMEOUT_S);
+/// How often an open tunnel reads its key and its target again: a key revoked, a key that no
+/// longer grants the tunnel's action, a node deleted, an instance stopped or deleted, or the
+/// reservation holding the instance ended closes it within this.
+pub const TUNNEL_RECHECK_S: u64 = 5;
+const _: () = assert!(TUNNEL_RECHECK_S < TUNNEL_KEEPALIVE_S);
 /// Tunnel requests queued for one node's session.
 pub const OPEN_REQUESTS_QUEUED: usize = 8;
 
@@ -445,11 +452,16 @@ pub async fn upgrade(
 ) -> Response {
     match prepare(&state, &ticket, &headers, ws).await {
         Ok((ws, slot, end)) => {
-            let from = peer.map(|axum::Extension(ConnectInfo(addr))| addr.to_string()).unwrap_or_default();
+            let admitted = Admitted {
+                slot,
+                end,
+                from: peer.map(|axum::Extension(ConnectInfo(addr))| addr.to_string()).unwrap_or_default(),
+                authorization: headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned),
+            };
             ws.protocols([wire::SUBPROTOCOL])
                 .max_message_size(wire::FRAME_BYTES_MAX)
                 .on_failed_upgrade(|e| tracing::debug!(error = %e, "a tunnel's upgrade failed; nothing was opened"))
-                .on_upgrade(move |socket| open_and_relay(state, slot, end, from, socket))
+                .on_upgrade(move |socket| open_and_relay(state, admitted, socket))
                 .into_response()
         }
         Err(e) => e.into_response(),
@@ -521,11 +533,26 @@ async fn opened(state: &AppState, slot: &TunnelSlot, from: &str) -> Result<Opene
     Ok(Opened { tunnel_id, started: tokio::time::Instant::now() })
 }
 
+/// A spent ticket whose agent attached its end, until the upgrade: what the tunnel opens with.
+struct Admitted {
+    slot: TunnelSlot,
+    end: AgentEnd,
+    /// The client's address.
+    from: String,
+    /// The `Authorization` the client presented, kept in memory (never logged) for the
+    /// rechecks, as a watch keeps it.
+    authorization: Option<String>,
+}
+
 /// The upgraded tunnel: appends `tunnel.opened`, then relays. A tunnel the log cannot record
 /// does not open: the client is sent a `Failure` status and the agent's end is dropped.
-async fn open_and_relay(state: Arc<AppState>, slot: TunnelSlot, end: AgentEnd, from: String, mut socket: WebSocket) {
+async fn open_and_relay(state: Arc<AppState>, admitted: Admitted, mut socket: WebSocket) {
+    let Admitted { slot, end, from, authorization } = admitted;
     match opened(&state, &slot, &from).await {
-        Ok(opened) => relay_and_close(state, slot, opened, end, socket).await,
+        Ok(opened) => {
+            let recheck = recheck(state.clone(), &slot, authorization);
+            relay_and_close(state, slot, opened, end, recheck, socket).await
+        }
         Err(e) => {
             tracing::warn!(node = %slot.grant.node_id, code = %e.code(), error = %e, "a tunnel was not opened: tunnel.opened could not be appended");
             relay::end_broken(&mut socket, "the gateway could not record the tunnel in its log; try again", false).await;
@@ -534,9 +561,17 @@ async fn open_and_relay(state: Arc<AppState>, slot: TunnelSlot, end: AgentEnd, f
 }
 
 /// Relays until the tunnel ends (`relay`), then appends `tunnel.closed`.
-async fn relay_and_close(state: Arc<AppState>, slot: TunnelSlot, opened: Opened, end: AgentEnd, socket: WebSocket) {
+async fn relay_and_close(
+    state: Arc<AppState>,
+    slot: TunnelSlot,
+    opened: Opened,
+    end: AgentEnd,
+    recheck: relay::Recheck,
+    socket: WebSocket,
+) {
     let (to_client, from_client) = socket.split();
-    let relayed = relay::relay(to_client, from_client, end, state.tunnels.limits, state.shutdown.subscribe()).await;
+    let limits = state.tunnels.limits;
+    let relayed = relay::relay(to_client, from_client, end, limits, state.shutdown.subscribe(), recheck).await;
     let closed = TunnelClosed {
         tunnel_id: opened.tunnel_id.clone(),
         node_id: slot.grant.node_id.clone(),
@@ -555,6 +590,71 @@ async fn relay_and_close(state: Arc<AppState>, slot: TunnelSlot, opened: Opened,
         tracing::error!(tunnel = %opened.tunnel_id, code = %e.code(), error = %e, "tunnel.closed could not be appended");
     }
     drop(slot);
+}
+
+/// An open tunnel's recheck (`TUNNEL_RECHECK_S`): the key that opened it, as the client
+/// presented it (`authorization`), must still be live and still grant the tunnel's action in its
+/// tenant (read as a watch reads it again, `watch::still_authorized`), and its target must not
+/// have ended (`decide::tunnel::tunnel_target_ended`). A read that fails ends nothing: the next
+/// recheck reads again.
+fn recheck(state: Arc<AppState>, slot: &TunnelSlot, authorization: Option<String>) -> relay::Recheck {
+    let (tenant, grant, authorization) = (slot.tenant, Arc::new(slot.grant.clone()), Arc::new(authorization));
+    Box::new(move || {
+        let (state, grant, authorization) = (state.clone(), grant.clone(), authorization.clone());
+        Box::pin(async move { still_open(&state, tenant, &grant, authorization.as_deref()).await })
+    })
+}
+
+async fn still_open(
+    state: &AppState,
+    tenant: TenantId,
+    grant: &TunnelGrant,
+    authorization: Option<&str>,
+) -> Option<relay::Ending> {
+    let action = tunnel_action(grant.instance_id.is_none());
+    if let Err(e) = crate::watch::still_authorized(&*state.store, authorization, action, tenant).await {
+        let (reason, message) = match e.code() {
+            ErrorCode::Unauthenticated => (CloseReason::KeyRevoked, "the API key that opened the tunnel was revoked".to_owned()),
+            ErrorCode::AccessDenied => {
+                (CloseReason::AccessLost, format!("the API key that opened the tunnel no longer grants {action}"))
+            }
+            _ => {
+                tracing::warn!(node = %grant.node_id, code = %e.code(), error = %e, "a tunnel's key could not be read again; it stays open until the next recheck");
+                return None;
+            }
+        };
+        return Some(relay::Ending { reason, message });
+    }
+    match target_ended(state, tenant, grant).await {
+        Ok(ended) => ended.map(|message| relay::Ending { reason: CloseReason::TargetEnded, message }),
+        Err(e) => {
+            tracing::warn!(node = %grant.node_id, code = %e.code(), error = %e, "a tunnel's target could not be read again; it stays open until the next recheck");
+            None
+        }
+    }
+}
+
+/// Why the tunnel's target has ended, read as it is now; `None`: it has not.
+async fn target_ended(state: &AppState, tenant: TenantId, grant: &TunnelGrant) -> Result<Option<String>> {
+    async fn read<T: serde::de::DeserializeOwned>(state: &AppState, tenant: TenantId, kind: &str, id: &str) -> Result<Option<T>> {
+        match state.store.row_get(&tenant.to_string(), kind, id).await? {
+            Some(row) => serde_json::from_value(row.doc)
+                .map(Some)
+                .map_err(|e| Error::Internal(format!("projection document {kind}/{id}: {e}"))),
+            None => Ok(None),
+        }
+    }
+    let Some(instance_id) = &grant.instance_id else {
+        let node: Option<NodeDoc> = read(state, tenant, KIND_NODE, &grant.node_id).await?;
+        return Ok(tunnel_target_ended(&TunnelTargetNow::Node { node_id: &grant.node_id, node: node.as_ref() }));
+    };
+    let instance: Option<InstanceDoc> = read(state, tenant, KIND_INSTANCE, instance_id).await?;
+    let reservation: Option<ReservationDoc> = match &instance {
+        Some(doc) => read(state, tenant, KIND_RESERVATION, &doc.reservation_id).await?,
+        None => None,
+    };
+    let now = TunnelTargetNow::Instance { instance_id, instance: instance.as_ref(), reservation: reservation.as_ref() };
+    Ok(tunnel_target_ended(&now))
 }
 
 /// The JSON answer of `tunnels.open`, built by the API's handler.

@@ -99,6 +99,22 @@ pub const WATCH_REAUTH_S: u64 = 30;
 pub const WATCH_PAGE_ROWS: u32 = 500;
 const _: () = assert!(WATCH_BUFFER_EVENTS >= 1 && WATCH_PAGE_ROWS as usize >= WATCH_BUFFER_EVENTS);
 
+/// The key presented as `header` (`Authorization`), read as it is now rather than from the
+/// cache, if it is still live and still grants `action` in `tenant`: a revoked or deleted key is
+/// `UNAUTHENTICATED`, one that no longer grants the action `ACCESS_DENIED`, and a failed read
+/// its own error. What a watch checks every `WATCH_REAUTH_S`, and a tunnel every
+/// `tunnels::TUNNEL_RECHECK_S`, while they last.
+pub(crate) async fn still_authorized(
+    store: &dyn EventStore,
+    header: Option<&str>,
+    action: &str,
+    tenant: TenantId,
+) -> Result<crate::auth::Principal> {
+    let principal = crate::auth::authenticate(store, header).await?;
+    principal.authorize(action, tenant)?;
+    Ok(principal)
+}
+
 /// What a client is sent when nothing else was for `WATCH_HEARTBEAT_S`: an SSE comment.
 const HEARTBEAT: &[u8] = b":\n\n";
 
@@ -281,9 +297,7 @@ impl Watcher {
 
     /// Checks the key again; false (and logged) when it no longer may read `tenant`'s events.
     async fn still_authorized(&mut self, tenant: TenantId) -> bool {
-        let still = crate::auth::authenticate(&*self.store, self.token_header.as_deref())
-            .await
-            .and_then(|p| p.authorize("compute:events:read", tenant));
+        let still = still_authorized(&*self.store, self.token_header.as_deref(), "compute:events:read", tenant).await;
         if still.is_err() {
             tracing::info!(%tenant, "ending a watch whose key is no longer valid");
             return false;

@@ -1,12 +1,14 @@
-//! Tunnels (`schema/TUNNELS.md`): the two events that account for each one, on its node's stream.
-//! A tunnel has no document of its own: the events are the audit record (who had a terminal on
-//! which node, from where, for how long), and nothing typed or printed is ever in them, only
-//! counts. No read model folds them, so they change no row.
+//! Tunnels (`schema/TUNNELS.md`): the two events that account for each one, on its node's stream,
+//! and the one that records a ticket refused. A tunnel has no document of its own: the events are
+//! the audit record (who had a terminal on which node, from where, for how long; who tried a
+//! ticket that was not theirs, or no longer good), and nothing typed or printed is ever in them,
+//! only counts, nor a ticket. No read model folds them, so they change no row.
 
 use serde::{Deserialize, Serialize};
 
 pub const TUNNEL_OPENED: &str = "tunnel.opened";
 pub const TUNNEL_CLOSED: &str = "tunnel.closed";
+pub const TUNNEL_REFUSED: &str = "tunnel.refused";
 
 /// `tunnel.opened`, on `node/node_…`: the agent attached the op's end and the relay started.
 /// The key that opened it is the event's actor.
@@ -42,7 +44,30 @@ pub struct TunnelClosed {
     /// The remote program's exit status, when it exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_status: Option<u8>,
-    /// `exited`, `client-closed`, `agent-gone`, `idle-timeout`, `max-duration`, `shutdown`.
+    /// `exited`, `client-closed`, `agent-gone`, `idle-timeout`, `max-duration`, `shutdown`,
+    /// `key-revoked`, `access-lost`, `target-ended` ([`CloseReason`]).
+    pub reason: String,
+}
+
+/// `tunnel.refused`, on `node/node_…`: a ticket of this node was presented and refused. The key
+/// that presented it is the event's actor; the ticket itself is never in it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelRefused {
+    /// What the ticket was for.
+    pub op: String,
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The API key that presented the ticket (`key_…`).
+    pub key_id: String,
+    /// The API key the ticket was issued to: another than `keyId` for `other-key`.
+    pub ticket_key_id: String,
+    /// The client's address as the gateway saw it (`IP:PORT`).
+    pub from: String,
+    /// `spent`, `expired` or `other-key`.
     pub reason: String,
 }
 
@@ -59,6 +84,13 @@ pub enum CloseReason {
     MaxDuration,
     /// The gateway is stopping.
     Shutdown,
+    /// The API key that opened it was revoked (or is gone).
+    KeyRevoked,
+    /// The API key no longer grants the tunnel's action in its tenant.
+    AccessLost,
+    /// Its node was deleted, or its instance stopped or was deleted, or the reservation holding
+    /// the instance ended.
+    TargetEnded,
 }
 
 impl CloseReason {
@@ -70,6 +102,9 @@ impl CloseReason {
             Self::IdleTimeout => "idle-timeout",
             Self::MaxDuration => "max-duration",
             Self::Shutdown => "shutdown",
+            Self::KeyRevoked => "key-revoked",
+            Self::AccessLost => "access-lost",
+            Self::TargetEnded => "target-ended",
         }
     }
 }

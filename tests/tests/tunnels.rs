@@ -1,11 +1,14 @@
 //! Tunnels end to end (`schema/TUNNELS.md`): `dev` and a fakehw `bcd node`; `better-compute
 //! console --node` driven through a pseudo-terminal by the test as its user; tickets refused
-//! (spent, expired, another tenant's key); and a client the project did not write (Python's
-//! `websockets`) running a command on the node's console and reading its status.
+//! (spent, expired, another tenant's key); a client the project did not write (Python's
+//! `websockets`, `tests/scripts/tunnel_client.py`) running a command on the node's console and
+//! reading its status; and the tunnel ended under it: its key revoked, its maximum duration,
+//! its idle timeout, its agent killed. Each ending is seen by the client and in the log.
 
 use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bc_tests::{AgentNode, Server, wait_until};
 use serde_json::{Value, json};
@@ -149,21 +152,82 @@ async fn a_spent_an_expired_and_another_keys_ticket_are_refused_by_name() {
     assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
 }
 
-/// A client written from schema/TUNNELS.md alone, on Python's `websockets` (PyPI).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_python_websockets_client_runs_a_command_on_the_node_console_and_reads_its_status() {
+/// The client written from schema/TUNNELS.md alone, on Python's `websockets` (PyPI), set to run
+/// `command` on `node`'s console as `token`: it prints what the terminal printed, the status as
+/// `status: JSON` on stderr, and exits with the remote status (255: the tunnel failed).
+fn python_client(server: &Server, node: &str, token: &str, command: &str) -> Command {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = root.join("target/tiles-venv/bin/python");
     assert!(python.exists(), "no Python with websockets at {} (run `make tiles-venv`, which `make test` runs)", python.display());
+    let mut client = Command::new(python);
+    client
+        .arg(root.join("tests/scripts/tunnel_client.py"))
+        .args(["--url", &server.url, "--node", node, "--command", command])
+        .env("BETTER_COMPUTE_TOKEN", token);
+    client
+}
+
+/// [`python_client`] started in the background, its output piped.
+fn python_console(server: &Server, node: &str, token: &str, command: &str) -> Child {
+    python_client(server, node, token, command).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+/// Waits at most `within` for `client` to exit (killed past it): its status, stdout and stderr.
+fn client_exits(mut client: Child, within: Duration) -> (i32, String, String) {
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(status) = client.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = client.kill();
+            let out = client.wait_with_output().unwrap();
+            panic!("the client is still running after {within:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    client.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    client.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code().unwrap_or(-1), out, err)
+}
+
+/// The channel 3 status the Python client printed.
+fn printed_status(stderr: &str) -> Value {
+    let line = stderr.lines().find_map(|l| l.strip_prefix("status: ")).unwrap_or_else(|| panic!("no status: {stderr}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// The first event of `event_type` in the log, once it is there.
+fn event_of(server: &Server, event_type: &str) -> Value {
+    wait_until(&format!("{event_type} is in the log"), Duration::from_secs(15), || {
+        bc_tests::block_on(tunnel_events(server)).into_iter().find(|e| e["type"] == event_type)
+    })
+}
+
+/// The client was told the tunnel failed (`Failure`, no exit status, `reason`), with a message
+/// containing `says`, and exited 255; the tunnel was opened and closed, for `why`, as the log
+/// says. Returns `tunnel.closed`.
+fn tunnel_ended(server: &Server, client: (i32, String, String), reason: &str, says: &str, why: &str) -> Value {
+    let (code, out, err) = client;
+    assert_eq!(code, 255, "{out} {err}");
+    let status = printed_status(&err);
+    assert_eq!((status["status"].as_str(), status["reason"].as_str()), (Some("Failure"), Some(reason)), "{status}");
+    assert!(status["message"].as_str().unwrap().contains(says), "{status}");
+    let opened = event_of(server, "tunnel.opened");
+    let closed = event_of(server, "tunnel.closed");
+    assert_eq!(closed["payload"]["tunnelId"], opened["payload"]["tunnelId"]);
+    assert_eq!(closed["payload"]["reason"], why, "{closed}");
+    assert!(closed["payload"].get("exitStatus").is_none(), "{closed}");
+    closed
+}
+
+/// A client written from schema/TUNNELS.md alone, on Python's `websockets` (PyPI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_websockets_client_runs_a_command_on_the_node_console_and_reads_its_status() {
     let (server, port) = bc_tests::agents_gateway();
     let (_machine, node) = running_node(&server, port).await;
-    let script = root.join("tests/scripts/tunnel_client.py");
-    let out = std::process::Command::new(python)
-        .arg(script)
-        .args(["--url", &server.url, "--node", &node, "--command", "echo from-python; exit 42"])
-        .env("BETTER_COMPUTE_TOKEN", &server.token)
-        .output()
-        .unwrap();
+    let out = python_client(&server, &node, &server.token, "echo from-python; exit 42").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(42), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("from-python"), "{stdout}");
@@ -192,4 +256,24 @@ fn console_events_say(server: &Server, node: &str, exit: u64, typed: usize) -> V
     assert_eq!(closed["payload"]["reason"], "exited");
     assert_eq!(closed["payload"]["bytesIn"].as_u64().unwrap(), typed as u64, "{closed}");
     events
+}
+
+/// A key revoked while its console is open: within a recheck the client is sent a `Failure`
+/// status saying so and the socket closes; `tunnel.closed` says `key-revoked`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_revoked_mid_session_ends_its_tunnel() {
+    let (server, port) = bc_tests::agents_gateway();
+    let (_machine, node) = running_node(&server, port).await;
+    let (status, key) = server.call("apiKeys.create", json!({ "name": "ops", "actions": ["compute:nodes:console"] })).await;
+    assert_eq!(status, 200, "{key}");
+    let client = python_console(&server, &node, key["token"].as_str().unwrap(), "echo ready; sleep 600");
+    let opened = event_of(&server, "tunnel.opened");
+    assert_eq!(opened["actor"], format!("apikey:{}", key["keyId"].as_str().unwrap()));
+    let (status, revoked) = server.call("apiKeys.revoke", json!({ "keyId": key["keyId"] })).await;
+    assert_eq!(status, 200, "{revoked}");
+    let revoked_at = Instant::now();
+    let exited = client_exits(client, Duration::from_secs(20));
+    let within = Duration::from_secs(bc_gateway::tunnels::TUNNEL_RECHECK_S + 3);
+    assert!(revoked_at.elapsed() < within, "ended {:?} after the revocation", revoked_at.elapsed());
+    tunnel_ended(&server, exited, "InternalError", "revoked", "key-revoked");
 }

@@ -13,8 +13,9 @@
 //!   last word goes through it. A client that does not read holds back the node's output (the
 //!   agent's stream, and so the node's terminal, fills), and nothing else.
 //! - The supervisor ([`supervise`]) holds the timers: the idle timeout (a payload byte either
-//!   way moves it; pings, resizes and close frames do not), the maximum duration and the
-//!   gateway's shutdown. When it ends the tunnel, the client is sent a `Failure` status and a
+//!   way moves it; pings, resizes and close frames do not), the maximum duration, the gateway's
+//!   shutdown, and every `TUNNEL_RECHECK_S` the [`Recheck`] (is the key still live and still
+//!   granted the action, has the target ended). When it ends the tunnel, the client is sent a `Failure` status and a
 //!   close through the second task, given `TUNNEL_CLOSE_GRACE_MS` for them, and then both tasks
 //!   are stopped, which drops the agent's end and so ends its call.
 //!
@@ -29,16 +30,28 @@ use std::time::Duration;
 use axum::extract::ws::{CloseFrame, Message};
 use bc_core::tunnel::{self as wire, End, Frame};
 use bc_projections::tunnel::CloseReason;
+use futures::future::BoxFuture;
 use futures::{Sink, SinkExt, Stream, StreamExt};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{AgentEnd, TUNNEL_KEEPALIVE_S, TunnelLimits};
+use super::{AgentEnd, TUNNEL_KEEPALIVE_S, TUNNEL_RECHECK_S, TunnelLimits};
 
 /// Once the supervisor ends a tunnel, the client has this long to be sent its last status and
 /// close before both directions are stopped (a client that reads nothing never gets them).
 pub const TUNNEL_CLOSE_GRACE_MS: u64 = 2_000;
+
+/// Why a recheck ends a tunnel, and what the client is told (its `Failure` status's message).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ending {
+    pub reason: CloseReason,
+    pub message: String,
+}
+
+/// Asked every `TUNNEL_RECHECK_S` while a tunnel is open whether it may stay open: `Some` ends
+/// it. A check that takes longer than that period (a slow database) is given up until the next.
+pub type Recheck = Box<dyn FnMut() -> BoxFuture<'static, Option<Ending>> + Send>;
 
 /// What a relay came to: why it ended, the remote program's exit status if it exited, and the
 /// payload bytes each way.
@@ -109,6 +122,13 @@ enum ToClient {
     Told,
 }
 
+/// What ends a tunnel besides its two sides: the time limits, the gateway's shutdown, rechecks.
+struct Timers {
+    limits: TunnelLimits,
+    shutdown: watch::Receiver<bool>,
+    recheck: Recheck,
+}
+
 /// How the supervisor ended the tunnel.
 enum Verdict {
     /// The node-to-client task ended first, so.
@@ -145,6 +165,7 @@ pub async fn relay<Tx, Rx>(
     end: AgentEnd,
     limits: TunnelLimits,
     shutdown: watch::Receiver<bool>,
+    recheck: Recheck,
 ) -> Relayed
 where
     Tx: Sink<Message> + Send + Unpin + 'static,
@@ -155,7 +176,8 @@ where
     let AgentEnd { from_node, to_node } = end;
     let mut up = tokio::spawn(client_to_node(from_client, to_node, counters.clone()));
     let mut down = tokio::spawn(node_to_client(from_node, to_client, to_say, counters.clone()));
-    let verdict = supervise(&mut up, &mut down, &last_word, &counters, limits, shutdown).await;
+    let timers = Timers { limits, shutdown, recheck };
+    let verdict = supervise(&mut up, &mut down, &last_word, &counters, timers).await;
     // The agent's end goes with the client's: its call ends, and the node hangs the program up.
     up.abort();
     let (reason, down_ended) = match verdict {
@@ -187,9 +209,12 @@ async fn supervise(
     down: &mut JoinHandle<ToClient>,
     last_word: &mpsc::Sender<LastWord>,
     counters: &Counters,
-    limits: TunnelLimits,
-    mut shutdown: watch::Receiver<bool>,
+    timers: Timers,
 ) -> Verdict {
+    let Timers { limits, mut shutdown, mut recheck } = timers;
+    let every = Duration::from_secs(TUNNEL_RECHECK_S);
+    let mut rechecks = tokio::time::interval_at(Instant::now() + every, every);
+    rechecks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let deadline = tokio::time::sleep(limits.max_duration);
     tokio::pin!(deadline);
     let idle = tokio::time::sleep(limits.idle_timeout);
@@ -220,6 +245,11 @@ async fn supervise(
                 return broken(message, true, CloseReason::MaxDuration);
             }
             _ = shutdown.changed() => return broken("the gateway is stopping".into(), false, CloseReason::Shutdown),
+            _ = rechecks.tick() => {
+                if let Ok(Some(ending)) = tokio::time::timeout(every, recheck()).await {
+                    return broken(ending.message, false, ending.reason);
+                }
+            }
         }
     }
 }
@@ -350,6 +380,10 @@ mod tests {
     }
 
     fn rig(idle_s: u64, max_s: u64) -> Rig {
+        rig_rechecked(idle_s, max_s, Box::new(|| Box::pin(async { None })))
+    }
+
+    fn rig_rechecked(idle_s: u64, max_s: u64, recheck: Recheck) -> Rig {
         let (to_node, node_gets) = mpsc::channel(super::super::TUNNEL_FRAMES_QUEUED);
         let (node_sends, from_node) = mpsc::channel(super::super::TUNNEL_FRAMES_QUEUED);
         let end = AgentEnd { from_node: Box::pin(ReceiverStream::new(from_node)), to_node };
@@ -361,7 +395,7 @@ mod tests {
             ..TunnelLimits::default()
         };
         let (shutdown, stopping) = watch::channel(false);
-        let relay = tokio::spawn(relay(to_client, from_client, end, limits, stopping));
+        let relay = tokio::spawn(relay(to_client, from_client, end, limits, stopping, recheck));
         Rig { client_sends, client_gets, node_sends, node_gets, _shutdown: shutdown, relay }
     }
 
@@ -441,6 +475,30 @@ mod tests {
         let got = reading.await.unwrap();
         assert_eq!(status_of(&got[1]), End::Broken { message: "no data either way for 10 s".into(), timeout: true });
         assert!(matches!(got.last(), Some(Message::Close(_))), "{got:?}");
+    }
+
+    /// A recheck that finds the tunnel must end ends it, with its reason, and the client is told
+    /// why; until then the tunnel stays open.
+    #[tokio::test(start_paused = true)]
+    async fn a_recheck_that_says_so_ends_the_tunnel() {
+        let asked = Arc::new(AtomicU64::new(0));
+        let recheck: Recheck = Box::new({
+            let asked = asked.clone();
+            move || {
+                let n = asked.fetch_add(1, Ordering::Relaxed) + 1;
+                Box::pin(async move {
+                    (n == 3).then(|| Ending { reason: CloseReason::KeyRevoked, message: "the key was revoked".into() })
+                })
+            }
+        });
+        let rig = rig_rechecked(3600, 3600, recheck);
+        let reading = tokio::spawn(client_reads(rig.client_gets));
+        let started = Instant::now();
+        assert_eq!(rig.relay.await.unwrap().reason, CloseReason::KeyRevoked);
+        assert_eq!(started.elapsed(), Duration::from_secs(3 * TUNNEL_RECHECK_S), "the third recheck ended it");
+        let got = reading.await.unwrap();
+        assert_eq!(status_of(&got[0]), End::Broken { message: "the key was revoked".into(), timeout: false });
+        assert!(matches!(got.last(), Some(Message::Close(Some(f))) if f.code == 1000), "{got:?}");
     }
 
     /// The gateway stopping ends the tunnel with a `Failure` status.

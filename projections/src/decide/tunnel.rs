@@ -1,11 +1,14 @@
 //! `tunnels.open`: which action a tunnel is decided as, and whether it may open
 //! ([`tunnel_open`]): the op against the target, the node's agent and what it advertises, and the
-//! bounds on open tunnels. Pure: the gateway reads the documents, its live sessions and its
+//! bounds on open tunnels; and, while it is open, whether its target has ended
+//! ([`tunnel_target_ended`]). Pure: the gateway reads the documents, its live sessions and its
 //! counts, and holds the ticket this grants; nothing is appended until the tunnel opens.
 
 use bc_core::tunnel::{CAPABILITY_INSTANCE_DIAL, CAPABILITY_NODE_CONSOLE, Op};
 
-use crate::instance::InstanceState;
+use crate::instance::{DesiredState, InstanceDoc, InstanceState};
+use crate::node::NodeDoc;
+use crate::reservation::{ReservationDoc, ReservationState};
 
 pub const ACTION_NODE_CONSOLE: &str = "compute:nodes:console";
 pub const ACTION_INSTANCE_EXEC: &str = "compute:instances:exec";
@@ -166,6 +169,55 @@ pub fn tunnel_open(input: &TunnelOpenInput<'_>) -> Result<TunnelGrant, TunnelRef
     Ok(TunnelGrant { op: input.op, node_id, instance_id, port })
 }
 
+/// An open tunnel's target as it is now, re-read while the tunnel lasts: `None` where no
+/// document is (deleted).
+#[derive(Clone, Copy, Debug)]
+pub enum TunnelTargetNow<'a> {
+    Node {
+        node_id: &'a str,
+        node: Option<&'a NodeDoc>,
+    },
+    /// An instance and the reservation holding its GPUs (`InstanceDoc::reservation_id`).
+    Instance {
+        instance_id: &'a str,
+        instance: Option<&'a InstanceDoc>,
+        reservation: Option<&'a ReservationDoc>,
+    },
+}
+
+/// Why an open tunnel's target has ended (the tunnel then closes as `target-ended`), or `None`
+/// while it may stay open: a node deleted or without its agent; an instance deleted, asked to
+/// stop or be deleted, or stopped, failed or deleted; the reservation holding the instance
+/// ended. A node's own reservations do not end a console on it: its owner opened that.
+pub fn tunnel_target_ended(now: &TunnelTargetNow<'_>) -> Option<String> {
+    match *now {
+        TunnelTargetNow::Node { node_id, node } => match node {
+            None => Some(format!("node {node_id} was deleted")),
+            Some(doc) if doc.agent.is_none() => Some(format!("node {node_id} no longer has an agent")),
+            Some(_) => None,
+        },
+        TunnelTargetNow::Instance { instance_id, instance, reservation } => {
+            let Some(doc) = instance else { return Some(format!("instance {instance_id} was deleted")) };
+            if doc.desired != DesiredState::Running {
+                return Some(format!("instance {instance_id} is asked to be {}", doc.desired.as_str()));
+            }
+            if matches!(
+                doc.state,
+                InstanceState::Stopped | InstanceState::Deleting | InstanceState::Failed | InstanceState::Deleted
+            ) {
+                return Some(format!("instance {instance_id} is {}", doc.state.as_str()));
+            }
+            match reservation {
+                None => Some(format!("the reservation {} holding instance {instance_id} is gone", doc.reservation_id)),
+                Some(r) if r.state != ReservationState::Active => {
+                    Some(format!("the reservation {} holding instance {instance_id} is {}", r.reservation_id, r.state.as_str()))
+                }
+                Some(_) => None,
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +278,98 @@ mod tests {
             assert!(refused.message.contains(CAPABILITY_NODE_CONSOLE), "{}", refused.message);
         }
         assert!(open(Op::Console, NODE, None, Some(&console_caps())).is_ok());
+    }
+
+    fn node_doc(agent: bool) -> NodeDoc {
+        let mut doc: NodeDoc = serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_01", "nodeId": "node_1", "poolId": "pool_01", "name": "n1", "gpus": [],
+            "labels": {}, "state": "ready", "version": 4, "createdAtMs": 0, "updatedAtMs": 0,
+        }))
+        .unwrap();
+        doc.agent = agent.then(|| {
+            serde_json::from_value(serde_json::json!({
+                "publicKey": "", "agentVersion": "0", "hostname": "h", "joinTokenId": "jt_01", "joinedAtMs": 0,
+                "reachable": true, "leaseExpiresAtMs": 0, "journalSeq": 0, "journalHash": "",
+            }))
+            .unwrap()
+        });
+        doc
+    }
+
+    fn instance_doc(desired: DesiredState, state: InstanceState) -> InstanceDoc {
+        InstanceDoc {
+            tenant_id: "ten_01".into(),
+            instance_id: "inst_1".into(),
+            name: "i1".into(),
+            pool_id: "pool_01".into(),
+            node_id: "node_1".into(),
+            reservation_id: "rsv_1".into(),
+            shape: crate::instance::InstanceShape { flavor_id: "flv_1".into(), vcpus: 1, memory_mib: 512, disk_gib: 1 },
+            gpus: Vec::new(),
+            image: crate::instance::InstanceImage {
+                image_id: "img_1".into(),
+                url: "https://example.com/i.qcow2".into(),
+                sha256: String::new(),
+                disk_format: crate::events::DiskFormat::Qcow2,
+                size_bytes: None,
+            },
+            desired,
+            generation: 1,
+            state,
+            observed: None,
+            apply: crate::instance::ApplyStatus {
+                command_id: String::new(),
+                generation: 1,
+                deadline_at_ms: 0,
+                answered_at_ms: None,
+                failed: None,
+            },
+            apply_attempts: 0,
+            last_error: None,
+            version: 1,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        }
+    }
+
+    fn reservation_doc(state: ReservationState) -> ReservationDoc {
+        let ask = crate::reservation::ReservationRequested {
+            pool_id: "pool_01".into(),
+            gpus: 1,
+            duration_s: 60,
+            selector: String::new(),
+            nvlink: false,
+            tolerations: Vec::new(),
+        };
+        ReservationDoc { state, ..ReservationDoc::requested("ten_01".into(), "rsv_1".into(), ask, 1, 0, 0) }
+    }
+
+    #[test]
+    fn an_open_tunnel_ends_with_its_node_its_instance_or_the_instances_reservation() {
+        let node = |doc: Option<&NodeDoc>| tunnel_target_ended(&TunnelTargetNow::Node { node_id: "node_1", node: doc });
+        assert_eq!(node(Some(&node_doc(true))), None);
+        assert!(node(None).unwrap().contains("node node_1 was deleted"));
+        assert!(node(Some(&node_doc(false))).unwrap().contains("no longer has an agent"));
+
+        let active = reservation_doc(ReservationState::Active);
+        let instance = |doc: Option<&InstanceDoc>, reservation: Option<&ReservationDoc>| {
+            tunnel_target_ended(&TunnelTargetNow::Instance { instance_id: "inst_1", instance: doc, reservation })
+        };
+        let running = instance_doc(DesiredState::Running, InstanceState::Running);
+        assert_eq!(instance(Some(&running), Some(&active)), None);
+        assert_eq!(instance(Some(&instance_doc(DesiredState::Running, InstanceState::Drifted)), Some(&active)), None);
+        assert!(instance(None, Some(&active)).unwrap().contains("instance inst_1 was deleted"));
+        let stopping = instance_doc(DesiredState::Stopped, InstanceState::Running);
+        assert!(instance(Some(&stopping), Some(&active)).unwrap().contains("asked to be stopped"));
+        for state in [InstanceState::Stopped, InstanceState::Deleting, InstanceState::Failed, InstanceState::Deleted] {
+            let ended = instance(Some(&instance_doc(DesiredState::Running, state)), Some(&active)).unwrap();
+            assert!(ended.contains(state.as_str()), "{ended}");
+        }
+        assert!(instance(Some(&running), None).unwrap().contains("rsv_1"));
+        for state in [ReservationState::Released, ReservationState::Expired, ReservationState::Failed] {
+            let ended = instance(Some(&running), Some(&reservation_doc(state))).unwrap();
+            assert!(ended.contains("reservation rsv_1") && ended.contains(state.as_str()), "{ended}");
+        }
     }
 
     #[test]
