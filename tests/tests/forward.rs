@@ -27,6 +27,8 @@ use sha2::{Digest, Sha256};
 const NODE_TUNNELS_MAX: usize = 7;
 /// The bytes sent each way through one forwarded connection.
 const TRANSFER_BYTES: usize = 1 << 30;
+/// The bytes echoed through one connection, both ways at once.
+const ECHO_BYTES: usize = 64 << 20;
 /// What the CLI's resident memory may grow by while a local reader stalls: the 16 MiB it holds
 /// for the reader before it disconnects it, and the allocator's slack (measured: 20 MiB).
 const BEHIND_RSS_MAX_BYTES: u64 = 32 << 20;
@@ -308,6 +310,31 @@ fn upload(mut socket: TcpStream) -> ([u8; 32], [u8; 32], Duration) {
     (hash.finalize().into(), answered, started.elapsed())
 }
 
+/// Sends `bytes` of [`Noise`] through `socket` while reading back as many (an echo): the SHA-256
+/// of what was sent and of what came back.
+fn echo_through(socket: TcpStream, bytes: usize) -> ([u8; 32], [u8; 32]) {
+    let mut writer = socket.try_clone().unwrap();
+    let sending = std::thread::spawn(move || {
+        let (noise, mut block, mut hash) = (Noise::new(), Vec::new(), Sha256::new());
+        for index in 0..bytes >> 20 {
+            noise.block(index, &mut block);
+            hash.update(&block);
+            writer.write_all(&block).unwrap();
+        }
+        <[u8; 32]>::from(hash.finalize())
+    });
+    let mut reader = socket;
+    reader.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let (mut hash, mut buffer, mut left) = (Sha256::new(), vec![0u8; 1 << 20], bytes);
+    while left > 0 {
+        let n = reader.read(&mut buffer[..left.min(1 << 20)]).unwrap();
+        assert!(n > 0, "the echo ended {left} bytes early");
+        hash.update(&buffer[..n]);
+        left -= n;
+    }
+    (sending.join().unwrap(), hash.finalize().into())
+}
+
 /// Asks the transfer server for `TRANSFER_BYTES` through `socket` and reads them to the end:
 /// their SHA-256, and how long it took.
 fn download(mut socket: TcpStream) -> ([u8; 32], Duration) {
@@ -358,6 +385,15 @@ async fn forward_carries_a_gibibyte_ten_connections_and_keeps_its_memory_bounded
     forward.interrupt();
     let echo = echo_server();
     let forward = Forward::start(&world.server, &world.instance, echo);
+
+    // Both ways at once on one connection (each side's directions are separate tasks): what
+    // comes back from the guest's echo is what was sent.
+    let (sent, echoed) = echo_through(forward.connect(), ECHO_BYTES);
+    assert_eq!(hex::encode(echoed), hex::encode(sent), "{ECHO_BYTES} bytes echoed at once");
+    wait_until("the echo's tunnel.closed", Duration::from_secs(20), || {
+        let events = bc_tests::block_on(tunnel_events(&world.server));
+        (events.iter().filter(|e| e["type"] == "tunnel.closed").count() == 3).then_some(())
+    });
 
     // Ten at once: the node carries NODE_TUNNELS_MAX, the others are closed with a note.
     let sockets: Vec<TcpStream> = (0..10).map(|_| forward.connect()).collect();

@@ -70,6 +70,9 @@ pub async fn run(ctx: &Context, args: ForwardArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::new("UNAVAILABLE", format!("cannot listen on {wanted}: {e}")))?;
     let local = listener.local_addr().map_err(|e| CliError::new("INTERNAL", format!("the listening address: {e}")))?;
     eprintln!("forwarding {local} to port {} of {instance} (Ctrl-C stops)", args.port);
+    if !args.bind.is_loopback() {
+        eprintln!("forward: {} is not a loopback address: whoever reaches it uses your access", args.bind);
+    }
     let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| CliError::new("INTERNAL", format!("watching for SIGTERM: {e}")))?;
