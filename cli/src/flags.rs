@@ -313,6 +313,19 @@ pub fn parse_node_lease_ms(text: &str) -> Result<u64, String> {
     Ok(value.as_millis() as u64)
 }
 
+/// `--tunnel-idle-timeout`, `--tunnel-max-duration`: whole milliseconds, from a second to
+/// `tunnels::TUNNEL_TIMEOUT_MAX_S`.
+pub fn parse_tunnel_duration_ms(text: &str) -> Result<u64, String> {
+    let max = Duration::from_secs(bc_gateway::tunnels::TUNNEL_TIMEOUT_MAX_S);
+    Ok(parse_duration(text, SECOND, max, MILLISECOND)?.as_millis() as u64)
+}
+
+/// `--tunnel-ticket-ttl`: whole milliseconds, from a second to `tunnels::TICKET_TTL_MAX_S`.
+pub fn parse_ticket_ttl_ms(text: &str) -> Result<u64, String> {
+    let max = Duration::from_secs(bc_gateway::tunnels::TICKET_TTL_MAX_S);
+    Ok(parse_duration(text, SECOND, max, MILLISECOND)?.as_millis() as u64)
+}
+
 /// `--for`, `--by`: whole seconds, more than zero (a reservation lasts at least a second).
 pub fn parse_duration_s(text: &str) -> Result<u64, String> {
     Ok(parse_duration(text, SECOND, Duration::from_secs(RESERVATION_DURATION_S_MAX), SECOND)?.as_secs())
@@ -326,6 +339,16 @@ mod tests {
     #[test]
     fn the_command_tree_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn tunnel_durations() {
+        assert_eq!(parse_tunnel_duration_ms("2s"), Ok(2_000));
+        assert_eq!(parse_tunnel_duration_ms("12h"), Ok(12 * 3600 * 1000));
+        assert!(parse_tunnel_duration_ms("500ms").unwrap_err().contains("shorter than"));
+        assert!(parse_tunnel_duration_ms("8d").unwrap_err().contains("longer than"));
+        assert_eq!(parse_ticket_ttl_ms("30s"), Ok(30_000));
+        assert!(parse_ticket_ttl_ms("6m").unwrap_err().contains("longer than"));
     }
 
     #[test]

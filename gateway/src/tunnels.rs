@@ -29,7 +29,9 @@ use bc_core::{Error, ErrorCode, Result};
 use bc_projections::decide::tunnel::{
     TunnelCounts, TunnelGrant, TunnelRefusal, TunnelRefusalKind, TunnelTargetNow, tunnel_action, tunnel_target_ended,
 };
-use bc_projections::tunnel::{CloseReason, TUNNEL_CLOSED, TUNNEL_OPENED, TunnelClosed, TunnelOpened};
+use bc_projections::tunnel::{
+    CloseReason, TUNNEL_CLOSED, TUNNEL_OPENED, TUNNEL_REFUSED, TunnelClosed, TunnelOpened, TunnelRefused,
+};
 use bc_projections::{InstanceDoc, KIND_INSTANCE, KIND_NODE, KIND_RESERVATION, NodeDoc, ReservationDoc, stream_of};
 use futures::{Stream, StreamExt};
 use serde_json::json;
@@ -48,6 +50,13 @@ pub use relay::{Ending, Relayed, TUNNEL_CLOSE_GRACE_MS};
 pub const TICKETS_MAX: usize = 4096;
 /// A ticket is remembered at most this long past its expiry.
 pub const TICKET_FORGET_AFTER_MS: u64 = 60_000;
+/// The longest a ticket may be good for (`--tunnel-ticket-ttl`; 30 s by default,
+/// `bc_core::tunnel::TICKET_TTL_MS`): a ticket is a bearer secret, used at once.
+pub const TICKET_TTL_MAX_S: u64 = 300;
+const _: () = assert!(wire::TICKET_TTL_MS <= TICKET_TTL_MAX_S * 1000);
+/// Refusals of one ticket recorded as `tunnel.refused`: past them a refusal is only answered, so
+/// a client retrying a spent ticket in a loop cannot flood the node's stream.
+pub const TICKET_REFUSALS_RECORDED_MAX: u8 = 8;
 /// Tunnels open at once per tenant, per API key and per node (`--tunnels-per-tenant-max`,
 /// `--tunnels-per-key-max`, `--tunnels-per-node-max`). Each is one HTTP/2 stream of the agent's
 /// connection, which carries `agents::AGENT_STREAMS_PER_CONNECTION_MAX` with its session.
@@ -59,6 +68,9 @@ const _: () = assert!(TUNNELS_PER_NODE_MAX < crate::agents::AGENT_STREAMS_PER_CO
 pub const TUNNEL_IDLE_TIMEOUT_S: u64 = 900;
 /// The longest a tunnel stays open (`--tunnel-max-duration`).
 pub const TUNNEL_MAX_DURATION_S: u64 = 12 * 3600;
+/// The longest `--tunnel-idle-timeout` and `--tunnel-max-duration` may be.
+pub const TUNNEL_TIMEOUT_MAX_S: u64 = 7 * 24 * 3600;
+const _: () = assert!(TUNNEL_IDLE_TIMEOUT_S <= TUNNEL_TIMEOUT_MAX_S && TUNNEL_MAX_DURATION_S <= TUNNEL_TIMEOUT_MAX_S);
 /// The agent must attach its end within this of the upgrade.
 pub const AGENT_ATTACH_TIMEOUT_MS: u64 = 10_000;
 /// Frames queued each way between the WebSocket and the agent's stream: a slow reader holds the
@@ -84,6 +96,8 @@ pub struct TunnelLimits {
     pub per_node_max: usize,
     pub idle_timeout: Duration,
     pub max_duration: Duration,
+    /// How long a ticket is good for (`--tunnel-ticket-ttl`).
+    pub ticket_ttl: Duration,
 }
 
 impl Default for TunnelLimits {
@@ -94,6 +108,7 @@ impl Default for TunnelLimits {
             per_node_max: TUNNELS_PER_NODE_MAX,
             idle_timeout: Duration::from_secs(TUNNEL_IDLE_TIMEOUT_S),
             max_duration: Duration::from_secs(TUNNEL_MAX_DURATION_S),
+            ticket_ttl: Duration::from_millis(wire::TICKET_TTL_MS),
         }
     }
 }
@@ -131,6 +146,8 @@ struct Ticket {
     grant: TunnelGrant,
     expires_at_ms: u64,
     spent: bool,
+    /// Its refusals recorded as `tunnel.refused` so far (at most `TICKET_REFUSALS_RECORDED_MAX`).
+    refusals_recorded: u8,
 }
 
 /// A node whose agent holds a session with this process.
@@ -279,7 +296,7 @@ impl Drop for TunnelSlot {
 }
 
 /// Why a ticket cannot be spent.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpendRefusal {
     Unknown,
     OtherKey,
@@ -287,20 +304,48 @@ pub enum SpendRefusal {
     Expired,
 }
 
-impl From<SpendRefusal> for Error {
-    fn from(refusal: SpendRefusal) -> Self {
-        match refusal {
-            SpendRefusal::Unknown => Error::not_found("ticket (never issued, or forgotten after it expired)"),
-            SpendRefusal::OtherKey => Error::AccessDenied("this ticket was issued to another API key".into()),
-            SpendRefusal::Spent => {
-                Error::state("this ticket was spent already: a ticket opens one tunnel", "call tunnels.open again")
-            }
-            SpendRefusal::Expired => Error::state(
-                format!("this ticket expired: a ticket is good for {} s", wire::TICKET_TTL_MS / 1000),
-                "call tunnels.open again and connect at once",
-            ),
+impl SpendRefusal {
+    /// The refusal as the answer's `details.reason` and `tunnel.refused`'s `reason` say it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unknown => "unknown",
+            Self::OtherKey => "other-key",
+            Self::Spent => "spent",
+            Self::Expired => "expired",
         }
     }
+
+    /// The API's answer (a ticket is good for `ticket_ttl`), with `details.reason`.
+    pub fn answer(self, ticket_ttl: Duration) -> ApiError {
+        let error = match self {
+            Self::Unknown => Error::not_found("ticket (never issued, or forgotten after it expired)"),
+            Self::OtherKey => Error::AccessDenied("this ticket was issued to another API key".into()),
+            Self::Spent => Error::state("this ticket was spent already: a ticket opens one tunnel", "call tunnels.open again"),
+            Self::Expired => Error::state(
+                format!("this ticket expired: a ticket is good for {} s", ticket_ttl.as_secs_f64()),
+                "call tunnels.open again and connect at once",
+            ),
+        };
+        ApiError::with_details(error, json!({ "reason": self.as_str() }))
+    }
+}
+
+/// A refused spend: why, and the ticket's binding when the ticket is known and this refusal is
+/// to be recorded (`tunnel.refused`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Refused {
+    pub why: SpendRefusal,
+    pub record: Option<RefusedTicket>,
+}
+
+/// What `tunnel.refused` says of the refused ticket (never the ticket itself).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefusedTicket {
+    /// The tenant it was issued in: the node's.
+    pub tenant: TenantId,
+    /// The key it was issued to.
+    pub key_id: String,
+    pub grant: TunnelGrant,
 }
 
 impl Tunnels {
@@ -358,26 +403,33 @@ impl Tunnels {
             base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
         );
         debug_assert!(wire::is_ticket(&ticket));
-        let expires_at_ms = now_ms + wire::TICKET_TTL_MS;
+        let expires_at_ms = now_ms + u64::try_from(self.limits.ticket_ttl.as_millis()).unwrap_or(u64::MAX);
         inner.take(tenant, key_id, &grant.node_id);
-        inner.tickets.insert(ticket.clone(), Ticket { tenant, key_id: key_id.to_owned(), grant, expires_at_ms, spent: false });
+        let issued = Ticket { tenant, key_id: key_id.to_owned(), grant, expires_at_ms, spent: false, refusals_recorded: 0 };
+        inner.tickets.insert(ticket.clone(), issued);
         Ok((ticket, expires_at_ms))
     }
 
     /// Spends `ticket` for `key_id`: it is the caller's, unspent and unexpired. The slot holds
-    /// the tunnel's place in the counts until it is dropped.
-    pub fn spend(self: &Arc<Self>, ticket: &str, key_id: &str, now_ms: u64) -> std::result::Result<TunnelSlot, SpendRefusal> {
+    /// the tunnel's place in the counts until it is dropped. A refusal of a known ticket carries
+    /// what `tunnel.refused` records, for its first `TICKET_REFUSALS_RECORDED_MAX` refusals.
+    pub fn spend(self: &Arc<Self>, ticket: &str, key_id: &str, now_ms: u64) -> std::result::Result<TunnelSlot, Refused> {
         let mut inner = self.lock();
         inner.sweep(now_ms);
-        let t = inner.tickets.get_mut(ticket).ok_or(SpendRefusal::Unknown)?;
-        if t.key_id != key_id {
-            return Err(SpendRefusal::OtherKey);
-        }
-        if t.spent {
-            return Err(if now_ms >= t.expires_at_ms { SpendRefusal::Expired } else { SpendRefusal::Spent });
-        }
-        t.spent = true;
-        Ok(TunnelSlot { tunnels: self.clone(), tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() })
+        let Some(t) = inner.tickets.get_mut(ticket) else { return Err(Refused { why: SpendRefusal::Unknown, record: None }) };
+        let why = if t.key_id != key_id {
+            SpendRefusal::OtherKey
+        } else if t.spent {
+            if now_ms >= t.expires_at_ms { SpendRefusal::Expired } else { SpendRefusal::Spent }
+        } else {
+            t.spent = true;
+            return Ok(TunnelSlot { tunnels: self.clone(), tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() });
+        };
+        let record = (t.refusals_recorded < TICKET_REFUSALS_RECORDED_MAX).then(|| {
+            t.refusals_recorded += 1;
+            RefusedTicket { tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() }
+        });
+        Err(Refused { why, record })
     }
 
     /// Asks the node's session to attach a tunnel's end, and waits for its `Tunnel` call. The
@@ -450,12 +502,13 @@ pub async fn upgrade(
     headers: HeaderMap,
     ws: std::result::Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
-    match prepare(&state, &ticket, &headers, ws).await {
+    let from = peer.map(|axum::Extension(ConnectInfo(addr))| addr.to_string()).unwrap_or_default();
+    match prepare(&state, &ticket, &from, &headers, ws).await {
         Ok((ws, slot, end)) => {
             let admitted = Admitted {
                 slot,
                 end,
-                from: peer.map(|axum::Extension(ConnectInfo(addr))| addr.to_string()).unwrap_or_default(),
+                from,
                 authorization: headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned),
             };
             ws.protocols([wire::SUBPROTOCOL])
@@ -468,15 +521,19 @@ pub async fn upgrade(
     }
 }
 
+/// Everything `upgrade` checks and does before the `101`. A refused ticket of a known node is
+/// recorded (`tunnel.refused`, from `from`) before the answer.
 async fn prepare(
     state: &Arc<AppState>,
     ticket: &str,
+    from: &str,
     headers: &HeaderMap,
     ws: std::result::Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> std::result::Result<(WebSocketUpgrade, TunnelSlot, AgentEnd), ApiError> {
+    let ticket_ttl = state.tunnels.limits.ticket_ttl;
     // The form of the ticket before anything that reads the store or hashes a secret.
     if !wire::is_ticket(ticket) {
-        return Err(Error::from(SpendRefusal::Unknown).into());
+        return Err(SpendRefusal::Unknown.answer(ticket_ttl));
     }
     let ws = ws.map_err(|e| Error::invalid(format!("GET /tunnels/TICKET is a WebSocket upgrade: {e}")))?;
     let offered = headers
@@ -495,7 +552,15 @@ async fn prepare(
     // Read as it is now, not from the cache: a key revoked a moment ago opens nothing.
     let authorization = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
     let principal = crate::auth::authenticate(&*state.store, authorization).await?;
-    let slot = state.tunnels.spend(ticket, &principal.key_id, state.log.clock.now_ms()).map_err(Error::from)?;
+    let slot = match state.tunnels.spend(ticket, &principal.key_id, state.log.clock.now_ms()) {
+        Ok(slot) => slot,
+        Err(Refused { why, record }) => {
+            if let Some(refused) = record {
+                record_refusal(state, &refused, &principal.key_id, from, why).await;
+            }
+            return Err(why.answer(ticket_ttl));
+        }
+    };
     let end = state.tunnels.dial(&slot.grant, Duration::from_millis(AGENT_ATTACH_TIMEOUT_MS)).await?;
     Ok((ws, slot, end))
 }
@@ -506,15 +571,48 @@ struct Opened {
     started: tokio::time::Instant,
 }
 
-fn actor(slot: &TunnelSlot) -> String {
-    format!("apikey:{}", slot.key_id)
+async fn append_node_event(state: &AppState, slot: &TunnelSlot, event_type: &str, payload: ciborium::Value) -> Result<()> {
+    append_on_node(state, slot.tenant, &slot.grant.node_id, &slot.key_id, event_type, payload).await
 }
 
-async fn append_node_event(state: &AppState, slot: &TunnelSlot, event_type: &str, payload: ciborium::Value) -> Result<()> {
-    let stream = stream_of(KIND_NODE, &slot.grant.node_id);
-    let request =
-        AppendRequest::new(slot.tenant, stream, ExpectedVersion::Any, actor(slot), vec![NewEvent::new(event_type, payload)]);
+/// Appends one event on `node`'s stream of `tenant`, its actor the API key `key_id`.
+async fn append_on_node(
+    state: &AppState,
+    tenant: TenantId,
+    node: &str,
+    key_id: &str,
+    event_type: &str,
+    payload: ciborium::Value,
+) -> Result<()> {
+    let stream = stream_of(KIND_NODE, &node);
+    let actor = format!("apikey:{key_id}");
+    let request = AppendRequest::new(tenant, stream, ExpectedVersion::Any, actor, vec![NewEvent::new(event_type, payload)]);
     state.log.append(request).await.map(|_| ())
+}
+
+/// Records a refused ticket as `tunnel.refused` on its node's stream: who presented it (`key_id`,
+/// the event's actor), from where, what it was for, and why it was refused. A failed append is
+/// logged and the refusal answered all the same.
+async fn record_refusal(state: &AppState, refused: &RefusedTicket, key_id: &str, from: &str, why: SpendRefusal) {
+    let grant = &refused.grant;
+    let event = TunnelRefused {
+        op: grant.op.as_str().to_owned(),
+        node_id: grant.node_id.clone(),
+        instance_id: grant.instance_id.clone(),
+        port: grant.port,
+        key_id: key_id.to_owned(),
+        ticket_key_id: refused.key_id.clone(),
+        from: from.to_owned(),
+        reason: why.as_str().to_owned(),
+    };
+    let appended = match bc_projections::events::to_cbor(&event) {
+        Ok(payload) => append_on_node(state, refused.tenant, &grant.node_id, key_id, TUNNEL_REFUSED, payload).await,
+        Err(e) => Err(e),
+    };
+    match appended {
+        Ok(()) => tracing::info!(node = %grant.node_id, reason = why.as_str(), "a tunnel's ticket was refused"),
+        Err(e) => tracing::warn!(node = %grant.node_id, code = %e.code(), error = %e, "tunnel.refused could not be appended"),
+    }
 }
 
 async fn opened(state: &AppState, slot: &TunnelSlot, from: &str) -> Result<Opened> {
@@ -670,6 +768,29 @@ mod tests {
         TunnelGrant { op: Op::Console, node_id: node.into(), instance_id: None, port: None }
     }
 
+    fn why(spent: std::result::Result<TunnelSlot, Refused>) -> Option<SpendRefusal> {
+        spent.err().map(|refused| refused.why)
+    }
+
+    /// A refusal of a known ticket carries what `tunnel.refused` records (the ticket's tenant,
+    /// key and grant), for its first `TICKET_REFUSALS_RECORDED_MAX` refusals only; an unknown
+    /// ticket's carries nothing.
+    #[test]
+    fn a_refused_ticket_is_recorded_a_bounded_number_of_times() {
+        let tunnels = Tunnels::new(TunnelLimits::default());
+        let tenant = TenantId::generate();
+        let (ticket, _) = tunnels.issue(tenant, "key_a", "node_1", 0, |_, _| Ok(grant("node_1"))).unwrap();
+        let refused = tunnels.spend(&ticket, "key_b", 1).err().unwrap();
+        let expected = RefusedTicket { tenant, key_id: "key_a".into(), grant: grant("node_1") };
+        assert_eq!(refused, Refused { why: SpendRefusal::OtherKey, record: Some(expected) });
+        drop(tunnels.spend(&ticket, "key_a", 2).unwrap());
+        let recorded = (0..20).filter(|_| tunnels.spend(&ticket, "key_a", 3).err().unwrap().record.is_some()).count();
+        assert_eq!(recorded, usize::from(TICKET_REFUSALS_RECORDED_MAX) - 1, "one was the other key's");
+        assert_eq!(tunnels.spend("bctt_never", "key_a", 3).err().unwrap(), Refused { why: SpendRefusal::Unknown, record: None });
+        let answer = SpendRefusal::Expired.answer(Duration::from_secs(30));
+        assert_eq!((answer.error.code(), answer.details["reason"].as_str()), (ErrorCode::InvalidState, Some("expired")));
+    }
+
     #[test]
     fn a_ticket_is_spent_once_by_its_own_key_before_it_expires() {
         let tunnels = Tunnels::new(TunnelLimits::default());
@@ -677,20 +798,20 @@ mod tests {
         let (ticket, expires) = tunnels.issue(tenant, "key_a", "node_1", 1_000, |_, _| Ok(grant("node_1"))).unwrap();
         assert!(wire::is_ticket(&ticket));
         assert_eq!(expires, 1_000 + wire::TICKET_TTL_MS);
-        assert_eq!(tunnels.spend(&ticket, "key_b", 2_000).err(), Some(SpendRefusal::OtherKey));
+        assert_eq!(why(tunnels.spend(&ticket, "key_b", 2_000)), Some(SpendRefusal::OtherKey));
         let slot = tunnels.spend(&ticket, "key_a", 2_000).unwrap();
-        assert_eq!(tunnels.spend(&ticket, "key_a", 2_001).err(), Some(SpendRefusal::Spent));
+        assert_eq!(why(tunnels.spend(&ticket, "key_a", 2_001)), Some(SpendRefusal::Spent));
         assert_eq!(tunnels.open_in(tenant), 1);
         drop(slot);
         assert_eq!(tunnels.open_in(tenant), 0);
-        assert_eq!(tunnels.spend("bctt_nope", "key_a", 2_000).err(), Some(SpendRefusal::Unknown));
+        assert_eq!(why(tunnels.spend("bctt_nope", "key_a", 2_000)), Some(SpendRefusal::Unknown));
 
         let (late, _) = tunnels.issue(tenant, "key_a", "node_1", 10_000, |_, _| Ok(grant("node_1"))).unwrap();
         assert_eq!(tunnels.open_in(tenant), 1, "an unspent ticket counts");
-        assert_eq!(tunnels.spend(&late, "key_a", 10_000 + wire::TICKET_TTL_MS).err(), Some(SpendRefusal::Expired));
+        assert_eq!(why(tunnels.spend(&late, "key_a", 10_000 + wire::TICKET_TTL_MS)), Some(SpendRefusal::Expired));
         assert_eq!(tunnels.open_in(tenant), 0, "an expired ticket gives its place back");
         let forgotten = 10_000 + wire::TICKET_TTL_MS + TICKET_FORGET_AFTER_MS;
-        assert_eq!(tunnels.spend(&late, "key_a", forgotten).err(), Some(SpendRefusal::Unknown));
+        assert_eq!(why(tunnels.spend(&late, "key_a", forgotten)), Some(SpendRefusal::Unknown));
     }
 
     /// Spent tickets do not hold places: past `TICKETS_MAX` spent ones, a new ticket is still
@@ -709,8 +830,8 @@ mod tests {
             .collect();
         let now = TICKETS_MAX as u64;
         let (fresh, _) = issue(now).expect("spent tickets leave room");
-        assert_eq!(tunnels.spend(&spent[0], "key_a", now).err(), Some(SpendRefusal::Unknown), "the oldest spent one made room");
-        assert_eq!(tunnels.spend(&spent[1], "key_a", now).err(), Some(SpendRefusal::Spent), "the others are still remembered");
+        assert_eq!(why(tunnels.spend(&spent[0], "key_a", now)), Some(SpendRefusal::Unknown), "the oldest spent one made room");
+        assert_eq!(why(tunnels.spend(&spent[1], "key_a", now)), Some(SpendRefusal::Spent), "the others are still remembered");
 
         let unspent: Vec<String> = (1..TICKETS_MAX).map(|_| issue(now).unwrap().0).collect();
         let full = issue(now).unwrap_err();

@@ -163,6 +163,7 @@ pub const EVENT_TYPES: &[&str] = &[
     METAL_POWER_DRIFTED,
     crate::tunnel::TUNNEL_OPENED,
     crate::tunnel::TUNNEL_CLOSED,
+    crate::tunnel::TUNNEL_REFUSED,
     bc_core::audit::CHECKPOINT_SEALED,
     bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,

@@ -107,11 +107,26 @@ async fn console_on_a_node_through_a_pseudo_terminal_returns_the_remote_status_a
     assert!(!events.iter().any(|e| e.to_string().contains("stty")), "nothing typed is logged: {events:?}");
 }
 
+/// Tickets used wrongly are refused with the API's envelope and a stable `details.reason`, and
+/// recorded as `tunnel.refused` on the node's stream (who presented it, from where, why; never the
+/// ticket): another tenant's key, a spent ticket, an expired one (`--tunnel-ticket-ttl 1s`). One
+/// never issued names no node: it is answered only. No ticket is in the server's log, even at
+/// `debug`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_spent_an_expired_and_another_keys_ticket_are_refused_by_name() {
-    let (server, port) = bc_tests::agents_gateway();
+async fn a_spent_an_expired_and_another_keys_ticket_are_refused_by_name_and_recorded() {
+    let mut port = 0;
+    let server = Server::with_log_filter("debug", || {
+        let (server, agents_port) = bc_tests::agents_gateway_with(&["--tunnel-ticket-ttl", "1s"]);
+        port = agents_port;
+        server
+    });
     let (_machine, node) = running_node(&server, port).await;
-    let open = || async { server.call("tunnels.open", json!({ "op": "console", "nodeId": node })).await };
+    let open = || async {
+        let (status, ticket) = server.call("tunnels.open", json!({ "op": "console", "nodeId": node })).await;
+        assert_eq!(status, 200, "{ticket}");
+        ticket["ticket"].as_str().unwrap().to_owned()
+    };
+    let admin_key = server.token.split('.').next().unwrap().to_owned();
 
     // Another tenant's key, which may open consoles in its own tenant, cannot use it.
     let (status, tenant) = server.call("tenants.create", json!({ "name": "acme" })).await;
@@ -120,12 +135,13 @@ async fn a_spent_an_expired_and_another_keys_ticket_are_refused_by_name() {
         .call("apiKeys.create", json!({ "tenantId": tenant["tenantId"], "name": "ops", "actions": ["compute:nodes:console"] }))
         .await;
     assert_eq!(status, 200, "{key}");
-    let other = key["token"].as_str().unwrap();
-    let (status, ticket) = open().await;
-    assert_eq!(status, 200, "{ticket}");
-    let ticket = ticket["ticket"].as_str().unwrap().to_owned();
+    let (other, other_key) = (key["token"].as_str().unwrap(), key["keyId"].as_str().unwrap());
+    let ticket = open().await;
     let (status, refused) = upgrade_status(&server, &ticket, other).await;
-    assert_eq!((status, refused["code"].as_str()), (403, Some("ACCESS_DENIED")), "{refused}");
+    assert_eq!(
+        (status, refused["code"].as_str(), refused["details"]["reason"].as_str()),
+        (403, Some("ACCESS_DENIED"), Some("other-key"))
+    );
     assert!(refused["message"].as_str().unwrap().contains("another API key"), "{refused}");
     let (status, refused) = server.call_as(other, "tunnels.open", json!({ "op": "console", "nodeId": node }), None).await;
     assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "not acme's node: {refused}");
@@ -134,22 +150,63 @@ async fn a_spent_an_expired_and_another_keys_ticket_are_refused_by_name() {
     let (status, _) = upgrade_status(&server, &ticket, &server.token).await;
     assert_eq!(status, 101);
     let (status, refused) = upgrade_status(&server, &ticket, &server.token).await;
-    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
+    assert_eq!(
+        (status, refused["code"].as_str(), refused["details"]["reason"].as_str()),
+        (409, Some("INVALID_STATE"), Some("spent"))
+    );
     assert!(refused["message"].as_str().unwrap().contains("spent"), "{refused}");
 
-    // Expired: 30 s after its issue.
-    let (_, late) = open().await;
-    tokio::time::sleep(Duration::from_millis(bc_core::tunnel::TICKET_TTL_MS + 500)).await;
-    let (status, refused) = upgrade_status(&server, late["ticket"].as_str().unwrap(), &server.token).await;
-    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
-    assert!(refused["message"].as_str().unwrap().contains("expired"), "{refused}");
+    // Expired: a second after its issue.
+    let late = open().await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let (status, refused) = upgrade_status(&server, &late, &server.token).await;
+    assert_eq!(
+        (status, refused["code"].as_str(), refused["details"]["reason"].as_str()),
+        (409, Some("INVALID_STATE"), Some("expired"))
+    );
+    assert!(refused["message"].as_str().unwrap().contains("expired: a ticket is good for 1 s"), "{refused}");
 
-    // A ticket that was never issued.
+    // A ticket that was never issued: answered, and no node to record it on.
     let (status, refused) = upgrade_status(&server, &format!("bctt_{}", "A".repeat(43)), &server.token).await;
-    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
+    assert_eq!(
+        (status, refused["code"].as_str(), refused["details"]["reason"].as_str()),
+        (404, Some("NOT_FOUND"), Some("unknown"))
+    );
     // A node takes console tunnels only.
     let (status, refused) = server.call("tunnels.open", json!({ "op": "exec", "nodeId": node })).await;
     assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+
+    let events = tunnel_events(&server).await;
+    let refusals: Vec<&Value> = events.iter().filter(|e| e["type"] == "tunnel.refused").collect();
+    let said: Vec<(&str, &str, &str)> = refusals
+        .iter()
+        .map(|e| {
+            (e["payload"]["reason"].as_str().unwrap(), e["payload"]["keyId"].as_str().unwrap(), e["actor"].as_str().unwrap())
+        })
+        .collect();
+    let other_actor = format!("apikey:{other_key}");
+    let admin_actor = format!("apikey:{admin_key}");
+    assert_eq!(
+        said,
+        [
+            ("other-key", other_key, other_actor.as_str()),
+            ("spent", &*admin_key, &*admin_actor),
+            ("expired", &*admin_key, &*admin_actor)
+        ],
+        "{refusals:?}"
+    );
+    for refused in &refusals {
+        assert_eq!(refused["stream"], format!("node/{node}"));
+        assert_eq!(
+            (refused["payload"]["op"].as_str(), refused["payload"]["ticketKeyId"].as_str()),
+            (Some("console"), Some(&*admin_key))
+        );
+        assert!(refused["payload"]["from"].as_str().unwrap().starts_with("127.0.0.1:"), "{refused}");
+    }
+    for secret in [&ticket, &late] {
+        assert!(!events.iter().any(|e| e.to_string().contains(secret.as_str())), "a ticket is in the log");
+        assert!(!server.log_text().contains(secret.as_str()), "a ticket is in the server's log");
+    }
 }
 
 /// The client written from schema/TUNNELS.md alone, on Python's `websockets` (PyPI), set to run

@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 
 use crate::client::CliError;
-use crate::flags::{DEFAULT_DATA_DIR, DatabaseArgs, Deployment, Sealing, parse_duration_ms, parse_node_lease_ms};
+use crate::flags::{
+    DEFAULT_DATA_DIR, DatabaseArgs, Deployment, Sealing, parse_duration_ms, parse_node_lease_ms, parse_ticket_ttl_ms,
+    parse_tunnel_duration_ms,
+};
 use crate::output::Format;
 use crate::server::{self, AgentsOptions, ConsumerOptions, Database};
 
@@ -185,12 +188,15 @@ pub struct ServerArgs {
     /// carries 8 with its session.
     #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_NODE_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=7))]
     pub tunnels_per_node_max: u64,
-    /// A tunnel carrying no data either way this long (ms) is closed.
-    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNEL_IDLE_TIMEOUT_S * 1000, value_parser = clap::value_parser!(u64).range(1_000..))]
+    /// A tunnel carrying no byte of data either way this long is closed (1s to 7d).
+    #[arg(long, default_value = "15m", value_parser = parse_tunnel_duration_ms)]
     pub tunnel_idle_timeout: u64,
-    /// The longest (ms) a tunnel stays open.
-    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNEL_MAX_DURATION_S * 1000, value_parser = clap::value_parser!(u64).range(1_000..))]
+    /// The longest a tunnel stays open (1s to 7d).
+    #[arg(long, default_value = "12h", value_parser = parse_tunnel_duration_ms)]
     pub tunnel_max_duration: u64,
+    /// How long a ticket of tunnels.open is good for (1s to 5m).
+    #[arg(long, default_value = "30s", value_parser = parse_ticket_ttl_ms)]
+    pub tunnel_ticket_ttl: u64,
     #[command(flatten)]
     pub agents: AgentsArgs,
 }
@@ -373,6 +379,7 @@ impl ServerArgs {
                 per_node_max: self.tunnels_per_node_max as usize,
                 idle_timeout: ms(self.tunnel_idle_timeout),
                 max_duration: ms(self.tunnel_max_duration),
+                ticket_ttl: ms(self.tunnel_ticket_ttl),
             },
             ..bc_gateway::ServeLimits::default()
         })

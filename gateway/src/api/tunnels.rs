@@ -22,7 +22,7 @@ pub(super) const METHODS: &[Method] = &[method!(
     // Decided in the handler as `compute:nodes:console` (a node) or `compute:instances:exec`
     // (an instance): the action depends on the target.
     Access::Authenticated,
-    "a single-use ticket (30 s) for a console or TCP tunnel to a node or an instance, opened as GET /tunnels/{ticket} (schema/TUNNELS.md)",
+    "a single-use ticket (good for 30 s by default) for a console or TCP tunnel to a node or an instance, opened as GET /tunnels/{ticket} (schema/TUNNELS.md)",
     TunnelsOpen => TunnelTicketView,
     tunnels_open
 )];
