@@ -334,3 +334,44 @@ async fn a_key_revoked_mid_session_ends_its_tunnel() {
     assert!(revoked_at.elapsed() < within, "ended {:?} after the revocation", revoked_at.elapsed());
     tunnel_ended(&server, exited, "InternalError", "revoked", "key-revoked");
 }
+
+/// A console open past `--tunnel-max-duration` ends: the client is told (`Timeout`), and
+/// `tunnel.closed` says `max-duration` after about that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_past_its_maximum_duration_ends() {
+    let (server, port) = bc_tests::agents_gateway_with(&["--tunnel-max-duration", "2s"]);
+    let (_machine, node) = running_node(&server, port).await;
+    // It prints every half second: the idle timeout never comes.
+    let client = python_console(&server, &node, &server.token, "while true; do echo tick; sleep 0.5; done");
+    let exited = client_exits(client, Duration::from_secs(20));
+    assert!(exited.1.contains("tick"), "{exited:?}");
+    let closed = tunnel_ended(&server, exited, "Timeout", "maximum duration of 2 s", "max-duration");
+    let lasted = closed["payload"]["durationMs"].as_u64().unwrap();
+    assert!((2_000..4_000).contains(&lasted), "{closed}");
+    assert!(closed["payload"]["bytesOut"].as_u64().unwrap() > 0, "{closed}");
+}
+
+/// A console where nothing passes either way for `--tunnel-idle-timeout` ends: the client is told
+/// (`Timeout`), and `tunnel.closed` says `idle-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_tunnel_ends_at_its_idle_timeout() {
+    let (server, port) = bc_tests::agents_gateway_with(&["--tunnel-idle-timeout", "2s"]);
+    let (_machine, node) = running_node(&server, port).await;
+    let client = python_console(&server, &node, &server.token, "sleep 600");
+    let exited = client_exits(client, Duration::from_secs(20));
+    let closed = tunnel_ended(&server, exited, "Timeout", "no data either way for 2 s", "idle-timeout");
+    assert!(closed["payload"]["durationMs"].as_u64().unwrap() >= 2_000, "{closed}");
+}
+
+/// The node's agent killed mid-session: the client sees the tunnel break (a `Failure` status
+/// saying the agent went away), and `tunnel.closed` says `agent-gone`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_agent_mid_session_breaks_the_tunnel() {
+    let (server, port) = bc_tests::agents_gateway();
+    let (mut machine, node) = running_node(&server, port).await;
+    let client = python_console(&server, &node, &server.token, "echo ready; sleep 600");
+    event_of(&server, "tunnel.opened");
+    machine.kill9();
+    let exited = client_exits(client, Duration::from_secs(20));
+    tunnel_ended(&server, exited, "InternalError", "agent went away", "agent-gone");
+}
