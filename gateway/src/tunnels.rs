@@ -3,14 +3,24 @@
 //! connection.
 //!
 //! Everything is in this process's memory ([`Tunnels`]): tickets (a secret, never logged nor
-//! stored), the nodes whose agent holds a session here and what each advertised, the tunnels
-//! waiting for their agent to attach, and the open tunnels' counts per tenant, key and node. A
-//! ticket counts against the bounds from its issue (so a burst of `tunnels.open` cannot pass
-//! them) until it expires unspent or its tunnel ends.
+//! stored), the nodes whose agent holds a session here, on which connection, and what each
+//! advertised, the tunnels waiting for their agent to attach, and the open tunnels' counts per
+//! tenant, key and node. Invariants:
 //!
-//! The relay checks every frame both ways with `bc_core::tunnel` and counts payload bytes; the
-//! two events `tunnel.opened` and `tunnel.closed` carry those counts, never a byte typed or
-//! printed.
+//! - A ticket counts against the bounds from its issue (so a burst of `tunnels.open` cannot pass
+//!   them) until it expires unspent or its tunnel ends; only unspent tickets bound the map
+//!   (`TICKETS_MAX`), spent and expired ones are remembered in the room left.
+//! - An agent's `Tunnel` call pairs with a waiting tunnel only on the connection of the session
+//!   that was asked; any other call leaves it waiting. A waiting entry goes with its dial.
+//! - `GET /tunnels/{ticket}` checks the ticket's form before anything costly, answers every
+//!   refusal before the upgrade, and records a refused ticket of a known node (`tunnel.refused`).
+//! - Every tunnel that runs is two events, `tunnel.opened` (appended once the socket is
+//!   upgraded; none for an upgrade that fails) and `tunnel.closed`, with counts, never a byte
+//!   typed or printed.
+//!
+//! The relay (`relay.rs`) checks every frame both ways with `bc_core::tunnel`, counts payload
+//! bytes, and ends the tunnel on its time limits, the gateway's shutdown, or a recheck that finds
+//! its key revoked or its target gone.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
