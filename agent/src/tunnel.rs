@@ -404,13 +404,13 @@ pub async fn relay_bytes<R, W, S>(
 /// Reads the guest into stdout frames until it closes, fails, or the gateway's side is gone.
 async fn guest_to_gateway<R: AsyncRead + Unpin>(mut reader: R, to_gateway: mpsc::Sender<Vec<u8>>) -> GuestClosed {
     loop {
-        // The frame is built in place: its channel byte, then what the read put after it.
-        let mut frame = vec![0u8; 1 + wire::DATA_BYTES_MAX];
-        frame[0] = wire::CHANNEL_STDOUT;
-        match reader.read(&mut frame[1..]).await {
+        // The frame is built in place: its channel byte, then what the read put after it (in
+        // the spare capacity: nothing is zeroed first).
+        let mut frame = Vec::with_capacity(1 + wire::DATA_BYTES_MAX);
+        frame.push(wire::CHANNEL_STDOUT);
+        match reader.read_buf(&mut frame).await {
             Ok(0) => return GuestClosed::Closed,
-            Ok(n) => {
-                frame.truncate(1 + n);
+            Ok(_) => {
                 if to_gateway.send(frame).await.is_err() {
                     return GuestClosed::GatewayGone;
                 }

@@ -425,20 +425,23 @@ where
 }
 
 /// Reads the local connection into frames, pausing above the unsent mark; at its end, says so.
-/// Each frame is allocated at its size, so what is held is what is counted.
+/// A frame is read in place (its channel byte, then the read); one the read filled less than
+/// half is copied out at its size, so what is held stays within twice what is counted.
 async fn read_local(mut local: tokio::net::tcp::OwnedReadHalf, outgoing: mpsc::UnboundedSender<Outgoing>, unsent: Arc<Held>) {
-    let mut buffer = vec![0u8; CHUNK_BYTES];
     loop {
-        let n = match local.read(&mut buffer).await {
+        // Read into the spare capacity: nothing is zeroed first.
+        let mut frame = Vec::with_capacity(1 + CHUNK_BYTES);
+        frame.push(wire::CHANNEL_STDIN);
+        let n = match local.read_buf(&mut frame).await {
             Ok(0) | Err(_) => {
                 let _ = outgoing.send(Outgoing::Closed);
                 return;
             }
             Ok(n) => n,
         };
-        let mut frame = Vec::with_capacity(1 + n);
-        frame.push(wire::CHANNEL_STDIN);
-        frame.extend_from_slice(&buffer[..n]);
+        if n < CHUNK_BYTES / 2 {
+            frame.shrink_to_fit();
+        }
         if outgoing.send(Outgoing::Data(frame)).is_err() {
             return;
         }
