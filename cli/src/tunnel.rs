@@ -54,7 +54,8 @@ pub const LOCAL_BEHIND_MAX_BYTES: usize = 16 * 1024 * 1024;
 pub const CHUNK_BYTES: usize = wire::DATA_BYTES_MAX;
 const _: () = assert!(CHUNK_BYTES < wire::FRAME_BYTES_MAX);
 /// After the remote end closed, what it sent is written to the local connection for at most
-/// this long (a local peer that no longer reads does not hold the connection open).
+/// this long (a local peer that no longer reads does not hold the connection open); after the
+/// local peer closed, the remote's end is waited for as long.
 pub const LOCAL_DRAIN_TIMEOUT_S: u64 = 30;
 
 /// The tunnel's socket: the upgraded connection of the CLI's HTTP client.
@@ -394,26 +395,31 @@ where
     let (to_remote, from_remote) = socket.split();
     let (outgoing, queued) = mpsc::unbounded_channel::<Outgoing>();
     let (incoming, delivered) = mpsc::unbounded_channel::<Bytes>();
-    let reading = tokio::spawn(read_local(local_read, outgoing, unsent.clone()));
+    let mut reading = tokio::spawn(read_local(local_read, outgoing, unsent.clone()));
     let sending = tokio::spawn(send_remote(to_remote, queued, unsent));
     let mut writing = tokio::spawn(write_local(local_write, delivered, behind.clone()));
     let mut receiving = tokio::spawn(receive_remote(from_remote, incoming, behind));
     let failed = |e: tokio::task::JoinError| PumpEnd::Failed(format!("the tunnel's reader failed: {e}"));
-    let (end, written) = tokio::select! {
-        end = &mut receiving => (end.unwrap_or_else(failed), None),
+    let (end, writer_done) = tokio::select! {
+        end = &mut receiving => (end.unwrap_or_else(failed), false),
         // The writer ends by itself only once the receiver is done, or when the peer is gone.
         written = &mut writing => match written {
-            Ok(Ok(())) => ((&mut receiving).await.unwrap_or_else(failed), Some(true)),
-            Ok(Err(())) | Err(_) => (PumpEnd::LocalGone, Some(false)),
+            Ok(Ok(())) => ((&mut receiving).await.unwrap_or_else(failed), true),
+            Ok(Err(())) | Err(_) => (PumpEnd::LocalGone, true),
+        },
+        // The local peer ended its side (`[255, 0]` is sent): the remote's end follows, within
+        // a bound.
+        _ = &mut reading => match tokio::time::timeout(Duration::from_secs(LOCAL_DRAIN_TIMEOUT_S), &mut receiving).await {
+            Ok(end) => (end.unwrap_or_else(failed), false),
+            Err(_) => (PumpEnd::Failed(format!("the tunnel did not end within {LOCAL_DRAIN_TIMEOUT_S} s of the local side's")), false),
         },
     };
-    let end = match (end, written) {
+    let end = match (end, writer_done) {
         // What the remote sent before its end reaches the local peer, within a bound.
-        (PumpEnd::Closed, None) => match tokio::time::timeout(Duration::from_secs(LOCAL_DRAIN_TIMEOUT_S), &mut writing).await {
+        (PumpEnd::Closed, false) => match tokio::time::timeout(Duration::from_secs(LOCAL_DRAIN_TIMEOUT_S), &mut writing).await {
             Ok(Ok(Ok(()))) => PumpEnd::Closed,
             _ => PumpEnd::LocalGone,
         },
-        (PumpEnd::Closed, Some(false)) => PumpEnd::LocalGone,
         (end, _) => end,
     };
     for task in [reading, sending] {
