@@ -395,7 +395,8 @@ fn keystrokes(api: &Api, instance: &str) -> Vec<f64> {
         .collect();
     samples.sort_by(f64::total_cmp);
     keyboard.write_all(&[0x1d]).unwrap();
-    let _ = child.0.wait();
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "console --instance detaches with status 0, not {status}");
     samples
 }
 

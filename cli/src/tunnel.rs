@@ -19,7 +19,7 @@
 
 use std::io::{Read, Write};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bc_core::tunnel::{self as wire, End, Frame, WindowSize};
@@ -240,8 +240,10 @@ enum Sent {
 }
 
 /// The terminal's sending side: what is typed (up to a Ctrl-], which detaches) and the window's
-/// size (at once, and on every SIGWINCH) go to the remote, on a task of its own.
-async fn send_terminal<S>(mut to_remote: S, mut winch: tokio::signal::unix::Signal) -> Sent
+/// size (at once, and on every SIGWINCH) go to the remote, on a task of its own. `detaching` is
+/// set before the close a detach sends, so the socket's end that follows is not taken for a
+/// broken tunnel.
+async fn send_terminal<S>(mut to_remote: S, mut winch: tokio::signal::unix::Signal, detaching: Arc<AtomicBool>) -> Sent
 where
     S: futures::Sink<Message> + Unpin,
 {
@@ -260,6 +262,7 @@ where
                         if at > 0 {
                             let _ = to_remote.send(binary(Frame::stdin(keys[..at].to_vec()))).await;
                         }
+                        detaching.store(true, Ordering::Release);
                         let _ = to_remote.send(Message::Close(None)).await;
                         return Sent::Detached;
                     }
@@ -289,7 +292,8 @@ pub async fn attach(socket: Socket) -> Result<Outcome, CliError> {
     let winch = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())
         .map_err(|e| CliError::new("INTERNAL", format!("watching the window size: {e}")))?;
     let raw = RawTerminal::enter();
-    let mut sending = tokio::spawn(send_terminal(to_remote, winch));
+    let detaching = Arc::new(AtomicBool::new(false));
+    let mut sending = tokio::spawn(send_terminal(to_remote, winch, detaching.clone()));
     // A send that failed (the remote closed) does not end the console: its status may follow.
     let mut sending_done = false;
     let mut stdout = std::io::stdout();
@@ -322,6 +326,10 @@ pub async fn attach(socket: Socket) -> Result<Outcome, CliError> {
     };
     sending.abort();
     drop(raw);
+    // The server's answer to a detach's close can come before the sending task says it is done.
+    if matches!(outcome, Outcome::Broken(_)) && detaching.load(Ordering::Acquire) {
+        return Ok(Outcome::Detached);
+    }
     Ok(outcome)
 }
 
