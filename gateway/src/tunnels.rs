@@ -72,7 +72,7 @@ pub const TICKET_REFUSALS_RECORDED_MAX: u8 = 8;
 /// connection, which carries `agents::AGENT_STREAMS_PER_CONNECTION_MAX` with its session.
 pub const TUNNELS_PER_TENANT_MAX: usize = 64;
 pub const TUNNELS_PER_KEY_MAX: usize = 16;
-pub const TUNNELS_PER_NODE_MAX: usize = 6;
+pub const TUNNELS_PER_NODE_MAX: usize = 16;
 const _: () = assert!(TUNNELS_PER_NODE_MAX < crate::agents::AGENT_STREAMS_PER_CONNECTION_MAX as usize);
 /// A tunnel carrying no data either way this long is closed (`--tunnel-idle-timeout`).
 pub const TUNNEL_IDLE_TIMEOUT_S: u64 = 900;

@@ -3,9 +3,9 @@
 //! serial console is a TCP server the test runs (`fake_guest_console`), and an instance running
 //! there. The test's servers are the guest:
 //!
-//! - `better-compute forward` to an echo server: 1 GiB each way at once arrives intact (SHA-256
-//!   of what was sent and of what came back), ten local connections at once (the node carries
-//!   at most 7 tunnels: the three others are closed with a note), and a local reader that
+//! - `better-compute forward` to an echo server: 1 GiB up and 1 GiB down arrive intact (SHA-256
+//!   of what was sent and of what came back), twenty local connections at once (the node carries
+//!   16 tunnels by default: the four others are closed with a note), and a local reader that
 //!   stalls, or a guest that reads nothing, leaves the CLI's memory bounded (its peak RSS, from
 //!   `/proc`);
 //! - `console --instance` on the guest's serial console, through a pseudo-terminal, and again
@@ -22,9 +22,11 @@ use bc_tests::{AgentNode, ImageServer, Server, wait_until};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-/// Tunnels one node carries at once: each is a stream of its agent's HTTP/2 connection, which
-/// carries 8 with the session (`dev --tunnels-per-node-max` is at most 7).
-const NODE_TUNNELS_MAX: usize = 7;
+/// Tunnels one node carries at once by default (`dev --tunnels-per-node-max`): each is a stream
+/// of its agent's HTTP/2 connection, which carries 32 with the session.
+const NODE_TUNNELS_MAX: usize = bc_gateway::tunnels::TUNNELS_PER_NODE_MAX;
+/// Local connections opened at once: more than the node carries.
+const CONNECTIONS_AT_ONCE: usize = NODE_TUNNELS_MAX + 4;
 /// The bytes sent each way through one forwarded connection.
 const TRANSFER_BYTES: usize = 1 << 30;
 /// The bytes echoed through one connection, both ways at once.
@@ -395,8 +397,9 @@ async fn forward_carries_a_gibibyte_ten_connections_and_keeps_its_memory_bounded
         (events.iter().filter(|e| e["type"] == "tunnel.closed").count() == 3).then_some(())
     });
 
-    // Ten at once: the node carries NODE_TUNNELS_MAX, the others are closed with a note.
-    let sockets: Vec<TcpStream> = (0..10).map(|_| forward.connect()).collect();
+    // More than ten at once: the node carries NODE_TUNNELS_MAX, the others are closed with a note.
+    const _: () = assert!(NODE_TUNNELS_MAX >= 10);
+    let sockets: Vec<TcpStream> = (0..CONNECTIONS_AT_ONCE).map(|_| forward.connect()).collect();
     let answered: Vec<bool> = sockets
         .iter()
         .enumerate()
@@ -410,9 +413,9 @@ async fn forward_carries_a_gibibyte_ten_connections_and_keeps_its_memory_bounded
         })
         .collect();
     assert_eq!(answered.iter().filter(|a| **a).count(), NODE_TUNNELS_MAX, "{answered:?} {:?}", forward.notes());
-    let notes = wait_until("three notes", Duration::from_secs(10), || {
+    let notes = wait_until("a note for each connection not carried", Duration::from_secs(10), || {
         let notes = forward.notes();
-        (notes.len() == 10 - NODE_TUNNELS_MAX).then_some(notes)
+        (notes.len() == CONNECTIONS_AT_ONCE - NODE_TUNNELS_MAX).then_some(notes)
     });
     assert!(notes.iter().all(|n| n.contains("QUOTA_EXCEEDED") && n.contains("open tunnels")), "{notes:?}");
     drop(sockets);

@@ -185,8 +185,8 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_KEY_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=65_535))]
     pub tunnels_per_key_max: u64,
     /// Tunnels open to one node at once: each is a stream of the agent's connection, which
-    /// carries 8 with its session.
-    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_NODE_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=7))]
+    /// carries 32 with its session.
+    #[arg(long, default_value_t = bc_gateway::tunnels::TUNNELS_PER_NODE_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=31))]
     pub tunnels_per_node_max: u64,
     /// A tunnel carrying no byte of data either way this long is closed (1s to 7d).
     #[arg(long, default_value = "15m", value_parser = parse_tunnel_duration_ms)]

@@ -65,9 +65,9 @@ pub const AGENT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// keeps its session open; `bcd join` and `bcd doctor` close theirs when done.
 pub const AGENT_IDLE_TIMEOUT_MS: u64 = 60_000;
 /// Streams (calls) one connection may hold open at once (HTTP/2's
-/// `SETTINGS_MAX_CONCURRENT_STREAMS`): a `bcd` holds one session; more are refused with
-/// `REFUSED_STREAM`.
-pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = 8;
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`): a `bcd` holds one session and a stream per tunnel to its
+/// node (`tunnels::TUNNELS_PER_NODE_MAX`); more are refused with `REFUSED_STREAM`.
+pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = 32;
 /// Streams the server refuses or resets on one connection for the peer's faults before it
 /// closes the connection (`GOAWAY ENHANCE_YOUR_CALM`).
 pub const AGENT_STREAM_REFUSALS_MAX: usize = 32;
