@@ -752,6 +752,22 @@ fn harness_client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(30)).pool_idle_timeout(idle).build().expect("client")
 }
 
+/// `len` bytes that begin as a standalone qcow2 (version 3: 64 KiB clusters, no backing file,
+/// no header extension), then noise: the node checks a qcow2 disk's header before a domain is
+/// defined on it, and neither libvirt's test driver nor the fake hypervisor boots anything.
+pub fn qcow2_image(len: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    bytes[..112].fill(0);
+    bytes[0..4].copy_from_slice(b"QFI\xfb");
+    bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
+    bytes[20..24].copy_from_slice(&16u32.to_be_bytes());
+    bytes[24..32].copy_from_slice(&(1u64 << 30).to_be_bytes());
+    bytes[96..100].copy_from_slice(&4u32.to_be_bytes());
+    // The header's length; the 8 zero bytes after it end the (empty) list of extensions.
+    bytes[100..104].copy_from_slice(&104u32.to_be_bytes());
+    bytes
+}
+
 /// A free loopback port, so a restarted gateway listens where its agents look.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

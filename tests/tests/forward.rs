@@ -44,20 +44,6 @@ async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
     doc
 }
 
-/// `len` bytes that begin as a standalone qcow2 (version 3, no backing file), then noise: the
-/// node checks a disk's header before it defines a domain on it.
-fn qcow2_of(len: usize) -> Vec<u8> {
-    let mut bytes: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-    bytes[..112].fill(0);
-    bytes[0..4].copy_from_slice(b"QFI\xfb");
-    bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
-    bytes[20..24].copy_from_slice(&16u32.to_be_bytes());
-    bytes[24..32].copy_from_slice(&(1u64 << 30).to_be_bytes());
-    bytes[96..100].copy_from_slice(&4u32.to_be_bytes());
-    bytes[100..104].copy_from_slice(&104u32.to_be_bytes());
-    bytes
-}
-
 async fn tunnel_events(server: &Server) -> Vec<Value> {
     call_ok(server, "events.list", json!({ "types": ["tunnel.*"], "limit": 100 })).await["items"].as_array().unwrap().clone()
 }
@@ -97,7 +83,7 @@ async fn world(console: std::net::SocketAddr) -> World {
         assert!(Instant::now() < deadline, "node not ready with instance.apply: {doc}\n{}", machine.node_log());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let bytes = qcow2_of(256 * 1024);
+    let bytes = bc_tests::qcow2_image(256 * 1024);
     let digest = hex::encode(Sha256::digest(&bytes));
     let images = ImageServer::start("guest.qcow2", bytes);
     let image = call_ok(

@@ -12,22 +12,6 @@ use bc_tests::{AgentNode, ImageServer, Server, json};
 use serde_json::{Value, json};
 use sha2::Digest;
 
-/// `len` bytes that begin as a standalone qcow2 (version 3: 64 KiB clusters, no backing file,
-/// no header extension), then noise: the node checks a qcow2 disk's header before a domain is
-/// defined on it, and libvirt's test driver boots nothing.
-fn qcow2_of(len: usize) -> Vec<u8> {
-    let mut bytes: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-    bytes[..112].fill(0);
-    bytes[0..4].copy_from_slice(b"QFI\xfb");
-    bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
-    bytes[20..24].copy_from_slice(&16u32.to_be_bytes());
-    bytes[24..32].copy_from_slice(&(1u64 << 30).to_be_bytes());
-    bytes[96..100].copy_from_slice(&4u32.to_be_bytes());
-    // The header's length; the 8 zero bytes after it end the (empty) list of extensions.
-    bytes[100..104].copy_from_slice(&104u32.to_be_bytes());
-    bytes
-}
-
 /// A fake machine with at least `gpus` GPUs: its seed.
 fn fake_seed_with(gpus: usize) -> u64 {
     (1..100u64)
@@ -108,7 +92,7 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let bytes = qcow2_of(1_500_000);
+    let bytes = bc_tests::qcow2_image(1_500_000);
     let digest = hex::encode(sha2::Sha256::digest(&bytes));
     let images = ImageServer::start("ubuntu.qcow2", bytes);
     let image = call_ok(
