@@ -768,6 +768,27 @@ pub fn qcow2_image(len: usize) -> Vec<u8> {
     bytes
 }
 
+/// Reads a child's stream (a pseudo-terminal's, say) into a shared buffer on a thread of its own,
+/// until it ends.
+pub fn capture(mut reader: Box<dyn std::io::Read + Send>) -> std::sync::Arc<std::sync::Mutex<Vec<u8>>> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(n @ 1..) = reader.read(&mut buffer) {
+            sink.lock().unwrap().extend_from_slice(&buffer[..n]);
+        }
+    });
+    seen
+}
+
+/// Waits (20 s at most) until what [`capture`] read shows `what`.
+pub fn wait_for(seen: &std::sync::Mutex<Vec<u8>>, what: &str) {
+    wait_until(&format!("the terminal shows {what:?}"), Duration::from_secs(20), || {
+        String::from_utf8_lossy(&seen.lock().unwrap()).contains(what).then_some(())
+    });
+}
+
 /// A free loopback port, so a restarted gateway listens where its agents look.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

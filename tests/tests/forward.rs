@@ -507,25 +507,6 @@ fn answer_on(listener: TcpListener) {
     });
 }
 
-/// Reads a child's stream into a shared buffer on a thread of its own.
-fn capture(mut reader: Box<dyn Read + Send>) -> Arc<Mutex<Vec<u8>>> {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let sink = seen.clone();
-    std::thread::spawn(move || {
-        let mut buffer = [0u8; 4096];
-        while let Ok(n @ 1..) = reader.read(&mut buffer) {
-            sink.lock().unwrap().extend_from_slice(&buffer[..n]);
-        }
-    });
-    seen
-}
-
-fn wait_for(seen: &Arc<Mutex<Vec<u8>>>, what: &str) {
-    wait_until(&format!("the terminal shows {what:?}"), Duration::from_secs(20), || {
-        String::from_utf8_lossy(&seen.lock().unwrap()).contains(what).then_some(())
-    });
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_reaches_an_instances_serial_console_over_ws_and_wss_and_exec_is_refused() {
     let (listener, console) = serial_console();
@@ -542,11 +523,11 @@ async fn console_reaches_an_instances_serial_console_over_ws_and_wss_and_exec_is
     }
     let mut cli = pair.slave.spawn_command(command).unwrap();
     drop(pair.slave);
-    let seen = capture(pair.master.try_clone_reader().unwrap());
+    let seen = bc_tests::capture(pair.master.try_clone_reader().unwrap());
     let mut keyboard = pair.master.take_writer().unwrap();
-    wait_for(&seen, "guest login: ");
+    bc_tests::wait_for(&seen, "guest login: ");
     keyboard.write_all(b"root\r").unwrap();
-    wait_for(&seen, "guest got: root");
+    bc_tests::wait_for(&seen, "guest got: root");
     keyboard.write_all(&[0x1d]).unwrap();
     let status = wait_until("the console detaches", Duration::from_secs(20), || cli.try_wait().unwrap());
     assert_eq!(status.exit_code(), 0, "{}", String::from_utf8_lossy(&seen.lock().unwrap()));
@@ -576,12 +557,12 @@ async fn console_reaches_an_instances_serial_console_over_ws_and_wss_and_exec_is
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let seen = capture(Box::new(cli.stdout.take().unwrap()));
-    let errors = capture(Box::new(cli.stderr.take().unwrap()));
+    let seen = bc_tests::capture(Box::new(cli.stdout.take().unwrap()));
+    let errors = bc_tests::capture(Box::new(cli.stderr.take().unwrap()));
     let mut keyboard = cli.stdin.take().unwrap();
-    wait_for(&seen, "guest login: ");
+    bc_tests::wait_for(&seen, "guest login: ");
     keyboard.write_all(b"over tls\r").unwrap();
-    wait_for(&seen, "guest got: over tls");
+    bc_tests::wait_for(&seen, "guest got: over tls");
     keyboard.write_all(&[0x1d]).unwrap();
     let status = wait_until("the console over wss detaches", Duration::from_secs(20), || cli.try_wait().unwrap());
     assert_eq!(status.code(), Some(0), "{}", String::from_utf8_lossy(&errors.lock().unwrap()));

@@ -7,7 +7,6 @@
 
 use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bc_tests::{AgentNode, Server, wait_until};
@@ -51,28 +50,6 @@ async fn upgrade_status(server: &Server, ticket: &str, token: &str) -> (u16, Val
     (status, response.json().await.unwrap_or(Value::Null))
 }
 
-/// Reads a pseudo-terminal into a shared buffer on a thread of its own.
-fn capture(mut reader: Box<dyn Read + Send>) -> Arc<Mutex<Vec<u8>>> {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let sink = seen.clone();
-    std::thread::spawn(move || {
-        let mut buffer = [0u8; 4096];
-        while let Ok(n) = reader.read(&mut buffer) {
-            if n == 0 {
-                return;
-            }
-            sink.lock().unwrap().extend_from_slice(&buffer[..n]);
-        }
-    });
-    seen
-}
-
-fn wait_for(seen: &Arc<Mutex<Vec<u8>>>, what: &str) {
-    wait_until(&format!("the terminal shows {what:?}"), Duration::from_secs(20), || {
-        String::from_utf8_lossy(&seen.lock().unwrap()).contains(what).then_some(())
-    });
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_on_a_node_through_a_pseudo_terminal_returns_the_remote_status_and_is_accounted() {
     let (server, port) = bc_tests::agents_gateway();
@@ -88,16 +65,16 @@ async fn console_on_a_node_through_a_pseudo_terminal_returns_the_remote_status_a
     }
     let mut cli = pair.slave.spawn_command(command).unwrap();
     drop(pair.slave);
-    let seen = capture(pair.master.try_clone_reader().unwrap());
+    let seen = bc_tests::capture(pair.master.try_clone_reader().unwrap());
     let mut keyboard = pair.master.take_writer().unwrap();
     keyboard.write_all(b"tty; stty size\r").unwrap();
-    wait_for(&seen, "/dev/pts/");
-    wait_for(&seen, "30 100");
+    bc_tests::wait_for(&seen, "/dev/pts/");
+    bc_tests::wait_for(&seen, "30 100");
     // A resize of the local terminal reaches the remote one.
     pair.master.resize(portable_pty::PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 }).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     keyboard.write_all(b"stty size; exit 7\r").unwrap();
-    wait_for(&seen, "40 120");
+    bc_tests::wait_for(&seen, "40 120");
     let status = wait_until("the console exits", Duration::from_secs(20), || cli.try_wait().unwrap());
     assert_eq!(status.exit_code(), 7, "{}", String::from_utf8_lossy(&seen.lock().unwrap()));
 
