@@ -21,6 +21,9 @@
 //! (default 200) change the sizes. The sim needs about six open files per agent: the bench
 //! starts it with the soft limit raised to the hard one (the sim refuses a lower one, with a hint).
 
+#[path = "support/banner.rs"]
+mod banner;
+
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -117,23 +120,7 @@ fn start_gateway(dir: &Path, agents_port: u16) -> (Child, String, String, String
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut url, mut serving_pin, mut log_pin) = (String::new(), String::new(), String::new());
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(u) = line.strip_prefix("better-compute listening on ") {
-            url = u.trim().to_owned();
-        }
-        if let Some(key) = line.trim_start().strip_prefix("log key:") {
-            log_pin = key.split_whitespace().nth(1).unwrap_or_default().to_owned();
-        }
-        if line.trim_start().starts_with("agents:") {
-            serving_pin = line.split("pin ").nth(1).map(|p| p.trim_end_matches(')').trim().to_owned()).unwrap_or_default();
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
-    assert!(!url.is_empty() && !serving_pin.is_empty() && !log_pin.is_empty(), "the gateway did not print its addresses");
+    let (url, serving_pin, log_pin) = banner::read(child.stdout.take().unwrap());
     (child, url, serving_pin, log_pin)
 }
 

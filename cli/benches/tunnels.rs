@@ -14,6 +14,9 @@
 //!   idle `console --node` tunnels open (the bench's own WebSocket clients), less its RSS
 //!   before, over their number.
 
+#[path = "support/banner.rs"]
+mod banner;
+
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -93,23 +96,7 @@ fn start_gateway(dir: &Path) -> (Killed, String, u16, String, String) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut url, mut serving_pin, mut log_pin) = (String::new(), String::new(), String::new());
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(u) = line.strip_prefix("better-compute listening on ") {
-            url = u.trim().to_owned();
-        }
-        if let Some(key) = line.trim_start().strip_prefix("log key:") {
-            log_pin = key.split_whitespace().nth(1).unwrap_or_default().to_owned();
-        }
-        if line.trim_start().starts_with("agents:") {
-            serving_pin = line.split("pin ").nth(1).map(|p| p.trim_end_matches(')').trim().to_owned()).unwrap_or_default();
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
-    assert!(!url.is_empty() && !serving_pin.is_empty() && !log_pin.is_empty(), "the gateway did not print its addresses");
+    let (url, serving_pin, log_pin) = banner::read(child.stdout.take().unwrap());
     (Killed(child), url, agents_port, serving_pin, log_pin)
 }
 
