@@ -168,6 +168,9 @@ pub const EVENT_TYPES: &[&str] = &[
     bc_core::audit::CHECKPOINT_COSIGNED,
     bc_core::audit::LOG_KEY_ROTATED,
     SSH_CA_ROTATED,
+    crate::usage::USAGE_WINDOW_CLOSED,
+    crate::usage::USAGE_CORRECTION,
+    crate::usage::USAGE_PRICE_SET,
 ];
 
 /// Most patterns one filter (a watch, a webhook) takes.

@@ -42,6 +42,7 @@ pub mod reservation;
 pub mod rollout;
 pub mod tenant;
 pub mod tunnel;
+pub mod usage;
 pub mod webhook;
 pub mod workflow;
 
@@ -184,6 +185,7 @@ impl Projector for Projections {
     /// that reach across aggregates (a node's reports, a command's, a machine's workflow, a
     /// checkpoint) the rows their module names.
     fn touches(&self, event: &StoredEvent, out: &mut Vec<RowKey>) {
+        usage::touches(event, out);
         if checkpoint::is_checkpoint(event) {
             return checkpoint::touches(event, out);
         }
@@ -212,7 +214,8 @@ impl Projector for Projections {
             | KIND_JOIN_TOKEN
             | KIND_FLAVOR
             | KIND_IMAGE
-            | rollout::KIND_RELEASE => None,
+            | rollout::KIND_RELEASE
+            | usage::KIND_USAGE_PRICE => None,
             _ => return,
         };
         let row = |kind: &str| RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
@@ -226,6 +229,11 @@ impl Projector for Projections {
     /// exactly; a type no fold knows leaves the row as it was: newer writers may add types that
     /// older readers ignore.
     fn apply(&self, key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+        match key.kind.as_str() {
+            usage::KIND_USAGE_LEDGER => return usage::apply_ledger(current, event),
+            usage::KIND_USAGE_PRICE => return usage::apply_price(key, current, event),
+            _ => {}
+        }
         let aggregate = event.envelope.event_type.split_once('.').map_or("", |(aggregate, _)| aggregate);
         match aggregate {
             bc_core::audit::KIND_CHECKPOINT => checkpoint::apply(current, event),

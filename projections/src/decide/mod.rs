@@ -32,6 +32,7 @@ mod reservation;
 mod rollout;
 pub mod ssh_cert;
 pub mod tunnel;
+pub mod usage;
 
 pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
 pub use instance::{
