@@ -140,6 +140,8 @@ impl OurServer {
             .args(["dev", "--data-dir"])
             .arg(dir.path().join("data"))
             .args(["--listen", &format!("127.0.0.1:{port}"), "--agents-listen", &format!("127.0.0.1:{agents}")])
+            // The bench measures what the server carries, not the per-key rate limit.
+            .args(["--rate-per-key", "0", "--rate-per-tenant", "0"])
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())

@@ -115,6 +115,8 @@ fn start_gateway(dir: &Path, agents_port: u16) -> (Child, String, String, String
         .args(["--agents-listen", &format!("127.0.0.1:{agents_port}")])
         // Every simulated machine connects from 127.0.0.1: the cap per peer address is lifted.
         .args(["--agents-connections-per-peer-max", "65536"])
+        // The tenants' calls measure placement, not the per-key rate limit.
+        .args(["--rate-per-key", "0", "--rate-per-tenant", "0"])
         .env("BETTER_COMPUTE_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -152,7 +152,10 @@ fn main() {
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let state = Arc::new(AppState::new(log.clone()));
+        let mut state = AppState::new(log.clone());
+        // The bench measures the write path, not the per-key rate limit.
+        state.rate_limiter = Arc::new(bc_gateway::rate_limit::RateLimiter::new(bc_gateway::rate_limit::RateLimits::off()));
+        let state = Arc::new(state);
         tokio::spawn(bc_gateway::serve(listener, state, std::future::pending()));
         let (_stop, stopped) = tokio::sync::watch::channel(false);
         tokio::spawn(bc_reconcilers::reservations::run(log.clone(), Arc::new(SystemClock), 500, Some(log.subscribe()), stopped));

@@ -4,6 +4,9 @@ use serde_json::Value;
 
 /// How long one API call may take.
 pub const CALL_TIMEOUT_S: u64 = 60;
+/// The longest `RATE_LIMITED` delay the client waits out (once) before sending a call again;
+/// a longer one fails at once.
+pub const RATE_LIMITED_RETRY_S_MAX: u64 = 10;
 
 /// A failure with a stable code; the exit status follows from it.
 #[derive(Debug)]
@@ -141,8 +144,34 @@ impl Client {
         Ok(Self { http, url: url.trim_end_matches('/').to_owned(), token })
     }
 
+    /// One call, with a request id of its own (`X-Request-Id`, the events' correlation). A call
+    /// refused `RATE_LIMITED` with a delay of at most [`RATE_LIMITED_RETRY_S_MAX`] is sent once
+    /// more after it, with the same request id and idempotency key.
     pub async fn call(&self, method: &str, body: &Value, idempotency_key: Option<&str>) -> Result<Value, CliError> {
-        let mut request = self.http.post(format!("{}/api/compute/{method}", self.url)).json(body);
+        let request_id = bc_core::id::RequestId::generate().to_string();
+        match self.call_once(method, body, idempotency_key, &request_id).await {
+            Err(e) if e.code == "RATE_LIMITED" => {
+                let wait_ms = e.details.as_ref().and_then(|d| d["retryAfterMs"].as_u64()).unwrap_or(u64::MAX);
+                if wait_ms > RATE_LIMITED_RETRY_S_MAX * 1000 {
+                    return Err(e);
+                }
+                eprintln!("{}: {} (retrying once in {} ms)", e.code, e.message, wait_ms);
+                tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+                self.call_once(method, body, idempotency_key, &request_id).await
+            }
+            other => other,
+        }
+    }
+
+    async fn call_once(
+        &self,
+        method: &str,
+        body: &Value,
+        idempotency_key: Option<&str>,
+        request_id: &str,
+    ) -> Result<Value, CliError> {
+        let mut request =
+            self.http.post(format!("{}/api/compute/{method}", self.url)).json(body).header("x-request-id", request_id);
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
         }
@@ -154,6 +183,9 @@ impl Client {
                 .hint("start the server with `make dev`, or set BETTER_COMPUTE_URL")
         })?;
         let status = response.status();
+        // `Retry-After` in whole seconds, when the body gives no finer delay.
+        let retry_after_s =
+            response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         if status.is_redirection() {
             return Err(redirect_refused(status, response.headers().get(reqwest::header::LOCATION)));
         }
@@ -167,6 +199,10 @@ impl Client {
         let code = value["code"].as_str().unwrap_or("INTERNAL").to_owned();
         let message = value["message"].as_str().unwrap_or("request failed").to_owned();
         let mut error = CliError::new(&code, message);
+        if code == "RATE_LIMITED" {
+            let ms = value["details"]["retryAfterMs"].as_u64().or(retry_after_s.map(|s| s.saturating_mul(1000)));
+            error.details = ms.map(|ms| serde_json::json!({ "retryAfterMs": ms }));
+        }
         error.hint = value["details"]["hint"].as_str().map(str::to_owned).or_else(|| match code.as_str() {
             "UNAUTHENTICATED" => Some("check BETTER_COMPUTE_TOKEN (dev writes one to .better-compute/admin.token)".into()),
             _ => value["details"]["didYouMean"].as_str().map(|m| format!("did you mean {m}?")),

@@ -726,6 +726,7 @@ pub async fn run_server(
         .with_ssh_user_ca(ssh_user_ca);
     state.watchers = bc_gateway::watch::WatcherSlots::new(limits.watchers);
     state.tunnels = bc_gateway::tunnels::Tunnels::new(limits.tunnels);
+    state.rate_limiter = Arc::new(bc_gateway::rate_limit::RateLimiter::new(limits.rate));
     state.limits = limits;
     let service = bc_gateway::agents::AgentService::with_limits(Arc::new(state), agents.session, agents.limits);
     let (served, agents_served) = serve_until_signal(listener, agents_listener, transport, service).await;

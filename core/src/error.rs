@@ -19,6 +19,9 @@ pub enum ErrorCode {
     Unauthenticated,
     AccessDenied,
     QuotaExceeded,
+    /// Too many requests from one API key or tenant (its token bucket is empty); retry after
+    /// the delay the answer gives.
+    RateLimited,
     PayloadTooLarge,
     Unavailable,
     /// A well-formed request this deployment or the target cannot serve (yet): what is
@@ -40,6 +43,7 @@ impl ErrorCode {
             Self::Unauthenticated => "UNAUTHENTICATED",
             Self::AccessDenied => "ACCESS_DENIED",
             Self::QuotaExceeded => "QUOTA_EXCEEDED",
+            Self::RateLimited => "RATE_LIMITED",
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             Self::Unavailable => "UNAVAILABLE",
             Self::Unsupported => "UNSUPPORTED",
@@ -81,6 +85,10 @@ pub enum Error {
     /// A tenant asked for more than its quota allows.
     #[error("{0}")]
     QuotaExceeded(String),
+    /// A key's or a tenant's requests came faster than its rate: `retry_after_ms` until the
+    /// bucket holds a token again.
+    #[error("{message}")]
+    RateLimited { message: String, retry_after_ms: u64 },
     #[error("request body exceeds {limit_bytes} bytes")]
     PayloadTooLarge { limit_bytes: usize },
     #[error("{0}")]
@@ -110,6 +118,7 @@ impl Error {
             Self::Unauthenticated(_) => ErrorCode::Unauthenticated,
             Self::AccessDenied(_) => ErrorCode::AccessDenied,
             Self::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
+            Self::RateLimited { .. } => ErrorCode::RateLimited,
             Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
             Self::Unavailable(_) => ErrorCode::Unavailable,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
@@ -131,6 +140,7 @@ impl Error {
             Self::InvalidArgument { hint, .. } | Self::InvalidState { hint, .. } => hint.as_deref(),
             Self::Conflict { .. } => Some("read the current version and retry"),
             Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
+            Self::RateLimited { .. } => Some("wait the Retry-After delay, then send fewer requests a second"),
             _ => None,
         }
     }

@@ -21,6 +21,7 @@ impl From<Error> for ApiError {
         let details = match &error {
             Error::InvalidState { allowed, .. } => json!({ "allowed": allowed }),
             Error::Unsupported { reason, .. } => json!({ "reason": reason }),
+            Error::RateLimited { retry_after_ms, .. } => json!({ "retryAfterMs": retry_after_ms }),
             _ => Value::Object(Default::default()),
         };
         Self { error, details, close }
@@ -48,6 +49,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::AccessDenied | ErrorCode::QuotaExceeded => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::RateLimited => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unsupported => StatusCode::NOT_IMPLEMENTED,
         ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorCode::Corrupt | ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -71,6 +73,11 @@ impl IntoResponse for ApiError {
         let mut response = (status_of(code), axum::Json(body)).into_response();
         if self.close {
             response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+        }
+        if let Error::RateLimited { retry_after_ms, .. } = &self.error {
+            // RFC 9110's delay-seconds: whole seconds, rounded up so a client that waits it
+            // finds a token.
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, retry_after_ms.div_ceil(1000).max(1).into());
         }
         if code == ErrorCode::Unauthenticated {
             response.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));

@@ -13,7 +13,8 @@
 //!   `…/keys` and `…/rotations`, what a monitor holding a pin needs to follow a key rotation;
 //! - [`watch`]: `GET /watch`, the live stream over server-sent events, served from one shared
 //!   tail of the log per process (`watch::tail`);
-//! - [`auth`]: API keys, tokens, actions;
+//! - [`auth`]: API keys, tokens, actions; [`rate_limit`]: a token bucket per key and per
+//!   tenant (`RATE_LIMITED`, `429` with `Retry-After`);
 //! - [`error`]: the `{code, message, details}` envelope and status mapping;
 //! - [`conn`]: the connections' limits (header, idle, body and write deadlines; the cap on open
 //!   connections), served with hyper-util's `auto::Builder`;
@@ -46,6 +47,7 @@ pub mod auth;
 pub mod conn;
 pub mod error;
 pub mod openapi;
+pub mod rate_limit;
 pub mod rpc;
 pub mod ssh_ca;
 pub mod tunnels;
@@ -94,6 +96,8 @@ pub struct AppState {
     pub release_keys: Arc<Vec<bc_core::release::ReleasePublicKey>>,
     /// The API keys found live lately (`auth::KEY_CACHE_TTL`).
     pub keys: Arc<auth::KeyCache>,
+    /// Each API key's and tenant's token bucket (`rate_limit.rs`, `limits.rate`).
+    pub rate_limiter: Arc<rate_limit::RateLimiter>,
     /// The tunnels of this process: tickets, the nodes' sessions here, open counts
     /// (`schema/TUNNELS.md`).
     pub tunnels: Arc<tunnels::Tunnels>,
@@ -151,6 +155,9 @@ pub struct ServeLimits {
     /// (`--tunnels-per-tenant-max`, `--tunnels-per-key-max`, `--tunnels-per-node-max`,
     /// `--tunnel-idle-timeout`, `--tunnel-max-duration`).
     pub tunnels: tunnels::TunnelLimits,
+    /// Requests a second per API key and per tenant (`--rate-per-key`, `--burst-per-key`,
+    /// `--rate-per-tenant`, `--burst-per-tenant`).
+    pub rate: rate_limit::RateLimits,
 }
 
 impl Default for ServeLimits {
@@ -164,6 +171,7 @@ impl Default for ServeLimits {
             requests_max: CONCURRENT_REQUESTS_MAX,
             watchers: watch::WatcherLimits::default(),
             tunnels: tunnels::TunnelLimits::default(),
+            rate: rate_limit::RateLimits::default(),
         }
     }
 }
@@ -197,6 +205,7 @@ impl AppState {
             name_locks: Arc::new(NameLocks::new()),
             release_keys: Arc::new(Vec::new()),
             keys: Arc::new(auth::KeyCache::default()),
+            rate_limiter: Arc::new(rate_limit::RateLimiter::new(rate_limit::RateLimits::default())),
             tunnels: tunnels::Tunnels::new(tunnels::TunnelLimits::default()),
             ssh_user_ca: None,
         }

@@ -25,6 +25,7 @@ const ERROR_CODES: &[ErrorCode] = &[
     ErrorCode::Unauthenticated,
     ErrorCode::AccessDenied,
     ErrorCode::QuotaExceeded,
+    ErrorCode::RateLimited,
     ErrorCode::PayloadTooLarge,
     ErrorCode::Unavailable,
     ErrorCode::Unsupported,
@@ -57,13 +58,17 @@ fn error_responses() -> (Map<String, Value>, Map<String, Value>) {
                 },
             }),
         );
-        responses.insert(
-            status.to_string(),
-            json!({
-                "description": format!("an error: {}", codes.join(", ")),
-                "content": { "application/json": { "schema": { "$ref": format!("#/components/schemas/{name}") } } },
-            }),
-        );
+        let mut response = json!({
+            "description": format!("an error: {}", codes.join(", ")),
+            "content": { "application/json": { "schema": { "$ref": format!("#/components/schemas/{name}") } } },
+        });
+        if status == 429 {
+            response["headers"] = json!({ "Retry-After": {
+                "description": "whole seconds until the key's and the tenant's buckets hold a token again (`details.retryAfterMs` in milliseconds)",
+                "schema": { "type": "integer", "minimum": 1 },
+            } });
+        }
+        responses.insert(status.to_string(), response);
     }
     (schemas, responses)
 }
@@ -101,8 +106,9 @@ pub fn document() -> Value {
             json!({ "description": "the result", "content": { "application/json": { "schema": output } } }),
         );
         for (status, response) in &error_responses {
-            // A public method never asks for a token, so it is never refused one.
-            let auth_status = matches!(status.as_str(), "401" | "403");
+            // A public method never asks for a token, so it is never refused one, nor counted
+            // against a key's rate.
+            let auth_status = matches!(status.as_str(), "401" | "403" | "429");
             if method.access == Access::Public && auth_status {
                 continue;
             }
@@ -128,6 +134,17 @@ pub fn document() -> Value {
                             "pattern": "^[!-~]+$",
                         },
                         "description": "a retry with the same key and body returns the first result and appends nothing",
+                    }, {
+                        "name": "X-Request-Id",
+                        "in": "header",
+                        "required": false,
+                        "schema": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": crate::rpc::REQUEST_ID_BYTES_MAX,
+                            "pattern": "^[A-Za-z0-9._:-]+$",
+                        },
+                        "description": "the request's id, echoed in the answer's X-Request-Id and carried as the events' correlation; one is made when absent or not of this form",
                     }],
                     // An empty body is `{}`: it may be left out when no field is required.
                     "requestBody": {

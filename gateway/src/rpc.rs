@@ -36,8 +36,9 @@ const RPC_PREFIX: &str = "/api/compute/";
 pub async fn rpc(state: &AppState, raw: &str, headers: &HeaderMap, body: Body) -> Response {
     let name = if raw.len() > api::METHOD_NAME_BYTES_MAX { std::borrow::Cow::Borrowed(raw) } else { percent_decoded(raw) };
     let name = name.as_ref();
-    // From the deployment's id source: the request id is the events' correlation.
-    let request_id = RequestId::from_ulid(state.log.ids.ulid()).to_string();
+    // The client's `X-Request-Id` when well formed, else one from the deployment's id source:
+    // the request id is the log line's and the events' correlation.
+    let request_id = client_request_id(headers).unwrap_or_else(|| RequestId::from_ulid(state.log.ids.ulid()).to_string());
     let span = tracing::info_span!("rpc", method = %echo(name), request_id = %request_id);
     let mut response = match call(state, name, headers, body, request_id.clone()).instrument(span).await {
         Ok(value) => axum::Json(value).into_response(),
@@ -46,6 +47,20 @@ pub async fn rpc(state: &AppState, raw: &str, headers: &HeaderMap, body: Body) -
     };
     response.headers_mut().insert("x-request-id", request_id.parse().expect("ids are ASCII"));
     response
+}
+
+/// Longest `X-Request-Id` taken from a client.
+pub const REQUEST_ID_BYTES_MAX: usize = 64;
+
+/// The client's `X-Request-Id`, if it is 1 to [`REQUEST_ID_BYTES_MAX`] letters, digits and
+/// `.`, `_`, `:`, `-` (a UUID, a ULID, a trace id); any other is replaced, not refused, so a
+/// strange proxy's header never fails a call.
+fn client_request_id(headers: &HeaderMap) -> Option<String> {
+    let id = headers.get("x-request-id")?.to_str().ok()?;
+    let well_formed = !id.is_empty()
+        && id.len() <= REQUEST_ID_BYTES_MAX
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+    well_formed.then(|| id.to_owned())
 }
 
 /// `%XX` decoded, as axum's `Path` would (a method name is plain ASCII, so this is rare).
@@ -119,7 +134,10 @@ async fn call(
         Access::Public => None,
         Access::Authenticated | Access::Action(_) => {
             let header = headers.get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
-            Some(state.keys.authenticate(&*state.store, header).await?)
+            let principal = state.keys.authenticate(&*state.store, header).await?;
+            // Before the body is read: a caller past its rate costs no more than its headers.
+            state.rate_limiter.check(principal.tenant, &principal.key_id, state.log.clock.now_ms())?;
+            Some(principal)
         }
     };
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {

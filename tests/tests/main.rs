@@ -30,6 +30,7 @@ mod join_tokens_cli;
 mod metal;
 mod method_table;
 mod postgres;
+mod rate_limits;
 mod rebuild;
 mod reconcilers;
 mod redfish;

@@ -46,6 +46,8 @@ pub async fn start(path: &Path, configure: impl FnOnce(&mut AppState)) -> InProc
     .unwrap();
     let token = token.lock().unwrap().clone();
     let mut state = AppState::new(log.clone());
+    // The benches measure what the server carries, not the per-key rate limit.
+    state.rate_limiter = Arc::new(bc_gateway::rate_limit::RateLimiter::new(bc_gateway::rate_limit::RateLimits::off()));
     configure(&mut state);
     let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -197,6 +197,19 @@ pub struct ServerArgs {
     /// How long a ticket of tunnels.open is good for (1s to 5m).
     #[arg(long, default_value = "30s", value_parser = parse_ticket_ttl_ms)]
     pub tunnel_ticket_ttl: u64,
+    /// Requests a second one API key may make, sustained; more are refused RATE_LIMITED (429
+    /// with Retry-After). 0 turns the per-key limit off.
+    #[arg(long, default_value_t = bc_gateway::rate_limit::RATE_PER_KEY_DEFAULT, value_parser = clap::value_parser!(u32).range(0..=i64::from(bc_gateway::rate_limit::RATE_MAX)))]
+    pub rate_per_key: u32,
+    /// Requests one API key may make at once above its rate.
+    #[arg(long, default_value_t = bc_gateway::rate_limit::BURST_PER_KEY_DEFAULT, value_parser = clap::value_parser!(u32).range(1..=i64::from(bc_gateway::rate_limit::RATE_MAX)))]
+    pub burst_per_key: u32,
+    /// Requests a second all of one tenant's API keys may make together. 0 turns it off.
+    #[arg(long, default_value_t = bc_gateway::rate_limit::RATE_PER_TENANT_DEFAULT, value_parser = clap::value_parser!(u32).range(0..=i64::from(bc_gateway::rate_limit::RATE_MAX)))]
+    pub rate_per_tenant: u32,
+    /// Requests one tenant's keys may make at once above its rate.
+    #[arg(long, default_value_t = bc_gateway::rate_limit::BURST_PER_TENANT_DEFAULT, value_parser = clap::value_parser!(u32).range(1..=i64::from(bc_gateway::rate_limit::RATE_MAX)))]
+    pub burst_per_tenant: u32,
     #[command(flatten)]
     pub agents: AgentsArgs,
 }
@@ -380,6 +393,10 @@ impl ServerArgs {
                 idle_timeout: ms(self.tunnel_idle_timeout),
                 max_duration: ms(self.tunnel_max_duration),
                 ticket_ttl: ms(self.tunnel_ticket_ttl),
+            },
+            rate: bc_gateway::rate_limit::RateLimits {
+                per_key: bc_gateway::rate_limit::Rate { per_s: self.rate_per_key, burst: self.burst_per_key },
+                per_tenant: bc_gateway::rate_limit::Rate { per_s: self.rate_per_tenant, burst: self.burst_per_tenant },
             },
             ..bc_gateway::ServeLimits::default()
         })

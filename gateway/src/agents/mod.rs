@@ -140,7 +140,7 @@ pub fn code_of(e: &Error) -> tonic::Code {
         C::InvalidState => tonic::Code::FailedPrecondition,
         C::Unauthenticated => tonic::Code::Unauthenticated,
         C::AccessDenied => tonic::Code::PermissionDenied,
-        C::QuotaExceeded => tonic::Code::ResourceExhausted,
+        C::QuotaExceeded | C::RateLimited => tonic::Code::ResourceExhausted,
         C::Unavailable => tonic::Code::Unavailable,
         C::Unsupported => tonic::Code::Unimplemented,
         C::Corrupt | C::Internal => tonic::Code::Internal,
