@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv system-deps sim
+.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -45,7 +45,7 @@ test: check-postgres
 	fi
 	$(CARGO) test --workspace --doc $(TEST_FEATURES)
 
-test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv
+test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned), installed under target/tools/ once; a second run finds it and does nothing.
@@ -69,6 +69,18 @@ $(TILES_VENV)/installed-requirements.txt: $(TILES_REQUIREMENTS)
 	python3 -m venv $(TILES_VENV)
 	$(TILES_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(TILES_REQUIREMENTS)
 	cp $(TILES_REQUIREMENTS) $@
+
+## The usage test's outside checkers: the FinOps Foundation's focus-validator and the CloudEvents
+## SDK (PyPI, pinned in tests/scripts/usage-requirements.txt) in a virtual environment of its own,
+## target/usage-venv/, made once and again only when that file changes.
+USAGE_VENV := target/usage-venv
+USAGE_REQUIREMENTS := tests/scripts/usage-requirements.txt
+usage-venv: $(USAGE_VENV)/installed-requirements.txt
+$(USAGE_VENV)/installed-requirements.txt: $(USAGE_REQUIREMENTS)
+	rm -rf $(USAGE_VENV)
+	python3 -m venv $(USAGE_VENV)
+	$(USAGE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(USAGE_REQUIREMENTS)
+	cp $(USAGE_REQUIREMENTS) $@
 
 ## The BMC the Redfish test drives the real client against: OpenStack's sushy-tools emulator (PyPI,
 ## pinned in tests/scripts/sushy-requirements.txt, its fake system driver) in a virtual environment

@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
     agent_commands, api, audit, auth, console, events, exec, flavors, forward, instances, inventory, join_tokens, meta, metal,
-    nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, webhooks,
+    nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, webhooks,
 };
 use crate::output::Format;
 
@@ -209,6 +209,11 @@ pub enum Command {
         #[command(subcommand)]
         command: reservations::QuotasCommand,
     },
+    /// Usage windows in GPU-hours, the billing export (FOCUS CSV, CloudEvents JSON lines), prices.
+    Usage {
+        #[command(subcommand)]
+        command: usage::UsageCommand,
+    },
     /// The shapes of instance a pool offers: vCPUs, memory, disk, GPUs.
     Flavors {
         #[command(subcommand)]
@@ -324,6 +329,13 @@ pub fn parse_tunnel_duration_ms(text: &str) -> Result<u64, String> {
 pub fn parse_ticket_ttl_ms(text: &str) -> Result<u64, String> {
     let max = Duration::from_secs(bc_gateway::tunnels::TICKET_TTL_MAX_S);
     Ok(parse_duration(text, SECOND, max, MILLISECOND)?.as_millis() as u64)
+}
+
+/// `--usage-window`: whole milliseconds, from `usage::WINDOW_MS_MIN` (a second) to a day.
+pub fn parse_usage_window_ms(text: &str) -> Result<u64, String> {
+    use bc_reconcilers::usage::{WINDOW_MS_MAX, WINDOW_MS_MIN};
+    let (min, max) = (Duration::from_millis(WINDOW_MS_MIN), Duration::from_millis(WINDOW_MS_MAX));
+    Ok(parse_duration(text, min, max, SECOND)?.as_millis() as u64)
 }
 
 /// `--for`, `--by`: whole seconds, more than zero (a reservation lasts at least a second).

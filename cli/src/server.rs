@@ -234,6 +234,8 @@ pub struct ConsumerOptions {
     pub poll_ms: u64,
     /// How often the level-triggered reconcilers (reservations) look again without a wake-up.
     pub tick_ms: u64,
+    /// The length of the usage windows (`--usage-window`).
+    pub usage_window_ms: u64,
 }
 
 impl ConsumerOptions {
@@ -248,6 +250,7 @@ impl ConsumerOptions {
             concurrency: 1,
             poll_ms: 250,
             tick_ms: registry::RESERVATIONS_TICK_MS_DEFAULT,
+            usage_window_ms: bc_reconcilers::usage::WINDOW_MS_DEFAULT,
         }
     }
 
@@ -282,6 +285,7 @@ fn reconciler_inputs(
         bmc: Some(Arc::new(bc_bmc::RedfishConnector { networks: options.bmc_networks.clone() })),
         sealing,
         witnesses,
+        usage_window_ms: options.usage_window_ms,
     }
 }
 

@@ -50,6 +50,8 @@ pub const ACTIONS: &[&str] = &[
     "compute:releases:write",
     "compute:rollouts:read",
     "compute:rollouts:write",
+    "compute:usage:read",
+    "compute:usage:admin",
 ];
 
 /// Most actions one key grants.

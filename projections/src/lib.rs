@@ -231,6 +231,7 @@ impl Projector for Projections {
     fn apply(&self, key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
         match key.kind.as_str() {
             usage::KIND_USAGE_LEDGER => return usage::apply_ledger(current, event),
+            usage::KIND_USAGE_OPEN => return usage::apply_open(key, current, event),
             usage::KIND_USAGE_PRICE => return usage::apply_price(key, current, event),
             _ => {}
         }

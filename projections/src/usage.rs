@@ -1,13 +1,14 @@
 //! Usage (`usage/<tenant>`): the GPU time each reservation held, closed into windows, and the
 //! prices (`usage_price/<sku>`, on the root tenant's chain) that turn it into cost.
 //!
-//! Two read models, both pure folds of the log:
-//! - the **ledger** (`usage_ledger/<tenant>`, one row per tenant) follows every activation of a
-//!   reservation from `reservation.activated` to its end (`released`/`expired`, capped at its
-//!   `endsAtMs`; `requeued`/`failed` take the activation back: the hold never held), and how far
-//!   each one is already counted ([`Tracked::counted_ms`]), from the `usage.window_closed` and
-//!   `usage.correction` events the `usage` reconciler appends. An activation leaves the ledger once
-//!   it has ended and is counted exactly to its end, so the row holds only what may still change;
+//! Read models, all pure folds of the log:
+//! - the **ledger** follows every activation of a reservation from `reservation.activated` to its
+//!   end (`released`/`expired`, capped at its `endsAtMs`; `requeued`/`failed` take the activation
+//!   back: the hold never held), and how far each one is already counted
+//!   ([`Tracked::counted_ms`]), from the `usage.window_closed` and `usage.correction` events the
+//!   `usage` reconciler appends. It is stored as one `usage_ledger/<tenant>` row (the windows
+//!   closed) and one `usage_open/<reservation>` row per reservation with an activation still to
+//!   count, removed once it has ended and is counted exactly to its end;
 //! - the **prices** (`usage_price/<sku>`): per SKU, the periods a price per GPU-hour holds from.
 //!
 //! What a window counts is decided in [`crate::decide::usage`]; this module holds the payloads,
@@ -37,8 +38,12 @@ pub const USAGE_CORRECTION: &str = "usage.correction";
 pub const USAGE_PRICE_SET: &str = "usage.price_set";
 /// The first word of the usage events' types.
 pub const USAGE: &str = "usage";
-/// The tenant's ledger row (id: the tenant id).
+/// The tenant's ledger row (id: the tenant id): the windows closed, and the usage stream's
+/// version.
 pub const KIND_USAGE_LEDGER: &str = "usage_ledger";
+/// A reservation's activations still to count (id: the reservation id); removed once each is
+/// settled, so the rows of a tenant are its reservations that may still change its usage.
+pub const KIND_USAGE_OPEN: &str = "usage_open";
 /// A SKU's price periods (root tenant; id: the SKU).
 pub const KIND_USAGE_PRICE: &str = "usage_price";
 /// The stream of a tenant's usage events.
@@ -184,14 +189,19 @@ impl Tracked {
     }
 }
 
-/// A tenant's ledger: what is closed, and the activations still to count.
+/// A tenant's ledger: what is closed, and the activations still to count. Stored split: the
+/// tenant's `usage_ledger` row holds the closed windows and the version (no `tracked`), and each
+/// reservation's `usage_open` row its own `tracked`, so a reservation event rewrites only its
+/// own row; the usage reconciler reads them back into one.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct UsageLedger {
     /// The end of the last window closed; every window before it is closed (those no event names
     /// had nothing to count). 0: none yet.
+    #[serde(default)]
     pub closed_through_ms: u64,
     /// By [`tracked_key`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tracked: BTreeMap<String, Tracked>,
     /// The version of the tenant's `usage/<tenant>` stream this ledger has folded: the usage
     /// reconciler appends at it, so two processes never close one window twice.
@@ -266,49 +276,85 @@ impl UsageLedger {
     }
 }
 
-/// The ledger row an event changes, if any: every tenant's reservation activations and ends, and
-/// its usage events.
+/// The usage rows an event changes: a reservation's `usage_open` row for its activations and ends;
+/// for a usage event, the tenant's `usage_ledger` row and the `usage_open` row of each
+/// reservation its lines name.
 pub(crate) fn touches(event: &StoredEvent, out: &mut Vec<RowKey>) {
     let env = &event.envelope;
     let t = env.event_type.as_str();
-    let ledger = LEDGER_RESERVATION_TYPES.contains(&t) || t == USAGE_WINDOW_CLOSED || t == USAGE_CORRECTION;
-    if ledger {
-        let tenant = env.tenant.to_string();
-        out.push(RowKey { tenant: tenant.clone(), kind: KIND_USAGE_LEDGER.to_owned(), id: tenant });
+    let tenant = env.tenant.to_string();
+    let row = |kind: &str, id: &str| RowKey { tenant: tenant.clone(), kind: kind.to_owned(), id: id.to_owned() };
+    if LEDGER_RESERVATION_TYPES.contains(&t) {
+        out.push(row(KIND_USAGE_OPEN, crate::stream_id_of(&env.stream)));
+    } else if t == USAGE_WINDOW_CLOSED || t == USAGE_CORRECTION {
+        out.push(row(KIND_USAGE_LEDGER, &tenant));
+        let payload = bc_core::canonical::to_json(&env.payload);
+        let mut named: Vec<&str> = payload
+            .get("lines")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|line| line.get("reservationId").and_then(Value::as_str))
+            .collect();
+        named.sort_unstable();
+        named.dedup();
+        out.extend(named.into_iter().map(|id| row(KIND_USAGE_OPEN, id)));
     }
 }
 
-/// Folds one event into the tenant's ledger.
+fn ledger_of(current: Option<Value>) -> Result<UsageLedger> {
+    match current {
+        Some(doc) => serde_json::from_value(doc).map_err(|e| Error::Internal(format!("usage ledger: {e}"))),
+        None => Ok(UsageLedger::default()),
+    }
+}
+
+/// The lines of a usage event, checked; the window it closes, for `usage.window_closed`.
+fn usage_lines(event: &StoredEvent) -> Result<(Option<u64>, Vec<UsageLine>)> {
+    if event.envelope.event_type == USAGE_CORRECTION {
+        return Ok((None, payload::<UsageCorrection>(event)?.lines));
+    }
+    let p: UsageWindowClosed = payload(event)?;
+    if p.window_end_ms <= p.window_start_ms {
+        return Err(corrupt(event, "a usage window that ends before it starts".into()));
+    }
+    Ok((Some(p.window_end_ms), p.lines))
+}
+
+/// Folds a usage event into the tenant's `usage_ledger` row: the windows closed, and the usage
+/// stream's version.
 pub(crate) fn apply_ledger(current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
-    let mut ledger: UsageLedger = match current {
-        Some(doc) => serde_json::from_value(doc).map_err(|e| Error::Internal(format!("usage ledger: {e}")))?,
-        None => UsageLedger::default(),
-    };
-    let reservation_id = crate::stream_id_of(&env.stream);
+    let mut ledger = ledger_of(current)?;
+    if env.event_type == USAGE_WINDOW_CLOSED || env.event_type == USAGE_CORRECTION {
+        let (window_end_ms, _) = usage_lines(event)?;
+        ledger.usage_version = env.version;
+        ledger.recorded(window_end_ms, &[]);
+    }
+    to_doc(&ledger)
+}
+
+/// Folds one event into a reservation's `usage_open` row (its activations still to count, as a
+/// ledger holding only them): gone once every activation is settled.
+pub(crate) fn apply_open(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let mut open = ledger_of(current)?;
+    let reservation_id = key.id.as_str();
     match env.event_type.as_str() {
-        RESERVATION_ACTIVATED => ledger.activated(reservation_id, env.seq, env.at_ms, &payload(event)?),
+        RESERVATION_ACTIVATED => open.activated(reservation_id, env.seq, env.at_ms, &payload(event)?),
         RESERVATION_EXTENDED => {
             let p: ReservationExtended = payload(event)?;
-            ledger.extended(reservation_id, env.seq, p.ends_at_ms);
+            open.extended(reservation_id, env.seq, p.ends_at_ms);
         }
-        RESERVATION_RELEASED | RESERVATION_EXPIRED => ledger.ended(reservation_id, env.seq, env.at_ms, false),
-        RESERVATION_REQUEUED | RESERVATION_FAILED => ledger.ended(reservation_id, env.seq, env.at_ms, true),
-        USAGE_WINDOW_CLOSED => {
-            ledger.usage_version = env.version;
-            let p: UsageWindowClosed = payload(event)?;
-            if p.window_end_ms <= p.window_start_ms {
-                return Err(corrupt(event, "a usage window that ends before it starts".into()));
-            }
-            ledger.recorded(Some(p.window_end_ms), &p.lines);
-        }
-        USAGE_CORRECTION => {
-            ledger.usage_version = env.version;
-            ledger.recorded(None, &payload::<UsageCorrection>(event)?.lines);
+        RESERVATION_RELEASED | RESERVATION_EXPIRED => open.ended(reservation_id, env.seq, env.at_ms, false),
+        RESERVATION_REQUEUED | RESERVATION_FAILED => open.ended(reservation_id, env.seq, env.at_ms, true),
+        USAGE_WINDOW_CLOSED | USAGE_CORRECTION => {
+            let (_, lines) = usage_lines(event)?;
+            open.recorded(None, &lines);
         }
         _ => {}
     }
-    to_doc(&ledger)
+    if open.tracked.is_empty() { Ok(None) } else { to_doc(&open) }
 }
 
 /// Folds `usage.price_set` into its SKU's periods (a period set again at the same start is

@@ -23,6 +23,7 @@ pub mod registry;
 pub mod reservations;
 pub mod rollouts;
 pub mod status;
+pub mod usage;
 pub mod webhooks;
 pub mod witnesses;
 

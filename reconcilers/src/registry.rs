@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::driver::{self, Reconciler, Schedule};
 use crate::outbox::{self, RunnerConfig};
-use crate::{checkpoints, instances, liveness, metal, reservations, rollouts, webhooks, witnesses};
+use crate::{checkpoints, instances, liveness, metal, reservations, rollouts, usage, webhooks, witnesses};
 
 /// What the reconcilers are built from: one process's store, log, clock and settings.
 pub struct Inputs {
@@ -45,6 +45,8 @@ pub struct Inputs {
     pub sealing: Option<Sealing>,
     /// Where `witnesses` sends checkpoints; empty: it does not run.
     pub witnesses: Vec<witnesses::Witness>,
+    /// The length of `usage`'s windows ([`usage::WINDOW_MS_DEFAULT`], an hour).
+    pub usage_window_ms: u64,
 }
 
 /// How often `reservations` passes when nothing wakes it, unless its process says otherwise.
@@ -66,6 +68,7 @@ impl Inputs {
             bmc: None,
             sealing: None,
             witnesses: Vec::new(),
+            usage_window_ms: usage::WINDOW_MS_DEFAULT,
         }
     }
 }
@@ -131,6 +134,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { name: instances::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_instances },
     Registration { name: metal::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_metal },
     Registration { name: witnesses::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_witnesses },
+    Registration { name: usage::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_usage },
 ];
 
 /// The names of [`REGISTRY`], in its order (`reconcile --only`'s possible values).
@@ -240,6 +244,12 @@ fn build_metal(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
 fn build_rollouts(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
     let reconciler = rollouts::reconciler(log(inputs, rollouts::NAME)?, inputs.clock.clone());
     Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(rollouts::TICK_MS_DEFAULT))))
+}
+
+fn build_usage(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let window_ms = inputs.usage_window_ms.clamp(usage::WINDOW_MS_MIN, usage::WINDOW_MS_MAX);
+    let reconciler = usage::Usage { log: log(inputs, usage::NAME)?, clock: inputs.clock.clone(), window_ms };
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(usage::TICK_MS_DEFAULT.min(window_ms)))))
 }
 
 fn build_witnesses(inputs: &Inputs) -> bc_core::Result<Option<Task>> {

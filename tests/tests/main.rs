@@ -44,6 +44,7 @@ mod sim_report;
 mod sim_run;
 mod ssh_cert;
 mod tunnels;
+mod usage;
 mod watch;
 mod watch_limits;
 mod watch_tail;

@@ -38,6 +38,7 @@ pub mod reservations;
 pub mod rollouts;
 pub mod sim;
 pub mod ssh_cert;
+pub mod usage;
 pub mod webhooks;
 
 impl Command {
@@ -66,6 +67,7 @@ impl Command {
             Command::Reservations { command } => reservations::run(ctx, command).await,
             Command::Capacity(args) => reservations::capacity(ctx, args).await,
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
+            Command::Usage { command } => usage::run(ctx, command).await,
             Command::Flavors { command } => flavors::run(ctx, command).await,
             Command::Images { command } => flavors::images(ctx, command).await,
             Command::Rollouts { command } => rollouts::run(ctx, command).await,

@@ -126,6 +126,10 @@ pub struct ConsumerArgs {
     /// every address a BMC's name resolves to, at connect time.
     #[arg(long = "bmc-allow-network", value_name = "CIDR")]
     pub bmc_allow_networks: Vec<String>,
+    /// The length of a usage window (`usage list`, `usage export`): from a second (for tests) to a
+    /// day. A window closes a tenth of its length after its end, at most a minute.
+    #[arg(long, default_value = "1h", value_parser = crate::flags::parse_usage_window_ms)]
+    pub usage_window: u64,
 }
 
 /// What `dev` and `serve` share: the address, sealing, and the reconcilers run in process.
@@ -348,6 +352,7 @@ impl ConsumerArgs {
             concurrency: self.concurrency as usize,
             poll_ms: 250,
             tick_ms: 500,
+            usage_window_ms: self.usage_window,
         })
     }
 }

@@ -44,6 +44,7 @@ mod rollouts;
 mod system;
 mod tenants;
 mod tunnels;
+mod usage;
 mod webhooks;
 
 pub use call::Call;
@@ -138,6 +139,7 @@ const GROUPS: &[&[Method]] = &[
     events::METHODS,
     webhooks::METHODS,
     tunnels::METHODS,
+    usage::METHODS,
 ];
 
 static TABLE: LazyLock<Vec<&'static Method>> = LazyLock::new(|| {

@@ -22,6 +22,7 @@ mod flavors;
 mod instances;
 mod metal;
 mod reservations;
+mod usage;
 mod webhooks;
 
 pub use agents::*;
@@ -29,6 +30,7 @@ pub use flavors::*;
 pub use instances::*;
 pub use metal::*;
 pub use reservations::*;
+pub use usage::*;
 pub use webhooks::*;
 
 /// `system.version`.

@@ -1,0 +1,338 @@
+//! `usage.*`: a tenant's usage rows (the lines of its `usage.window_closed` and
+//! `usage.correction` events, read from its `usage/<tenant>` stream), summed by group on request,
+//! and the prices per SKU (platform objects on the root tenant's chain, set by its
+//! administrators, read by anyone who reads usage).
+
+use std::collections::BTreeMap;
+
+use bc_core::canonical;
+use bc_core::id::TenantId;
+use bc_core::store::{ExpectedVersion, decode_rows};
+use bc_core::{Error, Result};
+use bc_projections::stream_of;
+use bc_projections::usage::{
+    KIND_USAGE, KIND_USAGE_PRICE, PRICE_PERIODS_MAX, USAGE_CORRECTION, USAGE_PRICE_SET, USAGE_WINDOW_CLOSED, UsageCorrection,
+    UsageLine, UsagePriceDoc, UsagePriceSet, UsageWindowClosed,
+};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::paging::{LIST_LIMIT_MAX, limit};
+use super::validate::{CursorText, LimitNumber, TenantIdText, TimeMs};
+use super::views::{UsageCostView, UsageGroupView, UsageListView, UsagePriceView, UsageRowView};
+use super::{Access, Call, Method, method};
+
+pub(super) const METHODS: &[Method] = &[
+    method!(
+        "usage.list",
+        Access::Action("compute:usage:read"),
+        "a tenant's usage rows (closed windows and corrections) in a range, or their sums by group",
+        UsageList => UsageListView,
+        usage_list,
+    ),
+    method!(
+        "usage.prices.set",
+        Access::Action("compute:usage:admin"),
+        "set a SKU's price per GPU-hour from a time on (root tenant only)",
+        UsagePricesSet => UsagePriceView,
+        usage_prices_set,
+    ),
+    method!(
+        "usage.prices.list",
+        Access::Action("compute:usage:read"),
+        "every SKU's price periods",
+        UsagePricesList => Vec<UsagePriceView>,
+        usage_prices_list,
+    ),
+];
+
+/// Usage events one call reads at most: a page of rows may come back short (with its cursor)
+/// when the range is sparse, and a grouped sum over more is refused.
+pub const USAGE_EVENTS_READ_MAX: u32 = 20_000;
+/// Usage events read per query.
+const EVENTS_PER_READ: u32 = 500;
+/// Longest SKU.
+pub const SKU_CHARS_MAX: usize = 64;
+/// Highest price per GPU-hour, in millionths: a million of the currency.
+pub const GPU_HOUR_MICROS_MAX: u64 = 1_000_000_000_000;
+/// Most SKUs `usage.prices.list` answers with.
+pub const PRICE_SKUS_LISTED_MAX: usize = 1000;
+/// Most `groupBy` keys.
+const GROUP_BY_MAX: usize = 4;
+
+/// What `usage.list` may sum by.
+#[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "camelCase")]
+pub enum UsageGroupBy {
+    Window,
+    Pool,
+    Sku,
+    Reservation,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsageList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// Rows of the windows that start at or after this time.
+    #[schemars(with = "TimeMs")]
+    from_ms: u64,
+    /// ... and before this one.
+    #[schemars(with = "TimeMs")]
+    to_ms: u64,
+    /// Sum the range's rows by these keys instead of listing them (no paging).
+    #[serde(default)]
+    #[schemars(length(max = 4))]
+    group_by: Vec<UsageGroupBy>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    /// `nextCursor` of the page before.
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsagePricesSet {
+    /// The GPU product (`H100-SXM5-80GB`): 1 to 64 of A-Z a-z 0-9 . _ -, starting with a letter
+    /// or digit.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"))]
+    sku: String,
+    /// ISO 4217, three capital letters.
+    #[schemars(regex(pattern = r"^[A-Z]{3}$"))]
+    currency: String,
+    /// The price of one GPU-hour, a decimal with at most 6 places (`2.5`).
+    #[schemars(regex(pattern = r"^[0-9]{1,7}(\.[0-9]{1,6})?$"))]
+    gpu_hour_price: String,
+    /// From when it holds (until the SKU's next period); now when absent.
+    #[schemars(with = "Option<TimeMs>")]
+    from_ms: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsagePricesList {
+    /// Only this SKU's.
+    #[serde(default)]
+    sku: Option<String>,
+}
+
+/// The lines of one usage event, with the event's kind, seq and time; none for another type.
+fn lines_of(event: &bc_core::event::StoredEvent) -> Result<(&'static str, Vec<UsageLine>)> {
+    let env = &event.envelope;
+    let json = canonical::to_json(&env.payload);
+    let bad = |e: serde_json::Error| Error::Internal(format!("usage event seq {}: {e}", env.seq));
+    Ok(match env.event_type.as_str() {
+        USAGE_WINDOW_CLOSED => ("usage", serde_json::from_value::<UsageWindowClosed>(json).map_err(bad)?.lines),
+        USAGE_CORRECTION => ("correction", serde_json::from_value::<UsageCorrection>(json).map_err(bad)?.lines),
+        _ => ("", Vec::new()),
+    })
+}
+
+/// A cursor `VERSION_LINE`: the next row is line `LINE` of the usage event at `VERSION`.
+fn parse_cursor(cursor: Option<&str>) -> Result<(u64, u32)> {
+    let Some(text) = cursor else { return Ok((1, 0)) };
+    let parsed = text.split_once('_').and_then(|(v, l)| Some((v.parse::<u64>().ok()?, l.parse::<u32>().ok()?)));
+    match parsed {
+        Some((version, line)) if version >= 1 && text.len() <= 40 => Ok((version, line)),
+        _ => Err(Error::invalid("malformed cursor: pass the nextCursor of the page before")),
+    }
+}
+
+async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    if input.to_ms <= input.from_ms {
+        return Err(Error::invalid(format!("toMs {} must be after fromMs {}", input.to_ms, input.from_ms)));
+    }
+    if input.group_by.len() > GROUP_BY_MAX {
+        return Err(Error::invalid(format!("at most {GROUP_BY_MAX} groupBy keys")));
+    }
+    let page_limit = if input.group_by.is_empty() { limit(input.limit)? } else { u32::MAX };
+    let (mut version, skip_lines) = parse_cursor(input.cursor.as_deref())?;
+    let stream = stream_of(KIND_USAGE, &tenant);
+    let (mut items, mut groups) = (Vec::new(), BTreeMap::new());
+    let mut read = 0u32;
+    let mut next_cursor = None;
+    'pages: loop {
+        let rows = call.state.store.read_stream_rows(tenant, &stream, version - 1, EVENTS_PER_READ).await?;
+        let count = rows.len() as u32;
+        for event in decode_rows(rows)? {
+            let env = &event.envelope;
+            let (kind, lines) = lines_of(&event)?;
+            let first = if env.version == version { skip_lines } else { 0 };
+            for (i, line) in lines.into_iter().enumerate().skip(first as usize) {
+                if items.len() as u32 == page_limit {
+                    next_cursor = Some(format!("{}_{i}", env.version));
+                    break 'pages;
+                }
+                if line.window_start_ms < input.from_ms || line.window_start_ms >= input.to_ms {
+                    continue;
+                }
+                let row = UsageRowView::new(kind, env.seq, i as u32, env.at_ms, line);
+                if input.group_by.is_empty() { items.push(row) } else { add_to_group(&mut groups, &input.group_by, row) }
+            }
+            version = env.version + 1;
+            read += 1;
+            if read >= USAGE_EVENTS_READ_MAX {
+                if !input.group_by.is_empty() {
+                    return Err(Error::invalid(format!(
+                        "the range holds more than {USAGE_EVENTS_READ_MAX} usage events: sum a shorter range"
+                    )));
+                }
+                next_cursor = Some(format!("{version}_0"));
+                break 'pages;
+            }
+        }
+        if count < EVENTS_PER_READ {
+            break;
+        }
+    }
+    Ok(UsageListView { items, groups: groups.into_values().collect(), next_cursor })
+}
+
+type GroupKey = (Option<u64>, Option<String>, Option<String>, Option<String>);
+
+fn add_to_group(groups: &mut BTreeMap<GroupKey, UsageGroupView>, by: &[UsageGroupBy], row: UsageRowView) {
+    let has = |k| by.contains(&k);
+    let key: GroupKey = (
+        has(UsageGroupBy::Window).then_some(row.window_start_ms),
+        has(UsageGroupBy::Pool).then(|| row.pool_id.clone()),
+        has(UsageGroupBy::Sku).then(|| row.sku.clone()),
+        has(UsageGroupBy::Reservation).then(|| row.reservation_id.clone()),
+    );
+    let group = groups.entry(key.clone()).or_insert_with(|| UsageGroupView {
+        window_start_ms: key.0,
+        pool_id: key.1,
+        sku: key.2,
+        reservation_id: key.3,
+        resource_kind: row.resource_kind.clone(),
+        ..Default::default()
+    });
+    group.quantity_ms += row.quantity_ms;
+    group.rows += 1;
+    let currency = row.currency.unwrap_or_default();
+    match group.costs.iter_mut().find(|c| c.currency == currency) {
+        Some(cost) => cost.cost_micros += row.cost_micros,
+        None => group.costs.push(UsageCostView { currency, cost_micros: row.cost_micros }),
+    }
+}
+
+/// `2.5` → 2,500,000 millionths.
+fn parse_price_micros(text: &str) -> Result<u64> {
+    let bad =
+        || Error::invalid(format!("gpuHourPrice {:?} is not a decimal with at most 6 places", bc_core::id::truncate(text, 40)));
+    let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(whole)
+        || whole.len() > 7
+        || (!fraction.is_empty() && !digits(fraction))
+        || fraction.len() > 6
+        || text.ends_with('.')
+    {
+        return Err(bad());
+    }
+    let whole: u64 = whole.parse().map_err(|_| bad())?;
+    let fraction: u64 = format!("{fraction:0<6}").parse().map_err(|_| bad())?;
+    let micros = whole * 1_000_000 + fraction;
+    if micros > GPU_HOUR_MICROS_MAX {
+        return Err(Error::invalid(format!("gpuHourPrice is past the most, {}", GPU_HOUR_MICROS_MAX / 1_000_000)));
+    }
+    Ok(micros)
+}
+
+/// Checks a SKU: 1 to [`SKU_CHARS_MAX`] of A-Z a-z 0-9 . _ -, starting with a letter or digit.
+fn validate_sku(sku: &str) -> Result<()> {
+    let ok = !sku.is_empty()
+        && sku.len() <= SKU_CHARS_MAX
+        && sku.as_bytes()[0].is_ascii_alphanumeric()
+        && sku.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("sku {:?} is not 1 to {SKU_CHARS_MAX} of A-Z a-z 0-9 . _ -", bc_core::id::truncate(sku, 80))))
+    }
+}
+
+/// An operator action, as quotas are: a tenant's key must not set its own prices.
+async fn usage_prices_set(call: &Call<'_>, input: UsagePricesSet) -> Result<UsagePriceView> {
+    if !call.principal().is_root() {
+        return Err(Error::AccessDenied("only the root tenant's administrators set prices".into()));
+    }
+    validate_sku(&input.sku)?;
+    if input.currency.len() != 3 || !input.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Err(Error::invalid(format!(
+            "currency {:?} is not an ISO 4217 code (USD, EUR)",
+            bc_core::id::truncate(&input.currency, 20)
+        )));
+    }
+    let micros = parse_price_micros(&input.gpu_hour_price)?;
+    let from_ms = input.from_ms.unwrap_or_else(|| call.now_ms());
+    let root = TenantId::ROOT;
+    let current = call.state.store.row_get(&root.to_string(), KIND_USAGE_PRICE, &input.sku).await?;
+    let current = current.map(super::call::doc::<UsagePriceDoc>).transpose()?;
+    let expected = match &current {
+        Some(doc) if doc.periods.len() >= PRICE_PERIODS_MAX && !doc.periods.iter().any(|p| p.from_ms == from_ms) => {
+            return Err(Error::state(
+                format!("sku {} has {PRICE_PERIODS_MAX} price periods, the most", input.sku),
+                "set a price at an existing period's start to replace it",
+            ));
+        }
+        Some(doc) => ExpectedVersion::Exact(doc.version),
+        None => ExpectedVersion::NoStream,
+    };
+    let payload = bc_projections::events::to_cbor(&UsagePriceSet {
+        sku: input.sku.clone(),
+        from_ms,
+        currency: input.currency,
+        gpu_hour_micros: micros,
+    })?;
+    call.append(root, stream_of(KIND_USAGE_PRICE, &input.sku), expected, USAGE_PRICE_SET, payload).await?;
+    let doc: UsagePriceDoc = call.row(root, KIND_USAGE_PRICE, &input.sku, "price of sku").await?;
+    Ok(doc.into())
+}
+
+async fn usage_prices_list(call: &Call<'_>, input: UsagePricesList) -> Result<Vec<UsagePriceView>> {
+    let root = TenantId::ROOT.to_string();
+    if let Some(sku) = &input.sku {
+        validate_sku(sku)?;
+        let row = call.state.store.row_get(&root, KIND_USAGE_PRICE, sku).await?;
+        return row.map(|r| super::call::doc::<UsagePriceDoc>(r).map(Into::into)).into_iter().collect();
+    }
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = call.state.store.row_list(&root, KIND_USAGE_PRICE, after.as_deref(), LIST_LIMIT_MAX).await?;
+        let full = rows.len() == LIST_LIMIT_MAX as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            out.push(super::call::doc::<UsagePriceDoc>(row)?.into());
+        }
+        if !full || out.len() >= PRICE_SKUS_LISTED_MAX {
+            return Ok(out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prices_and_cursors_are_checked_at_the_edge() {
+        assert_eq!(parse_price_micros("2.5").unwrap(), 2_500_000);
+        assert_eq!(parse_price_micros("0.000001").unwrap(), 1);
+        assert_eq!(parse_price_micros("12").unwrap(), 12_000_000);
+        for bad in ["", ".5", "2.", "2.1234567", "-1", "1e3", "12345678", "2,5"] {
+            assert!(parse_price_micros(bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_sku("H100-SXM5-80GB").is_ok());
+        for bad in ["", "-a", "a b", &"a".repeat(65)] {
+            assert!(validate_sku(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_cursor(Some("12_3")).unwrap(), (12, 3));
+        for bad in ["", "12", "0_1", "a_1", "1_-1"] {
+            assert!(parse_cursor(Some(bad)).is_err(), "{bad:?}");
+        }
+    }
+}
