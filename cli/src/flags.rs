@@ -126,6 +126,9 @@ pub enum Command {
     Reconcile(operator::ReconcileArgs),
     /// Apply the database migrations.
     Migrate(operator::MigrateArgs),
+    /// What is wrong with this deployment: the database, its schema, clock and settings, the
+    /// keys, the agents' certificate, the disk, the reconcilers; each ok, warn or fail with a fix.
+    Doctor(operator::DoctorArgs),
     /// The log key.
     Pki {
         #[command(subcommand)]

@@ -19,6 +19,7 @@ mod audit;
 mod client;
 mod commands;
 mod credentials;
+mod doctor;
 mod flags;
 mod follow;
 mod output;

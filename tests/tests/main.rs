@@ -20,6 +20,7 @@ mod bcd_update;
 mod cli_items;
 mod client_policy;
 mod crash;
+mod doctor;
 mod flavors_images;
 mod forward;
 mod hardening;

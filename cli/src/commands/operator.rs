@@ -1,5 +1,5 @@
 //! The operator commands that open the database themselves: `dev`, `serve`, `reconcile`,
-//! `migrate`, `pki show|rotate-log-key|rotate-data-key|rotate-ssh-ca`, `projections rebuild`. The work is in `crate::server`
+//! `migrate`, `doctor`, `pki show|rotate-log-key|rotate-data-key|rotate-ssh-ca`, `projections rebuild`. The work is in `crate::server`
 //! and `crate::audit`; this module turns flags into its options.
 
 use std::path::{Path, PathBuf};
@@ -68,6 +68,20 @@ pub struct ReconcileArgs {
 pub struct MigrateArgs {
     #[command(flatten)]
     pub db: DatabaseArgs,
+}
+
+#[derive(Args)]
+pub struct DoctorArgs {
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+    #[command(flatten)]
+    pub data_key: DataKeyArgs,
+    /// A warning is a finding too (exit DOCTOR_FINDINGS).
+    #[arg(long)]
+    pub strict: bool,
+    /// The checks as a JSON array.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
@@ -488,6 +502,24 @@ pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(
             rows.extend(value["neverRun"].as_array().cloned().unwrap_or_default());
             ctx.print_list(&serde_json::json!({ "items": rows }), crate::tables::RECONCILER_PASSES)
         }
+    }
+}
+
+/// `doctor`: one line per check (or `--json`); `DOCTOR_FINDINGS` (exit 1) when one failed, or
+/// with `--strict` warned.
+pub async fn doctor(ctx: &Context, args: DoctorArgs) -> Result<(), CliError> {
+    let data_key = args.data_key.path(&args.db.data_dir);
+    let paths = crate::doctor::Paths { data_dir: &args.db.data_dir, data_key: &data_key };
+    let checks = crate::doctor::run(&args.db.database(), &paths).await;
+    if args.json || ctx.global.format == Some(Format::Json) {
+        println!("{}", serde_json::to_string_pretty(&checks).unwrap_or_default());
+    } else {
+        print!("{}", crate::output::safe_text(&bc_agent::doctor::render(&checks)));
+    }
+    match crate::doctor::findings(&checks, args.strict) {
+        0 => Ok(()),
+        n => Err(CliError::new("DOCTOR_FINDINGS", format!("{n} of {} checks found a problem", checks.len()))
+            .hint("each line's fix says what to do")),
     }
 }
 

@@ -561,6 +561,20 @@ pub trait EventStore: LogStore + RowStore + outbox::OutboxStore + SecretStore + 
     async fn check_schema(&self) -> Result<()> {
         engine::schema_check(self.schema_version().await?, self.migrations())
     }
+    /// What `doctor` reads of the database server itself: its clock and the settings that
+    /// matter. An embedded database has neither (it is this host's clock).
+    async fn server_facts(&self) -> Result<ServerFacts> {
+        Ok(ServerFacts::default())
+    }
+}
+
+/// The database server's clock and settings (`EventStore::server_facts`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServerFacts {
+    /// The server's clock, ms since the Unix epoch, read at the call.
+    pub now_ms: Option<u64>,
+    /// `synchronous_commit`, `max_connections`, … as the server reports them.
+    pub settings: Vec<(String, String)>,
 }
 
 /// Reads and checks stored rows (hash and columns; signatures are the chain verifier's job).

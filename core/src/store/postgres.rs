@@ -840,6 +840,23 @@ impl EventStore for PostgresStore {
         };
         latest.map(to_u64).transpose()
     }
+
+    async fn server_facts(&self) -> Result<super::ServerFacts> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint, current_setting('synchronous_commit'), \
+                 current_setting('max_connections')",
+                &[],
+            )
+            .await?;
+        let now_ms: i64 = row.try_get(0)?;
+        let settings = vec![
+            ("synchronous_commit".to_owned(), row.try_get::<_, String>(1)?),
+            ("max_connections".to_owned(), row.try_get::<_, String>(2)?),
+        ];
+        Ok(super::ServerFacts { now_ms: Some(to_u64(now_ms)?), settings })
+    }
 }
 
 #[async_trait]
