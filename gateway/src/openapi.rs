@@ -138,13 +138,13 @@ pub fn document() -> Value {
                         "name": "X-Request-Id",
                         "in": "header",
                         "required": false,
-                        "schema": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": crate::rpc::REQUEST_ID_BYTES_MAX,
-                            "pattern": "^[A-Za-z0-9._:-]+$",
-                        },
-                        "description": "the request's id, echoed in the answer's X-Request-Id and carried as the events' correlation; one is made when absent or not of this form",
+                        // Any value is taken (one not of the kept form is replaced, never
+                        // refused), so the schema constrains nothing the server would refuse.
+                        "schema": { "type": "string" },
+                        "description": format!(
+                            "the request's id, echoed in the answer's X-Request-Id and carried as the events' correlation; kept when it is 1 to {} of A-Z a-z 0-9 . _ : -, else replaced by one the server makes (never refused)",
+                            crate::rpc::REQUEST_ID_BYTES_MAX
+                        ),
                     }],
                     // An empty body is `{}`: it may be left out when no field is required.
                     "requestBody": {
