@@ -55,9 +55,10 @@ fn pty_size(size: WindowSize) -> portable_pty::PtySize {
 /// Runs a console: a login shell on a new pseudo-terminal, fed by the frames `from_gateway`
 /// gives, its output and finally its exit status sent to `to_gateway`. Returns when the shell
 /// exited (its status sent) or the gateway's side ended (the shell is killed).
-pub async fn console<S>(mut from_gateway: S, to_gateway: mpsc::Sender<Vec<u8>>)
+pub async fn console<S, B>(mut from_gateway: S, to_gateway: mpsc::Sender<Vec<u8>>)
 where
-    S: Stream<Item = Vec<u8>> + Unpin,
+    S: Stream<Item = B> + Unpin,
+    B: AsRef<[u8]>,
 {
     let broken = |message: String| Frame::Status(End::Broken { message, timeout: false }).encode();
     let system = portable_pty::native_pty_system();
@@ -103,7 +104,7 @@ where
     let status = loop {
         tokio::select! {
             waited = &mut exited => break Some(waited),
-            frame = from_gateway.next() => match frame.map(|bytes| Frame::decode(&bytes)) {
+            frame = from_gateway.next() => match frame.map(|bytes| Frame::decode(bytes.as_ref())) {
                 Some(Ok(Frame::Data { channel: wire::CHANNEL_STDIN, bytes })) => {
                     if keys.send(bytes).await.is_err() {
                         continue;
@@ -173,9 +174,10 @@ fn write_terminal(mut writer: Box<dyn Write + Send>, mut typed: mpsc::Receiver<V
 /// ops reach. An op this agent does not attach is answered with a `Failure` status.
 pub async fn attach(channel: tonic::transport::Channel, open: bc_proto::OpenTunnel, guests: Arc<dyn Guests>) {
     let (to_gateway, from_end) = mpsc::channel::<Vec<u8>>(FRAMES_QUEUED);
-    let first = bc_proto::TunnelFrame { tunnel_id: open.tunnel_id, frame: Vec::new() };
-    let frames =
-        tokio_stream::wrappers::ReceiverStream::new(from_end).map(|frame| bc_proto::TunnelFrame { tunnel_id: Vec::new(), frame });
+    let first = bc_proto::TunnelFrame { tunnel_id: open.tunnel_id, frame: Default::default() };
+    // A frame's `Vec` becomes the message's `Bytes` without a copy.
+    let frames = tokio_stream::wrappers::ReceiverStream::new(from_end)
+        .map(|frame| bc_proto::TunnelFrame { tunnel_id: Vec::new(), frame: frame.into() });
     let outbound = futures::stream::iter([first]).chain(frames);
     let mut client = bc_proto::agent_client::AgentClient::new(channel)
         .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
@@ -237,9 +239,10 @@ pub enum GuestEnd {
 
 impl GuestEnd {
     /// Relays the guest's bytes and the gateway's frames until either ends (see [`relay_bytes`]).
-    pub async fn relay<S>(self, from_gateway: S, to_gateway: mpsc::Sender<Vec<u8>>, framing: Framing)
+    pub async fn relay<S, B>(self, from_gateway: S, to_gateway: mpsc::Sender<Vec<u8>>, framing: Framing)
     where
-        S: Stream<Item = Vec<u8>> + Unpin,
+        S: Stream<Item = B> + Unpin,
+        B: AsRef<[u8]>,
     {
         match self {
             Self::Tcp(stream) => {
@@ -357,7 +360,7 @@ enum GuestClosed {
 /// guest. Ends when the guest closes (`[255, 1]`, then `Success`), its side fails (`[255, 1]`,
 /// then a `Failure`), the client ends a `tcp` stream with `[255, 0]` (`[255, 1]`, then
 /// `Success`), or the gateway's side ends (nothing more is sent).
-pub async fn relay_bytes<R, W, S>(
+pub async fn relay_bytes<R, W, S, B>(
     reader: R,
     mut writer: W,
     mut from_gateway: S,
@@ -366,7 +369,8 @@ pub async fn relay_bytes<R, W, S>(
 ) where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin,
-    S: Stream<Item = Vec<u8>> + Unpin,
+    S: Stream<Item = B> + Unpin,
+    B: AsRef<[u8]>,
 {
     let mut outbound = tokio::spawn(guest_to_gateway(reader, to_gateway.clone()));
     let ended = loop {
@@ -375,12 +379,12 @@ pub async fn relay_bytes<R, W, S>(
             frame = from_gateway.next() => match frame {
                 None => break GuestClosed::GatewayGone,
                 // The hot path: a data frame's payload written as it came, without a copy.
-                Some(frame) if frame.first() == Some(&wire::CHANNEL_STDIN) => {
-                    if let Err(e) = writer.write_all(&frame[1..]).await {
+                Some(frame) if frame.as_ref().first() == Some(&wire::CHANNEL_STDIN) => {
+                    if let Err(e) = writer.write_all(&frame.as_ref()[1..]).await {
                         break GuestClosed::Failed(format!("writing to the guest failed: {e}"));
                     }
                 }
-                Some(frame) => match Frame::decode(&frame) {
+                Some(frame) => match Frame::decode(frame.as_ref()) {
                     Ok(Frame::Close(wire::CHANNEL_STDIN)) if framing == Framing::Tcp => break GuestClosed::Closed,
                     Ok(Frame::Resize(_) | Frame::Close(_)) => {}
                     // The gateway passes clients' stdin, resize and close frames only.

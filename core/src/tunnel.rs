@@ -156,6 +156,17 @@ impl Frame {
     }
 
     /// The frame a message holds.
+    /// A data frame's channel and payload, borrowed from `message` (the relays' hot path: no
+    /// copy); `None` for any other message, which [`Frame::decode`] reads and checks.
+    pub fn data_of(message: &[u8]) -> Option<(u8, &[u8])> {
+        match message.split_first() {
+            Some((&channel @ (CHANNEL_STDIN | CHANNEL_STDOUT | CHANNEL_STDERR), payload)) if message.len() <= FRAME_BYTES_MAX => {
+                Some((channel, payload))
+            }
+            _ => None,
+        }
+    }
+
     pub fn decode(message: &[u8]) -> Result<Self, FrameError> {
         if message.len() > FRAME_BYTES_MAX {
             return Err(FrameError::TooLarge(message.len()));
@@ -283,6 +294,35 @@ mod tests {
             assert_eq!(Frame::decode(&bytes).unwrap(), frame, "{bytes:?}");
             assert_eq!(Frame::decode(&bytes).unwrap().encode(), bytes);
         }
+    }
+
+    /// `data_of` says what `decode` says of a data frame, and nothing of any other message.
+    #[test]
+    fn data_of_borrows_exactly_the_data_frames() {
+        let data = [
+            Frame::stdin(b"ls\r".to_vec()),
+            Frame::stdout(Vec::new()),
+            Frame::Data { channel: CHANNEL_STDERR, bytes: vec![0, 255] },
+        ];
+        for frame in data {
+            let bytes = frame.encode();
+            let Frame::Data { channel, bytes: payload } = &frame else { unreachable!() };
+            assert_eq!(Frame::data_of(&bytes), Some((*channel, payload.as_slice())));
+        }
+        let others = [
+            Frame::Status(End::Exited(0)).encode(),
+            Frame::Close(CHANNEL_STDIN).encode(),
+            vec![CHANNEL_RESIZE],
+            vec![9, 1],
+            vec![],
+        ];
+        for message in others {
+            assert_eq!(Frame::data_of(&message), None, "{message:?}");
+        }
+        let mut large = vec![0u8; FRAME_BYTES_MAX + 1];
+        assert_eq!(Frame::data_of(&large), None, "over the limit");
+        large.pop();
+        assert_eq!(Frame::data_of(&large).map(|(c, p)| (c, p.len())), Some((CHANNEL_STDIN, FRAME_BYTES_MAX - 1)));
     }
 
     /// The bytes kubectl's remotecommand writes and reads, byte for byte.

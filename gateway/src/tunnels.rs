@@ -27,6 +27,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, header};
@@ -145,8 +146,8 @@ pub struct OpenRequest {
 /// The agent's end of a tunnel, as its `Tunnel` call delivered it: frames from the node, and a
 /// sender of frames to it. Dropping the sender ends the call.
 pub struct AgentEnd {
-    pub from_node: std::pin::Pin<Box<dyn Stream<Item = Vec<u8>> + Send>>,
-    pub to_node: mpsc::Sender<Vec<u8>>,
+    pub from_node: std::pin::Pin<Box<dyn Stream<Item = Bytes> + Send>>,
+    pub to_node: mpsc::Sender<Bytes>,
 }
 
 /// One granted ticket.

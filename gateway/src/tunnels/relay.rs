@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::extract::ws::{CloseFrame, Message};
 use bc_core::tunnel::{self as wire, End, Frame};
 use bc_projections::tunnel::CloseReason;
@@ -255,8 +256,8 @@ async fn supervise(
 }
 
 /// The client's frames to the agent's end, checked and counted, until the client ends, breaks
-/// the protocol, or the agent's end is gone.
-async fn client_to_node<Rx>(mut from_client: Rx, to_node: mpsc::Sender<Vec<u8>>, counters: Arc<Counters>) -> FromClient
+/// the protocol, or the agent's end is gone. A frame goes on as the socket gave it (no copy).
+async fn client_to_node<Rx>(mut from_client: Rx, to_node: mpsc::Sender<Bytes>, counters: Arc<Counters>) -> FromClient
 where
     Rx: Stream<Item = Result<Message, axum::Error>> + Unpin,
 {
@@ -267,13 +268,16 @@ where
             Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
             Some(Ok(Message::Close(_)) | Err(_)) | None => return FromClient::Closed,
         };
-        match Frame::decode(&bytes) {
-            Ok(Frame::Data { channel: wire::CHANNEL_STDIN, bytes: data }) => counters.add(&counters.bytes_in, data.len()),
-            Ok(Frame::Resize(_) | Frame::Close(_)) => {}
-            Ok(_) => return FromClient::Refused(1008, "clients send stdin, resize and close frames only".into()),
-            Err(e) => return FromClient::Refused(1008, e.to_string()),
+        match Frame::data_of(&bytes) {
+            Some((wire::CHANNEL_STDIN, data)) => counters.add(&counters.bytes_in, data.len()),
+            Some(_) => return FromClient::Refused(1008, "clients send stdin, resize and close frames only".into()),
+            None => match Frame::decode(&bytes) {
+                Ok(Frame::Resize(_) | Frame::Close(_)) => {}
+                Ok(_) => return FromClient::Refused(1008, "clients send stdin, resize and close frames only".into()),
+                Err(e) => return FromClient::Refused(1008, e.to_string()),
+            },
         }
-        if to_node.send(bytes.to_vec()).await.is_err() {
+        if to_node.send(bytes).await.is_err() {
             return FromClient::AgentGone;
         }
     }
@@ -282,7 +286,7 @@ where
 /// The node's frames to the client, checked and counted, with keep-alive pings, until the
 /// node's status, the agent's end or the client is gone, or the supervisor's last word.
 async fn node_to_client<Tx>(
-    mut from_node: Pin<Box<dyn Stream<Item = Vec<u8>> + Send>>,
+    mut from_node: Pin<Box<dyn Stream<Item = Bytes> + Send>>,
     mut to_client: Tx,
     mut last_word: mpsc::Receiver<LastWord>,
     counters: Arc<Counters>,
@@ -310,27 +314,31 @@ where
                     end_broken(&mut to_client, "the node's agent went away", false).await;
                     return ToClient::AgentGone;
                 };
-                match Frame::decode(&bytes) {
-                    Ok(Frame::Data { channel: wire::CHANNEL_STDOUT | wire::CHANNEL_STDERR, bytes: data }) => {
-                        counters.add(&counters.bytes_out, data.len());
-                    }
-                    // v5's close, forwarded: a `tcp` tunnel's peer closed its side.
-                    Ok(Frame::Close(_)) => {}
-                    Ok(Frame::Status(end)) => {
-                        let exit = match end {
-                            End::Exited(code) => Some(code),
-                            End::Broken { .. } => None,
-                        };
-                        let _ = to_client.send(Message::Binary(bytes.into())).await;
-                        let _ = to_client.send(close(1000, "the remote program ended")).await;
-                        return ToClient::Ended(exit);
-                    }
-                    Ok(_) | Err(_) => {
-                        end_broken(&mut to_client, "the node's agent sent a frame that is not the tunnel's", false).await;
+                match Frame::data_of(&bytes) {
+                    Some((wire::CHANNEL_STDOUT | wire::CHANNEL_STDERR, data)) => counters.add(&counters.bytes_out, data.len()),
+                    Some(_) => {
+                        end_broken(&mut to_client, NOT_THE_TUNNELS, false).await;
                         return ToClient::AgentGone;
                     }
+                    None => match Frame::decode(&bytes) {
+                        // v5's close, forwarded: a `tcp` tunnel's peer closed its side.
+                        Ok(Frame::Close(_)) => {}
+                        Ok(Frame::Status(end)) => {
+                            let exit = match end {
+                                End::Exited(code) => Some(code),
+                                End::Broken { .. } => None,
+                            };
+                            let _ = to_client.send(Message::Binary(bytes)).await;
+                            let _ = to_client.send(close(1000, "the remote program ended")).await;
+                            return ToClient::Ended(exit);
+                        }
+                        Ok(_) | Err(_) => {
+                            end_broken(&mut to_client, NOT_THE_TUNNELS, false).await;
+                            return ToClient::AgentGone;
+                        }
+                    },
                 }
-                if to_client.send(Message::Binary(bytes.into())).await.is_err() {
+                if to_client.send(Message::Binary(bytes)).await.is_err() {
                     return ToClient::ClientGone;
                 }
             }
@@ -342,6 +350,9 @@ where
         }
     }
 }
+
+/// What the client is told when the agent sends what a node does not send.
+const NOT_THE_TUNNELS: &str = "the node's agent sent a frame that is not the tunnel's";
 
 fn close(code: u16, reason: &str) -> Message {
     // A close reason is at most 123 bytes.
@@ -373,8 +384,8 @@ mod tests {
         /// What the client is sent (a channel of no room: a client that does not read blocks
         /// the relay's writes, as a full socket does).
         client_gets: client::Receiver<Message>,
-        node_sends: mpsc::Sender<Vec<u8>>,
-        node_gets: mpsc::Receiver<Vec<u8>>,
+        node_sends: mpsc::Sender<Bytes>,
+        node_gets: mpsc::Receiver<Bytes>,
         _shutdown: watch::Sender<bool>,
         relay: JoinHandle<Relayed>,
     }
@@ -424,7 +435,7 @@ mod tests {
         let mut rig = rig(3600, 60);
         let node_sends = rig.node_sends.clone();
         let printing =
-            tokio::spawn(async move { while node_sends.send(Frame::stdout(vec![b'x'; 1024]).encode()).await.is_ok() {} });
+            tokio::spawn(async move { while node_sends.send(Frame::stdout(vec![b'x'; 1024]).encode().into()).await.is_ok() {} });
         for i in 0..40u8 {
             rig.client_sends.send(binary(Frame::stdin(vec![i]))).await.unwrap();
             let got = tokio::time::timeout(Duration::from_secs(1), rig.node_gets.recv()).await;
@@ -442,9 +453,9 @@ mod tests {
     async fn the_nodes_close_frames_reach_the_client() {
         let rig = rig(3600, 3600);
         let reading = tokio::spawn(client_reads(rig.client_gets));
-        rig.node_sends.send(Frame::stdout(b"hi".to_vec()).encode()).await.unwrap();
-        rig.node_sends.send(Frame::Close(wire::CHANNEL_STDOUT).encode()).await.unwrap();
-        rig.node_sends.send(Frame::Status(End::Exited(0)).encode()).await.unwrap();
+        rig.node_sends.send(Frame::stdout(b"hi".to_vec()).encode().into()).await.unwrap();
+        rig.node_sends.send(Frame::Close(wire::CHANNEL_STDOUT).encode().into()).await.unwrap();
+        rig.node_sends.send(Frame::Status(End::Exited(0)).encode().into()).await.unwrap();
         let relayed = rig.relay.await.unwrap();
         assert_eq!((relayed.reason, relayed.exit, relayed.bytes_out), (CloseReason::Exited, Some(0), 2));
         let got = reading.await.unwrap();
@@ -465,7 +476,7 @@ mod tests {
         rig.client_sends.send(binary(Frame::stdin(b"a".to_vec()))).await.unwrap();
         assert!(rig.node_gets.recv().await.is_some());
         tokio::time::sleep(Duration::from_secs(6)).await;
-        rig.node_sends.send(Frame::stdout(b"b".to_vec()).encode()).await.unwrap();
+        rig.node_sends.send(Frame::stdout(b"b".to_vec()).encode().into()).await.unwrap();
         tokio::time::sleep(Duration::from_secs(6)).await;
         rig.client_sends.send(binary(Frame::Resize(WindowSize { width: 80, height: 24 }))).await.unwrap();
         let relayed = rig.relay.await.unwrap();
