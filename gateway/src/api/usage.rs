@@ -18,7 +18,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::paging::{LIST_LIMIT_MAX, limit};
-use super::validate::{CursorText, LimitNumber, TenantIdText, TimeMs};
+use super::validate::{CursorText, LimitNumber, TenantIdText};
 use super::views::{UsageCostView, UsageGroupView, UsageListView, UsagePriceView, UsageRowView};
 use super::{Access, Call, Method, method};
 
@@ -55,6 +55,8 @@ const EVENTS_PER_READ: u32 = 500;
 pub const SKU_CHARS_MAX: usize = 64;
 /// Highest price per GPU-hour, in millionths: a million of the currency.
 pub const GPU_HOUR_MICROS_MAX: u64 = 1_000_000_000_000;
+/// The latest time a usage method takes: 2^53 − 1 ms (JSON's exact integers; year 287,396).
+pub const TIME_MS_MAX: u64 = 9_007_199_254_740_991;
 /// Most SKUs `usage.prices.list` answers with.
 pub const PRICE_SKUS_LISTED_MAX: usize = 1000;
 /// Most `groupBy` keys.
@@ -75,11 +77,11 @@ pub enum UsageGroupBy {
 pub struct UsageList {
     #[schemars(with = "Option<TenantIdText>")]
     tenant_id: Option<String>,
-    /// Rows of the windows that start at or after this time.
-    #[schemars(with = "TimeMs")]
+    /// Rows of the windows that start at or after this time (ms since the epoch).
+    #[schemars(range(min = 0, max = TIME_MS_MAX))]
     from_ms: u64,
-    /// ... and before this one.
-    #[schemars(with = "TimeMs")]
+    /// ... and before this one (at or before `fromMs`: an empty range, no rows).
+    #[schemars(range(min = 0, max = TIME_MS_MAX))]
     to_ms: u64,
     /// Sum the range's rows by these keys instead of listing them (no paging).
     #[serde(default)]
@@ -105,8 +107,8 @@ pub struct UsagePricesSet {
     /// The price of one GPU-hour, a decimal with at most 6 places (`2.5`).
     #[schemars(regex(pattern = r"^[0-9]{1,7}(\.[0-9]{1,6})?$"))]
     gpu_hour_price: String,
-    /// From when it holds (until the SKU's next period); now when absent.
-    #[schemars(with = "Option<TimeMs>")]
+    /// From when it holds (until the SKU's next period), ms since the epoch; now when absent.
+    #[schemars(range(min = 0, max = TIME_MS_MAX))]
     from_ms: Option<u64>,
 }
 
@@ -115,6 +117,7 @@ pub struct UsagePricesSet {
 pub struct UsagePricesList {
     /// Only this SKU's.
     #[serde(default)]
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"))]
     sku: Option<String>,
 }
 
@@ -142,13 +145,16 @@ fn parse_cursor(cursor: Option<&str>) -> Result<(u64, u32)> {
 
 async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> {
     let tenant = call.tenant(&input.tenant_id).await?;
-    if input.to_ms <= input.from_ms {
-        return Err(Error::invalid(format!("toMs {} must be after fromMs {}", input.to_ms, input.from_ms)));
-    }
+    check_time("fromMs", input.from_ms)?;
+    check_time("toMs", input.to_ms)?;
     if input.group_by.len() > GROUP_BY_MAX {
         return Err(Error::invalid(format!("at most {GROUP_BY_MAX} groupBy keys")));
     }
     let page_limit = if input.group_by.is_empty() { limit(input.limit)? } else { u32::MAX };
+    if input.to_ms <= input.from_ms {
+        // An empty range: no window starts in it.
+        return Ok(UsageListView { items: Vec::new(), groups: Vec::new(), next_cursor: None });
+    }
     let (mut version, skip_lines) = parse_cursor(input.cursor.as_deref())?;
     let stream = stream_of(KIND_USAGE, &tenant);
     let (mut items, mut groups) = (Vec::new(), BTreeMap::new());
@@ -218,6 +224,13 @@ fn add_to_group(groups: &mut BTreeMap<GroupKey, UsageGroupView>, by: &[UsageGrou
     }
 }
 
+fn check_time(field: &str, ms: u64) -> Result<()> {
+    if ms > TIME_MS_MAX {
+        return Err(Error::invalid(format!("{field} {ms} is past the latest time, {TIME_MS_MAX}")));
+    }
+    Ok(())
+}
+
 /// `2.5` → 2,500,000 millionths.
 fn parse_price_micros(text: &str) -> Result<u64> {
     let bad =
@@ -267,6 +280,9 @@ async fn usage_prices_set(call: &Call<'_>, input: UsagePricesSet) -> Result<Usag
         )));
     }
     let micros = parse_price_micros(&input.gpu_hour_price)?;
+    if let Some(from_ms) = input.from_ms {
+        check_time("fromMs", from_ms)?;
+    }
     let from_ms = input.from_ms.unwrap_or_else(|| call.now_ms());
     let root = TenantId::ROOT;
     let current = call.state.store.row_get(&root.to_string(), KIND_USAGE_PRICE, &input.sku).await?;
