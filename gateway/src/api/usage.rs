@@ -18,7 +18,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::paging::{LIST_LIMIT_MAX, limit};
-use super::validate::{CursorText, LimitNumber, TenantIdText};
+use super::validate::{LimitNumber, TenantIdText};
 use super::views::{UsageCostView, UsageGroupView, UsageListView, UsagePriceView, UsageRowView};
 use super::{Access, Call, Method, method};
 
@@ -89,8 +89,8 @@ pub struct UsageList {
     group_by: Vec<UsageGroupBy>,
     #[schemars(with = "Option<LimitNumber>")]
     limit: Option<u32>,
-    /// `nextCursor` of the page before.
-    #[schemars(with = "Option<CursorText>")]
+    /// `nextCursor` of the page before: `VERSION_LINE`.
+    #[schemars(regex(pattern = r"^[1-9][0-9]{0,18}_[0-9]{1,9}$"))]
     cursor: Option<String>,
 }
 
@@ -151,11 +151,11 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
         return Err(Error::invalid(format!("at most {GROUP_BY_MAX} groupBy keys")));
     }
     let page_limit = if input.group_by.is_empty() { limit(input.limit)? } else { u32::MAX };
+    let (mut version, skip_lines) = parse_cursor(input.cursor.as_deref())?;
     if input.to_ms <= input.from_ms {
         // An empty range: no window starts in it.
         return Ok(UsageListView { items: Vec::new(), groups: Vec::new(), next_cursor: None });
     }
-    let (mut version, skip_lines) = parse_cursor(input.cursor.as_deref())?;
     let stream = stream_of(KIND_USAGE, &tenant);
     let (mut items, mut groups) = (Vec::new(), BTreeMap::new());
     let mut read = 0u32;
