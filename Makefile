@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv system-deps sim
+.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 dev:
@@ -45,7 +45,7 @@ test: check-postgres
 	fi
 	$(CARGO) test --workspace --doc $(TEST_FEATURES)
 
-test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv
+test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned), installed under target/tools/ once; a second run finds it and does nothing.
@@ -94,6 +94,18 @@ $(SUSHY_VENV)/installed-requirements.txt: $(SUSHY_REQUIREMENTS)
 	$(SUSHY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(SUSHY_REQUIREMENTS)
 	cp $(SUSHY_REQUIREMENTS) $@
 
+## The agents' endpoint's outside gRPC clients the health test runs (grpcio-health-checking and
+## grpcio-reflection, PyPI, pinned in tests/scripts/health-requirements.txt) in a virtual
+## environment of its own, target/health-venv/, made once and again only when that file changes.
+HEALTH_VENV := target/health-venv
+HEALTH_REQUIREMENTS := tests/scripts/health-requirements.txt
+health-venv: $(HEALTH_VENV)/installed-requirements.txt
+$(HEALTH_VENV)/installed-requirements.txt: $(HEALTH_REQUIREMENTS)
+	rm -rf $(HEALTH_VENV)
+	python3 -m venv $(HEALTH_VENV)
+	$(HEALTH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(HEALTH_REQUIREMENTS)
+	cp $(HEALTH_REQUIREMENTS) $@
+
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:
 	@scripts/check-postgres
@@ -141,6 +153,7 @@ bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench audit
 	$(CARGO) bench -p bc-cli --bench watch
 	$(CARGO) bench -p bc-cli --bench api_writes
+	$(CARGO) bench -p bc-cli --bench metrics
 	$(CARGO) bench -p bc-cli --bench log_growth
 	$(CARGO) bench -p bc-cli --bench webhooks
 	$(CARGO) bench -p bc-cli --bench reservations

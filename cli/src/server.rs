@@ -670,7 +670,7 @@ pub async fn run_server(
     db: Database,
     data_dir: &Path,
     data_key_path: &Path,
-    listen: &str,
+    (listen, metrics_listen): (&str, Option<&str>),
     migrate_first: bool,
     checkpoint_interval_s: u64,
     deployment: &str,
@@ -698,6 +698,7 @@ pub async fn run_server(
             .hint("pick another --agents-listen address")
     })?;
     let agents_bound = agents_listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    let metrics_listener = bind_metrics(metrics_listen).await?;
     // stdout is for people and for the test harness, which reads the URL from the first line.
     println!("better-compute listening on http://{bound}");
     println!("  database:  {}", db.describe());
@@ -711,6 +712,20 @@ pub async fn run_server(
     } else {
         println!("  admin token: {} (from the first start)", token_path.display());
     }
+    if let Some((_, addr)) = &metrics_listener {
+        println!("  metrics:   http://{addr}/metrics");
+    }
+    let ssh_user_ca = ssh_user_ca(&log, data_dir).await?;
+    let mut state = AppState::new(log.clone())
+        .with_webhook_policy(policy)
+        .with_bmc_networks(bmc_networks.clone())
+        .with_release_keys(release_keys.clone())
+        .with_ssh_user_ca(ssh_user_ca);
+    state.metrics_on_api = metrics_listener.is_none();
+    // Before the reconcilers start, so their first passes are counted.
+    bc_reconcilers::driver::observe(Arc::new(PassMetrics(state.metrics.clone())));
+    let metrics_served = metrics_listener
+        .map(|(listener, _)| tokio::spawn(bc_gateway::metrics::serve(listener, state.metrics.clone(), std::future::pending())));
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let duties = ServerDuties { checkpoint_interval_s, deployment, witnesses };
     let tasks = start_server_reconcilers(store, &log, data_dir, duties, consumers, policy, bmc_networks.clone(), &stopped)?;
@@ -722,12 +737,6 @@ pub async fn run_server(
     if !release_keys.is_empty() {
         println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
     }
-    let ssh_user_ca = ssh_user_ca(&log, data_dir).await?;
-    let mut state = AppState::new(log.clone())
-        .with_webhook_policy(policy)
-        .with_bmc_networks(bmc_networks)
-        .with_release_keys(release_keys)
-        .with_ssh_user_ca(ssh_user_ca);
     state.watchers = bc_gateway::watch::WatcherSlots::new(limits.watchers);
     state.tunnels = bc_gateway::tunnels::Tunnels::new(limits.tunnels);
     state.rate_limiter = Arc::new(bc_gateway::rate_limit::RateLimiter::new(limits.rate));
@@ -738,10 +747,35 @@ pub async fn run_server(
     for task in tasks {
         let _ = task.await;
     }
+    if let Some(metrics) = metrics_served {
+        metrics.abort();
+    }
     served.map_err(|e| CliError::new("INTERNAL", format!("server: {e}")))?;
     agents_served.map_err(|e| CliError::new("INTERNAL", format!("agents' endpoint: {e}")))?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The reconciler driver's passes, counted in the gateway's metrics (`/metrics`).
+struct PassMetrics(Arc<bc_gateway::metrics::Metrics>);
+
+impl bc_reconcilers::driver::PassObserver for PassMetrics {
+    fn pass(&self, reconciler: &'static str, ok: bool, duration: std::time::Duration) {
+        self.0.reconciler_pass(reconciler, ok, duration);
+    }
+}
+
+/// `--metrics-listen`'s listener and its bound address, when given.
+async fn bind_metrics(listen: Option<&str>) -> Result<Option<(tokio::net::TcpListener, SocketAddr)>, CliError> {
+    let Some(listen) = listen else { return Ok(None) };
+    let addr: SocketAddr =
+        listen.parse().map_err(|_| CliError::usage(format!("--metrics-listen {listen:?} is not HOST:PORT")))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        CliError::new("UNAVAILABLE", format!("cannot listen on {addr} for metrics: {e}"))
+            .hint("pick another --metrics-listen address")
+    })?;
+    let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    Ok(Some((listener, bound)))
 }
 
 /// The store (migrated first when asked, its schema and log key checked, its secrets sealed

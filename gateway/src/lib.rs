@@ -19,7 +19,9 @@
 //! - [`conn`]: the connections' limits (header, idle, body and write deadlines; the cap on open
 //!   connections), served with hyper-util's `auto::Builder`;
 //! - [`agents`]: the gRPC endpoint of the node agents (`bcd`): joins and sessions, on a
-//!   listener of its own with a pinned TLS certificate.
+//!   listener of its own with a pinned TLS certificate;
+//! - [`metrics`]: `GET /metrics` for Prometheus; [`health`]: `GET /healthz` and `GET /readyz`,
+//!   and the agents' endpoint's gRPC health status.
 //!
 //! Architecture invariant: this crate is the only one that knows HTTP and serves gRPC. It talks to storage only
 //! through `bc_core::store`.
@@ -28,7 +30,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -37,7 +38,6 @@ use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::events as ev;
 use bc_projections::{KIND_API_KEY, KIND_TENANT, stream_of};
-use serde_json::json;
 
 pub mod agents;
 pub mod api;
@@ -46,6 +46,8 @@ pub mod audit;
 pub mod auth;
 pub mod conn;
 pub mod error;
+pub mod health;
+pub mod metrics;
 pub mod openapi;
 pub mod rate_limit;
 pub mod rpc;
@@ -105,6 +107,11 @@ pub struct AppState {
     /// agent's session carries the keys trusted now); none: certificates are refused
     /// `UNAVAILABLE`.
     pub ssh_user_ca: Option<Arc<ssh_ca::SshUserCaRing>>,
+    /// This process's metrics (`metrics.rs`): the log reports its batches to them from the start.
+    pub metrics: Arc<metrics::Metrics>,
+    /// Whether the API's router serves `GET /metrics` (not when `--metrics-listen` serves them
+    /// on an address of their own).
+    pub metrics_on_api: bool,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -190,6 +197,8 @@ impl AppState {
     }
 
     pub fn new(log: Arc<Log>) -> Self {
+        let metrics = Arc::new(metrics::Metrics::new(log.store.backend()));
+        log.stats.observe(metrics.log_observer());
         Self {
             store: log.store.clone(),
             log,
@@ -208,6 +217,8 @@ impl AppState {
             rate_limiter: Arc::new(rate_limit::RateLimiter::new(rate_limit::RateLimits::default())),
             tunnels: tunnels::Tunnels::new(tunnels::TunnelLimits::default()),
             ssh_user_ca: None,
+            metrics,
+            metrics_on_api: true,
         }
     }
 
@@ -234,13 +245,19 @@ impl AppState {
 
 pub fn router(state: Arc<AppState>) -> Router {
     let requests_max = state.limits.requests_max;
-    Router::new()
+    state.metrics.watch_state(&state);
+    // Probes and scrapes outside authentication and the request limit (`health.rs`).
+    let mut outside =
+        Router::new().route("/healthz", get(health::healthz)).route("/readyz", get(health::readyz)).with_state(state.clone());
+    if state.metrics_on_api {
+        outside = outside.merge(metrics::router(state.metrics.clone()));
+    }
+    let api = Router::new()
         // `GET /tunnels/{ticket}` under the same limits as the API: the upgrade waits for the
         // node's agent to attach (at most `tunnels::AGENT_ATTACH_TIMEOUT_MS`) holding a request
         // slot, and lets it go with the `101` (the upgraded tunnel is bounded by its own flags).
         // The ticket is a secret: the trace layer's span names the route, never the path.
         .route("/tunnels/{ticket}", get(tunnels::upgrade))
-        .route("/healthz", get(healthz))
         .route("/api/compute/openapi.json", get(openapi))
         // `POST /api/compute/{method}` is dispatched by the fallback (`rpc::dispatch`), not a
         // route: axum percent-decodes and copies a route's parameters (and rewrites a nested
@@ -263,7 +280,8 @@ pub fn router(state: Arc<AppState>) -> Router {
                     Duration::from_secs(REQUEST_TIMEOUT_S),
                 )),
         )
-        .with_state(state)
+        .with_state(state.clone());
+    outside.merge(api).layer(axum::middleware::from_fn_with_state(state.metrics.clone(), metrics::Metrics::track))
 }
 
 /// The trace layer's span of a request, as `DefaultMakeSpan` at `DEBUG` makes it (its method,
@@ -273,15 +291,6 @@ fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Spa
     let uri = request.uri();
     let shown: &dyn std::fmt::Display = if uri.path().starts_with("/tunnels/") { &"/tunnels/{ticket}" } else { uri };
     tracing::debug_span!("request", method = %request.method(), uri = %shown, version = ?request.version())
-}
-
-async fn healthz(State(state): State<Arc<AppState>>) -> Response {
-    match state.store.last_commit().await {
-        Ok(commit) => {
-            axum::Json(json!({ "status": "ok", "backend": state.store.backend(), "lastCommit": commit })).into_response()
-        }
-        Err(e) => ApiError::from(Error::Unavailable(format!("database unreachable: {}", e.public_message()))).into_response(),
-    }
 }
 
 /// `GET /api/compute/openapi.json`: the API's OpenAPI document (public).

@@ -499,6 +499,11 @@ impl Tunnels {
     pub fn open_in(&self, tenant: TenantId) -> usize {
         self.lock().per_tenant.get(&tenant).copied().unwrap_or(0)
     }
+
+    /// Tunnels counted now in all tenants (open, and tickets unspent): `/metrics`.
+    pub fn open_total(&self) -> usize {
+        self.lock().per_tenant.values().sum()
+    }
 }
 
 /// `GET /tunnels/{ticket}`: checks the ticket's form, the request and the caller, spends the

@@ -10,6 +10,10 @@ pub mod v1 {
 
 pub use v1::*;
 
+/// `schema/agent.proto` as an encoded `FileDescriptorSet` (with its imports), for the gateway's
+/// gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/agent_descriptor.bin"));
+
 /// The largest message either side accepts, encoded.
 pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
 /// The largest journal entry body.

@@ -69,6 +69,22 @@ impl Schedule {
     }
 }
 
+/// Told of every pass [`run`] drives: the composition root's metrics (`/metrics`) count them.
+pub trait PassObserver: Send + Sync {
+    /// `reconciler` passed, `ok` or not, in `duration` (by the driver's clock, in milliseconds).
+    fn pass(&self, reconciler: &'static str, ok: bool, duration: Duration);
+}
+
+/// The process's [`PassObserver`], set once by [`observe`]: the driver's one hook, so the
+/// registry and every reconciler stay as they are.
+static PASS_OBSERVER: std::sync::OnceLock<Arc<dyn PassObserver>> = std::sync::OnceLock::new();
+
+/// Tells `observer` of every pass [`run`] drives in this process from now on; the first
+/// observer set stays (a process has one set of metrics).
+pub fn observe(observer: Arc<dyn PassObserver>) {
+    let _ = PASS_OBSERVER.set(observer);
+}
+
 /// Drives `reconciler` until `shutdown`: an activation, its status recorded in `store` (at most
 /// once a second while all is well, a failure at once), then a wait of the period, cut short by
 /// a wake-up; after an activation that asks to pass again, only [`PASS_INTERVAL_MIN_MS`]. A
@@ -90,6 +106,10 @@ pub async fn run(
     while !*shutdown.borrow() {
         let started_at_ms = clock.now_ms();
         let Activation { outcome, again } = reconciler.activate().await;
+        if let Some(observer) = PASS_OBSERVER.get() {
+            let duration = Duration::from_millis(clock.now_ms().saturating_sub(started_at_ms));
+            observer.pass(name, outcome.is_ok(), duration);
+        }
         match &outcome {
             Ok(counts) => status.pass(started_at_ms, Ok(counts)).await,
             Err(e) => {

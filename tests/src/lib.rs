@@ -498,10 +498,10 @@ impl Server {
         body["poolId"].as_str().expect("poolId").to_owned()
     }
 
-    /// The number of the newest append transaction, from `/healthz`.
+    /// The number of the newest append transaction, from `/readyz`.
     pub async fn last_commit(&self) -> u64 {
         let body: Value =
-            self.http.get(format!("{}/healthz", self.url)).send().await.expect("healthz").json().await.expect("json");
+            self.http.get(format!("{}/readyz", self.url)).send().await.expect("healthz").json().await.expect("json");
         body["lastCommit"].as_u64().expect("lastCommit")
     }
 }

@@ -151,6 +151,9 @@ pub struct ConsumerArgs {
 pub struct ServerArgs {
     #[arg(long, default_value = DEFAULT_LISTEN)]
     pub listen: String,
+    /// Serve `GET /metrics` (Prometheus) on this address instead of on --listen.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     #[command(flatten)]
     pub sealing: Sealing,
     /// A witness to cosign each sealed checkpoint, `NAME=URL+VKEY` (repeatable; C2SP
@@ -438,7 +441,7 @@ async fn run_server(
         db,
         data_dir,
         &args.data_key.path(data_dir),
-        &args.listen,
+        (&args.listen, args.metrics_listen.as_deref()),
         dev,
         args.sealing.checkpoint_interval,
         &args.sealing.deployment.deployment,

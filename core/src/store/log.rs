@@ -70,6 +70,13 @@ enum Outcome {
     Refused(Error),
 }
 
+/// Told of every batch the appender commits: the gateway's metrics (`/metrics`) keep their
+/// histograms with it, so this crate knows nothing of how they are served.
+pub trait AppendObserver: Send + Sync + std::fmt::Debug {
+    /// A batch of `events` committed; its commit took `commit`.
+    fn batch_committed(&self, events: usize, commit: std::time::Duration);
+}
+
 /// Running totals of the appender's work, for metrics and for `make bench`'s account of where
 /// the time goes. Microseconds are wall-clock time spent in each phase.
 #[derive(Debug, Default)]
@@ -81,9 +88,27 @@ pub struct LogStats {
     pub commit_us: std::sync::atomic::AtomicU64,
     /// Batches that found a chain head moved and were decided again.
     pub stale: std::sync::atomic::AtomicU64,
+    /// Told of each committed batch ([`LogStats::observe`]); none by default.
+    observer: std::sync::OnceLock<Arc<dyn AppendObserver>>,
 }
 
 impl LogStats {
+    /// Tells `observer` of every batch committed from now on; the first observer set stays.
+    pub fn observe(&self, observer: Arc<dyn AppendObserver>) {
+        let _ = self.observer.set(observer);
+    }
+
+    /// Counts one committed batch.
+    fn committed(&self, events: usize, commit_us: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.batches.fetch_add(1, Relaxed);
+        self.events.fetch_add(events as u64, Relaxed);
+        // A batch of replays and refusals alone commits nothing.
+        if let Some(observer) = self.observer.get().filter(|_| events > 0) {
+            observer.batch_committed(events, std::time::Duration::from_micros(commit_us));
+        }
+    }
+
     /// (batches, events, preread µs, decide µs, commit µs, stale) so far.
     pub fn snapshot(&self) -> [u64; 6] {
         use std::sync::atomic::Ordering::Relaxed;
@@ -555,14 +580,14 @@ async fn settle(
     decided: &mut Vec<Decided>,
 ) -> Option<u64> {
     use std::sync::atomic::Ordering::Relaxed;
-    stats.commit_us.fetch_add(landed.started.elapsed().as_micros() as u64, Relaxed);
+    let commit_us = landed.started.elapsed().as_micros() as u64;
+    stats.commit_us.fetch_add(commit_us, Relaxed);
     let mut batch = landed.decided;
     let done = done.unwrap_or_else(|e| Err(Error::Internal(format!("appender commit task: {e}"))));
     let newest = match done {
         Ok(CommitOutcome::Committed { commit, rows }) => {
             set_commit(&mut batch.batch, commit);
-            stats.batches.fetch_add(1, Relaxed);
-            stats.events.fetch_add(batch.batch.events.len() as u64, Relaxed);
+            stats.committed(batch.batch.events.len(), commit_us);
             tracing::debug!(jobs = batch.jobs.len(), events = batch.batch.events.len(), commit, "append batch");
             answer(appender, batch.jobs, &batch.batch, batch.outcomes, rows, Some(commit)).await;
             return Some(commit);
@@ -653,8 +678,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) ->
     };
     {
         use std::sync::atomic::Ordering::Relaxed;
-        stats.batches.fetch_add(1, Relaxed);
-        stats.events.fetch_add(batch.events.len() as u64, Relaxed);
+        stats.committed(batch.events.len(), timings[2] as u64);
         stats.preread_us.fetch_add(timings[0] as u64, Relaxed);
         stats.decide_us.fetch_add(timings[1] as u64, Relaxed);
         stats.commit_us.fetch_add(timings[2] as u64, Relaxed);

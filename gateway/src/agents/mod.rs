@@ -24,6 +24,11 @@
 //! - `Join` takes one of `joins_max` permits ([`JOINS_CONCURRENT_MAX`]) or is refused at once
 //!   with `UNAVAILABLE` and a retry hint (`bc_proto::RETRY_PUSHBACK_MS_KEY`), which `bcd join`
 //!   honours.
+//!
+//! Beside the agents' service the endpoint serves the standard `grpc.health.v1.Health`
+//! (tonic-health; `SERVING` while the gateway is ready, `crate::health`) and server reflection
+//! (tonic-reflection, v1 and v1alpha, from `bc_proto::FILE_DESCRIPTOR_SET`), under the same
+//! bounds ([`grpc_routes`]).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -429,9 +434,12 @@ pub async fn serve(
     let builder = Arc::new(builder);
     let router = tokio::spawn(session::route_commands(service.state.clone(), service.sessions.clone(), COMMAND_POLL_MS));
     let leases = tokio::spawn(session::write_leases(service.state.clone(), service.sessions.clone()));
+    service.state.metrics.watch_sessions(&service.sessions);
+    let state = service.state.clone();
     let server = AgentServer::new(service)
         .max_decoding_message_size(bc_proto::MESSAGE_BYTES_MAX)
         .max_encoding_message_size(bc_proto::MESSAGE_BYTES_MAX);
+    let (server, health) = grpc_routes(server, state)?;
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut next_connection = 0u64;
@@ -470,9 +478,31 @@ pub async fn serve(
     let all = u32::try_from(limits.connections_max).unwrap_or(u32::MAX);
     let _ = tokio::time::timeout(Duration::from_millis(AGENT_CLOSE_GRACE_MS * 2), slots.acquire_many(all)).await;
     router.abort();
+    health.abort();
     // Written once more on shutdown (the task ends itself then); not waited for past that.
     let _ = tokio::time::timeout(Duration::from_secs(2), leases).await;
     Ok(())
+}
+
+/// The agents' service with the standard health and reflection services beside it, and the
+/// task that keeps the health status to the gateway's readiness (aborted when serving ends).
+fn grpc_routes(
+    server: AgentServer<AgentService>,
+    state: Arc<AppState>,
+) -> io::Result<(tonic::service::Routes, tokio::task::JoinHandle<()>)> {
+    use tonic::server::NamedService;
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(bc_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let invalid = |e: tonic_reflection::server::Error| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+    let (v1, v1alpha) = (reflection().build_v1().map_err(invalid)?, reflection().build_v1alpha().map_err(invalid)?);
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let name = <AgentServer<AgentService> as NamedService>::NAME;
+    let reporting = tokio::spawn(crate::health::report_grpc_health(state, reporter, name));
+    let routes = tonic::service::Routes::new(server).add_service(health).add_service(v1).add_service(v1alpha).prepare();
+    Ok((routes, reporting))
 }
 
 /// What one connection is served with.
@@ -481,7 +511,7 @@ struct Connection {
     id: ConnectionId,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     builder: Arc<hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>>,
-    server: AgentServer<AgentService>,
+    server: tonic::service::Routes,
     limits: AgentLimits,
     stopping: tokio::sync::watch::Receiver<bool>,
     peer: SocketAddr,

@@ -1,0 +1,159 @@
+//! `/metrics` scraped by a real Prometheus (Debian's `prometheus`, which `scripts/system-deps`
+//! installs): the test starts it on a loopback port with a scrape configuration for the `dev`
+//! under test (every second), makes traffic, and asks Prometheus' HTTP API with PromQL for the
+//! request rate and the 99th percentile of the latency. `promtool check metrics` passes on what
+//! `/metrics` serves. With `--metrics-listen`, the metrics are served there and not on the API.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bc_tests::{Server, free_port, wait_until};
+use serde_json::{Value, json};
+
+/// A Prometheus server of this test: killed when dropped.
+struct Prometheus {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    /// Prometheus on a free loopback port, scraping `target` (`HOST:PORT`) at `/metrics` every
+    /// second.
+    fn scraping(target: &str) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: better-compute\n    metrics_path: /metrics\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("prometheus (Debian's package; `make test` installs it through scripts/system-deps)");
+        let prometheus = Prometheus { child, url: format!("http://127.0.0.1:{port}"), _dir: dir };
+        wait_until("Prometheus is ready", Duration::from_secs(30), || {
+            let ready = bc_tests::block_on(reqwest::get(format!("{}/-/ready", prometheus.url))).ok()?;
+            ready.status().is_success().then_some(())
+        });
+        prometheus
+    }
+
+    /// The vector an instant PromQL query gives (`data.result`), from synchronous code (the
+    /// closures of `wait_until`).
+    fn query(&self, promql: &str) -> Vec<Value> {
+        let url = reqwest::Url::parse_with_params(&format!("{}/api/v1/query", self.url), &[("query", promql)]).unwrap();
+        let request = reqwest::Client::new().get(url);
+        let answer: Value = bc_tests::block_on(async { request.send().await.unwrap().json().await.unwrap() });
+        assert_eq!(answer["status"], "success", "{promql}: {answer}");
+        answer["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A sample's value (`value: [time, "number"]`).
+fn value_of(sample: &Value) -> f64 {
+    sample["value"][1].as_str().and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
+}
+
+/// `promtool check metrics` on `text`: its status and what it said.
+fn promtool_check(text: &str) -> (bool, String) {
+    use std::io::Write;
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package)");
+    promtool.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_api_and_sees_the_traffic_made() {
+    let server = Server::dev();
+    let prometheus = Prometheus::scraping(server.url.trim_start_matches("http://"));
+    // Its first scrape (its scrape manager starts the targets some seconds after it is ready),
+    // so the traffic below is seen as a change between scrapes.
+    wait_until("Prometheus scrapes the server", Duration::from_secs(60), || {
+        let up = prometheus.query("up{job=\"better-compute\"}");
+        (up.first().map(value_of) == Some(1.0)).then_some(())
+    });
+    // Traffic: writes (pools.create), reads, and refusals, over a few scrapes.
+    for round in 0..5 {
+        for i in 0..20 {
+            server.pool(&format!("p-{round}-{i}")).await;
+        }
+        let (status, _) = server.call("pools.get", json!({ "poolId": "pool_nonexistent" })).await;
+        assert_ne!(status, 200);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+
+    let rates = wait_until("Prometheus has the request rate", Duration::from_secs(30), || {
+        let rates = prometheus.query("rate(better_compute_http_requests_total[1m])");
+        let posts_ok = rates.iter().find(|s| s["metric"]["method"] == "POST" && s["metric"]["code"] == "200")?;
+        (value_of(posts_ok) > 0.0).then_some(rates)
+    });
+    assert!(
+        rates.iter().any(|s| s["metric"]["method"] == "POST" && s["metric"]["code"].as_str().is_some_and(|c| c.starts_with('4'))),
+        "the refusals are counted by their code: {rates:?}"
+    );
+    let p99 =
+        prometheus.query("histogram_quantile(0.99, sum by (le) (rate(better_compute_http_request_duration_seconds_bucket[1m])))");
+    let p99 = p99.first().map(value_of).unwrap_or(f64::NAN);
+    assert!(p99 > 0.0 && p99 <= 30.0, "the 99th percentile of the latency is a number of seconds: {p99}");
+    // The 100 pools' events (and the bootstrap's two), once a scrape after the last write is in.
+    wait_until("Prometheus has the appends", Duration::from_secs(30), || {
+        let appended = prometheus.query("sum(better_compute_log_events_appended_total)");
+        (appended.first().map(value_of).unwrap_or(0.0) >= 100.0).then_some(())
+    });
+    let batches = prometheus.query("sum(better_compute_log_batch_events_count)");
+    assert!(batches.first().map(value_of).unwrap_or(0.0) >= 1.0, "batch sizes are observed: {batches:?}");
+    let passes = prometheus.query("sum(better_compute_reconciler_passes_total)");
+    assert!(passes.first().map(value_of).unwrap_or(0.0) >= 1.0, "reconciler passes are counted: {passes:?}");
+
+    // What /metrics serves passes promtool's checks (the text format a plain GET gets).
+    let text = reqwest::get(format!("{}/metrics", server.url)).await.unwrap().text().await.unwrap();
+    assert!(text.contains("better_compute_http_requests_total{"), "{text}");
+    let (ok, said) = promtool_check(&text);
+    assert!(ok, "promtool check metrics: {said}");
+}
+
+#[tokio::test]
+async fn with_metrics_listen_the_metrics_are_served_there_and_not_on_the_api() {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = Server::dev_with(&["--metrics-listen", &listen]);
+    server.pool("p").await;
+    let scraped = reqwest::Client::new()
+        .get(format!("http://{listen}/metrics"))
+        .header("accept", "application/openmetrics-text; version=1.0.0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(scraped.status().as_u16(), 200);
+    let content_type = scraped.headers()["content-type"].to_str().unwrap().to_owned();
+    assert!(content_type.starts_with("application/openmetrics-text"), "{content_type}");
+    let text = scraped.text().await.unwrap();
+    assert!(text.contains("better_compute_http_requests_total{method=\"POST\",code=\"200\"}"), "{text}");
+    assert!(text.ends_with("# EOF\n"), "OpenMetrics ends with # EOF: {text}");
+    let on_api = reqwest::get(format!("{}/metrics", server.url)).await.unwrap();
+    assert_ne!(on_api.status().as_u16(), 200, "not on the API's address when --metrics-listen is given");
+}
