@@ -53,6 +53,9 @@ use crate::agents::ConnectionId;
 
 mod relay;
 use crate::error::ApiError;
+
+// A client's largest message fits one agent message (`bc_proto::MESSAGE_BYTES_MAX` allows for the envelope).
+const _: () = assert!(wire::FRAME_BYTES_MAX == bc_proto::TUNNEL_FRAME_BYTES_MAX);
 pub use relay::{Ending, Relayed, TUNNEL_CLOSE_GRACE_MS};
 
 /// Tickets one process holds, so a flood of `tunnels.open` cannot grow memory. Only unspent

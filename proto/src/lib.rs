@@ -14,8 +14,13 @@ pub use v1::*;
 /// gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/agent_descriptor.bin"));
 
-/// The largest message either side accepts, encoded.
-pub const MESSAGE_BYTES_MAX: usize = 64 * 1024;
+/// The largest tunnel frame a `TunnelFrame` carries: `bc_core::tunnel::FRAME_BYTES_MAX`, the
+/// largest message a tunnel's client may send (schema/TUNNELS.md).
+pub const TUNNEL_FRAME_BYTES_MAX: usize = 64 * 1024;
+/// The largest message either side accepts, encoded: a full tunnel frame with its envelope (the
+/// fields' tags and lengths, a tunnel id) fits. It was 64 KiB exactly, and a client's full-size
+/// message (65,540 bytes encoded) broke its tunnel.
+pub const MESSAGE_BYTES_MAX: usize = TUNNEL_FRAME_BYTES_MAX + 1024;
 /// The largest journal entry body.
 pub const ENTRY_BODY_BYTES_MAX: usize = 16 * 1024;
 /// Capabilities a `Hello` may name, and the longest.
@@ -26,3 +31,17 @@ const _: () = assert!(ENTRY_BODY_BYTES_MAX * 2 < MESSAGE_BYTES_MAX);
 /// retry pushback, gRFC A6): the gateway sets it when it refuses a join for lack of permits,
 /// and `bcd join` waits at least that long before its next attempt.
 pub const RETRY_PUSHBACK_MS_KEY: &str = "grpc-retry-pushback-ms";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a tunnel client's message of the largest size the framing allows became an
+    /// agent message over the bound, and the gateway failed to encode it.
+    #[test]
+    fn a_full_size_tunnel_frame_fits_one_message() {
+        let frame = TunnelFrame { tunnel_id: vec![0xff; 64], frame: vec![0xff; TUNNEL_FRAME_BYTES_MAX].into() };
+        let encoded = prost::Message::encoded_len(&frame);
+        assert!(encoded > TUNNEL_FRAME_BYTES_MAX && encoded <= MESSAGE_BYTES_MAX, "{encoded}");
+    }
+}
