@@ -14,13 +14,14 @@ use std::sync::Mutex;
 use bc_core::id::TenantId;
 
 /// Requests a second one API key may make, sustained (`--rate-per-key`).
-pub const RATE_PER_KEY_DEFAULT: u32 = 100;
-/// Requests one API key may make at once above its rate (`--burst-per-key`).
-pub const BURST_PER_KEY_DEFAULT: u32 = 200;
+pub const RATE_PER_KEY_DEFAULT: u32 = 200;
+/// Requests one API key may make at once above its rate (`--burst-per-key`): a script that
+/// creates a few hundred objects in a row is not refused (the end-to-end suite does).
+pub const BURST_PER_KEY_DEFAULT: u32 = 1000;
 /// Requests a second all of one tenant's keys may make together (`--rate-per-tenant`).
-pub const RATE_PER_TENANT_DEFAULT: u32 = 400;
+pub const RATE_PER_TENANT_DEFAULT: u32 = 1000;
 /// Requests one tenant's keys may make at once above its rate (`--burst-per-tenant`).
-pub const BURST_PER_TENANT_DEFAULT: u32 = 800;
+pub const BURST_PER_TENANT_DEFAULT: u32 = 5000;
 /// Largest rate or burst a flag takes.
 pub const RATE_MAX: u32 = 1_000_000;
 /// Buckets held at once. Past it, buckets already full (which hold no state: a full bucket is

@@ -128,14 +128,14 @@ pub async fn run(ctx: &Context, command: UsageCommand) -> Result<(), CliError> {
             if let Some(from) = from {
                 body.insert("fromMs".into(), json!(parse_time_ms("--from", &from, now_ms())?));
             }
-            ctx.print(&ctx.call("usage.prices.set", body, None).await?, crate::output::Format::Json)
+            ctx.print(&ctx.call("usage.setPrice", body, None).await?, crate::output::Format::Json)
         }
         UsageCommand::Prices { command: PricesCommand::List { sku } } => {
             let mut body = Map::new();
             if let Some(sku) = sku {
                 body.insert("sku".into(), json!(sku));
             }
-            let prices = ctx.call("usage.prices.list", body, None).await?;
+            let prices = ctx.call("usage.listPrices", body, None).await?;
             ctx.print_list(&price_rows(&prices), PRICE_COLUMNS)
         }
     }

@@ -31,14 +31,14 @@ pub(super) const METHODS: &[Method] = &[
         usage_list,
     ),
     method!(
-        "usage.prices.set",
+        "usage.setPrice",
         Access::Action("compute:usage:admin"),
         "set a SKU's price per GPU-hour from a time on (root tenant only)",
         UsagePricesSet => UsagePriceView,
         usage_prices_set,
     ),
     method!(
-        "usage.prices.list",
+        "usage.listPrices",
         Access::Action("compute:usage:read"),
         "every SKU's price periods",
         UsagePricesList => Vec<UsagePriceView>,
@@ -57,7 +57,7 @@ pub const SKU_CHARS_MAX: usize = 64;
 pub const GPU_HOUR_MICROS_MAX: u64 = 1_000_000_000_000;
 /// The latest time a usage method takes: 2^53 − 1 ms (JSON's exact integers; year 287,396).
 pub const TIME_MS_MAX: u64 = 9_007_199_254_740_991;
-/// Most SKUs `usage.prices.list` answers with.
+/// Most SKUs `usage.listPrices` answers with.
 pub const PRICE_SKUS_LISTED_MAX: usize = 1000;
 /// Most `groupBy` keys.
 const GROUP_BY_MAX: usize = 4;
@@ -104,8 +104,8 @@ pub struct UsagePricesSet {
     /// ISO 4217, three capital letters.
     #[schemars(regex(pattern = r"^[A-Z]{3}$"))]
     currency: String,
-    /// The price of one GPU-hour, a decimal with at most 6 places (`2.5`).
-    #[schemars(regex(pattern = r"^[0-9]{1,7}(\.[0-9]{1,6})?$"))]
+    /// The price of one GPU-hour, a decimal with at most 6 places (`2.5`), at most 1,000,000.
+    #[schemars(regex(pattern = r"^([0-9]{1,6}(\.[0-9]{1,6})?|1000000(\.0{1,6})?)$"))]
     gpu_hour_price: String,
     /// From when it holds (until the SKU's next period), ms since the epoch; now when absent.
     #[schemars(range(min = 0, max = TIME_MS_MAX))]
