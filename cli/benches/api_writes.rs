@@ -20,7 +20,10 @@ use std::time::{Duration, Instant};
 
 #[path = "support/etcd.rs"]
 mod etcd;
+#[path = "support/wrk.rs"]
+mod wrk;
 use etcd::{EtcdServer, etcd_version, free_port};
+use wrk::Cell;
 
 /// How long wrk drives each cell.
 const WRK_DURATION_S: u64 = 10;
@@ -65,31 +68,6 @@ function request()
 end
 "#;
 
-/// What one wrk run measured.
-struct Cell {
-    requests_per_s: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-}
-
-fn wrk_binary() -> String {
-    std::env::var("BC_BENCH_WRK").unwrap_or_else(|_| "wrk".to_owned())
-}
-
-/// A latency as wrk prints it (`1.23ms`, `456.78us`, `1.02s`) in milliseconds.
-fn wrk_ms(text: &str) -> f64 {
-    let (number, scale) = if let Some(n) = text.strip_suffix("us") {
-        (n, 0.001)
-    } else if let Some(n) = text.strip_suffix("ms") {
-        (n, 1.0)
-    } else if let Some(n) = text.strip_suffix('s') {
-        (n, 1000.0)
-    } else {
-        panic!("a wrk latency: {text:?}")
-    };
-    number.parse::<f64>().unwrap_or_else(|_| panic!("a wrk latency: {text:?}")) * scale
-}
-
 /// Runs wrk against `url` with `script` (its `VALUE` and headers set first) and reads its report.
 fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir: &Path) -> Cell {
     let mut lua = String::new();
@@ -100,27 +78,7 @@ fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir:
     }
     lua.push_str(THREAD_IDS_LUA);
     lua.push_str(script);
-    let path = dir.join(format!("script-{connections}.lua"));
-    std::fs::write(&path, lua).unwrap();
-    let out = Command::new(wrk_binary())
-        .args(["-t", &WRK_THREADS.to_string(), "-c", &connections.to_string(), "-d", &format!("{WRK_DURATION_S}s")])
-        .args(["--latency", "--timeout", "10s", "-s"])
-        .arg(&path)
-        .arg(url)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {}: {e}\nhint: make bench installs Debian's wrk (scripts/bench-deps)", wrk_binary())
-        });
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(!text.contains("Non-2xx or 3xx responses"), "answers other than 2xx from {url}: {text}");
-    assert!(!text.contains("Socket errors"), "socket errors against {url}: {text}");
-    let field = |prefix: &str| -> String {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix(prefix).map(|rest| rest.split_whitespace().next().unwrap_or("").to_owned()))
-            .unwrap_or_else(|| panic!("no {prefix:?} in wrk's report: {text}"))
-    };
-    Cell { requests_per_s: field("Requests/sec:").parse().unwrap(), p50_ms: wrk_ms(&field("50%")), p99_ms: wrk_ms(&field("99%")) }
+    wrk::run(url, &lua, WRK_THREADS, connections, WRK_DURATION_S, dir)
 }
 
 /// `better-compute dev` on a fresh data directory; killed when dropped.
