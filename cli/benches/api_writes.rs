@@ -16,8 +16,9 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
+#[path = "support/dev.rs"]
+mod dev;
 #[path = "support/etcd.rs"]
 mod etcd;
 #[path = "support/wrk.rs"]
@@ -109,16 +110,8 @@ impl OurServer {
         let token_path = dir.path().join("data").join("admin.token");
         // Owned before the wait, so a server that never comes up is killed as the bench panics.
         let mut server = Self { child, url: format!("http://127.0.0.1:{port}"), token: String::new(), _dir: dir };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let up = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
-            if up && let Ok(token) = std::fs::read_to_string(&token_path) {
-                server.token = token.trim().to_owned();
-                return server;
-            }
-            assert!(Instant::now() < deadline, "better-compute dev did not start; see its log");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        server.token = dev::wait_ready(port, &token_path);
+        server
     }
 }
 

@@ -17,6 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+#[path = "support/dev.rs"]
+mod dev;
 #[path = "support/etcd.rs"]
 #[allow(dead_code)]
 mod etcd;
@@ -81,16 +83,8 @@ impl Server {
         let token_path = dir.path().join("data").join("admin.token");
         // Owned before the wait, so a server that never comes up is killed as the bench panics.
         let mut server = Self { child, port, token: String::new(), _dir: dir };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let up = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
-            if up && let Ok(token) = std::fs::read_to_string(&token_path) {
-                server.token = token.trim().to_owned();
-                return server;
-            }
-            assert!(Instant::now() < deadline, "better-compute dev did not start; see its log");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        server.token = dev::wait_ready(port, &token_path);
+        server
     }
 
     /// One scrape of `/metrics` as Prometheus asks: the body's length in bytes.
