@@ -16,11 +16,22 @@ pub struct CliError {
     pub hint: Option<String>,
     /// A result to print on stdout even though the command failed (`audit verify`'s problems).
     pub details: Option<serde_json::Value>,
+    /// The chain of causes under the message, outermost first: printed only with
+    /// `BETTER_COMPUTE_DEBUG=1` (they may carry internal detail). A boxed slice, so the error
+    /// stays small enough to return by value.
+    pub causes: Box<[String]>,
 }
 
 impl CliError {
     pub fn new(code: &str, message: impl Into<String>) -> Self {
-        Self { code: code.to_owned(), message: message.into(), hint: None, details: None }
+        Self { code: code.to_owned(), message: message.into(), hint: None, details: None, causes: Box::default() }
+    }
+
+    /// Records `cause` and every error under it (`source()`) as this error's causes.
+    pub fn caused_by(mut self, cause: &(dyn std::error::Error + 'static)) -> Self {
+        let chain = std::iter::successors(Some(cause), |e| e.source()).map(|e| e.to_string());
+        self.causes = self.causes.iter().cloned().chain(chain).collect();
+        self
     }
 
     pub fn hint(mut self, hint: impl Into<String>) -> Self {
@@ -54,7 +65,8 @@ impl CliError {
 impl From<bc_core::Error> for CliError {
     fn from(e: bc_core::Error) -> Self {
         let hint = e.hint().map(str::to_owned);
-        Self { code: e.code().as_str().to_owned(), message: e.to_string(), hint, details: None }
+        let causes = std::iter::successors(std::error::Error::source(&e), |c| c.source()).map(|c| c.to_string()).collect();
+        Self { code: e.code().as_str().to_owned(), message: e.to_string(), hint, details: None, causes }
     }
 }
 
@@ -181,6 +193,7 @@ impl Client {
         let response = request.send().await.map_err(|e| {
             CliError::new("UNAVAILABLE", format!("cannot reach {}: {e}", self.url))
                 .hint("start the server with `make dev`, or set BETTER_COMPUTE_URL")
+                .caused_by(&e)
         })?;
         let status = response.status();
         // `Retry-After` in whole seconds, when the body gives no finer delay.

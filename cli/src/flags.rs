@@ -13,8 +13,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, console, events, exec, flavors, forward, instances, inventory, join_tokens, meta, metal,
-    nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, webhooks,
+    agent_commands, api, audit, auth, console, events, exec, flavors, forward, init, instances, inventory, join_tokens, meta,
+    metal, nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, version, webhooks,
 };
 use crate::output::Format;
 
@@ -58,6 +58,10 @@ pub struct GlobalArgs {
     /// The tenant to act in (default: the token's own).
     #[arg(long, global = true, env = "BETTER_COMPUTE_TENANT")]
     pub tenant: Option<String>,
+    /// The configuration file dev, serve, reconcile and the operator commands read under their
+    /// flags (default: ./better-compute.toml when present); the file init writes.
+    #[arg(long, global = true, env = "BETTER_COMPUTE_CONFIG", value_name = "PATH")]
+    pub config: Option<PathBuf>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -118,6 +122,11 @@ pub struct IdempotencyKey {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Write a commented configuration file (better-compute.toml) and make the keys in its data
+    /// directory; never over an existing file.
+    Init(init::InitArgs),
+    /// This build: its version, git commit, log format and target.
+    Version(version::VersionArgs),
     /// Run the control plane on the embedded database (SQLite): nothing else to install.
     Dev(operator::DevArgs),
     /// Run the control plane on PostgreSQL (run `migrate` first).

@@ -8,16 +8,17 @@
 //! (`--format json|compact`, `--query`) or a table of chosen columns, terminal-safe.
 //!
 //! Exit status: 0 on success, 2 for a usage mistake (`INVALID_ARGUMENT`), 1 for anything else.
-//! A failure prints `CODE: message` and, when there is one, a `hint:` line.
+//! A failure prints `CODE: message` and, when there is one, a `hint:` line; with
+//! `BETTER_COMPUTE_DEBUG=1`, its chain of causes between the two. `dev`, `serve`, `reconcile`
+//! and the operator commands read `better-compute.toml` under their flags (`config`).
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
-
 mod audit;
 mod client;
 mod commands;
+mod config;
 mod credentials;
 mod doctor;
 mod flags;
@@ -36,17 +37,21 @@ mod watch;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = match flags::Cli::try_parse() {
+    // The flags, over the configuration file's settings for the commands that read it.
+    let cli = match config::parse_cli(std::env::args_os().collect()) {
         Ok(cli) => cli,
-        Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+        Err(config::ParseError::Clap(e))
+            if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) =>
+        {
             let _ = e.print();
             return ExitCode::SUCCESS;
         }
-        Err(e) => {
+        Err(config::ParseError::Clap(e)) => {
             let rendered = e.render().to_string();
             eprintln!("INVALID_ARGUMENT: {}", rendered.trim_start_matches("error: ").trim_end());
             return ExitCode::from(2);
         }
+        Err(config::ParseError::Config(e)) => return report(&e),
     };
     // A simulation's agents and reconcilers log every command at info: only warnings by default.
     let quiet = matches!(&cli.command, flags::Command::Sim { command: commands::sim::SimCommand::Run { .. } });
@@ -67,14 +72,18 @@ fn main() -> ExitCode {
     let context = commands::Context::new(cli.global);
     match runtime.block_on(cli.command.run(&context)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{}: {}", e.code, output::safe_text(&e.message));
-            if let Some(hint) = &e.hint {
-                eprintln!("hint: {}", output::safe_text(hint));
-            }
-            ExitCode::from(e.exit_status())
-        }
+        Err(e) => report(&e),
     }
+}
+
+/// `BETTER_COMPUTE_DEBUG=1`: a failure prints its chain of causes under its message.
+pub const DEBUG_ENV: &str = "BETTER_COMPUTE_DEBUG";
+
+/// Prints a failure on stderr (`CODE: message`, with `BETTER_COMPUTE_DEBUG=1` a `caused by:`
+/// line per cause, then the hint) and returns its exit status.
+fn report(e: &client::CliError) -> ExitCode {
+    eprint!("{}", output::error_text(e, std::env::var(DEBUG_ENV).is_ok_and(|v| v == "1")));
+    ExitCode::from(e.exit_status())
 }
 
 /// Targets whose debug output carries statement parameters (webhook secrets, token hashes):

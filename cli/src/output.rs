@@ -56,6 +56,21 @@ pub fn safe_json(value: &Value, pretty: bool) -> String {
     out
 }
 
+/// A failure as printed on stderr: `CODE: message`, with `debug` a `caused by: …` line per cause
+/// (the chain under the message, outermost first), then `hint: …` when there is one.
+pub fn error_text(e: &crate::client::CliError, debug: bool) -> String {
+    let mut text = format!("{}: {}\n", e.code, safe_text(&e.message));
+    if debug {
+        for cause in &e.causes {
+            text.push_str(&format!("  caused by: {}\n", safe_text(cause)));
+        }
+    }
+    if let Some(hint) = &e.hint {
+        text.push_str(&format!("hint: {}\n", safe_text(hint)));
+    }
+    text
+}
+
 /// A raw string with control characters turned into spaces (line breaks and tabs stay).
 pub fn safe_text(text: &str) -> String {
     text.chars()
@@ -203,5 +218,13 @@ mod tests {
         assert_eq!(render(&v, Format::Json, Some("name")).unwrap(), "a b c d [31m");
         let t = render(&json!({"items": [{"name": "x\ny\u{1b}"}], "nextCursor": "pool_1"}), Format::Table, None).unwrap();
         assert!(t.contains("x y") && t.contains("(more rows: --cursor pool_1)"), "{t}");
+    }
+
+    #[test]
+    fn a_failure_prints_its_causes_only_when_asked() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused\u{1b}[2J");
+        let e = crate::client::CliError::new("UNAVAILABLE", "cannot reach it").hint("start it").caused_by(&io);
+        assert_eq!(error_text(&e, false), "UNAVAILABLE: cannot reach it\nhint: start it\n");
+        assert_eq!(error_text(&e, true), "UNAVAILABLE: cannot reach it\n  caused by: refused [2J\nhint: start it\n");
     }
 }

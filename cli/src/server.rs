@@ -66,7 +66,7 @@ impl Database {
     }
 }
 
-fn create_private_dir(dir: &Path) -> Result<(), CliError> {
+pub(crate) fn create_private_dir(dir: &Path) -> Result<(), CliError> {
     use std::os::unix::fs::DirBuilderExt;
     if dir.as_os_str().is_empty() || dir.is_dir() {
         return Ok(());

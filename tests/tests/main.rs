@@ -19,6 +19,7 @@ mod bad_input;
 mod bcd_update;
 mod cli_items;
 mod client_policy;
+mod config;
 mod crash;
 mod doctor;
 mod flavors_images;

@@ -25,6 +25,7 @@ pub mod events;
 pub mod exec;
 pub mod flavors;
 pub mod forward;
+pub mod init;
 pub mod instances;
 pub mod inventory;
 pub mod join_tokens;
@@ -39,11 +40,14 @@ pub mod rollouts;
 pub mod sim;
 pub mod ssh_cert;
 pub mod usage;
+pub mod version;
 pub mod webhooks;
 
 impl Command {
     pub async fn run(self, ctx: &Context) -> Result<(), CliError> {
         match self {
+            Command::Init(args) => init::run(ctx, args),
+            Command::Version(args) => version::run(ctx, args),
             Command::Dev(args) => operator::dev(args).await,
             Command::Serve(args) => operator::serve(args).await,
             Command::Reconcile(args) => operator::reconcile(args).await,

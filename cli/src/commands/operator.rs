@@ -30,6 +30,7 @@ pub struct DevArgs {
 
 #[derive(Args)]
 pub struct ServeArgs {
+    /// PostgreSQL: `postgres://USER@HOST/DB`.
     #[arg(long, env = "BETTER_COMPUTE_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Where the log key and the first admin token are kept.
@@ -149,6 +150,7 @@ pub struct ConsumerArgs {
 /// What `dev` and `serve` share: the address, sealing, and the reconcilers run in process.
 #[derive(Args)]
 pub struct ServerArgs {
+    /// Where the API listens (HTTP).
     #[arg(long, default_value = DEFAULT_LISTEN)]
     pub listen: String,
     /// Serve `GET /metrics` (Prometheus) on this address instead of on --listen.
