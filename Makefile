@@ -11,8 +11,10 @@ DEV_ARGS ?=
 .PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv system-deps sim
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
+## Built with the seeded fake machines, so `make dev DEV_ARGS='--sim 5'` starts five simulated
+## machines in the same process (a first look at a working fleet).
 dev:
-	$(CARGO) run --bin better-compute -- dev $(DEV_ARGS)
+	$(CARGO) run --bin better-compute --features bc-agent/fakehw -- dev $(DEV_ARGS)
 
 ## Every target of the workspace: the binaries the end-to-end tests start, the tests, and the
 ## benches (compiled, not run, so they cannot rot). The tests refuse a binary older than its sources.

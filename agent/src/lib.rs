@@ -17,6 +17,9 @@
 //! Architecture invariant: this crate depends on `bc-core` and `bc-proto`, never on the gateway;
 //! it is the only crate that touches the node's OS.
 
+/// Whether this build has the seeded fake machine (`fakehw`): `bcd sim` and `dev --sim` need it.
+pub const FAKE_MACHINES: bool = cfg!(feature = "fakehw");
+
 pub mod binding;
 pub mod client;
 pub mod config;
@@ -33,7 +36,6 @@ pub mod journal;
 pub mod ledger;
 pub mod runner;
 pub mod session;
-#[cfg(feature = "fakehw")]
 pub mod sim;
 pub mod ssh_ca;
 pub mod status;

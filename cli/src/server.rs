@@ -239,21 +239,6 @@ pub struct ConsumerOptions {
 }
 
 impl ConsumerOptions {
-    /// What a server run with `--no-reconcilers` builds its duties from (they read none of it).
-    fn defaults(policy: EndpointPolicy, bmc_networks: bc_bmc::BmcNetworks) -> Self {
-        Self {
-            policy,
-            bmc_networks,
-            delivery_timeout_ms: bc_reconcilers::webhooks::DELIVERY_TIMEOUT_MS,
-            lease_ms: 60_000,
-            retry: RetryPolicy::DEFAULT,
-            concurrency: 1,
-            poll_ms: 250,
-            tick_ms: registry::RESERVATIONS_TICK_MS_DEFAULT,
-            usage_window_ms: bc_reconcilers::usage::WINDOW_MS_DEFAULT,
-        }
-    }
-
     fn runner(&self) -> RunnerConfig {
         let mut config = RunnerConfig::new(Arc::new(SystemClock));
         config.lease_ms = self.lease_ms;
@@ -665,6 +650,8 @@ fn raise_open_file_limit(connections_max: usize) {
 }
 
 /// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
+/// `roles` says which parts run here (`crate::roles`); `sim_nodes` starts that many simulated
+/// agents in this process (`dev --sim N`, `crate::sim_agents`).
 #[allow(clippy::too_many_arguments)]
 pub async fn run_server(
     db: Database,
@@ -675,13 +662,15 @@ pub async fn run_server(
     checkpoint_interval_s: u64,
     deployment: &str,
     witnesses: &[String],
-    consumers: Option<&ConsumerOptions>,
-    policy: EndpointPolicy,
-    bmc_networks: bc_bmc::BmcNetworks,
+    consumers: &ConsumerOptions,
+    (roles, sim_nodes): (&crate::roles::Roles, Option<u32>),
     limits: bc_gateway::ServeLimits,
     agents: &AgentsOptions,
     release_keys: Vec<bc_core::release::ReleasePublicKey>,
 ) -> Result<(), CliError> {
+    if sim_nodes.is_some() && !roles.agents {
+        return Err(CliError::usage("--sim needs the agents role: the simulated agents connect to this process"));
+    }
     let addr: SocketAddr = listen.parse().map_err(|_| CliError::usage(format!("--listen {listen:?} is not HOST:PORT")))?;
     raise_open_file_limit(limits.connections_max);
     create_private_dir(data_dir)?;
@@ -692,12 +681,10 @@ pub async fn run_server(
         CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address")
     })?;
     let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
-    let (transport, agents_pin) = agents_transport(agents, data_dir)?;
-    let agents_listener = tokio::net::TcpListener::bind(agents.listen).await.map_err(|e| {
-        CliError::new("UNAVAILABLE", format!("cannot listen on {} for agents: {e}", agents.listen))
-            .hint("pick another --agents-listen address")
-    })?;
-    let agents_bound = agents_listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    let agents_endpoint = match roles.agents {
+        true => Some(bind_agents(agents, data_dir).await?),
+        false => None,
+    };
     let metrics_listener = bind_metrics(metrics_listen).await?;
     // stdout is for people and for the test harness, which reads the URL from the first line.
     println!("better-compute listening on http://{bound}");
@@ -717,22 +704,28 @@ pub async fn run_server(
     }
     let ssh_user_ca = ssh_user_ca(&log, data_dir).await?;
     let mut state = AppState::new(log.clone())
-        .with_webhook_policy(policy)
-        .with_bmc_networks(bmc_networks.clone())
+        .with_webhook_policy(consumers.policy)
+        .with_bmc_networks(consumers.bmc_networks.clone())
         .with_release_keys(release_keys.clone())
         .with_ssh_user_ca(ssh_user_ca);
     state.metrics_on_api = metrics_listener.is_none();
+    state.api_served = roles.api;
     // Before the reconcilers start, so their first passes are counted.
     bc_reconcilers::driver::observe(Arc::new(PassMetrics(state.metrics.clone())));
     let metrics_served = metrics_listener
         .map(|(listener, _)| tokio::spawn(bc_gateway::metrics::serve(listener, state.metrics.clone(), std::future::pending())));
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let duties = ServerDuties { checkpoint_interval_s, deployment, witnesses };
-    let tasks = start_server_reconcilers(store, &log, data_dir, duties, consumers, policy, bmc_networks.clone(), &stopped)?;
-    // The test harness reads this line too: `https://ADDR (pin sha256/…)` or `h2c://ADDR (…)`.
-    match &agents_pin {
-        Some(pin) => println!("  agents:    https://{agents_bound} (pin {pin})"),
-        None => println!("  agents:    h2c://{agents_bound} (plaintext, loopback only)"),
+    let tasks = start_server_reconcilers(store, &log, data_dir, duties, &roles.chosen(), consumers, &stopped)?;
+    if *roles != crate::roles::Roles::all() {
+        println!("  roles:     {} (serve --roles)", roles.describe());
+    }
+    // The test harness reads this line too: `https://ADDR (pin sha256/…)`, `h2c://ADDR (…)`, or
+    // `none (…)`.
+    match &agents_endpoint {
+        Some(AgentsEndpoint { pin: Some(pin), bound, .. }) => println!("  agents:    https://{bound} (pin {pin})"),
+        Some(AgentsEndpoint { pin: None, bound, .. }) => println!("  agents:    h2c://{bound} (plaintext, loopback only)"),
+        None => println!("  agents:    none (not this process's role)"),
     }
     if !release_keys.is_empty() {
         println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));
@@ -741,11 +734,31 @@ pub async fn run_server(
     state.tunnels = bc_gateway::tunnels::Tunnels::new(limits.tunnels);
     state.rate_limiter = Arc::new(bc_gateway::rate_limit::RateLimiter::new(limits.rate));
     state.limits = limits;
-    let service = bc_gateway::agents::AgentService::with_limits(Arc::new(state), agents.session, agents.limits);
-    let (served, agents_served) = serve_until_signal(listener, agents_listener, transport, service).await;
+    let state = Arc::new(state);
+    let agents_served = agents_endpoint.map(|endpoint| {
+        let service = bc_gateway::agents::AgentService::with_limits(state.clone(), agents.session, agents.limits);
+        (endpoint, service)
+    });
+    let mut sim_task = None;
+    if let (Some(nodes), Some((endpoint, _))) = (sim_nodes, &agents_served) {
+        let plan = crate::sim_agents::Plan {
+            nodes,
+            api_url: format!("http://{bound}"),
+            token_path: token_path.clone(),
+            agents: endpoint.url(),
+            agents_pin: endpoint.pin.clone(),
+            log_key_pin: key.pin(),
+            data_dir: data_dir.join(crate::sim_agents::SIM_DIR),
+        };
+        sim_task = Some(tokio::spawn(crate::sim_agents::run(plan, stopped.clone())));
+    }
+    let (served, agents_served) = serve_until_signal(listener, state, agents_served).await;
     let _ = stop.send(true);
     for task in tasks {
         let _ = task.await;
+    }
+    if let Some(sim) = sim_task {
+        let _ = sim.await;
     }
     if let Some(metrics) = metrics_served {
         metrics.abort();
@@ -754,6 +767,36 @@ pub async fn run_server(
     agents_served.map_err(|e| CliError::new("INTERNAL", format!("agents' endpoint: {e}")))?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The agents' endpoint of a process with the `agents` role, bound.
+struct AgentsEndpoint {
+    listener: tokio::net::TcpListener,
+    bound: SocketAddr,
+    transport: bc_gateway::agents::Transport,
+    /// The serving certificate's pin agents check (none for h2c).
+    pin: Option<String>,
+}
+
+impl AgentsEndpoint {
+    /// The endpoint as `bcd`'s `gateway` names it.
+    fn url(&self) -> String {
+        match self.pin {
+            Some(_) => format!("https://{}", self.bound),
+            None => format!("http://{}", self.bound),
+        }
+    }
+}
+
+/// Binds `--agents-listen` with its transport (the serving certificate made at the first start).
+async fn bind_agents(agents: &AgentsOptions, data_dir: &Path) -> Result<AgentsEndpoint, CliError> {
+    let (transport, pin) = agents_transport(agents, data_dir)?;
+    let listener = tokio::net::TcpListener::bind(agents.listen).await.map_err(|e| {
+        CliError::new("UNAVAILABLE", format!("cannot listen on {} for agents: {e}", agents.listen))
+            .hint("pick another --agents-listen address")
+    })?;
+    let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    Ok(AgentsEndpoint { listener, bound, transport, pin })
 }
 
 /// The reconciler driver's passes, counted in the gateway's metrics (`/metrics`).
@@ -836,18 +879,15 @@ struct ServerDuties<'a> {
     witnesses: &'a [String],
 }
 
-/// Starts the reconcilers of a server from the registry until `stopped`: its duties (sealing
-/// and witnessing, the log's audit trail, `Registration::duty`) always, the rest unless
-/// `--no-reconcilers` (`consumers` is `None`). Prints the witnesses and the reconcilers started.
-#[allow(clippy::too_many_arguments)]
+/// Starts `chosen` (the roles' reconcilers: `crate::roles::Roles::chosen`) until `stopped`.
+/// Prints the witnesses and the reconcilers started.
 fn start_server_reconcilers(
     store: Arc<dyn EventStore>,
     log: &Arc<Log>,
     data_dir: &Path,
     duties: ServerDuties<'_>,
-    consumers: Option<&ConsumerOptions>,
-    policy: EndpointPolicy,
-    bmc_networks: bc_bmc::BmcNetworks,
+    chosen: &[&'static Registration],
+    options: &ConsumerOptions,
     stopped: &tokio::sync::watch::Receiver<bool>,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, CliError> {
     let ServerDuties { checkpoint_interval_s, deployment, witnesses } = duties;
@@ -863,34 +903,23 @@ fn start_server_reconcilers(
     if !witnesses.is_empty() {
         println!("  witnesses: {}", witnesses.iter().map(|w| w.label.as_str()).collect::<Vec<_>>().join(", "));
     }
-    let chosen: Vec<&'static Registration> = REGISTRY.iter().filter(|r| r.duty || consumers.is_some()).collect();
-    let defaults;
-    let options = match consumers {
-        Some(options) => options,
-        None => {
-            // Only the duties run, which read none of the options.
-            defaults = ConsumerOptions::defaults(policy, bmc_networks);
-            &defaults
-        }
-    };
     let inputs = reconciler_inputs(store, Some(log.clone()), Some(log.subscribe()), options, sealing, witnesses);
     let mut tasks = Vec::new();
-    let started = start_reconcilers(&chosen, &inputs, stopped, &mut tasks)?;
-    if consumers.is_some() {
+    let started = start_reconcilers(chosen, &inputs, stopped, &mut tasks)?;
+    if started.iter().any(|name| registry::find(name).is_some_and(|r| !r.duty)) {
         println!("  reconcilers: {} (in process)", started.join(", "));
     }
     Ok(tasks)
 }
 
-/// Serves the API on `listener` and the agents' endpoint on `agents_listener` until
-/// Ctrl-C/SIGTERM, which stops both; their outcomes.
+/// Serves HTTP on `listener` (the API, or only the probes and the scrape without the `api`
+/// role) and the agents' endpoint when this process has it, until Ctrl-C/SIGTERM, which stops
+/// both; their outcomes.
 async fn serve_until_signal(
     listener: tokio::net::TcpListener,
-    agents_listener: tokio::net::TcpListener,
-    transport: bc_gateway::agents::Transport,
-    service: bc_gateway::agents::AgentService,
+    state: Arc<AppState>,
+    agents: Option<(AgentsEndpoint, bc_gateway::agents::AgentService)>,
 ) -> (std::io::Result<()>, std::io::Result<()>) {
-    let state = service.state.clone();
     // One signal stops both listeners.
     let (signal, signalled) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -900,8 +929,15 @@ async fn serve_until_signal(
     let on_signal = |mut signalled: tokio::sync::watch::Receiver<bool>| async move {
         let _ = signalled.wait_for(|stop| *stop).await;
     };
-    let agents_served = bc_gateway::agents::serve(agents_listener, transport, service, on_signal(signalled.clone()));
-    let http_served = bc_gateway::serve(listener, state, on_signal(signalled));
+    let agents_served = async {
+        match agents {
+            Some((endpoint, service)) => {
+                bc_gateway::agents::serve(endpoint.listener, endpoint.transport, service, on_signal(signalled.clone())).await
+            }
+            None => Ok(()),
+        }
+    };
+    let http_served = bc_gateway::serve(listener, state, on_signal(signalled.clone()));
     tokio::join!(http_served, agents_served)
 }
 

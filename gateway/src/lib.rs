@@ -112,6 +112,10 @@ pub struct AppState {
     /// Whether the API's router serves `GET /metrics` (not when `--metrics-listen` serves them
     /// on an address of their own).
     pub metrics_on_api: bool,
+    /// Whether this process serves the API (`serve --roles`: the `api` role). Without it the
+    /// HTTP listener answers only the probes and the scrape, and every other path
+    /// `UNSUPPORTED` (`api-not-served`), so a load balancer sent here by mistake says so.
+    pub api_served: bool,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -219,6 +223,7 @@ impl AppState {
             ssh_user_ca: None,
             metrics,
             metrics_on_api: true,
+            api_served: true,
         }
     }
 
@@ -244,7 +249,6 @@ impl AppState {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let requests_max = state.limits.requests_max;
     state.metrics.watch_state(&state);
     // Probes and scrapes outside authentication and the request limit (`health.rs`).
     let mut outside =
@@ -252,7 +256,14 @@ pub fn router(state: Arc<AppState>) -> Router {
     if state.metrics_on_api {
         outside = outside.merge(metrics::router(state.metrics.clone()));
     }
-    let api = Router::new()
+    let api = if state.api_served { api_router(state.clone()) } else { Router::new().fallback(api_not_served) };
+    outside.merge(api).layer(axum::middleware::from_fn_with_state(state.metrics.clone(), metrics::Metrics::track))
+}
+
+/// The API's routes, under its limits.
+fn api_router(state: Arc<AppState>) -> Router {
+    let requests_max = state.limits.requests_max;
+    Router::new()
         // `GET /tunnels/{ticket}` under the same limits as the API: the upgrade waits for the
         // node's agent to attach (at most `tunnels::AGENT_ATTACH_TIMEOUT_MS`) holding a request
         // slot, and lets it go with the `101` (the upgraded tunnel is bounded by its own flags).
@@ -280,8 +291,16 @@ pub fn router(state: Arc<AppState>) -> Router {
                     Duration::from_secs(REQUEST_TIMEOUT_S),
                 )),
         )
-        .with_state(state.clone());
-    outside.merge(api).layer(axum::middleware::from_fn_with_state(state.metrics.clone(), metrics::Metrics::track))
+        .with_state(state)
+}
+
+/// Every path but the probes' and the scrape's, in a process without the `api` role.
+async fn api_not_served() -> Response {
+    ApiError::from(Error::Unsupported {
+        message: "this process does not serve the API (serve --roles without api)".into(),
+        reason: "api-not-served".into(),
+    })
+    .into_response()
 }
 
 /// The trace layer's span of a request, as `DefaultMakeSpan` at `DEBUG` makes it (its method,

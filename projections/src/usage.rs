@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 
-use bc_core::event::StoredEvent;
+use bc_core::event::{Envelope, StoredEvent};
 use bc_core::store::RowKey;
 use bc_core::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -334,6 +334,29 @@ pub(crate) fn apply_ledger(current: Option<Value>, event: &StoredEvent) -> Resul
     to_doc(&ledger)
 }
 
+/// Folds one of a reservation's events into `open` (its activations still to count): an
+/// activation, an extension, an end; other types change nothing. The `usage_open` row folds
+/// with it, and so does the offline check of a usage row (`decide::usage::recount_activation`,
+/// `usage verify`), so the two can never count differently. Errs when the payload does not
+/// parse.
+pub fn fold_reservation_event(open: &mut UsageLedger, reservation_id: &str, env: &Envelope) -> std::result::Result<(), String> {
+    fn parse<T: for<'de> Deserialize<'de>>(env: &Envelope) -> std::result::Result<T, String> {
+        serde_json::from_value(bc_core::canonical::to_json(&env.payload))
+            .map_err(|e| format!("{} payload does not parse: {e}", env.event_type))
+    }
+    match env.event_type.as_str() {
+        RESERVATION_ACTIVATED => open.activated(reservation_id, env.seq, env.at_ms, &parse(env)?),
+        RESERVATION_EXTENDED => {
+            let p: ReservationExtended = parse(env)?;
+            open.extended(reservation_id, env.seq, p.ends_at_ms);
+        }
+        RESERVATION_RELEASED | RESERVATION_EXPIRED => open.ended(reservation_id, env.seq, env.at_ms, false),
+        RESERVATION_REQUEUED | RESERVATION_FAILED => open.ended(reservation_id, env.seq, env.at_ms, true),
+        _ => {}
+    }
+    Ok(())
+}
+
 /// Folds one event into a reservation's `usage_open` row (its activations still to count, as a
 /// ledger holding only them): gone once every activation is settled.
 pub(crate) fn apply_open(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
@@ -341,18 +364,11 @@ pub(crate) fn apply_open(key: &RowKey, current: Option<Value>, event: &StoredEve
     let mut open = ledger_of(current)?;
     let reservation_id = key.id.as_str();
     match env.event_type.as_str() {
-        RESERVATION_ACTIVATED => open.activated(reservation_id, env.seq, env.at_ms, &payload(event)?),
-        RESERVATION_EXTENDED => {
-            let p: ReservationExtended = payload(event)?;
-            open.extended(reservation_id, env.seq, p.ends_at_ms);
-        }
-        RESERVATION_RELEASED | RESERVATION_EXPIRED => open.ended(reservation_id, env.seq, env.at_ms, false),
-        RESERVATION_REQUEUED | RESERVATION_FAILED => open.ended(reservation_id, env.seq, env.at_ms, true),
         USAGE_WINDOW_CLOSED | USAGE_CORRECTION => {
             let (_, lines) = usage_lines(event)?;
             open.recorded(None, &lines);
         }
-        _ => {}
+        _ => fold_reservation_event(&mut open, reservation_id, env).map_err(|what| corrupt(event, what))?,
     }
     if open.tracked.is_empty() { Ok(None) } else { to_doc(&open) }
 }

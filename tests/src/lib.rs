@@ -251,6 +251,21 @@ impl Server {
         Self::start(args, self.data_dir.clone(), None)
     }
 
+    /// [`Server::serve_beside`] with `--roles ROLES` (`serve --roles`) instead of this one's.
+    pub fn serve_beside_as(&self, roles: &str) -> Server {
+        let mut args = self.args.clone();
+        for i in 1..args.len() {
+            if args[i - 1] == "--listen" || args[i - 1] == "--agents-listen" {
+                args[i] = "127.0.0.1:0".into();
+            }
+        }
+        match args.iter().position(|a| a == "--roles") {
+            Some(at) => args[at + 1] = roles.into(),
+            None => args.extend(["--roles".into(), roles.into()]),
+        }
+        Self::start(args, self.data_dir.clone(), None)
+    }
+
     fn start(args: Vec<String>, data_dir: PathBuf, temp: Option<tempfile::TempDir>) -> Server {
         Self::try_start(args, data_dir, temp).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -300,7 +315,12 @@ impl Server {
             }
         };
         let (url, detail) = agents.split_once(' ').unwrap_or((agents.as_str(), ""));
-        let (scheme, addr) = url.split_once("://").unwrap_or_else(|| panic!("unexpected agents line {agents:?}"));
+        // `none (…)`: a `serve --roles` without the agents' endpoint.
+        let (scheme, addr) = if url == "none" {
+            ("none", "")
+        } else {
+            url.split_once("://").unwrap_or_else(|| panic!("unexpected agents line {agents:?}"))
+        };
         self.agents_addr = addr.to_owned();
         self.agents_pin = match scheme {
             "https" => {
@@ -308,7 +328,7 @@ impl Server {
                 assert!(pin.starts_with("sha256/"), "unexpected agents line {agents:?}");
                 Some(pin.to_owned())
             }
-            "h2c" => None,
+            "h2c" | "none" => None,
             _ => panic!("unexpected agents line {agents:?}"),
         };
         // A restart binds the same addresses, so clients (watchers, agents) can reconnect.

@@ -41,6 +41,7 @@ mod redfish;
 mod replay;
 mod reservations;
 mod review_regressions;
+mod roles;
 mod rollouts;
 mod schemathesis;
 mod secrets_at_rest;

@@ -174,3 +174,157 @@ async fn windows_add_up_to_each_reservation_and_the_export_passes_focus_and_clou
     assert_eq!(verdict["focus"], "failed", "{verdict}");
     assert!(verdict["cloudeventsError"].as_str().unwrap().starts_with("line 1"), "{verdict}");
 }
+
+/// Runs `better-compute ARGS` with no server, no URL and no token: what an auditor holds.
+fn offline(args: &[&str]) -> (i32, String, String) {
+    bc_tests::cli(args, &[])
+}
+
+/// `usage export --with-proofs` and `usage verify`: each row proved offline from the export, its
+/// proofs and the log key's pin; before a checkpoint covers the rows they are marked unproved; a
+/// quantity edited in the file fails naming the row and the column, in either format; a repeated
+/// row fails; a tampered proof fails; and each proof is the file `audit check-proof` reads.
+#[tokio::test]
+async fn each_row_is_proved_offline_and_an_edited_quantity_fails_naming_its_row() {
+    let server = Server::dev_with(&["--usage-window", "2s"]);
+    let pool = server.pool("gpu").await;
+    server.h100_nodes(&pool, 1).await;
+    let r = cli_json(&server, &["reserve", "--pool", &pool, "--gpus", "2", "--for", "3s", "--format", "json"]);
+    assert_eq!(r["state"], "active", "{r}");
+    let id = r["reservationId"].as_str().unwrap().to_owned();
+    let ended = bc_tests::wait_until("the reservation to end", WAIT, || {
+        let r = cli_json(&server, &["reservations", "get", &id]);
+        r["endedAtMs"].as_u64().map(|end| end.min(r["endsAtMs"].as_u64().unwrap()))
+    });
+    bc_tests::wait_until("its last window to close", WAIT, || {
+        rows(&server).iter().any(|r| r["windowEndMs"].as_u64().unwrap() >= ended).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(WINDOW_MS)); // a correction, if the end came late
+    let listed = rows(&server);
+    assert!(listed.len() >= 2, "{listed:#?}");
+    let pin = bc_tests::log_key_pin(&server);
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let verify =
+        |export: &str, proofs: &str| offline(&["usage", "verify", "--export", export, "--proofs", proofs, "--pin", &pin]);
+
+    // No checkpoint yet (dev seals hourly): the export is written, its rows marked unproved.
+    let early = cli_json(
+        &server,
+        &["usage", "export", "--from", "0", "--export-format", "csv", "--out", &path("early.csv"), "--with-proofs"],
+    );
+    assert_eq!(early["proofs"]["eventsProved"], 0, "{early}");
+    assert!(early["proofs"]["eventsUnproved"].as_u64().unwrap() > 0, "{early}");
+    let (code, out, err) = verify(&path("early.csv"), &path("early.csv.proofs"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("USAGE_UNPROVED") && err.contains("no checkpoint"), "{err}");
+    assert_eq!(bc_tests::json(&out)["unproved"].as_u64(), Some(listed.len() as u64), "{out}");
+
+    // Sealed: every row proves, in both formats, from the files and the pin alone.
+    let (code, _, err) = bc_tests::cli(&["audit", "checkpoint", "--data-dir", server.data_dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    for (format, name) in [("csv", "usage.csv"), ("jsonl", "usage.jsonl")] {
+        let summary = cli_json(
+            &server,
+            &["usage", "export", "--from", "0", "--export-format", format, "--out", &path(name), "--with-proofs"],
+        );
+        assert_eq!(summary["proofs"]["eventsUnproved"], 0, "{summary}");
+        let (code, out, err) = verify(&path(name), &format!("{}.proofs", path(name)));
+        assert_eq!(code, 0, "{format}: {err}{out}");
+        let verdict = bc_tests::json(&out);
+        assert_eq!((verdict["ok"].as_bool(), verdict["proved"].as_u64()), (Some(true), Some(listed.len() as u64)), "{verdict}");
+        let (code, _, err) = server.cli(&[
+            "usage",
+            "export",
+            "--from",
+            "0",
+            "--export-format",
+            format,
+            "--out",
+            &path("other"),
+            "--with-proofs",
+            "--proofs",
+            &format!("{}.proofs", path(name)),
+        ]);
+        assert!(code != 0 && err.contains("ALREADY_EXISTS"), "proofs are never written over a file: {err}");
+        assert!(!dir.path().join("other").exists(), "no export without its proofs");
+    }
+    // Another key's pin proves nothing.
+    let (code, _, err) = offline(&[
+        "usage",
+        "verify",
+        "--export",
+        &path("usage.csv"),
+        "--proofs",
+        &path("usage.csv.proofs"),
+        "--pin",
+        "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+    ]);
+    assert!(code == 1 && err.contains("INVALID_PROOF") && err.contains("trusted key"), "{err}");
+
+    // Each proof is an `audit check-proof` file.
+    let proofs_text = std::fs::read_to_string(path("usage.csv.proofs")).unwrap();
+    let entries: Vec<Value> = proofs_text.lines().map(bc_tests::json).collect();
+    assert_eq!(entries[0]["format"], "better-compute-usage-proofs/1", "{}", entries[0]);
+    std::fs::write(path("one.proof"), entries[1]["proof"].as_str().unwrap()).unwrap();
+    let (code, out, err) = offline(&["audit", "check-proof", &path("one.proof"), "--pin", &pin]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(bc_tests::json(&out)["seq"], entries[1]["seq"]);
+
+    // A quantity edited in the CSV: the row and the column named, exit 1 (as check-proof fails).
+    let csv_text = std::fs::read_to_string(path("usage.csv")).unwrap();
+    let mut csv_lines: Vec<String> = csv_text.lines().map(str::to_owned).collect();
+    let column = FOCUS_COLUMN_CONSUMED;
+    // The first row that counts time (the export keeps `usage.list`'s order); ConsumedUnit
+    // follows ConsumedQuantity.
+    let row = 1 + listed.iter().position(|r| r["quantityMs"].as_i64().unwrap() > 0).unwrap();
+    let q = listed[row - 1]["quantityMs"].as_i64().unwrap();
+    let seconds = |ms: i64| format!(",{}.{:06},GPU-Seconds,", ms / 1000, (ms % 1000) * 1000);
+    assert!(csv_lines[row].contains(&seconds(q)), "{}", csv_lines[row]);
+    csv_lines[row] = csv_lines[row].replace(&seconds(q), &seconds(q + 3_600_000));
+    std::fs::write(path("edited.csv"), csv_lines.join("\n") + "\n").unwrap();
+    let (code, out, err) = verify(&path("edited.csv"), &path("usage.csv.proofs"));
+    eprintln!("an edited CSV row: {err}");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_PROOF") && err.contains(&format!("row {row}")) && err.contains(column), "{err}");
+    let verdict = bc_tests::json(&out);
+    assert_eq!(verdict["failures"][0]["row"].as_u64(), Some(row as u64), "{verdict}");
+
+    // A quantity edited in the JSON lines: data.quantityMs named.
+    let jsonl_text = std::fs::read_to_string(path("usage.jsonl")).unwrap();
+    let mut records: Vec<Value> = jsonl_text.lines().map(bc_tests::json).collect();
+    let q = records[0]["data"]["quantityMs"].as_i64().unwrap();
+    records[0]["data"]["quantityMs"] = Value::from(q * 2);
+    let edited: Vec<String> = records.iter().map(Value::to_string).collect();
+    std::fs::write(path("edited.jsonl"), edited.join("\n") + "\n").unwrap();
+    let (code, out, err) = verify(&path("edited.jsonl"), &path("usage.jsonl.proofs"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("row 1") && err.contains("data.quantityMs"), "{err}");
+    assert_eq!(bc_tests::json(&out)["failures"][0]["row"], 1);
+
+    // A row billed twice.
+    let first_row = csv_text.lines().nth(1).unwrap();
+    std::fs::write(path("twice.csv"), format!("{csv_text}{first_row}\n")).unwrap();
+    let (code, _, err) = verify(&path("twice.csv"), &path("usage.csv.proofs"));
+    assert!(code == 1 && err.contains(&format!("row {}", listed.len() + 1)) && err.contains("repeats row 1"), "{err}");
+
+    // A tampered proof: a hash of the first proof's path changed.
+    let mut tampered = entries.clone();
+    let proof = tampered[1]["proof"].as_str().unwrap().to_owned();
+    let mut proof_lines: Vec<String> = proof.split('\n').map(str::to_owned).collect();
+    let hash_at = proof_lines.iter().position(|l| l.starts_with("index ")).unwrap() + 1;
+    assert!(proof_lines[hash_at].len() == 44, "the proof has a path: {proof}");
+    let flipped = if proof_lines[hash_at].starts_with('A') { "B" } else { "A" };
+    proof_lines[hash_at].replace_range(0..1, flipped);
+    tampered[1]["proof"] = Value::from(proof_lines.join("\n"));
+    let text: Vec<String> = tampered.iter().map(Value::to_string).collect();
+    std::fs::write(path("tampered.proofs"), text.join("\n") + "\n").unwrap();
+    let (code, out, err) = verify(&path("usage.csv"), &path("tampered.proofs"));
+    eprintln!("a tampered proof: {err}");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_PROOF") && err.contains("does not verify"), "{err}");
+    let seq = tampered[1]["seq"].as_u64().unwrap();
+    assert!(out.contains(&format!("(seq {seq}) does not verify")), "{out}");
+}
+
+const FOCUS_COLUMN_CONSUMED: &str = "ConsumedQuantity";

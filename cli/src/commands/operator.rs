@@ -26,6 +26,10 @@ pub struct DevArgs {
     /// --agents-listen, and only in dev.
     #[arg(long)]
     pub agents_insecure_h2c: bool,
+    /// Start N simulated machines in this process (1 to 1,000): real agents on seeded fake
+    /// machines (as `bcd sim` runs them) in a pool named `sim`, kept in DATA_DIR/sim.
+    #[arg(long, value_name = "N", value_parser = crate::sim_agents::parse_sim_nodes)]
+    pub sim: Option<u32>,
 }
 
 #[derive(Args)]
@@ -41,6 +45,11 @@ pub struct ServeArgs {
     /// Allow http:// webhook receivers on loopback (tests, single-host setups).
     #[arg(long)]
     pub webhook_allow_loopback: bool,
+    /// What this process runs: `api` (the API on --listen; without it --listen serves only
+    /// /healthz, /readyz and /metrics), `agents` (the agents' endpoint), `reconcilers` or
+    /// `reconcilers:NAME[:NAME…]`, comma-separated. Default: all of them.
+    #[arg(long, value_name = "ROLES", value_parser = crate::roles::parse_roles, conflicts_with = "no_reconcilers")]
+    pub roles: Option<crate::roles::Roles>,
 }
 
 #[derive(Args)]
@@ -427,6 +436,12 @@ impl ServerArgs {
     }
 }
 
+/// How `dev` or `serve` runs: its roles, and `dev --sim`'s machines.
+struct Shape {
+    roles: Option<crate::roles::Roles>,
+    sim_nodes: Option<u32>,
+}
+
 async fn run_server(
     db: Database,
     data_dir: &Path,
@@ -434,10 +449,15 @@ async fn run_server(
     dev: bool,
     allow_loopback: bool,
     agents_plaintext: bool,
+    shape: Shape,
 ) -> Result<(), CliError> {
     let options = args.consumers.options(allow_loopback)?;
     let agents = args.agents.options(agents_plaintext, dev, args.write_stall)?;
-    let run = (!args.no_reconcilers).then_some(&options);
+    let roles = match shape.roles {
+        Some(roles) => roles,
+        None if args.no_reconcilers => crate::roles::Roles::without_reconcilers(),
+        None => crate::roles::Roles::all(),
+    };
     let release_keys = read_release_keys(&args.release_keys)?;
     server::run_server(
         db,
@@ -448,9 +468,8 @@ async fn run_server(
         args.sealing.checkpoint_interval,
         &args.sealing.deployment.deployment,
         &args.witnesses,
-        run,
-        options.policy,
-        options.bmc_networks.clone(),
+        &options,
+        (&roles, shape.sim_nodes),
         args.serve_limits()?,
         &agents,
         release_keys,
@@ -476,15 +495,17 @@ fn read_release_keys(paths: &[PathBuf]) -> Result<Vec<bc_core::release::ReleaseP
 }
 
 pub async fn dev(args: DevArgs) -> Result<(), CliError> {
-    let DevArgs { dir, server, agents_insecure_h2c } = args;
+    let DevArgs { dir, server, agents_insecure_h2c, sim } = args;
     let db = Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
     // dev delivers webhooks to loopback receivers: that is where a developer's are.
-    run_server(db, &dir.data_dir, &server, true, true, agents_insecure_h2c).await
+    let shape = Shape { roles: None, sim_nodes: sim };
+    run_server(db, &dir.data_dir, &server, true, true, agents_insecure_h2c, shape).await
 }
 
 pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
-    let ServeArgs { database_url, data_dir, server, webhook_allow_loopback } = args;
-    run_server(Database::Postgres(database_url), &data_dir, &server, false, webhook_allow_loopback, false).await
+    let ServeArgs { database_url, data_dir, server, webhook_allow_loopback, roles } = args;
+    let shape = Shape { roles, sim_nodes: None };
+    run_server(Database::Postgres(database_url), &data_dir, &server, false, webhook_allow_loopback, false, shape).await
 }
 
 pub async fn reconcile(args: ReconcileArgs) -> Result<(), CliError> {

@@ -4,7 +4,11 @@
 //!
 //! The export reads `usage.list` page by page and writes each page as it comes, so memory stays
 //! bounded whatever the range holds; it writes a temporary file beside `--out` and links it into
-//! place only when complete, never over an existing file (`ALREADY_EXISTS`).
+//! place only when complete, never over an existing file (`ALREADY_EXISTS`). With
+//! `--with-proofs` it also writes the inclusion proofs of the events its rows name, and `usage
+//! verify` checks the rows offline against them (`proof`).
+
+mod proof;
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -56,6 +60,31 @@ pub enum UsageCommand {
         /// The currency of the cost columns of rows without a price (their cost is 0).
         #[arg(long, default_value = "USD")]
         currency: String,
+        /// Also write the inclusion proofs of the events each row names, against the tenant's
+        /// newest signed checkpoint (to --proofs), so `usage verify` checks the rows offline.
+        #[arg(long)]
+        with_proofs: bool,
+        /// Where --with-proofs writes them: a new file (default: OUT.proofs).
+        #[arg(long, requires = "with_proofs")]
+        proofs: Option<PathBuf>,
+    },
+    /// Check an export's rows offline against its proofs and the log key's pin: each row's events
+    /// are in a checkpoint the key signed, and recounting the row from them gives its quantity.
+    /// No network, no token. Exits INVALID_PROOF naming each row that fails and why, or
+    /// USAGE_UNPROVED when rows had no checkpoint covering them at export time.
+    Verify {
+        /// The export (`usage export`, csv or jsonl).
+        #[arg(long)]
+        export: PathBuf,
+        /// Its proofs (`usage export --with-proofs`).
+        #[arg(long)]
+        proofs: PathBuf,
+        /// The log key's pin, `sha256/…` (`better-compute pki show`).
+        #[arg(long = "pin", env = "BETTER_COMPUTE_AUDIT_PIN")]
+        pins: Vec<String>,
+        /// A note verifier key, `NAME+KEYID+KEY`.
+        #[arg(long = "vkey")]
+        vkeys: Vec<String>,
     },
     /// Prices per GPU-hour, per SKU (the GPU product) and period.
     Prices {
@@ -116,10 +145,21 @@ pub enum ExportFormat {
 pub async fn run(ctx: &Context, command: UsageCommand) -> Result<(), CliError> {
     match command {
         UsageCommand::List { range, group_by, page } => list(ctx, &range, &group_by, &page).await,
-        UsageCommand::Export { range, export_format, out, currency } => {
-            let summary = export(ctx, &range, export_format, &out, &currency).await?;
+        UsageCommand::Export { range, export_format, out, currency, with_proofs, proofs } => {
+            let proofs = with_proofs.then(|| proofs.unwrap_or_else(|| proofs_path_of(&out)));
+            let summary = export(ctx, &range, export_format, &out, &currency, proofs.as_deref()).await?;
             ctx.print(&summary, crate::output::Format::Json)
         }
+        UsageCommand::Verify { export, proofs, pins, vkeys } => match proof::verify(&export, &proofs, &pins, &vkeys) {
+            Ok(summary) => ctx.print(&summary, crate::output::Format::Json),
+            Err(mut e) => {
+                // The rows that failed go to stdout even though the command fails.
+                if let Some(details) = e.details.take() {
+                    ctx.print(&details, crate::output::Format::Json)?;
+                }
+                Err(e)
+            }
+        },
         UsageCommand::Prices { command: PricesCommand::Set { sku, currency, gpu_hour_price, from } } => {
             let mut body = Map::new();
             body.insert("sku".into(), json!(sku));
@@ -319,12 +359,60 @@ fn io_error(what: &str, path: &Path, e: std::io::Error) -> CliError {
     CliError::new("INTERNAL", format!("{what} {}: {e}", path.display()))
 }
 
-async fn export(ctx: &Context, range: &Range, format: ExportFormat, out: &Path, currency: &str) -> Result<Value, CliError> {
+/// `OUT.proofs`: where `--with-proofs` writes by default.
+fn proofs_path_of(out: &Path) -> PathBuf {
+    let mut name = out.as_os_str().to_owned();
+    name.push(".proofs");
+    PathBuf::from(name)
+}
+
+/// Links a complete temporary file into place; fails when `out` exists (never over a file).
+fn link_new(temporary: &Path, out: &Path, what: &str) -> Result<(), CliError> {
+    std::fs::hard_link(temporary, out).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AlreadyExists => {
+            CliError::new("ALREADY_EXISTS", format!("{} exists; {what} is never written over a file", out.display()))
+        }
+        _ => io_error("cannot create", out, e),
+    })
+}
+
+/// Writes the proofs of `seqs` to a temporary file beside `out`, synced; returns what it wrote.
+async fn write_proofs_file(
+    ctx: &Context,
+    tenant: &str,
+    seqs: &std::collections::BTreeSet<u64>,
+    temporary: &Path,
+) -> Result<proof::ProofsWritten, CliError> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(temporary)
+        .map_err(|e| io_error("cannot create", temporary, e))?;
+    let mut writer = std::io::BufWriter::with_capacity(EXPORT_BUFFER_BYTES, file);
+    let written = proof::write_proofs(&ctx.global.url, tenant, seqs, &mut writer).await?;
+    let file = writer.into_inner().map_err(|e| io_error("cannot write", temporary, e.into_error()))?;
+    file.sync_all().map_err(|e| io_error("cannot write", temporary, e))?;
+    Ok(written)
+}
+
+async fn export(
+    ctx: &Context,
+    range: &Range,
+    format: ExportFormat,
+    out: &Path,
+    currency: &str,
+    proofs: Option<&Path>,
+) -> Result<Value, CliError> {
     if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
         return Err(CliError::usage(format!("--currency {currency:?} is not an ISO 4217 code (USD, EUR)")));
     }
-    if out.exists() {
-        return Err(CliError::new("ALREADY_EXISTS", format!("{} exists; an export is never written over a file", out.display())));
+    for path in std::iter::once(out).chain(proofs) {
+        if path.exists() {
+            return Err(CliError::new(
+                "ALREADY_EXISTS",
+                format!("{} exists; an export is never written over a file", path.display()),
+            ));
+        }
     }
     let body = range_body(ctx, range)?;
     let tenant = match ctx.tenant_id()? {
@@ -339,26 +427,50 @@ async fn export(ctx: &Context, range: &Range, format: ExportFormat, out: &Path, 
         .map_err(|e| io_error("cannot create", &temporary, e))?;
     let mut writer = std::io::BufWriter::with_capacity(EXPORT_BUFFER_BYTES, file);
     let started = Instant::now();
-    let written = write_pages(ctx, body, format, &tenant, currency, &mut writer).await;
+    let mut seqs = proofs.map(|_| std::collections::BTreeSet::new());
+    let written = write_pages(ctx, body, format, &tenant, currency, &mut writer, seqs.as_mut()).await;
     let finished = written.and_then(|rows| {
         let file = writer.into_inner().map_err(|e| io_error("cannot write", &temporary, e.into_error()))?;
         file.sync_all().map_err(|e| io_error("cannot write", &temporary, e))?;
-        // A link fails when `out` appeared meanwhile: never over a file, even then.
-        std::fs::hard_link(&temporary, out).map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => {
-                CliError::new("ALREADY_EXISTS", format!("{} exists; an export is never written over a file", out.display()))
-            }
-            _ => io_error("cannot create", out, e),
-        })?;
         Ok(rows)
     });
+    // The proofs are of the events the rows name, against the newest checkpoint once every page
+    // is read; both files land only when both are complete.
+    let proofs_temporary = proofs.map(temporary_path);
+    let finished = match (finished, proofs, &proofs_temporary, &seqs) {
+        (Ok(rows), Some(path), Some(temp), Some(seqs)) => {
+            let written = write_proofs_file(ctx, &tenant, seqs, temp).await;
+            written.and_then(|w| {
+                link_new(&temporary, out, "an export")?;
+                link_new(temp, path, "an export's proofs").inspect_err(|_| {
+                    let _ = std::fs::remove_file(out);
+                })?;
+                Ok((rows, Some(w)))
+            })
+        }
+        (Ok(rows), ..) => link_new(&temporary, out, "an export").map(|()| (rows, None)),
+        (Err(e), ..) => Err(e),
+    };
     let _ = std::fs::remove_file(&temporary);
-    let rows = finished?;
+    if let Some(temp) = &proofs_temporary {
+        let _ = std::fs::remove_file(temp);
+    }
+    let (rows, proved) = finished?;
     bc_core::keys::sync_dir_of(out)?;
     let format_name = if format == ExportFormat::Csv { "csv" } else { "jsonl" };
-    Ok(
-        json!({ "out": out.display().to_string(), "format": format_name, "rows": rows, "elapsedMs": started.elapsed().as_millis() as u64 }),
-    )
+    let mut summary = json!({ "out": out.display().to_string(), "format": format_name, "rows": rows, "elapsedMs": started.elapsed().as_millis() as u64 });
+    if let (Some(path), Some(w)) = (proofs, proved) {
+        if w.unproved > 0 {
+            eprintln!(
+                "warning: {} of the rows' events are past the newest checkpoint (size {}): their rows are marked unproved in {}; export again once a checkpoint covers them",
+                w.unproved,
+                w.tree_size,
+                path.display()
+            );
+        }
+        summary["proofs"] = json!({ "out": path.display().to_string(), "treeSize": w.tree_size, "eventsProved": w.proved, "eventsUnproved": w.unproved });
+    }
+    Ok(summary)
 }
 
 /// Reads `usage.list` page by page and writes each row; returns the rows written.
@@ -369,6 +481,7 @@ async fn write_pages(
     tenant: &str,
     currency: &str,
     writer: &mut impl Write,
+    mut seqs: Option<&mut std::collections::BTreeSet<u64>>,
 ) -> Result<u64, CliError> {
     let client = ctx.client()?;
     let werr = |e: std::io::Error| CliError::new("INTERNAL", format!("writing the export: {e}"));
@@ -391,6 +504,9 @@ async fn write_pages(
                 ExportFormat::Jsonl => cloud_event(row, tenant).to_string(),
             };
             writeln!(writer, "{line}").map_err(werr)?;
+            if let Some(seqs) = seqs.as_deref_mut() {
+                proof::row_seqs(row, seqs);
+            }
             rows += 1;
         }
         progress.rows(rows);

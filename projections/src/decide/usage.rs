@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 
+use bc_core::event::Envelope;
 use bc_core::store::{ExpectedVersion, NewEvent};
 
 use crate::usage::{
@@ -91,12 +92,33 @@ pub fn cost_micros(quantity_ms: i64, gpu_hour_micros: u64) -> i64 {
     i64::try_from((product + half) / i128::from(GPU_MS_PER_GPU_HOUR)).unwrap_or(if product < 0 { i64::MIN } else { i64::MAX })
 }
 
+/// The part of window `[window_start_ms, window_end_ms)` the activation `t` held:
+/// `[max(start, windowStart), min(end, windowEnd))`, to the window's end while it has not ended;
+/// `None` when it held none of it. What a window's line counts: [`usage_close`] and the offline
+/// check of a row ([`check_line`], `usage verify`) both count with it.
+pub fn held_in_window(t: &Tracked, window_start_ms: u64, window_end_ms: u64) -> Option<(u64, u64)> {
+    let from = t.start_ms.max(window_start_ms);
+    let to = t.end_ms.unwrap_or(u64::MAX).min(window_end_ms);
+    (from < to).then_some((from, to))
+}
+
+/// GPU-milliseconds of `gpus` GPUs over `[from_ms, to_ms)`, negative when `taken_back`.
+pub fn gpu_ms(gpus: u32, from_ms: u64, to_ms: u64, taken_back: bool) -> i64 {
+    let span = i64::try_from(to_ms.saturating_sub(from_ms)).unwrap_or(i64::MAX);
+    span.saturating_mul(i64::from(gpus)) * if taken_back { -1 } else { 1 }
+}
+
+/// What the windows and corrections of a window must add up to for the activation `t`: the
+/// GPU-milliseconds it held in the window.
+pub fn window_total_ms(t: &Tracked, window_start_ms: u64, window_end_ms: u64) -> i64 {
+    held_in_window(t, window_start_ms, window_end_ms).map_or(0, |(from, to)| gpu_ms(t.gpus(), from, to, false))
+}
+
 /// One line: `t`'s span `[from, to)` in window `[ws, we)`, taken back when `negative`.
 fn line(input: &UsageCloseInput<'_>, t: &Tracked, (ws, we, from, to): (u64, u64, u64, u64), negative: bool) -> UsageLine {
     let detail = input.details.get(&t.reservation_id);
     let sku = detail.map_or(SKU_UNKNOWN, |d| d.sku.as_str());
-    let span = i64::try_from(to - from).unwrap_or(i64::MAX);
-    let quantity_ms = span.saturating_mul(i64::from(t.gpus())) * if negative { -1 } else { 1 };
+    let quantity_ms = gpu_ms(t.gpus(), from, to, negative);
     let price = input.prices.get(sku).and_then(|p| p.at(ws));
     let mut seqs: Vec<u64> = detail.map(|d| d.request_seq).into_iter().collect();
     seqs.extend(&t.seqs);
@@ -174,12 +196,11 @@ pub fn usage_close(input: &UsageCloseInput<'_>) -> UsageClose {
             close.more = true;
             break;
         }
+        // `ws` is at or past the closed windows' end, so what is left of each activation in
+        // the window is what it held in it.
         let lines: Vec<UsageLine> = left
             .iter()
-            .filter_map(|(t, from, end)| {
-                let (a, b) = ((*from).max(ws), (*end).min(we));
-                (a < b).then(|| line(input, t, (ws, we, a, b), false))
-            })
+            .filter_map(|(t, _, _)| held_in_window(t, ws, we).map(|(a, b)| line(input, t, (ws, we, a, b), false)))
             .collect();
         for chunk in lines.chunks(USAGE_LINES_PER_EVENT_MAX) {
             let closed = UsageWindowClosed { window_start_ms: ws, window_end_ms: we, lines: chunk.to_vec() };
@@ -190,6 +211,108 @@ pub fn usage_close(input: &UsageCloseInput<'_>) -> UsageClose {
         next = left.iter().map(|(_, from, end)| ((*from).max(we), *end)).filter(|(from, end)| from < end).map(|(f, _)| f).min();
     }
     close
+}
+
+/// The activation a usage line counts, as the reservation's events it names say: `events` are
+/// those events (each already proved to be in the log, in any order), folded as the ledger
+/// folds them ([`crate::usage::fold_reservation_event`]). Also returns the pool its request
+/// names. Errs when an event is not one the line names, is another reservation's or another
+/// tenant's, or the activation is missing.
+pub fn recount_activation(line: &UsageLine, events: &[&Envelope]) -> Result<(Tracked, Option<String>), String> {
+    let mut events: Vec<&Envelope> = events.to_vec();
+    events.sort_by_key(|e| e.seq);
+    let stream = crate::stream_of(crate::reservation::KIND_RESERVATION, &line.reservation_id);
+    let key = crate::usage::tracked_key(&line.reservation_id, line.activation_seq);
+    let mut open = UsageLedger::default();
+    let (mut pool, mut tracked): (Option<String>, Option<Tracked>) = (None, None);
+    for env in events {
+        if !line.seqs.contains(&env.seq) {
+            return Err(format!("event seq {} is not one the row names ({:?})", env.seq, line.seqs));
+        }
+        if env.stream != stream {
+            return Err(format!("event seq {} is on {}, not the row's reservation {}", env.seq, env.stream, line.reservation_id));
+        }
+        if env.event_type == crate::reservation::RESERVATION_REQUESTED {
+            let requested: crate::reservation::ReservationRequested =
+                serde_json::from_value(bc_core::canonical::to_json(&env.payload))
+                    .map_err(|e| format!("event seq {}: {e}", env.seq))?;
+            pool = Some(requested.pool_id);
+        }
+        crate::usage::fold_reservation_event(&mut open, &line.reservation_id, env)
+            .map_err(|e| format!("event seq {}: {e}", env.seq))?;
+        tracked = match (open.tracked.get(&key), tracked) {
+            (Some(t), _) => Some(t.clone()),
+            // The ledger drops an activation once it has ended and is counted to its end; from
+            // nothing counted, that is an end at its start (a requeue, a failure): it held
+            // nothing.
+            (None, Some(mut t)) if t.end_ms.is_none() => {
+                t.end_ms = Some(t.start_ms);
+                t.seqs.push(env.seq);
+                Some(t)
+            }
+            (None, before) => before,
+        };
+    }
+    let tracked =
+        tracked.ok_or_else(|| format!("the row's events hold no reservation.activated of seq {}", line.activation_seq))?;
+    Ok((tracked, pool))
+}
+
+/// Checks one usage line against the activation its events give (`t`, from
+/// [`recount_activation`]): its GPUs, its span, its quantity and its cost. `closed`: a line of
+/// `usage.window_closed`, which counts exactly what the activation held in the window
+/// ([`held_in_window`]); else a line of `usage.correction`, whose span must lie in its window
+/// and be wholly time the activation held (a positive line) or wholly time it did not (a line
+/// taking back). What a correction's span must be also depends on what was recorded before it:
+/// [`window_total_ms`] checks a window's lines together. Errs with why, in words.
+pub fn check_line(line: &UsageLine, closed: bool, t: &Tracked) -> Result<(), String> {
+    if t.activation_seq != line.activation_seq {
+        return Err(format!("the activation is seq {}, the row names {}", t.activation_seq, line.activation_seq));
+    }
+    if t.gpus() != line.gpus {
+        return Err(format!("the activation holds {} GPUs, the row says {}", t.gpus(), line.gpus));
+    }
+    let (ws, we) = (line.window_start_ms, line.window_end_ms);
+    if !(ws <= line.from_ms && line.from_ms < line.to_ms && line.to_ms <= we) {
+        return Err(format!("its span [{}, {}) is not inside its window [{ws}, {we})", line.from_ms, line.to_ms));
+    }
+    let taken_back = line.quantity_ms < 0;
+    if closed {
+        let Some((from, to)) = held_in_window(t, ws, we) else {
+            return Err(format!("its events say the activation held nothing in the window [{ws}, {we})"));
+        };
+        let expected = gpu_ms(t.gpus(), from, to, false);
+        if (from, to, expected) != (line.from_ms, line.to_ms, line.quantity_ms) {
+            return Err(format!(
+                "its events give {expected} GPU-ms ({} GPUs over [{from}, {to})), the row {} GPU-ms",
+                t.gpus(),
+                line.quantity_ms
+            ));
+        }
+    } else {
+        let expected = gpu_ms(t.gpus(), line.from_ms, line.to_ms, taken_back);
+        if expected != line.quantity_ms {
+            return Err(format!(
+                "its events give {expected} GPU-ms ({} GPUs over [{}, {})), the row {} GPU-ms",
+                t.gpus(),
+                line.from_ms,
+                line.to_ms,
+                line.quantity_ms
+            ));
+        }
+        let held = held_in_window(t, line.from_ms, line.to_ms);
+        if taken_back && held.is_some() {
+            return Err(format!("it takes back [{}, {}), time its events say the activation held", line.from_ms, line.to_ms));
+        }
+        if !taken_back && held != Some((line.from_ms, line.to_ms)) {
+            return Err(format!("it adds [{}, {}), time its events say the activation did not hold", line.from_ms, line.to_ms));
+        }
+    }
+    let cost = line.gpu_hour_micros.map_or(0, |price| cost_micros(line.quantity_ms, price));
+    if cost != line.cost_micros {
+        return Err(format!("its cost is {} millionths, its quantity and price give {cost}", line.cost_micros));
+    }
+    Ok(())
 }
 
 impl UsageEvent {
@@ -274,6 +397,13 @@ mod tests {
             let close = usage_close(&input);
             for event in &close.events {
                 for line in event.lines() {
+                    // The offline check (`usage verify`) accepts every line from the activation
+                    // it was computed from, and refuses it with its quantity changed.
+                    let t = &ledger.tracked[&crate::usage::tracked_key(&line.reservation_id, line.activation_seq)];
+                    let closed = matches!(event, UsageEvent::Closed(_));
+                    check_line(line, closed, t).unwrap_or_else(|e| panic!("{e}: {line:?} of {t:?}"));
+                    let edited = UsageLine { quantity_ms: line.quantity_ms + 1, ..line.clone() };
+                    assert!(check_line(&edited, closed, t).is_err(), "an edited quantity passes: {edited:?}");
                     *recorded.per_window.entry(line.window_start_ms).or_default() += line.quantity_ms;
                     match event {
                         UsageEvent::Closed(_) => {
