@@ -142,6 +142,41 @@ pub struct LogConfig {
     pub format: Option<String>,
 }
 
+/// `[metrics]`: bcd's own `GET /metrics` ([`crate::metrics`]), served by `bcd node` on `listen`
+/// (`127.0.0.1:9464`; a loopback address unless a scraper elsewhere needs it). Without it, none.
+/// Read apart from [`Config`] ([`MetricsConfig::load`]), which the rest of the agent shares.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    pub listen: Option<String>,
+}
+
+impl MetricsConfig {
+    /// The `[metrics]` table of the configuration at `path`; the default when it has none.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let meta = std::fs::metadata(path).map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+        if meta.len() > CONFIG_BYTES_MAX {
+            return Err(ConfigError(format!("{} is over {CONFIG_BYTES_MAX} bytes", path.display())));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+        let Some(mut table) = metrics_table(&text) else { return Ok(Self::default()) };
+        let metrics = table.remove("metrics").unwrap_or_else(|| toml::Value::Table(Default::default()));
+        let metrics = <MetricsConfig as Deserialize>::deserialize(metrics)
+            .map_err(|e| ConfigError(format!("{}: [metrics] {e}", path.display())))?;
+        if let Some(listen) = &metrics.listen
+            && listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(ConfigError(format!("{}: [metrics] listen {listen:?} is not HOST:PORT", path.display())));
+        }
+        Ok(metrics)
+    }
+}
+
+/// The configuration's text as a table, when it parses and has a `[metrics]` key.
+fn metrics_table(text: &str) -> Option<toml::Table> {
+    text.parse::<toml::Table>().ok().filter(|t| t.contains_key("metrics"))
+}
+
 /// A configuration that does not load: exit 1.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -154,7 +189,14 @@ impl Config {
             return Err(ConfigError(format!("{} is over {CONFIG_BYTES_MAX} bytes", path.display())));
         }
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
-        let config: Config = toml::from_str(&text).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        let config: Config = match metrics_table(&text) {
+            // `[metrics]` is read apart ([`MetricsConfig::load`]); the rest as ever.
+            Some(mut table) => {
+                table.remove("metrics");
+                <Config as Deserialize>::deserialize(table).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?
+            }
+            None => toml::from_str(&text).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?,
+        };
         config.check().map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
         Ok(config)
     }

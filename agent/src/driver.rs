@@ -93,6 +93,13 @@ pub async fn run_node(
         crate::update::write_pid_file(&config.data_dir)?;
     }
     let pending_confirmation = journal_start(&agent).await?;
+    // bcd's own /metrics, fed from here (the machine knows nothing of it); `bcd node` serves it
+    // when `[metrics] listen` is set, `bcd sim`'s agents never.
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let metrics_served = match &launch {
+        Some(launch) => serve_metrics(&launch.config_path, &metrics).await?,
+        None => None,
+    };
     let mut reexec = updater.as_ref().map(|u| u.reexec_requested());
     let head = journal.head().await.map_err(|e| e.to_string())?;
     let acked = journal.acked().await.map_err(|e| e.to_string())?;
@@ -101,8 +108,9 @@ pub async fn run_node(
 
     let (events_tx, mut events) = mpsc::channel::<Event>(1024);
     let (commands_tx, commands_rx) = mpsc::channel::<bc_proto::Command>(COMMANDS_QUEUED_MAX);
-    let worker = tokio::spawn(run_commands(agent.clone(), commands_rx, events_tx.clone()));
-    let observer = tokio::spawn(observe(agent.clone(), inventory, config.observe_interval_ms()?, events_tx.clone()));
+    let worker = tokio::spawn(run_commands(agent.clone(), commands_rx, events_tx.clone(), metrics.clone()));
+    let observer =
+        tokio::spawn(observe(agent.clone(), inventory, config.observe_interval_ms()?, events_tx.clone(), metrics.clone()));
     let mut driver = Driver {
         machine,
         rng: SystemRng,
@@ -117,6 +125,7 @@ pub async fn run_node(
         pending_confirmation,
         live_since_ms: None,
         ssh: config.ssh.clone().map(|ssh| crate::ssh_ca::SshInstaller::new(ssh, node.to_string())),
+        metrics,
     };
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -137,6 +146,9 @@ pub async fn run_node(
         if let Err(message) = driver.step(input).await {
             worker.abort();
             observer.abort();
+            if let Some(task) = &metrics_served {
+                task.abort();
+            }
             return Err(message);
         }
         driver.confirm_when_healthy().await;
@@ -145,6 +157,9 @@ pub async fn run_node(
     worker.abort();
     observer.abort();
     socket.abort();
+    if let Some(task) = metrics_served {
+        task.abort();
+    }
     if let Some(task) = by_hand {
         task.abort();
     }
@@ -159,6 +174,19 @@ pub async fn run_node(
         }
     }
     result
+}
+
+/// `[metrics] listen` of the configuration at `config_path`: bound, and served until the task
+/// is aborted; none without it.
+async fn serve_metrics(
+    config_path: &std::path::Path,
+    metrics: &Arc<crate::metrics::Metrics>,
+) -> Result<Option<tokio::task::JoinHandle<()>>, String> {
+    let settings = crate::config::MetricsConfig::load(config_path).map_err(|e| e.0)?;
+    let Some(listen) = settings.listen else { return Ok(None) };
+    let (listener, bound) = crate::metrics::bind(&listen).await?;
+    tracing::info!(address = %bound, "serving /metrics");
+    Ok(Some(tokio::spawn(crate::metrics::serve(listener, metrics.clone()))))
 }
 
 /// Opens the node's journal and builds what runs its commands (the runner, the hypervisor, the
@@ -249,6 +277,8 @@ struct Driver {
     /// `[ssh]` and this node's id: the CA keys of each welcome and `SshUserCaKeys` are
     /// installed for sshd, and dropped at their trust's end.
     ssh: Option<crate::ssh_ca::SshInstaller>,
+    /// What `/metrics` shows ([`crate::metrics`]), fed here.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Driver {
@@ -264,6 +294,9 @@ impl Driver {
                 if let Some(ssh) = &mut self.ssh {
                     ssh.received(&msg, SystemClock.now_ms());
                 }
+                if matches!(msg, bc_proto::gateway_message::Msg::HeartbeatAck(_)) {
+                    self.metrics.heartbeat_acked();
+                }
                 // The trusted CA keys are the edge's alone; the machine never sees them.
                 if matches!(msg, bc_proto::gateway_message::Msg::SshUserCaKeys(_)) {
                     return None;
@@ -277,12 +310,14 @@ impl Driver {
                 Some(Input::Disconnected { reason })
             }
             Event::Journaled(seq, hash) => {
+                self.metrics.journal_full(false);
                 let mut s = self.status.lock().expect("status lock");
                 s.journal_full = false;
                 Some(Input::Journaled { seq, hash })
             }
             Event::JournalFull(message) => {
                 tracing::error!(error = %message, "the journal is full");
+                self.metrics.journal_full(true);
                 let mut s = self.status.lock().expect("status lock");
                 s.journal_full = true;
                 s.last_error = Some(message);
@@ -307,7 +342,12 @@ impl Driver {
                     let guests: Arc<dyn crate::tunnel::Guests> = self.agent.clone();
                     tokio::spawn(connect(self.channel.clone(), self.generation, self.events_tx.clone(), guests));
                 }
-                Output::Send(msg) => send(&self.outbound, msg).await,
+                Output::Send(msg) => {
+                    if matches!(msg, agent_message::Msg::Heartbeat(_)) {
+                        self.metrics.heartbeat_sent();
+                    }
+                    send(&self.outbound, msg).await
+                }
                 Output::SendEntries { from, to } => {
                     if let Err(e) = send_entries(&self.journal, &self.outbound, from, to).await {
                         tracing::error!(error = %e, "reading the journal failed");
@@ -377,13 +417,14 @@ impl Driver {
     fn show_status(&self) {
         let machine = &self.machine;
         let mut s = self.status.lock().expect("status lock");
-        s.session = match machine.phase() {
+        let state = match machine.phase() {
             Phase::Idle { .. } => "idle",
             Phase::Connecting => "connecting",
             Phase::AwaitChallenge | Phase::AwaitWelcome => "handshake",
             Phase::Live => "live",
-        }
-        .into();
+        };
+        self.metrics.session(state, machine.sessions, machine.head(), machine.acked());
+        s.session = state.into();
         s.sessions = machine.sessions;
         s.journal_head = machine.head();
         s.journal_acked = machine.acked();
@@ -507,9 +548,19 @@ async fn connect(
     }
 }
 
-async fn run_commands(agent: Arc<Agent>, mut commands: mpsc::Receiver<bc_proto::Command>, events: mpsc::Sender<Event>) {
+async fn run_commands(
+    agent: Arc<Agent>,
+    mut commands: mpsc::Receiver<bc_proto::Command>,
+    events: mpsc::Sender<Event>,
+    metrics: Arc<crate::metrics::Metrics>,
+) {
     while let Some(command) = commands.recv().await {
-        match agent.run(&command, SystemClock.now_ms()).await {
+        let ran = agent.run(&command, SystemClock.now_ms()).await;
+        if let Ok(entries) = &ran {
+            metrics.command(&command.kind, command_outcome(entries));
+            count_holds(&agent, &metrics).await;
+        }
+        match ran {
             Ok(entries) => {
                 for entry in entries {
                     let _ = events.send(Event::Journaled(entry.seq, entry.hash)).await;
@@ -525,6 +576,24 @@ async fn run_commands(agent: Arc<Agent>, mut commands: mpsc::Receiver<bc_proto::
     }
 }
 
+/// How a command's run ended, from the last entry it journaled (its finish): failed when that
+/// entry says so (`command.failed`, `gpu.hold_failed`, `instance.apply_failed`), succeeded for
+/// another finish (`command.succeeded`, `gpu.held`, `instance.observed`, …); none when it
+/// finished nothing this time (a redelivery of a finished command, an update to confirm).
+fn command_outcome(entries: &[bc_core::agent::SignedEntry]) -> Option<bool> {
+    let last = bc_core::agent::EntryBody::decode(&entries.last()?.body).ok()?;
+    match last.entry_type.as_str() {
+        "command.started" => None,
+        t => Some(!t.ends_with("failed")),
+    }
+}
+
+/// The holds' ledger's reservations and GPUs, for `/metrics`.
+async fn count_holds(agent: &Agent, metrics: &crate::metrics::Metrics) {
+    let ledger = agent.runner.ledger.lock().await;
+    metrics.holds(ledger.holds.len(), ledger.holds.values().map(|h| h.gpus.len()).sum());
+}
+
 /// Journals what the machine holds at start and whenever it changes (looked at every
 /// `INVENTORY_CHECK_MS`), and an observation every `interval_ms`; each tick it retries the
 /// releases the machine refused and journals each instance whose state changed.
@@ -533,6 +602,7 @@ async fn observe(
     inventory: Arc<dyn crate::inventory::InventorySource>,
     interval_ms: u64,
     events: mpsc::Sender<Event>,
+    metrics: Arc<crate::metrics::Metrics>,
 ) {
     let mut ticker = tokio::time::interval(Duration::from_millis(interval_ms));
     let mut reported: Option<crate::inventory::Inventory> = None;
@@ -541,6 +611,7 @@ async fn observe(
         ticker.tick().await;
         let now_ms = SystemClock.now_ms();
         journaled(&events, agent.retry_releases(now_ms).await, "a retried release").await;
+        count_holds(&agent, &metrics).await;
         journaled(&events, agent.observe_instances(now_ms).await, "an instance's change").await;
         if now_ms >= next_inventory_ms {
             next_inventory_ms = now_ms + INVENTORY_CHECK_MS;

@@ -26,6 +26,7 @@ pub const COMMANDS: &[(&str, &str)] = &[
     ("hardware", "what this machine holds, as JSON: GPUs (NVML) and the host (/proc, /sys)"),
     ("update", "take a signed release by hand: --manifest M --signature S (see bcd update -h)"),
     ("doctor", "check the configuration, the node's files, the gateway, the clock, NVML, vfio, libvirt"),
+    ("support-bundle", "write a tar.gz to send when asking for help (--out FILE): versions, config and doctor, no secret"),
     ("sim", "run N agents on seeded fake machines in one process (fakehw builds)"),
     ("version", "print the version"),
     ("help", "this list"),
@@ -49,6 +50,7 @@ pub enum Command {
     Hardware(HardwareArgs),
     Update(UpdateArgs),
     Doctor(DoctorArgs),
+    SupportBundle(SupportBundleArgs),
     #[cfg(feature = "fakehw")]
     Sim(SimArgs),
     // `bc_agent::update::watchdog`, started by `bcd node` itself.
@@ -166,6 +168,23 @@ pub struct DoctorArgs {
     /// exit 1 on a warning too
     #[arg(long)]
     pub strict: bool,
+}
+
+// `bcd support-bundle`.
+#[derive(Args)]
+pub struct SupportBundleArgs {
+    #[command(flatten)]
+    pub config: ConfigFile,
+    /// the bundle to write (a new file, 0600; never over an existing one)
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// a file holding bcd's log (e.g. `journalctl -u bcd > FILE`): its last --log-lines lines go in
+    #[arg(long, value_name = "FILE")]
+    pub log_file: Option<PathBuf>,
+    /// how many of the log's last lines
+    #[arg(long, value_name = "N", default_value_t = bc_agent::support_bundle::LOG_LINES_DEFAULT as u32,
+          value_parser = clap::value_parser!(u32).range(1..=bc_agent::support_bundle::LOG_LINES_MAX as i64))]
+    pub log_lines: u32,
 }
 
 // `bcd sim` (fakehw builds).

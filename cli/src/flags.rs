@@ -138,6 +138,10 @@ pub enum Command {
     /// What is wrong with this deployment: the database, its schema, clock and settings, the
     /// keys, the agents' certificate, the disk, the reconcilers; each ok, warn or fail with a fix.
     Doctor(operator::DoctorArgs),
+    /// A tar.gz to send when asking for help (--out FILE, new, 0600): versions, the settings
+    /// with every secret removed, doctor, reconcilers status, the data directory's listing, the
+    /// log's last lines (--log-file).
+    SupportBundle(crate::support_bundle::SupportBundleArgs),
     /// The log key.
     Pki {
         #[command(subcommand)]

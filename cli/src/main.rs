@@ -27,6 +27,7 @@ mod output;
 mod roles;
 mod server;
 mod sim;
+mod support_bundle;
 mod sim_agents;
 mod tables;
 mod tunnel;

@@ -48,6 +48,7 @@ mod secrets_at_rest;
 mod sim_report;
 mod sim_run;
 mod ssh_cert;
+mod support_bundle;
 mod tunnels;
 mod usage;
 mod watch;

@@ -3,11 +3,14 @@
 //! under test (every second), makes traffic, and asks Prometheus' HTTP API with PromQL for the
 //! request rate and the 99th percentile of the latency. `promtool check metrics` passes on what
 //! `/metrics` serves. With `--metrics-listen`, the metrics are served there and not on the API.
+//! A joined `bcd node` with `[metrics] listen` is scraped beside `dev` by the same Prometheus:
+//! its session, commands and heartbeat latency are seen through PromQL, and `promtool` passes
+//! on its text too.
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use bc_tests::{Server, free_port, wait_until};
+use bc_tests::{AgentNode, Server, free_port, wait_until};
 use serde_json::{Value, json};
 
 /// A Prometheus server of this test: killed when dropped.
@@ -21,15 +24,20 @@ impl Prometheus {
     /// Prometheus on a free loopback port, scraping `target` (`HOST:PORT`) at `/metrics` every
     /// second.
     fn scraping(target: &str) -> Prometheus {
+        Self::scraping_jobs(&[("better-compute", target)])
+    }
+
+    /// Prometheus scraping each `(job, target)` at `/metrics` every second.
+    fn scraping_jobs(jobs: &[(&str, &str)]) -> Prometheus {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: better-compute\n    metrics_path: /metrics\n    static_configs:\n      - targets: ['{target}']\n"
-            ),
-        )
-        .unwrap();
+        let mut text = String::from("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n");
+        for (job, target) in jobs {
+            text.push_str(&format!(
+                "  - job_name: {job}\n    metrics_path: /metrics\n    static_configs:\n      - targets: ['{target}']\n"
+            ));
+        }
+        std::fs::write(&config, text).unwrap();
         let port = free_port();
         let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
         let child = Command::new("prometheus")
@@ -156,4 +164,59 @@ async fn with_metrics_listen_the_metrics_are_served_there_and_not_on_the_api() {
     assert!(text.ends_with("# EOF\n"), "OpenMetrics ends with # EOF: {text}");
     let on_api = reqwest::get(format!("{}/metrics", server.url)).await.unwrap();
     assert_ne!(on_api.status().as_u16(), 200, "not on the API's address when --metrics-listen is given");
+}
+
+/// bcd's own metrics (`[metrics] listen`): a real Prometheus scrapes `dev` and a joined `bcd
+/// node` together; PromQL sees bcd's session live, the pings it ran by kind and outcome, and
+/// its heartbeats' latency; `promtool check metrics` passes on bcd's text; bcd answers nothing
+/// but `GET /metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_a_bcd_beside_dev() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("metrics").await;
+    let mut node = AgentNode::new(&server, port);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let config = std::fs::read_to_string(node.config()).unwrap();
+    std::fs::write(node.config(), format!("{config}\n[metrics]\nlisten = \"{listen}\"\n")).unwrap();
+    node.join_pool(&server, &pool).await;
+    node.start();
+    wait_until("bcd node's session is live", Duration::from_secs(30), || {
+        node.status().filter(|s| s["session"] == "live").map(|_| ())
+    });
+    let node_id = node.node_id();
+    for _ in 0..3 {
+        let (status, command) = server.call("commands.issue", json!({ "nodeId": node_id, "kind": "ping" })).await;
+        assert_eq!(status, 200, "{command}");
+    }
+    let dev = server.url.trim_start_matches("http://").to_owned();
+    let prometheus = Prometheus::scraping_jobs(&[("better-compute", &dev), ("bcd", &listen)]);
+    wait_until("Prometheus scrapes both", Duration::from_secs(60), || {
+        let up = prometheus.query("up");
+        (up.len() == 2 && up.iter().all(|s| value_of(s) == 1.0)).then_some(())
+    });
+    wait_until("Prometheus sees bcd's pings and its live session", Duration::from_secs(30), || {
+        let pings = prometheus.query("sum(bcd_commands_total{job=\"bcd\",kind=\"ping\",outcome=\"succeeded\"})");
+        let live = prometheus.query("bcd_session_state{job=\"bcd\",state=\"live\"}");
+        (pings.first().map(value_of) == Some(3.0) && live.first().map(value_of) == Some(1.0)).then_some(())
+    });
+    let heartbeats = wait_until("Prometheus sees the heartbeats' latency", Duration::from_secs(30), || {
+        let p99 = prometheus
+            .query("histogram_quantile(0.99, sum by (le) (rate(bcd_heartbeat_latency_seconds_bucket{job=\"bcd\"}[1m])))");
+        p99.first().map(value_of).filter(|v| v.is_finite() && *v > 0.0)
+    });
+    assert!(heartbeats <= 30.0, "a heartbeat's round trip in seconds: {heartbeats}");
+    let depth = prometheus.query("bcd_journal_unacked_entries{job=\"bcd\"}");
+    assert_eq!(depth.len(), 1, "the journal's depth is a series: {depth:?}");
+    let sessions = prometheus.query("sum(better_compute_agent_sessions{job=\"better-compute\"})");
+    assert_eq!(sessions.first().map(value_of), Some(1.0), "dev's side of the same session: {sessions:?}");
+
+    let text = reqwest::get(format!("http://{listen}/metrics")).await.unwrap().text().await.unwrap();
+    for name in ["bcd_commands_total{", "bcd_holds ", "bcd_journal_unacked_entries ", "bcd_heartbeat_latency_seconds_bucket{"] {
+        assert!(text.contains(name), "{name} in {text}");
+    }
+    let (ok, said) = promtool_check(&text);
+    assert!(ok, "promtool check metrics on bcd's: {said}");
+    let client = reqwest::Client::new();
+    assert_eq!(client.get(format!("http://{listen}/")).send().await.unwrap().status().as_u16(), 404);
+    assert_eq!(client.post(format!("http://{listen}/metrics")).send().await.unwrap().status().as_u16(), 405);
 }

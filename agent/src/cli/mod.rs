@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use bc_agent::config::{Config, load_identity};
 use bc_agent::update::WATCHDOG_COMMAND;
 
-use crate::flags::{Command, DoctorArgs, HardwareArgs, UpdateArgs, WatchdogArgs};
+use crate::flags::{Command, DoctorArgs, HardwareArgs, SupportBundleArgs, UpdateArgs, WatchdogArgs};
 
 /// What `bcd node` asks to execute once the runtime is down: a binary and its arguments.
 type Reexec = Option<(PathBuf, Vec<String>)>;
@@ -38,6 +38,7 @@ impl Command {
                 Command::Node(config) => return node(&config.path, words).await,
                 Command::Hardware(args) => hardware(&args),
                 Command::Doctor(args) => doctor(&args).await,
+                Command::SupportBundle(args) => support_bundle(&args, env_token.as_deref()).await,
                 #[cfg(feature = "fakehw")]
                 Command::Sim(args) => sim(&args, env_token).await,
                 Command::Update(args) => update(&args),
@@ -183,6 +184,29 @@ async fn doctor(args: &DoctorArgs) -> ExitCode {
         print!("{}", bc_agent::doctor::render(&checks));
     }
     ExitCode::from(bc_agent::doctor::exit_code(&checks, args.strict))
+}
+
+/// `bcd support-bundle`: the bundle written (its summary as JSON), or why not, exit 1 (an
+/// existing --out among them: never written over).
+async fn support_bundle(args: &SupportBundleArgs, env_token: Option<&str>) -> ExitCode {
+    let options = bc_agent::support_bundle::NodeBundleOptions {
+        config_path: &args.config.path,
+        out: &args.out,
+        log_file: args.log_file.as_deref(),
+        log_lines: args.log_lines as usize,
+        join_token: env_token,
+        progress: std::io::stderr().is_terminal(),
+    };
+    match bc_agent::support_bundle::node_bundle(&options).await {
+        Ok(summary) => {
+            println!("{}", serde_json::to_string_pretty(&summary).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bcd support-bundle: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// `bcd sim`: N agents on seeded fake machines, until a signal.

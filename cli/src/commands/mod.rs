@@ -54,6 +54,7 @@ impl Command {
             Command::Reconcilers { command } => operator::reconcilers(ctx, command).await,
             Command::Migrate(args) => operator::migrate(ctx, args).await,
             Command::Doctor(args) => operator::doctor(ctx, args).await,
+            Command::SupportBundle(args) => crate::support_bundle::run(ctx, args).await,
             Command::Pki { command } => operator::pki(ctx, command).await,
             Command::Projections { command } => operator::projections(ctx, command).await,
             Command::Audit { command } => audit::run(ctx, command).await,
