@@ -355,8 +355,9 @@ fn carries_password(value: &OsStr) -> bool {
     let Some(text) = value.to_str() else { return false };
     match url::Url::parse(text) {
         Ok(url) => url.password().is_some() || url.query_pairs().any(|(k, _)| k.eq_ignore_ascii_case("password")),
-        // Not a URL its command will take either; whatever it is, not shown anywhere.
-        Err(_) => text.contains('@'),
+        // Not a URL its command will take either (a libpq `key=value` string, say): refused when
+        // it may hold one, so it is never kept here.
+        Err(_) => text.contains('@') || text.to_ascii_lowercase().contains("password"),
     }
 }
 
@@ -613,6 +614,7 @@ mod tests {
         assert!(e.message.contains("line 1: `database-url` carries a password"), "{}", e.message);
         assert!(!format!("{} {:?}", e.message, e.hint).contains("hunter2"), "the password is never echoed");
         assert!(refusal("database-url = \"postgres://bc@db/bc?password=hunter2\"\n").message.contains("carries a password"));
+        assert!(refusal("database-url = \"host=db user=bc password=hunter2\"\n").message.contains("carries a password"));
         assert!(with_file("database-url = \"postgres://bc@db/bc?sslmode=require\"\n", &["dev"]).is_ok());
         let table: toml::Table = "database-url = \"postgres://bc@db/bc\"\nlisten = \"x\"\n".parse().unwrap();
         let shown = redacted(table);
