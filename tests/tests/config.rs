@@ -231,8 +231,8 @@ fn a_bad_file_is_refused_by_line_and_key_and_debug_shows_the_causes() {
     assert!(debug.starts_with(err.lines().next().unwrap()) && debug.contains("\n  caused by: "), "{debug}");
 
     // A call to a server that is not there: the transport's causes down to the refused connection.
-    let url = format!("http://127.0.0.1:{}", free_port());
-    let env = [("BETTER_COMPUTE_URL", url.as_str()), ("BETTER_COMPUTE_TOKEN", "bc_x")];
+    // Port 1 (tcpmux): privileged and unused, so nothing answers and no other test can take it.
+    let env = [("BETTER_COMPUTE_URL", "http://127.0.0.1:1"), ("BETTER_COMPUTE_TOKEN", "bc_x")];
     let (code, _, plain) = run_in(dir.path(), &["api", "system.whoami"], &env);
     assert_eq!(code, 1);
     assert!(plain.starts_with("UNAVAILABLE: cannot reach") && !plain.contains("caused by"), "{plain}");
