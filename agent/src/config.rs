@@ -354,3 +354,32 @@ pub fn node_key_load_or_create(config: &Config) -> Result<SigningKey, String> {
         .map_err(|e| e.to_string())?;
     Ok(key)
 }
+
+#[cfg(test)]
+mod metrics_config_tests {
+    use super::*;
+
+    const BASE: &str = "data_dir = \"/d\"\ngateway = \"http://127.0.0.1:9\"\nlog_key_pin = \"sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\"\n";
+
+    fn with(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, format!("{BASE}{text}")).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn metrics_are_off_unless_listen_is_set_and_a_bad_listen_is_refused() {
+        let (_dir, path) = with("");
+        assert_eq!(MetricsConfig::load(&path).unwrap(), MetricsConfig::default());
+        let (_dir, path) = with("\n[metrics]\nlisten = \"127.0.0.1:9464\"\n");
+        assert!(Config::load(&path).is_ok(), "the rest of the agent reads the file as before");
+        assert_eq!(MetricsConfig::load(&path).unwrap().listen.as_deref(), Some("127.0.0.1:9464"));
+        let (_dir, path) = with("\n[metrics]\nlisten = \"anywhere\"\n");
+        assert!(MetricsConfig::load(&path).unwrap_err().0.contains("is not HOST:PORT"));
+        let (_dir, path) = with("\n[metrics]\nport = 9\n");
+        assert!(MetricsConfig::load(&path).unwrap_err().0.contains("unknown field"));
+        let (_dir, path) = with("\n[metricz]\nlisten = \"127.0.0.1:1\"\n");
+        assert!(Config::load(&path).unwrap_err().0.contains("unknown field"), "other tables are still refused");
+    }
+}

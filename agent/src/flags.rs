@@ -266,8 +266,9 @@ fn looks_like_a_command(text: &str) -> bool {
 /// The command list.
 pub fn help() -> String {
     let mut text = String::from("bcd: the Better Compute node agent\n\nusage: bcd COMMAND [--flag value]\n\ncommands:\n");
+    let width = COMMANDS.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
     for (name, summary) in COMMANDS {
-        text.push_str(&format!("  {name:<8} {summary}\n"));
+        text.push_str(&format!("  {name:<width$} {summary}\n"));
     }
     text.push_str("\nexit codes: 0 ok, 1 failure, 2 usage. `bcd COMMAND -h` lists a command's flags.\n");
     text
@@ -375,6 +376,16 @@ mod tests {
         assert_eq!(update.signature_path(), PathBuf::from("/r/m.json.sig"));
         let Command::Update(update) = run(&["update", "--manifest", "m", "--signature", "s"]) else { panic!("not update") };
         assert_eq!(update.signature_path(), PathBuf::from("s"));
+    }
+
+    #[test]
+    fn a_support_bundle_needs_its_out_and_bounds_its_log_lines() {
+        assert_eq!(usage_of(&["support-bundle"]), "bcd support-bundle: bad usage (see bcd support-bundle -h)\n");
+        let Command::SupportBundle(args) = run(&["support-bundle", "--out", "b.tgz"]) else { panic!("not support-bundle") };
+        assert_eq!((args.out, args.log_file, args.log_lines), (PathBuf::from("b.tgz"), None, 1000));
+        assert_eq!(args.config.path, PathBuf::from(CONFIG_DEFAULT));
+        assert!(matches!(parse_words(&["support-bundle", "--out", "b", "--log-lines", "0"]), Parsed::Usage(_)));
+        assert!(matches!(parse_words(&["support-bundle", "--out", "b", "--log-lines", "100001"]), Parsed::Usage(_)));
     }
 
     #[cfg(feature = "fakehw")]
