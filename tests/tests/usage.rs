@@ -173,6 +173,18 @@ async fn windows_add_up_to_each_reservation_and_the_export_passes_focus_and_clou
     let verdict = check(&bad_csv, &bad_jsonl);
     assert_eq!(verdict["focus"], "failed", "{verdict}");
     assert!(verdict["cloudeventsError"].as_str().unwrap().starts_with("line 1"), "{verdict}");
+
+    // Priced rows of two reservations over several windows prove offline, costs recounted too.
+    let (code, _, err) = bc_tests::cli(&["audit", "checkpoint", "--data-dir", server.data_dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    let proved = dir.path().join("proved.jsonl");
+    let proved = proved.to_str().unwrap();
+    cli_json(&server, &["usage", "export", "--from", "0", "--export-format", "jsonl", "--out", proved, "--with-proofs"]);
+    let pin = bc_tests::log_key_pin(&server);
+    let proofs = format!("{proved}.proofs");
+    let (code, out, err) = bc_tests::cli(&["usage", "verify", "--export", proved, "--proofs", &proofs, "--pin", &pin], &[]);
+    assert_eq!(code, 0, "{err}{out}");
+    assert_eq!(bc_tests::json(&out)["proved"].as_u64(), Some(rows.len() as u64), "{out}");
 }
 
 /// Runs `better-compute ARGS` with no server, no URL and no token: what an auditor holds.
