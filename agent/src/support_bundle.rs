@@ -375,23 +375,39 @@ pub fn listing(dir: &Path) -> Result<Vec<Entry>, String> {
 /// databases, pid files.
 pub const NOT_KEY_SUFFIXES: &[&str] = &[".log", ".json", ".db", ".sqlite3", "-wal", "-shm", "-journal", ".pid", ".sock"];
 
-/// The small files of `dir` (not below it) readable by their owner alone: keys and tokens as
-/// this system writes them (0600, [`SECRET_FILE_BYTES_MAX`] at most), whatever their names, but
-/// for [`NOT_KEY_SUFFIXES`].
+/// The small files under `dir` (to [`LISTING_DEPTH_MAX`] levels, not following links, at most
+/// [`LISTING_ENTRIES_MAX`] looked at) readable by their owner alone: keys and tokens as this
+/// system writes them (0600, [`SECRET_FILE_BYTES_MAX`] at most), whatever their names and
+/// wherever they sit (`dev --sim`'s machines keep their `node.key` under `sim/node-N/`), but for
+/// [`NOT_KEY_SUFFIXES`].
 pub fn owner_only_files(dir: &Path) -> Vec<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    let Ok(read) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut files: Vec<PathBuf> = read
-        .filter_map(|e| e.ok())
-        .filter(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            !NOT_KEY_SUFFIXES.iter().any(|s| name.ends_with(s))
-        })
-        .filter(|e| {
-            e.metadata().is_ok_and(|m| m.is_file() && m.len() <= SECRET_FILE_BYTES_MAX && m.permissions().mode() & 0o077 == 0)
-        })
-        .map(|e| e.path())
-        .collect();
+    let mut files = Vec::new();
+    let mut looked = 0usize;
+    let mut pending: Vec<(PathBuf, usize)> = vec![(dir.to_path_buf(), 1)];
+    while let Some((at, depth)) = pending.pop() {
+        let Ok(read) = std::fs::read_dir(&at) else { continue };
+        for entry in read.filter_map(|e| e.ok()) {
+            looked += 1;
+            if looked > LISTING_ENTRIES_MAX {
+                files.sort();
+                return files;
+            }
+            let path = entry.path();
+            let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+            if meta.is_dir() {
+                if depth < LISTING_DEPTH_MAX {
+                    pending.push((path, depth + 1));
+                }
+                continue;
+            }
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let key_like = meta.is_file() && meta.len() <= SECRET_FILE_BYTES_MAX && meta.permissions().mode() & 0o077 == 0;
+            if key_like && !NOT_KEY_SUFFIXES.iter().any(|s| name.ends_with(s)) {
+                files.push(path);
+            }
+        }
+    }
     files.sort();
     files
 }
@@ -787,6 +803,25 @@ mod tests {
         let text = format!("a bcjt_jt_01x.abc-def b {key}.c2VjcmV0 c whsec_Zm9v d {key} e");
         assert_eq!(redact_token_shapes(&text), format!("a [REDACTED] b {key}.[REDACTED] c [REDACTED] d {key} e"));
         assert_eq!(redact_token_shapes("nothing here"), "nothing here");
+    }
+
+    #[test]
+    fn owner_only_files_are_found_below_too_and_logs_are_not_keys() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("sim/node-0");
+        std::fs::create_dir_all(&deep).unwrap();
+        for (path, mode) in [
+            (dir.path().join("admin.token"), 0o600),
+            (deep.join("node.key"), 0o600),
+            (dir.path().join("agents-tls.crt"), 0o644),
+            (dir.path().join("server.log"), 0o600),
+            (deep.join("journal.db"), 0o600),
+        ] {
+            std::fs::write(&path, "x").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        assert_eq!(owner_only_files(dir.path()), vec![dir.path().join("admin.token"), deep.join("node.key")]);
     }
 
     #[test]
