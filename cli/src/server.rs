@@ -806,6 +806,10 @@ impl bc_reconcilers::driver::PassObserver for PassMetrics {
     fn pass(&self, reconciler: &'static str, ok: bool, duration: std::time::Duration) {
         self.0.reconciler_pass(reconciler, ok, duration);
     }
+
+    fn outbox_completed(&self, consumer: &'static str, outcome: &'static str, latency: std::time::Duration) {
+        self.0.outbox_completed(consumer, outcome, latency);
+    }
 }
 
 /// `--metrics-listen`'s listener and its bound address, when given.

@@ -407,6 +407,8 @@ pub async fn serve(
     // So a burst of connections cannot exhaust file descriptors: the accept loop waits for a
     // slot, and the kernel's backlog holds the rest.
     let connections = Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
+    // What the metrics count in the database, read every `METRICS_REFRESH_MS` while serving.
+    let refreshing = tokio::spawn(metrics::refresh(state.metrics.clone(), state.store.clone(), state.shutdown.subscribe()));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let shutdown = std::pin::pin!(shutdown);
     let mut shutdown = shutdown;
@@ -442,5 +444,6 @@ pub async fn serve(
     // End the watch streams; the graceful shutdown waits for every open response.
     state.shutdown.send_replace(true);
     graceful.shutdown().await;
+    refreshing.abort();
     Ok(())
 }

@@ -17,7 +17,15 @@
 //!   sizes, commit latency; and the `Log`'s own counters (`LogStats`) read at scrape time;
 //! - [`Metrics::reconciler_pass`], called by the composition root's observer of the reconciler
 //!   driver (`bc_reconcilers::driver::observe`);
-//! - [`Live`], read at each scrape: agent sessions, tunnels, watchers.
+//! - [`Live`], read at each scrape: agent sessions, tunnels, watchers;
+//! - [`Metrics::outbox_completed`], the reconciler driver's observer again: each outbox item's
+//!   outcome (`done`, `retried`, `dead`, `lost`) and its attempt's latency (webhook deliveries);
+//! - [`Metrics::agent_heartbeat`] and [`Metrics::agent_journal_entry`], from the agents'
+//!   sessions: heartbeats and the gaps between them, journal entries and their append latency;
+//! - [`refresh`], every [`METRICS_REFRESH_MS`] while the server runs: the outbox's pending and
+//!   dead items per consumer, the number of tenants, and the log head and checkpoint lag of the
+//!   [`TENANTS_SHOWN_MAX`] tenants with the longest chains (the one label that names a tenant:
+//!   bounded by that number, whatever the fleet).
 
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
@@ -52,6 +60,20 @@ pub const LOG_BATCH_EVENTS_BUCKETS: [f64; 12] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0,
 pub const LOG_COMMIT_BUCKETS_S: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5];
 /// A reconciler pass's duration buckets, in seconds (the driver measures in milliseconds).
 pub const RECONCILER_PASS_BUCKETS_S: [f64; 11] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0];
+/// An outbox attempt's latency buckets, in seconds: up to the longest `--delivery-timeout`.
+pub const OUTBOX_ATTEMPT_BUCKETS_S: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0];
+/// The gap between two heartbeats of one session, in seconds: around the heartbeat interval
+/// (5 s by default) and up to the longest lease.
+pub const HEARTBEAT_GAP_BUCKETS_S: [f64; 11] = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 6.0, 7.5, 10.0, 15.0, 60.0];
+/// A journal entry's check and append, in seconds.
+pub const JOURNAL_APPEND_BUCKETS_S: [f64; 11] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0];
+/// How often [`refresh`] reads what is counted in the database.
+pub const METRICS_REFRESH_MS: u64 = 15_000;
+/// Tenants whose log head and checkpoint lag are shown, by label: those with the longest
+/// chains.
+pub const TENANTS_SHOWN_MAX: usize = 10;
+/// The outbox consumers [`refresh`] counts the items of.
+pub const OUTBOX_CONSUMERS: [&str; 1] = [bc_projections::WEBHOOK_CONSUMER];
 /// The OpenMetrics text format's content type.
 pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -67,6 +89,31 @@ struct HttpLabels {
 struct PassLabels {
     reconciler: &'static str,
     outcome: &'static str,
+}
+
+/// One outbox item's outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutboxLabels {
+    consumer: &'static str,
+    outcome: &'static str,
+}
+
+/// One outbox consumer.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConsumerLabels {
+    consumer: &'static str,
+}
+
+/// One journal entry's outcome (`appended`, `refused`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EntryLabels {
+    outcome: &'static str,
+}
+
+/// One of the tenants shown ([`TENANTS_SHOWN_MAX`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
 }
 
 /// One reconciler's label.
@@ -85,6 +132,10 @@ fn reconciler_histogram() -> Histogram {
     Histogram::new(RECONCILER_PASS_BUCKETS_S)
 }
 
+fn outbox_histogram() -> Histogram {
+    Histogram::new(OUTBOX_ATTEMPT_BUCKETS_S)
+}
+
 /// The process's metrics: what is counted as it happens, and what is read at each scrape.
 pub struct Metrics {
     registry: Registry,
@@ -92,6 +143,12 @@ pub struct Metrics {
     http_duration: HistogramFamily<HttpLabels>,
     reconciler_passes: Family<PassLabels, Counter>,
     reconciler_duration: HistogramFamily<ReconcilerLabels>,
+    outbox_items: Family<OutboxLabels, Counter>,
+    outbox_attempt_duration: HistogramFamily<ConsumerLabels>,
+    agent_heartbeats: Counter,
+    agent_heartbeat_gap: Histogram,
+    agent_journal_entries: Family<EntryLabels, Counter>,
+    agent_journal_append: Histogram,
     /// The `Log`'s observer ([`Metrics::log_observer`]).
     log: Arc<LogMetrics>,
     /// What the scrape reads from the server's state.
@@ -119,6 +176,33 @@ impl bc_core::store::AppendObserver for LogMetrics {
 pub struct Live {
     state: OnceLock<Weak<AppState>>,
     sessions: OnceLock<Weak<Sessions>>,
+    /// What [`refresh`] read last; `None` before its first reading.
+    refreshed: std::sync::Mutex<Option<Refreshed>>,
+}
+
+/// What [`refresh`] reads from the database.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Refreshed {
+    pub tenants: u64,
+    /// The [`TENANTS_SHOWN_MAX`] longest chains: tenant, head seq, events past the newest
+    /// checkpoint's tree size (all of them when none was sealed).
+    pub top: Vec<(String, u64, u64)>,
+    /// Per outbox consumer: items pending (to attempt or retry), and dead.
+    pub outbox: Vec<(&'static str, u64, u64)>,
+}
+
+/// A family of gauges, one per label set, written with its descriptor.
+fn encode_gauges<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl IntoIterator<Item = (L, u64)>,
+) -> std::fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Gauge)?;
+    for (labels, value) in values {
+        ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for Live {
@@ -158,8 +242,67 @@ impl Collector for Live {
             false,
         )?;
         encode_const(&mut encoder, "watchers", "Watch streams connected to this process", state.watchers.held() as u64, false)?;
+        let refreshed = self.refreshed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(refreshed) = refreshed {
+            encode_const(&mut encoder, "log_tenants", "Tenants with a chain in the log", refreshed.tenants, false)?;
+            let tenants = |i: usize| refreshed.top.iter().map(move |t| (TenantLabels { tenant: t.0.clone() }, [t.1, t.2][i]));
+            encode_gauges(
+                &mut encoder,
+                "log_head_seq",
+                "The seq of a chain's newest event, for the tenants with the longest chains",
+                tenants(0),
+            )?;
+            encode_gauges(
+                &mut encoder,
+                "checkpoint_lag_events",
+                "Events of a chain past its newest checkpoint's tree size (the checkpoint's own event and cosignatures among them), for the tenants with the longest chains",
+                tenants(1),
+            )?;
+            let consumers = |i: usize| refreshed.outbox.iter().map(move |c| (ConsumerLabels { consumer: c.0 }, [c.1, c.2][i]));
+            encode_gauges(&mut encoder, "outbox_items_pending", "Outbox items waiting for an attempt or a retry", consumers(0))?;
+            encode_gauges(&mut encoder, "outbox_items_dead", "Outbox items given up on (dead letters)", consumers(1))?;
+        }
         Ok(())
     }
+}
+
+/// Reads what the metrics count in the database (see [`Refreshed`]) every
+/// [`METRICS_REFRESH_MS`], the first at once, until `shutdown` turns true. A failed reading is
+/// logged, and the last one stays.
+pub async fn refresh(
+    metrics: Arc<Metrics>,
+    store: Arc<dyn bc_core::store::EventStore>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        match read_refreshed(&*store).await {
+            Ok(read) => *metrics.live.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = Some(read),
+            Err(e) => tracing::warn!(code = %e.code(), error = %e, "reading the metrics' counts failed"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_millis(METRICS_REFRESH_MS)) => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// One reading: the heads (one query), the newest checkpoint of the [`TENANTS_SHOWN_MAX`]
+/// longest chains (one row each), and each outbox consumer's counts.
+async fn read_refreshed(store: &dyn bc_core::store::EventStore) -> bc_core::Result<Refreshed> {
+    let mut heads = store.heads().await?;
+    let tenants = heads.len() as u64;
+    heads.sort_by(|a, b| b.1.seq.cmp(&a.1.seq).then(a.0.cmp(&b.0)));
+    let mut top = Vec::with_capacity(TENANTS_SHOWN_MAX.min(heads.len()));
+    for (tenant, head) in heads.into_iter().take(TENANTS_SHOWN_MAX) {
+        let sealed = bc_core::audit::newest_checkpoint(store, tenant).await?.map_or(0, |cp| cp.size);
+        top.push((tenant.to_string(), head.seq, head.seq.saturating_sub(sealed)));
+    }
+    let mut outbox = Vec::with_capacity(OUTBOX_CONSUMERS.len());
+    for consumer in OUTBOX_CONSUMERS {
+        let (pending, _done, dead) = store.work_counts(consumer).await?;
+        outbox.push((consumer, pending, dead));
+    }
+    Ok(Refreshed { tenants, top, outbox })
 }
 
 /// The `Log`'s totals (`LogStats`), read at each scrape; registered under the backend's label.
@@ -209,6 +352,41 @@ impl Metrics {
             Unit::Seconds,
             reconciler_duration.clone(),
         );
+        let outbox_items = Family::<OutboxLabels, Counter>::default();
+        registry.register(
+            "outbox_items",
+            "Outbox items attempted and recorded, by consumer and outcome (done, retried, dead, lost)",
+            outbox_items.clone(),
+        );
+        let outbox_attempt_duration = HistogramFamily::<ConsumerLabels>::new_with_constructor(outbox_histogram);
+        registry.register_with_unit(
+            "outbox_attempt_duration",
+            "How long one attempt at an outbox item took (a webhook delivery: connect, send, answer)",
+            Unit::Seconds,
+            outbox_attempt_duration.clone(),
+        );
+        let agent_heartbeats = Counter::default();
+        registry.register("agent_heartbeats", "Heartbeats received from agents' sessions", agent_heartbeats.clone());
+        let agent_heartbeat_gap = Histogram::new(HEARTBEAT_GAP_BUCKETS_S);
+        registry.register_with_unit(
+            "agent_heartbeat_gap",
+            "Time between two heartbeats of one session: the asked interval, or more when a node or its network is slow",
+            Unit::Seconds,
+            agent_heartbeat_gap.clone(),
+        );
+        let agent_journal_entries = Family::<EntryLabels, Counter>::default();
+        registry.register(
+            "agent_journal_entries",
+            "Journal entries received from agents, by outcome (appended, refused)",
+            agent_journal_entries.clone(),
+        );
+        let agent_journal_append = Histogram::new(JOURNAL_APPEND_BUCKETS_S);
+        registry.register_with_unit(
+            "agent_journal_append_duration",
+            "How long a journal entry took from its arrival to its acknowledgement (checked and appended once)",
+            Unit::Seconds,
+            agent_journal_append.clone(),
+        );
         let live = Arc::new(Live::default());
         registry.register_collector(Box::new(live.clone()));
         let log = Arc::new(LogMetrics {
@@ -224,7 +402,21 @@ impl Metrics {
             Unit::Seconds,
             log.commit_seconds.clone(),
         );
-        Self { registry, http_requests, http_duration, reconciler_passes, reconciler_duration, log, live }
+        Self {
+            registry,
+            http_requests,
+            http_duration,
+            reconciler_passes,
+            reconciler_duration,
+            outbox_items,
+            outbox_attempt_duration,
+            agent_heartbeats,
+            agent_heartbeat_gap,
+            agent_journal_entries,
+            agent_journal_append,
+            log,
+            live,
+        }
     }
 
     /// What the `Log` reports its batches to (`LogStats::observe`).
@@ -247,6 +439,30 @@ impl Metrics {
         let outcome = if ok { "ok" } else { "error" };
         self.reconciler_passes.get_or_create(&PassLabels { reconciler, outcome }).inc();
         self.reconciler_duration.get_or_create(&ReconcilerLabels { reconciler }).observe(duration.as_secs_f64());
+    }
+
+    /// An outbox item's attempt recorded with `outcome`, the attempt taking `latency`.
+    pub fn outbox_completed(&self, consumer: &'static str, outcome: &'static str, latency: std::time::Duration) {
+        self.outbox_items.get_or_create(&OutboxLabels { consumer, outcome }).inc();
+        self.outbox_attempt_duration.get_or_create(&ConsumerLabels { consumer }).observe(latency.as_secs_f64());
+    }
+
+    /// A heartbeat from an agent's session, `gap` after the one before it (none for a session's
+    /// first).
+    pub fn agent_heartbeat(&self, gap: Option<std::time::Duration>) {
+        self.agent_heartbeats.inc();
+        if let Some(gap) = gap {
+            self.agent_heartbeat_gap.observe(gap.as_secs_f64());
+        }
+    }
+
+    /// A journal entry acknowledged (`appended`) or refused, `took` from its arrival.
+    pub fn agent_journal_entry(&self, appended: bool, took: std::time::Duration) {
+        let outcome = if appended { "appended" } else { "refused" };
+        self.agent_journal_entries.get_or_create(&EntryLabels { outcome }).inc();
+        if appended {
+            self.agent_journal_append.observe(took.as_secs_f64());
+        }
     }
 
     /// One answered request.

@@ -73,6 +73,16 @@ impl Schedule {
 pub trait PassObserver: Send + Sync {
     /// `reconciler` passed, `ok` or not, in `duration` (by the driver's clock, in milliseconds).
     fn pass(&self, reconciler: &'static str, ok: bool, duration: Duration);
+
+    /// An outbox consumer's item was attempted and its outcome recorded: `done`, `retried`,
+    /// `dead` or `lost` (the lease had passed to another process), the attempt taking `latency`
+    /// (by the attempt's own clock).
+    fn outbox_completed(&self, _consumer: &'static str, _outcome: &'static str, _latency: Duration) {}
+}
+
+/// The process's observer, if one was set ([`observe`]).
+pub(crate) fn observer() -> Option<&'static Arc<dyn PassObserver>> {
+    PASS_OBSERVER.get()
 }
 
 /// The process's [`PassObserver`], set once by [`observe`]: the driver's one hook, so the

@@ -906,6 +906,9 @@ async fn complete(
                             (Outcome::Dead, _) => 2,
                         };
                         counts[slot].1 += 1;
+                        if let Some(observer) = crate::driver::observer() {
+                            observer.outbox_completed(name, counts[slot].0, Duration::from_millis(f.attempt.latency_ms));
+                        }
                     }
                     status.pass(started_at_ms, Ok(&counts)).await;
                     break;

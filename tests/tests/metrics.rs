@@ -220,3 +220,51 @@ async fn prometheus_scrapes_a_bcd_beside_dev() {
     assert_eq!(client.get(format!("http://{listen}/")).send().await.unwrap().status().as_u16(), 404);
     assert_eq!(client.post(format!("http://{listen}/metrics")).send().await.unwrap().status().as_u16(), 405);
 }
+
+/// A sample's value in the Prometheus text (`NAME{LABELS} VALUE`), or none.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// What the gateway counts of the work beyond the API: a webhook delivered to a loopback
+/// receiver (its outcome and the attempt's latency), the outbox's pending and dead items, the
+/// log's tenants and its longest chains' heads and checkpoint lag (read at start, then every
+/// `METRICS_REFRESH_MS`), and a joined agent's heartbeats, their gaps and its journal entries;
+/// `promtool check metrics` passes on the whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_outcomes_the_outbox_the_log_and_agents_sessions_are_counted() {
+    let (server, port) = bc_tests::agents_gateway();
+    let receiver = bc_tests::RecordingListener::start(Some("HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n".into()));
+    let secret = server.data_dir.join("webhook.secret").display().to_string();
+    let endpoint = format!("http://{}/hook", receiver.addr);
+    let create = ["webhooks", "create", "--endpoint", &endpoint, "--types", "pool.created", "--secret-out", &secret];
+    let (code, out, err) = server.cli(&create);
+    assert_eq!(code, 0, "webhooks create: {out} {err}");
+    let pool = server.pool("counted").await;
+    let mut node = AgentNode::new(&server, port);
+    node.join_pool(&server, &pool).await;
+    node.start();
+    let metrics = || bc_tests::block_on(async { reqwest::get(format!("{}/metrics", server.url)).await.ok()?.text().await.ok() });
+    let text = wait_until("a delivery done and the agent's heartbeats counted", Duration::from_secs(30), || {
+        let text = metrics()?;
+        let delivered = sample(&text, "better_compute_outbox_items_total{consumer=\"webhooks\",outcome=\"done\"}")?;
+        let gaps = sample(&text, "better_compute_agent_heartbeat_gap_seconds_count")?;
+        (delivered >= 1.0 && gaps >= 2.0).then_some(text)
+    });
+    assert!(receiver.accepted() >= 1, "the receiver was called");
+    let attempts = sample(&text, "better_compute_outbox_attempt_duration_seconds_count{consumer=\"webhooks\"}");
+    assert!(attempts.is_some_and(|n| n >= 1.0), "{text}");
+    assert!(sample(&text, "better_compute_agent_heartbeats_total").is_some_and(|n| n >= 3.0), "{text}");
+    let appended = sample(&text, "better_compute_agent_journal_entries_total{outcome=\"appended\"}");
+    assert!(appended.is_some_and(|n| n >= 1.0), "the node's journal entries: {text}");
+    assert!(text.contains("better_compute_agent_journal_append_duration_seconds_bucket{"), "{text}");
+    // Read from the database at start: the root tenant's chain (the bootstrap's events).
+    assert!(sample(&text, "better_compute_log_tenants").is_some_and(|n| n >= 1.0), "{text}");
+    assert!(text.contains("better_compute_log_head_seq{tenant=\"ten_"), "{text}");
+    assert!(text.contains("better_compute_checkpoint_lag_events{tenant=\"ten_"), "{text}");
+    assert_eq!(sample(&text, "better_compute_outbox_items_dead{consumer=\"webhooks\"}"), Some(0.0), "{text}");
+    assert!(sample(&text, "better_compute_outbox_items_pending{consumer=\"webhooks\"}").is_some(), "{text}");
+    let (ok, said) = promtool_check(&text);
+    assert!(ok, "promtool check metrics: {said}");
+    assert_eq!(node.stop(), 0);
+}

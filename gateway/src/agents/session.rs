@@ -419,12 +419,31 @@ where
     // The node must be heard from within a lease of the last message (a nudge that wakes the
     // loop does not move it).
     let mut deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
+    // The last heartbeat's arrival, for the gap to the next (`/metrics`).
+    let mut last_heartbeat: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             received = next_message_by(inbound, deadline) => {
                 deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
                 let reply = match received {
-                    Ok(msg) => handle(&state.log, leases, config, &mut bound, msg).await?,
+                    Ok(msg) => {
+                        let arrived = tokio::time::Instant::now();
+                        let kind = match &msg {
+                            agent_message::Msg::Heartbeat(_) => Some(true),
+                            agent_message::Msg::Entry(_) => Some(false),
+                            _ => None,
+                        };
+                        let handled = handle(&state.log, leases, config, &mut bound, msg).await;
+                        match kind {
+                            Some(true) => {
+                                state.metrics.agent_heartbeat(last_heartbeat.map(|last| arrived - last));
+                                last_heartbeat = Some(arrived);
+                            }
+                            Some(false) => state.metrics.agent_journal_entry(handled.is_ok(), arrived.elapsed()),
+                            None => {}
+                        }
+                        handled?
+                    }
                     Err(refusal) if refusal.status == tonic::Code::Cancelled => return Ok("the node closed the stream"),
                     Err(refusal) => return Err(refusal),
                 };
