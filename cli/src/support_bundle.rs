@@ -112,7 +112,8 @@ fn redactor(data_dir: &Path, data_key: &Path, database_url: Option<&str>) -> Red
 /// The configuration file (`--config`, `BETTER_COMPUTE_CONFIG`, else `./better-compute.toml` when
 /// present) as `config.rs` shows it ([`crate::config::redacted`]), redacted again by
 /// `bc_agent::support_bundle`'s rules for a key or value that says secret; none without a file.
-fn config_file(explicit: Option<&Path>) -> Value {
+/// A `data-dir` in the file other than `data_dir`, the one this bundle read, is pointed out.
+fn config_file(explicit: Option<&Path>, data_dir: &Path) -> Value {
     let path = match crate::config::find(explicit) {
         Ok(Some(path)) => path,
         Ok(None) => return Value::Null,
@@ -120,8 +121,25 @@ fn config_file(explicit: Option<&Path>) -> Value {
     };
     match crate::config::load_table(&path) {
         Ok(table) => {
+            let named = table.get("data-dir").and_then(|v| v.as_str()).map(|d| {
+                // Relative to the file's directory, as the commands that read it take it.
+                path.parent().unwrap_or(Path::new(".")).join(d)
+            });
             let shown = bundle::redact_toml("", &toml::Value::Table(crate::config::redacted(table)));
-            json!({ "path": path.display().to_string(), "settings": shown })
+            let mut value = json!({ "path": path.display().to_string(), "settings": shown });
+            let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+                (Ok(a), Ok(b)) => a == b,
+                _ => a == b,
+            };
+            if let Some(named) = named.filter(|named| !same(named, data_dir)) {
+                value["note"] = json!(format!(
+                    "the file names data-dir {}, but this bundle read {}: make it again with --data-dir {}",
+                    named.display(),
+                    data_dir.display(),
+                    named.display()
+                ));
+            }
+            value
         }
         Err(e) => json!({ "path": path.display().to_string(), "error": bundle::redact_urls(&e.message) }),
     }
@@ -166,7 +184,7 @@ pub async fn run(ctx: &Context, args: SupportBundleArgs) -> Result<(), CliError>
             "logKeyFile": data_dir.join(LOG_KEY_FILE).display().to_string(),
             "dataKeyFile": data_key.display().to_string(),
             "adminTokenFile": data_dir.join(ADMIN_TOKEN_FILE).display().to_string(),
-            "configFile": config_file(ctx.global.config.as_deref()),
+            "configFile": config_file(ctx.global.config.as_deref(), data_dir),
             "environment": bundle::environment(&["BETTER_COMPUTE_"]),
         }),
     );

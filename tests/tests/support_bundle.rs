@@ -162,7 +162,8 @@ async fn bundles_of_dev_and_of_a_joined_bcd_hold_no_secret() {
     std::fs::write(&log, text).unwrap();
     // A configuration file, shown redacted.
     let config = work.path().join("better-compute.toml");
-    std::fs::write(&config, "listen = \"127.0.0.1:7070\"\n").unwrap();
+    std::fs::write(&config, format!("listen = \"127.0.0.1:7070\"\ndata-dir = {:?}\n", server.data_dir.display().to_string()))
+        .unwrap();
 
     // The control plane's bundle, with the admin token in the environment.
     let out = work.path().join("control-plane.tar.gz");
@@ -197,6 +198,7 @@ async fn bundles_of_dev_and_of_a_joined_bcd_hold_no_secret() {
     assert_eq!(entry("data.key").unwrap()["mode"], "0600", "{listing}");
     let settings = json_file(&files, "config.json");
     assert_eq!(settings["configFile"]["settings"]["listen"], "127.0.0.1:7070", "{settings}");
+    assert!(settings["configFile"]["note"].is_null(), "the file's data-dir is the one read: {settings}");
     assert_eq!(settings["environment"]["BETTER_COMPUTE_TOKEN"], "[REDACTED]", "{settings}");
     let logged = String::from_utf8_lossy(file(&files, "logs/better-compute.log")).into_owned();
     assert!(logged.contains("leaked admin.token: [REDACTED]"), "{logged}");
