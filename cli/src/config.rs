@@ -45,7 +45,8 @@ pub const SETTING_COMMANDS: &[&str] = &["dev", "serve", "reconcile"];
 /// The commands that read the file (each reads the keys it has a flag for): the servers and the
 /// operator commands that open the database themselves. A new operator command reads it once
 /// its name is here.
-pub const READERS: &[&str] = &["dev", "serve", "reconcile", "migrate", "doctor", "pki", "reconcilers", "projections", "audit"];
+pub const READERS: &[&str] =
+    &["dev", "serve", "reconcile", "migrate", "doctor", "pki", "reconcilers", "projections", "audit", "support-bundle"];
 /// Keys whose values may carry a secret: refused here when they do (a `database-url` with a
 /// password), and blanked by [`redacted`] whatever they hold.
 pub const SECRET_BEARING_KEYS: &[&str] = &["database-url"];

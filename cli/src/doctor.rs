@@ -3,11 +3,13 @@
 //! (`bc_agent::doctor`, whose report types this reuses). It reads and never writes: the database
 //! (reachable, its schema, its clock and settings, the reconcilers' last passes, the keys it
 //! registered and the secrets' key ids), the data directory's key files and the agents' serving
-//! certificate, and the free disk beside the embedded database.
+//! certificate, and the free disk beside the embedded database; with `--witness` (or the
+//! configuration file's `witness`), each witness: reachable, and cosigning ([`witness_checks`]).
 //!
 //! The verdicts are pure functions of what was read (`schema_check`, `clock_check`,
 //! `postgres_settings_check`, `key_file_check`, `certificate_check`, `disk_check`,
-//! `reconcilers_check`), each tested with its own inputs; [`run`] does the reading.
+//! `reconcilers_check`, `witness_check`), each tested with its own inputs; [`run`] and
+//! [`witness_checks`] do the reading.
 
 use std::path::Path;
 
@@ -37,6 +39,71 @@ pub const DISK_FREE_FAIL: (u64, u64) = (10, 256 << 20);
 pub const POSTGRES_PROCESSES_EXPECTED: u64 = 4;
 /// Sealed secrets read to check the data key opens them (their key ids).
 const SECRETS_SAMPLED: u32 = 1000;
+/// How long a witness has to accept a TCP connection before it is called unreachable.
+pub const WITNESS_CONNECT_TIMEOUT_MS: u64 = 3_000;
+
+/// One witness: `reached` whether its URL's host and port took a connection (or why not);
+/// `cosigned` the root tenant's newest checkpoint's size and whether it carries this witness's
+/// cosignature (none: no checkpoint sealed yet).
+pub fn witness_check(label: &str, url: &str, reached: Result<(), String>, cosigned: Option<(u64, bool)>) -> Check {
+    let name = "witness";
+    match (reached, cosigned) {
+        (Err(why), _) => Check::fail(
+            name,
+            format!("{label} at {url}: {why}"),
+            "start the witness, or correct its URL in --witness (the witnesses reconciler retries it with back-off meanwhile)",
+        ),
+        (Ok(()), None) => Check::ok(name, format!("{label} at {url} answers; no checkpoint is sealed yet")),
+        (Ok(()), Some((size, true))) => {
+            Check::ok(name, format!("{label} at {url} answers and cosigned the newest checkpoint (size {size})"))
+        }
+        (Ok(()), Some((size, false))) => Check::warn(
+            name,
+            format!("{label} at {url} answers but has not cosigned the newest checkpoint (size {size})"),
+            "the witnesses reconciler sends each new checkpoint within seconds: check it runs (`reconcilers status`) with              this --witness, and its log for the witness's refusals",
+        ),
+    }
+}
+
+/// Each witness (`NAME=URL+VKEY`): a TCP connection to its URL's host and port (doctor sends it
+/// nothing: a checkpoint sent would be a witness's state changed), and its cosignature on the
+/// root tenant's newest checkpoint, as the log holds it.
+pub async fn witness_checks(db: &Database, witnesses: &[String]) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let newest = match witnesses.is_empty() {
+        true => None,
+        false => match db.open().await {
+            Ok(store) => bc_core::audit::newest_checkpoint(&*store, bc_core::id::TenantId::ROOT).await.ok().flatten(),
+            Err(_) => None,
+        },
+    };
+    for text in witnesses {
+        let witness = match bc_reconcilers::witnesses::Witness::parse(text) {
+            Ok(witness) => witness,
+            Err(e) => {
+                checks.push(Check::fail("witness", e, "give --witness as NAME=URL+VKEY, as dev and serve take it"));
+                continue;
+            }
+        };
+        let reached = reach(&witness.url).await;
+        let cosigned = newest.as_ref().map(|cp| (cp.size, witness.key.cosigned(&cp.cosigned_note())));
+        checks.push(witness_check(&witness.label, &witness.url, reached, cosigned));
+    }
+    checks
+}
+
+/// A TCP connection to `url`'s host and port within [`WITNESS_CONNECT_TIMEOUT_MS`].
+async fn reach(url: &str) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("its URL does not parse: {e}"))?;
+    let host = parsed.host_str().ok_or("its URL has no host")?.to_owned();
+    let port = parsed.port_or_known_default().ok_or("its URL has no port")?;
+    let timeout = std::time::Duration::from_millis(WITNESS_CONNECT_TIMEOUT_MS);
+    match tokio::time::timeout(timeout, tokio::net::TcpStream::connect((host.as_str(), port))).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(format!("cannot connect: {e}")),
+        Err(_) => Err(format!("no connection within {} s", WITNESS_CONNECT_TIMEOUT_MS / 1000)),
+    }
+}
 
 /// The database's schema: `applied` the newest migration applied, `latest` this binary's.
 pub fn schema_check(applied: Option<u64>, latest: u64) -> Check {
@@ -442,6 +509,19 @@ mod tests {
             error: (!ok).then(|| "boom".into()),
             passes: 1,
         }
+    }
+
+    #[test]
+    fn a_witness_unreachable_fails_and_one_not_cosigning_warns() {
+        let url = "http://127.0.0.1:1";
+        let down = witness_check("w1", url, Err("cannot connect: refused".into()), Some((7, true)));
+        assert_eq!(down.status, Status::Fail);
+        assert!(down.message.contains("w1 at http://127.0.0.1:1: cannot connect"), "{}", down.message);
+        assert_eq!(witness_check("w1", url, Ok(()), None).status, Status::Ok);
+        assert_eq!(witness_check("w1", url, Ok(()), Some((7, true))).status, Status::Ok);
+        let silent = witness_check("w1", url, Ok(()), Some((7, false)));
+        assert_eq!(silent.status, Status::Warn);
+        assert!(silent.message.contains("size 7"), "{}", silent.message);
     }
 
     #[test]

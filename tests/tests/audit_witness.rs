@@ -155,6 +155,19 @@ async fn a_third_party_witness_cosigns_and_check_proof_counts_it() {
     let (code, _, err) = check(&proof, &["--witness", &witness_vkey, "--witness", &other, "--witnesses-min", "1"]);
     assert_eq!(code, 0, "{err}");
 
+    // doctor: the witness answers and cosigned the newest checkpoint; one at a port nobody
+    // listens on is a failure naming it.
+    let w1 = format!("w1={witness_url}+{witness_vkey}");
+    let down = format!("w2=http://127.0.0.1:1+{other}");
+    let (_, out, err) = cli(&["doctor", "--data-dir", &data_dir, "--json", "--witness", &w1, "--witness", &down], &[]);
+    let checks: Vec<Value> = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
+    let witnesses: Vec<&Value> = checks.iter().filter(|c| c["name"] == "witness").collect();
+    assert_eq!(witnesses.len(), 2, "{checks:?}");
+    assert_eq!(witnesses[0]["status"], "ok", "{:?}", witnesses[0]);
+    assert!(witnesses[0]["message"].as_str().unwrap().contains("cosigned the newest checkpoint"), "{:?}", witnesses[0]);
+    assert_eq!(witnesses[1]["status"], "fail", "{:?}", witnesses[1]);
+    assert!(witnesses[1]["message"].as_str().unwrap().starts_with("w2 at http://127.0.0.1:1"), "{:?}", witnesses[1]);
+
     // The log grows: the witness checks our consistency proof from the size it has.
     for i in 0..3 {
         server.pool(&format!("q{i}")).await;

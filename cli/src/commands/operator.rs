@@ -92,6 +92,10 @@ pub struct DoctorArgs {
     /// The checks as a JSON array.
     #[arg(long)]
     pub json: bool,
+    /// A witness to check, `NAME=URL+VKEY` as dev and serve take it (repeatable; the
+    /// configuration file's `witness` too): reachable, and cosigning the newest checkpoint.
+    #[arg(long = "witness", value_name = "NAME=URL+VKEY")]
+    pub witnesses: Vec<String>,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
@@ -536,7 +540,8 @@ pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(
 pub async fn doctor(ctx: &Context, args: DoctorArgs) -> Result<(), CliError> {
     let data_key = args.data_key.path(&args.db.data_dir);
     let paths = crate::doctor::Paths { data_dir: &args.db.data_dir, data_key: &data_key };
-    let checks = crate::doctor::run(&args.db.database(), &paths).await;
+    let mut checks = crate::doctor::run(&args.db.database(), &paths).await;
+    checks.extend(crate::doctor::witness_checks(&args.db.database(), &args.witnesses).await);
     if args.json || ctx.global.format == Some(Format::Json) {
         println!("{}", serde_json::to_string_pretty(&checks).unwrap_or_default());
     } else {
