@@ -306,7 +306,9 @@ fn parse_witnesses(witnesses: &[String]) -> Result<Vec<bc_reconcilers::witnesses
 /// `reconcile --only NAME…`: runs reconcilers of the registry (without `--only`, all of them)
 /// as their own process until Ctrl-C/SIGTERM. The webhook consumer needs the database and the
 /// data key its signing secrets are sealed under (`data.key` in `--data-dir`); the reconcilers
-/// that append also need the log key in `--data-dir`.
+/// that append also need the log key in `--data-dir`. With `metrics_listen`, the process's
+/// metrics (its passes, its outbox items, its appends, and what the database counts) are served
+/// there.
 #[allow(clippy::too_many_arguments)]
 pub async fn reconcile(
     db: &Database,
@@ -316,6 +318,7 @@ pub async fn reconcile(
     options: &ConsumerOptions,
     sealing: &crate::flags::Sealing,
     witnesses: &[String],
+    metrics_listen: Option<&str>,
 ) -> Result<(), CliError> {
     let chosen: Vec<&'static Registration> = if only.is_empty() {
         REGISTRY.iter().collect()
@@ -361,12 +364,32 @@ pub async fn reconcile(
         }
         false => None,
     };
-    let inputs = reconciler_inputs(store, log, None, options, sealing, witnesses);
+    let metrics_listener = bind_metrics(metrics_listen).await?;
+    let metrics = Arc::new(bc_gateway::metrics::Metrics::new(store.backend()));
+    if let Some(log) = &log {
+        log.stats.observe(metrics.log_observer());
+    }
+    // Before the reconcilers start, so their first passes are counted.
+    bc_reconcilers::driver::observe(Arc::new(PassMetrics(metrics.clone())));
+    let inputs = reconciler_inputs(store.clone(), log, None, options, sealing, witnesses);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     let started = start_reconcilers(&chosen, &inputs, &stopped, &mut tasks)?;
     println!("better-compute reconciling: {}", started.join(", "));
     println!("  database:  {}", db.describe());
+    if let Some((listener, addr)) = metrics_listener {
+        println!("  metrics:   http://{addr}/metrics");
+        let mut until = stopped.clone();
+        let served = bc_gateway::metrics::serve(listener, metrics.clone(), async move {
+            let _ = until.wait_for(|stop| *stop).await;
+        });
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "serving the metrics failed");
+            }
+        }));
+        tasks.push(tokio::spawn(bc_gateway::metrics::refresh(metrics, store, stopped.clone())));
+    }
     shutdown_signal().await;
     let _ = stop.send(true);
     for task in tasks {

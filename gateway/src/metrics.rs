@@ -233,15 +233,6 @@ impl Collector for Live {
                 false,
             )?;
         }
-        let Some(state) = self.state.get().and_then(Weak::upgrade) else { return Ok(()) };
-        encode_const(
-            &mut encoder,
-            "tunnels_open",
-            "Tunnels open through this process, with tickets not yet spent",
-            state.tunnels.open_total() as u64,
-            false,
-        )?;
-        encode_const(&mut encoder, "watchers", "Watch streams connected to this process", state.watchers.held() as u64, false)?;
         let refreshed = self.refreshed.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if let Some(refreshed) = refreshed {
             encode_const(&mut encoder, "log_tenants", "Tenants with a chain in the log", refreshed.tenants, false)?;
@@ -262,6 +253,15 @@ impl Collector for Live {
             encode_gauges(&mut encoder, "outbox_items_pending", "Outbox items waiting for an attempt or a retry", consumers(0))?;
             encode_gauges(&mut encoder, "outbox_items_dead", "Outbox items given up on (dead letters)", consumers(1))?;
         }
+        let Some(state) = self.state.get().and_then(Weak::upgrade) else { return Ok(()) };
+        encode_const(
+            &mut encoder,
+            "tunnels_open",
+            "Tunnels open through this process, with tickets not yet spent",
+            state.tunnels.open_total() as u64,
+            false,
+        )?;
+        encode_const(&mut encoder, "watchers", "Watch streams connected to this process", state.watchers.held() as u64, false)?;
         Ok(())
     }
 }

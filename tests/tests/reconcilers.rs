@@ -54,13 +54,18 @@ async fn reconcilers_record_their_passes_and_status_shows_them() {
 
     // A second process runs the checkpoints reconciler on the same database: its own row.
     let dir = server.data_dir.display().to_string();
-    let _sealer =
-        Reconciler::start(&["--only", "checkpoints", "--checkpoint-interval", "1s", "--data-dir", &dir], &server.data_dir);
+    let metrics = format!("127.0.0.1:{}", bc_tests::free_port());
+    let args = ["--only", "checkpoints", "--checkpoint-interval", "1s", "--data-dir", &dir, "--metrics-listen", &metrics];
+    let _sealer = Reconciler::start(&args, &server.data_dir);
     let rows = wait_for(&server, "the reconcile process records its own passes", |rows| {
         rows.iter().filter(|r| r["name"] == "checkpoints").count() == 2
     });
     let sealers: Vec<&Value> = rows.iter().filter(|r| r["name"] == "checkpoints").collect();
     assert_ne!(sealers[0]["instance"], sealers[1]["instance"]);
+    // Its own metrics, on --metrics-listen: its passes.
+    let text = reqwest::get(format!("http://{metrics}/metrics")).await.unwrap().text().await.unwrap();
+    assert!(text.contains("better_compute_reconciler_passes_total{reconciler=\"checkpoints\",outcome=\"ok\"}"), "{text}");
+    assert!(text.contains("better_compute_log_tenants "), "what the database counts: {text}");
 
     // The table names every column.
     let (code, out, err) = server.cli(&["reconcilers", "status", "--data-dir", &dir]);

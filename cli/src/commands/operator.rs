@@ -72,6 +72,10 @@ pub struct ReconcileArgs {
     /// Allow http:// webhook receivers on loopback (dev, tests).
     #[arg(long)]
     pub webhook_allow_loopback: bool,
+    /// Serve this process's `GET /metrics` (Prometheus: its passes, outbox items and appends)
+    /// on this address.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
 }
 
 #[derive(Args)]
@@ -513,10 +517,11 @@ pub async fn serve(args: ServeArgs) -> Result<(), CliError> {
 }
 
 pub async fn reconcile(args: ReconcileArgs) -> Result<(), CliError> {
-    let ReconcileArgs { only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback } = args;
+    let ReconcileArgs { only, witnesses, db, consumers, sealing, data_key, webhook_allow_loopback, metrics_listen } = args;
     let key_path = data_key.path(&db.data_dir);
     let options = consumers.options(webhook_allow_loopback)?;
-    server::reconcile(&db.database(), &db.data_dir, &key_path, &only, &options, &sealing, &witnesses).await
+    let metrics = metrics_listen.as_deref();
+    server::reconcile(&db.database(), &db.data_dir, &key_path, &only, &options, &sealing, &witnesses, metrics).await
 }
 
 pub async fn reconcilers(ctx: &Context, command: ReconcilersCommand) -> Result<(), CliError> {
