@@ -54,10 +54,15 @@ fn cli_json(server: &Server, args: &[&str]) -> Value {
 
 /// Every usage row since the epoch, all pages.
 fn rows(server: &Server) -> Vec<Value> {
+    rows_paged(server, "500")
+}
+
+/// Every usage row since the epoch, in pages of `limit` rows.
+fn rows_paged(server: &Server, limit: &str) -> Vec<Value> {
     let mut all = Vec::new();
     let mut cursor: Option<String> = None;
     loop {
-        let mut args = vec!["usage", "list", "--from", "0", "--limit", "500", "--format", "json"];
+        let mut args = vec!["usage", "list", "--from", "0", "--limit", limit, "--format", "json"];
         if let Some(c) = &cursor {
             args.extend(["--cursor", c.as_str()]);
         }
@@ -121,6 +126,11 @@ async fn windows_add_up_to_each_reservation_and_the_export_passes_focus_and_clou
     });
     std::thread::sleep(Duration::from_millis(WINDOW_MS)); // corrections, if an end came late
     let rows = rows(&server);
+    // Regression: a page that began inside a usage event skipped as many lines of every later
+    // event of the page (a listing of 1,000 reservations showed 60 rows a window). Pages of 3
+    // rows cut the windows of two lines mid-event.
+    assert!(rows.iter().any(|r| r["line"] == 1), "a usage event of several lines: {rows:#?}");
+    assert_eq!(rows_paged(&server, "3"), rows, "the same rows, whatever the page size");
     for (id, (start, end, gpus)) in &spans {
         let mine: Vec<&Value> = rows.iter().filter(|r| r["reservationId"] == id.as_str()).collect();
         let total: i64 = mine.iter().map(|r| r["quantityMs"].as_i64().unwrap()).sum();

@@ -152,6 +152,8 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
     }
     let page_limit = if input.group_by.is_empty() { limit(input.limit)? } else { u32::MAX };
     let (mut version, skip_lines) = parse_cursor(input.cursor.as_deref())?;
+    // The cursor's lines are skipped in the event it names, not in every later one.
+    let cursor_version = version;
     if input.to_ms <= input.from_ms {
         // An empty range: no window starts in it.
         return Ok(UsageListView { items: Vec::new(), groups: Vec::new(), next_cursor: None });
@@ -166,7 +168,7 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
         for event in decode_rows(rows)? {
             let env = &event.envelope;
             let (kind, lines) = lines_of(&event)?;
-            let first = if env.version == version { skip_lines } else { 0 };
+            let first = if env.version == cursor_version { skip_lines } else { 0 };
             for (i, line) in lines.into_iter().enumerate().skip(first as usize) {
                 if items.len() as u32 == page_limit {
                     next_cursor = Some(format!("{}_{i}", env.version));
