@@ -107,6 +107,8 @@ typed_id!(/// A registered, signed `bcd` release.
     ReleaseId, "rel");
 typed_id!(/// A rollout of a release to nodes, in waves.
     RolloutId, "ro");
+typed_id!(/// A destructive batch: commands held until a quorum of approver keys signs their scope.
+    CommandBatchId, "batch");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

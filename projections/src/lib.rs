@@ -22,6 +22,7 @@ use bc_core::{Error, Result, canonical};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub mod batch;
 mod checkpoint;
 pub mod command;
 pub mod decide;
@@ -215,7 +216,9 @@ impl Projector for Projections {
             | KIND_FLAVOR
             | KIND_IMAGE
             | rollout::KIND_RELEASE
-            | usage::KIND_USAGE_PRICE => None,
+            | usage::KIND_USAGE_PRICE
+            | batch::KIND_APPROVER_SET
+            | batch::KIND_COMMAND_BATCH => None,
             _ => return,
         };
         let row = |kind: &str| RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
@@ -251,6 +254,7 @@ impl Projector for Projections {
             KIND_INSTANCE => instance::apply(key, current, event),
             workflow::KIND_METAL => workflow::apply(key, current, event),
             rollout::KIND_RELEASE | rollout::KIND_ROLLOUT => rollout::apply(key, current, event),
+            batch::KIND_APPROVER_SET | batch::KIND_COMMAND_BATCH => batch::apply(key, current, event),
             _ => Ok(current),
         }
     }

@@ -24,6 +24,7 @@ use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 
 use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
 
+pub mod batch;
 mod capacity;
 mod instance;
 mod metal;

@@ -1,0 +1,424 @@
+//! Destructive batches under a quorum (`docs/batches.md`): the deployment's approver set
+//! (`approver_set/deployment` on the root tenant's chain) and command batches
+//! (`command_batch/batch_…`): their documents, the payloads of their events, their fold, and
+//! the byte formats approvers sign, which the CLI, the gateway and any outside verifier share.
+//!
+//! - A **leaf** is `{subject, kind, payload}` in the log's canonical CBOR
+//!   ([`bc_core::canonical`]), so it binds the exact operation; the **scope** is the list of
+//!   leaves, and its root is the RFC 6962 Merkle root of their encodings ([`bc_core::merkle`]).
+//! - An **approval** is an ECDSA P-256 / SHA-256 signature (ASN.1 DER, base64) over
+//!   [`approval_message`]: the trust domain, the batch id, the root, the size and the expiry.
+//! - An **approver set** at epoch N+1 is accepted only with the signatures of K keys of the set
+//!   at epoch N over [`approver_set_message`]; the first (epoch 1) is the root admin's.
+//!
+//! A batch's commands have their ids when the batch is made; they are issued (`command.issued`,
+//! in the same transaction as `command_batch.released`) only when the quorum is reached, so a
+//! held command cannot be delivered by any path: until then it is `awaitingApproval` in the
+//! batch's members and absent from the node's queue.
+
+use base64::Engine as _;
+use bc_core::event::StoredEvent;
+use bc_core::merkle::{self, Hash};
+use bc_core::store::RowKey;
+use bc_core::{Error, Result, canonical};
+use p256::ecdsa::signature::Verifier as _;
+use p256::ecdsa::{DerSignature, VerifyingKey};
+use p256::pkcs8::{DecodePublicKey as _, EncodePublicKey as _};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest as _, Sha256};
+
+use crate::{corrupt, from_doc, payload, to_doc};
+
+/// The deployment's approver set: one row on the root tenant.
+pub const KIND_APPROVER_SET: &str = "approver_set";
+/// The id of the approver set's row and stream (`approver_set/deployment`).
+pub const APPROVER_SET_ID: &str = "deployment";
+/// A command batch (`command_batch/batch_…`).
+pub const KIND_COMMAND_BATCH: &str = "command_batch";
+
+pub const APPROVER_SET_PUBLISHED: &str = "approver_set.published";
+pub const COMMAND_BATCH_CREATED: &str = "command_batch.created";
+pub const COMMAND_BATCH_APPROVED: &str = "command_batch.approved";
+pub const COMMAND_BATCH_RELEASED: &str = "command_batch.released";
+pub const COMMAND_BATCH_CANCELLED: &str = "command_batch.cancelled";
+pub const COMMAND_BATCH_EXPIRED: &str = "command_batch.expired";
+
+/// Keys one approver set holds at most.
+pub const APPROVERS_MAX: usize = 16;
+/// Leaves one batch holds at most: its release issues every command in one transaction
+/// ([`bc_core::store::BATCH_EVENTS_MAX`]) and its creation carries every leaf in one event.
+pub const COMMAND_BATCH_LEAVES_MAX: usize = 256;
+/// The encoded leaves of one batch, in all, at most (the creation event carries them).
+pub const COMMAND_BATCH_LEAF_BYTES_MAX: usize = 40 * 1024;
+/// The longest window a batch stays open for approvals, in hours.
+pub const COMMAND_BATCH_HOURS_MAX: u64 = 72;
+/// A batch's reason: at most this many bytes.
+pub const COMMAND_BATCH_REASON_BYTES_MAX: usize = 500;
+/// A trust domain: at most this many bytes of `[a-z0-9.-]`.
+pub const TRUST_DOMAIN_BYTES_MAX: usize = 253;
+/// A DER ECDSA P-256 signature is at most 72 bytes; its base64 at most this.
+pub const SIGNATURE_B64_BYTES_MAX: usize = 128;
+/// A P-256 SubjectPublicKeyInfo is 91 bytes; its base64 at most this.
+pub const PUBLIC_KEY_B64_BYTES_MAX: usize = 256;
+const _: () = assert!(COMMAND_BATCH_LEAVES_MAX + 2 <= bc_core::store::BATCH_EVENTS_MAX);
+const _: () = assert!(COMMAND_BATCH_LEAF_BYTES_MAX + 24 * 1024 <= bc_core::event::PAYLOAD_BYTES_MAX);
+
+/// The first line of the approval message (its format's version).
+pub const APPROVAL_MESSAGE_V1: &str = "better-compute batch approval v1";
+/// The first line of the approver-set message.
+pub const APPROVER_SET_MESSAGE_V1: &str = "better-compute approver set v1";
+
+/// One operation of a batch's scope.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Leaf {
+    /// What it acts on (a node id).
+    pub subject: String,
+    /// The operation (a command kind, `ping`).
+    pub kind: String,
+    /// The operation's exact arguments (a JSON object). `null` would admit any payload of the
+    /// kind (an unbound leaf); the gateway makes none, and `batch approve` refuses one without
+    /// `--allow-unbound`.
+    pub payload: Value,
+}
+
+impl Leaf {
+    /// The leaf's bytes: `{subject, kind, payload}` in the log's canonical CBOR (map keys
+    /// sorted by their encoding, shortest integers, no floats).
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let json = serde_json::json!({ "subject": self.subject, "kind": self.kind, "payload": self.payload });
+        canonical::encode(canonical::from_json(&json)?)
+    }
+
+    /// Its RFC 6962 leaf hash.
+    pub fn hash(&self) -> Result<Hash> {
+        Ok(merkle::leaf_hash(&self.encode()?))
+    }
+
+    /// Whether the payload pins the operation (an object, not `null`).
+    pub fn is_bound(&self) -> bool {
+        self.payload.is_object()
+    }
+}
+
+/// The RFC 6962 root of the leaves' encodings, as lowercase hex.
+pub fn scope_root(leaves: &[Leaf]) -> Result<String> {
+    let hashes = leaves.iter().map(Leaf::hash).collect::<Result<Vec<_>>>()?;
+    Ok(hex::encode(merkle::root(&hashes)))
+}
+
+/// What an approver signs for a batch: UTF-8, one `name value` line each, every line ending in
+/// `\n`:
+///
+/// ```text
+/// better-compute batch approval v1
+/// trust-domain compute.example.com
+/// batch batch_01k…
+/// root 3f1c…            (64 lowercase hex digits)
+/// size 12
+/// expires-at-ms 1790000000000
+/// ```
+pub fn approval_message(trust_domain: &str, batch_id: &str, root_hex: &str, size: u64, expires_at_ms: u64) -> String {
+    format!(
+        "{APPROVAL_MESSAGE_V1}\ntrust-domain {trust_domain}\nbatch {batch_id}\nroot {root_hex}\nsize {size}\nexpires-at-ms {expires_at_ms}\n"
+    )
+}
+
+/// What K approvers of epoch N sign to publish the set of epoch N+1: its trust domain, epoch
+/// and quorum, then one `key KID PUBLIC_KEY` line per key, sorted by kid.
+pub fn approver_set_message(trust_domain: &str, epoch: u64, quorum: u64, keys: &[ApproverKey]) -> String {
+    let mut sorted: Vec<&ApproverKey> = keys.iter().collect();
+    sorted.sort_by(|a, b| a.kid.cmp(&b.kid));
+    let mut text = format!("{APPROVER_SET_MESSAGE_V1}\ntrust-domain {trust_domain}\nepoch {epoch}\nquorum {quorum}\n");
+    for key in sorted {
+        text.push_str(&format!("key {} {}\n", key.kid, key.public_key));
+    }
+    text
+}
+
+/// An approver's key id: `ak_` and the first 16 hex digits of SHA-256 of its SubjectPublicKeyInfo
+/// (DER).
+pub fn kid_of_spki(spki_der: &[u8]) -> String {
+    format!("ak_{}", &hex::encode(Sha256::digest(spki_der))[..16])
+}
+
+/// The key id and base64 SubjectPublicKeyInfo of a P-256 public key.
+pub fn approver_key_of(key: &VerifyingKey) -> Result<ApproverKey> {
+    let der = key.to_public_key_der().map_err(|e| Error::Internal(format!("encoding a P-256 key: {e}")))?;
+    Ok(ApproverKey {
+        kid: kid_of_spki(der.as_bytes()),
+        public_key: base64::engine::general_purpose::STANDARD.encode(der.as_bytes()),
+    })
+}
+
+/// Parses a base64 SubjectPublicKeyInfo of a P-256 key, checking that `kid` is its id.
+pub fn parse_approver_key(key: &ApproverKey) -> Result<VerifyingKey> {
+    let bad = |why: String| Error::invalid(format!("approver key {}: {why}", bc_core::id::truncate(&key.kid, 40)));
+    if key.public_key.len() > PUBLIC_KEY_B64_BYTES_MAX {
+        return Err(bad(format!("publicKey is over {PUBLIC_KEY_B64_BYTES_MAX} bytes")));
+    }
+    let der = base64::engine::general_purpose::STANDARD.decode(&key.public_key).map_err(|e| bad(format!("not base64: {e}")))?;
+    let parsed = VerifyingKey::from_public_key_der(&der).map_err(|e| bad(format!("not a P-256 public key: {e}")))?;
+    let kid = kid_of_spki(&der);
+    if kid != key.kid {
+        return Err(bad(format!("its key id is {kid}")));
+    }
+    Ok(parsed)
+}
+
+/// Whether `signature` (base64 DER) is `key`'s ECDSA P-256 / SHA-256 signature of `message`.
+pub fn verify_signature(key: &VerifyingKey, message: &str, signature: &str) -> bool {
+    if signature.len() > SIGNATURE_B64_BYTES_MAX {
+        return false;
+    }
+    let Ok(der) = base64::engine::general_purpose::STANDARD.decode(signature) else { return false };
+    let Ok(signature) = DerSignature::from_bytes(&der) else { return false };
+    key.verify(message.as_bytes(), &signature).is_ok()
+}
+
+/// One approver's public key.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproverKey {
+    /// `ak_` and 16 hex digits: [`kid_of_spki`].
+    pub kid: String,
+    /// The key's SubjectPublicKeyInfo, DER, base64 (standard alphabet, padded).
+    pub public_key: String,
+}
+
+/// One signature by an approver.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproverSignature {
+    pub kid: String,
+    /// ECDSA P-256 / SHA-256, ASN.1 DER, base64.
+    pub signature: String,
+}
+
+/// `approver_set.published`: the set at `epoch`, with the signatures of the previous set's keys
+/// that allowed it (none for epoch 1, which the root admin publishes).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproverSetPublished {
+    pub epoch: u64,
+    pub quorum: u64,
+    pub trust_domain: String,
+    pub keys: Vec<ApproverKey>,
+    pub signatures: Vec<ApproverSignature>,
+}
+
+/// The deployment's approver set as its newest `approver_set.published` says.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ApproverSetDoc {
+    pub epoch: u64,
+    pub quorum: u64,
+    pub trust_domain: String,
+    pub keys: Vec<ApproverKey>,
+    /// The kids whose signatures published it (empty for epoch 1).
+    pub signed_by: Vec<String>,
+    pub published_by: String,
+    pub published_at_ms: u64,
+    pub version: u64,
+}
+
+impl ApproverSetDoc {
+    pub fn key(&self, kid: &str) -> Option<&ApproverKey> {
+        self.keys.iter().find(|k| k.kid == kid)
+    }
+}
+
+/// A batch's state: `pending` (open for approvals, its commands held), then `released` (its
+/// commands issued), `cancelled` or `expired` (its commands never issued).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchState {
+    Pending,
+    Released,
+    Cancelled,
+    Expired,
+}
+
+impl BatchState {
+    pub const ALL: &[Self] = &[Self::Pending, Self::Released, Self::Cancelled, Self::Expired];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Released => "released",
+            Self::Cancelled => "cancelled",
+            Self::Expired => "expired",
+        }
+    }
+}
+
+impl std::str::FromStr for BatchState {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        crate::state_from_str("batch", text, Self::ALL, Self::as_str)
+    }
+}
+
+/// `command_batch.created`: the scope, its root, the window, the approver set's epoch and
+/// quorum it is to be approved under, and the ids its commands will have.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandBatchCreated {
+    pub reason: String,
+    pub leaves: Vec<Leaf>,
+    pub root: String,
+    pub size: u64,
+    pub expires_at_ms: u64,
+    pub trust_domain: String,
+    pub epoch: u64,
+    pub quorum: u64,
+    /// One per leaf, in leaf order.
+    pub command_ids: Vec<String>,
+    /// Each released command's deadline, seconds after the release.
+    pub deadline_s: u64,
+}
+
+/// `command_batch.approved`: one approver's valid signature over the batch's message.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandBatchApproved {
+    pub kid: String,
+    pub signature: String,
+    pub epoch: u64,
+}
+
+/// `command_batch.released`: the quorum was reached; the batch's commands are issued in the
+/// same transaction.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandBatchReleased {
+    /// The kids whose approvals released it.
+    pub approvals: Vec<String>,
+}
+
+/// `command_batch.cancelled` and `command_batch.expired`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandBatchEnded {
+    pub reason: String,
+}
+
+/// One approval a batch holds.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BatchApproval {
+    pub kid: String,
+    pub signature: String,
+    pub epoch: u64,
+    pub by: String,
+    pub at_ms: u64,
+}
+
+/// A command batch's document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CommandBatchDoc {
+    pub tenant_id: String,
+    pub batch_id: String,
+    pub reason: String,
+    pub state: BatchState,
+    pub leaves: Vec<Leaf>,
+    pub root: String,
+    pub size: u64,
+    pub expires_at_ms: u64,
+    pub trust_domain: String,
+    pub epoch: u64,
+    pub quorum: u64,
+    pub command_ids: Vec<String>,
+    pub deadline_s: u64,
+    pub approvals: Vec<BatchApproval>,
+    pub created_by: String,
+    pub created_at_ms: u64,
+    pub ended_at_ms: Option<u64>,
+    pub end_reason: Option<String>,
+    pub version: u64,
+}
+
+/// Folds `approver_set.*` and `command_batch.*`.
+pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    match (key.kind.as_str(), env.event_type.as_str()) {
+        (KIND_APPROVER_SET, APPROVER_SET_PUBLISHED) => {
+            let p: ApproverSetPublished = payload(event)?;
+            to_doc(&ApproverSetDoc {
+                epoch: p.epoch,
+                quorum: p.quorum,
+                trust_domain: p.trust_domain,
+                keys: p.keys,
+                signed_by: p.signatures.into_iter().map(|s| s.kid).collect(),
+                published_by: env.actor.clone(),
+                published_at_ms: env.at_ms,
+                version: env.version,
+            })
+        }
+        (KIND_COMMAND_BATCH, COMMAND_BATCH_CREATED) => {
+            if current.is_some() {
+                return Err(corrupt(event, format!("batch {} created twice", key.id)));
+            }
+            let p: CommandBatchCreated = payload(event)?;
+            to_doc(&CommandBatchDoc {
+                tenant_id: env.tenant.to_string(),
+                batch_id: key.id.clone(),
+                reason: p.reason,
+                state: BatchState::Pending,
+                leaves: p.leaves,
+                root: p.root,
+                size: p.size,
+                expires_at_ms: p.expires_at_ms,
+                trust_domain: p.trust_domain,
+                epoch: p.epoch,
+                quorum: p.quorum,
+                command_ids: p.command_ids,
+                deadline_s: p.deadline_s,
+                approvals: Vec::new(),
+                created_by: env.actor.clone(),
+                created_at_ms: env.at_ms,
+                ended_at_ms: None,
+                end_reason: None,
+                version: env.version,
+            })
+        }
+        (
+            KIND_COMMAND_BATCH,
+            COMMAND_BATCH_APPROVED | COMMAND_BATCH_RELEASED | COMMAND_BATCH_CANCELLED | COMMAND_BATCH_EXPIRED,
+        ) => {
+            let mut doc: CommandBatchDoc = from_doc(event, current)?;
+            if doc.state != BatchState::Pending {
+                return Err(corrupt(event, format!("{} on batch {} that is {}", env.event_type, key.id, doc.state.as_str())));
+            }
+            match env.event_type.as_str() {
+                COMMAND_BATCH_APPROVED => {
+                    let p: CommandBatchApproved = payload(event)?;
+                    doc.approvals.push(BatchApproval {
+                        kid: p.kid,
+                        signature: p.signature,
+                        epoch: p.epoch,
+                        by: env.actor.clone(),
+                        at_ms: env.at_ms,
+                    });
+                }
+                COMMAND_BATCH_RELEASED => {
+                    let _: CommandBatchReleased = payload(event)?;
+                    doc.state = BatchState::Released;
+                    doc.ended_at_ms = Some(env.at_ms);
+                }
+                other => {
+                    let p: CommandBatchEnded = payload(event)?;
+                    doc.state = if other == COMMAND_BATCH_CANCELLED { BatchState::Cancelled } else { BatchState::Expired };
+                    doc.ended_at_ms = Some(env.at_ms);
+                    doc.end_reason = Some(p.reason);
+                }
+            }
+            doc.version = env.version;
+            to_doc(&doc)
+        }
+        _ => Ok(current),
+    }
+}
