@@ -413,8 +413,9 @@ impl Written {
 struct Group {
     rows: Vec<u64>,
     quantity_ms: i64,
-    seqs: BTreeSet<u64>,
-    line: Option<UsageLine>,
+    /// The seqs its rows name, sorted, once each (a handful: memory stays a few dozen bytes a
+    /// row, since a window's rows are held until the file ends).
+    seqs: Vec<u64>,
 }
 
 /// What `usage verify` found.
@@ -510,13 +511,30 @@ pub fn verify(export: &Path, proofs_path: &Path, pins: &[String], vkeys: &[Strin
                 group.rows.push(row);
                 group.quantity_ms += line.quantity_ms;
                 group.seqs.extend(&line.seqs);
-                group.line.get_or_insert(line);
+                group.seqs.sort_unstable();
+                group.seqs.dedup();
             }
         }
     }
     for ((reservation, activation, ws, we), group) in groups {
-        let Some(mut line) = group.line else { continue };
-        line.seqs = group.seqs.iter().copied().collect();
+        // What the recount reads of a line: its reservation, its activation and its seqs.
+        let line = UsageLine {
+            window_start_ms: ws,
+            window_end_ms: we,
+            reservation_id: reservation.clone(),
+            activation_seq: activation,
+            pool_id: String::new(),
+            sku: String::new(),
+            resource_kind: String::new(),
+            gpus: 0,
+            from_ms: ws,
+            to_ms: we,
+            quantity_ms: group.quantity_ms,
+            gpu_hour_micros: None,
+            currency: None,
+            cost_micros: 0,
+            seqs: group.seqs,
+        };
         let events: Vec<&Envelope> = line.seqs.iter().filter_map(|s| proofs.proved.get(s)).collect();
         let total = recount_activation(&line, &events).map(|(t, _)| window_total_ms(&t, ws, we));
         match total {
