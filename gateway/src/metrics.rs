@@ -261,7 +261,33 @@ impl Collector for Live {
             state.tunnels.open_total() as u64,
             false,
         )?;
-        encode_const(&mut encoder, "watchers", "Watch streams connected to this process", state.watchers.held() as u64, false)?;
+        let held = state.watchers.held() as u64;
+        encode_const(&mut encoder, "watchers", "Watch streams connected to this process", held, false)?;
+        let tail = state.watch_tail.stats();
+        encode_const(
+            &mut encoder,
+            "watchers_behind",
+            "Watch streams reading history or waiting for their client, not yet served by the shared tail",
+            held.saturating_sub(tail.joined as u64),
+            false,
+        )?;
+        encode_const(
+            &mut encoder,
+            "watch_slow_handbacks",
+            "Watch streams the shared tail handed back because their client read too slowly",
+            tail.slow_handbacks,
+            true,
+        )?;
+        if tail.started {
+            let committed = *state.log.subscribe().borrow();
+            encode_const(
+                &mut encoder,
+                "watch_tail_lag_commits",
+                "Commits this process's log has made that the watch tail has not read yet",
+                committed.saturating_sub(tail.head.commit),
+                false,
+            )?;
+        }
         Ok(())
     }
 }

@@ -268,3 +268,27 @@ async fn webhook_outcomes_the_outbox_the_log_and_agents_sessions_are_counted() {
     assert!(ok, "promtool check metrics: {said}");
     assert_eq!(node.stop(), 0);
 }
+
+/// A watcher caught up on the shared tail is counted, none behind, none handed back, and the
+/// tail's lag behind the log is a series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caught_up_watcher_is_counted_with_the_tails_lag() {
+    let server = Server::dev();
+    let mut stream = server.http.get(format!("{}/watch", server.url)).bearer_auth(&server.token).send().await.unwrap();
+    assert_eq!(stream.status().as_u16(), 200);
+    for i in 0..5 {
+        server.pool(&format!("w-{i}")).await;
+    }
+    // The stream delivers: the watcher is joined to the tail.
+    let first = tokio::time::timeout(Duration::from_secs(10), stream.chunk()).await.expect("a frame in time").unwrap();
+    assert!(first.is_some());
+    let text = wait_until("the watcher counted as caught up", Duration::from_secs(10), || {
+        let text = bc_tests::block_on(async { reqwest::get(format!("{}/metrics", server.url)).await.ok()?.text().await.ok() })?;
+        (sample(&text, "better_compute_watchers") == Some(1.0) && sample(&text, "better_compute_watchers_behind") == Some(0.0))
+            .then_some(text)
+    });
+    assert_eq!(sample(&text, "better_compute_watch_slow_handbacks_total"), Some(0.0), "{text}");
+    assert!(sample(&text, "better_compute_watch_tail_lag_commits").is_some(), "{text}");
+    let (ok, said) = promtool_check(&text);
+    assert!(ok, "promtool check metrics: {said}");
+}

@@ -217,6 +217,15 @@ fn offer(cursor: &mut Cursor, event: &TailEvent) -> Offer {
     Offer::Taken
 }
 
+/// [`Tail::stats`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TailStats {
+    pub started: bool,
+    pub head: Position,
+    pub joined: usize,
+    pub slow_handbacks: u64,
+}
+
 #[derive(Default)]
 struct TailState {
     /// The newest position the tail has read.
@@ -231,6 +240,8 @@ struct TailState {
     next_id: u64,
     /// The server stopped: nothing joins any more.
     closed: bool,
+    /// Watchers handed back because their client's buffer was full (`/metrics`).
+    slow_handbacks: u64,
 }
 
 impl TailState {
@@ -247,6 +258,7 @@ impl TailState {
                     }
                 }
                 for (id, why) in out {
+                    self.slow_handbacks += u64::from(why == Some(Why::Slow));
                     let subscriber = watchers.remove(&id).expect("listed above");
                     if let Some(why) = why {
                         let _ = subscriber.handback.send(Handback { cursor: subscriber.cursor, why });
@@ -427,6 +439,18 @@ impl Tail {
     /// The newest position read.
     pub fn head(&self) -> Position {
         self.lock().head
+    }
+
+    /// What `/metrics` shows of the tail: whether its task started, the newest position it
+    /// read, the watchers it holds (caught up), and how many it handed back for a full buffer.
+    pub fn stats(&self) -> TailStats {
+        let state = self.lock();
+        TailStats {
+            started: self.started.initialized(),
+            head: state.head,
+            joined: state.joined.values().map(BTreeMap::len).sum(),
+            slow_handbacks: state.slow_handbacks,
+        }
     }
 
     /// Ends every joined watcher; nothing joins any more.
