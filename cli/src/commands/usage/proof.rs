@@ -464,7 +464,7 @@ pub fn verify(export: &Path, proofs_path: &Path, pins: &[String], vkeys: &[Strin
     let proofs = read_proofs(proofs_path, pins, &vkeys)?;
     let mut verdict = Verdict::default();
     let mut seen: BTreeMap<(u64, usize), u64> = BTreeMap::new();
-    let mut groups: BTreeMap<(String, u64, u64, u64), Group> = BTreeMap::new();
+    let mut groups = Groups::new();
     let mut lines = lines_of(export)?;
     let first = lines.next().transpose()?.unwrap_or_default();
     let csv = first == super::FOCUS_COLUMNS.join(",");
@@ -516,45 +516,7 @@ pub fn verify(export: &Path, proofs_path: &Path, pins: &[String], vkeys: &[Strin
             }
         }
     }
-    for ((reservation, activation, ws, we), group) in groups {
-        // What the recount reads of a line: its reservation, its activation and its seqs.
-        let line = UsageLine {
-            window_start_ms: ws,
-            window_end_ms: we,
-            reservation_id: reservation.clone(),
-            activation_seq: activation,
-            pool_id: String::new(),
-            sku: String::new(),
-            resource_kind: String::new(),
-            gpus: 0,
-            from_ms: ws,
-            to_ms: we,
-            quantity_ms: group.quantity_ms,
-            gpu_hour_micros: None,
-            currency: None,
-            cost_micros: 0,
-            seqs: group.seqs,
-        };
-        let events: Vec<&Envelope> = line.seqs.iter().filter_map(|s| proofs.proved.get(s)).collect();
-        let total = recount_activation(&line, &events).map(|(t, _)| window_total_ms(&t, ws, we));
-        match total {
-            Ok(total) if total == group.quantity_ms => {}
-            Ok(total) => {
-                let rows: Vec<String> = group.rows.iter().map(u64::to_string).collect();
-                let why = format!(
-                    "rows {} (reservation {reservation}, activation seq {activation}, window [{ws}, {we})) add up to {} GPU-ms, its events give {total}: a row of the window is missing or altered",
-                    rows.join(", "),
-                    group.quantity_ms
-                );
-                verdict.proved -= group.rows.len() as u64;
-                verdict.fail(group.rows[0], None, why);
-            }
-            Err(why) => {
-                verdict.proved -= group.rows.len() as u64;
-                verdict.fail(group.rows[0], None, why);
-            }
-        }
-    }
+    check_groups(groups, &proofs, &mut verdict);
     let (origin, size, root) = proofs.tree.clone().unwrap_or_default();
     let summary = json!({
         "ok": verdict.failed_count == 0 && verdict.unproved_count == 0,
@@ -605,6 +567,56 @@ pub fn verify(export: &Path, proofs_path: &Path, pins: &[String], vkeys: &[Strin
     Ok(summary)
 }
 
+/// A window's rows of one activation (keyed by reservation, activation seq and window), which
+/// must add up to what the activation held in the window as the union of their events says.
+type Groups = BTreeMap<(String, u64, u64, u64), Group>;
+
+/// Checks each window's rows together ([`window_total_ms`]) against the union of the events they
+/// name: a row left out whose events another row of the window names (a window's row beside its
+/// correction) fails the window's first row. A correction left out with the end it alone names
+/// does not show: a proof shows an event is in the log, never that no other is.
+fn check_groups(groups: Groups, proofs: &Proofs, verdict: &mut Verdict) {
+    for ((reservation, activation, ws, we), group) in groups {
+        // What the recount reads of a line: its reservation, its activation and its seqs.
+        let line = UsageLine {
+            window_start_ms: ws,
+            window_end_ms: we,
+            reservation_id: reservation.clone(),
+            activation_seq: activation,
+            pool_id: String::new(),
+            sku: String::new(),
+            resource_kind: String::new(),
+            gpus: 0,
+            from_ms: ws,
+            to_ms: we,
+            quantity_ms: group.quantity_ms,
+            gpu_hour_micros: None,
+            currency: None,
+            cost_micros: 0,
+            seqs: group.seqs,
+        };
+        let events: Vec<&Envelope> = line.seqs.iter().filter_map(|s| proofs.proved.get(s)).collect();
+        let total = recount_activation(&line, &events).map(|(t, _)| window_total_ms(&t, ws, we));
+        match total {
+            Ok(total) if total == group.quantity_ms => {}
+            Ok(total) => {
+                let rows: Vec<String> = group.rows.iter().map(u64::to_string).collect();
+                let why = format!(
+                    "rows {} (reservation {reservation}, activation seq {activation}, window [{ws}, {we})) add up to {} GPU-ms, its events give {total}: a row of the window is missing or altered",
+                    rows.join(", "),
+                    group.quantity_ms
+                );
+                verdict.proved -= group.rows.len() as u64;
+                verdict.fail(group.rows[0], None, why);
+            }
+            Err(why) => {
+                verdict.proved -= group.rows.len() as u64;
+                verdict.fail(group.rows[0], None, why);
+            }
+        }
+    }
+}
+
 /// One row: its signed usage line (`Ok(Ok)`), or why it is unproved (`Ok(Err)`) or fails
 /// (`Err`).
 fn check_row(proofs: &Proofs, written: &Written, (seq, index): (u64, usize)) -> Result<Result<UsageLine, String>, String> {
@@ -639,6 +651,72 @@ fn check_row(proofs: &Proofs, written: &Written, (seq, index): (u64, usize)) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn event(seq: u64, event_type: &str, at_ms: u64, payload: ciborium::Value) -> Envelope {
+        Envelope {
+            tenant: bc_core::id::TenantId::ROOT,
+            seq,
+            id: bc_core::id::EventId::generate(),
+            stream: "reservation/rsv_1".into(),
+            version: seq,
+            event_type: event_type.into(),
+            at_ms,
+            actor: "test".into(),
+            idempotency_key: None,
+            causation: None,
+            correlation: None,
+            payload,
+            prev: [0; 32],
+        }
+    }
+
+    /// A window closed while its reservation ran (2 GPUs, [2000, 4000): 4,000 GPU-ms), then the
+    /// expiry at 2,500 taken back by a correction (-3,000): together they are what it held
+    /// (1,000). The correction alone fails the window; the window's row alone passes, since the
+    /// events it names say nothing of the end (what inclusion proofs cannot show: docs/usage.md).
+    #[test]
+    fn a_window_whose_correction_is_left_out_fails() {
+        use bc_projections::events as ev;
+        let requested = ev::ReservationRequested {
+            pool_id: "pool_1".into(),
+            gpus: 2,
+            duration_s: 4,
+            selector: String::new(),
+            nvlink: false,
+            tolerations: vec![],
+        };
+        let activated = ev::ReservationActivated { node_id: "node_1".into(), gpus: vec![0, 1], ends_at_ms: 5000, hold: None };
+        let proofs = Proofs {
+            proved: BTreeMap::from([
+                (1, event(1, ev::RESERVATION_REQUESTED, 900, ev::to_cbor(&requested).unwrap())),
+                (2, event(2, ev::RESERVATION_ACTIVATED, 1000, ev::to_cbor(&activated).unwrap())),
+                (3, event(3, ev::RESERVATION_EXPIRED, 2500, ev::to_cbor(&ev::ReservationEnded::default()).unwrap())),
+            ]),
+            ..Proofs::default()
+        };
+        let key = ("rsv_1".to_owned(), 2, 2000, 4000);
+        let run = |rows: &[(u64, i64, &[u64])]| {
+            let mut group = Group::default();
+            for (row, quantity_ms, seqs) in rows {
+                group.rows.push(*row);
+                group.quantity_ms += quantity_ms;
+                group.seqs.extend(*seqs);
+            }
+            group.seqs.sort_unstable();
+            group.seqs.dedup();
+            let mut verdict = Verdict { proved: rows.len() as u64, ..Verdict::default() };
+            check_groups(Groups::from([(key.clone(), group)]), &proofs, &mut verdict);
+            verdict
+        };
+        let both = run(&[(1, 4000, &[1, 2]), (2, -3000, &[1, 2, 3])]);
+        assert_eq!((both.failed_count, both.proved), (0, 2));
+        let without_correction = run(&[(1, 4000, &[1, 2])]);
+        assert_eq!(without_correction.failed_count, 0);
+        let only_correction = run(&[(2, -3000, &[1, 2, 3])]);
+        assert_eq!((only_correction.failed_count, only_correction.proved), (1, 0));
+        let why = only_correction.failed[0]["why"].as_str().unwrap();
+        assert!(why.contains("add up to -3000 GPU-ms, its events give 1000"), "{why}");
+    }
 
     #[test]
     fn csv_fields_read_what_the_export_writes() {
