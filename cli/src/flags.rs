@@ -13,7 +13,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, console, events, exec, flavors, forward, init, instances, inventory, join_tokens, meta,
+    agent_commands, api, audit, auth, batch, console, events, exec, flavors, forward, init, instances, inventory, join_tokens, meta,
     metal, nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, version, webhooks,
 };
 use crate::output::Format;
@@ -201,6 +201,12 @@ pub enum Command {
     Releases {
         #[command(subcommand)]
         command: releases::ReleasesCommand,
+    },
+    /// Destructive batches under a quorum of approver keys: keygen, sign and sign-approvers
+    /// (offline); create, list, show, members, approve, cancel; the approver set.
+    Batch {
+        #[command(subcommand)]
+        command: batch::BatchCommand,
     },
     /// Commands to a node's agent: issue, list, get, cancel.
     Commands {

@@ -52,6 +52,10 @@ pub const ACTIONS: &[&str] = &[
     "compute:rollouts:write",
     "compute:usage:read",
     "compute:usage:admin",
+    "compute:batches:read",
+    "compute:batches:create",
+    "compute:batches:approve",
+    "compute:approvers:admin",
 ];
 
 /// Most actions one key grants.

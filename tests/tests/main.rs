@@ -15,6 +15,7 @@ mod audit_tamper;
 mod audit_tiles;
 mod audit_witness;
 mod auth;
+mod batches;
 mod bad_input;
 mod bcd_update;
 mod cli_items;

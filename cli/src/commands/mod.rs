@@ -20,6 +20,7 @@ pub mod agent_commands;
 pub mod api;
 pub mod audit;
 pub mod auth;
+pub mod batch;
 pub mod console;
 pub mod events;
 pub mod exec;
@@ -67,6 +68,7 @@ impl Command {
             Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
             Command::Commands { command } => agent_commands::run(ctx, command).await,
             Command::Releases { command } => releases::run(ctx, command).await,
+            Command::Batch { command } => batch::run(ctx, command).await,
             Command::Reserve(args) => reservations::reserve(ctx, args).await,
             Command::Release(args) => reservations::release(ctx, args).await,
             Command::Extend(args) => reservations::extend(ctx, args).await,

@@ -26,6 +26,7 @@ pub mod views;
 
 mod access;
 mod api_keys;
+mod batches;
 mod capacity;
 mod commands;
 mod events;
@@ -127,6 +128,7 @@ const GROUPS: &[&[Method]] = &[
     inventory::METHODS,
     join_tokens::METHODS,
     commands::METHODS,
+    batches::METHODS,
     capacity::METHODS,
     reservations::METHODS,
     quotas::METHODS,

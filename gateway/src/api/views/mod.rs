@@ -18,6 +18,7 @@ use super::validate::{
 pub use bc_projections::{CoveredBy, EventView};
 
 mod agents;
+mod batches;
 mod flavors;
 mod instances;
 mod metal;
@@ -26,6 +27,7 @@ mod usage;
 mod webhooks;
 
 pub use agents::*;
+pub use batches::*;
 pub use flavors::*;
 pub use instances::*;
 pub use metal::*;

@@ -1,0 +1,426 @@
+//! `approvers.*` and `commandBatches.*`: destructive batches under a quorum (`docs/batches.md`).
+//!
+//! The approver set lives on the root tenant's chain (`approver_set/deployment`); the root admin
+//! publishes epoch 1, and each later epoch carries the signatures of the current set's quorum.
+//! A batch's commands get their ids when it is made and are issued, in the transaction of the
+//! approval that reaches the quorum, only then; the node's session delivers them as any other
+//! command. Each decision is in `bc_projections::decide::batch`.
+
+use bc_core::id::{CommandBatchId, CommandId, NodeId, TenantId};
+use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+use bc_core::{Error, Result};
+use bc_projections::batch::{
+    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
+    COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchDoc, KIND_APPROVER_SET, KIND_COMMAND_BATCH, Leaf,
+};
+use bc_projections::decide::batch::{
+    ApproverSetInput, BatchCreateInput, approver_set_publish, batch_approve, batch_cancel, batch_create,
+};
+use bc_projections::events as ev;
+use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, stream_of};
+use schemars::{JsonSchema, json_schema};
+use serde::Deserialize;
+
+use super::body::parse_id;
+use super::call::doc;
+use super::commands::{COMMAND_DEADLINE_S_DEFAULT, COMMAND_DEADLINE_S_MAX, check_node_queue};
+use super::paging::{Page, list_rows};
+use super::validate::{CursorText, LimitNumber, NodeIdText, TenantIdText, string_schema};
+use super::views::{ApproverSetView, BatchMemberView, BatchMembersView, CommandBatchScopeView, CommandBatchView, LeafView};
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:batches:read");
+const CREATE: Access = Access::Action("compute:batches:create");
+const APPROVE: Access = Access::Action("compute:batches:approve");
+const ADMIN: Access = Access::Action("compute:approvers:admin");
+
+/// Leaves one `commandBatches.show` page holds at most.
+pub const SCOPE_PAGE_MAX: u64 = 256;
+/// A scope page's size unless asked.
+pub const SCOPE_PAGE_DEFAULT: u64 = 100;
+
+pub(super) const METHODS: &[Method] = &[
+    method!("approvers.publish", ADMIN, "publish the deployment's approver set at its next epoch", ApproversPublish => ApproverSetView, approvers_publish),
+    method!("approvers.get", Access::Authenticated, "the deployment's current approver set", ApproversGet => ApproverSetView, approvers_get),
+    method!("commandBatches.create", CREATE, "hold commands in a batch until a quorum of approvers signs its scope", BatchesCreate => CommandBatchView, batches_create),
+    method!("commandBatches.list", READ, "a tenant's batches, paged by cursor", BatchesList => Page<CommandBatchView>, batches_list),
+    method!("commandBatches.show", READ, "a batch and one page of its scope", BatchesShow => CommandBatchScopeView, batches_show),
+    method!("commandBatches.members", READ, "a batch's commands and their states", BatchRef => BatchMembersView, batches_members),
+    method!("commandBatches.approve", APPROVE, "one approver's signature; the quorum releases the batch's commands", BatchesApprove => CommandBatchView, batches_approve),
+    method!("commandBatches.cancel", APPROVE, "end a pending batch; its commands are never issued", BatchRef => CommandBatchView, batches_cancel),
+];
+
+string_schema!(/// `batch_…`
+    CommandBatchIdText, json_schema!({ "type": "string", "pattern": "^batch_[0-9a-hjkmnp-tv-z]{26}$" }));
+string_schema!(/// `ak_` and 16 hex digits.
+    KidText, json_schema!({ "type": "string", "pattern": "^ak_[0-9a-f]{16}$" }));
+string_schema!(/// ECDSA P-256 / SHA-256, ASN.1 DER, base64 (standard, padded).
+    SignatureText, json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9+/]{8,124}={0,2}$" }));
+string_schema!(/// 1 to 253 bytes of a-z, 0-9, '.' and '-'.
+    TrustDomainText, json_schema!({ "type": "string", "pattern": "^[a-z0-9.-]{1,253}$" }));
+string_schema!(/// What approvers read: 1 to 500 bytes.
+    BatchReasonText, json_schema!({ "type": "string", "minLength": 1, "maxLength": COMMAND_BATCH_REASON_BYTES_MAX, "pattern": "\\S" }));
+string_schema!(/// The kinds a batch holds.
+    LeafKindText, json_schema!({ "type": "string", "enum": bc_projections::decide::batch::BATCH_LEAF_KINDS }));
+string_schema!(/// `pending`, `released`, `cancelled`, `expired`.
+    BatchStateText, json_schema!({ "type": "string", "enum": ["pending", "released", "cancelled", "expired"] }));
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproverKeyInput {
+    #[schemars(with = "KidText")]
+    kid: String,
+    /// The P-256 SubjectPublicKeyInfo, DER, base64 (`batch keygen` writes it to PATH.pub).
+    #[schemars(length(min = 1, max = bc_projections::batch::PUBLIC_KEY_B64_BYTES_MAX))]
+    public_key: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproverSignatureInput {
+    #[schemars(with = "KidText")]
+    kid: String,
+    #[schemars(with = "SignatureText")]
+    signature: String,
+}
+
+/// The set at `epoch`: 1 for the first (the root admin's, no signatures), else one above the
+/// published set's, with the signatures of its quorum (`batch sign-approvers`).
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproversPublish {
+    #[schemars(range(min = 1, max = u32::MAX))]
+    epoch: u64,
+    #[schemars(range(min = 1, max = bc_projections::batch::APPROVERS_MAX))]
+    quorum: u64,
+    #[schemars(with = "TrustDomainText")]
+    trust_domain: String,
+    #[schemars(length(min = 1, max = bc_projections::batch::APPROVERS_MAX))]
+    keys: Vec<ApproverKeyInput>,
+    #[serde(default)]
+    #[schemars(length(max = bc_projections::batch::APPROVERS_MAX))]
+    signatures: Vec<ApproverSignatureInput>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApproversGet {}
+
+/// A ping's payload: nothing.
+#[derive(Deserialize, JsonSchema, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PingPayload {}
+
+/// One operation: a command of `kind` to the node `subject`, with exactly `payload`.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeafInput {
+    #[schemars(with = "NodeIdText")]
+    subject: String,
+    #[schemars(with = "LeafKindText")]
+    kind: String,
+    payload: PingPayload,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchesCreate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "BatchReasonText")]
+    reason: String,
+    #[schemars(length(min = 1, max = COMMAND_BATCH_LEAVES_MAX))]
+    leaves: Vec<LeafInput>,
+    /// Hours the batch stays open for approvals (default 24, at most 72).
+    #[schemars(range(min = 1, max = COMMAND_BATCH_HOURS_MAX))]
+    hours: Option<u64>,
+    /// Seconds each command has to run once released (default 300).
+    #[schemars(range(min = 1, max = COMMAND_DEADLINE_S_MAX))]
+    deadline_s: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchesList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "Option<BatchStateText>")]
+    state: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchesShow {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "CommandBatchIdText")]
+    batch_id: String,
+    /// The first leaf of the page (default 0).
+    #[schemars(range(min = 0, max = COMMAND_BATCH_LEAVES_MAX))]
+    offset: Option<u64>,
+    /// Leaves in the page (default 100, at most 256).
+    #[schemars(range(min = 1, max = SCOPE_PAGE_MAX))]
+    limit: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "CommandBatchIdText")]
+    batch_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchesApprove {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "CommandBatchIdText")]
+    batch_id: String,
+    #[schemars(with = "KidText")]
+    kid: String,
+    #[schemars(with = "SignatureText")]
+    signature: String,
+}
+
+fn check_kid(kid: &str) -> Result<()> {
+    let ok =
+        kid.len() == 19 && kid.starts_with("ak_") && kid[3..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if ok { Ok(()) } else { Err(Error::invalid("kid must be ak_ and 16 lowercase hex digits")) }
+}
+
+fn check_signature(signature: &str) -> Result<()> {
+    let body = signature.trim_end_matches('=');
+    let ok = (8..=124).contains(&body.len())
+        && signature.len() - body.len() <= 2
+        && body.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/');
+    if ok { Ok(()) } else { Err(Error::invalid("signature must be base64 (standard alphabet), 8 to 126 characters")) }
+}
+
+/// The current approver set, if one is published.
+pub(crate) async fn approver_set(call: &Call<'_>) -> Result<Option<ApproverSetDoc>> {
+    call.state.store.row_get(&TenantId::ROOT.to_string(), KIND_APPROVER_SET, APPROVER_SET_ID).await?.map(doc).transpose()
+}
+
+async fn approvers_publish(call: &Call<'_>, input: ApproversPublish) -> Result<ApproverSetView> {
+    if !call.principal().is_root() {
+        return Err(Error::AccessDenied("the approver set is the root tenant's: publish it with a root key".into()));
+    }
+    let tenant = call.tenant(&None).await?;
+    if !bc_projections::decide::batch::is_trust_domain(&input.trust_domain) {
+        return Err(Error::invalid("trustDomain must be 1 to 253 bytes of a-z, 0-9, '.' and '-'"));
+    }
+    for key in &input.keys {
+        check_kid(&key.kid)?;
+    }
+    for signature in &input.signatures {
+        check_kid(&signature.kid)?;
+        check_signature(&signature.signature)?;
+    }
+    let current = approver_set(call).await?;
+    let published = approver_set_publish(
+        current.as_ref(),
+        ApproverSetInput {
+            epoch: input.epoch,
+            quorum: input.quorum,
+            trust_domain: input.trust_domain,
+            keys: input.keys.into_iter().map(|k| ApproverKey { kid: k.kid, public_key: k.public_key }).collect(),
+            signatures: input.signatures.into_iter().map(|s| ApproverSignature { kid: s.kid, signature: s.signature }).collect(),
+        },
+    )?;
+    let expected = current.as_ref().map_or(ExpectedVersion::NoStream, |c| ExpectedVersion::Exact(c.version));
+    call.append(
+        tenant,
+        stream_of(KIND_APPROVER_SET, &APPROVER_SET_ID),
+        expected,
+        ev::APPROVER_SET_PUBLISHED,
+        ev::to_cbor(&published)?,
+    )
+    .await?;
+    Ok(call.row::<ApproverSetDoc>(tenant, KIND_APPROVER_SET, APPROVER_SET_ID, "approver set").await?.into())
+}
+
+async fn approvers_get(call: &Call<'_>, _input: ApproversGet) -> Result<ApproverSetView> {
+    Ok(approver_set(call)
+        .await?
+        .ok_or_else(|| {
+            Error::not_found("approver set (none is published: the root admin publishes epoch 1 with approvers.publish)")
+        })?
+        .into())
+}
+
+async fn batch_doc(call: &Call<'_>, tenant: TenantId, id: &str) -> Result<CommandBatchDoc> {
+    let id: CommandBatchId = parse_id("batchId", id)?;
+    call.row(tenant, KIND_COMMAND_BATCH, &id.to_string(), "batch").await
+}
+
+async fn batches_create(call: &Call<'_>, input: BatchesCreate) -> Result<CommandBatchView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let hours = input.hours.unwrap_or(24);
+    let deadline_s = input.deadline_s.unwrap_or(COMMAND_DEADLINE_S_DEFAULT);
+    if !(1..=COMMAND_DEADLINE_S_MAX).contains(&deadline_s) {
+        return Err(Error::invalid(format!("deadlineS must be 1 to {COMMAND_DEADLINE_S_MAX} seconds")));
+    }
+    if input.reason.len() > COMMAND_BATCH_REASON_BYTES_MAX || input.reason.trim().is_empty() {
+        return Err(Error::invalid(format!("reason must be 1 to {COMMAND_BATCH_REASON_BYTES_MAX} bytes, not only spaces")));
+    }
+    if input.leaves.is_empty() || input.leaves.len() > COMMAND_BATCH_LEAVES_MAX {
+        return Err(Error::invalid(format!("a batch holds 1 to {COMMAND_BATCH_LEAVES_MAX} leaves")));
+    }
+    let mut leaves = Vec::with_capacity(input.leaves.len());
+    for (i, leaf) in input.leaves.into_iter().enumerate() {
+        let node_id: NodeId = parse_id(&format!("leaves[{i}].subject"), &leaf.subject)?;
+        let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
+        if node.agent.is_none() {
+            return Err(Error::InvalidArgument {
+                message: format!("leaves[{i}]: node {node_id} has no agent: it was registered by hand"),
+                hint: Some("commands go to nodes that joined with bcd join".into()),
+            });
+        }
+        let payload = serde_json::to_value(&leaf.payload).map_err(|e| Error::Internal(format!("leaf payload: {e}")))?;
+        leaves.push(Leaf { subject: node_id.to_string(), kind: leaf.kind, payload });
+    }
+    let command_ids = (0..leaves.len()).map(|_| CommandId::from_ulid(call.ulid()).to_string()).collect();
+    let set = approver_set(call).await?;
+    let created = batch_create(
+        set.as_ref(),
+        BatchCreateInput { reason: input.reason, leaves, hours, deadline_s, command_ids },
+        call.now_ms(),
+    )?;
+    let batch = CommandBatchId::from_ulid(call.ulid());
+    let result = call
+        .append(
+            tenant,
+            stream_of(KIND_COMMAND_BATCH, &batch),
+            ExpectedVersion::NoStream,
+            ev::COMMAND_BATCH_CREATED,
+            ev::to_cbor(&created)?,
+        )
+        .await?;
+    let stream = &result.events[0].envelope.stream;
+    Ok(call.row::<CommandBatchDoc>(tenant, KIND_COMMAND_BATCH, super::call::stream_id(stream), "batch").await?.into())
+}
+
+async fn batches_list(call: &Call<'_>, input: BatchesList) -> Result<Page<CommandBatchView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let state: Option<BatchState> = input.state.as_deref().map(str::parse).transpose()?;
+    list_rows(call, tenant, KIND_COMMAND_BATCH, input.limit, input.cursor.as_deref(), |row| {
+        let batch: CommandBatchDoc = doc(row)?;
+        Ok(state.is_none_or(|s| s == batch.state).then(|| CommandBatchView::from(&batch)))
+    })
+    .await
+}
+
+async fn batches_show(call: &Call<'_>, input: BatchesShow) -> Result<CommandBatchScopeView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let batch = batch_doc(call, tenant, &input.batch_id).await?;
+    let offset = input.offset.unwrap_or(0);
+    let limit = input.limit.unwrap_or(SCOPE_PAGE_DEFAULT);
+    if offset > COMMAND_BATCH_LEAVES_MAX as u64 || !(1..=SCOPE_PAGE_MAX).contains(&limit) {
+        return Err(Error::invalid(format!("offset is 0 to {COMMAND_BATCH_LEAVES_MAX} and limit 1 to {SCOPE_PAGE_MAX}")));
+    }
+    let start = (offset as usize).min(batch.leaves.len());
+    let end = start.saturating_add(limit as usize).min(batch.leaves.len());
+    let leaves = batch.leaves[start..end].iter().enumerate().map(|(i, leaf)| LeafView::new(start + i, leaf)).collect();
+    let next_offset = (end < batch.leaves.len()).then_some(end as u64);
+    Ok(CommandBatchScopeView { batch: CommandBatchView::from(&batch), offset: start as u64, leaves, next_offset })
+}
+
+async fn batches_members(call: &Call<'_>, input: BatchRef) -> Result<BatchMembersView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let batch = batch_doc(call, tenant, &input.batch_id).await?;
+    let mut items = Vec::with_capacity(batch.leaves.len());
+    for (index, (leaf, command_id)) in batch.leaves.iter().zip(&batch.command_ids).enumerate() {
+        let (state, reason) = match batch.state {
+            BatchState::Pending => ("awaitingApproval".to_owned(), None),
+            BatchState::Cancelled | BatchState::Expired => ("cancelled".to_owned(), batch.end_reason.clone()),
+            BatchState::Released => {
+                let command: CommandDoc = call.row(tenant, KIND_COMMAND, command_id, "command").await?;
+                (command.state.as_str().to_owned(), command.reason)
+            }
+        };
+        items.push(BatchMemberView {
+            index: index as u64,
+            subject: leaf.subject.clone(),
+            kind: leaf.kind.clone(),
+            command_id: command_id.clone(),
+            state,
+            reason,
+        });
+    }
+    Ok(BatchMembersView { batch_id: batch.batch_id, state: batch.state, items })
+}
+
+async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<CommandBatchView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    check_kid(&input.kid)?;
+    check_signature(&input.signature)?;
+    let batch = batch_doc(call, tenant, &input.batch_id).await?;
+    let set = approver_set(call).await?.ok_or_else(|| Error::state("no approver set is published", "publish one first"))?;
+    let now_ms = call.now_ms();
+    let outcome = batch_approve(&batch, &set, &input.kid, &input.signature, now_ms)?;
+    let stream = stream_of(KIND_COMMAND_BATCH, &batch.batch_id);
+    let mut events = vec![NewEvent::new(ev::COMMAND_BATCH_APPROVED, ev::to_cbor(&outcome.approved)?)];
+    if !outcome.releases {
+        call.submit(call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)).await?;
+        return Ok(batch_doc(call, tenant, &batch.batch_id).await?.into());
+    }
+    // The quorum: the batch's commands are issued in the same transaction, each on its own new
+    // stream, after the nodes' queues were checked to have room.
+    for leaf in &batch.leaves {
+        check_node_queue(call, tenant, &leaf.subject).await?;
+    }
+    events.push(NewEvent::new(
+        ev::COMMAND_BATCH_RELEASED,
+        ev::to_cbor(&ev::CommandBatchReleased { approvals: outcome.approvals.clone() })?,
+    ));
+    let mut requests = vec![call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)];
+    let deadline_at_ms = now_ms.saturating_add(batch.deadline_s.saturating_mul(1000));
+    for (leaf, command_id) in batch.leaves.iter().zip(&batch.command_ids) {
+        let issued = ev::CommandIssued {
+            node_id: leaf.subject.clone(),
+            kind: leaf.kind.clone(),
+            args: leaf.payload.clone(),
+            deadline_at_ms,
+        };
+        let mut request = AppendRequest::new(
+            tenant,
+            stream_of(KIND_COMMAND, command_id),
+            ExpectedVersion::NoStream,
+            call.actor(),
+            vec![NewEvent::new(ev::COMMAND_ISSUED, ev::to_cbor(&issued)?)],
+        );
+        request.correlation = Some(call.request_id.clone());
+        requests.push(request);
+    }
+    call.state.log.append_group(requests).await?;
+    let released: CommandBatchDoc = doc(call
+        .state
+        .store
+        .row_get(&tenant.to_string(), KIND_COMMAND_BATCH, &batch.batch_id)
+        .await?
+        .ok_or_else(|| Error::Internal(format!("batch {} vanished after its release", batch.batch_id)))?)?;
+    Ok(released.into())
+}
+
+async fn batches_cancel(call: &Call<'_>, input: BatchRef) -> Result<CommandBatchView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let batch = batch_doc(call, tenant, &input.batch_id).await?;
+    batch_cancel(&batch)?;
+    let payload = ev::to_cbor(&ev::CommandBatchEnded { reason: format!("cancelled by {}", call.actor()) })?;
+    call.append(
+        tenant,
+        stream_of(KIND_COMMAND_BATCH, &batch.batch_id),
+        ExpectedVersion::Exact(batch.version),
+        ev::COMMAND_BATCH_CANCELLED,
+        payload,
+    )
+    .await?;
+    Ok(batch_doc(call, tenant, &batch.batch_id).await?.into())
+}

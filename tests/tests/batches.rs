@@ -1,0 +1,323 @@
+//! Destructive batches under a quorum, end to end (`docs/batches.md`): the real `dev`, two
+//! joined fake-hardware `bcd` nodes, three approver keys made by `batch keygen`, quorum 2.
+//! A batch of `ping`s is held (`awaitingApproval`, no command exists for any node) after one
+//! approval and runs after two; `batch members` shows each command's state. An approval of
+//! another batch, by a key outside the set, a reused one, and one of a batch made under the
+//! previous approver set are each refused with their code; the CLI's review refusals
+//! (`SCOPE_CHANGED`, `SCOPE_UNEXPECTED`, `SCOPE_MISMATCH`, `INVALID_STATE`) sign nothing. One
+//! approval is verified by `openssl dgst -sha256 -verify`, from the documented message format.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use base64::Engine as _;
+use bc_tests::{AgentNode, Server, json};
+use serde_json::{Value, json};
+
+fn ok(server: &Server, args: &[&str]) -> Value {
+    let (code, out, err) = server.cli(args);
+    assert_eq!(code, 0, "better-compute {args:?}: {out}\n{err}");
+    json(&out)
+}
+
+/// Runs the CLI expecting a refusal with `code` (exit 1) on stderr.
+fn refused(server: &Server, args: &[&str], code: &str) -> String {
+    let (status, out, err) = server.cli(args);
+    assert_eq!(status, 1, "better-compute {args:?} should fail with {code}: {out}\n{err}");
+    assert!(err.contains(&format!("{code}:")), "better-compute {args:?}: expected {code}: {err}");
+    err
+}
+
+fn path_text(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+async fn wait_ready(server: &Server, node: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, doc) = server.call("nodes.get", json!({ "nodeId": node })).await;
+        assert_eq!(status, 200, "{doc}");
+        if doc["state"] == "ready" {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "node {node} not ready: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn commands_of(server: &Server, node: &str) -> Vec<Value> {
+    let (status, page) = server.call("commands.list", json!({ "nodeId": node })).await;
+    assert_eq!(status, 200, "{page}");
+    page["items"].as_array().unwrap().clone()
+}
+
+fn create_batch(server: &Server, dir: &Path, name: &str, leaves: &Value) -> String {
+    let scope = dir.join(format!("{name}.json"));
+    std::fs::write(&scope, leaves.to_string()).unwrap();
+    let created = ok(server, &["batch", "create", "--reason", &format!("{name}: ping the rack"), "--scope", path_text(&scope)]);
+    assert_eq!(created["state"], "pending", "{created}");
+    created["batchId"].as_str().unwrap().to_owned()
+}
+
+/// `batch show --scope-out` then `batch sign --yes` with `key`: the signature file's path.
+fn sign_offline(server: &Server, dir: &Path, batch: &str, key: &Path, name: &str) -> PathBuf {
+    let scope = dir.join(format!("{name}.scope.json"));
+    ok(server, &["batch", "show", "--batch", batch, "--scope-out", path_text(&scope)]);
+    let signed = ok(server, &["batch", "sign", "--key", path_text(key), "--scope", path_text(&scope), "--yes"]);
+    let path = dir.join(format!("{name}.sig.json"));
+    std::fs::write(&path, signed.to_string()).unwrap();
+    path
+}
+
+fn signature_of(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_runs_only_after_its_quorum_and_every_bad_approval_is_refused_with_its_code() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("rack").await;
+    let mut machines = Vec::new();
+    for _ in 0..2 {
+        let mut machine = AgentNode::new(&server, port);
+        machine.join_pool(&server, &pool).await;
+        machine.start();
+        machines.push(machine);
+    }
+    let nodes: Vec<String> = machines.iter().map(AgentNode::node_id).collect();
+    for node in &nodes {
+        wait_ready(&server, node).await;
+    }
+
+    // Three approver keys (0600, never over a file) and one outside the set.
+    let dir = tempfile::tempdir().unwrap();
+    let key = |name: &str| dir.path().join(format!("{name}.pem"));
+    let mut kids = Vec::new();
+    for name in ["a", "b", "c", "outsider"] {
+        let made = ok(&server, &["batch", "keygen", "--out", path_text(&key(name))]);
+        assert!(made["kid"].as_str().unwrap().starts_with("ak_"), "{made}");
+        assert_eq!(std::fs::metadata(key(name)).unwrap().permissions().mode() & 0o777, 0o600);
+        kids.push(made["kid"].as_str().unwrap().to_owned());
+    }
+    refused(&server, &["batch", "keygen", "--out", path_text(&key("a"))], "ALREADY_EXISTS");
+    let public = |name: &str| format!("{}.pub", key(name).display());
+
+    // Epoch 1: the root admin publishes a, b, c with quorum 2.
+    let set = ok(
+        &server,
+        &[
+            "batch",
+            "publish-approvers",
+            "--epoch",
+            "1",
+            "--quorum",
+            "2",
+            "--trust-domain",
+            "compute.test",
+            "--approver",
+            &public("a"),
+            "--approver",
+            &public("b"),
+            "--approver",
+            &public("c"),
+        ],
+    );
+    assert_eq!((set["epoch"].as_u64(), set["quorum"].as_u64()), (Some(1), Some(2)), "{set}");
+
+    // A batch of three pings over the two nodes.
+    let leaves = json!([
+        { "subject": nodes[0], "kind": "ping", "payload": {} },
+        { "subject": nodes[1], "kind": "ping", "payload": {} },
+        { "subject": nodes[0], "kind": "ping", "payload": {} },
+    ]);
+    let batch = create_batch(&server, dir.path(), "first", &leaves);
+    let members = ok(&server, &["batch", "members", "--batch", &batch]);
+    let states: Vec<&str> = members["items"].as_array().unwrap().iter().map(|m| m["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["awaitingApproval"; 3], "{members}");
+
+    // The review: without --yes only the summary; a root that is not the batch's, an --expect that
+    // is not what it holds, a key file others may read: each refused, nothing signed.
+    let (code, _, summary) = server.cli(&["batch", "approve", "--batch", &batch, "--key", path_text(&key("a"))]);
+    assert_eq!(code, 0, "{summary}");
+    assert!(summary.contains("3 command(s) on 2 subject(s): ping ×3") && summary.contains("Not approved"), "{summary}");
+    refused(
+        &server,
+        &["batch", "approve", "--batch", &batch, "--key", path_text(&key("a")), "--root", &"0".repeat(64)],
+        "SCOPE_CHANGED",
+    );
+    let expect = dir.path().join("expect.txt");
+    std::fs::write(&expect, format!("{}\n{}\n", nodes[0], nodes[1])).unwrap();
+    let err = refused(
+        &server,
+        &["batch", "approve", "--batch", &batch, "--key", path_text(&key("a")), "--expect", path_text(&expect)],
+        "SCOPE_UNEXPECTED",
+    );
+    assert!(err.contains(&format!("unexpected {}", nodes[0])), "{err}");
+    std::fs::set_permissions(key("a"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let err = refused(&server, &["batch", "approve", "--batch", &batch, "--key", path_text(&key("a")), "--yes"], "INVALID_STATE");
+    assert!(err.contains("readable by others"), "{err}");
+    std::fs::set_permissions(key("a"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let shown = ok(&server, &["batch", "show", "--batch", &batch]);
+    assert_eq!(shown["approvals"], 0, "nothing was signed: {shown}");
+
+    // One approval (a, with the exact subjects expected): still held; no node has a command.
+    std::fs::write(&expect, format!("{}\n{}\n{}\n", nodes[0], nodes[1], nodes[0])).unwrap();
+    let approved =
+        ok(&server, &["batch", "approve", "--batch", &batch, "--key", path_text(&key("a")), "--expect", path_text(&expect)]);
+    assert_eq!((approved["state"].as_str(), approved["approvals"].as_array().unwrap().len()), (Some("pending"), 1), "{approved}");
+    for node in &nodes {
+        assert!(commands_of(&server, node).await.is_empty(), "a held command reached {node}");
+    }
+    let members = ok(&server, &["batch", "members", "--batch", &batch]);
+    assert!(members["items"].as_array().unwrap().iter().all(|m| m["state"] == "awaitingApproval"), "{members}");
+
+    // A reused signature: a's own approval again.
+    let reused = approved["approvals"][0]["signature"].as_str().unwrap();
+    let (status, answer) =
+        server.call("commandBatches.approve", json!({ "batchId": batch, "kid": kids[0], "signature": reused })).await;
+    assert_eq!((status, answer["code"].as_str()), (409, Some("ALREADY_EXISTS")), "{answer}");
+
+    // An approval of another batch: b signs a second batch offline; its signature is refused on
+    // the first by the server (INVALID_ARGUMENT) and by the CLI (SCOPE_MISMATCH).
+    let second = create_batch(&server, dir.path(), "second", &json!([{ "subject": nodes[1], "kind": "ping", "payload": {} }]));
+    let second_signed = sign_offline(&server, dir.path(), &second, &key("b"), "second-b");
+    let signature = signature_of(&second_signed);
+    let (status, answer) = server
+        .call("commandBatches.approve", json!({ "batchId": batch, "kid": kids[1], "signature": signature["signature"] }))
+        .await;
+    assert_eq!((status, answer["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{answer}");
+    refused(&server, &["batch", "approve", "--batch", &batch, "--signature", path_text(&second_signed)], "SCOPE_MISMATCH");
+
+    // A key outside the set.
+    let outsider = sign_offline(&server, dir.path(), &batch, &key("outsider"), "first-outsider");
+    let (status, answer) = server
+        .call(
+            "commandBatches.approve",
+            json!({ "batchId": batch, "kid": kids[3], "signature": signature_of(&outsider)["signature"] }),
+        )
+        .await;
+    assert_eq!((status, answer["code"].as_str()), (403, Some("ACCESS_DENIED")), "{answer}");
+
+    // A window the offline reviewer judges closed is refused before anything is signed.
+    let scope = dir.path().join("first-outsider.scope.json");
+    let err = refused(
+        &server,
+        &["batch", "sign", "--key", path_text(&key("b")), "--scope", path_text(&scope), "--yes", "--now-ms", "99999999999999"],
+        "INVALID_STATE",
+    );
+    assert!(err.contains("window has closed"), "{err}");
+
+    // A verifier this project did not write: openssl, from the documented message format.
+    let message = format!(
+        "better-compute batch approval v1\ntrust-domain {}\nbatch {}\nroot {}\nsize {}\nexpires-at-ms {}\n",
+        signature["trustDomain"].as_str().unwrap(),
+        second,
+        signature["root"].as_str().unwrap(),
+        signature["size"],
+        signature["expiresAtMs"],
+    );
+    let message_path = dir.path().join("message.txt");
+    std::fs::write(&message_path, &message).unwrap();
+    let der = base64::engine::general_purpose::STANDARD.decode(signature["signature"].as_str().unwrap()).unwrap();
+    let der_path = dir.path().join("signature.der");
+    std::fs::write(&der_path, der).unwrap();
+    let openssl = |message: &Path| {
+        std::process::Command::new("openssl")
+            .args(["dgst", "-sha256", "-verify", &public("b"), "-signature", path_text(&der_path), path_text(message)])
+            .output()
+            .expect("openssl")
+    };
+    let verified = openssl(&message_path);
+    assert!(verified.status.success(), "openssl: {}", String::from_utf8_lossy(&verified.stderr));
+    assert!(String::from_utf8_lossy(&verified.stdout).contains("Verified OK"));
+    let tampered = dir.path().join("tampered.txt");
+    std::fs::write(&tampered, message.replace("size 1\n", "size 2\n")).unwrap();
+    assert!(!openssl(&tampered).status.success(), "openssl verified a message with another size");
+
+    // The second approval (c, signed offline, submitted with --signature): released, and every
+    // command runs on its node.
+    let c_signed = sign_offline(&server, dir.path(), &batch, &key("c"), "first-c");
+    let released = ok(&server, &["batch", "approve", "--batch", &batch, "--signature", path_text(&c_signed)]);
+    assert_eq!(released["state"], "released", "{released}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let members = ok(&server, &["batch", "members", "--batch", &batch]);
+        let states: Vec<&str> = members["items"].as_array().unwrap().iter().map(|m| m["state"].as_str().unwrap()).collect();
+        if states == ["succeeded"; 3] {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the released commands did not all succeed: {members}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(commands_of(&server, &nodes[0]).await.len(), 2);
+    assert_eq!(commands_of(&server, &nodes[1]).await.len(), 1);
+    let (status, answer) = server
+        .call("commandBatches.approve", json!({ "batchId": batch, "kid": kids[1], "signature": signature["signature"] }))
+        .await;
+    assert_eq!((status, answer["code"].as_str()), (409, Some("INVALID_STATE")), "a released batch: {answer}");
+
+    // Cancelled: its command is never issued.
+    let cancelled = ok(&server, &["batch", "cancel", "--batch", &second]);
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let members = ok(&server, &["batch", "members", "--batch", &second]);
+    assert_eq!(members["items"][0]["state"], "cancelled", "{members}");
+
+    // Epoch 2 ({b, c, outsider}, quorum 2) with the signatures of a and c of epoch 1; a batch
+    // made under epoch 1 is then refused.
+    let third = create_batch(&server, dir.path(), "third", &json!([{ "subject": nodes[0], "kind": "ping", "payload": {} }]));
+    let third_b = sign_offline(&server, dir.path(), &third, &key("b"), "third-b");
+    let mut signatures = Vec::new();
+    for name in ["a", "c"] {
+        let signed = ok(
+            &server,
+            &[
+                "batch",
+                "sign-approvers",
+                "--key",
+                path_text(&key(name)),
+                "--epoch",
+                "2",
+                "--quorum",
+                "2",
+                "--trust-domain",
+                "compute.test",
+                "--approver",
+                &public("b"),
+                "--approver",
+                &public("c"),
+                "--approver",
+                &public("outsider"),
+            ],
+        );
+        let path = dir.path().join(format!("epoch2-{name}.json"));
+        std::fs::write(&path, signed.to_string()).unwrap();
+        signatures.push(path);
+    }
+    let mut publish: Vec<String> =
+        ["batch", "publish-approvers", "--epoch", "2", "--quorum", "2", "--trust-domain", "compute.test"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    for name in ["b", "c", "outsider"] {
+        publish.extend(["--approver".to_owned(), public(name)]);
+    }
+    let only_a: Vec<String> =
+        publish.iter().cloned().chain(["--signature".to_owned(), path_text(&signatures[0]).to_owned()]).collect();
+    refused(&server, &only_a.iter().map(String::as_str).collect::<Vec<_>>(), "INVALID_STATE");
+    for path in &signatures {
+        publish.extend(["--signature".to_owned(), path_text(path).to_owned()]);
+    }
+    let set = ok(&server, &publish.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!((set["epoch"].as_u64(), set["signedBy"].as_array().unwrap().len()), (Some(2), 2), "{set}");
+    let err = refused(&server, &["batch", "approve", "--batch", &third, "--signature", path_text(&third_b)], "INVALID_STATE");
+    assert!(err.contains("epoch 1"), "{err}");
+
+    // Every step is in the log.
+    let (status, events) = server.call("events.list", json!({ "limit": 500 })).await;
+    assert_eq!(status, 200, "{events}");
+    let types: Vec<&str> = events["items"].as_array().unwrap().iter().filter_map(|e| e["type"].as_str()).collect();
+    for wanted in ["command_batch.created", "command_batch.approved", "command_batch.released", "command_batch.cancelled"] {
+        assert!(types.contains(&wanted), "{wanted} is not in the log: {types:?}");
+    }
+}
