@@ -26,15 +26,24 @@ use crate::client::{self, CliError};
 const FOLLOW_RESPONSE_BYTES_MAX: usize = 32 * 1024 * 1024;
 const FOLLOW_TIMEOUT_S: u64 = 60;
 
-struct Fetcher {
+/// GETs under `URL/audit/TENANT/` with the caller's token: `audit follow`'s, and the tiles
+/// `usage export --with-proofs` builds its proofs from.
+pub(crate) struct Fetcher {
     http: reqwest::Client,
     base: String,
     token: String,
 }
 
 impl Fetcher {
+    pub(crate) fn new(url: &str, tenant: &str) -> Result<Self, CliError> {
+        let parsed = client::api_url(url)?;
+        let http = client::api_http(&parsed, reqwest::Client::builder().timeout(Duration::from_secs(FOLLOW_TIMEOUT_S)))?;
+        let token = crate::credentials::token(url)?;
+        Ok(Self { http, base: format!("{}/audit/{tenant}", url.trim_end_matches('/')), token })
+    }
+
     /// `Ok(None)` for 404.
-    async fn get(&self, path: &str) -> Result<Option<Vec<u8>>, CliError> {
+    pub(crate) async fn get(&self, path: &str) -> Result<Option<Vec<u8>>, CliError> {
         let unavailable = |e: String| CliError::new("UNAVAILABLE", format!("GET {}/{path}: {e}", self.base));
         let response = self
             .http
@@ -61,10 +70,11 @@ impl Fetcher {
         Ok(Some(bytes.to_vec()))
     }
 
-    async fn must(&self, path: &str) -> Result<Vec<u8>, CliError> {
+    /// A file the checkpoint covers: its absence is the server's fault (`INVALID_RESPONSE`).
+    pub(crate) async fn must(&self, path: &str) -> Result<Vec<u8>, CliError> {
         self.get(path)
             .await?
-            .ok_or_else(|| CliError::new("UNAVAILABLE", format!("GET {path}: not found, though the checkpoint covers it")))
+            .ok_or_else(|| CliError::new("INVALID_RESPONSE", format!("GET {path}: not found, though the checkpoint covers it")))
     }
 }
 
@@ -217,10 +227,7 @@ pub async fn run(
     let vkeys: Vec<Vkey> =
         vkeys.iter().map(|v| Vkey::parse(v).map_err(|e| CliError::usage(format!("--vkey: {e}")))).collect::<Result<_, _>>()?;
     let tenant = tenant.unwrap_or(TenantId::ROOT);
-    let parsed = client::api_url(url)?;
-    let http = client::api_http(&parsed, reqwest::Client::builder().timeout(Duration::from_secs(FOLLOW_TIMEOUT_S)))?;
-    let token = crate::credentials::token(url)?;
-    let f = Fetcher { http, base: format!("{}/audit/{tenant}", url.trim_end_matches('/')), token };
+    let f = Fetcher::new(url, &tenant.to_string())?;
     let mut state = load_state(state_path, tenant)?;
     loop {
         let result = round(&f, &mut state, pins, &vkeys, state_path).await;

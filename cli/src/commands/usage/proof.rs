@@ -15,7 +15,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, Read, Write};
 use std::path::Path;
-use std::time::Duration;
 
 use bc_core::event::Envelope;
 use bc_core::merkle::{self, Hash};
@@ -25,15 +24,12 @@ use bc_projections::decide::usage::{check_line, recount_activation, window_total
 use bc_projections::usage::{USAGE_CORRECTION, USAGE_WINDOW_CLOSED, UsageCorrection, UsageLine, UsageWindowClosed};
 use serde_json::{Value, json};
 
-use crate::client::{self, CliError};
+use crate::client::CliError;
 
 /// The first line of a proofs file names its format.
 pub const PROOFS_FORMAT: &str = "better-compute-usage-proofs/1";
 /// Longest line of a proofs file or an export `usage verify` reads (a proof is a few KiB).
 const VERIFY_LINE_BYTES_MAX: usize = 1 << 20;
-/// Largest tile or bundle read (a full event bundle of 256 events of 64 KiB payloads is ~17 MiB).
-const TILE_RESPONSE_BYTES_MAX: usize = 32 * 1024 * 1024;
-const TILE_TIMEOUT_S: u64 = 60;
 /// Failures and unproved rows listed in a verdict; past that, only counted.
 const VERDICT_ROWS_MAX: usize = 100;
 
@@ -41,54 +37,6 @@ const VERDICT_ROWS_MAX: usize = 100;
 pub fn row_seqs(row: &Value, out: &mut BTreeSet<u64>) {
     out.extend(row.get("eventSeq").and_then(Value::as_u64));
     out.extend(row.get("seqs").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_u64));
-}
-
-/// GETs under `URL/audit/TENANT/` with the caller's token.
-struct Fetcher {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
-
-impl Fetcher {
-    fn new(url: &str, tenant: &str) -> Result<Self, CliError> {
-        let parsed = client::api_url(url)?;
-        let http = client::api_http(&parsed, reqwest::Client::builder().timeout(Duration::from_secs(TILE_TIMEOUT_S)))?;
-        let token = crate::credentials::token(url)?;
-        Ok(Self { http, base: format!("{}/audit/{tenant}", url.trim_end_matches('/')), token })
-    }
-
-    /// `Ok(None)` for 404.
-    async fn get(&self, path: &str) -> Result<Option<Vec<u8>>, CliError> {
-        let unavailable = |e: String| CliError::new("UNAVAILABLE", format!("GET {}/{path}: {e}", self.base));
-        let response = self
-            .http
-            .get(format!("{}/{path}", self.base))
-            .bearer_auth(&self.token)
-            .send()
-            .await
-            .map_err(|e| unavailable(e.to_string()))?;
-        let status = response.status();
-        if status == reqwest::StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        if !status.is_success() {
-            let body = response.text().await.unwrap_or_default();
-            let code = if status.as_u16() == 401 { "UNAUTHENTICATED" } else { "UNAVAILABLE" };
-            return Err(CliError::new(code, format!("GET {path}: {status}: {body}")));
-        }
-        let bytes = response.bytes().await.map_err(|e| unavailable(e.to_string()))?;
-        if bytes.len() > TILE_RESPONSE_BYTES_MAX {
-            return Err(unavailable("response too large".into()));
-        }
-        Ok(Some(bytes.to_vec()))
-    }
-
-    async fn must(&self, path: &str) -> Result<Vec<u8>, CliError> {
-        self.get(path)
-            .await?
-            .ok_or_else(|| CliError::new("INVALID_RESPONSE", format!("GET {path}: not found, though the checkpoint covers it")))
-    }
 }
 
 /// What [`write_proofs`] wrote.
@@ -110,7 +58,7 @@ pub async fn write_proofs(
 ) -> Result<ProofsWritten, CliError> {
     let werr = |e: std::io::Error| CliError::new("INTERNAL", format!("writing the proofs: {e}"));
     let bad = |what: String| CliError::new("INVALID_RESPONSE", format!("tenant {tenant}: {what}"));
-    let f = Fetcher::new(url, tenant)?;
+    let f = crate::follow::Fetcher::new(url, tenant)?;
     let Some(note_bytes) = f.get("checkpoint").await? else {
         let why = format!("no checkpoint of tenant {tenant} was sealed yet");
         return write_unproved_only(tenant, seqs, &why, out).map_err(werr);
