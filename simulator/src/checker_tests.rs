@@ -49,17 +49,10 @@ async fn active(world: &World) -> Vec<ReservationDoc> {
     live.into_iter().filter(|r| r.state == ReservationState::Active).collect()
 }
 
-/// Overwrites one projection row underneath the log.
+/// Overwrites one projection row underneath the log (the test-only switches' way, which also
+/// makes the step check read its rows again).
 async fn overwrite_row(world: &World, kind: &str, id: &str, doc: &serde_json::Value) {
-    let done = sqlx::query("UPDATE projections SET doc = ? WHERE tenant_id = ? AND kind = ? AND id = ?")
-        .bind(serde_json::to_string(doc).unwrap())
-        .bind(world.tenants[0].id.to_string())
-        .bind(kind)
-        .bind(id)
-        .execute(world.sqlite.pool())
-        .await
-        .unwrap();
-    assert_eq!(done.rows_affected(), 1, "{kind}/{id}");
+    assert!(world.row_overwrite(0, kind, id, doc).await, "{kind}/{id}");
 }
 
 #[tokio::test]

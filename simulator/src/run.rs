@@ -863,7 +863,11 @@ impl Sim {
             }
         }
         if self.out.liveness_ms.is_none() {
-            let why = why_last.unwrap_or_else(|| "no reconciler pass ran".into());
+            let mut why = why_last.unwrap_or_else(|| "no reconciler pass ran".into());
+            // The histories of what an agent and the control plane still disagree on, read once.
+            if let Err(now) = self.world.settled().await {
+                why.push_str(&format!("; at the end, {now}"));
+            }
             return Err(Violation(format!(
                 "not settled {bound_ms} ms after the faults stopped (the last reservation running then ended after \
                  {running_ms} ms, and {LIVENESS_BOUND_MS} ms more): at the last pass, {why}"
@@ -907,7 +911,7 @@ impl Sim {
     /// holds ([`World::settled`]), a rollout, a webhook delivery, an agent whose journal is not
     /// all acknowledged, a command still queued for its node.
     async fn unsettled(&self) -> Option<String> {
-        if let Err(v) = self.world.settled().await {
+        if let Err(v) = self.world.settled_explained(false).await {
             return Some(v.0);
         }
         if let Err(v) = self.rollouts_settled().await {
