@@ -658,3 +658,91 @@ fn check_signature_file(scope: &ScopeFile, signed: &SignatureFile) -> Result<(),
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> SigningKey {
+        let mut bytes = [7u8; 32];
+        bytes[0] = 1;
+        SigningKey::from_slice(&bytes).unwrap()
+    }
+
+    fn scope() -> ScopeFile {
+        let leaves: Vec<Leaf> = ["node_a", "node_b", "node_c"]
+            .iter()
+            .map(|s| Leaf { subject: (*s).into(), kind: "ping".into(), payload: json!({}) })
+            .collect();
+        ScopeFile {
+            batch_id: "batch_01k0000000000000000000000".into(),
+            reason: "r".into(),
+            state: "pending".into(),
+            root: scope_root(&leaves).unwrap(),
+            size: 3,
+            expires_at_ms: 10 * 3_600_000,
+            trust_domain: "compute.test".into(),
+            epoch: 1,
+            quorum: 2,
+            approvals: 0,
+            proposed_by: "apikey:x".into(),
+            leaves,
+        }
+    }
+
+    fn yes() -> Review {
+        Review { yes: true, max_hours: MAX_HOURS_DEFAULT, ..Review::default() }
+    }
+
+    fn code(result: Result<Option<SignatureFile>, CliError>) -> String {
+        result.err().map(|e| e.code).unwrap_or_else(|| "signed".into())
+    }
+
+    /// A server that changes one leaf, adds one, or reports another root or size: SCOPE_MISMATCH,
+    /// and nothing is signed.
+    #[test]
+    fn a_lying_scope_is_refused_before_anything_is_signed() {
+        let mut changed = scope();
+        changed.leaves[1].subject = "node_z".into();
+        assert_eq!(code(review_and_sign(&changed, &yes(), &key(), 0)), "SCOPE_MISMATCH");
+        let mut payload = scope();
+        payload.leaves[2].payload = json!({ "force": true });
+        assert_eq!(code(review_and_sign(&payload, &yes(), &key(), 0)), "SCOPE_MISMATCH");
+        let mut root = scope();
+        root.root = "00".repeat(32);
+        assert_eq!(code(review_and_sign(&root, &yes(), &key(), 0)), "SCOPE_MISMATCH");
+        let mut size = scope();
+        size.size = 4;
+        assert_eq!(code(review_and_sign(&size, &yes(), &key(), 0)), "SCOPE_MISMATCH");
+        assert_eq!(code(review_and_sign(&scope(), &yes(), &key(), 0)), "signed");
+    }
+
+    /// The review rules, each with its code; the signature verifies over the documented message.
+    #[test]
+    fn each_review_rule_has_its_code() {
+        let reviewed = Review { root: Some("ab".repeat(32)), max_hours: MAX_HOURS_DEFAULT, ..Review::default() };
+        assert_eq!(code(review_and_sign(&scope(), &reviewed, &key(), 0)), "SCOPE_CHANGED");
+        let short = Review { max_hours: 2, ..yes() };
+        assert_eq!(code(review_and_sign(&scope(), &short, &key(), 0)), "INVALID_STATE");
+        assert_eq!(code(review_and_sign(&scope(), &yes(), &key(), 10 * 3_600_000)), "INVALID_STATE");
+        let mut released = scope();
+        released.state = "released".into();
+        assert_eq!(code(review_and_sign(&released, &yes(), &key(), 0)), "INVALID_STATE");
+        let mut unbound = scope();
+        unbound.leaves[0].payload = Value::Null;
+        unbound.root = scope_root(&unbound.leaves).unwrap();
+        assert_eq!(code(review_and_sign(&unbound, &yes(), &key(), 0)), "UNBOUND_SCOPE");
+        let allowed = Review { allow_unbound: true, ..yes() };
+        assert_eq!(code(review_and_sign(&unbound, &allowed, &key(), 0)), "signed");
+        let summary_only = review_and_sign(&scope(), &Review { max_hours: 72, ..Review::default() }, &key(), 0);
+        assert!(matches!(summary_only, Ok(None)), "without --yes, --root or --expect nothing is signed");
+        let s = scope();
+        let signed = review_and_sign(&s, &yes(), &key(), 0).unwrap().unwrap();
+        let message = approval_message(&s.trust_domain, &s.batch_id, &s.root, s.size, s.expires_at_ms);
+        assert!(verify_signature(key().verifying_key(), &message, &signed.signature));
+        check_signature_file(&s, &signed).unwrap();
+        let mut other = scope();
+        other.batch_id = "batch_01k0000000000000000000001".into();
+        assert_eq!(check_signature_file(&other, &signed).unwrap_err().code, "SCOPE_MISMATCH");
+    }
+}

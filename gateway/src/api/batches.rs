@@ -14,7 +14,7 @@ use bc_projections::batch::{
     COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchDoc, KIND_APPROVER_SET, KIND_COMMAND_BATCH, Leaf,
 };
 use bc_projections::decide::batch::{
-    ApproverSetInput, BatchCreateInput, approver_set_publish, batch_approve, batch_cancel, batch_create,
+    ApproverSetInput, BatchCreateInput, approver_set_publish, batch_approve, batch_cancel, batch_create, batch_expired,
 };
 use bc_projections::events as ev;
 use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, stream_of};
@@ -364,6 +364,7 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
     let batch = batch_doc(call, tenant, &input.batch_id).await?;
     let set = approver_set(call).await?.ok_or_else(|| Error::state("no approver set is published", "publish one first"))?;
     let now_ms = call.now_ms();
+    expire_if_due(call, tenant, &batch, now_ms).await?;
     let outcome = batch_approve(&batch, &set, &input.kid, &input.signature, now_ms)?;
     let stream = stream_of(KIND_COMMAND_BATCH, &batch.batch_id);
     let mut events = vec![NewEvent::new(ev::COMMAND_BATCH_APPROVED, ev::to_cbor(&outcome.approved)?)];
@@ -412,6 +413,7 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
 async fn batches_cancel(call: &Call<'_>, input: BatchRef) -> Result<CommandBatchView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let batch = batch_doc(call, tenant, &input.batch_id).await?;
+    expire_if_due(call, tenant, &batch, call.now_ms()).await?;
     batch_cancel(&batch)?;
     let payload = ev::to_cbor(&ev::CommandBatchEnded { reason: format!("cancelled by {}", call.actor()) })?;
     call.append(
@@ -423,4 +425,24 @@ async fn batches_cancel(call: &Call<'_>, input: BatchRef) -> Result<CommandBatch
     )
     .await?;
     Ok(batch_doc(call, tenant, &batch.batch_id).await?.into())
+}
+
+/// A pending batch whose window has closed is ended as `command_batch.expired` by the first
+/// approval or cancellation that finds it so (its commands were never issued), and that call is
+/// refused `INVALID_STATE`.
+async fn expire_if_due(call: &Call<'_>, tenant: TenantId, batch: &CommandBatchDoc, now_ms: u64) -> Result<()> {
+    if !batch_expired(batch, now_ms) {
+        return Ok(());
+    }
+    let payload = ev::to_cbor(&ev::CommandBatchEnded { reason: format!("its window closed at {} ms", batch.expires_at_ms) })?;
+    let stream = stream_of(KIND_COMMAND_BATCH, &batch.batch_id);
+    let request = AppendRequest::new(
+        tenant,
+        stream,
+        ExpectedVersion::Exact(batch.version),
+        call.actor(),
+        vec![NewEvent::new(ev::COMMAND_BATCH_EXPIRED, payload)],
+    );
+    call.state.log.append(request).await?;
+    Err(Error::state(format!("batch {} expired: its window closed", batch.batch_id), "make the batch again"))
 }
