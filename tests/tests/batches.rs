@@ -208,6 +208,23 @@ async fn a_batch_runs_only_after_its_quorum_and_every_bad_approval_is_refused_wi
     );
     assert!(err.contains("window has closed"), "{err}");
 
+    // An encrypted key: written under the passphrase, refused without it (MISSING_ENV) or with
+    // another (exit 2), and signing with it.
+    let encrypted = dir.path().join("encrypted.pem");
+    let passphrase = [("BETTER_COMPUTE_APPROVER_PASSPHRASE", "correct horse battery")];
+    let (code, out, err) = bc_tests::cli(&["batch", "keygen", "--out", path_text(&encrypted)], &passphrase);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(json(&out)["encrypted"], true, "{out}");
+    assert!(std::fs::read_to_string(&encrypted).unwrap().contains("BEGIN ENCRYPTED PRIVATE KEY"));
+    let sign_encrypted = ["batch", "sign", "--key", path_text(&encrypted), "--scope", path_text(&scope), "--yes"];
+    let (code, _, err) = bc_tests::cli(&sign_encrypted, &[]);
+    assert!(code == 1 && err.contains("MISSING_ENV:"), "{err}");
+    let (code, _, err) = bc_tests::cli(&sign_encrypted, &[("BETTER_COMPUTE_APPROVER_PASSPHRASE", "wrong")]);
+    assert_eq!(code, 2, "{err}");
+    let (code, out, err) = bc_tests::cli(&sign_encrypted, &passphrase);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["batchId"].as_str(), Some(batch.as_str()), "{out}");
+
     // A verifier this project did not write: openssl, from the documented message format.
     let message = format!(
         "better-compute batch approval v1\ntrust-domain {}\nbatch {}\nroot {}\nsize {}\nexpires-at-ms {}\n",
