@@ -6,6 +6,8 @@
 //! previous approver set are each refused with their code; the CLI's review refusals
 //! (`SCOPE_CHANGED`, `SCOPE_UNEXPECTED`, `SCOPE_MISMATCH`, `INVALID_STATE`) sign nothing. One
 //! approval is verified by `openssl dgst -sha256 -verify`, from the documented message format.
+//! A proxy that lies about the scope (one leaf, the root, a page that does not advance) gets no
+//! signature: `SCOPE_MISMATCH` or `INVALID_RESPONSE`.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
@@ -337,4 +339,89 @@ async fn a_batch_runs_only_after_its_quorum_and_every_bad_approval_is_refused_wi
     for wanted in ["command_batch.created", "command_batch.approved", "command_batch.released", "command_batch.cancelled"] {
         assert!(types.contains(&wanted), "{wanted} is not in the log: {types:?}");
     }
+}
+
+/// A proxy in front of the real server that rewrites `commandBatches.show` answers as `mode`
+/// says: `leaf` changes one leaf's subject, `root` the root it reports, `stall` a page that does
+/// not advance; anything else passes through.
+async fn lying_proxy(upstream: String, mode: std::sync::Arc<std::sync::Mutex<String>>) -> String {
+    let client = reqwest::Client::new();
+    let app = axum::Router::new().route(
+        "/api/compute/{method}",
+        axum::routing::post(
+            move |axum::extract::Path(method): axum::extract::Path<String>,
+                  headers: axum::http::HeaderMap,
+                  body: axum::body::Bytes| {
+                let (client, upstream, mode) = (client.clone(), upstream.clone(), mode.clone());
+                async move {
+                    let mut request = client.post(format!("{upstream}/api/compute/{method}")).body(body.to_vec());
+                    for name in ["authorization", "content-type"] {
+                        if let Some(value) = headers.get(name) {
+                            request = request.header(name, value.to_str().unwrap());
+                        }
+                    }
+                    let answer = request.send().await.unwrap();
+                    let status = answer.status().as_u16();
+                    let mut value: Value = answer.json().await.unwrap();
+                    if method == "commandBatches.show" {
+                        match mode.lock().unwrap().as_str() {
+                            "leaf" => value["leaves"][0]["subject"] = json!("node_01k00000000000000000000000"),
+                            "root" => value["batch"]["root"] = json!("00".repeat(32)),
+                            "stall" => value["nextOffset"] = json!(0),
+                            _ => {}
+                        }
+                    }
+                    (axum::http::StatusCode::from_u16(status).unwrap(), axum::Json(value))
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_lies_about_the_scope_gets_no_signature() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("lies").await;
+    let machine = AgentNode::new(&server, port);
+    machine.join_pool(&server, &pool).await;
+    let node = machine.node_id();
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("a.pem");
+    ok(&server, &["batch", "keygen", "--out", path_text(&key)]);
+    let public = format!("{}.pub", key.display());
+    ok(
+        &server,
+        &["batch", "publish-approvers", "--epoch", "1", "--quorum", "1", "--trust-domain", "lies.test", "--approver", &public],
+    );
+    let leaves = json!([{ "subject": node, "kind": "ping", "payload": {} }, { "subject": node, "kind": "ping", "payload": {} }]);
+    let batch = create_batch(&server, dir.path(), "lied-about", &leaves);
+
+    let mode = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let proxy = lying_proxy(server.url.clone(), mode.clone()).await;
+    for (lie, code) in [("leaf", "SCOPE_MISMATCH"), ("root", "SCOPE_MISMATCH"), ("stall", "INVALID_RESPONSE")] {
+        *mode.lock().unwrap() = lie.to_owned();
+        let args: Vec<String> =
+            ["batch", "approve", "--batch", &batch, "--key", path_text(&key), "--yes"].iter().map(|s| s.to_string()).collect();
+        let env =
+            vec![("BETTER_COMPUTE_URL".to_owned(), proxy.clone()), ("BETTER_COMPUTE_TOKEN".to_owned(), server.token.clone())];
+        let (status, out, err) = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            bc_tests::cli(&args, &env)
+        })
+        .await
+        .unwrap();
+        assert_eq!(status, 1, "a {lie} lie: {out}{err}");
+        assert!(err.contains(&format!("{code}:")), "a {lie} lie: {err}");
+        let (_, shown) = server.call("commandBatches.show", json!({ "batchId": batch })).await;
+        assert_eq!(shown["batch"]["approvals"].as_array().unwrap().len(), 0, "a {lie} lie was signed: {shown}");
+    }
+    // Told the truth, the same command approves, and quorum 1 releases.
+    *mode.lock().unwrap() = String::new();
+    let approved = ok(&server, &["batch", "approve", "--batch", &batch, "--key", path_text(&key), "--yes"]);
+    assert_eq!(approved["state"], "released", "{approved}");
 }
