@@ -406,8 +406,7 @@ async fn a_server_that_lies_about_the_scope_gets_no_signature() {
         *mode.lock().unwrap() = lie.to_owned();
         let args: Vec<String> =
             ["batch", "approve", "--batch", &batch, "--key", path_text(&key), "--yes"].iter().map(|s| s.to_string()).collect();
-        let env =
-            vec![("BETTER_COMPUTE_URL".to_owned(), proxy.clone()), ("BETTER_COMPUTE_TOKEN".to_owned(), server.token.clone())];
+        let env = [("BETTER_COMPUTE_URL".to_owned(), proxy.clone()), ("BETTER_COMPUTE_TOKEN".to_owned(), server.token.clone())];
         let (status, out, err) = tokio::task::spawn_blocking(move || {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
