@@ -423,4 +423,25 @@ async fn a_server_that_lies_about_the_scope_gets_no_signature() {
     *mode.lock().unwrap() = String::new();
     let approved = ok(&server, &["batch", "approve", "--batch", &batch, "--key", path_text(&key), "--yes"]);
     assert_eq!(approved["state"], "released", "{approved}");
+
+    // `audit prove` proves the approval and the scope it signed; `check-proof` checks both
+    // offline under the log key's pin.
+    let data_dir = server.data_dir.to_str().unwrap().to_owned();
+    let (code, _, err) = bc_tests::cli(&["audit", "checkpoint", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+    let pin = bc_tests::log_key_pin(&server);
+    let (_, events) = server.call("events.list", json!({ "limit": 500 })).await;
+    for (wanted, field, value) in [
+        ("command_batch.approved", "kid", approved["approvals"][0]["kid"].clone()),
+        ("command_batch.created", "root", approved["root"].clone()),
+    ] {
+        let event = events["items"].as_array().unwrap().iter().find(|e| e["type"] == wanted).unwrap()["id"].as_str().unwrap();
+        let proof = dir.path().join(format!("{wanted}.tlog-proof"));
+        let (code, _, err) = bc_tests::cli(&["audit", "prove", event, "--out", path_text(&proof), "--data-dir", &data_dir], &[]);
+        assert_eq!(code, 0, "{err}");
+        let (code, out, err) = bc_tests::cli(&["audit", "check-proof", path_text(&proof), "--pin", &pin], &[]);
+        assert_eq!(code, 0, "{err}");
+        let proved = json(&out);
+        assert_eq!((proved["type"].as_str(), &proved["payload"][field]), (Some(wanted), &value), "{proved}");
+    }
 }
