@@ -15,7 +15,6 @@
 //! swinging by a quarter).
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
 #[path = "support/dev.rs"]
 mod dev;
@@ -23,7 +22,7 @@ mod dev;
 mod etcd;
 #[path = "support/wrk.rs"]
 mod wrk;
-use etcd::{EtcdServer, etcd_version, free_port};
+use etcd::{EtcdServer, etcd_version};
 use wrk::Cell;
 
 /// How long wrk drives each cell.
@@ -82,52 +81,12 @@ fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir:
     wrk::run(url, &lua, WRK_THREADS, connections, WRK_DURATION_S, dir)
 }
 
-/// `better-compute dev` on a fresh data directory; killed when dropped.
-struct OurServer {
-    child: Child,
-    url: String,
-    token: String,
-    _dir: tempfile::TempDir,
-}
-
-impl OurServer {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (port, agents) = (free_port(), free_port());
-        let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_better-compute"))
-            .args(["dev", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--agents-listen", &format!("127.0.0.1:{agents}")])
-            // The bench measures what the server carries, not the per-key rate limit.
-            .args(["--rate-per-key", "0", "--rate-per-tenant", "0"])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let token_path = dir.path().join("data").join("admin.token");
-        // Owned before the wait, so a server that never comes up is killed as the bench panics.
-        let mut server = Self { child, url: format!("http://127.0.0.1:{port}"), token: String::new(), _dir: dir };
-        server.token = dev::wait_ready(port, &token_path);
-        server
-    }
-}
-
-impl Drop for OurServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let scripts = tempfile::tempdir().unwrap();
     eprintln!("api_writes: better-compute dev against {}, wrk {WRK_DURATION_S} s per cell", etcd_version());
-    let ours = OurServer::start();
+    let ours = dev::Dev::start(&[]);
     let (etcd_url, _etcd) = runtime.block_on(EtcdServer::start());
     let bearer = format!("Bearer {}", ours.token);
     let mut rows = Vec::new();

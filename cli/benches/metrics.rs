@@ -12,16 +12,12 @@
 //! on the median of the rounds' ratios (scraped ÷ plain).
 
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 #[path = "support/dev.rs"]
 mod dev;
-#[path = "support/etcd.rs"]
-#[allow(dead_code)]
-mod etcd;
 #[path = "support/wrk.rs"]
 mod wrk;
 
@@ -52,41 +48,10 @@ function request()
 end
 "#;
 
-/// `better-compute dev` on a fresh data directory; killed when dropped.
-struct Server {
-    child: Child,
-    port: u16,
-    token: String,
-    _dir: tempfile::TempDir,
-}
+/// The scrape Prometheus makes.
+struct Server;
 
 impl Server {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (port, agents) = (etcd::free_port(), etcd::free_port());
-        let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_better-compute"));
-        command.args(["dev", "--data-dir"]).arg(dir.path().join("data")).args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--agents-listen",
-            &format!("127.0.0.1:{agents}"),
-        ]);
-        // The bench measures what the server carries, not a per-key rate limit, where the
-        // binary has one.
-        let help = Command::new(env!("CARGO_BIN_EXE_better-compute")).args(["dev", "--help"]).output().unwrap();
-        if String::from_utf8_lossy(&help.stdout).contains("--rate-per-key") {
-            command.args(["--rate-per-key", "0", "--rate-per-tenant", "0"]);
-        }
-        let child =
-            command.env("RUST_LOG", "warn").stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
-        let token_path = dir.path().join("data").join("admin.token");
-        // Owned before the wait, so a server that never comes up is killed as the bench panics.
-        let mut server = Self { child, port, token: String::new(), _dir: dir };
-        server.token = dev::wait_ready(port, &token_path);
-        server
-    }
-
     /// One scrape of `/metrics` as Prometheus asks: the body's length in bytes.
     fn scrape(port: u16) -> usize {
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -101,13 +66,6 @@ impl Server {
         assert!(text.starts_with("HTTP/1.1 200"), "a scrape was refused: {}", text.lines().next().unwrap_or(""));
         assert!(text.contains("better_compute_http_requests_total"), "a scrape without the request counter");
         text.split_once("\r\n\r\n").map(|(_, body)| body.len()).unwrap_or(0)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -149,8 +107,8 @@ fn main() {
     eprintln!(
         "metrics: better-compute dev, wrk {WRK_DURATION_S} s per cell at {CONNECTIONS} connections, scrape every {SCRAPE_INTERVAL_MS} ms"
     );
-    let server = Server::start();
-    let url = format!("http://127.0.0.1:{}", server.port);
+    let server = dev::Dev::start(&[]);
+    let url = server.url.clone();
     let round_counter = AtomicU64::new(0);
     let cell = |scraped: bool| {
         let round = round_counter.fetch_add(1, Ordering::Relaxed);

@@ -23,7 +23,7 @@
 //!    it.
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bc_core::event::Envelope;
@@ -195,44 +195,20 @@ async fn raw_appends(events: &[Envelope], dir: &std::path::Path) -> f64 {
     events.len() as f64 / timed.as_secs_f64()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// `better-compute dev` (release) closing 1 s windows; killed when dropped.
+/// `better-compute dev` (release) closing 1 s windows.
 struct Server {
-    child: Child,
-    url: String,
-    token: String,
-    dir: tempfile::TempDir,
+    dev: dev::Dev,
 }
 
 impl Server {
     fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (port, agents) = (free_port(), free_port());
-        let log = std::fs::File::create(dir.path().join("server.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_better-compute"))
-            .args(["dev", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--agents-listen", &format!("127.0.0.1:{agents}")])
-            .args(["--rate-per-key", "0", "--rate-per-tenant", "0", "--usage-window", "1s"])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let token_path = dir.path().join("data").join("admin.token");
-        let mut server = Self { child, url: format!("http://127.0.0.1:{port}"), token: String::new(), dir };
-        server.token = dev::wait_ready(port, &token_path);
-        server
+        Self { dev: dev::Dev::start(&["--usage-window", "1s"]) }
     }
 
     async fn call(&self, http: &reqwest::Client, method: &str, body: Value) -> Value {
         let r = http
-            .post(format!("{}/api/compute/{method}", self.url))
-            .bearer_auth(&self.token)
+            .post(format!("{}/api/compute/{method}", self.dev.url))
+            .bearer_auth(&self.dev.token)
             .header("Idempotency-Key", EventId::generate().to_string())
             .json(&body)
             .send()
@@ -250,8 +226,8 @@ impl Server {
             .arg("-v")
             .arg(env!("CARGO_BIN_EXE_better-compute"))
             .args(args)
-            .env("BETTER_COMPUTE_URL", &self.url)
-            .env("BETTER_COMPUTE_TOKEN", &self.token)
+            .env("BETTER_COMPUTE_URL", &self.dev.url)
+            .env("BETTER_COMPUTE_TOKEN", &self.dev.token)
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -262,13 +238,6 @@ impl Server {
             .and_then(|v| v.trim().parse().ok())
             .expect("time -v's peak RSS");
         (serde_json::from_slice(&out.stdout).unwrap(), rss)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -319,7 +288,7 @@ async fn export_part() {
     windows.dedup();
     let (first, last) = (windows[0], *windows.last().unwrap() + 1);
 
-    let data = server.dir.path().join("data");
+    let data = server.dev.data_dir();
     let out = |name: &str| data.join(name).to_str().unwrap().to_owned();
     let mut points = Vec::new();
     let mut csv_rate = 0.0;
