@@ -36,6 +36,9 @@ pub const KIND_APPROVER_SET: &str = "approver_set";
 pub const APPROVER_SET_ID: &str = "deployment";
 /// A command batch (`command_batch/batch_…`).
 pub const KIND_COMMAND_BATCH: &str = "command_batch";
+/// One row per pending batch (removed when it is released, cancelled or expires): what the
+/// `batches` reconciler scans for windows that closed.
+pub const KIND_COMMAND_BATCH_LIVE: &str = "command_batch_live";
 
 pub const APPROVER_SET_PUBLISHED: &str = "approver_set.published";
 pub const COMMAND_BATCH_CREATED: &str = "command_batch.created";
@@ -357,6 +360,15 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                 published_at_ms: env.at_ms,
                 version: env.version,
             })
+        }
+        (KIND_COMMAND_BATCH_LIVE, _) => {
+            if current.is_none() && env.event_type != COMMAND_BATCH_CREATED {
+                return Ok(None);
+            }
+            let key = RowKey { kind: KIND_COMMAND_BATCH.to_owned(), ..key.clone() };
+            let doc = apply(&key, current, event)?;
+            let pending = doc.as_ref().is_some_and(|d| d["state"] == BatchState::Pending.as_str());
+            Ok(if pending { doc } else { None })
         }
         (KIND_COMMAND_BATCH, COMMAND_BATCH_CREATED) => {
             if current.is_some() {

@@ -206,6 +206,7 @@ impl Projector for Projections {
             KIND_RESERVATION => Some(KIND_RESERVATION_LIVE),
             KIND_INSTANCE => Some(KIND_INSTANCE_LIVE),
             rollout::KIND_ROLLOUT => Some(rollout::KIND_ROLLOUT_LIVE),
+            batch::KIND_COMMAND_BATCH => Some(batch::KIND_COMMAND_BATCH_LIVE),
             KIND_TENANT
             | KIND_API_KEY
             | KIND_POOL
@@ -217,8 +218,7 @@ impl Projector for Projections {
             | KIND_IMAGE
             | rollout::KIND_RELEASE
             | usage::KIND_USAGE_PRICE
-            | batch::KIND_APPROVER_SET
-            | batch::KIND_COMMAND_BATCH => None,
+            | batch::KIND_APPROVER_SET => None,
             _ => return,
         };
         let row = |kind: &str| RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };

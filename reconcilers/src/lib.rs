@@ -13,6 +13,7 @@
 //! documents consumers read). Never the gateway: consumers talk to the database, not to HTTP
 //! handlers.
 
+pub mod batches;
 pub mod checkpoints;
 pub mod driver;
 pub mod instances;
