@@ -69,6 +69,29 @@ async fn a_gpu_given_to_two_active_reservations_on_the_control_plane_is_named() 
     assert!(found.0.contains(&first.reservation_id) && found.0.contains(&second.reservation_id), "{found}");
 }
 
+/// The rows the step check keeps between steps (read again only where the tenant's events since
+/// touched them) are held to the store's by the full checks: a row changed underneath without
+/// the world hearing of it (not through `row_overwrite`) is named.
+#[tokio::test]
+async fn rows_the_step_check_keeps_that_differ_from_the_store_are_named() {
+    let world = busy_world().await;
+    world.check().await.expect("the honest world passes");
+    world.check_checked_rows().await.expect("the kept rows are the store's");
+    let rsv = active(&world).await.remove(0);
+    let mut moved = serde_json::to_value(&rsv).unwrap();
+    moved["gpuIndexes"] = serde_json::json!([97]);
+    sqlx::query("UPDATE projections SET doc = ? WHERE tenant_id = ? AND kind = ? AND id = ?")
+        .bind(serde_json::to_string(&moved).unwrap())
+        .bind(world.tenants[0].id.to_string())
+        .bind(KIND_RESERVATION_LIVE)
+        .bind(&rsv.reservation_id)
+        .execute(world.sqlite.pool())
+        .await
+        .unwrap();
+    let found = world.check_checked_rows().await.expect_err("the full check must see it");
+    assert!(found.0.starts_with("the rows the step check keeps for tenant"), "{found}");
+}
+
 #[tokio::test]
 async fn a_gpu_held_for_two_reservations_by_an_agent_is_named_and_so_is_a_bound_one_not_held() {
     let world = busy_world().await;

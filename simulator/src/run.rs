@@ -1753,6 +1753,7 @@ pub(crate) async fn full_check_on(world: &World, settled: bool, fold: &mut LogFo
         )));
     }
     oracle_check(world, oracle, &stored)?;
+    world.check_checked_rows().await?;
     world.check_journals(journal, settled).await?;
     Ok((ids.len() as u64, acknowledged.len() as u64))
 }

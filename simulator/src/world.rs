@@ -377,21 +377,29 @@ pub struct World {
     /// Every workload append the log acknowledged with new events: `(tenant, seq, event id)`,
     /// which the full check finds in the log again (no acknowledged event lost).
     pub acknowledged: std::sync::Mutex<Vec<(TenantId, u64, String)>>,
-    /// Per tenant, the rows the check after every step reads ([`CheckedRows`]) and the seq of
-    /// the tenant's chain head they were read at. A tenant's projection rows change only in a
-    /// commit of its own chain, which moves its head, so rows read at the head still current
-    /// are the rows in the store; [`Self::row_overwrite`], which writes underneath the log,
-    /// forgets them. Reading and decoding them at every checked step was a quarter of a run at
-    /// 100 nodes a tenant, though most steps append nothing to the tenant they check.
-    checked_rows: std::sync::Mutex<BTreeMap<usize, (u64, Arc<CheckedRows>)>>,
+    /// Per tenant, the rows the check after every step reads ([`CheckedRows`]), as of a seq of
+    /// the tenant's chain. A tenant's projection rows change only in a commit of its own chain
+    /// (the projections key every row an event touches by the event's tenant), which moves its
+    /// head: rows read at the head still current are the rows in the store, and once it moved,
+    /// only the rows the events since touch changed (read again by key). [`Self::row_overwrite`],
+    /// which writes underneath the log, forgets them; every full check compares them with the
+    /// store ([`Self::check_checked_rows`]). Reading and decoding all of them at every checked
+    /// step was a quarter of a run at 100 nodes a tenant.
+    checked_rows: std::sync::Mutex<BTreeMap<usize, Arc<CheckedRows>>>,
 }
 
-/// The rows of one tenant the check after every step reads: its live reservations and its
-/// nodes' allocations.
+/// The rows of one tenant the check after every step reads, by id: its live reservations and
+/// its nodes' allocations, as of the tenant's chain at `head`.
+#[derive(Clone, PartialEq)]
 struct CheckedRows {
-    live: Vec<LiveReservation>,
-    nodes: Vec<NodeAllocations>,
+    head: u64,
+    live: BTreeMap<String, LiveReservation>,
+    nodes: BTreeMap<String, NodeAllocations>,
 }
+
+/// Events since [`CheckedRows::head`] at most that are read to find the rows they touched;
+/// further behind (a first read), the tenant's rows are read whole.
+const CHECKED_ROWS_EVENTS_MAX: u64 = 256;
 
 /// Node `n` of tenant `t` as it joins: its agent (not started) and the append that joins it
 /// (`node.joined` and `node.ready` on its new stream). Its id, GPU count and key come from the
@@ -454,7 +462,7 @@ fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut See
 
 /// The part of a node's document the check after each step reads (decoding all of it, every
 /// step, was a tenth of a run's time).
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, Clone, PartialEq)]
 #[serde(rename_all = "camelCase")]
 struct NodeAllocations {
     node_id: String,
@@ -463,7 +471,7 @@ struct NodeAllocations {
 }
 
 /// The part of a live reservation's document the check after each step reads.
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, Clone, PartialEq)]
 #[serde(rename_all = "camelCase")]
 struct LiveReservation {
     reservation_id: String,
@@ -474,7 +482,7 @@ struct LiveReservation {
     binding: Option<LiveBinding>,
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, Clone, PartialEq)]
 #[serde(rename_all = "camelCase")]
 struct LiveBinding {
     state: BindingState,
@@ -954,24 +962,107 @@ impl World {
         let tenant = self.tenants[t].id;
         let heads = self.store.heads().await.expect("the heads read");
         let head = heads.iter().find(|(id, _)| *id == tenant).map_or(0, |(_, h)| h.seq);
-        if let Some((seq, rows)) = self.checked_rows.lock().expect("not poisoned").get(&t)
-            && *seq == head
-        {
-            return rows.clone();
-        }
-        let rows =
-            Arc::new(CheckedRows { live: self.rows(t, KIND_RESERVATION_LIVE).await, nodes: self.rows(t, KIND_NODE).await });
-        self.checked_rows.lock().expect("not poisoned").insert(t, (head, rows.clone()));
+        let cached = self.checked_rows.lock().expect("not poisoned").remove(&t);
+        let rows = match cached {
+            Some(mut rows) if rows.head <= head && head - rows.head <= CHECKED_ROWS_EVENTS_MAX => {
+                if rows.head < head {
+                    self.checked_rows_patch(t, Arc::make_mut(&mut rows), head).await;
+                }
+                rows
+            }
+            _ => Arc::new(self.checked_rows_read(t, head).await),
+        };
+        self.checked_rows.lock().expect("not poisoned").insert(t, rows.clone());
         rows
+    }
+
+    /// Tenant `t`'s [`CheckedRows`] read whole, at its chain's `head`.
+    async fn checked_rows_read(&self, t: usize, head: u64) -> CheckedRows {
+        let live: Vec<LiveReservation> = self.rows(t, KIND_RESERVATION_LIVE).await;
+        let nodes: Vec<NodeAllocations> = self.rows(t, KIND_NODE).await;
+        CheckedRows {
+            head,
+            live: live.into_iter().map(|r| (r.reservation_id.clone(), r)).collect(),
+            nodes: nodes.into_iter().map(|n| (n.node_id.clone(), n)).collect(),
+        }
+    }
+
+    /// Brings `rows` from their head to `head`: the rows the tenant's events since touched (by
+    /// the log's own projector) are read again by key, and those gone are dropped.
+    async fn checked_rows_patch(&self, t: usize, rows: &mut CheckedRows, head: u64) {
+        let tenant = self.tenants[t].id;
+        let mut touched: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
+        let mut keys = Vec::new();
+        let mut from = rows.head + 1;
+        while from <= head {
+            let page = self.store.read_chain_rows(tenant, from, CHECKED_ROWS_EVENTS_MAX as u32).await.expect("the log reads");
+            let Some(last) = page.last() else { break };
+            from = last.seq + 1;
+            for row in page {
+                let event = row.decode().expect("an event decodes");
+                keys.clear();
+                self.projector.touches(&event, &mut keys);
+                for key in keys.drain(..) {
+                    for kind in [KIND_NODE, KIND_RESERVATION_LIVE] {
+                        if key.kind == kind {
+                            touched.entry(kind).or_default().insert(key.id.clone());
+                        }
+                    }
+                }
+            }
+        }
+        let tenant = tenant.to_string();
+        for (kind, ids) in touched {
+            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+            for chunk in ids.chunks(bc_core::store::ROWS_GET_MAX) {
+                let found = self.store.rows_get_raw(&tenant, kind, chunk).await.expect("rows read");
+                let mut found: BTreeMap<String, String> = found.into_iter().map(|r| (r.key.id, r.doc)).collect();
+                for id in chunk {
+                    let doc = found.remove(*id);
+                    if kind == KIND_NODE {
+                        match doc {
+                            Some(doc) => rows.nodes.insert((*id).to_owned(), serde_json::from_str(&doc).expect("a document")),
+                            None => rows.nodes.remove(*id),
+                        };
+                    } else {
+                        match doc {
+                            Some(doc) => rows.live.insert((*id).to_owned(), serde_json::from_str(&doc).expect("a document")),
+                            None => rows.live.remove(*id),
+                        };
+                    }
+                }
+            }
+        }
+        rows.head = head;
+    }
+
+    /// The rows the check after every step keeps ([`Self::checked_rows`]) against the store's,
+    /// read whole: a finding if they differ (the check would have judged other rows than the
+    /// store's). Each full check runs it.
+    pub async fn check_checked_rows(&self) -> Result<(), Violation> {
+        let cached: Vec<(usize, Arc<CheckedRows>)> =
+            self.checked_rows.lock().expect("not poisoned").iter().map(|(t, rows)| (*t, rows.clone())).collect();
+        for (t, rows) in cached {
+            let read = self.checked_rows_read(t, rows.head).await;
+            let head = self.store.heads().await.expect("the heads read");
+            let now = head.iter().find(|(id, _)| *id == self.tenants[t].id).map_or(0, |(_, h)| h.seq);
+            ensure!(
+                now != rows.head || *rows == read,
+                "the rows the step check keeps for tenant {} (at seq {}) differ from the store's",
+                self.tenants[t].id,
+                rows.head
+            );
+        }
+        Ok(())
     }
 
     /// [`Self::check`] for tenant `t` alone: its reservations, its nodes and their agents (a
     /// node, its agent and its reservations are all one tenant's).
     pub async fn check_tenant(&self, t: usize) -> Result<(), Violation> {
         let rows = self.checked_rows(t).await;
-        let live = &rows.live;
+        let live: Vec<&LiveReservation> = rows.live.values().collect();
         {
-            let nodes: BTreeMap<&str, &NodeAllocations> = rows.nodes.iter().map(|n| (n.node_id.as_str(), n)).collect();
+            let nodes: BTreeMap<&str, &NodeAllocations> = rows.nodes.iter().map(|(id, n)| (id.as_str(), n)).collect();
             let mut taken: BTreeMap<(String, u32), String> = BTreeMap::new();
             // Every active reservation's GPUs first, so a GPU given twice is named as such
             // rather than as the node's row giving it to the other one.
