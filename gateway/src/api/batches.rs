@@ -25,7 +25,7 @@ use super::body::parse_id;
 use super::call::doc;
 use super::commands::{COMMAND_DEADLINE_S_DEFAULT, COMMAND_DEADLINE_S_MAX, check_node_queue};
 use super::paging::{Page, list_rows};
-use super::validate::{CursorText, LimitNumber, NodeIdText, TenantIdText, string_schema};
+use super::validate::{CommandBatchIdText, CursorText, LimitNumber, NodeIdText, TenantIdText, string_schema};
 use super::views::{ApproverSetView, BatchMemberView, BatchMembersView, CommandBatchScopeView, CommandBatchView, LeafView};
 use super::{Access, Call, Method, method};
 
@@ -50,8 +50,6 @@ pub(super) const METHODS: &[Method] = &[
     method!("commandBatches.cancel", APPROVE, "end a pending batch; its commands are never issued", BatchRef => CommandBatchView, batches_cancel),
 ];
 
-string_schema!(/// `batch_…`
-    CommandBatchIdText, json_schema!({ "type": "string", "pattern": "^batch_[0-9a-hjkmnp-tv-z]{26}$" }));
 string_schema!(/// `ak_` and 16 hex digits.
     KidText, json_schema!({ "type": "string", "pattern": "^ak_[0-9a-f]{16}$" }));
 string_schema!(/// ECDSA P-256 / SHA-256, ASN.1 DER, base64 (standard, padded).

@@ -143,6 +143,8 @@ id_schema!(/// `rel_…`
     ReleaseIdText, bc_core::id::ReleaseId);
 id_schema!(/// `ro_…`
     RolloutIdText, bc_core::id::RolloutId);
+id_schema!(/// `batch_…`
+    CommandBatchIdText, bc_core::id::CommandBatchId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({
