@@ -19,7 +19,7 @@ pub enum SimCommand {
     Run {
         #[arg(long)]
         seed: u64,
-        /// Nodes in all, dealt to the tenants in turn (at most 1000).
+        /// Nodes in all, dealt to the tenants in turn (at most 5,000).
         #[arg(long, default_value_t = 20)]
         nodes: usize,
         /// Tenants, each with one pool (at most 100).
