@@ -60,17 +60,24 @@ witness: $(WITNESS_BIN)
 $(WITNESS_BIN):
 	$(CARGO) install siglog --version 0.1.0 --locked --bin witness --root target/tools --debug -j $$(( ($$(nproc) + 1) / 2 ))
 
+## A Python virtual environment of a test's outside checkers: $(call python_venv,DIR,REQUIREMENTS)
+## makes DIR/installed-requirements.txt, the venv made once and again only when REQUIREMENTS
+## changes (the pins are in the file).
+define python_venv
+$(1)/installed-requirements.txt: $(2)
+	rm -rf $(1)
+	python3 -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(2)
+	cp $(2) $$@
+endef
+
 ## The third-party RFC 6962 implementation the tiles test checks the served tiles with: pymerkle
 ## (PyPI, pinned in tests/scripts/tiles-requirements.txt) in a virtual environment of its own,
 ## target/tiles-venv/, made once and again only when that file changes.
 TILES_VENV := target/tiles-venv
 TILES_REQUIREMENTS := tests/scripts/tiles-requirements.txt
 tiles-venv: $(TILES_VENV)/installed-requirements.txt
-$(TILES_VENV)/installed-requirements.txt: $(TILES_REQUIREMENTS)
-	rm -rf $(TILES_VENV)
-	python3 -m venv $(TILES_VENV)
-	$(TILES_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(TILES_REQUIREMENTS)
-	cp $(TILES_REQUIREMENTS) $@
+$(eval $(call python_venv,$(TILES_VENV),$(TILES_REQUIREMENTS)))
 
 ## The usage test's outside checkers: the FinOps Foundation's focus-validator and the CloudEvents
 ## SDK (PyPI, pinned in tests/scripts/usage-requirements.txt) in a virtual environment of its own,
@@ -78,11 +85,7 @@ $(TILES_VENV)/installed-requirements.txt: $(TILES_REQUIREMENTS)
 USAGE_VENV := target/usage-venv
 USAGE_REQUIREMENTS := tests/scripts/usage-requirements.txt
 usage-venv: $(USAGE_VENV)/installed-requirements.txt
-$(USAGE_VENV)/installed-requirements.txt: $(USAGE_REQUIREMENTS)
-	rm -rf $(USAGE_VENV)
-	python3 -m venv $(USAGE_VENV)
-	$(USAGE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(USAGE_REQUIREMENTS)
-	cp $(USAGE_REQUIREMENTS) $@
+$(eval $(call python_venv,$(USAGE_VENV),$(USAGE_REQUIREMENTS)))
 
 ## The BMC the Redfish test drives the real client against: OpenStack's sushy-tools emulator (PyPI,
 ## pinned in tests/scripts/sushy-requirements.txt, its fake system driver) in a virtual environment
@@ -90,11 +93,7 @@ $(USAGE_VENV)/installed-requirements.txt: $(USAGE_REQUIREMENTS)
 SUSHY_VENV := target/sushy-venv
 SUSHY_REQUIREMENTS := tests/scripts/sushy-requirements.txt
 sushy-venv: $(SUSHY_VENV)/installed-requirements.txt
-$(SUSHY_VENV)/installed-requirements.txt: $(SUSHY_REQUIREMENTS)
-	rm -rf $(SUSHY_VENV)
-	python3 -m venv $(SUSHY_VENV)
-	$(SUSHY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(SUSHY_REQUIREMENTS)
-	cp $(SUSHY_REQUIREMENTS) $@
+$(eval $(call python_venv,$(SUSHY_VENV),$(SUSHY_REQUIREMENTS)))
 
 ## The agents' endpoint's outside gRPC clients the health test runs (grpcio-health-checking and
 ## grpcio-reflection, PyPI, pinned in tests/scripts/health-requirements.txt) in a virtual
@@ -102,11 +101,7 @@ $(SUSHY_VENV)/installed-requirements.txt: $(SUSHY_REQUIREMENTS)
 HEALTH_VENV := target/health-venv
 HEALTH_REQUIREMENTS := tests/scripts/health-requirements.txt
 health-venv: $(HEALTH_VENV)/installed-requirements.txt
-$(HEALTH_VENV)/installed-requirements.txt: $(HEALTH_REQUIREMENTS)
-	rm -rf $(HEALTH_VENV)
-	python3 -m venv $(HEALTH_VENV)
-	$(HEALTH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-input -r $(HEALTH_REQUIREMENTS)
-	cp $(HEALTH_REQUIREMENTS) $@
+$(eval $(call python_venv,$(HEALTH_VENV),$(HEALTH_REQUIREMENTS)))
 
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:
