@@ -36,17 +36,6 @@ const ROUNDS: usize = 3;
 const ETCD_VALUE_BYTES: usize = 246;
 const _: () = assert!(ETCD_VALUE_BYTES.is_multiple_of(3), "so its base64 has no padding to get wrong");
 
-/// What both wrk scripts start with: a request counter per thread and each thread's number
-/// (`tid`), so every request's name or key is its own.
-const THREAD_IDS_LUA: &str = r#"
-local counter = 0
-local threads = 0
-function setup(thread)
-  thread:set("tid", threads)
-  threads = threads + 1
-end
-"#;
-
 /// The wrk script for ours: a `pools.create` with a name unique per thread and request.
 const OURS_LUA: &str = r#"
 function request()
@@ -76,7 +65,7 @@ fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir:
     for (name, value) in headers {
         lua.push_str(&format!("wrk.headers[\"{name}\"] = \"{value}\"\n"));
     }
-    lua.push_str(THREAD_IDS_LUA);
+    lua.push_str(wrk::THREAD_IDS_LUA);
     lua.push_str(script);
     wrk::run(url, &lua, WRK_THREADS, connections, WRK_DURATION_S, dir)
 }

@@ -36,14 +36,9 @@ const SCRAPE_INTERVAL_MS: u64 = 1_000;
 /// The goal: at most this fraction of the writes lost to the scrape.
 const OVERHEAD_MAX: f64 = 0.05;
 
-/// The wrk script: a `pools.create` with a name unique per thread and request.
+/// The wrk script after `wrk::THREAD_IDS_LUA`: a `pools.create` with a name unique per thread
+/// and request.
 const WRITES_LUA: &str = r#"
-local counter = 0
-local threads = 0
-function setup(thread)
-  thread:set("tid", threads)
-  threads = threads + 1
-end
 function request()
   counter = counter + 1
   local body = string.format('{"name":"m%d-%d-%d"}', ROUND, tid, counter)
@@ -117,6 +112,7 @@ fn main() {
         let round = round_counter.fetch_add(1, Ordering::Relaxed);
         let mut script = format!("ROUND = {round}\nwrk.headers[\"Content-Type\"] = \"application/json\"\n");
         script.push_str(&format!("wrk.headers[\"Authorization\"] = \"Bearer {}\"\n", server.token));
+        script.push_str(wrk::THREAD_IDS_LUA);
         script.push_str(WRITES_LUA);
         let scraper = scraped.then(|| Scraper::start(server.port));
         let measured = wrk::run(&url, &script, WRK_THREADS, CONNECTIONS, WRK_DURATION_S, scripts.path());

@@ -4,6 +4,17 @@
 use std::path::Path;
 use std::process::Command;
 
+/// What a wrk script that writes starts with: a request counter per thread and each thread's
+/// number (`tid`), so every request's name or key is its own.
+pub const THREAD_IDS_LUA: &str = r#"
+local counter = 0
+local threads = 0
+function setup(thread)
+  thread:set("tid", threads)
+  threads = threads + 1
+end
+"#;
+
 /// What one wrk run measured.
 pub struct Cell {
     pub requests_per_s: f64,
