@@ -103,11 +103,6 @@ fn reconciler_names(names: Option<&str>) -> Result<Vec<&'static str>, String> {
     Ok(chosen)
 }
 
-/// clap's parser of `--roles`.
-pub fn parse_roles(text: &str) -> Result<Roles, String> {
-    Roles::parse(text)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,6 +24,15 @@ pub const SIM_NODES_MAX: u32 = 1_000;
 /// Machine `i` is the fake machine of seed `SIM_SEED + i`: the same machines on every start.
 pub const SIM_SEED: u64 = 1;
 
+/// Refuses `--sim` before anything starts when this build has no fake machines.
+pub fn check_build() -> Result<(), CliError> {
+    if bc_agent::FAKE_MACHINES {
+        return Ok(());
+    }
+    Err(CliError::usage("--sim needs fake machines, which this build leaves out")
+        .hint("make dev DEV_ARGS='--sim N' builds them in (cargo run --features bc-agent/fakehw)"))
+}
+
 /// `--sim N`'s bounds, checked with the flags.
 pub fn parse_sim_nodes(text: &str) -> Result<u32, String> {
     match text.parse::<u32>() {
@@ -57,10 +66,6 @@ pub async fn run(plan: Plan, stopped: tokio::sync::watch::Receiver<bool>) {
 }
 
 async fn run_machines(plan: Plan, mut stopped: tokio::sync::watch::Receiver<bool>) -> Result<(), CliError> {
-    if !bc_agent::FAKE_MACHINES {
-        return Err(CliError::usage("--sim needs fake machines, which this build leaves out")
-            .hint("make dev DEV_ARGS='--sim N' builds them in (cargo run --features bc-agent/fakehw)"));
-    }
     std::fs::create_dir_all(&plan.data_dir)
         .map_err(|e| CliError::new("INTERNAL", format!("creating {}: {e}", plan.data_dir.display())))?;
     let token = std::fs::read_to_string(&plan.token_path)

@@ -48,7 +48,7 @@ pub struct ServeArgs {
     /// What this process runs: `api` (the API on --listen; without it --listen serves only
     /// /healthz, /readyz and /metrics), `agents` (the agents' endpoint), `reconcilers` or
     /// `reconcilers:NAME[:NAME…]`, comma-separated. Default: all of them.
-    #[arg(long, value_name = "ROLES", value_parser = crate::roles::parse_roles, conflicts_with = "no_reconcilers")]
+    #[arg(long, value_name = "ROLES", value_parser = crate::roles::Roles::parse, conflicts_with = "no_reconcilers")]
     pub roles: Option<crate::roles::Roles>,
 }
 
@@ -504,6 +504,9 @@ fn read_release_keys(paths: &[PathBuf]) -> Result<Vec<bc_core::release::ReleaseP
 
 pub async fn dev(args: DevArgs) -> Result<(), CliError> {
     let DevArgs { dir, server, agents_insecure_h2c, sim } = args;
+    if sim.is_some() {
+        crate::sim_agents::check_build()?;
+    }
     let db = Database::Sqlite(dir.data_dir.join(server::SQLITE_FILE));
     // dev delivers webhooks to loopback receivers: that is where a developer's are.
     let shape = Shape { roles: None, sim_nodes: sim };
