@@ -38,6 +38,13 @@ pub struct Config {
     /// A duration (`60s`, `500ms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observe_interval: Option<String>,
+    /// The approver set's root this node trusts for destructive batches: SHA-256 of the
+    /// epoch-1 approver set's message, 64 lowercase hex digits per root, comma-separated
+    /// (`better-compute batch approvers` prints it as `commandRootSha256`). With it, a command a
+    /// batch released runs only once its release verifies here (`bc_core::approval`); a release
+    /// that does not is refused, the reason journaled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_root_sha256: Option<String>,
     #[serde(default)]
     pub journal: JournalConfig,
     #[serde(default)]
@@ -205,6 +212,7 @@ impl Config {
         crate::client::check_pin(&self.log_key_pin).map_err(|e| format!("log_key_pin: {e}"))?;
         crate::client::Gateway::parse(&self.gateway, self.serving_ca_spki_pin.as_deref())?;
         self.observe_interval_ms()?;
+        self.command_roots()?;
         if self.hardware.fake_seed.is_some() && !cfg!(feature = "fakehw") {
             return Err("[hardware] fake_seed needs a fakehw build (cargo build --features bc-agent/fakehw)".into());
         }
@@ -239,6 +247,11 @@ impl Config {
             return Err("[hypervisor] network is libvirt's: set uri too".into());
         }
         Ok(())
+    }
+
+    /// The pinned approver-set roots (`command_root_sha256`); empty without it.
+    pub fn command_roots(&self) -> Result<Vec<String>, String> {
+        self.command_root_sha256.as_deref().map_or(Ok(Vec::new()), bc_core::approval::parse_command_roots)
     }
 
     pub fn gateway(&self) -> Result<crate::client::Gateway, String> {

@@ -80,6 +80,29 @@ pub struct Runner {
     /// they run one at a time.
     pub ledger: tokio::sync::Mutex<Ledger>,
     pub ledger_file: LedgerFile,
+    /// The approver-set roots this node pins (`command_root_sha256`): with any, a command a batch
+    /// released runs only once [`batch_release_refusal`] finds nothing to refuse.
+    pub command_roots: Vec<String>,
+}
+
+/// Whether this node refuses `command` for its batch release: `None` when it pins no root
+/// (`command_root_sha256`) or the command came from no batch; otherwise the release is verified
+/// here ([`bc_core::approval::verify_release`]: the pinned set's chain, the quorum of approvals,
+/// this command as the leaf at its index) and the refusal is `batch-release-refused: WHY`. Pure.
+pub fn batch_release_refusal(roots: &[String], node_id: &str, command: &bc_proto::Command) -> Option<String> {
+    if roots.is_empty() || command.release_json.is_empty() {
+        return None;
+    }
+    let refused = |why: String| Some(format!("batch-release-refused: {why}"));
+    let release: bc_core::approval::BatchRelease = match serde_json::from_str(&command.release_json) {
+        Ok(release) => release,
+        Err(e) => return refused(format!("the release does not parse: {e}")),
+    };
+    let args: Value = match serde_json::from_str(&command.args_json) {
+        Ok(args) => args,
+        Err(e) => return refused(format!("the command's arguments do not parse: {e}")),
+    };
+    bc_core::approval::verify_release(roots, node_id, &command.kind, &args, &release).err().and_then(refused)
 }
 
 /// What a command ended in: its last journal entry's type, subject and payload.
@@ -150,6 +173,7 @@ impl Runner {
             inventory,
             ledger: tokio::sync::Mutex::new(ledger),
             ledger_file,
+            command_roots: config.command_roots()?,
         })
     }
 
@@ -568,6 +592,11 @@ impl Runner {
                 _ => Finish::failed(reason),
             };
             self.finish(now_ms, id, finish, &mut out).await?;
+            return Ok(out);
+        }
+        if let Some(refusal) = batch_release_refusal(&self.command_roots, &self.node.to_string(), command) {
+            tracing::warn!(command = %id, reason = %refusal, "a batch command's release was refused");
+            self.finish(now_ms, id, Finish::failed(truncate_bytes(&refusal, REASON_BYTES_MAX)), &mut out).await?;
             return Ok(out);
         }
         if stage.is_none() {
@@ -1107,6 +1136,7 @@ mod tests {
             inventory: Arc::new(TwoGpus),
             ledger: tokio::sync::Mutex::new(Ledger::default()),
             ledger_file: LedgerFile::new(dir),
+            command_roots: Vec::new(),
         };
         let instances = hypervisor.map(|h| Instances::new(dir, h).unwrap());
         Agent { runner, instances, update: None }

@@ -690,6 +690,7 @@ pub async fn run_server(
     limits: bc_gateway::ServeLimits,
     agents: &AgentsOptions,
     release_keys: Vec<bc_core::release::ReleasePublicKey>,
+    batch_quorum: bool,
 ) -> Result<(), CliError> {
     if sim_nodes.is_some() && !roles.agents {
         return Err(CliError::usage("--sim needs the agents role: the simulated agents connect to this process"));
@@ -733,6 +734,7 @@ pub async fn run_server(
         .with_ssh_user_ca(ssh_user_ca);
     state.metrics_on_api = metrics_listener.is_none();
     state.api_served = roles.api;
+    state.batch_quorum = batch_quorum;
     // Before the reconcilers start, so their first passes are counted.
     bc_reconcilers::driver::observe(Arc::new(PassMetrics(state.metrics.clone())));
     let metrics_served = metrics_listener
@@ -749,6 +751,9 @@ pub async fn run_server(
         Some(AgentsEndpoint { pin: Some(pin), bound, .. }) => println!("  agents:    https://{bound} (pin {pin})"),
         Some(AgentsEndpoint { pin: None, bound, .. }) => println!("  agents:    h2c://{bound} (plaintext, loopback only)"),
         None => println!("  agents:    none (not this process's role)"),
+    }
+    if batch_quorum {
+        println!("  approvers: quorum on (--approvers): wide destructive calls need a batch");
     }
     if !release_keys.is_empty() {
         println!("  releases:  trusted keys {}", release_keys.iter().map(|k| k.key_id()).collect::<Vec<_>>().join(", "));

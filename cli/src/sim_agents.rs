@@ -124,6 +124,7 @@ fn base_config(plan: &Plan) -> bc_agent::config::Config {
         serving_ca_spki_pin: plan.agents_pin.clone(),
         log_key_pin: plan.log_key_pin.clone(),
         observe_interval: None,
+        command_root_sha256: None,
         journal: Default::default(),
         log: Default::default(),
         hardware: Default::default(),

@@ -27,6 +27,9 @@ pub enum ErrorCode {
     /// A well-formed request this deployment or the target cannot serve (yet): what is
     /// missing is `details.reason`.
     Unsupported,
+    /// A call this deployment takes only through a destructive batch under the approvers'
+    /// quorum (`dev`/`serve --approvers`): its scope is too wide for one key.
+    BatchRequired,
     Corrupt,
     Internal,
 }
@@ -47,6 +50,7 @@ impl ErrorCode {
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             Self::Unavailable => "UNAVAILABLE",
             Self::Unsupported => "UNSUPPORTED",
+            Self::BatchRequired => "BATCH_REQUIRED",
             Self::Corrupt => "LOG_CORRUPT",
             Self::Internal => "INTERNAL",
         }
@@ -97,6 +101,10 @@ pub enum Error {
     /// (`guest-agent`, `daemon-capability`, …).
     #[error("{message}")]
     Unsupported { message: String, reason: String },
+    /// With the approvers' quorum on, a destructive call whose scope needs a batch
+    /// (`commandBatches.create`); `hint` says how to make one.
+    #[error("{message}")]
+    BatchRequired { message: String, hint: String },
     /// The log or a stored row does not verify: corruption or tampering.
     #[error("log corrupt: tenant {tenant} seq {seq}: {what}")]
     Corrupt { tenant: String, seq: u64, what: String },
@@ -122,6 +130,7 @@ impl Error {
             Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
             Self::Unavailable(_) => ErrorCode::Unavailable,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
+            Self::BatchRequired { .. } => ErrorCode::BatchRequired,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
             Self::Storage(_) | Self::Internal(_) => ErrorCode::Internal,
         }
@@ -138,6 +147,7 @@ impl Error {
     pub fn hint(&self) -> Option<&str> {
         match self {
             Self::InvalidArgument { hint, .. } | Self::InvalidState { hint, .. } => hint.as_deref(),
+            Self::BatchRequired { hint, .. } => Some(hint),
             Self::Conflict { .. } => Some("read the current version and retry"),
             Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
             Self::RateLimited { .. } => Some("wait the Retry-After delay, then send fewer requests a second"),

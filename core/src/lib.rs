@@ -6,6 +6,8 @@
 //! - [`canonical`]: deterministic CBOR (RFC 8949 §4.2.1);
 //! - [`event`]: the envelope, its hash, the stored form, outbox positions;
 //! - [`keys`]: the Ed25519 log key, key ids, pins, secret files;
+//! - [`approval`]: the bytes of destructive batches (approval and approver-set messages, P-256
+//!   signatures, leaves) and a node's check of a batch command's release, pure;
 //! - [`release`]: signed `bcd` releases (release keys, the manifest, its signature, the update
 //!   checks), pure;
 //! - [`chain`]: pure verification of a tenant's hash chain;
@@ -20,6 +22,7 @@
 //! `schema/LOG-FORMAT.md` describes the bytes this crate writes.
 
 pub mod agent;
+pub mod approval;
 pub mod audit;
 pub mod canonical;
 pub mod chain;

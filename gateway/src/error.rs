@@ -47,7 +47,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
             StatusCode::CONFLICT
         }
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
-        ErrorCode::AccessDenied | ErrorCode::QuotaExceeded => StatusCode::FORBIDDEN,
+        ErrorCode::AccessDenied | ErrorCode::QuotaExceeded | ErrorCode::BatchRequired => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::RateLimited => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unsupported => StatusCode::NOT_IMPLEMENTED,

@@ -116,6 +116,9 @@ pub struct AppState {
     /// HTTP listener answers only the probes and the scrape, and every other path
     /// `UNSUPPORTED` (`api-not-served`), so a load balancer sent here by mistake says so.
     pub api_served: bool,
+    /// The approvers' quorum (`dev`/`serve --approvers`): the calls
+    /// `bc_projections::decide::batch::batch_required` names go through a destructive batch.
+    pub batch_quorum: bool,
 }
 
 /// Stripes of [`NameLocks`]: a bound on the locks, whatever the number of tenants.
@@ -224,6 +227,7 @@ impl AppState {
             metrics,
             metrics_on_api: true,
             api_served: true,
+            batch_quorum: false,
         }
     }
 

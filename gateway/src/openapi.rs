@@ -29,6 +29,7 @@ const ERROR_CODES: &[ErrorCode] = &[
     ErrorCode::PayloadTooLarge,
     ErrorCode::Unavailable,
     ErrorCode::Unsupported,
+    ErrorCode::BatchRequired,
     ErrorCode::Corrupt,
     ErrorCode::Internal,
 ];

@@ -20,13 +20,11 @@ use base64::Engine as _;
 use bc_core::event::StoredEvent;
 use bc_core::merkle::{self, Hash};
 use bc_core::store::RowKey;
-use bc_core::{Error, Result, canonical};
-use p256::ecdsa::signature::Verifier as _;
-use p256::ecdsa::{DerSignature, VerifyingKey};
-use p256::pkcs8::{DecodePublicKey as _, EncodePublicKey as _};
+use bc_core::{Error, Result};
+use p256::ecdsa::VerifyingKey;
+use p256::pkcs8::EncodePublicKey as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest as _, Sha256};
 
 use crate::{corrupt, from_doc, payload, to_doc};
 
@@ -60,17 +58,11 @@ pub const COMMAND_BATCH_HOURS_MAX: u64 = 72;
 pub const COMMAND_BATCH_REASON_BYTES_MAX: usize = 500;
 /// A trust domain: at most this many bytes of `[a-z0-9.-]`.
 pub const TRUST_DOMAIN_BYTES_MAX: usize = 253;
-/// A DER ECDSA P-256 signature is at most 72 bytes; its base64 at most this.
-pub const SIGNATURE_B64_BYTES_MAX: usize = 128;
-/// A P-256 SubjectPublicKeyInfo is 91 bytes; its base64 at most this.
-pub const PUBLIC_KEY_B64_BYTES_MAX: usize = 256;
+pub use bc_core::approval::{PUBLIC_KEY_B64_BYTES_MAX, SIGNATURE_B64_BYTES_MAX};
 const _: () = assert!(COMMAND_BATCH_LEAVES_MAX + 2 <= bc_core::store::BATCH_EVENTS_MAX);
 const _: () = assert!(COMMAND_BATCH_LEAF_BYTES_MAX + 24 * 1024 <= bc_core::event::PAYLOAD_BYTES_MAX);
 
-/// The first line of the approval message (its format's version).
-pub const APPROVAL_MESSAGE_V1: &str = "better-compute batch approval v1";
-/// The first line of the approver-set message.
-pub const APPROVER_SET_MESSAGE_V1: &str = "better-compute approver set v1";
+pub use bc_core::approval::{APPROVAL_MESSAGE_V1, APPROVER_SET_MESSAGE_V1, approval_message, kid_of_spki, verify_signature};
 
 /// One operation of a batch's scope.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -90,8 +82,7 @@ impl Leaf {
     /// The leaf's bytes: `{subject, kind, payload}` in the log's canonical CBOR (map keys
     /// sorted by their encoding, shortest integers, no floats).
     pub fn encode(&self) -> Result<Vec<u8>> {
-        let json = serde_json::json!({ "subject": self.subject, "kind": self.kind, "payload": self.payload });
-        canonical::encode(canonical::from_json(&json)?)
+        bc_core::approval::leaf_bytes(&self.subject, &self.kind, &self.payload)
     }
 
     /// Its RFC 6962 leaf hash.
@@ -111,39 +102,15 @@ pub fn scope_root(leaves: &[Leaf]) -> Result<String> {
     Ok(hex::encode(merkle::root(&hashes)))
 }
 
-/// What an approver signs for a batch: UTF-8, one `name value` line each, every line ending in
-/// `\n`:
-///
-/// ```text
-/// better-compute batch approval v1
-/// trust-domain compute.example.com
-/// batch batch_01k…
-/// root 3f1c…            (64 lowercase hex digits)
-/// size 12
-/// expires-at-ms 1790000000000
-/// ```
-pub fn approval_message(trust_domain: &str, batch_id: &str, root_hex: &str, size: u64, expires_at_ms: u64) -> String {
-    format!(
-        "{APPROVAL_MESSAGE_V1}\ntrust-domain {trust_domain}\nbatch {batch_id}\nroot {root_hex}\nsize {size}\nexpires-at-ms {expires_at_ms}\n"
-    )
-}
-
 /// What K approvers of epoch N sign to publish the set of epoch N+1: its trust domain, epoch
 /// and quorum, then one `key KID PUBLIC_KEY` line per key, sorted by kid.
 pub fn approver_set_message(trust_domain: &str, epoch: u64, quorum: u64, keys: &[ApproverKey]) -> String {
-    let mut sorted: Vec<&ApproverKey> = keys.iter().collect();
-    sorted.sort_by(|a, b| a.kid.cmp(&b.kid));
-    let mut text = format!("{APPROVER_SET_MESSAGE_V1}\ntrust-domain {trust_domain}\nepoch {epoch}\nquorum {quorum}\n");
-    for key in sorted {
-        text.push_str(&format!("key {} {}\n", key.kid, key.public_key));
-    }
-    text
-}
-
-/// An approver's key id: `ak_` and the first 16 hex digits of SHA-256 of its SubjectPublicKeyInfo
-/// (DER).
-pub fn kid_of_spki(spki_der: &[u8]) -> String {
-    format!("ak_{}", &hex::encode(Sha256::digest(spki_der))[..16])
+    bc_core::approval::approver_set_message(
+        trust_domain,
+        epoch,
+        quorum,
+        keys.iter().map(|k| (k.kid.as_str(), k.public_key.as_str())),
+    )
 }
 
 /// The key id and base64 SubjectPublicKeyInfo of a P-256 public key.
@@ -157,27 +124,13 @@ pub fn approver_key_of(key: &VerifyingKey) -> Result<ApproverKey> {
 
 /// Parses a base64 SubjectPublicKeyInfo of a P-256 key, checking that `kid` is its id.
 pub fn parse_approver_key(key: &ApproverKey) -> Result<VerifyingKey> {
-    let bad = |why: String| Error::invalid(format!("approver key {}: {why}", bc_core::id::truncate(&key.kid, 40)));
-    if key.public_key.len() > PUBLIC_KEY_B64_BYTES_MAX {
-        return Err(bad(format!("publicKey is over {PUBLIC_KEY_B64_BYTES_MAX} bytes")));
-    }
-    let der = base64::engine::general_purpose::STANDARD.decode(&key.public_key).map_err(|e| bad(format!("not base64: {e}")))?;
-    let parsed = VerifyingKey::from_public_key_der(&der).map_err(|e| bad(format!("not a P-256 public key: {e}")))?;
-    let kid = kid_of_spki(&der);
-    if kid != key.kid {
-        return Err(bad(format!("its key id is {kid}")));
-    }
-    Ok(parsed)
+    bc_core::approval::parse_public_key(&key.kid, &key.public_key)
+        .map_err(|why| Error::invalid(format!("approver key {}: {why}", bc_core::id::truncate(&key.kid, 40))))
 }
 
-/// Whether `signature` (base64 DER) is `key`'s ECDSA P-256 / SHA-256 signature of `message`.
-pub fn verify_signature(key: &VerifyingKey, message: &str, signature: &str) -> bool {
-    if signature.len() > SIGNATURE_B64_BYTES_MAX {
-        return false;
-    }
-    let Ok(der) = base64::engine::general_purpose::STANDARD.decode(signature) else { return false };
-    let Ok(signature) = DerSignature::from_bytes(&der) else { return false };
-    key.verify(message.as_bytes(), &signature).is_ok()
+/// The keys as `bc_core::approval` takes them.
+pub fn key_refs(keys: &[ApproverKey]) -> Vec<bc_core::approval::KeyRef> {
+    keys.iter().map(|k| bc_core::approval::KeyRef { kid: k.kid.clone(), public_key: k.public_key.clone() }).collect()
 }
 
 /// One approver's public key.
@@ -224,6 +177,10 @@ pub struct ApproverSetDoc {
     pub published_by: String,
     pub published_at_ms: u64,
     pub version: u64,
+    /// The root a node pins (`command_root_sha256` in `bcd`'s `config.toml`): SHA-256 of the
+    /// epoch-1 set's message, kept through every later epoch.
+    #[serde(default)]
+    pub command_root_sha256: String,
 }
 
 impl ApproverSetDoc {
@@ -350,7 +307,13 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     match (key.kind.as_str(), env.event_type.as_str()) {
         (KIND_APPROVER_SET, APPROVER_SET_PUBLISHED) => {
             let p: ApproverSetPublished = payload(event)?;
+            let command_root_sha256 = match (&current, p.epoch) {
+                (_, 1) => bc_core::approval::command_root_of(&p.trust_domain, p.quorum, &key_refs(&p.keys)),
+                (Some(doc), _) => doc["commandRootSha256"].as_str().unwrap_or_default().to_owned(),
+                (None, epoch) => return Err(corrupt(event, format!("the approver set's first epoch is {epoch}"))),
+            };
             to_doc(&ApproverSetDoc {
+                command_root_sha256,
                 epoch: p.epoch,
                 quorum: p.quorum,
                 trust_domain: p.trust_domain,

@@ -90,6 +90,10 @@ pub struct CommandDoc {
     /// The journal entries of the node that reported on it.
     pub journal_seqs: Vec<u64>,
     pub version: u64,
+    /// A command of a released batch: the release its node checks itself
+    /// (`bc_core::approval::verify_release`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<bc_core::approval::BatchRelease>,
 }
 
 /// A node's unfinished commands, oldest first: what its session sends.
@@ -108,6 +112,9 @@ pub struct CommandIssued {
     /// A JSON object.
     pub args: serde_json::Value,
     pub deadline_at_ms: u64,
+    /// Set on the commands a batch's release issues: what the node checks before it runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<bc_core::approval::BatchRelease>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -212,6 +219,7 @@ fn command_doc(key: &RowKey, current: Option<Value>, event: &StoredEvent, step: 
             finished_at_ms: None,
             journal_seqs: Vec::new(),
             version: env.version,
+            release: p.release,
         }
     } else {
         from_doc(event, current)?

@@ -346,7 +346,13 @@ pub(crate) fn issue_command_for(
     let event = NewEvent {
         stream: Some(stream),
         event_type: COMMAND_ISSUED.into(),
-        payload: to_cbor(&CommandIssued { node_id: node_id.to_owned(), kind: kind.to_owned(), args, deadline_at_ms })?,
+        payload: to_cbor(&CommandIssued {
+            node_id: node_id.to_owned(),
+            kind: kind.to_owned(),
+            args,
+            deadline_at_ms,
+            release: None,
+        })?,
     };
     Ok((event, HoldIssued { command_id: issue.command_id.to_owned(), deadline_at_ms }))
 }

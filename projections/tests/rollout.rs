@@ -134,6 +134,7 @@ impl World {
                             finished_at_ms: None,
                             journal_seqs: Vec::new(),
                             version: 1,
+                            release: None,
                         },
                     );
                 }

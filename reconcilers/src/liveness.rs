@@ -265,6 +265,7 @@ mod tests {
                 kind: kind.into(),
                 args: serde_json::json!({}),
                 deadline_at_ms: self.clock.now_ms() + deadline_in_ms,
+                release: None,
             };
             let event = NewEvent::new(ev::COMMAND_ISSUED, ev::to_cbor(&issued).unwrap());
             let stream = stream_of(KIND_COMMAND, &id);

@@ -185,6 +185,7 @@ impl Agent {
             inventory: Arc::new(self.machine.clone()),
             ledger: tokio::sync::Mutex::new(ledger),
             ledger_file,
+            command_roots: Vec::new(),
         });
     }
 
@@ -756,6 +757,7 @@ impl World {
                     args_json: serde_json::to_string(&command.args).expect("json"),
                     issued_at_ms: command.issued_at_ms,
                     deadline_ms: command.deadline_at_ms,
+                    release_json: command.release.as_ref().map(|r| serde_json::to_string(r).expect("json")).unwrap_or_default(),
                 };
                 runner.run(&proto, now).await.expect("the runner runs");
                 ran.push(id);

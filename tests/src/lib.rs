@@ -157,6 +157,8 @@ pub fn cli_stdin(args: &[&str], env: &[(&str, &str)], input: Option<&str>) -> (i
 std::thread_local! {
     /// The log filter of the next server this thread starts ([`Server::with_log_filter`]).
     static LOG_FILTER: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+    /// More environment of the next server this thread starts ([`Server::with_env`]).
+    static SERVER_ENV: std::cell::RefCell<Vec<(String, String)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `sim run`'s arguments for a small run at `seed`: 6 nodes, 1 tenant, one simulated hour.
@@ -178,6 +180,8 @@ pub struct Server {
     args: Vec<String>,
     /// `BETTER_COMPUTE_LOG` of the server (`info,bc_core=debug` unless a test asks).
     log_filter: String,
+    /// More of the server's environment ([`Server::with_env`]).
+    env: Vec<(String, String)>,
     pub http: reqwest::Client,
 }
 
@@ -208,6 +212,14 @@ impl Server {
         LOG_FILTER.with(|f| *f.borrow_mut() = Some(filter.to_owned()));
         let server = start();
         LOG_FILTER.with(|f| *f.borrow_mut() = None);
+        server
+    }
+
+    /// Runs `start` (which starts a server) with `env` added to the server's environment.
+    pub fn with_env<T>(env: &[(&str, &str)], start: impl FnOnce() -> T) -> T {
+        SERVER_ENV.with(|e| *e.borrow_mut() = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        let server = start();
+        SERVER_ENV.with(|e| e.borrow_mut().clear());
         server
     }
 
@@ -282,6 +294,7 @@ impl Server {
             _temp: temp,
             args,
             log_filter: LOG_FILTER.with(|f| f.borrow().clone()).unwrap_or_else(|| "info,bc_core=debug".into()),
+            env: SERVER_ENV.with(|e| e.borrow().clone()),
             http: harness_client(),
         };
         server.try_launch()?;
@@ -299,7 +312,9 @@ impl Server {
         // A fresh client per launch: pooled connections to a killed server are dead.
         self.http = harness_client();
         let log = self.data_dir.join("server.log");
-        let (mut child, lines) = spawn_logged(&self.args, &log, &[("BETTER_COMPUTE_LOG", &self.log_filter)]);
+        let mut env = vec![("BETTER_COMPUTE_LOG", self.log_filter.as_str())];
+        env.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let (mut child, lines) = spawn_logged(&self.args, &log, &env);
         let first = try_next_line(&lines, &self.args, &log).inspect_err(|_| {
             let _ = child.kill();
             let _ = child.wait();

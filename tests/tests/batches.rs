@@ -72,6 +72,16 @@ fn sign_offline(server: &Server, dir: &Path, batch: &str, key: &Path, name: &str
     path
 }
 
+/// Restarts `machine` pinning `root` as its `command_root_sha256` (a top-level key, so before
+/// the configuration's tables).
+fn pin_command_root(machine: &mut AgentNode, root: &str) {
+    assert_eq!(root.len(), 64, "{root}");
+    machine.kill9();
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("command_root_sha256 = {root:?}\n{config}")).unwrap();
+    machine.start();
+}
+
 fn signature_of(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
@@ -126,6 +136,10 @@ async fn a_batch_runs_only_after_its_quorum_and_every_bad_approval_is_refused_wi
         ],
     );
     assert_eq!((set["epoch"].as_u64(), set["quorum"].as_u64()), (Some(1), Some(2)), "{set}");
+    // The first node pins the set's root: the released pings below run there only because their
+    // releases verify on the node itself.
+    pin_command_root(&mut machines[0], set["commandRootSha256"].as_str().unwrap());
+    wait_ready(&server, &nodes[0]).await;
 
     // A batch of three pings over the two nodes.
     let leaves = json!([
@@ -444,4 +458,140 @@ async fn a_server_that_lies_about_the_scope_gets_no_signature() {
         let proved = json(&out);
         assert_eq!((proved["type"].as_str(), &proved["payload"][field]), (Some(wanted), &value), "{proved}");
     }
+}
+
+/// The approvers' quorum (`dev --approvers`): `nodes.delete` and the root tenant's release of
+/// another tenant's reservation are refused `BATCH_REQUIRED` (403, with a hint to make a batch)
+/// and change nothing; the same calls on a `dev` without the flag go through. The CLI prints the
+/// code and the hint and exits 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_quorum_on_a_wide_destructive_call_alone_is_refused_batch_required() {
+    for quorum in [true, false] {
+        let server = if quorum { Server::dev_with(&["--approvers"]) } else { Server::dev() };
+        let tenant = server.tenant("acme").await;
+        let pool = server.tenant_pool(&tenant, "rack").await;
+        let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 2];
+        let (status, node) =
+            server.call("nodes.register", json!({ "tenantId": tenant, "poolId": pool, "name": "n0", "gpus": gpus })).await;
+        assert_eq!(status, 200, "{node}");
+        let node = node["nodeId"].as_str().unwrap().to_owned();
+        let (status, rsv) =
+            server.call("reservations.create", json!({ "tenantId": tenant, "poolId": pool, "gpus": 1, "durationS": 600 })).await;
+        assert_eq!(status, 200, "{rsv}");
+        let rsv = rsv["reservationId"].as_str().unwrap().to_owned();
+
+        // The root tenant releases acme's reservation.
+        let (status, released) = server.call("reservations.release", json!({ "tenantId": tenant, "reservationId": rsv })).await;
+        if quorum {
+            assert_eq!((status, released["code"].as_str()), (403, Some("BATCH_REQUIRED")), "{released}");
+            assert!(released["details"]["hint"].as_str().unwrap().contains("batch create"), "{released}");
+            let (_, still) = server.call("reservations.get", json!({ "tenantId": tenant, "reservationId": rsv })).await;
+            assert_ne!(still["state"], "released", "nothing changed: {still}");
+        } else {
+            assert_eq!(status, 200, "{released}");
+        }
+
+        let (status, cordoned) = server.call("nodes.cordon", json!({ "tenantId": tenant, "nodeId": node })).await;
+        assert_eq!(status, 200, "{cordoned}");
+        if quorum {
+            let (code, out, err) = server.cli(&["nodes", "delete", &node, "--tenant", &tenant, "--yes"]);
+            assert_eq!(code, 1, "{out}\n{err}");
+            assert!(err.contains("BATCH_REQUIRED:") && err.contains("batch create"), "{err}");
+            let (status, kept) = server.call("nodes.get", json!({ "tenantId": tenant, "nodeId": node })).await;
+            assert_eq!(status, 200, "the node is still there: {kept}");
+        } else {
+            // The reservation's release reached the node; nothing holds it now.
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let (status, deleted) = server.call("nodes.delete", json!({ "tenantId": tenant, "nodeId": node })).await;
+                if status == 200 {
+                    assert_eq!(deleted["deleted"], true, "{deleted}");
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "nodes.delete without the quorum: {deleted}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// A gateway that lies (`BC_TEST_ONLY_FORGE_BATCH_RELEASE`: the first approval releases, quorum
+/// 2): the node that pins the approver set's root refuses the command and journals why (one
+/// valid approval of the two needed); a node that pins nothing runs its command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_pins_the_approver_root_refuses_a_forged_release_and_says_why() {
+    let (server, port) = Server::with_env(&[("BC_TEST_ONLY_FORGE_BATCH_RELEASE", "1")], bc_tests::agents_gateway);
+    let pool = server.pool("rack").await;
+    let mut machines = Vec::new();
+    for _ in 0..2 {
+        let machine = AgentNode::new(&server, port);
+        machine.join_pool(&server, &pool).await;
+        machines.push(machine);
+    }
+    let nodes: Vec<String> = machines.iter().map(AgentNode::node_id).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let key = |name: &str| dir.path().join(format!("{name}.pem"));
+    for name in ["a", "b"] {
+        ok(&server, &["batch", "keygen", "--out", path_text(&key(name))]);
+    }
+    let public = |name: &str| format!("{}.pub", key(name).display());
+    let set = ok(
+        &server,
+        &[
+            "batch",
+            "publish-approvers",
+            "--epoch",
+            "1",
+            "--quorum",
+            "2",
+            "--trust-domain",
+            "compute.test",
+            "--approver",
+            &public("a"),
+            "--approver",
+            &public("b"),
+        ],
+    );
+    let root = set["commandRootSha256"].as_str().unwrap().to_owned();
+    std::fs::write(
+        machines[0].config(),
+        format!("command_root_sha256 = {root:?}\n{}", std::fs::read_to_string(machines[0].config()).unwrap()),
+    )
+    .unwrap();
+    for machine in &mut machines {
+        machine.start();
+    }
+    for node in &nodes {
+        wait_ready(&server, node).await;
+    }
+
+    let leaves = json!([
+        { "subject": nodes[0], "kind": "ping", "payload": {} },
+        { "subject": nodes[1], "kind": "ping", "payload": {} },
+    ]);
+    let batch = create_batch(&server, dir.path(), "forged", &leaves);
+    // One approval of the two: the lying gateway releases anyway.
+    let approved = ok(&server, &["batch", "approve", "--batch", &batch, "--key", path_text(&key("a")), "--yes"]);
+    assert_eq!(approved["state"], "released", "the test switch forges the release: {approved}");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let members = loop {
+        let members = ok(&server, &["batch", "members", "--batch", &batch]);
+        let items = members["items"].as_array().unwrap();
+        if items.iter().all(|m| m["state"] == "succeeded" || m["state"] == "failed") {
+            break members;
+        }
+        assert!(std::time::Instant::now() < deadline, "the commands did not finish: {members}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let pinned = &members["items"][0];
+    assert_eq!(pinned["state"], "failed", "the pinned node ran a forged release: {members}");
+    let reason = pinned["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("batch-release-refused:") && reason.contains("1 valid approval(s)") && reason.contains("quorum is 2"),
+        "{reason}"
+    );
+    assert_eq!(members["items"][1]["state"], "succeeded", "the node that pins nothing runs it: {members}");
+    // The node journaled the refusal itself: its log says so, with the reason.
+    assert!(machines[0].node_log().contains("a batch command's release was refused"), "{}", machines[0].node_log());
 }

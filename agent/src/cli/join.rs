@@ -81,6 +81,7 @@ fn config_for(args: &JoinArgs) -> Result<Config, ExitCode> {
         serving_ca_spki_pin: args.serving_ca_pin.clone(),
         log_key_pin: log_key_pin.clone(),
         observe_interval: None,
+        command_root_sha256: None,
         hardware: Default::default(),
         hypervisor: Default::default(),
         journal: Default::default(),

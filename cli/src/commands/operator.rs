@@ -183,6 +183,13 @@ pub struct ServerArgs {
     /// (repeatable). Without one, no release is registered.
     #[arg(long = "release-key", value_name = "FILE.pub")]
     pub release_keys: Vec<PathBuf>,
+    /// The approvers' quorum: metal undeploy, deploy, retire and power off beyond one machine,
+    /// rollouts to more than one node, nodes delete and the root tenant's release of another
+    /// tenant's reservation are taken only through a destructive batch (`batch create`, signed
+    /// by the published approver set's quorum); one call on such a scope is refused
+    /// BATCH_REQUIRED (docs/batches.md).
+    #[arg(long)]
+    pub approvers: bool,
     #[command(flatten)]
     pub consumers: ConsumerArgs,
     #[command(flatten)]
@@ -481,6 +488,7 @@ async fn run_server(
         args.serve_limits()?,
         &agents,
         release_keys,
+        args.approvers,
     )
     .await
 }

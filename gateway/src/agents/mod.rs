@@ -144,7 +144,7 @@ pub fn code_of(e: &Error) -> tonic::Code {
         C::AlreadyExists => tonic::Code::AlreadyExists,
         C::InvalidState => tonic::Code::FailedPrecondition,
         C::Unauthenticated => tonic::Code::Unauthenticated,
-        C::AccessDenied => tonic::Code::PermissionDenied,
+        C::AccessDenied | C::BatchRequired => tonic::Code::PermissionDenied,
         C::QuotaExceeded | C::RateLimited => tonic::Code::ResourceExhausted,
         C::Unavailable => tonic::Code::Unavailable,
         C::Unsupported => tonic::Code::Unimplemented,

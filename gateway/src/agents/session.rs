@@ -810,6 +810,10 @@ pub async fn commands_unsent(
             args_json,
             issued_at_ms: command.issued_at_ms,
             deadline_ms: command.deadline_at_ms,
+            release_json: match &command.release {
+                Some(release) => serde_json::to_string(release).map_err(|e| Error::Internal(e.to_string()))?,
+                None => String::new(),
+            },
         }));
         bound.sent.insert(id);
     }

@@ -10,11 +10,12 @@ use bc_core::id::{CommandBatchId, CommandId, NodeId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::batch::{
-    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
+    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSetPublished, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
     COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchDoc, KIND_APPROVER_SET, KIND_COMMAND_BATCH, Leaf,
 };
 use bc_projections::decide::batch::{
     ApproverSetInput, BatchCreateInput, approver_set_publish, batch_approve, batch_cancel, batch_create, batch_expired,
+    batch_releases,
 };
 use bc_projections::events as ev;
 use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, stream_of};
@@ -206,6 +207,34 @@ pub(crate) async fn approver_set(call: &Call<'_>) -> Result<Option<ApproverSetDo
     call.state.store.row_get(&TenantId::ROOT.to_string(), KIND_APPROVER_SET, APPROVER_SET_ID).await?.map(doc).transpose()
 }
 
+/// Every approver set published, oldest first (`approver_set.published` on the root tenant's
+/// chain): the chain a batch's release carries from epoch 1.
+async fn approver_set_history(call: &Call<'_>) -> Result<Vec<ApproverSetPublished>> {
+    let stream = stream_of(KIND_APPROVER_SET, &APPROVER_SET_ID);
+    let mut sets = Vec::new();
+    let mut after = 0;
+    loop {
+        let rows = call.state.store.read_stream_rows(TenantId::ROOT, &stream, after, bc_core::store::READ_ROWS_MAX).await?;
+        if rows.is_empty() {
+            return Ok(sets);
+        }
+        for event in bc_core::store::decode_rows(rows)? {
+            after = event.envelope.version;
+            let json = bc_core::canonical::to_json(&event.envelope.payload);
+            sets.push(serde_json::from_value(json).map_err(|e| Error::Internal(format!("approver_set.published: {e}")))?);
+        }
+    }
+}
+
+/// The test-only switch of a gateway that lies: set (to anything) in a debug build, the first
+/// approval of a batch releases it whatever the quorum, so the end-to-end test can show that a
+/// node that pins the approver set's root refuses the release. A release build ignores it.
+pub const FORGE_RELEASE_ENV: &str = "BC_TEST_ONLY_FORGE_BATCH_RELEASE";
+
+fn forge_release() -> bool {
+    cfg!(debug_assertions) && std::env::var_os(FORGE_RELEASE_ENV).is_some()
+}
+
 async fn approvers_publish(call: &Call<'_>, input: ApproversPublish) -> Result<ApproverSetView> {
     if !call.principal().is_root() {
         return Err(Error::AccessDenied("the approver set is the root tenant's: publish it with a root key".into()));
@@ -363,7 +392,13 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
     let set = approver_set(call).await?.ok_or_else(|| Error::state("no approver set is published", "publish one first"))?;
     let now_ms = call.now_ms();
     expire_if_due(call, tenant, &batch, now_ms).await?;
-    let outcome = batch_approve(&batch, &set, &input.kid, &input.signature, now_ms)?;
+    let mut outcome = batch_approve(&batch, &set, &input.kid, &input.signature, now_ms)?;
+    if forge_release() {
+        // A lying gateway, for the end-to-end test of the nodes' own check: the first approval
+        // releases.
+        tracing::warn!(batch = %batch.batch_id, "{FORGE_RELEASE_ENV} is set: releasing without the quorum");
+        outcome.releases = true;
+    }
     let stream = stream_of(KIND_COMMAND_BATCH, &batch.batch_id);
     let mut events = vec![NewEvent::new(ev::COMMAND_BATCH_APPROVED, ev::to_cbor(&outcome.approved)?)];
     if !outcome.releases {
@@ -381,12 +416,23 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
     ));
     let mut requests = vec![call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)];
     let deadline_at_ms = now_ms.saturating_add(batch.deadline_s.saturating_mul(1000));
-    for (leaf, command_id) in batch.leaves.iter().zip(&batch.command_ids) {
+    // Each command carries what its node checks before it runs it: the approvals that released
+    // the batch (those of its epoch, this one last), the sets from epoch 1, its inclusion proof.
+    let mut approvals: Vec<ApproverSignature> = batch
+        .approvals
+        .iter()
+        .filter(|a| a.epoch == set.epoch)
+        .map(|a| ApproverSignature { kid: a.kid.clone(), signature: a.signature.clone() })
+        .collect();
+    approvals.push(ApproverSignature { kid: input.kid.clone(), signature: input.signature.clone() });
+    let releases = batch_releases(&batch, &approver_set_history(call).await?, &approvals)?;
+    for ((leaf, command_id), release) in batch.leaves.iter().zip(&batch.command_ids).zip(releases) {
         let issued = ev::CommandIssued {
             node_id: leaf.subject.clone(),
             kind: leaf.kind.clone(),
             args: leaf.payload.clone(),
             deadline_at_ms,
+            release: Some(release),
         };
         let mut request = AppendRequest::new(
             tenant,

@@ -299,6 +299,7 @@ async fn commands_issue(call: &Call<'_>, input: CommandsIssue) -> Result<Command
         kind: kind.to_owned(),
         args,
         deadline_at_ms: call.now_ms().saturating_add(deadline_s * 1000),
+        release: None,
     })?;
     let result =
         call.append(tenant, stream_of(KIND_COMMAND, &command), ExpectedVersion::NoStream, ev::COMMAND_ISSUED, payload).await?;

@@ -263,6 +263,7 @@ async fn nodes_delete(call: &Call<'_>, input: NodeDelete) -> Result<NodeDeletedV
     if let Some(reason) = &input.reason {
         validate_text("reason", reason, DELETE_REASON_CHARS_MAX)?;
     }
+    decide::batch::batch_required(call.state.batch_quorum, decide::batch::DestructiveScope::NodeDelete)?;
     let node = node_doc(call, tenant, &node_id.to_string()).await?;
     expected_version(input.if_version, node.version, &stream_of(KIND_NODE, &node_id))?;
     let holders = node_holders(&*call.state.store, tenant, &node_id.to_string()).await?;

@@ -323,6 +323,14 @@ async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
     let rsv = rsv_doc(call, tenant, &id).await?;
+    let principal = call.principal();
+    decide::batch::batch_required(
+        call.state.batch_quorum,
+        decide::batch::DestructiveScope::ReservationRelease {
+            root_caller: principal.is_root(),
+            other_tenant: tenant != principal.tenant,
+        },
+    )?;
     // None: already over; releasing again changes nothing.
     let command_id = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
     let release = bc_projections::placement::Issue { command_id: &command_id, now_ms: call.state.log.clock.now_ms() };

@@ -150,6 +150,7 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
     let Checked { tenant, release, labels, create } = check_create(call, input).await?;
     let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
     let chosen = decide::rollout_nodes(&nodes, create.pool_id.as_deref(), &labels);
+    decide::batch::batch_required(call.state.batch_quorum, decide::batch::DestructiveScope::Rollout { nodes: chosen.len() })?;
     let live: Vec<RolloutDoc> = all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
         .await?
         .into_iter()

@@ -9,12 +9,13 @@
 //! `ACCESS_DENIED`; a key that approved this batch already (a reused signature),
 //! `ALREADY_EXISTS`.
 
+use bc_core::approval::{BatchRelease, ReleaseSet, SignatureRef};
 use bc_core::{Error, Result};
 
 use crate::batch::{
     APPROVERS_MAX, ApproverKey, ApproverSetDoc, ApproverSetPublished, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
     COMMAND_BATCH_LEAF_BYTES_MAX, COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchApproved,
-    CommandBatchCreated, CommandBatchDoc, Leaf, TRUST_DOMAIN_BYTES_MAX, approval_message, approver_set_message,
+    CommandBatchCreated, CommandBatchDoc, Leaf, TRUST_DOMAIN_BYTES_MAX, approval_message, approver_set_message, key_refs,
     parse_approver_key, scope_root, verify_signature,
 };
 
@@ -265,6 +266,103 @@ pub fn batch_expired(batch: &CommandBatchDoc, now_ms: u64) -> bool {
     batch.state == BatchState::Pending && now_ms >= batch.expires_at_ms
 }
 
+/// The release each command of `batch` carries to its node (`bc_core::approval::BatchRelease`):
+/// the batch's root, size and window, the leaf's index and inclusion proof, the `approvals` that
+/// released it, and the approver sets `history` published from epoch 1 to the batch's epoch
+/// (each later one with the signatures that allowed it), so a node that pins the epoch-1 set's
+/// root checks the release itself. The proofs are made in one pass over the leaves.
+pub fn batch_releases(
+    batch: &CommandBatchDoc,
+    history: &[ApproverSetPublished],
+    approvals: &[ApproverSignature],
+) -> Result<Vec<BatchRelease>> {
+    let sets: Vec<ReleaseSet> = history
+        .iter()
+        .filter(|set| set.epoch <= batch.epoch)
+        .map(|set| ReleaseSet {
+            epoch: set.epoch,
+            quorum: set.quorum,
+            keys: key_refs(&set.keys),
+            signatures: set
+                .signatures
+                .iter()
+                .map(|s| SignatureRef { kid: s.kid.clone(), signature: s.signature.clone() })
+                .collect(),
+        })
+        .collect();
+    let consecutive = sets.iter().enumerate().all(|(i, set)| set.epoch == i as u64 + 1);
+    if sets.last().map(|s| s.epoch) != Some(batch.epoch) || !consecutive {
+        return Err(Error::Internal(format!(
+            "the approver sets' history does not run from epoch 1 to batch {}'s epoch {}",
+            batch.batch_id, batch.epoch
+        )));
+    }
+    let hashes = batch.leaves.iter().map(Leaf::hash).collect::<Result<Vec<_>>>()?;
+    let approvals: Vec<SignatureRef> =
+        approvals.iter().map(|a| SignatureRef { kid: a.kid.clone(), signature: a.signature.clone() }).collect();
+    Ok(bc_core::approval::inclusion_proofs(&hashes)
+        .into_iter()
+        .enumerate()
+        .map(|(index, proof)| BatchRelease {
+            batch_id: batch.batch_id.clone(),
+            trust_domain: batch.trust_domain.clone(),
+            root: batch.root.clone(),
+            size: batch.size,
+            expires_at_ms: batch.expires_at_ms,
+            index: index as u64,
+            proof: proof.iter().map(hex::encode).collect(),
+            approvals: approvals.clone(),
+            sets: sets.clone(),
+        })
+        .collect())
+}
+
+/// A call that may act beyond one machine or on another tenant, as the gateway reads it before
+/// deciding it: what [`batch_required`] judges under the approvers' quorum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DestructiveScope {
+    /// A metal verb (`undeploy`, `deploy`, `retire`, `power off`) on this many machines.
+    Metal { verb: &'static str, machines: usize },
+    /// A rollout whose pool and labels choose this many nodes.
+    Rollout { nodes: usize },
+    /// `nodes.delete` of one node.
+    NodeDelete,
+    /// `reservations.release`: whether the caller is the root tenant's and the reservation
+    /// another tenant's.
+    ReservationRelease { root_caller: bool, other_tenant: bool },
+}
+
+/// The metal verbs that need a batch beyond one machine (`power` only when it is `off`).
+pub const BATCH_METAL_VERBS: &[&str] = &["undeploy", "deploy", "retire", "power off"];
+
+/// Decides whether a call must go through a batch: with the quorum off (`quorum`: `dev`/`serve
+/// --approvers`), never; with it on, a metal verb of [`BATCH_METAL_VERBS`] on more than one
+/// machine, a rollout to more than one node, any `nodes.delete`, and a reservation release by the
+/// root tenant of another tenant's reservation are refused `BATCH_REQUIRED`, with a hint to make
+/// a batch. Everything else passes.
+pub fn batch_required(quorum: bool, scope: DestructiveScope) -> Result<()> {
+    if !quorum {
+        return Ok(());
+    }
+    let what = match scope {
+        DestructiveScope::Metal { verb, machines } if machines > 1 && BATCH_METAL_VERBS.contains(&verb) => {
+            format!("metal {verb} on {machines} machines")
+        }
+        DestructiveScope::Rollout { nodes } if nodes > 1 => format!("a rollout to {nodes} nodes"),
+        DestructiveScope::NodeDelete => "nodes.delete".to_owned(),
+        DestructiveScope::ReservationRelease { root_caller: true, other_tenant: true } => {
+            "the root tenant's release of another tenant's reservation".to_owned()
+        }
+        _ => return Ok(()),
+    };
+    Err(Error::BatchRequired {
+        message: format!(
+            "{what} needs a destructive batch: this deployment runs with the approvers' quorum on (--approvers), so one key does not act on that scope alone"
+        ),
+        hint: "make a batch of the operation (better-compute batch create --reason TEXT --scope FILE) and have the approvers sign it (batch approve)".to_owned(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,6 +398,7 @@ mod tests {
             published_by: "apikey:root".into(),
             published_at_ms: 0,
             version: 1,
+            command_root_sha256: String::new(),
         }
     }
 
@@ -490,5 +589,100 @@ mod tests {
             )
             .is_err()
         );
+    }
+    /// With the quorum off nothing needs a batch; with it on, exactly the wide or cross-tenant
+    /// scopes, each `BATCH_REQUIRED` with a hint naming `batch create`.
+    #[test]
+    fn the_quorum_sends_wide_scopes_to_a_batch() {
+        use DestructiveScope::*;
+        let wide = [
+            Metal { verb: "undeploy", machines: 2 },
+            Metal { verb: "deploy", machines: 3 },
+            Metal { verb: "retire", machines: 10 },
+            Metal { verb: "power off", machines: 2 },
+            Rollout { nodes: 2 },
+            NodeDelete,
+            ReservationRelease { root_caller: true, other_tenant: true },
+        ];
+        let narrow = [
+            Metal { verb: "undeploy", machines: 1 },
+            Metal { verb: "power on", machines: 5 },
+            Metal { verb: "reboot", machines: 5 },
+            Metal { verb: "inspect", machines: 5 },
+            Rollout { nodes: 1 },
+            Rollout { nodes: 0 },
+            ReservationRelease { root_caller: true, other_tenant: false },
+            ReservationRelease { root_caller: false, other_tenant: false },
+        ];
+        for scope in wide.iter().chain(&narrow) {
+            assert!(batch_required(false, *scope).is_ok(), "{scope:?} without the quorum");
+        }
+        for scope in narrow {
+            assert!(batch_required(true, scope).is_ok(), "{scope:?}");
+        }
+        for scope in wide {
+            let e = batch_required(true, scope).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::BatchRequired, "{scope:?}");
+            assert_eq!(e.code().as_str(), "BATCH_REQUIRED");
+            assert!(e.hint().unwrap().contains("batch create"), "{e:?}");
+        }
+    }
+    /// A node's own check of a release: the pinned epoch-1 set, a chain to epoch 2 signed by
+    /// epoch 1's quorum, K approvals, this command as its leaf. One approval short, another
+    /// node, other arguments, another pin, a chain link signed by one key: each refused, saying
+    /// why.
+    #[test]
+    fn a_node_checks_a_release_itself() {
+        use bc_core::approval::verify_release;
+        let (a, b, c) = (key(1), key(2), key(3));
+        let first = ApproverSetPublished {
+            epoch: 1,
+            quorum: 2,
+            trust_domain: "compute.test".into(),
+            keys: vec![public(&a), public(&b), public(&c)],
+            signatures: vec![],
+        };
+        let pin = bc_core::approval::command_root_of("compute.test", 2, &key_refs(&first.keys));
+        let s = set(&[&a, &b, &c], 2);
+        let leaves = vec![ping("node_a"), ping("node_b"), ping("node_c")];
+        let doc = batch(&s, leaves.clone());
+        let approval = |k: &SigningKey| ApproverSignature { kid: public(k).kid, signature: sign(k, &message(&doc)) };
+        let releases = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a), approval(&c)]).unwrap();
+        let roots = vec![pin.clone()];
+        let empty = serde_json::json!({});
+        for (leaf, release) in leaves.iter().zip(&releases) {
+            verify_release(&roots, &leaf.subject, "ping", &empty, release).unwrap();
+        }
+        let why = |r: std::result::Result<(), String>| r.unwrap_err();
+        assert!(why(verify_release(&roots, "node_b", "ping", &empty, &releases[0])).contains("not leaf 0"));
+        assert!(why(verify_release(&roots, "node_a", "ping", &serde_json::json!({"x": 1}), &releases[0])).contains("not leaf 0"));
+        assert!(why(verify_release(&["0".repeat(64)], "node_a", "ping", &empty, &releases[0])).contains("not the pinned"));
+        let short = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a)]).unwrap();
+        assert!(why(verify_release(&roots, "node_a", "ping", &empty, &short[0])).contains("1 valid approval(s)"));
+        let twice = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a), approval(&a)]).unwrap();
+        assert!(why(verify_release(&roots, "node_a", "ping", &empty, &twice[0])).contains("1 valid approval(s)"));
+
+        // Epoch 2 (b, c, quorum 2), signed by a and c of epoch 1; a batch under it.
+        let keys2 = vec![public(&b), public(&c)];
+        let message2 = approver_set_message("compute.test", 2, 2, &keys2);
+        let link = |by: &[&SigningKey]| ApproverSetPublished {
+            epoch: 2,
+            quorum: 2,
+            trust_domain: "compute.test".into(),
+            keys: keys2.clone(),
+            signatures: by.iter().map(|k| ApproverSignature { kid: public(k).kid, signature: sign(k, &message2) }).collect(),
+        };
+        let mut s2 = set(&[&b, &c], 2);
+        s2.epoch = 2;
+        let doc2 = batch(&s2, vec![ping("node_a")]);
+        let approval2 = |k: &SigningKey| ApproverSignature { kid: public(k).kid, signature: sign(k, &message(&doc2)) };
+        let good = batch_releases(&doc2, &[first.clone(), link(&[&a, &c])], &[approval2(&b), approval2(&c)]).unwrap();
+        verify_release(&roots, "node_a", "ping", &empty, &good[0]).unwrap();
+        let weak = batch_releases(&doc2, &[first.clone(), link(&[&a])], &[approval2(&b), approval2(&c)]).unwrap();
+        assert!(why(verify_release(&roots, "node_a", "ping", &empty, &weak[0])).contains("1 valid signatures of epoch 1"));
+        // Approvals by epoch 1's keys do not count under epoch 2.
+        let old = batch_releases(&doc2, &[first.clone(), link(&[&a, &c])], &[approval2(&a), approval2(&b)]).unwrap();
+        assert!(why(verify_release(&roots, "node_a", "ping", &empty, &old[0])).contains("1 valid approval(s)"));
+        assert!(batch_releases(&doc2, std::slice::from_ref(&first), &[]).is_err(), "the history must reach the batch's epoch");
     }
 }

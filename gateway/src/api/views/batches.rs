@@ -20,6 +20,9 @@ pub struct ApproverSetView {
     pub signed_by: Vec<String>,
     pub published_by: String,
     pub published_at_ms: u64,
+    /// What a node pins as `command_root_sha256` in its `config.toml`: SHA-256 of the epoch-1
+    /// set's message (`docs/batches.md`), the same at every epoch.
+    pub command_root_sha256: String,
 }
 
 impl From<ApproverSetDoc> for ApproverSetView {
@@ -32,6 +35,7 @@ impl From<ApproverSetDoc> for ApproverSetView {
             signed_by: d.signed_by,
             published_by: d.published_by,
             published_at_ms: d.published_at_ms,
+            command_root_sha256: d.command_root_sha256,
         }
     }
 }
