@@ -151,12 +151,14 @@ pub fn postgres_settings_check(settings: &[(String, String)], pool_max: u64) -> 
     let get = |name: &str| settings.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
     let mut checks = Vec::new();
     checks.push(match get("synchronous_commit") {
-        Some("off") | Some("local") => Check::warn(
+        Some("off") => Check::warn(
             "synchronous-commit",
-            format!(
-                "synchronous_commit is {}: a commit the log acknowledged can be lost in a crash",
-                get("synchronous_commit").unwrap_or("")
-            ),
+            "synchronous_commit is off: a commit the log acknowledged can be lost in a crash",
+            "set synchronous_commit = on (or remote_apply/remote_write with a standby)",
+        ),
+        Some("local") => Check::warn(
+            "synchronous-commit",
+            "synchronous_commit is local: a commit is acknowledged before any standby has it, so a failover can lose it",
             "set synchronous_commit = on (or remote_apply/remote_write with a standby)",
         ),
         Some(v) => Check::ok("synchronous-commit", format!("synchronous_commit is {v}")),
@@ -174,7 +176,37 @@ pub fn postgres_settings_check(settings: &[(String, String)], pool_max: u64) -> 
         Some(max) => Check::ok("max-connections", format!("max_connections is {max} (pools of {pool_max})")),
         None => Check::warn("max-connections", "the server did not report max_connections", "check the database user's rights"),
     });
+    if let Some(check) = replication_check(get("synchronous_standby_names"), get("standbys")) {
+        checks.push(check);
+    }
     checks
+}
+
+/// Whether the server acknowledges commits that no standby has yet: standbys streaming while
+/// `synchronous_standby_names` is empty replicate asynchronously, and a failover to one of them
+/// loses what the log acknowledged last (docs/high-availability.md). `None` when the server did
+/// not report them (a backend without replication).
+pub fn replication_check(standby_names: Option<&str>, standbys: Option<&str>) -> Option<Check> {
+    let standbys: u64 = standbys?.parse().ok()?;
+    let names = standby_names?.trim();
+    let fix = "Patroni: synchronous_mode: true and synchronous_mode_strict: true; by hand: synchronous_standby_names";
+    Some(match (standbys, names.is_empty()) {
+        (0, true) => Check::ok("replication", "no standby: the log lives on this one database server"),
+        (0, false) => Check::warn(
+            "replication",
+            format!("synchronous_standby_names is {names:?} but no standby is streaming: every commit waits for one"),
+            "start a standby, or see why it does not connect (pg_stat_replication on the primary)",
+        ),
+        (n, true) => Check::warn(
+            "replication",
+            format!(
+                "{n} standby(s) replicate asynchronously (synchronous_standby_names is empty): a commit is acknowledged \
+                 before any standby has it, so a failover can lose it"
+            ),
+            fix,
+        ),
+        (n, false) => Check::ok("replication", format!("{n} standby(s); commits wait for {names:?}")),
+    })
 }
 
 /// A file holding a secret: present and readable by its owner alone. `mode` is `None` when the
@@ -471,6 +503,22 @@ mod tests {
         let checks = postgres_settings_check(&set("off", "20"), 16);
         assert!(checks.iter().all(|c| c.status == Status::Warn), "{checks:?}");
         assert!(checks[1].message.contains("need 64"), "{}", checks[1].message);
+    }
+
+    #[test]
+    fn commits_no_standby_has_yet_warn() {
+        let check = |names: &str, standbys: &str| replication_check(Some(names), Some(standbys)).unwrap();
+        assert_eq!(check("", "0").status, Status::Ok, "one server, nothing to wait for");
+        let asynchronous = check("", "2");
+        assert_eq!(asynchronous.status, Status::Warn);
+        assert!(asynchronous.message.contains("asynchronously"), "{}", asynchronous.message);
+        assert_eq!(check("\"member-1\"", "2").status, Status::Ok);
+        assert_eq!(check("*", "0").status, Status::Warn, "commits wait for a standby that is not there");
+        assert!(replication_check(None, Some("1")).is_none() && replication_check(Some(""), None).is_none());
+        let local =
+            postgres_settings_check(&[("synchronous_commit".to_owned(), "local".to_owned())], 16).into_iter().next().unwrap();
+        assert_eq!(local.status, Status::Warn);
+        assert!(local.message.contains("before any standby"), "{}", local.message);
     }
 
     #[test]

@@ -97,6 +97,13 @@ pub enum Error {
     PayloadTooLarge { limit_bytes: usize },
     #[error("{0}")]
     Unavailable(String),
+    /// A write whose outcome is unknown: the connection to the database was lost after its
+    /// `COMMIT` was sent and before the answer came (the primary died or failed over). It may
+    /// or may not have been made; the same request with the same idempotency key finds out
+    /// exactly (the first result if it was made, made once if not). Answered `UNAVAILABLE`,
+    /// never as a plain failure.
+    #[error("{0}")]
+    Indeterminate(String),
     /// A request the target cannot serve; `reason` names what is missing, a stable word
     /// (`guest-agent`, `daemon-capability`, …).
     #[error("{message}")]
@@ -128,7 +135,7 @@ impl Error {
             Self::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
             Self::RateLimited { .. } => ErrorCode::RateLimited,
             Self::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
-            Self::Unavailable(_) => ErrorCode::Unavailable,
+            Self::Unavailable(_) | Self::Indeterminate(_) => ErrorCode::Unavailable,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::BatchRequired { .. } => ErrorCode::BatchRequired,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
@@ -151,6 +158,7 @@ impl Error {
             Self::Conflict { .. } => Some("read the current version and retry"),
             Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
             Self::RateLimited { .. } => Some("wait the Retry-After delay, then send fewer requests a second"),
+            Self::Indeterminate(_) => Some(INDETERMINATE_HINT),
             _ => None,
         }
     }
@@ -175,18 +183,52 @@ impl From<sqlx::Error> for Error {
     }
 }
 
+/// [`Error::Indeterminate`]'s hint.
+pub const INDETERMINATE_HINT: &str = "the write may or may not have been made: send the same request again with the same \
+     Idempotency-Key (it is answered with the first result if it was made, and made once if not)";
+
+/// SQLSTATEs that say the server cannot take this session's work now, not that the work is
+/// wrong: class 08 (connection exception), 57P01-57P03 (the server is shutting down, crashed or
+/// starting), 53300 (no connection slot), 25006 (a read-only server: a standby, or a primary
+/// demoted under the connection). Answered [`Error::Unavailable`]: another try, once the pool
+/// has found the primary again, may succeed.
+pub fn sqlstate_unavailable(code: &str) -> bool {
+    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "53300" | "25006")
+}
+
 impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Self {
         match e.as_db_error() {
-            Some(db) => Self::Storage(format!(
-                "{}: {}{}",
-                db.code().code(),
-                db.message(),
-                db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
-            )),
+            Some(db) => {
+                let text = format!(
+                    "{}: {}{}",
+                    db.code().code(),
+                    db.message(),
+                    db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
+                );
+                if sqlstate_unavailable(db.code().code()) {
+                    Self::Unavailable(format!("postgresql: {text}"))
+                } else {
+                    Self::Storage(text)
+                }
+            }
+            // The connection is gone, or never was (refused, timed out, no read-write server
+            // among the URL's hosts): the database is unavailable, the request was not wrong.
+            None if e.is_closed() || lost_connection(&e) => Self::Unavailable(format!("postgresql: {e}")),
             None => Self::Storage(e.to_string()),
         }
     }
+}
+
+/// Whether a driver error without a SQLSTATE is the connection's: an I/O error, a timeout, or a
+/// failed connection attempt (tokio-postgres's `Io`, `Timeout` and `Connect` kinds, told apart by
+/// their text as the kind is private).
+fn lost_connection(e: &tokio_postgres::Error) -> bool {
+    let io = std::iter::successors(std::error::Error::source(e), |c| c.source()).any(|c| c.is::<std::io::Error>());
+    let text = e.to_string();
+    io || text.starts_with("error connecting to server")
+        || text.starts_with("error communicating with the server")
+        || text.starts_with("timeout waiting for server")
 }
 
 impl From<deadpool_postgres::PoolError> for Error {

@@ -22,6 +22,9 @@ impl From<Error> for ApiError {
             Error::InvalidState { allowed, .. } => json!({ "allowed": allowed }),
             Error::Unsupported { reason, .. } => json!({ "reason": reason }),
             Error::RateLimited { retry_after_ms, .. } => json!({ "retryAfterMs": retry_after_ms }),
+            // UNAVAILABLE either way; this one may have been written (its hint says how to
+            // find out: the same request with the same Idempotency-Key).
+            Error::Indeterminate(_) => json!({ "indeterminate": true }),
             _ => Value::Object(Default::default()),
         };
         Self { error, details, close }

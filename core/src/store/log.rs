@@ -846,9 +846,13 @@ async fn read_replay(store: &dyn EventStore, tenant: TenantId, first_seq: u64, l
 /// event, inside the transaction), and it must not fail the others, other tenants' included:
 /// with more than one request, each half is processed again on its own, so the cause ends up
 /// alone with the error and the rest commit (at most `2n - 1` attempts for `n` requests). A
-/// database that is unavailable fails every request at once. Returns the newest commit made.
+/// database that is unavailable fails every request at once, and a commit whose answer was lost
+/// ([`Error::Indeterminate`]) answers every request so: it may have been made, and a request
+/// without an idempotency key tried again here could be made twice. The next batch is decided
+/// from what the database says then (its pre-read, on whichever primary the pool reaches),
+/// never from this batch's heads. Returns the newest commit made.
 async fn split_failed(appender: &Appender, stats: &LogStats, mut jobs: Vec<Job>, error: Error) -> Option<u64> {
-    if jobs.len() < 2 || matches!(error, Error::Unavailable(_)) {
+    if jobs.len() < 2 || matches!(error, Error::Unavailable(_) | Error::Indeterminate(_)) {
         return fail_all(jobs, &error);
     }
     tracing::warn!(error = %error, jobs = jobs.len(), "append batch failed; trying its halves apart");

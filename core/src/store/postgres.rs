@@ -96,6 +96,7 @@ impl PostgresStore {
         let custom = "-c plan_cache_mode=force_custom_plan";
         let options_now = config.get_options().map(|o| format!("{o} {custom}")).unwrap_or_else(|| custom.to_owned());
         config.options(options_now);
+        liveness_defaults(&mut config, &options.url);
         let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
         let manager = match options.connector()? {
             None => Manager::from_config(config, NoTls, recycling),
@@ -118,6 +119,38 @@ impl PostgresStore {
         &self.pool
     }
 }
+
+/// Waits on a dead or partitioned server bounded unless the URL says otherwise (libpq's keys):
+/// `connect_timeout` 5 s a host, so a URL of several hosts (`postgres://u@h1:5432,h2:5432/db?
+/// target_session_attrs=read-write`) moves on from a dead one to the primary; TCP keepalives
+/// from 10 s of silence, every 5 s, 3 unanswered closing the connection, so a pooled connection
+/// to a machine that vanished is dropped in about 25 s rather than the kernel's 2 hours; the
+/// pool then connects anew, to whichever host is the primary now. The URL's own values win.
+fn liveness_defaults(config: &mut tokio_postgres::Config, url: &str) {
+    let query = url.split_once('?').map(|(_, q)| q).unwrap_or("");
+    let given = |key: &str| query.split('&').any(|pair| pair.split_once('=').map(|(k, _)| k).unwrap_or(pair) == key);
+    if !given("connect_timeout") {
+        config.connect_timeout(std::time::Duration::from_secs(CONNECT_TIMEOUT_S));
+    }
+    if !given("keepalives_idle") {
+        config.keepalives_idle(std::time::Duration::from_secs(KEEPALIVE_IDLE_S));
+    }
+    if !given("keepalives_interval") {
+        config.keepalives_interval(std::time::Duration::from_secs(KEEPALIVE_INTERVAL_S));
+    }
+    if !given("keepalives_retries") {
+        config.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+}
+
+/// [`liveness_defaults`]: seconds a connection attempt to one host may take.
+pub const CONNECT_TIMEOUT_S: u64 = 5;
+/// [`liveness_defaults`]: seconds of silence before the first keepalive probe.
+pub const KEEPALIVE_IDLE_S: u64 = 10;
+/// [`liveness_defaults`]: seconds between keepalive probes.
+pub const KEEPALIVE_INTERVAL_S: u64 = 5;
+/// [`liveness_defaults`]: unanswered probes that close the connection.
+pub const KEEPALIVE_RETRIES: u32 = 3;
 
 pub mod tls {
     //! TLS to PostgreSQL with rustls (ring). tokio-postgres knows `sslmode` `disable`, `prefer`
@@ -451,15 +484,33 @@ impl PostgresTransaction {
     }
 
     /// Sends `COMMIT` or `ROLLBACK`; a connection that fails it is not returned to the pool.
+    ///
+    /// A `COMMIT` whose answer is lost with the connection (the primary died or was demoted while
+    /// it ran, or after it ran and before its answer came) may have committed: that is
+    /// [`Error::Indeterminate`], never a plain failure. Every error before the `COMMIT` was
+    /// sent is definite: a server that loses a connection inside a transaction rolls it back.
     async fn end(&mut self, statement: &str) -> Result<()> {
         let client = self.client.take().ok_or_else(|| Error::Internal("the transaction has already ended".into()))?;
         match client.batch_execute(statement).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 drop(Object::take(client));
-                Err(e.into())
+                Err(commit_error(statement, e.into()))
             }
         }
+    }
+}
+
+/// The error of a failed `statement` (`COMMIT` or `ROLLBACK`): a `COMMIT` that failed because
+/// the database became unavailable (the connection lost, the server shutting down) is
+/// [`Error::Indeterminate`]; a refusal with a SQLSTATE of its own (a constraint checked at
+/// commit) is definite, as is every `ROLLBACK`'s.
+fn commit_error(statement: &str, error: Error) -> Error {
+    match error {
+        Error::Unavailable(cause) if statement == "COMMIT" => Error::Indeterminate(format!(
+            "the database connection was lost while the write was committing ({cause}); it may or may not have been made"
+        )),
+        other => other,
     }
 }
 
@@ -846,7 +897,8 @@ impl EventStore for PostgresStore {
         let row = client
             .query_one(
                 "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint, current_setting('synchronous_commit'), \
-                 current_setting('max_connections')",
+                 current_setting('max_connections'), current_setting('synchronous_standby_names'), \
+                 (SELECT count(*) FROM pg_stat_replication)::text",
                 &[],
             )
             .await?;
@@ -854,6 +906,9 @@ impl EventStore for PostgresStore {
         let settings = vec![
             ("synchronous_commit".to_owned(), row.try_get::<_, String>(1)?),
             ("max_connections".to_owned(), row.try_get::<_, String>(2)?),
+            ("synchronous_standby_names".to_owned(), row.try_get::<_, String>(3)?),
+            // Standbys streaming from this server now (rows any user may count).
+            ("standbys".to_owned(), row.try_get::<_, String>(4)?),
         ];
         Ok(super::ServerFacts { now_ms: Some(to_u64(now_ms)?), settings })
     }
