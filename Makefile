@@ -8,7 +8,7 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
-.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv system-deps sim sim-large
+.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 ## Built with the seeded fake machines, so `make dev DEV_ARGS='--sim 5'` starts five simulated
@@ -47,7 +47,7 @@ test: check-postgres
 	fi
 	$(CARGO) test --workspace --doc $(TEST_FEATURES)
 
-test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv
+test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv fleet-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned), installed under target/tools/ once; a second run finds it and does nothing.
@@ -102,6 +102,14 @@ HEALTH_VENV := target/health-venv
 HEALTH_REQUIREMENTS := tests/scripts/health-requirements.txt
 health-venv: $(HEALTH_VENV)/installed-requirements.txt
 $(eval $(call python_venv,$(HEALTH_VENV),$(HEALTH_REQUIREMENTS)))
+
+## The fleet test's outside checker: Python's jsonschema (PyPI, pinned in
+## tests/scripts/fleet-requirements.txt), which validates exported FleetConfig documents against
+## the checked-in schema, in a virtual environment of its own, target/fleet-venv/.
+FLEET_VENV := target/fleet-venv
+FLEET_REQUIREMENTS := tests/scripts/fleet-requirements.txt
+fleet-venv: $(FLEET_VENV)/installed-requirements.txt
+$(eval $(call python_venv,$(FLEET_VENV),$(FLEET_REQUIREMENTS)))
 
 ## The PostgreSQL suite never skips: without a server the run stops here and says how to get one.
 check-postgres:

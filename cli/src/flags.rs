@@ -13,8 +13,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, batch, console, events, exec, flavors, forward, init, instances, inventory, join_tokens,
-    meta, metal, nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, version, webhooks,
+    agent_commands, api, audit, auth, batch, console, events, exec, flavors, fleet, forward, init, instances, inventory,
+    join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, version, webhooks,
 };
 use crate::output::Format;
 
@@ -235,6 +235,11 @@ pub enum Command {
     Usage {
         #[command(subcommand)]
         command: usage::UsageCommand,
+    },
+    /// The fleet as one reviewed document: export, plan, apply (with the plan's hash), status.
+    Fleet {
+        #[command(subcommand)]
+        command: fleet::FleetCommand,
     },
     /// The shapes of instance a pool offers: vCPUs, memory, disk, GPUs.
     Flavors {

@@ -30,6 +30,11 @@ pub enum ErrorCode {
     /// A call this deployment takes only through a destructive batch under the approvers'
     /// quorum (`dev`/`serve --approvers`): its scope is too wide for one key.
     BatchRequired,
+    /// `fleet.apply`: the plan has a change that cannot be made in place; nothing was applied.
+    PlanBlocked,
+    /// `fleet.apply`: the fleet or the document is not what the reviewed plan was made on;
+    /// nothing was applied.
+    ConfigDrift,
     Corrupt,
     Internal,
 }
@@ -51,6 +56,8 @@ impl ErrorCode {
             Self::Unavailable => "UNAVAILABLE",
             Self::Unsupported => "UNSUPPORTED",
             Self::BatchRequired => "BATCH_REQUIRED",
+            Self::PlanBlocked => "PLAN_BLOCKED",
+            Self::ConfigDrift => "CONFIG_DRIFT",
             Self::Corrupt => "LOG_CORRUPT",
             Self::Internal => "INTERNAL",
         }
@@ -112,6 +119,12 @@ pub enum Error {
     /// (`commandBatches.create`); `hint` says how to make one.
     #[error("{message}")]
     BatchRequired { message: String, hint: String },
+    /// A fleet plan with a change that cannot be made in place.
+    #[error("{0}")]
+    PlanBlocked(String),
+    /// A fleet apply whose reviewed plan no longer matches the fleet.
+    #[error("{0}")]
+    ConfigDrift(String),
     /// The log or a stored row does not verify: corruption or tampering.
     #[error("log corrupt: tenant {tenant} seq {seq}: {what}")]
     Corrupt { tenant: String, seq: u64, what: String },
@@ -138,6 +151,8 @@ impl Error {
             Self::Unavailable(_) | Self::Indeterminate(_) => ErrorCode::Unavailable,
             Self::Unsupported { .. } => ErrorCode::Unsupported,
             Self::BatchRequired { .. } => ErrorCode::BatchRequired,
+            Self::PlanBlocked(_) => ErrorCode::PlanBlocked,
+            Self::ConfigDrift(_) => ErrorCode::ConfigDrift,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
             Self::Storage(_) | Self::Internal(_) => ErrorCode::Internal,
         }
@@ -159,6 +174,8 @@ impl Error {
             Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
             Self::RateLimited { .. } => Some("wait the Retry-After delay, then send fewer requests a second"),
             Self::Indeterminate(_) => Some(INDETERMINATE_HINT),
+            Self::PlanBlocked(_) => Some("fleet plan names each blocked change and why; change the document"),
+            Self::ConfigDrift(_) => Some("run fleet plan again, review it, and apply the new plan's hash"),
             _ => None,
         }
     }

@@ -56,6 +56,7 @@ pub const ACTIONS: &[&str] = &[
     "compute:batches:create",
     "compute:batches:approve",
     "compute:approvers:admin",
+    "compute:fleet:admin",
 ];
 
 /// Most actions one key grants.

@@ -46,9 +46,12 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
     match code {
         ErrorCode::InvalidArgument => StatusCode::BAD_REQUEST,
         ErrorCode::NotFound => StatusCode::NOT_FOUND,
-        ErrorCode::Conflict | ErrorCode::InvalidState | ErrorCode::IdempotencyConflict | ErrorCode::AlreadyExists => {
-            StatusCode::CONFLICT
-        }
+        ErrorCode::Conflict
+        | ErrorCode::InvalidState
+        | ErrorCode::IdempotencyConflict
+        | ErrorCode::AlreadyExists
+        | ErrorCode::PlanBlocked
+        | ErrorCode::ConfigDrift => StatusCode::CONFLICT,
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::AccessDenied | ErrorCode::QuotaExceeded | ErrorCode::BatchRequired => StatusCode::FORBIDDEN,
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,

@@ -30,6 +30,8 @@ const ERROR_CODES: &[ErrorCode] = &[
     ErrorCode::Unavailable,
     ErrorCode::Unsupported,
     ErrorCode::BatchRequired,
+    ErrorCode::PlanBlocked,
+    ErrorCode::ConfigDrift,
     ErrorCode::Corrupt,
     ErrorCode::Internal,
 ];

@@ -182,6 +182,9 @@ pub const EVENT_TYPES: &[&str] = &[
     crate::usage::USAGE_WINDOW_CLOSED,
     crate::usage::USAGE_CORRECTION,
     crate::usage::USAGE_PRICE_SET,
+    crate::fleet_config::FLEET_APPLIED,
+    crate::fleet_config::FLEET_OBJECTS,
+    crate::fleet_config::FLEET_DRIFTED,
 ];
 
 /// Most patterns one filter (a watch, a webhook) takes.

@@ -30,6 +30,7 @@ pub mod event_view;
 pub mod events;
 pub mod flavor;
 pub mod fleet;
+pub mod fleet_config;
 pub mod image;
 pub mod instance;
 pub mod inventory;
@@ -218,7 +219,8 @@ impl Projector for Projections {
             | KIND_IMAGE
             | rollout::KIND_RELEASE
             | usage::KIND_USAGE_PRICE
-            | batch::KIND_APPROVER_SET => None,
+            | batch::KIND_APPROVER_SET
+            | fleet_config::KIND_FLEET => None,
             _ => return,
         };
         let row = |kind: &str| RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
@@ -255,6 +257,7 @@ impl Projector for Projections {
             workflow::KIND_METAL => workflow::apply(key, current, event),
             rollout::KIND_RELEASE | rollout::KIND_ROLLOUT => rollout::apply(key, current, event),
             batch::KIND_APPROVER_SET | batch::KIND_COMMAND_BATCH => batch::apply(key, current, event),
+            fleet_config::KIND_FLEET => fleet_config::apply(key, current, event),
             _ => Ok(current),
         }
     }

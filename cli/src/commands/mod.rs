@@ -25,6 +25,7 @@ pub mod console;
 pub mod events;
 pub mod exec;
 pub mod flavors;
+pub mod fleet;
 pub mod forward;
 pub mod init;
 pub mod instances;
@@ -76,6 +77,7 @@ impl Command {
             Command::Capacity(args) => reservations::capacity(ctx, args).await,
             Command::Quotas { command } => reservations::quotas(ctx, command).await,
             Command::Usage { command } => usage::run(ctx, command).await,
+            Command::Fleet { command } => fleet::run(ctx, command).await,
             Command::Flavors { command } => flavors::run(ctx, command).await,
             Command::Images { command } => flavors::images(ctx, command).await,
             Command::Rollouts { command } => rollouts::run(ctx, command).await,

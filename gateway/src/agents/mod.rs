@@ -142,7 +142,7 @@ pub fn code_of(e: &Error) -> tonic::Code {
         C::NotFound => tonic::Code::NotFound,
         C::Conflict | C::IdempotencyConflict => tonic::Code::Aborted,
         C::AlreadyExists => tonic::Code::AlreadyExists,
-        C::InvalidState => tonic::Code::FailedPrecondition,
+        C::InvalidState | C::PlanBlocked | C::ConfigDrift => tonic::Code::FailedPrecondition,
         C::Unauthenticated => tonic::Code::Unauthenticated,
         C::AccessDenied | C::BatchRequired => tonic::Code::PermissionDenied,
         C::QuotaExceeded | C::RateLimited => tonic::Code::ResourceExhausted,

@@ -31,6 +31,7 @@ mod capacity;
 mod commands;
 mod events;
 mod flavors;
+pub mod fleet;
 mod images;
 mod instances;
 mod inventory;
@@ -142,6 +143,7 @@ const GROUPS: &[&[Method]] = &[
     webhooks::METHODS,
     tunnels::METHODS,
     usage::METHODS,
+    fleet::METHODS,
 ];
 
 static TABLE: LazyLock<Vec<&'static Method>> = LazyLock::new(|| {

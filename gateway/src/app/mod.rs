@@ -7,6 +7,7 @@
 //! function that does it, and only through [`retry_on_conflict`], bounded. Handlers never
 //! retry; every other CONFLICT goes back to the caller.
 
+pub mod fleet;
 pub mod reservations;
 
 use std::future::Future;

@@ -1,0 +1,841 @@
+//! `fleet.*`: a tenant's platform objects (pools with the tenant's quota in each, flavors,
+//! images) as one reviewed [`FleetDocument`]: `export` writes it, `plan` diffs it against the
+//! live fleet and names the plan by its hash, `apply` makes a reviewed plan's changes in one
+//! transaction guarded on everything the plan read, `status` says what drifted since the last
+//! apply. The decisions are `crate::app::fleet`'s, pure; here they are read for and appended.
+//!
+//! Decided on `compute:fleet:admin`, and only for the root tenant's administrators (the document
+//! sets quotas, which a tenant must not set itself). Every call a plan stands for is decided on
+//! its own action too, before anything is appended: one denial applies nothing.
+
+use std::collections::BTreeMap;
+
+use bc_core::id::{FlavorId, ImageId, PoolId, TenantId};
+use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent, READ_ROWS_MAX};
+use bc_core::{Error, Result};
+use bc_projections::events as ev;
+use bc_projections::fleet_config::{
+    FLEET_APPLIED, FLEET_OBJECTS, FLEET_OBJECTS_PER_EVENT, FLEET_STREAM_ID, FleetApplied, FleetConfigDoc, FleetDrift,
+    FleetObjects, KIND_FLEET,
+};
+use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_POOL, KIND_QUOTA, PoolDoc, QuotaDoc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::call::doc;
+use super::flavors::{
+    FLAVOR_DISK_GIB_MAX, FLAVOR_GPUS_MAX, FLAVOR_MEMORY_MIB_MAX, FLAVOR_VCPUS_MAX, FlavorShape as ApiFlavorShape,
+};
+use super::flavors::{FLAVORS_PER_POOL_MAX, FLAVORS_PER_TENANT_MAX, validate_flavor_shape};
+use super::images::{IMAGE_SIZE_BYTES_MAX, IMAGES_PER_TENANT_MAX, ImageUrl, Sha256Hex, validate_image_url, validate_sha256};
+use super::pools::{MAX_RESERVATION_S_LIMIT, MAX_RESERVATION_S_MIN};
+use super::validate::{
+    DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, NameText, TenantIdText, string_schema, validate_labels, validate_name,
+    validate_text,
+};
+use super::views::DiskFormatView;
+use super::{Access, Call, Method, method};
+use crate::app::fleet::{self as decide, Blocked, Change, FleetLive, FleetPlan, Op, Unmanaged};
+
+const ADMIN: Access = Access::Action("compute:fleet:admin");
+
+/// The document's `apiVersion`.
+pub const FLEET_API_VERSION: &str = "better-compute/v1";
+/// The document's `kind`.
+pub const FLEET_KIND: &str = "FleetConfig";
+/// Pools one document holds at most.
+pub const FLEET_POOLS_MAX: usize = 500;
+/// Changes one apply makes at most: they land in one transaction, and the log takes at most
+/// `BATCH_EVENTS_MAX` events in one; the rest is room for `fleet.applied` and its objects.
+pub const FLEET_CHANGES_MAX: usize = 800;
+/// Objects of one kind the live fleet may hold for a plan to be made (each is read).
+pub const FLEET_LIVE_OBJECTS_MAX: usize = 5000;
+const FLEET_OBJECTS_MAX: usize = FLEET_POOLS_MAX * 2 + FLAVORS_PER_TENANT_MAX as usize + IMAGES_PER_TENANT_MAX as usize;
+const _: () = assert!(FLEET_CHANGES_MAX + 1 + FLEET_OBJECTS_MAX.div_ceil(FLEET_OBJECTS_PER_EVENT) <= BATCH_EVENTS_MAX);
+
+/// A key of the document: the fleet's own (`gpu-a`: 1 to 63 of a-z 0-9 . -) or an id.
+const FLEET_KEY: &str = "[a-z0-9][a-z0-9.-]{0,62}";
+const ULID: &str = "[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}";
+
+fn key_pattern(prefix: &str) -> String {
+    format!("^({FLEET_KEY}|{prefix}_{ULID})$")
+}
+
+string_schema!(
+    /// The document's `apiVersion`, `better-compute/v1`.
+    FleetApiVersionText as "FleetApiVersion",
+    |_| schemars::json_schema!({ "type": "string", "enum": [FLEET_API_VERSION] })
+);
+string_schema!(
+    /// The document's `kind`, `FleetConfig`.
+    FleetKindText as "FleetKind",
+    |_| schemars::json_schema!({ "type": "string", "enum": [FLEET_KIND] })
+);
+string_schema!(
+    /// A pool's key in the document: the fleet's own, or the id of a pool it did not create.
+    FleetPoolKeyText as "FleetPoolKey",
+    |_| schemars::json_schema!({ "type": "string", "pattern": key_pattern(PoolId::PREFIX) })
+);
+
+fn keyed<T: JsonSchema>(g: &mut schemars::SchemaGenerator, prefix: &str, max: usize) -> schemars::Schema {
+    let item = g.subschema_for::<T>();
+    schemars::json_schema!({
+        "type": "object",
+        "maxProperties": max,
+        "propertyNames": { "pattern": key_pattern(prefix) },
+        "additionalProperties": item,
+    })
+}
+
+/// A FleetConfig document: the tenant's pools (with its quota in each), flavors and images, each
+/// keyed by the fleet's own key or, for what the fleet did not create, by its id.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(rename = "FleetConfig")]
+pub struct FleetDocument {
+    #[schemars(with = "FleetApiVersionText")]
+    pub api_version: String,
+    #[schemars(with = "FleetKindText")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "pools_schema")]
+    pub pools: BTreeMap<String, FleetPool>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "flavors_schema")]
+    pub flavors: BTreeMap<String, FleetFlavor>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "images_schema")]
+    pub images: BTreeMap<String, FleetImage>,
+}
+
+fn pools_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    keyed::<FleetPool>(g, PoolId::PREFIX, FLEET_POOLS_MAX)
+}
+fn flavors_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    keyed::<FleetFlavor>(g, FlavorId::PREFIX, FLAVORS_PER_TENANT_MAX as usize)
+}
+fn images_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    keyed::<FleetImage>(g, ImageId::PREFIX, IMAGES_PER_TENANT_MAX as usize)
+}
+
+impl FleetDocument {
+    pub fn empty() -> Self {
+        Self {
+            api_version: FLEET_API_VERSION.into(),
+            kind: FLEET_KIND.into(),
+            pools: BTreeMap::new(),
+            flavors: BTreeMap::new(),
+            images: BTreeMap::new(),
+        }
+    }
+}
+
+/// A pool, and the tenant's GPU quota in it when the document manages it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetPool {
+    #[schemars(with = "NameText")]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(with = "DescriptionText")]
+    pub description: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(with = "LabelsMap")]
+    pub labels: BTreeMap<String, String>,
+    /// The longest reservation the pool grants, in seconds (absent: 30 days for a new pool,
+    /// unchanged for one that exists).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = MAX_RESERVATION_S_MIN, max = MAX_RESERVATION_S_LIMIT))]
+    pub max_reservation_s: Option<u64>,
+    /// The tenant's GPU quota in the pool (absent: the document leaves the quota alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = u32::MAX))]
+    pub quota_gpus: Option<u32>,
+}
+
+/// A flavor of a pool of the document (`pool` is the pool's key there).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetFlavor {
+    #[schemars(with = "FleetPoolKeyText")]
+    pub pool: String,
+    #[schemars(with = "NameText")]
+    pub name: String,
+    #[schemars(range(min = 1, max = FLAVOR_VCPUS_MAX))]
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    #[schemars(range(min = 1, max = FLAVOR_MEMORY_MIB_MAX))]
+    pub memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    #[schemars(range(min = 1, max = FLAVOR_DISK_GIB_MAX))]
+    pub disk_gib: u64,
+    #[schemars(range(max = FLAVOR_GPUS_MAX))]
+    pub gpus: u32,
+}
+
+/// A disk image by URL and SHA-256.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetImage {
+    #[schemars(with = "NameText")]
+    pub name: String,
+    #[schemars(with = "ImageUrl")]
+    pub url: String,
+    #[schemars(with = "Sha256Hex")]
+    pub sha256: String,
+    pub disk_format: DiskFormatView,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = IMAGE_SIZE_BYTES_MAX))]
+    pub size_bytes: Option<u64>,
+}
+
+pub(super) const METHODS: &[Method] = &[
+    method!("fleet.export", ADMIN, "the tenant's platform objects as one FleetConfig document", FleetExport => FleetExportView, fleet_export),
+    method!("fleet.plan", ADMIN, "what applying a FleetConfig document would change, and the plan's hash", FleetPlanInput => FleetPlanView, fleet_plan),
+    method!(
+        "fleet.apply",
+        ADMIN,
+        "make a reviewed plan's changes in one transaction, or none (CONFIG_DRIFT, PLAN_BLOCKED)",
+        FleetApplyInput => FleetApplyView,
+        fleet_apply,
+    ),
+    method!("fleet.status", ADMIN, "the last applied plan and what drifted from it since", FleetExport => FleetStatusView, fleet_status),
+];
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetExport {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetPlanInput {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    document: FleetDocument,
+    /// Delete (archive, for a pool) the live objects the document leaves out.
+    #[serde(default)]
+    prune: bool,
+}
+
+string_schema!(
+    /// A plan's hash, as `fleet.plan` answered it: 64 lowercase hex digits.
+    PlanHashText as "PlanHash",
+    |_| schemars::json_schema!({ "type": "string", "pattern": "^[0-9a-f]{64}$" })
+);
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetApplyInput {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    document: FleetDocument,
+    #[serde(default)]
+    prune: bool,
+    /// The hash of the plan reviewed: applied only while the plan is still exactly that.
+    #[schemars(with = "PlanHashText")]
+    plan_hash: String,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetExportView {
+    #[schemars(with = "TenantIdText")]
+    tenant_id: String,
+    document: FleetDocument,
+    /// SHA-256 of the document in canonical JSON.
+    document_sha256: String,
+}
+
+/// One change of a plan, as the API shows it.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetChangeView {
+    /// `create`, `update` or `delete`.
+    op: String,
+    /// `pool`, `quota`, `flavor` or `image`.
+    kind: String,
+    key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<String>,
+    /// Each field set: `{from, to}` (`from` is null for a create).
+    fields: BTreeMap<String, Value>,
+    /// The API call that makes the change on its own, and the action it is decided on.
+    method: String,
+    action: String,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetBlockedView {
+    kind: String,
+    key: String,
+    reason: String,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetUnmanagedView {
+    kind: String,
+    id: String,
+    name: String,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetPlanView {
+    plan_hash: String,
+    document_sha256: String,
+    changes: Vec<FleetChangeView>,
+    blocked: Vec<FleetBlockedView>,
+    /// Live objects the document leaves out, left alone (deleted only with `prune`).
+    unmanaged: Vec<FleetUnmanagedView>,
+    /// Nothing to change and nothing blocked.
+    empty: bool,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetApplyView {
+    plan_hash: String,
+    /// Whether this call applied it (false: the same request again, already applied).
+    applied: bool,
+    created: u32,
+    updated: u32,
+    deleted: u32,
+    /// The ids of what the plan created, by `kind/key`.
+    created_ids: BTreeMap<String, String>,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetDriftView {
+    kind: String,
+    key: String,
+    id: String,
+    /// `changed` or `deleted`.
+    what: String,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetStatusView {
+    /// Whether a document was ever applied.
+    applied: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    plan_hash: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    applied_at_ms: Option<u64>,
+    /// Objects the last applied document covers.
+    objects: u32,
+    /// What changed outside the document since, read now.
+    drift: Vec<FleetDriftView>,
+    /// The drift the `fleet.drift` reconciler last recorded (`fleet.drifted`), and when.
+    recorded_drift: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recorded_at_ms: Option<u64>,
+}
+
+fn change_view(c: &Change) -> FleetChangeView {
+    let (method, action) = c.call();
+    FleetChangeView {
+        op: serde_json::to_value(c.op).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default(),
+        kind: c.kind.into(),
+        key: c.key.clone(),
+        id: c.id.clone(),
+        fields: c.fields.iter().map(|(k, f)| (k.clone(), serde_json::json!({ "from": f.from, "to": f.to }))).collect(),
+        method: method.into(),
+        action: action.into(),
+    }
+}
+
+fn blocked_view(b: &Blocked) -> FleetBlockedView {
+    FleetBlockedView { kind: b.kind.into(), key: b.key.clone(), reason: b.reason.clone() }
+}
+
+fn unmanaged_view(u: &Unmanaged) -> FleetUnmanagedView {
+    FleetUnmanagedView { kind: u.kind.into(), id: u.id.clone(), name: u.name.clone() }
+}
+
+fn drift_view(d: FleetDrift) -> FleetDriftView {
+    FleetDriftView { kind: d.kind, key: d.key, id: d.id, what: d.what }
+}
+
+/// The fleet methods are the root tenant's administrators' alone.
+fn root_only(call: &Call<'_>) -> Result<()> {
+    if !call.principal().is_root() {
+        return Err(Error::AccessDenied("only the root tenant's administrators manage the fleet configuration".into()));
+    }
+    Ok(())
+}
+
+/// Refuses a document the schema refuses, saying where: every field checked as the object's
+/// own method checks it.
+fn validate_document(d: &FleetDocument) -> Result<()> {
+    if d.api_version != FLEET_API_VERSION {
+        return Err(Error::invalid(format!("document.apiVersion must be {FLEET_API_VERSION:?}")));
+    }
+    if d.kind != FLEET_KIND {
+        return Err(Error::invalid(format!("document.kind must be {FLEET_KIND:?}")));
+    }
+    let bounds = [
+        ("pools", d.pools.len(), FLEET_POOLS_MAX),
+        ("flavors", d.flavors.len(), FLAVORS_PER_TENANT_MAX as usize),
+        ("images", d.images.len(), IMAGES_PER_TENANT_MAX as usize),
+    ];
+    for (what, n, max) in bounds {
+        if n > max {
+            return Err(Error::invalid(format!("document.{what} holds at most {max} objects, not {n}")));
+        }
+    }
+    let at = |what: &str, key: &str, e: Error| Error::InvalidArgument {
+        message: format!("document.{what}.{key}: {}", e.public_message()),
+        hint: e.hint().map(str::to_owned),
+    };
+    for (key, p) in &d.pools {
+        check_key(PoolId::PREFIX, "pools", key)?;
+        validate_name("name", &p.name).map_err(|e| at("pools", key, e))?;
+        validate_text("description", &p.description, DESCRIPTION_CHARS_MAX).map_err(|e| at("pools", key, e))?;
+        validate_labels(&p.labels).map_err(|e| at("pools", key, e))?;
+        if let Some(s) = p.max_reservation_s
+            && !(MAX_RESERVATION_S_MIN..=MAX_RESERVATION_S_LIMIT).contains(&s)
+        {
+            return Err(Error::invalid(format!(
+                "document.pools.{key}: maxReservationS must be {MAX_RESERVATION_S_MIN} to {MAX_RESERVATION_S_LIMIT}, not {s}"
+            )));
+        }
+    }
+    let mut per_pool: BTreeMap<&str, usize> = BTreeMap::new();
+    for (key, f) in &d.flavors {
+        check_key(FlavorId::PREFIX, "flavors", key)?;
+        check_key(PoolId::PREFIX, &format!("flavors.{key}.pool"), &f.pool)?;
+        validate_name("name", &f.name).map_err(|e| at("flavors", key, e))?;
+        let shape = ApiFlavorShape { vcpus: f.vcpus, memory_mib: f.memory_mib, disk_gib: f.disk_gib, gpus: f.gpus };
+        validate_flavor_shape(shape).map_err(|e| at("flavors", key, e))?;
+        let n = per_pool.entry(f.pool.as_str()).or_default();
+        *n += 1;
+        if *n > FLAVORS_PER_POOL_MAX {
+            return Err(Error::invalid(format!(
+                "document.flavors: pool {:?} has at most {FLAVORS_PER_POOL_MAX} flavors",
+                f.pool
+            )));
+        }
+    }
+    for (key, i) in &d.images {
+        check_key(ImageId::PREFIX, "images", key)?;
+        validate_name("name", &i.name).map_err(|e| at("images", key, e))?;
+        validate_image_url(&i.url).map_err(|e| at("images", key, e))?;
+        validate_sha256(&i.sha256).map_err(|e| at("images", key, e))?;
+        if let Some(size) = i.size_bytes
+            && !(1..=IMAGE_SIZE_BYTES_MAX).contains(&size)
+        {
+            return Err(Error::invalid(format!(
+                "document.images.{key}: sizeBytes must be 1 to {IMAGE_SIZE_BYTES_MAX}, not {size}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A key is the fleet's own (`gpu-a`) or an id of its kind, in canonical form.
+fn check_key(prefix: &str, what: &str, key: &str) -> Result<()> {
+    let own = !key.is_empty()
+        && key.len() <= 63
+        && key.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && key.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-');
+    let id = key.strip_prefix(prefix).and_then(|rest| rest.strip_prefix('_')).is_some_and(|ulid| {
+        ulid.len() == 26
+            && ulid.as_bytes()[0] <= b'7'
+            && ulid.bytes().all(|b| b.is_ascii_digit() || (b.is_ascii_alphabetic() && !b"ILOUilou".contains(&b)))
+    });
+    if own || id {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        message: format!(
+            "document.{what}: key {:?} is neither a key of the fleet's own nor a {prefix}_ id",
+            bc_core::id::truncate(key, 70)
+        ),
+        hint: Some("a key is 1 to 63 of a-z 0-9 . - (starting with a letter or digit), or the id of an existing object".into()),
+    })
+}
+
+/// Every row of `kind` of the tenant, paged, at most [`FLEET_LIVE_OBJECTS_MAX`].
+async fn read_all<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
+    let tenant = tenant.to_string();
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = call.state.store.row_list(&tenant, kind, after.as_deref(), READ_ROWS_MAX).await?;
+        let full = rows.len() == READ_ROWS_MAX as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            out.push(doc::<T>(row)?);
+        }
+        if out.len() > FLEET_LIVE_OBJECTS_MAX {
+            return Err(Error::state(
+                format!("the tenant has more than {FLEET_LIVE_OBJECTS_MAX} {kind} objects, more than one plan reads"),
+                "archive or delete what is no longer used",
+            ));
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// The live fleet of `tenant`, as a plan reads it.
+async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
+    let pools: Vec<PoolDoc> = read_all(call, tenant, KIND_POOL).await?;
+    let quotas: Vec<QuotaDoc> = read_all(call, tenant, KIND_QUOTA).await?;
+    let flavors: Vec<FlavorDoc> = read_all(call, tenant, KIND_FLAVOR).await?;
+    let images: Vec<ImageDoc> = read_all(call, tenant, KIND_IMAGE).await?;
+    let applied = call
+        .state
+        .store
+        .row_get(&tenant.to_string(), KIND_FLEET, FLEET_STREAM_ID)
+        .await?
+        .map(doc::<FleetConfigDoc>)
+        .transpose()?;
+    Ok(FleetLive { pools, quotas: quotas.into_iter().map(|q| (q.pool_id.clone(), q)).collect(), flavors, images, applied })
+}
+
+async fn fleet_export(call: &Call<'_>, input: FleetExport) -> Result<FleetExportView> {
+    root_only(call)?;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let document = decide::fleet_export(&read_live(call, tenant).await?);
+    let document_sha256 = decide::canonical_sha256(&document);
+    Ok(FleetExportView { tenant_id: tenant.to_string(), document, document_sha256 })
+}
+
+fn plan_view(plan: &FleetPlan) -> FleetPlanView {
+    FleetPlanView {
+        plan_hash: plan.plan_hash.clone(),
+        document_sha256: plan.document_sha256.clone(),
+        changes: plan.changes.iter().map(change_view).collect(),
+        blocked: plan.blocked.iter().map(blocked_view).collect(),
+        unmanaged: plan.unmanaged.iter().map(unmanaged_view).collect(),
+        empty: plan.changes.is_empty() && plan.blocked.is_empty(),
+    }
+}
+
+async fn fleet_plan(call: &Call<'_>, input: FleetPlanInput) -> Result<FleetPlanView> {
+    root_only(call)?;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    validate_document(&input.document)?;
+    let plan = decide::fleet_plan(&read_live(call, tenant).await?, &input.document, input.prune);
+    Ok(plan_view(&plan))
+}
+
+fn counts(plan: &FleetPlan) -> (u32, u32, u32) {
+    let n = |op: Op| plan.changes.iter().filter(|c| c.op == op).count() as u32;
+    (n(Op::Create), n(Op::Update), n(Op::Delete))
+}
+
+async fn fleet_apply(call: &Call<'_>, input: FleetApplyInput) -> Result<FleetApplyView> {
+    root_only(call)?;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    validate_document(&input.document)?;
+    let live = read_live(call, tenant).await?;
+    // The same request again (its idempotency key seen) after it applied: answered from the
+    // fleet's record, not planned again (the plan over the changed fleet is another plan).
+    if call.is_retry(tenant).await?
+        && let Some(applied) = &live.applied
+        && applied.plan_hash == input.plan_hash
+    {
+        let created_ids = BTreeMap::new();
+        return Ok(FleetApplyView {
+            plan_hash: applied.plan_hash.clone(),
+            applied: false,
+            created: 0,
+            updated: 0,
+            deleted: 0,
+            created_ids,
+        });
+    }
+    let plan = decide::fleet_plan(&live, &input.document, input.prune);
+    if !plan.blocked.is_empty() {
+        let first = &plan.blocked[0];
+        return Err(Error::PlanBlocked(format!(
+            "{} change(s) cannot be made in place, the first: {} {}: {}; nothing was applied",
+            plan.blocked.len(),
+            first.kind,
+            first.key,
+            first.reason
+        )));
+    }
+    if plan.plan_hash != input.plan_hash {
+        return Err(Error::ConfigDrift(format!(
+            "the fleet or the document is not what the plan {} was made on (the plan is now {}); nothing was applied",
+            bc_core::id::truncate(&input.plan_hash, 64),
+            plan.plan_hash
+        )));
+    }
+    if plan.changes.len() > FLEET_CHANGES_MAX {
+        return Err(Error::invalid(format!(
+            "one apply makes at most {FLEET_CHANGES_MAX} changes (one transaction), this plan has {}; apply the document in parts",
+            plan.changes.len()
+        )));
+    }
+    // Every call decided before anything is appended: one denial, nothing applied.
+    let principal = call.principal();
+    for (n, change) in plan.changes.iter().enumerate() {
+        let (method, action) = change.call();
+        if !principal.allows(action) {
+            return Err(Error::AccessDenied(format!(
+                "call {} of {} ({method} for {} {}) needs {action}, which this key does not hold; nothing was applied",
+                n + 1,
+                plan.changes.len(),
+                change.kind,
+                change.key
+            )));
+        }
+    }
+    let (requests, created_ids) = appends(call, tenant, &plan)?;
+    match call.state.log.append_group(requests).await {
+        Ok(_) => {}
+        Err(Error::Conflict { stream, .. }) => {
+            return Err(Error::ConfigDrift(format!("{stream} changed while the plan was applied; nothing was applied")));
+        }
+        Err(e) => return Err(e),
+    }
+    let (created, updated, deleted) = counts(&plan);
+    Ok(FleetApplyView {
+        plan_hash: plan.plan_hash,
+        applied: true,
+        created,
+        updated,
+        deleted,
+        created_ids: created_ids.into_iter().map(|((kind, key), id)| (format!("{kind}/{key}"), id)).collect(),
+    })
+}
+
+/// The appends that make `plan`, in one group: each change on its own stream at the version it
+/// read, then `fleet.applied` and `fleet.objects` on the fleet's stream, guarded on every stream
+/// the plan read and does not append to.
+#[allow(clippy::type_complexity)]
+fn appends(
+    call: &Call<'_>,
+    tenant: TenantId,
+    plan: &FleetPlan,
+) -> Result<(Vec<AppendRequest>, BTreeMap<(&'static str, String), String>)> {
+    let mut created: BTreeMap<(&'static str, String), String> = BTreeMap::new();
+    for c in plan.changes.iter().filter(|c| c.op == Op::Create && c.kind != decide::OBJECT_QUOTA) {
+        let id = match c.kind {
+            decide::OBJECT_POOL => PoolId::from_ulid(call.ulid()).to_string(),
+            decide::OBJECT_FLAVOR => FlavorId::from_ulid(call.ulid()).to_string(),
+            _ => ImageId::from_ulid(call.ulid()).to_string(),
+        };
+        created.insert((c.kind, c.key.clone()), id);
+    }
+    let str_field = |c: &Change, name: &str| -> Result<String> {
+        c.fields
+            .get(name)
+            .and_then(|f| f.to.as_str())
+            .map(str::to_owned)
+            .ok_or_else(|| Error::Internal(format!("fleet plan: {name}")))
+    };
+    let u64_field = |c: &Change, name: &str| c.fields.get(name).and_then(|f| f.to.as_u64());
+    let mut requests = Vec::new();
+    let mut appended: Vec<String> = Vec::new();
+    for c in &plan.changes {
+        let id = c.id.clone().or_else(|| created.get(&(c.kind, c.key.clone())).cloned());
+        let (stream, expected, event_type, payload) = match (c.kind, c.op) {
+            (decide::OBJECT_POOL, Op::Create) => (
+                format!("{KIND_POOL}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::NoStream,
+                ev::POOL_CREATED,
+                ev::to_cbor(&ev::PoolCreated {
+                    name: str_field(c, "name")?,
+                    description: str_field(c, "description")?,
+                    labels: labels_field(c)?.unwrap_or_default(),
+                    max_reservation_s: u64_field(c, "maxReservationS"),
+                })?,
+            ),
+            (decide::OBJECT_POOL, Op::Update) => (
+                format!("{KIND_POOL}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::POOL_UPDATED,
+                ev::to_cbor(&ev::PoolUpdated {
+                    name: c.fields.get("name").map(|_| str_field(c, "name")).transpose()?,
+                    description: c.fields.get("description").map(|_| str_field(c, "description")).transpose()?,
+                    labels: labels_field(c)?,
+                    max_reservation_s: u64_field(c, "maxReservationS"),
+                })?,
+            ),
+            (decide::OBJECT_POOL, Op::Delete) => (
+                format!("{KIND_POOL}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::POOL_ARCHIVED,
+                ev::to_cbor(&ev::PoolArchived {})?,
+            ),
+            (decide::OBJECT_QUOTA, _) => {
+                // A quota's id is its pool's, drawn above when the plan creates the pool.
+                let pool = c.id.clone().or_else(|| created.get(&(decide::OBJECT_POOL, c.key.clone())).cloned());
+                let gpus = u64_field(c, "gpus").and_then(|g| u32::try_from(g).ok()).unwrap_or_default();
+                (
+                    format!("{KIND_QUOTA}/{}", pool.unwrap_or_default()),
+                    ExpectedVersion::Any,
+                    ev::QUOTA_SET,
+                    ev::to_cbor(&ev::QuotaSet { gpus })?,
+                )
+            }
+            (decide::OBJECT_FLAVOR, Op::Delete) => (
+                format!("{KIND_FLAVOR}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::FLAVOR_DELETED,
+                ev::to_cbor(&ev::FlavorDeleted {})?,
+            ),
+            (decide::OBJECT_FLAVOR, _) => {
+                let pool = str_field(c, "pool")?;
+                let pool = if pool.starts_with("pool_") {
+                    pool
+                } else {
+                    created.get(&(decide::OBJECT_POOL, pool.clone())).cloned().unwrap_or(pool)
+                };
+                let u32_field = |name: &str| u64_field(c, name).and_then(|v| u32::try_from(v).ok()).unwrap_or_default();
+                (
+                    format!("{KIND_FLAVOR}/{}", id.clone().unwrap_or_default()),
+                    ExpectedVersion::NoStream,
+                    ev::FLAVOR_CREATED,
+                    ev::to_cbor(&ev::FlavorCreated {
+                        pool_id: pool,
+                        name: str_field(c, "name")?,
+                        vcpus: u32_field("vcpus"),
+                        memory_mib: u64_field(c, "memoryMiB").unwrap_or_default(),
+                        disk_gib: u64_field(c, "diskGiB").unwrap_or_default(),
+                        gpus: u32_field("gpus"),
+                    })?,
+                )
+            }
+            (decide::OBJECT_IMAGE, Op::Delete) => (
+                format!("{KIND_IMAGE}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::IMAGE_DELETED,
+                ev::to_cbor(&ev::ImageDeleted {})?,
+            ),
+            (_, _) => {
+                let disk_format: DiskFormatView = c
+                    .fields
+                    .get("diskFormat")
+                    .and_then(|f| serde_json::from_value(f.to.clone()).ok())
+                    .ok_or_else(|| Error::Internal("fleet plan: diskFormat".into()))?;
+                (
+                    format!("{KIND_IMAGE}/{}", id.clone().unwrap_or_default()),
+                    ExpectedVersion::NoStream,
+                    ev::IMAGE_REGISTERED,
+                    ev::to_cbor(&ev::ImageRegistered {
+                        name: str_field(c, "name")?,
+                        url: str_field(c, "url")?,
+                        sha256: str_field(c, "sha256")?,
+                        disk_format: disk_format.into(),
+                        size_bytes: u64_field(c, "sizeBytes"),
+                    })?,
+                )
+            }
+        };
+        appended.push(stream.clone());
+        let mut request = call.request(tenant, stream, expected, vec![NewEvent::new(event_type, payload)]);
+        // The call's idempotency key names the whole apply: it goes on the fleet's own append.
+        request.idempotency_key = None;
+        requests.push(request);
+    }
+    let (created_n, updated, deleted) = counts(plan);
+    let objects = decide::applied_objects(plan, &created);
+    let mut events = vec![NewEvent::new(
+        FLEET_APPLIED,
+        ev::to_cbor(&FleetApplied {
+            plan_hash: plan.plan_hash.clone(),
+            document_sha256: plan.document_sha256.clone(),
+            created: created_n,
+            updated,
+            deleted,
+            objects: objects.len() as u32,
+        })?,
+    )];
+    for chunk in objects.chunks(FLEET_OBJECTS_PER_EVENT) {
+        events.push(NewEvent::new(FLEET_OBJECTS, ev::to_cbor(&FleetObjects { objects: chunk.to_vec() })?));
+    }
+    let fleet_stream = format!("{KIND_FLEET}/{FLEET_STREAM_ID}");
+    let expected = if plan.fleet_version == 0 { ExpectedVersion::NoStream } else { ExpectedVersion::Exact(plan.fleet_version) };
+    let mut request = call.request(tenant, fleet_stream, expected, events);
+    request.guards = plan
+        .reads
+        .iter()
+        .filter(|(stream, _)| !stream.starts_with(&format!("{KIND_QUOTA}/")) && !appended.contains(stream))
+        .map(|(stream, version)| (stream.clone(), ExpectedVersion::Exact(*version)))
+        .collect();
+    requests.push(request);
+    Ok((requests, created))
+}
+
+fn labels_field(c: &Change) -> Result<Option<BTreeMap<String, String>>> {
+    c.fields
+        .get("labels")
+        .map(|f| serde_json::from_value(f.to.clone()).map_err(|e| Error::Internal(format!("fleet plan: labels: {e}"))))
+        .transpose()
+}
+
+async fn fleet_status(call: &Call<'_>, input: FleetExport) -> Result<FleetStatusView> {
+    root_only(call)?;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let live = read_live(call, tenant).await?;
+    let drift = decide::fleet_drift(&live);
+    let applied = live.applied.as_ref();
+    Ok(FleetStatusView {
+        applied: applied.is_some(),
+        plan_hash: applied.map(|a| a.plan_hash.clone()),
+        applied_at_ms: applied.map(|a| a.applied_at_ms),
+        objects: applied.map_or(0, |a| a.objects.len() as u32),
+        drift: drift.into_iter().map(drift_view).collect(),
+        recorded_drift: applied.map_or(0, |a| a.drift_count),
+        recorded_at_ms: applied.and_then(|a| a.drift_at_ms),
+    })
+}
+
+/// The FleetConfig document's JSON Schema (draft 2020-12), as `schema/fleet-config.schema.json`
+/// holds it: what `fleet export` validates against and what a reviewer's tools can check with.
+pub fn fleet_config_schema() -> Value {
+    let settings = schemars::generate::SchemaSettings::draft2020_12();
+    let schema = settings.into_generator().into_root_schema_for::<FleetDocument>();
+    let mut value = serde_json::to_value(schema).expect("a schema is JSON");
+    if let Value::Object(map) = &mut value {
+        map.insert("$id".into(), Value::String("https://better-compute.dev/schema/fleet-config.schema.json".into()));
+    }
+    value
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checked-in schema is the one the code makes (`BC_BLESS=1` writes it again).
+    #[test]
+    fn the_checked_in_fleet_config_schema_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../schema/fleet-config.schema.json");
+        let now = serde_json::to_string_pretty(&fleet_config_schema()).unwrap() + "\n";
+        if std::env::var_os("BC_BLESS").is_some() {
+            std::fs::write(&path, &now).unwrap();
+        }
+        let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            checked_in == now,
+            "schema/fleet-config.schema.json is stale: run BC_BLESS=1 cargo test -p bc-gateway --lib fleet"
+        );
+    }
+
+    #[test]
+    fn keys_are_the_fleets_own_or_ids_of_their_kind() {
+        for ok in ["gpu-a", "a", "pool.1", "pool_01hzz0000000000000000000ab"] {
+            assert!(check_key("pool", "pools", ok).is_ok(), "{ok}");
+        }
+        for bad in
+            ["", "-a", "Gpu", "gpu_a", "flv_01hzz0000000000000000000ab", "pool_81hzz0000000000000000000ab", &"a".repeat(64)]
+        {
+            assert!(check_key("pool", "pools", bad).is_err(), "{bad}");
+        }
+    }
+}

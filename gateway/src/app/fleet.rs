@@ -1,0 +1,785 @@
+//! The fleet configuration's decisions: a [`FleetDocument`] against the live fleet ([`FleetLive`])
+//! gives a [`FleetPlan`] (what `+`/`~`/`-` apply would make, what is `BLOCKED`, the versions read,
+//! and the plan's hash); the live fleet alone gives the document `fleet export` writes; the live
+//! fleet against the last applied document gives the drift.
+//!
+//! Pure: no IO, no clock, no ids. The gateway reads the live fleet, decides here, draws the ids
+//! of what a plan creates, and appends (`crate::api::fleet`). The document is the wire format
+//! (its JSON Schema is the API's), which is why these decisions live beside it in the gateway and
+//! not in `bc_projections::decide`.
+//!
+//! **Identity.** A document keys each object. A key that is an id (`pool_…`, `flv_…`, `img_…`)
+//! names that object: objects the fleet did not create are exported so. Any other key (`gpu-a`)
+//! is the fleet's own: the first apply creates the object and records which id the key names
+//! (`fleet.objects`), and later plans find it by the key. Renaming an object (its `name`) in the
+//! document keeps it, since its key is unchanged.
+//!
+//! **The hash.** SHA-256 over the canonical document, the prune flag, every version (or quota)
+//! the plan read, and the plan's changes: the same plan over the same fleet always has the same
+//! hash, and any change to what it read changes it, which is how `apply` finds `CONFIG_DRIFT`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bc_projections::fleet_config::{FleetConfigDoc, FleetDrift, FleetObject};
+use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_POOL, KIND_QUOTA, PoolDoc, QuotaDoc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool};
+
+/// `fleet/default`'s kind name for the document's object kinds.
+pub const OBJECT_POOL: &str = "pool";
+pub const OBJECT_QUOTA: &str = "quota";
+pub const OBJECT_FLAVOR: &str = "flavor";
+pub const OBJECT_IMAGE: &str = "image";
+
+/// The live fleet a plan is made against: the tenant's pools (archived too), quotas, flavors and
+/// images, and the last applied configuration.
+#[derive(Clone, Debug, Default)]
+pub struct FleetLive {
+    pub pools: Vec<PoolDoc>,
+    /// By pool id.
+    pub quotas: BTreeMap<String, QuotaDoc>,
+    pub flavors: Vec<FlavorDoc>,
+    pub images: Vec<ImageDoc>,
+    pub applied: Option<FleetConfigDoc>,
+}
+
+/// What a change does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    Create,
+    Update,
+    Delete,
+}
+
+impl Op {
+    /// `+`, `~` or `-`, as `fleet plan` prints it.
+    pub fn sign(self) -> char {
+        match self {
+            Self::Create => '+',
+            Self::Update => '~',
+            Self::Delete => '-',
+        }
+    }
+}
+
+/// One field a change sets: what it was and what it becomes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FieldChange {
+    pub from: Value,
+    pub to: Value,
+}
+
+/// One change a plan makes: one API call's worth, one append.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Change {
+    pub op: Op,
+    /// `pool`, `quota`, `flavor` or `image`.
+    pub kind: &'static str,
+    /// The object's key in the document (for a delete, its id).
+    pub key: String,
+    /// The object's id; `None` for what a create makes (drawn when applied).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// The fields set: for a create every field, for an update the changed ones.
+    pub fields: BTreeMap<String, FieldChange>,
+    /// The version the change expects its object at (0: none yet; `None`: any, for a quota).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expects: Option<u64>,
+}
+
+impl Change {
+    /// The API method that makes this change by itself, and the action it is decided on.
+    pub fn call(&self) -> (&'static str, &'static str) {
+        match (self.kind, self.op) {
+            (OBJECT_POOL, Op::Create) => ("pools.create", "compute:pools:write"),
+            (OBJECT_POOL, Op::Update) => ("pools.update", "compute:pools:write"),
+            (OBJECT_POOL, Op::Delete) => ("pools.archive", "compute:pools:write"),
+            (OBJECT_QUOTA, _) => ("quotas.set", "compute:quotas:admin"),
+            (OBJECT_FLAVOR, Op::Delete) => ("flavors.delete", "compute:flavors:write"),
+            (OBJECT_FLAVOR, _) => ("flavors.create", "compute:flavors:write"),
+            (OBJECT_IMAGE, Op::Delete) => ("images.delete", "compute:images:write"),
+            (_, _) => ("images.register", "compute:images:write"),
+        }
+    }
+}
+
+/// A change the plan cannot make in place; a plan with one applies nothing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Blocked {
+    pub kind: &'static str,
+    pub key: String,
+    pub reason: String,
+}
+
+/// A live object the document does not hold, left alone (deleted only with `--prune`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Unmanaged {
+    pub kind: &'static str,
+    pub id: String,
+    pub name: String,
+}
+
+/// A plan: the changes in the order apply makes them, what is blocked, what is left alone, what
+/// was read, and the hash that names it all.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetPlan {
+    pub changes: Vec<Change>,
+    pub blocked: Vec<Blocked>,
+    pub unmanaged: Vec<Unmanaged>,
+    /// Each stream the plan read (`pool/pool_…`) and its version, or a quota's GPUs
+    /// (`quota/pool_… gpus`): a quota's version moves with every reservation, its value does not.
+    pub reads: BTreeMap<String, u64>,
+    /// The fleet configuration stream's version the plan read (0: never applied).
+    pub fleet_version: u64,
+    /// What the document covers once applied: `(kind, key, id, fingerprint)`, the id `None`
+    /// for what the plan creates.
+    #[serde(skip)]
+    pub objects: Vec<(&'static str, String, Option<String>, String)>,
+    pub document_sha256: String,
+    pub plan_hash: String,
+}
+
+/// SHA-256 in lowercase hex of `value` in canonical JSON: keys sorted (serde_json's maps are
+/// ordered), no insignificant whitespace, integers only.
+pub fn canonical_sha256<T: Serialize>(value: &T) -> String {
+    hex::encode(Sha256::digest(canonical_json(value)))
+}
+
+/// `value` as canonical JSON bytes.
+pub fn canonical_json<T: Serialize>(value: &T) -> Vec<u8> {
+    // Through `Value`, whose maps are sorted by key, so struct fields come out sorted too.
+    let value = serde_json::to_value(value).expect("a plan's values are JSON");
+    serde_json::to_vec(&value).expect("a JSON value serializes")
+}
+
+/// The fingerprint the fleet records for a pool: what the document says of it.
+fn pool_fingerprint(p: &FleetPoolShape) -> String {
+    canonical_sha256(p)
+}
+
+/// A pool as the document holds it, every field stated: what its fingerprint covers.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FleetPoolShape {
+    name: String,
+    description: String,
+    labels: BTreeMap<String, String>,
+    max_reservation_s: u64,
+}
+
+impl FleetPoolShape {
+    fn of(p: &PoolDoc) -> Self {
+        Self {
+            name: p.name.clone(),
+            description: p.description.clone(),
+            labels: p.labels.clone(),
+            max_reservation_s: p.max_reservation_s,
+        }
+    }
+}
+
+fn quota_fingerprint(gpus: u32) -> String {
+    canonical_sha256(&json!({ "gpus": gpus }))
+}
+
+fn flavor_fingerprint(f: &FlavorShape) -> String {
+    canonical_sha256(f)
+}
+
+/// A flavor's fields but its pool: what must not change in place.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FlavorShape {
+    name: String,
+    vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    memory_mib: u64,
+    #[serde(rename = "diskGiB")]
+    disk_gib: u64,
+    gpus: u32,
+}
+
+impl FlavorShape {
+    fn of_doc(f: &FlavorDoc) -> Self {
+        Self { name: f.name.clone(), vcpus: f.vcpus, memory_mib: f.memory_mib, disk_gib: f.disk_gib, gpus: f.gpus }
+    }
+    fn of_fleet(f: &FleetFlavor) -> Self {
+        Self { name: f.name.clone(), vcpus: f.vcpus, memory_mib: f.memory_mib, disk_gib: f.disk_gib, gpus: f.gpus }
+    }
+}
+
+fn image_of(i: &ImageDoc) -> FleetImage {
+    FleetImage {
+        name: i.name.clone(),
+        url: i.url.clone(),
+        sha256: i.sha256.clone(),
+        disk_format: i.disk_format.into(),
+        size_bytes: i.size_bytes,
+    }
+}
+
+fn image_fingerprint(i: &FleetImage) -> String {
+    canonical_sha256(i)
+}
+
+/// The id `key` names for objects whose ids start with `prefix`: the key itself when it is one
+/// (the document keys by id what the fleet did not create), else the id the fleet recorded for
+/// it, else none (a new object).
+fn resolve(applied: Option<&FleetConfigDoc>, kind: &str, prefix: &str, key: &str) -> Option<String> {
+    if key.starts_with(prefix) && key.as_bytes().get(prefix.len()) == Some(&b'_') {
+        return Some(key.to_owned());
+    }
+    applied.and_then(|a| a.id_of(kind, key)).map(str::to_owned)
+}
+
+fn is_id_key(prefix: &str, key: &str) -> bool {
+    key.starts_with(prefix) && key.as_bytes().get(prefix.len()) == Some(&b'_')
+}
+
+fn field(from: Value, to: Value) -> FieldChange {
+    FieldChange { from, to }
+}
+
+fn created_fields<T: Serialize>(value: &T) -> BTreeMap<String, FieldChange> {
+    match serde_json::to_value(value).expect("a document's object is JSON") {
+        Value::Object(map) => map.into_iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k, field(Value::Null, v))).collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// The plan that takes the live fleet to `doc`: pure, and the same for the same inputs.
+pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPlan {
+    let applied = live.applied.as_ref();
+    let pools_by_id: BTreeMap<&str, &PoolDoc> = live.pools.iter().map(|p| (p.pool_id.as_str(), p)).collect();
+    let flavors_by_id: BTreeMap<&str, &FlavorDoc> = live.flavors.iter().map(|f| (f.flavor_id.as_str(), f)).collect();
+    let images_by_id: BTreeMap<&str, &ImageDoc> = live.images.iter().map(|i| (i.image_id.as_str(), i)).collect();
+    let mut plan = FleetPlan {
+        changes: Vec::new(),
+        blocked: Vec::new(),
+        unmanaged: Vec::new(),
+        reads: BTreeMap::new(),
+        fleet_version: applied.map_or(0, |a| a.version),
+        objects: Vec::new(),
+        document_sha256: canonical_sha256(doc),
+        plan_hash: String::new(),
+    };
+    // Every live object is read: each can be compared, deleted or block a name.
+    for p in &live.pools {
+        plan.reads.insert(format!("{KIND_POOL}/{}", p.pool_id), p.version);
+    }
+    for (pool, q) in &live.quotas {
+        plan.reads.insert(format!("{KIND_QUOTA}/{pool} gpus"), u64::from(q.gpus));
+    }
+    for f in &live.flavors {
+        plan.reads.insert(format!("{KIND_FLAVOR}/{}", f.flavor_id), f.version);
+    }
+    for i in &live.images {
+        plan.reads.insert(format!("{KIND_IMAGE}/{}", i.image_id), i.version);
+    }
+
+    // Pools: the id each key names (None: created by this plan), and which keys are usable.
+    let mut pool_ids: BTreeMap<&str, Option<String>> = BTreeMap::new();
+    let mut pool_blocked: BTreeSet<&str> = BTreeSet::new();
+    let mut pools_covered: BTreeSet<String> = BTreeSet::new();
+    for (key, want) in &doc.pools {
+        let id = resolve(applied, OBJECT_POOL, bc_core::id::PoolId::PREFIX, key);
+        let live_pool = id.as_deref().and_then(|id| pools_by_id.get(id).copied());
+        if let Some(id) = &id {
+            pools_covered.insert(id.clone());
+        }
+        match (id, live_pool) {
+            (Some(id), None) if is_id_key(bc_core::id::PoolId::PREFIX, key) => {
+                pool_blocked.insert(key);
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_POOL,
+                    key: key.clone(),
+                    reason: format!(
+                        "{id} does not exist: a key that is an id names an existing pool; give a new pool a key of its own"
+                    ),
+                });
+            }
+            (_, Some(p)) if p.archived => {
+                pool_blocked.insert(key);
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_POOL,
+                    key: key.clone(),
+                    reason: format!("{} is archived and cannot be brought back; give a new pool a new key", p.pool_id),
+                });
+            }
+            (_, Some(p)) => {
+                let mut fields = BTreeMap::new();
+                if want.name != p.name {
+                    fields.insert("name".into(), field(json!(p.name), json!(want.name)));
+                }
+                if want.description != p.description {
+                    fields.insert("description".into(), field(json!(p.description), json!(want.description)));
+                }
+                if want.labels != p.labels {
+                    fields.insert("labels".into(), field(json!(p.labels), json!(want.labels)));
+                }
+                if let Some(max) = want.max_reservation_s
+                    && max != p.max_reservation_s
+                {
+                    fields.insert("maxReservationS".into(), field(json!(p.max_reservation_s), json!(max)));
+                }
+                let after = FleetPoolShape {
+                    name: want.name.clone(),
+                    description: want.description.clone(),
+                    labels: want.labels.clone(),
+                    max_reservation_s: want.max_reservation_s.unwrap_or(p.max_reservation_s),
+                };
+                if !fields.is_empty() {
+                    plan.changes.push(Change {
+                        op: Op::Update,
+                        kind: OBJECT_POOL,
+                        key: key.clone(),
+                        id: Some(p.pool_id.clone()),
+                        fields,
+                        expects: Some(p.version),
+                    });
+                }
+                plan.objects.push((OBJECT_POOL, key.clone(), Some(p.pool_id.clone()), pool_fingerprint(&after)));
+                pool_ids.insert(key, Some(p.pool_id.clone()));
+            }
+            (_, None) => {
+                let after = FleetPoolShape {
+                    name: want.name.clone(),
+                    description: want.description.clone(),
+                    labels: want.labels.clone(),
+                    max_reservation_s: want.max_reservation_s.unwrap_or(bc_projections::pool::MAX_RESERVATION_S_DEFAULT),
+                };
+                plan.changes.push(Change {
+                    op: Op::Create,
+                    kind: OBJECT_POOL,
+                    key: key.clone(),
+                    id: None,
+                    fields: created_fields(&after),
+                    expects: Some(0),
+                });
+                plan.objects.push((OBJECT_POOL, key.clone(), None, pool_fingerprint(&after)));
+                pool_ids.insert(key, None);
+            }
+        }
+        // The tenant's quota in the pool, when the document states one.
+        if let (Some(gpus), Some(pool_id)) = (want.quota_gpus, pool_ids.get(key.as_str())) {
+            let now = pool_id.as_deref().and_then(|id| live.quotas.get(id)).map(|q| q.gpus);
+            if now != Some(gpus) {
+                plan.changes.push(Change {
+                    op: if now.is_some() { Op::Update } else { Op::Create },
+                    kind: OBJECT_QUOTA,
+                    key: key.clone(),
+                    id: pool_id.clone(),
+                    fields: BTreeMap::from([("gpus".into(), field(now.map_or(Value::Null, |g| json!(g)), json!(gpus)))]),
+                    expects: None,
+                });
+            }
+            plan.objects.push((OBJECT_QUOTA, key.clone(), pool_id.clone(), quota_fingerprint(gpus)));
+        }
+    }
+
+    // Flavors: immutable but for their existence; a pool named by its key in the document.
+    let mut flavors_covered: BTreeSet<String> = BTreeSet::new();
+    let mut flavor_creates = Vec::new();
+    // Names per pool id (or new pool key) the document will hold, to find duplicates.
+    let mut flavor_names: BTreeMap<(String, String), &str> = BTreeMap::new();
+    for (key, want) in &doc.flavors {
+        let id = resolve(applied, OBJECT_FLAVOR, bc_core::id::FlavorId::PREFIX, key);
+        if let Some(id) = &id {
+            flavors_covered.insert(id.clone());
+        }
+        let live_flavor = id.as_deref().and_then(|id| flavors_by_id.get(id).copied());
+        let block = |plan: &mut FleetPlan, reason: String| {
+            plan.blocked.push(Blocked { kind: OBJECT_FLAVOR, key: key.clone(), reason });
+        };
+        let Some(pool) = pool_ids.get(want.pool.as_str()) else {
+            let reason = if pool_blocked.contains(want.pool.as_str()) {
+                format!("its pool {:?} is blocked", want.pool)
+            } else {
+                format!("dangling reference: pool {:?} is not in the document", want.pool)
+            };
+            block(&mut plan, reason);
+            continue;
+        };
+        let pool_slot = pool.clone().unwrap_or_else(|| format!("new:{}", want.pool));
+        if let Some(other) = flavor_names.insert((pool_slot.clone(), want.name.clone()), key) {
+            block(&mut plan, format!("flavor {other:?} of the same pool has the name {:?} too", want.name));
+            continue;
+        }
+        match (id, live_flavor) {
+            (Some(id), None) if is_id_key(bc_core::id::FlavorId::PREFIX, key) => {
+                block(&mut plan, format!("{id} does not exist: a key that is an id names an existing flavor"));
+            }
+            (_, Some(f)) => {
+                if pool.as_deref() != Some(f.pool_id.as_str()) {
+                    block(
+                        &mut plan,
+                        format!("{} belongs to pool {}: a flavor's pool cannot change in place", f.flavor_id, f.pool_id),
+                    );
+                } else if FlavorShape::of_doc(f) != FlavorShape::of_fleet(want) {
+                    block(
+                        &mut plan,
+                        format!("{} cannot change in place: give the new shape a new key (and --prune the old one)", f.flavor_id),
+                    );
+                } else {
+                    plan.objects.push((
+                        OBJECT_FLAVOR,
+                        key.clone(),
+                        Some(f.flavor_id.clone()),
+                        flavor_fingerprint(&FlavorShape::of_fleet(want)),
+                    ));
+                }
+            }
+            (_, None) => flavor_creates.push((key, want, pool.clone())),
+        }
+    }
+    // Flavors the document leaves out: deleted with --prune, else left alone (their names
+    // taken). Those of archived pools are out of the fleet's reach either way.
+    let live_pool_ids: BTreeSet<&str> = live.pools.iter().filter(|p| !p.archived).map(|p| p.pool_id.as_str()).collect();
+    let mut flavor_deletes = Vec::new();
+    for f in &live.flavors {
+        if flavors_covered.contains(&f.flavor_id) || !live_pool_ids.contains(f.pool_id.as_str()) {
+            continue;
+        }
+        if prune {
+            flavor_deletes.push(Change {
+                op: Op::Delete,
+                kind: OBJECT_FLAVOR,
+                key: f.flavor_id.clone(),
+                id: Some(f.flavor_id.clone()),
+                fields: BTreeMap::new(),
+                expects: Some(f.version),
+            });
+        } else {
+            plan.unmanaged.push(Unmanaged { kind: OBJECT_FLAVOR, id: f.flavor_id.clone(), name: f.name.clone() });
+            if let Some(other) = flavor_names.get(&(f.pool_id.clone(), f.name.clone())) {
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_FLAVOR,
+                    key: (*other).to_owned(),
+                    reason: format!(
+                        "the name {:?} is taken by {} outside the document (--prune deletes it)",
+                        f.name, f.flavor_id
+                    ),
+                });
+            }
+        }
+    }
+    for (key, want, pool) in flavor_creates {
+        let shape = FlavorShape::of_fleet(want);
+        let mut fields = created_fields(&shape);
+        fields.insert("pool".into(), field(Value::Null, json!(pool.clone().unwrap_or_else(|| want.pool.clone()))));
+        plan.changes.push(Change { op: Op::Create, kind: OBJECT_FLAVOR, key: key.clone(), id: None, fields, expects: Some(0) });
+        plan.objects.push((OBJECT_FLAVOR, key.clone(), None, flavor_fingerprint(&shape)));
+    }
+    plan.changes.extend(flavor_deletes);
+
+    // Images: immutable but for their existence; names unique in the tenant.
+    let mut images_covered: BTreeSet<String> = BTreeSet::new();
+    let mut image_names: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut image_creates = Vec::new();
+    for (key, want) in &doc.images {
+        let id = resolve(applied, OBJECT_IMAGE, bc_core::id::ImageId::PREFIX, key);
+        if let Some(id) = &id {
+            images_covered.insert(id.clone());
+        }
+        let live_image = id.as_deref().and_then(|id| images_by_id.get(id).copied());
+        if let Some(other) = image_names.insert(want.name.as_str(), key) {
+            plan.blocked.push(Blocked {
+                kind: OBJECT_IMAGE,
+                key: key.clone(),
+                reason: format!("image {other:?} has the name {:?} too", want.name),
+            });
+            continue;
+        }
+        match (id, live_image) {
+            (Some(id), None) if is_id_key(bc_core::id::ImageId::PREFIX, key) => plan.blocked.push(Blocked {
+                kind: OBJECT_IMAGE,
+                key: key.clone(),
+                reason: format!("{id} does not exist: a key that is an id names an existing image"),
+            }),
+            (_, Some(i)) if image_of(i) != *want => plan.blocked.push(Blocked {
+                kind: OBJECT_IMAGE,
+                key: key.clone(),
+                reason: format!("{} cannot change in place: register the new bytes under a new key", i.image_id),
+            }),
+            (_, Some(i)) => plan.objects.push((OBJECT_IMAGE, key.clone(), Some(i.image_id.clone()), image_fingerprint(want))),
+            (_, None) => image_creates.push((key, want)),
+        }
+    }
+    let mut image_deletes = Vec::new();
+    for i in &live.images {
+        if images_covered.contains(&i.image_id) {
+            continue;
+        }
+        if prune {
+            image_deletes.push(Change {
+                op: Op::Delete,
+                kind: OBJECT_IMAGE,
+                key: i.image_id.clone(),
+                id: Some(i.image_id.clone()),
+                fields: BTreeMap::new(),
+                expects: Some(i.version),
+            });
+        } else {
+            plan.unmanaged.push(Unmanaged { kind: OBJECT_IMAGE, id: i.image_id.clone(), name: i.name.clone() });
+            if let Some(other) = image_names.get(i.name.as_str()) {
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_IMAGE,
+                    key: (*other).to_owned(),
+                    reason: format!("the name {:?} is taken by {} outside the document (--prune deletes it)", i.name, i.image_id),
+                });
+            }
+        }
+    }
+    for (key, want) in image_creates {
+        plan.changes.push(Change {
+            op: Op::Create,
+            kind: OBJECT_IMAGE,
+            key: key.clone(),
+            id: None,
+            fields: created_fields(want),
+            expects: Some(0),
+        });
+        plan.objects.push((OBJECT_IMAGE, key.clone(), None, image_fingerprint(want)));
+    }
+    plan.changes.extend(image_deletes);
+
+    // Pools the document leaves out: archived last, after their flavors went.
+    for p in live.pools.iter().filter(|p| !p.archived && !pools_covered.contains(&p.pool_id)) {
+        if prune {
+            plan.changes.push(Change {
+                op: Op::Delete,
+                kind: OBJECT_POOL,
+                key: p.pool_id.clone(),
+                id: Some(p.pool_id.clone()),
+                fields: BTreeMap::new(),
+                expects: Some(p.version),
+            });
+        } else {
+            plan.unmanaged.push(Unmanaged { kind: OBJECT_POOL, id: p.pool_id.clone(), name: p.name.clone() });
+        }
+    }
+
+    plan.blocked.sort_by(|a, b| (a.kind, &a.key).cmp(&(b.kind, &b.key)));
+    plan.blocked.dedup();
+    plan.plan_hash = plan_hash(doc, prune, &plan);
+    plan
+}
+
+/// The plan's hash: SHA-256 over a domain tag, the canonical document, the prune flag, what was
+/// read and the changes.
+fn plan_hash(doc: &FleetDocument, prune: bool, plan: &FleetPlan) -> String {
+    let mut h = Sha256::new();
+    h.update(b"better-compute fleet plan v1\n");
+    h.update(canonical_json(doc));
+    h.update(if prune { b"\nprune\n" as &[u8] } else { b"\nkeep\n" });
+    h.update(canonical_json(&json!({ "fleetVersion": plan.fleet_version, "reads": plan.reads })));
+    h.update(b"\n");
+    h.update(canonical_json(&json!({ "changes": plan.changes, "blocked": plan.blocked })));
+    hex::encode(h.finalize())
+}
+
+/// The live fleet as a document: objects the fleet made keyed by their key, the others by id.
+/// Archived pools, and the flavors of archived pools, are left out.
+pub fn fleet_export(live: &FleetLive) -> FleetDocument {
+    let keys: BTreeMap<(&str, &str), &str> = live
+        .applied
+        .iter()
+        .flat_map(|a| a.objects.iter())
+        .filter_map(|(k, o)| k.split_once('/').map(|(kind, key)| ((kind, o.id.as_str()), key)))
+        .collect();
+    let key_of = |kind: &str, id: &str| keys.get(&(kind, id)).map_or_else(|| id.to_owned(), |k| (*k).to_owned());
+    let mut doc = FleetDocument::empty();
+    for p in live.pools.iter().filter(|p| !p.archived) {
+        doc.pools.insert(
+            key_of(OBJECT_POOL, &p.pool_id),
+            FleetPool {
+                name: p.name.clone(),
+                description: p.description.clone(),
+                labels: p.labels.clone(),
+                max_reservation_s: Some(p.max_reservation_s),
+                quota_gpus: live.quotas.get(&p.pool_id).map(|q| q.gpus),
+            },
+        );
+    }
+    for f in &live.flavors {
+        if !live.pools.iter().any(|p| p.pool_id == f.pool_id && !p.archived) {
+            continue;
+        }
+        doc.flavors.insert(
+            key_of(OBJECT_FLAVOR, &f.flavor_id),
+            FleetFlavor {
+                pool: key_of(OBJECT_POOL, &f.pool_id),
+                name: f.name.clone(),
+                vcpus: f.vcpus,
+                memory_mib: f.memory_mib,
+                disk_gib: f.disk_gib,
+                gpus: f.gpus,
+            },
+        );
+    }
+    for i in &live.images {
+        doc.images.insert(key_of(OBJECT_IMAGE, &i.image_id), image_of(i));
+    }
+    doc
+}
+
+/// The objects the last applied document covers that changed outside it since: each one's
+/// live fingerprint against the recorded one. Sorted; empty when nothing drifted.
+pub fn fleet_drift(live: &FleetLive) -> Vec<FleetDrift> {
+    let Some(applied) = &live.applied else { return Vec::new() };
+    let mut drift = Vec::new();
+    for (kind_key, recorded) in &applied.objects {
+        let Some((kind, key)) = kind_key.split_once('/') else { continue };
+        let now: Option<String> = match kind {
+            OBJECT_POOL => live
+                .pools
+                .iter()
+                .find(|p| p.pool_id == recorded.id && !p.archived)
+                .map(|p| pool_fingerprint(&FleetPoolShape::of(p))),
+            OBJECT_QUOTA => live.quotas.get(&recorded.id).map(|q| quota_fingerprint(q.gpus)),
+            OBJECT_FLAVOR => {
+                live.flavors.iter().find(|f| f.flavor_id == recorded.id).map(|f| flavor_fingerprint(&FlavorShape::of_doc(f)))
+            }
+            OBJECT_IMAGE => live.images.iter().find(|i| i.image_id == recorded.id).map(|i| image_fingerprint(&image_of(i))),
+            _ => continue,
+        };
+        let what = match now {
+            None => "deleted",
+            Some(now) if now != recorded.fingerprint => "changed",
+            Some(_) => continue,
+        };
+        drift.push(FleetDrift { kind: kind.to_owned(), key: key.to_owned(), id: recorded.id.clone(), what: what.to_owned() });
+    }
+    drift.sort();
+    drift
+}
+
+/// What `fleet.objects` records for a plan applied with `ids` for what it created (by key).
+pub fn applied_objects(plan: &FleetPlan, created: &BTreeMap<(&'static str, String), String>) -> Vec<FleetObject> {
+    plan.objects
+        .iter()
+        .filter_map(|(kind, key, id, fingerprint)| {
+            let id = match id {
+                Some(id) => id.clone(),
+                // A quota's id is its pool's.
+                None if *kind == OBJECT_QUOTA => created.get(&(OBJECT_POOL, key.clone()))?.clone(),
+                None => created.get(&(*kind, key.clone()))?.clone(),
+            };
+            Some(FleetObject { kind: (*kind).to_owned(), key: key.clone(), id, fingerprint: fingerprint.clone() })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(id: &str, name: &str, version: u64) -> PoolDoc {
+        PoolDoc {
+            tenant_id: "ten_x".into(),
+            pool_id: id.into(),
+            name: name.into(),
+            description: String::new(),
+            labels: BTreeMap::new(),
+            max_reservation_s: bc_projections::pool::MAX_RESERVATION_S_DEFAULT,
+            archived: false,
+            version,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        }
+    }
+
+    fn want(name: &str) -> FleetPool {
+        FleetPool {
+            name: name.into(),
+            description: String::new(),
+            labels: BTreeMap::new(),
+            max_reservation_s: None,
+            quota_gpus: None,
+        }
+    }
+
+    const P1: &str = "pool_01hzz0000000000000000000p1";
+
+    /// The export of a fleet plans empty against it, and the same inputs give the same hash.
+    #[test]
+    fn an_export_plans_empty_and_a_plan_hashes_the_same_twice() {
+        let live = FleetLive { pools: vec![pool(P1, "a", 1)], ..Default::default() };
+        let doc = fleet_export(&live);
+        let plan = fleet_plan(&live, &doc, true);
+        assert!(plan.changes.is_empty() && plan.blocked.is_empty(), "{plan:?}");
+        assert_eq!(plan.plan_hash, fleet_plan(&live, &doc, true).plan_hash);
+        // Another version read is another hash, though the changes are the same (none).
+        let moved = FleetLive { pools: vec![pool(P1, "a", 2)], ..Default::default() };
+        assert_ne!(fleet_plan(&moved, &doc, true).plan_hash, plan.plan_hash);
+        // So is the prune flag.
+        assert_ne!(fleet_plan(&live, &doc, false).plan_hash, plan.plan_hash);
+    }
+
+    /// A rename keeps the object (its key is its id); a new key creates; prune archives what the
+    /// document leaves out, and without prune it is left alone.
+    #[test]
+    fn renames_update_new_keys_create_and_only_prune_deletes() {
+        let live =
+            FleetLive { pools: vec![pool(P1, "a", 3), pool("pool_01hzz0000000000000000000p2", "b", 1)], ..Default::default() };
+        let mut doc = FleetDocument::empty();
+        doc.pools.insert(P1.into(), want("a-renamed"));
+        doc.pools.insert("gpu-c".into(), FleetPool { quota_gpus: Some(4), ..want("c") });
+        let plan = fleet_plan(&live, &doc, false);
+        let ops: Vec<(Op, &str, &str)> = plan.changes.iter().map(|c| (c.op, c.kind, c.key.as_str())).collect();
+        assert_eq!(
+            ops,
+            vec![(Op::Create, OBJECT_POOL, "gpu-c"), (Op::Create, OBJECT_QUOTA, "gpu-c"), (Op::Update, OBJECT_POOL, P1)]
+        );
+        assert_eq!(plan.changes[2].expects, Some(3));
+        assert_eq!(plan.unmanaged.len(), 1);
+        let pruned = fleet_plan(&live, &doc, true);
+        assert_eq!(pruned.changes.last().map(|c| (c.op, c.key.as_str())), Some((Op::Delete, "pool_01hzz0000000000000000000p2")));
+    }
+
+    /// What cannot be made in place is BLOCKED: a dangling pool name, an id that names nothing,
+    /// an archived pool, a flavor whose shape changed.
+    #[test]
+    fn dangling_names_missing_ids_archived_pools_and_changed_flavors_are_blocked() {
+        let mut archived = pool(P1, "a", 2);
+        archived.archived = true;
+        let live = FleetLive { pools: vec![archived], ..Default::default() };
+        let mut doc = FleetDocument::empty();
+        doc.pools.insert(P1.into(), want("a"));
+        doc.pools.insert("pool_01hzz0000000000000000000p9".into(), want("gone"));
+        doc.flavors.insert(
+            "f".into(),
+            FleetFlavor { pool: "nowhere".into(), name: "f".into(), vcpus: 1, memory_mib: 1024, disk_gib: 10, gpus: 0 },
+        );
+        let plan = fleet_plan(&live, &doc, false);
+        let reasons: Vec<&str> = plan.blocked.iter().map(|b| b.reason.as_str()).collect();
+        assert!(reasons.iter().any(|r| r.contains("dangling reference")), "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("does not exist")), "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("archived")), "{reasons:?}");
+
+        let flavor = FlavorDoc {
+            tenant_id: "ten_x".into(),
+            flavor_id: "flv_01hzz0000000000000000000f1".into(),
+            pool_id: P1.into(),
+            name: "f".into(),
+            vcpus: 1,
+            memory_mib: 1024,
+            disk_gib: 10,
+            gpus: 0,
+            version: 1,
+            created_at_ms: 0,
+        };
+        let live = FleetLive { pools: vec![pool(P1, "a", 1)], flavors: vec![flavor.clone()], ..Default::default() };
+        let mut doc = fleet_export(&live);
+        doc.flavors.get_mut(&flavor.flavor_id).unwrap().vcpus = 2;
+        let plan = fleet_plan(&live, &doc, false);
+        assert_eq!(plan.blocked.len(), 1, "{plan:?}");
+        assert!(plan.blocked[0].reason.contains("cannot change in place"));
+    }
+}

@@ -1,0 +1,174 @@
+//! The fleet's applied configuration (`fleet/default`, one per tenant): the document, the
+//! payloads of `fleet.*`, and their fold.
+//!
+//! `fleet apply` appends, in the one transaction that makes a reviewed plan's changes,
+//! `fleet.applied` (the plan's hash and what it changed) and `fleet.objects` (which id each key of
+//! the document names, and a fingerprint of what the document said of it), so the log shows which
+//! reviewed plan made each change, the next plan knows which objects the fleet made, and the
+//! `fleet.drift` reconciler can tell an object changed outside the document. The drift it finds
+//! is `fleet.drifted` (and `fleet.drifted` with no objects when it is gone again).
+
+use std::collections::BTreeMap;
+
+use bc_core::Result;
+use bc_core::event::StoredEvent;
+use bc_core::store::RowKey;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{from_doc, payload, to_doc};
+
+pub const FLEET_APPLIED: &str = "fleet.applied";
+pub const FLEET_OBJECTS: &str = "fleet.objects";
+pub const FLEET_DRIFTED: &str = "fleet.drifted";
+
+/// A tenant's fleet configuration (`fleet/default`).
+pub const KIND_FLEET: &str = "fleet";
+/// The one fleet configuration stream's id in each tenant.
+pub const FLEET_STREAM_ID: &str = "default";
+
+/// Objects one `fleet.objects` event names at most, so the payload stays far under the log's
+/// 64 KiB (an entry is about 150 bytes).
+pub const FLEET_OBJECTS_PER_EVENT: usize = 200;
+/// Drifted objects one `fleet.drifted` event names at most; more are counted, not named.
+pub const FLEET_DRIFT_NAMED_MAX: usize = 200;
+
+/// One object the applied document covers: its kind (`pool`, `quota`, `flavor`, `image`), its
+/// key in the document, the id it names, and the SHA-256 of what the document said of it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetObject {
+    pub kind: String,
+    pub key: String,
+    pub id: String,
+    pub fingerprint: String,
+}
+
+/// `fleet.applied`: a reviewed plan applied; its `fleet.objects` follow in the same transaction.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetApplied {
+    /// The plan's hash, as `fleet plan` printed it and `fleet apply --plan-hash` named it.
+    pub plan_hash: String,
+    /// SHA-256 of the applied document in canonical JSON.
+    pub document_sha256: String,
+    pub created: u32,
+    pub updated: u32,
+    pub deleted: u32,
+    /// Objects the document covers (the `fleet.objects` that follow name them all).
+    pub objects: u32,
+}
+
+/// `fleet.objects`: part of the applied document's objects (at most [`FLEET_OBJECTS_PER_EVENT`]).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetObjects {
+    pub objects: Vec<FleetObject>,
+}
+
+/// One object changed outside the applied document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetDrift {
+    pub kind: String,
+    pub key: String,
+    pub id: String,
+    /// `changed` or `deleted`.
+    pub what: String,
+}
+
+/// `fleet.drifted`: the drift the `fleet.drift` reconciler sees now (empty: none any more).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetDrifted {
+    /// The drifted objects, at most [`FLEET_DRIFT_NAMED_MAX`].
+    pub objects: Vec<FleetDrift>,
+    /// How many objects drifted in all.
+    pub count: u32,
+}
+
+/// Where an object stands in the applied document.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetObjectState {
+    pub id: String,
+    pub fingerprint: String,
+}
+
+/// The fleet configuration's document: the last applied plan and what it covers.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetConfigDoc {
+    pub tenant_id: String,
+    pub plan_hash: String,
+    pub document_sha256: String,
+    pub applied_at_ms: u64,
+    pub applies: u64,
+    /// `kind/key` → the id and fingerprint.
+    pub objects: BTreeMap<String, FleetObjectState>,
+    /// The drift last recorded (empty: none).
+    #[serde(default)]
+    pub drift: Vec<FleetDrift>,
+    #[serde(default)]
+    pub drift_count: u32,
+    #[serde(default)]
+    pub drift_at_ms: Option<u64>,
+    pub version: u64,
+}
+
+impl FleetConfigDoc {
+    /// The id the fleet made for `key` of `kind`, if it made one.
+    pub fn id_of(&self, kind: &str, key: &str) -> Option<&str> {
+        self.objects.get(&object_key(kind, key)).map(|o| o.id.as_str())
+    }
+}
+
+/// The key of an object in [`FleetConfigDoc::objects`].
+pub fn object_key(kind: &str, key: &str) -> String {
+    format!("{kind}/{key}")
+}
+
+/// Folds one `fleet.*` event into the row `key`; any other type leaves the row as it was.
+pub(crate) fn apply(_key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    match env.event_type.as_str() {
+        FLEET_APPLIED => {
+            let p: FleetApplied = payload(event)?;
+            let applies = match current {
+                Some(current) => from_doc::<FleetConfigDoc>(event, Some(current))?.applies,
+                None => 0,
+            };
+            to_doc(&FleetConfigDoc {
+                tenant_id: env.tenant.to_string(),
+                plan_hash: p.plan_hash,
+                document_sha256: p.document_sha256,
+                applied_at_ms: env.at_ms,
+                applies: applies + 1,
+                objects: BTreeMap::new(),
+                drift: Vec::new(),
+                drift_count: 0,
+                drift_at_ms: None,
+                version: env.version,
+            })
+        }
+        FLEET_OBJECTS => {
+            let p: FleetObjects = payload(event)?;
+            let mut doc: FleetConfigDoc = from_doc(event, current)?;
+            for o in p.objects {
+                doc.objects.insert(object_key(&o.kind, &o.key), FleetObjectState { id: o.id, fingerprint: o.fingerprint });
+            }
+            doc.version = env.version;
+            to_doc(&doc)
+        }
+        FLEET_DRIFTED => {
+            let p: FleetDrifted = payload(event)?;
+            let mut doc: FleetConfigDoc = from_doc(event, current)?;
+            doc.drift = p.objects;
+            doc.drift_count = p.count;
+            doc.drift_at_ms = Some(env.at_ms);
+            doc.version = env.version;
+            to_doc(&doc)
+        }
+        _ => Ok(current),
+    }
+}

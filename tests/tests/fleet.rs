@@ -1,0 +1,298 @@
+//! `fleet export|plan|apply|status` against a real `dev`, through the CLI and HTTP: a fleet made
+//! call by call exports to a document that plans empty and that Python's `jsonschema` (not this
+//! project's code) validates against the checked-in schema; an edited document applies with its
+//! plan's hash in one transaction named by one `fleet.applied`; a change between plan and apply,
+//! two racing applies and a denied call each apply nothing; a dangling reference is
+//! `PLAN_BLOCKED`; a pool changed by hand is `FLEET_DRIFTED`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use bc_tests::{Server, json};
+use serde_json::{Value, json};
+
+const DIGEST: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+fn fails_with(err: &str, code: &str) -> bool {
+    err.lines().any(|line| line.starts_with(&format!("{code}: ")))
+}
+
+/// The Python of `make fleet-venv`. Missing, the test fails: it never skips.
+fn python() -> PathBuf {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fleet-venv/bin/python");
+    assert!(
+        python.exists(),
+        "no Python with jsonschema at {} (run `make fleet-venv`, which `make test` runs; it installs from PyPI)",
+        python.display()
+    );
+    python
+}
+
+/// Validates `document` with Python's jsonschema against schema/fleet-config.schema.json: the
+/// errors it lists (empty: valid).
+fn jsonschema_errors(dir: &Path, document: &Value) -> String {
+    let file = dir.join(format!("doc-{}.json", rand_suffix()));
+    std::fs::write(&file, serde_json::to_vec(document).unwrap()).unwrap();
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schema/fleet-config.schema.json");
+    let script = "import json, sys\nfrom jsonschema import Draft202012Validator\n\
+        schema = json.load(open(sys.argv[1]))\nDraft202012Validator.check_schema(schema)\n\
+        v = Draft202012Validator(schema)\n\
+        errors = [f'{list(e.absolute_path)}: {e.message}' for e in v.iter_errors(json.load(open(sys.argv[2])))]\n\
+        print('\\n'.join(errors))\n";
+    let out = Command::new(python()).args(["-c", script]).arg(&schema).arg(&file).output().expect("python");
+    assert!(out.status.success(), "jsonschema: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::SeqCst)
+}
+
+fn read(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn write(path: &Path, document: &Value) {
+    std::fs::write(path, serde_json::to_vec_pretty(document).unwrap()).unwrap();
+}
+
+/// The plan's hash, from `fleet plan`'s last line.
+fn plan_hash(out: &str) -> String {
+    out.lines().find_map(|l| l.strip_prefix("planHash: ")).expect("a planHash line").to_owned()
+}
+
+/// The seq of the newest event a change of the fleet could have appended (the server's own
+/// checkpoints and usage windows, appended on their own schedule, left out).
+async fn head(server: &Server) -> u64 {
+    changes(server).await.iter().filter_map(|e| e["seq"].as_u64()).max().unwrap_or(0)
+}
+
+async fn changes(server: &Server) -> Vec<Value> {
+    let (status, events) = server.call("events.list", json!({ "limit": 500 })).await;
+    assert_eq!(status, 200, "{events}");
+    let items = events["items"].as_array().unwrap().clone();
+    items
+        .into_iter()
+        .filter(|e| !e["type"].as_str().is_some_and(|t| t.starts_with("checkpoint.") || t.starts_with("usage.")))
+        .collect()
+}
+
+/// A fleet made call by call: a pool with the tenant's quota, a flavor, an image.
+async fn fleet(server: &Server) -> (String, String, String) {
+    let pool = server.pool("gpu-a").await;
+    let (status, q) = server.call("quotas.set", json!({ "poolId": pool, "gpus": 8 })).await;
+    assert_eq!(status, 200, "{q}");
+    let (status, f) = server
+        .call(
+            "flavors.create",
+            json!({ "poolId": pool, "name": "g1", "vcpus": 8, "memoryMiB": 65536, "diskGiB": 200, "gpus": 1 }),
+        )
+        .await;
+    assert_eq!(status, 200, "{f}");
+    let (status, i) = server
+        .call(
+            "images.register",
+            json!({ "name": "ubuntu", "url": "https://images.example/ubuntu.qcow2", "sha256": DIGEST, "diskFormat": "qcow2" }),
+        )
+        .await;
+    assert_eq!(status, 200, "{i}");
+    (pool, f["flavorId"].as_str().unwrap().to_owned(), i["imageId"].as_str().unwrap().to_owned())
+}
+
+#[tokio::test]
+async fn an_exported_fleet_plans_empty_validates_outside_and_applies_edits_by_its_reviewed_hash() {
+    let server = Server::dev();
+    let dir = tempfile::tempdir().unwrap();
+    let (pool, flavor, image) = fleet(&server).await;
+
+    // Export: objects the fleet did not create are keyed by id.
+    let file = dir.path().join("fleet.json");
+    let (code, out, err) = server.cli(&["fleet", "export", "--out", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["pools"], 1, "{out}");
+    let doc = read(&file);
+    assert_eq!(doc["pools"][&pool]["quotaGpus"], 8, "{doc}");
+    assert_eq!(doc["flavors"][&flavor]["pool"], json!(pool), "{doc}");
+    assert_eq!(doc["images"][&image]["sha256"], DIGEST, "{doc}");
+    // Never over a file.
+    let (code, _, err) = server.cli(&["fleet", "export", "--out", file.to_str().unwrap()]);
+    assert!(code != 0 && fails_with(&err, "ALREADY_EXISTS"), "{err}");
+
+    // The schema, checked by a validator this project did not write: the export passes, and a
+    // document it must refuse is refused (the check can fail).
+    assert_eq!(jsonschema_errors(dir.path(), &doc), "", "the export must validate");
+    let mut bad = doc.clone();
+    bad["pools"][&pool]["name"] = json!("Not A Name");
+    bad["flavors"]["Bad_Key"] = json!({ "pool": pool, "name": "x", "vcpus": 0, "memoryMiB": 1, "diskGiB": 1, "gpus": 0 });
+    let errors = jsonschema_errors(dir.path(), &bad);
+    assert!(errors.contains("Not A Name") && errors.contains("Bad_Key") && errors.contains("vcpus"), "{errors}");
+
+    // Plan: empty, and --fail-on-drift passes.
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("No changes"), "{out}");
+
+    // Edit: rename the pool (its key, the id, keeps it), raise the quota, add a pool of the
+    // fleet's own with a flavor in it.
+    let mut edited = doc.clone();
+    edited["pools"][&pool]["name"] = json!("gpu-a-renamed");
+    edited["pools"][&pool]["quotaGpus"] = json!(16);
+    edited["pools"]["gpu-b"] = json!({ "name": "gpu-b", "labels": { "site": "fra1" }, "quotaGpus": 4 });
+    edited["flavors"]["gpu-b-small"] =
+        json!({ "pool": "gpu-b", "name": "small", "vcpus": 4, "memoryMiB": 8192, "diskGiB": 50, "gpus": 0 });
+    write(&file, &edited);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--calls"]);
+    assert_eq!(code, 0, "{err}");
+    for line in [
+        "~ pool ",
+        "+ pool gpu-b",
+        "~ quota ",
+        "+ quota gpu-b",
+        "+ flavor gpu-b-small",
+        "call: pools.create (compute:pools:write)",
+    ] {
+        assert!(out.contains(line), "{line:?} in\n{out}");
+    }
+    let hash = plan_hash(&out);
+    // The same plan over the same fleet has the same hash.
+    let (_, again, _) = server.cli(&["fleet", "plan", file.to_str().unwrap()]);
+    assert_eq!(plan_hash(&again), hash);
+    // --fail-on-drift: the plan is not empty.
+    let (code, _, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift"]);
+    assert!(code == 1 && fails_with(&err, "FLEET_DRIFTED"), "{err}");
+    // Without --plan-hash or --yes, apply only plans.
+    let before = head(&server).await;
+    let (code, out, _) = server.cli(&["fleet", "apply", file.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert_eq!(plan_hash(&out), hash);
+    assert_eq!(head(&server).await, before, "apply without a hash appends nothing");
+
+    // Apply with the reviewed hash: everything in one transaction, one fleet.applied naming it.
+    let (code, out, err) = server.cli(&["fleet", "apply", file.to_str().unwrap(), "--plan-hash", &hash]);
+    assert_eq!(code, 0, "{err}");
+    let applied = json(&out);
+    assert_eq!(
+        (applied["applied"].as_bool(), applied["created"].as_u64(), applied["updated"].as_u64()),
+        (Some(true), Some(3), Some(2)),
+        "{out}"
+    );
+    let new_pool = applied["createdIds"]["pool/gpu-b"].as_str().unwrap().to_owned();
+    let (_, renamed) = server.call("pools.get", json!({ "poolId": pool })).await;
+    assert_eq!(renamed["name"], "gpu-a-renamed");
+    let (_, quota) = server.call("quotas.get", json!({ "poolId": new_pool })).await;
+    assert_eq!(quota["gpus"], 4, "{quota}");
+    let (_, events) = server.call("events.list", json!({ "limit": 500, "types": ["fleet.applied"] })).await;
+    let items = events["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{events}");
+    assert_eq!(items[0]["payload"]["planHash"], json!(hash), "{events}");
+    let commits: std::collections::BTreeSet<String> = changes(&server)
+        .await
+        .iter()
+        .filter(|e| e["seq"].as_u64() > Some(before))
+        .map(|e| e["position"].as_str().unwrap().split(['.', ':']).next().unwrap().to_owned())
+        .collect();
+    assert_eq!(commits.len(), 1, "the apply is one transaction: {commits:?}");
+
+    // The same document plans empty now, and its export keys the fleet's own objects by key.
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (status, export) = server.call("fleet.export", json!({})).await;
+    assert_eq!(status, 200);
+    assert_eq!(export["document"]["pools"]["gpu-b"]["labels"]["site"], "fra1", "{export}");
+    assert_eq!(export["document"]["flavors"]["gpu-b-small"]["pool"], "gpu-b", "{export}");
+
+    // Drift: a pool changed by hand is FLEET_DRIFTED, named.
+    let (code, _, err) = server.cli(&["fleet", "status", "--fail-on-drift"]);
+    assert_eq!(code, 0, "{err}");
+    let (status, _) = server.call("pools.update", json!({ "poolId": new_pool, "description": "by hand" })).await;
+    assert_eq!(status, 200);
+    let (code, _, err) = server.cli(&["fleet", "status", "--fail-on-drift"]);
+    assert!(code == 1 && fails_with(&err, "FLEET_DRIFTED") && err.contains("gpu-b"), "{err}");
+}
+
+#[tokio::test]
+async fn a_change_between_plan_and_apply_a_race_a_denial_and_a_dangling_name_apply_nothing() {
+    let server = Server::dev();
+    let dir = tempfile::tempdir().unwrap();
+    let (pool, _, _) = fleet(&server).await;
+    let file = dir.path().join("fleet.json");
+    let (code, _, err) = server.cli(&["fleet", "export", "--out", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let doc = read(&file);
+
+    // CONFIG_DRIFT: the pool changed through the API after the plan.
+    let mut edited = doc.clone();
+    edited["pools"]["gpu-c"] = json!({ "name": "gpu-c" });
+    write(&file, &edited);
+    let (_, out, _) = server.cli(&["fleet", "plan", file.to_str().unwrap()]);
+    let hash = plan_hash(&out);
+    let (status, _) = server.call("pools.update", json!({ "poolId": pool, "description": "meanwhile" })).await;
+    assert_eq!(status, 200);
+    let before = head(&server).await;
+    let (code, _, err) = server.cli(&["fleet", "apply", file.to_str().unwrap(), "--plan-hash", &hash]);
+    assert!(code == 1 && fails_with(&err, "CONFIG_DRIFT"), "{err}");
+    assert_eq!(head(&server).await, before, "nothing applied");
+
+    // Two applies of two plans racing: exactly one applies, the other is CONFIG_DRIFT.
+    let (_, out, _) = server.cli(&["fleet", "plan", file.to_str().unwrap()]);
+    let hash_c = plan_hash(&out);
+    let other = dir.path().join("other.json");
+    let mut edited_d = read(&file);
+    edited_d["pools"]["gpu-d"] = json!({ "name": "gpu-d" });
+    write(&other, &edited_d);
+    let (_, out, _) = server.cli(&["fleet", "plan", other.to_str().unwrap()]);
+    let hash_d = plan_hash(&out);
+    let doc_c = read(&file);
+    let (a, b) = tokio::join!(
+        server.call("fleet.apply", json!({ "document": doc_c, "planHash": hash_c })),
+        server.call("fleet.apply", json!({ "document": edited_d, "planHash": hash_d })),
+    );
+    let mut outcomes =
+        vec![(a.0, a.1["code"].as_str().unwrap_or("").to_owned()), (b.0, b.1["code"].as_str().unwrap_or("").to_owned())];
+    outcomes.sort();
+    assert_eq!(outcomes, vec![(200, String::new()), (409, "CONFIG_DRIFT".to_owned())], "{a:?} {b:?}");
+
+    // A denial stops everything: a root key holding the fleet's action but not the images' one.
+    let (status, key) = server
+        .call("apiKeys.create", json!({ "name": "fleet-no-images", "actions": ["compute:fleet:admin", "compute:pools:*", "compute:quotas:*", "compute:flavors:*"] }))
+        .await;
+    assert_eq!(status, 200, "{key}");
+    let token = key["token"].as_str().unwrap().to_owned();
+    let (_, now) = server.call("fleet.export", json!({})).await;
+    let mut denied = now["document"].clone();
+    for n in 0..40 {
+        denied["pools"][format!("p{n:02}")] = json!({ "name": format!("p{n:02}") });
+    }
+    denied["images"]["debian"] =
+        json!({ "name": "debian", "url": "https://images.example/debian.raw", "sha256": DIGEST, "diskFormat": "raw" });
+    let (_, plan) = server.call_as(&token, "fleet.plan", json!({ "document": denied }), None).await;
+    let hash = plan["planHash"].as_str().unwrap().to_owned();
+    assert_eq!(plan["changes"].as_array().unwrap().len(), 41, "{plan}");
+    let before = head(&server).await;
+    let (status, refused) = server.call_as(&token, "fleet.apply", json!({ "document": denied, "planHash": hash }), None).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("ACCESS_DENIED")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("call 41 of 41"), "{refused}");
+    assert_eq!(head(&server).await, before, "nothing applied");
+
+    // A dangling name: PLAN_BLOCKED, from plan and from apply.
+    let mut dangling = now["document"].clone();
+    dangling["flavors"]["orphan"] =
+        json!({ "pool": "no-such-pool", "name": "orphan", "vcpus": 1, "memoryMiB": 1024, "diskGiB": 10, "gpus": 0 });
+    write(&file, &dangling);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap()]);
+    assert!(
+        code == 1 && fails_with(&err, "PLAN_BLOCKED") && out.contains("BLOCKED flavor orphan: dangling reference"),
+        "{out}{err}"
+    );
+    let (code, _, err) = server.cli(&["fleet", "apply", file.to_str().unwrap(), "--yes"]);
+    assert!(code == 1 && fails_with(&err, "PLAN_BLOCKED"), "{err}");
+
+    // Only the root tenant's administrators manage the fleet.
+    let acme = server.tenant("acme").await;
+    let (_, key) = server.call("apiKeys.create", json!({ "tenantId": acme, "name": "acme-admin", "actions": ["*"] })).await;
+    let acme_token = key["token"].as_str().unwrap();
+    let (status, refused) = server.call_as(acme_token, "fleet.export", json!({}), None).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("ACCESS_DENIED")), "{refused}");
+}
