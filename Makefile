@@ -8,6 +8,13 @@ CARGO ?= cargo
 TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
 DEV_ARGS ?=
 
+## CI (CI=true) builds once, from a clean checkout: incremental compilation's caches would be
+## written for nothing, and they are more than half of target/ (13 of 23 GB after a full test
+## build here); a CI run that filled its disk failed in the linker. So CI builds without them.
+ifeq ($(CI),true)
+export CARGO_INCREMENTAL := 0
+endif
+
 .PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
