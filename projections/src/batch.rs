@@ -42,15 +42,21 @@ pub const APPROVER_SET_PUBLISHED: &str = "approver_set.published";
 pub const COMMAND_BATCH_CREATED: &str = "command_batch.created";
 pub const COMMAND_BATCH_APPROVED: &str = "command_batch.approved";
 pub const COMMAND_BATCH_RELEASED: &str = "command_batch.released";
+pub const COMMAND_BATCH_SCOPE_ADDED: &str = "command_batch.scope_added";
+pub const COMMAND_BATCH_CHUNK_ISSUED: &str = "command_batch.chunk_issued";
 pub const COMMAND_BATCH_CANCELLED: &str = "command_batch.cancelled";
 pub const COMMAND_BATCH_EXPIRED: &str = "command_batch.expired";
 
 /// Keys one approver set holds at most.
 pub const APPROVERS_MAX: usize = 16;
-/// Leaves one batch holds at most: its release issues every command in one transaction
-/// ([`bc_core::store::BATCH_EVENTS_MAX`]) and its creation carries every leaf in one event.
-pub const COMMAND_BATCH_LEAVES_MAX: usize = 256;
-/// The encoded leaves of one batch, in all, at most (the creation event carries them).
+/// Leaves one batch holds at most. Its creation carries them in events of
+/// [`COMMAND_BATCH_CHUNK_LEAVES`] (`command_batch.created`, then `command_batch.scope_added`, one
+/// transaction), and its release issues their commands a chunk a transaction.
+pub const COMMAND_BATCH_LEAVES_MAX: usize = 10_000;
+/// Leaves one creation event carries, and commands one release transaction issues, at most: a
+/// chunk (`command_batch.chunk_issued` and its `command.issued`s) is one append group.
+pub const COMMAND_BATCH_CHUNK_LEAVES: usize = 200;
+/// The encoded leaves of one chunk, at most (one event carries them with their command ids).
 pub const COMMAND_BATCH_LEAF_BYTES_MAX: usize = 40 * 1024;
 /// The longest window a batch stays open for approvals, in hours.
 pub const COMMAND_BATCH_HOURS_MAX: u64 = 72;
@@ -59,7 +65,9 @@ pub const COMMAND_BATCH_REASON_BYTES_MAX: usize = 500;
 /// A trust domain: at most this many bytes of `[a-z0-9.-]`.
 pub const TRUST_DOMAIN_BYTES_MAX: usize = 253;
 pub use bc_core::approval::{PUBLIC_KEY_B64_BYTES_MAX, SIGNATURE_B64_BYTES_MAX};
-const _: () = assert!(COMMAND_BATCH_LEAVES_MAX + 2 <= bc_core::store::BATCH_EVENTS_MAX);
+// A chunk's commands and its `chunk_issued`; a creation's events: each one append.
+const _: () = assert!(COMMAND_BATCH_CHUNK_LEAVES < bc_core::store::BATCH_EVENTS_MAX);
+const _: () = assert!(COMMAND_BATCH_LEAVES_MAX.div_ceil(COMMAND_BATCH_CHUNK_LEAVES) < bc_core::store::BATCH_EVENTS_MAX);
 const _: () = assert!(COMMAND_BATCH_LEAF_BYTES_MAX + 24 * 1024 <= bc_core::event::PAYLOAD_BYTES_MAX);
 
 pub use bc_core::approval::{APPROVAL_MESSAGE_V1, APPROVER_SET_MESSAGE_V1, approval_message, kid_of_spki, verify_signature};
@@ -240,6 +248,24 @@ pub struct CommandBatchCreated {
     pub deadline_s: u64,
 }
 
+/// `command_batch.scope_added`: the next leaves of a batch's scope and their command ids, after
+/// `command_batch.created`'s (in the same transaction): a batch's leaves in chunks.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandBatchScopeAdded {
+    pub leaves: Vec<Leaf>,
+    pub command_ids: Vec<String>,
+}
+
+/// `command_batch.chunk_issued`: chunk `chunk` of a released batch had its commands issued, in
+/// the same transaction.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CommandBatchChunkIssued {
+    pub chunk: u64,
+    pub commands: u64,
+}
+
 /// `command_batch.approved`: one approver's valid signature over the batch's message.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -249,8 +275,8 @@ pub struct CommandBatchApproved {
     pub epoch: u64,
 }
 
-/// `command_batch.released`: the quorum was reached; the batch's commands are issued in the
-/// same transaction.
+/// `command_batch.released`: the quorum was reached; the batch's commands are then issued a
+/// chunk a transaction (`command_batch.chunk_issued`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CommandBatchReleased {
@@ -299,6 +325,21 @@ pub struct CommandBatchDoc {
     pub ended_at_ms: Option<u64>,
     pub end_reason: Option<String>,
     pub version: u64,
+    /// Chunks of a released batch whose commands are issued ([`CommandBatchDoc::chunks`] in all).
+    #[serde(default)]
+    pub chunks_issued: u64,
+}
+
+impl CommandBatchDoc {
+    /// The chunks its commands are issued in.
+    pub fn chunks(&self) -> u64 {
+        (self.leaves.len() as u64).div_ceil(COMMAND_BATCH_CHUNK_LEAVES as u64)
+    }
+
+    /// Whether it is released with chunks still to issue.
+    pub fn releasing(&self) -> bool {
+        self.state == BatchState::Released && self.chunks_issued < self.chunks()
+    }
 }
 
 /// Folds `approver_set.*` and `command_batch.*`.
@@ -330,8 +371,14 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             }
             let key = RowKey { kind: KIND_COMMAND_BATCH.to_owned(), ..key.clone() };
             let doc = apply(&key, current, event)?;
-            let pending = doc.as_ref().is_some_and(|d| d["state"] == BatchState::Pending.as_str());
-            Ok(if pending { doc } else { None })
+            let live = match &doc {
+                Some(d) => {
+                    let batch: CommandBatchDoc = from_doc(event, Some(d.clone()))?;
+                    batch.state == BatchState::Pending || batch.releasing()
+                }
+                None => false,
+            };
+            Ok(if live { doc } else { None })
         }
         (KIND_COMMAND_BATCH, COMMAND_BATCH_CREATED) => {
             if current.is_some() {
@@ -358,7 +405,32 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                 ended_at_ms: None,
                 end_reason: None,
                 version: env.version,
+                chunks_issued: 0,
             })
+        }
+        (KIND_COMMAND_BATCH, COMMAND_BATCH_SCOPE_ADDED) => {
+            let mut doc: CommandBatchDoc = from_doc(event, current)?;
+            let p: CommandBatchScopeAdded = payload(event)?;
+            if doc.state != BatchState::Pending || !doc.approvals.is_empty() || p.leaves.len() != p.command_ids.len() {
+                return Err(corrupt(event, format!("scope added to batch {} after its creation", key.id)));
+            }
+            doc.leaves.extend(p.leaves);
+            doc.command_ids.extend(p.command_ids);
+            if doc.leaves.len() as u64 > doc.size {
+                return Err(corrupt(event, format!("batch {} holds more leaves than its size {}", key.id, doc.size)));
+            }
+            doc.version = env.version;
+            to_doc(&doc)
+        }
+        (KIND_COMMAND_BATCH, COMMAND_BATCH_CHUNK_ISSUED) => {
+            let mut doc: CommandBatchDoc = from_doc(event, current)?;
+            let p: CommandBatchChunkIssued = payload(event)?;
+            if !doc.releasing() || p.chunk != doc.chunks_issued {
+                return Err(corrupt(event, format!("chunk {} of batch {} issued out of turn", p.chunk, key.id)));
+            }
+            doc.chunks_issued += 1;
+            doc.version = env.version;
+            to_doc(&doc)
         }
         (
             KIND_COMMAND_BATCH,
@@ -396,4 +468,48 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
         }
         _ => Ok(current),
     }
+}
+
+/// Every approver set published, oldest first (`approver_set.published` on the root tenant's
+/// chain): the chain a batch's releases carry from epoch 1.
+pub async fn approver_set_history(store: &dyn bc_core::store::EventStore) -> Result<Vec<ApproverSetPublished>> {
+    let stream = crate::stream_of(KIND_APPROVER_SET, &APPROVER_SET_ID);
+    let mut sets = Vec::new();
+    let mut after = 0;
+    loop {
+        let rows = store.read_stream_rows(bc_core::id::TenantId::ROOT, &stream, after, bc_core::store::READ_ROWS_MAX).await?;
+        if rows.is_empty() {
+            return Ok(sets);
+        }
+        for event in bc_core::store::decode_rows(rows)? {
+            after = event.envelope.version;
+            sets.push(payload(&event)?);
+        }
+    }
+}
+
+/// The first node of `subjects` (one per command of a chunk) whose queue has no room for them
+/// all (`COMMANDS_PENDING_PER_NODE_MAX` unfinished commands), if any.
+pub async fn node_without_room(
+    store: &dyn bc_core::store::EventStore,
+    tenant: &str,
+    subjects: &[&str],
+) -> Result<Option<String>> {
+    let mut counts: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for subject in subjects {
+        *counts.entry(subject).or_default() += 1;
+    }
+    for (node, adding) in counts {
+        let pending = match store.row_get(tenant, crate::command::KIND_NODE_COMMANDS, node).await? {
+            Some(row) => serde_json::from_value::<crate::command::NodeCommandsDoc>(row.doc)
+                .map_err(|e| Error::Internal(format!("node_commands/{node}: {e}")))?
+                .pending
+                .len(),
+            None => 0,
+        };
+        if pending + adding > crate::command::COMMANDS_PENDING_PER_NODE_MAX {
+            return Ok(Some(node.to_owned()));
+        }
+    }
+    Ok(None)
 }

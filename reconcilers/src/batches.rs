@@ -1,17 +1,22 @@
 //! The `batches` reconciler: ends every pending command batch whose approval window has closed
-//! (`command_batch.expired`; its commands were never issued, and now never will be). Level-
-//! triggered: every pass re-reads each tenant's pending batches (`command_batch_live`) and
-//! appends at the batch's version, so an approval or a cancellation that lands first wins and
-//! the expiry is decided again next pass (a CONFLICT). The decision is
-//! [`bc_projections::decide::batch::batch_expired`].
+//! (`command_batch.expired`; its commands were never issued, and now never will be), and issues
+//! the chunks a released batch still has to issue (`command_batch.chunk_issued` with its
+//! commands, one append group a chunk: what the approval that released it left, after a crash
+//! or a node's full queue). Level-triggered: every pass re-reads each tenant's live batches
+//! (`command_batch_live`: pending, or released with chunks to go) and appends at the batch's
+//! version, so whatever lands first wins and the rest is decided again next pass (a CONFLICT).
+//! The decisions are [`bc_projections::decide::batch::batch_expired`] and
+//! [`bc_projections::decide::batch::release_chunk`].
 
 use std::sync::Arc;
 
 use bc_core::clock::Clock;
 use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
 use bc_core::{ErrorCode, Result};
-use bc_projections::batch::{CommandBatchDoc, KIND_COMMAND_BATCH, KIND_COMMAND_BATCH_LIVE};
-use bc_projections::decide::batch::batch_expired;
+use bc_projections::batch::{
+    CommandBatchDoc, KIND_COMMAND_BATCH, KIND_COMMAND_BATCH_LIVE, approver_set_history, node_without_room,
+};
+use bc_projections::decide::batch::{batch_expired, chunk_appends, release_chunk};
 use bc_projections::events as ev;
 use bc_projections::placement::all_rows;
 use bc_projections::stream_of;
@@ -26,6 +31,8 @@ pub const TICK_MS_DEFAULT: u64 = 5_000;
 pub struct Pass {
     /// Batches ended as expired.
     pub expired: usize,
+    /// Chunks of released batches issued.
+    pub chunks: usize,
     pub conflicts: usize,
 }
 
@@ -33,8 +40,15 @@ pub struct Pass {
 pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     let mut done = Pass::default();
     for tenant in log.store.tenants().await? {
-        let pending = all_rows::<CommandBatchDoc>(&*log.store, tenant, KIND_COMMAND_BATCH_LIVE).await?;
-        for batch in pending {
+        let live = all_rows::<CommandBatchDoc>(&*log.store, tenant, KIND_COMMAND_BATCH_LIVE).await?;
+        for batch in live {
+            if batch.releasing() {
+                let id = batch.batch_id.clone();
+                if let Err(e) = issue_chunks(log, clock, tenant, batch, &mut done).await {
+                    tracing::warn!(reconciler = NAME, batch = %id, code = %e.code(), error = %e, "chunks not issued");
+                }
+                continue;
+            }
             if !batch_expired(&batch, clock.now_ms()) {
                 continue;
             }
@@ -62,9 +76,46 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     Ok(done)
 }
 
+/// Issues a released batch's chunks in turn until none is left or one cannot be issued now (a
+/// node without room in its queue, a conflict: the next pass tries again).
+async fn issue_chunks(
+    log: &Log,
+    clock: &dyn Clock,
+    tenant: bc_core::id::TenantId,
+    mut batch: CommandBatchDoc,
+    done: &mut Pass,
+) -> Result<()> {
+    let history = approver_set_history(&*log.store).await?;
+    while let Some(chunk) = release_chunk(&batch, &history, clock.now_ms())? {
+        let subjects: Vec<&str> = chunk.commands.iter().map(|(_, c)| c.node_id.as_str()).collect();
+        if let Some(node) = node_without_room(&*log.store, &tenant.to_string(), &subjects).await? {
+            tracing::info!(reconciler = NAME, batch = %batch.batch_id, node = %node, "a chunk waits for room in a node's queue");
+            return Ok(());
+        }
+        let chunk_number = chunk.issued.chunk;
+        match log.append_group(chunk_appends(tenant, &batch, chunk, ACTOR, None)?).await {
+            Ok(_) => {
+                done.chunks += 1;
+                tracing::info!(reconciler = NAME, batch = %batch.batch_id, chunk = chunk_number, "chunk issued");
+            }
+            Err(e) if e.code() == ErrorCode::Conflict => {
+                done.conflicts += 1;
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(reconciler = NAME, batch = %batch.batch_id, code = %e.code(), error = %e, "chunk not issued");
+                return Ok(());
+            }
+        }
+        let Some(row) = log.store.row_get(&tenant.to_string(), KIND_COMMAND_BATCH, &batch.batch_id).await? else { return Ok(()) };
+        batch = serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("batch row: {e}")))?;
+    }
+    Ok(())
+}
+
 impl crate::driver::PassReport for Pass {
     fn counts(&self) -> Vec<(&'static str, u64)> {
-        vec![("expired", self.expired as u64), ("conflicts", self.conflicts as u64)]
+        vec![("expired", self.expired as u64), ("chunks", self.chunks as u64), ("conflicts", self.conflicts as u64)]
     }
 
     fn again(&self) -> bool {
@@ -132,10 +183,10 @@ mod tests {
             let store = store.clone();
             async move { store.row_get(&tenant.to_string(), KIND_COMMAND_BATCH_LIVE, &id).await.unwrap().is_some() }
         };
-        assert!(live(open.clone()).await && !live(released.clone()).await, "only a pending batch has a live row");
+        assert!(live(open.clone()).await && live(released.clone()).await, "pending, or released with its chunk to go");
         assert_eq!(pass(&log, &*clock).await.unwrap(), Pass::default(), "inside its window");
         clock.advance_ms(60_000);
-        assert_eq!(pass(&log, &*clock).await.unwrap(), Pass { expired: 1, conflicts: 0 });
+        assert_eq!(pass(&log, &*clock).await.unwrap(), Pass { expired: 1, ..Pass::default() });
         let row = store.row_get(&tenant.to_string(), KIND_COMMAND_BATCH, &open).await.unwrap().unwrap();
         let doc: CommandBatchDoc = serde_json::from_value(row.doc).unwrap();
         assert_eq!(doc.state, BatchState::Expired, "{doc:?}");

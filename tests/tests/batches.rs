@@ -595,3 +595,62 @@ async fn a_node_that_pins_the_approver_root_refuses_a_forged_release_and_says_wh
     // The node journaled the refusal itself: its log says so, with the reason.
     assert!(machines[0].node_log().contains("a batch command's release was refused"), "{}", machines[0].node_log());
 }
+
+/// A batch past the old 256-leaf cap goes in chunks: 450 pings to one node are created in one
+/// call (three creation events), and released a chunk of 200 a transaction. The approval issues
+/// the first chunk; the second does not fit the node's queue (256 unfinished commands) until the
+/// node has run the first, so the `batches` reconciler issues it and the last one later. Every
+/// command runs, in three `command_batch.chunk_issued`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_450_leaves_is_released_in_chunks_the_reconciler_resumes() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("rack").await;
+    let mut machine = AgentNode::new(&server, port);
+    machine.join_pool(&server, &pool).await;
+    machine.start();
+    let node = machine.node_id();
+    wait_ready(&server, &node).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("a.pem");
+    ok(&server, &["batch", "keygen", "--out", path_text(&key)]);
+    let public = format!("{}.pub", key.display());
+    ok(
+        &server,
+        &["batch", "publish-approvers", "--epoch", "1", "--quorum", "1", "--trust-domain", "compute.test", "--approver", &public],
+    );
+    let leaves: Vec<Value> = (0..450).map(|_| json!({ "subject": node, "kind": "ping", "payload": {} })).collect();
+    let batch = create_batch(&server, dir.path(), "large", &Value::Array(leaves));
+    let shown = ok(&server, &["batch", "show", "--batch", &batch]);
+    assert_eq!(shown["size"], 450, "{shown}");
+    let released = ok(&server, &["batch", "approve", "--batch", &batch, "--key", path_text(&key), "--yes"]);
+    assert_eq!(released["state"], "released", "{released}");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let members = ok(&server, &["batch", "members", "--batch", &batch]);
+        let items = members["items"].as_array().unwrap();
+        assert_eq!(items.len(), 450);
+        if items.iter().all(|m| m["state"] == "succeeded") {
+            break;
+        }
+        assert!(items.iter().all(|m| m["state"] != "failed"), "{members}");
+        assert!(std::time::Instant::now() < deadline, "not every command ran: {}", members["items"][449]);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (status, events) = server.call("events.list", json!({ "types": ["command_batch.chunk_issued"], "limit": 10 })).await;
+    assert_eq!(status, 200, "{events}");
+    let chunks: Vec<(u64, u64, String)> = events["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["payload"]["chunk"].as_u64().unwrap(),
+                e["payload"]["commands"].as_u64().unwrap(),
+                e["actor"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(chunks.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>(), [(0, 200), (1, 200), (2, 50)], "{events}");
+    assert!(chunks[1..].iter().all(|c| c.2 == "reconciler:batches"), "the reconciler resumed the release: {chunks:?}");
+}

@@ -10,12 +10,13 @@ use bc_core::id::{CommandBatchId, CommandId, NodeId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::batch::{
-    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSetPublished, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
+    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
     COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchDoc, KIND_APPROVER_SET, KIND_COMMAND_BATCH, Leaf,
+    approver_set_history, node_without_room,
 };
 use bc_projections::decide::batch::{
     ApproverSetInput, BatchCreateInput, approver_set_publish, batch_approve, batch_cancel, batch_create, batch_expired,
-    batch_releases,
+    chunk_appends, release_chunk, split_scope,
 };
 use bc_projections::events as ev;
 use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, stream_of};
@@ -24,7 +25,7 @@ use serde::Deserialize;
 
 use super::body::parse_id;
 use super::call::doc;
-use super::commands::{COMMAND_DEADLINE_S_DEFAULT, COMMAND_DEADLINE_S_MAX, check_node_queue};
+use super::commands::{COMMAND_DEADLINE_S_DEFAULT, COMMAND_DEADLINE_S_MAX};
 use super::paging::{Page, list_rows};
 use super::validate::{CommandBatchIdText, CursorText, LimitNumber, NodeIdText, TenantIdText, string_schema};
 use super::views::{ApproverSetView, BatchMemberView, BatchMembersView, CommandBatchScopeView, CommandBatchView, LeafView};
@@ -207,25 +208,6 @@ pub(crate) async fn approver_set(call: &Call<'_>) -> Result<Option<ApproverSetDo
     call.state.store.row_get(&TenantId::ROOT.to_string(), KIND_APPROVER_SET, APPROVER_SET_ID).await?.map(doc).transpose()
 }
 
-/// Every approver set published, oldest first (`approver_set.published` on the root tenant's
-/// chain): the chain a batch's release carries from epoch 1.
-async fn approver_set_history(call: &Call<'_>) -> Result<Vec<ApproverSetPublished>> {
-    let stream = stream_of(KIND_APPROVER_SET, &APPROVER_SET_ID);
-    let mut sets = Vec::new();
-    let mut after = 0;
-    loop {
-        let rows = call.state.store.read_stream_rows(TenantId::ROOT, &stream, after, bc_core::store::READ_ROWS_MAX).await?;
-        if rows.is_empty() {
-            return Ok(sets);
-        }
-        for event in bc_core::store::decode_rows(rows)? {
-            after = event.envelope.version;
-            let json = bc_core::canonical::to_json(&event.envelope.payload);
-            sets.push(serde_json::from_value(json).map_err(|e| Error::Internal(format!("approver_set.published: {e}")))?);
-        }
-    }
-}
-
 /// The test-only switch of a gateway that lies: set (to anything) in a debug build, the first
 /// approval of a batch releases it whatever the quorum, so the end-to-end test can show that a
 /// node that pins the approver set's root refuses the release. A release build ignores it.
@@ -321,15 +303,15 @@ async fn batches_create(call: &Call<'_>, input: BatchesCreate) -> Result<Command
         call.now_ms(),
     )?;
     let batch = CommandBatchId::from_ulid(call.ulid());
-    let result = call
-        .append(
-            tenant,
-            stream_of(KIND_COMMAND_BATCH, &batch),
-            ExpectedVersion::NoStream,
-            ev::COMMAND_BATCH_CREATED,
-            ev::to_cbor(&created)?,
-        )
-        .await?;
+    // The leaves go in chunks: the creation event carries the first, then one `scope_added`
+    // each, in one append.
+    let (created, added) = split_scope(created);
+    let mut events = vec![NewEvent::new(ev::COMMAND_BATCH_CREATED, ev::to_cbor(&created)?)];
+    for chunk in &added {
+        events.push(NewEvent::new(ev::COMMAND_BATCH_SCOPE_ADDED, ev::to_cbor(chunk)?));
+    }
+    let stream = stream_of(KIND_COMMAND_BATCH, &batch);
+    let result = call.submit(call.request(tenant, stream, ExpectedVersion::NoStream, events)).await?;
     let stream = &result.events[0].envelope.stream;
     Ok(call.row::<CommandBatchDoc>(tenant, KIND_COMMAND_BATCH, super::call::stream_id(stream), "batch").await?.into())
 }
@@ -367,10 +349,14 @@ async fn batches_members(call: &Call<'_>, input: BatchRef) -> Result<BatchMember
         let (state, reason) = match batch.state {
             BatchState::Pending => ("awaitingApproval".to_owned(), None),
             BatchState::Cancelled | BatchState::Expired => ("cancelled".to_owned(), batch.end_reason.clone()),
-            BatchState::Released => {
-                let command: CommandDoc = call.row(tenant, KIND_COMMAND, command_id, "command").await?;
-                (command.state.as_str().to_owned(), command.reason)
-            }
+            BatchState::Released => match call.state.store.row_get(&tenant.to_string(), KIND_COMMAND, command_id).await? {
+                Some(row) => {
+                    let command: CommandDoc = doc(row)?;
+                    (command.state.as_str().to_owned(), command.reason)
+                }
+                // Its chunk is not issued yet.
+                None => ("releasing".to_owned(), None),
+            },
         };
         items.push(BatchMemberView {
             index: index as u64,
@@ -405,53 +391,29 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
         call.submit(call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)).await?;
         return Ok(batch_doc(call, tenant, &batch.batch_id).await?.into());
     }
-    // The quorum: the batch's commands are issued in the same transaction, each on its own new
-    // stream, after the nodes' queues were checked to have room.
-    for leaf in &batch.leaves {
-        check_node_queue(call, tenant, &leaf.subject).await?;
-    }
+    // The quorum: the release, then the commands a chunk a transaction, each command on its own
+    // new stream with what its node checks before it runs it. A chunk that fails here (a node's
+    // queue full, a crash) is issued by the `batches` reconciler.
     events.push(NewEvent::new(
         ev::COMMAND_BATCH_RELEASED,
         ev::to_cbor(&ev::CommandBatchReleased { approvals: outcome.approvals.clone() })?,
     ));
-    let mut requests = vec![call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)];
-    let deadline_at_ms = now_ms.saturating_add(batch.deadline_s.saturating_mul(1000));
-    // Each command carries what its node checks before it runs it: the approvals that released
-    // the batch (those of its epoch, this one last), the sets from epoch 1, its inclusion proof.
-    let mut approvals: Vec<ApproverSignature> = batch
-        .approvals
-        .iter()
-        .filter(|a| a.epoch == set.epoch)
-        .map(|a| ApproverSignature { kid: a.kid.clone(), signature: a.signature.clone() })
-        .collect();
-    approvals.push(ApproverSignature { kid: input.kid.clone(), signature: input.signature.clone() });
-    let releases = batch_releases(&batch, &approver_set_history(call).await?, &approvals)?;
-    for ((leaf, command_id), release) in batch.leaves.iter().zip(&batch.command_ids).zip(releases) {
-        let issued = ev::CommandIssued {
-            node_id: leaf.subject.clone(),
-            kind: leaf.kind.clone(),
-            args: leaf.payload.clone(),
-            deadline_at_ms,
-            release: Some(release),
-        };
-        let mut request = AppendRequest::new(
-            tenant,
-            stream_of(KIND_COMMAND, command_id),
-            ExpectedVersion::NoStream,
-            call.actor(),
-            vec![NewEvent::new(ev::COMMAND_ISSUED, ev::to_cbor(&issued)?)],
-        );
-        request.correlation = Some(call.request_id.clone());
-        requests.push(request);
+    call.submit(call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)).await?;
+    let history = approver_set_history(&*call.state.store).await?;
+    loop {
+        let batch = batch_doc(call, tenant, &batch.batch_id).await?;
+        let Some(chunk) = release_chunk(&batch, &history, call.now_ms())? else { return Ok(batch.into()) };
+        let subjects: Vec<&str> = chunk.commands.iter().map(|(_, c)| c.node_id.as_str()).collect();
+        if let Some(node) = node_without_room(&*call.state.store, &tenant.to_string(), &subjects).await? {
+            tracing::info!(batch = %batch.batch_id, node = %node, "a chunk waits for room in a node's queue; the batches reconciler issues it");
+            return Ok(batch.into());
+        }
+        let requests = chunk_appends(tenant, &batch, chunk, &call.actor(), Some(&call.request_id))?;
+        if let Err(e) = call.state.log.append_group(requests).await {
+            tracing::info!(batch = %batch.batch_id, code = %e.code(), error = %e, "a chunk was not issued here; the batches reconciler issues it");
+            return Ok(batch_doc(call, tenant, &batch.batch_id).await?.into());
+        }
     }
-    call.state.log.append_group(requests).await?;
-    let released: CommandBatchDoc = doc(call
-        .state
-        .store
-        .row_get(&tenant.to_string(), KIND_COMMAND_BATCH, &batch.batch_id)
-        .await?
-        .ok_or_else(|| Error::Internal(format!("batch {} vanished after its release", batch.batch_id)))?)?;
-    Ok(released.into())
 }
 
 async fn batches_cancel(call: &Call<'_>, input: BatchRef) -> Result<CommandBatchView> {

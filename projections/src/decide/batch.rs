@@ -13,11 +13,12 @@ use bc_core::approval::{BatchRelease, ReleaseSet, SignatureRef};
 use bc_core::{Error, Result};
 
 use crate::batch::{
-    APPROVERS_MAX, ApproverKey, ApproverSetDoc, ApproverSetPublished, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
-    COMMAND_BATCH_LEAF_BYTES_MAX, COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchApproved,
-    CommandBatchCreated, CommandBatchDoc, Leaf, TRUST_DOMAIN_BYTES_MAX, approval_message, approver_set_message, key_refs,
-    parse_approver_key, scope_root, verify_signature,
+    APPROVERS_MAX, ApproverKey, ApproverSetDoc, ApproverSetPublished, ApproverSignature, BatchState, COMMAND_BATCH_CHUNK_LEAVES,
+    COMMAND_BATCH_HOURS_MAX, COMMAND_BATCH_LEAF_BYTES_MAX, COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX,
+    CommandBatchApproved, CommandBatchChunkIssued, CommandBatchCreated, CommandBatchDoc, CommandBatchScopeAdded, Leaf,
+    TRUST_DOMAIN_BYTES_MAX, approval_message, approver_set_message, key_refs, parse_approver_key, scope_root, verify_signature,
 };
+use crate::command::CommandIssued;
 
 /// The command kinds a batch may hold (a leaf's `kind`), each with the payload it takes.
 pub const BATCH_LEAF_KINDS: &[&str] = &["ping"];
@@ -151,7 +152,6 @@ pub fn batch_create(set: Option<&ApproverSetDoc>, input: BatchCreateInput, now_m
     if command_ids.len() != leaves.len() {
         return Err(Error::Internal(format!("{} command ids for {} leaves", command_ids.len(), leaves.len())));
     }
-    let mut bytes = 0usize;
     for (i, leaf) in leaves.iter().enumerate() {
         if !BATCH_LEAF_KINDS.contains(&leaf.kind.as_str()) {
             return Err(Error::InvalidArgument {
@@ -162,12 +162,16 @@ pub fn batch_create(set: Option<&ApproverSetDoc>, input: BatchCreateInput, now_m
         if leaf.payload != serde_json::json!({}) {
             return Err(Error::invalid(format!("leaves[{i}]: a {} takes the payload {{}}", leaf.kind)));
         }
-        bytes += leaf.encode()?.len();
     }
-    if bytes > COMMAND_BATCH_LEAF_BYTES_MAX {
-        return Err(Error::invalid(format!(
-            "the leaves encode to {bytes} bytes; a batch holds at most {COMMAND_BATCH_LEAF_BYTES_MAX}"
-        )));
+    for (chunk, leaves) in leaves.chunks(COMMAND_BATCH_CHUNK_LEAVES).enumerate() {
+        let bytes = leaves.iter().map(|l| l.encode().map(|b| b.len())).sum::<Result<usize>>()?;
+        if bytes > COMMAND_BATCH_LEAF_BYTES_MAX {
+            return Err(Error::invalid(format!(
+                "leaves {} to {} encode to {bytes} bytes; {COMMAND_BATCH_CHUNK_LEAVES} leaves may take at most {COMMAND_BATCH_LEAF_BYTES_MAX}",
+                chunk * COMMAND_BATCH_CHUNK_LEAVES,
+                chunk * COMMAND_BATCH_CHUNK_LEAVES + leaves.len() - 1
+            )));
+        }
     }
     Ok(CommandBatchCreated {
         reason,
@@ -266,7 +270,98 @@ pub fn batch_expired(batch: &CommandBatchDoc, now_ms: u64) -> bool {
     batch.state == BatchState::Pending && now_ms >= batch.expires_at_ms
 }
 
-/// The release each command of `batch` carries to its node (`bc_core::approval::BatchRelease`):
+/// Splits a creation into its events: `command_batch.created` with the first
+/// [`COMMAND_BATCH_CHUNK_LEAVES`] leaves (its root and size still the whole scope's), then one
+/// `command_batch.scope_added` per further chunk, all appended in one request.
+pub fn split_scope(mut created: CommandBatchCreated) -> (CommandBatchCreated, Vec<CommandBatchScopeAdded>) {
+    let first = created.leaves.len().min(COMMAND_BATCH_CHUNK_LEAVES);
+    let leaves = created.leaves.split_off(first);
+    let command_ids = created.command_ids.split_off(first);
+    let added = leaves
+        .chunks(COMMAND_BATCH_CHUNK_LEAVES)
+        .zip(command_ids.chunks(COMMAND_BATCH_CHUNK_LEAVES))
+        .map(|(leaves, ids)| CommandBatchScopeAdded { leaves: leaves.to_vec(), command_ids: ids.to_vec() })
+        .collect();
+    (created, added)
+}
+
+/// One chunk of a released batch to issue: the batch's event and each command's id and issue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkRelease {
+    pub issued: CommandBatchChunkIssued,
+    pub commands: Vec<(String, CommandIssued)>,
+}
+
+/// Decides the next chunk of a released batch (`None`: not released, or every chunk issued):
+/// leaves `chunk * COMMAND_BATCH_CHUNK_LEAVES` onwards, each command with its release (the
+/// approvals of the batch's epoch, the approver sets `history`, its proof) and the deadline
+/// `deadline_s` after `now_ms`. The caller appends `command_batch.chunk_issued` at the batch's
+/// version with the commands, each on its new stream, in one group: a chunk is issued once.
+pub fn release_chunk(batch: &CommandBatchDoc, history: &[ApproverSetPublished], now_ms: u64) -> Result<Option<ChunkRelease>> {
+    if !batch.releasing() {
+        return Ok(None);
+    }
+    let approvals: Vec<ApproverSignature> = batch
+        .approvals
+        .iter()
+        .filter(|a| a.epoch == batch.epoch)
+        .map(|a| ApproverSignature { kid: a.kid.clone(), signature: a.signature.clone() })
+        .collect();
+    let chunk = batch.chunks_issued;
+    let start = chunk as usize * COMMAND_BATCH_CHUNK_LEAVES;
+    let end = (start + COMMAND_BATCH_CHUNK_LEAVES).min(batch.leaves.len());
+    let releases = batch_releases(batch, history, &approvals, start..end)?;
+    let deadline_at_ms = now_ms.saturating_add(batch.deadline_s.saturating_mul(1000));
+    let commands: Vec<(String, CommandIssued)> = releases
+        .into_iter()
+        .zip(start..end)
+        .map(|(release, i)| {
+            let leaf = &batch.leaves[i];
+            let issued = CommandIssued {
+                node_id: leaf.subject.clone(),
+                kind: leaf.kind.clone(),
+                args: leaf.payload.clone(),
+                deadline_at_ms,
+                release: Some(release),
+            };
+            (batch.command_ids[i].clone(), issued)
+        })
+        .collect();
+    Ok(Some(ChunkRelease { issued: CommandBatchChunkIssued { chunk, commands: commands.len() as u64 }, commands }))
+}
+
+/// The appends of one chunk, for one `Log::append_group`: `command_batch.chunk_issued` at the
+/// batch's version (so a chunk is issued once, whoever issues it), then each command on its new
+/// stream.
+pub fn chunk_appends(
+    tenant: bc_core::id::TenantId,
+    batch: &CommandBatchDoc,
+    chunk: ChunkRelease,
+    actor: &str,
+    correlation: Option<&str>,
+) -> Result<Vec<bc_core::store::AppendRequest>> {
+    use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+    let request = |stream: String, expected, event: NewEvent| {
+        let mut request = AppendRequest::new(tenant, stream, expected, actor, vec![event]);
+        request.correlation = correlation.map(str::to_owned);
+        request
+    };
+    let mut requests = vec![request(
+        crate::stream_of(crate::batch::KIND_COMMAND_BATCH, &batch.batch_id),
+        ExpectedVersion::Exact(batch.version),
+        NewEvent::new(crate::batch::COMMAND_BATCH_CHUNK_ISSUED, crate::events::to_cbor(&chunk.issued)?),
+    )];
+    for (command_id, issued) in chunk.commands {
+        requests.push(request(
+            crate::stream_of(crate::command::KIND_COMMAND, &command_id),
+            ExpectedVersion::NoStream,
+            NewEvent::new(crate::command::COMMAND_ISSUED, crate::events::to_cbor(&issued)?),
+        ));
+    }
+    Ok(requests)
+}
+
+/// The release each command of `batch` in `range` carries to its node (`bc_core::approval::BatchRelease`):
 /// the batch's root, size and window, the leaf's index and inclusion proof, the `approvals` that
 /// released it, and the approver sets `history` published from epoch 1 to the batch's epoch
 /// (each later one with the signatures that allowed it), so a node that pins the epoch-1 set's
@@ -275,6 +370,7 @@ pub fn batch_releases(
     batch: &CommandBatchDoc,
     history: &[ApproverSetPublished],
     approvals: &[ApproverSignature],
+    range: std::ops::Range<usize>,
 ) -> Result<Vec<BatchRelease>> {
     let sets: Vec<ReleaseSet> = history
         .iter()
@@ -303,6 +399,8 @@ pub fn batch_releases(
     Ok(bc_core::approval::inclusion_proofs(&hashes)
         .into_iter()
         .enumerate()
+        .skip(range.start)
+        .take(range.len())
         .map(|(index, proof)| BatchRelease {
             batch_id: batch.batch_id.clone(),
             trust_domain: batch.trust_domain.clone(),
@@ -434,6 +532,7 @@ mod tests {
             ended_at_ms: None,
             end_reason: None,
             version: 1,
+            chunks_issued: 0,
         }
     }
 
@@ -647,7 +746,7 @@ mod tests {
         let leaves = vec![ping("node_a"), ping("node_b"), ping("node_c")];
         let doc = batch(&s, leaves.clone());
         let approval = |k: &SigningKey| ApproverSignature { kid: public(k).kid, signature: sign(k, &message(&doc)) };
-        let releases = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a), approval(&c)]).unwrap();
+        let releases = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a), approval(&c)], 0..usize::MAX).unwrap();
         let roots = vec![pin.clone()];
         let empty = serde_json::json!({});
         for (leaf, release) in leaves.iter().zip(&releases) {
@@ -657,9 +756,9 @@ mod tests {
         assert!(why(verify_release(&roots, "node_b", "ping", &empty, &releases[0])).contains("not leaf 0"));
         assert!(why(verify_release(&roots, "node_a", "ping", &serde_json::json!({"x": 1}), &releases[0])).contains("not leaf 0"));
         assert!(why(verify_release(&["0".repeat(64)], "node_a", "ping", &empty, &releases[0])).contains("not the pinned"));
-        let short = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a)]).unwrap();
+        let short = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a)], 0..usize::MAX).unwrap();
         assert!(why(verify_release(&roots, "node_a", "ping", &empty, &short[0])).contains("1 valid approval(s)"));
-        let twice = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a), approval(&a)]).unwrap();
+        let twice = batch_releases(&doc, std::slice::from_ref(&first), &[approval(&a), approval(&a)], 0..usize::MAX).unwrap();
         assert!(why(verify_release(&roots, "node_a", "ping", &empty, &twice[0])).contains("1 valid approval(s)"));
 
         // Epoch 2 (b, c, quorum 2), signed by a and c of epoch 1; a batch under it.
@@ -676,13 +775,73 @@ mod tests {
         s2.epoch = 2;
         let doc2 = batch(&s2, vec![ping("node_a")]);
         let approval2 = |k: &SigningKey| ApproverSignature { kid: public(k).kid, signature: sign(k, &message(&doc2)) };
-        let good = batch_releases(&doc2, &[first.clone(), link(&[&a, &c])], &[approval2(&b), approval2(&c)]).unwrap();
+        let good =
+            batch_releases(&doc2, &[first.clone(), link(&[&a, &c])], &[approval2(&b), approval2(&c)], 0..usize::MAX).unwrap();
         verify_release(&roots, "node_a", "ping", &empty, &good[0]).unwrap();
-        let weak = batch_releases(&doc2, &[first.clone(), link(&[&a])], &[approval2(&b), approval2(&c)]).unwrap();
+        let weak = batch_releases(&doc2, &[first.clone(), link(&[&a])], &[approval2(&b), approval2(&c)], 0..usize::MAX).unwrap();
         assert!(why(verify_release(&roots, "node_a", "ping", &empty, &weak[0])).contains("1 valid signatures of epoch 1"));
         // Approvals by epoch 1's keys do not count under epoch 2.
-        let old = batch_releases(&doc2, &[first.clone(), link(&[&a, &c])], &[approval2(&a), approval2(&b)]).unwrap();
+        let old =
+            batch_releases(&doc2, &[first.clone(), link(&[&a, &c])], &[approval2(&a), approval2(&b)], 0..usize::MAX).unwrap();
         assert!(why(verify_release(&roots, "node_a", "ping", &empty, &old[0])).contains("1 valid approval(s)"));
-        assert!(batch_releases(&doc2, std::slice::from_ref(&first), &[]).is_err(), "the history must reach the batch's epoch");
+        assert!(
+            batch_releases(&doc2, std::slice::from_ref(&first), &[], 0..1).is_err(),
+            "the history must reach the batch's epoch"
+        );
+    }
+    /// A scope of 450 leaves: created in chunks of 200 (the root and size the whole scope's),
+    /// released in three chunks of 200, 200 and 50 in turn, each command with a release that
+    /// verifies for its own node; nothing after the last, nothing before the release.
+    #[test]
+    fn a_large_batch_goes_in_chunks() {
+        let (a, b) = (key(1), key(2));
+        let s = set(&[&a, &b], 2);
+        let leaves: Vec<Leaf> = (0..450).map(|i| ping(&format!("node_{}", i % 7))).collect();
+        let ids: Vec<String> = (0..450).map(|i| format!("cmd_{i}")).collect();
+        let created = batch_create(
+            Some(&s),
+            BatchCreateInput { reason: "r".into(), leaves: leaves.clone(), hours: 1, deadline_s: 300, command_ids: ids },
+            1_000,
+        )
+        .unwrap();
+        let root = created.root.clone();
+        let (first, added) = split_scope(created);
+        assert_eq!(
+            (first.leaves.len(), first.command_ids.len(), first.size, first.root.as_str()),
+            (200, 200, 450, root.as_str())
+        );
+        assert_eq!(added.iter().map(|a| a.leaves.len()).collect::<Vec<_>>(), [200, 50]);
+        assert_eq!(added[1].command_ids[49], "cmd_449");
+
+        let mut doc = batch(&s, leaves.clone());
+        let history = [ApproverSetPublished {
+            epoch: 1,
+            quorum: 2,
+            trust_domain: "compute.test".into(),
+            keys: s.keys.clone(),
+            signatures: vec![],
+        }];
+        assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "a pending batch issues nothing");
+        for k in [&a, &b] {
+            approve(&mut doc, &s, k).unwrap();
+        }
+        doc.state = BatchState::Released;
+        let roots = vec![bc_core::approval::command_root_of("compute.test", 2, &key_refs(&s.keys))];
+        let mut sizes = Vec::new();
+        while let Some(chunk) = release_chunk(&doc, &history, 5_000).unwrap() {
+            assert_eq!(chunk.issued.chunk, doc.chunks_issued);
+            for (id, issued) in &chunk.commands {
+                let index: usize = id.trim_start_matches("cmd_").parse().unwrap();
+                assert_eq!(issued.node_id, leaves[index].subject);
+                assert_eq!(issued.deadline_at_ms, 305_000);
+                let release = issued.release.as_ref().unwrap();
+                assert_eq!(release.index, index as u64);
+                bc_core::approval::verify_release(&roots, &issued.node_id, "ping", &issued.args, release).unwrap();
+            }
+            sizes.push(chunk.commands.len());
+            doc.chunks_issued += 1;
+        }
+        assert_eq!(sizes, [200, 200, 50]);
+        assert_eq!(doc.chunks(), 3);
     }
 }
