@@ -654,3 +654,59 @@ async fn a_batch_of_450_leaves_is_released_in_chunks_the_reconciler_resumes() {
     assert_eq!(chunks.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>(), [(0, 200), (1, 200), (2, 50)], "{events}");
     assert!(chunks[1..].iter().all(|c| c.2 == "reconciler:batches"), "the reconciler resumed the release: {chunks:?}");
 }
+
+/// An expired batch (`BC_TEST_ONLY_BATCH_HOUR_MS`: a debug build's window hour lasts 2 s): an
+/// approval signed while it was open and sent after its window closed is refused INVALID_STATE
+/// and ends it `expired`; a batch nobody touches is expired by the `batches` reconciler. Neither
+/// issues a command; `batch approve` refuses before it signs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_batch_is_refused_and_its_commands_never_run() {
+    let (server, port) = Server::with_env(&[("BC_TEST_ONLY_BATCH_HOUR_MS", "2000")], bc_tests::agents_gateway);
+    let pool = server.pool("rack").await;
+    let mut machine = AgentNode::new(&server, port);
+    machine.join_pool(&server, &pool).await;
+    machine.start();
+    let node = machine.node_id();
+    wait_ready(&server, &node).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("a.pem");
+    let kid = ok(&server, &["batch", "keygen", "--out", path_text(&key)])["kid"].as_str().unwrap().to_owned();
+    let public = format!("{}.pub", key.display());
+    ok(
+        &server,
+        &["batch", "publish-approvers", "--epoch", "1", "--quorum", "1", "--trust-domain", "compute.test", "--approver", &public],
+    );
+    let scope = dir.path().join("scope.json");
+    std::fs::write(&scope, json!([{ "subject": node, "kind": "ping", "payload": {} }]).to_string()).unwrap();
+    let create = |name: &str| {
+        let args = ["batch", "create", "--reason", name, "--scope", path_text(&scope), "--hours", "1"];
+        ok(&server, &args)["batchId"].as_str().unwrap().to_owned()
+    };
+    let (late, untouched) = (create("late"), create("untouched"));
+    // Signed while the window is open, sent once it has closed.
+    let signed = signature_of(&sign_offline(&server, dir.path(), &late, &key, "late-a"));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (status, answer) =
+        server.call("commandBatches.approve", json!({ "batchId": late, "kid": kid, "signature": signed["signature"] })).await;
+    assert_eq!((status, answer["code"].as_str()), (409, Some("INVALID_STATE")), "{answer}");
+    assert!(answer["message"].as_str().unwrap().contains("expired"), "{answer}");
+    let shown = ok(&server, &["batch", "show", "--batch", &late]);
+    assert_eq!(shown["state"], "expired", "{shown}");
+    let err = refused(&server, &["batch", "approve", "--batch", &untouched, "--key", path_text(&key), "--yes"], "INVALID_STATE");
+    assert!(err.contains("window") || err.contains("expired"), "{err}");
+    // The reconciler (every 5 s) ends the one nobody touched.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let shown = ok(&server, &["batch", "show", "--batch", &untouched]);
+        if shown["state"] == "expired" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the reconciler did not expire it: {shown}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for batch in [&late, &untouched] {
+        let members = ok(&server, &["batch", "members", "--batch", batch]);
+        assert_eq!(members["items"][0]["state"], "cancelled", "{members}");
+    }
+    assert!(commands_of(&server, &node).await.is_empty(), "an expired batch issued a command");
+}

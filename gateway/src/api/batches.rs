@@ -217,6 +217,15 @@ fn forge_release() -> bool {
     cfg!(debug_assertions) && std::env::var_os(FORGE_RELEASE_ENV).is_some()
 }
 
+/// The test-only length of a batch window's hour, in milliseconds: set in a debug build, a batch
+/// of `hours` stays open `hours` times this, so the end-to-end test sees windows close. A release
+/// build ignores it.
+pub const HOUR_MS_ENV: &str = "BC_TEST_ONLY_BATCH_HOUR_MS";
+
+fn test_hour_ms() -> Option<u64> {
+    cfg!(debug_assertions).then(|| std::env::var(HOUR_MS_ENV).ok()?.parse().ok()).flatten()
+}
+
 async fn approvers_publish(call: &Call<'_>, input: ApproversPublish) -> Result<ApproverSetView> {
     if !call.principal().is_root() {
         return Err(Error::AccessDenied("the approver set is the root tenant's: publish it with a root key".into()));
@@ -297,11 +306,14 @@ async fn batches_create(call: &Call<'_>, input: BatchesCreate) -> Result<Command
     }
     let command_ids = (0..leaves.len()).map(|_| CommandId::from_ulid(call.ulid()).to_string()).collect();
     let set = approver_set(call).await?;
-    let created = batch_create(
+    let mut created = batch_create(
         set.as_ref(),
         BatchCreateInput { reason: input.reason, leaves, hours, deadline_s, command_ids },
         call.now_ms(),
     )?;
+    if let Some(hour_ms) = test_hour_ms() {
+        created.expires_at_ms = call.now_ms().saturating_add(hours.saturating_mul(hour_ms));
+    }
     let batch = CommandBatchId::from_ulid(call.ulid());
     // The leaves go in chunks: the creation event carries the first, then one `scope_added`
     // each, in one append.
