@@ -15,7 +15,7 @@ ifeq ($(CI),true)
 export CARGO_INCREMENTAL := 0
 endif
 
-.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large
+.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large ha-up ha-down test-ha
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 ## Built with the seeded fake machines, so `make dev DEV_ARGS='--sim 5'` starts five simulated
@@ -157,6 +157,24 @@ sim-large: SIM_SEED_FROM = 1
 sim-large: SIM_NODES = 1000
 sim-large: SIM_TENANTS = 10
 sim-large: sim
+
+## The high-availability layout on this machine (docs/high-availability.md), in target/ha (HA_DIR):
+## etcd, three PostgreSQL members under Patroni (synchronous, strict), two `serve` behind HAProxy.
+## Installs etcd-server, patroni and haproxy once. HA_PORT_BASE, HA_TTL, … as scripts/ha-up says.
+ha-up:
+	$(CARGO) build --workspace --bins $(TEST_FEATURES)
+	scripts/ha-up
+
+ha-down:
+	scripts/ha-down
+
+## The failover test on that layout (tests/tests/ha.rs, ignored by `make test`: minutes, a cluster
+## of its own): 16 writers, the primary killed three times; then the negative control with
+## synchronous_commit = local. One at a time. BC_HA_TTL=30 BC_HA_LOOP_WAIT=10 BC_HA_RETRY_TIMEOUT=10
+## runs it on Patroni's default timings (tuned: 10, 2, 4).
+test-ha: check-postgres
+	$(CARGO) build --workspace --bins $(TEST_FEATURES)
+	$(CARGO) nextest run --workspace $(TEST_FEATURES) --run-ignored only --test-threads 1 --no-fail-fast --no-capture -E 'test(/^ha::/)'
 
 ## What the benches need from Debian: etcd-server, the watch bench's baseline, installed once.
 bench-deps:
