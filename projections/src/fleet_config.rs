@@ -172,3 +172,103 @@ pub(crate) fn apply(_key: &RowKey, current: Option<Value>, event: &StoredEvent) 
         _ => Ok(current),
     }
 }
+
+/// SHA-256 in lowercase hex of `value` in canonical JSON: keys sorted (serde_json's maps are
+/// ordered), no insignificant whitespace, integers only. What plans hash and fingerprints are.
+pub fn canonical_sha256<T: Serialize>(value: &T) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(canonical_json(value)))
+}
+
+/// `value` as canonical JSON bytes.
+pub fn canonical_json<T: Serialize>(value: &T) -> Vec<u8> {
+    // Through `Value`, whose maps are sorted by key, so struct fields come out sorted too.
+    let value = serde_json::to_value(value).expect("a fleet document's values are JSON");
+    serde_json::to_vec(&value).expect("a JSON value serializes")
+}
+
+/// A pool's fingerprint: what a FleetConfig document says of it, every field stated.
+pub fn pool_fingerprint(name: &str, description: &str, labels: &BTreeMap<String, String>, max_reservation_s: u64) -> String {
+    canonical_sha256(&serde_json::json!({
+        "name": name, "description": description, "labels": labels, "maxReservationS": max_reservation_s,
+    }))
+}
+
+/// The tenant's quota in a pool: its GPUs.
+pub fn quota_fingerprint(gpus: u32) -> String {
+    canonical_sha256(&serde_json::json!({ "gpus": gpus }))
+}
+
+/// A flavor's fingerprint: its name and shape (its pool is its identity's, not a field).
+pub fn flavor_fingerprint(name: &str, vcpus: u32, memory_mib: u64, disk_gib: u64, gpus: u32) -> String {
+    canonical_sha256(&serde_json::json!({
+        "name": name, "vcpus": vcpus, "memoryMiB": memory_mib, "diskGiB": disk_gib, "gpus": gpus,
+    }))
+}
+
+/// An image's fingerprint: its name, where it is fetched from, its digest, format and size.
+pub fn image_fingerprint(
+    name: &str,
+    url: &str,
+    sha256: &str,
+    disk_format: crate::image::DiskFormat,
+    size_bytes: Option<u64>,
+) -> String {
+    canonical_sha256(&serde_json::json!({
+        "name": name, "url": url, "sha256": sha256, "diskFormat": disk_format, "sizeBytes": size_bytes,
+    }))
+}
+
+/// The live objects a drift check reads: the tenant's pools, quotas (by pool id), flavors and
+/// images.
+pub struct FleetObjectsLive<'a> {
+    pub pools: &'a [crate::PoolDoc],
+    pub quotas: &'a BTreeMap<String, crate::QuotaDoc>,
+    pub flavors: &'a [crate::FlavorDoc],
+    pub images: &'a [crate::ImageDoc],
+}
+
+/// The objects the applied document covers that changed outside it since: each one whose live
+/// fingerprint is not the one recorded at apply (`changed`), or that is gone (`deleted`, an
+/// archived pool too). Sorted; empty when nothing drifted. Pure.
+pub fn fleet_drift(applied: &FleetConfigDoc, live: &FleetObjectsLive<'_>) -> Vec<FleetDrift> {
+    let mut drift = Vec::new();
+    for (kind_key, recorded) in &applied.objects {
+        let Some((kind, key)) = kind_key.split_once('/') else { continue };
+        let id = recorded.id.as_str();
+        let now: Option<String> = match kind {
+            "pool" => live
+                .pools
+                .iter()
+                .find(|p| p.pool_id == id && !p.archived)
+                .map(|p| pool_fingerprint(&p.name, &p.description, &p.labels, p.max_reservation_s)),
+            "quota" => live.quotas.get(id).map(|q| quota_fingerprint(q.gpus)),
+            "flavor" => live
+                .flavors
+                .iter()
+                .find(|f| f.flavor_id == id)
+                .map(|f| flavor_fingerprint(&f.name, f.vcpus, f.memory_mib, f.disk_gib, f.gpus)),
+            "image" => live
+                .images
+                .iter()
+                .find(|i| i.image_id == id)
+                .map(|i| image_fingerprint(&i.name, &i.url, &i.sha256, i.disk_format, i.size_bytes)),
+            _ => continue,
+        };
+        let what = match now {
+            None => "deleted",
+            Some(now) if now != recorded.fingerprint => "changed",
+            Some(_) => continue,
+        };
+        drift.push(FleetDrift { kind: kind.to_owned(), key: key.to_owned(), id: id.to_owned(), what: what.to_owned() });
+    }
+    drift.sort();
+    drift
+}
+
+/// The `fleet.drifted` that records `drift`, or `None` when the document already records it.
+pub fn drift_change(applied: &FleetConfigDoc, drift: &[FleetDrift]) -> Option<FleetDrifted> {
+    let named: Vec<FleetDrift> = drift.iter().take(FLEET_DRIFT_NAMED_MAX).cloned().collect();
+    let count = drift.len() as u32;
+    (named != applied.drift || count != applied.drift_count).then_some(FleetDrifted { objects: named, count })
+}

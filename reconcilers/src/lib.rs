@@ -16,6 +16,7 @@
 pub mod batches;
 pub mod checkpoints;
 pub mod driver;
+pub mod fleet_drift;
 pub mod instances;
 pub mod liveness;
 pub mod metal;

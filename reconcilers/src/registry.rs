@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::driver::{self, Reconciler, Schedule};
 use crate::outbox::{self, RunnerConfig};
-use crate::{batches, checkpoints, instances, liveness, metal, reservations, rollouts, usage, webhooks, witnesses};
+use crate::{batches, checkpoints, fleet_drift, instances, liveness, metal, reservations, rollouts, usage, webhooks, witnesses};
 
 /// What the reconcilers are built from: one process's store, log, clock and settings.
 pub struct Inputs {
@@ -136,6 +136,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { name: witnesses::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_witnesses },
     Registration { name: usage::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_usage },
     Registration { name: batches::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_batches },
+    Registration { name: fleet_drift::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_fleet_drift },
 ];
 
 /// The names of [`REGISTRY`], in its order (`reconcile --only`'s possible values).
@@ -250,6 +251,11 @@ fn build_rollouts(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
 fn build_batches(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
     let reconciler = batches::reconciler(log(inputs, batches::NAME)?, inputs.clock.clone());
     Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(batches::TICK_MS_DEFAULT))))
+}
+
+fn build_fleet_drift(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let reconciler = fleet_drift::reconciler(log(inputs, fleet_drift::NAME)?, inputs.clock.clone());
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(fleet_drift::TICK_MS_DEFAULT))))
 }
 
 fn build_usage(inputs: &Inputs) -> bc_core::Result<Option<Task>> {

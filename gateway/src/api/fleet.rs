@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use bc_core::id::{FlavorId, ImageId, PoolId, TenantId};
-use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent, READ_ROWS_MAX};
+use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::events as ev;
 use bc_projections::fleet_config::{
@@ -463,28 +463,16 @@ fn check_key(prefix: &str, what: &str, key: &str) -> Result<()> {
     })
 }
 
-/// Every row of `kind` of the tenant, paged, at most [`FLEET_LIVE_OBJECTS_MAX`].
+/// Every row of `kind` of the tenant, at most [`FLEET_LIVE_OBJECTS_MAX`].
 async fn read_all<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
-    let tenant = tenant.to_string();
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let rows = call.state.store.row_list(&tenant, kind, after.as_deref(), READ_ROWS_MAX).await?;
-        let full = rows.len() == READ_ROWS_MAX as usize;
-        after = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            out.push(doc::<T>(row)?);
-        }
-        if out.len() > FLEET_LIVE_OBJECTS_MAX {
-            return Err(Error::state(
-                format!("the tenant has more than {FLEET_LIVE_OBJECTS_MAX} {kind} objects, more than one plan reads"),
-                "archive or delete what is no longer used",
-            ));
-        }
-        if !full {
-            return Ok(out);
-        }
+    let rows: Vec<T> = bc_projections::placement::all_rows(&*call.state.store, tenant, kind).await?;
+    if rows.len() > FLEET_LIVE_OBJECTS_MAX {
+        return Err(Error::state(
+            format!("the tenant has {} {kind} objects, more than the {FLEET_LIVE_OBJECTS_MAX} one plan reads", rows.len()),
+            "archive or delete what is no longer used",
+        ));
     }
+    Ok(rows)
 }
 
 /// The live fleet of `tenant`, as a plan reads it.

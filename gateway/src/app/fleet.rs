@@ -20,7 +20,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bc_projections::fleet_config::{FleetConfigDoc, FleetDrift, FleetObject};
+use bc_projections::fleet_config::{
+    FleetConfigDoc, FleetDrift, FleetObject, FleetObjectsLive, flavor_fingerprint, image_fingerprint, pool_fingerprint,
+    quota_fingerprint,
+};
+pub use bc_projections::fleet_config::{canonical_json, canonical_sha256};
 use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_POOL, KIND_QUOTA, PoolDoc, QuotaDoc};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -145,24 +149,6 @@ pub struct FleetPlan {
     pub plan_hash: String,
 }
 
-/// SHA-256 in lowercase hex of `value` in canonical JSON: keys sorted (serde_json's maps are
-/// ordered), no insignificant whitespace, integers only.
-pub fn canonical_sha256<T: Serialize>(value: &T) -> String {
-    hex::encode(Sha256::digest(canonical_json(value)))
-}
-
-/// `value` as canonical JSON bytes.
-pub fn canonical_json<T: Serialize>(value: &T) -> Vec<u8> {
-    // Through `Value`, whose maps are sorted by key, so struct fields come out sorted too.
-    let value = serde_json::to_value(value).expect("a plan's values are JSON");
-    serde_json::to_vec(&value).expect("a JSON value serializes")
-}
-
-/// The fingerprint the fleet records for a pool: what the document says of it.
-fn pool_fingerprint(p: &FleetPoolShape) -> String {
-    canonical_sha256(p)
-}
-
 /// A pool as the document holds it, every field stated: what its fingerprint covers.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -174,22 +160,9 @@ struct FleetPoolShape {
 }
 
 impl FleetPoolShape {
-    fn of(p: &PoolDoc) -> Self {
-        Self {
-            name: p.name.clone(),
-            description: p.description.clone(),
-            labels: p.labels.clone(),
-            max_reservation_s: p.max_reservation_s,
-        }
+    fn fingerprint(&self) -> String {
+        pool_fingerprint(&self.name, &self.description, &self.labels, self.max_reservation_s)
     }
-}
-
-fn quota_fingerprint(gpus: u32) -> String {
-    canonical_sha256(&json!({ "gpus": gpus }))
-}
-
-fn flavor_fingerprint(f: &FlavorShape) -> String {
-    canonical_sha256(f)
 }
 
 /// A flavor's fields but its pool: what must not change in place.
@@ -212,6 +185,9 @@ impl FlavorShape {
     fn of_fleet(f: &FleetFlavor) -> Self {
         Self { name: f.name.clone(), vcpus: f.vcpus, memory_mib: f.memory_mib, disk_gib: f.disk_gib, gpus: f.gpus }
     }
+    fn fingerprint(&self) -> String {
+        flavor_fingerprint(&self.name, self.vcpus, self.memory_mib, self.disk_gib, self.gpus)
+    }
 }
 
 fn image_of(i: &ImageDoc) -> FleetImage {
@@ -224,8 +200,8 @@ fn image_of(i: &ImageDoc) -> FleetImage {
     }
 }
 
-fn image_fingerprint(i: &FleetImage) -> String {
-    canonical_sha256(i)
+fn fleet_image_fingerprint(i: &FleetImage) -> String {
+    image_fingerprint(&i.name, &i.url, &i.sha256, i.disk_format.into(), i.size_bytes)
 }
 
 /// The id `key` names for objects whose ids start with `prefix`: the key itself when it is one
@@ -344,7 +320,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                         expects: Some(p.version),
                     });
                 }
-                plan.objects.push((OBJECT_POOL, key.clone(), Some(p.pool_id.clone()), pool_fingerprint(&after)));
+                plan.objects.push((OBJECT_POOL, key.clone(), Some(p.pool_id.clone()), after.fingerprint()));
                 pool_ids.insert(key, Some(p.pool_id.clone()));
             }
             (_, None) => {
@@ -362,7 +338,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                     fields: created_fields(&after),
                     expects: Some(0),
                 });
-                plan.objects.push((OBJECT_POOL, key.clone(), None, pool_fingerprint(&after)));
+                plan.objects.push((OBJECT_POOL, key.clone(), None, after.fingerprint()));
                 pool_ids.insert(key, None);
             }
         }
@@ -431,7 +407,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                         OBJECT_FLAVOR,
                         key.clone(),
                         Some(f.flavor_id.clone()),
-                        flavor_fingerprint(&FlavorShape::of_fleet(want)),
+                        FlavorShape::of_fleet(want).fingerprint(),
                     ));
                 }
             }
@@ -474,7 +450,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
         let mut fields = created_fields(&shape);
         fields.insert("pool".into(), field(Value::Null, json!(pool.clone().unwrap_or_else(|| want.pool.clone()))));
         plan.changes.push(Change { op: Op::Create, kind: OBJECT_FLAVOR, key: key.clone(), id: None, fields, expects: Some(0) });
-        plan.objects.push((OBJECT_FLAVOR, key.clone(), None, flavor_fingerprint(&shape)));
+        plan.objects.push((OBJECT_FLAVOR, key.clone(), None, shape.fingerprint()));
     }
     plan.changes.extend(flavor_deletes);
 
@@ -507,7 +483,9 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                 key: key.clone(),
                 reason: format!("{} cannot change in place: register the new bytes under a new key", i.image_id),
             }),
-            (_, Some(i)) => plan.objects.push((OBJECT_IMAGE, key.clone(), Some(i.image_id.clone()), image_fingerprint(want))),
+            (_, Some(i)) => {
+                plan.objects.push((OBJECT_IMAGE, key.clone(), Some(i.image_id.clone()), fleet_image_fingerprint(want)))
+            }
             (_, None) => image_creates.push((key, want)),
         }
     }
@@ -545,7 +523,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
             fields: created_fields(want),
             expects: Some(0),
         });
-        plan.objects.push((OBJECT_IMAGE, key.clone(), None, image_fingerprint(want)));
+        plan.objects.push((OBJECT_IMAGE, key.clone(), None, fleet_image_fingerprint(want)));
     }
     plan.changes.extend(image_deletes);
 
@@ -629,35 +607,12 @@ pub fn fleet_export(live: &FleetLive) -> FleetDocument {
     doc
 }
 
-/// The objects the last applied document covers that changed outside it since: each one's
-/// live fingerprint against the recorded one. Sorted; empty when nothing drifted.
+/// The objects the last applied document covers that changed outside it since
+/// ([`bc_projections::fleet_config::fleet_drift`]); empty when nothing was ever applied.
 pub fn fleet_drift(live: &FleetLive) -> Vec<FleetDrift> {
     let Some(applied) = &live.applied else { return Vec::new() };
-    let mut drift = Vec::new();
-    for (kind_key, recorded) in &applied.objects {
-        let Some((kind, key)) = kind_key.split_once('/') else { continue };
-        let now: Option<String> = match kind {
-            OBJECT_POOL => live
-                .pools
-                .iter()
-                .find(|p| p.pool_id == recorded.id && !p.archived)
-                .map(|p| pool_fingerprint(&FleetPoolShape::of(p))),
-            OBJECT_QUOTA => live.quotas.get(&recorded.id).map(|q| quota_fingerprint(q.gpus)),
-            OBJECT_FLAVOR => {
-                live.flavors.iter().find(|f| f.flavor_id == recorded.id).map(|f| flavor_fingerprint(&FlavorShape::of_doc(f)))
-            }
-            OBJECT_IMAGE => live.images.iter().find(|i| i.image_id == recorded.id).map(|i| image_fingerprint(&image_of(i))),
-            _ => continue,
-        };
-        let what = match now {
-            None => "deleted",
-            Some(now) if now != recorded.fingerprint => "changed",
-            Some(_) => continue,
-        };
-        drift.push(FleetDrift { kind: kind.to_owned(), key: key.to_owned(), id: recorded.id.clone(), what: what.to_owned() });
-    }
-    drift.sort();
-    drift
+    let objects = FleetObjectsLive { pools: &live.pools, quotas: &live.quotas, flavors: &live.flavors, images: &live.images };
+    bc_projections::fleet_config::fleet_drift(applied, &objects)
 }
 
 /// What `fleet.objects` records for a plan applied with `ids` for what it created (by key).
