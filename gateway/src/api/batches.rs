@@ -36,6 +36,9 @@ const CREATE: Access = Access::Action("compute:batches:create");
 const APPROVE: Access = Access::Action("compute:batches:approve");
 const ADMIN: Access = Access::Action("compute:approvers:admin");
 
+/// Chunks the approval that releases a batch issues itself, at most (2,000 commands): the rest
+/// are the `batches` reconciler's, so the call stays well inside the request timeout.
+pub const RELEASE_CHUNKS_INLINE_MAX: u64 = 10;
 /// Leaves one `commandBatches.show` page holds at most.
 pub const SCOPE_PAGE_MAX: u64 = 256;
 /// A scope page's size unless asked.
@@ -412,7 +415,7 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
     ));
     call.submit(call.request(tenant, stream, ExpectedVersion::Exact(batch.version), events)).await?;
     let history = approver_set_history(&*call.state.store).await?;
-    loop {
+    for _ in 0..RELEASE_CHUNKS_INLINE_MAX {
         let batch = batch_doc(call, tenant, &batch.batch_id).await?;
         let Some(chunk) = release_chunk(&batch, &history, call.now_ms())? else { return Ok(batch.into()) };
         let subjects: Vec<&str> = chunk.commands.iter().map(|(_, c)| c.node_id.as_str()).collect();
@@ -426,6 +429,7 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
             return Ok(batch_doc(call, tenant, &batch.batch_id).await?.into());
         }
     }
+    Ok(batch_doc(call, tenant, &batch.batch_id).await?.into())
 }
 
 async fn batches_cancel(call: &Call<'_>, input: BatchRef) -> Result<CommandBatchView> {
