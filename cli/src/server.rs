@@ -676,6 +676,21 @@ fn raise_open_file_limit(connections_max: usize) {
 /// `roles` says which parts run here (`crate::roles`); `sim_nodes` starts that many simulated
 /// agents in this process (`dev --sim N`, `crate::sim_agents`).
 #[allow(clippy::too_many_arguments)]
+/// On PostgreSQL, a warning at the start when the server acknowledges commits that no standby
+/// has yet (`doctor`'s `synchronous-commit` and `replication` checks, docs/high-availability.md):
+/// a failover would lose them. Nothing is refused: one server without standbys is a deployment
+/// this supports, and says so in `doctor`.
+async fn warn_unreplicated(db: &Database, store: &dyn EventStore) {
+    let Database::Postgres(_) = db else { return };
+    let Ok(facts) = store.server_facts().await else { return };
+    let pool = bc_core::store::postgres::POOL_CONNECTIONS_MAX as u64;
+    for check in crate::doctor::postgres_settings_check(&facts.settings, pool) {
+        if matches!(check.name, "synchronous-commit" | "replication") && check.status == bc_agent::doctor::Status::Warn {
+            tracing::warn!(check = check.name, fix = check.fix.as_deref().unwrap_or(""), "{}", check.message);
+        }
+    }
+}
+
 pub async fn run_server(
     db: Database,
     data_dir: &Path,
@@ -699,6 +714,7 @@ pub async fn run_server(
     raise_open_file_limit(limits.connections_max);
     create_private_dir(data_dir)?;
     let (store, key, log) = open_store_and_log(&db, data_dir, data_key_path, migrate_first).await?;
+    warn_unreplicated(&db, &*store).await;
     let token_path = data_dir.join(ADMIN_TOKEN_FILE);
     let created_token = bootstrap_admin(&log, &token_path).await?;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
