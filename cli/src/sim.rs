@@ -337,6 +337,7 @@ fn summary_text(value: &Value) -> String {
     ));
     lines.push(format!("cordons: {}", field("cordons")));
     lines.push(format!("rollouts: {} (agent updates and rollbacks: {})", field("rollouts"), field("agentUpdates")));
+    lines.push(format!("metal: {}", value["metal"]));
     lines.push(format!("faults enabled: {}; injected: {}", value["faultsEnabled"], value["faultsInjected"]));
     lines.push(format!("transport: {}", value["transport"]));
     lines.push(format!("invariant checks: {}", value["invariantChecks"]));

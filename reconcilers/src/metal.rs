@@ -247,8 +247,10 @@ impl Metal {
         }
     }
 
-    /// One machine's turn in a pass.
-    async fn machine(&self, doc: MetalDoc) -> Pass {
+    /// One machine's turn in a pass: decide, at most one BMC step, append. [`MetalTurns`] runs
+    /// each as a task of its own; the simulator runs them itself on its virtual clock, a turn
+    /// parked on a hanging BMC while the others go on (`simulator/src/run/metal.rs`).
+    pub async fn machine(&self, doc: MetalDoc) -> Pass {
         let now_ms = self.clock.now_ms();
         match decide::metal_plan(&doc, now_ms) {
             MetalPlan::Fail(reason) => self.fail(&doc, &reason).await,

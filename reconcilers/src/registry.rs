@@ -92,8 +92,8 @@ pub enum Task {
 /// How the simulator (`sim run`) runs a registered reconciler on its virtual clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Simulated {
-    /// Not at all: the simulated world has none of what it works on (instances, bare-metal
-    /// machines, a sealing interval, witnesses).
+    /// Not at all: the simulated world has none of what it works on (instances, a sealing
+    /// interval, witnesses).
     No,
     /// Activated at each of the simulator's reconciler steps, in the registry's order.
     /// `crashes`: the `reconciler-crash` fault cuts it; a step so cut activates only these, in
@@ -102,6 +102,11 @@ pub enum Simulated {
     /// The outbox consumer: the simulator steps its fan-out, claims and attempts itself, after
     /// the passes (its `run/webhooks.rs`), since its own loops run on the real clock.
     Consumer,
+    /// `metal`: the simulator runs each machine's turn itself (`metal::Metal::machine`, started
+    /// by the reconciler's `metal::Scheduler` at each of its reconciler steps) against
+    /// simulated BMCs on its virtual clock (its `run/metal.rs`), since `MetalTurns` runs turns
+    /// as tasks and a hanging BMC's timeout is on the real clock.
+    Turns,
 }
 
 /// One reconciler of [`REGISTRY`].
@@ -132,7 +137,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { name: rollouts::NAME, appends: true, duty: false, simulated: PASS, build: build_rollouts },
     Registration { name: liveness::NAME, appends: true, duty: false, simulated: PASS_CUT, build: build_liveness },
     Registration { name: instances::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_instances },
-    Registration { name: metal::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_metal },
+    Registration { name: metal::NAME, appends: true, duty: false, simulated: Simulated::Turns, build: build_metal },
     Registration { name: witnesses::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_witnesses },
     Registration { name: usage::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_usage },
     Registration { name: batches::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_batches },

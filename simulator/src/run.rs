@@ -59,10 +59,12 @@ use bc_projections::{
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+mod metal;
 mod net;
 mod rollouts;
 mod webhooks;
 
+pub use metal::MetalCounts;
 pub use webhooks::WebhookCounts;
 
 pub use net::NetCounts;
@@ -198,6 +200,15 @@ pub enum Fault {
     /// and confirms, exits at start or hangs (its watchdog rolls it back), or drops off after
     /// confirming (`run/rollouts.rs`).
     Rollouts,
+    /// A bare-metal machine's BMC hangs for 10 s to 3 minutes: every call answers only at its
+    /// timeout (`bc_bmc::REQUEST_TIMEOUT_S` of simulated time), with `Timeout` (`run/metal.rs`).
+    BmcHangs,
+    /// A BMC accepts power changes and applies none for 30 s to 5 minutes: the power wait's
+    /// deadline fails the workflow.
+    PowerNeverApplies,
+    /// A machine's next deploy installs a system whose agent never joins: the deploy fails at
+    /// its deadline and its join token is revoked.
+    DeployNeverJoins,
 }
 
 impl Fault {
@@ -221,7 +232,15 @@ impl Fault {
         Fault::Partition,
         Fault::FailingReceivers,
         Fault::Rollouts,
+        Fault::BmcHangs,
+        Fault::PowerNeverApplies,
+        Fault::DeployNeverJoins,
     ];
+
+    /// Bare metal's: enabled from, and injected on, the metal stream of the seed (`run/metal.rs`).
+    pub fn is_metal(self) -> bool {
+        matches!(self, Fault::BmcHangs | Fault::PowerNeverApplies | Fault::DeployNeverJoins)
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -244,6 +263,9 @@ impl Fault {
             Fault::Partition => "partition",
             Fault::FailingReceivers => "failing-receivers",
             Fault::Rollouts => "rollouts",
+            Fault::BmcHangs => "bmc-hangs",
+            Fault::PowerNeverApplies => "power-never-applies",
+            Fault::DeployNeverJoins => "deploy-never-joins",
         }
     }
 
@@ -285,10 +307,16 @@ pub enum Break {
     /// One session's proof reaches the gateway with a flipped bit: a refusal no fault explains
     /// (the sessions' check).
     BadProof,
+    /// The `metal` reconciler is handed every machine with its running workflow's deadline a
+    /// day later than the log's (as a reconciler that read the wrong deadline would), and every
+    /// deploy's system never joins: a deploy waits past its bound, which the metal check derives
+    /// from the lifecycle table, not from the row (`run/metal.rs`).
+    MetalDeadlineIgnored,
 }
 
 impl Break {
-    pub const ALL: &[Break] = &[Break::WrongFold, Break::RolloutAllAtOnce, Break::LeakedHold, Break::BadProof];
+    pub const ALL: &[Break] =
+        &[Break::WrongFold, Break::RolloutAllAtOnce, Break::LeakedHold, Break::BadProof, Break::MetalDeadlineIgnored];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -296,6 +324,7 @@ impl Break {
             Break::RolloutAllAtOnce => "rollout-all-at-once",
             Break::LeakedHold => "leaked-hold",
             Break::BadProof => "bad-proof",
+            Break::MetalDeadlineIgnored => "metal-deadline-ignored",
         }
     }
 
@@ -455,6 +484,8 @@ pub struct Outcome {
     pub nodes_left: u64,
     /// Of those, deleted once nothing held them (`node.deleted`).
     pub nodes_deleted: u64,
+    /// Bare metal: machines, verbs, workflows, BMC calls (`run/metal.rs`).
+    pub metal: MetalCounts,
 }
 
 #[derive(Clone, Debug)]
@@ -519,6 +550,7 @@ impl Outcome {
                 "attempts": self.webhooks.attempts,
                 "received": self.webhooks.received,
             },
+            "metal": self.metal.to_json(),
             "livenessSettledMs": self.liveness_ms,
             "livenessBoundMs": self.liveness_bound_ms,
             "heads": self.heads.iter().map(|(t, seq, hash)| json!({"tenantId": t, "seq": seq, "hash": hash})).collect::<Vec<_>>(),
@@ -566,6 +598,12 @@ enum Task {
     GatewayIdle(usize, u64),
     /// Node `a`, gone, is deleted by its operator once nothing holds it.
     NodeDelete(usize),
+    /// An operator's next verb on bare-metal machine `m`; a metal fault; machine `m`'s hanging
+    /// BMC call times out; machine `m`'s installed system joins (`run/metal.rs`).
+    MetalAction(usize),
+    MetalFault,
+    BmcAnswer(usize),
+    MetalInstalled(usize),
 }
 
 /// The simulator's own state beside the world: the schedule and what each fault has pending.
@@ -625,6 +663,8 @@ struct Sim {
     proof_broken: bool,
     /// A broken invariant found deep in a step (a modelled updater's check), reported at its end.
     found: Option<Violation>,
+    /// Bare metal: the machines, their simulated BMCs and the real `metal` reconciler.
+    metal: Option<metal::SimMetal>,
 }
 
 /// An exponential draw with mean `mean_ms` (at least 1 ms).
@@ -647,7 +687,7 @@ pub async fn run(options: Options) -> Outcome {
     };
     world.journal_dedupe = !options.unsafe_no_journal_dedupe;
     let mut enabled = BTreeMap::new();
-    for fault in &options.faults {
+    for fault in options.faults.iter().filter(|f| !f.is_metal()) {
         let forced = (options.unsafe_no_placement_guard && *fault == Fault::StaleView)
             || (options.unsafe_no_journal_dedupe && *fault == Fault::DuplicateMessages);
         if chance(&mut rng, FAULT_ENABLED_P) || forced {
@@ -671,6 +711,7 @@ pub async fn run(options: Options) -> Outcome {
         down_since: BTreeMap::new(),
         proof_broken: false,
         found: None,
+        metal: None,
         join_rng: SeededRng(options.seed ^ JOIN_STREAM),
         departed: BTreeSet::new(),
         releases: 0,
@@ -712,6 +753,9 @@ pub async fn run(options: Options) -> Outcome {
     }
     sim.out.simulated_ms = sim.world.now_ms().saturating_sub(crate::world::EPOCH_MS);
     sim.out.net = sim.net_counts.clone();
+    if let Some(metal) = sim.metal.as_ref() {
+        sim.out.metal = metal.counts.clone();
+    }
     sim.finish().await;
     sim.out.timeline = sim.timeline.take();
     sim.out
@@ -795,6 +839,7 @@ impl Sim {
         self.after(first, Task::Join);
         let first = exponential_ms(&mut self.join_rng, NODE_LEAVE_MEAN_MS as f64);
         self.after(first, Task::Leave);
+        self.metal_start().await;
     }
 
     /// The liveness phase, from `end_ms`: faults and the workload stop, every agent comes back,
@@ -836,8 +881,11 @@ impl Sim {
         let started = self.world.now_ms();
         // The reservations still running end on their own time, each end a release in flight,
         // so the fleet cannot be quiet before the last of them ended: the bound runs from then.
+        // A bare-metal workflow running now ends by its own bound (a deploy whose system never
+        // joins, at its deadline): the run's bound is the later of the two.
         let running_ms = self.last_running_end_ms().await.saturating_sub(started);
-        let bound_ms = running_ms + LIVENESS_BOUND_MS;
+        let metal_ms = self.metal_heal().await;
+        let bound_ms = (running_ms + LIVENESS_BOUND_MS).max(metal_ms);
         self.out.liveness_bound_ms = bound_ms;
         // Why it was not settled at the last pass (what a failure reports: between passes the
         // fan-out or a journal may trail what that very step appended).
@@ -867,6 +915,9 @@ impl Sim {
             // The histories of what an agent and the control plane still disagree on, read once.
             if let Err(now) = self.world.settled().await {
                 why.push_str(&format!("; at the end, {now}"));
+            }
+            if metal_ms > 0 {
+                why.push_str(&format!("; the bare-metal workflows running then were bound to end within {metal_ms} ms"));
             }
             return Err(Violation(format!(
                 "not settled {bound_ms} ms after the faults stopped (the last reservation running then ended after \
@@ -918,6 +969,9 @@ impl Sim {
             return Some(v.0);
         }
         if let Some(why) = self.webhooks.unsettled(&self.world).await {
+            return Some(why);
+        }
+        if let Some(why) = self.metal_unsettled().await {
             return Some(why);
         }
         let undelivered: Vec<&str> = (self.net.links.iter().enumerate())
@@ -982,6 +1036,11 @@ impl Sim {
             | Task::GatewayIdle(a, _)
             | Task::NodeDelete(a) => Some(self.world.agents[*a].tenant),
             Task::Reconcile | Task::FaultTick | Task::Join | Task::Leave => None,
+            Task::MetalAction(m) | Task::BmcAnswer(m) | Task::MetalInstalled(m) => {
+                Some(self.metal.as_ref().map_or(0, |metal| metal.machines[*m].tenant))
+            }
+            // It appends nothing (a quiet step).
+            Task::MetalFault => Some(0),
             Task::LeaveCheck(a) => Some(self.world.agents[*a].tenant),
         }
     }
@@ -1050,6 +1109,10 @@ impl Sim {
                     self.after(STALE_VIEW_REFRESH_MS, Task::StaleViewRefresh(t));
                 }
             }
+            Task::MetalAction(m) => self.metal_action(m).await?,
+            Task::MetalFault => self.metal_fault(),
+            Task::BmcAnswer(m) => self.metal_answer(m).await?,
+            Task::MetalInstalled(m) => self.metal_installed(m).await?,
             node_task => self.run_node_task(node_task).await?,
         }
         Ok(())
@@ -1070,6 +1133,8 @@ impl Sim {
             None => self.out.unreachable += self.world.pass().await,
         }
         self.rollouts_check().await?;
+        // The `metal` reconciler's activation: a turn for each machine its scheduler starts.
+        self.metal_pass().await?;
         self.after(RECONCILE_EVERY_MS, Task::Reconcile);
         // (What the pass issued is routed after the step, as after every step.)
         // The webhooks consumer's round: fan out what the pass appended, deliver what is due.
@@ -1518,7 +1583,7 @@ impl Sim {
         let kinds: Vec<(Fault, f64)> = self
             .enabled
             .iter()
-            .filter(|(f, _)| !matches!(f, Fault::StaleView | Fault::ClockSkew))
+            .filter(|(f, _)| !matches!(f, Fault::StaleView | Fault::ClockSkew) && !f.is_metal())
             .map(|(f, p)| (*f, *p))
             .collect();
         let total: f64 = kinds.iter().map(|(_, p)| p).sum();
@@ -1565,6 +1630,9 @@ impl Sim {
             Fault::ReconcilerCrash => self.pass_crash_next = Some(between(&mut self.rng, 0, PASS_CRASH_APPENDS_MAX)),
             Fault::GatewayRestart => {
                 self.world.restart_gateway().await;
+                if let Some(metal) = self.metal.as_mut() {
+                    metal.restart(&self.world);
+                }
                 // The old process's sessions, its unwritten lease renewals and its command
                 // router go with it.
                 self.net.leases = Default::default();
@@ -1596,7 +1664,7 @@ impl Sim {
                 self.webhooks.fail(a, until, refusing);
             }
             Fault::Rollouts => self.rollout_fault(a).await,
-            Fault::ClockSkew | Fault::StaleView => {}
+            Fault::ClockSkew | Fault::StaleView | Fault::BmcHangs | Fault::PowerNeverApplies | Fault::DeployNeverJoins => {}
         }
     }
 
@@ -1615,6 +1683,7 @@ impl Sim {
         self.out.acknowledged_checked = acknowledged;
         self.webhooks.check(&self.world, &self.fold.logged, self.ending).await?;
         self.out.webhooks = self.webhooks.counts.clone();
+        self.metal_rows_check().await?;
         Ok(())
     }
 
@@ -1927,6 +1996,35 @@ mod tests {
         assert!(hooks.delivered > 0 && hooks.attempts > hooks.matched, "failures were retried: {hooks:?}");
         let b = run(options).await;
         assert_eq!((a.digest.as_str(), &a.heads, &a.webhooks), (b.digest.as_str(), &b.heads, &b.webhooks));
+    }
+
+    #[tokio::test]
+    async fn hanging_bmcs_power_never_applied_and_systems_that_never_join_keep_the_metal_invariants_and_the_digest() {
+        // The first seed from 81 that enables and injects all three; every run on the way must
+        // hold too.
+        let faults = vec![Fault::BmcHangs, Fault::PowerNeverApplies, Fault::DeployNeverJoins];
+        let mut found = None;
+        for seed in 81..101 {
+            println!("seed {seed}");
+            let options = Options { faults: faults.clone(), nodes: 30, tenants: 2, ..options(seed) };
+            let a = run(options.clone()).await;
+            assert!(a.violation.is_none(), "seed {seed}: {:?}", a.violation);
+            if faults.iter().all(|f| a.faults_injected.get(f.name()).is_some_and(|n| *n > 0)) {
+                found = Some((options, a));
+                break;
+            }
+        }
+        let (options, a) = found.expect("a seed injects all three");
+        println!("{}", a.to_json(&options));
+        let metal = &a.metal;
+        assert_eq!(metal.machines, 2, "one machine for every {} nodes", metal::NODES_PER_MACHINE);
+        assert!(metal.bmc_hangs > 0, "a call hung until its timeout: {metal:?}");
+        assert!(metal.verbs.get("deploy").is_some_and(|n| *n > 0), "{metal:?}");
+        assert!(metal.workflows.get("succeeded").is_some_and(|n| *n > 0), "{metal:?}");
+        assert!(metal.workflows.get("failed").is_some_and(|n| *n > 0), "a fault failed a workflow: {metal:?}");
+        assert!(a.liveness_ms.is_some() && a.full_checks > 1);
+        let b = run(options).await;
+        assert_eq!((a.digest.as_str(), &a.heads, &a.metal), (b.digest.as_str(), &b.heads, &b.metal));
     }
 
     #[tokio::test]

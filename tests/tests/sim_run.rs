@@ -5,7 +5,8 @@
 //! message, not the fold's refusal) and prints the command that repeats it, which does; each
 //! `--unsafe-break` is found by the one check it is there for (a wrong fold by the oracle, a
 //! rollout past its `maxUnavailable` by the modelled updaters, a leaked hold by the liveness
-//! bound, a bad proof by the sessions' check); likewise the duplicate journal entry another
+//! bound, a bad proof by the sessions' check, a bare-metal deploy past its bound by the metal
+//! check at its step); likewise the duplicate journal entry another
 //! switch lets in (entries appended without their idempotency key while acknowledgements get
 //! lost, the node's journal head rewound behind the fold's back), found by the journal check;
 //! 64 seeds with every fault hold their invariants and settle (`make sim SEEDS=N` runs more); and so
@@ -135,7 +136,7 @@ fn first_broken_seed(extra: &[&str]) -> Option<(String, String)> {
 
 /// Runs `--unsafe-break NAME` on seeds 1 to `UNSAFE_SEEDS_MAX` until one fails; asserts it fails
 /// with `says` (each of them) and that its printed command repeats the same failure.
-fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) {
+fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) -> String {
     let mut args = extra.to_vec();
     args.extend_from_slice(&["--unsafe-break", name]);
     let found = first_broken_seed(&args);
@@ -147,6 +148,7 @@ fn a_break_is_found(name: &str, extra: &[&str], says: &[&str]) {
     let args: Vec<&str> = hint.split_whitespace().collect();
     assert!(args.windows(2).any(|w| w == ["--unsafe-break", name]) && args.contains(&seed.as_str()), "{hint}");
     it_repeats(&args, &err);
+    seed
 }
 
 /// A fold wrong on the write path and in the full checks' fold alike (some `node.freed` leave
@@ -195,6 +197,30 @@ fn a_leaked_hold_is_found_by_the_liveness_bound() {
 #[test]
 fn a_session_refusal_no_fault_explains_is_found() {
     a_break_is_found("bad-proof", &["--faults", "none"], &["the gateway's session of node_", "refused: "]);
+}
+
+/// A bare-metal workflow past its bound: the `metal` reconciler is handed each machine with its
+/// running workflow's deadline a day later than the log's, and every deploy's system never
+/// joins. The metal check derives each workflow's bound from the lifecycle table (the state's
+/// deadline from the workflow's start), not from the row, and finds the deploy still waiting
+/// past it at the step it names; the printed command repeats it, and the same seed without the
+/// switch holds and settles, its machine deployed at least once. (The liveness phase's bound,
+/// also from the table, would find the deploy later; the step check finds it first.)
+#[test]
+fn a_metal_deploy_past_its_bound_is_found_by_the_metal_check_at_its_step() {
+    let seed = a_break_is_found(
+        "metal-deadline-ignored",
+        &["--faults", "none"],
+        &["metal: the deploy workflow wf_", "(deploy-wait, at step wait-agent)", "past its bound of 1870000 ms", ", step "],
+    );
+    let mut args = small_sim_run(&seed);
+    args.extend_from_slice(&["--faults", "none", "--json"]);
+    let (status, out, err) = sim(&args);
+    assert_eq!(status, 0, "seed {seed} without the switch:\n{out}\n{err}");
+    let value = json(&out);
+    assert_eq!(value["ok"], true, "{value}");
+    assert!(value["metal"]["verbs"]["deploy"].as_u64().unwrap_or(0) >= 1, "a deploy ran: {value}");
+    assert!(value["livenessSettledMs"].as_u64().is_some(), "{value}");
 }
 
 #[test]

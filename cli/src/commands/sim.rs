@@ -12,10 +12,11 @@ use super::Context;
 #[derive(Subcommand)]
 pub enum SimCommand {
     /// One seeded, deterministic run of the real log, decisions, reservations reconciler and
-    /// agents' runners on a virtual clock, with a workload and faults, checking the invariants
-    /// after every step and a liveness phase at the end; prints a summary, the chain heads and
-    /// one digest (the same seed gives the same digest). A broken invariant prints the seed and
-    /// the command that repeats the run, and exits 1.
+    /// agents' runners, and of the metal reconciler against simulated BMCs, on a virtual clock,
+    /// with a workload and faults, checking the invariants after every step and a liveness
+    /// phase at the end; prints a summary, the chain heads and one digest (the same seed gives
+    /// the same digest). A broken invariant prints the seed and the command that repeats the
+    /// run, and exits 1.
     Run {
         #[arg(long)]
         seed: u64,
@@ -32,7 +33,8 @@ pub enum SimCommand {
         /// (failed-holds, unanswered-holds, refused-releases, agents-away, clock-skew,
         /// agent-crash, duplicate-commands, stale-view, lost-acks, reconciler-crash,
         /// gateway-restart, failing-commits, drop-messages, delay-messages,
-        /// duplicate-messages, reorder-messages, partition, failing-receivers).
+        /// duplicate-messages, reorder-messages, partition, failing-receivers, rollouts, and bare
+        /// metal's bmc-hangs, power-never-applies, deploy-never-joins).
         #[arg(long, default_value = "all")]
         faults: String,
         /// Print the summary as JSON.
@@ -59,8 +61,8 @@ pub enum SimCommand {
         #[arg(long, hide = true)]
         unsafe_no_journal_dedupe: bool,
         /// TEST ONLY: breaks one thing behind the back of the code that would refuse it
-        /// (wrong-fold, rollout-all-at-once, leaked-hold, bad-proof), to show that the
-        /// simulator's own checks find it. Never a way to run anything.
+        /// (wrong-fold, rollout-all-at-once, leaked-hold, bad-proof, metal-deadline-ignored), to
+        /// show that the simulator's own checks find it. Never a way to run anything.
         #[arg(long, hide = true, value_name = "NAME")]
         unsafe_break: Option<String>,
     },
