@@ -203,6 +203,7 @@ bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench agents
 	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
 	$(CARGO) bench -p bc-cli --bench fleet
+	$(CARGO) bench -p bc-cli --bench fleet_config
 	$(CARGO) bench -p bc-cli --bench sim
 	$(CARGO) bench -p bc-cli --bench tunnels
 	$(CARGO) bench -p bc-cli --bench usage
