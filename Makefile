@@ -188,6 +188,8 @@ bench-deps:
 ## The sim bench prints `sim run`'s simulated node-hours per wall-clock second at 1,000 nodes
 ## beside the goal (100× real time), and replay's events per second beside the raw append rate
 ## (BC_BENCH_SIM_NODES, BC_BENCH_SIM_TENANTS, BC_BENCH_SIM_HOURS).
+## The batches bench runs that `bcd` too (`bcd sim`, 100 agents): a batch of 10,000 pings created,
+## reviewed, approved and released against the same commands issued one by one (BC_BENCH_LEAVES).
 ## The usage bench closes windows over 1,000,000 reservation events in memory beside the raw append
 ## rate, then times `usage export` (rows/s, peak RSS by /usr/bin/time -v) against a release `dev`.
 bench: check-postgres bench-deps
@@ -203,6 +205,7 @@ bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench agents
 	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
 	$(CARGO) bench -p bc-cli --bench fleet
+	$(CARGO) bench -p bc-cli --bench batches
 	$(CARGO) bench -p bc-cli --bench fleet_config
 	$(CARGO) bench -p bc-cli --bench sim
 	$(CARGO) bench -p bc-cli --bench tunnels
