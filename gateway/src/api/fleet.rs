@@ -27,7 +27,7 @@ use super::call::doc;
 use super::flavors::{
     FLAVOR_DISK_GIB_MAX, FLAVOR_GPUS_MAX, FLAVOR_MEMORY_MIB_MAX, FLAVOR_VCPUS_MAX, FlavorShape as ApiFlavorShape,
 };
-use super::flavors::{FLAVORS_PER_POOL_MAX, FLAVORS_PER_TENANT_MAX, validate_flavor_shape};
+use super::flavors::{FLAVORS_PER_TENANT_MAX, validate_flavor_shape};
 use super::images::{IMAGE_SIZE_BYTES_MAX, IMAGES_PER_TENANT_MAX, ImageUrl, Sha256Hex, validate_image_url, validate_sha256};
 use super::pools::{MAX_RESERVATION_S_LIMIT, MAX_RESERVATION_S_MIN};
 use super::validate::{
@@ -408,21 +408,12 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
             )));
         }
     }
-    let mut per_pool: BTreeMap<&str, usize> = BTreeMap::new();
     for (key, f) in &d.flavors {
         check_key(FlavorId::PREFIX, "flavors", key)?;
         check_key(PoolId::PREFIX, &format!("flavors.{key}.pool"), &f.pool)?;
         validate_name("name", &f.name).map_err(|e| at("flavors", key, e))?;
         let shape = ApiFlavorShape { vcpus: f.vcpus, memory_mib: f.memory_mib, disk_gib: f.disk_gib, gpus: f.gpus };
         validate_flavor_shape(shape).map_err(|e| at("flavors", key, e))?;
-        let n = per_pool.entry(f.pool.as_str()).or_default();
-        *n += 1;
-        if *n > FLAVORS_PER_POOL_MAX {
-            return Err(Error::invalid(format!(
-                "document.flavors: pool {:?} has at most {FLAVORS_PER_POOL_MAX} flavors",
-                f.pool
-            )));
-        }
     }
     for (key, i) in &d.images {
         check_key(ImageId::PREFIX, "images", key)?;

@@ -30,7 +30,9 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
+use crate::api::flavors::{FLAVORS_PER_POOL_MAX, FLAVORS_PER_TENANT_MAX};
 use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool};
+use crate::api::images::IMAGES_PER_TENANT_MAX;
 
 /// `fleet/default`'s kind name for the document's object kinds.
 pub const OBJECT_POOL: &str = "pool";
@@ -445,6 +447,35 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
             }
         }
     }
+    // The bounds `flavors.create` enforces, over what the tenant holds once the plan is made.
+    let mut per_pool: BTreeMap<String, usize> = BTreeMap::new();
+    let deleted: BTreeSet<&str> = flavor_deletes.iter().filter_map(|c| c.id.as_deref()).collect();
+    let kept = live.flavors.iter().filter(|f| !deleted.contains(f.flavor_id.as_str()));
+    let mut tenant_flavors = 0usize;
+    for f in kept {
+        tenant_flavors += 1;
+        if live_pool_ids.contains(f.pool_id.as_str()) {
+            *per_pool.entry(f.pool_id.clone()).or_default() += 1;
+        }
+    }
+    for (_, want, pool) in &flavor_creates {
+        tenant_flavors += 1;
+        *per_pool.entry(pool.clone().unwrap_or_else(|| format!("new pool {}", want.pool))).or_default() += 1;
+    }
+    for (pool, n) in per_pool.iter().filter(|(_, n)| **n > FLAVORS_PER_POOL_MAX) {
+        plan.blocked.push(Blocked {
+            kind: OBJECT_FLAVOR,
+            key: pool.clone(),
+            reason: format!("pool {pool} would hold {n} flavors, more than the {FLAVORS_PER_POOL_MAX} a pool offers"),
+        });
+    }
+    if tenant_flavors > FLAVORS_PER_TENANT_MAX as usize {
+        plan.blocked.push(Blocked {
+            kind: OBJECT_FLAVOR,
+            key: "*".into(),
+            reason: format!("the tenant would hold {tenant_flavors} flavors, more than {FLAVORS_PER_TENANT_MAX}"),
+        });
+    }
     for (key, want, pool) in flavor_creates {
         let shape = FlavorShape::of_fleet(want);
         let mut fields = created_fields(&shape);
@@ -513,6 +544,14 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                 });
             }
         }
+    }
+    let tenant_images = live.images.len() - image_deletes.len() + image_creates.len();
+    if tenant_images > IMAGES_PER_TENANT_MAX as usize {
+        plan.blocked.push(Blocked {
+            kind: OBJECT_IMAGE,
+            key: "*".into(),
+            reason: format!("the tenant would hold {tenant_images} images, more than {IMAGES_PER_TENANT_MAX}"),
+        });
     }
     for (key, want) in image_creates {
         plan.changes.push(Change {
@@ -696,6 +735,27 @@ mod tests {
         assert_eq!(plan.unmanaged.len(), 1);
         let pruned = fleet_plan(&live, &doc, true);
         assert_eq!(pruned.changes.last().map(|c| (c.op, c.key.as_str())), Some((Op::Delete, "pool_01hzz0000000000000000000p2")));
+    }
+
+    /// The bounds the objects' own creates enforce hold for a plan too: a pool's 65th flavor is
+    /// BLOCKED, the 64th is not.
+    #[test]
+    fn a_plan_past_a_pools_flavors_is_blocked() {
+        let live = FleetLive { pools: vec![pool(P1, "a", 1)], ..Default::default() };
+        let mut doc = fleet_export(&live);
+        for n in 0..FLAVORS_PER_POOL_MAX {
+            let name = format!("f{n}");
+            doc.flavors
+                .insert(name.clone(), FleetFlavor { pool: P1.into(), name, vcpus: 1, memory_mib: 1024, disk_gib: 10, gpus: 0 });
+        }
+        assert!(fleet_plan(&live, &doc, false).blocked.is_empty());
+        doc.flavors.insert(
+            "one-more".into(),
+            FleetFlavor { pool: P1.into(), name: "one-more".into(), vcpus: 1, memory_mib: 1024, disk_gib: 10, gpus: 0 },
+        );
+        let plan = fleet_plan(&live, &doc, false);
+        assert_eq!(plan.blocked.len(), 1, "{:?}", plan.blocked);
+        assert!(plan.blocked[0].reason.contains("65 flavors"), "{:?}", plan.blocked);
     }
 
     /// What cannot be made in place is BLOCKED: a dangling pool name, an id that names nothing,
