@@ -672,10 +672,6 @@ fn raise_open_file_limit(connections_max: usize) {
     }
 }
 
-/// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
-/// `roles` says which parts run here (`crate::roles`); `sim_nodes` starts that many simulated
-/// agents in this process (`dev --sim N`, `crate::sim_agents`).
-#[allow(clippy::too_many_arguments)]
 /// On PostgreSQL, a warning at the start when the server acknowledges commits that no standby
 /// has yet (`doctor`'s `synchronous-commit` and `replication` checks, docs/high-availability.md):
 /// a failover would lose them. Nothing is refused: one server without standbys is a deployment
@@ -691,6 +687,18 @@ async fn warn_unreplicated(db: &Database, store: &dyn EventStore) {
     }
 }
 
+/// What the deployment demands of work that changes nodes: the keys agent releases must be
+/// signed by (`--release-key`), and whether fleet-wide destructive calls need the approvers'
+/// quorum (`--approvers`, docs/batches.md).
+pub struct Safeguards {
+    pub release_keys: Vec<bc_core::release::ReleasePublicKey>,
+    pub batch_quorum: bool,
+}
+
+/// `dev` and `serve`: open, (for dev) migrate, bootstrap, listen, serve until Ctrl-C/SIGTERM.
+/// `roles` says which parts run here (`crate::roles`); `sim_nodes` starts that many simulated
+/// agents in this process (`dev --sim N`, `crate::sim_agents`).
+#[allow(clippy::too_many_arguments)]
 pub async fn run_server(
     db: Database,
     data_dir: &Path,
@@ -704,9 +712,9 @@ pub async fn run_server(
     (roles, sim_nodes): (&crate::roles::Roles, Option<u32>),
     limits: bc_gateway::ServeLimits,
     agents: &AgentsOptions,
-    release_keys: Vec<bc_core::release::ReleasePublicKey>,
-    batch_quorum: bool,
+    safeguards: Safeguards,
 ) -> Result<(), CliError> {
+    let Safeguards { release_keys, batch_quorum } = safeguards;
     if sim_nodes.is_some() && !roles.agents {
         return Err(CliError::usage("--sim needs the agents role: the simulated agents connect to this process"));
     }

@@ -487,8 +487,7 @@ async fn run_server(
         (&roles, shape.sim_nodes),
         args.serve_limits()?,
         &agents,
-        release_keys,
-        args.approvers,
+        server::Safeguards { release_keys, batch_quorum: args.approvers },
     )
     .await
 }
