@@ -19,12 +19,14 @@
 //! the sizes.
 
 use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use agents::{Killed, bcd, start_gateway};
 use serde_json::{Value, json};
 
+#[path = "support/agents.rs"]
+mod agents;
 #[path = "support/banner.rs"]
 mod banner;
 
@@ -34,28 +36,6 @@ const CONCURRENCY_DEFAULT: usize = 8;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// The release `bcd` of a fakehw build beside the bench's `better-compute`.
-fn bcd() -> PathBuf {
-    let path = Path::new(env!("CARGO_BIN_EXE_better-compute")).with_file_name("bcd");
-    let fake = Command::new(&path).args(["hardware", "--fake-hw", "1"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
-    assert!(
-        fake.is_ok_and(|s| s.success()),
-        "{} is not a fakehw build\nhint: cargo build --release -p bc-agent --features fakehw --bin bcd (make bench does)",
-        path.display()
-    );
-    path
-}
-
-/// A child a panic of the bench does not leave running.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn call(http: &reqwest::Client, url: &str, token: &str, method: &str, body: Value) -> (u16, Value) {
@@ -112,17 +92,7 @@ fn main() {
         let dir = tempfile::tempdir().unwrap();
         let agents_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let data = dir.path().join("gateway");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_better-compute"))
-            .args(["dev", "--data-dir", &data.display().to_string(), "--listen", "127.0.0.1:0"])
-            .args(["--agents-listen", &format!("127.0.0.1:{agents_port}")])
-            .args(["--agents-connections-per-peer-max", "65536"])
-            .args(["--rate-per-key", "0", "--rate-per-tenant", "0"])
-            .env("BETTER_COMPUTE_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let (url, serving_pin, log_pin) = banner::read(child.stdout.take().unwrap());
+        let (child, url, serving_pin, log_pin) = start_gateway(&data, agents_port);
         let _gateway = Killed(child);
         let token = std::fs::read_to_string(data.join("admin.token")).unwrap().trim().to_owned();
         let http = reqwest::Client::new();
