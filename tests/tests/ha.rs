@@ -12,8 +12,9 @@
 //! three runs lost 21, 8 and 0 acknowledged writes), and must lose an acknowledged write in the
 //! same check.
 //!
-//! Both are `#[ignore]`d: they take minutes and bring up a cluster, so `make test-ha` runs them
-//! (one at a time), not `make test`. Patroni's timings come from `BC_HA_TTL`, `BC_HA_LOOP_WAIT`
+//! Both take minutes and bring up a cluster, so `make test-ha` runs them (one at a time), not
+//! `make test`: `.config/nextest.toml`'s default filter leaves `ha::` out of a plain run, and
+//! `make test-ha` runs them with `--ignore-default-filter`. Patroni's timings come from `BC_HA_TTL`, `BC_HA_LOOP_WAIT`
 //! and `BC_HA_RETRY_TIMEOUT` (default 10, 2 and 4 s: tuned; Patroni's defaults are 30, 10, 10).
 
 use std::collections::{HashMap, HashSet};
@@ -481,7 +482,6 @@ fn report(name: &str, o: &Outcome) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "brings up etcd, three Patroni members, two gateways and HAProxy for minutes: make test-ha"]
 async fn acknowledged_writes_survive_three_primary_kills() {
     let o = run("on", 25400, false).await;
     report("synchronous_commit = on", &o);
@@ -496,7 +496,6 @@ async fn acknowledged_writes_survive_three_primary_kills() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "brings up etcd, three Patroni members, two gateways and HAProxy for minutes: make test-ha"]
 async fn asynchronous_commit_loses_acknowledged_writes_in_the_same_check() {
     let o = run("local", 25600, true).await;
     report("synchronous_commit = local (negative control)", &o);
