@@ -23,6 +23,17 @@ fn ok(server: &Server, args: &[&str]) -> Value {
     json(&out)
 }
 
+/// `batch publish-approvers` of the epoch-1 set: `publics` (the approvers' `.pub` files) under
+/// `quorum`, in the trust domain `compute.test`; the published set.
+fn publish_epoch_1(server: &Server, quorum: u32, publics: &[String]) -> Value {
+    let quorum = quorum.to_string();
+    let mut args = vec!["batch", "publish-approvers", "--epoch", "1", "--quorum", &quorum, "--trust-domain", "compute.test"];
+    for public in publics {
+        args.extend(["--approver", public.as_str()]);
+    }
+    ok(server, &args)
+}
+
 /// Runs the CLI expecting a refusal with `code` (exit 1) on stderr.
 fn refused(server: &Server, args: &[&str], code: &str) -> String {
     let (status, out, err) = server.cli(args);
@@ -116,25 +127,7 @@ async fn a_batch_runs_only_after_its_quorum_and_every_bad_approval_is_refused_wi
     let public = |name: &str| format!("{}.pub", key(name).display());
 
     // Epoch 1: the root admin publishes a, b, c with quorum 2.
-    let set = ok(
-        &server,
-        &[
-            "batch",
-            "publish-approvers",
-            "--epoch",
-            "1",
-            "--quorum",
-            "2",
-            "--trust-domain",
-            "compute.test",
-            "--approver",
-            &public("a"),
-            "--approver",
-            &public("b"),
-            "--approver",
-            &public("c"),
-        ],
-    );
+    let set = publish_epoch_1(&server, 2, &[public("a"), public("b"), public("c")]);
     assert_eq!((set["epoch"].as_u64(), set["quorum"].as_u64()), (Some(1), Some(2)), "{set}");
     // The first node pins the set's root: the released pings below run there only because their
     // releases verify on the node itself.
@@ -535,23 +528,7 @@ async fn a_node_that_pins_the_approver_root_refuses_a_forged_release_and_says_wh
         ok(&server, &["batch", "keygen", "--out", path_text(&key(name))]);
     }
     let public = |name: &str| format!("{}.pub", key(name).display());
-    let set = ok(
-        &server,
-        &[
-            "batch",
-            "publish-approvers",
-            "--epoch",
-            "1",
-            "--quorum",
-            "2",
-            "--trust-domain",
-            "compute.test",
-            "--approver",
-            &public("a"),
-            "--approver",
-            &public("b"),
-        ],
-    );
+    let set = publish_epoch_1(&server, 2, &[public("a"), public("b")]);
     let root = set["commandRootSha256"].as_str().unwrap().to_owned();
     std::fs::write(
         machines[0].config(),
