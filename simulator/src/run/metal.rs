@@ -142,6 +142,23 @@ struct BmcState {
     doing: Option<&'static str>,
 }
 
+impl BmcState {
+    /// Machine `index`'s BMC as enrolled: powered off, nothing asked, no fault.
+    fn off(index: usize) -> Self {
+        Self {
+            index,
+            power: PowerState::Off,
+            pending: None,
+            boot_once: None,
+            media: None,
+            hang_until: 0,
+            never_applies_until: 0,
+            in_flight: 0,
+            doing: None,
+        }
+    }
+}
+
 /// What every simulated BMC shares: the clock, the stream their power lag draws from, and what
 /// the run reads back after a turn (installers booted, calls made at once).
 struct Bmcs {
@@ -442,20 +459,7 @@ impl Sim {
             let event = NewEvent::new(ev::METAL_ENROLLED, ev::to_cbor(&enrolled).expect("cbor"));
             let request = AppendRequest::new(tenant, stream_of(KIND_METAL, &node), ExpectedVersion::NoStream, "sim", vec![event]);
             self.world.append_acknowledged(request).await.expect("the machine is enrolled");
-            lock(&shared).by_address.insert(
-                address(m),
-                BmcState {
-                    index: m,
-                    power: PowerState::Off,
-                    pending: None,
-                    boot_once: None,
-                    media: None,
-                    hang_until: 0,
-                    never_applies_until: 0,
-                    in_flight: 0,
-                    doing: None,
-                },
-            );
+            lock(&shared).by_address.insert(address(m), BmcState::off(m));
             machines.push(Machine { tenant: t, node, never_joins: false, never_joins_next: false });
         }
         for m in 0..count {
@@ -981,17 +985,7 @@ mod tests {
     use super::*;
 
     fn bmcs(clock: &Arc<ManualClock>) -> Shared {
-        let state = BmcState {
-            index: 0,
-            power: PowerState::Off,
-            pending: None,
-            boot_once: None,
-            media: None,
-            hang_until: 0,
-            never_applies_until: 0,
-            in_flight: 0,
-            doing: None,
-        };
+        let state = BmcState::off(0);
         Arc::new(Mutex::new(Bmcs {
             clock: clock.clone(),
             rng: SeededRng(1),
