@@ -264,6 +264,19 @@ pub struct CommandBatchScopeAdded {
 pub struct CommandBatchChunkIssued {
     pub chunk: u64,
     pub commands: u64,
+    /// The metal leaves of the chunk whose verb the machine refused at the release (its state
+    /// had moved on, a workflow ran, its node held reservations): they start nothing, and
+    /// `batch members` shows them `failed` with the reason. The chunk's other leaves go on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<LeafRefused>,
+}
+
+/// One leaf a release could not start, and why.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeafRefused {
+    pub index: u64,
+    pub reason: String,
 }
 
 /// `command_batch.approved`: one approver's valid signature over the batch's message.
@@ -328,6 +341,9 @@ pub struct CommandBatchDoc {
     /// Chunks of a released batch whose commands are issued ([`CommandBatchDoc::chunks`] in all).
     #[serde(default)]
     pub chunks_issued: u64,
+    /// The metal leaves their release could not start ([`CommandBatchChunkIssued::refused`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<LeafRefused>,
 }
 
 impl CommandBatchDoc {
@@ -406,6 +422,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                 end_reason: None,
                 version: env.version,
                 chunks_issued: 0,
+                refused: Vec::new(),
             })
         }
         (KIND_COMMAND_BATCH, COMMAND_BATCH_SCOPE_ADDED) => {
@@ -429,6 +446,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                 return Err(corrupt(event, format!("chunk {} of batch {} issued out of turn", p.chunk, key.id)));
             }
             doc.chunks_issued += 1;
+            doc.refused.extend(p.refused);
             doc.version = env.version;
             to_doc(&doc)
         }
@@ -512,4 +530,53 @@ pub async fn node_without_room(
         }
     }
     Ok(None)
+}
+
+/// The appends of one chunk of a released batch, for one `Log::append_group`: reads what each
+/// metal leaf needs (its machine, the machine's node, a deploy's image) and decides its start
+/// ([`crate::decide::batch::metal_leaf_start`]); a leaf its machine refuses now is recorded in
+/// the chunk's `refused` with the reason and starts nothing, and the chunk's other leaves go on.
+/// Shared by the approval that releases a batch and the `batches` reconciler.
+pub async fn chunk_requests(
+    store: &dyn bc_core::store::EventStore,
+    batch: &CommandBatchDoc,
+    mut chunk: crate::decide::batch::ChunkRelease,
+    actor: &str,
+    correlation: Option<&str>,
+    now_ms: u64,
+) -> Result<Vec<bc_core::store::AppendRequest>> {
+    let tenant: bc_core::id::TenantId =
+        batch.tenant_id.parse().map_err(|_| Error::Internal(format!("batch {} names no tenant", batch.batch_id)))?;
+    async fn row<T: serde::de::DeserializeOwned>(
+        store: &dyn bc_core::store::EventStore,
+        tenant: &str,
+        kind: &str,
+        id: String,
+    ) -> Result<Option<T>> {
+        match store.row_get(tenant, kind, &id).await? {
+            Some(row) => serde_json::from_value(row.doc).map(Some).map_err(|e| Error::Internal(format!("{kind}/{id}: {e}"))),
+            None => Ok(None),
+        }
+    }
+    let tenant_text = batch.tenant_id.as_str();
+    let mut metal = Vec::with_capacity(chunk.metal.len());
+    for start in &chunk.metal {
+        let machine: Option<crate::workflow::MetalDoc> =
+            row(store, tenant_text, crate::workflow::KIND_METAL, start.leaf.subject.clone()).await?;
+        let node: Option<crate::NodeDoc> = row(store, tenant_text, crate::KIND_NODE, start.leaf.subject.clone()).await?;
+        let image: Option<crate::ImageDoc> = match crate::decide::batch::deploy_leaf_ids(&start.leaf.payload) {
+            Some((image_id, _)) if start.leaf.kind == crate::decide::batch::LEAF_METAL_DEPLOY => {
+                row(store, tenant_text, crate::KIND_IMAGE, image_id).await?
+            }
+            _ => None,
+        };
+        let world =
+            crate::decide::batch::MetalLeafWorld { machine: machine.as_ref(), node: node.as_ref(), image: image.as_ref() };
+        match crate::decide::batch::metal_leaf_start(start, &world, now_ms) {
+            Ok(append) => metal.push(append),
+            Err(e @ (Error::Internal(_) | Error::Storage(_))) => return Err(e),
+            Err(e) => chunk.issued.refused.push(LeafRefused { index: start.index, reason: e.public_message() }),
+        }
+    }
+    crate::decide::batch::chunk_appends(tenant, batch, chunk, metal, actor, correlation)
 }

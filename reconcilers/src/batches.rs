@@ -14,9 +14,9 @@ use bc_core::clock::Clock;
 use bc_core::store::{AppendRequest, ExpectedVersion, Log, NewEvent};
 use bc_core::{ErrorCode, Result};
 use bc_projections::batch::{
-    CommandBatchDoc, KIND_COMMAND_BATCH, KIND_COMMAND_BATCH_LIVE, approver_set_history, node_without_room,
+    CommandBatchDoc, KIND_COMMAND_BATCH, KIND_COMMAND_BATCH_LIVE, approver_set_history, chunk_requests, node_without_room,
 };
-use bc_projections::decide::batch::{batch_expired, chunk_appends, release_chunk};
+use bc_projections::decide::batch::{batch_expired, release_chunk};
 use bc_projections::events as ev;
 use bc_projections::placement::all_rows;
 use bc_projections::stream_of;
@@ -93,7 +93,8 @@ async fn issue_chunks(
             return Ok(());
         }
         let chunk_number = chunk.issued.chunk;
-        match log.append_group(chunk_appends(tenant, &batch, chunk, ACTOR, None)?).await {
+        let requests = chunk_requests(&*log.store, &batch, chunk, ACTOR, None, clock.now_ms()).await?;
+        match log.append_group(requests).await {
             Ok(_) => {
                 done.chunks += 1;
                 tracing::info!(reconciler = NAME, batch = %batch.batch_id, chunk = chunk_number, "chunk issued");

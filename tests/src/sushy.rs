@@ -1,6 +1,6 @@
 //! OpenStack's sushy-tools Redfish emulator (`sushy-emulator --fake`, from the virtual
 //! environment `make sushy-venv` makes) as the tests run it: over HTTPS with a certificate from
-//! a CA the test makes, behind HTTP basic auth (an htpasswd file, bcrypt), with two fake systems
+//! a CA the test makes, behind HTTP basic auth (an htpasswd file, bcrypt), with three fake systems
 //! whose every change of state (`external_notifier`) is PUT to a recorder here, so a test sees
 //! what the emulator did, not only what a client reads back. Missing the emulator, a test fails
 //! with what to run; it never skips.
@@ -21,9 +21,11 @@ use crate::free_port;
 pub const USERNAME: &str = "admin";
 pub const PASSWORD: &str = "correct horse battery staple";
 
-/// The emulator's two fake systems (uuids are what sushy names them by).
+/// The emulator's fake systems (uuids are what sushy names them by).
 pub const SYSTEM_A: &str = "5d7a1a36-1f0b-4d9e-9a43-000000000a01";
 pub const SYSTEM_B: &str = "5d7a1a36-1f0b-4d9e-9a43-000000000b02";
+/// A third, for the batch test's three machines.
+pub const SYSTEM_C: &str = "5d7a1a36-1f0b-4d9e-9a43-000000000c03";
 
 /// How long the emulator may take to listen.
 pub const EMULATOR_START_S: u64 = 30;
@@ -143,13 +145,14 @@ impl Emulator {
              SUSHY_EMULATOR_STATE_DIR = {state:?}\n\
              SUSHY_EMULATOR_FAKE_DRIVER = True\n\
              EXTERNAL_NOTIFICATION_URL = {notify_url:?}\n\
-             SUSHY_EMULATOR_FAKE_SYSTEMS = [{a}, {b}]\n",
+             SUSHY_EMULATOR_FAKE_SYSTEMS = [{a}, {b}, {c}]\n",
             cert = path("server.pem"),
             key = path("server.key"),
             auth = path("htpasswd"),
             state = path("state"),
             a = system(SYSTEM_A, "node-a", "52:54:00:00:0a:01"),
             b = system(SYSTEM_B, "node-b", "52:54:00:00:0b:02"),
+            c = system(SYSTEM_C, "node-c", "52:54:00:00:0c:03"),
         );
         std::fs::write(path("emulator.conf"), config).unwrap();
         let log = std::fs::File::create(path("emulator.log")).unwrap();

@@ -687,3 +687,270 @@ async fn an_expired_batch_is_refused_and_its_commands_never_run() {
     }
     assert!(commands_of(&server, &node).await.is_empty(), "an expired batch issued a command");
 }
+
+/// What the emulator holds of `system` now, read over Redfish (the Redfish client against
+/// sushy's own answer): its power and the image in its virtual CD.
+async fn emulator_state(
+    emulator: &bc_tests::sushy::Emulator,
+    ca_pem: &str,
+    system: &str,
+) -> (Option<bc_bmc::PowerState>, Option<String>) {
+    use bc_bmc::Bmc as _;
+    let bmc = emulator.bmc(bc_bmc::BmcTls::CaBundle { pem: ca_pem.to_owned() }, Some(system));
+    let info = bmc.system().await.expect("the emulator's system");
+    (info.power_state, info.media_image)
+}
+
+/// `batch members` of `batch`: each command's state, in leaf order.
+fn member_states(server: &Server, batch: &str) -> Vec<String> {
+    let members = ok(server, &["batch", "members", "--batch", batch, "--format", "json"]);
+    members["items"].as_array().unwrap().iter().map(|m| m["state"].as_str().unwrap().to_owned()).collect()
+}
+
+/// Reviews and approves `batch` with the approver key `key` (`batch approve --yes`).
+fn approve(server: &Server, batch: &str, key: &Path) -> Value {
+    ok(server, &["batch", "approve", "--batch", batch, "--key", path_text(key), "--yes"])
+}
+
+/// Issue 57's demonstration on a Redfish BMC: three machines on sushy-tools, three approver
+/// keys, quorum 2. `metal bulk --verb deploy` makes one batch of three deploys (each machine's
+/// join token in a new 0600 file); after one approval nothing reaches the emulator (no state
+/// change recorded by sushy, power and virtual CD unchanged over Redfish) and every member is
+/// `awaitingApproval`; the second approval starts the three deploys, whose installed systems
+/// join with the batch's tokens. Then `metal bulk --verb undeploy` of the three: after one
+/// approval the machines stay active and powered on; after two they are torn down, cleaned and
+/// end `available`, powered off with the CD ejected, and `batch members` shows each command's
+/// state from `awaitingApproval` to `running` and `succeeded`. With the quorum on, the same
+/// undeploy as one call (`metal bulk --now`) is refused `BATCH_REQUIRED` with the hint, and a
+/// batch's approval proves offline with `audit prove`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_undeploys_three_machines_on_sushy_only_after_two_approvals() {
+    use bc_tests::sushy::{SYSTEM_A, SYSTEM_B, SYSTEM_C};
+    let pki = bc_tests::sushy::pki();
+    let (notifications, notify_url) = bc_tests::sushy::Notifications::start();
+    let emulator = bc_tests::sushy::Emulator::start(&pki, &notify_url);
+    let (server, agents_port) = bc_tests::agents_gateway_with(&["--approvers", "--bmc-allow-network", "127.0.0.1/32"]);
+    let pool = server.pool("metal").await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str| dir.path().join(name);
+    std::fs::write(file("bmc-password"), format!("{}\n", bc_tests::sushy::PASSWORD)).unwrap();
+    std::fs::write(file("bmc-ca.pem"), &pki.ca_pem).unwrap();
+    let iso = b"an installer ISO, as far as the emulator can tell".to_vec();
+    let sha256 = {
+        use sha2::Digest as _;
+        hex::encode(sha2::Sha256::digest(&iso))
+    };
+    let images = bc_tests::ImageServer::start("installer.iso", iso);
+    let (status, image) = server
+        .call("images.register", json!({ "name": "installer", "url": images.url, "sha256": sha256, "diskFormat": "iso" }))
+        .await;
+    assert_eq!(status, 200, "{image}");
+    let image = image["imageId"].as_str().unwrap().to_owned();
+
+    // Three approver keys, quorum 2.
+    let key = |name: &str| dir.path().join(format!("{name}.pem"));
+    for name in ["a", "b", "c"] {
+        ok(&server, &["batch", "keygen", "--out", path_text(&key(name))]);
+    }
+    let public = |name: &str| format!("{}.pub", key(name).display());
+    publish_epoch_1(&server, 2, &[public("a"), public("b"), public("c")]);
+
+    // Three machines, managed and provided one call each (one machine is not a wide scope).
+    let systems = [SYSTEM_A, SYSTEM_B, SYSTEM_C];
+    let address = format!("https://localhost:{}", emulator.port);
+    let mut nodes = Vec::new();
+    for (i, system) in systems.iter().enumerate() {
+        let machine = ok(
+            &server,
+            &[
+                "metal",
+                "enroll",
+                "--pool",
+                &pool,
+                "--name",
+                &format!("rack1-u{i}"),
+                "--bmc-address",
+                &address,
+                "--bmc-system-path",
+                &format!("/redfish/v1/Systems/{system}"),
+                "--bmc-username",
+                bc_tests::sushy::USERNAME,
+                "--bmc-password-file",
+                path_text(&file("bmc-password")),
+                "--bmc-ca-file",
+                path_text(&file("bmc-ca.pem")),
+            ],
+        );
+        nodes.push(machine["nodeId"].as_str().unwrap().to_owned());
+    }
+    for verb in ["manage", "provide"] {
+        for node in &nodes {
+            ok(&server, &["metal", verb, node]);
+        }
+        for node in &nodes {
+            ok(&server, &["metal", "get", node]);
+            wait_machine(&server, node, if verb == "manage" { "manageable" } else { "available" }, Duration::from_secs(180));
+        }
+    }
+    let node_list = nodes.join(",");
+
+    // Deploy the three as one batch: the tokens go to new 0600 files, never to the terminal.
+    std::fs::create_dir(file("tokens")).unwrap();
+    let (code, out, err) = server.cli(&[
+        "metal",
+        "bulk",
+        "--verb",
+        "deploy",
+        "--nodes",
+        &node_list,
+        "--image",
+        &image,
+        "--token-dir",
+        path_text(&file("tokens")),
+        "--reason",
+        "install rack 1",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(!out.contains("bcjt_") && !err.contains("bcjt_"), "a join token was printed");
+    let deploys = json(&out)["batchId"].as_str().unwrap().to_owned();
+    use std::os::unix::fs::PermissionsExt as _;
+    for node in &nodes {
+        let token = file("tokens").join(format!("{node}.token"));
+        assert_eq!(std::fs::metadata(&token).unwrap().permissions().mode() & 0o777, 0o600, "{}", token.display());
+    }
+    let before = notifications.0.lock().unwrap().len();
+    approve(&server, &deploys, &key("a"));
+    // The metal reconciler passes every second: three passes with the batch held.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(notifications.0.lock().unwrap().len(), before, "the emulator changed under one approval");
+    assert_eq!(member_states(&server, &deploys), ["awaitingApproval"; 3]);
+    for system in systems {
+        assert_eq!(emulator_state(&emulator, &pki.ca_pem, system).await, (Some(bc_bmc::PowerState::Off), None), "{system}");
+    }
+    approve(&server, &deploys, &key("b"));
+    let mut installed = Vec::new();
+    for node in &nodes {
+        bc_tests::wait_until(&format!("{node} waits for its agent"), Duration::from_secs(180), || {
+            let machine = ok(&server, &["metal", "get", node]);
+            assert_ne!(machine["state"], "deploy-failed", "{machine}");
+            (machine["state"] == "deploy-wait").then_some(())
+        });
+        let mut machine = AgentNode::new(&server, agents_port);
+        let token = file("tokens").join(format!("{node}.token"));
+        let (code, out, err) = machine.bcd(
+            &["join", "--node-id", node, "--token-file", path_text(&token), "--config", &machine.config()],
+            &[],
+            None,
+        );
+        assert_eq!(code, 0, "bcd join --node-id with the batch's token: {out}{err}");
+        machine.start();
+        installed.push(machine);
+    }
+    for node in &nodes {
+        wait_machine(&server, node, "active", Duration::from_secs(120));
+    }
+    assert_eq!(member_states(&server, &deploys), ["succeeded"; 3]);
+    for system in systems {
+        let (power, media) = emulator_state(&emulator, &pki.ca_pem, system).await;
+        assert_eq!(power, Some(bc_bmc::PowerState::On), "{system}");
+        assert!(media.is_some_and(|m| m.ends_with("installer.iso")), "{system}");
+    }
+
+    // With the quorum on, undeploying the three in one call is refused, and changes nothing.
+    let (code, out, err) = server.cli(&["metal", "bulk", "--verb", "undeploy", "--nodes", &node_list, "--reason", "x", "--now"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("BATCH_REQUIRED:") && err.contains("metal bulk --verb undeploy"), "{err}");
+
+    // The undeploy batch: held after one approval, run after two.
+    let (code, out, err) = server.cli(&[
+        "metal",
+        "bulk",
+        "--verb",
+        "undeploy",
+        "--nodes",
+        &node_list,
+        "--nodes",
+        &nodes[0],
+        "--reason",
+        "decommission rack 1",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let undeploys = json(&out)["batchId"].as_str().unwrap().to_owned();
+    assert_eq!(json(&out)["size"], 3, "deduplicated: {out}");
+    let before = notifications.0.lock().unwrap().len();
+    let first = approve(&server, &undeploys, &key("c"));
+    assert_eq!(first["state"], "pending", "{first}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(notifications.0.lock().unwrap().len(), before, "the emulator changed under one approval");
+    assert_eq!(member_states(&server, &undeploys), ["awaitingApproval"; 3]);
+    for (node, system) in nodes.iter().zip(systems) {
+        assert_eq!(ok(&server, &["metal", "get", node])["state"], "active", "{node}");
+        assert_eq!(emulator_state(&emulator, &pki.ca_pem, system).await.0, Some(bc_bmc::PowerState::On), "{system}");
+    }
+    let second = approve(&server, &undeploys, &key("a"));
+    assert_eq!(second["state"], "released", "{second}");
+    let states = member_states(&server, &undeploys);
+    assert!(states.iter().all(|s| s == "running" || s == "succeeded"), "{states:?}");
+    for node in &nodes {
+        wait_machine(&server, node, "available", Duration::from_secs(240));
+    }
+    assert_eq!(member_states(&server, &undeploys), ["succeeded"; 3]);
+    let members = ok(&server, &["batch", "members", "--batch", &undeploys, "--format", "json"]);
+    for (member, node) in members["items"].as_array().unwrap().iter().zip(&nodes) {
+        assert_eq!(
+            (member["subject"].as_str(), member["kind"].as_str()),
+            (Some(node.as_str()), Some("metal.undeploy")),
+            "{member}"
+        );
+        let workflow = ok(&server, &["workflows", "get", member["commandId"].as_str().unwrap()]);
+        assert_eq!(
+            (workflow["verb"].as_str(), workflow["outcome"].as_str()),
+            (Some("undeploy"), Some("succeeded")),
+            "{workflow}"
+        );
+    }
+    for system in systems {
+        assert_eq!(emulator_state(&emulator, &pki.ca_pem, system).await, (Some(bc_bmc::PowerState::Off), None), "{system}");
+        let last = notifications.of(system).last().cloned().unwrap();
+        assert_eq!(last["power_state"], "Off", "{last}");
+    }
+    drop(installed);
+
+    // The approval that released the undeploys, and the scope it signed, prove offline.
+    let events = ok(&server, &["events", "list", "--types", "command_batch.*", "--limit", "100", "--format", "json"]);
+    let stream = format!("command_batch/{undeploys}");
+    let of = |kind: &str| {
+        events["items"].as_array().unwrap().iter().find(|e| e["stream"] == stream.as_str() && e["type"] == kind).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let data_dir = server.data_dir.to_str().unwrap().to_owned();
+    let (code, _, err) = bc_tests::cli(&["audit", "checkpoint", "--data-dir", &data_dir], &[]);
+    assert_eq!(code, 0, "{err}");
+    let pin = bc_tests::log_key_pin(&server);
+    for (wanted, event) in
+        [("command_batch.approved", of("command_batch.approved")), ("command_batch.created", of("command_batch.created"))]
+    {
+        let proof = file(&format!("{event}.tlog-proof"));
+        let (code, _, err) = bc_tests::cli(&["audit", "prove", &event, "--out", path_text(&proof), "--data-dir", &data_dir], &[]);
+        assert_eq!(code, 0, "{err}");
+        let (code, out, err) = bc_tests::cli(&["audit", "check-proof", path_text(&proof), "--pin", &pin], &[]);
+        assert_eq!(code, 0, "{err}");
+        let proved = json(&out);
+        assert_eq!(proved["type"].as_str(), Some(wanted), "{proved}");
+        if wanted == "command_batch.created" {
+            assert_eq!(proved["payload"]["leaves"][0]["kind"], "metal.undeploy", "{proved}");
+        }
+    }
+}
+
+/// Waits until machine `node` rests in `state` (its workflow not running), failing on a failed
+/// workflow.
+fn wait_machine(server: &Server, node: &str, state: &str, within: Duration) -> Value {
+    bc_tests::wait_until(&format!("{node} is {state}"), within, || {
+        let machine = ok(server, &["metal", "get", node]);
+        assert!(machine["workflow"]["outcome"] != "failed" || machine["state"] == state, "the workflow failed: {machine}");
+        (machine["state"] == state && machine["workflow"]["outcome"] != "running").then_some(machine)
+    })
+}

@@ -237,6 +237,13 @@ pub async fn run(ctx: &Context, command: BatchCommand) -> Result<(), CliError> {
             let leaves: Vec<Leaf> = serde_json::from_slice(&text).map_err(|e| {
                 CliError::usage(format!("--scope {}: not a JSON list of {{subject, kind, payload}}: {e}", scope.display()))
             })?;
+            if leaves.iter().any(|l| l.kind == bc_projections::decide::batch::LEAF_METAL_DEPLOY) {
+                // Its join tokens come back once, and must go to files, never to the terminal.
+                return Err(CliError::usage(
+                    "a batch of metal.deploy leaves mints the installed systems' join tokens: make it with \
+                     metal bulk --verb deploy --image IMG --token-dir DIR",
+                ));
+            }
             let mut body = ctx.tenant_body()?;
             body.insert("reason".into(), json!(reason));
             body.insert("leaves".into(), serde_json::to_value(&leaves).map_err(|e| CliError::usage(e.to_string()))?);

@@ -124,7 +124,45 @@ pub enum MetalCommand {
         #[arg(value_parser = ["on", "off", "reboot"])]
         power: String,
     },
+    /// One destructive verb on several machines as one batch (commandBatches.create): nothing
+    /// reaches a BMC until the approvers' quorum signs it (batch approve).
+    Bulk(BulkArgs),
 }
+
+/// `metal bulk`: the verb, the machines, and what the approvers read.
+#[derive(Args)]
+pub struct BulkArgs {
+    #[arg(long, value_parser = ["undeploy", "deploy", "retire", "power-off"])]
+    pub verb: String,
+    /// Machines (`node_…`), comma-separated or repeated; duplicates are dropped.
+    #[arg(long, value_delimiter = ',')]
+    pub nodes: Vec<String>,
+    /// A file of machines, one per line (`#` starts a comment).
+    #[arg(long, value_name = "FILE")]
+    pub nodes_file: Option<PathBuf>,
+    /// What the batch's approvers read.
+    #[arg(long)]
+    pub reason: String,
+    /// `deploy`: the registered ISO (`img_…`) each machine boots.
+    #[arg(long)]
+    pub image: Option<String>,
+    /// `deploy`: an existing directory for each machine's join token (`NODE.token`, new 0600
+    /// files), which its installed system joins with once the batch is released.
+    #[arg(long, value_name = "DIR")]
+    pub token_dir: Option<PathBuf>,
+    /// Hours the batch stays open for approvals (1 to 72; default 24).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=bc_projections::batch::COMMAND_BATCH_HOURS_MAX))]
+    pub hours: Option<u64>,
+    /// No batch: apply the verb to each machine now (metal.bulkNow). A deployment with the
+    /// approvers' quorum on refuses it beyond one machine (BATCH_REQUIRED).
+    #[arg(long, conflicts_with_all = ["hours", "token_dir", "image"])]
+    pub now: bool,
+    #[command(flatten)]
+    pub key: IdempotencyKey,
+}
+
+/// Largest `--nodes-file` read.
+const NODES_FILE_BYTES_MAX: u64 = 1024 * 1024;
 
 #[derive(Subcommand)]
 pub enum WorkflowsCommand {
@@ -232,6 +270,10 @@ pub async fn run(ctx: &Context, command: MetalCommand) -> Result<(), CliError> {
             put_id::<NodeId>(&mut body, "nodeId", "NODE_ID", &node_id)?;
             return ctx.print(&c.call("metal.get", &Value::Object(body), None).await?, Format::Json);
         }
+        MetalCommand::Bulk(args) => {
+            let batch = bulk(ctx, &c, args).await?;
+            return ctx.print(&batch, Format::Json);
+        }
         MetalCommand::Deploy { verb, image, token_out } => {
             let machine = deploy(ctx, &c, verb, &image, &token_out).await?;
             return ctx.print(&machine, Format::Json);
@@ -308,6 +350,83 @@ async fn deploy(ctx: &Context, c: &Client, verb: MachineVerbArgs, image: &str, t
         eprintln!("join token written to {} (0600)", token_out.display());
     }
     SETTLE.follow(ctx, c, answer["machine"].clone(), verb.wait.wait).await
+}
+
+/// `metal bulk`: the machines of `--nodes` and `--nodes-file`, deduplicated in order, as the
+/// leaves of one batch of the verb's `metal.*` kind; a deploy's join tokens go to new 0600 files
+/// in `--token-dir`, never to the terminal.
+async fn bulk(ctx: &Context, c: &Client, args: BulkArgs) -> Result<Value, CliError> {
+    let mut nodes: Vec<String> = Vec::new();
+    let mut listed = args.nodes.clone();
+    if let Some(path) = &args.nodes_file {
+        let text = read_file("--nodes-file", path, NODES_FILE_BYTES_MAX)?;
+        listed.extend(text.lines().map(|l| l.split('#').next().unwrap_or("").trim().to_owned()).filter(|l| !l.is_empty()));
+    }
+    for node in listed {
+        let node = check_id::<NodeId>("--nodes", &node)?;
+        if !nodes.contains(&node) {
+            nodes.push(node);
+        }
+    }
+    if nodes.is_empty() {
+        return Err(CliError::usage("name the machines: --nodes node_…,node_… or --nodes-file FILE"));
+    }
+    let kind = match args.verb.as_str() {
+        "undeploy" => "metal.undeploy",
+        "deploy" => "metal.deploy",
+        "retire" => "metal.retire",
+        _ => "metal.powerOff",
+    };
+    if args.now {
+        let mut body = ctx.tenant_body()?;
+        let verb = if kind == "metal.powerOff" { "powerOff" } else { args.verb.as_str() };
+        body.insert("verb".into(), json!(verb));
+        body.insert("nodeIds".into(), json!(nodes));
+        return c.call("metal.bulkNow", &Value::Object(body), None).await;
+    }
+    let payload = match (kind, &args.image, &args.token_dir) {
+        ("metal.deploy", Some(image), Some(dir)) => {
+            if !dir.is_dir() {
+                return Err(CliError::usage(format!("--token-dir {} is not a directory", dir.display())));
+            }
+            // Refused before the call: a token made for a file that cannot be written is lost.
+            if let Some(taken) = nodes.iter().map(|n| dir.join(format!("{n}.token"))).find(|p| p.exists()) {
+                return Err(CliError::new("ALREADY_EXISTS", format!("{} exists", taken.display()))
+                    .hint("--token-dir never overwrites: give a new directory"));
+            }
+            json!({ "imageId": check_id::<ImageId>("--image", image)? })
+        }
+        ("metal.deploy", _, _) => return Err(CliError::usage("--verb deploy needs --image IMG and --token-dir DIR")),
+        (_, None, None) => json!({}),
+        _ => return Err(CliError::usage("--image and --token-dir go with --verb deploy only")),
+    };
+    let mut body = ctx.tenant_body()?;
+    body.insert("reason".into(), json!(args.reason));
+    let leaves: Vec<Value> = nodes.iter().map(|n| json!({ "subject": n, "kind": kind, "payload": payload })).collect();
+    body.insert("leaves".into(), Value::Array(leaves));
+    if let Some(hours) = args.hours {
+        body.insert("hours".into(), json!(hours));
+    }
+    let key = idempotency_key(&args.key.key);
+    let mut batch = c.call("commandBatches.create", &Value::Object(body), Some(&key)).await?;
+    if let (Some(tokens), Some(dir)) = (batch.as_object_mut().and_then(|b| b.remove("joinTokens")), &args.token_dir) {
+        for (node, token) in tokens.as_object().into_iter().flatten() {
+            let path = dir.join(format!("{}.token", check_id::<NodeId>("a joinTokens machine", node)?));
+            let token = token.as_str().unwrap_or_default();
+            bc_core::keys::write_secret_file(&path, format!("{token}\n").as_bytes()).map_err(|e| {
+                CliError::from(e)
+                    .hint("the batch is made: cancel it (batch cancel) and make it again with a writable --token-dir")
+            })?;
+        }
+        eprintln!("join tokens written to {} (NODE.token, 0600)", dir.display());
+    }
+    if let Some(id) = batch["batchId"].as_str() {
+        eprintln!(
+            "batch {id} holds {} {kind} leaves; nothing runs until the approvers sign it: batch approve --batch {id} --key PATH",
+            nodes.len()
+        );
+    }
+    Ok(batch)
 }
 
 pub async fn workflows(ctx: &Context, command: WorkflowsCommand) -> Result<(), CliError> {

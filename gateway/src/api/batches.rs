@@ -6,20 +6,21 @@
 //! approval that reaches the quorum, only then; the node's session delivers them as any other
 //! command. Each decision is in `bc_projections::decide::batch`.
 
-use bc_core::id::{CommandBatchId, CommandId, NodeId, TenantId};
+use bc_core::id::{CommandBatchId, CommandId, ImageId, JoinTokenId, NodeId, TenantId, WorkflowId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::batch::{
-    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSignature, BatchState, COMMAND_BATCH_HOURS_MAX,
-    COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchDoc, KIND_APPROVER_SET, KIND_COMMAND_BATCH, Leaf,
-    approver_set_history, node_without_room,
+    APPROVER_SET_ID, ApproverKey, ApproverSetDoc, ApproverSignature, BatchState, COMMAND_BATCH_CHUNK_LEAVES,
+    COMMAND_BATCH_HOURS_MAX, COMMAND_BATCH_LEAVES_MAX, COMMAND_BATCH_REASON_BYTES_MAX, CommandBatchDoc, KIND_APPROVER_SET,
+    KIND_COMMAND_BATCH, Leaf, approver_set_history, chunk_requests, node_without_room,
 };
 use bc_projections::decide::batch::{
-    ApproverSetInput, BatchCreateInput, approver_set_publish, batch_approve, batch_cancel, batch_create, batch_expired,
-    chunk_appends, release_chunk, split_scope,
+    ApproverSetInput, BatchCreateInput, LEAF_METAL_DEPLOY, approver_set_publish, batch_approve, batch_cancel, batch_create,
+    batch_expired, metal_leaf_verb, release_chunk, split_scope,
 };
 use bc_projections::events as ev;
-use bc_projections::{CommandDoc, KIND_COMMAND, KIND_NODE, NodeDoc, stream_of};
+use bc_projections::workflow::{KIND_METAL, KIND_WORKFLOW, MetalDoc, Workflow};
+use bc_projections::{CommandDoc, ImageDoc, KIND_COMMAND, KIND_IMAGE, KIND_NODE, NodeDoc, stream_of};
 use schemars::{JsonSchema, json_schema};
 use serde::Deserialize;
 
@@ -27,7 +28,7 @@ use super::body::parse_id;
 use super::call::doc;
 use super::commands::{COMMAND_DEADLINE_S_DEFAULT, COMMAND_DEADLINE_S_MAX};
 use super::paging::{Page, list_rows};
-use super::validate::{CommandBatchIdText, CursorText, LimitNumber, NodeIdText, TenantIdText, string_schema};
+use super::validate::{CommandBatchIdText, CursorText, ImageIdText, LimitNumber, NodeIdText, TenantIdText, string_schema};
 use super::views::{ApproverSetView, BatchMemberView, BatchMembersView, CommandBatchScopeView, CommandBatchView, LeafView};
 use super::{Access, Call, Method, method};
 
@@ -109,12 +110,20 @@ pub struct ApproversPublish {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ApproversGet {}
 
-/// A ping's payload: nothing.
-#[derive(Deserialize, JsonSchema, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct PingPayload {}
+/// A leaf's arguments: `{}` for `ping`, `metal.undeploy`, `metal.retire` and `metal.powerOff`;
+/// `{imageId}` for `metal.deploy` (the gateway adds the `joinTokenId` it mints for it, so the
+/// leaf binds that token too).
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeafPayload {
+    /// `metal.deploy`: the registered ISO the machine boots.
+    #[serde(default)]
+    #[schemars(with = "Option<ImageIdText>")]
+    image_id: Option<String>,
+}
 
-/// One operation: a command of `kind` to the node `subject`, with exactly `payload`.
+/// One operation: a command of `kind` to the node `subject` (a `metal.*` kind: to the machine
+/// `subject`), with exactly `payload`.
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeafInput {
@@ -122,7 +131,7 @@ pub struct LeafInput {
     subject: String,
     #[schemars(with = "LeafKindText")]
     kind: String,
-    payload: PingPayload,
+    payload: LeafPayload,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -295,19 +304,52 @@ async fn batches_create(call: &Call<'_>, input: BatchesCreate) -> Result<Command
         return Err(Error::invalid(format!("a batch holds 1 to {COMMAND_BATCH_LEAVES_MAX} leaves")));
     }
     let mut leaves = Vec::with_capacity(input.leaves.len());
+    let mut command_ids = Vec::with_capacity(input.leaves.len());
+    // Each metal.deploy leaf's join token: its machine, id, the token and its secret's hash.
+    let mut tokens: Vec<(String, String, String, String)> = Vec::new();
     for (i, leaf) in input.leaves.into_iter().enumerate() {
         let node_id: NodeId = parse_id(&format!("leaves[{i}].subject"), &leaf.subject)?;
-        let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
-        if node.agent.is_none() {
-            return Err(Error::InvalidArgument {
-                message: format!("leaves[{i}]: node {node_id} has no agent: it was registered by hand"),
-                hint: Some("commands go to nodes that joined with bcd join".into()),
-            });
+        let metal = metal_leaf_verb(&leaf.kind).is_some();
+        if metal {
+            // A machine of the tenant; its verb is decided when the batch is released.
+            let _: MetalDoc = call.row(tenant, KIND_METAL, &node_id.to_string(), "machine").await?;
+        } else {
+            let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
+            if node.agent.is_none() {
+                return Err(Error::InvalidArgument {
+                    message: format!("leaves[{i}]: node {node_id} has no agent: it was registered by hand"),
+                    hint: Some("commands go to nodes that joined with bcd join".into()),
+                });
+            }
         }
-        let payload = serde_json::to_value(&leaf.payload).map_err(|e| Error::Internal(format!("leaf payload: {e}")))?;
+        let payload = match (leaf.kind.as_str(), leaf.payload.image_id) {
+            (LEAF_METAL_DEPLOY, Some(image)) => {
+                let image: ImageId = parse_id(&format!("leaves[{i}].payload.imageId"), &image)?;
+                let doc: ImageDoc = call.row(tenant, KIND_IMAGE, &image.to_string(), "image").await?;
+                if doc.disk_format != ev::DiskFormat::Iso {
+                    return Err(Error::InvalidArgument {
+                        message: format!("leaves[{i}]: image {image} is not an ISO: a BMC's virtual CD boots it"),
+                        hint: Some("register the image with --disk-format iso".into()),
+                    });
+                }
+                let token_id = JoinTokenId::from_ulid(call.ulid());
+                let (token, secret_sha256) = bc_core::agent::join_token_new(token_id);
+                tokens.push((node_id.to_string(), token_id.to_string(), token, secret_sha256));
+                serde_json::json!({ "imageId": image.to_string(), "joinTokenId": token_id.to_string() })
+            }
+            (LEAF_METAL_DEPLOY, None) => {
+                return Err(Error::invalid(format!("leaves[{i}]: a metal.deploy names its image: payload {{imageId}}")));
+            }
+            (kind, Some(_)) => return Err(Error::invalid(format!("leaves[{i}]: a {kind} takes the payload {{}}"))),
+            (_, None) => serde_json::json!({}),
+        };
         leaves.push(Leaf { subject: node_id.to_string(), kind: leaf.kind, payload });
+        command_ids.push(if metal {
+            WorkflowId::from_ulid(call.ulid()).to_string()
+        } else {
+            CommandId::from_ulid(call.ulid()).to_string()
+        });
     }
-    let command_ids = (0..leaves.len()).map(|_| CommandId::from_ulid(call.ulid()).to_string()).collect();
     let set = approver_set(call).await?;
     let mut created = batch_create(
         set.as_ref(),
@@ -328,7 +370,19 @@ async fn batches_create(call: &Call<'_>, input: BatchesCreate) -> Result<Command
     let stream = stream_of(KIND_COMMAND_BATCH, &batch);
     let result = call.submit(call.request(tenant, stream, ExpectedVersion::NoStream, events)).await?;
     let stream = &result.events[0].envelope.stream;
-    Ok(call.row::<CommandBatchDoc>(tenant, KIND_COMMAND_BATCH, super::call::stream_id(stream), "batch").await?.into())
+    let mut view: CommandBatchView =
+        call.row::<CommandBatchDoc>(tenant, KIND_COMMAND_BATCH, super::call::stream_id(stream), "batch").await?.into();
+    if !result.replayed && !tokens.is_empty() {
+        // The tokens' hashes once the batch is in the log (as metal.deploy stores its token's):
+        // a token joins only once its deploy's release appended the token itself.
+        let mut answered = std::collections::BTreeMap::new();
+        for (node, token_id, token, secret_sha256) in tokens {
+            call.state.store.secret_put(tenant, &token_id, &secret_sha256, call.now_ms()).await?;
+            answered.insert(node, token);
+        }
+        view.join_tokens = Some(answered);
+    }
+    Ok(view)
 }
 
 async fn batches_list(call: &Call<'_>, input: BatchesList) -> Result<Page<CommandBatchView>> {
@@ -364,12 +418,28 @@ async fn batches_members(call: &Call<'_>, input: BatchRef) -> Result<BatchMember
         let (state, reason) = match batch.state {
             BatchState::Pending => ("awaitingApproval".to_owned(), None),
             BatchState::Cancelled | BatchState::Expired => ("cancelled".to_owned(), batch.end_reason.clone()),
+            BatchState::Released if (index / COMMAND_BATCH_CHUNK_LEAVES) as u64 >= batch.chunks_issued => {
+                ("releasing".to_owned(), None)
+            }
+            BatchState::Released if metal_leaf_verb(&leaf.kind).is_some() => {
+                if let Some(refused) = batch.refused.iter().find(|r| r.index == index as u64) {
+                    ("failed".to_owned(), Some(refused.reason.clone()))
+                } else {
+                    match call.state.store.row_get(&tenant.to_string(), KIND_WORKFLOW, command_id).await? {
+                        Some(row) => {
+                            let workflow: Workflow = doc(row)?;
+                            (workflow.outcome.as_str().to_owned(), workflow.reason)
+                        }
+                        // A verb that runs no workflow (retire) is done once appended.
+                        None => ("succeeded".to_owned(), None),
+                    }
+                }
+            }
             BatchState::Released => match call.state.store.row_get(&tenant.to_string(), KIND_COMMAND, command_id).await? {
                 Some(row) => {
                     let command: CommandDoc = doc(row)?;
                     (command.state.as_str().to_owned(), command.reason)
                 }
-                // Its chunk is not issued yet.
                 None => ("releasing".to_owned(), None),
             },
         };
@@ -423,7 +493,8 @@ async fn batches_approve(call: &Call<'_>, input: BatchesApprove) -> Result<Comma
             tracing::info!(batch = %batch.batch_id, node = %node, "a chunk waits for room in a node's queue; the batches reconciler issues it");
             return Ok(batch.into());
         }
-        let requests = chunk_appends(tenant, &batch, chunk, &call.actor(), Some(&call.request_id))?;
+        let requests =
+            chunk_requests(&*call.state.store, &batch, chunk, &call.actor(), Some(&call.request_id), call.now_ms()).await?;
         if let Err(e) = call.state.log.append_group(requests).await {
             tracing::info!(batch = %batch.batch_id, code = %e.code(), error = %e, "a chunk was not issued here; the batches reconciler issues it");
             return Ok(batch_doc(call, tenant, &batch.batch_id).await?.into());

@@ -71,6 +71,13 @@ pub(super) const METHODS: &[Method] = &[
     method!("metal.recover", WRITE, "take a machine out of maintenance", MachineVerb => MetalView, metal_recover),
     method!("metal.abort", WRITE, "abort the machine's running workflow (in a wait state, or a power change)", MachineVerb => MetalView, metal_abort),
     method!("metal.power", WRITE, "power a machine on, off, or reboot it", MetalPower => MetalView, metal_power),
+    method!(
+        "metal.bulkNow",
+        WRITE,
+        "one verb (undeploy, retire, powerOff) on several machines in one call, without a batch; with the approvers' quorum on, refused BATCH_REQUIRED beyond one machine",
+        MetalBulkNow => MetalBulkNowView,
+        metal_bulk_now,
+    ),
     method!("workflows.list", READ, "a machine's workflows, newest first", WorkflowsList => Page<WorkflowView>, workflows_list),
     method!("workflows.get", READ, "one workflow: its steps and where it is", WorkflowRef => WorkflowView, workflows_get),
     method!("workflows.abort", WRITE, "abort a running workflow", WorkflowRef => WorkflowView, workflows_abort),
@@ -84,6 +91,12 @@ pub(super) const METHODS: &[Method] = &[
         workflows_retry,
     ),
 ];
+
+/// Machines one `metal.bulkNow` names at most.
+pub const METAL_BULK_NOW_MACHINES_MAX: usize = 100;
+
+string_schema!(/// A destructive verb `metal.bulkNow` and `metal bulk` take.
+BulkVerbText, schemars::json_schema!({ "type": "string", "enum": ["undeploy", "deploy", "retire", "powerOff"] }));
 
 /// A host name's label: letters, digits and single hyphens inside.
 const LABEL: &str = "[A-Za-z0-9]+(-[A-Za-z0-9]+)*";
@@ -250,6 +263,40 @@ pub struct MetalPower {
     power: String,
     #[schemars(with = "Option<VersionNumber>")]
     if_version: Option<u64>,
+}
+
+/// One verb on several machines, each decided and appended on its own, in order.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetalBulkNow {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// `undeploy`, `retire` or `powerOff`; `deploy` only goes through a batch (`metal bulk`),
+    /// which mints each installed system's join token.
+    #[schemars(with = "BulkVerbText")]
+    verb: String,
+    #[schemars(with = "Vec<NodeIdText>", length(min = 1, max = METAL_BULK_NOW_MACHINES_MAX))]
+    node_ids: Vec<String>,
+}
+
+/// What `metal.bulkNow` did to each machine: the machine, or why it was refused.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalBulkNowView {
+    pub items: Vec<MetalBulkNowItem>,
+}
+
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MetalBulkNowItem {
+    pub node_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub machine: Option<MetalView>,
+    /// The refusal's code (`INVALID_STATE`, `NOT_FOUND`, …) and message.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -681,6 +728,77 @@ async fn metal_power(call: &Call<'_>, input: MetalPower) -> Result<MetalView> {
         ..Default::default()
     };
     verb(call, tenant, &doc, Verb::Power, verb_input).await
+}
+
+/// `metal.bulkNow`: with the approvers' quorum on, more than one machine is refused
+/// `BATCH_REQUIRED` before anything is read (`decide::batch::batch_required`); else each machine
+/// in turn, as its own `metal.*` call would, each answer its machine or its refusal.
+async fn metal_bulk_now(call: &Call<'_>, input: MetalBulkNow) -> Result<MetalBulkNowView> {
+    let verb: &'static str = match input.verb.as_str() {
+        "undeploy" => "undeploy",
+        "deploy" => "deploy",
+        "retire" => "retire",
+        "powerOff" => "power off",
+        other => {
+            return Err(Error::invalid(format!(
+                "verb must be undeploy, deploy, retire or powerOff, not {:?}",
+                bc_core::id::truncate(other, 16)
+            )));
+        }
+    };
+    if input.node_ids.is_empty() || input.node_ids.len() > METAL_BULK_NOW_MACHINES_MAX {
+        return Err(Error::invalid(format!("nodeIds names 1 to {METAL_BULK_NOW_MACHINES_MAX} machines")));
+    }
+    let mut nodes: Vec<String> = Vec::with_capacity(input.node_ids.len());
+    for (i, node) in input.node_ids.iter().enumerate() {
+        let node: NodeId = parse_id(&format!("nodeIds[{i}]"), node)?;
+        if !nodes.contains(&node.to_string()) {
+            nodes.push(node.to_string());
+        }
+    }
+    decide::batch::batch_required(
+        call.state.batch_quorum,
+        decide::batch::DestructiveScope::Metal { verb, machines: nodes.len() },
+    )?;
+    if call.idempotency_key.is_some() {
+        // One key would stand for every machine's append, and replay the first for the rest.
+        return Err(Error::InvalidArgument {
+            message: "metal.bulkNow takes no Idempotency-Key: each machine's verb is an append of its own".into(),
+            hint: Some("send it again without one: a machine the first call moved is refused INVALID_STATE".into()),
+        });
+    }
+    if verb == "deploy" {
+        return Err(Error::InvalidArgument {
+            message: "a deploy mints its installed system's join token, answered once: deploy machines one by one, or in a batch"
+                .into(),
+            hint: Some(
+                "metal deploy NODE --image IMG --token-out FILE, or metal bulk --verb deploy --image IMG --token-dir DIR".into(),
+            ),
+        });
+    }
+    let mut items = Vec::with_capacity(nodes.len());
+    for node_id in nodes {
+        let one = MachineVerb { tenant_id: input.tenant_id.clone(), node_id: node_id.clone(), if_version: None };
+        let done = match verb {
+            "undeploy" => metal_undeploy(call, one).await,
+            "retire" => metal_retire(call, one).await,
+            _ => {
+                let power = MetalPower { tenant_id: one.tenant_id, node_id: one.node_id, power: "off".into(), if_version: None };
+                metal_power(call, power).await
+            }
+        };
+        items.push(match done {
+            Ok(machine) => MetalBulkNowItem { node_id, machine: Some(machine), code: None, message: None },
+            Err(e @ (Error::Internal(_) | Error::Storage(_))) => return Err(e),
+            Err(e) => MetalBulkNowItem {
+                node_id,
+                machine: None,
+                code: Some(e.code().as_str().to_owned()),
+                message: Some(e.public_message()),
+            },
+        });
+    }
+    Ok(MetalBulkNowView { items })
 }
 
 async fn workflow_doc(call: &Call<'_>, tenant: TenantId, workflow_id: &str) -> Result<Workflow> {

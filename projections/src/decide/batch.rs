@@ -19,9 +19,59 @@ use crate::batch::{
     TRUST_DOMAIN_BYTES_MAX, approval_message, approver_set_message, key_refs, parse_approver_key, scope_root, verify_signature,
 };
 use crate::command::CommandIssued;
+use crate::decide::{Append, VerbInput};
+use crate::metal::Verb;
+use crate::workflow::MetalDoc;
+use crate::{ImageDoc, NodeDoc};
+use bc_core::store::{ExpectedVersion, NewEvent};
 
-/// The command kinds a batch may hold (a leaf's `kind`), each with the payload it takes.
-pub const BATCH_LEAF_KINDS: &[&str] = &["ping"];
+/// `metal.undeploy` (payload `{}`): the machine's undeploy, as `metal.undeploy` decides it.
+pub const LEAF_METAL_UNDEPLOY: &str = "metal.undeploy";
+/// `metal.deploy` (payload `{imageId, joinTokenId}`): the machine's deploy of that image, its
+/// installed system joining with that token (minted when the batch is made, usable only once the
+/// release appends it with the deploy).
+pub const LEAF_METAL_DEPLOY: &str = "metal.deploy";
+/// `metal.retire` (payload `{}`).
+pub const LEAF_METAL_RETIRE: &str = "metal.retire";
+/// `metal.powerOff` (payload `{}`): `metal.power` with `off`.
+pub const LEAF_METAL_POWER_OFF: &str = "metal.powerOff";
+
+/// The kinds a batch may hold (a leaf's `kind`), each with the payload it takes: `ping`, a
+/// command its node runs, and the destructive metal verbs, which the release starts as their
+/// machines' workflows ([`metal_leaf_start`]).
+pub const BATCH_LEAF_KINDS: &[&str] = &["ping", LEAF_METAL_UNDEPLOY, LEAF_METAL_DEPLOY, LEAF_METAL_RETIRE, LEAF_METAL_POWER_OFF];
+
+/// A metal leaf's verb and its power argument; `None` for a kind its node runs (`ping`).
+pub fn metal_leaf_verb(kind: &str) -> Option<(Verb, Option<&'static str>)> {
+    match kind {
+        LEAF_METAL_UNDEPLOY => Some((Verb::Undeploy, None)),
+        LEAF_METAL_DEPLOY => Some((Verb::Deploy, None)),
+        LEAF_METAL_RETIRE => Some((Verb::Retire, None)),
+        LEAF_METAL_POWER_OFF => Some((Verb::Power, Some("off"))),
+        _ => None,
+    }
+}
+
+/// A deploy leaf's image and join token ids, when its payload is exactly `{imageId, joinTokenId}`
+/// of well-formed ids.
+pub fn deploy_leaf_ids(payload: &serde_json::Value) -> Option<(String, String)> {
+    let object = payload.as_object()?;
+    let image = object.get("imageId")?.as_str()?.parse::<bc_core::id::ImageId>().ok()?;
+    let token = object.get("joinTokenId")?.as_str()?.parse::<bc_core::id::JoinTokenId>().ok()?;
+    (object.len() == 2).then(|| (image.to_string(), token.to_string()))
+}
+
+/// Whether a leaf's payload is exactly what its kind takes, so the leaf binds one operation.
+fn check_leaf_payload(i: usize, leaf: &Leaf) -> Result<()> {
+    if leaf.kind == LEAF_METAL_DEPLOY {
+        if deploy_leaf_ids(&leaf.payload).is_none() {
+            return Err(Error::invalid(format!("leaves[{i}]: a {} takes the payload {{imageId, joinTokenId}}", leaf.kind)));
+        }
+    } else if leaf.payload != serde_json::json!({}) {
+        return Err(Error::invalid(format!("leaves[{i}]: a {} takes the payload {{}}", leaf.kind)));
+    }
+    Ok(())
+}
 
 /// The approver set to publish, as asked.
 #[derive(Clone, Debug)]
@@ -159,8 +209,15 @@ pub fn batch_create(set: Option<&ApproverSetDoc>, input: BatchCreateInput, now_m
                 hint: Some(format!("kinds: {}", BATCH_LEAF_KINDS.join(", "))),
             });
         }
-        if leaf.payload != serde_json::json!({}) {
-            return Err(Error::invalid(format!("leaves[{i}]: a {} takes the payload {{}}", leaf.kind)));
+        check_leaf_payload(i, leaf)?;
+        // One metal verb a machine: two in one release would race on the machine's stream.
+        if metal_leaf_verb(&leaf.kind).is_some()
+            && leaves[..i].iter().any(|l| l.subject == leaf.subject && metal_leaf_verb(&l.kind).is_some())
+        {
+            return Err(Error::invalid(format!(
+                "leaves[{i}]: machine {} has a metal leaf already; a batch acts on a machine once",
+                bc_core::id::truncate(&leaf.subject, 40)
+            )));
         }
     }
     for (chunk, leaves) in leaves.chunks(COMMAND_BATCH_CHUNK_LEAVES).enumerate() {
@@ -285,11 +342,22 @@ pub fn split_scope(mut created: CommandBatchCreated) -> (CommandBatchCreated, Ve
     (created, added)
 }
 
-/// One chunk of a released batch to issue: the batch's event and each command's id and issue.
+/// One chunk of a released batch to issue: the batch's event, each command's id and issue, and
+/// the metal leaves to start on their machines.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChunkRelease {
     pub issued: CommandBatchChunkIssued,
     pub commands: Vec<(String, CommandIssued)>,
+    pub metal: Vec<MetalLeafStart>,
+}
+
+/// A metal leaf of a released chunk: its index, the leaf, and the id of the workflow it starts
+/// (drawn when the batch was made, the leaf's entry in `command_ids`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetalLeafStart {
+    pub index: u64,
+    pub leaf: Leaf,
+    pub workflow_id: String,
 }
 
 /// Decides the next chunk of a released batch (`None`: not released, or every chunk issued):
@@ -312,35 +380,120 @@ pub fn release_chunk(batch: &CommandBatchDoc, history: &[ApproverSetPublished], 
     let end = (start + COMMAND_BATCH_CHUNK_LEAVES).min(batch.leaves.len());
     let releases = batch_releases(batch, history, &approvals, start..end)?;
     let deadline_at_ms = now_ms.saturating_add(batch.deadline_s.saturating_mul(1000));
-    let commands: Vec<(String, CommandIssued)> = releases
-        .into_iter()
-        .zip(start..end)
-        .map(|(release, i)| {
-            let leaf = &batch.leaves[i];
-            let issued = CommandIssued {
-                node_id: leaf.subject.clone(),
-                kind: leaf.kind.clone(),
-                args: leaf.payload.clone(),
-                deadline_at_ms,
-                release: Some(release),
-            };
-            (batch.command_ids[i].clone(), issued)
-        })
-        .collect();
-    Ok(Some(ChunkRelease { issued: CommandBatchChunkIssued { chunk, commands: commands.len() as u64 }, commands }))
+    let mut commands: Vec<(String, CommandIssued)> = Vec::new();
+    let mut metal = Vec::new();
+    for (release, i) in releases.into_iter().zip(start..end) {
+        let leaf = &batch.leaves[i];
+        if metal_leaf_verb(&leaf.kind).is_some() {
+            metal.push(MetalLeafStart { index: i as u64, leaf: leaf.clone(), workflow_id: batch.command_ids[i].clone() });
+            continue;
+        }
+        let issued = CommandIssued {
+            node_id: leaf.subject.clone(),
+            kind: leaf.kind.clone(),
+            args: leaf.payload.clone(),
+            deadline_at_ms,
+            release: Some(release),
+        };
+        commands.push((batch.command_ids[i].clone(), issued));
+    }
+    let issued = CommandBatchChunkIssued { chunk, commands: (commands.len() + metal.len()) as u64, refused: vec![] };
+    Ok(Some(ChunkRelease { issued, commands, metal }))
+}
+
+/// What a released metal leaf needs read besides the batch: its machine, the machine's node
+/// (an undeploy cordons it), and a deploy's image.
+#[derive(Clone, Debug, Default)]
+pub struct MetalLeafWorld<'a> {
+    pub machine: Option<&'a MetalDoc>,
+    pub node: Option<&'a NodeDoc>,
+    pub image: Option<&'a ImageDoc>,
+}
+
+/// Decides the start of one released metal leaf on its machine: the verb as the caller's
+/// `metal.*` method decides it ([`crate::decide::metal_verb`]), with the leaf's exact arguments and
+/// the workflow id the batch drew for it, appended at the machine's version. An undeploy is
+/// refused while the machine's node holds reservations and cordons the node
+/// ([`undeploy_cordons`]), as `metal.undeploy` does. Refused (the machine moved on since the
+/// batch was made), the leaf starts nothing and the caller records why.
+pub fn metal_leaf_start(start: &MetalLeafStart, world: &MetalLeafWorld<'_>, now_ms: u64) -> Result<Append> {
+    let leaf = &start.leaf;
+    let (verb, power) = metal_leaf_verb(&leaf.kind)
+        .ok_or_else(|| Error::Internal(format!("leaf {} ({}) is not a metal verb", start.index, leaf.kind)))?;
+    let machine = world
+        .machine
+        .filter(|m| m.node_id == leaf.subject)
+        .ok_or_else(|| Error::not_found(format!("machine {}", bc_core::id::truncate(&leaf.subject, 40))))?;
+    let deploy = if verb == Verb::Deploy {
+        let (image_id, token_id) = deploy_leaf_ids(&leaf.payload)
+            .ok_or_else(|| Error::invalid(format!("leaf {}: a deploy names its image and join token", start.index)))?;
+        let image =
+            world.image.filter(|i| i.image_id == image_id).ok_or_else(|| Error::not_found(format!("image {image_id}")))?;
+        if image.disk_format != crate::events::DiskFormat::Iso {
+            return Err(Error::invalid(format!("image {image_id} is not an ISO: a BMC's virtual CD boots it")));
+        }
+        Some((image, token_id))
+    } else {
+        None
+    };
+    let input = VerbInput {
+        now_ms,
+        workflow_id: &start.workflow_id,
+        image: deploy.as_ref().map(|(image, _)| (image.image_id.as_str(), image.url.as_str())),
+        join_token_id: deploy.as_ref().map(|(_, token)| token.as_str()),
+        power,
+        if_version: None,
+    };
+    let mut append = crate::decide::metal_verb(machine, verb, &input)?;
+    if verb == Verb::Undeploy
+        && let Some(node) = world.node
+    {
+        undeploy_cordons(&mut append, node)?;
+    }
+    Ok(append)
+}
+
+/// An undeploy's hold on the machine's node: refused while the node holds reservations (drain
+/// it first); else the node is cordoned in the undeploy's append (unless it is already) and
+/// guarded at the version read, so nothing is placed on a machine being torn down.
+pub fn undeploy_cordons(append: &mut Append, node: &NodeDoc) -> Result<()> {
+    if !node.allocations.is_empty() {
+        return Err(Error::InvalidState {
+            message: format!(
+                "node {} holds {} GPUs of live reservations: drain it (nodes drain) and let them end before undeploying",
+                node.node_id,
+                node.allocations.len()
+            ),
+            allowed: vec![],
+            hint: None,
+        });
+    }
+    let stream = crate::stream_of(crate::KIND_NODE, &node.node_id);
+    if !node.cordoned {
+        let mut cordon =
+            NewEvent::new(crate::events::NODE_CORDONED, crate::events::to_cbor(&crate::events::NodeStateChanged {})?);
+        cordon.stream = Some(stream.clone());
+        append.events.push(cordon);
+    }
+    append.guards.push((stream, ExpectedVersion::Exact(node.version)));
+    Ok(())
 }
 
 /// The appends of one chunk, for one `Log::append_group`: `command_batch.chunk_issued` at the
 /// batch's version (so a chunk is issued once, whoever issues it), then each command on its new
 /// stream.
+///
+/// `metal` are the appends of the chunk's metal leaves that start ([`metal_leaf_start`]); the
+/// ones refused are in `chunk.issued.refused`.
 pub fn chunk_appends(
     tenant: bc_core::id::TenantId,
     batch: &CommandBatchDoc,
     chunk: ChunkRelease,
+    metal: Vec<Append>,
     actor: &str,
     correlation: Option<&str>,
 ) -> Result<Vec<bc_core::store::AppendRequest>> {
-    use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
+    use bc_core::store::AppendRequest;
     let request = |stream: String, expected, event: NewEvent| {
         let mut request = AppendRequest::new(tenant, stream, expected, actor, vec![event]);
         request.correlation = correlation.map(str::to_owned);
@@ -357,6 +510,11 @@ pub fn chunk_appends(
             ExpectedVersion::NoStream,
             NewEvent::new(crate::command::COMMAND_ISSUED, crate::events::to_cbor(&issued)?),
         ));
+    }
+    for append in metal {
+        let mut request = append.into_request(tenant, actor);
+        request.correlation = correlation.map(str::to_owned);
+        requests.push(request);
     }
     Ok(requests)
 }
@@ -442,8 +600,13 @@ pub fn batch_required(quorum: bool, scope: DestructiveScope) -> Result<()> {
     if !quorum {
         return Ok(());
     }
+    let mut hint = "make a batch of the operation (better-compute batch create --reason TEXT --scope FILE) and have the approvers sign it (batch approve)".to_owned();
     let what = match scope {
         DestructiveScope::Metal { verb, machines } if machines > 1 && BATCH_METAL_VERBS.contains(&verb) => {
+            hint = format!(
+                "make a batch of it (better-compute metal bulk --verb {} --nodes … --reason TEXT) and have the approvers sign it (batch approve)",
+                verb.replace(' ', "-")
+            );
             format!("metal {verb} on {machines} machines")
         }
         DestructiveScope::Rollout { nodes } if nodes > 1 => format!("a rollout to {nodes} nodes"),
@@ -457,7 +620,7 @@ pub fn batch_required(quorum: bool, scope: DestructiveScope) -> Result<()> {
         message: format!(
             "{what} needs a destructive batch: this deployment runs with the approvers' quorum on (--approvers), so one key does not act on that scope alone"
         ),
-        hint: "make a batch of the operation (better-compute batch create --reason TEXT --scope FILE) and have the approvers sign it (batch approve)".to_owned(),
+        hint,
     })
 }
 
@@ -533,6 +696,7 @@ mod tests {
             end_reason: None,
             version: 1,
             chunks_issued: 0,
+            refused: vec![],
         }
     }
 
@@ -723,7 +887,13 @@ mod tests {
             let e = batch_required(true, scope).unwrap_err();
             assert_eq!(e.code(), ErrorCode::BatchRequired, "{scope:?}");
             assert_eq!(e.code().as_str(), "BATCH_REQUIRED");
-            assert!(e.hint().unwrap().contains("batch create"), "{e:?}");
+            let hint = e.hint().unwrap();
+            match scope {
+                Metal { verb, .. } => {
+                    assert!(hint.contains(&format!("metal bulk --verb {}", verb.replace(' ', "-"))), "{e:?}")
+                }
+                _ => assert!(hint.contains("batch create"), "{e:?}"),
+            }
         }
     }
     /// A node's own check of a release: the pinned epoch-1 set, a chain to epoch 2 signed by
@@ -843,5 +1013,158 @@ mod tests {
         }
         assert_eq!(sizes, [200, 200, 50]);
         assert_eq!(doc.chunks(), 3);
+    }
+
+    fn metal_leaf(kind: &str, node: &str, payload: serde_json::Value) -> Leaf {
+        Leaf { subject: node.into(), kind: kind.into(), payload }
+    }
+
+    const IMAGE: &str = "img_01jd0000000000000000000000";
+    const TOKEN: &str = "jt_01jd0000000000000000000000";
+
+    /// A metal leaf's bytes are its canonical CBOR, whatever order its payload's keys came in;
+    /// another image, token, machine or kind is another leaf; each kind takes exactly its payload,
+    /// and a batch acts on a machine once.
+    #[test]
+    fn a_metal_leaf_binds_its_exact_operation() {
+        let deploy = |payload: &str| metal_leaf(LEAF_METAL_DEPLOY, "node_a", serde_json::from_str(payload).unwrap());
+        let one = deploy(&format!(r#"{{"imageId": "{IMAGE}", "joinTokenId": "{TOKEN}"}}"#));
+        let reordered = deploy(&format!(r#"{{"joinTokenId": "{TOKEN}", "imageId": "{IMAGE}"}}"#));
+        assert_eq!(one.encode().unwrap(), reordered.encode().unwrap());
+        // RFC 8949 §4.2.1: the map's keys sorted by their encoding (shorter first), the payload's too.
+        let bytes = one.encode().unwrap();
+        let value: ciborium::Value = ciborium::from_reader(bytes.as_slice()).unwrap();
+        let keys: Vec<String> = value.as_map().unwrap().iter().map(|(k, _)| k.as_text().unwrap().to_owned()).collect();
+        assert_eq!(keys, ["kind", "payload", "subject"]);
+        let mut again = Vec::new();
+        ciborium::into_writer(&value, &mut again).unwrap();
+        assert_eq!(again, bytes, "re-encoding gives the same bytes");
+        let root = scope_root(std::slice::from_ref(&one)).unwrap();
+        for other in [
+            deploy(&format!(r#"{{"imageId": "img_01jd0000000000000000000001", "joinTokenId": "{TOKEN}"}}"#)),
+            deploy(&format!(r#"{{"imageId": "{IMAGE}", "joinTokenId": "jt_01jd0000000000000000000001"}}"#)),
+            Leaf { subject: "node_b".into(), ..one.clone() },
+            Leaf { kind: LEAF_METAL_UNDEPLOY.into(), ..one.clone() },
+        ] {
+            assert_ne!(scope_root(&[other]).unwrap(), root);
+        }
+        assert_eq!(metal_leaf_verb(LEAF_METAL_POWER_OFF), Some((Verb::Power, Some("off"))));
+        assert_eq!(metal_leaf_verb("ping"), None);
+
+        let s = set(&[&key(1)], 1);
+        let make = |leaves: Vec<Leaf>| {
+            let ids = (0..leaves.len()).map(|i| format!("wf_{i}")).collect();
+            batch_create(
+                Some(&s),
+                BatchCreateInput { reason: "r".into(), leaves, hours: 1, deadline_s: 300, command_ids: ids },
+                0,
+            )
+        };
+        let empty = serde_json::json!({});
+        for kind in [LEAF_METAL_UNDEPLOY, LEAF_METAL_RETIRE, LEAF_METAL_POWER_OFF] {
+            assert!(make(vec![metal_leaf(kind, "node_a", empty.clone())]).is_ok(), "{kind}");
+            assert!(make(vec![metal_leaf(kind, "node_a", serde_json::json!({"imageId": IMAGE}))]).is_err(), "{kind}");
+            assert!(make(vec![metal_leaf(kind, "node_a", serde_json::Value::Null)]).is_err(), "{kind} unbound");
+        }
+        assert!(make(vec![one.clone()]).is_ok());
+        for payload in [
+            serde_json::json!({}),
+            serde_json::json!({"imageId": IMAGE}),
+            serde_json::json!({"imageId": IMAGE, "joinTokenId": TOKEN, "x": 1}),
+            serde_json::json!({"imageId": "node_x", "joinTokenId": TOKEN}),
+        ] {
+            assert!(make(vec![metal_leaf(LEAF_METAL_DEPLOY, "node_a", payload.clone())]).is_err(), "{payload}");
+        }
+        let twice = make(vec![
+            metal_leaf(LEAF_METAL_POWER_OFF, "node_a", empty.clone()),
+            metal_leaf(LEAF_METAL_UNDEPLOY, "node_a", empty.clone()),
+        ]);
+        assert!(twice.unwrap_err().to_string().contains("acts on a machine once"));
+        assert!(make(vec![ping("node_a"), metal_leaf(LEAF_METAL_UNDEPLOY, "node_a", empty)]).is_ok(), "a ping and a verb");
+    }
+
+    fn machine(node: &str, state: &str) -> MetalDoc {
+        serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_00000000000000000000000000", "nodeId": node, "poolId": "pool_01jd0000000000000000000000",
+            "name": "m", "state": state, "flags": { "retired": false },
+            "bmc": { "address": "https://bmc", "username": "u", "tls": "insecure", "secretId": "bmc_x" },
+            "stateEnteredAtMs": 1, "version": 9, "createdAtMs": 1, "updatedAtMs": 1,
+        }))
+        .expect("a machine document")
+    }
+
+    fn node_doc(node: &str, cordoned: bool, allocations: serde_json::Value) -> NodeDoc {
+        serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_00000000000000000000000000", "nodeId": node,
+            "poolId": "pool_01jd0000000000000000000000", "name": "n0", "gpus": [], "labels": {},
+            "state": if cordoned { "cordoned" } else { "ready" }, "cordoned": cordoned,
+            "allocations": allocations, "version": 4, "createdAtMs": 1, "updatedAtMs": 2,
+        }))
+        .expect("a node document")
+    }
+
+    /// A pending batch releases nothing; released, its metal leaves come out as starts (no
+    /// command for any node), each the verb `metal.*` decides on its machine at the machine's
+    /// version with the batch's workflow id: an undeploy cordons the node and guards it, and is
+    /// refused while the node holds reservations; a machine that moved on refuses its verb.
+    #[test]
+    fn a_released_metal_leaf_starts_its_machines_workflow_and_nothing_before() {
+        let (a, b) = (key(1), key(2));
+        let s = set(&[&a, &b], 2);
+        let empty = serde_json::json!({});
+        let leaves = vec![
+            metal_leaf(LEAF_METAL_UNDEPLOY, "node_a", empty.clone()),
+            metal_leaf(LEAF_METAL_POWER_OFF, "node_b", empty.clone()),
+            ping("node_c"),
+        ];
+        let mut doc = batch(&s, leaves);
+        let history = [ApproverSetPublished {
+            epoch: 1,
+            quorum: 2,
+            trust_domain: "compute.test".into(),
+            keys: s.keys.clone(),
+            signatures: vec![],
+        }];
+        assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "a pending batch starts nothing");
+        approve(&mut doc, &s, &a).unwrap();
+        assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "one approval of two starts nothing");
+        approve(&mut doc, &s, &b).unwrap();
+        doc.state = BatchState::Released;
+        let chunk = release_chunk(&doc, &history, 5_000).unwrap().unwrap();
+        assert_eq!(chunk.commands.len(), 1, "only the ping goes to a node");
+        assert_eq!(
+            chunk.metal.iter().map(|m| (m.index, m.workflow_id.as_str())).collect::<Vec<_>>(),
+            [(0, "cmd_0"), (1, "cmd_1")]
+        );
+        assert_eq!(chunk.issued.commands, 3);
+
+        let active = machine("node_a", "active");
+        let free = node_doc("node_a", false, serde_json::json!({}));
+        let world = MetalLeafWorld { machine: Some(&active), node: Some(&free), image: None };
+        let append = metal_leaf_start(&chunk.metal[0], &world, 5_000).unwrap();
+        assert_eq!(append.stream, "metal/node_a");
+        assert_eq!(append.expected, ExpectedVersion::Exact(9));
+        assert_eq!(append.event_types(), ["metal.transitioned", "node.cordoned"]);
+        assert_eq!(append.guards, [("node/node_a".to_owned(), ExpectedVersion::Exact(4))]);
+        let started: crate::events::MetalTransitioned = ciborium::Value::deserialized(&append.events[0].payload).unwrap();
+        assert_eq!((started.verb.as_str(), started.to.as_str()), ("undeploy", "deleting"));
+        assert_eq!(started.workflow.unwrap().workflow_id, "cmd_0");
+
+        let held = node_doc("node_a", true, serde_json::json!({ "0": "rsv_a" }));
+        let refused = metal_leaf_start(&chunk.metal[0], &MetalLeafWorld { node: Some(&held), ..world.clone() }, 5_000);
+        assert!(refused.unwrap_err().to_string().contains("drain it"));
+        let moved = machine("node_a", "available");
+        let refused = metal_leaf_start(&chunk.metal[0], &MetalLeafWorld { machine: Some(&moved), ..world.clone() }, 5_000);
+        assert_eq!(refused.unwrap_err().code(), ErrorCode::InvalidState);
+        let other = machine("node_z", "active");
+        let refused = metal_leaf_start(&chunk.metal[0], &MetalLeafWorld { machine: Some(&other), ..world }, 5_000);
+        assert_eq!(refused.unwrap_err().code(), ErrorCode::NotFound);
+
+        let manageable = machine("node_b", "manageable");
+        let append =
+            metal_leaf_start(&chunk.metal[1], &MetalLeafWorld { machine: Some(&manageable), ..Default::default() }, 5_000)
+                .unwrap();
+        let started: crate::events::MetalTransitioned = ciborium::Value::deserialized(&append.events[0].payload).unwrap();
+        assert_eq!(started.workflow.unwrap().power.as_deref(), Some("off"));
     }
 }

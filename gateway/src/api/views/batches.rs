@@ -77,6 +77,11 @@ pub struct CommandBatchView {
     pub ended_at_ms: Option<u64>,
     pub end_reason: Option<String>,
     pub version: u64,
+    /// `commandBatches.create` only, once (absent on a replay): the one-use join token of each
+    /// `metal.deploy` leaf, by machine, for its installed system's `bcd join --node-id`. It
+    /// joins only once the batch is released and the deploy started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_tokens: Option<std::collections::BTreeMap<String, String>>,
 }
 
 impl From<&CommandBatchDoc> for CommandBatchView {
@@ -102,6 +107,7 @@ impl From<&CommandBatchDoc> for CommandBatchView {
             ended_at_ms: d.ended_at_ms,
             end_reason: d.end_reason.clone(),
             version: d.version,
+            join_tokens: None,
         }
     }
 }
@@ -139,14 +145,18 @@ pub struct CommandBatchScopeView {
     pub next_offset: Option<u64>,
 }
 
-/// One command of a batch and its state: `awaitingApproval` while the batch is pending,
-/// `cancelled` when it was cancelled or expired, else the command's own.
+/// One command of a batch and its state: `awaitingApproval` while the batch is pending (held),
+/// `cancelled` when it was cancelled or expired, `releasing` once released until its chunk is
+/// issued, then the command's own (`issued`, `started`, `succeeded`, `failed`); a metal leaf's
+/// is its workflow's (`running`, `succeeded`, `failed`, `aborted`; `succeeded` for a verb that
+/// runs none, `retire`), or `failed` with the reason its machine refused the verb at the release.
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BatchMemberView {
     pub index: u64,
     pub subject: String,
     pub kind: String,
+    /// The command's `cmd_…` id; a metal leaf's `wf_…`, the workflow its release starts.
     pub command_id: String,
     pub state: String,
     pub reason: Option<String>,
