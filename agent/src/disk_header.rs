@@ -84,6 +84,7 @@ pub fn inspect_header(header: &[u8], format: DiskFormat) -> Result<(), String> {
             None => Ok(()),
         },
         DiskFormat::Qcow2 => inspect_qcow2(header),
+        DiskFormat::RootfsTar => Err("a root file system (rootfs-tar) is a sandbox's, never a domain's disk".into()),
     }
 }
 

@@ -210,7 +210,16 @@ async fn open_agent(
         (Some(settings), Some(launch)) => Some(Arc::new(Updater::new(settings, version.to_owned(), launch)?)),
         _ => None,
     };
-    let agent = Arc::new(Agent { runner, instances: Instances::for_config(config)?, update: updater });
+    let sandboxes = crate::sandboxes::Sandboxes::for_config(config)?.map(Arc::new);
+    if let Some(sandboxes) = &sandboxes {
+        // What a crash or a lost record left behind goes before any command runs.
+        match sandboxes.sweep().await {
+            Ok(removed) if !removed.is_empty() => tracing::warn!(count = removed.len(), "sandboxes no record names were removed"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "the sandbox sweep failed"),
+        }
+    }
+    let agent = Arc::new(Agent { runner, instances: Instances::for_config(config)?, update: updater, sandboxes });
     let mut capabilities = agent.capabilities();
     // A console on the node: the driver attaches it (`crate::tunnel`), at the edge.
     capabilities.push(bc_core::tunnel::CAPABILITY_NODE_CONSOLE.to_owned());

@@ -47,6 +47,10 @@ pub enum Desired {
 pub enum DiskFormat {
     Qcow2,
     Raw,
+    /// A root file system as a tar archive: a sandbox's (`crate::sandboxes`), never an
+    /// instance's disk.
+    #[serde(rename = "rootfs-tar")]
+    RootfsTar,
 }
 
 impl DiskFormat {
@@ -54,6 +58,7 @@ impl DiskFormat {
         match self {
             Self::Qcow2 => "qcow2",
             Self::Raw => "raw",
+            Self::RootfsTar => "rootfs-tar",
         }
     }
 }
@@ -161,6 +166,9 @@ pub fn parse_apply(args_json: &str) -> Result<Apply, BadArgs> {
     }
     if args.gpus.len() > INSTANCE_GPUS_MAX {
         return Err(bad(format!("bad-args: an instance has at most {INSTANCE_GPUS_MAX} GPUs")));
+    }
+    if args.image.disk_format == DiskFormat::RootfsTar {
+        return Err(bad("bad-args: the image is a root file system (rootfs-tar), a sandbox's, not an instance's disk".into()));
     }
     if !is_sha256(&args.image.sha256) {
         return Err(bad("bad-args: the image's sha256 is not 64 lowercase hex digits".into()));

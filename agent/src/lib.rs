@@ -36,6 +36,7 @@ pub mod journal;
 pub mod ledger;
 pub mod metrics;
 pub mod runner;
+pub mod sandboxes;
 pub mod session;
 pub mod sim;
 pub mod ssh_ca;

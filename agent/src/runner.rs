@@ -626,6 +626,56 @@ impl Runner {
         Ok(out)
     }
 
+    /// `sandbox.apply`: run once (a finished command is not run again), past its deadline
+    /// answered `sandbox.apply_failed` unrun, else carried out by `sandboxes` (the ledger first,
+    /// then the runtime) and answered with what the sandbox then is (`sandbox.observed`) or why
+    /// not (`sandbox.apply_failed`), on the sandbox's stream.
+    pub async fn run_sandbox_apply(
+        &self,
+        command: &bc_proto::Command,
+        now_ms: u64,
+        sandboxes: Option<&crate::sandboxes::Sandboxes>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
+        let mut out = Vec::new();
+        let id = command.command_id.as_str();
+        if id.parse::<bc_core::id::CommandId>().is_err() {
+            tracing::warn!("a command with a malformed id was ignored");
+            return Ok(out);
+        }
+        let stage = self.journal.command_stage(id).await?;
+        if stage == Some(Stage::Finished) {
+            return Ok(out);
+        }
+        let args = match crate::sandboxes::parse_args(&command.args_json) {
+            Ok(args) => args,
+            Err((Some(sandbox_id), reason)) => {
+                let (entry_type, payload) = crate::sandboxes::report_payload(&sandbox_id, &Err(reason));
+                let finish = Finish { entry_type, subject: Some(format!("sandbox/{sandbox_id}")), payload };
+                self.finish(now_ms, id, finish, &mut out).await?;
+                return Ok(out);
+            }
+            Err((None, reason)) => {
+                self.finish(now_ms, id, Finish::failed(reason), &mut out).await?;
+                return Ok(out);
+            }
+        };
+        let outcome = if now_ms > command.deadline_ms {
+            Err("deadline-passed: the deadline passed before the node ran it".to_owned())
+        } else if let Some(sandboxes) = sandboxes {
+            if stage.is_none() {
+                self.write(self.draft(now_ms, "command.started", id, json!({}), Stage::Started), &mut out).await?;
+            }
+            sandboxes.apply(id, &args).await
+        } else {
+            Err("no-runtime: this node runs no sandboxes (hint: install runsc, Debian's package runsc)".to_owned())
+        };
+        let (entry_type, payload) = crate::sandboxes::report_payload(&args.sandbox_id, &outcome);
+        let finish = Finish { entry_type, subject: Some(format!("sandbox/{}", args.sandbox_id)), payload };
+        self.finish(now_ms, id, finish, &mut out).await?;
+        tracing::info!(command = %id, sandbox = %args.sandbox_id, "sandbox.apply ran");
+        Ok(out)
+    }
+
     /// Retries the releases the machine refused; each that now succeeds leaves the ledger and
     /// is reported `gpu.released` for its command. Returns the entries written.
     pub async fn retry_releases(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
@@ -1049,6 +1099,8 @@ pub struct Agent {
     /// The slots and the watchdog, with `[update]` (else `agent.update` is refused
     /// `update-unconfigured`).
     pub update: Option<Arc<Updater>>,
+    /// Its sandboxes, on a node with a sandbox runtime (`runsc`).
+    pub sandboxes: Option<Arc<crate::sandboxes::Sandboxes>>,
 }
 
 impl Agent {
@@ -1059,10 +1111,16 @@ impl Agent {
         if self.instances.is_some() {
             out.push(CAPABILITY_INSTANCE_APPLY.to_owned());
         }
+        if let Some(sandboxes) = &self.sandboxes {
+            out.extend(sandboxes.capabilities());
+        }
         out
     }
 
     pub async fn run(&self, command: &bc_proto::Command, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
+        if command.kind == crate::sandboxes::SANDBOX_APPLY {
+            return self.runner.run_sandbox_apply(command, now_ms, self.sandboxes.as_deref()).await;
+        }
         self.runner.run_all(command, now_ms, self.instances.as_ref(), self.update.as_deref()).await
     }
 
@@ -1139,7 +1197,7 @@ mod tests {
             command_roots: Vec::new(),
         };
         let instances = hypervisor.map(|h| Instances::new(dir, h).unwrap());
-        Agent { runner, instances, update: None }
+        Agent { runner, instances, update: None, sandboxes: None }
     }
 
     fn command(n: u32, kind: &str, args: Value) -> bc_proto::Command {

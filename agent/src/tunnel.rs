@@ -194,6 +194,16 @@ pub async fn attach(channel: tonic::transport::Channel, open: bc_proto::OpenTunn
     );
     let op = Op::parse(&open.op);
     match op {
+        Some(Op::Exec) if open.instance_id.starts_with(bc_core::id::SandboxId::PREFIX) => match guests.sandboxes() {
+            Some(sandboxes) => {
+                tracing::info!(sandbox = %open.instance_id, "a sandbox exec tunnel opened");
+                sandboxes.exec(&open.instance_id, &open.command, &mut from_gateway, to_gateway).await;
+                tracing::info!(sandbox = %open.instance_id, "a sandbox exec tunnel ended");
+            }
+            None => {
+                let _ = to_gateway.send(broken("this node runs no sandboxes (no runsc)".into())).await;
+            }
+        },
         Some(Op::Console) if open.instance_id.is_empty() => {
             tracing::info!("a console tunnel opened");
             console(&mut from_gateway, to_gateway).await;
@@ -264,11 +274,19 @@ impl GuestEnd {
 /// What instance tunnels reach: the node's hypervisor, if it runs instances.
 pub trait Guests: Send + Sync + 'static {
     fn hypervisor(&self) -> Option<&dyn Hypervisor>;
+    /// The node's sandboxes, if it runs any: what `exec` on a sandbox reaches.
+    fn sandboxes(&self) -> Option<&crate::sandboxes::Sandboxes> {
+        None
+    }
 }
 
 impl Guests for crate::runner::Agent {
     fn hypervisor(&self) -> Option<&dyn Hypervisor> {
         self.instances.as_ref().map(|instances| instances.hypervisor.as_ref())
+    }
+
+    fn sandboxes(&self) -> Option<&crate::sandboxes::Sandboxes> {
+        self.sandboxes.as_deref()
     }
 }
 

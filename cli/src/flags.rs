@@ -14,7 +14,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
     agent_commands, api, audit, auth, batch, console, events, exec, flavors, fleet, forward, init, instances, inventory,
-    join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sim, ssh_cert, usage, version, webhooks,
+    join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert, usage, version,
+    webhooks,
 };
 use crate::output::Format;
 
@@ -261,6 +262,18 @@ pub enum Command {
     Instances {
         #[command(subcommand)]
         command: instances::InstancesCommand,
+    },
+    /// Sandboxes: isolated, short-lived machines from templates (gVisor on the node), warm or
+    /// cold; `sandbox exec SBX -- COMMAND…` runs a command in one.
+    Sandbox {
+        #[command(subcommand)]
+        command: sandboxes::SandboxCommand,
+    },
+    /// The templates sandboxes are made from: pool, flavor, root-filesystem image, env, TTLs,
+    /// warm pool.
+    SandboxTemplate {
+        #[command(subcommand)]
+        command: sandboxes::SandboxTemplateCommand,
     },
     /// Bare-metal machines by their BMCs: enroll, manage, inspect, provide, deploy, undeploy,
     /// rescue, power; each verb a workflow with deadlines.

@@ -185,6 +185,25 @@ pub const ROLLOUTS: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const SANDBOXES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "sandboxId") },
+    Column { header: "TEMPLATE", cell: |r, _| field(r, "templateId") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "WARM", cell: |r, _| field(r, "warm") },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "ENDS", cell: |r, now| when(r, "endsAtMs", now) },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const SANDBOX_TEMPLATES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "templateId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "POOL", cell: |r, _| field(r, "poolId") },
+    Column { header: "WARM-MIN", cell: |r, _| field(r, "warmMin") },
+    Column { header: "MAX-TTL-S", cell: |r, _| field(r, "maxTtlS") },
+    Column { header: "IMAGE", cell: |r, _| r["image"]["imageId"].as_str().unwrap_or("-").to_owned() },
+];
+
 pub const INSTANCES: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "instanceId") },
     Column { header: "NAME", cell: |r, _| field(r, "name") },

@@ -101,6 +101,10 @@ typed_id!(/// A registered disk image an instance boots from (its URL and SHA-25
     ImageId, "img");
 typed_id!(/// An instance: a virtual machine on a reservation's node, with its GPUs passed through.
     InstanceId, "inst");
+typed_id!(/// A sandbox: an isolated, short-lived machine made from a sandbox template.
+    SandboxId, "sbx");
+typed_id!(/// A sandbox template: the pool, flavor, image, environment and bounds sandboxes are made from.
+    SandboxTemplateId, "sbxt");
 typed_id!(/// A bare-metal workflow: the steps one verb runs on one machine's BMC.
     WorkflowId, "wf");
 typed_id!(/// A registered, signed `bcd` release.

@@ -33,7 +33,7 @@ use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use bc_core::id::TenantId;
+use bc_core::id::{SandboxId, TenantId};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::tunnel::{self as wire, Op};
 use bc_core::{Error, ErrorCode, Result};
@@ -144,6 +144,8 @@ pub struct OpenRequest {
     pub op: Op,
     pub instance_id: Option<String>,
     pub port: Option<u16>,
+    /// `exec` in a sandbox: the command.
+    pub command: Vec<String>,
 }
 
 /// The agent's end of a tunnel, as its `Tunnel` call delivered it: frames from the node, and a
@@ -349,7 +351,8 @@ impl SpendRefusal {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Refused {
     pub why: SpendRefusal,
-    pub record: Option<RefusedTicket>,
+    /// Boxed: the grant (a sandbox exec's command with it) would make every refusal large.
+    pub record: Option<Box<RefusedTicket>>,
 }
 
 /// What `tunnel.refused` says of the refused ticket (never the ticket itself).
@@ -441,7 +444,7 @@ impl Tunnels {
         };
         let record = (t.refusals_recorded < TICKET_REFUSALS_RECORDED_MAX).then(|| {
             t.refusals_recorded += 1;
-            RefusedTicket { tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() }
+            Box::new(RefusedTicket { tenant: t.tenant, key_id: t.key_id.clone(), grant: t.grant.clone() })
         });
         Err(Refused { why, record })
     }
@@ -463,8 +466,13 @@ impl Tunnels {
         let unavailable = || Error::Unavailable(format!("node {}'s agent has no session with this gateway now", grant.node_id));
         let requests = requests.ok_or_else(unavailable)?;
         let _forget = WaitingGuard { tunnels: self, tunnel_id: &tunnel_id };
-        let request =
-            OpenRequest { tunnel_id: tunnel_id.clone(), op: grant.op, instance_id: grant.instance_id.clone(), port: grant.port };
+        let request = OpenRequest {
+            tunnel_id: tunnel_id.clone(),
+            op: grant.op,
+            instance_id: grant.instance_id.clone(),
+            port: grant.port,
+            command: grant.command.clone(),
+        };
         let answer = async {
             requests.send(request).await.map_err(|_| unavailable())?;
             waiting.await.map_err(|_| unavailable())
@@ -728,7 +736,10 @@ async fn still_open(
     grant: &TunnelGrant,
     authorization: Option<&str>,
 ) -> Option<relay::Ending> {
-    let action = tunnel_action(grant.instance_id.is_none());
+    let action = match &grant.instance_id {
+        Some(id) if id.starts_with(SandboxId::PREFIX) => crate::api::sandboxes::ACTION_SANDBOX_EXEC,
+        _ => tunnel_action(grant.instance_id.is_none()),
+    };
     if let Err(e) = crate::watch::still_authorized(&*state.store, authorization, action, tenant).await {
         let (reason, message) = match e.code() {
             ErrorCode::Unauthenticated => (CloseReason::KeyRevoked, "the API key that opened the tunnel was revoked".to_owned()),
@@ -765,6 +776,11 @@ async fn target_ended(state: &AppState, tenant: TenantId, grant: &TunnelGrant) -
         let node: Option<NodeDoc> = read(state, tenant, KIND_NODE, &grant.node_id).await?;
         return Ok(tunnel_target_ended(&TunnelTargetNow::Node { node_id: &grant.node_id, node: node.as_ref() }));
     };
+    if instance_id.starts_with(SandboxId::PREFIX) {
+        let sandbox: Option<bc_projections::sandbox::SandboxDoc> =
+            read(state, tenant, bc_projections::sandbox::KIND_SANDBOX, instance_id).await?;
+        return Ok(bc_projections::decide::sandbox::sandbox_exec_ended(instance_id, sandbox.as_ref()));
+    }
     let instance: Option<InstanceDoc> = read(state, tenant, KIND_INSTANCE, instance_id).await?;
     let reservation: Option<ReservationDoc> = match &instance {
         Some(doc) => read(state, tenant, KIND_RESERVATION, &doc.reservation_id).await?,
@@ -784,7 +800,7 @@ mod tests {
     use super::*;
 
     fn grant(node: &str) -> TunnelGrant {
-        TunnelGrant { op: Op::Console, node_id: node.into(), instance_id: None, port: None }
+        TunnelGrant { op: Op::Console, node_id: node.into(), instance_id: None, port: None, command: Vec::new() }
     }
 
     fn why(spent: std::result::Result<TunnelSlot, Refused>) -> Option<SpendRefusal> {
@@ -801,7 +817,7 @@ mod tests {
         let (ticket, _) = tunnels.issue(tenant, "key_a", "node_1", 0, |_, _| Ok(grant("node_1"))).unwrap();
         let refused = tunnels.spend(&ticket, "key_b", 1).err().unwrap();
         let expected = RefusedTicket { tenant, key_id: "key_a".into(), grant: grant("node_1") };
-        assert_eq!(refused, Refused { why: SpendRefusal::OtherKey, record: Some(expected) });
+        assert_eq!(refused, Refused { why: SpendRefusal::OtherKey, record: Some(Box::new(expected)) });
         drop(tunnels.spend(&ticket, "key_a", 2).unwrap());
         let recorded = (0..20).filter(|_| tunnels.spend(&ticket, "key_a", 3).err().unwrap().record.is_some()).count();
         assert_eq!(recorded, usize::from(TICKET_REFUSALS_RECORDED_MAX) - 1, "one was the other key's");

@@ -36,7 +36,7 @@ async fn gateway(dir: &std::path::Path, requests_max: usize) -> (Arc<AppState>, 
 /// A ticket for a console on [`NODE`], issued to the key of `token`.
 fn ticket(state: &AppState, token: &str) -> String {
     let key_id = token.split('.').next().unwrap();
-    let grant = TunnelGrant { op: Op::Console, node_id: NODE.into(), instance_id: None, port: None };
+    let grant = TunnelGrant { op: Op::Console, node_id: NODE.into(), instance_id: None, port: None, command: Vec::new() };
     let now_ms = state.log.clock.now_ms();
     state.tunnels.issue(TenantId::ROOT, key_id, NODE, now_ms, |_, _| Ok(grant)).unwrap().0
 }

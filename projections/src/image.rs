@@ -43,6 +43,10 @@ pub enum DiskFormat {
     /// A bootable ISO 9660 image: what a bare-metal deploy or rescue boots through a BMC's
     /// virtual CD; never an instance's disk.
     Iso,
+    /// A root file system as a tar archive (`rootfs-tar`): what a sandbox runs from, read-only
+    /// under a writable layer; never an instance's disk.
+    #[serde(rename = "rootfs-tar")]
+    RootfsTar,
 }
 
 /// A disk image, by where it is fetched from and the SHA-256 its bytes must have.

@@ -42,6 +42,7 @@ pub mod pool;
 pub mod quota;
 pub mod reservation;
 pub mod rollout;
+pub mod sandbox;
 pub mod tenant;
 pub mod tunnel;
 pub mod usage;
@@ -199,13 +200,17 @@ impl Projector for Projections {
             _ => {}
         }
         let report_type = event.envelope.event_type.as_str();
-        if GPU_REPORT_TYPES.contains(&report_type) || INSTANCE_REPORT_TYPES.contains(&report_type) {
+        if GPU_REPORT_TYPES.contains(&report_type)
+            || INSTANCE_REPORT_TYPES.contains(&report_type)
+            || sandbox::SANDBOX_REPORT_TYPES.contains(&report_type)
+        {
             command::touches_report(event, out);
         }
         let Some((kind, id)) = stream else { return };
         let live = match kind {
             KIND_RESERVATION => Some(KIND_RESERVATION_LIVE),
             KIND_INSTANCE => Some(KIND_INSTANCE_LIVE),
+            sandbox::KIND_SANDBOX => Some(sandbox::KIND_SANDBOX_LIVE),
             rollout::KIND_ROLLOUT => Some(rollout::KIND_ROLLOUT_LIVE),
             batch::KIND_COMMAND_BATCH => Some(batch::KIND_COMMAND_BATCH_LIVE),
             KIND_TENANT
@@ -220,7 +225,8 @@ impl Projector for Projections {
             | rollout::KIND_RELEASE
             | usage::KIND_USAGE_PRICE
             | batch::KIND_APPROVER_SET
-            | fleet_config::KIND_FLEET => None,
+            | fleet_config::KIND_FLEET
+            | sandbox::KIND_SANDBOX_TEMPLATE => None,
             _ => return,
         };
         let row = |kind: &str| RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
@@ -254,6 +260,7 @@ impl Projector for Projections {
             KIND_FLAVOR => flavor::apply(key, current, event),
             KIND_IMAGE => image::apply(key, current, event),
             KIND_INSTANCE => instance::apply(key, current, event),
+            sandbox::KIND_SANDBOX | sandbox::KIND_SANDBOX_TEMPLATE => sandbox::apply(key, current, event),
             workflow::KIND_METAL => workflow::apply(key, current, event),
             rollout::KIND_RELEASE | rollout::KIND_ROLLOUT => rollout::apply(key, current, event),
             batch::KIND_APPROVER_SET | batch::KIND_COMMAND_BATCH => batch::apply(key, current, event),

@@ -24,6 +24,7 @@ pub mod outbox;
 pub mod registry;
 pub mod reservations;
 pub mod rollouts;
+pub mod sandboxes;
 pub mod status;
 pub mod usage;
 pub mod webhooks;

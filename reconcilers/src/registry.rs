@@ -22,7 +22,9 @@ use tokio::sync::watch;
 
 use crate::driver::{self, Reconciler, Schedule};
 use crate::outbox::{self, RunnerConfig};
-use crate::{batches, checkpoints, fleet_drift, instances, liveness, metal, reservations, rollouts, usage, webhooks, witnesses};
+use crate::{
+    batches, checkpoints, fleet_drift, instances, liveness, metal, reservations, rollouts, sandboxes, usage, webhooks, witnesses,
+};
 
 /// What the reconcilers are built from: one process's store, log, clock and settings.
 pub struct Inputs {
@@ -137,6 +139,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { name: rollouts::NAME, appends: true, duty: false, simulated: PASS, build: build_rollouts },
     Registration { name: liveness::NAME, appends: true, duty: false, simulated: PASS_CUT, build: build_liveness },
     Registration { name: instances::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_instances },
+    Registration { name: sandboxes::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_sandboxes },
     Registration { name: metal::NAME, appends: true, duty: false, simulated: Simulated::Turns, build: build_metal },
     Registration { name: witnesses::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_witnesses },
     Registration { name: usage::NAME, appends: true, duty: false, simulated: Simulated::No, build: build_usage },
@@ -239,6 +242,11 @@ fn build_liveness(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
 fn build_instances(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
     let reconciler = instances::reconciler(log(inputs, instances::NAME)?, inputs.clock.clone());
     Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(instances::TICK_MS_DEFAULT))))
+}
+
+fn build_sandboxes(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
+    let reconciler = sandboxes::reconciler(log(inputs, sandboxes::NAME)?, inputs.clock.clone());
+    Ok(Some(Task::Driven(Box::new(reconciler), Schedule::every(sandboxes::TICK_MS_DEFAULT))))
 }
 
 fn build_metal(inputs: &Inputs) -> bc_core::Result<Option<Task>> {

@@ -46,6 +46,7 @@ mod reservations;
 mod review_regressions;
 mod roles;
 mod rollouts;
+mod sandboxes;
 mod schemathesis;
 mod secrets_at_rest;
 mod sim_report;

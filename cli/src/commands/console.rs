@@ -37,11 +37,16 @@ pub async fn run(ctx: &Context, args: ConsoleArgs) -> Result<(), CliError> {
 /// Opens the tunnel `body` asks `tunnels.open` for and attaches the local terminal to it; the
 /// remote program's status is the command's (`REMOTE_EXIT`).
 pub async fn terminal(ctx: &Context, body: Map<String, Value>) -> Result<(), CliError> {
+    terminal_by(ctx, "tunnels.open", body).await
+}
+
+/// [`terminal`] with the ticket from `method` (`tunnels.open`, `sandboxes.exec`).
+pub async fn terminal_by(ctx: &Context, method: &str, body: Map<String, Value>) -> Result<(), CliError> {
     // The URL, the token and the client are checked before any ticket is spent.
     let api = crate::client::api_url(&ctx.global.url)?;
     let token = crate::credentials::token(&ctx.global.url)?;
     let http = tunnel::upgrade_client(&api)?;
-    let answer = ctx.call("tunnels.open", body, None).await?;
+    let answer = ctx.call(method, body, None).await?;
     let ticket = tunnel::ticket_of(&answer)?;
     let socket = tunnel::connect(&http, &api, &ticket, &token).await?;
     let outcome = tunnel::attach(socket).await?;

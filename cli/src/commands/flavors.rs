@@ -60,6 +60,8 @@ pub enum DiskFormatArg {
     Raw,
     /// A bootable ISO, for `metal deploy` and `metal rescue`.
     Iso,
+    /// A root file system as a tar archive, for sandbox templates.
+    RootfsTar,
 }
 
 #[derive(Subcommand)]
@@ -153,6 +155,7 @@ pub async fn images(ctx: &Context, command: ImagesCommand) -> Result<(), CliErro
                 DiskFormatArg::Qcow2 => "qcow2",
                 DiskFormatArg::Raw => "raw",
                 DiskFormatArg::Iso => "iso",
+                DiskFormatArg::RootfsTar => "rootfs-tar",
             };
             body.insert("diskFormat".into(), json!(format));
             if let Some(size) = size_bytes {

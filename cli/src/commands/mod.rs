@@ -29,6 +29,7 @@ pub mod fleet;
 pub mod forward;
 pub mod init;
 pub mod instances;
+pub mod sandboxes;
 pub mod inventory;
 pub mod join_tokens;
 pub mod meta;
@@ -82,6 +83,8 @@ impl Command {
             Command::Images { command } => flavors::images(ctx, command).await,
             Command::Rollouts { command } => rollouts::run(ctx, command).await,
             Command::Instances { command } => instances::run(ctx, command).await,
+            Command::Sandbox { command } => sandboxes::run(ctx, command).await,
+            Command::SandboxTemplate { command } => sandboxes::run_template(ctx, command).await,
             Command::Metal { command } => metal::run(ctx, command).await,
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,

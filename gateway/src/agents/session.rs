@@ -457,6 +457,7 @@ where
                     op: open.op.as_str().to_owned(),
                     instance_id: open.instance_id.unwrap_or_default(),
                     port: open.port.map(u32::from).unwrap_or(0),
+                    command: open.command,
                 });
                 if !send_within(outbound, message(open), config.lease_ms).await? {
                     return Ok("the stream broke");
@@ -634,6 +635,9 @@ async fn check_entry_subject(
     }
     if ev::INSTANCE_REPORT_TYPES.contains(&body.entry_type.as_str()) {
         return check_instance_report(store, bound, body).await;
+    }
+    if ev::SANDBOX_REPORT_TYPES.contains(&body.entry_type.as_str()) {
+        return Ok(crate::api::sandboxes::check_sandbox_report(store, bound.tenant, &node, &body.subject, &body.payload).await?);
     }
     let progress: CommandProgress = match serde_json::from_value(body.payload.clone()) {
         Ok(p) => p,

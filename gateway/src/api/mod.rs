@@ -43,6 +43,7 @@ mod quotas;
 mod releases;
 mod reservations;
 mod rollouts;
+pub(crate) mod sandboxes;
 mod system;
 mod tenants;
 mod tunnels;
@@ -136,6 +137,7 @@ const GROUPS: &[&[Method]] = &[
     flavors::METHODS,
     images::METHODS,
     instances::METHODS,
+    sandboxes::METHODS,
     metal::METHODS,
     releases::METHODS,
     rollouts::METHODS,

@@ -68,7 +68,13 @@ pub struct TunnelTicketView {
     expires_at_ms: u64,
 }
 
-fn refusal_error(refusal: TunnelRefusal) -> Error {
+impl TunnelTicketView {
+    pub(super) fn new(ticket: String, expires_at_ms: u64) -> Self {
+        Self { url: format!("/tunnels/{ticket}"), ticket, expires_at_ms }
+    }
+}
+
+pub(super) fn refusal_error(refusal: TunnelRefusal) -> Error {
     match refusal.kind {
         TunnelRefusalKind::InvalidArgument => Error::invalid(refusal.message),
         TunnelRefusalKind::InvalidState => Error::state(refusal.message, "see schema/TUNNELS.md"),

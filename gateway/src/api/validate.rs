@@ -139,6 +139,10 @@ id_schema!(/// `inst_…`
     InstanceIdText, bc_core::id::InstanceId);
 id_schema!(/// `wf_…`
     WorkflowIdText, bc_core::id::WorkflowId);
+id_schema!(/// `sbx_…`
+    SandboxIdText, bc_core::id::SandboxId);
+id_schema!(/// `sbxt_…`
+    SandboxTemplateIdText, bc_core::id::SandboxTemplateId);
 id_schema!(/// `rel_…`
     ReleaseIdText, bc_core::id::ReleaseId);
 id_schema!(/// `ro_…`

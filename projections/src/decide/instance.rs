@@ -124,6 +124,12 @@ fn instance_fits(input: &InstanceCreateInput<'_>) -> Result<(), Refusal> {
             input.flavor.flavor_id, input.flavor.gpus, rsv.reservation_id, rsv.gpus
         )));
     }
+    if input.image.disk_format == crate::events::DiskFormat::RootfsTar {
+        return Err(Refusal::InstanceMismatch(format!(
+            "image {} is a root file system (rootfs-tar, for sandboxes): an instance boots a qcow2 or raw disk",
+            input.image.image_id
+        )));
+    }
     if input.image.disk_format == crate::events::DiskFormat::Iso {
         return Err(Refusal::InstanceMismatch(format!(
             "image {} is an ISO (for bare-metal deploys): an instance boots a qcow2 or raw disk",

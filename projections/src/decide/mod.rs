@@ -31,6 +31,7 @@ mod metal;
 mod plan;
 mod reservation;
 mod rollout;
+pub mod sandbox;
 pub mod ssh_cert;
 pub mod tunnel;
 pub mod usage;

@@ -64,6 +64,8 @@ pub struct TunnelGrant {
     pub node_id: String,
     pub instance_id: Option<String>,
     pub port: Option<u16>,
+    /// `exec` in a sandbox: the command and its arguments (`decide::sandbox::sandbox_exec`).
+    pub command: Vec<String>,
 }
 
 /// Which error a refusal is.
@@ -166,7 +168,7 @@ pub fn tunnel_open(input: &TunnelOpenInput<'_>) -> Result<TunnelGrant, TunnelRef
             return Err(refuse(K::QuotaExceeded, format!("{who} holds {open} open tunnels, the most it may"), Some(reason)));
         }
     }
-    Ok(TunnelGrant { op: input.op, node_id, instance_id, port })
+    Ok(TunnelGrant { op: input.op, node_id, instance_id, port, command: Vec::new() })
 }
 
 /// An open tunnel's target as it is now, re-read while the tunnel lasts: `None` where no
@@ -239,7 +241,10 @@ mod tests {
     #[test]
     fn a_console_on_a_node_with_a_session_is_granted() {
         let grant = open(Op::Console, NODE, None, Some(&console_caps())).unwrap();
-        assert_eq!(grant, TunnelGrant { op: Op::Console, node_id: "node_1".into(), instance_id: None, port: None });
+        assert_eq!(
+            grant,
+            TunnelGrant { op: Op::Console, node_id: "node_1".into(), instance_id: None, port: None, command: Vec::new() }
+        );
         assert_eq!(tunnel_action(true), "compute:nodes:console");
         assert_eq!(tunnel_action(false), "compute:instances:exec");
     }

@@ -63,6 +63,9 @@ pub enum DiskFormatView {
     Raw,
     /// A bootable ISO 9660 image, for bare-metal deploys and rescues (virtual media).
     Iso,
+    /// A root file system as a tar archive, for sandboxes (docs/sandboxes.md).
+    #[serde(rename = "rootfs-tar")]
+    RootfsTar,
 }
 
 impl From<DiskFormat> for DiskFormatView {
@@ -71,6 +74,7 @@ impl From<DiskFormat> for DiskFormatView {
             DiskFormat::Qcow2 => Self::Qcow2,
             DiskFormat::Raw => Self::Raw,
             DiskFormat::Iso => Self::Iso,
+            DiskFormat::RootfsTar => Self::RootfsTar,
         }
     }
 }
@@ -81,6 +85,7 @@ impl From<DiskFormatView> for DiskFormat {
             DiskFormatView::Qcow2 => Self::Qcow2,
             DiskFormatView::Raw => Self::Raw,
             DiskFormatView::Iso => Self::Iso,
+            DiskFormatView::RootfsTar => Self::RootfsTar,
         }
     }
 }

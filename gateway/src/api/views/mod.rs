@@ -23,6 +23,7 @@ mod flavors;
 mod instances;
 mod metal;
 mod reservations;
+mod sandboxes;
 mod usage;
 mod webhooks;
 
@@ -32,6 +33,7 @@ pub use flavors::*;
 pub use instances::*;
 pub use metal::*;
 pub use reservations::*;
+pub use sandboxes::*;
 pub use usage::*;
 pub use webhooks::*;
 

@@ -1,0 +1,265 @@
+//! `sandbox create|list|get|extend|delete|exec|templates` (the `sandboxes.*` methods) and
+//! `sandbox-template create|list|get|delete` (`sandboxTemplates.*`). Ids are checked before
+//! anything is sent (`sbx_…`, `sbxt_…`: a usage error, exit 2). `sandbox create --wait S` (0 to
+//! 30, default 30) follows a cold sandbox until it leaves `starting`; `sandbox exec SBX --
+//! COMMAND…` runs the command in the sandbox through an `exec` tunnel and exits with its status
+//! (`REMOTE_EXIT`).
+
+use std::collections::BTreeMap;
+
+use bc_core::id::{FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId};
+use clap::{Args, Subcommand};
+use serde_json::{Value, json};
+
+use crate::client::CliError;
+use crate::flags::{IdempotencyKey, Page};
+use crate::output::Format;
+use crate::tables;
+
+use super::{Context, Settle, add_page, idempotency_key, put_id};
+
+/// `--wait`'s bound, as the reference's: a create waits at most this long.
+pub const CREATE_WAIT_S_MAX: u64 = 30;
+
+/// A duration such as `90s`, `15m` or `2h`, in whole seconds.
+fn duration_s(text: &str) -> Result<u64, String> {
+    let d = humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a duration such as 15m or 2h: {e}"))?;
+    if d.subsec_nanos() != 0 || d.as_secs() == 0 {
+        return Err(format!("{text:?} is not a whole, positive number of seconds"));
+    }
+    Ok(d.as_secs())
+}
+
+#[derive(Subcommand)]
+pub enum SandboxCommand {
+    /// A sandbox of a template: a warm one when its pool has one, else started cold.
+    Create {
+        #[arg(long)]
+        template: String,
+        /// Its life (`15m`, `2h`; whole seconds): the template's default when absent.
+        #[arg(long, value_parser = duration_s)]
+        ttl: Option<u64>,
+        /// Wait up to this many seconds (0 to 30) until it leaves `starting`.
+        #[arg(long, default_value_t = CREATE_WAIT_S_MAX, value_parser = clap::value_parser!(u64).range(0..=CREATE_WAIT_S_MAX))]
+        wait: u64,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// The tenant's live sandboxes (with --deleted, deleted ones too), of one template with
+    /// --template.
+    List {
+        #[arg(long)]
+        template: Option<String>,
+        #[arg(long)]
+        deleted: bool,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One sandbox, by its `sbx_…` id.
+    Get { sandbox_id: String },
+    /// A later end, within its template's maximum: exactly one of --by and --until.
+    Extend {
+        sandbox_id: String,
+        /// Added to its end (`30m`).
+        #[arg(long, value_parser = duration_s, conflicts_with = "until", required_unless_present = "until")]
+        by: Option<u64>,
+        /// Its new end, Unix ms.
+        #[arg(long)]
+        until: Option<u64>,
+    },
+    /// Delete a sandbox from its node.
+    Delete { sandbox_id: String },
+    /// Run a command in a running sandbox, with its template's environment; exits with the
+    /// command's status.
+    Exec {
+        sandbox_id: String,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// The tenant's sandbox templates (as `sandbox-template list`).
+    Templates {
+        #[command(flatten)]
+        page: Page,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum SandboxTemplateCommand {
+    /// A template: sandboxes of --pool, each with --flavor's vCPUs and memory, from --image (a
+    /// registered `rootfs-tar`).
+    Create(TemplateCreate),
+    /// The tenant's sandbox templates.
+    List {
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One template, by its `sbxt_…` id.
+    Get { template_id: String },
+    /// Delete a template; its warm sandboxes go, claimed ones live to their end.
+    Delete { template_id: String },
+}
+
+#[derive(Args)]
+pub struct TemplateCreate {
+    #[arg(long)]
+    name: String,
+    #[arg(long)]
+    pool: String,
+    #[arg(long)]
+    flavor: String,
+    #[arg(long)]
+    image: String,
+    /// Sandboxes kept started and unclaimed (0 to 64).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    warm_min: u32,
+    /// A sandbox's life when its create names none (`30m`).
+    #[arg(long, value_parser = duration_s)]
+    default_ttl: Option<u64>,
+    /// The longest a sandbox may live, extensions included (`4h`; at most `24h`).
+    #[arg(long, value_parser = duration_s)]
+    max_ttl: Option<u64>,
+    /// `NAME=VALUE`, repeatable: the environment of every command in its sandboxes.
+    #[arg(long = "env", value_name = "NAME=VALUE")]
+    env: Vec<String>,
+    /// `none` (the only policy so far).
+    #[arg(long, default_value = "none", value_parser = ["none"])]
+    network: String,
+    #[command(flatten)]
+    key: IdempotencyKey,
+}
+
+/// `--wait`: until the sandbox leaves `starting`, read again every 100 ms.
+const SETTLE: Settle = Settle {
+    get: "sandboxes.get",
+    id_field: "sandboxId",
+    poll_ms: 100,
+    progress: |sandbox| {
+        let state = sandbox["state"].as_str().unwrap_or_default();
+        (state == "starting").then(|| format!("starting on node {}", sandbox["nodeId"].as_str().unwrap_or("?")))
+    },
+    timed_out: |_, wait_s| {
+        CliError::new("TIMEOUT", format!("the sandbox is still starting after {wait_s} s"))
+            .hint("`sandbox get` shows where it stands; the node may be fetching the root file system")
+    },
+};
+
+fn env_of(items: &[String]) -> Result<BTreeMap<String, String>, CliError> {
+    let mut env = BTreeMap::new();
+    for item in items {
+        let Some((name, value)) = item.split_once('=') else {
+            return Err(CliError::usage(format!("--env {item:?} is not NAME=VALUE")));
+        };
+        env.insert(name.to_owned(), value.to_owned());
+    }
+    Ok(env)
+}
+
+pub async fn run(ctx: &Context, command: SandboxCommand) -> Result<(), CliError> {
+    let mut body = ctx.tenant_body()?;
+    let c = ctx.client()?;
+    match command {
+        SandboxCommand::Create { template, ttl, wait, key } => {
+            put_id::<SandboxTemplateId>(&mut body, "templateId", "--template", &template)?;
+            if let Some(ttl) = ttl {
+                body.insert("ttlS".into(), json!(ttl));
+            }
+            let created = c.call("sandboxes.create", &Value::Object(body), Some(&idempotency_key(&key.key))).await?;
+            let claimed = created["claimed"].clone();
+            let mut sandbox = SETTLE.follow(ctx, &c, created, wait).await?;
+            sandbox["claimed"] = claimed;
+            if sandbox["state"] == "failed" {
+                ctx.print(&sandbox, Format::Json)?;
+                return Err(CliError::new(
+                    "SANDBOX_FAILED",
+                    format!("the sandbox did not start: {}", sandbox["lastError"].as_str().unwrap_or("no reason given")),
+                ));
+            }
+            ctx.print(&sandbox, Format::Json)
+        }
+        SandboxCommand::List { template, deleted, page } => {
+            if let Some(t) = template {
+                put_id::<SandboxTemplateId>(&mut body, "templateId", "--template", &t)?;
+            }
+            if deleted {
+                body.insert("deleted".into(), json!(true));
+            }
+            add_page(&mut body, &page);
+            ctx.print_list(&c.call("sandboxes.list", &Value::Object(body), None).await?, tables::SANDBOXES)
+        }
+        SandboxCommand::Get { sandbox_id } => {
+            put_id::<SandboxId>(&mut body, "sandboxId", "SANDBOX", &sandbox_id)?;
+            ctx.print(&c.call("sandboxes.get", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxCommand::Extend { sandbox_id, by, until } => {
+            put_id::<SandboxId>(&mut body, "sandboxId", "SANDBOX", &sandbox_id)?;
+            match (by, until) {
+                (Some(by), None) => body.insert("byS".into(), json!(by)),
+                (None, Some(until)) => body.insert("untilMs".into(), json!(until)),
+                _ => return Err(CliError::usage("give exactly one of --by and --until")),
+            };
+            ctx.print(&c.call("sandboxes.extend", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxCommand::Delete { sandbox_id } => {
+            put_id::<SandboxId>(&mut body, "sandboxId", "SANDBOX", &sandbox_id)?;
+            ctx.print(&c.call("sandboxes.delete", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxCommand::Exec { sandbox_id, command } => {
+            put_id::<SandboxId>(&mut body, "sandboxId", "SANDBOX", &sandbox_id)?;
+            body.insert("command".into(), json!(command));
+            super::console::terminal_by(ctx, "sandboxes.exec", body).await
+        }
+        SandboxCommand::Templates { page } => {
+            add_page(&mut body, &page);
+            ctx.print_list(&c.call("sandboxTemplates.list", &Value::Object(body), None).await?, tables::SANDBOX_TEMPLATES)
+        }
+    }
+}
+
+pub async fn run_template(ctx: &Context, command: SandboxTemplateCommand) -> Result<(), CliError> {
+    let mut body = ctx.tenant_body()?;
+    let c = ctx.client()?;
+    match command {
+        SandboxTemplateCommand::Create(t) => {
+            body.insert("name".into(), json!(t.name));
+            put_id::<PoolId>(&mut body, "poolId", "--pool", &t.pool)?;
+            put_id::<FlavorId>(&mut body, "flavorId", "--flavor", &t.flavor)?;
+            put_id::<ImageId>(&mut body, "imageId", "--image", &t.image)?;
+            body.insert("warmMin".into(), json!(t.warm_min));
+            if let Some(s) = t.default_ttl {
+                body.insert("defaultTtlS".into(), json!(s));
+            }
+            if let Some(s) = t.max_ttl {
+                body.insert("maxTtlS".into(), json!(s));
+            }
+            body.insert("env".into(), json!(env_of(&t.env)?));
+            body.insert("network".into(), json!(t.network));
+            let created = c.call("sandboxTemplates.create", &Value::Object(body), Some(&idempotency_key(&t.key.key))).await?;
+            ctx.print(&created, Format::Json)
+        }
+        SandboxTemplateCommand::List { page } => {
+            add_page(&mut body, &page);
+            ctx.print_list(&c.call("sandboxTemplates.list", &Value::Object(body), None).await?, tables::SANDBOX_TEMPLATES)
+        }
+        SandboxTemplateCommand::Get { template_id } => {
+            put_id::<SandboxTemplateId>(&mut body, "templateId", "TEMPLATE", &template_id)?;
+            ctx.print(&c.call("sandboxTemplates.get", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxTemplateCommand::Delete { template_id } => {
+            put_id::<SandboxTemplateId>(&mut body, "templateId", "TEMPLATE", &template_id)?;
+            ctx.print(&c.call("sandboxTemplates.delete", &Value::Object(body), None).await?, Format::Json)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn durations_are_whole_positive_seconds() {
+        assert_eq!(super::duration_s("15m"), Ok(900));
+        assert_eq!(super::duration_s("2h"), Ok(7200));
+        assert!(super::duration_s("0s").is_err());
+        assert!(super::duration_s("1500ms").is_err());
+        assert!(super::duration_s("soon").is_err());
+    }
+}

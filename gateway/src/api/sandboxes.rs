@@ -1,0 +1,422 @@
+//! `sandboxTemplates.*` and `sandboxes.*`: isolated, short-lived machines made from templates,
+//! run by a node's sandbox runtime (gVisor's `runsc`), each change an event on the sandbox's
+//! stream (docs/sandboxes.md).
+//!
+//! A handler is parse, one decision (`bc_projections::decide::sandbox`), append, view.
+//! `sandboxes.create` hands out a warm sandbox of the template when one is running (one append,
+//! `sandbox.claimed`) and makes a cold one on the least loaded node of the pool that runs
+//! sandboxes otherwise (`sandbox.created` with its `sandbox.apply`); the answer says which
+//! (`claimed`: `warm` or `cold`). `sandboxes.exec` grants a single-use ticket for an `exec`
+//! tunnel (`GET /tunnels/{ticket}`, schema/TUNNELS.md) whose node's agent runs the command in the
+//! sandbox. The node's answers come back from its journal ([`check_sandbox_report`]).
+
+use std::collections::BTreeMap;
+
+use bc_core::id::{CommandId, FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, TenantId};
+use bc_core::{Error, Result};
+use bc_projections::decide::sandbox::{
+    self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput, sandbox_node,
+};
+use bc_projections::placement::Issue;
+use bc_projections::sandbox::{KIND_SANDBOX, KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxTemplateDoc};
+use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_NODE, KIND_POOL, NodeDoc, PoolDoc};
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::body::parse_id;
+use super::call::doc;
+use super::paging::{Page, list_rows};
+use super::validate::{
+    CursorText, FlavorIdText, ImageIdText, LimitNumber, NameText, PoolIdText, SandboxIdText, SandboxTemplateIdText, TenantIdText,
+    validate_name,
+};
+use super::views::{SandboxCreatedView, SandboxTemplateView, SandboxView, SandboxWarmth};
+use super::{Access, Call, Method, method};
+
+const READ: Access = Access::Action("compute:sandboxes:read");
+const WRITE: Access = Access::Action("compute:sandboxes:write");
+const MANAGE: Access = Access::Action("compute:sandboxes:manage");
+/// The action an `exec` into a sandbox is decided as (and rechecked as while it lasts).
+pub const ACTION_SANDBOX_EXEC: &str = "compute:sandboxes:exec";
+/// Rows read at most when counting a tenant's live sandboxes or nodes.
+const ROWS_READ_MAX: u32 = 1000;
+
+pub(super) const METHODS: &[Method] = &[
+    method!(
+        "sandboxTemplates.create",
+        MANAGE,
+        "a sandbox template: a pool, a flavor, a root-filesystem image (rootfs-tar), env, TTL bounds, a warm pool",
+        SandboxTemplatesCreate => SandboxTemplateView,
+        sandbox_templates_create,
+    ),
+    method!("sandboxTemplates.get", READ, "one sandbox template", TemplateRef => SandboxTemplateView, sandbox_templates_get),
+    method!("sandboxTemplates.list", READ, "a tenant's sandbox templates, paged by cursor", ListInput => Page<SandboxTemplateView>, sandbox_templates_list),
+    method!(
+        "sandboxTemplates.delete",
+        MANAGE,
+        "delete a sandbox template (its warm sandboxes go; claimed ones live to their end)",
+        TemplateRef => SandboxTemplateView,
+        sandbox_templates_delete,
+    ),
+    method!(
+        "sandboxes.create",
+        WRITE,
+        "a sandbox of a template: a warm one claimed when one is running, else started cold on a node of its pool",
+        SandboxesCreate => SandboxCreatedView,
+        sandboxes_create,
+    ),
+    method!("sandboxes.get", READ, "one sandbox, with its state and end", SandboxRef => SandboxView, sandboxes_get),
+    method!("sandboxes.list", READ, "a tenant's sandboxes, paged by cursor", SandboxesList => Page<SandboxView>, sandboxes_list),
+    method!(
+        "sandboxes.extend",
+        WRITE,
+        "a later end for a sandbox, within its template's maxTtlS from its start",
+        SandboxesExtend => SandboxView,
+        sandboxes_extend,
+    ),
+    method!("sandboxes.delete", WRITE, "delete a sandbox from its node", SandboxRef => SandboxView, sandboxes_delete),
+    method!(
+        "sandboxes.exec",
+        // Decided in the handler as `compute:sandboxes:exec` in the tenant named.
+        Access::Authenticated,
+        "a single-use ticket for an exec tunnel running a command in a sandbox (GET /tunnels/{ticket}, schema/TUNNELS.md)",
+        SandboxesExec => super::tunnels::TunnelTicketView,
+        sandboxes_exec,
+    ),
+];
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxTemplatesCreate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NameText")]
+    name: String,
+    #[schemars(with = "PoolIdText")]
+    pool_id: String,
+    /// A flavor of the pool: its vCPUs and memory bound each sandbox.
+    #[schemars(with = "FlavorIdText")]
+    flavor_id: String,
+    /// A registered image of disk format `rootfs-tar`.
+    #[schemars(with = "ImageIdText")]
+    image_id: String,
+    /// Sandboxes kept started and unclaimed (0 to 64).
+    #[schemars(range(min = 0, max = 64))]
+    warm_min: Option<u32>,
+    /// A sandbox's life when its create names none (5 s to `maxTtlS`; default 30 min).
+    default_ttl_s: Option<u64>,
+    /// The longest a sandbox may live from its start, extensions included (5 s to 24 h).
+    max_ttl_s: Option<u64>,
+    /// The environment every command in its sandboxes gets (at most 32 variables, 16 KiB).
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    /// `none` (the default and, so far, the only policy).
+    network: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TemplateRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "SandboxTemplateIdText")]
+    template_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ListInput {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxesCreate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "SandboxTemplateIdText")]
+    template_id: String,
+    /// Its life in seconds (the template's `defaultTtlS` when absent; at most its `maxTtlS`).
+    ttl_s: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxRef {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "SandboxIdText")]
+    sandbox_id: String,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxesList {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    /// Only this template's sandboxes (a filtered page can come back short).
+    #[schemars(with = "Option<SandboxTemplateIdText>")]
+    template_id: Option<String>,
+    /// Deleted sandboxes too (by default only live ones).
+    #[serde(default)]
+    deleted: bool,
+    #[schemars(with = "Option<LimitNumber>")]
+    limit: Option<u32>,
+    #[schemars(with = "Option<CursorText>")]
+    cursor: Option<String>,
+}
+
+/// Exactly one of `bySeconds` and `untilMs`.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxesExtend {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "SandboxIdText")]
+    sandbox_id: String,
+    /// Seconds added to its end.
+    by_s: Option<u64>,
+    /// Its new end, Unix ms.
+    until_ms: Option<u64>,
+}
+
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxesExec {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "SandboxIdText")]
+    sandbox_id: String,
+    /// The program and its arguments (at most 256 of 64 KiB together), run with the template's
+    /// environment.
+    command: Vec<String>,
+}
+
+fn command_id(call: &Call<'_>) -> String {
+    CommandId::from_ulid(call.state.log.ids.ulid()).to_string()
+}
+
+async fn template_doc(call: &Call<'_>, tenant: TenantId, id: &str) -> Result<SandboxTemplateDoc> {
+    let id: SandboxTemplateId = parse_id("templateId", id)?;
+    call.row(tenant, KIND_SANDBOX_TEMPLATE, &id.to_string(), "sandbox template").await
+}
+
+async fn sandbox_doc(call: &Call<'_>, tenant: TenantId, id: &str) -> Result<SandboxDoc> {
+    let id: SandboxId = parse_id("sandboxId", id)?;
+    call.row(tenant, KIND_SANDBOX, &id.to_string(), "sandbox").await
+}
+
+/// Every row of `kind` of the tenant, up to [`ROWS_READ_MAX`].
+async fn rows<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: TenantId, kind: &str) -> Result<Vec<T>> {
+    let rows = call.state.store.row_list(&tenant.to_string(), kind, None, ROWS_READ_MAX).await?;
+    rows.into_iter().map(doc).collect()
+}
+
+async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate) -> Result<SandboxTemplateView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    validate_name("name", &input.name)?;
+    let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
+    let flavor_id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
+    let image_id: ImageId = parse_id("imageId", &input.image_id)?;
+    decide::check_env(&input.env)?;
+    let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
+    let flavor: FlavorDoc = call.row(tenant, KIND_FLAVOR, &flavor_id.to_string(), "flavor").await?;
+    let image: ImageDoc = call.row(tenant, KIND_IMAGE, &image_id.to_string(), "image").await?;
+    let template_id = SandboxTemplateId::from_ulid(call.ulid()).to_string();
+    let decided = decide::sandbox_template_create(&SandboxTemplateInput {
+        template_id: &template_id,
+        name: &input.name,
+        pool: &pool,
+        flavor: &flavor,
+        image: &image,
+        warm_min: input.warm_min.unwrap_or(0),
+        default_ttl_s: input.default_ttl_s,
+        max_ttl_s: input.max_ttl_s,
+        env: &input.env,
+        network: input.network.as_deref(),
+    })?;
+    let result = call.submit(call.decided(tenant, decided)).await?;
+    let stream = &result.events[0].envelope.stream;
+    let doc: SandboxTemplateDoc =
+        call.row(tenant, KIND_SANDBOX_TEMPLATE, super::call::stream_id(stream), "sandbox template").await?;
+    Ok(doc.into())
+}
+
+async fn sandbox_templates_get(call: &Call<'_>, input: TemplateRef) -> Result<SandboxTemplateView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    Ok(template_doc(call, tenant, &input.template_id).await?.into())
+}
+
+async fn sandbox_templates_list(call: &Call<'_>, input: ListInput) -> Result<Page<SandboxTemplateView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    list_rows(call, tenant, KIND_SANDBOX_TEMPLATE, input.limit, input.cursor.as_deref(), |row| {
+        let t: SandboxTemplateDoc = doc(row)?;
+        Ok(Some(t.into()))
+    })
+    .await
+}
+
+async fn sandbox_templates_delete(call: &Call<'_>, input: TemplateRef) -> Result<SandboxTemplateView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let template = template_doc(call, tenant, &input.template_id).await?;
+    call.submit(call.decided(tenant, decide::sandbox_template_delete(&template)?)).await?;
+    Ok(template.into())
+}
+
+async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<SandboxCreatedView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let template = template_doc(call, tenant, &input.template_id).await?;
+    let ttl_s = input.ttl_s.unwrap_or(template.default_ttl_s);
+    decide::check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
+    let retry = call.is_retry(tenant).await?;
+    let live: Vec<SandboxDoc> = rows(call, tenant, KIND_SANDBOX_LIVE).await?;
+    let now_ms = call.now_ms();
+    if !retry {
+        if let Some(warm) = decide::warm_sandbox(&live, &template.template_id) {
+            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms)?;
+            call.submit(call.decided(tenant, decided)).await?;
+            let doc = sandbox_doc(call, tenant, &warm.sandbox_id).await?;
+            return Ok(SandboxCreatedView { claimed: SandboxWarmth::Warm, sandbox: doc.into() });
+        }
+        if live.len() >= SANDBOXES_PER_TENANT_MAX {
+            return Err(Error::QuotaExceeded(format!(
+                "the tenant has {} live sandboxes, the most it may ({SANDBOXES_PER_TENANT_MAX}); delete some first",
+                live.len()
+            )));
+        }
+    }
+    let nodes: Vec<NodeDoc> = rows(call, tenant, KIND_NODE).await?;
+    let mut load: BTreeMap<String, usize> = BTreeMap::new();
+    for s in &live {
+        *load.entry(s.node_id.clone()).or_default() += 1;
+    }
+    let node = sandbox_node(&nodes, &template.pool_id, &load).ok_or_else(|| decide::no_sandbox_node(&template.pool_id))?;
+    let sandbox_id = SandboxId::from_ulid(call.ulid()).to_string();
+    if !retry {
+        super::commands::check_node_queue(call, tenant, &node.node_id).await?;
+    }
+    let command = command_id(call);
+    let decided = decide::sandbox_create(&template, &sandbox_id, node, Some(ttl_s), Issue { command_id: &command, now_ms })?;
+    let result = call.submit(call.decided(tenant, decided)).await?;
+    let stream = &result.events[0].envelope.stream;
+    let doc = sandbox_doc(call, tenant, super::call::stream_id(stream)).await?;
+    Ok(SandboxCreatedView { claimed: SandboxWarmth::Cold, sandbox: doc.into() })
+}
+
+async fn sandboxes_get(call: &Call<'_>, input: SandboxRef) -> Result<SandboxView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    Ok(sandbox_doc(call, tenant, &input.sandbox_id).await?.into())
+}
+
+async fn sandboxes_list(call: &Call<'_>, input: SandboxesList) -> Result<Page<SandboxView>> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let template = input.template_id.as_deref().map(|t| parse_id::<SandboxTemplateId>("templateId", t)).transpose()?;
+    let template = template.map(|t| t.to_string());
+    let kind = if input.deleted { KIND_SANDBOX } else { KIND_SANDBOX_LIVE };
+    list_rows(call, tenant, kind, input.limit, input.cursor.as_deref(), |row| {
+        let s: SandboxDoc = doc(row)?;
+        Ok(template.as_deref().is_none_or(|t| t == s.template_id).then(|| s.into()))
+    })
+    .await
+}
+
+async fn sandboxes_extend(call: &Call<'_>, input: SandboxesExtend) -> Result<SandboxView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let current = sandbox_doc(call, tenant, &input.sandbox_id).await?;
+    let now_ms = call.now_ms();
+    let until_ms = match (input.by_s, input.until_ms) {
+        (Some(by_s), None) => current.ends_at_ms.unwrap_or(now_ms).saturating_add(by_s.saturating_mul(1000)),
+        (None, Some(until_ms)) => until_ms,
+        _ => return Err(Error::invalid("give exactly one of byS and untilMs")),
+    };
+    let max_ttl_s = match call.state.store.row_get(&tenant.to_string(), KIND_SANDBOX_TEMPLATE, &current.template_id).await? {
+        Some(row) => doc::<SandboxTemplateDoc>(row)?.max_ttl_s,
+        None => {
+            return Err(Error::state(format!("sandbox {}'s template is deleted", current.sandbox_id), "create another sandbox"));
+        }
+    };
+    call.submit(call.decided(tenant, decide::sandbox_extend(&current, max_ttl_s, until_ms, now_ms)?)).await?;
+    Ok(sandbox_doc(call, tenant, &input.sandbox_id).await?.into())
+}
+
+async fn sandboxes_delete(call: &Call<'_>, input: SandboxRef) -> Result<SandboxView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let current = sandbox_doc(call, tenant, &input.sandbox_id).await?;
+    if !call.is_retry(tenant).await? {
+        super::commands::check_node_queue(call, tenant, &current.node_id).await?;
+    }
+    let command = command_id(call);
+    let decided = decide::sandbox_delete(&current, None, Issue { command_id: &command, now_ms: call.now_ms() })?;
+    call.submit(call.decided(tenant, decided)).await?;
+    Ok(sandbox_doc(call, tenant, &input.sandbox_id).await?.into())
+}
+
+async fn sandboxes_exec(call: &Call<'_>, input: SandboxesExec) -> Result<super::tunnels::TunnelTicketView> {
+    let principal = call.principal();
+    let tenant = match &input.tenant_id {
+        Some(t) => parse_id("tenantId", t)?,
+        None => principal.tenant,
+    };
+    call.state.authorize_tenant(principal, ACTION_SANDBOX_EXEC, tenant).await?;
+    let sandbox = sandbox_doc(call, tenant, &input.sandbox_id).await?;
+    let tunnels = &call.state.tunnels;
+    let bounds = tunnels.limits.bounds();
+    let (ticket, expires_at_ms) = tunnels
+        .issue(tenant, &principal.key_id, &sandbox.node_id, call.now_ms(), |open, capabilities| {
+            decide::sandbox_exec(&SandboxExecInput { sandbox: &sandbox, command: &input.command, capabilities, open, bounds })
+        })
+        .map_err(super::tunnels::refusal_error)?;
+    Ok(super::tunnels::TunnelTicketView::new(ticket, expires_at_ms))
+}
+
+/// A sandbox report (`sandbox.observed`, `sandbox.apply_failed`) from a node's journal must be
+/// about a sandbox on that node, on the sandbox's stream; one that answers a command must answer
+/// that node's `sandbox.apply` for that sandbox. `Err(why)` refuses the entry.
+pub(crate) async fn check_sandbox_report(
+    store: &dyn bc_core::store::EventStore,
+    tenant: TenantId,
+    node: &str,
+    subject: &str,
+    payload: &serde_json::Value,
+) -> Result<std::result::Result<(), String>> {
+    use bc_projections::events::{SANDBOX_OBSERVED, SandboxReport};
+    let report: SandboxReport = match serde_json::from_value(payload.clone()) {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(format!("the payload of a sandbox report: {e}"))),
+    };
+    let shape_ok = report.journal.is_none()
+        && report.node_id == node
+        && report.sandbox_id.parse::<SandboxId>().is_ok()
+        && subject == bc_projections::stream_of(KIND_SANDBOX, &report.sandbox_id)
+        && report.command_id.as_deref().is_none_or(|c| c.parse::<CommandId>().is_ok())
+        && report.reason.as_ref().is_none_or(|r| r.len() <= crate::agents::session::REASON_BYTES_MAX)
+        && report.state.as_deref().is_none_or(|s| matches!(s, "running" | "stopped" | "absent"));
+    if !shape_ok {
+        return Ok(Err(format!(
+            "a sandbox report names this node and one of its sandboxes, on the sandbox's stream ({SANDBOX_OBSERVED}: with a state)"
+        )));
+    }
+    let sandbox = store.row_get(&tenant.to_string(), KIND_SANDBOX, &report.sandbox_id).await?;
+    let sandbox: Option<SandboxDoc> = sandbox.map(doc).transpose()?;
+    if sandbox.is_none_or(|s| s.node_id != node) {
+        return Ok(Err(format!("sandbox {} is not on this node", report.sandbox_id)));
+    }
+    if let Some(command_id) = &report.command_id {
+        let command = store.row_get(&tenant.to_string(), bc_projections::KIND_COMMAND, command_id).await?;
+        let command: Option<bc_projections::CommandDoc> = command.map(doc).transpose()?;
+        let answers = command.is_some_and(|c| {
+            c.node_id == node
+                && c.kind == bc_projections::sandbox::SANDBOX_APPLY
+                && c.args.get("sandboxId").and_then(|i| i.as_str()) == Some(&report.sandbox_id)
+        });
+        if !answers {
+            return Ok(Err(format!("command {command_id} is not this node's sandbox.apply for sandbox {}", report.sandbox_id)));
+        }
+    }
+    Ok(Ok(()))
+}

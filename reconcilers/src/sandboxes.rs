@@ -1,0 +1,138 @@
+//! The `sandboxes` reconciler: ends sandboxes at their end and keeps the warm pools full.
+//! Level-triggered: every pass reads each tenant's live sandboxes (`sandbox_live` rows), its
+//! templates and its nodes, and appends what [`decide::sandboxes_plan`] says: a delete (with its
+//! `sandbox.apply`) for each sandbox past its end, whatever its node's state; the delete again
+//! when the node did not answer it by its deadline (an unreachable node gets it when it is back:
+//! its queue keeps it); and warm sandboxes made on the least loaded node of the pool until each
+//! template has `warmMin` of them.
+//!
+//! Every append is at the sandbox's (or the template's) version the pass read, so two processes
+//! running it never both act on one state: the second gets a CONFLICT and decides again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bc_core::clock::Clock;
+use bc_core::id::{CommandId, SandboxId};
+use bc_core::store::Log;
+use bc_core::{ErrorCode, Result};
+use bc_projections::decide::sandbox::{self as decide, SandboxAction};
+use bc_projections::placement::Issue;
+use bc_projections::sandbox::{KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxTemplateDoc};
+use bc_projections::{KIND_NODE, NodeDoc};
+
+pub const NAME: &str = "sandboxes";
+const ACTOR: &str = "reconciler:sandboxes";
+/// How often a pass runs when nothing wakes it: a sandbox outlives its end by at most this.
+pub const TICK_MS_DEFAULT: u64 = 500;
+/// Rows read per tenant per query.
+const ROWS_PER_READ: u32 = 500;
+
+/// What one pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    pub deleting: usize,
+    pub warmed: usize,
+    pub conflicts: usize,
+}
+
+/// Every row of `kind` of `tenant`, every page.
+async fn all_rows<T: serde::de::DeserializeOwned>(log: &Log, tenant: &str, kind: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = log.store.row_list(tenant, kind, after.as_deref(), ROWS_PER_READ).await?;
+        let full = rows.len() == ROWS_PER_READ as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            out.push(serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("{kind} row: {e}")))?);
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// One pass over every tenant.
+pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
+    let mut done = Pass::default();
+    for tenant in log.store.tenants().await? {
+        let tenant_text = tenant.to_string();
+        let templates: Vec<SandboxTemplateDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_TEMPLATE).await?;
+        let sandboxes: Vec<SandboxDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_LIVE).await?;
+        if templates.is_empty() && sandboxes.is_empty() {
+            continue;
+        }
+        let now_ms = clock.now_ms();
+        let plan = decide::sandboxes_plan(&templates, &sandboxes, now_ms);
+        if plan.is_empty() {
+            continue;
+        }
+        let nodes: Vec<NodeDoc> = all_rows(log, &tenant_text, KIND_NODE).await?;
+        let mut load: BTreeMap<String, usize> = BTreeMap::new();
+        for s in &sandboxes {
+            *load.entry(s.node_id.clone()).or_default() += 1;
+        }
+        for action in plan {
+            let mut appends = Vec::new();
+            match &action {
+                SandboxAction::Delete { sandbox_id, reason } => {
+                    let Some(doc) = sandboxes.iter().find(|s| &s.sandbox_id == sandbox_id) else { continue };
+                    let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
+                    let append = decide::sandbox_delete(doc, Some(reason.clone()), Issue { command_id: &command_id, now_ms })?;
+                    tracing::info!(reconciler = NAME, sandbox = %sandbox_id, reason = %bc_core::id::truncate(reason, 200), "deleting");
+                    appends.push((append, false));
+                }
+                SandboxAction::Warm { template_id, count } => {
+                    let Some(template) = templates.iter().find(|t| &t.template_id == template_id) else { continue };
+                    // One append per warm sandbox, each guarded at the template's version: the
+                    // first lands, and the rest of this pass's go in the next (conflicts).
+                    for _ in 0..*count {
+                        let Some(node) = decide::sandbox_node(&nodes, &template.pool_id, &load) else {
+                            tracing::debug!(reconciler = NAME, template = %template_id, "no node of the pool runs sandboxes: no warm pool yet");
+                            break;
+                        };
+                        *load.entry(node.node_id.clone()).or_default() += 1;
+                        let sandbox_id = SandboxId::from_ulid(log.ids.ulid()).to_string();
+                        let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
+                        let append =
+                            decide::sandbox_create(template, &sandbox_id, node, None, Issue { command_id: &command_id, now_ms })?;
+                        appends.push((append, true));
+                        // Guarded at the template's version, which a creation does not move:
+                        // the next is decided on the same read.
+                    }
+                }
+            }
+            for (append, warm) in appends {
+                match log.append(append.into_request(tenant, ACTOR)).await {
+                    Ok(_) if warm => done.warmed += 1,
+                    Ok(_) => done.deleting += 1,
+                    Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                    Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "append failed"),
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
+impl crate::driver::PassReport for Pass {
+    fn counts(&self) -> Vec<(&'static str, u64)> {
+        vec![("deleting", self.deleting as u64), ("warmed", self.warmed as u64), ("conflicts", self.conflicts as u64)]
+    }
+
+    fn again(&self) -> bool {
+        self.conflicts > 0
+    }
+
+    fn log(&self, name: &'static str) {
+        if self.deleting + self.warmed + self.conflicts > 0 {
+            tracing::info!(reconciler = name, deleting = self.deleting, warmed = self.warmed, conflicts = self.conflicts, "pass");
+        }
+    }
+}
+
+/// The reconciler: [`pass`] every [`TICK_MS_DEFAULT`] ([`crate::registry`]).
+pub fn reconciler(log: Arc<Log>, clock: Arc<dyn Clock>) -> crate::driver::LogPasses<Pass> {
+    crate::driver::LogPasses { name: NAME, log, clock, pass: |log, clock| Box::pin(pass(log, clock)) }
+}

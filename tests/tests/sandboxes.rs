@@ -1,0 +1,287 @@
+//! Sandboxes end to end, with the real runtime: a real `better-compute dev`, a real `bcd node` on
+//! a seeded fake machine (the `fakehw` build) that finds gVisor's `runsc` and advertises
+//! `sandbox.gvisor`, and a root file system the test makes from Debian's `busybox-static`,
+//! served over HTTP from loopback and registered as a `rootfs-tar` image.
+//!
+//! A template with `warmMin: 1` fills its warm pool; `sandbox create` claims the warm one;
+//! `sandbox exec -- sh -c 'uname -a; echo $X; exit 3'` shows gVisor's kernel, the template's
+//! environment, and exits 3; a file written in one sandbox is in neither the host's root file
+//! system nor another sandbox; a sandbox past its end is gone from the node (`runsc list`) and
+//! the API; bad input (an unknown image, a TTL past the template's maximum, exec in a deleted
+//! sandbox) is a clear error with nothing started; and the agent killed with SIGKILL and started
+//! again still runs its sandboxes and removes the one no record names.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use bc_tests::{AgentNode, ImageServer, Server, json};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+/// The runtime and the root file system's programs: `make test` installs both (`system-deps`).
+fn require_runtime() {
+    let runsc = Command::new("runsc").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(runsc, "runsc (gVisor) is not installed: `make test` installs it (Debian's package runsc, make system-deps)");
+    assert!(
+        Path::new("/bin/busybox").exists(),
+        "/bin/busybox is not installed: `make test` installs it (Debian's package busybox-static, make system-deps)"
+    );
+}
+
+/// A root file system as a tar archive: busybox and its applets as links.
+fn busybox_rootfs(dir: &Path) -> Vec<u8> {
+    let root = dir.join("rootfs");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    for applet in ["sh", "echo", "cat", "ls", "uname", "sleep", "true", "id"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    let archive = dir.join("rootfs.tar");
+    let status = Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&archive).arg(".").status().unwrap();
+    assert!(status.success(), "tar");
+    std::fs::read(archive).unwrap()
+}
+
+/// Deletes, whatever happened, every runsc container left in the node's state directory, so a
+/// failed test leaks no sandbox on the machine.
+struct RunscCleanup(PathBuf);
+
+impl RunscCleanup {
+    fn list(&self) -> Vec<String> {
+        runsc_list(&self.0)
+    }
+}
+
+fn runsc_list(root: &Path) -> Vec<String> {
+    if !root.exists() {
+        return Vec::new();
+    }
+    let out = Command::new("runsc").arg("--root").arg(root).args(["list", "--format", "json"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let listed: Value = serde_json::from_str(text.trim()).unwrap_or(Value::Null);
+    listed.as_array().map(|a| a.iter().filter_map(|c| c["id"].as_str().map(str::to_owned)).collect()).unwrap_or_default()
+}
+
+impl Drop for RunscCleanup {
+    fn drop(&mut self) {
+        for id in self.list() {
+            let _ = Command::new("runsc").arg("--root").arg(&self.0).args(["delete", "--force", &id]).status();
+        }
+    }
+}
+
+async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
+    let (status, doc) = server.call(method, body).await;
+    assert_eq!(status, 200, "{method}: {doc}");
+    doc
+}
+
+async fn wait_sandbox(server: &Server, id: &str, what: &str, done: impl Fn(&Value) -> bool, machine: &AgentNode) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let doc = call_ok(server, "sandboxes.get", json!({ "sandboxId": id })).await;
+        if done(&doc) {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "sandbox {id}: not {what} after 60 s: {doc}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_restart() {
+    require_runtime();
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("sandboxes").await;
+    let mut machine = AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 1\n")).unwrap();
+    machine.join_pool(&server, &pool).await;
+    let node = machine.node_id();
+    let cleanup = RunscCleanup(machine.data().join("sandboxes").join("runsc"));
+    machine.start();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
+        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+        if doc["state"] == "ready" && caps.iter().any(|c| c == "sandbox.gvisor") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "node not ready with sandbox.gvisor: {doc}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let work = tempfile::tempdir().unwrap();
+    let bytes = busybox_rootfs(work.path());
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let size = bytes.len();
+    let images = ImageServer::start("busybox.tar", bytes);
+    let image = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "busybox", "url": images.url, "sha256": digest, "diskFormat": "rootfs-tar", "sizeBytes": size }),
+    )
+    .await;
+    let image_id = image["imageId"].as_str().unwrap().to_owned();
+    let flavor = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "sbx-small", "vcpus": 1, "memoryMiB": 256, "diskGiB": 1, "gpus": 0 }),
+    )
+    .await;
+    let flavor_id = flavor["flavorId"].as_str().unwrap().to_owned();
+
+    // Bad templates: an image that does not exist, a maximum TTL past the bound. Nothing made.
+    let template_args = |image: &str, max_ttl: &str| -> Vec<String> {
+        ["sandbox-template", "create", "--name", "busybox", "--pool", &pool, "--flavor", &flavor_id, "--image", image]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(["--max-ttl", max_ttl, "--warm-min", "1", "--env", "X=from-the-template"].into_iter().map(str::to_owned))
+            .collect()
+    };
+    let args = template_args("img_01j00000000000000000000000", "10m");
+    let (code, _, err) = server.cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("NOT_FOUND") && err.contains("image img_01j00000000000000000000000"), "{err}");
+    let args = template_args(&image_id, "48h");
+    let (code, _, err) = server.cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 2, "INVALID_ARGUMENT exits 2: {err}");
+    assert!(err.contains("INVALID_ARGUMENT") && err.contains("past the maximum of 86400 s"), "{err}");
+    let (code, _, err) = server.cli(&["sandbox", "get", "inst_01j00000000000000000000000"]);
+    assert_eq!(code, 2, "an id of another kind is a usage error before anything is sent: {err}");
+    let listed = call_ok(&server, "sandboxTemplates.list", json!({})).await;
+    assert_eq!(listed["items"].as_array().unwrap().len(), 0, "no template was made: {listed}");
+
+    // The template; its warm pool fills.
+    let args = template_args(&image_id, "10m");
+    let (code, out, err) = server.cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "sandbox-template create: {err}");
+    let template = json(&out)["templateId"].as_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let warm_id = loop {
+        let page = call_ok(&server, "sandboxes.list", json!({ "templateId": template })).await;
+        let warm = page["items"].as_array().unwrap().iter().find(|s| s["warm"] == true && s["state"] == "running").cloned();
+        if let Some(warm) = warm {
+            break warm["sandboxId"].as_str().unwrap().to_owned();
+        }
+        assert!(std::time::Instant::now() < deadline, "no warm sandbox after 60 s: {page}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(cleanup.list().contains(&warm_id), "the warm sandbox runs in runsc: {:?}", cleanup.list());
+
+    // A TTL past the template's maximum: refused, nothing claimed.
+    let (code, _, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "1h"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("INVALID_ARGUMENT") && err.contains("past the maximum of 600 s"), "{err}");
+
+    // The create claims the warm one, and says so.
+    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    assert_eq!(code, 0, "sandbox create: {err}");
+    let claimed = json(&out);
+    assert_eq!(claimed["claimed"], "warm", "{claimed}");
+    assert_eq!(claimed["sandboxId"], warm_id.as_str(), "{claimed}");
+    assert_eq!((claimed["state"].as_str(), claimed["warm"].as_bool()), (Some("running"), Some(false)), "{claimed}");
+    let a = warm_id;
+
+    // Exec: gVisor's kernel, the template's environment, the command's status.
+    let (code, out, err) =
+        server.cli(&["sandbox", "exec", &a, "--", "sh", "-c", "uname -a; echo X=$X; echo written > /f; exit 3"]);
+    assert_eq!(code, 3, "the command's own status: {out} {err}\n{}", machine.node_log());
+    assert!(out.contains("Linux sandbox 4.4.0"), "gVisor's kernel (Linux 4.4.0 as the sentry reports it): {out}");
+    assert!(out.contains("X=from-the-template"), "the template's env: {out}");
+    let (code, out, err) = server.cli(&["sandbox", "exec", &a, "--", "cat", "/f"]);
+    assert_eq!((code, out.trim()), (0, "written"), "the sandbox keeps what it wrote: {err}");
+
+    // Another sandbox (cold or warm: the pool refills) does not see it, nor does the host.
+    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    assert_eq!(code, 0, "second sandbox: {err}\n{}", machine.node_log());
+    let second = json(&out);
+    let b = second["sandboxId"].as_str().unwrap().to_owned();
+    assert_eq!(second["state"], "running", "--wait follows it until it runs: {second}");
+    let (code, out, err) = server.cli(&["sandbox", "exec", &b, "--", "cat", "/f"]);
+    assert_eq!(code, 1, "another sandbox does not see /f: {out} {err}");
+    let rootfs = machine.data().join("sandboxes").join("rootfs").join(&digest);
+    assert!(rootfs.join("bin/busybox").exists(), "the root file system is unpacked once, by digest");
+    assert!(!rootfs.join("f").exists(), "nothing a sandbox writes reaches the host's files");
+
+    // A short life: gone from the node and the API at its end.
+    let created = call_ok(&server, "sandboxes.create", json!({ "templateId": template, "ttlS": 5 })).await;
+    let c = created["sandboxId"].as_str().unwrap().to_owned();
+    wait_sandbox(&server, &c, "running", |s| s["state"] == "running", &machine).await;
+    assert!(cleanup.list().contains(&c));
+    let gone = wait_sandbox(&server, &c, "deleted", |s| s["state"] == "deleted", &machine).await;
+    assert_eq!(gone["lastError"], "ttl-expired", "{gone}");
+    assert!(!cleanup.list().contains(&c), "no longer on the node: {:?}", cleanup.list());
+    let live = call_ok(&server, "sandboxes.list", json!({})).await;
+    assert!(!live["items"].as_array().unwrap().iter().any(|s| s["sandboxId"] == c.as_str()), "not live in the API: {live}");
+    let events = call_ok(&server, "events.list", json!({ "stream": format!("sandbox/{c}") })).await;
+    let types: Vec<&str> = events["items"].as_array().unwrap().iter().filter_map(|e| e["type"].as_str()).collect();
+    // Its life in the log: made (warm or cold; a warm one then claimed), observed running,
+    // deleted at its end, observed gone.
+    assert_eq!(types.first(), Some(&"sandbox.created"), "{events}");
+    assert!(types.contains(&"sandbox.delete_requested"), "{events}");
+    assert_eq!(types.last(), Some(&"sandbox.observed"), "{events}");
+
+    // Extend within the maximum, and not past it.
+    let (code, _, err) = server.cli(&["sandbox", "extend", &b, "--by", "1m"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = server.cli(&["sandbox", "extend", &b, "--by", "1h"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("maxTtlS"), "{err}");
+
+    // The agent killed and started again: its sandboxes are found again, and one no record
+    // names (started behind its back in its own state directory) is removed.
+    machine.kill9();
+    let bundle = machine.data().join("sandboxes").join("bundles").join(&b);
+    let stray = "sbx_01j0000000000000000000stray".to_lowercase();
+    let status = Command::new("runsc")
+        .arg("--root")
+        .arg(&cleanup.0)
+        .args(["--platform=ptrace", "--network=none", "--overlay", "run", "--detach", "--bundle"])
+        .arg(&bundle)
+        .arg(&stray)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "a stray container");
+    assert!(cleanup.list().contains(&stray));
+    machine.start();
+    bc_tests::wait_until("the stray sandbox is swept", Duration::from_secs(30), || {
+        (!cleanup.list().contains(&stray)).then_some(())
+    });
+    let on_node = cleanup.list();
+    assert!(on_node.contains(&a) && on_node.contains(&b), "the recorded sandboxes survive the agent: {on_node:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, out, _) = server.cli(&["sandbox", "exec", &b, "--", "echo", "still-here"]);
+        if code == 0 {
+            assert_eq!(out.trim(), "still-here");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "exec after the restart: {out}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Deleted: gone from the node; exec in it is a clear error.
+    let (code, _, err) = server.cli(&["sandbox", "delete", &a]);
+    assert_eq!(code, 0, "{err}");
+    wait_sandbox(&server, &a, "deleted", |s| s["state"] == "deleted", &machine).await;
+    assert!(!cleanup.list().contains(&a));
+    let (code, _, err) = server.cli(&["sandbox", "exec", &a, "--", "true"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&format!("sandbox {a} is deleted")), "{err}");
+    let (code, _, err) = server.cli(&["sandbox", "delete", &a]);
+    assert_eq!(code, 1, "a deleted sandbox takes no delete: {err}");
+
+    // The template deleted: its warm sandboxes go; what the API holds is what runsc runs.
+    let (code, _, err) = server.cli(&["sandbox-template", "delete", &template]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = server.cli(&["sandbox", "delete", &b]);
+    assert_eq!(code, 0, "{err}");
+    bc_tests::wait_until("the node runs nothing the API does not", Duration::from_secs(30), || {
+        cleanup.list().is_empty().then_some(())
+    });
+    drop(cleanup);
+}
