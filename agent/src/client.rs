@@ -1,13 +1,20 @@
 //! The connection to the gateway: gRPC over TLS whose server certificate is accepted only when
 //! its key matches the pinned SPKI hash (`serving_ca_spki_pin`), whatever CA signed it; or h2c,
-//! only to a loopback address (`dev`). Anything else is refused before a byte is sent.
+//! only to a loopback address (`dev`). Anything else is refused before a byte is sent. Over TLS
+//! the channel presents the node certificate, when the node has one
+//! ([`crate::node_cert::NodeCertificates`]).
 
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
+use rustls::client::ResolvesClientCert;
 use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::transport::{Channel, Endpoint};
 
 /// Connecting (TCP and TLS) gives up after this.
@@ -54,6 +61,16 @@ impl Gateway {
 
     /// A channel that connects lazily, through the pinned TLS connector or h2c.
     pub fn channel(&self) -> Result<Channel, String> {
+        self.channel_presenting(None, Arc::new(AtomicBool::new(false)))
+    }
+
+    /// [`Gateway::channel`], presenting `certificates`' current node certificate in each TLS
+    /// handshake; `revoked` is set when the gateway's TLS layer refuses it as revoked.
+    pub fn channel_presenting(
+        &self,
+        certificates: Option<Arc<dyn ResolvesClientCert>>,
+        revoked: Arc<AtomicBool>,
+    ) -> Result<Channel, String> {
         let endpoint = Endpoint::from_shared(format!("http://{}:{}", bracket(&self.host), self.port))
             .map_err(|e| format!("the gateway address: {e}"))?
             .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
@@ -63,11 +80,14 @@ impl Gateway {
         let Some(pin) = self.pin.clone() else {
             return Ok(endpoint.connect_lazy());
         };
-        let config = client_config(pin)?;
+        let config = client_config(pin, certificates)?;
         let (host, port) = (self.host.clone(), self.port);
         let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-            let (config, host) = (config.clone(), host.clone());
-            async move { Ok::<_, std::io::Error>(TokioIo::new(connect_tls(config, &host, port).await?)) }
+            let (config, host, revoked) = (config.clone(), host.clone(), revoked.clone());
+            async move {
+                let tls = connect_tls(config, &host, port).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(AlertWatch { inner: tls, revoked }))
+            }
         });
         Ok(endpoint.connect_with_connector_lazy(connector))
     }
@@ -84,7 +104,7 @@ impl Gateway {
                 .map_err(|e| HandshakeError::Unreachable(e.to_string()))?;
             return Ok(false);
         };
-        let config = client_config(pin).map_err(HandshakeError::Tls)?;
+        let config = client_config(pin, None).map_err(HandshakeError::Tls)?;
         let handshake = connect_tls(config, &self.host, self.port);
         match tokio::time::timeout(Duration::from_millis(CONNECT_TIMEOUT_MS), handshake).await {
             Err(_) => Err(HandshakeError::Unreachable("connecting timed out".into())),
@@ -101,6 +121,56 @@ impl Gateway {
                 })
             }
         }
+    }
+}
+
+/// A TLS stream that notes the gateway's `certificate_revoked` alert. Under TLS 1.3 the server
+/// judges the client's certificate after the client's side of the handshake is done, so its
+/// refusal arrives on the first read, inside HTTP/2, which reports only "connection closed":
+/// this is where the alert is still a `rustls::Error`.
+struct AlertWatch<T> {
+    inner: T,
+    revoked: Arc<AtomicBool>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for AlertWatch<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Poll::Ready(Err(e)) = &polled
+            && matches!(
+                e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()),
+                Some(rustls::Error::AlertReceived(rustls::AlertDescription::CertificateRevoked))
+            )
+        {
+            self.revoked.store(true, Ordering::SeqCst);
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for AlertWatch<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
     }
 }
 
@@ -139,16 +209,19 @@ pub fn check_pin(pin: &str) -> Result<(), String> {
     bc_pin::check_pin(pin).map_err(|e| e.to_string())
 }
 
-fn client_config(pin: String) -> Result<Arc<rustls::ClientConfig>, String> {
+fn client_config(pin: String, certificates: Option<Arc<dyn ResolvesClientCert>>) -> Result<Arc<rustls::ClientConfig>, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+    let config = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(
             bc_pin::Verifier::pinned(&pin, "the gateway's certificate", provider).map_err(|e| e.to_string())?,
-        ))
-        .with_no_client_auth();
+        ));
+    let mut config = match certificates {
+        Some(resolver) => config.with_client_cert_resolver(resolver),
+        None => config.with_no_client_auth(),
+    };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
 }

@@ -52,6 +52,8 @@ enum Event {
     Connected(u64, mpsc::Sender<bc_proto::AgentMessage>),
     Message(u64, gateway_message::Msg),
     Broken(u64, String),
+    /// The gateway refused the node as revoked (its session's end, or the TLS layer's alert).
+    Revoked(u64),
     Journaled(u64, [u8; 32]),
     JournalFull(String),
 }
@@ -80,7 +82,14 @@ pub async fn run_node(
 ) -> Result<Exit, String> {
     let node: bc_core::id::NodeId = identity.identity.node_id.parse().map_err(|e: bc_core::Error| e.to_string())?;
     let gateway = config.gateway()?;
-    let channel = gateway.channel()?;
+    // The node certificate, presented in every handshake and swapped on renewal.
+    let certificate = crate::node_cert::NodeCertificateFile::load(&config.data_dir)?;
+    let certificates = crate::node_cert::NodeCertificates::new(&identity.key, certificate.as_ref())?;
+    let revoked_alert = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let channel = gateway.channel_presenting(Some(certificates.clone()), revoked_alert.clone())?;
+    let started_ms = SystemClock.now_ms();
+    let first = renew_after_ms()?.map(|after| (started_ms, after));
+    let renewal_due_ms = certificate.as_ref().map(|c| crate::node_cert::renewal_due_ms(c.issued_at_ms, c.not_after_ms, first));
     let version = crate::update::running_version();
     let (journal, agent, capabilities) = open_agent(&config, &identity, node, &version, launch.clone()).await?;
     let updater = agent.update.clone();
@@ -126,6 +135,8 @@ pub async fn run_node(
         live_since_ms: None,
         ssh: config.ssh.clone().map(|ssh| crate::ssh_ca::SshInstaller::new(ssh, node.to_string())),
         metrics,
+        renewal: Renewal { data_dir: config.data_dir.clone(), certificates, certificate, due_ms: renewal_due_ms, asked_ms: None },
+        revoked_alert,
     };
     let mut ticker = tokio::time::interval(Duration::from_millis(TICK_MS));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -137,6 +148,10 @@ pub async fn run_node(
             _ = ticker.tick() => Input::Tick,
             event = events.recv() => match event {
                 None => break Err("the driver's channels closed".into()),
+                Some(Event::Revoked(g)) if g == driver.generation => {
+                    tracing::error!("the gateway revoked this node: its certificate is refused");
+                    break Err(crate::node_cert::REVOKED_MESSAGE.into());
+                }
                 Some(event) => match driver.input(event) {
                     Some(input) => input,
                     None => continue,
@@ -288,6 +303,66 @@ struct Driver {
     ssh: Option<crate::ssh_ca::SshInstaller>,
     /// What `/metrics` shows ([`crate::metrics`]), fed here.
     metrics: Arc<crate::metrics::Metrics>,
+    /// The node certificate and its renewal, at the edge: the machine never sees either.
+    renewal: Renewal,
+    /// Set by the channel when the gateway's TLS layer refused the certificate as revoked.
+    revoked_alert: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The node certificate this agent presents, and when to ask for the next.
+struct Renewal {
+    data_dir: PathBuf,
+    certificates: Arc<crate::node_cert::NodeCertificates>,
+    /// None: the node has no certificate (it joined a gateway without a node CA).
+    certificate: Option<crate::node_cert::NodeCertificateFile>,
+    due_ms: Option<u64>,
+    /// When the last renewal was asked for and not answered yet.
+    asked_ms: Option<u64>,
+}
+
+impl Renewal {
+    /// Whether to ask for a new certificate now (on a live session).
+    fn ask(&mut self, now_ms: u64) -> bool {
+        let due = self.due_ms.is_some_and(|due| now_ms >= due);
+        let waiting = self.asked_ms.is_some_and(|asked| now_ms < asked + crate::node_cert::RENEW_RETRY_MS);
+        if due && !waiting {
+            self.asked_ms = Some(now_ms);
+            return true;
+        }
+        false
+    }
+
+    /// A certificate the gateway issued on the session: stored, then presented from the next
+    /// handshake on.
+    fn received(&mut self, issued: bc_proto::NodeCertificate, now_ms: u64) {
+        let Some(current) = &self.certificate else { return };
+        let ca = match current.ca_certificate_der() {
+            Ok(ca) => ca,
+            Err(e) => return tracing::error!(error = %e, "the stored node CA certificate does not parse"),
+        };
+        let file = crate::node_cert::NodeCertificateFile::new(&issued.certificate, &ca, now_ms, issued.not_after_ms);
+        if let Err(e) = file.store(&self.data_dir).and_then(|()| self.certificates.set(&file)) {
+            return tracing::error!(error = %e, "the renewed node certificate could not be kept; asking again later");
+        }
+        tracing::info!(not_after = %bc_core::clock::rfc3339_ms(issued.not_after_ms), "renewed the node certificate");
+        self.due_ms = Some(crate::node_cert::renewal_due_ms(now_ms, issued.not_after_ms, None));
+        self.asked_ms = None;
+        self.certificate = Some(file);
+    }
+}
+
+/// `BCD_RENEW_AFTER` (fakehw builds only, for end-to-end tests): renew the node certificate this
+/// soon after start.
+fn renew_after_ms() -> Result<Option<u64>, String> {
+    if !crate::FAKE_MACHINES {
+        return Ok(None);
+    }
+    match std::env::var("BCD_RENEW_AFTER") {
+        Err(_) => Ok(None),
+        Ok(text) => humantime::parse_duration(&text)
+            .map(|d| Some(d.as_millis() as u64))
+            .map_err(|e| format!("BCD_RENEW_AFTER {text:?}: {e}")),
+    }
 }
 
 impl Driver {
@@ -308,6 +383,10 @@ impl Driver {
                 }
                 // The trusted CA keys are the edge's alone; the machine never sees them.
                 if matches!(msg, bc_proto::gateway_message::Msg::SshUserCaKeys(_)) {
+                    return None;
+                }
+                if let bc_proto::gateway_message::Msg::NodeCertificate(issued) = msg {
+                    self.renewal.received(issued, SystemClock.now_ms());
                     return None;
                 }
                 Some(Input::Received(msg))
@@ -342,6 +421,10 @@ impl Driver {
         if let (Input::Tick, Some(ssh)) = (&input, &mut self.ssh) {
             ssh.tick(SystemClock.now_ms());
         }
+        if matches!(input, Input::Tick) && matches!(self.machine.phase(), Phase::Live) && self.renewal.ask(SystemClock.now_ms()) {
+            tracing::info!("asking for a new node certificate");
+            send(&self.outbound, agent_message::Msg::RenewCertificate(bc_proto::RenewCertificate {})).await;
+        }
         let outputs = self.machine.step(SystemClock.now_ms(), &mut self.rng, input);
         let mut overflowed = false;
         for output in outputs {
@@ -349,7 +432,8 @@ impl Driver {
                 Output::Connect => {
                     self.generation += 1;
                     let guests: Arc<dyn crate::tunnel::Guests> = self.agent.clone();
-                    tokio::spawn(connect(self.channel.clone(), self.generation, self.events_tx.clone(), guests));
+                    let revoked = self.revoked_alert.clone();
+                    tokio::spawn(connect(self.channel.clone(), self.generation, self.events_tx.clone(), guests, revoked));
                 }
                 Output::Send(msg) => {
                     if matches!(msg, agent_message::Msg::Heartbeat(_)) {
@@ -523,6 +607,7 @@ async fn connect(
     generation: u64,
     events: mpsc::Sender<Event>,
     guests: Arc<dyn crate::tunnel::Guests>,
+    revoked: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let (sender, receiver) = mpsc::channel(OUTBOUND_MESSAGES);
     let mut client = AgentClient::new(channel.clone())
@@ -531,7 +616,7 @@ async fn connect(
     let mut inbound = match client.session(ReceiverStream::new(receiver)).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
-            let _ = events.send(Event::Broken(generation, format!("{}: {}", status.code(), status.message()))).await;
+            let _ = events.send(broken(generation, &status, &revoked)).await;
             return;
         }
     };
@@ -548,13 +633,21 @@ async fn connect(
             Ok(Some(bc_proto::GatewayMessage { msg: Some(msg) })) => Event::Message(generation, msg),
             Ok(Some(_)) => continue,
             Ok(None) => Event::Broken(generation, "the gateway closed the stream".into()),
-            Err(status) => Event::Broken(generation, format!("{}: {}", status.code(), status.message())),
+            Err(status) => broken(generation, &status, &revoked),
         };
-        let broken = matches!(event, Event::Broken(..));
+        let broken = matches!(event, Event::Broken(..) | Event::Revoked(..));
         if events.send(event).await.is_err() || broken {
             return;
         }
     }
+}
+
+/// A session's end: a revocation, or a break the machine reconnects after.
+fn broken(generation: u64, status: &tonic::Status, revoked_alert: &std::sync::atomic::AtomicBool) -> Event {
+    if crate::node_cert::is_revoked(status) || revoked_alert.load(std::sync::atomic::Ordering::SeqCst) {
+        return Event::Revoked(generation);
+    }
+    Event::Broken(generation, crate::node_cert::describe(status))
 }
 
 async fn run_commands(

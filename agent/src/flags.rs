@@ -117,6 +117,11 @@ impl JoinArgs {
         match (self.attestor.as_str(), has_node_id) {
             ("join-token", _) | ("provisioned", true) => Ok(()),
             ("provisioned", false) => Err("--attestor provisioned needs --node-id".into()),
+            // Issue 61 item 5: a cloud instance identity document needs a cloud; there is none here.
+            ("cloud-iid", _) => Err(
+                "--attestor cloud-iid joins with a cloud instance's signed identity document, which this build does not accept (no cloud here): join with a token (BCD_JOIN_TOKEN, standard input or --token-file)"
+                    .into(),
+            ),
             (other, _) => Err(format!("--attestor {other:?} is not one this build has (join-token, provisioned)")),
         }
     }
@@ -440,6 +445,11 @@ mod tests {
         assert_eq!(
             join(&["--attestor", "provisioned"]).check_attestor(false),
             Err("--attestor provisioned needs --node-id".to_owned())
+        );
+        let cloud = join(&["--attestor", "cloud-iid"]).check_attestor(false).unwrap_err();
+        assert!(
+            cloud.starts_with("--attestor cloud-iid joins with a cloud instance's") && cloud.contains("no cloud here"),
+            "{cloud}"
         );
         assert_eq!(
             join(&["--attestor", "tpm"]).check_attestor(true),

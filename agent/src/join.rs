@@ -41,7 +41,12 @@ pub fn usage(message: impl Into<String>) -> JoinError {
 /// The files `--reset` moves aside.
 pub fn reset_files(config: &Config) -> Vec<PathBuf> {
     let journal = config.journal_path();
-    let mut files = vec![config.identity_path(), config.key_path(), journal.clone()];
+    let mut files = vec![
+        config.identity_path(),
+        config.key_path(),
+        crate::node_cert::NodeCertificateFile::path(&config.data_dir),
+        journal.clone(),
+    ];
     for suffix in ["-wal", "-shm"] {
         let mut companion = journal.clone().into_os_string();
         companion.push(suffix);
@@ -174,6 +179,18 @@ pub async fn join_as(
     };
     let checked = verify_identity(&file, &config.log_key_pin, &key.verifying_key())
         .map_err(|e| fail(format!("the gateway's answer: {e}")))?;
+    // The node certificate first: a machine with an identity is joined, and must have it.
+    let certificate = (!response.node_certificate.is_empty()).then(|| {
+        crate::node_cert::NodeCertificateFile::new(
+            &response.node_certificate,
+            &response.node_ca_certificate,
+            checked.joined_at_ms,
+            response.node_certificate_not_after_ms,
+        )
+    });
+    if let Some(certificate) = &certificate {
+        certificate.store(&config.data_dir).map_err(fail)?;
+    }
     let text = serde_json::to_string_pretty(&file).map_err(|e| fail(e.to_string()))?;
     bc_core::keys::write_new_file(&config.identity_path(), format!("{text}\n").as_bytes(), 0o600)
         .map_err(|e| fail(e.to_string()))?;
@@ -182,7 +199,9 @@ pub async fn join_as(
     {
         remove_token_file(path);
     }
-    Ok(Outcome::Joined(format!("joined as {} (tenant {}, pool {})", checked.node_id, checked.tenant_id, checked.pool_id)))
+    let until = certificate
+        .map_or(String::new(), |c| format!("; certificate valid until {}", bc_core::clock::rfc3339_ms(c.not_after_ms)));
+    Ok(Outcome::Joined(format!("joined as {} (tenant {}, pool {}){until}", checked.node_id, checked.tenant_id, checked.pool_id)))
 }
 
 /// Removes a spent token file; a read-only mount only warns.

@@ -35,6 +35,7 @@ pub mod join;
 pub mod journal;
 pub mod ledger;
 pub mod metrics;
+pub mod node_cert;
 pub mod runner;
 pub mod sandboxes;
 pub mod session;

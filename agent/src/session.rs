@@ -335,6 +335,8 @@ fn kind_of(msg: &gateway_message::Msg) -> &'static str {
         gateway_message::Msg::OpenTunnel(_) => "tunnel request",
         // The driver installs them at the edge (`crate::ssh_ca`); the machine never sees one.
         gateway_message::Msg::SshUserCaKeys(_) => "SSH CA keys",
+        // The driver stores it at the edge (`crate::node_cert`); the machine never sees one.
+        gateway_message::Msg::NodeCertificate(_) => "node certificate",
     }
 }
 

@@ -352,6 +352,15 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
     Ok(value.as_millis() as u64)
 }
 
+/// `--node-cert-lifetime`: whole milliseconds, within the node CA's bounds
+/// (`bc_gateway::node_ca::NODE_CERT_LIFETIME_MS_MIN` to `_MAX`).
+pub fn parse_node_cert_lifetime_ms(text: &str) -> Result<u64, String> {
+    use bc_gateway::node_ca::{NODE_CERT_LIFETIME_MS_MAX, NODE_CERT_LIFETIME_MS_MIN};
+    let (min, max) = (Duration::from_millis(NODE_CERT_LIFETIME_MS_MIN), Duration::from_millis(NODE_CERT_LIFETIME_MS_MAX));
+    let value = parse_duration(text, min, max, MILLISECOND)?;
+    Ok(value.as_millis() as u64)
+}
+
 /// `--node-lease`, `--node-heartbeat`: whole milliseconds, from 100 ms to ten minutes.
 pub fn parse_node_lease_ms(text: &str) -> Result<u64, String> {
     let value = parse_duration(text, Duration::from_millis(100), Duration::from_millis(NODE_LEASE_MS_MAX), MILLISECOND)?;

@@ -126,6 +126,14 @@ pub async fn pki_show(db: &Database, data_dir: &Path, deployment: &str) -> Resul
         "algorithm": "ed25519",
     });
     shown.as_object_mut().expect("an object").extend(ssh_user_ca_shown(db, data_dir).await?);
+    // The node CA's certificate, as the first start wrote it beside the log key.
+    let node_ca_path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
+    if let Ok(pem) = std::fs::read(&node_ca_path) {
+        use rustls::pki_types::pem::PemObject;
+        let pin =
+            rustls::pki_types::CertificateDer::from_pem_slice(&pem).ok().and_then(|c| bc_gateway::agents::tls::spki_pin(&c).ok());
+        shown["nodeCa"] = json!({ "pin": pin, "certificate": node_ca_path.display().to_string() });
+    }
     Ok(shown)
 }
 
@@ -583,6 +591,8 @@ pub struct AgentsOptions {
     pub session: bc_gateway::agents::SessionConfig,
     /// The endpoint's connection, stream and join bounds (`--agents-*` flags).
     pub limits: bc_gateway::agents::AgentLimits,
+    /// How long a node certificate is valid (`--node-cert-lifetime`).
+    pub node_cert_lifetime_ms: u64,
 }
 
 impl AgentsOptions {
@@ -618,14 +628,41 @@ impl AgentsOptions {
                 session.heartbeat_ms, session.lease_ms
             )));
         }
-        Ok(Self { listen, tls_files, plaintext, session, limits })
+        Ok(Self {
+            listen,
+            tls_files,
+            plaintext,
+            session,
+            limits,
+            node_cert_lifetime_ms: bc_gateway::node_ca::NODE_CERT_LIFETIME_MS_DEFAULT,
+        })
     }
 }
 
-/// The agents' endpoint's transport, and the pin agents check (none for h2c).
+/// The deployment's node CA (made and stored, sealed under the data key, at the first start),
+/// its revoked set loaded from the nodes' documents, and its certificate written to
+/// [`bc_gateway::node_ca::NODE_CA_FILE`] in the data directory (public; `pki show` names it).
+async fn node_ca(log: &Log, data_dir: &Path, lifetime_ms: u64) -> Result<Arc<bc_gateway::node_ca::NodeCa>, CliError> {
+    let (ca, created) = bc_gateway::node_ca::NodeCa::load_or_create(&*log.store, log.clock.now_ms(), lifetime_ms).await?;
+    if created {
+        tracing::info!(pin = %ca.pin(), "created the node CA");
+    }
+    let revoked = ca.load_revoked(&*log.store).await?;
+    if revoked > 0 {
+        tracing::info!(revoked, "loaded the revoked nodes");
+    }
+    let path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
+    std::fs::write(&path, ca.certificate_pem())
+        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))?;
+    Ok(Arc::new(ca))
+}
+
+/// The agents' endpoint's transport, and the pin agents check (none for h2c). Over TLS, each
+/// peer is asked for a node certificate of `node_ca`.
 fn agents_transport(
     options: &AgentsOptions,
     data_dir: &Path,
+    node_ca: &Arc<bc_gateway::node_ca::NodeCa>,
 ) -> Result<(bc_gateway::agents::Transport, Option<String>), CliError> {
     use bc_gateway::agents::tls::ServingIdentity;
     if options.plaintext {
@@ -641,7 +678,8 @@ fn agents_transport(
             identity
         }
     };
-    Ok((bc_gateway::agents::Transport::Tls(identity.server_config()?), Some(identity.pin.clone())))
+    let config = identity.server_config_for_nodes(Some(node_ca.client_verifier()?))?;
+    Ok((bc_gateway::agents::Transport::Tls(config), Some(identity.pin.clone())))
 }
 
 /// Open files a server needs beside its `--connections-max` connections: the database's, the
@@ -729,8 +767,9 @@ pub async fn run_server(
         CliError::new("UNAVAILABLE", format!("cannot listen on {addr}: {e}")).hint("pick another --listen address")
     })?;
     let bound = listener.local_addr().map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    let node_ca = node_ca(&log, data_dir, agents.node_cert_lifetime_ms).await?;
     let agents_endpoint = match roles.agents {
-        true => Some(bind_agents(agents, data_dir).await?),
+        true => Some(bind_agents(agents, data_dir, &node_ca).await?),
         false => None,
     };
     let metrics_listener = bind_metrics(metrics_listen).await?;
@@ -755,7 +794,8 @@ pub async fn run_server(
         .with_webhook_policy(consumers.policy)
         .with_bmc_networks(consumers.bmc_networks.clone())
         .with_release_keys(release_keys.clone())
-        .with_ssh_user_ca(ssh_user_ca);
+        .with_ssh_user_ca(ssh_user_ca)
+        .with_node_ca(node_ca.clone());
     state.metrics_on_api = metrics_listener.is_none();
     state.api_served = roles.api;
     state.batch_quorum = batch_quorum;
@@ -841,8 +881,12 @@ impl AgentsEndpoint {
 }
 
 /// Binds `--agents-listen` with its transport (the serving certificate made at the first start).
-async fn bind_agents(agents: &AgentsOptions, data_dir: &Path) -> Result<AgentsEndpoint, CliError> {
-    let (transport, pin) = agents_transport(agents, data_dir)?;
+async fn bind_agents(
+    agents: &AgentsOptions,
+    data_dir: &Path,
+    node_ca: &Arc<bc_gateway::node_ca::NodeCa>,
+) -> Result<AgentsEndpoint, CliError> {
+    let (transport, pin) = agents_transport(agents, data_dir, node_ca)?;
     let listener = tokio::net::TcpListener::bind(agents.listen).await.map_err(|e| {
         CliError::new("UNAVAILABLE", format!("cannot listen on {} for agents: {e}", agents.listen))
             .hint("pick another --agents-listen address")

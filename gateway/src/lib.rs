@@ -19,7 +19,8 @@
 //! - [`conn`]: the connections' limits (header, idle, body and write deadlines; the cap on open
 //!   connections), served with hyper-util's `auto::Builder`;
 //! - [`agents`]: the gRPC endpoint of the node agents (`bcd`): joins and sessions, on a
-//!   listener of its own with a pinned TLS certificate;
+//!   listener of its own with a pinned TLS certificate; [`node_ca`]: the node CA, whose
+//!   certificates the endpoint asks each node for (mutual TLS), renewed and revoked;
 //! - [`metrics`]: `GET /metrics` for Prometheus; [`health`]: `GET /healthz` and `GET /readyz`,
 //!   and the agents' endpoint's gRPC health status.
 //!
@@ -48,6 +49,7 @@ pub mod conn;
 pub mod error;
 pub mod health;
 pub mod metrics;
+pub mod node_ca;
 pub mod openapi;
 pub mod rate_limit;
 pub mod rpc;
@@ -107,6 +109,9 @@ pub struct AppState {
     /// agent's session carries the keys trusted now); none: certificates are refused
     /// `UNAVAILABLE`.
     pub ssh_user_ca: Option<Arc<ssh_ca::SshUserCaRing>>,
+    /// The deployment's node CA (`node_ca.rs`): node certificates at join and renewal, and
+    /// the revoked set the agents' TLS layer checks; none: joins issue no certificate.
+    pub node_ca: Option<Arc<node_ca::NodeCa>>,
     /// This process's metrics (`metrics.rs`): the log reports its batches to them from the start.
     pub metrics: Arc<metrics::Metrics>,
     /// Whether the API's router serves `GET /metrics` (not when `--metrics-listen` serves them
@@ -224,6 +229,7 @@ impl AppState {
             rate_limiter: Arc::new(rate_limit::RateLimiter::new(rate_limit::RateLimits::default())),
             tunnels: tunnels::Tunnels::new(tunnels::TunnelLimits::default()),
             ssh_user_ca: None,
+            node_ca: None,
             metrics,
             metrics_on_api: true,
             api_served: true,
@@ -233,6 +239,11 @@ impl AppState {
 
     pub fn with_ssh_user_ca(mut self, ring: ssh_ca::SshUserCaRing) -> Self {
         self.ssh_user_ca = Some(Arc::new(ring));
+        self
+    }
+
+    pub fn with_node_ca(mut self, ca: Arc<node_ca::NodeCa>) -> Self {
+        self.node_ca = Some(ca);
         self
     }
 

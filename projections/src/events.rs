@@ -32,9 +32,10 @@ pub use crate::join_token::{
     JOIN_TOKEN_CREATED, JOIN_TOKEN_REVOKED, JOIN_TOKEN_USED, JoinTokenCreated, JoinTokenRevoked, JoinTokenUsed,
 };
 pub use crate::node::{
-    Gpu, NODE_AGENT_STARTED, NODE_ALLOCATED, NODE_CORDONED, NODE_DELETED, NODE_DRAINING, NODE_FREED, NODE_JOINED, NODE_LABELED,
-    NODE_OBSERVED, NODE_READY, NODE_REGISTERED, NODE_TAINTED, NODE_UNCORDONED, NODE_UNREACHABLE, NodeAgentStarted, NodeAllocated,
-    NodeDeleted, NodeFreed, NodeJoined, NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeStateChanged,
+    Gpu, NODE_AGENT_STARTED, NODE_ALLOCATED, NODE_CERTIFICATE_ISSUED, NODE_CORDONED, NODE_DELETED, NODE_DRAINING, NODE_FREED,
+    NODE_JOINED, NODE_LABELED, NODE_OBSERVED, NODE_READY, NODE_REGISTERED, NODE_REVOKED, NODE_TAINTED, NODE_UNCORDONED,
+    NODE_UNREACHABLE, NodeAgentStarted, NodeAllocated, NodeCertificateIssued, NodeDeleted, NodeFreed, NodeJoined,
+    NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeRevoked, NodeStateChanged,
 };
 pub use crate::pool::{POOL_ARCHIVED, POOL_CREATED, POOL_UPDATED, PoolArchived, PoolCreated, PoolUpdated};
 pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
@@ -125,6 +126,8 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_JOINED,
     NODE_READY,
     NODE_UNREACHABLE,
+    NODE_CERTIFICATE_ISSUED,
+    NODE_REVOKED,
     COMMAND_ISSUED,
     COMMAND_CANCELLED,
     COMMAND_STARTED,

@@ -36,6 +36,11 @@ pub const NODE_OBSERVED: &str = "node.observed";
 /// Every start of `bcd node` ([`NodeAgentStarted`]): the agent's version and slot, on
 /// `agent/node_…`. The node's document takes its version from here; a rollout's gate reads it.
 pub const NODE_AGENT_STARTED: &str = "node.agent_started";
+/// A node certificate issued by the deployment's node CA ([`NodeCertificateIssued`]), at join or
+/// renewed on the node's session; on `node/node_…`.
+pub const NODE_CERTIFICATE_ISSUED: &str = "node.certificate_issued";
+/// `nodes.revoke` ([`NodeRevoked`]): the node's certificates are refused and its sessions end.
+pub const NODE_REVOKED: &str = "node.revoked";
 
 /// A node's document; also its stream's prefix (`node/node_…`).
 pub const KIND_NODE: &str = "node";
@@ -114,6 +119,15 @@ pub struct NodeAgent {
     pub agent_slot: String,
     #[serde(default)]
     pub agent_started_at_ms: u64,
+    /// The serial (hex) and end of the node's newest certificate (`node.certificate_issued`);
+    /// empty and 0: none issued (a node that joined before the node CA).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub certificate_serial: String,
+    #[serde(default)]
+    pub certificate_not_after_ms: u64,
+    /// When the node was revoked (`node.revoked`); 0: not revoked.
+    #[serde(default)]
+    pub revoked_at_ms: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -147,6 +161,9 @@ impl NodeAgent {
             ready_since_ms: 0,
             agent_slot: String::new(),
             agent_started_at_ms: 0,
+            certificate_serial: String::new(),
+            certificate_not_after_ms: 0,
+            revoked_at_ms: 0,
         }
     }
 }
@@ -321,6 +338,26 @@ pub struct NodeDeleted {
     pub reason: Option<String>,
 }
 
+/// `node.certificate_issued`: a certificate for the node's own key, by the node CA: its serial
+/// (hex) and validity; `renewal`: on the node's session, not at its join.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeCertificateIssued {
+    pub serial: String,
+    pub not_before_ms: u64,
+    pub not_after_ms: u64,
+    #[serde(default)]
+    pub renewal: bool,
+}
+
+/// `node.revoked`: why, as the operator said.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeRevoked {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
 /// `node.labeled` and `node.tainted`: keys to set and keys to remove.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -404,6 +441,22 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
         NODE_DELETED => {
             let _: NodeDeleted = payload(event)?;
             Ok(None)
+        }
+        NODE_CERTIFICATE_ISSUED | NODE_REVOKED => {
+            let mut doc: NodeDoc = from_doc(event, current)?;
+            let node = doc.node_id.clone();
+            let agent = doc.agent.as_mut().ok_or_else(|| corrupt(event, format!("node {node} has no agent")))?;
+            if env.event_type == NODE_REVOKED {
+                let _: NodeRevoked = payload(event)?;
+                agent.revoked_at_ms = env.at_ms;
+            } else {
+                let p: NodeCertificateIssued = payload(event)?;
+                agent.certificate_serial = p.serial;
+                agent.certificate_not_after_ms = p.not_after_ms;
+            }
+            doc.version = env.version;
+            doc.updated_at_ms = env.at_ms;
+            to_doc(&doc)
         }
         NODE_CORDONED
         | NODE_UNCORDONED

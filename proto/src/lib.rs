@@ -31,6 +31,9 @@ const _: () = assert!(ENTRY_BODY_BYTES_MAX * 2 < MESSAGE_BYTES_MAX);
 /// retry pushback, gRFC A6): the gateway sets it when it refuses a join for lack of permits,
 /// and `bcd join` waits at least that long before its next attempt.
 pub const RETRY_PUSHBACK_MS_KEY: &str = "grpc-retry-pushback-ms";
+/// The start of the message a revoked node's session ends with (`PERMISSION_DENIED`): `bcd node`
+/// exits 1 on it (`agent: this node's certificate was revoked`).
+pub const NODE_REVOKED_CODE: &str = "NODE_REVOKED";
 
 #[cfg(test)]
 mod tests {

@@ -3,6 +3,7 @@
 //! 'test(/^audit_/)'` picks some). One binary instead of one per file: each had to be compiled
 //! and linked on its own, about a minute and a half of a clean build on 2 cores.
 
+mod admission;
 mod agent;
 mod agent_doctor;
 mod agent_sim;

@@ -79,6 +79,20 @@ pub enum NodesCommand {
         #[command(flatten)]
         if_version: IfVersion,
     },
+    /// Revoke a node (`node.revoked`): the agents' endpoint refuses its certificate and ends its
+    /// sessions at once, and `bcd node` there exits 1; it never starts another session (join the
+    /// machine again as a new node). Refused without --yes, before any call.
+    Revoke {
+        node_id: String,
+        /// Why, kept in the log (at most 500 characters).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Confirm: a revoked node cannot be restored.
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
     /// Add a host by hand.
     Register {
         #[arg(long)]
@@ -138,6 +152,21 @@ pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
                 body.insert("reason".into(), json!(reason));
             }
             c.call("nodes.delete", &Value::Object(body), None).await?
+        }
+        NodesCommand::Revoke { node_id, reason, yes, if_version } => {
+            let node = check_id::<NodeId>("NODE_ID", &node_id)?;
+            if !yes {
+                return Err(CliError::usage(format!("nodes revoke ends {node}'s admission for good; add --yes to confirm")));
+            }
+            let mut body = body;
+            body.insert("nodeId".into(), json!(node));
+            if let Some(v) = if_version.if_version {
+                body.insert("ifVersion".into(), json!(v));
+            }
+            if let Some(reason) = reason {
+                body.insert("reason".into(), json!(reason));
+            }
+            c.call("nodes.revoke", &Value::Object(body), None).await?
         }
         NodesCommand::Register { pool, name, gpus, labels: items, key } => {
             let mut body = body;

@@ -297,6 +297,9 @@ pub struct AgentsArgs {
     /// Joins decided at once; one more is refused with UNAVAILABLE and a retry hint.
     #[arg(long, default_value_t = bc_gateway::agents::JOINS_CONCURRENT_MAX as u64, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub agents_joins_max: u64,
+    /// How long a node certificate is valid (1m to 30d); a node renews it at two thirds of that.
+    #[arg(long, default_value = "24h", value_parser = crate::flags::parse_node_cert_lifetime_ms)]
+    pub node_cert_lifetime: u64,
 }
 
 /// `pki rotate-ssh-ca --grace`'s default: `SSH_CA_GRACE_MS_DEFAULT` (a test holds them equal).
@@ -413,7 +416,9 @@ impl AgentsArgs {
             joins_max: self.agents_joins_max as usize,
             write_stall: ms(write_stall_ms),
         };
-        AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session, limits)
+        let mut options = AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session, limits)?;
+        options.node_cert_lifetime_ms = self.node_cert_lifetime;
+        Ok(options)
     }
 }
 

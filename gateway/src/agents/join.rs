@@ -25,6 +25,8 @@ const JOIN_ATTEMPTS_MAX: usize = 3;
 pub struct Joined {
     pub identity: Vec<u8>,
     pub signature: Vec<u8>,
+    /// The node certificate issued with the join (none without a node CA).
+    pub certificate: Option<crate::node_ca::IssuedCertificate>,
 }
 
 /// Why a join is refused: said to the machine without quoting its token.
@@ -101,6 +103,13 @@ async fn join_once(
         hostname: hostname.to_owned(),
         gpu_uuids: gpu_uuids.to_vec(),
     };
+    // The node certificate for the node's key, recorded in the same append as the join.
+    let certificate = match &state.node_ca {
+        Some(ca) => {
+            Some(ca.issue(&node.to_string(), public_key.as_bytes(), state.log.ids.ulid().to_bytes(), state.log.clock.now_ms())?)
+        }
+        None => None,
+    };
     let token_stream = stream_of(KIND_JOIN_TOKEN, &token_id);
     let mut spend = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: node.to_string() })?);
     spend.stream = Some(token_stream.clone());
@@ -111,12 +120,16 @@ async fn join_once(
         format!("join_token:{token_id}"),
         vec![NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined)?), spend],
     );
+    if let Some(certificate) = &certificate {
+        request.events.insert(1, certificate.event(false)?);
+    }
     request.guards = vec![
         (token_stream, ExpectedVersion::Exact(token.version)),
         (stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version)),
     ];
     let result = state.log.append(request).await?;
-    let joined = signed_identity(state, tenant, node, pool_id, public_key, &result.events[0]).await?;
+    let mut joined = signed_identity(state, tenant, node, pool_id, public_key, &result.events[0]).await?;
+    joined.certificate = certificate;
     tracing::info!(%tenant, node = %node, join_token = %token_id, "a machine joined");
     Ok(joined)
 }
@@ -202,7 +215,7 @@ async fn signed_identity(
     };
     let bytes = serde_json::to_vec(&identity).map_err(|e| Error::Internal(format!("identity: {e}")))?;
     let signature = state.log.key.sign_raw(&identity_signing_message(&bytes)).to_vec();
-    Ok(Joined { identity: bytes, signature })
+    Ok(Joined { identity: bytes, signature, certificate: None })
 }
 
 /// The node's name: its host name when that is a valid name (lowercased), else `node`.

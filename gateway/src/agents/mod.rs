@@ -134,6 +134,15 @@ impl Default for AgentLimits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConnectionId(pub u64);
 
+/// What the TLS layer of one connection says of its peer, as a request extension of every call
+/// on it: whether the connection is TLS, and the SPKI pin of the client certificate the peer
+/// presented (checked against the node CA and the revoked set by `node_ca::NodeCertVerifier`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TlsPeer {
+    pub tls: bool,
+    pub certificate_key_pin: Option<String>,
+}
+
 /// The gRPC status a core error leaves as.
 pub fn code_of(e: &Error) -> tonic::Code {
     use bc_core::error::ErrorCode as C;
@@ -208,6 +217,9 @@ impl Agent for AgentService {
                 signature: joined.signature,
                 log_key_id: self.state.log.key.key_id().to_owned(),
                 log_public_key: self.state.log.key.public().as_bytes().to_vec(),
+                node_certificate_not_after_ms: joined.certificate.as_ref().map_or(0, |c| c.not_after_ms),
+                node_certificate: joined.certificate.map(|c| c.der).unwrap_or_default(),
+                node_ca_certificate: self.state.node_ca.as_ref().map(|ca| ca.certificate().to_vec()).unwrap_or_default(),
             })),
             Err(e) => {
                 tracing::info!(code = %e.code(), error = %e.public_message(), "a join was refused");
@@ -223,9 +235,11 @@ impl Agent for AgentService {
         request: Request<Streaming<bc_proto::AgentMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let connection = connection_of(&request)?;
+        let peer = request.extensions().get::<TlsPeer>().cloned().unwrap_or_default();
         let inbound = request.into_inner();
         let (outbound, stream) = tokio::sync::mpsc::channel(session::SESSION_OUTBOUND_MESSAGES);
-        tokio::spawn(session::run(self.state.clone(), self.sessions.clone(), self.config, connection, inbound, outbound));
+        let link = session::Link { connection, peer };
+        tokio::spawn(session::run(self.state.clone(), self.sessions.clone(), self.config, link, inbound, outbound));
         Ok(Response::new(ReceiverStream::new(stream)))
     }
 
@@ -520,10 +534,15 @@ struct Connection {
 impl Connection {
     async fn run(mut self, stream: TcpStream) {
         let deadline = tokio::time::Instant::now() + self.limits.handshake_timeout;
+        let mut peer = TlsPeer::default();
         let io = match &self.acceptor {
             None => AgentIo::Plain(stream),
             Some(acceptor) => match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
-                Ok(Ok(tls)) => AgentIo::Tls(Box::new(tls)),
+                Ok(Ok(tls)) => {
+                    let presented = tls.get_ref().1.peer_certificates().and_then(|chain| chain.first());
+                    peer = TlsPeer { tls: true, certificate_key_pin: presented.and_then(|c| bc_pin::spki_pin(c).ok()) };
+                    AgentIo::Tls(Box::new(tls))
+                }
                 Ok(Err(e)) => return tracing::debug!(peer = %self.peer, error = %e, "an agent's TLS handshake failed"),
                 Err(_) => return tracing::debug!(peer = %self.peer, "an agent's TLS handshake timed out"),
             },
@@ -539,6 +558,7 @@ impl Connection {
             let mut server = server.clone();
             let stream = counter.opened();
             request.extensions_mut().insert(id);
+            request.extensions_mut().insert(peer.clone());
             async move {
                 let response = tower::Service::call(&mut server, request).await.unwrap_or_else(|never| match never {});
                 Ok::<_, Infallible>(response.map(|inner| CountedBody { inner, _stream: stream }))

@@ -43,6 +43,16 @@ pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Messages queued for one node's stream; a node that reads nothing for a lease while it is full
 /// is dropped (`send_within`), not buffered.
 pub const SESSION_OUTBOUND_MESSAGES: usize = 64;
+/// A session asks for a new node certificate at most this often; one asked sooner is ignored.
+pub const RENEWALS_MIN_INTERVAL_MS: u64 = 10_000;
+
+/// The connection a session came on: its id (its tunnels' calls must come on it) and what its
+/// TLS layer says of the peer.
+#[derive(Clone, Debug)]
+pub struct Link {
+    pub connection: super::ConnectionId,
+    pub peer: super::TlsPeer,
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct SessionConfig {
@@ -174,15 +184,18 @@ pub struct Greeted {
     head_hash: [u8; 32],
     /// The journal head the node said it has.
     hello_seq: u64,
+    /// Whether the node was issued a node certificate (`node.certificate_issued`): over TLS it
+    /// must then present it.
+    certified: bool,
 }
 
 /// Runs one session until the node goes, the stream breaks, a refusal or the server stops.
-/// `connection` carries the session (its tunnels' calls must come on it).
+/// `link.connection` carries the session (its tunnels' calls must come on it).
 pub async fn run<S>(
     state: Arc<AppState>,
     sessions: Arc<Sessions>,
     config: SessionConfig,
-    connection: super::ConnectionId,
+    link: Link,
     mut inbound: S,
     outbound: Outbound,
 ) where
@@ -190,7 +203,10 @@ pub async fn run<S>(
 {
     // Subscribed before the welcome reads them, so no change of the trusted CAs falls between.
     let ssh_user_ca_keys = state.ssh_user_ca.as_ref().map(|ring| ring.subscribe(state.shutdown.subscribe()));
-    let (bound, capabilities) = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config).await {
+    // Subscribed before the node's document is read, so no revocation falls between.
+    let revocations = state.node_ca.as_ref().map(|ca| ca.revocations());
+    let connection = link.connection;
+    let (bound, capabilities) = match handshake(&state, &sessions.leases, &mut inbound, &outbound, config, &link.peer).await {
         Ok(bound) => bound,
         Err(refusal) => {
             let _ = send_within(&outbound, Err(tonic::Status::new(refusal.status, refusal.message)), config.lease_ms).await;
@@ -203,7 +219,7 @@ pub async fn run<S>(
     // Tunnels to the node are asked for on this session while it lasts (dropping the link ends that).
     let (tunnel_link, mut tunnel_requests) = state.tunnels.attach_session(&node, connection, capabilities);
     tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
-    let channels = Channels { nudges: &mut nudges, tunnels: &mut tunnel_requests, ssh_user_ca_keys };
+    let channels = Channels { nudges: &mut nudges, tunnels: &mut tunnel_requests, ssh_user_ca_keys, revocations };
     let outcome = serve(&state, &sessions.leases, config, bound, &mut inbound, &outbound, channels).await;
     drop(tunnel_link);
     sessions.unregister(&node, id);
@@ -243,6 +259,7 @@ async fn handshake<S>(
     inbound: &mut S,
     outbound: &Outbound,
     config: SessionConfig,
+    peer: &super::TlsPeer,
 ) -> std::result::Result<(Bound, Vec<String>), Refusal>
 where
     S: Stream<Item = std::result::Result<bc_proto::AgentMessage, tonic::Status>> + Unpin,
@@ -259,7 +276,9 @@ where
     let agent_message::Msg::Proof(proof) = next_message(inbound, HANDSHAKE_TIMEOUT_MS).await? else {
         return Err(refuse(tonic::Code::InvalidArgument, "a challenge is answered with proof"));
     };
+    let certified = greeted.certified;
     let bound = prove(greeted, &nonce, &proof)?;
+    check_certificate(state, &bound, certified, peer)?;
     renew(&state.log, leases, bound.tenant, &bound.node, config);
     let mut welcomed = welcome(&bound, config);
     // The CA keys ride on the welcome, so a node trusts the current ones after every reconnect
@@ -270,6 +289,42 @@ where
     }
     outbound.send(message(welcomed)).await.map_err(|_| refuse(tonic::Code::Cancelled, "the node went away"))?;
     Ok((bound, hello.capabilities))
+}
+
+/// Whether the session's TLS peer presented what the node must: over TLS, a node issued a node
+/// certificate presents one for its own key (the TLS layer checked it chains to the node CA,
+/// is valid now and is not revoked); a plaintext `dev` endpoint has no TLS layer to ask.
+fn check_certificate(
+    state: &AppState,
+    bound: &Bound,
+    certified: bool,
+    peer: &super::TlsPeer,
+) -> std::result::Result<(), Refusal> {
+    let key_pin = crate::node_ca::node_key_pin(bound.key.as_bytes());
+    if state.node_ca.as_ref().is_some_and(|ca| ca.is_revoked(&key_pin)) {
+        return Err(revoked_refusal(&bound.node));
+    }
+    match &peer.certificate_key_pin {
+        Some(presented) if *presented != key_pin => {
+            Err(refuse(tonic::Code::Unauthenticated, format!("the client certificate is not for node {}'s key", bound.node)))
+        }
+        None if peer.tls && certified => Err(refuse(
+            tonic::Code::Unauthenticated,
+            format!(
+                "node {} must present its node certificate (hint: bcd node reads node-certificate.json in its data directory)",
+                bound.node
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// What ends a revoked node's session: `bcd node` exits 1 on it.
+pub fn revoked_refusal(node: &NodeId) -> Refusal {
+    refuse(
+        tonic::Code::PermissionDenied,
+        format!("{}: node {node} was revoked; its certificate is refused", crate::node_ca::NODE_REVOKED_CODE),
+    )
 }
 
 /// A session's first message: checks what `hello` claims (its capabilities' bounds, a node
@@ -292,6 +347,10 @@ pub async fn greet(store: &dyn EventStore, hello: &bc_proto::Hello) -> std::resu
     let tenant: TenantId = row.key.tenant.parse()?;
     let doc: NodeDoc = crate::api::call::doc(row)?;
     let agent = doc.agent.ok_or_else(|| refuse(tonic::Code::PermissionDenied, format!("node {node} did not join with bcd")))?;
+    if agent.revoked_at_ms > 0 {
+        return Err(revoked_refusal(&node));
+    }
+    let certified = agent.certificate_not_after_ms > 0;
     let key = unb64(&agent.public_key)
         .and_then(|bytes| bc_core::agent::node_public_key(&bytes))
         .map_err(|e| refuse(tonic::Code::Internal, format!("node {node}'s stored key: {e}")))?;
@@ -303,13 +362,13 @@ pub async fn greet(store: &dyn EventStore, hello: &bc_proto::Hello) -> std::resu
             .and_then(|b| b.try_into().ok())
             .ok_or_else(|| refuse(tonic::Code::Internal, "the stored journal head does not parse"))?
     };
-    Ok(Greeted { tenant, node, key, journal_seq: agent.journal_seq, head_hash, hello_seq: hello.journal_seq })
+    Ok(Greeted { tenant, node, key, journal_seq: agent.journal_seq, head_hash, hello_seq: hello.journal_seq, certified })
 }
 
 /// Checks the node's proof: its signature of the challenge's `nonce` under the node's key.
 /// Then the session is bound to the node: the caller renews its lease and sends [`welcome`].
 pub fn prove(greeted: Greeted, nonce: &[u8], proof: &bc_proto::Proof) -> std::result::Result<Bound, Refusal> {
-    let Greeted { tenant, node, key, journal_seq, head_hash, hello_seq } = greeted;
+    let Greeted { tenant, node, key, journal_seq, head_hash, hello_seq, certified: _ } = greeted;
     let signature = Signature::from_slice(&proof.signature)
         .map_err(|_| refuse(tonic::Code::Unauthenticated, "the proof is not an Ed25519 signature"))?;
     key.verify(&session_proof_message(&node.to_string(), nonce), &signature)
@@ -400,6 +459,16 @@ struct Channels<'a> {
     nudges: &'a mut mpsc::Receiver<Nudge>,
     tunnels: &'a mut mpsc::Receiver<crate::tunnels::OpenRequest>,
     ssh_user_ca_keys: Option<tokio::sync::watch::Receiver<Vec<bc_projections::decide::ssh_cert::TrustedCaKey>>>,
+    /// Wakes at every revocation in this process (`node_ca::NodeCa::revocations`).
+    revocations: Option<tokio::sync::watch::Receiver<u64>>,
+}
+
+/// The next revocation in this process; never, without a node CA.
+async fn next_revocation(revocations: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    let Some(receiver) = revocations else { return std::future::pending().await };
+    if receiver.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 async fn serve<S>(
@@ -421,11 +490,14 @@ where
     let mut deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
     // The last heartbeat's arrival, for the gap to the next (`/metrics`).
     let mut last_heartbeat: Option<tokio::time::Instant> = None;
+    // The last node certificate issued on this session ([`RENEWALS_MIN_INTERVAL_MS`]).
+    let mut last_renewal: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             received = next_message_by(inbound, deadline) => {
                 deadline = tokio::time::Instant::now() + Duration::from_millis(config.lease_ms);
                 let reply = match received {
+                    Ok(agent_message::Msg::RenewCertificate(_)) => renew_certificate(state, &bound, &mut last_renewal).await?,
                     Ok(msg) => {
                         let arrived = tokio::time::Instant::now();
                         let kind = match &msg {
@@ -469,6 +541,12 @@ where
                     return Ok("the stream broke");
                 }
             }
+            () = next_revocation(&mut channels.revocations) => {
+                let key_pin = crate::node_ca::node_key_pin(bound.key.as_bytes());
+                if state.node_ca.as_ref().is_some_and(|ca| ca.is_revoked(&key_pin)) {
+                    return Err(revoked_refusal(&bound.node));
+                }
+            }
             nudge = channels.nudges.recv() => match nudge {
                 Some(Nudge::Commands) => send_commands(state, &mut bound, outbound, config).await?,
                 Some(Nudge::Replaced) | None => return Ok("a newer session of the node replaced it"),
@@ -504,10 +582,50 @@ pub async fn handle(
             tracing::debug!(node = %bound.node, command = %bc_core::id::truncate(&received.command_id, 40), "command received");
             None
         }
+        // Answered by the session's loop, which holds the node CA; the simulator has none.
+        agent_message::Msg::RenewCertificate(_) => {
+            return Err(refuse(tonic::Code::Unimplemented, "this gateway issues no node certificates"));
+        }
         agent_message::Msg::Hello(_) | agent_message::Msg::Proof(_) => {
             return Err(refuse(tonic::Code::InvalidArgument, "hello and proof come once, first"));
         }
     })
+}
+
+/// A new node certificate for the session's node key, recorded as `node.certificate_issued`
+/// (`renewal`), unless the session had one issued within [`RENEWALS_MIN_INTERVAL_MS`] (then
+/// nothing is sent and the node asks again later).
+async fn renew_certificate(
+    state: &AppState,
+    bound: &Bound,
+    last_renewal: &mut Option<tokio::time::Instant>,
+) -> std::result::Result<Option<gateway_message::Msg>, Refusal> {
+    let Some(ca) = &state.node_ca else {
+        return Err(refuse(tonic::Code::Unimplemented, "this gateway issues no node certificates"));
+    };
+    if ca.is_revoked(&crate::node_ca::node_key_pin(bound.key.as_bytes())) {
+        return Err(revoked_refusal(&bound.node));
+    }
+    if last_renewal.is_some_and(|at| at.elapsed() < Duration::from_millis(RENEWALS_MIN_INTERVAL_MS)) {
+        tracing::debug!(node = %bound.node, "a certificate renewal asked for too soon was ignored");
+        return Ok(None);
+    }
+    let node = bound.node.to_string();
+    let issued = ca.issue(&node, bound.key.as_bytes(), state.log.ids.ulid().to_bytes(), state.log.clock.now_ms())?;
+    let request = AppendRequest::new(
+        bound.tenant,
+        stream_of(KIND_NODE, &bound.node),
+        ExpectedVersion::Any,
+        format!("node:{node}"),
+        vec![issued.event(true)?],
+    );
+    state.log.append(request).await?;
+    *last_renewal = Some(tokio::time::Instant::now());
+    tracing::info!(tenant = %bound.tenant, node = %node, serial = %issued.serial, not_after_ms = issued.not_after_ms, "renewed a node certificate");
+    Ok(Some(gateway_message::Msg::NodeCertificate(bc_proto::NodeCertificate {
+        certificate: issued.der,
+        not_after_ms: issued.not_after_ms,
+    })))
 }
 
 type EntryOutcome = std::result::Result<u64, (u64, &'static str, String)>;

@@ -76,10 +76,23 @@ impl ServingIdentity {
 
     /// The rustls configuration: TLS 1.2 and 1.3 with ring, HTTP/2 only (gRPC).
     pub fn server_config(&self) -> Result<Arc<rustls::ServerConfig>> {
-        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        self.server_config_for_nodes(None)
+    }
+
+    /// [`Self::server_config`], asking each peer for a node certificate checked by `nodes`
+    /// (`crate::node_ca::NodeCa::client_verifier`), when given.
+    pub fn server_config_for_nodes(
+        &self,
+        nodes: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    ) -> Result<Arc<rustls::ServerConfig>> {
+        let builder = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
-            .map_err(|e| Error::Internal(format!("tls: {e}")))?
-            .with_no_client_auth()
+            .map_err(|e| Error::Internal(format!("tls: {e}")))?;
+        let builder = match nodes {
+            Some(verifier) => builder.with_client_cert_verifier(verifier),
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder
             .with_single_cert(self.chain.clone(), self.key.clone_key())
             .map_err(|e| Error::invalid(format!("the serving certificate and key do not go together: {e}")))?;
         config.alpn_protocols = vec![b"h2".to_vec()];

@@ -54,6 +54,13 @@ pub(super) const METHODS: &[Method] = &[
         NodeDelete => NodeDeletedView,
         nodes_delete
     ),
+    method!(
+        "nodes.revoke",
+        WRITE,
+        "revoke a node: its certificates are refused and its sessions end at once; it never starts another",
+        NodeRevoke => NodeChangedView,
+        nodes_revoke
+    ),
 ];
 
 string_schema!(
@@ -127,6 +134,21 @@ pub struct NodeChange {
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NodeDelete {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "NodeIdText")]
+    node_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    #[schemars(with = "Option<DeleteReasonText>")]
+    reason: Option<String>,
+}
+
+/// A node to revoke, while it is at `ifVersion` (if given), and why (at most
+/// [`DELETE_REASON_CHARS_MAX`] characters, as a deletion's).
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeRevoke {
     #[schemars(with = "Option<TenantIdText>")]
     tenant_id: Option<String>,
     #[schemars(with = "NodeIdText")]
@@ -271,6 +293,40 @@ async fn nodes_delete(call: &Call<'_>, input: NodeDelete) -> Result<NodeDeletedV
     let appended = call.submit(call.decided(tenant, append)).await?;
     let version = appended.events.last().map_or(node.version + 1, |e| e.envelope.version);
     Ok(NodeDeletedView { node_id: node_id.to_string(), deleted: true, version })
+}
+
+/// `nodes.revoke`: `node.revoked` at the node's version, then this process's TLS layer refuses
+/// the node's key and its sessions here end (`node_ca::NodeCa::revoke`); other processes
+/// refuse its sessions from its document, and its handshakes once they load the revoked set.
+async fn nodes_revoke(call: &Call<'_>, input: NodeRevoke) -> Result<NodeChangedView> {
+    if let Some(reason) = &input.reason {
+        validate_text("reason", reason, DELETE_REASON_CHARS_MAX)?;
+    }
+    let mut key = None;
+    let reason = input.reason.clone();
+    let changed = node_change(call, &input.tenant_id, &input.node_id, input.if_version, ev::NODE_REVOKED, |node| {
+        let agent = node.agent.as_ref().ok_or_else(|| {
+            Error::state(
+                format!("node {} did not join with bcd: it has no certificate", node.node_id),
+                "delete it instead (nodes.delete)",
+            )
+        })?;
+        if agent.revoked_at_ms > 0 {
+            return Err(Error::state(format!("node {} is already revoked", node.node_id), "nothing more to do"));
+        }
+        key = Some(
+            bc_core::agent::unb64(&agent.public_key)
+                .ok()
+                .and_then(|k| <[u8; 32]>::try_from(k).ok())
+                .ok_or_else(|| Error::Internal(format!("node {}'s stored key does not decode", node.node_id)))?,
+        );
+        ev::to_cbor(&ev::NodeRevoked { reason })
+    })
+    .await?;
+    if let (Some(ca), Some(key)) = (&call.state.node_ca, key) {
+        ca.revoke(&key);
+    }
+    Ok(changed)
 }
 
 /// Checks a labels (or taints, `what`) change against the node's current keys.

@@ -581,5 +581,6 @@ fn message_kind(msg: &agent_message::Msg) -> &'static str {
         agent_message::Msg::Heartbeat(_) => "heartbeat",
         agent_message::Msg::Entry(_) => "entry",
         agent_message::Msg::CommandReceived(_) => "command received",
+        agent_message::Msg::RenewCertificate(_) => "certificate renewal",
     }
 }
