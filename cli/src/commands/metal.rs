@@ -371,21 +371,23 @@ async fn bulk(ctx: &Context, c: &Client, args: BulkArgs) -> Result<Value, CliErr
     if nodes.is_empty() {
         return Err(CliError::usage("name the machines: --nodes node_…,node_… or --nodes-file FILE"));
     }
+    // The leaf kinds (`decide::batch`), named by their constants: not all are methods.
+    use bc_projections::decide::batch::{LEAF_METAL_DEPLOY, LEAF_METAL_POWER_OFF, LEAF_METAL_RETIRE, LEAF_METAL_UNDEPLOY};
     let kind = match args.verb.as_str() {
-        "undeploy" => "metal.undeploy",
-        "deploy" => "metal.deploy",
-        "retire" => "metal.retire",
-        _ => "metal.powerOff",
+        "undeploy" => LEAF_METAL_UNDEPLOY,
+        "deploy" => LEAF_METAL_DEPLOY,
+        "retire" => LEAF_METAL_RETIRE,
+        _ => LEAF_METAL_POWER_OFF,
     };
     if args.now {
         let mut body = ctx.tenant_body()?;
-        let verb = if kind == "metal.powerOff" { "powerOff" } else { args.verb.as_str() };
+        let verb = if kind == LEAF_METAL_POWER_OFF { "powerOff" } else { args.verb.as_str() };
         body.insert("verb".into(), json!(verb));
         body.insert("nodeIds".into(), json!(nodes));
         return c.call("metal.bulkNow", &Value::Object(body), None).await;
     }
     let payload = match (kind, &args.image, &args.token_dir) {
-        ("metal.deploy", Some(image), Some(dir)) => {
+        (LEAF_METAL_DEPLOY, Some(image), Some(dir)) => {
             if !dir.is_dir() {
                 return Err(CliError::usage(format!("--token-dir {} is not a directory", dir.display())));
             }
@@ -396,7 +398,7 @@ async fn bulk(ctx: &Context, c: &Client, args: BulkArgs) -> Result<Value, CliErr
             }
             json!({ "imageId": check_id::<ImageId>("--image", image)? })
         }
-        ("metal.deploy", _, _) => return Err(CliError::usage("--verb deploy needs --image IMG and --token-dir DIR")),
+        (LEAF_METAL_DEPLOY, _, _) => return Err(CliError::usage("--verb deploy needs --image IMG and --token-dir DIR")),
         (_, None, None) => json!({}),
         _ => return Err(CliError::usage("--image and --token-dir go with --verb deploy only")),
     };
