@@ -713,6 +713,34 @@ async fn lease_renewals(kind: Kind) {
     assert!(lapsed.iter().all(|l| l.reported_reachable && !l.held_at(20_000)));
 }
 
+/// Lease claims: the last claim names the holder (a renewal keeps it, and never shortens the
+/// lease), and a gateway reads back only the claims written since a time, oldest first.
+async fn lease_claims(kind: Kind) {
+    use bc_core::store::lease::LeaseClaim;
+    let f = fixture(kind).await;
+    let tenant = TenantId::ROOT.to_string();
+    let claim = |node: &str, holder: &str, at: u64| LeaseClaim {
+        tenant: tenant.clone(),
+        node: node.to_owned(),
+        holder: holder.to_owned(),
+        claimed_at_ms: at,
+    };
+    // A lease renewed before any claim (a gateway of an earlier version) is claimed over.
+    f.store.lease_renew(&[(tenant.clone(), "node_a".into(), 9_000)]).await.unwrap();
+    f.store.lease_claim(&claim("node_a", "gw1/1", 1_000), 5_000).await.unwrap();
+    f.store.lease_claim(&claim("node_b", "gw1/2", 1_100), 6_000).await.unwrap();
+    assert_eq!(f.store.lease_get(&tenant, "node_a").await.unwrap().unwrap().expires_at_ms, 9_000, "never shortened");
+    // The other gateway's session of node_a binds later: its claim wins.
+    f.store.lease_claim(&claim("node_a", "gw2/1", 2_000), 12_000).await.unwrap();
+    f.store.lease_renew(&[(tenant.clone(), "node_a".into(), 13_000)]).await.unwrap();
+    assert_eq!(f.store.lease_get(&tenant, "node_a").await.unwrap().unwrap().expires_at_ms, 13_000);
+    let all = f.store.lease_claims_since(0, 100).await.unwrap();
+    assert_eq!(all, [claim("node_b", "gw1/2", 1_100), claim("node_a", "gw2/1", 2_000)], "the last claim of each, oldest first");
+    assert_eq!(f.store.lease_claims_since(1_500, 100).await.unwrap(), [claim("node_a", "gw2/1", 2_000)]);
+    assert_eq!(f.store.lease_claims_since(0, 1).await.unwrap().len(), 1, "at most the limit");
+    assert!(f.store.lease_claims_since(2_001, 100).await.unwrap().is_empty());
+}
+
 /// Decisions made while a commit is in flight: appends that depend on the batch in
 /// flight (the next version of its stream, a retry of its idempotency key) are decided on top
 /// of it and land in order; when a commit fails, whatever was decided on top of it is decided
@@ -797,6 +825,7 @@ every_backend!(
     a_kinds_last_row,
     append_groups,
     lease_renewals,
+    lease_claims,
     idempotency,
     optimistic_concurrency,
     multi_stream_appends,

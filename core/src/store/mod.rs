@@ -719,6 +719,11 @@ macro_rules! migrations_of {
                 name: "projections_byte_order",
                 sql: include_str!(concat!("../../../schema/", $dialect, "/0008_projections_byte_order.sql")),
             },
+            $crate::store::Migration {
+                version: 9,
+                name: "node_lease_holders",
+                sql: include_str!(concat!("../../../schema/", $dialect, "/0009_node_lease_holders.sql")),
+            },
         ]
     };
 }

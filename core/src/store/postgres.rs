@@ -1389,6 +1389,33 @@ impl super::lease::LeaseStore for PostgresStore {
             .await?;
         row.as_ref().map(super::lease::Lease::decode).transpose()
     }
+
+    async fn lease_claim(&self, claim: &super::lease::LeaseClaim, expires_at_ms: u64) -> Result<()> {
+        let client = self.pool.get().await?;
+        client
+            .execute(
+                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms, holder, claimed_at_ms) VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = GREATEST(node_leases.expires_at_ms, excluded.expires_at_ms), \
+                 holder = excluded.holder, claimed_at_ms = excluded.claimed_at_ms",
+                &[&claim.tenant, &claim.node, &to_i64(expires_at_ms)?, &claim.holder, &to_i64(claim.claimed_at_ms)?],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn lease_claims_since(&self, since_ms: u64, limit: u32) -> Result<Vec<super::lease::LeaseClaim>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {} FROM node_leases WHERE claimed_at_ms >= $1 ORDER BY claimed_at_ms LIMIT $2",
+                    super::lease::CLAIM_COLUMNS
+                ),
+                &[&to_i64(since_ms)?, &i64::from(limit)],
+            )
+            .await?;
+        rows.iter().map(super::lease::LeaseClaim::decode).collect()
+    }
 }
 
 /// A claim of due items ([`OutboxStore::work_claim`]): `$1` the owner, `$2` its lease's end, `$3`

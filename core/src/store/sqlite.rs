@@ -1160,6 +1160,34 @@ impl super::lease::LeaseStore for SqliteStore {
                 .bind(node);
         self.point_first(sql, |r| super::lease::Lease::decode(r)).await
     }
+
+    async fn lease_claim(&self, claim: &super::lease::LeaseClaim, expires_at_ms: u64) -> Result<()> {
+        self.write(
+            Sql::new(
+                "INSERT INTO node_leases (tenant_id, node_id, expires_at_ms, holder, claimed_at_ms) VALUES (?, ?, ?, ?, ?) \
+                 ON CONFLICT (tenant_id, node_id) DO UPDATE SET expires_at_ms = MAX(node_leases.expires_at_ms, excluded.expires_at_ms), \
+                 holder = excluded.holder, claimed_at_ms = excluded.claimed_at_ms",
+            )
+            .bind(&claim.tenant)
+            .bind(&claim.node)
+            .bind(to_i64(expires_at_ms)?)
+            .bind(&claim.holder)
+            .bind(to_i64(claim.claimed_at_ms)?),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn lease_claims_since(&self, since_ms: u64, limit: u32) -> Result<Vec<super::lease::LeaseClaim>> {
+        Sql::new(format!(
+            "SELECT {} FROM node_leases WHERE claimed_at_ms >= ? ORDER BY claimed_at_ms LIMIT ?",
+            super::lease::CLAIM_COLUMNS
+        ))
+        .bind(to_i64(since_ms)?)
+        .bind(i64::from(limit))
+        .all(self.read_on(), |r| super::lease::LeaseClaim::decode(r))
+        .await
+    }
 }
 
 #[cfg(test)]
