@@ -27,6 +27,7 @@ mod doctor;
 mod flavors_images;
 mod fleet;
 mod forward;
+mod gateways;
 mod ha;
 mod hardening;
 mod health;

@@ -73,26 +73,71 @@ pub enum Nudge {
     Commands,
     /// A newer session of the same node took over in this process.
     Replaced,
+    /// A newer session of the same node claimed its lease through another gateway process
+    /// ([`check_claims`]).
+    ReplacedElsewhere,
 }
 
 /// The sessions of this process, by node: so a new command wakes the one that serves its node,
-/// and a node that reconnects replaces its stale session.
-#[derive(Default)]
+/// and a node that reconnects replaces its stale session, here or (through the lease's claim,
+/// [`check_claims`]) on another gateway process.
 pub struct Sessions {
     nodes: Mutex<HashMap<String, (u64, mpsc::Sender<Nudge>)>>,
     next: std::sync::atomic::AtomicU64,
+    /// This process's part of its sessions' holder ids (random, so two gateways on one database
+    /// never name a session alike).
+    process: String,
     /// The sessions' lease renewals, written in batches by [`write_leases`].
     pub leases: LeaseRenewals,
 }
 
+impl Default for Sessions {
+    fn default() -> Self {
+        Self {
+            nodes: Mutex::default(),
+            next: std::sync::atomic::AtomicU64::default(),
+            process: format!("{:016x}", rand::random::<u64>()),
+            leases: LeaseRenewals::default(),
+        }
+    }
+}
+
 impl Sessions {
-    fn register(&self, node: &str, nudges: mpsc::Sender<Nudge>) -> u64 {
+    /// A new session's id, and the holder id it claims its node's lease with.
+    fn next_session(&self) -> (u64, String) {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (id, self.holder(id))
+    }
+
+    fn holder(&self, id: u64) -> String {
+        format!("{}/{id}", self.process)
+    }
+
+    fn register(&self, node: &str, id: u64, nudges: mpsc::Sender<Nudge>) {
         let old = self.nodes.lock().expect("sessions lock").insert(node.to_owned(), (id, nudges));
         if let Some((_, old)) = old {
             let _ = old.try_send(Nudge::Replaced);
         }
-        id
+    }
+
+    /// Closes this process's session of each node whose lease a session of another gateway
+    /// process claimed: the node bound again elsewhere, so this stream is stale even if still
+    /// open. (A newer session in this process replaces the older itself, in [`Self::register`].)
+    /// Returns how many it closed.
+    fn replaced_elsewhere(&self, claims: &[bc_core::store::lease::LeaseClaim]) -> usize {
+        let mine = format!("{}/", self.process);
+        let nodes = self.nodes.lock().expect("sessions lock");
+        let mut closed = 0;
+        for claim in claims {
+            if let Some((_, sender)) = nodes.get(&claim.node)
+                && !claim.holder.is_empty()
+                && !claim.holder.starts_with(&mine)
+                && sender.try_send(Nudge::ReplacedElsewhere).is_ok()
+            {
+                closed += 1;
+            }
+        }
+        closed
     }
 
     fn unregister(&self, node: &str, id: u64) {
@@ -215,7 +260,9 @@ pub async fn run<S>(
     };
     let (nudge_tx, mut nudges) = mpsc::channel(4);
     let node = bound.node.to_string();
-    let id = sessions.register(&node, nudge_tx);
+    let (id, holder) = sessions.next_session();
+    claim(&state, &bound, holder, config).await;
+    sessions.register(&node, id, nudge_tx);
     // Tunnels to the node are asked for on this session while it lasts (dropping the link ends that).
     let (tunnel_link, mut tunnel_requests) = state.tunnels.attach_session(&node, connection, capabilities);
     tracing::info!(tenant = %bound.tenant, node = %node, "node session started");
@@ -438,13 +485,112 @@ impl LeaseRenewals {
     }
 }
 
-/// Writes this process's lease renewals every `LEASE_FLUSH_MS` until the server stops.
+/// How often a gateway reads the lease claims other sessions wrote, to close its own sessions
+/// of nodes that bound again elsewhere; far below a lease, so a stale session is closed long
+/// before it would time out.
+pub const CLAIMS_CHECK_MS: u64 = 500;
+const _: () = assert!(CLAIMS_CHECK_MS * 4 < LEASE_MS_DEFAULT);
+/// How far back each read of the claims goes: past a check's interval, by what the clocks of two
+/// gateway processes may differ (a claim's time is its writer's clock). Claims read twice are
+/// harmless: a session is closed only when another holder claimed its node.
+pub const CLAIMS_CLOCK_SKEW_MS: u64 = 10_000;
+/// Claims read in one check; a check that reads this many reads again from the last one's time.
+pub const CLAIMS_PER_CHECK_MAX: u32 = 1_000;
+
+#[cfg(test)]
+mod claims_tests {
+    use super::*;
+    use bc_core::store::lease::LeaseClaim;
+
+    fn claim(node: &str, holder: &str) -> LeaseClaim {
+        LeaseClaim { tenant: "ten_root".into(), node: node.into(), holder: holder.into(), claimed_at_ms: 1 }
+    }
+
+    /// A session is closed only by a claim of its node from another gateway process: not by this
+    /// process's claims (its own, or a newer session's here, which `register` handles), not by a
+    /// claim of a node it does not serve, not by a row that names no holder.
+    #[test]
+    fn only_another_holders_claim_of_the_node_closes_its_session() {
+        let sessions = Sessions::default();
+        let (a, holder_a) = sessions.next_session();
+        let (b, _) = sessions.next_session();
+        let (tx_a, mut rx_a) = mpsc::channel(4);
+        let (tx_b, mut rx_b) = mpsc::channel(4);
+        sessions.register("node_a", a, tx_a);
+        sessions.register("node_b", b, tx_b);
+        let (_, holder_next) = sessions.next_session();
+        let claims = [claim("node_a", &holder_a), claim("node_a", &holder_next), claim("node_b", ""), claim("node_c", "other/1")];
+        assert_eq!(sessions.replaced_elsewhere(&claims), 0);
+        assert!(rx_a.try_recv().is_err() && rx_b.try_recv().is_err());
+        let other = Sessions::default();
+        let (_, holder_elsewhere) = other.next_session();
+        assert_ne!(holder_elsewhere, holder_a, "two processes never name a session alike");
+        assert_eq!(sessions.replaced_elsewhere(&[claim("node_a", &holder_elsewhere)]), 1);
+        assert_eq!(rx_a.try_recv().ok(), Some(Nudge::ReplacedElsewhere));
+        assert!(rx_b.try_recv().is_err());
+    }
+}
+
+/// Claims the bound node's lease for this session (`holder`), so a session of the node on
+/// another gateway process closes ([`check_claims`] there). A claim that cannot be written only
+/// leaves that session to end at its lease.
+async fn claim(state: &AppState, bound: &Bound, holder: String, config: SessionConfig) {
+    let now = state.log.clock.now_ms();
+    let claim = bc_core::store::lease::LeaseClaim {
+        tenant: bound.tenant.to_string(),
+        node: bound.node.to_string(),
+        holder,
+        claimed_at_ms: now,
+    };
+    if let Err(e) = state.store.lease_claim(&claim, now.saturating_add(config.lease_ms)).await {
+        tracing::warn!(node = %bound.node, code = %e.code(), error = %e, "claiming the node's lease failed");
+    }
+}
+
+/// Closes this process's sessions whose node another session claimed since `since_ms`; returns
+/// the time to read from next.
+async fn check_claims(store: &dyn EventStore, sessions: &Sessions, since_ms: u64, now_ms: u64) -> u64 {
+    let mut from = since_ms;
+    loop {
+        match store.lease_claims_since(from, CLAIMS_PER_CHECK_MAX).await {
+            Ok(claims) => {
+                let closed = sessions.replaced_elsewhere(&claims);
+                if closed > 0 {
+                    tracing::info!(sessions = closed, "closing sessions whose node bound again through another gateway");
+                }
+                match claims.last() {
+                    Some(last) if claims.len() == CLAIMS_PER_CHECK_MAX as usize && last.claimed_at_ms > from => {
+                        from = last.claimed_at_ms;
+                    }
+                    _ => return now_ms.saturating_sub(CLAIMS_CLOCK_SKEW_MS),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(code = %e.code(), error = %e, "reading the lease claims failed; retrying");
+                return since_ms;
+            }
+        }
+    }
+}
+
+/// Writes this process's lease renewals every `LEASE_FLUSH_MS`, and reads other sessions'
+/// claims every `CLAIMS_CHECK_MS` (while it has sessions), until the server stops.
 pub async fn write_leases(state: Arc<AppState>, sessions: Arc<Sessions>) {
     let mut shutdown = state.shutdown.subscribe();
     let mut ticker = tokio::time::interval(Duration::from_millis(LEASE_FLUSH_MS));
+    let mut claims = tokio::time::interval(Duration::from_millis(CLAIMS_CHECK_MS));
+    let mut claims_since = state.log.clock.now_ms().saturating_sub(CLAIMS_CLOCK_SKEW_MS);
     loop {
         tokio::select! {
             _ = ticker.tick() => sessions.leases.flush(&*state.store).await,
+            _ = claims.tick() => {
+                let now = state.log.clock.now_ms();
+                claims_since = if sessions.is_empty() {
+                    now.saturating_sub(CLAIMS_CLOCK_SKEW_MS)
+                } else {
+                    check_claims(&*state.store, &sessions, claims_since, now).await
+                };
+            }
             _ = shutdown.changed() => {
                 sessions.leases.flush(&*state.store).await;
                 return;
@@ -550,6 +696,7 @@ where
             nudge = channels.nudges.recv() => match nudge {
                 Some(Nudge::Commands) => send_commands(state, &mut bound, outbound, config).await?,
                 Some(Nudge::Replaced) | None => return Ok("a newer session of the node replaced it"),
+                Some(Nudge::ReplacedElsewhere) => return Ok("a newer session of the node on another gateway replaced it"),
             },
             _ = shutdown.changed() => return Err(refuse(tonic::Code::Unavailable, "the gateway is stopping; reconnect")),
         }
