@@ -464,11 +464,12 @@ async fn webhooks_redeliver(call: &Call<'_>, input: WebhooksRedeliver) -> Result
     }
     let item =
         store.work_get(CONSUMER, tenant, delivery).await?.ok_or_else(|| Error::not_found(format!("delivery {delivery}")))?;
+    // A delivery still pending is a state of the delivery, not a fault of the request: 409.
     if !store.work_requeue(CONSUMER, tenant, delivery, call.now_ms()).await? {
-        return Err(Error::InvalidArgument {
-            message: format!("delivery {delivery} is still pending ({} attempts so far)", item.attempts),
-            hint: Some("only a done or dead delivery is queued again".into()),
-        });
+        return Err(Error::state(
+            format!("delivery {delivery} is still pending ({} attempts so far)", item.attempts),
+            "only a done or dead delivery is queued again",
+        ));
     }
     tracing::info!(%tenant, delivery, "delivery queued again");
     let item = store.work_get(CONSUMER, tenant, delivery).await?.ok_or_else(|| Error::not_found("delivery"))?;
