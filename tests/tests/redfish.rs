@@ -124,7 +124,7 @@ async fn certificates_and_credentials_are_checked_as_the_target_says() {
     assert!(message.contains("401") && message.contains("Incorrect username or password"), "{message}");
     assert!(!message.contains("not the password") && !message.contains(PASSWORD), "{message}");
 
-    // No system path, and the BMC has two: named, and nothing guessed.
+    // No system path, and the BMC has three (the test emulator's systems): named, and nothing guessed.
     let several = power(emulator.bmc(BmcTls::CaBundle { pem: pki.ca_pem.clone() }, None)).await;
     let Err(BmcError::Protocol(message)) = &several else { panic!("{several:?}") };
     assert!(message.contains(SYSTEM_A) && message.contains(SYSTEM_B), "{message}");
