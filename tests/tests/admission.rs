@@ -173,7 +173,7 @@ async fn a_node_certificate_verifies_with_openssl_renews_with_no_gap_and_a_revok
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_certified_node_that_presents_no_certificate_is_refused_its_session_and_cloud_iid_is_refused() {
+async fn a_certified_node_without_its_certificate_is_refused_a_deleted_ones_certificate_too_and_cloud_iid_exits_2() {
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("gpu-a").await;
     let mut machine = AgentNode::new(&server, port);
@@ -184,7 +184,9 @@ async fn a_certified_node_that_presents_no_certificate_is_refused_its_session_an
     assert!(err.contains("--attestor cloud-iid") && err.contains("no cloud here"), "{err}");
     machine.join_pool(&server, &pool).await;
     let node = machine.node_id();
-    std::fs::remove_file(bc_agent::node_cert::NodeCertificateFile::path(&machine.data())).unwrap();
+    let certificate_path = bc_agent::node_cert::NodeCertificateFile::path(&machine.data());
+    let kept = std::fs::read(&certificate_path).unwrap();
+    std::fs::remove_file(&certificate_path).unwrap();
     machine.start();
     wait_until("the session is refused", Duration::from_secs(20), || {
         machine.node_log().contains(&format!("node {node} must present its node certificate")).then_some(())
@@ -192,4 +194,15 @@ async fn a_certified_node_that_presents_no_certificate_is_refused_its_session_an
     let (status, doc) = server.call("nodes.get", json!({ "nodeId": node })).await;
     assert_eq!(status, 200);
     assert_eq!(doc["state"], "unreachable", "{doc}");
+
+    // Deleted (its agent gone): its certificate is refused by the TLS layer too.
+    machine.kill9();
+    std::fs::write(&certificate_path, &kept).unwrap();
+    direct_connection(&server, port, &machine).expect("the certificate is taken before the deletion");
+    let (code, out, err) = server.cli(&["nodes", "cordon", &node]);
+    assert_eq!(code, 0, "{out} {err}");
+    let (code, out, err) = server.cli(&["nodes", "delete", &node, "--yes"]);
+    assert_eq!(code, 0, "nodes delete: {out} {err}");
+    let refused = direct_connection(&server, port, &machine).expect_err("a deleted node's certificate is refused");
+    assert!(refused.contains("CertificateRevoked"), "{refused}");
 }

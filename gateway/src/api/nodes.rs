@@ -291,6 +291,11 @@ async fn nodes_delete(call: &Call<'_>, input: NodeDelete) -> Result<NodeDeletedV
     let holders = node_holders(&*call.state.store, tenant, &node_id.to_string()).await?;
     let append = decide::node_delete(&node, &holders, input.reason)?;
     let appended = call.submit(call.decided(tenant, append)).await?;
+    // A deleted node's certificate is refused by this process's TLS layer too, until it expires.
+    let key = node.agent.as_ref().and_then(|a| bc_core::agent::unb64(&a.public_key).ok());
+    if let (Some(ca), Some(key)) = (&call.state.node_ca, key.and_then(|k| <[u8; 32]>::try_from(k).ok())) {
+        ca.revoke(&key);
+    }
     let version = appended.events.last().map_or(node.version + 1, |e| e.envelope.version);
     Ok(NodeDeletedView { node_id: node_id.to_string(), deleted: true, version })
 }
