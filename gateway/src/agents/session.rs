@@ -497,40 +497,6 @@ pub const CLAIMS_CLOCK_SKEW_MS: u64 = 10_000;
 /// Claims read in one check; a check that reads this many reads again from the last one's time.
 pub const CLAIMS_PER_CHECK_MAX: u32 = 1_000;
 
-#[cfg(test)]
-mod claims_tests {
-    use super::*;
-    use bc_core::store::lease::LeaseClaim;
-
-    fn claim(node: &str, holder: &str) -> LeaseClaim {
-        LeaseClaim { tenant: "ten_root".into(), node: node.into(), holder: holder.into(), claimed_at_ms: 1 }
-    }
-
-    /// A session is closed only by a claim of its node from another gateway process: not by this
-    /// process's claims (its own, or a newer session's here, which `register` handles), not by a
-    /// claim of a node it does not serve, not by a row that names no holder.
-    #[test]
-    fn only_another_holders_claim_of_the_node_closes_its_session() {
-        let sessions = Sessions::default();
-        let (a, holder_a) = sessions.next_session();
-        let (b, _) = sessions.next_session();
-        let (tx_a, mut rx_a) = mpsc::channel(4);
-        let (tx_b, mut rx_b) = mpsc::channel(4);
-        sessions.register("node_a", a, tx_a);
-        sessions.register("node_b", b, tx_b);
-        let (_, holder_next) = sessions.next_session();
-        let claims = [claim("node_a", &holder_a), claim("node_a", &holder_next), claim("node_b", ""), claim("node_c", "other/1")];
-        assert_eq!(sessions.replaced_elsewhere(&claims), 0);
-        assert!(rx_a.try_recv().is_err() && rx_b.try_recv().is_err());
-        let other = Sessions::default();
-        let (_, holder_elsewhere) = other.next_session();
-        assert_ne!(holder_elsewhere, holder_a, "two processes never name a session alike");
-        assert_eq!(sessions.replaced_elsewhere(&[claim("node_a", &holder_elsewhere)]), 1);
-        assert_eq!(rx_a.try_recv().ok(), Some(Nudge::ReplacedElsewhere));
-        assert!(rx_b.try_recv().is_err());
-    }
-}
-
 /// Claims the bound node's lease for this session (`holder`), so a session of the node on
 /// another gateway process closes ([`check_claims`] there). A claim that cannot be written only
 /// leaves that session to end at its lease.
@@ -1152,5 +1118,39 @@ pub async fn route_commands(state: Arc<AppState>, sessions: Arc<Sessions>, poll_
             _ = tokio::time::sleep(Duration::from_millis(poll_ms)) => {}
             _ = shutdown.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod claims_tests {
+    use super::*;
+    use bc_core::store::lease::LeaseClaim;
+
+    fn claim(node: &str, holder: &str) -> LeaseClaim {
+        LeaseClaim { tenant: "ten_root".into(), node: node.into(), holder: holder.into(), claimed_at_ms: 1 }
+    }
+
+    /// A session is closed only by a claim of its node from another gateway process: not by this
+    /// process's claims (its own, or a newer session's here, which `register` handles), not by a
+    /// claim of a node it does not serve, not by a row that names no holder.
+    #[test]
+    fn only_another_holders_claim_of_the_node_closes_its_session() {
+        let sessions = Sessions::default();
+        let (a, holder_a) = sessions.next_session();
+        let (b, _) = sessions.next_session();
+        let (tx_a, mut rx_a) = mpsc::channel(4);
+        let (tx_b, mut rx_b) = mpsc::channel(4);
+        sessions.register("node_a", a, tx_a);
+        sessions.register("node_b", b, tx_b);
+        let (_, holder_next) = sessions.next_session();
+        let claims = [claim("node_a", &holder_a), claim("node_a", &holder_next), claim("node_b", ""), claim("node_c", "other/1")];
+        assert_eq!(sessions.replaced_elsewhere(&claims), 0);
+        assert!(rx_a.try_recv().is_err() && rx_b.try_recv().is_err());
+        let other = Sessions::default();
+        let (_, holder_elsewhere) = other.next_session();
+        assert_ne!(holder_elsewhere, holder_a, "two processes never name a session alike");
+        assert_eq!(sessions.replaced_elsewhere(&[claim("node_a", &holder_elsewhere)]), 1);
+        assert_eq!(rx_a.try_recv().ok(), Some(Nudge::ReplacedElsewhere));
+        assert!(rx_b.try_recv().is_err());
     }
 }
