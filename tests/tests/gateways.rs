@@ -201,7 +201,8 @@ async fn a_node_that_binds_through_the_other_gateway_has_its_older_session_close
     let mut first = AgentNode::new(&a, port_of(&a.agents_addr));
     // Quiet: no observations after the first, so the two copies' journals do not move apart
     // while the test looks at their sessions.
-    let config = std::fs::read_to_string(first.config()).unwrap().replace("observe_interval = \"150ms\"", "observe_interval = \"1h\"");
+    let config =
+        std::fs::read_to_string(first.config()).unwrap().replace("observe_interval = \"150ms\"", "observe_interval = \"1h\"");
     std::fs::write(first.config(), &config).unwrap();
     first.join_pool(&a, &pool).await;
     let node = first.node_id();
@@ -214,7 +215,8 @@ async fn a_node_that_binds_through_the_other_gateway_has_its_older_session_close
     // The same node, its identity copied, through the other gateway.
     let mut second = AgentNode::new(&a, port_of(&b.agents_addr));
     copy_dir(&first.data(), &second.data());
-    let second_config = std::fs::read_to_string(second.config()).unwrap().replace("observe_interval = \"150ms\"", "observe_interval = \"1h\"");
+    let second_config =
+        std::fs::read_to_string(second.config()).unwrap().replace("observe_interval = \"150ms\"", "observe_interval = \"1h\"");
     std::fs::write(second.config(), second_config).unwrap();
     assert_eq!((sessions_on(&a).await, sessions_on(&b).await), (1, 0));
     second.start();
