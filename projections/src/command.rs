@@ -168,6 +168,42 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     }
 }
 
+/// What a node reports of one of its resources (`instance.observed`/`.apply_failed`,
+/// `sandbox.observed`/`.apply_failed`), as the rows other than the resource's own fold it.
+pub(crate) struct ResourceReport<'a> {
+    /// What the report is, for an error: `an instance report`.
+    pub what: &'a str,
+    pub node_id: String,
+    pub command_id: Option<String>,
+    pub reason: Option<String>,
+    pub journal: Option<bc_core::agent::JournalOrigin>,
+    /// The answer to its command; `None` when it failed.
+    pub result: Option<Value>,
+    pub failed: bool,
+}
+
+/// Folds a node's [`ResourceReport`] into the node's row (its journal head) or into the command
+/// it answers, which it finishes as `command.succeeded` or `.failed` would.
+pub(crate) fn apply_report(
+    key: &RowKey,
+    current: Option<Value>,
+    event: &StoredEvent,
+    report: ResourceReport<'_>,
+) -> Result<Option<Value>> {
+    let ResourceReport { what, node_id, command_id, reason, journal, result, failed } = report;
+    if key.kind == KIND_NODE {
+        let journal = journal.ok_or_else(|| corrupt(event, format!("{what} without a journal entry touched its node")))?;
+        let mut doc: NodeDoc = from_doc(event, current)?;
+        advance_journal(&mut doc, &journal, event)?;
+        return to_doc(&doc);
+    }
+    let command_id =
+        command_id.ok_or_else(|| corrupt(event, format!("{} without a command touched a command", event.envelope.event_type)))?;
+    let progress = CommandProgress { command_id: command_id.clone(), node_id, result, reason, journal };
+    let effect = if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED };
+    apply_command(key, current, event, CommandStep { command_id, progress: Some(progress), effect })
+}
+
 /// The rows a command event changes: the command, its live row, its node's queue and, for an
 /// entry of the node's journal, the node's journal head (the node's version does not move: the
 /// event is on the command's stream).

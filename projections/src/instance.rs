@@ -23,9 +23,8 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::command::{CommandStep, apply_command};
+use crate::command::{ResourceReport, apply_report};
 use crate::events::*;
-use crate::node::{KIND_NODE, NodeDoc, advance_journal};
 use crate::{NoFields, corrupt, from_doc, payload, to_doc};
 
 /// An instance (`instance/inst_…`): created on an active, bound reservation's node with the
@@ -492,37 +491,18 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
 
 /// `instance.observed` or `.apply_failed`, from the node's journal.
 fn report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
-    let env = &event.envelope;
-    match key.kind.as_str() {
-        KIND_INSTANCE | KIND_INSTANCE_LIVE => apply_instance(&key.kind, &key.id, current, event),
-        KIND_NODE => {
-            let report: InstanceReport = payload(event)?;
-            let journal = report
-                .journal
-                .ok_or_else(|| corrupt(event, "an instance report without a journal entry touched its node".into()))?;
-            let mut doc: NodeDoc = from_doc(event, current)?;
-            advance_journal(&mut doc, &journal, event)?;
-            to_doc(&doc)
-        }
-        _ => {
-            // It finishes its command, as `command.succeeded` or `.failed` would.
-            let report: InstanceReport = payload(event)?;
-            let command_id = report
-                .command_id
-                .clone()
-                .ok_or_else(|| corrupt(event, format!("{} without a command touched a command", env.event_type)))?;
-            let failed = env.event_type == INSTANCE_APPLY_FAILED;
-            let result = (!failed)
-                .then(|| serde_json::json!({ "state": report.state, "vcpus": report.vcpus, "memoryMiB": report.memory_mib }));
-            let progress = CommandProgress {
-                command_id: command_id.clone(),
-                node_id: report.node_id,
-                result,
-                reason: report.reason,
-                journal: report.journal,
-            };
-            let effect = if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED };
-            apply_command(key, current, event, CommandStep { command_id, progress: Some(progress), effect })
-        }
+    if matches!(key.kind.as_str(), KIND_INSTANCE | KIND_INSTANCE_LIVE) {
+        return apply_instance(&key.kind, &key.id, current, event);
     }
+    let report: InstanceReport = payload(event)?;
+    let failed = event.envelope.event_type == INSTANCE_APPLY_FAILED;
+    let result =
+        (!failed).then(|| serde_json::json!({ "state": report.state, "vcpus": report.vcpus, "memoryMiB": report.memory_mib }));
+    let (node_id, command_id, reason, journal) = (report.node_id, report.command_id, report.reason, report.journal);
+    apply_report(
+        key,
+        current,
+        event,
+        ResourceReport { what: "an instance report", node_id, command_id, reason, journal, result, failed },
+    )
 }

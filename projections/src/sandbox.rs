@@ -30,9 +30,8 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::command::{CommandStep, apply_command};
+use crate::command::{ResourceReport, apply_report};
 use crate::events::*;
-use crate::node::{KIND_NODE, NodeDoc, advance_journal};
 use crate::{NoFields, corrupt, delete_once, from_doc, payload, to_doc};
 
 pub const SANDBOX_TEMPLATE_CREATED: &str = "sandbox_template.created";
@@ -371,36 +370,19 @@ fn apply_sandbox(kind: &str, id: &str, current: Option<Value>, event: &StoredEve
 /// `sandbox.observed` or `.apply_failed`, from the node's journal: the sandbox's rows, the
 /// node's journal head, and the command it answers.
 fn report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
-    match key.kind.as_str() {
-        KIND_SANDBOX | KIND_SANDBOX_LIVE => apply_sandbox(&key.kind, &key.id, current, event),
-        KIND_NODE => {
-            let report: SandboxReport = payload(event)?;
-            let journal = report
-                .journal
-                .ok_or_else(|| corrupt(event, "a sandbox report without a journal entry touched its node".into()))?;
-            let mut doc: NodeDoc = from_doc(event, current)?;
-            advance_journal(&mut doc, &journal, event)?;
-            to_doc(&doc)
-        }
-        _ => {
-            let report: SandboxReport = payload(event)?;
-            let command_id = report
-                .command_id
-                .clone()
-                .ok_or_else(|| corrupt(event, format!("{} without a command touched a command", event.envelope.event_type)))?;
-            let failed = event.envelope.event_type == SANDBOX_APPLY_FAILED;
-            let result = (!failed).then(|| serde_json::json!({ "state": report.state }));
-            let progress = CommandProgress {
-                command_id: command_id.clone(),
-                node_id: report.node_id,
-                result,
-                reason: report.reason,
-                journal: report.journal,
-            };
-            let effect = if failed { COMMAND_FAILED } else { COMMAND_SUCCEEDED };
-            apply_command(key, current, event, CommandStep { command_id, progress: Some(progress), effect })
-        }
+    if matches!(key.kind.as_str(), KIND_SANDBOX | KIND_SANDBOX_LIVE) {
+        return apply_sandbox(&key.kind, &key.id, current, event);
     }
+    let report: SandboxReport = payload(event)?;
+    let failed = event.envelope.event_type == SANDBOX_APPLY_FAILED;
+    let result = (!failed).then(|| serde_json::json!({ "state": report.state }));
+    let (node_id, command_id, reason, journal) = (report.node_id, report.command_id, report.reason, report.journal);
+    apply_report(
+        key,
+        current,
+        event,
+        ResourceReport { what: "a sandbox report", node_id, command_id, reason, journal, result, failed },
+    )
 }
 
 /// Folds one `sandbox_template.*` or `sandbox.*` event into the row `key`.

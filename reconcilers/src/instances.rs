@@ -24,8 +24,6 @@ pub const NAME: &str = "instances";
 const ACTOR: &str = "reconciler:instances";
 /// How often a pass runs when nothing wakes it.
 pub const TICK_MS_DEFAULT: u64 = 500;
-/// Live instances read per tenant per query.
-const ROWS_PER_READ: u32 = 500;
 
 /// What one pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,29 +41,12 @@ impl Pass {
     }
 }
 
-/// A tenant's live instances, every page.
-async fn live_instances(log: &Log, tenant: &str) -> Result<Vec<InstanceDoc>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let rows = log.store.row_list(tenant, KIND_INSTANCE_LIVE, after.as_deref(), ROWS_PER_READ).await?;
-        let full = rows.len() == ROWS_PER_READ as usize;
-        after = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            out.push(serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("instance row: {e}")))?);
-        }
-        if !full {
-            return Ok(out);
-        }
-    }
-}
-
 /// One pass over every tenant.
 pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     let mut done = Pass::default();
     for tenant in log.store.tenants().await? {
         let tenant_text = tenant.to_string();
-        let instances = live_instances(log, &tenant_text).await?;
+        let instances: Vec<InstanceDoc> = crate::all_rows(log, &tenant_text, KIND_INSTANCE_LIVE).await?;
         if instances.is_empty() {
             continue;
         }

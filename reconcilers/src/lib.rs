@@ -50,3 +50,27 @@ pub(crate) async fn idle(
         },
     }
 }
+
+/// Rows read per query by [`all_rows`].
+const ROWS_PER_READ: u32 = 500;
+
+/// Every row of `kind` of `tenant`, every page, decoded.
+pub(crate) async fn all_rows<T: serde::de::DeserializeOwned>(
+    log: &bc_core::store::Log,
+    tenant: &str,
+    kind: &str,
+) -> bc_core::Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let rows = log.store.row_list(tenant, kind, after.as_deref(), ROWS_PER_READ).await?;
+        let full = rows.len() == ROWS_PER_READ as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            out.push(serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("{kind} row: {e}")))?);
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}

@@ -21,12 +21,12 @@ use bc_projections::placement::Issue;
 use bc_projections::sandbox::{KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxTemplateDoc};
 use bc_projections::{KIND_NODE, NodeDoc};
 
+use crate::all_rows;
+
 pub const NAME: &str = "sandboxes";
 const ACTOR: &str = "reconciler:sandboxes";
 /// How often a pass runs when nothing wakes it: a sandbox outlives its end by at most this.
 pub const TICK_MS_DEFAULT: u64 = 500;
-/// Rows read per tenant per query.
-const ROWS_PER_READ: u32 = 500;
 
 /// What one pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -34,23 +34,6 @@ pub struct Pass {
     pub deleting: usize,
     pub warmed: usize,
     pub conflicts: usize,
-}
-
-/// Every row of `kind` of `tenant`, every page.
-async fn all_rows<T: serde::de::DeserializeOwned>(log: &Log, tenant: &str, kind: &str) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let rows = log.store.row_list(tenant, kind, after.as_deref(), ROWS_PER_READ).await?;
-        let full = rows.len() == ROWS_PER_READ as usize;
-        after = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            out.push(serde_json::from_value(row.doc).map_err(|e| bc_core::Error::Internal(format!("{kind} row: {e}")))?);
-        }
-        if !full {
-            return Ok(out);
-        }
-    }
 }
 
 /// One pass over every tenant.
