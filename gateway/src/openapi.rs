@@ -117,47 +117,49 @@ pub fn document() -> Value {
             }
             responses.insert(status.clone(), response.clone());
         }
-        paths.insert(
-            format!("/api/compute/{}", method.name),
-            json!({
-                "post": {
-                    "operationId": method.name,
-                    "summary": method.summary,
-                    "tags": [method.group()],
-                    "security": security,
-                    "x-action": method.access.action(),
-                    "parameters": [{
-                        "name": "Idempotency-Key",
-                        "in": "header",
-                        "required": false,
-                        "schema": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": crate::IDEMPOTENCY_KEY_BYTES_MAX,
-                            "pattern": "^[!-~]+$",
-                        },
-                        "description": "a retry with the same key and body returns the first result and appends nothing",
-                    }, {
-                        "name": "X-Request-Id",
-                        "in": "header",
-                        "required": false,
-                        // Any value is taken (one not of the kept form is replaced, never
-                        // refused): an empty schema, so no value is documented as refused.
-                        "schema": {},
-                        "description": format!(
-                            "the request's id, echoed in the answer's X-Request-Id and carried as the events' correlation; kept when it is 1 to {} of A-Z a-z 0-9 . _ : -, else replaced by one the server makes (never refused)",
-                            crate::rpc::REQUEST_ID_BYTES_MAX
-                        ),
-                    }],
-                    // An empty body is `{}`: it may be left out when no field is required.
-                    "requestBody": {
-                        "required": body_required,
-                        "content": { "application/json": { "schema": input } },
+        let mut operation = json!({
+            "post": {
+                "operationId": method.name,
+                "summary": method.summary,
+                "tags": [method.group()],
+                "security": security,
+                "x-action": method.access.action(),
+                "parameters": [{
+                    "name": "Idempotency-Key",
+                    "in": "header",
+                    "required": false,
+                    "schema": {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": crate::IDEMPOTENCY_KEY_BYTES_MAX,
+                        "pattern": "^[!-~]+$",
                     },
-                    "responses": responses,
-                }
-            }),
-        );
+                    "description": "a retry with the same key and body returns the first result and appends nothing",
+                }, {
+                    "name": "X-Request-Id",
+                    "in": "header",
+                    "required": false,
+                    // Any value is taken (one not of the kept form is replaced, never
+                    // refused): an empty schema, so no value is documented as refused.
+                    "schema": {},
+                    "description": format!(
+                        "the request's id, echoed in the answer's X-Request-Id and carried as the events' correlation; kept when it is 1 to {} of A-Z a-z 0-9 . _ : -, else replaced by one the server makes (never refused)",
+                        crate::rpc::REQUEST_ID_BYTES_MAX
+                    ),
+                }],
+                // An empty body is `{}`: it may be left out when no field is required.
+                "requestBody": {
+                    "required": body_required,
+                    "content": { "application/json": { "schema": input } },
+                },
+                "responses": responses,
+            }
+        });
+        // A method that refuses an Idempotency-Key documents none.
+        if crate::api::IDEMPOTENCY_KEY_REFUSED.contains(&method.name) {
+            operation["post"]["parameters"].as_array_mut().expect("parameters").remove(0);
+        }
+        paths.insert(format!("/api/compute/{}", method.name), operation);
     }
     let mut schemas: Map<String, Value> = generator.take_definitions(true).into_iter().collect();
     for (name, schema) in out_generator.take_definitions(true) {

@@ -92,11 +92,17 @@ pub(super) const METHODS: &[Method] = &[
     ),
 ];
 
+/// Methods that refuse an `Idempotency-Key` (the OpenAPI document names none for them):
+/// `metal.bulkNow` appends once per machine, and one key would replay the first machine's append
+/// for the rest.
+pub const IDEMPOTENCY_KEY_REFUSED: &[&str] = &["metal.bulkNow"];
+
 /// Machines one `metal.bulkNow` names at most.
 pub const METAL_BULK_NOW_MACHINES_MAX: usize = 100;
 
-string_schema!(/// A destructive verb `metal.bulkNow` and `metal bulk` take.
-BulkVerbText, schemars::json_schema!({ "type": "string", "enum": ["undeploy", "deploy", "retire", "powerOff"] }));
+string_schema!(/// A destructive verb `metal.bulkNow` takes: `deploy` goes only through a batch (`metal bulk`),
+/// which mints each installed system's join token, so it is refused here with that hint.
+BulkVerbText, schemars::json_schema!({ "type": "string", "enum": ["undeploy", "retire", "powerOff"] }));
 
 /// A host name's label: letters, digits and single hyphens inside.
 const LABEL: &str = "[A-Za-z0-9]+(-[A-Za-z0-9]+)*";
@@ -734,6 +740,9 @@ async fn metal_power(call: &Call<'_>, input: MetalPower) -> Result<MetalView> {
 /// `BATCH_REQUIRED` before anything is read (`decide::batch::batch_required`); else each machine
 /// in turn, as its own `metal.*` call would, each answer its machine or its refusal.
 async fn metal_bulk_now(call: &Call<'_>, input: MetalBulkNow) -> Result<MetalBulkNowView> {
+    // The tenant is checked once, at the edge: a malformed one is the request's fault, not each
+    // machine's.
+    call.tenant(&input.tenant_id).await?;
     let verb: &'static str = match input.verb.as_str() {
         "undeploy" => "undeploy",
         "deploy" => "deploy",

@@ -37,6 +37,7 @@ mod instances;
 mod inventory;
 mod join_tokens;
 mod metal;
+pub(crate) use metal::IDEMPOTENCY_KEY_REFUSED;
 pub(crate) mod nodes;
 mod pools;
 mod quotas;

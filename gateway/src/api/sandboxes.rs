@@ -36,6 +36,16 @@ use super::{Access, Call, Method, method};
 const READ: Access = Access::Action("compute:sandboxes:read");
 const WRITE: Access = Access::Action("compute:sandboxes:write");
 const MANAGE: Access = Access::Action("compute:sandboxes:manage");
+super::validate::string_schema!(/// A sandbox template's environment: variable names (a letter or `_`, then letters, digits
+/// and `_`, at most 128 bytes) to values without a NUL byte; at most 32 variables and 16 KiB in
+/// all (`decide::check_env`, which the schema states as far as JSON Schema can).
+SandboxEnv, schemars::json_schema!({
+    "type": "object",
+    "maxProperties": decide::SANDBOX_ENV_VARS_MAX,
+    "propertyNames": { "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,127}$" },
+    "additionalProperties": { "type": "string", "pattern": "^[^\\u0000]*$" }
+}));
+
 /// The action an `exec` into a sandbox is decided as (and rechecked as while it lasts).
 pub const ACTION_SANDBOX_EXEC: &str = "compute:sandboxes:exec";
 /// Rows read at most when counting a tenant's live sandboxes or nodes.
@@ -109,6 +119,7 @@ pub struct SandboxTemplatesCreate {
     max_ttl_s: Option<u64>,
     /// The environment every command in its sandboxes gets (at most 32 variables, 16 KiB).
     #[serde(default)]
+    #[schemars(with = "SandboxEnv")]
     env: BTreeMap<String, String>,
     /// `none` (the default and, so far, the only policy).
     network: Option<String>,
