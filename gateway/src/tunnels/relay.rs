@@ -23,8 +23,8 @@
 //! a close; the counts are of payload bytes only, and no byte of a frame is ever logged.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -72,6 +72,10 @@ struct Counters {
     bytes_out: AtomicU64,
     /// Milliseconds from `started` to the last payload byte either way.
     last_data_ms: AtomicU64,
+    /// The node's status, once it came (the program's exit status if it exited), set before it
+    /// is forwarded: a client closes its socket once it has the status, and the supervisor may
+    /// see that close before the node-to-client task has ended.
+    status: OnceLock<Option<u8>>,
 }
 
 impl Counters {
@@ -81,6 +85,7 @@ impl Counters {
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
             last_data_ms: AtomicU64::new(0),
+            status: OnceLock::new(),
         }
     }
 
@@ -190,9 +195,12 @@ where
         Verdict::Over(reason) => (reason, None),
     };
     down.abort();
-    let exit = match down_ended {
-        Some(ToClient::Ended(exit)) => exit,
-        _ => None,
+    let (reason, exit) = match (down_ended, counters.status.get()) {
+        (Some(ToClient::Ended(exit)), _) => (reason, exit),
+        // The client closed after the node's status reached the gateway (it had read it, or it
+        // was on its way): the program ended the tunnel, not the client.
+        (_, Some(&exit)) if reason == CloseReason::ClientClosed => (ToClient::Ended(exit).reason(), exit),
+        _ => (reason, None),
     };
     Relayed {
         reason,
@@ -328,6 +336,7 @@ where
                                 End::Exited(code) => Some(code),
                                 End::Broken { .. } => None,
                             };
+                            let _ = counters.status.set(exit);
                             let _ = to_client.send(Message::Binary(bytes)).await;
                             let _ = to_client.send(close(1000, "the remote program ended")).await;
                             return ToClient::Ended(exit);
@@ -464,6 +473,38 @@ mod tests {
         assert_eq!(got[1], Message::Binary(vec![wire::CHANNEL_CLOSE, wire::CHANNEL_STDOUT].into()));
         assert_eq!(status_of(&got[2]), End::Exited(0));
         assert!(matches!(&got[3], Message::Close(Some(f)) if f.code == 1000), "{:?}", got[3]);
+    }
+
+    /// A client that closes its socket once the node's status has reached the gateway, before
+    /// the relay has finished forwarding it (here: the client reads nothing, so the status waits
+    /// behind the output), leaves a tunnel the program ended, with its exit status: the close
+    /// must not be taken for the client's. (The console end-to-end test once saw
+    /// `tunnel.closed` without its `exitStatus` this way.)
+    #[tokio::test(start_paused = true)]
+    async fn a_client_closing_after_the_status_came_leaves_the_programs_exit() {
+        let mut rig = rig(3600, 3600);
+        rig.node_sends.send(Frame::stdout(b"bye".to_vec()).encode().into()).await.unwrap();
+        rig.node_sends.send(Frame::Status(End::Exited(7)).encode().into()).await.unwrap();
+        // The client reads the output and nothing more: the relay has the status and waits for
+        // the client to take it.
+        let first = rig.client_gets.next().await.unwrap();
+        assert_eq!(first, Message::Binary(Frame::stdout(b"bye".to_vec()).encode().into()));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        rig.client_sends.send(Ok(Message::Close(None))).await.unwrap();
+        let relayed = rig.relay.await.unwrap();
+        assert_eq!((relayed.reason, relayed.exit, relayed.bytes_out), (CloseReason::Exited, Some(7), 3));
+    }
+
+    /// A client that closes while the program runs ends the tunnel as the client's, with no
+    /// exit status.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_closing_before_any_status_is_the_clients_close() {
+        let mut rig = rig(3600, 3600);
+        rig.node_sends.send(Frame::stdout(b"still running".to_vec()).encode().into()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        rig.client_sends.send(Ok(Message::Close(None))).await.unwrap();
+        let relayed = rig.relay.await.unwrap();
+        assert_eq!((relayed.reason, relayed.exit), (CloseReason::ClientClosed, None));
     }
 
     /// Data either way moves the idle timeout; a resize does not. The client is told why.
