@@ -533,10 +533,12 @@ pub async fn node_without_room(
 }
 
 /// The appends of one chunk of a released batch, for one `Log::append_group`: reads what each
-/// metal leaf needs (its machine, the machine's node, a deploy's image) and decides its start
-/// ([`crate::decide::batch::metal_leaf_start`]); a leaf its machine refuses now is recorded in
-/// the chunk's `refused` with the reason and starts nothing, and the chunk's other leaves go on.
-/// Shared by the approval that releases a batch and the `batches` reconciler.
+/// leaf the release applies needs, as of now (a metal leaf's machine, its node and a deploy's
+/// image; a `nodes.delete`'s node and what holds on to it; a `reservations.release`'s
+/// reservation; a `rollouts.create`'s release, the tenant's nodes and live rollouts) and decides
+/// it ([`crate::decide::batch::leaf_start`]); a leaf refused now is recorded in the chunk's
+/// `refused` with the reason and applies nothing, and the chunk's other leaves go on. Shared by
+/// the approval that releases a batch and the `batches` reconciler.
 pub async fn chunk_requests(
     store: &dyn bc_core::store::EventStore,
     batch: &CommandBatchDoc,
@@ -545,6 +547,7 @@ pub async fn chunk_requests(
     correlation: Option<&str>,
     now_ms: u64,
 ) -> Result<Vec<bc_core::store::AppendRequest>> {
+    use crate::decide::batch::{LEAF_METAL_DEPLOY, LEAF_NODE_DELETE, LEAF_RESERVATION_RELEASE, LEAF_ROLLOUT_CREATE};
     let tenant: bc_core::id::TenantId =
         batch.tenant_id.parse().map_err(|_| Error::Internal(format!("batch {} names no tenant", batch.batch_id)))?;
     async fn row<T: serde::de::DeserializeOwned>(
@@ -559,24 +562,63 @@ pub async fn chunk_requests(
         }
     }
     let tenant_text = batch.tenant_id.as_str();
-    let mut metal = Vec::with_capacity(chunk.metal.len());
-    for start in &chunk.metal {
-        let machine: Option<crate::workflow::MetalDoc> =
-            row(store, tenant_text, crate::workflow::KIND_METAL, start.leaf.subject.clone()).await?;
-        let node: Option<crate::NodeDoc> = row(store, tenant_text, crate::KIND_NODE, start.leaf.subject.clone()).await?;
-        let image: Option<crate::ImageDoc> = match crate::decide::batch::deploy_leaf_ids(&start.leaf.payload) {
-            Some((image_id, _)) if start.leaf.kind == crate::decide::batch::LEAF_METAL_DEPLOY => {
-                row(store, tenant_text, crate::KIND_IMAGE, image_id).await?
+    // A rollout leaf's world: the tenant's nodes and live rollouts, read once a chunk.
+    let rollouts = chunk.applied.iter().any(|s| s.leaf.kind == LEAF_ROLLOUT_CREATE);
+    let (nodes, live) = if rollouts {
+        let nodes: Vec<crate::NodeDoc> = crate::placement::all_rows(store, tenant, crate::KIND_NODE).await?;
+        let live: Vec<crate::rollout::RolloutDoc> =
+            crate::placement::all_rows(store, tenant, crate::rollout::KIND_ROLLOUT_LIVE).await?;
+        (nodes, live.into_iter().filter(|r| r.state.is_live()).collect())
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let mut applied = Vec::with_capacity(chunk.applied.len());
+    for start in &chunk.applied {
+        let subject = start.leaf.subject.clone();
+        let kind = start.leaf.kind.as_str();
+        let (mut machine, mut node, mut image, mut holders, mut reservation, mut release) = (None, None, None, None, None, None);
+        match kind {
+            LEAF_NODE_DELETE => {
+                node = row::<crate::NodeDoc>(store, tenant_text, crate::KIND_NODE, subject.clone()).await?;
+                if node.is_some() {
+                    holders = Some(crate::placement::node_holders(store, tenant, &subject).await?);
+                }
             }
-            _ => None,
+            LEAF_RESERVATION_RELEASE => {
+                reservation = row::<crate::ReservationDoc>(store, tenant_text, crate::KIND_RESERVATION, subject).await?;
+            }
+            LEAF_ROLLOUT_CREATE => {
+                release = row::<crate::rollout::ReleaseDoc>(store, tenant_text, crate::rollout::KIND_RELEASE, subject).await?;
+            }
+            _ => {
+                machine =
+                    row::<crate::workflow::MetalDoc>(store, tenant_text, crate::workflow::KIND_METAL, subject.clone()).await?;
+                node = row(store, tenant_text, crate::KIND_NODE, subject).await?;
+                image = match crate::decide::batch::deploy_leaf_ids(&start.leaf.payload) {
+                    Some((image_id, _)) if kind == LEAF_METAL_DEPLOY => {
+                        row::<crate::ImageDoc>(store, tenant_text, crate::KIND_IMAGE, image_id).await?
+                    }
+                    _ => None,
+                };
+            }
+        }
+        let world = crate::decide::batch::LeafWorld {
+            machine: machine.as_ref(),
+            node: node.as_ref(),
+            image: image.as_ref(),
+            holders: holders.as_ref(),
+            reservation: reservation.as_ref(),
+            release: release.as_ref(),
+            nodes: &nodes,
+            live: &live,
         };
-        let world =
-            crate::decide::batch::MetalLeafWorld { machine: machine.as_ref(), node: node.as_ref(), image: image.as_ref() };
-        match crate::decide::batch::metal_leaf_start(start, &world, now_ms) {
-            Ok(append) => metal.push(append),
+        match crate::decide::batch::leaf_start(start, &world, &batch.batch_id, now_ms) {
+            Ok(Some(append)) => applied.push(append),
+            // A reservation already over: released, with nothing to append.
+            Ok(None) => {}
             Err(e @ (Error::Internal(_) | Error::Storage(_))) => return Err(e),
             Err(e) => chunk.issued.refused.push(LeafRefused { index: start.index, reason: e.public_message() }),
         }
     }
-    crate::decide::batch::chunk_appends(tenant, batch, chunk, metal, actor, correlation)
+    crate::decide::batch::chunk_appends(tenant, batch, chunk, applied, actor, correlation)
 }

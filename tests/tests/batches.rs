@@ -8,6 +8,9 @@
 //! approval is verified by `openssl dgst -sha256 -verify`, from the documented message format.
 //! A proxy that lies about the scope (one leaf, the root, a page that does not advance) gets no
 //! signature: `SCOPE_MISMATCH` or `INVALID_RESPONSE`.
+//! Under the quorum (`dev --approvers`), `nodes delete`, the root tenant's release of another
+//! tenant's reservation and a rollout to two nodes, each refused alone, go through batches
+//! (`--batch-reason`): nothing after one approval, done after two.
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
@@ -454,7 +457,8 @@ async fn a_server_that_lies_about_the_scope_gets_no_signature() {
 }
 
 /// The approvers' quorum (`dev --approvers`): `nodes.delete` and the root tenant's release of
-/// another tenant's reservation are refused `BATCH_REQUIRED` (403, with a hint to make a batch)
+/// another tenant's reservation are refused `BATCH_REQUIRED` (403, with a hint naming the command
+/// that makes the batch)
 /// and change nothing; the same calls on a `dev` without the flag go through. The CLI prints the
 /// code and the hint and exits 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -477,7 +481,8 @@ async fn with_the_quorum_on_a_wide_destructive_call_alone_is_refused_batch_requi
         let (status, released) = server.call("reservations.release", json!({ "tenantId": tenant, "reservationId": rsv })).await;
         if quorum {
             assert_eq!((status, released["code"].as_str()), (403, Some("BATCH_REQUIRED")), "{released}");
-            assert!(released["details"]["hint"].as_str().unwrap().contains("batch create"), "{released}");
+            let hint = released["details"]["hint"].as_str().unwrap();
+            assert!(hint.contains("better-compute release RESERVATION… --tenant TENANT --batch-reason TEXT"), "{released}");
             let (_, still) = server.call("reservations.get", json!({ "tenantId": tenant, "reservationId": rsv })).await;
             assert_ne!(still["state"], "released", "nothing changed: {still}");
         } else {
@@ -489,7 +494,7 @@ async fn with_the_quorum_on_a_wide_destructive_call_alone_is_refused_batch_requi
         if quorum {
             let (code, out, err) = server.cli(&["nodes", "delete", &node, "--tenant", &tenant, "--yes"]);
             assert_eq!(code, 1, "{out}\n{err}");
-            assert!(err.contains("BATCH_REQUIRED:") && err.contains("batch create"), "{err}");
+            assert!(err.contains("BATCH_REQUIRED:") && err.contains("nodes delete NODE… --yes --batch-reason TEXT"), "{err}");
             let (status, kept) = server.call("nodes.get", json!({ "tenantId": tenant, "nodeId": node })).await;
             assert_eq!(status, 200, "the node is still there: {kept}");
         } else {
@@ -506,6 +511,251 @@ async fn with_the_quorum_on_a_wide_destructive_call_alone_is_refused_batch_requi
             }
         }
     }
+}
+
+/// `batch approve --yes` of `batch` (in `tenant`; the root tenant's when `None`) with the
+/// approver key `key`: its summary (stderr) and the batch it answers.
+fn approve_in(server: &Server, tenant: Option<&str>, batch: &str, key: &Path) -> (String, Value) {
+    let mut args = vec!["batch", "approve", "--batch", batch, "--key", path_text(key), "--yes"];
+    if let Some(tenant) = tenant {
+        args.extend(["--tenant", tenant]);
+    }
+    let (code, out, err) = server.cli(&args);
+    assert_eq!(code, 0, "better-compute {args:?}: {out}\n{err}");
+    (err, json(&out))
+}
+
+/// `batch members` of `batch` (in `tenant`; the root tenant's when `None`): each member's
+/// (state, reason), in leaf order.
+fn members_in(server: &Server, tenant: Option<&str>, batch: &str) -> Vec<(String, String)> {
+    let mut args = vec!["batch", "members", "--batch", batch, "--format", "json"];
+    if let Some(tenant) = tenant {
+        args.extend(["--tenant", tenant]);
+    }
+    let members = ok(server, &args);
+    members["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["state"].as_str().unwrap().to_owned(), m["reason"].as_str().unwrap_or_default().to_owned()))
+        .collect()
+}
+
+/// Three approver keys made by `batch keygen` in `dir`, published as epoch 1 with quorum 2.
+fn three_approvers(server: &Server, dir: &Path) -> Vec<PathBuf> {
+    let keys: Vec<PathBuf> = ["a", "b", "c"].iter().map(|n| dir.join(format!("{n}.pem"))).collect();
+    for key in &keys {
+        ok(server, &["batch", "keygen", "--out", path_text(key)]);
+    }
+    let publics: Vec<String> = keys.iter().map(|k| format!("{}.pub", k.display())).collect();
+    publish_epoch_1(server, 2, &publics);
+    keys
+}
+
+/// Issue 57's item 3 whole, for `nodes.delete` and the cross-tenant release (`dev --approvers`,
+/// three approver keys, quorum 2): the root tenant deletes three of acme's nodes and releases
+/// one of acme's reservations. Each alone is refused `BATCH_REQUIRED`, the hint naming the
+/// command with `--batch-reason`; that command makes a batch in acme. After one approval
+/// nothing is deleted or released (every member `awaitingApproval`); after the second the two
+/// cordoned nodes are gone, the reservation is released, and the third node, which still takes
+/// reservations, is refused at the release with the reason (`failed`) while the others
+/// `succeeded`; the `node.deleted` events name the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_quorum_on_nodes_delete_and_a_cross_tenant_release_go_through_batches_after_two_approvals() {
+    let server = Server::dev_with(&["--approvers"]);
+    let dir = tempfile::tempdir().unwrap();
+    let keys = three_approvers(&server, dir.path());
+    let tenant = server.tenant("acme").await;
+    let pool = server.tenant_pool(&tenant, "rack").await;
+    let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 2];
+    let mut nodes = Vec::new();
+    for name in ["n0", "n1", "n2"] {
+        let (status, node) = server
+            .call("nodes.register", json!({ "tenantId": tenant, "poolId": pool, "name": name, "gpus": gpus.clone() }))
+            .await;
+        assert_eq!(status, 200, "{node}");
+        nodes.push(node["nodeId"].as_str().unwrap().to_owned());
+    }
+    // n0 and n1 are cordoned, so the reservation lands on n2, which keeps taking reservations.
+    for node in &nodes[..2] {
+        let (status, cordoned) = server.call("nodes.cordon", json!({ "tenantId": tenant, "nodeId": node })).await;
+        assert_eq!(status, 200, "{cordoned}");
+    }
+    let (status, rsv) =
+        server.call("reservations.create", json!({ "tenantId": tenant, "poolId": pool, "gpus": 1, "durationS": 600 })).await;
+    assert_eq!(status, 200, "{rsv}");
+    let rsv = rsv["reservationId"].as_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, doc) = server.call("reservations.get", json!({ "tenantId": tenant, "reservationId": rsv })).await;
+        if doc["state"] == "active" {
+            assert_eq!(doc["nodeId"].as_str(), Some(nodes[2].as_str()), "the one uncordoned node: {doc}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the reservation is not placed: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Alone, each is refused, and the hint names the command that makes its batch; several
+    // nodes at once are a usage error without --batch-reason, before any call.
+    let err = refused(&server, &["nodes", "delete", &nodes[0], "--tenant", &tenant, "--yes"], "BATCH_REQUIRED");
+    assert!(err.contains("better-compute nodes delete NODE… --yes --batch-reason TEXT"), "{err}");
+    let mut delete = vec!["nodes", "delete"];
+    delete.extend(nodes.iter().map(String::as_str));
+    delete.extend(["--tenant", tenant.as_str(), "--yes"]);
+    let (code, out, err) = server.cli(&delete);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("add --batch-reason TEXT"), "{err}");
+    let err = refused(&server, &["release", &rsv, "--tenant", &tenant], "BATCH_REQUIRED");
+    assert!(err.contains("better-compute release RESERVATION… --tenant TENANT --batch-reason TEXT"), "{err}");
+
+    // The same commands with --batch-reason make the batches.
+    delete.extend(["--batch-reason", "decommission rack 1"]);
+    let deletes = ok(&server, &delete);
+    assert_eq!((deletes["state"].as_str(), deletes["size"].as_u64()), (Some("pending"), Some(3)), "{deletes}");
+    let deletes = deletes["batchId"].as_str().unwrap().to_owned();
+    let release = ok(&server, &["release", &rsv, "--tenant", &tenant, "--batch-reason", "reclaim acme's GPU"]);
+    let release = release["batchId"].as_str().unwrap().to_owned();
+    let scope = ok(&server, &["batch", "show", "--tenant", &tenant, "--batch", &deletes]);
+    let kinds: Vec<(&str, &str)> = scope["leaves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["kind"].as_str().unwrap(), l["subject"].as_str().unwrap()))
+        .collect();
+    assert_eq!(kinds, nodes.iter().map(|n| ("nodes.delete", n.as_str())).collect::<Vec<_>>());
+
+    // One approval of two: nothing deleted, nothing released.
+    for batch in [&deletes, &release] {
+        let (summary, after) = approve_in(&server, Some(&tenant), batch, &keys[0]);
+        assert!(summary.contains("Approvals: 0 of 2"), "{summary}");
+        assert_eq!(after["state"], "pending", "{after}");
+        assert!(members_in(&server, Some(&tenant), batch).iter().all(|(s, _)| s == "awaitingApproval"));
+    }
+    for node in &nodes {
+        let (status, kept) = server.call("nodes.get", json!({ "tenantId": tenant, "nodeId": node })).await;
+        assert_eq!(status, 200, "one approval deletes nothing: {kept}");
+    }
+    let (_, still) = server.call("reservations.get", json!({ "tenantId": tenant, "reservationId": rsv })).await;
+    assert_eq!(still["state"], "active", "one approval releases nothing: {still}");
+
+    // The second: the cordoned nodes go, the reservation is released; n2 is refused with why.
+    for batch in [&deletes, &release] {
+        let (_, after) = approve_in(&server, Some(&tenant), batch, &keys[1]);
+        assert_eq!(after["state"], "released", "{after}");
+    }
+    for node in &nodes[..2] {
+        let (status, gone) = server.call("nodes.get", json!({ "tenantId": tenant, "nodeId": node })).await;
+        assert_eq!(status, 404, "deleted by the batch: {gone}");
+    }
+    let (status, kept) = server.call("nodes.get", json!({ "tenantId": tenant, "nodeId": nodes[2] })).await;
+    assert_eq!(status, 200, "n2 still takes reservations: {kept}");
+    let members = members_in(&server, Some(&tenant), &deletes);
+    assert_eq!(members[..2], [("succeeded".to_owned(), String::new()), ("succeeded".to_owned(), String::new())]);
+    assert_eq!(members[2].0, "failed", "{members:?}");
+    assert!(members[2].1.contains("cordon or drain it first"), "{members:?}");
+    let (_, released) = server.call("reservations.get", json!({ "tenantId": tenant, "reservationId": rsv })).await;
+    assert_eq!(released["state"], "released", "{released}");
+    assert_eq!(members_in(&server, Some(&tenant), &release), [("succeeded".to_owned(), String::new())]);
+
+    // Each deletion's event names the batch.
+    let (status, page) = server.call("events.list", json!({ "tenantId": tenant, "types": ["node.deleted"] })).await;
+    assert_eq!(status, 200, "{page}");
+    let reasons: Vec<&str> = page["items"].as_array().unwrap().iter().filter_map(|e| e["payload"]["reason"].as_str()).collect();
+    assert_eq!(reasons, [format!("deleted by batch {deletes}"), format!("deleted by batch {deletes}")], "{page}");
+}
+
+/// The root tenant's rollouts.
+async fn rollouts_of(server: &Server) -> Vec<Value> {
+    let (status, page) = server.call("rollouts.list", json!({})).await;
+    assert_eq!(status, 200, "{page}");
+    page["items"].as_array().unwrap().clone()
+}
+
+/// Issue 57's item 3 for rollouts (`dev --approvers --release-key`, two joined `bcd` nodes,
+/// quorum 2): a rollout to the pool's two nodes alone is refused `BATCH_REQUIRED`, the hint
+/// naming `rollouts create … --batch-reason`; with it, one `rollouts.create` leaf binds the
+/// release, the flags and the two nodes, which `batch approve`'s summary lists. After one
+/// approval no rollout exists; after the second the rollout is created with the leaf's id, to
+/// exactly those nodes, and its member shows the rollout's state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_quorum_on_a_rollout_to_two_nodes_goes_through_a_batch_after_two_approvals() {
+    let dir = tempfile::tempdir().unwrap();
+    let release_key = dir.path().join("release.key");
+    let (code, _, err) = bc_tests::cli(&["releases", "keygen", "--out", path_text(&release_key)], &[]);
+    assert_eq!(code, 0, "releases keygen: {err}");
+    let public = format!("{}.pub", release_key.display());
+    let (server, port) = bc_tests::agents_gateway_with(&["--release-key", &public, "--approvers"]);
+    let keys = three_approvers(&server, dir.path());
+    let pool = server.pool("rack").await;
+    let mut machines = Vec::new();
+    for _ in 0..2 {
+        let mut machine = AgentNode::new(&server, port);
+        machine.join_pool(&server, &pool).await;
+        machine.start();
+        machines.push(machine);
+    }
+    let mut nodes: Vec<String> = machines.iter().map(AgentNode::node_id).collect();
+    nodes.sort();
+    for node in &nodes {
+        wait_ready(&server, node).await;
+    }
+
+    // A signed release (its artifact never fetched here: the test is of who may start it).
+    let artifact = dir.path().join("bcd-next");
+    std::fs::write(&artifact, b"the next bcd").unwrap();
+    let manifest = dir.path().join("release.json");
+    let item = format!("{}={}=http://127.0.0.1:9/bcd-next", std::env::consts::ARCH, artifact.display());
+    ok(
+        &server,
+        &[
+            "releases",
+            "sign",
+            "--key",
+            path_text(&release_key),
+            "--version",
+            "9.0.0",
+            "--artifact",
+            &item,
+            "--out",
+            path_text(&manifest),
+        ],
+    );
+    let registered = ok(&server, &["releases", "register", "--manifest", path_text(&manifest), "--format", "json"]);
+    let release = registered["releaseId"].as_str().unwrap().to_owned();
+
+    let create = ["rollouts", "create", "--release", release.as_str(), "--pool", pool.as_str(), "--waves", "1,100%"];
+    let err = refused(&server, &create, "BATCH_REQUIRED");
+    assert!(err.contains("a rollout to 2 nodes") && err.contains("rollouts create … --batch-reason TEXT"), "{err}");
+    let mut with_batch = create.to_vec();
+    with_batch.extend(["--batch-reason", "roll 9.0.0 to rack"]);
+    let batch = ok(&server, &with_batch);
+    assert_eq!((batch["state"].as_str(), batch["size"].as_u64()), (Some("pending"), Some(1)), "{batch}");
+    let batch = batch["batchId"].as_str().unwrap().to_owned();
+    let scope = ok(&server, &["batch", "show", "--batch", &batch]);
+    let leaf = &scope["leaves"][0];
+    assert_eq!((leaf["kind"].as_str(), leaf["subject"].as_str()), (Some("rollouts.create"), Some(release.as_str())), "{leaf}");
+    assert_eq!(leaf["payload"]["nodes"], json!(nodes), "the leaf binds the two nodes: {leaf}");
+    assert_eq!(leaf["payload"]["poolId"], pool.as_str(), "{leaf}");
+
+    let (summary, after) = approve_in(&server, None, &batch, &keys[0]);
+    assert!(summary.contains(&format!("rollouts.create of {release} to 2 node(s): {}, {}", nodes[0], nodes[1])), "{summary}");
+    assert_eq!(after["state"], "pending", "{after}");
+    assert!(rollouts_of(&server).await.is_empty(), "one approval starts no rollout");
+    assert_eq!(members_in(&server, None, &batch)[0].0, "awaitingApproval");
+
+    let (_, after) = approve_in(&server, None, &batch, &keys[2]);
+    assert_eq!(after["state"], "released", "{after}");
+    let made = rollouts_of(&server).await;
+    assert_eq!(made.len(), 1, "{made:?}");
+    let members = ok(&server, &["batch", "members", "--batch", &batch, "--format", "json"]);
+    let member = &members["items"][0];
+    assert_eq!(made[0]["rolloutId"], member["commandId"], "the rollout has the leaf's id: {member}");
+    assert_eq!(made[0]["releaseId"], release.as_str());
+    let mut rolled: Vec<&str> = made[0]["nodes"].as_array().unwrap().iter().map(|n| n["nodeId"].as_str().unwrap()).collect();
+    rolled.sort_unstable();
+    assert_eq!(rolled, nodes.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(["running", "paused", "done"].contains(&member["state"].as_str().unwrap()), "{member}");
 }
 
 /// A gateway that lies (`BC_TEST_ONLY_FORGE_BATCH_RELEASE`: the first approval releases, quorum

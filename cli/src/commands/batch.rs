@@ -514,6 +514,54 @@ pub fn check_root(scope: &ScopeFile) -> Result<(), CliError> {
     Ok(())
 }
 
+/// `--batch-reason` of `nodes delete`, `release` and `rollouts create`: instead of the call, one
+/// batch (`commandBatches.create`) of the same operations, a `kind` leaf per `(subject,
+/// payload)`, the way `metal bulk` makes one of metal verbs; `reason` is what the approvers
+/// read; `key` the batch's idempotency key (a fresh one unless given). Nothing happens until
+/// the approvers' quorum signs it (`batch approve`).
+pub async fn make_batch(
+    ctx: &Context,
+    reason: &str,
+    kind: &str,
+    leaves: Vec<(String, Value)>,
+    key: &IdempotencyKey,
+) -> Result<Value, CliError> {
+    let count = leaves.len();
+    let mut body = ctx.tenant_body()?;
+    body.insert("reason".into(), json!(reason));
+    let leaves =
+        leaves.into_iter().map(|(subject, payload)| json!({ "subject": subject, "kind": kind, "payload": payload })).collect();
+    body.insert("leaves".into(), Value::Array(leaves));
+    let batch = ctx.create("commandBatches.create", body, key).await?;
+    if let Some(id) = batch["batchId"].as_str() {
+        eprintln!(
+            "batch {id} holds {count} {kind} leaves; nothing happens until the approvers sign it: batch approve --batch {id} --key PATH"
+        );
+    }
+    Ok(batch)
+}
+
+/// A `rollouts.create` leaf as the approver reads it: the release, how many nodes and which,
+/// the pool and labels that chose them, the waves.
+fn rollout_line(leaf: &Leaf) -> String {
+    let p = &leaf.payload;
+    let nodes: Vec<&str> = p["nodes"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+    let shown: Vec<&str> = nodes.iter().take(10).copied().collect();
+    let more = if nodes.len() > 10 { format!(", … ({} more)", nodes.len() - 10) } else { String::new() };
+    let labels: Vec<String> =
+        p["labels"].as_object().into_iter().flatten().map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("?"))).collect();
+    let waves: Vec<&str> = p["waves"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+    format!(
+        "  rollouts.create of {} to {} node(s): {}{more}; pool {}, labels {}, waves {}\n",
+        leaf.subject,
+        nodes.len(),
+        shown.join(", "),
+        p["poolId"].as_str().unwrap_or("any"),
+        if labels.is_empty() { "none".to_owned() } else { labels.join(",") },
+        waves.join(",")
+    )
+}
+
 /// The summary an approver reads before signing.
 fn summary(scope: &ScopeFile) -> String {
     let mut kinds: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -529,6 +577,9 @@ fn summary(scope: &ScopeFile) -> String {
         let shown: Vec<&str> = subjects.iter().take(10).copied().collect();
         let more = if subjects.len() > 10 { format!(", … ({} more)", subjects.len() - 10) } else { String::new() };
         text.push_str(&format!("  {kind}: {}{more}\n", shown.join(", ")));
+    }
+    for leaf in scope.leaves.iter().filter(|l| l.kind == bc_projections::decide::batch::LEAF_ROLLOUT_CREATE).take(10) {
+        text.push_str(&rollout_line(leaf));
     }
     text.push_str(&format!(
         "Approvals: {} of {}; the window closes at {} ms (trust domain {}, approver set epoch {}).\n",
@@ -703,6 +754,24 @@ mod tests {
 
     fn code(result: Result<Option<SignatureFile>, CliError>) -> String {
         result.err().map(|e| e.code).unwrap_or_else(|| "signed".into())
+    }
+
+    /// The approver reads a rollout leaf whole: its release, how many nodes and which, the pool,
+    /// the labels and the waves; the other kinds by count and subject.
+    #[test]
+    fn the_summary_shows_what_a_rollout_leaf_binds() {
+        let mut s = scope();
+        s.leaves.push(Leaf {
+            subject: "rel_a".into(),
+            kind: bc_projections::decide::batch::LEAF_ROLLOUT_CREATE.into(),
+            payload: json!({ "poolId": "pool_a", "labels": { "rack": "12" }, "waves": ["1", "100%"], "nodes": ["node_a", "node_b"] }),
+        });
+        let text = summary(&s);
+        assert!(text.contains("4 command(s) on 4 subject(s): ping ×3, rollouts.create ×1"), "{text}");
+        assert!(
+            text.contains("rollouts.create of rel_a to 2 node(s): node_a, node_b; pool pool_a, labels rack=12, waves 1,100%"),
+            "{text}"
+        );
     }
 
     /// A server that changes one leaf, adds one, or reports another root or size: SCOPE_MISMATCH,

@@ -67,15 +67,22 @@ pub enum NodesCommand {
     },
     /// Remove a node for good (`node.deleted`): one cordoned or draining, holding no GPU, its
     /// agent gone, with no unfinished command, live instance or live rollout. Refused without
-    /// --yes, before any call.
+    /// --yes, before any call. With --batch-reason, the nodes (one or several) are deleted
+    /// through a destructive batch instead, once the approvers' quorum signs it: what a
+    /// deployment with the quorum on (--approvers) asks for.
     Delete {
-        node_id: String,
-        /// Why, kept in the log (at most 500 characters).
-        #[arg(long)]
+        #[arg(required = true, value_name = "NODE_ID")]
+        node_ids: Vec<String>,
+        /// Why, kept in the log (at most 500 characters); a batch's deletion names the batch.
+        #[arg(long, conflicts_with = "batch_reason")]
         reason: Option<String>,
         /// Confirm: the node's document goes (its events stay in the log).
         #[arg(long)]
         yes: bool,
+        /// Make a batch of `nodes.delete` leaves (commandBatches.create) with this reason,
+        /// what the approvers read, rather than deleting now; `batch approve` signs it.
+        #[arg(long, value_name = "TEXT")]
+        batch_reason: Option<String>,
         #[command(flatten)]
         if_version: IfVersion,
     },
@@ -136,13 +143,34 @@ pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
         NodesCommand::Taint { node_id, items, if_version } => {
             node_op(&c, body, "nodes.taint", &node_id, if_version.if_version, &items, 0).await?
         }
-        NodesCommand::Delete { node_id, reason, yes, if_version } => {
-            let node = check_id::<NodeId>("NODE_ID", &node_id)?;
+        NodesCommand::Delete { node_ids, reason, yes, batch_reason, if_version } => {
+            let mut nodes: Vec<String> = Vec::new();
+            for id in &node_ids {
+                let node = check_id::<NodeId>("NODE_ID", id)?;
+                if !nodes.contains(&node) {
+                    nodes.push(node);
+                }
+            }
             if !yes {
                 return Err(CliError::usage(format!(
-                    "nodes delete removes {node} for good (its events stay in the log); add --yes to confirm"
+                    "nodes delete removes {} for good (its events stay in the log); add --yes to confirm",
+                    nodes.join(", ")
                 )));
             }
+            if let Some(batch_reason) = batch_reason {
+                if if_version.if_version.is_some() {
+                    return Err(CliError::usage("--if-version goes with one delete now, not with --batch-reason"));
+                }
+                let leaves = nodes.into_iter().map(|n| (n, json!({}))).collect();
+                let kind = bc_projections::decide::batch::LEAF_NODE_DELETE;
+                return ctx.print(
+                    &super::batch::make_batch(ctx, &batch_reason, kind, leaves, &IdempotencyKey { key: None }).await?,
+                    Format::Json,
+                );
+            }
+            let [node] = <[String; 1]>::try_from(nodes).map_err(|_| {
+                CliError::usage("several nodes are deleted through one batch: add --batch-reason TEXT (the approvers sign it)")
+            })?;
             let mut body = body;
             body.insert("nodeId".into(), json!(node));
             if let Some(v) = if_version.if_version {

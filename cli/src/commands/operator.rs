@@ -185,9 +185,10 @@ pub struct ServerArgs {
     pub release_keys: Vec<PathBuf>,
     /// The approvers' quorum: metal undeploy, deploy, retire and power off beyond one machine,
     /// rollouts to more than one node, nodes delete and the root tenant's release of another
-    /// tenant's reservation are taken only through a destructive batch (`batch create`, signed
-    /// by the published approver set's quorum); one call on such a scope is refused
-    /// BATCH_REQUIRED (docs/batches.md).
+    /// tenant's reservation are taken only through a destructive batch, signed by the published
+    /// approver set's quorum (`metal bulk`, or `rollouts create`, `nodes delete` and `release`
+    /// with `--batch-reason`); one call on such a scope is refused BATCH_REQUIRED, its hint
+    /// naming that command (docs/batches.md).
     #[arg(long)]
     pub approvers: bool,
     #[command(flatten)]

@@ -11,7 +11,7 @@ use crate::flags::{IdempotencyKey, IfVersion, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, add_page, idempotency_key, put_id};
+use super::{Context, add_page, check_id, idempotency_key, put_id};
 
 #[derive(Args)]
 pub struct ReserveArgs {
@@ -26,9 +26,17 @@ pub struct ReserveArgs {
 
 #[derive(Args)]
 pub struct ReleaseArgs {
-    pub reservation_id: String,
+    /// The reservations, `rsv_…`: one, or several with --batch-reason.
+    #[arg(required = true, value_name = "RESERVATION_ID")]
+    pub reservation_ids: Vec<String>,
     #[command(flatten)]
     pub if_version: IfVersion,
+    /// Make a batch of `reservations.release` leaves (commandBatches.create) with this reason,
+    /// what the approvers read, rather than releasing now; `batch approve` signs it. The root
+    /// tenant's release of another tenant's reservation (`--tenant`) takes this when the
+    /// deployment runs the approvers' quorum (--approvers).
+    #[arg(long, value_name = "TEXT")]
+    pub batch_reason: Option<String>,
 }
 
 #[derive(Args)]
@@ -200,7 +208,28 @@ async fn on_reservation(
 }
 
 pub async fn release(ctx: &Context, args: ReleaseArgs) -> Result<(), CliError> {
-    let ReleaseArgs { reservation_id, if_version } = args;
+    let ReleaseArgs { reservation_ids, if_version, batch_reason } = args;
+    let mut ids: Vec<String> = Vec::new();
+    for id in &reservation_ids {
+        let id = check_id::<ReservationId>("RESERVATION_ID", id)?;
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    if let Some(batch_reason) = batch_reason {
+        if if_version.if_version.is_some() {
+            return Err(CliError::usage("--if-version goes with one release now, not with --batch-reason"));
+        }
+        let leaves = ids.into_iter().map(|id| (id, json!({}))).collect();
+        let kind = bc_projections::decide::batch::LEAF_RESERVATION_RELEASE;
+        return ctx.print(
+            &super::batch::make_batch(ctx, &batch_reason, kind, leaves, &IdempotencyKey { key: None }).await?,
+            Format::Json,
+        );
+    }
+    let [reservation_id] = <[String; 1]>::try_from(ids).map_err(|_| {
+        CliError::usage("several reservations are released through one batch: add --batch-reason TEXT (the approvers sign it)")
+    })?;
     let extra: Vec<(&str, Value)> = if_version.if_version.iter().map(|v| ("ifVersion", json!(v))).collect();
     let v = on_reservation(&ctx.client()?, "reservations.release", ctx.tenant_body()?, &reservation_id, &extra).await?;
     ctx.print(&v, Format::Json)

@@ -57,6 +57,13 @@ pub enum RolloutsCommand {
         /// A node with live reservations: wait for them to end, or proceed.
         #[arg(long, value_enum, default_value = "wait")]
         busy_nodes: BusyNodesArg,
+        /// Make a batch of one `rollouts.create` leaf (commandBatches.create) with this reason,
+        /// what the approvers read, rather than creating the rollout now: the leaf binds these
+        /// flags and the nodes they choose now; `batch approve` signs it, and the rollout starts
+        /// once the quorum has. What a rollout to more than one node takes when the deployment
+        /// runs the approvers' quorum (--approvers).
+        #[arg(long, value_name = "TEXT")]
+        batch_reason: Option<String>,
         #[command(flatten)]
         key: IdempotencyKey,
     },
@@ -185,6 +192,7 @@ pub async fn run(ctx: &Context, command: RolloutsCommand) -> Result<(), CliError
             node_deadline,
             wave_failures_max,
             busy_nodes,
+            batch_reason,
             key,
         } => {
             put_id::<ReleaseId>(&mut body, "releaseId", "--release", &release)?;
@@ -204,6 +212,14 @@ pub async fn run(ctx: &Context, command: RolloutsCommand) -> Result<(), CliError
                 BusyNodesArg::Proceed => "proceed",
             };
             body.insert("busyNodes".into(), json!(busy));
+            if let Some(batch_reason) = batch_reason {
+                // The leaf: the release is its subject, the rest of the call its payload.
+                body.remove("tenantId");
+                let release = body.remove("releaseId").unwrap_or_default().as_str().unwrap_or_default().to_owned();
+                let leaves = vec![(release, Value::Object(body))];
+                let kind = bc_projections::decide::batch::LEAF_ROLLOUT_CREATE;
+                return ctx.print(&super::batch::make_batch(ctx, &batch_reason, kind, leaves, &key).await?, Format::Json);
+            }
             ("rollouts.create", Some(idempotency_key(&key.key)))
         }
         RolloutsCommand::Pause { rollout_id, reason } => act(&mut body, "rollouts.pause", &rollout_id, reason)?,

@@ -6,7 +6,9 @@
 //! approval that reaches the quorum, only then; the node's session delivers them as any other
 //! command. Each decision is in `bc_projections::decide::batch`.
 
-use bc_core::id::{CommandBatchId, CommandId, ImageId, JoinTokenId, NodeId, TenantId, WorkflowId};
+use bc_core::id::{
+    CommandBatchId, CommandId, ImageId, JoinTokenId, NodeId, ReleaseId, ReservationId, RolloutId, TenantId, WorkflowId,
+};
 use bc_core::store::{AppendRequest, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::batch::{
@@ -15,12 +17,16 @@ use bc_projections::batch::{
     KIND_COMMAND_BATCH, Leaf, approver_set_history, chunk_requests, node_without_room,
 };
 use bc_projections::decide::batch::{
-    ApproverSetInput, BatchCreateInput, LEAF_METAL_DEPLOY, approver_set_publish, batch_approve, batch_cancel, batch_create,
-    batch_expired, metal_leaf_verb, release_chunk, split_scope,
+    ApproverSetInput, BatchCreateInput, LEAF_METAL_DEPLOY, LEAF_NODE_DELETE, LEAF_RESERVATION_RELEASE, LEAF_ROLLOUT_CREATE,
+    applied_at_release, approver_set_publish, batch_approve, batch_cancel, batch_create, batch_expired, metal_leaf_verb,
+    release_chunk, split_scope,
 };
 use bc_projections::events as ev;
+use bc_projections::rollout::{BusyNodes, KIND_ROLLOUT, ROLLOUT_NODES_MAX, ROLLOUT_WAVES_MAX, RolloutDoc};
 use bc_projections::workflow::{KIND_METAL, KIND_WORKFLOW, MetalDoc, Workflow};
-use bc_projections::{CommandDoc, ImageDoc, KIND_COMMAND, KIND_IMAGE, KIND_NODE, NodeDoc, stream_of};
+use bc_projections::{
+    CommandDoc, ImageDoc, KIND_COMMAND, KIND_IMAGE, KIND_NODE, KIND_RESERVATION, NodeDoc, ReservationDoc, stream_of,
+};
 use schemars::{JsonSchema, json_schema};
 use serde::Deserialize;
 
@@ -28,7 +34,11 @@ use super::body::parse_id;
 use super::call::doc;
 use super::commands::{COMMAND_DEADLINE_S_DEFAULT, COMMAND_DEADLINE_S_MAX};
 use super::paging::{Page, list_rows};
-use super::validate::{CommandBatchIdText, CursorText, ImageIdText, LimitNumber, NodeIdText, TenantIdText, string_schema};
+use super::rollouts::{WAVE_PATTERN, WAVE_SPEC_CHARS_MAX};
+use super::validate::{
+    CommandBatchIdText, CursorText, ImageIdText, LabelsMap, LimitNumber, NodeIdText, PoolIdText, ReleaseIdText,
+    ReservationIdText, TenantIdText, string_schema,
+};
 use super::views::{ApproverSetView, BatchMemberView, BatchMembersView, CommandBatchScopeView, CommandBatchView, LeafView};
 use super::{Access, Call, Method, method};
 
@@ -66,6 +76,11 @@ string_schema!(/// What approvers read: 1 to 500 bytes.
     BatchReasonText, json_schema!({ "type": "string", "minLength": 1, "maxLength": COMMAND_BATCH_REASON_BYTES_MAX, "pattern": "\\S" }));
 string_schema!(/// The kinds a batch holds.
     LeafKindText, json_schema!({ "type": "string", "enum": bc_projections::decide::batch::BATCH_LEAF_KINDS }));
+string_schema!(/// A leaf's subject: a node `node_…` (`ping`, the `metal.*` kinds, `nodes.delete`), a
+    /// reservation `rsv_…` (`reservations.release`) or a release `rel_…` (`rollouts.create`).
+    LeafSubjectText as "LeafSubjectText", |g| json_schema!({ "anyOf": [
+        g.subschema_for::<NodeIdText>(), g.subschema_for::<ReservationIdText>(), g.subschema_for::<ReleaseIdText>()
+    ] }));
 string_schema!(/// `pending`, `released`, `cancelled`, `expired`.
     BatchStateText, json_schema!({ "type": "string", "enum": ["pending", "released", "cancelled", "expired"] }));
 
@@ -110,9 +125,11 @@ pub struct ApproversPublish {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ApproversGet {}
 
-/// A leaf's arguments: `{}` for `ping`, `metal.undeploy`, `metal.retire` and `metal.powerOff`;
-/// `{imageId}` for `metal.deploy` (the gateway adds the `joinTokenId` it mints for it, so the
-/// leaf binds that token too).
+/// A leaf's arguments: `{}` for `ping`, `metal.undeploy`, `metal.retire`, `metal.powerOff`,
+/// `nodes.delete` and `reservations.release`; `{imageId}` for `metal.deploy` (the gateway adds
+/// the `joinTokenId` it mints for it, so the leaf binds that token too); `rollouts.create`'s
+/// arguments for `rollouts.create` (the gateway fills in the defaults and adds `nodes`, the ids
+/// of the nodes they choose now, so the leaf binds those nodes too).
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeafPayload {
@@ -120,14 +137,56 @@ pub struct LeafPayload {
     #[serde(default)]
     #[schemars(with = "Option<ImageIdText>")]
     image_id: Option<String>,
+    /// `rollouts.create`: the pool whose nodes (with an agent) take the release; with
+    /// `labels`, only those carrying every label. At least one of the two.
+    #[serde(default)]
+    #[schemars(with = "Option<PoolIdText>")]
+    pool_id: Option<String>,
+    #[serde(default)]
+    #[schemars(with = "Option<LabelsMap>")]
+    labels: Option<std::collections::BTreeMap<String, String>>,
+    /// `rollouts.create`: cumulative waves, as `rollouts.create` takes them (default `["1", "100%"]`).
+    #[serde(default)]
+    #[schemars(length(min = 1, max = ROLLOUT_WAVES_MAX), inner(length(min = 1, max = WAVE_SPEC_CHARS_MAX), regex(pattern = WAVE_PATTERN)))]
+    waves: Option<Vec<String>>,
+    #[serde(default)]
+    #[schemars(range(min = 1, max = ROLLOUT_NODES_MAX))]
+    max_unavailable: Option<u32>,
+    #[serde(default)]
+    #[schemars(range(max = bc_projections::rollout::MIN_READY_S_MAX))]
+    min_ready_s: Option<u64>,
+    #[serde(default)]
+    #[schemars(range(min = bc_projections::rollout::NODE_DEADLINE_S_MIN, max = bc_projections::rollout::NODE_DEADLINE_S_MAX))]
+    node_deadline_s: Option<u64>,
+    #[serde(default)]
+    #[schemars(range(max = ROLLOUT_NODES_MAX))]
+    wave_failures_max: Option<u32>,
+    #[serde(default)]
+    busy_nodes: Option<BusyNodes>,
+}
+
+impl LeafPayload {
+    /// Whether any of `rollouts.create`'s arguments is given.
+    fn has_rollout(&self) -> bool {
+        self.pool_id.is_some()
+            || self.labels.is_some()
+            || self.waves.is_some()
+            || self.max_unavailable.is_some()
+            || self.min_ready_s.is_some()
+            || self.node_deadline_s.is_some()
+            || self.wave_failures_max.is_some()
+            || self.busy_nodes.is_some()
+    }
 }
 
 /// One operation: a command of `kind` to the node `subject` (a `metal.*` kind: to the machine
-/// `subject`), with exactly `payload`.
+/// `subject`; `nodes.delete`: that node's deletion; `reservations.release`: the reservation
+/// `subject`'s release; `rollouts.create`: a rollout of the release `subject`), with exactly
+/// `payload`.
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeafInput {
-    #[schemars(with = "NodeIdText")]
+    #[schemars(with = "LeafSubjectText")]
     subject: String,
     #[schemars(with = "LeafKindText")]
     kind: String,
@@ -308,47 +367,92 @@ async fn batches_create(call: &Call<'_>, input: BatchesCreate) -> Result<Command
     // Each metal.deploy leaf's join token: its machine, id, the token and its secret's hash.
     let mut tokens: Vec<(String, String, String, String)> = Vec::new();
     for (i, leaf) in input.leaves.into_iter().enumerate() {
-        let node_id: NodeId = parse_id(&format!("leaves[{i}].subject"), &leaf.subject)?;
-        let metal = metal_leaf_verb(&leaf.kind).is_some();
-        if metal {
-            // A machine of the tenant; its verb is decided when the batch is released.
-            let _: MetalDoc = call.row(tenant, KIND_METAL, &node_id.to_string(), "machine").await?;
-        } else {
-            let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
-            if node.agent.is_none() {
-                return Err(Error::InvalidArgument {
-                    message: format!("leaves[{i}]: node {node_id} has no agent: it was registered by hand"),
-                    hint: Some("commands go to nodes that joined with bcd join".into()),
-                });
-            }
+        let subject_field = format!("leaves[{i}].subject");
+        let kind = leaf.kind.as_str();
+        if kind != LEAF_ROLLOUT_CREATE && leaf.payload.has_rollout() {
+            return Err(Error::invalid(format!("leaves[{i}]: only a rollouts.create takes a rollout's arguments")));
         }
-        let payload = match (leaf.kind.as_str(), leaf.payload.image_id) {
-            (LEAF_METAL_DEPLOY, Some(image)) => {
-                let image: ImageId = parse_id(&format!("leaves[{i}].payload.imageId"), &image)?;
-                let doc: ImageDoc = call.row(tenant, KIND_IMAGE, &image.to_string(), "image").await?;
-                if doc.disk_format != ev::DiskFormat::Iso {
-                    return Err(Error::InvalidArgument {
-                        message: format!("leaves[{i}]: image {image} is not an ISO: a BMC's virtual CD boots it"),
-                        hint: Some("register the image with --disk-format iso".into()),
-                    });
+        if kind != LEAF_METAL_DEPLOY && leaf.payload.image_id.is_some() {
+            return Err(Error::invalid(format!("leaves[{i}]: a {kind} takes no imageId")));
+        }
+        // The subject, of its kind and of the tenant, and the exact payload; the operation
+        // itself is decided when the batch is released.
+        let (subject, payload, command_id) = match kind {
+            LEAF_NODE_DELETE => {
+                let node_id: NodeId = parse_id(&subject_field, &leaf.subject)?;
+                let _: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
+                (node_id.to_string(), serde_json::json!({}), CommandId::from_ulid(call.ulid()).to_string())
+            }
+            LEAF_RESERVATION_RELEASE => {
+                let rsv: ReservationId = parse_id(&subject_field, &leaf.subject)?;
+                let _: ReservationDoc = call.row(tenant, KIND_RESERVATION, &rsv.to_string(), "reservation").await?;
+                // The command its release sends the reservation's node, if it is active then.
+                (rsv.to_string(), serde_json::json!({}), CommandId::from_ulid(call.ulid()).to_string())
+            }
+            LEAF_ROLLOUT_CREATE => {
+                let release: ReleaseId = parse_id(&subject_field, &leaf.subject)?;
+                let rollout = RolloutId::from_ulid(call.ulid()).to_string();
+                let p = leaf.payload;
+                let asked = super::rollouts::RolloutsCreate {
+                    tenant_id: Some(tenant.to_string()),
+                    release_id: release.to_string(),
+                    pool_id: p.pool_id,
+                    labels: p.labels,
+                    waves: p.waves,
+                    max_unavailable: p.max_unavailable,
+                    min_ready_s: p.min_ready_s,
+                    node_deadline_s: p.node_deadline_s,
+                    wave_failures_max: p.wave_failures_max,
+                    busy_nodes: p.busy_nodes,
+                };
+                let payload = super::rollouts::rollout_leaf(call, &rollout, asked).await?;
+                (release.to_string(), payload, rollout)
+            }
+            _ => {
+                let node_id: NodeId = parse_id(&subject_field, &leaf.subject)?;
+                let metal = metal_leaf_verb(kind).is_some();
+                if metal {
+                    // A machine of the tenant; its verb is decided when the batch is released.
+                    let _: MetalDoc = call.row(tenant, KIND_METAL, &node_id.to_string(), "machine").await?;
+                } else {
+                    let node: NodeDoc = call.row(tenant, KIND_NODE, &node_id.to_string(), "node").await?;
+                    if node.agent.is_none() {
+                        return Err(Error::InvalidArgument {
+                            message: format!("leaves[{i}]: node {node_id} has no agent: it was registered by hand"),
+                            hint: Some("commands go to nodes that joined with bcd join".into()),
+                        });
+                    }
                 }
-                let token_id = JoinTokenId::from_ulid(call.ulid());
-                let (token, secret_sha256) = bc_core::agent::join_token_new(token_id);
-                tokens.push((node_id.to_string(), token_id.to_string(), token, secret_sha256));
-                serde_json::json!({ "imageId": image.to_string(), "joinTokenId": token_id.to_string() })
+                let payload = match (kind, leaf.payload.image_id) {
+                    (LEAF_METAL_DEPLOY, Some(image)) => {
+                        let image: ImageId = parse_id(&format!("leaves[{i}].payload.imageId"), &image)?;
+                        let doc: ImageDoc = call.row(tenant, KIND_IMAGE, &image.to_string(), "image").await?;
+                        if doc.disk_format != ev::DiskFormat::Iso {
+                            return Err(Error::InvalidArgument {
+                                message: format!("leaves[{i}]: image {image} is not an ISO: a BMC's virtual CD boots it"),
+                                hint: Some("register the image with --disk-format iso".into()),
+                            });
+                        }
+                        let token_id = JoinTokenId::from_ulid(call.ulid());
+                        let (token, secret_sha256) = bc_core::agent::join_token_new(token_id);
+                        tokens.push((node_id.to_string(), token_id.to_string(), token, secret_sha256));
+                        serde_json::json!({ "imageId": image.to_string(), "joinTokenId": token_id.to_string() })
+                    }
+                    (LEAF_METAL_DEPLOY, None) => {
+                        return Err(Error::invalid(format!("leaves[{i}]: a metal.deploy names its image: payload {{imageId}}")));
+                    }
+                    _ => serde_json::json!({}),
+                };
+                let command_id = if metal {
+                    WorkflowId::from_ulid(call.ulid()).to_string()
+                } else {
+                    CommandId::from_ulid(call.ulid()).to_string()
+                };
+                (node_id.to_string(), payload, command_id)
             }
-            (LEAF_METAL_DEPLOY, None) => {
-                return Err(Error::invalid(format!("leaves[{i}]: a metal.deploy names its image: payload {{imageId}}")));
-            }
-            (kind, Some(_)) => return Err(Error::invalid(format!("leaves[{i}]: a {kind} takes the payload {{}}"))),
-            (_, None) => serde_json::json!({}),
         };
-        leaves.push(Leaf { subject: node_id.to_string(), kind: leaf.kind, payload });
-        command_ids.push(if metal {
-            WorkflowId::from_ulid(call.ulid()).to_string()
-        } else {
-            CommandId::from_ulid(call.ulid()).to_string()
-        });
+        leaves.push(Leaf { subject, kind: leaf.kind, payload });
+        command_ids.push(command_id);
     }
     let set = approver_set(call).await?;
     let mut created = batch_create(
@@ -421,9 +525,22 @@ async fn batches_members(call: &Call<'_>, input: BatchRef) -> Result<BatchMember
             BatchState::Released if (index / COMMAND_BATCH_CHUNK_LEAVES) as u64 >= batch.chunks_issued => {
                 ("releasing".to_owned(), None)
             }
-            BatchState::Released if metal_leaf_verb(&leaf.kind).is_some() => {
+            BatchState::Released if applied_at_release(&leaf.kind) => {
                 if let Some(refused) = batch.refused.iter().find(|r| r.index == index as u64) {
                     ("failed".to_owned(), Some(refused.reason.clone()))
+                } else if leaf.kind == LEAF_ROLLOUT_CREATE {
+                    // The rollout's own state: running, paused, aborting, aborted, done.
+                    match call.state.store.row_get(&tenant.to_string(), KIND_ROLLOUT, command_id).await? {
+                        Some(row) => {
+                            let rollout: RolloutDoc = doc(row)?;
+                            (rollout.state.as_str().to_owned(), rollout.reason)
+                        }
+                        None => ("releasing".to_owned(), None),
+                    }
+                } else if leaf.kind == LEAF_NODE_DELETE || leaf.kind == LEAF_RESERVATION_RELEASE {
+                    // Appended with its chunk: the node is gone, the reservation released (or
+                    // it was over already).
+                    ("succeeded".to_owned(), None)
                 } else {
                     match call.state.store.row_get(&tenant.to_string(), KIND_WORKFLOW, command_id).await? {
                         Some(row) => {

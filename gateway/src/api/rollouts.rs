@@ -45,7 +45,7 @@ string_schema!(
 );
 
 /// A wave: a node count from 1, or a percentage from 1 % to 100 %.
-const WAVE_PATTERN: &str = "^([1-9][0-9]{0,6}|[1-9][0-9]?%|100%)$";
+pub(super) const WAVE_PATTERN: &str = "^([1-9][0-9]{0,6}|[1-9][0-9]?%|100%)$";
 
 pub(super) const METHODS: &[Method] = &[
     method!("rollouts.create", WRITE, "take a release to a pool's nodes in waves", RolloutsCreate => RolloutView, rollouts_create),
@@ -60,33 +60,33 @@ pub(super) const METHODS: &[Method] = &[
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RolloutsCreate {
     #[schemars(with = "Option<TenantIdText>")]
-    tenant_id: Option<String>,
+    pub(super) tenant_id: Option<String>,
     #[schemars(with = "ReleaseIdText")]
-    release_id: String,
+    pub(super) release_id: String,
     /// The pool whose nodes (with an agent) take the release; with `labels`, only those of
     /// them carrying every label. At least one of the two.
     #[schemars(with = "Option<PoolIdText>")]
-    pool_id: Option<String>,
+    pub(super) pool_id: Option<String>,
     #[schemars(with = "Option<LabelsMap>")]
-    labels: Option<BTreeMap<String, String>>,
+    pub(super) labels: Option<BTreeMap<String, String>>,
     /// Cumulative: how many nodes have the release once each wave is done, as a count or a
     /// percentage; the last must reach every node. Default `["1", "100%"]`.
     #[schemars(length(min = 1, max = ROLLOUT_WAVES_MAX), inner(length(min = 1, max = WAVE_SPEC_CHARS_MAX), regex(pattern = WAVE_PATTERN)))]
-    waves: Option<Vec<String>>,
+    pub(super) waves: Option<Vec<String>>,
     /// Most of the rollout's nodes updating, rolling back or unreachable at once. Default 1.
     #[schemars(range(min = 1, max = ROLLOUT_NODES_MAX))]
-    max_unavailable: Option<u32>,
+    pub(super) max_unavailable: Option<u32>,
     /// How long a node must stay ready on the new version to pass its gate. Default 30.
     #[schemars(range(max = MIN_READY_S_MAX))]
-    min_ready_s: Option<u64>,
+    pub(super) min_ready_s: Option<u64>,
     /// How long a node has from its update to passing its gate, else it failed. Default 900.
     #[schemars(range(min = NODE_DEADLINE_S_MIN, max = NODE_DEADLINE_S_MAX))]
-    node_deadline_s: Option<u64>,
+    pub(super) node_deadline_s: Option<u64>,
     /// Failed nodes a wave tolerates before the rollout pauses. Default 0.
     #[schemars(range(max = ROLLOUT_NODES_MAX))]
-    wave_failures_max: Option<u32>,
+    pub(super) wave_failures_max: Option<u32>,
     /// A node with live reservations: `wait` (default) until they end, or `proceed`.
-    busy_nodes: Option<BusyNodes>,
+    pub(super) busy_nodes: Option<BusyNodes>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -151,16 +151,36 @@ async fn rollouts_create(call: &Call<'_>, input: RolloutsCreate) -> Result<Rollo
     let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
     let chosen = decide::rollout_nodes(&nodes, create.pool_id.as_deref(), &labels);
     decide::batch::batch_required(call.state.batch_quorum, decide::batch::DestructiveScope::Rollout { nodes: chosen.len() })?;
-    let live: Vec<RolloutDoc> = all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
-        .await?
-        .into_iter()
-        .filter(|r| r.state.is_live())
-        .collect();
+    let live = live_rollouts(call, tenant).await?;
     let rollout = RolloutId::from_ulid(call.ulid());
     let append = decide::rollout_create(&rollout.to_string(), &release, chosen, &live, create)?;
     let result = call.submit(call.decided(tenant, append)).await?;
     let id: RolloutId = parse_id("rolloutId", stream_id(&result.events[0].envelope.stream))?;
     Ok(rollout_doc(call, tenant, &id).await?.into())
+}
+
+/// The tenant's live rollouts, which a new rollout's nodes may not be in.
+async fn live_rollouts(call: &Call<'_>, tenant: TenantId) -> Result<Vec<RolloutDoc>> {
+    Ok(all_rows::<RolloutDoc>(&*call.state.store, tenant, KIND_ROLLOUT_LIVE)
+        .await?
+        .into_iter()
+        .filter(|r| r.state.is_live())
+        .collect())
+}
+
+/// A `rollouts.create` leaf of a batch (`commandBatches.create`), checked as `rollouts.create`
+/// checks the call (the release trusted, the bounds, and the decision itself with the id
+/// `rollout_id` drawn for the leaf, so a rollout refused now is refused before anyone
+/// approves it): the leaf's payload, binding the nodes its pool and labels choose now
+/// (`decide::batch::RolloutLeaf`). The rollout is created when the batch is released.
+pub(super) async fn rollout_leaf(call: &Call<'_>, rollout_id: &str, input: RolloutsCreate) -> Result<serde_json::Value> {
+    let Checked { tenant, release, labels, create } = check_create(call, input).await?;
+    let nodes: Vec<NodeDoc> = all_rows(&*call.state.store, tenant, KIND_NODE).await?;
+    let chosen = decide::rollout_nodes(&nodes, create.pool_id.as_deref(), &labels);
+    let leaf = decide::batch::RolloutLeaf::new(&create, &labels, &chosen)?;
+    let live = live_rollouts(call, tenant).await?;
+    decide::rollout_create(rollout_id, &release, chosen, &live, create)?;
+    leaf.payload()
 }
 
 /// A checked `rollouts.create`: the tenant, the release (found and trusted), the labels that

@@ -19,10 +19,11 @@ use crate::batch::{
     TRUST_DOMAIN_BYTES_MAX, approval_message, approver_set_message, key_refs, parse_approver_key, scope_root, verify_signature,
 };
 use crate::command::CommandIssued;
-use crate::decide::{Append, VerbInput};
+use crate::decide::{Append, NodeHolders, RolloutCreateInput, VerbInput};
 use crate::metal::Verb;
+use crate::rollout::{BusyNodes, ROLLOUT_WAVES_MAX, ReleaseDoc, RolloutDoc};
 use crate::workflow::MetalDoc;
-use crate::{ImageDoc, NodeDoc};
+use crate::{ImageDoc, NodeDoc, ReservationDoc};
 use bc_core::store::{ExpectedVersion, NewEvent};
 
 /// `metal.undeploy` (payload `{}`): the machine's undeploy, as `metal.undeploy` decides it.
@@ -36,10 +37,153 @@ pub const LEAF_METAL_RETIRE: &str = "metal.retire";
 /// `metal.powerOff` (payload `{}`): `metal.power` with `off`.
 pub const LEAF_METAL_POWER_OFF: &str = "metal.powerOff";
 
+/// `nodes.delete` (payload `{}`; the subject a node `node_…` of the batch's tenant): the node's
+/// deletion, as `nodes.delete` decides it ([`crate::decide::node_delete`]) when the batch is
+/// released; its `node.deleted` reason names the batch.
+pub const LEAF_NODE_DELETE: &str = "nodes.delete";
+/// `reservations.release` (payload `{}`; the subject a reservation `rsv_…` of the batch's
+/// tenant): its release, as `reservations.release` decides it when the batch is released. The
+/// root tenant's release of another tenant's reservation goes this way under the quorum: the
+/// batch is made in that tenant (`tenantId`).
+pub const LEAF_RESERVATION_RELEASE: &str = "reservations.release";
+/// `rollouts.create` (the subject the release `rel_…`; the payload a [`RolloutLeaf`]: the
+/// rollout as asked, its defaults filled in, and the nodes its pool and labels chose when the
+/// batch was made): the rollout, created when the batch is released, with the id drawn for the
+/// leaf, only if its pool and labels still choose exactly those nodes.
+pub const LEAF_ROLLOUT_CREATE: &str = "rollouts.create";
+
+/// Nodes one `rollouts.create` leaf binds at most: its payload names each (about 33 bytes of
+/// encoded id a node), so one such leaf fits a chunk's [`COMMAND_BATCH_LEAF_BYTES_MAX`].
+pub const ROLLOUT_LEAF_NODES_MAX: usize = 1_000;
+
 /// The kinds a batch may hold (a leaf's `kind`), each with the payload it takes: `ping`, a
-/// command its node runs, and the destructive metal verbs, which the release starts as their
-/// machines' workflows ([`metal_leaf_start`]).
-pub const BATCH_LEAF_KINDS: &[&str] = &["ping", LEAF_METAL_UNDEPLOY, LEAF_METAL_DEPLOY, LEAF_METAL_RETIRE, LEAF_METAL_POWER_OFF];
+/// command its node runs; the destructive metal verbs, which the release starts as their
+/// machines' workflows ([`metal_leaf_start`]); and `nodes.delete`, `reservations.release` and
+/// `rollouts.create`, which the release applies itself ([`leaf_start`]).
+pub const BATCH_LEAF_KINDS: &[&str] = &[
+    "ping",
+    LEAF_METAL_UNDEPLOY,
+    LEAF_METAL_DEPLOY,
+    LEAF_METAL_RETIRE,
+    LEAF_METAL_POWER_OFF,
+    LEAF_NODE_DELETE,
+    LEAF_RESERVATION_RELEASE,
+    LEAF_ROLLOUT_CREATE,
+];
+
+/// Whether the release carries a leaf of `kind` out itself, in the chunk's append (the gateway
+/// or the `batches` reconciler), rather than issuing it as a command to a node: the metal verbs,
+/// `nodes.delete`, `reservations.release` and `rollouts.create`.
+pub fn applied_at_release(kind: &str) -> bool {
+    metal_leaf_verb(kind).is_some() || matches!(kind, LEAF_NODE_DELETE | LEAF_RESERVATION_RELEASE | LEAF_ROLLOUT_CREATE)
+}
+
+/// A `rollouts.create` leaf's payload: `rollouts.create`'s arguments with every default filled
+/// in, and `nodes`, the ids of the nodes its pool and labels chose when the batch was made
+/// (sorted, each once, 1 to [`ROLLOUT_LEAF_NODES_MAX`]). An absent pool and no labels are
+/// left out, so one rollout has one encoding.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RolloutLeaf {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_id: Option<String>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub waves: Vec<String>,
+    pub max_unavailable: u32,
+    pub min_ready_s: u64,
+    pub node_deadline_s: u64,
+    pub wave_failures_max: u32,
+    pub busy_nodes: BusyNodes,
+    pub nodes: Vec<String>,
+}
+
+impl RolloutLeaf {
+    /// The leaf of a rollout asked as `input` (checked at the edge as `rollouts.create` checks
+    /// it), named by `labels`, to the nodes `chosen`.
+    pub fn new(
+        input: &RolloutCreateInput,
+        labels: &std::collections::BTreeMap<String, String>,
+        chosen: &[&NodeDoc],
+    ) -> Result<Self> {
+        let mut nodes: Vec<String> = chosen.iter().map(|n| n.node_id.clone()).collect();
+        nodes.sort();
+        nodes.dedup();
+        let leaf = Self {
+            pool_id: input.pool_id.clone(),
+            labels: labels.clone(),
+            waves: input.waves.clone(),
+            max_unavailable: input.max_unavailable,
+            min_ready_s: input.min_ready_s,
+            node_deadline_s: input.node_deadline_s,
+            wave_failures_max: input.wave_failures_max,
+            busy_nodes: input.busy_nodes,
+            nodes,
+        };
+        leaf.check()?;
+        Ok(leaf)
+    }
+
+    /// The payload the leaf binds.
+    pub fn payload(&self) -> Result<serde_json::Value> {
+        serde_json::to_value(self).map_err(|e| Error::Internal(format!("a rollout leaf: {e}")))
+    }
+
+    /// Reads a payload that is exactly a rollout leaf's, in its one encoding.
+    pub fn parse(payload: &serde_json::Value) -> Result<Self> {
+        let what = "a rollouts.create takes the payload {poolId?, labels?, waves, maxUnavailable, minReadyS, nodeDeadlineS, waveFailuresMax, busyNodes, nodes}";
+        let leaf: Self = serde_json::from_value(payload.clone()).map_err(|e| Error::invalid(format!("{what}: {e}")))?;
+        leaf.check()?;
+        if &leaf.payload()? != payload {
+            return Err(Error::invalid(format!("{what}, with no empty labels and no null pool")));
+        }
+        Ok(leaf)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.nodes.is_empty() || self.nodes.len() > ROLLOUT_LEAF_NODES_MAX {
+            return Err(Error::invalid(format!(
+                "a rollouts.create leaf binds 1 to {ROLLOUT_LEAF_NODES_MAX} nodes, not {}: narrow the pool or the labels",
+                self.nodes.len()
+            )));
+        }
+        if self.nodes.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::invalid("a rollouts.create leaf's nodes are sorted, each once"));
+        }
+        if let Some(bad) = self.nodes.iter().find(|n| n.parse::<bc_core::id::NodeId>().is_err()) {
+            return Err(Error::invalid(format!(
+                "a rollouts.create leaf's nodes: {:?} is no node id",
+                bc_core::id::truncate(bad, 40)
+            )));
+        }
+        if let Some(pool) = &self.pool_id
+            && pool.parse::<bc_core::id::PoolId>().is_err()
+        {
+            return Err(Error::invalid("a rollouts.create leaf's poolId is no pool id"));
+        }
+        if self.pool_id.is_none() && self.labels.is_empty() {
+            return Err(Error::invalid("a rollouts.create leaf names its nodes: poolId, labels, or both"));
+        }
+        if self.waves.is_empty() || self.waves.len() > ROLLOUT_WAVES_MAX {
+            return Err(Error::invalid(format!("a rollouts.create leaf has 1 to {ROLLOUT_WAVES_MAX} waves")));
+        }
+        Ok(())
+    }
+
+    /// What `rollouts.create` decides with.
+    pub fn input(&self) -> RolloutCreateInput {
+        RolloutCreateInput {
+            pool_id: self.pool_id.clone(),
+            selector: crate::decide::rollout_selector(&self.labels),
+            waves: self.waves.clone(),
+            max_unavailable: self.max_unavailable,
+            min_ready_s: self.min_ready_s,
+            node_deadline_s: self.node_deadline_s,
+            wave_failures_max: self.wave_failures_max,
+            busy_nodes: self.busy_nodes,
+        }
+    }
+}
 
 /// A metal leaf's verb and its power argument; `None` for a kind its node runs (`ping`).
 pub fn metal_leaf_verb(kind: &str) -> Option<(Verb, Option<&'static str>)> {
@@ -67,6 +211,8 @@ fn check_leaf_payload(i: usize, leaf: &Leaf) -> Result<()> {
         if deploy_leaf_ids(&leaf.payload).is_none() {
             return Err(Error::invalid(format!("leaves[{i}]: a {} takes the payload {{imageId, joinTokenId}}", leaf.kind)));
         }
+    } else if leaf.kind == LEAF_ROLLOUT_CREATE {
+        RolloutLeaf::parse(&leaf.payload).map_err(|e| Error::invalid(format!("leaves[{i}]: {}", e.public_message())))?;
     } else if leaf.payload != serde_json::json!({}) {
         return Err(Error::invalid(format!("leaves[{i}]: a {} takes the payload {{}}", leaf.kind)));
     }
@@ -220,6 +366,7 @@ pub fn batch_create(set: Option<&ApproverSetDoc>, input: BatchCreateInput, now_m
             )));
         }
     }
+    check_applied_leaves(&leaves)?;
     for (chunk, leaves) in leaves.chunks(COMMAND_BATCH_CHUNK_LEAVES).enumerate() {
         let bytes = leaves.iter().map(|l| l.encode().map(|b| b.len())).sum::<Result<usize>>()?;
         if bytes > COMMAND_BATCH_LEAF_BYTES_MAX {
@@ -242,6 +389,57 @@ pub fn batch_create(set: Option<&ApproverSetDoc>, input: BatchCreateInput, now_m
         command_ids,
         deadline_s,
     })
+}
+
+/// The rules across the leaves the release applies itself: a reservation released, a node
+/// deleted or a release rolled out once; a node deleted has no other leaf (no command, verb or
+/// rollout would find it); a node is in one rollout leaf at most (one live rollout a node).
+fn check_applied_leaves(leaves: &[Leaf]) -> Result<()> {
+    use std::collections::BTreeMap;
+    // Each node a leaf touches: the first leaf that does, and whether one deletes it.
+    let mut touched: BTreeMap<&str, (usize, bool)> = BTreeMap::new();
+    let mut rolled: BTreeMap<String, usize> = BTreeMap::new();
+    let mut once: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    for (i, leaf) in leaves.iter().enumerate() {
+        let subject = bc_core::id::truncate(&leaf.subject, 40);
+        if matches!(leaf.kind.as_str(), LEAF_NODE_DELETE | LEAF_RESERVATION_RELEASE | LEAF_ROLLOUT_CREATE)
+            && let Some(first) = once.insert((leaf.kind.as_str(), leaf.subject.as_str()), i)
+        {
+            return Err(Error::invalid(format!("leaves[{i}]: leaves[{first}] is the same {} of {subject} already", leaf.kind)));
+        }
+        let mut nodes: Vec<&str> = Vec::new();
+        match leaf.kind.as_str() {
+            LEAF_RESERVATION_RELEASE => {}
+            LEAF_ROLLOUT_CREATE => {
+                let rollout = RolloutLeaf::parse(&leaf.payload)?;
+                for node in &rollout.nodes {
+                    if let Some(first) = rolled.insert(node.clone(), i) {
+                        return Err(Error::invalid(format!(
+                            "leaves[{i}]: node {node} is in the rollout of leaves[{first}] already; a node is in one rollout at a time"
+                        )));
+                    }
+                }
+                nodes.extend(leaf.payload["nodes"].as_array().into_iter().flatten().filter_map(|n| n.as_str()));
+            }
+            _ => nodes.push(&leaf.subject),
+        }
+        let deletes = leaf.kind == LEAF_NODE_DELETE;
+        for node in nodes {
+            match touched.get(node) {
+                Some(&(first, deleted)) if deleted || deletes => {
+                    return Err(Error::invalid(format!(
+                        "leaves[{i}] and leaves[{first}] both act on node {}, and one deletes it: a deleted node takes no other leaf",
+                        bc_core::id::truncate(node, 40)
+                    )));
+                }
+                Some(_) => {}
+                None => {
+                    touched.insert(node, (i, deletes));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What an approval does: the event, and whether it reaches the quorum (then the caller issues
@@ -343,21 +541,23 @@ pub fn split_scope(mut created: CommandBatchCreated) -> (CommandBatchCreated, Ve
 }
 
 /// One chunk of a released batch to issue: the batch's event, each command's id and issue, and
-/// the metal leaves to start on their machines.
+/// the leaves the release applies itself ([`applied_at_release`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChunkRelease {
     pub issued: CommandBatchChunkIssued,
     pub commands: Vec<(String, CommandIssued)>,
-    pub metal: Vec<MetalLeafStart>,
+    pub applied: Vec<LeafStart>,
 }
 
-/// A metal leaf of a released chunk: its index, the leaf, and the id of the workflow it starts
-/// (drawn when the batch was made, the leaf's entry in `command_ids`).
+/// A leaf of a released chunk that the release applies itself: its index, the leaf, and the id
+/// drawn for it when the batch was made (the leaf's entry in `command_ids`): the workflow a
+/// metal leaf starts, the rollout a `rollouts.create` makes, the command a
+/// `reservations.release` sends the reservation's node.
 #[derive(Clone, Debug, PartialEq)]
-pub struct MetalLeafStart {
+pub struct LeafStart {
     pub index: u64,
     pub leaf: Leaf,
-    pub workflow_id: String,
+    pub id: String,
 }
 
 /// Decides the next chunk of a released batch (`None`: not released, or every chunk issued):
@@ -381,11 +581,11 @@ pub fn release_chunk(batch: &CommandBatchDoc, history: &[ApproverSetPublished], 
     let releases = batch_releases(batch, history, &approvals, start..end)?;
     let deadline_at_ms = now_ms.saturating_add(batch.deadline_s.saturating_mul(1000));
     let mut commands: Vec<(String, CommandIssued)> = Vec::new();
-    let mut metal = Vec::new();
+    let mut applied = Vec::new();
     for (release, i) in releases.into_iter().zip(start..end) {
         let leaf = &batch.leaves[i];
-        if metal_leaf_verb(&leaf.kind).is_some() {
-            metal.push(MetalLeafStart { index: i as u64, leaf: leaf.clone(), workflow_id: batch.command_ids[i].clone() });
+        if applied_at_release(&leaf.kind) {
+            applied.push(LeafStart { index: i as u64, leaf: leaf.clone(), id: batch.command_ids[i].clone() });
             continue;
         }
         let issued = CommandIssued {
@@ -397,17 +597,77 @@ pub fn release_chunk(batch: &CommandBatchDoc, history: &[ApproverSetPublished], 
         };
         commands.push((batch.command_ids[i].clone(), issued));
     }
-    let issued = CommandBatchChunkIssued { chunk, commands: (commands.len() + metal.len()) as u64, refused: vec![] };
-    Ok(Some(ChunkRelease { issued, commands, metal }))
+    let issued = CommandBatchChunkIssued { chunk, commands: (commands.len() + applied.len()) as u64, refused: vec![] };
+    Ok(Some(ChunkRelease { issued, commands, applied }))
 }
 
-/// What a released metal leaf needs read besides the batch: its machine, the machine's node
-/// (an undeploy cordons it), and a deploy's image.
+/// What a leaf the release applies needs read besides the batch, as of the release: a metal
+/// leaf's machine, the machine's node (an undeploy cordons it) and a deploy's image; a
+/// `nodes.delete`'s node and what holds on to it; a `reservations.release`'s reservation; a
+/// `rollouts.create`'s release, the tenant's nodes and its live rollouts.
 #[derive(Clone, Debug, Default)]
-pub struct MetalLeafWorld<'a> {
+pub struct LeafWorld<'a> {
     pub machine: Option<&'a MetalDoc>,
     pub node: Option<&'a NodeDoc>,
     pub image: Option<&'a ImageDoc>,
+    pub holders: Option<&'a NodeHolders>,
+    pub reservation: Option<&'a ReservationDoc>,
+    pub release: Option<&'a ReleaseDoc>,
+    pub nodes: &'a [NodeDoc],
+    pub live: &'a [RolloutDoc],
+}
+
+/// Decides one leaf the release applies itself, as of the release (`world`): a metal verb
+/// ([`metal_leaf_start`]); a `nodes.delete`, as `nodes.delete` decides it, at the node's
+/// version, its reason naming `batch_id`; a `reservations.release`, as `reservations.release`
+/// decides it (`None`: the reservation is already over, nothing to append); a `rollouts.create`
+/// with the leaf's id, as `rollouts.create` decides it, only while its pool and labels still
+/// choose exactly the nodes the leaf binds. Refused (its subject is gone or moved on since the
+/// batch was made), the leaf applies nothing and the caller records why.
+pub fn leaf_start(start: &LeafStart, world: &LeafWorld<'_>, batch_id: &str, now_ms: u64) -> Result<Option<Append>> {
+    let leaf = &start.leaf;
+    let subject = bc_core::id::truncate(&leaf.subject, 40);
+    match leaf.kind.as_str() {
+        LEAF_NODE_DELETE => {
+            let node = world
+                .node
+                .filter(|n| n.node_id == leaf.subject)
+                .ok_or_else(|| Error::not_found(format!("node {subject} (deleted already?)")))?;
+            let holders = world.holders.ok_or_else(|| Error::Internal(format!("leaf {}: no holders read", start.index)))?;
+            Ok(Some(crate::decide::node_delete(node, holders, Some(format!("deleted by batch {batch_id}")))?))
+        }
+        LEAF_RESERVATION_RELEASE => {
+            let rsv = world
+                .reservation
+                .filter(|r| r.reservation_id == leaf.subject)
+                .ok_or_else(|| Error::not_found(format!("reservation {subject}")))?;
+            let issue = crate::placement::Issue { command_id: &start.id, now_ms };
+            Ok(crate::decide::reservation_release(rsv, None, issue)?)
+        }
+        LEAF_ROLLOUT_CREATE => {
+            let rollout = RolloutLeaf::parse(&leaf.payload)?;
+            let release = world
+                .release
+                .filter(|r| r.release_id == leaf.subject)
+                .ok_or_else(|| Error::not_found(format!("release {subject}")))?;
+            let chosen = crate::decide::rollout_nodes(world.nodes, rollout.pool_id.as_deref(), &rollout.labels);
+            let mut now: Vec<&str> = chosen.iter().map(|n| n.node_id.as_str()).collect();
+            now.sort_unstable();
+            if now != rollout.nodes {
+                let gone = rollout.nodes.iter().filter(|n| !now.contains(&n.as_str())).count();
+                let new = now.iter().filter(|n| !rollout.nodes.iter().any(|b| b == *n)).count();
+                return Err(Error::state(
+                    format!(
+                        "the nodes the rollout's pool and labels choose changed since the batch was made: of the {} it binds {gone} are gone, and {new} are new",
+                        rollout.nodes.len()
+                    ),
+                    "make the batch again for the nodes there are now",
+                ));
+            }
+            Ok(Some(crate::decide::rollout_create(&start.id, release, chosen, world.live, rollout.input())?))
+        }
+        _ => metal_leaf_start(start, world, now_ms).map(Some),
+    }
 }
 
 /// Decides the start of one released metal leaf on its machine: the verb as the caller's
@@ -416,7 +676,7 @@ pub struct MetalLeafWorld<'a> {
 /// refused while the machine's node holds reservations and cordons the node
 /// ([`undeploy_cordons`]), as `metal.undeploy` does. Refused (the machine moved on since the
 /// batch was made), the leaf starts nothing and the caller records why.
-pub fn metal_leaf_start(start: &MetalLeafStart, world: &MetalLeafWorld<'_>, now_ms: u64) -> Result<Append> {
+pub fn metal_leaf_start(start: &LeafStart, world: &LeafWorld<'_>, now_ms: u64) -> Result<Append> {
     let leaf = &start.leaf;
     let (verb, power) = metal_leaf_verb(&leaf.kind)
         .ok_or_else(|| Error::Internal(format!("leaf {} ({}) is not a metal verb", start.index, leaf.kind)))?;
@@ -438,7 +698,7 @@ pub fn metal_leaf_start(start: &MetalLeafStart, world: &MetalLeafWorld<'_>, now_
     };
     let input = VerbInput {
         now_ms,
-        workflow_id: &start.workflow_id,
+        workflow_id: &start.id,
         image: deploy.as_ref().map(|(image, _)| (image.image_id.as_str(), image.url.as_str())),
         join_token_id: deploy.as_ref().map(|(_, token)| token.as_str()),
         power,
@@ -483,13 +743,13 @@ pub fn undeploy_cordons(append: &mut Append, node: &NodeDoc) -> Result<()> {
 /// batch's version (so a chunk is issued once, whoever issues it), then each command on its new
 /// stream.
 ///
-/// `metal` are the appends of the chunk's metal leaves that start ([`metal_leaf_start`]); the
+/// `applied` are the appends of the chunk's leaves the release applies ([`leaf_start`]); the
 /// ones refused are in `chunk.issued.refused`.
 pub fn chunk_appends(
     tenant: bc_core::id::TenantId,
     batch: &CommandBatchDoc,
     chunk: ChunkRelease,
-    metal: Vec<Append>,
+    applied: Vec<Append>,
     actor: &str,
     correlation: Option<&str>,
 ) -> Result<Vec<bc_core::store::AppendRequest>> {
@@ -511,7 +771,7 @@ pub fn chunk_appends(
             NewEvent::new(crate::command::COMMAND_ISSUED, crate::events::to_cbor(&issued)?),
         ));
     }
-    for append in metal {
+    for append in applied {
         let mut request = append.into_request(tenant, actor);
         request.correlation = correlation.map(str::to_owned);
         requests.push(request);
@@ -594,28 +854,32 @@ pub const BATCH_METAL_VERBS: &[&str] = &["undeploy", "deploy", "retire", "power 
 /// Decides whether a call must go through a batch: with the quorum off (`quorum`: `dev`/`serve
 /// --approvers`), never; with it on, a metal verb of [`BATCH_METAL_VERBS`] on more than one
 /// machine, a rollout to more than one node, any `nodes.delete`, and a reservation release by the
-/// root tenant of another tenant's reservation are refused `BATCH_REQUIRED`, with a hint to make
-/// a batch. Everything else passes.
+/// root tenant of another tenant's reservation are refused `BATCH_REQUIRED`, with a hint naming
+/// the command that makes the batch of the same operation (`metal bulk`, or the refused command
+/// with `--batch-reason`). Everything else passes.
 pub fn batch_required(quorum: bool, scope: DestructiveScope) -> Result<()> {
     if !quorum {
         return Ok(());
     }
-    let mut hint = "make a batch of the operation (better-compute batch create --reason TEXT --scope FILE) and have the approvers sign it (batch approve)".to_owned();
-    let what = match scope {
-        DestructiveScope::Metal { verb, machines } if machines > 1 && BATCH_METAL_VERBS.contains(&verb) => {
-            hint = format!(
-                "make a batch of it (better-compute metal bulk --verb {} --nodes … --reason TEXT) and have the approvers sign it (batch approve)",
-                verb.replace(' ', "-")
-            );
-            format!("metal {verb} on {machines} machines")
+    let (what, command) = match scope {
+        DestructiveScope::Metal { verb, machines } if machines > 1 && BATCH_METAL_VERBS.contains(&verb) => (
+            format!("metal {verb} on {machines} machines"),
+            format!("better-compute metal bulk --verb {} --nodes … --reason TEXT", verb.replace(' ', "-")),
+        ),
+        DestructiveScope::Rollout { nodes } if nodes > 1 => (
+            format!("a rollout to {nodes} nodes"),
+            "better-compute rollouts create … --batch-reason TEXT, with the same flags".to_owned(),
+        ),
+        DestructiveScope::NodeDelete => {
+            ("nodes.delete".to_owned(), "better-compute nodes delete NODE… --yes --batch-reason TEXT".to_owned())
         }
-        DestructiveScope::Rollout { nodes } if nodes > 1 => format!("a rollout to {nodes} nodes"),
-        DestructiveScope::NodeDelete => "nodes.delete".to_owned(),
-        DestructiveScope::ReservationRelease { root_caller: true, other_tenant: true } => {
-            "the root tenant's release of another tenant's reservation".to_owned()
-        }
+        DestructiveScope::ReservationRelease { root_caller: true, other_tenant: true } => (
+            "the root tenant's release of another tenant's reservation".to_owned(),
+            "better-compute release RESERVATION… --tenant TENANT --batch-reason TEXT".to_owned(),
+        ),
         _ => return Ok(()),
     };
+    let hint = format!("make a batch of it ({command}) and have the approvers sign it (batch approve)");
     Err(Error::BatchRequired {
         message: format!(
             "{what} needs a destructive batch: this deployment runs with the approvers' quorum on (--approvers), so one key does not act on that scope alone"
@@ -832,7 +1096,7 @@ mod tests {
         assert!(make(vec![ping("n"); COMMAND_BATCH_LEAVES_MAX + 1], 1).is_err());
         assert!(make(vec![ping("n")], 0).is_err());
         assert!(make(vec![ping("n")], COMMAND_BATCH_HOURS_MAX + 1).is_err());
-        assert!(make(vec![Leaf { kind: "nodes.delete".into(), ..ping("n") }], 1).is_err());
+        assert!(make(vec![Leaf { kind: "nodes.drain".into(), ..ping("n") }], 1).is_err());
         assert!(make(vec![Leaf { payload: serde_json::Value::Null, ..ping("n") }], 1).is_err());
         assert_eq!(
             make(vec![ping("n"); COMMAND_BATCH_LEAVES_MAX], COMMAND_BATCH_HOURS_MAX).unwrap().size,
@@ -854,7 +1118,7 @@ mod tests {
         );
     }
     /// With the quorum off nothing needs a batch; with it on, exactly the wide or cross-tenant
-    /// scopes, each `BATCH_REQUIRED` with a hint naming `batch create`.
+    /// scopes, each `BATCH_REQUIRED` with a hint naming the command that makes its batch.
     #[test]
     fn the_quorum_sends_wide_scopes_to_a_batch() {
         use DestructiveScope::*;
@@ -892,7 +1156,11 @@ mod tests {
                 Metal { verb, .. } => {
                     assert!(hint.contains(&format!("metal bulk --verb {}", verb.replace(' ', "-"))), "{e:?}")
                 }
-                _ => assert!(hint.contains("batch create"), "{e:?}"),
+                Rollout { .. } => assert!(hint.contains("rollouts create … --batch-reason TEXT"), "{e:?}"),
+                NodeDelete => assert!(hint.contains("nodes delete NODE… --yes --batch-reason TEXT"), "{e:?}"),
+                ReservationRelease { .. } => {
+                    assert!(hint.contains("release RESERVATION… --tenant TENANT --batch-reason TEXT"), "{e:?}")
+                }
             }
         }
     }
@@ -1132,16 +1400,13 @@ mod tests {
         doc.state = BatchState::Released;
         let chunk = release_chunk(&doc, &history, 5_000).unwrap().unwrap();
         assert_eq!(chunk.commands.len(), 1, "only the ping goes to a node");
-        assert_eq!(
-            chunk.metal.iter().map(|m| (m.index, m.workflow_id.as_str())).collect::<Vec<_>>(),
-            [(0, "cmd_0"), (1, "cmd_1")]
-        );
+        assert_eq!(chunk.applied.iter().map(|m| (m.index, m.id.as_str())).collect::<Vec<_>>(), [(0, "cmd_0"), (1, "cmd_1")]);
         assert_eq!(chunk.issued.commands, 3);
 
         let active = machine("node_a", "active");
         let free = node_doc("node_a", false, serde_json::json!({}));
-        let world = MetalLeafWorld { machine: Some(&active), node: Some(&free), image: None };
-        let append = metal_leaf_start(&chunk.metal[0], &world, 5_000).unwrap();
+        let world = LeafWorld { machine: Some(&active), node: Some(&free), image: None, ..Default::default() };
+        let append = metal_leaf_start(&chunk.applied[0], &world, 5_000).unwrap();
         assert_eq!(append.stream, "metal/node_a");
         assert_eq!(append.expected, ExpectedVersion::Exact(9));
         assert_eq!(append.event_types(), ["metal.transitioned", "node.cordoned"]);
@@ -1151,20 +1416,284 @@ mod tests {
         assert_eq!(started.workflow.unwrap().workflow_id, "cmd_0");
 
         let held = node_doc("node_a", true, serde_json::json!({ "0": "rsv_a" }));
-        let refused = metal_leaf_start(&chunk.metal[0], &MetalLeafWorld { node: Some(&held), ..world.clone() }, 5_000);
+        let refused = metal_leaf_start(&chunk.applied[0], &LeafWorld { node: Some(&held), ..world.clone() }, 5_000);
         assert!(refused.unwrap_err().to_string().contains("drain it"));
         let moved = machine("node_a", "available");
-        let refused = metal_leaf_start(&chunk.metal[0], &MetalLeafWorld { machine: Some(&moved), ..world.clone() }, 5_000);
+        let refused = metal_leaf_start(&chunk.applied[0], &LeafWorld { machine: Some(&moved), ..world.clone() }, 5_000);
         assert_eq!(refused.unwrap_err().code(), ErrorCode::InvalidState);
         let other = machine("node_z", "active");
-        let refused = metal_leaf_start(&chunk.metal[0], &MetalLeafWorld { machine: Some(&other), ..world }, 5_000);
+        let refused = metal_leaf_start(&chunk.applied[0], &LeafWorld { machine: Some(&other), ..world }, 5_000);
         assert_eq!(refused.unwrap_err().code(), ErrorCode::NotFound);
 
         let manageable = machine("node_b", "manageable");
         let append =
-            metal_leaf_start(&chunk.metal[1], &MetalLeafWorld { machine: Some(&manageable), ..Default::default() }, 5_000)
-                .unwrap();
+            metal_leaf_start(&chunk.applied[1], &LeafWorld { machine: Some(&manageable), ..Default::default() }, 5_000).unwrap();
         let started: crate::events::MetalTransitioned = ciborium::Value::deserialized(&append.events[0].payload).unwrap();
         assert_eq!(started.workflow.unwrap().power.as_deref(), Some("off"));
+    }
+
+    const NODE_1: &str = "node_01jd0000000000000000000001";
+    const NODE_2: &str = "node_01jd0000000000000000000002";
+    const NODE_3: &str = "node_01jd0000000000000000000003";
+    const POOL: &str = "pool_01jd0000000000000000000000";
+    const RSV: &str = "rsv_01jd0000000000000000000000";
+    const REL: &str = "rel_01jd0000000000000000000000";
+
+    fn leaf(kind: &str, subject: &str, payload: serde_json::Value) -> Leaf {
+        Leaf { subject: subject.into(), kind: kind.into(), payload }
+    }
+
+    fn make(leaves: Vec<Leaf>) -> Result<CommandBatchCreated> {
+        let s = set(&[&key(1)], 1);
+        let ids = (0..leaves.len()).map(|i| format!("cmd_{i}")).collect();
+        batch_create(Some(&s), BatchCreateInput { reason: "r".into(), leaves, hours: 1, deadline_s: 300, command_ids: ids }, 0)
+    }
+
+    /// A node with an agent (`agent`) in the pool, with `labels`.
+    fn agent_node(node: &str, labels: serde_json::Value, agent: bool) -> NodeDoc {
+        let mut doc = serde_json::json!({
+            "tenantId": "ten_00000000000000000000000000", "nodeId": node, "poolId": POOL, "name": node,
+            "gpus": [], "labels": labels, "state": "ready", "cordoned": false, "allocations": {},
+            "version": 3, "createdAtMs": 1, "updatedAtMs": 2,
+        });
+        if agent {
+            doc["agent"] = serde_json::json!({
+                "publicKey": "AAAA", "agentVersion": "1.0.0", "hostname": node, "joinTokenId": "jt_x",
+                "joinedAtMs": 1, "reachable": true, "leaseExpiresAtMs": 9, "journalSeq": 0, "journalHash": "",
+            });
+        }
+        serde_json::from_value(doc).expect("a node document")
+    }
+
+    fn release_doc() -> ReleaseDoc {
+        serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_00000000000000000000000000", "releaseId": REL, "releaseVersion": "2.0.0", "keyId": "k",
+            "allowDowngrade": false, "artifacts": [], "manifest": "{}", "signature": "s", "version": 1, "createdAtMs": 1,
+        }))
+        .expect("a release document")
+    }
+
+    fn rsv_doc(state: &str, node: Option<&str>) -> ReservationDoc {
+        serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_00000000000000000000000001", "reservationId": RSV, "poolId": POOL, "gpus": 1,
+            "durationS": 600, "selector": "", "nvlink": false, "tolerations": [], "state": state, "nodeId": node,
+            "gpuIndexes": if node.is_some() { serde_json::json!([0]) } else { serde_json::json!([]) },
+            "requestSeq": 1, "requestedAtMs": 1, "activatedAtMs": node.map(|_| 2), "endsAtMs": node.map(|_| 600_002),
+            "endedAtMs": null, "version": 5,
+        }))
+        .expect("a reservation document")
+    }
+
+    fn rollout_input() -> RolloutCreateInput {
+        RolloutCreateInput {
+            pool_id: Some(POOL.into()),
+            selector: None,
+            waves: vec!["1".into(), "100%".into()],
+            max_unavailable: 1,
+            min_ready_s: 30,
+            node_deadline_s: 900,
+            wave_failures_max: 0,
+            busy_nodes: BusyNodes::Wait,
+        }
+    }
+
+    /// The leaf of a rollout of the pool to `nodes`.
+    fn rollout_leaf(nodes: &[&NodeDoc]) -> Leaf {
+        let payload = RolloutLeaf::new(&rollout_input(), &Default::default(), nodes).unwrap().payload().unwrap();
+        leaf(LEAF_ROLLOUT_CREATE, REL, payload)
+    }
+
+    /// `nodes.delete`, `reservations.release` and `rollouts.create` leaves: each takes exactly its
+    /// payload (`{}`, or a rollout leaf in its one encoding, whose nodes are sorted, each once, at
+    /// most `ROLLOUT_LEAF_NODES_MAX`), binds its exact operation (another node set is another
+    /// root), and acts once: no operation twice, no other leaf on a node deleted, no node in two
+    /// rollouts.
+    #[test]
+    fn the_applied_leaves_take_exactly_their_payload_and_act_once() {
+        let empty = serde_json::json!({});
+        let (n1, n2, n3) = (
+            agent_node(NODE_1, serde_json::json!({}), true),
+            agent_node(NODE_2, serde_json::json!({}), true),
+            agent_node(NODE_3, serde_json::json!({}), true),
+        );
+        assert!(BATCH_LEAF_KINDS.contains(&LEAF_NODE_DELETE) && BATCH_LEAF_KINDS.contains(&LEAF_ROLLOUT_CREATE));
+        for kind in [LEAF_NODE_DELETE, LEAF_RESERVATION_RELEASE, LEAF_ROLLOUT_CREATE] {
+            assert!(applied_at_release(kind), "{kind}");
+        }
+        assert!(!applied_at_release("ping"));
+        assert!(applied_at_release(LEAF_METAL_RETIRE));
+
+        assert!(make(vec![leaf(LEAF_NODE_DELETE, NODE_1, empty.clone())]).is_ok());
+        assert!(make(vec![leaf(LEAF_RESERVATION_RELEASE, RSV, empty.clone())]).is_ok());
+        for bad in [serde_json::json!({"reason": "x"}), serde_json::Value::Null, serde_json::json!({"imageId": IMAGE})] {
+            assert!(make(vec![leaf(LEAF_NODE_DELETE, NODE_1, bad.clone())]).is_err(), "{bad}");
+            assert!(make(vec![leaf(LEAF_RESERVATION_RELEASE, RSV, bad.clone())]).is_err(), "{bad}");
+            assert!(make(vec![leaf(LEAF_ROLLOUT_CREATE, REL, bad.clone())]).is_err(), "{bad}");
+        }
+
+        let rollout = rollout_leaf(&[&n2, &n1]);
+        assert_eq!(rollout.payload["nodes"], serde_json::json!([NODE_1, NODE_2]), "sorted");
+        assert_eq!(rollout.payload.get("labels"), None, "no labels: left out");
+        assert!(make(vec![rollout.clone()]).is_ok());
+        assert_ne!(scope_root(&[rollout.clone()]).unwrap(), scope_root(&[rollout_leaf(&[&n1, &n2, &n3])]).unwrap());
+        let with = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut payload = rollout.payload.clone();
+            f(&mut payload);
+            make(vec![leaf(LEAF_ROLLOUT_CREATE, REL, payload)])
+        };
+        let refused = |f: &dyn Fn(&mut serde_json::Value), why: &str| {
+            let e = with(f).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::InvalidArgument, "{e}");
+            assert!(e.to_string().contains(why), "{why}: {e}");
+        };
+        refused(&|p| p["nodes"] = serde_json::json!([NODE_2, NODE_1]), "sorted, each once");
+        refused(&|p| p["nodes"] = serde_json::json!([NODE_1, NODE_1]), "sorted, each once");
+        refused(&|p| p["nodes"] = serde_json::json!([]), "1 to 1000 nodes");
+        refused(&|p| p["nodes"] = serde_json::json!(["node_x"]), "is no node id");
+        refused(&|p| p["labels"] = serde_json::json!({}), "no empty labels");
+        refused(
+            &|p| {
+                p["poolId"] = serde_json::Value::Null;
+                p["labels"] = serde_json::json!({"rack": "12"});
+            },
+            "no null pool",
+        );
+        refused(&|p| p["poolId"] = serde_json::json!("pool_x"), "poolId is no pool id");
+        refused(&|p| p["extra"] = serde_json::json!(1), "unknown field");
+        refused(&|p| drop(p.as_object_mut().unwrap().remove("waves")), "missing field");
+        refused(&|p| p["waves"] = serde_json::json!([]), "1 to 16 waves");
+        refused(&|p| p["busyNodes"] = serde_json::json!("sometimes"), "unknown variant");
+        refused(
+            &|p| {
+                p.as_object_mut().unwrap().remove("poolId");
+            },
+            "poolId, labels, or both",
+        );
+        let many: Vec<NodeDoc> =
+            (0..=ROLLOUT_LEAF_NODES_MAX).map(|i| agent_node(&format!("node_01jd{i:022}"), serde_json::json!({}), true)).collect();
+        let too_many: Vec<&NodeDoc> = many.iter().collect();
+        let e = RolloutLeaf::new(&rollout_input(), &Default::default(), &too_many).unwrap_err();
+        assert!(e.to_string().contains("1 to 1000 nodes, not 1001"), "{e}");
+
+        let twice = |a: Leaf, b: Leaf, why: &str| {
+            let e = make(vec![a, b]).unwrap_err();
+            assert!(e.to_string().contains(why), "{why}: {e}");
+        };
+        let delete = |node: &str| leaf(LEAF_NODE_DELETE, node, empty.clone());
+        twice(delete(NODE_1), delete(NODE_1), "is the same nodes.delete");
+        twice(
+            leaf(LEAF_RESERVATION_RELEASE, RSV, empty.clone()),
+            leaf(LEAF_RESERVATION_RELEASE, RSV, empty.clone()),
+            "is the same reservations.release",
+        );
+        twice(rollout.clone(), rollout.clone(), "is the same rollouts.create");
+        twice(ping(NODE_1), delete(NODE_1), "a deleted node takes no other leaf");
+        twice(delete(NODE_2), leaf(LEAF_METAL_POWER_OFF, NODE_2, empty.clone()), "a deleted node takes no other leaf");
+        twice(rollout.clone(), delete(NODE_1), "a deleted node takes no other leaf");
+        let other_release = Leaf { subject: "rel_01jd0000000000000000000001".into(), ..rollout_leaf(&[&n2, &n3]) };
+        twice(rollout.clone(), other_release, "a node is in one rollout at a time");
+        assert!(make(vec![delete(NODE_3), rollout.clone(), ping(NODE_1), leaf(LEAF_RESERVATION_RELEASE, RSV, empty)]).is_ok());
+    }
+
+    /// A released batch applies its `nodes.delete`, `reservations.release` and `rollouts.create`
+    /// leaves (no command for a node, nothing while pending or one approval short), each decided
+    /// as its own method decides it, as of the release: a node deleted at its version with the
+    /// batch in the reason, refused while it holds GPUs or is gone; a reservation released (its
+    /// node sent the release with the leaf's id), nothing for one already over; the rollout
+    /// created with the leaf's id to exactly its bound nodes, refused once the pool chooses
+    /// other nodes or its release is gone.
+    #[test]
+    fn the_applied_leaves_are_decided_at_release_and_nothing_before() {
+        let (a, b) = (key(1), key(2));
+        let s = set(&[&a, &b], 2);
+        let empty = serde_json::json!({});
+        let (n1, n2) = (agent_node(NODE_1, serde_json::json!({}), true), agent_node(NODE_2, serde_json::json!({}), true));
+        let leaves = vec![
+            leaf(LEAF_NODE_DELETE, NODE_3, empty.clone()),
+            leaf(LEAF_RESERVATION_RELEASE, RSV, empty.clone()),
+            rollout_leaf(&[&n1, &n2]),
+        ];
+        let mut doc = batch(&s, leaves);
+        let history = [ApproverSetPublished {
+            epoch: 1,
+            quorum: 2,
+            trust_domain: "compute.test".into(),
+            keys: s.keys.clone(),
+            signatures: vec![],
+        }];
+        assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "a pending batch applies nothing");
+        approve(&mut doc, &s, &a).unwrap();
+        assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "one approval of two applies nothing");
+        approve(&mut doc, &s, &b).unwrap();
+        doc.state = BatchState::Released;
+        let chunk = release_chunk(&doc, &history, 5_000).unwrap().unwrap();
+        assert!(chunk.commands.is_empty(), "no command goes to a node");
+        assert_eq!(
+            chunk.applied.iter().map(|l| (l.index, l.id.as_str())).collect::<Vec<_>>(),
+            [(0, "cmd_0"), (1, "cmd_1"), (2, "cmd_2")]
+        );
+        assert_eq!(chunk.issued.commands, 3);
+        let (delete, release, rollout) = (&chunk.applied[0], &chunk.applied[1], &chunk.applied[2]);
+
+        // nodes.delete: the node's own decision, the batch in its reason.
+        let mut gone = agent_node(NODE_3, serde_json::json!({}), false);
+        gone.cordoned = true;
+        let free = NodeHolders::default();
+        let world = LeafWorld { node: Some(&gone), holders: Some(&free), ..Default::default() };
+        let append = leaf_start(delete, &world, "batch_a", 5_000).unwrap().unwrap();
+        assert_eq!(
+            (append.stream.as_str(), append.expected),
+            ("node/node_01jd0000000000000000000003", ExpectedVersion::Exact(3))
+        );
+        assert_eq!(append.event_types(), [crate::events::NODE_DELETED]);
+        let deleted: crate::events::NodeDeleted = ciborium::Value::deserialized(&append.events[0].payload).unwrap();
+        assert_eq!(deleted.reason.as_deref(), Some("deleted by batch batch_a"));
+        let mut held = gone.clone();
+        held.allocations.insert(0, RSV.into());
+        let e = leaf_start(delete, &LeafWorld { node: Some(&held), ..world.clone() }, "batch_a", 5_000).unwrap_err();
+        assert!(e.to_string().contains("GPUs are held"), "{e}");
+        let e = leaf_start(delete, &LeafWorld { node: None, ..world.clone() }, "batch_a", 5_000).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NotFound, "a node gone by the release: {e}");
+        let e = leaf_start(delete, &LeafWorld { node: Some(&n1), ..world }, "batch_a", 5_000).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NotFound, "another node is not the leaf's: {e}");
+
+        // reservations.release: an active one ends and its node is sent the release, with the leaf's id.
+        let active = rsv_doc("active", Some(NODE_1));
+        let append = leaf_start(release, &LeafWorld { reservation: Some(&active), ..Default::default() }, "batch_a", 5_000)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (append.stream.as_str(), append.expected),
+            ("reservation/rsv_01jd0000000000000000000000", ExpectedVersion::Exact(5))
+        );
+        assert!(append.event_types().contains(&crate::events::RESERVATION_RELEASED), "{:?}", append.event_types());
+        let queued = rsv_doc("queued", None);
+        let append = leaf_start(release, &LeafWorld { reservation: Some(&queued), ..Default::default() }, "batch_a", 5_000);
+        assert_eq!(append.unwrap().unwrap().event_types(), [crate::events::RESERVATION_CANCELLED]);
+        let over = rsv_doc("released", None);
+        let nothing = leaf_start(release, &LeafWorld { reservation: Some(&over), ..Default::default() }, "batch_a", 5_000);
+        assert!(nothing.unwrap().is_none(), "over already: nothing to append");
+        let e = leaf_start(release, &LeafWorld::default(), "batch_a", 5_000).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NotFound);
+
+        // rollouts.create: to exactly the bound nodes, with the leaf's id.
+        let rel = release_doc();
+        let nodes = vec![n1.clone(), n2.clone(), agent_node(NODE_3, serde_json::json!({}), false)];
+        let world = LeafWorld { release: Some(&rel), nodes: &nodes, ..Default::default() };
+        let append = leaf_start(rollout, &world, "batch_a", 5_000).unwrap().unwrap();
+        assert_eq!((append.stream.as_str(), append.expected), ("rollout/cmd_2", ExpectedVersion::NoStream));
+        let created: crate::rollout::RolloutCreated = ciborium::Value::deserialized(&append.events[0].payload).unwrap();
+        assert_eq!(created.nodes, [NODE_1, NODE_2]);
+        assert_eq!((created.release_id.as_str(), created.pool_id.as_deref()), (REL, Some(POOL)));
+        // A node joined the pool since: the leaf does not bind it; refused.
+        let more = vec![n1.clone(), n2.clone(), agent_node(NODE_3, serde_json::json!({}), true)];
+        let e = leaf_start(rollout, &LeafWorld { nodes: &more, ..world.clone() }, "batch_a", 5_000).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidState, "{e}");
+        assert!(e.to_string().contains("of the 2 it binds 0 are gone, and 1 are new"), "{e}");
+        let fewer = vec![n1.clone()];
+        let e = leaf_start(rollout, &LeafWorld { nodes: &fewer, ..world.clone() }, "batch_a", 5_000).unwrap_err();
+        assert!(e.to_string().contains("1 are gone, and 0 are new"), "{e}");
+        let e = leaf_start(rollout, &LeafWorld { release: None, ..world }, "batch_a", 5_000).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NotFound, "{e}");
     }
 }
