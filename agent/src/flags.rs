@@ -104,12 +104,23 @@ pub struct JoinArgs {
     /// confirm --reset
     #[arg(long)]
     pub yes: bool,
+    /// ask to join without a token and wait for an operator's decision (joinRequests.approve)
+    #[arg(long)]
+    pub request: bool,
 }
 
 impl JoinArgs {
     /// `--role`: `node` is the only role this build has.
     pub fn check_role(&self) -> Result<(), &'static str> {
         if self.role == "node" { Ok(()) } else { Err("--role is node (site and ramdisk roles are not in this build)") }
+    }
+
+    /// `--request`: a machine with no credential asks; a token or an attestor is another way.
+    pub fn check_request(&self) -> Result<(), &'static str> {
+        if self.request && (self.token_file.is_some() || self.node_id.is_some() || self.attestor != "join-token") {
+            return Err("--request asks to join with no credential: it takes no --token-file, --node-id or --attestor");
+        }
+        Ok(())
     }
 
     /// `--attestor`: `join-token`, or `provisioned` when `--node-id` named a node.

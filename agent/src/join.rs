@@ -171,6 +171,18 @@ pub async fn join_as(
             }
         }
     };
+    let message = keep_joined(config, &key, response)?;
+    if token.source == Source::File
+        && let Some(path) = token_file
+    {
+        remove_token_file(path);
+    }
+    Ok(Outcome::Joined(message))
+}
+
+/// Checks the gateway's answer to a join against the pinned log key and the node's key, and
+/// keeps it: the node certificate, then `identity.json`. What to print.
+fn keep_joined(config: &Config, key: &ed25519_dalek::SigningKey, response: bc_proto::JoinResponse) -> Result<String, JoinError> {
     let identity = String::from_utf8(response.identity).map_err(|_| fail("the gateway's identity is not UTF-8"))?;
     let file = IdentityFile {
         identity,
@@ -194,14 +206,74 @@ pub async fn join_as(
     let text = serde_json::to_string_pretty(&file).map_err(|e| fail(e.to_string()))?;
     bc_core::keys::write_new_file(&config.identity_path(), format!("{text}\n").as_bytes(), 0o600)
         .map_err(|e| fail(e.to_string()))?;
-    if token.source == Source::File
-        && let Some(path) = token_file
-    {
-        remove_token_file(path);
-    }
     let until = certificate
         .map_or(String::new(), |c| format!("; certificate valid until {}", bc_core::clock::rfc3339_ms(c.not_after_ms)));
-    Ok(Outcome::Joined(format!("joined as {} (tenant {}, pool {}){until}", checked.node_id, checked.tenant_id, checked.pool_id)))
+    Ok(format!("joined as {} (tenant {}, pool {}){until}", checked.node_id, checked.tenant_id, checked.pool_id))
+}
+
+/// `bcd join --request`: asks to join with no token and waits for an operator's decision,
+/// asking again as [`crate::join_request::AskWait`] says; joins once approved. `pending` is
+/// told the request's id the first time it is pending.
+pub async fn request(config: &Config, pending: impl Fn(&str)) -> Result<Outcome, JoinError> {
+    use crate::join_request::{AskWait, Heard, Next};
+    use bc_core::clock::{Clock, SystemClock};
+    use ed25519_dalek::Signer;
+
+    let gateway = config.gateway().map_err(fail)?;
+    let key = node_key_load_or_create(config).map_err(fail)?;
+    let public_key = key.verifying_key().as_bytes().to_vec();
+    let mut signed = bc_proto::JOIN_ASK_SIGNING_PREFIX.to_vec();
+    signed.extend_from_slice(&public_key);
+    let ask = bc_proto::JoinAsk {
+        node_public_key: public_key,
+        hardware: Some(bc_proto::HardwareClaims { hostname: hostname(), gpus: claimed_gpus(config)? }),
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        signature: key.sign(&signed).to_bytes().to_vec(),
+    };
+    let mut client = AgentClient::new(gateway.channel().map_err(fail)?);
+    let mut wait = AskWait::new(SystemClock.now_ms());
+    let mut rng = SystemRng;
+    let mut told = false;
+    loop {
+        let mut call = tonic::Request::new(ask.clone());
+        call.set_timeout(Duration::from_millis(JOIN_TIMEOUT_MS));
+        let (heard, joined) = match client.request_join(call).await {
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                wait.named(&answer.join_request_id);
+                match answer.state.as_str() {
+                    bc_proto::JOIN_ASK_PENDING => {
+                        if !told {
+                            pending(&answer.join_request_id);
+                            told = true;
+                        }
+                        (Heard::Pending { retry_after_ms: answer.retry_after_ms }, None)
+                    }
+                    bc_proto::JOIN_ASK_REJECTED => (Heard::Rejected { reason: answer.reason }, None),
+                    bc_proto::JOIN_ASK_APPROVED => match answer.joined {
+                        Some(joined) => (Heard::Approved, Some(joined)),
+                        None => (Heard::Refused { message: "the gateway approved the request without the join".into() }, None),
+                    },
+                    other => (Heard::Refused { message: format!("the gateway answered with the unknown state {other:?}") }, None),
+                }
+            }
+            Err(status) if retryable(status.code()) => {
+                (Heard::Retryable { hint_ms: retry_hint_ms(&status), message: status.message().to_owned() }, None)
+            }
+            Err(status) => (Heard::Refused { message: status.message().to_owned() }, None),
+        };
+        match wait.next(SystemClock.now_ms(), heard, &mut rng as &mut dyn Rng) {
+            Next::Join => {
+                let joined = joined.ok_or_else(|| fail("an approval without its join"))?;
+                return keep_joined(config, &key, joined).map(Outcome::Joined);
+            }
+            Next::Fail(message) => return Err(fail(message)),
+            Next::AskAfter { delay_ms } => {
+                tracing::debug!(delay_ms, "the join request is pending; asking again");
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            }
+        }
+    }
 }
 
 /// Removes a spent token file; a read-only mount only warns.

@@ -32,6 +32,7 @@ pub mod images;
 pub mod instances;
 pub mod inventory;
 pub mod join;
+pub mod join_request;
 pub mod journal;
 pub mod ledger;
 pub mod metrics;

@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
     agent_commands, api, audit, auth, batch, console, events, exec, flavors, fleet, forward, init, instances, inventory,
-    join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert, usage, version,
+    join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert, usage, version,
     webhooks,
 };
 use crate::output::Format;
@@ -196,6 +196,12 @@ pub enum Command {
     JoinTokens {
         #[command(subcommand)]
         command: join_tokens::JoinTokensCommand,
+    },
+    /// Machines that asked to join without a token (`bcd join --request`): list them, approve
+    /// one into a pool, or reject it with a reason.
+    JoinRequests {
+        #[command(subcommand)]
+        command: join_requests::JoinRequestsCommand,
     },
     /// Signed bcd releases: a release key, a signed manifest, its check (offline); register
     /// one with the control plane, list, get.

@@ -126,13 +126,19 @@ pub async fn pki_show(db: &Database, data_dir: &Path, deployment: &str) -> Resul
         "algorithm": "ed25519",
     });
     shown.as_object_mut().expect("an object").extend(ssh_user_ca_shown(db, data_dir).await?);
-    // The node CA's certificate, as the first start wrote it beside the log key.
+    // The node CA's certificates, as the server wrote them beside the log key: the current one
+    // first, then each replaced one still in its overlap after `pki renew-ca`.
     let node_ca_path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
     if let Ok(pem) = std::fs::read(&node_ca_path) {
         use rustls::pki_types::pem::PemObject;
-        let pin =
-            rustls::pki_types::CertificateDer::from_pem_slice(&pem).ok().and_then(|c| bc_gateway::agents::tls::spki_pin(&c).ok());
-        shown["nodeCa"] = json!({ "pin": pin, "certificate": node_ca_path.display().to_string() });
+        let pins: Vec<String> = rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+            .filter_map(|c| c.ok().and_then(|c| bc_gateway::agents::tls::spki_pin(&c).ok()))
+            .collect();
+        shown["nodeCa"] = json!({
+            "pin": pins.first(),
+            "previousPins": pins.get(1..).unwrap_or_default(),
+            "certificate": node_ca_path.display().to_string(),
+        });
     }
     Ok(shown)
 }
@@ -651,10 +657,72 @@ async fn node_ca(log: &Log, data_dir: &Path, lifetime_ms: u64) -> Result<Arc<bc_
     if revoked > 0 {
         tracing::info!(revoked, "loaded the revoked nodes");
     }
-    let path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
-    std::fs::write(&path, ca.certificate_pem())
-        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))?;
+    write_node_ca_file(&data_dir.join(bc_gateway::node_ca::NODE_CA_FILE), &ca.trusted_pem(log.clock.now_ms()))?;
     Ok(Arc::new(ca))
+}
+
+/// Writes the node CA's trusted certificates (public) whole: a new file renamed over the old,
+/// so a reader never sees half of it.
+fn write_node_ca_file(path: &Path, pem: &str) -> Result<(), CliError> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".new");
+    std::fs::write(&partial, pem)
+        .and_then(|()| std::fs::rename(&partial, path))
+        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))
+}
+
+/// Every `NODE_CA_REFRESH_MS`, reads the node CA's row again (a `pki renew-ca` made by another
+/// process becomes current here) and rewrites `node-ca.crt` when what verifies changed: a
+/// renewal, or a replaced CA's overlap ending. Until `stopped`.
+fn keep_node_ca_fresh(log: Arc<Log>, ca: Arc<bc_gateway::node_ca::NodeCa>, path: PathBuf, mut stopped: tokio::sync::watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        let mut written = ca.trusted_pem(log.clock.now_ms());
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(bc_gateway::node_ca::NODE_CA_REFRESH_MS));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stopped.changed() => return,
+            }
+            if let Err(e) = ca.refresh(&*log.store).await {
+                tracing::warn!(error = %e, "could not read the node CA again");
+            }
+            let pem = ca.trusted_pem(log.clock.now_ms());
+            if pem != written {
+                match write_node_ca_file(&path, &pem) {
+                    Ok(()) => written = pem,
+                    Err(e) => tracing::warn!(error = %e.message, "could not write the node CA's certificates"),
+                }
+            }
+        }
+    });
+}
+
+/// `pki renew-ca`: a new node CA, the replaced one trusted beside it for `overlap_ms` (in a
+/// debug build, `BC_TEST_ONLY_NODE_CA_OVERLAP_MS` instead); `node-ca.crt` rewritten with both.
+pub async fn renew_node_ca(db: &Database, data_dir: &Path, data_key_path: &Path, overlap_ms: u64) -> Result<Value, CliError> {
+    let store = db.open().await?;
+    store.check_schema().await?;
+    if !data_key_path.exists() {
+        return Err(CliError::new("DATA_KEY_NOT_FOUND", format!("no data key at {}", data_key_path.display()))
+            .hint("the new CA is sealed under it: pass the --data-dir (or --data-key-file) that dev or serve uses"));
+    }
+    seal_secrets(&*store, data_key_path, false).await?;
+    let now_ms = SystemClock.now_ms();
+    let overlap_ms = bc_gateway::node_ca::overlap_ms(overlap_ms);
+    let renewed = bc_gateway::node_ca::NodeCa::renew(&*store, now_ms, overlap_ms).await?;
+    let path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
+    write_node_ca_file(&path, &renewed.trusted_pem)?;
+    Ok(json!({
+        "pin": renewed.pin,
+        "previousPin": renewed.previous_pin,
+        "overlapEndsAtMs": renewed.overlap_ends_at_ms,
+        "overlapEnds": bc_core::clock::rfc3339_ms(renewed.overlap_ends_at_ms),
+        "certificate": path.display().to_string(),
+        "next": format!(
+            "node certificates are issued by the new CA within {} s on every server; nodes renew onto it before the overlap ends",
+            bc_gateway::node_ca::NODE_CA_REFRESH_MS / 1000
+        ),
+    }))
 }
 
 /// The agents' endpoint's transport, and the pin agents check (none for h2c). Over TLS, each
@@ -805,6 +873,7 @@ pub async fn run_server(
         .map(|(listener, _)| tokio::spawn(bc_gateway::metrics::serve(listener, state.metrics.clone(), std::future::pending())));
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let duties = ServerDuties { checkpoint_interval_s, deployment, witnesses };
+    keep_node_ca_fresh(log.clone(), node_ca.clone(), data_dir.join(bc_gateway::node_ca::NODE_CA_FILE), stopped.clone());
     let tasks = start_server_reconcilers(store, &log, data_dir, duties, &roles.chosen(), consumers, &stopped)?;
     if *roles != crate::roles::Roles::all() {
         println!("  roles:     {} (serve --roles)", roles.describe());

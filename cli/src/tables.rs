@@ -119,6 +119,16 @@ pub const JOIN_TOKENS: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const JOIN_REQUESTS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "joinRequestId") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "HOSTNAME", cell: |r, _| field(r, "hostname") },
+    Column { header: "GPUS", cell: |r, _| r.get("gpus").and_then(Value::as_array).map_or(0, Vec::len).to_string() },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "REASON", cell: |r, _| field(r, "reason") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 /// Memory in its largest whole unit: `64 GiB`, `1536 MiB`.
 fn mib(row: &Value, name: &str) -> String {
     match row.get(name).and_then(Value::as_u64) {
@@ -340,6 +350,7 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "pools.list" => POOLS,
         "nodes.list" => NODES,
         "joinTokens.list" => JOIN_TOKENS,
+        "joinRequests.list" => JOIN_REQUESTS,
         "commands.list" => COMMANDS,
         "inventory.history" => INVENTORY,
         "events.list" => EVENTS,

@@ -93,6 +93,8 @@ typed_id!(/// A webhook subscription.
     WebhookId, "wh");
 typed_id!(/// A join token: its secret is shown once and stored hashed.
     JoinTokenId, "jt");
+typed_id!(/// A machine's request to join without a token (`bcd join --request`), derived from its key.
+    JoinRequestId, "jreq");
 typed_id!(/// A command to one node (`ping`, `gpu.hold`, …).
     CommandId, "cmd");
 typed_id!(/// A flavor: the shape of an instance (vCPUs, memory, disk, GPUs) offered in one pool.

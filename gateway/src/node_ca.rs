@@ -13,6 +13,13 @@
 //! [`NODE_CERT_LIFETIME_MS_MAX`]), the node's id as its common name, client authentication
 //! only. Each issue is an event (`node.certificate_issued`), with its serial and validity.
 //!
+//! `pki renew-ca` rolls the CA ([`NodeCa::renew`]): a new key and certificate become current
+//! (every certificate from then on is the new CA's), and the replaced CA's certificate is kept
+//! beside it, trusted until its overlap ends ([`NODE_CA_OVERLAP_MS_DEFAULT`], `--overlap`), so
+//! nodes holding its certificates keep connecting until they renew. Each process reads the row
+//! again every [`NODE_CA_REFRESH_MS`] ([`NodeCa::refresh`]); the TLS layer checks a certificate
+//! against the current CA, then each replaced one whose overlap has not ended at the handshake.
+//!
 //! Revocation is by key: `nodes.revoke` (and `nodes.delete`) puts the node's key's SPKI pin in
 //! this process's revoked set, which the TLS layer checks on every handshake
 //! ([`NodeCertVerifier`]: a revoked certificate is refused with the `certificate_revoked`
@@ -62,14 +69,74 @@ pub const NODE_CERT_BACKDATE_MS: u64 = 60_000;
 /// The code (the start of the gRPC status message) a revoked node's session ends with, which
 /// `bcd node` turns into `agent: this node's certificate was revoked` and exit 1.
 pub const NODE_REVOKED_CODE: &str = bc_proto::NODE_REVOKED_CODE;
+/// How long a replaced CA still verifies after `pki renew-ca`, unless `--overlap` says: two
+/// days, past the default certificate's lifetime, so every node has renewed onto the new CA
+/// before the old one stops verifying.
+pub const NODE_CA_OVERLAP_MS_DEFAULT: u64 = 48 * 3_600_000;
+/// The shortest and longest overlap `--overlap` takes.
+pub const NODE_CA_OVERLAP_MS_MIN: u64 = 3_600_000;
+pub const NODE_CA_OVERLAP_MS_MAX: u64 = 60 * 24 * 3_600_000;
+const _: () = assert!(NODE_CA_OVERLAP_MS_MIN <= NODE_CA_OVERLAP_MS_DEFAULT && NODE_CA_OVERLAP_MS_DEFAULT <= NODE_CA_OVERLAP_MS_MAX);
+const _: () = assert!(NODE_CERT_LIFETIME_MS_MAX <= NODE_CA_OVERLAP_MS_MAX);
+/// Replaced CAs still in their overlap, at most: a renewal past them is refused until the
+/// oldest overlap ends.
+pub const NODE_CA_PREVIOUS_MAX: usize = 4;
+/// How often a process reads the CA's row again for a renewal another process made.
+pub const NODE_CA_REFRESH_MS: u64 = 2_000;
+/// The test-only overlap, in milliseconds: set in a debug build, `pki renew-ca` uses it instead
+/// of `--overlap` and its bounds, so the end-to-end test sees an overlap end. A release build
+/// ignores it.
+pub const NODE_CA_OVERLAP_MS_ENV: &str = "BC_TEST_ONLY_NODE_CA_OVERLAP_MS";
+
+/// The overlap a renewal uses: `asked`, or in a debug build the test-only one when it is set.
+pub fn overlap_ms(asked: u64) -> u64 {
+    let test_only = cfg!(debug_assertions).then(|| std::env::var(NODE_CA_OVERLAP_MS_ENV).ok()?.parse().ok()).flatten();
+    test_only.unwrap_or(asked)
+}
+
 /// Nodes whose documents are read per page when the revoked set is loaded at start.
 const REVOKED_LOAD_PAGE: u32 = 500;
 
-/// The CA's key (PKCS#8 PEM) and certificate (PEM), as the secret holds them.
+/// The CA's key (PKCS#8 PEM) and certificate (PEM), as the secret holds them, and the CAs it
+/// replaced that are still in their overlap.
 #[derive(Serialize, Deserialize)]
 struct Stored {
     key: String,
     certificate: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    previous: Vec<PreviousCa>,
+}
+
+/// A replaced CA's certificate (PEM; its key is not kept: it issues nothing), trusted until
+/// `until_ms`.
+#[derive(Clone, Serialize, Deserialize)]
+struct PreviousCa {
+    certificate: String,
+    until_ms: u64,
+}
+
+/// What `pki renew-ca` did.
+#[derive(Clone, Debug)]
+pub struct Renewed {
+    /// The new CA's pin, and the replaced one's, which verifies until `overlap_ends_at_ms`.
+    pub pin: String,
+    pub previous_pin: String,
+    pub overlap_ends_at_ms: u64,
+    /// Every CA certificate trusted now (PEM, the new one first): what `node-ca.crt` holds.
+    pub trusted_pem: String,
+}
+
+/// One reading of the CA's row: the current CA, which issues, and the replaced ones.
+struct Generation {
+    /// The row's value this was read from: a refresh that reads the same changes nothing.
+    text: String,
+    issuer: Issuer<'static, KeyPair>,
+    certificate: CertificateDer<'static>,
+    certificate_pem: String,
+    pin: String,
+    /// The current CA's verifier, then each replaced CA's with the end of its overlap.
+    verifier: Arc<dyn ClientCertVerifier>,
+    previous: Vec<(PreviousCa, String, Arc<dyn ClientCertVerifier>)>,
 }
 
 /// One node certificate as issued: its DER, serial (hex) and validity.
@@ -99,10 +166,8 @@ impl IssuedCertificate {
 
 /// The deployment's node CA and this process's revoked set.
 pub struct NodeCa {
-    issuer: Issuer<'static, KeyPair>,
-    certificate: CertificateDer<'static>,
-    certificate_pem: String,
-    pin: String,
+    /// Swapped whole when a refresh reads a renewal.
+    generation: RwLock<Arc<Generation>>,
     lifetime_ms: u64,
     /// The SPKI pins of revoked nodes' keys: refused by the TLS layer.
     revoked: RwLock<HashSet<String>>,
@@ -112,7 +177,7 @@ pub struct NodeCa {
 
 impl std::fmt::Debug for NodeCa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodeCa").field("pin", &self.pin).field("lifetime_ms", &self.lifetime_ms).finish_non_exhaustive()
+        f.debug_struct("NodeCa").field("pin", &self.pin()).field("lifetime_ms", &self.lifetime_ms).finish_non_exhaustive()
     }
 }
 
@@ -173,32 +238,129 @@ pub fn check_lifetime(lifetime_ms: u64) -> Result<()> {
     Ok(())
 }
 
-impl NodeCa {
-    fn from_stored(stored: &Stored, lifetime_ms: u64) -> Result<Self> {
-        let corrupt = |what: String| Error::Corrupt { tenant: TenantId::ROOT.to_string(), seq: 0, what };
-        let key = KeyPair::from_pem(&stored.key).map_err(|e| corrupt(format!("secret {NODE_CA_SECRET_ID}: the key: {e}")))?;
-        use rustls::pki_types::pem::PemObject;
-        let certificate = CertificateDer::from_pem_slice(stored.certificate.as_bytes())
-            .map_err(|e| corrupt(format!("secret {NODE_CA_SECRET_ID}: the certificate: {e}")))?;
-        let pin = bc_pin::spki_pin(&certificate).map_err(|e| corrupt(format!("secret {NODE_CA_SECRET_ID}: {e}")))?;
+fn corrupt(what: String) -> Error {
+    Error::Corrupt { tenant: TenantId::ROOT.to_string(), seq: 0, what: format!("secret {NODE_CA_SECRET_ID}: {what}") }
+}
+
+fn parse_stored(text: &str) -> Result<Stored> {
+    serde_json::from_str(text).map_err(|e| corrupt(format!("does not parse: {e}")))
+}
+
+/// A CA certificate from its PEM, and its pin.
+fn ca_certificate(pem: &str) -> Result<(CertificateDer<'static>, String)> {
+    use rustls::pki_types::pem::PemObject;
+    let certificate = CertificateDer::from_pem_slice(pem.as_bytes()).map_err(|e| corrupt(format!("a certificate: {e}")))?;
+    let pin = bc_pin::spki_pin(&certificate).map_err(|e| corrupt(e.to_string()))?;
+    Ok((certificate, pin))
+}
+
+/// webpki's client verifier with `root` alone; client authentication offered, not required.
+fn verifier_of(root: &CertificateDer<'static>) -> Result<Arc<dyn ClientCertVerifier>> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(root.clone()).map_err(|e| Error::Internal(format!("the node CA as a root: {e}")))?;
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(rustls::crypto::ring::default_provider()))
+        .allow_unauthenticated()
+        .build()
+        .map(|verifier| verifier as Arc<dyn ClientCertVerifier>)
+        .map_err(|e| Error::Internal(format!("the node certificate verifier: {e}")))
+}
+
+impl Generation {
+    fn of(text: &str) -> Result<Self> {
+        let stored = parse_stored(text)?;
+        let key = KeyPair::from_pem(&stored.key).map_err(|e| corrupt(format!("the key: {e}")))?;
+        let (certificate, pin) = ca_certificate(&stored.certificate)?;
+        let verifier = verifier_of(&certificate)?;
+        let mut previous = Vec::with_capacity(stored.previous.len());
+        for replaced in stored.previous {
+            let (certificate, pin) = ca_certificate(&replaced.certificate)?;
+            let verifier = verifier_of(&certificate)?;
+            previous.push((replaced, pin, verifier));
+        }
         // The issuer's name and key identifier are the certificate's: same subject, same key.
         let issuer = Issuer::new(ca_params(0)?, key);
+        Ok(Self { text: text.to_owned(), issuer, certificate, certificate_pem: stored.certificate, pin, verifier, previous })
+    }
+}
+
+impl NodeCa {
+    fn from_text(text: &str, lifetime_ms: u64) -> Result<Self> {
         Ok(Self {
-            issuer,
-            certificate,
-            certificate_pem: stored.certificate.clone(),
-            pin,
+            generation: RwLock::new(Arc::new(Generation::of(text)?)),
             lifetime_ms,
             revoked: RwLock::new(HashSet::new()),
             revocations: watch::channel(0).0,
         })
     }
 
+    fn generation(&self) -> Arc<Generation> {
+        self.generation.read().expect("the CA's generation is never poisoned").clone()
+    }
+
     /// A new CA (its key from the OS's randomness, never from a seed).
     fn make(now_ms: u64) -> Result<Stored> {
         let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(internal("making the node CA's key"))?;
         let certificate = ca_params(now_ms)?.self_signed(&key).map_err(internal("making the node CA's certificate"))?;
-        Ok(Stored { key: key.serialize_pem(), certificate: certificate.pem() })
+        Ok(Stored { key: key.serialize_pem(), certificate: certificate.pem(), previous: Vec::new() })
+    }
+
+    /// `pki renew-ca`: a new CA becomes current in the stored row; the one it replaces verifies
+    /// until `overlap_ms` from `now_ms` (and those replaced before it until their own ends).
+    /// The row is replaced only if unchanged since it was read, so two renewals racing make one.
+    pub async fn renew(store: &dyn EventStore, now_ms: u64, overlap_ms: u64) -> Result<Renewed> {
+        let keys = store.data_keys().ok_or_else(|| Error::Internal("renewing the node CA needs the data key".into()))?;
+        let Some(raw) = store.secret_get_raw(TenantId::ROOT, NODE_CA_SECRET_ID).await? else {
+            return Err(Error::not_found("the node CA (start dev or serve once to make it)"));
+        };
+        let old = parse_stored(&keys.open(TenantId::ROOT, NODE_CA_SECRET_ID, &raw)?)?;
+        let (_, previous_pin) = ca_certificate(&old.certificate)?;
+        let mut previous: Vec<PreviousCa> = old.previous.into_iter().filter(|p| p.until_ms > now_ms).collect();
+        if previous.len() >= NODE_CA_PREVIOUS_MAX {
+            return Err(Error::state(
+                format!("{NODE_CA_PREVIOUS_MAX} replaced node CAs are still in their overlap"),
+                "renew again once the oldest overlap has ended (pki show lists them)",
+            ));
+        }
+        let overlap_ends_at_ms = now_ms.saturating_add(overlap_ms);
+        previous.insert(0, PreviousCa { certificate: old.certificate, until_ms: overlap_ends_at_ms });
+        let mut new = Self::make(now_ms)?;
+        new.previous = previous;
+        let text = serde_json::to_string(&new).map_err(|e| Error::Internal(e.to_string()))?;
+        let sealed = keys.seal(TenantId::ROOT, NODE_CA_SECRET_ID, &text)?;
+        if !store.secret_replace_raw(&TenantId::ROOT.to_string(), NODE_CA_SECRET_ID, &raw, &sealed).await? {
+            return Err(Error::Unavailable("the node CA was renewed at the same moment by another process; see pki show".into()));
+        }
+        let generation = Generation::of(&text)?;
+        Ok(Renewed {
+            pin: generation.pin.clone(),
+            previous_pin,
+            overlap_ends_at_ms,
+            trusted_pem: generation.trusted_pem(now_ms),
+        })
+    }
+
+    /// Reads the CA's row again: a renewal another process made becomes current here
+    /// (`true`: it changed).
+    pub async fn refresh(&self, store: &dyn EventStore) -> Result<bool> {
+        let Some(text) = store.secret_get(TenantId::ROOT, NODE_CA_SECRET_ID).await? else { return Ok(false) };
+        if text == self.generation().text {
+            return Ok(false);
+        }
+        let generation = Arc::new(Generation::of(&text)?);
+        tracing::info!(pin = %generation.pin, "the node CA was renewed");
+        *self.generation.write().expect("the CA's generation is never poisoned") = generation;
+        Ok(true)
+    }
+
+    /// Every CA certificate that verifies at `now_ms` (PEM, the current one first): what
+    /// `node-ca.crt` holds, so an outside verifier trusts what the TLS layer trusts.
+    pub fn trusted_pem(&self, now_ms: u64) -> String {
+        self.generation().trusted_pem(now_ms)
+    }
+
+    /// The pins of the replaced CAs still in their overlap at `now_ms`, with its end.
+    pub fn previous_pins(&self, now_ms: u64) -> Vec<(String, u64)> {
+        self.generation().previous.iter().filter(|(p, _, _)| p.until_ms > now_ms).map(|(p, pin, _)| (pin.clone(), p.until_ms)).collect()
     }
 
     /// The deployment's node CA, made and stored first if there is none (`true`: this call made
@@ -211,7 +373,7 @@ impl NodeCa {
         let made = Self::make(now_ms)?;
         let text = serde_json::to_string(&made).map_err(|e| Error::Internal(e.to_string()))?;
         match store.secret_put(TenantId::ROOT, NODE_CA_SECRET_ID, &text, now_ms).await {
-            Ok(()) => Ok((Self::from_stored(&made, lifetime_ms)?, true)),
+            Ok(()) => Ok((Self::from_text(&text, lifetime_ms)?, true)),
             // Another server stored one at the same moment: that one is the deployment's.
             Err(put) => match Self::load(store, lifetime_ms).await? {
                 Some(ca) => Ok((ca, false)),
@@ -222,26 +384,21 @@ impl NodeCa {
 
     async fn load(store: &dyn EventStore, lifetime_ms: u64) -> Result<Option<Self>> {
         let Some(text) = store.secret_get(TenantId::ROOT, NODE_CA_SECRET_ID).await? else { return Ok(None) };
-        let stored: Stored = serde_json::from_str(&text).map_err(|e| Error::Corrupt {
-            tenant: TenantId::ROOT.to_string(),
-            seq: 0,
-            what: format!("secret {NODE_CA_SECRET_ID} does not parse: {e}"),
-        })?;
-        Self::from_stored(&stored, lifetime_ms).map(Some)
+        Self::from_text(&text, lifetime_ms).map(Some)
     }
 
-    /// The CA certificate's key's pin (`sha256/…`): what `pki show` prints.
-    pub fn pin(&self) -> &str {
-        &self.pin
+    /// The current CA certificate's key's pin (`sha256/…`): what `pki show` prints.
+    pub fn pin(&self) -> String {
+        self.generation().pin.clone()
     }
 
-    /// The CA certificate, DER and PEM.
-    pub fn certificate(&self) -> &CertificateDer<'static> {
-        &self.certificate
+    /// The current CA certificate, DER and PEM.
+    pub fn certificate(&self) -> CertificateDer<'static> {
+        self.generation().certificate.clone()
     }
 
-    pub fn certificate_pem(&self) -> &str {
-        &self.certificate_pem
+    pub fn certificate_pem(&self) -> String {
+        self.generation().certificate_pem.clone()
     }
 
     /// How long a node certificate issued now is valid.
@@ -268,7 +425,8 @@ impl NodeCa {
         params.not_before = time_of(not_before_ms)?;
         params.not_after = time_of(not_after_ms)?;
         params.use_authority_key_identifier_extension = true;
-        let made = params.signed_by(&NodeKey(public_key), &self.issuer).map_err(internal("signing a node certificate"))?;
+        let made =
+            params.signed_by(&NodeKey(public_key), &self.generation().issuer).map_err(internal("signing a node certificate"))?;
         Ok(IssuedCertificate { der: made.der().to_vec(), serial: hex::encode(serial), not_before_ms, not_after_ms })
     }
 
@@ -317,27 +475,36 @@ impl NodeCa {
         Ok(found)
     }
 
-    /// The TLS layer's check of a node's certificate: chained to this CA, valid now, for client
-    /// authentication, and not revoked. Client authentication is offered, not required: a
-    /// machine that has not joined yet, `bcd doctor` and the health probes present none (the
-    /// session then asks for it: `agents::session`).
+    /// The TLS layer's check of a node's certificate: chained to the current CA (or to a
+    /// replaced one whose overlap has not ended), valid now, for client authentication, and not
+    /// revoked. Client authentication is offered, not required: a machine that has not joined
+    /// yet, `bcd doctor` and the health probes present none (the session then asks for it:
+    /// `agents::session`).
     pub fn client_verifier(self: &Arc<Self>) -> Result<Arc<dyn ClientCertVerifier>> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.certificate.clone()).map_err(|e| Error::Internal(format!("the node CA as a root: {e}")))?;
-        let inner = rustls::server::WebPkiClientVerifier::builder_with_provider(
-            Arc::new(roots),
-            Arc::new(rustls::crypto::ring::default_provider()),
-        )
-        .allow_unauthenticated()
-        .build()
-        .map_err(|e| Error::Internal(format!("the node certificate verifier: {e}")))?;
+        let inner = self.generation().verifier.clone();
         Ok(Arc::new(NodeCertVerifier { inner, ca: self.clone() }))
     }
 }
 
-/// [`NodeCa::client_verifier`]: webpki's verifier, then the revoked set.
+impl Generation {
+    fn trusted_pem(&self, now_ms: u64) -> String {
+        let mut pem = self.certificate_pem.clone();
+        for (replaced, _, _) in self.previous.iter().filter(|(p, _, _)| p.until_ms > now_ms) {
+            if !pem.ends_with('\n') {
+                pem.push('\n');
+            }
+            pem.push_str(&replaced.certificate);
+        }
+        pem
+    }
+}
+
+/// [`NodeCa::client_verifier`]: webpki's verifier of the current CA, else of each replaced CA
+/// still in its overlap at the handshake, then the revoked set.
 #[derive(Debug)]
 pub struct NodeCertVerifier {
+    /// The verifier of the CA current when this was made: its hints and signature checks (the
+    /// same for every CA: the schemes are the node keys', not the CA's).
     inner: Arc<dyn ClientCertVerifier>,
     ca: Arc<NodeCa>,
 }
@@ -361,7 +528,17 @@ impl ClientCertVerifier for NodeCertVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> std::result::Result<ClientCertVerified, rustls::Error> {
-        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let generation = self.ca.generation();
+        let now_ms = now.as_secs().saturating_mul(1000);
+        let verified = match generation.verifier.verify_client_cert(end_entity, intermediates, now) {
+            Ok(verified) => verified,
+            Err(current) => generation
+                .previous
+                .iter()
+                .filter(|(replaced, _, _)| replaced.until_ms > now_ms)
+                .find_map(|(_, _, verifier)| verifier.verify_client_cert(end_entity, intermediates, now).ok())
+                .ok_or(current)?,
+        };
         let pin =
             bc_pin::spki_pin(end_entity).map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
         if self.ca.is_revoked(&pin) {
@@ -399,7 +576,7 @@ mod tests {
 
     fn ca() -> Arc<NodeCa> {
         let stored = NodeCa::make(1_800_000_000_000).unwrap();
-        Arc::new(NodeCa::from_stored(&stored, NODE_CERT_LIFETIME_MS_MIN * 2).unwrap())
+        Arc::new(NodeCa::from_text(&serde_json::to_string(&stored).unwrap(), NODE_CERT_LIFETIME_MS_MIN * 2).unwrap())
     }
 
     #[test]
@@ -436,6 +613,34 @@ mod tests {
         assert!(woken.has_changed().unwrap());
         let revoked = verifier.verify_client_cert(&der, &[], at(now_ms)).unwrap_err();
         assert!(matches!(revoked, rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked)), "{revoked:?}");
+    }
+
+    /// A renewed CA issues; the replaced one's certificates verify until its overlap ends, and
+    /// `node-ca.crt` holds both until then.
+    #[test]
+    fn a_replaced_ca_verifies_until_its_overlap_ends() {
+        let old = NodeCa::make(1_800_000_000_000).unwrap();
+        let old_ca = Arc::new(NodeCa::from_text(&serde_json::to_string(&old).unwrap(), NODE_CERT_LIFETIME_MS_MAX).unwrap());
+        let public = ed25519_dalek::SigningKey::from_bytes(&[9; 32]).verifying_key().to_bytes();
+        let now_ms = 1_800_000_100_000;
+        let old_certificate = CertificateDer::from(old_ca.issue("node_01", &public, [1; 16], now_ms).unwrap().der);
+        let until_ms = now_ms + 3_600_000;
+        let mut renewed = NodeCa::make(now_ms).unwrap();
+        renewed.previous = vec![PreviousCa { certificate: old.certificate.clone(), until_ms }];
+        let ca = Arc::new(NodeCa::from_text(&serde_json::to_string(&renewed).unwrap(), NODE_CERT_LIFETIME_MS_MAX).unwrap());
+        assert_ne!(ca.pin(), old_ca.pin());
+        assert_eq!(ca.previous_pins(now_ms), vec![(old_ca.pin(), until_ms)]);
+        assert!(ca.previous_pins(until_ms).is_empty());
+        assert_eq!(ca.trusted_pem(now_ms).matches("BEGIN CERTIFICATE").count(), 2);
+        assert!(ca.trusted_pem(now_ms).starts_with(&ca.certificate_pem()), "the current CA first");
+        assert_eq!(ca.trusted_pem(until_ms), ca.certificate_pem());
+        let verifier = ca.client_verifier().unwrap();
+        let at = |ms: u64| UnixTime::since_unix_epoch(std::time::Duration::from_millis(ms));
+        verifier.verify_client_cert(&old_certificate, &[], at(until_ms - 1000)).expect("in the overlap");
+        assert!(verifier.verify_client_cert(&old_certificate, &[], at(until_ms + 1000)).is_err(), "past the overlap");
+        let new_certificate = CertificateDer::from(ca.issue("node_01", &public, [2; 16], now_ms).unwrap().der);
+        verifier.verify_client_cert(&new_certificate, &[], at(until_ms + 1000)).expect("the new CA's");
+        assert!(old_ca.client_verifier().unwrap().verify_client_cert(&new_certificate, &[], at(now_ms)).is_err());
     }
 
     #[test]

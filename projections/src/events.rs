@@ -28,6 +28,10 @@ pub use crate::instance::{
     InstanceRequested, InstanceShape, ObservedState,
 };
 pub use crate::inventory::{InventoryDisk, InventoryGpu, InventoryHost, NODE_INVENTORY_REPORTED, NodeInventoryReported};
+pub use crate::join_request::{
+    JOIN_REQUEST_APPROVED, JOIN_REQUEST_CREATED, JOIN_REQUEST_REJECTED, JoinRequestApproved, JoinRequestCreated,
+    JoinRequestRejected,
+};
 pub use crate::join_token::{
     JOIN_TOKEN_CREATED, JOIN_TOKEN_REVOKED, JOIN_TOKEN_USED, JoinTokenCreated, JoinTokenRevoked, JoinTokenUsed,
 };
@@ -123,6 +127,9 @@ pub const EVENT_TYPES: &[&str] = &[
     JOIN_TOKEN_CREATED,
     JOIN_TOKEN_USED,
     JOIN_TOKEN_REVOKED,
+    JOIN_REQUEST_CREATED,
+    JOIN_REQUEST_APPROVED,
+    JOIN_REQUEST_REJECTED,
     NODE_JOINED,
     NODE_READY,
     NODE_UNREACHABLE,

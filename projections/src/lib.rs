@@ -34,6 +34,7 @@ pub mod fleet_config;
 pub mod image;
 pub mod instance;
 pub mod inventory;
+pub mod join_request;
 pub mod join_token;
 pub mod metal;
 pub mod node;
@@ -60,6 +61,7 @@ pub use instance::{
     INSTANCE_APPLY, INSTANCE_APPLY_ATTEMPTS_MAX, INSTANCE_APPLY_DEADLINE_S, InstanceDoc, InstanceState, KIND_INSTANCE,
     KIND_INSTANCE_LIVE,
 };
+pub use join_request::{JoinRequestDoc, JoinRequestState, KIND_JOIN_REQUEST, KIND_JOIN_REQUEST_PENDING};
 pub use join_token::{JoinTokenDoc, KIND_JOIN_TOKEN};
 pub use node::{KIND_AGENT, KIND_NODE, NodeAgent, NodeDoc, NodeState, Observation, gpus_of_inventory};
 pub use pool::{KIND_POOL, MAX_RESERVATION_S_DEFAULT, PoolDoc};
@@ -213,6 +215,7 @@ impl Projector for Projections {
             sandbox::KIND_SANDBOX => Some(sandbox::KIND_SANDBOX_LIVE),
             rollout::KIND_ROLLOUT => Some(rollout::KIND_ROLLOUT_LIVE),
             batch::KIND_COMMAND_BATCH => Some(batch::KIND_COMMAND_BATCH_LIVE),
+            KIND_JOIN_REQUEST => Some(KIND_JOIN_REQUEST_PENDING),
             KIND_TENANT
             | KIND_API_KEY
             | KIND_POOL
@@ -253,6 +256,7 @@ impl Projector for Projections {
             KIND_POOL => pool::apply(key, current, event),
             KIND_NODE => node::apply(key, current, event),
             KIND_JOIN_TOKEN => join_token::apply(key, current, event),
+            KIND_JOIN_REQUEST | KIND_JOIN_REQUEST_PENDING => join_request::apply(key, current, event),
             KIND_COMMAND => command::apply(key, current, event),
             KIND_RESERVATION | reservation::GPU => reservation::apply(key, current, event),
             KIND_QUOTA => quota::apply(key, current, event),

@@ -31,6 +31,13 @@ const _: () = assert!(ENTRY_BODY_BYTES_MAX * 2 < MESSAGE_BYTES_MAX);
 /// retry pushback, gRFC A6): the gateway sets it when it refuses a join for lack of permits,
 /// and `bcd join` waits at least that long before its next attempt.
 pub const RETRY_PUSHBACK_MS_KEY: &str = "grpc-retry-pushback-ms";
+/// What a `JoinAsk`'s signature is over, before the node's public key: the machine asking holds
+/// the key its request is named after.
+pub const JOIN_ASK_SIGNING_PREFIX: &[u8] = b"better-compute/join-request/v1\n";
+/// A `JoinAskAnswer`'s states.
+pub const JOIN_ASK_PENDING: &str = "pending";
+pub const JOIN_ASK_APPROVED: &str = "approved";
+pub const JOIN_ASK_REJECTED: &str = "rejected";
 /// The start of the message a revoked node's session ends with (`PERMISSION_DENIED`): `bcd node`
 /// exits 1 on it (`agent: this node's certificate was revoked`).
 pub const NODE_REVOKED_CODE: &str = "NODE_REVOKED";

@@ -206,3 +206,179 @@ async fn a_certified_node_without_its_certificate_is_refused_a_deleted_ones_cert
     let refused = direct_connection(&server, port, &machine).expect_err("a deleted node's certificate is refused");
     assert!(refused.contains("CertificateRevoked"), "{refused}");
 }
+
+/// `bcd join --request` of `machine`, running: its standard output and error go to
+/// `request.out` and `request.err` in the machine's directory.
+fn ask_to_join(machine: &AgentNode) -> NodeProcess {
+    let file = |name: &str| std::fs::File::create(machine.dir.path().join(name)).unwrap();
+    Command::new(bc_tests::binary("bcd"))
+        .args(["join", "--request", "--config", &machine.config()])
+        .env_remove("BCD_JOIN_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(file("request.out"))
+        .stderr(file("request.err"))
+        .spawn()
+        .map(NodeProcess)
+        .expect("start bcd join --request")
+}
+
+fn said(machine: &AgentNode, name: &str) -> String {
+    std::fs::read_to_string(machine.dir.path().join(name)).unwrap_or_default()
+}
+
+/// The one pending join request, once there is one.
+fn pending_request(server: &Server) -> Value {
+    wait_until("a pending join request", Duration::from_secs(20), || {
+        let (status, page) = bc_tests::block_on(server.call("joinRequests.list", json!({ "pending": true })));
+        assert_eq!(status, 200, "{page}");
+        let items = page["items"].as_array().unwrap();
+        assert!(items.len() <= 1, "one machine asks at a time here: {page}");
+        items.first().cloned()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_that_asks_is_approved_joins_and_goes_live_and_a_rejected_one_exits_1_with_the_reason() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("gpu-a").await;
+    let mut machine = AgentNode::new(&server, port);
+    // A request takes no credential: a token file with it is a usage error.
+    let (code, out, err) =
+        machine.bcd(&["join", "--request", "--config", &machine.config(), "--token-file", "/nonexistent"], &[], None);
+    assert_eq!(code, 2, "{out} {err}");
+    assert!(err.contains("--request asks to join with no credential"), "{err}");
+
+    // Pending: the machine waits, asking again; the request names its host.
+    let mut asking = ask_to_join(&machine);
+    let request = pending_request(&server);
+    let id = request["joinRequestId"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("jreq_"), "{request}");
+    assert_eq!(request["state"], "pending");
+    assert!(!request["publicKey"].as_str().unwrap().is_empty());
+    wait_until("bcd join says which request waits", Duration::from_secs(10), || {
+        said(&machine, "request.err").contains(&format!("asked to join as {id}")).then_some(())
+    });
+    assert!(asking.0.try_wait().unwrap().is_none(), "still waiting: {}", said(&machine, "request.err"));
+    let (code, listed, err) = server.cli(&["join-requests", "list", "--pending"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(listed.contains(&id) && listed.contains("pending"), "{listed}");
+    let created = events(&server, &["join_request.created"]).await;
+    assert_eq!(created.len(), 1, "asking again appends nothing: {created:?}");
+    assert_eq!(created[0]["actor"], format!("join_request:{id}"));
+
+    // Approved: the machine joins as the node the approval names, with its node certificate.
+    let (code, approved, err) = server.cli(&["join-requests", "approve", &id, "--pool", &pool]);
+    assert_eq!(code, 0, "join-requests approve: {approved} {err}");
+    let approved = json(&approved);
+    assert_eq!(approved["state"], "approved", "{approved}");
+    let node = approved["nodeId"].as_str().unwrap().to_owned();
+    let exit = wait_until("bcd join --request ends", Duration::from_secs(60), || asking.0.try_wait().unwrap());
+    assert_eq!(exit.code(), Some(0), "{} {}", said(&machine, "request.out"), said(&machine, "request.err"));
+    let out = said(&machine, "request.out");
+    assert!(out.contains(&format!("joined as {node} ")) && out.contains("; certificate valid until "), "{out}");
+    assert_eq!(machine.node_id(), node);
+    let joined = events(&server, &["node.joined"]).await;
+    assert_eq!(joined.len(), 1, "{joined:?}");
+    assert_eq!((joined[0]["stream"].as_str(), joined[0]["actor"].as_str()), (Some(&*format!("node/{node}")), Some(&*format!("join_request:{id}"))));
+    let (code, said_twice, err) = server.cli(&["join-requests", "approve", &id, "--pool", &pool]);
+    assert_ne!(code, 0, "decided once: {said_twice}");
+    assert!(err.contains("approved already"), "{err}");
+    let certificate = certificate_file(&machine);
+    let ca_pem = std::fs::read_to_string(server.data_dir.join("node-ca.crt")).unwrap();
+    let (code, verified) = openssl_verify(machine.dir.path(), &ca_pem, &certificate.certificate);
+    assert_eq!(code, 0, "the admitted node's certificate verifies: {verified}");
+
+    // The node goes live with it.
+    machine.start();
+    wait_until("the node is live", Duration::from_secs(30), || machine.status().filter(|s| s["session"] == "live"));
+    wait_until("the node is ready", Duration::from_secs(30), || {
+        let (status, doc) = bc_tests::block_on(server.call("nodes.get", json!({ "nodeId": node })));
+        (status == 200 && doc["state"] == "ready").then_some(())
+    });
+
+    // Another machine, rejected: its wait ends with exit 1 and the reason; asking again says so
+    // at once.
+    let other = AgentNode::new(&server, port);
+    let mut asking = ask_to_join(&other);
+    let request = pending_request(&server);
+    let other_id = request["joinRequestId"].as_str().unwrap().to_owned();
+    assert_ne!(other_id, id);
+    let (code, out, err) = server.cli(&["join-requests", "reject", &other_id, "--reason", "not in the inventory"]);
+    assert_eq!(code, 0, "join-requests reject: {out} {err}");
+    assert_eq!(json(&out)["state"], "rejected");
+    let exit = wait_until("the rejected bcd join ends", Duration::from_secs(60), || asking.0.try_wait().unwrap());
+    assert_eq!(exit.code(), Some(1), "{}", said(&other, "request.err"));
+    let reason = format!("bcd join: {other_id} was rejected: not in the inventory");
+    assert!(said(&other, "request.err").contains(&reason), "{}", said(&other, "request.err"));
+    assert!(!other.data().join("identity.json").exists(), "a rejected machine has no identity");
+    let (code, out, err) = other.bcd(&["join", "--request", "--config", &other.config()], &[], None);
+    assert_eq!(code, 1, "{out} {err}");
+    assert!(err.contains(&reason), "{err}");
+    let (code, out, err) = server.cli(&["join-requests", "reject", &other_id, "--reason", "again"]);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("rejected already"), "{err}");
+    // A reason is required, and bounded.
+    let (status, refused) = server.call("joinRequests.reject", json!({ "joinRequestId": other_id, "reason": "" })).await;
+    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+    let (code, _, err) = server.cli(&["join-requests", "approve", "jt_nope", "--pool", &pool]);
+    assert_eq!(code, 2, "a malformed id is a usage error before anything is sent: {err}");
+}
+
+/// The certificates in a PEM bundle.
+fn certificates_in(pem: &str) -> usize {
+    pem.matches("-----BEGIN CERTIFICATE-----").count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renew_ca_rolls_the_node_ca_with_an_overlap_in_which_both_verify_and_past_which_the_old_certificates_do_not() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("gpu-a").await;
+    let machine = AgentNode::new(&server, port);
+    machine.join_pool(&server, &pool).await;
+    let old = certificate_file(&machine);
+    let data_dir = server.data_dir.display().to_string();
+    let ca_path = server.data_dir.join("node-ca.crt");
+    let show = || {
+        let (code, out, err) = server.cli(&["pki", "show", "--data-dir", &data_dir]);
+        assert_eq!(code, 0, "pki show: {err}");
+        json(&out)["nodeCa"].clone()
+    };
+    let before = show();
+    let old_pin = before["pin"].as_str().unwrap().to_owned();
+    assert_eq!(before["previousPins"], json!([]), "{before}");
+    let (code, said) = openssl_verify(machine.dir.path(), &std::fs::read_to_string(&ca_path).unwrap(), &old.certificate);
+    assert_eq!(code, 0, "openssl verify accepts the node certificate against the node CA: {said}");
+
+    // Rolled, with a short overlap (the test-only switch of a debug build): both CAs verify
+    // until it ends, and pki show prints both pins.
+    let overlap = [("BC_TEST_ONLY_NODE_CA_OVERLAP_MS", "20000")];
+    let (code, out, err) = bc_tests::cli(&["pki", "renew-ca", "--data-dir", &data_dir], &overlap);
+    assert_eq!(code, 0, "pki renew-ca: {out} {err}");
+    let renewed = json(&out);
+    assert_eq!(renewed["previousPin"], old_pin.as_str(), "{renewed}");
+    let new_pin = renewed["pin"].as_str().unwrap().to_owned();
+    assert_ne!(new_pin, old_pin);
+    let during = show();
+    assert_eq!((during["pin"].as_str(), during["previousPins"].clone()), (Some(new_pin.as_str()), json!([old_pin])), "{during}");
+    let bundle = std::fs::read_to_string(&ca_path).unwrap();
+    assert_eq!(certificates_in(&bundle), 2, "{bundle}");
+    let (code, said) = openssl_verify(machine.dir.path(), &bundle, &old.certificate);
+    assert_eq!(code, 0, "in the overlap the old CA's certificate verifies: {said}");
+    direct_connection(&server, port, &machine).expect("in the overlap the gateway takes the old CA's certificate");
+
+    // Past the overlap the gateway's node-ca.crt holds the new CA alone: openssl refuses the old
+    // certificate, and so does the gateway's TLS layer; a machine joining now is the new CA's.
+    let alone = wait_until("the overlap ends", Duration::from_secs(60), || {
+        let pem = std::fs::read_to_string(&ca_path).unwrap();
+        (certificates_in(&pem) == 1).then_some(pem)
+    });
+    let (code, said) = openssl_verify(machine.dir.path(), &alone, &old.certificate);
+    assert_ne!(code, 0, "past the overlap openssl refuses the old CA's certificate: {said}");
+    assert_eq!(show()["previousPins"], json!([]));
+    direct_connection(&server, port, &machine).expect_err("past the overlap the gateway refuses the old CA's certificate");
+    let second = AgentNode::new(&server, port);
+    second.join_pool(&server, &pool).await;
+    let (code, said) = openssl_verify(second.dir.path(), &alone, &certificate_file(&second).certificate);
+    assert_eq!(code, 0, "a certificate issued after the roll verifies against the new CA: {said}");
+    direct_connection(&server, port, &second).expect("the new CA's certificate is taken");
+}

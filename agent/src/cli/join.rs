@@ -33,6 +33,7 @@ fn failed(message: impl Into<String>) -> ExitCode {
 /// The join, phase by phase; what to print when the node is joined (now or before).
 async fn join_here(args: &JoinArgs, env_token: Option<String>) -> Result<String, ExitCode> {
     args.check_role().map_err(|message| fail(join::usage(message)))?;
+    args.check_request().map_err(|message| fail(join::usage(message)))?;
     let config = config_for(args)?;
     super::init_logging(Some(&config));
     for (flag, given, configured) in [
@@ -56,6 +57,18 @@ async fn join_here(args: &JoinArgs, env_token: Option<String>) -> Result<String,
             join::remove_token_file(path);
         }
         return Ok(message);
+    }
+    if args.request {
+        // No token: the machine asks, and says which request an operator decides.
+        let told = |id: &str| {
+            eprintln!(
+                "bcd join: asked to join as {id}; waiting for an operator (better-compute join-requests approve {id} --pool POOL)"
+            );
+        };
+        return match join::request(&config, told).await {
+            Ok(join::Outcome::Joined(message) | join::Outcome::AlreadyJoined(message)) => Ok(message),
+            Err(e) => Err(fail(e)),
+        };
     }
     let stdin = std::io::stdin();
     let token = token::read(env_token, stdin.is_terminal(), &mut stdin.lock(), token_file).map_err(|e| fail(join::usage(e.0)))?;

@@ -30,6 +30,7 @@ pub mod forward;
 pub mod init;
 pub mod instances;
 pub mod inventory;
+pub mod join_requests;
 pub mod join_tokens;
 pub mod meta;
 pub mod metal;
@@ -68,6 +69,7 @@ impl Command {
             Command::Nodes { command } => nodes::run(ctx, command).await,
             Command::Inventory { command } => inventory::run(ctx, command).await,
             Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
+            Command::JoinRequests { command } => join_requests::run(ctx, command).await,
             Command::Commands { command } => agent_commands::run(ctx, command).await,
             Command::Releases { command } => releases::run(ctx, command).await,
             Command::Batch { command } => batch::run(ctx, command).await,

@@ -1,5 +1,5 @@
 //! The operator commands that open the database themselves: `dev`, `serve`, `reconcile`,
-//! `migrate`, `doctor`, `pki show|rotate-log-key|rotate-data-key|rotate-ssh-ca`, `projections rebuild`. The work is in `crate::server`
+//! `migrate`, `doctor`, `pki show|renew-ca|rotate-log-key|rotate-data-key|rotate-ssh-ca`, `projections rebuild`. The work is in `crate::server`
 //! and `crate::audit`; this module turns flags into its options.
 
 use std::path::{Path, PathBuf};
@@ -314,6 +314,17 @@ fn parse_ssh_ca_grace_ms(text: &str) -> Result<u64, String> {
     Ok(grace.as_millis() as u64)
 }
 
+/// `pki renew-ca --overlap`'s default: `NODE_CA_OVERLAP_MS_DEFAULT` (a test holds them equal).
+const NODE_CA_OVERLAP_DEFAULT: &str = "48h";
+
+/// `--overlap`: whole seconds, `NODE_CA_OVERLAP_MS_MIN` to `_MAX`.
+fn parse_node_ca_overlap_ms(text: &str) -> Result<u64, String> {
+    use bc_gateway::node_ca::{NODE_CA_OVERLAP_MS_MAX, NODE_CA_OVERLAP_MS_MIN};
+    let (min, max) = (std::time::Duration::from_millis(NODE_CA_OVERLAP_MS_MIN), std::time::Duration::from_millis(NODE_CA_OVERLAP_MS_MAX));
+    let overlap = crate::flags::parse_duration(text, min, max, std::time::Duration::from_secs(1))?;
+    Ok(overlap.as_millis() as u64)
+}
+
 #[derive(Subcommand)]
 pub enum PkiCommand {
     /// Print the log key's id, pin (`sha256/…`) and note verifier key (vkey), and the SSH user
@@ -335,6 +346,18 @@ pub enum PkiCommand {
         /// 7 days; `0s` ends its trust at once (a key that leaked).
         #[arg(long, default_value = SSH_CA_GRACE_DEFAULT, value_parser = parse_ssh_ca_grace_ms)]
         grace: u64,
+    },
+    /// Roll the node CA: node certificates are issued by a new CA at once; the replaced CA's
+    /// certificates still verify until --overlap has passed (node-ca.crt holds both till then).
+    RenewCa {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        #[command(flatten)]
+        data_key: DataKeyArgs,
+        /// How long the replaced CA's certificates still verify: 1h to 60d (nodes renew onto the
+        /// new CA within two thirds of --node-cert-lifetime).
+        #[arg(long, default_value = NODE_CA_OVERLAP_DEFAULT, value_parser = parse_node_ca_overlap_ms)]
+        overlap: u64,
     },
     /// Replace the log key; the old key signs the announcement and is kept as log.key.KEYID.
     RotateLogKey {
@@ -585,6 +608,9 @@ pub async fn pki(ctx: &Context, command: PkiCommand) -> Result<(), CliError> {
         PkiCommand::RotateSshCa { db, data_key, grace } => {
             server::rotate_ssh_ca(&db.database(), &db.data_dir, &data_key.path(&db.data_dir), grace).await?
         }
+        PkiCommand::RenewCa { db, data_key, overlap } => {
+            server::renew_node_ca(&db.database(), &db.data_dir, &data_key.path(&db.data_dir), overlap).await?
+        }
         PkiCommand::RotateLogKey { db, deployment } => {
             crate::audit::rotate_log_key(&db.database(), &db.data_dir, &deployment.deployment).await?
         }
@@ -653,6 +679,18 @@ mod tests {
         assert_eq!(parse_ssh_ca_grace_ms("7d"), Ok(SSH_CA_GRACE_MS_MAX));
         assert!(parse_ssh_ca_grace_ms("8d").is_err());
         assert!(parse_ssh_ca_grace_ms("1500ms").is_err(), "whole seconds");
+    }
+
+    #[test]
+    fn the_node_ca_overlap_defaults_to_two_days_within_its_bounds() {
+        use bc_gateway::node_ca::{NODE_CA_OVERLAP_MS_DEFAULT, NODE_CA_OVERLAP_MS_MAX, NODE_CA_OVERLAP_MS_MIN};
+        let cli = Cli::try_parse_from(["better-compute", "pki", "renew-ca"]).unwrap();
+        let Command::Pki { command: PkiCommand::RenewCa { overlap, .. } } = cli.command else { panic!("not renew-ca") };
+        assert_eq!(overlap, NODE_CA_OVERLAP_MS_DEFAULT);
+        assert_eq!(parse_node_ca_overlap_ms("1h"), Ok(NODE_CA_OVERLAP_MS_MIN));
+        assert_eq!(parse_node_ca_overlap_ms("60d"), Ok(NODE_CA_OVERLAP_MS_MAX));
+        assert!(parse_node_ca_overlap_ms("59m").is_err());
+        assert!(parse_node_ca_overlap_ms("61d").is_err());
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub struct Joined {
 }
 
 /// Why a join is refused: said to the machine without quoting its token.
-fn refused(why: &str) -> Error {
+pub(super) fn refused(why: &str) -> Error {
     Error::AccessDenied(format!("join refused: {why}"))
 }
 
@@ -188,7 +188,7 @@ async fn node_to_join(
 
 /// The node's identity document, signed by the log key, from its `node.joined` event and the
 /// node's row.
-async fn signed_identity(
+pub(super) async fn signed_identity(
     state: &AppState,
     tenant: TenantId,
     node: NodeId,
@@ -219,12 +219,12 @@ async fn signed_identity(
 }
 
 /// The node's name: its host name when that is a valid name (lowercased), else `node`.
-fn node_name(hostname: &str) -> String {
+pub(super) fn node_name(hostname: &str) -> String {
     let lower = hostname.split('.').next().unwrap_or("").to_ascii_lowercase();
     if crate::api::validate::validate_name("name", &lower).is_ok() { lower } else { "node".to_owned() }
 }
 
-fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {
+pub(super) fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {
     if text.len() > bytes_max || text.chars().any(char::is_control) {
         return Err(Error::invalid(format!("the {what} is at most {bytes_max} bytes without control characters")));
     }
@@ -233,7 +233,7 @@ fn check_text(what: &str, text: &str, bytes_max: usize) -> Result<()> {
 
 /// The GPUs a machine claims at join, and their UUIDs (none when it names none: an agent from
 /// before holds).
-fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<(Vec<Gpu>, Vec<String>)> {
+pub(super) fn gpus_of(claimed: &[bc_proto::Gpu]) -> Result<(Vec<Gpu>, Vec<String>)> {
     let gpus: Vec<Gpu> = claimed
         .iter()
         .map(|g| Gpu { model: g.model.clone(), product: g.product.clone(), vram_gib: g.vram_gib, nvlink_domain: g.nvlink_domain })

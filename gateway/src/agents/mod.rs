@@ -1,7 +1,8 @@
 //! The agents' endpoint: the gRPC service of `schema/agent.proto` (tonic), on its own listener,
 //! TLS with a pinned serving certificate ([`tls`]); plain h2c only on loopback in `dev`.
 //!
-//! Layout: [`join`] spends a join token; [`session`] is a node's session, free of tonic (the
+//! Layout: [`join`] spends a join token; [`join_request`] answers a machine that asks to join
+//! without one; [`session`] is a node's session, free of tonic (the
 //! service here only adapts its streams); [`tls`] the serving certificate. [`serve`] is the
 //! listener: its own accept loop and hyper's HTTP/2 server per connection (not tonic's
 //! `Server`, which leaves the streams per connection unbounded), with the bounds of
@@ -21,7 +22,7 @@
 //! - a connection with no stream open for `idle_timeout` ([`AGENT_IDLE_TIMEOUT_MS`]) is closed,
 //!   a peer that does not answer a keep-alive ping is dropped, and a write that makes no progress
 //!   for `write_stall` fails;
-//! - `Join` takes one of `joins_max` permits ([`JOINS_CONCURRENT_MAX`]) or is refused at once
+//! - `Join` (and `RequestJoin`) takes one of `joins_max` permits ([`JOINS_CONCURRENT_MAX`]) or is refused at once
 //!   with `UNAVAILABLE` and a retry hint (`bc_proto::RETRY_PUSHBACK_MS_KEY`), which `bcd join`
 //!   honours.
 //!
@@ -50,6 +51,7 @@ use crate::AppState;
 use crate::conn::{Deadlines, GuardedIo};
 
 pub mod join;
+pub mod join_request;
 pub mod session;
 pub mod tls;
 
@@ -204,6 +206,21 @@ fn unavailable_retry_after(message: &str, retry_after_ms: u64) -> Status {
     status
 }
 
+impl AgentService {
+    /// A join's answer: the signed identity, the log key, and the node certificate with its CA.
+    fn join_response(&self, joined: join::Joined) -> bc_proto::JoinResponse {
+        bc_proto::JoinResponse {
+            identity: joined.identity,
+            signature: joined.signature,
+            log_key_id: self.state.log.key.key_id().to_owned(),
+            log_public_key: self.state.log.key.public().as_bytes().to_vec(),
+            node_certificate_not_after_ms: joined.certificate.as_ref().map_or(0, |c| c.not_after_ms),
+            node_certificate: joined.certificate.map(|c| c.der).unwrap_or_default(),
+            node_ca_certificate: self.state.node_ca.as_ref().map(|ca| ca.certificate().to_vec()).unwrap_or_default(),
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Agent for AgentService {
     async fn join(&self, request: Request<bc_proto::JoinRequest>) -> Result<Response<bc_proto::JoinResponse>, Status> {
@@ -212,17 +229,39 @@ impl Agent for AgentService {
             return Err(unavailable_retry_after("the gateway is deciding as many joins as it can; retry", JOIN_RETRY_AFTER_MS));
         };
         match join::join(&self.state, request.into_inner()).await {
-            Ok(joined) => Ok(Response::new(bc_proto::JoinResponse {
-                identity: joined.identity,
-                signature: joined.signature,
-                log_key_id: self.state.log.key.key_id().to_owned(),
-                log_public_key: self.state.log.key.public().as_bytes().to_vec(),
-                node_certificate_not_after_ms: joined.certificate.as_ref().map_or(0, |c| c.not_after_ms),
-                node_certificate: joined.certificate.map(|c| c.der).unwrap_or_default(),
-                node_ca_certificate: self.state.node_ca.as_ref().map(|ca| ca.certificate().to_vec()).unwrap_or_default(),
-            })),
+            Ok(joined) => Ok(Response::new(self.join_response(joined))),
             Err(e) => {
                 tracing::info!(code = %e.code(), error = %e.public_message(), "a join was refused");
+                Err(status_of(&e))
+            }
+        }
+    }
+
+    /// A machine with no token asks (again); it takes a join permit as a join does.
+    async fn request_join(&self, request: Request<bc_proto::JoinAsk>) -> Result<Response<bc_proto::JoinAskAnswer>, Status> {
+        let Ok(_permit) = self.joins.try_acquire() else {
+            tracing::debug!("an ask to join was refused: every join permit is taken");
+            return Err(unavailable_retry_after("the gateway is deciding as many joins as it can; retry", JOIN_RETRY_AFTER_MS));
+        };
+        let answer = |id: bc_core::id::JoinRequestId, state: &str| bc_proto::JoinAskAnswer {
+            join_request_id: id.to_string(),
+            state: state.to_owned(),
+            ..Default::default()
+        };
+        match join_request::ask(&self.state, request.into_inner()).await {
+            Ok(join_request::Asked::Pending { id }) => Ok(Response::new(bc_proto::JoinAskAnswer {
+                retry_after_ms: join_request::JOIN_ASK_RETRY_AFTER_MS,
+                ..answer(id, bc_proto::JOIN_ASK_PENDING)
+            })),
+            Ok(join_request::Asked::Rejected { id, reason }) => {
+                Ok(Response::new(bc_proto::JoinAskAnswer { reason, ..answer(id, bc_proto::JOIN_ASK_REJECTED) }))
+            }
+            Ok(join_request::Asked::Approved { id, joined }) => Ok(Response::new(bc_proto::JoinAskAnswer {
+                joined: Some(self.join_response(joined)),
+                ..answer(id, bc_proto::JOIN_ASK_APPROVED)
+            })),
+            Err(e) => {
+                tracing::info!(code = %e.code(), error = %e.public_message(), "an ask to join was refused");
                 Err(status_of(&e))
             }
         }

@@ -35,6 +35,7 @@ pub mod fleet;
 pub(crate) mod images;
 mod instances;
 mod inventory;
+mod join_requests;
 mod join_tokens;
 mod metal;
 pub(crate) use metal::IDEMPOTENCY_KEY_REFUSED;
@@ -130,6 +131,7 @@ const GROUPS: &[&[Method]] = &[
     access::METHODS,
     inventory::METHODS,
     join_tokens::METHODS,
+    join_requests::METHODS,
     commands::METHODS,
     batches::METHODS,
     capacity::METHODS,

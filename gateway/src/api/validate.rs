@@ -129,6 +129,8 @@ id_schema!(/// `evt_…`
     EventIdText, bc_core::id::EventId);
 id_schema!(/// `jt_…`
     JoinTokenIdText, bc_core::id::JoinTokenId);
+id_schema!(/// `jreq_…`
+    JoinRequestIdText, bc_core::id::JoinRequestId);
 id_schema!(/// `cmd_…`
     CommandIdText, bc_core::id::CommandId);
 id_schema!(/// `flv_…`

@@ -27,6 +27,7 @@ use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
 pub mod batch;
 mod capacity;
 mod instance;
+pub mod join_request;
 mod metal;
 mod plan;
 mod reservation;
