@@ -1535,7 +1535,7 @@ mod tests {
         assert_eq!(rollout.payload["nodes"], serde_json::json!([NODE_1, NODE_2]), "sorted");
         assert_eq!(rollout.payload.get("labels"), None, "no labels: left out");
         assert!(make(vec![rollout.clone()]).is_ok());
-        assert_ne!(scope_root(&[rollout.clone()]).unwrap(), scope_root(&[rollout_leaf(&[&n1, &n2, &n3])]).unwrap());
+        assert_ne!(scope_root(std::slice::from_ref(&rollout)).unwrap(), scope_root(&[rollout_leaf(&[&n1, &n2, &n3])]).unwrap());
         let with = |f: &dyn Fn(&mut serde_json::Value)| {
             let mut payload = rollout.payload.clone();
             f(&mut payload);
