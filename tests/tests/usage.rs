@@ -347,6 +347,33 @@ async fn each_row_is_proved_offline_and_an_edited_quantity_fails_naming_its_row(
     assert!(err.contains("INVALID_PROOF") && err.contains("does not verify"), "{err}");
     let seq = tampered[1]["seq"].as_u64().unwrap();
     assert!(out.contains(&format!("(seq {seq}) does not verify")), "{out}");
+
+    // An event that is not in the log: the activation of the edited row, forged a second earlier
+    // (what would bill more), in a proof otherwise intact. Every row computed from it fails,
+    // naming that event, and no other row does.
+    let activation = listed[row - 1]["activationSeq"].as_u64().unwrap();
+    let mut forged = entries.clone();
+    let at = forged.iter().position(|e| e["seq"].as_u64() == Some(activation)).expect("the activation has a proof");
+    let mut proof = bc_core::note::ProofFile::parse(forged[at]["proof"].as_str().unwrap()).unwrap();
+    let mut event = bc_core::event::Envelope::from_canonical(&proof.event).unwrap();
+    assert_eq!(event.event_type, "reservation.activated", "{}", forged[at]);
+    event.at_ms -= 1000;
+    proof.event = event.to_canonical().unwrap();
+    forged[at]["proof"] = Value::from(proof.encode());
+    let text: Vec<String> = forged.iter().map(Value::to_string).collect();
+    std::fs::write(path("forged.proofs"), text.join("\n") + "\n").unwrap();
+    let (code, out, err) = verify(&path("usage.csv"), &path("forged.proofs"));
+    eprintln!("an event not in the log: {err}");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_PROOF") && err.contains(&format!("(seq {activation}) does not verify")), "{err}");
+    let verdict = bc_tests::json(&out);
+    let failed: Vec<u64> = verdict["failures"].as_array().unwrap().iter().map(|f| f["row"].as_u64().unwrap()).collect();
+    let naming: Vec<u64> = (1..=listed.len() as u64)
+        .filter(|r| listed[*r as usize - 1]["seqs"].as_array().unwrap().iter().any(|s| s.as_u64() == Some(activation)))
+        .collect();
+    assert_eq!(failed, naming, "the rows computed from the forged event, and only they: {verdict}");
+    assert!(failed.contains(&(row as u64)), "{verdict}");
+    assert_eq!(verdict["proved"].as_u64(), Some((listed.len() - naming.len()) as u64), "{verdict}");
 }
 
 const FOCUS_COLUMN_CONSUMED: &str = "ConsumedQuantity";
