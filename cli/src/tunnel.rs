@@ -12,9 +12,12 @@
 //!   reader) never holds the other direction back.
 //! - `forward`'s memory is bounded per connection: the local socket is no longer read while
 //!   more than [`UNSENT_PAUSE_ABOVE_BYTES`] read from it wait to be sent, until fewer than
-//!   [`UNSENT_RESUME_BELOW_BYTES`] do; the WebSocket's receiving side cannot be paused (its
-//!   control frames must be read), so a local reader more than [`LOCAL_BEHIND_MAX_BYTES`] behind
-//!   is disconnected.
+//!   [`UNSENT_RESUME_BELOW_BYTES`] do; and the socket is no longer read while more than
+//!   [`BEHIND_PAUSE_ABOVE_BYTES`] wait for a slow local reader, until fewer than
+//!   [`BEHIND_RESUME_BELOW_BYTES`] do. A paused socket holds the gateway back, which holds the
+//!   node's agent back, which holds the guest back (TCP's flow control and HTTP/2's windows all
+//!   the way), as `ssh -L` and `kubectl port-forward` do: a slow reader is slowed, never cut off.
+//!   A reader that never reads again ends with the tunnel's idle timeout.
 //! - Nothing typed or printed is logged.
 
 use std::io::{Read, Write};
@@ -47,9 +50,12 @@ pub const UNSENT_PAUSE_ABOVE_BYTES: usize = 4 * 1024 * 1024;
 /// ...and reads it again once less than this does.
 pub const UNSENT_RESUME_BELOW_BYTES: usize = 1024 * 1024;
 const _: () = assert!(UNSENT_RESUME_BELOW_BYTES < UNSENT_PAUSE_ABOVE_BYTES);
-/// A local connection whose reader is more than this behind what the tunnel delivered is
-/// disconnected.
-pub const LOCAL_BEHIND_MAX_BYTES: usize = 16 * 1024 * 1024;
+/// `forward` stops reading the tunnel's socket while more than this that it delivered waits for
+/// the local reader...
+pub const BEHIND_PAUSE_ABOVE_BYTES: usize = 4 * 1024 * 1024;
+/// ...and reads it again once less than this does.
+pub const BEHIND_RESUME_BELOW_BYTES: usize = 1024 * 1024;
+const _: () = assert!(BEHIND_RESUME_BELOW_BYTES < BEHIND_PAUSE_ABOVE_BYTES);
 /// Bytes of a local connection sent in one frame (a frame is at most `FRAME_BYTES_MAX`).
 pub const CHUNK_BYTES: usize = wire::DATA_BYTES_MAX;
 const _: () = assert!(CHUNK_BYTES < wire::FRAME_BYTES_MAX);
@@ -380,8 +386,6 @@ pub enum PumpEnd {
     Closed,
     /// The tunnel ended with a failure, with its message.
     Failed(String),
-    /// The local reader fell more than [`LOCAL_BEHIND_MAX_BYTES`] behind.
-    ReaderBehind,
     /// Writing to the local connection failed: its peer went away.
     LocalGone,
 }
@@ -493,8 +497,8 @@ where
     }
 }
 
-/// Reads the socket: channel 1's bytes go to the local writer, unless it is more than
-/// [`LOCAL_BEHIND_MAX_BYTES`] behind; the status ends it.
+/// Reads the socket: channel 1's bytes go to the local writer, pausing above the behind mark;
+/// the status ends it.
 async fn receive_remote<R>(mut from_remote: R, incoming: mpsc::UnboundedSender<Bytes>, behind: Arc<Held>) -> PumpEnd
 where
     R: futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
@@ -514,11 +518,12 @@ where
         if bytes.first() == Some(&wire::CHANNEL_STDOUT) {
             // Copied out at its size: a slice would hold the socket's larger read buffer.
             let data = Bytes::copy_from_slice(&bytes[1..]);
-            if behind.add(data.len()) > LOCAL_BEHIND_MAX_BYTES {
-                return PumpEnd::ReaderBehind;
-            }
+            let n = data.len();
             if incoming.send(data).is_err() {
                 return PumpEnd::LocalGone;
+            }
+            if behind.add(n) > BEHIND_PAUSE_ABOVE_BYTES {
+                behind.wait_below(BEHIND_RESUME_BELOW_BYTES).await;
             }
             continue;
         }
@@ -541,7 +546,7 @@ async fn write_local(
 ) -> Result<(), ()> {
     while let Some(bytes) = delivered.recv().await {
         local.write_all(&bytes).await.map_err(|_| ())?;
-        behind.remove(bytes.len(), 0);
+        behind.remove(bytes.len(), BEHIND_RESUME_BELOW_BYTES);
     }
     let _ = local.shutdown().await;
     Ok(())
@@ -669,34 +674,63 @@ mod tests {
         assert_eq!(tokio::time::timeout(Duration::from_secs(10), pumping).await.unwrap().unwrap(), PumpEnd::Closed);
     }
 
-    /// A local reader that reads nothing is disconnected once it is the named bound behind; the
-    /// bytes held for it never pass that bound by more than a frame.
+    /// A local reader that reads nothing pauses the socket once the named mark is behind: the
+    /// bytes held for it never pass that mark by more than a frame, and the remote's sends stop
+    /// (its socket fills); once the reader reads again everything arrives, in order, and the
+    /// connection goes on. A slow reader is slowed, never cut off.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_local_reader_too_far_behind_is_disconnected() {
+    async fn a_local_reader_that_stops_reading_pauses_the_socket_until_it_reads_again() {
         let (mut server, client) = socket_pair().await;
         let (local, mut peer) = local_pair().await;
         let (_, behind, pumping) = start_pump(local, client);
-        let flood = tokio::spawn(async move {
-            let frame = binary(Frame::stdout(vec![7u8; CHUNK_BYTES]));
-            while server.send(frame.clone()).await.is_ok() {}
-        });
-        let mut peak = 0;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        let end = loop {
-            peak = peak.max(behind.now());
-            if pumping.is_finished() {
-                break pumping.await.unwrap();
+        // Frame i is CHUNK_BYTES of the byte i % 251.
+        let sent = Arc::new(AtomicUsize::new(0));
+        let flood = tokio::spawn({
+            let sent = sent.clone();
+            async move {
+                for i in 0usize.. {
+                    let frame = binary(Frame::stdout(vec![(i % 251) as u8; CHUNK_BYTES]));
+                    if server.send(frame).await.is_err() {
+                        return;
+                    }
+                    sent.store(i + 1, Ordering::Release);
+                }
             }
-            assert!(tokio::time::Instant::now() < deadline, "still carried, {peak} bytes behind");
+        });
+        // The remote's sends stop: nothing more is sent for a second while the peer reads nothing.
+        let mut peak = 0;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let mut last = (usize::MAX, tokio::time::Instant::now());
+        loop {
+            peak = peak.max(behind.now());
+            assert!(!pumping.is_finished(), "the connection goes on while its reader pauses");
+            let now = sent.load(Ordering::Acquire);
+            if now != last.0 {
+                last = (now, tokio::time::Instant::now());
+            } else if last.1.elapsed() > Duration::from_secs(1) && peak > BEHIND_PAUSE_ABOVE_BYTES / 2 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the remote was never held back: {now} frames sent");
             tokio::time::sleep(Duration::from_millis(5)).await;
-        };
-        assert_eq!(end, PumpEnd::ReaderBehind);
-        assert!(peak > LOCAL_BEHIND_MAX_BYTES / 2 && peak <= LOCAL_BEHIND_MAX_BYTES + CHUNK_BYTES, "{peak}");
-        // The local peer's connection is ended (what was delivered before it, then its end).
-        let mut got = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(10), peer.read_to_end(&mut got)).await;
-        assert!(read.is_ok(), "the local connection ends");
+        }
+        assert!(peak <= BEHIND_PAUSE_ABOVE_BYTES + CHUNK_BYTES, "{peak}");
+        let held_back = last.0;
+        // The reader reads again: 64 MiB more than was sent before it, every byte in place.
+        let wanted = (held_back + (64 << 20) / CHUNK_BYTES) * CHUNK_BYTES;
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut read = 0usize;
+        while read < wanted {
+            let n = tokio::time::timeout(Duration::from_secs(20), peer.read(&mut buffer)).await.expect("the bytes come").unwrap();
+            assert!(n > 0, "the local connection ended after {read} bytes");
+            for (k, byte) in buffer[..n].iter().enumerate() {
+                let at = read + k;
+                assert_eq!(*byte, ((at / CHUNK_BYTES) % 251) as u8, "byte {at} is in its place");
+            }
+            read += n;
+        }
+        assert!(!pumping.is_finished(), "the connection goes on");
         flood.abort();
+        pumping.abort();
     }
 
     /// The remote end closing (`[255, 1]`, `Success`) delivers what it sent, then ends the local

@@ -120,9 +120,5 @@ async fn carry(forwarding: &Forwarding, connection: tokio::net::TcpStream) -> Op
     match tunnel::pump(connection, socket, Arc::new(Held::default()), Arc::new(Held::default())).await {
         PumpEnd::Closed | PumpEnd::LocalGone => None,
         PumpEnd::Failed(why) => Some(format!("the tunnel ended: {}", crate::output::safe_text(&why))),
-        PumpEnd::ReaderBehind => Some(format!(
-            "the local reader fell more than {} MiB behind the tunnel, which cannot be paused",
-            tunnel::LOCAL_BEHIND_MAX_BYTES / (1024 * 1024)
-        )),
     }
 }
