@@ -47,7 +47,9 @@ system-deps:
 ## nextest runs two tests a core: most end-to-end tests spend their time waiting on a server, a
 ## BMC emulator or sshd, and with one a core the run was bound by its slots, not its cores
 ## (measured on 2 cores from a clean clone: 511 s with 2 at once, 416 s with 4, CPU 165 %; every
-## test passed both ways). .config/nextest.toml gives the simulator's two-process test two slots.
+## test passed both ways). The simulator's many-seeds test runs two processes in its one slot:
+## giving it two left the waiting tests fewer slots for the minutes it runs, which was not measured
+## to help.
 TEST_THREADS ?= $$(( $$(nproc) * 2 ))
 test: check-postgres
 	+@$(MAKE) --no-print-directory -j$$(( $$(nproc) + 1 )) test-deps
