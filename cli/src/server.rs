@@ -674,7 +674,12 @@ fn write_node_ca_file(path: &Path, pem: &str) -> Result<(), CliError> {
 /// Every `NODE_CA_REFRESH_MS`, reads the node CA's row again (a `pki renew-ca` made by another
 /// process becomes current here) and rewrites `node-ca.crt` when what verifies changed: a
 /// renewal, or a replaced CA's overlap ending. Until `stopped`.
-fn keep_node_ca_fresh(log: Arc<Log>, ca: Arc<bc_gateway::node_ca::NodeCa>, path: PathBuf, mut stopped: tokio::sync::watch::Receiver<bool>) {
+fn keep_node_ca_fresh(
+    log: Arc<Log>,
+    ca: Arc<bc_gateway::node_ca::NodeCa>,
+    path: PathBuf,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) {
     tokio::spawn(async move {
         let mut written = ca.trusted_pem(log.clock.now_ms());
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(bc_gateway::node_ca::NODE_CA_REFRESH_MS));

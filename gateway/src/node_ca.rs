@@ -76,7 +76,8 @@ pub const NODE_CA_OVERLAP_MS_DEFAULT: u64 = 48 * 3_600_000;
 /// The shortest and longest overlap `--overlap` takes.
 pub const NODE_CA_OVERLAP_MS_MIN: u64 = 3_600_000;
 pub const NODE_CA_OVERLAP_MS_MAX: u64 = 60 * 24 * 3_600_000;
-const _: () = assert!(NODE_CA_OVERLAP_MS_MIN <= NODE_CA_OVERLAP_MS_DEFAULT && NODE_CA_OVERLAP_MS_DEFAULT <= NODE_CA_OVERLAP_MS_MAX);
+const _: () =
+    assert!(NODE_CA_OVERLAP_MS_MIN <= NODE_CA_OVERLAP_MS_DEFAULT && NODE_CA_OVERLAP_MS_DEFAULT <= NODE_CA_OVERLAP_MS_MAX);
 const _: () = assert!(NODE_CERT_LIFETIME_MS_MAX <= NODE_CA_OVERLAP_MS_MAX);
 /// Replaced CAs still in their overlap, at most: a renewal past them is refused until the
 /// oldest overlap ends.
@@ -258,11 +259,14 @@ fn ca_certificate(pem: &str) -> Result<(CertificateDer<'static>, String)> {
 fn verifier_of(root: &CertificateDer<'static>) -> Result<Arc<dyn ClientCertVerifier>> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(root.clone()).map_err(|e| Error::Internal(format!("the node CA as a root: {e}")))?;
-    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(rustls::crypto::ring::default_provider()))
-        .allow_unauthenticated()
-        .build()
-        .map(|verifier| verifier as Arc<dyn ClientCertVerifier>)
-        .map_err(|e| Error::Internal(format!("the node certificate verifier: {e}")))
+    rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        Arc::new(rustls::crypto::ring::default_provider()),
+    )
+    .allow_unauthenticated()
+    .build()
+    .map(|verifier| verifier as Arc<dyn ClientCertVerifier>)
+    .map_err(|e| Error::Internal(format!("the node certificate verifier: {e}")))
 }
 
 impl Generation {
@@ -331,12 +335,7 @@ impl NodeCa {
             return Err(Error::Unavailable("the node CA was renewed at the same moment by another process; see pki show".into()));
         }
         let generation = Generation::of(&text)?;
-        Ok(Renewed {
-            pin: generation.pin.clone(),
-            previous_pin,
-            overlap_ends_at_ms,
-            trusted_pem: generation.trusted_pem(now_ms),
-        })
+        Ok(Renewed { pin: generation.pin.clone(), previous_pin, overlap_ends_at_ms, trusted_pem: generation.trusted_pem(now_ms) })
     }
 
     /// Reads the CA's row again: a renewal another process made becomes current here
@@ -360,7 +359,12 @@ impl NodeCa {
 
     /// The pins of the replaced CAs still in their overlap at `now_ms`, with its end.
     pub fn previous_pins(&self, now_ms: u64) -> Vec<(String, u64)> {
-        self.generation().previous.iter().filter(|(p, _, _)| p.until_ms > now_ms).map(|(p, pin, _)| (pin.clone(), p.until_ms)).collect()
+        self.generation()
+            .previous
+            .iter()
+            .filter(|(p, _, _)| p.until_ms > now_ms)
+            .map(|(p, pin, _)| (pin.clone(), p.until_ms))
+            .collect()
     }
 
     /// The deployment's node CA, made and stored first if there is none (`true`: this call made

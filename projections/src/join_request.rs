@@ -125,23 +125,24 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     let env = &event.envelope;
     let doc = match env.event_type.as_str() {
         JOIN_REQUEST_CREATED => {
-            let made = create_once(key, &current, event, ("join request", "created"), |p: JoinRequestCreated, env| JoinRequestDoc {
-                join_request_id: key.id.clone(),
-                state: JoinRequestState::Pending,
-                public_key: p.public_key,
-                hostname: p.hostname,
-                agent_version: p.agent_version,
-                gpus: p.gpus,
-                gpu_uuids: p.gpu_uuids,
-                tenant_id: None,
-                pool_id: None,
-                node_id: None,
-                reason: None,
-                decided_by: None,
-                decided_at_ms: 0,
-                version: env.version,
-                created_at_ms: env.at_ms,
-            })?;
+            let made =
+                create_once(key, &current, event, ("join request", "created"), |p: JoinRequestCreated, env| JoinRequestDoc {
+                    join_request_id: key.id.clone(),
+                    state: JoinRequestState::Pending,
+                    public_key: p.public_key,
+                    hostname: p.hostname,
+                    agent_version: p.agent_version,
+                    gpus: p.gpus,
+                    gpu_uuids: p.gpu_uuids,
+                    tenant_id: None,
+                    pool_id: None,
+                    node_id: None,
+                    reason: None,
+                    decided_by: None,
+                    decided_at_ms: 0,
+                    version: env.version,
+                    created_at_ms: env.at_ms,
+                })?;
             return Ok(made);
         }
         JOIN_REQUEST_APPROVED | JOIN_REQUEST_REJECTED => {

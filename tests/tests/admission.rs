@@ -279,7 +279,10 @@ async fn a_machine_that_asks_is_approved_joins_and_goes_live_and_a_rejected_one_
     assert_eq!(machine.node_id(), node);
     let joined = events(&server, &["node.joined"]).await;
     assert_eq!(joined.len(), 1, "{joined:?}");
-    assert_eq!((joined[0]["stream"].as_str(), joined[0]["actor"].as_str()), (Some(&*format!("node/{node}")), Some(&*format!("join_request:{id}"))));
+    assert_eq!(
+        (joined[0]["stream"].as_str(), joined[0]["actor"].as_str()),
+        (Some(&*format!("node/{node}")), Some(&*format!("join_request:{id}")))
+    );
     let (code, said_twice, err) = server.cli(&["join-requests", "approve", &id, "--pool", &pool]);
     assert_ne!(code, 0, "decided once: {said_twice}");
     assert!(err.contains("approved already"), "{err}");

@@ -320,7 +320,8 @@ const NODE_CA_OVERLAP_DEFAULT: &str = "48h";
 /// `--overlap`: whole seconds, `NODE_CA_OVERLAP_MS_MIN` to `_MAX`.
 fn parse_node_ca_overlap_ms(text: &str) -> Result<u64, String> {
     use bc_gateway::node_ca::{NODE_CA_OVERLAP_MS_MAX, NODE_CA_OVERLAP_MS_MIN};
-    let (min, max) = (std::time::Duration::from_millis(NODE_CA_OVERLAP_MS_MIN), std::time::Duration::from_millis(NODE_CA_OVERLAP_MS_MAX));
+    let (min, max) =
+        (std::time::Duration::from_millis(NODE_CA_OVERLAP_MS_MIN), std::time::Duration::from_millis(NODE_CA_OVERLAP_MS_MAX));
     let overlap = crate::flags::parse_duration(text, min, max, std::time::Duration::from_secs(1))?;
     Ok(overlap.as_millis() as u64)
 }

@@ -21,7 +21,9 @@ use bc_projections::{
 };
 use ed25519_dalek::Verifier;
 
-use super::join::{AGENT_VERSION_BYTES_MAX, HOSTNAME_BYTES_MAX, Joined, check_text, gpus_of, node_name, refused, signed_identity};
+use super::join::{
+    AGENT_VERSION_BYTES_MAX, HOSTNAME_BYTES_MAX, Joined, check_text, gpus_of, node_name, refused, signed_identity,
+};
 use crate::AppState;
 
 /// How long a pending machine waits before asking again, at least (its own back-off may wait
@@ -39,7 +41,8 @@ pub enum Asked {
 
 pub async fn ask(state: &AppState, ask: bc_proto::JoinAsk) -> Result<Asked> {
     let public_key = node_public_key(&ask.node_public_key).map_err(Error::invalid)?;
-    let signature = ed25519_dalek::Signature::from_slice(&ask.signature).map_err(|_| refused("the ask's signature is malformed"))?;
+    let signature =
+        ed25519_dalek::Signature::from_slice(&ask.signature).map_err(|_| refused("the ask's signature is malformed"))?;
     let mut signed = bc_proto::JOIN_ASK_SIGNING_PREFIX.to_vec();
     signed.extend_from_slice(public_key.as_bytes());
     public_key.verify(&signed, &signature).map_err(|_| refused("the ask is not signed by the key it names"))?;
@@ -59,7 +62,11 @@ pub async fn ask(state: &AppState, ask: bc_proto::JoinAsk) -> Result<Asked> {
         let existing = request_doc(state, id).await?;
         let pending = match existing {
             Some(_) => 0,
-            None => state.store.row_list(&TenantId::ROOT.to_string(), KIND_JOIN_REQUEST_PENDING, None, pending_read_limit()).await?.len(),
+            None => state
+                .store
+                .row_list(&TenantId::ROOT.to_string(), KIND_JOIN_REQUEST_PENDING, None, pending_read_limit())
+                .await?
+                .len(),
         };
         match join_request_ask(id, existing.as_ref(), created.clone(), pending)? {
             JoinRequestAnswer::Create(append) => {
@@ -116,9 +123,12 @@ async fn admit(
         }
         let node_row = state.store.row_get(&tenant.to_string(), KIND_NODE, &node.to_string()).await?;
         let certificate = match &state.node_ca {
-            Some(ca) => {
-                Some(ca.issue(&node.to_string(), public_key.as_bytes(), state.log.ids.ulid().to_bytes(), state.log.clock.now_ms())?)
-            }
+            Some(ca) => Some(ca.issue(
+                &node.to_string(),
+                public_key.as_bytes(),
+                state.log.ids.ulid().to_bytes(),
+                state.log.clock.now_ms(),
+            )?),
             None => None,
         };
         let result = match node_row {
@@ -152,7 +162,9 @@ async fn admit(
                     Some(_) => {}
                 }
                 // Admitted before and the answer lost: a new certificate on the node's stream.
-                let Some(certificate) = &certificate else { return first_identity(state, tenant, node, pool_id, public_key).await };
+                let Some(certificate) = &certificate else {
+                    return first_identity(state, tenant, node, pool_id, public_key).await;
+                };
                 let request = AppendRequest::new(
                     tenant,
                     stream_of(KIND_NODE, &node),

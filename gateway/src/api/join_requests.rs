@@ -112,8 +112,10 @@ async fn request_doc(call: &Call<'_>, id: JoinRequestId) -> Result<JoinRequestDo
 async fn join_requests_list(call: &Call<'_>, input: JoinRequestsList) -> Result<Page<JoinRequestView>> {
     let root = root(call).await?;
     let kind = if input.pending { KIND_JOIN_REQUEST_PENDING } else { KIND_JOIN_REQUEST };
-    list_rows(call, root, kind, input.limit, input.cursor.as_deref(), |row| Ok(Some(JoinRequestView::from(doc::<JoinRequestDoc>(row)?))))
-        .await
+    list_rows(call, root, kind, input.limit, input.cursor.as_deref(), |row| {
+        Ok(Some(JoinRequestView::from(doc::<JoinRequestDoc>(row)?)))
+    })
+    .await
 }
 
 async fn join_requests_approve(call: &Call<'_>, input: JoinRequestApprove) -> Result<JoinRequestView> {

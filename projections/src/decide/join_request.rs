@@ -82,7 +82,9 @@ fn pending(doc: &JoinRequestDoc) -> Result<()> {
     Err(Error::InvalidState {
         message: format!("join request {} is {} already", doc.join_request_id, doc.state.as_str()),
         allowed: Vec::new(),
-        hint: Some("a decided request stays decided: the machine asks again with a new key (bcd join --reset --yes --request)".into()),
+        hint: Some(
+            "a decided request stays decided: the machine asks again with a new key (bcd join --reset --yes --request)".into(),
+        ),
     })
 }
 
@@ -156,7 +158,10 @@ mod tests {
         let full = join_request_ask(id, None, created("a2V5"), JOIN_REQUESTS_PENDING_MAX).unwrap_err();
         assert_eq!(full.code(), bc_core::error::ErrorCode::QuotaExceeded, "{full}");
         let pending = doc(JoinRequestState::Pending);
-        assert_eq!(join_request_ask(id, Some(&pending), created("a2V5"), JOIN_REQUESTS_PENDING_MAX).unwrap(), JoinRequestAnswer::Pending);
+        assert_eq!(
+            join_request_ask(id, Some(&pending), created("a2V5"), JOIN_REQUESTS_PENDING_MAX).unwrap(),
+            JoinRequestAnswer::Pending
+        );
         let rejected = doc(JoinRequestState::Rejected);
         assert_eq!(
             join_request_ask(id, Some(&rejected), created("a2V5"), 0).unwrap(),
@@ -170,7 +175,8 @@ mod tests {
     #[test]
     fn a_request_is_decided_once() {
         let pending = doc(JoinRequestState::Pending);
-        let (tenant, pool, node) = (TenantId::ROOT, PoolId::from_ulid(ulid::Ulid::from_parts(1, 1)), NodeId::from_ulid(ulid::Ulid::nil()));
+        let (tenant, pool, node) =
+            (TenantId::ROOT, PoolId::from_ulid(ulid::Ulid::from_parts(1, 1)), NodeId::from_ulid(ulid::Ulid::nil()));
         let approve = join_request_approve(&pending, tenant, pool, node).unwrap();
         assert_eq!((approve.expected, approve.event_types()), (ExpectedVersion::Exact(1), vec![ev::JOIN_REQUEST_APPROVED]));
         let reject = join_request_reject(&pending, "unknown machine").unwrap();
