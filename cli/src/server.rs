@@ -681,6 +681,9 @@ fn keep_node_ca_fresh(
     mut stopped: tokio::sync::watch::Receiver<bool>,
 ) {
     tokio::spawn(async move {
+        // A roll still in its overlap is recorded (once: `record_renewal` is idempotent), in case
+        // the `pki renew-ca` that made it died before it appended the event.
+        record_node_ca_renewal(&log, &ca, true).await;
         let mut written = ca.trusted_pem(log.clock.now_ms());
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(bc_gateway::node_ca::NODE_CA_REFRESH_MS));
         loop {
@@ -688,8 +691,10 @@ fn keep_node_ca_fresh(
                 _ = tick.tick() => {}
                 _ = stopped.changed() => return,
             }
-            if let Err(e) = ca.refresh(&*log.store).await {
-                tracing::warn!(error = %e, "could not read the node CA again");
+            match ca.refresh(&*log.store).await {
+                Ok(true) => record_node_ca_renewal(&log, &ca, false).await,
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "could not read the node CA again"),
             }
             let pem = ca.trusted_pem(log.clock.now_ms());
             if pem != written {
@@ -700,6 +705,18 @@ fn keep_node_ca_fresh(
             }
         }
     });
+}
+
+/// Appends `node_ca.renewed` for the roll that made `ca`'s current CA current, if there was one
+/// (`in_overlap_only`: and its overlap has not ended).
+async fn record_node_ca_renewal(log: &Log, ca: &bc_gateway::node_ca::NodeCa, in_overlap_only: bool) {
+    let Some(renewed) = ca.renewal() else { return };
+    if in_overlap_only && renewed.overlap_ends_at_ms <= log.clock.now_ms() {
+        return;
+    }
+    if let Err(e) = bc_gateway::node_ca::NodeCa::record_renewal(log, &renewed).await {
+        tracing::warn!(error = %e, "could not record the node CA's renewal; the next read tries again");
+    }
 }
 
 /// `pki renew-ca`: a new node CA, the replaced one trusted beside it for `overlap_ms` (in a
@@ -714,15 +731,34 @@ pub async fn renew_node_ca(db: &Database, data_dir: &Path, data_key_path: &Path,
     seal_secrets(&*store, data_key_path, false).await?;
     let now_ms = SystemClock.now_ms();
     let overlap_ms = bc_gateway::node_ca::overlap_ms(overlap_ms);
+    let key_path = data_dir.join(LOG_KEY_FILE);
+    if !key_path.exists() {
+        return Err(CliError::new("PKI_NOT_FOUND", format!("no log key at {}", key_path.display()))
+            .hint("the renewal is recorded in the log: pass the --data-dir that dev or serve uses"));
+    }
+    check_log_key(&*store, data_dir).await?;
+    let key = Arc::new(LogKey::load(&key_path)?);
+    let log = Log::open(store.clone(), Arc::new(Projections), key, Arc::new(SystemClock)).await?;
     let renewed = bc_gateway::node_ca::NodeCa::renew(&*store, now_ms, overlap_ms).await?;
     let path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
     write_node_ca_file(&path, &renewed.trusted_pem)?;
+    let event = bc_projections::events::NodeCaRenewed {
+        pin: renewed.pin.clone(),
+        previous_pin: renewed.previous_pin.clone(),
+        overlap_ends_at_ms: renewed.overlap_ends_at_ms,
+    };
+    // The servers record it too when they read the roll: a failure here loses nothing.
+    let recorded = bc_gateway::node_ca::NodeCa::record_renewal(&log, &event).await;
+    if let Err(e) = &recorded {
+        tracing::warn!(error = %e, "could not record the renewal now; each server records it when it reads the roll");
+    }
     Ok(json!({
         "pin": renewed.pin,
         "previousPin": renewed.previous_pin,
         "overlapEndsAtMs": renewed.overlap_ends_at_ms,
         "overlapEnds": bc_core::clock::rfc3339_ms(renewed.overlap_ends_at_ms),
         "certificate": path.display().to_string(),
+        "recorded": recorded.is_ok(),
         "next": format!(
             "node certificates are issued by the new CA within {} s on every server; nodes renew onto it before the overlap ends",
             bc_gateway::node_ca::NODE_CA_REFRESH_MS / 1000

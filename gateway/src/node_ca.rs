@@ -357,6 +357,34 @@ impl NodeCa {
         self.generation().trusted_pem(now_ms)
     }
 
+    /// The roll that made the current CA current, as `node_ca.renewed` says it (none: the CA
+    /// was never renewed).
+    pub fn renewal(&self) -> Option<bc_projections::events::NodeCaRenewed> {
+        let generation = self.generation();
+        generation.previous.first().map(|(replaced, previous_pin, _)| bc_projections::events::NodeCaRenewed {
+            pin: generation.pin.clone(),
+            previous_pin: previous_pin.clone(),
+            overlap_ends_at_ms: replaced.until_ms,
+        })
+    }
+
+    /// Appends `node_ca.renewed` for `renewed`, once whoever appends it (its idempotency key is
+    /// named after the new CA's pin).
+    pub async fn record_renewal(log: &bc_core::store::Log, renewed: &bc_projections::events::NodeCaRenewed) -> Result<()> {
+        use bc_projections::node_ca::{NODE_CA_ACTOR, node_ca_renewed_key, node_ca_stream};
+        let event =
+            bc_core::store::NewEvent::new(bc_projections::events::NODE_CA_RENEWED, bc_projections::events::to_cbor(renewed)?);
+        let mut request = bc_core::store::AppendRequest::new(
+            TenantId::ROOT,
+            node_ca_stream(),
+            bc_core::store::ExpectedVersion::Any,
+            NODE_CA_ACTOR,
+            vec![event],
+        );
+        request.idempotency_key = Some(node_ca_renewed_key(&renewed.pin));
+        log.append(request).await.map(|_| ())
+    }
+
     /// The pins of the replaced CAs still in their overlap at `now_ms`, with its end.
     pub fn previous_pins(&self, now_ms: u64) -> Vec<(String, u64)> {
         self.generation()

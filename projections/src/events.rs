@@ -41,6 +41,7 @@ pub use crate::node::{
     NODE_UNREACHABLE, NodeAgentStarted, NodeAllocated, NodeCertificateIssued, NodeDeleted, NodeFreed, NodeJoined,
     NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeRevoked, NodeStateChanged,
 };
+pub use crate::node_ca::{NODE_CA_RENEWED, NodeCaRenewed};
 pub use crate::pool::{POOL_ARCHIVED, POOL_CREATED, POOL_UPDATED, PoolArchived, PoolCreated, PoolUpdated};
 pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
 pub use crate::reservation::{
@@ -135,6 +136,7 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_UNREACHABLE,
     NODE_CERTIFICATE_ISSUED,
     NODE_REVOKED,
+    NODE_CA_RENEWED,
     COMMAND_ISSUED,
     COMMAND_CANCELLED,
     COMMAND_STARTED,

@@ -38,6 +38,7 @@ pub mod join_request;
 pub mod join_token;
 pub mod metal;
 pub mod node;
+pub mod node_ca;
 pub mod placement;
 pub mod pool;
 pub mod quota;

@@ -384,4 +384,12 @@ async fn renew_ca_rolls_the_node_ca_with_an_overlap_in_which_both_verify_and_pas
     let (code, said) = openssl_verify(second.dir.path(), &alone, &certificate_file(&second).certificate);
     assert_eq!(code, 0, "a certificate issued after the roll verifies against the new CA: {said}");
     direct_connection(&server, port, &second).expect("the new CA's certificate is taken");
+    // The roll is in the log once, though the command and the server each recorded it.
+    let rolled = events(&server, &["node_ca.renewed"]).await;
+    assert_eq!(rolled.len(), 1, "{rolled:?}");
+    assert_eq!(
+        (rolled[0]["payload"]["pin"].as_str(), rolled[0]["payload"]["previousPin"].as_str()),
+        (Some(new_pin.as_str()), Some(old_pin.as_str()))
+    );
+    assert_eq!(renewed["recorded"], true, "{renewed}");
 }
