@@ -20,7 +20,8 @@
 //!    baseline is `usage.list` paged over HTTP by this process (what the export reads, without
 //!    formatting or writing). `usage verify` of the proved export is timed too. A million rows
 //!    through the server would take 17 minutes of closing at this rate: the slope stands in for
-//!    it.
+//!    it. `BC_BENCH_USAGE_RESERVATIONS` (default 1,000; a node per 4) and
+//!    `BC_BENCH_USAGE_SECONDS` (default 60) make more rows: 2,000 for 200 s give ~400,000.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -48,10 +49,16 @@ const ARRIVAL_MS_MEAN: u64 = 22_000;
 const RAW_BATCH: usize = 100;
 /// Events encoded at a time for the raw baseline (the encoding is not timed).
 const RAW_CHUNK: usize = 10_000;
-const EXPORT_NODES: usize = 250;
+/// One-GPU reservations active while windows close (`BC_BENCH_USAGE_RESERVATIONS`), on a
+/// four-GPU node per four.
 const EXPORT_RESERVATIONS: usize = 1000;
-/// How long the reservations run, closing 1 s windows: rows ≈ reservations × seconds.
+/// How long the reservations run, closing 1 s windows: rows ≈ reservations × seconds
+/// (`BC_BENCH_USAGE_SECONDS`).
 const EXPORT_RUN_S: u64 = 60;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
 
 /// A seeded source of draws below `n`.
 fn draws(seed: u64) -> impl FnMut(u64) -> u64 {
@@ -255,15 +262,17 @@ async fn export_part() {
     let http = reqwest::Client::new();
     let pool = server.call(&http, "pools.create", json!({ "name": "usage-bench" })).await["poolId"].as_str().unwrap().to_owned();
     let gpus = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 4];
-    for n in 0..EXPORT_NODES {
+    let reservations: usize = env_or("BC_BENCH_USAGE_RESERVATIONS", EXPORT_RESERVATIONS);
+    let run_s: u64 = env_or("BC_BENCH_USAGE_SECONDS", EXPORT_RUN_S);
+    for n in 0..reservations.div_ceil(4) {
         server.call(&http, "nodes.register", json!({ "poolId": pool, "name": format!("n{n}"), "gpus": gpus })).await;
     }
-    for _ in 0..EXPORT_RESERVATIONS {
+    for _ in 0..reservations {
         let r = server.call(&http, "reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 3600 })).await;
         assert_eq!(r["state"], "active", "{r}");
     }
-    eprintln!("usage: {EXPORT_RESERVATIONS} reservations active; closing 1 s windows for {EXPORT_RUN_S} s…");
-    tokio::time::sleep(Duration::from_secs(EXPORT_RUN_S)).await;
+    eprintln!("usage: {reservations} reservations active; closing 1 s windows for {run_s} s…");
+    tokio::time::sleep(Duration::from_secs(run_s)).await;
 
     // The baseline: usage.list paged by this process.
     let (mut listed, mut cursor, mut windows) = (0u64, None::<String>, Vec::new());
@@ -357,7 +366,7 @@ async fn export_part() {
     let verify_rate = verdict["proved"].as_u64().unwrap() as f64 / started.elapsed().as_secs_f64();
 
     let per_1000 = slope(&points) * 1000.0;
-    println!("usage export, real binary, {listed} rows ({} windows of 1 s, {EXPORT_RESERVATIONS} reservations):", windows.len());
+    println!("usage export, real binary, {listed} rows ({} windows of 1 s, {reservations} reservations):", windows.len());
     println!("  usage.list paged over HTTP (baseline): {list_rate:.0} rows/s");
     println!("  export csv:   {csv_rate:.0} rows/s = {:.2}x the listing", csv_rate / list_rate);
     println!("  export jsonl: {jsonl_rate:.0} rows/s = {:.2}x the listing, peak RSS {jsonl_rss} KiB", jsonl_rate / list_rate);
