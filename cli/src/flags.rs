@@ -14,8 +14,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
     agent_commands, api, audit, auth, batch, console, events, exec, flavors, fleet, forward, init, instances, inventory,
-    join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert, usage, version,
-    webhooks,
+    join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert,
+    usage, version, webhooks,
 };
 use crate::output::Format;
 
