@@ -74,13 +74,6 @@ string_schema!(/// 1 to 253 bytes of a-z, 0-9, '.' and '-'.
     TrustDomainText, json_schema!({ "type": "string", "pattern": "^[a-z0-9.-]{1,253}$" }));
 string_schema!(/// What approvers read: 1 to 500 bytes.
     BatchReasonText, json_schema!({ "type": "string", "minLength": 1, "maxLength": COMMAND_BATCH_REASON_BYTES_MAX, "pattern": "\\S" }));
-string_schema!(/// The kinds a batch holds.
-    LeafKindText, json_schema!({ "type": "string", "enum": bc_projections::decide::batch::BATCH_LEAF_KINDS }));
-string_schema!(/// A leaf's subject: a node `node_…` (`ping`, the `metal.*` kinds, `nodes.delete`), a
-    /// reservation `rsv_…` (`reservations.release`) or a release `rel_…` (`rollouts.create`).
-    LeafSubjectText as "LeafSubjectText", |g| json_schema!({ "anyOf": [
-        g.subschema_for::<NodeIdText>(), g.subschema_for::<ReservationIdText>(), g.subschema_for::<ReleaseIdText>()
-    ] }));
 string_schema!(/// `pending`, `released`, `cancelled`, `expired`.
     BatchStateText, json_schema!({ "type": "string", "enum": ["pending", "released", "cancelled", "expired"] }));
 
@@ -183,14 +176,66 @@ impl LeafPayload {
 /// `subject`; `nodes.delete`: that node's deletion; `reservations.release`: the reservation
 /// `subject`'s release; `rollouts.create`: a rollout of the release `subject`), with exactly
 /// `payload`.
-#[derive(Deserialize, JsonSchema)]
+#[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeafInput {
-    #[schemars(with = "LeafSubjectText")]
     subject: String,
-    #[schemars(with = "LeafKindText")]
     kind: String,
     payload: LeafPayload,
+}
+
+/// The payload fields, each of which a leaf kind that does not take it may give only as `null`.
+const LEAF_PAYLOAD_FIELDS: [&str; 9] =
+    ["imageId", "poolId", "labels", "waves", "maxUnavailable", "minReadyS", "nodeDeadlineS", "waveFailuresMax", "busyNodes"];
+
+/// A leaf, documented as the server takes it: one schema per group of kinds, each naming the
+/// subject's kind of id and the payload that kind takes (`{}`, or its fields as `null`, for the
+/// kinds without arguments; `{imageId}` for `metal.deploy`; `rollouts.create`'s arguments for
+/// `rollouts.create`), so a leaf whose subject or payload is not its kind's is invalid by the
+/// document as it is refused by the server.
+impl JsonSchema for LeafInput {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "LeafInput".into()
+    }
+
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        use bc_projections::decide::batch::{LEAF_METAL_POWER_OFF, LEAF_METAL_RETIRE, LEAF_METAL_UNDEPLOY};
+        let nulls = |except: &[&str]| {
+            let fields: serde_json::Map<String, serde_json::Value> = LEAF_PAYLOAD_FIELDS
+                .iter()
+                .filter(|f| !except.contains(f))
+                .map(|f| ((*f).to_owned(), serde_json::json!({ "type": "null" })))
+                .collect();
+            fields
+        };
+        let leaf = |kinds: &[&str], subject: schemars::Schema, payload: serde_json::Value| {
+            serde_json::json!({
+                "type": "object",
+                "additionalProperties": false,
+                "required": ["subject", "kind", "payload"],
+                "properties": { "subject": subject, "kind": { "type": "string", "enum": kinds }, "payload": payload },
+            })
+        };
+        let no_arguments = serde_json::json!({ "type": "object", "additionalProperties": false, "properties": nulls(&[]) });
+        let mut deploy_fields = nulls(&["imageId"]);
+        deploy_fields.insert("imageId".into(), g.subschema_for::<ImageIdText>().to_value());
+        let deploy = serde_json::json!({
+            "type": "object", "additionalProperties": false, "required": ["imageId"], "properties": deploy_fields,
+        });
+        let rollout = serde_json::json!({
+            "allOf": [g.subschema_for::<LeafPayload>(), { "properties": { "imageId": { "type": "null" } } }],
+        });
+        let node = g.subschema_for::<NodeIdText>();
+        json_schema!({
+            "description": "One operation: a command of `kind` to the node `subject` (a `metal.*` kind: to the machine `subject`; `nodes.delete`: that node's deletion; `reservations.release`: the reservation `subject`'s release; `rollouts.create`: a rollout of the release `subject`), with exactly `payload`.",
+            "oneOf": [
+                leaf(&["ping", LEAF_METAL_UNDEPLOY, LEAF_METAL_RETIRE, LEAF_METAL_POWER_OFF, LEAF_NODE_DELETE], node.clone(), no_arguments.clone()),
+                leaf(&[LEAF_METAL_DEPLOY], node, deploy),
+                leaf(&[LEAF_RESERVATION_RELEASE], g.subschema_for::<ReservationIdText>(), no_arguments),
+                leaf(&[LEAF_ROLLOUT_CREATE], g.subschema_for::<ReleaseIdText>(), rollout),
+            ]
+        })
+    }
 }
 
 #[derive(Deserialize, JsonSchema)]
