@@ -49,6 +49,18 @@ fn path_text(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
+/// Two machines joined to `pool`, their `bcd node` started.
+async fn two_live_machines(server: &Server, port: u16, pool: &str) -> Vec<AgentNode> {
+    let mut machines = Vec::new();
+    for _ in 0..2 {
+        let mut machine = AgentNode::new(server, port);
+        machine.join_pool(server, pool).await;
+        machine.start();
+        machines.push(machine);
+    }
+    machines
+}
+
 async fn wait_ready(server: &Server, node: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -104,13 +116,7 @@ fn signature_of(path: &Path) -> Value {
 async fn a_batch_runs_only_after_its_quorum_and_every_bad_approval_is_refused_with_its_code() {
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("rack").await;
-    let mut machines = Vec::new();
-    for _ in 0..2 {
-        let mut machine = AgentNode::new(&server, port);
-        machine.join_pool(&server, &pool).await;
-        machine.start();
-        machines.push(machine);
-    }
+    let mut machines = two_live_machines(&server, port, &pool).await;
     let nodes: Vec<String> = machines.iter().map(AgentNode::node_id).collect();
     for node in &nodes {
         wait_ready(&server, node).await;
@@ -688,13 +694,7 @@ async fn with_the_quorum_on_a_rollout_to_two_nodes_goes_through_a_batch_after_tw
     let (server, port) = bc_tests::agents_gateway_with(&["--release-key", &public, "--approvers"]);
     let keys = three_approvers(&server, dir.path());
     let pool = server.pool("rack").await;
-    let mut machines = Vec::new();
-    for _ in 0..2 {
-        let mut machine = AgentNode::new(&server, port);
-        machine.join_pool(&server, &pool).await;
-        machine.start();
-        machines.push(machine);
-    }
+    let machines = two_live_machines(&server, port, &pool).await;
     let mut nodes: Vec<String> = machines.iter().map(AgentNode::node_id).collect();
     nodes.sort();
     for node in &nodes {

@@ -968,6 +968,17 @@ mod tests {
         approval_message(&b.trust_domain, &b.batch_id, &b.root, b.size, b.expires_at_ms)
     }
 
+    /// The publication history of the set `s`, published at epoch 1 (what a release reads).
+    fn epoch_1_history(s: &ApproverSetDoc) -> [ApproverSetPublished; 1] {
+        [ApproverSetPublished {
+            epoch: 1,
+            quorum: s.quorum,
+            trust_domain: "compute.test".into(),
+            keys: s.keys.clone(),
+            signatures: vec![],
+        }]
+    }
+
     fn approve(b: &mut CommandBatchDoc, s: &ApproverSetDoc, k: &SigningKey) -> Result<BatchApproveOutcome> {
         let kid = public(k).kid;
         let out = batch_approve(b, s, &kid, &sign(k, &message(b)), 2_000)?;
@@ -1252,13 +1263,7 @@ mod tests {
         assert_eq!(added[1].command_ids[49], "cmd_449");
 
         let mut doc = batch(&s, leaves.clone());
-        let history = [ApproverSetPublished {
-            epoch: 1,
-            quorum: 2,
-            trust_domain: "compute.test".into(),
-            keys: s.keys.clone(),
-            signatures: vec![],
-        }];
+        let history = epoch_1_history(&s);
         assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "a pending batch issues nothing");
         for k in [&a, &b] {
             approve(&mut doc, &s, k).unwrap();
@@ -1386,13 +1391,7 @@ mod tests {
             ping("node_c"),
         ];
         let mut doc = batch(&s, leaves);
-        let history = [ApproverSetPublished {
-            epoch: 1,
-            quorum: 2,
-            trust_domain: "compute.test".into(),
-            keys: s.keys.clone(),
-            signatures: vec![],
-        }];
+        let history = epoch_1_history(&s);
         assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "a pending batch starts nothing");
         approve(&mut doc, &s, &a).unwrap();
         assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "one approval of two starts nothing");
@@ -1614,13 +1613,7 @@ mod tests {
             rollout_leaf(&[&n1, &n2]),
         ];
         let mut doc = batch(&s, leaves);
-        let history = [ApproverSetPublished {
-            epoch: 1,
-            quorum: 2,
-            trust_domain: "compute.test".into(),
-            keys: s.keys.clone(),
-            signatures: vec![],
-        }];
+        let history = epoch_1_history(&s);
         assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "a pending batch applies nothing");
         approve(&mut doc, &s, &a).unwrap();
         assert_eq!(release_chunk(&doc, &history, 5_000).unwrap(), None, "one approval of two applies nothing");
