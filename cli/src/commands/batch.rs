@@ -541,6 +541,39 @@ pub async fn make_batch(
     Ok(batch)
 }
 
+/// What `nodes delete` and `release` act on: several ids only through one batch.
+pub enum OneOrBatch {
+    /// No `--batch-reason`: the one id, for the call itself.
+    One(String),
+    /// The batch made of them (what [`make_batch`] answered), to print.
+    Batch(Value),
+}
+
+/// With `--batch-reason`, one batch of a `kind` leaf (payload `{}`) per id, through
+/// [`make_batch`] (`--if-version`, one object's version, is refused beside it); without, exactly
+/// one id. `verb` names one operation (`delete`), `several` the many (`nodes are deleted`), for
+/// the usage errors.
+pub async fn one_or_batch(
+    ctx: &Context,
+    ids: Vec<String>,
+    batch_reason: Option<String>,
+    if_version: Option<u64>,
+    kind: &str,
+    (verb, several): (&str, &str),
+) -> Result<OneOrBatch, CliError> {
+    if let Some(reason) = batch_reason {
+        if if_version.is_some() {
+            return Err(CliError::usage(format!("--if-version goes with one {verb} now, not with --batch-reason")));
+        }
+        let leaves = ids.into_iter().map(|id| (id, json!({}))).collect();
+        return Ok(OneOrBatch::Batch(make_batch(ctx, &reason, kind, leaves, &IdempotencyKey { key: None }).await?));
+    }
+    let [one] = <[String; 1]>::try_from(ids).map_err(|_| {
+        CliError::usage(format!("several {several} through one batch: add --batch-reason TEXT (the approvers sign it)"))
+    })?;
+    Ok(OneOrBatch::One(one))
+}
+
 /// A `rollouts.create` leaf as the approver reads it: the release, how many nodes and which,
 /// the pool and labels that chose them, the waves.
 fn rollout_line(leaf: &Leaf) -> String {

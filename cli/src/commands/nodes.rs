@@ -12,6 +12,7 @@ use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
+use super::batch::{OneOrBatch, one_or_batch};
 use super::{Context, check_id, idempotency_key, labels, put_id};
 
 /// Longest `nodes drain --wait`: a day.
@@ -157,20 +158,12 @@ pub async fn run(ctx: &Context, command: NodesCommand) -> Result<(), CliError> {
                     nodes.join(", ")
                 )));
             }
-            if let Some(batch_reason) = batch_reason {
-                if if_version.if_version.is_some() {
-                    return Err(CliError::usage("--if-version goes with one delete now, not with --batch-reason"));
-                }
-                let leaves = nodes.into_iter().map(|n| (n, json!({}))).collect();
-                let kind = bc_projections::decide::batch::LEAF_NODE_DELETE;
-                return ctx.print(
-                    &super::batch::make_batch(ctx, &batch_reason, kind, leaves, &IdempotencyKey { key: None }).await?,
-                    Format::Json,
-                );
-            }
-            let [node] = <[String; 1]>::try_from(nodes).map_err(|_| {
-                CliError::usage("several nodes are deleted through one batch: add --batch-reason TEXT (the approvers sign it)")
-            })?;
+            let kind = bc_projections::decide::batch::LEAF_NODE_DELETE;
+            let what = ("delete", "nodes are deleted");
+            let node = match one_or_batch(ctx, nodes, batch_reason, if_version.if_version, kind, what).await? {
+                OneOrBatch::One(node) => node,
+                OneOrBatch::Batch(batch) => return ctx.print(&batch, Format::Json),
+            };
             let mut body = body;
             body.insert("nodeId".into(), json!(node));
             if let Some(v) = if_version.if_version {

@@ -11,6 +11,7 @@ use crate::flags::{IdempotencyKey, IfVersion, Page, parse_duration_s};
 use crate::output::Format;
 use crate::tables;
 
+use super::batch::{OneOrBatch, one_or_batch};
 use super::{Context, add_page, check_id, idempotency_key, put_id};
 
 #[derive(Args)]
@@ -216,20 +217,12 @@ pub async fn release(ctx: &Context, args: ReleaseArgs) -> Result<(), CliError> {
             ids.push(id);
         }
     }
-    if let Some(batch_reason) = batch_reason {
-        if if_version.if_version.is_some() {
-            return Err(CliError::usage("--if-version goes with one release now, not with --batch-reason"));
-        }
-        let leaves = ids.into_iter().map(|id| (id, json!({}))).collect();
-        let kind = bc_projections::decide::batch::LEAF_RESERVATION_RELEASE;
-        return ctx.print(
-            &super::batch::make_batch(ctx, &batch_reason, kind, leaves, &IdempotencyKey { key: None }).await?,
-            Format::Json,
-        );
-    }
-    let [reservation_id] = <[String; 1]>::try_from(ids).map_err(|_| {
-        CliError::usage("several reservations are released through one batch: add --batch-reason TEXT (the approvers sign it)")
-    })?;
+    let kind = bc_projections::decide::batch::LEAF_RESERVATION_RELEASE;
+    let what = ("release", "reservations are released");
+    let reservation_id = match one_or_batch(ctx, ids, batch_reason, if_version.if_version, kind, what).await? {
+        OneOrBatch::One(id) => id,
+        OneOrBatch::Batch(batch) => return ctx.print(&batch, Format::Json),
+    };
     let extra: Vec<(&str, Value)> = if_version.if_version.iter().map(|v| ("ifVersion", json!(v))).collect();
     let v = on_reservation(&ctx.client()?, "reservations.release", ctx.tenant_body()?, &reservation_id, &extra).await?;
     ctx.print(&v, Format::Json)
