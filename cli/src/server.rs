@@ -683,7 +683,7 @@ fn keep_node_ca_fresh(
     tokio::spawn(async move {
         // A roll still in its overlap is recorded (once: `record_renewal` is idempotent), in case
         // the `pki renew-ca` that made it died before it appended the event.
-        record_node_ca_renewal(&log, &ca, true).await;
+        let mut unrecorded = !record_node_ca_renewal(&log, &ca, true).await;
         let mut written = ca.trusted_pem(log.clock.now_ms());
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(bc_gateway::node_ca::NODE_CA_REFRESH_MS));
         loop {
@@ -692,9 +692,14 @@ fn keep_node_ca_fresh(
                 _ = stopped.changed() => return,
             }
             match ca.refresh(&*log.store).await {
-                Ok(true) => record_node_ca_renewal(&log, &ca, false).await,
+                Ok(true) => unrecorded = true,
                 Ok(false) => {}
                 Err(e) => tracing::warn!(error = %e, "could not read the node CA again"),
+            }
+            // Until the roll is in the log: a failed append is tried again at the next tick (the
+            // row no longer changes, so a refresh alone would never try it again).
+            if unrecorded {
+                unrecorded = !record_node_ca_renewal(&log, &ca, false).await;
             }
             let pem = ca.trusted_pem(log.clock.now_ms());
             if pem != written {
@@ -708,14 +713,18 @@ fn keep_node_ca_fresh(
 }
 
 /// Appends `node_ca.renewed` for the roll that made `ca`'s current CA current, if there was one
-/// (`in_overlap_only`: and its overlap has not ended).
-async fn record_node_ca_renewal(log: &Log, ca: &bc_gateway::node_ca::NodeCa, in_overlap_only: bool) {
-    let Some(renewed) = ca.renewal() else { return };
+/// (`in_overlap_only`: and its overlap has not ended); `false` only when the append failed.
+async fn record_node_ca_renewal(log: &Log, ca: &bc_gateway::node_ca::NodeCa, in_overlap_only: bool) -> bool {
+    let Some(renewed) = ca.renewal() else { return true };
     if in_overlap_only && renewed.overlap_ends_at_ms <= log.clock.now_ms() {
-        return;
+        return true;
     }
-    if let Err(e) = bc_gateway::node_ca::NodeCa::record_renewal(log, &renewed).await {
-        tracing::warn!(error = %e, "could not record the node CA's renewal; the next read tries again");
+    match bc_gateway::node_ca::NodeCa::record_renewal(log, &renewed).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not record the node CA's renewal; the next tick tries again");
+            false
+        }
     }
 }
 
