@@ -15,6 +15,8 @@
 //! - [`follow`]: a monitor's checks of fetched checkpoints and entries (pure);
 //! - [`tiles`]: the tree as C2SP `tlog-tiles` (paths, tiles, bundles, a bounded cache);
 //! - [`witness`]: the C2SP tlog-witness request and cosignatures (pure);
+//! - [`well_known`]: the well-known document's signed bytes and the join token sealed with
+//!   HPKE to the join encryption key (pure);
 //! - [`store`]: the `EventStore` traits (split by concern), the store algorithm written once
 //!   over a per-dialect transaction, the SQLite and PostgreSQL backends (SQL only), the
 //!   group-committing appender and the projection fold.
@@ -42,6 +44,7 @@ pub mod testing;
 pub mod tiles;
 pub mod tunnel;
 pub mod webhook;
+pub mod well_known;
 pub mod witness;
 
 pub use error::{Error, ErrorCode, Result};
