@@ -57,10 +57,13 @@ pub use crate::rollout::{
 };
 pub use crate::sandbox::{
     SANDBOX_APPLY_FAILED, SANDBOX_CLAIMED, SANDBOX_CREATED, SANDBOX_DELETE_REQUESTED, SANDBOX_EXTENDED, SANDBOX_OBSERVED,
-    SANDBOX_REPORT_TYPES, SANDBOX_TEMPLATE_CREATED, SANDBOX_TEMPLATE_DELETED, SandboxCreated, SandboxDeleteRequested, SandboxEnd,
-    SandboxReport, SandboxShape, SandboxTemplateCreated, SandboxTemplateDeleted,
+    SANDBOX_REPORT_TYPES, SANDBOX_TEMPLATE_CREATED, SANDBOX_TEMPLATE_DELETED, SANDBOX_TEMPLATE_UPDATED, SandboxCreated,
+    SandboxDeleteRequested, SandboxEnd, SandboxReport, SandboxShape, SandboxTemplateCreated, SandboxTemplateDeleted,
+    SandboxTemplateUpdated,
 };
-pub use crate::tenant::{API_KEY_CREATED, API_KEY_REVOKED, ApiKeyCreated, ApiKeyRevoked, TENANT_CREATED, TenantCreated};
+pub use crate::tenant::{
+    API_KEY_CREATED, API_KEY_REVOKED, API_KEY_UPDATED, ApiKeyCreated, ApiKeyRevoked, ApiKeyUpdated, TENANT_CREATED, TenantCreated,
+};
 pub use crate::webhook::{
     WEBHOOK_CREATED, WEBHOOK_DELETED, WEBHOOK_PINGED, WEBHOOK_SECRET_ROTATED, WEBHOOK_UPDATED, WebhookCreated, WebhookDeleted,
     WebhookPinged, WebhookSecretRotated, WebhookUpdated,
@@ -93,6 +96,7 @@ pub const NODE_ORIGINATED_TYPES: &[&str] = &[
 pub const EVENT_TYPES: &[&str] = &[
     TENANT_CREATED,
     API_KEY_CREATED,
+    API_KEY_UPDATED,
     API_KEY_REVOKED,
     POOL_CREATED,
     POOL_UPDATED,
@@ -171,6 +175,7 @@ pub const EVENT_TYPES: &[&str] = &[
     RESERVATION_INSTANCE_ATTACHED,
     RESERVATION_INSTANCE_DETACHED,
     SANDBOX_TEMPLATE_CREATED,
+    SANDBOX_TEMPLATE_UPDATED,
     SANDBOX_TEMPLATE_DELETED,
     SANDBOX_CREATED,
     SANDBOX_CLAIMED,

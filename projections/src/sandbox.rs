@@ -32,9 +32,10 @@ use serde_json::Value;
 
 use crate::command::{ResourceReport, apply_report};
 use crate::events::*;
-use crate::{NoFields, corrupt, delete_once, from_doc, payload, to_doc};
+use crate::{NoFields, corrupt, delete_once, from_doc, payload, set_if, to_doc};
 
 pub const SANDBOX_TEMPLATE_CREATED: &str = "sandbox_template.created";
+pub const SANDBOX_TEMPLATE_UPDATED: &str = "sandbox_template.updated";
 pub const SANDBOX_TEMPLATE_DELETED: &str = "sandbox_template.deleted";
 pub const SANDBOX_CREATED: &str = "sandbox.created";
 pub const SANDBOX_CLAIMED: &str = "sandbox.claimed";
@@ -84,6 +85,24 @@ pub struct SandboxTemplateCreated {
     pub max_ttl_s: u64,
     pub env: std::collections::BTreeMap<String, String>,
     pub network: String,
+}
+
+/// `sandbox_template.updated`: what changes in place (absent: unchanged). Its pool, flavor, image
+/// and network do not: a template made otherwise is another template. Sandboxes already claimed
+/// keep what they were made with; warm ones made with another environment are replaced.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxTemplateUpdated {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_min: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_ttl_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_ttl_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<std::collections::BTreeMap<String, String>>,
 }
 
 pub type SandboxTemplateDeleted = NoFields;
@@ -270,6 +289,14 @@ fn apply_template(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> 
                 }
             })
         }
+        SANDBOX_TEMPLATE_UPDATED => crate::update(event, current, |doc: &mut SandboxTemplateDoc, p: SandboxTemplateUpdated| {
+            set_if(&mut doc.name, p.name);
+            set_if(&mut doc.warm_min, p.warm_min);
+            set_if(&mut doc.default_ttl_s, p.default_ttl_s);
+            set_if(&mut doc.max_ttl_s, p.max_ttl_s);
+            set_if(&mut doc.env, p.env);
+            doc.version = event.envelope.version;
+        }),
         SANDBOX_TEMPLATE_DELETED => delete_once(key, current, event),
         _ => Ok(current),
     }
@@ -388,7 +415,7 @@ fn report(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<O
 /// Folds one `sandbox_template.*` or `sandbox.*` event into the row `key`.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     match event.envelope.event_type.as_str() {
-        SANDBOX_TEMPLATE_CREATED | SANDBOX_TEMPLATE_DELETED => apply_template(key, current, event),
+        SANDBOX_TEMPLATE_CREATED | SANDBOX_TEMPLATE_UPDATED | SANDBOX_TEMPLATE_DELETED => apply_template(key, current, event),
         SANDBOX_CREATED | SANDBOX_CLAIMED | SANDBOX_EXTENDED | SANDBOX_DELETE_REQUESTED => {
             apply_sandbox(&key.kind, &key.id, current, event)
         }

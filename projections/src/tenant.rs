@@ -1,8 +1,8 @@
 //! Tenants and their API keys (`tenant/ten_…`, `api_key/key_…`): the documents, the payloads of
 //! `tenant.*` and `api_key.*`, and their fold.
 //!
-//! A tenant is made once and never changes. An API key is made with its actions and can only be
-//! revoked. Neither a key's document nor its events carry its secret: the secret's hash is in the
+//! A tenant is made once and never changes. An API key is made with its actions; its name and
+//! actions can be changed (`api_key.updated`) and it can be revoked, which is final. Neither a key's document nor its events carry its secret: the secret's hash is in the
 //! secret store under [`api_key_secret_id`] (only keys made before that carry it in their event).
 
 use bc_core::Result;
@@ -11,11 +11,12 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{NoFields, create, from_doc, to_doc};
+use crate::{NoFields, create, from_doc, set_if, to_doc, update};
 
 pub const TENANT_CREATED: &str = "tenant.created";
 pub const API_KEY_CREATED: &str = "api_key.created";
 pub const API_KEY_REVOKED: &str = "api_key.revoked";
+pub const API_KEY_UPDATED: &str = "api_key.updated";
 
 /// A tenant's document; also its stream's prefix (`tenant/ten_…`), as every row kind is its
 /// stream's.
@@ -77,6 +78,17 @@ pub struct ApiKeyCreated {
 
 pub type ApiKeyRevoked = NoFields;
 
+/// A live key's new name and/or actions; an absent field is unchanged. The actions replace the
+/// old ones whole: a watch or tunnel the key opened is checked against them at its next recheck.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiKeyUpdated {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actions: Option<Vec<String>>,
+}
+
 /// Folds one `tenant.*` or `api_key.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     match event.envelope.event_type.as_str() {
@@ -96,6 +108,11 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             revoked: false,
             version: env.version,
             created_at_ms: env.at_ms,
+        }),
+        API_KEY_UPDATED => update(event, current, |doc: &mut ApiKeyDoc, p: ApiKeyUpdated| {
+            set_if(&mut doc.name, p.name);
+            set_if(&mut doc.actions, p.actions);
+            doc.version = event.envelope.version;
         }),
         API_KEY_REVOKED => {
             let mut doc: ApiKeyDoc = from_doc(event, current)?;

@@ -173,10 +173,34 @@ async fn keys_are_bound_to_a_tenant_and_actions() {
     assert_eq!(status, 200, "{again}");
     assert_eq!(first["tenantId"], again["tenantId"]);
 
+    // apiKeys.update: a key cannot be given more than its changer holds, and nothing is changed.
+    let (status, denied) =
+        server.call_as(&keys_only, "apiKeys.update", json!({ "keyId": admin["keyId"], "actions": ["*"] }), None).await;
+    assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")), "{denied}");
+    let (status, empty) = server.call("apiKeys.update", json!({ "tenantId": acme, "keyId": key["keyId"] })).await;
+    assert_eq!((status, empty["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{empty}");
+    // The reader's key now writes pools too, at once, and is renamed; the log says so.
+    let (status, updated) = server
+        .call(
+            "apiKeys.update",
+            json!({ "tenantId": acme, "keyId": key["keyId"], "name": "writer", "actions": ["compute:pools:*"] }),
+        )
+        .await;
+    assert_eq!(status, 200, "{updated}");
+    assert_eq!((updated["name"].as_str(), updated["actions"].clone()), (Some("writer"), json!(["compute:pools:*"])));
+    let (status, made) = server.call_as(&reader, "pools.create", json!({ "name": "now-allowed" }), None).await;
+    assert_eq!(status, 200, "{made}");
+    let (status, stale) =
+        server.call("apiKeys.update", json!({ "tenantId": acme, "keyId": key["keyId"], "ifVersion": 1, "name": "x" })).await;
+    assert_eq!((status, stale["code"].as_str()), (409, Some("CONFLICT")), "{stale}");
+
     let (status, _) = server.call("apiKeys.revoke", json!({ "tenantId": acme, "keyId": key["keyId"] })).await;
     assert_eq!(status, 200);
     let (status, gone) = server.call_as(&reader, "pools.list", json!({}), None).await;
     assert_eq!((status, gone["code"].as_str()), (401, Some("UNAUTHENTICATED")));
+    let (status, revoked) =
+        server.call("apiKeys.update", json!({ "tenantId": acme, "keyId": key["keyId"], "name": "back" })).await;
+    assert_eq!((status, revoked["code"].as_str()), (409, Some("INVALID_STATE")), "{revoked}");
 }
 
 #[tokio::test]

@@ -275,6 +275,41 @@ async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_
     let (code, _, err) = server.cli(&["sandbox", "delete", &a]);
     assert_eq!(code, 1, "a deleted sandbox takes no delete: {err}");
 
+    // The template changed in place: a new environment replaces the warm sandbox made with the
+    // old one (`template-updated`), a new sandbox runs with it, and the claimed ones keep theirs;
+    // `warmMin` lowered to 0, the warm one left goes (`warm-excess`).
+    let warm_of = |page: &Value| -> Vec<Value> {
+        page["items"].as_array().unwrap().iter().filter(|s| s["warm"] == true && s["state"] == "running").cloned().collect()
+    };
+    let old_warm = warm_of(&call_ok(&server, "sandboxes.list", json!({ "templateId": template })).await);
+    let (code, out, err) = server.cli(&["sandbox-template", "update", &template, "--env", "X=changed"]);
+    assert_eq!(code, 0, "sandbox-template update: {err}");
+    assert_eq!(json(&out)["env"], json!({ "X": "changed" }), "{out}");
+    for w in &old_warm {
+        let id = w["sandboxId"].as_str().unwrap();
+        let gone = wait_sandbox(&server, id, "deleted", |s| s["state"] == "deleted", &machine).await;
+        assert_eq!(gone["lastError"], "template-updated", "{gone}");
+    }
+    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    assert_eq!(code, 0, "a sandbox after the change: {err}\n{}", machine.node_log());
+    let d = json(&out)["sandboxId"].as_str().unwrap().to_owned();
+    let (code, out, err) = server.cli(&["sandbox", "exec", &d, "--", "sh", "-c", "echo X=$X"]);
+    assert_eq!((code, out.trim()), (0, "X=changed"), "the new environment: {err}");
+    let (code, out, err) = server.cli(&["sandbox", "exec", &b, "--", "sh", "-c", "echo X=$X"]);
+    assert_eq!((code, out.trim()), (0, "X=from-the-template"), "a claimed sandbox keeps its own: {err}");
+    let (code, _, err) = server.cli(&["sandbox-template", "update", &template, "--max-ttl", "30s"]);
+    assert_eq!(code, 2, "a maximum below the default ttl: {err}");
+    assert!(err.contains("INVALID_ARGUMENT") && err.contains("defaultTtlS"), "{err}");
+    let (code, _, err) = server.cli(&["sandbox-template", "update", &template, "--warm-min", "0"]);
+    assert_eq!(code, 0, "{err}");
+    bc_tests::wait_until("no warm sandbox is left", Duration::from_secs(30), || {
+        let page = bc_tests::block_on(call_ok(&server, "sandboxes.list", json!({ "templateId": template })));
+        let warm = page["items"].as_array().unwrap().iter().any(|s| s["warm"] == true);
+        (!warm).then_some(())
+    });
+    let (code, _, err) = server.cli(&["sandbox", "delete", &d]);
+    assert_eq!(code, 0, "{err}");
+
     // The template deleted: its warm sandboxes go; what the API holds is what runsc runs.
     let (code, _, err) = server.cli(&["sandbox-template", "delete", &template]);
     assert_eq!(code, 0, "{err}");

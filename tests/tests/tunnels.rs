@@ -296,20 +296,53 @@ fn console_events_say(server: &Server, node: &str, exit: u64, typed: usize) -> V
 /// status saying so and the socket closes; `tunnel.closed` says `key-revoked`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_revoked_mid_session_ends_its_tunnel() {
+    let (server, token) = key_changed_mid_session(("apiKeys.revoke", json!({})), "revoked", "key-revoked").await;
+    let (status, refused) = server.call_as(&token, "nodes.list", json!({}), None).await;
+    assert_eq!((status, refused["code"].as_str()), (401, Some("UNAUTHENTICATED")), "{refused}");
+}
+
+/// A key whose actions no longer include `compute:nodes:console` (`apiKeys.update`) while its
+/// console is open: within a recheck the tunnel ends as for a revoked key, and `tunnel.closed`
+/// says `access-lost`; the key itself still works for what it kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_loses_the_console_action_mid_session_ends_its_tunnel() {
+    let (server, token) = key_changed_mid_session(
+        ("apiKeys.update", json!({ "actions": ["compute:nodes:read"] })),
+        "no longer grants compute:nodes:console",
+        "access-lost",
+    )
+    .await;
+    let (status, page) = server.call("events.list", json!({ "types": ["api_key.updated"], "limit": 10 })).await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["items"][0]["payload"]["actions"], json!(["compute:nodes:read"]), "{page}");
+    let (status, nodes) = server.call_as(&token, "nodes.list", json!({}), None).await;
+    assert_eq!(status, 200, "what the key kept still works: {nodes}");
+}
+
+/// A console opened with a new key granting `compute:nodes:console` and `compute:nodes:read`,
+/// then `change` (a method and its input, the key's id added) made to the key: the client exits
+/// within a recheck with a `Failure` status whose message contains `says`, and `tunnel.closed`
+/// says `why`. Returns the server and the key's token.
+async fn key_changed_mid_session(change: (&str, Value), says: &str, why: &str) -> (Server, String) {
     let (server, port) = bc_tests::agents_gateway();
-    let (_machine, node) = running_node(&server, port).await;
-    let (status, key) = server.call("apiKeys.create", json!({ "name": "ops", "actions": ["compute:nodes:console"] })).await;
+    let (machine, node) = running_node(&server, port).await;
+    let actions = json!(["compute:nodes:console", "compute:nodes:read"]);
+    let (status, key) = server.call("apiKeys.create", json!({ "name": "ops", "actions": actions })).await;
     assert_eq!(status, 200, "{key}");
     let client = python_console(&server, &node, key["token"].as_str().unwrap(), "echo ready; sleep 600");
     let opened = event_of(&server, "tunnel.opened");
     assert_eq!(opened["actor"], format!("apikey:{}", key["keyId"].as_str().unwrap()));
-    let (status, revoked) = server.call("apiKeys.revoke", json!({ "keyId": key["keyId"] })).await;
-    assert_eq!(status, 200, "{revoked}");
-    let revoked_at = Instant::now();
+    let (method, mut input) = change;
+    input["keyId"] = key["keyId"].clone();
+    let (status, changed) = server.call(method, input).await;
+    assert_eq!(status, 200, "{changed}");
+    let changed_at = Instant::now();
     let exited = client_exits(client, Duration::from_secs(20));
     let within = Duration::from_secs(bc_gateway::tunnels::TUNNEL_RECHECK_S + 3);
-    assert!(revoked_at.elapsed() < within, "ended {:?} after the revocation", revoked_at.elapsed());
-    tunnel_ended(&server, exited, "InternalError", "revoked", "key-revoked");
+    assert!(changed_at.elapsed() < within, "ended {:?} after {method}", changed_at.elapsed());
+    tunnel_ended(&server, exited, "InternalError", says, why);
+    drop(machine);
+    (server, key["token"].as_str().unwrap().to_owned())
 }
 
 /// A console open past `--tunnel-max-duration` ends: the client is told (`Timeout`), and

@@ -1,5 +1,5 @@
 //! `sandbox create|list|get|extend|delete|exec|templates` (the `sandboxes.*` methods) and
-//! `sandbox-template create|list|get|delete` (`sandboxTemplates.*`). Ids are checked before
+//! `sandbox-template create|list|get|update|delete` (`sandboxTemplates.*`). Ids are checked before
 //! anything is sent (`sbx_…`, `sbxt_…`: a usage error, exit 2). `sandbox create --wait S` (0 to
 //! 30, default 30) follows a cold sandbox until it leaves `starting`; `sandbox exec SBX --
 //! COMMAND…` runs the command in the sandbox through an `exec` tunnel and exits with its status
@@ -12,11 +12,11 @@ use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
 use crate::client::CliError;
-use crate::flags::{IdempotencyKey, Page};
+use crate::flags::{IdempotencyKey, IfVersion, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, Settle, add_page, idempotency_key, put_id};
+use super::{Context, Settle, add_if_version, add_page, idempotency_key, put_id};
 
 /// `--wait`'s bound, as the reference's: a create waits at most this long.
 pub const CREATE_WAIT_S_MAX: u64 = 30;
@@ -96,6 +96,10 @@ pub enum SandboxTemplateCommand {
     },
     /// One template, by its `sbxt_…` id.
     Get { template_id: String },
+    /// Change a template in place: its name, warm pool, TTLs or environment (its pool, flavor,
+    /// image and network stay; make another template for those). Claimed sandboxes keep what
+    /// they were made with; warm ones made with another environment are replaced.
+    Update(TemplateUpdate),
     /// Delete a template; its warm sandboxes go, claimed ones live to their end.
     Delete { template_id: String },
 }
@@ -127,6 +131,28 @@ pub struct TemplateCreate {
     network: String,
     #[command(flatten)]
     key: IdempotencyKey,
+}
+
+#[derive(Args)]
+pub struct TemplateUpdate {
+    template_id: String,
+    #[arg(long)]
+    name: Option<String>,
+    /// Sandboxes kept started and unclaimed (0 to 64); lowered, the newest warm ones go.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=64))]
+    warm_min: Option<u32>,
+    #[arg(long, value_parser = duration_s)]
+    default_ttl: Option<u64>,
+    #[arg(long, value_parser = duration_s)]
+    max_ttl: Option<u64>,
+    /// `NAME=VALUE`, repeatable: the environment from now on, replacing the old one whole.
+    #[arg(long = "env", value_name = "NAME=VALUE", conflicts_with = "clear_env")]
+    env: Vec<String>,
+    /// An empty environment from now on.
+    #[arg(long)]
+    clear_env: bool,
+    #[command(flatten)]
+    if_version: IfVersion,
 }
 
 /// `--wait`: until the sandbox leaves `starting`, read again every 100 ms.
@@ -244,6 +270,29 @@ pub async fn run_template(ctx: &Context, command: SandboxTemplateCommand) -> Res
         SandboxTemplateCommand::Get { template_id } => {
             put_id::<SandboxTemplateId>(&mut body, "templateId", "TEMPLATE", &template_id)?;
             ctx.print(&c.call("sandboxTemplates.get", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxTemplateCommand::Update(t) => {
+            put_id::<SandboxTemplateId>(&mut body, "templateId", "TEMPLATE", &t.template_id)?;
+            let numbers = [("warmMin", t.warm_min.map(u64::from)), ("defaultTtlS", t.default_ttl), ("maxTtlS", t.max_ttl)];
+            let new_env = t.clear_env || !t.env.is_empty();
+            if t.name.is_none() && numbers.iter().all(|(_, v)| v.is_none()) && !new_env {
+                return Err(CliError::usage(
+                    "nothing to update: give --name, --warm-min, --default-ttl, --max-ttl, --env or --clear-env",
+                ));
+            }
+            if let Some(name) = t.name {
+                body.insert("name".into(), json!(name));
+            }
+            for (field, value) in numbers {
+                if let Some(value) = value {
+                    body.insert(field.into(), json!(value));
+                }
+            }
+            if new_env {
+                body.insert("env".into(), json!(env_of(&t.env)?));
+            }
+            add_if_version(&mut body, &t.if_version);
+            ctx.print(&c.call("sandboxTemplates.update", &Value::Object(body), None).await?, Format::Json)
         }
         SandboxTemplateCommand::Delete { template_id } => {
             put_id::<SandboxTemplateId>(&mut body, "templateId", "TEMPLATE", &template_id)?;

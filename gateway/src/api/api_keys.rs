@@ -1,18 +1,21 @@
 //! `apiKeys.*`: a tenant's API keys. A key's token is shown once, in the answer to `create`;
-//! the SHA-256 of its secret is kept in the secret store, not in the log.
+//! the SHA-256 of its secret is kept in the secret store, not in the log. A live key's name and
+//! actions can be changed (`update`); a watch or tunnel it opened is checked against its actions
+//! as they are at each recheck, so taking an action away ends what needed it (`access-lost`).
 
-use bc_core::Result;
 use bc_core::id::ApiKeyId;
 use bc_core::store::ExpectedVersion;
+use bc_core::{Error, Result};
 use bc_projections::events as ev;
 use bc_projections::{ApiKeyDoc, KIND_API_KEY, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
+use super::call::expected_version;
 use super::paging::{Page, list_input};
 use super::resource::list_all;
-use super::validate::{ApiKeyIdText, NameText, TenantIdText, validate_name};
+use super::validate::{ApiKeyIdText, NameText, TenantIdText, VersionNumber, validate_name};
 use super::views::{ApiKeyCreatedView, ApiKeyView};
 use super::{Access, Call, Method, method};
 use crate::auth;
@@ -28,6 +31,13 @@ pub(super) const METHODS: &[Method] = &[
         api_keys_create,
     ),
     method!("apiKeys.list", ADMIN, "a tenant's API keys (never their secrets)", ApiKeysList => Page<ApiKeyView>, api_keys_list),
+    method!(
+        "apiKeys.update",
+        ADMIN,
+        "rename a live API key or replace its actions (at most what the caller holds)",
+        ApiKeysUpdate => ApiKeyView,
+        api_keys_update,
+    ),
     method!("apiKeys.revoke", ADMIN, "revoke an API key", ApiKeysRevoke => ApiKeyView, api_keys_revoke),
 ];
 
@@ -45,6 +55,27 @@ pub struct ApiKeysCreate {
 }
 
 list_input!(ApiKeysList {});
+
+/// At least one of `name`, `actions`, not `null`.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("anyOf" = [
+    { "required": ["name"], "properties": { "name": { "type": "string" } } },
+    { "required": ["actions"], "properties": { "actions": { "type": "array" } } },
+]))]
+pub struct ApiKeysUpdate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "ApiKeyIdText")]
+    key_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    #[schemars(with = "Option<NameText>")]
+    name: Option<String>,
+    /// The key's actions from now on, replacing the old ones whole; at most what the caller holds.
+    #[schemars(with = "Option<auth::ActionList>")]
+    actions: Option<Vec<String>>,
+}
 
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -77,6 +108,38 @@ async fn api_keys_create(call: &Call<'_>, input: ApiKeysCreate) -> Result<ApiKey
 
 async fn api_keys_list(call: &Call<'_>, input: ApiKeysList) -> Result<Page<ApiKeyView>> {
     list_all::<ApiKeyDoc, _>(call, &input.tenant_id, input.limit, input.cursor.as_deref()).await
+}
+
+async fn api_keys_update(call: &Call<'_>, input: ApiKeysUpdate) -> Result<ApiKeyView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let key_id: ApiKeyId = parse_id("keyId", &input.key_id)?;
+    if let Some(name) = &input.name {
+        validate_name("name", name)?;
+    }
+    if let Some(actions) = &input.actions {
+        auth::validate_actions(actions)?;
+        auth::check_grantable(call.principal(), actions)?;
+    }
+    if input.name.is_none() && input.actions.is_none() {
+        return Err(Error::invalid("nothing to update: give name or actions"));
+    }
+    let current: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
+    if current.revoked {
+        return Err(Error::InvalidState {
+            message: format!("api key {key_id} is revoked; a revoked key cannot be changed"),
+            allowed: vec![],
+            hint: Some("create a new key with apiKeys.create".into()),
+        });
+    }
+    let stream = stream_of(KIND_API_KEY, &key_id);
+    let expected = expected_version(input.if_version, current.version, &stream)?;
+    let payload = ev::to_cbor(&ev::ApiKeyUpdated { name: input.name, actions: input.actions })?;
+    call.append(tenant, stream, expected, ev::API_KEY_UPDATED, payload).await?;
+    // This process authenticates the key with its new actions at once; another reads it again
+    // within `auth::KEY_CACHE_TTL`.
+    call.state.keys.forget(&key_id);
+    let key: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
+    Ok(key.into())
 }
 
 async fn api_keys_revoke(call: &Call<'_>, input: ApiKeysRevoke) -> Result<ApiKeyView> {

@@ -28,7 +28,7 @@ use super::call::doc;
 use super::paging::{Page, list_rows};
 use super::validate::{
     CursorText, FlavorIdText, ImageIdText, LimitNumber, NameText, PoolIdText, SandboxIdText, SandboxTemplateIdText, TenantIdText,
-    validate_name,
+    VersionNumber, validate_name,
 };
 use super::views::{SandboxCreatedView, SandboxTemplateView, SandboxView, SandboxWarmth};
 use super::{Access, Call, Method, method};
@@ -58,6 +58,13 @@ pub(super) const METHODS: &[Method] = &[
         "a sandbox template: a pool, a flavor, a root-filesystem image (rootfs-tar), env, TTL bounds, a warm pool",
         SandboxTemplatesCreate => SandboxTemplateView,
         sandbox_templates_create,
+    ),
+    method!(
+        "sandboxTemplates.update",
+        MANAGE,
+        "change a template's name, warm pool, TTLs or environment in place (claimed sandboxes keep theirs)",
+        SandboxTemplatesUpdate => SandboxTemplateView,
+        sandbox_templates_update,
     ),
     method!("sandboxTemplates.get", READ, "one sandbox template", TemplateRef => SandboxTemplateView, sandbox_templates_get),
     method!("sandboxTemplates.list", READ, "a tenant's sandbox templates, paged by cursor", ListInput => Page<SandboxTemplateView>, sandbox_templates_list),
@@ -123,6 +130,40 @@ pub struct SandboxTemplatesCreate {
     env: BTreeMap<String, String>,
     /// `none` (the default and, so far, the only policy).
     network: Option<String>,
+}
+
+/// At least one of `name`, `warmMin`, `defaultTtlS`, `maxTtlS`, `env`, not `null`. Its pool,
+/// flavor, image and network do not change in place: make another template.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("anyOf" = [
+    { "required": ["name"], "properties": { "name": { "type": "string" } } },
+    { "required": ["warmMin"], "properties": { "warmMin": { "type": "integer" } } },
+    { "required": ["defaultTtlS"], "properties": { "defaultTtlS": { "type": "integer" } } },
+    { "required": ["maxTtlS"], "properties": { "maxTtlS": { "type": "integer" } } },
+    { "required": ["env"], "properties": { "env": { "type": "object" } } },
+]))]
+pub struct SandboxTemplatesUpdate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "SandboxTemplateIdText")]
+    template_id: String,
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    #[schemars(with = "Option<NameText>")]
+    name: Option<String>,
+    /// Sandboxes kept started and unclaimed (0 to 64); lowered, the newest warm ones go.
+    #[schemars(range(min = 0, max = 64))]
+    warm_min: Option<u32>,
+    /// 5 s to `maxTtlS` (the new one when both change).
+    default_ttl_s: Option<u64>,
+    /// 5 s to 24 h, and at least `defaultTtlS`; sandboxes already made keep their end, and an
+    /// extension is bounded by the new maximum.
+    max_ttl_s: Option<u64>,
+    /// The environment from now on, replacing the old whole; warm sandboxes made with the old one
+    /// are replaced, claimed ones keep it.
+    #[schemars(with = "Option<SandboxEnv>")]
+    env: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -258,6 +299,25 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
     Ok(doc.into())
 }
 
+async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate) -> Result<SandboxTemplateView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    if let Some(name) = &input.name {
+        validate_name("name", name)?;
+    }
+    let template = template_doc(call, tenant, &input.template_id).await?;
+    let stream = bc_projections::stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id);
+    super::call::expected_version(input.if_version, template.version, &stream)?;
+    let change = bc_projections::events::SandboxTemplateUpdated {
+        name: input.name,
+        warm_min: input.warm_min,
+        default_ttl_s: input.default_ttl_s,
+        max_ttl_s: input.max_ttl_s,
+        env: input.env,
+    };
+    call.submit(call.decided(tenant, decide::sandbox_template_update(&template, change)?)).await?;
+    Ok(template_doc(call, tenant, &template.template_id).await?.into())
+}
+
 async fn sandbox_templates_get(call: &Call<'_>, input: TemplateRef) -> Result<SandboxTemplateView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     Ok(template_doc(call, tenant, &input.template_id).await?.into())
@@ -288,7 +348,7 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let live: Vec<SandboxDoc> = rows(call, tenant, KIND_SANDBOX_LIVE).await?;
     let now_ms = call.now_ms();
     if !retry {
-        if let Some(warm) = decide::warm_sandbox(&live, &template.template_id) {
+        if let Some(warm) = decide::warm_sandbox(&live, &template) {
             let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms)?;
             call.submit(call.decided(tenant, decided)).await?;
             let doc = sandbox_doc(call, tenant, &warm.sandbox_id).await?;

@@ -2,7 +2,9 @@
 //! ([`sandbox_template_create`]), a sandbox (warm from the pool, [`sandbox_claim`], or cold on a
 //! node, [`sandbox_create`]), extend and delete one, and the `sandboxes` reconciler's pass
 //! ([`sandboxes_plan`]): deletes at a sandbox's end, a delete sent again when its node did not
-//! answer, and the warm pools filled up to each template's `warmMin`.
+//! answer, and the warm pools kept at each template's `warmMin` (filled up to it; past it after a
+//! change, [`sandbox_template_update`], the newest deleted, and those made with an older `env`
+//! replaced).
 //!
 //! Every bound is a named constant checked here, so the gateway, the reconciler and the tests
 //! decide alike; what a caller sees when one is hit is an `INVALID_ARGUMENT` (the request is wrong
@@ -284,11 +286,13 @@ pub fn sandbox_create(
     })
 }
 
-/// The warm sandbox of a template to hand out: a running one, unclaimed, the oldest first.
-pub fn warm_sandbox<'a>(sandboxes: &'a [SandboxDoc], template_id: &str) -> Option<&'a SandboxDoc> {
+/// The warm sandbox of a template to hand out: a running one, unclaimed, made with the
+/// template's environment as it is now (one made before an `env` change is being replaced), the
+/// oldest first.
+pub fn warm_sandbox<'a>(sandboxes: &'a [SandboxDoc], template: &SandboxTemplateDoc) -> Option<&'a SandboxDoc> {
     sandboxes
         .iter()
-        .filter(|s| s.warm && s.template_id == template_id && s.state == SandboxState::Running)
+        .filter(|s| s.warm && s.template_id == template.template_id && s.state == SandboxState::Running && s.env == template.env)
         .min_by_key(|s| (s.created_at_ms, s.sandbox_id.clone()))
 }
 
@@ -394,18 +398,35 @@ pub fn sandboxes_plan(templates: &[SandboxTemplateDoc], sandboxes: &[SandboxDoc]
             _ if s.warm && !known.contains_key(s.template_id.as_str()) => out.push(delete("template-deleted".into())),
             // A warm one that failed to start is replaced: it goes, and the refill makes another.
             SandboxState::Failed if s.warm => out.push(delete("warm-failed".into())),
+            // The template's environment changed since it was made: it would run commands with
+            // the old one, so it is replaced.
+            SandboxState::Starting | SandboxState::Running
+                if s.warm && known.get(s.template_id.as_str()).is_some_and(|t| t.env != s.env) =>
+            {
+                out.push(delete("template-updated".into()))
+            }
             _ => {}
         }
     }
     let live = sandboxes.iter().filter(|s| s.state != SandboxState::Deleted).count();
     let mut room = SANDBOXES_PER_TENANT_MAX.saturating_sub(live);
     for t in templates {
-        let warm = sandboxes
+        // Oldest first: past `warmMin` (it was lowered), the newest go.
+        let mut warm: Vec<&SandboxDoc> = sandboxes
             .iter()
             .filter(|s| {
-                s.warm && s.template_id == t.template_id && matches!(s.state, SandboxState::Starting | SandboxState::Running)
+                s.warm
+                    && s.template_id == t.template_id
+                    && s.env == t.env
+                    && matches!(s.state, SandboxState::Starting | SandboxState::Running)
+                    && s.ends_at_ms.is_none_or(|end| now_ms < end)
             })
-            .count();
+            .collect();
+        warm.sort_by_key(|s| (s.created_at_ms, s.sandbox_id.clone()));
+        for extra in warm.iter().skip(t.warm_min as usize) {
+            out.push(SandboxAction::Delete { sandbox_id: extra.sandbox_id.clone(), reason: "warm-excess".into() });
+        }
+        let warm = warm.len();
         let count = (t.warm_min as usize).saturating_sub(warm).min(SANDBOX_WARM_REFILL_PER_PASS_MAX).min(room);
         if count > 0 {
             room -= count;
@@ -413,6 +434,34 @@ pub fn sandboxes_plan(templates: &[SandboxTemplateDoc], sandboxes: &[SandboxDoc]
         }
     }
     out
+}
+
+/// A template's change in place: every field it names checked as at creation, and the TTLs
+/// together (`defaultTtlS` at most `maxTtlS`, whichever of them changes), at the version read.
+/// A change that changes nothing is refused, so every `sandbox_template.updated` says something.
+pub fn sandbox_template_update(doc: &SandboxTemplateDoc, change: SandboxTemplateUpdated) -> Result<Append, Error> {
+    if change == SandboxTemplateUpdated::default() {
+        return Err(Error::invalid("nothing to update: give name, warmMin, defaultTtlS, maxTtlS or env"));
+    }
+    if let Some(warm_min) = change.warm_min
+        && warm_min > SANDBOX_WARM_MIN_MAX
+    {
+        return Err(Error::invalid(format!("warmMin is {warm_min}, more than the {SANDBOX_WARM_MIN_MAX} a template keeps")));
+    }
+    let max_ttl_s = change.max_ttl_s.unwrap_or(doc.max_ttl_s);
+    if change.max_ttl_s.is_some() {
+        check_ttl("maxTtlS", max_ttl_s, SANDBOX_TTL_MAX_S)?;
+    }
+    check_ttl("defaultTtlS", change.default_ttl_s.unwrap_or(doc.default_ttl_s), max_ttl_s)?;
+    if let Some(env) = &change.env {
+        check_env(env)?;
+    }
+    Ok(Append {
+        stream: stream_of(KIND_SANDBOX_TEMPLATE, &doc.template_id),
+        expected: ExpectedVersion::Exact(doc.version),
+        guards: Vec::new(),
+        events: vec![NewEvent::new(SANDBOX_TEMPLATE_UPDATED, to_cbor(&change)?)],
+    })
 }
 
 /// The capability an agent says when it runs commands in its sandboxes (`exec` tunnels).
@@ -591,6 +640,60 @@ mod tests {
         assert!(sandboxes_plan(&[t], &full, 0).is_empty());
         // The template deleted: its warm sandboxes go.
         assert_eq!(sandboxes_plan(&[], &full[..1], 0).len(), 1);
+    }
+
+    #[test]
+    fn a_lowered_warm_min_deletes_the_newest_and_a_changed_env_replaces_the_warm_ones() {
+        let mut t = template(1);
+        let mut warm: Vec<SandboxDoc> = (0..3).map(|i| sandbox(&format!("sbx_{i}"), SandboxState::Running, true, None)).collect();
+        for (i, s) in warm.iter_mut().enumerate() {
+            s.created_at_ms = i as u64;
+        }
+        let deleted = |plan: Vec<SandboxAction>| -> Vec<(String, String)> {
+            plan.into_iter()
+                .filter_map(|a| match a {
+                    SandboxAction::Delete { sandbox_id, reason } => Some((sandbox_id, reason)),
+                    SandboxAction::Warm { .. } => None,
+                })
+                .collect()
+        };
+        let excess = |id: &str| (id.to_owned(), "warm-excess".to_owned());
+        assert_eq!(deleted(sandboxes_plan(std::slice::from_ref(&t), &warm, 0)), vec![excess("sbx_1"), excess("sbx_2")]);
+        // A claimed one is not warm: it lives to its end.
+        warm[2].warm = false;
+        assert_eq!(deleted(sandboxes_plan(std::slice::from_ref(&t), &warm, 0)), vec![excess("sbx_1")]);
+
+        // A new environment: the warm ones made with the old go, and as many are made again.
+        t.env.insert("X".into(), "2".into());
+        t.warm_min = 2;
+        let plan = sandboxes_plan(std::slice::from_ref(&t), &warm, 0);
+        let updated = |id: &str| (id.to_owned(), "template-updated".to_owned());
+        assert_eq!(deleted(plan.clone()), vec![updated("sbx_0"), updated("sbx_1")]);
+        assert!(plan.contains(&SandboxAction::Warm { template_id: "sbxt_1".into(), count: 2 }), "{plan:?}");
+    }
+
+    #[test]
+    fn a_template_update_is_checked_like_a_creation() {
+        let t = template(0);
+        let change = |f: fn(&mut SandboxTemplateUpdated)| {
+            let mut c = SandboxTemplateUpdated::default();
+            f(&mut c);
+            sandbox_template_update(&t, c)
+        };
+        assert!(change(|_| {}).unwrap_err().to_string().contains("nothing to update"));
+        assert!(change(|c| c.warm_min = Some(SANDBOX_WARM_MIN_MAX + 1)).is_err());
+        assert!(change(|c| c.max_ttl_s = Some(SANDBOX_TTL_MAX_S + 1)).is_err());
+        // The default (60 s) past a lowered maximum, and a default past the maximum kept.
+        assert!(change(|c| c.max_ttl_s = Some(30)).unwrap_err().to_string().contains("defaultTtlS is 60 s"));
+        assert!(change(|c| c.default_ttl_s = Some(601)).is_err());
+        assert!(change(|c| c.env = Some(BTreeMap::from([("1X".into(), String::new())]))).is_err());
+        let append = change(|c| {
+            c.max_ttl_s = Some(30);
+            c.default_ttl_s = Some(30);
+        })
+        .unwrap();
+        assert_eq!(append.expected, ExpectedVersion::Exact(t.version));
+        assert_eq!(append.events[0].event_type, SANDBOX_TEMPLATE_UPDATED);
     }
 
     #[test]
