@@ -1,7 +1,7 @@
 //! The `usage` reconciler: closes each tenant's usage windows. Level-triggered: every pass reads
-//! each tenant's usage ledger (its `usage_ledger` row and its reservations' `usage_open` rows,
-//! folded from its reservation and usage events), the pool and GPU product of each reservation
-//! it follows, and the prices (root tenant), and appends what [`decide::usage::usage_close`] says: corrections of closed windows
+//! each tenant's usage ledger (its `usage_ledger` row and the `usage_open` rows of its
+//! reservations, instances and sandboxes, folded from their events and the usage events), the
+//! pool and GPU product of each reservation it follows, and the prices (root tenant), and appends what [`decide::usage::usage_close`] says: corrections of closed windows
 //! the log has since learnt more about, then the windows that ended (plus a grace) since the
 //! last pass.
 //!
@@ -76,7 +76,8 @@ async fn prices(log: &Log) -> Result<BTreeMap<String, UsagePriceDoc>> {
 async fn details(log: &Log, tenant: &str, ledger: &UsageLedger) -> Result<BTreeMap<String, UsageDetail>> {
     let mut out = BTreeMap::new();
     let mut nodes: BTreeMap<String, Option<NodeDoc>> = BTreeMap::new();
-    for t in ledger.tracked.values() {
+    // An instance's or a sandbox's span carries its own pool and shape.
+    for t in ledger.tracked.values().filter(|t| t.metered.is_none()) {
         if out.contains_key(&t.reservation_id) {
             continue;
         }

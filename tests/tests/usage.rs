@@ -149,7 +149,7 @@ async fn windows_add_up_to_each_reservation_and_the_export_passes_focus_and_clou
     // The table in GPU-hours, and a sum by reservation.
     let (code, table, err) = server.cli(&["usage", "list", "--from", "0"]);
     assert_eq!(code, 0, "{err}");
-    assert!(table.contains("GPU-HOURS") && table.contains(&released), "{table}");
+    assert!(table.contains("GPU-hours") && table.contains(&released), "{table}");
     let groups = cli_json(&server, &["usage", "list", "--from", "0", "--group-by", "reservation", "--format", "json"]);
     let (start, end, gpus) = spans[&released];
     let group = groups["groups"].as_array().unwrap().iter().find(|g| g["reservationId"] == released.as_str()).unwrap();
@@ -377,3 +377,363 @@ async fn each_row_is_proved_offline_and_an_edited_quantity_fails_naming_its_row(
 }
 
 const FOCUS_COLUMN_CONSUMED: &str = "ConsumedQuantity";
+
+/// A fake machine with at least `gpus` GPUs: its seed.
+fn fake_seed_with(gpus: usize) -> u64 {
+    (1..100u64)
+        .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| g.len() >= gpus))
+        .expect("a fake machine with enough GPUs among seeds 1..100")
+}
+
+async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
+    let (status, doc) = server.call(method, body).await;
+    assert_eq!(status, 200, "{method}: {doc}");
+    doc
+}
+
+/// Polls `GET` (`instances.get`, `reservations.get`) of `id_field: id` until `done` says yes.
+async fn wait_doc(server: &Server, method: &str, id_field: &str, id: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let doc = call_ok(server, method, serde_json::json!({ id_field: id })).await;
+        if done(&doc) {
+            return doc;
+        }
+        assert!(Instant::now() < deadline, "{method} {id}: not there after 60 s: {doc}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// An instance's vCPU and memory time end to end: a real `bcd node` on a fake machine whose
+/// hypervisor is libvirt's `test:///default` driver runs an instance made at 2 vCPUs and 1 GiB,
+/// resized while it runs to 4 vCPUs and 2 GiB, stopped and deleted. Its `vcpu` and `memory` rows
+/// of 2-second windows add up to exactly what its events say (from `instance.created` to the
+/// resize at the first shape, from the resize to `instance.stop_requested` at the second),
+/// `usage list` shows them in vCPU- and GiB-hours and sums them by instance, the export passes
+/// focus-validator and the CloudEvents SDK with these rows in it, and each row proves offline
+/// while one whose quantity was edited fails, named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_offline() {
+    use serde_json::json;
+    use sha2::Digest;
+    usage_python();
+    let (server, port) = bc_tests::agents_gateway_with(&["--usage-window", "2s"]);
+    let seed = fake_seed_with(2);
+    let pool = server.pool("vms").await;
+    let mut machine = bc_tests::AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(
+        machine.config(),
+        format!("{config}\n[hardware]\nfake_seed = {seed}\n\n[hypervisor]\nuri = \"test:///default\"\n"),
+    )
+    .unwrap();
+    let token = call_ok(&server, "joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    let (code, _, err) = machine.join_stdin(token["token"].as_str().unwrap());
+    assert_eq!(code, 0, "join: {err}");
+    let node = machine.node_id();
+    machine.start();
+    wait_doc(&server, "nodes.get", "nodeId", &node, |doc| {
+        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+        doc["state"] == "ready" && caps.iter().any(|c| c == "instance.apply")
+    })
+    .await;
+    let bytes = bc_tests::qcow2_image(1_000_000);
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let images = bc_tests::ImageServer::start("ubuntu.qcow2", bytes);
+    let image = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "ubuntu", "url": images.url, "sha256": digest, "diskFormat": "qcow2", "sizeBytes": 1_000_000 }),
+    )
+    .await;
+    let flavor = |name: &str, vcpus: u64, memory: u64| json!({ "poolId": pool, "name": name, "vcpus": vcpus, "memoryMiB": memory, "diskGiB": 10, "gpus": 2 });
+    let small = call_ok(&server, "flavors.create", flavor("small", 2, 1024)).await;
+    let large = call_ok(&server, "flavors.create", flavor("large", 4, 2048)).await;
+    let rsv = call_ok(&server, "reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 3600 })).await;
+    let rsv = rsv["reservationId"].as_str().unwrap().to_owned();
+    wait_doc(&server, "reservations.get", "reservationId", &rsv, |r| r["binding"]["state"] == "bound").await;
+
+    let created = call_ok(
+        &server,
+        "instances.create",
+        json!({ "name": "vm1", "reservationId": rsv, "flavorId": small["flavorId"], "imageId": image["imageId"] }),
+    )
+    .await;
+    let id = created["instanceId"].as_str().unwrap().to_owned();
+    wait_doc(&server, "instances.get", "instanceId", &id, |d| d["state"] == "running").await;
+    tokio::time::sleep(Duration::from_millis(WINDOW_MS + 500)).await;
+    call_ok(&server, "instances.resize", json!({ "instanceId": id, "flavorId": large["flavorId"] })).await;
+    wait_doc(&server, "instances.get", "instanceId", &id, |d| d["state"] == "running" && d["observed"]["vcpus"] == 4).await;
+    tokio::time::sleep(Duration::from_millis(WINDOW_MS)).await;
+    call_ok(&server, "instances.stop", json!({ "instanceId": id })).await;
+    wait_doc(&server, "instances.get", "instanceId", &id, |d| d["state"] == "stopped").await;
+    call_ok(&server, "instances.delete", json!({ "instanceId": id })).await;
+    wait_doc(&server, "instances.get", "instanceId", &id, |d| d["state"] == "deleted").await;
+    // The reservation ends too, so every row's events are in the checkpoint sealed below.
+    call_ok(&server, "reservations.release", json!({ "reservationId": rsv })).await;
+    let ended = wait_doc(&server, "reservations.get", "reservationId", &rsv, |r| r["endedAtMs"].is_u64()).await;
+
+    // What the instance's events say, counted here: [created, resize) at 2 vCPUs and 1,024 MiB,
+    // [resize, stop) at 4 vCPUs and 2,048 MiB.
+    let events = call_ok(&server, "events.list", json!({ "types": ["instance.*"], "limit": 500 })).await;
+    let at = |event_type: &str| {
+        let e = events["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["stream"] == format!("instance/{id}") && e["type"] == event_type);
+        e.unwrap_or_else(|| panic!("{event_type} of {id}: {events}"))["at"].as_u64().unwrap()
+    };
+    let (start, resize, stop) = (at("instance.created"), at("instance.resize_requested"), at("instance.stop_requested"));
+    let vcpu_ms = (2 * (resize - start) + 4 * (stop - resize)) as i64;
+    let mib_ms = (1024 * (resize - start) + 2048 * (stop - resize)) as i64;
+    let last_end = stop.max(ended["endedAtMs"].as_u64().unwrap());
+    bc_tests::wait_until("the last window to close", WAIT, || {
+        rows(&server).iter().any(|r| r["windowEndMs"].as_u64().unwrap() >= last_end).then_some(())
+    });
+    tokio::time::sleep(Duration::from_millis(WINDOW_MS)).await; // corrections, if an end came late
+    let listed = rows(&server);
+    let mine = |kind: &str| -> Vec<&Value> {
+        listed.iter().filter(|r| r["instanceId"] == id.as_str() && r["resourceKind"] == kind).collect()
+    };
+    let sum = |rows: &[&Value]| rows.iter().map(|r| r["quantityMs"].as_i64().unwrap()).sum::<i64>();
+    let (vcpu, memory) = (mine("vcpu"), mine("memory"));
+    assert_eq!(sum(&vcpu), vcpu_ms, "vCPU-ms from {start} to {resize} to {stop}: {vcpu:#?}");
+    assert_eq!(sum(&memory), mib_ms, "MiB-ms: {memory:#?}");
+    assert!(vcpu.len() >= 3, "several windows: {vcpu:#?}");
+    for r in vcpu.iter().chain(&memory) {
+        let (ws, we) = (r["windowStartMs"].as_u64().unwrap(), r["windowEndMs"].as_u64().unwrap());
+        assert_eq!((ws % WINDOW_MS, we - ws), (0, WINDOW_MS), "{r}");
+        assert_eq!(
+            (r["reservationId"].as_str(), r["gpus"].as_u64(), r["poolId"].as_str()),
+            (Some(rsv.as_str()), Some(0), Some(pool.as_str()))
+        );
+        let units = r["units"].as_u64().unwrap();
+        let span = r["toMs"].as_u64().unwrap() - r["fromMs"].as_u64().unwrap();
+        assert_eq!(r["quantityMs"].as_i64().unwrap().unsigned_abs(), units * span, "{r}");
+        let expected_units = if r["activationSeq"].as_u64() == vcpu[0]["activationSeq"].as_u64() { [2, 1024] } else { [4, 2048] };
+        let expected = if r["resourceKind"] == "vcpu" { expected_units[0] } else { expected_units[1] };
+        assert_eq!(units, expected, "the shape its events say, from the resize on: {r}");
+        assert_eq!(r["sku"], if r["resourceKind"] == "vcpu" { "vCPU" } else { "Memory-GiB" });
+    }
+
+    // The table in human units; sums by instance, one per resource kind.
+    let (code, table, err) = server.cli(&["usage", "list", "--from", "0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        table.contains("vCPU-hours") && table.contains("GiB-hours") && table.contains("GPU-hours") && table.contains(&id),
+        "{table}"
+    );
+    let groups = cli_json(&server, &["usage", "list", "--from", "0", "--group-by", "instance", "--format", "json"]);
+    let group = |kind: &str| {
+        groups["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["instanceId"] == id.as_str() && g["resourceKind"] == kind)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(
+        (group("vcpu")["quantityMs"].as_i64(), group("memory")["quantityMs"].as_i64()),
+        (Some(vcpu_ms), Some(mib_ms)),
+        "{groups}"
+    );
+
+    // The exports, with GPU, vCPU and memory rows, checked by the outside tools; then proved.
+    let (code, _, err) = bc_tests::cli(&["audit", "checkpoint", "--data-dir", server.data_dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    for (format, name) in [("csv", "usage.csv"), ("jsonl", "usage.jsonl")] {
+        let summary = cli_json(
+            &server,
+            &["usage", "export", "--from", "0", "--export-format", format, "--out", &path(name), "--with-proofs"],
+        );
+        assert_eq!(summary["rows"].as_u64(), Some(listed.len() as u64), "{summary}");
+        let pin = bc_tests::log_key_pin(&server);
+        let (code, out, err) =
+            offline(&["usage", "verify", "--export", &path(name), "--proofs", &format!("{}.proofs", path(name)), "--pin", &pin]);
+        assert_eq!(code, 0, "{format}: {err}{out}");
+        assert_eq!(bc_tests::json(&out)["proved"].as_u64(), Some(listed.len() as u64), "{out}");
+    }
+    let verdict = check(Path::new(&path("usage.csv")), Path::new(&path("usage.jsonl")));
+    assert_eq!(verdict["focus"], "succeeded", "{}", verdict["focusOutput"].as_str().unwrap_or_default());
+    let types: Vec<&str> = verdict["types"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    for t in ["com.better-compute.usage.gpu", "com.better-compute.usage.vcpu", "com.better-compute.usage.memory"] {
+        assert!(types.contains(&t), "{t} in {types:?}");
+    }
+    let csv_text = std::fs::read_to_string(path("usage.csv")).unwrap();
+    assert!(csv_text.contains(",vCPU-Seconds,") && csv_text.contains(",GiB-Hours,"), "{csv_text}");
+
+    // A vCPU row's quantity edited in the CSV fails, naming its row and the column.
+    let row = 1 + listed.iter().position(|r| r["resourceKind"] == "vcpu" && r["quantityMs"].as_i64().unwrap() > 0).unwrap();
+    let q = listed[row - 1]["quantityMs"].as_i64().unwrap();
+    let seconds = |ms: i64| format!(",{}.{:06},vCPU-Seconds,", ms / 1000, (ms % 1000) * 1000);
+    let mut lines: Vec<String> = csv_text.lines().map(str::to_owned).collect();
+    assert!(lines[row].contains(&seconds(q)), "{}", lines[row]);
+    lines[row] = lines[row].replace(&seconds(q), &seconds(q + 1000));
+    std::fs::write(path("edited.csv"), lines.join("\n") + "\n").unwrap();
+    let pin = bc_tests::log_key_pin(&server);
+    let (code, out, err) =
+        offline(&["usage", "verify", "--export", &path("edited.csv"), "--proofs", &path("usage.csv.proofs"), "--pin", &pin]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_PROOF") && err.contains(&format!("row {row}")) && err.contains(FOCUS_COLUMN_CONSUMED), "{err}");
+    assert_eq!(bc_tests::json(&out)["failures"][0]["row"].as_u64(), Some(row as u64), "{out}");
+    assert_eq!(machine.stop(), 0);
+}
+
+/// Deletes, whatever happened, every runsc container left in a node's state directory.
+struct RunscCleanup(PathBuf);
+
+impl Drop for RunscCleanup {
+    fn drop(&mut self) {
+        if !self.0.exists() {
+            return;
+        }
+        let out = std::process::Command::new("runsc").arg("--root").arg(&self.0).args(["list", "--format", "json"]).output();
+        let listed: Value = out.ok().and_then(|o| serde_json::from_slice(&o.stdout).ok()).unwrap_or(Value::Null);
+        for id in listed.as_array().into_iter().flatten().filter_map(|c| c["id"].as_str()) {
+            let _ = std::process::Command::new("runsc").arg("--root").arg(&self.0).args(["delete", "--force", id]).status();
+        }
+    }
+}
+
+/// A sandbox's life end to end, in gVisor (`runsc`) on a fake machine: a cold sandbox of a
+/// template whose flavor has 1 vCPU and 256 MiB, made for 5 s and deleted by the `sandboxes`
+/// reconciler at its end. Its `sandbox`, `vcpu` and `memory` rows add up to exactly its life as
+/// its events say (from `sandbox.created` to its `endsAtMs`: a deletion appended after the end
+/// does not bill the delay), times 1, 1 and 256; and they prove offline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
+    use serde_json::json;
+    use sha2::Digest;
+    let runsc = std::process::Command::new("runsc").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(runsc && Path::new("/bin/busybox").exists(), "runsc and /bin/busybox: `make system-deps` installs them");
+    let (server, port) = bc_tests::agents_gateway_with(&["--usage-window", "2s"]);
+    let pool = server.pool("sandboxes").await;
+    let mut machine = bc_tests::AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 1\n")).unwrap();
+    machine.join_pool(&server, &pool).await;
+    let node = machine.node_id();
+    let _cleanup = RunscCleanup(machine.data().join("sandboxes").join("runsc"));
+    machine.start();
+    wait_doc(&server, "nodes.get", "nodeId", &node, |doc| {
+        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+        doc["state"] == "ready" && caps.iter().any(|c| c == "sandbox.gvisor")
+    })
+    .await;
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().join("rootfs");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    for applet in ["sh", "sleep", "true"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    let archive = work.path().join("rootfs.tar");
+    let status = std::process::Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&archive).arg(".").status().unwrap();
+    assert!(status.success(), "tar");
+    let bytes = std::fs::read(archive).unwrap();
+    let (digest, size) = (hex::encode(sha2::Sha256::digest(&bytes)), bytes.len());
+    let images = bc_tests::ImageServer::start("busybox.tar", bytes);
+    let image = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "busybox", "url": images.url, "sha256": digest, "diskFormat": "rootfs-tar", "sizeBytes": size }),
+    )
+    .await;
+    let flavor = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "sbx-small", "vcpus": 1, "memoryMiB": 256, "diskGiB": 1, "gpus": 0 }),
+    )
+    .await;
+    let (code, out, err) = server.cli(&[
+        "sandbox-template",
+        "create",
+        "--name",
+        "busybox",
+        "--pool",
+        &pool,
+        "--flavor",
+        flavor["flavorId"].as_str().unwrap(),
+        "--image",
+        image["imageId"].as_str().unwrap(),
+        "--max-ttl",
+        "10m",
+        "--warm-min",
+        "0",
+    ]);
+    assert_eq!(code, 0, "sandbox-template create: {err}");
+    let template = bc_tests::json(&out)["templateId"].as_str().unwrap().to_owned();
+    let created = call_ok(&server, "sandboxes.create", json!({ "templateId": template, "ttlS": 5 })).await;
+    let id = created["sandboxId"].as_str().unwrap().to_owned();
+    wait_doc(&server, "sandboxes.get", "sandboxId", &id, |s| s["state"] == "deleted").await;
+
+    let events = call_ok(&server, "events.list", json!({ "types": ["sandbox.*"], "limit": 500 })).await;
+    let event = |event_type: &str| {
+        let e = events["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["stream"] == format!("sandbox/{id}") && e["type"] == event_type);
+        e.cloned().unwrap_or_else(|| panic!("{event_type} of {id}: {events}"))
+    };
+    let made = event("sandbox.created");
+    let (start, ends_at) = (made["at"].as_u64().unwrap(), made["payload"]["endsAtMs"].as_u64().unwrap());
+    let end = event("sandbox.delete_requested")["at"].as_u64().unwrap().min(ends_at);
+    let life = (end - start) as i64;
+    bc_tests::wait_until("the sandbox's last window to close", WAIT, || {
+        let rows = rows(&server);
+        rows.iter().any(|r| r["sandboxId"] == id.as_str() && r["windowEndMs"].as_u64().unwrap() >= end).then_some(())
+    });
+    tokio::time::sleep(Duration::from_millis(WINDOW_MS)).await; // a correction, if the end came late
+    let listed = rows(&server);
+    let sum = |kind: &str| -> i64 {
+        listed
+            .iter()
+            .filter(|r| r["sandboxId"] == id.as_str() && r["resourceKind"] == kind)
+            .map(|r| r["quantityMs"].as_i64().unwrap())
+            .sum()
+    };
+    assert_eq!((sum("sandbox"), sum("vcpu"), sum("memory")), (life, life, 256 * life), "[{start}, {end}): {listed:#?}");
+    for r in listed.iter().filter(|r| r["sandboxId"] == id.as_str()) {
+        assert!(r.get("reservationId").is_none() && r["poolId"] == pool.as_str(), "{r}");
+        assert_eq!(r["seqs"][0], made["seq"], "its creation first: {r}");
+    }
+    let groups = cli_json(&server, &["usage", "list", "--from", "0", "--group-by", "sandbox", "--format", "json"]);
+    let group =
+        groups["groups"].as_array().unwrap().iter().find(|g| g["sandboxId"] == id.as_str() && g["resourceKind"] == "sandbox");
+    assert_eq!(group.and_then(|g| g["quantityMs"].as_i64()), Some(life), "{groups}");
+    let (code, table, err) = server.cli(&["usage", "list", "--from", "0"]);
+    assert!(code == 0 && table.contains("sandbox-hours") && table.contains(&id), "{err}{table}");
+
+    // Proved offline, in both formats; the outside tools read the export.
+    let (code, _, err) = bc_tests::cli(&["audit", "checkpoint", "--data-dir", server.data_dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let pin = bc_tests::log_key_pin(&server);
+    for (format, name) in [("csv", "usage.csv"), ("jsonl", "usage.jsonl")] {
+        cli_json(&server, &["usage", "export", "--from", "0", "--export-format", format, "--out", &path(name), "--with-proofs"]);
+        let (code, out, err) =
+            offline(&["usage", "verify", "--export", &path(name), "--proofs", &format!("{}.proofs", path(name)), "--pin", &pin]);
+        assert_eq!(code, 0, "{format}: {err}{out}");
+    }
+    // A sandbox row's quantity doubled in the JSON lines fails, named.
+    let text = std::fs::read_to_string(path("usage.jsonl")).unwrap();
+    let mut records: Vec<Value> = text.lines().map(bc_tests::json).collect();
+    let at = records.iter().position(|r| r["data"]["resourceKind"] == "sandbox").unwrap();
+    let q = records[at]["data"]["quantityMs"].as_i64().unwrap();
+    records[at]["data"]["quantityMs"] = Value::from(q * 2);
+    let edited: Vec<String> = records.iter().map(Value::to_string).collect();
+    std::fs::write(path("edited.jsonl"), edited.join("\n") + "\n").unwrap();
+    let (code, _, err) =
+        offline(&["usage", "verify", "--export", &path("edited.jsonl"), "--proofs", &path("usage.jsonl.proofs"), "--pin", &pin]);
+    assert!(code == 1 && err.contains(&format!("row {}", at + 1)) && err.contains("data.quantityMs"), "{err}");
+    let verdict = check(Path::new(&path("usage.csv")), Path::new(&path("usage.jsonl")));
+    assert_eq!(verdict["focus"], "succeeded", "{}", verdict["focusOutput"].as_str().unwrap_or_default());
+    assert!(verdict["types"].as_array().unwrap().iter().any(|t| t == "com.better-compute.usage.sandbox"), "{verdict}");
+    assert_eq!(machine.stop(), 0);
+}

@@ -1,6 +1,6 @@
-//! `usage`: a tenant's usage windows (`usage list`, in GPU-hours), the billing export (`usage
-//! export`: FOCUS 1.0 CSV, or CloudEvents 1.0 JSON lines as OpenMeter ingests them), and the
-//! prices per SKU (`usage prices set|list`).
+//! `usage`: a tenant's usage windows (`usage list`, in GPU-, vCPU-, GiB- and sandbox-hours), the
+//! billing export (`usage export`: FOCUS 1.0 CSV, or CloudEvents 1.0 JSON lines as OpenMeter
+//! ingests them), and the prices per SKU (`usage prices set|list`).
 //!
 //! The export reads `usage.list` page by page and writes each page as it comes, so memory stays
 //! bounded whatever the range holds; it writes a temporary file beside `--out` and links it into
@@ -32,16 +32,67 @@ const PROGRESS_INTERVAL_MS: u128 = 1000;
 const MS_PER_HOUR: f64 = 3_600_000.0;
 /// Who issues the charges, in the FOCUS columns that name a provider.
 const PROVIDER: &str = "Better Compute";
-/// The CloudEvents `type` of a usage row.
-pub const CLOUDEVENT_TYPE: &str = "com.better-compute.usage.gpu";
+/// The first words of a usage row's CloudEvents `type`, which ends in its resource kind:
+/// `com.better-compute.usage.gpu`, `.vcpu`, `.memory`, `.sandbox`.
+const CLOUDEVENT_TYPE_PREFIX: &str = "com.better-compute.usage.";
+
+/// How a row of each resource kind is shown: in a table, and in FOCUS's units.
+struct KindUnits {
+    /// The table's unit of its hours (`GPU-hours`) and of what it counts (`GPUs`).
+    hours: &'static str,
+    /// FOCUS `ConsumedUnit` (seconds) and `PricingUnit` (hours).
+    consumed: &'static str,
+    pricing: &'static str,
+    /// Unit-milliseconds in one unit of the quantity (1,024 for memory: MiB-ms in a GiB-ms).
+    per_unit: i64,
+    /// FOCUS `ResourceType` and `ServiceName`.
+    resource_type: &'static str,
+    service: &'static str,
+}
+
+fn kind_units(row: &Value) -> KindUnits {
+    let sandbox = row.get("sandboxId").is_some_and(Value::is_string);
+    let (resource_type, service) = if sandbox {
+        ("Sandbox", "Sandboxes")
+    } else if text(row, "resourceKind") == "gpu" {
+        ("GPU reservation", "GPU reservations")
+    } else {
+        ("Virtual machine instance", "Instances")
+    };
+    let (hours, consumed, pricing, per_unit) = match text(row, "resourceKind") {
+        "vcpu" => ("vCPU-hours", "vCPU-Seconds", "vCPU-Hours", 1),
+        "memory" => ("GiB-hours", "GiB-Seconds", "GiB-Hours", 1024),
+        "sandbox" => ("sandbox-hours", "Sandbox-Seconds", "Sandbox-Hours", 1),
+        _ => ("GPU-hours", "GPU-Seconds", "GPU-Hours", 1),
+    };
+    KindUnits { hours, consumed, pricing, per_unit, resource_type, service }
+}
+
+/// What a row counts: its instance, its sandbox, or its reservation.
+fn subject(row: &Value) -> &str {
+    ["instanceId", "sandboxId", "reservationId"].iter().map(|k| text(row, k)).find(|s| !s.is_empty()).unwrap_or("")
+}
+
+/// What a row counts of its kind, in words: `2 GPUs`, `4 vCPUs`, `1.5 GiB`, `1 sandbox`.
+fn units_cell(row: &Value) -> String {
+    let units = num(row, "units");
+    match text(row, "resourceKind") {
+        "vcpu" => format!("{units} vCPUs"),
+        "memory" => format!("{} GiB", units as f64 / 1024.0),
+        "sandbox" => format!("{units} sandbox"),
+        _ => format!("{} GPUs", num(row, "gpus")),
+    }
+}
 
 #[derive(Subcommand)]
 pub enum UsageCommand {
-    /// Usage rows of closed windows (and their corrections), in GPU-hours; or sums by group.
+    /// Usage rows of closed windows (and their corrections), in GPU-, vCPU-, GiB- and
+    /// sandbox-hours; or sums by group.
     List {
         #[command(flatten)]
         range: Range,
-        /// Sum the range by these keys (window, pool, sku, reservation), comma-separated.
+        /// Sum the range by these keys (window, pool, sku, reservation, instance, sandbox),
+        /// comma-separated; always by resource kind too.
         #[arg(long, value_delimiter = ',')]
         group_by: Vec<GroupBy>,
         #[command(flatten)]
@@ -134,6 +185,8 @@ pub enum GroupBy {
     Pool,
     Sku,
     Reservation,
+    Instance,
+    Sandbox,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -227,8 +280,10 @@ fn time_cell(row: &Value, field: &str) -> String {
     row.get(field).and_then(Value::as_u64).map(bc_core::clock::rfc3339_ms).unwrap_or_default()
 }
 
-fn gpu_hours(row: &Value) -> String {
-    format!("{:.3}", num(row, "quantityMs") as f64 / MS_PER_HOUR)
+/// The quantity in hours of its kind's unit: `1.250 GPU-hours`, `0.500 GiB-hours`.
+fn hours(row: &Value) -> String {
+    let units = kind_units(row);
+    format!("{:.3} {}", num(row, "quantityMs") as f64 / MS_PER_HOUR / units.per_unit as f64, units.hours)
 }
 
 /// `1234567` millionths → `1.23`, with the currency.
@@ -240,11 +295,11 @@ fn money(micros: i64, currency: &str) -> String {
 const ROW_COLUMNS: &[Column] = &[
     Column { header: "WINDOW", cell: |r, _| time_cell(r, "windowStartMs") },
     Column { header: "KIND", cell: |r, _| text(r, "kind").to_owned() },
-    Column { header: "RESERVATION", cell: |r, _| text(r, "reservationId").to_owned() },
+    Column { header: "RESOURCE", cell: |r, _| subject(r).to_owned() },
     Column { header: "POOL", cell: |r, _| text(r, "poolId").to_owned() },
     Column { header: "SKU", cell: |r, _| text(r, "sku").to_owned() },
-    Column { header: "GPUS", cell: |r, _| num(r, "gpus").to_string() },
-    Column { header: "GPU-HOURS", cell: |r, _| gpu_hours(r) },
+    Column { header: "UNITS", cell: |r, _| units_cell(r) },
+    Column { header: "QUANTITY", cell: |r, _| hours(r) },
     Column { header: "COST", cell: |r, _| money(num(r, "costMicros"), text(r, "currency")) },
     Column { header: "EVENT", cell: |r, _| format!("{}.{}", num(r, "eventSeq"), num(r, "line")) },
 ];
@@ -254,7 +309,10 @@ const GROUP_COLUMNS: &[Column] = &[
     Column { header: "POOL", cell: |r, _| text(r, "poolId").to_owned() },
     Column { header: "SKU", cell: |r, _| text(r, "sku").to_owned() },
     Column { header: "RESERVATION", cell: |r, _| text(r, "reservationId").to_owned() },
-    Column { header: "GPU-HOURS", cell: |r, _| gpu_hours(r) },
+    Column { header: "INSTANCE", cell: |r, _| text(r, "instanceId").to_owned() },
+    Column { header: "SANDBOX", cell: |r, _| text(r, "sandboxId").to_owned() },
+    Column { header: "RESOURCE KIND", cell: |r, _| text(r, "resourceKind").to_owned() },
+    Column { header: "QUANTITY", cell: |r, _| hours(r) },
     Column {
         header: "COST",
         cell: |r, _| {
@@ -270,7 +328,7 @@ const PRICE_COLUMNS: &[Column] = &[
     Column { header: "FROM", cell: |r, _| time_cell(r, "fromMs") },
     Column { header: "UNTIL", cell: |r, _| time_cell(r, "untilMs") },
     Column {
-        header: "PER GPU-HOUR",
+        header: "PER UNIT-HOUR",
         cell: |r, _| format!("{:.6} {}", num(r, "gpuHourMicros") as f64 / 1e6, text(r, "currency")),
     },
 ];
@@ -298,6 +356,8 @@ async fn list(ctx: &Context, range: &Range, group_by: &[GroupBy], page: &Page) -
                 GroupBy::Pool => "pool",
                 GroupBy::Sku => "sku",
                 GroupBy::Reservation => "reservation",
+                GroupBy::Instance => "instance",
+                GroupBy::Sandbox => "sandbox",
             })
             .collect();
         body.insert("groupBy".into(), json!(keys));
@@ -569,6 +629,9 @@ pub const FOCUS_COLUMNS: &[&str] = &[
     "x_GpuMilliseconds",
     "x_Gpus",
     "x_RecordedAt",
+    "x_ResourceKind",
+    "x_UnitMilliseconds",
+    "x_Units",
 ];
 
 /// A CSV field, quoted when it holds a comma, a quote or a line break.
@@ -591,15 +654,33 @@ fn billing_period(ms: u64) -> (String, String) {
     (format!("{year:04}-{month:02}-01T00:00:00Z"), format!("{next_year:04}-{next_month:02}-01T00:00:00Z"))
 }
 
+/// `value / 10^places` as a decimal with `places` places (`-1.500`), exactly.
+fn decimal_scaled(value: i128, places: u32) -> String {
+    let sign = if value < 0 { "-" } else { "" };
+    let scale = 10u128.pow(places);
+    let v = value.unsigned_abs();
+    format!("{sign}{}.{:0width$}", v / scale, v % scale, width = places as usize)
+}
+
+/// The quantity in seconds of its kind's unit, exactly: GPU-, vCPU- or sandbox-seconds with 6
+/// places (milliseconds are 3); GiB-seconds of MiB-milliseconds with 13 (1/1,024,000 is
+/// 9,765,625 × 10⁻¹³).
+fn consumed_seconds(quantity_ms: i64, per_unit: i64) -> String {
+    if per_unit == 1024 { decimal_scaled(i128::from(quantity_ms) * 9_765_625, 13) } else { decimal_micros(quantity_ms * 1000) }
+}
+
 /// One usage row as a FOCUS 1.0 line.
 fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
     let quantity_ms = num(row, "quantityMs");
+    let units = kind_units(row);
+    let gpu = text(row, "resourceKind") == "gpu";
     let priced = row.get("gpuHourMicros").and_then(Value::as_i64);
     let currency = row.get("currency").and_then(Value::as_str).unwrap_or(default_currency);
     let cost = decimal_micros(num(row, "costMicros"));
     let window_start = num(row, "windowStartMs") as u64;
     let (period_start, period_end) = billing_period(window_start);
     let (reservation, pool, sku) = (text(row, "reservationId"), text(row, "poolId"), text(row, "sku"));
+    let resource = subject(row);
     let correction = text(row, "kind") == "correction";
     let seqs: Vec<String> = row
         .get("seqs")
@@ -609,15 +690,38 @@ fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
         .filter_map(Value::as_u64)
         .map(|s| s.to_string())
         .collect();
-    let tags = json!({ "pool": pool, "reservation": reservation, "kind": text(row, "kind") }).to_string();
-    let description = format!(
-        "{} GPU time of reservation {reservation} ({sku}, {} GPUs) in the window from {}",
-        if correction { "correction of the" } else { "the" },
-        num(row, "gpus"),
-        bc_core::clock::rfc3339_ms(window_start)
-    );
-    let seconds = decimal_micros(quantity_ms * 1000);
-    let hours = format!("{:.9}", quantity_ms as f64 / MS_PER_HOUR);
+    let mut tags = json!({ "pool": pool, "reservation": reservation, "kind": text(row, "kind") });
+    if !gpu {
+        tags["resourceKind"] = json!(text(row, "resourceKind"));
+        for (key, field) in [("instance", "instanceId"), ("sandbox", "sandboxId")] {
+            if row.get(field).is_some_and(Value::is_string) {
+                tags[key] = json!(text(row, field));
+            }
+        }
+        if reservation.is_empty() {
+            tags.as_object_mut().expect("an object").remove("reservation");
+        }
+    }
+    let tags = tags.to_string();
+    let description = if gpu {
+        format!(
+            "{} GPU time of reservation {reservation} ({sku}, {} GPUs) in the window from {}",
+            if correction { "correction of the" } else { "the" },
+            num(row, "gpus"),
+            bc_core::clock::rfc3339_ms(window_start)
+        )
+    } else {
+        format!(
+            "{} {} time of {} {resource} ({}) in the window from {}",
+            if correction { "correction of the" } else { "the" },
+            text(row, "resourceKind"),
+            units.resource_type.to_lowercase(),
+            units_cell(row),
+            bc_core::clock::rfc3339_ms(window_start)
+        )
+    };
+    let seconds = consumed_seconds(quantity_ms, units.per_unit);
+    let hours = format!("{:.9}", quantity_ms as f64 / MS_PER_HOUR / units.per_unit as f64);
     let unit_price = priced.map(decimal_micros).unwrap_or_default();
     let fields: Vec<String> = vec![
         cost.clone(),
@@ -638,7 +742,7 @@ fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
         String::new(),
         String::new(),
         seconds,
-        "GPU-Seconds".into(),
+        units.consumed.into(),
         cost.clone(),
         unit_price.clone(),
         cost.clone(),
@@ -647,16 +751,16 @@ fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
         unit_price,
         "Standard".into(),
         hours,
-        "GPU-Hours".into(),
+        units.pricing.into(),
         PROVIDER.into(),
         PROVIDER.into(),
         String::new(),
         String::new(),
-        reservation.into(),
-        reservation.into(),
-        "GPU reservation".into(),
+        resource.into(),
+        resource.into(),
+        units.resource_type.into(),
         "Compute".into(),
-        "GPU reservations".into(),
+        units.service.into(),
         sku.into(),
         if priced.is_some() { format!("{sku}/{currency}") } else { String::new() },
         pool.into(),
@@ -666,9 +770,12 @@ fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
         num(row, "line").to_string(),
         seqs.join(" "),
         num(row, "activationSeq").to_string(),
-        quantity_ms.to_string(),
-        num(row, "gpus").to_string(),
+        if gpu { quantity_ms.to_string() } else { String::new() },
+        if gpu { num(row, "gpus").to_string() } else { String::new() },
         bc_core::clock::rfc3339_ms(num(row, "recordedAtMs") as u64),
+        text(row, "resourceKind").into(),
+        quantity_ms.to_string(),
+        if gpu { num(row, "gpus").to_string() } else { num(row, "units").to_string() },
     ];
     debug_assert_eq!(fields.len(), FOCUS_COLUMNS.len());
     fields.iter().map(|f| csv_field(f)).collect::<Vec<_>>().join(",")
@@ -681,7 +788,7 @@ fn cloud_event(row: &Value, tenant: &str) -> Value {
         "specversion": "1.0",
         "id": format!("{tenant}/{}/{}", num(row, "eventSeq"), num(row, "line")),
         "source": format!("/better-compute/tenants/{tenant}/usage"),
-        "type": CLOUDEVENT_TYPE,
+        "type": format!("{CLOUDEVENT_TYPE_PREFIX}{}", if text(row, "resourceKind").is_empty() { "gpu" } else { text(row, "resourceKind") }),
         "subject": tenant,
         "time": bc_core::clock::rfc3339_ms(num(row, "windowStartMs") as u64),
         "datacontenttype": "application/json",
@@ -705,5 +812,10 @@ mod tests {
         assert_eq!(decimal_micros(7), "0.000007");
         assert_eq!(billing_period(1_796_083_200_000), ("2026-12-01T00:00:00Z".into(), "2027-01-01T00:00:00Z".into()));
         assert_eq!(csv_field("a,\"b\""), "\"a,\"\"b\"\"\"");
+        // GiB-seconds of MiB-milliseconds, exactly: 1 GiB for 1 s; 512 MiB for 3 ms; taken back.
+        assert_eq!(consumed_seconds(1024 * 1000, 1024), "1.0000000000000");
+        assert_eq!(consumed_seconds(512 * 3, 1024), "0.0015000000000");
+        assert_eq!(consumed_seconds(-1, 1024), "-0.0000009765625");
+        assert_eq!(consumed_seconds(1500, 1), "1.500000");
     }
 }

@@ -33,7 +33,7 @@ pub(super) const METHODS: &[Method] = &[
     method!(
         "usage.setPrice",
         Access::Action("compute:usage:admin"),
-        "set a SKU's price per GPU-hour from a time on (root tenant only)",
+        "set a SKU's price per unit-hour (GPU-, vCPU-, GiB- or sandbox-hour) from a time on (root tenant only)",
         UsagePricesSet => UsagePriceView,
         usage_prices_set,
     ),
@@ -59,8 +59,8 @@ pub const GPU_HOUR_MICROS_MAX: u64 = 1_000_000_000_000;
 pub const TIME_MS_MAX: u64 = 9_007_199_254_740_991;
 /// Most SKUs `usage.listPrices` answers with.
 pub const PRICE_SKUS_LISTED_MAX: usize = 1000;
-/// Most `groupBy` keys.
-const GROUP_BY_MAX: usize = 4;
+/// Most `groupBy` keys: each of them once.
+const GROUP_BY_MAX: usize = 6;
 
 /// What `usage.list` may sum by.
 #[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq, Eq, Debug)]
@@ -70,6 +70,8 @@ pub enum UsageGroupBy {
     Pool,
     Sku,
     Reservation,
+    Instance,
+    Sandbox,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -83,9 +85,10 @@ pub struct UsageList {
     /// ... and before this one (at or before `fromMs`: an empty range, no rows).
     #[schemars(range(min = 0, max = TIME_MS_MAX))]
     to_ms: u64,
-    /// Sum the range's rows by these keys instead of listing them (no paging).
+    /// Sum the range's rows by these keys instead of listing them (no paging); always by resource
+    /// kind too.
     #[serde(default)]
-    #[schemars(length(max = 4))]
+    #[schemars(length(max = 6))]
     group_by: Vec<UsageGroupBy>,
     #[schemars(with = "Option<LimitNumber>")]
     limit: Option<u32>,
@@ -97,14 +100,15 @@ pub struct UsageList {
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct UsagePricesSet {
-    /// The GPU product (`H100-SXM5-80GB`): 1 to 64 of A-Z a-z 0-9 . _ -, starting with a letter
-    /// or digit.
+    /// The GPU product (`H100-SXM5-80GB`), or `vCPU`, `Memory-GiB`, `Sandbox`: 1 to 64 of A-Z a-z
+    /// 0-9 . _ -, starting with a letter or digit.
     #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"))]
     sku: String,
     /// ISO 4217, three capital letters.
     #[schemars(regex(pattern = r"^[A-Z]{3}$"))]
     currency: String,
-    /// The price of one GPU-hour, a decimal with at most 6 places (`2.5`), at most 1,000,000.
+    /// The price of one unit-hour of the SKU (a GPU-hour; a vCPU-, GiB- or sandbox-hour), a
+    /// decimal with at most 6 places (`2.5`), at most 1,000,000.
     #[schemars(regex(pattern = r"^([0-9]{1,6}(\.[0-9]{1,6})?|1000000(\.0{1,6})?)$"))]
     gpu_hour_price: String,
     /// From when it holds (until the SKU's next period), ms since the epoch; now when absent.
@@ -199,22 +203,29 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
     Ok(UsageListView { items, groups: groups.into_values().collect(), next_cursor })
 }
 
-type GroupKey = (Option<u64>, Option<String>, Option<String>, Option<String>);
+/// A group's key: the resource kind (always), then the window, pool, SKU, reservation, instance
+/// and sandbox when asked for (a row without an instance or a sandbox is in the group of none).
+type GroupKey = (String, Option<u64>, Option<String>, Option<String>, Option<String>, Option<String>, Option<String>);
 
 fn add_to_group(groups: &mut BTreeMap<GroupKey, UsageGroupView>, by: &[UsageGroupBy], row: UsageRowView) {
     let has = |k| by.contains(&k);
     let key: GroupKey = (
+        row.resource_kind.clone(),
         has(UsageGroupBy::Window).then_some(row.window_start_ms),
         has(UsageGroupBy::Pool).then(|| row.pool_id.clone()),
         has(UsageGroupBy::Sku).then(|| row.sku.clone()),
-        has(UsageGroupBy::Reservation).then(|| row.reservation_id.clone()),
+        if has(UsageGroupBy::Reservation) { row.reservation_id.clone() } else { None },
+        if has(UsageGroupBy::Instance) { row.instance_id.clone() } else { None },
+        if has(UsageGroupBy::Sandbox) { row.sandbox_id.clone() } else { None },
     );
     let group = groups.entry(key.clone()).or_insert_with(|| UsageGroupView {
-        window_start_ms: key.0,
-        pool_id: key.1,
-        sku: key.2,
-        reservation_id: key.3,
-        resource_kind: row.resource_kind.clone(),
+        resource_kind: key.0,
+        window_start_ms: key.1,
+        pool_id: key.2,
+        sku: key.3,
+        reservation_id: key.4,
+        instance_id: key.5,
+        sandbox_id: key.6,
         ..Default::default()
     });
     group.quantity_ms += row.quantity_ms;

@@ -356,10 +356,13 @@ impl Written {
     }
 }
 
-/// A window's rows of one activation: together they must add up to what it held there.
+/// A window's rows of one activation (or span) and resource kind: together they must add up to
+/// what it held there.
 #[derive(Default)]
 struct Group {
     rows: Vec<u64>,
+    /// The first row's line: what the recount reads of the group (its subject, its kind).
+    line: Option<UsageLine>,
     quantity_ms: i64,
     /// The seqs its rows name, sorted, once each (a handful: memory stays a few dozen bytes a
     /// row, since a window's rows are held until the file ends).
@@ -454,9 +457,16 @@ pub fn verify(export: &Path, proofs_path: &Path, pins: &[String], vkeys: &[Strin
             Ok(Err(why)) => verdict.unprove(row, place, why),
             Ok(Ok(line)) => {
                 verdict.proved += 1;
-                let key = (line.reservation_id.clone(), line.activation_seq, line.window_start_ms, line.window_end_ms);
+                let key = (
+                    line.subject_id().to_owned(),
+                    line.activation_seq,
+                    line.resource_kind.clone(),
+                    line.window_start_ms,
+                    line.window_end_ms,
+                );
                 let group = groups.entry(key).or_default();
                 group.rows.push(row);
+                group.line.get_or_insert_with(|| line.clone());
                 group.quantity_ms += line.quantity_ms;
                 group.seqs.extend(&line.seqs);
                 group.seqs.sort_unstable();
@@ -515,42 +525,28 @@ pub fn verify(export: &Path, proofs_path: &Path, pins: &[String], vkeys: &[Strin
     Ok(summary)
 }
 
-/// A window's rows of one activation (keyed by reservation, activation seq and window), which
-/// must add up to what the activation held in the window as the union of their events says.
-type Groups = BTreeMap<(String, u64, u64, u64), Group>;
+/// A window's rows of one activation or span and resource kind (keyed by reservation, instance
+/// or sandbox, activation seq, kind and window), which must add up to what it held in the window
+/// as the union of their events says.
+type Groups = BTreeMap<(String, u64, String, u64, u64), Group>;
 
 /// Checks each window's rows together ([`window_total_ms`]) against the union of the events they
 /// name: a row left out whose events another row of the window names (a window's row beside its
 /// correction) fails the window's first row. A correction left out with the end it alone names
 /// does not show: a proof shows an event is in the log, never that no other is.
 fn check_groups(groups: Groups, proofs: &Proofs, verdict: &mut Verdict) {
-    for ((reservation, activation, ws, we), group) in groups {
-        // What the recount reads of a line: its reservation, its activation and its seqs.
-        let line = UsageLine {
-            window_start_ms: ws,
-            window_end_ms: we,
-            reservation_id: reservation.clone(),
-            activation_seq: activation,
-            pool_id: String::new(),
-            sku: String::new(),
-            resource_kind: String::new(),
-            gpus: 0,
-            from_ms: ws,
-            to_ms: we,
-            quantity_ms: group.quantity_ms,
-            gpu_hour_micros: None,
-            currency: None,
-            cost_micros: 0,
-            seqs: group.seqs,
-        };
+    for ((subject, activation, kind, ws, we), group) in groups {
+        let Some(first) = group.line else { continue };
+        // What the recount reads of a line: its subject, its activation, its kind and its seqs.
+        let line = UsageLine { from_ms: ws, to_ms: we, quantity_ms: group.quantity_ms, seqs: group.seqs, ..first };
         let events: Vec<&Envelope> = line.seqs.iter().filter_map(|s| proofs.proved.get(s)).collect();
-        let total = recount_activation(&line, &events).map(|(t, _)| window_total_ms(&t, ws, we));
+        let total = recount_activation(&line, &events).map(|(t, _)| window_total_ms(&t, &kind, ws, we));
         match total {
             Ok(total) if total == group.quantity_ms => {}
             Ok(total) => {
                 let rows: Vec<String> = group.rows.iter().map(u64::to_string).collect();
                 let why = format!(
-                    "rows {} (reservation {reservation}, activation seq {activation}, window [{ws}, {we})) add up to {} GPU-ms, its events give {total}: a row of the window is missing or altered",
+                    "rows {} ({subject}, activation seq {activation}, window [{ws}, {we})) add up to {} {kind}-ms, its events give {total}: a row of the window is missing or altered",
                     rows.join(", "),
                     group.quantity_ms
                 );
@@ -642,9 +638,29 @@ mod tests {
             ]),
             ..Proofs::default()
         };
-        let key = ("rsv_1".to_owned(), 2, 2000, 4000);
+        let key = ("rsv_1".to_owned(), 2, "gpu".to_owned(), 2000, 4000);
+        let template = UsageLine {
+            window_start_ms: 2000,
+            window_end_ms: 4000,
+            reservation_id: "rsv_1".into(),
+            instance_id: None,
+            sandbox_id: None,
+            activation_seq: 2,
+            pool_id: "pool_1".into(),
+            sku: "H100".into(),
+            resource_kind: "gpu".into(),
+            gpus: 2,
+            units: None,
+            from_ms: 2000,
+            to_ms: 4000,
+            quantity_ms: 0,
+            gpu_hour_micros: None,
+            currency: None,
+            cost_micros: 0,
+            seqs: vec![],
+        };
         let run = |rows: &[(u64, i64, &[u64])]| {
-            let mut group = Group::default();
+            let mut group = Group { line: Some(template.clone()), ..Group::default() };
             for (row, quantity_ms, seqs) in rows {
                 group.rows.push(*row);
                 group.quantity_ms += quantity_ms;
@@ -663,7 +679,7 @@ mod tests {
         let only_correction = run(&[(2, -3000, &[1, 2, 3])]);
         assert_eq!((only_correction.failed_count, only_correction.proved), (1, 0));
         let why = only_correction.failed[0]["why"].as_str().unwrap();
-        assert!(why.contains("add up to -3000 GPU-ms, its events give 1000"), "{why}");
+        assert!(why.contains("add up to -3000 gpu-ms, its events give 1000"), "{why}");
     }
 
     #[test]

@@ -5,11 +5,12 @@ use bc_projections::usage::{UsageLine, UsagePriceDoc};
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::api::validate::{PoolIdText, ReservationIdText};
+use crate::api::validate::{InstanceIdText, PoolIdText, ReservationIdText, SandboxIdText};
 
 /// One line of a `usage.window_closed` (`kind: usage`) or `usage.correction` (`kind:
-/// correction`): what one reservation's activation used of one window, with the events it was
-/// computed from.
+/// correction`): what one reservation's activation (GPU time), one instance's span (vCPU or
+/// memory time) or one sandbox's life (sandbox, vCPU or memory time) used of one window, with
+/// the events it was computed from.
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct UsageRowView {
@@ -23,19 +24,35 @@ pub struct UsageRowView {
     pub recorded_at_ms: u64,
     pub window_start_ms: u64,
     pub window_end_ms: u64,
-    #[schemars(with = "ReservationIdText")]
-    pub reservation_id: String,
+    /// The reservation a GPU row counts, or the one an instance runs on; absent for a sandbox.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<ReservationIdText>")]
+    pub reservation_id: Option<String>,
+    /// The instance a `vcpu` or `memory` row counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<InstanceIdText>")]
+    pub instance_id: Option<String>,
+    /// The sandbox a `sandbox`, `vcpu` or `memory` row counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<SandboxIdText>")]
+    pub sandbox_id: Option<String>,
+    /// The seq of the event the activation or span starts at.
     pub activation_seq: u64,
     #[schemars(with = "PoolIdText")]
     pub pool_id: String,
-    /// The GPU product.
+    /// The GPU product; `vCPU`, `Memory-GiB` or `Sandbox` for the other kinds.
     pub sku: String,
-    /// `gpu`.
+    /// `gpu`, `vcpu`, `memory` or `sandbox`.
     pub resource_kind: String,
+    /// A `gpu` row's GPUs; 0 for the other kinds.
     pub gpus: u32,
+    /// What a row of another kind counts: vCPUs, MiB of memory, or 1 (a sandbox).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub units: Option<u64>,
     pub from_ms: u64,
     pub to_ms: u64,
-    /// GPU-milliseconds; negative for what a correction takes back.
+    /// Unit-milliseconds of its kind (GPU-ms, vCPU-ms, MiB-ms, sandbox-ms); negative for what a
+    /// correction takes back.
     pub quantity_ms: i64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_hour_micros: Option<u64>,
@@ -43,7 +60,7 @@ pub struct UsageRowView {
     pub currency: Option<String>,
     /// Millionths of `currency`; 0 without a price.
     pub cost_micros: i64,
-    /// The seqs of the reservation's events the line was computed from.
+    /// The seqs of the reservation's (instance's, sandbox's) events the line was computed from.
     pub seqs: Vec<u64>,
 }
 
@@ -56,12 +73,15 @@ impl UsageRowView {
             recorded_at_ms,
             window_start_ms: line.window_start_ms,
             window_end_ms: line.window_end_ms,
-            reservation_id: line.reservation_id,
+            reservation_id: (!line.reservation_id.is_empty()).then_some(line.reservation_id),
+            instance_id: line.instance_id,
+            sandbox_id: line.sandbox_id,
             activation_seq: line.activation_seq,
             pool_id: line.pool_id,
             sku: line.sku,
             resource_kind: line.resource_kind,
             gpus: line.gpus,
+            units: line.units,
             from_ms: line.from_ms,
             to_ms: line.to_ms,
             quantity_ms: line.quantity_ms,
@@ -74,7 +94,7 @@ impl UsageRowView {
 }
 
 /// `usage.list` with `groupBy`: the rows of the range summed by the keys asked for (a key not
-/// asked for is absent).
+/// asked for is absent), and always by resource kind (a sum never adds GPU-ms to vCPU-ms).
 #[derive(Serialize, JsonSchema, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct UsageGroupView {
@@ -86,8 +106,13 @@ pub struct UsageGroupView {
     pub sku: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reservation_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox_id: Option<String>,
+    /// `gpu`, `vcpu`, `memory` or `sandbox`: every group is of one kind.
     pub resource_kind: String,
-    /// GPU-milliseconds, corrections included.
+    /// Unit-milliseconds of the kind, corrections included.
     pub quantity_ms: i64,
     /// Per currency: a group of rows priced in several currencies lists each.
     pub costs: Vec<UsageCostView>,
