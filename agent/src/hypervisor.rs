@@ -91,6 +91,8 @@ pub enum SerialConsole {
 }
 
 pub trait Hypervisor: Send + Sync {
+    /// Its driver's name, which the agent advertises as `hypervisor.<name>` (`drivers.list`).
+    fn driver(&self) -> &'static str;
     /// Defines (or redefines, for a domain not running) the domain.
     fn define(&self, spec: &DomainSpec) -> Result<(), String>;
     fn start(&self, name: &str) -> Result<(), String>;
@@ -229,6 +231,10 @@ impl Fake {
 }
 
 impl Hypervisor for Fake {
+    fn driver(&self) -> &'static str {
+        "fake"
+    }
+
     fn define(&self, spec: &DomainSpec) -> Result<(), String> {
         domain_xml(spec, "kvm", None)?;
         let mut domains = self.domains.lock().expect("fake hypervisor");
@@ -367,6 +373,10 @@ impl Libvirt {
 
 #[cfg(feature = "libvirt")]
 impl Hypervisor for Libvirt {
+    fn driver(&self) -> &'static str {
+        "libvirt"
+    }
+
     fn define(&self, spec: &DomainSpec) -> Result<(), String> {
         // libvirt's test driver has its own domain type; every real one here is KVM.
         let kind = if self.uri.starts_with("test:") { "test" } else { "kvm" };

@@ -1104,12 +1104,13 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// The capabilities this agent says in `Hello`: the runner's, and `instance.apply` with a
-    /// hypervisor.
+    /// The capabilities this agent says in `Hello`: the runner's, and `instance.apply` and
+    /// `hypervisor.<driver>` with a hypervisor.
     pub fn capabilities(&self) -> Vec<String> {
         let mut out = self.runner.capabilities();
-        if self.instances.is_some() {
+        if let Some(instances) = &self.instances {
             out.push(CAPABILITY_INSTANCE_APPLY.to_owned());
+            out.push(format!("{}{}", bc_core::agent::CAPABILITY_HYPERVISOR_PREFIX, instances.hypervisor.driver()));
         }
         if let Some(sandboxes) = &self.sandboxes {
             out.extend(sandboxes.capabilities());

@@ -13,7 +13,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, batch, console, events, exec, flavors, fleet, forward, init, instances, inventory,
+    agent_commands, api, audit, auth, batch, console, drivers, events, exec, flavors, fleet, forward, init, instances, inventory,
     join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert,
     usage, version, webhooks,
 };
@@ -202,6 +202,12 @@ pub enum Command {
     JoinRequests {
         #[command(subcommand)]
         command: join_requests::JoinRequestsCommand,
+    },
+    /// The hypervisors, sandbox runtimes and BMC protocols of the fleet: what its agents
+    /// advertise and how its machines are managed.
+    Drivers {
+        #[command(subcommand)]
+        command: drivers::DriversCommand,
     },
     /// Signed bcd releases: a release key, a signed manifest, its check (offline); register
     /// one with the control plane, list, get.

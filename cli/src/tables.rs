@@ -336,6 +336,15 @@ pub const WORKFLOWS: &[Column] = &[
     Column { header: "STARTED", cell: |r, now| when(r, "startedAtMs", now) },
 ];
 
+/// `drivers list`: each driver, how many nodes (machines, for a BMC protocol) have it, and where.
+pub const DRIVERS: &[Column] = &[
+    Column { header: "KIND", cell: |r, _| field(r, "kind") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "NODES", cell: |r, _| field(r, "nodes") },
+    Column { header: "READY", cell: |r, _| field(r, "ready") },
+    Column { header: "POOLS", cell: |r, _| field(r, "pools") },
+];
+
 /// `api --list`.
 pub const METHODS: &[Column] = &[
     Column { header: "METHOD", cell: |r, _| field(r, "method") },
@@ -366,6 +375,7 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "metal.list" => MACHINES,
         "workflows.list" => WORKFLOWS,
         "capacity.get" => CAPACITY,
+        "drivers.list" => DRIVERS,
         _ => return None,
     })
 }

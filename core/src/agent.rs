@@ -69,6 +69,45 @@ pub fn unb64(text: &str) -> Result<Vec<u8>, String> {
     base64::engine::general_purpose::STANDARD.decode(text).map_err(|e| format!("not base64: {e}"))
 }
 
+/// The capability an agent says for the hypervisor it runs instances on: `hypervisor.libvirt`,
+/// `hypervisor.fake` (a fake machine's in-memory one).
+pub const CAPABILITY_HYPERVISOR_PREFIX: &str = "hypervisor.";
+/// The capability an agent says for a sandbox runtime: `sandbox.gvisor`.
+pub const CAPABILITY_SANDBOX_PREFIX: &str = "sandbox.";
+
+/// What kind of driver a capability names (`drivers.list`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DriverKind {
+    /// Runs instances (`hypervisor.<name>`).
+    Hypervisor,
+    /// Runs sandboxes (`sandbox.<name>`).
+    SandboxRuntime,
+    /// Speaks to machines' baseboard management controllers (the control plane's, not an agent's).
+    Bmc,
+}
+
+impl DriverKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Hypervisor => "hypervisor",
+            Self::SandboxRuntime => "sandbox-runtime",
+            Self::Bmc => "bmc",
+        }
+    }
+}
+
+/// The driver a capability advertises, if it names one: `hypervisor.libvirt` is the hypervisor
+/// `libvirt`, `sandbox.gvisor` the sandbox runtime `gvisor`; any other capability (`gpu.hold`,
+/// `tunnel.node-console`) names none.
+pub fn driver_of_capability(capability: &str) -> Option<(DriverKind, &str)> {
+    let named = |name: &str| !name.is_empty() && !name.contains('.');
+    if let Some(name) = capability.strip_prefix(CAPABILITY_HYPERVISOR_PREFIX).filter(|n| named(n)) {
+        return Some((DriverKind::Hypervisor, name));
+    }
+    capability.strip_prefix(CAPABILITY_SANDBOX_PREFIX).filter(|n| named(n)).map(|name| (DriverKind::SandboxRuntime, name))
+}
+
 /// A join token is `bcjt_` + its id (`jt_…`) + `_` + 43 characters of base64url secret.
 pub const JOIN_TOKEN_PREFIX: &str = "bcjt_";
 /// Random bytes in a join token's secret.
@@ -331,6 +370,15 @@ impl JournalOrigin {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drivers_are_named_by_their_capabilities() {
+        assert_eq!(driver_of_capability("hypervisor.libvirt"), Some((DriverKind::Hypervisor, "libvirt")));
+        assert_eq!(driver_of_capability("sandbox.gvisor"), Some((DriverKind::SandboxRuntime, "gvisor")));
+        for none in ["gpu.hold", "tunnel.sandbox-exec", "hypervisor.", "sandbox.a.b", "instance.apply"] {
+            assert_eq!(driver_of_capability(none), None, "{none}");
+        }
+    }
 
     fn body(seq: u64, prev: [u8; 32]) -> EntryBody {
         EntryBody {

@@ -26,6 +26,7 @@ pub mod batch;
 mod checkpoint;
 pub mod command;
 pub mod decide;
+pub mod drivers;
 pub mod event_view;
 pub mod events;
 pub mod flavor;

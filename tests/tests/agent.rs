@@ -441,6 +441,26 @@ async fn a_nodes_gpus_come_from_its_inventory_and_hardware_says_why_there_are_no
     assert!(inventory["capabilities"].as_array().unwrap().iter().any(|c| c == "gpu.hold"), "{inventory}");
     assert!(inventory.get("holdUnavailable").is_none(), "{inventory}");
     assert_eq!(doc["gpus"][0]["model"], fake_gpus[0]["model"]);
+
+    // The drivers the fleet has are what its agents advertise: this one runs instances on the
+    // fake machine's hypervisor, and sandboxes under gVisor where runsc is installed.
+    assert!(inventory["capabilities"].as_array().unwrap().iter().any(|c| c == "hypervisor.fake"), "{inventory}");
+    wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+    let (code, out, err) = server.cli(&["drivers", "list", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let drivers = json(&out);
+    let fake = drivers["items"].as_array().unwrap().iter().find(|d| d["name"] == "fake").cloned();
+    let fake = fake.unwrap_or_else(|| panic!("the fake hypervisor is listed: {drivers}"));
+    let counts = (fake["kind"].as_str(), fake["nodes"].as_u64(), fake["ready"].as_u64());
+    assert_eq!(counts, (Some("hypervisor"), Some(1), Some(1)), "{fake}");
+    assert_eq!(fake["pools"], json!([pool]), "{fake}");
+    let runs_gvisor =
+        drivers["items"].as_array().unwrap().iter().any(|d| d["kind"] == "sandbox-runtime" && d["name"] == "gvisor");
+    let runsc = Command::new("runsc").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert_eq!(runs_gvisor, runsc, "gVisor is listed where runsc is installed: {drivers}");
+    let (code, table, err) = server.cli(&["drivers", "list"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(table.trim_start().starts_with("KIND") && table.contains("hypervisor") && table.contains("fake"), "{table}");
     assert_eq!(machine.stop(), 0);
 }
 

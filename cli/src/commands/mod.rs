@@ -22,6 +22,7 @@ pub mod audit;
 pub mod auth;
 pub mod batch;
 pub mod console;
+pub mod drivers;
 pub mod events;
 pub mod exec;
 pub mod flavors;
@@ -70,6 +71,7 @@ impl Command {
             Command::Inventory { command } => inventory::run(ctx, command).await,
             Command::JoinTokens { command } => join_tokens::run(ctx, command).await,
             Command::JoinRequests { command } => join_requests::run(ctx, command).await,
+            Command::Drivers { command } => drivers::run(ctx, command).await,
             Command::Commands { command } => agent_commands::run(ctx, command).await,
             Command::Releases { command } => releases::run(ctx, command).await,
             Command::Batch { command } => batch::run(ctx, command).await,

@@ -29,6 +29,7 @@ mod api_keys;
 mod batches;
 mod capacity;
 mod commands;
+mod drivers;
 mod events;
 pub(crate) mod flavors;
 pub mod fleet;
@@ -128,6 +129,7 @@ const GROUPS: &[&[Method]] = &[
     api_keys::METHODS,
     pools::METHODS,
     nodes::METHODS,
+    drivers::METHODS,
     access::METHODS,
     inventory::METHODS,
     join_tokens::METHODS,
