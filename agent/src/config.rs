@@ -16,6 +16,8 @@ pub const DATA_DIR_DEFAULT: &str = "/var/lib/bcd";
 pub const NODE_KEY_FILE: &str = "node.key";
 pub const IDENTITY_FILE: &str = "identity.json";
 pub const SOCKET_FILE: &str = "bcd.sock";
+/// The join encryption key (a public X25519 JWK), beside `config.toml`.
+pub const JOIN_ENCRYPTION_JWK_FILE: &str = "join-encryption.jwk";
 /// The largest configuration file read.
 pub const CONFIG_BYTES_MAX: u64 = 64 * 1024;
 /// How often the node journals an observation of itself, by default.
@@ -35,6 +37,14 @@ pub struct Config {
     pub serving_ca_spki_pin: Option<String>,
     /// `sha256/…` of the log key that signs node identities (`better-compute pki show`).
     pub log_key_pin: String,
+    /// `sha256/…` of the deployment's join signing key (the well-known document's, `pki show`'s
+    /// `joinSigningPin`): with it, `bcd join` takes only a `JoinResponse` that key signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_signing_key_pin: Option<String>,
+    /// `sha256/…` of the join encryption key (`joinEncryptionPin`): `join-encryption.jwk`
+    /// beside this file must be that key, to which `bcd join` seals the token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_encryption_key_pin: Option<String>,
     /// A duration (`60s`, `500ms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observe_interval: Option<String>,
@@ -210,6 +220,13 @@ impl Config {
 
     fn check(&self) -> Result<(), String> {
         crate::client::check_pin(&self.log_key_pin).map_err(|e| format!("log_key_pin: {e}"))?;
+        for (name, pin) in
+            [("join_signing_key_pin", &self.join_signing_key_pin), ("join_encryption_key_pin", &self.join_encryption_key_pin)]
+        {
+            if let Some(pin) = pin {
+                crate::client::check_pin(pin).map_err(|e| format!("{name}: {e}"))?;
+            }
+        }
         crate::client::Gateway::parse(&self.gateway, self.serving_ca_spki_pin.as_deref())?;
         self.observe_interval_ms()?;
         self.command_roots()?;

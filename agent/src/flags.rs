@@ -86,12 +86,20 @@ pub struct JoinArgs {
     /// join-token, or provisioned (with --node-id)
     #[arg(long, value_name = "ATTESTOR", default_value = "join-token")]
     pub attestor: String,
-    /// the gateway (https://HOST:PORT), to write config.toml when it does not exist
+    /// the control plane (https://HOST:PORT): config.toml and join-encryption.jwk are written
+    /// from its /.well-known/better-compute, checked against the pins given; with
+    /// --log-key-pin and no join pin, the agents' endpoint itself (config.toml only)
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
     /// sha256/… of the gateway's serving key; must equal serving_ca_spki_pin
     #[arg(long, value_name = "PIN")]
     pub serving_ca_pin: Option<String>,
+    /// sha256/… of the join signing key; must equal join_signing_key_pin
+    #[arg(long, value_name = "PIN")]
+    pub join_signing_pin: Option<String>,
+    /// sha256/… of the join encryption key; must equal join_encryption_key_pin
+    #[arg(long, value_name = "PIN")]
+    pub join_encryption_pin: Option<String>,
     /// sha256/… of the log key; must equal log_key_pin
     #[arg(long, value_name = "PIN")]
     pub log_key_pin: Option<String>,
@@ -110,6 +118,13 @@ pub struct JoinArgs {
 }
 
 impl JoinArgs {
+    /// Whether `--server` names the control plane, whose well-known document is fetched: a join
+    /// pin is given, or no `--log-key-pin` (with `--log-key-pin` alone, `--server` is the
+    /// agents' endpoint, as before the document existed).
+    pub fn joins_from_well_known(&self) -> bool {
+        self.join_signing_pin.is_some() || self.join_encryption_pin.is_some() || self.log_key_pin.is_none()
+    }
+
     /// `--role`: `node` is the only role this build has.
     pub fn check_role(&self) -> Result<(), &'static str> {
         if self.role == "node" { Ok(()) } else { Err("--role is node (site and ramdisk roles are not in this build)") }
@@ -230,6 +245,8 @@ pub struct WatchdogArgs {
 }
 
 /// What the command line asks for.
+// Made once per process: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Parsed {
     /// Run this command.
     Run(Command),

@@ -1,5 +1,7 @@
-//! `bcd join`: make the node key, spend the join token, check the signed identity against the
-//! pinned log key, and write `identity.json`. A machine that has joined says so and reads no
+//! `bcd join`: make the node key, spend the join token (sealed to the join encryption key when
+//! the machine has it: `crate::well_known`), check the answer's join signature against the
+//! pinned join signing key and the signed identity against the pinned log key, and write
+//! `identity.json`. A machine that has joined says so and reads no
 //! token; `--reset --yes` moves the identity and the journal aside first.
 
 use std::path::{Path, PathBuf};
@@ -125,7 +127,19 @@ pub fn joined_node(config: &Config) -> Result<Option<String>, JoinError> {
 /// Joins with `token` (as `node_id`, for a deployed machine's token bound to its node);
 /// removes a token file once joined.
 pub async fn join(config: &Config, token: Token, token_file: Option<&Path>, node_id: Option<&str>) -> Result<Outcome, JoinError> {
-    join_as(config, token, token_file, &hostname(), node_id).await
+    join_sealed(config, token, token_file, node_id, None).await
+}
+
+/// [`join`], the token sealed to `seal_to` (the join encryption key of `join-encryption.jwk`)
+/// when given: it then never leaves the machine in the clear, even inside the TLS session.
+pub async fn join_sealed(
+    config: &Config,
+    token: Token,
+    token_file: Option<&Path>,
+    node_id: Option<&str>,
+    seal_to: Option<&[u8; 32]>,
+) -> Result<Outcome, JoinError> {
+    join_with(config, token, token_file, &hostname(), node_id, seal_to).await
 }
 
 /// [`join`] under a given host name (`bcd sim`'s machines share one host but not one name).
@@ -136,14 +150,39 @@ pub async fn join_as(
     hostname: &str,
     node_id: Option<&str>,
 ) -> Result<Outcome, JoinError> {
+    join_with(config, token, token_file, hostname, node_id, None).await
+}
+
+async fn join_with(
+    config: &Config,
+    token: Token,
+    token_file: Option<&Path>,
+    hostname: &str,
+    node_id: Option<&str>,
+    seal_to: Option<&[u8; 32]>,
+) -> Result<Outcome, JoinError> {
     let gateway = config.gateway().map_err(fail)?;
     let key = node_key_load_or_create(config).map_err(fail)?;
+    let node_public_key = key.verifying_key().as_bytes().to_vec();
+    let (plain, sealed_token) = match seal_to {
+        None => (token.secret, None),
+        Some(public) => {
+            // The token's secrecy: from the OS's randomness, never a seed.
+            #[allow(clippy::disallowed_methods)]
+            let mut rng = rand::rng();
+            let sealed = bc_core::well_known::seal_join_token(public, token.secret.as_bytes(), &node_public_key, &mut rng)
+                .map_err(fail)?;
+            let key_pin = bc_core::well_known::encryption_pin(public);
+            (String::new(), Some(bc_proto::SealedJoinToken { enc: sealed.enc, ciphertext: sealed.ciphertext, key_pin }))
+        }
+    };
     let request = bc_proto::JoinRequest {
-        token: token.secret,
-        node_public_key: key.verifying_key().as_bytes().to_vec(),
+        token: plain,
+        node_public_key,
         hardware: Some(bc_proto::HardwareClaims { hostname: hostname.to_owned(), gpus: claimed_gpus(config)? }),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         node_id: node_id.unwrap_or_default().to_owned(),
+        sealed_token,
     };
     let channel = gateway.channel().map_err(fail)?;
     let mut client = AgentClient::new(channel);
@@ -183,6 +222,9 @@ pub async fn join_as(
 /// Checks the gateway's answer to a join against the pinned log key and the node's key, and
 /// keeps it: the node certificate, then `identity.json`. What to print.
 fn keep_joined(config: &Config, key: &ed25519_dalek::SigningKey, response: bc_proto::JoinResponse) -> Result<String, JoinError> {
+    if let Some(pin) = &config.join_signing_key_pin {
+        verify_join_signature(&response, pin).map_err(|e| fail(format!("the gateway's answer: {e}")))?;
+    }
     let identity = String::from_utf8(response.identity).map_err(|_| fail("the gateway's identity is not UTF-8"))?;
     let file = IdentityFile {
         identity,
@@ -209,6 +251,36 @@ fn keep_joined(config: &Config, key: &ed25519_dalek::SigningKey, response: bc_pr
     let until = certificate
         .map_or(String::new(), |c| format!("; certificate valid until {}", bc_core::clock::rfc3339_ms(c.not_after_ms)));
     Ok(format!("joined as {} (tenant {}, pool {}){until}", checked.node_id, checked.tenant_id, checked.pool_id))
+}
+
+/// Checks a `JoinResponse`'s join signature: by a key whose pin is `pin` (the configuration's
+/// `join_signing_key_pin`), over `bc_core::well_known::join_response_signing_message`.
+pub fn verify_join_signature(response: &bc_proto::JoinResponse, pin: &str) -> Result<(), String> {
+    if response.join_signature.is_empty() {
+        return Err("JOIN_SIGNATURE: it is not signed by a join signing key (join_signing_key_pin is set)".into());
+    }
+    let public: [u8; 32] = response
+        .join_signing_public_key
+        .as_slice()
+        .try_into()
+        .map_err(|_| "JOIN_SIGNATURE: the join signing key is not 32 bytes")?;
+    let signer = ed25519_dalek::VerifyingKey::from_bytes(&public)
+        .map_err(|_| "JOIN_SIGNATURE: the join signing key is not an Ed25519 key")?;
+    let actual = bc_core::well_known::signing_pin(&signer);
+    if actual != pin {
+        return Err(format!("PIN_MISMATCH: it is signed by the join signing key {actual}, not join_signing_key_pin {pin}"));
+    }
+    let signature = ed25519_dalek::Signature::from_slice(&response.join_signature)
+        .map_err(|_| "JOIN_SIGNATURE: the join signature is not 64 bytes")?;
+    let message = bc_core::well_known::join_response_signing_message(
+        &response.identity,
+        &response.signature,
+        &response.log_public_key,
+        &response.node_certificate,
+        &response.node_ca_certificate,
+        response.node_certificate_not_after_ms,
+    );
+    signer.verify_strict(&message, &signature).map_err(|_| "JOIN_SIGNATURE: the join signature does not verify".to_owned())
 }
 
 /// `bcd join --request`: asks to join with no token and waits for an operator's decision,

@@ -8,6 +8,7 @@
 //! in from outside), so the simulator runs the real logic; [`driver`] wraps it in tokio and
 //! tonic; [`client`] is the pinned-TLS (or loopback h2c) channel; [`config`] the configuration
 //! and the node's files; [`token`] where a join token may come from; [`join`] the join;
+//! [`well_known`] the control plane's signed document `bcd join --server` checks against its pins;
 //! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process;
 //! [`update`] signed releases into A/B slots, the re-exec and the watchdog (`agent.update`);
 //! [`ledger`] the whole-file JSON ledgers (`holds.json`, `instances.json`); the decisions over
@@ -47,3 +48,4 @@ pub mod support_bundle;
 pub mod token;
 pub mod tunnel;
 pub mod update;
+pub mod well_known;

@@ -528,6 +528,7 @@ async fn join_nodes(
                 hardware: Some(bc_proto::HardwareClaims { hostname: format!("{hostname_prefix}-{i}"), gpus: vec![] }),
                 agent_version: "bench".into(),
                 node_id: String::new(),
+                sealed_token: None,
             })
             .await
             .unwrap()

@@ -106,8 +106,9 @@ fn write_ssh_user_ca_file(data_dir: &Path, line: &str) -> Result<(), CliError> {
         .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))
 }
 
-/// `pki show`: the log key's id, pin and vkey, and the SSH user CAs: the current one
-/// (`sshUserCa`) and those replaced still in their grace (`sshUserCaInGrace`, with its end). The
+/// `pki show`: the log key's id, pin and vkey, the SSH user CAs: the current one
+/// (`sshUserCa`) and those replaced still in their grace (`sshUserCaInGrace`, with its end), the
+/// node CA's pins and the join keys' (`joinSigningPin`, `joinEncryptionPin`). The
 /// CAs come from the log when this directory's database (or `--database-url`) is there to
 /// read (public keys only: no data key is needed), else from [`SSH_USER_CA_FILE`].
 pub async fn pki_show(db: &Database, data_dir: &Path, deployment: &str) -> Result<Value, CliError> {
@@ -126,6 +127,15 @@ pub async fn pki_show(db: &Database, data_dir: &Path, deployment: &str) -> Resul
         "algorithm": "ed25519",
     });
     shown.as_object_mut().expect("an object").extend(ssh_user_ca_shown(db, data_dir).await?);
+    // The join keys' pins, as the server wrote them beside the log key: what `bcd join --server`
+    // takes as --join-signing-pin and --join-encryption-pin.
+    let join_keys_path = data_dir.join(bc_gateway::join_keys::JOIN_KEYS_FILE);
+    if let Ok(text) = std::fs::read_to_string(&join_keys_path)
+        && let Ok(public) = serde_json::from_str::<Value>(&text)
+    {
+        shown["joinSigningPin"] = public["joinSigningPin"].clone();
+        shown["joinEncryptionPin"] = public["joinEncryptionPin"].clone();
+    }
     // The node CA's certificates, as the server wrote them beside the log key: the current one
     // first, then each replaced one still in its overlap after `pki renew-ca`.
     let node_ca_path = data_dir.join(bc_gateway::node_ca::NODE_CA_FILE);
@@ -599,6 +609,9 @@ pub struct AgentsOptions {
     pub limits: bc_gateway::agents::AgentLimits,
     /// How long a node certificate is valid (`--node-cert-lifetime`).
     pub node_cert_lifetime_ms: u64,
+    /// The endpoint as agents reach it (`--agents-url`), which the well-known document names;
+    /// `None`: the bound address.
+    pub public_url: Option<String>,
 }
 
 impl AgentsOptions {
@@ -641,8 +654,24 @@ impl AgentsOptions {
             session,
             limits,
             node_cert_lifetime_ms: bc_gateway::node_ca::NODE_CERT_LIFETIME_MS_DEFAULT,
+            public_url: None,
         })
     }
+}
+
+/// The deployment's join keys (made and stored, sealed under the data key, at the first start),
+/// their public halves and pins written to [`bc_gateway::join_keys::JOIN_KEYS_FILE`] in the data
+/// directory (public; `pki show` prints them).
+async fn join_keys(log: &Log, data_dir: &Path) -> Result<Arc<bc_gateway::join_keys::JoinKeys>, CliError> {
+    let (keys, created) = bc_gateway::join_keys::JoinKeys::load_or_create(&*log.store, log.clock.now_ms()).await?;
+    if created {
+        tracing::info!(signing_pin = %keys.signing_pin(), encryption_pin = %keys.encryption().pin(), "created the join keys");
+    }
+    let path = data_dir.join(bc_gateway::join_keys::JOIN_KEYS_FILE);
+    let text = serde_json::to_string_pretty(&keys.public_json()).map_err(|e| CliError::new("INTERNAL", e.to_string()))?;
+    std::fs::write(&path, format!("{text}\n"))
+        .map_err(|e| CliError::new("INTERNAL", format!("cannot write {}: {e}", path.display())))?;
+    Ok(Arc::new(keys))
 }
 
 /// The deployment's node CA (made and stored, sealed under the data key, at the first start),
@@ -908,7 +937,17 @@ pub async fn run_server(
         println!("  metrics:   http://{addr}/metrics");
     }
     let ssh_user_ca = ssh_user_ca(&log, data_dir).await?;
+    let join_keys = join_keys(&log, data_dir).await?;
+    // The well-known document names this process's agents' endpoint (none without the role).
+    let well_known = match &agents_endpoint {
+        Some(endpoint) => {
+            let url = agents.public_url.clone().unwrap_or_else(|| endpoint.url());
+            Some(join_keys.document(&url, endpoint.pin.as_deref(), &key.pin())?)
+        }
+        None => None,
+    };
     let mut state = AppState::new(log.clone())
+        .with_join_keys(join_keys.clone(), well_known)
         .with_webhook_policy(consumers.policy)
         .with_bmc_networks(consumers.bmc_networks.clone())
         .with_release_keys(release_keys.clone())
@@ -1024,6 +1063,10 @@ impl bc_reconcilers::driver::PassObserver for PassMetrics {
 
     fn outbox_completed(&self, consumer: &'static str, outcome: &'static str, latency: std::time::Duration) {
         self.0.outbox_completed(consumer, outcome, latency);
+    }
+
+    fn sandboxes_seen(&self, live: u64, warm: u64) {
+        self.0.sandboxes_seen(live, warm);
     }
 }
 

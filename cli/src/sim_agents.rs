@@ -125,6 +125,8 @@ fn base_config(plan: &Plan) -> bc_agent::config::Config {
         log_key_pin: plan.log_key_pin.clone(),
         observe_interval: None,
         command_root_sha256: None,
+        join_signing_key_pin: None,
+        join_encryption_key_pin: None,
         journal: Default::default(),
         log: Default::default(),
         hardware: Default::default(),

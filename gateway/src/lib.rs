@@ -21,6 +21,8 @@
 //! - [`agents`]: the gRPC endpoint of the node agents (`bcd`): joins and sessions, on a
 //!   listener of its own with a pinned TLS certificate; [`node_ca`]: the node CA, whose
 //!   certificates the endpoint asks each node for (mutual TLS), renewed and revoked;
+//! - [`join_keys`]: the join signing and encryption keys, and `GET /.well-known/better-compute`,
+//!   the signed document a machine joins from (`bcd join --server`);
 //! - [`metrics`]: `GET /metrics` for Prometheus; [`health`]: `GET /healthz` and `GET /readyz`,
 //!   and the agents' endpoint's gRPC health status.
 //!
@@ -48,6 +50,7 @@ pub mod auth;
 pub mod conn;
 pub mod error;
 pub mod health;
+pub mod join_keys;
 pub mod metrics;
 pub mod node_ca;
 pub mod openapi;
@@ -112,6 +115,13 @@ pub struct AppState {
     /// The deployment's node CA (`node_ca.rs`): node certificates at join and renewal, and
     /// the revoked set the agents' TLS layer checks; none: joins issue no certificate.
     pub node_ca: Option<Arc<node_ca::NodeCa>>,
+    /// The deployment's join keys (`join_keys.rs`): a sealed join token is opened with the
+    /// encryption key and every join answer is signed with the signing key; none: only plain
+    /// tokens are taken and answers carry no join signature.
+    pub join_keys: Option<Arc<join_keys::JoinKeys>>,
+    /// The signed document `GET /.well-known/better-compute` serves; none (`NOT_FOUND`): this
+    /// process names no agents' endpoint.
+    pub well_known: Option<Arc<join_keys::WellKnownDocument>>,
     /// This process's metrics (`metrics.rs`): the log reports its batches to them from the start.
     pub metrics: Arc<metrics::Metrics>,
     /// Whether the API's router serves `GET /metrics` (not when `--metrics-listen` serves them
@@ -230,6 +240,8 @@ impl AppState {
             tunnels: tunnels::Tunnels::new(tunnels::TunnelLimits::default()),
             ssh_user_ca: None,
             node_ca: None,
+            join_keys: None,
+            well_known: None,
             metrics,
             metrics_on_api: true,
             api_served: true,
@@ -244,6 +256,12 @@ impl AppState {
 
     pub fn with_node_ca(mut self, ca: Arc<node_ca::NodeCa>) -> Self {
         self.node_ca = Some(ca);
+        self
+    }
+
+    pub fn with_join_keys(mut self, keys: Arc<join_keys::JoinKeys>, document: Option<join_keys::WellKnownDocument>) -> Self {
+        self.join_keys = Some(keys);
+        self.well_known = document.map(Arc::new);
         self
     }
 
@@ -285,6 +303,7 @@ fn api_router(state: Arc<AppState>) -> Router {
         // The ticket is a secret: the trace layer's span names the route, never the path.
         .route("/tunnels/{ticket}", get(tunnels::upgrade))
         .route("/api/compute/openapi.json", get(openapi))
+        .route(bc_core::well_known::WELL_KNOWN_PATH, get(well_known))
         // `POST /api/compute/{method}` is dispatched by the fallback (`rpc::dispatch`), not a
         // route: axum percent-decodes and copies a route's parameters (and rewrites a nested
         // service's URI) before any handler runs, so a 64 KB name would be worked over before
@@ -332,6 +351,21 @@ async fn openapi() -> Response {
     static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let body = DOCUMENT.get_or_init(openapi::document_text);
     ([(header::CONTENT_TYPE, "application/json")], body.clone()).into_response()
+}
+
+/// `GET /.well-known/better-compute`: the signed document a machine joins from (public;
+/// docs/admission.md), or `NOT_FOUND` when this process names no agents' endpoint.
+async fn well_known(axum::extract::State(state): axum::extract::State<Arc<AppState>>) -> Response {
+    match &state.well_known {
+        Some(document) => {
+            ([(header::CONTENT_TYPE, "application/json"), (header::CACHE_CONTROL, "no-cache")], document.bytes.clone())
+                .into_response()
+        }
+        None => ApiError::from(Error::NotFound {
+            what: "well-known document (this process serves no agents' endpoint: serve it with the agents role)".into(),
+        })
+        .into_response(),
+    }
 }
 
 pub(crate) async fn not_found() -> ApiError {

@@ -146,6 +146,7 @@ fn bogus_join() -> bc_proto::JoinRequest {
         hardware: None,
         agent_version: "test".into(),
         node_id: String::new(),
+        sealed_token: None,
     }
 }
 

@@ -26,6 +26,7 @@ fn join_request(token: &str) -> bc_proto::JoinRequest {
         hardware: Some(bc_proto::HardwareClaims { hostname: "h1".into(), gpus: vec![] }),
         agent_version: "0.1.0".into(),
         node_id: String::new(),
+        sealed_token: None,
     }
 }
 

@@ -62,3 +62,4 @@ mod watch_limits;
 mod watch_tail;
 mod webhook_egress;
 mod webhooks;
+mod well_known;

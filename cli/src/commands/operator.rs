@@ -268,6 +268,11 @@ pub struct AgentsArgs {
     /// Where the agents' endpoint listens (TLS; agents pin the certificate's key).
     #[arg(long, default_value = DEFAULT_AGENTS_LISTEN)]
     pub agents_listen: String,
+    /// The agents' endpoint as agents reach it (https://HOST:PORT; a load balancer or proxy in
+    /// front of --agents-listen), which GET /.well-known/better-compute names. Default: the
+    /// address --agents-listen bound.
+    #[arg(long, value_name = "URL", value_parser = parse_agents_url)]
+    pub agents_url: Option<String>,
     /// The serving certificate chain (PEM); with --agents-tls-key. Default: one made at first
     /// start in the data directory.
     #[arg(long, requires = "agents_tls_key", value_name = "FILE")]
@@ -301,6 +306,29 @@ pub struct AgentsArgs {
     /// How long a node certificate is valid (1m to 30d); a node renews it at two thirds of that.
     #[arg(long, default_value = "24h", value_parser = crate::flags::parse_node_cert_lifetime_ms)]
     pub node_cert_lifetime: u64,
+}
+
+/// `--agents-url`: `https://HOST:PORT` (or `http://` for a loopback h2c `dev` endpoint), no
+/// path, at most `bc_core::well_known::AGENTS_URL_BYTES_MAX` bytes: what `bcd` takes as its
+/// `gateway`.
+fn parse_agents_url(text: &str) -> Result<String, String> {
+    let rest = text.strip_prefix("https://").or_else(|| text.strip_prefix("http://"));
+    let authority = rest.map(|r| r.trim_end_matches('/'));
+    let well_formed = authority.is_some_and(|a| {
+        !a.is_empty()
+            && !a.contains(['/', '@', '?', '#'])
+            && a.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok())
+    });
+    if !well_formed
+        || text.len() > bc_core::well_known::AGENTS_URL_BYTES_MAX
+        || text.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "the agents' URL is https://HOST:PORT (at most {} bytes, no path)",
+            bc_core::well_known::AGENTS_URL_BYTES_MAX
+        ));
+    }
+    Ok(text.trim_end_matches('/').to_owned())
 }
 
 /// `pki rotate-ssh-ca --grace`'s default: `SSH_CA_GRACE_MS_DEFAULT` (a test holds them equal).
@@ -443,6 +471,7 @@ impl AgentsArgs {
         };
         let mut options = AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session, limits)?;
         options.node_cert_lifetime_ms = self.node_cert_lifetime;
+        options.public_url = self.agents_url.clone();
         Ok(options)
     }
 }

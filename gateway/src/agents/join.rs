@@ -35,7 +35,8 @@ pub(super) fn refused(why: &str) -> Error {
 }
 
 pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Joined> {
-    let (token_id, secret_sha256) = join_token_parse(&request.token).map_err(|e| refused(&e))?;
+    let token = token_of(state, &request)?;
+    let (token_id, secret_sha256) = join_token_parse(&token).map_err(|e| refused(&e))?;
     let public_key = node_public_key(&request.node_public_key).map_err(Error::invalid)?;
     let hardware = request.hardware.unwrap_or_default();
     let (gpus, gpu_uuids) = gpus_of(&hardware.gpus)?;
@@ -62,6 +63,27 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
         }
     }
     Err(Error::Unavailable("the join token is contended; retry".into()))
+}
+
+/// The join token a request carries: sealed to the deployment's join encryption key (opened
+/// here, for the request's node key), or plain (agents without `join-encryption.jwk`; still
+/// taken, so agents joined before the well-known document keep joining). Never both.
+fn token_of(state: &AppState, request: &bc_proto::JoinRequest) -> Result<String> {
+    let Some(sealed) = &request.sealed_token else { return Ok(request.token.clone()) };
+    if !request.token.is_empty() {
+        return Err(Error::invalid("a join carries its token sealed or plain, not both"));
+    }
+    let keys =
+        state.join_keys.as_ref().ok_or_else(|| refused("this gateway has no join encryption key to open a sealed token"))?;
+    let ours = keys.encryption().pin();
+    if sealed.key_pin.len() > bc_core::well_known::PIN_BYTES_MAX || (!sealed.key_pin.is_empty() && sealed.key_pin != ours) {
+        return Err(refused(&format!(
+            "the token is sealed to another join encryption key than this deployment's ({ours}): fetch the well-known document again"
+        )));
+    }
+    let sealed = bc_core::well_known::SealedToken { enc: sealed.enc.clone(), ciphertext: sealed.ciphertext.clone() };
+    let opened = keys.encryption().open(&sealed, &request.node_public_key).map_err(|e| refused(&e))?;
+    String::from_utf8(opened).map_err(|_| refused("the sealed join token is not text"))
 }
 
 /// What a machine says of itself at join.

@@ -1,7 +1,8 @@
 //! The agents' endpoint: the gRPC service of `schema/agent.proto` (tonic), on its own listener,
 //! TLS with a pinned serving certificate ([`tls`]); plain h2c only on loopback in `dev`.
 //!
-//! Layout: [`join`] spends a join token; [`join_request`] answers a machine that asks to join
+//! Layout: [`join`] spends a join token (plain, or sealed to the join encryption key:
+//! `crate::join_keys`); [`join_request`] answers a machine that asks to join
 //! without one; [`session`] is a node's session, free of tonic (the
 //! service here only adapts its streams); [`tls`] the serving certificate. [`serve`] is the
 //! listener: its own accept loop and hyper's HTTP/2 server per connection (not tonic's
@@ -209,7 +210,7 @@ fn unavailable_retry_after(message: &str, retry_after_ms: u64) -> Status {
 impl AgentService {
     /// A join's answer: the signed identity, the log key, and the node certificate with its CA.
     fn join_response(&self, joined: join::Joined) -> bc_proto::JoinResponse {
-        bc_proto::JoinResponse {
+        let mut response = bc_proto::JoinResponse {
             identity: joined.identity,
             signature: joined.signature,
             log_key_id: self.state.log.key.key_id().to_owned(),
@@ -217,7 +218,24 @@ impl AgentService {
             node_certificate_not_after_ms: joined.certificate.as_ref().map_or(0, |c| c.not_after_ms),
             node_certificate: joined.certificate.map(|c| c.der).unwrap_or_default(),
             node_ca_certificate: self.state.node_ca.as_ref().map(|ca| ca.certificate().to_vec()).unwrap_or_default(),
+            join_signature: Vec::new(),
+            join_signing_public_key: Vec::new(),
+        };
+        // Signed by the join signing key, which the well-known document names (its pin is what
+        // a machine that joined through the document holds).
+        if let Some(keys) = &self.state.join_keys {
+            let message = bc_core::well_known::join_response_signing_message(
+                &response.identity,
+                &response.signature,
+                &response.log_public_key,
+                &response.node_certificate,
+                &response.node_ca_certificate,
+                response.node_certificate_not_after_ms,
+            );
+            response.join_signature = keys.sign_join_response(&message);
+            response.join_signing_public_key = keys.signing_public().to_vec();
         }
+        response
     }
 }
 

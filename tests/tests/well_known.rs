@@ -1,0 +1,272 @@
+//! The well-known document end to end (docs/admission.md, issue 61 item 2): `GET
+//! /.well-known/better-compute` verifies against `pki show`'s join signing pin and names the
+//! agents' endpoint, its serving pin and the log key's pin; `bcd join --server` with a pin that
+//! does not match exits 1 before anything is sent (the token stays unused, no `node.joined`, no
+//! file written), and so does a document whose signature does not verify; with the right pins
+//! it writes `config.toml` (0600) and `join-encryption.jwk`, joins, and the node goes live.
+//!
+//! The token on the wire is sealed: a plain TCP proxy between `bcd` and a loopback h2c agents'
+//! endpoint (`dev --agents-insecure-h2c --agents-url http://PROXY`) records every byte `bcd`
+//! sends. Without TLS the proxy sees the gRPC request exactly as a TLS-terminating proxy would
+//! after decrypting it. A join through the document leaves no byte of the token (nor of its
+//! secret part) in what the proxy saw, though the request's other fields (the node's public key)
+//! are there in the clear; a join of the same kind without `join-encryption.jwk` through the same
+//! proxy does show the token, so the proxy would have seen it.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bc_tests::{ImageServer, Server, json, log_key_pin, wait_until};
+use serde_json::{Value, json};
+
+/// `pki show`'s join pins: (joinSigningPin, joinEncryptionPin).
+fn join_pins(server: &Server) -> (String, String) {
+    let (code, out, err) = server.cli(&["pki", "show", "--data-dir", &server.data_dir.display().to_string()]);
+    assert_eq!(code, 0, "pki show: {err}");
+    let shown = json(&out);
+    (
+        shown["joinSigningPin"].as_str().expect("pki show prints joinSigningPin").to_owned(),
+        shown["joinEncryptionPin"].as_str().unwrap().to_owned(),
+    )
+}
+
+async fn document(server: &Server) -> Vec<u8> {
+    let response = server.http.get(format!("{}/.well-known/better-compute", server.url)).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    response.bytes().await.unwrap().to_vec()
+}
+
+/// A new one-use join token of `pool`: (its secret, its id).
+async fn token(server: &Server, pool: &str) -> (String, String) {
+    let (status, created) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    assert_eq!(status, 200, "{created}");
+    (created["token"].as_str().unwrap().to_owned(), created["joinTokenId"].as_str().unwrap().to_owned())
+}
+
+async fn token_uses(server: &Server, id: &str) -> u64 {
+    let (status, got) = server.call("joinTokens.get", json!({ "joinTokenId": id })).await;
+    assert_eq!(status, 200, "{got}");
+    got["uses"].as_u64().unwrap()
+}
+
+async fn joined_events(server: &Server) -> usize {
+    let (status, page) = server.call("events.list", json!({ "types": ["node.joined"], "limit": 500 })).await;
+    assert_eq!(status, 200, "{page}");
+    page["items"].as_array().unwrap().len()
+}
+
+/// `bcd join --config DIR/config.toml --data-dir DIR/data --server SERVER EXTRA…`, the token on
+/// standard input.
+fn join_from(dir: &Path, server: &str, extra: &[&str], token: &str) -> (i32, String, String) {
+    let config = dir.join("config.toml").display().to_string();
+    let data = dir.join("data").display().to_string();
+    let mut args = vec!["join", "--config", &config, "--data-dir", &data, "--server", server];
+    args.extend_from_slice(extra);
+    bc_tests::bcd(&args, &[], Some(&format!("{token}\n")))
+}
+
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_document_verifies_a_wrong_pin_sends_nothing_and_a_join_through_it_goes_live() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("gpu-a").await;
+    let (signing_pin, encryption_pin) = join_pins(&server);
+
+    // The document, checked as a machine checks it.
+    let served = document(&server).await;
+    let (doc, signer) = bc_core::well_known::verify_document(&served).expect("the served document verifies");
+    assert_eq!(bc_core::well_known::signing_pin(&signer), signing_pin, "signed by the key pki show pins");
+    assert_eq!(doc.join_signing_pin, signing_pin);
+    assert_eq!(doc.join_encryption_pin, encryption_pin);
+    assert_eq!(doc.agents_url, format!("https://127.0.0.1:{port}"));
+    assert_eq!(doc.serving_ca_pin, server.agents_pin, "the serving pin is the agents' endpoint's");
+    assert_eq!(doc.log_key_pin, log_key_pin(&server));
+    assert_eq!(doc.join_encryption_key["kty"], "OKP");
+    assert_eq!(doc.join_encryption_key["crv"], "X25519");
+    let raw: Value = serde_json::from_slice(&served).unwrap();
+    assert!(raw["signature"].is_string(), "{raw}");
+
+    // A pin that does not match: exit 1 with PIN_MISMATCH, before anything reaches the agents'
+    // endpoint: the token unused, no node joined, no file written.
+    let (secret, token_id) = token(&server, &pool).await;
+    let wrong = "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+    let refused = tempfile::tempdir().unwrap();
+    for pins in [
+        vec!["--join-signing-pin", wrong],
+        vec!["--join-signing-pin", &signing_pin, "--join-encryption-pin", wrong],
+        vec!["--join-signing-pin", &signing_pin, "--serving-ca-pin", wrong],
+    ] {
+        let (code, out, err) = join_from(refused.path(), &server.url, &pins, &secret);
+        assert_eq!(code, 1, "{pins:?}: {out} {err}");
+        assert!(err.contains("PIN_MISMATCH"), "{pins:?}: {err}");
+        assert!(!err.contains(&secret), "the token is never echoed");
+    }
+    assert!(!refused.path().join("config.toml").exists() && !refused.path().join("join-encryption.jwk").exists());
+    assert!(!refused.path().join("data").join("node.key").exists(), "not even a node key was made");
+    assert_eq!(token_uses(&server, &token_id).await, 0, "the token was not spent");
+    assert_eq!(joined_events(&server).await, 0, "no node joined");
+    // No pin at all is a usage error (exit 2).
+    let (code, _, err) = join_from(refused.path(), &server.url, &[], &secret);
+    assert_eq!(code, 2, "{err}");
+
+    // A document whose signature does not verify (one member changed after signing, served by a
+    // stand-in for the control plane): exit 1, nothing sent.
+    let mut tampered: Value = serde_json::from_slice(&served).unwrap();
+    tampered["agentsUrl"] = "https://127.0.0.1:1".into();
+    let fake = ImageServer::start(".well-known/better-compute", serde_json::to_vec(&tampered).unwrap());
+    let fake_url = fake.url.trim_end_matches("/.well-known/better-compute").to_owned();
+    let (code, _, err) = join_from(refused.path(), &fake_url, &["--join-signing-pin", &signing_pin], &secret);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("WELL_KNOWN_BAD_SIGNATURE"), "{err}");
+    assert_eq!(fake.served(), 1, "the stand-in was asked once");
+    assert_eq!(token_uses(&server, &token_id).await, 0);
+
+    // The right pins: config.toml (0600) and join-encryption.jwk (0644) are written from the
+    // document, the token is sealed, the node joins and goes live with what was written.
+    let machine = tempfile::tempdir().unwrap();
+    let (code, out, err) = join_from(
+        machine.path(),
+        &server.url,
+        &[
+            "--join-signing-pin",
+            &signing_pin,
+            "--join-encryption-pin",
+            &encryption_pin,
+            "--serving-ca-pin",
+            server.agents_pin.as_deref().unwrap(),
+        ],
+        &secret,
+    );
+    assert_eq!(code, 0, "bcd join: {out} {err}");
+    assert!(out.contains("joined as node_"), "{out}");
+    let config_path = machine.path().join("config.toml");
+    assert_eq!(mode_of(&config_path), 0o600);
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    for line in [
+        format!("gateway = {:?}", doc.agents_url),
+        format!("join_signing_key_pin = {signing_pin:?}"),
+        format!("join_encryption_key_pin = {encryption_pin:?}"),
+        format!("log_key_pin = {:?}", doc.log_key_pin),
+    ] {
+        assert!(config.lines().any(|l| l == line), "config.toml has {line}: {config}");
+    }
+    let jwk_path = machine.path().join("join-encryption.jwk");
+    assert_eq!(mode_of(&jwk_path), 0o644, "a public key");
+    let jwk: Value = serde_json::from_str(&std::fs::read_to_string(&jwk_path).unwrap()).unwrap();
+    assert_eq!(jwk, doc.join_encryption_key);
+    assert_eq!(token_uses(&server, &token_id).await, 1);
+    assert_eq!(joined_events(&server).await, 1);
+
+    // The written configuration runs the node.
+    let mut node = bc_tests::start_bcd_node(machine.path(), &config_path.display().to_string());
+    wait_until("the node is live", Duration::from_secs(20), || {
+        let (code, out, _) = bc_tests::bcd(&["status", "--config", &config_path.display().to_string()], &[], None);
+        (code == 0 && json(&out)["session"] == "live").then_some(())
+    });
+    let _ = node.kill();
+    let _ = node.wait();
+}
+
+/// A plain TCP proxy on `listener` to `upstream`, recording every byte the client sends.
+fn recording_proxy(listener: std::net::TcpListener, upstream: String) -> Arc<Mutex<Vec<u8>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let recorded = seen.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(mut client) = client else { continue };
+            let Ok(mut server) = std::net::TcpStream::connect(&upstream) else { continue };
+            let (mut client_read, mut server_write) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            let recorded = recorded.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16 * 1024];
+                loop {
+                    match client_read.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            recorded.lock().unwrap().extend_from_slice(&buf[..n]);
+                            if server_write.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let _ = server_write.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut server, &mut client);
+                let _ = client.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    seen
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The node's public key, from `identity.json` under `data`.
+fn node_public_key(data: &Path) -> Vec<u8> {
+    let identity: Value = serde_json::from_str(&std::fs::read_to_string(data.join("identity.json")).unwrap()).unwrap();
+    let document: Value = serde_json::from_str(identity["identity"].as_str().unwrap()).unwrap();
+    bc_core::agent::unb64(document["nodePublicKey"].as_str().unwrap()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_in_the_middle_never_sees_a_sealed_token() {
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+    let (server, _port) = bc_tests::agents_gateway_with(&["--agents-insecure-h2c", "--agents-url", &proxy_url]);
+    let seen = recording_proxy(proxy, server.agents_addr.clone());
+    let pool = server.pool("gpu-a").await;
+    let (signing_pin, _) = join_pins(&server);
+    let (doc, _) = bc_core::well_known::verify_document(&document(&server).await).unwrap();
+    assert_eq!(doc.agents_url, proxy_url, "the document names --agents-url");
+    assert_eq!(doc.serving_ca_pin, None, "h2c: no serving certificate");
+
+    // Through the document: sealed. The proxy carried the join (the node's key is in what it
+    // saw), and not one copy of the token or its secret.
+    let (secret, token_id) = token(&server, &pool).await;
+    let machine = tempfile::tempdir().unwrap();
+    let (code, out, err) = join_from(machine.path(), &server.url, &["--join-signing-pin", &signing_pin], &secret);
+    assert_eq!(code, 0, "bcd join: {out} {err}");
+    assert_eq!(token_uses(&server, &token_id).await, 1);
+    let sealed_seen = seen.lock().unwrap().clone();
+    assert!(
+        contains(&sealed_seen, &node_public_key(&machine.path().join("data"))),
+        "the join went through the proxy in the clear"
+    );
+    // `bcjt_` + `jt_` and 26 characters + `_`, then the secret (base64url, which may hold `_`).
+    let token_secret = &secret["bcjt_jt_".len() + 26 + 1..];
+    assert!(token_secret.len() >= 40, "{token_secret}");
+    assert!(!contains(&sealed_seen, secret.as_bytes()), "the proxy saw the token");
+    assert!(!contains(&sealed_seen, token_secret.as_bytes()), "the proxy saw the token's secret");
+    assert!(!contains(&sealed_seen, &token_secret.as_bytes()[..16]), "the proxy saw part of the token's secret");
+
+    // The same join without join-encryption.jwk (a configuration written by hand, as before the
+    // document): the token is sent plain, and the proxy sees it. So the check above can fail.
+    seen.lock().unwrap().clear();
+    let (plain_secret, plain_id) = token(&server, &pool).await;
+    let plain = tempfile::tempdir().unwrap();
+    std::fs::write(
+        plain.path().join("config.toml"),
+        format!(
+            "data_dir = {:?}\ngateway = {proxy_url:?}\nlog_key_pin = {:?}\n",
+            plain.path().join("data").display().to_string(),
+            doc.log_key_pin
+        ),
+    )
+    .unwrap();
+    let config = plain.path().join("config.toml").display().to_string();
+    let (code, out, err) = bc_tests::bcd(&["join", "--config", &config], &[], Some(&format!("{plain_secret}\n")));
+    assert_eq!(code, 0, "bcd join: {out} {err}");
+    assert_eq!(token_uses(&server, &plain_id).await, 1, "the gateway still takes a plain token");
+    assert!(contains(&seen.lock().unwrap(), plain_secret.as_bytes()), "an unsealed token is seen by the proxy");
+}
