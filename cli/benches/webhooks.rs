@@ -106,6 +106,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
         description: String::new(),
         secret_version: 1,
         secret_id,
+        secret_ref: None,
     };
     log.append(append(stream_of(KIND_WEBHOOK, &webhook), ev::WEBHOOK_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
     let mut pending = Vec::new();

@@ -14,8 +14,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
     agent_commands, api, audit, auth, batch, console, drivers, events, exec, flavors, fleet, forward, init, instances, inventory,
-    join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, sim, ssh_cert,
-    usage, version, webhooks,
+    join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, secrets, sim,
+    ssh_cert, usage, version, webhooks,
 };
 use crate::output::Format;
 
@@ -302,6 +302,12 @@ pub enum Command {
     Auth {
         #[command(subcommand)]
         command: auth::AuthCommand,
+    },
+    /// Write-only secrets: put (the value from --value-file or --stdin only), list (names and
+    /// versions, never values), delete; webhooks name them as secret://TENANT/sec_….
+    Secrets {
+        #[command(subcommand)]
+        command: secrets::SecretsCommand,
     },
     /// Webhook subscriptions and their deliveries (Standard Webhooks signatures).
     Webhooks {

@@ -266,6 +266,13 @@ pub const WEBHOOKS: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const SECRETS: &[Column] = &[
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "VERSION", cell: |r, _| field(r, "secretVersion") },
+    Column { header: "REF", cell: |r, _| field(r, "ref") },
+    Column { header: "UPDATED", cell: |r, now| when(r, "updatedAtMs", now) },
+];
+
 pub const DELIVERIES: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "deliveryId") },
     Column { header: "TYPE", cell: |r, _| field(r, "type") },
@@ -366,6 +373,7 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "webhooks.list" => WEBHOOKS,
         "webhooks.deliveries" => DELIVERIES,
         "webhooks.eventTypes" => EVENT_TYPES,
+        "secrets.list" => SECRETS,
         "apiKeys.list" => API_KEYS,
         "flavors.list" => FLAVORS,
         "images.list" => IMAGES,

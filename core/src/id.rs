@@ -115,6 +115,8 @@ typed_id!(/// A rollout of a release to nodes, in waves.
     RolloutId, "ro");
 typed_id!(/// A destructive batch: commands held until a quorum of approver keys signs their scope.
     CommandBatchId, "batch");
+typed_id!(/// A write-only secret: a name and versions of a value sealed in the secret store.
+    SecretId, "sec");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

@@ -34,6 +34,8 @@ pub const ACTIONS: &[&str] = &[
     "compute:quotas:admin",
     "compute:webhooks:read",
     "compute:webhooks:write",
+    "compute:secrets:read",
+    "compute:secrets:write",
     "compute:jointokens:admin",
     "compute:commands:read",
     "compute:commands:write",

@@ -61,6 +61,7 @@ pub use crate::sandbox::{
     SandboxDeleteRequested, SandboxEnd, SandboxReport, SandboxShape, SandboxTemplateCreated, SandboxTemplateDeleted,
     SandboxTemplateUpdated,
 };
+pub use crate::secret::{SECRET_DELETED, SECRET_PUT, SECRET_RESOLVED, SecretDeleted, SecretPut, SecretResolved};
 pub use crate::tenant::{
     API_KEY_CREATED, API_KEY_REVOKED, API_KEY_UPDATED, ApiKeyCreated, ApiKeyRevoked, ApiKeyUpdated, TENANT_CREATED, TenantCreated,
 };
@@ -125,6 +126,9 @@ pub const EVENT_TYPES: &[&str] = &[
     WEBHOOK_SECRET_ROTATED,
     WEBHOOK_PINGED,
     WEBHOOK_DELETED,
+    SECRET_PUT,
+    SECRET_DELETED,
+    SECRET_RESOLVED,
     FLAVOR_CREATED,
     FLAVOR_DELETED,
     IMAGE_REGISTERED,

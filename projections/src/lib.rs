@@ -46,6 +46,7 @@ pub mod quota;
 pub mod reservation;
 pub mod rollout;
 pub mod sandbox;
+pub mod secret;
 pub mod tenant;
 pub mod tunnel;
 pub mod usage;
@@ -72,6 +73,7 @@ pub use reservation::{
     Binding, BindingState, HOLD_ATTEMPTS_MAX, HOLD_DEADLINE_S, KIND_RESERVATION, KIND_RESERVATION_LIVE, ReservationDoc,
     ReservationState,
 };
+pub use secret::{KIND_SECRET, SecretDoc};
 pub use tenant::{ApiKeyDoc, KIND_API_KEY, KIND_TENANT, TenantDoc, api_key_secret_id};
 pub use webhook::{
     KIND_WEBHOOK, PREVIOUS_SECRETS_MAX, PreviousSecret, WEBHOOK_CONSUMER, WebhookDoc, new_webhook_secret_id, webhook_delivery_id,
@@ -227,6 +229,7 @@ impl Projector for Projections {
             | KIND_JOIN_TOKEN
             | KIND_FLAVOR
             | KIND_IMAGE
+            | KIND_SECRET
             | rollout::KIND_RELEASE
             | usage::KIND_USAGE_PRICE
             | batch::KIND_APPROVER_SET
@@ -265,6 +268,7 @@ impl Projector for Projections {
             KIND_WEBHOOK => webhook::apply(key, current, event),
             KIND_FLAVOR => flavor::apply(key, current, event),
             KIND_IMAGE => image::apply(key, current, event),
+            KIND_SECRET => secret::apply(key, current, event),
             KIND_INSTANCE => instance::apply(key, current, event),
             sandbox::KIND_SANDBOX | sandbox::KIND_SANDBOX_TEMPLATE => sandbox::apply(key, current, event),
             workflow::KIND_METAL => workflow::apply(key, current, event),

@@ -38,7 +38,14 @@ pub struct WebhookDoc {
     pub event_types: Vec<String>,
     pub description: String,
     pub secret_version: u32,
+    /// The webhook's own signing secret in the secret store; empty while `secretRef` names
+    /// the secret it signs with instead.
+    #[serde(default)]
     pub secret_id: String,
+    /// A tenant's secret the webhook signs with (`secret://TENANT/sec_…`), resolved by the
+    /// deliverer to its current version; `None`: its own secret (`secretId`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<String>,
     /// Rotated-out secrets that still sign beside the current one, each until its time.
     pub previous_secrets: Vec<PreviousSecret>,
     pub created_seq: u64,
@@ -72,8 +79,13 @@ pub struct WebhookCreated {
     pub event_types: Vec<String>,
     pub description: String,
     pub secret_version: u32,
-    /// Where the signing secret is kept in the secret store (an id, not the secret).
+    /// Where the signing secret is kept in the secret store (an id, not the secret); absent
+    /// when `secretRef` names the secret instead.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub secret_id: String,
+    /// The tenant's secret it signs with, `secret://TENANT/sec_…` (a reference, not the value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
@@ -85,6 +97,10 @@ pub struct WebhookUpdated {
     pub event_types: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// From now on the webhook signs with this secret (`secret://TENANT/sec_…`); its own
+    /// secrets sign no more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<String>,
 }
 
 /// A new signing secret; the previous one is still signed with until `previousValidUntilMs`.
@@ -113,6 +129,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             description: p.description,
             secret_version: p.secret_version,
             secret_id: p.secret_id,
+            secret_ref: p.secret_ref,
             previous_secrets: Vec::new(),
             created_seq: env.seq,
             version: env.version,
@@ -123,14 +140,22 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             set_if(&mut doc.url, p.url);
             set_if(&mut doc.event_types, p.event_types);
             set_if(&mut doc.description, p.description);
+            if let Some(reference) = p.secret_ref {
+                doc.secret_ref = Some(reference);
+                doc.secret_id.clear();
+                doc.previous_secrets.clear();
+            }
             doc.version = env.version;
             doc.updated_at_ms = env.at_ms;
         }),
         WEBHOOK_SECRET_ROTATED => update(event, current, |doc: &mut WebhookDoc, p: WebhookSecretRotated| {
             doc.secret_version = p.secret_version;
+            // Rotation is refused while a reference names the secret; a log that says otherwise
+            // still folds to a webhook with its own secret.
+            doc.secret_ref = None;
             let old = std::mem::replace(&mut doc.secret_id, p.secret_id);
             doc.previous_secrets.retain(|prev| prev.valid_until_ms > env.at_ms);
-            if p.previous_valid_until_ms > env.at_ms {
+            if p.previous_valid_until_ms > env.at_ms && !old.is_empty() {
                 doc.previous_secrets.push(PreviousSecret { secret_id: old, valid_until_ms: p.previous_valid_until_ms });
             }
             let excess = doc.previous_secrets.len().saturating_sub(PREVIOUS_SECRETS_MAX);

@@ -219,8 +219,12 @@ fn build_reservations(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
 
 fn build_webhooks(inputs: &Inputs) -> bc_core::Result<Option<Task>> {
     let Some(config) = inputs.outbox.clone() else { return Ok(None) };
-    let consumer: Arc<dyn outbox::Consumer> =
-        Arc::new(webhooks::Webhooks::new(inputs.webhook_policy, config.time_limit_ms, inputs.clock.clone())?);
+    let mut webhooks = webhooks::Webhooks::new(inputs.webhook_policy, config.time_limit_ms, inputs.clock.clone())?;
+    // Webhooks that name a secret need the log, where each resolution is recorded.
+    if let Some(log) = &inputs.log {
+        webhooks = webhooks.resolving_with(log.clone());
+    }
+    let consumer: Arc<dyn outbox::Consumer> = Arc::new(webhooks);
     let (store, wake) = (inputs.store.clone(), inputs.wake.clone());
     Ok(Some(Task::Own(Box::new(move |shutdown| Box::pin(outbox::run(store, consumer, config, wake, shutdown))))))
 }

@@ -16,12 +16,19 @@
 //! anything else is retried on the runner's schedule; a refused address, a deleted webhook or a
 //! missing secret is dead at once.
 //!
+//! A webhook that names a secret (`secretRef`, `secret://TENANT/sec_…`) signs with that secret's
+//! current version, read when the batch is prepared. The resolution is the control plane's
+//! alone and is recorded: the first time a webhook signs with a version, this consumer appends
+//! `secret.resolved` (the referrer and the version, never the value) under an idempotency key of
+//! the three, so each is in the log once, before any delivery signed with it is sent; a
+//! resolution that cannot be recorded is not used (the deliveries are retried).
+//!
 //! The request goes out through a [`Sender`]: [`HttpSender`] (reqwest, the above) in the
 //! binaries, an in-memory receiver in the simulator, which drives this consumer on its virtual
 //! clock; everything before the send (the document, the policy's URL check, the secrets, the
 //! Standard Webhooks headers) and the reading of the answer is the same code either way.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,11 +38,11 @@ use bc_core::clock::{Clock, rfc3339_ms};
 use bc_core::event::{EventRow, StoredEvent};
 use bc_core::id::TenantId;
 use bc_core::store::outbox::{NewWorkItem, WorkItem};
-use bc_core::store::{EventStore, decode_row};
+use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, decode_row};
 use bc_core::webhook::{EndpointPolicy, Secret, signature_header};
 use bc_core::{Error, Result};
 use bc_projections::events::{TypeFilter, WEBHOOK_PINGED};
-use bc_projections::{KIND_WEBHOOK, WebhookDoc, event_view};
+use bc_projections::{KIND_WEBHOOK, SecretDoc, WebhookDoc, event_view};
 use serde_json::json;
 
 use crate::outbox::{Consumer, Handled, Prepared};
@@ -49,7 +56,19 @@ pub struct Webhooks {
     sender: Arc<dyn Sender>,
     policy: EndpointPolicy,
     clock: Arc<dyn Clock>,
+    /// Where resolutions of secret references are recorded (`secret.resolved`); without one
+    /// (the simulator, the benches) a webhook that names a secret is not delivered.
+    log: Option<Arc<Log>>,
+    /// Resolutions recorded by this process (`referrer:secret:version`), so each is appended
+    /// once rather than replayed for every batch; at most [`RESOLUTIONS_REMEMBERED_MAX`].
+    recorded: std::sync::Mutex<HashSet<String>>,
 }
+
+/// Resolutions a consumer remembers having recorded; past this it forgets them all (the next
+/// append of each is an idempotent replay that appends nothing).
+pub const RESOLUTIONS_REMEMBERED_MAX: usize = 10_000;
+/// Who appends `secret.resolved`.
+const RESOLVER_ACTOR: &str = "reconciler:webhooks";
 
 /// One signed delivery, as the consumer sends it: `POST url` with these headers and body.
 #[derive(Clone, Copy, Debug)]
@@ -182,7 +201,45 @@ impl Webhooks {
 
     /// The consumer sending through `sender` (the simulator's in-memory receivers).
     pub fn with_sender(policy: EndpointPolicy, clock: Arc<dyn Clock>, sender: Arc<dyn Sender>) -> Self {
-        Self { sender, policy, clock }
+        Self { sender, policy, clock, log: None, recorded: std::sync::Mutex::new(HashSet::new()) }
+    }
+
+    /// This consumer recording each resolution of a secret reference in `log`, which webhooks
+    /// that name a secret need.
+    pub fn resolving_with(mut self, log: Arc<Log>) -> Self {
+        self.log = Some(log);
+        self
+    }
+
+    /// Records that `referrer` signs with version `secret.secret_version` of `secret` (once).
+    async fn record_resolution(&self, tenant: TenantId, referrer: &str, secret: &SecretDoc) -> Result<()> {
+        let key = format!("{referrer}:{}:{}", secret.secret_id, secret.secret_version);
+        if self.recorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&key) {
+            return Ok(());
+        }
+        let Some(log) = &self.log else {
+            return Err(Error::Internal("this process records no secret resolutions".into()));
+        };
+        let payload = bc_projections::events::to_cbor(&bc_projections::events::SecretResolved {
+            secret_id: secret.secret_id.clone(),
+            secret_version: secret.secret_version,
+            referrer: referrer.to_owned(),
+        })?;
+        let mut request = AppendRequest::new(
+            tenant,
+            bc_projections::stream_of(bc_projections::secret::KIND_SECRET_RESOLUTION, &secret.secret_id),
+            ExpectedVersion::Any,
+            RESOLVER_ACTOR,
+            vec![NewEvent::new(bc_projections::events::SECRET_RESOLVED, payload)],
+        );
+        request.idempotency_key = Some(format!("secret_resolved:{key}"));
+        log.append(request).await?;
+        let mut recorded = self.recorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if recorded.len() >= RESOLUTIONS_REMEMBERED_MAX {
+            recorded.clear();
+        }
+        recorded.insert(key);
+        Ok(())
     }
 }
 
@@ -201,6 +258,10 @@ pub fn body_of(event: &StoredEvent) -> String {
 /// one (no end), and rotated-out ones while they are honoured.
 pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u64) -> Result<Vec<(Secret, Option<u64>)>> {
     let tenant: TenantId = webhook.tenant_id.parse()?;
+    if let Some(reference) = &webhook.secret_ref {
+        let (_, secret) = resolve_secret_ref(store, tenant, reference).await?;
+        return Ok(vec![(secret, None)]);
+    }
     // A rotated-out secret whose overlap is over signs nothing again: its row goes (the next
     // rotation drops it from the document too).
     for expired in webhook.previous_secrets.iter().filter(|p| p.valid_until_ms <= now_ms) {
@@ -223,6 +284,31 @@ pub async fn secrets_of(store: &dyn EventStore, webhook: &WebhookDoc, now_ms: u6
         secrets.push((Secret::parse(&text)?, end));
     }
     Ok(secrets)
+}
+
+/// The secret `reference` names, as `tenant` may use it: its document and its current value as
+/// a signing secret. Another tenant's secret, or a deleted one, is not found; a value that is not
+/// yet readable (a put in flight) is unavailable, so the delivery is retried.
+pub async fn resolve_secret_ref(store: &dyn EventStore, tenant: TenantId, reference: &str) -> Result<(SecretDoc, Secret)> {
+    let (owner, secret_id) = bc_projections::secret::parse_secret_ref(reference)?;
+    if owner != tenant {
+        return Err(Error::not_found(format!("secret {reference} in tenant {tenant}")));
+    }
+    let row = store
+        .row_get(&tenant.to_string(), bc_projections::secret::KIND_SECRET, &secret_id.to_string())
+        .await?
+        .ok_or_else(|| Error::not_found(format!("secret {reference} (deleted)")))?;
+    let doc: SecretDoc = serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("secret document: {e}")))?;
+    let text = store
+        .secret_get(tenant, &doc.value_id())
+        .await?
+        .ok_or_else(|| Error::Unavailable(format!("version {} of {reference} is not readable yet", doc.secret_version)))?;
+    // The value's own text never goes into an error: only whether it parsed.
+    let secret = Secret::parse(&text).map_err(|_| Error::InvalidArgument {
+        message: format!("version {} of {reference} is not a webhook signing secret", doc.secret_version),
+        hint: Some("put a whsec_ value (secrets put)".into()),
+    })?;
+    Ok((doc, secret))
 }
 
 /// A webhook's document (its URL admitted by the policy) and its signing secrets in use, or
@@ -252,6 +338,25 @@ impl Webhooks {
         };
         if let Err(e) = self.policy.check_url(&webhook.url) {
             return Err(Handled::fatal(None, e.to_string()));
+        }
+        if let Some(reference) = &webhook.secret_ref {
+            let referrer = format!("{KIND_WEBHOOK}/{}", webhook.webhook_id);
+            let resolved = match resolve_secret_ref(store, tenant, reference).await {
+                Ok((doc, secret)) => match self.record_resolution(tenant, &referrer, &doc).await {
+                    Ok(()) => secret,
+                    Err(e) => {
+                        return Err(Handled::retry(
+                            None,
+                            format!("recording the resolution of {reference}: {}", e.public_message()),
+                        ));
+                    }
+                },
+                Err(e @ (Error::NotFound { .. } | Error::InvalidArgument { .. })) => {
+                    return Err(Handled::fatal(None, e.to_string()));
+                }
+                Err(e) => return Err(Handled::retry(None, e.public_message())),
+            };
+            return Ok(Arc::new((webhook, vec![(resolved, None)])));
         }
         let secrets = match secrets_of(store, &webhook, self.clock.now_ms()).await {
             // With each one's end, checked again when it signs.

@@ -50,6 +50,7 @@ mod roles;
 mod rollouts;
 mod sandboxes;
 mod schemathesis;
+mod secrets;
 mod secrets_at_rest;
 mod sim_report;
 mod sim_run;

@@ -42,6 +42,7 @@ pub mod releases;
 pub mod reservations;
 pub mod rollouts;
 pub mod sandboxes;
+pub mod secrets;
 pub mod sim;
 pub mod ssh_cert;
 pub mod usage;
@@ -92,6 +93,7 @@ impl Command {
             Command::Metal { command } => metal::run(ctx, command).await,
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
+            Command::Secrets { command } => secrets::run(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::SshCert(args) => ssh_cert::run(ctx, args).await,
             Command::Console(args) => console::run(ctx, args).await,

@@ -36,12 +36,16 @@ pub enum WebhooksCommand {
         #[arg(long, default_value = "")]
         description: String,
         /// Write the secret to this new file (mode 0600) instead of printing it.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "secret_ref")]
         secret_out: Option<PathBuf>,
+        /// Sign with this secret of the tenant (`secret://TENANT/sec_…`, from `secrets put`)
+        /// instead of one made for the webhook; no secret is shown.
+        #[arg(long)]
+        secret_ref: Option<String>,
         #[command(flatten)]
         key: IdempotencyKey,
     },
-    /// Change the receiver, the types or the description.
+    /// Change the receiver, the types, the description or the secret it signs with.
     Update {
         webhook_id: String,
         #[arg(long)]
@@ -50,6 +54,10 @@ pub enum WebhooksCommand {
         types: Option<String>,
         #[arg(long)]
         description: Option<String>,
+        /// From now on sign with this secret of the tenant (`secret://TENANT/sec_…`); the
+        /// webhook's own secrets are deleted.
+        #[arg(long)]
+        secret_ref: Option<String>,
         #[command(flatten)]
         if_version: IfVersion,
     },
@@ -146,20 +154,26 @@ pub async fn run(ctx: &Context, command: WebhooksCommand) -> Result<(), CliError
             body.insert("webhookId".into(), json!(id(&webhook_id)?));
             call("webhooks.get", body, None).await?
         }
-        WebhooksCommand::Create { endpoint, types: list, description, secret_out: out, key } => {
+        WebhooksCommand::Create { endpoint, types: list, description, secret_out: out, secret_ref, key } => {
             refuse_existing(&out)?;
             body.insert("url".into(), json!(endpoint));
             body.insert("eventTypes".into(), types(&list));
             body.insert("description".into(), json!(description));
+            if let Some(reference) = secret_ref {
+                body.insert("secretRef".into(), json!(reference));
+            }
             let key = idempotency_key(&key.key);
             let mut value = call("webhooks.create", body, Some(key)).await?;
             secret_out(&mut value, &out)?;
             value
         }
-        WebhooksCommand::Update { webhook_id, endpoint, types: list, description, if_version } => {
+        WebhooksCommand::Update { webhook_id, endpoint, types: list, description, secret_ref, if_version } => {
             body.insert("webhookId".into(), json!(id(&webhook_id)?));
-            if endpoint.is_none() && list.is_none() && description.is_none() {
-                return Err(CliError::usage("nothing to update: give --endpoint, --types or --description"));
+            if endpoint.is_none() && list.is_none() && description.is_none() && secret_ref.is_none() {
+                return Err(CliError::usage("nothing to update: give --endpoint, --types, --description or --secret-ref"));
+            }
+            if let Some(reference) = secret_ref {
+                body.insert("secretRef".into(), json!(reference));
             }
             if let Some(endpoint) = endpoint {
                 body.insert("url".into(), json!(endpoint));

@@ -162,6 +162,16 @@ pub fn expected_version(if_version: Option<u64>, read: u64, stream: &str) -> Res
     }
 }
 
+/// An `ifVersion` within what the schema states (`VersionNumber`: 0 to `i64::MAX`), checked
+/// first by a method whose retry skips the version check itself (the first attempt moved the
+/// version on): a larger one is refused as the schema refuses it.
+pub fn check_if_version(if_version: Option<u64>) -> Result<()> {
+    match if_version {
+        Some(v) if v > i64::MAX as u64 => Err(Error::invalid(format!("ifVersion must be 0 to {}, not {v}", i64::MAX))),
+        _ => Ok(()),
+    }
+}
+
 /// The id in a stream name (`pool/pool_…` → `pool_…`).
 pub fn stream_id(stream: &str) -> &str {
     stream.split_once('/').map(|(_, id)| id).unwrap_or_default()

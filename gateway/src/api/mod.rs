@@ -47,6 +47,7 @@ mod releases;
 mod reservations;
 mod rollouts;
 pub(crate) mod sandboxes;
+mod secrets;
 mod system;
 mod tenants;
 mod tunnels;
@@ -148,6 +149,7 @@ const GROUPS: &[&[Method]] = &[
     rollouts::METHODS,
     events::METHODS,
     webhooks::METHODS,
+    secrets::METHODS,
     tunnels::METHODS,
     usage::METHODS,
     fleet::METHODS,

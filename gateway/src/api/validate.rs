@@ -77,7 +77,7 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> Result<()> {
 
 /// Crockford base 32 as ULIDs spell it (either case; no I, L, O or U), the first character at
 /// most 7 so that the 128 bits do not overflow.
-const ULID_PATTERN: &str = "[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}";
+pub(crate) const ULID_PATTERN: &str = "[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}";
 /// The characters `is_control` refuses, but newline and tab.
 pub(crate) const TEXT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B-\\u001F\\u007F-\\u009F]*$";
 

@@ -20,6 +20,7 @@ use super::call::{expected_version, stream_id};
 use super::events::TypePatterns;
 use super::paging::{Page, limit, list_input};
 use super::resource::list_all;
+use super::secrets::SecretRefText;
 use super::system::Empty;
 use super::validate::{
     DESCRIPTION_CHARS_MAX, DescriptionText, LimitNumber, TenantIdText, VersionNumber, WebhookIdText, string_schema, validate_text,
@@ -138,15 +139,20 @@ pub struct WebhooksCreate {
     #[serde(default)]
     #[schemars(with = "DescriptionText")]
     description: String,
+    /// Sign with this secret of the tenant (`secret://TENANT/sec_…`, its current version at
+    /// each delivery) instead of a secret made for the webhook; none is shown then.
+    #[schemars(with = "Option<SecretRefText>")]
+    secret_ref: Option<String>,
 }
 
-/// At least one of `url`, `eventTypes`, `description`, not `null`.
+/// At least one of `url`, `eventTypes`, `description`, `secretRef`, not `null`.
 #[derive(Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("anyOf" = [
     { "required": ["url"], "properties": { "url": { "type": "string" } } },
     { "required": ["eventTypes"], "properties": { "eventTypes": { "type": "array" } } },
     { "required": ["description"], "properties": { "description": { "type": "string" } } },
+    { "required": ["secretRef"], "properties": { "secretRef": { "type": "string" } } },
 ]))]
 pub struct WebhooksUpdate {
     #[schemars(with = "Option<TenantIdText>")]
@@ -161,6 +167,10 @@ pub struct WebhooksUpdate {
     event_types: Option<Vec<String>>,
     #[schemars(with = "Option<DescriptionText>")]
     description: Option<String>,
+    /// From now on sign with this secret of the tenant (`secret://TENANT/sec_…`); the
+    /// webhook's own secrets are deleted.
+    #[schemars(with = "Option<SecretRefText>")]
+    secret_ref: Option<String>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -242,6 +252,33 @@ fn check_types(types: &[String]) -> Result<()> {
     TypeFilter::parse(types).map(|_| ())
 }
 
+/// The webhook's own signing secrets in the secret store (none while it names a reference).
+fn own_secrets(doc: &WebhookDoc) -> impl Iterator<Item = &String> {
+    std::iter::once(&doc.secret_id).chain(doc.previous_secrets.iter().map(|p| &p.secret_id)).filter(|id| !id.is_empty())
+}
+
+/// `reference` checked as a webhook's signing secret: a secret of `tenant` (another tenant's is
+/// not found, as from this tenant it is not) whose current value is a Standard Webhooks secret
+/// (`whsec_…`). Answers the reference in its canonical (lowercase) form. The value is read to
+/// be checked and goes nowhere.
+async fn signing_secret_ref(call: &Call<'_>, tenant: TenantId, reference: &str) -> Result<String> {
+    let (owner, secret_id) = bc_projections::secret::parse_secret_ref(reference)?;
+    let canonical = bc_projections::secret::secret_ref(&owner.to_string(), &secret_id.to_string());
+    if owner != tenant {
+        return Err(Error::not_found(format!("secret {canonical} in tenant {tenant}")));
+    }
+    let secret: bc_projections::SecretDoc =
+        call.row(tenant, bc_projections::KIND_SECRET, &secret_id.to_string(), "secret").await?;
+    let value = call.state.store.secret_get(tenant, &secret.value_id()).await?;
+    if value.as_deref().and_then(|v| Secret::parse(v).ok()).is_none() {
+        return Err(Error::state(
+            format!("secret {:?} ({canonical}) is not a webhook signing secret", secret.name),
+            "a webhook signs with whsec_ followed by the base64 of 24 to 64 random bytes; put such a value first",
+        ));
+    }
+    Ok(canonical)
+}
+
 async fn current(call: &Call<'_>, tenant: TenantId, id: &WebhookId) -> Result<WebhookDoc> {
     call.row(tenant, KIND_WEBHOOK, &id.to_string(), "webhook").await
 }
@@ -258,6 +295,9 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
     call.state.webhook_policy.check_url(&input.url)?;
     check_types(&input.event_types)?;
     validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
+    if let Some(reference) = &input.secret_ref {
+        bc_projections::secret::parse_secret_ref(reference)?;
+    }
     let existing = store.row_list(&tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
     if existing.len() >= WEBHOOKS_PER_TENANT_MAX as usize {
         return Err(Error::state(
@@ -266,6 +306,27 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
         ));
     }
     let id = WebhookId::from_ulid(call.ulid());
+    if let Some(reference) = &input.secret_ref {
+        // Checked and bound under the names' lock, which `secrets.delete` takes too.
+        let _names = call.state.name_locks.lock(tenant).await;
+        let reference = signing_secret_ref(call, tenant, reference).await?;
+        let payload = ev::to_cbor(&ev::WebhookCreated {
+            url: input.url,
+            event_types: input.event_types,
+            description: input.description,
+            secret_version: 0,
+            secret_id: String::new(),
+            secret_ref: Some(reference),
+        })?;
+        let result =
+            call.append(tenant, stream_of(KIND_WEBHOOK, &id), ExpectedVersion::NoStream, ev::WEBHOOK_CREATED, payload).await?;
+        let id: WebhookId = parse_id("webhookId", stream_id(&result.events[0].envelope.stream))?;
+        return Ok(WebhookSecretView {
+            webhook: current(call, tenant, &id).await?.into(),
+            secret: None,
+            replayed: result.replayed,
+        });
+    }
     let secret = Secret::generate();
     // The secret is stored before the event that names it, so a delivery never finds a webhook
     // without its secret. If the append fails, the secret is an orphan that nothing names.
@@ -278,6 +339,7 @@ async fn webhooks_create(call: &Call<'_>, input: WebhooksCreate) -> Result<Webho
         description: input.description,
         secret_version: 1,
         secret_id,
+        secret_ref: None,
     })?;
     let appended =
         call.append(tenant, stream_of(KIND_WEBHOOK, &id), ExpectedVersion::NoStream, ev::WEBHOOK_CREATED, payload).await;
@@ -332,14 +394,37 @@ async fn webhooks_update(call: &Call<'_>, input: WebhooksUpdate) -> Result<Webho
     if let Some(description) = &input.description {
         validate_text("description", description, DESCRIPTION_CHARS_MAX)?;
     }
-    if input.url.is_none() && input.event_types.is_none() && input.description.is_none() {
-        return Err(Error::invalid("nothing to update: give url, eventTypes or description"));
+    if let Some(reference) = &input.secret_ref {
+        bc_projections::secret::parse_secret_ref(reference)?;
     }
+    if input.url.is_none() && input.event_types.is_none() && input.description.is_none() && input.secret_ref.is_none() {
+        return Err(Error::invalid("nothing to update: give url, eventTypes, description or secretRef"));
+    }
+    // Held while a reference is checked and bound, as `secrets.delete` holds it.
+    let _names = match input.secret_ref {
+        Some(_) => Some(call.state.name_locks.lock(tenant).await),
+        None => None,
+    };
     let doc = current(call, tenant, &id).await?;
     let expected = expected_version(input.if_version, doc.version, &stream_of(KIND_WEBHOOK, &id))?;
-    let payload =
-        ev::to_cbor(&ev::WebhookUpdated { url: input.url, event_types: input.event_types, description: input.description })?;
-    call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_UPDATED, payload).await?;
+    let secret_ref = match &input.secret_ref {
+        Some(reference) => Some(signing_secret_ref(call, tenant, reference).await?),
+        None => None,
+    };
+    let switched = secret_ref.is_some();
+    let payload = ev::to_cbor(&ev::WebhookUpdated {
+        url: input.url,
+        event_types: input.event_types,
+        description: input.description,
+        secret_ref,
+    })?;
+    let result = call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_UPDATED, payload).await?;
+    if switched && !result.replayed {
+        // It signs with the referenced secret now: its own secrets sign nothing again.
+        for secret_id in own_secrets(&doc) {
+            call.state.store.secret_delete(tenant, secret_id).await?;
+        }
+    }
     Ok(current(call, tenant, &id).await?.into())
 }
 
@@ -350,8 +435,9 @@ async fn webhooks_delete(call: &Call<'_>, input: WebhookRef) -> Result<WebhookDe
     let expected = expected_version(input.if_version, doc.version, &stream_of(KIND_WEBHOOK, &id))?;
     let payload = ev::to_cbor(&ev::WebhookDeleted {})?;
     call.append(tenant, stream_of(KIND_WEBHOOK, &id), expected, ev::WEBHOOK_DELETED, payload).await?;
-    // Its secrets go with it; deliveries still pending die at their next attempt.
-    for secret_id in std::iter::once(&doc.secret_id).chain(doc.previous_secrets.iter().map(|p| &p.secret_id)) {
+    // Its own secrets go with it (a referenced one stays the tenant's); deliveries still
+    // pending die at their next attempt.
+    for secret_id in own_secrets(&doc) {
         call.state.store.secret_delete(tenant, secret_id).await?;
     }
     Ok(WebhookDeletedView { webhook_id: id.to_string(), deleted: true })
@@ -381,6 +467,12 @@ async fn webhooks_rotate_secret(call: &Call<'_>, input: WebhooksRotate) -> Resul
         return Err(Error::invalid(format!("previousValidS is at most {PREVIOUS_SECRET_MAX_S} (7 days)")));
     }
     let doc = current(call, tenant, &id).await?;
+    if let Some(reference) = &doc.secret_ref {
+        return Err(Error::state(
+            format!("webhook {id} signs with {reference}, not a secret of its own"),
+            "put a new version of that secret (secrets put NAME --value-file FILE): the next delivery signs with it",
+        ));
+    }
     let version = doc.secret_version + 1;
     let secret = Secret::generate();
     let secret_id = new_webhook_secret_id(&id.to_string(), call.ulid());

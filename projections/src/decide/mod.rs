@@ -33,6 +33,7 @@ mod plan;
 mod reservation;
 mod rollout;
 pub mod sandbox;
+pub mod secret;
 pub mod ssh_cert;
 pub mod tunnel;
 pub mod usage;

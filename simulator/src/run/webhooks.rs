@@ -163,6 +163,7 @@ async fn subscribe(world: &World, rng: &mut SeededRng, receivers: &Receivers, t:
         description: String::new(),
         secret_version: 1,
         secret_id,
+        secret_ref: None,
     })
     .expect("cbor");
     let request = AppendRequest::new(

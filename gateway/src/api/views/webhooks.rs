@@ -17,7 +17,11 @@ pub struct WebhookView {
     pub event_types: Vec<String>,
     #[schemars(with = "DescriptionText")]
     pub description: String,
+    /// The version of the webhook's own secret (0 while it signs with a reference).
     pub secret_version: u32,
+    /// The tenant's secret it signs with, `secret://TENANT/sec_…`; absent: its own secret.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<String>,
     /// Until when each rotated-out secret still signs.
     pub previous_secrets_valid_until_ms: Vec<u64>,
     pub version: u64,
@@ -34,6 +38,7 @@ impl From<WebhookDoc> for WebhookView {
             event_types: d.event_types,
             description: d.description,
             secret_version: d.secret_version,
+            secret_ref: d.secret_ref,
             previous_secrets_valid_until_ms: d.previous_secrets.iter().map(|p| p.valid_until_ms).collect(),
             version: d.version,
             created_at_ms: d.created_at_ms,
