@@ -178,6 +178,9 @@ pub struct Live {
     sessions: OnceLock<Weak<Sessions>>,
     /// What [`refresh`] read last; `None` before its first reading.
     refreshed: std::sync::Mutex<Option<Refreshed>>,
+    /// What this process's `sandboxes` reconciler read at its last pass (live, warm); `None` in
+    /// a process that runs no such pass, which then says nothing of sandboxes.
+    sandboxes: std::sync::Mutex<Option<(u64, u64)>>,
 }
 
 /// What [`refresh`] reads from the database.
@@ -252,6 +255,11 @@ impl Collector for Live {
             let consumers = |i: usize| refreshed.outbox.iter().map(move |c| (ConsumerLabels { consumer: c.0 }, [c.1, c.2][i]));
             encode_gauges(&mut encoder, "outbox_items_pending", "Outbox items waiting for an attempt or a retry", consumers(0))?;
             encode_gauges(&mut encoder, "outbox_items_dead", "Outbox items given up on (dead letters)", consumers(1))?;
+        }
+        let sandboxes = *self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((live, warm)) = sandboxes {
+            encode_const(&mut encoder, "sandboxes_live", "Sandboxes not yet deleted, across every tenant", live, false)?;
+            encode_const(&mut encoder, "sandboxes_warm", "Of those, the warm ones (started, unclaimed)", warm, false)?;
         }
         let Some(state) = self.state.get().and_then(Weak::upgrade) else { return Ok(()) };
         encode_const(
@@ -465,6 +473,12 @@ impl Metrics {
         let outcome = if ok { "ok" } else { "error" };
         self.reconciler_passes.get_or_create(&PassLabels { reconciler, outcome }).inc();
         self.reconciler_duration.get_or_create(&ReconcilerLabels { reconciler }).observe(duration.as_secs_f64());
+    }
+
+    /// What the `sandboxes` reconciler's pass read: the sandboxes not yet deleted, and the warm
+    /// ones among them (`sandboxes_live`, `sandboxes_warm`, from then on).
+    pub fn sandboxes_seen(&self, live: u64, warm: u64) {
+        *self.live.sandboxes.lock().unwrap_or_else(|e| e.into_inner()) = Some((live, warm));
     }
 
     /// An outbox item's attempt recorded with `outcome`, the attempt taking `latency`.

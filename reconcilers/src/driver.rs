@@ -78,6 +78,10 @@ pub trait PassObserver: Send + Sync {
     /// `dead` or `lost` (the lease had passed to another process), the attempt taking `latency`
     /// (by the attempt's own clock).
     fn outbox_completed(&self, _consumer: &'static str, _outcome: &'static str, _latency: Duration) {}
+
+    /// What the `sandboxes` reconciler's pass read across every tenant: the sandboxes not yet
+    /// deleted, and of those the warm ones (started, unclaimed).
+    fn sandboxes_seen(&self, _live: u64, _warm: u64) {}
 }
 
 /// The process's observer, if one was set ([`observe`]).

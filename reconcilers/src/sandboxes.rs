@@ -36,13 +36,17 @@ pub struct Pass {
     pub conflicts: usize,
 }
 
-/// One pass over every tenant.
+/// One pass over every tenant. What it read (the sandboxes not yet deleted, the warm ones) goes
+/// to the process's metrics (`sandboxes_live`, `sandboxes_warm`) when the pass read everything.
 pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     let mut done = Pass::default();
+    let (mut live, mut warm) = (0u64, 0u64);
     for tenant in log.store.tenants().await? {
         let tenant_text = tenant.to_string();
         let templates: Vec<SandboxTemplateDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_TEMPLATE).await?;
         let sandboxes: Vec<SandboxDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_LIVE).await?;
+        live += sandboxes.len() as u64;
+        warm += sandboxes.iter().filter(|s| s.warm).count() as u64;
         if templates.is_empty() && sandboxes.is_empty() {
             continue;
         }
@@ -86,15 +90,18 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
                     }
                 }
             }
-            for (append, warm) in appends {
+            for (append, warming) in appends {
                 match log.append(append.into_request(tenant, ACTOR)).await {
-                    Ok(_) if warm => done.warmed += 1,
+                    Ok(_) if warming => done.warmed += 1,
                     Ok(_) => done.deleting += 1,
                     Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
                     Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "append failed"),
                 }
             }
         }
+    }
+    if let Some(observer) = crate::driver::observer() {
+        observer.sandboxes_seen(live, warm);
     }
     Ok(done)
 }

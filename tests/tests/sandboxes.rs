@@ -169,6 +169,16 @@ async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(cleanup.list().contains(&warm_id), "the warm sandbox runs in runsc: {:?}", cleanup.list());
+    // The reconciler's pass says what it read in the process's metrics.
+    bc_tests::wait_until("/metrics counts the warm sandbox", Duration::from_secs(10), || {
+        let text = bc_tests::block_on(async {
+            server.http.get(format!("{}/metrics", server.url)).send().await.unwrap().text().await.unwrap()
+        });
+        let gauge = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned());
+        (gauge("better_compute_sandboxes_warm ").as_deref() == Some("1")
+            && gauge("better_compute_sandboxes_live ").as_deref() == Some("1"))
+        .then_some(())
+    });
 
     // A TTL past the template's maximum: refused, nothing claimed.
     let (code, _, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "1h"]);
