@@ -153,6 +153,7 @@ pub const IMAGES: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "imageId") },
     Column { header: "NAME", cell: |r, _| field(r, "name") },
     Column { header: "FORMAT", cell: |r, _| field(r, "diskFormat") },
+    Column { header: "CHANNEL", cell: |r, _| field(r, "channel") },
     // The digest's first 12 hex digits, as `docker images` shows ids.
     Column { header: "SHA256", cell: |r, _| field(r, "sha256").chars().take(12).collect() },
     Column { header: "URL", cell: |r, _| field(r, "url") },

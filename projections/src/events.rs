@@ -19,8 +19,10 @@ pub use crate::command::{
     CommandProgress,
 };
 pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued, SSH_CA_ROTATED, SshCaRotated};
-pub use crate::flavor::{FLAVOR_CREATED, FLAVOR_DELETED, FlavorCreated, FlavorDeleted};
-pub use crate::image::{DiskFormat, IMAGE_DELETED, IMAGE_REGISTERED, ImageDeleted, ImageRegistered};
+pub use crate::flavor::{FLAVOR_CREATED, FLAVOR_DELETED, FLAVOR_UPDATED, FlavorCreated, FlavorDeleted, FlavorUpdated};
+pub use crate::image::{
+    DiskFormat, IMAGE_DELETED, IMAGE_PROMOTED, IMAGE_REGISTERED, ImageChannel, ImageDeleted, ImagePromoted, ImageRegistered,
+};
 pub use crate::instance::{
     DesiredState, INSTANCE_APPLY_FAILED, INSTANCE_CREATED, INSTANCE_DELETE_REQUESTED, INSTANCE_DELETED, INSTANCE_FAILED,
     INSTANCE_OBSERVED, INSTANCE_REAPPLIED, INSTANCE_REPORT_TYPES, INSTANCE_RESIZE_REQUESTED, INSTANCE_START_REQUESTED,
@@ -130,8 +132,10 @@ pub const EVENT_TYPES: &[&str] = &[
     SECRET_DELETED,
     SECRET_RESOLVED,
     FLAVOR_CREATED,
+    FLAVOR_UPDATED,
     FLAVOR_DELETED,
     IMAGE_REGISTERED,
+    IMAGE_PROMOTED,
     IMAGE_DELETED,
     JOIN_TOKEN_CREATED,
     JOIN_TOKEN_USED,

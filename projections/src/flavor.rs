@@ -1,7 +1,9 @@
 //! Flavors (`flavor/flv_…`): the document, the payloads of `flavor.*`, and their fold.
 //!
 //! A flavor is the shape an instance of it gets in its pool. It is made once and deleted once:
-//! made twice, or deleted when it does not exist, is a broken log, not a no-op.
+//! made twice, or deleted when it does not exist, is a broken log, not a no-op. Its name and
+//! shape change in place (`flavor.updated`): instances made before keep what they were given.
+//! Its pool never changes.
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
@@ -9,10 +11,11 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{NoFields, create_once, delete_once};
+use crate::{NoFields, create_once, delete_once, set_if, update};
 
 pub const FLAVOR_CREATED: &str = "flavor.created";
 pub const FLAVOR_DELETED: &str = "flavor.deleted";
+pub const FLAVOR_UPDATED: &str = "flavor.updated";
 
 /// A flavor of a pool (`flavor/flv_…`): the shape instances of it get.
 pub const KIND_FLAVOR: &str = "flavor";
@@ -52,6 +55,23 @@ pub struct FlavorCreated {
 
 pub type FlavorDeleted = NoFields;
 
+/// A flavor's name or shape changed in place (what is absent is unchanged). Instances made
+/// before keep their shape; instances and sandboxes made after get this one.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FlavorUpdated {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    #[serde(default, rename = "memoryMiB", skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    #[serde(default, rename = "diskGiB", skip_serializing_if = "Option::is_none")]
+    pub disk_gib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<u32>,
+}
+
 /// Folds one `flavor.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     match event.envelope.event_type.as_str() {
@@ -66,6 +86,14 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             gpus: p.gpus,
             version: env.version,
             created_at_ms: env.at_ms,
+        }),
+        FLAVOR_UPDATED => update(event, current, |doc: &mut FlavorDoc, p: FlavorUpdated| {
+            set_if(&mut doc.name, p.name);
+            set_if(&mut doc.vcpus, p.vcpus);
+            set_if(&mut doc.memory_mib, p.memory_mib);
+            set_if(&mut doc.disk_gib, p.disk_gib);
+            set_if(&mut doc.gpus, p.gpus);
+            doc.version = event.envelope.version;
         }),
         FLAVOR_DELETED => delete_once(key, current, event),
         _ => Ok(current),

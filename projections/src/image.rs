@@ -2,7 +2,8 @@
 //!
 //! An image is registered by where it is fetched from and the SHA-256 its bytes must have. It is
 //! registered once and deleted once: either twice, or a delete of what does not exist, is a
-//! broken log, not a no-op.
+//! broken log, not a no-op. It is registered in the `testing` channel and promoted, once, to
+//! `stable` (`image.promoted`); its bytes never change.
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
@@ -10,10 +11,11 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{NoFields, create_once, delete_once};
+use crate::{NoFields, corrupt, create_once, delete_once, from_doc, payload, to_doc};
 
 pub const IMAGE_REGISTERED: &str = "image.registered";
 pub const IMAGE_DELETED: &str = "image.deleted";
+pub const IMAGE_PROMOTED: &str = "image.promoted";
 
 /// A registered disk image (`image/img_…`).
 pub const KIND_IMAGE: &str = "image";
@@ -30,8 +32,37 @@ pub struct ImageDoc {
     pub disk_format: DiskFormat,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<u64>,
+    /// `testing` when registered, `stable` once promoted.
+    #[serde(default)]
+    pub channel: ImageChannel,
     pub version: u64,
     pub created_at_ms: u64,
+}
+
+/// An image's release channel: registered in `testing`, promoted once to `stable`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageChannel {
+    #[default]
+    Testing,
+    Stable,
+}
+
+impl ImageChannel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Testing => "testing",
+            Self::Stable => "stable",
+        }
+    }
+}
+
+/// An image moved to a channel further on (today only `testing` → `stable`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImagePromoted {
+    pub from: ImageChannel,
+    pub to: ImageChannel,
 }
 
 /// How an image's bytes are laid out on disk.
@@ -75,9 +106,23 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             sha256: p.sha256,
             disk_format: p.disk_format,
             size_bytes: p.size_bytes,
+            channel: ImageChannel::Testing,
             version: env.version,
             created_at_ms: env.at_ms,
         }),
+        IMAGE_PROMOTED => {
+            let p: ImagePromoted = payload(event)?;
+            let mut doc: ImageDoc = from_doc(event, current)?;
+            if doc.channel != p.from || p.to <= p.from {
+                return Err(corrupt(
+                    event,
+                    format!("image {} promoted from {:?} to {:?} while in {:?}", key.id, p.from, p.to, doc.channel),
+                ));
+            }
+            doc.channel = p.to;
+            doc.version = event.envelope.version;
+            to_doc(&doc)
+        }
         IMAGE_DELETED => delete_once(key, current, event),
         _ => Ok(current),
     }

@@ -637,6 +637,7 @@ fn image() -> ImageDoc {
         sha256: "ab".repeat(32),
         disk_format: ev::DiskFormat::Qcow2,
         size_bytes: None,
+        channel: ev::ImageChannel::Testing,
         version: 1,
         created_at_ms: 0,
     }

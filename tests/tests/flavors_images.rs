@@ -271,3 +271,92 @@ async fn images_are_registered_listed_got_and_deleted_and_bad_ones_refused() {
     let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
     assert_eq!(rows_sorted(&store).await, fold_log(&store).await, "the stored rows are the log's fold");
 }
+
+/// `flavors update` changes a flavor's name and shape in place, through the CLI: the fields
+/// given, the others kept, a name taken in the pool refused, a bound refused, a stale
+/// `--if-version` refused; the pool is not a field it takes.
+#[tokio::test]
+async fn a_flavor_is_updated_in_place_but_never_moved_to_another_pool() {
+    let server = Server::dev();
+    let pool = server.pool("gpu-a").await;
+    let (code, out, err) = flavors_create(&server, &pool, "small", ["2", "4096", "20"], &[]);
+    assert_eq!(code, 0, "{err}");
+    let small = json(&out);
+    let id = small["flavorId"].as_str().unwrap().to_owned();
+    let (code, _, err) = flavors_create(&server, &pool, "taken", ["1", "1024", "10"], &[]);
+    assert_eq!(code, 0, "{err}");
+
+    let (code, out, err) = server.cli(&["flavors", "update", &id, "--vcpus", "4", "--name", "medium"]);
+    assert_eq!(code, 0, "{err}");
+    let updated = json(&out);
+    assert_eq!(
+        (&updated["name"], &updated["vcpus"], &updated["memoryMiB"], &updated["diskGiB"], &updated["poolId"]),
+        (&json!("medium"), &json!(4), &json!(4096), &json!(20), &json!(pool)),
+        "{out}"
+    );
+    assert_eq!(updated["version"], small["version"].as_u64().unwrap() + 1);
+    let (status, events) = server.call("events.list", json!({ "types": ["flavor.updated"] })).await;
+    assert_eq!(status, 200);
+    assert_eq!(events["items"][0]["payload"], json!({ "name": "medium", "vcpus": 4 }), "only what changed: {events}");
+
+    let (code, _, err) = server.cli(&["flavors", "update", &id, "--name", "taken"]);
+    assert_eq!(code, 1);
+    assert!(fails_with(&err, "ALREADY_EXISTS"), "{err}");
+    let (code, _, err) = server.cli(&["flavors", "update", &id, "--vcpus", "0"]);
+    assert_ne!(code, 0);
+    assert!(fails_with(&err, "INVALID_ARGUMENT"), "{err}");
+    let (code, _, err) = server.cli(&["flavors", "update", &id, "--gpus", "1", "--if-version", "1"]);
+    assert_ne!(code, 0);
+    assert!(fails_with(&err, "CONFLICT"), "{err}");
+    let (code, _, err) = server.cli(&["flavors", "update", &id]);
+    assert_eq!(code, 2, "nothing to update is a usage error: {err}");
+    let (code, _, _) = server.cli(&["flavors", "update", &id, "--pool", &pool]);
+    assert_eq!(code, 2, "there is no --pool");
+    let (status, body) = server.call("flavors.update", json!({ "flavorId": id, "poolId": pool })).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}");
+
+    let (code, out, _) = server.cli(&["flavors", "get", &id]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        (json(&out)["name"].as_str(), json(&out)["vcpus"].as_u64()),
+        (Some("medium"), Some(4)),
+        "refusals changed nothing"
+    );
+    let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
+    assert_eq!(rows_sorted(&store).await, fold_log(&store).await, "the stored rows are the log's fold");
+}
+
+/// `images promote` moves an image from `testing` (where it is registered) to `stable`, once;
+/// `images list --channel` filters by it.
+#[tokio::test]
+async fn an_image_is_promoted_from_testing_to_stable_once() {
+    let server = Server::dev();
+    let (code, out, err) = images_register(&server, "ubuntu", "https://images.example.com/u.qcow2", DIGEST, "qcow2");
+    assert_eq!(code, 0, "{err}");
+    let image = json(&out);
+    assert_eq!(image["channel"], "testing", "{out}");
+    let id = image["imageId"].as_str().unwrap().to_owned();
+    let (code, _, err) = images_register(&server, "debian", "https://images.example.com/d.qcow2", DIGEST, "qcow2");
+    assert_eq!(code, 0, "{err}");
+
+    let (code, out, err) = server.cli(&["images", "promote", &id]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["channel"], "stable", "{out}");
+    let (code, _, err) = server.cli(&["images", "promote", &id]);
+    assert_eq!(code, 1);
+    assert!(fails_with(&err, "INVALID_STATE") && err.contains("already stable"), "{err}");
+
+    let (code, out, err) = server.cli(&["images", "list", "--channel", "stable", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let stable = json(&out);
+    let names: Vec<&str> = stable["items"].as_array().unwrap().iter().map(|i| i["name"].as_str().unwrap()).collect();
+    assert_eq!(names, vec!["ubuntu"]);
+    let (code, out, _) = server.cli(&["images", "list", "--channel", "testing", "--format", "json"]);
+    assert_eq!(code, 0);
+    assert_eq!(json(&out)["items"].as_array().unwrap().len(), 1);
+    let (status, events) = server.call("events.list", json!({ "types": ["image.promoted"] })).await;
+    assert_eq!(status, 200);
+    assert_eq!(events["items"][0]["payload"], json!({ "from": "testing", "to": "stable" }), "{events}");
+    let store = bc_core::store::sqlite::SqliteStore::open(&server.sqlite_path()).await.unwrap();
+    assert_eq!(rows_sorted(&store).await, fold_log(&store).await, "the stored rows are the log's fold");
+}

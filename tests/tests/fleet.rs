@@ -135,8 +135,14 @@ async fn an_exported_fleet_plans_empty_validates_outside_and_applies_edits_by_it
     assert!(out.contains("No changes"), "{out}");
 
     // Edit: rename the pool (its key, the id, keeps it), raise the quota, add a pool of the
-    // fleet's own with a flavor in it.
+    // fleet's own with a flavor in it, grow the flavor in place, promote the image.
     let mut edited = doc.clone();
+    assert_eq!(doc["images"][&image]["channel"], "testing", "{doc}");
+    edited["flavors"][&flavor]["vcpus"] = json!(16);
+    edited["images"][&image]["channel"] = json!("stable");
+    edited["images"]["debian"] = json!({
+        "name": "debian", "url": "https://images.example/debian.raw", "sha256": DIGEST, "diskFormat": "raw", "channel": "stable"
+    });
     edited["pools"][&pool]["name"] = json!("gpu-a-renamed");
     edited["pools"][&pool]["quotaGpus"] = json!(16);
     edited["pools"]["gpu-b"] = json!({ "name": "gpu-b", "labels": { "site": "fra1" }, "quotaGpus": 4 });
@@ -145,6 +151,7 @@ async fn an_exported_fleet_plans_empty_validates_outside_and_applies_edits_by_it
     write(&file, &edited);
     let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--calls"]);
     assert_eq!(code, 0, "{err}");
+    let (flavor_line, image_line) = (format!("~ flavor {flavor}"), format!("~ image {image}"));
     for line in [
         "~ pool ",
         "+ pool gpu-b",
@@ -152,6 +159,11 @@ async fn an_exported_fleet_plans_empty_validates_outside_and_applies_edits_by_it
         "+ quota gpu-b",
         "+ flavor gpu-b-small",
         "call: pools.create (compute:pools:write)",
+        flavor_line.as_str(),
+        "call: flavors.update (compute:flavors:write)",
+        image_line.as_str(),
+        "call: images.promote (compute:images:write)",
+        "+ image debian",
     ] {
         assert!(out.contains(line), "{line:?} in\n{out}");
     }
@@ -175,9 +187,17 @@ async fn an_exported_fleet_plans_empty_validates_outside_and_applies_edits_by_it
     let applied = json(&out);
     assert_eq!(
         (applied["applied"].as_bool(), applied["created"].as_u64(), applied["updated"].as_u64()),
-        (Some(true), Some(3), Some(2)),
+        (Some(true), Some(4), Some(4)),
         "{out}"
     );
+    let (_, grown) = server.call("flavors.get", json!({ "flavorId": flavor })).await;
+    assert_eq!((grown["vcpus"].as_u64(), grown["poolId"].as_str()), (Some(16), Some(pool.as_str())), "{grown}");
+    let (_, promoted) = server.call("images.get", json!({ "imageId": image })).await;
+    assert_eq!(promoted["channel"], "stable", "{promoted}");
+    // A new image the document says is stable is registered and promoted in one append.
+    let debian = applied["createdIds"]["image/debian"].as_str().unwrap();
+    let (_, debian) = server.call("images.get", json!({ "imageId": debian })).await;
+    assert_eq!((debian["channel"].as_str(), debian["version"].as_u64()), (Some("stable"), Some(2)), "{debian}");
     let new_pool = applied["createdIds"]["pool/gpu-b"].as_str().unwrap().to_owned();
     let (_, renamed) = server.call("pools.get", json!({ "poolId": pool })).await;
     assert_eq!(renamed["name"], "gpu-a-renamed");

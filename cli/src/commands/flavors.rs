@@ -1,4 +1,4 @@
-//! `flavors create|list|get|delete` and `images register|list|get|delete`: what instances are
+//! `flavors create|list|get|update|delete` and `images register|list|get|promote|delete`: what instances are
 //! made of (the `flavors.*` and `images.*` methods). The server checks every bound; the CLI
 //! checks only ids, so a refusal reads the same from the CLI and the API.
 
@@ -45,6 +45,28 @@ pub enum FlavorsCommand {
     },
     /// One flavor, by its `flv_…` id.
     Get { flavor_id: String },
+    /// Change a flavor's name or shape in place: instances made before keep theirs. Its pool
+    /// cannot change (create the flavor in the other pool).
+    Update {
+        flavor_id: String,
+        /// A new name, unique within the pool.
+        #[arg(long)]
+        name: Option<String>,
+        /// vCPUs (1 to 1024).
+        #[arg(long)]
+        vcpus: Option<u32>,
+        /// Memory in MiB (1 to 16777216, 16 TiB).
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        /// Disk in GiB (1 to 65536).
+        #[arg(long)]
+        disk_gib: Option<u64>,
+        /// GPUs passed through (0 to 64).
+        #[arg(long)]
+        gpus: Option<u32>,
+        #[command(flatten)]
+        if_version: IfVersion,
+    },
     /// Delete a flavor.
     Delete {
         flavor_id: String,
@@ -62,6 +84,13 @@ pub enum DiskFormatArg {
     Iso,
     /// A root file system as a tar archive, for sandbox templates.
     RootfsTar,
+}
+
+/// An image's release channel.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ChannelArg {
+    Testing,
+    Stable,
 }
 
 #[derive(Subcommand)]
@@ -88,10 +117,18 @@ pub enum ImagesCommand {
         #[command(flatten)]
         key: IdempotencyKey,
     },
-    /// A tenant's images.
+    /// A tenant's images, of one channel with --channel.
     List {
+        #[arg(long, value_enum)]
+        channel: Option<ChannelArg>,
         #[command(flatten)]
         page: Page,
+    },
+    /// Promote an image from the testing channel (where it is registered) to stable.
+    Promote {
+        image_id: String,
+        #[command(flatten)]
+        if_version: IfVersion,
     },
     /// One image, by its `img_…` id.
     Get { image_id: String },
@@ -116,6 +153,26 @@ pub async fn run(ctx: &Context, command: FlavorsCommand) -> Result<(), CliError>
             put_id::<FlavorId>(&mut body, "flavorId", "FLAVOR_ID", &flavor_id)?;
             ctx.call("flavors.get", body, None).await?
         }
+        FlavorsCommand::Update { flavor_id, name, vcpus, memory_mib, disk_gib, gpus, if_version } => {
+            put_id::<FlavorId>(&mut body, "flavorId", "FLAVOR_ID", &flavor_id)?;
+            let fields = [
+                ("name", name.map(|n| json!(n))),
+                ("vcpus", vcpus.map(|v| json!(v))),
+                ("memoryMiB", memory_mib.map(|v| json!(v))),
+                ("diskGiB", disk_gib.map(|v| json!(v))),
+                ("gpus", gpus.map(|v| json!(v))),
+            ];
+            if fields.iter().all(|(_, v)| v.is_none()) {
+                return Err(CliError::usage("nothing to update: give --name, --vcpus, --memory-mib, --disk-gib or --gpus"));
+            }
+            for (field, value) in fields {
+                if let Some(value) = value {
+                    body.insert(field.into(), value);
+                }
+            }
+            add_if_version(&mut body, &if_version);
+            ctx.call("flavors.update", body, None).await?
+        }
         FlavorsCommand::Delete { flavor_id, if_version } => {
             put_id::<FlavorId>(&mut body, "flavorId", "FLAVOR_ID", &flavor_id)?;
             add_if_version(&mut body, &if_version);
@@ -134,10 +191,27 @@ pub async fn run(ctx: &Context, command: FlavorsCommand) -> Result<(), CliError>
     ctx.print(&value, Format::Json)
 }
 
+fn channel_word(channel: ChannelArg) -> &'static str {
+    match channel {
+        ChannelArg::Testing => "testing",
+        ChannelArg::Stable => "stable",
+    }
+}
+
 pub async fn images(ctx: &Context, command: ImagesCommand) -> Result<(), CliError> {
     let mut body = ctx.tenant_body()?;
     let value = match command {
-        ImagesCommand::List { page } => return ctx.list("images.list", body, &page, tables::IMAGES).await,
+        ImagesCommand::List { channel, page } => {
+            if let Some(channel) = channel {
+                body.insert("channel".into(), json!(channel_word(channel)));
+            }
+            return ctx.list("images.list", body, &page, tables::IMAGES).await;
+        }
+        ImagesCommand::Promote { image_id, if_version } => {
+            put_id::<ImageId>(&mut body, "imageId", "IMAGE_ID", &image_id)?;
+            add_if_version(&mut body, &if_version);
+            ctx.call("images.promote", body, None).await?
+        }
         ImagesCommand::Get { image_id } => {
             put_id::<ImageId>(&mut body, "imageId", "IMAGE_ID", &image_id)?;
             ctx.call("images.get", body, None).await?

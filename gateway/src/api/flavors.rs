@@ -3,8 +3,10 @@
 //!
 //! A flavor is created only in a live pool (an archived one is `CONFLICT`, as `pools.update`
 //! answers): the append is guarded on the pool's version, so an archive racing the create makes
-//! one of them `CONFLICT`. A flavor is not changed in place; it
-//! is deleted and created again (an instance keeps what its flavor said when it was made).
+//! one of them `CONFLICT`. `flavors.update` changes a flavor's name and shape (vCPUs, memory,
+//! disk, GPUs) in place: an instance keeps what its flavor said when it was made, so only
+//! instances and sandboxes made after get the new shape. Its pool cannot change (a flavor of
+//! another pool is another flavor: create it there).
 
 use bc_core::id::{FlavorId, PoolId, TenantId};
 use bc_core::store::ExpectedVersion;
@@ -15,7 +17,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version};
+use super::call::{check_if_version, doc, expected_version};
 use super::paging::Page;
 use super::pools::pool_doc;
 use super::resource::list_by;
@@ -47,6 +49,13 @@ pub(super) const METHODS: &[Method] = &[
     method!("flavors.get", READ, "one flavor", FlavorRef => FlavorView, flavors_get),
     method!("flavors.list", READ, "a tenant's flavors, or one pool's, paged by cursor", FlavorsList => Page<FlavorView>, flavors_list),
     method!("flavors.delete", WRITE, "delete a flavor", FlavorRef => FlavorDeletedView, flavors_delete),
+    method!(
+        "flavors.update",
+        WRITE,
+        "change a flavor's name or shape in place (instances made before keep theirs); not its pool",
+        FlavorsUpdate => FlavorView,
+        flavors_update,
+    ),
 ];
 
 #[derive(Deserialize, JsonSchema)]
@@ -73,6 +82,39 @@ pub struct FlavorsCreate {
     /// GPUs passed through to the instance (0: none).
     #[schemars(range(max = FLAVOR_GPUS_MAX))]
     gpus: u32,
+}
+
+/// At least one of `name`, `vcpus`, `memoryMiB`, `diskGiB`, `gpus`, not `null`.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("anyOf" = [
+    { "required": ["name"], "properties": { "name": { "type": "string" } } },
+    { "required": ["vcpus"], "properties": { "vcpus": { "type": "integer" } } },
+    { "required": ["memoryMiB"], "properties": { "memoryMiB": { "type": "integer" } } },
+    { "required": ["diskGiB"], "properties": { "diskGiB": { "type": "integer" } } },
+    { "required": ["gpus"], "properties": { "gpus": { "type": "integer" } } },
+]))]
+pub struct FlavorsUpdate {
+    #[schemars(with = "Option<TenantIdText>")]
+    tenant_id: Option<String>,
+    #[schemars(with = "FlavorIdText")]
+    flavor_id: String,
+    /// Act only while the flavor is at this version.
+    #[schemars(with = "Option<VersionNumber>")]
+    if_version: Option<u64>,
+    /// Unique within the flavor's pool.
+    #[schemars(with = "Option<NameText>")]
+    name: Option<String>,
+    #[schemars(range(min = 1, max = FLAVOR_VCPUS_MAX))]
+    vcpus: Option<u32>,
+    #[serde(rename = "memoryMiB")]
+    #[schemars(range(min = 1, max = FLAVOR_MEMORY_MIB_MAX))]
+    memory_mib: Option<u64>,
+    #[serde(rename = "diskGiB")]
+    #[schemars(range(min = 1, max = FLAVOR_DISK_GIB_MAX))]
+    disk_gib: Option<u64>,
+    #[schemars(range(max = FLAVOR_GPUS_MAX))]
+    gpus: Option<u32>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -147,6 +189,36 @@ pub fn check_flavor_fits(existing: &[FlavorDoc], pool: &str, name: &str) -> Resu
     Ok(())
 }
 
+/// What an update of `flavor` to `change` appends: the fields that differ, the new shape within
+/// its bounds, a new name free in the flavor's pool (`existing`: the tenant's flavors).
+pub fn flavor_update(existing: &[FlavorDoc], flavor: &FlavorDoc, change: ev::FlavorUpdated) -> Result<ev::FlavorUpdated> {
+    let shape = FlavorShape {
+        vcpus: change.vcpus.unwrap_or(flavor.vcpus),
+        memory_mib: change.memory_mib.unwrap_or(flavor.memory_mib),
+        disk_gib: change.disk_gib.unwrap_or(flavor.disk_gib),
+        gpus: change.gpus.unwrap_or(flavor.gpus),
+    };
+    validate_flavor_shape(shape)?;
+    if let Some(name) = &change.name {
+        validate_name("name", name)?;
+        if let Some(same) =
+            existing.iter().find(|f| f.pool_id == flavor.pool_id && f.name == *name && f.flavor_id != flavor.flavor_id)
+        {
+            return Err(Error::AlreadyExists {
+                what: format!("flavor {name:?} in pool {} ({})", flavor.pool_id, same.flavor_id),
+            });
+        }
+    }
+    let changed = ev::FlavorUpdated {
+        name: change.name.filter(|n| *n != flavor.name),
+        vcpus: change.vcpus.filter(|v| *v != flavor.vcpus),
+        memory_mib: change.memory_mib.filter(|v| *v != flavor.memory_mib),
+        disk_gib: change.disk_gib.filter(|v| *v != flavor.disk_gib),
+        gpus: change.gpus.filter(|v| *v != flavor.gpus),
+    };
+    Ok(changed)
+}
+
 async fn flavor_doc(call: &Call<'_>, tenant: TenantId, id: &FlavorId) -> Result<FlavorDoc> {
     call.row(tenant, KIND_FLAVOR, &id.to_string(), "flavor").await
 }
@@ -216,6 +288,63 @@ async fn flavors_list(call: &Call<'_>, input: FlavorsList) -> Result<Page<Flavor
     list_by::<FlavorDoc, _, PoolId>(call, &input.tenant_id, page, ("poolId", &input.pool_id), |f| &f.pool_id).await
 }
 
+async fn flavors_update(call: &Call<'_>, input: FlavorsUpdate) -> Result<FlavorView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
+    let change = ev::FlavorUpdated {
+        name: input.name,
+        vcpus: input.vcpus,
+        memory_mib: input.memory_mib,
+        disk_gib: input.disk_gib,
+        gpus: input.gpus,
+    };
+    check_if_version(input.if_version)?;
+    if change == ev::FlavorUpdated::default() {
+        return Err(Error::invalid("nothing to update: give name, vcpus, memoryMiB, diskGiB or gpus"));
+    }
+    if let Some(name) = &change.name {
+        validate_name("name", name)?;
+    }
+    let current = flavor_doc(call, tenant, &id).await?;
+    let stream = stream_of(KIND_FLAVOR, &id);
+    // A retry is answered from the log (the append replays it), though the version it stated
+    // is the one its first attempt moved on from.
+    let retry = call.is_retry(tenant).await?;
+    let expected = if retry {
+        ExpectedVersion::Exact(current.version)
+    } else {
+        expected_version(input.if_version, current.version, &stream)?
+    };
+    let pool_id: PoolId = parse_id("poolId", &current.pool_id)?;
+    let pool = pool_doc(call, tenant, &current.pool_id).await?;
+    if pool.archived && !retry {
+        return Err(Error::Conflict {
+            stream: stream_of(KIND_POOL, &pool_id),
+            expected: "a live pool (this one is archived: its flavors change no more)".into(),
+            actual: pool.version,
+        });
+    }
+    // A new name is checked and taken under the tenant's names' lock, as a create's is.
+    let _names = call.state.name_locks.lock(tenant).await;
+    let existing = if change.name.is_some() && !retry {
+        let rows = call.state.store.row_list(&tenant.to_string(), KIND_FLAVOR, None, FLAVORS_PER_TENANT_MAX).await?;
+        rows.into_iter().map(doc::<FlavorDoc>).collect::<Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+    let payload = ev::to_cbor(&flavor_update(&existing, &current, change)?)?;
+    call.append_guarded(
+        tenant,
+        stream,
+        expected,
+        ev::FLAVOR_UPDATED,
+        payload,
+        vec![(stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version))],
+    )
+    .await?;
+    Ok(flavor_doc(call, tenant, &id).await?.into())
+}
+
 async fn flavors_delete(call: &Call<'_>, input: FlavorRef) -> Result<FlavorDeletedView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
@@ -268,6 +397,33 @@ mod tests {
             gpus: 0,
             version: 1,
             created_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn an_update_keeps_the_bounds_and_the_pools_names_and_says_only_what_changed() {
+        let small = flavor("pool_a", "small", 0);
+        let existing = vec![small.clone(), flavor("pool_a", "large", 1), flavor("pool_b", "medium", 2)];
+        let grow = ev::FlavorUpdated { vcpus: Some(4), memory_mib: Some(1), ..Default::default() };
+        let changed = flavor_update(&existing, &small, grow).unwrap();
+        assert_eq!(changed, ev::FlavorUpdated { vcpus: Some(4), ..Default::default() }, "memory was 1 already");
+        let taken = ev::FlavorUpdated { name: Some("large".into()), ..Default::default() };
+        assert_eq!(flavor_update(&existing, &small, taken).unwrap_err().code(), bc_core::error::ErrorCode::AlreadyExists);
+        let other_pool = ev::FlavorUpdated { name: Some("medium".into()), ..Default::default() };
+        assert_eq!(flavor_update(&existing, &small, other_pool).unwrap().name.as_deref(), Some("medium"));
+        let same = ev::FlavorUpdated { name: Some("small".into()), ..Default::default() };
+        assert_eq!(flavor_update(&existing, &small, same).unwrap(), ev::FlavorUpdated::default(), "its own name is no clash");
+        for bad in [
+            ev::FlavorUpdated { vcpus: Some(0), ..Default::default() },
+            ev::FlavorUpdated { gpus: Some(FLAVOR_GPUS_MAX + 1), ..Default::default() },
+            ev::FlavorUpdated { disk_gib: Some(FLAVOR_DISK_GIB_MAX + 1), ..Default::default() },
+            ev::FlavorUpdated { name: Some("Not A Name".into()), ..Default::default() },
+        ] {
+            assert_eq!(
+                flavor_update(&existing, &small, bad.clone()).unwrap_err().code(),
+                bc_core::error::ErrorCode::InvalidArgument,
+                "{bad:?}"
+            );
         }
     }
 

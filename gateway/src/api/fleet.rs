@@ -34,7 +34,7 @@ use super::validate::{
     DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, NameText, TenantIdText, string_schema, validate_labels, validate_name,
     validate_text,
 };
-use super::views::DiskFormatView;
+use super::views::{DiskFormatView, ImageChannelView};
 use super::{Access, Call, Method, method};
 use crate::app::fleet::{self as decide, Blocked, Change, FleetLive, FleetPlan, Op, Unmanaged};
 
@@ -188,6 +188,10 @@ pub struct FleetImage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = IMAGE_SIZE_BYTES_MAX))]
     pub size_bytes: Option<u64>,
+    /// `testing` or `stable` (absent: the document leaves the channel alone). `stable` over a
+    /// `testing` image is a promotion (`images.promote`); a stable image is never demoted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channel: Option<ImageChannelView>,
 }
 
 pub(super) const METHODS: &[Method] = &[
@@ -622,6 +626,8 @@ fn appends(
     let mut appended: Vec<String> = Vec::new();
     for c in &plan.changes {
         let id = c.id.clone().or_else(|| created.get(&(c.kind, c.key.clone())).cloned());
+        // What follows the change's event in its own append (a stable image's promotion).
+        let mut then: Option<NewEvent> = None;
         let (stream, expected, event_type, payload) = match (c.kind, c.op) {
             (decide::OBJECT_POOL, Op::Create) => (
                 format!("{KIND_POOL}/{}", id.clone().unwrap_or_default()),
@@ -668,6 +674,21 @@ fn appends(
                 ev::FLAVOR_DELETED,
                 ev::to_cbor(&ev::FlavorDeleted {})?,
             ),
+            (decide::OBJECT_FLAVOR, Op::Update) => {
+                let u32_field = |name: &str| u64_field(c, name).and_then(|v| u32::try_from(v).ok());
+                (
+                    format!("{KIND_FLAVOR}/{}", id.clone().unwrap_or_default()),
+                    ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                    ev::FLAVOR_UPDATED,
+                    ev::to_cbor(&ev::FlavorUpdated {
+                        name: c.fields.get("name").map(|_| str_field(c, "name")).transpose()?,
+                        vcpus: u32_field("vcpus"),
+                        memory_mib: u64_field(c, "memoryMiB"),
+                        disk_gib: u64_field(c, "diskGiB"),
+                        gpus: u32_field("gpus"),
+                    })?,
+                )
+            }
             (decide::OBJECT_FLAVOR, _) => {
                 let pool = str_field(c, "pool")?;
                 let pool = if pool.starts_with("pool_") {
@@ -696,7 +717,19 @@ fn appends(
                 ev::IMAGE_DELETED,
                 ev::to_cbor(&ev::ImageDeleted {})?,
             ),
+            (decide::OBJECT_IMAGE, Op::Update) => (
+                format!("{KIND_IMAGE}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::IMAGE_PROMOTED,
+                ev::to_cbor(&ev::ImagePromoted { from: ev::ImageChannel::Testing, to: ev::ImageChannel::Stable })?,
+            ),
             (_, _) => {
+                let stable = c.fields.get("channel").is_some_and(|f| f.to == serde_json::json!("stable"));
+                if stable {
+                    // Registered in testing, and promoted in the same append.
+                    let promoted = ev::ImagePromoted { from: ev::ImageChannel::Testing, to: ev::ImageChannel::Stable };
+                    then = Some(NewEvent::new(ev::IMAGE_PROMOTED, ev::to_cbor(&promoted)?));
+                }
                 let disk_format: DiskFormatView = c
                     .fields
                     .get("diskFormat")
@@ -717,7 +750,8 @@ fn appends(
             }
         };
         appended.push(stream.clone());
-        let mut request = call.request(tenant, stream, expected, vec![NewEvent::new(event_type, payload)]);
+        let events = std::iter::once(NewEvent::new(event_type, payload)).chain(then).collect();
+        let mut request = call.request(tenant, stream, expected, events);
         // The call's idempotency key names the whole apply: it goes on the fleet's own append.
         request.idempotency_key = None;
         requests.push(request);

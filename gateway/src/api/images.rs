@@ -4,6 +4,9 @@
 //!
 //! The URL enters the log, so it may carry no secret: no user or password and no query string
 //! (where presigned URLs put their signatures).
+//!
+//! An image is registered in the `testing` channel; `images.promote` moves it, once, to
+//! `stable`. Instances and sandbox templates name an image by id, whatever its channel.
 
 use bc_core::id::{ImageId, TenantId, truncate};
 use bc_core::store::ExpectedVersion;
@@ -14,11 +17,11 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::{doc, expected_version};
+use super::call::{check_if_version, doc, expected_version};
 use super::paging::{Page, list_input};
-use super::resource::list_all;
+use super::resource::list_where;
 use super::validate::{ImageIdText, NameText, TenantIdText, VersionNumber, string_schema, validate_name};
-use super::views::{DiskFormatView, ImageDeletedView, ImageView};
+use super::views::{DiskFormatView, ImageChannelView, ImageDeletedView, ImageView};
 use super::{Access, Call, Method, method};
 
 const READ: Access = Access::Action("compute:images:read");
@@ -42,6 +45,7 @@ pub(super) const METHODS: &[Method] = &[
     method!("images.get", READ, "one image", ImageRef => ImageView, images_get),
     method!("images.list", READ, "a tenant's images, paged by cursor", ImagesList => Page<ImageView>, images_list),
     method!("images.delete", WRITE, "delete an image", ImageRef => ImageDeletedView, images_delete),
+    method!("images.promote", WRITE, "promote an image from the testing channel to stable", ImageRef => ImageView, images_promote),
 ];
 
 /// A TCP port, 1 to 65535, without leading zeros.
@@ -177,7 +181,21 @@ pub struct ImageRef {
     if_version: Option<u64>,
 }
 
-list_input!(ImagesList {});
+list_input!(ImagesList {
+    /// Only the images in this channel.
+    channel: Option<ImageChannelView>,
+});
+
+/// What promoting `image` appends: `testing` → `stable`; a stable image has nowhere to go.
+pub fn image_promotion(image: &ImageDoc) -> Result<ev::ImagePromoted> {
+    match image.channel {
+        ev::ImageChannel::Testing => Ok(ev::ImagePromoted { from: ev::ImageChannel::Testing, to: ev::ImageChannel::Stable }),
+        ev::ImageChannel::Stable => Err(Error::state(
+            format!("image {} ({:?}) is already stable", image.image_id, image.name),
+            "stable is the last channel: register new bytes as a new image to test them",
+        )),
+    }
+}
 
 async fn image_doc(call: &Call<'_>, tenant: TenantId, id: &ImageId) -> Result<ImageDoc> {
     call.row(tenant, KIND_IMAGE, &id.to_string(), "image").await
@@ -221,7 +239,29 @@ async fn images_get(call: &Call<'_>, input: ImageRef) -> Result<ImageView> {
 }
 
 async fn images_list(call: &Call<'_>, input: ImagesList) -> Result<Page<ImageView>> {
-    list_all::<ImageDoc, _>(call, &input.tenant_id, input.limit, input.cursor.as_deref()).await
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let channel = input.channel.map(ev::ImageChannel::from);
+    list_where(call, tenant, input.limit, input.cursor.as_deref(), |i: &ImageDoc| channel.is_none_or(|c| i.channel == c)).await
+}
+
+async fn images_promote(call: &Call<'_>, input: ImageRef) -> Result<ImageView> {
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let id: ImageId = parse_id("imageId", &input.image_id)?;
+    check_if_version(input.if_version)?;
+    let current = image_doc(call, tenant, &id).await?;
+    let stream = stream_of(KIND_IMAGE, &id);
+    // A retry is answered from the log (the append replays it), though the image it promoted
+    // is stable now.
+    let promotion = if call.is_retry(tenant).await? {
+        ev::ImagePromoted { from: ev::ImageChannel::Testing, to: ev::ImageChannel::Stable }
+    } else {
+        let expected = expected_version(input.if_version, current.version, &stream)?;
+        let promotion = image_promotion(&current)?;
+        call.append(tenant, stream, expected, ev::IMAGE_PROMOTED, ev::to_cbor(&promotion)?).await?;
+        return Ok(image_doc(call, tenant, &id).await?.into());
+    };
+    call.append(tenant, stream, ExpectedVersion::Exact(current.version), ev::IMAGE_PROMOTED, ev::to_cbor(&promotion)?).await?;
+    Ok(image_doc(call, tenant, &id).await?.into())
 }
 
 async fn images_delete(call: &Call<'_>, input: ImageRef) -> Result<ImageDeletedView> {
@@ -311,9 +351,21 @@ mod tests {
             sha256: "0".repeat(64),
             disk_format: ev::DiskFormat::Qcow2,
             size_bytes: None,
+            channel: ev::ImageChannel::Testing,
             version: 1,
             created_at_ms: 0,
         }
+    }
+
+    #[test]
+    fn an_image_is_promoted_once_from_testing_to_stable() {
+        let mut testing = image("ubuntu", 0);
+        let promoted = image_promotion(&testing).unwrap();
+        assert_eq!((promoted.from, promoted.to), (ev::ImageChannel::Testing, ev::ImageChannel::Stable));
+        testing.channel = ev::ImageChannel::Stable;
+        let err = image_promotion(&testing).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::InvalidState);
+        assert!(err.to_string().contains("already stable"), "{err}");
     }
 
     #[test]

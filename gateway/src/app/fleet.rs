@@ -33,6 +33,8 @@ use sha2::{Digest, Sha256};
 use crate::api::flavors::{FLAVORS_PER_POOL_MAX, FLAVORS_PER_TENANT_MAX};
 use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool};
 use crate::api::images::IMAGES_PER_TENANT_MAX;
+use crate::api::views::ImageChannelView;
+use bc_projections::events::ImageChannel;
 
 /// `fleet/default`'s kind name for the document's object kinds.
 pub const OBJECT_POOL: &str = "pool";
@@ -107,8 +109,10 @@ impl Change {
             (OBJECT_POOL, Op::Delete) => ("pools.archive", "compute:pools:write"),
             (OBJECT_QUOTA, _) => ("quotas.set", "compute:quotas:admin"),
             (OBJECT_FLAVOR, Op::Delete) => ("flavors.delete", "compute:flavors:write"),
+            (OBJECT_FLAVOR, Op::Update) => ("flavors.update", "compute:flavors:write"),
             (OBJECT_FLAVOR, _) => ("flavors.create", "compute:flavors:write"),
             (OBJECT_IMAGE, Op::Delete) => ("images.delete", "compute:images:write"),
+            (OBJECT_IMAGE, Op::Update) => ("images.promote", "compute:images:write"),
             (_, _) => ("images.register", "compute:images:write"),
         }
     }
@@ -199,7 +203,14 @@ fn image_of(i: &ImageDoc) -> FleetImage {
         sha256: i.sha256.clone(),
         disk_format: i.disk_format.into(),
         size_bytes: i.size_bytes,
+        channel: Some(i.channel.into()),
     }
+}
+
+/// Whether two images are the same bytes under the same name: all but the channel, which
+/// changes in place (a promotion).
+fn same_image(a: &FleetImage, b: &FleetImage) -> bool {
+    (&a.name, &a.url, &a.sha256, a.disk_format, a.size_bytes) == (&b.name, &b.url, &b.sha256, b.disk_format, b.size_bytes)
 }
 
 fn fleet_image_fingerprint(i: &FleetImage) -> String {
@@ -361,7 +372,8 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
         }
     }
 
-    // Flavors: immutable but for their existence; a pool named by its key in the document.
+    // Flavors: their name and shape change in place, their pool never; a pool named by its key
+    // in the document.
     let mut flavors_covered: BTreeSet<String> = BTreeSet::new();
     let mut flavor_creates = Vec::new();
     // Names per pool id (or new pool key) the document will hold, to find duplicates.
@@ -399,12 +411,28 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                         &mut plan,
                         format!("{} belongs to pool {}: a flavor's pool cannot change in place", f.flavor_id, f.pool_id),
                     );
-                } else if FlavorShape::of_doc(f) != FlavorShape::of_fleet(want) {
-                    block(
-                        &mut plan,
-                        format!("{} cannot change in place: give the new shape a new key (and --prune the old one)", f.flavor_id),
-                    );
                 } else {
+                    // Its name and shape change in place (`flavors.update`).
+                    let (from, to) = (FlavorShape::of_doc(f), FlavorShape::of_fleet(want));
+                    if from != to {
+                        let (from_fields, to_fields) = (created_fields(&from), created_fields(&to));
+                        let fields: BTreeMap<String, FieldChange> = to_fields
+                            .into_iter()
+                            .filter(|(name, to)| from_fields.get(name).map(|f| &f.to) != Some(&to.to))
+                            .map(|(name, to)| {
+                                let was = from_fields.get(&name).map_or(Value::Null, |f| f.to.clone());
+                                (name, field(was, to.to))
+                            })
+                            .collect();
+                        plan.changes.push(Change {
+                            op: Op::Update,
+                            kind: OBJECT_FLAVOR,
+                            key: key.clone(),
+                            id: Some(f.flavor_id.clone()),
+                            fields,
+                            expects: Some(f.version),
+                        });
+                    }
                     plan.objects.push((
                         OBJECT_FLAVOR,
                         key.clone(),
@@ -485,7 +513,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
     }
     plan.changes.extend(flavor_deletes);
 
-    // Images: immutable but for their existence; names unique in the tenant.
+    // Images: their bytes never change, their channel only forward; names unique in the tenant.
     let mut images_covered: BTreeSet<String> = BTreeSet::new();
     let mut image_names: BTreeMap<&str, &str> = BTreeMap::new();
     let mut image_creates = Vec::new();
@@ -509,12 +537,29 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                 key: key.clone(),
                 reason: format!("{id} does not exist: a key that is an id names an existing image"),
             }),
-            (_, Some(i)) if image_of(i) != *want => plan.blocked.push(Blocked {
+            (_, Some(i)) if !same_image(&image_of(i), want) => plan.blocked.push(Blocked {
                 kind: OBJECT_IMAGE,
                 key: key.clone(),
                 reason: format!("{} cannot change in place: register the new bytes under a new key", i.image_id),
             }),
+            (_, Some(i)) if want.channel == Some(ImageChannelView::Testing) && i.channel == ImageChannel::Stable => {
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_IMAGE,
+                    key: key.clone(),
+                    reason: format!("{} is stable: an image is never demoted; register the bytes under a new key", i.image_id),
+                })
+            }
             (_, Some(i)) => {
+                if want.channel == Some(ImageChannelView::Stable) && i.channel == ImageChannel::Testing {
+                    plan.changes.push(Change {
+                        op: Op::Update,
+                        kind: OBJECT_IMAGE,
+                        key: key.clone(),
+                        id: Some(i.image_id.clone()),
+                        fields: BTreeMap::from([("channel".into(), field(json!("testing"), json!("stable")))]),
+                        expects: Some(i.version),
+                    });
+                }
                 plan.objects.push((OBJECT_IMAGE, key.clone(), Some(i.image_id.clone()), fleet_image_fingerprint(want)))
             }
             (_, None) => image_creates.push((key, want)),
@@ -759,7 +804,7 @@ mod tests {
     }
 
     /// What cannot be made in place is BLOCKED: a dangling pool name, an id that names nothing,
-    /// an archived pool, a flavor whose shape changed.
+    /// an archived pool, a flavor whose pool changed.
     #[test]
     fn dangling_names_missing_ids_archived_pools_and_changed_flavors_are_blocked() {
         let mut archived = pool(P1, "a", 2);
@@ -790,11 +835,88 @@ mod tests {
             version: 1,
             created_at_ms: 0,
         };
-        let live = FleetLive { pools: vec![pool(P1, "a", 1)], flavors: vec![flavor.clone()], ..Default::default() };
+        let live = FleetLive {
+            pools: vec![pool(P1, "a", 1), pool("pool_01hzz0000000000000000000p2", "b", 1)],
+            flavors: vec![flavor.clone()],
+            ..Default::default()
+        };
         let mut doc = fleet_export(&live);
-        doc.flavors.get_mut(&flavor.flavor_id).unwrap().vcpus = 2;
+        doc.flavors.get_mut(&flavor.flavor_id).unwrap().pool = "pool_01hzz0000000000000000000p2".into();
         let plan = fleet_plan(&live, &doc, false);
         assert_eq!(plan.blocked.len(), 1, "{plan:?}");
-        assert!(plan.blocked[0].reason.contains("cannot change in place"));
+        assert!(plan.blocked[0].reason.contains("a flavor's pool cannot change in place"), "{:?}", plan.blocked);
+    }
+
+    /// A flavor's name and shape change in place: one `flavors.update` with the fields that
+    /// changed, at the version read.
+    #[test]
+    fn a_flavors_shape_is_an_update_in_place() {
+        let flavor = FlavorDoc {
+            tenant_id: "ten_x".into(),
+            flavor_id: "flv_01hzz0000000000000000000f1".into(),
+            pool_id: P1.into(),
+            name: "f".into(),
+            vcpus: 1,
+            memory_mib: 1024,
+            disk_gib: 10,
+            gpus: 0,
+            version: 4,
+            created_at_ms: 0,
+        };
+        let live = FleetLive { pools: vec![pool(P1, "a", 1)], flavors: vec![flavor.clone()], ..Default::default() };
+        let mut doc = fleet_export(&live);
+        let want = doc.flavors.get_mut(&flavor.flavor_id).unwrap();
+        want.vcpus = 2;
+        want.name = "f-large".into();
+        let plan = fleet_plan(&live, &doc, false);
+        assert!(plan.blocked.is_empty(), "{:?}", plan.blocked);
+        assert_eq!(plan.changes.len(), 1);
+        let change = &plan.changes[0];
+        assert_eq!((change.op, change.kind, change.expects), (Op::Update, OBJECT_FLAVOR, Some(4)));
+        assert_eq!(change.call(), ("flavors.update", "compute:flavors:write"));
+        let fields: Vec<(&str, &Value, &Value)> = change.fields.iter().map(|(k, f)| (k.as_str(), &f.from, &f.to)).collect();
+        assert_eq!(fields, vec![("name", &json!("f"), &json!("f-large")), ("vcpus", &json!(1), &json!(2))]);
+    }
+
+    /// An image's channel moves forward in place (`images.promote`) and never back; a new image
+    /// that the document says is stable is registered and promoted.
+    #[test]
+    fn an_image_is_promoted_by_the_document_and_never_demoted() {
+        let image = ImageDoc {
+            tenant_id: "ten_x".into(),
+            image_id: "img_01hzz0000000000000000000i1".into(),
+            name: "ubuntu".into(),
+            url: "https://images.example/u.qcow2".into(),
+            sha256: "ab".repeat(32),
+            disk_format: bc_projections::events::DiskFormat::Qcow2,
+            size_bytes: None,
+            channel: ImageChannel::Testing,
+            version: 1,
+            created_at_ms: 0,
+        };
+        let live = FleetLive { images: vec![image.clone()], ..Default::default() };
+        let mut doc = fleet_export(&live);
+        assert_eq!(doc.images[&image.image_id].channel, Some(ImageChannelView::Testing), "the export says the channel");
+        assert!(fleet_plan(&live, &doc, false).changes.is_empty());
+        doc.images.get_mut(&image.image_id).unwrap().channel = None;
+        assert!(fleet_plan(&live, &doc, false).changes.is_empty(), "no channel: left alone");
+        doc.images.get_mut(&image.image_id).unwrap().channel = Some(ImageChannelView::Stable);
+        let plan = fleet_plan(&live, &doc, false);
+        assert_eq!(plan.changes.len(), 1, "{plan:?}");
+        assert_eq!((plan.changes[0].op, plan.changes[0].call().0), (Op::Update, "images.promote"));
+
+        let stable =
+            FleetLive { images: vec![ImageDoc { channel: ImageChannel::Stable, ..image.clone() }], ..Default::default() };
+        doc.images.get_mut(&image.image_id).unwrap().channel = Some(ImageChannelView::Testing);
+        let plan = fleet_plan(&stable, &doc, false);
+        assert!(plan.blocked.iter().any(|b| b.reason.contains("never demoted")), "{plan:?}");
+
+        let mut new = FleetDocument::empty();
+        new.images.insert("debian".into(), FleetImage { name: "debian".into(), ..doc.images[&image.image_id].clone() });
+        new.images.get_mut("debian").unwrap().channel = Some(ImageChannelView::Stable);
+        let plan = fleet_plan(&FleetLive::default(), &new, false);
+        assert_eq!(plan.changes.len(), 1);
+        assert_eq!(plan.changes[0].op, Op::Create);
+        assert_eq!(plan.changes[0].fields["channel"].to, json!("stable"));
     }
 }

@@ -1,6 +1,6 @@
 //! The views of `flavors.*` and `images.*`: what an instance will be made of.
 
-use bc_projections::events::DiskFormat;
+use bc_projections::events::{DiskFormat, ImageChannel};
 use bc_projections::{FlavorDoc, ImageDoc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -79,6 +79,32 @@ impl From<DiskFormat> for DiskFormatView {
     }
 }
 
+/// An image's release channel on the wire: `testing` when registered, `stable` once promoted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageChannelView {
+    Testing,
+    Stable,
+}
+
+impl From<ImageChannel> for ImageChannelView {
+    fn from(c: ImageChannel) -> Self {
+        match c {
+            ImageChannel::Testing => Self::Testing,
+            ImageChannel::Stable => Self::Stable,
+        }
+    }
+}
+
+impl From<ImageChannelView> for ImageChannel {
+    fn from(c: ImageChannelView) -> Self {
+        match c {
+            ImageChannelView::Testing => Self::Testing,
+            ImageChannelView::Stable => Self::Stable,
+        }
+    }
+}
+
 impl From<DiskFormatView> for DiskFormat {
     fn from(f: DiskFormatView) -> Self {
         match f {
@@ -105,6 +131,8 @@ pub struct ImageView {
     pub disk_format: DiskFormatView,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<u64>,
+    /// `testing` when registered, `stable` once promoted (`images.promote`).
+    pub channel: ImageChannelView,
     pub version: u64,
     pub created_at_ms: u64,
 }
@@ -119,6 +147,7 @@ impl From<ImageDoc> for ImageView {
             sha256: d.sha256,
             disk_format: d.disk_format.into(),
             size_bytes: d.size_bytes,
+            channel: d.channel.into(),
             version: d.version,
             created_at_ms: d.created_at_ms,
         }
