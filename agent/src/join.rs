@@ -359,6 +359,56 @@ pub fn remove_token_file(path: &Path) {
 mod tests {
     use super::*;
 
+    /// A `JoinResponse` signed as the gateway signs it (`bc_gateway::agents`), by `key`.
+    fn signed_response(key: &ed25519_dalek::SigningKey) -> bc_proto::JoinResponse {
+        use ed25519_dalek::Signer;
+        let mut response = bc_proto::JoinResponse {
+            identity: b"{\"nodeId\":\"node_x\"}".to_vec(),
+            signature: vec![1; 64],
+            log_public_key: vec![2; 32],
+            node_certificate: vec![3; 10],
+            node_ca_certificate: vec![4; 10],
+            node_certificate_not_after_ms: 5,
+            ..Default::default()
+        };
+        let message = bc_core::well_known::join_response_signing_message(
+            &response.identity,
+            &response.signature,
+            &response.log_public_key,
+            &response.node_certificate,
+            &response.node_ca_certificate,
+            response.node_certificate_not_after_ms,
+        );
+        response.join_signature = key.sign(&message).to_bytes().to_vec();
+        response.join_signing_public_key = key.verifying_key().to_bytes().to_vec();
+        response
+    }
+
+    #[test]
+    fn a_join_response_is_taken_only_signed_by_the_pinned_join_signing_key() {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]);
+        let pin = bc_core::well_known::signing_pin(&key.verifying_key());
+        verify_join_signature(&signed_response(&key), &pin).unwrap();
+        // Signed by another key: its pin is not the one held.
+        let other = ed25519_dalek::SigningKey::from_bytes(&[2; 32]);
+        assert!(verify_join_signature(&signed_response(&other), &pin).unwrap_err().starts_with("PIN_MISMATCH"));
+        // Any field changed after signing: the signature no longer verifies.
+        for change in [
+            |r: &mut bc_proto::JoinResponse| r.identity.push(b' '),
+            |r: &mut bc_proto::JoinResponse| r.node_certificate[0] ^= 1,
+            |r: &mut bc_proto::JoinResponse| r.node_certificate_not_after_ms += 1,
+            |r: &mut bc_proto::JoinResponse| r.join_signature[0] ^= 1,
+        ] {
+            let mut response = signed_response(&key);
+            change(&mut response);
+            assert!(verify_join_signature(&response, &pin).unwrap_err().starts_with("JOIN_SIGNATURE"));
+        }
+        // Not signed at all (a gateway without join keys) while a pin is held.
+        let mut unsigned = signed_response(&key);
+        unsigned.join_signature.clear();
+        assert!(verify_join_signature(&unsigned, &pin).unwrap_err().starts_with("JOIN_SIGNATURE"));
+    }
+
     #[test]
     fn a_join_waits_at_least_the_gateways_hint_and_no_longer_than_the_bound() {
         assert_eq!(retry_delay_ms(None, 700), 700);
