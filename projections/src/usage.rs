@@ -22,7 +22,8 @@
 //!   one: the warm pool's wait counts nothing) to `sandbox.delete_requested` or
 //!   `sandbox.apply_failed`, never past its end (`endsAtMs`, moved by `sandbox.extended`), as a
 //!   reservation's; at its template's flavor's vCPUs and memory, which `sandbox.created` carries;
-//! - the **prices** (`usage_price/<sku>`): per SKU, the periods a price per GPU-hour holds from.
+//! - the **prices** (`usage_price/<sku>`): per SKU, the periods a price per unit-hour (GPU-,
+//!   vCPU-, GiB-, sandbox-hour) holds from.
 //!
 //! What a window counts is decided in [`crate::decide::usage`]; this module holds the payloads,
 //! the ledger and its fold. Invariant: what the windows and corrections of a tenant recorded for
@@ -47,7 +48,7 @@ pub const USAGE_WINDOW_CLOSED: &str = "usage.window_closed";
 /// A closed window adjusted by what the log learnt after it closed (a late end, a late start):
 /// lines that add to (or, negative, take back from) the window, which is never rewritten.
 pub const USAGE_CORRECTION: &str = "usage.correction";
-/// A price per GPU-hour for a SKU from a time on (root tenant, `usage_price/<sku>`).
+/// A price per unit-hour (GPU-, vCPU-, GiB-, sandbox-hour) for a SKU from a time on (root tenant, `usage_price/<sku>`).
 pub const USAGE_PRICE_SET: &str = "usage.price_set";
 /// The first word of the usage events' types.
 pub const USAGE: &str = "usage";

@@ -137,7 +137,8 @@ pub enum UsageCommand {
         #[arg(long = "vkey")]
         vkeys: Vec<String>,
     },
-    /// Prices per GPU-hour, per SKU (the GPU product) and period.
+    /// Prices per unit-hour (GPU-, vCPU-, GiB-, sandbox-hour), per SKU (a GPU product, vCPU,
+    /// Memory-GiB, Sandbox) and period.
     Prices {
         #[command(subcommand)]
         command: PricesCommand,
@@ -146,8 +147,9 @@ pub enum UsageCommand {
 
 #[derive(Subcommand)]
 pub enum PricesCommand {
-    /// Set a SKU's price per GPU-hour from a time on (root tenant's administrators). Windows
-    /// already closed keep the price they were closed with.
+    /// Set a SKU's price per unit-hour (a GPU-hour; a vCPU-, GiB- or sandbox-hour) from a time on
+    /// (root tenant's administrators). Windows already closed keep the price they were closed
+    /// with.
     Set {
         #[arg(long)]
         sku: String,

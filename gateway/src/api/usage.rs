@@ -53,7 +53,7 @@ pub const USAGE_EVENTS_READ_MAX: u32 = 20_000;
 const EVENTS_PER_READ: u32 = 500;
 /// Longest SKU.
 pub const SKU_CHARS_MAX: usize = 64;
-/// Highest price per GPU-hour, in millionths: a million of the currency.
+/// Highest price per unit-hour, in millionths: a million of the currency.
 pub const GPU_HOUR_MICROS_MAX: u64 = 1_000_000_000_000;
 /// The latest time a usage method takes: 2^53 − 1 ms (JSON's exact integers; year 287,396).
 pub const TIME_MS_MAX: u64 = 9_007_199_254_740_991;
