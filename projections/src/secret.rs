@@ -1,10 +1,11 @@
 //! Write-only secrets (`secret/sec_…`): the document, the payloads of `secret.*`, and their fold.
 //!
 //! A secret is a name in a tenant and a version counter; its value never enters the log or a
-//! projection. Each version's value is sealed in the secret store under
-//! [`secret_value_id`] (`sec_…/vN`), written before the `secret.put` that names the version.
-//! The events carry no value and no digest of one (a digest of a short value would be an
-//! oracle for guessing it): only the name and the version.
+//! projection. Each version's value is sealed in the secret store under an id of its own
+//! ([`secret_value_id`], `sec_…/vN/…` with a fresh ULID, so two racing puts never write one
+//! row), written before the `secret.put` that names the version and that id. The events carry
+//! no value and no digest of one (a digest of a short value would be an oracle for guessing
+//! it): only the name, the version and where the sealed value is kept.
 //!
 //! Elsewhere a secret is named by reference, `secret://TENANT/sec_…` ([`secret_ref`]); the
 //! control plane alone resolves one, and records the first use of each version by each referrer
@@ -39,6 +40,12 @@ pub struct SecretDoc {
     pub name: String,
     /// The value's version: 1 for the first put, one more for each put after it.
     pub secret_version: u32,
+    /// Where the current version's sealed value is kept in the secret store.
+    pub value_id: String,
+    /// Where the previous version's is, kept so a delivery that read the document just before a
+    /// put still finds it; the put after next deletes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_value_id: Option<String>,
     /// The stream's version, for `ifVersion`.
     pub version: u64,
     pub created_at_ms: u64,
@@ -46,20 +53,16 @@ pub struct SecretDoc {
 }
 
 impl SecretDoc {
-    /// Where the current version's sealed value is kept.
-    pub fn value_id(&self) -> String {
-        secret_value_id(&self.secret_id, self.secret_version)
-    }
-
     /// `secret://TENANT/sec_…`.
     pub fn reference(&self) -> String {
         secret_ref(&self.tenant_id, &self.secret_id)
     }
 }
 
-/// The secret store's id of version `version` of secret `secret_id`.
-pub fn secret_value_id(secret_id: &str, version: u32) -> String {
-    format!("{secret_id}/v{version}")
+/// The secret store's id for version `version` of secret `secret_id`, made unique by `nonce` (a
+/// fresh ULID): `sec_…/vN/…`.
+pub fn secret_value_id(secret_id: &str, version: u32, nonce: ulid::Ulid) -> String {
+    format!("{secret_id}/v{version}/{}", nonce.to_string().to_ascii_lowercase())
 }
 
 /// The reference to a secret: `secret://TENANT/sec_…`.
@@ -85,6 +88,8 @@ pub fn parse_secret_ref(text: &str) -> Result<(bc_core::id::TenantId, bc_core::i
 pub struct SecretPut {
     pub name: String,
     pub secret_version: u32,
+    /// Where the version's sealed value is kept in the secret store (an id, not the value).
+    pub value_id: String,
 }
 
 pub type SecretDeleted = NoFields;
@@ -111,6 +116,8 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                     secret_id: key.id.clone(),
                     name: p.name,
                     secret_version: 1,
+                    value_id: p.value_id,
+                    previous_value_id: None,
                     version: env.version,
                     created_at_ms: env.at_ms,
                     updated_at_ms: env.at_ms,
@@ -128,6 +135,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
                         ));
                     }
                     doc.secret_version = p.secret_version;
+                    doc.previous_value_id = Some(std::mem::replace(&mut doc.value_id, p.value_id));
                     doc.version = env.version;
                     doc.updated_at_ms = env.at_ms;
                     to_doc(&doc)
@@ -159,6 +167,6 @@ mod tests {
         ] {
             assert!(parse_secret_ref(&bad).is_err(), "{bad:?}");
         }
-        assert_eq!(secret_value_id("sec_x", 3), "sec_x/v3");
+        assert_eq!(secret_value_id("sec_x", 3, ulid::Ulid::from_parts(0, 1)), "sec_x/v3/00000000000000000000000001");
     }
 }

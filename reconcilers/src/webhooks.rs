@@ -300,7 +300,7 @@ pub async fn resolve_secret_ref(store: &dyn EventStore, tenant: TenantId, refere
         .ok_or_else(|| Error::not_found(format!("secret {reference} (deleted)")))?;
     let doc: SecretDoc = serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("secret document: {e}")))?;
     let text = store
-        .secret_get(tenant, &doc.value_id())
+        .secret_get(tenant, &doc.value_id)
         .await?
         .ok_or_else(|| Error::Unavailable(format!("version {} of {reference} is not readable yet", doc.secret_version)))?;
     // The value's own text never goes into an error: only whether it parsed.

@@ -58,6 +58,19 @@ fn files_under(dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// The rows of the dev's `secrets` table whose id starts with `prefix` (a secret's values).
+async fn value_rows(server: &Server, prefix: &str) -> Vec<String> {
+    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(server.sqlite_path()).read_only(true);
+    let pool = sqlx::SqlitePool::connect_with(options).await.expect("open the dev's database");
+    let ids = sqlx::query_scalar("SELECT id FROM secrets WHERE id LIKE ?1 ORDER BY id")
+        .bind(format!("{prefix}/%"))
+        .fetch_all(&pool)
+        .await
+        .expect("read the secrets table");
+    pool.close().await;
+    ids
+}
+
 fn contains(haystack: &[u8], needle: &str) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
@@ -132,6 +145,14 @@ async fn a_webhook_signs_with_a_referenced_secret_whose_value_appears_nowhere_el
     assert!(verifies(&second_secret, delivery), "signed with version 2");
     assert!(!verifies(&first_secret, delivery), "version 1 signs no more");
 
+    // Each version's value has a row of its own; the previous one is kept for deliveries that
+    // read the secret just before the put.
+    let rows = value_rows(&server, &secret_id).await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(rows[0].starts_with(&format!("{secret_id}/v1/")) && rows[1].starts_with(&format!("{secret_id}/v2/")), "{rows:?}");
+    let puts: Vec<Value> = all_events(&server).await.into_iter().filter(|e| e["type"] == "secret.put").collect();
+    assert_eq!(puts.last().unwrap()["payload"]["valueId"], json!(rows[1]), "the event names the row, not the value");
+
     // Each resolution is in the log once, without the value: the referrer and the version.
     let resolved: Vec<Value> = all_events(&server).await.into_iter().filter(|e| e["type"] == "secret.resolved").collect();
     let seen: Vec<(String, u64)> = resolved
@@ -185,6 +206,7 @@ async fn a_webhook_signs_with_a_referenced_secret_whose_value_appears_nowhere_el
     assert_eq!(code, 0, "{err}");
     assert_eq!(bc_tests::json(&out)["deleted"], true);
     outputs.push(out);
+    assert_eq!(value_rows(&server, &secret_id).await, Vec::<String>::new(), "its values went with it");
     let (code, out, _) = server.cli(&["secrets", "list", "--format", "json"]);
     assert_eq!(code, 0);
     assert_eq!(bc_tests::json(&out)["items"], json!([]));

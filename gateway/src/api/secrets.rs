@@ -4,8 +4,10 @@
 //! through the API: `put` and `list` answer names, versions and the reference
 //! (`secret://TENANT/sec_…`), never a value. The events carry no value and no digest of one.
 //!
-//! A put of a name the tenant holds makes its next version; the previous version's value is
-//! kept (a delivery that read the document just before still finds it), the one before is
+//! A put of a name the tenant holds makes its next version; each version's value has a row of
+//! its own (`sec_…/vN/…`, named by the event), so two puts racing to one version never write
+//! one row and the loser's cleanup never takes the winner's value. The previous version's value
+//! is kept (a delivery that read the document just before still finds it), the one before is
 //! deleted. A delete is refused while a webhook names the secret (`--secret-ref`), naming it.
 //!
 //! Idempotency: a retried put is "the same request" by its method, tenant and name, never by
@@ -188,7 +190,7 @@ async fn secrets_put(call: &Call<'_>, input: SecretsPut) -> Result<SecretView> {
     let existing = tenant_secrets(call, tenant).await?;
     // A retry's `ifVersion` was checked by the first request, whose version it then moved.
     let if_version = if call.is_retry(tenant).await? { None } else { input.if_version };
-    let plan = secret_put(&existing, &input.name, if_version, SecretId::from_ulid(call.ulid()))?;
+    let plan = secret_put(&existing, &input.name, if_version, SecretId::from_ulid(call.ulid()), call.ulid())?;
     // The value is sealed and stored before the event that names its version, so a reader of
     // the document always finds it; an append that does not happen takes the row back.
     call.state.store.secret_put(tenant, &plan.value_id, &input.value, call.now_ms()).await?;
@@ -228,8 +230,8 @@ async fn secrets_delete(call: &Call<'_>, input: SecretsDelete) -> Result<SecretD
     let append = secret_delete(&secret, input.if_version, &referring)?;
     call.submit(call.decided(tenant, append)).await?;
     // Its values go with it.
-    for version in secret.secret_version.saturating_sub(1).max(1)..=secret.secret_version {
-        call.state.store.secret_delete(tenant, &bc_projections::secret::secret_value_id(&secret.secret_id, version)).await?;
+    for value_id in std::iter::once(&secret.value_id).chain(&secret.previous_value_id) {
+        call.state.store.secret_delete(tenant, value_id).await?;
     }
     Ok(SecretDeletedView { secret_id: secret.secret_id, name: secret.name, deleted: true })
 }

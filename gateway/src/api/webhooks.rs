@@ -269,7 +269,7 @@ async fn signing_secret_ref(call: &Call<'_>, tenant: TenantId, reference: &str) 
     }
     let secret: bc_projections::SecretDoc =
         call.row(tenant, bc_projections::KIND_SECRET, &secret_id.to_string(), "secret").await?;
-    let value = call.state.store.secret_get(tenant, &secret.value_id()).await?;
+    let value = call.state.store.secret_get(tenant, &secret.value_id).await?;
     if value.as_deref().and_then(|v| Secret::parse(v).ok()).is_none() {
         return Err(Error::state(
             format!("secret {:?} ({canonical}) is not a webhook signing secret", secret.name),

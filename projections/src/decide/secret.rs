@@ -23,7 +23,7 @@ pub const SECRET_REFERRERS_SHOWN_MAX: usize = 10;
 pub struct SecretPutPlan {
     pub secret_id: String,
     pub secret_version: u32,
-    /// The secret store's id for this version's value (`sec_…/vN`).
+    /// The secret store's id for this version's value (`sec_…/vN/…`), of this put alone.
     pub value_id: String,
     /// The value id of the version before the previous one: no longer read once this lands
     /// (the previous one is kept, so a delivery that read the document just before still
@@ -34,7 +34,15 @@ pub struct SecretPutPlan {
 
 /// A put of `name`: a new version of the tenant's secret of that name (at `if_version` when
 /// given), or, if there is none, a new secret `new_id` at version 1 within the tenant's bound.
-pub fn secret_put(existing: &[SecretDoc], name: &str, if_version: Option<u64>, new_id: SecretId) -> Result<SecretPutPlan> {
+/// Its value goes to a row of its own, named with `nonce` (a fresh ULID): two puts racing to
+/// the same version never write one row, so the loser's cleanup never takes the winner's value.
+pub fn secret_put(
+    existing: &[SecretDoc],
+    name: &str,
+    if_version: Option<u64>,
+    new_id: SecretId,
+    nonce: ulid::Ulid,
+) -> Result<SecretPutPlan> {
     let found = existing.iter().find(|s| s.name == name);
     let (secret_id, secret_version, expected) = match found {
         Some(doc) => {
@@ -70,11 +78,11 @@ pub fn secret_put(existing: &[SecretDoc], name: &str, if_version: Option<u64>, n
             (new_id.to_string(), 1, ExpectedVersion::NoStream)
         }
     };
-    let payload = to_cbor(&ev::SecretPut { name: name.to_owned(), secret_version })?;
-    let stale_value_id = secret_version.checked_sub(2).filter(|v| *v >= 1).map(|v| secret_value_id(&secret_id, v));
+    let value_id = secret_value_id(&secret_id, secret_version, nonce);
+    let payload = to_cbor(&ev::SecretPut { name: name.to_owned(), secret_version, value_id: value_id.clone() })?;
     Ok(SecretPutPlan {
-        value_id: secret_value_id(&secret_id, secret_version),
-        stale_value_id,
+        value_id,
+        stale_value_id: found.and_then(|doc| doc.previous_value_id.clone()),
         append: Append {
             stream: stream_of(KIND_SECRET, &secret_id),
             expected,
@@ -126,43 +134,51 @@ mod tests {
             secret_id: format!("sec_{n}"),
             name: name.into(),
             secret_version,
+            value_id: format!("sec_{n}/v{secret_version}/x"),
+            previous_value_id: (secret_version > 1).then(|| format!("sec_{n}/v{}/x", secret_version - 1)),
             version: u64::from(secret_version) + 3,
             created_at_ms: 0,
             updated_at_ms: 0,
         }
     }
 
+    fn id() -> SecretId {
+        SecretId::from_ulid(ulid::Ulid::from_parts(5, 5))
+    }
+
+    fn nonce(n: u128) -> ulid::Ulid {
+        ulid::Ulid::from_parts(0, n)
+    }
+
     #[test]
-    fn a_put_makes_a_secret_or_its_next_version() {
-        let id = SecretId::from_ulid(ulid::Ulid::from_parts(5, 5));
-        let first = secret_put(&[], "db", None, id).unwrap();
-        assert_eq!((first.secret_id.clone(), first.secret_version), (id.to_string(), 1));
-        assert_eq!(first.value_id, format!("{id}/v1"));
+    fn a_put_makes_a_secret_or_its_next_version_each_in_a_row_of_its_own() {
+        let first = secret_put(&[], "db", None, id(), nonce(1)).unwrap();
+        assert_eq!((first.secret_id.clone(), first.secret_version), (id().to_string(), 1));
+        assert_eq!(first.value_id, format!("{}/v1/00000000000000000000000001", id()));
         assert_eq!(first.append.expected, ExpectedVersion::NoStream);
         assert_eq!(first.append.event_types(), vec![ev::SECRET_PUT]);
         assert_eq!(first.stale_value_id, None);
+        let racing = secret_put(&[], "db", None, id(), nonce(2)).unwrap();
+        assert_ne!(racing.value_id, first.value_id, "two puts of one version never share a row");
 
         let existing = vec![doc("db", 0, 3), doc("other", 1, 1)];
-        let next = secret_put(&existing, "db", None, id).unwrap();
+        let next = secret_put(&existing, "db", None, id(), nonce(1)).unwrap();
         assert_eq!((next.secret_id.as_str(), next.secret_version), ("sec_0", 4));
-        assert_eq!(next.value_id, "sec_0/v4");
-        assert_eq!(next.stale_value_id.as_deref(), Some("sec_0/v2"), "the previous version's value stays");
+        assert_eq!(next.value_id, "sec_0/v4/00000000000000000000000001");
+        assert_eq!(next.stale_value_id.as_deref(), Some("sec_0/v2/x"), "the previous version's value (v3) stays");
         assert_eq!(next.append.expected, ExpectedVersion::Exact(6));
-        assert_eq!(secret_put(&existing, "db", Some(6), id).unwrap().secret_version, 4);
-        assert_eq!(secret_put(&existing, "db", Some(5), id).unwrap_err().code(), ErrorCode::Conflict);
-        assert_eq!(secret_put(&existing, "new", Some(2), id).unwrap_err().code(), ErrorCode::Conflict);
-        assert_eq!(secret_put(&[doc("db", 0, 1)], "db", None, id).unwrap().stale_value_id, None);
+        assert_eq!(secret_put(&existing, "db", Some(6), id(), nonce(1)).unwrap().secret_version, 4);
+        assert_eq!(secret_put(&existing, "db", Some(5), id(), nonce(1)).unwrap_err().code(), ErrorCode::Conflict);
+        assert_eq!(secret_put(&existing, "new", Some(2), id(), nonce(1)).unwrap_err().code(), ErrorCode::Conflict);
+        assert_eq!(secret_put(&[doc("db", 0, 1)], "db", None, id(), nonce(1)).unwrap().stale_value_id, None);
     }
 
     #[test]
     fn a_tenant_holds_a_bounded_number_of_secrets() {
         let full: Vec<SecretDoc> = (0..SECRETS_PER_TENANT_MAX).map(|n| doc(&format!("s{n}"), n, 1)).collect();
-        let err = secret_put(&full, "one-more", None, SecretId::from_ulid(ulid::Ulid::from_parts(5, 5))).unwrap_err();
+        let err = secret_put(&full, "one-more", None, id(), nonce(1)).unwrap_err();
         assert_eq!(err.code(), ErrorCode::InvalidState, "{err}");
-        assert!(
-            secret_put(&full, "s7", None, SecretId::from_ulid(ulid::Ulid::from_parts(5, 5))).is_ok(),
-            "a new version of one held is no new secret"
-        );
+        assert!(secret_put(&full, "s7", None, id(), nonce(1)).is_ok(), "a new version of one held is no new secret");
     }
 
     #[test]
