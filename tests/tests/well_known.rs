@@ -2,7 +2,8 @@
 //! /.well-known/better-compute` verifies against `pki show`'s join signing pin and names the
 //! agents' endpoint, its serving pin and the log key's pin; `bcd join --server` with a pin that
 //! does not match exits 1 before anything is sent (the token stays unused, no `node.joined`, no
-//! file written), and so does a document whose signature does not verify; with the right pins
+//! file written), and so does a document whose signature does not verify, one past 16 KiB, and a
+//! control plane that does not answer within the fetch's 10 s; with the right pins
 //! it writes `config.toml` (0600) and `join-encryption.jwk`, joins, and the node goes live.
 //!
 //! The token on the wire is sealed: a plain TCP proxy between `bcd` and a loopback h2c agents'
@@ -126,6 +127,24 @@ async fn the_document_verifies_a_wrong_pin_sends_nothing_and_a_join_through_it_g
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("WELL_KNOWN_BAD_SIGNATURE"), "{err}");
     assert_eq!(fake.served(), 1, "the stand-in was asked once");
+    // Past the document's bound (16 KiB): refused without reading it whole.
+    let large = ImageServer::start(".well-known/better-compute", vec![b' '; bc_core::well_known::WELL_KNOWN_BYTES_MAX + 1]);
+    let large_url = large.url.trim_end_matches("/.well-known/better-compute").to_owned();
+    let (code, _, err) = join_from(refused.path(), &large_url, &["--join-signing-pin", &signing_pin], &secret);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("WELL_KNOWN_TOO_LARGE"), "{err}");
+    // A control plane that never answers: given up after the fetch's bound (10 s).
+    let silent = ImageServer::gated(".well-known/better-compute", served.clone(), 0);
+    let silent_url = silent.url.trim_end_matches("/.well-known/better-compute").to_owned();
+    let started = std::time::Instant::now();
+    let (code, _, err) = join_from(refused.path(), &silent_url, &["--join-signing-pin", &signing_pin], &secret);
+    let waited = started.elapsed();
+    silent.open();
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("WELL_KNOWN_FETCH"), "{err}");
+    let bound = Duration::from_millis(bc_agent::well_known::WELL_KNOWN_FETCH_TIMEOUT_MS);
+    assert!(waited >= bound && waited < bound + Duration::from_secs(10), "{waited:?}");
+    assert!(!refused.path().join("config.toml").exists() && !refused.path().join("join-encryption.jwk").exists());
     assert_eq!(token_uses(&server, &token_id).await, 0);
 
     // The right pins: config.toml (0600) and join-encryption.jwk (0644) are written from the
