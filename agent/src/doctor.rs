@@ -186,7 +186,7 @@ pub async fn run(config_path: &Path) -> Vec<Check> {
                 format!("correct {} (see the README's bcd section)", config_path.display())
             } else {
                 format!(
-                    "write {} (bcd join --server URL --log-key-pin PIN writes one), or pass --config FILE",
+                    "write {} (bcd join --server URL --join-signing-pin PIN writes one from the well-known document), or pass --config FILE",
                     config_path.display()
                 )
             };
