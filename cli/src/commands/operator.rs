@@ -672,6 +672,28 @@ mod tests {
     }
 
     #[test]
+    fn agents_url_is_https_or_http_host_and_port_without_a_path() {
+        assert_eq!(parse_agents_url("https://cp.example:7443/").unwrap(), "https://cp.example:7443");
+        assert_eq!(parse_agents_url("http://127.0.0.1:7443").unwrap(), "http://127.0.0.1:7443");
+        assert_eq!(parse_agents_url("https://[::1]:7443").unwrap(), "https://[::1]:7443");
+        for bad in [
+            "cp.example:7443",
+            "https://cp.example",
+            "https://cp.example:7443/agents",
+            "https://u@cp:1",
+            "ftp://cp:1",
+            "https://cp:1 x",
+        ] {
+            assert!(parse_agents_url(bad).is_err(), "{bad}");
+        }
+        let long = format!("https://{}:1", "a".repeat(bc_core::well_known::AGENTS_URL_BYTES_MAX));
+        assert!(parse_agents_url(&long).is_err());
+        let cli = Cli::try_parse_from(["better-compute", "dev", "--agents-url", "https://lb.example:443"]).unwrap();
+        let Command::Dev(DevArgs { server, .. }) = cli.command else { panic!("not dev") };
+        assert_eq!(server.agents.agents_url.as_deref(), Some("https://lb.example:443"));
+    }
+
+    #[test]
     fn the_agents_flags_default_to_the_gateways_session_config() {
         let cli = Cli::try_parse_from(["better-compute", "dev"]).unwrap();
         let Command::Dev(DevArgs { server, agents_insecure_h2c, .. }) = cli.command else { panic!("not dev") };
