@@ -134,7 +134,7 @@ const PASS: Simulated = Simulated::Passes { crashes: false };
 /// Every reconciler this version runs. The order is the simulator's order of activation.
 pub const REGISTRY: &[Registration] = &[
     Registration { name: reservations::NAME, appends: true, duty: false, simulated: PASS_CUT, build: build_reservations },
-    Registration { name: webhooks::CONSUMER, appends: false, duty: false, simulated: Simulated::Consumer, build: build_webhooks },
+    Registration { name: webhooks::CONSUMER, appends: true, duty: false, simulated: Simulated::Consumer, build: build_webhooks },
     Registration { name: checkpoints::NAME, appends: true, duty: true, simulated: Simulated::No, build: build_checkpoints },
     Registration { name: rollouts::NAME, appends: true, duty: false, simulated: PASS, build: build_rollouts },
     Registration { name: liveness::NAME, appends: true, duty: false, simulated: PASS_CUT, build: build_liveness },

@@ -274,3 +274,38 @@ async fn a_reference_must_name_a_webhook_secret_of_the_same_tenant() {
     assert_ne!(code, 0);
     assert!(err.contains("NOT_FOUND"), "{err}");
 }
+
+/// `reconcile --only webhooks`, a process of its own, resolves a reference too: it opens the
+/// log with the data directory's log key and records the resolution before it delivers; its
+/// log holds no value either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhooks_process_of_its_own_resolves_and_records_a_reference() {
+    let server = Server::dev_with(&["--no-reconcilers"]);
+    let receiver = Receiver::start();
+    let dir = tempfile::tempdir().unwrap();
+    let env = server.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let value = Secret::generate().expose();
+    let (code, out, err) = bc_tests::cli_stdin(&["secrets", "put", "hook-signing", "--stdin"], &env, Some(&value));
+    assert_eq!(code, 0, "{err}");
+    let reference = bc_tests::json(&out)["ref"].as_str().unwrap().to_owned();
+    let (code, out, err) =
+        server.cli(&["webhooks", "create", "--endpoint", &receiver.url, "--types", "pool.*", "--secret-ref", &reference]);
+    assert_eq!(code, 0, "{err}");
+    let webhook = bc_tests::json(&out)["webhookId"].as_str().unwrap().to_owned();
+    let data_dir = server.data_dir.display().to_string();
+    let reconciler = bc_tests::Reconciler::start(
+        &["--only", "webhooks", "--data-dir", &data_dir, "--webhook-allow-loopback", "--retry-base", "200ms"],
+        dir.path(),
+    );
+    server.pool("delivered-by-its-own-process").await;
+    let id = last_event(&server, "pool.created").await["id"].as_str().unwrap().to_owned();
+    let got = receiver.wait_for(WAIT, "the delivery", |r| r.iter().any(|r| r.id == id));
+    let delivery = got.iter().find(|r| r.id == id).unwrap();
+    assert!(verifies(&Secret::parse(&value).unwrap(), delivery), "signed with the referenced value");
+    let resolved = last_event(&server, "secret.resolved").await;
+    assert_eq!(resolved["payload"]["referrer"], json!(format!("webhook/{webhook}")), "{resolved}");
+    assert_eq!(resolved["actor"], "reconciler:webhooks", "{resolved}");
+    let body = value.strip_prefix("whsec_").unwrap();
+    assert!(!reconciler.log_text().contains(body) && !server.log_text().contains(body), "no value in either log");
+}
