@@ -5,6 +5,8 @@
 //! file written), and so does a document whose signature does not verify, one past 16 KiB, and a
 //! control plane that does not answer within the fetch's 10 s; with the right pins
 //! it writes `config.toml` (0600) and `join-encryption.jwk`, joins, and the node goes live.
+//! A join request through the document takes the approval's answer because the pinned join
+//! signing key signed it; a machine pinning another key refuses the same answer (exit 1).
 //!
 //! The token on the wire is sealed: a plain TCP proxy between `bcd` and a loopback h2c agents'
 //! endpoint (`dev --agents-insecure-h2c --agents-url http://PROXY`) records every byte `bcd`
@@ -288,4 +290,86 @@ async fn a_proxy_in_the_middle_never_sees_a_sealed_token() {
     assert_eq!(code, 0, "bcd join: {out} {err}");
     assert_eq!(token_uses(&server, &plain_id).await, 1, "the gateway still takes a plain token");
     assert!(contains(&seen.lock().unwrap(), plain_secret.as_bytes()), "an unsealed token is seen by the proxy");
+}
+
+/// A `bcd` child of this test, killed when dropped.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_request_through_the_document_takes_only_an_approval_signed_by_the_pinned_key() {
+    let (server, _port) = bc_tests::agents_gateway();
+    let pool = server.pool("gpu-a").await;
+    let (signing_pin, _) = join_pins(&server);
+    let machine = tempfile::tempdir().unwrap();
+    let (config, data) = (machine.path().join("config.toml"), machine.path().join("data"));
+    let file = |name: &str| std::fs::File::create(machine.path().join(name)).unwrap();
+    let mut asking = Running(
+        std::process::Command::new(bc_tests::binary("bcd"))
+            .args(["join", "--request", "--config", &config.display().to_string(), "--data-dir", &data.display().to_string()])
+            .args(["--server", &server.url, "--join-signing-pin", &signing_pin])
+            .env_remove("BCD_JOIN_TOKEN")
+            .stdin(std::process::Stdio::null())
+            .stdout(file("request.out"))
+            .stderr(file("request.err"))
+            .spawn()
+            .expect("start bcd join --request"),
+    );
+    let id = wait_until("a pending join request", Duration::from_secs(20), || {
+        let (status, page) = bc_tests::block_on(server.call("joinRequests.list", json!({ "pending": true })));
+        assert_eq!(status, 200, "{page}");
+        page["items"].as_array().unwrap().first().map(|r| r["joinRequestId"].as_str().unwrap().to_owned())
+    });
+    let (code, approved, err) = server.cli(&["join-requests", "approve", &id, "--pool", &pool]);
+    assert_eq!(code, 0, "join-requests approve: {approved} {err}");
+    let exit = wait_until("bcd join --request ends", Duration::from_secs(60), || asking.0.try_wait().unwrap());
+    let said = |name: &str| std::fs::read_to_string(machine.path().join(name)).unwrap_or_default();
+    assert_eq!(exit.code(), Some(0), "{} {}", said("request.out"), said("request.err"));
+    assert!(said("request.out").contains("joined as node_"), "{}", said("request.out"));
+    // The configuration it joined with holds the join signing pin, so the approval's answer was
+    // taken only because that key signed it.
+    let written = std::fs::read_to_string(&config).unwrap();
+    assert!(written.lines().any(|l| l == format!("join_signing_key_pin = {signing_pin:?}")), "{written}");
+    assert!(data.join("identity.json").exists());
+
+    // Another machine whose configuration pins another join signing key: the approval's answer,
+    // signed by the deployment's key, is refused (exit 1, PIN_MISMATCH) and nothing is kept.
+    let other = tempfile::tempdir().unwrap();
+    let (other_config, other_data) = (other.path().join("config.toml"), other.path().join("data"));
+    let wrong = "sha256/AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+    let text = written
+        .replace(&format!("join_signing_key_pin = {signing_pin:?}"), &format!("join_signing_key_pin = {wrong:?}"))
+        .replace(&format!("{:?}", data.display().to_string()), &format!("{:?}", other_data.display().to_string()));
+    assert!(text.contains(wrong) && text.contains(&other_data.display().to_string()), "{text}");
+    std::fs::write(&other_config, text).unwrap();
+    std::fs::copy(machine.path().join("join-encryption.jwk"), other.path().join("join-encryption.jwk")).unwrap();
+    let other_file = |name: &str| std::fs::File::create(other.path().join(name)).unwrap();
+    let mut refused = Running(
+        std::process::Command::new(bc_tests::binary("bcd"))
+            .args(["join", "--request", "--config", &other_config.display().to_string()])
+            .env_remove("BCD_JOIN_TOKEN")
+            .stdin(std::process::Stdio::null())
+            .stdout(other_file("request.out"))
+            .stderr(other_file("request.err"))
+            .spawn()
+            .expect("start bcd join --request"),
+    );
+    let other_id = wait_until("the other machine's pending request", Duration::from_secs(20), || {
+        let (status, page) = bc_tests::block_on(server.call("joinRequests.list", json!({ "pending": true })));
+        assert_eq!(status, 200, "{page}");
+        page["items"].as_array().unwrap().first().map(|r| r["joinRequestId"].as_str().unwrap().to_owned())
+    });
+    let (code, approved, err) = server.cli(&["join-requests", "approve", &other_id, "--pool", &pool]);
+    assert_eq!(code, 0, "join-requests approve: {approved} {err}");
+    let exit = wait_until("the other bcd join --request ends", Duration::from_secs(60), || refused.0.try_wait().unwrap());
+    let other_said = std::fs::read_to_string(other.path().join("request.err")).unwrap_or_default();
+    assert_eq!(exit.code(), Some(1), "{other_said}");
+    assert!(other_said.contains("PIN_MISMATCH") && other_said.contains(wrong), "{other_said}");
+    assert!(!other_data.join("identity.json").exists(), "an answer not signed by the pinned key is not kept");
 }
