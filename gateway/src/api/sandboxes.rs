@@ -121,8 +121,10 @@ pub struct SandboxTemplatesCreate {
     #[schemars(range(min = 0, max = 64))]
     warm_min: Option<u32>,
     /// A sandbox's life when its create names none (5 s to `maxTtlS`; default 30 min).
+    #[schemars(range(min = decide::SANDBOX_TTL_MIN_S, max = decide::SANDBOX_TTL_MAX_S))]
     default_ttl_s: Option<u64>,
     /// The longest a sandbox may live from its start, extensions included (5 s to 24 h).
+    #[schemars(range(min = decide::SANDBOX_TTL_MIN_S, max = decide::SANDBOX_TTL_MAX_S))]
     max_ttl_s: Option<u64>,
     /// The environment every command in its sandboxes gets (at most 32 variables, 16 KiB).
     #[serde(default)]
@@ -156,9 +158,11 @@ pub struct SandboxTemplatesUpdate {
     #[schemars(range(min = 0, max = 64))]
     warm_min: Option<u32>,
     /// 5 s to `maxTtlS` (the new one when both change).
+    #[schemars(range(min = decide::SANDBOX_TTL_MIN_S, max = decide::SANDBOX_TTL_MAX_S))]
     default_ttl_s: Option<u64>,
     /// 5 s to 24 h, and at least `defaultTtlS`; sandboxes already made keep their end, and an
     /// extension is bounded by the new maximum.
+    #[schemars(range(min = decide::SANDBOX_TTL_MIN_S, max = decide::SANDBOX_TTL_MAX_S))]
     max_ttl_s: Option<u64>,
     /// The environment from now on, replacing the old whole; warm sandboxes made with the old one
     /// are replaced, claimed ones keep it.
@@ -194,6 +198,7 @@ pub struct SandboxesCreate {
     #[schemars(with = "SandboxTemplateIdText")]
     template_id: String,
     /// Its life in seconds (the template's `defaultTtlS` when absent; at most its `maxTtlS`).
+    #[schemars(range(min = decide::SANDBOX_TTL_MIN_S, max = decide::SANDBOX_TTL_MAX_S))]
     ttl_s: Option<u64>,
 }
 
