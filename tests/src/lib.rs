@@ -906,6 +906,13 @@ pub fn fake_hardware(seed: u64) -> Value {
     json(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// A fake machine with at least `gpus` GPUs: its seed (the first among 1 to 99).
+pub fn fake_seed_with(gpus: usize) -> u64 {
+    (1..100u64)
+        .find(|seed| fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| g.len() >= gpus))
+        .expect("a fake machine with enough GPUs among seeds 1..100")
+}
+
 /// One machine that runs `bcd node`: its data directory and configuration (the agents'
 /// endpoint of `server` on `port`, TLS with its pin, the log key's pin, observations every
 /// 150 ms, JSON logs to `node.log`). Killed when dropped; its directory is kept when the test

@@ -12,13 +12,6 @@ use bc_tests::{AgentNode, ImageServer, Server, json};
 use serde_json::{Value, json};
 use sha2::Digest;
 
-/// A fake machine with at least `gpus` GPUs: its seed.
-fn fake_seed_with(gpus: usize) -> u64 {
-    (1..100u64)
-        .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| g.len() >= gpus))
-        .expect("a fake machine with enough GPUs among seeds 1..100")
-}
-
 async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
     let (status, doc) = server.call(method, body).await;
     assert_eq!(status, 200, "{method}: {doc}");
@@ -65,7 +58,7 @@ async fn bound_reservation(server: &Server, pool: &str, gpus: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_libvirt_does() {
     let (server, port) = bc_tests::agents_gateway();
-    let seed = fake_seed_with(2);
+    let seed = bc_tests::fake_seed_with(2);
     let pool = server.pool("vms").await;
     let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();
@@ -236,7 +229,7 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_domain_that_crashes_behind_the_agents_back_is_started_again_by_the_reconciler() {
     let (server, port) = bc_tests::agents_gateway();
-    let seed = fake_seed_with(1);
+    let seed = bc_tests::fake_seed_with(1);
     let pool = server.pool("drift").await;
     let mut machine = AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();

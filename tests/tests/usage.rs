@@ -378,13 +378,6 @@ async fn each_row_is_proved_offline_and_an_edited_quantity_fails_naming_its_row(
 
 const FOCUS_COLUMN_CONSUMED: &str = "ConsumedQuantity";
 
-/// A fake machine with at least `gpus` GPUs: its seed.
-fn fake_seed_with(gpus: usize) -> u64 {
-    (1..100u64)
-        .find(|seed| bc_tests::fake_hardware(*seed)["gpus"]["gpus"].as_array().is_some_and(|g| g.len() >= gpus))
-        .expect("a fake machine with enough GPUs among seeds 1..100")
-}
-
 async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
     let (status, doc) = server.call(method, body).await;
     assert_eq!(status, 200, "{method}: {doc}");
@@ -418,7 +411,7 @@ async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_off
     use sha2::Digest;
     usage_python();
     let (server, port) = bc_tests::agents_gateway_with(&["--usage-window", "2s"]);
-    let seed = fake_seed_with(2);
+    let seed = bc_tests::fake_seed_with(2);
     let pool = server.pool("vms").await;
     let mut machine = bc_tests::AgentNode::new(&server, port);
     let config = std::fs::read_to_string(machine.config()).unwrap();

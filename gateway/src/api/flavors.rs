@@ -12,7 +12,7 @@ use bc_core::id::{FlavorId, PoolId, TenantId};
 use bc_core::store::ExpectedVersion;
 use bc_core::{Error, Result};
 use bc_projections::events as ev;
-use bc_projections::{FlavorDoc, KIND_FLAVOR, KIND_POOL, stream_of};
+use bc_projections::{FlavorDoc, KIND_FLAVOR, KIND_POOL, PoolDoc, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
@@ -223,6 +223,20 @@ async fn flavor_doc(call: &Call<'_>, tenant: TenantId, id: &FlavorId) -> Result<
     call.row(tenant, KIND_FLAVOR, &id.to_string(), "flavor").await
 }
 
+/// `CONFLICT` for an archived pool, as `pools.update` answers: the request is well formed and
+/// the pool's state refuses it (a 409, which a schema-valid request may meet, not a 400);
+/// `what` says what an archived pool does not do.
+fn live_pool(pool: &PoolDoc, pool_id: &PoolId, what: &str) -> Result<()> {
+    if pool.archived {
+        return Err(Error::Conflict {
+            stream: stream_of(KIND_POOL, pool_id),
+            expected: format!("a live pool (this one is archived: it {what})"),
+            actual: pool.version,
+        });
+    }
+    Ok(())
+}
+
 async fn flavors_create(call: &Call<'_>, input: FlavorsCreate) -> Result<FlavorView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_name("name", &input.name)?;
@@ -237,14 +251,8 @@ async fn flavors_create(call: &Call<'_>, input: FlavorsCreate) -> Result<FlavorV
     // A retry is answered from the log (the append replays it), whatever the pool and its
     // flavors say now: the first request's own flavor holds the name.
     let retry = call.is_retry(tenant).await?;
-    if pool.archived && !retry {
-        // As `pools.update` answers for an archived pool: the request is well formed, the
-        // pool's state refuses it (a 409, which a schema-valid request may meet, not a 400).
-        return Err(Error::Conflict {
-            stream: stream_of(KIND_POOL, &pool_id),
-            expected: "a live pool (this one is archived and takes no new flavor)".into(),
-            actual: pool.version,
-        });
+    if !retry {
+        live_pool(&pool, &pool_id, "takes no new flavor")?;
     }
     // One read of the tenant's flavors answers both the name and the counts. Two gateway
     // processes creating one name at once can both pass it: the flavors are then told apart
@@ -317,12 +325,8 @@ async fn flavors_update(call: &Call<'_>, input: FlavorsUpdate) -> Result<FlavorV
     };
     let pool_id: PoolId = parse_id("poolId", &current.pool_id)?;
     let pool = pool_doc(call, tenant, &current.pool_id).await?;
-    if pool.archived && !retry {
-        return Err(Error::Conflict {
-            stream: stream_of(KIND_POOL, &pool_id),
-            expected: "a live pool (this one is archived: its flavors change no more)".into(),
-            actual: pool.version,
-        });
+    if !retry {
+        live_pool(&pool, &pool_id, "its flavors change no more")?;
     }
     // A new name is checked and taken under the tenant's names' lock, as a create's is.
     let _names = call.state.name_locks.lock(tenant).await;

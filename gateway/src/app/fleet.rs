@@ -734,6 +734,22 @@ mod tests {
         }
     }
 
+    /// The flavor `f` of pool `P1` (1 vCPU, 1 GiB, 10 GiB disk) at `version`.
+    fn flavor_doc(version: u64) -> FlavorDoc {
+        FlavorDoc {
+            tenant_id: "ten_x".into(),
+            flavor_id: "flv_01hzz0000000000000000000f1".into(),
+            pool_id: P1.into(),
+            name: "f".into(),
+            vcpus: 1,
+            memory_mib: 1024,
+            disk_gib: 10,
+            gpus: 0,
+            version,
+            created_at_ms: 0,
+        }
+    }
+
     fn want(name: &str) -> FleetPool {
         FleetPool {
             name: name.into(),
@@ -823,18 +839,7 @@ mod tests {
         assert!(reasons.iter().any(|r| r.contains("does not exist")), "{reasons:?}");
         assert!(reasons.iter().any(|r| r.contains("archived")), "{reasons:?}");
 
-        let flavor = FlavorDoc {
-            tenant_id: "ten_x".into(),
-            flavor_id: "flv_01hzz0000000000000000000f1".into(),
-            pool_id: P1.into(),
-            name: "f".into(),
-            vcpus: 1,
-            memory_mib: 1024,
-            disk_gib: 10,
-            gpus: 0,
-            version: 1,
-            created_at_ms: 0,
-        };
+        let flavor = flavor_doc(1);
         let live = FleetLive {
             pools: vec![pool(P1, "a", 1), pool("pool_01hzz0000000000000000000p2", "b", 1)],
             flavors: vec![flavor.clone()],
@@ -851,18 +856,7 @@ mod tests {
     /// changed, at the version read.
     #[test]
     fn a_flavors_shape_is_an_update_in_place() {
-        let flavor = FlavorDoc {
-            tenant_id: "ten_x".into(),
-            flavor_id: "flv_01hzz0000000000000000000f1".into(),
-            pool_id: P1.into(),
-            name: "f".into(),
-            vcpus: 1,
-            memory_mib: 1024,
-            disk_gib: 10,
-            gpus: 0,
-            version: 4,
-            created_at_ms: 0,
-        };
+        let flavor = flavor_doc(4);
         let live = FleetLive { pools: vec![pool(P1, "a", 1)], flavors: vec![flavor.clone()], ..Default::default() };
         let mut doc = fleet_export(&live);
         let want = doc.flavors.get_mut(&flavor.flavor_id).unwrap();
