@@ -259,7 +259,13 @@ impl Collector for Live {
         let sandboxes = *self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((live, warm)) = sandboxes {
             encode_const(&mut encoder, "sandboxes_live", "Sandboxes not yet deleted, across every tenant", live, false)?;
-            encode_const(&mut encoder, "sandboxes_warm", "Of those, the warm ones (started, unclaimed)", warm, false)?;
+            encode_const(
+                &mut encoder,
+                "sandboxes_warm",
+                "Of those, the warm pools' members: unclaimed, starting or running",
+                warm,
+                false,
+            )?;
         }
         let Some(state) = self.state.get().and_then(Weak::upgrade) else { return Ok(()) };
         encode_const(

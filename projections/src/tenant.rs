@@ -80,7 +80,7 @@ pub type ApiKeyRevoked = NoFields;
 
 /// A live key's new name and/or actions; an absent field is unchanged. The actions replace the
 /// old ones whole: a watch or tunnel the key opened is checked against them at its next recheck.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ApiKeyUpdated {
     #[serde(default, skip_serializing_if = "Option::is_none")]

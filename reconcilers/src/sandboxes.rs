@@ -18,7 +18,7 @@ use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
 use bc_projections::decide::sandbox::{self as decide, SandboxAction};
 use bc_projections::placement::Issue;
-use bc_projections::sandbox::{KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxTemplateDoc};
+use bc_projections::sandbox::{KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxState, SandboxTemplateDoc};
 use bc_projections::{KIND_NODE, NodeDoc};
 
 use crate::all_rows;
@@ -46,7 +46,8 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
         let templates: Vec<SandboxTemplateDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_TEMPLATE).await?;
         let sandboxes: Vec<SandboxDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_LIVE).await?;
         live += sandboxes.len() as u64;
-        warm += sandboxes.iter().filter(|s| s.warm).count() as u64;
+        warm += sandboxes.iter().filter(|s| s.warm && matches!(s.state, SandboxState::Starting | SandboxState::Running)).count()
+            as u64;
         if templates.is_empty() && sandboxes.is_empty() {
             continue;
         }

@@ -190,6 +190,10 @@ async fn keys_are_bound_to_a_tenant_and_actions() {
     assert_eq!((updated["name"].as_str(), updated["actions"].clone()), (Some("writer"), json!(["compute:pools:*"])));
     let (status, made) = server.call_as(&reader, "pools.create", json!({ "name": "now-allowed" }), None).await;
     assert_eq!(status, 200, "{made}");
+    // What the key already is changes nothing: answered as it is, no event.
+    let (status, same) =
+        server.call("apiKeys.update", json!({ "tenantId": acme, "keyId": key["keyId"], "name": "writer" })).await;
+    assert_eq!((status, &same["version"]), (200, &updated["version"]), "{same}");
     let (status, stale) =
         server.call("apiKeys.update", json!({ "tenantId": acme, "keyId": key["keyId"], "ifVersion": 1, "name": "x" })).await;
     assert_eq!((status, stale["code"].as_str()), (409, Some("CONFLICT")), "{stale}");

@@ -145,6 +145,13 @@ async fn a_webhook_signs_with_a_referenced_secret_whose_value_appears_nowhere_el
     assert!(verifies(&second_secret, delivery), "signed with version 2");
     assert!(!verifies(&first_secret, delivery), "version 1 signs no more");
 
+    // A value that is no signing secret, put to the secret a webhook signs with: refused, naming
+    // the webhook, and no version made.
+    let (code, _, err) = bc_tests::cli_stdin(&["secrets", "put", "hook-signing", "--stdin"], &env, Some("hunter2"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&format!("webhook/{webhook}")), "{err}");
+    assert!(!err.contains("hunter2"), "the value is never quoted: {err}");
+
     // Each version's value has a row of its own; the previous one is kept for deliveries that
     // read the secret just before the put.
     let rows = value_rows(&server, &secret_id).await;

@@ -12,7 +12,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::call::expected_version;
+use super::call::{check_if_version, expected_version};
 use super::paging::{Page, list_input};
 use super::resource::list_all;
 use super::validate::{ApiKeyIdText, NameText, TenantIdText, VersionNumber, validate_name};
@@ -123,8 +123,12 @@ async fn api_keys_update(call: &Call<'_>, input: ApiKeysUpdate) -> Result<ApiKey
     if input.name.is_none() && input.actions.is_none() {
         return Err(Error::invalid("nothing to update: give name or actions"));
     }
+    check_if_version(input.if_version)?;
     let current: ApiKeyDoc = call.row(tenant, KIND_API_KEY, &key_id.to_string(), "api key").await?;
-    if current.revoked {
+    // A retry is answered from the log (the append replays it), though the version it stated
+    // is the one its first attempt moved on from.
+    let retry = call.is_retry(tenant).await?;
+    if current.revoked && !retry {
         return Err(Error::InvalidState {
             message: format!("api key {key_id} is revoked; a revoked key cannot be changed"),
             allowed: vec![],
@@ -132,9 +136,20 @@ async fn api_keys_update(call: &Call<'_>, input: ApiKeysUpdate) -> Result<ApiKey
         });
     }
     let stream = stream_of(KIND_API_KEY, &key_id);
-    let expected = expected_version(input.if_version, current.version, &stream)?;
-    let payload = ev::to_cbor(&ev::ApiKeyUpdated { name: input.name, actions: input.actions })?;
-    call.append(tenant, stream, expected, ev::API_KEY_UPDATED, payload).await?;
+    let expected = if retry {
+        ExpectedVersion::Exact(current.version)
+    } else {
+        expected_version(input.if_version, current.version, &stream)?
+    };
+    let change = ev::ApiKeyUpdated {
+        name: input.name.filter(|n| *n != current.name),
+        actions: input.actions.filter(|a| *a != current.actions),
+    };
+    if change == ev::ApiKeyUpdated::default() && !retry {
+        // It already is what the request asks: nothing to record.
+        return Ok(current.into());
+    }
+    call.append(tenant, stream, expected, ev::API_KEY_UPDATED, ev::to_cbor(&change)?).await?;
     // This process authenticates the key with its new actions at once; another reads it again
     // within `auth::KEY_CACHE_TTL`.
     call.state.keys.forget(&key_id);

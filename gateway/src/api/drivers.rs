@@ -10,14 +10,11 @@ use bc_projections::{KIND_NODE, NodeDoc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::call::doc;
 use super::validate::{PoolIdText, TenantIdText};
 use super::{Access, Call, Method, method};
 
+/// Every node and machine of the tenant is read (at most `NODES_PER_TENANT_MAX` of each).
 const READ: Access = Access::Action("compute:nodes:read");
-/// Rows read per query while counting; a tenant has at most `NODES_PER_TENANT_MAX` nodes and as
-/// many machines, so the whole fleet is read.
-const ROWS_PER_READ: u32 = 1000;
 
 pub(super) const METHODS: &[Method] = &[method!(
     "drivers.list",
@@ -74,26 +71,10 @@ impl From<DriverSeen> for DriverView {
     }
 }
 
-/// Every row of `kind` of the tenant, page by page.
-async fn all<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: &str, kind: &str) -> Result<Vec<T>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let rows = call.state.store.row_list(tenant, kind, after.as_deref(), ROWS_PER_READ).await?;
-        let full = rows.len() == ROWS_PER_READ as usize;
-        after = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            out.push(doc(row)?);
-        }
-        if !full {
-            return Ok(out);
-        }
-    }
-}
-
 async fn drivers_list(call: &Call<'_>, input: DriversList) -> Result<DriversView> {
-    let tenant = call.tenant(&input.tenant_id).await?.to_string();
-    let nodes: Vec<NodeDoc> = all(call, &tenant, KIND_NODE).await?;
-    let machines: Vec<MetalDoc> = all(call, &tenant, KIND_METAL).await?;
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let store = &*call.state.store;
+    let nodes: Vec<NodeDoc> = bc_projections::placement::all_rows(store, tenant, KIND_NODE).await?;
+    let machines: Vec<MetalDoc> = bc_projections::placement::all_rows(store, tenant, KIND_METAL).await?;
     Ok(DriversView { items: drivers_of(&nodes, &machines).into_iter().map(DriverView::from).collect() })
 }

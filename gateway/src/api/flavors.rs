@@ -336,7 +336,12 @@ async fn flavors_update(call: &Call<'_>, input: FlavorsUpdate) -> Result<FlavorV
     } else {
         Vec::new()
     };
-    let payload = ev::to_cbor(&flavor_update(&existing, &current, change)?)?;
+    let changed = flavor_update(&existing, &current, change)?;
+    if changed == ev::FlavorUpdated::default() && !retry {
+        // It already is what the request asks: nothing to record.
+        return Ok(current.into());
+    }
+    let payload = ev::to_cbor(&changed)?;
     call.append_guarded(
         tenant,
         stream,

@@ -309,9 +309,15 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
     if let Some(name) = &input.name {
         validate_name("name", name)?;
     }
+    super::call::check_if_version(input.if_version)?;
     let template = template_doc(call, tenant, &input.template_id).await?;
-    let stream = bc_projections::stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id);
-    super::call::expected_version(input.if_version, template.version, &stream)?;
+    // A retry is answered from the log (the append replays it, or the template already is what
+    // it asked), though the version it stated is the one its first attempt moved on from.
+    let retry = call.is_retry(tenant).await?;
+    if !retry {
+        let stream = bc_projections::stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id);
+        super::call::expected_version(input.if_version, template.version, &stream)?;
+    }
     let change = bc_projections::events::SandboxTemplateUpdated {
         name: input.name,
         warm_min: input.warm_min,
@@ -319,7 +325,9 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
         max_ttl_s: input.max_ttl_s,
         env: input.env,
     };
-    call.submit(call.decided(tenant, decide::sandbox_template_update(&template, change)?)).await?;
+    if let Some(append) = decide::sandbox_template_update(&template, change)? {
+        call.submit(call.decided(tenant, append)).await?;
+    }
     Ok(template_doc(call, tenant, &template.template_id).await?.into())
 }
 

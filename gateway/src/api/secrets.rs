@@ -191,6 +191,23 @@ async fn secrets_put(call: &Call<'_>, input: SecretsPut) -> Result<SecretView> {
     // A retry's `ifVersion` was checked by the first request, whose version it then moved.
     let if_version = if call.is_retry(tenant).await? { None } else { input.if_version };
     let plan = secret_put(&existing, &input.name, if_version, SecretId::from_ulid(call.ulid()), call.ulid())?;
+    // A secret a webhook signs with stays a signing secret: another kind of value would fail
+    // every delivery of those webhooks, so it is refused here, as binding one is.
+    if let Some(current) = existing.iter().find(|s| s.name == input.name)
+        && bc_core::webhook::Secret::parse(&input.value).is_err()
+    {
+        let referrers = referrers(call, tenant, &current.reference()).await?;
+        if !referrers.is_empty() {
+            return Err(Error::state(
+                format!(
+                    "secret {:?} is a webhook signing secret ({} sign with it): its new value must be one too",
+                    input.name,
+                    referrers.join(", ")
+                ),
+                "a webhook signs with whsec_ followed by the base64 of 24 to 64 random bytes",
+            ));
+        }
+    }
     // The value is sealed and stored before the event that names its version, so a reader of
     // the document always finds it; an append that does not happen takes the row back.
     call.state.store.secret_put(tenant, &plan.value_id, &input.value, call.now_ms()).await?;
@@ -205,8 +222,11 @@ async fn secrets_put(call: &Call<'_>, input: SecretsPut) -> Result<SecretView> {
     let result = forget_unused_secret(&*call.state.store, tenant, &plan.value_id, appended).await?;
     if !result.replayed
         && let Some(stale) = &plan.stale_value_id
+        && let Err(e) = call.state.store.secret_delete(tenant, stale).await
     {
-        call.state.store.secret_delete(tenant, stale).await?;
+        // The put is made; the value two versions back stays sealed until a later put or the
+        // secret's delete removes it.
+        tracing::warn!(code = %e.code(), error = %e, "a secret's old value could not be removed");
     }
     let id = bc_projections::stream_id_of(&result.events[0].envelope.stream).to_owned();
     Ok(call.row::<SecretDoc>(tenant, KIND_SECRET, &id, "secret").await?.into())

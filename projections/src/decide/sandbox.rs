@@ -438,8 +438,9 @@ pub fn sandboxes_plan(templates: &[SandboxTemplateDoc], sandboxes: &[SandboxDoc]
 
 /// A template's change in place: every field it names checked as at creation, and the TTLs
 /// together (`defaultTtlS` at most `maxTtlS`, whichever of them changes), at the version read.
-/// A change that changes nothing is refused, so every `sandbox_template.updated` says something.
-pub fn sandbox_template_update(doc: &SandboxTemplateDoc, change: SandboxTemplateUpdated) -> Result<Append, Error> {
+/// A change that names nothing is refused; one that names only what the template already is
+/// appends nothing (`None`), so every `sandbox_template.updated` says what changed.
+pub fn sandbox_template_update(doc: &SandboxTemplateDoc, change: SandboxTemplateUpdated) -> Result<Option<Append>, Error> {
     if change == SandboxTemplateUpdated::default() {
         return Err(Error::invalid("nothing to update: give name, warmMin, defaultTtlS, maxTtlS or env"));
     }
@@ -456,12 +457,22 @@ pub fn sandbox_template_update(doc: &SandboxTemplateDoc, change: SandboxTemplate
     if let Some(env) = &change.env {
         check_env(env)?;
     }
-    Ok(Append {
+    let changed = SandboxTemplateUpdated {
+        name: change.name.filter(|n| *n != doc.name),
+        warm_min: change.warm_min.filter(|n| *n != doc.warm_min),
+        default_ttl_s: change.default_ttl_s.filter(|s| *s != doc.default_ttl_s),
+        max_ttl_s: change.max_ttl_s.filter(|s| *s != doc.max_ttl_s),
+        env: change.env.filter(|e| *e != doc.env),
+    };
+    if changed == SandboxTemplateUpdated::default() {
+        return Ok(None);
+    }
+    Ok(Some(Append {
         stream: stream_of(KIND_SANDBOX_TEMPLATE, &doc.template_id),
         expected: ExpectedVersion::Exact(doc.version),
         guards: Vec::new(),
-        events: vec![NewEvent::new(SANDBOX_TEMPLATE_UPDATED, to_cbor(&change)?)],
-    })
+        events: vec![NewEvent::new(SANDBOX_TEMPLATE_UPDATED, to_cbor(&changed)?)],
+    }))
 }
 
 /// The capability an agent says when it runs commands in its sandboxes (`exec` tunnels).
@@ -691,9 +702,21 @@ mod tests {
             c.max_ttl_s = Some(30);
             c.default_ttl_s = Some(30);
         })
-        .unwrap();
+        .unwrap()
+        .expect("a change");
         assert_eq!(append.expected, ExpectedVersion::Exact(t.version));
         assert_eq!(append.events[0].event_type, SANDBOX_TEMPLATE_UPDATED);
+        // What the template already is changes nothing, and is not recorded.
+        assert_eq!(change(|c| c.name = Some("py".into())).unwrap(), None);
+        let append = change(|c| {
+            c.name = Some("py".into());
+            c.warm_min = Some(2);
+        })
+        .unwrap()
+        .expect("a change");
+        let only_new: SandboxTemplateUpdated =
+            serde_json::from_value(bc_core::canonical::to_json(&append.events[0].payload)).unwrap();
+        assert_eq!(only_new, SandboxTemplateUpdated { warm_min: Some(2), ..Default::default() });
     }
 
     #[test]
