@@ -612,6 +612,8 @@ pub struct AgentsOptions {
     /// The endpoint as agents reach it (`--agents-url`), which the well-known document names;
     /// `None`: the bound address.
     pub public_url: Option<String>,
+    /// Join tokens only sealed (`--agents-sealed-joins-only`).
+    pub sealed_joins_only: bool,
 }
 
 impl AgentsOptions {
@@ -655,6 +657,7 @@ impl AgentsOptions {
             limits,
             node_cert_lifetime_ms: bc_gateway::node_ca::NODE_CERT_LIFETIME_MS_DEFAULT,
             public_url: None,
+            sealed_joins_only: false,
         })
     }
 }
@@ -948,6 +951,7 @@ pub async fn run_server(
     };
     let mut state = AppState::new(log.clone())
         .with_join_keys(join_keys.clone(), well_known)
+        .with_sealed_joins_only(agents.sealed_joins_only)
         .with_webhook_policy(consumers.policy)
         .with_bmc_networks(consumers.bmc_networks.clone())
         .with_release_keys(release_keys.clone())

@@ -122,6 +122,10 @@ pub struct AppState {
     /// The signed document `GET /.well-known/better-compute` serves; none (`NOT_FOUND`): this
     /// process names no agents' endpoint.
     pub well_known: Option<Arc<join_keys::WellKnownDocument>>,
+    /// Take a join token only sealed to the join encryption key (`--agents-sealed-joins-only`):
+    /// a plain one is refused before it is looked at, so no proxy in front of the agents'
+    /// endpoint ever carries a usable token.
+    pub sealed_joins_only: bool,
     /// This process's metrics (`metrics.rs`): the log reports its batches to them from the start.
     pub metrics: Arc<metrics::Metrics>,
     /// Whether the API's router serves `GET /metrics` (not when `--metrics-listen` serves them
@@ -241,6 +245,7 @@ impl AppState {
             ssh_user_ca: None,
             node_ca: None,
             join_keys: None,
+            sealed_joins_only: false,
             well_known: None,
             metrics,
             metrics_on_api: true,
@@ -262,6 +267,11 @@ impl AppState {
     pub fn with_join_keys(mut self, keys: Arc<join_keys::JoinKeys>, document: Option<join_keys::WellKnownDocument>) -> Self {
         self.join_keys = Some(keys);
         self.well_known = document.map(Arc::new);
+        self
+    }
+
+    pub fn with_sealed_joins_only(mut self, sealed_only: bool) -> Self {
+        self.sealed_joins_only = sealed_only;
         self
     }
 

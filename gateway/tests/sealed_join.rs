@@ -1,8 +1,8 @@
 //! `Join` with a token sealed to the join encryption key (docs/admission.md, "The sealed join
 //! token"), in process: a token sealed for another node key, one whose ciphertext was changed,
 //! one sealed to another deployment's key, and one sent both sealed and plain are each refused
-//! with the token unspent; the right one joins; and a gateway without join keys refuses a sealed
-//! token but still takes a plain one.
+//! with the token unspent; the right one joins; a gateway without join keys refuses a sealed
+//! token but still takes a plain one; and one that takes sealed tokens only refuses a plain one.
 
 mod common;
 
@@ -41,10 +41,11 @@ fn sealed_to(key: &JoinEncryptionKey, token: &str, node_public_key: &[u8]) -> bc
     bc_proto::SealedJoinToken { enc: sealed.enc, ciphertext: sealed.ciphertext, key_pin: key.pin() }
 }
 
-/// A state with `keys` (or none), a pool and a one-use join token: (state, token, its id).
-async fn setup(log: &Arc<Log>, keys: Option<JoinKeys>) -> (Arc<AppState>, String, String) {
+/// A state with `keys` (or none), taking sealed tokens only or not, a pool and a one-use join
+/// token: (state, token, its id).
+async fn setup(log: &Arc<Log>, keys: Option<JoinKeys>, sealed_only: bool) -> (Arc<AppState>, String, String) {
     let admin = common::admin_token(log).await;
-    let mut state = AppState::new(log.clone());
+    let mut state = AppState::new(log.clone()).with_sealed_joins_only(sealed_only);
     if let Some(keys) = keys {
         state = state.with_join_keys(Arc::new(keys), None);
     }
@@ -69,7 +70,7 @@ async fn a_sealed_token_joins_only_intact_for_its_node_key_and_this_deployments_
     let log = common::sqlite_log(dir.path()).await;
     let keys = JoinKeys::from_seeds(&[1; 32], &[2; 32]);
     let ours = keys.encryption().clone();
-    let (state, token, token_id) = setup(&log, Some(keys)).await;
+    let (state, token, token_id) = setup(&log, Some(keys), false).await;
     let join = |request| bc_gateway::agents::join::join(&state, request);
 
     // Sealed for another node key (the associated data): a sealed token lifted off the wire does
@@ -106,7 +107,7 @@ async fn a_sealed_token_joins_only_intact_for_its_node_key_and_this_deployments_
 async fn a_gateway_without_join_keys_refuses_a_sealed_token_and_takes_a_plain_one() {
     let dir = tempfile::tempdir().unwrap();
     let log = common::sqlite_log(dir.path()).await;
-    let (state, token, token_id) = setup(&log, None).await;
+    let (state, token, token_id) = setup(&log, None, false).await;
     let key = JoinEncryptionKey::from_secret(&[2; 32]);
     let refused =
         bc_gateway::agents::join::join(&state, request(String::new(), Some(sealed_to(&key, &token, &node_public_key()))))
@@ -116,5 +117,21 @@ async fn a_gateway_without_join_keys_refuses_a_sealed_token_and_takes_a_plain_on
     assert!(refused.to_string().contains("no join encryption key"), "{refused}");
     assert_eq!(uses(&state, &token_id).await, 0);
     bc_gateway::agents::join::join(&state, request(token, None)).await.expect("a plain token is still taken");
+    assert_eq!(uses(&state, &token_id).await, 1);
+}
+
+#[tokio::test]
+async fn a_gateway_that_takes_sealed_tokens_only_refuses_a_plain_one_unspent() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = common::sqlite_log(dir.path()).await;
+    let keys = JoinKeys::from_seeds(&[1; 32], &[2; 32]);
+    let ours = keys.encryption().clone();
+    let (state, token, token_id) = setup(&log, Some(keys), true).await;
+    let refused = bc_gateway::agents::join::join(&state, request(token.clone(), None)).await.err().expect("a plain token");
+    assert!(refused.to_string().contains("only sealed"), "{refused}");
+    assert!(!refused.to_string().contains(&token), "the token is not repeated: {refused}");
+    assert_eq!(uses(&state, &token_id).await, 0, "refused before it was looked at");
+    let sealed = sealed_to(&ours, &token, &node_public_key());
+    bc_gateway::agents::join::join(&state, request(String::new(), Some(sealed))).await.expect("the sealed join");
     assert_eq!(uses(&state, &token_id).await, 1);
 }

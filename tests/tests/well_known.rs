@@ -195,6 +195,29 @@ async fn the_document_verifies_a_wrong_pin_sends_nothing_and_a_join_through_it_g
     let _ = node.wait();
 }
 
+/// `--agents-sealed-joins-only`: a machine that sends its token plain (no well-known document
+/// behind its configuration) is refused with the reason and its token left unspent; the same
+/// token through the document joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_taking_sealed_tokens_only_refuses_a_plain_join_and_takes_one_through_the_document() {
+    let (server, port) = bc_tests::agents_gateway_with(&["--agents-sealed-joins-only"]);
+    let pool = server.pool("gpu-a").await;
+    let (secret, token_id) = token(&server, &pool).await;
+    let plain = bc_tests::AgentNode::new(&server, port);
+    let (code, out, err) = plain.join_stdin(&secret);
+    assert_eq!(code, 1, "a plain token is refused: {out} {err}");
+    assert!(err.contains("only sealed") && err.contains("well-known document"), "{err}");
+    assert!(!err.contains(&secret), "the token is not repeated: {err}");
+    assert_eq!((token_uses(&server, &token_id).await, joined_events(&server).await), (0, 0));
+
+    let (signing_pin, _) = join_pins(&server);
+    let machine = tempfile::tempdir().unwrap();
+    let pins = ["--join-signing-pin", &signing_pin, "--serving-ca-pin", server.agents_pin.as_deref().unwrap()];
+    let (code, out, err) = join_from(machine.path(), &server.url, &pins, &secret);
+    assert_eq!(code, 0, "bcd join through the document: {out} {err}");
+    assert_eq!((token_uses(&server, &token_id).await, joined_events(&server).await), (1, 1));
+}
+
 /// A plain TCP proxy on `listener` to `upstream`, recording every byte the client sends.
 fn recording_proxy(listener: std::net::TcpListener, upstream: String) -> Arc<Mutex<Vec<u8>>> {
     let seen = Arc::new(Mutex::new(Vec::new()));

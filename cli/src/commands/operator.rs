@@ -273,6 +273,12 @@ pub struct AgentsArgs {
     /// address --agents-listen bound.
     #[arg(long, value_name = "URL", value_parser = parse_agents_url)]
     pub agents_url: Option<String>,
+    /// Take join tokens only sealed to the join encryption key (bcd join through the well-known
+    /// document): a plain token is refused, so no proxy in front of the agents' endpoint ever
+    /// carries a usable one. Off by default: agents that joined before the document, bcd sim and
+    /// dev --sim send plain tokens.
+    #[arg(long)]
+    pub agents_sealed_joins_only: bool,
     /// The serving certificate chain (PEM); with --agents-tls-key. Default: one made at first
     /// start in the data directory.
     #[arg(long, requires = "agents_tls_key", value_name = "FILE")]
@@ -472,6 +478,7 @@ impl AgentsArgs {
         let mut options = AgentsOptions::new(&self.agents_listen, tls_files, plaintext, dev, session, limits)?;
         options.node_cert_lifetime_ms = self.node_cert_lifetime;
         options.public_url = self.agents_url.clone();
+        options.sealed_joins_only = self.agents_sealed_joins_only;
         Ok(options)
     }
 }

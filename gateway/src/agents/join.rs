@@ -66,10 +66,18 @@ pub async fn join(state: &AppState, request: bc_proto::JoinRequest) -> Result<Jo
 }
 
 /// The join token a request carries: sealed to the deployment's join encryption key (opened
-/// here, for the request's node key), or plain (agents without `join-encryption.jwk`; still
-/// taken, so agents joined before the well-known document keep joining). Never both.
+/// here, for the request's node key), or plain (agents without `join-encryption.jwk`; taken
+/// unless the gateway takes sealed tokens only, so agents joined before the well-known document
+/// keep joining). Never both.
 fn token_of(state: &AppState, request: &bc_proto::JoinRequest) -> Result<String> {
-    let Some(sealed) = &request.sealed_token else { return Ok(request.token.clone()) };
+    let Some(sealed) = &request.sealed_token else {
+        if state.sealed_joins_only {
+            return Err(refused(
+                "this control plane takes join tokens only sealed to its join encryption key: join through its well-known document (bcd join --server URL --join-signing-pin PIN)",
+            ));
+        }
+        return Ok(request.token.clone());
+    };
     if !request.token.is_empty() {
         return Err(Error::invalid("a join carries its token sealed or plain, not both"));
     }
