@@ -200,6 +200,27 @@ fn metrics_table(text: &str) -> Option<toml::Table> {
 pub struct ConfigError(pub String);
 
 impl Config {
+    /// What `bcd join --server` writes: the data directory, the agents' endpoint and the pins it
+    /// was given or read, every other setting at its default.
+    pub fn joined(data_dir: PathBuf, gateway: String, serving_ca_spki_pin: Option<String>, log_key_pin: String) -> Self {
+        Self {
+            data_dir,
+            gateway,
+            serving_ca_spki_pin,
+            log_key_pin,
+            join_signing_key_pin: None,
+            join_encryption_key_pin: None,
+            observe_interval: None,
+            command_root_sha256: None,
+            hardware: Default::default(),
+            hypervisor: Default::default(),
+            journal: Default::default(),
+            log: Default::default(),
+            update: None,
+            ssh: None,
+        }
+    }
+
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let meta = std::fs::metadata(path).map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
         if meta.len() > CONFIG_BYTES_MAX {

@@ -272,14 +272,7 @@ pub fn verify_join_signature(response: &bc_proto::JoinResponse, pin: &str) -> Re
     }
     let signature = ed25519_dalek::Signature::from_slice(&response.join_signature)
         .map_err(|_| "JOIN_SIGNATURE: the join signature is not 64 bytes")?;
-    let message = bc_core::well_known::join_response_signing_message(
-        &response.identity,
-        &response.signature,
-        &response.log_public_key,
-        &response.node_certificate,
-        &response.node_ca_certificate,
-        response.node_certificate_not_after_ms,
-    );
+    let message = signed_message(response);
     signer.verify_strict(&message, &signature).map_err(|_| "JOIN_SIGNATURE: the join signature does not verify".to_owned())
 }
 
@@ -355,6 +348,19 @@ pub fn remove_token_file(path: &Path) {
     }
 }
 
+/// The bytes a `JoinResponse`'s join signature covers: its fields in
+/// `bc_core::well_known::join_response_signing_message`'s frame.
+fn signed_message(response: &bc_proto::JoinResponse) -> Vec<u8> {
+    bc_core::well_known::join_response_signing_message(
+        &response.identity,
+        &response.signature,
+        &response.log_public_key,
+        &response.node_certificate,
+        &response.node_ca_certificate,
+        response.node_certificate_not_after_ms,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,14 +377,7 @@ mod tests {
             node_certificate_not_after_ms: 5,
             ..Default::default()
         };
-        let message = bc_core::well_known::join_response_signing_message(
-            &response.identity,
-            &response.signature,
-            &response.log_public_key,
-            &response.node_certificate,
-            &response.node_ca_certificate,
-            response.node_certificate_not_after_ms,
-        );
+        let message = signed_message(&response);
         response.join_signature = key.sign(&message).to_bytes().to_vec();
         response.join_signing_public_key = key.verifying_key().to_bytes().to_vec();
         response

@@ -5,6 +5,7 @@
 //! before anything reaches the agents' endpoint.
 
 use std::io::IsTerminal;
+use std::path::Path;
 use std::process::ExitCode;
 
 use bc_agent::config::Config;
@@ -143,23 +144,13 @@ async fn config_for(args: &JoinArgs) -> Result<Config, ExitCode> {
     let Some(log_key_pin) = &args.log_key_pin else {
         return Err(fail(join::usage("--server without a config.toml needs --log-key-pin (and --serving-ca-pin for https)")));
     };
-    let config = Config {
-        data_dir: args.data_dir.clone(),
-        gateway: server.clone(),
-        serving_ca_spki_pin: args.serving_ca_pin.clone(),
-        log_key_pin: log_key_pin.clone(),
-        observe_interval: None,
-        command_root_sha256: None,
-        join_signing_key_pin: None,
-        join_encryption_key_pin: None,
-        hardware: Default::default(),
-        hypervisor: Default::default(),
-        journal: Default::default(),
-        log: Default::default(),
-        update: None,
-        ssh: None,
-    };
-    let text = toml::to_string(&config).map_err(|e| failed(e.to_string()))?;
+    let config = Config::joined(args.data_dir.clone(), server.clone(), args.serving_ca_pin.clone(), log_key_pin.clone());
+    write_config(path, &config)
+}
+
+/// Writes `config` to `path` (a new file, 0600) and loads it back, as `bcd node` will.
+fn write_config(path: &Path, config: &Config) -> Result<Config, ExitCode> {
+    let text = toml::to_string(config).map_err(|e| failed(e.to_string()))?;
     bc_core::keys::write_new_file(path, text.as_bytes(), 0o600).map_err(|e| failed(e.to_string()))?;
     Config::load(path).map_err(|e| failed(e.to_string()))
 }
@@ -185,27 +176,19 @@ async fn config_from_well_known(args: &JoinArgs, server: &str) -> Result<Config,
     }
     let path = &args.config.path;
     let config = Config {
-        data_dir: args.data_dir.clone(),
-        gateway: document.agents_url.clone(),
-        serving_ca_spki_pin: document.serving_ca_pin.clone(),
-        log_key_pin: document.log_key_pin.clone(),
         join_signing_key_pin: Some(document.join_signing_pin.clone()),
         join_encryption_key_pin: Some(document.join_encryption_pin.clone()),
-        observe_interval: None,
-        command_root_sha256: None,
-        hardware: Default::default(),
-        hypervisor: Default::default(),
-        journal: Default::default(),
-        log: Default::default(),
-        update: None,
-        ssh: None,
+        ..Config::joined(
+            args.data_dir.clone(),
+            document.agents_url.clone(),
+            document.serving_ca_pin.clone(),
+            document.log_key_pin.clone(),
+        )
     };
     // The configuration is checked as it will be loaded before anything is written.
     config.gateway().map_err(|e| failed(format!("well-known: the document's agents' endpoint: {e}")))?;
     bc_agent::well_known::write_jwk(&bc_agent::well_known::jwk_path(path), &document).map_err(failed)?;
-    let text = toml::to_string(&config).map_err(|e| failed(e.to_string()))?;
-    bc_core::keys::write_new_file(path, text.as_bytes(), 0o600).map_err(|e| failed(e.to_string()))?;
-    Config::load(path).map_err(|e| failed(e.to_string()))
+    write_config(path, &config)
 }
 
 /// `--reset`: lists what it would move aside, or, with `--yes`, moves it.
