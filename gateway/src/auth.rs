@@ -22,6 +22,7 @@ pub const ACTIONS: &[&str] = &[
     "compute:apikeys:admin",
     "compute:pools:read",
     "compute:pools:write",
+    "compute:pools:admin",
     "compute:nodes:read",
     "compute:nodes:write",
     "compute:nodes:console",

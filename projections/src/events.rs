@@ -44,13 +44,16 @@ pub use crate::node::{
     NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeRevoked, NodeStateChanged,
 };
 pub use crate::node_ca::{NODE_CA_RENEWED, NodeCaRenewed};
-pub use crate::pool::{POOL_ARCHIVED, POOL_CREATED, POOL_UPDATED, PoolArchived, PoolCreated, PoolUpdated};
+pub use crate::pool::{
+    POOL_ARCHIVED, POOL_CREATED, POOL_OFFERED, POOL_UNOFFERED, POOL_UPDATED, PoolArchived, PoolCreated, PoolOffers, PoolUpdated,
+};
 pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
 pub use crate::reservation::{
     GPU_HELD, GPU_HOLD_FAILED, GPU_RELEASED, GPU_REPORT_TYPES, GpuReport, HoldIssued, RESERVATION_ACTIVATED,
-    RESERVATION_CANCELLED, RESERVATION_EXPIRED, RESERVATION_EXTENDED, RESERVATION_FAILED, RESERVATION_INSTANCE_ATTACHED,
-    RESERVATION_INSTANCE_DETACHED, RESERVATION_RELEASED, RESERVATION_REQUESTED, RESERVATION_REQUEUED, ReservationActivated,
-    ReservationEnded, ReservationExtended, ReservationFailed, ReservationInstance, ReservationRequested, ReservationRequeued,
+    RESERVATION_CANCELLED, RESERVATION_EXPIRED, RESERVATION_EXTENDED, RESERVATION_FAILED, RESERVATION_HELD_FOR,
+    RESERVATION_INSTANCE_ATTACHED, RESERVATION_INSTANCE_DETACHED, RESERVATION_RELEASED, RESERVATION_REQUESTED,
+    RESERVATION_REQUEUED, ReservationActivated, ReservationEnded, ReservationExtended, ReservationFailed, ReservationHeldFor,
+    ReservationInstance, ReservationRequested, ReservationRequeued,
 };
 pub use crate::rollout::{
     RELEASE_REGISTERED, ROLLOUT_ABORTED, ROLLOUT_ABORTING, ROLLOUT_COMPLETED, ROLLOUT_CREATED, ROLLOUT_NODE_FAILED,
@@ -104,6 +107,8 @@ pub const EVENT_TYPES: &[&str] = &[
     POOL_CREATED,
     POOL_UPDATED,
     POOL_ARCHIVED,
+    POOL_OFFERED,
+    POOL_UNOFFERED,
     NODE_REGISTERED,
     NODE_CORDONED,
     NODE_UNCORDONED,
@@ -115,6 +120,7 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_DELETED,
     NODE_SSH_CERT_ISSUED,
     RESERVATION_REQUESTED,
+    RESERVATION_HELD_FOR,
     RESERVATION_ACTIVATED,
     RESERVATION_EXTENDED,
     RESERVATION_RELEASED,

@@ -67,8 +67,8 @@ pub use instance::{
 pub use join_request::{JoinRequestDoc, JoinRequestState, KIND_JOIN_REQUEST, KIND_JOIN_REQUEST_PENDING};
 pub use join_token::{JoinTokenDoc, KIND_JOIN_TOKEN};
 pub use node::{KIND_AGENT, KIND_NODE, NodeAgent, NodeDoc, NodeState, Observation, gpus_of_inventory};
-pub use pool::{KIND_POOL, MAX_RESERVATION_S_DEFAULT, PoolDoc};
-pub use quota::{KIND_QUOTA, QuotaDoc};
+pub use pool::{KIND_POOL, KIND_POOL_OFFER, MAX_RESERVATION_S_DEFAULT, PoolDoc, PoolOfferDoc};
+pub use quota::{KIND_QUOTA, KIND_RESERVATION_REF, QuotaDoc, ReservationRefDoc};
 pub use reservation::{
     Binding, BindingState, HOLD_ATTEMPTS_MAX, HOLD_DEADLINE_S, KIND_RESERVATION, KIND_RESERVATION_LIVE, ReservationDoc,
     ReservationState,
@@ -223,6 +223,7 @@ impl Projector for Projections {
             KIND_TENANT
             | KIND_API_KEY
             | KIND_POOL
+            | KIND_POOL_OFFER
             | KIND_NODE
             | KIND_WEBHOOK
             | KIND_QUOTA
@@ -238,6 +239,9 @@ impl Projector for Projections {
             _ => return,
         };
         let row = |kind: &str| RowKey { tenant: event.envelope.tenant.to_string(), kind: kind.to_owned(), id: id.to_owned() };
+        if kind == KIND_QUOTA {
+            quota::touches(event, out);
+        }
         out.push(row(kind));
         out.extend(live.map(row));
     }

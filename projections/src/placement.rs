@@ -676,8 +676,8 @@ pub fn ending(reservation_id: &str, node_id: &str, release: bool, ending: Ending
     };
     let node_id = node_id.to_owned();
     let (event_type, payload) = match ending {
-        Ending::Released => (RESERVATION_RELEASED, to_cbor(&ReservationEnded { release })?),
-        Ending::Expired => (RESERVATION_EXPIRED, to_cbor(&ReservationEnded { release })?),
+        Ending::Released => (RESERVATION_RELEASED, to_cbor(&ReservationEnded { release, reason: None })?),
+        Ending::Expired => (RESERVATION_EXPIRED, to_cbor(&ReservationEnded { release, reason: None })?),
         Ending::Requeued { reason, attempts } => {
             (RESERVATION_REQUEUED, to_cbor(&ReservationRequeued { node_id, reason, attempts, release })?)
         }

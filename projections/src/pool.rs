@@ -3,8 +3,15 @@
 //! A pool groups nodes and queues the reservations asked of it. It can be renamed, relabelled
 //! and given another longest reservation ([`MAX_RESERVATION_S_DEFAULT`] unless it says), and
 //! archived once; an archived pool's document stays.
+//!
+//! Its owner may **offer** it to other tenants (`pool.offered` / `pool.unoffered` on its stream,
+//! `offeredTo` in its document). Each offered tenant's chain carries the same event on
+//! `pool_offer/pool_…` (with `ownerTenantId`), whose row ([`PoolOfferDoc`]) is how that tenant
+//! finds the pool: it may then reserve from it under its own quota (`quota/pool_…` on its own
+//! chain), its reservations living on the owner's chain beside the owner's, so the nodes' stream
+//! versions decide the capacity they share.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
@@ -12,11 +19,19 @@ use bc_core::store::RowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{NoFields, create, from_doc, set_if, to_doc, update};
+use crate::{NoFields, create, from_doc, payload, set_if, to_doc, update};
 
 pub const POOL_CREATED: &str = "pool.created";
 pub const POOL_UPDATED: &str = "pool.updated";
 pub const POOL_ARCHIVED: &str = "pool.archived";
+/// Tenants the pool is offered to: on the pool's stream, and on each such tenant's
+/// `pool_offer/pool_…` (with the owner).
+pub const POOL_OFFERED: &str = "pool.offered";
+/// Tenants the pool is no longer offered to, on the same streams as [`POOL_OFFERED`].
+pub const POOL_UNOFFERED: &str = "pool.unoffered";
+/// The row of a pool another tenant offered to this one (`pool_offer/pool_…`, on the offered
+/// tenant's chain).
+pub const KIND_POOL_OFFER: &str = "pool_offer";
 
 /// A pool's document; also its stream's prefix (`pool/pool_…`).
 pub const KIND_POOL: &str = "pool";
@@ -34,8 +49,25 @@ pub struct PoolDoc {
     #[serde(default = "max_reservation_default")]
     pub max_reservation_s: u64,
     pub archived: bool,
+    /// Tenants the pool is offered to (`pools.offer`).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub offered_to: BTreeSet<String>,
     pub version: u64,
     pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+/// A pool offered to this tenant by its owner: the row `pool_offer/pool_…` on the offered
+/// tenant's chain, `offered` false once unoffered.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolOfferDoc {
+    /// The offered tenant (whose chain holds the row).
+    pub tenant_id: String,
+    pub pool_id: String,
+    pub owner_tenant_id: String,
+    pub offered: bool,
+    pub version: u64,
     pub updated_at_ms: u64,
 }
 
@@ -69,9 +101,22 @@ pub struct PoolUpdated {
 
 pub type PoolArchived = NoFields;
 
+/// `pool.offered` / `pool.unoffered`: the tenants offered (or no longer); on an offered tenant's
+/// `pool_offer/pool_…`, that tenant alone and the pool's owner.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolOffers {
+    pub tenant_ids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_tenant_id: Option<String>,
+}
+
 /// Folds one `pool.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
+    if key.kind == KIND_POOL_OFFER {
+        return apply_offer(key, current, event);
+    }
     match env.event_type.as_str() {
         POOL_CREATED => create(event, |p: PoolCreated, env| PoolDoc {
             tenant_id: env.tenant.to_string(),
@@ -81,6 +126,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             labels: p.labels,
             max_reservation_s: p.max_reservation_s.unwrap_or(MAX_RESERVATION_S_DEFAULT),
             archived: false,
+            offered_to: BTreeSet::new(),
             version: env.version,
             created_at_ms: env.at_ms,
             updated_at_ms: env.at_ms,
@@ -100,6 +146,40 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             doc.updated_at_ms = env.at_ms;
             to_doc(&doc)
         }
+        POOL_OFFERED | POOL_UNOFFERED => {
+            let p: PoolOffers = payload(event)?;
+            let mut doc: PoolDoc = from_doc(event, current)?;
+            if env.event_type == POOL_OFFERED {
+                doc.offered_to.extend(p.tenant_ids);
+            } else {
+                for t in &p.tenant_ids {
+                    doc.offered_to.remove(t);
+                }
+            }
+            doc.version = env.version;
+            doc.updated_at_ms = env.at_ms;
+            to_doc(&doc)
+        }
         _ => Ok(current),
     }
+}
+
+/// An offered tenant's row of the pool: offered, or no longer.
+fn apply_offer(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    let env = &event.envelope;
+    let offered = match env.event_type.as_str() {
+        POOL_OFFERED => true,
+        POOL_UNOFFERED => false,
+        _ => return Ok(current),
+    };
+    let p: PoolOffers = payload(event)?;
+    let owner_tenant_id = p.owner_tenant_id.unwrap_or_default();
+    to_doc(&PoolOfferDoc {
+        tenant_id: env.tenant.to_string(),
+        pool_id: key.id.clone(),
+        owner_tenant_id,
+        offered,
+        version: env.version,
+        updated_at_ms: env.at_ms,
+    })
 }

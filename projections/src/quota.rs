@@ -23,6 +23,9 @@ pub const QUOTA_CHARGED: &str = "quota.charged";
 
 /// A tenant's quota in one pool; the stream is `quota/pool_…`.
 pub const KIND_QUOTA: &str = "quota";
+/// A reservation of this tenant held on another tenant's chain, in a pool that tenant offered
+/// (`reservation_ref/rsv_…`, from its `quota.charged`): where the tenant's own reads find it.
+pub const KIND_RESERVATION_REF: &str = "reservation_ref";
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -47,6 +50,19 @@ pub struct QuotaSet {
 pub struct QuotaCharged {
     pub reservation_id: String,
     pub gpus: u32,
+    /// The pool's owner, for a reservation in a pool another tenant offered: the reservation
+    /// lives on the owner's chain (absent: on this tenant's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_tenant_id: Option<String>,
+}
+
+/// Where a reservation held on the pool owner's chain is (`reservation_ref/rsv_…`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservationRefDoc {
+    pub reservation_id: String,
+    pub pool_id: String,
+    pub owner_tenant_id: String,
 }
 
 /// The audit record of a refusal: nothing else is appended.
@@ -59,9 +75,28 @@ pub struct QuotaExceeded {
     pub actor: String,
 }
 
+/// The row beside the quota's a charge for a reservation on another chain writes.
+pub(crate) fn touches(event: &StoredEvent, out: &mut Vec<RowKey>) {
+    if event.envelope.event_type != QUOTA_CHARGED {
+        return;
+    }
+    if let Ok(QuotaCharged { reservation_id, owner_tenant_id: Some(_), .. }) = payload::<QuotaCharged>(event) {
+        out.push(RowKey { tenant: event.envelope.tenant.to_string(), kind: KIND_RESERVATION_REF.into(), id: reservation_id });
+    }
+}
+
 /// Folds one `quota.*` event into the row `key`; any other type leaves the row as it was.
 pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
     let env = &event.envelope;
+    if key.kind == KIND_RESERVATION_REF {
+        if env.event_type != QUOTA_CHARGED {
+            return Ok(current);
+        }
+        let p: QuotaCharged = payload(event)?;
+        let pool_id = crate::stream_id_of(&env.stream).to_owned();
+        let owner_tenant_id = p.owner_tenant_id.unwrap_or_default();
+        return to_doc(&ReservationRefDoc { reservation_id: p.reservation_id, pool_id, owner_tenant_id });
+    }
     let tenant_id = env.tenant.to_string();
     match env.event_type.as_str() {
         QUOTA_EXCEEDED | QUOTA_CHARGED => {

@@ -33,6 +33,10 @@ pub const GPU_REPORT_TYPES: &[&str] = &[GPU_HELD, GPU_HOLD_FAILED, GPU_RELEASED]
 pub const RESERVATION_REQUEUED: &str = "reservation.requeued";
 /// A reservation whose holds failed [`crate::HOLD_ATTEMPTS_MAX`] times: ended, with the reason.
 pub const RESERVATION_FAILED: &str = "reservation.failed";
+/// In the request's own append, after `reservation.requested`: the reservation is held for
+/// another tenant, in a pool its owner offered to that tenant and under that tenant's quota
+/// (`pools.offer`); it lives on the pool owner's chain, beside the owner's own.
+pub const RESERVATION_HELD_FOR: &str = "reservation.held_for";
 /// On the reservation's stream: an instance now uses its GPUs, or no longer does.
 pub const RESERVATION_INSTANCE_ATTACHED: &str = "reservation.instance_attached";
 pub const RESERVATION_INSTANCE_DETACHED: &str = "reservation.instance_detached";
@@ -86,6 +90,9 @@ pub struct ReservationDoc {
     /// The instance using its GPUs, until that instance is deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
+    /// The tenant it is held for, in a pool offered to that tenant (absent: the chain's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_tenant_id: Option<String>,
     pub version: u64,
 }
 
@@ -275,6 +282,17 @@ pub struct ReservationExtended {
 pub struct ReservationEnded {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub release: Option<HoldIssued>,
+    /// Why, when the system ended it (a queued reservation of a tenant whose offer was
+    /// withdrawn); kept as the document's `lastError`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `reservation.held_for`: the tenant the reservation is held for.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationHeldFor {
+    pub tenant_id: String,
 }
 
 /// `reservation.instance_attached` / `.instance_detached`.
@@ -291,6 +309,16 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     let env = &event.envelope;
     match env.event_type.as_str() {
         RESERVATION_REQUESTED => requested(key, event),
+        RESERVATION_HELD_FOR => {
+            if key.kind == KIND_RESERVATION_LIVE && current.is_none() {
+                return Ok(None);
+            }
+            let p: ReservationHeldFor = payload(event)?;
+            let mut doc: ReservationDoc = from_doc(event, current)?;
+            doc.holder_tenant_id = Some(p.tenant_id);
+            doc.version = env.version;
+            to_doc(&doc)
+        }
         GPU_HELD | GPU_HOLD_FAILED | GPU_RELEASED => apply_gpu_report(key, current, event),
         RESERVATION_INSTANCE_ATTACHED | RESERVATION_INSTANCE_DETACHED => {
             if key.kind == KIND_RESERVATION_LIVE && current.is_none() {
@@ -346,6 +374,7 @@ impl ReservationDoc {
             hold_failed_nodes: Vec::new(),
             last_error: None,
             instance_id: None,
+            holder_tenant_id: None,
             version,
         }
     }
@@ -414,7 +443,11 @@ fn changed(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> Result<
                 doc.last_error = Some(p.reason);
                 p.release
             } else {
-                payload::<ReservationEnded>(event)?.release
+                let p = payload::<ReservationEnded>(event)?;
+                if let Some(reason) = p.reason {
+                    doc.last_error = Some(reason);
+                }
+                p.release
             };
             if let (Some(binding), Some(release)) = (doc.binding.as_mut(), release) {
                 binding.release_command_id = Some(release.command_id);

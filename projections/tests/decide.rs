@@ -29,6 +29,7 @@ fn pool(max_reservation_s: u64) -> PoolDoc {
         labels: BTreeMap::new(),
         max_reservation_s,
         archived: false,
+        offered_to: Default::default(),
         version: 3,
         created_at_ms: 0,
         updated_at_ms: 0,

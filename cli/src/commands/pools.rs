@@ -1,6 +1,6 @@
-//! `pools list|get|create`.
+//! `pools list|get|create|offer|unoffer`.
 
-use bc_core::id::PoolId;
+use bc_core::id::{PoolId, TenantId};
 use clap::Subcommand;
 use serde_json::{Value, json};
 
@@ -9,7 +9,7 @@ use crate::flags::{IdempotencyKey, Page};
 use crate::output::Format;
 use crate::tables;
 
-use super::{Context, idempotency_key, labels, put_id};
+use super::{Context, check_id, idempotency_key, labels, put_id};
 
 #[derive(Subcommand)]
 pub enum PoolsCommand {
@@ -33,6 +33,32 @@ pub enum PoolsCommand {
         #[command(flatten)]
         key: IdempotencyKey,
     },
+    /// Offer a pool to other tenants, who then reserve from it under their own quota
+    /// (`pools.offer`). Offering a tenant that is offered already changes nothing.
+    Offer {
+        pool_id: String,
+        /// A tenant to offer the pool to, repeatable (`--tenant` is the tenant acting, the
+        /// pool's owner).
+        #[arg(long = "tenant-id", value_name = "TENANT", required = true)]
+        tenant_ids: Vec<String>,
+    },
+    /// Withdraw a pool's offer (`pools.unoffer`): the tenants' active reservations run to their
+    /// end, their queued ones are cancelled, and nothing new of theirs is placed.
+    Unoffer {
+        pool_id: String,
+        /// A tenant to withdraw the offer from, repeatable.
+        #[arg(long = "tenant-id", value_name = "TENANT", required = true)]
+        tenant_ids: Vec<String>,
+    },
+}
+
+/// The body of `pools.offer` / `pools.unoffer`, every id checked before anything is sent.
+fn offer_body(ctx: &Context, pool_id: &str, tenant_ids: &[String]) -> Result<Value, CliError> {
+    let mut body = ctx.tenant_body()?;
+    put_id::<PoolId>(&mut body, "poolId", "POOL_ID", pool_id)?;
+    let ids = tenant_ids.iter().map(|t| check_id::<TenantId>("--tenant-id", t)).collect::<Result<Vec<_>, _>>()?;
+    body.insert("tenantIds".into(), json!(ids));
+    Ok(Value::Object(body))
 }
 
 pub async fn run(ctx: &Context, command: PoolsCommand) -> Result<(), CliError> {
@@ -55,6 +81,14 @@ pub async fn run(ctx: &Context, command: PoolsCommand) -> Result<(), CliError> {
             body.insert("labels".into(), labels(&items)?);
             let key = idempotency_key(&key.key);
             ctx.print(&c.call("pools.create", &Value::Object(body), Some(&key)).await?, Format::Json)
+        }
+        PoolsCommand::Offer { pool_id, tenant_ids } => {
+            let body = offer_body(ctx, &pool_id, &tenant_ids)?;
+            ctx.print(&c.call("pools.offer", &body, None).await?, Format::Json)
+        }
+        PoolsCommand::Unoffer { pool_id, tenant_ids } => {
+            let body = offer_body(ctx, &pool_id, &tenant_ids)?;
+            ctx.print(&c.call("pools.unoffer", &body, None).await?, Format::Json)
         }
     }
 }

@@ -57,7 +57,6 @@ async fn capacity_get(call: &Call<'_>, input: CapacityGet) -> Result<CapacityLis
 async fn capacity_preview(call: &Call<'_>, input: AskInput) -> Result<PreviewView> {
     let checked = check_ask(call, input).await?;
     let store = &*call.state.store;
-    let preview =
-        call.state.fleet.with_tenant(store, checked.tenant, |view| decide::capacity_preview(view, &checked.ask)).await?;
+    let preview = call.state.fleet.with_tenant(store, checked.owner, |view| decide::capacity_preview(view, &checked.ask)).await?;
     Ok(preview.into())
 }

@@ -8,7 +8,7 @@
 //! sets quotas, which a tenant must not set itself). Every call a plan stands for is decided on
 //! its own action too, before anything is appended: one denial applies nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use bc_core::id::{FlavorId, ImageId, PoolId, TenantId};
 use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent};
@@ -23,6 +23,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::body::parse_id;
 use super::call::doc;
 use super::flavors::{
     FLAVOR_DISK_GIB_MAX, FLAVOR_GPUS_MAX, FLAVOR_MEMORY_MIB_MAX, FLAVOR_VCPUS_MAX, FlavorShape as ApiFlavorShape,
@@ -37,6 +38,7 @@ use super::validate::{
 use super::views::{DiskFormatView, ImageChannelView};
 use super::{Access, Call, Method, method};
 use crate::app::fleet::{self as decide, Blocked, Change, FleetLive, FleetPlan, Op, Unmanaged};
+use bc_projections::decide::pool_offer::OFFERS_PER_POOL_MAX;
 
 const ADMIN: Access = Access::Action("compute:fleet:admin");
 
@@ -152,6 +154,11 @@ pub struct FleetPool {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = u32::MAX))]
     pub quota_gpus: Option<u32>,
+    /// The other tenants the pool is offered to (`pools.offer`; absent: the document leaves
+    /// the offers alone, empty: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<BTreeSet<TenantIdText>>", length(max = OFFERS_PER_POOL_MAX))]
+    pub offered_to: Option<BTreeSet<String>>,
 }
 
 /// A flavor of a pool of the document (`pool` is the pool's key there).
@@ -411,6 +418,18 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
                 "document.pools.{key}: maxReservationS must be {MAX_RESERVATION_S_MIN} to {MAX_RESERVATION_S_LIMIT}, not {s}"
             )));
         }
+        let offered = p.offered_to.iter().flatten();
+        if p.offered_to.as_ref().is_some_and(|o| o.len() > OFFERS_PER_POOL_MAX) {
+            return Err(Error::invalid(format!("document.pools.{key}: offeredTo names at most {OFFERS_PER_POOL_MAX} tenants")));
+        }
+        for t in offered {
+            parse_id::<TenantId>("offeredTo", t).map_err(|e| at("pools", key, e))?;
+            if t.parse::<TenantId>().map(|id| id.to_string()).ok().as_deref() != Some(t.as_str()) {
+                return Err(Error::invalid(format!(
+                    "document.pools.{key}: offeredTo {t:?} is not a tenant id in canonical form"
+                )));
+            }
+        }
     }
     for (key, f) in &d.flavors {
         check_key(FlavorId::PREFIX, "flavors", key)?;
@@ -577,7 +596,8 @@ async fn fleet_apply(call: &Call<'_>, input: FleetApplyInput) -> Result<FleetApp
             )));
         }
     }
-    let (requests, created_ids) = appends(call, tenant, &plan)?;
+    let offers = offer_reads(call, tenant, &plan).await?;
+    let (requests, created_ids) = appends(call, tenant, &plan, &live, &offers)?;
     match call.state.log.append_group(requests).await {
         Ok(_) => {}
         Err(Error::Conflict { stream, .. }) => {
@@ -604,6 +624,8 @@ fn appends(
     call: &Call<'_>,
     tenant: TenantId,
     plan: &FleetPlan,
+    live: &FleetLive,
+    offers: &OfferReads,
 ) -> Result<(Vec<AppendRequest>, BTreeMap<(&'static str, String), String>)> {
     let mut created: BTreeMap<(&'static str, String), String> = BTreeMap::new();
     for c in plan.changes.iter().filter(|c| c.op == Op::Create && c.kind != decide::OBJECT_QUOTA) {
@@ -626,6 +648,14 @@ fn appends(
     let mut appended: Vec<String> = Vec::new();
     for c in &plan.changes {
         let id = c.id.clone().or_else(|| created.get(&(c.kind, c.key.clone())).cloned());
+        if c.kind == decide::OBJECT_OFFER {
+            // A pool's id is drawn above when the plan creates it.
+            let pool = id.or_else(|| created.get(&(decide::OBJECT_POOL, c.key.clone())).cloned()).unwrap_or_default();
+            let pool_changed = plan.changes.iter().any(|o| o.kind == decide::OBJECT_POOL && o.key == c.key);
+            requests.extend(offer_requests(call, tenant, c, &pool, pool_changed, live, offers)?);
+            appended.push(format!("{KIND_POOL}/{pool}"));
+            continue;
+        }
         // What follows the change's event in its own append (a stable image's promotion).
         let mut then: Option<NewEvent> = None;
         let (stream, expected, event_type, payload) = match (c.kind, c.op) {
@@ -783,6 +813,116 @@ fn appends(
         .collect();
     requests.push(request);
     Ok((requests, created))
+}
+
+/// What applying a plan's offers reads first: the owner's live reservations and, per pool, each
+/// withdrawn tenant's quota stream version (`decide::pool_offer::pool_unoffer`). Every tenant an
+/// offer adds must exist.
+#[derive(Default)]
+struct OfferReads {
+    live: Vec<bc_projections::ReservationDoc>,
+    quota_versions: BTreeMap<String, BTreeMap<String, u64>>,
+}
+
+/// The sets an offer change goes from and to.
+fn offer_sets(c: &Change) -> Result<(BTreeSet<String>, BTreeSet<String>)> {
+    let f = c.fields.get("offeredTo").ok_or_else(|| Error::Internal("fleet plan: offeredTo".into()))?;
+    let set = |v: &Value| -> Result<BTreeSet<String>> {
+        serde_json::from_value(v.clone()).map_err(|e| Error::Internal(format!("fleet plan: offeredTo: {e}")))
+    };
+    Ok((set(&f.from)?, set(&f.to)?))
+}
+
+async fn offer_reads(call: &Call<'_>, tenant: TenantId, plan: &FleetPlan) -> Result<OfferReads> {
+    let mut reads = OfferReads::default();
+    let mut withdrawn = Vec::new();
+    for c in plan.changes.iter().filter(|c| c.kind == decide::OBJECT_OFFER) {
+        let (from, to) = offer_sets(c)?;
+        for t in to.difference(&from) {
+            let id: TenantId = parse_id("offeredTo", t)?;
+            if call.state.store.row_get(&id.to_string(), bc_projections::KIND_TENANT, &id.to_string()).await?.is_none() {
+                return Err(Error::not_found(format!("tenant {id} (document.pools.{}.offeredTo); nothing was applied", c.key)));
+            }
+        }
+        if let Some(pool) = &c.id {
+            for t in from.difference(&to) {
+                withdrawn.push((pool.clone(), parse_id::<TenantId>("offeredTo", t)?));
+            }
+        }
+    }
+    if withdrawn.is_empty() {
+        return Ok(reads);
+    }
+    let streams = withdrawn.iter().map(|(pool, t)| (*t, format!("{KIND_QUOTA}/{pool}"))).collect();
+    let read = call.state.store.preread(&bc_core::store::PreReadQuery { streams, ..Default::default() }).await?;
+    for ((t, stream), version) in read.stream_versions {
+        let pool = stream.trim_start_matches(&format!("{KIND_QUOTA}/")).to_owned();
+        reads.quota_versions.entry(pool).or_default().insert(t.to_string(), version);
+    }
+    // After the quota versions: see `decide::pool_offer`.
+    reads.live = call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.live().values().cloned().collect()).await?;
+    Ok(reads)
+}
+
+/// The appends of one offer change: `pools.offer` of the tenants it adds, `pools.unoffer` of
+/// those it withdraws, each tenant's on its own chain (without the call's key). The first
+/// append on the pool's stream expects the version the plan read unless the plan changes the
+/// pool first (that change's append expects it).
+fn offer_requests(
+    call: &Call<'_>,
+    tenant: TenantId,
+    c: &Change,
+    pool_id: &str,
+    pool_changed: bool,
+    live: &FleetLive,
+    offers: &OfferReads,
+) -> Result<Vec<AppendRequest>> {
+    let (from, to) = offer_sets(c)?;
+    let mut pool = match live.pools.iter().find(|p| p.pool_id == pool_id) {
+        Some(p) => p.clone(),
+        None => PoolDoc {
+            tenant_id: tenant.to_string(),
+            pool_id: pool_id.to_owned(),
+            name: String::new(),
+            description: String::new(),
+            labels: BTreeMap::new(),
+            max_reservation_s: bc_projections::MAX_RESERVATION_S_DEFAULT,
+            archived: false,
+            offered_to: BTreeSet::new(),
+            version: 0,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        },
+    };
+    let mut appends = Vec::new();
+    let added: BTreeSet<String> = to.difference(&from).cloned().collect();
+    let removed: BTreeSet<String> = from.difference(&to).cloned().collect();
+    if let Some(offered) = bc_projections::decide::pool_offer::pool_offer(&pool, &added)? {
+        appends.extend(offered.into_appends(&pool.tenant_id));
+        pool.offered_to.extend(added);
+    }
+    let no_versions = BTreeMap::new();
+    let versions = offers.quota_versions.get(pool_id).unwrap_or(&no_versions);
+    if let Some(withdrawn) = bc_projections::decide::pool_offer::pool_unoffer(&pool, &removed, &offers.live, versions)? {
+        appends.extend(withdrawn.into_appends(&pool.tenant_id));
+    }
+    let pool_stream = format!("{KIND_POOL}/{pool_id}");
+    let mut first_on_pool = true;
+    let mut requests = Vec::with_capacity(appends.len());
+    for (t, mut append) in appends {
+        let on = parse_id::<TenantId>("tenantId", &t)?;
+        if on == tenant && append.stream == pool_stream {
+            if pool_changed || !first_on_pool {
+                append.expected = ExpectedVersion::Any;
+            }
+            first_on_pool = false;
+        }
+        let mut request = call.decided(on, append);
+        request.idempotency_key = None;
+        request.fingerprint = None;
+        requests.push(request);
+    }
+    Ok(requests)
 }
 
 fn labels_field(c: &Change) -> Result<Option<BTreeMap<String, String>>> {

@@ -1,5 +1,7 @@
 //! `quotas.*`: a tenant's GPU quota in a pool. A reservation that would take the tenant past it
-//! is refused with `QUOTA_EXCEEDED`, and the refusal is recorded in the log.
+//! is refused with `QUOTA_EXCEEDED`, and the refusal is recorded in the log. In a pool another
+//! tenant offered to it (`pools.offer`) the quota is the tenant's own, on its own chain, set by
+//! the root tenant's administrators like any quota; without one it reserves nothing there.
 
 use bc_core::id::PoolId;
 use bc_core::store::ExpectedVersion;
@@ -10,7 +12,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
-use super::pools::pool_doc;
+use super::pools::usable_pool;
 use super::reservations::gpus_in_use;
 use super::validate::{PoolIdText, TenantIdText};
 use super::views::QuotaView;
@@ -55,9 +57,11 @@ pub struct QuotasSet {
 }
 
 async fn quota_view(call: &Call<'_>, tenant: bc_core::id::TenantId, pool: &PoolId) -> Result<QuotaView> {
+    // The tenant's own pool or one offered to it: its quota row is on its own chain either way.
+    let owner = usable_pool(call, tenant, &pool.to_string()).await?.owner;
     let quota = call.state.store.row_get(&tenant.to_string(), KIND_QUOTA, &pool.to_string()).await?;
     let gpus = quota.map(super::call::doc::<QuotaDoc>).transpose()?.map(|q| q.gpus);
-    let in_use = gpus_in_use(call, tenant, &pool.to_string()).await?;
+    let in_use = gpus_in_use(call, tenant, owner, &pool.to_string()).await?;
     Ok(QuotaView { tenant_id: tenant.to_string(), pool_id: pool.to_string(), gpus, in_use })
 }
 
@@ -78,7 +82,8 @@ async fn quotas_set(call: &Call<'_>, input: QuotasSet) -> Result<QuotaView> {
     if !(0..=i64::from(u32::MAX)).contains(&input.gpus) {
         return Err(Error::invalid(format!("gpus must be 0 or more, not {}", input.gpus)));
     }
-    pool_doc(call, tenant, &pool.to_string()).await?;
+    // The tenant's own pool, or one offered to it: the quota its reservations there count against.
+    usable_pool(call, tenant, &pool.to_string()).await?;
     let payload = ev::to_cbor(&ev::QuotaSet { gpus: input.gpus as u32 })?;
     call.append(tenant, stream_of(KIND_QUOTA, &pool), ExpectedVersion::Any, ev::QUOTA_SET, payload).await?;
     quota_view(call, tenant, &pool).await

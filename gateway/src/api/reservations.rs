@@ -16,14 +16,16 @@ use bc_core::id::{PoolId, ReservationId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::{self, PoolLoad, ReservationAsk};
 use bc_projections::placement::{RESERVATION_GPUS_MAX, SELECTOR_BYTES_MAX, Selector};
-use bc_projections::{KIND_RESERVATION, KIND_RESERVATION_LIVE, ReservationDoc, ReservationState};
+use bc_projections::{
+    KIND_RESERVATION, KIND_RESERVATION_LIVE, KIND_RESERVATION_REF, ReservationDoc, ReservationRefDoc, ReservationState,
+};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::body::parse_id;
 use super::call::{doc, stream_id};
 use super::paging::{Page, list_rows};
-use super::pools::pool_doc;
+use super::pools::{pool_doc, usable_pool};
 use super::validate::{CursorText, LimitNumber, PoolIdText, ReservationIdText, TenantIdText, VersionNumber, string_schema};
 use super::views::ReservationView;
 use super::{Access, Call, Method, method};
@@ -166,7 +168,12 @@ pub struct ReservationsList {
 
 /// A checked ask: what `create` and `preview` place.
 pub(super) struct Checked {
+    /// The tenant that asks.
     pub(super) tenant: TenantId,
+    /// The pool's owner, on whose chain the reservation lives and whose view places it: the
+    /// tenant itself, or another that offered it the pool.
+    pub(super) owner: TenantId,
+    pub(super) offered: bool,
     pub(super) ask: ReservationAsk,
 }
 
@@ -220,9 +227,9 @@ pub(super) async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checke
     for t in &input.tolerations {
         bare_word("toleration", t)?;
     }
-    let pool = pool_doc(call, tenant, &pool_id.to_string()).await?;
+    let usable = usable_pool(call, tenant, &pool_id.to_string()).await?;
     let ask = ReservationAsk {
-        pool,
+        pool: usable.doc,
         gpus: input.gpus as u32,
         duration_s: input.duration_s as u64,
         selector_text,
@@ -230,7 +237,7 @@ pub(super) async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checke
         nvlink: input.nvlink,
         tolerations: input.tolerations,
     };
-    Ok(Checked { tenant, ask: ask.check_pool()? })
+    Ok(Checked { tenant, owner: usable.owner, offered: usable.offered, ask: ask.check_pool()? })
 }
 
 async fn rsv_doc(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Result<ReservationDoc> {
@@ -257,9 +264,11 @@ fn queue_number(position: usize) -> u32 {
     u32::try_from(position).unwrap_or(u32::MAX)
 }
 
-/// GPUs of the tenant's queued and active reservations in the pool: what its quota counts.
-pub(super) async fn gpus_in_use(call: &Call<'_>, tenant: TenantId, pool: &str) -> Result<u32> {
-    call.state.fleet.with_tenant(&*call.state.store, tenant, |view| view.pool_load(pool).gpus).await
+/// GPUs of the tenant's queued and active reservations in the pool: what its quota counts. In a
+/// pool `owner` offered to it, those held for it on the owner's view.
+pub(super) async fn gpus_in_use(call: &Call<'_>, tenant: TenantId, owner: TenantId, pool: &str) -> Result<u32> {
+    let holder = (owner != tenant).then(|| tenant.to_string());
+    call.state.fleet.with_tenant(&*call.state.store, owner, |view| view.pool_load(pool).gpus_of(holder.as_deref())).await
 }
 
 /// The reservation with its place in the queue (1: next) while queued.
@@ -271,18 +280,51 @@ async fn view_of(call: &Call<'_>, tenant: TenantId, rsv: ReservationDoc) -> Resu
 /// Parse, decide (with the quota race's retry: `app::reservations::reservation_create`),
 /// answer with the reservation its append wrote.
 async fn reservations_create(call: &Call<'_>, input: AskInput) -> Result<ReservationView> {
-    let Checked { tenant, ask } = check_ask(call, input).await?;
-    let result = app::reservations::reservation_create(call, tenant, &ask).await?;
+    let Checked { tenant, owner, offered, ask } = check_ask(call, input).await?;
+    let result = if offered {
+        app::reservations::reservation_create_offered(call, tenant, owner, &ask).await?
+    } else {
+        app::reservations::reservation_create(call, tenant, &ask).await?
+    };
     let id: ReservationId = parse_id("reservationId", stream_id(&result.events[0].envelope.stream))?;
-    let mut view = view_of(call, tenant, rsv_doc(call, tenant, &id).await?).await?;
+    let mut view = view_of(call, owner, rsv_doc(call, owner, &id).await?).await?;
     view.replayed = Some(result.replayed);
     Ok(view)
+}
+
+/// Where `tenant`'s reservation lives: on its own chain, or, held for it in a pool another
+/// tenant offered (`reservation_ref/rsv_…`, from its `quota.charged`), on that owner's chain.
+async fn locate(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Result<(TenantId, ReservationDoc)> {
+    let store = &call.state.store;
+    if let Some(row) = store.row_get(&tenant.to_string(), KIND_RESERVATION, &id.to_string()).await? {
+        return Ok((tenant, doc(row)?));
+    }
+    if let Some(row) = store.row_get(&tenant.to_string(), KIND_RESERVATION_REF, &id.to_string()).await? {
+        let held: ReservationRefDoc = doc(row)?;
+        let owner: TenantId = parse_id("tenantId", &held.owner_tenant_id)?;
+        let rsv = rsv_doc(call, owner, id).await?;
+        if rsv.holder_tenant_id.as_deref() == Some(tenant.to_string().as_str()) {
+            return Ok((owner, rsv));
+        }
+    }
+    Err(Error::not_found(format!("reservation {id}")))
+}
+
+/// A decision's append for `tenant` on `owner`'s chain: a held reservation's key is kept apart
+/// from the owner's own (`held:TENANT:KEY`).
+fn decided_on(call: &Call<'_>, tenant: TenantId, owner: TenantId, append: decide::Append) -> bc_core::store::AppendRequest {
+    let mut request = call.decided(owner, append);
+    if owner != tenant {
+        request.idempotency_key = call.idempotency_key.as_ref().map(|k| format!("held:{tenant}:{k}"));
+    }
+    request
 }
 
 async fn reservations_get(call: &Call<'_>, input: ReservationRef) -> Result<ReservationView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
-    view_of(call, tenant, rsv_doc(call, tenant, &id).await?).await
+    let (owner, rsv) = locate(call, tenant, &id).await?;
+    view_of(call, owner, rsv).await
 }
 
 async fn reservations_list(call: &Call<'_>, input: ReservationsList) -> Result<Page<ReservationView>> {
@@ -312,17 +354,17 @@ async fn reservations_extend(call: &Call<'_>, input: ReservationsExtend) -> Resu
     if !(1..=DURATION_S_MAX).contains(&input.by_s) {
         return Err(Error::invalid(format!("byS must be 1 second to {DURATION_S_MAX} (a year), not {}", input.by_s)));
     }
-    let rsv = rsv_doc(call, tenant, &id).await?;
-    let pool = pool_doc(call, tenant, &rsv.pool_id).await?;
+    let (owner, rsv) = locate(call, tenant, &id).await?;
+    let pool = pool_doc(call, owner, &rsv.pool_id).await?;
     let append = decide::reservation_extend(&rsv, &pool, input.by_s as u64, input.if_version)?;
-    call.submit(call.decided(tenant, append)).await?;
-    Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
+    call.submit(decided_on(call, tenant, owner, append)).await?;
+    Ok(ReservationView::of(rsv_doc(call, owner, &id).await?, None))
 }
 
 async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<ReservationView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
-    let rsv = rsv_doc(call, tenant, &id).await?;
+    let (owner, rsv) = locate(call, tenant, &id).await?;
     let principal = call.principal();
     decide::batch::batch_required(
         call.state.batch_quorum,
@@ -335,7 +377,7 @@ async fn reservations_release(call: &Call<'_>, input: ReservationRef) -> Result<
     let command_id = bc_core::id::CommandId::from_ulid(call.state.log.ids.ulid()).to_string();
     let release = bc_projections::placement::Issue { command_id: &command_id, now_ms: call.state.log.clock.now_ms() };
     if let Some(append) = decide::reservation_release(&rsv, input.if_version, release)? {
-        call.submit(call.decided(tenant, append)).await?;
+        call.submit(decided_on(call, tenant, owner, append)).await?;
     }
-    Ok(ReservationView::of(rsv_doc(call, tenant, &id).await?, None))
+    Ok(ReservationView::of(rsv_doc(call, owner, &id).await?, None))
 }

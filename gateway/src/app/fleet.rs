@@ -41,6 +41,8 @@ pub const OBJECT_POOL: &str = "pool";
 pub const OBJECT_QUOTA: &str = "quota";
 pub const OBJECT_FLAVOR: &str = "flavor";
 pub const OBJECT_IMAGE: &str = "image";
+/// A pool's offers to other tenants (`pools.offer` / `pools.unoffer`), keyed by the pool's key.
+pub const OBJECT_OFFER: &str = "offer";
 
 /// The live fleet a plan is made against: the tenant's pools (archived too), quotas, flavors and
 /// images, and the last applied configuration.
@@ -108,6 +110,9 @@ impl Change {
             (OBJECT_POOL, Op::Update) => ("pools.update", "compute:pools:write"),
             (OBJECT_POOL, Op::Delete) => ("pools.archive", "compute:pools:write"),
             (OBJECT_QUOTA, _) => ("quotas.set", "compute:quotas:admin"),
+            // An offer change that withdraws a tenant (and perhaps adds others) is an update.
+            (OBJECT_OFFER, Op::Create) => ("pools.offer", "compute:pools:admin"),
+            (OBJECT_OFFER, _) => ("pools.unoffer", "compute:pools:admin"),
             (OBJECT_FLAVOR, Op::Delete) => ("flavors.delete", "compute:flavors:write"),
             (OBJECT_FLAVOR, Op::Update) => ("flavors.update", "compute:flavors:write"),
             (OBJECT_FLAVOR, _) => ("flavors.create", "compute:flavors:write"),
@@ -369,6 +374,25 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                 });
             }
             plan.objects.push((OBJECT_QUOTA, key.clone(), pool_id.clone(), quota_fingerprint(gpus)));
+        }
+        // The pool's offers, when the document states them: one change offering the tenants
+        // added and withdrawing the ones left out.
+        if let (Some(want), Some(pool_id)) = (&want.offered_to, pool_ids.get(key.as_str())) {
+            let now: BTreeSet<String> =
+                pool_id.as_deref().and_then(|id| pools_by_id.get(id)).map(|p| p.offered_to.clone()).unwrap_or_default();
+            if now != *want {
+                // `+` while it only offers, `~` once it withdraws an offer (never `-`: the document
+                // states the whole set, with or without --prune).
+                let withdraws = now.difference(want).next().is_some();
+                plan.changes.push(Change {
+                    op: if withdraws { Op::Update } else { Op::Create },
+                    kind: OBJECT_OFFER,
+                    key: key.clone(),
+                    id: pool_id.clone(),
+                    fields: BTreeMap::from([("offeredTo".into(), field(json!(now), json!(want)))]),
+                    expects: None,
+                });
+            }
         }
     }
 
@@ -666,6 +690,7 @@ pub fn fleet_export(live: &FleetLive) -> FleetDocument {
                 labels: p.labels.clone(),
                 max_reservation_s: Some(p.max_reservation_s),
                 quota_gpus: live.quotas.get(&p.pool_id).map(|q| q.gpus),
+                offered_to: (!p.offered_to.is_empty()).then(|| p.offered_to.clone()),
             },
         );
     }
@@ -728,6 +753,7 @@ mod tests {
             labels: BTreeMap::new(),
             max_reservation_s: bc_projections::pool::MAX_RESERVATION_S_DEFAULT,
             archived: false,
+            offered_to: BTreeSet::new(),
             version,
             created_at_ms: 0,
             updated_at_ms: 0,
@@ -757,10 +783,45 @@ mod tests {
             labels: BTreeMap::new(),
             max_reservation_s: None,
             quota_gpus: None,
+            offered_to: None,
         }
     }
 
     const P1: &str = "pool_01hzz0000000000000000000p1";
+
+    /// A pool's offers are exported, and the export plans empty; a document that adds and
+    /// withdraws a tenant is one `offer` change from the set to the set (`+`, `pools.offer`,
+    /// when it only adds; `~`, with `pools.unoffer`, once it withdraws); a document without
+    /// `offeredTo` leaves the offers alone.
+    #[test]
+    fn offers_are_exported_planned_and_left_alone_when_absent() {
+        const B: &str = "ten_01hzz00000000000000000000b";
+        const C: &str = "ten_01hzz00000000000000000000c";
+        let offered = PoolDoc { offered_to: BTreeSet::from([B.to_owned()]), ..pool(P1, "a", 2) };
+        let live = FleetLive { pools: vec![offered], ..Default::default() };
+        let doc = fleet_export(&live);
+        assert_eq!(doc.pools[P1].offered_to, Some(BTreeSet::from([B.to_owned()])));
+        let plan = fleet_plan(&live, &doc, true);
+        assert!(plan.changes.is_empty() && plan.blocked.is_empty(), "{plan:?}");
+
+        let mut both = doc.clone();
+        both.pools.get_mut(P1).unwrap().offered_to = Some(BTreeSet::from([C.to_owned()]));
+        let plan = fleet_plan(&live, &both, false);
+        assert_eq!(plan.changes.len(), 1, "{plan:?}");
+        let change = &plan.changes[0];
+        assert_eq!((change.kind, change.op, change.id.as_deref()), (OBJECT_OFFER, Op::Update, Some(P1)));
+        assert_eq!(change.fields["offeredTo"], field(json!([B]), json!([C])));
+
+        let mut more = doc.clone();
+        more.pools.get_mut(P1).unwrap().offered_to = Some(BTreeSet::from([B.to_owned(), C.to_owned()]));
+        assert_eq!(fleet_plan(&live, &more, false).changes[0].call(), ("pools.offer", "compute:pools:admin"));
+        let mut none = doc.clone();
+        none.pools.get_mut(P1).unwrap().offered_to = Some(BTreeSet::new());
+        assert_eq!(fleet_plan(&live, &none, false).changes[0].call(), ("pools.unoffer", "compute:pools:admin"));
+        let mut absent = doc;
+        absent.pools.get_mut(P1).unwrap().offered_to = None;
+        assert!(fleet_plan(&live, &absent, false).changes.is_empty());
+    }
 
     /// The export of a fleet plans empty against it, and the same inputs give the same hash.
     #[test]

@@ -4,9 +4,9 @@
 //! rule).
 
 use bc_core::id::{CommandId, ReservationId, TenantId};
-use bc_core::store::AppendResult;
-use bc_core::{ErrorCode, Result};
-use bc_projections::decide::{self, Append, ReservationAsk, ReservationCreate};
+use bc_core::store::{AppendRequest, AppendResult, PreReadQuery};
+use bc_core::{Error, ErrorCode, Result};
+use bc_projections::decide::{self, Append, OfferedCreate, ReservationAsk, ReservationCreate};
 use bc_projections::fleet::Reread;
 use bc_projections::{KIND_NODE, KIND_QUOTA, QuotaDoc, stream_of};
 
@@ -21,7 +21,11 @@ pub const QUOTA_RACE_ATTEMPTS: u32 = 16;
 /// What every attempt of one `reservations.create` decides with: its ids, drawn once, and who
 /// asks when.
 struct Create<'a> {
+    /// The chain the reservation lives on: the pool's owner's.
     tenant: TenantId,
+    /// In a pool offered to another tenant: that tenant, who asks, whose quota counts it and
+    /// whose chain takes the charge.
+    holder: Option<TenantId>,
     ask: &'a ReservationAsk,
     reservation_id: String,
     command_id: String,
@@ -45,10 +49,43 @@ struct Create<'a> {
 /// last CONFLICT going back to the caller. Each lost race means another reservation landed, so
 /// this bounds a burst. Nothing else is retried.
 pub async fn reservation_create(call: &Call<'_>, tenant: TenantId, ask: &ReservationAsk) -> Result<AppendResult> {
+    create_in(call, tenant, None, ask).await
+}
+
+/// `reservations.create` by `holder` in a pool `owner` offered to it
+/// (`decide::reservation_create_offered`): the reservation on the owner's chain and
+/// `quota.charged` on the holder's, in one group, so the holder's quota stream, the pool's
+/// stream (the offer) and the nodes' streams (the GPUs both tenants share) are all guarded at
+/// the versions the decision read, in one transaction. The same retry rule as
+/// [`reservation_create`], on the holder's quota stream. The call's idempotency key is kept on
+/// the owner's chain as `held:HOLDER:KEY`, apart from the owner's own keys.
+pub async fn reservation_create_offered(
+    call: &Call<'_>,
+    holder: TenantId,
+    owner: TenantId,
+    ask: &ReservationAsk,
+) -> Result<AppendResult> {
+    create_in(call, owner, Some(holder), ask).await
+}
+
+/// The idempotency key of a holder's request on the owner's chain.
+fn held_key(call: &Call<'_>, holder: TenantId) -> Option<String> {
+    call.idempotency_key.as_ref().map(|k| format!("held:{holder}:{k}"))
+}
+
+async fn create_in(call: &Call<'_>, tenant: TenantId, holder: Option<TenantId>, ask: &ReservationAsk) -> Result<AppendResult> {
     let now_ms = call.now_ms();
-    let replay = call.is_retry(tenant).await?;
+    let replay = match (holder, held_key(call, holder.unwrap_or(tenant))) {
+        (Some(_), Some(key)) => {
+            let query = PreReadQuery { idempotency_keys: vec![(tenant, key)], ..Default::default() };
+            !call.state.store.preread(&query).await?.idempotency.is_empty()
+        }
+        (Some(_), None) => false,
+        (None, _) => call.is_retry(tenant).await?,
+    };
     let create = Create {
         tenant,
+        holder,
         ask,
         reservation_id: ReservationId::from_ulid(call.ulid()).to_string(),
         actor: call.actor(),
@@ -65,9 +102,10 @@ pub async fn reservation_create(call: &Call<'_>, tenant: TenantId, ask: &Reserva
 async fn create_once(call: &Call<'_>, create: &Create<'_>) -> Result<AppendResult> {
     let store = &*call.state.store;
     // Read before the view catches up, so the view holds at least what this version counts.
+    let quota_tenant = create.holder.unwrap_or(create.tenant);
     let quota: Option<QuotaDoc> =
-        store.row_get(&create.tenant.to_string(), KIND_QUOTA, &create.ask.pool.pool_id).await?.map(doc).transpose()?;
-    let decision = decide_holding(call, create, quota.as_ref()).await?;
+        store.row_get(&quota_tenant.to_string(), KIND_QUOTA, &create.ask.pool.pool_id).await?.map(doc).transpose()?;
+    let OfferedCreate { decision, charge } = decide_holding(call, create, quota.as_ref()).await?;
     let held_node = decision.held_node().map(str::to_owned);
     // The node's stream and the version the placement read, to tell the view what landed.
     let placed_at = match &decision {
@@ -77,7 +115,7 @@ async fn create_once(call: &Call<'_>, create: &Create<'_>) -> Result<AppendResul
     let reread = Reread::new(call.state.fleet.clone(), create.tenant, held_node, create.reservation_id.clone());
     let (append, if_lost) = match decision {
         ReservationCreate::OverQuota { refusal, record } => {
-            let mut request = call.decided(create.tenant, record);
+            let mut request = call.decided(quota_tenant, record);
             // The refusal's record is not the request's result: a retry decides again.
             request.idempotency_key = None;
             request.fingerprint = None;
@@ -87,7 +125,7 @@ async fn create_once(call: &Call<'_>, create: &Create<'_>) -> Result<AppendResul
         ReservationCreate::Queue { append, .. } => (append, None),
         ReservationCreate::Place { append, if_lost, .. } => (append, Some(if_lost)),
     };
-    match placed_or_queued(call, create, append, if_lost).await {
+    match placed_or_queued(call, create, append, if_lost, charge).await {
         Ok((result, placed)) => {
             // Placed: the view's node takes the version the append gave it.
             let landed = placed_at.as_ref().filter(|_| placed && !result.replayed).and_then(|(stream, read)| {
@@ -113,7 +151,7 @@ async fn create_once(call: &Call<'_>, create: &Create<'_>) -> Result<AppendResul
 /// One look at this process's view decides the quota, the queue and the placement together,
 /// and holds the GPUs and the reservation in the view until the append is done, so concurrent
 /// requests to this process count them.
-async fn decide_holding(call: &Call<'_>, create: &Create<'_>, quota: Option<&QuotaDoc>) -> Result<ReservationCreate> {
+async fn decide_holding(call: &Call<'_>, create: &Create<'_>, quota: Option<&QuotaDoc>) -> Result<OfferedCreate> {
     let input = decide::ReservationCreateInput {
         reservation_id: &create.reservation_id,
         command_id: &create.command_id,
@@ -121,13 +159,21 @@ async fn decide_holding(call: &Call<'_>, create: &Create<'_>, quota: Option<&Quo
         actor: &create.actor,
         replay: create.replay,
     };
+    let holder = create.holder.map(|h| h.to_string());
     let decided = call
         .state
         .fleet
         .with_tenant(&*call.state.store, create.tenant, |view| {
-            let decision = decide::reservation_create(view, quota, create.ask, &input);
+            let decision = match &holder {
+                Some(tenant_id) => {
+                    let held_for = decide::HeldFor { tenant_id };
+                    decide::reservation_create_offered(view, quota, create.ask, &input, held_for)
+                }
+                None => decide::reservation_create(view, quota, create.ask, &input)
+                    .map(|decision| OfferedCreate { decision, charge: None }),
+            };
             if let Ok(d) = &decision {
-                d.hold(view);
+                d.decision.hold(view);
             }
             decision
         })
@@ -143,12 +189,30 @@ async fn placed_or_queued(
     create: &Create<'_>,
     append: Append,
     if_lost: Option<Append>,
+    charge: Option<Append>,
 ) -> Result<(AppendResult, bool)> {
-    match (call.submit(call.decided(create.tenant, append)).await, if_lost) {
+    match (submit(call, create, append, charge.clone()).await, if_lost) {
         (Err(e), Some(if_lost)) if e.code() == ErrorCode::Conflict && !conflict_on(&e, &create.quota_stream) => {
             tracing::debug!(reservation = %create.reservation_id, error = %e, "placement lost a race; queueing");
-            call.submit(call.decided(create.tenant, if_lost)).await.map(|r| (r, false))
+            submit(call, create, if_lost, charge).await.map(|r| (r, false))
         }
         (other, _) => other.map(|r| (r, true)),
     }
+}
+
+/// The reservation's append on the owner's chain, with the holder's charge on its chain in the
+/// same group when there is one.
+async fn submit(call: &Call<'_>, create: &Create<'_>, append: Append, charge: Option<Append>) -> Result<AppendResult> {
+    let Some(holder) = create.holder else { return call.submit(call.decided(create.tenant, append)).await };
+    let mut request: AppendRequest = call.decided(create.tenant, append);
+    request.idempotency_key = held_key(call, holder);
+    let Some(charge) = charge else { return call.state.log.append(request).await };
+    let mut charged = call.decided(holder, charge);
+    charged.idempotency_key = None;
+    charged.fingerprint = None;
+    let mut results = call.state.log.append_group(vec![request, charged]).await?;
+    if results.is_empty() {
+        return Err(Error::Internal("a reservation's group of appends answered with nothing".into()));
+    }
+    Ok(results.swap_remove(0))
 }

@@ -30,6 +30,7 @@ mod instance;
 pub mod join_request;
 mod metal;
 mod plan;
+pub mod pool_offer;
 mod reservation;
 mod rollout;
 pub mod sandbox;
@@ -50,7 +51,8 @@ pub use metal::{
 pub use plan::{Action, Policy, QueueRule, needs_nodes, plan, plan_with};
 // `node_keys_change`, `node_register` and their bounds are defined below.
 pub use reservation::{
-    ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create, reservation_extend, reservation_release,
+    HeldFor, OfferedCreate, ReservationAsk, ReservationCreate, ReservationCreateInput, reservation_create,
+    reservation_create_offered, reservation_extend, reservation_release,
 };
 pub use rollout::{
     RolloutCreateInput, RolloutPlan, RolloutVerb, agent_update_issue, release_check, release_refusal, resolve_waves,
@@ -141,6 +143,12 @@ pub enum Refusal {
     /// The node is not one that can go for good now (`why` says what holds it).
     #[error("node {node_id} cannot be deleted: {why}")]
     NodeNotDeletable { node_id: String, version: u64, why: String },
+    /// The pool is not (or no longer) offered to the tenant that asks (`pools.offer`).
+    #[error("pool {pool_id} is not offered to tenant {tenant_id}")]
+    NotOffered { pool_id: String, tenant_id: String },
+    /// An offer the pool cannot take (`pools.offer`): its owner, or past the bound.
+    #[error("{0}")]
+    OfferInvalid(String),
     /// Not a refusal of the request: a document breaks an invariant (an active reservation
     /// without a node) or a payload does not encode.
     #[error("{0}")]
@@ -171,6 +179,10 @@ impl From<Refusal> for Error {
             }
             Refusal::TooManyNodes { .. } => Error::state(message, "deregister nodes that are gone, or use another tenant"),
             Refusal::PoolArchived { .. } => Error::state(message, ARCHIVED_POOL_HINT),
+            Refusal::NotOffered { pool_id, tenant_id } => {
+                Error::not_found(format!("pool {pool_id} offered to tenant {tenant_id}"))
+            }
+            Refusal::OfferInvalid(_) => Error::invalid(message),
             Refusal::NotActive { .. } => {
                 Error::state(message, "wait until a queued reservation is active, or reserve again if it has ended")
             }
@@ -301,6 +313,9 @@ pub struct PoolLoad {
     pub gpus: u32,
     /// Queued and active reservations.
     pub reservations: u32,
+    /// Of `gpus`, those of reservations held for other tenants (`holderTenantId`, in a pool
+    /// offered to them), by tenant: each counts against its holder's quota, not the owner's.
+    pub held_for: BTreeMap<String, u32>,
 }
 
 /// A queued entry's sort key, borrowed: the queue is searched without cloning an id.
@@ -310,7 +325,17 @@ fn queue_key((seq, id): &(u64, String)) -> (u64, &str) {
 
 impl PoolLoad {
     /// No live reservation.
-    pub const EMPTY: PoolLoad = PoolLoad { queued: Vec::new(), queued_gpus: 0, gpus: 0, reservations: 0 };
+    pub const EMPTY: PoolLoad =
+        PoolLoad { queued: Vec::new(), queued_gpus: 0, gpus: 0, reservations: 0, held_for: BTreeMap::new() };
+
+    /// GPUs of live reservations held for `holder` (`None`: the pool owner's own): what that
+    /// tenant's quota in the pool counts.
+    pub fn gpus_of(&self, holder: Option<&str>) -> u32 {
+        match holder {
+            Some(h) => self.held_for.get(h).copied().unwrap_or(0),
+            None => self.gpus.saturating_sub(self.held_for.values().fold(0u32, |a, g| a.saturating_add(*g))),
+        }
+    }
 
     /// The load of these live reservations (all of one pool).
     pub fn of<'a>(reservations: impl IntoIterator<Item = &'a ReservationDoc>) -> Self {
@@ -325,6 +350,10 @@ impl PoolLoad {
     pub(crate) fn add(&mut self, r: &ReservationDoc) {
         self.reservations += 1;
         self.gpus = self.gpus.saturating_add(r.gpus);
+        if let Some(h) = &r.holder_tenant_id {
+            let held = self.held_for.entry(h.clone()).or_default();
+            *held = held.saturating_add(r.gpus);
+        }
         if r.state == ReservationState::Queued {
             let at = self.queued.partition_point(|q| queue_key(q) < (r.request_seq, &r.reservation_id));
             self.queued.insert(at, (r.request_seq, r.reservation_id.clone()));
@@ -337,6 +366,14 @@ impl PoolLoad {
     pub(crate) fn remove(&mut self, r: &ReservationDoc) -> bool {
         self.reservations = self.reservations.saturating_sub(1);
         self.gpus = self.gpus.saturating_sub(r.gpus);
+        if let Some(h) = &r.holder_tenant_id
+            && let Some(held) = self.held_for.get_mut(h)
+        {
+            *held = held.saturating_sub(r.gpus);
+            if *held == 0 {
+                self.held_for.remove(h);
+            }
+        }
         if r.state == ReservationState::Queued {
             if let Ok(at) = self.queued.binary_search_by(|q| queue_key(q).cmp(&(r.request_seq, &r.reservation_id))) {
                 self.queued.remove(at);

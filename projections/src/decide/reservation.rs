@@ -143,23 +143,104 @@ pub fn reservation_create(
     ask: &ReservationAsk,
     input: &ReservationCreateInput<'_>,
 ) -> Result<ReservationCreate, Refusal> {
+    Ok(create(view, quota, ask, input, None)?.decision)
+}
+
+/// The tenant a reservation in an offered pool is held for (`pools.offer`).
+#[derive(Clone, Copy, Debug)]
+pub struct HeldFor<'a> {
+    /// The offered tenant, who asks: its quota in the pool counts the reservation.
+    pub tenant_id: &'a str,
+}
+
+/// What `reservations.create` decided in a pool another tenant offered: `decision`'s appends go
+/// on the pool owner's chain (the reservation, its node, the pool's guard), and `charge` on the
+/// holder's (`quota.charged` on its `quota/pool_…`, at the version read), **in one group**
+/// (`Log::append_group`), so the holder's quota and the owner's nodes are decided together.
+/// `charge` is `None` for a replay and a refusal (whose record goes on the holder's chain).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OfferedCreate {
+    pub decision: ReservationCreate,
+    pub charge: Option<Append>,
+}
+
+/// `reservations.create` by a tenant the pool was offered to: [`reservation_create`]'s rules
+/// (replay, never fits, the FIFO queue, placement) on the owner's view, where the holder's
+/// reservations and the owner's share the nodes and the queue; the quota is the holder's own
+/// in the pool (`quota` read on its chain), counting only the reservations held for it. An
+/// offered tenant with no quota row in the pool has a limit of 0: the pool's owner lends
+/// capacity, the root tenant's administrators say how much (`quotas.set`).
+pub fn reservation_create_offered(
+    view: &FleetIndex,
+    quota: Option<&QuotaDoc>,
+    ask: &ReservationAsk,
+    input: &ReservationCreateInput<'_>,
+    held_for: HeldFor<'_>,
+) -> Result<OfferedCreate, Refusal> {
+    create(view, quota, ask, input, Some(held_for))
+}
+
+fn create(
+    view: &FleetIndex,
+    quota: Option<&QuotaDoc>,
+    ask: &ReservationAsk,
+    input: &ReservationCreateInput<'_>,
+    held_for: Option<HeldFor<'_>>,
+) -> Result<OfferedCreate, Refusal> {
     let pool_id = &ask.pool.pool_id;
+    let holder = held_for.map(|h| h.tenant_id);
+    // The offer is read on the pool's document, whose version the append guards: a pool
+    // unoffered meanwhile is a CONFLICT, never a reservation.
+    if let Some(tenant_id) = holder
+        && !ask.pool.offered_to.contains(tenant_id)
+    {
+        return Err(Refusal::NotOffered { pool_id: pool_id.clone(), tenant_id: tenant_id.to_owned() });
+    }
+    let quota_stream = stream_of(KIND_QUOTA, pool_id);
+    // The holder's charge, on its own chain: `quota.charged` at the version its quota was read.
+    let holder_charge = |charged: bool| -> Result<Option<Append>, Refusal> {
+        let (Some(_), Some(q), true) = (holder, quota, charged) else { return Ok(None) };
+        let payload = ev::QuotaCharged {
+            reservation_id: input.reservation_id.to_owned(),
+            gpus: ask.gpus,
+            owner_tenant_id: Some(ask.pool.tenant_id.clone()),
+        };
+        Ok(Some(Append {
+            stream: quota_stream.clone(),
+            expected: ExpectedVersion::Exact(q.version),
+            guards: vec![],
+            events: vec![NewEvent::new(ev::QUOTA_CHARGED, to_cbor(&payload)?)],
+        }))
+    };
+    let requested = || -> Result<Vec<NewEvent>, Refusal> {
+        let mut events = vec![ask.requested()?];
+        if let Some(tenant_id) = holder {
+            let held = ev::ReservationHeldFor { tenant_id: tenant_id.to_owned() };
+            events.push(NewEvent::new(ev::RESERVATION_HELD_FOR, to_cbor(&held)?));
+        }
+        Ok(events)
+    };
+    let pending = |state: ReservationState| ReservationDoc {
+        holder_tenant_id: holder.map(str::to_owned),
+        ..ask.pending(input.reservation_id, state)
+    };
     let rsv_stream = stream_of(KIND_RESERVATION, &input.reservation_id);
     let pool_guard = (stream_of(KIND_POOL, pool_id), ExpectedVersion::Exact(ask.pool.version));
     // Under a quota, the request is charged on the quota's stream at the version read, so the
     // usage it was decided on is the usage it lands on, whichever gateway decided it.
     let charge = |guards: &mut Vec<(String, ExpectedVersion)>, events: &mut Vec<NewEvent>| -> Result<(), Refusal> {
-        if let Some(q) = quota {
+        if let (None, Some(q)) = (holder, quota) {
             let stream = stream_of(KIND_QUOTA, pool_id);
             guards.push((stream.clone(), ExpectedVersion::Exact(q.version)));
-            let charged = ev::QuotaCharged { reservation_id: input.reservation_id.to_owned(), gpus: ask.gpus };
+            let charged =
+                ev::QuotaCharged { reservation_id: input.reservation_id.to_owned(), gpus: ask.gpus, owner_tenant_id: None };
             events.push(NewEvent { stream: Some(stream), event_type: ev::QUOTA_CHARGED.into(), payload: to_cbor(&charged)? });
         }
         Ok(())
     };
     // The request alone: what a queued (or replayed) request appends.
     let request_only = |charged: bool| -> Result<Append, Refusal> {
-        let (mut guards, mut events) = (vec![pool_guard.clone()], vec![ask.requested()?]);
+        let (mut guards, mut events) = (vec![pool_guard.clone()], requested()?);
         if charged {
             charge(&mut guards, &mut events)?;
         }
@@ -167,7 +248,8 @@ pub fn reservation_create(
     };
     if input.replay {
         // Answered from the first result: nothing is charged again.
-        return Ok(ReservationCreate::Queue { pending: None, append: request_only(false)? });
+        let decision = ReservationCreate::Queue { pending: None, append: request_only(false)? };
+        return Ok(OfferedCreate { decision, charge: None });
     }
     let placement_ask = ask.placement_ask();
     if !view.ranked(pool_id, 0).any(|(_, n)| placement::could_fit(n, &placement_ask)) {
@@ -179,33 +261,37 @@ pub fn reservation_create(
         });
     }
     let load = view.pool_load(pool_id);
-    if let Some(q) = quota
-        && load.gpus.saturating_add(ask.gpus) > q.gpus
+    let in_use = load.gpus_of(holder);
+    // In an offered pool, no quota row is a limit of 0.
+    let limit = quota.map(|q| q.gpus).or(holder.map(|_| 0));
+    if let Some(limit) = limit
+        && in_use.saturating_add(ask.gpus) > limit
     {
-        let refusal = Refusal::OverQuota { pool_id: pool_id.clone(), requested: ask.gpus, in_use: load.gpus, limit: q.gpus };
-        let record = ev::QuotaExceeded { requested: ask.gpus, in_use: load.gpus, limit: q.gpus, actor: input.actor.to_owned() };
+        let refusal = Refusal::OverQuota { pool_id: pool_id.clone(), requested: ask.gpus, in_use, limit };
+        let record = ev::QuotaExceeded { requested: ask.gpus, in_use, limit, actor: input.actor.to_owned() };
         let record = Append {
             stream: stream_of(KIND_QUOTA, pool_id),
             expected: ExpectedVersion::Any,
             guards: vec![],
             events: vec![NewEvent::new(ev::QUOTA_EXCEEDED, to_cbor(&record)?)],
         };
-        return Ok(ReservationCreate::OverQuota { refusal, record });
+        return Ok(OfferedCreate { decision: ReservationCreate::OverQuota { refusal, record }, charge: None });
     }
     let placed = if load.queued.is_empty() { place_preferring_quiet(view, pool_id, &placement_ask) } else { None };
     let Some(placement) = placed else {
-        let pending = ask.pending(input.reservation_id, ReservationState::Queued);
-        return Ok(ReservationCreate::Queue { pending: Some(pending), append: request_only(true)? });
+        let decision = ReservationCreate::Queue { pending: Some(pending(ReservationState::Queued)), append: request_only(true)? };
+        return Ok(OfferedCreate { decision, charge: holder_charge(true)? });
     };
     let ends_at_ms = input.now_ms.saturating_add(ask.duration_s.saturating_mul(1000));
     let issue = placement::Issue { command_id: input.command_id, now_ms: input.now_ms };
     let (activation, mut guards) = placement::activation(input.reservation_id, &placement, ends_at_ms, issue)?;
     guards.push(pool_guard.clone());
-    let mut events: Vec<NewEvent> = std::iter::once(ask.requested()?).chain(activation).collect();
+    let mut events: Vec<NewEvent> = requested()?.into_iter().chain(activation).collect();
     charge(&mut guards, &mut events)?;
     let append = Append { stream: rsv_stream.clone(), expected: ExpectedVersion::NoStream, guards, events };
-    let pending = ask.pending(input.reservation_id, ReservationState::Active);
-    Ok(ReservationCreate::Place { placement, pending, append, if_lost: request_only(true)? })
+    let pending = pending(ReservationState::Active);
+    let decision = ReservationCreate::Place { placement, pending, append, if_lost: request_only(true)? };
+    Ok(OfferedCreate { decision, charge: holder_charge(true)? })
 }
 
 /// `--if-version`: the reservation must be at the version the caller read, and the decision is

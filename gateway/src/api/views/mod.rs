@@ -140,9 +140,26 @@ pub struct PoolView {
     /// The longest reservation the pool grants, in seconds.
     pub max_reservation_s: u64,
     pub archived: bool,
+    /// The tenants its owner offered it to (`pools.offer`); shown to the owner only.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schemars(with = "Vec<TenantIdText>")]
+    pub offered_to: Vec<String>,
+    /// Set when the pool is another tenant's, offered to the caller's: its owner (`tenantId`).
+    /// The caller reserves from it under its own quota and cannot change it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offered: Option<bool>,
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+}
+
+impl PoolView {
+    /// The pool as a tenant it is offered to sees it: marked, without the owner's other offers.
+    pub fn as_offered(mut self) -> Self {
+        self.offered_to = Vec::new();
+        self.offered = Some(true);
+        self
+    }
 }
 
 impl From<PoolDoc> for PoolView {
@@ -155,6 +172,8 @@ impl From<PoolDoc> for PoolView {
             labels: d.labels,
             max_reservation_s: d.max_reservation_s,
             archived: d.archived,
+            offered_to: d.offered_to.into_iter().collect(),
+            offered: None,
             version: d.version,
             created_at_ms: d.created_at_ms,
             updated_at_ms: d.updated_at_ms,

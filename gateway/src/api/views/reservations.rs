@@ -108,6 +108,11 @@ pub struct ReservationView {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<crate::api::validate::InstanceIdText>")]
     pub instance_id: Option<String>,
+    /// In a pool offered to another tenant (`pools.offer`): the tenant it is held for, whose
+    /// quota counts it; `tenantId` is the pool's owner, on whose chain it lives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<TenantIdText>")]
+    pub holder_tenant_id: Option<String>,
     pub version: u64,
     /// While queued: 1 for the next in line.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -140,6 +145,7 @@ impl ReservationView {
             hold_attempts: d.hold_attempts,
             last_error: d.last_error,
             instance_id: d.instance_id,
+            holder_tenant_id: d.holder_tenant_id,
             version: d.version,
             queue_position,
             replayed: None,
