@@ -433,7 +433,16 @@ impl Sandboxes {
             move || -> std::io::Result<()> {
                 use std::os::unix::fs::DirBuilderExt as _;
                 std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&bundle)?;
-                std::fs::write(bundle.join("config.json"), config)
+                // 0600: the environment in it may hold values of the tenant's secrets.
+                use std::io::Write as _;
+                use std::os::unix::fs::OpenOptionsExt as _;
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(bundle.join("config.json"))?;
+                file.write_all(&config)
             }
         };
         blocking(write).await?.map_err(|e| format!("disk: {}: {e}", bundle.display()))?;

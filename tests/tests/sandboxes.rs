@@ -5,7 +5,9 @@
 //!
 //! A template with `warmMin: 1` fills its warm pool; `sandbox create` claims the warm one;
 //! `sandbox exec -- sh -c 'uname -a; echo $X; exit 3'` shows gVisor's kernel, the template's
-//! environment, and exits 3; a file written in one sandbox is in neither the host's root file
+//! environment (a secret among it, named by reference and resolved only for the node: no event
+//! holds its value, and the secret cannot be deleted while the template names it), and exits 3;
+//! a file written in one sandbox is in neither the host's root file
 //! system nor another sandbox; a sandbox past its end is gone from the node (`runsc list`) and
 //! the API; bad input (an unknown image, a TTL past the template's maximum, exec in a deleted
 //! sandbox) is a clear error with nothing started; and the agent killed with SIGKILL and started
@@ -132,14 +134,34 @@ async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_
     .await;
     let flavor_id = flavor["flavorId"].as_str().unwrap().to_owned();
 
-    // Bad templates: an image that does not exist, a maximum TTL past the bound. Nothing made.
-    let template_args = |image: &str, max_ttl: &str| -> Vec<String> {
+    // A secret the template's environment names by reference.
+    let token_value = "sbx-token-0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let token_file = work.path().join("token.secret");
+    std::fs::write(&token_file, token_value).unwrap();
+    let (code, out, err) = server.cli(&["secrets", "put", "sbx-token", "--value-file", token_file.to_str().unwrap()]);
+    assert_eq!(code, 0, "secrets put: {err}");
+    let reference = json(&out)["ref"].as_str().unwrap().to_owned();
+    let token_env = format!("TOKEN={reference}");
+
+    // Bad templates: an image that does not exist, a maximum TTL past the bound, a reference to
+    // a secret that does not exist. Nothing made.
+    let template_args = |image: &str, max_ttl: &str, token: &str| -> Vec<String> {
         ["sandbox-template", "create", "--name", "busybox", "--pool", &pool, "--flavor", &flavor_id, "--image", image]
             .into_iter()
             .map(str::to_owned)
-            .chain(["--max-ttl", max_ttl, "--warm-min", "1", "--env", "X=from-the-template"].into_iter().map(str::to_owned))
+            .chain(
+                ["--max-ttl", max_ttl, "--warm-min", "1", "--env", "X=from-the-template", "--env", token]
+                    .into_iter()
+                    .map(str::to_owned),
+            )
             .collect()
     };
+    let missing = format!("TOKEN={}", reference.rsplit_once('/').unwrap().0.to_owned() + "/sec_01j00000000000000000000000");
+    let args = template_args(&image_id, "10m", &missing);
+    let (code, _, err) = server.cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("NOT_FOUND") && err.contains("sec_01j00000000000000000000000"), "{err}");
+    let template_args = |image: &str, max_ttl: &str| template_args(image, max_ttl, &token_env);
     let args = template_args("img_01j00000000000000000000000", "10m");
     let (code, _, err) = server.cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(code, 1, "{err}");
@@ -195,11 +217,46 @@ async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_
     let a = warm_id;
 
     // Exec: gVisor's kernel, the template's environment, the command's status.
-    let (code, out, err) =
-        server.cli(&["sandbox", "exec", &a, "--", "sh", "-c", "uname -a; echo X=$X; echo written > /f; exit 3"]);
+    let (code, out, err) = server.cli(&[
+        "sandbox",
+        "exec",
+        &a,
+        "--",
+        "sh",
+        "-c",
+        "uname -a; echo X=$X; echo TOKEN=$TOKEN; echo written > /f; exit 3",
+    ]);
     assert_eq!(code, 3, "the command's own status: {out} {err}\n{}", machine.node_log());
     assert!(out.contains("Linux sandbox 4.4.0"), "gVisor's kernel (Linux 4.4.0 as the sentry reports it): {out}");
     assert!(out.contains("X=from-the-template"), "the template's env: {out}");
+    assert!(out.contains(&format!("TOKEN={token_value}")), "the secret's value, resolved for the node: {out}");
+
+    // The value reached the sandbox and nothing else: the log holds the reference and a
+    // resolution naming the sandbox, never the value; the secret cannot go while the template
+    // names it.
+    let mut events = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut body = json!({ "limit": 500 });
+        if let Some(c) = &cursor {
+            body["cursor"] = json!(c);
+        }
+        let page = call_ok(&server, "events.list", body).await;
+        events.extend(page["items"].as_array().unwrap().iter().cloned());
+        match page["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    let text = serde_json::to_string(&events).unwrap();
+    assert!(!text.contains(token_value), "no event holds the secret's value");
+    assert!(
+        events.iter().any(|e| e["type"] == "secret.resolved" && e["payload"]["referrer"] == format!("sandbox/{a}").as_str()),
+        "the resolution for the sandbox is in the log"
+    );
+    let (code, _, err) = server.cli(&["secrets", "delete", "sbx-token"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&format!("sandbox_template/{template}")), "{err}");
     let (code, out, err) = server.cli(&["sandbox", "exec", &a, "--", "cat", "/f"]);
     assert_eq!((code, out.trim()), (0, "written"), "the sandbox keeps what it wrote: {err}");
 

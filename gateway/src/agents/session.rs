@@ -994,11 +994,47 @@ async fn send_commands(
     outbound: &Outbound,
     config: SessionConfig,
 ) -> std::result::Result<(), Refusal> {
-    for msg in commands_unsent(&*state.store, bound).await? {
+    for mut msg in commands_unsent(&*state.store, bound).await? {
+        if let Err(e) = resolve_secrets(state, bound.tenant, &mut msg).await {
+            // Not sent without its secrets: a later round (the node's next command or session)
+            // sends it again, and the command's deadline ends it if it never can be.
+            if let gateway_message::Msg::Command(command) = &msg {
+                tracing::warn!(code = %e.code(), error = %e, command = %command.command_id, node = %bound.node,
+                    "a sandbox's secret reference did not resolve; its command waits");
+                bound.sent.remove(&command.command_id);
+            }
+            continue;
+        }
         if !send_within(outbound, message(msg), config.lease_ms).await? {
             return Ok(());
         }
     }
+    Ok(())
+}
+
+/// A `sandbox.apply` that starts a sandbox leaves with its environment's secret references
+/// resolved (`api::secrets::resolve_env_refs`, which records each resolution): the command in
+/// the log, and every copy of it but the one on the node's stream, keeps the references.
+async fn resolve_secrets(state: &AppState, tenant: TenantId, msg: &mut gateway_message::Msg) -> Result<(), Error> {
+    let gateway_message::Msg::Command(command) = msg else { return Ok(()) };
+    if command.kind != bc_projections::sandbox::SANDBOX_APPLY {
+        return Ok(());
+    }
+    let mut args: serde_json::Value =
+        serde_json::from_str(&command.args_json).map_err(|e| Error::Internal(format!("a sandbox.apply's arguments: {e}")))?;
+    if args.get("desired").and_then(serde_json::Value::as_str) != Some("running") {
+        return Ok(());
+    }
+    let referrer = match args.get("sandboxId").and_then(serde_json::Value::as_str) {
+        Some(id) => format!("{}/{id}", bc_projections::sandbox::KIND_SANDBOX),
+        None => return Ok(()),
+    };
+    let Some(env) = args.get_mut("env").and_then(serde_json::Value::as_object_mut) else { return Ok(()) };
+    if !env.values().any(|v| v.as_str().is_some_and(crate::api::secrets::is_secret_ref)) {
+        return Ok(());
+    }
+    crate::api::secrets::resolve_env_refs(&*state.store, &state.log, tenant, &referrer, env).await?;
+    command.args_json = serde_json::to_string(&args).map_err(|e| Error::Internal(e.to_string()))?;
     Ok(())
 }
 

@@ -47,7 +47,7 @@ mod releases;
 mod reservations;
 mod rollouts;
 pub(crate) mod sandboxes;
-mod secrets;
+pub(crate) mod secrets;
 mod system;
 mod tenants;
 mod tunnels;

@@ -281,6 +281,13 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
     let flavor_id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
     let image_id: ImageId = parse_id("imageId", &input.image_id)?;
     decide::check_env(&input.env)?;
+    // Secret references in the environment are checked, and the template made, under the names'
+    // lock a secret's delete takes, so a delete cannot pass between the two.
+    let _names = match input.env.values().any(|v| super::secrets::is_secret_ref(v)) {
+        true => Some(call.state.name_locks.lock(tenant).await),
+        false => None,
+    };
+    let env = super::secrets::env_refs_checked(call, tenant, &input.env).await?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     let flavor: FlavorDoc = call.row(tenant, KIND_FLAVOR, &flavor_id.to_string(), "flavor").await?;
     let image: ImageDoc = call.row(tenant, KIND_IMAGE, &image_id.to_string(), "image").await?;
@@ -294,7 +301,7 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
         warm_min: input.warm_min.unwrap_or(0),
         default_ttl_s: input.default_ttl_s,
         max_ttl_s: input.max_ttl_s,
-        env: &input.env,
+        env: &env,
         network: input.network.as_deref(),
     })?;
     let result = call.submit(call.decided(tenant, decided)).await?;
@@ -318,12 +325,20 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
         let stream = bc_projections::stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id);
         super::call::expected_version(input.if_version, template.version, &stream)?;
     }
+    let _names = match input.env.as_ref().is_some_and(|env| env.values().any(|v| super::secrets::is_secret_ref(v))) {
+        true => Some(call.state.name_locks.lock(tenant).await),
+        false => None,
+    };
+    let env = match &input.env {
+        Some(env) => Some(super::secrets::env_refs_checked(call, tenant, env).await?),
+        None => None,
+    };
     let change = bc_projections::events::SandboxTemplateUpdated {
         name: input.name,
         warm_min: input.warm_min,
         default_ttl_s: input.default_ttl_s,
         max_ttl_s: input.max_ttl_s,
-        env: input.env,
+        env,
     };
     if let Some(append) = decide::sandbox_template_update(&template, change)? {
         call.submit(call.decided(tenant, append)).await?;

@@ -14,10 +14,13 @@
 //! its value, since the request's fingerprint is kept in the idempotency records and a hash of
 //! a short value would be an oracle for it.
 
+use std::collections::BTreeMap;
+
 use bc_core::id::{SecretId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::secret::{SECRET_VALUE_CHARS_MAX, SECRETS_PER_TENANT_MAX, secret_delete, secret_put};
-use bc_projections::secret::{KIND_SECRET, SecretDoc};
+use bc_projections::sandbox::{KIND_SANDBOX_TEMPLATE, SandboxTemplateDoc};
+use bc_projections::secret::{KIND_SECRET, SECRET_REF_SCHEME, SecretDoc, parse_secret_ref, secret_ref};
 use bc_projections::{KIND_WEBHOOK, WebhookDoc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -166,8 +169,8 @@ pub(super) async fn tenant_secrets(call: &Call<'_>, tenant: TenantId) -> Result<
     rows.into_iter().map(doc::<SecretDoc>).collect()
 }
 
-/// What refers to `reference` in `tenant`: `webhook/wh_…` for each webhook that signs with it.
-pub(super) async fn referrers(call: &Call<'_>, tenant: TenantId, reference: &str) -> Result<Vec<String>> {
+/// What signs with `reference` in `tenant`: `webhook/wh_…` for each webhook that does.
+pub(super) async fn webhook_referrers(call: &Call<'_>, tenant: TenantId, reference: &str) -> Result<Vec<String>> {
     let rows = call.state.store.row_list(&tenant.to_string(), KIND_WEBHOOK, None, WEBHOOKS_PER_TENANT_MAX).await?;
     let mut out = Vec::new();
     for row in rows {
@@ -177,6 +180,119 @@ pub(super) async fn referrers(call: &Call<'_>, tenant: TenantId, reference: &str
         }
     }
     Ok(out)
+}
+
+/// What refers to `reference` in `tenant`: the webhooks that sign with it, and
+/// `sandbox_template/sbxt_…` for each template whose environment names it.
+pub(super) async fn referrers(call: &Call<'_>, tenant: TenantId, reference: &str) -> Result<Vec<String>> {
+    let mut out = webhook_referrers(call, tenant, reference).await?;
+    let mut after: Option<String> = None;
+    loop {
+        let rows = call
+            .state
+            .store
+            .row_list(&tenant.to_string(), KIND_SANDBOX_TEMPLATE, after.as_deref(), bc_core::store::READ_ROWS_MAX)
+            .await?;
+        let full = rows.len() == bc_core::store::READ_ROWS_MAX as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            let template: SandboxTemplateDoc = doc(row)?;
+            if template.env.values().any(|v| v == reference) {
+                out.push(format!("{KIND_SANDBOX_TEMPLATE}/{}", template.template_id));
+            }
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// A sandbox environment's values checked where they are secret references
+/// (`secret://TENANT/sec_…`): each a secret of `tenant` that exists now (another tenant's is not
+/// found, as from this tenant it is not). Answers the environment with each reference in its
+/// canonical form, which [`referrers`] and the session's resolution compare. Values that are not
+/// references are the environment's own and pass as they are.
+pub(super) async fn env_refs_checked(
+    call: &Call<'_>,
+    tenant: TenantId,
+    env: &BTreeMap<String, String>,
+) -> Result<BTreeMap<String, String>> {
+    let mut out = env.clone();
+    for (name, value) in out.iter_mut() {
+        if !is_secret_ref(value) {
+            continue;
+        }
+        let (owner, secret_id) = parse_secret_ref(value).map_err(|e| match e {
+            Error::InvalidArgument { message, hint } => {
+                Error::InvalidArgument { message: format!("env {name}: {message}"), hint }
+            }
+            other => other,
+        })?;
+        let canonical = secret_ref(&owner.to_string(), &secret_id.to_string());
+        if owner != tenant {
+            return Err(Error::not_found(format!("env {name}: secret {canonical} in tenant {tenant}")));
+        }
+        let _: SecretDoc = call.row(tenant, KIND_SECRET, &secret_id.to_string(), "secret").await?;
+        *value = canonical;
+    }
+    Ok(out)
+}
+
+/// Whether an environment value is a secret reference (`secret://…`), which the control plane
+/// resolves when it sends the sandbox to its node; any case of the scheme, as the parser reads
+/// none but the lowercase one and refuses the rest.
+pub(crate) fn is_secret_ref(value: &str) -> bool {
+    value.get(..SECRET_REF_SCHEME.len()).is_some_and(|s| s.eq_ignore_ascii_case(SECRET_REF_SCHEME))
+}
+
+/// The actor of the `secret.resolved` events the agents' endpoint appends.
+const SESSION_RESOLVER_ACTOR: &str = "gateway:agents";
+
+/// A `sandbox.apply` command's arguments as its node receives them: each secret reference in
+/// `env` replaced by the secret's current value, and each resolution recorded once per referrer
+/// (`sandbox/sbx_…`) and version as `secret.resolved`, without the value, before the value
+/// leaves the control plane. The command in the log keeps the references. A reference that does
+/// not resolve (the secret deleted, another tenant's, its value not readable yet) is an error:
+/// the command is not sent with it.
+pub(crate) async fn resolve_env_refs(
+    store: &dyn bc_core::store::EventStore,
+    log: &bc_core::store::Log,
+    tenant: TenantId,
+    referrer: &str,
+    env: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    for value in env.values_mut() {
+        let Some(reference) = value.as_str().filter(|v| is_secret_ref(v)) else { continue };
+        let (owner, secret_id) = parse_secret_ref(reference)?;
+        if owner != tenant {
+            return Err(Error::not_found(format!("secret {reference} in tenant {tenant}")));
+        }
+        let row = store
+            .row_get(&tenant.to_string(), KIND_SECRET, &secret_id.to_string())
+            .await?
+            .ok_or_else(|| Error::not_found(format!("secret {reference} (deleted)")))?;
+        let secret: SecretDoc = doc(row)?;
+        let text = store
+            .secret_get(tenant, &secret.value_id)
+            .await?
+            .ok_or_else(|| Error::Unavailable(format!("version {} of {reference} is not readable yet", secret.secret_version)))?;
+        let payload = bc_projections::events::to_cbor(&bc_projections::events::SecretResolved {
+            secret_id: secret.secret_id.clone(),
+            secret_version: secret.secret_version,
+            referrer: referrer.to_owned(),
+        })?;
+        let mut request = bc_core::store::AppendRequest::new(
+            tenant,
+            bc_projections::stream_of(bc_projections::secret::KIND_SECRET_RESOLUTION, &secret.secret_id),
+            bc_core::store::ExpectedVersion::Any,
+            SESSION_RESOLVER_ACTOR,
+            vec![bc_core::store::NewEvent::new(bc_projections::events::SECRET_RESOLVED, payload)],
+        );
+        request.idempotency_key = Some(format!("secret_resolved:{referrer}:{}:{}", secret.secret_id, secret.secret_version));
+        log.append(request).await?;
+        *value = serde_json::Value::String(text);
+    }
+    Ok(())
 }
 
 async fn secrets_put(call: &Call<'_>, input: SecretsPut) -> Result<SecretView> {
@@ -196,7 +312,7 @@ async fn secrets_put(call: &Call<'_>, input: SecretsPut) -> Result<SecretView> {
     if let Some(current) = existing.iter().find(|s| s.name == input.name)
         && bc_core::webhook::Secret::parse(&input.value).is_err()
     {
-        let referrers = referrers(call, tenant, &current.reference()).await?;
+        let referrers = webhook_referrers(call, tenant, &current.reference()).await?;
         if !referrers.is_empty() {
             return Err(Error::state(
                 format!(
