@@ -116,6 +116,7 @@ fn sim_options(nodes: usize, tenants: usize, hours: u64) -> Options {
         tenants,
         hours,
         faults: Fault::ALL.to_vec(),
+        metal: None,
         unsafe_no_placement_guard: false,
         unsafe_no_journal_dedupe: false,
         unsafe_break: None,

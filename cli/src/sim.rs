@@ -232,6 +232,8 @@ pub struct RunArgs<'a> {
     pub tenants: usize,
     pub hours: u64,
     pub faults: &'a str,
+    /// `--metal`: bare-metal machines (`None`: the run's default).
+    pub metal: Option<usize>,
     /// `--cpu`: `auto`, a CPU number or `any`.
     pub cpu: &'a str,
     pub report: Option<&'a Path>,
@@ -270,6 +272,7 @@ pub async fn run(args: RunArgs<'_>, json_out: bool) -> Result<(), CliError> {
         tenants: args.tenants,
         hours: args.hours,
         faults,
+        metal: args.metal,
         unsafe_no_placement_guard: args.unsafe_no_placement_guard,
         unsafe_no_journal_dedupe: args.unsafe_no_journal_dedupe,
         unsafe_break: args.unsafe_break.map(bc_simulator::run::Break::parse).transpose().map_err(CliError::usage)?,

@@ -76,6 +76,8 @@ use crate::world::{JournalInLog, Shape, Violation, World, chance, pick};
 pub const NODES_MAX: usize = 5000;
 pub const TENANTS_MAX: usize = 100;
 pub const HOURS_MAX: u64 = 24 * 30;
+/// Bare-metal machines at most (`--metal`).
+pub const METAL_MAX: usize = 1000;
 /// Steps of one run at most, whatever the options (a run that never ends is a bug).
 pub const STEPS_MAX: u64 = 50_000_000;
 /// How often the reservations reconciler and the liveness sweep pass.
@@ -372,6 +374,9 @@ pub struct Options {
     pub tenants: usize,
     pub hours: u64,
     pub faults: Vec<Fault>,
+    /// Bare-metal machines enrolled (`--metal`); `None`: one for every `NODES_PER_MACHINE`
+    /// (25) nodes, at least one (`run/metal.rs`). `Some(0)`: no bare metal at all.
+    pub metal: Option<usize>,
     /// TEST ONLY: the stale view's placements are appended without their node guard, so the
     /// checker's premise is broken on purpose and it must find a double booking.
     pub unsafe_no_placement_guard: bool,
@@ -401,7 +406,17 @@ impl Options {
         if self.hours == 0 || self.hours > HOURS_MAX {
             return Err(format!("--hours {} is outside 1..={HOURS_MAX}", self.hours));
         }
+        if let Some(metal) = self.metal
+            && metal > METAL_MAX
+        {
+            return Err(format!("--metal {metal} is outside 0..={METAL_MAX}"));
+        }
         Ok(())
+    }
+
+    /// The bare-metal machines the run enrolls ([`Options::metal`], or its default).
+    pub fn metal_machines(&self) -> usize {
+        self.metal.unwrap_or_else(|| self.nodes.div_ceil(metal::NODES_PER_MACHINE).max(1))
     }
 
     /// The one command that repeats this run.
@@ -417,6 +432,9 @@ impl Options {
             "better-compute sim run --seed {} --nodes {} --tenants {} --hours {} --faults {faults}",
             self.seed, self.nodes, self.tenants, self.hours
         );
+        if let Some(metal) = self.metal {
+            command.push_str(&format!(" --metal {metal}"));
+        }
         if self.unsafe_no_placement_guard {
             command.push_str(" --unsafe-no-placement-guard");
         }
@@ -1865,6 +1883,7 @@ mod tests {
             tenants: 2,
             hours: 1,
             faults: Fault::ALL.to_vec(),
+            metal: None,
             unsafe_no_placement_guard: false,
             unsafe_no_journal_dedupe: false,
             unsafe_break: None,
@@ -1882,6 +1901,8 @@ mod tests {
         assert!(o.command().ends_with("--hours 1 --faults all"), "{}", o.command());
         o.faults = vec![Fault::ClockSkew];
         assert!(o.command().ends_with("--faults clock-skew"), "{}", o.command());
+        o.metal = Some(0);
+        assert!(o.command().ends_with("--faults clock-skew --metal 0"), "{}", o.command());
         o.unsafe_no_placement_guard = true;
         assert!(o.command().ends_with(" --unsafe-no-placement-guard"));
     }
@@ -1893,6 +1914,8 @@ mod tests {
         assert!(Options { tenants: 5, ..options(1) }.check().unwrap_err().contains("every tenant needs a node"));
         assert!(Options { hours: 0, ..options(1) }.check().is_err());
         assert!(Options { hours: HOURS_MAX + 1, ..options(1) }.check().is_err());
+        assert!(Options { metal: Some(METAL_MAX), ..options(1) }.check().is_ok());
+        assert!(Options { metal: Some(METAL_MAX + 1), ..options(1) }.check().unwrap_err().contains("--metal"));
     }
 
     #[tokio::test]
@@ -2019,6 +2042,7 @@ mod tests {
         let metal = &a.metal;
         assert_eq!(metal.machines, 2, "one machine for every {} nodes", metal::NODES_PER_MACHINE);
         assert!(metal.bmc_hangs > 0, "a call hung until its timeout: {metal:?}");
+        assert!(metal.moves > metal.verbs.values().sum::<u64>() / 2, "the moves were checked against the table: {metal:?}");
         assert!(metal.verbs.get("deploy").is_some_and(|n| *n > 0), "{metal:?}");
         assert!(metal.workflows.get("succeeded").is_some_and(|n| *n > 0), "{metal:?}");
         assert!(metal.workflows.get("failed").is_some_and(|n| *n > 0), "a fault failed a workflow: {metal:?}");

@@ -37,6 +37,10 @@ pub enum SimCommand {
         /// metal's bmc-hangs, power-never-applies, deploy-never-joins).
         #[arg(long, default_value = "all")]
         faults: String,
+        /// Bare-metal machines enrolled (at most 1,000; 0: none), their operators' verbs and
+        /// the metal faults with them; by default one for every 25 nodes, at least one.
+        #[arg(long, value_name = "N")]
+        metal: Option<usize>,
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
@@ -104,6 +108,7 @@ pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
             tenants,
             hours,
             faults,
+            metal,
             json,
             cpu,
             report,
@@ -117,6 +122,7 @@ pub async fn run(ctx: &Context, command: SimCommand) -> Result<(), CliError> {
                 tenants,
                 hours,
                 faults: &faults,
+                metal,
                 cpu: &cpu,
                 report: report.as_deref(),
                 unsafe_no_placement_guard,

@@ -6,9 +6,10 @@
 //! --node-id` does (`node.joined` and `join_token.used`, guarded as the gateway's join guards
 //! them).
 //!
-//! - **Machines**: one for every [`NODES_PER_MACHINE`] nodes (at least one), machine `i` tenant
-//!   `i % T`'s, in a pool of their own (`metal-<t>`), so no reservation, rollout or drain of the
-//!   GPU workload takes a node a deploy made.
+//! - **Machines**: one for every [`NODES_PER_MACHINE`] nodes (at least one), or `--metal N`
+//!   (`0`: no bare metal at all), machine `i` tenant `i % T`'s, in a pool of their own
+//!   (`metal-<t>`), so no reservation, rollout or drain of the GPU workload takes a node a
+//!   deploy made.
 //! - **Its own stream of the seed** ([`METAL_STREAM`]): the operators' verbs, the BMCs' power
 //!   lag, the install times and the metal faults draw from it, so the rest of a run draws what
 //!   it drew before.
@@ -23,7 +24,10 @@
 //!   machine's next deploy installs a system whose agent never joins: the deploy fails at its
 //!   deadline).
 //! - **Checks** at every activation of the reconciler, on the machines as it reads them
-//!   ([`Sim::metal_docs_check`]), and after every turn ([`Sim::metal_bmc_check`]): no BMC is asked two things at
+//!   ([`Sim::metal_docs_check`]), and after every turn ([`Sim::metal_bmc_check`]): every move of
+//!   a machine in the log (`metal.transitioned`) is a row of the lifecycle table from where its
+//!   last move left it, and its document rests where its last move left it
+//!   ([`Sim::metal_moves_check`], [`table_allows`]); no BMC is asked two things at
 //!   once (a second call while one is in flight: two turns of one machine); a stable state runs
 //!   nothing but a power change and every other state runs a workflow (no wait without a
 //!   deadline); every running workflow ends within its bound, derived from the lifecycle table
@@ -107,6 +111,8 @@ pub struct MetalCounts {
     /// Reconciler turns run, and steps recorded (`metal.step_done`).
     pub turns: u64,
     pub steps: u64,
+    /// Machines' moves (`metal.transitioned`) checked against the lifecycle table.
+    pub moves: u64,
 }
 
 impl MetalCounts {
@@ -120,6 +126,7 @@ impl MetalCounts {
             "joins": self.joins,
             "turns": self.turns,
             "steps": self.steps,
+            "moves": self.moves,
         })
     }
 }
@@ -352,6 +359,43 @@ pub(super) struct SimMetal {
     broken_deadline: bool,
     /// Deploys' join tokens found spent or revoked (for good): the check reads them no more.
     tokens_final: BTreeSet<String>,
+    /// Each machine's moves as the log has them, checked against the lifecycle table up to a
+    /// version of its stream ([`Sim::metal_moves_check`]).
+    moves: BTreeMap<String, Moves>,
+}
+
+/// A machine's moves checked so far: up to `version` of its stream, ending in `state`.
+#[derive(Clone, Copy, Debug)]
+struct Moves {
+    version: u64,
+    state: MetalState,
+    retired: bool,
+}
+
+/// One `metal.transitioned`, `from` → `to` by `verb`, against the lifecycle table
+/// (`bc_projections::metal::TRANSITIONS`, read here as data, apart from the fold and the
+/// decision): it must start where the machine's last move ended (`at`), name a row of the table,
+/// and end where that row goes (`to_if_retired` on a machine retired before). The state it
+/// leaves the machine in, or what is wrong with it.
+pub fn table_allows(at: MetalState, retired: bool, verb: &str, from: &str, to: &str) -> Result<MetalState, String> {
+    let state = |text: &str| bc_projections::metal::STATES.iter().copied().find(|s| s.as_str() == text);
+    let (Some(from), Some(to)) = (state(from), state(to)) else {
+        return Err(format!("moved from {from:?} to {to:?}, a state the lifecycle table does not have"));
+    };
+    let Some(verb) = Verb::ALL.iter().copied().find(|v| v.as_str() == verb) else {
+        return Err(format!("moved by {verb:?}, a verb the lifecycle table does not have"));
+    };
+    if from != at {
+        return Err(format!("moved from {from} by {verb}, but its last move left it in {at}"));
+    }
+    let Some(row) = bc_projections::metal::TRANSITIONS.iter().find(|r| r.from == from && r.verb == verb) else {
+        return Err(format!("moved from {from} by {verb}, which the lifecycle table does not allow"));
+    };
+    let expected = if retired { row.to_if_retired.unwrap_or(row.to) } else { row.to };
+    if to != expected {
+        return Err(format!("moved from {from} by {verb} to {to}, where the lifecycle table goes to {expected}"));
+    }
+    Ok(to)
 }
 
 /// The bound of a running workflow, from the lifecycle table: the deadline of the state it runs
@@ -393,6 +437,11 @@ impl Sim {
     /// Enrolls the machines (a pool of their own per tenant that has one), each powered off,
     /// and schedules their operators and the metal faults.
     pub(super) async fn metal_start(&mut self) {
+        let count = self.options.metal_machines();
+        if count == 0 {
+            // `--metal 0`: no machine, no metal fault.
+            return;
+        }
         let faults = self.options.faults.clone();
         let mut rng = SeededRng(self.options.seed ^ METAL_STREAM);
         let mut enabled = BTreeMap::new();
@@ -404,7 +453,6 @@ impl Sim {
             }
         }
         self.out.faults_enabled.extend(enabled.keys().map(|f| f.name()));
-        let count = self.options.nodes.div_ceil(NODES_PER_MACHINE).max(1);
         let shared: Shared = Arc::new(Mutex::new(Bmcs {
             clock: self.world.clock.clone(),
             rng: SeededRng(self.options.seed ^ METAL_STREAM ^ 1),
@@ -483,6 +531,7 @@ impl Sim {
             enabled,
             broken_deadline: self.options.unsafe_break == Some(Break::MetalDeadlineIgnored),
             tokens_final: BTreeSet::new(),
+            moves: BTreeMap::new(),
         });
     }
 
@@ -873,6 +922,7 @@ impl Sim {
         let now = self.world.now_ms();
         for (&t, docs) in all {
             for doc in docs {
+                self.metal_moves_check(t, doc).await?;
                 let node = doc.node_id.as_str();
                 match doc.running() {
                     Some(w) => {
@@ -934,6 +984,52 @@ impl Sim {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Every move of machine `doc` the log has since the last check, in order, against the
+    /// lifecycle table ([`table_allows`]); and the document rests where the last move left it.
+    /// Read only when the document's version moved.
+    async fn metal_moves_check(&mut self, t: usize, doc: &MetalDoc) -> Result<(), Violation> {
+        let node = doc.node_id.as_str();
+        let metal = self.metal.as_mut().expect("metal");
+        let mut moves = metal.moves.get(node).copied().unwrap_or(Moves { version: 0, state: MetalState::Enroll, retired: false });
+        if doc.version <= moves.version {
+            return Ok(());
+        }
+        let tenant = self.world.tenants[t].id;
+        let stream = stream_of(KIND_METAL, &doc.node_id);
+        while moves.version < doc.version {
+            let page = self.world.store.read_stream_rows(tenant, &stream, moves.version, 256).await.expect("the log reads");
+            if page.is_empty() {
+                break;
+            }
+            for row in page {
+                let version = row.version;
+                moves.version = version;
+                if row.event_type == ev::METAL_ENROLLED {
+                    moves.state = MetalState::Enroll;
+                }
+                if row.event_type != ev::METAL_TRANSITIONED {
+                    continue;
+                }
+                let event = row.decode().map_err(|e| Violation(format!("metal: machine {node}'s event: {e}")))?;
+                let p: ev::MetalTransitioned = serde_json::from_value(bc_core::canonical::to_json(&event.envelope.payload))
+                    .map_err(|e| Violation(format!("metal: machine {node}'s metal.transitioned at version {version}: {e}")))?;
+                moves.state = table_allows(moves.state, moves.retired, &p.verb, &p.from, &p.to).map_err(|why| {
+                    Violation(format!("metal: machine {node} (seq {}, version {version}) {why}", event.envelope.seq))
+                })?;
+                moves.retired |= p.verb == Verb::Retire.as_str();
+                self.metal.as_mut().expect("metal").counts.moves += 1;
+            }
+        }
+        if moves.version == doc.version && moves.state != doc.state {
+            return Err(Violation(format!(
+                "metal: machine {node} is {} by its document at version {}, but its moves in the log end in {}",
+                doc.state, doc.version, moves.state
+            )));
+        }
+        self.metal.as_mut().expect("metal").moves.insert(node.to_owned(), moves);
         Ok(())
     }
 
@@ -1027,6 +1123,28 @@ mod tests {
         assert!(conflict.contains("eject-media while system was in flight"), "{conflict}");
         answer.send(()).unwrap();
         assert!(matches!(hanging.await, Err(BmcError::Timeout(_))));
+    }
+
+    /// The moves check takes what the table allows, from where the last move left the machine,
+    /// a retired machine's cleaning ending in manageable; and refuses a move the table has no
+    /// row for, one from another state than the last move's, one to another state than its
+    /// row's, and a state or verb the table does not know.
+    #[test]
+    fn the_moves_check_takes_the_tables_rows_and_refuses_anything_else() {
+        use MetalState as S;
+        assert_eq!(table_allows(S::Enroll, false, "manage", "enroll", "verifying"), Ok(S::Verifying));
+        assert_eq!(table_allows(S::DeployWait, false, "fail", "deploy-wait", "deploy-failed"), Ok(S::DeployFailed));
+        assert_eq!(table_allows(S::Active, false, "power", "active", "active"), Ok(S::Active));
+        assert_eq!(table_allows(S::Cleaning, true, "done", "cleaning", "manageable"), Ok(S::Manageable));
+        assert_eq!(table_allows(S::Cleaning, false, "done", "cleaning", "available"), Ok(S::Available));
+        let refused = |at, retired, verb, from, to| table_allows(at, retired, verb, from, to).unwrap_err();
+        assert!(refused(S::Enroll, false, "deploy", "enroll", "deploying").contains("does not allow"));
+        assert!(refused(S::Active, false, "done", "active", "manageable").contains("does not allow"));
+        assert!(refused(S::Manageable, false, "provide", "available", "cleaning").contains("last move left it in manageable"));
+        assert!(refused(S::Cleaning, true, "done", "cleaning", "available").contains("goes to manageable"));
+        assert!(refused(S::DeployWait, false, "fail", "deploy-wait", "error").contains("goes to deploy-failed"));
+        assert!(refused(S::Enroll, false, "manage", "enroll", "limbo").contains("does not have"));
+        assert!(refused(S::Enroll, false, "teleport", "enroll", "verifying").contains("does not have"));
     }
 
     /// Polls a future once.
