@@ -40,6 +40,7 @@ pub mod metrics;
 pub mod node_cert;
 pub mod runner;
 pub mod sandboxes;
+pub mod volumes;
 pub mod session;
 pub mod sim;
 pub mod ssh_ca;

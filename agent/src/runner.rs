@@ -676,6 +676,56 @@ impl Runner {
         Ok(out)
     }
 
+    /// `sandbox_volume.apply`: run once, past its deadline answered `sandbox_volume.apply_failed`
+    /// unrun, else carried out by `sandboxes` (the volume ledger first, then the disk) and
+    /// answered with what the volume then is (`sandbox_volume.observed`) or why not
+    /// (`sandbox_volume.apply_failed`), on the volume's stream.
+    pub async fn run_volume_apply(
+        &self,
+        command: &bc_proto::Command,
+        now_ms: u64,
+        sandboxes: Option<&crate::sandboxes::Sandboxes>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
+        let mut out = Vec::new();
+        let id = command.command_id.as_str();
+        if id.parse::<bc_core::id::CommandId>().is_err() {
+            tracing::warn!("a command with a malformed id was ignored");
+            return Ok(out);
+        }
+        let stage = self.journal.command_stage(id).await?;
+        if stage == Some(Stage::Finished) {
+            return Ok(out);
+        }
+        let args = match crate::volumes::parse_args(&command.args_json) {
+            Ok(args) => args,
+            Err((Some(volume_id), reason)) => {
+                let (entry_type, payload) = crate::volumes::report_payload(&volume_id, &Err(reason));
+                let finish = Finish { entry_type, subject: Some(format!("sandbox_volume/{volume_id}")), payload };
+                self.finish(now_ms, id, finish, &mut out).await?;
+                return Ok(out);
+            }
+            Err((None, reason)) => {
+                self.finish(now_ms, id, Finish::failed(reason), &mut out).await?;
+                return Ok(out);
+            }
+        };
+        let outcome = if now_ms > command.deadline_ms {
+            Err("deadline-passed: the deadline passed before the node ran it".to_owned())
+        } else if let Some(sandboxes) = sandboxes {
+            if stage.is_none() {
+                self.write(self.draft(now_ms, "command.started", id, json!({}), Stage::Started), &mut out).await?;
+            }
+            sandboxes.apply_volume(id, &args).await
+        } else {
+            Err("no-runtime: this node runs no sandboxes, so it keeps no volumes (hint: install runsc)".to_owned())
+        };
+        let (entry_type, payload) = crate::volumes::report_payload(&args.volume_id, &outcome);
+        let finish = Finish { entry_type, subject: Some(format!("sandbox_volume/{}", args.volume_id)), payload };
+        self.finish(now_ms, id, finish, &mut out).await?;
+        tracing::info!(command = %id, volume = %args.volume_id, "sandbox_volume.apply ran");
+        Ok(out)
+    }
+
     /// Retries the releases the machine refused; each that now succeeds leaves the ledger and
     /// is reported `gpu.released` for its command. Returns the entries written.
     pub async fn retry_releases(&self, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
@@ -1121,6 +1171,9 @@ impl Agent {
     pub async fn run(&self, command: &bc_proto::Command, now_ms: u64) -> Result<Vec<SignedEntry>, JournalError> {
         if command.kind == crate::sandboxes::SANDBOX_APPLY {
             return self.runner.run_sandbox_apply(command, now_ms, self.sandboxes.as_deref()).await;
+        }
+        if command.kind == crate::volumes::SANDBOX_VOLUME_APPLY {
+            return self.runner.run_volume_apply(command, now_ms, self.sandboxes.as_deref()).await;
         }
         self.runner.run_all(command, now_ms, self.instances.as_ref(), self.update.as_deref()).await
     }

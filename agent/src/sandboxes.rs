@@ -16,6 +16,10 @@
 //! - **Runtime**: [`Runsc`] runs `runsc --root <data_dir>/sandboxes/runsc …`, its own state
 //!   directory, so its containers are this agent's alone; [`sweep_plan`] (pure) names those no
 //!   ledger entry does, which [`Sandboxes::sweep`] removes.
+//! - **Volumes**: a sandbox of a template with volumes bind-mounts each (loop-mounted on the node
+//!   by [`crate::volumes`]) at its path; only the root file system is under the in-memory layer
+//!   (`--overlay2=root:memory`), so what it writes there reaches the volume. A volume mounted by a
+//!   sandbox of the ledger is neither grown nor deleted ([`Sandboxes::apply_volume`]).
 //! - **Exec**: [`Sandboxes::exec`] runs a command in a running sandbox (`runsc exec`, the
 //!   sandbox's environment), its stdin, stdout and stderr streamed as tunnel frames and its exit
 //!   status the tunnel's end.
@@ -137,7 +141,9 @@ impl SandboxRuntime for Runsc {
     fn start(&self, id: &str, bundle: &Path) -> Result<(), String> {
         std::fs::create_dir_all(&self.root).map_err(|e| format!("disk: {}: {e}", self.root.display()))?;
         let mut command = self.command();
-        command.arg("--overlay").arg("run").arg("--detach").arg("--bundle").arg(bundle).arg(id);
+        // Only the root file system under the in-memory writable layer: a volume's bind mount
+        // writes through to the volume.
+        command.arg("--overlay2=root:memory").arg("run").arg("--detach").arg("--bundle").arg(bundle).arg(id);
         // The sandbox outlives this call: it must hold none of our pipes.
         let status = command
             .stdout(Stdio::null())
@@ -214,6 +220,19 @@ pub struct SandboxArgs {
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     pub network: String,
+    /// The volumes it mounts (this node's, [`crate::volumes`]).
+    #[serde(default)]
+    pub volumes: Vec<SandboxMount>,
+}
+
+/// A volume a sandbox mounts, and where.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxMount {
+    pub volume_id: String,
+    pub path: String,
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// One sandbox the ledger holds: what it was asked to be, written before the machine is
@@ -224,6 +243,9 @@ pub struct SandboxEntry {
     pub desired: String,
     pub command_id: String,
     pub image_sha256: String,
+    /// The volumes it mounts: none is grown or deleted while it is here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -258,13 +280,36 @@ pub fn parse_args(args_json: &str) -> Result<SandboxArgs, (Option<String>, Strin
     if args.vcpus == 0 || args.memory_mib == 0 {
         return bad("a sandbox needs at least one vCPU and some memory".into());
     }
+    for m in &args.volumes {
+        if m.volume_id.parse::<bc_core::id::SandboxVolumeId>().is_err() {
+            return bad("a volume's id is not a volume id".into());
+        }
+        let plain = m.path.len() <= 256
+            && m.path.starts_with('/')
+            && m.path[1..].split('/').all(|c| !c.is_empty() && c != "." && c != "..")
+            && m.path.bytes().all(|b| b.is_ascii_graphic());
+        if !plain {
+            return bad(format!("a volume's mount path {:?} is not a plain absolute path", bc_core::id::truncate(&m.path, 60)));
+        }
+    }
     Ok(args)
 }
 
 /// The OCI runtime configuration of a sandbox (pure): its init process, environment, root file
-/// system (`rootfs`, shared read-only; the runtime's overlay takes its writes), limits and
+/// system (`rootfs`, shared read-only; the runtime's overlay takes its writes), its volumes
+/// (`volumes`: each volume's mount point on the node, bind-mounted at its path), limits and
 /// namespaces.
-pub fn oci_config(args: &SandboxArgs, rootfs: &Path) -> Value {
+pub fn oci_config(args: &SandboxArgs, rootfs: &Path, volumes: &[(PathBuf, &SandboxMount)]) -> Value {
+    let mut mounts = vec![
+        json!({ "destination": "/proc", "type": "proc", "source": "proc" }),
+        json!({ "destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev"] }),
+    ];
+    for (source, m) in volumes {
+        let mode = if m.read_only { "ro" } else { "rw" };
+        mounts.push(json!({
+            "destination": m.path, "type": "bind", "source": source, "options": ["rbind", mode, "nosuid", "nodev"],
+        }));
+    }
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     env.insert("PATH".into(), DEFAULT_PATH.into());
     env.insert("HOME".into(), "/root".into());
@@ -283,10 +328,7 @@ pub fn oci_config(args: &SandboxArgs, rootfs: &Path) -> Value {
         },
         "root": { "path": rootfs, "readonly": false },
         "hostname": "sandbox",
-        "mounts": [
-            { "destination": "/proc", "type": "proc", "source": "proc" },
-            { "destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev"] },
-        ],
+        "mounts": mounts,
         "linux": {
             "namespaces": [
                 { "type": "pid" }, { "type": "ipc" }, { "type": "uts" }, { "type": "mount" }, { "type": "network" },
@@ -315,6 +357,8 @@ pub struct Sandboxes {
     ledger_file: SandboxLedgerFile,
     images: ImageCache,
     pub runtime: Arc<dyn SandboxRuntime>,
+    /// The node's volumes, which its sandboxes mount.
+    pub volumes: crate::volumes::Volumes,
 }
 
 impl Sandboxes {
@@ -328,6 +372,7 @@ impl Sandboxes {
             ledger_file,
             images: ImageCache::new(data_dir)?,
             runtime,
+            volumes: crate::volumes::Volumes::new(data_dir, Arc::new(crate::volumes::LoopExt4))?,
         })
     }
 
@@ -399,6 +444,7 @@ impl Sandboxes {
                 desired: "running".into(),
                 command_id: command_id.to_owned(),
                 image_sha256: args.image.sha256.clone(),
+                volumes: args.volumes.iter().map(|m| m.volume_id.clone()).collect(),
             },
         );
         self.ledger_file.save(&next).map_err(|e| format!("disk: recording the sandbox: {e}"))?;
@@ -426,8 +472,12 @@ impl Sandboxes {
 
     async fn make(&self, args: &SandboxArgs) -> Result<(), String> {
         let rootfs = self.rootfs(&args.image).await?;
+        let mut volumes = Vec::with_capacity(args.volumes.len());
+        for m in &args.volumes {
+            volumes.push((self.volumes.source(&m.volume_id).await?, m));
+        }
         let bundle = self.bundle_dir(&args.sandbox_id);
-        let config = serde_json::to_vec_pretty(&oci_config(args, &rootfs)).map_err(|e| format!("disk: {e}"))?;
+        let config = serde_json::to_vec_pretty(&oci_config(args, &rootfs, &volumes)).map_err(|e| format!("disk: {e}"))?;
         let write = {
             let bundle = bundle.clone();
             move || -> std::io::Result<()> {
@@ -487,9 +537,22 @@ impl Sandboxes {
         }
     }
 
-    /// Removes the runtime's sandboxes no ledger entry names, and finishes the deletes a crash
-    /// interrupted (entries marked `deleted`). Returns the ids removed.
+    /// Carries out a `sandbox_volume.apply`: refused (`attached: …`) when it would grow or
+    /// delete a volume a sandbox of this node mounts.
+    pub async fn apply_volume(&self, command_id: &str, args: &crate::volumes::VolumeArgs) -> crate::volumes::Outcome {
+        let ledger = self.ledger.lock().await;
+        let attached_to = ledger.sandboxes.iter().find(|(_, e)| e.volumes.contains(&args.volume_id)).map(|(id, _)| id.clone());
+        // Held while the volume changes: no sandbox mounting it starts meanwhile.
+        self.volumes.apply(command_id, args, attached_to.as_deref()).await
+    }
+
+    /// Mounts the volumes again (a reboot unmounted them; [`crate::volumes::Volumes::recover`]),
+    /// removes the runtime's sandboxes no ledger entry names, and finishes the deletes a crash
+    /// interrupted (entries marked `deleted`). Returns the sandbox ids removed.
     pub async fn sweep(&self) -> Result<Vec<String>, String> {
+        for (volume, why) in self.volumes.recover().await {
+            tracing::warn!(volume = %volume, error = %why, "a volume could not be brought back");
+        }
         let mut ledger = self.ledger.lock().await;
         let runtime = self.runtime.clone();
         let listed = blocking(move || runtime.list()).await??;
@@ -688,7 +751,7 @@ mod tests {
     #[test]
     fn args_are_checked_and_the_bundle_carries_the_limits_and_the_env() {
         let parsed = parse_args(&args("running")).unwrap();
-        let config = oci_config(&parsed, Path::new("/r"));
+        let config = oci_config(&parsed, Path::new("/r"), &[]);
         assert_eq!(config["linux"]["resources"]["memory"]["limit"], json!(64 * 1024 * 1024));
         assert_eq!(config["linux"]["resources"]["pids"]["limit"], json!(SANDBOX_PIDS_MAX));
         assert!(config["process"]["env"].as_array().unwrap().contains(&json!("X=1")));
@@ -702,7 +765,12 @@ mod tests {
         let mut ledger = SandboxLedger::default();
         ledger.sandboxes.insert(
             "sbx_a".into(),
-            SandboxEntry { desired: "running".into(), command_id: "cmd_1".into(), image_sha256: String::new() },
+            SandboxEntry {
+                desired: "running".into(),
+                command_id: "cmd_1".into(),
+                image_sha256: String::new(),
+                volumes: Vec::new(),
+            },
         );
         assert_eq!(sweep_plan(&ledger, &["sbx_a".into(), "sbx_b".into()]), vec!["sbx_b".to_owned()]);
     }

@@ -287,6 +287,12 @@ pub enum Command {
         #[command(subcommand)]
         command: sandboxes::SandboxTemplateCommand,
     },
+    /// Persistent volumes for sandboxes: an ext4 disk of its size on one node, mounted by the
+    /// sandboxes of templates that name it, one sandbox at a time.
+    SandboxVolume {
+        #[command(subcommand)]
+        command: sandboxes::SandboxVolumeCommand,
+    },
     /// Bare-metal machines by their BMCs: enroll, manage, inspect, provide, deploy, undeploy,
     /// rescue, power; each verb a workflow with deadlines.
     Metal {

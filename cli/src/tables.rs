@@ -215,6 +215,16 @@ pub const SANDBOX_TEMPLATES: &[Column] = &[
     Column { header: "IMAGE", cell: |r, _| r["image"]["imageId"].as_str().unwrap_or("-").to_owned() },
 ];
 
+pub const SANDBOX_VOLUMES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "volumeId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "SIZE-GIB", cell: |r, _| field(r, "sizeGiB") },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "SANDBOX", cell: |r, _| r["attachment"]["sandboxId"].as_str().unwrap_or("-").to_owned() },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 pub const INSTANCES: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "instanceId") },
     Column { header: "NAME", cell: |r, _| field(r, "name") },

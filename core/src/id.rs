@@ -107,6 +107,8 @@ typed_id!(/// A sandbox: an isolated, short-lived machine made from a sandbox te
     SandboxId, "sbx");
 typed_id!(/// A sandbox template: the pool, flavor, image, environment and bounds sandboxes are made from.
     SandboxTemplateId, "sbxt");
+typed_id!(/// A sandbox volume: an ext4 disk image of its size on one node, mounted into one sandbox at a time.
+    SandboxVolumeId, "vol");
 typed_id!(/// A bare-metal workflow: the steps one verb runs on one machine's BMC.
     WorkflowId, "wf");
 typed_id!(/// A registered, signed `bcd` release.

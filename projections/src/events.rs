@@ -66,6 +66,12 @@ pub use crate::sandbox::{
     SandboxDeleteRequested, SandboxEnd, SandboxReport, SandboxShape, SandboxTemplateCreated, SandboxTemplateDeleted,
     SandboxTemplateUpdated,
 };
+pub use crate::sandbox_volume::{
+    SANDBOX_VOLUME_APPLY_FAILED, SANDBOX_VOLUME_ATTACHED, SANDBOX_VOLUME_CREATED, SANDBOX_VOLUME_DELETE_REQUESTED,
+    SANDBOX_VOLUME_DETACHED, SANDBOX_VOLUME_OBSERVED, SANDBOX_VOLUME_REPORT_TYPES, SANDBOX_VOLUME_RESIZE_REQUESTED,
+    SandboxVolumeAttached, SandboxVolumeCreated, SandboxVolumeDeleteRequested, SandboxVolumeDetached, SandboxVolumeReport,
+    SandboxVolumeResizeRequested, VolumeMount,
+};
 pub use crate::secret::{SECRET_DELETED, SECRET_PUT, SECRET_RESOLVED, SecretDeleted, SecretPut, SecretResolved};
 pub use crate::tenant::{
     API_KEY_CREATED, API_KEY_REVOKED, API_KEY_UPDATED, ApiKeyCreated, ApiKeyRevoked, ApiKeyUpdated, TENANT_CREATED, TenantCreated,
@@ -96,6 +102,8 @@ pub const NODE_ORIGINATED_TYPES: &[&str] = &[
     INSTANCE_APPLY_FAILED,
     SANDBOX_OBSERVED,
     SANDBOX_APPLY_FAILED,
+    SANDBOX_VOLUME_OBSERVED,
+    SANDBOX_VOLUME_APPLY_FAILED,
 ];
 
 /// Every event type this version writes.
@@ -197,6 +205,13 @@ pub const EVENT_TYPES: &[&str] = &[
     SANDBOX_DELETE_REQUESTED,
     SANDBOX_OBSERVED,
     SANDBOX_APPLY_FAILED,
+    SANDBOX_VOLUME_CREATED,
+    SANDBOX_VOLUME_RESIZE_REQUESTED,
+    SANDBOX_VOLUME_ATTACHED,
+    SANDBOX_VOLUME_DETACHED,
+    SANDBOX_VOLUME_DELETE_REQUESTED,
+    SANDBOX_VOLUME_OBSERVED,
+    SANDBOX_VOLUME_APPLY_FAILED,
     METAL_ENROLLED,
     METAL_TRANSITIONED,
     METAL_STEP_DONE,

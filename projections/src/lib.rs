@@ -46,6 +46,7 @@ pub mod quota;
 pub mod reservation;
 pub mod rollout;
 pub mod sandbox;
+pub mod sandbox_volume;
 pub mod secret;
 pub mod tenant;
 pub mod tunnel;
@@ -209,6 +210,7 @@ impl Projector for Projections {
         if GPU_REPORT_TYPES.contains(&report_type)
             || INSTANCE_REPORT_TYPES.contains(&report_type)
             || sandbox::SANDBOX_REPORT_TYPES.contains(&report_type)
+            || sandbox_volume::SANDBOX_VOLUME_REPORT_TYPES.contains(&report_type)
         {
             command::touches_report(event, out);
         }
@@ -217,6 +219,7 @@ impl Projector for Projections {
             KIND_RESERVATION => Some(KIND_RESERVATION_LIVE),
             KIND_INSTANCE => Some(KIND_INSTANCE_LIVE),
             sandbox::KIND_SANDBOX => Some(sandbox::KIND_SANDBOX_LIVE),
+            sandbox_volume::KIND_SANDBOX_VOLUME => Some(sandbox_volume::KIND_SANDBOX_VOLUME_LIVE),
             rollout::KIND_ROLLOUT => Some(rollout::KIND_ROLLOUT_LIVE),
             batch::KIND_COMMAND_BATCH => Some(batch::KIND_COMMAND_BATCH_LIVE),
             KIND_JOIN_REQUEST => Some(KIND_JOIN_REQUEST_PENDING),
@@ -275,6 +278,7 @@ impl Projector for Projections {
             KIND_SECRET => secret::apply(key, current, event),
             KIND_INSTANCE => instance::apply(key, current, event),
             sandbox::KIND_SANDBOX | sandbox::KIND_SANDBOX_TEMPLATE => sandbox::apply(key, current, event),
+            sandbox_volume::KIND_SANDBOX_VOLUME => sandbox_volume::apply(key, current, event),
             workflow::KIND_METAL => workflow::apply(key, current, event),
             rollout::KIND_RELEASE | rollout::KIND_ROLLOUT => rollout::apply(key, current, event),
             batch::KIND_APPROVER_SET | batch::KIND_COMMAND_BATCH => batch::apply(key, current, event),

@@ -85,6 +85,9 @@ pub struct SandboxTemplateCreated {
     pub max_ttl_s: u64,
     pub env: std::collections::BTreeMap<String, String>,
     pub network: String,
+    /// The volumes every sandbox mounts (a template with volumes keeps no warm pool).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// `sandbox_template.updated`: what changes in place (absent: unchanged). Its pool, flavor, image
@@ -103,6 +106,9 @@ pub struct SandboxTemplateUpdated {
     pub max_ttl_s: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<std::collections::BTreeMap<String, String>>,
+    /// The volumes from now on, replacing the old whole (empty: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes: Option<Vec<VolumeMount>>,
 }
 
 pub type SandboxTemplateDeleted = NoFields;
@@ -121,6 +127,8 @@ pub struct SandboxTemplateDoc {
     pub max_ttl_s: u64,
     pub env: std::collections::BTreeMap<String, String>,
     pub network: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
     pub version: u64,
     pub created_at_ms: u64,
 }
@@ -141,6 +149,9 @@ pub struct SandboxCreated {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ends_at_ms: Option<u64>,
     pub apply: HoldIssued,
+    /// The template's volumes, each attached to this sandbox in the same append.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// `sandbox.claimed` (a warm one handed out) and `sandbox.extended`: its end now.
@@ -224,6 +235,8 @@ pub struct SandboxDoc {
     pub image: InstanceImage,
     pub env: std::collections::BTreeMap<String, String>,
     pub network: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
     /// Unclaimed, in its template's warm pool.
     pub warm: bool,
     /// When it was claimed (a warm one) or created (a cold one): what `maxTtlS` counts from.
@@ -246,6 +259,14 @@ pub struct SandboxDoc {
 impl SandboxDoc {
     /// The `sandbox.apply` arguments for this document (`desired`: `running` or `deleted`).
     pub fn apply_args(&self, desired: &str) -> Value {
+        let mut args = self.apply_args_base(desired);
+        if !self.volumes.is_empty() {
+            args["volumes"] = serde_json::json!(self.volumes);
+        }
+        args
+    }
+
+    fn apply_args_base(&self, desired: &str) -> Value {
         serde_json::json!({
             "sandboxId": self.sandbox_id,
             "desired": desired,
@@ -284,6 +305,7 @@ fn apply_template(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> 
                     max_ttl_s: p.max_ttl_s,
                     env: p.env,
                     network: p.network,
+                    volumes: p.volumes,
                     version: env.version,
                     created_at_ms: env.at_ms,
                 }
@@ -295,6 +317,7 @@ fn apply_template(key: &RowKey, current: Option<Value>, event: &StoredEvent) -> 
             set_if(&mut doc.default_ttl_s, p.default_ttl_s);
             set_if(&mut doc.max_ttl_s, p.max_ttl_s);
             set_if(&mut doc.env, p.env);
+            set_if(&mut doc.volumes, p.volumes);
             doc.version = event.envelope.version;
         }),
         SANDBOX_TEMPLATE_DELETED => delete_once(key, current, event),
@@ -324,6 +347,7 @@ fn apply_sandbox(kind: &str, id: &str, current: Option<Value>, event: &StoredEve
                 image: p.image,
                 env: p.env,
                 network: p.network,
+                volumes: p.volumes,
                 warm: p.warm,
                 started_at_ms: (!p.warm).then_some(env.at_ms),
                 ends_at_ms: p.ends_at_ms,

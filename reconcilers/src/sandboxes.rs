@@ -4,7 +4,8 @@
 //! `sandbox.apply`) for each sandbox past its end, whatever its node's state; the delete again
 //! when the node did not answer it by its deadline (an unreachable node gets it when it is back:
 //! its queue keeps it); and warm sandboxes made on the least loaded node of the pool until each
-//! template has `warmMin` of them.
+//! template has `warmMin` of them. A sandbox volume attached to a sandbox that is no longer
+//! live is detached (`sandbox_volume.detached`, [`decide_volume::volumes_to_detach`]).
 //!
 //! Every append is at the sandbox's (or the template's) version the pass read, so two processes
 //! running it never both act on one state: the second gets a CONFLICT and decides again.
@@ -17,8 +18,10 @@ use bc_core::id::{CommandId, SandboxId};
 use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
 use bc_projections::decide::sandbox::{self as decide, SandboxAction};
+use bc_projections::decide::sandbox_volume as decide_volume;
 use bc_projections::placement::Issue;
 use bc_projections::sandbox::{KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxState, SandboxTemplateDoc};
+use bc_projections::sandbox_volume::{KIND_SANDBOX_VOLUME_LIVE, SandboxVolumeDoc};
 use bc_projections::{KIND_NODE, NodeDoc};
 
 use crate::all_rows;
@@ -33,6 +36,7 @@ pub const TICK_MS_DEFAULT: u64 = 500;
 pub struct Pass {
     pub deleting: usize,
     pub warmed: usize,
+    pub detached: usize,
     pub conflicts: usize,
 }
 
@@ -48,6 +52,14 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
         live += sandboxes.len() as u64;
         warm += sandboxes.iter().filter(|s| s.warm && matches!(s.state, SandboxState::Starting | SandboxState::Running)).count()
             as u64;
+        let volumes: Vec<SandboxVolumeDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_VOLUME_LIVE).await?;
+        for append in decide_volume::volumes_to_detach(&volumes, &sandboxes)? {
+            match log.append(append.into_request(tenant, ACTOR)).await {
+                Ok(_) => done.detached += 1,
+                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "append failed"),
+            }
+        }
         if templates.is_empty() && sandboxes.is_empty() {
             continue;
         }
@@ -109,7 +121,12 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
 
 impl crate::driver::PassReport for Pass {
     fn counts(&self) -> Vec<(&'static str, u64)> {
-        vec![("deleting", self.deleting as u64), ("warmed", self.warmed as u64), ("conflicts", self.conflicts as u64)]
+        vec![
+            ("deleting", self.deleting as u64),
+            ("warmed", self.warmed as u64),
+            ("detached", self.detached as u64),
+            ("conflicts", self.conflicts as u64),
+        ]
     }
 
     fn again(&self) -> bool {
@@ -117,8 +134,9 @@ impl crate::driver::PassReport for Pass {
     }
 
     fn log(&self, name: &'static str) {
-        if self.deleting + self.warmed + self.conflicts > 0 {
-            tracing::info!(reconciler = name, deleting = self.deleting, warmed = self.warmed, conflicts = self.conflicts, "pass");
+        if self.deleting + self.warmed + self.detached + self.conflicts > 0 {
+            let (deleting, warmed, detached, conflicts) = (self.deleting, self.warmed, self.detached, self.conflicts);
+            tracing::info!(reconciler = name, deleting, warmed, detached, conflicts, "pass");
         }
     }
 }

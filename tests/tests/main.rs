@@ -48,6 +48,7 @@ mod reservations;
 mod review_regressions;
 mod roles;
 mod rollouts;
+mod sandbox_volumes;
 mod sandboxes;
 mod schemathesis;
 mod secrets;

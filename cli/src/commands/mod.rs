@@ -90,6 +90,7 @@ impl Command {
             Command::Instances { command } => instances::run(ctx, command).await,
             Command::Sandbox { command } => sandboxes::run(ctx, command).await,
             Command::SandboxTemplate { command } => sandboxes::run_template(ctx, command).await,
+            Command::SandboxVolume { command } => sandboxes::run_volume(ctx, command).await,
             Command::Metal { command } => metal::run(ctx, command).await,
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,

@@ -1,13 +1,14 @@
-//! `sandbox create|list|get|extend|delete|exec|templates` (the `sandboxes.*` methods) and
-//! `sandbox-template create|list|get|update|delete` (`sandboxTemplates.*`). Ids are checked before
-//! anything is sent (`sbx_…`, `sbxt_…`: a usage error, exit 2). `sandbox create --wait S` (0 to
+//! `sandbox create|list|get|extend|delete|exec|templates` (the `sandboxes.*` methods),
+//! `sandbox-template create|list|get|update|delete` (`sandboxTemplates.*`) and `sandbox-volume
+//! create|list|get|resize|delete` (`sandboxVolumes.*`). Ids are checked before anything is sent
+//! (`sbx_…`, `sbxt_…`, `vol_…`: a usage error, exit 2). `sandbox create --wait S` (0 to
 //! 30, default 30) follows a cold sandbox until it leaves `starting`; `sandbox exec SBX --
 //! COMMAND…` runs the command in the sandbox through an `exec` tunnel and exits with its status
 //! (`REMOTE_EXIT`).
 
 use std::collections::BTreeMap;
 
-use bc_core::id::{FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId};
+use bc_core::id::{FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
@@ -129,6 +130,10 @@ pub struct TemplateCreate {
     /// `none` (the only policy so far).
     #[arg(long, default_value = "none", value_parser = ["none"])]
     network: String,
+    /// `NAME:/PATH[:ro]`, repeatable or comma-separated: the volumes every sandbox mounts, each
+    /// by name or by `vol_…` id (the template keeps no warm pool then).
+    #[arg(long = "volumes", value_name = "NAME:/PATH[:ro],…")]
+    volumes: Vec<String>,
     #[command(flatten)]
     key: IdempotencyKey,
 }
@@ -151,6 +156,10 @@ pub struct TemplateUpdate {
     /// An empty environment from now on.
     #[arg(long)]
     clear_env: bool,
+    /// `NAME:/PATH[:ro]`, repeatable or comma-separated: the volumes from now on, replacing the
+    /// old ones (`--volumes ""`: none).
+    #[arg(long = "volumes", value_name = "NAME:/PATH[:ro],…")]
+    volumes: Option<Vec<String>>,
     #[command(flatten)]
     if_version: IfVersion,
 }
@@ -260,6 +269,9 @@ pub async fn run_template(ctx: &Context, command: SandboxTemplateCommand) -> Res
             }
             body.insert("env".into(), json!(env_of(&t.env)?));
             body.insert("network".into(), json!(t.network));
+            if !t.volumes.is_empty() {
+                body.insert("volumes".into(), volumes_of(&t.volumes)?);
+            }
             let created = c.call("sandboxTemplates.create", &Value::Object(body), Some(&idempotency_key(&t.key.key))).await?;
             ctx.print(&created, Format::Json)
         }
@@ -275,10 +287,13 @@ pub async fn run_template(ctx: &Context, command: SandboxTemplateCommand) -> Res
             put_id::<SandboxTemplateId>(&mut body, "templateId", "TEMPLATE", &t.template_id)?;
             let numbers = [("warmMin", t.warm_min.map(u64::from)), ("defaultTtlS", t.default_ttl), ("maxTtlS", t.max_ttl)];
             let new_env = t.clear_env || !t.env.is_empty();
-            if t.name.is_none() && numbers.iter().all(|(_, v)| v.is_none()) && !new_env {
+            if t.name.is_none() && numbers.iter().all(|(_, v)| v.is_none()) && !new_env && t.volumes.is_none() {
                 return Err(CliError::usage(
-                    "nothing to update: give --name, --warm-min, --default-ttl, --max-ttl, --env or --clear-env",
+                    "nothing to update: give --name, --warm-min, --default-ttl, --max-ttl, --env, --clear-env or --volumes",
                 ));
+            }
+            if let Some(volumes) = &t.volumes {
+                body.insert("volumes".into(), volumes_of(volumes)?);
             }
             if let Some(name) = t.name {
                 body.insert("name".into(), json!(name));
@@ -301,8 +316,138 @@ pub async fn run_template(ctx: &Context, command: SandboxTemplateCommand) -> Res
     }
 }
 
+/// `--volumes NAME:/PATH[:ro],…` (repeatable, comma-separated, `""` for none) as the API's
+/// `volumes`: each entry by name, or by id when it looks like `vol_…`, at an absolute path, `:ro`
+/// for a read-only mount.
+fn volumes_of(items: &[String]) -> Result<Value, CliError> {
+    let mut out = Vec::new();
+    for entry in items.iter().flat_map(|i| i.split(',')).filter(|e| !e.is_empty()) {
+        let bad = |why: &str| CliError::usage(format!("--volumes {entry:?}: {why} (NAME:/PATH or NAME:/PATH:ro)"));
+        let mut parts = entry.splitn(3, ':');
+        let (Some(volume), Some(path)) = (parts.next(), parts.next()) else { return Err(bad("no path")) };
+        let read_only = match parts.next() {
+            None => false,
+            Some("ro") => true,
+            Some(_) => return Err(bad("the only mode is ro")),
+        };
+        if volume.is_empty() {
+            return Err(bad("no volume"));
+        }
+        if !path.starts_with('/') {
+            return Err(bad("the path is not absolute"));
+        }
+        let mut mount = serde_json::Map::new();
+        if volume.starts_with("vol_") {
+            volume.parse::<SandboxVolumeId>().map_err(|e| bad(&format!("not a volume id: {e}")))?;
+            mount.insert("volumeId".into(), json!(volume));
+        } else {
+            mount.insert("name".into(), json!(volume));
+        }
+        mount.insert("path".into(), json!(path));
+        if read_only {
+            mount.insert("readOnly".into(), json!(true));
+        }
+        out.push(Value::Object(mount));
+    }
+    Ok(Value::Array(out))
+}
+
+#[derive(Subcommand)]
+pub enum SandboxVolumeCommand {
+    /// A volume of --size GiB (1 to 16384) on a node of --pool that runs sandboxes.
+    Create {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        name: String,
+        /// GiB, 1 to 16384.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16384))]
+        size: u64,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// Your volumes (--all: every one of the tenant; --pool: one pool's; --deleted: deleted
+    /// ones too).
+    List {
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        pool: Option<String>,
+        #[arg(long)]
+        deleted: bool,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One volume, by its `vol_…` id.
+    Get { volume_id: String },
+    /// Grow a volume to --size GiB (volumes only grow; not while a sandbox mounts it).
+    Resize {
+        volume_id: String,
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16384))]
+        size: u64,
+    },
+    /// Delete a volume and its data (refused while a live sandbox mounts it).
+    Delete { volume_id: String },
+}
+
+pub async fn run_volume(ctx: &Context, command: SandboxVolumeCommand) -> Result<(), CliError> {
+    let mut body = ctx.tenant_body()?;
+    let c = ctx.client()?;
+    match command {
+        SandboxVolumeCommand::Create { pool, name, size, key } => {
+            put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
+            body.insert("name".into(), json!(name));
+            body.insert("sizeGiB".into(), json!(size));
+            let created = c.call("sandboxVolumes.create", &Value::Object(body), Some(&idempotency_key(&key.key))).await?;
+            ctx.print(&created, Format::Json)
+        }
+        SandboxVolumeCommand::List { all, pool, deleted, page } => {
+            if all {
+                body.insert("scope".into(), json!("all"));
+            }
+            if let Some(pool) = pool {
+                put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
+            }
+            if deleted {
+                body.insert("deleted".into(), json!(true));
+            }
+            add_page(&mut body, &page);
+            ctx.print_list(&c.call("sandboxVolumes.list", &Value::Object(body), None).await?, tables::SANDBOX_VOLUMES)
+        }
+        SandboxVolumeCommand::Get { volume_id } => {
+            put_id::<SandboxVolumeId>(&mut body, "volumeId", "VOLUME", &volume_id)?;
+            ctx.print(&c.call("sandboxVolumes.get", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxVolumeCommand::Resize { volume_id, size } => {
+            put_id::<SandboxVolumeId>(&mut body, "volumeId", "VOLUME", &volume_id)?;
+            body.insert("sizeGiB".into(), json!(size));
+            ctx.print(&c.call("sandboxVolumes.resize", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxVolumeCommand::Delete { volume_id } => {
+            put_id::<SandboxVolumeId>(&mut body, "volumeId", "VOLUME", &volume_id)?;
+            ctx.print(&c.call("sandboxVolumes.delete", &Value::Object(body), None).await?, Format::Json)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn volumes_are_name_or_id_at_an_absolute_path() {
+        let v = super::volumes_of(&["notes:/workspace,vol_01j00000000000000000000000:/data:ro".into()]).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!([
+                { "name": "notes", "path": "/workspace" },
+                { "volumeId": "vol_01j00000000000000000000000", "path": "/data", "readOnly": true },
+            ])
+        );
+        assert_eq!(super::volumes_of(&[String::new()]).unwrap(), serde_json::json!([]), "\"\" is none");
+        for bad in ["notes", "notes:workspace", "notes:/w:rw", ":/w", "vol_x:/w"] {
+            assert!(super::volumes_of(&[bad.into()]).is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn durations_are_whole_positive_seconds() {
         assert_eq!(super::duration_s("15m"), Ok(900));

@@ -46,6 +46,7 @@ mod quotas;
 mod releases;
 mod reservations;
 mod rollouts;
+pub(crate) mod sandbox_volumes;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
 mod system;
@@ -144,6 +145,7 @@ const GROUPS: &[&[Method]] = &[
     images::METHODS,
     instances::METHODS,
     sandboxes::METHODS,
+    sandbox_volumes::METHODS,
     metal::METHODS,
     releases::METHODS,
     rollouts::METHODS,

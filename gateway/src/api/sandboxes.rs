@@ -12,13 +12,16 @@
 
 use std::collections::BTreeMap;
 
-use bc_core::id::{CommandId, FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, TenantId};
+use bc_core::id::{CommandId, FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::sandbox::{
     self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput, sandbox_node,
 };
+use bc_projections::decide::sandbox_volume::{self as decide_volume, SANDBOX_TEMPLATE_VOLUMES_MAX};
+use bc_projections::events::VolumeMount;
 use bc_projections::placement::Issue;
 use bc_projections::sandbox::{KIND_SANDBOX, KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxTemplateDoc};
+use bc_projections::sandbox_volume::{KIND_SANDBOX_VOLUME_LIVE, SandboxVolumeDoc};
 use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_NODE, KIND_POOL, NodeDoc, PoolDoc};
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -132,6 +135,27 @@ pub struct SandboxTemplatesCreate {
     env: BTreeMap<String, String>,
     /// `none` (the default and, so far, the only policy).
     network: Option<String>,
+    /// The volumes every sandbox mounts, in order (at most 8, all on one node; a template with
+    /// volumes keeps no warm pool: `warmMin` 0).
+    #[serde(default)]
+    volumes: Vec<VolumeMountInput>,
+}
+
+/// A volume a template's sandboxes mount: the volume by `name` or by `volumeId` (exactly one),
+/// at `path`, an absolute path inside the sandbox.
+#[derive(Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeMountInput {
+    #[schemars(with = "Option<NameText>")]
+    name: Option<String>,
+    #[schemars(with = "Option<super::validate::SandboxVolumeIdText>")]
+    volume_id: Option<String>,
+    /// Absolute, at most 256 bytes, not under /proc, /dev, /sys or /tmp.
+    #[schemars(length(min = 2, max = bc_projections::decide::sandbox_volume::SANDBOX_VOLUME_PATH_BYTES_MAX))]
+    path: String,
+    /// Mounted read-only.
+    #[serde(default)]
+    read_only: bool,
 }
 
 /// At least one of `name`, `warmMin`, `defaultTtlS`, `maxTtlS`, `env`, not `null`. Its pool,
@@ -144,6 +168,7 @@ pub struct SandboxTemplatesCreate {
     { "required": ["defaultTtlS"], "properties": { "defaultTtlS": { "type": "integer" } } },
     { "required": ["maxTtlS"], "properties": { "maxTtlS": { "type": "integer" } } },
     { "required": ["env"], "properties": { "env": { "type": "object" } } },
+    { "required": ["volumes"], "properties": { "volumes": { "type": "array" } } },
 ]))]
 pub struct SandboxTemplatesUpdate {
     #[schemars(with = "Option<TenantIdText>")]
@@ -168,6 +193,9 @@ pub struct SandboxTemplatesUpdate {
     /// are replaced, claimed ones keep it.
     #[schemars(with = "Option<SandboxEnv>")]
     env: Option<BTreeMap<String, String>>,
+    /// The volumes from now on, replacing the old whole (`[]`: none); with volumes the
+    /// template's `warmMin` must be 0.
+    volumes: Option<Vec<VolumeMountInput>>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -274,6 +302,43 @@ async fn rows<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: TenantId,
     rows.into_iter().map(doc).collect()
 }
 
+/// The volumes `inputs` name, each found among the tenant's volumes not yet deleted by id or by
+/// name, and those volumes' documents.
+async fn volume_mounts(
+    call: &Call<'_>,
+    tenant: TenantId,
+    inputs: &[VolumeMountInput],
+) -> Result<(Vec<VolumeMount>, Vec<SandboxVolumeDoc>)> {
+    if inputs.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    if inputs.len() > SANDBOX_TEMPLATE_VOLUMES_MAX {
+        return Err(Error::invalid(format!(
+            "{} volumes, more than the {SANDBOX_TEMPLATE_VOLUMES_MAX} a template mounts",
+            inputs.len()
+        )));
+    }
+    let live: Vec<SandboxVolumeDoc> = rows(call, tenant, KIND_SANDBOX_VOLUME_LIVE).await?;
+    let mut mounts = Vec::with_capacity(inputs.len());
+    for m in inputs {
+        bc_projections::decide::sandbox_volume::check_mount_path(&m.path)?;
+        let found = match (&m.volume_id, &m.name) {
+            (Some(id), None) => {
+                let id: SandboxVolumeId = parse_id("volumes[].volumeId", id)?;
+                let id = id.to_string();
+                live.iter().find(|v| v.volume_id == id).ok_or_else(|| Error::not_found(format!("sandbox volume {id}")))?
+            }
+            (None, Some(name)) => {
+                validate_name("volumes[].name", name)?;
+                live.iter().find(|v| &v.name == name).ok_or_else(|| Error::not_found(format!("sandbox volume named {name}")))?
+            }
+            _ => return Err(Error::invalid("each of volumes names its volume by exactly one of name and volumeId")),
+        };
+        mounts.push(VolumeMount { volume_id: found.volume_id.clone(), path: m.path.clone(), read_only: m.read_only });
+    }
+    Ok((mounts, live))
+}
+
 async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate) -> Result<SandboxTemplateView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_name("name", &input.name)?;
@@ -291,6 +356,7 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     let flavor: FlavorDoc = call.row(tenant, KIND_FLAVOR, &flavor_id.to_string(), "flavor").await?;
     let image: ImageDoc = call.row(tenant, KIND_IMAGE, &image_id.to_string(), "image").await?;
+    let (volumes, volume_docs) = volume_mounts(call, tenant, &input.volumes).await?;
     let template_id = SandboxTemplateId::from_ulid(call.ulid()).to_string();
     let decided = decide::sandbox_template_create(&SandboxTemplateInput {
         template_id: &template_id,
@@ -303,6 +369,8 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
         max_ttl_s: input.max_ttl_s,
         env: &env,
         network: input.network.as_deref(),
+        volumes: &volumes,
+        volume_docs: &volume_docs,
     })?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
@@ -325,6 +393,15 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
         let stream = bc_projections::stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id);
         super::call::expected_version(input.if_version, template.version, &stream)?;
     }
+    let volumes = match &input.volumes {
+        Some(inputs) => {
+            let (mounts, docs) = volume_mounts(call, tenant, inputs).await?;
+            // The warm pool is checked with the volumes by the update's decision.
+            decide_volume::check_template_volumes(&template.pool_id, 0, &mounts, &docs)?;
+            Some(mounts)
+        }
+        None => None,
+    };
     let _names = match input.env.as_ref().is_some_and(|env| env.values().any(|v| super::secrets::is_secret_ref(v))) {
         true => Some(call.state.name_locks.lock(tenant).await),
         false => None,
@@ -339,6 +416,7 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
         default_ttl_s: input.default_ttl_s,
         max_ttl_s: input.max_ttl_s,
         env,
+        volumes,
     };
     if let Some(append) = decide::sandbox_template_update(&template, change)? {
         call.submit(call.decided(tenant, append)).await?;
@@ -394,13 +472,29 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     for s in &live {
         *load.entry(s.node_id.clone()).or_default() += 1;
     }
-    let node = sandbox_node(&nodes, &template.pool_id, &load).ok_or_else(|| decide::no_sandbox_node(&template.pool_id))?;
+    // A template with volumes runs its sandboxes on the volumes' node.
+    let volumes: Vec<SandboxVolumeDoc> =
+        if template.volumes.is_empty() { Vec::new() } else { rows(call, tenant, KIND_SANDBOX_VOLUME_LIVE).await? };
+    let node = match decide_volume::volumes_node(&template, &volumes)? {
+        Some(node_id) => {
+            nodes.iter().find(|n| n.node_id == node_id && decide::runs_sandboxes(n, &template.pool_id)).ok_or_else(|| {
+                Error::state(
+                    format!("node {node_id}, where the template's volumes are, is not a ready node that runs sandboxes"),
+                    "wait until it is ready again; a volume stays on its node",
+                )
+            })?
+        }
+        None => sandbox_node(&nodes, &template.pool_id, &load).ok_or_else(|| decide::no_sandbox_node(&template.pool_id))?,
+    };
     let sandbox_id = SandboxId::from_ulid(call.ulid()).to_string();
     if !retry {
         super::commands::check_node_queue(call, tenant, &node.node_id).await?;
     }
     let command = command_id(call);
-    let decided = decide::sandbox_create(&template, &sandbox_id, node, Some(ttl_s), Issue { command_id: &command, now_ms })?;
+    let issue = Issue { command_id: &command, now_ms };
+    // A retry's own sandbox mounts the volumes already: the append answers it from the log.
+    let mounting: &[SandboxDoc] = if retry { &[] } else { &live };
+    let decided = decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting)?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
     let doc = sandbox_doc(call, tenant, super::call::stream_id(stream)).await?;

@@ -145,6 +145,8 @@ id_schema!(/// `sbx_…`
     SandboxIdText, bc_core::id::SandboxId);
 id_schema!(/// `sbxt_…`
     SandboxTemplateIdText, bc_core::id::SandboxTemplateId);
+id_schema!(/// `vol_…`
+    SandboxVolumeIdText, bc_core::id::SandboxVolumeId);
 id_schema!(/// `rel_…`
     ReleaseIdText, bc_core::id::ReleaseId);
 id_schema!(/// `ro_…`

@@ -22,6 +22,7 @@ use crate::sandbox::{
     CAPABILITY_SANDBOX_GVISOR, KIND_SANDBOX, KIND_SANDBOX_TEMPLATE, SANDBOX_APPLY, SANDBOX_APPLY_DEADLINE_S,
     SANDBOX_NETWORK_NONE, SandboxDoc, SandboxState, SandboxTemplateDoc,
 };
+use crate::sandbox_volume::SandboxVolumeDoc;
 use crate::{FlavorDoc, ImageDoc, NodeDoc, NodeState, PoolDoc, stream_of};
 
 /// The shortest life a sandbox may be given, in seconds.
@@ -61,6 +62,10 @@ pub struct SandboxTemplateInput<'a> {
     pub max_ttl_s: Option<u64>,
     pub env: &'a BTreeMap<String, String>,
     pub network: Option<&'a str>,
+    /// The volumes every sandbox mounts, and the tenant's volumes they name
+    /// ([`super::sandbox_volume::check_template_volumes`]).
+    pub volumes: &'a [VolumeMount],
+    pub volume_docs: &'a [SandboxVolumeDoc],
 }
 
 /// Whether `name` may be an environment variable's name: a letter or `_`, then letters, digits
@@ -146,6 +151,7 @@ pub fn sandbox_template_create(input: &SandboxTemplateInput<'_>) -> Result<Appen
     let default_ttl_s = input.default_ttl_s.unwrap_or(SANDBOX_TTL_DEFAULT_S.min(max_ttl_s));
     check_ttl("defaultTtlS", default_ttl_s, max_ttl_s)?;
     check_env(input.env)?;
+    super::sandbox_volume::check_template_volumes(&input.pool.pool_id, input.warm_min, input.volumes, input.volume_docs)?;
     let network = input.network.unwrap_or(SANDBOX_NETWORK_NONE);
     if network != SANDBOX_NETWORK_NONE {
         return Err(Error::Unsupported {
@@ -167,6 +173,7 @@ pub fn sandbox_template_create(input: &SandboxTemplateInput<'_>) -> Result<Appen
         max_ttl_s,
         env: input.env.clone(),
         network: network.to_owned(),
+        volumes: input.volumes.to_vec(),
     };
     let pool_stream = stream_of(crate::KIND_POOL, &input.pool.pool_id);
     Ok(Append {
@@ -234,6 +241,29 @@ pub fn sandbox_create(
     ttl_s: Option<u64>,
     issue: Issue<'_>,
 ) -> Result<Append, Error> {
+    sandbox_create_mounting(template, sandbox_id, node, ttl_s, issue, &[], &[])
+}
+
+/// [`sandbox_create`] for a template that may mount volumes: each of the template's volumes
+/// (found in `volumes`) is attached to the new sandbox in the same append, guarded at its
+/// version, and must be on `node` and mounted by none of the tenant's `live` sandboxes
+/// ([`super::sandbox_volume::attach_volumes`]).
+pub fn sandbox_create_mounting(
+    template: &SandboxTemplateDoc,
+    sandbox_id: &str,
+    node: &NodeDoc,
+    ttl_s: Option<u64>,
+    issue: Issue<'_>,
+    volumes: &[SandboxVolumeDoc],
+    live: &[SandboxDoc],
+) -> Result<Append, Error> {
+    if ttl_s.is_none() && !template.volumes.is_empty() {
+        return Err(Error::state(
+            format!("template {} mounts volumes: it keeps no warm sandboxes", template.template_id),
+            "create sandboxes of it one at a time (sandbox create)",
+        ));
+    }
+    let (volume_guards, attached) = super::sandbox_volume::attach_volumes(template, sandbox_id, &node.node_id, volumes, live)?;
     if let Some(ttl_s) = ttl_s {
         check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
     }
@@ -247,6 +277,7 @@ pub fn sandbox_create(
         image: template.image.clone(),
         env: template.env.clone(),
         network: template.network.clone(),
+        volumes: template.volumes.clone(),
         warm: ttl_s.is_none(),
         started_at_ms: None,
         ends_at_ms: None,
@@ -264,6 +295,7 @@ pub fn sandbox_create(
         updated_at_ms: issue.now_ms,
     };
     let mut guards = vec![(stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id), ExpectedVersion::Exact(template.version))];
+    guards.extend(volume_guards);
     let (command, apply) =
         issue_command_for(&node.node_id, SANDBOX_APPLY, doc.apply_args("running"), SANDBOX_APPLY_DEADLINE_S, issue, &mut guards)?;
     let created = SandboxCreated {
@@ -277,13 +309,11 @@ pub fn sandbox_create(
         warm: doc.warm,
         ends_at_ms: ttl_s.map(|s| issue.now_ms.saturating_add(s * 1000)),
         apply,
+        volumes: doc.volumes,
     };
-    Ok(Append {
-        stream: stream_of(KIND_SANDBOX, &sandbox_id),
-        expected: ExpectedVersion::NoStream,
-        guards,
-        events: vec![NewEvent::new(SANDBOX_CREATED, to_cbor(&created)?), command],
-    })
+    let mut events = vec![NewEvent::new(SANDBOX_CREATED, to_cbor(&created)?), command];
+    events.extend(attached);
+    Ok(Append { stream: stream_of(KIND_SANDBOX, &sandbox_id), expected: ExpectedVersion::NoStream, guards, events })
 }
 
 /// The warm sandbox of a template to hand out: a running one, unclaimed, made with the
@@ -292,7 +322,13 @@ pub fn sandbox_create(
 pub fn warm_sandbox<'a>(sandboxes: &'a [SandboxDoc], template: &SandboxTemplateDoc) -> Option<&'a SandboxDoc> {
     sandboxes
         .iter()
-        .filter(|s| s.warm && s.template_id == template.template_id && s.state == SandboxState::Running && s.env == template.env)
+        .filter(|s| {
+            s.warm
+                && s.template_id == template.template_id
+                && s.state == SandboxState::Running
+                && s.env == template.env
+                && s.volumes == template.volumes
+        })
         .min_by_key(|s| (s.created_at_ms, s.sandbox_id.clone()))
 }
 
@@ -401,7 +437,7 @@ pub fn sandboxes_plan(templates: &[SandboxTemplateDoc], sandboxes: &[SandboxDoc]
             // The template's environment changed since it was made: it would run commands with
             // the old one, so it is replaced.
             SandboxState::Starting | SandboxState::Running
-                if s.warm && known.get(s.template_id.as_str()).is_some_and(|t| t.env != s.env) =>
+                if s.warm && known.get(s.template_id.as_str()).is_some_and(|t| t.env != s.env || t.volumes != s.volumes) =>
             {
                 out.push(delete("template-updated".into()))
             }
@@ -418,6 +454,7 @@ pub fn sandboxes_plan(templates: &[SandboxTemplateDoc], sandboxes: &[SandboxDoc]
                 s.warm
                     && s.template_id == t.template_id
                     && s.env == t.env
+                    && s.volumes == t.volumes
                     && matches!(s.state, SandboxState::Starting | SandboxState::Running)
                     && s.ends_at_ms.is_none_or(|end| now_ms < end)
             })
@@ -442,7 +479,15 @@ pub fn sandboxes_plan(templates: &[SandboxTemplateDoc], sandboxes: &[SandboxDoc]
 /// appends nothing (`None`), so every `sandbox_template.updated` says what changed.
 pub fn sandbox_template_update(doc: &SandboxTemplateDoc, change: SandboxTemplateUpdated) -> Result<Option<Append>, Error> {
     if change == SandboxTemplateUpdated::default() {
-        return Err(Error::invalid("nothing to update: give name, warmMin, defaultTtlS, maxTtlS or env"));
+        return Err(Error::invalid("nothing to update: give name, warmMin, defaultTtlS, maxTtlS, env or volumes"));
+    }
+    let volumes = change.volumes.as_ref().unwrap_or(&doc.volumes);
+    let warm_min = change.warm_min.unwrap_or(doc.warm_min);
+    if !volumes.is_empty() && warm_min > 0 {
+        return Err(Error::InvalidArgument {
+            message: format!("a template with volumes keeps no warm pool, but warmMin is {warm_min}"),
+            hint: Some("give warmMin 0 (--warm-min 0) with the volumes".into()),
+        });
     }
     if let Some(warm_min) = change.warm_min
         && warm_min > SANDBOX_WARM_MIN_MAX
@@ -463,6 +508,7 @@ pub fn sandbox_template_update(doc: &SandboxTemplateDoc, change: SandboxTemplate
         default_ttl_s: change.default_ttl_s.filter(|s| *s != doc.default_ttl_s),
         max_ttl_s: change.max_ttl_s.filter(|s| *s != doc.max_ttl_s),
         env: change.env.filter(|e| *e != doc.env),
+        volumes: change.volumes.filter(|v| *v != doc.volumes),
     };
     if changed == SandboxTemplateUpdated::default() {
         return Ok(None);
@@ -583,6 +629,7 @@ mod tests {
             max_ttl_s: 600,
             env: BTreeMap::new(),
             network: "none".into(),
+            volumes: Vec::new(),
             version: 1,
             created_at_ms: 0,
         }
@@ -599,6 +646,7 @@ mod tests {
             image: template(0).image,
             env: BTreeMap::new(),
             network: "none".into(),
+            volumes: Vec::new(),
             warm,
             started_at_ms: (!warm).then_some(0),
             ends_at_ms,

@@ -1,0 +1,528 @@
+//! Sandbox volumes on this node: each an ext4 file system in a sparse disk image file
+//! (`<data_dir>/volumes/<vol_…>.img`), loop-mounted at `<data_dir>/volumes/mnt/<vol_…>`, where a
+//! sandbox's runtime bind-mounts it ([`crate::sandboxes`]). Recorded in a ledger
+//! (`volumes.json`) before the machine is touched, so a restart finds every volume again
+//! ([`Volumes::recover`] mounts the ready ones and finishes the deletes a crash interrupted).
+//!
+//! What to do is decided here without IO ([`parse_args`], [`step`]); the disk images, the file
+//! systems and the mounts are touched only through a [`VolumeDisk`] ([`LoopExt4`]: `mkfs.ext4`,
+//! `mount -o loop`, `umount`, `e2fsck`, `resize2fs`).
+//!
+//! A volume grows only while no sandbox mounts it (the control plane refuses a resize of an
+//! attached volume, and so does this node): the file system is unmounted, the file grown, the
+//! file system checked and grown offline, and mounted again. A delete unmounts it and removes
+//! the file: its data is gone. Errors carry stable codes: `bad-args`, `disk`, `attached`,
+//! `capacity`, `volume`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+/// The command kind this module carries out.
+pub const SANDBOX_VOLUME_APPLY: &str = "sandbox_volume.apply";
+/// The most volumes one node keeps.
+pub const VOLUMES_PER_NODE_MAX: usize = 64;
+/// The largest volume, in GiB (as the control plane bounds it).
+pub const VOLUME_SIZE_MAX_GIB: u64 = 16 * 1024;
+const GIB: u64 = 1024 * 1024 * 1024;
+/// The longest reason a report carries.
+const REASON_BYTES_MAX: usize = 1024;
+
+/// What a `sandbox_volume.apply` asks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeArgs {
+    pub volume_id: String,
+    /// `ready` (at `size_gib`) or `deleted`.
+    pub desired: String,
+    #[serde(rename = "sizeGiB")]
+    pub size_gib: u64,
+}
+
+/// One volume the ledger holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeEntry {
+    /// `ready` or `deleted` (a delete begun).
+    pub desired: String,
+    /// The size it was made or grown to, or is being grown to.
+    #[serde(rename = "sizeGiB")]
+    pub size_gib: u64,
+    pub command_id: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeLedger {
+    pub volumes: BTreeMap<String, VolumeEntry>,
+}
+
+impl crate::ledger::LedgerContents for VolumeLedger {
+    const FILE: &'static str = "volumes.json";
+}
+
+pub type VolumeLedgerFile = crate::ledger::LedgerFile<VolumeLedger>;
+
+/// Reads and checks a `sandbox_volume.apply`'s arguments. `Err((volume id if read, reason))`.
+pub fn parse_args(args_json: &str) -> Result<VolumeArgs, (Option<String>, String)> {
+    let value: Value = serde_json::from_str(args_json).map_err(|e| (None, format!("bad-args: {e}")))?;
+    let id = value.get("volumeId").and_then(Value::as_str).filter(|id| id.parse::<bc_core::id::SandboxVolumeId>().is_ok());
+    let Some(id) = id.map(str::to_owned) else {
+        return Err((None, "bad-args: volumeId is not a volume id".into()));
+    };
+    let args: VolumeArgs = serde_json::from_value(value).map_err(|e| (Some(id.clone()), format!("bad-args: {e}")))?;
+    if !matches!(args.desired.as_str(), "ready" | "deleted") {
+        return Err((
+            Some(id),
+            format!("bad-args: desired {:?} is not ready or deleted", bc_core::id::truncate(&args.desired, 20)),
+        ));
+    }
+    if args.size_gib == 0 || args.size_gib > VOLUME_SIZE_MAX_GIB {
+        return Err((Some(id), format!("bad-args: sizeGiB {} is outside 1 to {VOLUME_SIZE_MAX_GIB}", args.size_gib)));
+    }
+    Ok(args)
+}
+
+/// What an apply comes to on this node (pure: the ledger's entry, the ask, whether a sandbox
+/// mounts it, how many volumes the node keeps).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Make it: record, then a sparse file, `mkfs.ext4`, mounted.
+    Create { size_gib: u64 },
+    /// Grow it from `from_gib`: record, then the file and the file system.
+    Grow { from_gib: u64, to_gib: u64 },
+    /// It already is what was asked (a redelivery): make sure it is mounted and say so.
+    Ready { size_gib: u64 },
+    /// Remove it (it is, or was being, deleted): record, unmount, remove the file.
+    Delete,
+    /// Refused, with the reason.
+    Refuse(String),
+}
+
+/// Decides an apply.
+pub fn step(entry: Option<&VolumeEntry>, args: &VolumeArgs, attached_to: Option<&str>, volumes: usize) -> Step {
+    let id = &args.volume_id;
+    match (args.desired.as_str(), entry) {
+        ("deleted", _) => match attached_to {
+            Some(sandbox) => Step::Refuse(format!("attached: volume {id} is mounted in sandbox {sandbox} on this node")),
+            None => Step::Delete,
+        },
+        (_, Some(e)) if e.desired == "deleted" => Step::Refuse(format!("bad-args: volume {id} is being deleted on this node")),
+        (_, None) if volumes >= VOLUMES_PER_NODE_MAX => {
+            Step::Refuse(format!("capacity: this node keeps {VOLUMES_PER_NODE_MAX} volumes, its most"))
+        }
+        (_, None) => Step::Create { size_gib: args.size_gib },
+        (_, Some(e)) if args.size_gib < e.size_gib => {
+            Step::Refuse(format!("bad-args: volume {id} is {} GiB; volumes only grow", e.size_gib))
+        }
+        (_, Some(e)) if args.size_gib == e.size_gib => Step::Ready { size_gib: e.size_gib },
+        (_, Some(_)) if attached_to.is_some() => Step::Refuse(format!(
+            "attached: volume {id} is mounted in sandbox {}; it grows only while no sandbox mounts it",
+            attached_to.unwrap_or_default()
+        )),
+        (_, Some(e)) => Step::Grow { from_gib: e.size_gib, to_gib: args.size_gib },
+    }
+}
+
+/// The disk images, file systems and mounts of volumes: the only place this module touches the
+/// machine. Its calls block (they run processes); callers run them on the blocking pool.
+pub trait VolumeDisk: Send + Sync + 'static {
+    /// A sparse file of `size_gib` at `image` with an empty ext4 file system in it (replacing
+    /// what a crash left half made).
+    fn create(&self, image: &Path, size_gib: u64) -> Result<(), String>;
+    /// Grows the file at `image` to `size_gib` and its file system to fill it; it is unmounted.
+    fn grow(&self, image: &Path, size_gib: u64) -> Result<(), String>;
+    /// Loop-mounts `image` at `mount` (made if missing), unless it is mounted there already.
+    fn mount(&self, image: &Path, mount: &Path) -> Result<(), String>;
+    /// Unmounts `mount` if something is mounted there.
+    fn unmount(&self, mount: &Path) -> Result<(), String>;
+    /// Removes the file and the mount point; what is not there is not an error.
+    fn remove(&self, image: &Path, mount: &Path) -> Result<(), String>;
+}
+
+/// ext4 in a sparse file, loop-mounted: `mkfs.ext4`, `mount -o loop`, `umount`, `e2fsck`,
+/// `resize2fs` (Debian's e2fsprogs and mount).
+pub struct LoopExt4;
+
+impl LoopExt4 {
+    fn run(program: &str, args: &[&std::ffi::OsStr]) -> Result<(), String> {
+        let output = std::process::Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|e| format!("disk: running {program}: {e}"))?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            Err(format!("disk: {program} failed ({}): {}", output.status, bc_core::id::truncate(stderr.trim(), 400)))
+        }
+    }
+
+    /// Whether something is mounted at `mount` (`/proc/self/mountinfo`'s fifth field).
+    fn is_mounted(mount: &Path) -> Result<bool, String> {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("disk: /proc/self/mountinfo: {e}"))?;
+        let want = mount.to_string_lossy();
+        Ok(info.lines().any(|l| l.split(' ').nth(4).is_some_and(|p| unescape_mountinfo(p) == want)))
+    }
+}
+
+/// A mountinfo path with its octal escapes (`\040` for a space) undone.
+fn unescape_mountinfo(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
+        if bytes[i] == b'\\'
+            && let Some(digits) = octal
+        {
+            out.push(digits.iter().fold(0u8, |n, d| n.wrapping_mul(8).wrapping_add(d - b'0')));
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl VolumeDisk for LoopExt4 {
+    fn create(&self, image: &Path, size_gib: u64) -> Result<(), String> {
+        if let Some(dir) = image.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("disk: {}: {e}", dir.display()))?;
+        }
+        {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(image)
+                .map_err(|e| format!("disk: {}: {e}", image.display()))?;
+            file.set_len(size_gib * GIB).map_err(|e| format!("disk: sizing {}: {e}", image.display()))?;
+        }
+        // No blocks reserved for root: a sandbox's processes run as root, and the volume is
+        // theirs whole.
+        Self::run("mkfs.ext4", &["-F".as_ref(), "-q".as_ref(), "-m".as_ref(), "0".as_ref(), image.as_os_str()])
+    }
+
+    fn grow(&self, image: &Path, size_gib: u64) -> Result<(), String> {
+        let file = std::fs::OpenOptions::new().write(true).open(image).map_err(|e| format!("disk: {}: {e}", image.display()))?;
+        let len = file.metadata().map_err(|e| format!("disk: {}: {e}", image.display()))?.len();
+        if len < size_gib * GIB {
+            file.set_len(size_gib * GIB).map_err(|e| format!("disk: growing {}: {e}", image.display()))?;
+        }
+        drop(file);
+        // resize2fs wants a file system checked since it was last mounted.
+        Self::run("e2fsck", &["-f".as_ref(), "-p".as_ref(), image.as_os_str()])?;
+        Self::run("resize2fs", &[image.as_os_str()])
+    }
+
+    fn mount(&self, image: &Path, mount: &Path) -> Result<(), String> {
+        std::fs::create_dir_all(mount).map_err(|e| format!("disk: {}: {e}", mount.display()))?;
+        if Self::is_mounted(mount)? {
+            return Ok(());
+        }
+        Self::run("mount", &["-o".as_ref(), "loop,nosuid,nodev".as_ref(), image.as_os_str(), mount.as_os_str()])
+    }
+
+    fn unmount(&self, mount: &Path) -> Result<(), String> {
+        if !Self::is_mounted(mount)? {
+            return Ok(());
+        }
+        Self::run("umount", &[mount.as_os_str()])
+    }
+
+    fn remove(&self, image: &Path, mount: &Path) -> Result<(), String> {
+        for result in [std::fs::remove_file(image), std::fs::remove_dir(mount)] {
+            if let Err(e) = result
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                return Err(format!("disk: removing a volume: {e}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What an apply comes to: the volume's state and size afterwards, or why not.
+pub type Outcome = Result<(&'static str, u64), String>;
+
+/// The node's volumes: the ledger and the disk.
+pub struct Volumes {
+    dir: PathBuf,
+    pub ledger: tokio::sync::Mutex<VolumeLedger>,
+    ledger_file: VolumeLedgerFile,
+    pub disk: Arc<dyn VolumeDisk>,
+}
+
+impl Volumes {
+    pub fn new(data_dir: &Path, disk: Arc<dyn VolumeDisk>) -> Result<Self, String> {
+        let ledger_file = VolumeLedgerFile::new(data_dir);
+        let ledger = ledger_file.load()?;
+        Ok(Self { dir: data_dir.join("volumes"), ledger: tokio::sync::Mutex::new(ledger), ledger_file, disk })
+    }
+
+    fn image(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.img"))
+    }
+
+    /// Where the volume is mounted on the node: what a sandbox bind-mounts.
+    pub fn mount_point(&self, id: &str) -> PathBuf {
+        self.dir.join("mnt").join(id)
+    }
+
+    async fn disk<T: Send + 'static>(&self, f: impl FnOnce(&dyn VolumeDisk) -> T + Send + 'static) -> Result<T, String> {
+        let disk = self.disk.clone();
+        tokio::task::spawn_blocking(move || f(&*disk)).await.map_err(|e| format!("disk: a blocking task failed: {e}"))
+    }
+
+    fn save(&self, ledger: &mut VolumeLedger, next: VolumeLedger) -> Result<(), String> {
+        self.ledger_file.save(&next).map_err(|e| format!("disk: recording the volume: {e}"))?;
+        *ledger = next;
+        Ok(())
+    }
+
+    /// Carries out an apply: the ledger first, then the disk. `attached_to`: the sandbox of this
+    /// node that mounts it, if one does.
+    pub async fn apply(&self, command_id: &str, args: &VolumeArgs, attached_to: Option<&str>) -> Outcome {
+        let id = args.volume_id.clone();
+        let mut ledger = self.ledger.lock().await;
+        let (image, mount) = (self.image(&id), self.mount_point(&id));
+        let record = |ledger: &VolumeLedger, desired: &str, size_gib: u64| {
+            let mut next = ledger.clone();
+            next.volumes
+                .insert(id.clone(), VolumeEntry { desired: desired.to_owned(), size_gib, command_id: command_id.to_owned() });
+            next
+        };
+        match step(ledger.volumes.get(&id), args, attached_to, ledger.volumes.len()) {
+            Step::Refuse(reason) => Err(reason),
+            Step::Ready { size_gib } => {
+                self.disk(move |d| d.mount(&image, &mount)).await??;
+                Ok(("ready", size_gib))
+            }
+            Step::Create { size_gib } => {
+                let next = record(&ledger, "ready", size_gib);
+                self.save(&mut ledger, next)?;
+                let made = {
+                    let (image, mount) = (image.clone(), mount.clone());
+                    self.disk(move |d| d.create(&image, size_gib).and_then(|()| d.mount(&image, &mount))).await?
+                };
+                if let Err(reason) = made {
+                    // Nothing half made is left: the mount, the file, the entry.
+                    let _ = self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await;
+                    let mut next = ledger.clone();
+                    next.volumes.remove(&id);
+                    let _ = self.save(&mut ledger, next);
+                    return Err(reason);
+                }
+                tracing::info!(volume = %id, size_gib, "volume made");
+                Ok(("ready", size_gib))
+            }
+            Step::Grow { from_gib, to_gib } => {
+                let next = record(&ledger, "ready", to_gib);
+                self.save(&mut ledger, next)?;
+                let grown = self
+                    .disk(move |d| {
+                        d.unmount(&mount)?;
+                        let grown = d.grow(&image, to_gib);
+                        // Mounted again whatever the grow did: the data stays reachable.
+                        let mounted = d.mount(&image, &mount);
+                        grown.and(mounted)
+                    })
+                    .await?;
+                if let Err(reason) = grown {
+                    let next = record(&ledger, "ready", from_gib);
+                    let _ = self.save(&mut ledger, next);
+                    return Err(reason);
+                }
+                tracing::info!(volume = %id, from_gib, to_gib, "volume grown");
+                Ok(("ready", to_gib))
+            }
+            Step::Delete => {
+                if ledger.volumes.get(&id).is_some_and(|e| e.desired != "deleted") {
+                    let size = ledger.volumes.get(&id).map_or(args.size_gib, |e| e.size_gib);
+                    let next = record(&ledger, "deleted", size);
+                    self.save(&mut ledger, next)?;
+                }
+                self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await??;
+                let mut next = ledger.clone();
+                if next.volumes.remove(&id).is_some() {
+                    self.save(&mut ledger, next)?;
+                }
+                tracing::info!(volume = %id, "volume deleted");
+                Ok(("absent", args.size_gib))
+            }
+        }
+    }
+
+    /// The mount point of a ready volume of this node for a sandbox to bind-mount (mounted again
+    /// if a reboot unmounted it); a volume this node does not keep is refused (`volume: …`).
+    pub async fn source(&self, id: &str) -> Result<PathBuf, String> {
+        let ledger = self.ledger.lock().await;
+        if ledger.volumes.get(id).is_none_or(|e| e.desired != "ready") {
+            return Err(format!("volume: volume {id} is not on this node"));
+        }
+        let (image, mount) = (self.image(id), self.mount_point(id));
+        let target = mount.clone();
+        self.disk(move |d| d.mount(&image, &mount)).await??;
+        Ok(target)
+    }
+
+    /// After a start: mounts every ready volume again (a reboot unmounted them) and finishes the
+    /// deletes a crash interrupted. Returns the ids of the volumes it could not bring back, with
+    /// why.
+    pub async fn recover(&self) -> Vec<(String, String)> {
+        let mut ledger = self.ledger.lock().await;
+        let mut failed = Vec::new();
+        for (id, entry) in ledger.volumes.clone() {
+            let (image, mount) = (self.image(&id), self.mount_point(&id));
+            let done = if entry.desired == "deleted" {
+                self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await
+            } else {
+                self.disk(move |d| d.mount(&image, &mount)).await
+            };
+            match done.and_then(|r| r) {
+                Ok(()) if entry.desired == "deleted" => {
+                    let mut next = ledger.clone();
+                    next.volumes.remove(&id);
+                    if let Err(e) = self.save(&mut ledger, next) {
+                        failed.push((id, e));
+                    }
+                }
+                Ok(()) => {}
+                Err(e) => failed.push((id, e)),
+            }
+        }
+        failed
+    }
+}
+
+/// A volume report's payload (`sandbox_volume.observed`, `sandbox_volume.apply_failed`), without
+/// the command and node the runner adds.
+pub fn report_payload(id: &str, outcome: &Outcome) -> (&'static str, Value) {
+    match outcome {
+        Ok((state, size_gib)) if *state == "ready" => {
+            ("sandbox_volume.observed", json!({ "volumeId": id, "state": state, "sizeGiB": size_gib }))
+        }
+        Ok((state, _)) => ("sandbox_volume.observed", json!({ "volumeId": id, "state": state })),
+        Err(reason) => {
+            let mut reason = reason.clone();
+            if reason.len() > REASON_BYTES_MAX {
+                let mut end = REASON_BYTES_MAX;
+                while !reason.is_char_boundary(end) {
+                    end -= 1;
+                }
+                reason.truncate(end);
+            }
+            ("sandbox_volume.apply_failed", json!({ "volumeId": id, "reason": reason }))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "vol_01j00000000000000000000000";
+
+    fn args(desired: &str, size: u64) -> VolumeArgs {
+        VolumeArgs { volume_id: ID.into(), desired: desired.into(), size_gib: size }
+    }
+
+    fn entry(desired: &str, size: u64) -> VolumeEntry {
+        VolumeEntry { desired: desired.into(), size_gib: size, command_id: "cmd_1".into() }
+    }
+
+    #[test]
+    fn args_are_checked() {
+        let parsed = parse_args(&json!({ "volumeId": ID, "desired": "ready", "sizeGiB": 2 }).to_string()).unwrap();
+        assert_eq!(parsed, args("ready", 2));
+        let err = parse_args(&json!({ "volumeId": ID, "desired": "ready", "sizeGiB": 0 }).to_string()).unwrap_err();
+        assert_eq!(err.0.as_deref(), Some(ID));
+        assert!(parse_args(&json!({ "volumeId": ID, "desired": "mounted", "sizeGiB": 1 }).to_string()).is_err());
+        assert!(
+            parse_args(&json!({ "volumeId": "sbx_01j00000000000000000000000", "desired": "ready", "sizeGiB": 1 }).to_string())
+                .unwrap_err()
+                .0
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn an_apply_makes_grows_keeps_or_deletes_and_never_under_a_sandbox() {
+        assert_eq!(step(None, &args("ready", 2), None, 0), Step::Create { size_gib: 2 });
+        assert_eq!(step(Some(&entry("ready", 2)), &args("ready", 2), None, 1), Step::Ready { size_gib: 2 });
+        assert_eq!(step(Some(&entry("ready", 2)), &args("ready", 3), None, 1), Step::Grow { from_gib: 2, to_gib: 3 });
+        assert!(matches!(step(Some(&entry("ready", 3)), &args("ready", 2), None, 1), Step::Refuse(r) if r.contains("only grow")));
+        assert!(
+            matches!(step(Some(&entry("ready", 2)), &args("ready", 3), Some("sbx_a"), 1), Step::Refuse(r) if r.starts_with("attached:"))
+        );
+        assert!(
+            matches!(step(Some(&entry("ready", 2)), &args("deleted", 2), Some("sbx_a"), 1), Step::Refuse(r) if r.starts_with("attached:"))
+        );
+        assert_eq!(step(Some(&entry("ready", 2)), &args("deleted", 2), None, 1), Step::Delete);
+        assert_eq!(step(None, &args("deleted", 2), None, 0), Step::Delete, "deleting what is gone is done");
+        assert!(matches!(step(Some(&entry("deleted", 2)), &args("ready", 2), None, 1), Step::Refuse(_)));
+        assert!(
+            matches!(step(None, &args("ready", 2), None, VOLUMES_PER_NODE_MAX), Step::Refuse(r) if r.starts_with("capacity:"))
+        );
+    }
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
+        assert_eq!(unescape_mountinfo("/plain/path"), "/plain/path");
+    }
+
+    /// A disk that records what it was asked, for the ledger's order.
+    #[derive(Default)]
+    struct Recorder(std::sync::Mutex<Vec<String>>, std::sync::atomic::AtomicBool);
+
+    impl VolumeDisk for Arc<Recorder> {
+        fn create(&self, _: &Path, size: u64) -> Result<(), String> {
+            self.0.lock().unwrap().push(format!("create {size}"));
+            if self.1.load(std::sync::atomic::Ordering::SeqCst) { Err("disk: full".into()) } else { Ok(()) }
+        }
+        fn grow(&self, _: &Path, size: u64) -> Result<(), String> {
+            self.0.lock().unwrap().push(format!("grow {size}"));
+            Ok(())
+        }
+        fn mount(&self, _: &Path, _: &Path) -> Result<(), String> {
+            self.0.lock().unwrap().push("mount".into());
+            Ok(())
+        }
+        fn unmount(&self, _: &Path) -> Result<(), String> {
+            self.0.lock().unwrap().push("unmount".into());
+            Ok(())
+        }
+        fn remove(&self, _: &Path, _: &Path) -> Result<(), String> {
+            self.0.lock().unwrap().push("remove".into());
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_ledger_is_written_first_and_a_failed_creation_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let recorder = Arc::new(Recorder::default());
+        let volumes = Volumes::new(dir.path(), Arc::new(recorder.clone())).unwrap();
+        assert_eq!(volumes.apply("cmd_1", &args("ready", 1), None).await, Ok(("ready", 1)));
+        assert_eq!(VolumeLedgerFile::new(dir.path()).load().unwrap().volumes[ID].size_gib, 1);
+        assert_eq!(volumes.apply("cmd_2", &args("ready", 3), None).await, Ok(("ready", 3)));
+        assert_eq!(volumes.apply("cmd_3", &args("deleted", 3), None).await, Ok(("absent", 3)));
+        assert!(VolumeLedgerFile::new(dir.path()).load().unwrap().volumes.is_empty());
+        assert_eq!(*recorder.0.lock().unwrap(), ["create 1", "mount", "unmount", "grow 3", "mount", "unmount", "remove"]);
+
+        recorder.1.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(volumes.apply("cmd_4", &args("ready", 1), None).await, Err("disk: full".into()));
+        assert!(VolumeLedgerFile::new(dir.path()).load().unwrap().volumes.is_empty(), "no entry of a volume not made");
+    }
+}

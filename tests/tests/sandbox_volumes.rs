@@ -1,0 +1,339 @@
+//! Sandbox volumes end to end, with the real runtime and real disks: a real `better-compute
+//! dev`, a real `bcd node` on a fake machine (`fakehw`) that finds gVisor's `runsc`, and a root
+//! file system made from Debian's `busybox-static` (as `sandboxes.rs`).
+//!
+//! A 1 GiB volume is made on the node (a sparse file, ext4, loop-mounted); a template mounts it
+//! at `/data`; a file written there in one sandbox is read by a second sandbox once the first is
+//! deleted; while the first is live the volume takes neither a second sandbox, a resize nor a
+//! delete; filled, the writer gets ENOSPC and the node carries on; grown to 2 GiB, `df` in the
+//! sandbox shows it; deleted, its file is gone from the node. Bad input (a size of 0 or past
+//! 16384, an id that is not `vol_…`, a template with volumes and a warm pool) is a clear error.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use bc_tests::{AgentNode, ImageServer, Server, json};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+fn require_runtime() {
+    let runsc = Command::new("runsc").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(runsc, "runsc (gVisor) is not installed: `make test` installs it (Debian's package runsc, make system-deps)");
+    assert!(Path::new("/bin/busybox").exists(), "/bin/busybox is not installed (Debian's package busybox-static)");
+    let mkfs = Command::new("mkfs.ext4").arg("-V").output().is_ok_and(|o| o.status.success());
+    assert!(mkfs, "mkfs.ext4 is not installed (Debian's package e2fsprogs)");
+}
+
+fn busybox_rootfs(dir: &Path) -> Vec<u8> {
+    let root = dir.join("rootfs");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    for applet in ["sh", "echo", "cat", "ls", "sleep", "true", "df", "dd", "rm", "sync"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    let archive = dir.join("rootfs.tar");
+    let status = Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&archive).arg(".").status().unwrap();
+    assert!(status.success(), "tar");
+    std::fs::read(archive).unwrap()
+}
+
+/// Whatever happened: deletes the runsc containers left in the node's state directory and
+/// unmounts the volumes left mounted under its data directory, so a failed test leaks neither.
+struct Cleanup {
+    runsc_root: PathBuf,
+    volumes: PathBuf,
+}
+
+impl Cleanup {
+    fn containers(&self) -> Vec<String> {
+        if !self.runsc_root.exists() {
+            return Vec::new();
+        }
+        let out = Command::new("runsc").arg("--root").arg(&self.runsc_root).args(["list", "--format", "json"]).output().unwrap();
+        let listed: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap_or(Value::Null);
+        listed.as_array().map(|a| a.iter().filter_map(|c| c["id"].as_str().map(str::to_owned)).collect()).unwrap_or_default()
+    }
+
+    fn mounts(&self) -> Vec<String> {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let prefix = self.volumes.to_string_lossy().into_owned();
+        info.lines().filter_map(|l| l.split(' ').nth(4)).filter(|p| p.starts_with(&prefix)).map(str::to_owned).collect()
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for id in self.containers() {
+            let _ = Command::new("runsc").arg("--root").arg(&self.runsc_root).args(["delete", "--force", &id]).status();
+        }
+        for mount in self.mounts() {
+            let _ = Command::new("umount").arg(&mount).status();
+        }
+    }
+}
+
+async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
+    let (status, doc) = server.call(method, body).await;
+    assert_eq!(status, 200, "{method}: {doc}");
+    doc
+}
+
+async fn wait_for(
+    server: &Server,
+    method: &str,
+    body: Value,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+    machine: &AgentNode,
+) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let doc = call_ok(server, method, body.clone()).await;
+        if done(&doc) {
+            return doc;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: not after 60 s: {doc}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The size of the file system at `/data` in a sandbox, in KiB, as its `df` says.
+fn df_kib(server: &Server, sandbox: &str) -> u64 {
+    let (code, out, err) = server.cli(&["sandbox", "exec", sandbox, "--", "df", "-k", "/data"]);
+    assert_eq!(code, 0, "df: {out} {err}");
+    let line = out.lines().nth(1).unwrap_or_default();
+    line.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("df's answer: {out}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_outlives_its_sandbox_grows_fills_and_mounts_in_one_sandbox_at_a_time() {
+    require_runtime();
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("volumes").await;
+    let mut machine = AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 1\n")).unwrap();
+    machine.join_pool(&server, &pool).await;
+    let node = machine.node_id();
+    let cleanup = Cleanup { runsc_root: machine.data().join("sandboxes").join("runsc"), volumes: machine.data().join("volumes") };
+    machine.start();
+    wait_for(
+        &server,
+        "nodes.get",
+        json!({ "nodeId": node }),
+        "the node ready with sandbox.gvisor",
+        |doc| {
+            let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+            doc["state"] == "ready" && caps.iter().any(|c| c == "sandbox.gvisor")
+        },
+        &machine,
+    )
+    .await;
+
+    // Bad input, each a clear error before anything is made.
+    let (code, _, err) = server.cli(&["sandbox-volume", "create", "--pool", &pool, "--name", "notes", "--size", "0"]);
+    assert_eq!(code, 2, "a size of 0 is a usage error: {err}");
+    let (status, doc) = server.call("sandboxVolumes.create", json!({ "poolId": pool, "name": "notes", "sizeGiB": 0 })).await;
+    assert_eq!((status, doc["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{doc}");
+    let (status, doc) = server.call("sandboxVolumes.create", json!({ "poolId": pool, "name": "notes", "sizeGiB": 16385 })).await;
+    assert_eq!((status, doc["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{doc}");
+    let (code, _, err) = server.cli(&["sandbox-volume", "get", "sbx_01j00000000000000000000000"]);
+    assert_eq!(code, 2, "an id of another kind is a usage error before anything is sent: {err}");
+    let (code, _, err) = server.cli(&["sandbox-volume", "resize", "not-a-volume", "--size", "2"]);
+    assert_eq!(code, 2, "{err}");
+    let listed = call_ok(&server, "sandboxVolumes.list", json!({ "scope": "all", "deleted": true })).await;
+    assert_eq!(listed["items"], json!([]), "nothing was made: {listed}");
+
+    // The volume: made on the node, a 1 GiB sparse file holding ext4, mounted.
+    let (code, out, err) = server.cli(&["sandbox-volume", "create", "--pool", &pool, "--name", "notes", "--size", "1"]);
+    assert_eq!(code, 0, "sandbox-volume create: {err}");
+    let created = json(&out);
+    let volume = created["volumeId"].as_str().unwrap().to_owned();
+    assert_eq!((created["nodeId"].as_str(), created["sizeGiB"].as_u64()), (Some(node.as_str()), Some(1)), "{created}");
+    let ready = wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume ready",
+        |v| v["state"] != "creating",
+        &machine,
+    )
+    .await;
+    assert_eq!(ready["state"], "ready", "{ready}\n{}", machine.node_log());
+    let image = machine.data().join("volumes").join(format!("{volume}.img"));
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 1 << 30, "a 1 GiB disk image");
+    let (code, out, _) = server.cli(&["sandbox-volume", "list"]);
+    assert_eq!(code, 0);
+    assert!(out.contains(&volume) && out.contains("SIZE-GIB"), "a table of the caller's volumes: {out}");
+    let (code, _, err) = server.cli(&["sandbox-volume", "create", "--pool", &pool, "--name", "notes", "--size", "1"]);
+    assert_eq!(code, 1, "a name is taken once: {err}");
+    assert!(err.contains("ALREADY_EXISTS"), "{err}");
+
+    // A template that mounts it: never with a warm pool.
+    let work = tempfile::tempdir().unwrap();
+    let bytes = busybox_rootfs(work.path());
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let size = bytes.len();
+    let images = ImageServer::start("busybox.tar", bytes);
+    let image_doc = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "busybox", "url": images.url, "sha256": digest, "diskFormat": "rootfs-tar", "sizeBytes": size }),
+    )
+    .await;
+    let image_id = image_doc["imageId"].as_str().unwrap().to_owned();
+    let flavor = call_ok(
+        &server,
+        "flavors.create",
+        json!({ "poolId": pool, "name": "sbx-small", "vcpus": 1, "memoryMiB": 256, "diskGiB": 1, "gpus": 0 }),
+    )
+    .await;
+    let flavor_id = flavor["flavorId"].as_str().unwrap().to_owned();
+    let template_args = |warm: &str, volumes: &str| -> Vec<String> {
+        let args = ["sandbox-template", "create", "--name", "notes-user", "--pool", &pool, "--flavor", &flavor_id];
+        args.iter()
+            .map(|s| s.to_string())
+            .chain(
+                ["--image", &image_id, "--max-ttl", "10m", "--warm-min", warm, "--volumes", volumes]
+                    .iter()
+                    .map(|s| s.to_string()),
+            )
+            .collect()
+    };
+    let run = |args: Vec<String>| server.cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (code, _, err) = run(template_args("1", "notes:/data"));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("keeps no warm pool"), "{err}");
+    let (code, _, err) = run(template_args("0", "notes:data"));
+    assert_eq!(code, 2, "a relative path is a usage error: {err}");
+    let (code, _, err) = run(template_args("0", "missing:/data"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("NOT_FOUND"), "{err}");
+    let (code, out, err) = run(template_args("0", "notes:/data"));
+    assert_eq!(code, 0, "sandbox-template create: {err}");
+    let template = json(&out);
+    assert_eq!(template["volumes"], json!([{ "volumeId": volume, "path": "/data" }]), "{template}");
+    let template = template["templateId"].as_str().unwrap().to_owned();
+
+    // The first sandbox writes a file; while it lives, the volume is its alone.
+    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    assert_eq!(code, 0, "sandbox create: {err}\n{}", machine.node_log());
+    let a = json(&out);
+    assert_eq!((a["state"].as_str(), a["nodeId"].as_str()), (Some("running"), Some(node.as_str())), "{a}");
+    let a = a["sandboxId"].as_str().unwrap().to_owned();
+    let (code, out, err) = server.cli(&["sandbox", "exec", &a, "--", "sh", "-c", "echo kept > /data/notes.txt && sync"]);
+    assert_eq!(code, 0, "write: {out} {err}");
+    let before = df_kib(&server, &a);
+    assert!((900_000..1_100_000).contains(&before), "a 1 GiB file system: {before} KiB");
+    let attached = call_ok(&server, "sandboxVolumes.get", json!({ "volumeId": volume })).await;
+    assert_eq!(attached["attachment"]["sandboxId"], a.as_str(), "{attached}");
+
+    let (code, _, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    assert_eq!(code, 1, "a second sandbox while the volume is mounted: {err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&format!("attached to sandbox {a}")), "{err}");
+    let (code, _, err) = server.cli(&["sandbox-volume", "delete", &volume]);
+    assert_eq!(code, 1, "a mounted volume is not deleted: {err}");
+    assert!(err.contains("INVALID_STATE") && err.contains("attached"), "{err}");
+    let (code, _, err) = server.cli(&["sandbox-volume", "resize", &volume, "--size", "2"]);
+    assert_eq!(code, 1, "nor grown: {err}");
+
+    // Full: the writer gets ENOSPC; the node carries on.
+    let (code, out, err) =
+        server.cli(&["sandbox", "exec", &a, "--", "dd", "if=/dev/zero", "of=/data/fill", "bs=4M", "count=1024"]);
+    assert_ne!(code, 0, "dd fills the volume and fails: {out}");
+    assert!(err.contains("No space left on device"), "ENOSPC: {err}");
+    let (code, out, err) = server.cli(&["sandbox", "exec", &a, "--", "rm", "/data/fill"]);
+    assert_eq!(code, 0, "{out} {err}");
+    let (code, out, _) = server.cli(&["sandbox", "exec", &a, "--", "echo", "still-fine"]);
+    assert_eq!((code, out.trim()), (0, "still-fine"));
+    let node_doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
+    assert_eq!(node_doc["state"], "ready", "{node_doc}");
+
+    // The sandbox deleted: the volume stays on the node, detached.
+    let (code, _, err) = server.cli(&["sandbox", "delete", &a]);
+    assert_eq!(code, 0, "{err}");
+    wait_for(&server, "sandboxes.get", json!({ "sandboxId": a }), "sandbox deleted", |s| s["state"] == "deleted", &machine).await;
+    wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume detached",
+        |v| v["attachment"].is_null(),
+        &machine,
+    )
+    .await;
+    assert!(image.exists(), "the volume outlives its sandbox");
+
+    // Grown to 2 GiB: the file and the file system.
+    let (code, _, err) = server.cli(&["sandbox-volume", "resize", &volume, "--size", "1"]);
+    assert_eq!(code, 2, "volumes only grow: {err}");
+    assert!(err.contains("only grows"), "{err}");
+    let (code, out, err) = server.cli(&["sandbox-volume", "resize", &volume, "--size", "2"]);
+    assert_eq!(code, 0, "resize: {err}");
+    assert_eq!(json(&out)["state"], "resizing", "{out}");
+    let grown = wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume grown",
+        |v| v["state"] != "resizing",
+        &machine,
+    )
+    .await;
+    assert_eq!((grown["state"].as_str(), grown["sizeGiB"].as_u64()), (Some("ready"), Some(2)), "{grown}\n{}", machine.node_log());
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 2 << 30);
+
+    // A second sandbox mounts it: the file is there, the file system is larger.
+    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    assert_eq!(code, 0, "second sandbox: {err}\n{}", machine.node_log());
+    let b = json(&out)["sandboxId"].as_str().unwrap().to_owned();
+    let (code, out, err) = server.cli(&["sandbox", "exec", &b, "--", "cat", "/data/notes.txt"]);
+    assert_eq!((code, out.trim()), (0, "kept"), "what the first sandbox wrote: {err}");
+    let after = df_kib(&server, &b);
+    assert!(after > before + 900_000, "df shows the file system grew: {before} KiB, then {after} KiB");
+
+    // Its life in the log.
+    let events = call_ok(&server, "events.list", json!({ "stream": format!("sandbox_volume/{volume}") })).await;
+    let types: Vec<&str> = events["items"].as_array().unwrap().iter().filter_map(|e| e["type"].as_str()).collect();
+    for t in [
+        "sandbox_volume.created",
+        "sandbox_volume.observed",
+        "sandbox_volume.attached",
+        "sandbox_volume.detached",
+        "sandbox_volume.resize_requested",
+    ] {
+        assert!(types.contains(&t), "{t} in {types:?}");
+    }
+
+    // Deleted once no sandbox mounts it: its data is gone from the node.
+    let (code, _, err) = server.cli(&["sandbox", "delete", &b]);
+    assert_eq!(code, 0, "{err}");
+    wait_for(&server, "sandboxes.get", json!({ "sandboxId": b }), "sandbox deleted", |s| s["state"] == "deleted", &machine).await;
+    wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume detached",
+        |v| v["attachment"].is_null(),
+        &machine,
+    )
+    .await;
+    let (code, _, err) = server.cli(&["sandbox-volume", "delete", &volume]);
+    assert_eq!(code, 0, "{err}");
+    let gone = wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume deleted",
+        |v| v["state"] == "deleted",
+        &machine,
+    )
+    .await;
+    assert!(gone["lastError"].is_null(), "{gone}");
+    assert!(!image.exists(), "the disk image is removed");
+    assert!(cleanup.mounts().is_empty(), "nothing left mounted: {:?}", cleanup.mounts());
+    let listed = call_ok(&server, "sandboxVolumes.list", json!({})).await;
+    assert_eq!(listed["items"], json!([]), "{listed}");
+    drop(cleanup);
+}
