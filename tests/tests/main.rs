@@ -38,6 +38,7 @@ mod join_tokens_cli;
 mod metal;
 mod method_table;
 mod metrics;
+mod offers;
 mod postgres;
 mod rate_limits;
 mod rebuild;

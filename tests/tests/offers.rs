@@ -1,0 +1,178 @@
+//! Pools offered to other tenants, end to end with the real `dev`: tenant B reserves from tenant
+//! A's pool under B's own quota, the two share the pool's GPUs (neither is given the other's),
+//! and once the offer is withdrawn B's active reservation runs to its end, its queued one is
+//! cancelled and its new one is refused. Each tenant acts with its own API key.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use bc_tests::Server;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A key of `tenant` with `actions`, made by the root administrator; its token.
+async fn key(server: &Server, tenant: &str, actions: &[&str]) -> String {
+    let (status, key) = server.call("apiKeys.create", json!({ "tenantId": tenant, "name": "k", "actions": actions })).await;
+    assert_eq!(status, 200, "{key}");
+    key["token"].as_str().unwrap().to_owned()
+}
+
+fn gpus(r: &Value) -> BTreeSet<u64> {
+    r["gpuIndexes"].as_array().unwrap().iter().map(|g| g.as_u64().unwrap()).collect()
+}
+
+/// The CLI as the holder of `token`.
+fn cli_as(server: &Server, token: &str, args: &[&str]) -> (i32, String, String) {
+    bc_tests::cli(args, &[("BETTER_COMPUTE_URL", server.url.as_str()), ("BETTER_COMPUTE_TOKEN", token)])
+}
+
+#[tokio::test]
+async fn an_offered_tenant_reserves_under_its_own_quota_shares_the_gpus_and_keeps_its_live_reservation_when_unoffered() {
+    let server = Server::dev();
+    let (a, b) = (server.tenant("acme").await, server.tenant("bravo").await);
+    let a_key = key(&server, &a, &["compute:pools:*", "compute:reservations:*", "compute:quotas:read"]).await;
+    let b_key = key(&server, &b, &["compute:pools:read", "compute:reservations:*", "compute:quotas:read"]).await;
+    let pool = server.tenant_pool(&a, "shared").await;
+    let eight = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 8];
+    let (status, node) =
+        server.call("nodes.register", json!({ "tenantId": a, "poolId": pool, "name": "n0", "gpus": eight })).await;
+    assert_eq!(status, 200, "{node}");
+    let ask = |gpus: u32, duration_s: u32| json!({ "poolId": pool, "gpus": gpus, "durationS": duration_s });
+
+    // Not offered yet: B does not see the pool.
+    let (status, refused) = server.call_as(&b_key, "reservations.create", ask(1, 60), None).await;
+    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
+
+    // The owner offers it from the command line; ids are checked before anything is sent.
+    let (code, _, err) = cli_as(&server, &a_key, &["pools", "offer", &pool, "--tenant-id", "bravo"]);
+    assert_eq!(code, 2, "a malformed tenant id is a usage error: {err}");
+    let (code, out, err) = cli_as(&server, &a_key, &["pools", "offer", &pool, "--tenant-id", &b]);
+    assert_eq!(code, 0, "{err}");
+    let offered = bc_tests::json(&out);
+    assert_eq!(offered["offeredTo"], json!([b]));
+    // Again: nothing changes; the owner itself, an unknown tenant and B's own key are refused.
+    let (_, again) = server.call_as(&a_key, "pools.offer", json!({ "poolId": pool, "tenantIds": [b] }), None).await;
+    assert_eq!(again["version"], offered["version"], "{again}");
+    let (status, own) = server.call_as(&a_key, "pools.offer", json!({ "poolId": pool, "tenantIds": [a] }), None).await;
+    assert_eq!((status, own["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{own}");
+    let ghost = "ten_01kb0000000000000000000zzz";
+    let (status, none) = server.call_as(&a_key, "pools.offer", json!({ "poolId": pool, "tenantIds": [ghost] }), None).await;
+    assert_eq!((status, none["code"].as_str()), (404, Some("NOT_FOUND")), "{none}");
+    let (status, denied) =
+        server.call_as(&b_key, "pools.offer", json!({ "tenantId": a, "poolId": pool, "tenantIds": [b] }), None).await;
+    assert_eq!((status, denied["code"].as_str()), (403, Some("ACCESS_DENIED")), "{denied}");
+
+    // B sees the pool, marked offered and without the owner's other offers; it cannot change it.
+    let (_, listed) = server.call_as(&b_key, "pools.list", json!({}), None).await;
+    let items = listed["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{listed}");
+    assert_eq!((items[0]["poolId"].as_str(), items[0]["offered"].as_bool()), (Some(pool.as_str()), Some(true)));
+    assert!(items[0].get("offeredTo").is_none(), "{listed}");
+    let (status, got) = server.call_as(&b_key, "pools.get", json!({ "poolId": pool }), None).await;
+    assert_eq!((status, got["tenantId"].as_str()), (200, Some(a.as_str())), "{got}");
+
+    // Under B's own quota: none set is a limit of 0; the root tenant's administrators set it.
+    let (status, refused) = server.call_as(&b_key, "reservations.create", ask(1, 60), None).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
+    let (status, quota) = server.call("quotas.set", json!({ "tenantId": b, "poolId": pool, "gpus": 4 })).await;
+    assert_eq!(status, 200, "{quota}");
+    let (status, b_active) = server.call_as(&b_key, "reservations.create", ask(3, 8), Some("b-first")).await;
+    assert_eq!((status, b_active["state"].as_str()), (200, Some("active")), "{b_active}");
+    assert_eq!((b_active["tenantId"].as_str(), b_active["holderTenantId"].as_str()), (Some(a.as_str()), Some(b.as_str())));
+    let b_id = b_active["reservationId"].as_str().unwrap().to_owned();
+    // The same key again answers the same reservation, and charges nothing more.
+    let (_, replayed) = server.call_as(&b_key, "reservations.create", ask(3, 8), Some("b-first")).await;
+    assert_eq!((replayed["reservationId"].as_str(), replayed["replayed"].as_bool()), (Some(b_id.as_str()), Some(true)));
+    let (status, over) = server.call_as(&b_key, "reservations.create", ask(2, 60), None).await;
+    assert_eq!((status, over["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "3 + 2 is past B's 4: {over}");
+    let (_, b_quota) = server.call_as(&b_key, "quotas.get", json!({ "poolId": pool }), None).await;
+    assert_eq!((b_quota["gpus"].as_u64(), b_quota["inUse"].as_u64()), (Some(4), Some(3)), "{b_quota}");
+    let (_, a_quota) = server.call_as(&a_key, "quotas.get", json!({ "poolId": pool }), None).await;
+    assert_eq!(a_quota["inUse"].as_u64(), Some(0), "B's GPUs are not the owner's: {a_quota}");
+
+    // Shared capacity: the owner cannot have the GPUs B holds.
+    let (_, a_six) = server.call_as(&a_key, "reservations.create", ask(6, 600), None).await;
+    assert_eq!(a_six["state"], "queued", "5 are free: {a_six}");
+    let (_, cancelled) =
+        server.call_as(&a_key, "reservations.release", json!({ "reservationId": a_six["reservationId"] }), None).await;
+    assert_eq!(cancelled["state"], "cancelled");
+    let (_, a_five) = server.call_as(&a_key, "reservations.create", ask(5, 600), None).await;
+    assert_eq!(a_five["state"], "active", "{a_five}");
+    assert!(gpus(&a_five).is_disjoint(&gpus(&b_active)), "{a_five} {b_active}");
+    // Nothing is free now: B's next one (within its quota) queues.
+    let (_, b_queued) = server.call_as(&b_key, "reservations.create", ask(1, 60), None).await;
+    assert_eq!(b_queued["state"], "queued", "{b_queued}");
+    // B reads its reservation by id, though it lives on the owner's chain.
+    let (status, b_read) = server.call_as(&b_key, "reservations.get", json!({ "reservationId": b_id }), None).await;
+    assert_eq!((status, b_read["state"].as_str()), (200, Some("active")), "{b_read}");
+
+    // Withdrawn: B's active reservation runs on, its queued one is cancelled, a new one refused.
+    let (code, out, err) = cli_as(&server, &a_key, &["pools", "unoffer", &pool, "--tenant-id", &b]);
+    assert_eq!(code, 0, "{err}");
+    assert!(bc_tests::json(&out).get("offeredTo").is_none(), "{out}");
+    let (_, b_read) = server.call_as(&b_key, "reservations.get", json!({ "reservationId": b_id }), None).await;
+    assert_eq!(b_read["state"], "active", "{b_read}");
+    let (_, gone) = server.call_as(&b_key, "reservations.get", json!({ "reservationId": b_queued["reservationId"] }), None).await;
+    assert_eq!(gone["state"], "cancelled", "{gone}");
+    assert!(gone["lastError"].as_str().unwrap().contains("no longer offered"), "{gone}");
+    let (status, refused) = server.call_as(&b_key, "reservations.create", ask(1, 60), None).await;
+    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
+    let (_, listed) = server.call_as(&b_key, "pools.list", json!({}), None).await;
+    assert_eq!(listed["items"], json!([]), "{listed}");
+    // B's active one ends at its end, as any reservation does.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (_, r) = server.call_as(&b_key, "reservations.get", json!({ "reservationId": b_id }), None).await;
+        if r["state"] == "expired" {
+            assert!(r["endedAtMs"].as_u64() >= r["endsAtMs"].as_u64(), "{r}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "B's reservation never expired: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A fleet with an offer exports it, plans empty against its export, and an edited document
+/// offers and withdraws through one apply: each offered tenant's part on its own chain, in the
+/// apply's one transaction.
+#[tokio::test]
+async fn a_fleet_document_exports_plans_and_applies_a_pools_offers() {
+    let server = Server::dev();
+    let (a, b, c) = (server.tenant("acme").await, server.tenant("bravo").await, server.tenant("charlie").await);
+    let pool = server.tenant_pool(&a, "shared").await;
+    let (status, offered) = server.call("pools.offer", json!({ "tenantId": a, "poolId": pool, "tenantIds": [b] })).await;
+    assert_eq!(status, 200, "{offered}");
+    let (status, export) = server.call("fleet.export", json!({ "tenantId": a })).await;
+    assert_eq!(status, 200, "{export}");
+    let mut document = export["document"].clone();
+    assert_eq!(document["pools"][&pool]["offeredTo"], json!([b]), "{export}");
+    let (_, plan) = server.call("fleet.plan", json!({ "tenantId": a, "document": document })).await;
+    assert_eq!(plan["empty"], true, "an export plans empty: {plan}");
+
+    // Withdraw B, offer C: one change, applied by its hash.
+    document["pools"][&pool]["offeredTo"] = json!([c]);
+    let (_, plan) = server.call("fleet.plan", json!({ "tenantId": a, "document": document })).await;
+    let changes = plan["changes"].as_array().unwrap();
+    assert_eq!(changes.len(), 1, "{plan}");
+    let (status, applied) =
+        server.call("fleet.apply", json!({ "tenantId": a, "document": document, "planHash": plan["planHash"] })).await;
+    assert_eq!((status, applied["applied"].as_bool()), (200, Some(true)), "{applied}");
+    let (_, got) = server.call("pools.get", json!({ "tenantId": a, "poolId": pool })).await;
+    assert_eq!(got["offeredTo"], json!([c]), "{got}");
+    let (_, b_pools) = server.call("pools.list", json!({ "tenantId": b })).await;
+    assert_eq!(b_pools["items"], json!([]), "{b_pools}");
+    let (_, c_pools) = server.call("pools.list", json!({ "tenantId": c })).await;
+    assert_eq!(c_pools["items"][0]["poolId"].as_str(), Some(pool.as_str()), "{c_pools}");
+    let (_, plan) = server.call("fleet.plan", json!({ "tenantId": a, "document": document })).await;
+    assert_eq!(plan["empty"], true, "applied, the document plans empty: {plan}");
+
+    // An unknown tenant in the document: nothing applies.
+    document["pools"][&pool]["offeredTo"] = json!(["ten_01kb0000000000000000000zzz"]);
+    let (_, plan) = server.call("fleet.plan", json!({ "tenantId": a, "document": document })).await;
+    let (status, refused) =
+        server.call("fleet.apply", json!({ "tenantId": a, "document": document, "planHash": plan["planHash"] })).await;
+    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
+    let (_, got) = server.call("pools.get", json!({ "tenantId": a, "poolId": pool })).await;
+    assert_eq!(got["offeredTo"], json!([c]), "{got}");
+}
