@@ -223,6 +223,35 @@ fn a_metal_deploy_past_its_bound_is_found_by_the_metal_check_at_its_step() {
     assert!(value["livenessSettledMs"].as_u64().is_some(), "{value}");
 }
 
+/// `--metal N` enrolls N machines (the default: one for every 25 nodes, at least one), whose
+/// every move the metal check holds against the lifecycle table; `--metal 0` none; past 1,000
+/// it is refused as usage.
+#[test]
+fn metal_sets_the_machines_a_run_enrolls_and_their_moves_are_checked_against_the_table() {
+    let count = |extra: &[&str]| {
+        let mut args = small_sim_run("4");
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--faults", "none", "--json"]);
+        let (status, out, err) = sim(&args);
+        assert_eq!(status, 0, "{extra:?}:\n{out}\n{err}");
+        let value = json(&out);
+        assert_eq!(value["ok"], true, "{value}");
+        (value["metal"]["machines"].as_u64(), value["metal"]["moves"].as_u64().unwrap_or(0))
+    };
+    let (machines, moves) = count(&[]);
+    assert_eq!(machines, Some(1), "6 nodes: one machine");
+    assert!(moves > 0, "its moves were checked");
+    let (machines, moves) = count(&["--metal", "3"]);
+    assert_eq!(machines, Some(3));
+    assert!(moves > 0, "their moves were checked");
+    assert_eq!(count(&["--metal", "0"]), (Some(0), 0));
+    let mut args = small_sim_run("4");
+    args.extend_from_slice(&["--metal", "1001"]);
+    let (status, _, err) = sim(&args);
+    assert_eq!(status, 2, "{err}");
+    assert!(err.contains("--metal 1001 is outside 0..=1000"), "{err}");
+}
+
 #[test]
 fn many_seeds_with_every_fault_hold_their_invariants_and_settle() {
     let seeds: u64 = std::env::var("BC_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(SEEDS_DEFAULT);
