@@ -103,6 +103,15 @@ async fn an_offered_tenant_reserves_under_its_own_quota_shares_the_gpus_and_keep
     // Nothing is free now: B's next one (within its quota) queues.
     let (_, b_queued) = server.call_as(&b_key, "reservations.create", ask(1, 60), None).await;
     assert_eq!(b_queued["state"], "queued", "{b_queued}");
+    // B lists its reservations (queued, active), though they live on the owner's chain; the
+    // owner lists them too, as its chain's.
+    let (_, b_list) = server.call_as(&b_key, "reservations.list", json!({}), None).await;
+    let ids: BTreeSet<&str> = b_list["items"].as_array().unwrap().iter().map(|r| r["reservationId"].as_str().unwrap()).collect();
+    assert_eq!(ids, BTreeSet::from([b_id.as_str(), b_queued["reservationId"].as_str().unwrap()]), "{b_list}");
+    let (_, b_queue) = server.call_as(&b_key, "reservations.list", json!({ "state": "queued" }), None).await;
+    assert_eq!(b_queue["items"][0]["queuePosition"], 1, "{b_queue}");
+    let (_, a_list) = server.call_as(&a_key, "reservations.list", json!({ "state": "active" }), None).await;
+    assert_eq!(a_list["items"].as_array().unwrap().len(), 2, "{a_list}");
     // B reads its reservation by id, though it lives on the owner's chain.
     let (status, b_read) = server.call_as(&b_key, "reservations.get", json!({ "reservationId": b_id }), None).await;
     assert_eq!((status, b_read["state"].as_str()), (200, Some("active")), "{b_read}");

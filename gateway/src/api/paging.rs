@@ -69,6 +69,29 @@ pub async fn list_rows<T>(
     Ok(Page { items, next_cursor })
 }
 
+/// Two pages of one list read from two sources under the same cursor (ids of one kind, never in
+/// both, ordered alike): `first` as read, `second`'s items and its `nextCursor`, merged in id
+/// order. Each source stops at its own cursor, so the merged page stops at the first of the two
+/// ends; it holds at most `limit` items, and `nextCursor` is set while either source has more.
+pub fn merge_pages<T>(
+    first: Page<T>,
+    second: Vec<T>,
+    second_next: Option<String>,
+    limit_requested: Option<u32>,
+    id: impl Fn(&T) -> &str,
+) -> Result<Page<T>> {
+    let limit = limit(limit_requested)? as usize;
+    let end = [first.next_cursor, second_next].into_iter().flatten().min();
+    let mut items = first.items;
+    items.extend(second);
+    items.retain(|item| end.as_deref().is_none_or(|e| id(item) <= e));
+    items.sort_by(|a, b| id(a).cmp(id(b)));
+    let truncated = items.len() > limit;
+    items.truncate(limit);
+    let next_cursor = if truncated || end.is_some() { items.last().map(|i| id(i).to_owned()).or(end) } else { None };
+    Ok(Page { items, next_cursor })
+}
+
 /// Declares a list method's input, named in the document's components: the tenant (the
 /// caller's own when absent), `limit` and `cursor`, then the method's own filters in the order
 /// given: `list_input!(PoolsList { /// Archived pools too. #[serde(default)] include_archived: bool, })`.

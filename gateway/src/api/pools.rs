@@ -19,7 +19,7 @@ use serde::Deserialize;
 
 use super::body::parse_id;
 use super::call::expected_version;
-use super::paging::{Page, list_input, list_rows};
+use super::paging::{Page, list_input, list_rows, merge_pages};
 use super::resource::list_where;
 use super::validate::{
     DESCRIPTION_CHARS_MAX, DescriptionText, LabelsMap, NameText, PoolIdText, TenantIdText, VersionNumber, validate_labels,
@@ -312,24 +312,16 @@ async fn pools_list(call: &Call<'_>, input: PoolsList) -> Result<Page<PoolView>>
     if offers.items.is_empty() && offers.next_cursor.is_none() {
         return Ok(own);
     }
-    let limit = super::paging::limit(input.limit)? as usize;
-    // Each list stops at its own cursor: the merged page stops at the first of the two ends.
-    let end = [own.next_cursor.clone(), offers.next_cursor.clone()].into_iter().flatten().min();
-    let mut items: Vec<PoolView> = own.items;
+    let mut offered = Vec::new();
     for offer in offers.items {
         let Ok(owner) = parse_id::<TenantId>("tenantId", &offer.owner_tenant_id) else { continue };
         let Some(row) = call.state.store.row_get(&owner.to_string(), KIND_POOL, &offer.pool_id).await? else { continue };
         let doc: PoolDoc = super::call::doc(row)?;
         if doc.offered_to.contains(&tenant.to_string()) && (include_archived || !doc.archived) {
-            items.push(PoolView::from(doc).as_offered());
+            offered.push(PoolView::from(doc).as_offered());
         }
     }
-    items.retain(|p| end.as_ref().is_none_or(|e| p.pool_id <= *e));
-    items.sort_by(|a, b| a.pool_id.cmp(&b.pool_id));
-    let truncated = items.len() > limit;
-    items.truncate(limit);
-    let next_cursor = if truncated || end.is_some() { items.last().map(|p| p.pool_id.clone()).or(end) } else { None };
-    Ok(Page { items, next_cursor })
+    merge_pages(own, offered, offers.next_cursor, input.limit, |p| p.pool_id.as_str())
 }
 
 async fn pools_update(call: &Call<'_>, input: PoolsUpdate) -> Result<PoolView> {

@@ -24,7 +24,7 @@ use serde::Deserialize;
 
 use super::body::parse_id;
 use super::call::{doc, stream_id};
-use super::paging::{Page, list_rows};
+use super::paging::{Page, list_rows, merge_pages};
 use super::pools::{pool_doc, usable_pool};
 use super::validate::{CursorText, LimitNumber, PoolIdText, ReservationIdText, TenantIdText, VersionNumber, string_schema};
 use super::views::ReservationView;
@@ -336,16 +336,43 @@ async fn reservations_list(call: &Call<'_>, input: ReservationsList) -> Result<P
         Some(s) if s.is_live() => KIND_RESERVATION_LIVE,
         _ => KIND_RESERVATION,
     };
+    let wanted = |rsv: &ReservationDoc| state.is_none_or(|s| s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
     let loads = loads(call, tenant).await?;
-    list_rows(call, tenant, kind, input.limit, input.cursor.as_deref(), |row| {
+    let own = list_rows(call, tenant, kind, input.limit, input.cursor.as_deref(), |row| {
         let rsv: ReservationDoc = doc(row)?;
-        let wanted = state.is_none_or(|s| s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
-        Ok(wanted.then(|| {
+        Ok(wanted(&rsv).then(|| {
             let position = queue_position(loads.get(&rsv.pool_id), &rsv);
             ReservationView::of(rsv, position)
         }))
     })
-    .await
+    .await?;
+    // Those held for the tenant in pools other tenants offered, on their owners' chains, merged
+    // in by id under the same cursor.
+    let refs = list_rows(call, tenant, KIND_RESERVATION_REF, input.limit, input.cursor.as_deref(), |row| {
+        Ok(Some(doc::<ReservationRefDoc>(row)?).filter(|r| pool.as_ref().is_none_or(|p| *p == r.pool_id)))
+    })
+    .await?;
+    if refs.items.is_empty() && refs.next_cursor.is_none() {
+        return Ok(own);
+    }
+    let mut owners: BTreeMap<String, BTreeMap<String, PoolLoad>> = BTreeMap::new();
+    let mut held = Vec::new();
+    for r in refs.items {
+        let Ok(owner) = parse_id::<TenantId>("tenantId", &r.owner_tenant_id) else { continue };
+        let Some(row) = call.state.store.row_get(&owner.to_string(), KIND_RESERVATION, &r.reservation_id).await? else {
+            continue;
+        };
+        let rsv: ReservationDoc = doc(row)?;
+        if rsv.holder_tenant_id.as_deref() != Some(tenant.to_string().as_str()) || !wanted(&rsv) {
+            continue;
+        }
+        if !owners.contains_key(&r.owner_tenant_id) {
+            owners.insert(r.owner_tenant_id.clone(), self::loads(call, owner).await?);
+        }
+        let position = queue_position(owners.get(&r.owner_tenant_id).and_then(|l| l.get(&rsv.pool_id)), &rsv);
+        held.push(ReservationView::of(rsv, position));
+    }
+    merge_pages(own, held, refs.next_cursor, input.limit, |r| r.reservation_id.as_str())
 }
 
 async fn reservations_extend(call: &Call<'_>, input: ReservationsExtend) -> Result<ReservationView> {
