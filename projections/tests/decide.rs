@@ -240,6 +240,8 @@ fn refusals_that_depend_on_state_are_invalid_state_with_a_hint() {
         Refusal::TooManyNodeKeys { node_id: "node_1".into(), what: "taints", count: 65 },
         Refusal::TooManyNodes { count: 4096 },
         Refusal::InstanceMismatch("flavor f has 2 GPUs; the reservation holds 1".into()),
+        Refusal::HeldForOther { reservation_id: "rsv_h".into(), holder_tenant_id: "ten_b".into() },
+        Refusal::OfferWithdrawn { reservation_id: "rsv_h".into(), pool_id: "pool_1".into(), tenant_id: "ten_b".into() },
     ];
     for refusal in refusals {
         let error = Error::from(refusal.clone());
@@ -716,6 +718,12 @@ fn an_instance_is_made_only_on_a_bound_reservation_with_a_fitting_flavor() {
     assert!(refused(&taken, &node, &flavor2).1.contains("inst_0"));
     let queued_rsv = queued("rsv_q", POOL, 2, 1);
     assert_eq!(refused(&queued_rsv, &node, &flavor2).0, ErrorCode::Conflict);
+    // Held for another tenant (a pool offered to it): its GPUs are that tenant's, so the owner,
+    // on whose chain it lives, starts nothing on them, bound or not.
+    let held = ReservationDoc { holder_tenant_id: Some("ten_b".into()), ..rsv.clone() };
+    let (code, message) = refused(&held, &node, &flavor2);
+    assert_eq!(code, ErrorCode::InvalidState, "{message}");
+    assert!(message.contains("held for tenant ten_b"), "{message}");
 }
 
 /// The document an instance has after its create was applied and the node answered `observed`.

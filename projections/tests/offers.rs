@@ -227,3 +227,21 @@ fn a_tenant_the_pool_is_not_offered_to_is_refused() {
     assert_eq!(refused, Refusal::NotOffered { pool_id: POOL.into(), tenant_id: B.into() });
     assert_eq!(bc_core::Error::from(refused).code(), bc_core::ErrorCode::NotFound);
 }
+
+#[test]
+fn a_held_reservation_is_extended_only_while_its_pool_is_offered_to_its_holder_guarded_at_the_pools_version() {
+    let held = ReservationDoc {
+        activated_at_ms: Some(NOW_MS),
+        ends_at_ms: Some(NOW_MS + 60_000),
+        ..live("rsv_b", 2, ReservationState::Active, Some(B))
+    };
+    let append = decide::reservation_extend(&held, &pool(&[B]), 60, None).unwrap();
+    assert_eq!(append.event_types(), [ev::RESERVATION_EXTENDED]);
+    assert_eq!(append.guards, vec![(format!("pool/{POOL}"), ExpectedVersion::Exact(3))], "an unoffer meanwhile is a CONFLICT");
+    let refused = decide::reservation_extend(&held, &pool(&[C]), 60, None).unwrap_err();
+    assert_eq!(refused, Refusal::OfferWithdrawn { reservation_id: "rsv_b".into(), pool_id: POOL.into(), tenant_id: B.into() });
+    assert_eq!(bc_core::Error::from(refused).code(), bc_core::ErrorCode::InvalidState);
+    // The owner's own reservation guards nothing more.
+    let own = ReservationDoc { holder_tenant_id: None, ..held };
+    assert!(decide::reservation_extend(&own, &pool(&[]), 60, None).unwrap().guards.is_empty());
+}

@@ -50,6 +50,11 @@ fn not_ready(reservation: &ReservationDoc, why: impl Into<String>) -> Refusal {
 /// (guarded at the reservation's version, so two creates on one reservation never both land).
 pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Result<Append, Refusal> {
     let rsv = input.reservation;
+    // A reservation held for another tenant (`pools.offer`) is that tenant's, charged to its
+    // quota: the owner, whose chain it lives on, starts nothing on its GPUs.
+    if let Some(holder) = &rsv.holder_tenant_id {
+        return Err(Refusal::HeldForOther { reservation_id: rsv.reservation_id.clone(), holder_tenant_id: holder.clone() });
+    }
     let binding = bound_for_instance(rsv)?;
     instance_fits(input)?;
     let doc = pending_instance(input, binding, issue.now_ms);

@@ -150,6 +150,17 @@ pub enum Refusal {
     /// An offer the pool cannot take (`pools.offer`): its owner, or past the bound.
     #[error("{0}")]
     OfferInvalid(String),
+    /// The reservation is held for another tenant (a pool offered to it): its GPUs are that
+    /// tenant's, charged to its quota, so the owner starts no instance on them.
+    #[error(
+        "reservation {reservation_id} is held for tenant {holder_tenant_id} (its pool is offered to that tenant): the owner starts no instance on it"
+    )]
+    HeldForOther { reservation_id: String, holder_tenant_id: String },
+    /// A held reservation whose pool is no longer offered to its holder: it runs to its end.
+    #[error(
+        "reservation {reservation_id} is held for tenant {tenant_id}, to whom pool {pool_id} is no longer offered: it runs to its end and is not extended"
+    )]
+    OfferWithdrawn { reservation_id: String, pool_id: String, tenant_id: String },
     /// Not a refusal of the request: a document breaks an invariant (an active reservation
     /// without a node) or a payload does not encode.
     #[error("{0}")]
@@ -184,6 +195,12 @@ impl From<Refusal> for Error {
                 Error::not_found(format!("pool {pool_id} offered to tenant {tenant_id}"))
             }
             Refusal::OfferInvalid(_) => Error::invalid(message),
+            Refusal::HeldForOther { .. } => {
+                Error::state(message, "start instances on a reservation of your own; release this one to take its GPUs back")
+            }
+            Refusal::OfferWithdrawn { .. } => {
+                Error::state(message, "offer the pool to the tenant again (pools offer) to extend it, or reserve again")
+            }
             Refusal::NotActive { .. } => {
                 Error::state(message, "wait until a queued reservation is active, or reserve again if it has ended")
             }

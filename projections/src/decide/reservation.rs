@@ -342,6 +342,19 @@ pub fn reservation_extend(rsv: &ReservationDoc, pool: &PoolDoc, by_s: u64, if_ve
     if rsv.state != ReservationState::Active {
         return Err(Refusal::NotActive { reservation_id: rsv.reservation_id.clone(), state: rsv.state });
     }
+    // A held reservation is extended only while its pool is offered to its holder, read on the
+    // pool's document whose version the append guards: an unoffer meanwhile is a CONFLICT.
+    let mut guards = vec![];
+    if let Some(holder) = &rsv.holder_tenant_id {
+        if !pool.offered_to.contains(holder) {
+            return Err(Refusal::OfferWithdrawn {
+                reservation_id: rsv.reservation_id.clone(),
+                pool_id: rsv.pool_id.clone(),
+                tenant_id: holder.clone(),
+            });
+        }
+        guards.push((stream_of(KIND_POOL, &pool.pool_id), ExpectedVersion::Exact(pool.version)));
+    }
     let started = rsv.activated_at_ms.unwrap_or(rsv.requested_at_ms);
     let ends = rsv.ends_at_ms.unwrap_or(started).saturating_add(by_s.saturating_mul(1000));
     if ends.saturating_sub(started) > pool.max_reservation_s.saturating_mul(1000) {
@@ -350,7 +363,7 @@ pub fn reservation_extend(rsv: &ReservationDoc, pool: &PoolDoc, by_s: u64, if_ve
     Ok(Append {
         stream: stream_of(KIND_RESERVATION, &rsv.reservation_id),
         expected: ExpectedVersion::Exact(rsv.version),
-        guards: vec![],
+        guards,
         events: vec![NewEvent::new(ev::RESERVATION_EXTENDED, to_cbor(&ev::ReservationExtended { ends_at_ms: ends })?)],
     })
 }
