@@ -116,6 +116,18 @@ async fn an_offered_tenant_reserves_under_its_own_quota_shares_the_gpus_and_keep
     let (status, b_read) = server.call_as(&b_key, "reservations.get", json!({ "reservationId": b_id }), None).await;
     assert_eq!((status, b_read["state"].as_str()), (200, Some("active")), "{b_read}");
 
+    // The owner starts no instance on the GPUs it holds for B (charged to B's quota).
+    let flavor = json!({ "tenantId": a, "poolId": pool, "name": "g3", "vcpus": 4, "memoryMiB": 4096, "diskGiB": 20, "gpus": 3 });
+    let (status, flavor) = server.call("flavors.create", flavor).await;
+    assert_eq!(status, 200, "{flavor}");
+    let image = json!({ "tenantId": a, "name": "u", "url": "https://images.example/u.qcow2", "sha256": "ab".repeat(32), "diskFormat": "qcow2" });
+    let (status, image) = server.call("images.register", image).await;
+    assert_eq!(status, 200, "{image}");
+    let vm = json!({ "tenantId": a, "name": "vm", "reservationId": b_id, "flavorId": flavor["flavorId"], "imageId": image["imageId"] });
+    let (status, refused) = server.call("instances.create", vm).await;
+    assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains(&format!("held for tenant {b}")), "{refused}");
+
     // Withdrawn: B's active reservation runs on, its queued one is cancelled, a new one refused.
     let (code, out, err) = cli_as(&server, &a_key, &["pools", "unoffer", &pool, "--tenant-id", &b]);
     assert_eq!(code, 0, "{err}");
@@ -129,6 +141,13 @@ async fn an_offered_tenant_reserves_under_its_own_quota_shares_the_gpus_and_keep
     assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
     let (_, listed) = server.call_as(&b_key, "pools.list", json!({}), None).await;
     assert_eq!(listed["items"], json!([]), "{listed}");
+    // Nor is it extended, by B or by the owner: it runs to its end.
+    for key in [&b_key, &a_key] {
+        let (status, refused) =
+            server.call_as(key, "reservations.extend", json!({ "reservationId": b_id, "byS": 60 }), None).await;
+        assert_eq!((status, refused["code"].as_str()), (409, Some("INVALID_STATE")), "{refused}");
+        assert!(refused["message"].as_str().unwrap().contains("no longer offered"), "{refused}");
+    }
     // B's active one ends at its end, as any reservation does.
     let deadline = Instant::now() + WAIT;
     loop {
