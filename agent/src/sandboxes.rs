@@ -139,7 +139,14 @@ impl SandboxRuntime for Runsc {
     }
 
     fn start(&self, id: &str, bundle: &Path) -> Result<(), String> {
-        std::fs::create_dir_all(&self.root).map_err(|e| format!("disk: {}: {e}", self.root.display()))?;
+        // 0700: runsc keeps each sandbox's spec, its environment with any secret's value among
+        // it, in its state here.
+        let private = || -> std::io::Result<()> {
+            use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.root)?;
+            std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
+        };
+        private().map_err(|e| format!("disk: {}: {e}", self.root.display()))?;
         let mut command = self.command();
         // Only the root file system under the in-memory writable layer: a volume's bind mount
         // writes through to the volume.

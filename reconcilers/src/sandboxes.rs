@@ -48,11 +48,15 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
     for tenant in log.store.tenants().await? {
         let tenant_text = tenant.to_string();
         let templates: Vec<SandboxTemplateDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_TEMPLATE).await?;
+        // The volumes before the sandboxes: a sandbox and its volumes' attachment land in one
+        // append, so every attachment read here has its sandbox in the read after it. Read the
+        // other way round, a sandbox made between the two reads would be missing from the
+        // sandboxes while its attachment is not, and the volume would be detached under it.
+        let volumes: Vec<SandboxVolumeDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_VOLUME_LIVE).await?;
         let sandboxes: Vec<SandboxDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_LIVE).await?;
         live += sandboxes.len() as u64;
         warm += sandboxes.iter().filter(|s| s.warm && matches!(s.state, SandboxState::Starting | SandboxState::Running)).count()
             as u64;
-        let volumes: Vec<SandboxVolumeDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_VOLUME_LIVE).await?;
         for append in decide_volume::volumes_to_detach(&volumes, &sandboxes)? {
             match log.append(append.into_request(tenant, ACTOR)).await {
                 Ok(_) => done.detached += 1,

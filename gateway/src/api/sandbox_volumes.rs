@@ -157,6 +157,10 @@ async fn sandbox_volumes_create(call: &Call<'_>, input: SandboxVolumesCreate) ->
     decide::check_size(input.size_gib)?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     let retry = call.is_retry(tenant).await?;
+    // Names are checked and taken, and the tenant's bound counted, under the tenant's names'
+    // lock, as flavors', images' and secrets' are: two creates in this process cannot both find
+    // a name free. (Across gateway processes the lock does not reach: see docs/sandboxes.md.)
+    let _names = call.state.name_locks.lock(tenant).await;
     // A retry is answered from the log: its own name is taken by itself.
     let live: Vec<SandboxVolumeDoc> = if retry { Vec::new() } else { rows(call, tenant, KIND_SANDBOX_VOLUME_LIVE).await? };
     let nodes: Vec<NodeDoc> = rows(call, tenant, KIND_NODE).await?;

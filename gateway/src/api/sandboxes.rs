@@ -451,6 +451,13 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let ttl_s = input.ttl_s.unwrap_or(template.default_ttl_s);
     decide::check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
     let retry = call.is_retry(tenant).await?;
+    // A template with volumes runs its sandboxes on the volumes' node. The volumes are read
+    // before the live sandboxes: a sandbox and its volumes' attachment land in one append, so
+    // every attachment read here has its sandbox in the read after it, and a volume another
+    // create has just mounted is seen mounted (read the other way round, that sandbox could be
+    // missing from `live` while its attachment is not, and the volume would mount twice).
+    let volumes: Vec<SandboxVolumeDoc> =
+        if template.volumes.is_empty() { Vec::new() } else { rows(call, tenant, KIND_SANDBOX_VOLUME_LIVE).await? };
     let live: Vec<SandboxDoc> = rows(call, tenant, KIND_SANDBOX_LIVE).await?;
     let now_ms = call.now_ms();
     if !retry {
@@ -472,9 +479,6 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     for s in &live {
         *load.entry(s.node_id.clone()).or_default() += 1;
     }
-    // A template with volumes runs its sandboxes on the volumes' node.
-    let volumes: Vec<SandboxVolumeDoc> =
-        if template.volumes.is_empty() { Vec::new() } else { rows(call, tenant, KIND_SANDBOX_VOLUME_LIVE).await? };
     let node = match decide_volume::volumes_node(&template, &volumes)? {
         Some(node_id) => {
             nodes.iter().find(|n| n.node_id == node_id && decide::runs_sandboxes(n, &template.pool_id)).ok_or_else(|| {
