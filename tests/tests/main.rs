@@ -28,6 +28,7 @@ mod flavors_images;
 mod fleet;
 mod forward;
 mod gateways;
+mod gvisor_kit;
 mod ha;
 mod hardening;
 mod health;

@@ -9,34 +9,14 @@
 //! sandbox shows it; deleted, its file is gone from the node. Bad input (a size of 0 or past
 //! 16384, an id that is not `vol_…`, a template with volumes and a warm pool) is a clear error.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use bc_tests::{AgentNode, ImageServer, Server, json};
+use bc_tests::{AgentNode, Server, json};
 use serde_json::{Value, json};
-use sha2::Digest;
 
-fn require_runtime() {
-    let runsc = Command::new("runsc").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(runsc, "runsc (gVisor) is not installed: `make test` installs it (Debian's package runsc, make system-deps)");
-    assert!(Path::new("/bin/busybox").exists(), "/bin/busybox is not installed (Debian's package busybox-static)");
-    let mkfs = Command::new("mkfs.ext4").arg("-V").output().is_ok_and(|o| o.status.success());
-    assert!(mkfs, "mkfs.ext4 is not installed (Debian's package e2fsprogs)");
-}
-
-fn busybox_rootfs(dir: &Path) -> Vec<u8> {
-    let root = dir.join("rootfs");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    for applet in ["sh", "echo", "cat", "ls", "sleep", "true", "df", "dd", "rm", "sync"] {
-        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-    }
-    let archive = dir.join("rootfs.tar");
-    let status = Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&archive).arg(".").status().unwrap();
-    assert!(status.success(), "tar");
-    std::fs::read(archive).unwrap()
-}
+use super::gvisor_kit::{busybox_catalogue, call_ok, joined_node, require_runtime, runsc_list, wait_gvisor_ready};
 
 /// Whatever happened: deletes the runsc containers left in the node's state directory and
 /// unmounts the volumes left mounted under its data directory, so a failed test leaks neither.
@@ -47,12 +27,7 @@ struct Cleanup {
 
 impl Cleanup {
     fn containers(&self) -> Vec<String> {
-        if !self.runsc_root.exists() {
-            return Vec::new();
-        }
-        let out = Command::new("runsc").arg("--root").arg(&self.runsc_root).args(["list", "--format", "json"]).output().unwrap();
-        let listed: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap_or(Value::Null);
-        listed.as_array().map(|a| a.iter().filter_map(|c| c["id"].as_str().map(str::to_owned)).collect()).unwrap_or_default()
+        runsc_list(&self.runsc_root)
     }
 
     fn mounts(&self) -> Vec<String> {
@@ -71,12 +46,6 @@ impl Drop for Cleanup {
             let _ = Command::new("umount").arg(&mount).status();
         }
     }
-}
-
-async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
-    let (status, doc) = server.call(method, body).await;
-    assert_eq!(status, 200, "{method}: {doc}");
-    doc
 }
 
 async fn wait_for(
@@ -111,25 +80,11 @@ async fn a_volume_outlives_its_sandbox_grows_fills_and_mounts_in_one_sandbox_at_
     require_runtime();
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("volumes").await;
-    let mut machine = AgentNode::new(&server, port);
-    let config = std::fs::read_to_string(machine.config()).unwrap();
-    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 1\n")).unwrap();
-    machine.join_pool(&server, &pool).await;
+    let mut machine = joined_node(&server, port, &pool).await;
     let node = machine.node_id();
     let cleanup = Cleanup { runsc_root: machine.data().join("sandboxes").join("runsc"), volumes: machine.data().join("volumes") };
     machine.start();
-    wait_for(
-        &server,
-        "nodes.get",
-        json!({ "nodeId": node }),
-        "the node ready with sandbox.gvisor",
-        |doc| {
-            let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
-            doc["state"] == "ready" && caps.iter().any(|c| c == "sandbox.gvisor")
-        },
-        &machine,
-    )
-    .await;
+    wait_gvisor_ready(&server, &machine).await;
 
     // Bad input, each a clear error before anything is made.
     let (code, _, err) = server.cli(&["sandbox-volume", "create", "--pool", &pool, "--name", "notes", "--size", "0"]);
@@ -172,24 +127,9 @@ async fn a_volume_outlives_its_sandbox_grows_fills_and_mounts_in_one_sandbox_at_
 
     // A template that mounts it: never with a warm pool.
     let work = tempfile::tempdir().unwrap();
-    let bytes = busybox_rootfs(work.path());
-    let digest = hex::encode(sha2::Sha256::digest(&bytes));
-    let size = bytes.len();
-    let images = ImageServer::start("busybox.tar", bytes);
-    let image_doc = call_ok(
-        &server,
-        "images.register",
-        json!({ "name": "busybox", "url": images.url, "sha256": digest, "diskFormat": "rootfs-tar", "sizeBytes": size }),
-    )
-    .await;
-    let image_id = image_doc["imageId"].as_str().unwrap().to_owned();
-    let flavor = call_ok(
-        &server,
-        "flavors.create",
-        json!({ "poolId": pool, "name": "sbx-small", "vcpus": 1, "memoryMiB": 256, "diskGiB": 1, "gpus": 0 }),
-    )
-    .await;
-    let flavor_id = flavor["flavorId"].as_str().unwrap().to_owned();
+    let applets = ["sh", "echo", "cat", "ls", "sleep", "true", "df", "dd", "rm", "sync"];
+    let busybox = busybox_catalogue(&server, &pool, work.path(), &applets).await;
+    let (image_id, flavor_id) = (busybox.image_id.clone(), busybox.flavor_id.clone());
     let template_args = |warm: &str, volumes: &str| -> Vec<String> {
         let args = ["sandbox-template", "create", "--name", "notes-user", "--pool", &pool, "--flavor", &flavor_id];
         args.iter()

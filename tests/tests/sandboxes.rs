@@ -13,37 +13,14 @@
 //! sandbox) is a clear error with nothing started; and the agent killed with SIGKILL and started
 //! again still runs its sandboxes and removes the one no record names.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use bc_tests::{AgentNode, ImageServer, Server, json};
+use bc_tests::{AgentNode, Server, json};
 use serde_json::{Value, json};
-use sha2::Digest;
 
-/// The runtime and the root file system's programs: `make test` installs both (`system-deps`).
-fn require_runtime() {
-    let runsc = Command::new("runsc").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(runsc, "runsc (gVisor) is not installed: `make test` installs it (Debian's package runsc, make system-deps)");
-    assert!(
-        Path::new("/bin/busybox").exists(),
-        "/bin/busybox is not installed: `make test` installs it (Debian's package busybox-static, make system-deps)"
-    );
-}
-
-/// A root file system as a tar archive: busybox and its applets as links.
-fn busybox_rootfs(dir: &Path) -> Vec<u8> {
-    let root = dir.join("rootfs");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    for applet in ["sh", "echo", "cat", "ls", "uname", "sleep", "true", "id"] {
-        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-    }
-    let archive = dir.join("rootfs.tar");
-    let status = Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&archive).arg(".").status().unwrap();
-    assert!(status.success(), "tar");
-    std::fs::read(archive).unwrap()
-}
+use super::gvisor_kit::{busybox_catalogue, call_ok, joined_node, require_runtime, runsc_list, wait_gvisor_ready};
 
 /// Deletes, whatever happened, every runsc container left in the node's state directory, so a
 /// failed test leaks no sandbox on the machine.
@@ -55,28 +32,12 @@ impl RunscCleanup {
     }
 }
 
-fn runsc_list(root: &Path) -> Vec<String> {
-    if !root.exists() {
-        return Vec::new();
-    }
-    let out = Command::new("runsc").arg("--root").arg(root).args(["list", "--format", "json"]).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let listed: Value = serde_json::from_str(text.trim()).unwrap_or(Value::Null);
-    listed.as_array().map(|a| a.iter().filter_map(|c| c["id"].as_str().map(str::to_owned)).collect()).unwrap_or_default()
-}
-
 impl Drop for RunscCleanup {
     fn drop(&mut self) {
         for id in self.list() {
             let _ = Command::new("runsc").arg("--root").arg(&self.0).args(["delete", "--force", &id]).status();
         }
     }
-}
-
-async fn call_ok(server: &Server, method: &str, body: Value) -> Value {
-    let (status, doc) = server.call(method, body).await;
-    assert_eq!(status, 200, "{method}: {doc}");
-    doc
 }
 
 async fn wait_sandbox(server: &Server, id: &str, what: &str, done: impl Fn(&Value) -> bool, machine: &AgentNode) -> Value {
@@ -96,43 +57,15 @@ async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_
     require_runtime();
     let (server, port) = bc_tests::agents_gateway();
     let pool = server.pool("sandboxes").await;
-    let mut machine = AgentNode::new(&server, port);
-    let config = std::fs::read_to_string(machine.config()).unwrap();
-    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = 1\n")).unwrap();
-    machine.join_pool(&server, &pool).await;
-    let node = machine.node_id();
+    let mut machine = joined_node(&server, port, &pool).await;
     let cleanup = RunscCleanup(machine.data().join("sandboxes").join("runsc"));
     machine.start();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
-        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
-        if doc["state"] == "ready" && caps.iter().any(|c| c == "sandbox.gvisor") {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "node not ready with sandbox.gvisor: {doc}\n{}", machine.node_log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_gvisor_ready(&server, &machine).await;
 
     let work = tempfile::tempdir().unwrap();
-    let bytes = busybox_rootfs(work.path());
-    let digest = hex::encode(sha2::Sha256::digest(&bytes));
-    let size = bytes.len();
-    let images = ImageServer::start("busybox.tar", bytes);
-    let image = call_ok(
-        &server,
-        "images.register",
-        json!({ "name": "busybox", "url": images.url, "sha256": digest, "diskFormat": "rootfs-tar", "sizeBytes": size }),
-    )
-    .await;
-    let image_id = image["imageId"].as_str().unwrap().to_owned();
-    let flavor = call_ok(
-        &server,
-        "flavors.create",
-        json!({ "poolId": pool, "name": "sbx-small", "vcpus": 1, "memoryMiB": 256, "diskGiB": 1, "gpus": 0 }),
-    )
-    .await;
-    let flavor_id = flavor["flavorId"].as_str().unwrap().to_owned();
+    let busybox =
+        busybox_catalogue(&server, &pool, work.path(), &["sh", "echo", "cat", "ls", "uname", "sleep", "true", "id"]).await;
+    let (image_id, flavor_id, digest) = (busybox.image_id.clone(), busybox.flavor_id.clone(), busybox.digest.clone());
 
     // A secret the template's environment names by reference.
     let token_value = "sbx-token-0f1e2d3c4b5a69788796a5b4c3d2e1f0";
