@@ -106,6 +106,20 @@ pub fn batch_release_refusal(roots: &[String], node_id: &str, command: &bc_proto
 }
 
 /// What a command ended in: its last journal entry's type, subject and payload.
+/// A ledgered apply's arguments, or why not: `Err((its subject's id if read, the reason))`.
+type ParsedArgs<A> = Result<A, (Option<String>, String)>;
+
+/// What a ledgered apply (`sandbox.apply`, `sandbox_volume.apply`) is made of: its subject's
+/// stream kind, how its arguments parse (`Err((subject id if read, reason))`), its subject's id,
+/// how what became of the subject is reported, and the reason a node without the runtime gives.
+struct LedgeredApply<A, O> {
+    stream: &'static str,
+    parse: fn(&str) -> ParsedArgs<A>,
+    subject: fn(&A) -> &str,
+    report: fn(&str, &Result<O, String>) -> (&'static str, Value),
+    no_runtime: &'static str,
+}
+
 struct Finish {
     entry_type: &'static str,
     subject: Option<String>,
@@ -636,44 +650,15 @@ impl Runner {
         now_ms: u64,
         sandboxes: Option<&crate::sandboxes::Sandboxes>,
     ) -> Result<Vec<SignedEntry>, JournalError> {
-        let mut out = Vec::new();
-        let id = command.command_id.as_str();
-        if id.parse::<bc_core::id::CommandId>().is_err() {
-            tracing::warn!("a command with a malformed id was ignored");
-            return Ok(out);
-        }
-        let stage = self.journal.command_stage(id).await?;
-        if stage == Some(Stage::Finished) {
-            return Ok(out);
-        }
-        let args = match crate::sandboxes::parse_args(&command.args_json) {
-            Ok(args) => args,
-            Err((Some(sandbox_id), reason)) => {
-                let (entry_type, payload) = crate::sandboxes::report_payload(&sandbox_id, &Err(reason));
-                let finish = Finish { entry_type, subject: Some(format!("sandbox/{sandbox_id}")), payload };
-                self.finish(now_ms, id, finish, &mut out).await?;
-                return Ok(out);
-            }
-            Err((None, reason)) => {
-                self.finish(now_ms, id, Finish::failed(reason), &mut out).await?;
-                return Ok(out);
-            }
+        let shape = LedgeredApply {
+            stream: "sandbox",
+            parse: crate::sandboxes::parse_args,
+            subject: |args| &args.sandbox_id,
+            report: crate::sandboxes::report_payload,
+            no_runtime: "no-runtime: this node runs no sandboxes (hint: install runsc, Debian's package runsc)",
         };
-        let outcome = if now_ms > command.deadline_ms {
-            Err("deadline-passed: the deadline passed before the node ran it".to_owned())
-        } else if let Some(sandboxes) = sandboxes {
-            if stage.is_none() {
-                self.write(self.draft(now_ms, "command.started", id, json!({}), Stage::Started), &mut out).await?;
-            }
-            sandboxes.apply(id, &args).await
-        } else {
-            Err("no-runtime: this node runs no sandboxes (hint: install runsc, Debian's package runsc)".to_owned())
-        };
-        let (entry_type, payload) = crate::sandboxes::report_payload(&args.sandbox_id, &outcome);
-        let finish = Finish { entry_type, subject: Some(format!("sandbox/{}", args.sandbox_id)), payload };
-        self.finish(now_ms, id, finish, &mut out).await?;
-        tracing::info!(command = %id, sandbox = %args.sandbox_id, "sandbox.apply ran");
-        Ok(out)
+        let run = sandboxes.map(|s| async move |id: &str, args: &crate::sandboxes::SandboxArgs| s.apply(id, args).await);
+        self.run_ledgered_apply(command, now_ms, shape, run).await
     }
 
     /// `sandbox_volume.apply`: run once, past its deadline answered `sandbox_volume.apply_failed`
@@ -686,6 +671,29 @@ impl Runner {
         now_ms: u64,
         sandboxes: Option<&crate::sandboxes::Sandboxes>,
     ) -> Result<Vec<SignedEntry>, JournalError> {
+        let shape = LedgeredApply {
+            stream: "sandbox_volume",
+            parse: crate::volumes::parse_args,
+            subject: |args| &args.volume_id,
+            report: crate::volumes::report_payload,
+            no_runtime: "no-runtime: this node runs no sandboxes, so it keeps no volumes (hint: install runsc)",
+        };
+        let run = sandboxes.map(|s| async move |id: &str, args: &crate::volumes::VolumeArgs| s.apply_volume(id, args).await);
+        self.run_ledgered_apply(command, now_ms, shape, run).await
+    }
+
+    /// A command the node carries out through a ledger of its own (`shape`): run once (a finished
+    /// command is not run again); arguments that do not parse answered failed (on the subject's
+    /// stream when its id was read); past its deadline answered failed unrun; else `run` (none:
+    /// the node has no runtime for it) after `command.started`, and answered with what `run`
+    /// made of the subject or why not, on the subject's stream.
+    async fn run_ledgered_apply<A, O>(
+        &self,
+        command: &bc_proto::Command,
+        now_ms: u64,
+        shape: LedgeredApply<A, O>,
+        run: Option<impl AsyncFnOnce(&str, &A) -> Result<O, String>>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
         let mut out = Vec::new();
         let id = command.command_id.as_str();
         if id.parse::<bc_core::id::CommandId>().is_err() {
@@ -696,11 +704,11 @@ impl Runner {
         if stage == Some(Stage::Finished) {
             return Ok(out);
         }
-        let args = match crate::volumes::parse_args(&command.args_json) {
+        let args = match (shape.parse)(&command.args_json) {
             Ok(args) => args,
-            Err((Some(volume_id), reason)) => {
-                let (entry_type, payload) = crate::volumes::report_payload(&volume_id, &Err(reason));
-                let finish = Finish { entry_type, subject: Some(format!("sandbox_volume/{volume_id}")), payload };
+            Err((Some(subject), reason)) => {
+                let (entry_type, payload) = (shape.report)(&subject, &Err(reason));
+                let finish = Finish { entry_type, subject: Some(format!("{}/{subject}", shape.stream)), payload };
                 self.finish(now_ms, id, finish, &mut out).await?;
                 return Ok(out);
             }
@@ -711,18 +719,19 @@ impl Runner {
         };
         let outcome = if now_ms > command.deadline_ms {
             Err("deadline-passed: the deadline passed before the node ran it".to_owned())
-        } else if let Some(sandboxes) = sandboxes {
+        } else if let Some(run) = run {
             if stage.is_none() {
                 self.write(self.draft(now_ms, "command.started", id, json!({}), Stage::Started), &mut out).await?;
             }
-            sandboxes.apply_volume(id, &args).await
+            run(id, &args).await
         } else {
-            Err("no-runtime: this node runs no sandboxes, so it keeps no volumes (hint: install runsc)".to_owned())
+            Err(shape.no_runtime.to_owned())
         };
-        let (entry_type, payload) = crate::volumes::report_payload(&args.volume_id, &outcome);
-        let finish = Finish { entry_type, subject: Some(format!("sandbox_volume/{}", args.volume_id)), payload };
+        let subject = (shape.subject)(&args);
+        let (entry_type, payload) = (shape.report)(subject, &outcome);
+        let finish = Finish { entry_type, subject: Some(format!("{}/{subject}", shape.stream)), payload };
         self.finish(now_ms, id, finish, &mut out).await?;
-        tracing::info!(command = %id, volume = %args.volume_id, "sandbox_volume.apply ran");
+        tracing::info!(command = %id, subject = %subject, kind = %command.kind, "a ledgered apply ran");
         Ok(out)
     }
 
