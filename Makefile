@@ -15,7 +15,7 @@ ifeq ($(CI),true)
 export CARGO_INCREMENTAL := 0
 endif
 
-.PHONY: dev test test-deps bench bench-deps lint fmt fmt-check build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large ha-up ha-down test-ha
+.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large ha-up ha-down test-ha
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 ## Built with the seeded fake machines, so `make dev DEV_ARGS='--sim 5'` starts five simulated
@@ -37,19 +37,10 @@ system-deps:
 ## property, and end-to-end tests that start the real binaries, schemathesis testing the OpenAPI
 ## document from outside against a running `dev` among them. What the run needs is made first,
 ## side by side (one job per core and one more; both cargo builds share make's job slots, so the
-## cores stay busy while a download or a C build runs alone): the workspace's build, which is also
-## the lint (below), rustfmt's check, siglog's witness, and the Python virtual environments
-## (pymerkle, sushy-tools, schemathesis, …).
-## The build is the lint: clippy's driver compiles the workspace's own crates
-## (RUSTC_WORKSPACE_WRAPPER; the dependencies stay plain rustc's), so clippy's lints, warnings as
-## errors and the determinism bans of clippy.toml, run inside the build CI makes anyway, and a
-## finding fails it. `make lint` (`cargo clippy`) beside the build checked every dependency a
-## second time and ran a second front end over every crate of the workspace: on 2 cores it was a
-## core's 7 of the build's 10 minutes. CLIPPY_ARGS is how `cargo clippy -- -D warnings` hands
-## clippy's driver its arguments. Both variables stay in the environment of every cargo `make
-## test` runs (the build, nextest, the doctests): cargo fingerprints the wrapper, and a cargo
-## without it would build the workspace's crates again. (A plain `cargo build` after `make test`
-## does so once, for the same reason.)
+## cores stay busy while a download or a C build runs alone): the workspace's build, the lint
+## (`make lint`: rustfmt and clippy with the determinism bans, warnings as errors, so CI enforces
+## that nothing in the simulated crates escapes the seed), siglog's witness, and the three Python
+## virtual environments (pymerkle, sushy-tools, schemathesis).
 ## nextest runs no doctests, so the doctests (the `compile_fail` ones that prove only the `Log`
 ## appends among them) run after it, with `cargo test --doc` (the fallback leaves them to it);
 ## either failing fails the make.
@@ -60,8 +51,6 @@ system-deps:
 ## giving it two left the waiting tests fewer slots for the minutes it runs, which was not measured
 ## to help.
 TEST_THREADS ?= $$(( $$(nproc) * 2 ))
-test: export RUSTC_WORKSPACE_WRAPPER := clippy-driver
-test: export CLIPPY_ARGS := -D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__
 test: check-postgres
 	+@$(MAKE) --no-print-directory -j$$(( $$(nproc) + 1 )) test-deps
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
@@ -72,7 +61,7 @@ test: check-postgres
 	fi
 	$(CARGO) test --workspace --doc $(TEST_FEATURES)
 
-test-deps: build fmt-check witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv fleet-venv
+test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv fleet-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned). Installed once per machine, as the apt packages are, under the user's cache
@@ -244,11 +233,9 @@ bench: check-postgres bench-deps
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded
 ## randomness and fresh ULIDs in the crates the simulator runs (nothing escapes the seed); the
 ## crates outside it (cli, gateway, proto, tests) have their own clippy.toml without the bans.
-lint: system-deps fmt-check
-	$(CARGO) clippy --workspace --all-targets $(TEST_FEATURES) -- -D warnings
-
-fmt-check:
+lint: system-deps
 	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets $(TEST_FEATURES) -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
