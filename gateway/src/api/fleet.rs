@@ -80,6 +80,29 @@ string_schema!(
     |_| schemars::json_schema!({ "type": "string", "pattern": key_pattern(PoolId::PREFIX) })
 );
 
+string_schema!(
+    /// A tenant id in the document, in canonical form (`ten_` and the ULID in lowercase), as
+    /// `fleet export` writes it: the plan compares ids as text.
+    FleetTenantIdText as "FleetTenantId",
+    |_| schemars::json_schema!({
+        "type": "string",
+        "pattern": format!("^ten_[0-7][0-9a-hjkmnp-tv-z]{{25}}$"),
+        "description": "ten_ followed by a 26-character ULID, lowercase",
+    })
+);
+
+/// `offeredTo` as a set that names each tenant once: a list that names one twice is refused
+/// (the schema's `uniqueItems`), not quietly made a set.
+fn unique_tenants<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<BTreeSet<String>>, D::Error> {
+    let Some(list) = Option::<Vec<String>>::deserialize(d)? else { return Ok(None) };
+    let count = list.len();
+    let set: BTreeSet<String> = list.into_iter().collect();
+    if set.len() != count {
+        return Err(serde::de::Error::custom("offeredTo names a tenant more than once"));
+    }
+    Ok(Some(set))
+}
+
 fn keyed<T: JsonSchema>(g: &mut schemars::SchemaGenerator, prefix: &str, max: usize) -> schemars::Schema {
     let item = g.subschema_for::<T>();
     schemars::json_schema!({
@@ -156,8 +179,8 @@ pub struct FleetPool {
     pub quota_gpus: Option<u32>,
     /// The other tenants the pool is offered to (`pools.offer`; absent: the document leaves
     /// the offers alone, empty: none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(with = "Option<BTreeSet<TenantIdText>>", length(max = OFFERS_PER_POOL_MAX))]
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "unique_tenants")]
+    #[schemars(with = "Option<BTreeSet<FleetTenantIdText>>", length(max = OFFERS_PER_POOL_MAX))]
     pub offered_to: Option<BTreeSet<String>>,
 }
 
@@ -964,6 +987,20 @@ pub fn fleet_config_schema() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `offeredTo` names each tenant once: a repeat is refused as the schema's `uniqueItems`
+    /// says, not made a set behind the caller's back (schemathesis sent one).
+    #[test]
+    fn offered_to_refuses_a_tenant_named_twice() {
+        let t = "ten_01j00000000000000000000000";
+        let pool = |offered: Value| serde_json::json!({ "name": "gpu-a", "offeredTo": offered });
+        let once: FleetPool = serde_json::from_value(pool(serde_json::json!([t]))).unwrap();
+        assert_eq!(once.offered_to, Some(BTreeSet::from([t.to_owned()])));
+        let twice = serde_json::from_value::<FleetPool>(pool(serde_json::json!([t, t]))).unwrap_err();
+        assert!(twice.to_string().contains("more than once"), "{twice}");
+        let absent: FleetPool = serde_json::from_value(serde_json::json!({ "name": "gpu-a" })).unwrap();
+        assert_eq!(absent.offered_to, None);
+    }
 
     /// The checked-in schema is the one the code makes (`BC_BLESS=1` writes it again).
     #[test]
