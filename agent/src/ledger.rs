@@ -74,3 +74,21 @@ static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0
 pub fn saves_in_process() -> u64 {
     SAVES.load(std::sync::atomic::Ordering::Acquire)
 }
+
+/// A ledgered command's arguments (`sandbox.apply`, `sandbox_volume.apply`) read as `T`, with
+/// the id of their subject from `field` first, so a refusal can be reported on the subject's
+/// stream: `Ok((id, args))`, or `Err((the id if it was read, "bad-args: …"))`. `what` names the
+/// id's kind in the refusal (`a sandbox id`).
+pub fn subject_args<T: DeserializeOwned, Id: std::str::FromStr>(
+    args_json: &str,
+    field: &str,
+    what: &str,
+) -> Result<(String, T), (Option<String>, String)> {
+    let value: serde_json::Value = serde_json::from_str(args_json).map_err(|e| (None, format!("bad-args: {e}")))?;
+    let id = value.get(field).and_then(serde_json::Value::as_str).filter(|id| id.parse::<Id>().is_ok());
+    let Some(id) = id.map(str::to_owned) else {
+        return Err((None, format!("bad-args: {field} is not {what}")));
+    };
+    let args: T = serde_json::from_value(value).map_err(|e| (Some(id.clone()), format!("bad-args: {e}")))?;
+    Ok((id, args))
+}

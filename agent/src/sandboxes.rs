@@ -268,12 +268,8 @@ pub type SandboxLedgerFile = crate::ledger::LedgerFile<SandboxLedger>;
 
 /// Reads and checks a `sandbox.apply`'s arguments. `Err((sandbox id if read, reason))`.
 pub fn parse_args(args_json: &str) -> Result<SandboxArgs, (Option<String>, String)> {
-    let value: Value = serde_json::from_str(args_json).map_err(|e| (None, format!("bad-args: {e}")))?;
-    let id = value.get("sandboxId").and_then(Value::as_str).filter(|id| id.parse::<bc_core::id::SandboxId>().is_ok());
-    let Some(id) = id.map(str::to_owned) else {
-        return Err((None, "bad-args: sandboxId is not a sandbox id".into()));
-    };
-    let args: SandboxArgs = serde_json::from_value(value).map_err(|e| (Some(id.clone()), format!("bad-args: {e}")))?;
+    let (id, args): (String, SandboxArgs) =
+        crate::ledger::subject_args::<_, bc_core::id::SandboxId>(args_json, "sandboxId", "a sandbox id")?;
     let bad = |why: String| Err((Some(id.clone()), format!("bad-args: {why}")));
     if !matches!(args.desired.as_str(), "running" | "deleted") {
         return bad(format!("desired {:?} is not running or deleted", bc_core::id::truncate(&args.desired, 20)));

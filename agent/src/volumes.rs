@@ -68,12 +68,8 @@ pub type VolumeLedgerFile = crate::ledger::LedgerFile<VolumeLedger>;
 
 /// Reads and checks a `sandbox_volume.apply`'s arguments. `Err((volume id if read, reason))`.
 pub fn parse_args(args_json: &str) -> Result<VolumeArgs, (Option<String>, String)> {
-    let value: Value = serde_json::from_str(args_json).map_err(|e| (None, format!("bad-args: {e}")))?;
-    let id = value.get("volumeId").and_then(Value::as_str).filter(|id| id.parse::<bc_core::id::SandboxVolumeId>().is_ok());
-    let Some(id) = id.map(str::to_owned) else {
-        return Err((None, "bad-args: volumeId is not a volume id".into()));
-    };
-    let args: VolumeArgs = serde_json::from_value(value).map_err(|e| (Some(id.clone()), format!("bad-args: {e}")))?;
+    let (id, args): (String, VolumeArgs) =
+        crate::ledger::subject_args::<_, bc_core::id::SandboxVolumeId>(args_json, "volumeId", "a volume id")?;
     if !matches!(args.desired.as_str(), "ready" | "deleted") {
         return Err((
             Some(id),
