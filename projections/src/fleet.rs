@@ -8,6 +8,10 @@
 //! marks the GPUs it is about to append as held ([`FleetIndex::hold`]), so concurrent requests
 //! in the same process do not pick the same GPUs, and [`Reread`] makes the next use read what
 //! it held from the store again, whether the append happened or not.
+//!
+//! It also keeps the tenant's pools, for their offers (`pools.offer`): a reservation held for
+//! another tenant is placed (or requeued) only while its pool is offered to that tenant
+//! ([`FleetIndex::offer_of`]), and the append that relies on it guards the pool's version read.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -17,7 +21,7 @@ use bc_core::id::TenantId;
 use bc_core::store::{EventStore, ROWS_GET_MAX};
 
 use crate::decide::PoolLoad;
-use crate::{BindingState, KIND_NODE, KIND_RESERVATION_LIVE, NodeDoc, ReservationDoc, ReservationState};
+use crate::{BindingState, KIND_NODE, KIND_POOL, KIND_RESERVATION_LIVE, NodeDoc, PoolDoc, ReservationDoc, ReservationState};
 
 /// Log rows read per query while catching up.
 const CATCH_UP_ROWS: u32 = 1000;
@@ -50,6 +54,23 @@ pub struct FleetIndex {
     /// is not read back until its placers are done ([`Fleet::reread`]): a read made while an
     /// append was in flight may miss it, and a placement decided on it would be a CONFLICT.
     held: BTreeMap<String, u32>,
+    /// The tenant's pools, by id: what a held reservation's offer is read on ([`Self::offer_of`]).
+    /// A pool absent here offers nothing to anyone, so a view that does not know a held
+    /// reservation's pool never places it.
+    pools: BTreeMap<String, PoolDoc>,
+}
+
+/// Whether a live reservation may still be placed, as far as its pool's offers go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// The chain's own reservation: no offer is involved.
+    Own,
+    /// Held for a tenant its pool is offered to, read at the pool's `pool_version`: an append
+    /// that relies on it guards that version, so a withdrawal landing meanwhile is a CONFLICT.
+    Offered { pool_version: u64 },
+    /// Held for a tenant its pool is no longer offered to (or a pool the view does not know:
+    /// `pool_version` `None`): it is never placed again.
+    Withdrawn { pool_version: Option<u64> },
 }
 
 impl FleetIndex {
@@ -64,6 +85,26 @@ impl FleetIndex {
             view.put_live(rsv);
         }
         view
+    }
+
+    /// The pools, by id.
+    pub fn pools(&self) -> &BTreeMap<String, PoolDoc> {
+        &self.pools
+    }
+
+    /// Adds or replaces a pool.
+    pub fn put_pool(&mut self, pool: PoolDoc) {
+        self.pools.insert(pool.pool_id.clone(), pool);
+    }
+
+    /// Whether `rsv` may still be placed as far as its pool's offers go (see [`Offer`]).
+    pub fn offer_of(&self, rsv: &ReservationDoc) -> Offer {
+        let Some(holder) = rsv.holder_tenant_id.as_deref() else { return Offer::Own };
+        match self.pools.get(&rsv.pool_id) {
+            Some(pool) if pool.offered_to.contains(holder) => Offer::Offered { pool_version: pool.version },
+            Some(pool) => Offer::Withdrawn { pool_version: Some(pool.version) },
+            None => Offer::Withdrawn { pool_version: None },
+        }
     }
 
     /// Nodes, by id.
@@ -226,11 +267,13 @@ struct Shared {
 struct Dirty {
     nodes: BTreeMap<String, u64>,
     reservations: BTreeMap<String, u64>,
+    /// Read with either kind of refresh: pools change seldom, and a plan reads their offers.
+    pools: BTreeMap<String, u64>,
 }
 
 impl Dirty {
     fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && self.reservations.is_empty()
+        self.nodes.is_empty() && self.reservations.is_empty() && self.pools.is_empty()
     }
 }
 
@@ -244,6 +287,12 @@ impl Shared {
         if let Some(id) = reservation {
             dirty.reservations.insert(id.to_owned(), mark);
         }
+    }
+
+    fn mark_pool(&mut self, tenant: TenantId, pool: &str) {
+        self.marks += 1;
+        let mark = self.marks;
+        self.dirty.entry(tenant).or_default().pools.insert(pool.to_owned(), mark);
     }
 }
 
@@ -425,6 +474,7 @@ impl Fleet {
                 if let Some(dirty) = shared.dirty.get_mut(&tenant) {
                     dirty.nodes.retain(|_, mark| *mark > marked);
                     dirty.reservations.retain(|_, mark| *mark > marked);
+                    dirty.pools.retain(|_, mark| *mark > marked);
                 }
             }
         }
@@ -433,6 +483,7 @@ impl Fleet {
             Some(dirty) => Dirty {
                 nodes: if kinds == Kinds::All { dirty.nodes.clone() } else { BTreeMap::new() },
                 reservations: dirty.reservations.clone(),
+                pools: dirty.pools.clone(),
             },
             None => Dirty::default(),
         };
@@ -482,6 +533,16 @@ impl Fleet {
                 dirty.reservations.remove(&id);
             }
         }
+        for (id, doc) in read.pools {
+            match doc {
+                Some(doc) if view.pools.get(&id).is_some_and(|seen| seen.version > doc.version) => {}
+                Some(doc) => view.put_pool(doc),
+                None => drop(view.pools.remove(&id)),
+            }
+            if dirty.pools.get(&id) == wanted.pools.get(&id) {
+                dirty.pools.remove(&id);
+            }
+        }
         Ok(())
     }
 
@@ -517,6 +578,8 @@ impl Fleet {
                     shared.mark(tenant, Some(id), None);
                 } else if reservation.is_some() {
                     shared.mark(tenant, None, reservation);
+                } else if let Some(id) = row.stream.strip_prefix("pool/") {
+                    shared.mark_pool(tenant, id);
                 }
             }
             drop(shared);
@@ -537,6 +600,7 @@ impl Fleet {
 struct ReadRows {
     nodes: Vec<(String, Option<NodeDoc>)>,
     reservations: Vec<(String, Option<ReservationDoc>)>,
+    pools: Vec<(String, Option<PoolDoc>)>,
 }
 
 /// Reads the rows `dirty` names, holding no lock: a statement per kind (and per
@@ -546,6 +610,7 @@ async fn read_rows(store: &dyn EventStore, tenant: TenantId, dirty: &Dirty) -> R
     Ok(ReadRows {
         nodes: read_kind(store, &t, KIND_NODE, dirty.nodes.keys()).await?,
         reservations: read_kind(store, &t, KIND_RESERVATION_LIVE, dirty.reservations.keys()).await?,
+        pools: read_kind(store, &t, KIND_POOL, dirty.pools.keys()).await?,
     })
 }
 
@@ -575,5 +640,10 @@ async fn read_kind<'i, T: serde::de::DeserializeOwned>(
 async fn load(store: &dyn EventStore, tenant: TenantId) -> Result<FleetIndex> {
     let nodes: Vec<NodeDoc> = crate::placement::all_rows(store, tenant, KIND_NODE).await?;
     let live = crate::placement::live(store, tenant).await?;
-    Ok(FleetIndex::new(nodes, live))
+    let pools: Vec<PoolDoc> = crate::placement::all_rows(store, tenant, KIND_POOL).await?;
+    let mut view = FleetIndex::new(nodes, live);
+    for pool in pools {
+        view.put_pool(pool);
+    }
+    Ok(view)
 }

@@ -334,6 +334,7 @@ fn plan_expires_first_then_activates_each_pool_oldest_first() {
                 Action::HoldFailed { .. } => "hold failed",
                 Action::Activate { .. } => "activate",
                 Action::Skip { .. } => "skip",
+                Action::Withdraw { .. } => "withdraw",
             };
             (kind, a.reservation_id())
         })

@@ -245,3 +245,120 @@ fn a_held_reservation_is_extended_only_while_its_pool_is_offered_to_its_holder_g
     let own = ReservationDoc { holder_tenant_id: None, ..held };
     assert!(decide::reservation_extend(&own, &pool(&[]), 60, None).unwrap().guards.is_empty());
 }
+
+/// An active reservation held for `holder` on `node_a`'s GPUs 0 and 1, whose hold the node
+/// refused.
+fn hold_failed(holder: &str) -> (NodeDoc, ReservationDoc) {
+    let rsv = ReservationDoc {
+        node_id: Some("node_a".into()),
+        gpu_indexes: vec![0, 1],
+        activated_at_ms: Some(NOW_MS - 1000),
+        ends_at_ms: Some(NOW_MS + 60_000),
+        binding: Some(bc_projections::Binding {
+            state: bc_projections::BindingState::Failed,
+            hold_command_id: Some("cmd_hold".into()),
+            deadline_at_ms: Some(NOW_MS + 1),
+            release_command_id: None,
+            gpu_uuids: vec![],
+            reason: Some("gpu-in-use: GPU-0 runs 1 processes".into()),
+            changed_at_ms: 0,
+        }),
+        ..live("rsv_b", 2, ReservationState::Active, Some(holder))
+    };
+    let mut n = node("node_a", 8);
+    for g in &rsv.gpu_indexes {
+        n.allocations.insert(*g, rsv.reservation_id.clone());
+    }
+    (n, rsv)
+}
+
+fn view_with(nodes: Vec<NodeDoc>, live: Vec<ReservationDoc>, pool: Option<PoolDoc>) -> FleetIndex {
+    let mut view = FleetIndex::new(nodes, live);
+    if let Some(pool) = pool {
+        view.put_pool(pool);
+    }
+    view
+}
+
+const ISSUE: bc_projections::placement::Issue<'static> =
+    bc_projections::placement::Issue { command_id: "cmd_01", now_ms: NOW_MS };
+
+/// Regression: a held reservation whose hold failed after its pool was withdrawn from its
+/// holder was requeued like any other and could be placed again (the plan did not read
+/// offers). Now it fails, with the reason, and is never requeued; while the pool is still
+/// offered it is requeued, guarding the pool's version read, so a withdrawal meanwhile is a
+/// CONFLICT and the next pass fails it instead.
+#[test]
+fn a_held_reservation_whose_hold_fails_after_an_unoffer_fails_with_the_reason_instead_of_requeueing() {
+    let pool_guard = (format!("pool/{POOL}"), ExpectedVersion::Exact(3));
+    let (n, rsv) = hold_failed(B);
+
+    let withdrawn = view_with(vec![n.clone()], vec![rsv.clone()], Some(pool(&[C])));
+    let actions = decide::plan(&withdrawn, NOW_MS);
+    assert_eq!(actions.len(), 1, "{actions:?}");
+    let decide::Action::HoldFailed { gives_up, attempts, reason, offer_version, .. } = &actions[0] else { panic!("{actions:?}") };
+    assert_eq!((*gives_up, *attempts, *offer_version), (true, 1, Some(3)), "its first failure is its last");
+    assert!(reason.starts_with("gpu-in-use: GPU-0 runs 1 processes; not requeued: "), "{reason}");
+    assert!(reason.ends_with(&unoffered_reason(POOL, B)), "{reason}");
+    let append = actions[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types()[..2], [ev::RESERVATION_FAILED, ev::NODE_FREED]);
+    assert_eq!(payload::<ev::ReservationFailed>(&append, 0).reason, *reason);
+    assert!(append.guards.contains(&pool_guard), "{:?}", append.guards);
+
+    // Still offered: requeued as any other, guarded at the pool's version.
+    let offered = view_with(vec![n.clone()], vec![rsv.clone()], Some(pool(&[B])));
+    let actions = decide::plan(&offered, NOW_MS);
+    let decide::Action::HoldFailed { gives_up: false, offer_version: Some(3), .. } = &actions[0] else { panic!("{actions:?}") };
+    let append = actions[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(append.event_types()[0], ev::RESERVATION_REQUEUED);
+    assert!(append.guards.contains(&pool_guard), "{:?}", append.guards);
+
+    // A view that does not know the pool offers it to no one: failed, with nothing to guard.
+    let unknown = view_with(vec![n], vec![rsv], None);
+    let actions = decide::plan(&unknown, NOW_MS);
+    assert!(matches!(&actions[0], decide::Action::HoldFailed { gives_up: true, offer_version: None, .. }), "{actions:?}");
+}
+
+/// A queued reservation held for a tenant the pool is no longer offered to (a requeue that
+/// landed before the rule above, say) is cancelled with the reason, wherever it is in the
+/// queue, and the queue goes on behind it; offered, it is placed, guarding the pool's version.
+#[test]
+fn a_queued_held_reservation_no_longer_offered_is_cancelled_and_the_queue_goes_on() {
+    let held = ReservationDoc { request_seq: 1, ..live("rsv_b", 4, ReservationState::Queued, Some(B)) };
+    let own = ReservationDoc { request_seq: 2, ..live("rsv_own", 4, ReservationState::Queued, None) };
+    let pool_guard = (format!("pool/{POOL}"), ExpectedVersion::Exact(3));
+
+    let withdrawn = view_with(vec![node("node_a", 8)], vec![held.clone(), own.clone()], Some(pool(&[C])));
+    let actions = decide::plan(&withdrawn, NOW_MS);
+    let summary: Vec<(&str, &str)> = actions
+        .iter()
+        .map(|a| match a {
+            decide::Action::Withdraw { .. } => ("withdraw", a.reservation_id()),
+            decide::Action::Activate { .. } => ("activate", a.reservation_id()),
+            _ => ("other", a.reservation_id()),
+        })
+        .collect();
+    assert_eq!(summary, [("withdraw", "rsv_b"), ("activate", "rsv_own")]);
+    let cancel = actions[0].append(ISSUE).unwrap().unwrap();
+    assert_eq!(cancel.event_types(), [ev::RESERVATION_CANCELLED]);
+    assert_eq!(cancel.expected, ExpectedVersion::Exact(2));
+    assert_eq!(payload::<ev::ReservationEnded>(&cancel, 0).reason, Some(unoffered_reason(POOL, B)));
+    assert_eq!(cancel.guards, vec![pool_guard.clone()]);
+    let own_activation = actions[1].append(ISSUE).unwrap().unwrap();
+    assert!(!own_activation.guards.iter().any(|(s, _)| s.starts_with("pool/")), "the owner's own relies on no offer");
+
+    // Behind a head that does not fit: cancelled all the same.
+    let big = ReservationDoc { request_seq: 0, ..live("rsv_big", 8, ReservationState::Queued, None) };
+    let blocked = view_with(vec![node("node_a", 4)], vec![big, held.clone()], Some(pool(&[C])));
+    let actions = decide::plan(&blocked, NOW_MS);
+    assert!(
+        matches!(&actions[..], [decide::Action::Withdraw { reservation_id, .. }] if reservation_id == "rsv_b"),
+        "{actions:?}"
+    );
+
+    // Offered: placed, the pool's version guarded.
+    let offered = view_with(vec![node("node_a", 8)], vec![held, own], Some(pool(&[B])));
+    let actions = decide::plan(&offered, NOW_MS);
+    assert!(matches!(&actions[0], decide::Action::Activate { offer_version: Some(3), .. }), "{actions:?}");
+    assert!(actions[0].append(ISSUE).unwrap().unwrap().guards.contains(&pool_guard));
+}

@@ -45,6 +45,8 @@ pub struct Pass {
     /// Reservations whose hold failed: back in their queue, or (on their last attempt) failed.
     pub requeued: usize,
     pub failed: usize,
+    /// Queued reservations held for a tenant their pool is no longer offered to: cancelled.
+    pub cancelled: usize,
     /// Appends refused because another writer moved first; the next pass decides again.
     pub conflicts: usize,
 }
@@ -139,7 +141,7 @@ impl TenantPass<'_> {
                 }
                 true
             }
-            Action::Expire { .. } | Action::HoldFailed { .. } => true,
+            Action::Expire { .. } | Action::HoldFailed { .. } | Action::Withdraw { .. } => true,
         }
     }
 
@@ -210,14 +212,22 @@ impl TenantPass<'_> {
                 self.expired.insert(reservation_id.clone());
             }
             Action::Activate { .. } => self.done.activated += 1,
+            Action::Withdraw { reservation_id, reason, .. } => {
+                self.done.cancelled += 1;
+                tracing::info!(reconciler = NAME, reservation = %reservation_id, reason = %reason, "cancelled");
+            }
             Action::Skip { .. } => {}
         }
     }
 
     fn refused(&mut self, action: &Action, e: bc_core::Error) {
         match action {
-            Action::Expire { .. } | Action::HoldFailed { .. } if e.code() == ErrorCode::Conflict => self.done.conflicts += 1,
-            Action::Expire { reservation_id, .. } | Action::HoldFailed { reservation_id, .. } => {
+            Action::Expire { .. } | Action::HoldFailed { .. } | Action::Withdraw { .. } if e.code() == ErrorCode::Conflict => {
+                self.done.conflicts += 1
+            }
+            Action::Expire { reservation_id, .. }
+            | Action::HoldFailed { reservation_id, .. }
+            | Action::Withdraw { reservation_id, .. } => {
                 // One reservation's failure is its own: the rest of the pass (other pools,
                 // other tenants) goes on, and its pool activates nothing more this pass.
                 tracing::warn!(reconciler = NAME, reservation = %reservation_id, code = %e.code(), error = %e, "ending failed");
@@ -277,13 +287,14 @@ impl crate::driver::Reconciler for Reservations {
             let tenants: &[TenantId] = if first { self.known.as_deref().unwrap_or(&[]) } else { &[] };
             match pass(log, &self.fleet, &*self.clock, tenants).await {
                 Ok(p) => {
-                    if p.activated + p.expired + p.requeued + p.failed + p.conflicts > 0 {
+                    if p.activated + p.expired + p.requeued + p.failed + p.cancelled + p.conflicts > 0 {
                         tracing::info!(
                             reconciler = NAME,
                             activated = p.activated,
                             expired = p.expired,
                             requeued = p.requeued,
                             failed = p.failed,
+                            cancelled = p.cancelled,
                             conflicts = p.conflicts,
                             "pass"
                         );
@@ -293,6 +304,7 @@ impl crate::driver::Reconciler for Reservations {
                         ("expired", p.expired as u64),
                         ("requeued", p.requeued as u64),
                         ("failed", p.failed as u64),
+                        ("cancelled", p.cancelled as u64),
                         ("conflicts", p.conflicts as u64),
                     ];
                     Activation { outcome: Ok(counts), again: p.conflicts > 0 }
@@ -453,6 +465,49 @@ mod tests {
         assert_eq!(done, Pass { activated: first_on_it, conflicts: 1, ..Pass::default() });
         let live = placement::live(&*store, tenant).await.unwrap();
         assert_eq!(live.iter().filter(|r| r.state == ReservationState::Active).count(), first_on_it);
+        drop(log);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+
+    /// The pass reads the pools' offers from the log like the nodes: a reservation held for a
+    /// tenant the pool is offered to is placed; once the pool is withdrawn from that tenant (the
+    /// unoffer read by the view's catch-up), a held one still queued is cancelled with the
+    /// reason, never placed, and the active one is left to run to its end.
+    #[tokio::test]
+    async fn a_held_reservation_is_placed_while_offered_and_cancelled_once_withdrawn() {
+        let Scratch { path, store, log, tenant, pool } = scratch("offers").await;
+        let holder = TenantId::generate().to_string();
+        let append = |stream: String, events| AppendRequest::new(tenant, stream, ExpectedVersion::Any, "test", events);
+        let offers = |event_type: &str| {
+            let payload = ev::PoolOffers { tenant_ids: vec![holder.clone()], owner_tenant_id: None };
+            NewEvent::new(event_type, ev::to_cbor(&payload).unwrap())
+        };
+        let held = |gpus| {
+            let held_for = ev::ReservationHeldFor { tenant_id: holder.clone() };
+            vec![requested(&pool, gpus), NewEvent::new(ev::RESERVATION_HELD_FOR, ev::to_cbor(&held_for).unwrap())]
+        };
+        log.append(append(stream_of(KIND_POOL, &pool), vec![offers(ev::POOL_OFFERED)])).await.unwrap();
+        fill(&log, tenant, &pool, 1, 0).await;
+        let fleet = Fleet::new();
+        fleet.prime(&*store).await.unwrap();
+
+        let first = ReservationId::generate().to_string();
+        log.append(append(stream_of(KIND_RESERVATION, &first), held(2))).await.unwrap();
+        assert_eq!(pass(&log, &fleet, &SystemClock, &[tenant]).await.unwrap(), Pass { activated: 1, ..Pass::default() });
+
+        let second = ReservationId::generate().to_string();
+        log.append(append(stream_of(KIND_RESERVATION, &second), held(2))).await.unwrap();
+        // Withdrawn without cancelling the queued one (as a requeue landing after it would leave it).
+        log.append(append(stream_of(KIND_POOL, &pool), vec![offers(ev::POOL_UNOFFERED)])).await.unwrap();
+        assert_eq!(pass(&log, &fleet, &SystemClock, &[]).await.unwrap(), Pass { cancelled: 1, ..Pass::default() });
+        let cancelled = reservation(&*store, tenant, &second).await;
+        assert_eq!(cancelled.state, ReservationState::Cancelled);
+        let reason = bc_projections::decide::pool_offer::unoffered_reason(&pool, &holder);
+        assert_eq!(cancelled.last_error.as_deref(), Some(reason.as_str()));
+        assert_eq!(reservation(&*store, tenant, &first).await.state, ReservationState::Active, "runs to its end");
+        assert_eq!(pass(&log, &fleet, &SystemClock, &[]).await.unwrap(), Pass::default());
         drop(log);
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));

@@ -168,6 +168,9 @@ impl World {
                         gpus: placement.gpus,
                     });
                 }
+                // This world folds no `reservation.held_for`: no reservation here is held for
+                // another tenant, so none is withdrawn; ended all the same if one were.
+                Action::Withdraw { reservation_id, .. } => drop(self.end(&reservation_id)),
                 Action::HoldFailed { .. } | Action::Skip { .. } => {}
             }
         }

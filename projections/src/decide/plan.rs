@@ -19,15 +19,28 @@
 //! the view read it, so its content is what the plan saw; if another writer moved the node
 //! meanwhile, the guard fails and the append is a CONFLICT (the next pass decides again),
 //! never a double booking.
+//!
+//! **Offered pools.** A reservation held for another tenant (`holderTenantId`, in a pool its
+//! owner offered to that tenant) is placed, and requeued after a failed hold, only while the
+//! pool is still offered to its holder, as the view's pool document says
+//! ([`FleetIndex::offer_of`]); each such append guards the pool's stream at the version read,
+//! so a withdrawal (`pools.unoffer`) landing meanwhile makes it a CONFLICT and the next pass
+//! decides again. Once withdrawn, a failed hold fails the reservation instead of requeueing it,
+//! and a queued one (left by a requeue decided before this rule, say) is cancelled: both with
+//! the reason ([`super::pool_offer::unoffered_reason`]), so it is never placed again.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bc_core::store::ExpectedVersion;
 
+use bc_core::store::NewEvent;
+
+use super::pool_offer::unoffered_reason;
 use super::{Append, PoolLoad};
-use crate::fleet::FleetIndex;
+use crate::events::{self as ev, to_cbor};
+use crate::fleet::{FleetIndex, Offer};
 use crate::placement::{self, Ask, Ending, Issue, Placement, Selector};
-use crate::{BindingState, HOLD_ATTEMPTS_MAX, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
+use crate::{BindingState, HOLD_ATTEMPTS_MAX, KIND_POOL, KIND_RESERVATION, NodeDoc, ReservationDoc, ReservationState, stream_of};
 
 /// One step of a reconciler pass.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +60,8 @@ pub enum Action {
         attempts: u32,
         gives_up: bool,
         release: bool,
+        /// A held reservation's pool version whose offer the decision read: guarded.
+        offer_version: Option<u64>,
     },
     /// Give `placement`'s GPUs to a queued reservation until `ends_at_ms`.
     Activate {
@@ -58,6 +73,18 @@ pub enum Action {
         /// Expiries of this plan on the placement's node: the guard counts their appends, so the
         /// activation is made only if they all landed.
         freed_by: Vec<String>,
+        /// A held reservation's pool version whose offer the decision read: guarded.
+        offer_version: Option<u64>,
+    },
+    /// Cancel a queued reservation held for a tenant its pool is no longer offered to
+    /// (`reason` says so): it is never placed again. It frees nothing and stops no queue.
+    Withdraw {
+        reservation_id: String,
+        reservation_version: u64,
+        pool_id: String,
+        reason: String,
+        /// The pool's version read (`None`: the view has no such pool): guarded.
+        offer_version: Option<u64>,
     },
     /// A queued reservation whose selector this version cannot read (a newer writer's): it is
     /// left queued, and must not stop its pool's queue or anything else. Nothing to append.
@@ -70,6 +97,7 @@ impl Action {
             Self::Expire { reservation_id, .. }
             | Self::HoldFailed { reservation_id, .. }
             | Self::Activate { reservation_id, .. }
+            | Self::Withdraw { reservation_id, .. }
             | Self::Skip { reservation_id, .. } => reservation_id,
         }
     }
@@ -79,6 +107,7 @@ impl Action {
             Self::Expire { pool_id, .. }
             | Self::HoldFailed { pool_id, .. }
             | Self::Activate { pool_id, .. }
+            | Self::Withdraw { pool_id, .. }
             | Self::Skip { pool_id, .. } => pool_id,
         }
     }
@@ -88,6 +117,24 @@ impl Action {
     /// (`gpu.hold`, `gpu.release`) takes `issue`'s id, drawn by the caller for each action.
     pub fn append(&self, issue: Issue<'_>) -> bc_core::Result<Option<Append>> {
         let stream = |id: &str| stream_of(KIND_RESERVATION, &id);
+        let mut append = self.append_unguarded(issue, stream)?;
+        if let (Some(append), Some(version)) = (append.as_mut(), self.offer_version()) {
+            append.guards.push((stream_of(KIND_POOL, &self.pool_id()), ExpectedVersion::Exact(version)));
+        }
+        Ok(append)
+    }
+
+    /// The pool version whose offer this action relies on, if it does.
+    fn offer_version(&self) -> Option<u64> {
+        match self {
+            Self::HoldFailed { offer_version, .. }
+            | Self::Activate { offer_version, .. }
+            | Self::Withdraw { offer_version, .. } => *offer_version,
+            Self::Expire { .. } | Self::Skip { .. } => None,
+        }
+    }
+
+    fn append_unguarded(&self, issue: Issue<'_>, stream: impl Fn(&str) -> String) -> bc_core::Result<Option<Append>> {
         Ok(match self {
             Self::Expire { reservation_id, reservation_version, node_id, release, .. } => Some(Append::guarded(
                 stream(reservation_id),
@@ -108,6 +155,15 @@ impl Action {
                 ExpectedVersion::Exact(*reservation_version),
                 placement::activation(reservation_id, placement, *ends_at_ms, issue)?,
             )),
+            Self::Withdraw { reservation_id, reservation_version, reason, .. } => {
+                let ended = ev::ReservationEnded { release: None, reason: Some(reason.clone()) };
+                Some(Append {
+                    stream: stream(reservation_id),
+                    expected: ExpectedVersion::Exact(*reservation_version),
+                    guards: vec![],
+                    events: vec![NewEvent::new(ev::RESERVATION_CANCELLED, to_cbor(&ended)?)],
+                })
+            }
             Self::Skip { .. } => None,
         })
     }
@@ -257,7 +313,15 @@ fn fail_holds<'v, 'a>(
     for (rsv, reason, release) in failed {
         let node_id = rsv.node_id.as_deref().unwrap_or_default();
         let attempts = rsv.hold_attempts.saturating_add(1);
-        let gives_up = attempts >= HOLD_ATTEMPTS_MAX;
+        // A held reservation goes back to the queue only while its pool is offered to its
+        // holder; once withdrawn, its failed hold is its end.
+        let (gives_up, reason, offer_version) = match view.offer_of(rsv) {
+            Offer::Own => (attempts >= HOLD_ATTEMPTS_MAX, reason, None),
+            Offer::Offered { pool_version } => (attempts >= HOLD_ATTEMPTS_MAX, reason, Some(pool_version)),
+            Offer::Withdrawn { pool_version } => {
+                (true, format!("{reason}; not requeued: {}", withdrawn_reason(rsv)), pool_version)
+            }
+        };
         planned.actions.push(Action::HoldFailed {
             reservation_id: rsv.reservation_id.clone(),
             reservation_version: rsv.version,
@@ -267,6 +331,7 @@ fn fail_holds<'v, 'a>(
             attempts,
             gives_up,
             release,
+            offer_version,
         });
         if !gives_up {
             // It is next in its pool: nothing there overtakes it in this pass.
@@ -275,6 +340,11 @@ fn fail_holds<'v, 'a>(
         planned.free(view, node_id, &rsv.reservation_id);
     }
     requeued
+}
+
+/// Why a reservation held for a tenant its pool is no longer offered to ends.
+fn withdrawn_reason(rsv: &ReservationDoc) -> String {
+    unoffered_reason(&rsv.pool_id, rsv.holder_tenant_id.as_deref().unwrap_or_default())
 }
 
 /// One pool's queue, oldest request first: each queued reservation placed on the nodes as the
@@ -288,7 +358,30 @@ fn activate_queue<'v>(
     policy: Policy,
     planned: &mut Planned<'v>,
 ) {
-    let queue = load.queued.iter().filter_map(|(_, id)| view.live().get(id));
+    // Held for a tenant no longer offered the pool: cancelled, wherever it is in the queue,
+    // never placed; it holds nothing, so the queue goes on without it. The whole queue is
+    // scanned only when the pool holds reservations for a tenant it no longer offers to.
+    let offered = |rsv: &ReservationDoc| match view.offer_of(rsv) {
+        Offer::Own => Ok(None),
+        Offer::Offered { pool_version } => Ok(Some(pool_version)),
+        Offer::Withdrawn { pool_version } => Err(pool_version),
+    };
+    let live_queue = || load.queued.iter().filter_map(|(_, id)| view.live().get(id));
+    let pool = view.pools().get(pool_id);
+    if load.held_for.keys().any(|holder| pool.is_none_or(|p| !p.offered_to.contains(holder))) {
+        for rsv in live_queue() {
+            if let Err(pool_version) = offered(rsv) {
+                planned.actions.push(Action::Withdraw {
+                    reservation_id: rsv.reservation_id.clone(),
+                    reservation_version: rsv.version,
+                    pool_id: pool_id.to_owned(),
+                    reason: withdrawn_reason(rsv),
+                    offer_version: pool_version,
+                });
+            }
+        }
+    }
+    let queue = live_queue().filter_map(|rsv| Some((rsv, offered(rsv).ok()?)));
     // The pool's nodes by (free GPUs, node id) as the actions so far leave them, kept so as
     // this pool's activations take GPUs: placement walks it (`place_ranked`) instead of
     // scoring every node of the pool for each queued reservation.
@@ -296,7 +389,7 @@ fn activate_queue<'v>(
         .ranked(pool_id, 0)
         .map(|(free, n)| (planned.changed.get(n.node_id.as_str()).map_or(free, placement::free_gpus), n.node_id.as_str()))
         .collect();
-    for rsv in queue {
+    for (rsv, offer_version) in queue {
         let selector = match Selector::parse(&rsv.selector) {
             Ok(selector) => selector,
             Err(e) => {
@@ -336,6 +429,7 @@ fn activate_queue<'v>(
             ends_at_ms: now_ms.saturating_add(rsv.duration_s.saturating_mul(1000)),
             freed_by: planned.freed.get(key.as_str()).cloned().unwrap_or_default(),
             placement: placed,
+            offer_version,
         });
     }
 }
