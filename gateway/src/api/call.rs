@@ -5,6 +5,14 @@
 //! idempotency key (in the `request:` namespace, apart from the server's own keys), request id
 //! and body fingerprint, and remembers the projection rows the commit wrote, so that
 //! [`Call::row`] answers with the row as the append left it instead of reading it back.
+//!
+//! **Idempotency keys.** A client's key (`Idempotency-Key`, printable ASCII) is never stored as
+//! sent: on the calling tenant's own chain it is [`client_key`] (`request:KEY`); a reservation
+//! held for the caller on a pool owner's chain keeps it as [`held_key`] (`held:TENANT:KEY`, the
+//! caller's tenant, which authentication fixes, and which holds no `:`). The server's own keys
+//! (`checkpoint:…`, `journal:…`, `secret_resolved:…`, …) take no client text first. So no key a
+//! client sends lands in another namespace, or in another tenant's part of `held:`: the
+//! invariant `client_keys_never_reach_another_namespace` holds.
 
 use bc_core::id::TenantId;
 use bc_core::store::{AppendRequest, AppendResult, ExpectedVersion, NewEvent, PreReadQuery, Row, RowKey};
@@ -96,7 +104,7 @@ impl Call<'_> {
         let mut request = AppendRequest::new(tenant, stream, expected, self.actor(), events);
         // Clients' keys live in their own namespace, apart from the server's own
         // (`checkpoint:…`), so a client cannot pre-empt them.
-        request.idempotency_key = self.idempotency_key.as_ref().map(|k| format!("request:{k}"));
+        request.idempotency_key = self.idempotency_key.as_deref().map(client_key);
         request.correlation = Some(self.request_id.clone());
         request.fingerprint = Some(self.fingerprint);
         request
@@ -115,8 +123,14 @@ impl Call<'_> {
     /// request's own effect now fails (its name is taken, by itself) is skipped for a retry.
     pub async fn is_retry(&self, tenant: TenantId) -> Result<bool> {
         let Some(key) = &self.idempotency_key else { return Ok(false) };
-        let query = PreReadQuery { idempotency_keys: vec![(tenant, format!("request:{key}"))], ..Default::default() };
+        let query = PreReadQuery { idempotency_keys: vec![(tenant, client_key(key))], ..Default::default() };
         Ok(!self.state.store.preread(&query).await?.idempotency.is_empty())
+    }
+
+    /// This call's key for a reservation held for `holder` on another tenant's chain
+    /// ([`held_key`]); `None` without a key.
+    pub fn held_key(&self, holder: TenantId) -> Option<String> {
+        self.idempotency_key.as_deref().map(|k| held_key(holder, k))
     }
 
     /// Now, from the deployment's clock.
@@ -177,6 +191,17 @@ pub fn stream_id(stream: &str) -> &str {
     stream.split_once('/').map(|(_, id)| id).unwrap_or_default()
 }
 
+/// The stored form of a client's idempotency key on its own chain.
+pub fn client_key(key: &str) -> String {
+    format!("request:{key}")
+}
+
+/// The stored form of `holder`'s idempotency key on the chain of a pool's owner, where its held
+/// reservation lives: apart from the owner's own keys and from every other holder's.
+pub fn held_key(holder: TenantId, key: &str) -> String {
+    format!("held:{holder}:{key}")
+}
+
 pub fn doc<T: DeserializeOwned>(row: Row) -> Result<T> {
     serde_json::from_value(row.doc).map_err(|e| Error::Internal(format!("projection document: {e}")))
 }
@@ -184,6 +209,31 @@ pub fn doc<T: DeserializeOwned>(row: Row) -> Result<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No key a client can send (any printable ASCII, even one spelled like a stored key of
+    /// another namespace) is stored as a key of another namespace: the owner's client writing
+    /// `held:B:k` does not take B's `k`, and B's held key is not C's.
+    #[test]
+    fn client_keys_never_reach_another_namespace() {
+        let b: TenantId = "ten_01hzz00000000000000000000b".parse().unwrap();
+        let c: TenantId = "ten_01hzz00000000000000000000c".parse().unwrap();
+        let sent = ["k", "held:ten_01hzz00000000000000000000b:k", "request:k", ":k", "ten_01hzz00000000000000000000b:k"];
+        let mut stored = std::collections::BTreeMap::new();
+        for key in sent {
+            for (form, stored_key) in
+                [("own".to_owned(), client_key(key)), (format!("{b}"), held_key(b, key)), (format!("{c}"), held_key(c, key))]
+            {
+                if let Some(other) = stored.insert(stored_key.clone(), (form.clone(), key)) {
+                    panic!("{stored_key:?} stored for {:?} and for {:?}", other, (form, key));
+                }
+                assert!(!stored_key.starts_with("checkpoint:") && !stored_key.starts_with("journal:"));
+            }
+        }
+        assert_eq!(stored.len(), sent.len() * 3);
+        // Only the holder's own authenticated tenant is ever in the held namespace's second part.
+        assert!(held_key(b, "x").starts_with(&format!("held:{b}:")));
+        assert!(!client_key("held:x").starts_with("held:"));
+    }
 
     /// A stated `ifVersion` other than the version read is `CONFLICT`;
     /// the append always expects the version read.

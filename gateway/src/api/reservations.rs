@@ -315,7 +315,7 @@ async fn locate(call: &Call<'_>, tenant: TenantId, id: &ReservationId) -> Result
 fn decided_on(call: &Call<'_>, tenant: TenantId, owner: TenantId, append: decide::Append) -> bc_core::store::AppendRequest {
     let mut request = call.decided(owner, append);
     if owner != tenant {
-        request.idempotency_key = call.idempotency_key.as_ref().map(|k| format!("held:{tenant}:{k}"));
+        request.idempotency_key = call.held_key(tenant);
     }
     request
 }

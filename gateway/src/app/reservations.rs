@@ -68,9 +68,9 @@ pub async fn reservation_create_offered(
     create_in(call, owner, Some(holder), ask).await
 }
 
-/// The idempotency key of a holder's request on the owner's chain.
+/// The idempotency key of a holder's request on the owner's chain ([`Call::held_key`]).
 fn held_key(call: &Call<'_>, holder: TenantId) -> Option<String> {
-    call.idempotency_key.as_ref().map(|k| format!("held:{holder}:{k}"))
+    call.held_key(holder)
 }
 
 async fn create_in(call: &Call<'_>, tenant: TenantId, holder: Option<TenantId>, ask: &ReservationAsk) -> Result<AppendResult> {
