@@ -57,6 +57,7 @@ pub mod openapi;
 pub mod rate_limit;
 pub mod rpc;
 pub mod ssh_ca;
+pub mod tpm;
 pub mod tunnels;
 pub mod watch;
 
