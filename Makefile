@@ -2,10 +2,10 @@
 # the PostgreSQL suite included. See README.md.
 
 CARGO ?= cargo
-# The test build has the seeded fake machine (`bcd hardware --fake-hw`, `[hardware] fake_seed`)
-# and the libvirt hypervisor (tested against libvirt's `test:///default`); a release build
-# (`cargo build --release`) leaves both out.
-TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt
+# The test build has the seeded fake machine (`bcd hardware --fake-hw`, `[hardware] fake_seed`),
+# the libvirt hypervisor (tested against libvirt's `test:///default`) and the TPM (`bcd join
+# --attestor tpm`, tested against swtpm); a release build (`cargo build --release`) leaves them out.
+TEST_FEATURES ?= --features bc-agent/fakehw,bc-agent/libvirt,bc-agent/tpm
 DEV_ARGS ?=
 
 ## CI (CI=true) builds once, from a clean checkout: incremental compilation's caches would be

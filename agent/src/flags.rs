@@ -83,7 +83,8 @@ pub struct JoinArgs {
     /// --attestor provisioned
     #[arg(long, value_name = "NODE")]
     pub node_id: Option<String>,
-    /// join-token, or provisioned (with --node-id)
+    /// join-token; provisioned (with --node-id); or tpm: the machine's TPM proves it, no token
+    /// (BCD_TPM_TCTI names the TPM, default device:/dev/tpmrm0)
     #[arg(long, value_name = "ATTESTOR", default_value = "join-token")]
     pub attestor: String,
     /// the control plane (https://HOST:PORT): config.toml and join-encryption.jwk are written
@@ -138,17 +139,26 @@ impl JoinArgs {
         Ok(())
     }
 
-    /// `--attestor`: `join-token`, or `provisioned` when `--node-id` named a node.
+    /// `--attestor`: `join-token`, `provisioned` when `--node-id` named a node, or `tpm` (no
+    /// token: neither `--token-file` nor `--node-id`; only in builds with the `tpm` feature).
     pub fn check_attestor(&self, has_node_id: bool) -> Result<(), String> {
         match (self.attestor.as_str(), has_node_id) {
             ("join-token", _) | ("provisioned", true) => Ok(()),
             ("provisioned", false) => Err("--attestor provisioned needs --node-id".into()),
+            ("tpm", _) if !cfg!(feature = "tpm") => {
+                Err("--attestor tpm: this build has no TPM support (build bcd with --features bc-agent/tpm)".into())
+            }
+            ("tpm", true) => Err("--attestor tpm joins as the node the TPM names: it takes no --node-id".into()),
+            ("tpm", false) if self.token_file.is_some() => {
+                Err("--attestor tpm joins with the machine's TPM and no token: it takes no --token-file".into())
+            }
+            ("tpm", false) => Ok(()),
             // Issue 61 item 5: a cloud instance identity document needs a cloud; there is none here.
             ("cloud-iid", _) => Err(
                 "--attestor cloud-iid joins with a cloud instance's signed identity document, which this build does not accept (no cloud here): join with a token (BCD_JOIN_TOKEN, standard input or --token-file)"
                     .into(),
             ),
-            (other, _) => Err(format!("--attestor {other:?} is not one this build has (join-token, provisioned)")),
+            (other, _) => Err(format!("--attestor {other:?} is not one this build has (join-token, provisioned, tpm)")),
         }
     }
 }
@@ -480,9 +490,17 @@ mod tests {
             "{cloud}"
         );
         assert_eq!(
-            join(&["--attestor", "tpm"]).check_attestor(true),
-            Err("--attestor \"tpm\" is not one this build has (join-token, provisioned)".to_owned())
+            join(&["--attestor", "sgx"]).check_attestor(false),
+            Err("--attestor \"sgx\" is not one this build has (join-token, provisioned, tpm)".to_owned())
         );
+        if cfg!(feature = "tpm") {
+            assert_eq!(join(&["--attestor", "tpm"]).check_attestor(false), Ok(()));
+            assert!(join(&["--attestor", "tpm"]).check_attestor(true).unwrap_err().contains("no --node-id"));
+            let with_file = join(&["--attestor", "tpm", "--token-file", "t"]).check_attestor(false);
+            assert!(with_file.unwrap_err().contains("no --token-file"));
+        } else {
+            assert!(join(&["--attestor", "tpm"]).check_attestor(false).unwrap_err().contains("no TPM support"));
+        }
     }
 
     #[test]

@@ -219,6 +219,83 @@ async fn join_with(
     Ok(Outcome::Joined(message))
 }
 
+/// Why one `TpmJoin` call failed: the gateway's status (retried when worth it, as a token
+/// join's), or the machine's own TPM (never retried).
+enum TpmCallFailure {
+    Gateway(tonic::Status),
+    Tpm(String),
+}
+
+/// `bcd join --attestor tpm`: joins with the machine's TPM and no token. The hello (the EK
+/// certificate, a new attestation key) is made once; each `TpmJoin` call answers the gateway's
+/// challenges in order (`crate::tpm::TpmRounds`), and its answer is kept as a token join's is.
+/// A call refused in a way worth retrying (the gateway unreachable, out of join permits) is made
+/// again from its start, with the gateway's new nonces, at most `JOIN_ATTEMPTS_MAX` times.
+pub async fn join_tpm(config: &Config, tpm: &mut dyn crate::tpm::Tpm) -> Result<Outcome, JoinError> {
+    let gateway = config.gateway().map_err(fail)?;
+    let key = node_key_load_or_create(config).map_err(fail)?;
+    let hardware = bc_proto::HardwareClaims { hostname: hostname(), gpus: claimed_gpus(config)? };
+    let hello = crate::tpm::TpmRounds::hello(
+        tpm,
+        key.verifying_key().as_bytes().to_vec(),
+        hardware,
+        env!("CARGO_PKG_VERSION").to_owned(),
+    )
+    .map_err(fail)?;
+    let mut client = AgentClient::new(gateway.channel().map_err(fail)?);
+    let mut backoff = Backoff::default();
+    let mut rng = SystemRng;
+    let mut attempt = 0;
+    let response = loop {
+        attempt += 1;
+        match tpm_join_call(&mut client, tpm, &hello).await {
+            Ok(response) => break response,
+            Err(TpmCallFailure::Tpm(message)) => return Err(fail(message)),
+            Err(TpmCallFailure::Gateway(status)) if retryable(status.code()) && attempt < JOIN_ATTEMPTS_MAX => {
+                let delay = retry_delay_ms(retry_hint_ms(&status), backoff.next_delay_ms(&mut rng as &mut dyn Rng));
+                tracing::warn!(attempt, code = ?status.code(), error = %status.message(), delay_ms = delay, "TPM join failed; retrying");
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            // The gateway's refusal says "join refused: CODE: …" itself.
+            Err(TpmCallFailure::Gateway(status)) if status.message().starts_with("join refused") => {
+                return Err(fail(status.message()));
+            }
+            Err(TpmCallFailure::Gateway(status)) => return Err(fail(format!("join refused: {}", status.message()))),
+        }
+    };
+    keep_joined(config, &key, response).map(Outcome::Joined)
+}
+
+/// One `TpmJoin` call: the hello, then an answer to each challenge, until the gateway answers
+/// with the join (or ends the call).
+async fn tpm_join_call(
+    client: &mut AgentClient<tonic::transport::Channel>,
+    tpm: &mut dyn crate::tpm::Tpm,
+    hello: &bc_proto::TpmJoinHello,
+) -> Result<bc_proto::JoinResponse, TpmCallFailure> {
+    use bc_proto::tpm_join_message::Msg as ToGateway;
+    use bc_proto::tpm_join_reply::Msg as FromGateway;
+    let (outbound, to_send) = tokio::sync::mpsc::channel(2);
+    let closed = || TpmCallFailure::Gateway(tonic::Status::unavailable("the gateway closed the TPM join"));
+    outbound.send(bc_proto::TpmJoinMessage { msg: Some(ToGateway::Hello(hello.clone())) }).await.map_err(|_| closed())?;
+    let mut call = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(to_send));
+    // The rounds and the TPM's work, all in one call.
+    call.set_timeout(Duration::from_millis(JOIN_TIMEOUT_MS * u64::from(crate::tpm::TPM_ROUNDS_MAX)));
+    let mut replies = client.tpm_join(call).await.map_err(TpmCallFailure::Gateway)?.into_inner();
+    let mut rounds = crate::tpm::TpmRounds::default();
+    loop {
+        let reply = replies.message().await.map_err(TpmCallFailure::Gateway)?.ok_or_else(closed)?;
+        match reply.msg {
+            Some(FromGateway::Challenge(challenge)) => {
+                let answer = rounds.answer(tpm, &challenge).map_err(TpmCallFailure::Tpm)?;
+                outbound.send(bc_proto::TpmJoinMessage { msg: Some(ToGateway::Answer(answer)) }).await.map_err(|_| closed())?;
+            }
+            Some(FromGateway::Joined(response)) => return Ok(response),
+            None => return Err(TpmCallFailure::Gateway(tonic::Status::internal("the gateway sent an empty TPM join reply"))),
+        }
+    }
+}
+
 /// Checks the gateway's answer to a join against the pinned log key and the node's key, and
 /// keeps it: the node certificate, then `identity.json`. What to print.
 fn keep_joined(config: &Config, key: &ed25519_dalek::SigningKey, response: bc_proto::JoinResponse) -> Result<String, JoinError> {

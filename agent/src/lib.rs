@@ -8,6 +8,7 @@
 //! in from outside), so the simulator runs the real logic; [`driver`] wraps it in tokio and
 //! tonic; [`client`] is the pinned-TLS (or loopback h2c) channel; [`config`] the configuration
 //! and the node's files; [`token`] where a join token may come from; [`join`] the join;
+//! [`tpm`] the TPM's rounds of a join with no token (`--attestor tpm`), the TPM behind a trait;
 //! [`well_known`] the control plane's signed document `bcd join --server` checks against its pins;
 //! [`doctor`] the checks of `bcd doctor`; `sim` (fakehw builds) many agents in one process;
 //! [`update`] signed releases into A/B slots, the re-exec and the watchdog (`agent.update`);
@@ -46,6 +47,7 @@ pub mod ssh_ca;
 pub mod status;
 pub mod support_bundle;
 pub mod token;
+pub mod tpm;
 pub mod tunnel;
 pub mod update;
 pub mod volumes;

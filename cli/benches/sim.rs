@@ -233,6 +233,7 @@ async fn replay_beside_appends() -> (f64, u64, f64, f64, u64) {
                     agent_version: "bench".into(),
                     hostname: format!("n{i}"),
                     gpu_uuids: (0..GPUS_PER_NODE).map(|g| format!("GPU-{i}-{g}")).collect(),
+                    tpm: None,
                 };
                 let stream = stream_of(KIND_NODE, node);
                 let ready = ev::NodeLiveness { lease_expires_at_ms: u64::MAX / 2 };

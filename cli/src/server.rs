@@ -614,6 +614,8 @@ pub struct AgentsOptions {
     pub public_url: Option<String>,
     /// Join tokens only sealed (`--agents-sealed-joins-only`).
     pub sealed_joins_only: bool,
+    /// TPM joins' EK CA bundle and pool (`--tpm-ek-ca-bundle`, `--tpm-join-pool`).
+    pub tpm_joins: Option<bc_gateway::agents::tpm_join::TpmJoins>,
 }
 
 impl AgentsOptions {
@@ -658,6 +660,7 @@ impl AgentsOptions {
             node_cert_lifetime_ms: bc_gateway::node_ca::NODE_CERT_LIFETIME_MS_DEFAULT,
             public_url: None,
             sealed_joins_only: false,
+            tpm_joins: None,
         })
     }
 }
@@ -952,6 +955,7 @@ pub async fn run_server(
     let mut state = AppState::new(log.clone())
         .with_join_keys(join_keys.clone(), well_known)
         .with_sealed_joins_only(agents.sealed_joins_only)
+        .with_tpm_joins(agents.tpm_joins.clone())
         .with_webhook_policy(consumers.policy)
         .with_bmc_networks(consumers.bmc_networks.clone())
         .with_release_keys(release_keys.clone())

@@ -127,6 +127,9 @@ pub struct AppState {
     /// a plain one is refused before it is looked at, so no proxy in front of the agents'
     /// endpoint ever carries a usable token.
     pub sealed_joins_only: bool,
+    /// TPM joins (`--tpm-ek-ca-bundle`, `--tpm-join-pool`: `agents::tpm_join`): the EK CA bundle
+    /// and the pool; none: `bcd join --attestor tpm` is refused `TPM_NOT_CONFIGURED`.
+    pub tpm_joins: Option<Arc<agents::tpm_join::TpmJoins>>,
     /// This process's metrics (`metrics.rs`): the log reports its batches to them from the start.
     pub metrics: Arc<metrics::Metrics>,
     /// Whether the API's router serves `GET /metrics` (not when `--metrics-listen` serves them
@@ -247,6 +250,7 @@ impl AppState {
             node_ca: None,
             join_keys: None,
             sealed_joins_only: false,
+            tpm_joins: None,
             well_known: None,
             metrics,
             metrics_on_api: true,
@@ -273,6 +277,11 @@ impl AppState {
 
     pub fn with_sealed_joins_only(mut self, sealed_only: bool) -> Self {
         self.sealed_joins_only = sealed_only;
+        self
+    }
+
+    pub fn with_tpm_joins(mut self, joins: Option<agents::tpm_join::TpmJoins>) -> Self {
+        self.tpm_joins = joins.map(Arc::new);
         self
     }
 

@@ -41,7 +41,7 @@ pub use crate::node::{
     Gpu, NODE_AGENT_STARTED, NODE_ALLOCATED, NODE_CERTIFICATE_ISSUED, NODE_CORDONED, NODE_DELETED, NODE_DRAINING, NODE_FREED,
     NODE_JOINED, NODE_LABELED, NODE_OBSERVED, NODE_READY, NODE_REGISTERED, NODE_REVOKED, NODE_TAINTED, NODE_UNCORDONED,
     NODE_UNREACHABLE, NodeAgentStarted, NodeAllocated, NodeCertificateIssued, NodeDeleted, NodeFreed, NodeJoined,
-    NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeRevoked, NodeStateChanged,
+    NodeKeysChanged, NodeLiveness, NodeObserved, NodeRegistered, NodeRevoked, NodeStateChanged, TpmEvidence,
 };
 pub use crate::node_ca::{NODE_CA_RENEWED, NodeCaRenewed};
 pub use crate::pool::{

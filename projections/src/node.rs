@@ -286,6 +286,34 @@ pub struct NodeJoined {
     /// recorded before holds existed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_uuids: Vec<String>,
+    /// What the machine's TPM proved, for a join with no token (`bcd join --attestor tpm`);
+    /// absent for every other join.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<TpmEvidence>,
+}
+
+/// The evidence a TPM join was admitted on (docs/admission.md), kept so that an auditor can
+/// check later, offline, which TPM joined and what it had measured: the EK certificate chain
+/// against the EK CA bundle, the quote's signature under the AK, its qualifying data, and the
+/// PCR values against the quote's digest. Binary fields are standard base64.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TpmEvidence {
+    /// `sha256/` of the EK certificate's SubjectPublicKeyInfo (DER): the machine's name, from
+    /// which its node id is derived.
+    pub ek_pin: String,
+    /// The EK certificate, then the intermediates the machine sent (DER).
+    pub ek_certificates: Vec<String>,
+    /// The attestation key's `TPMT_PUBLIC`, bound to the EK by credential activation.
+    pub ak_public: String,
+    /// The quote's `TPMS_ATTEST` and its `TPMT_SIGNATURE` by the AK.
+    pub quote: String,
+    pub quote_signature: String,
+    /// The quote's qualifying data: SHA-256 of the gateway's nonce and the node's key.
+    pub qualifying_data: String,
+    /// The SHA-256 bank's PCRs quoted, and their values (hex) in the same order.
+    pub pcrs: Vec<u32>,
+    pub pcr_values: Vec<String>,
 }
 
 /// `node.ready`: the node's lease is held again. `node.unreachable`: it lapsed.

@@ -235,6 +235,7 @@ mod tests {
             agent_version: "0.1.0".into(),
             hostname: "n1.example".into(),
             gpu_uuids: vec![],
+            tpm: None,
         };
         let event = NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined).unwrap());
         log.append(AppendRequest::new(tenant, stream_of(KIND_NODE, &node), ExpectedVersion::NoStream, "test", vec![event]))

@@ -434,6 +434,7 @@ fn node_joining(log: &Log, tenants: &[Tenant], n: usize, t: usize, rng: &mut See
         agent_version: "sim".into(),
         hostname: format!("n{n}"),
         gpu_uuids: gpus.iter().map(|g| g.uuid.clone()).collect(),
+        tpm: None,
     };
     let ready = ev::NodeLiveness { lease_expires_at_ms: u64::MAX / 2 };
     let events = vec![

@@ -1,7 +1,8 @@
 //! `bcd join`: the configuration (loaded, or written from `--server`'s well-known document
 //! checked against the pins: `bc_agent::well_known`), `--reset`, then the token, sealed to the
 //! join encryption key when `join-encryption.jwk` is there, and the join itself
-//! (`bc_agent::join`). A document that does not verify or match a pin ends the join (exit 1)
+//! (`bc_agent::join`), or, with `--attestor tpm`, the TPM's rounds and no token
+//! (`bc_agent::join::join_tpm`). A document that does not verify or match a pin ends the join (exit 1)
 //! before anything reaches the agents' endpoint.
 
 use std::io::IsTerminal;
@@ -80,6 +81,9 @@ async fn join_here(args: &JoinArgs, env_token: Option<String>) -> Result<String,
             Err(e) => Err(fail(e)),
         };
     }
+    if args.attestor == "tpm" {
+        return join_by_tpm(&config).await;
+    }
     let seal_to = join_encryption_key(args, &config).await?;
     let stdin = std::io::stdin();
     let token = token::read(env_token, stdin.is_terminal(), &mut stdin.lock(), token_file).map_err(|e| fail(join::usage(e.0)))?;
@@ -87,6 +91,33 @@ async fn join_here(args: &JoinArgs, env_token: Option<String>) -> Result<String,
         Ok(join::Outcome::Joined(message) | join::Outcome::AlreadyJoined(message)) => Ok(message),
         Err(e) => Err(fail(e)),
     }
+}
+
+/// `--attestor tpm`: the TPM at `BCD_TPM_TCTI` (default `/dev/tpmrm0`) proves the machine, with
+/// no token (`bc_agent::tpm`). In fakehw builds its quotes can be recorded and replayed
+/// (`BCD_TPM_QUOTE_RECORD`, `BCD_TPM_QUOTE_REPLAY`: the end-to-end test's replay).
+#[cfg(feature = "tpm")]
+async fn join_by_tpm(config: &Config) -> Result<String, ExitCode> {
+    let tcti = std::env::var(bc_agent::tpm::TCTI_ENV).unwrap_or_else(|_| bc_agent::tpm::TCTI_DEFAULT.to_owned());
+    let tpm = bc_agent::tpm::esapi::EsapiTpm::open(&tcti).map_err(failed)?;
+    #[cfg(feature = "fakehw")]
+    let mut tpm = bc_agent::tpm::Replaying {
+        inner: tpm,
+        record: std::env::var_os("BCD_TPM_QUOTE_RECORD").map(Into::into),
+        replay: std::env::var_os("BCD_TPM_QUOTE_REPLAY").map(Into::into),
+    };
+    #[cfg(not(feature = "fakehw"))]
+    let mut tpm = tpm;
+    match join::join_tpm(config, &mut tpm).await {
+        Ok(join::Outcome::Joined(message) | join::Outcome::AlreadyJoined(message)) => Ok(message),
+        Err(e) => Err(fail(e)),
+    }
+}
+
+/// A build without the `tpm` feature: `check_attestor` refused `--attestor tpm` already.
+#[cfg(not(feature = "tpm"))]
+async fn join_by_tpm(_config: &Config) -> Result<String, ExitCode> {
+    Err(fail(join::usage("--attestor tpm: this build has no TPM support (build bcd with --features bc-agent/tpm)")))
 }
 
 /// A refusal of the well-known document or of `join-encryption.jwk`: exit 1, its code first.

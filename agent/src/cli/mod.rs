@@ -63,6 +63,9 @@ impl Command {
 fn init_logging(config: Option<&Config>) {
     let level = config.and_then(|c| c.log.level.clone()).unwrap_or_else(|| "info".into());
     let filter = tracing_subscriber::EnvFilter::try_new(&level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The TSS binding's every context close and handle flush are at info: only its warnings.
+    #[cfg(feature = "tpm")]
+    let filter = filter.add_directive("tss_esapi=warn".parse().expect("a valid directive"));
     let json = match config.and_then(|c| c.log.format.as_deref()) {
         Some("json") => true,
         Some("text") => false,

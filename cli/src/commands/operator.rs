@@ -279,6 +279,14 @@ pub struct AgentsArgs {
     /// dev --sim send plain tokens.
     #[arg(long)]
     pub agents_sealed_joins_only: bool,
+    /// The EK CA bundle (PEM): the certificates a TPM's endorsement key certificate must chain to
+    /// for bcd join --attestor tpm (the TPM vendors' roots). With --tpm-join-pool; without both,
+    /// TPM joins are refused.
+    #[arg(long, value_name = "FILE")]
+    pub tpm_ek_ca_bundle: Option<PathBuf>,
+    /// The pool (pool_…) every machine admitted by its TPM joins; with --tpm-ek-ca-bundle.
+    #[arg(long, value_name = "POOL")]
+    pub tpm_join_pool: Option<String>,
     /// The serving certificate chain (PEM); with --agents-tls-key. Default: one made at first
     /// start in the data directory.
     #[arg(long, requires = "agents_tls_key", value_name = "FILE")]
@@ -479,6 +487,17 @@ impl AgentsArgs {
         options.node_cert_lifetime_ms = self.node_cert_lifetime;
         options.public_url = self.agents_url.clone();
         options.sealed_joins_only = self.agents_sealed_joins_only;
+        options.tpm_joins = match (&self.tpm_ek_ca_bundle, &self.tpm_join_pool) {
+            (None, None) => None,
+            (Some(bundle), Some(pool)) => {
+                let pool = pool.parse().map_err(|e| CliError::usage(format!("--tpm-join-pool: {e}")))?;
+                Some(
+                    bc_gateway::agents::tpm_join::TpmJoins::load(bundle, pool)
+                        .map_err(|e| CliError::usage(format!("--tpm-ek-ca-bundle {e}")))?,
+                )
+            }
+            _ => return Err(CliError::usage("--tpm-ek-ca-bundle and --tpm-join-pool go together (TPM joins need both)")),
+        };
         Ok(options)
     }
 }

@@ -132,6 +132,7 @@ async fn join_once(
         agent_version: agent_version.to_owned(),
         hostname: hostname.to_owned(),
         gpu_uuids: gpu_uuids.to_vec(),
+        tpm: None,
     };
     // The node certificate for the node's key, recorded in the same append as the join.
     let certificate = match &state.node_ca {

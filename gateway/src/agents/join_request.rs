@@ -145,6 +145,7 @@ async fn admit(
                     agent_version: doc.agent_version.clone(),
                     hostname: doc.hostname.clone(),
                     gpu_uuids: doc.gpu_uuids.clone(),
+                    tpm: None,
                 };
                 let mut events = vec![bc_core::store::NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined)?)];
                 events.extend(certificate.as_ref().map(|c| c.event(false)).transpose()?);

@@ -3,7 +3,8 @@
 //!
 //! Layout: [`join`] spends a join token (plain, or sealed to the join encryption key:
 //! `crate::join_keys`); [`join_request`] answers a machine that asks to join
-//! without one; [`session`] is a node's session, free of tonic (the
+//! without one; [`tpm_join`] admits a machine by its TPM (`bcd join --attestor tpm`, up to three
+//! challenge rounds on one call); [`session`] is a node's session, free of tonic (the
 //! service here only adapts its streams); [`tls`] the serving certificate. [`serve`] is the
 //! listener: its own accept loop and hyper's HTTP/2 server per connection (not tonic's
 //! `Server`, which leaves the streams per connection unbounded), with the bounds of
@@ -55,6 +56,7 @@ pub mod join;
 pub mod join_request;
 pub mod session;
 pub mod tls;
+pub mod tpm_join;
 
 pub use session::{SessionConfig, Sessions};
 
@@ -210,33 +212,39 @@ fn unavailable_retry_after(message: &str, retry_after_ms: u64) -> Status {
 impl AgentService {
     /// A join's answer: the signed identity, the log key, and the node certificate with its CA.
     fn join_response(&self, joined: join::Joined) -> bc_proto::JoinResponse {
-        let mut response = bc_proto::JoinResponse {
-            identity: joined.identity,
-            signature: joined.signature,
-            log_key_id: self.state.log.key.key_id().to_owned(),
-            log_public_key: self.state.log.key.public().as_bytes().to_vec(),
-            node_certificate_not_after_ms: joined.certificate.as_ref().map_or(0, |c| c.not_after_ms),
-            node_certificate: joined.certificate.map(|c| c.der).unwrap_or_default(),
-            node_ca_certificate: self.state.node_ca.as_ref().map(|ca| ca.certificate().to_vec()).unwrap_or_default(),
-            join_signature: Vec::new(),
-            join_signing_public_key: Vec::new(),
-        };
-        // Signed by the join signing key, which the well-known document names (its pin is what
-        // a machine that joined through the document holds).
-        if let Some(keys) = &self.state.join_keys {
-            let message = bc_core::well_known::join_response_signing_message(
-                &response.identity,
-                &response.signature,
-                &response.log_public_key,
-                &response.node_certificate,
-                &response.node_ca_certificate,
-                response.node_certificate_not_after_ms,
-            );
-            response.join_signature = keys.sign_join_response(&message);
-            response.join_signing_public_key = keys.signing_public().to_vec();
-        }
-        response
+        join_response(&self.state, joined)
     }
+}
+
+/// A join's answer: the signed identity, the log key, and the node certificate with its CA,
+/// signed by the join signing key when the deployment has one.
+fn join_response(state: &AppState, joined: join::Joined) -> bc_proto::JoinResponse {
+    let mut response = bc_proto::JoinResponse {
+        identity: joined.identity,
+        signature: joined.signature,
+        log_key_id: state.log.key.key_id().to_owned(),
+        log_public_key: state.log.key.public().as_bytes().to_vec(),
+        node_certificate_not_after_ms: joined.certificate.as_ref().map_or(0, |c| c.not_after_ms),
+        node_certificate: joined.certificate.map(|c| c.der).unwrap_or_default(),
+        node_ca_certificate: state.node_ca.as_ref().map(|ca| ca.certificate().to_vec()).unwrap_or_default(),
+        join_signature: Vec::new(),
+        join_signing_public_key: Vec::new(),
+    };
+    // Signed by the join signing key, which the well-known document names (its pin is what
+    // a machine that joined through the document holds).
+    if let Some(keys) = &state.join_keys {
+        let message = bc_core::well_known::join_response_signing_message(
+            &response.identity,
+            &response.signature,
+            &response.log_public_key,
+            &response.node_certificate,
+            &response.node_ca_certificate,
+            response.node_certificate_not_after_ms,
+        );
+        response.join_signature = keys.sign_join_response(&message);
+        response.join_signing_public_key = keys.signing_public().to_vec();
+    }
+    response
 }
 
 #[tonic::async_trait]
@@ -283,6 +291,38 @@ impl Agent for AgentService {
                 Err(status_of(&e))
             }
         }
+    }
+
+    type TpmJoinStream = ReceiverStream<Result<bc_proto::TpmJoinReply, Status>>;
+
+    /// A join by the machine's TPM (`tpm_join`): its rounds on this call, which holds a join
+    /// permit until it ends.
+    async fn tpm_join(
+        &self,
+        request: Request<Streaming<bc_proto::TpmJoinMessage>>,
+    ) -> Result<Response<Self::TpmJoinStream>, Status> {
+        let Ok(permit) = self.joins.clone().try_acquire_owned() else {
+            tracing::debug!("a TPM join was refused: every join permit is taken");
+            return Err(unavailable_retry_after("the gateway is deciding as many joins as it can; retry", JOIN_RETRY_AFTER_MS));
+        };
+        let mut inbound = request.into_inner();
+        // A challenge, then the answer or the refusal: the call never has more in flight.
+        let (outbound, stream) = tokio::sync::mpsc::channel(2);
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let reply = match tpm_join::run(&state, &mut inbound, &outbound).await {
+                Ok(joined) => {
+                    Ok(bc_proto::TpmJoinReply { msg: Some(bc_proto::tpm_join_reply::Msg::Joined(join_response(&state, joined))) })
+                }
+                Err(e) => {
+                    tracing::info!(code = %e.code(), error = %e.public_message(), "a TPM join was refused");
+                    Err(status_of(&e))
+                }
+            };
+            let _ = outbound.send(reply).await;
+        });
+        Ok(Response::new(ReceiverStream::new(stream)))
     }
 
     type SessionStream = ReceiverStream<Result<bc_proto::GatewayMessage, Status>>;

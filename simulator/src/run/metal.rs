@@ -679,6 +679,7 @@ impl Sim {
             agent_version: "sim".into(),
             hostname: format!("metal-{m}"),
             gpu_uuids: vec![],
+            tpm: None,
         };
         let token_stream = stream_of(KIND_JOIN_TOKEN, &token_id);
         let mut spend =
