@@ -301,28 +301,36 @@ fn upload(mut socket: TcpStream) -> ([u8; 32], [u8; 32], Duration) {
 }
 
 /// Sends `bytes` of [`Noise`] through `socket` while reading back as many (an echo): the SHA-256
-/// of what was sent and of what came back.
-fn echo_through(socket: TcpStream, bytes: usize) -> ([u8; 32], [u8; 32]) {
+/// of what was sent and of what came back, or how it ended early.
+fn echo_through(socket: TcpStream, bytes: usize) -> Result<([u8; 32], [u8; 32]), String> {
     let mut writer = socket.try_clone().unwrap();
     let sending = std::thread::spawn(move || {
         let (noise, mut block, mut hash) = (Noise::new(), Vec::new(), Sha256::new());
         for index in 0..bytes >> 20 {
             noise.block(index, &mut block);
             hash.update(&block);
-            writer.write_all(&block).unwrap();
+            writer.write_all(&block).map_err(|e| format!("sending failed after {index} MiB: {e}"))?;
         }
-        <[u8; 32]>::from(hash.finalize())
+        Ok::<_, String>(<[u8; 32]>::from(hash.finalize()))
     });
     let mut reader = socket;
     reader.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let (mut hash, mut buffer, mut left) = (Sha256::new(), vec![0u8; 1 << 20], bytes);
     while left > 0 {
-        let n = reader.read(&mut buffer[..left.min(1 << 20)]).unwrap();
-        assert!(n > 0, "the echo ended {left} bytes early");
+        let n = reader.read(&mut buffer[..left.min(1 << 20)]).map_err(|e| format!("reading failed {left} bytes early: {e}"))?;
+        if n == 0 {
+            return Err(format!("the echo ended {left} bytes early"));
+        }
         hash.update(&buffer[..n]);
         left -= n;
     }
-    (sending.join().unwrap(), hash.finalize().into())
+    Ok((sending.join().unwrap()?, hash.finalize().into()))
+}
+
+/// The last `lines` lines of a log, for a failure's message.
+fn tail(log: &str, lines: usize) -> String {
+    let all: Vec<&str> = log.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// Asks the transfer server for `TRANSFER_BYTES` through `socket` and reads them to the end:
@@ -378,7 +386,20 @@ async fn forward_carries_a_gibibyte_ten_connections_and_keeps_its_memory_bounded
     // Both ways at once on one connection (each side's directions are separate tasks): what
     // comes back from the guest's echo is what was sent, 1 GiB each way.
     let started = Instant::now();
-    let (sent, echoed) = echo_through(forward.connect(), ECHO_BYTES);
+    let (sent, echoed) = match echo_through(forward.connect(), ECHO_BYTES) {
+        Ok(digests) => digests,
+        Err(ended) => {
+            std::thread::sleep(Duration::from_secs(1));
+            let closed: Vec<Value> =
+                bc_tests::block_on(tunnel_events(&world.server)).into_iter().filter(|e| e["type"] == "tunnel.closed").collect();
+            panic!(
+                "{ended}\nforward's notes: {:?}\ntunnel.closed: {closed:?}\nthe gateway's log, its end:\n{}\nthe node's log, its end:\n{}",
+                forward.stderr.lock().unwrap(),
+                tail(&world.server.log_text(), 40),
+                tail(&world.machine.node_log(), 40)
+            )
+        }
+    };
     let took = started.elapsed();
     eprintln!(
         "forward: 1 GiB each way at once in {:.1} s ({:.0} MiB/s each way)",
