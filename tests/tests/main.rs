@@ -59,6 +59,7 @@ mod sim_report;
 mod sim_run;
 mod ssh_cert;
 mod support_bundle;
+mod tpm_join;
 mod tunnels;
 mod usage;
 mod watch;
