@@ -165,6 +165,11 @@ pub struct UsageLine {
     /// `quantityMs × gpuHourMicros / 3,600,000` (and `/ 1024` for memory), rounded to the
     /// nearest millionth; 0 without a price. Written once: a later price never changes it.
     pub cost_micros: i64,
+    /// The tenant a GPU line's reservation is held for, in a pool its owner (this chain's
+    /// tenant) offered to it (`reservation.held_for`): the usage is that tenant's, not the
+    /// owner's, though the line and the events it was computed from are on the owner's chain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_tenant_id: Option<String>,
     /// The tenant chain's seqs of the events the line was computed from: the request, the
     /// activation, the latest extension and the end (an instance: its creation, the event that
     /// gave its shape, the span's start and its end; a sandbox: its creation, its claim, its
@@ -176,6 +181,16 @@ impl UsageLine {
     /// The id of what it counts: its instance, its sandbox, or its reservation.
     pub fn subject_id(&self) -> &str {
         self.instance_id.as_deref().or(self.sandbox_id.as_deref()).unwrap_or(&self.reservation_id)
+    }
+
+    /// Whether the line is `tenant`'s usage, read on `chain`'s usage stream: a line of the
+    /// chain's own is the chain's, unless held for another tenant; a line on another chain is
+    /// `tenant`'s only when held for it.
+    pub fn is_usage_of(&self, tenant: &str, chain: &str) -> bool {
+        match self.holder_tenant_id.as_deref() {
+            Some(holder) => holder == tenant,
+            None => chain == tenant,
+        }
     }
 
     /// What it counts of its kind: its GPUs, or its `units`.

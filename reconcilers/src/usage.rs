@@ -94,7 +94,9 @@ async fn details(log: &Log, tenant: &str, ledger: &UsageLedger) -> Result<BTreeM
             n.gpus.get(first).map(|g| if g.product.is_empty() { g.model.clone() } else { g.product.clone() })
         });
         let sku = product.unwrap_or_else(|| bc_projections::decide::usage::SKU_UNKNOWN.to_owned());
-        out.insert(t.reservation_id.clone(), UsageDetail { pool_id: rsv.pool_id, sku, request_seq: rsv.request_seq });
+        let detail =
+            UsageDetail { pool_id: rsv.pool_id, sku, request_seq: rsv.request_seq, holder_tenant_id: rsv.holder_tenant_id };
+        out.insert(t.reservation_id.clone(), detail);
     }
     Ok(out)
 }

@@ -204,3 +204,81 @@ async fn a_fleet_document_exports_plans_and_applies_a_pools_offers() {
     let (_, got) = server.call("pools.get", json!({ "tenantId": a, "poolId": pool })).await;
     assert_eq!(got["offeredTo"], json!([c]), "{got}");
 }
+
+/// Usage of a reservation held for B in A's pool is B's: B's `usage.list` shows its rows (each
+/// naming A, whose chain holds them), adding up to what it held; A's shows its own reservation's
+/// and none of B's.
+#[tokio::test]
+async fn usage_of_a_held_reservation_is_the_holders_not_the_owners() {
+    let server = Server::dev_with(&["--usage-window", "2s"]);
+    let (a, b) = (server.tenant("acme").await, server.tenant("bravo").await);
+    let b_key = key(&server, &b, &["compute:pools:read", "compute:reservations:*", "compute:usage:read"]).await;
+    let pool = server.tenant_pool(&a, "shared").await;
+    let eight = vec![json!({ "model": "H100", "product": "H100-SXM5-80GB", "vramGiB": 80, "nvlinkDomain": 0 }); 8];
+    let (status, node) =
+        server.call("nodes.register", json!({ "tenantId": a, "poolId": pool, "name": "n0", "gpus": eight })).await;
+    assert_eq!(status, 200, "{node}");
+    let (status, _) = server.call("pools.offer", json!({ "tenantId": a, "poolId": pool, "tenantIds": [b] })).await;
+    assert_eq!(status, 200);
+    let (status, _) = server.call("quotas.set", json!({ "tenantId": b, "poolId": pool, "gpus": 4 })).await;
+    assert_eq!(status, 200);
+    let ask = |gpus: u32| json!({ "poolId": pool, "gpus": gpus, "durationS": 3 });
+    let (status, held) = server.call_as(&b_key, "reservations.create", ask(2), None).await;
+    assert_eq!((status, held["state"].as_str()), (200, Some("active")), "{held}");
+    let (status, own) =
+        server.call("reservations.create", json!({ "tenantId": a, "poolId": pool, "gpus": 1, "durationS": 3 })).await;
+    assert_eq!((status, own["state"].as_str()), (200, Some("active")), "{own}");
+    let (held_id, own_id) = (held["reservationId"].as_str().unwrap(), own["reservationId"].as_str().unwrap());
+
+    let list = |tenant: &str| json!({ "tenantId": tenant, "fromMs": 0, "toMs": 9_007_199_254_740_991u64 });
+    // What each held, once ended (both on A's chain).
+    let mut spans = Vec::new();
+    for id in [held_id, own_id] {
+        let deadline = Instant::now() + WAIT;
+        let r = loop {
+            let (_, r) = server.call("reservations.get", json!({ "tenantId": a, "reservationId": id })).await;
+            if r["endedAtMs"].is_u64() {
+                break r;
+            }
+            assert!(Instant::now() < deadline, "{id} never ended: {r}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let end = r["endedAtMs"].as_u64().unwrap().min(r["endsAtMs"].as_u64().unwrap());
+        spans.push((end - r["activatedAtMs"].as_u64().unwrap()) as i64 * r["gpus"].as_i64().unwrap());
+    }
+    let counted = |rows: &Value, id: &str| -> i64 {
+        rows["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["reservationId"] == id)
+            .map(|r| r["quantityMs"].as_i64().unwrap())
+            .sum()
+    };
+    let deadline = Instant::now() + WAIT;
+    let (b_rows, a_rows) = loop {
+        let (_, b_rows) = server.call("usage.list", list(&b)).await;
+        let (_, a_rows) = server.call("usage.list", list(&a)).await;
+        if counted(&b_rows, held_id) == spans[0] && counted(&a_rows, own_id) == spans[1] {
+            break (b_rows, a_rows);
+        }
+        assert!(Instant::now() < deadline, "usage never added up: B {b_rows} A {a_rows}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let b_items = b_rows["items"].as_array().unwrap();
+    assert!(
+        !b_items.is_empty() && b_items.iter().all(|r| r["reservationId"] == held_id && r["ownerTenantId"] == a.as_str()),
+        "{b_rows}"
+    );
+    let a_items = a_rows["items"].as_array().unwrap();
+    assert!(a_items.iter().all(|r| r["reservationId"] == own_id && r.get("ownerTenantId").is_none()), "{a_rows}");
+    // B's own key reads the same, and sums it by reservation.
+    let (_, summed) = server
+        .call_as(&b_key, "usage.list", json!({ "fromMs": 0, "toMs": 9_007_199_254_740_991u64, "groupBy": ["reservation"] }), None)
+        .await;
+    assert_eq!(
+        summed["groups"],
+        json!([{ "reservationId": held_id, "resourceKind": "gpu", "quantityMs": spans[0], "costs": [{ "currency": "", "costMicros": 0 }], "rows": b_items.len() }]),
+        "{summed}"
+    );
+}

@@ -567,6 +567,16 @@ async fn write_pages(
             };
             writeln!(writer, "{line}").map_err(werr)?;
             if let Some(seqs) = seqs.as_deref_mut() {
+                // Its events are on the chain of the tenant that offered the pool: the proofs
+                // file proves one chain, this tenant's.
+                if let Some(owner) = row.get("ownerTenantId").and_then(Value::as_str) {
+                    return Err(CliError::new(
+                        "UNSUPPORTED",
+                        format!(
+                            "the range holds usage of a reservation held for {tenant} on tenant {owner}'s chain (a pool it offered), which --with-proofs does not prove yet\nhint: export without --with-proofs, or a range without it"
+                        ),
+                    ));
+                }
                 proof::row_seqs(row, seqs);
             }
             rows += 1;
@@ -788,7 +798,8 @@ fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
 fn cloud_event(row: &Value, tenant: &str) -> Value {
     json!({
         "specversion": "1.0",
-        "id": format!("{tenant}/{}/{}", num(row, "eventSeq"), num(row, "line")),
+        // A row on the chain of the tenant that offered a pool is named on that chain.
+        "id": format!("{}/{}/{}", row.get("ownerTenantId").and_then(Value::as_str).unwrap_or(tenant), num(row, "eventSeq"), num(row, "line")),
         "source": format!("/better-compute/tenants/{tenant}/usage"),
         "type": format!("{CLOUDEVENT_TYPE_PREFIX}{}", if text(row, "resourceKind").is_empty() { "gpu" } else { text(row, "resourceKind") }),
         "subject": tenant,

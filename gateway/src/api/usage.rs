@@ -2,6 +2,12 @@
 //! `usage.correction` events, read from its `usage/<tenant>` stream), summed by group on request,
 //! and the prices per SKU (platform objects on the root tenant's chain, set by its
 //! administrators, read by anyone who reads usage).
+//!
+//! A reservation held for a tenant in a pool another tenant offered lives on the owner's chain,
+//! and so does the line counting it, marked with its holder: it is the holder's usage. So a
+//! tenant's rows are its own stream's lines not held for another, then the lines held for it on
+//! the usage streams of the tenants that offered it a pool (each row naming that
+//! `ownerTenantId`, whose chain its `eventSeq` and `seqs` are on).
 
 use std::collections::BTreeMap;
 
@@ -9,11 +15,11 @@ use bc_core::canonical;
 use bc_core::id::TenantId;
 use bc_core::store::{ExpectedVersion, decode_rows};
 use bc_core::{Error, Result};
-use bc_projections::stream_of;
 use bc_projections::usage::{
     KIND_USAGE, KIND_USAGE_PRICE, PRICE_PERIODS_MAX, USAGE_CORRECTION, USAGE_PRICE_SET, USAGE_WINDOW_CLOSED, UsageCorrection,
     UsageLine, UsagePriceDoc, UsagePriceSet, UsageWindowClosed,
 };
+use bc_projections::{KIND_POOL_OFFER, PoolOfferDoc, stream_of};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
@@ -49,6 +55,8 @@ pub(super) const METHODS: &[Method] = &[
 /// Usage events one call reads at most: a page of rows may come back short (with its cursor)
 /// when the range is sparse, and a grouped sum over more is refused.
 pub const USAGE_EVENTS_READ_MAX: u32 = 20_000;
+/// Pools offered to one tenant that `usage.list` reads the owners of, at most.
+pub const OFFERED_POOLS_READ_MAX: usize = 10_000;
 /// Usage events read per query.
 const EVENTS_PER_READ: u32 = 500;
 /// Longest SKU.
@@ -92,8 +100,9 @@ pub struct UsageList {
     group_by: Vec<UsageGroupBy>,
     #[schemars(with = "Option<LimitNumber>")]
     limit: Option<u32>,
-    /// `nextCursor` of the page before: `VERSION_LINE`.
-    #[schemars(regex(pattern = r"^[1-9][0-9]{0,18}_[0-9]{1,9}$"))]
+    /// `nextCursor` of the page before: `VERSION_LINE`, or `VERSION_LINE_OWNER` once the rows
+    /// come from the chain of a tenant that offered this one a pool.
+    #[schemars(regex(pattern = r"^[1-9][0-9]{0,18}_[0-9]{1,9}(_ten_[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25})?$"))]
     cursor: Option<String>,
 }
 
@@ -137,13 +146,47 @@ fn lines_of(event: &bc_core::event::StoredEvent) -> Result<(&'static str, Vec<Us
     })
 }
 
-/// A cursor `VERSION_LINE`: the next row is line `LINE` of the usage event at `VERSION`.
-fn parse_cursor(cursor: Option<&str>) -> Result<(u64, u32)> {
-    let Some(text) = cursor else { return Ok((1, 0)) };
-    let parsed = text.split_once('_').and_then(|(v, l)| Some((v.parse::<u64>().ok()?, l.parse::<u32>().ok()?)));
+/// A cursor `VERSION_LINE`: the next row is line `LINE` of the usage event at `VERSION` of the
+/// tenant's own usage stream; `VERSION_LINE_OWNER`: of the usage stream of `OWNER`, a tenant that
+/// offered it a pool ([`usage_owners`]).
+fn parse_cursor(cursor: Option<&str>) -> Result<(u64, u32, Option<TenantId>)> {
+    let Some(text) = cursor else { return Ok((1, 0, None)) };
+    let parsed = text.split_once('_').and_then(|(v, rest)| {
+        let (line, owner) = match rest.split_once('_') {
+            Some((line, owner)) => (line, Some(owner.parse::<TenantId>().ok()?)),
+            None => (rest, None),
+        };
+        Some((v.parse::<u64>().ok()?, line.parse::<u32>().ok()?, owner))
+    });
     match parsed {
-        Some((version, line)) if version >= 1 && text.len() <= 40 => Ok((version, line)),
+        Some((version, line, owner)) if version >= 1 && text.len() <= 80 => Ok((version, line, owner)),
         _ => Err(Error::invalid("malformed cursor: pass the nextCursor of the page before")),
+    }
+}
+
+/// The tenants whose chains may hold usage of this tenant: the owners of the pools offered to it
+/// (its `pool_offer/pool_…` rows, withdrawn offers too, since their reservations ran on), each
+/// once, in order. A reservation held for it lives on its pool owner's chain, and so does the
+/// line counting it ([`UsageLine::holder_tenant_id`]).
+async fn usage_owners(call: &Call<'_>, tenant: TenantId) -> Result<Vec<TenantId>> {
+    let mut owners = std::collections::BTreeSet::new();
+    let (text, mut after, mut read) = (tenant.to_string(), None::<String>, 0usize);
+    loop {
+        let rows = call.state.store.row_list(&text, KIND_POOL_OFFER, after.as_deref(), LIST_LIMIT_MAX).await?;
+        let full = rows.len() == LIST_LIMIT_MAX as usize;
+        read += rows.len();
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            let offer: PoolOfferDoc = super::call::doc(row)?;
+            owners
+                .insert(offer.owner_tenant_id.parse::<TenantId>().map_err(|e| Error::Internal(format!("pool offer row: {e}")))?);
+        }
+        if !full {
+            return Ok(owners.into_iter().collect());
+        }
+        if read >= OFFERED_POOLS_READ_MAX {
+            return Err(Error::Internal(format!("tenant {tenant} was offered more than {OFFERED_POOLS_READ_MAX} pools")));
+        }
     }
 }
 
@@ -155,49 +198,74 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
         return Err(Error::invalid(format!("at most {GROUP_BY_MAX} groupBy keys")));
     }
     let page_limit = if input.group_by.is_empty() { limit(input.limit)? } else { u32::MAX };
-    let (mut version, skip_lines) = parse_cursor(input.cursor.as_deref())?;
-    // The cursor's lines are skipped in the event it names, not in every later one.
-    let cursor_version = version;
+    let (cursor_version, skip_lines, cursor_owner) = parse_cursor(input.cursor.as_deref())?;
     if input.to_ms <= input.from_ms {
         // An empty range: no window starts in it.
         return Ok(UsageListView { items: Vec::new(), groups: Vec::new(), next_cursor: None });
     }
-    let stream = stream_of(KIND_USAGE, &tenant);
+    // The tenant's own usage stream, then each owner's that offered it a pool: its lines there
+    // are those held for it, its lines on its own stream those not held for another.
+    let chains: Vec<TenantId> = std::iter::once(tenant).chain(usage_owners(call, tenant).await?).collect();
+    let first = match cursor_owner {
+        None => 0,
+        Some(owner) => chains
+            .iter()
+            .skip(1)
+            .position(|c| *c == owner)
+            .map(|i| i + 1)
+            .ok_or_else(|| Error::invalid("malformed cursor: pass the nextCursor of the page before"))?,
+    };
+    let tenant_text = tenant.to_string();
     let (mut items, mut groups) = (Vec::new(), BTreeMap::new());
     let mut read = 0u32;
     let mut next_cursor = None;
-    'pages: loop {
-        let rows = call.state.store.read_stream_rows(tenant, &stream, version - 1, EVENTS_PER_READ).await?;
-        let count = rows.len() as u32;
-        for event in decode_rows(rows)? {
-            let env = &event.envelope;
-            let (kind, lines) = lines_of(&event)?;
-            let first = if env.version == cursor_version { skip_lines } else { 0 };
-            for (i, line) in lines.into_iter().enumerate().skip(first as usize) {
-                if items.len() as u32 == page_limit {
-                    next_cursor = Some(format!("{}_{i}", env.version));
-                    break 'pages;
+    'chains: for (at, chain) in chains.iter().enumerate().skip(first) {
+        let (chain_text, owner) = (chain.to_string(), (at > 0).then(|| chain.to_string()));
+        let cursor_of = |version: u64, line: usize| match &owner {
+            Some(owner) => format!("{version}_{line}_{owner}"),
+            None => format!("{version}_{line}"),
+        };
+        // The cursor's lines are skipped in the event it names, on its chain, not in every later one.
+        let (mut version, skip) = if at == first { (cursor_version, skip_lines) } else { (1, 0) };
+        let skip_in = if at == first { cursor_version } else { 0 };
+        let stream = stream_of(KIND_USAGE, &chain_text);
+        loop {
+            let rows = call.state.store.read_stream_rows(*chain, &stream, version - 1, EVENTS_PER_READ).await?;
+            let count = rows.len() as u32;
+            for event in decode_rows(rows)? {
+                let env = &event.envelope;
+                let (kind, lines) = lines_of(&event)?;
+                let first_line = if env.version == skip_in { skip } else { 0 };
+                for (i, line) in lines.into_iter().enumerate().skip(first_line as usize) {
+                    if items.len() as u32 == page_limit {
+                        next_cursor = Some(cursor_of(env.version, i));
+                        break 'chains;
+                    }
+                    if line.window_start_ms < input.from_ms
+                        || line.window_start_ms >= input.to_ms
+                        || !line.is_usage_of(&tenant_text, &chain_text)
+                    {
+                        continue;
+                    }
+                    let mut row = UsageRowView::new(kind, env.seq, i as u32, env.at_ms, line);
+                    row.owner_tenant_id = owner.clone();
+                    if input.group_by.is_empty() { items.push(row) } else { add_to_group(&mut groups, &input.group_by, row) }
                 }
-                if line.window_start_ms < input.from_ms || line.window_start_ms >= input.to_ms {
-                    continue;
+                version = env.version + 1;
+                read += 1;
+                if read >= USAGE_EVENTS_READ_MAX {
+                    if !input.group_by.is_empty() {
+                        return Err(Error::invalid(format!(
+                            "the range holds more than {USAGE_EVENTS_READ_MAX} usage events: sum a shorter range"
+                        )));
+                    }
+                    next_cursor = Some(cursor_of(version, 0));
+                    break 'chains;
                 }
-                let row = UsageRowView::new(kind, env.seq, i as u32, env.at_ms, line);
-                if input.group_by.is_empty() { items.push(row) } else { add_to_group(&mut groups, &input.group_by, row) }
             }
-            version = env.version + 1;
-            read += 1;
-            if read >= USAGE_EVENTS_READ_MAX {
-                if !input.group_by.is_empty() {
-                    return Err(Error::invalid(format!(
-                        "the range holds more than {USAGE_EVENTS_READ_MAX} usage events: sum a shorter range"
-                    )));
-                }
-                next_cursor = Some(format!("{version}_0"));
-                break 'pages;
+            if count < EVENTS_PER_READ {
+                break;
             }
-        }
-        if count < EVENTS_PER_READ {
-            break;
         }
     }
     Ok(UsageListView { items, groups: groups.into_values().collect(), next_cursor })
@@ -359,8 +427,10 @@ mod tests {
         for bad in ["", "-a", "a b", &"a".repeat(65)] {
             assert!(validate_sku(bad).is_err(), "{bad:?}");
         }
-        assert_eq!(parse_cursor(Some("12_3")).unwrap(), (12, 3));
-        for bad in ["", "12", "0_1", "a_1", "1_-1"] {
+        assert_eq!(parse_cursor(Some("12_3")).unwrap(), (12, 3, None));
+        let owner: TenantId = "ten_01hzz00000000000000000000a".parse().unwrap();
+        assert_eq!(parse_cursor(Some(&format!("12_3_{owner}"))).unwrap(), (12, 3, Some(owner)));
+        for bad in ["", "12", "0_1", "a_1", "1_-1", "1_2_", "1_2_pool_01hzz00000000000000000000a", "1_2_ten_x"] {
             assert!(parse_cursor(Some(bad)).is_err(), "{bad:?}");
         }
     }

@@ -42,6 +42,9 @@ pub struct UsageDetail {
     pub sku: String,
     /// The seq of its `reservation.requested` (which names the pool).
     pub request_seq: u64,
+    /// The tenant it is held for, in a pool another tenant offered (`holderTenantId`): its
+    /// lines are that tenant's usage ([`UsageLine::holder_tenant_id`]).
+    pub holder_tenant_id: Option<String>,
 }
 
 /// The input of [`usage_close`].
@@ -183,6 +186,7 @@ fn lines(input: &UsageCloseInput<'_>, t: &Tracked, (ws, we, from, to): (u64, u64
                 gpu_hour_micros: price.map(|p| p.gpu_hour_micros),
                 currency: price.map(|p| p.currency.clone()),
                 cost_micros: price.map_or(0, |p| cost_micros_of(kind, quantity_ms, p.gpu_hour_micros)),
+                holder_tenant_id: detail.and_then(|d| d.holder_tenant_id.clone()),
                 seqs: seqs.clone(),
             }
         })
@@ -618,7 +622,8 @@ mod tests {
                         hold: None,
                     };
                     ledger.activated(&id, seq, now, &p);
-                    let detail = UsageDetail { pool_id: "pool_1".into(), sku: "H100".into(), request_seq: seq };
+                    let detail =
+                        UsageDetail { pool_id: "pool_1".into(), sku: "H100".into(), request_seq: seq, holder_tenant_id: None };
                     details.insert(id.clone(), detail);
                     truth.insert(id.clone(), Truth { gpus: u64::from(gpus), start_ms: now, end_ms: None });
                     open.push((id, ends_at));
@@ -987,8 +992,10 @@ mod tests {
         let mut ledger = UsageLedger::default();
         let p = ReservationActivated { node_id: "node_1".into(), gpus: vec![0, 1], ends_at_ms: 10 * HOUR_MS, hold: None };
         ledger.activated("rsv_1", 5, HOUR_MS / 2, &p);
-        let details =
-            BTreeMap::from([("rsv_1".to_owned(), UsageDetail { pool_id: "pool_1".into(), sku: "H100".into(), request_seq: 4 })]);
+        let details = BTreeMap::from([(
+            "rsv_1".to_owned(),
+            UsageDetail { pool_id: "pool_1".into(), sku: "H100".into(), request_seq: 4, holder_tenant_id: None },
+        )]);
         let period = |from_ms, micros, seq| PricePeriod { from_ms, currency: "USD".into(), gpu_hour_micros: micros, seq };
         let mut prices = BTreeMap::from([(
             "H100".to_owned(),
@@ -1023,5 +1030,55 @@ mod tests {
         let line = &close.events[0].lines()[0];
         assert_eq!((line.window_start_ms, line.cost_micros, line.seqs.clone()), (HOUR_MS, 6_000_000, vec![4, 5, 9]));
         assert_eq!(cost_micros(-1_800_000, 3), -2, "rounded half away from zero");
+    }
+
+    /// A reservation held for another tenant (in a pool the chain's tenant offered it) is
+    /// counted on the chain it lives on, every line marked with its holder, corrections too:
+    /// it is the holder's usage, not the chain's; an unmarked line is the chain's own.
+    #[test]
+    fn lines_of_a_held_reservation_are_its_holders_usage() {
+        const OWNER: &str = "ten_owner";
+        const HOLDER: &str = "ten_holder";
+        let mut ledger = UsageLedger::default();
+        let p = ReservationActivated { node_id: "node_1".into(), gpus: vec![0], ends_at_ms: 10 * HOUR_MS, hold: None };
+        ledger.activated("rsv_held", 5, HOUR_MS / 2, &p);
+        ledger.activated("rsv_own", 6, HOUR_MS / 2, &p);
+        let detail = |holder: Option<&str>| UsageDetail {
+            pool_id: "pool_1".into(),
+            sku: "H100".into(),
+            request_seq: 4,
+            holder_tenant_id: holder.map(str::to_owned),
+        };
+        let details = BTreeMap::from([("rsv_held".to_owned(), detail(Some(HOLDER))), ("rsv_own".to_owned(), detail(None))]);
+        let prices = BTreeMap::new();
+        let input = UsageCloseInput {
+            ledger: &ledger,
+            now_ms: HOUR_MS + 1,
+            window_ms: HOUR_MS,
+            grace_ms: 0,
+            details: &details,
+            prices: &prices,
+        };
+        let close = usage_close(&input);
+        let lines = close.events[0].lines();
+        let of = |id: &str| lines.iter().find(|l| l.reservation_id == id).unwrap();
+        assert_eq!(of("rsv_held").holder_tenant_id.as_deref(), Some(HOLDER));
+        assert!(of("rsv_held").is_usage_of(HOLDER, OWNER) && !of("rsv_held").is_usage_of(OWNER, OWNER));
+        assert!(of("rsv_own").is_usage_of(OWNER, OWNER) && !of("rsv_own").is_usage_of(HOLDER, OWNER));
+        // Its end, learnt after the window closed: the correction is the holder's too.
+        close.events[0].fold(&mut ledger);
+        ledger.ended("rsv_held", 9, HOUR_MS / 2 + 1000, false);
+        let input = UsageCloseInput {
+            ledger: &ledger,
+            now_ms: HOUR_MS + 2,
+            window_ms: HOUR_MS,
+            grace_ms: 0,
+            details: &details,
+            prices: &prices,
+        };
+        let close = usage_close(&input);
+        let corrections: Vec<&UsageLine> = close.events.iter().flat_map(|e| e.lines()).filter(|l| l.quantity_ms < 0).collect();
+        assert!(!corrections.is_empty(), "{close:?}");
+        assert!(corrections.iter().all(|l| l.holder_tenant_id.as_deref() == Some(HOLDER)), "{corrections:?}");
     }
 }

@@ -657,6 +657,7 @@ mod tests {
             gpu_hour_micros: None,
             currency: None,
             cost_micros: 0,
+            holder_tenant_id: None,
             seqs: vec![],
         };
         let run = |rows: &[(u64, i64, &[u64])]| {

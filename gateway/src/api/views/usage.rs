@@ -5,7 +5,7 @@ use bc_projections::usage::{UsageLine, UsagePriceDoc};
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::api::validate::{InstanceIdText, PoolIdText, ReservationIdText, SandboxIdText};
+use crate::api::validate::{InstanceIdText, PoolIdText, ReservationIdText, SandboxIdText, TenantIdText};
 
 /// One line of a `usage.window_closed` (`kind: usage`) or `usage.correction` (`kind:
 /// correction`): what one reservation's activation (GPU time), one instance's span (vCPU or
@@ -62,6 +62,11 @@ pub struct UsageRowView {
     pub cost_micros: i64,
     /// The seqs of the reservation's (instance's, sandbox's) events the line was computed from.
     pub seqs: Vec<u64>,
+    /// The tenant whose chain holds the row (its `eventSeq` and `seqs`) when it is not this
+    /// tenant's: a reservation held for this tenant in a pool that tenant offered it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<TenantIdText>")]
+    pub owner_tenant_id: Option<String>,
 }
 
 impl UsageRowView {
@@ -89,6 +94,7 @@ impl UsageRowView {
             currency: line.currency,
             cost_micros: line.cost_micros,
             seqs: line.seqs,
+            owner_tenant_id: None,
         }
     }
 }
