@@ -33,7 +33,7 @@ pub const FLEET_OBJECTS_PER_EVENT: usize = 200;
 /// Drifted objects one `fleet.drifted` event names at most; more are counted, not named.
 pub const FLEET_DRIFT_NAMED_MAX: usize = 200;
 
-/// One object the applied document covers: its kind (`pool`, `quota`, `flavor`, `image`), its
+/// One object the applied document covers: its kind (`pool`, `quota`, `offer`, `flavor`, `image`), its
 /// key in the document, the id it names, and the SHA-256 of what the document said of it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -194,6 +194,11 @@ pub fn pool_fingerprint(name: &str, description: &str, labels: &BTreeMap<String,
     }))
 }
 
+/// A pool's offers (`offeredTo`, when the document states them): the tenants, in order.
+pub fn offer_fingerprint(offered_to: &std::collections::BTreeSet<String>) -> String {
+    canonical_sha256(&serde_json::json!({ "offeredTo": offered_to }))
+}
+
 /// The tenant's quota in a pool: its GPUs.
 pub fn quota_fingerprint(gpus: u32) -> String {
     canonical_sha256(&serde_json::json!({ "gpus": gpus }))
@@ -243,6 +248,9 @@ pub fn fleet_drift(applied: &FleetConfigDoc, live: &FleetObjectsLive<'_>) -> Vec
                 .find(|p| p.pool_id == id && !p.archived)
                 .map(|p| pool_fingerprint(&p.name, &p.description, &p.labels, p.max_reservation_s)),
             "quota" => live.quotas.get(id).map(|q| quota_fingerprint(q.gpus)),
+            // A pool's offers: changed by `pools.offer`/`unoffer` outside the document, or gone
+            // with the pool.
+            "offer" => live.pools.iter().find(|p| p.pool_id == id && !p.archived).map(|p| offer_fingerprint(&p.offered_to)),
             "flavor" => live
                 .flavors
                 .iter()

@@ -195,6 +195,19 @@ async fn a_fleet_document_exports_plans_and_applies_a_pools_offers() {
     let (_, plan) = server.call("fleet.plan", json!({ "tenantId": a, "document": document })).await;
     assert_eq!(plan["empty"], true, "applied, the document plans empty: {plan}");
 
+    // An offer made by hand is drift, named by the pool's key; withdrawn again, none.
+    let (_, status) = server.call("fleet.status", json!({ "tenantId": a })).await;
+    assert_eq!(status["drift"], json!([]), "{status}");
+    let (code, _) = server.call("pools.offer", json!({ "tenantId": a, "poolId": pool, "tenantIds": [b] })).await;
+    assert_eq!(code, 200);
+    let (_, status) = server.call("fleet.status", json!({ "tenantId": a })).await;
+    let offer_drift = json!([{ "kind": "offer", "key": pool, "id": pool, "what": "changed" }]);
+    assert_eq!(status["drift"], offer_drift, "{status}");
+    let (code, _) = server.call("pools.unoffer", json!({ "tenantId": a, "poolId": pool, "tenantIds": [b] })).await;
+    assert_eq!(code, 200);
+    let (_, status) = server.call("fleet.status", json!({ "tenantId": a })).await;
+    assert_eq!(status["drift"], json!([]), "{status}");
+
     // An unknown tenant in the document: nothing applies.
     document["pools"][&pool]["offeredTo"] = json!(["ten_01kb0000000000000000000zzz"]);
     let (_, plan) = server.call("fleet.plan", json!({ "tenantId": a, "document": document })).await;

@@ -53,7 +53,8 @@ pub const FLEET_POOLS_MAX: usize = 500;
 pub const FLEET_CHANGES_MAX: usize = 800;
 /// Objects of one kind the live fleet may hold for a plan to be made (each is read).
 pub const FLEET_LIVE_OBJECTS_MAX: usize = 5000;
-const FLEET_OBJECTS_MAX: usize = FLEET_POOLS_MAX * 2 + FLAVORS_PER_TENANT_MAX as usize + IMAGES_PER_TENANT_MAX as usize;
+/// Objects one applied document records at most: per pool its own, its quota's and its offers'.
+const FLEET_OBJECTS_MAX: usize = FLEET_POOLS_MAX * 3 + FLAVORS_PER_TENANT_MAX as usize + IMAGES_PER_TENANT_MAX as usize;
 const _: () = assert!(FLEET_CHANGES_MAX + 1 + FLEET_OBJECTS_MAX.div_ceil(FLEET_OBJECTS_PER_EVENT) <= BATCH_EVENTS_MAX);
 
 /// A key of the document: the fleet's own (`gpu-a`: 1 to 63 of a-z 0-9 . -) or an id.

@@ -21,8 +21,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use bc_projections::fleet_config::{
-    FleetConfigDoc, FleetDrift, FleetObject, FleetObjectsLive, flavor_fingerprint, image_fingerprint, pool_fingerprint,
-    quota_fingerprint,
+    FleetConfigDoc, FleetDrift, FleetObject, FleetObjectsLive, flavor_fingerprint, image_fingerprint, offer_fingerprint,
+    pool_fingerprint, quota_fingerprint,
 };
 pub use bc_projections::fleet_config::{canonical_json, canonical_sha256};
 use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_POOL, KIND_QUOTA, PoolDoc, QuotaDoc};
@@ -393,6 +393,8 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                     expects: None,
                 });
             }
+            // Recorded, so an offer made or withdrawn outside the document is drift.
+            plan.objects.push((OBJECT_OFFER, key.clone(), pool_id.clone(), offer_fingerprint(want)));
         }
     }
 
@@ -731,8 +733,8 @@ pub fn applied_objects(plan: &FleetPlan, created: &BTreeMap<(&'static str, Strin
         .filter_map(|(kind, key, id, fingerprint)| {
             let id = match id {
                 Some(id) => id.clone(),
-                // A quota's id is its pool's.
-                None if *kind == OBJECT_QUOTA => created.get(&(OBJECT_POOL, key.clone()))?.clone(),
+                // A quota's id and an offer's are their pool's.
+                None if *kind == OBJECT_QUOTA || *kind == OBJECT_OFFER => created.get(&(OBJECT_POOL, key.clone()))?.clone(),
                 None => created.get(&(*kind, key.clone()))?.clone(),
             };
             Some(FleetObject { kind: (*kind).to_owned(), key: key.clone(), id, fingerprint: fingerprint.clone() })
@@ -821,6 +823,63 @@ mod tests {
         let mut absent = doc;
         absent.pools.get_mut(P1).unwrap().offered_to = None;
         assert!(fleet_plan(&live, &absent, false).changes.is_empty());
+    }
+
+    /// A document that states a pool's offers records them when applied, so an offer made or
+    /// withdrawn outside it (`pools offer`/`unoffer`) is drift (`offer`, `changed`), and gone
+    /// once the live offers are the document's again; a document without `offeredTo` records
+    /// none, so the offers it leaves alone never drift.
+    #[test]
+    fn offers_changed_outside_the_applied_document_are_drift() {
+        const B: &str = "ten_01hzz00000000000000000000b";
+        const C: &str = "ten_01hzz00000000000000000000c";
+        let offered = PoolDoc { offered_to: BTreeSet::from([B.to_owned()]), ..pool(P1, "a", 2) };
+        let doc = fleet_export(&FleetLive { pools: vec![offered.clone()], ..Default::default() });
+        // What an apply of `doc` records, and the fleet as it leaves it.
+        let applied_with = |doc: &FleetDocument, pool: &PoolDoc| {
+            let live = FleetLive { pools: vec![pool.clone()], ..Default::default() };
+            let plan = fleet_plan(&live, doc, false);
+            let objects = applied_objects(&plan, &BTreeMap::new())
+                .into_iter()
+                .map(|o| {
+                    let state = bc_projections::fleet_config::FleetObjectState { id: o.id, fingerprint: o.fingerprint };
+                    (bc_projections::fleet_config::object_key(&o.kind, &o.key), state)
+                })
+                .collect();
+            FleetConfigDoc {
+                tenant_id: "ten_x".into(),
+                plan_hash: plan.plan_hash,
+                document_sha256: plan.document_sha256,
+                applied_at_ms: 0,
+                applies: 1,
+                objects,
+                drift: Vec::new(),
+                drift_count: 0,
+                drift_at_ms: None,
+                version: 1,
+            }
+        };
+        let applied = applied_with(&doc, &offered);
+        assert_eq!(applied.id_of(OBJECT_OFFER, P1), Some(P1), "{:?}", applied.objects);
+        let drift_of = |pool: &PoolDoc| {
+            fleet_drift(&FleetLive { pools: vec![pool.clone()], applied: Some(applied.clone()), ..Default::default() })
+        };
+        assert_eq!(drift_of(&offered), vec![], "as applied");
+        let withdrawn = PoolDoc { offered_to: BTreeSet::new(), ..offered.clone() };
+        let offer_drift = |what: &str| FleetDrift { kind: OBJECT_OFFER.into(), key: P1.into(), id: P1.into(), what: what.into() };
+        assert_eq!(drift_of(&withdrawn), vec![offer_drift("changed")], "unoffered by hand");
+        let more = PoolDoc { offered_to: BTreeSet::from([B.to_owned(), C.to_owned()]), ..offered.clone() };
+        assert_eq!(drift_of(&more), vec![offer_drift("changed")], "offered to one more by hand");
+        let archived = PoolDoc { archived: true, ..offered.clone() };
+        let drift = drift_of(&archived);
+        assert!(drift.contains(&offer_drift("deleted")), "{drift:?}");
+
+        let mut silent = doc;
+        silent.pools.get_mut(P1).unwrap().offered_to = None;
+        let applied = applied_with(&silent, &offered);
+        assert_eq!(applied.id_of(OBJECT_OFFER, P1), None);
+        let live = FleetLive { pools: vec![withdrawn], applied: Some(applied), ..Default::default() };
+        assert_eq!(fleet_drift(&live), vec![], "offers the document leaves alone do not drift");
     }
 
     /// The export of a fleet plans empty against it, and the same inputs give the same hash.
