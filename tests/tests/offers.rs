@@ -295,3 +295,60 @@ async fn usage_of_a_held_reservation_is_the_holders_not_the_owners() {
         "{summed}"
     );
 }
+
+/// Regression: a reservation held for B whose hold failed after its pool was withdrawn from B
+/// was requeued like any other and could be placed again. Now it fails at once, with the node's
+/// reason and why it is not requeued. (The node's agent is away while B reserves and the pool
+/// is withdrawn, so the hold fails only after the withdrawal.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_reservation_whose_hold_fails_after_the_unoffer_fails_instead_of_requeueing() {
+    let (server, port) = bc_tests::agents_gateway();
+    let b = server.tenant("bravo").await;
+    let b_key = key(&server, &b, &["compute:pools:read", "compute:reservations:*"]).await;
+    let pool = server.pool("lent").await;
+    let (status, _) = server.call("pools.offer", json!({ "poolId": pool, "tenantIds": [b] })).await;
+    assert_eq!(status, 200);
+    let (status, _) = server.call("quotas.set", json!({ "tenantId": b, "poolId": pool, "gpus": 1 })).await;
+    assert_eq!(status, 200);
+    let seed = (1..100u64)
+        .find(|s| !bc_tests::fake_hardware(*s)["gpus"]["gpus"].as_array().unwrap().is_empty())
+        .expect("a fake machine with a GPU");
+    let mut machine = bc_tests::AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    let reason = "gpu-in-use: the fake machine refuses every hold";
+    std::fs::write(machine.config(), format!("{config}\n[hardware]\nfake_seed = {seed}\nfake_hold_refusal = {reason:?}\n"))
+        .unwrap();
+    let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    assert_eq!(status, 200, "{token}");
+    assert_eq!(machine.join_stdin(token["token"].as_str().unwrap()).0, 0);
+    let node = machine.node_id();
+    machine.start();
+    let deadline = Instant::now() + WAIT;
+    while server.call("nodes.get", json!({ "nodeId": node })).await.1["state"] != "ready" {
+        assert!(Instant::now() < deadline, "node {node} never ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Away: B's reservation is placed, its hold waits for the node; then the pool is withdrawn.
+    assert_eq!(machine.stop(), 0);
+    let (status, held) =
+        server.call_as(&b_key, "reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 600 }), None).await;
+    assert_eq!((status, held["state"].as_str()), (200, Some("active")), "{held}");
+    let id = held["reservationId"].as_str().unwrap();
+    let (status, _) = server.call("pools.unoffer", json!({ "poolId": pool, "tenantIds": [b] })).await;
+    assert_eq!(status, 200);
+    machine.start();
+    let deadline = Instant::now() + WAIT;
+    let failed = loop {
+        let (_, r) = server.call("reservations.get", json!({ "reservationId": id })).await;
+        if r["state"] != "active" {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "never ended: {r}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let why = format!("{reason}; not requeued: pool {pool} is no longer offered to tenant {b}");
+    assert_eq!((failed["state"].as_str(), failed["lastError"].as_str()), (Some("failed"), Some(why.as_str())), "{failed}");
+    assert_eq!(failed["holdAttempts"], 1, "its first failure is its last: {failed}");
+    assert_eq!(machine.stop(), 0);
+}
