@@ -164,15 +164,17 @@ where
             Err(refusal) if refusal.code == "TPM_PCR_DIGEST" && round < tpm::CHALLENGE_ROUNDS_MAX => {
                 tracing::debug!(round, "a TPM's PCRs moved between its read and its quote; asking again");
             }
+            Err(refusal) if refusal.code == "TPM_PCR_DIGEST" => {
+                return Err(tpm_refused(tpm::refusal(
+                    "TPM_PCR_DIGEST",
+                    format!("the PCR values sent were not those quoted in any of {} rounds", tpm::CHALLENGE_ROUNDS_MAX),
+                )));
+            }
             Err(refusal) => return Err(tpm_refused(refusal)),
         }
     }
-    let (answer, qualifying) = admitted.ok_or_else(|| {
-        tpm_refused(tpm::refusal(
-            "TPM_ROUNDS",
-            format!("no quote matched its PCR values in {} rounds", tpm::CHALLENGE_ROUNDS_MAX),
-        ))
-    })?;
+    let (answer, qualifying) =
+        admitted.ok_or_else(|| Error::Internal("the TPM join's rounds ended with no quote taken".into()))?;
     let evidence = ev::TpmEvidence {
         ek_pin: ek.pin.clone(),
         ek_certificates: hello.ek_certificates.iter().map(|c| b64(c)).collect(),

@@ -36,17 +36,17 @@ pub const TPM_ALG_RSASSA: u16 = 0x0014;
 pub const TPM_ALG_CFB: u16 = 0x0043;
 /// `TPM_GENERATED_VALUE`: every structure the TPM signs as an attestation starts with it, so a
 /// signature over outside data cannot pass for one.
-const TPM_GENERATED_VALUE: u32 = 0xff54_4347;
+pub const TPM_GENERATED_VALUE: u32 = 0xff54_4347;
 /// `TPM_ST_ATTEST_QUOTE`.
-const TPM_ST_ATTEST_QUOTE: u16 = 0x8018;
+pub const TPM_ST_ATTEST_QUOTE: u16 = 0x8018;
 
 /// `TPMA_OBJECT` bits an attestation key must have (and `decrypt`, which it must not).
-const ATTR_FIXED_TPM: u32 = 1 << 1;
-const ATTR_FIXED_PARENT: u32 = 1 << 4;
-const ATTR_SENSITIVE_DATA_ORIGIN: u32 = 1 << 5;
-const ATTR_RESTRICTED: u32 = 1 << 16;
-const ATTR_DECRYPT: u32 = 1 << 17;
-const ATTR_SIGN: u32 = 1 << 18;
+pub const ATTR_FIXED_TPM: u32 = 1 << 1;
+pub const ATTR_FIXED_PARENT: u32 = 1 << 4;
+pub const ATTR_SENSITIVE_DATA_ORIGIN: u32 = 1 << 5;
+pub const ATTR_RESTRICTED: u32 = 1 << 16;
+pub const ATTR_DECRYPT: u32 = 1 << 17;
+pub const ATTR_SIGN: u32 = 1 << 18;
 const AK_ATTRIBUTES_REQUIRED: u32 = ATTR_FIXED_TPM | ATTR_FIXED_PARENT | ATTR_SENSITIVE_DATA_ORIGIN | ATTR_RESTRICTED | ATTR_SIGN;
 
 /// Certificates a machine sends: its EK certificate and the intermediates up to the bundle.
@@ -79,7 +79,7 @@ pub const CHALLENGE_ROUNDS_MAX: u32 = 3;
 const _: () = assert!(CHALLENGE_ROUNDS_MAX >= 1);
 
 /// The label RSA-OAEP seals a credential's seed under (TPM 2.0 Part 1 §24.4, with its NUL).
-const IDENTITY_LABEL: &[u8] = b"IDENTITY\0";
+pub const IDENTITY_LABEL: &[u8] = b"IDENTITY\0";
 /// The domain tag of [`qualifying_data`].
 const QUALIFYING_DATA_TAG: &[u8] = b"better-compute/tpm-join/v1\n";
 
@@ -88,7 +88,7 @@ const QUALIFYING_DATA_TAG: &[u8] = b"better-compute/tpm-join/v1\n";
 pub struct TpmRefusal {
     /// `TPM_MALFORMED`, `TPM_EK_UNTRUSTED`, `TPM_AK_UNFIT`, `TPM_CREDENTIAL`, `TPM_QUOTE_NONCE`,
     /// `TPM_QUOTE_SIGNATURE`, `TPM_PCR_DIGEST` (and, from the endpoint, `TPM_ALREADY_JOINED`,
-    /// `TPM_NOT_CONFIGURED`, `TPM_ROUNDS`).
+    /// `TPM_NOT_CONFIGURED`).
     pub code: &'static str,
     pub message: String,
 }
@@ -430,7 +430,8 @@ fn wrap_credential(seed: &[u8], ak_name: &[u8], credential: &[u8]) -> (Vec<u8>, 
     (blob, hmac_key)
 }
 
-fn outer_hmac(hmac_key: &[u8], encrypted: &[u8], ak_name: &[u8]) -> Vec<u8> {
+/// The credential blob's outer HMAC: over the encrypted identity and the AK's name.
+pub fn outer_hmac(hmac_key: &[u8], encrypted: &[u8], ak_name: &[u8]) -> Vec<u8> {
     use hmac::{KeyInit, Mac};
     let mut mac = hmac::Hmac::<Sha256>::new_from_slice(hmac_key).expect("HMAC takes keys of any length");
     mac.update(encrypted);

@@ -1,130 +1,22 @@
-//! The gateway's TPM checks against a software TPM: fixed RSA keys for its EK and AK
-//! (`testdata/`, made once with openssl: keys are slow to generate in a debug build), an EK
-//! certificate by a test EK CA and one by another CA of the same name, and the TPM's side of
-//! ActivateCredential and Quote written here from the specification, apart from the code under
-//! test's wrapping. The swtpm end-to-end test (`tests/tests/tpm_join.rs`) checks the same code
-//! against a real TPM 2.0 implementation.
-
-use rsa::pkcs8::DecodePrivateKey;
-use rsa::traits::PublicKeyParts;
+//! The gateway's TPM checks against a software TPM (`soft_tpm.rs`), an EK certificate by a test
+//! EK CA and one by another CA of the same name. The in-process test of the rounds
+//! (`gateway/tests/tpm_join.rs`) uses the same software TPM; the swtpm end-to-end test
+//! (`tests/tests/tpm_join.rs`) checks the same code against a real TPM 2.0 implementation.
 
 use super::*;
+use crate::tpm as tpm_api;
 
-const CA: &str = include_str!("testdata/ca.pem");
-const OTHER_CA: &str = include_str!("testdata/other-ca.pem");
-const EK_CERT: &str = include_str!("testdata/ek.pem");
-const EK_CERT_OF_OTHER_CA: &str = include_str!("testdata/ek-other-ca.pem");
-const EK_KEY: &str = include_str!("testdata/ek.key");
-const AK_KEY: &str = include_str!("testdata/ak.key");
+#[path = "soft_tpm.rs"]
+mod soft_tpm;
+
+use soft_tpm::{AK_ATTRIBUTES, CA, EK_CERT, EK_CERT_OF_OTHER_CA, EK_KEY, OTHER_CA, SoftTpm, der};
+
 /// 2026-12-08: within every test certificate's validity (2026-12-07 to 2126).
 const NOW_S: i64 = 1_796_688_000;
 const LATER_S: i64 = NOW_S + 7 * 86_400;
 
-fn der(pem: &str) -> Vec<u8> {
-    x509_parser::pem::parse_x509_pem(pem.as_bytes()).expect("a PEM block").1.contents
-}
-
 fn bundle() -> EkCaBundle {
     EkCaBundle::from_pem(CA.as_bytes()).unwrap()
-}
-
-/// The TPM's side, in software: an EK and an AK, and eight PCRs.
-struct SoftTpm {
-    ek: rsa::PrivateKey,
-    ak: rsa::PrivateKey,
-    pcrs: Vec<Vec<u8>>,
-}
-
-const AK_ATTRIBUTES: u32 =
-    ATTR_FIXED_TPM | ATTR_FIXED_PARENT | ATTR_SENSITIVE_DATA_ORIGIN | (1 << 6) | ATTR_RESTRICTED | ATTR_SIGN;
-
-impl SoftTpm {
-    fn new() -> Self {
-        Self {
-            ek: rsa::PrivateKey::from_pkcs8_pem(EK_KEY).unwrap(),
-            ak: rsa::PrivateKey::from_pkcs8_pem(AK_KEY).unwrap(),
-            pcrs: (0..8u8).map(|i| vec![i; 32]).collect(),
-        }
-    }
-
-    /// The AK's `TPMT_PUBLIC` with these attributes, as a TPM marshals it.
-    fn ak_public_with(&self, attributes: u32) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(&TPM_ALG_RSA.to_be_bytes());
-        out.extend_from_slice(&TPM_ALG_SHA256.to_be_bytes());
-        out.extend_from_slice(&attributes.to_be_bytes());
-        out.extend_from_slice(&0u16.to_be_bytes()); // no auth policy
-        out.extend_from_slice(&TPM_ALG_NULL.to_be_bytes()); // symmetric
-        out.extend_from_slice(&TPM_ALG_RSASSA.to_be_bytes());
-        out.extend_from_slice(&TPM_ALG_SHA256.to_be_bytes());
-        out.extend_from_slice(&2048u16.to_be_bytes());
-        out.extend_from_slice(&0u32.to_be_bytes()); // the default exponent
-        let modulus = self.ak.to_public_key().n_bytes();
-        out.extend_from_slice(&(modulus.len() as u16).to_be_bytes());
-        out.extend_from_slice(&modulus);
-        out
-    }
-
-    fn ak_public(&self) -> Vec<u8> {
-        self.ak_public_with(AK_ATTRIBUTES)
-    }
-
-    /// TPM2_ActivateCredential: the seed with the EK, the outer HMAC checked for the AK's name,
-    /// then the credential.
-    fn activate(&self, made: &MadeCredential, ak_name: &[u8]) -> Result<Vec<u8>, &'static str> {
-        let seed = self
-            .ek
-            .decrypt(rsa::Oaep::<Sha256>::new_with_label(IDENTITY_LABEL), &made.encrypted_secret)
-            .map_err(|_| "the secret does not open")?;
-        let mut r = Reader::new(&made.credential_blob, "the blob");
-        let hmac = r.sized().map_err(|_| "no HMAC")?;
-        let encrypted = r.bytes;
-        if outer_hmac(&kdfa(&seed, "INTEGRITY", &[], &[], 256), encrypted, ak_name) != hmac {
-            return Err("TPM_RC_INTEGRITY");
-        }
-        let plain = aes128_cfb(&kdfa(&seed, "STORAGE", ak_name, &[], 128), encrypted, true);
-        let mut r = Reader::new(&plain, "the identity");
-        Ok(r.sized().map_err(|_| "no identity")?.to_vec())
-    }
-
-    /// A `TPMS_ATTEST` of `kind` over `pcrs` of the SHA-256 bank with `extra_data`, and its
-    /// `TPMT_SIGNATURE` by `key`.
-    fn quote_by(&self, key: &rsa::PrivateKey, kind: u16, extra_data: &[u8], pcrs: &[u32]) -> (Vec<u8>, Vec<u8>) {
-        let mut a = Vec::new();
-        a.extend_from_slice(&TPM_GENERATED_VALUE.to_be_bytes());
-        a.extend_from_slice(&kind.to_be_bytes());
-        a.extend_from_slice(&2u16.to_be_bytes());
-        a.extend_from_slice(&[0x40, 0x00]); // the signer's qualified name (not checked)
-        a.extend_from_slice(&(extra_data.len() as u16).to_be_bytes());
-        a.extend_from_slice(extra_data);
-        a.extend_from_slice(&123_456u64.to_be_bytes()); // clock
-        a.extend_from_slice(&1u32.to_be_bytes()); // resets
-        a.extend_from_slice(&0u32.to_be_bytes()); // restarts
-        a.push(1); // safe
-        a.extend_from_slice(&0x2000_0000u64.to_be_bytes()); // firmware
-        a.extend_from_slice(&1u32.to_be_bytes());
-        a.extend_from_slice(&TPM_ALG_SHA256.to_be_bytes());
-        let mut bitmap = [0u8; 3];
-        for pcr in pcrs {
-            bitmap[(*pcr / 8) as usize] |= 1 << (pcr % 8);
-        }
-        a.push(3);
-        a.extend_from_slice(&bitmap);
-        let values: Vec<Vec<u8>> = pcrs.iter().map(|p| self.pcrs[*p as usize].clone()).collect();
-        a.extend_from_slice(&32u16.to_be_bytes());
-        a.extend_from_slice(&pcr_digest(&values));
-        let signature = key.sign(rsa::Pkcs1v15Sign::new::<Sha256>(), &Sha256::digest(&a)).unwrap();
-        let mut s = Vec::new();
-        s.extend_from_slice(&TPM_ALG_RSASSA.to_be_bytes());
-        s.extend_from_slice(&TPM_ALG_SHA256.to_be_bytes());
-        s.extend_from_slice(&(signature.len() as u16).to_be_bytes());
-        s.extend_from_slice(&signature);
-        (a, s)
-    }
-
-    fn quote(&self, extra_data: &[u8]) -> (Vec<u8>, Vec<u8>) {
-        self.quote_by(&self.ak, TPM_ST_ATTEST_QUOTE, extra_data, &QUOTED_PCRS)
-    }
 }
 
 #[test]
