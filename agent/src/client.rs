@@ -74,6 +74,10 @@ impl Gateway {
         let endpoint = Endpoint::from_shared(format!("http://{}:{}", bracket(&self.host), self.port))
             .map_err(|e| format!("the gateway address: {e}"))?
             .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
+            // Room in the connection's window for every stream's (`bc_proto`'s windows): a
+            // tunnel whose guest reads nothing never holds back the session or another tunnel.
+            .initial_stream_window_size(bc_proto::AGENT_STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(bc_proto::AGENT_CONNECTION_WINDOW_BYTES)
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10))
             .keep_alive_while_idle(true);

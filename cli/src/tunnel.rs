@@ -17,7 +17,8 @@
 //!   [`BEHIND_RESUME_BELOW_BYTES`] do. A paused socket holds the gateway back, which holds the
 //!   node's agent back, which holds the guest back (TCP's flow control and HTTP/2's windows all
 //!   the way), as `ssh -L` and `kubectl port-forward` do: a slow reader is slowed, never cut off.
-//!   A reader that never reads again ends with the tunnel's idle timeout.
+//!   A reader that never reads again ends with the tunnel's idle timeout. Each count ([`Held`])
+//!   is added before its bytes are handed to the other task, never after.
 //! - Nothing typed or printed is logged.
 
 use std::io::{Read, Write};
@@ -340,6 +341,11 @@ pub async fn attach(socket: Socket) -> Result<Outcome, CliError> {
 }
 
 /// Bytes held between a reader and a writer, counted, so that either side can be bounded.
+/// Bytes are added before they are handed to the other task and removed by it once passed on,
+/// so a removal never comes before its addition: handed over first, the other side (on another
+/// worker thread) could take them off before they were counted, and the count went below zero
+/// (a panic in a debug build; in a release build a wrapped count that could miss the wake-up
+/// of a paused reader and stall its connection).
 #[derive(Default)]
 pub struct Held {
     bytes: AtomicUsize,
@@ -460,10 +466,12 @@ async fn read_local(mut local: tokio::net::tcp::OwnedReadHalf, outgoing: mpsc::U
         if n < CHUNK_BYTES / 2 {
             frame.shrink_to_fit();
         }
+        // Counted before it is handed over: the sender takes it off once sent.
+        let held = unsent.add(n);
         if outgoing.send(Outgoing::Data(frame)).is_err() {
             return;
         }
-        if unsent.add(n) > UNSENT_PAUSE_ABOVE_BYTES {
+        if held > UNSENT_PAUSE_ABOVE_BYTES {
             unsent.wait_below(UNSENT_RESUME_BELOW_BYTES).await;
         }
     }
@@ -518,11 +526,12 @@ where
         if bytes.first() == Some(&wire::CHANNEL_STDOUT) {
             // Copied out at its size: a slice would hold the socket's larger read buffer.
             let data = Bytes::copy_from_slice(&bytes[1..]);
-            let n = data.len();
+            // Counted before it is handed over: the writer takes it off once written.
+            let held = behind.add(data.len());
             if incoming.send(data).is_err() {
                 return PumpEnd::LocalGone;
             }
-            if behind.add(n) > BEHIND_PAUSE_ABOVE_BYTES {
+            if held > BEHIND_PAUSE_ABOVE_BYTES {
                 behind.wait_below(BEHIND_RESUME_BELOW_BYTES).await;
             }
             continue;

@@ -21,6 +21,22 @@ pub const TUNNEL_FRAME_BYTES_MAX: usize = 64 * 1024;
 /// fields' tags and lengths, a tunnel id) fits. It was 64 KiB exactly, and a client's full-size
 /// message (65,540 bytes encoded) broke its tunnel.
 pub const MESSAGE_BYTES_MAX: usize = TUNNEL_FRAME_BYTES_MAX + 1024;
+/// Streams (calls) one agent connection may hold open at once (HTTP/2's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`, which the gateway sends): a `bcd` holds one session and a
+/// stream per tunnel to its node.
+pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = 32;
+/// HTTP/2 flow control on an agent's connection, at both ends: each stream's window (what the
+/// sender may have in flight on one stream before its reader takes it)...
+pub const AGENT_STREAM_WINDOW_BYTES: u32 = 1024 * 1024;
+/// ...and the connection's, shared by all its streams: room for every stream's window at once.
+/// A stream whose reader stalls (a tunnel to a client that reads nothing, or a guest that reads
+/// nothing) holds its window's bytes unread, and those count against the connection's window
+/// too: with hyper's default, one stream's worth (1 MiB at the gateway), one stalled tunnel held
+/// back every other stream of the node's connection, its session's heartbeats among them. The
+/// cost is memory: at most this much buffered for one connection, and only while its streams'
+/// readers stall.
+pub const AGENT_CONNECTION_WINDOW_BYTES: u32 = AGENT_STREAM_WINDOW_BYTES * AGENT_STREAMS_PER_CONNECTION_MAX;
+const _: () = assert!(AGENT_STREAM_WINDOW_BYTES as usize >= 2 * MESSAGE_BYTES_MAX);
 /// The largest journal entry body.
 pub const ENTRY_BODY_BYTES_MAX: usize = 16 * 1024;
 /// Capabilities a `Hello` may name, and the longest.

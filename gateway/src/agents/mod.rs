@@ -76,8 +76,10 @@ pub const AGENT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 pub const AGENT_IDLE_TIMEOUT_MS: u64 = 60_000;
 /// Streams (calls) one connection may hold open at once (HTTP/2's
 /// `SETTINGS_MAX_CONCURRENT_STREAMS`): a `bcd` holds one session and a stream per tunnel to its
-/// node (`tunnels::TUNNELS_PER_NODE_MAX`); more are refused with `REFUSED_STREAM`.
-pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = 32;
+/// node (`tunnels::TUNNELS_PER_NODE_MAX`); more are refused with `REFUSED_STREAM`. Each stream
+/// has a window of `bc_proto::AGENT_STREAM_WINDOW_BYTES` and the connection room for all of them
+/// (`bc_proto::AGENT_CONNECTION_WINDOW_BYTES`), so no stalled stream holds back another.
+pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = bc_proto::AGENT_STREAMS_PER_CONNECTION_MAX;
 /// Streams the server refuses or resets on one connection for the peer's faults before it
 /// closes the connection (`GOAWAY ENHANCE_YOUR_CALM`).
 pub const AGENT_STREAM_REFUSALS_MAX: usize = 32;
@@ -537,6 +539,8 @@ pub async fn serve(
     builder
         .timer(TokioTimer::new())
         .max_concurrent_streams(AGENT_STREAMS_PER_CONNECTION_MAX)
+        .initial_stream_window_size(bc_proto::AGENT_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(bc_proto::AGENT_CONNECTION_WINDOW_BYTES)
         .max_local_error_reset_streams(AGENT_STREAM_REFUSALS_MAX)
         .max_pending_accept_reset_streams(AGENT_PENDING_RESETS_MAX)
         .max_header_list_size(AGENT_HEAD_BYTES_MAX)
