@@ -384,7 +384,15 @@ impl Sandboxes {
     pub fn for_config(config: &crate::config::Config) -> Result<Option<Self>, String> {
         let root = config.data_dir.join("sandboxes").join("runsc");
         match Runsc::find(root) {
-            Some(runsc) => Ok(Some(Self::new(&config.data_dir, Arc::new(runsc))?)),
+            Some(runsc) => {
+                let mut sandboxes = Self::new(&config.data_dir, Arc::new(runsc))?;
+                // Probed here, at the edge, as runsc is: the capabilities say what was found.
+                if let Err(why) = crate::volumes::LoopExt4::probe() {
+                    tracing::warn!(reason = %why, "this node makes no sandbox volumes");
+                    sandboxes.volumes.unusable = Some(why);
+                }
+                Ok(Some(sandboxes))
+            }
             None => {
                 tracing::info!("runsc is not installed: this node runs no sandboxes (Debian's package runsc)");
                 Ok(None)
@@ -392,9 +400,13 @@ impl Sandboxes {
         }
     }
 
-    /// The capabilities sandboxes add.
+    /// The capabilities sandboxes add: volumes' only when this node can make them.
     pub fn capabilities(&self) -> Vec<String> {
-        vec![CAPABILITY_SANDBOX_GVISOR.to_owned(), CAPABILITY_SANDBOX_EXEC.to_owned()]
+        let mut out = vec![CAPABILITY_SANDBOX_GVISOR.to_owned(), CAPABILITY_SANDBOX_EXEC.to_owned()];
+        if self.volumes.unusable.is_none() {
+            out.push(crate::volumes::CAPABILITY_SANDBOX_VOLUMES.to_owned());
+        }
+        out
     }
 
     fn bundle_dir(&self, id: &str) -> PathBuf {

@@ -12,7 +12,11 @@
 //! attached volume, and so does this node): the file system is unmounted, the file grown, the
 //! file system checked and grown offline, and mounted again. A delete unmounts it and removes
 //! the file: its data is gone. Errors carry stable codes: `bad-args`, `disk`, `attached`,
-//! `capacity`, `volume`.
+//! `capacity`, `volume`, `no-volumes`.
+//!
+//! A node advertises [`CAPABILITY_SANDBOX_VOLUMES`] only when [`LoopExt4::probe`] (run once at
+//! start, where the runtime is probed) finds `mkfs.ext4` and usable loop devices; without it,
+//! it makes and grows none ([`step_on_node`]) and the control plane sends it none to make.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,6 +28,11 @@ use serde_json::{Value, json};
 
 /// The command kind this module carries out.
 pub const SANDBOX_VOLUME_APPLY: &str = "sandbox_volume.apply";
+/// The capability a node says when it can make volumes ([`LoopExt4::probe`] found what they
+/// need); the control plane places volumes only on such nodes.
+pub const CAPABILITY_SANDBOX_VOLUMES: &str = "sandbox-volume.ext4";
+/// The loop devices' control: a volume is loop-mounted, so a node that cannot open it keeps none.
+const LOOP_CONTROL: &str = "/dev/loop-control";
 /// The most volumes one node keeps.
 pub const VOLUMES_PER_NODE_MAX: usize = 64;
 /// The largest volume, in GiB (as the control plane bounds it).
@@ -123,6 +132,18 @@ pub fn step(entry: Option<&VolumeEntry>, args: &VolumeArgs, attached_to: Option<
     }
 }
 
+/// `step` on a node that cannot make volumes (`unusable`: why, from [`LoopExt4::probe`]): what
+/// would make or grow a file system is refused (`no-volumes: …`); what keeps, mounts or deletes
+/// one that exists is left as it is.
+pub fn step_on_node(step: Step, unusable: Option<&str>) -> Step {
+    match (step, unusable) {
+        (Step::Create { .. } | Step::Grow { .. }, Some(why)) => {
+            Step::Refuse(format!("no-volumes: this node makes no volumes: {why}"))
+        }
+        (step, _) => step,
+    }
+}
+
 /// The disk images, file systems and mounts of volumes: the only place this module touches the
 /// machine. Its calls block (they run processes); callers run them on the blocking pool.
 pub trait VolumeDisk: Send + Sync + 'static {
@@ -144,6 +165,26 @@ pub trait VolumeDisk: Send + Sync + 'static {
 pub struct LoopExt4;
 
 impl LoopExt4 {
+    /// Whether this node can make volumes: `mkfs.ext4` runs (Debian's e2fsprogs, which brings
+    /// `e2fsck` and `resize2fs` with it) and [`LOOP_CONTROL`] opens for reading and writing (the
+    /// loop module is there and `bcd` may attach loop devices). `Err(why)` otherwise. Run once at
+    /// start, beside the runtime's probe; what it finds is [`CAPABILITY_SANDBOX_VOLUMES`] or not.
+    pub fn probe() -> Result<(), String> {
+        let mkfs = std::process::Command::new("mkfs.ext4")
+            .arg("-V")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !mkfs.is_ok_and(|s| s.success()) {
+            return Err("mkfs.ext4 does not run (hint: install Debian's package e2fsprogs)".into());
+        }
+        std::fs::OpenOptions::new().read(true).write(true).open(LOOP_CONTROL).map_err(|e| {
+            format!("loop devices are not usable: {LOOP_CONTROL}: {e} (hint: modprobe loop, and run bcd as root)")
+        })?;
+        Ok(())
+    }
+
     fn run(program: &str, args: &[&std::ffi::OsStr]) -> Result<(), String> {
         let output = std::process::Command::new(program)
             .args(args)
@@ -257,13 +298,16 @@ pub struct Volumes {
     pub ledger: tokio::sync::Mutex<VolumeLedger>,
     ledger_file: VolumeLedgerFile,
     pub disk: Arc<dyn VolumeDisk>,
+    /// Why this node cannot make volumes ([`LoopExt4::probe`]), if it cannot: it then advertises
+    /// no [`CAPABILITY_SANDBOX_VOLUMES`] and refuses to make or grow one ([`step_on_node`]).
+    pub unusable: Option<String>,
 }
 
 impl Volumes {
     pub fn new(data_dir: &Path, disk: Arc<dyn VolumeDisk>) -> Result<Self, String> {
         let ledger_file = VolumeLedgerFile::new(data_dir);
         let ledger = ledger_file.load()?;
-        Ok(Self { dir: data_dir.join("volumes"), ledger: tokio::sync::Mutex::new(ledger), ledger_file, disk })
+        Ok(Self { dir: data_dir.join("volumes"), ledger: tokio::sync::Mutex::new(ledger), ledger_file, disk, unusable: None })
     }
 
     fn image(&self, id: &str) -> PathBuf {
@@ -298,7 +342,7 @@ impl Volumes {
                 .insert(id.clone(), VolumeEntry { desired: desired.to_owned(), size_gib, command_id: command_id.to_owned() });
             next
         };
-        match step(ledger.volumes.get(&id), args, attached_to, ledger.volumes.len()) {
+        match step_on_node(step(ledger.volumes.get(&id), args, attached_to, ledger.volumes.len()), self.unusable.as_deref()) {
             Step::Refuse(reason) => Err(reason),
             Step::Ready { size_gib } => {
                 self.disk(move |d| d.mount(&image, &mount)).await??;
@@ -470,6 +514,19 @@ mod tests {
         assert!(
             matches!(step(None, &args("ready", 2), None, VOLUMES_PER_NODE_MAX), Step::Refuse(r) if r.starts_with("capacity:"))
         );
+    }
+
+    #[test]
+    fn a_node_that_cannot_make_volumes_makes_and_grows_none_but_deletes() {
+        let why = Some("mkfs.ext4 does not run");
+        let refused = step_on_node(step(None, &args("ready", 2), None, 0), why);
+        assert!(matches!(&refused, Step::Refuse(r) if r.starts_with("no-volumes:") && r.contains("mkfs.ext4")), "{refused:?}");
+        let grow = step(Some(&entry("ready", 2)), &args("ready", 3), None, 1);
+        assert!(matches!(step_on_node(grow.clone(), why), Step::Refuse(_)));
+        assert_eq!(step_on_node(grow, None), Step::Grow { from_gib: 2, to_gib: 3 });
+        let delete = step(Some(&entry("ready", 2)), &args("deleted", 2), None, 1);
+        assert_eq!(step_on_node(delete, why), Step::Delete);
+        assert_eq!(step_on_node(step(Some(&entry("ready", 2)), &args("ready", 2), None, 1), why), Step::Ready { size_gib: 2 });
     }
 
     #[test]

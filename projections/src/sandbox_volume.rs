@@ -53,6 +53,10 @@ pub const SANDBOX_VOLUME_APPLY: &str = "sandbox_volume.apply";
 /// How long a node has to answer `sandbox_volume.apply` (a `mkfs.ext4` or a `resize2fs` of a
 /// large file system takes time).
 pub const SANDBOX_VOLUME_APPLY_DEADLINE_S: u64 = 300;
+/// The capability an agent says when it can make volumes: `mkfs.ext4` runs and the loop devices'
+/// control opens. Not under `sandbox.`: that prefix names a sandbox runtime (`drivers.list`,
+/// `bc_core::agent::driver_of_capability`), and this is none.
+pub const CAPABILITY_SANDBOX_VOLUMES: &str = "sandbox-volume.ext4";
 
 /// Where a template mounts a volume, and how (its sandboxes get the same).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

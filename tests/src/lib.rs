@@ -919,9 +919,15 @@ pub fn fake_seed_with(gpus: usize) -> u64 {
 /// fails.
 /// `bcd node --config CONFIG`, its log appended to `dir/node.log`.
 pub fn start_bcd_node(dir: &Path, config: &str) -> Child {
+    start_bcd_node_with_env(dir, config, &[])
+}
+
+/// [`start_bcd_node`] with `env` set in `bcd`'s environment (a `PATH` that lacks a tool).
+pub fn start_bcd_node_with_env(dir: &Path, config: &str, env: &[(&str, &str)]) -> Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("node.log")).unwrap();
     Command::new(binary("bcd"))
         .args(["node", "--config", config])
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -989,6 +995,11 @@ impl AgentNode {
 
     pub fn start(&mut self) {
         self.node = Some(start_bcd_node(self.dir.path(), &self.config()));
+    }
+
+    /// [`Self::start`] with `env` set in `bcd`'s environment.
+    pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
+        self.node = Some(start_bcd_node_with_env(self.dir.path(), &self.config(), env));
     }
 
     pub fn kill9(&mut self) {

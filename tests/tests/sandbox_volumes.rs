@@ -8,6 +8,10 @@
 //! delete; filled, the writer gets ENOSPC and the node carries on; grown to 2 GiB, `df` in the
 //! sandbox shows it; deleted, its file is gone from the node. Bad input (a size of 0 or past
 //! 16384, an id that is not `vol_…`, a template with volumes and a warm pool) is a clear error.
+//!
+//! A node that runs gVisor but cannot make volumes (its `bcd` finds no `mkfs.ext4`) advertises
+//! no `sandbox-volume.ext4`, and a volume of its pool is refused `UNSUPPORTED`
+//! (`daemon-capability`) with nothing made.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -276,4 +280,33 @@ async fn a_volume_outlives_its_sandbox_grows_fills_and_mounts_in_one_sandbox_at_
     let listed = call_ok(&server, "sandboxVolumes.list", json!({})).await;
     assert_eq!(listed["items"], json!([]), "{listed}");
     drop(cleanup);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_is_placed_only_on_a_node_that_can_make_volumes() {
+    require_runtime();
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("no-volumes").await;
+    let mut machine = joined_node(&server, port, &pool).await;
+    let _cleanup =
+        Cleanup { runsc_root: machine.data().join("sandboxes").join("runsc"), volumes: machine.data().join("volumes") };
+    // runsc is in /usr/bin, mkfs.ext4 only in /usr/sbin: this bcd runs sandboxes but makes no volumes.
+    assert!(!std::path::Path::new("/usr/bin/mkfs.ext4").exists(), "the test needs mkfs.ext4 outside /usr/bin");
+    machine.start_with_env(&[("PATH", "/usr/local/bin:/usr/bin")]);
+    wait_gvisor_ready(&server, &machine).await;
+    let doc = call_ok(&server, "nodes.get", json!({ "nodeId": machine.node_id() })).await;
+    let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+    assert!(!caps.iter().any(|c| c == "sandbox-volume.ext4"), "no volumes advertised without mkfs.ext4: {doc}");
+    assert!(machine.node_log().contains("this node makes no sandbox volumes"), "{}", machine.node_log());
+
+    let (status, doc) = server.call("sandboxVolumes.create", json!({ "poolId": pool, "name": "notes", "sizeGiB": 1 })).await;
+    assert_eq!((status, doc["code"].as_str()), (501, Some("UNSUPPORTED")), "{doc}");
+    assert_eq!(doc["details"]["reason"], "daemon-capability", "{doc}");
+    assert!(doc["message"].as_str().unwrap_or_default().contains("sandbox-volume.ext4"), "names the capability: {doc}");
+    let (code, _, err) = server.cli(&["sandbox-volume", "create", "--pool", &pool, "--name", "notes", "--size", "1"]);
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("UNSUPPORTED") && err.contains("sandbox-volume.ext4"), "{err}");
+    let listed = call_ok(&server, "sandboxVolumes.list", json!({ "scope": "all", "deleted": true })).await;
+    assert_eq!(listed["items"], json!([]), "nothing was made: {listed}");
+    assert!(!machine.data().join("volumes").exists(), "nothing on the node either");
 }

@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 
 use bc_core::Result;
 use bc_core::id::{CommandId, PoolId, SandboxVolumeId, TenantId};
-use bc_projections::decide::sandbox::{no_sandbox_node, sandbox_node};
 use bc_projections::decide::sandbox_volume::{self as decide, SandboxVolumeInput};
 use bc_projections::placement::Issue;
 use bc_projections::sandbox::{KIND_SANDBOX_LIVE, SandboxDoc};
@@ -169,7 +168,7 @@ async fn sandbox_volumes_create(call: &Call<'_>, input: SandboxVolumesCreate) ->
     for s in &sandboxes {
         *load.entry(s.node_id.clone()).or_default() += 1;
     }
-    let node = sandbox_node(&nodes, &pool.pool_id, &load).ok_or_else(|| no_sandbox_node(&pool.pool_id))?;
+    let node = decide::volume_node(&nodes, &pool.pool_id, &load)?;
     if !retry {
         super::commands::check_node_queue(call, tenant, &node.node_id).await?;
     }

@@ -17,7 +17,8 @@ use crate::events::*;
 use crate::placement::{Issue, issue_command_for};
 use crate::sandbox::{SandboxDoc, SandboxState, SandboxTemplateDoc};
 use crate::sandbox_volume::{
-    KIND_SANDBOX_VOLUME, SANDBOX_VOLUME_APPLY, SANDBOX_VOLUME_APPLY_DEADLINE_S, SandboxVolumeDoc, SandboxVolumeState,
+    CAPABILITY_SANDBOX_VOLUMES, KIND_SANDBOX_VOLUME, SANDBOX_VOLUME_APPLY, SANDBOX_VOLUME_APPLY_DEADLINE_S, SandboxVolumeDoc,
+    SandboxVolumeState,
 };
 use crate::{NodeDoc, PoolDoc, stream_of};
 
@@ -92,12 +93,51 @@ fn attached_error(volume: &SandboxVolumeDoc, sandbox: &str, what: &str) -> Error
     )
 }
 
+/// Whether `node` can keep a new volume of `pool_id`: it runs sandboxes (ready, of the pool,
+/// `sandbox.gvisor`) and its agent advertises [`CAPABILITY_SANDBOX_VOLUMES`].
+pub fn keeps_volumes(node: &NodeDoc, pool_id: &str) -> bool {
+    let capabilities = node.agent.as_ref().and_then(|a| a.inventory.as_ref()).map(|i| i.capabilities.as_slice());
+    super::sandbox::runs_sandboxes(node, pool_id)
+        && capabilities.unwrap_or_default().iter().any(|c| c == CAPABILITY_SANDBOX_VOLUMES)
+}
+
+/// The node a new volume of `pool_id` goes to: of the pool's nodes that keep volumes
+/// ([`keeps_volumes`]), the one with the fewest live sandboxes (`load`), then the lowest id.
+/// Refused when no node of the pool runs sandboxes (`INVALID_STATE`, as a sandbox is), and when
+/// those that do all lack the capability (`UNSUPPORTED`, reason `daemon-capability`: their agents
+/// found no `mkfs.ext4` or no usable loop devices, or are older than volumes).
+pub fn volume_node<'a>(
+    nodes: &'a [NodeDoc],
+    pool_id: &str,
+    load: &std::collections::BTreeMap<String, usize>,
+) -> Result<&'a NodeDoc, Error> {
+    let chosen = nodes
+        .iter()
+        .filter(|n| keeps_volumes(n, pool_id))
+        .min_by_key(|n| (load.get(&n.node_id).copied().unwrap_or(0), n.node_id.clone()));
+    if let Some(node) = chosen {
+        return Ok(node);
+    }
+    let running = nodes.iter().filter(|n| super::sandbox::runs_sandboxes(n, pool_id)).count();
+    if running == 0 {
+        return Err(super::sandbox::no_sandbox_node(pool_id));
+    }
+    Err(Error::Unsupported {
+        message: format!(
+            "{running} ready node(s) of pool {pool_id} run sandboxes, and none advertises {CAPABILITY_SANDBOX_VOLUMES}: \
+             their agents cannot make volumes (hint: install e2fsprogs for mkfs.ext4, make loop devices usable (modprobe loop, \
+             bcd as root), and restart bcd; `nodes get` lists a node's capabilities)"
+        ),
+        reason: "daemon-capability".into(),
+    })
+}
+
 /// What `sandboxVolumes.create` decides on.
 pub struct SandboxVolumeInput<'a> {
     pub volume_id: &'a str,
     pub name: &'a str,
     pub pool: &'a PoolDoc,
-    /// The node it lives on: the pool's ready node that runs sandboxes, the least loaded.
+    /// The node it lives on: [`volume_node`]'s choice.
     pub node: &'a NodeDoc,
     pub size_gib: u64,
     /// The tenant's volumes not yet deleted.
@@ -437,6 +477,57 @@ mod tests {
         let creating = [volume("vol_1", "node_1", SandboxVolumeState::Creating, None)];
         assert!(attach_volumes(&template, "sbx_b", "node_1", &creating, &[]).is_err());
         assert!(attach_volumes(&template, "sbx_b", "node_2", &volumes, &[]).is_err());
+    }
+
+    fn node(id: &str, pool: &str, state: crate::NodeState, capabilities: &[&str]) -> NodeDoc {
+        let mut doc: NodeDoc = serde_json::from_value(serde_json::json!({
+            "tenantId": "t", "nodeId": id, "poolId": pool, "name": id, "gpus": [], "labels": {},
+            "state": "ready", "version": 1, "createdAtMs": 0, "updatedAtMs": 0,
+            "agent": {
+                "publicKey": "", "agentVersion": "0", "hostname": id, "joinTokenId": "", "joinedAtMs": 0,
+                "reachable": true, "leaseExpiresAtMs": 0, "journalSeq": 0, "journalHash": ""
+            }
+        }))
+        .unwrap();
+        doc.state = state;
+        let inventory: crate::events::NodeInventoryReported = serde_json::from_value(serde_json::json!({
+            "nodeId": id, "gpus": [], "host": { "cpus": 1, "memoryKiB": 1, "disks": [] }, "capabilities": capabilities
+        }))
+        .unwrap();
+        doc.agent.as_mut().unwrap().inventory = Some(inventory);
+        doc
+    }
+
+    #[test]
+    fn a_volume_goes_only_to_a_node_that_advertises_volumes() {
+        use crate::NodeState::{Cordoned, Ready};
+        const GVISOR: &str = crate::sandbox::CAPABILITY_SANDBOX_GVISOR;
+        let both = [GVISOR, CAPABILITY_SANDBOX_VOLUMES];
+        let load = |pairs: &[(&str, usize)]| pairs.iter().map(|(n, l)| ((*n).to_owned(), *l)).collect();
+
+        // The least loaded node that keeps volumes, not the least loaded that runs sandboxes.
+        let nodes =
+            [node("n1", "pool_1", Ready, &[GVISOR]), node("n2", "pool_1", Ready, &both), node("n3", "pool_1", Ready, &both)];
+        assert_eq!(volume_node(&nodes, "pool_1", &load(&[("n2", 3), ("n3", 1)])).unwrap().node_id, "n3");
+        assert_eq!(volume_node(&nodes, "pool_1", &load(&[])).unwrap().node_id, "n2", "a tie goes to the lowest id");
+
+        // Sandboxes run in the pool, but no agent can make volumes: UNSUPPORTED, naming it.
+        let without =
+            [node("n1", "pool_1", Ready, &[GVISOR]), node("n2", "pool_1", Cordoned, &both), node("n3", "pool_2", Ready, &both)];
+        let err = volume_node(&without, "pool_1", &load(&[])).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::Unsupported, "{err}");
+        assert!(matches!(&err, Error::Unsupported { reason, .. } if reason == "daemon-capability"), "{err:?}");
+        assert!(err.to_string().contains(CAPABILITY_SANDBOX_VOLUMES) && err.to_string().contains("1 ready node"), "{err}");
+
+        // No node runs sandboxes at all (the capability alone is not enough): as a sandbox is.
+        let none = [node("n1", "pool_1", Ready, &[CAPABILITY_SANDBOX_VOLUMES])];
+        let err = volume_node(&none, "pool_1", &load(&[])).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::InvalidState, "{err}");
+        assert!(err.to_string().contains("runs sandboxes"), "{err}");
+        assert!(volume_node(&[], "pool_1", &load(&[])).is_err());
+
+        // Not a sandbox runtime to drivers.list.
+        assert_eq!(bc_core::agent::driver_of_capability(CAPABILITY_SANDBOX_VOLUMES), None);
     }
 
     #[test]
