@@ -107,7 +107,7 @@ async fn join(state: &AppState, machine: Machine) -> Outcome {
         challenges
     };
     let (challenges, result) = tokio::join!(answering, async {
-        let result = tpm_join::run(state, &mut inbound, &outbound).await;
+        let result = tpm_join::run(state, &tokio::sync::Semaphore::new(1), &mut inbound, &outbound).await;
         drop(outbound);
         result
     });

@@ -27,14 +27,16 @@ pub const MESSAGE_BYTES_MAX: usize = TUNNEL_FRAME_BYTES_MAX + 1024;
 pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = 32;
 /// HTTP/2 flow control on an agent's connection, at both ends: each stream's window (what the
 /// sender may have in flight on one stream before its reader takes it)...
-pub const AGENT_STREAM_WINDOW_BYTES: u32 = 1024 * 1024;
+pub const AGENT_STREAM_WINDOW_BYTES: u32 = 256 * 1024;
 /// ...and the connection's, shared by all its streams: room for every stream's window at once.
 /// A stream whose reader stalls (a tunnel to a client that reads nothing, or a guest that reads
 /// nothing) holds its window's bytes unread, and those count against the connection's window
 /// too: with hyper's default, one stream's worth (1 MiB at the gateway), one stalled tunnel held
 /// back every other stream of the node's connection, its session's heartbeats among them. The
-/// cost is memory: at most this much buffered for one connection, and only while its streams'
-/// readers stall.
+/// cost is memory: at most this much (8 MiB) buffered for one connection, and only while its
+/// streams' readers stall; hence the stream window of 256 KiB, not 1 MiB (32 MiB a connection,
+/// 8 GiB for the 256 connections one peer address may hold), enough for a tunnel to carry
+/// 25 MB/s over a 10 ms round trip.
 pub const AGENT_CONNECTION_WINDOW_BYTES: u32 = AGENT_STREAM_WINDOW_BYTES * AGENT_STREAMS_PER_CONNECTION_MAX;
 const _: () = assert!(AGENT_STREAM_WINDOW_BYTES as usize >= 2 * MESSAGE_BYTES_MAX);
 /// The largest journal entry body.

@@ -78,7 +78,9 @@ pub const AGENT_IDLE_TIMEOUT_MS: u64 = 60_000;
 /// `SETTINGS_MAX_CONCURRENT_STREAMS`): a `bcd` holds one session and a stream per tunnel to its
 /// node (`tunnels::TUNNELS_PER_NODE_MAX`); more are refused with `REFUSED_STREAM`. Each stream
 /// has a window of `bc_proto::AGENT_STREAM_WINDOW_BYTES` and the connection room for all of them
-/// (`bc_proto::AGENT_CONNECTION_WINDOW_BYTES`), so no stalled stream holds back another.
+/// (`bc_proto::AGENT_CONNECTION_WINDOW_BYTES`, 8 MiB), so no stalled stream holds back another:
+/// what the gateway buffers for stalled streams is at most 8 MiB a connection, 2 GiB for one
+/// peer address at `AGENT_CONNECTIONS_PER_PEER_MAX`.
 pub const AGENT_STREAMS_PER_CONNECTION_MAX: u32 = bc_proto::AGENT_STREAMS_PER_CONNECTION_MAX;
 /// Streams the server refuses or resets on one connection for the peer's faults before it
 /// closes the connection (`GOAWAY ENHANCE_YOUR_CALM`).
@@ -181,6 +183,8 @@ pub struct AgentService {
     /// Joins decided at once: a join past them is refused, never queued, so a flood of joins
     /// holds no task and no memory while it waits.
     joins: Arc<tokio::sync::Semaphore>,
+    /// TPM joins through their rounds (`tpm_join::TPM_JOINS_CONCURRENT_MAX`), apart from `joins`.
+    tpm_joins: Arc<tokio::sync::Semaphore>,
 }
 
 impl AgentService {
@@ -195,6 +199,7 @@ impl AgentService {
             config,
             limits,
             joins: Arc::new(tokio::sync::Semaphore::new(limits.joins_max)),
+            tpm_joins: Arc::new(tokio::sync::Semaphore::new(tpm_join::TPM_JOINS_CONCURRENT_MAX)),
         }
     }
 
@@ -297,23 +302,23 @@ impl Agent for AgentService {
 
     type TpmJoinStream = ReceiverStream<Result<bc_proto::TpmJoinReply, Status>>;
 
-    /// A join by the machine's TPM (`tpm_join`): its rounds on this call, which holds a join
-    /// permit until it ends.
+    /// A join by the machine's TPM (`tpm_join`): its rounds on this call, which holds a TPM
+    /// join's place until it ends, and one of the join permits for its append only.
     async fn tpm_join(
         &self,
         request: Request<Streaming<bc_proto::TpmJoinMessage>>,
     ) -> Result<Response<Self::TpmJoinStream>, Status> {
-        let Ok(permit) = self.joins.clone().try_acquire_owned() else {
-            tracing::debug!("a TPM join was refused: every join permit is taken");
+        let Ok(permit) = self.tpm_joins.clone().try_acquire_owned() else {
+            tracing::debug!("a TPM join was refused: every TPM join's place is taken");
             return Err(unavailable_retry_after("the gateway is deciding as many joins as it can; retry", JOIN_RETRY_AFTER_MS));
         };
         let mut inbound = request.into_inner();
         // A challenge, then the answer or the refusal: the call never has more in flight.
         let (outbound, stream) = tokio::sync::mpsc::channel(2);
-        let state = self.state.clone();
+        let (state, appends) = (self.state.clone(), self.joins.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let reply = match tpm_join::run(&state, &mut inbound, &outbound).await {
+            let reply = match tpm_join::run(&state, &appends, &mut inbound, &outbound).await {
                 Ok(joined) => {
                     Ok(bc_proto::TpmJoinReply { msg: Some(bc_proto::tpm_join_reply::Msg::Joined(join_response(&state, joined))) })
                 }

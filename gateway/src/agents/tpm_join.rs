@@ -68,6 +68,11 @@ impl TpmJoins {
     }
 }
 
+/// TPM joins in progress at once, each through its rounds (up to about 40 s): past them a join
+/// is refused `UNAVAILABLE` with a retry hint. Apart from the shared join permits, which a TPM
+/// join takes only for its append, so calls that send nothing never hold back token joins.
+pub const TPM_JOINS_CONCURRENT_MAX: usize = 16;
+
 /// A refusal of the TPM's evidence, as the machine is told it (`join refused: TPM_…: …`).
 fn tpm_refused(refusal: TpmRefusal) -> Error {
     refused(&refusal.to_string())
@@ -78,11 +83,15 @@ async fn next_message<S>(inbound: &mut S) -> Result<FromMachine>
 where
     S: Stream<Item = std::result::Result<bc_proto::TpmJoinMessage, tonic::Status>> + Unpin,
 {
+    let protocol = |message: String| tpm_refused(tpm::refusal("TPM_PROTOCOL", message));
     match tokio::time::timeout(Duration::from_millis(TPM_MESSAGE_TIMEOUT_MS), inbound.next()).await {
-        Err(_) => Err(Error::invalid(format!("a TPM join's message did not come within {TPM_MESSAGE_TIMEOUT_MS} ms"))),
-        Ok(None) => Err(Error::invalid("the machine ended the TPM join")),
-        Ok(Some(Err(status))) => Err(Error::invalid(format!("the machine's stream failed: {}", status.message()))),
-        Ok(Some(Ok(message))) => message.msg.ok_or_else(|| Error::invalid("an empty TPM join message")),
+        Err(_) => Err(tpm_refused(tpm::refusal(
+            "TPM_TIMEOUT",
+            format!("a TPM join's message did not come within {TPM_MESSAGE_TIMEOUT_MS} ms"),
+        ))),
+        Ok(None) => Err(protocol("the machine ended the TPM join".into())),
+        Ok(Some(Err(status))) => Err(protocol(format!("the machine's stream failed: {}", status.message()))),
+        Ok(Some(Ok(message))) => message.msg.ok_or_else(|| protocol("an empty TPM join message".into())),
     }
 }
 
@@ -108,9 +117,11 @@ fn secrets(ek: &tpm::VerifiedEk, ak: &AkPublic) -> std::result::Result<Secrets, 
     Ok(Secrets { credential, made, nonces })
 }
 
-/// One TPM join, from its `hello` to the append: the joined identity, or why not.
+/// One TPM join, from its `hello` to the append (under one of `appends`' permits): the joined
+/// identity, or why not.
 pub async fn run<S>(
     state: &AppState,
+    appends: &tokio::sync::Semaphore,
     inbound: &mut S,
     outbound: &tokio::sync::mpsc::Sender<std::result::Result<bc_proto::TpmJoinReply, tonic::Status>>,
 ) -> Result<Joined>
@@ -124,7 +135,7 @@ where
         ))
     })?;
     let FromMachine::Hello(hello) = next_message(inbound).await? else {
-        return Err(Error::invalid("a TPM join starts with hello"));
+        return Err(tpm_refused(tpm::refusal("TPM_PROTOCOL", "a TPM join starts with hello")));
     };
     let public_key = node_public_key(&hello.node_public_key).map_err(Error::invalid)?;
     let hardware = hello.hardware.clone().unwrap_or_default();
@@ -149,9 +160,9 @@ where
         outbound
             .send(Ok(bc_proto::TpmJoinReply { msg: Some(ToMachine::Challenge(challenge)) }))
             .await
-            .map_err(|_| Error::invalid("the machine left the TPM join"))?;
+            .map_err(|_| tpm_refused(tpm::refusal("TPM_PROTOCOL", "the machine left the TPM join")))?;
         let FromMachine::Answer(answer) = next_message(inbound).await? else {
-            return Err(Error::invalid("a TPM join's challenge is answered with answer"));
+            return Err(tpm_refused(tpm::refusal("TPM_PROTOCOL", "a TPM join's challenge is answered with answer")));
         };
         if first {
             tpm::check_credential(&secrets.credential, &answer.credential).map_err(tpm_refused)?;
@@ -197,6 +208,7 @@ where
         gpu_uuids,
         tpm: Some(evidence),
     };
+    let _permit = appends.acquire().await.map_err(|_| Error::Internal("the join permits were closed".into()))?;
     admit(state, joins.pool_id, &ek, joined, &public_key).await
 }
 
@@ -221,7 +233,11 @@ async fn admit(
             return Err(tpm_refused(tpm::refusal("TPM_NOT_CONFIGURED", format!("the TPM joins' pool {pool_id} is archived"))));
         }
         let node_stream = stream_of(KIND_NODE, &node);
-        if !state.store.read_stream_rows(tenant, &node_stream, 0, 1).await?.is_empty() {
+        // The node's stream in the joins' tenant (it outlives the node's deletion), and its row in
+        // any tenant (the joins' pool may have been another tenant's when this TPM joined).
+        if !state.store.read_stream_rows(tenant, &node_stream, 0, 1).await?.is_empty()
+            || state.store.row_find(KIND_NODE, &node.to_string()).await?.is_some()
+        {
             return Err(already_joined(node));
         }
         let nodes = state.fleet.with_tenant(&*state.store, tenant, |view| view.nodes().len()).await?;

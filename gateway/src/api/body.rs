@@ -23,9 +23,11 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
 }
 
 /// The body as JSON, integral numbers written as integers (`2.0` → `2`), so that a client
-/// whose JSON encoder writes every number as a float is understood. An empty body is `{}`.
+/// whose JSON encoder writes every number as a float is understood. An empty body (no bytes) is
+/// `{}`; one of whitespace only is not JSON, and refused as any other (schemathesis sent `" "`
+/// to `fleet.export`, which answered 200).
 pub fn body_json(body: &[u8]) -> serde_json::Result<Value> {
-    if body.iter().all(u8::is_ascii_whitespace) {
+    if body.is_empty() {
         return Ok(Value::Object(Default::default()));
     }
     let mut value: Value = serde_json::from_slice(body)?;
@@ -79,6 +81,11 @@ mod tests {
             limit: Option<u32>,
         }
         assert_eq!(parse::<Input>(b"").unwrap().limit, None);
+        // Whitespace alone is no JSON document: refused, not read as the empty body.
+        for blank in [&b" "[..], b"\n", b" \t\r\n"] {
+            assert_eq!(parse::<Input>(blank).unwrap_err().code(), bc_core::ErrorCode::InvalidArgument, "{blank:?}");
+        }
+        assert_eq!(parse::<Input>(b" {} ").unwrap().limit, None);
         assert_eq!(parse::<Input>(br#"{"limit": 306.0}"#).unwrap().limit, Some(306));
         assert!(parse::<Input>(br#"{"limit": 1.5}"#).is_err());
         assert!(parse::<Input>(br#"[null]"#).is_err(), "a struct is not read from an array");

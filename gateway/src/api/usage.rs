@@ -213,7 +213,9 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
             .skip(1)
             .position(|c| *c == owner)
             .map(|i| i + 1)
-            .ok_or_else(|| Error::invalid("malformed cursor: pass the nextCursor of the page before"))?,
+            // Well formed, but not one this tenant's pages can give: a pool offer from the
+            // tenant it names (`… not found`, 404).
+            .ok_or_else(|| Error::not_found(format!("the cursor's tenant {owner}: a pool offer from it to tenant {tenant}")))?,
     };
     let tenant_text = tenant.to_string();
     let (mut items, mut groups) = (Vec::new(), BTreeMap::new());

@@ -264,6 +264,13 @@ impl EkCaBundle {
             if !current.validity().is_valid_at(now) {
                 return Err(refusal("TPM_EK_UNTRUSTED", format!("the certificate {} is not valid now", current.subject())));
             }
+            let algorithm = current.signature_algorithm.algorithm.to_id_string();
+            if !CHAIN_SIGNATURE_ALGORITHMS.contains(&algorithm.as_str()) {
+                return Err(refusal(
+                    "TPM_EK_UNTRUSTED",
+                    format!("the certificate {} is signed with {algorithm}, not RSA or ECDSA with SHA-2", current.subject()),
+                ));
+            }
             let signed_by = |issuer: &X509Certificate<'_>| {
                 issuer.subject() == current.issuer()
                     && issuer.validity().is_valid_at(now)
@@ -285,11 +292,34 @@ impl EkCaBundle {
     }
 }
 
+/// The signature algorithms a certificate of an EK's chain may be signed with: RSA PKCS#1 v1.5
+/// and RSASSA-PSS with SHA-2, and ECDSA with SHA-2 (x509-parser would also take SHA-1's, which
+/// are refused: collisions for it are practical).
+const CHAIN_SIGNATURE_ALGORITHMS: &[&str] = &[
+    "1.2.840.113549.1.1.11", // sha256WithRSAEncryption
+    "1.2.840.113549.1.1.12", // sha384WithRSAEncryption
+    "1.2.840.113549.1.1.13", // sha512WithRSAEncryption
+    "1.2.840.113549.1.1.10", // RSASSA-PSS
+    "1.2.840.10045.4.3.2",   // ecdsa-with-SHA256
+    "1.2.840.10045.4.3.3",   // ecdsa-with-SHA384
+    "1.2.840.10045.4.3.4",   // ecdsa-with-SHA512
+];
+
+/// The bits of an EK's RSA modulus: MakeCredential here follows the RSA 2048 EK template
+/// (SHA-256 names, AES-128 symmetric), so another size would fail later and misleadingly.
+pub const EK_RSA_BITS: usize = 2048;
+
 fn verified_ek(leaf: &X509Certificate<'_>) -> Result<VerifiedEk, TpmRefusal> {
+    // An EK certificate certifies a TPM's key, never a CA's.
+    if leaf.basic_constraints().ok().flatten().is_some_and(|b| b.value.ca) {
+        return Err(refusal("TPM_EK_UNTRUSTED", "the EK certificate is a CA's certificate, not an endorsement key's"));
+    }
     let spki = leaf.public_key();
     let public = match spki.parsed() {
-        Ok(x509_parser::public_key::PublicKey::RSA(key)) => rsa_key(key.modulus, key.exponent, "the EK")?,
-        _ => return Err(refusal("TPM_MALFORMED", "the EK certificate's key is not RSA (an RSA 2048 EK is taken)")),
+        Ok(x509_parser::public_key::PublicKey::RSA(key)) if strip_zeros(key.modulus).len() * 8 == EK_RSA_BITS => {
+            rsa_key(key.modulus, key.exponent, "the EK")?
+        }
+        _ => return Err(refusal("TPM_MALFORMED", "the EK certificate's key is not RSA 2048 (an RSA 2048 EK is taken)")),
     };
     Ok(VerifiedEk { spki_der: spki.raw.to_vec(), pin: pin_of(spki.raw), public })
 }
