@@ -135,12 +135,7 @@ async fn join_once(
         tpm: None,
     };
     // The node certificate for the node's key, recorded in the same append as the join.
-    let certificate = match &state.node_ca {
-        Some(ca) => {
-            Some(ca.issue(&node.to_string(), public_key.as_bytes(), state.log.ids.ulid().to_bytes(), state.log.clock.now_ms())?)
-        }
-        None => None,
-    };
+    let certificate = issue_node_certificate(state, node, public_key)?;
     let token_stream = stream_of(KIND_JOIN_TOKEN, &token_id);
     let mut spend = NewEvent::new(ev::JOIN_TOKEN_USED, ev::to_cbor(&ev::JoinTokenUsed { node_id: node.to_string() })?);
     spend.stream = Some(token_stream.clone());
@@ -350,4 +345,16 @@ pub fn check_inventory(inventory: &ev::NodeInventoryReported) -> std::result::Re
         ));
     }
     Ok(())
+}
+
+/// The node certificate for `public_key` as `node` when the deployment has a node CA (none
+/// without): its serial from the log's ids, its time from the log's clock. Every join (a token's,
+/// a request's, a TPM's) records it in the append that admits the node.
+pub(super) fn issue_node_certificate(
+    state: &AppState,
+    node: NodeId,
+    public_key: &ed25519_dalek::VerifyingKey,
+) -> Result<Option<crate::node_ca::IssuedCertificate>> {
+    let Some(ca) = &state.node_ca else { return Ok(None) };
+    ca.issue(&node.to_string(), public_key.as_bytes(), state.log.ids.ulid().to_bytes(), state.log.clock.now_ms()).map(Some)
 }

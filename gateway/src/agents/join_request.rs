@@ -122,15 +122,7 @@ async fn admit(
             return Err(refused(&format!("the approved pool {pool_id} is archived")));
         }
         let node_row = state.store.row_get(&tenant.to_string(), KIND_NODE, &node.to_string()).await?;
-        let certificate = match &state.node_ca {
-            Some(ca) => Some(ca.issue(
-                &node.to_string(),
-                public_key.as_bytes(),
-                state.log.ids.ulid().to_bytes(),
-                state.log.clock.now_ms(),
-            )?),
-            None => None,
-        };
+        let certificate = super::join::issue_node_certificate(state, node, public_key)?;
         let result = match node_row {
             None => {
                 let nodes = state.fleet.with_tenant(&*state.store, tenant, |view| view.nodes().len()).await?;

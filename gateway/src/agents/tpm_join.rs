@@ -242,15 +242,7 @@ async fn admit(
         }
         let nodes = state.fleet.with_tenant(&*state.store, tenant, |view| view.nodes().len()).await?;
         bc_projections::decide::node_register(nodes)?;
-        let certificate = match &state.node_ca {
-            Some(ca) => Some(ca.issue(
-                &node.to_string(),
-                public_key.as_bytes(),
-                state.log.ids.ulid().to_bytes(),
-                state.log.clock.now_ms(),
-            )?),
-            None => None,
-        };
+        let certificate = super::join::issue_node_certificate(state, node, public_key)?;
         let mut events = vec![NewEvent::new(ev::NODE_JOINED, ev::to_cbor(&joined)?)];
         events.extend(certificate.as_ref().map(|c| c.event(false)).transpose()?);
         let mut request = AppendRequest::new(tenant, node_stream, ExpectedVersion::NoStream, actor.clone(), events);
