@@ -827,6 +827,7 @@ pub fn inventory_payload(
     inventory: &crate::inventory::Inventory,
     capabilities: &[String],
     hold_unavailable: Option<&str>,
+    volume_file_system_bytes: Option<u64>,
 ) -> Value {
     let mut gpus = Vec::new();
     for g in &inventory.gpus.gpus {
@@ -849,6 +850,9 @@ pub fn inventory_payload(
     let mut payload = json!({ "nodeId": node.to_string(), "gpus": gpus, "host": host, "capabilities": capabilities });
     if let Some(reason) = hold_unavailable {
         payload["holdUnavailable"] = json!(truncate_bytes(reason, HOLD_UNAVAILABLE_BYTES_MAX));
+    }
+    if let Some(bytes) = volume_file_system_bytes {
+        payload["volumeFileSystemBytes"] = json!(bytes);
     }
     for (key, value) in [
         ("driverVersion", &inventory.gpus.driver_version),
@@ -879,8 +883,20 @@ impl Runner {
         inventory: &crate::inventory::Inventory,
         capabilities: &[String],
     ) -> Result<SignedEntry, JournalError> {
+        self.report_inventory_with(now_ms, inventory, capabilities, None).await
+    }
+
+    /// [`Self::report_inventory_saying`] with the size of the volumes' file system, on a node
+    /// that makes volumes.
+    async fn report_inventory_with(
+        &self,
+        now_ms: u64,
+        inventory: &crate::inventory::Inventory,
+        capabilities: &[String],
+        volume_file_system_bytes: Option<u64>,
+    ) -> Result<SignedEntry, JournalError> {
         let unavailable = self.binding.unprivileged();
-        let payload = inventory_payload(&self.node, inventory, capabilities, unavailable.as_deref());
+        let payload = inventory_payload(&self.node, inventory, capabilities, unavailable.as_deref(), volume_file_system_bytes);
         self.journal_about_node(now_ms, "node.inventory_reported", payload).await
     }
 
@@ -1204,7 +1220,8 @@ impl Agent {
         now_ms: u64,
         inventory: &crate::inventory::Inventory,
     ) -> Result<SignedEntry, JournalError> {
-        self.runner.report_inventory_saying(now_ms, inventory, &self.capabilities()).await
+        let volume_bytes = self.sandboxes.as_ref().and_then(|s| s.volumes.file_system_bytes);
+        self.runner.report_inventory_with(now_ms, inventory, &self.capabilities(), volume_bytes).await
     }
 }
 

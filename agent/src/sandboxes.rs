@@ -387,9 +387,12 @@ impl Sandboxes {
             Some(runsc) => {
                 let mut sandboxes = Self::new(&config.data_dir, Arc::new(runsc))?;
                 // Probed here, at the edge, as runsc is: the capabilities say what was found.
-                if let Err(why) = crate::volumes::LoopExt4::probe() {
-                    tracing::warn!(reason = %why, "this node makes no sandbox volumes");
-                    sandboxes.volumes.unusable = Some(why);
+                match crate::volumes::LoopExt4::probe(sandboxes.volumes.dir()) {
+                    Ok(bytes) => sandboxes.volumes.file_system_bytes = Some(bytes),
+                    Err(why) => {
+                        tracing::warn!(reason = %why, "this node makes no sandbox volumes");
+                        sandboxes.volumes.unusable = Some(why);
+                    }
                 }
                 Ok(Some(sandboxes))
             }

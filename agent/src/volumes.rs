@@ -167,9 +167,11 @@ pub struct LoopExt4;
 impl LoopExt4 {
     /// Whether this node can make volumes: `mkfs.ext4` runs (Debian's e2fsprogs, which brings
     /// `e2fsck` and `resize2fs` with it) and [`LOOP_CONTROL`] opens for reading and writing (the
-    /// loop module is there and `bcd` may attach loop devices). `Err(why)` otherwise. Run once at
+    /// loop module is there and `bcd` may attach loop devices); then the size in bytes of the file
+    /// system that holds `dir`, the volumes' directory (made if missing), which the node reports
+    /// so the control plane bounds the volumes' sizes by it. `Err(why)` otherwise. Run once at
     /// start, beside the runtime's probe; what it finds is [`CAPABILITY_SANDBOX_VOLUMES`] or not.
-    pub fn probe() -> Result<(), String> {
+    pub fn probe(dir: &Path) -> Result<u64, String> {
         let mkfs = std::process::Command::new("mkfs.ext4")
             .arg("-V")
             .stdin(Stdio::null())
@@ -182,7 +184,9 @@ impl LoopExt4 {
         std::fs::OpenOptions::new().read(true).write(true).open(LOOP_CONTROL).map_err(|e| {
             format!("loop devices are not usable: {LOOP_CONTROL}: {e} (hint: modprobe loop, and run bcd as root)")
         })?;
-        Ok(())
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let fs = rustix::fs::statvfs(dir).map_err(|e| format!("the file system of {}: {e}", dir.display()))?;
+        Ok(fs.f_blocks.saturating_mul(fs.f_frsize))
     }
 
     fn run(program: &str, args: &[&std::ffi::OsStr]) -> Result<(), String> {
@@ -301,13 +305,29 @@ pub struct Volumes {
     /// Why this node cannot make volumes ([`LoopExt4::probe`]), if it cannot: it then advertises
     /// no [`CAPABILITY_SANDBOX_VOLUMES`] and refuses to make or grow one ([`step_on_node`]).
     pub unusable: Option<String>,
+    /// The size in bytes of the file system under [`Self::dir`] ([`LoopExt4::probe`]), reported
+    /// in the inventory (`volumeFileSystemBytes`): what the control plane bounds the sum of this
+    /// node's volumes' sizes by (the images are sparse, so nothing here would).
+    pub file_system_bytes: Option<u64>,
 }
 
 impl Volumes {
     pub fn new(data_dir: &Path, disk: Arc<dyn VolumeDisk>) -> Result<Self, String> {
         let ledger_file = VolumeLedgerFile::new(data_dir);
         let ledger = ledger_file.load()?;
-        Ok(Self { dir: data_dir.join("volumes"), ledger: tokio::sync::Mutex::new(ledger), ledger_file, disk, unusable: None })
+        Ok(Self {
+            dir: data_dir.join("volumes"),
+            ledger: tokio::sync::Mutex::new(ledger),
+            ledger_file,
+            disk,
+            unusable: None,
+            file_system_bytes: None,
+        })
+    }
+
+    /// Where the images are: what [`LoopExt4::probe`] measures.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     fn image(&self, id: &str) -> PathBuf {

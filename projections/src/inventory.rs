@@ -45,6 +45,10 @@ pub struct NodeInventoryReported {
     /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_unavailable: Option<String>,
+    /// The size in bytes of the file system that holds the node's sandbox volumes, from an agent
+    /// that makes them (`sandbox-volume.ext4`): the sum of its volumes' sizes is bounded by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_file_system_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal: Option<bc_core::agent::JournalOrigin>,
 }
@@ -271,6 +275,7 @@ mod tests {
             },
             capabilities: vec![],
             hold_unavailable: None,
+            volume_file_system_bytes: None,
             journal: None,
         }
     }

@@ -668,6 +668,7 @@ fn instance_node(runs_instances: bool) -> NodeDoc {
         },
         capabilities,
         hold_unavailable: None,
+        volume_file_system_bytes: None,
         journal: None,
     });
     node

@@ -6,7 +6,9 @@
 //! at `/data`; a file written there in one sandbox is read by a second sandbox once the first is
 //! deleted; while the first is live the volume takes neither a second sandbox, a resize nor a
 //! delete; filled, the writer gets ENOSPC and the node carries on; grown to 2 GiB, `df` in the
-//! sandbox shows it; deleted, its file is gone from the node. Bad input (a size of 0 or past
+//! sandbox shows it; deleted, its file is gone from the node. A create or a resize past the size
+//! of the node's volumes' file system (its inventory's `volumeFileSystemBytes`) is
+//! `QUOTA_EXCEEDED`. Bad input (a size of 0 or past
 //! 16384, an id that is not `vol_…`, a template with volumes and a warm pool) is a clear error.
 //!
 //! A node that runs gVisor but cannot make volumes (its `bcd` finds no `mkfs.ext4`) advertises
@@ -101,6 +103,15 @@ async fn a_volume_outlives_its_sandbox_grows_fills_and_mounts_in_one_sandbox_at_
     assert_eq!(code, 2, "an id of another kind is a usage error before anything is sent: {err}");
     let (code, _, err) = server.cli(&["sandbox-volume", "resize", "not-a-volume", "--size", "2"]);
     assert_eq!(code, 2, "{err}");
+    // The node reports its volumes' file system; a volume larger than it is refused (sparse
+    // files would promise bytes the disk does not have).
+    let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
+    let fs_bytes = doc["agent"]["inventory"]["volumeFileSystemBytes"].as_u64().unwrap_or_else(|| panic!("{doc}"));
+    let past_gib = fs_bytes / (1 << 30) + 1;
+    assert!(past_gib <= 16384, "the test's disk is under 16 TiB");
+    let (status, doc) =
+        server.call("sandboxVolumes.create", json!({ "poolId": pool, "name": "notes", "sizeGiB": past_gib })).await;
+    assert_eq!((status, doc["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{doc}");
     let listed = call_ok(&server, "sandboxVolumes.list", json!({ "scope": "all", "deleted": true })).await;
     assert_eq!(listed["items"], json!([]), "nothing was made: {listed}");
 
@@ -213,6 +224,8 @@ async fn a_volume_outlives_its_sandbox_grows_fills_and_mounts_in_one_sandbox_at_
     let (code, _, err) = server.cli(&["sandbox-volume", "resize", &volume, "--size", "1"]);
     assert_eq!(code, 2, "volumes only grow: {err}");
     assert!(err.contains("only grows"), "{err}");
+    let (status, doc) = server.call("sandboxVolumes.resize", json!({ "volumeId": volume, "sizeGiB": past_gib })).await;
+    assert_eq!((status, doc["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "past the node's file system: {doc}");
     let (code, out, err) = server.cli(&["sandbox-volume", "resize", &volume, "--size", "2"]);
     assert_eq!(code, 0, "resize: {err}");
     assert_eq!(json(&out)["state"], "resizing", "{out}");

@@ -168,7 +168,7 @@ async fn sandbox_volumes_create(call: &Call<'_>, input: SandboxVolumesCreate) ->
     for s in &sandboxes {
         *load.entry(s.node_id.clone()).or_default() += 1;
     }
-    let node = decide::volume_node(&nodes, &pool.pool_id, &load)?;
+    let node = decide::volume_node(&nodes, &pool.pool_id, &load, &live, input.size_gib)?;
     if !retry {
         super::commands::check_node_queue(call, tenant, &node.node_id).await?;
     }
@@ -205,12 +205,21 @@ async fn sandbox_volumes_resize(call: &Call<'_>, input: SandboxVolumesResize) ->
     decide::check_size(input.size_gib)?;
     let volume = volume_doc(call, tenant, &input.volume_id).await?;
     let live: Vec<SandboxDoc> = rows(call, tenant, KIND_SANDBOX_LIVE).await?;
+    // The node's volumes, for its disk's bound (a node is one tenant's, so the tenant's are all).
+    let volumes: Vec<SandboxVolumeDoc> = rows(call, tenant, KIND_SANDBOX_VOLUME_LIVE).await?;
+    let node: NodeDoc = call.row(tenant, KIND_NODE, &volume.node_id, "node").await?;
     if !call.is_retry(tenant).await? {
         super::commands::check_node_queue(call, tenant, &volume.node_id).await?;
     }
     let command = command_id(call);
-    let decided =
-        decide::sandbox_volume_resize(&volume, input.size_gib, &live, Issue { command_id: &command, now_ms: call.now_ms() })?;
+    let disk = decide::NodeDisk { node: &node, volumes: &volumes };
+    let decided = decide::sandbox_volume_resize(
+        &volume,
+        input.size_gib,
+        &live,
+        disk,
+        Issue { command_id: &command, now_ms: call.now_ms() },
+    )?;
     call.submit(call.decided(tenant, decided)).await?;
     Ok(volume_doc(call, tenant, &volume.volume_id).await?.into())
 }

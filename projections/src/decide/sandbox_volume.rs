@@ -93,6 +93,50 @@ fn attached_error(volume: &SandboxVolumeDoc, sandbox: &str, what: &str) -> Error
     )
 }
 
+/// How much of the file system under a node's volumes their sizes may promise together, in
+/// percent of its size: 100, the whole file system. The images are sparse, so this bounds what
+/// they can come to hold, not what they hold now: within it, volumes that each stay within their
+/// size cannot together need more than the disk (the journal and ledgers beside them still
+/// share it: an operator keeps the volumes on their own file system for a hard line). Above 100,
+/// a node would promise bytes it does not have; below, it would refuse volumes the disk holds.
+pub const SANDBOX_VOLUME_NODE_FILE_SYSTEM_PERCENT: u64 = 100;
+const GIB: u64 = 1 << 30;
+
+/// The GiB the volumes on `node_id` promise (`volumes`: the tenant's live volumes, those being
+/// deleted included, their files still there): each one's size, or the size a resize in flight
+/// grows it to.
+pub fn node_volumes_gib(volumes: &[SandboxVolumeDoc], node_id: &str) -> u64 {
+    volumes
+        .iter()
+        .filter(|v| v.node_id == node_id && v.state != SandboxVolumeState::Deleted)
+        .map(|v| v.size_gib.max(v.requested_size_gib.unwrap_or(0)))
+        .fold(0, u64::saturating_add)
+}
+
+/// Whether `node` holds `adding_gib` more of volumes beside the `promised_gib` its volumes
+/// promise: within [`SANDBOX_VOLUME_NODE_FILE_SYSTEM_PERCENT`] of the file system size its agent
+/// reports (`volumeFileSystemBytes`; a node that reports none holds none). `QUOTA_EXCEEDED`
+/// otherwise, with the figures.
+pub fn check_node_disk(node: &NodeDoc, promised_gib: u64, adding_gib: u64) -> Result<(), Error> {
+    let reported = node.agent.as_ref().and_then(|a| a.inventory.as_ref()).and_then(|i| i.volume_file_system_bytes);
+    let limit_bytes = u128::from(reported.unwrap_or(0)) * u128::from(SANDBOX_VOLUME_NODE_FILE_SYSTEM_PERCENT) / 100;
+    let wanted_bytes = u128::from(promised_gib.saturating_add(adding_gib)) * u128::from(GIB);
+    if wanted_bytes <= limit_bytes {
+        return Ok(());
+    }
+    let limit_gib = limit_bytes / u128::from(GIB);
+    Err(Error::QuotaExceeded(match reported {
+        None => format!("node {} has not reported the size of its volumes' file system; it takes no volume", node.node_id),
+        Some(_) => format!(
+            "node {}'s volumes would promise {} GiB ({promised_gib} GiB now, {adding_gib} GiB more), past the {limit_gib} GiB \
+             of its volumes' file system ({SANDBOX_VOLUME_NODE_FILE_SYSTEM_PERCENT} %): \
+             delete a volume of this node, or ask for less",
+            node.node_id,
+            promised_gib.saturating_add(adding_gib)
+        ),
+    }))
+}
+
 /// Whether `node` can keep a new volume of `pool_id`: it runs sandboxes (ready, of the pool,
 /// `sandbox.gvisor`) and its agent advertises [`CAPABILITY_SANDBOX_VOLUMES`].
 pub fn keeps_volumes(node: &NodeDoc, pool_id: &str) -> bool {
@@ -101,22 +145,30 @@ pub fn keeps_volumes(node: &NodeDoc, pool_id: &str) -> bool {
         && capabilities.unwrap_or_default().iter().any(|c| c == CAPABILITY_SANDBOX_VOLUMES)
 }
 
-/// The node a new volume of `pool_id` goes to: of the pool's nodes that keep volumes
-/// ([`keeps_volumes`]), the one with the fewest live sandboxes (`load`), then the lowest id.
-/// Refused when no node of the pool runs sandboxes (`INVALID_STATE`, as a sandbox is), and when
+/// The node a new volume of `size_gib` in `pool_id` goes to: of the pool's nodes that keep
+/// volumes ([`keeps_volumes`]) and hold `size_gib` more ([`check_node_disk`] over `volumes`, the
+/// tenant's live volumes), the one with the fewest live sandboxes (`load`), then the lowest id.
+/// Refused when no node of the pool runs sandboxes (`INVALID_STATE`, as a sandbox is), when
 /// those that do all lack the capability (`UNSUPPORTED`, reason `daemon-capability`: their agents
-/// found no `mkfs.ext4` or no usable loop devices, or are older than volumes).
+/// found no `mkfs.ext4` or no usable loop devices, or are older than volumes), and when those
+/// that have it hold no more (`QUOTA_EXCEEDED`, the least full one's figures).
 pub fn volume_node<'a>(
     nodes: &'a [NodeDoc],
     pool_id: &str,
     load: &std::collections::BTreeMap<String, usize>,
+    volumes: &[SandboxVolumeDoc],
+    size_gib: u64,
 ) -> Result<&'a NodeDoc, Error> {
-    let chosen = nodes
+    let capable: Vec<&NodeDoc> = nodes.iter().filter(|n| keeps_volumes(n, pool_id)).collect();
+    let chosen = capable
         .iter()
-        .filter(|n| keeps_volumes(n, pool_id))
+        .filter(|n| check_node_disk(n, node_volumes_gib(volumes, &n.node_id), size_gib).is_ok())
         .min_by_key(|n| (load.get(&n.node_id).copied().unwrap_or(0), n.node_id.clone()));
     if let Some(node) = chosen {
         return Ok(node);
+    }
+    if let Some(roomiest) = capable.iter().min_by_key(|n| (node_volumes_gib(volumes, &n.node_id), n.node_id.clone())) {
+        return check_node_disk(roomiest, node_volumes_gib(volumes, &roomiest.node_id), size_gib).map(|()| *roomiest);
     }
     let running = nodes.iter().filter(|n| super::sandbox::runs_sandboxes(n, pool_id)).count();
     if running == 0 {
@@ -179,12 +231,23 @@ pub fn sandbox_volume_create(input: &SandboxVolumeInput<'_>, issue: Issue<'_>) -
     })
 }
 
+/// What a resize checks the volume's node's disk with.
+#[derive(Clone, Copy)]
+pub struct NodeDisk<'a> {
+    /// The volume's node (its reported `volumeFileSystemBytes`).
+    pub node: &'a NodeDoc,
+    /// The tenant's live volumes ([`node_volumes_gib`] picks the node's).
+    pub volumes: &'a [SandboxVolumeDoc],
+}
+
 /// A larger size for a ready volume no live sandbox mounts (the node unmounts it to grow the file
-/// system), with the `sandbox_volume.apply` that grows it. Volumes only grow.
+/// system), with the `sandbox_volume.apply` that grows it, within its node's disk
+/// ([`check_node_disk`]). Volumes only grow.
 pub fn sandbox_volume_resize(
     volume: &SandboxVolumeDoc,
     size_gib: u64,
     live: &[SandboxDoc],
+    disk: NodeDisk<'_>,
     issue: Issue<'_>,
 ) -> Result<Append, Error> {
     check_size(size_gib)?;
@@ -207,6 +270,9 @@ pub fn sandbox_volume_resize(
     if let Some(sandbox) = mounted_by(volume, live) {
         return Err(attached_error(volume, sandbox, "it grows only while no sandbox mounts it"));
     }
+    // What the node's volumes promise, this one at its size now; the growth must fit beside it.
+    let promised = node_volumes_gib(disk.volumes, &volume.node_id);
+    check_node_disk(disk.node, promised, size_gib - volume.size_gib)?;
     let mut guards = Vec::new();
     let args = SandboxVolumeDoc::apply_args(&volume.volume_id, "ready", size_gib);
     let (command, apply) =
@@ -447,7 +513,7 @@ mod tests {
         let err = sandbox_volume_delete(&mounted, &live, issue()).unwrap_err();
         assert!(err.to_string().contains("attached to sandbox sbx_a"), "{err}");
         assert_eq!(err.code(), bc_core::ErrorCode::InvalidState);
-        assert!(sandbox_volume_resize(&mounted, 4, &live, issue()).is_err());
+        assert!(sandbox_volume_resize(&mounted, 4, &live, roomy(), issue()).is_err());
         let mut template: SandboxTemplateDoc = serde_json::from_value(serde_json::json!({
             "tenantId": "t", "templateId": "sbxt_1", "name": "x", "poolId": "pool_1",
             "shape": { "flavorId": "flv_1", "vcpus": 1, "memoryMiB": 64 },
@@ -494,8 +560,63 @@ mod tests {
             "nodeId": id, "gpus": [], "host": { "cpus": 1, "memoryKiB": 1, "disks": [] }, "capabilities": capabilities
         }))
         .unwrap();
+        let mut inventory = inventory;
+        // As an agent that makes volumes does: the size of their file system (1 TiB) beside it.
+        inventory.volume_file_system_bytes = capabilities.contains(&CAPABILITY_SANDBOX_VOLUMES).then_some(1 << 40);
         doc.agent.as_mut().unwrap().inventory = Some(inventory);
         doc
+    }
+
+    /// A node of pool_1 that makes volumes, on a file system of `gib`.
+    fn disk_node(id: &str, gib: u64) -> NodeDoc {
+        let mut doc =
+            node(id, "pool_1", crate::NodeState::Ready, &[crate::sandbox::CAPABILITY_SANDBOX_GVISOR, CAPABILITY_SANDBOX_VOLUMES]);
+        doc.agent.as_mut().unwrap().inventory.as_mut().unwrap().volume_file_system_bytes = Some(gib << 30);
+        doc
+    }
+
+    /// A disk no test fills.
+    fn roomy() -> NodeDisk<'static> {
+        NodeDisk { node: Box::leak(Box::new(disk_node("node_1", 1 << 20))), volumes: &[] }
+    }
+
+    #[test]
+    fn a_node_s_volumes_promise_at_most_its_file_system() {
+        let on = |id: &str, node: &str, size: u64| {
+            let mut v = volume(id, node, SandboxVolumeState::Ready, None);
+            v.size_gib = size;
+            v
+        };
+        let mut growing = on("vol_3", "n1", 2);
+        growing.requested_size_gib = Some(5);
+        let mut gone = on("vol_4", "n1", 100);
+        gone.state = SandboxVolumeState::Deleted;
+        let volumes = [on("vol_1", "n1", 3), on("vol_2", "n2", 7), growing, gone];
+        assert_eq!(node_volumes_gib(&volumes, "n1"), 8, "3, and 5 for the one growing; the deleted one not");
+
+        // 10 GiB of file system, 8 promised: 2 more fit, 3 do not.
+        let n1 = disk_node("n1", 10);
+        check_node_disk(&n1, 8, 2).unwrap();
+        let err = check_node_disk(&n1, 8, 3).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::QuotaExceeded, "{err}");
+        assert!(err.to_string().contains("11 GiB") && err.to_string().contains("10 GiB"), "{err}");
+        let mut silent = n1.clone();
+        silent.agent.as_mut().unwrap().inventory.as_mut().unwrap().volume_file_system_bytes = None;
+        assert!(check_node_disk(&silent, 0, 1).unwrap_err().to_string().contains("not reported"));
+
+        // Placement skips the full node for the one with room, though it is busier.
+        let nodes = [n1.clone(), disk_node("n2", 10)];
+        let busy_n2: std::collections::BTreeMap<String, usize> = [("n2".to_owned(), 5)].into();
+        assert_eq!(volume_node(&nodes, "pool_1", &busy_n2, &volumes, 3).unwrap().node_id, "n2");
+        assert_eq!(volume_node(&nodes, "pool_1", &busy_n2, &volumes, 2).unwrap().node_id, "n1");
+        let err = volume_node(&nodes, "pool_1", &busy_n2, &volumes, 4).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::QuotaExceeded, "neither holds 4 GiB more: {err}");
+
+        // A resize counts only its growth: vol_1 (3 GiB) to 5 fits, to 6 does not.
+        let disk = NodeDisk { node: &n1, volumes: &volumes };
+        sandbox_volume_resize(&volumes[0], 5, &[], disk, issue()).unwrap();
+        let err = sandbox_volume_resize(&volumes[0], 6, &[], disk, issue()).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::QuotaExceeded, "{err}");
     }
 
     #[test]
@@ -508,23 +629,23 @@ mod tests {
         // The least loaded node that keeps volumes, not the least loaded that runs sandboxes.
         let nodes =
             [node("n1", "pool_1", Ready, &[GVISOR]), node("n2", "pool_1", Ready, &both), node("n3", "pool_1", Ready, &both)];
-        assert_eq!(volume_node(&nodes, "pool_1", &load(&[("n2", 3), ("n3", 1)])).unwrap().node_id, "n3");
-        assert_eq!(volume_node(&nodes, "pool_1", &load(&[])).unwrap().node_id, "n2", "a tie goes to the lowest id");
+        assert_eq!(volume_node(&nodes, "pool_1", &load(&[("n2", 3), ("n3", 1)]), &[], 1).unwrap().node_id, "n3");
+        assert_eq!(volume_node(&nodes, "pool_1", &load(&[]), &[], 1).unwrap().node_id, "n2", "a tie goes to the lowest id");
 
         // Sandboxes run in the pool, but no agent can make volumes: UNSUPPORTED, naming it.
         let without =
             [node("n1", "pool_1", Ready, &[GVISOR]), node("n2", "pool_1", Cordoned, &both), node("n3", "pool_2", Ready, &both)];
-        let err = volume_node(&without, "pool_1", &load(&[])).unwrap_err();
+        let err = volume_node(&without, "pool_1", &load(&[]), &[], 1).unwrap_err();
         assert_eq!(err.code(), bc_core::ErrorCode::Unsupported, "{err}");
         assert!(matches!(&err, Error::Unsupported { reason, .. } if reason == "daemon-capability"), "{err:?}");
         assert!(err.to_string().contains(CAPABILITY_SANDBOX_VOLUMES) && err.to_string().contains("1 ready node"), "{err}");
 
         // No node runs sandboxes at all (the capability alone is not enough): as a sandbox is.
         let none = [node("n1", "pool_1", Ready, &[CAPABILITY_SANDBOX_VOLUMES])];
-        let err = volume_node(&none, "pool_1", &load(&[])).unwrap_err();
+        let err = volume_node(&none, "pool_1", &load(&[]), &[], 1).unwrap_err();
         assert_eq!(err.code(), bc_core::ErrorCode::InvalidState, "{err}");
         assert!(err.to_string().contains("runs sandboxes"), "{err}");
-        assert!(volume_node(&[], "pool_1", &load(&[])).is_err());
+        assert!(volume_node(&[], "pool_1", &load(&[]), &[], 1).is_err());
 
         // Not a sandbox runtime to drivers.list.
         assert_eq!(bc_core::agent::driver_of_capability(CAPABILITY_SANDBOX_VOLUMES), None);
@@ -533,14 +654,14 @@ mod tests {
     #[test]
     fn a_resize_only_grows() {
         let v = volume("vol_1", "node_1", SandboxVolumeState::Ready, None);
-        assert!(sandbox_volume_resize(&v, 2, &[], issue()).unwrap_err().to_string().contains("only grows"));
-        assert!(sandbox_volume_resize(&v, 1, &[], issue()).is_err());
-        assert!(sandbox_volume_resize(&v, SANDBOX_VOLUME_SIZE_MAX_GIB + 1, &[], issue()).is_err());
-        let append = sandbox_volume_resize(&v, 3, &[], issue()).unwrap();
+        assert!(sandbox_volume_resize(&v, 2, &[], roomy(), issue()).unwrap_err().to_string().contains("only grows"));
+        assert!(sandbox_volume_resize(&v, 1, &[], roomy(), issue()).is_err());
+        assert!(sandbox_volume_resize(&v, SANDBOX_VOLUME_SIZE_MAX_GIB + 1, &[], roomy(), issue()).is_err());
+        let append = sandbox_volume_resize(&v, 3, &[], roomy(), issue()).unwrap();
         assert_eq!(append.expected, ExpectedVersion::Exact(3));
         assert_eq!(append.events[0].event_type, SANDBOX_VOLUME_RESIZE_REQUESTED);
         let resizing = volume("vol_1", "node_1", SandboxVolumeState::Resizing, None);
-        assert!(sandbox_volume_resize(&resizing, 4, &[], issue()).is_err());
+        assert!(sandbox_volume_resize(&resizing, 4, &[], roomy(), issue()).is_err());
     }
 
     #[test]

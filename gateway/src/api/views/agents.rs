@@ -57,6 +57,10 @@ pub struct InventoryFields {
     /// Why the agent cannot hold GPUs (`node-unprivileged: …`); absent when it can.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hold_unavailable: Option<String>,
+    /// The size in bytes of the file system that holds the node's sandbox volumes (an agent that
+    /// makes them): the sum of its volumes' sizes is bounded by it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_file_system_bytes: Option<u64>,
 }
 
 impl InventoryFields {
@@ -70,6 +74,7 @@ impl InventoryFields {
             host: i.host,
             capabilities: i.capabilities,
             hold_unavailable: i.hold_unavailable,
+            volume_file_system_bytes: i.volume_file_system_bytes,
         }
     }
 }
