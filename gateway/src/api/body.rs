@@ -88,6 +88,12 @@ mod tests {
         assert_eq!(parse::<Input>(b" {} ").unwrap().limit, None);
         assert_eq!(parse::<Input>(br#"{"limit": 306.0}"#).unwrap().limit, Some(306));
         assert!(parse::<Input>(br#"{"limit": 1.5}"#).is_err());
+        // Parsed exactly: the default parser read this as 4248819660402833.5, no integer.
+        #[derive(serde::Deserialize, Debug)]
+        struct Time {
+            to_ms: u64,
+        }
+        assert_eq!(parse::<Time>(br#"{"to_ms": 4248819660402834.0}"#).unwrap().to_ms, 4_248_819_660_402_834);
         assert!(parse::<Input>(br#"[null]"#).is_err(), "a struct is not read from an array");
         assert!(parse::<Input>(br#"{"other": 1}"#).is_err());
     }
