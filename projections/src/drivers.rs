@@ -68,31 +68,35 @@ pub fn drivers_of(nodes: &[NodeDoc], machines: &[MetalDoc]) -> Vec<DriverSeen> {
     seen.into_values().collect()
 }
 
+/// A node of `pool` in `state` whose agent said `capabilities`, for tests of what is decided
+/// from nodes' inventories (here and `decide::sandbox_volume`'s).
+#[cfg(test)]
+pub(crate) fn test_node(id: &str, pool: &str, state: NodeState, capabilities: &[&str]) -> NodeDoc {
+    let mut doc: NodeDoc = serde_json::from_value(serde_json::json!({
+        "tenantId": "t", "nodeId": id, "poolId": pool, "name": id, "gpus": [], "labels": {},
+        "state": "ready", "version": 1, "createdAtMs": 0, "updatedAtMs": 0,
+        "agent": {
+            "publicKey": "", "agentVersion": "0", "hostname": id, "joinTokenId": "", "joinedAtMs": 0,
+            "reachable": true, "leaseExpiresAtMs": 0, "journalSeq": 0, "journalHash": ""
+        }
+    }))
+    .unwrap_or_else(|e| panic!("a node document: {e}"));
+    doc.state = state;
+    let inventory: crate::inventory::NodeInventoryReported = serde_json::from_value(serde_json::json!({
+        "nodeId": id, "gpus": [], "host": { "cpus": 1, "memoryKiB": 1, "disks": [] }, "capabilities": capabilities
+    }))
+    .unwrap_or_else(|e| panic!("an inventory: {e}"));
+    if let Some(agent) = doc.agent.as_mut() {
+        agent.inventory = Some(inventory);
+    }
+    doc
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::NodeInventoryReported;
 
-    fn node(id: &str, pool: &str, state: NodeState, capabilities: &[&str]) -> NodeDoc {
-        let mut doc: NodeDoc = serde_json::from_value(serde_json::json!({
-            "tenantId": "t", "nodeId": id, "poolId": pool, "name": id, "gpus": [], "labels": {},
-            "state": "ready", "version": 1, "createdAtMs": 0, "updatedAtMs": 0,
-            "agent": {
-                "publicKey": "", "agentVersion": "0", "hostname": id, "joinTokenId": "", "joinedAtMs": 0,
-                "reachable": true, "leaseExpiresAtMs": 0, "journalSeq": 0, "journalHash": ""
-            }
-        }))
-        .unwrap_or_else(|e| panic!("a node document: {e}"));
-        doc.state = state;
-        let inventory: NodeInventoryReported = serde_json::from_value(serde_json::json!({
-            "nodeId": id, "gpus": [], "host": { "cpus": 1, "memoryKiB": 1, "disks": [] }, "capabilities": capabilities
-        }))
-        .unwrap_or_else(|e| panic!("an inventory: {e}"));
-        if let Some(agent) = doc.agent.as_mut() {
-            agent.inventory = Some(inventory);
-        }
-        doc
-    }
+    use super::test_node as node;
 
     #[test]
     fn each_driver_is_counted_once_a_node_with_its_pools() {

@@ -546,24 +546,10 @@ mod tests {
     }
 
     fn node(id: &str, pool: &str, state: crate::NodeState, capabilities: &[&str]) -> NodeDoc {
-        let mut doc: NodeDoc = serde_json::from_value(serde_json::json!({
-            "tenantId": "t", "nodeId": id, "poolId": pool, "name": id, "gpus": [], "labels": {},
-            "state": "ready", "version": 1, "createdAtMs": 0, "updatedAtMs": 0,
-            "agent": {
-                "publicKey": "", "agentVersion": "0", "hostname": id, "joinTokenId": "", "joinedAtMs": 0,
-                "reachable": true, "leaseExpiresAtMs": 0, "journalSeq": 0, "journalHash": ""
-            }
-        }))
-        .unwrap();
-        doc.state = state;
-        let inventory: crate::events::NodeInventoryReported = serde_json::from_value(serde_json::json!({
-            "nodeId": id, "gpus": [], "host": { "cpus": 1, "memoryKiB": 1, "disks": [] }, "capabilities": capabilities
-        }))
-        .unwrap();
-        let mut inventory = inventory;
+        let mut doc = crate::drivers::test_node(id, pool, state, capabilities);
         // As an agent that makes volumes does: the size of their file system (1 TiB) beside it.
-        inventory.volume_file_system_bytes = capabilities.contains(&CAPABILITY_SANDBOX_VOLUMES).then_some(1 << 40);
-        doc.agent.as_mut().unwrap().inventory = Some(inventory);
+        doc.agent.as_mut().unwrap().inventory.as_mut().unwrap().volume_file_system_bytes =
+            capabilities.contains(&CAPABILITY_SANDBOX_VOLUMES).then_some(1 << 40);
         doc
     }
 
