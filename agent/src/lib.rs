@@ -40,6 +40,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod node_cert;
 pub mod runner;
+pub mod sandbox_snapshots;
 pub mod sandboxes;
 pub mod session;
 pub mod sim;

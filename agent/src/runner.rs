@@ -661,6 +661,28 @@ impl Runner {
         self.run_ledgered_apply(command, now_ms, shape, run).await
     }
 
+    /// `sandbox.snapshot`: run once, past its deadline answered `sandbox_snapshot.apply_failed`
+    /// unrun, else carried out by `sandboxes` (the snapshot ledger first, then the runtime:
+    /// [`crate::sandbox_snapshots`]) and answered `sandbox_snapshot.observed` (ready with its
+    /// digest and size, or absent) or why not, on the snapshot's stream.
+    pub async fn run_snapshot_apply(
+        &self,
+        command: &bc_proto::Command,
+        now_ms: u64,
+        sandboxes: Option<&crate::sandboxes::Sandboxes>,
+    ) -> Result<Vec<SignedEntry>, JournalError> {
+        let shape = LedgeredApply {
+            stream: "sandbox_snapshot",
+            parse: crate::sandbox_snapshots::parse_args,
+            subject: |args| &args.snapshot_id,
+            report: crate::sandbox_snapshots::report_payload,
+            no_runtime: "no-runtime: this node runs no sandboxes, so it takes no snapshots (hint: install runsc)",
+        };
+        let run = sandboxes
+            .map(|s| async move |_id: &str, args: &crate::sandbox_snapshots::SnapshotArgs| s.apply_snapshot(args).await);
+        self.run_ledgered_apply(command, now_ms, shape, run).await
+    }
+
     /// `sandbox_volume.apply`: run once, past its deadline answered `sandbox_volume.apply_failed`
     /// unrun, else carried out by `sandboxes` (the volume ledger first, then the disk) and
     /// answered with what the volume then is (`sandbox_volume.observed`) or why not
@@ -1199,6 +1221,9 @@ impl Agent {
         }
         if command.kind == crate::volumes::SANDBOX_VOLUME_APPLY {
             return self.runner.run_volume_apply(command, now_ms, self.sandboxes.as_deref()).await;
+        }
+        if command.kind == crate::sandbox_snapshots::SANDBOX_SNAPSHOT {
+            return self.runner.run_snapshot_apply(command, now_ms, self.sandboxes.as_deref()).await;
         }
         self.runner.run_all(command, now_ms, self.instances.as_ref(), self.update.as_deref()).await
     }

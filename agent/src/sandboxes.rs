@@ -87,6 +87,12 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     fn list(&self) -> Result<Vec<String>, String>;
     /// The process that runs `command` in sandbox `id` (stdio piped), not started.
     fn exec_command(&self, id: &str, command: &[String]) -> tokio::process::Command;
+    /// Saves sandbox `id`'s state (memory and its in-memory disk layer) into `image_dir`; the
+    /// sandbox is stopped afterwards ([`crate::sandbox_snapshots`]).
+    fn checkpoint(&self, id: &str, image_dir: &Path) -> Result<(), String>;
+    /// Starts sandbox `id` from the bundle at `bundle` in the state saved in `image_dir`,
+    /// detached.
+    fn restore(&self, id: &str, bundle: &Path, image_dir: &Path) -> Result<(), String>;
 }
 
 /// gVisor's `runsc`, with its own state directory (`--root`), the `ptrace` platform and no
@@ -187,6 +193,34 @@ impl SandboxRuntime for Runsc {
         exec.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
         exec
     }
+
+    fn checkpoint(&self, id: &str, image_dir: &Path) -> Result<(), String> {
+        // Without `--leave-running`: this build's hangs after writing the image (the caller
+        // restores the sandbox in place instead).
+        let mut command = self.command();
+        command.arg("checkpoint").arg("--image-path").arg(image_dir).arg(id);
+        self.run("checkpoint", command).map(|_| ())
+    }
+
+    fn restore(&self, id: &str, bundle: &Path, image_dir: &Path) -> Result<(), String> {
+        let mut command = self.command();
+        command
+            .arg("--overlay2=root:memory")
+            .arg("restore")
+            .arg("--detach")
+            .arg("--image-path")
+            .arg(image_dir)
+            .arg("--bundle")
+            .arg(bundle)
+            .arg(id);
+        // The sandbox outlives this call: it must hold none of our pipes.
+        let status = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map_err(|e| format!("runtime: running runsc restore: {e}"))?;
+        if status.success() { Ok(()) } else { Err(format!("runtime: runsc restore {id} failed ({status}); see bcd's log")) }
+    }
 }
 
 impl Runsc {
@@ -230,6 +264,9 @@ pub struct SandboxArgs {
     /// The volumes it mounts (this node's, [`crate::volumes`]).
     #[serde(default)]
     pub volumes: Vec<SandboxMount>,
+    /// Started from this snapshot (`runsc restore`), verified first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<crate::sandbox_snapshots::SnapshotRef>,
 }
 
 /// A volume a sandbox mounts, and where.
@@ -282,6 +319,11 @@ pub fn parse_args(args_json: &str) -> Result<SandboxArgs, (Option<String>, Strin
     }
     if args.vcpus == 0 || args.memory_mib == 0 {
         return bad("a sandbox needs at least one vCPU and some memory".into());
+    }
+    if let Some(r) = &args.restore {
+        if r.snapshot_id.parse::<bc_core::id::SandboxSnapshotId>().is_err() || !crate::instances::is_sha256(&r.sha256) {
+            return bad("the snapshot to restore is not an id and 64 lowercase hex digits".into());
+        }
     }
     for m in &args.volumes {
         if m.volume_id.parse::<bc_core::id::SandboxVolumeId>().is_err() {
@@ -355,13 +397,16 @@ pub type Outcome = Result<&'static str, String>;
 
 /// The node's sandboxes: the ledger, the image cache, the runtime.
 pub struct Sandboxes {
-    dir: PathBuf,
+    pub(crate) dir: PathBuf,
     pub ledger: tokio::sync::Mutex<SandboxLedger>,
     ledger_file: SandboxLedgerFile,
     images: ImageCache,
     pub runtime: Arc<dyn SandboxRuntime>,
     /// The node's volumes, which its sandboxes mount.
     pub volumes: crate::volumes::Volumes,
+    /// The node's snapshots ([`crate::sandbox_snapshots`]).
+    pub snapshots: tokio::sync::Mutex<crate::sandbox_snapshots::SnapshotLedger>,
+    pub(crate) snapshots_file: crate::sandbox_snapshots::SnapshotLedgerFile,
 }
 
 impl Sandboxes {
@@ -369,7 +414,11 @@ impl Sandboxes {
     pub fn new(data_dir: &Path, runtime: Arc<dyn SandboxRuntime>) -> Result<Self, String> {
         let ledger_file = SandboxLedgerFile::new(data_dir);
         let ledger = ledger_file.load()?;
+        let snapshots_file = crate::sandbox_snapshots::SnapshotLedgerFile::new(data_dir);
+        let snapshots = tokio::sync::Mutex::new(snapshots_file.load()?);
         Ok(Self {
+            snapshots,
+            snapshots_file,
             dir: data_dir.join("sandboxes"),
             ledger: tokio::sync::Mutex::new(ledger),
             ledger_file,
@@ -412,7 +461,7 @@ impl Sandboxes {
         out
     }
 
-    fn bundle_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn bundle_dir(&self, id: &str) -> PathBuf {
         self.dir.join("bundles").join(id)
     }
 
@@ -495,6 +544,19 @@ impl Sandboxes {
             volumes.push((self.volumes.source(&m.volume_id).await?, m));
         }
         let bundle = self.bundle_dir(&args.sandbox_id);
+        // A restore's files are checked against the digest it names before anything starts.
+        let image_dir = match &args.restore {
+            Some(snapshot) => {
+                let dir = crate::sandbox_snapshots::snapshots_dir(&self.dir).join(&snapshot.sha256);
+                let check = {
+                    let (dir, snapshot) = (dir.clone(), snapshot.clone());
+                    move || crate::sandbox_snapshots::verify(&dir, &snapshot)
+                };
+                blocking(check).await??;
+                Some(dir)
+            }
+            None => None,
+        };
         let config = serde_json::to_vec_pretty(&oci_config(args, &rootfs, &volumes)).map_err(|e| format!("disk: {e}"))?;
         let write = {
             let bundle = bundle.clone();
@@ -516,7 +578,10 @@ impl Sandboxes {
         blocking(write).await?.map_err(|e| format!("disk: {}: {e}", bundle.display()))?;
         let runtime = self.runtime.clone();
         let id = args.sandbox_id.clone();
-        let started = blocking(move || runtime.start(&id, &bundle));
+        let started = blocking(move || match &image_dir {
+            Some(image_dir) => runtime.restore(&id, &bundle, image_dir),
+            None => runtime.start(&id, &bundle),
+        });
         tokio::time::timeout(std::time::Duration::from_secs(SANDBOX_START_TIMEOUT_S), started)
             .await
             .map_err(|_| format!("runtime: the sandbox did not start within {SANDBOX_START_TIMEOUT_S} s"))??
@@ -538,7 +603,7 @@ impl Sandboxes {
         Ok(target)
     }
 
-    async fn state(&self, id: &str) -> Result<Option<RuntimeState>, String> {
+    pub(crate) async fn state(&self, id: &str) -> Result<Option<RuntimeState>, String> {
         let runtime = self.runtime.clone();
         let id = id.to_owned();
         blocking(move || runtime.state(&id)).await?
@@ -679,7 +744,7 @@ async fn pipe_out<R: tokio::io::AsyncRead + Unpin>(mut reader: R, channel: u8, t
     }
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
     tokio::task::spawn_blocking(f).await.map_err(|e| format!("runtime: a blocking task failed: {e}"))
 }
 

@@ -109,6 +109,8 @@ typed_id!(/// A sandbox template: the pool, flavor, image, environment and bound
     SandboxTemplateId, "sbxt");
 typed_id!(/// A sandbox volume: an ext4 disk image of its size on one node, mounted into one sandbox at a time.
     SandboxVolumeId, "vol");
+typed_id!(/// A sandbox snapshot: a sandbox's memory and disk saved on its node, content-addressed by SHA-256.
+    SandboxSnapshotId, "snap");
 typed_id!(/// A bare-metal workflow: the steps one verb runs on one machine's BMC.
     WorkflowId, "wf");
 typed_id!(/// A registered, signed `bcd` release.
