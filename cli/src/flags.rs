@@ -293,6 +293,12 @@ pub enum Command {
         #[command(subcommand)]
         command: sandboxes::SandboxVolumeCommand,
     },
+    /// Snapshots of sandboxes (memory and disk, on their node): list, get, delete; `sandbox
+    /// snapshot` takes one and `sandbox create --from-snapshot` restores one.
+    SandboxSnapshot {
+        #[command(subcommand)]
+        command: sandboxes::SandboxSnapshotCommand,
+    },
     /// Bare-metal machines by their BMCs: enroll, manage, inspect, provide, deploy, undeploy,
     /// rescue, power; each verb a workflow with deadlines.
     Metal {

@@ -225,6 +225,16 @@ pub const SANDBOX_VOLUMES: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const SANDBOX_SNAPSHOTS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "snapshotId") },
+    Column { header: "SANDBOX", cell: |r, _| field(r, "sandboxId") },
+    Column { header: "STATE", cell: |r, _| field(r, "state") },
+    Column { header: "KEEP", cell: |r, _| field(r, "keep") },
+    Column { header: "BYTES", cell: |r, _| field(r, "bytes") },
+    Column { header: "NODE", cell: |r, _| field(r, "nodeId") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 pub const INSTANCES: &[Column] = &[
     Column { header: "ID", cell: |r, _| field(r, "instanceId") },
     Column { header: "NAME", cell: |r, _| field(r, "name") },

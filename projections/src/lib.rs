@@ -46,6 +46,7 @@ pub mod quota;
 pub mod reservation;
 pub mod rollout;
 pub mod sandbox;
+pub mod sandbox_snapshot;
 pub mod sandbox_volume;
 pub mod secret;
 pub mod tenant;
@@ -211,6 +212,7 @@ impl Projector for Projections {
             || INSTANCE_REPORT_TYPES.contains(&report_type)
             || sandbox::SANDBOX_REPORT_TYPES.contains(&report_type)
             || sandbox_volume::SANDBOX_VOLUME_REPORT_TYPES.contains(&report_type)
+            || sandbox_snapshot::SANDBOX_SNAPSHOT_REPORT_TYPES.contains(&report_type)
         {
             command::touches_report(event, out);
         }
@@ -220,6 +222,7 @@ impl Projector for Projections {
             KIND_INSTANCE => Some(KIND_INSTANCE_LIVE),
             sandbox::KIND_SANDBOX => Some(sandbox::KIND_SANDBOX_LIVE),
             sandbox_volume::KIND_SANDBOX_VOLUME => Some(sandbox_volume::KIND_SANDBOX_VOLUME_LIVE),
+            sandbox_snapshot::KIND_SANDBOX_SNAPSHOT => Some(sandbox_snapshot::KIND_SANDBOX_SNAPSHOT_LIVE),
             rollout::KIND_ROLLOUT => Some(rollout::KIND_ROLLOUT_LIVE),
             batch::KIND_COMMAND_BATCH => Some(batch::KIND_COMMAND_BATCH_LIVE),
             KIND_JOIN_REQUEST => Some(KIND_JOIN_REQUEST_PENDING),
@@ -279,6 +282,7 @@ impl Projector for Projections {
             KIND_INSTANCE => instance::apply(key, current, event),
             sandbox::KIND_SANDBOX | sandbox::KIND_SANDBOX_TEMPLATE => sandbox::apply(key, current, event),
             sandbox_volume::KIND_SANDBOX_VOLUME => sandbox_volume::apply(key, current, event),
+            sandbox_snapshot::KIND_SANDBOX_SNAPSHOT => sandbox_snapshot::apply(key, current, event),
             workflow::KIND_METAL => workflow::apply(key, current, event),
             rollout::KIND_RELEASE | rollout::KIND_ROLLOUT => rollout::apply(key, current, event),
             batch::KIND_APPROVER_SET | batch::KIND_COMMAND_BATCH => batch::apply(key, current, event),

@@ -152,6 +152,9 @@ pub struct SandboxCreated {
     /// The template's volumes, each attached to this sandbox in the same append.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// Started from this snapshot (its `sandbox.apply` carries it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<crate::sandbox_snapshot::SandboxRestore>,
 }
 
 /// `sandbox.claimed` (a warm one handed out) and `sandbox.extended`: its end now.

@@ -18,9 +18,11 @@ use bc_core::id::{CommandId, SandboxId};
 use bc_core::store::Log;
 use bc_core::{ErrorCode, Result};
 use bc_projections::decide::sandbox::{self as decide, SandboxAction};
+use bc_projections::decide::sandbox_snapshot as decide_snapshot;
 use bc_projections::decide::sandbox_volume as decide_volume;
 use bc_projections::placement::Issue;
 use bc_projections::sandbox::{KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxState, SandboxTemplateDoc};
+use bc_projections::sandbox_snapshot::{KIND_SANDBOX_SNAPSHOT_LIVE, SandboxSnapshotDoc};
 use bc_projections::sandbox_volume::{KIND_SANDBOX_VOLUME_LIVE, SandboxVolumeDoc};
 use bc_projections::{KIND_NODE, NodeDoc};
 
@@ -60,6 +62,22 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
         for append in decide_volume::volumes_to_detach(&volumes, &sandboxes)? {
             match log.append(append.into_request(tenant, ACTOR)).await {
                 Ok(_) => done.detached += 1,
+                Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
+                Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "append failed"),
+            }
+        }
+        // Snapshots without `keep` go with their sandbox; a delete the node did not answer is
+        // sent again (decide::sandbox_snapshot::snapshots_plan).
+        let snapshots: Vec<SandboxSnapshotDoc> = all_rows(log, &tenant_text, KIND_SANDBOX_SNAPSHOT_LIVE).await?;
+        let live_ids: Vec<&str> = sandboxes.iter().map(|s| s.sandbox_id.as_str()).collect();
+        for (snapshot_id, reason) in decide_snapshot::snapshots_plan(&snapshots, &live_ids, clock.now_ms()) {
+            let Some(doc) = snapshots.iter().find(|s| s.snapshot_id == snapshot_id) else { continue };
+            let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
+            let issue = Issue { command_id: &command_id, now_ms: clock.now_ms() };
+            let append = decide_snapshot::snapshot_delete(doc, Some(reason.clone()), issue)?;
+            tracing::info!(reconciler = NAME, snapshot = %snapshot_id, reason = %bc_core::id::truncate(&reason, 200), "deleting");
+            match log.append(append.into_request(tenant, ACTOR)).await {
+                Ok(_) => done.deleting += 1,
                 Err(e) if e.code() == ErrorCode::Conflict => done.conflicts += 1,
                 Err(e) => tracing::warn!(reconciler = NAME, code = %e.code(), error = %e, "append failed"),
             }

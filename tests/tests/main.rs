@@ -50,6 +50,7 @@ mod reservations;
 mod review_regressions;
 mod roles;
 mod rollouts;
+mod sandbox_snapshots;
 mod sandbox_volumes;
 mod sandboxes;
 mod schemathesis;

@@ -91,6 +91,7 @@ impl Command {
             Command::Sandbox { command } => sandboxes::run(ctx, command).await,
             Command::SandboxTemplate { command } => sandboxes::run_template(ctx, command).await,
             Command::SandboxVolume { command } => sandboxes::run_volume(ctx, command).await,
+            Command::SandboxSnapshot { command } => sandboxes::run_snapshot(ctx, command).await,
             Command::Metal { command } => metal::run(ctx, command).await,
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,

@@ -1,14 +1,16 @@
 //! `sandbox create|list|get|extend|delete|exec|templates` (the `sandboxes.*` methods),
-//! `sandbox-template create|list|get|update|delete` (`sandboxTemplates.*`) and `sandbox-volume
-//! create|list|get|resize|delete` (`sandboxVolumes.*`). Ids are checked before anything is sent
-//! (`sbx_…`, `sbxt_…`, `vol_…`: a usage error, exit 2). `sandbox create --wait S` (0 to
+//! `sandbox-template create|list|get|update|delete` (`sandboxTemplates.*`), `sandbox-volume
+//! create|list|get|resize|delete` (`sandboxVolumes.*`) and `sandbox-snapshot list|get|delete`
+//! (`sandboxSnapshots.*`; `sandbox snapshot` takes one, `sandbox create --from-snapshot` restores
+//! one). Ids are checked before anything is sent (`sbx_…`, `sbxt_…`, `vol_…`, `snap_…`: a usage
+//! error, exit 2). `sandbox create --wait S` (0 to
 //! 30, default 30) follows a cold sandbox until it leaves `starting`; `sandbox exec SBX --
 //! COMMAND…` runs the command in the sandbox through an `exec` tunnel and exits with its status
 //! (`REMOTE_EXIT`).
 
 use std::collections::BTreeMap;
 
-use bc_core::id::{FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId};
+use bc_core::id::{FlavorId, ImageId, PoolId, SandboxId, SandboxSnapshotId, SandboxTemplateId, SandboxVolumeId};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
@@ -43,6 +45,23 @@ pub enum SandboxCommand {
         /// Wait up to this many seconds (0 to 30) until it leaves `starting`.
         #[arg(long, default_value_t = CREATE_WAIT_S_MAX, value_parser = clap::value_parser!(u64).range(0..=CREATE_WAIT_S_MAX))]
         wait: u64,
+        /// Start it from this snapshot (`snap_…`) of a sandbox of the template: a new sandbox,
+        /// restored on the node that holds the snapshot, checked against its SHA-256 first.
+        #[arg(long = "from-snapshot", value_name = "ID")]
+        from_snapshot: Option<String>,
+        #[command(flatten)]
+        key: IdempotencyKey,
+    },
+    /// Save a running sandbox's memory and disk on its node (`sandboxes.snapshot`, always with
+    /// an idempotency key).
+    Snapshot {
+        sandbox_id: String,
+        /// The disk alone, without memory (refused on this runtime: UNSUPPORTED).
+        #[arg(long = "no-memory")]
+        no_memory: bool,
+        /// Keep it after the sandbox is deleted.
+        #[arg(long)]
+        keep: bool,
         #[command(flatten)]
         key: IdempotencyKey,
     },
@@ -194,8 +213,11 @@ pub async fn run(ctx: &Context, command: SandboxCommand) -> Result<(), CliError>
     let mut body = ctx.tenant_body()?;
     let c = ctx.client()?;
     match command {
-        SandboxCommand::Create { template, ttl, wait, key } => {
+        SandboxCommand::Create { template, ttl, wait, from_snapshot, key } => {
             put_id::<SandboxTemplateId>(&mut body, "templateId", "--template", &template)?;
+            if let Some(snapshot) = from_snapshot {
+                put_id::<SandboxSnapshotId>(&mut body, "fromSnapshotId", "--from-snapshot", &snapshot)?;
+            }
             if let Some(ttl) = ttl {
                 body.insert("ttlS".into(), json!(ttl));
             }
@@ -221,6 +243,17 @@ pub async fn run(ctx: &Context, command: SandboxCommand) -> Result<(), CliError>
             }
             add_page(&mut body, &page);
             ctx.print_list(&c.call("sandboxes.list", &Value::Object(body), None).await?, tables::SANDBOXES)
+        }
+        SandboxCommand::Snapshot { sandbox_id, no_memory, keep, key } => {
+            put_id::<SandboxId>(&mut body, "sandboxId", "SANDBOX", &sandbox_id)?;
+            if no_memory {
+                body.insert("noMemory".into(), json!(true));
+            }
+            if keep {
+                body.insert("keep".into(), json!(true));
+            }
+            let taken = c.call("sandboxes.snapshot", &Value::Object(body), Some(&idempotency_key(&key.key))).await?;
+            ctx.print(&taken, Format::Json)
         }
         SandboxCommand::Get { sandbox_id } => {
             put_id::<SandboxId>(&mut body, "sandboxId", "SANDBOX", &sandbox_id)?;
@@ -426,6 +459,54 @@ pub async fn run_volume(ctx: &Context, command: SandboxVolumeCommand) -> Result<
         SandboxVolumeCommand::Delete { volume_id } => {
             put_id::<SandboxVolumeId>(&mut body, "volumeId", "VOLUME", &volume_id)?;
             ctx.print(&c.call("sandboxVolumes.delete", &Value::Object(body), None).await?, Format::Json)
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub enum SandboxSnapshotCommand {
+    /// Your snapshots (--all: every one of the tenant; --sandbox: one sandbox's; --deleted:
+    /// deleted ones too).
+    List {
+        #[arg(long)]
+        all: bool,
+        #[arg(long, value_name = "ID")]
+        sandbox: Option<String>,
+        #[arg(long)]
+        deleted: bool,
+        #[command(flatten)]
+        page: Page,
+    },
+    /// One snapshot, by its `snap_…` id: its state, digest and size.
+    Get { snapshot_id: String },
+    /// Delete a snapshot and its files from its node.
+    Delete { snapshot_id: String },
+}
+
+pub async fn run_snapshot(ctx: &Context, command: SandboxSnapshotCommand) -> Result<(), CliError> {
+    let mut body = ctx.tenant_body()?;
+    let c = ctx.client()?;
+    match command {
+        SandboxSnapshotCommand::List { all, sandbox, deleted, page } => {
+            if all {
+                body.insert("scope".into(), json!("all"));
+            }
+            if let Some(sandbox) = sandbox {
+                put_id::<SandboxId>(&mut body, "sandboxId", "--sandbox", &sandbox)?;
+            }
+            if deleted {
+                body.insert("deleted".into(), json!(true));
+            }
+            add_page(&mut body, &page);
+            ctx.print_list(&c.call("sandboxSnapshots.list", &Value::Object(body), None).await?, tables::SANDBOX_SNAPSHOTS)
+        }
+        SandboxSnapshotCommand::Get { snapshot_id } => {
+            put_id::<SandboxSnapshotId>(&mut body, "snapshotId", "SNAPSHOT", &snapshot_id)?;
+            ctx.print(&c.call("sandboxSnapshots.get", &Value::Object(body), None).await?, Format::Json)
+        }
+        SandboxSnapshotCommand::Delete { snapshot_id } => {
+            put_id::<SandboxSnapshotId>(&mut body, "snapshotId", "SNAPSHOT", &snapshot_id)?;
+            ctx.print(&c.call("sandboxSnapshots.delete", &Value::Object(body), None).await?, Format::Json)
         }
     }
 }

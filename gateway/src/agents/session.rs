@@ -867,6 +867,11 @@ async fn check_entry_subject(
     if ev::INSTANCE_REPORT_TYPES.contains(&body.entry_type.as_str()) {
         return check_instance_report(store, bound, body).await;
     }
+    if ev::SANDBOX_SNAPSHOT_REPORT_TYPES.contains(&body.entry_type.as_str()) {
+        return Ok(
+            crate::api::sandbox_snapshots::check_snapshot_report(store, bound.tenant, &node, &body.subject, &body.payload).await?
+        );
+    }
     if ev::SANDBOX_VOLUME_REPORT_TYPES.contains(&body.entry_type.as_str()) {
         return Ok(
             crate::api::sandbox_volumes::check_volume_report(store, bound.tenant, &node, &body.subject, &body.payload).await?

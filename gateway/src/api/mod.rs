@@ -46,6 +46,7 @@ mod quotas;
 mod releases;
 mod reservations;
 mod rollouts;
+pub(crate) mod sandbox_snapshots;
 pub(crate) mod sandbox_volumes;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
@@ -146,6 +147,7 @@ const GROUPS: &[&[Method]] = &[
     instances::METHODS,
     sandboxes::METHODS,
     sandbox_volumes::METHODS,
+    sandbox_snapshots::METHODS,
     metal::METHODS,
     releases::METHODS,
     rollouts::METHODS,

@@ -228,6 +228,10 @@ pub struct SandboxesCreate {
     /// Its life in seconds (the template's `defaultTtlS` when absent; at most its `maxTtlS`).
     #[schemars(range(min = decide::SANDBOX_TTL_MIN_S, max = decide::SANDBOX_TTL_MAX_S))]
     ttl_s: Option<u64>,
+    /// Start it from this snapshot of a sandbox of the template (`runsc restore`, on the node
+    /// that holds it, checked against its SHA-256 first): a new sandbox, with its own id.
+    #[schemars(with = "Option<super::validate::SandboxSnapshotIdText>")]
+    from_snapshot_id: Option<String>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -450,6 +454,10 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let template = template_doc(call, tenant, &input.template_id).await?;
     let ttl_s = input.ttl_s.unwrap_or(template.default_ttl_s);
     decide::check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
+    if let Some(snapshot_id) = &input.from_snapshot_id {
+        let sandbox = super::sandbox_snapshots::create_from_snapshot(call, tenant, &template, ttl_s, snapshot_id).await?;
+        return Ok(SandboxCreatedView { claimed: SandboxWarmth::Cold, sandbox: sandbox.into() });
+    }
     let retry = call.is_retry(tenant).await?;
     // A template with volumes runs its sandboxes on the volumes' node. The volumes are read
     // before the live sandboxes: a sandbox and its volumes' attachment land in one append, so

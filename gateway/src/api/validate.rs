@@ -147,6 +147,8 @@ id_schema!(/// `sbxt_…`
     SandboxTemplateIdText, bc_core::id::SandboxTemplateId);
 id_schema!(/// `vol_…`
     SandboxVolumeIdText, bc_core::id::SandboxVolumeId);
+id_schema!(/// `snap_…`
+    SandboxSnapshotIdText, bc_core::id::SandboxSnapshotId);
 id_schema!(/// `rel_…`
     ReleaseIdText, bc_core::id::ReleaseId);
 id_schema!(/// `ro_…`

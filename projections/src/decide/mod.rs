@@ -34,6 +34,7 @@ pub mod pool_offer;
 mod reservation;
 mod rollout;
 pub mod sandbox;
+pub mod sandbox_snapshot;
 pub mod sandbox_volume;
 pub mod secret;
 pub mod ssh_cert;

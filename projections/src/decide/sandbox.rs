@@ -257,6 +257,23 @@ pub fn sandbox_create_mounting(
     volumes: &[SandboxVolumeDoc],
     live: &[SandboxDoc],
 ) -> Result<Append, Error> {
+    sandbox_create_from(template, sandbox_id, node, ttl_s, issue, volumes, live, None)
+}
+
+/// [`sandbox_create_mounting`], started from a snapshot when `restore` names one
+/// ([`super::sandbox_snapshot`]): its `sandbox.apply` carries the snapshot's digest, which the node
+/// checks before it restores.
+#[allow(clippy::too_many_arguments)]
+pub fn sandbox_create_from(
+    template: &SandboxTemplateDoc,
+    sandbox_id: &str,
+    node: &NodeDoc,
+    ttl_s: Option<u64>,
+    issue: Issue<'_>,
+    volumes: &[SandboxVolumeDoc],
+    live: &[SandboxDoc],
+    restore: Option<&crate::sandbox_snapshot::SandboxRestore>,
+) -> Result<Append, Error> {
     if ttl_s.is_none() && !template.volumes.is_empty() {
         return Err(Error::state(
             format!("template {} mounts volumes: it keeps no warm sandboxes", template.template_id),
@@ -296,8 +313,11 @@ pub fn sandbox_create_mounting(
     };
     let mut guards = vec![(stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id), ExpectedVersion::Exact(template.version))];
     guards.extend(volume_guards);
-    let (command, apply) =
-        issue_command_for(&node.node_id, SANDBOX_APPLY, doc.apply_args("running"), SANDBOX_APPLY_DEADLINE_S, issue, &mut guards)?;
+    let mut args = doc.apply_args("running");
+    if let Some(restore) = restore {
+        args["restore"] = serde_json::json!(restore);
+    }
+    let (command, apply) = issue_command_for(&node.node_id, SANDBOX_APPLY, args, SANDBOX_APPLY_DEADLINE_S, issue, &mut guards)?;
     let created = SandboxCreated {
         template_id: doc.template_id,
         pool_id: doc.pool_id,
@@ -310,6 +330,7 @@ pub fn sandbox_create_mounting(
         ends_at_ms: ttl_s.map(|s| issue.now_ms.saturating_add(s * 1000)),
         apply,
         volumes: doc.volumes,
+        restore: restore.cloned(),
     };
     let mut events = vec![NewEvent::new(SANDBOX_CREATED, to_cbor(&created)?), command];
     events.extend(attached);

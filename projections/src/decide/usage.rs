@@ -961,6 +961,7 @@ mod tests {
             ends_at_ms,
             apply: HoldIssued { command_id: "cmd_1".into(), deadline_at_ms: 0 },
             volumes: Vec::new(),
+            restore: None,
         };
         let delete = || {
             to_cbor(&SandboxDeleteRequested { apply: HoldIssued { command_id: "cmd_2".into(), deadline_at_ms: 0 }, reason: None })
