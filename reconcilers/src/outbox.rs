@@ -857,8 +857,9 @@ struct Finished {
     outcome: Outcome,
 }
 
-/// Tries at recording one batch of completions.
-const COMPLETE_TRIES_MAX: u32 = 3;
+/// The longest wait between two tries at recording a batch of completions (the first waits
+/// 200 ms, each next 200 ms more, up to this).
+const COMPLETE_RETRY_MAX_MS: u64 = 2_000;
 /// Completions recorded in one transaction at most.
 const COMPLETIONS_PER_COMMIT_MAX: usize = 256;
 
@@ -890,9 +891,14 @@ async fn complete(
                 outcome: f.outcome.clone(),
             })
             .collect();
-        // A failed write is tried again while the leases still run; after that the items are
-        // claimed and attempted again, which at-least-once allows.
-        let mut tries = 0;
+        // A failed write (the database failing over: no primary for the TTL and more) is tried
+        // again while every lease of the batch still runs, so an attempt a receiver got is
+        // recorded once a primary answers; only after that are the items claimed and attempted
+        // again, which at-least-once allows. (Three tries over 1.2 s gave up within a failover,
+        // and each delivery in flight then reached its receiver a second time, the first
+        // attempt never recorded: tests/tests/ha.rs.)
+        let leases_until_ms = batch.iter().map(|f| f.item.lease_until_ms).min().unwrap_or(0);
+        let mut tries: u64 = 0;
         loop {
             match store.work_complete_many(name, &owner, &done).await {
                 Ok(written) => {
@@ -913,10 +919,15 @@ async fn complete(
                     status.pass(started_at_ms, Ok(&counts)).await;
                     break;
                 }
-                Err(e) if tries < COMPLETE_TRIES_MAX => {
+                Err(e)
+                    if tries < complete_tries_max(config.lease_ms)
+                        && complete_again_at_ms(config.clock.now_ms(), tries + 1, leases_until_ms).is_some() =>
+                {
                     tries += 1;
+                    let now_ms = config.clock.now_ms();
+                    let at_ms = complete_again_at_ms(now_ms, tries, leases_until_ms).unwrap_or(now_ms);
                     tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; trying again");
-                    tokio::time::sleep(Duration::from_millis(200 * u64::from(tries))).await;
+                    tokio::time::sleep(Duration::from_millis(at_ms.saturating_sub(now_ms))).await;
                 }
                 Err(e) => {
                     tracing::warn!(consumer = name, items = batch.len(), code = %e.code(), error = %e, "recording attempts failed; their leases will run out and they run again");
@@ -927,6 +938,21 @@ async fn complete(
         }
         work_ready.notify_one();
     }
+}
+
+/// When the `tries`-th try again at recording completions whose leases run until
+/// `leases_until_ms` is made: `200 ms × tries` (at most [`COMPLETE_RETRY_MAX_MS`]) from `now_ms`,
+/// or `None` when that is past the leases (the items are then another process's to take: the
+/// record would be refused, and waiting longer only holds the completer up).
+fn complete_again_at_ms(now_ms: u64, tries: u64, leases_until_ms: u64) -> Option<u64> {
+    let at_ms = now_ms.saturating_add((200 * tries).min(COMPLETE_RETRY_MAX_MS));
+    (at_ms < leases_until_ms).then_some(at_ms)
+}
+
+/// Tries again at most, whatever the clock says (a clock that stands still must not hold the
+/// completer forever): as many as fit in a lease at the shortest wait.
+fn complete_tries_max(lease_ms: u64) -> u64 {
+    lease_ms / 200 + 1
 }
 
 fn log_completion(name: &str, f: &Finished, written: bool) {
@@ -1051,6 +1077,26 @@ mod tests {
         assert_eq!(left(), 8);
         drop(held);
         assert_eq!(left(), 10);
+    }
+
+    #[test]
+    fn recording_is_tried_again_while_the_leases_run_and_not_past_them() {
+        // A failover's 15 s without a primary, in a 60 s lease claimed just now: tried again
+        // throughout (the waits grow to 2 s), never past the lease.
+        let (claimed_at, lease) = (1_000_000, 60_000);
+        let until = claimed_at + lease;
+        let mut now = claimed_at + 100;
+        let mut tries = 0;
+        while let Some(at) = complete_again_at_ms(now, tries + 1, until) {
+            tries += 1;
+            assert!(at > now && at - now <= COMPLETE_RETRY_MAX_MS);
+            now = at;
+        }
+        assert!(now >= claimed_at + 15_000, "still trying 15 s on: stopped at {}", now - claimed_at);
+        assert!(now < until && now + COMPLETE_RETRY_MAX_MS >= until, "until the lease is nearly over");
+        assert!(tries < complete_tries_max(lease), "the cap is not what ends it with a real clock");
+        assert_eq!(complete_again_at_ms(until - 100, 1, until), None, "past the lease: left to the next claim");
+        assert_eq!(complete_again_at_ms(0, 1, 0), None, "no lease: no try again");
     }
 
     #[test]
