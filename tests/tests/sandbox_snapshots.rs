@@ -291,7 +291,7 @@ async fn a_snapshot_with_memory_restores_a_counter_and_a_tampered_one_starts_not
         .await;
     let (code, out, _) = server.cli(&["sandbox-snapshot", "list", "--all", "--sandbox", &r]);
     assert_eq!(code, 0);
-    assert_eq!(bc_tests::json(&out)["items"].as_array().unwrap().len(), 1, "{out}");
+    assert!(out.contains(&passing) && out.contains("KEEP") && !out.contains(&kept), "a table of that sandbox's snapshots: {out}");
     for id in [&a, &r] {
         assert_eq!(server.cli(&["sandbox", "delete", id]).0, 0);
     }
