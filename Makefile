@@ -210,6 +210,9 @@ bench-deps:
 ## reviewed, approved and released against the same commands issued one by one (BC_BENCH_LEAVES).
 ## The usage bench closes windows over 1,000,000 reservation events in memory beside the raw append
 ## rate, then times `usage export` (rows/s, peak RSS by /usr/bin/time -v) against a release `dev`.
+## The ha_writes bench brings up scripts/ha-up's cluster (etcd, three Patroni members, two `serve`,
+## HAProxy; installs etcd-server, patroni, haproxy once) on ports from 25900 and one plain
+## PostgreSQL beside it: writes through the two gateways against one gateway on the plain server.
 bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench append
 	$(CARGO) bench -p bc-cli --bench audit
@@ -228,6 +231,7 @@ bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench sim
 	$(CARGO) bench -p bc-cli --bench tunnels
 	$(CARGO) bench -p bc-cli --bench usage
+	$(CARGO) bench -p bc-cli --bench ha_writes
 
 ## fmt, and clippy on every target with the test build's features (the agent's fakehw and
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded
