@@ -141,6 +141,10 @@ pub struct HardwareConfig {
     /// The fake machine's instances' serial console: a TCP endpoint the agent connects to, as
     /// QEMU's `-serial tcp:HOST:PORT` chardev does (`fakehw` builds, with `fake_guest_address`).
     pub fake_guest_console: Option<std::net::SocketAddr>,
+    /// `bcd` kills itself (SIGKILL) right after recording a volume `creating` (`create`) or
+    /// `growing` (`grow`), before `mkfs.ext4` or `resize2fs`, to exercise the ledger's recovery
+    /// at the next start (`fakehw` builds, with `fake_seed`).
+    pub fake_volume_crash: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -266,6 +270,14 @@ impl Config {
         crate::update::UpdateSettings::of(self)?;
         if let Some(ssh) = &self.ssh {
             ssh.validate()?;
+        }
+        if let Some(phase) = &self.hardware.fake_volume_crash {
+            if self.hardware.fake_seed.is_none() {
+                return Err("[hardware] fake_volume_crash is for a fake machine: set fake_seed too".into());
+            }
+            if !matches!(phase.as_str(), "create" | "grow") {
+                return Err("[hardware] fake_volume_crash is create or grow".into());
+            }
         }
         if self.hardware.fake_hold_refusal.is_some() && self.hardware.fake_seed.is_none() {
             return Err("[hardware] fake_hold_refusal is for a fake machine: set fake_seed too".into());

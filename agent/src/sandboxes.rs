@@ -435,6 +435,7 @@ impl Sandboxes {
         match Runsc::find(root) {
             Some(runsc) => {
                 let mut sandboxes = Self::new(&config.data_dir, Arc::new(runsc))?;
+                sandboxes.volumes.crash_after_record = config.hardware.fake_volume_crash.clone();
                 // Probed here, at the edge, as runsc is: the capabilities say what was found.
                 match crate::volumes::LoopExt4::probe(sandboxes.volumes.dir()) {
                     Ok(bytes) => sandboxes.volumes.file_system_bytes = Some(bytes),

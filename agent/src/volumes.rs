@@ -2,7 +2,9 @@
 //! (`<data_dir>/volumes/<vol_…>.img`), loop-mounted at `<data_dir>/volumes/mnt/<vol_…>`, where a
 //! sandbox's runtime bind-mounts it ([`crate::sandboxes`]). Recorded in a ledger
 //! (`volumes.json`) before the machine is touched, so a restart finds every volume again
-//! ([`Volumes::recover`] mounts the ready ones and finishes the deletes a crash interrupted).
+//! ([`Volumes::recover`] mounts the ready ones and finishes, or redoes, what a crash
+//! interrupted: an entry is `creating` or `growing` while `mkfs.ext4` or `resize2fs` runs, and
+//! `ready` only once the work is done; [`recovery`] decides what each entry needs).
 //!
 //! What to do is decided here without IO ([`parse_args`], [`step`]); the disk images, the file
 //! systems and the mounts are touched only through a [`VolumeDisk`] ([`LoopExt4`]: `mkfs.ext4`,
@@ -56,12 +58,43 @@ pub struct VolumeArgs {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeEntry {
-    /// `ready` or `deleted` (a delete begun).
+    /// `creating` (recorded, its file system not yet made), `growing` (recorded, not yet grown
+    /// from `from_gib`), `ready` (the work done) or `deleted` (a delete begun).
     pub desired: String,
-    /// The size it was made or grown to, or is being grown to.
+    /// The size it was made or grown to, or is being made or grown to.
     #[serde(rename = "sizeGiB")]
     pub size_gib: u64,
     pub command_id: String,
+    /// While `growing`: the size it had, which it keeps if the growth fails.
+    #[serde(default, rename = "fromGiB", skip_serializing_if = "Option::is_none")]
+    pub from_gib: Option<u64>,
+}
+
+/// What a ledger entry found at start needs ([`Volumes::recover`]; pure).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Recovery {
+    /// It is made: mount it again (a reboot unmounted it).
+    Mount,
+    /// A crash came between the record and the file system's being made (or mounted): make it
+    /// again from nothing (no sandbox mounts a volume before it is `ready`, so nothing was
+    /// written to it), then `ready`.
+    Create { size_gib: u64 },
+    /// A crash came between the record and the growth's end: grow it again (a file already
+    /// long enough stays; `resize2fs` of a file system that fills its file changes nothing),
+    /// then `ready` at `to_gib`.
+    Grow { from_gib: u64, to_gib: u64 },
+    /// A delete begun: finish it.
+    Delete,
+}
+
+/// Decides what `entry` needs after a start.
+pub fn recovery(entry: &VolumeEntry) -> Recovery {
+    match entry.desired.as_str() {
+        "deleted" => Recovery::Delete,
+        "creating" => Recovery::Create { size_gib: entry.size_gib },
+        "growing" => Recovery::Grow { from_gib: entry.from_gib.unwrap_or(entry.size_gib), to_gib: entry.size_gib },
+        _ => Recovery::Mount,
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,7 +140,8 @@ pub enum Step {
     Refuse(String),
 }
 
-/// Decides an apply.
+/// Decides an apply. An entry still `creating` or `growing` (its recovery failed) is made or
+/// grown again.
 pub fn step(entry: Option<&VolumeEntry>, args: &VolumeArgs, attached_to: Option<&str>, volumes: usize) -> Step {
     let id = &args.volume_id;
     match (args.desired.as_str(), entry) {
@@ -116,6 +150,10 @@ pub fn step(entry: Option<&VolumeEntry>, args: &VolumeArgs, attached_to: Option<
             None => Step::Delete,
         },
         (_, Some(e)) if e.desired == "deleted" => Step::Refuse(format!("bad-args: volume {id} is being deleted on this node")),
+        (_, Some(e)) if e.desired == "creating" => Step::Create { size_gib: args.size_gib },
+        (_, Some(e)) if e.desired == "growing" && args.size_gib >= e.size_gib && attached_to.is_none() => {
+            Step::Grow { from_gib: e.from_gib.unwrap_or(e.size_gib), to_gib: args.size_gib }
+        }
         (_, None) if volumes >= VOLUMES_PER_NODE_MAX => {
             Step::Refuse(format!("capacity: this node keeps {VOLUMES_PER_NODE_MAX} volumes, its most"))
         }
@@ -309,6 +347,10 @@ pub struct Volumes {
     /// in the inventory (`volumeFileSystemBytes`): what the control plane bounds the sum of this
     /// node's volumes' sizes by (the images are sparse, so nothing here would).
     pub file_system_bytes: Option<u64>,
+    /// Test-only (`[hardware] fake_volume_crash`, `fakehw` builds): `bcd` kills itself
+    /// (SIGKILL) right after recording a volume `creating` (`create`) or `growing` (`grow`), before
+    /// the disk work, so a test shows what [`Self::recover`] makes of it.
+    pub crash_after_record: Option<String>,
 }
 
 impl Volumes {
@@ -322,6 +364,7 @@ impl Volumes {
             disk,
             unusable: None,
             file_system_bytes: None,
+            crash_after_record: None,
         })
     }
 
@@ -356,10 +399,12 @@ impl Volumes {
         let id = args.volume_id.clone();
         let mut ledger = self.ledger.lock().await;
         let (image, mount) = (self.image(&id), self.mount_point(&id));
-        let record = |ledger: &VolumeLedger, desired: &str, size_gib: u64| {
+        let record = |ledger: &VolumeLedger, desired: &str, size_gib: u64, from_gib: Option<u64>| {
             let mut next = ledger.clone();
-            next.volumes
-                .insert(id.clone(), VolumeEntry { desired: desired.to_owned(), size_gib, command_id: command_id.to_owned() });
+            next.volumes.insert(
+                id.clone(),
+                VolumeEntry { desired: desired.to_owned(), size_gib, command_id: command_id.to_owned(), from_gib },
+            );
             next
         };
         match step_on_node(step(ledger.volumes.get(&id), args, attached_to, ledger.volumes.len()), self.unusable.as_deref()) {
@@ -369,47 +414,25 @@ impl Volumes {
                 Ok(("ready", size_gib))
             }
             Step::Create { size_gib } => {
-                let next = record(&ledger, "ready", size_gib);
+                let next = record(&ledger, "creating", size_gib, None);
                 self.save(&mut ledger, next)?;
-                let made = {
-                    let (image, mount) = (image.clone(), mount.clone());
-                    self.disk(move |d| d.create(&image, size_gib).and_then(|()| d.mount(&image, &mount))).await?
-                };
-                if let Err(reason) = made {
-                    // Nothing half made is left: the mount, the file, the entry.
-                    let _ = self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await;
-                    let mut next = ledger.clone();
-                    next.volumes.remove(&id);
-                    let _ = self.save(&mut ledger, next);
-                    return Err(reason);
-                }
+                self.crash_point("create");
+                self.finish_create(&mut ledger, &id, size_gib).await?;
                 tracing::info!(volume = %id, size_gib, "volume made");
                 Ok(("ready", size_gib))
             }
             Step::Grow { from_gib, to_gib } => {
-                let next = record(&ledger, "ready", to_gib);
+                let next = record(&ledger, "growing", to_gib, Some(from_gib));
                 self.save(&mut ledger, next)?;
-                let grown = self
-                    .disk(move |d| {
-                        d.unmount(&mount)?;
-                        let grown = d.grow(&image, to_gib);
-                        // Mounted again whatever the grow did: the data stays reachable.
-                        let mounted = d.mount(&image, &mount);
-                        grown.and(mounted)
-                    })
-                    .await?;
-                if let Err(reason) = grown {
-                    let next = record(&ledger, "ready", from_gib);
-                    let _ = self.save(&mut ledger, next);
-                    return Err(reason);
-                }
+                self.crash_point("grow");
+                self.finish_grow(&mut ledger, &id, from_gib, to_gib).await?;
                 tracing::info!(volume = %id, from_gib, to_gib, "volume grown");
                 Ok(("ready", to_gib))
             }
             Step::Delete => {
                 if ledger.volumes.get(&id).is_some_and(|e| e.desired != "deleted") {
                     let size = ledger.volumes.get(&id).map_or(args.size_gib, |e| e.size_gib);
-                    let next = record(&ledger, "deleted", size);
+                    let next = record(&ledger, "deleted", size, None);
                     self.save(&mut ledger, next)?;
                 }
                 self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await??;
@@ -421,6 +444,64 @@ impl Volumes {
                 Ok(("absent", args.size_gib))
             }
         }
+    }
+
+    /// Test-only: dies here when [`Self::crash_after_record`] names `phase`.
+    fn crash_point(&self, phase: &str) {
+        if self.crash_after_record.as_deref() == Some(phase) {
+            tracing::warn!(phase, "fake_volume_crash: killing bcd after the volume's record, before its disk work");
+            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+            std::process::abort();
+        }
+    }
+
+    /// Sets `id`'s entry to `desired` at `size_gib` (its command kept).
+    fn mark(&self, ledger: &mut VolumeLedger, id: &str, desired: &str, size_gib: u64) -> Result<(), String> {
+        let mut next = ledger.clone();
+        if let Some(entry) = next.volumes.get_mut(id) {
+            entry.desired = desired.to_owned();
+            entry.size_gib = size_gib;
+            entry.from_gib = None;
+        }
+        self.save(ledger, next)
+    }
+
+    /// Makes the file system of `id`, recorded `creating`, mounts it and records it `ready`; on
+    /// failure leaves nothing half made (the mount, the file, the entry).
+    async fn finish_create(&self, ledger: &mut VolumeLedger, id: &str, size_gib: u64) -> Result<(), String> {
+        let (image, mount) = (self.image(id), self.mount_point(id));
+        let made = {
+            let (image, mount) = (image.clone(), mount.clone());
+            self.disk(move |d| d.create(&image, size_gib).and_then(|()| d.mount(&image, &mount))).await?
+        };
+        if let Err(reason) = made {
+            let _ = self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await;
+            let mut next = ledger.clone();
+            next.volumes.remove(id);
+            let _ = self.save(ledger, next);
+            return Err(reason);
+        }
+        self.mark(ledger, id, "ready", size_gib)
+    }
+
+    /// Grows `id`, recorded `growing`, from `from_gib` to `to_gib` (unmounted, the file, the file
+    /// system, mounted again whatever the growth did) and records it `ready` at the size it has.
+    async fn finish_grow(&self, ledger: &mut VolumeLedger, id: &str, from_gib: u64, to_gib: u64) -> Result<(), String> {
+        let (image, mount) = (self.image(id), self.mount_point(id));
+        let grown = self
+            .disk(move |d| {
+                d.unmount(&mount)?;
+                let grown = d.grow(&image, to_gib);
+                // Mounted again whatever the grow did: the data stays reachable.
+                let mounted = d.mount(&image, &mount);
+                grown.and(mounted)
+            })
+            .await?;
+        if let Err(reason) = grown {
+            let _ = self.mark(ledger, id, "ready", from_gib);
+            return Err(reason);
+        }
+        self.mark(ledger, id, "ready", to_gib)
     }
 
     /// The mount point of a ready volume of this node for a sandbox to bind-mount (mounted again
@@ -436,29 +517,44 @@ impl Volumes {
         Ok(target)
     }
 
-    /// After a start: mounts every ready volume again (a reboot unmounted them) and finishes the
-    /// deletes a crash interrupted. Returns the ids of the volumes it could not bring back, with
-    /// why.
+    /// After a start: mounts every ready volume again (a reboot unmounted them), makes or grows
+    /// again those a crash left `creating` or `growing`, and finishes the deletes a crash
+    /// interrupted ([`recovery`]). Returns the ids of the volumes it could not bring back, with
+    /// why (one left `creating` is then gone from the ledger; one left `growing` is `ready` at the
+    /// size it had).
     pub async fn recover(&self) -> Vec<(String, String)> {
         let mut ledger = self.ledger.lock().await;
         let mut failed = Vec::new();
         for (id, entry) in ledger.volumes.clone() {
             let (image, mount) = (self.image(&id), self.mount_point(&id));
-            let done = if entry.desired == "deleted" {
-                self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await
-            } else {
-                self.disk(move |d| d.mount(&image, &mount)).await
-            };
-            match done.and_then(|r| r) {
-                Ok(()) if entry.desired == "deleted" => {
-                    let mut next = ledger.clone();
-                    next.volumes.remove(&id);
-                    if let Err(e) = self.save(&mut ledger, next) {
-                        failed.push((id, e));
+            let done = match recovery(&entry) {
+                Recovery::Mount => self.disk(move |d| d.mount(&image, &mount)).await.and_then(|r| r),
+                Recovery::Create { size_gib } => {
+                    let made = self.finish_create(&mut ledger, &id, size_gib).await;
+                    if made.is_ok() {
+                        tracing::warn!(volume = %id, size_gib, "a volume a crash left half made was made again");
                     }
+                    made
                 }
-                Ok(()) => {}
-                Err(e) => failed.push((id, e)),
+                Recovery::Grow { from_gib, to_gib } => {
+                    let grown = self.finish_grow(&mut ledger, &id, from_gib, to_gib).await;
+                    if grown.is_ok() {
+                        tracing::warn!(volume = %id, from_gib, to_gib, "a volume a crash left half grown was grown again");
+                    }
+                    grown
+                }
+                Recovery::Delete => {
+                    let removed =
+                        self.disk(move |d| d.unmount(&mount).and_then(|()| d.remove(&image, &mount))).await.and_then(|r| r);
+                    removed.and_then(|()| {
+                        let mut next = ledger.clone();
+                        next.volumes.remove(&id);
+                        self.save(&mut ledger, next)
+                    })
+                }
+            };
+            if let Err(e) = done {
+                failed.push((id, e));
             }
         }
         failed
@@ -498,7 +594,27 @@ mod tests {
     }
 
     fn entry(desired: &str, size: u64) -> VolumeEntry {
-        VolumeEntry { desired: desired.into(), size_gib: size, command_id: "cmd_1".into() }
+        VolumeEntry { desired: desired.into(), size_gib: size, command_id: "cmd_1".into(), from_gib: None }
+    }
+
+    fn growing(from: u64, to: u64) -> VolumeEntry {
+        VolumeEntry { from_gib: Some(from), ..entry("growing", to) }
+    }
+
+    #[test]
+    fn a_start_finishes_or_redoes_what_a_crash_interrupted() {
+        assert_eq!(recovery(&entry("ready", 2)), Recovery::Mount);
+        assert_eq!(recovery(&entry("creating", 2)), Recovery::Create { size_gib: 2 });
+        assert_eq!(recovery(&growing(2, 5)), Recovery::Grow { from_gib: 2, to_gib: 5 });
+        assert_eq!(recovery(&entry("deleted", 2)), Recovery::Delete);
+        // A ledger written before these states (no fromGiB) reads as it did.
+        let old: VolumeEntry = serde_json::from_value(json!({ "desired": "ready", "sizeGiB": 3, "commandId": "cmd_1" })).unwrap();
+        assert_eq!((old.from_gib, recovery(&old)), (None, Recovery::Mount));
+        assert!(!serde_json::to_string(&entry("ready", 1)).unwrap().contains("fromGiB"));
+        // An entry left half done (its recovery failed) is made or grown again by the next apply.
+        assert_eq!(step(Some(&entry("creating", 2)), &args("ready", 2), None, 1), Step::Create { size_gib: 2 });
+        assert_eq!(step(Some(&growing(2, 5)), &args("ready", 5), None, 1), Step::Grow { from_gib: 2, to_gib: 5 });
+        assert!(matches!(step(Some(&growing(2, 5)), &args("ready", 3), None, 1), Step::Refuse(r) if r.contains("only grow")));
     }
 
     #[test]
@@ -566,7 +682,7 @@ mod tests {
         }
         fn grow(&self, _: &Path, size: u64) -> Result<(), String> {
             self.0.lock().unwrap().push(format!("grow {size}"));
-            Ok(())
+            if self.1.load(std::sync::atomic::Ordering::SeqCst) { Err("disk: full".into()) } else { Ok(()) }
         }
         fn mount(&self, _: &Path, _: &Path) -> Result<(), String> {
             self.0.lock().unwrap().push("mount".into());
@@ -597,5 +713,37 @@ mod tests {
         recorder.1.store(true, std::sync::atomic::Ordering::SeqCst);
         assert_eq!(volumes.apply("cmd_4", &args("ready", 1), None).await, Err("disk: full".into()));
         assert!(VolumeLedgerFile::new(dir.path()).load().unwrap().volumes.is_empty(), "no entry of a volume not made");
+    }
+
+    #[tokio::test]
+    async fn a_crash_between_the_record_and_the_disk_is_repaired_at_start() {
+        const OTHER: &str = "vol_01j00000000000000000000001";
+        let dir = tempfile::tempdir().unwrap();
+        // What a crash right after each record leaves: one volume `creating`, one `growing`.
+        let mut crashed = VolumeLedger::default();
+        crashed.volumes.insert(ID.into(), entry("creating", 2));
+        crashed.volumes.insert(OTHER.into(), growing(1, 4));
+        VolumeLedgerFile::new(dir.path()).save(&crashed).unwrap();
+        let recorder = Arc::new(Recorder::default());
+        let volumes = Volumes::new(dir.path(), Arc::new(recorder.clone())).unwrap();
+        assert_eq!(volumes.recover().await, []);
+        assert_eq!(*recorder.0.lock().unwrap(), ["create 2", "mount", "unmount", "grow 4", "mount"]);
+        let after = VolumeLedgerFile::new(dir.path()).load().unwrap();
+        assert_eq!((after.volumes[ID].desired.as_str(), after.volumes[ID].size_gib), ("ready", 2));
+        assert_eq!(after.volumes[OTHER], entry("ready", 4));
+        // The redelivered commands find them done.
+        assert_eq!(volumes.apply("cmd_1", &args("ready", 2), None).await, Ok(("ready", 2)));
+
+        // A recovery that cannot make the file system leaves nothing; one that cannot grow it
+        // leaves it ready at the size it had.
+        VolumeLedgerFile::new(dir.path()).save(&crashed).unwrap();
+        let recorder = Arc::new(Recorder::default());
+        recorder.1.store(true, std::sync::atomic::Ordering::SeqCst);
+        let volumes = Volumes::new(dir.path(), Arc::new(recorder.clone())).unwrap();
+        let failed = volumes.recover().await;
+        assert_eq!(failed, [(ID.to_owned(), "disk: full".to_owned()), (OTHER.to_owned(), "disk: full".to_owned())]);
+        let after = VolumeLedgerFile::new(dir.path()).load().unwrap();
+        assert!(!after.volumes.contains_key(ID), "{after:?}");
+        assert_eq!(after.volumes[OTHER], entry("ready", 1));
     }
 }

@@ -323,3 +323,100 @@ async fn a_volume_is_placed_only_on_a_node_that_can_make_volumes() {
     assert_eq!(listed["items"], json!([]), "nothing was made: {listed}");
     assert!(!machine.data().join("volumes").exists(), "nothing on the node either");
 }
+
+/// Whether process `pid` is gone or a zombie (killed, not yet reaped).
+fn dead(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |stat| stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()) == Some("Z"))
+}
+
+/// The node's volume ledger entry for `volume`.
+fn ledger_entry(machine: &AgentNode, volume: &str) -> Value {
+    let ledger: Value = serde_json::from_str(&std::fs::read_to_string(machine.data().join("volumes.json")).unwrap()).unwrap();
+    ledger["volumes"][volume].clone()
+}
+
+/// The size in KiB of the file system mounted at `mount` on the node, as `df` says.
+fn host_df_kib(mount: &std::path::Path) -> u64 {
+    let out = Command::new("df").arg("-k").arg(mount).output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout).into_owned();
+    out.lines().nth(1).and_then(|l| l.split_whitespace().nth(1)).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("df: {out}"))
+}
+
+/// Waits until `bcd` has killed itself (the fakehw switch `fake_volume_crash`), then reaps it.
+async fn wait_crashed(machine: &mut AgentNode) {
+    let pid = bc_tests::pid_of(machine);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !dead(&pid) {
+        assert!(std::time::Instant::now() < deadline, "bcd did not crash: {}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    machine.kill9();
+}
+
+/// `bcd` killed (SIGKILL, by the fakehw switch `[hardware] fake_volume_crash`) right after its
+/// ledger records a volume `creating`, before `mkfs.ext4`: the next start makes the file system
+/// (the ledger's recovery, not the redelivered command, which finds it ready), and the volume is
+/// a mounted 1 GiB ext4. Then killed after recording a growth to 2 GiB, before `resize2fs`: the
+/// next start grows it, and the file and the file system are 2 GiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_a_volume_s_record_and_its_disk_work_is_repaired_at_start() {
+    require_runtime();
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("volume-crash").await;
+    let mut machine = joined_node(&server, port, &pool).await;
+    let _cleanup =
+        Cleanup { runsc_root: machine.data().join("sandboxes").join("runsc"), volumes: machine.data().join("volumes") };
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    assert!(config.trim_end().ends_with("fake_seed = 1"), "the [hardware] table is last: {config}");
+    std::fs::write(machine.config(), format!("{config}fake_volume_crash = \"create\"\n")).unwrap();
+    machine.start();
+    wait_gvisor_ready(&server, &machine).await;
+
+    let created = call_ok(&server, "sandboxVolumes.create", json!({ "poolId": pool, "name": "crashy", "sizeGiB": 1 })).await;
+    let volume = created["volumeId"].as_str().unwrap().to_owned();
+    wait_crashed(&mut machine).await;
+    let image = machine.data().join("volumes").join(format!("{volume}.img"));
+    let mount = machine.data().join("volumes").join("mnt").join(&volume);
+    assert_eq!(ledger_entry(&machine, &volume)["desired"], "creating", "the crash came after the record");
+    assert!(!image.exists(), "and before the disk work");
+    let doc = call_ok(&server, "sandboxVolumes.get", json!({ "volumeId": volume })).await;
+    assert_eq!(doc["state"], "creating", "{doc}");
+
+    // Restarted, crashing next after a growth's record instead.
+    std::fs::write(machine.config(), format!("{config}fake_volume_crash = \"grow\"\n")).unwrap();
+    machine.start();
+    let ready =
+        wait_for(&server, "sandboxVolumes.get", json!({ "volumeId": volume }), "volume ready", |v| v["state"] != "creating", &machine)
+            .await;
+    assert_eq!((ready["state"].as_str(), ready["sizeGiB"].as_u64()), (Some("ready"), Some(1)), "{ready}\n{}", machine.node_log());
+    assert!(machine.node_log().contains("a volume a crash left half made was made again"), "{}", machine.node_log());
+    assert_eq!(ledger_entry(&machine, &volume)["desired"], "ready");
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 1 << 30);
+    let kib = host_df_kib(&mount);
+    assert!((900_000..1_100_000).contains(&kib), "a mounted 1 GiB file system: {kib} KiB");
+
+    let (status, doc) = server.call("sandboxVolumes.resize", json!({ "volumeId": volume, "sizeGiB": 2 })).await;
+    assert_eq!(status, 200, "{doc}");
+    wait_crashed(&mut machine).await;
+    let entry = ledger_entry(&machine, &volume);
+    assert_eq!((entry["desired"].as_str(), entry["sizeGiB"].as_u64(), entry["fromGiB"].as_u64()), (Some("growing"), Some(2), Some(1)));
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 1 << 30, "the crash came before the disk work");
+
+    std::fs::write(machine.config(), &config).unwrap();
+    machine.start();
+    let grown =
+        wait_for(&server, "sandboxVolumes.get", json!({ "volumeId": volume }), "volume grown", |v| v["state"] != "resizing", &machine)
+            .await;
+    assert_eq!((grown["state"].as_str(), grown["sizeGiB"].as_u64()), (Some("ready"), Some(2)), "{grown}\n{}", machine.node_log());
+    assert!(machine.node_log().contains("a volume a crash left half grown was grown again"), "{}", machine.node_log());
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 2 << 30);
+    let kib = host_df_kib(&mount);
+    assert!(kib > 1_900_000, "the file system grew: {kib} KiB");
+
+    let (code, _, err) = server.cli(&["sandbox-volume", "delete", &volume]);
+    assert_eq!(code, 0, "{err}");
+    wait_for(&server, "sandboxVolumes.get", json!({ "volumeId": volume }), "volume deleted", |v| v["state"] == "deleted", &machine)
+        .await;
+    assert!(!image.exists());
+}
