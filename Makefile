@@ -208,6 +208,9 @@ bench-deps:
 ## (BC_BENCH_SIM_NODES, BC_BENCH_SIM_TENANTS, BC_BENCH_SIM_HOURS).
 ## The batches bench runs that `bcd` too (`bcd sim`, 100 agents): a batch of 10,000 pings created,
 ## reviewed, approved and released against the same commands issued one by one (BC_BENCH_LEAVES).
+## The sandboxes bench runs that `bcd` too, with gVisor (runsc, busybox-static: make system-deps):
+## create → first exec output, cold and from a warm pool, beside `runsc do /bin/true` as the floor,
+## and how many 64 MiB sandboxes one node runs before something says no.
 ## The usage bench closes windows over 1,000,000 reservation events in memory beside the raw append
 ## rate, then times `usage export` (rows/s, peak RSS by /usr/bin/time -v) against a release `dev`.
 ## The ha_writes bench brings up scripts/ha-up's cluster (etcd, three Patroni members, two `serve`,
@@ -230,6 +233,7 @@ bench: check-postgres bench-deps
 	$(CARGO) bench -p bc-cli --bench fleet_config
 	$(CARGO) bench -p bc-cli --bench sim
 	$(CARGO) bench -p bc-cli --bench tunnels
+	$(CARGO) bench -p bc-cli --bench sandboxes
 	$(CARGO) bench -p bc-cli --bench usage
 	$(CARGO) bench -p bc-cli --bench ha_writes
 

@@ -18,6 +18,7 @@ pub use crate::command::{
     COMMAND_CANCELLED, COMMAND_FAILED, COMMAND_ISSUED, COMMAND_STARTED, COMMAND_SUCCEEDED, CommandCancelled, CommandIssued,
     CommandProgress,
 };
+pub use crate::decide::sandbox_volume::{NODE_VOLUMES_PROMISED, NodeVolumesPromised};
 pub use crate::decide::ssh_cert::{NODE_SSH_CERT_ISSUED, NodeSshCertIssued, SSH_CA_ROTATED, SshCaRotated};
 pub use crate::flavor::{FLAVOR_CREATED, FLAVOR_DELETED, FLAVOR_UPDATED, FlavorCreated, FlavorDeleted, FlavorUpdated};
 pub use crate::image::{
@@ -133,6 +134,7 @@ pub const EVENT_TYPES: &[&str] = &[
     NODE_FREED,
     NODE_DELETED,
     NODE_SSH_CERT_ISSUED,
+    NODE_VOLUMES_PROMISED,
     RESERVATION_REQUESTED,
     RESERVATION_HELD_FOR,
     RESERVATION_ACTIVATED,

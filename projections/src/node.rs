@@ -493,7 +493,8 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
         | NODE_TAINTED
         | NODE_ALLOCATED
         | NODE_FREED
-        | crate::decide::ssh_cert::NODE_SSH_CERT_ISSUED => marked(current, event),
+        | crate::decide::ssh_cert::NODE_SSH_CERT_ISSUED
+        | crate::decide::sandbox_volume::NODE_VOLUMES_PROMISED => marked(current, event),
         _ => Ok(current),
     }
 }
@@ -595,6 +596,10 @@ fn marked(current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> 
         // A certificate changes nothing the node's document shows; the event moves its version.
         crate::decide::ssh_cert::NODE_SSH_CERT_ISSUED => {
             let _: crate::decide::ssh_cert::NodeSshCertIssued = payload(event)?;
+        }
+        // Its disk promised to a volume: the event moves its version (a guard for the next).
+        crate::decide::sandbox_volume::NODE_VOLUMES_PROMISED => {
+            let _: crate::decide::sandbox_volume::NodeVolumesPromised = payload(event)?;
         }
         NODE_ALLOCATED => {
             let p: NodeAllocated = payload(event)?;

@@ -95,6 +95,7 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
         for s in &sandboxes {
             *load.entry(s.node_id.clone()).or_default() += 1;
         }
+        let mut warm_load = decide::warm_load(&sandboxes);
         for action in plan {
             let mut appends = Vec::new();
             match &action {
@@ -110,11 +111,16 @@ pub async fn pass(log: &Log, clock: &dyn Clock) -> Result<Pass> {
                     // One append per warm sandbox, each guarded at the template's version: the
                     // first lands, and the rest of this pass's go in the next (conflicts).
                     for _ in 0..*count {
-                        let Some(node) = decide::sandbox_node(&nodes, &template.pool_id, &load) else {
-                            tracing::debug!(reconciler = NAME, template = %template_id, "no node of the pool runs sandboxes: no warm pool yet");
-                            break;
+                        // Only on a node with room for another warm one (SANDBOX_WARM_PER_NODE_MAX).
+                        let node = match decide::place_sandbox(&nodes, &template.pool_id, &load, Some(&warm_load)) {
+                            Ok(node) => node,
+                            Err(why) => {
+                                tracing::debug!(reconciler = NAME, template = %template_id, reason = %why, "no warm sandbox made");
+                                break;
+                            }
                         };
                         *load.entry(node.node_id.clone()).or_default() += 1;
+                        *warm_load.entry(node.node_id.clone()).or_default() += 1;
                         let sandbox_id = SandboxId::from_ulid(log.ids.ulid()).to_string();
                         let command_id = CommandId::from_ulid(log.ids.ulid()).to_string();
                         let append =

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use bc_core::id::{CommandId, FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::sandbox::{
-    self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput, sandbox_node,
+    self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput,
 };
 use bc_projections::decide::sandbox_volume::{self as decide_volume, SANDBOX_TEMPLATE_VOLUMES_MAX};
 use bc_projections::events::VolumeMount;
@@ -351,24 +351,30 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
     let image_id: ImageId = parse_id("imageId", &input.image_id)?;
     decide::check_env(&input.env)?;
     // Secret references in the environment are checked, and the template made, under the names'
-    // lock a secret's delete takes, so a delete cannot pass between the two.
-    let _names = match input.env.values().any(|v| super::secrets::is_secret_ref(v)) {
+    // lock a secret's delete takes, so a delete cannot pass between the two; so is the tenant's
+    // sum of warmMin, so two creates in this process cannot both take its last room.
+    let warm_min = input.warm_min.unwrap_or(0);
+    let _names = match warm_min > 0 || input.env.values().any(|v| super::secrets::is_secret_ref(v)) {
         true => Some(call.state.name_locks.lock(tenant).await),
         false => None,
     };
+    let template_id = SandboxTemplateId::from_ulid(call.ulid()).to_string();
+    if warm_min > 0 {
+        let templates: Vec<SandboxTemplateDoc> = rows(call, tenant, KIND_SANDBOX_TEMPLATE).await?;
+        decide::check_tenant_warm(&templates, &template_id, warm_min)?;
+    }
     let env = super::secrets::env_refs_checked(call, tenant, &input.env).await?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     let flavor: FlavorDoc = call.row(tenant, KIND_FLAVOR, &flavor_id.to_string(), "flavor").await?;
     let image: ImageDoc = call.row(tenant, KIND_IMAGE, &image_id.to_string(), "image").await?;
     let (volumes, volume_docs) = volume_mounts(call, tenant, &input.volumes).await?;
-    let template_id = SandboxTemplateId::from_ulid(call.ulid()).to_string();
     let decided = decide::sandbox_template_create(&SandboxTemplateInput {
         template_id: &template_id,
         name: &input.name,
         pool: &pool,
         flavor: &flavor,
         image: &image,
-        warm_min: input.warm_min.unwrap_or(0),
+        warm_min,
         default_ttl_s: input.default_ttl_s,
         max_ttl_s: input.max_ttl_s,
         env: &env,
@@ -406,10 +412,15 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
         }
         None => None,
     };
-    let _names = match input.env.as_ref().is_some_and(|env| env.values().any(|v| super::secrets::is_secret_ref(v))) {
+    let raises_warm = input.warm_min.is_some_and(|w| w > template.warm_min);
+    let _names = match raises_warm || input.env.as_ref().is_some_and(|env| env.values().any(|v| super::secrets::is_secret_ref(v))) {
         true => Some(call.state.name_locks.lock(tenant).await),
         false => None,
     };
+    if let Some(warm_min) = input.warm_min.filter(|_| raises_warm && !retry) {
+        let templates: Vec<SandboxTemplateDoc> = rows(call, tenant, KIND_SANDBOX_TEMPLATE).await?;
+        decide::check_tenant_warm(&templates, &template.template_id, warm_min)?;
+    }
     let env = match &input.env {
         Some(env) => Some(super::secrets::env_refs_checked(call, tenant, env).await?),
         None => None,
@@ -494,9 +505,11 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
                     format!("node {node_id}, where the template's volumes are, is not a ready node that runs sandboxes"),
                     "wait until it is ready again; a volume stays on its node",
                 )
-            })?
+            })
+            .and_then(|node| decide::check_node_room(&node.node_id, &load).map(|()| node))?
         }
-        None => sandbox_node(&nodes, &template.pool_id, &load).ok_or_else(|| decide::no_sandbox_node(&template.pool_id))?,
+        // A node with room (SANDBOXES_PER_NODE_MAX), else QUOTA_EXCEEDED.
+        None => decide::place_sandbox(&nodes, &template.pool_id, &load, None)?,
     };
     let sandbox_id = SandboxId::from_ulid(call.ulid()).to_string();
     if !retry {

@@ -50,6 +50,95 @@ pub const SANDBOX_DELETE_ATTEMPTS_WARN: u32 = 3;
 const _: () = assert!(SANDBOX_TTL_MIN_S < SANDBOX_TTL_DEFAULT_S && SANDBOX_TTL_DEFAULT_S < SANDBOX_TTL_MAX_S);
 const _: () = assert!((SANDBOX_WARM_MIN_MAX as usize) < SANDBOXES_PER_TENANT_MAX);
 
+/// The most sandboxes one node runs, warm ones and those being deleted included: what its agent
+/// runs at most (`bcd`'s own `SANDBOXES_PER_NODE_MAX`, the same figure), so placement sends none
+/// to a full node, where it would only fail (`capacity`).
+pub const SANDBOXES_PER_NODE_MAX: usize = 64;
+/// The most warm (unclaimed) sandboxes one node holds: half of what it runs, so a claimed or
+/// cold sandbox always finds room beside the warm pools.
+pub const SANDBOX_WARM_PER_NODE_MAX: usize = SANDBOXES_PER_NODE_MAX / 2;
+/// The most warm sandboxes a tenant's templates keep together (their `warmMin` summed): half of
+/// the tenant's bound, so its warm pools never take the room of the sandboxes it claims.
+pub const SANDBOX_WARM_PER_TENANT_MAX: u32 = (SANDBOXES_PER_TENANT_MAX / 2) as u32;
+
+const _: () = assert!(SANDBOX_WARM_MIN_MAX <= SANDBOX_WARM_PER_TENANT_MAX);
+
+/// Whether `warm_min` for template `template_id` (new, or changed) keeps the tenant's templates
+/// (`templates`, the others and this one as it is) within [`SANDBOX_WARM_PER_TENANT_MAX`] warm
+/// sandboxes together. Lowering a template's `warmMin` is always allowed. `QUOTA_EXCEEDED`
+/// with the figures otherwise.
+pub fn check_tenant_warm(templates: &[SandboxTemplateDoc], template_id: &str, warm_min: u32) -> Result<(), Error> {
+    let now = templates.iter().find(|t| t.template_id == template_id).map_or(0, |t| t.warm_min);
+    let others: u32 = templates.iter().filter(|t| t.template_id != template_id).map(|t| t.warm_min).fold(0, u32::saturating_add);
+    if warm_min <= now || others.saturating_add(warm_min) <= SANDBOX_WARM_PER_TENANT_MAX {
+        return Ok(());
+    }
+    Err(Error::QuotaExceeded(format!(
+        "the tenant's other templates keep {others} warm sandboxes; warmMin {warm_min} would make {}, past the \
+         {SANDBOX_WARM_PER_TENANT_MAX} a tenant keeps warm (SANDBOX_WARM_PER_TENANT_MAX): lower another template's \
+         warmMin, or ask for at most {}",
+        others.saturating_add(warm_min),
+        SANDBOX_WARM_PER_TENANT_MAX.saturating_sub(others)
+    )))
+}
+
+/// The warm sandboxes (starting or running, unclaimed) on each node of `sandboxes`.
+pub fn warm_load(sandboxes: &[SandboxDoc]) -> BTreeMap<String, usize> {
+    let mut out: BTreeMap<String, usize> = BTreeMap::new();
+    for s in sandboxes.iter().filter(|s| s.warm && matches!(s.state, SandboxState::Starting | SandboxState::Running)) {
+        *out.entry(s.node_id.clone()).or_default() += 1;
+    }
+    out
+}
+
+/// Whether node `node_id` runs another sandbox beside its `load` (its live sandboxes):
+/// [`SANDBOXES_PER_NODE_MAX`]. `QUOTA_EXCEEDED` otherwise.
+pub fn check_node_room(node_id: &str, load: &BTreeMap<String, usize>) -> Result<(), Error> {
+    let held = load.get(node_id).copied().unwrap_or(0);
+    if held < SANDBOXES_PER_NODE_MAX {
+        return Ok(());
+    }
+    Err(Error::QuotaExceeded(format!(
+        "node {node_id} runs {held} sandboxes, the most a node runs (SANDBOXES_PER_NODE_MAX {SANDBOXES_PER_NODE_MAX}): \
+         delete some, or join another node to the pool"
+    )))
+}
+
+/// The node a new sandbox of `pool_id` goes to: [`sandbox_node`] among the nodes with room
+/// ([`SANDBOXES_PER_NODE_MAX`] by `load`; for a warm one, `warm` its nodes' warm sandboxes, also
+/// fewer than [`SANDBOX_WARM_PER_NODE_MAX`]). `INVALID_STATE` when no node runs sandboxes
+/// ([`no_sandbox_node`]), `QUOTA_EXCEEDED` when those that do are full.
+pub fn place_sandbox<'a>(
+    nodes: &'a [NodeDoc],
+    pool_id: &str,
+    load: &BTreeMap<String, usize>,
+    warm: Option<&BTreeMap<String, usize>>,
+) -> Result<&'a NodeDoc, Error> {
+    let count = |map: &BTreeMap<String, usize>, n: &NodeDoc| map.get(&n.node_id).copied().unwrap_or(0);
+    let running: Vec<&NodeDoc> = nodes.iter().filter(|n| runs_sandboxes(n, pool_id)).collect();
+    if running.is_empty() {
+        return Err(no_sandbox_node(pool_id));
+    }
+    let room = running
+        .iter()
+        .filter(|n| count(load, n) < SANDBOXES_PER_NODE_MAX && warm.is_none_or(|w| count(w, n) < SANDBOX_WARM_PER_NODE_MAX))
+        .min_by_key(|n| (count(load, n), n.node_id.clone()));
+    room.copied().ok_or_else(|| {
+        let what = match warm {
+            Some(_) => format!(
+                "{SANDBOXES_PER_NODE_MAX} sandboxes (SANDBOXES_PER_NODE_MAX) or {SANDBOX_WARM_PER_NODE_MAX} warm ones \
+                 (SANDBOX_WARM_PER_NODE_MAX)"
+            ),
+            None => format!("{SANDBOXES_PER_NODE_MAX} sandboxes (SANDBOXES_PER_NODE_MAX)"),
+        };
+        Error::QuotaExceeded(format!(
+            "each of the {} ready node(s) of pool {pool_id} that run sandboxes holds {what}, the most a node holds: \
+             delete some, or join another node to the pool",
+            running.len()
+        ))
+    })
+}
+
 /// What `sandboxTemplates.create` decides on.
 pub struct SandboxTemplateInput<'a> {
     pub template_id: &'a str,
@@ -810,5 +899,47 @@ mod tests {
         assert!(check_env(&env).is_err());
         let big: BTreeMap<String, String> = (0..=SANDBOX_ENV_VARS_MAX).map(|i| (format!("V{i}"), String::new())).collect();
         assert!(check_env(&big).is_err());
+    }
+    #[test]
+    fn warm_sandboxes_are_bounded_per_tenant_and_per_node() {
+        // The tenant: the templates' warmMin summed.
+        let with = |id: &str, warm: u32| SandboxTemplateDoc { template_id: id.into(), ..template(warm) };
+        let templates = [with("sbxt_1", 60), with("sbxt_2", 60)];
+        check_tenant_warm(&templates, "sbxt_3", SANDBOX_WARM_PER_TENANT_MAX - 120).unwrap();
+        let err = check_tenant_warm(&templates, "sbxt_3", SANDBOX_WARM_PER_TENANT_MAX - 119).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::QuotaExceeded, "{err}");
+        assert!(err.to_string().contains("SANDBOX_WARM_PER_TENANT_MAX") && err.to_string().contains("at most 8"), "{err}");
+        check_tenant_warm(&templates, "sbxt_1", 64).unwrap();
+        assert!(check_tenant_warm(&templates, "sbxt_1", SANDBOX_WARM_PER_TENANT_MAX - 59).is_err());
+        let over = [with("sbxt_1", 64), with("sbxt_2", 64), with("sbxt_3", 64)];
+        check_tenant_warm(&over, "sbxt_1", 10).expect("lowering is always allowed");
+
+        // The node: what it runs, and of that, what it keeps warm.
+        let gvisor = [CAPABILITY_SANDBOX_GVISOR];
+        let nodes = [
+            crate::drivers::test_node("n1", "pool_1", NodeState::Ready, &gvisor),
+            crate::drivers::test_node("n2", "pool_1", NodeState::Ready, &gvisor),
+        ];
+        let map = |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> { pairs.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect() };
+        let load = map(&[("n1", 3), ("n2", 5)]);
+        assert_eq!(place_sandbox(&nodes, "pool_1", &load, None).unwrap().node_id, "n1");
+        let warm = map(&[("n1", SANDBOX_WARM_PER_NODE_MAX)]);
+        assert_eq!(place_sandbox(&nodes, "pool_1", &load, Some(&warm)).unwrap().node_id, "n2", "n1 holds its most warm ones");
+        assert_eq!(place_sandbox(&nodes, "pool_1", &load, None).unwrap().node_id, "n1", "a cold one still fits there");
+        let full = map(&[("n1", SANDBOXES_PER_NODE_MAX), ("n2", SANDBOXES_PER_NODE_MAX)]);
+        let err = place_sandbox(&nodes, "pool_1", &full, None).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::QuotaExceeded, "{err}");
+        assert!(err.to_string().contains("2 ready node(s)") && err.to_string().contains("SANDBOXES_PER_NODE_MAX"), "{err}");
+        assert_eq!(place_sandbox(&nodes, "pool_2", &load, None).unwrap_err().code(), bc_core::ErrorCode::InvalidState);
+        check_node_room("n1", &load).unwrap();
+        assert_eq!(check_node_room("n1", &full).unwrap_err().code(), bc_core::ErrorCode::QuotaExceeded);
+
+        // Warm ones counted: starting or running, unclaimed.
+        let mut claimed = sandbox("sbx_2", SandboxState::Running, false, Some(1));
+        claimed.node_id = "n1".into();
+        let mut starting = sandbox("sbx_1", SandboxState::Starting, true, None);
+        starting.node_id = "n1".into();
+        let failed = sandbox("sbx_3", SandboxState::Failed, true, None);
+        assert_eq!(warm_load(&[starting, claimed, failed]), map(&[("n1", 1)]));
     }
 }

@@ -37,6 +37,32 @@ pub const SANDBOX_VOLUME_PATHS_RESERVED: &[&str] = &["/proc", "/dev", "/sys", "/
 
 const _: () = assert!(SANDBOX_VOLUME_SIZE_MIN_GIB >= 1 && SANDBOX_VOLUME_SIZE_MIN_GIB < SANDBOX_VOLUME_SIZE_MAX_GIB);
 
+/// What a node's volumes promise of its disk changed (on the node's stream, in the same append
+/// as the volume's creation or growth, at the node's version the decision read). It moves the
+/// node's version, so of two decisions that read the node before either landed (two requests,
+/// two gateways) the second is a `CONFLICT` instead of both passing [`check_node_disk`]; the
+/// node's document shows nothing new.
+pub const NODE_VOLUMES_PROMISED: &str = "node.volumes_promised";
+
+/// `node.volumes_promised`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NodeVolumesPromised {
+    /// The volume made or grown.
+    pub volume_id: String,
+    /// What the node's volumes promise with it, in GiB.
+    #[serde(rename = "promisedGiB")]
+    pub promised_gib: u64,
+}
+
+/// The guard and the event that take `node`'s disk for a decision ([`NODE_VOLUMES_PROMISED`]).
+fn promise(node: &NodeDoc, volume_id: &str, promised_gib: u64, guards: &mut Vec<(String, ExpectedVersion)>) -> Result<NewEvent, Error> {
+    let stream = stream_of(crate::KIND_NODE, &node.node_id);
+    guards.push((stream.clone(), ExpectedVersion::Exact(node.version)));
+    let payload = to_cbor(&NodeVolumesPromised { volume_id: volume_id.to_owned(), promised_gib })?;
+    Ok(NewEvent { stream: Some(stream), event_type: NODE_VOLUMES_PROMISED.into(), payload })
+}
+
 /// A volume's size: whole GiB, [`SANDBOX_VOLUME_SIZE_MIN_GIB`] to [`SANDBOX_VOLUME_SIZE_MAX_GIB`].
 pub fn check_size(size_gib: u64) -> Result<(), Error> {
     if !(SANDBOX_VOLUME_SIZE_MIN_GIB..=SANDBOX_VOLUME_SIZE_MAX_GIB).contains(&size_gib) {
@@ -213,6 +239,8 @@ pub fn sandbox_volume_create(input: &SandboxVolumeInput<'_>, issue: Issue<'_>) -
         )));
     }
     let mut guards = vec![(stream_of(crate::KIND_POOL, &input.pool.pool_id), ExpectedVersion::Exact(input.pool.version))];
+    let promised = node_volumes_gib(input.live, &input.node.node_id).saturating_add(input.size_gib);
+    let promised = promise(input.node, input.volume_id, promised, &mut guards)?;
     let args = SandboxVolumeDoc::apply_args(input.volume_id, "ready", input.size_gib);
     let (command, apply) =
         issue_command_for(&input.node.node_id, SANDBOX_VOLUME_APPLY, args, SANDBOX_VOLUME_APPLY_DEADLINE_S, issue, &mut guards)?;
@@ -227,7 +255,7 @@ pub fn sandbox_volume_create(input: &SandboxVolumeInput<'_>, issue: Issue<'_>) -
         stream: stream_of(KIND_SANDBOX_VOLUME, &input.volume_id),
         expected: ExpectedVersion::NoStream,
         guards,
-        events: vec![NewEvent::new(SANDBOX_VOLUME_CREATED, to_cbor(&created)?), command],
+        events: vec![NewEvent::new(SANDBOX_VOLUME_CREATED, to_cbor(&created)?), command, promised],
     })
 }
 
@@ -274,6 +302,7 @@ pub fn sandbox_volume_resize(
     let promised = node_volumes_gib(disk.volumes, &volume.node_id);
     check_node_disk(disk.node, promised, size_gib - volume.size_gib)?;
     let mut guards = Vec::new();
+    let promised = promise(disk.node, &volume.volume_id, promised + (size_gib - volume.size_gib), &mut guards)?;
     let args = SandboxVolumeDoc::apply_args(&volume.volume_id, "ready", size_gib);
     let (command, apply) =
         issue_command_for(&volume.node_id, SANDBOX_VOLUME_APPLY, args, SANDBOX_VOLUME_APPLY_DEADLINE_S, issue, &mut guards)?;
@@ -284,6 +313,7 @@ pub fn sandbox_volume_resize(
         events: vec![
             NewEvent::new(SANDBOX_VOLUME_RESIZE_REQUESTED, to_cbor(&SandboxVolumeResizeRequested { size_gib, apply })?),
             command,
+            promised,
         ],
     })
 }
@@ -646,6 +676,10 @@ mod tests {
         let append = sandbox_volume_resize(&v, 3, &[], roomy(), issue()).unwrap();
         assert_eq!(append.expected, ExpectedVersion::Exact(3));
         assert_eq!(append.events[0].event_type, SANDBOX_VOLUME_RESIZE_REQUESTED);
+        // The node's disk is taken at the node's version read (projections/tests/volume_disk_race.rs).
+        let node_stream = stream_of(crate::KIND_NODE, "node_1");
+        assert!(append.guards.contains(&(node_stream.clone(), ExpectedVersion::Exact(1))), "{:?}", append.guards);
+        assert_eq!((append.events[2].event_type.as_str(), append.events[2].stream.as_ref()), (NODE_VOLUMES_PROMISED, Some(&node_stream)));
         let resizing = volume("vol_1", "node_1", SandboxVolumeState::Resizing, None);
         assert!(sandbox_volume_resize(&resizing, 4, &[], roomy(), issue()).is_err());
     }
