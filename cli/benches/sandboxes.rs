@@ -270,9 +270,9 @@ async fn delete(api: &Api, sandbox: &str) {
 /// Waits until `template` has `count` warm sandboxes running.
 async fn warm_full(api: &Api, template: &str, count: usize) {
     api.wait("sandboxes.list", json!({ "templateId": template, "limit": 100 }), "warm pool full", 20, |page| {
-        page["items"].as_array().is_some_and(|items| {
-            items.iter().filter(|s| s["warm"] == true && s["state"] == "running").count() >= count
-        })
+        page["items"]
+            .as_array()
+            .is_some_and(|items| items.iter().filter(|s| s["warm"] == true && s["state"] == "running").count() >= count)
     })
     .await;
 }

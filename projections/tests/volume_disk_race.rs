@@ -39,10 +39,12 @@ impl World {
         let sqlite = SqliteStore::open(&dir.path().join("race.sqlite3")).await.unwrap();
         sqlite.migrate().await.unwrap();
         let store: Arc<dyn EventStore> = Arc::new(sqlite);
-        let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
+        let log =
+            Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
         let (tenant, pool) = (TenantId::generate(), PoolId::generate().to_string());
         // From JSON: the fields a pool may have beyond these are optional.
-        let created: ev::PoolCreated = serde_json::from_value(serde_json::json!({ "name": "p", "description": "", "labels": {} })).unwrap();
+        let created: ev::PoolCreated =
+            serde_json::from_value(serde_json::json!({ "name": "p", "description": "", "labels": {} })).unwrap();
         log.append(AppendRequest::new(
             tenant,
             stream_of(KIND_POOL, &pool),
@@ -89,7 +91,8 @@ impl World {
     }
 
     async fn pool_doc(&self) -> PoolDoc {
-        serde_json::from_value(self.store.row_get(&self.tenant.to_string(), KIND_POOL, &self.pool).await.unwrap().unwrap().doc).unwrap()
+        serde_json::from_value(self.store.row_get(&self.tenant.to_string(), KIND_POOL, &self.pool).await.unwrap().unwrap().doc)
+            .unwrap()
     }
 
     async fn live(&self) -> Vec<SandboxVolumeDoc> {
@@ -102,7 +105,9 @@ impl World {
         let (volume_id, command_id) = (SandboxVolumeId::generate().to_string(), CommandId::generate().to_string());
         let chosen = decide::volume_node(std::slice::from_ref(node), &self.pool, &Default::default(), live, EACH_GIB).unwrap();
         let input = SandboxVolumeInput { volume_id: &volume_id, name, pool, node: chosen, size_gib: EACH_GIB, live };
-        decide::sandbox_volume_create(&input, Issue { command_id: &command_id, now_ms: 1 }).unwrap().into_request(self.tenant, "test")
+        decide::sandbox_volume_create(&input, Issue { command_id: &command_id, now_ms: 1 })
+            .unwrap()
+            .into_request(self.tenant, "test")
     }
 }
 

@@ -340,7 +340,11 @@ fn ledger_entry(machine: &AgentNode, volume: &str) -> Value {
 fn host_df_kib(mount: &std::path::Path) -> u64 {
     let out = Command::new("df").arg("-k").arg(mount).output().unwrap();
     let out = String::from_utf8_lossy(&out.stdout).into_owned();
-    out.lines().nth(1).and_then(|l| l.split_whitespace().nth(1)).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("df: {out}"))
+    out.lines()
+        .nth(1)
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("df: {out}"))
 }
 
 /// Waits until `bcd` has killed itself (the fakehw switch `fake_volume_crash`), then reaps it.
@@ -386,9 +390,15 @@ async fn a_crash_between_a_volume_s_record_and_its_disk_work_is_repaired_at_star
     // Restarted, crashing next after a growth's record instead.
     std::fs::write(machine.config(), format!("{config}fake_volume_crash = \"grow\"\n")).unwrap();
     machine.start();
-    let ready =
-        wait_for(&server, "sandboxVolumes.get", json!({ "volumeId": volume }), "volume ready", |v| v["state"] != "creating", &machine)
-            .await;
+    let ready = wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume ready",
+        |v| v["state"] != "creating",
+        &machine,
+    )
+    .await;
     assert_eq!((ready["state"].as_str(), ready["sizeGiB"].as_u64()), (Some("ready"), Some(1)), "{ready}\n{}", machine.node_log());
     assert!(machine.node_log().contains("a volume a crash left half made was made again"), "{}", machine.node_log());
     assert_eq!(ledger_entry(&machine, &volume)["desired"], "ready");
@@ -400,14 +410,23 @@ async fn a_crash_between_a_volume_s_record_and_its_disk_work_is_repaired_at_star
     assert_eq!(status, 200, "{doc}");
     wait_crashed(&mut machine).await;
     let entry = ledger_entry(&machine, &volume);
-    assert_eq!((entry["desired"].as_str(), entry["sizeGiB"].as_u64(), entry["fromGiB"].as_u64()), (Some("growing"), Some(2), Some(1)));
+    assert_eq!(
+        (entry["desired"].as_str(), entry["sizeGiB"].as_u64(), entry["fromGiB"].as_u64()),
+        (Some("growing"), Some(2), Some(1))
+    );
     assert_eq!(std::fs::metadata(&image).unwrap().len(), 1 << 30, "the crash came before the disk work");
 
     std::fs::write(machine.config(), &config).unwrap();
     machine.start();
-    let grown =
-        wait_for(&server, "sandboxVolumes.get", json!({ "volumeId": volume }), "volume grown", |v| v["state"] != "resizing", &machine)
-            .await;
+    let grown = wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume grown",
+        |v| v["state"] != "resizing",
+        &machine,
+    )
+    .await;
     assert_eq!((grown["state"].as_str(), grown["sizeGiB"].as_u64()), (Some("ready"), Some(2)), "{grown}\n{}", machine.node_log());
     assert!(machine.node_log().contains("a volume a crash left half grown was grown again"), "{}", machine.node_log());
     assert_eq!(std::fs::metadata(&image).unwrap().len(), 2 << 30);
@@ -416,7 +435,14 @@ async fn a_crash_between_a_volume_s_record_and_its_disk_work_is_repaired_at_star
 
     let (code, _, err) = server.cli(&["sandbox-volume", "delete", &volume]);
     assert_eq!(code, 0, "{err}");
-    wait_for(&server, "sandboxVolumes.get", json!({ "volumeId": volume }), "volume deleted", |v| v["state"] == "deleted", &machine)
-        .await;
+    wait_for(
+        &server,
+        "sandboxVolumes.get",
+        json!({ "volumeId": volume }),
+        "volume deleted",
+        |v| v["state"] == "deleted",
+        &machine,
+    )
+    .await;
     assert!(!image.exists());
 }

@@ -14,9 +14,7 @@ use std::collections::BTreeMap;
 
 use bc_core::id::{CommandId, FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId, TenantId};
 use bc_core::{Error, Result};
-use bc_projections::decide::sandbox::{
-    self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput,
-};
+use bc_projections::decide::sandbox::{self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput};
 use bc_projections::decide::sandbox_volume::{self as decide_volume, SANDBOX_TEMPLATE_VOLUMES_MAX};
 use bc_projections::events::VolumeMount;
 use bc_projections::placement::Issue;
@@ -413,7 +411,8 @@ async fn sandbox_templates_update(call: &Call<'_>, input: SandboxTemplatesUpdate
         None => None,
     };
     let raises_warm = input.warm_min.is_some_and(|w| w > template.warm_min);
-    let _names = match raises_warm || input.env.as_ref().is_some_and(|env| env.values().any(|v| super::secrets::is_secret_ref(v))) {
+    let _names = match raises_warm || input.env.as_ref().is_some_and(|env| env.values().any(|v| super::secrets::is_secret_ref(v)))
+    {
         true => Some(call.state.name_locks.lock(tenant).await),
         false => None,
     };
@@ -499,15 +498,16 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
         *load.entry(s.node_id.clone()).or_default() += 1;
     }
     let node = match decide_volume::volumes_node(&template, &volumes)? {
-        Some(node_id) => {
-            nodes.iter().find(|n| n.node_id == node_id && decide::runs_sandboxes(n, &template.pool_id)).ok_or_else(|| {
+        Some(node_id) => nodes
+            .iter()
+            .find(|n| n.node_id == node_id && decide::runs_sandboxes(n, &template.pool_id))
+            .ok_or_else(|| {
                 Error::state(
                     format!("node {node_id}, where the template's volumes are, is not a ready node that runs sandboxes"),
                     "wait until it is ready again; a volume stays on its node",
                 )
             })
-            .and_then(|node| decide::check_node_room(&node.node_id, &load).map(|()| node))?
-        }
+            .and_then(|node| decide::check_node_room(&node.node_id, &load).map(|()| node))?,
         // A node with room (SANDBOXES_PER_NODE_MAX), else QUOTA_EXCEEDED.
         None => decide::place_sandbox(&nodes, &template.pool_id, &load, None)?,
     };

@@ -920,7 +920,8 @@ mod tests {
             crate::drivers::test_node("n1", "pool_1", NodeState::Ready, &gvisor),
             crate::drivers::test_node("n2", "pool_1", NodeState::Ready, &gvisor),
         ];
-        let map = |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> { pairs.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect() };
+        let map =
+            |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> { pairs.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect() };
         let load = map(&[("n1", 3), ("n2", 5)]);
         assert_eq!(place_sandbox(&nodes, "pool_1", &load, None).unwrap().node_id, "n1");
         let warm = map(&[("n1", SANDBOX_WARM_PER_NODE_MAX)]);

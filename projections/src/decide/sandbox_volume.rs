@@ -56,7 +56,12 @@ pub struct NodeVolumesPromised {
 }
 
 /// The guard and the event that take `node`'s disk for a decision ([`NODE_VOLUMES_PROMISED`]).
-fn promise(node: &NodeDoc, volume_id: &str, promised_gib: u64, guards: &mut Vec<(String, ExpectedVersion)>) -> Result<NewEvent, Error> {
+fn promise(
+    node: &NodeDoc,
+    volume_id: &str,
+    promised_gib: u64,
+    guards: &mut Vec<(String, ExpectedVersion)>,
+) -> Result<NewEvent, Error> {
     let stream = stream_of(crate::KIND_NODE, &node.node_id);
     guards.push((stream.clone(), ExpectedVersion::Exact(node.version)));
     let payload = to_cbor(&NodeVolumesPromised { volume_id: volume_id.to_owned(), promised_gib })?;
@@ -679,7 +684,10 @@ mod tests {
         // The node's disk is taken at the node's version read (projections/tests/volume_disk_race.rs).
         let node_stream = stream_of(crate::KIND_NODE, "node_1");
         assert!(append.guards.contains(&(node_stream.clone(), ExpectedVersion::Exact(1))), "{:?}", append.guards);
-        assert_eq!((append.events[2].event_type.as_str(), append.events[2].stream.as_ref()), (NODE_VOLUMES_PROMISED, Some(&node_stream)));
+        assert_eq!(
+            (append.events[2].event_type.as_str(), append.events[2].stream.as_ref()),
+            (NODE_VOLUMES_PROMISED, Some(&node_stream))
+        );
         let resizing = volume("vol_1", "node_1", SandboxVolumeState::Resizing, None);
         assert!(sandbox_volume_resize(&resizing, 4, &[], roomy(), issue()).is_err());
     }
