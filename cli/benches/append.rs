@@ -49,6 +49,7 @@ fn pool_request(tenant: TenantId) -> AppendRequest {
         description: "a pool created by the append benchmark, sized like a real one".into(),
         labels: [("site".to_owned(), "ams-1".to_owned()), ("class".to_owned(), "h100".to_owned())].into(),
         max_reservation_s: None,
+        site_id: None,
     })
     .unwrap();
     AppendRequest {

@@ -248,6 +248,7 @@ async fn open_db(path: &std::path::Path, tenant: TenantId) -> Db {
             description: String::new(),
             labels: Default::default(),
             max_reservation_s: None,
+            site_id: None,
         };
         let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
         server

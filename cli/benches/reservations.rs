@@ -69,6 +69,7 @@ async fn raw_appends(log: &Arc<Log>, turn: usize, count: usize) -> f64 {
                 description: String::new(),
                 labels: Default::default(),
                 max_reservation_s: None,
+                site_id: None,
             })
             .unwrap();
             l.append(append(TenantId::generate(), stream_of(KIND_POOL, &PoolId::generate()), ev::POOL_CREATED, payload))
@@ -131,7 +132,7 @@ fn main() {
         let tenant = TenantId::ROOT;
         let pool = PoolId::generate().to_string();
         let created =
-            ev::PoolCreated { name: "bench".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+            ev::PoolCreated { name: "bench".into(), description: String::new(), labels: Default::default(), max_reservation_s: None, site_id: None };
         log.append(append(tenant, stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
         eprintln!("registering {NODES} nodes × {GPUS_PER_NODE} GPUs…");
         let (l, p) = (log.clone(), pool.clone());

@@ -116,6 +116,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
             description: String::new(),
             labels: Default::default(),
             max_reservation_s: None,
+            site_id: None,
         })
         .unwrap();
         pending.push(log.append(append(stream_of(KIND_POOL, &PoolId::generate()), ev::POOL_CREATED, payload)));

@@ -13,9 +13,9 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::commands::{
-    agent_commands, api, audit, auth, batch, console, drivers, events, exec, flavors, fleet, forward, init, instances, inventory,
-    join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes, secrets, sim,
-    ssh_cert, usage, version, webhooks,
+    agent_commands, api, audit, auth, batch, catalogue, console, drivers, events, exec, flavors, fleet, forward, init, instances,
+    inventory, join_requests, join_tokens, meta, metal, nodes, operator, pools, releases, reservations, rollouts, sandboxes,
+    secrets, sim, ssh_cert, usage, version, webhooks,
 };
 use crate::output::Format;
 
@@ -320,6 +320,16 @@ pub enum Command {
     Secrets {
         #[command(subcommand)]
         command: secrets::SecretsCommand,
+    },
+    /// Sites: where machines are (a region and labels); pools name theirs (`pools create --site`).
+    Sites {
+        #[command(subcommand)]
+        command: catalogue::SitesCommand,
+    },
+    /// Projects: a tenant's subdivisions; reservations are made in one with --project.
+    Projects {
+        #[command(subcommand)]
+        command: catalogue::ProjectsCommand,
     },
     /// Webhook subscriptions and their deliveries (Standard Webhooks signatures).
     Webhooks {

@@ -287,6 +287,21 @@ pub const WEBHOOKS: &[Column] = &[
     Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
 ];
 
+pub const SITES: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "siteId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "REGION", cell: |r, _| field(r, "region") },
+    Column { header: "LABELS", cell: |r, _| pairs(r, "labels") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
+pub const PROJECTS: &[Column] = &[
+    Column { header: "ID", cell: |r, _| field(r, "projectId") },
+    Column { header: "NAME", cell: |r, _| field(r, "name") },
+    Column { header: "ARCHIVED", cell: |r, _| field(r, "archived") },
+    Column { header: "AGE", cell: |r, now| when(r, "createdAtMs", now) },
+];
+
 pub const SECRETS: &[Column] = &[
     Column { header: "NAME", cell: |r, _| field(r, "name") },
     Column { header: "VERSION", cell: |r, _| field(r, "secretVersion") },
@@ -395,6 +410,8 @@ pub fn for_method(method: &str) -> Option<&'static [Column]> {
         "webhooks.deliveries" => DELIVERIES,
         "webhooks.eventTypes" => EVENT_TYPES,
         "secrets.list" => SECRETS,
+        "sites.list" => SITES,
+        "projects.list" => PROJECTS,
         "apiKeys.list" => API_KEYS,
         "flavors.list" => FLAVORS,
         "images.list" => IMAGES,

@@ -121,6 +121,10 @@ typed_id!(/// A destructive batch: commands held until a quorum of approver keys
     CommandBatchId, "batch");
 typed_id!(/// A write-only secret: a name and versions of a value sealed in the secret store.
     SecretId, "sec");
+typed_id!(/// A site: where machines are (a region and labels); pools and metal machines may name one.
+    SiteId, "site");
+typed_id!(/// A project: a tenant's subdivision that reservations and instances may carry.
+    ProjectId, "proj");
 typed_id!(/// A request, for correlation.
     RequestId, "req");
 

@@ -86,6 +86,7 @@ async fn pool_via(log: &Log, name: &str) -> AppendResult {
         description: String::new(),
         labels: Default::default(),
         max_reservation_s: None,
+        site_id: None,
     })
     .unwrap();
     log.append(AppendRequest {

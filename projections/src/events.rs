@@ -77,7 +77,9 @@ pub use crate::sandbox_volume::{
     SandboxVolumeAttached, SandboxVolumeCreated, SandboxVolumeDeleteRequested, SandboxVolumeDetached, SandboxVolumeReport,
     SandboxVolumeResizeRequested, VolumeMount,
 };
+pub use crate::project::{PROJECT_ARCHIVED, PROJECT_CREATED, ProjectArchived, ProjectCreated};
 pub use crate::secret::{SECRET_DELETED, SECRET_PUT, SECRET_RESOLVED, SecretDeleted, SecretPut, SecretResolved};
+pub use crate::site::{SITE_CREATED, SITE_DELETED, SITE_UPDATED, SiteCreated, SiteDeleted, SiteUpdated};
 pub use crate::tenant::{
     API_KEY_CREATED, API_KEY_REVOKED, API_KEY_UPDATED, ApiKeyCreated, ApiKeyRevoked, ApiKeyUpdated, TENANT_CREATED, TenantCreated,
 };
@@ -153,6 +155,11 @@ pub const EVENT_TYPES: &[&str] = &[
     SECRET_PUT,
     SECRET_DELETED,
     SECRET_RESOLVED,
+    SITE_CREATED,
+    SITE_UPDATED,
+    SITE_DELETED,
+    PROJECT_CREATED,
+    PROJECT_ARCHIVED,
     FLAVOR_CREATED,
     FLAVOR_UPDATED,
     FLAVOR_DELETED,

@@ -224,13 +224,25 @@ pub fn image_fingerprint(
     }))
 }
 
-/// The live objects a drift check reads: the tenant's pools, quotas (by pool id), flavors and
-/// images.
+/// A site's fingerprint: its name, region and labels.
+pub fn site_fingerprint(name: &str, region: &str, labels: &BTreeMap<String, String>) -> String {
+    canonical_sha256(&serde_json::json!({ "name": name, "region": region, "labels": labels }))
+}
+
+/// A project's fingerprint: its name and description.
+pub fn project_fingerprint(name: &str, description: &str) -> String {
+    canonical_sha256(&serde_json::json!({ "name": name, "description": description }))
+}
+
+/// The live objects a drift check reads: the tenant's pools, quotas (by pool id), flavors,
+/// images, sites and projects.
 pub struct FleetObjectsLive<'a> {
     pub pools: &'a [crate::PoolDoc],
     pub quotas: &'a BTreeMap<String, crate::QuotaDoc>,
     pub flavors: &'a [crate::FlavorDoc],
     pub images: &'a [crate::ImageDoc],
+    pub sites: &'a [crate::site::SiteDoc],
+    pub projects: &'a [crate::project::ProjectDoc],
 }
 
 /// The objects the applied document covers that changed outside it since: each one whose live
@@ -261,6 +273,13 @@ pub fn fleet_drift(applied: &FleetConfigDoc, live: &FleetObjectsLive<'_>) -> Vec
                 .iter()
                 .find(|i| i.image_id == id)
                 .map(|i| image_fingerprint(&i.name, &i.url, &i.sha256, i.disk_format, i.size_bytes)),
+            "site" => live.sites.iter().find(|s| s.site_id == id).map(|s| site_fingerprint(&s.name, &s.region, &s.labels)),
+            // An archived project is gone from the fleet, as an archived pool is.
+            "project" => live
+                .projects
+                .iter()
+                .find(|p| p.project_id == id && !p.archived)
+                .map(|p| project_fingerprint(&p.name, &p.description)),
             _ => continue,
         };
         let what = match now {

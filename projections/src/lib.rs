@@ -42,6 +42,7 @@ pub mod node;
 pub mod node_ca;
 pub mod placement;
 pub mod pool;
+pub mod project;
 pub mod quota;
 pub mod reservation;
 pub mod rollout;
@@ -49,6 +50,7 @@ pub mod sandbox;
 pub mod sandbox_snapshot;
 pub mod sandbox_volume;
 pub mod secret;
+pub mod site;
 pub mod tenant;
 pub mod tunnel;
 pub mod usage;
@@ -237,6 +239,8 @@ impl Projector for Projections {
             | KIND_FLAVOR
             | KIND_IMAGE
             | KIND_SECRET
+            | site::KIND_SITE
+            | project::KIND_PROJECT
             | rollout::KIND_RELEASE
             | usage::KIND_USAGE_PRICE
             | batch::KIND_APPROVER_SET
@@ -279,6 +283,8 @@ impl Projector for Projections {
             KIND_FLAVOR => flavor::apply(key, current, event),
             KIND_IMAGE => image::apply(key, current, event),
             KIND_SECRET => secret::apply(key, current, event),
+            site::KIND_SITE => site::apply(key, current, event),
+            project::KIND_PROJECT => project::apply(key, current, event),
             KIND_INSTANCE => instance::apply(key, current, event),
             sandbox::KIND_SANDBOX | sandbox::KIND_SANDBOX_TEMPLATE => sandbox::apply(key, current, event),
             sandbox_volume::KIND_SANDBOX_VOLUME => sandbox_volume::apply(key, current, event),

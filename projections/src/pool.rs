@@ -49,6 +49,9 @@ pub struct PoolDoc {
     #[serde(default = "max_reservation_default")]
     pub max_reservation_s: u64,
     pub archived: bool,
+    /// The site it was made at (`pool.created`'s `siteId`); it never moves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site_id: Option<String>,
     /// Tenants the pool is offered to (`pools.offer`).
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub offered_to: BTreeSet<String>,
@@ -84,6 +87,9 @@ pub struct PoolCreated {
     /// The longest reservation the pool grants, in seconds (absent: the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_reservation_s: Option<u64>,
+    /// The site the pool's machines are at (`site_…` of the tenant), fixed for the pool's life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site_id: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
@@ -126,6 +132,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
             labels: p.labels,
             max_reservation_s: p.max_reservation_s.unwrap_or(MAX_RESERVATION_S_DEFAULT),
             archived: false,
+            site_id: p.site_id,
             offered_to: BTreeSet::new(),
             version: env.version,
             created_at_ms: env.at_ms,

@@ -93,6 +93,9 @@ pub struct ReservationDoc {
     /// The tenant it is held for, in a pool offered to that tenant (absent: the chain's own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder_tenant_id: Option<String>,
+    /// The project it was made in (`proj_…` of the asking tenant), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     pub version: u64,
 }
 
@@ -211,6 +214,9 @@ pub struct ReservationRequested {
     pub selector: String,
     pub nvlink: bool,
     pub tolerations: Vec<String>,
+    /// The tenant's project it is made in (`proj_…`), live when it was asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -375,6 +381,7 @@ impl ReservationDoc {
             last_error: None,
             instance_id: None,
             holder_tenant_id: None,
+            project_id: p.project_id,
             version,
         }
     }

@@ -29,6 +29,7 @@ fn pool(max_reservation_s: u64) -> PoolDoc {
         labels: BTreeMap::new(),
         max_reservation_s,
         archived: false,
+        site_id: None,
         offered_to: Default::default(),
         version: 3,
         created_at_ms: 0,
@@ -68,6 +69,7 @@ fn queued(id: &str, pool: &str, gpus: u32, request_seq: u64) -> ReservationDoc {
         selector: String::new(),
         nvlink: false,
         tolerations: vec![],
+        project_id: None,
     };
     ReservationDoc::requested(TENANT.into(), id.into(), request, request_seq, 0, 1)
 }
@@ -104,6 +106,7 @@ fn ask(gpus: u32, duration_s: u64) -> ReservationAsk {
         selector: Selector::default(),
         nvlink: false,
         tolerations: vec![],
+        project: None,
     }
 }
 

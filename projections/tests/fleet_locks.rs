@@ -75,7 +75,7 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
         AppendRequest::new(tenant, stream, ExpectedVersion::Any, "test", vec![NewEvent::new(event_type, payload)])
     };
     let created =
-        ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+        ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None, site_id: None };
     log.append(append(stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
     let gpus = vec![Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 }; 8];
     let registered = ev::NodeRegistered { pool_id: pool.clone(), name: "n".into(), gpus, labels: Default::default() };
@@ -94,6 +94,7 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
         selector: Default::default(),
         nvlink: false,
         tolerations: vec![],
+        project: None,
     };
     let input = ReservationCreateInput {
         reservation_id: "rsv_pending",

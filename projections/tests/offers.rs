@@ -29,6 +29,7 @@ fn pool(offered_to: &[&str]) -> PoolDoc {
         labels: BTreeMap::new(),
         max_reservation_s: 3600,
         archived: false,
+        site_id: None,
         offered_to: offered_to.iter().map(|t| (*t).to_owned()).collect(),
         version: 3,
         created_at_ms: 0,
@@ -68,6 +69,7 @@ fn live(id: &str, gpus: u32, state: ReservationState, holder: Option<&str>) -> R
         selector: String::new(),
         nvlink: false,
         tolerations: vec![],
+        project_id: None,
     };
     ReservationDoc {
         state,
@@ -86,6 +88,7 @@ fn ask(offered_to: &[&str], gpus: u32) -> ReservationAsk {
         selector: Selector::default(),
         nvlink: false,
         tolerations: vec![],
+        project: None,
     }
 }
 

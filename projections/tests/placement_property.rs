@@ -176,7 +176,7 @@ async fn case(seed: u64) -> BTreeMap<&'static str, u32> {
     let tenant = TenantId::generate();
     let pool = PoolId::generate().to_string();
     let created =
-        ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+        ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None, site_id: None };
     let payload = ev::to_cbor(&created).unwrap();
     log.append(request(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload)).await.unwrap();
     // Between 2 and 8 nodes, some of one product (ties), most in several NVLink domains.
@@ -307,6 +307,7 @@ async fn case(seed: u64) -> BTreeMap<&'static str, u32> {
             selector: text.clone(),
             nvlink: ask.nvlink,
             tolerations: vec![],
+            project_id: None,
         };
         let payload = ev::to_cbor(&requested).unwrap();
         let (events, guards) = placement::activation(&rsv, &p, 1, ISSUE).unwrap();

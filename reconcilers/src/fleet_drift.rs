@@ -48,7 +48,17 @@ pub async fn pass(log: &Log, _clock: &dyn Clock) -> Result<Pass> {
         let quotas: BTreeMap<String, QuotaDoc> = quotas.into_iter().map(|q| (q.pool_id.clone(), q)).collect();
         let flavors: Vec<FlavorDoc> = all_rows(store, tenant, KIND_FLAVOR).await?;
         let images: Vec<ImageDoc> = all_rows(store, tenant, KIND_IMAGE).await?;
-        let live = FleetObjectsLive { pools: &pools, quotas: &quotas, flavors: &flavors, images: &images };
+        let sites: Vec<bc_projections::site::SiteDoc> = all_rows(store, tenant, bc_projections::site::KIND_SITE).await?;
+        let projects: Vec<bc_projections::project::ProjectDoc> =
+            all_rows(store, tenant, bc_projections::project::KIND_PROJECT).await?;
+        let live = FleetObjectsLive {
+            pools: &pools,
+            quotas: &quotas,
+            flavors: &flavors,
+            images: &images,
+            sites: &sites,
+            projects: &projects,
+        };
         done.checked += 1;
         let drift = fleet_drift(&applied, &live);
         let Some(change) = drift_change(&applied, &drift) else { continue };
@@ -128,6 +138,7 @@ mod tests {
             description: String::new(),
             labels: BTreeMap::new(),
             max_reservation_s: None,
+            site_id: None,
         };
         append(
             stream_of(KIND_POOL, &pool),

@@ -362,6 +362,7 @@ mod tests {
             selector: String::new(),
             nvlink: false,
             tolerations: vec![],
+            project_id: None,
         };
         NewEvent::new(ev::RESERVATION_REQUESTED, ev::to_cbor(&payload).unwrap())
     }
@@ -389,7 +390,7 @@ mod tests {
         let tenant = TenantId::generate();
         let pool = PoolId::generate().to_string();
         let created =
-            ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None };
+            ev::PoolCreated { name: "p".into(), description: String::new(), labels: Default::default(), max_reservation_s: None, site_id: None };
         let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
         let request = AppendRequest::new(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "test", vec![event]);
         log.append(request).await.unwrap();

@@ -1351,6 +1351,7 @@ impl Sim {
             selector: Selector::parse("").expect("the empty selector"),
             nvlink: false,
             tolerations: vec![],
+            project: None,
         };
         let reservation_id = ReservationId::from_ulid(self.world.log.ids.ulid()).to_string();
         let command_id = CommandId::from_ulid(self.world.log.ids.ulid()).to_string();

@@ -530,6 +530,7 @@ impl World {
                 description: String::new(),
                 labels: Default::default(),
                 max_reservation_s: None,
+                site_id: None,
             };
             let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).expect("cbor"));
             log.append(AppendRequest::new(id, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "sim", vec![event]))
@@ -626,6 +627,7 @@ impl World {
             selector: String::new(),
             nvlink: false,
             tolerations: vec![],
+            project_id: None,
         };
         let id = ReservationId::from_ulid(self.log.ids.ulid()).to_string();
         let event = NewEvent::new(ev::RESERVATION_REQUESTED, ev::to_cbor(&requested).expect("cbor"));

@@ -19,6 +19,7 @@ mod auth;
 mod bad_input;
 mod batches;
 mod bcd_update;
+mod catalogue;
 mod cli_items;
 mod client_policy;
 mod config;

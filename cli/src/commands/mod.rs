@@ -25,6 +25,7 @@ pub mod console;
 pub mod drivers;
 pub mod events;
 pub mod exec;
+pub mod catalogue;
 pub mod flavors;
 pub mod fleet;
 pub mod forward;
@@ -96,6 +97,8 @@ impl Command {
             Command::Workflows { command } => metal::workflows(ctx, command).await,
             Command::Auth { command } => auth::run(ctx, command).await,
             Command::Secrets { command } => secrets::run(ctx, command).await,
+            Command::Sites { command } => catalogue::sites(ctx, command).await,
+            Command::Projects { command } => catalogue::projects(ctx, command).await,
             Command::Webhooks { command } => webhooks::run(ctx, command).await,
             Command::SshCert(args) => ssh_cert::run(ctx, args).await,
             Command::Console(args) => console::run(ctx, args).await,

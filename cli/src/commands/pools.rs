@@ -30,6 +30,9 @@ pub enum PoolsCommand {
         /// `key=value`, repeatable.
         #[arg(long = "label")]
         labels: Vec<String>,
+        /// The site its machines are at (`site_…`); a pool's site never changes.
+        #[arg(long)]
+        site: Option<String>,
         #[command(flatten)]
         key: IdempotencyKey,
     },
@@ -74,11 +77,14 @@ pub async fn run(ctx: &Context, command: PoolsCommand) -> Result<(), CliError> {
             put_id::<PoolId>(&mut body, "poolId", "POOL_ID", &pool_id)?;
             ctx.print(&c.call("pools.get", &Value::Object(body), None).await?, Format::Json)
         }
-        PoolsCommand::Create { name, description, labels: items, key } => {
+        PoolsCommand::Create { name, description, labels: items, site, key } => {
             let mut body = ctx.tenant_body()?;
             body.insert("name".into(), json!(name));
             body.insert("description".into(), json!(description));
             body.insert("labels".into(), labels(&items)?);
+            if let Some(site) = site {
+                put_id::<bc_core::id::SiteId>(&mut body, "siteId", "--site", &site)?;
+            }
             let key = idempotency_key(&key.key);
             ctx.print(&c.call("pools.create", &Value::Object(body), Some(&key)).await?, Format::Json)
         }

@@ -21,6 +21,9 @@ pub struct ReserveArgs {
     /// Seconds to wait while queued (0 to 600).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=RESERVE_WAIT_S_MAX))]
     pub wait: u64,
+    /// The project it is made in (`proj_…`, a live project of the tenant).
+    #[arg(long)]
+    pub project: Option<String>,
     #[command(flatten)]
     pub key: IdempotencyKey,
 }
@@ -104,6 +107,8 @@ pub struct CapacityArgs {
 
 #[derive(Subcommand)]
 pub enum ReservationsCommand {
+    /// Reserve GPUs (what `reserve` does), in a project with --project.
+    Create(ReserveArgs),
     /// A tenant's reservations.
     List {
         /// queued, active, released, expired or cancelled.
@@ -169,10 +174,13 @@ fn ask_body(
 
 /// `reserve`: creates, then waits up to `--wait` seconds while the reservation is queued.
 pub async fn reserve(ctx: &Context, args: ReserveArgs) -> Result<(), CliError> {
-    let ReserveArgs { ask, wait: wait_s, key } = args;
+    let ReserveArgs { ask, wait: wait_s, project, key } = args;
     let c = ctx.client()?;
     let mut body = ctx.tenant_body()?;
     ask_body(&mut body, &ask.pool, ask.gpus, ask.duration, &ask.placement)?;
+    if let Some(project) = project {
+        put_id::<bc_core::id::ProjectId>(&mut body, "projectId", "--project", &project)?;
+    }
     let key = idempotency_key(&key.key);
     let mut rsv = c.call("reservations.create", &Value::Object(body.clone()), Some(&key)).await?;
     let deadline = Instant::now() + Duration::from_secs(wait_s);
@@ -253,6 +261,7 @@ pub async fn run(ctx: &Context, command: ReservationsCommand) -> Result<(), CliE
         ReservationsCommand::Get { reservation_id } => {
             ctx.print(&on_reservation(&c, "reservations.get", body, &reservation_id, &[]).await?, Format::Json)
         }
+        ReservationsCommand::Create(args) => reserve(ctx, args).await,
     }
 }
 

@@ -1,5 +1,5 @@
-//! `fleet.*`: a tenant's platform objects (pools with the tenant's quota in each, flavors,
-//! images) as one reviewed [`FleetDocument`]: `export` writes it, `plan` diffs it against the
+//! `fleet.*`: a tenant's platform objects (sites, pools with the tenant's quota in each,
+//! flavors, images, projects) as one reviewed [`FleetDocument`]: `export` writes it, `plan` diffs it against the
 //! live fleet and names the plan by its hash, `apply` makes a reviewed plan's changes in one
 //! transaction guarded on everything the plan read, `status` says what drifted since the last
 //! apply. The decisions are `crate::app::fleet`'s, pure; here they are read for and appended.
@@ -10,14 +10,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bc_core::id::{FlavorId, ImageId, PoolId, TenantId};
+use bc_core::id::{FlavorId, ImageId, PoolId, ProjectId, SiteId, TenantId};
 use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
+use bc_projections::decide::project::PROJECTS_PER_TENANT_MAX;
+use bc_projections::decide::site::SITES_PER_TENANT_MAX;
 use bc_projections::events as ev;
 use bc_projections::fleet_config::{
     FLEET_APPLIED, FLEET_OBJECTS, FLEET_OBJECTS_PER_EVENT, FLEET_STREAM_ID, FleetApplied, FleetConfigDoc, FleetDrift,
     FleetObjects, KIND_FLEET,
 };
+use bc_projections::project::{KIND_PROJECT, ProjectDoc};
+use bc_projections::site::{KIND_SITE, SiteDoc};
 use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_POOL, KIND_QUOTA, PoolDoc, QuotaDoc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -53,8 +57,13 @@ pub const FLEET_POOLS_MAX: usize = 500;
 pub const FLEET_CHANGES_MAX: usize = 800;
 /// Objects of one kind the live fleet may hold for a plan to be made (each is read).
 pub const FLEET_LIVE_OBJECTS_MAX: usize = 5000;
-/// Objects one applied document records at most: per pool its own, its quota's and its offers'.
-const FLEET_OBJECTS_MAX: usize = FLEET_POOLS_MAX * 3 + FLAVORS_PER_TENANT_MAX as usize + IMAGES_PER_TENANT_MAX as usize;
+/// Objects one applied document records at most: per pool its own, its quota's and its offers',
+/// and every flavor, image, site and project.
+const FLEET_OBJECTS_MAX: usize = FLEET_POOLS_MAX * 3
+    + FLAVORS_PER_TENANT_MAX as usize
+    + IMAGES_PER_TENANT_MAX as usize
+    + SITES_PER_TENANT_MAX
+    + PROJECTS_PER_TENANT_MAX;
 const _: () = assert!(FLEET_CHANGES_MAX + 1 + FLEET_OBJECTS_MAX.div_ceil(FLEET_OBJECTS_PER_EVENT) <= BATCH_EVENTS_MAX);
 
 /// A key of the document: the fleet's own (`gpu-a`: 1 to 63 of a-z 0-9 . -) or an id.
@@ -79,6 +88,12 @@ string_schema!(
     /// A pool's key in the document: the fleet's own, or the id of a pool it did not create.
     FleetPoolKeyText as "FleetPoolKey",
     |_| schemars::json_schema!({ "type": "string", "pattern": key_pattern(PoolId::PREFIX) })
+);
+
+string_schema!(
+    /// A site's key in the document: the fleet's own, or the id of a site it did not create.
+    FleetSiteKeyText as "FleetSiteKey",
+    |_| schemars::json_schema!({ "type": "string", "pattern": key_pattern(SiteId::PREFIX) })
 );
 
 string_schema!(
@@ -114,8 +129,9 @@ fn keyed<T: JsonSchema>(g: &mut schemars::SchemaGenerator, prefix: &str, max: us
     })
 }
 
-/// A FleetConfig document: the tenant's pools (with its quota in each), flavors and images, each
-/// keyed by the fleet's own key or, for what the fleet did not create, by its id.
+/// A FleetConfig document: the tenant's sites, pools (with its quota in each), flavors, images
+/// and projects, each keyed by the fleet's own key or, for what the fleet did not create, by its
+/// id.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(rename = "FleetConfig")]
@@ -125,6 +141,9 @@ pub struct FleetDocument {
     #[schemars(with = "FleetKindText")]
     pub kind: String,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "sites_schema")]
+    pub sites: BTreeMap<String, FleetSite>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(schema_with = "pools_schema")]
     pub pools: BTreeMap<String, FleetPool>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -133,6 +152,16 @@ pub struct FleetDocument {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(schema_with = "images_schema")]
     pub images: BTreeMap<String, FleetImage>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "projects_schema")]
+    pub projects: BTreeMap<String, FleetProject>,
+}
+
+fn sites_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    keyed::<FleetSite>(g, SiteId::PREFIX, SITES_PER_TENANT_MAX)
+}
+fn projects_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    keyed::<FleetProject>(g, ProjectId::PREFIX, PROJECTS_PER_TENANT_MAX)
 }
 
 fn pools_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
@@ -150,9 +179,11 @@ impl FleetDocument {
         Self {
             api_version: FLEET_API_VERSION.into(),
             kind: FLEET_KIND.into(),
+            sites: BTreeMap::new(),
             pools: BTreeMap::new(),
             flavors: BTreeMap::new(),
             images: BTreeMap::new(),
+            projects: BTreeMap::new(),
         }
     }
 }
@@ -183,6 +214,36 @@ pub struct FleetPool {
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "unique_tenants")]
     #[schemars(with = "Option<BTreeSet<FleetTenantIdText>>", length(max = OFFERS_PER_POOL_MAX))]
     pub offered_to: Option<BTreeSet<String>>,
+    /// The site its machines are at: the site's key in the document (absent: none). Fixed for
+    /// the pool's life: another site for a pool that exists is `BLOCKED`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<FleetSiteKeyText>")]
+    pub site: Option<String>,
+}
+
+/// A site: where machines are. Its name and labels change in place, its region never.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetSite {
+    #[schemars(with = "NameText")]
+    pub name: String,
+    #[schemars(with = "NameText")]
+    pub region: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(with = "LabelsMap")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A project: a subdivision of the tenant. It is made and archived (`--prune` archives one the
+/// document leaves out), never changed: another name or description is `BLOCKED`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetProject {
+    #[schemars(with = "NameText")]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(with = "DescriptionText")]
+    pub description: String,
 }
 
 /// A flavor of a pool of the document (`pool` is the pool's key there).
@@ -420,6 +481,8 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
         ("pools", d.pools.len(), FLEET_POOLS_MAX),
         ("flavors", d.flavors.len(), FLAVORS_PER_TENANT_MAX as usize),
         ("images", d.images.len(), IMAGES_PER_TENANT_MAX as usize),
+        ("sites", d.sites.len(), SITES_PER_TENANT_MAX),
+        ("projects", d.projects.len(), PROJECTS_PER_TENANT_MAX),
     ];
     for (what, n, max) in bounds {
         if n > max {
@@ -430,8 +493,22 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
         message: format!("document.{what}.{key}: {}", e.public_message()),
         hint: e.hint().map(str::to_owned),
     };
+    for (key, s) in &d.sites {
+        check_key(SiteId::PREFIX, "sites", key)?;
+        validate_name("name", &s.name).map_err(|e| at("sites", key, e))?;
+        validate_name("region", &s.region).map_err(|e| at("sites", key, e))?;
+        validate_labels(&s.labels).map_err(|e| at("sites", key, e))?;
+    }
+    for (key, p) in &d.projects {
+        check_key(ProjectId::PREFIX, "projects", key)?;
+        validate_name("name", &p.name).map_err(|e| at("projects", key, e))?;
+        validate_text("description", &p.description, DESCRIPTION_CHARS_MAX).map_err(|e| at("projects", key, e))?;
+    }
     for (key, p) in &d.pools {
         check_key(PoolId::PREFIX, "pools", key)?;
+        if let Some(site) = &p.site {
+            check_key(SiteId::PREFIX, &format!("pools.{key}.site"), site)?;
+        }
         validate_name("name", &p.name).map_err(|e| at("pools", key, e))?;
         validate_text("description", &p.description, DESCRIPTION_CHARS_MAX).map_err(|e| at("pools", key, e))?;
         validate_labels(&p.labels).map_err(|e| at("pools", key, e))?;
@@ -519,6 +596,8 @@ async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
     let quotas: Vec<QuotaDoc> = read_all(call, tenant, KIND_QUOTA).await?;
     let flavors: Vec<FlavorDoc> = read_all(call, tenant, KIND_FLAVOR).await?;
     let images: Vec<ImageDoc> = read_all(call, tenant, KIND_IMAGE).await?;
+    let sites: Vec<SiteDoc> = read_all(call, tenant, KIND_SITE).await?;
+    let projects: Vec<ProjectDoc> = read_all(call, tenant, KIND_PROJECT).await?;
     let applied = call
         .state
         .store
@@ -526,7 +605,8 @@ async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
         .await?
         .map(doc::<FleetConfigDoc>)
         .transpose()?;
-    Ok(FleetLive { pools, quotas: quotas.into_iter().map(|q| (q.pool_id.clone(), q)).collect(), flavors, images, applied })
+    let quotas = quotas.into_iter().map(|q| (q.pool_id.clone(), q)).collect();
+    Ok(FleetLive { pools, quotas, flavors, images, sites, projects, applied })
 }
 
 async fn fleet_export(call: &Call<'_>, input: FleetExport) -> Result<FleetExportView> {
@@ -655,6 +735,8 @@ fn appends(
     for c in plan.changes.iter().filter(|c| c.op == Op::Create && c.kind != decide::OBJECT_QUOTA) {
         let id = match c.kind {
             decide::OBJECT_POOL => PoolId::from_ulid(call.ulid()).to_string(),
+            decide::OBJECT_SITE => SiteId::from_ulid(call.ulid()).to_string(),
+            decide::OBJECT_PROJECT => ProjectId::from_ulid(call.ulid()).to_string(),
             decide::OBJECT_FLAVOR => FlavorId::from_ulid(call.ulid()).to_string(),
             _ => ImageId::from_ulid(call.ulid()).to_string(),
         };
@@ -692,6 +774,14 @@ fn appends(
                     description: str_field(c, "description")?,
                     labels: labels_field(c)?.unwrap_or_default(),
                     max_reservation_s: u64_field(c, "maxReservationS"),
+                    // The site's id, or its key when the plan creates it (its id drawn above).
+                    site_id: c.fields.get("site").map(|_| str_field(c, "site")).transpose()?.map(|site| {
+                        if site.starts_with("site_") {
+                            site
+                        } else {
+                            created.get(&(decide::OBJECT_SITE, site.clone())).cloned().unwrap_or(site)
+                        }
+                    }),
                 })?,
             ),
             (decide::OBJECT_POOL, Op::Update) => (
@@ -710,6 +800,51 @@ fn appends(
                 ExpectedVersion::Exact(c.expects.unwrap_or_default()),
                 ev::POOL_ARCHIVED,
                 ev::to_cbor(&ev::PoolArchived {})?,
+            ),
+            (decide::OBJECT_SITE, Op::Create) => (
+                format!("{KIND_SITE}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::NoStream,
+                ev::SITE_CREATED,
+                ev::to_cbor(&ev::SiteCreated {
+                    name: str_field(c, "name")?,
+                    region: str_field(c, "region")?,
+                    labels: labels_field(c)?.unwrap_or_default(),
+                })?,
+            ),
+            (decide::OBJECT_SITE, Op::Update) => (
+                format!("{KIND_SITE}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::SITE_UPDATED,
+                ev::to_cbor(&ev::SiteUpdated {
+                    name: c.fields.get("name").map(|_| str_field(c, "name")).transpose()?,
+                    labels: labels_field(c)?,
+                })?,
+            ),
+            (decide::OBJECT_SITE, Op::Delete) => (
+                format!("{KIND_SITE}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::SITE_DELETED,
+                ev::to_cbor(&ev::SiteDeleted {})?,
+            ),
+            (decide::OBJECT_PROJECT, Op::Create) => (
+                format!("{KIND_PROJECT}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::NoStream,
+                ev::PROJECT_CREATED,
+                ev::to_cbor(&ev::ProjectCreated {
+                    name: str_field(c, "name")?,
+                    description: c
+                        .fields
+                        .get("description")
+                        .map(|_| str_field(c, "description"))
+                        .transpose()?
+                        .unwrap_or_default(),
+                })?,
+            ),
+            (decide::OBJECT_PROJECT, _) => (
+                format!("{KIND_PROJECT}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::PROJECT_ARCHIVED,
+                ev::to_cbor(&ev::ProjectArchived {})?,
             ),
             (decide::OBJECT_QUOTA, _) => {
                 // A quota's id is its pool's, drawn above when the plan creates the pool.
@@ -912,6 +1047,7 @@ fn offer_requests(
             labels: BTreeMap::new(),
             max_reservation_s: bc_projections::MAX_RESERVATION_S_DEFAULT,
             archived: false,
+            site_id: None,
             offered_to: BTreeSet::new(),
             version: 0,
             created_at_ms: 0,

@@ -42,6 +42,7 @@ mod metal;
 pub(crate) use metal::IDEMPOTENCY_KEY_REFUSED;
 pub(crate) mod nodes;
 mod pools;
+mod projects;
 mod quotas;
 mod releases;
 mod reservations;
@@ -50,6 +51,7 @@ pub(crate) mod sandbox_snapshots;
 pub(crate) mod sandbox_volumes;
 pub(crate) mod sandboxes;
 pub(crate) mod secrets;
+mod sites;
 mod system;
 mod tenants;
 mod tunnels;
@@ -154,6 +156,8 @@ const GROUPS: &[&[Method]] = &[
     events::METHODS,
     webhooks::METHODS,
     secrets::METHODS,
+    sites::METHODS,
+    projects::METHODS,
     tunnels::METHODS,
     usage::METHODS,
     fleet::METHODS,

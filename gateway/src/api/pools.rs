@@ -96,6 +96,9 @@ pub struct PoolsCreate {
     /// The longest reservation the pool grants, in seconds (60 to a year; default 30 days).
     #[schemars(range(min = MAX_RESERVATION_S_MIN, max = MAX_RESERVATION_S_LIMIT))]
     max_reservation_s: Option<u64>,
+    /// The site its machines are at (`sites.*`, the tenant's own); fixed for the pool's life.
+    #[schemars(with = "Option<super::validate::SiteIdText>")]
+    site_id: Option<String>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -277,14 +280,30 @@ async fn pools_create(call: &Call<'_>, input: PoolsCreate) -> Result<PoolView> {
     validate_name("name", &input.name)?;
     validate_text("description", &input.description, DESCRIPTION_CHARS_MAX)?;
     validate_labels(&input.labels)?;
+    let max_reservation_s = check_max_reservation(input.max_reservation_s)?;
+    let site_id: Option<bc_core::id::SiteId> = input.site_id.as_deref().map(|s| parse_id("siteId", s)).transpose()?;
+    // A pool made at a site guards the site's version (a site deleted meanwhile is a
+    // CONFLICT), under the names' lock `sites.delete` takes while it looks for referrers.
+    let _names = match site_id {
+        Some(_) => Some(call.state.name_locks.lock(tenant).await),
+        None => None,
+    };
+    let mut guards = Vec::new();
+    if let Some(site_id) = &site_id {
+        let site = super::sites::site_doc(call, tenant, site_id).await?;
+        guards.push((stream_of(bc_projections::site::KIND_SITE, site_id), ExpectedVersion::Exact(site.version)));
+    }
     let pool = PoolId::from_ulid(call.ulid());
     let payload = ev::to_cbor(&ev::PoolCreated {
         name: input.name,
         description: input.description,
         labels: input.labels,
-        max_reservation_s: check_max_reservation(input.max_reservation_s)?,
+        max_reservation_s,
+        site_id: site_id.map(|s| s.to_string()),
     })?;
-    let result = call.append(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload).await?;
+    let result = call
+        .append_guarded(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload, guards)
+        .await?;
     Ok(call.created::<PoolDoc>(tenant, &result).await?.into())
 }
 

@@ -115,6 +115,9 @@ pub struct AskInput {
     #[serde(default)]
     #[schemars(with = "Vec<BareWord>", length(max = TOLERATIONS_MAX))]
     pub(super) tolerations: Vec<String>,
+    /// The asking tenant's live project it is made in (`projects.*`).
+    #[schemars(with = "Option<crate::api::validate::ProjectIdText>")]
+    pub(super) project_id: Option<String>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -228,6 +231,10 @@ pub(super) async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checke
         bare_word("toleration", t)?;
     }
     let usable = usable_pool(call, tenant, &pool_id.to_string()).await?;
+    let project = match &input.project_id {
+        Some(project_id) => Some(super::projects::project_for_work(call, tenant, project_id).await?),
+        None => None,
+    };
     let ask = ReservationAsk {
         pool: usable.doc,
         gpus: input.gpus as u32,
@@ -236,6 +243,7 @@ pub(super) async fn check_ask(call: &Call<'_>, input: AskInput) -> Result<Checke
         selector,
         nvlink: input.nvlink,
         tolerations: input.tolerations,
+        project,
     };
     Ok(Checked { tenant, owner: usable.owner, offered: usable.offered, ask: ask.check_pool()? })
 }

@@ -155,6 +155,10 @@ id_schema!(/// `ro_…`
     RolloutIdText, bc_core::id::RolloutId);
 id_schema!(/// `batch_…`
     CommandBatchIdText, bc_core::id::CommandBatchId);
+id_schema!(/// `site_…`
+    SiteIdText, bc_core::id::SiteId);
+id_schema!(/// `proj_…`
+    ProjectIdText, bc_core::id::ProjectId);
 
 string_schema!(/// A name ([`validate_name`]).
 NameText, json_schema!({

@@ -20,18 +20,22 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use bc_projections::decide::project::PROJECTS_PER_TENANT_MAX;
+use bc_projections::decide::site::SITES_PER_TENANT_MAX;
 use bc_projections::fleet_config::{
     FleetConfigDoc, FleetDrift, FleetObject, FleetObjectsLive, flavor_fingerprint, image_fingerprint, offer_fingerprint,
-    pool_fingerprint, quota_fingerprint,
+    pool_fingerprint, project_fingerprint, quota_fingerprint, site_fingerprint,
 };
 pub use bc_projections::fleet_config::{canonical_json, canonical_sha256};
+use bc_projections::project::{KIND_PROJECT, ProjectDoc};
+use bc_projections::site::{KIND_SITE, SiteDoc};
 use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_POOL, KIND_QUOTA, PoolDoc, QuotaDoc};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::api::flavors::{FLAVORS_PER_POOL_MAX, FLAVORS_PER_TENANT_MAX};
-use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool};
+use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool, FleetProject, FleetSite};
 use crate::api::images::IMAGES_PER_TENANT_MAX;
 use crate::api::views::ImageChannelView;
 use bc_projections::events::ImageChannel;
@@ -43,9 +47,11 @@ pub const OBJECT_FLAVOR: &str = "flavor";
 pub const OBJECT_IMAGE: &str = "image";
 /// A pool's offers to other tenants (`pools.offer` / `pools.unoffer`), keyed by the pool's key.
 pub const OBJECT_OFFER: &str = "offer";
+pub const OBJECT_SITE: &str = "site";
+pub const OBJECT_PROJECT: &str = "project";
 
-/// The live fleet a plan is made against: the tenant's pools (archived too), quotas, flavors and
-/// images, and the last applied configuration.
+/// The live fleet a plan is made against: the tenant's pools (archived too), quotas, flavors,
+/// images, sites and projects (archived too), and the last applied configuration.
 #[derive(Clone, Debug, Default)]
 pub struct FleetLive {
     pub pools: Vec<PoolDoc>,
@@ -53,6 +59,8 @@ pub struct FleetLive {
     pub quotas: BTreeMap<String, QuotaDoc>,
     pub flavors: Vec<FlavorDoc>,
     pub images: Vec<ImageDoc>,
+    pub sites: Vec<SiteDoc>,
+    pub projects: Vec<ProjectDoc>,
     pub applied: Option<FleetConfigDoc>,
 }
 
@@ -88,7 +96,7 @@ pub struct FieldChange {
 #[serde(rename_all = "camelCase")]
 pub struct Change {
     pub op: Op,
-    /// `pool`, `quota`, `flavor` or `image`.
+    /// `site`, `pool`, `quota`, `offer`, `flavor`, `image` or `project`.
     pub kind: &'static str,
     /// The object's key in the document (for a delete, its id).
     pub key: String,
@@ -118,6 +126,11 @@ impl Change {
             (OBJECT_FLAVOR, _) => ("flavors.create", "compute:flavors:write"),
             (OBJECT_IMAGE, Op::Delete) => ("images.delete", "compute:images:write"),
             (OBJECT_IMAGE, Op::Update) => ("images.promote", "compute:images:write"),
+            (OBJECT_SITE, Op::Create) => ("sites.create", "compute:sites:write"),
+            (OBJECT_SITE, Op::Update) => ("sites.update", "compute:sites:write"),
+            (OBJECT_SITE, Op::Delete) => ("sites.delete", "compute:sites:write"),
+            (OBJECT_PROJECT, Op::Delete) => ("projects.archive", "compute:projects:write"),
+            (OBJECT_PROJECT, _) => ("projects.create", "compute:projects:write"),
             (_, _) => ("images.register", "compute:images:write"),
         }
     }
@@ -276,6 +289,15 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
     for i in &live.images {
         plan.reads.insert(format!("{KIND_IMAGE}/{}", i.image_id), i.version);
     }
+    for s in &live.sites {
+        plan.reads.insert(format!("{KIND_SITE}/{}", s.site_id), s.version);
+    }
+    for p in &live.projects {
+        plan.reads.insert(format!("{KIND_PROJECT}/{}", p.project_id), p.version);
+    }
+
+    // Sites first (pools name them): their name and labels change in place, their region never.
+    let sites = plan_sites(live, doc, &mut plan);
 
     // Pools: the id each key names (None: created by this plan), and which keys are usable.
     let mut pool_ids: BTreeMap<&str, Option<String>> = BTreeMap::new();
@@ -287,6 +309,23 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
         if let Some(id) = &id {
             pools_covered.insert(id.clone());
         }
+        // Its site: `Some(Some(id))` a live site, `Some(None)` one this plan creates.
+        let site: Option<Option<String>> = match &want.site {
+            None => None,
+            Some(site_key) => match sites.ids.get(site_key.as_str()) {
+                Some(site_id) => Some(site_id.clone()),
+                None => {
+                    let reason = if sites.blocked.contains(site_key.as_str()) {
+                        format!("its site {site_key:?} is blocked")
+                    } else {
+                        format!("dangling reference: site {site_key:?} is not in the document")
+                    };
+                    pool_blocked.insert(key);
+                    plan.blocked.push(Blocked { kind: OBJECT_POOL, key: key.clone(), reason });
+                    continue;
+                }
+            },
+        };
         match (id, live_pool) {
             (Some(id), None) if is_id_key(bc_core::id::PoolId::PREFIX, key) => {
                 pool_blocked.insert(key);
@@ -304,6 +343,20 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                     kind: OBJECT_POOL,
                     key: key.clone(),
                     reason: format!("{} is archived and cannot be brought back; give a new pool a new key", p.pool_id),
+                });
+            }
+            // Absent, another site or one this plan creates: not where the pool is.
+            (_, Some(p)) if site.as_ref().map(|s| s.as_deref()) != p.site_id.as_deref().map(Some) => {
+                pool_blocked.insert(key);
+                let now = p.site_id.as_deref().unwrap_or("no site");
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_POOL,
+                    key: key.clone(),
+                    reason: format!(
+                        "{} is at {now}: a pool's site cannot change in place (its machines are where they are); \
+                         make a new pool at the other site under a new key",
+                        p.pool_id
+                    ),
                 });
             }
             (_, Some(p)) => {
@@ -348,12 +401,17 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                     labels: want.labels.clone(),
                     max_reservation_s: want.max_reservation_s.unwrap_or(bc_projections::pool::MAX_RESERVATION_S_DEFAULT),
                 };
+                let mut fields = created_fields(&after);
+                if let (Some(site), Some(site_key)) = (&site, &want.site) {
+                    // The site's id, or its key when this plan creates it.
+                    fields.insert("site".into(), field(Value::Null, json!(site.clone().unwrap_or_else(|| site_key.clone()))));
+                }
                 plan.changes.push(Change {
                     op: Op::Create,
                     kind: OBJECT_POOL,
                     key: key.clone(),
                     id: None,
-                    fields: created_fields(&after),
+                    fields,
                     expects: Some(0),
                 });
                 plan.objects.push((OBJECT_POOL, key.clone(), None, after.fingerprint()));
@@ -652,11 +710,239 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
             plan.unmanaged.push(Unmanaged { kind: OBJECT_POOL, id: p.pool_id.clone(), name: p.name.clone() });
         }
     }
+    // Sites the document leaves out: deleted last (after the pools archived above), and only
+    // when no pool that stays names them.
+    plan_sites_left_out(live, prune, &sites, &mut plan);
+    plan_projects(live, doc, prune, &mut plan);
 
     plan.blocked.sort_by(|a, b| (a.kind, &a.key).cmp(&(b.kind, &b.key)));
     plan.blocked.dedup();
     plan.plan_hash = plan_hash(doc, prune, &plan);
     plan
+}
+
+/// What the plan made of the document's sites: the id each key names (`None`: created by this
+/// plan), the keys blocked, the live sites the document covers, and the names it holds.
+#[derive(Default)]
+struct SitePlan {
+    ids: BTreeMap<String, Option<String>>,
+    blocked: BTreeSet<String>,
+    covered: BTreeSet<String>,
+    names: BTreeMap<String, String>,
+    creates: usize,
+}
+
+/// The document's sites against the live ones: `+` a new site, `~` a new name or labels, and
+/// `BLOCKED` for another region (a site elsewhere is another site), an id naming nothing, or a
+/// name two sites would hold.
+fn plan_sites(live: &FleetLive, doc: &FleetDocument, plan: &mut FleetPlan) -> SitePlan {
+    let applied = live.applied.as_ref();
+    let by_id: BTreeMap<&str, &SiteDoc> = live.sites.iter().map(|s| (s.site_id.as_str(), s)).collect();
+    let mut out = SitePlan::default();
+    for (key, want) in &doc.sites {
+        let id = resolve(applied, OBJECT_SITE, bc_core::id::SiteId::PREFIX, key);
+        if let Some(id) = &id {
+            out.covered.insert(id.clone());
+        }
+        let live_site = id.as_deref().and_then(|id| by_id.get(id).copied());
+        let blocked = if let Some(other) = out.names.insert(want.name.clone(), key.clone()) {
+            Some(format!("site {other:?} has the name {:?} too", want.name))
+        } else {
+            match (id, live_site) {
+                (Some(id), None) if is_id_key(bc_core::id::SiteId::PREFIX, key) => {
+                    Some(format!("{id} does not exist: a key that is an id names an existing site"))
+                }
+                (_, Some(s)) if s.region != want.region => Some(format!(
+                    "{} is in region {:?}: a site's region cannot change in place; make the new site under a new key",
+                    s.site_id, s.region
+                )),
+                (_, Some(s)) => {
+                    let mut fields = BTreeMap::new();
+                    if want.name != s.name {
+                        fields.insert("name".into(), field(json!(s.name), json!(want.name)));
+                    }
+                    if want.labels != s.labels {
+                        fields.insert("labels".into(), field(json!(s.labels), json!(want.labels)));
+                    }
+                    if !fields.is_empty() {
+                        plan.changes.push(Change {
+                            op: Op::Update,
+                            kind: OBJECT_SITE,
+                            key: key.clone(),
+                            id: Some(s.site_id.clone()),
+                            fields,
+                            expects: Some(s.version),
+                        });
+                    }
+                    let fingerprint = site_fingerprint(&want.name, &want.region, &want.labels);
+                    plan.objects.push((OBJECT_SITE, key.clone(), Some(s.site_id.clone()), fingerprint));
+                    out.ids.insert(key.clone(), Some(s.site_id.clone()));
+                    None
+                }
+                (_, None) => {
+                    let mut fields = created_fields(want);
+                    fields.entry("labels".into()).or_insert_with(|| field(Value::Null, json!({})));
+                    plan.changes.push(Change {
+                        op: Op::Create,
+                        kind: OBJECT_SITE,
+                        key: key.clone(),
+                        id: None,
+                        fields,
+                        expects: Some(0),
+                    });
+                    let fingerprint = site_fingerprint(&want.name, &want.region, &want.labels);
+                    plan.objects.push((OBJECT_SITE, key.clone(), None, fingerprint));
+                    out.ids.insert(key.clone(), None);
+                    out.creates += 1;
+                    None
+                }
+            }
+        };
+        if let Some(reason) = blocked {
+            out.blocked.insert(key.clone());
+            plan.blocked.push(Blocked { kind: OBJECT_SITE, key: key.clone(), reason });
+        }
+    }
+    out
+}
+
+/// The live sites the document leaves out: with `prune`, deleted once no pool that stays names
+/// them (one that does is `BLOCKED`, as `sites.delete` refuses it), else left alone with their
+/// names taken. Then the tenant's bound on sites, over what it holds once the plan is made.
+fn plan_sites_left_out(live: &FleetLive, prune: bool, sites: &SitePlan, plan: &mut FleetPlan) {
+    let archived_now: BTreeSet<String> =
+        plan.changes.iter().filter(|c| c.kind == OBJECT_POOL && c.op == Op::Delete).filter_map(|c| c.id.clone()).collect();
+    let mut deletes = 0usize;
+    for s in live.sites.iter().filter(|s| !sites.covered.contains(&s.site_id)) {
+        if prune {
+            let named_by: Vec<String> = live
+                .pools
+                .iter()
+                .filter(|p| !p.archived && p.site_id.as_deref() == Some(s.site_id.as_str()) && !archived_now.contains(&p.pool_id))
+                .map(|p| format!("{KIND_POOL}/{}", p.pool_id))
+                .collect();
+            if named_by.is_empty() {
+                deletes += 1;
+                plan.changes.push(Change {
+                    op: Op::Delete,
+                    kind: OBJECT_SITE,
+                    key: s.site_id.clone(),
+                    id: Some(s.site_id.clone()),
+                    fields: BTreeMap::new(),
+                    expects: Some(s.version),
+                });
+            } else {
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_SITE,
+                    key: s.site_id.clone(),
+                    reason: format!("{} is named by {}: a named site is not deleted", s.site_id, named_by.join(", ")),
+                });
+            }
+        } else {
+            plan.unmanaged.push(Unmanaged { kind: OBJECT_SITE, id: s.site_id.clone(), name: s.name.clone() });
+            if let Some(other) = sites.names.get(&s.name) {
+                plan.blocked.push(Blocked {
+                    kind: OBJECT_SITE,
+                    key: other.clone(),
+                    reason: format!("the name {:?} is taken by {} outside the document (--prune deletes it)", s.name, s.site_id),
+                });
+            }
+        }
+    }
+    let held = live.sites.len() - deletes + sites.creates;
+    if held > SITES_PER_TENANT_MAX {
+        plan.blocked.push(Blocked {
+            kind: OBJECT_SITE,
+            key: "*".into(),
+            reason: format!("the tenant would hold {held} sites, more than {SITES_PER_TENANT_MAX}"),
+        });
+    }
+}
+
+/// The document's projects against the live ones: `+` a new project, `-` (with `prune`) the
+/// archive of a live one it leaves out; `BLOCKED` for an archived project (never brought back),
+/// another name or description (a project does not change), an id naming nothing, or a name
+/// another project holds (archived ones too: names stay theirs).
+fn plan_projects(live: &FleetLive, doc: &FleetDocument, prune: bool, plan: &mut FleetPlan) {
+    let applied = live.applied.as_ref();
+    let by_id: BTreeMap<&str, &ProjectDoc> = live.projects.iter().map(|p| (p.project_id.as_str(), p)).collect();
+    let mut covered: BTreeSet<String> = BTreeSet::new();
+    let mut names: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut creates = 0usize;
+    for (key, want) in &doc.projects {
+        let id = resolve(applied, OBJECT_PROJECT, bc_core::id::ProjectId::PREFIX, key);
+        if let Some(id) = &id {
+            covered.insert(id.clone());
+        }
+        let live_project = id.as_deref().and_then(|id| by_id.get(id).copied());
+        let block = |plan: &mut FleetPlan, reason: String| {
+            plan.blocked.push(Blocked { kind: OBJECT_PROJECT, key: key.clone(), reason });
+        };
+        if let Some(other) = names.insert(want.name.as_str(), key) {
+            block(plan, format!("project {other:?} has the name {:?} too", want.name));
+            continue;
+        }
+        match (id, live_project) {
+            (Some(id), None) if is_id_key(bc_core::id::ProjectId::PREFIX, key) => {
+                block(plan, format!("{id} does not exist: a key that is an id names an existing project"));
+            }
+            (_, Some(p)) if p.archived => {
+                block(plan, format!("{} is archived and cannot be brought back; give a new project a new key", p.project_id))
+            }
+            (_, Some(p)) if p.name != want.name || p.description != want.description => {
+                block(plan, format!("{} cannot change in place: a project's name and description are fixed", p.project_id))
+            }
+            (_, Some(p)) => {
+                let fingerprint = project_fingerprint(&want.name, &want.description);
+                plan.objects.push((OBJECT_PROJECT, key.clone(), Some(p.project_id.clone()), fingerprint));
+            }
+            (_, None) => {
+                let mut fields = created_fields(want);
+                fields.entry("description".into()).or_insert_with(|| field(Value::Null, json!("")));
+                plan.changes.push(Change {
+                    op: Op::Create,
+                    kind: OBJECT_PROJECT,
+                    key: key.clone(),
+                    id: None,
+                    fields,
+                    expects: Some(0),
+                });
+                plan.objects.push((OBJECT_PROJECT, key.clone(), None, project_fingerprint(&want.name, &want.description)));
+                creates += 1;
+            }
+        }
+    }
+    for p in live.projects.iter().filter(|p| !covered.contains(&p.project_id)) {
+        if !p.archived && prune {
+            plan.changes.push(Change {
+                op: Op::Delete,
+                kind: OBJECT_PROJECT,
+                key: p.project_id.clone(),
+                id: Some(p.project_id.clone()),
+                fields: BTreeMap::new(),
+                expects: Some(p.version),
+            });
+            continue;
+        }
+        if !p.archived {
+            plan.unmanaged.push(Unmanaged { kind: OBJECT_PROJECT, id: p.project_id.clone(), name: p.name.clone() });
+        }
+        if let Some(other) = names.get(p.name.as_str()) {
+            plan.blocked.push(Blocked {
+                kind: OBJECT_PROJECT,
+                key: (*other).to_owned(),
+                reason: format!("the name {:?} is taken by {} outside the document", p.name, p.project_id),
+            });
+        }
+    }
+    let held = live.projects.len() + creates;
+    if held > PROJECTS_PER_TENANT_MAX {
+        plan.blocked.push(Blocked {
+            kind: OBJECT_PROJECT,
+            key: "*".into(),
+            reason: format!("the tenant would hold {held} projects, more than {PROJECTS_PER_TENANT_MAX}"),
+        });
+    }
 }
 
 /// The plan's hash: SHA-256 over a domain tag, the canonical document, the prune flag, what was
@@ -673,7 +959,7 @@ fn plan_hash(doc: &FleetDocument, prune: bool, plan: &FleetPlan) -> String {
 }
 
 /// The live fleet as a document: objects the fleet made keyed by their key, the others by id.
-/// Archived pools, and the flavors of archived pools, are left out.
+/// Archived pools, the flavors of archived pools, and archived projects are left out.
 pub fn fleet_export(live: &FleetLive) -> FleetDocument {
     let keys: BTreeMap<(&str, &str), &str> = live
         .applied
@@ -693,7 +979,20 @@ pub fn fleet_export(live: &FleetLive) -> FleetDocument {
                 max_reservation_s: Some(p.max_reservation_s),
                 quota_gpus: live.quotas.get(&p.pool_id).map(|q| q.gpus),
                 offered_to: (!p.offered_to.is_empty()).then(|| p.offered_to.clone()),
+                site: p.site_id.as_deref().map(|s| key_of(OBJECT_SITE, s)),
             },
+        );
+    }
+    for s in &live.sites {
+        doc.sites.insert(
+            key_of(OBJECT_SITE, &s.site_id),
+            FleetSite { name: s.name.clone(), region: s.region.clone(), labels: s.labels.clone() },
+        );
+    }
+    for p in live.projects.iter().filter(|p| !p.archived) {
+        doc.projects.insert(
+            key_of(OBJECT_PROJECT, &p.project_id),
+            FleetProject { name: p.name.clone(), description: p.description.clone() },
         );
     }
     for f in &live.flavors {
@@ -722,7 +1021,14 @@ pub fn fleet_export(live: &FleetLive) -> FleetDocument {
 /// ([`bc_projections::fleet_config::fleet_drift`]); empty when nothing was ever applied.
 pub fn fleet_drift(live: &FleetLive) -> Vec<FleetDrift> {
     let Some(applied) = &live.applied else { return Vec::new() };
-    let objects = FleetObjectsLive { pools: &live.pools, quotas: &live.quotas, flavors: &live.flavors, images: &live.images };
+    let objects = FleetObjectsLive {
+        pools: &live.pools,
+        quotas: &live.quotas,
+        flavors: &live.flavors,
+        images: &live.images,
+        sites: &live.sites,
+        projects: &live.projects,
+    };
     bc_projections::fleet_config::fleet_drift(applied, &objects)
 }
 
@@ -755,6 +1061,7 @@ mod tests {
             labels: BTreeMap::new(),
             max_reservation_s: bc_projections::pool::MAX_RESERVATION_S_DEFAULT,
             archived: false,
+            site_id: None,
             offered_to: BTreeSet::new(),
             version,
             created_at_ms: 0,
@@ -786,6 +1093,7 @@ mod tests {
             max_reservation_s: None,
             quota_gpus: None,
             offered_to: None,
+            site: None,
         }
     }
 

@@ -26,6 +26,9 @@ pub struct ReservationAsk {
     pub selector: Selector,
     pub nvlink: bool,
     pub tolerations: Vec<String>,
+    /// The tenant's live project it is made in, as read: the append on the tenant's own chain
+    /// (the request, or in an offered pool the holder's charge) guards its version.
+    pub project: Option<super::project::ProjectRef>,
 }
 
 impl ReservationAsk {
@@ -57,6 +60,7 @@ impl ReservationAsk {
             selector: self.selector_text.clone(),
             nvlink: self.nvlink,
             tolerations: self.tolerations.clone(),
+            project_id: self.project.as_ref().map(|p| p.project_id.clone()),
         }
     }
 
@@ -208,7 +212,8 @@ fn create(
         Ok(Some(Append {
             stream: quota_stream.clone(),
             expected: ExpectedVersion::Exact(q.version),
-            guards: vec![],
+            // The project is the holder's, on its chain: its charge guards it.
+            guards: ask.project.iter().map(|p| p.guard()).collect(),
             events: vec![NewEvent::new(ev::QUOTA_CHARGED, to_cbor(&payload)?)],
         }))
     };
@@ -226,6 +231,10 @@ fn create(
     };
     let rsv_stream = stream_of(KIND_RESERVATION, &input.reservation_id);
     let pool_guard = (stream_of(KIND_POOL, pool_id), ExpectedVersion::Exact(ask.pool.version));
+    // On the tenant's own chain the request guards its project (an offered pool's holder
+    // guards it with its charge, on its own chain).
+    let own_guards: Vec<(String, ExpectedVersion)> =
+        std::iter::once(pool_guard.clone()).chain(ask.project.iter().filter(|_| holder.is_none()).map(|p| p.guard())).collect();
     // Under a quota, the request is charged on the quota's stream at the version read, so the
     // usage it was decided on is the usage it lands on, whichever gateway decided it.
     let charge = |guards: &mut Vec<(String, ExpectedVersion)>, events: &mut Vec<NewEvent>| -> Result<(), Refusal> {
@@ -240,7 +249,7 @@ fn create(
     };
     // The request alone: what a queued (or replayed) request appends.
     let request_only = |charged: bool| -> Result<Append, Refusal> {
-        let (mut guards, mut events) = (vec![pool_guard.clone()], requested()?);
+        let (mut guards, mut events) = (own_guards.clone(), requested()?);
         if charged {
             charge(&mut guards, &mut events)?;
         }
@@ -285,7 +294,7 @@ fn create(
     let ends_at_ms = input.now_ms.saturating_add(ask.duration_s.saturating_mul(1000));
     let issue = placement::Issue { command_id: input.command_id, now_ms: input.now_ms };
     let (activation, mut guards) = placement::activation(input.reservation_id, &placement, ends_at_ms, issue)?;
-    guards.push(pool_guard.clone());
+    guards.extend(own_guards.iter().cloned());
     let mut events: Vec<NewEvent> = requested()?.into_iter().chain(activation).collect();
     charge(&mut guards, &mut events)?;
     let append = Append { stream: rsv_stream.clone(), expected: ExpectedVersion::NoStream, guards, events };

@@ -345,6 +345,7 @@ mod tests {
             selector: String::new(),
             nvlink: false,
             tolerations: Vec::new(),
+            project_id: None,
         };
         ReservationDoc { state, ..ReservationDoc::requested("ten_01".into(), "rsv_1".into(), ask, 1, 0, 0) }
     }

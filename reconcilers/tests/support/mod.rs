@@ -25,6 +25,7 @@ pub fn pool_created() -> (String, AppendRequest) {
         description: String::new(),
         labels: Default::default(),
         max_reservation_s: None,
+        site_id: None,
     })
     .unwrap();
     let event = vec![NewEvent::new(ev::POOL_CREATED, payload)];

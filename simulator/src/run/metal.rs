@@ -479,6 +479,7 @@ impl Sim {
                         description: "the simulated bare-metal machines".into(),
                         labels: Default::default(),
                         max_reservation_s: None,
+                        site_id: None,
                     };
                     let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).expect("cbor"));
                     let request =

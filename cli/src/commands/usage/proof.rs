@@ -628,6 +628,7 @@ mod tests {
             selector: String::new(),
             nvlink: false,
             tolerations: vec![],
+            project_id: None,
         };
         let activated = ev::ReservationActivated { node_id: "node_1".into(), gpus: vec![0, 1], ends_at_ms: 5000, hold: None };
         let proofs = Proofs {

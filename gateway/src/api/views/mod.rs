@@ -148,6 +148,10 @@ pub struct PoolView {
     /// The caller reserves from it under its own quota and cannot change it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offered: Option<bool>,
+    /// The site its machines are at (`sites.*`), fixed when it was made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<super::validate::SiteIdText>")]
+    pub site_id: Option<String>,
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
@@ -174,6 +178,7 @@ impl From<PoolDoc> for PoolView {
             archived: d.archived,
             offered_to: d.offered_to.into_iter().collect(),
             offered: None,
+            site_id: d.site_id,
             version: d.version,
             created_at_ms: d.created_at_ms,
             updated_at_ms: d.updated_at_ms,

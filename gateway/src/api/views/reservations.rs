@@ -113,6 +113,10 @@ pub struct ReservationView {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<TenantIdText>")]
     pub holder_tenant_id: Option<String>,
+    /// The project it was made in (`projects.*`), of the tenant that asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<crate::api::validate::ProjectIdText>")]
+    pub project_id: Option<String>,
     pub version: u64,
     /// While queued: 1 for the next in line.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -146,6 +150,7 @@ impl ReservationView {
             last_error: d.last_error,
             instance_id: d.instance_id,
             holder_tenant_id: d.holder_tenant_id,
+            project_id: d.project_id,
             version: d.version,
             queue_position,
             replayed: None,

@@ -1,0 +1,119 @@
+//! Sites and projects end to end (issue 56): the real `better-compute dev` and CLI. A site is
+//! made; a pool names it; the site's delete is refused `INVALID_STATE` naming the pool, and
+//! nothing is appended; the pool's archive lets it go. A project is made; a reservation is made
+//! in it and carries it; the project is archived and a new reservation in it is refused
+//! `INVALID_STATE`, nothing appended, while one in no project still goes. Another tenant's
+//! project is not found, as from that tenant it does not exist.
+
+use bc_tests::Server;
+use serde_json::{Value, json};
+
+/// The number of events of the server's tenant, from `events.list` (page by page).
+async fn event_count(server: &Server) -> usize {
+    let mut count = 0;
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut body = json!({ "limit": 500 });
+        if let Some(c) = &cursor {
+            body["cursor"] = json!(c);
+        }
+        let (status, page) = server.call("events.list", body).await;
+        assert_eq!(status, 200, "{page}");
+        count += page["items"].as_array().unwrap().len();
+        match page["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => return count,
+        }
+    }
+}
+
+fn ok(out: (i32, String, String)) -> Value {
+    let (code, out, err) = out;
+    assert_eq!(code, 0, "{err}");
+    bc_tests::json(&out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_site_stays_and_an_archived_project_takes_no_new_reservation() {
+    let server = Server::dev();
+
+    // A site, and a pool at it.
+    let site = ok(server.cli(&["sites", "create", "--name", "fra1", "--region", "eu-central", "--label", "dc=fra"]));
+    let site_id = site["siteId"].as_str().unwrap().to_owned();
+    assert_eq!((site["name"].as_str(), site["region"].as_str()), (Some("fra1"), Some("eu-central")), "{site}");
+    assert_eq!(site["labels"], json!({ "dc": "fra" }));
+    let pool = ok(server.cli(&["pools", "create", "--name", "gpu-fra", "--site", &site_id]));
+    let pool_id = pool["poolId"].as_str().unwrap().to_owned();
+    assert_eq!(pool["siteId"], json!(site_id), "{pool}");
+    // A site that does not exist is not named.
+    let (status, body) =
+        server.call("pools.create", json!({ "name": "nowhere", "siteId": "site_01arz3ndektsv4rrffq69g5fav" })).await;
+    assert_eq!((status, body["code"].as_str()), (404, Some("NOT_FOUND")), "{body}");
+
+    // The site's name and labels change in place; its region does not.
+    let updated = ok(server.cli(&["sites", "update", &site_id, "--name", "fra-1", "--label", "dc=fra", "--label", "tier=a"]));
+    assert_eq!((updated["name"].as_str(), updated["region"].as_str()), (Some("fra-1"), Some("eu-central")), "{updated}");
+    let (status, body) = server.call("sites.update", json!({ "siteId": site_id, "region": "us-east" })).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "no region in an update: {body}");
+    let listed = ok(server.cli(&["sites", "list", "--format", "json"]));
+    assert_eq!(listed["items"].as_array().map(Vec::len), Some(1), "{listed}");
+
+    // Named by the pool: the delete is refused, naming it, and nothing is appended.
+    let before = event_count(&server).await;
+    let (code, _, err) = server.cli(&["sites", "delete", &site_id]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&format!("pool/{pool_id}")), "{err}");
+    assert_eq!(event_count(&server).await, before, "a refused delete appends nothing");
+    // Once the pool is archived, nothing live names it: it goes.
+    let (status, body) = server.call("pools.archive", json!({ "poolId": pool_id })).await;
+    assert_eq!(status, 200, "{body}");
+    let deleted = ok(server.cli(&["sites", "delete", &site_id]));
+    assert_eq!(deleted["deleted"], true, "{deleted}");
+    let (code, _, err) = server.cli(&["sites", "get", &site_id]);
+    assert_ne!(code, 0);
+    assert!(err.contains("NOT_FOUND"), "{err}");
+
+    // A project, and a reservation in it.
+    let pool = server.pool("gpus").await;
+    server.h100_nodes(&pool, 1).await;
+    let project = ok(server.cli(&["projects", "create", "--name", "training", "--description", "the big run"]));
+    let project_id = project["projectId"].as_str().unwrap().to_owned();
+    assert_eq!(project["archived"], false, "{project}");
+    let rsv =
+        ok(server.cli(&["reservations", "create", "--pool", &pool, "--gpus", "1", "--for", "1h", "--project", &project_id]));
+    assert_eq!(rsv["projectId"], json!(project_id), "{rsv}");
+    assert_eq!(rsv["state"], "active", "{rsv}");
+    let (status, got) = server.call("reservations.get", json!({ "reservationId": rsv["reservationId"] })).await;
+    assert_eq!((status, &got["projectId"]), (200, &json!(project_id)), "{got}");
+
+    // Archived: it takes no new reservation, and a refusal appends nothing.
+    let archived = ok(server.cli(&["projects", "archive", &project_id]));
+    assert_eq!(archived["archived"], true, "{archived}");
+    let before = event_count(&server).await;
+    let (code, _, err) = server.cli(&["reserve", "--pool", &pool, "--gpus", "1", "--for", "1h", "--project", &project_id]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&project_id), "{err}");
+    assert_eq!(event_count(&server).await, before, "a refused reservation appends nothing");
+    // What was made in it keeps naming it; a reservation in no project still goes.
+    let (_, got) = server.call("reservations.get", json!({ "reservationId": rsv["reservationId"] })).await;
+    assert_eq!(got["projectId"], json!(project_id), "{got}");
+    let plain = ok(server.cli(&["reserve", "--pool", &pool, "--gpus", "1", "--for", "1h"]));
+    assert!(plain.get("projectId").is_none(), "{plain}");
+    // Listed only with --include-archived.
+    let live = ok(server.cli(&["projects", "list", "--format", "json"]));
+    assert_eq!(live["items"].as_array().map(Vec::len), Some(0), "{live}");
+    let all = ok(server.cli(&["projects", "list", "--include-archived", "--format", "json"]));
+    assert_eq!(all["items"][0]["projectId"], json!(project_id), "{all}");
+    // A malformed project id is a usage error before anything is sent.
+    let (code, _, err) = server.cli(&["reserve", "--pool", &pool, "--gpus", "1", "--for", "1h", "--project", "training"]);
+    assert_eq!(code, 2, "{err}");
+
+    // Another tenant's project does not exist for this one.
+    let other = server.tenant("other").await;
+    let (status, theirs) = server.call("projects.create", json!({ "tenantId": other, "name": "theirs" })).await;
+    assert_eq!(status, 200, "{theirs}");
+    let (status, body) = server
+        .call("reservations.create", json!({ "poolId": pool, "gpus": 1, "durationS": 60, "projectId": theirs["projectId"] }))
+        .await;
+    assert_eq!((status, body["code"].as_str()), (404, Some("NOT_FOUND")), "{body}");
+}
