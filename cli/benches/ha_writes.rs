@@ -212,7 +212,7 @@ fn main() {
     for round in 1..=ROUNDS {
         // The order swapped each round, so neither side always runs on a warmer machine.
         let cluster_first = round % 2 == 1;
-        let mut measure = |name: &str, url: &str, token: &str| {
+        let measure = |name: &str, url: &str, token: &str| {
             eprintln!("  round {round}: {name}…");
             cell(url, token, &scripts)
         };
