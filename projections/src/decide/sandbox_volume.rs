@@ -682,7 +682,7 @@ mod tests {
         assert_eq!(append.expected, ExpectedVersion::Exact(3));
         assert_eq!(append.events[0].event_type, SANDBOX_VOLUME_RESIZE_REQUESTED);
         // The node's disk is taken at the node's version read (projections/tests/volume_disk_race.rs).
-        let node_stream = stream_of(crate::KIND_NODE, "node_1");
+        let node_stream = stream_of(crate::KIND_NODE, &"node_1");
         assert!(append.guards.contains(&(node_stream.clone(), ExpectedVersion::Exact(1))), "{:?}", append.guards);
         assert_eq!(
             (append.events[2].event_type.as_str(), append.events[2].stream.as_ref()),
