@@ -67,6 +67,10 @@ async fn a_memory_snapshot_restores_on_another_node_and_a_tampered_one_is_refuse
     require_runtime();
     let work = tempfile::tempdir().unwrap();
     let (a_dir, b_dir) = (work.path().join("node-a"), work.path().join("node-b"));
+    // bcd makes its data directory before anything else; here the test does.
+    for dir in [&a_dir, &b_dir] {
+        std::fs::create_dir_all(dir).unwrap();
+    }
     let _cleanup = Cleanup(vec![a_dir.join("sandboxes/runsc"), b_dir.join("sandboxes/runsc")]);
     let bytes = busybox_rootfs(work.path(), &["sh", "cat", "echo", "sleep"]);
     let digest = hex::encode(sha2::Sha256::digest(&bytes));
