@@ -782,6 +782,46 @@ async fn pipelined_decisions(kind: Kind) {
     assert_eq!(verify_all(&f).await, APPENDS + 1 + APPENDS - failed as u64);
 }
 
+/// A commit whose answer is lost (a database failover between `COMMIT` and its answer): it was
+/// made, every request in it is answered `Indeterminate`, and the same request again under the
+/// same key replays the first result, exactly once, while one without a key, decided again on
+/// the stream's real version, is refused (it is never appended twice). What was decided on top
+/// of the lost batch is decided again and lands with no gap.
+async fn a_lost_commit_answer_is_indeterminate_and_the_keyed_retry_replays_it(kind: Kind) {
+    const APPENDS: u64 = 40;
+    let f = fixture(kind).await;
+    let t = TenantId::generate();
+    let mut keyed = request(t, "failover/1", ExpectedVersion::NoStream, 1);
+    keyed.idempotency_key = Some("failover-once".into());
+    f.log.commit_answers_lost(1);
+    let err = f.log.append(keyed.clone()).await.expect_err("the answer was lost");
+    assert!(matches!(err, bc_core::Error::Indeterminate(_)), "{err:?}");
+    assert_eq!(err.code(), bc_core::ErrorCode::Unavailable);
+    assert!(err.to_string().contains(bc_core::store::COMMIT_ANSWER_LOST), "{err}");
+    // It was made: the retry replays it, and the stream holds it once.
+    let retry = f.log.append(keyed.clone()).await.expect("the keyed retry");
+    assert!(retry.replayed, "the keyed retry of a commit that was made replays it");
+    assert_eq!(retry.events[0].envelope.version, 1);
+    let mut unkeyed = keyed.clone();
+    unkeyed.idempotency_key = None;
+    let refused = f.log.append(unkeyed).await.expect_err("a second first event");
+    assert_eq!(refused.code(), bc_core::ErrorCode::Conflict, "{refused}");
+
+    // Under load: the batch whose answer is lost and what was decided on top of it.
+    f.log.commit_answers_lost(1);
+    let results = in_order((0..APPENDS).map(|_| f.log.append(request(t, "failover/2", ExpectedVersion::Any, 1))).collect()).await;
+    let lost = results.iter().filter(|r| r.is_err()).count() as u64;
+    assert!(lost >= 1, "the first commit's answer was lost");
+    for e in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(matches!(e, bc_core::Error::Indeterminate(_)), "{e:?}");
+    }
+    // Every request was made (the lost ones too): the stream has all of them, no gap.
+    let mut versions: Vec<u64> = results.iter().filter_map(|r| r.as_ref().ok()).map(|r| r.events[0].envelope.version).collect();
+    versions.sort_unstable();
+    assert_eq!(versions, ((lost + 1)..=APPENDS).collect::<Vec<_>>(), "{lost} lost");
+    assert_eq!(verify_all(&f).await, 1 + APPENDS);
+}
+
 /// Runs `appends` to the end, each queued in the order given: each is polled once, in order,
 /// before any is waited on (`join_all` polls a long list in no set order), outside tokio's
 /// cooperative budget (which makes a send wait after a hundred or so even with room in the
@@ -833,6 +873,7 @@ every_backend!(
     outbox_items_written_claimed,
     concurrent_appends_and_reader,
     pipelined_decisions,
+    a_lost_commit_answer_is_indeterminate_and_the_keyed_retry_replays_it,
     abandoned_transactions_leave_nothing_open,
     reconciler_passes
 );

@@ -88,12 +88,16 @@ pub fn seed_bytes(rng: &mut SeededRng) -> [u8; 32] {
 }
 
 /// True for an append error a fault injected into the log (`failing-commits`,
-/// `reconciler-crash`): the caller sees an error, as it would from a database or a process that
-/// failed, and must cope; any other error is a finding.
+/// `reconciler-crash`, `failover`'s lost answers): the caller sees an error, as it would from a
+/// database or a process that failed, and must cope (after a lost answer the write may have
+/// been made: the caller decides again from what the log says, or asks again under its key);
+/// any other error is a finding.
 pub fn injected(error: &bc_core::Error) -> bool {
     let text = error.to_string();
     error.code() == bc_core::ErrorCode::Unavailable
-        && (text.contains(bc_core::store::COMMIT_FAILED) || text.contains(bc_core::store::APPENDS_STOPPED))
+        && (text.contains(bc_core::store::COMMIT_FAILED)
+            || text.contains(bc_core::store::APPENDS_STOPPED)
+            || text.contains(bc_core::store::COMMIT_ANSWER_LOST))
 }
 
 /// A simulated node, the hardware under an agent: its GPUs, and a binding that can be made to
@@ -781,12 +785,51 @@ impl World {
     pub async fn append_acknowledged(&self, request: AppendRequest) -> bc_core::Result<bc_core::store::AppendResult> {
         let result = self.log.append(request).await?;
         if !result.replayed {
-            let mut acknowledged = self.acknowledged.lock().expect("not poisoned");
-            for event in &result.events {
-                acknowledged.push((event.envelope.tenant, event.envelope.seq, event.envelope.id.to_string()));
-            }
+            self.acknowledge(&result);
         }
         Ok(result)
+    }
+
+    /// A client's append through the gateway: under the idempotency key `key`, and sent again
+    /// under the same key when its answer was lost (`failover`'s `Indeterminate`), as the
+    /// UNAVAILABLE answer's hint tells a client to. The simulator loses only the answers of
+    /// commits that were made, so the retry must replay what the lost commit made: `Err` names
+    /// the broken invariant when it appends again (the write made twice) or is refused (a
+    /// client never told the outcome). `Ok` holds the answer the client ends with, and whether
+    /// it asked twice.
+    pub async fn append_as_client(
+        &self,
+        mut request: AppendRequest,
+        key: String,
+    ) -> Result<(bc_core::Result<bc_core::store::AppendResult>, bool), String> {
+        request.idempotency_key = Some(key.clone());
+        match self.append_acknowledged(request.clone()).await {
+            Err(bc_core::Error::Indeterminate(_)) => {}
+            answered => return Ok((answered, false)),
+        }
+        match self.append_acknowledged(request).await {
+            Ok(result) if result.replayed => {
+                self.acknowledge(&result);
+                Ok((Ok(result), true))
+            }
+            Ok(result) => Err(format!(
+                "the retry under key {key} of a write whose commit was made and its answer lost appended it again \
+                 ({} events from seq {}) instead of replaying it",
+                result.events.len(),
+                result.events.first().map_or(0, |e| e.envelope.seq)
+            )),
+            Err(e) => Err(format!("the retry under key {key} of a write whose commit was made and its answer lost was refused: {e}")),
+        }
+    }
+
+    /// Records `result`'s events as acknowledged to their caller: the full checks must find
+    /// each in the log, at its place, for the rest of the run. A replay is acknowledged by the
+    /// caller that asked again after its first answer was lost (`failover`).
+    pub fn acknowledge(&self, result: &bc_core::store::AppendResult) {
+        let mut acknowledged = self.acknowledged.lock().expect("not poisoned");
+        for event in &result.events {
+            acknowledged.push((event.envelope.tenant, event.envelope.seq, event.envelope.id.to_string()));
+        }
     }
 
     /// The append the gateway's session makes of agent `a`'s journal entry `seq` (its `body` and

@@ -34,7 +34,8 @@ pub enum SimCommand {
         /// agent-crash, duplicate-commands, stale-view, lost-acks, reconciler-crash,
         /// gateway-restart, failing-commits, drop-messages, delay-messages,
         /// duplicate-messages, reorder-messages, partition, failing-receivers, rollouts, and bare
-        /// metal's bmc-hangs, power-never-applies, deploy-never-joins).
+        /// metal's bmc-hangs, power-never-applies, deploy-never-joins, bmc-refuses-credentials;
+        /// `failover`, a database failover losing commits' answers, only by name).
         #[arg(long, default_value = "all")]
         faults: String,
         /// Bare-metal machines enrolled (at most 1,000; 0: none), their operators' verbs and

@@ -183,6 +183,10 @@ pub struct Log {
     /// The simulator's failing commits (`sim run`'s `failing-commits`): this many more append
     /// transactions make their writes and then fail instead of committing. Always 0 elsewhere.
     commits_to_fail: Arc<std::sync::atomic::AtomicU64>,
+    /// The simulator's database failover (`sim run`'s `failover`): this many more append
+    /// transactions commit and then answer as if the connection had been lost before the
+    /// answer came ([`Error::Indeterminate`]). Always 0 elsewhere.
+    answers_to_lose: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The error of an append whose commit [`Log::commits_fail`] made fail.
@@ -190,6 +194,11 @@ pub const COMMIT_FAILED: &str = "the commit failed (a failure the simulator inje
 
 /// The error of an append refused by [`Log::appends_limit`].
 pub const APPENDS_STOPPED: &str = "the caller stopped (a crash the simulator injected)";
+
+/// The error of an append whose commit [`Log::commit_answers_lost`] made and whose answer it
+/// then lost, as a database failover loses the answer of a `COMMIT` in flight.
+pub const COMMIT_ANSWER_LOST: &str =
+    "the commit's answer was lost (a database failover the simulator injected); it may have been made";
 
 impl Log {
     /// Registers the key with the store and starts the appender task; event ids are random
@@ -220,13 +229,14 @@ impl Log {
         let (notify, commits) = tokio::sync::watch::channel(last);
         let (answered_tx, answered) = tokio::sync::watch::channel(last);
         let commits_to_fail = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let answers_to_lose = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let appender = Appender {
             store: store.clone(),
             projector,
             key: key.clone(),
             clock: clock.clone(),
             ids: ids.clone(),
-            commits_to_fail: commits_to_fail.clone(),
+            faults: CommitFaults { to_fail: commits_to_fail.clone(), answers_to_lose: answers_to_lose.clone() },
             answered: Arc::new(answered_tx),
         };
         tokio::spawn(run_appender(receiver, appender, stats.clone(), notify));
@@ -241,6 +251,7 @@ impl Log {
             answered,
             appends_left: Default::default(),
             commits_to_fail,
+            answers_to_lose,
         })
     }
 
@@ -297,6 +308,15 @@ impl Log {
         self.commits_to_fail.store(count, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Makes the next `count` append transactions commit and then answer every request in them
+    /// [`Error::Indeterminate`] ([`COMMIT_ANSWER_LOST`]), as when the database's primary fails
+    /// over between a `COMMIT` and its answer: the simulator's failover. The append path is
+    /// otherwise untouched; what the callers do next (a retry with the same idempotency key,
+    /// a decision made again) is theirs.
+    pub fn commit_answers_lost(&self, count: u64) {
+        self.answers_to_lose.store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Takes `left` more appends through this `Log`, then refuses every one (UNAVAILABLE,
     /// [`APPENDS_STOPPED`]) until called with `None`: the simulator's crash of a caller after
     /// its k-th append. The append path is otherwise untouched. Returns the limit it replaces
@@ -313,8 +333,8 @@ struct Appender {
     key: Arc<LogKey>,
     clock: Arc<dyn Clock>,
     ids: Arc<dyn IdSource>,
-    /// [`Log::commits_fail`]'s count, taken one per append transaction.
-    commits_to_fail: Arc<std::sync::atomic::AtomicU64>,
+    /// The simulator's injected commit faults.
+    faults: CommitFaults,
     /// Where a commit's [`Receipt`] reports that its answers were let go.
     answered: Arc<tokio::sync::watch::Sender<u64>>,
 }
@@ -463,12 +483,9 @@ struct Committing {
 
 impl Committing {
     fn start(appender: &Appender, decided: Decided) -> Self {
-        let fail = appender
-            .commits_to_fail
-            .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
         let (store, projector, batch) = (appender.store.clone(), appender.projector.clone(), decided.batch.clone());
-        let task = tokio::spawn(async move { commit(&*store, &batch, projector.as_ref(), fail).await });
+        let faults = appender.faults.clone();
+        let task = tokio::spawn(async move { commit(&*store, &batch, projector.as_ref(), &faults).await });
         Self { decided, task, started: stopwatch() }
     }
 }
@@ -614,7 +631,7 @@ fn stopwatch() -> std::time::Instant {
 }
 
 async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) -> Option<u64> {
-    let Appender { store, projector, key, clock, ids, commits_to_fail, answered: _ } = appender;
+    let Appender { store, projector, key, clock, ids, faults, answered: _ } = appender;
     let store = &**store;
     let mut decided = None;
     let started = stopwatch();
@@ -637,10 +654,7 @@ async fn process_batch(appender: &Appender, stats: &LogStats, jobs: Vec<Job>) ->
             break;
         }
         let phase = stopwatch();
-        let fail = commits_to_fail
-            .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        let committed = commit(store, &batch, projector.as_ref(), fail).await;
+        let committed = commit(store, &batch, projector.as_ref(), faults).await;
         timings[2] += phase.elapsed().as_micros();
         match committed {
             Ok(CommitOutcome::Committed { commit, rows }) => {
@@ -756,9 +770,35 @@ async fn answer(
 
 /// Writes a decided batch: the one place outside the backends that opens an append
 /// transaction (the [`WriteToken`] is made here).
-async fn commit(store: &dyn EventStore, batch: &PreparedBatch, projector: &dyn Projector, fail: bool) -> Result<CommitOutcome> {
+/// The simulator's injected commit faults ([`Log::commits_fail`], [`Log::commit_answers_lost`]):
+/// how many more append transactions fail, and how many more commit and lose their answer.
+/// Both are 0 outside the simulator.
+#[derive(Clone)]
+struct CommitFaults {
+    to_fail: Arc<std::sync::atomic::AtomicU64>,
+    answers_to_lose: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl CommitFaults {
+    /// Takes one from `count` if it is not 0.
+    fn take(count: &std::sync::atomic::AtomicU64) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        count.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
+    }
+}
+
+/// Commits `batch` in a write transaction of its own (a failing commit, when one is injected,
+/// makes its writes and rolls back; a lost answer commits and then reports
+/// [`Error::Indeterminate`]).
+async fn commit(store: &dyn EventStore, batch: &PreparedBatch, projector: &dyn Projector, faults: &CommitFaults) -> Result<CommitOutcome> {
+    let fail = CommitFaults::take(&faults.to_fail);
     let mut tx = store.transaction(WriteToken(())).await?;
-    engine::commit(&mut *tx, batch, projector, fail).await
+    match engine::commit(&mut *tx, batch, projector, fail).await {
+        Ok(CommitOutcome::Committed { .. }) if CommitFaults::take(&faults.answers_to_lose) => {
+            Err(Error::Indeterminate(COMMIT_ANSWER_LOST.into()))
+        }
+        other => other,
+    }
 }
 
 async fn commit_locked(

@@ -46,7 +46,7 @@ pub mod sqlite;
 pub mod status;
 
 pub use engine::Migration;
-pub use log::{APPENDS_STOPPED, AppendObserver, COMMIT_FAILED, Log, LogHandle, LogStats};
+pub use log::{APPENDS_STOPPED, AppendObserver, COMMIT_ANSWER_LOST, COMMIT_FAILED, Log, LogHandle, LogStats};
 
 /// Most events one append request may carry.
 pub const APPEND_EVENTS_MAX: usize = 500;

@@ -22,7 +22,10 @@
 //!   `bmc-hangs` (a BMC's every call hangs for 10 s to 3 minutes), `power-never-applies` (a
 //!   BMC accepts resets and applies none for 30 s to 5 minutes), `deploy-never-joins` (a
 //!   machine's next deploy installs a system whose agent never joins: the deploy fails at its
-//!   deadline).
+//!   deadline), `bmc-refuses-credentials` (a BMC answers every call 401 for 30 s to 10
+//!   minutes: a workflow's step fails, a machine at rest goes into maintenance, its operator
+//!   recovers it). Operators also retire machines now and then (a retired machine's cleaning
+//!   ends in `manageable`, and nothing deploys it again).
 //! - **Checks** at every activation of the reconciler, on the machines as it reads them
 //!   ([`Sim::metal_docs_check`]), and after every turn ([`Sim::metal_bmc_check`]): every move of
 //!   a machine in the log (`metal.transitioned`) is a row of the lifecycle table from where its
@@ -82,6 +85,12 @@ pub const HANG_MS_MIN: u64 = 10_000;
 pub const HANG_MS_MAX: u64 = 180_000;
 pub const NEVER_APPLIES_MS_MIN: u64 = 30_000;
 pub const NEVER_APPLIES_MS_MAX: u64 = 300_000;
+/// The window of `bmc-refuses-credentials`.
+pub const REFUSES_CREDENTIALS_MS_MIN: u64 = 30_000;
+pub const REFUSES_CREDENTIALS_MS_MAX: u64 = 600_000;
+/// An operator's action on a machine at rest retires it with this probability (where the
+/// lifecycle table has a retire row).
+pub const RETIRE_P: f64 = 0.02;
 /// How late past its deadline a workflow may still be running when an activation finds it (the
 /// check reads the machines before the activation's turns): the pass that finds the deadline
 /// passed comes up to a reconciler step late, its last look may hang for a whole request, its
@@ -106,6 +115,8 @@ pub struct MetalCounts {
     /// BMC calls, and those that hung until their timeout.
     pub bmc_calls: u64,
     pub bmc_hangs: u64,
+    /// BMC calls refused 401 (`bmc-refuses-credentials`).
+    pub bmc_unauthorized: u64,
     /// Installed systems that joined as their node.
     pub joins: u64,
     /// Reconciler turns run, and steps recorded (`metal.step_done`).
@@ -123,6 +134,7 @@ impl MetalCounts {
             "workflows": self.workflows,
             "bmcCalls": self.bmc_calls,
             "bmcHangs": self.bmc_hangs,
+            "bmcUnauthorized": self.bmc_unauthorized,
             "joins": self.joins,
             "turns": self.turns,
             "steps": self.steps,
@@ -143,6 +155,8 @@ struct BmcState {
     /// `bmc-hangs`: every call hangs until then; `power-never-applies`: resets are dropped.
     hang_until: u64,
     never_applies_until: u64,
+    /// `bmc-refuses-credentials`: every call is refused 401 until then.
+    refusing_until: u64,
     /// Calls answered or hanging now (more than one: two operations at once).
     in_flight: u32,
     /// The call in flight, named.
@@ -160,6 +174,7 @@ impl BmcState {
             media: None,
             hang_until: 0,
             never_applies_until: 0,
+            refusing_until: 0,
             in_flight: 0,
             doing: None,
         }
@@ -178,6 +193,7 @@ struct Bmcs {
     conflicts: Vec<String>,
     calls: u64,
     hangs: u64,
+    refused: u64,
 }
 
 type Shared = Arc<Mutex<Bmcs>>;
@@ -204,7 +220,7 @@ impl SimBmc {
         what: &'static str,
         f: impl FnOnce(&mut BmcState, u64, &mut SeededRng) -> T + Send,
     ) -> BmcResult<T> {
-        let (hang, index, due) = {
+        let (hang, index, due, refused) = {
             let mut bmcs = lock(&self.shared);
             bmcs.calls += 1;
             let now = bmcs.clock.now_ms();
@@ -217,6 +233,7 @@ impl SimBmc {
             });
             state.doing = Some(what);
             let hang = now < state.hang_until;
+            let refused = !hang && now < state.refusing_until;
             let index = state.index;
             if let Some(conflict) = conflict {
                 bmcs.conflicts.push(conflict);
@@ -224,8 +241,19 @@ impl SimBmc {
             if hang {
                 bmcs.hangs += 1;
             }
-            (hang, index, now + bc_bmc::REQUEST_TIMEOUT_S * 1000)
+            if refused {
+                bmcs.refused += 1;
+            }
+            (hang, index, now + bc_bmc::REQUEST_TIMEOUT_S * 1000, refused)
         };
+        if refused {
+            let mut bmcs = lock(&self.shared);
+            if let Some(state) = bmcs.by_address.get_mut(&self.address) {
+                state.in_flight -= 1;
+                state.doing = None;
+            }
+            return Err(BmcError::Unauthorized(format!("HTTP 401 from the BMC of machine {index}")));
+        }
         if hang {
             let (answer, answered) = oneshot::channel();
             // The run keeps the receiving end for as long as it runs.
@@ -405,8 +433,8 @@ pub fn workflow_bound_ms(state: MetalState, workflow: &Workflow) -> u64 {
     workflow.started_at_ms + deadline_s * 1000 + BOUND_SLACK_MS
 }
 
-fn metal_faults() -> [Fault; 3] {
-    [Fault::BmcHangs, Fault::PowerNeverApplies, Fault::DeployNeverJoins]
+fn metal_faults() -> [Fault; 4] {
+    [Fault::BmcHangs, Fault::PowerNeverApplies, Fault::DeployNeverJoins, Fault::BmcRefusesCredentials]
 }
 
 impl SimMetal {
@@ -461,6 +489,7 @@ impl Sim {
             conflicts: vec![],
             calls: 0,
             hangs: 0,
+            refused: 0,
         }));
         let (parked_tx, parked_rx) = mpsc::unbounded_channel();
         let metal = SimMetal::reconciler(&self.world, &shared, &parked_tx);
@@ -730,6 +759,10 @@ impl Sim {
         } else if doc.running().is_some() {
             // A wait may be aborted now and then.
             if roll < 0.05 { (Verb::Abort, None) } else { return Ok(()) }
+        } else if !doc.flags.retired && metal.rng.next_unit() < RETIRE_P && table_allows(doc.state, false, "retire", doc.state.as_str(), doc.state.as_str()).is_ok() {
+            // Now and then an operator takes a machine out of service for good (a retired
+            // machine's cleaning ends in manageable; nothing deploys it again).
+            (Verb::Retire, None)
         } else {
             match doc.state {
                 MetalState::Enroll | MetalState::InspectFailed | MetalState::CleanFailed => (Verb::Manage, None),
@@ -824,6 +857,12 @@ impl Sim {
                 // A reset asked already is lost too.
                 state.pending = None;
             }
+            Fault::BmcRefusesCredentials => {
+                let until = now + between(&mut metal.rng, REFUSES_CREDENTIALS_MS_MIN, REFUSES_CREDENTIALS_MS_MAX);
+                let mut bmcs = lock(&metal.shared);
+                let state = bmcs.by_address.get_mut(&address(m)).expect("its BMC");
+                state.refusing_until = state.refusing_until.max(until);
+            }
             _ => metal.machines[m].never_joins_next = true,
         }
         self.injected(fault);
@@ -838,6 +877,7 @@ impl Sim {
         for state in lock(&metal.shared).by_address.values_mut() {
             state.hang_until = 0;
             state.never_applies_until = 0;
+            state.refusing_until = 0;
         }
         let now = self.world.now_ms();
         let mut last = 0;
@@ -910,6 +950,7 @@ impl Sim {
         let mut bmcs = lock(&metal.shared);
         metal.counts.bmc_calls = bmcs.calls;
         metal.counts.bmc_hangs = bmcs.hangs;
+        metal.counts.bmc_unauthorized = bmcs.refused;
         match bmcs.conflicts.pop() {
             Some(conflict) => Err(Violation(format!("metal: two operations at once on one machine: {conflict}"))),
             None => Ok(()),
@@ -1092,6 +1133,7 @@ mod tests {
             conflicts: vec![],
             calls: 0,
             hangs: 0,
+            refused: 0,
         }))
     }
 

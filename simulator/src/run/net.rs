@@ -104,7 +104,7 @@ pub struct Net {
     /// opened): it ends the session past its deadline ([`Sim::gateway_idle`]).
     heard: BTreeMap<(usize, u64), u64>,
     /// The gateway's command router (`session::route_commands`): where it has read the log to,
-    /// and the log's append count then (it reads again only when that moved).
+    /// and the log's append count then (it reads again when that moved, or its poll is due).
     router: Router,
 }
 
@@ -112,6 +112,10 @@ pub struct Net {
 struct Router {
     after: Position,
     appends: u64,
+    /// When it last read the log: it reads again at least every `COMMAND_POLL_MS`, as the
+    /// gateway's router polls for what it was not woken for (another process's commits, or a
+    /// commit of its own whose answer a `failover` lost).
+    read_at_ms: u64,
 }
 
 /// Events the command router reads at once.
@@ -145,6 +149,7 @@ impl Net {
         self.router = Router {
             after: Position { commit, index: i32::MAX as u32 },
             appends: world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed),
+            read_at_ms: world.now_ms(),
         };
     }
 
@@ -524,16 +529,20 @@ impl Sim {
     }
 
     /// The gateway's command router, after each step: reads what was committed since it last
-    /// read (only when something was), and each live session whose node a command was issued
+    /// read (when this process committed something, or its poll is due: a commit whose answer
+    /// was lost is counted nowhere, and only the poll finds its commands), and each live session whose node a command was issued
     /// to or cancelled for (`session::wakes`) sends the commands it has not sent yet. No other
     /// session is woken, as in the gateway: a command waits for its node's session to be woken
     /// or bound.
     pub(super) async fn route_commands(&mut self) -> Result<(), Violation> {
         let appends = self.world.log.stats.events.load(std::sync::atomic::Ordering::Relaxed);
-        if appends == self.net.router.appends {
+        let now_ms = self.world.now_ms();
+        let poll_due = now_ms >= self.net.router.read_at_ms.saturating_add(bc_gateway::agents::COMMAND_POLL_MS);
+        if appends == self.net.router.appends && !poll_due {
             return Ok(());
         }
         self.net.router.appends = appends;
+        self.net.router.read_at_ms = now_ms;
         let mut woken = BTreeSet::new();
         loop {
             let rows = self.world.store.read_after_rows(self.net.router.after, None, ROUTER_PAGE).await.expect("the log reads");

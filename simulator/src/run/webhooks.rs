@@ -174,11 +174,13 @@ async fn subscribe(world: &World, rng: &mut SeededRng, receivers: &Receivers, t:
         vec![NewEvent::new(ev::WEBHOOK_CREATED, payload)],
     );
     // A commit the `failing-commits` fault fails leaves the secret without its webhook, as a
-    // failed `webhooks.create` does.
-    let appended = match world.append_acknowledged(request).await {
-        Ok(appended) => appended,
-        Err(e) if crate::world::injected(&e) => return None,
-        Err(e) => panic!("the webhook is created: {e}"),
+    // failed `webhooks.create` does; one whose answer a `failover` lost is asked again under its
+    // key, and the replay says it was made.
+    let appended = match world.append_as_client(request, format!("sim:webhooks.create:{id}")).await {
+        Ok((Ok(appended), _)) => appended,
+        Ok((Err(e), _)) if crate::world::injected(&e) => return None,
+        Ok((Err(e), _)) => panic!("the webhook is created: {e}"),
+        Err(broken) => panic!("the webhook is created: {broken}"),
     };
     let created_seq = appended.events[0].envelope.seq;
     let filter = TypeFilter::parse(&patterns).expect("the patterns parse");
