@@ -678,8 +678,8 @@ impl Runner {
             report: crate::sandbox_snapshots::report_payload,
             no_runtime: "no-runtime: this node runs no sandboxes, so it takes no snapshots (hint: install runsc)",
         };
-        let run = sandboxes
-            .map(|s| async move |_id: &str, args: &crate::sandbox_snapshots::SnapshotArgs| s.apply_snapshot(args).await);
+        let run =
+            sandboxes.map(|s| async move |_id: &str, args: &crate::sandbox_snapshots::SnapshotArgs| s.apply_snapshot(args).await);
         self.run_ledgered_apply(command, now_ms, shape, run).await
     }
 

@@ -320,10 +320,10 @@ pub fn parse_args(args_json: &str) -> Result<SandboxArgs, (Option<String>, Strin
     if args.vcpus == 0 || args.memory_mib == 0 {
         return bad("a sandbox needs at least one vCPU and some memory".into());
     }
-    if let Some(r) = &args.restore {
-        if r.snapshot_id.parse::<bc_core::id::SandboxSnapshotId>().is_err() || !crate::instances::is_sha256(&r.sha256) {
-            return bad("the snapshot to restore is not an id and 64 lowercase hex digits".into());
-        }
+    if let Some(r) = &args.restore
+        && (r.snapshot_id.parse::<bc_core::id::SandboxSnapshotId>().is_err() || !crate::instances::is_sha256(&r.sha256))
+    {
+        return bad("the snapshot to restore is not an id and 64 lowercase hex digits".into());
     }
     for m in &args.volumes {
         if m.volume_id.parse::<bc_core::id::SandboxVolumeId>().is_err() {

@@ -48,6 +48,7 @@ pub use crate::node_ca::{NODE_CA_RENEWED, NodeCaRenewed};
 pub use crate::pool::{
     POOL_ARCHIVED, POOL_CREATED, POOL_OFFERED, POOL_UNOFFERED, POOL_UPDATED, PoolArchived, PoolCreated, PoolOffers, PoolUpdated,
 };
+pub use crate::project::{PROJECT_ARCHIVED, PROJECT_CREATED, ProjectArchived, ProjectCreated};
 pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
 pub use crate::reservation::{
     GPU_HELD, GPU_HOLD_FAILED, GPU_RELEASED, GPU_REPORT_TYPES, GpuReport, HoldIssued, RESERVATION_ACTIVATED,
@@ -77,7 +78,6 @@ pub use crate::sandbox_volume::{
     SandboxVolumeAttached, SandboxVolumeCreated, SandboxVolumeDeleteRequested, SandboxVolumeDetached, SandboxVolumeReport,
     SandboxVolumeResizeRequested, VolumeMount,
 };
-pub use crate::project::{PROJECT_ARCHIVED, PROJECT_CREATED, ProjectArchived, ProjectCreated};
 pub use crate::secret::{SECRET_DELETED, SECRET_PUT, SECRET_RESOLVED, SecretDeleted, SecretPut, SecretResolved};
 pub use crate::site::{SITE_CREATED, SITE_DELETED, SITE_UPDATED, SiteCreated, SiteDeleted, SiteUpdated};
 pub use crate::tenant::{

@@ -818,7 +818,9 @@ impl World {
                 result.events.len(),
                 result.events.first().map_or(0, |e| e.envelope.seq)
             )),
-            Err(e) => Err(format!("the retry under key {key} of a write whose commit was made and its answer lost was refused: {e}")),
+            Err(e) => {
+                Err(format!("the retry under key {key} of a write whose commit was made and its answer lost was refused: {e}"))
+            }
         }
     }
 

@@ -337,16 +337,18 @@ fn seeds_that_once_failed_at_50_nodes_hold_and_settle() {
 /// pass within the fixed liveness bound (1,052 s), since the reservations still running when the
 /// faults stopped kept ending, each a release in flight, and the run failed reporting the
 /// webhooks' fan-out (read between passes). The bound now runs from the last of those ends; the
-/// run settles after 1,280 s. Seen failing with the fixed bound put back.
+/// run settled after 1,280 s. Seen failing with the fixed bound put back. Since tenants' creates
+/// carry idempotency keys (c527450) the seed's workload differs and it settles in 380 s, inside
+/// the fixed bound: the test still runs 500 nodes with every fault to the end and holds the
+/// bound to be the derived one, but no longer shows a run that needs more than 1,052 s.
 #[test]
 fn a_fleet_whose_reservations_keep_ending_settles_after_the_last_of_them() {
     let (status, out, err) =
         sim(&["--seed", "3", "--nodes", "500", "--tenants", "5", "--hours", "1", "--faults", "all", "--json"]);
     assert_eq!(status, 0, "seed 3 at 500 nodes:\n{out}\n{err}");
     let value = json(&out);
-    let settled = value["livenessSettledMs"].as_u64().unwrap_or_else(|| panic!("it settled: {value}"));
-    assert!(settled > 1_052_000, "it took longer than the fixed bound, which this guards: {value}");
-    assert!(value["livenessBoundMs"].as_u64().unwrap() > 1_052_000, "{value}");
+    value["livenessSettledMs"].as_u64().unwrap_or_else(|| panic!("it settled: {value}"));
+    assert!(value["livenessBoundMs"].as_u64().unwrap() > 1_052_000, "the bound is derived from the work: {value}");
 }
 
 /// One seed at 300 nodes, 100 a tenant: the density at which `sim run --nodes 1000 --tenants 10`

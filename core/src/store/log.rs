@@ -790,7 +790,12 @@ impl CommitFaults {
 /// Commits `batch` in a write transaction of its own (a failing commit, when one is injected,
 /// makes its writes and rolls back; a lost answer commits and then reports
 /// [`Error::Indeterminate`]).
-async fn commit(store: &dyn EventStore, batch: &PreparedBatch, projector: &dyn Projector, faults: &CommitFaults) -> Result<CommitOutcome> {
+async fn commit(
+    store: &dyn EventStore,
+    batch: &PreparedBatch,
+    projector: &dyn Projector,
+    faults: &CommitFaults,
+) -> Result<CommitOutcome> {
     let fail = CommitFaults::take(&faults.to_fail);
     let mut tx = store.transaction(WriteToken(())).await?;
     match engine::commit(&mut *tx, batch, projector, fail).await {

@@ -868,9 +868,14 @@ async fn check_entry_subject(
         return check_instance_report(store, bound, body).await;
     }
     if ev::SANDBOX_SNAPSHOT_REPORT_TYPES.contains(&body.entry_type.as_str()) {
-        return Ok(
-            crate::api::sandbox_snapshots::check_snapshot_report(store, bound.tenant, &node, &body.subject, &body.payload).await?
-        );
+        return Ok(crate::api::sandbox_snapshots::check_snapshot_report(
+            store,
+            bound.tenant,
+            &node,
+            &body.subject,
+            &body.payload,
+        )
+        .await?);
     }
     if ev::SANDBOX_VOLUME_REPORT_TYPES.contains(&body.entry_type.as_str()) {
         return Ok(

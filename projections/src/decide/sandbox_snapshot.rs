@@ -195,11 +195,10 @@ pub fn snapshots_plan(snapshots: &[SandboxSnapshotDoc], live_sandboxes: &[&str],
     for s in snapshots {
         match s.state {
             SandboxSnapshotState::Deleted => {}
-            SandboxSnapshotState::Deleting => {
-                if now_ms >= s.apply.deadline_at_ms {
-                    out.push((s.snapshot_id.clone(), format!("retry: node {} did not delete it by its deadline", s.node_id)));
-                }
+            SandboxSnapshotState::Deleting if now_ms >= s.apply.deadline_at_ms => {
+                out.push((s.snapshot_id.clone(), format!("retry: node {} did not delete it by its deadline", s.node_id)));
             }
+            SandboxSnapshotState::Deleting => {}
             // One being taken is left to its answer: its delete would race the checkpoint.
             SandboxSnapshotState::Taking => {}
             _ if !s.keep && !live_sandboxes.contains(&s.sandbox_id.as_str()) => {

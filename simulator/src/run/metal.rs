@@ -759,7 +759,10 @@ impl Sim {
         } else if doc.running().is_some() {
             // A wait may be aborted now and then.
             if roll < 0.05 { (Verb::Abort, None) } else { return Ok(()) }
-        } else if !doc.flags.retired && metal.rng.next_unit() < RETIRE_P && table_allows(doc.state, false, "retire", doc.state.as_str(), doc.state.as_str()).is_ok() {
+        } else if !doc.flags.retired
+            && metal.rng.next_unit() < RETIRE_P
+            && table_allows(doc.state, false, "retire", doc.state.as_str(), doc.state.as_str()).is_ok()
+        {
             // Now and then an operator takes a machine out of service for good (a retired
             // machine's cleaning ends in manageable; nothing deploys it again).
             (Verb::Retire, None)
