@@ -269,6 +269,13 @@ impl Projector for Projections {
             _ => {}
         }
         let aggregate = event.envelope.event_type.split_once('.').map_or("", |(aggregate, _)| aggregate);
+        if key.kind == KIND_NODE && aggregate != KIND_NODE && node::on_own_stream(key, event) {
+            // Another aggregate's event on the node's own stream (`tunnel.*`): it shows nothing
+            // on the node's document, but moves the version decisions guard the node at. (Its
+            // agent's reports on `agent/…` go to their aggregate's fold, which advances the
+            // node's journal.)
+            return node::apply_foreign(current, event);
+        }
         match aggregate {
             bc_core::audit::KIND_CHECKPOINT => checkpoint::apply(current, event),
             KIND_TENANT | KIND_API_KEY => tenant::apply(key, current, event),

@@ -499,6 +499,26 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     }
 }
 
+/// Whether `event` is on the stream of the node whose row is `key` (`node/ID`, not its
+/// agent's `agent/ID`).
+pub(crate) fn on_own_stream(key: &RowKey, event: &StoredEvent) -> bool {
+    event.envelope.stream.strip_prefix(KIND_NODE).and_then(|rest| rest.strip_prefix('/')).is_some_and(|id| id == key.id)
+}
+
+/// An event of another aggregate on the node's own stream (`tunnel.opened`, `.closed`,
+/// `.refused`: a session through the node's agent, whose record is the event itself). The
+/// node's document shows nothing new, but its `version` is its stream's: placement, liveness,
+/// rollouts, deletes and volumes append guarded on the version they read, and a version left
+/// behind its stream would refuse every one of them `CONFLICT`, for ever.
+pub(crate) fn apply_foreign(current: Option<Value>, event: &StoredEvent) -> Result<Option<Value>> {
+    if current.is_none() {
+        return Ok(None);
+    }
+    let mut doc: NodeDoc = from_doc(event, current)?;
+    doc.version = event.envelope.version;
+    to_doc(&doc)
+}
+
 fn registered(key: &RowKey, event: &StoredEvent, tenant_id: String) -> Result<Option<Value>> {
     let env = &event.envelope;
     let p: NodeRegistered = payload(event)?;

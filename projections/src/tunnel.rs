@@ -2,7 +2,8 @@
 //! and the one that records a ticket refused. A tunnel has no document of its own: the events are
 //! the audit record (who had a terminal on which node, from where, for how long; who tried a
 //! ticket that was not theirs, or no longer good), and nothing typed or printed is ever in them,
-//! only counts, nor a ticket. No read model folds them, so they change no row.
+//! only counts, nor a ticket. No read model folds them: the one row they change is their node's,
+//! whose version moves with its stream (`node::apply_foreign`), as decisions guard on it.
 
 use serde::{Deserialize, Serialize};
 

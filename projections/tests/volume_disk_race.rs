@@ -147,3 +147,30 @@ async fn two_volume_creates_racing_for_one_node_s_disk_cannot_both_land() {
     world.log.append(second).await.unwrap();
     assert_eq!(decide::node_volumes_gib(&world.live().await, &other), 2 * EACH_GIB, "past the node's {DISK_GIB} GiB");
 }
+
+/// A session through a node's agent (`tunnel.opened`, `.closed` on the node's stream) moves the
+/// node's version with its stream: a decision that reads the node after it and guards on the
+/// version it read lands. Before, the document stayed behind and every guarded decision on
+/// that node (this resize, placement, liveness, deletes) was refused `CONFLICT` for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_on_a_node_moves_the_version_its_decisions_guard() {
+    use bc_projections::tunnel::{TUNNEL_CLOSED, TUNNEL_OPENED};
+    let world = World::new().await;
+    let node = world.node().await;
+    for event_type in [TUNNEL_OPENED, TUNNEL_CLOSED] {
+        // The payloads as the gateway writes them do not matter to the node's row.
+        let payload = ev::to_cbor(&serde_json::json!({ "tunnelId": "tun_1" })).unwrap();
+        let request = AppendRequest::new(
+            world.tenant,
+            stream_of(KIND_NODE, &node),
+            ExpectedVersion::Any,
+            "test",
+            vec![NewEvent::new(event_type, payload)],
+        );
+        world.log.append(request).await.unwrap();
+    }
+    let read = world.node_doc(&node).await;
+    assert_eq!(read.version, 3, "registered, then a tunnel opened and closed");
+    let (pool, live) = (world.pool_doc().await, world.live().await);
+    world.log.append(world.create("a", &pool, &read, &live)).await.expect("guarded on the version read, it lands");
+}

@@ -306,11 +306,8 @@ pub fn sandbox_volume_resize(
     // What the node's volumes promise, this one at its size now; the growth must fit beside it.
     let promised = node_volumes_gib(disk.volumes, &volume.node_id);
     check_node_disk(disk.node, promised, size_gib - volume.size_gib)?;
-    // Checked, not guarded: a resize does not take the node's version as a create does. With
-    // the guard, the sandbox_volumes e2e's resize was refused CONFLICT (the node's row at
-    // version 4, its stream at 14), a lag of the node document's version behind its stream
-    // not yet found; two resizes racing on one node can both pass this check.
     let mut guards = Vec::new();
+    let promised = promise(disk.node, &volume.volume_id, promised + (size_gib - volume.size_gib), &mut guards)?;
     let args = SandboxVolumeDoc::apply_args(&volume.volume_id, "ready", size_gib);
     let (command, apply) =
         issue_command_for(&volume.node_id, SANDBOX_VOLUME_APPLY, args, SANDBOX_VOLUME_APPLY_DEADLINE_S, issue, &mut guards)?;
@@ -321,6 +318,7 @@ pub fn sandbox_volume_resize(
         events: vec![
             NewEvent::new(SANDBOX_VOLUME_RESIZE_REQUESTED, to_cbor(&SandboxVolumeResizeRequested { size_gib, apply })?),
             command,
+            promised,
         ],
     })
 }
@@ -683,10 +681,13 @@ mod tests {
         let append = sandbox_volume_resize(&v, 3, &[], roomy(), issue()).unwrap();
         assert_eq!(append.expected, ExpectedVersion::Exact(3));
         assert_eq!(append.events[0].event_type, SANDBOX_VOLUME_RESIZE_REQUESTED);
-        // A resize's growth is checked, not guarded on the node (a create's is: volume_disk_race.rs).
+        // The node's disk is taken at the node's version read (projections/tests/volume_disk_race.rs).
         let node_stream = stream_of(crate::KIND_NODE, &"node_1");
-        assert!(!append.guards.iter().any(|(stream, _)| *stream == node_stream), "{:?}", append.guards);
-        assert!(!append.events.iter().any(|e| e.event_type == NODE_VOLUMES_PROMISED));
+        assert!(append.guards.contains(&(node_stream.clone(), ExpectedVersion::Exact(1))), "{:?}", append.guards);
+        assert_eq!(
+            (append.events[2].event_type.as_str(), append.events[2].stream.as_ref()),
+            (NODE_VOLUMES_PROMISED, Some(&node_stream))
+        );
         let resizing = volume("vol_1", "node_1", SandboxVolumeState::Resizing, None);
         assert!(sandbox_volume_resize(&resizing, 4, &[], roomy(), issue()).is_err());
     }
