@@ -580,10 +580,18 @@ impl World {
     pub async fn node_join(&mut self, t: usize, rng: &mut SeededRng, shape: &Shape) -> Option<usize> {
         let n = self.agents.len();
         let (mut agent, request) = node_joining(&self.log, &self.tenants, n, t, rng, shape);
-        match self.append_acknowledged(request).await {
-            Ok(_) => {}
-            Err(e) if injected(&e) => return None,
-            Err(e) => panic!("a node's join failed: {e}"),
+        if let Err(e) = self.append_acknowledged(request).await {
+            // The commit made and its answer lost (`failover`): the machine asks again with the
+            // same key and the gateway answers with the node it made (`agents/join.rs`,
+            // `joined_before`), so it runs as that node. Before, the simulated machine gave
+            // up, and the node it had made stayed ready with no agent: its commands were
+            // queued for ever.
+            let made = matches!(e, bc_core::Error::Indeterminate(_))
+                && self.doc::<serde_json::Value>(t, KIND_NODE, &agent.node).await.is_some();
+            if !made && injected(&e) {
+                return None;
+            }
+            assert!(made, "a node's join failed: {e}");
         }
         agent.start().await;
         self.agents.push(agent);

@@ -164,6 +164,49 @@ async fn two_racing_joins_with_one_token_exactly_one_wins() {
     }
 }
 
+/// A join whose answer the machine never kept (lost with a failover, a timeout, `bcd` killed
+/// after the commit) is asked again with the same node key and the spent token: the gateway
+/// answers with the node it made (one node, a renewed certificate), where it used to refuse the
+/// spent token and leave a node no machine could run as. Another key with that token is
+/// still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_asked_again_with_the_same_key_is_answered_with_the_node_it_made() {
+    let (server, port) = bc_tests::agents_gateway();
+    let pool = server.pool("again").await;
+    let secret = token(&server, &pool, 1).await;
+    let mut machine = AgentNode::new(&server, port);
+    assert_eq!(machine.join_stdin(&secret).0, 0);
+    let node = machine.node_id();
+    // The answer lost: everything the join kept but the node's key.
+    for entry in std::fs::read_dir(machine.data()).unwrap().flatten() {
+        if entry.file_name() != "node.key" {
+            let path = entry.path();
+            if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) }.unwrap();
+        }
+    }
+    let (code, out, err) = machine.join_stdin(&secret);
+    assert_eq!(code, 0, "the join asked again is answered: {out}{err}");
+    assert_eq!(machine.node_id(), node, "as the node the first made");
+    let (status, nodes) = server.call("nodes.list", json!({ "poolId": pool })).await;
+    assert_eq!(status, 200, "{nodes}");
+    assert_eq!(nodes["items"].as_array().unwrap().len(), 1, "one node: {nodes}");
+    let issued: Vec<Value> = events(&server, &["node.certificate_issued"])
+        .await
+        .into_iter()
+        .filter(|e| e["stream"] == format!("node/{node}"))
+        .collect();
+    assert_eq!(issued.len(), 2, "the join's certificate and the one answered again: {issued:?}");
+    assert_eq!(issued[1]["payload"]["renewal"], true, "{issued:?}");
+
+    let other = AgentNode::new(&server, port);
+    let (code, _, err) = other.join_stdin(&secret);
+    assert_eq!(code, 1, "another key with the spent token is refused: {err}");
+    assert!(err.contains("spent"), "{err}");
+
+    machine.start();
+    wait_state(&server, &node, "ready", Duration::from_secs(20)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_journal_survives_sigkill_and_an_outage_and_every_entry_is_in_the_log_once() {
     let (mut server, port) = bc_tests::agents_gateway();

@@ -2,6 +2,8 @@
 //! tenant's pool, expiry, uses, revocation) and spent in the same append as `node.joined`, with
 //! the token's stream guarded at the version read: of two joins racing for the last use, one
 //! commits and the other is refused. The answer is the node's identity signed by the log key.
+//! A join asked again with the same node key after its answer was lost is answered with the
+//! node it made (`joined_before`).
 
 use bc_core::agent::{NodeIdentity, b64, identity_signing_message, join_token_parse, node_public_key};
 use bc_core::id::{JoinTokenId, NodeId, PoolId, TenantId};
@@ -113,6 +115,9 @@ async fn join_once(
     public_key: &ed25519_dalek::VerifyingKey,
 ) -> Result<Joined> {
     let Claimed { hostname, gpus, gpu_uuids, as_node } = claimed;
+    if let Some(joined) = joined_before(state, tenant, token_id, public_key).await? {
+        return Ok(joined);
+    }
     let (token, pool_id, pool) = usable_token(state, tenant, token_id).await?;
     let (node, expected) = node_to_join(state, tenant, &token, as_node).await?;
     // A machine that becomes a new node counts against the tenant's limit, as `nodes.register`
@@ -158,6 +163,71 @@ async fn join_once(
     joined.certificate = certificate;
     tracing::info!(%tenant, node = %node, join_token = %token_id, "a machine joined");
     Ok(joined)
+}
+
+/// Events read at a time when a join asked again looks for its `node.joined`.
+const JOIN_EVENT_PAGE: u32 = 256;
+
+/// The answer to a join asked again by the machine that made it: the identity of the node this
+/// token already joined with this node key, if one did (and neither is revoked). A join whose
+/// commit was made but whose answer was lost (a database failover between the commit and its
+/// answer, a timeout, `bcd` killed after the append) is retried by `bcd` with the same key;
+/// without this the retry was refused (the token spent) and left a node in the log that no
+/// machine could run as. The identity is no use without the node's private key, which the
+/// session proves; a new node certificate is issued (and recorded) for the key, as a renewal.
+async fn joined_before(
+    state: &AppState,
+    tenant: TenantId,
+    token_id: JoinTokenId,
+    public_key: &ed25519_dalek::VerifyingKey,
+) -> Result<Option<Joined>> {
+    let tenant_text = tenant.to_string();
+    let Some(row) = state.store.row_get(&tenant_text, KIND_JOIN_TOKEN, &token_id.to_string()).await? else { return Ok(None) };
+    let token: JoinTokenDoc = crate::api::call::doc(row)?;
+    if token.revoked {
+        return Ok(None);
+    }
+    let key = b64(public_key.as_bytes());
+    for node_id in token.node_ids.iter().rev() {
+        let Some(row) = state.store.row_get(&tenant_text, KIND_NODE, node_id).await? else { continue };
+        let doc: NodeDoc = crate::api::call::doc(row)?;
+        if doc.agent.as_ref().is_none_or(|agent| agent.public_key != key || agent.revoked_at_ms != 0) {
+            continue;
+        }
+        let node: NodeId = node_id.parse()?;
+        let pool_id: PoolId = doc.pool_id.parse()?;
+        let event = last_join(state, tenant, node).await?;
+        let certificate = issue_node_certificate(state, node, public_key)?;
+        if let Some(certificate) = &certificate {
+            let request = AppendRequest::new(
+                tenant,
+                stream_of(KIND_NODE, &node),
+                ExpectedVersion::Any,
+                format!("join_token:{token_id}"),
+                vec![certificate.event(true)?],
+            );
+            state.log.append(request).await?;
+        }
+        let mut joined = signed_identity(state, tenant, node, pool_id, public_key, &event).await?;
+        joined.certificate = certificate;
+        tracing::info!(%tenant, node = %node, join_token = %token_id, "a join asked again was answered with the node it made");
+        return Ok(Some(joined));
+    }
+    Ok(None)
+}
+
+/// The last `node.joined` on `node`'s stream.
+async fn last_join(state: &AppState, tenant: TenantId, node: NodeId) -> Result<bc_core::event::StoredEvent> {
+    let stream = stream_of(KIND_NODE, &node);
+    let (mut after, mut found) = (0, None);
+    loop {
+        let rows = state.store.read_stream_rows(tenant, &stream, after, JOIN_EVENT_PAGE).await?;
+        let Some(last) = rows.last() else { break };
+        after = last.version;
+        found = rows.into_iter().rev().find(|r| r.event_type == ev::NODE_JOINED).or(found);
+    }
+    let row = found.ok_or_else(|| Error::Internal(format!("node {node} has no node.joined")))?;
+    row.decode().map_err(|e| Error::Corrupt { tenant: tenant.to_string(), seq: 0, what: e })
 }
 
 /// The join token, if it may join a machine now (not revoked, not spent, not expired), and its
