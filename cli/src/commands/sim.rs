@@ -35,7 +35,7 @@ pub enum SimCommand {
         /// gateway-restart, failing-commits, drop-messages, delay-messages,
         /// duplicate-messages, reorder-messages, partition, failing-receivers, rollouts, and bare
         /// metal's bmc-hangs, power-never-applies, deploy-never-joins, bmc-refuses-credentials;
-        /// `failover`, a database failover losing commits' answers, only by name).
+        /// and failover, a database failover losing commits' answers).
         #[arg(long, default_value = "all")]
         faults: String,
         /// Bare-metal machines enrolled (at most 1,000; 0: none), their operators' verbs and
