@@ -15,7 +15,21 @@ ifeq ($(CI),true)
 export CARGO_INCREMENTAL := 0
 endif
 
-.PHONY: dev test test-deps bench bench-deps lint fmt build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large ha-up ha-down test-ha
+## CI builds the workspace through clippy: clippy-driver as cargo's workspace wrapper, as `cargo
+## clippy` itself runs it, so one compile of each workspace crate is both its build and its lint
+## (warnings as errors, the same clippy.toml bans), where `make lint`'s `cargo clippy` compiled
+## every crate and dependency a second time, in check mode, beside the build. nextest's and the
+## doctests' cargo get the same two variables, or they would build the workspace again. Outside
+## CI, `make test` builds and lints apart (a later plain `cargo nextest run` then reuses the build).
+ifeq ($(CI),true)
+LINTED := RUSTC_WORKSPACE_WRAPPER="$$(rustup which clippy-driver)" CLIPPY_ARGS=-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__
+LINT_DEPS := fmt-check
+else
+LINTED :=
+LINT_DEPS := lint
+endif
+
+.PHONY: dev test test-deps bench bench-deps lint fmt fmt-check build check-postgres schemathesis schemathesis-venv witness tiles-venv sushy-venv usage-venv health-venv fleet-venv system-deps sim sim-large ha-up ha-down test-ha
 
 ## Run the control plane on the embedded database (./.better-compute), nothing else to install.
 ## Built with the seeded fake machines, so `make dev DEV_ARGS='--sim 5'` starts five simulated
@@ -27,7 +41,7 @@ dev:
 ## benches (compiled, not run, so they cannot rot). The tests refuse a binary older than its sources.
 ## (`+`: cargo shares make's job slots when make runs jobs side by side, as `make test` does.)
 build: system-deps
-	+$(CARGO) build --workspace --all-targets $(TEST_FEATURES)
+	+$(LINTED) $(CARGO) build --workspace --all-targets $(TEST_FEATURES)
 
 ## Debian packages a test build needs (libvirt-dev, pkg-config, qemu-utils, …), installed once.
 system-deps:
@@ -54,14 +68,14 @@ TEST_THREADS ?= $$(( $$(nproc) * 2 ))
 test: check-postgres
 	+@$(MAKE) --no-print-directory -j$$(( $$(nproc) + 1 )) test-deps
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
-		$(CARGO) nextest run --workspace --no-fail-fast --test-threads $(TEST_THREADS) $(TEST_FEATURES); \
+		$(LINTED) $(CARGO) nextest run --workspace --no-fail-fast --test-threads $(TEST_THREADS) $(TEST_FEATURES); \
 	else \
 		echo "cargo-nextest not found; using cargo test"; \
-		$(CARGO) test --workspace --no-fail-fast --lib --bins --tests $(TEST_FEATURES) -- --skip ha::acknowledged_writes --skip ha::asynchronous_commit; \
+		$(LINTED) $(CARGO) test --workspace --no-fail-fast --lib --bins --tests $(TEST_FEATURES) -- --skip ha::acknowledged_writes --skip ha::asynchronous_commit; \
 	fi
-	$(CARGO) test --workspace --doc $(TEST_FEATURES)
+	$(LINTED) $(CARGO) test --workspace --doc $(TEST_FEATURES)
 
-test-deps: build lint witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv fleet-venv
+test-deps: build $(LINT_DEPS) witness tiles-venv sushy-venv schemathesis-venv usage-venv health-venv fleet-venv
 
 ## The third-party C2SP witness the witness test runs against: siglog's `witness` (crates.io,
 ## pinned). Installed once per machine, as the apt packages are, under the user's cache
@@ -241,9 +255,11 @@ bench: check-postgres bench-deps
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded
 ## randomness and fresh ULIDs in the crates the simulator runs (nothing escapes the seed); the
 ## crates outside it (cli, gateway, proto, tests) have their own clippy.toml without the bans.
-lint: system-deps
-	$(CARGO) fmt --all --check
+lint: fmt-check
 	$(CARGO) clippy --workspace --all-targets $(TEST_FEATURES) -- -D warnings
+
+fmt-check: system-deps
+	$(CARGO) fmt --all --check
 
 fmt:
 	$(CARGO) fmt --all

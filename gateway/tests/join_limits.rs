@@ -18,8 +18,10 @@ use serde_json::json;
 const NODES_AT_ONCE: usize = 256;
 
 /// A join request for a new machine with `token`.
-fn join_request(token: &str) -> bc_proto::JoinRequest {
-    let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+/// A join of machine `machine` (its node key) with `token`: one machine asking again is answered
+/// with the node it made (`join::joined_before`), so the limit is met by another.
+fn join_request(token: &str, machine: u8) -> bc_proto::JoinRequest {
+    let key = ed25519_dalek::SigningKey::from_bytes(&[machine; 32]);
     bc_proto::JoinRequest {
         token: token.to_owned(),
         node_public_key: key.verifying_key().to_bytes().to_vec(),
@@ -71,10 +73,11 @@ async fn a_join_past_the_tenants_node_limit_is_refused() {
             appended.unwrap();
         }
     }
-    bc_gateway::agents::join::join(&state, join_request(&join_token)).await.expect("the join that reaches the limit");
+    bc_gateway::agents::join::join(&state, join_request(&join_token, 7)).await.expect("the join that reaches the limit");
 
     // At the limit: refused, and the token's second use is not spent.
-    let refused = bc_gateway::agents::join::join(&state, join_request(&join_token)).await.err().expect("a join past the limit");
+    let refused =
+        bc_gateway::agents::join::join(&state, join_request(&join_token, 8)).await.err().expect("a join past the limit");
     assert!(refused.to_string().contains(&format!("its limit of {NODES_PER_TENANT_MAX}")), "{refused}");
     let nodes = state.store.row_list(&TenantId::ROOT.to_string(), KIND_NODE, None, 5_000).await.unwrap();
     assert_eq!(nodes.len(), NODES_PER_TENANT_MAX);
@@ -89,6 +92,6 @@ async fn a_join_token_revoked_in_the_log_joins_nothing() {
     let revoked = NewEvent::new(ev::JOIN_TOKEN_REVOKED, ev::to_cbor(&ev::JoinTokenRevoked {}).unwrap());
     let stream = stream_of(KIND_JOIN_TOKEN, &join_token_id);
     log.append(AppendRequest::new(TenantId::ROOT, stream, ExpectedVersion::Exact(1), "test", vec![revoked])).await.unwrap();
-    let refused = bc_gateway::agents::join::join(&state, join_request(&join_token)).await.err().expect("a revoked token");
+    let refused = bc_gateway::agents::join::join(&state, join_request(&join_token, 7)).await.err().expect("a revoked token");
     assert!(refused.to_string().contains("the join token was revoked"), "{refused}");
 }

@@ -2106,11 +2106,12 @@ mod tests {
 
     #[tokio::test]
     async fn hanging_bmcs_power_never_applied_and_systems_that_never_join_keep_the_metal_invariants_and_the_digest() {
-        // The first seed from 81 that enables and injects all four; every run on the way must
-        // hold too.
+        // The first seed from 96 that enables and injects all four; every run on the way must
+        // hold too. (Seeds 81 to 99 hold and inject fewer, 2026-12-07: scanning them was two
+        // minutes of the suite; the many-seeds e2e runs every fault.)
         let faults = vec![Fault::BmcHangs, Fault::PowerNeverApplies, Fault::DeployNeverJoins, Fault::BmcRefusesCredentials];
         let mut found = None;
-        for seed in 81..101 {
+        for seed in 96..116 {
             println!("seed {seed}");
             let options = Options { faults: faults.clone(), nodes: 30, tenants: 2, ..options(seed) };
             let a = run(options.clone()).await;
