@@ -149,6 +149,9 @@ pub struct InstanceCreated {
     pub generation: u64,
     /// The `instance.apply` issued in the same append.
     pub apply: HoldIssued,
+    /// The project of its reservation (`proj_…` of the tenant), which it is made in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
 }
 
 /// `instance.start_requested`, `.stop_requested`, `.resize_requested` (with `shape`),
@@ -295,6 +298,9 @@ pub struct InstanceDoc {
     pub pool_id: String,
     pub node_id: String,
     pub reservation_id: String,
+    /// The project it was made in: its reservation's, when the reservation names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     pub shape: InstanceShape,
     pub gpus: Vec<String>,
     pub image: InstanceImage,
@@ -380,6 +386,7 @@ pub(crate) fn apply_instance(kind: &str, id: &str, current: Option<Value>, event
                 pool_id: p.pool_id,
                 node_id: p.node_id,
                 reservation_id: p.reservation_id,
+                project_id: p.project_id,
                 shape: p.shape,
                 gpus: p.gpus,
                 image: p.image,

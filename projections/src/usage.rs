@@ -138,6 +138,10 @@ pub struct UsageLine {
     /// placed again has several); for an instance or a sandbox, of the event its span starts at.
     pub activation_seq: u64,
     pub pool_id: String,
+    /// The project (`proj_…`) the reservation was made in, or the instance (its reservation's);
+    /// absent when none, and for a sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     /// The GPU product (`H100-SXM5-80GB`), the SKU prices are set for; [`SKU_VCPU`],
     /// [`SKU_MEMORY`], [`SKU_SANDBOX`] for the other kinds.
     pub sku: String,
@@ -283,6 +287,9 @@ pub struct Meter {
     /// An instance's reservation; empty for a sandbox.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reservation_id: String,
+    /// An instance's project (`instance.created`'s, its reservation's), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     pub shape: MeterShape,
     /// The seq of its `instance.created` / `sandbox.created`.
     pub created_seq: u64,
@@ -297,6 +304,9 @@ pub struct Metered {
     pub kind: MeterKind,
     pub id: String,
     pub pool_id: String,
+    /// Its meter's project, which its lines name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     pub shape: MeterShape,
 }
 
@@ -436,6 +446,7 @@ impl UsageLedger {
                 kind: meter.kind,
                 id: id.to_owned(),
                 pool_id: meter.pool_id.clone(),
+                project_id: meter.project_id.clone(),
                 shape: meter.shape.clone(),
             }),
         };
@@ -663,6 +674,7 @@ pub fn fold_instance_event(open: &mut UsageLedger, instance_id: &str, env: &Enve
                 pool_id: p.pool_id,
                 node_id: p.node_id,
                 reservation_id: p.reservation_id,
+                project_id: p.project_id,
                 shape: shape_of(p.shape),
                 created_seq: env.seq,
                 shape_seq: env.seq,
@@ -693,6 +705,7 @@ pub fn fold_sandbox_event(open: &mut UsageLedger, sandbox_id: &str, env: &Envelo
                 pool_id: p.pool_id,
                 node_id: p.node_id,
                 reservation_id: String::new(),
+                project_id: None,
                 shape: MeterShape { flavor_id: p.shape.flavor_id, vcpus: p.shape.vcpus, memory_mib: p.shape.memory_mib },
                 created_seq: env.seq,
                 shape_seq: env.seq,

@@ -731,6 +731,34 @@ fn an_instance_is_made_only_on_a_bound_reservation_with_a_fitting_flavor() {
     assert!(message.contains("held for tenant ten_b"), "{message}");
 }
 
+/// An instance on a reservation made in a project is made in it: `instance.created` names the
+/// reservation's project (what the instance's document and its usage meter fold); on a
+/// reservation in no project, it names none.
+#[test]
+fn an_instance_takes_its_reservations_project() {
+    let (node, flavor2, image) = (instance_node(true), flavor(2), image());
+    let created = |rsv: &ReservationDoc| {
+        let input = InstanceCreateInput {
+            instance_id: "inst_1",
+            name: "vm",
+            reservation: rsv,
+            node: &node,
+            flavor: &flavor2,
+            image: &image,
+            start: true,
+        };
+        let append = decide::instance_create(&input, ISSUE).unwrap();
+        bc_core::canonical::to_json(&append.events[0].payload)
+    };
+    let in_project = ReservationDoc { project_id: Some("proj_1".into()), ..bound_reservation() };
+    let payload = created(&in_project);
+    assert_eq!(payload["projectId"], "proj_1", "{payload}");
+    let parsed: ev::InstanceCreated = serde_json::from_value(payload).unwrap();
+    assert_eq!(parsed.project_id.as_deref(), Some("proj_1"));
+    let payload = created(&bound_reservation());
+    assert!(payload.get("projectId").is_none(), "no project, no key: {payload}");
+}
+
 /// The document an instance has after its create was applied and the node answered `observed`.
 fn instance(desired: DesiredState, observed: Option<ObservedState>, answered: bool) -> InstanceDoc {
     InstanceDoc {
@@ -740,6 +768,7 @@ fn instance(desired: DesiredState, observed: Option<ObservedState>, answered: bo
         pool_id: POOL.into(),
         node_id: "node_g".into(),
         reservation_id: "rsv_a".into(),
+        project_id: None,
         shape: ev::InstanceShape { flavor_id: "flv_1".into(), vcpus: 4, memory_mib: 2048, disk_gib: 10 },
         gpus: vec!["GPU-node_g-0".into()],
         image: ev::InstanceImage {

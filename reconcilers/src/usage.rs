@@ -72,7 +72,7 @@ async fn prices(log: &Log) -> Result<BTreeMap<String, UsagePriceDoc>> {
     }
 }
 
-/// The pool, GPU product and request seq of each reservation the ledger follows.
+/// The pool, GPU product, request seq and project of each reservation the ledger follows.
 async fn details(log: &Log, tenant: &str, ledger: &UsageLedger) -> Result<BTreeMap<String, UsageDetail>> {
     let mut out = BTreeMap::new();
     let mut nodes: BTreeMap<String, Option<NodeDoc>> = BTreeMap::new();
@@ -94,8 +94,13 @@ async fn details(log: &Log, tenant: &str, ledger: &UsageLedger) -> Result<BTreeM
             n.gpus.get(first).map(|g| if g.product.is_empty() { g.model.clone() } else { g.product.clone() })
         });
         let sku = product.unwrap_or_else(|| bc_projections::decide::usage::SKU_UNKNOWN.to_owned());
-        let detail =
-            UsageDetail { pool_id: rsv.pool_id, sku, request_seq: rsv.request_seq, holder_tenant_id: rsv.holder_tenant_id };
+        let detail = UsageDetail {
+            pool_id: rsv.pool_id,
+            sku,
+            request_seq: rsv.request_seq,
+            holder_tenant_id: rsv.holder_tenant_id,
+            project_id: rsv.project_id,
+        };
         out.insert(t.reservation_id.clone(), detail);
     }
     Ok(out)

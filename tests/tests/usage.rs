@@ -404,7 +404,9 @@ async fn wait_doc(server: &Server, method: &str, id_field: &str, id: &str, done:
 /// resize at the first shape, from the resize to `instance.stop_requested` at the second),
 /// `usage list` shows them in vCPU- and GiB-hours and sums them by instance, the export passes
 /// focus-validator and the CloudEvents SDK with these rows in it, and each row proves offline
-/// while one whose quantity was edited fails, named.
+/// while one whose quantity was edited fails, named. The reservation is made in a project: the
+/// instance takes it (its view, `instances list --project`), and every row, GPU, vCPU and
+/// memory, names it (`projectId`, a `project` tag in FOCUS's `Tags`, `--group-by project`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_offline() {
     use serde_json::json;
@@ -442,7 +444,11 @@ async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_off
     let flavor = |name: &str, vcpus: u64, memory: u64| json!({ "poolId": pool, "name": name, "vcpus": vcpus, "memoryMiB": memory, "diskGiB": 10, "gpus": 2 });
     let small = call_ok(&server, "flavors.create", flavor("small", 2, 1024)).await;
     let large = call_ok(&server, "flavors.create", flavor("large", 4, 2048)).await;
-    let rsv = call_ok(&server, "reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 3600 })).await;
+    let project = call_ok(&server, "projects.create", json!({ "name": "vms" })).await;
+    let project = project["projectId"].as_str().unwrap().to_owned();
+    let rsv =
+        call_ok(&server, "reservations.create", json!({ "poolId": pool, "gpus": 2, "durationS": 3600, "projectId": project }))
+            .await;
     let rsv = rsv["reservationId"].as_str().unwrap().to_owned();
     wait_doc(&server, "reservations.get", "reservationId", &rsv, |r| r["binding"]["state"] == "bound").await;
 
@@ -453,6 +459,14 @@ async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_off
     )
     .await;
     let id = created["instanceId"].as_str().unwrap().to_owned();
+    assert_eq!(created["projectId"], json!(project), "the instance takes its reservation's project: {created}");
+    let in_project = cli_json(&server, &["instances", "list", "--project", &project, "--format", "json"]);
+    assert_eq!(in_project["items"].as_array().map(Vec::len), Some(1), "{in_project}");
+    assert_eq!(in_project["items"][0]["instanceId"], json!(id), "{in_project}");
+    let other = call_ok(&server, "projects.create", json!({ "name": "elsewhere" })).await;
+    let elsewhere =
+        cli_json(&server, &["instances", "list", "--project", other["projectId"].as_str().unwrap(), "--format", "json"]);
+    assert_eq!(elsewhere["items"].as_array().map(Vec::len), Some(0), "another project holds no instance: {elsewhere}");
     wait_doc(&server, "instances.get", "instanceId", &id, |d| d["state"] == "running").await;
     tokio::time::sleep(Duration::from_millis(WINDOW_MS + 500)).await;
     call_ok(&server, "instances.resize", json!({ "instanceId": id, "flavorId": large["flavorId"] })).await;
@@ -509,6 +523,16 @@ async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_off
         assert_eq!(units, expected, "the shape its events say, from the resize on: {r}");
         assert_eq!(r["sku"], if r["resourceKind"] == "vcpu" { "vCPU" } else { "Memory-GiB" });
     }
+    // Every row, the reservation's GPU rows too, names the project.
+    assert!(!listed.is_empty() && listed.iter().all(|r| r["projectId"] == project.as_str()), "{listed:#?}");
+    let by_project = cli_json(&server, &["usage", "list", "--from", "0", "--group-by", "project", "--format", "json"]);
+    let vcpu_of_project = by_project["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["projectId"] == project.as_str() && g["resourceKind"] == "vcpu")
+        .cloned();
+    assert_eq!(vcpu_of_project.and_then(|g| g["quantityMs"].as_i64()), Some(vcpu_ms), "{by_project}");
 
     // The table in human units; sums by instance, one per resource kind.
     let (code, table, err) = server.cli(&["usage", "list", "--from", "0"]);
@@ -558,6 +582,9 @@ async fn an_instances_vcpu_and_memory_time_shows_in_usage_exports_and_proves_off
     }
     let csv_text = std::fs::read_to_string(path("usage.csv")).unwrap();
     assert!(csv_text.contains(",vCPU-Seconds,") && csv_text.contains(",GiB-Hours,"), "{csv_text}");
+    // The project is a tag (FOCUS's `Tags`, a JSON object), on every row.
+    let tagged = format!("\"\"project\"\":\"\"{project}\"\"");
+    assert_eq!(csv_text.lines().skip(1).filter(|l| l.contains(&tagged)).count(), listed.len(), "{csv_text}");
 
     // A vCPU row's quantity edited in the CSV fails, naming its row and the column.
     let row = 1 + listed.iter().position(|r| r["resourceKind"] == "vcpu" && r["quantityMs"].as_i64().unwrap() > 0).unwrap();

@@ -46,6 +46,9 @@ pub enum InstancesCommand {
     List {
         #[arg(long)]
         reservation: Option<String>,
+        /// Only the instances made in this project (`proj_…`: their reservation's).
+        #[arg(long)]
+        project: Option<String>,
         #[command(flatten)]
         page: Page,
     },
@@ -112,9 +115,12 @@ pub async fn run(ctx: &Context, command: InstancesCommand) -> Result<(), CliErro
     let mut body = ctx.tenant_body()?;
     let c = ctx.client()?;
     let (method, wait, key) = match command {
-        InstancesCommand::List { reservation, page } => {
+        InstancesCommand::List { reservation, project, page } => {
             if let Some(r) = reservation {
                 put_id::<ReservationId>(&mut body, "reservationId", "--reservation", &r)?;
+            }
+            if let Some(p) = project {
+                put_id::<bc_core::id::ProjectId>(&mut body, "projectId", "--project", &p)?;
             }
             add_page(&mut body, &page);
             return ctx.print_list(&c.call("instances.list", &Value::Object(body), None).await?, tables::INSTANCES);

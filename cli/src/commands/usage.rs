@@ -189,6 +189,7 @@ pub enum GroupBy {
     Reservation,
     Instance,
     Sandbox,
+    Project,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -313,6 +314,7 @@ const GROUP_COLUMNS: &[Column] = &[
     Column { header: "RESERVATION", cell: |r, _| text(r, "reservationId").to_owned() },
     Column { header: "INSTANCE", cell: |r, _| text(r, "instanceId").to_owned() },
     Column { header: "SANDBOX", cell: |r, _| text(r, "sandboxId").to_owned() },
+    Column { header: "PROJECT", cell: |r, _| text(r, "projectId").to_owned() },
     Column { header: "RESOURCE KIND", cell: |r, _| text(r, "resourceKind").to_owned() },
     Column { header: "QUANTITY", cell: |r, _| hours(r) },
     Column {
@@ -360,6 +362,7 @@ async fn list(ctx: &Context, range: &Range, group_by: &[GroupBy], page: &Page) -
                 GroupBy::Reservation => "reservation",
                 GroupBy::Instance => "instance",
                 GroupBy::Sandbox => "sandbox",
+                GroupBy::Project => "project",
             })
             .collect();
         body.insert("groupBy".into(), json!(keys));
@@ -713,6 +716,10 @@ fn focus_row(row: &Value, tenant: &str, default_currency: &str) -> String {
         if reservation.is_empty() {
             tags.as_object_mut().expect("an object").remove("reservation");
         }
+    }
+    // FOCUS's own place for what the provider groups costs by: a key-value tag, no new column.
+    if let Some(project) = row.get("projectId").and_then(Value::as_str) {
+        tags["project"] = json!(project);
     }
     let tags = tags.to_string();
     let description = if gpu {

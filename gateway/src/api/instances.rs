@@ -9,7 +9,7 @@
 //! differ. The decisions are `bc_projections::decide::{instance_create, instance_request}`.
 
 use bc_core::Result;
-use bc_core::id::{CommandId, FlavorId, ImageId, InstanceId, ReservationId, TenantId};
+use bc_core::id::{CommandId, FlavorId, ImageId, InstanceId, ProjectId, ReservationId, TenantId};
 use bc_projections::decide::{self, InstanceCreateInput, InstanceRequest};
 use bc_projections::events::InstanceShape;
 use bc_projections::placement::Issue;
@@ -20,12 +20,12 @@ use bc_projections::{
 use schemars::JsonSchema;
 use serde::Deserialize;
 
-use super::body::parse_id;
+use super::body::{parse_filter, parse_id};
 use super::paging::Page;
-use super::resource::list_by;
+use super::resource::list_where;
 use super::validate::{
-    CursorText, FlavorIdText, ImageIdText, InstanceIdText, LimitNumber, NameText, ReservationIdText, TenantIdText, VersionNumber,
-    validate_name,
+    CursorText, FlavorIdText, ImageIdText, InstanceIdText, LimitNumber, NameText, ProjectIdText, ReservationIdText, TenantIdText,
+    VersionNumber, validate_name,
 };
 use super::views::InstanceView;
 use super::{Access, Call, Method, method};
@@ -108,6 +108,10 @@ pub struct InstancesList {
     /// Only the instances on this reservation (a filtered page can come back short).
     #[schemars(with = "Option<ReservationIdText>")]
     reservation_id: Option<String>,
+    /// Only the instances made in this project (their reservation's; a filtered page can come
+    /// back short).
+    #[schemars(with = "Option<ProjectIdText>")]
+    project_id: Option<String>,
     #[schemars(with = "Option<LimitNumber>")]
     limit: Option<u32>,
     #[schemars(with = "Option<CursorText>")]
@@ -177,9 +181,12 @@ async fn instances_get(call: &Call<'_>, input: InstanceRef) -> Result<InstanceVi
 }
 
 async fn instances_list(call: &Call<'_>, input: InstancesList) -> Result<Page<InstanceView>> {
-    let page = (input.limit, input.cursor.as_deref());
-    list_by::<InstanceDoc, _, ReservationId>(call, &input.tenant_id, page, ("reservationId", &input.reservation_id), |i| {
-        &i.reservation_id
+    let tenant = call.tenant(&input.tenant_id).await?;
+    let reservation = parse_filter::<ReservationId>("reservationId", &input.reservation_id)?;
+    let project = parse_filter::<ProjectId>("projectId", &input.project_id)?;
+    list_where(call, tenant, input.limit, input.cursor.as_deref(), |i: &InstanceDoc| {
+        reservation.as_deref().is_none_or(|r| r == i.reservation_id)
+            && project.as_deref().is_none_or(|p| i.project_id.as_deref() == Some(p))
     })
     .await
 }

@@ -68,7 +68,7 @@ pub const TIME_MS_MAX: u64 = 9_007_199_254_740_991;
 /// Most SKUs `usage.listPrices` answers with.
 pub const PRICE_SKUS_LISTED_MAX: usize = 1000;
 /// Most `groupBy` keys: each of them once.
-const GROUP_BY_MAX: usize = 6;
+const GROUP_BY_MAX: usize = 7;
 
 /// What `usage.list` may sum by.
 #[derive(Deserialize, JsonSchema, Clone, Copy, PartialEq, Eq, Debug)]
@@ -80,6 +80,9 @@ pub enum UsageGroupBy {
     Reservation,
     Instance,
     Sandbox,
+    /// The project of the reservation or instance a row counts (a row of none is in the group
+    /// of none).
+    Project,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -96,7 +99,7 @@ pub struct UsageList {
     /// Sum the range's rows by these keys instead of listing them (no paging); always by resource
     /// kind too.
     #[serde(default)]
-    #[schemars(length(max = 6))]
+    #[schemars(length(max = 7))]
     group_by: Vec<UsageGroupBy>,
     #[schemars(with = "Option<LimitNumber>")]
     limit: Option<u32>,
@@ -273,9 +276,11 @@ async fn usage_list(call: &Call<'_>, input: UsageList) -> Result<UsageListView> 
     Ok(UsageListView { items, groups: groups.into_values().collect(), next_cursor })
 }
 
-/// A group's key: the resource kind (always), then the window, pool, SKU, reservation, instance
-/// and sandbox when asked for (a row without an instance or a sandbox is in the group of none).
-type GroupKey = (String, Option<u64>, Option<String>, Option<String>, Option<String>, Option<String>, Option<String>);
+/// A group's key: the resource kind (always), then the window, pool, SKU, reservation, instance,
+/// sandbox and project when asked for (a row without an instance, a sandbox or a project is in
+/// the group of none).
+type GroupKey =
+    (String, Option<u64>, Option<String>, Option<String>, Option<String>, Option<String>, Option<String>, Option<String>);
 
 fn add_to_group(groups: &mut BTreeMap<GroupKey, UsageGroupView>, by: &[UsageGroupBy], row: UsageRowView) {
     let has = |k| by.contains(&k);
@@ -287,6 +292,7 @@ fn add_to_group(groups: &mut BTreeMap<GroupKey, UsageGroupView>, by: &[UsageGrou
         if has(UsageGroupBy::Reservation) { row.reservation_id.clone() } else { None },
         if has(UsageGroupBy::Instance) { row.instance_id.clone() } else { None },
         if has(UsageGroupBy::Sandbox) { row.sandbox_id.clone() } else { None },
+        if has(UsageGroupBy::Project) { row.project_id.clone() } else { None },
     );
     let group = groups.entry(key.clone()).or_insert_with(|| UsageGroupView {
         resource_kind: key.0,
@@ -296,6 +302,7 @@ fn add_to_group(groups: &mut BTreeMap<GroupKey, UsageGroupView>, by: &[UsageGrou
         reservation_id: key.4,
         instance_id: key.5,
         sandbox_id: key.6,
+        project_id: key.7,
         ..Default::default()
     });
     group.quantity_ms += row.quantity_ms;

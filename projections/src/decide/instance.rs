@@ -71,6 +71,7 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
         desired: doc.desired,
         generation: 1,
         apply,
+        project_id: doc.project_id,
     };
     let rsv_stream = stream_of(KIND_RESERVATION, &rsv.reservation_id);
     guards.push((rsv_stream.clone(), ExpectedVersion::Exact(rsv.version)));
@@ -159,6 +160,7 @@ fn pending_instance(input: &InstanceCreateInput<'_>, binding: &Binding, now_ms: 
         pool_id: rsv.pool_id.clone(),
         node_id: input.node.node_id.clone(),
         reservation_id: rsv.reservation_id.clone(),
+        project_id: rsv.project_id.clone(),
         shape: InstanceShape {
             flavor_id: input.flavor.flavor_id.clone(),
             vcpus: input.flavor.vcpus,

@@ -309,6 +309,7 @@ mod tests {
             pool_id: "pool_01".into(),
             node_id: "node_1".into(),
             reservation_id: "rsv_1".into(),
+            project_id: None,
             shape: crate::instance::InstanceShape { flavor_id: "flv_1".into(), vcpus: 1, memory_mib: 512, disk_gib: 1 },
             gpus: Vec::new(),
             image: crate::instance::InstanceImage {

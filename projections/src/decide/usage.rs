@@ -45,6 +45,9 @@ pub struct UsageDetail {
     /// The tenant it is held for, in a pool another tenant offered (`holderTenantId`): its
     /// lines are that tenant's usage ([`UsageLine::holder_tenant_id`]).
     pub holder_tenant_id: Option<String>,
+    /// The project its request names (`reservation.requested`'s `projectId`), which its lines
+    /// carry ([`UsageLine::project_id`]).
+    pub project_id: Option<String>,
 }
 
 /// The input of [`usage_close`].
@@ -153,9 +156,9 @@ fn lines(input: &UsageCloseInput<'_>, t: &Tracked, (ws, we, from, to): (u64, u64
     let detail = if t.metered.is_none() { input.details.get(&t.reservation_id) } else { None };
     let mut seqs: Vec<u64> = detail.map(|d| d.request_seq).into_iter().collect();
     seqs.extend(&t.seqs);
-    let pool_id = match &t.metered {
-        Some(m) => m.pool_id.clone(),
-        None => detail.map_or(String::new(), |d| d.pool_id.clone()),
+    let (pool_id, project_id) = match &t.metered {
+        Some(m) => (m.pool_id.clone(), m.project_id.clone()),
+        None => (detail.map_or(String::new(), |d| d.pool_id.clone()), detail.and_then(|d| d.project_id.clone())),
     };
     t.meters()
         .into_iter()
@@ -176,6 +179,7 @@ fn lines(input: &UsageCloseInput<'_>, t: &Tracked, (ws, we, from, to): (u64, u64
                 sandbox_id,
                 activation_seq: t.activation_seq,
                 pool_id: pool_id.clone(),
+                project_id: project_id.clone(),
                 sku: sku.to_owned(),
                 resource_kind: kind.to_owned(),
                 gpus: if kind == RESOURCE_GPU { t.gpus() } else { 0 },
@@ -266,13 +270,34 @@ pub fn usage_close(input: &UsageCloseInput<'_>) -> UsageClose {
     close
 }
 
+/// What a line's events name besides the time it counts: the pool and the project of its
+/// reservation's request, or of its instance's (or sandbox's) creation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LineOrigin {
+    pub pool_id: String,
+    pub project_id: Option<String>,
+}
+
+/// Whether `line` names the pool and the project its events say ([`recount_activation`]'s
+/// [`LineOrigin`]); errs with the difference, in words.
+pub fn check_origin(line: &UsageLine, origin: &LineOrigin) -> Result<(), String> {
+    if origin.pool_id != line.pool_id {
+        return Err(format!("its request names pool {}, the row {}", origin.pool_id, line.pool_id));
+    }
+    if origin.project_id != line.project_id {
+        let name = |p: &Option<String>| p.clone().unwrap_or_else(|| "no project".into());
+        return Err(format!("its request names {}, the row {}", name(&origin.project_id), name(&line.project_id)));
+    }
+    Ok(())
+}
+
 /// The activation (or an instance's or sandbox's span) a usage line counts, as the events it
 /// names say: `events` are those events (each already proved to be in the log, in any order),
 /// folded as the ledger folds them ([`crate::usage::fold_subject_event`]). Also returns the pool
-/// its request (or its instance's or sandbox's creation) names. Errs when an event is not one the
-/// line names, is another reservation's, instance's or sandbox's or another tenant's, or the
-/// activation is missing.
-pub fn recount_activation(line: &UsageLine, events: &[&Envelope]) -> Result<(Tracked, Option<String>), String> {
+/// and project its request (or its instance's or sandbox's creation) names, when the events
+/// hold it. Errs when an event is not one the line names, is another reservation's, instance's
+/// or sandbox's or another tenant's, or the activation is missing.
+pub fn recount_activation(line: &UsageLine, events: &[&Envelope]) -> Result<(Tracked, Option<LineOrigin>), String> {
     let mut events: Vec<&Envelope> = events.to_vec();
     events.sort_by_key(|e| e.seq);
     let subject = line.subject_id().to_owned();
@@ -285,7 +310,7 @@ pub fn recount_activation(line: &UsageLine, events: &[&Envelope]) -> Result<(Tra
     };
     let key = crate::usage::tracked_key(&subject, line.activation_seq);
     let mut open = UsageLedger::default();
-    let (mut pool, mut tracked): (Option<String>, Option<Tracked>) = (None, None);
+    let (mut origin, mut tracked): (Option<LineOrigin>, Option<Tracked>) = (None, None);
     for env in events {
         if !line.seqs.contains(&env.seq) {
             return Err(format!("event seq {} is not one the row names ({:?})", env.seq, line.seqs));
@@ -297,7 +322,7 @@ pub fn recount_activation(line: &UsageLine, events: &[&Envelope]) -> Result<(Tra
             let requested: crate::reservation::ReservationRequested =
                 serde_json::from_value(bc_core::canonical::to_json(&env.payload))
                     .map_err(|e| format!("event seq {}: {e}", env.seq))?;
-            pool = Some(requested.pool_id);
+            origin = Some(LineOrigin { pool_id: requested.pool_id, project_id: requested.project_id });
         }
         crate::usage::fold_subject_event(&mut open, &subject, env).map_err(|e| format!("event seq {}: {e}", env.seq))?;
         tracked = match (open.tracked.get(&key), tracked) {
@@ -314,8 +339,10 @@ pub fn recount_activation(line: &UsageLine, events: &[&Envelope]) -> Result<(Tra
         };
     }
     let tracked = tracked.ok_or_else(|| format!("the row's events start nothing it counts at seq {}", line.activation_seq))?;
-    let pool = pool.or_else(|| tracked.metered.as_ref().map(|m| m.pool_id.clone()));
-    Ok((tracked, pool))
+    let origin = origin.or_else(|| {
+        tracked.metered.as_ref().map(|m| LineOrigin { pool_id: m.pool_id.clone(), project_id: m.project_id.clone() })
+    });
+    Ok((tracked, origin))
 }
 
 /// Checks one usage line against the activation its events give (`t`, from
@@ -557,6 +584,7 @@ mod tests {
             pool_id: "pool_1".into(),
             node_id: "node_1".into(),
             reservation_id: if kind == MeterKind::Instance { "rsv_x".into() } else { String::new() },
+            project_id: None,
             shape: meter_shape(shape),
             created_seq: seq,
             shape_seq: seq,
@@ -622,8 +650,13 @@ mod tests {
                         hold: None,
                     };
                     ledger.activated(&id, seq, now, &p);
-                    let detail =
-                        UsageDetail { pool_id: "pool_1".into(), sku: "H100".into(), request_seq: seq, holder_tenant_id: None };
+                    let detail = UsageDetail {
+                        pool_id: "pool_1".into(),
+                        sku: "H100".into(),
+                        request_seq: seq,
+                        holder_tenant_id: None,
+                        project_id: None,
+                    };
                     details.insert(id.clone(), detail);
                     truth.insert(id.clone(), Truth { gpus: u64::from(gpus), start_ms: now, end_ms: None });
                     open.push((id, ends_at));
@@ -869,8 +902,12 @@ mod tests {
             let closed = matches!(event, UsageEvent::Closed(_));
             for line in event.lines() {
                 let named: Vec<&Envelope> = events.iter().filter(|e| line.seqs.contains(&e.seq)).collect();
-                let (t, pool) = recount_activation(line, &named).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-                assert_eq!(pool.as_deref(), Some("pool_1"));
+                let (t, origin) = recount_activation(line, &named).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+                let origin = origin.expect("an instance's or sandbox's creation names its pool");
+                assert_eq!(origin.pool_id, "pool_1");
+                check_origin(line, &origin).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+                let other_project = UsageLine { project_id: Some("proj_other".into()), ..line.clone() };
+                assert!(check_origin(&other_project, &origin).is_err(), "another project passes: {other_project:?}");
                 check_line(line, closed, &t).unwrap_or_else(|e| panic!("{e}: {line:?}"));
                 assert_eq!(window_total_ms(&t, &line.resource_kind, line.window_start_ms, line.window_end_ms), line.quantity_ms);
                 let edited = UsageLine { quantity_ms: line.quantity_ms + 1, ..line.clone() };
@@ -910,6 +947,7 @@ mod tests {
             desired: DesiredState::Running,
             generation: 1,
             apply: apply.clone(),
+            project_id: Some("proj_1".into()),
         };
         let request = |desired, shape: Option<InstanceShape>| {
             to_cbor(&InstanceRequested { desired, generation: 2, apply: apply.clone(), shape, reason: None }).unwrap()
@@ -930,6 +968,7 @@ mod tests {
         assert_eq!(sums[RESOURCE_VCPU], vcpu_ms as i64);
         assert_eq!(sums[RESOURCE_MEMORY], mib_ms as i64);
         assert!(lines.iter().all(|l| l.instance_id.as_deref() == Some("inst_1") && l.reservation_id == "rsv_1" && l.gpus == 0));
+        assert!(lines.iter().all(|l| l.project_id.as_deref() == Some("proj_1")), "every line names its instance's project");
         let started_by_start = lines.iter().find(|l| l.activation_seq == 4).unwrap();
         assert_eq!(started_by_start.seqs, vec![1, 2, 4, 5], "its creation, its shape's resize, its start, its end");
         assert_eq!(lines.iter().filter(|l| l.activation_seq == 1).count(), 4, "two windows, vCPU and memory");
@@ -995,7 +1034,13 @@ mod tests {
         ledger.activated("rsv_1", 5, HOUR_MS / 2, &p);
         let details = BTreeMap::from([(
             "rsv_1".to_owned(),
-            UsageDetail { pool_id: "pool_1".into(), sku: "H100".into(), request_seq: 4, holder_tenant_id: None },
+            UsageDetail {
+                pool_id: "pool_1".into(),
+                sku: "H100".into(),
+                request_seq: 4,
+                holder_tenant_id: None,
+                project_id: Some("proj_1".into()),
+            },
         )]);
         let period = |from_ms, micros, seq| PricePeriod { from_ms, currency: "USD".into(), gpu_hour_micros: micros, seq };
         let mut prices = BTreeMap::from([(
@@ -1013,6 +1058,7 @@ mod tests {
         let close = usage_close(&input);
         let line = &close.events[0].lines()[0];
         assert_eq!((line.quantity_ms, line.cost_micros, line.seqs.clone()), (HOUR_MS as i64, 2_000_000, vec![4, 5]));
+        assert_eq!(line.project_id.as_deref(), Some("proj_1"), "a reservation's line names its request's project");
         close.events[0].fold(&mut ledger);
         // A new price from before the window: the closed line keeps its cost; the next window
         // takes the new one.
@@ -1049,6 +1095,7 @@ mod tests {
             sku: "H100".into(),
             request_seq: 4,
             holder_tenant_id: holder.map(str::to_owned),
+            project_id: None,
         };
         let details = BTreeMap::from([("rsv_held".to_owned(), detail(Some(HOLDER))), ("rsv_own".to_owned(), detail(None))]);
         let prices = BTreeMap::new();

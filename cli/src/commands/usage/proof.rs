@@ -20,7 +20,7 @@ use bc_core::event::Envelope;
 use bc_core::merkle::{self, Hash};
 use bc_core::note::{self, CheckpointBody, ProofFile, Vkey};
 use bc_core::tiles::{self, TILE_WIDTH, TilePath, TileRef};
-use bc_projections::decide::usage::{check_line, recount_activation, window_total_ms};
+use bc_projections::decide::usage::{check_line, check_origin, recount_activation, window_total_ms};
 use bc_projections::usage::{USAGE_CORRECTION, USAGE_WINDOW_CLOSED, UsageCorrection, UsageLine, UsageWindowClosed};
 use serde_json::{Value, json};
 
@@ -584,9 +584,9 @@ fn check_row(proofs: &Proofs, written: &Written, (seq, index): (u64, usize)) -> 
     if events.iter().any(|e| e.tenant != env.tenant) {
         return Err("an event it was computed from is another tenant's".into());
     }
-    let (t, pool) = recount_activation(line, &events)?;
-    if let Some(pool) = pool.filter(|p| *p != line.pool_id) {
-        return Err(format!("its request names pool {pool}, the row {}", line.pool_id));
+    let (t, origin) = recount_activation(line, &events)?;
+    if let Some(origin) = origin {
+        check_origin(line, &origin)?;
     }
     check_line(line, closed, &t).map_err(|why| format!("the quantity does not follow from its events: {why}"))?;
     Ok(Ok(line.clone()))
@@ -648,6 +648,7 @@ mod tests {
             sandbox_id: None,
             activation_seq: 2,
             pool_id: "pool_1".into(),
+            project_id: None,
             sku: "H100".into(),
             resource_kind: "gpu".into(),
             gpus: 2,

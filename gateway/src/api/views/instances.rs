@@ -65,6 +65,10 @@ pub struct InstanceView {
     pub node_id: String,
     #[schemars(with = "ReservationIdText")]
     pub reservation_id: String,
+    /// The project it was made in: its reservation's (`projects.*`), when that names one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<crate::api::validate::ProjectIdText>")]
+    pub project_id: Option<String>,
     #[schemars(with = "FlavorIdText")]
     pub flavor_id: String,
     pub vcpus: u32,
@@ -102,6 +106,7 @@ impl From<InstanceDoc> for InstanceView {
             pool_id: d.pool_id,
             node_id: d.node_id,
             reservation_id: d.reservation_id,
+            project_id: d.project_id,
             flavor_id: d.shape.flavor_id,
             vcpus: d.shape.vcpus,
             memory_mib: d.shape.memory_mib,

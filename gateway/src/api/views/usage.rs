@@ -40,6 +40,10 @@ pub struct UsageRowView {
     pub activation_seq: u64,
     #[schemars(with = "PoolIdText")]
     pub pool_id: String,
+    /// The project the reservation (or the instance's reservation) was made in, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<crate::api::validate::ProjectIdText>")]
+    pub project_id: Option<String>,
     /// The GPU product; `vCPU`, `Memory-GiB` or `Sandbox` for the other kinds.
     pub sku: String,
     /// `gpu`, `vcpu`, `memory` or `sandbox`.
@@ -83,6 +87,7 @@ impl UsageRowView {
             sandbox_id: line.sandbox_id,
             activation_seq: line.activation_seq,
             pool_id: line.pool_id,
+            project_id: line.project_id,
             sku: line.sku,
             resource_kind: line.resource_kind,
             gpus: line.gpus,
@@ -116,6 +121,8 @@ pub struct UsageGroupView {
     pub instance_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sandbox_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     /// `gpu`, `vcpu`, `memory` or `sandbox`: every group is of one kind.
     pub resource_kind: String,
     /// Unit-milliseconds of the kind, corrections included.
