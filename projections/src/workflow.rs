@@ -69,6 +69,9 @@ pub struct MetalEnrolled {
     pub pool_id: String,
     pub name: String,
     pub bmc: MetalBmc,
+    /// The site the machine is at (`site_…` of the tenant): the one asked for, or its pool's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site_id: Option<String>,
 }
 
 /// A workflow started by a transition: its id, its steps in order, and what they need.
@@ -399,6 +402,9 @@ pub struct MetalDoc {
     pub node_id: String,
     pub pool_id: String,
     pub name: String,
+    /// The site it is at, if it names one; while it is not retired, the site is not deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site_id: Option<String>,
     pub state: MetalState,
     pub flags: MetalFlags,
     /// The reason of the last failure, kept until a workflow succeeds.
@@ -552,6 +558,7 @@ pub(crate) fn apply_metal(kind: &str, id: &str, current: Option<Value>, event: &
                 node_id: id.to_owned(),
                 pool_id: p.pool_id,
                 name: p.name,
+                site_id: p.site_id,
                 state: MetalState::Enroll,
                 flags: MetalFlags::default(),
                 last_error: None,

@@ -929,6 +929,7 @@ fn every_unstable_state_times_out_into_its_failed_state_with_the_reason() {
             node_id: "node_x".into(),
             pool_id: "pool_x".into(),
             name: "m".into(),
+            site_id: None,
             state,
             flags: MetalFlags::default(),
             last_error: None,

@@ -261,6 +261,7 @@ async fn a_tls_mode_without_its_pin_fails_closed() {
     let tampered = ev::MetalEnrolled {
         pool_id: PoolId::generate().to_string(),
         name: "m2".into(),
+        site_id: None,
         bmc: ev::MetalBmc {
             address: "https://bmc-2.example:8443".into(),
             system_path: None,

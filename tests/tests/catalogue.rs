@@ -117,3 +117,86 @@ async fn a_named_site_stays_and_an_archived_project_takes_no_new_reservation() {
         .await;
     assert_eq!((status, body["code"].as_str()), (404, Some("NOT_FOUND")), "{body}");
 }
+
+/// `metal enroll` of a machine with `--bmc-insecure` into `pool`, at `site` when given.
+fn enroll(server: &Server, pool: &str, name: &str, site: Option<&str>, password_file: &std::path::Path) -> (i32, String, String) {
+    // Nothing listens at this address: enrollment only records the machine.
+    let address = format!("https://127.0.0.1:{}", bc_tests::free_port());
+    let mut args = vec![
+        "metal",
+        "enroll",
+        "--pool",
+        pool,
+        "--name",
+        name,
+        "--bmc-address",
+        &address,
+        "--bmc-username",
+        "admin",
+        "--bmc-password-file",
+        password_file.to_str().unwrap(),
+        "--bmc-insecure",
+    ];
+    if let Some(site) = site {
+        args.extend(["--site", site]);
+    }
+    server.cli(&args)
+}
+
+/// A bare-metal machine names its site: the one it is enrolled at, or its pool's. One other than
+/// its pool's is refused `INVALID_STATE`, a site of no one `NOT_FOUND`, each appending nothing;
+/// the site's delete is refused while the machine names it, naming `metal/node_…`, even once
+/// the machine's pool is archived (a machine's site does not go with its pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_names_its_site_and_holds_it_against_a_delete() {
+    let server = Server::dev_with(&["--bmc-allow-network", "127.0.0.1/32"]);
+    let dir = tempfile::tempdir().unwrap();
+    let password_file = dir.path().join("bmc-password");
+    std::fs::write(&password_file, "not-a-real-password\n").unwrap();
+    let site = |name: &str| {
+        let site = ok(server.cli(&["sites", "create", "--name", name, "--region", "eu-central"]));
+        site["siteId"].as_str().unwrap().to_owned()
+    };
+    let (fra, ams) = (site("fra1"), site("ams1"));
+    let at_fra =
+        ok(server.cli(&["pools", "create", "--name", "metal-fra", "--site", &fra]))["poolId"].as_str().unwrap().to_owned();
+    let anywhere = ok(server.cli(&["pools", "create", "--name", "metal-any"]))["poolId"].as_str().unwrap().to_owned();
+
+    // Into a pool at a site: the machine takes the pool's; another site is refused.
+    let taken = ok(enroll(&server, &at_fra, "m1", None, &password_file));
+    assert_eq!(taken["siteId"], json!(fra), "{taken}");
+    let before = event_count(&server).await;
+    let (code, _, err) = enroll(&server, &at_fra, "m2", Some(&ams), &password_file);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("INVALID_STATE") && err.contains(&fra) && err.contains(&ams), "{err}");
+    let (code, _, err) = enroll(&server, &anywhere, "m2", Some("site_01arz3ndektsv4rrffq69g5fav"), &password_file);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("NOT_FOUND"), "{err}");
+    assert_eq!(event_count(&server).await, before, "a refused enrollment appends nothing");
+    let (code, _, err) = enroll(&server, &anywhere, "m2", Some("fra1"), &password_file);
+    assert_eq!(code, 2, "a site is named by its id: {err}");
+
+    // Into a pool at none: the site it names.
+    let named = ok(enroll(&server, &anywhere, "m2", Some(&ams), &password_file));
+    assert_eq!(named["siteId"], json!(ams), "{named}");
+    let got = ok(server.cli(&["metal", "get", named["nodeId"].as_str().unwrap()]));
+    assert_eq!(got["siteId"], json!(ams), "{got}");
+
+    // The machines hold their sites: the deletes are refused, naming them, appending nothing.
+    let before = event_count(&server).await;
+    for (site, machine) in [(&ams, &named), (&fra, &taken)] {
+        let (code, _, err) = server.cli(&["sites", "delete", site]);
+        assert_eq!(code, 1, "{err}");
+        let referrer = format!("metal/{}", machine["nodeId"].as_str().unwrap());
+        assert!(err.contains("INVALID_STATE") && err.contains(&referrer), "{err}");
+    }
+    let (status, body) = server.call("pools.archive", json!({ "poolId": at_fra })).await;
+    assert_eq!(status, 200, "{body}");
+    let (code, _, err) = server.cli(&["sites", "delete", &fra]);
+    assert_eq!(code, 1, "its machine holds the site once its pool is archived: {err}");
+    assert!(err.contains(&format!("metal/{}", taken["nodeId"].as_str().unwrap())) && !err.contains("pool/"), "{err}");
+    assert_eq!(event_count(&server).await, before + 1, "only the pool's archive was appended");
+    // A site nothing names still goes.
+    let spare = site("spare");
+    assert_eq!(ok(server.cli(&["sites", "delete", &spare]))["deleted"], true);
+}

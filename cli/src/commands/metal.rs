@@ -61,6 +61,9 @@ pub struct EnrollArgs {
     /// Do not check the BMC's certificate (anyone on the path can read its password).
     #[arg(long)]
     pub bmc_insecure: bool,
+    /// The site the machine is at (`site_…`); absent, its pool's, if the pool names one.
+    #[arg(long)]
+    pub site: Option<String>,
     #[command(flatten)]
     pub key: IdempotencyKey,
 }
@@ -308,6 +311,9 @@ fn enroll_body(ctx: &Context, args: EnrollArgs) -> Result<Map<String, Value>, Cl
     let mut body = ctx.tenant_body()?;
     body.insert("poolId".into(), json!(check_id::<PoolId>("--pool", &args.pool)?));
     body.insert("name".into(), json!(args.name));
+    if let Some(site) = &args.site {
+        body.insert("siteId".into(), json!(check_id::<bc_core::id::SiteId>("--site", site)?));
+    }
     if !args.bmc_address.starts_with("https://") {
         return Err(CliError::usage("--bmc-address must be https://: the BMC's password never crosses a network in clear text"));
     }

@@ -187,6 +187,10 @@ pub struct MetalEnroll {
     bmc_password: String,
     /// How the BMC's certificate is checked.
     bmc_tls: BmcTlsInput,
+    /// The site the machine is at, a site of the tenant (`sites.*`); absent, its pool's, if the
+    /// pool names one (a site other than the pool's is `INVALID_STATE`).
+    #[schemars(with = "Option<crate::api::validate::SiteIdText>")]
+    site_id: Option<String>,
 }
 
 /// How the BMC's certificate is checked: against CA certificates, by its key's pin, or (only
@@ -498,6 +502,20 @@ async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> 
             decide::ARCHIVED_POOL_HINT,
         ));
     }
+    let asked_site: Option<bc_core::id::SiteId> = input.site_id.as_deref().map(|s| parse_id("siteId", s)).transpose()?;
+    let asked_site = asked_site.map(|s| s.to_string());
+    let site_id = decide::site::machine_site(&pool.pool_id, pool.site_id.as_deref(), asked_site.as_deref())?;
+    // A machine at a site guards the site's version (a site deleted meanwhile is a CONFLICT),
+    // under the names' lock `sites.delete` takes while it looks for referrers.
+    let _names = match site_id {
+        Some(_) => Some(call.state.name_locks.lock(tenant).await),
+        None => None,
+    };
+    let mut guards = vec![(stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version))];
+    if let Some(site_id) = &site_id {
+        let site = super::sites::site_doc(call, tenant, &parse_id("siteId", site_id)?).await?;
+        guards.push((stream_of(bc_projections::site::KIND_SITE, site_id), ExpectedVersion::Exact(site.version)));
+    }
     let retry = call.is_retry(tenant).await?;
     if !retry && machines_count(call, tenant).await? >= MACHINES_PER_TENANT_MAX {
         return Err(Error::state(
@@ -519,6 +537,7 @@ async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> 
             pin: checked.pin,
             secret_id: secret_id.clone(),
         },
+        site_id,
     };
     // The password is sealed first, under the new machine's id: an append that fails leaves a
     // sealed secret no machine names, never a machine without its password. A retry stores
@@ -533,7 +552,7 @@ async fn metal_enroll(call: &Call<'_>, input: MetalEnroll) -> Result<MetalView> 
             ExpectedVersion::NoStream,
             ev::METAL_ENROLLED,
             ev::to_cbor(&enrolled)?,
-            vec![(stream_of(KIND_POOL, &pool_id), ExpectedVersion::Exact(pool.version))],
+            guards,
         )
         .await?;
     let node = stream_id(&result.events[0].envelope.stream).to_owned();

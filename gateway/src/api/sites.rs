@@ -1,16 +1,19 @@
 //! `sites.*`: where machines are. A site is a name unique in its tenant, a region and labels
-//! (`site/site_…`). Pools may name their site when they are made (`pools.create --site`); the
-//! create is guarded on the site's stream, so a pool is never made at a site already deleted. A site's name and labels change in place; its region does not (a site elsewhere
-//! is another site). A delete is refused `INVALID_STATE` while a live pool names the site,
-//! naming them, as `secrets.delete` names a secret's referrers.
+//! (`site/site_…`). Pools may name their site when they are made (`pools.create --site`), and
+//! bare-metal machines when they are enrolled (`metal.enroll`'s `siteId`, else their pool's);
+//! each create is guarded on the site's stream, so nothing is made at a site already deleted.
+//! A site's name and labels change in place; its region does not (a site elsewhere is another
+//! site). A delete is refused `INVALID_STATE` while a live pool or a machine not retired names
+//! the site, naming them, as `secrets.delete` names a secret's referrers.
 
 use std::collections::BTreeMap;
 
 use bc_core::id::{SiteId, TenantId};
 use bc_core::{Error, Result};
-use bc_projections::decide::site::{SITES_PER_TENANT_MAX, site_create, site_delete, site_update};
+use bc_projections::decide::site::{SITES_PER_TENANT_MAX, machine_holds_site, site_create, site_delete, site_update};
 use bc_projections::events as ev;
 use bc_projections::site::{KIND_SITE, SiteDoc};
+use bc_projections::workflow::{KIND_METAL, MetalDoc};
 use bc_projections::{KIND_POOL, PoolDoc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -161,8 +164,30 @@ pub(super) async fn site_doc(call: &Call<'_>, tenant: TenantId, site_id: &SiteId
     call.row(tenant, KIND_SITE, &site_id.to_string(), "site").await
 }
 
-/// What names `site_id` in `tenant`: `pool/pool_…` for each live pool made at it.
+/// What names `site_id` in `tenant`: `pool/pool_…` for each live pool made at it, then
+/// `metal/node_…` for each machine at it not retired (`decide::site::machine_holds_site`).
 async fn referrers(call: &Call<'_>, tenant: TenantId, site_id: &str) -> Result<Vec<String>> {
+    let mut out = pool_referrers(call, tenant, site_id).await?;
+    let mut after: Option<String> = None;
+    loop {
+        let rows =
+            call.state.store.row_list(&tenant.to_string(), KIND_METAL, after.as_deref(), bc_core::store::READ_ROWS_MAX).await?;
+        let full = rows.len() == bc_core::store::READ_ROWS_MAX as usize;
+        after = rows.last().map(|r| r.key.id.clone());
+        for row in rows {
+            let machine: MetalDoc = doc(row)?;
+            if machine_holds_site(&machine, site_id) {
+                out.push(format!("{KIND_METAL}/{}", machine.node_id));
+            }
+        }
+        if !full {
+            return Ok(out);
+        }
+    }
+}
+
+/// `pool/pool_…` for each live pool of `tenant` made at `site_id`.
+async fn pool_referrers(call: &Call<'_>, tenant: TenantId, site_id: &str) -> Result<Vec<String>> {
     let mut out = Vec::new();
     let mut after: Option<String> = None;
     loop {

@@ -98,7 +98,7 @@ pub fn site_delete(doc: &SiteDoc, if_version: Option<u64>, referrers: &[String])
         }
         return Err(Error::state(
             format!("site {:?} ({}) is named by {}", doc.name, doc.site_id, shown.join(", ")),
-            "archive or delete those first (a pool's site does not change)",
+            "archive those pools and retire those machines first (a pool's or a machine's site does not change)",
         ));
     }
     Ok(Append {
@@ -107,6 +107,26 @@ pub fn site_delete(doc: &SiteDoc, if_version: Option<u64>, referrers: &[String])
         guards: Vec::new(),
         events: vec![NewEvent::new(ev::SITE_DELETED, to_cbor(&ev::SiteDeleted {})?)],
     })
+}
+
+/// The site a machine enrolled into pool `pool_id` is at: the one asked for (`asked`, a live
+/// site of the tenant, as the gateway read it), or its pool's (`pool_site`) when none is asked
+/// for; `None` when neither names one. A site other than its pool's is `INVALID_STATE`: a pool's
+/// site is where its machines are.
+pub fn machine_site(pool_id: &str, pool_site: Option<&str>, asked: Option<&str>) -> Result<Option<String>> {
+    match (pool_site, asked) {
+        (Some(pool_site), Some(asked)) if pool_site != asked => Err(Error::state(
+            format!("pool {pool_id} is at site {pool_site}: a machine of it is not at {asked}"),
+            "name the pool's site, or none (the machine takes the pool's), or enroll it into a pool at that site",
+        )),
+        (pool_site, asked) => Ok(asked.or(pool_site).map(str::to_owned)),
+    }
+}
+
+/// Whether `machine` holds its site against a delete: it names `site_id` and is not retired (a
+/// retired machine is never offered or deployed again, as an archived pool takes no work).
+pub fn machine_holds_site(machine: &crate::workflow::MetalDoc, site_id: &str) -> bool {
+    !machine.flags.retired && machine.site_id.as_deref() == Some(site_id)
 }
 
 #[cfg(test)]
@@ -175,5 +195,36 @@ mod tests {
         assert!(text.contains("pool/pool_0") && text.contains("pool/pool_9") && text.contains('…'), "{text}");
         assert!(!text.contains("pool/pool_10"), "at most {SITE_REFERRERS_SHOWN_MAX} named: {text}");
         assert_eq!(site_delete(&site, Some(1), &[]).unwrap_err().code(), ErrorCode::Conflict);
+        let err = site_delete(&site, None, &["metal/node_1".into()]).unwrap_err();
+        assert!(err.to_string().contains("metal/node_1"), "a machine holds it too: {err}");
+    }
+
+    #[test]
+    fn a_machine_is_at_its_pools_site_or_the_one_it_names() {
+        assert_eq!(machine_site("pool_1", None, None).unwrap(), None);
+        assert_eq!(machine_site("pool_1", None, Some("site_a")).unwrap().as_deref(), Some("site_a"));
+        assert_eq!(machine_site("pool_1", Some("site_a"), None).unwrap().as_deref(), Some("site_a"), "its pool's");
+        assert_eq!(machine_site("pool_1", Some("site_a"), Some("site_a")).unwrap().as_deref(), Some("site_a"));
+        let err = machine_site("pool_1", Some("site_a"), Some("site_b")).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::InvalidState);
+        assert!(err.to_string().contains("site_a") && err.to_string().contains("site_b"), "{err}");
+    }
+
+    #[test]
+    fn a_retired_machine_no_longer_holds_its_site() {
+        let mut machine: crate::workflow::MetalDoc = serde_json::from_value(serde_json::json!({
+            "tenantId": "ten_1", "nodeId": "node_1", "poolId": "pool_1", "name": "m", "siteId": "site_a",
+            "state": "manageable", "flags": { "retired": false },
+            "bmc": { "address": "https://bmc", "username": "u", "tls": "insecure", "secretId": "bmc_x" },
+            "stateEnteredAtMs": 0, "version": 1, "createdAtMs": 0, "updatedAtMs": 0,
+        }))
+        .unwrap();
+        assert!(machine_holds_site(&machine, "site_a"));
+        assert!(!machine_holds_site(&machine, "site_b"));
+        machine.flags.retired = true;
+        assert!(!machine_holds_site(&machine, "site_a"), "retired, it lets the site go");
+        machine.flags.retired = false;
+        machine.site_id = None;
+        assert!(!machine_holds_site(&machine, "site_a"));
     }
 }

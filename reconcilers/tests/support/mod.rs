@@ -63,6 +63,7 @@ pub async fn enroll(
     let enrolled = ev::MetalEnrolled {
         pool_id: PoolId::generate().to_string(),
         name,
+        site_id: None,
         bmc: ev::MetalBmc {
             address: address.into(),
             system_path: None,

@@ -524,6 +524,7 @@ impl Sim {
             let enrolled = ev::MetalEnrolled {
                 pool_id,
                 name: format!("metal-{m}"),
+                site_id: None,
                 bmc: MetalBmc {
                     address: address(m),
                     system_path: None,

@@ -39,6 +39,10 @@ pub struct MetalView {
     pub pool_id: String,
     #[schemars(with = "NameText")]
     pub name: String,
+    /// The site it is at (`sites.*`): the one it was enrolled at, or its pool's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<crate::api::validate::SiteIdText>")]
+    pub site_id: Option<String>,
     pub state: MetalState,
     /// Whether a workflow is running in this state (`false`: it rests until a caller acts).
     pub stable: bool,
@@ -82,6 +86,7 @@ impl From<MetalDoc> for MetalView {
             node_id: doc.node_id,
             pool_id: doc.pool_id,
             name: doc.name,
+            site_id: doc.site_id,
             state: doc.state,
             stable: doc.state.is_stable(),
             allowed,
