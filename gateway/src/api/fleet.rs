@@ -590,6 +590,9 @@ async fn read_all<T: serde::de::DeserializeOwned>(call: &Call<'_>, tenant: Tenan
     Ok(rows)
 }
 
+// A plan reads every machine of the tenant (those naming a site hold it against a prune).
+const _: () = assert!(super::metal::MACHINES_PER_TENANT_MAX <= FLEET_LIVE_OBJECTS_MAX);
+
 /// The live fleet of `tenant`, as a plan reads it.
 async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
     let pools: Vec<PoolDoc> = read_all(call, tenant, KIND_POOL).await?;
@@ -597,6 +600,16 @@ async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
     let flavors: Vec<FlavorDoc> = read_all(call, tenant, KIND_FLAVOR).await?;
     let images: Vec<ImageDoc> = read_all(call, tenant, KIND_IMAGE).await?;
     let sites: Vec<SiteDoc> = read_all(call, tenant, KIND_SITE).await?;
+    let machines: Vec<bc_projections::workflow::MetalDoc> = read_all(call, tenant, bc_projections::workflow::KIND_METAL).await?;
+    let site_machines = machines
+        .into_iter()
+        .filter_map(|m| {
+            m.site_id
+                .clone()
+                .filter(|site| bc_projections::decide::site::machine_holds_site(&m, site))
+                .map(|site| (m.node_id, site))
+        })
+        .collect();
     let projects: Vec<ProjectDoc> = read_all(call, tenant, KIND_PROJECT).await?;
     let applied = call
         .state
@@ -606,7 +619,7 @@ async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
         .map(doc::<FleetConfigDoc>)
         .transpose()?;
     let quotas = quotas.into_iter().map(|q| (q.pool_id.clone(), q)).collect();
-    Ok(FleetLive { pools, quotas, flavors, images, sites, projects, applied })
+    Ok(FleetLive { pools, quotas, flavors, images, sites, site_machines, projects, applied })
 }
 
 async fn fleet_export(call: &Call<'_>, input: FleetExport) -> Result<FleetExportView> {

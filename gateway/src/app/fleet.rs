@@ -60,6 +60,9 @@ pub struct FleetLive {
     pub flavors: Vec<FlavorDoc>,
     pub images: Vec<ImageDoc>,
     pub sites: Vec<SiteDoc>,
+    /// `(node id, site id)` of each bare-metal machine not retired that names a site
+    /// (`decide::site::machine_holds_site`): they hold their sites against a prune.
+    pub site_machines: Vec<(String, String)>,
     pub projects: Vec<ProjectDoc>,
     pub applied: Option<FleetConfigDoc>,
 }
@@ -806,8 +809,9 @@ fn plan_sites(live: &FleetLive, doc: &FleetDocument, plan: &mut FleetPlan) -> Si
     out
 }
 
-/// The live sites the document leaves out: with `prune`, deleted once no pool that stays names
-/// them (one that does is `BLOCKED`, as `sites.delete` refuses it), else left alone with their
+/// The live sites the document leaves out: with `prune`, deleted once no pool that stays and no
+/// machine names them (one that is named is `BLOCKED`, as `sites.delete` refuses it; machines
+/// are not in the document), else left alone with their
 /// names taken. Then the tenant's bound on sites, over what it holds once the plan is made.
 fn plan_sites_left_out(live: &FleetLive, prune: bool, sites: &SitePlan, plan: &mut FleetPlan) {
     let archived_now: BTreeSet<String> =
@@ -820,6 +824,12 @@ fn plan_sites_left_out(live: &FleetLive, prune: bool, sites: &SitePlan, plan: &m
                 .iter()
                 .filter(|p| !p.archived && p.site_id.as_deref() == Some(s.site_id.as_str()) && !archived_now.contains(&p.pool_id))
                 .map(|p| format!("{KIND_POOL}/{}", p.pool_id))
+                .chain(
+                    live.site_machines
+                        .iter()
+                        .filter(|(_, site)| *site == s.site_id)
+                        .map(|(node, _)| format!("{}/{node}", bc_projections::workflow::KIND_METAL)),
+                )
                 .collect();
             if named_by.is_empty() {
                 deletes += 1;
@@ -1098,6 +1108,32 @@ mod tests {
     }
 
     const P1: &str = "pool_01hzz0000000000000000000p1";
+
+    /// A site the document leaves out is pruned only while nothing names it: a machine (not
+    /// retired) that names it blocks its delete, naming it, as `sites.delete` refuses it.
+    #[test]
+    fn a_site_a_machine_names_is_not_pruned() {
+        const S1: &str = "site_01hzz0000000000000000000s1";
+        let site = SiteDoc {
+            tenant_id: "ten_x".into(),
+            site_id: S1.into(),
+            name: "fra1".into(),
+            region: "eu".into(),
+            labels: BTreeMap::new(),
+            version: 1,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        };
+        let empty = fleet_export(&FleetLive::default());
+        let held =
+            FleetLive { sites: vec![site.clone()], site_machines: vec![("node_1".into(), S1.into())], ..Default::default() };
+        let plan = fleet_plan(&held, &empty, true);
+        assert!(plan.changes.is_empty(), "{plan:?}");
+        assert!(plan.blocked.len() == 1 && plan.blocked[0].reason.contains("metal/node_1"), "{plan:?}");
+        let free = FleetLive { sites: vec![site], ..Default::default() };
+        let plan = fleet_plan(&free, &empty, true);
+        assert_eq!(plan.changes.iter().map(|c| (c.kind, c.op)).collect::<Vec<_>>(), [(OBJECT_SITE, Op::Delete)], "{plan:?}");
+    }
 
     /// A pool's offers are exported, and the export plans empty; a document that adds and
     /// withdraws a tenant is one `offer` change from the set to the set (`+`, `pools.offer`,
