@@ -427,6 +427,14 @@ pub fn parse_usage_window_ms(text: &str) -> Result<u64, String> {
     Ok(parse_duration(text, min, max, SECOND)?.as_millis() as u64)
 }
 
+/// `--max-reservation` (`pools update`): whole seconds within the API's bounds
+/// (`MAX_RESERVATION_S_MIN`, a minute, to `MAX_RESERVATION_S_LIMIT`, 366 days).
+pub fn parse_max_reservation_s(text: &str) -> Result<u64, String> {
+    use bc_gateway::api::{MAX_RESERVATION_S_LIMIT, MAX_RESERVATION_S_MIN};
+    let (min, max) = (Duration::from_secs(MAX_RESERVATION_S_MIN), Duration::from_secs(MAX_RESERVATION_S_LIMIT));
+    Ok(parse_duration(text, min, max, SECOND)?.as_secs())
+}
+
 /// `--for`, `--by`: whole seconds, more than zero (a reservation lasts at least a second).
 pub fn parse_duration_s(text: &str) -> Result<u64, String> {
     Ok(parse_duration(text, SECOND, Duration::from_secs(RESERVATION_DURATION_S_MAX), SECOND)?.as_secs())

@@ -200,3 +200,65 @@ async fn a_machine_names_its_site_and_holds_it_against_a_delete() {
     let spare = site("spare");
     assert_eq!(ok(server.cli(&["sites", "delete", &spare]))["deleted"], true);
 }
+
+/// `pools update` and `pools archive` from the command line: an update changes only what it
+/// names and moves the version; a stale `--if-version` is `CONFLICT` and appends nothing; an
+/// update with nothing to change is a usage error before anything is sent; an archived pool
+/// leaves `pools list` (not `--include-archived`), archiving it again appends nothing, and it
+/// takes no update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_are_updated_and_archived_from_the_command_line() {
+    let server = Server::dev();
+    let pool = ok(server.cli(&["pools", "create", "--name", "gpu-a", "--description", "first", "--label", "tier=a"]));
+    let pool_id = pool["poolId"].as_str().unwrap().to_owned();
+    let version = pool["version"].as_u64().unwrap();
+
+    let updated = ok(server.cli(&[
+        "pools",
+        "update",
+        &pool_id,
+        "--name",
+        "gpu-b",
+        "--label",
+        "tier=b",
+        "--label",
+        "zone=1",
+        "--max-reservation",
+        "8h",
+        "--if-version",
+        &version.to_string(),
+    ]));
+    assert_eq!((updated["name"].as_str(), updated["description"].as_str()), (Some("gpu-b"), Some("first")), "{updated}");
+    assert_eq!(updated["labels"], json!({ "tier": "b", "zone": "1" }), "{updated}");
+    assert_eq!(updated["maxReservationS"], 8 * 3600, "{updated}");
+    assert!(updated["version"].as_u64().unwrap() > version, "{updated}");
+
+    let before = event_count(&server).await;
+    let (code, _, err) = server.cli(&["pools", "update", &pool_id, "--description", "x", "--if-version", &version.to_string()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("CONFLICT"), "a stale version: {err}");
+    let (code, _, err) = server.cli(&["pools", "update", &pool_id]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("nothing to update"), "{err}");
+    let (code, _, err) = server.cli(&["pools", "update", &pool_id, "--max-reservation", "10s"]);
+    assert_eq!(code, 2, "under a minute: {err}");
+    let (code, _, err) = server.cli(&["pools", "update", "gpu-b", "--name", "c"]);
+    assert_eq!(code, 2, "a pool is named by its id: {err}");
+    assert_eq!(event_count(&server).await, before, "refusals append nothing");
+    let cleared = ok(server.cli(&["pools", "update", &pool_id, "--clear-labels"]));
+    assert_eq!(cleared["labels"], json!({}), "{cleared}");
+
+    let archived = ok(server.cli(&["pools", "archive", &pool_id]));
+    assert_eq!(archived["archived"], true, "{archived}");
+    let listed = ok(server.cli(&["pools", "list", "--format", "json"]));
+    assert!(!listed.to_string().contains(&pool_id), "{listed}");
+    let all = ok(server.cli(&["pools", "list", "--include-archived", "--format", "json"]));
+    assert!(all.to_string().contains(&pool_id), "{all}");
+    let before = event_count(&server).await;
+    let again = ok(server.cli(&["pools", "archive", &pool_id]));
+    assert_eq!((again["archived"].as_bool(), again["version"].as_u64()), (Some(true), archived["version"].as_u64()));
+    let (code, _, err) = server.cli(&["pools", "update", &pool_id, "--name", "gpu-c"]);
+    assert_eq!(code, 1, "an archived pool takes no update: {err}");
+    assert!(err.contains("CONFLICT"), "{err}");
+    assert_eq!(event_count(&server).await, before, "archiving again appends nothing");
+}

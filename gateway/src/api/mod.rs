@@ -59,6 +59,8 @@ mod usage;
 mod webhooks;
 
 pub use call::Call;
+/// A pool's `maxReservationS` bounds, which the CLI's `--max-reservation` checks before sending.
+pub use pools::{MAX_RESERVATION_S_LIMIT, MAX_RESERVATION_S_MIN};
 
 /// A handler as the table holds it: the raw JSON body in, the JSON answer out. [`method!`]
 /// builds it from a typed handler, so parsing and serializing are the same for every method.
