@@ -3,7 +3,8 @@
 //! project's code) validates against the checked-in schema; an edited document applies with its
 //! plan's hash in one transaction named by one `fleet.applied`; a change between plan and apply,
 //! two racing applies and a denied call each apply nothing; a dangling reference is
-//! `PLAN_BLOCKED`; a pool changed by hand is `FLEET_DRIFTED`.
+//! `PLAN_BLOCKED`; a pool changed by hand is `FLEET_DRIFTED`. A fleet with a site, a pool at it
+//! and a project round-trips the same way, and a machine at the site blocks its prune.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -315,4 +316,93 @@ async fn a_change_between_plan_and_apply_a_race_a_denial_and_a_dangling_name_app
     let acme_token = key["token"].as_str().unwrap();
     let (status, refused) = server.call_as(acme_token, "fleet.export", json!({}), None).await;
     assert_eq!((status, refused["code"].as_str()), (403, Some("ACCESS_DENIED")), "{refused}");
+}
+
+/// The round trip with a site and a project (issue 56): a fleet made call by call holding a
+/// site, a pool at that site (with a quota) and a project exports to a document whose pool
+/// names its site by the site's key; Python's `jsonschema` validates it against the checked-in
+/// schema (and refuses a site and a project it must refuse); it plans empty, with `--prune`
+/// too (nothing of the fleet is left out of it). An archived project is not exported. A
+/// bare-metal machine (not in the document) at the site holds it: a document that leaves the
+/// site and its pool out, pruned, is `PLAN_BLOCKED` naming the machine.
+#[tokio::test]
+async fn a_fleet_with_a_site_a_pool_at_it_and_a_project_round_trips() {
+    let server = Server::dev_with(&["--bmc-allow-network", "127.0.0.1/32"]);
+    let dir = tempfile::tempdir().unwrap();
+    let ok = |args: &[&str]| {
+        let (code, out, err) = server.cli(args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        json(&out)
+    };
+    let site = ok(&["sites", "create", "--name", "fra1", "--region", "eu-central", "--label", "dc=fra"]);
+    let site = site["siteId"].as_str().unwrap().to_owned();
+    let pool = ok(&["pools", "create", "--name", "gpu-fra", "--site", &site, "--label", "tier=a"]);
+    let pool = pool["poolId"].as_str().unwrap().to_owned();
+    let (status, q) = server.call("quotas.set", json!({ "poolId": pool, "gpus": 8 })).await;
+    assert_eq!(status, 200, "{q}");
+    let project = ok(&["projects", "create", "--name", "training", "--description", "the big run"]);
+    let project = project["projectId"].as_str().unwrap().to_owned();
+    let old = ok(&["projects", "create", "--name", "old"]);
+    ok(&["projects", "archive", old["projectId"].as_str().unwrap()]);
+
+    let file = dir.path().join("fleet.json");
+    ok(&["fleet", "export", "--out", file.to_str().unwrap()]);
+    let doc = read(&file);
+    assert_eq!(doc["sites"][&site], json!({ "name": "fra1", "region": "eu-central", "labels": { "dc": "fra" } }), "{doc}");
+    assert_eq!(doc["pools"][&pool]["site"], json!(site), "a pool names its site by the site's key: {doc}");
+    assert_eq!(doc["pools"][&pool]["quotaGpus"], 8, "{doc}");
+    assert_eq!(doc["projects"], json!({ project.clone(): { "name": "training", "description": "the big run" } }), "{doc}");
+
+    // Validated by a validator this project did not write; a bad site and project are refused.
+    assert_eq!(jsonschema_errors(dir.path(), &doc), "", "the export must validate");
+    let mut bad = doc.clone();
+    bad["sites"][&site]["region"] = json!("EU Central");
+    bad["projects"]["Bad_Key"] = json!({ "name": "x" });
+    bad["pools"][&pool]["site"] = json!("Not a key");
+    let errors = jsonschema_errors(dir.path(), &bad);
+    assert!(errors.contains("EU Central") && errors.contains("Bad_Key") && errors.contains("Not a key"), "{errors}");
+
+    // It plans empty, pruning or not.
+    for extra in [&[][..], &["--prune"][..]] {
+        let mut args = vec!["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = server.cli(&args);
+        assert_eq!(code, 0, "{args:?}: {out}{err}");
+        assert!(out.contains("No changes"), "{args:?}: {out}");
+    }
+    // The check can fail: the document without its project, pruned, archives it.
+    let mut without = doc.clone();
+    without.as_object_mut().unwrap().remove("projects");
+    write(&file, &without);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--prune", "--fail-on-drift"]);
+    assert!(code == 1 && fails_with(&err, "FLEET_DRIFTED") && out.contains(&format!("- project {project}")), "{out}{err}");
+
+    // A machine at the site (its pool's) holds it against a prune that archives the pool.
+    let password = dir.path().join("bmc-password");
+    std::fs::write(&password, "not-a-real-password\n").unwrap();
+    let address = format!("https://127.0.0.1:{}", bc_tests::free_port());
+    let machine = ok(&[
+        "metal",
+        "enroll",
+        "--pool",
+        &pool,
+        "--name",
+        "m1",
+        "--bmc-address",
+        &address,
+        "--bmc-username",
+        "admin",
+        "--bmc-password-file",
+        password.to_str().unwrap(),
+        "--bmc-insecure",
+    ]);
+    assert_eq!(machine["siteId"], json!(site), "{machine}");
+    let mut bare = doc.clone();
+    for key in ["sites", "pools"] {
+        bare.as_object_mut().unwrap().remove(key);
+    }
+    write(&file, &bare);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--prune"]);
+    let named = format!("metal/{}", machine["nodeId"].as_str().unwrap());
+    assert!(code == 1 && fails_with(&err, "PLAN_BLOCKED") && out.contains(&named), "{out}{err}");
 }
