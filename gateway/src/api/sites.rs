@@ -167,42 +167,40 @@ pub(super) async fn site_doc(call: &Call<'_>, tenant: TenantId, site_id: &SiteId
 /// What names `site_id` in `tenant`: `pool/pool_…` for each live pool made at it, then
 /// `metal/node_…` for each machine at it not retired (`decide::site::machine_holds_site`).
 async fn referrers(call: &Call<'_>, tenant: TenantId, site_id: &str) -> Result<Vec<String>> {
-    let mut out = pool_referrers(call, tenant, site_id).await?;
-    let mut after: Option<String> = None;
-    loop {
-        let rows =
-            call.state.store.row_list(&tenant.to_string(), KIND_METAL, after.as_deref(), bc_core::store::READ_ROWS_MAX).await?;
-        let full = rows.len() == bc_core::store::READ_ROWS_MAX as usize;
-        after = rows.last().map(|r| r.key.id.clone());
-        for row in rows {
-            let machine: MetalDoc = doc(row)?;
-            if machine_holds_site(&machine, site_id) {
-                out.push(format!("{KIND_METAL}/{}", machine.node_id));
-            }
+    let mut out = Vec::new();
+    each_row(call, tenant, KIND_POOL, |pool: PoolDoc| {
+        if !pool.archived && pool.site_id.as_deref() == Some(site_id) {
+            out.push(format!("{KIND_POOL}/{}", pool.pool_id));
         }
-        if !full {
-            return Ok(out);
+    })
+    .await?;
+    each_row(call, tenant, KIND_METAL, |machine: MetalDoc| {
+        if machine_holds_site(&machine, site_id) {
+            out.push(format!("{KIND_METAL}/{}", machine.node_id));
         }
-    }
+    })
+    .await?;
+    Ok(out)
 }
 
-/// `pool/pool_…` for each live pool of `tenant` made at `site_id`.
-async fn pool_referrers(call: &Call<'_>, tenant: TenantId, site_id: &str) -> Result<Vec<String>> {
-    let mut out = Vec::new();
+/// Hands `visit` every row of `kind` of `tenant`, a page of [`bc_core::store::READ_ROWS_MAX`]
+/// at a time.
+async fn each_row<T: serde::de::DeserializeOwned>(
+    call: &Call<'_>,
+    tenant: TenantId,
+    kind: &str,
+    mut visit: impl FnMut(T),
+) -> Result<()> {
     let mut after: Option<String> = None;
     loop {
-        let rows =
-            call.state.store.row_list(&tenant.to_string(), KIND_POOL, after.as_deref(), bc_core::store::READ_ROWS_MAX).await?;
+        let rows = call.state.store.row_list(&tenant.to_string(), kind, after.as_deref(), bc_core::store::READ_ROWS_MAX).await?;
         let full = rows.len() == bc_core::store::READ_ROWS_MAX as usize;
         after = rows.last().map(|r| r.key.id.clone());
         for row in rows {
-            let pool: PoolDoc = doc(row)?;
-            if !pool.archived && pool.site_id.as_deref() == Some(site_id) {
-                out.push(format!("{KIND_POOL}/{}", pool.pool_id));
-            }
+            visit(doc(row)?);
         }
         if !full {
-            return Ok(out);
+            return Ok(());
         }
     }
 }
