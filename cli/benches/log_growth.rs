@@ -243,13 +243,7 @@ async fn open_db(path: &std::path::Path, tenant: TenantId) -> Db {
     let server = gateway::start(path, |_| {}).await;
     let (pool, filler) = (PoolId::generate().to_string(), PoolId::generate().to_string());
     for (id, name) in [(&pool, "gpus"), (&filler, "filler")] {
-        let created = ev::PoolCreated {
-            name: name.into(),
-            description: String::new(),
-            labels: Default::default(),
-            max_reservation_s: None,
-            site_id: None,
-        };
+        let created = ev::PoolCreated::named(name);
         let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
         server
             .log

@@ -64,14 +64,7 @@ async fn raw_appends(log: &Arc<Log>, turn: usize, count: usize) -> f64 {
     concurrently(count, CLIENTS, move |i| {
         let l = l.clone();
         async move {
-            let payload = ev::to_cbor(&ev::PoolCreated {
-                name: format!("raw-{turn}-{i}"),
-                description: String::new(),
-                labels: Default::default(),
-                max_reservation_s: None,
-                site_id: None,
-            })
-            .unwrap();
+            let payload = ev::to_cbor(&ev::PoolCreated::named(format!("raw-{turn}-{i}"))).unwrap();
             l.append(append(TenantId::generate(), stream_of(KIND_POOL, &PoolId::generate()), ev::POOL_CREATED, payload))
                 .await
                 .unwrap();
@@ -132,7 +125,7 @@ fn main() {
         let tenant = TenantId::ROOT;
         let pool = PoolId::generate().to_string();
         let created =
-            ev::PoolCreated { name: "bench".into(), description: String::new(), labels: Default::default(), max_reservation_s: None, site_id: None };
+            ev::PoolCreated::named("bench");
         log.append(append(tenant, stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
         eprintln!("registering {NODES} nodes × {GPUS_PER_NODE} GPUs…");
         let (l, p) = (log.clone(), pool.clone());

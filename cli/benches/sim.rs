@@ -201,13 +201,7 @@ async fn replay_beside_appends() -> (f64, u64, f64, f64, u64) {
     let log = Arc::new(Log::open(store.clone(), Arc::new(Projections), key.clone(), Arc::new(SystemClock)).await.unwrap());
     let tenant = TenantId::ROOT;
     let pool = PoolId::generate().to_string();
-    let created = ev::PoolCreated {
-        name: "bench".into(),
-        description: String::new(),
-        labels: Default::default(),
-        max_reservation_s: None,
-        site_id: None,
-    };
+    let created = ev::PoolCreated::named("bench");
     let one = |stream: String, event_type: &str, payload: ciborium::Value| {
         AppendRequest::new(tenant, stream, ExpectedVersion::Any, "bench", vec![NewEvent::new(event_type, payload)])
     };

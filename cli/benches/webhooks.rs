@@ -111,14 +111,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
     log.append(append(stream_of(KIND_WEBHOOK, &webhook), ev::WEBHOOK_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
     let mut pending = Vec::new();
     for i in 0..EVENTS {
-        let payload = ev::to_cbor(&ev::PoolCreated {
-            name: format!("b{i}"),
-            description: String::new(),
-            labels: Default::default(),
-            max_reservation_s: None,
-            site_id: None,
-        })
-        .unwrap();
+        let payload = ev::to_cbor(&ev::PoolCreated::named(format!("b{i}"))).unwrap();
         pending.push(log.append(append(stream_of(KIND_POOL, &PoolId::generate()), ev::POOL_CREATED, payload)));
         if pending.len() == 200 {
             for r in futures::future::join_all(pending.drain(..)).await {

@@ -81,14 +81,7 @@ impl World {
 }
 
 async fn pool_via(log: &Log, name: &str) -> AppendResult {
-    let payload = ev::to_cbor(&ev::PoolCreated {
-        name: name.to_owned(),
-        description: String::new(),
-        labels: Default::default(),
-        max_reservation_s: None,
-        site_id: None,
-    })
-    .unwrap();
+    let payload = ev::to_cbor(&ev::PoolCreated::named(name.to_owned())).unwrap();
     log.append(AppendRequest {
         tenant: TenantId::ROOT,
         stream: format!("pool/{}", PoolId::generate()),

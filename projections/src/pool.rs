@@ -92,6 +92,20 @@ pub struct PoolCreated {
     pub site_id: Option<String>,
 }
 
+impl PoolCreated {
+    /// A pool of `name` with nothing else given: no description, labels, longest reservation
+    /// or site (what tests, benches and the simulator make; the API's create names the rest).
+    pub fn named(name: impl Into<String>) -> Self {
+        PoolCreated {
+            name: name.into(),
+            description: String::new(),
+            labels: BTreeMap::new(),
+            max_reservation_s: None,
+            site_id: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolUpdated {

@@ -74,13 +74,7 @@ async fn a_held_node_keeps_its_held_gpus_until_its_placer_is_done() {
     let append = |stream: String, event_type: &str, payload| {
         AppendRequest::new(tenant, stream, ExpectedVersion::Any, "test", vec![NewEvent::new(event_type, payload)])
     };
-    let created = ev::PoolCreated {
-        name: "p".into(),
-        description: String::new(),
-        labels: Default::default(),
-        max_reservation_s: None,
-        site_id: None,
-    };
+    let created = ev::PoolCreated::named("p");
     log.append(append(stream_of(KIND_POOL, &pool), ev::POOL_CREATED, ev::to_cbor(&created).unwrap())).await.unwrap();
     let gpus = vec![Gpu { model: "H100".into(), product: "H100-SXM5-80GB".into(), vram_gib: 80, nvlink_domain: 0 }; 8];
     let registered = ev::NodeRegistered { pool_id: pool.clone(), name: "n".into(), gpus, labels: Default::default() };

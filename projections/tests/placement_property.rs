@@ -175,13 +175,7 @@ async fn case(seed: u64) -> BTreeMap<&'static str, u32> {
     let log = Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
     let tenant = TenantId::generate();
     let pool = PoolId::generate().to_string();
-    let created = ev::PoolCreated {
-        name: "p".into(),
-        description: String::new(),
-        labels: Default::default(),
-        max_reservation_s: None,
-        site_id: None,
-    };
+    let created = ev::PoolCreated::named("p");
     let payload = ev::to_cbor(&created).unwrap();
     log.append(request(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, ev::POOL_CREATED, payload)).await.unwrap();
     // Between 2 and 8 nodes, some of one product (ties), most in several NVLink domains.

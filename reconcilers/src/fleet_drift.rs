@@ -133,13 +133,7 @@ mod tests {
             let log = &log;
             async move { log.append(AppendRequest::new(tenant, stream, expected, "test", events)).await.unwrap() }
         };
-        let created = ev::PoolCreated {
-            name: "gpu-a".into(),
-            description: String::new(),
-            labels: BTreeMap::new(),
-            max_reservation_s: None,
-            site_id: None,
-        };
+        let created = ev::PoolCreated::named("gpu-a");
         append(
             stream_of(KIND_POOL, &pool),
             ExpectedVersion::NoStream,

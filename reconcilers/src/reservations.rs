@@ -389,13 +389,7 @@ mod tests {
             Log::open(store.clone(), Arc::new(Projections), Arc::new(LogKey::generate()), Arc::new(SystemClock)).await.unwrap();
         let tenant = TenantId::generate();
         let pool = PoolId::generate().to_string();
-        let created = ev::PoolCreated {
-            name: "p".into(),
-            description: String::new(),
-            labels: Default::default(),
-            max_reservation_s: None,
-            site_id: None,
-        };
+        let created = ev::PoolCreated::named("p");
         let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).unwrap());
         let request = AppendRequest::new(tenant, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "test", vec![event]);
         log.append(request).await.unwrap();

@@ -529,13 +529,7 @@ impl World {
         for t in 0..shape.tenants {
             let id = TenantId::from_ulid(log.ids.ulid());
             let pool = PoolId::from_ulid(log.ids.ulid()).to_string();
-            let created = ev::PoolCreated {
-                name: format!("pool-{t}"),
-                description: String::new(),
-                labels: Default::default(),
-                max_reservation_s: None,
-                site_id: None,
-            };
+            let created = ev::PoolCreated::named(format!("pool-{t}"));
             let event = NewEvent::new(ev::POOL_CREATED, ev::to_cbor(&created).expect("cbor"));
             log.append(AppendRequest::new(id, stream_of(KIND_POOL, &pool), ExpectedVersion::NoStream, "sim", vec![event]))
                 .await

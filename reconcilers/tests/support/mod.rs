@@ -20,14 +20,7 @@ use bc_projections::{KIND_POOL, Projections, stream_of};
 pub fn pool_created() -> (String, AppendRequest) {
     let pool = PoolId::generate();
     let stream = stream_of(KIND_POOL, &pool);
-    let payload = ev::to_cbor(&ev::PoolCreated {
-        name: format!("p-{}", pool.ulid().to_string().to_ascii_lowercase()),
-        description: String::new(),
-        labels: Default::default(),
-        max_reservation_s: None,
-        site_id: None,
-    })
-    .unwrap();
+    let payload = ev::to_cbor(&ev::PoolCreated::named(format!("p-{}", pool.ulid().to_string().to_ascii_lowercase()))).unwrap();
     let event = vec![NewEvent::new(ev::POOL_CREATED, payload)];
     (stream.clone(), AppendRequest::new(TenantId::ROOT, stream, ExpectedVersion::NoStream, "test", event))
 }
