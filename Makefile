@@ -231,25 +231,25 @@ bench-deps:
 ## HAProxy; installs etcd-server, patroni, haproxy once) on ports from 25900 and one plain
 ## PostgreSQL beside it: writes through the two gateways against one gateway on the plain server.
 bench: check-postgres bench-deps
-	$(CARGO) bench -p bc-cli --bench append
-	$(CARGO) bench -p bc-cli --bench audit
-	$(CARGO) bench -p bc-cli --bench watch
-	$(CARGO) bench -p bc-cli --bench api_writes
-	$(CARGO) bench -p bc-cli --bench metrics
-	$(CARGO) bench -p bc-cli --bench log_growth
-	$(CARGO) bench -p bc-cli --bench webhooks
-	$(CARGO) bench -p bc-cli --bench reservations
-	$(CARGO) bench -p bc-cli --bench unknown_method
-	$(CARGO) bench -p bc-cli --bench agents
+	$(CARGO) bench -p bc-cli --bench benches -- append
+	$(CARGO) bench -p bc-cli --bench benches -- audit
+	$(CARGO) bench -p bc-cli --bench benches -- watch
+	$(CARGO) bench -p bc-cli --bench benches -- api_writes
+	$(CARGO) bench -p bc-cli --bench benches -- metrics
+	$(CARGO) bench -p bc-cli --bench benches -- log_growth
+	$(CARGO) bench -p bc-cli --bench benches -- webhooks
+	$(CARGO) bench -p bc-cli --bench benches -- reservations
+	$(CARGO) bench -p bc-cli --bench benches -- unknown_method
+	$(CARGO) bench -p bc-cli --bench benches -- agents
 	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
-	$(CARGO) bench -p bc-cli --bench fleet
-	$(CARGO) bench -p bc-cli --bench batches
-	$(CARGO) bench -p bc-cli --bench fleet_config
-	$(CARGO) bench -p bc-cli --bench sim
-	$(CARGO) bench -p bc-cli --bench tunnels
-	$(CARGO) bench -p bc-cli --bench sandboxes
-	$(CARGO) bench -p bc-cli --bench usage
-	$(CARGO) bench -p bc-cli --bench ha_writes
+	$(CARGO) bench -p bc-cli --bench benches -- fleet
+	$(CARGO) bench -p bc-cli --bench benches -- batches
+	$(CARGO) bench -p bc-cli --bench benches -- fleet_config
+	$(CARGO) bench -p bc-cli --bench benches -- sim
+	$(CARGO) bench -p bc-cli --bench benches -- tunnels
+	$(CARGO) bench -p bc-cli --bench benches -- sandboxes
+	$(CARGO) bench -p bc-cli --bench benches -- usage
+	$(CARGO) bench -p bc-cli --bench benches -- ha_writes
 
 ## fmt, and clippy on every target with the test build's features (the agent's fakehw and
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded

@@ -30,14 +30,9 @@ use bc_proto::gateway_message;
 use serde_json::{Value, json};
 use tokio_stream::wrappers::ReceiverStream;
 
-#[path = "support/gateway.rs"]
-mod gateway;
+use crate::support::gateway;
 #[path = "../../gateway/tests/h2_flood/mod.rs"]
 mod h2_flood;
-
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const REPLAY_ENTRIES: u64 = 3_000;
 const SESSIONS: usize = 1_000;
@@ -81,7 +76,7 @@ fn agent_config(dir: &Path, gateway: &str, serving_pin: Option<String>, log_key_
     Config::load(&path).unwrap()
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {

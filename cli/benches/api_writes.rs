@@ -16,12 +16,9 @@
 
 use std::path::Path;
 
-#[path = "support/dev.rs"]
-mod dev;
-#[path = "support/etcd.rs"]
-mod etcd;
-#[path = "support/wrk.rs"]
-mod wrk;
+use crate::support::dev;
+use crate::support::etcd;
+use crate::support::wrk;
 use etcd::{EtcdServer, etcd_version};
 use wrk::Cell;
 
@@ -70,7 +67,7 @@ fn wrk(url: &str, script: &str, headers: &[(&str, &str)], connections: u32, dir:
     wrk::run(url, &lua, WRK_THREADS, connections, WRK_DURATION_S, dir)
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let scripts = tempfile::tempdir().unwrap();

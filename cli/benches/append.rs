@@ -33,10 +33,6 @@ use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::events as ev;
 use bc_projections::{KIND_POOL, Projections, stream_of};
 
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Events per measurement, per batch size.
 const EVENTS_BATCH_1: usize = 1500;
 
@@ -229,7 +225,7 @@ fn cpu_only(n: usize) -> [f64; 3] {
     [encode_us, hash_us, sign_us]
 }
 
-fn main() {
+pub fn main() {
     if std::env::var("BENCH_TRACE").is_ok() {
         tracing_subscriber::fmt().with_env_filter("bc_core=debug").with_writer(std::io::stderr).init();
     }

@@ -20,11 +20,6 @@ use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent};
 use bc_projections::Projections;
 use ciborium::Value;
 
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what
-/// `better-compute audit verify` runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 const BATCH: u64 = 1000;
 
 /// A `/proc/self/status` field in KiB: `VmHWM` (the peak resident set) or `VmRSS` (now).
@@ -165,7 +160,7 @@ async fn measure(store: Arc<dyn EventStore>, backend: &'static str, total: u64, 
     }
 }
 
-fn main() {
+pub fn main() {
     let total: u64 = std::env::var("BENCH_AUDIT_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {

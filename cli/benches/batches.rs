@@ -25,10 +25,7 @@ use std::time::{Duration, Instant};
 use agents::{Killed, bcd, start_gateway};
 use serde_json::{Value, json};
 
-#[path = "support/agents.rs"]
-mod agents;
-#[path = "support/banner.rs"]
-mod banner;
+use crate::support::agents;
 
 const LEAVES_DEFAULT: usize = 10_000;
 const AGENTS_DEFAULT: u32 = 100;
@@ -79,7 +76,7 @@ async fn ready_nodes(http: &reqwest::Client, url: &str, token: &str, pool: &str)
     }
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let leaves: usize = env_or("BC_BENCH_LEAVES", LEAVES_DEFAULT);
     let agents: u32 = env_or("BC_BENCH_AGENTS", AGENTS_DEFAULT);

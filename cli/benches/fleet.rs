@@ -21,10 +21,7 @@
 //! (default 200) change the sizes. The sim needs about six open files per agent: the bench
 //! starts it with the soft limit raised to the hard one (the sim refuses a lower one, with a hint).
 
-#[path = "support/agents.rs"]
-mod agents;
-#[path = "support/banner.rs"]
-mod banner;
+use crate::support::agents;
 
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -248,7 +245,7 @@ async fn log_gaps(http: &reqwest::Client, url: &str, token: &str, ids: &[String]
     gaps
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let nodes: u32 = env_or("BC_BENCH_AGENTS", AGENTS_DEFAULT);
     let reserves: usize = env_or("BC_BENCH_RESERVES", RESERVES_DEFAULT);

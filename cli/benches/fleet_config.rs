@@ -11,8 +11,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
-#[path = "support/dev.rs"]
-mod dev;
+use crate::support::dev;
 
 const CHANGES_DEFAULT: usize = 800;
 const DIGEST: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
@@ -51,7 +50,7 @@ fn document(changes: usize) -> Value {
     doc
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let changes: usize = std::env::var("BC_BENCH_CHANGES").ok().and_then(|v| v.parse().ok()).unwrap_or(CHANGES_DEFAULT);
     let runtime = tokio::runtime::Runtime::new().unwrap();

@@ -20,8 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "support/wrk.rs"]
-mod wrk;
+use crate::support::wrk;
 use wrk::Cell;
 
 const WRK_DURATION_S: u64 = 10;
@@ -194,7 +193,7 @@ fn cell(url: &str, token: &str, dir: &Path) -> Cell {
     wrk::run(url, &lua, WRK_THREADS, CONNECTIONS, WRK_DURATION_S, dir)
 }
 
-fn main() {
+pub fn main() {
     // The postgres user must reach the members' directories: a directory of its own in /tmp.
     let temp = tempfile::Builder::new().prefix("bc-bench-ha-").tempdir_in("/tmp").unwrap();
     std::fs::set_permissions(temp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711)).unwrap();

@@ -36,12 +36,7 @@ use bc_projections::{KIND_NODE, KIND_POOL, stream_of};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-#[path = "support/gateway.rs"]
-mod gateway;
-
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+use crate::support::gateway;
 
 const SMALL_EVENTS: u64 = 10_000;
 const LARGE_EVENTS: u64 = 1_000_000;
@@ -265,7 +260,7 @@ async fn open_db(path: &std::path::Path, tenant: TenantId) -> Db {
     Db { client, log: server.log, store: server.store, pool, filler, tenant, sealer: Sealer::default(), trust }
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let server_runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

@@ -17,10 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-#[path = "support/dev.rs"]
-mod dev;
-#[path = "support/wrk.rs"]
-mod wrk;
+use crate::support::dev;
+use crate::support::wrk;
 
 /// How long wrk drives each cell.
 const WRK_DURATION_S: u64 = 10;
@@ -100,7 +98,7 @@ impl Scraper {
     }
 }
 
-fn main() {
+pub fn main() {
     let scripts = tempfile::tempdir().unwrap();
     eprintln!(
         "metrics: better-compute dev, wrk {WRK_DURATION_S} s per cell at {CONNECTIONS} connections, scrape every {SCRAPE_INTERVAL_MS} ms"

@@ -32,11 +32,6 @@ use bc_projections::events::{self as ev, Gpu};
 use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
 use serde_json::{Value, json};
 
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what the
-/// server runs (glibc's malloc was 13 % of this bench's profile).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 const NODES: usize = 10_000;
 const GPUS_PER_NODE: u32 = 8;
 const CLIENTS: usize = 16;
@@ -108,7 +103,7 @@ async fn call(http: &reqwest::Client, url: &str, token: &str, method: &str, body
     v
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {

@@ -18,8 +18,7 @@
 //! 125 ms from start to guest init, e2b's ~150 ms from a snapshot) are other machines' figures,
 //! printed for reference, not measured here.
 
-#[path = "support/banner.rs"]
-mod banner;
+use crate::support::banner;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -29,10 +28,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sha2::Digest;
-
-/// The allocator `better-compute` runs with (`cli/src/main.rs`).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// `runsc do /bin/true` runs timed for the floor.
 const FLOOR_RUNS: usize = 20;
@@ -277,7 +272,7 @@ async fn warm_full(api: &Api, template: &str, count: usize) {
     .await;
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     require_runtime();
     let runtime = tokio::runtime::Runtime::new().unwrap();

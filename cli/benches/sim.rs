@@ -33,11 +33,6 @@ use bc_projections::events::{self as ev, Gpu};
 use bc_projections::{KIND_NODE, KIND_POOL, Projections, stream_of};
 use bc_simulator::run::{Fault, Options};
 
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what
-/// `better-compute sim run` runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// The goal: a simulated fleet of 1,000 nodes runs at least this many times faster
 /// than real time.
 const REAL_TIME_GOAL: f64 = 100.0;
@@ -134,7 +129,7 @@ fn run_measured(nodes: usize, tenants: usize, hours: u64) -> Ran {
     Ran { nodes, tenants, outcome, wall_s, peak_mib }
 }
 
-fn main() {
+pub fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let (nodes, tenants, hours) = (

@@ -14,8 +14,7 @@
 //!   idle `console --node` tunnels open (the bench's own WebSocket clients), less its RSS
 //!   before, over their number.
 
-#[path = "support/banner.rs"]
-mod banner;
+use crate::support::banner;
 
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -27,10 +26,6 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
-
-/// The allocator `better-compute` runs with (`cli/src/main.rs`).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Bytes each way per transfer, and transfers each way (the best is kept: the machine is shared).
 const FORWARD_BYTES: usize = 1 << 30;
@@ -420,7 +415,7 @@ async fn open_console(api: &Api, node: &str) -> impl Sized + use<> {
     (sink, reader)
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {

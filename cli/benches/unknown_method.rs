@@ -25,10 +25,6 @@ use bc_core::store::{EventStore, Log};
 use bc_gateway::AppState;
 use bc_projections::Projections;
 
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 const REQUESTS_DEFAULT: usize = 2000;
 /// Rounds per kind, alternating: the rate shown is the median.
 const ROUNDS: usize = 5;
@@ -132,7 +128,7 @@ async fn read_response(stream: &mut tokio::net::TcpStream, buffer: &mut Vec<u8>)
     }
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let count: usize = std::env::var("BC_BENCH_REQUESTS").ok().and_then(|n| n.parse().ok()).unwrap_or(REQUESTS_DEFAULT);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

@@ -34,11 +34,7 @@ use bc_projections::events as ev;
 use bc_projections::usage::{UsageLedger, fold_reservation_event};
 use serde_json::{Value, json};
 
-#[path = "support/dev.rs"]
-mod dev;
-
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+use crate::support::dev;
 
 /// Reservation events in the in-memory log.
 const EVENTS: usize = 1_000_000;
@@ -382,7 +378,7 @@ async fn export_part() {
     println!("  usage verify (offline): {verify_rate:.0} rows/s, peak RSS {verify_rss} KiB");
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     eprintln!("usage: generating {EVENTS} reservation events…");
     let events = reservation_events(EVENTS);

@@ -38,15 +38,9 @@ use base64::engine::general_purpose::STANDARD as B64;
 use bc_gateway::watch::{WATCHERS_MAX, WatcherLimits, WatcherSlots};
 use futures::StreamExt;
 
-#[path = "support/etcd.rs"]
-mod etcd;
-#[path = "support/gateway.rs"]
-mod gateway;
+use crate::support::etcd;
+use crate::support::gateway;
 use etcd::{EtcdServer, etcd_version};
-
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what it runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Writes measured per case, in [`TURNS`] turns of `WRITES / TURNS`, each turn's after
 /// `WARMUP_WRITES` that are not (the first of which also ends, on the server, the watchers
@@ -411,7 +405,7 @@ struct Line {
     figures: Figures,
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     raise_open_file_limit();
     let version = etcd_version();

@@ -17,11 +17,6 @@ use bc_projections::{KIND_POOL, KIND_WEBHOOK, Projections, new_webhook_secret_id
 use bc_reconcilers::outbox::{RunnerConfig, run};
 use bc_reconcilers::webhooks::{CONSUMER, Webhooks};
 
-/// The allocator `better-compute` runs with (`cli/src/main.rs`), so this measures what its
-/// webhooks consumer runs.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 const EVENTS: u64 = 20_000;
 const CONCURRENCY: usize = 32;
 
@@ -159,7 +154,7 @@ async fn deliveries(store: Arc<dyn EventStore>, url: &str, received: &AtomicU64)
     (EVENTS as f64 / elapsed, store.backend().to_owned())
 }
 
-fn main() {
+pub fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {

@@ -25,8 +25,7 @@ use bc_core::store::{AppendRequest, EventStore, ExpectedVersion, Log, NewEvent, 
 use ciborium::Value;
 use proptest::prelude::*;
 
-#[path = "support/seeded.rs"]
-mod seeded;
+use crate::seeded;
 
 /// Cases per run: enough that every outcome of [`OUTCOMES`] is reached several times over.
 const CASES: u32 = 64;

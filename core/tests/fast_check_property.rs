@@ -11,8 +11,7 @@ use bc_core::id::{EventId, TenantId};
 use ciborium::Value;
 use proptest::prelude::*;
 
-#[path = "support/seeded.rs"]
-mod seeded;
+use crate::seeded;
 
 fn payload() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![

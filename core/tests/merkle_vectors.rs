@@ -6,8 +6,7 @@ use bc_core::merkle::{self, Hash, RootBuilder};
 use proptest::prelude::*;
 use serde_json::Value;
 
-#[path = "support/seeded.rs"]
-mod seeded;
+use crate::seeded;
 
 fn b64(v: &Value) -> Vec<u8> {
     base64::engine::general_purpose::STANDARD.decode(v.as_str().unwrap_or("")).unwrap()

@@ -15,8 +15,7 @@ use bc_core::note::{self, CheckpointBody, ConsistencyFile, ProofFile};
 use ciborium::Value;
 use proptest::prelude::*;
 
-#[path = "support/seeded.rs"]
-mod seeded;
+use crate::seeded;
 
 const DEPLOYMENT: &str = "prop";
 

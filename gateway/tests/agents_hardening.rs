@@ -4,8 +4,8 @@
 //! waited, unbounded, for one of its permits. Each test starts the real endpoint
 //! (`bc_gateway::agents::serve`) on loopback with a fresh database.
 
-mod common;
-mod h2_flood;
+use crate::common;
+use crate::h2_flood;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@
 //! The root tenant's chain is left out: its first API key's secret is real randomness (a token
 //! is a secret, never drawn from a seed), and the key's hash is in that chain.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

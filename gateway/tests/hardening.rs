@@ -7,7 +7,7 @@
 //! projection rows taken before the other append, and appends through the real log. A
 //! projector that counts what it folds shows whether the request reached the fold.
 
-mod common;
+use crate::common;
 
 use common::{call, call_with, closed_after};
 

@@ -2,7 +2,7 @@
 //! a join token (as `nodes.register` takes none), and a join token revoked by the log (as the end
 //! of a failed or aborted bare-metal deploy revokes its token) joins nothing.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

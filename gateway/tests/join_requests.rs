@@ -3,7 +3,7 @@
 //! answered and appends nothing), a decision makes room, and an ask not signed by the key it
 //! names is refused before anything is read.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! through this process is refused at once, through another process on the same database
 //! within the TTL, and a cached key id never lets a different secret in.
 
-mod common;
+use crate::common;
 
 use common::call;
 

@@ -4,7 +4,7 @@
 //! with the token unspent; the right one joins; a gateway without join keys refuses a sealed
 //! token but still takes a plain one; and one that takes sealed tokens only refuses a plain one.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -6,7 +6,7 @@
 //! refuses; and the same EK with another node key is refused `TPM_ALREADY_JOINED`. The
 //! swtpm end-to-end test (`tests/tests/tpm_join.rs`) shows the same against a real TPM.
 
-mod common;
+use crate::common;
 
 #[path = "../src/tpm/soft_tpm.rs"]
 mod soft_tpm;

@@ -3,7 +3,7 @@
 //! (`attach_session`, `agent_attached`), the one the agents' endpoint drives; the upgrade that
 //! fails is hyper's own `OnUpgrade` of a request that has no connection to upgrade.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

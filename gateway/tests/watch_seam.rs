@@ -6,7 +6,7 @@
 //! path is taken: reads of history, joins from the ring, hand-backs of a full buffer. The
 //! assertions hold in every interleaving; the unit tests in `watch/tail.rs` pin each path.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

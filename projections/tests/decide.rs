@@ -13,7 +13,7 @@ use bc_projections::fleet::FleetIndex;
 use bc_projections::placement::{self, Selector};
 use bc_projections::{NodeDoc, NodeState, PoolDoc, QuotaDoc, ReservationDoc, ReservationState};
 
-mod support;
+use crate::support;
 
 const TENANT: &str = "ten_01kb0000000000000000000000";
 const POOL: &str = "pool_01kb0000000000000000000000";

@@ -23,7 +23,7 @@ use bc_projections::{CommandDoc, CommandState, NodeAgent, NodeDoc, NodeState, Pr
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-mod support;
+use crate::support;
 
 const TENANT: &str = "ten_01kb0000000000000000000000";
 const ROLLOUT: &str = "ro_01kb0000000000000000000000";

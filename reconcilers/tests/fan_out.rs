@@ -20,7 +20,7 @@ use bc_core::store::{EventStore, Log};
 use bc_projections::Projections;
 use bc_reconcilers::outbox::{Consumer, FanOut, Handled, Prepared, RunnerConfig, fan_out_step};
 
-mod support;
+use crate::support;
 
 const NAME: &str = "picky";
 const POLL_MS: u64 = 250;

@@ -4,7 +4,7 @@
 // Fixtures' ids only name things; the clock is the manual one.
 #![allow(clippy::disallowed_methods)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -23,7 +23,7 @@ use bc_core::store::{EventStore, Log};
 use bc_projections::Projections;
 use bc_reconcilers::outbox::{Consumer, Handled, Prepared, RunnerConfig, run};
 
-mod support;
+use crate::support;
 
 const NAME: &str = "gated";
 /// The fixture runner's lease.

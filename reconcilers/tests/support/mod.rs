@@ -2,6 +2,8 @@
 //! of it (the outbox tests), and a log on a fresh SQLite file at a manual clock (the metal tests).
 //! Not every test file uses every piece.
 #![allow(dead_code)]
+// A test, outside the simulator: fresh random ids (clippy.toml).
+#![allow(clippy::disallowed_methods)]
 
 use std::sync::Arc;
 
