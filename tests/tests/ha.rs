@@ -20,9 +20,9 @@
 //! 25800) and is in `make test`. Patroni's timings come from `BC_HA_TTL`, `BC_HA_LOOP_WAIT`
 //! and `BC_HA_RETRY_TIMEOUT` (default 10, 2 and 4 s: tuned; Patroni's defaults are 30, 10, 10).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,6 +34,8 @@ const WRITERS: usize = 16;
 /// Writers in the one-kill test `make test` runs beside the rest of the suite.
 const FAILOVER_WRITERS: usize = 4;
 const KILLS: usize = 3;
+/// The simulated machines (`bcd sim`) of the one-kill test: the liveness reconciler's work.
+const AGENTS: usize = 4;
 /// How long one write may be retried with its key before the writer gives up on it (reported
 /// as unresolved, and checked to be in the log at most once).
 const RETRY_FOR: Duration = Duration::from_secs(120);
@@ -220,6 +222,68 @@ impl Cluster {
             .output()
             .unwrap();
         assert!(output.status.success(), "switchover: {}", String::from_utf8_lossy(&output.stderr));
+    }
+}
+
+/// `bcd sim`'s machines, joined through HAProxy's agents' port: one process, stopped and
+/// continued as a whole. Killed when dropped (continued first, if stopped).
+struct SimAgents {
+    child: std::process::Child,
+}
+
+impl SimAgents {
+    /// `STOP` freezes every machine at once (their connections stay open, nothing answers);
+    /// `CONT` lets them run on.
+    fn signal(&self, signal: &str) {
+        Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status().unwrap();
+    }
+}
+
+impl Drop for SimAgents {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Cluster {
+    /// `count` simulated machines (`bcd sim`) joining with `token` through HAProxy's agents'
+    /// port, pinning the gateways' shared serving key (from `serve`'s banner) and log key
+    /// (`pki show`), as a real machine's `config.toml` does. Their log: `log/bcd-sim.log`.
+    fn agents(&self, token: &str, count: usize) -> SimAgents {
+        let banner = std::fs::read_to_string(self.dir.join("log/serve-1.log")).unwrap();
+        let pin = banner
+            .lines()
+            .find_map(|l| l.trim_start().strip_prefix("agents:"))
+            .and_then(|rest| rest.split_once("(pin "))
+            .map(|(_, pin)| pin.trim().trim_end_matches(')').to_owned())
+            .unwrap_or_else(|| panic!("serve's banner names the agents' pin:\n{banner}"));
+        let (code, out, err) = bc_tests::cli(&["pki", "show", "--data-dir", self.var("HA_DATA_DIR")], &[]);
+        assert_eq!(code, 0, "pki show: {err}");
+        let log_pin = bc_tests::json(&out)["pin"].as_str().unwrap().to_owned();
+        let config = self.dir.join("run/bcd-sim.toml");
+        let gateway = self.var("HA_AGENTS_ADDR");
+        std::fs::write(
+            &config,
+            format!(
+                "data_dir = \"/unused\"\ngateway = \"https://{gateway}\"\nserving_ca_spki_pin = {pin:?}\nlog_key_pin = {log_pin:?}\n"
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(self.dir.join("log/bcd-sim.log")).unwrap();
+        let child = Command::new(bc_tests::binary("bcd"))
+            .args(["sim", "--nodes", &count.to_string(), "--data-dir"])
+            .arg(self.dir.join("machines"))
+            .arg("--config")
+            .arg(&config)
+            .env("BCD_JOIN_TOKEN", token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("bcd sim");
+        SimAgents { child }
     }
 }
 
@@ -567,7 +631,10 @@ async fn call_until_answered(
 #[derive(Default)]
 struct Made {
     reservations: Vec<String>,
+    /// Pings to the frozen machines: the liveness reconciler fails each at its deadline.
     commands: Vec<String>,
+    /// Pings the machines answered, before the freeze and after they ran on.
+    answered: Vec<String>,
     refused: Vec<String>,
 }
 
@@ -583,9 +650,13 @@ struct Made {
 /// twice on any stream; every delivery done, every event delivered, and no receipt beyond the
 /// attempts recorded for it (at least once, and each attempt recorded: an attempt whose record
 /// failed while there was no primary is recorded once there is one, not sent again
-/// unrecorded). `ping` commands with deadlines (the `liveness` reconciler's work) are not made:
-/// `commands.issue` refuses nodes registered by hand, and no agent runs here; the command
-/// checks below hold over none. `audit verify` passes.
+/// unrecorded). The `liveness` reconciler's work: four machines of `bcd sim` join through
+/// HAProxy's agents' port and answer pings; just before the kill they are frozen (SIGSTOP) with
+/// two pings each queued whose 2 s deadlines pass while there is no primary; after the failover
+/// every such ping fails once, every machine goes `unreachable` once its lease lapses, and,
+/// continued, `ready` again and answers: in the log no ping both failed and succeeded, none
+/// ended twice, and no machine has the same reachability change twice in a row (a second
+/// reconciler redoing the first's work). `audit verify` passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reconcilers_in_two_gateways_do_each_piece_of_work_once_across_a_failover() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -625,6 +696,35 @@ async fn reconcilers_in_two_gateways_do_each_piece_of_work_once_across_a_failove
     .unwrap();
     let webhook = webhook["webhookId"].as_str().unwrap().to_owned();
 
+    // The liveness reconciler's work needs machines with sessions: `bcd sim`'s, in a pool of
+    // their own, joined through HAProxy to whichever gateway it picks.
+    let agent_pool = call("pools.create", "setup-agent-pool".into(), json!({ "name": "agents" })).await.unwrap()["poolId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let join =
+        call("joinTokens.create", "setup-join-token".into(), json!({ "poolId": agent_pool, "uses": AGENTS })).await.unwrap();
+    let agents = cluster.agents(join["token"].as_str().unwrap(), AGENTS);
+    let reads = AtomicU64::new(0);
+    let read = |method: &'static str, body: Value| {
+        let key = format!("read-{}", reads.fetch_add(1, Ordering::Relaxed));
+        bc_tests::block_on(call(method, key, body)).unwrap()
+    };
+    let nodes_in = |state: &str| {
+        let page = read("nodes.list", json!({ "poolId": agent_pool, "limit": 100 }));
+        let nodes = page["items"].as_array().unwrap();
+        (nodes.len() == AGENTS && nodes.iter().all(|n| n["state"] == state))
+            .then(|| nodes.iter().map(|n| n["nodeId"].as_str().unwrap().to_owned()).collect::<Vec<_>>())
+    };
+    let commands_in = |ids: &[String], state: &str| {
+        ids.iter().all(|id| read("commands.get", json!({ "commandId": id }))["state"] == state).then_some(())
+    };
+    let agent_nodes = wait_until("the simulated machines ready", Duration::from_secs(90), || nodes_in("ready"));
+    let ping = |key: String, node: &str, deadline_s: u64| {
+        let body = json!({ "nodeId": node, "kind": "ping", "deadlineS": deadline_s });
+        bc_tests::block_on(call("commands.issue", key, body)).unwrap()["commandId"].as_str().unwrap().to_owned()
+    };
+
     let stop = Arc::new(AtomicBool::new(false));
     let made = Arc::new(Mutex::new(Made::default()));
     let reserver = {
@@ -659,6 +759,19 @@ async fn reconcilers_in_two_gateways_do_each_piece_of_work_once_across_a_failove
         (r >= 15 && d >= 40).then_some(())
     });
     let leader = wait_until("a primary", Duration::from_secs(60), || cluster.leader());
+    // The machines answer pings; then they freeze (SIGSTOP: sessions open, nothing answered)
+    // with pings queued whose deadlines pass while there is no primary, and their leases lapse
+    // after the kill: the liveness reconciler's work, done by whichever gateway gets to it.
+    let answered: Vec<String> = agent_nodes.iter().map(|n| ping(format!("ping-before-{n}"), n, 60)).collect();
+    wait_until("pings answered before the kill", Duration::from_secs(60), || commands_in(&answered, "succeeded"));
+    made.lock().unwrap().answered.extend(answered);
+    agents.signal("STOP");
+    let frozen: Vec<String> = agent_nodes
+        .iter()
+        .flat_map(|n| (0..2).map(move |i| (n, i)))
+        .map(|(n, i)| ping(format!("ping-frozen-{n}-{i}"), n, 2))
+        .collect();
+    made.lock().unwrap().commands.extend(frozen.iter().cloned());
     let kill_ms = bc_tests::now_ms();
     let at = Instant::now();
     cluster.kill(leader);
@@ -672,6 +785,16 @@ async fn reconcilers_in_two_gateways_do_each_piece_of_work_once_across_a_failove
         (r >= at_kill.0 + 15 && d >= at_kill.1 + 40 && writes >= 50).then_some(())
     });
     eprintln!("member-{new_leader} is the primary; work resumed {:?} after the kill", at.elapsed());
+    // The liveness reconciler on the new primary: the frozen machines' pings failed at their
+    // deadlines and the machines unreachable; continued, they are ready again and answer.
+    wait_until("the frozen machines' pings failed", Duration::from_secs(cluster.ttl + 60), || commands_in(&frozen, "failed"));
+    wait_until("the frozen machines unreachable", Duration::from_secs(cluster.ttl + 60), || nodes_in("unreachable"));
+    agents.signal("CONT");
+    wait_until("the machines ready again", Duration::from_secs(120), || nodes_in("ready"));
+    let answered: Vec<String> = agent_nodes.iter().map(|n| ping(format!("ping-after-{n}"), n, 60)).collect();
+    wait_until("pings answered after the kill", Duration::from_secs(60), || commands_in(&answered, "succeeded"));
+    made.lock().unwrap().answered.extend(answered);
+    eprintln!("the machines were unreachable and ready again {:?} after the kill", at.elapsed());
     stop.store(true, Ordering::Relaxed);
     reserver.await.unwrap();
     for writer in writers {
@@ -740,7 +863,8 @@ async fn reconcilers_in_two_gateways_do_each_piece_of_work_once_across_a_failove
     let counted = client
         .query(
             "SELECT stream, type, count(*), max(at_ms) FROM events \
-             WHERE type IN ('reservation.activated', 'reservation.expired', 'reservation.requeued', 'command.failed') \
+             WHERE type IN ('reservation.activated', 'reservation.expired', 'reservation.requeued', 'command.failed', \
+             'command.succeeded') \
              GROUP BY stream, type",
             &[],
         )
@@ -761,11 +885,39 @@ async fn reconcilers_in_two_gateways_do_each_piece_of_work_once_across_a_failove
     }
     for stream in &command_streams {
         assert!(once(stream, "command.failed"), "{stream} failed once at its deadline");
+        assert!(!events.contains_key(&(stream.clone(), "command.succeeded".into())), "{stream} failed and also succeeded");
+    }
+    for stream in streams("command", &made.answered) {
+        assert!(once(&stream, "command.succeeded"), "{stream} answered once");
+        assert!(!events.contains_key(&(stream.clone(), "command.failed".into())), "{stream} answered and also failed");
+    }
+    // Each machine's reachability as the log tells it: never the same change twice in a row
+    // (a second `node.unreachable` or `node.ready` is a second reconciler doing the same
+    // work), and after the kill it went unreachable and came back.
+    let node_streams = streams("node", &agent_nodes);
+    let changes = client
+        .query(
+            "SELECT stream, type, at_ms FROM events WHERE stream = ANY($1) AND type IN ('node.ready', 'node.unreachable') \
+             ORDER BY stream, version",
+            &[&node_streams],
+        )
+        .await
+        .unwrap();
+    let mut reachability: BTreeMap<String, Vec<(String, i64)>> = BTreeMap::new();
+    for row in changes {
+        reachability.entry(row.get(0)).or_default().push((row.get(1), row.get(2)));
+    }
+    for stream in &node_streams {
+        let changes = reachability.get(stream).map(Vec::as_slice).unwrap_or_default();
+        let repeated = changes.windows(2).find(|w| w[0].0 == w[1].0);
+        assert!(repeated.is_none(), "{stream}: the same change twice in a row: {changes:?}");
+        let after: Vec<&str> = changes.iter().filter(|(_, at)| *at as u64 > kill_ms).map(|(t, _)| t.as_str()).collect();
+        assert!(after.starts_with(&["node.unreachable", "node.ready"]), "{stream} after the kill: {after:?}");
     }
     let after_kill = |kind: &str| events.iter().filter(|((_, t), (_, at))| t == kind && *at as u64 > kill_ms).count();
     let (activated_after, failed_after) = (after_kill("reservation.activated"), after_kill("command.failed"));
     assert!(activated_after > 0, "the reconcilers worked on after the failover");
-    let _ = failed_after;
+    assert_eq!(failed_after, command_streams.len(), "every frozen ping failed after the kill, once the primary was back");
 
     // From the receiver and the delivery records: every event delivered, and no receipt without
     // its recorded attempt.
