@@ -64,9 +64,9 @@ pub use crate::rollout::{
 };
 pub use crate::sandbox::{
     SANDBOX_APPLY_FAILED, SANDBOX_CLAIMED, SANDBOX_CREATED, SANDBOX_DELETE_REQUESTED, SANDBOX_EXTENDED, SANDBOX_OBSERVED,
-    SANDBOX_REPORT_TYPES, SANDBOX_TEMPLATE_CREATED, SANDBOX_TEMPLATE_DELETED, SANDBOX_TEMPLATE_UPDATED, SandboxCreated,
-    SandboxDeleteRequested, SandboxEnd, SandboxReport, SandboxShape, SandboxTemplateCreated, SandboxTemplateDeleted,
-    SandboxTemplateUpdated,
+    SANDBOX_REPORT_TYPES, SANDBOX_TEMPLATE_CREATED, SANDBOX_TEMPLATE_DELETED, SANDBOX_TEMPLATE_UPDATED, SandboxClaimed,
+    SandboxCreated, SandboxDeleteRequested, SandboxEnd, SandboxReport, SandboxShape, SandboxTemplateCreated,
+    SandboxTemplateDeleted, SandboxTemplateUpdated,
 };
 pub use crate::sandbox_snapshot::{
     SANDBOX_SNAPSHOT_APPLY_FAILED, SANDBOX_SNAPSHOT_DELETE_REQUESTED, SANDBOX_SNAPSHOT_OBSERVED, SANDBOX_SNAPSHOT_REPORT_TYPES,

@@ -155,9 +155,23 @@ pub struct SandboxCreated {
     /// Started from this snapshot (its `sandbox.apply` carries it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<crate::sandbox_snapshot::SandboxRestore>,
+    /// The project (`proj_…` of the tenant, live when it was made) a cold sandbox is made in;
+    /// a warm one has none until its claim names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
 }
 
-/// `sandbox.claimed` (a warm one handed out) and `sandbox.extended`: its end now.
+/// `sandbox.claimed`: a warm sandbox handed out, its end, and the project its claim names.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxClaimed {
+    pub ends_at_ms: u64,
+    /// The project (`proj_…`, live when claimed) the claim is made in, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
+}
+
+/// `sandbox.extended` (and, before projects, `sandbox.claimed`): its end now.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SandboxEnd {
@@ -240,6 +254,9 @@ pub struct SandboxDoc {
     pub network: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// The project it was made in, or claimed in (`proj_…`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<String>,
     /// Unclaimed, in its template's warm pool.
     pub warm: bool,
     /// When it was claimed (a warm one) or created (a cold one): what `maxTtlS` counts from.
@@ -351,6 +368,7 @@ fn apply_sandbox(kind: &str, id: &str, current: Option<Value>, event: &StoredEve
                 env: p.env,
                 network: p.network,
                 volumes: p.volumes,
+                project_id: p.project_id,
                 warm: p.warm,
                 started_at_ms: (!p.warm).then_some(env.at_ms),
                 ends_at_ms: p.ends_at_ms,
@@ -368,13 +386,14 @@ fn apply_sandbox(kind: &str, id: &str, current: Option<Value>, event: &StoredEve
     match env.event_type.as_str() {
         SANDBOX_CREATED => {}
         SANDBOX_CLAIMED => {
-            let p: SandboxEnd = payload(event)?;
+            let p: SandboxClaimed = payload(event)?;
             if !doc.warm {
                 return Err(corrupt(event, format!("sandbox {id} claimed, but it is not warm")));
             }
             doc.warm = false;
             doc.started_at_ms = Some(env.at_ms);
             doc.ends_at_ms = Some(p.ends_at_ms);
+            doc.project_id = p.project_id;
         }
         SANDBOX_EXTENDED => {
             let p: SandboxEnd = payload(event)?;

@@ -138,8 +138,8 @@ pub struct UsageLine {
     /// placed again has several); for an instance or a sandbox, of the event its span starts at.
     pub activation_seq: u64,
     pub pool_id: String,
-    /// The project (`proj_…`) the reservation was made in, or the instance (its reservation's);
-    /// absent when none, and for a sandbox.
+    /// The project (`proj_…`) the reservation was made in, the instance (its reservation's), or
+    /// the sandbox (its create's or its claim's); absent when none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project_id: Option<String>,
     /// The GPU product (`H100-SXM5-80GB`), the SKU prices are set for; [`SKU_VCPU`],
@@ -287,7 +287,8 @@ pub struct Meter {
     /// An instance's reservation; empty for a sandbox.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reservation_id: String,
-    /// An instance's project (`instance.created`'s, its reservation's), if any.
+    /// An instance's project (`instance.created`'s, its reservation's), or a sandbox's
+    /// (`sandbox.created`'s, or its `sandbox.claimed`'s), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project_id: Option<String>,
     pub shape: MeterShape,
@@ -505,8 +506,13 @@ impl UsageLedger {
     }
 
     /// `sandbox.claimed`: a warm sandbox's life starts, until `ends_at_ms`.
-    pub fn sandbox_claimed(&mut self, id: &str, seq: u64, at_ms: u64, ends_at_ms: u64) {
+    pub fn sandbox_claimed(&mut self, id: &str, seq: u64, at_ms: u64, ends_at_ms: u64, project_id: Option<String>) {
         if self.metered_open_mut(id).is_none() {
+            // The claim names the project its span is made in (the claim's seq is among the
+            // span's, so a recount finds it).
+            if let Some(meter) = self.meters.get_mut(id) {
+                meter.project_id = project_id;
+            }
             self.start_span(id, seq, at_ms, ends_at_ms);
         }
     }
@@ -705,7 +711,7 @@ pub fn fold_sandbox_event(open: &mut UsageLedger, sandbox_id: &str, env: &Envelo
                 pool_id: p.pool_id,
                 node_id: p.node_id,
                 reservation_id: String::new(),
-                project_id: None,
+                project_id: p.project_id,
                 shape: MeterShape { flavor_id: p.shape.flavor_id, vcpus: p.shape.vcpus, memory_mib: p.shape.memory_mib },
                 created_seq: env.seq,
                 shape_seq: env.seq,
@@ -714,8 +720,8 @@ pub fn fold_sandbox_event(open: &mut UsageLedger, sandbox_id: &str, env: &Envelo
             open.sandbox_created(sandbox_id, env.seq, env.at_ms, meter, ends_at);
         }
         SANDBOX_CLAIMED => {
-            let p: SandboxEnd = parse_env(env)?;
-            open.sandbox_claimed(sandbox_id, env.seq, env.at_ms, p.ends_at_ms);
+            let p: SandboxClaimed = parse_env(env)?;
+            open.sandbox_claimed(sandbox_id, env.seq, env.at_ms, p.ends_at_ms, p.project_id);
         }
         SANDBOX_EXTENDED => {
             let p: SandboxEnd = parse_env(env)?;

@@ -99,6 +99,16 @@ async fn a_named_site_stays_and_an_archived_project_takes_no_new_reservation() {
     assert_eq!(got["projectId"], json!(project_id), "{got}");
     let plain = ok(server.cli(&["reserve", "--pool", &pool, "--gpus", "1", "--for", "1h"]));
     assert!(plain.get("projectId").is_none(), "{plain}");
+    // reservations list --project: only the one made in it; the filter needs a project's id.
+    let listed = ok(server.cli(&["reservations", "list", "--project", &project_id, "--format", "json"]));
+    let ids: Vec<&str> = listed["items"].as_array().unwrap().iter().map(|r| r["reservationId"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec![rsv["reservationId"].as_str().unwrap()], "{listed}");
+    let all_rsv = ok(server.cli(&["reservations", "list", "--format", "json"]));
+    assert_eq!(all_rsv["items"].as_array().map(Vec::len), Some(2), "{all_rsv}");
+    let (code, _, err) = server.cli(&["reservations", "list", "--project", "training"]);
+    assert_eq!(code, 2, "a name for an id is a usage error: {err}");
+    let (status, body) = server.call("reservations.list", json!({ "projectId": "rsv_01arz3ndektsv4rrffq69g5fav" })).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}");
     // Listed only with --include-archived.
     let live = ok(server.cli(&["projects", "list", "--format", "json"]));
     assert_eq!(live["items"].as_array().map(Vec::len), Some(0), "{live}");

@@ -140,12 +140,18 @@ async fn sandboxes_run_in_gvisor_from_a_warm_pool_with_exec_ttl_isolation_and_a_
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("INVALID_ARGUMENT") && err.contains("past the maximum of 600 s"), "{err}");
 
-    // The create claims the warm one, and says so.
-    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m"]);
+    // The create claims the warm one, in a project, and says so: the claim names the project.
+    let project = call_ok(&server, "projects.create", json!({ "name": "claims" })).await;
+    let project_id = project["projectId"].as_str().unwrap().to_owned();
+    let (code, out, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5m", "--project", &project_id]);
     assert_eq!(code, 0, "sandbox create: {err}");
     let claimed = json(&out);
     assert_eq!(claimed["claimed"], "warm", "{claimed}");
     assert_eq!(claimed["sandboxId"], warm_id.as_str(), "{claimed}");
+    assert_eq!(claimed["projectId"], project_id.as_str(), "{claimed}");
+    let listed = call_ok(&server, "sandboxes.list", json!({ "projectId": project_id })).await;
+    let ids: Vec<&str> = listed["items"].as_array().unwrap().iter().map(|s| s["sandboxId"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec![warm_id.as_str()], "only the claimed one is in the project (the refill is in none): {listed}");
     assert_eq!((claimed["state"].as_str(), claimed["warm"].as_bool()), (Some("running"), Some(false)), "{claimed}");
     let a = warm_id;
 

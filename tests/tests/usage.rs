@@ -687,8 +687,41 @@ async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
     ]);
     assert_eq!(code, 0, "sandbox-template create: {err}");
     let template = bc_tests::json(&out)["templateId"].as_str().unwrap().to_owned();
-    let created = call_ok(&server, "sandboxes.create", json!({ "templateId": template, "ttlS": 5 })).await;
+    // Made in a project (issue 56): an archived project, another tenant's, or a name for an id
+    // make nothing.
+    let project = call_ok(&server, "projects.create", json!({ "name": "agents" })).await;
+    let project_id = project["projectId"].as_str().unwrap().to_owned();
+    let old = call_ok(&server, "projects.create", json!({ "name": "old" })).await;
+    call_ok(&server, "projects.archive", json!({ "projectId": old["projectId"] })).await;
+    let (code, _, err) = server.cli(&[
+        "sandbox",
+        "create",
+        "--template",
+        &template,
+        "--ttl",
+        "5s",
+        "--project",
+        old["projectId"].as_str().unwrap(),
+    ]);
+    assert!(code == 1 && err.contains("INVALID_STATE") && err.contains("archived"), "{err}");
+    let other = server.tenant("other").await;
+    let theirs = call_ok(&server, "projects.create", json!({ "tenantId": other, "name": "theirs" })).await;
+    let (status, body) =
+        server.call("sandboxes.create", json!({ "templateId": template, "ttlS": 5, "projectId": theirs["projectId"] })).await;
+    assert_eq!((status, body["code"].as_str()), (404, Some("NOT_FOUND")), "{body}");
+    let (code, _, err) = server.cli(&["sandbox", "create", "--template", &template, "--ttl", "5s", "--project", "agents"]);
+    assert_eq!(code, 2, "a name for an id is a usage error: {err}");
+    let none = call_ok(&server, "sandboxes.list", json!({ "deleted": true })).await;
+    assert_eq!(none["items"].as_array().map(Vec::len), Some(0), "nothing was made: {none}");
+    let created =
+        call_ok(&server, "sandboxes.create", json!({ "templateId": template, "ttlS": 5, "projectId": project_id })).await;
+    assert_eq!(created["projectId"], json!(project_id), "{created}");
     let id = created["sandboxId"].as_str().unwrap().to_owned();
+    let in_project = cli_json(&server, &["sandbox", "list", "--project", &project_id, "--deleted", "--format", "json"]);
+    assert_eq!(in_project["items"][0]["sandboxId"], json!(id), "{in_project}");
+    let in_other =
+        cli_json(&server, &["sandbox", "list", "--project", old["projectId"].as_str().unwrap(), "--deleted", "--format", "json"]);
+    assert_eq!(in_other["items"].as_array().map(Vec::len), Some(0), "{in_other}");
     wait_doc(&server, "sandboxes.get", "sandboxId", &id, |s| s["state"] == "deleted").await;
 
     let events = call_ok(&server, "events.list", json!({ "types": ["sandbox.*"], "limit": 500 })).await;
@@ -702,6 +735,7 @@ async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
     };
     let made = event("sandbox.created");
     let (start, ends_at) = (made["at"].as_u64().unwrap(), made["payload"]["endsAtMs"].as_u64().unwrap());
+    assert_eq!(made["payload"]["projectId"], json!(project_id), "sandbox.created names the project: {made}");
     let end = event("sandbox.delete_requested")["at"].as_u64().unwrap().min(ends_at);
     let life = (end - start) as i64;
     bc_tests::wait_until("the sandbox's last window to close", WAIT, || {
@@ -720,6 +754,7 @@ async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
     assert_eq!((sum("sandbox"), sum("vcpu"), sum("memory")), (life, life, 256 * life), "[{start}, {end}): {listed:#?}");
     for r in listed.iter().filter(|r| r["sandboxId"] == id.as_str()) {
         assert!(r.get("reservationId").is_none() && r["poolId"] == pool.as_str(), "{r}");
+        assert_eq!(r["projectId"], json!(project_id), "every row names the sandbox's project: {r}");
         assert_eq!(r["seqs"][0], made["seq"], "its creation first: {r}");
     }
     let groups = cli_json(&server, &["usage", "list", "--from", "0", "--group-by", "sandbox", "--format", "json"]);

@@ -116,6 +116,9 @@ pub enum ReservationsCommand {
         state: Option<String>,
         #[arg(long)]
         pool: Option<String>,
+        /// Only the reservations made in this project (`proj_…`).
+        #[arg(long)]
+        project: Option<String>,
         #[command(flatten)]
         page: Page,
     },
@@ -248,12 +251,15 @@ pub async fn run(ctx: &Context, command: ReservationsCommand) -> Result<(), CliE
     let c = ctx.client()?;
     let mut body = ctx.tenant_body()?;
     match command {
-        ReservationsCommand::List { state, pool, page } => {
+        ReservationsCommand::List { state, pool, project, page } => {
             if let Some(state) = state {
                 body.insert("state".into(), json!(state));
             }
             if let Some(pool) = pool {
                 put_id::<PoolId>(&mut body, "poolId", "--pool", &pool)?;
+            }
+            if let Some(p) = project {
+                put_id::<bc_core::id::ProjectId>(&mut body, "projectId", "--project", &p)?;
             }
             add_page(&mut body, &page);
             ctx.print_list(&c.call("reservations.list", &Value::Object(body), None).await?, tables::RESERVATIONS)

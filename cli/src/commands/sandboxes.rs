@@ -49,6 +49,9 @@ pub enum SandboxCommand {
         /// restored on the node that holds the snapshot, checked against its SHA-256 first.
         #[arg(long = "from-snapshot", value_name = "ID")]
         from_snapshot: Option<String>,
+        /// The project (`proj_…`, a live project of the tenant) it is made in.
+        #[arg(long)]
+        project: Option<String>,
         #[command(flatten)]
         key: IdempotencyKey,
     },
@@ -70,6 +73,9 @@ pub enum SandboxCommand {
     List {
         #[arg(long)]
         template: Option<String>,
+        /// Only the sandboxes made or claimed in this project (`proj_…`).
+        #[arg(long)]
+        project: Option<String>,
         #[arg(long)]
         deleted: bool,
         #[command(flatten)]
@@ -213,8 +219,11 @@ pub async fn run(ctx: &Context, command: SandboxCommand) -> Result<(), CliError>
     let mut body = ctx.tenant_body()?;
     let c = ctx.client()?;
     match command {
-        SandboxCommand::Create { template, ttl, wait, from_snapshot, key } => {
+        SandboxCommand::Create { template, ttl, wait, from_snapshot, project, key } => {
             put_id::<SandboxTemplateId>(&mut body, "templateId", "--template", &template)?;
+            if let Some(p) = project {
+                put_id::<bc_core::id::ProjectId>(&mut body, "projectId", "--project", &p)?;
+            }
             if let Some(snapshot) = from_snapshot {
                 put_id::<SandboxSnapshotId>(&mut body, "fromSnapshotId", "--from-snapshot", &snapshot)?;
             }
@@ -234,9 +243,12 @@ pub async fn run(ctx: &Context, command: SandboxCommand) -> Result<(), CliError>
             }
             ctx.print(&sandbox, Format::Json)
         }
-        SandboxCommand::List { template, deleted, page } => {
+        SandboxCommand::List { template, project, deleted, page } => {
             if let Some(t) = template {
                 put_id::<SandboxTemplateId>(&mut body, "templateId", "--template", &t)?;
+            }
+            if let Some(p) = project {
+                put_id::<bc_core::id::ProjectId>(&mut body, "projectId", "--project", &p)?;
             }
             if deleted {
                 body.insert("deleted".into(), json!(true));

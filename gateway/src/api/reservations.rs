@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use bc_core::id::{PoolId, ReservationId, TenantId};
+use bc_core::id::{PoolId, ProjectId, ReservationId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::{self, PoolLoad, ReservationAsk};
 use bc_projections::placement::{RESERVATION_GPUS_MAX, SELECTOR_BYTES_MAX, Selector};
@@ -163,6 +163,9 @@ pub struct ReservationsList {
     state: Option<String>,
     #[schemars(with = "Option<PoolIdText>")]
     pool_id: Option<String>,
+    /// Only the reservations made in this project (a filtered page can come back short).
+    #[schemars(with = "Option<crate::api::validate::ProjectIdText>")]
+    project_id: Option<String>,
     #[schemars(with = "Option<LimitNumber>")]
     limit: Option<u32>,
     #[schemars(with = "Option<CursorText>")]
@@ -339,12 +342,17 @@ async fn reservations_list(call: &Call<'_>, input: ReservationsList) -> Result<P
     let tenant = call.tenant(&input.tenant_id).await?;
     let state = input.state.as_deref().map(str::parse::<ReservationState>).transpose()?;
     let pool = input.pool_id.as_deref().map(|p| parse_id::<PoolId>("poolId", p)).transpose()?.map(|p| p.to_string());
+    let project = super::body::parse_filter::<ProjectId>("projectId", &input.project_id)?;
     // Queued and active reservations have their own rows: no scan of finished ones.
     let kind = match state {
         Some(s) if s.is_live() => KIND_RESERVATION_LIVE,
         _ => KIND_RESERVATION,
     };
-    let wanted = |rsv: &ReservationDoc| state.is_none_or(|s| s == rsv.state) && pool.as_ref().is_none_or(|p| *p == rsv.pool_id);
+    let wanted = |rsv: &ReservationDoc| {
+        state.is_none_or(|s| s == rsv.state)
+            && pool.as_ref().is_none_or(|p| *p == rsv.pool_id)
+            && project.as_ref().is_none_or(|p| rsv.project_id.as_ref() == Some(p))
+    };
     let loads = loads(call, tenant).await?;
     let own = list_rows(call, tenant, kind, input.limit, input.cursor.as_deref(), |row| {
         let rsv: ReservationDoc = doc(row)?;

@@ -230,6 +230,10 @@ pub struct SandboxesCreate {
     /// that holds it, checked against its SHA-256 first): a new sandbox, with its own id.
     #[schemars(with = "Option<super::validate::SandboxSnapshotIdText>")]
     from_snapshot_id: Option<String>,
+    /// The asking tenant's live project it is made in (`projects.*`): a warm sandbox claimed
+    /// takes it, a cold one is made in it.
+    #[schemars(with = "Option<super::validate::ProjectIdText>")]
+    project_id: Option<String>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -249,6 +253,9 @@ pub struct SandboxesList {
     /// Only this template's sandboxes (a filtered page can come back short).
     #[schemars(with = "Option<SandboxTemplateIdText>")]
     template_id: Option<String>,
+    /// Only the sandboxes made or claimed in this project (a filtered page can come back short).
+    #[schemars(with = "Option<super::validate::ProjectIdText>")]
+    project_id: Option<String>,
     /// Deleted sandboxes too (by default only live ones).
     #[serde(default)]
     deleted: bool,
@@ -464,8 +471,15 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let template = template_doc(call, tenant, &input.template_id).await?;
     let ttl_s = input.ttl_s.unwrap_or(template.default_ttl_s);
     decide::check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
+    // The project is the asking tenant's own and live (another tenant's NOT_FOUND, an archived
+    // one INVALID_STATE), as for a reservation; the append guards it at the version read.
+    let project = match &input.project_id {
+        Some(project_id) => Some(super::projects::project_for_work(call, tenant, project_id).await?),
+        None => None,
+    };
     if let Some(snapshot_id) = &input.from_snapshot_id {
-        let sandbox = super::sandbox_snapshots::create_from_snapshot(call, tenant, &template, ttl_s, snapshot_id).await?;
+        let sandbox =
+            super::sandbox_snapshots::create_from_snapshot(call, tenant, &template, ttl_s, snapshot_id, project.as_ref()).await?;
         return Ok(SandboxCreatedView { claimed: SandboxWarmth::Cold, sandbox: sandbox.into() });
     }
     let retry = call.is_retry(tenant).await?;
@@ -480,7 +494,7 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let now_ms = call.now_ms();
     if !retry {
         if let Some(warm) = decide::warm_sandbox(&live, &template) {
-            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms)?;
+            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms, project.as_ref())?;
             call.submit(call.decided(tenant, decided)).await?;
             let doc = sandbox_doc(call, tenant, &warm.sandbox_id).await?;
             return Ok(SandboxCreatedView { claimed: SandboxWarmth::Warm, sandbox: doc.into() });
@@ -519,7 +533,8 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let issue = Issue { command_id: &command, now_ms };
     // A retry's own sandbox mounts the volumes already: the append answers it from the log.
     let mounting: &[SandboxDoc] = if retry { &[] } else { &live };
-    let decided = decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting)?;
+    let decided =
+        decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting, project.as_ref())?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
     let doc = sandbox_doc(call, tenant, super::call::stream_id(stream)).await?;
@@ -535,10 +550,13 @@ async fn sandboxes_list(call: &Call<'_>, input: SandboxesList) -> Result<Page<Sa
     let tenant = call.tenant(&input.tenant_id).await?;
     let template = input.template_id.as_deref().map(|t| parse_id::<SandboxTemplateId>("templateId", t)).transpose()?;
     let template = template.map(|t| t.to_string());
+    let project = super::body::parse_filter::<bc_core::id::ProjectId>("projectId", &input.project_id)?;
     let kind = if input.deleted { KIND_SANDBOX } else { KIND_SANDBOX_LIVE };
     list_rows(call, tenant, kind, input.limit, input.cursor.as_deref(), |row| {
         let s: SandboxDoc = doc(row)?;
-        Ok(template.as_deref().is_none_or(|t| t == s.template_id).then(|| s.into()))
+        let wanted = template.as_deref().is_none_or(|t| t == s.template_id)
+            && project.as_deref().is_none_or(|p| s.project_id.as_deref() == Some(p));
+        Ok(wanted.then(|| s.into()))
     })
     .await
 }

@@ -16,6 +16,7 @@ use bc_core::Error;
 use bc_core::store::{ExpectedVersion, NewEvent};
 
 use super::Append;
+use super::project::ProjectRef;
 use crate::events::*;
 use crate::placement::{Issue, issue_command_for};
 use crate::sandbox::{
@@ -330,13 +331,15 @@ pub fn sandbox_create(
     ttl_s: Option<u64>,
     issue: Issue<'_>,
 ) -> Result<Append, Error> {
-    sandbox_create_mounting(template, sandbox_id, node, ttl_s, issue, &[], &[])
+    sandbox_create_mounting(template, sandbox_id, node, ttl_s, issue, &[], &[], None)
 }
 
 /// [`sandbox_create`] for a template that may mount volumes: each of the template's volumes
 /// (found in `volumes`) is attached to the new sandbox in the same append, guarded at its
 /// version, and must be on `node` and mounted by none of the tenant's `live` sandboxes
-/// ([`super::sandbox_volume::attach_volumes`]).
+/// ([`super::sandbox_volume::attach_volumes`]). Made in `project` when given: the append
+/// guards the project's stream at the version read ([`ProjectRef::guard`]).
+#[allow(clippy::too_many_arguments)]
 pub fn sandbox_create_mounting(
     template: &SandboxTemplateDoc,
     sandbox_id: &str,
@@ -345,8 +348,9 @@ pub fn sandbox_create_mounting(
     issue: Issue<'_>,
     volumes: &[SandboxVolumeDoc],
     live: &[SandboxDoc],
+    project: Option<&ProjectRef>,
 ) -> Result<Append, Error> {
-    sandbox_create_from(template, sandbox_id, node, ttl_s, issue, volumes, live, None)
+    sandbox_create_from(template, sandbox_id, node, ttl_s, issue, volumes, live, None, project)
 }
 
 /// [`sandbox_create_mounting`], started from a snapshot when `restore` names one
@@ -362,7 +366,11 @@ pub fn sandbox_create_from(
     volumes: &[SandboxVolumeDoc],
     live: &[SandboxDoc],
     restore: Option<&crate::sandbox_snapshot::SandboxRestore>,
+    project: Option<&ProjectRef>,
 ) -> Result<Append, Error> {
+    if project.is_some() && ttl_s.is_none() {
+        return Err(Error::invalid("a warm sandbox is made in no project: its claim names one"));
+    }
     if ttl_s.is_none() && !template.volumes.is_empty() {
         return Err(Error::state(
             format!("template {} mounts volumes: it keeps no warm sandboxes", template.template_id),
@@ -384,6 +392,7 @@ pub fn sandbox_create_from(
         env: template.env.clone(),
         network: template.network.clone(),
         volumes: template.volumes.clone(),
+        project_id: project.map(|p| p.project_id.clone()),
         warm: ttl_s.is_none(),
         started_at_ms: None,
         ends_at_ms: None,
@@ -402,6 +411,7 @@ pub fn sandbox_create_from(
     };
     let mut guards = vec![(stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id), ExpectedVersion::Exact(template.version))];
     guards.extend(volume_guards);
+    guards.extend(project.map(ProjectRef::guard));
     let mut args = doc.apply_args("running");
     if let Some(restore) = restore {
         args["restore"] = serde_json::json!(restore);
@@ -420,6 +430,7 @@ pub fn sandbox_create_from(
         apply,
         volumes: doc.volumes,
         restore: restore.cloned(),
+        project_id: doc.project_id,
     };
     let mut events = vec![NewEvent::new(SANDBOX_CREATED, to_cbor(&created)?), command];
     events.extend(attached);
@@ -442,15 +453,23 @@ pub fn warm_sandbox<'a>(sandboxes: &'a [SandboxDoc], template: &SandboxTemplateD
         .min_by_key(|s| (s.created_at_ms, s.sandbox_id.clone()))
 }
 
-/// Claims a warm sandbox for a caller: its end, at the version read (one append).
-pub fn sandbox_claim(template: &SandboxTemplateDoc, warm: &SandboxDoc, ttl_s: u64, now_ms: u64) -> Result<Append, Error> {
+/// Claims a warm sandbox for a caller: its end, at the version read (one append), in `project`
+/// when given (guarded at the version read, as a cold create guards it).
+pub fn sandbox_claim(
+    template: &SandboxTemplateDoc,
+    warm: &SandboxDoc,
+    ttl_s: u64,
+    now_ms: u64,
+    project: Option<&ProjectRef>,
+) -> Result<Append, Error> {
     check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
-    let end = SandboxEnd { ends_at_ms: now_ms.saturating_add(ttl_s * 1000) };
+    let claimed =
+        SandboxClaimed { ends_at_ms: now_ms.saturating_add(ttl_s * 1000), project_id: project.map(|p| p.project_id.clone()) };
     Ok(Append {
         stream: stream_of(KIND_SANDBOX, &warm.sandbox_id),
         expected: ExpectedVersion::Exact(warm.version),
-        guards: Vec::new(),
-        events: vec![NewEvent::new(SANDBOX_CLAIMED, to_cbor(&end)?)],
+        guards: project.map(ProjectRef::guard).into_iter().collect(),
+        events: vec![NewEvent::new(SANDBOX_CLAIMED, to_cbor(&claimed)?)],
     })
 }
 
@@ -757,6 +776,7 @@ mod tests {
             env: BTreeMap::new(),
             network: "none".into(),
             volumes: Vec::new(),
+            project_id: None,
             warm,
             started_at_ms: (!warm).then_some(0),
             ends_at_ms,
@@ -900,6 +920,35 @@ mod tests {
         let big: BTreeMap<String, String> = (0..=SANDBOX_ENV_VARS_MAX).map(|i| (format!("V{i}"), String::new())).collect();
         assert!(check_env(&big).is_err());
     }
+    /// A cold sandbox made in a project, and a warm one claimed in one, carry it in their event
+    /// and guard the project's stream at the version read; a warm one is made in none.
+    #[test]
+    fn a_sandbox_is_made_or_claimed_in_a_project() {
+        let node = crate::drivers::test_node("n1", "pool_1", NodeState::Ready, &[CAPABILITY_SANDBOX_GVISOR]);
+        let project = ProjectRef { project_id: "proj_1".into(), version: 3 };
+        let issue = Issue { command_id: "cmd_01j00000000000000000000000", now_ms: 1_000 };
+        let t = template(0);
+        let made = sandbox_create_mounting(&t, "sbx_9", &node, Some(60), issue, &[], &[], Some(&project)).unwrap();
+        assert!(made.guards.contains(&("project/proj_1".to_owned(), ExpectedVersion::Exact(3))), "{:?}", made.guards);
+        let created: SandboxCreated = ciborium::Value::deserialized(&made.events[0].payload).unwrap();
+        assert_eq!(created.project_id.as_deref(), Some("proj_1"));
+        let none = sandbox_create(&t, "sbx_9", &node, Some(60), issue).unwrap();
+        assert!(none.guards.iter().all(|(s, _)| !s.starts_with("project/")));
+        let err = sandbox_create_mounting(&t, "sbx_9", &node, None, issue, &[], &[], Some(&project)).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::InvalidArgument, "a warm sandbox waits for its claim's project: {err}");
+
+        let warm = sandbox("sbx_1", SandboxState::Running, true, None);
+        let claim = sandbox_claim(&t, &warm, 60, 1_000, Some(&project)).unwrap();
+        assert_eq!(claim.guards, vec![("project/proj_1".to_owned(), ExpectedVersion::Exact(3))]);
+        let claimed: SandboxClaimed = ciborium::Value::deserialized(&claim.events[0].payload).unwrap();
+        assert_eq!(claimed, SandboxClaimed { ends_at_ms: 61_000, project_id: Some("proj_1".into()) });
+        let plain = sandbox_claim(&t, &warm, 60, 1_000, None).unwrap();
+        assert!(plain.guards.is_empty());
+        // A claim from before projects decodes as one in no project.
+        let old: SandboxClaimed = ciborium::Value::deserialized(&to_cbor(&SandboxEnd { ends_at_ms: 5 }).unwrap()).unwrap();
+        assert_eq!(old.project_id, None);
+    }
+
     #[test]
     fn warm_sandboxes_are_bounded_per_tenant_and_per_node() {
         // The tenant: the templates' warmMin summed.

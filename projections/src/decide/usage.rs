@@ -834,7 +834,7 @@ mod tests {
                 let sbx = sandboxes.get_mut(&id).unwrap();
                 if sbx.start_ms.is_none() {
                     let ends_at = now + 1 + next(3 * HOUR_MS);
-                    ledger.sandbox_claimed(&id, seq, now, ends_at);
+                    ledger.sandbox_claimed(&id, seq, now, ends_at, None);
                     (sbx.start_ms, sbx.ends_at_ms) = (Some(now), ends_at);
                 }
             }
@@ -982,7 +982,7 @@ mod tests {
     fn a_sandbox_counts_from_its_claim_or_creation_to_its_end_and_each_line_recounts() {
         use crate::events::*;
         let h = HOUR_MS;
-        let created = |warm: bool, ends_at_ms: Option<u64>| SandboxCreated {
+        let created = |warm: bool, ends_at_ms: Option<u64>, project_id: Option<&str>| SandboxCreated {
             template_id: "sbxt_1".into(),
             pool_id: "pool_1".into(),
             node_id: "node_1".into(),
@@ -1001,6 +1001,7 @@ mod tests {
             apply: HoldIssued { command_id: "cmd_1".into(), deadline_at_ms: 0 },
             volumes: Vec::new(),
             restore: None,
+            project_id: project_id.map(str::to_owned),
         };
         let delete = || {
             to_cbor(&SandboxDeleteRequested { apply: HoldIssued { command_id: "cmd_2".into(), deadline_at_ms: 0 }, reason: None })
@@ -1008,8 +1009,14 @@ mod tests {
         };
         let warm = "sandbox/sbx_1";
         let events = vec![
-            envelope(1, warm, SANDBOX_CREATED, h / 2, to_cbor(&created(true, None)).unwrap()),
-            envelope(2, warm, SANDBOX_CLAIMED, h, to_cbor(&SandboxEnd { ends_at_ms: h + 1000 }).unwrap()),
+            envelope(1, warm, SANDBOX_CREATED, h / 2, to_cbor(&created(true, None, None)).unwrap()),
+            envelope(
+                2,
+                warm,
+                SANDBOX_CLAIMED,
+                h,
+                to_cbor(&SandboxClaimed { ends_at_ms: h + 1000, project_id: Some("proj_1".into()) }).unwrap(),
+            ),
             envelope(3, warm, SANDBOX_EXTENDED, h + 500, to_cbor(&SandboxEnd { ends_at_ms: h + 3000 }).unwrap()),
             envelope(4, warm, SANDBOX_DELETE_REQUESTED, 2 * h + 5, delete()),
         ];
@@ -1017,14 +1024,24 @@ mod tests {
         assert_eq!((sums[RESOURCE_SANDBOX], sums[RESOURCE_VCPU], sums[RESOURCE_MEMORY]), (3000, 6000, 512 * 3000));
         assert!(lines.iter().all(|l| l.sandbox_id.as_deref() == Some("sbx_1") && l.reservation_id.is_empty()));
         assert_eq!(lines[0].seqs, vec![1, 2, 3, 4], "its creation, claim, latest extension and deletion");
+        assert!(
+            lines.iter().all(|l| l.project_id.as_deref() == Some("proj_1")),
+            "a warm sandbox's lines name its claim's project"
+        );
+        // A claim from before projects (`{endsAtMs}` alone) still decodes: no project.
+        let old_claim = to_cbor(&SandboxEnd { ends_at_ms: h + 1000 }).unwrap();
+        let old = vec![events[0].clone(), envelope(2, warm, SANDBOX_CLAIMED, h, old_claim), events[3].clone()];
+        let (lines, _) = close_and_recount("sbx_1", &old, 10 * h);
+        assert!(!lines.is_empty() && lines.iter().all(|l| l.project_id.is_none()));
         let cold = "sandbox/sbx_2";
         let events = vec![
-            envelope(1, cold, SANDBOX_CREATED, h - 10, to_cbor(&created(false, Some(5 * h))).unwrap()),
+            envelope(1, cold, SANDBOX_CREATED, h - 10, to_cbor(&created(false, Some(5 * h), Some("proj_2"))).unwrap()),
             envelope(2, cold, SANDBOX_DELETE_REQUESTED, h + 20, delete()),
         ];
         let (lines, sums) = close_and_recount("sbx_2", &events, 10 * h);
         assert_eq!(sums[RESOURCE_SANDBOX], 30);
         assert_eq!(lines.len(), 6, "two windows, three kinds");
+        assert!(lines.iter().all(|l| l.project_id.as_deref() == Some("proj_2")), "a cold sandbox's lines name its project");
     }
 
     #[test]

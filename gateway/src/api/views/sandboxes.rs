@@ -126,6 +126,10 @@ pub struct SandboxView {
     /// The volumes it mounts (attached to it while it is live).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMountView>,
+    /// The project it was made in, or claimed in (a warm one: none until its claim).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<crate::api::validate::ProjectIdText>")]
+    pub project_id: Option<String>,
     /// Unclaimed, in its template's warm pool.
     pub warm: bool,
     /// `starting`, `running`, `deleting`, `failed` or `deleted`.
@@ -155,6 +159,7 @@ impl From<SandboxDoc> for SandboxView {
             shape: SandboxShapeView { flavor_id: d.shape.flavor_id, vcpus: d.shape.vcpus, memory_mib: d.shape.memory_mib },
             network: d.network,
             volumes: mount_views(d.volumes),
+            project_id: d.project_id,
             warm: d.warm,
             state: d.state,
             started_at_ms: d.started_at_ms,
