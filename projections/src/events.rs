@@ -49,7 +49,9 @@ pub use crate::pool::{
     POOL_ARCHIVED, POOL_CREATED, POOL_OFFERED, POOL_UNOFFERED, POOL_UPDATED, PoolArchived, PoolCreated, PoolOffers, PoolUpdated,
 };
 pub use crate::project::{PROJECT_ARCHIVED, PROJECT_CREATED, ProjectArchived, ProjectCreated};
-pub use crate::quota::{QUOTA_CHARGED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaExceeded, QuotaSet};
+pub use crate::quota::{
+    QUOTA_CHARGED, QUOTA_COUNTED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaCounted, QuotaExceeded, QuotaSet,
+};
 pub use crate::reservation::{
     GPU_HELD, GPU_HOLD_FAILED, GPU_RELEASED, GPU_REPORT_TYPES, GpuReport, HoldIssued, RESERVATION_ACTIVATED,
     RESERVATION_CANCELLED, RESERVATION_EXPIRED, RESERVATION_EXTENDED, RESERVATION_FAILED, RESERVATION_HELD_FOR,
@@ -147,6 +149,7 @@ pub const EVENT_TYPES: &[&str] = &[
     QUOTA_SET,
     QUOTA_EXCEEDED,
     QUOTA_CHARGED,
+    QUOTA_COUNTED,
     WEBHOOK_CREATED,
     WEBHOOK_UPDATED,
     WEBHOOK_SECRET_ROTATED,

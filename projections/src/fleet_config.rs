@@ -199,9 +199,10 @@ pub fn offer_fingerprint(offered_to: &std::collections::BTreeSet<String>) -> Str
     canonical_sha256(&serde_json::json!({ "offeredTo": offered_to }))
 }
 
-/// The tenant's quota in a pool: its GPUs.
-pub fn quota_fingerprint(gpus: u32) -> String {
-    canonical_sha256(&serde_json::json!({ "gpus": gpus }))
+/// The tenant's quota in a pool: its GPUs and the resource limits it states (a quota of GPUs
+/// alone has the fingerprint it had before resource limits).
+pub fn quota_fingerprint(limits: &crate::quota::QuotaSet) -> String {
+    canonical_sha256(&serde_json::to_value(limits).expect("a quota is JSON"))
 }
 
 /// A flavor's fingerprint: its name and shape (its pool is its identity's, not a field).
@@ -259,7 +260,7 @@ pub fn fleet_drift(applied: &FleetConfigDoc, live: &FleetObjectsLive<'_>) -> Vec
                 .iter()
                 .find(|p| p.pool_id == id && !p.archived)
                 .map(|p| pool_fingerprint(&p.name, &p.description, &p.labels, p.max_reservation_s)),
-            "quota" => live.quotas.get(id).map(|q| quota_fingerprint(q.gpus)),
+            "quota" => live.quotas.get(id).map(|q| quota_fingerprint(&q.limits())),
             // A pool's offers: changed by `pools.offer`/`unoffer` outside the document, or gone
             // with the pool.
             "offer" => live.pools.iter().find(|p| p.pool_id == id && !p.archived).map(|p| offer_fingerprint(&p.offered_to)),

@@ -1,10 +1,12 @@
 //! Quotas (`quota/pool_…`, one per tenant and pool): the document, the payloads of `quota.*`,
 //! and their fold.
 //!
-//! A quota bounds the GPUs a tenant's live reservations in one pool hold at once. Its stream is
-//! the guard of that bound: every reservation counted against it (`quota.charged`) and every
-//! refusal (`quota.exceeded`) moves the quota's version, so two appends deciding on the same
-//! usage cannot both land.
+//! A quota bounds the GPUs a tenant's live reservations in one pool hold at once and, when set,
+//! its instances, vCPUs, memory and sandboxes there (`decide::quota`). Its stream is the guard
+//! of those bounds: every reservation counted against it (`quota.charged`), every instance or
+//! sandbox counted against a resource limit (`quota.counted`) and every refusal
+//! (`quota.exceeded`) moves the quota's version, so two appends deciding on the same usage
+//! cannot both land.
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
@@ -20,6 +22,9 @@ pub const QUOTA_EXCEEDED: &str = "quota.exceeded";
 /// guarded at the quota stream's version, so two gateways deciding on the same usage cannot both
 /// land (one is a CONFLICT and decides again).
 pub const QUOTA_CHARGED: &str = "quota.charged";
+/// An instance (created or grown) or a sandbox (created or claimed) counted against its tenant's
+/// resource limits in a pool: in the work's own append, guarded at the quota stream's version.
+pub const QUOTA_COUNTED: &str = "quota.counted";
 
 /// A tenant's quota in one pool; the stream is `quota/pool_…`.
 pub const KIND_QUOTA: &str = "quota";
@@ -27,12 +32,24 @@ pub const KIND_QUOTA: &str = "quota";
 /// (`reservation_ref/rsv_…`, from its `quota.charged`): where the tenant's own reads find it.
 pub const KIND_RESERVATION_REF: &str = "reservation_ref";
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct QuotaDoc {
     pub tenant_id: String,
     pub pool_id: String,
     pub gpus: u32,
+    /// Live instances the tenant may hold in the pool (absent: unbounded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instances: Option<u32>,
+    /// vCPUs of its live instances and claimed or cold sandboxes in the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    /// Memory (MiB) of the same.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "memoryMiB")]
+    pub memory_mib: Option<u64>,
+    /// Live sandboxes (claimed or cold: a template's warm ones count once claimed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandboxes: Option<u32>,
     pub version: u64,
     pub updated_at_ms: u64,
 }
@@ -42,6 +59,45 @@ pub struct QuotaDoc {
 pub struct QuotaSet {
     /// GPUs the tenant's live (queued and active) reservations in the pool may hold at once.
     pub gpus: u32,
+    /// The other resources' limits ([`QuotaDoc`]'s); absent (as in every `quota.set` before
+    /// them): unbounded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instances: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "memoryMiB")]
+    pub memory_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandboxes: Option<u32>,
+}
+
+impl QuotaDoc {
+    /// Its limits, as a `quota.set` states them.
+    pub fn limits(&self) -> QuotaSet {
+        QuotaSet {
+            gpus: self.gpus,
+            instances: self.instances,
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            sandboxes: self.sandboxes,
+        }
+    }
+}
+
+/// `quota.counted`: what an instance's or a sandbox's append adds to the tenant's use in the
+/// pool (`subject`: its `inst_…` or `sbx_…`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaCounted {
+    pub subject: String,
+    #[serde(default)]
+    pub instances: u32,
+    #[serde(default)]
+    pub vcpus: u64,
+    #[serde(default, rename = "memoryMiB")]
+    pub memory_mib: u64,
+    #[serde(default)]
+    pub sandboxes: u32,
 }
 
 /// `quota.charged`: the reservation and the GPUs it counts for.
@@ -99,7 +155,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     }
     let tenant_id = env.tenant.to_string();
     match env.event_type.as_str() {
-        QUOTA_EXCEEDED | QUOTA_CHARGED => {
+        QUOTA_EXCEEDED | QUOTA_CHARGED | QUOTA_COUNTED => {
             // The quota's version follows its stream, which these move: a reservation's
             // append guards it.
             let Some(current) = current else { return Ok(None) };
@@ -109,7 +165,17 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
         }
         QUOTA_SET => {
             let p: QuotaSet = payload(event)?;
-            to_doc(&QuotaDoc { tenant_id, pool_id: key.id.clone(), gpus: p.gpus, version: env.version, updated_at_ms: env.at_ms })
+            to_doc(&QuotaDoc {
+                tenant_id,
+                pool_id: key.id.clone(),
+                gpus: p.gpus,
+                instances: p.instances,
+                vcpus: p.vcpus,
+                memory_mib: p.memory_mib,
+                sandboxes: p.sandboxes,
+                version: env.version,
+                updated_at_ms: env.at_ms,
+            })
         }
         _ => Ok(current),
     }

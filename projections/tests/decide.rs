@@ -115,7 +115,7 @@ fn input(reservation_id: &str) -> ReservationCreateInput<'_> {
 }
 
 fn quota(gpus: u32) -> QuotaDoc {
-    QuotaDoc { tenant_id: TENANT.into(), pool_id: POOL.into(), gpus, version: 1, updated_at_ms: 0 }
+    QuotaDoc { tenant_id: TENANT.into(), pool_id: POOL.into(), gpus, version: 1, updated_at_ms: 0, ..QuotaDoc::default() }
 }
 
 fn guard_of(append: &Append, stream: &str) -> Option<ExpectedVersion> {
@@ -693,7 +693,7 @@ fn an_instance_is_made_only_on_a_bound_reservation_with_a_fitting_flavor() {
         flavor: &'a FlavorDoc,
         image: &'a ImageDoc,
     ) -> InstanceCreateInput<'a> {
-        InstanceCreateInput { instance_id: "inst_1", name: "vm", reservation: rsv, node, flavor, image, start: true }
+        InstanceCreateInput { instance_id: "inst_1", name: "vm", reservation: rsv, node, flavor, image, start: true, quota: None }
     }
     let append = decide::instance_create(&input(&rsv, &node, &flavor2, &image), ISSUE).unwrap();
     assert_eq!(append.stream, "instance/inst_1");
@@ -746,6 +746,7 @@ fn an_instance_takes_its_reservations_project() {
             flavor: &flavor2,
             image: &image,
             start: true,
+            quota: None,
         };
         let append = decide::instance_create(&input, ISSUE).unwrap();
         bc_core::canonical::to_json(&append.events[0].payload)
@@ -866,6 +867,63 @@ fn the_plan_times_out_unanswered_applies_deletes_on_ended_reservations_and_finis
     // A failed instance takes no action.
     let failed = InstanceDoc { state: InstanceState::Failed, ..instance(DesiredState::Running, None, false) };
     assert_eq!(decide::instances_plan(&[failed], &live, NOW_MS + 10_000_000), []);
+}
+
+/// Under a quota bounding instances, vCPUs or memory in the pool, an instance's create counts
+/// one instance and its flavor's vCPUs and memory (`quota.counted` on the quota's stream, guarded
+/// at the version read), a resize counts its growth; past a limit, QUOTA_EXCEEDED naming it.
+#[test]
+fn an_instance_is_counted_against_its_tenants_resource_limits() {
+    use bc_projections::decide::quota::{QuotaRead, ResourceUse};
+    let (node, flavor2, image) = (instance_node(true), flavor(2), image());
+    let rsv = bound_reservation();
+    let limits = QuotaDoc { instances: Some(2), vcpus: Some(8), memory_mib: Some(4096), version: 7, ..quota(8) };
+    let create = |in_use: ResourceUse| {
+        let input = InstanceCreateInput {
+            instance_id: "inst_1",
+            name: "vm",
+            reservation: &rsv,
+            node: &node,
+            flavor: &flavor2,
+            image: &image,
+            start: true,
+            quota: Some(QuotaRead { quota: &limits, in_use }),
+        };
+        decide::instance_create(&input, ISSUE)
+    };
+    let append = create(ResourceUse { instances: 1, vcpus: 4, memory_mib: 2048, sandboxes: 0 }).unwrap();
+    assert_eq!(
+        append.event_types(),
+        [ev::INSTANCE_CREATED, ev::COMMAND_ISSUED, ev::RESERVATION_INSTANCE_ATTACHED, ev::QUOTA_COUNTED]
+    );
+    assert_eq!(guard_of(&append, &format!("quota/{POOL}")), Some(ExpectedVersion::Exact(7)));
+    let counted = bc_core::canonical::to_json(&append.events[3].payload);
+    assert_eq!(
+        counted,
+        serde_json::json!({ "subject": "inst_1", "instances": 1, "vcpus": 4, "memoryMiB": 2048, "sandboxes": 0 })
+    );
+    for (in_use, what) in [
+        (ResourceUse { instances: 2, ..ResourceUse::default() }, "quota of 2 instances"),
+        (ResourceUse { instances: 1, vcpus: 5, ..ResourceUse::default() }, "quota of 8 vCPUs"),
+        (ResourceUse { instances: 1, memory_mib: 3000, ..ResourceUse::default() }, "quota of 4096 memory (MiB)"),
+    ] {
+        let err: Error = create(in_use).unwrap_err().into();
+        assert_eq!(err.code(), ErrorCode::QuotaExceeded, "{err}");
+        assert!(err.to_string().contains(what) && err.to_string().contains("in use:"), "{err}");
+    }
+    // A resize counts its growth only; a shrink passes at the limit.
+    let running = instance(DesiredState::Running, Some(ObservedState::Running), true);
+    let shape = |vcpus: u32, memory_mib: u64| ev::InstanceShape { vcpus, memory_mib, ..running.shape.clone() };
+    let at_limit = QuotaRead { quota: &limits, in_use: ResourceUse { instances: 2, vcpus: 8, memory_mib: 4096, sandboxes: 0 } };
+    let grow = InstanceRequest::Resize(shape(running.shape.vcpus + 1, running.shape.memory_mib));
+    let err: Error = decide::instance_request_under(&running, &grow, None, None, ISSUE, Some(&at_limit)).unwrap_err().into();
+    assert!(err.code() == ErrorCode::QuotaExceeded && err.to_string().contains("1 more vCPUs"), "{err}");
+    let shrink = InstanceRequest::Resize(shape(1, 256));
+    let append = decide::instance_request_under(&running, &shrink, None, None, ISSUE, Some(&at_limit)).unwrap();
+    assert!(!append.event_types().contains(&ev::QUOTA_COUNTED), "a shrink counts nothing");
+    let room = QuotaRead { quota: &limits, in_use: ResourceUse { instances: 1, vcpus: 2, memory_mib: 512, sandboxes: 0 } };
+    let append = decide::instance_request_under(&running, &grow, None, None, ISSUE, Some(&room)).unwrap();
+    assert_eq!(append.event_types().last(), Some(&ev::QUOTA_COUNTED));
 }
 
 #[test]

@@ -97,7 +97,7 @@ fn input(reservation_id: &str) -> ReservationCreateInput<'_> {
 }
 
 fn quota(tenant: &str, gpus: u32, version: u64) -> QuotaDoc {
-    QuotaDoc { tenant_id: tenant.into(), pool_id: POOL.into(), gpus, version, updated_at_ms: 0 }
+    QuotaDoc { tenant_id: tenant.into(), pool_id: POOL.into(), gpus, version, updated_at_ms: 0, ..QuotaDoc::default() }
 }
 
 fn set(ids: &[&str]) -> BTreeSet<String> {

@@ -285,3 +285,159 @@ async fn a_domain_that_crashes_behind_the_agents_back_is_started_again_by_the_re
     wait_instance(&server, &id, "deleted", settled_in("deleted")).await;
     assert_eq!(machine.stop(), 0);
 }
+
+/// The instance and quota events of the log (what an instance's create or resize appends; the
+/// node's own reports are left out, as they come when they come).
+async fn decided_events(server: &Server) -> usize {
+    let types = ["instance.created", "instance.resize_requested", "quota.*"];
+    let page = call_ok(server, "events.list", json!({ "types": types, "limit": 500 })).await;
+    page["items"].as_array().unwrap().len()
+}
+
+/// Quotas per resource (issue 56): `quotas set` with instance, vCPU and memory limits beside
+/// GPUs; an instance past the instances limit and a resize past the vCPUs limit are refused
+/// `QUOTA_EXCEEDED` naming the resource, its limit and its use, appending nothing; `quotas get`
+/// shows each limit and its use; the fleet document carries the limits (export, plan `~ quota`,
+/// apply), and the raised limit lets the resize through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_and_resizes_past_a_resource_quota_are_refused_naming_it() {
+    let (server, port) = bc_tests::agents_gateway();
+    let seed = bc_tests::fake_seed_with(2);
+    let pool = server.pool("vms").await;
+    let mut machine = AgentNode::new(&server, port);
+    let config = std::fs::read_to_string(machine.config()).unwrap();
+    std::fs::write(
+        machine.config(),
+        format!("{config}\n[hardware]\nfake_seed = {seed}\n\n[hypervisor]\nuri = \"test:///default\"\n"),
+    )
+    .unwrap();
+    let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
+    assert_eq!(status, 200, "{token}");
+    let (code, _, err) = machine.join_stdin(token["token"].as_str().unwrap());
+    assert_eq!(code, 0, "join: {err}");
+    let node = machine.node_id();
+    machine.start();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
+        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
+        if doc["state"] == "ready" && caps.iter().any(|c| c == "instance.apply") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "node not ready with instance.apply: {doc}\n{}", machine.node_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let bytes = bc_tests::qcow2_image(1_500_000);
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let images = ImageServer::start("ubuntu.qcow2", bytes);
+    let image = call_ok(
+        &server,
+        "images.register",
+        json!({ "name": "ubuntu", "url": images.url, "sha256": digest, "diskFormat": "qcow2", "sizeBytes": 1_500_000 }),
+    )
+    .await;
+    let flavor = |name: &str, vcpus: u32, memory_mib: u32| json!({ "poolId": pool, "name": name, "vcpus": vcpus, "memoryMiB": memory_mib, "diskGiB": 10, "gpus": 1 });
+    let small = call_ok(&server, "flavors.create", flavor("small", 2, 1024)).await;
+    let tiny = call_ok(&server, "flavors.create", flavor("tiny", 1, 512)).await;
+    let large = call_ok(&server, "flavors.create", flavor("large", 4, 2048)).await;
+
+    // Limits: bounded at the edge, set beside the GPUs, shown with their use.
+    let (status, body) = server.call("quotas.set", json!({ "poolId": pool, "gpus": 2, "vcpus": 200_000_000i64 })).await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{body}");
+    let (code, _, err) = server.cli(&["quotas", "set", "--pool", &pool, "--gpus", "2", "--instances", "-1"]);
+    assert_eq!(code, 2, "a negative limit is a usage error: {err}");
+    let (code, out, err) = server.cli(&[
+        "quotas",
+        "set",
+        "--pool",
+        &pool,
+        "--gpus",
+        "2",
+        "--instances",
+        "1",
+        "--vcpus",
+        "3",
+        "--memory-mib",
+        "4096",
+    ]);
+    assert_eq!(code, 0, "quotas set: {err}");
+    let quota = json(&out);
+    assert_eq!(
+        (&quota["gpus"], &quota["instances"], &quota["vcpus"], &quota["memoryMiB"], &quota["sandboxes"]),
+        (&json!(2), &json!(1), &json!(3), &json!(4096), &Value::Null),
+        "{quota}"
+    );
+    assert_eq!(quota["resourcesInUse"], json!({ "instances": 0, "vcpus": 0, "memoryMiB": 0, "sandboxes": 0 }));
+
+    let a_rsv = bound_reservation(&server, &pool, 1).await;
+    let b_rsv = bound_reservation(&server, &pool, 1).await;
+    let vm = |name: &str, rsv: &str, flavor: &Value| json!({ "name": name, "reservationId": rsv, "flavorId": flavor["flavorId"], "imageId": image["imageId"] });
+    let a = call_ok(&server, "instances.create", vm("a", &a_rsv, &small)).await;
+    let a_id = a["instanceId"].as_str().unwrap().to_owned();
+
+    // A second instance passes the instances limit: refused, named, nothing appended.
+    let before = decided_events(&server).await;
+    let (status, refused) = server.call("instances.create", vm("b", &b_rsv, &tiny)).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
+    let message = refused["message"].as_str().unwrap();
+    assert!(message.contains("quota of 1 instances") && message.contains("in use: 1") && message.contains(&pool), "{message}");
+    assert_eq!(decided_events(&server).await, before, "a refusal appends nothing");
+
+    // A resize past the vCPUs limit: refused, named.
+    wait_instance(&server, &a_id, "running", settled_in("running")).await;
+    let (status, refused) = server.call("instances.resize", json!({ "instanceId": a_id, "flavorId": large["flavorId"] })).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
+    let message = refused["message"].as_str().unwrap();
+    assert!(message.contains("quota of 3 vCPUs") && message.contains("in use: 2"), "{message}");
+
+    // Raised through the CLI, the second instance goes; the use shows both.
+    let (code, _, err) = server.cli(&[
+        "quotas",
+        "set",
+        "--pool",
+        &pool,
+        "--gpus",
+        "2",
+        "--instances",
+        "2",
+        "--vcpus",
+        "3",
+        "--memory-mib",
+        "4096",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    call_ok(&server, "instances.create", vm("b", &b_rsv, &tiny)).await;
+    let (code, out, err) = server.cli(&["quotas", "get", "--pool", &pool]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["resourcesInUse"], json!({ "instances": 2, "vcpus": 3, "memoryMiB": 1536, "sandboxes": 0 }));
+    let counted = call_ok(&server, "events.list", json!({ "types": ["quota.counted"], "limit": 10 })).await;
+    assert_eq!(counted["items"].as_array().map(Vec::len), Some(2), "one quota.counted per admitted instance: {counted}");
+
+    // The fleet document carries the limits: exported, planned empty, raised by an apply.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("fleet.json");
+    let (code, _, err) = server.cli(&["fleet", "export", "--out", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let mut doc: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let exported = &doc["pools"][&pool];
+    assert_eq!(
+        (&exported["quotaGpus"], &exported["quotaInstances"], &exported["quotaVcpus"], &exported["quotaMemoryMiB"]),
+        (&json!(2), &json!(2), &json!(3), &json!(4096)),
+        "{doc}"
+    );
+    assert!(exported.get("quotaSandboxes").is_none(), "an unbounded limit is left out: {exported}");
+    let (code, _, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift"]);
+    assert_eq!(code, 0, "the export plans empty: {err}");
+    doc["pools"][&pool]["quotaVcpus"] = json!(8);
+    std::fs::write(&file, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--calls"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("~ quota") && out.contains("quotas.set"), "{out}");
+    let (code, _, err) = server.cli(&["fleet", "apply", file.to_str().unwrap(), "--yes"]);
+    assert_eq!(code, 0, "{err}");
+    let quota = call_ok(&server, "quotas.get", json!({ "poolId": pool })).await;
+    assert_eq!((&quota["vcpus"], &quota["instances"], &quota["memoryMiB"]), (&json!(8), &json!(2), &json!(4096)), "{quota}");
+    let resized = call_ok(&server, "instances.resize", json!({ "instanceId": a_id, "flavorId": large["flavorId"] })).await;
+    assert_eq!(resized["vcpus"], 4, "{resized}");
+    assert_eq!(machine.stop(), 0);
+}

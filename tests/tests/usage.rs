@@ -717,6 +717,17 @@ async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
         call_ok(&server, "sandboxes.create", json!({ "templateId": template, "ttlS": 5, "projectId": project_id })).await;
     assert_eq!(created["projectId"], json!(project_id), "{created}");
     let id = created["sandboxId"].as_str().unwrap().to_owned();
+    // Under a quota of one sandbox in the pool (issue 56's quotas per resource), a second one
+    // is refused while the first lives, naming the limit and its use.
+    let (code, _, err) = server.cli(&["quotas", "set", "--pool", &pool, "--gpus", "0", "--sandboxes", "1"]);
+    assert_eq!(code, 0, "{err}");
+    let quota = call_ok(&server, "quotas.get", json!({ "poolId": pool })).await;
+    assert_eq!(quota["sandboxes"], 1, "{quota}");
+    assert_eq!(quota["resourcesInUse"], json!({ "instances": 0, "vcpus": 1, "memoryMiB": 256, "sandboxes": 1 }), "{quota}");
+    let (status, refused) = server.call("sandboxes.create", json!({ "templateId": template, "ttlS": 5 })).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
+    let message = refused["message"].as_str().unwrap();
+    assert!(message.contains("quota of 1 sandboxes") && message.contains("in use: 1"), "{message}");
     let in_project = cli_json(&server, &["sandbox", "list", "--project", &project_id, "--deleted", "--format", "json"]);
     assert_eq!(in_project["items"][0]["sandboxId"], json!(id), "{in_project}");
     let in_other =

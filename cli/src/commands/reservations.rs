@@ -129,17 +129,30 @@ pub enum ReservationsCommand {
 
 #[derive(Subcommand)]
 pub enum QuotasCommand {
-    /// The tenant's GPU quota in a pool, and how much of it is in use.
+    /// The tenant's quota in a pool, per resource, and how much of each is in use.
     Get {
         #[arg(long)]
         pool: String,
     },
-    /// Set the tenant's GPU quota in a pool (queued and active reservations count).
+    /// Set the tenant's quota in a pool: GPUs (queued and active reservations count) and, each
+    /// optional, live instances, vCPUs, memory and sandboxes. A set replaces the whole quota: a
+    /// limit left out is unbounded.
     Set {
         #[arg(long)]
         pool: String,
         #[arg(long)]
         gpus: u32,
+        #[arg(long, value_parser = clap::value_parser!(u32).range(0..=i64::from(bc_projections::decide::quota::QUOTA_COUNT_MAX)))]
+        instances: Option<u32>,
+        /// vCPUs of live instances and claimed or cold sandboxes.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(0..=i64::from(bc_projections::decide::quota::QUOTA_VCPUS_MAX)))]
+        vcpus: Option<u32>,
+        /// Memory in MiB of the same.
+        #[arg(long = "memory-mib", value_parser = clap::value_parser!(u64).range(0..=bc_projections::decide::quota::QUOTA_MEMORY_MIB_MAX))]
+        memory_mib: Option<u64>,
+        /// Live claimed or cold sandboxes.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(0..=i64::from(bc_projections::decide::quota::QUOTA_COUNT_MAX)))]
+        sandboxes: Option<u32>,
     },
 }
 
@@ -296,8 +309,19 @@ pub async fn quotas(ctx: &Context, command: QuotasCommand) -> Result<(), CliErro
     let mut body = ctx.tenant_body()?;
     let (method, pool) = match &command {
         QuotasCommand::Get { pool } => ("quotas.get", pool),
-        QuotasCommand::Set { pool, gpus } => {
+        QuotasCommand::Set { pool, gpus, instances, vcpus, memory_mib, sandboxes } => {
             body.insert("gpus".into(), json!(gpus));
+            let limits = [
+                ("instances", instances.map(u64::from)),
+                ("vcpus", vcpus.map(u64::from)),
+                ("memoryMiB", *memory_mib),
+                ("sandboxes", sandboxes.map(u64::from)),
+            ];
+            for (field, value) in limits {
+                if let Some(v) = value {
+                    body.insert(field.into(), json!(v));
+                }
+            }
             ("quotas.set", pool)
         }
     };

@@ -14,6 +14,7 @@ use bc_core::id::{FlavorId, ImageId, PoolId, ProjectId, SiteId, TenantId};
 use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::decide::project::PROJECTS_PER_TENANT_MAX;
+use bc_projections::decide::quota as decide_quota;
 use bc_projections::decide::site::SITES_PER_TENANT_MAX;
 use bc_projections::events as ev;
 use bc_projections::fleet_config::{
@@ -209,6 +210,23 @@ pub struct FleetPool {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = u32::MAX))]
     pub quota_gpus: Option<u32>,
+    /// With `quotaGpus`, the quota's limit of live instances (absent: unbounded; without
+    /// `quotaGpus` the plan is `BLOCKED`: a quota always names its GPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = decide_quota::QUOTA_COUNT_MAX))]
+    pub quota_instances: Option<u32>,
+    /// With `quotaGpus`, the limit of vCPUs of live instances and claimed or cold sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = decide_quota::QUOTA_VCPUS_MAX))]
+    pub quota_vcpus: Option<u32>,
+    /// With `quotaGpus`, the limit of their memory, in MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "quotaMemoryMiB")]
+    #[schemars(range(min = 0, max = decide_quota::QUOTA_MEMORY_MIB_MAX))]
+    pub quota_memory_mib: Option<u64>,
+    /// With `quotaGpus`, the limit of live claimed or cold sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = decide_quota::QUOTA_COUNT_MAX))]
+    pub quota_sandboxes: Option<u32>,
     /// The other tenants the pool is offered to (`pools.offer`; absent: the document leaves
     /// the offers alone, empty: none).
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "unique_tenants")]
@@ -519,6 +537,13 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
                 "document.pools.{key}: maxReservationS must be {MAX_RESERVATION_S_MIN} to {MAX_RESERVATION_S_LIMIT}, not {s}"
             )));
         }
+        decide_quota::check_limits(
+            p.quota_instances.map(i64::from),
+            p.quota_vcpus.map(i64::from),
+            p.quota_memory_mib.and_then(|m| i64::try_from(m).ok().or(Some(i64::MAX))),
+            p.quota_sandboxes.map(i64::from),
+        )
+        .map_err(|e| at("pools", key, e))?;
         let offered = p.offered_to.iter().flatten();
         if p.offered_to.as_ref().is_some_and(|o| o.len() > OFFERS_PER_POOL_MAX) {
             return Err(Error::invalid(format!("document.pools.{key}: offeredTo names at most {OFFERS_PER_POOL_MAX} tenants")));
@@ -860,15 +885,23 @@ fn appends(
                 ev::to_cbor(&ev::ProjectArchived {})?,
             ),
             (decide::OBJECT_QUOTA, _) => {
-                // A quota's id is its pool's, drawn above when the plan creates the pool.
+                // A quota's id is its pool's, drawn above when the plan creates the pool. The
+                // change names the limits that differ; the others are the live quota's.
                 let pool = c.id.clone().or_else(|| created.get(&(decide::OBJECT_POOL, c.key.clone())).cloned());
-                let gpus = u64_field(c, "gpus").and_then(|g| u32::try_from(g).ok()).unwrap_or_default();
-                (
-                    format!("{KIND_QUOTA}/{}", pool.unwrap_or_default()),
-                    ExpectedVersion::Any,
-                    ev::QUOTA_SET,
-                    ev::to_cbor(&ev::QuotaSet { gpus })?,
-                )
+                let now = c.id.as_ref().and_then(|p| live.quotas.get(p)).map(QuotaDoc::limits);
+                let limit = |name: &str, live: Option<u64>| match c.fields.get(name) {
+                    Some(f) => f.to.as_u64(),
+                    None => live,
+                };
+                let small = |v: Option<u64>| v.and_then(|v| u32::try_from(v).ok());
+                let set = ev::QuotaSet {
+                    gpus: small(limit("gpus", now.as_ref().map(|q| u64::from(q.gpus)))).unwrap_or_default(),
+                    instances: small(limit("instances", now.as_ref().and_then(|q| q.instances).map(u64::from))),
+                    vcpus: small(limit("vcpus", now.as_ref().and_then(|q| q.vcpus).map(u64::from))),
+                    memory_mib: limit("memoryMiB", now.as_ref().and_then(|q| q.memory_mib)),
+                    sandboxes: small(limit("sandboxes", now.as_ref().and_then(|q| q.sandboxes).map(u64::from))),
+                };
+                (format!("{KIND_QUOTA}/{}", pool.unwrap_or_default()), ExpectedVersion::Any, ev::QUOTA_SET, ev::to_cbor(&set)?)
             }
             (decide::OBJECT_FLAVOR, Op::Delete) => (
                 format!("{KIND_FLAVOR}/{}", id.clone().unwrap_or_default()),

@@ -162,6 +162,7 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
     }
     let id = command_id(call);
     let issue = Issue { command_id: &id, now_ms: call.now_ms() };
+    let quota = super::quotas::quota_under(call, tenant, &reservation.pool_id).await?;
     let input = InstanceCreateInput {
         instance_id: &instance_id,
         name: &input.name,
@@ -170,6 +171,7 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
         flavor: &flavor,
         image: &image,
         start: input.start.unwrap_or(true),
+        quota: quota.as_ref().map(|(quota, in_use)| decide::quota::QuotaRead { quota, in_use: *in_use }),
     };
     let decided = decide::instance_create(&input, issue)?;
     let result = call.submit(call.decided(tenant, decided)).await?;
@@ -213,7 +215,13 @@ async fn request(
     }
     let command = command_id(call);
     let issue = Issue { command_id: &command, now_ms: call.now_ms() };
-    let decided = decide::instance_request(&current, &asked, if_version, None, issue)?;
+    // A resize that grows the instance is counted against the tenant's resource limits.
+    let quota = match &asked {
+        InstanceRequest::Resize(_) => super::quotas::quota_under(call, tenant, &current.pool_id).await?,
+        _ => None,
+    };
+    let quota = quota.as_ref().map(|(quota, in_use)| decide::quota::QuotaRead { quota, in_use: *in_use });
+    let decided = decide::instance_request_under(&current, &asked, if_version, None, issue, quota.as_ref())?;
     call.submit(call.decided(tenant, decided)).await?;
     Ok(instance_doc(call, tenant, &id).await?.into())
 }

@@ -318,7 +318,7 @@ pub(super) async fn create_from_snapshot(
     template: &bc_projections::sandbox::SandboxTemplateDoc,
     ttl_s: u64,
     snapshot_id: &str,
-    project: Option<&bc_projections::decide::project::ProjectRef>,
+    admission: &bc_projections::decide::sandbox::SandboxAdmission<'_>,
 ) -> Result<SandboxDoc> {
     use bc_projections::decide::sandbox as decide_sandbox;
     use bc_projections::sandbox::KIND_SANDBOX_LIVE;
@@ -350,8 +350,17 @@ pub(super) async fn create_from_snapshot(
         sha256: snapshot.sha256.clone().unwrap_or_default(),
     };
     let issue = Issue { command_id: &command, now_ms: call.now_ms() };
-    let decided =
-        decide_sandbox::sandbox_create_from(template, &sandbox_id, node, Some(ttl_s), issue, &[], &[], Some(&restore), project)?;
+    let decided = decide_sandbox::sandbox_create_from(
+        template,
+        &sandbox_id,
+        node,
+        Some(ttl_s),
+        issue,
+        &[],
+        &[],
+        Some(&restore),
+        admission,
+    )?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
     call.row(tenant, KIND_SANDBOX, super::call::stream_id(stream), "sandbox").await

@@ -477,9 +477,15 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
         Some(project_id) => Some(super::projects::project_for_work(call, tenant, project_id).await?),
         None => None,
     };
+    // The tenant's resource limits in the template's pool (none on a retry).
+    let quota = super::quotas::quota_under(call, tenant, &template.pool_id).await?;
+    let admission = decide::SandboxAdmission {
+        project: project.as_ref(),
+        quota: quota.as_ref().map(|(quota, in_use)| bc_projections::decide::quota::QuotaRead { quota, in_use: *in_use }),
+    };
     if let Some(snapshot_id) = &input.from_snapshot_id {
         let sandbox =
-            super::sandbox_snapshots::create_from_snapshot(call, tenant, &template, ttl_s, snapshot_id, project.as_ref()).await?;
+            super::sandbox_snapshots::create_from_snapshot(call, tenant, &template, ttl_s, snapshot_id, &admission).await?;
         return Ok(SandboxCreatedView { claimed: SandboxWarmth::Cold, sandbox: sandbox.into() });
     }
     let retry = call.is_retry(tenant).await?;
@@ -494,7 +500,7 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let now_ms = call.now_ms();
     if !retry {
         if let Some(warm) = decide::warm_sandbox(&live, &template) {
-            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms, project.as_ref())?;
+            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms, &admission)?;
             call.submit(call.decided(tenant, decided)).await?;
             let doc = sandbox_doc(call, tenant, &warm.sandbox_id).await?;
             return Ok(SandboxCreatedView { claimed: SandboxWarmth::Warm, sandbox: doc.into() });
@@ -534,7 +540,7 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     // A retry's own sandbox mounts the volumes already: the append answers it from the log.
     let mounting: &[SandboxDoc] = if retry { &[] } else { &live };
     let decided =
-        decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting, project.as_ref())?;
+        decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting, &admission)?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
     let doc = sandbox_doc(call, tenant, super::call::stream_id(stream)).await?;

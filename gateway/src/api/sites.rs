@@ -185,7 +185,7 @@ async fn referrers(call: &Call<'_>, tenant: TenantId, site_id: &str) -> Result<V
 
 /// Hands `visit` every row of `kind` of `tenant`, a page of [`bc_core::store::READ_ROWS_MAX`]
 /// at a time.
-async fn each_row<T: serde::de::DeserializeOwned>(
+pub(super) async fn each_row<T: serde::de::DeserializeOwned>(
     call: &Call<'_>,
     tenant: TenantId,
     kind: &str,

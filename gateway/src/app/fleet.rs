@@ -285,6 +285,18 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
     }
     for (pool, q) in &live.quotas {
         plan.reads.insert(format!("{KIND_QUOTA}/{pool} gpus"), u64::from(q.gpus));
+        // The resource limits it states (none: the reads of a quota of GPUs alone, as before).
+        let limits = [
+            ("instances", q.instances.map(u64::from)),
+            ("vcpus", q.vcpus.map(u64::from)),
+            ("memoryMiB", q.memory_mib),
+            ("sandboxes", q.sandboxes.map(u64::from)),
+        ];
+        for (name, value) in limits {
+            if let Some(v) = value {
+                plan.reads.insert(format!("{KIND_QUOTA}/{pool} {name}"), v);
+            }
+        }
     }
     for f in &live.flavors {
         plan.reads.insert(format!("{KIND_FLAVOR}/{}", f.flavor_id), f.version);
@@ -421,20 +433,54 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
                 pool_ids.insert(key, None);
             }
         }
-        // The tenant's quota in the pool, when the document states one.
+        // The tenant's quota in the pool, when the document states one: its GPUs and resource
+        // limits (a limit left out is unbounded). Limits without GPUs state no quota: BLOCKED.
+        let limits_without_gpus = want.quota_gpus.is_none()
+            && (want.quota_instances.is_some()
+                || want.quota_vcpus.is_some()
+                || want.quota_memory_mib.is_some()
+                || want.quota_sandboxes.is_some());
+        if limits_without_gpus {
+            plan.blocked.push(Blocked {
+                kind: OBJECT_QUOTA,
+                key: key.clone(),
+                reason: "a quota's instance, vCPU, memory or sandbox limits need its quotaGpus".into(),
+            });
+        }
         if let (Some(gpus), Some(pool_id)) = (want.quota_gpus, pool_ids.get(key.as_str())) {
-            let now = pool_id.as_deref().and_then(|id| live.quotas.get(id)).map(|q| q.gpus);
-            if now != Some(gpus) {
+            let want_limits = bc_projections::events::QuotaSet {
+                gpus,
+                instances: want.quota_instances,
+                vcpus: want.quota_vcpus,
+                memory_mib: want.quota_memory_mib,
+                sandboxes: want.quota_sandboxes,
+            };
+            let now = pool_id.as_deref().and_then(|id| live.quotas.get(id)).map(QuotaDoc::limits);
+            let json_of = |v: Option<u64>| v.map_or(Value::Null, |v| json!(v));
+            let pairs = [
+                ("gpus", now.as_ref().map(|q| u64::from(q.gpus)), Some(u64::from(gpus))),
+                ("instances", now.as_ref().and_then(|q| q.instances).map(u64::from), want_limits.instances.map(u64::from)),
+                ("vcpus", now.as_ref().and_then(|q| q.vcpus).map(u64::from), want_limits.vcpus.map(u64::from)),
+                ("memoryMiB", now.as_ref().and_then(|q| q.memory_mib), want_limits.memory_mib),
+                ("sandboxes", now.as_ref().and_then(|q| q.sandboxes).map(u64::from), want_limits.sandboxes.map(u64::from)),
+            ];
+            let fields: BTreeMap<String, FieldChange> = pairs
+                .into_iter()
+                .filter(|(_, from, to)| now.is_none() || from != to)
+                .filter(|(_, _, to)| now.is_some() || to.is_some())
+                .map(|(name, from, to)| (name.to_owned(), field(json_of(from), json_of(to))))
+                .collect();
+            if now.as_ref() != Some(&want_limits) {
                 plan.changes.push(Change {
                     op: if now.is_some() { Op::Update } else { Op::Create },
                     kind: OBJECT_QUOTA,
                     key: key.clone(),
                     id: pool_id.clone(),
-                    fields: BTreeMap::from([("gpus".into(), field(now.map_or(Value::Null, |g| json!(g)), json!(gpus)))]),
+                    fields,
                     expects: None,
                 });
             }
-            plan.objects.push((OBJECT_QUOTA, key.clone(), pool_id.clone(), quota_fingerprint(gpus)));
+            plan.objects.push((OBJECT_QUOTA, key.clone(), pool_id.clone(), quota_fingerprint(&want_limits)));
         }
         // The pool's offers, when the document states them: one change offering the tenants
         // added and withdrawing the ones left out.
@@ -988,6 +1034,10 @@ pub fn fleet_export(live: &FleetLive) -> FleetDocument {
                 labels: p.labels.clone(),
                 max_reservation_s: Some(p.max_reservation_s),
                 quota_gpus: live.quotas.get(&p.pool_id).map(|q| q.gpus),
+                quota_instances: live.quotas.get(&p.pool_id).and_then(|q| q.instances),
+                quota_vcpus: live.quotas.get(&p.pool_id).and_then(|q| q.vcpus),
+                quota_memory_mib: live.quotas.get(&p.pool_id).and_then(|q| q.memory_mib),
+                quota_sandboxes: live.quotas.get(&p.pool_id).and_then(|q| q.sandboxes),
                 offered_to: (!p.offered_to.is_empty()).then(|| p.offered_to.clone()),
                 site: p.site_id.as_deref().map(|s| key_of(OBJECT_SITE, s)),
             },
@@ -1102,6 +1152,10 @@ mod tests {
             labels: BTreeMap::new(),
             max_reservation_s: None,
             quota_gpus: None,
+            quota_instances: None,
+            quota_vcpus: None,
+            quota_memory_mib: None,
+            quota_sandboxes: None,
             offered_to: None,
             site: None,
         }
@@ -1133,6 +1187,56 @@ mod tests {
         let free = FleetLive { sites: vec![site], ..Default::default() };
         let plan = fleet_plan(&free, &empty, true);
         assert_eq!(plan.changes.iter().map(|c| (c.kind, c.op)).collect::<Vec<_>>(), [(OBJECT_SITE, Op::Delete)], "{plan:?}");
+    }
+
+    /// A quota's resource limits are exported and plan empty; a document that changes one is a
+    /// `~ quota` naming only what differs (a limit left out: unbounded, `null`); limits without
+    /// `quotaGpus` are BLOCKED; a quota of GPUs alone keeps the fingerprint it had before limits.
+    #[test]
+    fn a_quotas_resource_limits_are_exported_and_planned() {
+        let quota = QuotaDoc {
+            tenant_id: "ten_x".into(),
+            pool_id: P1.into(),
+            gpus: 8,
+            instances: Some(4),
+            vcpus: Some(32),
+            memory_mib: None,
+            sandboxes: Some(10),
+            version: 3,
+            updated_at_ms: 0,
+        };
+        let live =
+            FleetLive { pools: vec![pool(P1, "a", 2)], quotas: BTreeMap::from([(P1.into(), quota)]), ..Default::default() };
+        let doc = fleet_export(&live);
+        let p = &doc.pools[P1];
+        assert_eq!(
+            (p.quota_gpus, p.quota_instances, p.quota_vcpus, p.quota_memory_mib, p.quota_sandboxes),
+            (Some(8), Some(4), Some(32), None, Some(10))
+        );
+        let plan = fleet_plan(&live, &doc, true);
+        assert!(plan.changes.is_empty() && plan.blocked.is_empty(), "{plan:?}");
+        assert_eq!(plan.reads.get(&format!("quota/{P1} vcpus")), Some(&32));
+
+        let mut edited = doc.clone();
+        let e = edited.pools.get_mut(P1).unwrap();
+        e.quota_memory_mib = Some(65_536);
+        e.quota_sandboxes = None;
+        let plan = fleet_plan(&live, &edited, false);
+        assert_eq!(plan.changes.len(), 1, "{plan:?}");
+        let c = &plan.changes[0];
+        assert_eq!((c.kind, c.op, c.id.as_deref()), (OBJECT_QUOTA, Op::Update, Some(P1)));
+        assert_eq!(c.fields.keys().collect::<Vec<_>>(), ["memoryMiB", "sandboxes"]);
+        assert_eq!(c.fields["sandboxes"], field(json!(10), Value::Null));
+        assert_eq!(c.fields["memoryMiB"], field(Value::Null, json!(65_536)));
+
+        let mut no_gpus = doc;
+        no_gpus.pools.get_mut(P1).unwrap().quota_gpus = None;
+        let plan = fleet_plan(&live, &no_gpus, false);
+        assert!(plan.blocked.iter().any(|b| b.kind == OBJECT_QUOTA && b.reason.contains("quotaGpus")), "{plan:?}");
+
+        let gpus_only =
+            bc_projections::events::QuotaSet { gpus: 3, instances: None, vcpus: None, memory_mib: None, sandboxes: None };
+        assert_eq!(quota_fingerprint(&gpus_only), bc_projections::fleet_config::canonical_sha256(&json!({ "gpus": 3 })));
     }
 
     /// A pool's offers are exported, and the export plans empty; a document that adds and

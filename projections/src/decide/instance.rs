@@ -33,6 +33,9 @@ pub struct InstanceCreateInput<'a> {
     pub image: &'a ImageDoc,
     /// Start it once made (else it is defined, stopped).
     pub start: bool,
+    /// The tenant's quota in the pool and its live work there, when it has one
+    /// ([`super::quota::admit`]: the instance counts one instance and its flavor's vCPUs and memory).
+    pub quota: Option<super::quota::QuotaRead<'a>>,
 }
 
 fn not_ready(reservation: &ReservationDoc, why: impl Into<String>) -> Refusal {
@@ -60,6 +63,13 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
     let doc = pending_instance(input, binding, issue.now_ms);
     let mut guards = Vec::new();
     let (command, apply) = issue_command(&doc.node_id, INSTANCE_APPLY, doc.apply_args(), issue, &mut guards)?;
+    let adding = super::quota::ResourceUse {
+        instances: 1,
+        vcpus: u64::from(doc.shape.vcpus),
+        memory_mib: doc.shape.memory_mib,
+        sandboxes: 0,
+    };
+    let counted = super::quota::admit(input.quota.as_ref(), &adding, input.instance_id).map_err(Refusal::of_quota)?;
     let created = InstanceCreated {
         name: doc.name,
         pool_id: doc.pool_id,
@@ -80,12 +90,12 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
         event_type: RESERVATION_INSTANCE_ATTACHED.into(),
         payload: to_cbor(&ReservationInstance { instance_id: input.instance_id.to_owned() })?,
     };
-    Ok(Append {
-        stream: stream_of(KIND_INSTANCE, &input.instance_id),
-        expected: ExpectedVersion::NoStream,
-        guards,
-        events: vec![NewEvent::new(INSTANCE_CREATED, to_cbor(&created)?), command, attached],
-    })
+    let mut events = vec![NewEvent::new(INSTANCE_CREATED, to_cbor(&created)?), command, attached];
+    if let Some((guard, event)) = counted {
+        guards.push(guard);
+        events.push(event);
+    }
+    Ok(Append { stream: stream_of(KIND_INSTANCE, &input.instance_id), expected: ExpectedVersion::NoStream, guards, events })
 }
 
 /// The reservation's binding, when an instance may take its GPUs: the reservation is active,
@@ -214,6 +224,20 @@ pub fn instance_request(
     reason: Option<String>,
     issue: Issue<'_>,
 ) -> Result<Append, Refusal> {
+    instance_request_under(doc, request, if_version, reason, issue, None)
+}
+
+/// [`instance_request`] under the tenant's quota in the instance's pool (`quota`, its live work
+/// there counting this instance at its shape now): a resize that grows its vCPUs or memory
+/// counts the growth ([`super::quota::admit`]); other requests count nothing.
+pub fn instance_request_under(
+    doc: &InstanceDoc,
+    request: &InstanceRequest,
+    if_version: Option<u64>,
+    reason: Option<String>,
+    issue: Issue<'_>,
+    quota: Option<&super::quota::QuotaRead<'_>>,
+) -> Result<Append, Refusal> {
     if let Some(expected) = if_version
         && expected != doc.version
     {
@@ -248,13 +272,31 @@ pub fn instance_request(
         }
     };
     let mut guards = Vec::new();
+    let counted = match request {
+        InstanceRequest::Resize(shape) => {
+            let growth = super::quota::ResourceUse {
+                instances: 0,
+                vcpus: u64::from(shape.vcpus.saturating_sub(doc.shape.vcpus)),
+                memory_mib: shape.memory_mib.saturating_sub(doc.shape.memory_mib),
+                sandboxes: 0,
+            };
+            let grows = growth.vcpus > 0 || growth.memory_mib > 0;
+            if grows { super::quota::admit(quota, &growth, &doc.instance_id).map_err(Refusal::of_quota)? } else { None }
+        }
+        _ => None,
+    };
     let (command, apply) = issue_command(&doc.node_id, INSTANCE_APPLY, next.apply_args(), issue, &mut guards)?;
     let requested = InstanceRequested { desired: next.desired, generation: next.generation, apply, shape, reason };
+    let mut events = vec![NewEvent::new(event_type, to_cbor(&requested)?), command];
+    if let Some((guard, event)) = counted {
+        guards.push(guard);
+        events.push(event);
+    }
     Ok(Append {
         stream: stream_of(KIND_INSTANCE, &doc.instance_id),
         expected: ExpectedVersion::Exact(doc.version),
         guards,
-        events: vec![NewEvent::new(event_type, to_cbor(&requested)?), command],
+        events,
     })
 }
 

@@ -32,6 +32,7 @@ mod metal;
 mod plan;
 pub mod pool_offer;
 pub mod project;
+pub mod quota;
 mod reservation;
 mod rollout;
 pub mod sandbox;
@@ -46,7 +47,7 @@ pub mod usage;
 pub use capacity::{CapacityPreview, ModelCapacity, PoolCapacity, ProductCapacity, capacity_preview, pool_capacity};
 pub use instance::{
     CAPABILITY_INSTANCE_APPLY, InstanceAction, InstanceCreateInput, InstanceRequest, instance_create, instance_request,
-    instances_plan,
+    instance_request_under, instances_plan,
 };
 pub use metal::{
     DEPLOY_TOKEN_GRACE_S, MetalPlan, StepResult, VerbInput, WorkflowRetry, metal_drift, metal_fail, metal_pause, metal_plan,
@@ -118,6 +119,10 @@ pub enum Refusal {
     /// The tenant's live reservations in the pool plus this one would pass its quota.
     #[error("{requested} GPUs would take the tenant to {} of its quota of {limit} in pool {pool_id}", .in_use + .requested)]
     OverQuota { pool_id: String, requested: u32, in_use: u32, limit: u32 },
+    /// An instance's or a sandbox's vCPUs, memory or count would pass a resource limit of the
+    /// tenant's quota in its pool ([`quota::admit`]'s words).
+    #[error("{0}")]
+    OverResourceQuota(String),
     /// `ifVersion` names another version than the one the decision read.
     #[error("reservation {reservation_id} is at version {actual}, not {expected}")]
     VersionMismatch { reservation_id: String, expected: u64, actual: u64 },
@@ -185,7 +190,7 @@ impl From<Refusal> for Error {
             Refusal::NeverFits { .. } => {
                 Error::state(message, "check the selector's values with `capacity`, or ask for fewer GPUs")
             }
-            Refusal::OverQuota { .. } => Error::QuotaExceeded(message),
+            Refusal::OverQuota { .. } | Refusal::OverResourceQuota(_) => Error::QuotaExceeded(message),
             Refusal::VersionMismatch { reservation_id, expected, actual } => {
                 Error::Conflict { stream: stream_of(KIND_RESERVATION, &reservation_id), expected: expected.to_string(), actual }
             }
@@ -235,6 +240,16 @@ impl From<Refusal> for Error {
                 actual: version,
             },
             Refusal::Internal(_) => Error::Internal(message),
+        }
+    }
+}
+
+impl Refusal {
+    /// [`quota::admit`]'s refusal as a decision's: `QUOTA_EXCEEDED` stays itself.
+    pub fn of_quota(error: Error) -> Self {
+        match error {
+            Error::QuotaExceeded(message) => Refusal::OverResourceQuota(message),
+            other => other.into(),
         }
     }
 }

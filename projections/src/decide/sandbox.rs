@@ -331,14 +331,45 @@ pub fn sandbox_create(
     ttl_s: Option<u64>,
     issue: Issue<'_>,
 ) -> Result<Append, Error> {
-    sandbox_create_mounting(template, sandbox_id, node, ttl_s, issue, &[], &[], None)
+    sandbox_create_mounting(template, sandbox_id, node, ttl_s, issue, &[], &[], &SandboxAdmission::default())
+}
+
+/// The guards and events an admitted sandbox's append adds.
+type Admitted = (Vec<(String, ExpectedVersion)>, Vec<NewEvent>);
+
+/// What a caller's sandbox is admitted under: the project it is made in (guarded at the version
+/// read, [`ProjectRef::guard`]) and the tenant's quota in the template's pool with its live work
+/// there ([`super::quota::admit`]: one sandbox, its vCPUs and memory). The warm pool's own
+/// sandboxes are admitted under neither: their claim is.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SandboxAdmission<'a> {
+    pub project: Option<&'a ProjectRef>,
+    pub quota: Option<super::quota::QuotaRead<'a>>,
+}
+
+impl SandboxAdmission<'_> {
+    /// The guards and events `sandbox_id`'s append adds, or `QUOTA_EXCEEDED`.
+    fn admit(&self, template: &SandboxTemplateDoc, sandbox_id: &str) -> Result<Admitted, Error> {
+        let adding = super::quota::ResourceUse {
+            instances: 0,
+            vcpus: u64::from(template.shape.vcpus),
+            memory_mib: template.shape.memory_mib,
+            sandboxes: 1,
+        };
+        let mut guards: Vec<(String, ExpectedVersion)> = self.project.map(ProjectRef::guard).into_iter().collect();
+        let mut events = Vec::new();
+        if let Some((guard, event)) = super::quota::admit(self.quota.as_ref(), &adding, sandbox_id)? {
+            guards.push(guard);
+            events.push(event);
+        }
+        Ok((guards, events))
+    }
 }
 
 /// [`sandbox_create`] for a template that may mount volumes: each of the template's volumes
 /// (found in `volumes`) is attached to the new sandbox in the same append, guarded at its
 /// version, and must be on `node` and mounted by none of the tenant's `live` sandboxes
-/// ([`super::sandbox_volume::attach_volumes`]). Made in `project` when given: the append
-/// guards the project's stream at the version read ([`ProjectRef::guard`]).
+/// ([`super::sandbox_volume::attach_volumes`]). Admitted under `admission` ([`SandboxAdmission`]).
 #[allow(clippy::too_many_arguments)]
 pub fn sandbox_create_mounting(
     template: &SandboxTemplateDoc,
@@ -348,9 +379,9 @@ pub fn sandbox_create_mounting(
     issue: Issue<'_>,
     volumes: &[SandboxVolumeDoc],
     live: &[SandboxDoc],
-    project: Option<&ProjectRef>,
+    admission: &SandboxAdmission<'_>,
 ) -> Result<Append, Error> {
-    sandbox_create_from(template, sandbox_id, node, ttl_s, issue, volumes, live, None, project)
+    sandbox_create_from(template, sandbox_id, node, ttl_s, issue, volumes, live, None, admission)
 }
 
 /// [`sandbox_create_mounting`], started from a snapshot when `restore` names one
@@ -366,11 +397,13 @@ pub fn sandbox_create_from(
     volumes: &[SandboxVolumeDoc],
     live: &[SandboxDoc],
     restore: Option<&crate::sandbox_snapshot::SandboxRestore>,
-    project: Option<&ProjectRef>,
+    admission: &SandboxAdmission<'_>,
 ) -> Result<Append, Error> {
-    if project.is_some() && ttl_s.is_none() {
-        return Err(Error::invalid("a warm sandbox is made in no project: its claim names one"));
+    let project = admission.project;
+    if (project.is_some() || admission.quota.is_some()) && ttl_s.is_none() {
+        return Err(Error::invalid("a warm sandbox is made in no project and under no quota: its claim is"));
     }
+    let (admitted_guards, counted) = admission.admit(template, sandbox_id)?;
     if ttl_s.is_none() && !template.volumes.is_empty() {
         return Err(Error::state(
             format!("template {} mounts volumes: it keeps no warm sandboxes", template.template_id),
@@ -411,7 +444,7 @@ pub fn sandbox_create_from(
     };
     let mut guards = vec![(stream_of(KIND_SANDBOX_TEMPLATE, &template.template_id), ExpectedVersion::Exact(template.version))];
     guards.extend(volume_guards);
-    guards.extend(project.map(ProjectRef::guard));
+    guards.extend(admitted_guards);
     let mut args = doc.apply_args("running");
     if let Some(restore) = restore {
         args["restore"] = serde_json::json!(restore);
@@ -434,6 +467,7 @@ pub fn sandbox_create_from(
     };
     let mut events = vec![NewEvent::new(SANDBOX_CREATED, to_cbor(&created)?), command];
     events.extend(attached);
+    events.extend(counted);
     Ok(Append { stream: stream_of(KIND_SANDBOX, &sandbox_id), expected: ExpectedVersion::NoStream, guards, events })
 }
 
@@ -453,23 +487,28 @@ pub fn warm_sandbox<'a>(sandboxes: &'a [SandboxDoc], template: &SandboxTemplateD
         .min_by_key(|s| (s.created_at_ms, s.sandbox_id.clone()))
 }
 
-/// Claims a warm sandbox for a caller: its end, at the version read (one append), in `project`
-/// when given (guarded at the version read, as a cold create guards it).
+/// Claims a warm sandbox for a caller: its end, at the version read (one append), admitted as
+/// a cold create is ([`SandboxAdmission`]: its project, the tenant's quota).
 pub fn sandbox_claim(
     template: &SandboxTemplateDoc,
     warm: &SandboxDoc,
     ttl_s: u64,
     now_ms: u64,
-    project: Option<&ProjectRef>,
+    admission: &SandboxAdmission<'_>,
 ) -> Result<Append, Error> {
     check_ttl("ttlS", ttl_s, template.max_ttl_s)?;
-    let claimed =
-        SandboxClaimed { ends_at_ms: now_ms.saturating_add(ttl_s * 1000), project_id: project.map(|p| p.project_id.clone()) };
+    let (guards, counted) = admission.admit(template, &warm.sandbox_id)?;
+    let claimed = SandboxClaimed {
+        ends_at_ms: now_ms.saturating_add(ttl_s * 1000),
+        project_id: admission.project.map(|p| p.project_id.clone()),
+    };
+    let mut events = vec![NewEvent::new(SANDBOX_CLAIMED, to_cbor(&claimed)?)];
+    events.extend(counted);
     Ok(Append {
         stream: stream_of(KIND_SANDBOX, &warm.sandbox_id),
         expected: ExpectedVersion::Exact(warm.version),
-        guards: project.map(ProjectRef::guard).into_iter().collect(),
-        events: vec![NewEvent::new(SANDBOX_CLAIMED, to_cbor(&claimed)?)],
+        guards,
+        events,
     })
 }
 
@@ -928,25 +967,56 @@ mod tests {
         let project = ProjectRef { project_id: "proj_1".into(), version: 3 };
         let issue = Issue { command_id: "cmd_01j00000000000000000000000", now_ms: 1_000 };
         let t = template(0);
-        let made = sandbox_create_mounting(&t, "sbx_9", &node, Some(60), issue, &[], &[], Some(&project)).unwrap();
+        let in_project = SandboxAdmission { project: Some(&project), quota: None };
+        let made = sandbox_create_mounting(&t, "sbx_9", &node, Some(60), issue, &[], &[], &in_project).unwrap();
         assert!(made.guards.contains(&("project/proj_1".to_owned(), ExpectedVersion::Exact(3))), "{:?}", made.guards);
         let created: SandboxCreated = ciborium::Value::deserialized(&made.events[0].payload).unwrap();
         assert_eq!(created.project_id.as_deref(), Some("proj_1"));
         let none = sandbox_create(&t, "sbx_9", &node, Some(60), issue).unwrap();
         assert!(none.guards.iter().all(|(s, _)| !s.starts_with("project/")));
-        let err = sandbox_create_mounting(&t, "sbx_9", &node, None, issue, &[], &[], Some(&project)).unwrap_err();
+        let err = sandbox_create_mounting(&t, "sbx_9", &node, None, issue, &[], &[], &in_project).unwrap_err();
         assert_eq!(err.code(), bc_core::ErrorCode::InvalidArgument, "a warm sandbox waits for its claim's project: {err}");
 
         let warm = sandbox("sbx_1", SandboxState::Running, true, None);
-        let claim = sandbox_claim(&t, &warm, 60, 1_000, Some(&project)).unwrap();
+        let claim = sandbox_claim(&t, &warm, 60, 1_000, &in_project).unwrap();
         assert_eq!(claim.guards, vec![("project/proj_1".to_owned(), ExpectedVersion::Exact(3))]);
         let claimed: SandboxClaimed = ciborium::Value::deserialized(&claim.events[0].payload).unwrap();
         assert_eq!(claimed, SandboxClaimed { ends_at_ms: 61_000, project_id: Some("proj_1".into()) });
-        let plain = sandbox_claim(&t, &warm, 60, 1_000, None).unwrap();
+        let plain = sandbox_claim(&t, &warm, 60, 1_000, &SandboxAdmission::default()).unwrap();
         assert!(plain.guards.is_empty());
         // A claim from before projects decodes as one in no project.
         let old: SandboxClaimed = ciborium::Value::deserialized(&to_cbor(&SandboxEnd { ends_at_ms: 5 }).unwrap()).unwrap();
         assert_eq!(old.project_id, None);
+    }
+
+    /// Under a quota bounding sandboxes, vCPUs or memory, a cold create and a claim each count
+    /// one sandbox and its template's vCPUs and memory; past a limit, QUOTA_EXCEEDED naming it.
+    #[test]
+    fn a_sandbox_is_counted_against_its_tenants_resource_limits() {
+        use crate::decide::quota::{QuotaRead, ResourceUse};
+        let node = crate::drivers::test_node("n1", "pool_1", NodeState::Ready, &[CAPABILITY_SANDBOX_GVISOR]);
+        let issue = Issue { command_id: "cmd_01j00000000000000000000000", now_ms: 1_000 };
+        let t = template(0);
+        let q =
+            crate::QuotaDoc { pool_id: "pool_1".into(), sandboxes: Some(2), vcpus: Some(4), version: 5, ..Default::default() };
+        let under = |sandboxes: u32, vcpus: u64| SandboxAdmission {
+            project: None,
+            quota: Some(QuotaRead { quota: &q, in_use: ResourceUse { sandboxes, vcpus, ..ResourceUse::default() } }),
+        };
+        let made = sandbox_create_mounting(&t, "sbx_9", &node, Some(60), issue, &[], &[], &under(1, 1)).unwrap();
+        assert_eq!(made.event_types().last(), Some(&QUOTA_COUNTED));
+        assert!(made.guards.contains(&("quota/pool_1".to_owned(), ExpectedVersion::Exact(5))), "{:?}", made.guards);
+        let err = sandbox_create_mounting(&t, "sbx_9", &node, Some(60), issue, &[], &[], &under(2, 1)).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::QuotaExceeded, "{err}");
+        assert!(err.to_string().contains("quota of 2 sandboxes") && err.to_string().contains("in use: 2"), "{err}");
+        let warm = sandbox("sbx_1", SandboxState::Running, true, None);
+        let err = sandbox_claim(&t, &warm, 60, 1_000, &under(0, 4)).unwrap_err();
+        assert!(err.to_string().contains("quota of 4 vCPUs"), "a claim is counted too: {err}");
+        let claim = sandbox_claim(&t, &warm, 60, 1_000, &under(0, 0)).unwrap();
+        assert_eq!(claim.event_types(), vec![SANDBOX_CLAIMED, QUOTA_COUNTED]);
+        // The warm pool's own creates are under no quota.
+        let err = sandbox_create_mounting(&t, "sbx_9", &node, None, issue, &[], &[], &under(0, 0)).unwrap_err();
+        assert_eq!(err.code(), bc_core::ErrorCode::InvalidArgument);
     }
 
     #[test]

@@ -258,7 +258,7 @@ impl From<bc_projections::decide::CapacityPreview> for PreviewView {
     }
 }
 
-/// A tenant's GPU quota in one pool and what it uses of it.
+/// A tenant's quota in one pool, per resource, and what it uses of each.
 #[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct QuotaView {
@@ -270,4 +270,32 @@ pub struct QuotaView {
     pub gpus: Option<u32>,
     /// GPUs of the tenant's queued and active reservations in the pool.
     pub in_use: u32,
+    /// Live instances it may hold in the pool; `null`: unbounded.
+    pub instances: Option<u32>,
+    /// vCPUs of its live instances and claimed or cold sandboxes; `null`: unbounded.
+    pub vcpus: Option<u32>,
+    /// Memory (MiB) of the same; `null`: unbounded.
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: Option<u64>,
+    /// Live claimed or cold sandboxes; `null`: unbounded.
+    pub sandboxes: Option<u32>,
+    /// What the tenant's live instances and sandboxes in the pool hold now.
+    pub resources_in_use: ResourceUseView,
+}
+
+/// Instances, vCPUs, memory and sandboxes in use.
+#[derive(Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceUseView {
+    pub instances: u32,
+    pub vcpus: u64,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    pub sandboxes: u32,
+}
+
+impl From<bc_projections::decide::quota::ResourceUse> for ResourceUseView {
+    fn from(u: bc_projections::decide::quota::ResourceUse) -> Self {
+        Self { instances: u.instances, vcpus: u.vcpus, memory_mib: u.memory_mib, sandboxes: u.sandboxes }
+    }
 }
