@@ -235,8 +235,14 @@ pub fn project_fingerprint(name: &str, description: &str) -> String {
     canonical_sha256(&serde_json::json!({ "name": name, "description": description }))
 }
 
+/// A webhook's fingerprint: its endpoint, event types and description. Its signing secret is
+/// not in it (a document may leave the secret alone: a generated one is never in the document).
+pub fn webhook_fingerprint(url: &str, event_types: &[String], description: &str) -> String {
+    canonical_sha256(&serde_json::json!({ "url": url, "eventTypes": event_types, "description": description }))
+}
+
 /// The live objects a drift check reads: the tenant's pools, quotas (by pool id), flavors,
-/// images, sites and projects.
+/// images, sites, projects and webhooks.
 pub struct FleetObjectsLive<'a> {
     pub pools: &'a [crate::PoolDoc],
     pub quotas: &'a BTreeMap<String, crate::QuotaDoc>,
@@ -244,6 +250,7 @@ pub struct FleetObjectsLive<'a> {
     pub images: &'a [crate::ImageDoc],
     pub sites: &'a [crate::site::SiteDoc],
     pub projects: &'a [crate::project::ProjectDoc],
+    pub webhooks: &'a [crate::WebhookDoc],
 }
 
 /// The objects the applied document covers that changed outside it since: each one whose live
@@ -281,6 +288,11 @@ pub fn fleet_drift(applied: &FleetConfigDoc, live: &FleetObjectsLive<'_>) -> Vec
                 .iter()
                 .find(|p| p.project_id == id && !p.archived)
                 .map(|p| project_fingerprint(&p.name, &p.description)),
+            "webhook" => live
+                .webhooks
+                .iter()
+                .find(|w| w.webhook_id == id)
+                .map(|w| webhook_fingerprint(&w.url, &w.event_types, &w.description)),
             _ => continue,
         };
         let what = match now {

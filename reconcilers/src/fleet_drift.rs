@@ -51,6 +51,7 @@ pub async fn pass(log: &Log, _clock: &dyn Clock) -> Result<Pass> {
         let sites: Vec<bc_projections::site::SiteDoc> = all_rows(store, tenant, bc_projections::site::KIND_SITE).await?;
         let projects: Vec<bc_projections::project::ProjectDoc> =
             all_rows(store, tenant, bc_projections::project::KIND_PROJECT).await?;
+        let webhooks: Vec<bc_projections::WebhookDoc> = all_rows(store, tenant, bc_projections::KIND_WEBHOOK).await?;
         let live = FleetObjectsLive {
             pools: &pools,
             quotas: &quotas,
@@ -58,6 +59,7 @@ pub async fn pass(log: &Log, _clock: &dyn Clock) -> Result<Pass> {
             images: &images,
             sites: &sites,
             projects: &projects,
+            webhooks: &webhooks,
         };
         done.checked += 1;
         let drift = fleet_drift(&applied, &live);

@@ -406,3 +406,103 @@ async fn a_fleet_with_a_site_a_pool_at_it_and_a_project_round_trips() {
     let named = format!("metal/{}", machine["nodeId"].as_str().unwrap());
     assert!(code == 1 && fails_with(&err, "PLAN_BLOCKED") && out.contains(&named), "{out}{err}");
 }
+
+/// Webhooks in the fleet document (issue 56): their signing secrets only ever as references. A
+/// webhook signing with a referenced secret is exported with its `secretRef`, one with a
+/// generated secret without any (the document holds no secret value); the export plans empty. A
+/// new webhook without a reference is PLAN_BLOCKED; with one, `+ webhook`; an edit of the
+/// generated one is `~ webhook` and leaves its secret alone (its deliveries still verify with
+/// it); `--prune` deletes the one left out (`- webhook`); `--calls` names the webhooks calls.
+/// After the apply, the new webhook signs with the referenced value, and the secret cannot be
+/// deleted while it names it.
+#[tokio::test]
+async fn webhooks_in_the_document_name_their_secrets_by_reference_only() {
+    use bc_core::webhook::{Secret, verify};
+    let server = Server::dev();
+    let receiver = bc_tests::receiver::Receiver::start();
+    let dir = tempfile::tempdir().unwrap();
+    let signing = Secret::generate().expose();
+    let value_file = dir.path().join("hook.secret");
+    std::fs::write(&value_file, &signing).unwrap();
+    let (code, out, err) = server.cli(&["secrets", "put", "hook-signing", "--value-file", value_file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let reference = json(&out)["ref"].as_str().unwrap().to_owned();
+    let (status, by_ref) =
+        server.call("webhooks.create", json!({ "url": receiver.url, "eventTypes": ["pool.*"], "secretRef": reference })).await;
+    assert_eq!(status, 200, "{by_ref}");
+    let by_ref = by_ref["webhookId"].as_str().unwrap().to_owned();
+    let (status, own) =
+        server.call("webhooks.create", json!({ "url": receiver.url, "eventTypes": ["pool.*"], "description": "own" })).await;
+    assert_eq!(status, 200, "{own}");
+    let own_secret = own["secret"].as_str().unwrap().to_owned();
+    let own = own["webhookId"].as_str().unwrap().to_owned();
+
+    // Exported: a reference, or nothing; never a value.
+    let file = dir.path().join("fleet.json");
+    let (code, _, err) = server.cli(&["fleet", "export", "--out", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(!text.contains("whsec_") && !text.contains(&own_secret) && !text.contains(&signing), "no secret value: {text}");
+    let doc = read(&file);
+    assert_eq!(doc["webhooks"][&by_ref]["secretRef"], json!(reference), "{doc}");
+    assert!(doc["webhooks"][&own].get("secretRef").is_none(), "{doc}");
+    assert_eq!(doc["webhooks"][&own]["description"], "own");
+    let (code, _, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift", "--prune"]);
+    assert_eq!(code, 0, "the export plans empty: {err}");
+
+    // A new webhook must name its secret by reference.
+    let mut edited = doc.clone();
+    edited["webhooks"]["ci"] = json!({ "url": receiver.url, "eventTypes": ["pool.*"], "description": "ci" });
+    write(&file, &edited);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap()]);
+    assert!(code == 1 && fails_with(&err, "PLAN_BLOCKED") && out.contains("BLOCKED webhook ci"), "{out}{err}");
+
+    // With one: created; the generated one's description changes, its secret stays; the one left
+    // out is deleted with --prune.
+    edited["webhooks"]["ci"]["secretRef"] = json!(reference);
+    edited["webhooks"][&own]["description"] = json!("own, reviewed");
+    edited["webhooks"].as_object_mut().unwrap().remove(&by_ref);
+    write(&file, &edited);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--prune", "--calls"]);
+    assert_eq!(code, 0, "{err}");
+    for line in ["+ webhook ci", &format!("~ webhook {own}"), &format!("- webhook {by_ref}")] {
+        assert!(out.contains(line), "{line} in {out}");
+    }
+    for call in ["webhooks.create", "webhooks.update", "webhooks.delete"] {
+        assert!(out.contains(call), "{call} in {out}");
+    }
+    let hash = plan_hash(&out);
+    let (code, out, err) = server.cli(&["fleet", "apply", file.to_str().unwrap(), "--prune", "--plan-hash", &hash]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (status, list) = server.call("webhooks.list", json!({})).await;
+    assert_eq!(status, 200, "{list}");
+    let items = list["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2, "{list}");
+    let ci = items.iter().find(|w| w["description"] == "ci").expect("ci made");
+    assert_eq!((&ci["secretRef"], &ci["secretVersion"]), (&json!(reference), &json!(0)), "{ci}");
+    let mine = items.iter().find(|w| w["webhookId"] == own.as_str()).expect("own kept");
+    assert_eq!((&mine["description"], &mine["secretVersion"]), (&json!("own, reviewed"), &json!(1)), "{mine}");
+    assert!(mine["secretRef"].is_null(), "its generated secret is left alone: {mine}");
+    let (code, _, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift", "--prune"]);
+    assert_eq!(code, 0, "applied: {err}");
+
+    // Both sign: the created one with the referenced value, the kept one with its own secret.
+    let pool = server.pool("after-the-apply").await;
+    let (_, events) = server.call("events.list", json!({ "types": ["pool.created"], "limit": 500 })).await;
+    let event = events["items"].as_array().unwrap().iter().find(|e| e["stream"] == format!("pool/{pool}")).unwrap().clone();
+    let id = event["id"].as_str().unwrap().to_owned();
+    let got =
+        receiver.wait_for(std::time::Duration::from_secs(60), "two deliveries", |r| r.iter().filter(|r| r.id == id).count() >= 2);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let signs = |secret: &str| {
+        let secret = Secret::parse(secret).unwrap();
+        got.iter().filter(|r| r.id == id).any(|r| verify(&secret, &r.id, r.timestamp, &r.body, &r.signature, now))
+    };
+    assert!(signs(&signing), "the document's webhook signs with the referenced value");
+    assert!(signs(&own_secret), "the kept webhook still signs with its own secret");
+
+    // The secret is held by the webhook the document made.
+    let (code, _, err) = server.cli(&["secrets", "delete", "hook-signing"]);
+    let ci_id = ci["webhookId"].as_str().unwrap();
+    assert!(code == 1 && err.contains("INVALID_STATE") && err.contains(ci_id), "{err}");
+}

@@ -10,7 +10,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bc_core::id::{FlavorId, ImageId, PoolId, ProjectId, SiteId, TenantId};
+use bc_core::id::{FlavorId, ImageId, PoolId, ProjectId, SiteId, TenantId, WebhookId};
+use bc_projections::KIND_WEBHOOK;
+
+use super::webhooks::WEBHOOKS_PER_TENANT_MAX;
 use bc_core::store::{AppendRequest, BATCH_EVENTS_MAX, ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 use bc_projections::decide::project::PROJECTS_PER_TENANT_MAX;
@@ -64,7 +67,8 @@ const FLEET_OBJECTS_MAX: usize = FLEET_POOLS_MAX * 3
     + FLAVORS_PER_TENANT_MAX as usize
     + IMAGES_PER_TENANT_MAX as usize
     + SITES_PER_TENANT_MAX
-    + PROJECTS_PER_TENANT_MAX;
+    + PROJECTS_PER_TENANT_MAX
+    + WEBHOOKS_PER_TENANT_MAX as usize;
 const _: () = assert!(FLEET_CHANGES_MAX + 1 + FLEET_OBJECTS_MAX.div_ceil(FLEET_OBJECTS_PER_EVENT) <= BATCH_EVENTS_MAX);
 
 /// A key of the document: the fleet's own (`gpu-a`: 1 to 63 of a-z 0-9 . -) or an id.
@@ -156,6 +160,9 @@ pub struct FleetDocument {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(schema_with = "projects_schema")]
     pub projects: BTreeMap<String, FleetProject>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "webhooks_schema")]
+    pub webhooks: BTreeMap<String, FleetWebhook>,
 }
 
 fn sites_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
@@ -163,6 +170,9 @@ fn sites_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
 }
 fn projects_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
     keyed::<FleetProject>(g, ProjectId::PREFIX, PROJECTS_PER_TENANT_MAX)
+}
+fn webhooks_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    keyed::<FleetWebhook>(g, WebhookId::PREFIX, WEBHOOKS_PER_TENANT_MAX as usize)
 }
 
 fn pools_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
@@ -185,6 +195,7 @@ impl FleetDocument {
             flavors: BTreeMap::new(),
             images: BTreeMap::new(),
             projects: BTreeMap::new(),
+            webhooks: BTreeMap::new(),
         }
     }
 }
@@ -262,6 +273,26 @@ pub struct FleetProject {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     #[schemars(with = "DescriptionText")]
     pub description: String,
+}
+
+/// A webhook subscription. Its signing secret is only ever a reference to a secret of the
+/// tenant (`secretRef`, never a value): a webhook the document creates must name one (an apply
+/// cannot hand out a generated secret: `BLOCKED` otherwise); without `secretRef`, the webhook's
+/// secret, generated or referenced, is left alone, and one with a generated secret is exported
+/// without it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetWebhook {
+    #[schemars(with = "super::webhooks::ReceiverUrl")]
+    pub url: String,
+    #[schemars(with = "super::webhooks::ReceiverTypes")]
+    pub event_types: Vec<String>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(with = "DescriptionText")]
+    pub description: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<super::secrets::SecretRefText>")]
+    pub secret_ref: Option<String>,
 }
 
 /// A flavor of a pool of the document (`pool` is the pool's key there).
@@ -501,6 +532,7 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
         ("images", d.images.len(), IMAGES_PER_TENANT_MAX as usize),
         ("sites", d.sites.len(), SITES_PER_TENANT_MAX),
         ("projects", d.projects.len(), PROJECTS_PER_TENANT_MAX),
+        ("webhooks", d.webhooks.len(), WEBHOOKS_PER_TENANT_MAX as usize),
     ];
     for (what, n, max) in bounds {
         if n > max {
@@ -556,6 +588,9 @@ fn validate_document(d: &FleetDocument) -> Result<()> {
                 )));
             }
         }
+    }
+    for key in d.webhooks.keys() {
+        check_key(WebhookId::PREFIX, "webhooks", key)?;
     }
     for (key, f) in &d.flavors {
         check_key(FlavorId::PREFIX, "flavors", key)?;
@@ -644,7 +679,9 @@ async fn read_live(call: &Call<'_>, tenant: TenantId) -> Result<FleetLive> {
         .map(doc::<FleetConfigDoc>)
         .transpose()?;
     let quotas = quotas.into_iter().map(|q| (q.pool_id.clone(), q)).collect();
-    Ok(FleetLive { pools, quotas, flavors, images, sites, site_machines, projects, applied })
+    let webhooks: Vec<bc_projections::WebhookDoc> = read_all(call, tenant, KIND_WEBHOOK).await?;
+    let webhook_secrets = BTreeMap::new();
+    Ok(FleetLive { pools, quotas, flavors, images, sites, site_machines, projects, webhooks, webhook_secrets, applied })
 }
 
 async fn fleet_export(call: &Call<'_>, input: FleetExport) -> Result<FleetExportView> {
@@ -670,8 +707,39 @@ async fn fleet_plan(call: &Call<'_>, input: FleetPlanInput) -> Result<FleetPlanV
     root_only(call)?;
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_document(&input.document)?;
-    let plan = decide::fleet_plan(&read_live(call, tenant).await?, &input.document, input.prune);
+    validate_webhooks(call, &input.document)?;
+    let live = read_live_for(call, tenant, &input.document).await?;
+    let plan = decide::fleet_plan(&live, &input.document, input.prune);
     Ok(plan_view(&plan))
+}
+
+/// The document's webhooks checked as `webhooks.create` checks them (the endpoint against this
+/// deployment's receiver policy), saying which.
+fn validate_webhooks(call: &Call<'_>, d: &FleetDocument) -> Result<()> {
+    for (key, w) in &d.webhooks {
+        super::webhooks::check_fleet_webhook(call, &w.url, &w.event_types, &w.description, w.secret_ref.as_deref()).map_err(
+            |e| Error::InvalidArgument {
+                message: format!("document.webhooks.{key}: {}", e.public_message()),
+                hint: e.hint().map(str::to_owned),
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// The live fleet, with the secrets the document's webhooks name as read.
+async fn read_live_for(call: &Call<'_>, tenant: TenantId, d: &FleetDocument) -> Result<FleetLive> {
+    let mut live = read_live(call, tenant).await?;
+    for reference in d.webhooks.values().filter_map(|w| w.secret_ref.as_ref()) {
+        let canonical = reference.to_lowercase();
+        if live.webhook_secrets.contains_key(&canonical) {
+            continue;
+        }
+        if let Some(read) = super::webhooks::signing_secret_read(call, tenant, reference).await? {
+            live.webhook_secrets.insert(canonical, read);
+        }
+    }
+    Ok(live)
 }
 
 fn counts(plan: &FleetPlan) -> (u32, u32, u32) {
@@ -683,7 +751,8 @@ async fn fleet_apply(call: &Call<'_>, input: FleetApplyInput) -> Result<FleetApp
     root_only(call)?;
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_document(&input.document)?;
-    let live = read_live(call, tenant).await?;
+    validate_webhooks(call, &input.document)?;
+    let live = read_live_for(call, tenant, &input.document).await?;
     // The same request again (its idempotency key seen) after it applied: answered from the
     // fleet's record, not planned again (the plan over the changed fleet is another plan).
     if call.is_retry(tenant).await?
@@ -747,6 +816,18 @@ async fn fleet_apply(call: &Call<'_>, input: FleetApplyInput) -> Result<FleetApp
         }
         Err(e) => return Err(e),
     }
+    // A webhook deleted, or signing with a referenced secret now: its own secrets sign nothing
+    // again, and their rows go (as `webhooks.delete` and `webhooks.update` do).
+    for c in plan.changes.iter().filter(|c| c.kind == decide::OBJECT_WEBHOOK && c.op != Op::Create) {
+        if c.op == Op::Update && !c.fields.contains_key("secretRef") {
+            continue;
+        }
+        if let Some(w) = live.webhooks.iter().find(|w| Some(&w.webhook_id) == c.id.as_ref()) {
+            for secret_id in super::webhooks::own_secrets(w) {
+                call.state.store.secret_delete(tenant, secret_id).await?;
+            }
+        }
+    }
     let (created, updated, deleted) = counts(&plan);
     Ok(FleetApplyView {
         plan_hash: plan.plan_hash,
@@ -776,6 +857,7 @@ fn appends(
             decide::OBJECT_SITE => SiteId::from_ulid(call.ulid()).to_string(),
             decide::OBJECT_PROJECT => ProjectId::from_ulid(call.ulid()).to_string(),
             decide::OBJECT_FLAVOR => FlavorId::from_ulid(call.ulid()).to_string(),
+            decide::OBJECT_WEBHOOK => WebhookId::from_ulid(call.ulid()).to_string(),
             _ => ImageId::from_ulid(call.ulid()).to_string(),
         };
         created.insert((c.kind, c.key.clone()), id);
@@ -877,6 +959,46 @@ fn appends(
                         .transpose()?
                         .unwrap_or_default(),
                 })?,
+            ),
+            (decide::OBJECT_WEBHOOK, Op::Create) => {
+                // Never a secret made here: a created webhook signs with the secret it names.
+                let types: Vec<String> =
+                    c.fields.get("eventTypes").and_then(|f| serde_json::from_value(f.to.clone()).ok()).unwrap_or_default();
+                let created = ev::WebhookCreated {
+                    url: str_field(c, "url")?,
+                    event_types: types,
+                    description: str_field(c, "description")?,
+                    secret_version: 0,
+                    secret_id: String::new(),
+                    secret_ref: Some(str_field(c, "secretRef")?),
+                };
+                (
+                    format!("{KIND_WEBHOOK}/{}", id.clone().unwrap_or_default()),
+                    ExpectedVersion::NoStream,
+                    ev::WEBHOOK_CREATED,
+                    ev::to_cbor(&created)?,
+                )
+            }
+            (decide::OBJECT_WEBHOOK, Op::Update) => {
+                let text = |name: &str| c.fields.get(name).and_then(|f| f.to.as_str()).map(str::to_owned);
+                let updated = ev::WebhookUpdated {
+                    url: text("url"),
+                    event_types: c.fields.get("eventTypes").and_then(|f| serde_json::from_value(f.to.clone()).ok()),
+                    description: text("description"),
+                    secret_ref: text("secretRef"),
+                };
+                (
+                    format!("{KIND_WEBHOOK}/{}", id.clone().unwrap_or_default()),
+                    ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                    ev::WEBHOOK_UPDATED,
+                    ev::to_cbor(&updated)?,
+                )
+            }
+            (decide::OBJECT_WEBHOOK, _) => (
+                format!("{KIND_WEBHOOK}/{}", id.clone().unwrap_or_default()),
+                ExpectedVersion::Exact(c.expects.unwrap_or_default()),
+                ev::WEBHOOK_DELETED,
+                ev::to_cbor(&ev::WebhookDeleted {})?,
             ),
             (decide::OBJECT_PROJECT, _) => (
                 format!("{KIND_PROJECT}/{}", id.clone().unwrap_or_default()),

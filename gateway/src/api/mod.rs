@@ -56,7 +56,7 @@ mod system;
 mod tenants;
 mod tunnels;
 mod usage;
-mod webhooks;
+pub(crate) mod webhooks;
 
 pub use call::Call;
 /// A pool's `maxReservationS` bounds, which the CLI's `--max-reservation` checks before sending.

@@ -242,7 +242,7 @@ pub struct WebhooksRedeliver {
     delivery_id: String,
 }
 
-fn check_types(types: &[String]) -> Result<()> {
+pub(super) fn check_types(types: &[String]) -> Result<()> {
     if types.is_empty() {
         return Err(Error::InvalidArgument {
             message: "eventTypes is empty: the webhook would receive nothing".into(),
@@ -253,7 +253,7 @@ fn check_types(types: &[String]) -> Result<()> {
 }
 
 /// The webhook's own signing secrets in the secret store (none while it names a reference).
-fn own_secrets(doc: &WebhookDoc) -> impl Iterator<Item = &String> {
+pub(super) fn own_secrets(doc: &WebhookDoc) -> impl Iterator<Item = &String> {
     std::iter::once(&doc.secret_id).chain(doc.previous_secrets.iter().map(|p| &p.secret_id)).filter(|id| !id.is_empty())
 }
 
@@ -277,6 +277,45 @@ async fn signing_secret_ref(call: &Call<'_>, tenant: TenantId, reference: &str) 
         ));
     }
     Ok(canonical)
+}
+
+/// A fleet document's webhook's `reference`, as read (`None`: it names no secret of `tenant`):
+/// what [`signing_secret_ref`] checks, for a plan to block on rather than refuse.
+pub(super) async fn signing_secret_read(
+    call: &Call<'_>,
+    tenant: TenantId,
+    reference: &str,
+) -> Result<Option<crate::app::fleet::SecretRead>> {
+    let (owner, secret_id) = bc_projections::secret::parse_secret_ref(reference)?;
+    if owner != tenant {
+        return Ok(None);
+    }
+    let Some(row) = call.state.store.row_get(&tenant.to_string(), bc_projections::KIND_SECRET, &secret_id.to_string()).await?
+    else {
+        return Ok(None);
+    };
+    let secret: bc_projections::SecretDoc = super::call::doc(row)?;
+    let value = call.state.store.secret_get(tenant, &secret.value_id).await?;
+    let signs = value.as_deref().and_then(|v| Secret::parse(v).ok()).is_some();
+    Ok(Some(crate::app::fleet::SecretRead { secret_id: secret.secret_id, version: secret.version, signs }))
+}
+
+/// A webhook of a fleet document checked as `webhooks.create` checks its fields: the endpoint
+/// against the receivers' policy, the event types, the description, the reference's form.
+pub(super) fn check_fleet_webhook(
+    call: &Call<'_>,
+    url: &str,
+    types: &[String],
+    description: &str,
+    reference: Option<&str>,
+) -> Result<()> {
+    call.state.webhook_policy.check_url(url)?;
+    check_types(types)?;
+    validate_text("description", description, DESCRIPTION_CHARS_MAX)?;
+    if let Some(reference) = reference {
+        bc_projections::secret::parse_secret_ref(reference)?;
+    }
+    Ok(())
 }
 
 async fn current(call: &Call<'_>, tenant: TenantId, id: &WebhookId) -> Result<WebhookDoc> {

@@ -24,7 +24,7 @@ use bc_projections::decide::project::PROJECTS_PER_TENANT_MAX;
 use bc_projections::decide::site::SITES_PER_TENANT_MAX;
 use bc_projections::fleet_config::{
     FleetConfigDoc, FleetDrift, FleetObject, FleetObjectsLive, flavor_fingerprint, image_fingerprint, offer_fingerprint,
-    pool_fingerprint, project_fingerprint, quota_fingerprint, site_fingerprint,
+    pool_fingerprint, project_fingerprint, quota_fingerprint, site_fingerprint, webhook_fingerprint,
 };
 pub use bc_projections::fleet_config::{canonical_json, canonical_sha256};
 use bc_projections::project::{KIND_PROJECT, ProjectDoc};
@@ -35,9 +35,10 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::api::flavors::{FLAVORS_PER_POOL_MAX, FLAVORS_PER_TENANT_MAX};
-use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool, FleetProject, FleetSite};
+use crate::api::fleet::{FleetDocument, FleetFlavor, FleetImage, FleetPool, FleetProject, FleetSite, FleetWebhook};
 use crate::api::images::IMAGES_PER_TENANT_MAX;
 use crate::api::views::ImageChannelView;
+use crate::api::webhooks::WEBHOOKS_PER_TENANT_MAX;
 use bc_projections::events::ImageChannel;
 
 /// `fleet/default`'s kind name for the document's object kinds.
@@ -49,6 +50,16 @@ pub const OBJECT_IMAGE: &str = "image";
 pub const OBJECT_OFFER: &str = "offer";
 pub const OBJECT_SITE: &str = "site";
 pub const OBJECT_PROJECT: &str = "project";
+pub const OBJECT_WEBHOOK: &str = "webhook";
+
+/// A signing secret a webhook of the document names (`secret://TENANT/sec_…`), as read: the
+/// secret's id and stream version, and whether its value is a webhook signing secret.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SecretRead {
+    pub secret_id: String,
+    pub version: u64,
+    pub signs: bool,
+}
 
 /// The live fleet a plan is made against: the tenant's pools (archived too), quotas, flavors,
 /// images, sites and projects (archived too), and the last applied configuration.
@@ -64,6 +75,10 @@ pub struct FleetLive {
     /// (`decide::site::machine_holds_site`): they hold their sites against a prune.
     pub site_machines: Vec<(String, String)>,
     pub projects: Vec<ProjectDoc>,
+    pub webhooks: Vec<bc_projections::WebhookDoc>,
+    /// The secrets the document's webhooks name, by reference (canonical), as read: absent, a
+    /// reference names no secret of the tenant.
+    pub webhook_secrets: BTreeMap<String, SecretRead>,
     pub applied: Option<FleetConfigDoc>,
 }
 
@@ -134,6 +149,9 @@ impl Change {
             (OBJECT_SITE, Op::Delete) => ("sites.delete", "compute:sites:write"),
             (OBJECT_PROJECT, Op::Delete) => ("projects.archive", "compute:projects:write"),
             (OBJECT_PROJECT, _) => ("projects.create", "compute:projects:write"),
+            (OBJECT_WEBHOOK, Op::Create) => ("webhooks.create", "compute:webhooks:write"),
+            (OBJECT_WEBHOOK, Op::Update) => ("webhooks.update", "compute:webhooks:write"),
+            (OBJECT_WEBHOOK, Op::Delete) => ("webhooks.delete", "compute:webhooks:write"),
             (_, _) => ("images.register", "compute:images:write"),
         }
     }
@@ -309,6 +327,13 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
     }
     for p in &live.projects {
         plan.reads.insert(format!("{KIND_PROJECT}/{}", p.project_id), p.version);
+    }
+    for w in &live.webhooks {
+        plan.reads.insert(format!("{}/{}", bc_projections::KIND_WEBHOOK, w.webhook_id), w.version);
+    }
+    // A secret a webhook names is read too: a delete or a put between plan and apply is drift.
+    for s in live.webhook_secrets.values() {
+        plan.reads.insert(format!("{}/{}", bc_projections::KIND_SECRET, s.secret_id), s.version);
     }
 
     // Sites first (pools name them): their name and labels change in place, their region never.
@@ -763,6 +788,7 @@ pub fn fleet_plan(live: &FleetLive, doc: &FleetDocument, prune: bool) -> FleetPl
     // when no pool that stays names them.
     plan_sites_left_out(live, prune, &sites, &mut plan);
     plan_projects(live, doc, prune, &mut plan);
+    plan_webhooks(live, doc, prune, &mut plan);
 
     plan.blocked.sort_by(|a, b| (a.kind, &a.key).cmp(&(b.kind, &b.key)));
     plan.blocked.dedup();
@@ -1001,6 +1027,123 @@ fn plan_projects(live: &FleetLive, doc: &FleetDocument, prune: bool, plan: &mut 
     }
 }
 
+/// The document's webhooks against the live ones: `+` a new webhook (it must name its signing
+/// secret by reference: an apply cannot hand out a generated one), `~` a new endpoint, event
+/// types, description or secret reference, `-` (with `prune`) the delete of one it leaves out.
+/// A webhook without `secretRef` leaves its secret alone. `BLOCKED`: a reference to no secret
+/// of the tenant, or to one that is no webhook signing secret; an id naming nothing; past
+/// `WEBHOOKS_PER_TENANT_MAX`.
+fn plan_webhooks(live: &FleetLive, doc: &FleetDocument, prune: bool, plan: &mut FleetPlan) {
+    let applied = live.applied.as_ref();
+    let by_id: BTreeMap<&str, &bc_projections::WebhookDoc> = live.webhooks.iter().map(|w| (w.webhook_id.as_str(), w)).collect();
+    let mut covered: BTreeSet<String> = BTreeSet::new();
+    let mut creates = 0usize;
+    for (key, want) in &doc.webhooks {
+        let id = resolve(applied, OBJECT_WEBHOOK, bc_core::id::WebhookId::PREFIX, key);
+        if let Some(id) = &id {
+            covered.insert(id.clone());
+        }
+        let live_webhook = id.as_deref().and_then(|id| by_id.get(id).copied());
+        let block = |plan: &mut FleetPlan, reason: String| {
+            plan.blocked.push(Blocked { kind: OBJECT_WEBHOOK, key: key.clone(), reason });
+        };
+        if let Some(reference) = &want.secret_ref {
+            match live.webhook_secrets.get(&reference.to_lowercase()) {
+                None => {
+                    block(plan, format!("dangling reference: secret {reference} is not a secret of the tenant"));
+                    continue;
+                }
+                Some(s) if !s.signs => {
+                    block(plan, format!("secret {reference} is not a webhook signing secret (whsec_…)"));
+                    continue;
+                }
+                Some(_) => {}
+            }
+        }
+        let fingerprint = webhook_fingerprint(&want.url, &want.event_types, &want.description);
+        match (id, live_webhook) {
+            (Some(id), None) if is_id_key(bc_core::id::WebhookId::PREFIX, key) => {
+                block(plan, format!("{id} does not exist: a key that is an id names an existing webhook"));
+            }
+            (_, Some(w)) => {
+                let mut fields = BTreeMap::new();
+                if w.url != want.url {
+                    fields.insert("url".to_owned(), field(json!(w.url), json!(want.url)));
+                }
+                if w.event_types != want.event_types {
+                    fields.insert("eventTypes".to_owned(), field(json!(w.event_types), json!(want.event_types)));
+                }
+                if w.description != want.description {
+                    fields.insert("description".to_owned(), field(json!(w.description), json!(want.description)));
+                }
+                if let Some(reference) = want.secret_ref.as_ref().map(|r| r.to_lowercase())
+                    && w.secret_ref.as_deref() != Some(reference.as_str())
+                {
+                    let from = w.secret_ref.as_ref().map_or(Value::Null, |r| json!(r));
+                    fields.insert("secretRef".to_owned(), field(from, json!(reference)));
+                }
+                if !fields.is_empty() {
+                    plan.changes.push(Change {
+                        op: Op::Update,
+                        kind: OBJECT_WEBHOOK,
+                        key: key.clone(),
+                        id: Some(w.webhook_id.clone()),
+                        fields,
+                        expects: Some(w.version),
+                    });
+                }
+                plan.objects.push((OBJECT_WEBHOOK, key.clone(), Some(w.webhook_id.clone()), fingerprint));
+            }
+            (_, None) => {
+                if want.secret_ref.is_none() {
+                    block(
+                        plan,
+                        "a webhook the document creates names its signing secret by reference (secretRef: secret://TENANT/sec_…): an apply cannot hand out a generated one".into(),
+                    );
+                    continue;
+                }
+                let mut fields = created_fields(want);
+                fields.entry("description".into()).or_insert_with(|| field(Value::Null, json!("")));
+                if let Some(reference) = &want.secret_ref {
+                    fields.insert("secretRef".into(), field(Value::Null, json!(reference.to_lowercase())));
+                }
+                plan.changes.push(Change {
+                    op: Op::Create,
+                    kind: OBJECT_WEBHOOK,
+                    key: key.clone(),
+                    id: None,
+                    fields,
+                    expects: Some(0),
+                });
+                plan.objects.push((OBJECT_WEBHOOK, key.clone(), None, fingerprint));
+                creates += 1;
+            }
+        }
+    }
+    for w in live.webhooks.iter().filter(|w| !covered.contains(&w.webhook_id)) {
+        if prune {
+            plan.changes.push(Change {
+                op: Op::Delete,
+                kind: OBJECT_WEBHOOK,
+                key: w.webhook_id.clone(),
+                id: Some(w.webhook_id.clone()),
+                fields: BTreeMap::new(),
+                expects: Some(w.version),
+            });
+        } else {
+            plan.unmanaged.push(Unmanaged { kind: OBJECT_WEBHOOK, id: w.webhook_id.clone(), name: w.url.clone() });
+        }
+    }
+    let held = live.webhooks.len() + creates;
+    if held > WEBHOOKS_PER_TENANT_MAX as usize {
+        plan.blocked.push(Blocked {
+            kind: OBJECT_WEBHOOK,
+            key: "*".into(),
+            reason: format!("the tenant would hold {held} webhooks, more than {WEBHOOKS_PER_TENANT_MAX}"),
+        });
+    }
+}
+
 /// The plan's hash: SHA-256 over a domain tag, the canonical document, the prune flag, what was
 /// read and the changes.
 fn plan_hash(doc: &FleetDocument, prune: bool, plan: &FleetPlan) -> String {
@@ -1074,6 +1217,18 @@ pub fn fleet_export(live: &FleetLive) -> FleetDocument {
     for i in &live.images {
         doc.images.insert(key_of(OBJECT_IMAGE, &i.image_id), image_of(i));
     }
+    // A webhook's signing secret only as a reference: one with a generated secret has none.
+    for w in &live.webhooks {
+        doc.webhooks.insert(
+            key_of(OBJECT_WEBHOOK, &w.webhook_id),
+            FleetWebhook {
+                url: w.url.clone(),
+                event_types: w.event_types.clone(),
+                description: w.description.clone(),
+                secret_ref: w.secret_ref.clone(),
+            },
+        );
+    }
     doc
 }
 
@@ -1088,6 +1243,7 @@ pub fn fleet_drift(live: &FleetLive) -> Vec<FleetDrift> {
         images: &live.images,
         sites: &live.sites,
         projects: &live.projects,
+        webhooks: &live.webhooks,
     };
     bc_projections::fleet_config::fleet_drift(applied, &objects)
 }
@@ -1237,6 +1393,83 @@ mod tests {
         let gpus_only =
             bc_projections::events::QuotaSet { gpus: 3, instances: None, vcpus: None, memory_mib: None, sandboxes: None };
         assert_eq!(quota_fingerprint(&gpus_only), bc_projections::fleet_config::canonical_sha256(&json!({ "gpus": 3 })));
+    }
+
+    /// Webhooks: one signing with a referenced secret is exported with its `secretRef`, one with
+    /// a generated secret without; the export plans empty. A new webhook must name a secret by
+    /// reference (BLOCKED otherwise), and one naming no secret of the tenant, or one that does
+    /// not sign, is BLOCKED; an edit is a `~` of what differs, a webhook without `secretRef`
+    /// leaves its secret alone, and `--prune` deletes one left out.
+    #[test]
+    fn webhooks_are_exported_planned_with_their_secrets_as_references_only() {
+        const SECRET: &str = "secret://ten_01hzz00000000000000000000x/sec_01hzz00000000000000000000s";
+        const W1: &str = "wh_01hzz0000000000000000000w1";
+        const W2: &str = "wh_01hzz0000000000000000000w2";
+        let webhook = |id: &str, secret_ref: Option<&str>| bc_projections::WebhookDoc {
+            tenant_id: "ten_x".into(),
+            webhook_id: id.into(),
+            url: format!("https://hooks.example.com/{id}"),
+            event_types: vec!["pool.*".into()],
+            description: String::new(),
+            secret_version: u32::from(secret_ref.is_none()),
+            secret_id: if secret_ref.is_none() { format!("{id}/evt_1") } else { String::new() },
+            secret_ref: secret_ref.map(str::to_owned),
+            previous_secrets: Vec::new(),
+            created_seq: 1,
+            version: 1,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        };
+        let read = |signs: bool| SecretRead { secret_id: "sec_01hzz00000000000000000000s".into(), version: 2, signs };
+        let live = FleetLive {
+            webhooks: vec![webhook(W1, Some(SECRET)), webhook(W2, None)],
+            webhook_secrets: BTreeMap::from([(SECRET.to_owned(), read(true))]),
+            ..Default::default()
+        };
+        let doc = fleet_export(&live);
+        assert_eq!(doc.webhooks[W1].secret_ref.as_deref(), Some(SECRET));
+        assert_eq!(doc.webhooks[W2].secret_ref, None, "a generated secret is never in the document");
+        let plan = fleet_plan(&live, &doc, true);
+        assert!(plan.changes.is_empty() && plan.blocked.is_empty(), "{plan:?}");
+        assert_eq!(plan.reads.get("secret/sec_01hzz00000000000000000000s"), Some(&2), "the referenced secret is read");
+
+        let new = |secret_ref: Option<&str>| FleetWebhook {
+            url: "https://hooks.example.com/new".into(),
+            event_types: vec!["reservation.*".into()],
+            description: "ci".into(),
+            secret_ref: secret_ref.map(str::to_owned),
+        };
+        let mut without = doc.clone();
+        without.webhooks.insert("ci".into(), new(None));
+        let plan = fleet_plan(&live, &without, false);
+        assert!(plan.blocked.iter().any(|b| b.kind == OBJECT_WEBHOOK && b.reason.contains("secretRef")), "{plan:?}");
+        let mut dangling = doc.clone();
+        dangling
+            .webhooks
+            .insert("ci".into(), new(Some("secret://ten_01hzz00000000000000000000x/sec_01hzz00000000000000000000z")));
+        let plan = fleet_plan(&live, &dangling, false);
+        assert!(plan.blocked.iter().any(|b| b.reason.contains("dangling reference")), "{plan:?}");
+        let not_signing = FleetLive { webhook_secrets: BTreeMap::from([(SECRET.to_owned(), read(false))]), ..live.clone() };
+        assert!(fleet_plan(&not_signing, &doc, false).blocked.iter().any(|b| b.reason.contains("whsec_")));
+
+        let mut edited = doc.clone();
+        edited.webhooks.insert("ci".into(), new(Some(SECRET)));
+        edited.webhooks.get_mut(W2).unwrap().description = "the generated one".into();
+        edited.webhooks.remove(W1);
+        let plan = fleet_plan(&live, &edited, true);
+        let ops: Vec<(Op, &str, &str)> = plan.changes.iter().map(|c| (c.op, c.kind, c.key.as_str())).collect();
+        assert_eq!(ops, [(Op::Create, OBJECT_WEBHOOK, "ci"), (Op::Update, OBJECT_WEBHOOK, W2), (Op::Delete, OBJECT_WEBHOOK, W1)]);
+        assert_eq!(plan.changes[1].fields.keys().collect::<Vec<_>>(), ["description"], "its secret is left alone");
+        assert_eq!(plan.changes[0].fields["secretRef"].to, json!(SECRET));
+        assert_eq!(
+            plan.changes.iter().map(Change::call).collect::<Vec<_>>(),
+            [
+                ("webhooks.create", "compute:webhooks:write"),
+                ("webhooks.update", "compute:webhooks:write"),
+                ("webhooks.delete", "compute:webhooks:write")
+            ]
+        );
+        assert!(plan.blocked.is_empty(), "{plan:?}");
     }
 
     /// A pool's offers are exported, and the export plans empty; a document that adds and
