@@ -406,7 +406,20 @@ async fn instances_and_resizes_past_a_resource_quota_are_refused_naming_it() {
         "4096",
     ]);
     assert_eq!(code, 0, "{err}");
-    call_ok(&server, "instances.create", vm("b", &b_rsv, &tiny)).await;
+    // This one names its image by channel (issue 56): refused while the image is in testing,
+    // and both forms at once is refused; promoted, `ubuntu@stable` resolves to it, and the
+    // instance records the id.
+    let by_channel = json!({ "name": "b", "reservationId": b_rsv, "flavorId": tiny["flavorId"], "image": "ubuntu@stable" });
+    let (status, refused) = server.call("instances.create", by_channel.clone()).await;
+    assert_eq!((status, refused["code"].as_str()), (404, Some("NOT_FOUND")), "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("is in testing"), "{refused}");
+    let mut both = by_channel.clone();
+    both["imageId"] = image["imageId"].clone();
+    let (status, refused) = server.call("instances.create", both).await;
+    assert_eq!((status, refused["code"].as_str()), (400, Some("INVALID_ARGUMENT")), "{refused}");
+    call_ok(&server, "images.promote", json!({ "imageId": image["imageId"] })).await;
+    let b = call_ok(&server, "instances.create", by_channel).await;
+    assert_eq!(b["image"]["imageId"], image["imageId"], "the resolved id: {b}");
     let (code, out, err) = server.cli(&["quotas", "get", "--pool", &pool]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(json(&out)["resourcesInUse"], json!({ "instances": 2, "vcpus": 3, "memoryMiB": 1536, "sandboxes": 0 }));

@@ -669,24 +669,36 @@ async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
         json!({ "poolId": pool, "name": "sbx-small", "vcpus": 1, "memoryMiB": 256, "diskGiB": 1, "gpus": 0 }),
     )
     .await;
-    let (code, out, err) = server.cli(&[
-        "sandbox-template",
-        "create",
-        "--name",
-        "busybox",
-        "--pool",
-        &pool,
-        "--flavor",
-        flavor["flavorId"].as_str().unwrap(),
-        "--image",
-        image["imageId"].as_str().unwrap(),
-        "--max-ttl",
-        "10m",
-        "--warm-min",
-        "0",
-    ]);
+    // The image by channel (issue 56): not yet stable, so `busybox@stable` names nothing;
+    // `busybox@testing` resolves to it and the template records its id; a bare name is a usage
+    // error before anything is sent.
+    let template_with = |image: &str| {
+        server.cli(&[
+            "sandbox-template",
+            "create",
+            "--name",
+            "busybox",
+            "--pool",
+            &pool,
+            "--flavor",
+            flavor["flavorId"].as_str().unwrap(),
+            "--image",
+            image,
+            "--max-ttl",
+            "10m",
+            "--warm-min",
+            "0",
+        ])
+    };
+    let (code, _, err) = template_with("busybox@stable");
+    assert!(code == 1 && err.contains("NOT_FOUND") && err.contains("is in testing"), "{err}");
+    let (code, _, err) = template_with("busybox");
+    assert_eq!(code, 2, "{err}");
+    let (code, out, err) = template_with("busybox@testing");
     assert_eq!(code, 0, "sandbox-template create: {err}");
-    let template = bc_tests::json(&out)["templateId"].as_str().unwrap().to_owned();
+    let made = bc_tests::json(&out);
+    assert_eq!(made["image"]["imageId"], image["imageId"], "the resolved id: {made}");
+    let template = made["templateId"].as_str().unwrap().to_owned();
     // Made in a project (issue 56): an archived project, another tenant's, or a name for an id
     // make nothing.
     let project = call_ok(&server, "projects.create", json!({ "name": "agents" })).await;

@@ -2,7 +2,7 @@
 //! `--wait S`, a change is followed until the node observes what was asked (the state is no
 //! longer `pending` or `deleting`), with its progress on standard error.
 
-use bc_core::id::{FlavorId, ImageId, InstanceId, ReservationId};
+use bc_core::id::{FlavorId, InstanceId, ReservationId};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
@@ -32,6 +32,7 @@ pub enum InstancesCommand {
         reservation: String,
         #[arg(long)]
         flavor: String,
+        /// The image: by id (`img_…`) or by channel (`NAME@stable`, `NAME@testing`).
         #[arg(long)]
         image: String,
         /// Define it, but do not start it.
@@ -133,7 +134,7 @@ pub async fn run(ctx: &Context, command: InstancesCommand) -> Result<(), CliErro
             body.insert("name".into(), json!(name));
             put_id::<ReservationId>(&mut body, "reservationId", "--reservation", &reservation)?;
             put_id::<FlavorId>(&mut body, "flavorId", "--flavor", &flavor)?;
-            put_id::<ImageId>(&mut body, "imageId", "--image", &image)?;
+            super::put_image(&mut body, &image)?;
             body.insert("start".into(), json!(!stopped));
             ("instances.create", wait, Some(idempotency_key(&key.key)))
         }

@@ -241,6 +241,17 @@ pub fn put_id<T: std::str::FromStr<Err = bc_core::Error>>(
     Ok(())
 }
 
+/// `--image`: an image by id (`img_…`, sent as `imageId`) or by channel (`NAME@stable`,
+/// `NAME@testing`, sent as `image`), checked before anything is sent (a usage error, exit 2).
+pub fn put_image(body: &mut Map<String, Value>, text: &str) -> Result<(), CliError> {
+    if text.contains('@') {
+        bc_projections::decide::image::parse_channel_ref(text).map_err(|e| CliError::usage(format!("--image: {e}")))?;
+        body.insert("image".into(), json!(text));
+        return Ok(());
+    }
+    put_id::<bc_core::id::ImageId>(body, "imageId", "--image", text)
+}
+
 /// How `--wait` follows a resource after a change: what it reads again, how often, when it
 /// has settled, and what it says when the wait runs out.
 pub struct Settle {

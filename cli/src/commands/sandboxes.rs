@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use bc_core::id::{FlavorId, ImageId, PoolId, SandboxId, SandboxSnapshotId, SandboxTemplateId, SandboxVolumeId};
+use bc_core::id::{FlavorId, PoolId, SandboxId, SandboxSnapshotId, SandboxTemplateId, SandboxVolumeId};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
@@ -138,6 +138,7 @@ pub struct TemplateCreate {
     pool: String,
     #[arg(long)]
     flavor: String,
+    /// The image: by id (`img_…`) or by channel (`NAME@stable`, `NAME@testing`).
     #[arg(long)]
     image: String,
     /// Sandboxes kept started and unclaimed (0 to 64).
@@ -304,7 +305,7 @@ pub async fn run_template(ctx: &Context, command: SandboxTemplateCommand) -> Res
             body.insert("name".into(), json!(t.name));
             put_id::<PoolId>(&mut body, "poolId", "--pool", &t.pool)?;
             put_id::<FlavorId>(&mut body, "flavorId", "--flavor", &t.flavor)?;
-            put_id::<ImageId>(&mut body, "imageId", "--image", &t.image)?;
+            super::put_image(&mut body, &t.image)?;
             body.insert("warmMin".into(), json!(t.warm_min));
             if let Some(s) = t.default_ttl {
                 body.insert("defaultTtlS".into(), json!(s));

@@ -6,7 +6,8 @@
 //! (where presigned URLs put their signatures).
 //!
 //! An image is registered in the `testing` channel; `images.promote` moves it, once, to
-//! `stable`. Instances and sandbox templates name an image by id, whatever its channel.
+//! `stable`. Instances and sandbox templates name an image by id, whatever its channel, or by
+//! channel (`NAME@stable`, [`image_named`]), resolved when the call is decided.
 
 use bc_core::id::{ImageId, TenantId, truncate};
 use bc_core::store::ExpectedVersion;
@@ -135,6 +136,40 @@ pub fn validate_sha256(text: &str) -> Result<()> {
         });
     }
     Ok(())
+}
+
+string_schema!(
+    /// An image by channel: `NAME@stable` or `NAME@testing`, the newest image of that name in
+    /// that channel when the call is decided (`bc_projections::decide::image`).
+    ImageChannelRefText as "ImageChannelRef",
+    |_| schemars::json_schema!({
+        "type": "string",
+        "pattern": "^[a-z0-9][a-z0-9._-]{0,62}@(stable|testing)$",
+    })
+);
+
+/// The image a call names: by id (`imageId`) or by channel (`image`, `NAME@stable`), exactly
+/// one of them. A channel is resolved now, over the tenant's images, and what the call appends
+/// carries the image it resolved to.
+pub(super) async fn image_named(
+    call: &Call<'_>,
+    tenant: TenantId,
+    image_id: Option<&str>,
+    image: Option<&str>,
+) -> Result<ImageDoc> {
+    match (image_id, image) {
+        (Some(id), None) => {
+            let id: ImageId = parse_id("imageId", id)?;
+            call.row(tenant, KIND_IMAGE, &id.to_string(), "image").await
+        }
+        (None, Some(reference)) => {
+            let reference = bc_projections::decide::image::parse_channel_ref(reference)?;
+            let rows = call.state.store.row_list(&tenant.to_string(), KIND_IMAGE, None, IMAGES_PER_TENANT_MAX).await?;
+            let images = rows.into_iter().map(super::call::doc::<ImageDoc>).collect::<Result<Vec<_>>>()?;
+            bc_projections::decide::image::resolve_channel(&images, &reference).cloned()
+        }
+        _ => Err(Error::invalid("name the image by exactly one of imageId (img_…) and image (NAME@stable, NAME@testing)")),
+    }
 }
 
 /// Whether an image called `name` may be registered beside the tenant's images.

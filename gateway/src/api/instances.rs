@@ -9,13 +9,12 @@
 //! differ. The decisions are `bc_projections::decide::{instance_create, instance_request}`.
 
 use bc_core::Result;
-use bc_core::id::{CommandId, FlavorId, ImageId, InstanceId, ProjectId, ReservationId, TenantId};
+use bc_core::id::{CommandId, FlavorId, InstanceId, ProjectId, ReservationId, TenantId};
 use bc_projections::decide::{self, InstanceCreateInput, InstanceRequest};
 use bc_projections::events::InstanceShape;
 use bc_projections::placement::Issue;
 use bc_projections::{
-    FlavorDoc, ImageDoc, InstanceDoc, KIND_FLAVOR, KIND_IMAGE, KIND_INSTANCE, KIND_NODE, KIND_RESERVATION, NodeDoc,
-    ReservationDoc,
+    FlavorDoc, ImageDoc, InstanceDoc, KIND_FLAVOR, KIND_INSTANCE, KIND_NODE, KIND_RESERVATION, NodeDoc, ReservationDoc,
 };
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -68,8 +67,14 @@ pub struct InstancesCreate {
     /// A flavor of the reservation's pool giving as many GPUs as it holds.
     #[schemars(with = "FlavorIdText")]
     flavor_id: String,
-    #[schemars(with = "ImageIdText")]
-    image_id: String,
+    /// The image by id; or, instead, by channel (`image`).
+    #[schemars(with = "Option<ImageIdText>")]
+    image_id: Option<String>,
+    /// The image by channel: `NAME@stable` or `NAME@testing`, the newest image of that name in
+    /// that channel now (the instance records the image it resolved to). Exactly one of
+    /// `imageId` and `image`.
+    #[schemars(with = "Option<super::images::ImageChannelRefText>")]
+    image: Option<String>,
     /// Start it once defined (the default), or leave it stopped.
     #[serde(default)]
     start: Option<bool>,
@@ -132,10 +137,9 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
     validate_name("name", &input.name)?;
     let reservation_id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
     let flavor_id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
-    let image_id: ImageId = parse_id("imageId", &input.image_id)?;
     let reservation: ReservationDoc = call.row(tenant, KIND_RESERVATION, &reservation_id.to_string(), "reservation").await?;
     let flavor: FlavorDoc = call.row(tenant, KIND_FLAVOR, &flavor_id.to_string(), "flavor").await?;
-    let image: ImageDoc = call.row(tenant, KIND_IMAGE, &image_id.to_string(), "image").await?;
+    let image: ImageDoc = super::images::image_named(call, tenant, input.image_id.as_deref(), input.image.as_deref()).await?;
     let retry = call.is_retry(tenant).await?;
     let instance_id = InstanceId::from_ulid(call.ulid()).to_string();
     let node_id = reservation.node_id.clone().unwrap_or_default();

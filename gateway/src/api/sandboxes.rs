@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use bc_core::id::{CommandId, FlavorId, ImageId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId, TenantId};
+use bc_core::id::{CommandId, FlavorId, PoolId, SandboxId, SandboxTemplateId, SandboxVolumeId, TenantId};
 use bc_core::{Error, Result};
 use bc_projections::decide::sandbox::{self as decide, SANDBOXES_PER_TENANT_MAX, SandboxExecInput, SandboxTemplateInput};
 use bc_projections::decide::sandbox_volume::{self as decide_volume, SANDBOX_TEMPLATE_VOLUMES_MAX};
@@ -20,7 +20,7 @@ use bc_projections::events::VolumeMount;
 use bc_projections::placement::Issue;
 use bc_projections::sandbox::{KIND_SANDBOX, KIND_SANDBOX_LIVE, KIND_SANDBOX_TEMPLATE, SandboxDoc, SandboxTemplateDoc};
 use bc_projections::sandbox_volume::{KIND_SANDBOX_VOLUME_LIVE, SandboxVolumeDoc};
-use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_IMAGE, KIND_NODE, KIND_POOL, NodeDoc, PoolDoc};
+use bc_projections::{FlavorDoc, ImageDoc, KIND_FLAVOR, KIND_NODE, KIND_POOL, NodeDoc, PoolDoc};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
@@ -115,9 +115,14 @@ pub struct SandboxTemplatesCreate {
     /// A flavor of the pool: its vCPUs and memory bound each sandbox.
     #[schemars(with = "FlavorIdText")]
     flavor_id: String,
-    /// A registered image of disk format `rootfs-tar`.
-    #[schemars(with = "ImageIdText")]
-    image_id: String,
+    /// A registered image of disk format `rootfs-tar`, by id; or, instead, by channel (`image`).
+    #[schemars(with = "Option<ImageIdText>")]
+    image_id: Option<String>,
+    /// The image by channel: `NAME@stable` or `NAME@testing`, the newest image of that name in
+    /// that channel now (the template records the image it resolved to). Exactly one of
+    /// `imageId` and `image`.
+    #[schemars(with = "Option<super::images::ImageChannelRefText>")]
+    image: Option<String>,
     /// Sandboxes kept started and unclaimed (0 to 64).
     #[schemars(range(min = 0, max = 64))]
     warm_min: Option<u32>,
@@ -353,7 +358,6 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
     validate_name("name", &input.name)?;
     let pool_id: PoolId = parse_id("poolId", &input.pool_id)?;
     let flavor_id: FlavorId = parse_id("flavorId", &input.flavor_id)?;
-    let image_id: ImageId = parse_id("imageId", &input.image_id)?;
     decide::check_env(&input.env)?;
     // Secret references in the environment are checked, and the template made, under the names'
     // lock a secret's delete takes, so a delete cannot pass between the two; so is the tenant's
@@ -371,7 +375,7 @@ async fn sandbox_templates_create(call: &Call<'_>, input: SandboxTemplatesCreate
     let env = super::secrets::env_refs_checked(call, tenant, &input.env).await?;
     let pool: PoolDoc = call.row(tenant, KIND_POOL, &pool_id.to_string(), "pool").await?;
     let flavor: FlavorDoc = call.row(tenant, KIND_FLAVOR, &flavor_id.to_string(), "flavor").await?;
-    let image: ImageDoc = call.row(tenant, KIND_IMAGE, &image_id.to_string(), "image").await?;
+    let image: ImageDoc = super::images::image_named(call, tenant, input.image_id.as_deref(), input.image.as_deref()).await?;
     let (volumes, volume_docs) = volume_mounts(call, tenant, &input.volumes).await?;
     let decided = decide::sandbox_template_create(&SandboxTemplateInput {
         template_id: &template_id,

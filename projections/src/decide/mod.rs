@@ -26,6 +26,7 @@ use crate::{KIND_RESERVATION, ReservationDoc, ReservationState, stream_of};
 
 pub mod batch;
 mod capacity;
+pub mod image;
 mod instance;
 pub mod join_request;
 mod metal;
