@@ -447,6 +447,10 @@ async fn webhooks_in_the_document_name_their_secrets_by_reference_only() {
     assert_eq!(doc["webhooks"][&by_ref]["secretRef"], json!(reference), "{doc}");
     assert!(doc["webhooks"][&own].get("secretRef").is_none(), "{doc}");
     assert_eq!(doc["webhooks"][&own]["description"], "own");
+    assert_eq!(jsonschema_errors(dir.path(), &doc), "", "the export with webhooks must validate");
+    let mut with_value = doc.clone();
+    with_value["webhooks"][&by_ref]["secret"] = json!("whsec_not_in_a_document");
+    assert_ne!(jsonschema_errors(dir.path(), &with_value), "", "a webhook's secret value is no field of the document");
     let (code, _, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift", "--prune"]);
     assert_eq!(code, 0, "the export plans empty: {err}");
 
