@@ -90,6 +90,21 @@ string_schema!(
     |_| schemars::json_schema!({ "type": "string", "enum": [FLEET_KIND] })
 );
 string_schema!(
+    /// A webhook's receiver in the document: an `https://` or `http://` URL with a host (a name
+    /// or an address literal). Wider than the API's `ReceiverUrl` (`https://` and a fully
+    /// qualified name, the production contract): the document is what a deployment exported,
+    /// and a deployment that allows loopback or `http://` receivers (`dev`,
+    /// `--webhook-allow-loopback`) exports them. Its receiver policy decides the rest when the
+    /// plan checks the document, as `webhooks.create` does.
+    FleetReceiverUrl as "FleetReceiverUrl",
+    |_| schemars::json_schema!({
+        "type": "string",
+        "maxLength": bc_core::webhook::URL_BYTES_MAX,
+        "pattern": "^https?://([A-Za-z0-9._~-]+|\\[[0-9A-Fa-f:.]+\\])(:[0-9]{1,5})?(/[^\\s?#]*)?(\\?[^\\s#]*)?$"
+    })
+);
+
+string_schema!(
     /// A pool's key in the document: the fleet's own, or the id of a pool it did not create.
     FleetPoolKeyText as "FleetPoolKey",
     |_| schemars::json_schema!({ "type": "string", "pattern": key_pattern(PoolId::PREFIX) })
@@ -283,7 +298,7 @@ pub struct FleetProject {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FleetWebhook {
-    #[schemars(with = "super::webhooks::ReceiverUrl")]
+    #[schemars(with = "FleetReceiverUrl")]
     pub url: String,
     #[schemars(with = "super::webhooks::ReceiverTypes")]
     pub event_types: Vec<String>,
