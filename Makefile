@@ -213,6 +213,9 @@ bench-deps:
 	@scripts/bench-deps
 
 ## Benchmarks (release build); prints tables of ratios against baselines measured in the same run.
+## One binary (cli/benches/main.rs) runs the benches named, each in a child process of its own,
+## in this order; the first that fails stops the rest. One alone:
+## `cargo bench -p bc-cli --bench benches -- usage`.
 ## The watch bench starts etcd (bench-deps) beside the gateway. The fleet bench runs `bcd sim`, so
 ## target/release/bcd is left a fakehw build (BC_BENCH_AGENTS, BC_BENCH_RESERVES change its sizes).
 ## The tunnels bench runs that `bcd` too, beside a release `dev`: `forward`'s throughput against
@@ -231,25 +234,8 @@ bench-deps:
 ## HAProxy; installs etcd-server, patroni, haproxy once) on ports from 25900 and one plain
 ## PostgreSQL beside it: writes through the two gateways against one gateway on the plain server.
 bench: check-postgres bench-deps
-	$(CARGO) bench -p bc-cli --bench benches -- append
-	$(CARGO) bench -p bc-cli --bench benches -- audit
-	$(CARGO) bench -p bc-cli --bench benches -- watch
-	$(CARGO) bench -p bc-cli --bench benches -- api_writes
-	$(CARGO) bench -p bc-cli --bench benches -- metrics
-	$(CARGO) bench -p bc-cli --bench benches -- log_growth
-	$(CARGO) bench -p bc-cli --bench benches -- webhooks
-	$(CARGO) bench -p bc-cli --bench benches -- reservations
-	$(CARGO) bench -p bc-cli --bench benches -- unknown_method
-	$(CARGO) bench -p bc-cli --bench benches -- agents
 	$(CARGO) build --release -p bc-agent --features fakehw --bin bcd
-	$(CARGO) bench -p bc-cli --bench benches -- fleet
-	$(CARGO) bench -p bc-cli --bench benches -- batches
-	$(CARGO) bench -p bc-cli --bench benches -- fleet_config
-	$(CARGO) bench -p bc-cli --bench benches -- sim
-	$(CARGO) bench -p bc-cli --bench benches -- tunnels
-	$(CARGO) bench -p bc-cli --bench benches -- sandboxes
-	$(CARGO) bench -p bc-cli --bench benches -- usage
-	$(CARGO) bench -p bc-cli --bench benches -- ha_writes
+	$(CARGO) bench -p bc-cli --bench benches -- append audit watch api_writes metrics log_growth webhooks reservations unknown_method agents fleet batches fleet_config sim tunnels sandboxes usage ha_writes
 
 ## fmt, and clippy on every target with the test build's features (the agent's fakehw and
 ## libvirt code too), warnings as errors. clippy.toml at the root bans the wall clock, unseeded

@@ -454,6 +454,22 @@ async fn webhooks_in_the_document_name_their_secrets_by_reference_only() {
     let (code, _, err) = server.cli(&["fleet", "plan", file.to_str().unwrap(), "--fail-on-drift", "--prune"]);
     assert_eq!(code, 0, "the export plans empty: {err}");
 
+    // A receiver this deployment refuses (link-local: the metadata service's address) is in the
+    // document's form but blocks the plan, naming it, not a 400.
+    let mut refused = doc.clone();
+    refused["webhooks"]["meta"] =
+        json!({ "url": "https://169.254.169.254/hook", "eventTypes": ["pool.*"], "secretRef": reference });
+    assert_eq!(jsonschema_errors(dir.path(), &refused), "", "the form is the schema's");
+    write(&file, &refused);
+    let (code, out, err) = server.cli(&["fleet", "plan", file.to_str().unwrap()]);
+    assert!(
+        code == 1
+            && fails_with(&err, "PLAN_BLOCKED")
+            && err.contains("document.webhooks.meta")
+            && err.contains("169.254.169.254"),
+        "{out}{err}"
+    );
+
     // A new webhook must name its secret by reference.
     let mut edited = doc.clone();
     edited["webhooks"]["ci"] = json!({ "url": receiver.url, "eventTypes": ["pool.*"], "description": "ci" });

@@ -55,8 +55,10 @@ async fn bound_reservation(server: &Server, pool: &str, gpus: u32) -> String {
     id
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_libvirt_does() {
+/// A `dev` with a `bcd node` joined on a seeded fake machine whose hypervisor is libvirt's
+/// `test:///default`, ready and advertising `instance.apply`, and a 1.5 MB qcow2 image
+/// registered from a loopback server: (server, pool, machine, node, image, its server).
+async fn libvirt_node() -> (Server, String, AgentNode, String, Value, ImageServer) {
     let (server, port) = bc_tests::agents_gateway();
     let seed = bc_tests::fake_seed_with(2);
     let pool = server.pool("vms").await;
@@ -73,7 +75,6 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
     assert_eq!(code, 0, "join: {err}");
     let node = machine.node_id();
     machine.start();
-    // Ready, and its inventory says it runs instances.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
@@ -84,7 +85,6 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
         assert!(std::time::Instant::now() < deadline, "node not ready with instance.apply: {doc}\n{}", machine.node_log());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-
     let bytes = bc_tests::qcow2_image(1_500_000);
     let digest = hex::encode(sha2::Sha256::digest(&bytes));
     let images = ImageServer::start("ubuntu.qcow2", bytes);
@@ -94,6 +94,14 @@ async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_
         json!({ "name": "ubuntu", "url": images.url, "sha256": digest, "diskFormat": "qcow2", "sizeBytes": 1_500_000 }),
     )
     .await;
+    (server, pool, machine, node, image, images)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_lives_through_the_api_on_libvirt_and_reports_each_state_as_libvirt_does() {
+    // Ready, and its inventory says it runs instances.
+    let (server, pool, mut machine, _node, image, images) = libvirt_node().await;
+    let digest = image["sha256"].as_str().unwrap().to_owned();
     let small = call_ok(
         &server,
         "flavors.create",
@@ -301,41 +309,7 @@ async fn decided_events(server: &Server) -> usize {
 /// apply), and the raised limit lets the resize through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_and_resizes_past_a_resource_quota_are_refused_naming_it() {
-    let (server, port) = bc_tests::agents_gateway();
-    let seed = bc_tests::fake_seed_with(2);
-    let pool = server.pool("vms").await;
-    let mut machine = AgentNode::new(&server, port);
-    let config = std::fs::read_to_string(machine.config()).unwrap();
-    std::fs::write(
-        machine.config(),
-        format!("{config}\n[hardware]\nfake_seed = {seed}\n\n[hypervisor]\nuri = \"test:///default\"\n"),
-    )
-    .unwrap();
-    let (status, token) = server.call("joinTokens.create", json!({ "poolId": pool, "uses": 1 })).await;
-    assert_eq!(status, 200, "{token}");
-    let (code, _, err) = machine.join_stdin(token["token"].as_str().unwrap());
-    assert_eq!(code, 0, "join: {err}");
-    let node = machine.node_id();
-    machine.start();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let doc = call_ok(&server, "nodes.get", json!({ "nodeId": node })).await;
-        let caps = doc["agent"]["inventory"]["capabilities"].as_array().cloned().unwrap_or_default();
-        if doc["state"] == "ready" && caps.iter().any(|c| c == "instance.apply") {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "node not ready with instance.apply: {doc}\n{}", machine.node_log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let bytes = bc_tests::qcow2_image(1_500_000);
-    let digest = hex::encode(sha2::Sha256::digest(&bytes));
-    let images = ImageServer::start("ubuntu.qcow2", bytes);
-    let image = call_ok(
-        &server,
-        "images.register",
-        json!({ "name": "ubuntu", "url": images.url, "sha256": digest, "diskFormat": "qcow2", "sizeBytes": 1_500_000 }),
-    )
-    .await;
+    let (server, pool, mut machine, _node, image, _images) = libvirt_node().await;
     let flavor = |name: &str, vcpus: u32, memory_mib: u32| json!({ "poolId": pool, "name": name, "vcpus": vcpus, "memoryMiB": memory_mib, "diskGiB": 10, "gpus": 1 });
     let small = call_ok(&server, "flavors.create", flavor("small", 2, 1024)).await;
     let tiny = call_ok(&server, "flavors.create", flavor("tiny", 1, 512)).await;

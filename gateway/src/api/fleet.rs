@@ -729,9 +729,19 @@ async fn fleet_plan(call: &Call<'_>, input: FleetPlanInput) -> Result<FleetPlanV
 }
 
 /// The document's webhooks checked as `webhooks.create` checks them (the endpoint against this
-/// deployment's receiver policy), saying which.
+/// deployment's receiver policy), saying which. A receiver the policy refuses blocks the plan
+/// (`PLAN_BLOCKED`, 409), as a reference to a secret that is not there does: the document's
+/// schema states a URL's form (`FleetReceiverUrl`), and which receivers a deployment delivers to
+/// (loopback, private addresses, `http://`) is the deployment's, not the document's.
 fn validate_webhooks(call: &Call<'_>, d: &FleetDocument) -> Result<()> {
     for (key, w) in &d.webhooks {
+        call.state.webhook_policy.check_url(&w.url).map_err(|e| {
+            let why = e.hint().map(|h| format!(" ({h})")).unwrap_or_default();
+            Error::PlanBlocked(format!(
+                "document.webhooks.{key}: this deployment refuses the receiver: {}{why}",
+                e.public_message()
+            ))
+        })?;
         super::webhooks::check_fleet_webhook(call, &w.url, &w.event_types, &w.description, w.secret_ref.as_deref()).map_err(
             |e| Error::InvalidArgument {
                 message: format!("document.webhooks.{key}: {}", e.public_message()),
