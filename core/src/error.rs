@@ -171,7 +171,7 @@ impl Error {
             Self::InvalidArgument { hint, .. } | Self::InvalidState { hint, .. } => hint.as_deref(),
             Self::BatchRequired { hint, .. } => Some(hint),
             Self::Conflict { .. } => Some("read the current version and retry"),
-            Self::QuotaExceeded(_) => Some("release a reservation, ask for fewer GPUs, or ask an operator to raise the quota"),
+            Self::QuotaExceeded(_) => Some(QUOTA_EXCEEDED_HINT),
             Self::RateLimited { .. } => Some("wait the Retry-After delay, then send fewer requests a second"),
             Self::Indeterminate(_) => Some(INDETERMINATE_HINT),
             Self::PlanBlocked(_) => Some("fleet plan names each blocked change and why; change the document"),
@@ -199,6 +199,12 @@ impl From<sqlx::Error> for Error {
         Self::Storage(e.to_string())
     }
 }
+
+/// [`Error::QuotaExceeded`]'s hint. The code covers every counted bound (a pool's GPUs, a
+/// quota's instances, vCPUs, memory and sandboxes, a tenant's or a node's sandboxes, tunnels,
+/// join requests, snapshots): the message names which, its limit and the use.
+pub const QUOTA_EXCEEDED_HINT: &str = "free some of what the message counts (release a reservation, delete an instance or a \
+     sandbox, close a tunnel) or ask for less; an operator can raise a quota (quotas set)";
 
 /// [`Error::Indeterminate`]'s hint.
 pub const INDETERMINATE_HINT: &str = "the write may or may not have been made: send the same request again with the same \

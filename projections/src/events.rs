@@ -50,7 +50,8 @@ pub use crate::pool::{
 };
 pub use crate::project::{PROJECT_ARCHIVED, PROJECT_CREATED, ProjectArchived, ProjectCreated};
 pub use crate::quota::{
-    QUOTA_CHARGED, QUOTA_COUNTED, QUOTA_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaCounted, QuotaExceeded, QuotaSet,
+    QUOTA_CHARGED, QUOTA_COUNTED, QUOTA_EXCEEDED, QUOTA_RESOURCE_EXCEEDED, QUOTA_SET, QuotaCharged, QuotaCounted, QuotaExceeded,
+    QuotaResourceExceeded, QuotaSet,
 };
 pub use crate::reservation::{
     GPU_HELD, GPU_HOLD_FAILED, GPU_RELEASED, GPU_REPORT_TYPES, GpuReport, HoldIssued, RESERVATION_ACTIVATED,
@@ -148,6 +149,7 @@ pub const EVENT_TYPES: &[&str] = &[
     RESERVATION_CANCELLED,
     QUOTA_SET,
     QUOTA_EXCEEDED,
+    QUOTA_RESOURCE_EXCEEDED,
     QUOTA_CHARGED,
     QUOTA_COUNTED,
     WEBHOOK_CREATED,

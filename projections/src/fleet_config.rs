@@ -235,10 +235,16 @@ pub fn project_fingerprint(name: &str, description: &str) -> String {
     canonical_sha256(&serde_json::json!({ "name": name, "description": description }))
 }
 
-/// A webhook's fingerprint: its endpoint, event types and description. Its signing secret is
-/// not in it (a document may leave the secret alone: a generated one is never in the document).
-pub fn webhook_fingerprint(url: &str, event_types: &[String], description: &str) -> String {
-    canonical_sha256(&serde_json::json!({ "url": url, "eventTypes": event_types, "description": description }))
+/// A webhook's fingerprint: its endpoint, event types and description, and the reference to its
+/// signing secret when the document names one (`secretRef`, canonical). A document may leave
+/// the secret alone (a generated one is never in a document): then the secret is not in it, and
+/// neither is it in a fingerprint recorded before references were.
+pub fn webhook_fingerprint(url: &str, event_types: &[String], description: &str, secret_ref: Option<&str>) -> String {
+    let mut fields = serde_json::json!({ "url": url, "eventTypes": event_types, "description": description });
+    if let Some(reference) = secret_ref {
+        fields["secretRef"] = serde_json::json!(reference);
+    }
+    canonical_sha256(&fields)
 }
 
 /// The live objects a drift check reads: the tenant's pools, quotas (by pool id), flavors,
@@ -288,11 +294,18 @@ pub fn fleet_drift(applied: &FleetConfigDoc, live: &FleetObjectsLive<'_>) -> Vec
                 .iter()
                 .find(|p| p.project_id == id && !p.archived)
                 .map(|p| project_fingerprint(&p.name, &p.description)),
-            "webhook" => live
-                .webhooks
-                .iter()
-                .find(|w| w.webhook_id == id)
-                .map(|w| webhook_fingerprint(&w.url, &w.event_types, &w.description)),
+            // The secret is the document's only when it named it: recorded without one, a
+            // reference made or changed by hand is not drift; recorded with one, another
+            // reference or a generated secret is.
+            "webhook" => live.webhooks.iter().find(|w| w.webhook_id == id).map(|w| {
+                let bare = webhook_fingerprint(&w.url, &w.event_types, &w.description, None);
+                match w.secret_ref.as_deref() {
+                    Some(reference) if bare != recorded.fingerprint => {
+                        webhook_fingerprint(&w.url, &w.event_types, &w.description, Some(reference))
+                    }
+                    _ => bare,
+                }
+            }),
             _ => continue,
         };
         let what = match now {

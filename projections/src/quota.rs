@@ -5,8 +5,8 @@
 //! its instances, vCPUs, memory and sandboxes there (`decide::quota`). Its stream is the guard
 //! of those bounds: every reservation counted against it (`quota.charged`), every instance or
 //! sandbox counted against a resource limit (`quota.counted`) and every refusal
-//! (`quota.exceeded`) moves the quota's version, so two appends deciding on the same usage
-//! cannot both land.
+//! (`quota.exceeded` for GPUs, `quota.resource_exceeded` for the rest) moves the quota's
+//! version, so two appends deciding on the same usage cannot both land.
 
 use bc_core::Result;
 use bc_core::event::StoredEvent;
@@ -18,6 +18,9 @@ use crate::{from_doc, payload, to_doc};
 
 pub const QUOTA_SET: &str = "quota.set";
 pub const QUOTA_EXCEEDED: &str = "quota.exceeded";
+/// The record of a refusal past a resource limit (an instance, a resize's growth, a sandbox):
+/// nothing else is appended, as `quota.exceeded` records a reservation's.
+pub const QUOTA_RESOURCE_EXCEEDED: &str = "quota.resource_exceeded";
 /// A reservation counted against its tenant's quota in a pool: in the reservation's own append,
 /// guarded at the quota stream's version, so two gateways deciding on the same usage cannot both
 /// land (one is a CONFLICT and decides again).
@@ -100,6 +103,21 @@ pub struct QuotaCounted {
     pub sandboxes: u32,
 }
 
+/// `quota.resource_exceeded`: which limit the work would have passed, by how much it asked, the
+/// tenant's use then, the limit, the work (`subject`: the `inst_…` or `sbx_…` it would have
+/// been) and who asked.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaResourceExceeded {
+    /// `instances`, `vcpus`, `memoryMiB` or `sandboxes` (`quotas.set`'s names).
+    pub resource: String,
+    pub requested: u64,
+    pub in_use: u64,
+    pub limit: u64,
+    pub subject: String,
+    pub actor: String,
+}
+
 /// `quota.charged`: the reservation and the GPUs it counts for.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -155,7 +173,7 @@ pub(crate) fn apply(key: &RowKey, current: Option<Value>, event: &StoredEvent) -
     }
     let tenant_id = env.tenant.to_string();
     match env.event_type.as_str() {
-        QUOTA_EXCEEDED | QUOTA_CHARGED | QUOTA_COUNTED => {
+        QUOTA_EXCEEDED | QUOTA_RESOURCE_EXCEEDED | QUOTA_CHARGED | QUOTA_COUNTED => {
             // The quota's version follows its stream, which these move: a reservation's
             // append guards it.
             let Some(current) = current else { return Ok(None) };

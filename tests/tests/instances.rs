@@ -297,14 +297,21 @@ async fn a_domain_that_crashes_behind_the_agents_back_is_started_again_by_the_re
 /// The instance and quota events of the log (what an instance's create or resize appends; the
 /// node's own reports are left out, as they come when they come).
 async fn decided_events(server: &Server) -> usize {
-    let types = ["instance.created", "instance.resize_requested", "quota.*"];
+    let types = ["instance.created", "instance.resize_requested", "quota.counted", "quota.set"];
     let page = call_ok(server, "events.list", json!({ "types": types, "limit": 500 })).await;
     page["items"].as_array().unwrap().len()
 }
 
+/// The `quota.resource_exceeded` records in the log, oldest first.
+async fn refusal_records(server: &Server) -> Vec<Value> {
+    let page = call_ok(server, "events.list", json!({ "types": ["quota.resource_exceeded"], "limit": 10 })).await;
+    page["items"].as_array().unwrap().clone()
+}
+
 /// Quotas per resource (issue 56): `quotas set` with instance, vCPU and memory limits beside
 /// GPUs; an instance past the instances limit and a resize past the vCPUs limit are refused
-/// `QUOTA_EXCEEDED` naming the resource, its limit and its use, appending nothing; `quotas get`
+/// `QUOTA_EXCEEDED` naming the resource, its limit and its use, appending nothing but the
+/// refusal's record (`quota.resource_exceeded`, naming the limit and who asked); `quotas get`
 /// shows each limit and its use; the fleet document carries the limits (export, plan `~ quota`,
 /// apply), and the raised limit lets the resize through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -355,7 +362,18 @@ async fn instances_and_resizes_past_a_resource_quota_are_refused_naming_it() {
     assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
     let message = refused["message"].as_str().unwrap();
     assert!(message.contains("quota of 1 instances") && message.contains("in use: 1") && message.contains(&pool), "{message}");
-    assert_eq!(decided_events(&server).await, before, "a refusal appends nothing");
+    assert_eq!(decided_events(&server).await, before, "a refusal appends nothing but its record");
+    let records = refusal_records(&server).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    let record = &records[0];
+    assert_eq!(record["stream"], format!("quota/{pool}"), "{record}");
+    let payload = &record["payload"];
+    assert_eq!(
+        (&payload["resource"], &payload["requested"], &payload["inUse"], &payload["limit"]),
+        (&json!("instances"), &json!(1), &json!(1), &json!(1)),
+        "{record}"
+    );
+    assert!(payload["subject"].as_str().unwrap().starts_with("inst_") && payload["actor"].is_string(), "{record}");
 
     // A resize past the vCPUs limit: refused, named.
     wait_instance(&server, &a_id, "running", settled_in("running")).await;
@@ -363,6 +381,14 @@ async fn instances_and_resizes_past_a_resource_quota_are_refused_naming_it() {
     assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
     let message = refused["message"].as_str().unwrap();
     assert!(message.contains("quota of 3 vCPUs") && message.contains("in use: 2"), "{message}");
+    let records = refusal_records(&server).await;
+    assert_eq!(records.len(), 2, "{records:?}");
+    assert_eq!(
+        (&records[1]["payload"]["resource"], &records[1]["payload"]["subject"]),
+        (&json!("vcpus"), &json!(a_id)),
+        "{}",
+        records[1]
+    );
 
     // Raised through the CLI, the second instance goes; the use shows both.
     let (code, _, err) = server.cli(&[

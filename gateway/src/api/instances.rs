@@ -8,8 +8,8 @@
 //! its journal (`instance.observed`), and the `instances` reconciler applies again when the two
 //! differ. The decisions are `bc_projections::decide::{instance_create, instance_request}`.
 
-use bc_core::Result;
 use bc_core::id::{CommandId, FlavorId, InstanceId, ProjectId, ReservationId, TenantId};
+use bc_core::{Error, Result};
 use bc_projections::decide::{self, InstanceCreateInput, InstanceRequest};
 use bc_projections::events::InstanceShape;
 use bc_projections::placement::Issue;
@@ -28,6 +28,7 @@ use super::validate::{
 };
 use super::views::InstanceView;
 use super::{Access, Call, Method, method};
+use crate::app::reservations::QUOTA_RACE_ATTEMPTS;
 
 const READ: Access = Access::Action("compute:instances:read");
 const WRITE: Access = Access::Action("compute:instances:write");
@@ -133,6 +134,12 @@ fn command_id(call: &Call<'_>) -> String {
 }
 
 async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<InstanceView> {
+    // Counted against the tenant's resource limits: decided again when another's work was
+    // counted on the quota in between (a CONFLICT on its stream), never answered CONFLICT.
+    crate::app::retry_on_quota_race(QUOTA_RACE_ATTEMPTS, |_| instance_create_once(call, &input)).await
+}
+
+async fn instance_create_once(call: &Call<'_>, input: &InstancesCreate) -> Result<InstanceView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     validate_name("name", &input.name)?;
     let reservation_id: ReservationId = parse_id("reservationId", &input.reservation_id)?;
@@ -167,6 +174,7 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
     let id = command_id(call);
     let issue = Issue { command_id: &id, now_ms: call.now_ms() };
     let quota = super::quotas::quota_under(call, tenant, &reservation.pool_id).await?;
+    let quota = quota.as_ref().map(|(quota, in_use)| decide::quota::QuotaRead { quota, in_use: *in_use });
     let input = InstanceCreateInput {
         instance_id: &instance_id,
         name: &input.name,
@@ -175,9 +183,11 @@ async fn instances_create(call: &Call<'_>, input: InstancesCreate) -> Result<Ins
         flavor: &flavor,
         image: &image,
         start: input.start.unwrap_or(true),
-        quota: quota.as_ref().map(|(quota, in_use)| decide::quota::QuotaRead { quota, in_use: *in_use }),
+        quota,
     };
-    let decided = decide::instance_create(&input, issue)?;
+    let decided = decide::instance_create(&input, issue).map_err(Error::from);
+    let adding = decide::quota::ResourceUse::instance(flavor.vcpus, flavor.memory_mib);
+    let decided = super::quotas::recording_refusal(call, tenant, quota.as_ref(), &adding, &instance_id, decided).await?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     Ok(call.created::<InstanceDoc>(tenant, &result).await?.into())
 }
@@ -197,13 +207,25 @@ async fn instances_list(call: &Call<'_>, input: InstancesList) -> Result<Page<In
     .await
 }
 
-/// A request on an existing instance: decided on its document, appended at its version.
+/// A request on an existing instance: decided on its document, appended at its version. A
+/// resize's growth is counted against the tenant's resource limits: decided again when
+/// another's work was counted on the quota in between.
 async fn request(
     call: &Call<'_>,
     tenant: &Option<String>,
     instance_id: &str,
     if_version: Option<u64>,
-    request: impl FnOnce(&InstanceDoc) -> Result<InstanceRequest>,
+    request: impl Fn(&InstanceDoc) -> Result<InstanceRequest>,
+) -> Result<InstanceView> {
+    crate::app::retry_on_quota_race(QUOTA_RACE_ATTEMPTS, |_| request_once(call, tenant, instance_id, if_version, &request)).await
+}
+
+async fn request_once(
+    call: &Call<'_>,
+    tenant: &Option<String>,
+    instance_id: &str,
+    if_version: Option<u64>,
+    request: &impl Fn(&InstanceDoc) -> Result<InstanceRequest>,
 ) -> Result<InstanceView> {
     let tenant = call.tenant(tenant).await?;
     let id: InstanceId = parse_id("instanceId", instance_id)?;
@@ -225,7 +247,17 @@ async fn request(
         _ => None,
     };
     let quota = quota.as_ref().map(|(quota, in_use)| decide::quota::QuotaRead { quota, in_use: *in_use });
-    let decided = decide::instance_request_under(&current, &asked, if_version, None, issue, quota.as_ref())?;
+    let decided = decide::instance_request_under(&current, &asked, if_version, None, issue, quota.as_ref()).map_err(Error::from);
+    let decided = match &asked {
+        InstanceRequest::Resize(shape) => {
+            let growth = decide::quota::ResourceUse::growth(
+                (current.shape.vcpus, current.shape.memory_mib),
+                (shape.vcpus, shape.memory_mib),
+            );
+            super::quotas::recording_refusal(call, tenant, quota.as_ref(), &growth, &current.instance_id, decided).await?
+        }
+        _ => decided?,
+    };
     call.submit(call.decided(tenant, decided)).await?;
     Ok(instance_doc(call, tenant, &id).await?.into())
 }

@@ -1,15 +1,16 @@
 //! `quotas.*`: a tenant's quota in a pool: GPUs and, optionally, instances, vCPUs, memory and
 //! sandboxes. A reservation that would take the tenant past its GPUs is refused with
 //! `QUOTA_EXCEEDED`, and the refusal is recorded in the log; an instance or a sandbox past a
-//! resource limit is refused with the same code, naming the resource, its limit and its use
-//! (`bc_projections::decide::quota`; [`quota_under`] reads what those decisions count on). In a pool another
+//! resource limit is refused with the same code, naming the resource, its limit and its use, and
+//! recorded too (`quota.resource_exceeded`, [`recording_refusal`]) (`bc_projections::decide::quota`;
+//! [`quota_under`] reads what those decisions count on). In a pool another
 //! tenant offered to it (`pools.offer`) the quota is the tenant's own, on its own chain, set by
 //! the root tenant's administrators like any quota; without one it reserves nothing there.
 
 use bc_core::id::{PoolId, TenantId};
 use bc_core::store::ExpectedVersion;
 use bc_core::{Error, Result};
-use bc_projections::decide::quota::{self as decide_quota, ResourceUse};
+use bc_projections::decide::quota::{self as decide_quota, QuotaRead, ResourceUse};
 use bc_projections::events as ev;
 use bc_projections::sandbox::{KIND_SANDBOX_LIVE, SandboxDoc};
 use bc_projections::{InstanceDoc, KIND_INSTANCE_LIVE};
@@ -118,6 +119,31 @@ pub(super) async fn quota_under(call: &Call<'_>, tenant: TenantId, pool: &str) -
     }
     let used = resource_use(call, tenant, pool, None).await?;
     Ok(Some((quota, used)))
+}
+
+/// `decided`, a decision made under `read` (the tenant's quota as [`quota_under`] read it) on
+/// work that adds `adding` (its `subject`: the `inst_…` or `sbx_…` it would be), as answered: a
+/// refusal past one of the quota's resource limits is recorded first, `quota.resource_exceeded`
+/// on the quota's stream in an append of its own (as a reservation's refusal is: the log shows
+/// who was refused what, and when), then answered as it was. The record is not the request's
+/// result: a retry with the same idempotency key decides again.
+pub(super) async fn recording_refusal<T>(
+    call: &Call<'_>,
+    tenant: TenantId,
+    read: Option<&QuotaRead<'_>>,
+    adding: &ResourceUse,
+    subject: &str,
+    decided: Result<T>,
+) -> Result<T> {
+    if let Err(Error::QuotaExceeded(_)) = &decided
+        && let Some(record) = decide_quota::refusal_record(read, adding, subject, &call.actor())?
+    {
+        let mut request = call.decided(tenant, record);
+        request.idempotency_key = None;
+        request.fingerprint = None;
+        call.submit(request).await?;
+    }
+    decided
 }
 
 async fn quota_view(call: &Call<'_>, tenant: bc_core::id::TenantId, pool: &PoolId) -> Result<QuotaView> {

@@ -350,17 +350,10 @@ pub(super) async fn create_from_snapshot(
         sha256: snapshot.sha256.clone().unwrap_or_default(),
     };
     let issue = Issue { command_id: &command, now_ms: call.now_ms() };
-    let decided = decide_sandbox::sandbox_create_from(
-        template,
-        &sandbox_id,
-        node,
-        Some(ttl_s),
-        issue,
-        &[],
-        &[],
-        Some(&restore),
-        admission,
-    )?;
+    let decided =
+        decide_sandbox::sandbox_create_from(template, &sandbox_id, node, Some(ttl_s), issue, &[], &[], Some(&restore), admission);
+    let adding = bc_projections::decide::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib);
+    let decided = super::quotas::recording_refusal(call, tenant, admission.quota.as_ref(), &adding, &sandbox_id, decided).await?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
     call.row(tenant, KIND_SANDBOX, super::call::stream_id(stream), "sandbox").await

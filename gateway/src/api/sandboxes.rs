@@ -33,6 +33,7 @@ use super::validate::{
 };
 use super::views::{SandboxCreatedView, SandboxTemplateView, SandboxView, SandboxWarmth};
 use super::{Access, Call, Method, method};
+use crate::app::reservations::QUOTA_RACE_ATTEMPTS;
 
 const READ: Access = Access::Action("compute:sandboxes:read");
 const WRITE: Access = Access::Action("compute:sandboxes:write");
@@ -471,6 +472,12 @@ async fn sandbox_templates_delete(call: &Call<'_>, input: TemplateRef) -> Result
 }
 
 async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<SandboxCreatedView> {
+    // Counted against the tenant's resource limits: decided again when another's work was
+    // counted on the quota in between (a CONFLICT on its stream), never answered CONFLICT.
+    crate::app::retry_on_quota_race(QUOTA_RACE_ATTEMPTS, |_| sandbox_create_once(call, &input)).await
+}
+
+async fn sandbox_create_once(call: &Call<'_>, input: &SandboxesCreate) -> Result<SandboxCreatedView> {
     let tenant = call.tenant(&input.tenant_id).await?;
     let template = template_doc(call, tenant, &input.template_id).await?;
     let ttl_s = input.ttl_s.unwrap_or(template.default_ttl_s);
@@ -492,6 +499,8 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
             super::sandbox_snapshots::create_from_snapshot(call, tenant, &template, ttl_s, snapshot_id, &admission).await?;
         return Ok(SandboxCreatedView { claimed: SandboxWarmth::Cold, sandbox: sandbox.into() });
     }
+    // What a sandbox of the template adds to the tenant's use (a refusal past a limit names it).
+    let adding = bc_projections::decide::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib);
     let retry = call.is_retry(tenant).await?;
     // A template with volumes runs its sandboxes on the volumes' node. The volumes are read
     // before the live sandboxes: a sandbox and its volumes' attachment land in one append, so
@@ -504,7 +513,10 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     let now_ms = call.now_ms();
     if !retry {
         if let Some(warm) = decide::warm_sandbox(&live, &template) {
-            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms, &admission)?;
+            let decided = decide::sandbox_claim(&template, warm, ttl_s, now_ms, &admission);
+            let decided =
+                super::quotas::recording_refusal(call, tenant, admission.quota.as_ref(), &adding, &warm.sandbox_id, decided)
+                    .await?;
             call.submit(call.decided(tenant, decided)).await?;
             let doc = sandbox_doc(call, tenant, &warm.sandbox_id).await?;
             return Ok(SandboxCreatedView { claimed: SandboxWarmth::Warm, sandbox: doc.into() });
@@ -544,7 +556,8 @@ async fn sandboxes_create(call: &Call<'_>, input: SandboxesCreate) -> Result<San
     // A retry's own sandbox mounts the volumes already: the append answers it from the log.
     let mounting: &[SandboxDoc] = if retry { &[] } else { &live };
     let decided =
-        decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting, &admission)?;
+        decide::sandbox_create_mounting(&template, &sandbox_id, node, Some(ttl_s), issue, &volumes, mounting, &admission);
+    let decided = super::quotas::recording_refusal(call, tenant, admission.quota.as_ref(), &adding, &sandbox_id, decided).await?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;
     let doc = sandbox_doc(call, tenant, super::call::stream_id(stream)).await?;

@@ -1060,7 +1060,8 @@ fn plan_webhooks(live: &FleetLive, doc: &FleetDocument, prune: bool, plan: &mut 
                 Some(_) => {}
             }
         }
-        let fingerprint = webhook_fingerprint(&want.url, &want.event_types, &want.description);
+        let reference = want.secret_ref.as_ref().map(|r| r.to_lowercase());
+        let fingerprint = webhook_fingerprint(&want.url, &want.event_types, &want.description, reference.as_deref());
         match (id, live_webhook) {
             (Some(id), None) if is_id_key(bc_core::id::WebhookId::PREFIX, key) => {
                 block(plan, format!("{id} does not exist: a key that is an id names an existing webhook"));
@@ -1470,6 +1471,30 @@ mod tests {
             ]
         );
         assert!(plan.blocked.is_empty(), "{plan:?}");
+
+        // Drift: a document that names a webhook's secret records it, so another reference or
+        // a generated secret set by hand is drift; one that leaves the secret alone does not.
+        let applied = applied_record(&live, &doc);
+        let drift_of = |webhook: bc_projections::WebhookDoc, applied: &FleetConfigDoc| {
+            let webhooks = vec![webhook, live.webhooks[1].clone()];
+            fleet_drift(&FleetLive { webhooks, applied: Some(applied.clone()), ..live.clone() })
+        };
+        let changed = vec![FleetDrift { kind: OBJECT_WEBHOOK.into(), key: W1.into(), id: W1.into(), what: "changed".into() }];
+        assert_eq!(drift_of(webhook(W1, Some(SECRET)), &applied), vec![], "as applied");
+        let other = "secret://ten_01hzz00000000000000000000x/sec_01hzz00000000000000000000o";
+        assert_eq!(drift_of(webhook(W1, Some(other)), &applied), changed, "another secret referred to by hand");
+        assert_eq!(drift_of(webhook(W1, None), &applied), changed, "a generated secret by hand");
+        let mut silent = doc.clone();
+        silent.webhooks.get_mut(W1).unwrap().secret_ref = None;
+        let applied = applied_record(&live, &silent);
+        assert_eq!(drift_of(webhook(W1, Some(other)), &applied), vec![], "a secret the document leaves alone");
+        assert_eq!(drift_of(webhook(W1, None), &applied), vec![]);
+        // A fingerprint recorded before references were in it still matches.
+        let mut before = applied_record(&live, &doc);
+        let legacy =
+            bc_projections::fleet_config::webhook_fingerprint(&webhook(W1, None).url, &webhook(W1, None).event_types, "", None);
+        before.objects.get_mut(&bc_projections::fleet_config::object_key(OBJECT_WEBHOOK, W1)).unwrap().fingerprint = legacy;
+        assert_eq!(drift_of(webhook(W1, Some(SECRET)), &before), vec![]);
     }
 
     /// A pool's offers are exported, and the export plans empty; a document that adds and
@@ -1506,6 +1531,30 @@ mod tests {
         assert!(fleet_plan(&live, &absent, false).changes.is_empty());
     }
 
+    /// What an apply of `doc` on `live` (with nothing of it made yet) records.
+    fn applied_record(live: &FleetLive, doc: &FleetDocument) -> FleetConfigDoc {
+        let plan = fleet_plan(live, doc, false);
+        let objects = applied_objects(&plan, &BTreeMap::new())
+            .into_iter()
+            .map(|o| {
+                let state = bc_projections::fleet_config::FleetObjectState { id: o.id, fingerprint: o.fingerprint };
+                (bc_projections::fleet_config::object_key(&o.kind, &o.key), state)
+            })
+            .collect();
+        FleetConfigDoc {
+            tenant_id: "ten_x".into(),
+            plan_hash: plan.plan_hash,
+            document_sha256: plan.document_sha256,
+            applied_at_ms: 0,
+            applies: 1,
+            objects,
+            drift: Vec::new(),
+            drift_count: 0,
+            drift_at_ms: None,
+            version: 1,
+        }
+    }
+
     /// A document that states a pool's offers records them when applied, so an offer made or
     /// withdrawn outside it (`pools offer`/`unoffer`) is drift (`offer`, `changed`), and gone
     /// once the live offers are the document's again; a document without `offeredTo` records
@@ -1516,29 +1565,8 @@ mod tests {
         const C: &str = "ten_01hzz00000000000000000000c";
         let offered = PoolDoc { offered_to: BTreeSet::from([B.to_owned()]), ..pool(P1, "a", 2) };
         let doc = fleet_export(&FleetLive { pools: vec![offered.clone()], ..Default::default() });
-        // What an apply of `doc` records, and the fleet as it leaves it.
         let applied_with = |doc: &FleetDocument, pool: &PoolDoc| {
-            let live = FleetLive { pools: vec![pool.clone()], ..Default::default() };
-            let plan = fleet_plan(&live, doc, false);
-            let objects = applied_objects(&plan, &BTreeMap::new())
-                .into_iter()
-                .map(|o| {
-                    let state = bc_projections::fleet_config::FleetObjectState { id: o.id, fingerprint: o.fingerprint };
-                    (bc_projections::fleet_config::object_key(&o.kind, &o.key), state)
-                })
-                .collect();
-            FleetConfigDoc {
-                tenant_id: "ten_x".into(),
-                plan_hash: plan.plan_hash,
-                document_sha256: plan.document_sha256,
-                applied_at_ms: 0,
-                applies: 1,
-                objects,
-                drift: Vec::new(),
-                drift_count: 0,
-                drift_at_ms: None,
-                version: 1,
-            }
+            applied_record(&FleetLive { pools: vec![pool.clone()], ..Default::default() }, doc)
         };
         let applied = applied_with(&doc, &offered);
         assert_eq!(applied.id_of(OBJECT_OFFER, P1), Some(P1), "{:?}", applied.objects);

@@ -63,12 +63,7 @@ pub fn instance_create(input: &InstanceCreateInput<'_>, issue: Issue<'_>) -> Res
     let doc = pending_instance(input, binding, issue.now_ms);
     let mut guards = Vec::new();
     let (command, apply) = issue_command(&doc.node_id, INSTANCE_APPLY, doc.apply_args(), issue, &mut guards)?;
-    let adding = super::quota::ResourceUse {
-        instances: 1,
-        vcpus: u64::from(doc.shape.vcpus),
-        memory_mib: doc.shape.memory_mib,
-        sandboxes: 0,
-    };
+    let adding = super::quota::ResourceUse::instance(doc.shape.vcpus, doc.shape.memory_mib);
     let counted = super::quota::admit(input.quota.as_ref(), &adding, input.instance_id).map_err(Refusal::of_quota)?;
     let created = InstanceCreated {
         name: doc.name,
@@ -274,14 +269,13 @@ pub fn instance_request_under(
     let mut guards = Vec::new();
     let counted = match request {
         InstanceRequest::Resize(shape) => {
-            let growth = super::quota::ResourceUse {
-                instances: 0,
-                vcpus: u64::from(shape.vcpus.saturating_sub(doc.shape.vcpus)),
-                memory_mib: shape.memory_mib.saturating_sub(doc.shape.memory_mib),
-                sandboxes: 0,
-            };
-            let grows = growth.vcpus > 0 || growth.memory_mib > 0;
-            if grows { super::quota::admit(quota, &growth, &doc.instance_id).map_err(Refusal::of_quota)? } else { None }
+            let growth =
+                super::quota::ResourceUse::growth((doc.shape.vcpus, doc.shape.memory_mib), (shape.vcpus, shape.memory_mib));
+            if !growth.is_empty() {
+                super::quota::admit(quota, &growth, &doc.instance_id).map_err(Refusal::of_quota)?
+            } else {
+                None
+            }
         }
         _ => None,
     };

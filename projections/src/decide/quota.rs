@@ -9,6 +9,7 @@
 use bc_core::store::{ExpectedVersion, NewEvent};
 use bc_core::{Error, Result};
 
+use super::Append;
 use crate::events::{self as ev, to_cbor};
 use crate::quota::{KIND_QUOTA, QuotaDoc};
 use crate::stream_of;
@@ -30,6 +31,31 @@ pub struct ResourceUse {
 }
 
 impl ResourceUse {
+    /// What one instance of `vcpus` and `memory_mib` adds.
+    pub fn instance(vcpus: u32, memory_mib: u64) -> Self {
+        ResourceUse { instances: 1, vcpus: u64::from(vcpus), memory_mib, sandboxes: 0 }
+    }
+
+    /// What a resize from `(vcpus, memory_mib)` to `to` adds: its growth (a shrink adds nothing).
+    pub fn growth(from: (u32, u64), to: (u32, u64)) -> Self {
+        ResourceUse {
+            instances: 0,
+            vcpus: u64::from(to.0.saturating_sub(from.0)),
+            memory_mib: to.1.saturating_sub(from.1),
+            sandboxes: 0,
+        }
+    }
+
+    /// What one sandbox of `vcpus` and `memory_mib` adds.
+    pub fn sandbox(vcpus: u32, memory_mib: u64) -> Self {
+        ResourceUse { instances: 0, vcpus: u64::from(vcpus), memory_mib, sandboxes: 1 }
+    }
+
+    /// Whether it adds anything.
+    pub fn is_empty(&self) -> bool {
+        *self == ResourceUse::default()
+    }
+
     pub fn add(&mut self, other: &ResourceUse) {
         self.instances = self.instances.saturating_add(other.instances);
         self.vcpus = self.vcpus.saturating_add(other.vcpus);
@@ -67,24 +93,17 @@ pub fn admit(read: Option<&QuotaRead<'_>>, adding: &ResourceUse, subject: &str) 
     if !q.bounds_resources() {
         return Ok(None);
     }
-    let u = &read.in_use;
-    let checks: [(&str, Option<u64>, u64, u64); 4] = [
-        ("instances", q.instances.map(u64::from), u64::from(u.instances), u64::from(adding.instances)),
-        ("vCPUs", q.vcpus.map(u64::from), u.vcpus, adding.vcpus),
-        ("memory (MiB)", q.memory_mib, u.memory_mib, adding.memory_mib),
-        ("sandboxes", q.sandboxes.map(u64::from), u64::from(u.sandboxes), u64::from(adding.sandboxes)),
-    ];
-    for (what, limit, in_use, more) in checks {
-        if let Some(limit) = limit
-            && more > 0
-            && in_use.saturating_add(more) > limit
-        {
-            return Err(Error::QuotaExceeded(format!(
-                "{more} more {what} would take the tenant to {} of its quota of {limit} {what} in pool {} (in use: {in_use})",
-                in_use.saturating_add(more),
-                q.pool_id
-            )));
-        }
+    if let Some(past) = past_limit(read, adding) {
+        return Err(Error::QuotaExceeded(format!(
+            "{} more {} would take the tenant to {} of its quota of {} {} in pool {} (in use: {})",
+            past.requested,
+            past.what,
+            past.in_use.saturating_add(past.requested),
+            past.limit,
+            past.what,
+            q.pool_id,
+            past.in_use
+        )));
     }
     let stream = stream_of(KIND_QUOTA, &q.pool_id);
     let counted = ev::QuotaCounted {
@@ -97,6 +116,54 @@ pub fn admit(read: Option<&QuotaRead<'_>>, adding: &ResourceUse, subject: &str) 
     let mut event = NewEvent::new(ev::QUOTA_COUNTED, to_cbor(&counted)?);
     event.stream = Some(stream.clone());
     Ok(Some(((stream, ExpectedVersion::Exact(q.version)), event)))
+}
+
+/// The first of the quota's resource limits `adding` would take the tenant past.
+struct PastLimit {
+    /// As a message names it.
+    what: &'static str,
+    /// As `quotas.set` names it.
+    field: &'static str,
+    requested: u64,
+    in_use: u64,
+    limit: u64,
+}
+
+fn past_limit(read: &QuotaRead<'_>, adding: &ResourceUse) -> Option<PastLimit> {
+    let (q, u) = (read.quota, &read.in_use);
+    let checks: [(&str, &str, Option<u64>, u64, u64); 4] = [
+        ("instances", "instances", q.instances.map(u64::from), u64::from(u.instances), u64::from(adding.instances)),
+        ("vCPUs", "vcpus", q.vcpus.map(u64::from), u.vcpus, adding.vcpus),
+        ("memory (MiB)", "memoryMiB", q.memory_mib, u.memory_mib, adding.memory_mib),
+        ("sandboxes", "sandboxes", q.sandboxes.map(u64::from), u64::from(u.sandboxes), u64::from(adding.sandboxes)),
+    ];
+    checks.into_iter().find_map(|(what, field, limit, in_use, requested)| {
+        let limit = limit?;
+        (requested > 0 && in_use.saturating_add(requested) > limit).then_some(PastLimit { what, field, requested, in_use, limit })
+    })
+}
+
+/// The record of [`admit`]'s refusal: `quota.resource_exceeded` on the quota's stream, naming the
+/// limit `adding` would pass, for an append of its own (any version: a refusal guards nothing),
+/// as a reservation's refusal is recorded. `None` when `adding` passes no limit of the quota
+/// read (the refusal was another's).
+pub fn refusal_record(read: Option<&QuotaRead<'_>>, adding: &ResourceUse, subject: &str, actor: &str) -> Result<Option<Append>> {
+    let Some(read) = read else { return Ok(None) };
+    let Some(past) = past_limit(read, adding) else { return Ok(None) };
+    let record = ev::QuotaResourceExceeded {
+        resource: past.field.to_owned(),
+        requested: past.requested,
+        in_use: past.in_use,
+        limit: past.limit,
+        subject: subject.to_owned(),
+        actor: actor.to_owned(),
+    };
+    Ok(Some(Append {
+        stream: stream_of(KIND_QUOTA, &read.quota.pool_id),
+        expected: ExpectedVersion::Any,
+        guards: vec![],
+        events: vec![NewEvent::new(ev::QUOTA_RESOURCE_EXCEEDED, to_cbor(&record)?)],
+    }))
 }
 
 /// Each limit of `quotas.set` checked at the edge: within its bound (`QUOTA_*_MAX`).
@@ -190,6 +257,36 @@ mod tests {
         let read = QuotaRead { quota: &q, in_use: one_instance(8, 1) };
         assert!(admit(Some(&read), &ResourceUse::default(), "inst_1").unwrap().is_some());
         assert!(admit(Some(&read), &ResourceUse { vcpus: 1, ..ResourceUse::default() }, "inst_1").is_err());
+    }
+
+    #[test]
+    fn a_refusal_is_recorded_naming_the_limit_passed_and_a_refusal_of_another_is_not() {
+        let q = quota(Some(4), Some(8), None, None);
+        let read = QuotaRead { quota: &q, in_use: one_instance(6, 512) };
+        let adding = one_instance(4, 1024);
+        assert!(admit(Some(&read), &adding, "inst_2").is_err());
+        let record = refusal_record(Some(&read), &adding, "inst_2", "key:ak_1").unwrap().expect("a record");
+        assert_eq!((record.stream.as_str(), record.expected, record.guards.len()), ("quota/pool_1", ExpectedVersion::Any, 0));
+        assert_eq!(record.events.len(), 1);
+        assert_eq!(record.events[0].event_type, ev::QUOTA_RESOURCE_EXCEEDED);
+        let payload: ev::QuotaResourceExceeded = ciborium::Value::deserialized(&record.events[0].payload).unwrap();
+        assert_eq!(
+            payload,
+            ev::QuotaResourceExceeded {
+                resource: "vcpus".into(),
+                requested: 4,
+                in_use: 6,
+                limit: 8,
+                subject: "inst_2".into(),
+                actor: "key:ak_1".into()
+            }
+        );
+        // Work that fits, no quota, or no limit on what it adds: nothing to record.
+        assert!(refusal_record(Some(&read), &one_instance(2, 1), "inst_2", "a").unwrap().is_none());
+        assert!(refusal_record(None, &adding, "inst_2", "a").unwrap().is_none());
+        let gpus_only = quota(None, None, None, None);
+        let read = QuotaRead { quota: &gpus_only, in_use: one_instance(1000, 1 << 30) };
+        assert!(refusal_record(Some(&read), &adding, "inst_2", "a").unwrap().is_none());
     }
 
     #[test]

@@ -350,12 +350,7 @@ pub struct SandboxAdmission<'a> {
 impl SandboxAdmission<'_> {
     /// The guards and events `sandbox_id`'s append adds, or `QUOTA_EXCEEDED`.
     fn admit(&self, template: &SandboxTemplateDoc, sandbox_id: &str) -> Result<Admitted, Error> {
-        let adding = super::quota::ResourceUse {
-            instances: 0,
-            vcpus: u64::from(template.shape.vcpus),
-            memory_mib: template.shape.memory_mib,
-            sandboxes: 1,
-        };
+        let adding = super::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib);
         let mut guards: Vec<(String, ExpectedVersion)> = self.project.map(ProjectRef::guard).into_iter().collect();
         let mut events = Vec::new();
         if let Some((guard, event)) = super::quota::admit(self.quota.as_ref(), &adding, sandbox_id)? {
