@@ -71,7 +71,7 @@ test: check-postgres
 		$(LINTED) $(CARGO) nextest run --workspace --no-fail-fast --test-threads $(TEST_THREADS) $(TEST_FEATURES); \
 	else \
 		echo "cargo-nextest not found; using cargo test"; \
-		$(LINTED) $(CARGO) test --workspace --no-fail-fast --lib --bins --tests $(TEST_FEATURES) -- --skip ha::acknowledged_writes --skip ha::asynchronous_commit; \
+		$(LINTED) $(CARGO) test --workspace --no-fail-fast --lib --bins --tests $(TEST_FEATURES); \
 	fi
 	$(LINTED) $(CARGO) test --workspace --doc $(TEST_FEATURES)
 
@@ -199,14 +199,14 @@ ha-up:
 ha-down:
 	scripts/ha-down
 
-## The failover tests on that layout (tests/tests/ha.rs; the two three-kill ones are left out of
-## `make test` by .config/nextest.toml's default filter: minutes, a cluster
-## of its own): 16 writers, the primary killed three times; then the negative control with
-## synchronous_commit = local; and the one-kill reconcilers test `make test` runs too. One at a time. BC_HA_TTL=30 BC_HA_LOOP_WAIT=10 BC_HA_RETRY_TIMEOUT=10
-## runs it on Patroni's default timings (tuned: 10, 2, 4).
+## The failover tests on that layout alone (tests/tests/ha.rs, which `make test` runs with the rest
+## of the suite), one at a time, their output shown: 16 writers, the primary killed three times;
+## the negative control with synchronous_commit = local; and the one-kill reconcilers test.
+## BC_HA_TTL=30 BC_HA_LOOP_WAIT=10 BC_HA_RETRY_TIMEOUT=10 runs them on Patroni's default timings
+## (tuned: 10, 2, 4).
 test-ha: check-postgres
 	$(CARGO) build --workspace --bins $(TEST_FEATURES)
-	$(CARGO) nextest run --workspace $(TEST_FEATURES) --ignore-default-filter --test-threads 1 --no-fail-fast --no-capture -E 'test(/^ha::/)'
+	$(CARGO) nextest run --workspace $(TEST_FEATURES) --test-threads 1 --no-fail-fast --no-capture -E 'test(/^ha::/)'
 
 ## What the benches need from Debian: etcd-server, the watch bench's baseline, installed once.
 bench-deps:
