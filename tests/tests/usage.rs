@@ -740,6 +740,31 @@ async fn a_sandboxs_life_shows_in_usage_with_its_flavors_vcpus_and_memory() {
     assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
     let message = refused["message"].as_str().unwrap();
     assert!(message.contains("quota of 1 sandboxes") && message.contains("in use: 1"), "{message}");
+    let records = call_ok(&server, "events.list", json!({ "types": ["quota.resource_exceeded"], "limit": 10 })).await;
+    let record = &records["items"][0]["payload"];
+    assert_eq!(
+        (
+            &record["resource"],
+            &record["requested"],
+            &record["inUse"],
+            &record["limit"],
+            records["items"].as_array().map(Vec::len)
+        ),
+        (&json!("sandboxes"), &json!(1), &json!(1), &json!(1), Some(1)),
+        "the refusal is recorded: {records}"
+    );
+    // Raised to room for exactly four more, four creates at once all land: each one that lost
+    // the race on the quota's stream is decided again (never CONFLICT), and the quota holds.
+    let (code, _, err) = server.cli(&["quotas", "set", "--pool", &pool, "--gpus", "0", "--sandboxes", "5"]);
+    assert_eq!(code, 0, "{err}");
+    let creates = (0..4).map(|_| server.call("sandboxes.create", json!({ "templateId": template, "ttlS": 5 })));
+    for (status, body) in futures::future::join_all(creates).await {
+        assert_eq!(status, 200, "{body}");
+    }
+    let quota = call_ok(&server, "quotas.get", json!({ "poolId": pool })).await;
+    assert_eq!(quota["resourcesInUse"]["sandboxes"], 5, "{quota}");
+    let (status, refused) = server.call("sandboxes.create", json!({ "templateId": template, "ttlS": 5 })).await;
+    assert_eq!((status, refused["code"].as_str()), (403, Some("QUOTA_EXCEEDED")), "{refused}");
     let in_project = cli_json(&server, &["sandbox", "list", "--project", &project_id, "--deleted", "--format", "json"]);
     assert_eq!(in_project["items"][0]["sandboxId"], json!(id), "{in_project}");
     let in_other =
