@@ -3,14 +3,20 @@
 //! (which `make bench` builds first) as child processes on loopback, the node running gVisor
 //! (`runsc`, Debian's package, `--platform=ptrace`) with a root file system from Debian's
 //! `busybox-static`.
-//! - The floor, measured in the same run: `runsc do /bin/true` (a gVisor sandbox made, run and
-//!   gone, with no control plane), `FLOOR_RUNS` times.
+//! - The floors, measured in the same run: `runsc do /bin/true` (a gVisor sandbox made, run and
+//!   gone, with no control plane), and `runsc exec` of `echo ready` into a sandbox `runsc run`
+//!   started (the exec alone, to its end), `FLOOR_RUNS` times each.
 //! - Cold: a template with no warm pool; `sandboxes.create`, then `sandboxes.get` every
 //!   `POLL_MS` until it is `running`, then `better-compute sandbox exec SBX -- echo ready`
 //!   until its first byte of output; `SAMPLES` times (each sandbox deleted before the next,
 //!   untimed).
 //! - Warm: a template with `warmMin: WARM_MIN`; each sample waits (untimed) until the pool is
-//!   full, then `sandboxes.create` (a claim) and the same exec.
+//!   full, then `sandboxes.create` (a claim) and the same exec. Each sample's exec is also timed
+//!   on its own (the CLI started, the tunnel opened, the command run, its end), against the
+//!   exec floor.
+//! - Snapshots: a running cold sandbox snapshotted (`sandboxes.snapshot`, until the snapshot is
+//!   `ready`), and a sandbox restored from it (`sandboxes.create` with `fromSnapshotId`, until its
+//!   first exec output), `SNAPSHOT_SAMPLES` times.
 //! - Capacity: a template of a 64 MiB flavor, sandboxes created one after another until the
 //!   control plane or the node says no; how many ran, and what said no.
 //!
@@ -37,6 +43,8 @@ const SAMPLES: usize = 30;
 const WARM_MIN: u32 = 2;
 /// How often the bench asks whether a cold sandbox is running.
 const POLL_MS: u64 = 5;
+/// Snapshots taken and restored, timed.
+const SNAPSHOT_SAMPLES: usize = 5;
 /// The most sandboxes the capacity case tries (past the control plane's bound per node, 64).
 const CAPACITY_TRIES: usize = 80;
 
@@ -217,6 +225,46 @@ fn runsc_do(root: &Path) -> f64 {
     ms
 }
 
+/// A sandbox `runsc run` starts (detached) from the bundle in `dir` (its `rootfs`, from
+/// [`busybox_rootfs`]), running `sleep`: what `runsc exec` runs in for the exec floor.
+fn runsc_sleeper(root: &Path, dir: &Path) -> &'static str {
+    const ID: &str = "bench-exec-floor";
+    let spec = Command::new("runsc").current_dir(dir).args(["spec", "--", "/bin/sleep", "3600"]).status().unwrap();
+    assert!(spec.success(), "runsc spec");
+    let run = Command::new("runsc")
+        .arg("--root")
+        .arg(root)
+        .args(["--platform=ptrace", "--network=none", "run", "--detach", "--bundle"])
+        .arg(dir)
+        .arg(ID)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(run.success(), "runsc run --detach: {run}");
+    ID
+}
+
+/// `runsc exec ID /bin/echo ready` into the sleeper, to its end: its wall time in ms.
+fn runsc_exec(root: &Path, id: &str) -> f64 {
+    let started = Instant::now();
+    let out = Command::new("runsc")
+        .arg("--root")
+        .arg(root)
+        .args(["--platform=ptrace", "exec", id, "/bin/echo", "ready"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    assert!(out.status.success() && out.stdout.starts_with(b"ready"), "runsc exec: {out:?}");
+    ms
+}
+
+fn runsc_delete(root: &Path, id: &str) {
+    let _ = Command::new("runsc").arg("--root").arg(root).args(["delete", "--force", id]).status();
+}
+
 /// `better-compute sandbox exec SBX -- echo ready`: until its first byte of output (then to
 /// its end, checked).
 fn first_output(api: &Api, sandbox: &str) {
@@ -243,19 +291,38 @@ fn first_output(api: &Api, sandbox: &str) {
     );
 }
 
-/// One sample: create from `template`, wait until running (a claimed warm one already is),
-/// exec until the first output. (ms, whether it was warm, the sandbox id).
-async fn create_to_output(api: &Api, template: &str) -> (f64, bool, String) {
+/// One sample: create from `template` (from `snapshot` when given), wait until running (a
+/// claimed warm one already is), exec until the first output. (ms in all, ms of the exec alone,
+/// whether it was warm, the sandbox id).
+async fn create_to_output(api: &Api, template: &str, snapshot: Option<&str>) -> (f64, f64, bool, String) {
     let started = Instant::now();
-    let created = api.call("sandboxes.create", json!({ "templateId": template, "ttlS": 600 })).await;
+    let mut body = json!({ "templateId": template, "ttlS": 600 });
+    if let Some(snapshot) = snapshot {
+        body["fromSnapshotId"] = json!(snapshot);
+    }
+    let created = api.call("sandboxes.create", body).await;
     let sandbox = created["sandboxId"].as_str().unwrap().to_owned();
     if created["state"] != "running" {
-        api.wait("sandboxes.get", json!({ "sandboxId": sandbox }), "running", POLL_MS, |s| s["state"] != "starting").await;
+        let doc =
+            api.wait("sandboxes.get", json!({ "sandboxId": sandbox }), "running", POLL_MS, |s| s["state"] != "starting").await;
+        assert_eq!(doc["state"], "running", "{doc}");
     }
+    let exec_started = Instant::now();
     let http = api.http.clone();
     let (url, token, id) = (api.url.clone(), api.token.clone(), sandbox.clone());
     tokio::task::spawn_blocking(move || first_output(&Api { http, url, token }, &id)).await.unwrap();
-    (started.elapsed().as_secs_f64() * 1000.0, created["claimed"] == "warm", sandbox)
+    let ms = |since: Instant| since.elapsed().as_secs_f64() * 1000.0;
+    (ms(started), ms(exec_started), created["claimed"] == "warm", sandbox)
+}
+
+/// A snapshot of `sandbox` (kept past it), until `ready`: (ms, the snapshot's id).
+async fn snapshot(api: &Api, sandbox: &str) -> (f64, String) {
+    let started = Instant::now();
+    let taken = api.call("sandboxes.snapshot", json!({ "sandboxId": sandbox, "keep": true })).await;
+    let id = taken["snapshotId"].as_str().unwrap().to_owned();
+    let doc = api.wait("sandboxSnapshots.get", json!({ "snapshotId": id }), "ready", POLL_MS, |s| s["state"] != "taking").await;
+    assert_eq!(doc["state"], "ready", "{doc}");
+    (started.elapsed().as_secs_f64() * 1000.0, id)
 }
 
 async fn delete(api: &Api, sandbox: &str) {
@@ -311,11 +378,13 @@ pub fn main() {
         let runsc_root = dir.path().join("runsc-floor");
         std::fs::create_dir_all(&runsc_root).unwrap();
         let _ = runsc_do(&runsc_root);
-        let (_, _, first) = create_to_output(&api, &cold).await;
+        let sleeper = runsc_sleeper(&runsc_root, dir.path());
+        let _ = runsc_exec(&runsc_root, sleeper);
+        let (_, _, _, first) = create_to_output(&api, &cold, None).await;
         delete(&api, &first).await;
 
-        let mut floor = Vec::new();
-        let (mut cold_ms, mut warm_ms) = (Vec::new(), Vec::new());
+        let (mut floor, mut exec_floor) = (Vec::new(), Vec::new());
+        let (mut cold_ms, mut warm_ms, mut exec_ms) = (Vec::new(), Vec::new(), Vec::new());
         let warm_template = api.call("sandboxTemplates.create", template("warm", WARM_MIN)).await["templateId"]
             .as_str()
             .unwrap()
@@ -326,18 +395,35 @@ pub fn main() {
             if i < FLOOR_RUNS {
                 let root = runsc_root.clone();
                 floor.push(tokio::task::spawn_blocking(move || runsc_do(&root)).await.unwrap());
+                let root = runsc_root.clone();
+                exec_floor.push(tokio::task::spawn_blocking(move || runsc_exec(&root, sleeper)).await.unwrap());
             }
-            let (ms, warm, sandbox) = create_to_output(&api, &cold).await;
+            let (ms, _, warm, sandbox) = create_to_output(&api, &cold, None).await;
             assert!(!warm, "the cold template keeps no warm pool");
             cold_ms.push(ms);
             delete(&api, &sandbox).await;
             warm_full(&api, &warm_template, WARM_MIN as usize).await;
-            let (ms, warm, sandbox) = create_to_output(&api, &warm_template).await;
+            let (ms, exec, warm, sandbox) = create_to_output(&api, &warm_template, None).await;
             assert!(warm, "a full warm pool hands one out");
             warm_ms.push(ms);
+            exec_ms.push(exec);
             delete(&api, &sandbox).await;
         }
+        runsc_delete(&runsc_root, sleeper);
         api.call("sandboxTemplates.delete", json!({ "templateId": warm_template })).await;
+
+        // Snapshots: a running cold sandbox snapshotted, and a new one restored from it.
+        let (mut snapshot_ms, mut restore_ms) = (Vec::new(), Vec::new());
+        for _ in 0..SNAPSHOT_SAMPLES {
+            let (_, _, _, source) = create_to_output(&api, &cold, None).await;
+            let (ms, taken) = snapshot(&api, &source).await;
+            snapshot_ms.push(ms);
+            let (ms, _, _, restored) = create_to_output(&api, &cold, Some(&taken)).await;
+            restore_ms.push(ms);
+            delete(&api, &restored).await;
+            delete(&api, &source).await;
+            api.call("sandboxSnapshots.delete", json!({ "snapshotId": taken })).await;
+        }
         api.wait("sandboxes.list", json!({ "limit": 100 }), "the warm pool gone", 100, |p| {
             p["items"].as_array().is_some_and(|i| i.is_empty())
         })
@@ -367,10 +453,11 @@ pub fn main() {
             delete(&api, id).await;
         }
 
-        floor.sort_by(f64::total_cmp);
-        cold_ms.sort_by(f64::total_cmp);
-        warm_ms.sort_by(f64::total_cmp);
+        for samples in [&mut floor, &mut exec_floor, &mut cold_ms, &mut warm_ms, &mut exec_ms, &mut snapshot_ms, &mut restore_ms] {
+            samples.sort_by(f64::total_cmp);
+        }
         let (f50, f99) = (percentile(&floor, 0.5), percentile(&floor, 0.99));
+        let (e50, e99) = (percentile(&exec_floor, 0.5), percentile(&exec_floor, 0.99));
         println!();
         println!(
             "sandboxes (release dev and bcd on loopback, gVisor {} --platform=ptrace, {} cores)",
@@ -378,14 +465,21 @@ pub fn main() {
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
         );
         println!("  floor: runsc do /bin/true           p50 {f50:>7.1} ms, p99 {f99:>7.1} ms ({FLOOR_RUNS} runs)");
-        for (what, samples) in [("cold", &cold_ms), ("warm", &warm_ms)] {
+        println!("  floor: runsc exec (running sandbox) p50 {e50:>7.1} ms, p99 {e99:>7.1} ms ({FLOOR_RUNS} runs)");
+        let line = |what: &str, samples: &[f64], (b50, b99): (f64, f64), base: &str| {
             let (p50, p99) = (percentile(samples, 0.5), percentile(samples, 0.99));
             println!(
-                "  create → first exec output, {what}    p50 {p50:>7.1} ms, p99 {p99:>7.1} ms; ÷ floor p50 {:.2}, p99 {:.2} ({SAMPLES} samples)",
-                p50 / f50,
-                p99 / f99
+                "  {what:<34} p50 {p50:>7.1} ms, p99 {p99:>7.1} ms; ÷ {base} p50 {:.2}, p99 {:.2} ({} samples)",
+                p50 / b50,
+                p99 / b99,
+                samples.len()
             );
-        }
+        };
+        line("create → first exec output, cold", &cold_ms, (f50, f99), "runsc do");
+        line("create → first exec output, warm", &warm_ms, (f50, f99), "runsc do");
+        line("sandbox exec alone (warm, to end)", &exec_ms, (e50, e99), "runsc exec");
+        line("snapshot (until ready)", &snapshot_ms, (f50, f99), "runsc do");
+        line("restore → first exec output", &restore_ms, (f50, f99), "runsc do");
         println!("  anchors (other machines, not measured): Firecracker 125 ms start → guest init; e2b ~150 ms from a snapshot");
         println!(
             "  64 MiB sandboxes on one node: {running} running before {refusal}; MemAvailable {:.0} → {:.0} MiB ({:.1} MiB a sandbox)",
