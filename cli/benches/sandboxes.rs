@@ -9,7 +9,7 @@
 //! - Cold: a template with no warm pool; `sandboxes.create`, then `sandboxes.get` every
 //!   `POLL_MS` until it is `running`, then `better-compute sandbox exec SBX -- echo ready`
 //!   until its first byte of output; `SAMPLES` times (each sandbox deleted before the next,
-//!   untimed).
+//!   and the warm pool refilled, untimed: a node runs its commands one at a time).
 //! - Warm: a template with `warmMin: WARM_MIN`; each sample waits (untimed) until the pool is
 //!   full, then `sandboxes.create` (a claim) and the same exec. Each sample's exec is also timed
 //!   on its own (the CLI started, the tunnel opened, the command run, its end), against the
@@ -325,8 +325,12 @@ async fn snapshot(api: &Api, sandbox: &str) -> (f64, String) {
     (started.elapsed().as_secs_f64() * 1000.0, id)
 }
 
+/// Deletes `sandbox` and waits (untimed) until the node has removed it: a node runs its commands
+/// one at a time, and gVisor's removal takes about 2 s, so a sample started before it was done
+/// would time the delete too.
 async fn delete(api: &Api, sandbox: &str) {
     api.call("sandboxes.delete", json!({ "sandboxId": sandbox })).await;
+    api.wait("sandboxes.get", json!({ "sandboxId": sandbox }), "deleted", 20, |s| s["state"] == "deleted").await;
 }
 
 /// Waits until `template` has `count` warm sandboxes running.
@@ -398,6 +402,8 @@ pub fn main() {
                 let root = runsc_root.clone();
                 exec_floor.push(tokio::task::spawn_blocking(move || runsc_exec(&root, sleeper)).await.unwrap());
             }
+            // The warm pool's refill (a start on the node) done first, untimed, as the deletes are.
+            warm_full(&api, &warm_template, WARM_MIN as usize).await;
             let (ms, _, warm, sandbox) = create_to_output(&api, &cold, None).await;
             assert!(!warm, "the cold template keeps no warm pool");
             cold_ms.push(ms);
