@@ -176,24 +176,13 @@ impl SandboxRuntime for Runsc {
         }
         let mut command = self.command();
         command.arg("state").arg(id);
-        let output = command
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .output()
-            .map_err(|e| format!("runtime: running runsc state: {e}"))?;
-        if !output.status.success() {
-            let stderr = String::from_utf8_lossy(&output.stderr);
+        let output = match self.run("state", command) {
+            Ok(output) => output,
             // runsc's answer for an id its root does not hold: "loading container: file does
             // not exist".
-            if stderr.contains("does not exist") {
-                return Ok(None);
-            }
-            return Err(format!(
-                "runtime: runsc state failed ({}): {}",
-                output.status,
-                bc_core::id::truncate(stderr.trim(), 400)
-            ));
-        }
+            Err(e) if e.contains("does not exist") => return Ok(None),
+            Err(e) => return Err(e),
+        };
         #[derive(Deserialize)]
         struct State {
             status: String,

@@ -352,7 +352,7 @@ pub(super) async fn create_from_snapshot(
     let issue = Issue { command_id: &command, now_ms: call.now_ms() };
     let decided =
         decide_sandbox::sandbox_create_from(template, &sandbox_id, node, Some(ttl_s), issue, &[], &[], Some(&restore), admission);
-    let adding = bc_projections::decide::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib);
+    let adding = decide_sandbox::sandbox_use(template);
     let decided = super::quotas::recording_refusal(call, tenant, admission.quota.as_ref(), &adding, &sandbox_id, decided).await?;
     let result = call.submit(call.decided(tenant, decided)).await?;
     let stream = &result.events[0].envelope.stream;

@@ -500,7 +500,7 @@ async fn sandbox_create_once(call: &Call<'_>, input: &SandboxesCreate) -> Result
         return Ok(SandboxCreatedView { claimed: SandboxWarmth::Cold, sandbox: sandbox.into() });
     }
     // What a sandbox of the template adds to the tenant's use (a refusal past a limit names it).
-    let adding = bc_projections::decide::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib);
+    let adding = decide::sandbox_use(&template);
     let retry = call.is_retry(tenant).await?;
     // A template with volumes runs its sandboxes on the volumes' node. The volumes are read
     // before the live sandboxes: a sandbox and its volumes' attachment land in one append, so

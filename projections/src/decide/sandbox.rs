@@ -347,10 +347,16 @@ pub struct SandboxAdmission<'a> {
     pub quota: Option<super::quota::QuotaRead<'a>>,
 }
 
+/// What one sandbox of `template` adds to its tenant's use under a quota: what its admission
+/// counts, and what the record of a refusal past a limit names.
+pub fn sandbox_use(template: &SandboxTemplateDoc) -> super::quota::ResourceUse {
+    super::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib)
+}
+
 impl SandboxAdmission<'_> {
     /// The guards and events `sandbox_id`'s append adds, or `QUOTA_EXCEEDED`.
     fn admit(&self, template: &SandboxTemplateDoc, sandbox_id: &str) -> Result<Admitted, Error> {
-        let adding = super::quota::ResourceUse::sandbox(template.shape.vcpus, template.shape.memory_mib);
+        let adding = sandbox_use(template);
         let mut guards: Vec<(String, ExpectedVersion)> = self.project.map(ProjectRef::guard).into_iter().collect();
         let mut events = Vec::new();
         if let Some((guard, event)) = super::quota::admit(self.quota.as_ref(), &adding, sandbox_id)? {
